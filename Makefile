@@ -1,0 +1,50 @@
+# mdl: `make` builds bin/mdlc; `make test` runs every test and ends with "N passed, N failed".
+CC      ?= cc
+CFLAGS  ?= -O2 -g
+CFLAGS  += -std=c11 -D_GNU_SOURCE -Wall -Wextra -Werror -Icompiler -Iruntime -Ibuild
+LDLIBS  += -lm -ldl -lpthread
+
+LIB_SRC   := $(filter-out compiler/main.c,$(wildcard compiler/*.c runtime/*.c))
+LIB_OBJ   := $(patsubst %.c,build/%.o,$(LIB_SRC)) build/mdl.tab.o build/lex.yy.o
+UNIT_SRC  := $(wildcard tests/unit/test_*.c)
+UNIT_BIN  := $(patsubst tests/unit/%.c,build/tests/%,$(UNIT_SRC))
+HEADERS   := $(wildcard compiler/*.h runtime/*.h)
+
+all: bin/mdlc
+
+bin/mdlc: build/compiler/main.o build/libmdl.a
+	@mkdir -p bin
+	$(CC) $(CFLAGS) -o $@ $^ $(LDLIBS)
+
+build/libmdl.a: $(LIB_OBJ)
+	rm -f $@
+	ar rcs $@ $^
+
+build/%.o: %.c $(HEADERS) build/mdl.tab.h
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS) -c -o $@ $<
+
+build/mdl.tab.c build/mdl.tab.h: grammar/mdl.y
+	@mkdir -p build
+	bison -Wall -Werror --defines=build/mdl.tab.h -o build/mdl.tab.c $<
+
+build/lex.yy.c: grammar/mdl.l build/mdl.tab.h
+	flex -o $@ $<
+
+build/mdl.tab.o: build/mdl.tab.c $(HEADERS)
+	$(CC) $(CFLAGS) -Igrammar -c -o $@ $<
+
+build/lex.yy.o: build/lex.yy.c $(HEADERS)
+	$(CC) $(CFLAGS) -Igrammar -c -o $@ $<
+
+build/tests/%: tests/unit/%.c tests/unit/test.h build/libmdl.a
+	@mkdir -p build/tests
+	$(CC) $(CFLAGS) -Itests/unit -o $@ $< build/libmdl.a $(LDLIBS)
+
+test: bin/mdlc $(UNIT_BIN)
+	@tests/run.sh
+
+clean:
+	rm -rf build bin
+
+.PHONY: all test clean

@@ -1,0 +1,437 @@
+// autodiff.c: reverse-mode differentiation of the forward graph, then the AdamW step.
+//
+// The forward graph is nodes [0, fwd_end), already in topological order, so the backward pass is
+// one sweep over those ids from the loss downwards. Every node on a path from a PARAM to the loss
+// gets one gradient node, appended to the same graph with the IR's own ops: simple derivatives are
+// spelled with elementwise ops on nodes that already exist (d tanh = dy * (1 - y * y)), the others
+// use the dedicated *_BWD ops, and a node used several times sums its contributions with ADD.
+// When a node's gradient is complete (its id is reached in the sweep, so every consumer has been
+// visited) it is named "d.NAME" after the forward value it differentiates.
+//
+// Broadcasting in the forward graph (ADD/SUB/MUL/DIV operands, BROADCAST, MATMUL batch axes) is
+// undone on the way back by summing the gradient over the broadcast axes with keepdim and then
+// reshaping it to the operand's shape.
+//
+// With the optimizer requested, the gradients feed one GRAD_NORM node (global clipping) and one
+// ADAMW node per parameter, each with its two STATE moments and the "lr"/"step" SCALAR leaves.
+#include "mdl.h"
+
+#include <string.h>
+
+typedef struct {
+  Graph *g;
+  int *grad;        // grad[i]: gradient node of forward node i, or -1
+  bool *active;     // forward node depends on a PARAM and leads to the loss
+  SrcLoc loc;       // loc of the forward node being differentiated
+  const char *what; // its op name, for error messages
+  bool failed;      // an ir_add failed; g->err says why
+} Ad;
+
+// Node constructors. Each propagates a failed input (-1) and records the first failure, so a rule
+// can chain them and check once at the end.
+static int add_node(Ad *ad, Op op, const int *in, int nin, const int64_t *ia, const double *fa) {
+  for (int i = 0; i < nin; i++)
+    if (in[i] < 0)
+      return -1;
+  int id = ir_add(ad->g, op, in, nin, ia, fa, ad->loc);
+  if (id < 0)
+    ad->failed = true;
+  return id;
+}
+
+static int unary(Ad *ad, Op op, int x) { return add_node(ad, op, &x, 1, NULL, NULL); }
+static int binary(Ad *ad, Op op, int a, int b) { return add_node(ad, op, (int[]){a, b}, 2, NULL, NULL); }
+
+static int constant(Ad *ad, double v) {
+  int id = ir_const(ad->g, v, ad->loc);
+  if (id < 0)
+    ad->failed = true;
+  return id;
+}
+
+// A reshape, or the same reshape of x the backward graph already has (a gradient is often
+// flattened both for a bias and for a matmul).
+static int reshape(Ad *ad, int x, Shape s) {
+  if (x < 0)
+    return -1;
+  if (shape_eq(ad->g->nodes[x]->shape, s))
+    return x;
+  for (int i = ad->g->n - 1; i >= ad->g->fwd_end; i--) {
+    IrNode *n = ad->g->nodes[i];
+    if (n->op == OP_RESHAPE && n->in[0] == x && shape_eq(n->shape, s))
+      return i;
+  }
+  int id = ir_reshape(ad->g, x, s, ad->loc);
+  if (id < 0)
+    ad->failed = true;
+  return id;
+}
+
+static int broadcast(Ad *ad, int x, Shape s) {
+  if (x < 0)
+    return -1;
+  if (shape_eq(ad->g->nodes[x]->shape, s))
+    return x;
+  int id = ir_broadcast(ad->g, x, s, ad->loc);
+  if (id < 0)
+    ad->failed = true;
+  return id;
+}
+
+static int reduce(Ad *ad, Op op, int x, int axis, bool keepdim) {
+  return add_node(ad, op, &x, 1, (int64_t[8]){axis, keepdim}, NULL);
+}
+
+static int matmul(Ad *ad, int a, int b, bool ta, bool tb) {
+  return add_node(ad, OP_MATMUL, (int[]){a, b}, 2, (int64_t[8]){ta, tb}, NULL);
+}
+
+static Shape shape(Ad *ad, int id) { return ad->g->nodes[id]->shape; }
+
+// Sums dy (shaped like a broadcast result) back to `to`: over the leading axes `to` lacks and over
+// the axes where `to` has size 1, then reshapes to `to`. When those axes are all leading ones (a
+// bias added to [B,T,C] activations), they are flattened into one and reduced by a single SUM.
+static int unbroadcast(Ad *ad, int dy, Shape to) {
+  if (dy < 0)
+    return -1;
+  Shape s = shape(ad, dy);
+  int lead = s.rank - to.rank, prefix = 0;
+  bool summed[IR_MAX_RANK], inner = false;
+  for (int k = 0; k < s.rank; k++)
+    summed[k] = k < lead || to.d[k - lead] == 1;
+  while (prefix < s.rank && summed[prefix])
+    prefix++;
+  for (int k = prefix; k < s.rank; k++)
+    inner |= summed[k] && s.d[k] != 1;
+  if (!inner) {
+    Shape flat = {.rank = s.rank - prefix + 1, .d = {1}};
+    for (int k = 0; k < prefix; k++)
+      flat.d[0] *= s.d[k];
+    for (int k = prefix; k < s.rank; k++)
+      flat.d[k - prefix + 1] = s.d[k];
+    if (flat.d[0] != 1)
+      dy = reduce(ad, OP_SUM, reshape(ad, dy, flat), 0, false);
+    return reshape(ad, dy, to);
+  }
+  for (int k = 0; k < s.rank && dy >= 0; k++)
+    if (summed[k] && s.d[k] != 1)
+      dy = reduce(ad, OP_SUM, dy, k, true);
+  return reshape(ad, dy, to);
+}
+
+// The inverse of a reduction over `axis` of x: dy brought back to x's shape (dy may have been
+// reduced with or without keepdim).
+static int unreduce(Ad *ad, int dy, int x, int axis) {
+  Shape keep = shape(ad, x);
+  keep.d[axis] = 1;
+  return broadcast(ad, reshape(ad, dy, keep), shape(ad, x));
+}
+
+// Adds contribution c to the gradient of forward node x.
+static void accumulate(Ad *ad, int x, int c) {
+  if (c < 0) {
+    ad->failed = true;
+    return;
+  }
+  ad->grad[x] = ad->grad[x] < 0 ? c : binary(ad, OP_ADD, ad->grad[x], c);
+}
+
+// Does forward node x take a gradient?
+static bool wants(Ad *ad, int x) { return ad->active[x]; }
+
+// MATMUL: C = op_a(A) @ op_b(B), op = transpose when the flag is set. With A' = op_a(A) and
+// B' = op_b(B): dA' = dC @ B'^T and dB' = A'^T @ dC; a transposed operand takes the transpose of
+// that, written as one more matmul with swapped operands. Batch axes that were broadcast are summed.
+static void matmul_rule(Ad *ad, IrNode *n, int dy) {
+  int a = n->in[0], b = n->in[1];
+  bool ta = n->ia[0], tb = n->ia[1];
+  if (wants(ad, a)) {
+    int da = ta ? matmul(ad, b, dy, tb, true) : matmul(ad, dy, b, false, !tb);
+    accumulate(ad, a, unbroadcast(ad, da, shape(ad, a)));
+  }
+  if (wants(ad, b)) {
+    int db = tb ? matmul(ad, dy, a, true, ta) : matmul(ad, a, dy, !ta, false);
+    accumulate(ad, b, unbroadcast(ad, db, shape(ad, b)));
+  }
+}
+
+// Gradients of the inputs of forward node i, whose own gradient is dy.
+static bool backward_rule(Ad *ad, int i, int dy) {
+  Graph *g = ad->g;
+  IrNode *n = g->nodes[i];
+  int x = n->nin > 0 ? n->in[0] : -1;
+  int x1 = n->nin > 1 ? n->in[1] : -1;
+  switch (n->op) {
+  case OP_INPUT: case OP_PARAM: case OP_STATE: case OP_SCALAR: case OP_CONST:
+    return true;
+  case OP_NEG:
+    accumulate(ad, x, unary(ad, OP_NEG, dy));
+    return true;
+  case OP_EXP:
+    accumulate(ad, x, binary(ad, OP_MUL, dy, i));
+    return true;
+  case OP_LOG:
+    accumulate(ad, x, binary(ad, OP_DIV, dy, x));
+    return true;
+  case OP_TANH: // dy * (1 - y * y)
+    accumulate(ad, x, binary(ad, OP_MUL, dy, binary(ad, OP_SUB, constant(ad, 1), binary(ad, OP_MUL, i, i))));
+    return true;
+  case OP_SQRT: // dy * 0.5 / y
+    accumulate(ad, x, binary(ad, OP_DIV, binary(ad, OP_MUL, dy, constant(ad, 0.5)), i));
+    return true;
+  case OP_RSQRT: // y = x^(-1/2): dy * (-0.5 y^3)
+    accumulate(ad, x,
+               binary(ad, OP_MUL, dy,
+                      binary(ad, OP_MUL, constant(ad, -0.5), binary(ad, OP_MUL, i, binary(ad, OP_MUL, i, i)))));
+    return true;
+  case OP_RELU: case OP_GELU: case OP_SILU: {
+    Op bwd = n->op == OP_RELU ? OP_RELU_BWD : n->op == OP_GELU ? OP_GELU_BWD : OP_SILU_BWD;
+    accumulate(ad, x, binary(ad, bwd, x, dy));
+    return true;
+  }
+  case OP_DROPOUT: // the same mask and scale applied to the gradient
+    accumulate(ad, x, add_node(ad, OP_DROPOUT, &dy, 1, n->ia, n->fa));
+    return true;
+  case OP_ADD: case OP_SUB:
+    if (wants(ad, x))
+      accumulate(ad, x, unbroadcast(ad, dy, shape(ad, x)));
+    if (wants(ad, x1)) {
+      int d = unbroadcast(ad, dy, shape(ad, x1));
+      accumulate(ad, x1, n->op == OP_SUB ? unary(ad, OP_NEG, d) : d);
+    }
+    return true;
+  case OP_MUL:
+    if (wants(ad, x))
+      accumulate(ad, x, unbroadcast(ad, binary(ad, OP_MUL, dy, x1), shape(ad, x)));
+    if (wants(ad, x1))
+      accumulate(ad, x1, unbroadcast(ad, binary(ad, OP_MUL, dy, x), shape(ad, x1)));
+    return true;
+  case OP_DIV: // y = a / b: da = dy / b, db = -dy * y / b
+    if (wants(ad, x))
+      accumulate(ad, x, unbroadcast(ad, binary(ad, OP_DIV, dy, x1), shape(ad, x)));
+    if (wants(ad, x1)) {
+      int d = binary(ad, OP_DIV, binary(ad, OP_MUL, dy, i), x1);
+      accumulate(ad, x1, unary(ad, OP_NEG, unbroadcast(ad, d, shape(ad, x1))));
+    }
+    return true;
+  case OP_SUM:
+    accumulate(ad, x, unreduce(ad, dy, x, (int)n->ia[0]));
+    return true;
+  case OP_MEAN: {
+    double count = (double)shape(ad, x).d[n->ia[0]];
+    accumulate(ad, x, unreduce(ad, binary(ad, OP_MUL, dy, constant(ad, 1.0 / count)), x, (int)n->ia[0]));
+    return true;
+  }
+  case OP_MAX:
+    accumulate(ad, x, add_node(ad, OP_MAX_BWD, (int[]){x, i, dy}, 3, n->ia, NULL));
+    return true;
+  case OP_RESHAPE:
+    accumulate(ad, x, reshape(ad, dy, shape(ad, x)));
+    return true;
+  case OP_PERMUTE: {
+    int64_t inv[8] = {0};
+    for (int k = 0; k < n->shape.rank; k++)
+      inv[n->ia[k]] = k;
+    accumulate(ad, x, add_node(ad, OP_PERMUTE, &dy, 1, inv, NULL));
+    return true;
+  }
+  case OP_BROADCAST:
+    accumulate(ad, x, unbroadcast(ad, dy, shape(ad, x)));
+    return true;
+  case OP_SLICE: {
+    int id = ir_slice_bwd(g, dy, shape(ad, x), (int)n->ia[0], n->ia[1], n->ia[2], ad->loc);
+    if (id < 0)
+      ad->failed = true;
+    accumulate(ad, x, id);
+    return true;
+  }
+  case OP_CONCAT: {
+    int64_t axis = n->ia[0], start = 0;
+    for (int k = 0; k < n->nin; k++) {
+      int xk = n->in[k];
+      int64_t len = shape(ad, xk).d[axis];
+      if (wants(ad, xk))
+        accumulate(ad, xk, add_node(ad, OP_SLICE, &dy, 1, (int64_t[8]){axis, start, start + len}, NULL));
+      start += len;
+    }
+    return true;
+  }
+  case OP_MATMUL:
+    matmul_rule(ad, n, dy);
+    return true;
+  case OP_EMBED:
+    if (wants(ad, x)) {
+      int id = ir_embed_bwd(g, x1, dy, shape(ad, x).d[0], ad->loc);
+      if (id < 0)
+        ad->failed = true;
+      accumulate(ad, x, id);
+    }
+    return true;
+  case OP_LAYERNORM: case OP_RMSNORM: {
+    Op bwd = n->op == OP_LAYERNORM ? OP_LAYERNORM_BWD : OP_RMSNORM_BWD;
+    for (int k = 0; k < n->nin; k++)
+      if (wants(ad, n->in[k]))
+        accumulate(ad, n->in[k], add_node(ad, bwd, (int[]){x, x1, dy}, 3, (int64_t[8]){k}, n->fa));
+    return true;
+  }
+  case OP_SOFTMAX:
+    accumulate(ad, x, binary(ad, OP_SOFTMAX_BWD, i, dy));
+    return true;
+  case OP_CROSS_ENTROPY:
+    accumulate(ad, x, add_node(ad, OP_CROSS_ENTROPY_BWD, (int[]){x, x1, dy}, 3, NULL, NULL));
+    return true;
+  case OP_ATTENTION: {
+    int in[5];
+    memcpy(in, n->in, sizeof(int) * (size_t)n->nin);
+    in[n->nin] = dy;
+    for (int k = 0; k < 3; k++) {
+      if (!wants(ad, n->in[k]))
+        continue;
+      int64_t ia[8];
+      memcpy(ia, n->ia, sizeof ia);
+      ia[3] = k;
+      accumulate(ad, n->in[k], add_node(ad, OP_ATTENTION_BWD, in, n->nin + 1, ia, n->fa));
+    }
+    return true;
+  }
+  case OP_ROPE: { // a rotation: its transpose rotates by the opposite angle
+    int64_t ia[8];
+    memcpy(ia, n->ia, sizeof ia);
+    ia[1] = !ia[1];
+    accumulate(ad, x, add_node(ad, OP_ROPE, (int[]){dy, x1}, 2, ia, n->fa));
+    return true;
+  }
+  case OP_RELU_BWD: case OP_GELU_BWD: case OP_SILU_BWD: case OP_MAX_BWD: case OP_SLICE_BWD:
+  case OP_EMBED_BWD: case OP_LAYERNORM_BWD: case OP_RMSNORM_BWD: case OP_SOFTMAX_BWD:
+  case OP_CROSS_ENTROPY_BWD: case OP_ATTENTION_BWD: case OP_GRAD_NORM: case OP_ADAMW: case OP_COUNT:
+    break;
+  }
+  snprintf(g->err, sizeof g->err, "autodiff: no gradient for %s: it is not a forward op", op_name(n->op));
+  return false;
+}
+
+// Marks the nodes that need a gradient: those that depend on a PARAM and lead to the loss.
+static void mark_active(Graph *g, bool *active) {
+  bool *depends = arena_alloc(g->arena, sizeof(bool) * (size_t)g->fwd_end);
+  for (int i = 0; i < g->fwd_end; i++) {
+    IrNode *n = g->nodes[i];
+    depends[i] = n->op == OP_PARAM;
+    for (int k = 0; k < n->nin; k++)
+      depends[i] |= depends[n->in[k]];
+    depends[i] &= n->dtype == DT_F32;
+  }
+  active[g->loss] = depends[g->loss];
+  for (int i = g->loss; i >= 0; i--) {
+    if (!active[i])
+      continue;
+    IrNode *n = g->nodes[i];
+    for (int k = 0; k < n->nin; k++)
+      active[n->in[k]] |= depends[n->in[k]];
+  }
+}
+
+// The gradient node of params[i]: its own node (a zeros broadcast when the param does not reach
+// the loss; a copy when the node is already another parameter's gradient), tagged and named.
+static int param_grad(Ad *ad, int p) {
+  Graph *g = ad->g;
+  IrNode *pn = g->nodes[p];
+  ad->loc = pn->loc;
+  int d = ad->grad[p];
+  if (d < 0) {
+    d = constant(ad, 0);
+    d = d >= 0 ? ir_broadcast(g, d, pn->shape, ad->loc) : -1;
+  } else if (g->nodes[d]->grad_of >= 0 || g->nodes[d]->op == OP_CONST) {
+    d = ir_reshape(g, d, pn->shape, ad->loc);
+  }
+  if (d < 0)
+    return -1;
+  g->nodes[d]->grad_of = p;
+  g->nodes[d]->name = arena_printf(g->arena, "d.%s", pn->name ? pn->name : "?");
+  return d;
+}
+
+// The optimizer step after the backward graph: lr and step scalars, two moments per parameter,
+// the global gradient norm, then one ADAMW per parameter.
+static bool optimizer_step(Graph *g) {
+  SrcLoc none = {0};
+  Shape scalar = {0};
+  int lr = ir_leaf(g, OP_SCALAR, "lr", DT_F32, scalar, none);
+  int step = ir_leaf(g, OP_SCALAR, "step", DT_F32, scalar, none);
+  int gnorm = ir_add(g, OP_GRAD_NORM, g->grads, g->nparams, NULL, NULL, none);
+  if (lr < 0 || step < 0 || gnorm < 0)
+    return false;
+  g->updates = arena_alloc(g->arena, sizeof(int) * (size_t)g->nparams);
+  for (int i = 0; i < g->nparams; i++) {
+    IrNode *p = g->nodes[g->params[i]];
+    const char *name = p->name ? p->name : "?";
+    int m = ir_leaf(g, OP_STATE, arena_printf(g->arena, "%s.m", name), DT_F32, p->shape, p->loc);
+    int v = ir_leaf(g, OP_STATE, arena_printf(g->arena, "%s.v", name), DT_F32, p->shape, p->loc);
+    if (m < 0 || v < 0)
+      return false;
+    g->nodes[m]->param_of = g->nodes[v]->param_of = p->id;
+    const TrainConfig *t = &g->train;
+    double fa[6] = {t->beta1, t->beta2, t->eps, p->init.decay ? t->weight_decay : 0, t->clip};
+    int u = ir_add(g, OP_ADAMW, (int[]){p->id, g->grads[i], m, v, gnorm, lr, step}, 7, NULL, fa, p->loc);
+    if (u < 0)
+      return false;
+    g->nodes[u]->param_of = p->id;
+    g->nodes[u]->name = arena_printf(g->arena, "%s.new", name);
+    g->updates[i] = u;
+  }
+  return true;
+}
+
+bool autodiff(Graph *g, bool optimizer) {
+  if (g->fwd_end == 0)
+    g->fwd_end = g->n;
+  if (g->loss < 0 || g->loss >= g->fwd_end) {
+    snprintf(g->err, sizeof g->err, "autodiff: the graph has no loss");
+    return false;
+  }
+  IrNode *loss = g->nodes[g->loss];
+  if (loss->shape.rank != 0 || loss->dtype != DT_F32) {
+    char buf[128];
+    snprintf(g->err, sizeof g->err, "autodiff: the loss must be a scalar f32, got %s%s", dtype_name(loss->dtype),
+             shape_str(loss->shape, buf, sizeof buf));
+    return false;
+  }
+  if (g->nparams == 0) {
+    snprintf(g->err, sizeof g->err, "autodiff: the model has no parameters");
+    return false;
+  }
+  Ad ad = {.g = g};
+  ad.grad = arena_alloc(g->arena, sizeof(int) * (size_t)g->fwd_end);
+  ad.active = arena_alloc(g->arena, sizeof(bool) * (size_t)g->fwd_end);
+  for (int i = 0; i < g->fwd_end; i++)
+    ad.grad[i] = -1;
+  mark_active(g, ad.active);
+
+  if (ad.active[g->loss]) {
+    ad.loc = loss->loc;
+    ad.grad[g->loss] = constant(&ad, 1);
+  }
+  for (int i = g->loss; i >= 0 && !ad.failed; i--) {
+    int dy = ad.grad[i];
+    if (!ad.active[i] || dy < 0)
+      continue;
+    IrNode *n = g->nodes[i];
+    if (dy >= g->fwd_end && !g->nodes[dy]->name && n->name && n->op != OP_PARAM)
+      g->nodes[dy]->name = arena_printf(g->arena, "d.%s", n->name);
+    ad.loc = n->loc;
+    ad.what = op_name(n->op);
+    if (!backward_rule(&ad, i, dy))
+      return false;
+  }
+  if (ad.failed) {
+    char why[sizeof g->err];
+    memcpy(why, g->err, sizeof why);
+    snprintf(g->err, sizeof g->err, "autodiff of %s: %.400s", ad.what, why);
+    return false;
+  }
+
+  g->grads = arena_alloc(g->arena, sizeof(int) * (size_t)g->nparams);
+  for (int i = 0; i < g->nparams; i++)
+    if ((g->grads[i] = param_grad(&ad, g->params[i])) < 0)
+      return false;
+  return !optimizer || optimizer_step(g);
+}

@@ -1,0 +1,729 @@
+// interp.c: the reference interpreter. It executes the graph IR node by node, unfused, with plain
+// loops over doubles, and is the oracle every compiled back end is tested against, so it favours
+// being obviously right over being fast.
+//
+// Design: every node owns one malloc'd array of numel doubles (i32 tensors are stored as doubles
+// too; every i32 value is exact in a double). Strides come from the node's shape; broadcasting is
+// index arithmetic (right-aligned axes, size-1 axes read at coordinate 0). In INTERP_F32 each op's
+// result is rounded to float as it is stored, which models an fp32 back end that keeps every
+// intermediate tensor in fp32; INTERP_F64 keeps doubles (finite-difference gradient checks).
+// PARAM and STATE arrays persist across runs; ADAMW writes its parameter and both moments in place.
+//
+// Parameter initialisation is deterministic and shared with every back end: element i of the
+// parameter with index k in Graph.params, INIT_NORMAL(std), is
+//   std * sqrt(-2 ln(1 - u1)) * cos(2 pi u2),  u1 = mdl_rng_uniform(seed, k + 1000, 2i),
+//                                              u2 = mdl_rng_uniform(seed, k + 1000, 2i + 1).
+#include "mdl.h"
+
+#include <math.h>
+#include <stdarg.h>
+#include <stdlib.h>
+#include <string.h>
+
+struct Interp {
+  const Graph *g;
+  InterpPrecision prec;
+  double **val;   // per node: numel values
+  int64_t *numel; // per node
+  bool *given;    // INPUT / SCALAR: a value was set
+  uint64_t seed;  // dropout masks
+};
+
+static void *xcalloc(size_t n, size_t size) {
+  void *p = calloc(n ? n : 1, size);
+  if (!p) {
+    fprintf(stderr, "mdlc: out of memory (%zu bytes)\n", n * size);
+    exit(1);
+  }
+  return p;
+}
+
+Interp *interp_new(const Graph *g, InterpPrecision prec) {
+  Interp *it = xcalloc(1, sizeof *it);
+  it->g = g;
+  it->prec = prec;
+  it->val = xcalloc((size_t)g->n, sizeof *it->val);
+  it->numel = xcalloc((size_t)g->n, sizeof *it->numel);
+  it->given = xcalloc((size_t)g->n, sizeof *it->given);
+  for (int i = 0; i < g->n; i++) {
+    it->numel[i] = shape_numel(g->nodes[i]->shape);
+    it->val[i] = xcalloc((size_t)it->numel[i], sizeof(double));
+  }
+  return it;
+}
+
+void interp_free(Interp *it) {
+  if (!it)
+    return;
+  for (int i = 0; i < it->g->n; i++)
+    free(it->val[i]);
+  free(it->val);
+  free(it->numel);
+  free(it->given);
+  free(it);
+}
+
+// The value as the interpreter stores it: rounded to float in INTERP_F32.
+static double rnd(const Interp *it, double v) { return it->prec == INTERP_F32 ? (double)(float)v : v; }
+
+double *interp_param(Interp *it, int param_node) { return it->val[param_node]; }
+
+void interp_init_params(Interp *it, uint64_t seed) {
+  const Graph *g = it->g;
+  for (int k = 0; k < g->nparams; k++) {
+    int id = g->params[k];
+    const ParamInit *pi = &g->nodes[id]->init;
+    double *p = it->val[id];
+    for (int64_t i = 0; i < it->numel[id]; i++) {
+      double v = 0;
+      if (pi->kind == INIT_ONES) {
+        v = 1;
+      } else if (pi->kind == INIT_NORMAL) {
+        double u1 = mdl_rng_uniform(seed, (uint64_t)k + 1000, 2 * (uint64_t)i);
+        double u2 = mdl_rng_uniform(seed, (uint64_t)k + 1000, 2 * (uint64_t)i + 1);
+        v = pi->std * sqrt(-2 * log(1 - u1)) * cos(2 * M_PI * u2);
+      }
+      p[i] = rnd(it, v);
+    }
+  }
+}
+
+bool interp_set_input(Interp *it, const char *name, const int32_t *ids, const float *f, int64_t n) {
+  bool found = false;
+  for (int i = 0; i < it->g->n; i++) {
+    const IrNode *nd = it->g->nodes[i];
+    if (nd->op != OP_INPUT || !nd->name || strcmp(nd->name, name) != 0)
+      continue;
+    if (n != it->numel[i] || (nd->dtype == DT_I32 ? !ids : !f))
+      return false;
+    for (int64_t j = 0; j < n; j++)
+      it->val[i][j] = nd->dtype == DT_I32 ? (double)ids[j] : (double)f[j];
+    it->given[i] = found = true;
+  }
+  return found;
+}
+
+void interp_set_scalar(Interp *it, const char *name, double v) {
+  for (int i = 0; i < it->g->n; i++) {
+    const IrNode *nd = it->g->nodes[i];
+    if (nd->op == OP_SCALAR && nd->name && strcmp(nd->name, name) == 0) {
+      for (int64_t j = 0; j < it->numel[i]; j++)
+        it->val[i][j] = rnd(it, v);
+      it->given[i] = true;
+    }
+  }
+}
+
+void interp_set_seed(Interp *it, uint64_t seed) { it->seed = seed; }
+
+const double *interp_value(Interp *it, int node) { return it->val[node]; }
+
+int64_t interp_numel(Interp *it, int node) { return it->numel[node]; }
+
+//
+// Index arithmetic.
+//
+
+// Product of the dims in [from, to).
+static int64_t span(Shape s, int from, int to) {
+  int64_t n = 1;
+  for (int i = from; i < to; i++)
+    n *= s.d[i];
+  return n;
+}
+
+// Offset into a tensor of shape `in` of the element that broadcasting maps to flat index `idx` of a
+// tensor of shape `out` (numpy rules: axes aligned on the right, size-1 and missing axes repeat).
+static int64_t bcast_offset(Shape out, Shape in, int64_t idx) {
+  int64_t off = 0, stride = 1;
+  for (int k = out.rank - 1, j = in.rank - 1; k >= 0; k--, j--) {
+    int64_t c = idx % out.d[k];
+    idx /= out.d[k];
+    if (j < 0)
+      continue;
+    if (in.d[j] != 1)
+      off += c * stride;
+    stride *= in.d[j];
+  }
+  return off;
+}
+
+// The shape of the leading (batch) axes of a matmul operand: all but the last two.
+static Shape batch_shape(Shape s) {
+  Shape b = s;
+  b.rank = s.rank - 2;
+  return b;
+}
+
+//
+// The ops. Each reads its node, input arrays and output array (already sized) from a Ctx.
+//
+
+typedef struct {
+  Interp *it;
+  const IrNode *nd;
+  const double **x; // input values
+  const IrNode **xn;
+  double *y;
+  int64_t n; // numel of y
+  char *err;
+  size_t errn;
+} Ctx;
+
+static bool fail(Ctx *c, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static bool fail(Ctx *c, const char *fmt, ...) {
+  if (c->err && c->errn) {
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(c->err, c->errn, fmt, ap);
+    va_end(ap);
+  }
+  return false;
+}
+
+static double gelu(double x) {
+  return 0.5 * x * (1 + tanh(sqrt(2 / M_PI) * (x + 0.044715 * x * x * x)));
+}
+
+static double gelu_grad(double x) {
+  double k = sqrt(2 / M_PI), t = tanh(k * (x + 0.044715 * x * x * x));
+  return 0.5 * (1 + t) + 0.5 * x * (1 - t * t) * k * (1 + 3 * 0.044715 * x * x);
+}
+
+static double sigmoid(double x) { return 1 / (1 + exp(-x)); }
+
+static double unary(Op op, double x) {
+  switch (op) {
+  case OP_NEG: return -x;
+  case OP_EXP: return exp(x);
+  case OP_LOG: return log(x);
+  case OP_TANH: return tanh(x);
+  case OP_SQRT: return sqrt(x);
+  case OP_RSQRT: return 1 / sqrt(x);
+  case OP_RELU: return x > 0 ? x : 0;
+  case OP_GELU: return gelu(x);
+  default: return x * sigmoid(x); // OP_SILU
+  }
+}
+
+static double binary(Op op, double a, double b) {
+  switch (op) {
+  case OP_ADD: return a + b;
+  case OP_SUB: return a - b;
+  case OP_MUL: return a * b;
+  case OP_DIV: return a / b;
+  case OP_RELU_BWD: return a > 0 ? b : 0;
+  case OP_GELU_BWD: return gelu_grad(a) * b;
+  default: { // OP_SILU_BWD
+    double s = sigmoid(a);
+    return b * s * (1 + a * (1 - s));
+  }
+  }
+}
+
+static void run_binary(Ctx *c) {
+  Shape out = c->nd->shape, sa = c->xn[0]->shape, sb = c->xn[1]->shape;
+  for (int64_t i = 0; i < c->n; i++)
+    c->y[i] = binary(c->nd->op, c->x[0][bcast_offset(out, sa, i)], c->x[1][bcast_offset(out, sb, i)]);
+}
+
+static void run_dropout(Ctx *c) {
+  double p = c->nd->fa[0];
+  uint64_t stream = (uint64_t)c->nd->ia[0];
+  for (int64_t i = 0; i < c->n; i++)
+    c->y[i] = mdl_rng_uniform(c->it->seed, stream, (uint64_t)i) >= p ? c->x[0][i] / (1 - p) : 0;
+}
+
+// SUM / MEAN / MAX over axis ia[0]: the input viewed as [outer, len, inner].
+static void run_reduce(Ctx *c) {
+  Shape s = c->xn[0]->shape;
+  int ax = (int)c->nd->ia[0];
+  int64_t outer = span(s, 0, ax), len = s.d[ax], inner = span(s, ax + 1, s.rank);
+  for (int64_t o = 0; o < outer; o++)
+    for (int64_t i = 0; i < inner; i++) {
+      const double *x = c->x[0] + o * len * inner + i;
+      double acc = c->nd->op == OP_MAX ? -INFINITY : 0;
+      for (int64_t j = 0; j < len; j++) {
+        double v = x[j * inner];
+        if (c->nd->op != OP_MAX)
+          acc += v;
+        else if (v > acc || isnan(v)) // a NaN wins, as it does in every other reduction
+          acc = isnan(acc) ? acc : v;
+      }
+      c->y[o * inner + i] = c->nd->op == OP_MEAN ? acc / (double)len : acc;
+    }
+}
+
+// MAX_BWD (x, y, dy): the gradient goes to the maxima; tied maxima share it evenly.
+static void run_max_bwd(Ctx *c) {
+  Shape s = c->xn[0]->shape;
+  int ax = (int)c->nd->ia[0];
+  int64_t outer = span(s, 0, ax), len = s.d[ax], inner = span(s, ax + 1, s.rank);
+  for (int64_t o = 0; o < outer; o++)
+    for (int64_t i = 0; i < inner; i++) {
+      int64_t base = o * len * inner + i, r = o * inner + i;
+      double m = c->x[1][r];
+      int64_t ties = 0;
+      for (int64_t j = 0; j < len; j++)
+        ties += c->x[0][base + j * inner] == m;
+      for (int64_t j = 0; j < len; j++)
+        c->y[base + j * inner] = c->x[0][base + j * inner] == m ? c->x[2][r] / (double)ties : 0;
+    }
+}
+
+static void run_permute(Ctx *c) {
+  Shape out = c->nd->shape, in = c->xn[0]->shape;
+  int64_t in_stride[IR_MAX_RANK];
+  for (int k = in.rank - 1; k >= 0; k--)
+    in_stride[k] = k == in.rank - 1 ? 1 : in_stride[k + 1] * in.d[k + 1];
+  for (int64_t i = 0; i < c->n; i++) {
+    int64_t idx = i, off = 0;
+    for (int k = out.rank - 1; k >= 0; k--) {
+      off += (idx % out.d[k]) * in_stride[c->nd->ia[k]];
+      idx /= out.d[k];
+    }
+    c->y[i] = c->x[0][off];
+  }
+}
+
+// SLICE copies [start, end) of axis ia[0] out of the input; SLICE_BWD puts dy there in zeros.
+static void run_slice(Ctx *c, bool bwd) {
+  Shape full = bwd ? c->nd->shape : c->xn[0]->shape;
+  int ax = (int)c->nd->ia[0];
+  int64_t start = c->nd->ia[1], len = c->nd->ia[2] - start;
+  int64_t outer = span(full, 0, ax), flen = full.d[ax], inner = span(full, ax + 1, full.rank);
+  if (bwd)
+    memset(c->y, 0, (size_t)c->n * sizeof(double));
+  for (int64_t o = 0; o < outer; o++)
+    for (int64_t j = 0; j < len * inner; j++) {
+      int64_t f = (o * flen + start) * inner + j, s = o * len * inner + j;
+      if (bwd)
+        c->y[f] = c->x[0][s];
+      else
+        c->y[s] = c->x[0][f];
+    }
+}
+
+static void run_concat(Ctx *c) {
+  Shape out = c->nd->shape;
+  int ax = (int)c->nd->ia[0];
+  int64_t outer = span(out, 0, ax), olen = out.d[ax], inner = span(out, ax + 1, out.rank), at = 0;
+  for (int k = 0; k < c->nd->nin; k++) {
+    int64_t len = c->xn[k]->shape.d[ax];
+    for (int64_t o = 0; o < outer; o++)
+      memcpy(c->y + (o * olen + at) * inner, c->x[k] + o * len * inner,
+             (size_t)(len * inner) * sizeof(double));
+    at += len;
+  }
+}
+
+static void run_matmul(Ctx *c) {
+  Shape sa = c->xn[0]->shape, sb = c->xn[1]->shape, so = c->nd->shape;
+  bool ta = c->nd->ia[0], tb = c->nd->ia[1];
+  int64_t m = so.d[so.rank - 2], n = so.d[so.rank - 1];
+  int64_t k = ta ? sa.d[sa.rank - 2] : sa.d[sa.rank - 1];
+  int64_t batches = span(so, 0, so.rank - 2);
+  for (int64_t bi = 0; bi < batches; bi++) {
+    const double *a = c->x[0] + bcast_offset(batch_shape(so), batch_shape(sa), bi) * m * k;
+    const double *b = c->x[1] + bcast_offset(batch_shape(so), batch_shape(sb), bi) * k * n;
+    double *y = c->y + bi * m * n;
+    // Row i of y accumulates a[i,l] * b[l,:] for l = 0, 1, ...: each y[i,j] sums over l in order.
+    memset(y, 0, (size_t)(m * n) * sizeof(double));
+    for (int64_t i = 0; i < m; i++)
+      for (int64_t l = 0; l < k; l++) {
+        double ail = ta ? a[l * m + i] : a[i * k + l];
+        for (int64_t j = 0; j < n; j++)
+          y[i * n + j] += ail * (tb ? b[j * k + l] : b[l * n + j]);
+      }
+  }
+}
+
+static bool check_id(Ctx *c, double id, int64_t v) {
+  if (id < 0 || id >= (double)v)
+    return fail(c, "embed: id %.0f out of range [0, %lld)", id, (long long)v);
+  return true;
+}
+
+// EMBED (table [V,C], ids) -> rows of the table; EMBED_BWD (ids, dy) -> scatter-add into [V,C].
+static bool run_embed(Ctx *c, bool bwd) {
+  Shape tab = bwd ? c->nd->shape : c->xn[0]->shape;
+  int64_t v = tab.d[0], dim = tab.d[1];
+  const IrNode *ids = c->xn[bwd ? 0 : 1];
+  const double *id = c->x[bwd ? 0 : 1];
+  int64_t rows = shape_numel(ids->shape);
+  if (bwd)
+    memset(c->y, 0, (size_t)c->n * sizeof(double));
+  for (int64_t r = 0; r < rows; r++) {
+    if (!check_id(c, id[r], v))
+      return false;
+    int64_t t = (int64_t)id[r];
+    for (int64_t j = 0; j < dim; j++) {
+      if (bwd)
+        c->y[t * dim + j] += c->x[1][r * dim + j];
+      else
+        c->y[r * dim + j] = c->x[0][t * dim + j];
+    }
+  }
+  return true;
+}
+
+// Mean and 1/sqrt(var + eps) of one row (biased variance).
+static void row_stats(const double *x, int64_t n, double eps, double *mean, double *rstd) {
+  double m = 0, v = 0;
+  for (int64_t j = 0; j < n; j++)
+    m += x[j];
+  m /= (double)n;
+  for (int64_t j = 0; j < n; j++)
+    v += (x[j] - m) * (x[j] - m);
+  *mean = m;
+  *rstd = 1 / sqrt(v / (double)n + eps);
+}
+
+// The input's last axis as rows: [rows, cols].
+static int64_t last_dim(const IrNode *n) { return n->shape.rank ? n->shape.d[n->shape.rank - 1] : 1; }
+
+static void run_layernorm(Ctx *c) {
+  int64_t cols = last_dim(c->xn[0]), rows = c->n / cols;
+  for (int64_t r = 0; r < rows; r++) {
+    const double *x = c->x[0] + r * cols;
+    double mean, rstd;
+    row_stats(x, cols, c->nd->fa[0], &mean, &rstd);
+    for (int64_t j = 0; j < cols; j++)
+      c->y[r * cols + j] = (x[j] - mean) * rstd * c->x[1][j] + c->x[2][j];
+  }
+}
+
+// LAYERNORM_BWD (x, w, dy): which 0 dx = rstd (g - mean(g) - xhat mean(g xhat)) with g = dy w;
+// 1 dw = sum over rows of dy xhat; 2 db = sum over rows of dy.
+static void run_layernorm_bwd(Ctx *c) {
+  int64_t cols = last_dim(c->xn[0]), rows = shape_numel(c->xn[0]->shape) / cols;
+  int which = (int)c->nd->ia[0];
+  const double *w = c->x[1];
+  if (which != 0)
+    memset(c->y, 0, (size_t)c->n * sizeof(double));
+  for (int64_t r = 0; r < rows; r++) {
+    const double *x = c->x[0] + r * cols, *dy = c->x[2] + r * cols;
+    double mean, rstd, mg = 0, mgx = 0;
+    row_stats(x, cols, c->nd->fa[0], &mean, &rstd);
+    for (int64_t j = 0; j < cols; j++) {
+      double xhat = (x[j] - mean) * rstd;
+      if (which == 1)
+        c->y[j] += dy[j] * xhat;
+      else if (which == 2)
+        c->y[j] += dy[j];
+      mg += dy[j] * w[j];
+      mgx += dy[j] * w[j] * xhat;
+    }
+    if (which != 0)
+      continue;
+    mg /= (double)cols;
+    mgx /= (double)cols;
+    for (int64_t j = 0; j < cols; j++)
+      c->y[r * cols + j] = rstd * (dy[j] * w[j] - mg - (x[j] - mean) * rstd * mgx);
+  }
+}
+
+static double rms_scale(const double *x, int64_t n, double eps) {
+  double ms = 0;
+  for (int64_t j = 0; j < n; j++)
+    ms += x[j] * x[j];
+  return 1 / sqrt(ms / (double)n + eps);
+}
+
+static void run_rmsnorm(Ctx *c) {
+  int64_t cols = last_dim(c->xn[0]), rows = c->n / cols;
+  for (int64_t r = 0; r < rows; r++) {
+    const double *x = c->x[0] + r * cols;
+    double s = rms_scale(x, cols, c->nd->fa[0]);
+    for (int64_t j = 0; j < cols; j++)
+      c->y[r * cols + j] = x[j] * s * c->x[1][j];
+  }
+}
+
+// RMSNORM_BWD (x, w, dy): which 0 dx = s g - s^3 x mean(g x) with g = dy w, s = 1/rms;
+// 1 dw = sum over rows of dy x s.
+static void run_rmsnorm_bwd(Ctx *c) {
+  int64_t cols = last_dim(c->xn[0]), rows = shape_numel(c->xn[0]->shape) / cols;
+  bool dw = c->nd->ia[0] == 1;
+  const double *w = c->x[1];
+  if (dw)
+    memset(c->y, 0, (size_t)c->n * sizeof(double));
+  for (int64_t r = 0; r < rows; r++) {
+    const double *x = c->x[0] + r * cols, *dy = c->x[2] + r * cols;
+    double s = rms_scale(x, cols, c->nd->fa[0]), mgx = 0;
+    for (int64_t j = 0; j < cols; j++) {
+      mgx += dy[j] * w[j] * x[j];
+      if (dw)
+        c->y[j] += dy[j] * x[j] * s;
+    }
+    mgx /= (double)cols;
+    for (int64_t j = 0; j < cols && !dw; j++)
+      c->y[r * cols + j] = s * dy[j] * w[j] - s * s * s * x[j] * mgx;
+  }
+}
+
+// Softmax of one row of n values into p.
+static void softmax_row(const double *x, int64_t n, double *p) {
+  double m = -INFINITY, sum = 0;
+  for (int64_t j = 0; j < n; j++)
+    m = fmax(m, x[j]);
+  for (int64_t j = 0; j < n; j++)
+    sum += p[j] = exp(x[j] - m);
+  for (int64_t j = 0; j < n; j++)
+    p[j] /= sum;
+}
+
+static void run_softmax(Ctx *c) {
+  int64_t cols = last_dim(c->xn[0]);
+  for (int64_t r = 0; r < c->n / cols; r++)
+    softmax_row(c->x[0] + r * cols, cols, c->y + r * cols);
+}
+
+static void run_softmax_bwd(Ctx *c) {
+  int64_t cols = last_dim(c->xn[0]);
+  for (int64_t r = 0; r < c->n / cols; r++) {
+    const double *y = c->x[0] + r * cols, *dy = c->x[1] + r * cols;
+    double dot = 0;
+    for (int64_t j = 0; j < cols; j++)
+      dot += y[j] * dy[j];
+    for (int64_t j = 0; j < cols; j++)
+      c->y[r * cols + j] = y[j] * (dy[j] - dot);
+  }
+}
+
+// CROSS_ENTROPY (logits, targets) -> -log softmax[target] per row; CROSS_ENTROPY_BWD (logits,
+// targets, dloss) -> dloss (softmax - onehot). A negative target is ignored (loss 0, gradient 0).
+static bool run_cross_entropy(Ctx *c, bool bwd) {
+  int64_t v = last_dim(c->xn[0]), rows = shape_numel(c->xn[1]->shape);
+  double *p = xcalloc((size_t)v, sizeof(double));
+  bool ok = true;
+  for (int64_t r = 0; r < rows && ok; r++) {
+    const double *x = c->x[0] + r * v;
+    double t = c->x[1][r];
+    if (t >= (double)v) {
+      ok = fail(c, "cross_entropy: target %.0f out of range [0, %lld)", t, (long long)v);
+      break;
+    }
+    if (!bwd) {
+      c->y[r] = 0;
+      if (t >= 0) {
+        double m = -INFINITY, sum = 0;
+        for (int64_t j = 0; j < v; j++)
+          m = fmax(m, x[j]);
+        for (int64_t j = 0; j < v; j++)
+          sum += exp(x[j] - m);
+        c->y[r] = m + log(sum) - x[(int64_t)t];
+      }
+      continue;
+    }
+    softmax_row(x, v, p);
+    for (int64_t j = 0; j < v; j++)
+      c->y[r * v + j] = t < 0 ? 0 : c->x[2][r] * (p[j] - (j == (int64_t)t));
+  }
+  free(p);
+  return ok;
+}
+
+// ATTENTION and ATTENTION_BWD. For each (batch b, head h) the scores s_ij = scale q_i . k_j over
+// the allowed j are turned into probabilities P by a softmax per row i; out_i = sum_j P_ij v_j.
+// The backward: dv_j = sum_i P_ij dout_i; dP_ij = dout_i . v_j; dS_ij = P_ij (dP_ij - sum_j P_ij
+// dP_ij); dq_i = scale sum_j dS_ij k_j; dk_j = scale sum_i dS_ij q_i.
+static void run_attention(Ctx *c, bool bwd) {
+  Shape s = c->xn[0]->shape;
+  int64_t nb = s.d[0], nt = s.d[1], nc = s.d[2], heads = c->nd->ia[0], d = nc / heads;
+  bool causal = c->nd->ia[1], has_doc = c->nd->ia[2];
+  int which = (int)c->nd->ia[3];
+  double scale = c->nd->fa[0];
+  const double *q = c->x[0], *k = c->x[1], *v = c->x[2];
+  const double *doc = has_doc ? c->x[3] : NULL, *dout = bwd ? c->x[has_doc ? 4 : 3] : NULL;
+  double *p = xcalloc((size_t)(nt * nt), sizeof(double));
+  double *ds = xcalloc((size_t)(nt * nt), sizeof(double));
+  memset(c->y, 0, (size_t)c->n * sizeof(double));
+  for (int64_t b = 0; b < nb; b++)
+    for (int64_t h = 0; h < heads; h++) {
+      // Element (t, e) of head h in batch b of any [B,T,C] tensor.
+#define AT(t, e) (((b)*nt + (t)) * nc + h * d + (e))
+      for (int64_t i = 0; i < nt; i++) {
+        double m = -INFINITY, sum = 0;
+        for (int64_t j = 0; j < nt; j++) {
+          bool allowed = (!causal || j <= i) && (!doc || doc[b * nt + j] == doc[b * nt + i]);
+          double sc = -INFINITY;
+          if (allowed) {
+            sc = 0;
+            for (int64_t e = 0; e < d; e++)
+              sc += q[AT(i, e)] * k[AT(j, e)];
+            sc *= scale;
+          }
+          p[i * nt + j] = sc;
+          m = fmax(m, sc);
+        }
+        for (int64_t j = 0; j < nt; j++)
+          sum += p[i * nt + j] = p[i * nt + j] == -INFINITY ? 0 : exp(p[i * nt + j] - m);
+        for (int64_t j = 0; j < nt; j++)
+          p[i * nt + j] /= sum;
+      }
+      if (!bwd) {
+        for (int64_t i = 0; i < nt; i++)
+          for (int64_t j = 0; j < nt; j++)
+            for (int64_t e = 0; e < d; e++)
+              c->y[AT(i, e)] += p[i * nt + j] * v[AT(j, e)];
+        continue;
+      }
+      for (int64_t i = 0; i < nt; i++) {
+        double dot = 0;
+        for (int64_t j = 0; j < nt; j++) {
+          double dp = 0;
+          for (int64_t e = 0; e < d; e++)
+            dp += dout[AT(i, e)] * v[AT(j, e)];
+          ds[i * nt + j] = dp;
+          dot += p[i * nt + j] * dp;
+        }
+        for (int64_t j = 0; j < nt; j++)
+          ds[i * nt + j] = p[i * nt + j] * (ds[i * nt + j] - dot);
+      }
+      for (int64_t i = 0; i < nt; i++)
+        for (int64_t j = 0; j < nt; j++)
+          for (int64_t e = 0; e < d; e++) {
+            if (which == 0)
+              c->y[AT(i, e)] += scale * ds[i * nt + j] * k[AT(j, e)];
+            else if (which == 1)
+              c->y[AT(j, e)] += scale * ds[i * nt + j] * q[AT(i, e)];
+            else
+              c->y[AT(j, e)] += p[i * nt + j] * dout[AT(i, e)];
+          }
+#undef AT
+    }
+  free(p);
+  free(ds);
+}
+
+// ROPE: per head, the pair (i, i + D/2) rotated by theta = pos * base^(-2i/D) (by -theta when
+// inverse).
+static void run_rope(Ctx *c) {
+  Shape s = c->xn[0]->shape;
+  int64_t rows = s.d[0] * s.d[1], nc = s.d[2], heads = c->nd->ia[0], d = nc / heads;
+  double sign = c->nd->ia[1] ? -1 : 1, base = c->nd->fa[0];
+  for (int64_t r = 0; r < rows; r++)
+    for (int64_t h = 0; h < heads; h++)
+      for (int64_t i = 0; i < d / 2; i++) {
+        double th = sign * c->x[1][r] * pow(base, -2.0 * (double)i / (double)d);
+        int64_t a = r * nc + h * d + i, b = a + d / 2;
+        double x1 = c->x[0][a], x2 = c->x[0][b];
+        c->y[a] = x1 * cos(th) - x2 * sin(th);
+        c->y[b] = x1 * sin(th) + x2 * cos(th);
+      }
+}
+
+static void run_grad_norm(Ctx *c) {
+  double ss = 0;
+  for (int k = 0; k < c->nd->nin; k++)
+    for (int64_t i = 0; i < shape_numel(c->xn[k]->shape); i++)
+      ss += c->x[k][i] * c->x[k][i];
+  c->y[0] = sqrt(ss);
+}
+
+// ADAMW (p, g, m, v, gnorm, lr, step), PyTorch's AdamW with optional global-norm clipping. Writes
+// the parameter and both moments in place; the node's own value is the new parameter.
+static void run_adamw(Ctx *c) {
+  Interp *it = c->it;
+  const double *fa = c->nd->fa;
+  double b1 = fa[0], b2 = fa[1], eps = fa[2], wd = fa[3], clip = fa[4];
+  double gnorm = c->x[4][0], lr = c->x[5][0], step = c->x[6][0];
+  double s = clip > 0 ? fmin(1, clip / (gnorm + 1e-6)) : 1;
+  double *p = it->val[c->nd->in[0]], *m = it->val[c->nd->in[2]], *v = it->val[c->nd->in[3]];
+  const double *g = c->x[1];
+  for (int64_t i = 0; i < c->n; i++) {
+    double gi = s * g[i];
+    m[i] = rnd(it, b1 * m[i] + (1 - b1) * gi);
+    v[i] = rnd(it, b2 * v[i] + (1 - b2) * gi * gi);
+    double mhat = m[i] / (1 - pow(b1, step)), vhat = v[i] / (1 - pow(b2, step));
+    p[i] = rnd(it, p[i] - lr * (mhat / (sqrt(vhat) + eps) + wd * p[i]));
+    c->y[i] = p[i];
+  }
+}
+
+// Runs one node. Leaves hold their values already (or fail when never given one).
+static bool run_node(Ctx *c) {
+  const IrNode *nd = c->nd;
+  switch (nd->op) {
+  case OP_INPUT:
+  case OP_SCALAR:
+    if (!c->it->given[nd->id])
+      return fail(c, "%s '%s' was never set", op_name(nd->op), nd->name ? nd->name : "?");
+    return true;
+  case OP_PARAM:
+  case OP_STATE:
+    return true;
+  case OP_CONST:
+    for (int64_t i = 0; i < c->n; i++)
+      c->y[i] = nd->fa[0];
+    return true;
+  case OP_NEG: case OP_EXP: case OP_LOG: case OP_TANH: case OP_SQRT: case OP_RSQRT:
+  case OP_RELU: case OP_GELU: case OP_SILU:
+    for (int64_t i = 0; i < c->n; i++)
+      c->y[i] = unary(nd->op, c->x[0][i]);
+    return true;
+  case OP_DROPOUT: run_dropout(c); return true;
+  case OP_ADD: case OP_SUB: case OP_MUL: case OP_DIV:
+  case OP_RELU_BWD: case OP_GELU_BWD: case OP_SILU_BWD:
+    run_binary(c);
+    return true;
+  case OP_SUM: case OP_MEAN: case OP_MAX: run_reduce(c); return true;
+  case OP_MAX_BWD: run_max_bwd(c); return true;
+  case OP_RESHAPE:
+    memcpy(c->y, c->x[0], (size_t)c->n * sizeof(double));
+    return true;
+  case OP_PERMUTE: run_permute(c); return true;
+  case OP_BROADCAST:
+    for (int64_t i = 0; i < c->n; i++)
+      c->y[i] = c->x[0][bcast_offset(nd->shape, c->xn[0]->shape, i)];
+    return true;
+  case OP_SLICE: run_slice(c, false); return true;
+  case OP_SLICE_BWD: run_slice(c, true); return true;
+  case OP_CONCAT: run_concat(c); return true;
+  case OP_MATMUL: run_matmul(c); return true;
+  case OP_EMBED: return run_embed(c, false);
+  case OP_EMBED_BWD: return run_embed(c, true);
+  case OP_LAYERNORM: run_layernorm(c); return true;
+  case OP_LAYERNORM_BWD: run_layernorm_bwd(c); return true;
+  case OP_RMSNORM: run_rmsnorm(c); return true;
+  case OP_RMSNORM_BWD: run_rmsnorm_bwd(c); return true;
+  case OP_SOFTMAX: run_softmax(c); return true;
+  case OP_SOFTMAX_BWD: run_softmax_bwd(c); return true;
+  case OP_CROSS_ENTROPY: return run_cross_entropy(c, false);
+  case OP_CROSS_ENTROPY_BWD: return run_cross_entropy(c, true);
+  case OP_ATTENTION: run_attention(c, false); return true;
+  case OP_ATTENTION_BWD: run_attention(c, true); return true;
+  case OP_ROPE: run_rope(c); return true;
+  case OP_GRAD_NORM: run_grad_norm(c); return true;
+  case OP_ADAMW: run_adamw(c); return true;
+  case OP_COUNT: break;
+  }
+  return fail(c, "node %d: unknown op %d", nd->id, (int)nd->op);
+}
+
+bool interp_run(Interp *it, int end, char *err, size_t n) {
+  const Graph *g = it->g;
+  if (end < 0 || end > g->n) {
+    if (err && n)
+      snprintf(err, n, "interp_run: end %d is outside [0, %d]", end, g->n);
+    return false;
+  }
+  for (int id = 0; id < end; id++) {
+    const IrNode *nd = g->nodes[id];
+    const double *x[nd->nin > 0 ? nd->nin : 1];
+    const IrNode *xn[nd->nin > 0 ? nd->nin : 1];
+    for (int k = 0; k < nd->nin; k++) {
+      x[k] = it->val[nd->in[k]];
+      xn[k] = g->nodes[nd->in[k]];
+    }
+    Ctx c = {it, nd, x, xn, it->val[id], it->numel[id], err, n};
+    if (!run_node(&c))
+      return false;
+    bool leaf = nd->op == OP_INPUT || nd->op == OP_PARAM || nd->op == OP_STATE || nd->op == OP_SCALAR;
+    if (it->prec == INTERP_F32 && !leaf && nd->dtype != DT_I32)
+      for (int64_t i = 0; i < c.n; i++)
+        c.y[i] = (double)(float)c.y[i];
+  }
+  return true;
+}

@@ -1,0 +1,280 @@
+// mdl.h: the one shared header of the mdl compiler. Each section lists the public types and
+// functions of one file; read it as the table of contents of compiler/.
+#ifndef MDL_H
+#define MDL_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+
+#define MDL_VERSION "0.1.0"
+
+//
+// arena.c: one arena per compilation; allocate and never free.
+//
+typedef struct Arena Arena;
+Arena *arena_new(void);
+void arena_free(Arena *a);
+void *arena_alloc(Arena *a, size_t size); // zeroed
+char *arena_strdup(Arena *a, const char *s);
+char *arena_printf(Arena *a, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+
+//
+// diag.c: error reporting with file:line:col, the source line and a caret.
+//
+typedef struct {
+  const char *file;  // path as the user gave it
+  const char *text;  // whole source text (NUL terminated)
+  int line, col;     // 1-based; line 0 means "no location"
+} SrcLoc;
+
+extern int diag_errors; // errors reported so far
+void diag_error(SrcLoc loc, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+void diag_note(SrcLoc loc, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+// An error about a file or a path rather than a place in the .mdl text: "path: reason".
+void diag_file_error(const char *path, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+
+//
+// Counter-based random numbers shared by every back end, so that dropout masks and
+// initialisation agree bit for bit: splitmix64 of (seed, stream, index).
+static inline uint64_t mdl_rng_u64(uint64_t seed, uint64_t stream, uint64_t i) {
+  uint64_t z = seed * 0x9E3779B97F4A7C15ull + stream * 0xD1B54A32D192ED03ull + i * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+// Uniform in [0, 1) with 24 random bits.
+static inline double mdl_rng_uniform(uint64_t seed, uint64_t stream, uint64_t i) {
+  return (double)(mdl_rng_u64(seed, stream, i) >> 40) / 16777216.0;
+}
+
+//
+// ir.c: the graph IR. A DAG of typed tensor ops; node ids index Graph.nodes and every input id
+// is smaller than the node's own id, so the node array is already in topological order.
+//
+#define IR_MAX_RANK 6
+
+typedef enum { DT_F32, DT_I32, DT_BF16, DT_F8E4M3, DT_F64 } DType;
+
+typedef struct {
+  int rank;
+  int64_t d[IR_MAX_RANK];
+} Shape;
+
+// Every op, its inputs and the attributes it reads (ia = integer attrs, fa = float attrs).
+// "which" selects one output of a multi-output backward computation: each IR node has exactly one
+// output, and the fusion pass later merges the siblings back into one kernel.
+#define IR_OPS(X)                                                                                  \
+  /* leaves */                                                                                     \
+  X(INPUT, "input")         /* name; data from the batch */                                       \
+  X(PARAM, "param")         /* name; trainable, fp32 master weights */                            \
+  X(STATE, "state")         /* name; optimizer state (AdamW moments), same shape as its param */  \
+  X(SCALAR, "scalar")       /* name; a per-step fp32 scalar from the runtime: "lr", "step" */     \
+  X(CONST, "const")         /* fa[0] = value; shape [] (broadcasts) */                            \
+  /* elementwise unary */                                                                          \
+  X(NEG, "neg")                                                                                    \
+  X(EXP, "exp")                                                                                    \
+  X(LOG, "log")                                                                                    \
+  X(TANH, "tanh")                                                                                  \
+  X(SQRT, "sqrt")                                                                                  \
+  X(RSQRT, "rsqrt")                                                                                \
+  X(RELU, "relu")                                                                                  \
+  X(GELU, "gelu")           /* tanh approximation, as GPT-2 */                                    \
+  X(SILU, "silu")                                                                                  \
+  X(DROPOUT, "dropout")     /* fa[0] = p; ia[0] = seed id (same id, same mask) */                 \
+  /* elementwise binary, numpy broadcasting */                                                     \
+  X(ADD, "add")                                                                                    \
+  X(SUB, "sub")                                                                                    \
+  X(MUL, "mul")                                                                                    \
+  X(DIV, "div")                                                                                    \
+  /* elementwise backward helpers: (x, dy) -> dx */                                                \
+  X(RELU_BWD, "relu_bwd")                                                                          \
+  X(GELU_BWD, "gelu_bwd")                                                                          \
+  X(SILU_BWD, "silu_bwd")                                                                          \
+  /* reductions: ia[0] = axis (>= 0), ia[1] = keepdim */                                           \
+  X(SUM, "sum")                                                                                    \
+  X(MEAN, "mean")                                                                                  \
+  X(MAX, "max")                                                                                    \
+  X(MAX_BWD, "max_bwd")     /* (x, y, dy) -> dx; ia as MAX; ties share the gradient evenly */     \
+  /* layout */                                                                                     \
+  X(RESHAPE, "reshape")     /* shape is the node's shape */                                       \
+  X(PERMUTE, "permute")     /* ia[0..rank) = source axis of each output axis */                   \
+  X(BROADCAST, "broadcast") /* expand size-1 / missing leading axes to the node's shape */        \
+  X(SLICE, "slice")         /* ia[0] = axis, ia[1] = start, ia[2] = end */                        \
+  X(SLICE_BWD, "slice_bwd") /* (dy) -> zeros of node shape with dy at [start,end) on axis */      \
+  X(CONCAT, "concat")       /* ia[0] = axis; any number of inputs */                              \
+  /* linear algebra: (a, b) -> a @ b over the last two axes, leading axes broadcast */             \
+  X(MATMUL, "matmul")       /* ia[0] = transpose a, ia[1] = transpose b */                        \
+  /* embedding: (table [V,C], ids i32[...]) -> [..., C] */                                         \
+  X(EMBED, "embed")                                                                                \
+  X(EMBED_BWD, "embed_bwd") /* (ids, dy) -> d table [V,C] (scatter-add); shape gives V */         \
+  /* row-wise (over the last axis) */                                                              \
+  X(LAYERNORM, "layernorm") /* (x, w, b); fa[0] = eps */                                          \
+  X(LAYERNORM_BWD, "layernorm_bwd") /* (x, w, dy); fa[0] = eps; ia[0] which: 0 dx, 1 dw, 2 db */  \
+  X(RMSNORM, "rmsnorm")     /* (x, w); fa[0] = eps */                                             \
+  X(RMSNORM_BWD, "rmsnorm_bwd") /* (x, w, dy); fa[0] = eps; ia[0] which: 0 dx, 1 dw */            \
+  X(SOFTMAX, "softmax")     /* over the last axis */                                              \
+  X(SOFTMAX_BWD, "softmax_bwd") /* (y, dy) -> dx */                                               \
+  X(CROSS_ENTROPY, "cross_entropy") /* (logits [...,V], targets i32[...]) -> f32[...] */          \
+  X(CROSS_ENTROPY_BWD, "cross_entropy_bwd") /* (logits, targets, dloss) -> dlogits */             \
+  /* attention: q, k, v [B,T,C]; optional doc i32[B,T]; ia[0] = heads, ia[1] = causal,            \
+     ia[2] = has doc input; fa[0] = scale. Attention within a document only when doc is given. */  \
+  X(ATTENTION, "attention")                                                                        \
+  X(ATTENTION_BWD, "attention_bwd") /* (q, k, v, [doc,] dout); ia[3] which: 0 dq, 1 dk, 2 dv */   \
+  /* rotary embedding, half-split pairs (i, i + D/2) per head: (x [B,T,C], pos i32[B,T]);         \
+     ia[0] = heads, ia[1] = inverse (rotate by -angle: the backward); fa[0] = base */              \
+  X(ROPE, "rope")                                                                                  \
+  /* optimizer */                                                                                  \
+  X(GRAD_NORM, "grad_norm") /* (g0, g1, ...) -> [] global L2 norm */                              \
+  /* (p, g, m, v, gnorm, lr, step) -> new p, written in place with m and v.                        \
+     fa: 0 beta1, 1 beta2, 2 eps, 3 weight decay, 4 clip max norm (0 = no clipping) */             \
+  X(ADAMW, "adamw")
+
+typedef enum {
+#define X(op, name) OP_##op,
+  IR_OPS(X)
+#undef X
+      OP_COUNT
+} Op;
+
+typedef enum { INIT_ZEROS, INIT_ONES, INIT_NORMAL } InitKind;
+
+typedef struct {
+  InitKind kind;
+  double std;  // INIT_NORMAL
+  bool decay;  // weight decay applies (train section's no_decay patterns)
+} ParamInit;
+
+typedef struct {
+  int id;
+  Op op;
+  DType dtype;
+  Shape shape;
+  int nin;
+  int *in;          // input node ids, all < id
+  int64_t ia[8];
+  double fa[6];
+  const char *name; // INPUT/PARAM/STATE/SCALAR: the name; others: the .mdl variable, or NULL
+  SrcLoc loc;       // where in the .mdl it came from (the op the user wrote)
+  ParamInit init;   // PARAM only
+  int grad_of;      // the PARAM/INPUT id whose gradient this node is, or -1
+  int param_of;     // STATE: its PARAM id; ADAMW: the PARAM it updates; else -1
+} IrNode;
+
+typedef struct {
+  double lr, beta1, beta2, eps, weight_decay;
+  double min_lr;       // cosine floor
+  int64_t warmup;      // warmup steps
+  int64_t steps;       // schedule length (0 = unspecified)
+  double clip;         // max global grad norm, 0 = off
+  int64_t accumulate;  // micro-batches per step
+  const char *precision;  // "fp32" | "bf16" | "fp8"
+  const char *checkpoint; // "none" | "all" | "auto" | "auto=BUDGET"
+} TrainConfig;
+
+typedef struct {
+  const char *name;
+  int64_t value;
+} DimBinding;
+
+typedef struct Graph {
+  Arena *arena;
+  const char *model;    // model name
+  IrNode **nodes;
+  int n, cap;
+  int loss;             // the scalar node training minimises, or -1
+  int *outputs;         // named outputs ("output NAME = ...")
+  int noutputs;
+  int *params;          // PARAM ids in declaration order
+  int nparams;
+  int *grads;           // after autodiff: grads[i] is the gradient node of params[i]
+  int *updates;         // after autodiff: ADAMW node of params[i]
+  int fwd_end;          // nodes [0, fwd_end) are the forward graph
+  DimBinding *dims;     // every dim with its bound value, in declaration order
+  int ndims;
+  TrainConfig train;
+  char err[512];        // message of the last failed ir_add (shape/dtype error)
+} Graph;
+
+Graph *ir_new(Arena *a);
+// Append a node; infers and checks its shape and dtype. Returns its id, or -1 with g->err set
+// (e.g. "matmul shapes [2,3] and [4,5] do not match"). `ia`, `fa` may be NULL.
+int ir_add(Graph *g, Op op, const int *in, int nin, const int64_t *ia, const double *fa, SrcLoc loc);
+int ir_leaf(Graph *g, Op op, const char *name, DType dt, Shape s, SrcLoc loc);
+int ir_const(Graph *g, double v, SrcLoc loc);
+int ir_reshape(Graph *g, int x, Shape s, SrcLoc loc);    // -1 with g->err when counts differ
+int ir_broadcast(Graph *g, int x, Shape s, SrcLoc loc);
+int ir_slice_bwd(Graph *g, int dy, Shape full, int axis, int64_t start, int64_t end, SrcLoc loc);
+int ir_embed_bwd(Graph *g, int ids, int dy, int64_t vocab, SrcLoc loc);
+bool ir_validate(const Graph *g, char *why, size_t n); // false with a reason when broken
+void ir_dump(const Graph *g, FILE *f);
+const char *op_name(Op op);
+const char *dtype_name(DType dt);
+int64_t shape_numel(Shape s);
+bool shape_eq(Shape a, Shape b);
+char *shape_str(Shape s, char *buf, size_t n); // "[2,3,4]"
+Shape shape_of(int rank, const int64_t *d);
+int64_t ir_param_count(const Graph *g);
+
+//
+// front end (grammar/mdl.l, grammar/mdl.y, compiler/sema.c): .mdl text to the forward graph.
+//
+typedef struct {
+  const char *name;
+  int64_t value;
+} DimOverride; // -D NAME=VALUE from the command line
+
+// Parse and check a .mdl file and build its forward graph (params, inputs, loss, outputs, the
+// train section). Returns NULL after printing every error (file:line:col + caret).
+Graph *mdl_compile_file(Arena *a, const char *path, const DimOverride *ov, int nov);
+Graph *mdl_compile_text(Arena *a, const char *path, const char *text, const DimOverride *ov, int nov);
+
+//
+// autodiff.c: reverse mode over the forward graph, then one AdamW update per parameter.
+//
+// Appends the backward graph for g->loss and the optimizer step; fills g->grads and g->updates.
+// With `optimizer` false only the gradients are built (gradient checks).
+bool autodiff(Graph *g, bool optimizer);
+
+//
+// interp.c: the reference interpreter; op by op, unfused. The oracle of every back end.
+//
+typedef enum { INTERP_F32, INTERP_F64 } InterpPrecision;
+
+typedef struct Interp Interp;
+Interp *interp_new(const Graph *g, InterpPrecision prec);
+void interp_free(Interp *it);
+// Values live as doubles; in INTERP_F32 each op's result is rounded to float.
+double *interp_param(Interp *it, int param_node);   // the parameter's values (read/write)
+void interp_init_params(Interp *it, uint64_t seed); // from each ParamInit
+bool interp_set_input(Interp *it, const char *name, const int32_t *ids, const float *f, int64_t n);
+void interp_set_scalar(Interp *it, const char *name, double v); // "lr", "step"
+void interp_set_seed(Interp *it, uint64_t seed);                 // dropout masks
+// Runs nodes [0, end) (end = g->n runs the whole step). Returns false with a message on error.
+bool interp_run(Interp *it, int end, char *err, size_t n);
+const double *interp_value(Interp *it, int node); // after interp_run
+int64_t interp_numel(Interp *it, int node);
+
+//
+// safetensors.c: read and write safetensors files (parameters, gradients, batches).
+//
+typedef struct {
+  const char *name;
+  DType dtype;      // DT_F32, DT_I32, DT_BF16, DT_F64
+  Shape shape;
+  void *data;       // numel * element size bytes
+} StTensor;
+
+typedef struct {
+  StTensor *t;
+  int n;
+} StFile;
+
+// Reads a whole file; on failure prints "path: reason" and returns false.
+bool st_read(Arena *a, const char *path, StFile *out);
+const StTensor *st_find(const StFile *f, const char *name);
+// Writes atomically (temp file, fsync, rename); on failure prints "path: reason".
+bool st_write(const char *path, const StTensor *t, int n);
+
+#endif

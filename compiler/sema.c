@@ -1,0 +1,1660 @@
+// sema.c: semantic analysis: from the AST (front.h) to the forward graph (mdl.h), plus the front
+// end's entry points mdl_compile_file / mdl_compile_text.
+//
+// It runs in four steps over the parsed file:
+//   1. declare: top-level dims, consts and the train section are collected; duplicate names and
+//      statements in the wrong place are reported (and skipped from then on).
+//   2. dims: free dims are bound (-D first, then the train section) and every dim is evaluated.
+//      Dims and consts are declarative: each is evaluated on first use, in any order, and a
+//      stack of the ones being evaluated turns a reference cycle into an error.
+//   3. train: the train section's settings fill g->train.
+//   4. elaborate: statements run in order and append graph nodes. An expression evaluates to a
+//      Val: a compile-time integer, float or boolean, a tensor (graph node), or the tuple split()
+//      returns. Scalars meeting tensors become CONST nodes. `repeat NAME[N] { }` elaborates its
+//      body N times, each time in a fresh scope whose params are named NAME.i.pname.
+// Errors never stop the analysis: a failed expression evaluates to V_ERR, which silently poisons
+// whatever uses it, so every independent mistake is reported once. Messages are deduplicated by
+// place and text, so an error inside a repeat body is not repeated for each repetition.
+#include "front.h"
+
+#include <errno.h>
+#include <fnmatch.h>
+#include <math.h>
+#include <stdarg.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef enum { V_ERR, V_INT, V_FLOAT, V_BOOL, V_TENSOR, V_TUPLE } ValKind;
+
+typedef struct {
+  ValKind kind;
+  int64_t i;  // V_INT, V_BOOL
+  double f;   // V_FLOAT
+  int node;   // V_TENSOR
+  int *tuple; // V_TUPLE: node ids
+  int ntuple;
+} Val;
+
+static const Val ERR = {.kind = V_ERR};
+
+static Val int_val(int64_t i) { return (Val){.kind = V_INT, .i = i}; }
+static Val float_val(double f) { return (Val){.kind = V_FLOAT, .f = f}; }
+static Val tensor_val(int node) { return (Val){.kind = V_TENSOR, .node = node}; }
+
+typedef enum { SYM_DIM, SYM_CONST, SYM_PARAM, SYM_INPUT, SYM_VALUE, SYM_REPEAT } SymKind;
+static const char *const sym_kind[] = {"dim", "const", "param", "input", "value", "repeat block"};
+static const char *const a_sym_kind[] = {"a dim", "a const", "a param", "an input", "a value", "a repeat block"};
+
+typedef enum { UNSEEN, EVALUATING, DONE } EvalState;
+
+typedef struct Sym {
+  const char *name;
+  SymKind kind;
+  SrcLoc at;
+  const Stmt *decl; // dims and consts
+  Val val;
+  EvalState state;
+  bool overridden;   // -D NAME=VALUE
+  int64_t override;
+  const Expr *bind;  // a free dim's value from the train section
+  struct Sym *next;
+} Sym;
+
+typedef struct Scope {
+  Sym *syms;
+  struct Scope *up;
+  const char *prefix; // "" at the top level, "h.0." inside repetition 0 of `repeat h`
+} Scope;
+
+// A name some statement defines, for explaining why a use found nothing.
+typedef struct {
+  const char *name, *kind, *repeat;
+  SrcLoc at;
+} Decl;
+
+// One `KEY = value` line of the train section (other than dim bindings).
+typedef struct {
+  const char *key;
+  const Expr *value;
+  SrcLoc at;
+} Setting;
+
+typedef struct {
+  Parser *p;
+  Arena *a;
+  Graph *g;
+  Scope global, *scope;
+  bool constant;     // evaluating a dim or const: only dims and consts may be named
+  PtrVec stack;      // Sym* being evaluated (cycle detection)
+  PtrVec dims;       // Sym* of every dim, declaration order
+  PtrVec consts;     // Sym* of every const, declaration order
+  PtrVec decls;      // Decl*
+  PtrVec settings;   // Setting*
+  PtrVec no_decay;   // const char* glob patterns
+  PtrVec outputs;    // Stmt* of the outputs (duplicate check), then node ids via out_nodes
+  PtrVec reported;   // "line:col:message" of every error printed
+  int *out_nodes;
+  int nout;
+  int dropouts;
+} Sema;
+
+//
+// Errors
+//
+
+// Prints an error unless the same one was printed at the same place; returns whether it printed
+// (so the caller knows whether to add its note).
+static bool error_at(Sema *s, SrcLoc at, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
+static bool error_at(Sema *s, SrcLoc at, const char *fmt, ...) {
+  char msg[768];
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(msg, sizeof msg, fmt, ap);
+  va_end(ap);
+  char *key = arena_printf(s->a, "%d:%d:%s", at.line, at.col, msg);
+  for (int i = 0; i < s->reported.n; i++)
+    if (!strcmp(s->reported.v[i], key))
+      return false;
+  vec_push(s->a, &s->reported, key);
+  diag_error(at, "%s", msg);
+  return true;
+}
+
+static const char *describe(Val v) {
+  switch (v.kind) {
+  case V_INT: return "an integer";
+  case V_FLOAT: return "a number";
+  case V_BOOL: return "a boolean";
+  case V_TENSOR: return "a tensor";
+  case V_TUPLE: return "several values (split)";
+  case V_ERR: break;
+  }
+  return "an error";
+}
+
+static char *shape_text(Sema *s, Shape sh) { return shape_str(sh, arena_alloc(s->a, 128), 128); }
+
+static IrNode *node(Sema *s, int id) { return s->g->nodes[id]; }
+
+//
+// Scopes and names
+//
+
+static Sym *find_in(Scope *sc, const char *name) {
+  for (Sym *y = sc->syms; y; y = y->next)
+    if (!strcmp(y->name, name))
+      return y;
+  return NULL;
+}
+
+static Sym *lookup(Sema *s, const char *name) {
+  for (Scope *sc = s->scope; sc; sc = sc->up) {
+    Sym *y = find_in(sc, name);
+    if (y)
+      return y;
+  }
+  return NULL;
+}
+
+static Sym *add_sym(Sema *s, Scope *sc, const char *name, SymKind kind, SrcLoc at) {
+  Sym *y = arena_alloc(s->a, sizeof *y);
+  *y = (Sym){.name = name, .kind = kind, .at = at, .next = sc->syms};
+  sc->syms = y;
+  return y;
+}
+
+// Defines a name in the current scope; a name visible from here already is a duplicate.
+static Sym *define(Sema *s, const char *name, SymKind kind, SrcLoc at) {
+  Sym *old = lookup(s, name);
+  if (old) {
+    if (error_at(s, at, "duplicate definition of '%s'", name))
+      diag_note(old->at, "previous definition is here");
+    return NULL;
+  }
+  return add_sym(s, s->scope, name, kind, at);
+}
+
+static bool loc_before(SrcLoc a, SrcLoc b) { return a.line < b.line || (a.line == b.line && a.col < b.col); }
+
+static void unknown_name(Sema *s, const Expr *e) {
+  const Decl *d = NULL;
+  for (int i = 0; i < s->decls.n && !d; i++)
+    if (!strcmp(((Decl *)s->decls.v[i])->name, e->s))
+      d = s->decls.v[i];
+  if (d && s->constant) {
+    error_at(s, e->at, "'%s' is %s; only dims and consts can be used here", e->s, d->kind);
+  } else if (d && loc_before(e->at, d->at)) {
+    if (error_at(s, e->at, "'%s' is used before its definition", e->s))
+      diag_note(d->at, "'%s' is defined here", e->s);
+  } else if (d && d->repeat) {
+    if (error_at(s, e->at, "'%s' is local to repeat block '%s'", e->s, d->repeat))
+      diag_note(d->at, "'%s' is defined here", e->s);
+  } else {
+    error_at(s, e->at, "unknown name '%s'", e->s);
+  }
+}
+
+//
+// Expressions
+//
+
+static Val eval(Sema *s, const Expr *e);
+static Val sym_value(Sema *s, Sym *y, SrcLoc use);
+
+static Val eval_const(Sema *s, const Expr *e) {
+  bool saved = s->constant;
+  s->constant = true;
+  Val v = eval(s, e);
+  s->constant = saved;
+  return v;
+}
+
+// Appends an op; ir.c's shape and dtype errors are reported at the op the user wrote.
+static Val add_op(Sema *s, Op op, const int *in, int nin, const int64_t *ia, const double *fa, SrcLoc at) {
+  int id = ir_add(s->g, op, in, nin, ia, fa, at);
+  if (id < 0) {
+    error_at(s, at, "%s", s->g->err);
+    return ERR;
+  }
+  return tensor_val(id);
+}
+
+static Val reshape(Sema *s, int x, Shape sh, SrcLoc at) {
+  int id = ir_reshape(s->g, x, sh, at);
+  if (id < 0) {
+    error_at(s, at, "%s", s->g->err);
+    return ERR;
+  }
+  return tensor_val(id);
+}
+
+// A scalar operand of a tensor op becomes a CONST node.
+static int as_node(Sema *s, Val v, SrcLoc at) {
+  if (v.kind == V_TENSOR)
+    return v.node;
+  int id = ir_const(s->g, v.kind == V_INT ? (double)v.i : v.f, at);
+  if (id < 0)
+    error_at(s, at, "%s", s->g->err);
+  return id;
+}
+
+static Val arith_int(Sema *s, const Expr *e, int64_t a, int64_t b) {
+  int64_t r = 0;
+  bool overflow = false;
+  switch (e->op) {
+  case '+': overflow = __builtin_add_overflow(a, b, &r); break;
+  case '-': overflow = __builtin_sub_overflow(a, b, &r); break;
+  case '*': overflow = __builtin_mul_overflow(a, b, &r); break;
+  case '/':
+  case '%':
+    if (b == 0) {
+      error_at(s, e->at, "division by zero in dimension arithmetic");
+      return ERR;
+    }
+    if (a == INT64_MIN && b == -1) {
+      overflow = true;
+      break;
+    }
+    if (e->op == '/' && a % b != 0) {
+      error_at(s, e->at, "%s: %lld is not divisible by %lld", ast_text(s->a, s->p->text, e), (long long)a,
+               (long long)b);
+      return ERR;
+    }
+    r = e->op == '/' ? a / b : a % b;
+    break;
+  }
+  if (overflow) {
+    error_at(s, e->at, "integer overflow in dimension arithmetic");
+    return ERR;
+  }
+  return int_val(r);
+}
+
+static Val arith_scalar(Sema *s, const Expr *e, Val a, Val b) {
+  if (a.kind == V_BOOL || b.kind == V_BOOL) {
+    error_at(s, e->at, "'%c' does not apply to booleans", e->op);
+    return ERR;
+  }
+  if (a.kind == V_INT && b.kind == V_INT)
+    return arith_int(s, e, a.i, b.i);
+  double x = a.kind == V_INT ? (double)a.i : a.f, y = b.kind == V_INT ? (double)b.i : b.f;
+  switch (e->op) {
+  case '+': return float_val(x + y);
+  case '-': return float_val(x - y);
+  case '*': return float_val(x * y);
+  case '/':
+    if (y == 0) {
+      error_at(s, e->at, "division by zero");
+      return ERR;
+    }
+    return float_val(x / y);
+  }
+  error_at(s, e->at, "'%%' needs integer operands");
+  return ERR;
+}
+
+static bool is_transpose(const Expr *e) { return e->kind == E_ATTR && !strcmp(e->s, "T"); }
+
+// A `.T` operand of @ becomes the matmul's transpose flag rather than a PERMUTE node.
+static Val matmul_operand(Sema *s, const Expr *e, bool *transposed) {
+  *transposed = false;
+  if (is_transpose(e)) {
+    Val v = eval(s, e->lhs);
+    if (v.kind == V_TENSOR && node(s, v.node)->shape.rank >= 2) {
+      *transposed = true;
+      return v;
+    }
+  }
+  return eval(s, e);
+}
+
+// a @ b. A rank > 2 activation times a 2-D weight is lowered to one 2-D GEMM between reshapes.
+static Val matmul(Sema *s, const Expr *e) {
+  bool ta, tb;
+  Val a = matmul_operand(s, e->lhs, &ta), b = matmul_operand(s, e->rhs, &tb);
+  if (a.kind == V_ERR || b.kind == V_ERR)
+    return ERR;
+  if (a.kind != V_TENSOR || b.kind != V_TENSOR) {
+    error_at(s, e->at, "'@' needs two tensors, got %s and %s", describe(a), describe(b));
+    return ERR;
+  }
+  Shape as = node(s, a.node)->shape, bs = node(s, b.node)->shape;
+  int64_t flags[8] = {ta, tb};
+  if (as.rank > 2 && bs.rank == 2 && !ta) {
+    int64_t k = as.d[as.rank - 1];
+    if (k == (tb ? bs.d[1] : bs.d[0])) {
+      Shape flat = {.rank = 2, .d = {shape_numel(as) / k, k}};
+      Val a2 = reshape(s, a.node, flat, e->at);
+      if (a2.kind == V_ERR)
+        return ERR;
+      Val c = add_op(s, OP_MATMUL, (int[]){a2.node, b.node}, 2, flags, NULL, e->at);
+      if (c.kind == V_ERR)
+        return ERR;
+      Shape out = as;
+      out.d[out.rank - 1] = tb ? bs.d[0] : bs.d[1];
+      return reshape(s, c.node, out, e->at);
+    }
+  }
+  return add_op(s, OP_MATMUL, (int[]){a.node, b.node}, 2, flags, NULL, e->at);
+}
+
+static Val binary(Sema *s, const Expr *e) {
+  if (e->op == '@')
+    return matmul(s, e);
+  Val a = eval(s, e->lhs), b = eval(s, e->rhs);
+  if (a.kind == V_ERR || b.kind == V_ERR)
+    return ERR;
+  if (a.kind == V_TUPLE || b.kind == V_TUPLE) {
+    error_at(s, e->at, "'%c' cannot take the several values of split(); unpack them first", e->op);
+    return ERR;
+  }
+  if (a.kind != V_TENSOR && b.kind != V_TENSOR)
+    return arith_scalar(s, e, a, b);
+  if (a.kind == V_BOOL || b.kind == V_BOOL) {
+    error_at(s, e->at, "'%c' does not apply to booleans", e->op);
+    return ERR;
+  }
+  if (e->op == '%') {
+    error_at(s, e->at, "'%%' applies to dims and consts, not to tensors");
+    return ERR;
+  }
+  Op op = e->op == '+' ? OP_ADD : e->op == '-' ? OP_SUB : e->op == '*' ? OP_MUL : OP_DIV;
+  int x = as_node(s, a, e->lhs->at), y = as_node(s, b, e->rhs->at);
+  if (x < 0 || y < 0)
+    return ERR;
+  return add_op(s, op, (int[]){x, y}, 2, NULL, NULL, e->at);
+}
+
+static Val negate(Sema *s, const Expr *e) {
+  Val v = eval(s, e->lhs);
+  switch (v.kind) {
+  case V_ERR: return ERR;
+  case V_INT:
+    if (v.i == INT64_MIN) {
+      error_at(s, e->at, "integer overflow in dimension arithmetic");
+      return ERR;
+    }
+    return int_val(-v.i);
+  case V_FLOAT: return float_val(-v.f);
+  case V_TENSOR: return add_op(s, OP_NEG, &v.node, 1, NULL, NULL, e->at);
+  default: error_at(s, e->at, "unary '-' does not apply to %s", describe(v)); return ERR;
+  }
+}
+
+static Val attr(Sema *s, const Expr *e) {
+  if (!is_transpose(e)) {
+    error_at(s, e->at, "unknown attribute '.%s' (the only one is .T)", e->s);
+    return ERR;
+  }
+  Val v = eval(s, e->lhs);
+  if (v.kind == V_ERR)
+    return ERR;
+  if (v.kind != V_TENSOR || node(s, v.node)->shape.rank < 2) {
+    error_at(s, e->at, "'.T' needs a tensor of rank 2 or more, got %s",
+             v.kind == V_TENSOR ? shape_text(s, node(s, v.node)->shape) : describe(v));
+    return ERR;
+  }
+  int r = node(s, v.node)->shape.rank;
+  int64_t perm[8];
+  for (int i = 0; i < r; i++)
+    perm[i] = i;
+  perm[r - 2] = r - 1;
+  perm[r - 1] = r - 2;
+  return add_op(s, OP_PERMUTE, &v.node, 1, perm, NULL, e->at);
+}
+
+// Evaluates e to an integer (dims, consts, literals and their arithmetic).
+static bool int_of(Sema *s, const Expr *e, const char *what, int64_t *out) {
+  Val v = eval(s, e);
+  if (v.kind == V_ERR)
+    return false;
+  if (v.kind != V_INT) {
+    error_at(s, e->at, "%s must be an integer, got %s", what, describe(v));
+    return false;
+  }
+  *out = v.i;
+  return true;
+}
+
+// x[i, a:b, :]: SLICE per restricted axis; integer indices then drop their axes with a RESHAPE.
+static Val index_expr(Sema *s, const Expr *e) {
+  Val v = eval(s, e->lhs);
+  if (v.kind == V_ERR)
+    return ERR;
+  if (v.kind != V_TENSOR) {
+    error_at(s, e->at, "only tensors can be indexed, not %s", describe(v));
+    return ERR;
+  }
+  Shape sh = node(s, v.node)->shape;
+  if (e->nargs > sh.rank) {
+    error_at(s, e->at, "%d indices for a tensor of rank %d", e->nargs, sh.rank);
+    return ERR;
+  }
+  int x = v.node;
+  Shape kept = {0};
+  for (int ax = 0; ax < sh.rank; ax++) {
+    const Expr *ix = ax < e->nargs ? e->args[ax] : NULL;
+    int64_t n = sh.d[ax], lo = 0, hi = n;
+    bool single = ix && ix->kind != E_SLICE;
+    if (single) {
+      if (!int_of(s, ix, "an index", &lo))
+        return ERR;
+      int64_t i = lo < 0 ? lo + n : lo;
+      if (i < 0 || i >= n) {
+        error_at(s, ix->at, "index %lld is out of range for axis %d of size %lld", (long long)lo, ax, (long long)n);
+        return ERR;
+      }
+      lo = i;
+      hi = i + 1;
+    } else if (ix) {
+      if ((ix->lo && !int_of(s, ix->lo, "a slice bound", &lo)) || (ix->hi && !int_of(s, ix->hi, "a slice bound", &hi)))
+        return ERR;
+      int64_t a = lo < 0 ? lo + n : lo, b = hi < 0 ? hi + n : hi;
+      if (a < 0 || b > n || a >= b) {
+        error_at(s, ix->at, "slice %lld:%lld is empty or out of range for axis %d of size %lld", (long long)lo,
+                 (long long)hi, ax, (long long)n);
+        return ERR;
+      }
+      lo = a;
+      hi = b;
+    }
+    if (hi - lo != n) {
+      Val sl = add_op(s, OP_SLICE, &x, 1, (int64_t[8]){ax, lo, hi}, NULL, ix->at);
+      if (sl.kind == V_ERR)
+        return ERR;
+      x = sl.node;
+    }
+    if (!single)
+      kept.d[kept.rank++] = hi - lo;
+  }
+  if (kept.rank == sh.rank)
+    return tensor_val(x);
+  return reshape(s, x, kept, e->at);
+}
+
+//
+// Built-in ops
+//
+
+typedef struct Builtin Builtin;
+typedef Val (*BuiltinFn)(Sema *s, const Builtin *b, const Expr *call, const Expr **arg);
+
+// params[0 .. max) are positional (the first `min` required); the rest are keyword-only.
+struct Builtin {
+  const char *name;
+  int min, max;
+  const char *params[8];
+  BuiltinFn fn;
+  Op op;
+};
+
+static int nparams(const Builtin *b) {
+  int n = 0;
+  while (n < 8 && b->params[n])
+    n++;
+  return n;
+}
+
+// Matches a call's arguments to b's parameters: arg[k] is the expression given for params[k],
+// or NULL. Reports wrong counts, unknown and repeated keywords.
+static bool bind_args(Sema *s, const Builtin *b, const Expr *call, const Expr **arg) {
+  int np = nparams(b), npos = 0, got = 0;
+  bool ok = true, keywords = false;
+  for (int k = 0; k < 8; k++)
+    arg[k] = NULL;
+  for (int i = 0; i < call->nargs; i++) {
+    if (!call->kw[i]) {
+      if (keywords) {
+        error_at(s, call->args[i]->at, "%s: positional argument after keyword arguments", b->name);
+        ok = false;
+      } else if (npos < b->max) {
+        arg[npos] = call->args[i];
+      }
+      npos++;
+      continue;
+    }
+    keywords = true;
+    int k = 0;
+    while (k < np && strcmp(b->params[k], call->kw[i]))
+      k++;
+    if (k == np) {
+      error_at(s, call->kw_at[i], "%s: unknown keyword argument '%s'", b->name, call->kw[i]);
+      ok = false;
+    } else if (arg[k]) {
+      error_at(s, call->kw_at[i], "%s: argument '%s' given twice", b->name, call->kw[i]);
+      ok = false;
+    } else {
+      arg[k] = call->args[i];
+    }
+  }
+  bool missing = false;
+  for (int k = 0; k < b->max; k++) {
+    got += arg[k] != NULL;
+    missing |= k < b->min && !arg[k];
+  }
+  if (npos > b->max)
+    got += npos - b->max;
+  if (ok && (missing || npos > b->max)) {
+    char hint[128] = "";
+    if (npos > b->max && b->max < np)
+      snprintf(hint, sizeof hint, " (%s is a keyword argument: %s=...)", b->params[b->max], b->params[b->max]);
+    if (b->min == b->max)
+      error_at(s, call->at, "%s takes %d argument%s, got %d%s", b->name, b->min, b->min == 1 ? "" : "s", got, hint);
+    else
+      error_at(s, call->at, "%s takes %d to %d arguments, got %d%s", b->name, b->min, b->max, got, hint);
+    ok = false;
+  }
+  return ok;
+}
+
+static int tensor_arg(Sema *s, const Builtin *b, const Expr *e, const char *what) {
+  Val v = eval(s, e);
+  if (v.kind == V_ERR)
+    return -1;
+  if (v.kind != V_TENSOR) {
+    error_at(s, e->at, "%s: %s must be a tensor, got %s", b->name, what, describe(v));
+    return -1;
+  }
+  return v.node;
+}
+
+static bool int_arg(Sema *s, const Builtin *b, const Expr *e, const char *what, int64_t dflt, int64_t *out) {
+  if (!e) {
+    *out = dflt;
+    return true;
+  }
+  return int_of(s, e, arena_printf(s->a, "%s: %s", b->name, what), out);
+}
+
+static bool float_arg(Sema *s, const Builtin *b, const Expr *e, const char *what, double dflt, double *out) {
+  if (!e) {
+    *out = dflt;
+    return true;
+  }
+  Val v = eval(s, e);
+  if (v.kind == V_ERR)
+    return false;
+  if (v.kind != V_INT && v.kind != V_FLOAT) {
+    error_at(s, e->at, "%s: %s must be a number, got %s", b->name, what, describe(v));
+    return false;
+  }
+  *out = v.kind == V_INT ? (double)v.i : v.f;
+  return true;
+}
+
+static bool bool_arg(Sema *s, const Builtin *b, const Expr *e, const char *what, bool dflt, bool *out) {
+  if (!e) {
+    *out = dflt;
+    return true;
+  }
+  Val v = eval(s, e);
+  if (v.kind == V_ERR)
+    return false;
+  if (v.kind != V_BOOL) {
+    error_at(s, e->at, "%s: %s must be true or false, got %s", b->name, what, describe(v));
+    return false;
+  }
+  *out = v.i != 0;
+  return true;
+}
+
+// An axis of a tensor of the given rank; negative axes count from the end.
+static bool axis_arg(Sema *s, const Builtin *b, const Expr *e, int64_t dflt, int rank, SrcLoc at, int64_t *out) {
+  int64_t a;
+  if (!int_arg(s, b, e, "axis", dflt, &a))
+    return false;
+  int64_t k = a < 0 ? a + rank : a;
+  if (k < 0 || k >= rank) {
+    error_at(s, e ? e->at : at, "%s: axis %lld is out of range for a tensor of rank %d", b->name, (long long)a, rank);
+    return false;
+  }
+  *out = k;
+  return true;
+}
+
+static bool need_i32(Sema *s, const Builtin *b, int x, const char *what, SrcLoc at) {
+  if (node(s, x)->dtype == DT_I32)
+    return true;
+  error_at(s, at, "%s: %s must be i32, got %s", b->name, what, dtype_name(node(s, x)->dtype));
+  return false;
+}
+
+static double fold_unary(Op op, double x) {
+  switch (op) {
+  case OP_NEG: return -x;
+  case OP_EXP: return exp(x);
+  case OP_LOG: return log(x);
+  case OP_TANH: return tanh(x);
+  case OP_SQRT: return sqrt(x);
+  case OP_RSQRT: return 1 / sqrt(x);
+  case OP_RELU: return x > 0 ? x : 0;
+  case OP_SILU: return x / (1 + exp(-x));
+  default: return 0.5 * x * (1 + tanh(sqrt(2 / M_PI) * (x + 0.044715 * x * x * x)));
+  }
+}
+
+// gelu relu silu exp log tanh sqrt rsqrt neg: elementwise on tensors, folded on scalars.
+static Val builtin_unary(Sema *s, const Builtin *b, const Expr *call, const Expr **arg) {
+  Val v = eval(s, arg[0]);
+  if (v.kind == V_ERR)
+    return ERR;
+  if (v.kind == V_TENSOR)
+    return add_op(s, b->op, &v.node, 1, NULL, NULL, call->at);
+  if (v.kind != V_INT && v.kind != V_FLOAT) {
+    error_at(s, arg[0]->at, "%s: x must be a tensor or a number, got %s", b->name, describe(v));
+    return ERR;
+  }
+  double x = v.kind == V_INT ? (double)v.i : v.f;
+  if (((b->op == OP_SQRT || b->op == OP_RSQRT) && x < 0) || (b->op == OP_LOG && x <= 0) ||
+      (b->op == OP_RSQRT && x == 0)) {
+    error_at(s, call->at, "%s(%g) is not a real number", b->name, x);
+    return ERR;
+  }
+  return float_val(fold_unary(b->op, x));
+}
+
+// sum / mean / max over one axis, or over everything: reshape to [numel], reduce axis 0 -> [].
+static Val builtin_reduce(Sema *s, const Builtin *b, const Expr *call, const Expr **arg) {
+  int x = tensor_arg(s, b, arg[0], "x");
+  bool keep;
+  if (x < 0 || !bool_arg(s, b, arg[2], "keepdim", false, &keep))
+    return ERR;
+  Shape sh = node(s, x)->shape;
+  if (arg[1]) {
+    int64_t axis;
+    if (!axis_arg(s, b, arg[1], 0, sh.rank, call->at, &axis))
+      return ERR;
+    return add_op(s, b->op, &x, 1, (int64_t[8]){axis, keep}, NULL, call->at);
+  }
+  if (sh.rank != 1) {
+    Val flat = reshape(s, x, (Shape){.rank = 1, .d = {shape_numel(sh)}}, call->at);
+    if (flat.kind == V_ERR)
+      return ERR;
+    x = flat.node;
+  }
+  Val r = add_op(s, b->op, &x, 1, (int64_t[8]){0, 0}, NULL, call->at);
+  if (r.kind == V_ERR || !keep || sh.rank == 0)
+    return r;
+  Shape ones = {.rank = sh.rank};
+  for (int i = 0; i < sh.rank; i++)
+    ones.d[i] = 1;
+  return reshape(s, r.node, ones, call->at);
+}
+
+// The integers of a list literal such as [B, T, -1].
+static bool int_list(Sema *s, const Builtin *b, const Expr *e, const char *what, int64_t *out, int *n) {
+  if (e->kind != E_LIST) {
+    error_at(s, e->at, "%s: %s must be a list such as [0, 2, 1]", b->name, what);
+    return false;
+  }
+  if (e->nargs > IR_MAX_RANK) {
+    error_at(s, e->at, "%s: %s has %d entries; tensors have at most %d axes", b->name, what, e->nargs, IR_MAX_RANK);
+    return false;
+  }
+  for (int i = 0; i < e->nargs; i++)
+    if (!int_of(s, e->args[i], arena_printf(s->a, "%s: %s entry", b->name, what), &out[i]))
+      return false;
+  *n = e->nargs;
+  return true;
+}
+
+static Val builtin_reshape(Sema *s, const Builtin *b, const Expr *call, const Expr **arg) {
+  int x = tensor_arg(s, b, arg[0], "x"), n;
+  int64_t d[IR_MAX_RANK];
+  if (x < 0 || !int_list(s, b, arg[1], "shape", d, &n))
+    return ERR;
+  Shape sh = {.rank = n};
+  int64_t known = 1;
+  int infer = -1;
+  for (int i = 0; i < n; i++) {
+    if (d[i] == -1 && infer < 0) {
+      infer = i;
+      continue;
+    }
+    if (d[i] <= 0) {
+      error_at(s, arg[1]->args[i]->at, "reshape: size %lld is not allowed (sizes are positive; one may be -1)",
+               (long long)d[i]);
+      return ERR;
+    }
+    if (__builtin_mul_overflow(known, d[i], &known)) {
+      error_at(s, arg[1]->at, "integer overflow in dimension arithmetic");
+      return ERR;
+    }
+    sh.d[i] = d[i];
+  }
+  int64_t numel = shape_numel(node(s, x)->shape);
+  if (infer >= 0) {
+    if (numel % known) {
+      error_at(s, call->at, "reshape: cannot reshape %s (%lld elements) to %s", shape_text(s, node(s, x)->shape),
+               (long long)numel, shape_text(s, shape_of(n, d)));
+      return ERR;
+    }
+    sh.d[infer] = numel / known;
+  }
+  return reshape(s, x, sh, call->at);
+}
+
+static Val builtin_permute(Sema *s, const Builtin *b, const Expr *call, const Expr **arg) {
+  int x = tensor_arg(s, b, arg[0], "x"), n;
+  int64_t perm[8] = {0};
+  if (x < 0 || !int_list(s, b, arg[1], "axes", perm, &n))
+    return ERR;
+  int r = node(s, x)->shape.rank;
+  if (n != r) {
+    error_at(s, arg[1]->at, "permute: %d axes given for a tensor of rank %d", n, r);
+    return ERR;
+  }
+  for (int i = 0; i < n; i++)
+    if (perm[i] < 0)
+      perm[i] += r;
+  return add_op(s, OP_PERMUTE, &x, 1, perm, NULL, call->at);
+}
+
+static Val builtin_transpose(Sema *s, const Builtin *b, const Expr *call, const Expr **arg) {
+  int x = tensor_arg(s, b, arg[0], "x");
+  if (x < 0)
+    return ERR;
+  int r = node(s, x)->shape.rank;
+  int64_t i, j, perm[8];
+  if (!axis_arg(s, b, arg[1], 0, r, call->at, &i) || !axis_arg(s, b, arg[2], 0, r, call->at, &j))
+    return ERR;
+  if (i == j)
+    return tensor_val(x);
+  for (int k = 0; k < r; k++)
+    perm[k] = k;
+  perm[i] = j;
+  perm[j] = i;
+  return add_op(s, OP_PERMUTE, &x, 1, perm, NULL, call->at);
+}
+
+// split(x, n, axis=-1): n equal SLICEs, returned together for `a, b, c = split(...)`.
+static Val builtin_split(Sema *s, const Builtin *b, const Expr *call, const Expr **arg) {
+  int x = tensor_arg(s, b, arg[0], "x");
+  int64_t n, axis;
+  if (x < 0 || !int_arg(s, b, arg[1], "n", 0, &n))
+    return ERR;
+  Shape sh = node(s, x)->shape;
+  if (!axis_arg(s, b, arg[2], -1, sh.rank, call->at, &axis))
+    return ERR;
+  if (n <= 0 || n > 64) {
+    error_at(s, arg[1]->at, "split: n must be between 1 and 64, got %lld", (long long)n);
+    return ERR;
+  }
+  if (sh.d[axis] % n) {
+    error_at(s, call->at, "split: size %lld of axis %lld is not divisible by %lld", (long long)sh.d[axis],
+             (long long)axis, (long long)n);
+    return ERR;
+  }
+  int64_t len = sh.d[axis] / n;
+  Val t = {.kind = V_TUPLE, .ntuple = (int)n, .tuple = arena_alloc(s->a, sizeof(int) * (size_t)n)};
+  for (int64_t i = 0; i < n; i++) {
+    Val part = add_op(s, OP_SLICE, &x, 1, (int64_t[8]){axis, i * len, (i + 1) * len}, NULL, call->at);
+    if (part.kind == V_ERR)
+      return ERR;
+    t.tuple[i] = part.node;
+  }
+  return t;
+}
+
+static Val builtin_concat(Sema *s, const Builtin *b, const Expr *call, const Expr **arg) {
+  const Expr *list = arg[0];
+  if (list->kind != E_LIST || list->nargs == 0) {
+    error_at(s, list->at, "concat: the first argument must be a list of tensors, such as [a, b]");
+    return ERR;
+  }
+  int *in = arena_alloc(s->a, sizeof(int) * (size_t)list->nargs);
+  for (int i = 0; i < list->nargs; i++)
+    if ((in[i] = tensor_arg(s, b, list->args[i], "each list entry")) < 0)
+      return ERR;
+  int64_t axis;
+  if (!axis_arg(s, b, arg[1], -1, node(s, in[0])->shape.rank, call->at, &axis))
+    return ERR;
+  return add_op(s, OP_CONCAT, in, list->nargs, (int64_t[8]){axis}, NULL, call->at);
+}
+
+static Val builtin_embed(Sema *s, const Builtin *b, const Expr *call, const Expr **arg) {
+  int t = tensor_arg(s, b, arg[0], "table"), ids = tensor_arg(s, b, arg[1], "ids");
+  if (t < 0 || ids < 0 || !need_i32(s, b, ids, "ids", call->at))
+    return ERR;
+  return add_op(s, OP_EMBED, (int[]){t, ids}, 2, NULL, NULL, call->at);
+}
+
+// layernorm(x, w, b, eps=1e-5) and rmsnorm(x, w, eps=1e-5). A layernorm without b gets a zero bias.
+static Val builtin_norm(Sema *s, const Builtin *b, const Expr *call, const Expr **arg) {
+  int layer = b->op == OP_LAYERNORM, eps_at = layer ? 3 : 2;
+  int x = tensor_arg(s, b, arg[0], "x"), w = tensor_arg(s, b, arg[1], "w");
+  double eps;
+  if (x < 0 || w < 0 || !float_arg(s, b, arg[eps_at], "eps", 1e-5, &eps))
+    return ERR;
+  if (eps < 0) {
+    error_at(s, arg[eps_at]->at, "%s: eps must not be negative, got %g", b->name, eps);
+    return ERR;
+  }
+  int in[3] = {x, w, -1};
+  if (layer && arg[2]) {
+    in[2] = tensor_arg(s, b, arg[2], "b");
+  } else if (layer) {
+    int zero = ir_const(s->g, 0, call->at);
+    in[2] = zero < 0 ? -1 : ir_broadcast(s->g, zero, node(s, w)->shape, call->at);
+    if (in[2] < 0)
+      error_at(s, call->at, "%s", s->g->err);
+  }
+  if (layer && in[2] < 0)
+    return ERR;
+  return add_op(s, b->op, in, layer ? 3 : 2, NULL, (double[6]){eps}, call->at);
+}
+
+static Val builtin_softmax(Sema *s, const Builtin *b, const Expr *call, const Expr **arg) {
+  int x = tensor_arg(s, b, arg[0], "x");
+  if (x < 0)
+    return ERR;
+  int r = node(s, x)->shape.rank;
+  int64_t axis;
+  if (r > 0 && !axis_arg(s, b, arg[1], -1, r, call->at, &axis))
+    return ERR;
+  if (r > 0 && axis != r - 1) {
+    error_at(s, arg[1]->at, "softmax over an axis other than the last is not supported");
+    return ERR;
+  }
+  return add_op(s, OP_SOFTMAX, &x, 1, NULL, NULL, call->at);
+}
+
+static Val builtin_attention(Sema *s, const Builtin *b, const Expr *call, const Expr **arg) {
+  int in[4];
+  for (int i = 0; i < 3; i++)
+    if ((in[i] = tensor_arg(s, b, arg[i], b->params[i])) < 0)
+      return ERR;
+  if (!arg[3]) {
+    error_at(s, call->at, "attention: heads=N is required");
+    return ERR;
+  }
+  int64_t heads;
+  bool causal;
+  if (!int_arg(s, b, arg[3], "heads", 0, &heads) || !bool_arg(s, b, arg[4], "causal", false, &causal))
+    return ERR;
+  if (arg[5] && ((in[3] = tensor_arg(s, b, arg[5], "doc")) < 0 || !need_i32(s, b, in[3], "doc", arg[5]->at)))
+    return ERR;
+  Shape q = node(s, in[0])->shape;
+  int64_t c = q.rank == 3 ? q.d[2] : 0;
+  double scale = heads > 0 && c % heads == 0 ? 1 / sqrt((double)(c / heads)) : 1;
+  if (!float_arg(s, b, arg[6], "scale", scale, &scale))
+    return ERR;
+  return add_op(s, OP_ATTENTION, in, arg[5] ? 4 : 3, (int64_t[8]){heads, causal, arg[5] != NULL},
+                (double[6]){scale}, call->at);
+}
+
+static Val builtin_rope(Sema *s, const Builtin *b, const Expr *call, const Expr **arg) {
+  int x = tensor_arg(s, b, arg[0], "x"), pos = tensor_arg(s, b, arg[1], "pos");
+  if (x < 0 || pos < 0 || !need_i32(s, b, pos, "pos", arg[1]->at))
+    return ERR;
+  if (!arg[2]) {
+    error_at(s, call->at, "rope: heads=N is required");
+    return ERR;
+  }
+  int64_t heads;
+  double base;
+  if (!int_arg(s, b, arg[2], "heads", 0, &heads) || !float_arg(s, b, arg[3], "base", 10000, &base))
+    return ERR;
+  if (base <= 0) {
+    error_at(s, arg[3]->at, "rope: base must be positive, got %g", base);
+    return ERR;
+  }
+  return add_op(s, OP_ROPE, (int[]){x, pos}, 2, (int64_t[8]){heads, 0}, (double[6]){base}, call->at);
+}
+
+static Val builtin_cross_entropy(Sema *s, const Builtin *b, const Expr *call, const Expr **arg) {
+  int l = tensor_arg(s, b, arg[0], "logits"), t = tensor_arg(s, b, arg[1], "targets");
+  if (l < 0 || t < 0 || !need_i32(s, b, t, "targets", arg[1]->at))
+    return ERR;
+  return add_op(s, OP_CROSS_ENTROPY, (int[]){l, t}, 2, NULL, NULL, call->at);
+}
+
+// Each dropout gets its own random stream: its index among the graph's dropouts, from 1.
+static Val builtin_dropout(Sema *s, const Builtin *b, const Expr *call, const Expr **arg) {
+  int x = tensor_arg(s, b, arg[0], "x");
+  double p;
+  if (x < 0 || !float_arg(s, b, arg[1], "p", 0.1, &p))
+    return ERR;
+  return add_op(s, OP_DROPOUT, &x, 1, (int64_t[8]){++s->dropouts}, (double[6]){p}, call->at);
+}
+
+static const Builtin builtins[] = {
+    {"gelu", 1, 1, {"x"}, builtin_unary, OP_GELU},
+    {"relu", 1, 1, {"x"}, builtin_unary, OP_RELU},
+    {"silu", 1, 1, {"x"}, builtin_unary, OP_SILU},
+    {"exp", 1, 1, {"x"}, builtin_unary, OP_EXP},
+    {"log", 1, 1, {"x"}, builtin_unary, OP_LOG},
+    {"tanh", 1, 1, {"x"}, builtin_unary, OP_TANH},
+    {"sqrt", 1, 1, {"x"}, builtin_unary, OP_SQRT},
+    {"rsqrt", 1, 1, {"x"}, builtin_unary, OP_RSQRT},
+    {"neg", 1, 1, {"x"}, builtin_unary, OP_NEG},
+    {"sum", 1, 1, {"x", "axis", "keepdim"}, builtin_reduce, OP_SUM},
+    {"mean", 1, 1, {"x", "axis", "keepdim"}, builtin_reduce, OP_MEAN},
+    {"max", 1, 1, {"x", "axis", "keepdim"}, builtin_reduce, OP_MAX},
+    {"reshape", 2, 2, {"x", "shape"}, builtin_reshape, OP_RESHAPE},
+    {"permute", 2, 2, {"x", "axes"}, builtin_permute, OP_PERMUTE},
+    {"transpose", 3, 3, {"x", "a", "b"}, builtin_transpose, OP_PERMUTE},
+    {"split", 2, 2, {"x", "n", "axis"}, builtin_split, OP_SLICE},
+    {"concat", 1, 1, {"xs", "axis"}, builtin_concat, OP_CONCAT},
+    {"embed", 2, 2, {"table", "ids"}, builtin_embed, OP_EMBED},
+    {"layernorm", 2, 3, {"x", "w", "b", "eps"}, builtin_norm, OP_LAYERNORM},
+    {"rmsnorm", 2, 2, {"x", "w", "eps"}, builtin_norm, OP_RMSNORM},
+    {"softmax", 1, 1, {"x", "axis"}, builtin_softmax, OP_SOFTMAX},
+    {"attention", 3, 3, {"q", "k", "v", "heads", "causal", "doc", "scale"}, builtin_attention, OP_ATTENTION},
+    {"rope", 2, 2, {"x", "pos", "heads", "base"}, builtin_rope, OP_ROPE},
+    {"cross_entropy", 2, 2, {"logits", "targets"}, builtin_cross_entropy, OP_CROSS_ENTROPY},
+    {"dropout", 1, 1, {"x", "p"}, builtin_dropout, OP_DROPOUT},
+};
+
+static Val call(Sema *s, const Expr *e) {
+  for (size_t i = 0; i < sizeof builtins / sizeof *builtins; i++) {
+    const Builtin *b = &builtins[i];
+    if (strcmp(b->name, e->s))
+      continue;
+    const Expr *arg[8];
+    if (!bind_args(s, b, e, arg))
+      return ERR;
+    return b->fn(s, b, e, arg);
+  }
+  if (!strcmp(e->s, "normal"))
+    error_at(s, e->at, "normal(std) initialises a param: param NAME: [shape] = normal(std)");
+  else
+    error_at(s, e->at, "unknown op '%s'", e->s);
+  return ERR;
+}
+
+static Val name_value(Sema *s, const Expr *e) {
+  Sym *y = lookup(s, e->s);
+  if (!y) {
+    unknown_name(s, e);
+    return ERR;
+  }
+  if (y->kind == SYM_DIM || y->kind == SYM_CONST)
+    return sym_value(s, y, e->at);
+  if (y->kind == SYM_REPEAT) {
+    error_at(s, e->at, "'%s' names a repeat block, not a value", e->s);
+    return ERR;
+  }
+  if (s->constant) {
+    error_at(s, e->at, "'%s' is %s; only dims and consts can be used here", e->s, a_sym_kind[y->kind]);
+    return ERR;
+  }
+  return y->val;
+}
+
+static Val eval(Sema *s, const Expr *e) {
+  switch (e->kind) {
+  case E_INT: return int_val(e->i);
+  case E_FLOAT: return float_val(e->f);
+  case E_BOOL: return (Val){.kind = V_BOOL, .i = e->i};
+  case E_NAME: return name_value(s, e);
+  case E_BINARY: return binary(s, e);
+  case E_NEG: return negate(s, e);
+  case E_ATTR: return attr(s, e);
+  case E_CALL: return call(s, e);
+  case E_INDEX: return index_expr(s, e);
+  case E_STRING: error_at(s, e->at, "a string is only allowed in the train section's no_decay list"); break;
+  case E_SIZE: error_at(s, e->at, "a size is only allowed in the train section's checkpoint = auto(SIZE)"); break;
+  case E_LIST: error_at(s, e->at, "a list is not a value; lists are arguments of reshape, permute and concat"); break;
+  case E_SLICE: error_at(s, e->at, "a slice a:b only goes inside x[...]"); break;
+  case E_KWARG: error_at(s, e->at, "'%s = ...' is only allowed as a call's argument", e->s); break;
+  }
+  return ERR;
+}
+
+//
+// Dims and consts
+//
+
+// The value of a dim: -D, else its expression (fixed) or its train-section binding (free), with
+// the bounds of a free dim checked.
+static Val dim_value(Sema *s, Sym *d) {
+  const Stmt *st = d->decl;
+  Val v;
+  SrcLoc at = st->at;
+  if (d->overridden)
+    v = int_val(d->override);
+  else if (st->value)
+    v = eval(s, st->value), at = st->value->at;
+  else if (d->bind)
+    v = eval(s, d->bind), at = d->bind->at;
+  else {
+    error_at(s, st->at, "dim '%s' is not bound: set it in the train section or with -D %s=N", d->name, d->name);
+    return ERR;
+  }
+  if (v.kind == V_ERR)
+    return ERR;
+  if (v.kind != V_INT) {
+    error_at(s, at, "dim '%s' must be an integer, got %s", d->name, describe(v));
+    return ERR;
+  }
+  if (st->value)
+    return v;
+  int64_t lo, hi;
+  if (!int_of(s, st->lo, "a dim bound", &lo) || !int_of(s, st->hi, "a dim bound", &hi))
+    return ERR;
+  if (v.i < lo || v.i > hi) {
+    if (d->overridden)
+      error_at(s, st->at, "dim '%s' = %lld (from -D %s=%lld) is out of bounds %lld..%lld", d->name, (long long)v.i,
+               d->name, (long long)v.i, (long long)lo, (long long)hi);
+    else
+      error_at(s, at, "dim '%s' = %lld is out of bounds %lld..%lld", d->name, (long long)v.i, (long long)lo,
+               (long long)hi);
+    return ERR;
+  }
+  return v;
+}
+
+// Evaluates a dim or const on first use; a use while it is being evaluated closes a cycle.
+static Val sym_value(Sema *s, Sym *y, SrcLoc use) {
+  if (y->state == DONE)
+    return y->val;
+  if (y->state == EVALUATING) {
+    int k = s->stack.n - 1;
+    while (k > 0 && s->stack.v[k] != y)
+      k--;
+    char path[512] = "";
+    for (int i = k; i < s->stack.n; i++)
+      snprintf(path + strlen(path), sizeof path - strlen(path), "%s -> ", ((Sym *)s->stack.v[i])->name);
+    error_at(s, use, "reference cycle: %s%s", path, y->name);
+    return ERR;
+  }
+  y->state = EVALUATING;
+  vec_push(s->a, &s->stack, y);
+  bool saved = s->constant;
+  s->constant = true;
+  Val v = y->kind == SYM_DIM ? dim_value(s, y) : eval(s, y->decl->value);
+  s->constant = saved;
+  s->stack.n--;
+  y->val = v;
+  y->state = DONE;
+  return v;
+}
+
+//
+// Step 1: declarations
+//
+
+static const char *stmt_keyword(StmtKind k) {
+  static const char *const kw[] = {"model", "dim", "const", "input", "param", "output", "assignment", "repeat",
+                                   "train"};
+  return kw[k];
+}
+
+static void add_decl(Sema *s, const char *name, const char *kind, const char *repeat, SrcLoc at) {
+  Decl *d = arena_alloc(s->a, sizeof *d);
+  *d = (Decl){.name = name, .kind = kind, .repeat = repeat, .at = at};
+  vec_push(s->a, &s->decls, d);
+}
+
+// Records every name a statement defines (for "used before its definition" and friends) and
+// rejects statements that do not belong in a repeat body.
+static void scan_body(Sema *s, Stmt **body, int n, const char *repeat) {
+  for (int i = 0; i < n; i++) {
+    Stmt *st = body[i];
+    switch (st->kind) {
+    case S_PARAM: add_decl(s, st->name, "a param", repeat, st->at); break;
+    case S_INPUT: add_decl(s, st->name, "an input", repeat, st->at); break;
+    case S_OUTPUT: add_decl(s, st->name, "a value", repeat, st->at); break;
+    case S_ASSIGN:
+      for (int k = 0; k < st->nnames; k++)
+        add_decl(s, st->names[k], "a value", repeat, st->names_at[k]);
+      break;
+    case S_REPEAT: scan_body(s, st->body, st->nbody, st->name); break;
+    default: break;
+    }
+    if (repeat && st->kind != S_PARAM && st->kind != S_ASSIGN && st->kind != S_REPEAT) {
+      error_at(s, st->at, "'%s' is not allowed inside a repeat block", stmt_keyword(st->kind));
+      st->rejected = true;
+    }
+  }
+}
+
+static Stmt *find_stmt(PtrVec *v, const char *name) {
+  for (int i = 0; i < v->n; i++)
+    if (!strcmp(((Stmt *)v->v[i])->name, name))
+      return v->v[i];
+  return NULL;
+}
+
+static void reject_duplicate(Sema *s, Stmt *st, const Stmt *old) {
+  bool printed = st->kind == S_MODEL   ? error_at(s, st->at, "duplicate model statement: a file defines one model")
+                 : st->kind == S_TRAIN ? error_at(s, st->at, "duplicate train section")
+                                       : error_at(s, st->at, "duplicate definition of '%s'", st->name);
+  if (printed)
+    diag_note(old->at, "previous definition is here");
+  st->rejected = true;
+}
+
+static const Stmt *declare(Sema *s) {
+  PtrVec top = {0}, train = {0}, models = {0};
+  for (int i = 0; i < s->p->stmts.n; i++) {
+    Stmt *st = s->p->stmts.v[i];
+    Stmt *old;
+    switch (st->kind) {
+    case S_MODEL:
+      if (models.n)
+        reject_duplicate(s, st, models.v[0]);
+      else
+        vec_push(s->a, &models, st);
+      break;
+    case S_TRAIN:
+      if (train.n)
+        reject_duplicate(s, st, train.v[0]);
+      else
+        vec_push(s->a, &train, st);
+      break;
+    case S_OUTPUT:
+      if ((old = find_stmt(&s->outputs, st->name)))
+        reject_duplicate(s, st, old);
+      else
+        vec_push(s->a, &s->outputs, st);
+      break;
+    case S_DIM: case S_CONST: case S_PARAM: case S_INPUT: case S_REPEAT:
+      if ((old = find_stmt(&top, st->name))) {
+        reject_duplicate(s, st, old);
+        break;
+      }
+      vec_push(s->a, &top, st);
+      if (st->kind == S_DIM || st->kind == S_CONST) {
+        Sym *y = add_sym(s, &s->global, st->name, st->kind == S_DIM ? SYM_DIM : SYM_CONST, st->at);
+        y->decl = st;
+        vec_push(s->a, st->kind == S_DIM ? &s->dims : &s->consts, y);
+      }
+      break;
+    case S_ASSIGN: break;
+    }
+  }
+  scan_body(s, (Stmt **)s->p->stmts.v, s->p->stmts.n, NULL);
+  if (!models.n)
+    error_at(s, (SrcLoc){.file = s->p->file, .text = s->p->text, .line = 1, .col = 1},
+             "no model statement: a .mdl file starts with 'model NAME'");
+  else
+    s->g->model = ((Stmt *)models.v[0])->name;
+  if (!train.n)
+    return NULL;
+  Stmt *t = train.v[0];
+  for (int i = 0; i < t->nbody; i++) {
+    Stmt *st = t->body[i];
+    if (st->kind != S_ASSIGN || st->nnames != 1) {
+      error_at(s, st->at, "only settings such as 'B = 8' are allowed in the train section");
+      st->rejected = true;
+    }
+  }
+  return t;
+}
+
+//
+// Step 2: dims
+//
+
+static const char *const train_keys[] = {"optimizer", "schedule", "no_decay", "clip", "accumulate", "precision",
+                                         "checkpoint"};
+
+static void bind_dims(Sema *s, const Stmt *train, const DimOverride *ov, int nov) {
+  for (int i = 0; train && i < train->nbody; i++) {
+    const Stmt *st = train->body[i];
+    if (st->rejected)
+      continue;
+    bool seen = false;
+    for (int k = 0; k < i && !seen; k++)
+      if (!train->body[k]->rejected && !strcmp(train->body[k]->name, st->name)) {
+        if (error_at(s, st->at, "duplicate definition of '%s'", st->name))
+          diag_note(train->body[k]->at, "previous definition is here");
+        seen = true;
+      }
+    if (seen)
+      continue;
+    Sym *d = find_in(&s->global, st->name);
+    if (d && d->kind == SYM_DIM) {
+      if (d->decl->value) {
+        if (error_at(s, st->at, "'%s' is a fixed dim; only free dims (dim %s in LO..HI) are set in the train section",
+                     st->name, st->name))
+          diag_note(d->at, "'%s' is defined here", st->name);
+      } else {
+        d->bind = st->value;
+      }
+      continue;
+    }
+    bool known = false;
+    for (size_t k = 0; k < sizeof train_keys / sizeof *train_keys; k++)
+      known |= !strcmp(train_keys[k], st->name);
+    if (!known) {
+      error_at(s, st->at, "unknown train setting '%s' (settings: free dims, optimizer, schedule, no_decay, clip, "
+                          "accumulate, precision, checkpoint)", st->name);
+      continue;
+    }
+    Setting *set = arena_alloc(s->a, sizeof *set);
+    *set = (Setting){.key = st->name, .value = st->value, .at = st->at};
+    vec_push(s->a, &s->settings, set);
+  }
+  for (int i = 0; i < nov; i++) {
+    Sym *d = find_in(&s->global, ov[i].name);
+    if (!d || d->kind != SYM_DIM) {
+      error_at(s, (SrcLoc){.file = s->p->file}, "-D %s=%lld: the model has no dim '%s'", ov[i].name,
+               (long long)ov[i].value, ov[i].name);
+      continue;
+    }
+    d->overridden = true;
+    d->override = ov[i].value;
+  }
+  Graph *g = s->g;
+  g->dims = arena_alloc(s->a, sizeof(DimBinding) * (size_t)(s->dims.n ? s->dims.n : 1));
+  for (int i = 0; i < s->dims.n; i++) {
+    Sym *d = s->dims.v[i];
+    Val v = sym_value(s, d, d->at);
+    g->dims[g->ndims++] = (DimBinding){d->name, v.kind == V_INT ? v.i : 0};
+  }
+  for (int i = 0; i < s->consts.n; i++) {
+    Sym *c = s->consts.v[i];
+    sym_value(s, c, c->at);
+  }
+}
+
+//
+// Step 3: the train section
+//
+
+typedef enum { R_POSITIVE, R_NONNEG, R_UNIT } Range;
+
+static bool number(Sema *s, const Expr *e, const char *what, Range r, bool integer, double *out) {
+  Val v = eval_const(s, e);
+  if (v.kind == V_ERR)
+    return false;
+  if (v.kind != V_INT && (integer || v.kind != V_FLOAT)) {
+    error_at(s, e->at, "%s must be %s, got %s", what, integer ? "an integer" : "a number", describe(v));
+    return false;
+  }
+  double x = v.kind == V_INT ? (double)v.i : v.f;
+  static const char *const want[] = {"positive", "at least 0", "in [0, 1)"};
+  if ((r == R_POSITIVE && !(x > 0)) || (r == R_NONNEG && !(x >= 0)) || (r == R_UNIT && !(x >= 0 && x < 1))) {
+    error_at(s, e->at, "%s must be %s, got %g", what, want[r], x);
+    return false;
+  }
+  *out = x;
+  return true;
+}
+
+// NAME or NAME(keyword=value, ...) in the train section; arg[k] as bind_args.
+static bool train_call(Sema *s, const Builtin *b, const Expr *e, const char *setting, const char *names,
+                       const Expr **arg) {
+  if (e->kind == E_NAME && !strcmp(e->s, b->name)) {
+    for (int k = 0; k < 8; k++)
+      arg[k] = NULL;
+    return true;
+  }
+  if (e->kind == E_CALL && !strcmp(e->s, b->name))
+    return bind_args(s, b, e, arg);
+  error_at(s, e->at, "unknown %s '%s' (available: %s)", setting,
+           e->kind == E_NAME || e->kind == E_CALL ? e->s : ast_text(s->a, s->p->text, e), names);
+  return false;
+}
+
+static const char *word(Sema *s, const Expr *e, const char *setting, const char *const *choices, int n) {
+  for (int i = 0; e->kind == E_NAME && i < n; i++)
+    if (!strcmp(e->s, choices[i]))
+      return choices[i];
+  char list[128] = "";
+  for (int i = 0; i < n; i++)
+    snprintf(list + strlen(list), sizeof list - strlen(list), "%s%s", i ? (i + 1 < n ? ", " : " or ") : "", choices[i]);
+  error_at(s, e->at, "unknown %s '%s' (expected %s)", setting, ast_text(s->a, s->p->text, e), list);
+  return NULL;
+}
+
+static void checkpoint_setting(Sema *s, const Expr *e, TrainConfig *t) {
+  static const char *const modes[] = {"none", "all", "auto"};
+  if (e->kind == E_CALL && !strcmp(e->s, "auto")) {
+    static const Builtin b = {"auto", 1, 1, {"budget"}, NULL, OP_COUNT};
+    const Expr *arg[8];
+    if (!bind_args(s, &b, e, arg))
+      return;
+    if (arg[0]->kind != E_SIZE || strtod(arg[0]->s, NULL) <= 0) {
+      error_at(s, arg[0]->at, "checkpoint budget must be a positive size such as 2GiB");
+      return;
+    }
+    t->checkpoint = arena_printf(s->a, "auto=%s", arg[0]->s);
+    return;
+  }
+  const char *w = word(s, e, "checkpoint mode", modes, 3);
+  if (w)
+    t->checkpoint = w;
+}
+
+static void train_config(Sema *s) {
+  TrainConfig *t = &s->g->train;
+  for (int i = 0; i < s->settings.n; i++) {
+    const Setting *set = s->settings.v[i];
+    const Expr *e = set->value, *arg[8];
+    double x;
+    if (!strcmp(set->key, "optimizer")) {
+      static const Builtin b = {"adamw", 0, 0, {"lr", "beta1", "beta2", "eps", "weight_decay"}, NULL, OP_COUNT};
+      if (!train_call(s, &b, e, "optimizer", "adamw", arg))
+        continue;
+      static const Range r[] = {R_POSITIVE, R_UNIT, R_UNIT, R_POSITIVE, R_NONNEG};
+      double *dst[] = {&t->lr, &t->beta1, &t->beta2, &t->eps, &t->weight_decay};
+      for (int k = 0; k < 5; k++)
+        if (arg[k] && number(s, arg[k], b.params[k], r[k], false, &x))
+          *dst[k] = x;
+    } else if (!strcmp(set->key, "schedule")) {
+      static const Builtin b = {"cosine", 0, 0, {"warmup", "min_lr", "steps"}, NULL, OP_COUNT};
+      if (!train_call(s, &b, e, "schedule", "cosine", arg))
+        continue;
+      if (arg[0] && number(s, arg[0], "warmup", R_NONNEG, true, &x))
+        t->warmup = (int64_t)x;
+      if (arg[1] && number(s, arg[1], "min_lr", R_NONNEG, false, &x))
+        t->min_lr = x;
+      if (arg[2] && number(s, arg[2], "steps", R_NONNEG, true, &x))
+        t->steps = (int64_t)x;
+    } else if (!strcmp(set->key, "no_decay")) {
+      bool ok = e->kind == E_LIST;
+      for (int k = 0; ok && k < e->nargs; k++)
+        ok = e->args[k]->kind == E_STRING;
+      if (!ok) {
+        error_at(s, e->at, "no_decay must be a list of name patterns such as [\"*_b\", \"ln*\"]");
+        continue;
+      }
+      for (int k = 0; k < e->nargs; k++)
+        vec_push(s->a, &s->no_decay, (void *)e->args[k]->s);
+    } else if (!strcmp(set->key, "clip")) {
+      if (number(s, e, "clip", R_NONNEG, false, &x))
+        t->clip = x;
+    } else if (!strcmp(set->key, "accumulate")) {
+      if (number(s, e, "accumulate", R_POSITIVE, true, &x))
+        t->accumulate = (int64_t)x;
+    } else if (!strcmp(set->key, "precision")) {
+      static const char *const precisions[] = {"fp32", "bf16", "fp8"};
+      const char *w = word(s, e, "precision", precisions, 3);
+      if (w)
+        t->precision = w;
+    } else {
+      checkpoint_setting(s, e, t);
+    }
+  }
+}
+
+//
+// Step 4: elaboration
+//
+
+static bool eval_shape(Sema *s, Expr **dims, int rank, SrcLoc at, Shape *out) {
+  if (rank > IR_MAX_RANK) {
+    error_at(s, at, "a tensor has at most %d axes, this shape has %d", IR_MAX_RANK, rank);
+    return false;
+  }
+  *out = (Shape){.rank = rank};
+  int64_t numel = 1;
+  for (int i = 0; i < rank; i++) {
+    if (!int_of(s, dims[i], "a shape entry", &out->d[i]))
+      return false;
+    if (out->d[i] <= 0) {
+      error_at(s, dims[i]->at, "shape entry %s must be positive, got %lld", ast_text(s->a, s->p->text, dims[i]),
+               (long long)out->d[i]);
+      return false;
+    }
+    if (__builtin_mul_overflow(numel, out->d[i], &numel)) {
+      error_at(s, at, "integer overflow in dimension arithmetic");
+      return false;
+    }
+  }
+  return true;
+}
+
+// Binds a name to a value: rebinding a value (the closest one in scope: loop-carried values in a
+// repeat body update the outer binding), or defining a new one in the current scope.
+static void assign(Sema *s, const char *name, SrcLoc at, Val v) {
+  Sym *y = lookup(s, name);
+  if (y && y->kind != SYM_VALUE) {
+    if (error_at(s, at, "cannot assign to %s '%s'", sym_kind[y->kind], name))
+      diag_note(y->at, "'%s' is defined here", name);
+    return;
+  }
+  if (!y)
+    y = add_sym(s, s->scope, name, SYM_VALUE, at);
+  y->val = v;
+  if (v.kind == V_TENSOR) {
+    IrNode *n = node(s, v.node);
+    if (!n->name)
+      n->name = arena_printf(s->a, "%s%s", s->scope->prefix, name);
+  }
+}
+
+static void assign_stmt(Sema *s, const Stmt *st) {
+  for (int i = 0; i < st->nnames; i++)
+    for (int k = 0; k < i; k++)
+      if (!strcmp(st->names[i], st->names[k])) {
+        error_at(s, st->names_at[i], "'%s' is assigned twice in one statement", st->names[i]);
+        return;
+      }
+  Val v = eval(s, st->value);
+  if (st->nnames == 1 && v.kind == V_TUPLE) {
+    error_at(s, st->at, "split gives %d values; unpack them into %d names", v.ntuple, v.ntuple);
+    v = ERR;
+  } else if (st->nnames > 1 && v.kind != V_ERR && (v.kind != V_TUPLE || v.ntuple != st->nnames)) {
+    error_at(s, st->at, "%d names, but the right side gives %d value%s", st->nnames,
+             v.kind == V_TUPLE ? v.ntuple : 1, v.kind == V_TUPLE && v.ntuple != 1 ? "s" : "");
+    v = ERR;
+  }
+  for (int i = 0; i < st->nnames; i++)
+    assign(s, st->names[i], st->names_at[i], st->nnames > 1 && v.kind == V_TUPLE ? tensor_val(v.tuple[i]) : v);
+}
+
+// A failed input is still defined (as V_ERR) so that its uses report nothing more.
+static void input_stmt(Sema *s, const Stmt *st) {
+  bool known = !strcmp(st->dtype, "i32") || !strcmp(st->dtype, "f32");
+  if (!known)
+    error_at(s, st->dtype_at, "unknown dtype '%s' (inputs are i32 or f32)", st->dtype);
+  Sym *y = define(s, st->name, SYM_INPUT, st->at);
+  Shape sh;
+  bool ok = eval_shape(s, st->shape, st->rank, st->shape_at, &sh);
+  if (!y || !ok || !known)
+    return;
+  int id = ir_leaf(s->g, OP_INPUT, st->name, st->dtype[0] == 'i' ? DT_I32 : DT_F32, sh, st->at);
+  if (id < 0)
+    error_at(s, st->at, "%s", s->g->err);
+  else
+    y->val = tensor_val(id);
+}
+
+static bool param_init(Sema *s, const Expr *e, ParamInit *init) {
+  if (e->kind == E_NAME && (!strcmp(e->s, "zeros") || !strcmp(e->s, "ones"))) {
+    init->kind = e->s[0] == 'z' ? INIT_ZEROS : INIT_ONES;
+    return true;
+  }
+  if (e->kind == E_CALL && !strcmp(e->s, "normal")) {
+    static const Builtin b = {"normal", 1, 1, {"std"}, NULL, OP_COUNT};
+    const Expr *arg[8];
+    double std;
+    if (!bind_args(s, &b, e, arg) || !number(s, arg[0], "normal: std", R_NONNEG, false, &std))
+      return false;
+    *init = (ParamInit){.kind = INIT_NORMAL, .std = std};
+    return true;
+  }
+  error_at(s, e->at, "unknown initializer '%s' (use normal(std), zeros or ones)", ast_text(s->a, s->p->text, e));
+  return false;
+}
+
+static void param_stmt(Sema *s, const Stmt *st) {
+  Sym *y = define(s, st->name, SYM_PARAM, st->at);
+  Shape sh;
+  ParamInit init = {0};
+  bool ok = eval_shape(s, st->shape, st->rank, st->shape_at, &sh);
+  ok = param_init(s, st->value, &init) && ok;
+  if (!y || !ok)
+    return;
+  int id = ir_leaf(s->g, OP_PARAM, arena_printf(s->a, "%s%s", s->scope->prefix, st->name), DT_F32, sh, st->at);
+  if (id < 0) {
+    error_at(s, st->at, "%s", s->g->err);
+    return;
+  }
+  init.decay = true;
+  node(s, id)->init = init;
+  y->val = tensor_val(id);
+}
+
+static void output_stmt(Sema *s, const Stmt *st) {
+  Val v = eval(s, st->value);
+  if (v.kind != V_ERR && v.kind != V_TENSOR) {
+    error_at(s, st->value->at, "output '%s' must be a tensor, got %s", st->name, describe(v));
+    v = ERR;
+  }
+  assign(s, st->name, st->at, v);
+  if (v.kind == V_ERR)
+    return;
+  IrNode *n = node(s, v.node);
+  if (n->op != OP_INPUT && n->op != OP_PARAM)
+    n->name = st->name;
+  s->out_nodes[s->nout++] = v.node;
+  if (strcmp(st->name, "loss"))
+    return;
+  if (n->shape.rank != 0 || n->dtype != DT_F32)
+    error_at(s, st->at, "output 'loss' must be a scalar f32 (shape []), got %s%s", dtype_name(n->dtype),
+             shape_text(s, n->shape));
+  else
+    s->g->loss = v.node;
+}
+
+static void elaborate(Sema *s, Stmt **body, int n);
+
+// repeat NAME[N] { body }: N copies of the body, copy i in a scope whose params are NAME.i.x.
+static void repeat_stmt(Sema *s, const Stmt *st) {
+  int64_t n;
+  if (!int_of(s, st->value, "a repeat count", &n))
+    return;
+  if (n < 0) {
+    error_at(s, st->value->at, "a repeat count must not be negative, got %lld", (long long)n);
+    return;
+  }
+  if (!define(s, st->name, SYM_REPEAT, st->at))
+    return;
+  for (int64_t i = 0; i < n; i++) {
+    Scope sc = {.up = s->scope, .prefix = arena_printf(s->a, "%s%s.%lld.", s->scope->prefix, st->name, (long long)i)};
+    s->scope = &sc;
+    elaborate(s, st->body, st->nbody);
+    s->scope = sc.up;
+  }
+}
+
+static void elaborate(Sema *s, Stmt **body, int n) {
+  for (int i = 0; i < n; i++) {
+    const Stmt *st = body[i];
+    if (st->rejected)
+      continue;
+    switch (st->kind) {
+    case S_INPUT: input_stmt(s, st); break;
+    case S_PARAM: param_stmt(s, st); break;
+    case S_ASSIGN: assign_stmt(s, st); break;
+    case S_OUTPUT: output_stmt(s, st); break;
+    case S_REPEAT: repeat_stmt(s, st); break;
+    case S_MODEL: case S_DIM: case S_CONST: case S_TRAIN: break;
+    }
+  }
+}
+
+// Weight decay applies to every param no no_decay pattern matches.
+static void set_decay(Sema *s) {
+  Graph *g = s->g;
+  for (int i = 0; i < g->nparams; i++) {
+    IrNode *p = node(s, g->params[i]);
+    for (int k = 0; k < s->no_decay.n; k++)
+      if (fnmatch(s->no_decay.v[k], p->name, 0) == 0)
+        p->init.decay = false;
+  }
+}
+
+Graph *sema_build(Parser *p, const DimOverride *ov, int nov) {
+  Sema sema = {.p = p, .a = p->arena, .g = ir_new(p->arena)};
+  Sema *s = &sema;
+  s->global.prefix = "";
+  s->scope = &s->global;
+  int errors = diag_errors;
+  if (p->stmts.n == 0) {
+    diag_error((SrcLoc){.file = p->file, .text = p->text, .line = 1, .col = 1}, "empty file: no model");
+    return NULL;
+  }
+  const Stmt *train = declare(s);
+  bind_dims(s, train, ov, nov);
+  train_config(s);
+  s->out_nodes = arena_alloc(s->a, sizeof(int) * (size_t)(s->outputs.n ? s->outputs.n : 1));
+  elaborate(s, (Stmt **)p->stmts.v, p->stmts.n);
+  set_decay(s);
+  Graph *g = s->g;
+  g->outputs = s->out_nodes;
+  g->noutputs = s->nout;
+  g->fwd_end = g->n;
+  return diag_errors > errors ? NULL : g;
+}
+
+//
+// Entry points
+//
+
+// The offset of the first byte that is not part of a well-formed UTF-8 sequence, or -1.
+static long bad_utf8(const unsigned char *t, size_t n) {
+  size_t i = 0;
+  while (i < n) {
+    unsigned c = t[i];
+    size_t len = c < 0x80 ? 1 : (c >> 5) == 6 ? 2 : (c >> 4) == 14 ? 3 : (c >> 3) == 30 ? 4 : 0;
+    if (!len || i + len > n)
+      return (long)i;
+    uint32_t cp = len == 1 ? c : c & (0x7f >> len);
+    for (size_t k = 1; k < len; k++) {
+      if ((t[i + k] & 0xc0) != 0x80)
+        return (long)i;
+      cp = cp << 6 | (t[i + k] & 0x3f);
+    }
+    static const uint32_t min[] = {0, 0, 0x80, 0x800, 0x10000};
+    if (cp < min[len] || cp > 0x10ffff || (cp >= 0xd800 && cp <= 0xdfff))
+      return (long)i;
+    i += len;
+  }
+  return -1;
+}
+
+Graph *mdl_compile_text(Arena *a, const char *path, const char *text, const DimOverride *ov, int nov) {
+  long bad = bad_utf8((const unsigned char *)text, strlen(text));
+  if (bad >= 0) {
+    diag_file_error(path, "not a text file (invalid UTF-8 at offset %ld)", bad);
+    return NULL;
+  }
+  Parser p = {.arena = a, .file = path, .text = text};
+  if (!parse_text(&p))
+    return NULL;
+  return sema_build(&p, ov, nov);
+}
+
+Graph *mdl_compile_file(Arena *a, const char *path, const DimOverride *ov, int nov) {
+  FILE *f = fopen(path, "rb");
+  if (!f) {
+    diag_file_error(path, "cannot open: %s", strerror(errno));
+    return NULL;
+  }
+  size_t cap = 1 << 16, n = 0, got;
+  char *buf = malloc(cap), *more;
+  while (buf && (got = fread(buf + n, 1, cap - n, f)) > 0) {
+    n += got;
+    if (n == cap) {
+      more = realloc(buf, cap *= 2);
+      if (!more)
+        free(buf);
+      buf = more;
+    }
+  }
+  bool failed = !buf || ferror(f);
+  int err = buf ? errno : ENOMEM;
+  fclose(f);
+  if (failed) {
+    free(buf);
+    diag_file_error(path, "cannot read: %s", strerror(err));
+    return NULL;
+  }
+  char *nul = memchr(buf, 0, n);
+  if (nul) {
+    diag_file_error(path, "not a text file (NUL byte at offset %ld)", (long)(nul - buf));
+    free(buf);
+    return NULL;
+  }
+  char *text = arena_alloc(a, n + 1);
+  memcpy(text, buf, n);
+  free(buf);
+  return mdl_compile_text(a, path, text, ov, nov);
+}

@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# The command line: exit statuses, --help/--version, check output, init/grad round trip, run.
+set -u
+cd "$(dirname "$0")/../.."
+m=bin/mdlc
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+
+expect() { # expect NAME STATUS CMD...: the command exits with STATUS
+  local name=$1 want=$2; shift 2
+  "$@" >"$tmp/out" 2>"$tmp/err"; local rc=$?
+  if [ "$rc" -eq "$want" ]; then echo "[ok] cli: $name"; else
+    echo "[fail] cli: $name: status $rc, wanted $want: $(head -c 300 "$tmp/err")"; fi
+}
+contains() { # contains NAME FILE TEXT
+  if grep -qF -- "$3" "$2"; then echo "[ok] cli: $1"; else
+    echo "[fail] cli: $1: '$3' not in: $(head -c 300 "$2")"; fi
+}
+
+expect "--version exits 0" 0 $m --version
+contains "--version prints the version" "$tmp/out" "mdlc 0."
+expect "--help exits 0" 0 $m --help
+contains "--help lists the verbs" "$tmp/out" "check FILE.mdl"
+expect "no verb is a usage error" 2 $m
+expect "unknown verb is a usage error" 2 $m frobnicate models/mlp.mdl
+contains "unknown verb is named" "$tmp/err" "unknown verb 'frobnicate'"
+expect "unknown option is a usage error" 2 $m check --frob models/mlp.mdl
+expect "bad -D is a usage error" 2 $m check -D B models/mlp.mdl
+expect "missing file is a user error" 1 $m check "$tmp/nope.mdl"
+contains "missing file is named" "$tmp/err" "$tmp/nope.mdl"
+
+expect "check gpt2" 0 $m check models/gpt2.mdl
+contains "gpt2 has the published 124M parameter count" "$tmp/out" "124439808 parameters"
+for f in models/*.mdl; do expect "check $f" 0 $m check "$f"; done
+expect "-D overrides a dim" 0 $m check -D B=3 models/gpt2-tiny.mdl
+contains "-D B=3 reaches the inputs" "$tmp/out" "i32[3,64]"
+expect "dump after parse and autodiff" 0 $m -d PA check models/mlp.mdl
+contains "dump shows the backward graph" "$tmp/out" "# backward"
+contains "dump shows adamw" "$tmp/out" "adamw("
+
+expect "init writes weights" 0 $m init models/gpt2-tiny.mdl -o "$tmp/w.safetensors" --seed 3
+expect "init needs -o" 2 $m init models/gpt2-tiny.mdl
+expect "grad with a missing batch file fails" 1 $m grad models/gpt2-tiny.mdl --weights "$tmp/w.safetensors" \
+  --batch "$tmp/none.safetensors" -o "$tmp/g.safetensors"
+contains "the missing batch is named" "$tmp/err" "none.safetensors"
+expect "weights of another model are refused" 1 $m grad models/llama-tiny.mdl --weights "$tmp/w.safetensors" \
+  --batch "$tmp/none.safetensors" -o "$tmp/g.safetensors"
+printf 'not a safetensors file' >"$tmp/bad.safetensors"
+expect "corrupt weights are refused" 1 $m run models/gpt2-tiny.mdl --steps 1 --weights "$tmp/bad.safetensors"
+contains "the corrupt file is named" "$tmp/err" "bad.safetensors"
+
+head -c 4000 /usr/share/common-licenses/GPL-3 >"$tmp/text.txt"
+expect "run trains a few steps" 0 $m run models/gpt2-tiny.mdl -D B=2 -D T=16 --steps 3 --data "$tmp/text.txt" \
+  -o "$tmp/trained.safetensors"
+contains "run prints tok/s" "$tmp/out" "tok/s"
+contains "run prints MFU" "$tmp/out" "MFU"
+[ -f "$tmp/trained.safetensors" ] && echo "[ok] cli: run writes the trained weights" ||
+  echo "[fail] cli: run writes the trained weights: no file"
+: >"$tmp/empty.txt"
+expect "an empty corpus is refused" 1 $m run models/gpt2-tiny.mdl --steps 1 --data "$tmp/empty.txt"
+contains "the empty corpus is named" "$tmp/err" "empty.txt"

@@ -1,0 +1,389 @@
+// test_frontend.c: the .mdl front end on small texts and on models/: shapes of outputs, param
+// names, counts and inits, dims, train settings, rebinding, repeat naming, the lowering of each
+// construct to IR nodes, and error counts (the exact messages are tests/errors/'s business).
+#include "mdl.h"
+#include "test.h"
+
+#include <math.h>
+#include <string.h>
+#include <unistd.h>
+
+static Arena *arena;
+static char errtext[16384]; // what the last compile() printed on stderr
+
+// Compiles a text (or, when text is NULL, the file at path) in a fresh arena with stderr captured
+// in errtext; *errors gets the number of errors reported.
+static Graph *compile_any(const char *path, const char *text, const DimOverride *ov, int nov, int *errors) {
+  arena_free(arena);
+  arena = arena_new();
+  fflush(stderr);
+  int saved = dup(2);
+  FILE *tmp = tmpfile();
+  dup2(fileno(tmp), 2);
+  int before = diag_errors;
+  Graph *g = text ? mdl_compile_text(arena, path, text, ov, nov) : mdl_compile_file(arena, path, ov, nov);
+  fflush(stderr);
+  dup2(saved, 2);
+  close(saved);
+  rewind(tmp);
+  size_t n = fread(errtext, 1, sizeof errtext - 1, tmp);
+  errtext[n] = 0;
+  fclose(tmp);
+  *errors = diag_errors - before;
+  return g;
+}
+
+static Graph *compile_ov(const char *text, const DimOverride *ov, int nov, int *errors) {
+  return compile_any("t.mdl", text, ov, nov, errors);
+}
+
+static Graph *compile(const char *text) {
+  int errors;
+  Graph *g = compile_ov(text, NULL, 0, &errors);
+  if (!g)
+    printf("unexpected errors:\n%s", errtext);
+  return g;
+}
+
+// The number of errors a text gives; -1 when it compiles (or fails without saying why).
+static int errors_of(const char *text) {
+  int errors;
+  Graph *g = compile_ov(text, NULL, 0, &errors);
+  return g || errors == 0 ? -1 : errors;
+}
+
+static const IrNode *named(const Graph *g, const char *name) {
+  for (int i = g->n - 1; i >= 0; i--)
+    if (g->nodes[i]->name && !strcmp(g->nodes[i]->name, name))
+      return g->nodes[i];
+  return NULL;
+}
+
+static const IrNode *in(const Graph *g, const IrNode *n, int k) { return g->nodes[n->in[k]]; }
+
+static bool has_shape(const IrNode *n, int rank, int64_t d0, int64_t d1, int64_t d2) {
+  int64_t d[3] = {d0, d1, d2};
+  if (!n || n->shape.rank != rank)
+    return false;
+  for (int i = 0; i < rank && i < 3; i++)
+    if (n->shape.d[i] != d[i])
+      return false;
+  return true;
+}
+
+static int count_op(const Graph *g, Op op) {
+  int c = 0;
+  for (int i = 0; i < g->n; i++)
+    c += g->nodes[i]->op == op;
+  return c;
+}
+
+static int64_t dim(const Graph *g, const char *name) {
+  for (int i = 0; i < g->ndims; i++)
+    if (!strcmp(g->dims[i].name, name))
+      return g->dims[i].value;
+  return -1;
+}
+
+static void test_gpt2_tiny(void) {
+  int errors;
+  Graph *g = compile_any("models/gpt2-tiny.mdl", NULL, NULL, 0, &errors);
+  CHECK(g != NULL, "gpt2-tiny compiles", "%s", errtext);
+  if (!g)
+    return;
+  CHECK(!strcmp(g->model, "gpt2_tiny"), "gpt2-tiny model name", "got %s", g->model);
+  CHECK(g->nparams == 28, "gpt2-tiny has 28 param tensors", "got %d", g->nparams);
+  CHECK(ir_param_count(g) == 124672, "gpt2-tiny parameter count", "got %lld", (long long)ir_param_count(g));
+  static const char *order[] = {"wte", "wpe", "h.0.ln1_w", "h.0.ln1_b", "h.0.attn_w"};
+  bool ok = true;
+  for (int i = 0; i < 5; i++)
+    ok &= !strcmp(g->nodes[g->params[i]]->name, order[i]);
+  ok &= !strcmp(g->nodes[g->params[14]]->name, "h.1.ln1_w") && !strcmp(g->nodes[g->params[27]]->name, "lnf_b");
+  CHECK(ok, "gpt2-tiny params in declaration order, repeat params named h.i.x", "params[2] is %s",
+        g->nodes[g->params[2]]->name);
+  const char *want_dims[] = {"V", "maxT", "C", "H", "D", "L", "B", "T"};
+  int64_t want_vals[] = {256, 128, 64, 4, 16, 2, 8, 64};
+  ok = g->ndims == 8;
+  for (int i = 0; ok && i < 8; i++)
+    ok = !strcmp(g->dims[i].name, want_dims[i]) && g->dims[i].value == want_vals[i];
+  CHECK(ok, "gpt2-tiny dims in declaration order with values", "ndims %d", g->ndims);
+  const TrainConfig *t = &g->train;
+  CHECK(t->lr == 1e-3 && t->beta1 == 0.9 && t->beta2 == 0.95 && t->eps == 1e-8 && t->weight_decay == 0.1,
+        "gpt2-tiny optimizer settings", "lr %g b1 %g b2 %g eps %g wd %g", t->lr, t->beta1, t->beta2, t->eps,
+        t->weight_decay);
+  CHECK(t->warmup == 20 && t->min_lr == 1e-4 && t->steps == 2000 && t->clip == 1.0 && t->accumulate == 1,
+        "gpt2-tiny schedule, clip, accumulate", "warmup %lld min_lr %g steps %lld clip %g", (long long)t->warmup,
+        t->min_lr, (long long)t->steps, t->clip);
+  CHECK(!strcmp(t->precision, "bf16") && !strcmp(t->checkpoint, "auto"), "gpt2-tiny precision and checkpoint",
+        "%s %s", t->precision, t->checkpoint);
+  const IrNode *loss = g->loss >= 0 ? g->nodes[g->loss] : NULL;
+  CHECK(loss && loss->op == OP_MEAN && loss->shape.rank == 0 && !strcmp(loss->name, "loss"),
+        "gpt2-tiny loss is a scalar mean", "loss %d", g->loss);
+  CHECK(g->noutputs == 2 && has_shape(g->nodes[g->outputs[0]], 3, 8, 64, 256), "gpt2-tiny logits [8,64,256]",
+        "noutputs %d", g->noutputs);
+  CHECK(g->fwd_end == g->n, "gpt2-tiny forward graph ends at n", "fwd_end %d n %d", g->fwd_end, g->n);
+  char why[256];
+  CHECK(ir_validate(g, why, sizeof why), "gpt2-tiny graph validates", "%s", why);
+  const IrNode *proj = named(g, "h.1.proj_w"), *wte = named(g, "wte");
+  CHECK(proj && proj->init.kind == INIT_NORMAL && fabs(proj->init.std - 0.01) < 1e-15 && proj->init.decay,
+        "scaled init normal(0.02 / sqrt(2*L)) = 0.01", "std %g", proj ? proj->init.std : -1);
+  CHECK(wte && wte->init.decay && !named(g, "h.0.attn_b")->init.decay && !named(g, "h.1.ln2_w")->init.decay &&
+            !named(g, "lnf_w")->init.decay && named(g, "h.0.fc_w")->init.decay,
+        "no_decay patterns: 2-D weights decay, biases and layernorm params do not", "wte decay %d",
+        wte ? wte->init.decay : -1);
+  CHECK(named(g, "h.0.ln1_b")->init.kind == INIT_ZEROS && named(g, "h.0.ln1_w")->init.kind == INIT_ONES,
+        "zeros and ones initializers", "kinds %d %d", named(g, "h.0.ln1_b")->init.kind,
+        named(g, "h.0.ln1_w")->init.kind);
+  // The tied head: wte.T lowers to the matmul's transpose flag on a 2-D GEMM.
+  const IrNode *logits = g->nodes[g->outputs[0]];
+  const IrNode *mm = logits->op == OP_RESHAPE ? in(g, logits, 0) : NULL;
+  CHECK(mm && mm->op == OP_MATMUL && mm->ia[0] == 0 && mm->ia[1] == 1 && in(g, mm, 1) == wte &&
+            has_shape(in(g, mm, 0), 2, 512, 64, 0),
+        "x @ wte.T: reshape to [B*T, C], matmul with b transposed, reshape back", "logits op %s",
+        op_name(logits->op));
+  CHECK(count_op(g, OP_PERMUTE) == 0, "no PERMUTE nodes for .T operands of @", "%d", count_op(g, OP_PERMUTE));
+  const IrNode *att = NULL;
+  for (int i = 0; i < g->n && !att; i++)
+    if (g->nodes[i]->op == OP_ATTENTION)
+      att = g->nodes[i];
+  CHECK(att && att->ia[0] == 4 && att->ia[1] == 1 && att->ia[2] == 1 && att->nin == 4 && fabs(att->fa[0] - 0.25) < 1e-15 &&
+            !strcmp(in(g, att, 3)->name, "doc") && !strcmp(in(g, att, 0)->name, "h.0.q"),
+        "attention: heads, causal, doc input, default scale 1/sqrt(16)", "attention missing or wrong");
+
+  DimOverride ov[] = {{"B", 2}, {"T", 8}};
+  g = compile_any("models/gpt2-tiny.mdl", NULL, ov, 2, &errors);
+  CHECK(g && dim(g, "B") == 2 && dim(g, "T") == 8 && has_shape(named(g, "tokens"), 2, 2, 8, 0) &&
+            has_shape(g->nodes[g->outputs[0]], 3, 2, 8, 256),
+        "-D B=2 -D T=8 override the train section", "B %lld", g ? (long long)dim(g, "B") : -1);
+  DimOverride bad[] = {{"T", 129}};
+  g = compile_any("models/gpt2-tiny.mdl", NULL, bad, 1, &errors);
+  CHECK(!g && errors == 1 && strstr(errtext, "out of bounds 1..128"), "-D T=129 is out of bounds 1..maxT", "%s",
+        errtext);
+}
+
+static void test_models(void) {
+  struct {
+    const char *path;
+    int64_t params;
+    int tensors;
+  } models[] = {
+      {"models/gpt2.mdl", 124439808, 148},
+      {"models/llama-tiny.mdl", 131904, 21},
+      {"models/mlp.mdl", 1732, 6},
+  };
+  for (int i = 0; i < 3; i++) {
+    int errors;
+    Graph *g = compile_any(models[i].path, NULL, NULL, 0, &errors);
+    char name[128];
+    snprintf(name, sizeof name, "%s: %lld parameters in %d tensors", models[i].path, (long long)models[i].params,
+             models[i].tensors);
+    CHECK(g && ir_param_count(g) == models[i].params && g->nparams == models[i].tensors && g->loss >= 0, name,
+          "got %lld in %d", g ? (long long)ir_param_count(g) : -1, g ? g->nparams : -1);
+  }
+  Graph *g = compile("model m\ndim B in 1..8\ninput x: f32[B, 16]\ninput targets: i32[B]\n"
+                     "param w: [16, 4] = zeros\noutput loss = mean(cross_entropy(x @ w, targets))\n"
+                     "train {\n B = 4\n}\n");
+  CHECK(g && in(g, g->nodes[g->loss], 0)->op == OP_CROSS_ENTROPY && has_shape(in(g, g->nodes[g->loss], 0), 1, 4, 0, 0),
+        "cross_entropy: one loss per row", "%s", errtext);
+  const TrainConfig *t = g ? &g->train : NULL;
+  CHECK(t && t->lr == 3e-4 && t->beta1 == 0.9 && t->beta2 == 0.95 && t->eps == 1e-8 && t->weight_decay == 0 &&
+            t->warmup == 0 && t->min_lr == 0 && t->clip == 0 && t->accumulate == 1 && t->steps == 0 &&
+            !strcmp(t->precision, "bf16") && !strcmp(t->checkpoint, "auto"),
+        "train settings default as documented", "lr %g", t ? t->lr : -1);
+  CHECK(g && named(g, "w")->init.decay, "without no_decay every param decays", "decay off");
+}
+
+static void test_names_and_repeat(void) {
+  Graph *g = compile("model m\ninput a: f32[4]\nx = a * 2\nx = x + 1\noutput y = x\n");
+  const IrNode *y = g ? g->nodes[g->outputs[0]] : NULL;
+  CHECK(y && y->op == OP_ADD && in(g, y, 0)->op == OP_MUL && in(g, in(g, y, 0), 1)->op == OP_CONST &&
+            in(g, in(g, y, 0), 1)->fa[0] == 2 && in(g, y, 1)->fa[0] == 1,
+        "assignment rebinds a value; scalars become CONST nodes", "wrong graph");
+  CHECK(y && !strcmp(in(g, y, 0)->name, "x") && !strcmp(y->name, "y"), "nodes carry the names they were bound to",
+        "names");
+
+  g = compile("model m\ndim L = 3\ninput a: f32[2, 8]\nx = a\n"
+              "repeat blk[L] {\n  param w: [8, 8] = normal(0.1)\n  t = x @ w\n  x = x + t\n}\noutput y = x\n");
+  CHECK(g && g->nparams == 3 && !strcmp(g->nodes[g->params[2]]->name, "blk.2.w"), "repeat: one param per repetition",
+        "nparams %d", g ? g->nparams : -1);
+  // Loop-carried x: the output is repetition 2's add, whose first input is repetition 1's.
+  y = g ? g->nodes[g->outputs[0]] : NULL;
+  CHECK(y && y->op == OP_ADD && in(g, y, 0)->op == OP_ADD && in(g, in(g, y, 0), 0)->op == OP_ADD &&
+            in(g, in(g, in(g, y, 0), 0), 0)->op == OP_INPUT,
+        "repeat: an outer value assigned in the body is carried to the next repetition", "chain broken");
+  CHECK(y && in(g, in(g, y, 1), 1) == g->nodes[g->params[2]] && !strcmp(in(g, y, 1)->name, "blk.2.t"),
+        "repeat: params resolve to the current repetition's; locals named NAME.i.x", "wrong param");
+  CHECK(errors_of("model m\ndim L = 2\ninput a: f32[4]\nrepeat h[L] {\n t = a\n}\ny = t\n") == 1,
+        "repeat: values new in the body stay local to it", "%s", errtext);
+  g = compile("model m\ndim L = 2\ninput a: f32[4]\nx = a\nrepeat h[L] {\n repeat g[2] {\n  param b: [4] = zeros\n"
+              "  x = x + b\n }\n}\nrepeat e[0] {\n param z: [4] = zeros\n}\n");
+  CHECK(g && g->nparams == 4 && !strcmp(g->nodes[g->params[3]]->name, "h.1.g.1.b"),
+        "nested repeats name params h.i.g.j.x; zero repetitions add nothing", "nparams %d", g ? g->nparams : -1);
+  g = compile("model m\ndim D = C / H\ndim C = 64\ndim H = 4\nconst s = 1 / sqrt(D)\nconst n = 2 * H\n"
+              "input a: f32[n, D]\noutput y = a * s\n");
+  CHECK(g && dim(g, "D") == 16 && has_shape(named(g, "a"), 2, 8, 16, 0) &&
+            fabs(in(g, g->nodes[g->outputs[0]], 1)->fa[0] - 0.25) < 1e-15,
+        "dims and consts are declarative; integer consts size shapes; float consts fold", "%s", errtext);
+  g = compile("model m; input a: f32[2,\n 3]; y = (a +\n a *\n 2)\n");
+  CHECK(g && has_shape(named(g, "y"), 2, 2, 3, 0), "';' separates statements; newlines inside ( ) and [ ] do not",
+        "%s", errtext);
+  g = compile("model m # caf\xc3\xa9 in a comment is fine\ninput a: f32[2, 3]\ninput b: f32[3, 5]\n"
+              "output y = -a @ b * 2 + 1\n");
+  y = g ? g->nodes[g->outputs[0]] : NULL;
+  CHECK(y && y->op == OP_ADD && in(g, y, 0)->op == OP_MUL && in(g, in(g, y, 0), 0)->op == OP_MATMUL &&
+            in(g, in(g, in(g, y, 0), 0), 0)->op == OP_NEG,
+        "precedence: unary -, then @, then *, then +", "wrong tree");
+}
+
+static void test_ops(void) {
+  Graph *g = compile("model m\ninput x: f32[2, 6, 8]\n"
+                     "a, b, c = split(x, 3, axis=1)\n"
+                     "s1 = x[:, 0:4, 2]\n"
+                     "s2 = x[1, -2:, :]\n"
+                     "m1 = mean(x)\n"
+                     "m2 = sum(x, axis=-1, keepdim=true)\n"
+                     "m3 = max(x, axis=0)\n"
+                     "m4 = sum(x, keepdim=true)\n"
+                     "r = reshape(x, [-1, 4])\n"
+                     "p = permute(x, [2, 0, 1])\n"
+                     "t = transpose(x, 0, -1)\n"
+                     "tt = x.T\n"
+                     "cc = concat([a, b, c], axis=1)\n"
+                     "sm = softmax(x)\n"
+                     "d1 = dropout(x, p=0.25)\n"
+                     "d2 = dropout(x)\n"
+                     "g = gelu(x) + relu(x) + silu(x) + exp(x) + log(x) + tanh(x) + sqrt(x) + rsqrt(x) + neg(x)\n");
+  CHECK(g != NULL, "every op compiles", "%s", errtext);
+  if (!g)
+    return;
+  const IrNode *a = named(g, "a"), *c = named(g, "c");
+  CHECK(has_shape(a, 3, 2, 2, 8) && a->op == OP_SLICE && a->ia[0] == 1 && c->ia[1] == 4 && c->ia[2] == 6,
+        "split(x, 3, axis=1): equal SLICEs", "a %s", a ? op_name(a->op) : "missing");
+  const IrNode *s1 = named(g, "s1");
+  CHECK(has_shape(s1, 2, 2, 4, 0) && s1->op == OP_RESHAPE && in(g, s1, 0)->op == OP_SLICE &&
+            in(g, s1, 0)->ia[0] == 2 && in(g, s1, 0)->ia[1] == 2 && in(g, in(g, s1, 0), 0)->op == OP_SLICE,
+        "x[:, 0:4, 2]: slices, then a reshape drops the indexed axis", "shape");
+  const IrNode *s2 = named(g, "s2");
+  CHECK(has_shape(s2, 2, 2, 8, 0) && in(g, s2, 0)->ia[1] == 4 && in(g, s2, 0)->ia[2] == 6,
+        "x[1, -2:, :]: negative bounds count from the end", "shape");
+  const IrNode *m1 = named(g, "m1");
+  CHECK(m1 && m1->op == OP_MEAN && m1->shape.rank == 0 && m1->ia[0] == 0 && has_shape(in(g, m1, 0), 1, 96, 0, 0),
+        "mean(x): reshape to [numel], reduce axis 0 to a scalar", "m1");
+  CHECK(has_shape(named(g, "m2"), 3, 2, 6, 1) && named(g, "m2")->ia[0] == 2 && named(g, "m2")->ia[1] == 1,
+        "sum(x, axis=-1, keepdim=true)", "m2");
+  CHECK(has_shape(named(g, "m3"), 2, 6, 8, 0) && named(g, "m3")->op == OP_MAX, "max(x, axis=0)", "m3");
+  CHECK(has_shape(named(g, "m4"), 3, 1, 1, 1) && in(g, named(g, "m4"), 0)->op == OP_SUM,
+        "sum(x, keepdim=true) keeps every axis as 1", "m4");
+  CHECK(has_shape(named(g, "r"), 2, 24, 4, 0), "reshape(x, [-1, 4]) infers -1", "r");
+  const IrNode *p = named(g, "p"), *t = named(g, "t"), *tt = named(g, "tt");
+  CHECK(has_shape(p, 3, 8, 2, 6) && p->ia[0] == 2 && p->ia[1] == 0 && p->ia[2] == 1, "permute(x, [2, 0, 1])", "p");
+  CHECK(has_shape(t, 3, 8, 6, 2) && t->op == OP_PERMUTE, "transpose(x, 0, -1)", "t");
+  CHECK(has_shape(tt, 3, 2, 8, 6) && tt->op == OP_PERMUTE, "x.T outside @ is a PERMUTE of the last two axes", "tt");
+  CHECK(has_shape(named(g, "cc"), 3, 2, 6, 8) && named(g, "cc")->nin == 3 && named(g, "cc")->ia[0] == 1,
+        "concat([a, b, c], axis=1)", "cc");
+  CHECK(named(g, "sm") && named(g, "sm")->op == OP_SOFTMAX, "softmax over the last axis", "sm");
+  const IrNode *d1 = named(g, "d1"), *d2 = named(g, "d2");
+  CHECK(d1 && d2 && d1->ia[0] == 1 && d2->ia[0] == 2 && d1->fa[0] == 0.25 && d2->fa[0] == 0.1,
+        "dropout: stream ids 1, 2, ...; p defaults to 0.1", "streams");
+  int unary = 0;
+  for (Op o = OP_NEG; o <= OP_SILU; o++)
+    unary += o != OP_DROPOUT && count_op(g, o) == 1;
+  CHECK(unary == 9, "the nine elementwise functions", "%d of 9", unary);
+
+  g = compile("model m\ninput x: f32[2, 3]\noutput y = x[:, :]\n");
+  CHECK(g && g->n == 1 && g->outputs[0] == 0, "x[:, :] adds no node", "%s", errtext);
+
+  g = compile("model m\ninput x: f32[2, 4, 8]\ninput pos: i32[2, 4]\ninput ids: i32[2, 4]\n"
+              "param w: [8] = ones\nparam tab: [10, 8] = zeros\n"
+              "n1 = layernorm(x, w)\nn2 = rmsnorm(x, w, eps=1e-6)\n"
+              "r = rope(x, pos, heads=2, base=500)\ne = embed(tab, ids)\n"
+              "at = attention(x, x, x, heads=2, scale=0.5)\n");
+  CHECK(g != NULL, "norms, rope, embed, attention compile", "%s", errtext);
+  if (!g)
+    return;
+  const IrNode *n1 = named(g, "n1"), *n2 = named(g, "n2"), *r = named(g, "r"), *at = named(g, "at");
+  CHECK(n1->op == OP_LAYERNORM && n1->fa[0] == 1e-5 && in(g, n1, 2)->op == OP_BROADCAST &&
+            in(g, in(g, n1, 2), 0)->op == OP_CONST && in(g, in(g, n1, 2), 0)->fa[0] == 0,
+        "layernorm(x, w): eps 1e-5 and a zero bias", "n1");
+  CHECK(n2->op == OP_RMSNORM && n2->nin == 2 && n2->fa[0] == 1e-6, "rmsnorm(x, w, eps=1e-6)", "n2");
+  CHECK(r->op == OP_ROPE && r->ia[0] == 2 && r->ia[1] == 0 && r->fa[0] == 500, "rope(x, pos, heads=2, base=500)",
+        "r");
+  CHECK(has_shape(named(g, "e"), 3, 2, 4, 8), "embed(table, ids) -> [..., C]", "e");
+  CHECK(at->nin == 3 && at->ia[1] == 0 && at->ia[2] == 0 && at->fa[0] == 0.5,
+        "attention without doc: not causal by default, explicit scale", "at");
+
+  g = compile("model m\ninput x: f32[2, 3, 4]\ninput w: f32[5, 4]\ninput y: f32[2, 4, 3]\n"
+              "a = x @ w.T\nb = x @ y\nc = (x * 2).T @ x\n");
+  CHECK(g && has_shape(named(g, "a"), 3, 2, 3, 5) && named(g, "a")->op == OP_RESHAPE &&
+            in(g, named(g, "a"), 0)->ia[1] == 1,
+        "[2,3,4] @ w.T with w [5,4]: 2-D GEMM with b transposed", "%s", errtext);
+  CHECK(g && has_shape(named(g, "b"), 3, 2, 3, 3) && named(g, "b")->op == OP_MATMUL, "batched matmul stays batched",
+        "b");
+  CHECK(g && named(g, "c")->op == OP_MATMUL && named(g, "c")->ia[0] == 1 && count_op(g, OP_PERMUTE) == 0,
+        "(expr).T @ x: a transposed by the matmul's flag", "c");
+  g = compile("model m\ntrain {\n checkpoint = auto(2GiB)\n precision = fp8\n}\n");
+  CHECK(g && !strcmp(g->train.checkpoint, "auto=2GiB") && !strcmp(g->train.precision, "fp8"),
+        "checkpoint = auto(2GiB) -> \"auto=2GiB\"", "%s", g ? g->train.checkpoint : errtext);
+}
+
+static void test_errors(void) {
+  int errors;
+  CHECK(errors_of("model m\ninput x: f32[4]\ny = x + foo\nz = bar(x)\nw = x @ x\n") == 3,
+        "three independent semantic errors are all reported", "%s", errtext);
+  CHECK(errors_of("model m\ndim A = = 2\ninput x f32[4]\ny = (1 +)\n") == 3,
+        "three syntax errors on three lines are all reported", "%s", errtext);
+  CHECK(errors_of("model m\ninput x: f32[4]\nrepeat h[4] {\n y = x + nothere\n}\n") == 1,
+        "an error inside a repeat body is reported once, not once per repetition", "%s", errtext);
+  CHECK(errors_of("model m\ndim A = B\ndim B = C\ndim C = A\n") == 1 && strstr(errtext, "A -> B -> C -> A"),
+        "a reference cycle is reported once with its path", "%s", errtext);
+  CHECK(errors_of("model m\ninput x: f32[4]\ny = undefined\nz = y * 2 + y\n") == 1,
+        "a failed value does not cascade into more errors", "%s", errtext);
+  CHECK(errors_of("") == 1 && strstr(errtext, "empty file: no model"), "an empty text is an error", "%s", errtext);
+  CHECK(errors_of("model m\ndim C = 4\ninput C: f32[2]\nparam C: [2] = zeros\nconst C = 1\n") == 3,
+        "each redefinition of a name is reported", "%s", errtext);
+  CHECK(errors_of("model m\ninput x: f32[4]\nrepeat h[2] {\n param w: [4] = zeros\n param w: [4] = ones\n}\n") == 1,
+        "a param defined twice in one repeat body", "%s", errtext);
+  CHECK(errors_of("model m\ninput x: f32[2, 4]\na, b = split(x, 3)\n") == 1, "split must divide the axis", "%s",
+        errtext);
+  CHECK(errors_of("model m\ninput x: f32[2, 4]\ny = x[2]\nz = x[0:0]\nw = x[1, 2, 3]\n") == 3,
+        "indices out of range, empty slices and too many indices", "%s", errtext);
+  CHECK(errors_of("model m\ninput x: f32[2, 4]\ny = softmax(x, axis=0)\n") == 1,
+        "softmax over a non-last axis is refused", "%s", errtext);
+  CHECK(errors_of("model m\ninput x: f32[2, 3, 4]\ny = attention(x, x, x, heads=3)\n") == 1,
+        "attention heads must divide C", "%s", errtext);
+  CHECK(errors_of("model m\ninput x: f32[2, 3]\ninput t: f32[2]\ny = cross_entropy(x, t)\n") == 1 &&
+            strstr(errtext, "cross_entropy: targets must be i32, got f32"),
+        "cross_entropy targets must be i32", "%s", errtext);
+  CHECK(errors_of("model m\ninput x: f32[4]\ny = sum(x, axis=0, axis=0)\nz = sum(x, axes=0)\nq = sum(axis=0, x)\n") == 3,
+        "repeated, unknown and misplaced keyword arguments", "%s", errtext);
+  CHECK(errors_of("model m\ntrain {\n clip = -1\n accumulate = 0\n optimizer = sgd(lr=1)\n"
+                  " schedule = cosine(warmup=1.5)\n no_decay = [\"a\", 3]\n checkpoint = auto(0GiB)\n"
+                  " optimizer = adamw(beta1=1)\n}\n") == 7,
+        "bad train values: each reported", "%s", errtext);
+  CHECK(errors_of("model m\ndim B in 1..4\ninput x: f32[B]\n") == 1 && strstr(errtext, "-D B=N"),
+        "an unbound free dim is an error", "%s", errtext);
+  DimOverride ov[] = {{"B", 3}, {"Q", 1}};
+  Graph *g = compile_ov("model m\ndim B in 1..4\ninput x: f32[B]\n", ov, 1, &errors);
+  CHECK(g && has_shape(named(g, "x"), 1, 3, 0, 0), "-D binds a free dim", "%s", errtext);
+  g = compile_ov("model m\ndim B in 1..4\ninput x: f32[B]\n", ov, 2, &errors);
+  CHECK(!g && errors == 1 && strstr(errtext, "no dim 'Q'"), "-D of an unknown dim is an error", "%s", errtext);
+  CHECK(errors_of("model m\ndim A = 9223372036854775807\ndim B = A + 1\n") == 1, "integer overflow is caught", "%s",
+        errtext);
+  CHECK(errors_of("model m\ninput x: f32[4]\noutput loss = x\n") == 1, "a non-scalar loss is an error", "%s",
+        errtext);
+  CHECK(errors_of("model m\ndim L = 2\nrepeat h[L] {\n input z: f32[2]\n output o = z\n}\n") == 2,
+        "inputs and outputs are not allowed in repeat bodies", "%s", errtext);
+  CHECK(errors_of("model m\nrepeat h[2] {\n param w: [2] = zeros\n") == 1 && strstr(errtext, "unterminated block"),
+        "an unclosed block is one error", "%s", errtext);
+}
+
+int main(void) {
+  arena = arena_new();
+  test_gpt2_tiny();
+  test_models();
+  test_names_and_repeat();
+  test_ops();
+  test_errors();
+  arena_free(arena);
+  TEST_EXIT();
+}

@@ -1,0 +1,754 @@
+// test_gradcheck.c: autodiff against finite differences, and the AdamW step against the formula.
+//
+// Each op gets a tiny graph built directly with ir_leaf/ir_add: a few params feed the op, and the
+// loss is sum(out * R) for a fixed random R (an input), so every output element matters and each
+// gets a different weight. The gradients autodiff builds are run through the reference interpreter
+// in fp64 and compared with central differences of the loss, element by element; the error of a
+// tensor is max |fd - grad| / max(max |grad|, floor) and must stay below 1e-6. The tiny GPT from
+// models/gpt2-tiny.mdl and the tiny LLaMA are checked the same way on a sample of each parameter's
+// elements, and the optimizer step is compared with AdamW computed here by hand.
+#include "mdl.h"
+#include "test.h"
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#define SH(...) shape_of((int)(sizeof((int64_t[]){__VA_ARGS__}) / sizeof(int64_t)), (int64_t[]){__VA_ARGS__})
+#define IA(...) ((const int64_t[8]){__VA_ARGS__})
+#define FA(...) ((const double[6]){__VA_ARGS__})
+#define IN(...) ((const int[]){__VA_ARGS__}), (int)(sizeof((int[]){__VA_ARGS__}) / sizeof(int))
+
+static const SrcLoc noloc = {0};
+
+static const double tolerance = 1e-6; // max relative error of a gradient tensor
+static const double grad_floor = 1e-6; // absolute floor of the denominator
+
+// A uniform value in [-1, 1), reproducible from (stream, i).
+static double uniform(uint64_t stream, int64_t i) { return 2 * mdl_rng_uniform(7, stream, (uint64_t)i) - 1; }
+
+// Where a test parameter's values lie: anywhere, strictly positive (log, sqrt, divisors), away from
+// zero (relu's kink), or pairwise well apart (max without near ties).
+typedef enum { DOM_ANY, DOM_POSITIVE, DOM_AWAY_FROM_ZERO, DOM_DISTINCT } Domain;
+
+typedef struct {
+  const char *name;
+  int32_t *ids;
+  float *f;
+  int64_t n;
+} Feed;
+
+typedef struct {
+  Arena *arena;
+  Graph *g;
+  Domain dom[16]; // by param index
+  Feed feed[8];
+  int nfeed;
+  bool broken; // an ir_add failed while building the case
+  char why[600];
+} Case;
+
+static Case *case_new(void) {
+  Case *c = calloc(1, sizeof *c);
+  c->arena = arena_new();
+  c->g = ir_new(c->arena);
+  return c;
+}
+
+static void case_free(Case *c) {
+  arena_free(c->arena);
+  free(c);
+}
+
+static int built(Case *c, int id) {
+  if (id < 0 && !c->broken) {
+    c->broken = true;
+    snprintf(c->why, sizeof c->why, "building the graph: %s", c->g->err);
+  }
+  return id;
+}
+
+static int param(Case *c, const char *name, Shape s, Domain dom) {
+  c->dom[c->g->nparams] = dom;
+  return built(c, ir_leaf(c->g, OP_PARAM, name, DT_F32, s, noloc));
+}
+
+// An i32 input with the given values.
+static int ids_input(Case *c, const char *name, Shape s, const int32_t *v) {
+  Feed *f = &c->feed[c->nfeed++];
+  f->name = name;
+  f->n = shape_numel(s);
+  f->ids = arena_alloc(c->arena, sizeof(int32_t) * (size_t)f->n);
+  memcpy(f->ids, v, sizeof(int32_t) * (size_t)f->n);
+  return built(c, ir_leaf(c->g, OP_INPUT, name, DT_I32, s, noloc));
+}
+
+// An f32 input with random values from `stream`.
+static int f32_input(Case *c, const char *name, Shape s, uint64_t stream) {
+  Feed *f = &c->feed[c->nfeed++];
+  f->name = name;
+  f->n = shape_numel(s);
+  f->f = arena_alloc(c->arena, sizeof(float) * (size_t)f->n);
+  for (int64_t i = 0; i < f->n; i++)
+    f->f[i] = (float)uniform(stream, i);
+  return built(c, ir_leaf(c->g, OP_INPUT, name, DT_F32, s, noloc));
+}
+
+static int node(Case *c, Op op, const int *in, int nin, const int64_t *ia, const double *fa) {
+  for (int i = 0; i < nin; i++)
+    if (in[i] < 0)
+      return -1;
+  return built(c, ir_add(c->g, op, in, nin, ia, fa, noloc));
+}
+
+static int cst(Case *c, double v) { return built(c, ir_const(c->g, v, noloc)); }
+
+// loss = sum(out * R): a scalar in which every element of out has its own random weight.
+static int projected_loss(Case *c, int out) {
+  if (out < 0)
+    return -1;
+  Shape s = c->g->nodes[out]->shape;
+  int r = f32_input(c, "projection", s, 99);
+  int prod = node(c, OP_MUL, IN(out, r), NULL, NULL);
+  int flat = prod < 0 ? -1 : built(c, ir_reshape(c->g, prod, SH(shape_numel(s)), noloc));
+  return node(c, OP_SUM, IN(flat), IA(0, 0), NULL);
+}
+
+static double param_value(Domain dom, int p, int64_t i, int64_t n) {
+  double u = uniform((uint64_t)p + 1, i);
+  switch (dom) {
+  case DOM_ANY: return u;
+  case DOM_POSITIVE: return 1.25 + 0.75 * u;
+  case DOM_AWAY_FROM_ZERO: return u < 0 ? u - 0.2 : u + 0.2;
+  case DOM_DISTINCT: return -1 + (2.0 * (double)((i * 7919) % n) + 0.5 * (u + 1)) / (double)n;
+  }
+  return u;
+}
+
+static bool feed_inputs(Interp *it, const Feed *feed, int nfeed) {
+  for (int i = 0; i < nfeed; i++)
+    if (!interp_set_input(it, feed[i].name, feed[i].ids, feed[i].f, feed[i].n))
+      return false;
+  return true;
+}
+
+static bool run_loss(Interp *it, const Graph *g, int end, double *loss, char *err, size_t n) {
+  if (!interp_run(it, end, err, n))
+    return false;
+  *loss = interp_value(it, g->loss)[0];
+  return true;
+}
+
+// Compares the gradient of each parameter with central differences over `samples` of its elements
+// (all of them when samples is 0), one CHECK per parameter named "LABEL: PARAM".
+static void compare_with_fd(const char *label, const Graph *g, Interp *it, int samples) {
+  char err[512];
+  if (!interp_run(it, g->n, err, sizeof err)) {
+    CHECK(false, label, "interpreter: %s", err);
+    return;
+  }
+  for (int pi = 0; pi < g->nparams; pi++) {
+    int p = g->params[pi];
+    char name[256];
+    snprintf(name, sizeof name, "%s: d %s", label, g->nodes[p]->name);
+    int64_t n = shape_numel(g->nodes[p]->shape);
+    const double *an = interp_value(it, g->grads[pi]);
+    double scale = grad_floor;
+    for (int64_t k = 0; k < n; k++)
+      scale = fmax(scale, fabs(an[k]));
+    double *v = interp_param(it, p);
+    int count = samples && samples < n ? samples : (int)n;
+    double worst = 0, worst_fd = 0, worst_an = 0;
+    int64_t worst_k = 0;
+    bool ok = true;
+    for (int s = 0; s < count && ok; s++) {
+      int64_t k = count == n ? s : (int64_t)(mdl_rng_u64(11, (uint64_t)p, (uint64_t)s) % (uint64_t)n);
+      // h balances the O(h^2) truncation error against rounding, O(ulp(loss) / h)
+      double v0 = v[k], h = 1e-5 * fmax(1, fabs(v0)), lp = 0, lm = 0;
+      double xp = v0 + h, xm = v0 - h;
+      v[k] = xp;
+      ok = run_loss(it, g, g->fwd_end, &lp, err, sizeof err);
+      v[k] = xm;
+      ok = ok && run_loss(it, g, g->fwd_end, &lm, err, sizeof err);
+      v[k] = v0;
+      double fd = (lp - lm) / (xp - xm), e = fabs(fd - an[k]) / scale;
+      if (e >= worst) {
+        worst = e;
+        worst_k = k;
+        worst_fd = fd;
+        worst_an = an[k];
+      }
+    }
+    if (!ok)
+      CHECK(false, name, "interpreter: %s", err);
+    else
+      CHECK(worst < tolerance, name, "relative error %.3g at element %lld: autodiff %.12g, finite difference %.12g",
+            worst, (long long)worst_k, worst_an, worst_fd);
+  }
+}
+
+// Differentiates the case's graph with `out` projected to the loss and checks every gradient.
+static void gradcheck(const char *label, Case *c, int out) {
+  Graph *g = c->g;
+  g->loss = projected_loss(c, out);
+  if (c->broken) {
+    CHECK(false, label, "%s", c->why);
+    case_free(c);
+    return;
+  }
+  g->fwd_end = g->n;
+  char why[512];
+  if (!autodiff(g, false)) {
+    CHECK(false, label, "autodiff: %s", g->err);
+  } else if (!ir_validate(g, why, sizeof why)) {
+    CHECK(false, label, "invalid graph after autodiff: %s", why);
+  } else {
+    Interp *it = interp_new(g, INTERP_F64);
+    for (int pi = 0; pi < g->nparams; pi++) {
+      int64_t n = shape_numel(g->nodes[g->params[pi]]->shape);
+      double *v = interp_param(it, g->params[pi]);
+      for (int64_t k = 0; k < n; k++)
+        v[k] = param_value(c->dom[pi], pi, k, n);
+    }
+    interp_set_seed(it, 1234);
+    if (!feed_inputs(it, c->feed, c->nfeed))
+      CHECK(false, label, "could not set the inputs");
+    else
+      compare_with_fd(label, g, it, 0);
+    interp_free(it);
+  }
+  case_free(c);
+}
+
+//
+// One case per op (and per broadcasting or attribute variant).
+//
+static void unary_cases(void) {
+  static const struct {
+    Op op;
+    Domain dom;
+    const char *label;
+  } ops[] = {
+      {OP_NEG, DOM_ANY, "grad neg"},         {OP_EXP, DOM_ANY, "grad exp"},
+      {OP_LOG, DOM_POSITIVE, "grad log"},    {OP_TANH, DOM_ANY, "grad tanh"},
+      {OP_SQRT, DOM_POSITIVE, "grad sqrt"},  {OP_RSQRT, DOM_POSITIVE, "grad rsqrt"},
+      {OP_RELU, DOM_AWAY_FROM_ZERO, "grad relu"}, {OP_GELU, DOM_ANY, "grad gelu"},
+      {OP_SILU, DOM_ANY, "grad silu"},
+  };
+  for (size_t i = 0; i < sizeof ops / sizeof ops[0]; i++) {
+    Case *c = case_new();
+    int x = param(c, "x", SH(3, 4), ops[i].dom);
+    gradcheck(ops[i].label, c, node(c, ops[i].op, IN(x), NULL, NULL));
+  }
+  Case *c = case_new();
+  int x = param(c, "x", SH(4, 5), DOM_ANY);
+  gradcheck("grad dropout p=0.3", c, node(c, OP_DROPOUT, IN(x), IA(3), FA(0.3)));
+}
+
+static void binary_cases(void) {
+  static const struct {
+    Op op;
+    Shape a, b;
+    const char *label;
+  } cases[] = {
+      {OP_ADD, {2, {3, 4}}, {2, {3, 4}}, "grad add"},
+      {OP_ADD, {3, {2, 3, 4}}, {1, {4}}, "grad add [2,3,4]+[4]"},
+      {OP_ADD, {2, {3, 1}}, {3, {2, 1, 4}}, "grad add [3,1]+[2,1,4]"},
+      {OP_SUB, {2, {3, 4}}, {2, {3, 4}}, "grad sub"},
+      {OP_SUB, {3, {2, 3, 4}}, {2, {3, 1}}, "grad sub [2,3,4]-[3,1]"},
+      {OP_MUL, {2, {3, 4}}, {2, {3, 4}}, "grad mul"},
+      {OP_MUL, {3, {2, 1, 4}}, {2, {3, 1}}, "grad mul [2,1,4]*[3,1]"},
+      {OP_MUL, {1, {4}}, {3, {2, 3, 4}}, "grad mul [4]*[2,3,4]"},
+      {OP_DIV, {2, {3, 4}}, {2, {3, 4}}, "grad div"},
+      {OP_DIV, {3, {2, 3, 4}}, {3, {1, 3, 1}}, "grad div [2,3,4]/[1,3,1]"},
+      {OP_DIV, {1, {4}}, {2, {3, 4}}, "grad div [4]/[3,4]"},
+  };
+  for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+    Case *c = case_new();
+    int a = param(c, "a", cases[i].a, DOM_ANY);
+    int b = param(c, "b", cases[i].b, cases[i].op == OP_DIV ? DOM_POSITIVE : DOM_ANY);
+    gradcheck(cases[i].label, c, node(c, cases[i].op, IN(a, b), NULL, NULL));
+  }
+  // One value feeding several consumers: the contributions must add up.
+  Case *c = case_new();
+  int x = param(c, "x", SH(3, 4), DOM_POSITIVE);
+  int sq = node(c, OP_MUL, IN(x, x), NULL, NULL);
+  int q = node(c, OP_DIV, IN(sq, x), NULL, NULL);
+  int t = node(c, OP_TANH, IN(x), NULL, NULL);
+  int s = node(c, OP_SUB, IN(node(c, OP_ADD, IN(q, t), NULL, NULL), node(c, OP_LOG, IN(x), NULL, NULL)), NULL, NULL);
+  gradcheck("grad reused value (x*x/x + tanh x - log x)", c, s);
+  c = case_new();
+  x = param(c, "x", SH(2, 3), DOM_ANY);
+  gradcheck("grad add of a constant", c, node(c, OP_MUL, IN(node(c, OP_ADD, IN(x, cst(c, 2.5)), NULL, NULL), cst(c, -3)),
+                                              NULL, NULL));
+}
+
+static void reduction_cases(void) {
+  static const struct {
+    Op op;
+    int axis, keepdim;
+    const char *label;
+  } cases[] = {
+      {OP_SUM, 1, 0, "grad sum axis=1"},      {OP_SUM, 2, 1, "grad sum axis=2 keepdim"},
+      {OP_SUM, 0, 1, "grad sum axis=0 keepdim"}, {OP_MEAN, 0, 0, "grad mean axis=0"},
+      {OP_MEAN, 2, 1, "grad mean axis=2 keepdim"}, {OP_MEAN, 1, 0, "grad mean axis=1"},
+      {OP_MAX, 1, 0, "grad max axis=1"},      {OP_MAX, 2, 1, "grad max axis=2 keepdim"},
+      {OP_MAX, 0, 0, "grad max axis=0"},
+  };
+  for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+    Case *c = case_new();
+    int x = param(c, "x", SH(2, 3, 4), cases[i].op == OP_MAX ? DOM_DISTINCT : DOM_ANY);
+    gradcheck(cases[i].label, c, node(c, cases[i].op, IN(x), IA(cases[i].axis, cases[i].keepdim), NULL));
+  }
+  // Reduce-all as the front end lowers it: reshape to [n], then a reduction over axis 0.
+  Case *c = case_new();
+  int x = param(c, "x", SH(3, 4), DOM_ANY);
+  int flat = built(c, ir_reshape(c->g, x, SH(12), noloc));
+  gradcheck("grad mean of all", c, node(c, OP_MEAN, IN(flat), IA(0, 0), NULL));
+}
+
+static void layout_cases(void) {
+  Case *c = case_new();
+  int x = param(c, "x", SH(2, 6), DOM_ANY);
+  gradcheck("grad reshape", c, built(c, ir_reshape(c->g, node(c, OP_TANH, IN(x), NULL, NULL), SH(3, 2, 2), noloc)));
+
+  c = case_new();
+  x = param(c, "x", SH(2, 3, 4), DOM_ANY);
+  gradcheck("grad permute [2,0,1]", c, node(c, OP_PERMUTE, IN(x), IA(2, 0, 1), NULL));
+
+  c = case_new();
+  x = param(c, "x", SH(2, 3, 4, 5), DOM_ANY);
+  gradcheck("grad permute [1,3,0,2]", c, node(c, OP_PERMUTE, IN(x), IA(1, 3, 0, 2), NULL));
+
+  c = case_new();
+  x = param(c, "x", SH(3, 1), DOM_ANY);
+  gradcheck("grad broadcast [3,1] to [2,3,4]", c, built(c, ir_broadcast(c->g, x, SH(2, 3, 4), noloc)));
+
+  c = case_new();
+  x = param(c, "x", SH(3, 5), DOM_ANY);
+  gradcheck("grad slice axis=1 1:4", c, node(c, OP_SLICE, IN(x), IA(1, 1, 4), NULL));
+
+  c = case_new();
+  x = param(c, "x", SH(4, 2, 3), DOM_ANY);
+  int lo = node(c, OP_SLICE, IN(x), IA(0, 0, 3), NULL);
+  int hi = node(c, OP_SLICE, IN(x), IA(0, 1, 4), NULL);
+  gradcheck("grad overlapping slices", c, node(c, OP_MUL, IN(lo, hi), NULL, NULL));
+
+  c = case_new();
+  int a = param(c, "a", SH(2, 1, 3), DOM_ANY);
+  int b = param(c, "b", SH(2, 4, 3), DOM_ANY);
+  int k = f32_input(c, "k", SH(2, 2, 3), 5);
+  gradcheck("grad concat axis=1", c, node(c, OP_CONCAT, IN(a, k, b, a), IA(1), NULL));
+}
+
+static void matmul_case(const char *label, Shape a, Shape b, int ta, int tb) {
+  Case *c = case_new();
+  int x = param(c, "a", a, DOM_ANY);
+  int y = param(c, "b", b, DOM_ANY);
+  gradcheck(label, c, node(c, OP_MATMUL, IN(x, y), IA(ta, tb), NULL));
+}
+
+static void matmul_cases(void) {
+  matmul_case("grad matmul", SH(3, 4), SH(4, 5), 0, 0);
+  matmul_case("grad matmul a.T", SH(4, 3), SH(4, 5), 1, 0);
+  matmul_case("grad matmul b.T", SH(3, 4), SH(5, 4), 0, 1);
+  matmul_case("grad matmul a.T b.T", SH(4, 3), SH(5, 4), 1, 1);
+  matmul_case("grad matmul batched", SH(2, 3, 4), SH(2, 4, 5), 0, 0);
+  matmul_case("grad matmul [2,3,4]@[4,5]", SH(2, 3, 4), SH(4, 5), 0, 0);
+  matmul_case("grad matmul [3,4]@[2,4,5] b.T", SH(3, 4), SH(2, 5, 4), 0, 1);
+  matmul_case("grad matmul [2,1,4,3]@[3,5,4] a.T b.T", SH(2, 1, 4, 3), SH(3, 5, 4), 1, 1);
+  matmul_case("grad matmul [1,3,4]@[2,4,5] a.T", SH(1, 4, 3), SH(2, 4, 5), 1, 0);
+  Case *c = case_new();
+  int x = param(c, "x", SH(3, 3), DOM_ANY);
+  gradcheck("grad matmul x@x.T", c, node(c, OP_MATMUL, IN(x, x), IA(0, 1), NULL));
+}
+
+static void row_cases(void) {
+  Case *c = case_new();
+  int t = param(c, "table", SH(5, 3), DOM_ANY);
+  int ids = ids_input(c, "ids", SH(2, 3), (const int32_t[]){1, 4, 1, 0, 1, 4});
+  gradcheck("grad embed (repeated ids)", c, node(c, OP_EMBED, IN(t, ids), NULL, NULL));
+
+  c = case_new();
+  int x = param(c, "x", SH(2, 3, 6), DOM_ANY);
+  int w = param(c, "w", SH(6), DOM_ANY);
+  int b = param(c, "b", SH(6), DOM_ANY);
+  gradcheck("grad layernorm", c, node(c, OP_LAYERNORM, IN(x, w, b), NULL, FA(1e-5)));
+
+  c = case_new();
+  x = param(c, "x", SH(4, 5), DOM_ANY);
+  w = param(c, "w", SH(5), DOM_ANY);
+  gradcheck("grad rmsnorm", c, node(c, OP_RMSNORM, IN(x, w), NULL, FA(1e-5)));
+
+  c = case_new();
+  x = param(c, "x", SH(3, 5), DOM_ANY);
+  gradcheck("grad softmax", c, node(c, OP_SOFTMAX, IN(x), NULL, NULL));
+
+  c = case_new();
+  x = param(c, "logits", SH(2, 3, 5), DOM_ANY);
+  int tg = ids_input(c, "targets", SH(2, 3), (const int32_t[]){0, 4, -1, 2, 2, 1});
+  gradcheck("grad cross_entropy (one ignored target)", c, node(c, OP_CROSS_ENTROPY, IN(x, tg), NULL, NULL));
+}
+
+static void attention_case(const char *label, bool causal, bool doc, bool shared) {
+  enum { B = 2, T = 4, C = 6, H = 2 };
+  Case *c = case_new();
+  int q = param(c, "q", SH(B, T, C), DOM_ANY);
+  int k = shared ? q : param(c, "k", SH(B, T, C), DOM_ANY);
+  int v = shared ? q : param(c, "v", SH(B, T, C), DOM_ANY);
+  int64_t ia[8] = {H, causal, doc};
+  double fa[6] = {1 / sqrt(C / H)};
+  int out;
+  if (doc) {
+    int d = ids_input(c, "doc", SH(B, T), (const int32_t[]){0, 0, 1, 1, 3, 5, 5, 5});
+    out = node(c, OP_ATTENTION, IN(q, k, v, d), ia, fa);
+  } else {
+    out = node(c, OP_ATTENTION, IN(q, k, v), ia, fa);
+  }
+  gradcheck(label, c, out);
+}
+
+static void sequence_cases(void) {
+  attention_case("grad attention causal", true, false, false);
+  attention_case("grad attention causal doc", true, true, false);
+  attention_case("grad attention doc (not causal)", false, true, false);
+  attention_case("grad attention (not causal)", false, false, false);
+  attention_case("grad attention q=k=v causal", true, false, true);
+  for (int inverse = 0; inverse < 2; inverse++) {
+    Case *c = case_new();
+    int x = param(c, "x", SH(2, 3, 8), DOM_ANY);
+    int pos = ids_input(c, "pos", SH(2, 3), (const int32_t[]){0, 1, 2, 5, 17, 300});
+    gradcheck(inverse ? "grad rope inverse" : "grad rope", c,
+              node(c, OP_ROPE, IN(x, pos), IA(2, inverse), FA(10000)));
+  }
+}
+
+//
+// Properties of the backward graph beyond its values.
+//
+static void structure_cases(void) {
+  Case *c = case_new();
+  Graph *g = c->g;
+  int a = param(c, "a", SH(2, 3), DOM_ANY);
+  int b = param(c, "b", SH(2, 3), DOM_ANY);
+  int pc = param(c, "c", SH(2, 3), DOM_ANY);
+  int pe = param(c, "e", SH(2, 3), DOM_ANY);
+  int unused = param(c, "unused", SH(4), DOM_ANY);
+  int x = f32_input(c, "x", SH(2, 3), 3);
+  int lx = node(c, OP_LOG, IN(x), NULL, NULL);    // depends on no param: no gradient
+  int dead = node(c, OP_TANH, IN(a), NULL, NULL); // does not lead to the loss
+  // loss = sum(((a * b + c) + e) * log x), each op on its own source line
+  int h = built(c, ir_add(g, OP_MUL, IN(a, b), NULL, NULL, (SrcLoc){.line = 7}));
+  int s1 = built(c, ir_add(g, OP_ADD, IN(h, pc), NULL, NULL, (SrcLoc){.line = 8}));
+  int s = built(c, ir_add(g, OP_ADD, IN(s1, pe), NULL, NULL, (SrcLoc){.line = 8}));
+  int y = built(c, ir_add(g, OP_MUL, IN(s, lx), NULL, NULL, (SrcLoc){.line = 9}));
+  int flat = built(c, ir_reshape(g, y, SH(6), (SrcLoc){.line = 10}));
+  g->loss = built(c, ir_add(g, OP_SUM, IN(flat), IA(0, 0), NULL, (SrcLoc){.line = 11}));
+  if (!c->broken)
+    g->nodes[y]->name = "y";
+  g->fwd_end = g->n;
+  bool ok = !c->broken && autodiff(g, false);
+  CHECK(ok, "autodiff structure: builds", "%s", c->broken ? c->why : g->err);
+  if (!ok) {
+    case_free(c);
+    return;
+  }
+  bool tags = true, named = true;
+  for (int i = 0; i < g->nparams; i++) {
+    IrNode *d = g->nodes[g->grads[i]];
+    tags &= d->grad_of == g->params[i] && shape_eq(d->shape, g->nodes[g->params[i]]->shape);
+    named &= d->name && !strncmp(d->name, "d.", 2) && !strcmp(d->name + 2, g->nodes[g->params[i]]->name);
+  }
+  CHECK(tags, "autodiff structure: grads[i] is tagged grad_of params[i] with its shape", "wrong tag or shape");
+  CHECK(named, "autodiff structure: gradients named d.PARAM", "wrong name");
+  CHECK(g->grads[2] != g->grads[3], "autodiff structure: two params with one gradient get a node each",
+        "grads %d and %d", g->grads[2], g->grads[3]);
+  bool touches_dead = false, log_grad = false, dy_ok = false, loc_ok = true;
+  int lines[12] = {0};
+  for (int i = g->fwd_end; i < g->n; i++) {
+    IrNode *n = g->nodes[i];
+    for (int k = 0; k < n->nin; k++)
+      touches_dead |= n->in[k] == dead;
+    log_grad |= n->op == OP_DIV;
+    if (n->name && !strcmp(n->name, "d.y"))
+      dy_ok = shape_eq(n->shape, g->nodes[y]->shape);
+    // a param's own gradient node (a copy, zeros) is placed at the param
+    bool at_param = n->loc.line == 0 && (n->grad_of == pe || n->grad_of == unused || n->op == OP_CONST);
+    loc_ok &= at_param || n->loc.line == 7 || n->loc.line == 9 || n->loc.line == 10 || n->loc.line == 11;
+    if (n->loc.line >= 0 && n->loc.line < 12)
+      lines[n->loc.line]++;
+  }
+  CHECK(!touches_dead && !log_grad, "autodiff structure: no gradient for dead or param-free branches",
+        "dead branch used: %d, log(x) differentiated: %d", touches_dead, log_grad);
+  CHECK(dy_ok, "autodiff structure: d.y names the gradient of the named value y", "no node d.y of y's shape");
+  CHECK(loc_ok && lines[7] && lines[9] && lines[10] && lines[11],
+        "autodiff structure: backward nodes carry the forward node's location", "lines 7/9/10/11: %d %d %d %d",
+        lines[7], lines[9], lines[10], lines[11]);
+
+  Interp *it = interp_new(g, INTERP_F64);
+  char err[512] = "";
+  float xs[6] = {1, 2, 3, 4, 5, 6};
+  double *va = interp_param(it, a), *vb = interp_param(it, b);
+  for (int i = 0; i < 6; i++) {
+    va[i] = uniform(40, i);
+    vb[i] = uniform(41, i);
+  }
+  bool ran = interp_set_input(it, "x", NULL, xs, 6) && interp_run(it, g->n, err, sizeof err);
+  CHECK(ran, "autodiff structure: runs", "%s", err);
+  if (ran) {
+    const double *d[5];
+    for (int i = 0; i < 5; i++)
+      d[i] = interp_value(it, g->grads[i]);
+    double e = 0;
+    for (int i = 0; i < 6; i++) {
+      double l = log(xs[i]);
+      e = fmax(e, fabs(d[0][i] - l * vb[i]) + fabs(d[1][i] - l * va[i]) + fabs(d[2][i] - l) + fabs(d[3][i] - l));
+    }
+    for (int i = 0; i < 4; i++)
+      e = fmax(e, fabs(d[4][i]));
+    CHECK(e < 1e-12, "autodiff structure: gradients by hand, zeros for an unused param", "error %g", e);
+  }
+  interp_free(it);
+  case_free(c);
+
+  c = case_new();
+  param(c, "p", SH(2), DOM_ANY);
+  ok = autodiff(c->g, false);
+  CHECK(!ok && strstr(c->g->err, "loss"), "autodiff error: a graph without a loss", "got %d '%s'", ok, c->g->err);
+  case_free(c);
+
+  c = case_new();
+  int p = param(c, "p", SH(2), DOM_ANY);
+  c->g->loss = p;
+  ok = autodiff(c->g, false);
+  CHECK(!ok && strstr(c->g->err, "scalar"), "autodiff error: a loss that is not a scalar", "got %d '%s'", ok,
+        c->g->err);
+  case_free(c);
+}
+
+//
+// The optimizer step against AdamW computed by hand.
+//
+typedef struct {
+  const char *label;
+  double clip;
+  bool decay_a, decay_b;
+} AdamCase;
+
+static void adamw_case(const AdamCase *ac) {
+  enum { NA = 3, NB = 2, STEPS = 2 };
+  Case *c = case_new();
+  Graph *g = c->g;
+  g->train.beta1 = 0.8;
+  g->train.beta2 = 0.9;
+  g->train.eps = 1e-3;
+  g->train.weight_decay = 0.25;
+  g->train.clip = ac->clip;
+  int a = param(c, "a", SH(NA), DOM_ANY);
+  int b = param(c, "b", SH(NB), DOM_ANY);
+  g->nodes[a]->init.decay = ac->decay_a;
+  g->nodes[b]->init.decay = ac->decay_b;
+  // loss = sum(a * ra) + sum(b * b * rb): gradients ra and 2 b rb.
+  int ra = f32_input(c, "ra", SH(NA), 21);
+  int rb = f32_input(c, "rb", SH(NB), 22);
+  int la = node(c, OP_SUM, IN(node(c, OP_MUL, IN(a, ra), NULL, NULL)), IA(0, 0), NULL);
+  int bb = node(c, OP_MUL, IN(b, b), NULL, NULL);
+  int lb = node(c, OP_SUM, IN(node(c, OP_MUL, IN(bb, rb), NULL, NULL)), IA(0, 0), NULL);
+  g->loss = node(c, OP_ADD, IN(la, lb), NULL, NULL);
+  char label[200];
+  bool ok = !c->broken && autodiff(g, true);
+  snprintf(label, sizeof label, "adamw %s: builds", ac->label);
+  CHECK(ok, label, "%s", c->broken ? c->why : g->err);
+  if (!ok) {
+    case_free(c);
+    return;
+  }
+  // Structure: two moments per param, one grad norm, one ADAMW per param with the train config.
+  bool shape_ok = true;
+  for (int i = 0; i < 2; i++) {
+    IrNode *u = g->nodes[g->updates[i]], *p = g->nodes[g->params[i]];
+    IrNode *m = g->nodes[u->in[2]], *v = g->nodes[u->in[3]], *gn = g->nodes[u->in[4]];
+    IrNode *lr = g->nodes[u->in[5]], *st = g->nodes[u->in[6]];
+    char mname[64], vname[64];
+    snprintf(mname, sizeof mname, "%s.m", p->name);
+    snprintf(vname, sizeof vname, "%s.v", p->name);
+    double wd = p->init.decay ? 0.25 : 0;
+    shape_ok &= u->op == OP_ADAMW && u->param_of == p->id && u->in[0] == p->id && u->in[1] == g->grads[i];
+    shape_ok &= m->op == OP_STATE && !strcmp(m->name, mname) && m->param_of == p->id;
+    shape_ok &= v->op == OP_STATE && !strcmp(v->name, vname) && v->param_of == p->id;
+    shape_ok &= gn->op == OP_GRAD_NORM && gn->nin == 2;
+    shape_ok &= lr->op == OP_SCALAR && !strcmp(lr->name, "lr") && st->op == OP_SCALAR && !strcmp(st->name, "step");
+    shape_ok &= u->fa[0] == 0.8 && u->fa[1] == 0.9 && u->fa[2] == 1e-3 && u->fa[3] == wd && u->fa[4] == ac->clip;
+  }
+  snprintf(label, sizeof label, "adamw %s: graph structure", ac->label);
+  CHECK(shape_ok, label, "unexpected ADAMW/STATE/SCALAR nodes");
+
+  // Hand computation, two steps (the second uses the moments and bias corrections of step 2).
+  const double lrs[STEPS] = {0.05, 0.02};
+  double pv[NA + NB], m[NA + NB] = {0}, v[NA + NB] = {0};
+  Interp *it = interp_new(g, INTERP_F64);
+  double *pa = interp_param(it, a), *pb = interp_param(it, b);
+  for (int i = 0; i < NA + NB; i++) {
+    pv[i] = 0.5 + uniform(30, i);
+    if (i < NA)
+      pa[i] = pv[i];
+    else
+      pb[i - NA] = pv[i];
+  }
+  feed_inputs(it, c->feed, c->nfeed);
+  double err_max = 0;
+  char err[512] = "";
+  bool ran = true, clipped = false;
+  for (int s = 1; s <= STEPS && ran; s++) {
+    double gr[NA + NB], norm2 = 0;
+    for (int i = 0; i < NA + NB; i++) {
+      gr[i] = i < NA ? c->feed[0].f[i] : 2 * pv[i] * c->feed[1].f[i - NA];
+      norm2 += gr[i] * gr[i];
+    }
+    double gnorm = sqrt(norm2);
+    double scale = ac->clip > 0 ? fmin(1, ac->clip / (gnorm + 1e-6)) : 1;
+    clipped |= scale < 1;
+    for (int i = 0; i < NA + NB; i++) {
+      double gi = scale * gr[i];
+      double wd = (i < NA ? ac->decay_a : ac->decay_b) ? 0.25 : 0;
+      m[i] = 0.8 * m[i] + 0.2 * gi;
+      v[i] = 0.9 * v[i] + 0.1 * gi * gi;
+      double mhat = m[i] / (1 - pow(0.8, s)), vhat = v[i] / (1 - pow(0.9, s));
+      pv[i] -= lrs[s - 1] * (mhat / (sqrt(vhat) + 1e-3) + wd * pv[i]);
+    }
+    interp_set_scalar(it, "lr", lrs[s - 1]);
+    interp_set_scalar(it, "step", s);
+    ran = interp_run(it, g->n, err, sizeof err);
+    for (int i = 0; i < NA + NB && ran; i++) {
+      double got = i < NA ? interp_param(it, a)[i] : interp_param(it, b)[i - NA];
+      double node_value = interp_value(it, g->updates[i < NA ? 0 : 1])[i < NA ? i : i - NA];
+      err_max = fmax(err_max, fmax(fabs(got - pv[i]), fabs(node_value - pv[i])));
+    }
+  }
+  snprintf(label, sizeof label, "adamw %s: two steps match the formula", ac->label);
+  CHECK(ran && err_max < 1e-12, label, "%s max error %g", err, err_max);
+  snprintf(label, sizeof label, "adamw %s: clipping %s", ac->label, ac->clip > 0 && ac->clip < 1 ? "active" : "inactive");
+  CHECK(clipped == (ac->clip > 0 && ac->clip < 1), label, "the hand computation %s clip", clipped ? "did" : "did not");
+  interp_free(it);
+  case_free(c);
+}
+
+static void adamw_cases(void) {
+  // The gradient norm of these losses is between 1 and 3: clip 0.5 is active, clip 100 is not.
+  static const AdamCase cases[] = {
+      {"no clip, decay on a", 0, true, false},
+      {"clip 0.5, decay on b", 0.5, false, true},
+      {"clip 100, decay on both", 100, true, true},
+      {"clip 0.5, no decay", 0.5, false, false},
+  };
+  for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++)
+    adamw_case(&cases[i]);
+}
+
+//
+// Whole models with B=2 and T=8: the tiny GPT (one document per row, then two), and the tiny
+// LLaMA (rope, rmsnorm, SwiGLU, untied head) with two documents per row.
+//
+static void model_case(const char *model, bool two_docs) {
+  char path[128], label[160];
+  snprintf(path, sizeof path, "models/%s.mdl", model);
+  snprintf(label, sizeof label, "grad %s%s", model, two_docs ? " (two documents per row)" : "");
+  if (access(path, R_OK) != 0) {
+    printf("[skip] %s: %s is not there\n", label, path);
+    return;
+  }
+  enum { B = 2, T = 8 };
+  DimOverride ov[] = {{"B", B}, {"T", T}};
+  Arena *arena = arena_new();
+  Graph *g = mdl_compile_file(arena, path, ov, 2);
+  if (!g) {
+    CHECK(false, label, "%s does not compile", path);
+    arena_free(arena);
+    return;
+  }
+  char name[200];
+  snprintf(name, sizeof name, "%s: autodiff", label);
+  char why[512] = "";
+  bool ok = autodiff(g, false) && ir_validate(g, why, sizeof why);
+  CHECK(ok, name, "%s%s", g->err, why);
+  if (!ok) {
+    arena_free(arena);
+    return;
+  }
+  int64_t vocab = g->nodes[g->params[0]]->shape.d[0];
+  int32_t tokens[B * T], targets[B * T], pos[B * T], doc[B * T];
+  for (int b = 0; b < B; b++)
+    for (int t = 0; t < T; t++) {
+      int i = b * T + t, second = two_docs && t >= T / 2;
+      tokens[i] = (int32_t)((7 * i + 3 * b + 1) % vocab);
+      targets[i] = (int32_t)((5 * i + 11) % vocab);
+      pos[i] = second ? t - T / 2 : t;
+      doc[i] = second;
+    }
+  Interp *it = interp_new(g, INTERP_F64);
+  interp_init_params(it, 1);
+  bool fed = true;
+  for (int i = 0; i < g->fwd_end; i++) {
+    IrNode *n = g->nodes[i];
+    if (n->op != OP_INPUT)
+      continue;
+    const int32_t *v = !strcmp(n->name, "tokens") ? tokens : !strcmp(n->name, "targets") ? targets
+                     : !strcmp(n->name, "pos")    ? pos
+                     : !strcmp(n->name, "doc")    ? doc
+                                                  : NULL;
+    fed &= v && interp_set_input(it, n->name, v, NULL, B * T);
+  }
+  snprintf(name, sizeof name, "%s: inputs", label);
+  CHECK(fed, name, "the model's inputs are not tokens/targets/pos/doc");
+  if (fed)
+    compare_with_fd(label, g, it, 8);
+  interp_free(it);
+  arena_free(arena);
+}
+
+// The training graph of the tiny GPT: valid, one ADAMW per parameter with its decay setting.
+static void gpt_optimizer_case(void) {
+  const char *path = "models/gpt2-tiny.mdl", *label = "adamw gpt2-tiny: training graph";
+  if (access(path, R_OK) != 0) {
+    printf("[skip] %s: %s is not there\n", label, path);
+    return;
+  }
+  Arena *arena = arena_new();
+  Graph *g = mdl_compile_file(arena, path, NULL, 0);
+  char why[512] = "";
+  bool ok = g && autodiff(g, true) && ir_validate(g, why, sizeof why);
+  CHECK(ok, label, "%s%s", g ? g->err : "does not compile", why);
+  if (ok) {
+    int bad = -1, norms = 0;
+    for (int i = 0; i < g->n; i++)
+      norms += g->nodes[i]->op == OP_GRAD_NORM;
+    for (int i = 0; i < g->nparams && bad < 0; i++) {
+      IrNode *u = g->nodes[g->updates[i]], *p = g->nodes[g->params[i]];
+      double wd = p->init.decay ? g->train.weight_decay : 0;
+      if (u->op != OP_ADAMW || u->param_of != p->id || u->in[1] != g->grads[i] || u->fa[3] != wd ||
+          u->fa[4] != g->train.clip)
+        bad = i;
+    }
+    CHECK(bad < 0 && norms == 1, "adamw gpt2-tiny: one update per parameter, one gradient norm",
+          "param %d wrong, %d grad norms", bad, norms);
+  }
+  arena_free(arena);
+}
+
+int main(void) {
+  unary_cases();
+  binary_cases();
+  reduction_cases();
+  layout_cases();
+  matmul_cases();
+  row_cases();
+  sequence_cases();
+  structure_cases();
+  adamw_cases();
+  model_case("gpt2-tiny", false);
+  model_case("gpt2-tiny", true);
+  model_case("llama-tiny", true);
+  gpt_optimizer_case();
+  TEST_EXIT();
+}

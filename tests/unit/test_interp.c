@@ -1,0 +1,598 @@
+// test_interp.c: the reference interpreter against values computed by hand or by an independent
+// reference (PyTorch, for gelu/silu/layernorm/cross-entropy/AdamW, pasted as literals), and every
+// backward op against central finite differences of its forward op through the interpreter.
+#include "mdl.h"
+#include "test.h"
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+static const SrcLoc L0;
+static Arena *arena;
+static Graph *g;
+
+#define SH(...) shape_of((int)(sizeof((int64_t[]){__VA_ARGS__}) / sizeof(int64_t)), (int64_t[]){__VA_ARGS__})
+#define IA(...) ((int64_t[8]){__VA_ARGS__})
+#define FA(...) ((double[6]){__VA_ARGS__})
+#define NODE(op, ia, fa, ...)                                                                      \
+  must(ir_add(g, op, (int[]){__VA_ARGS__}, (int)(sizeof((int[]){__VA_ARGS__}) / sizeof(int)), ia, fa, L0))
+
+static void fresh(void) {
+  arena_free(arena);
+  arena = arena_new();
+  g = ir_new(arena);
+}
+
+static int must(int id) {
+  if (id < 0) {
+    printf("[fail] building a test graph: %s\n", g->err);
+    exit(1);
+  }
+  return id;
+}
+
+static int param(const char *name, Shape s) { return must(ir_leaf(g, OP_PARAM, name, DT_F32, s, L0)); }
+static int ids_input(const char *name, Shape s) { return must(ir_leaf(g, OP_INPUT, name, DT_I32, s, L0)); }
+
+static void set(Interp *it, int node, const double *v) {
+  memcpy(interp_param(it, node), v, sizeof(double) * (size_t)interp_numel(it, node));
+}
+
+// Fills a parameter with values in [-1, 1) from a fixed stream.
+static void set_random(Interp *it, int node, uint64_t stream) {
+  double *p = interp_param(it, node);
+  for (int64_t i = 0; i < interp_numel(it, node); i++)
+    p[i] = 2 * mdl_rng_uniform(42, stream, (uint64_t)i) - 1;
+}
+
+static void run(Interp *it) {
+  char err[256];
+  if (!interp_run(it, g->n, err, sizeof err)) {
+    printf("[fail] interp_run: %s\n", err);
+    exit(1);
+  }
+}
+
+// Largest |a - b| over n values.
+static double maxdiff(const double *a, const double *b, int64_t n) {
+  double m = 0;
+  for (int64_t i = 0; i < n; i++)
+    m = fmax(m, fabs(a[i] - b[i]));
+  return m;
+}
+
+#define EXPECT(it, node, tol, name, ...)                                                           \
+  do {                                                                                             \
+    const double want_[] = {__VA_ARGS__};                                                         \
+    int64_t n_ = (int64_t)(sizeof want_ / sizeof want_[0]);                                        \
+    const double *got_ = interp_value(it, node);                                                   \
+    CHECK(interp_numel(it, node) == n_ && maxdiff(got_, want_, n_) <= (tol), name,                 \
+          "numel %lld (want %lld), max diff %g, first value %.17g (want %.17g)",                   \
+          (long long)interp_numel(it, node), (long long)n_, maxdiff(got_, want_, n_), got_[0],     \
+          want_[0]);                                                                               \
+  } while (0)
+
+static void test_elementwise(void) {
+  fresh();
+  int x = param("x", SH(3));
+  int neg = NODE(OP_NEG, NULL, NULL, x), ex = NODE(OP_EXP, NULL, NULL, x);
+  int th = NODE(OP_TANH, NULL, NULL, x), relu = NODE(OP_RELU, NULL, NULL, x);
+  int ge = NODE(OP_GELU, NULL, NULL, x), si = NODE(OP_SILU, NULL, NULL, x);
+  int sq = NODE(OP_SQRT, NULL, NULL, ex), rs = NODE(OP_RSQRT, NULL, NULL, ex);
+  int lg = NODE(OP_LOG, NULL, NULL, ex);
+  Interp *it = interp_new(g, INTERP_F64);
+  set(it, x, (double[]){1, -0.5, 2});
+  run(it);
+  EXPECT(it, neg, 0, "neg", -1, 0.5, -2);
+  EXPECT(it, ex, 1e-15, "exp", 2.718281828459045, 0.6065306597126334, 7.38905609893065);
+  EXPECT(it, lg, 1e-15, "log of exp", 1, -0.5, 2);
+  EXPECT(it, sq, 1e-15, "sqrt", 1.6487212707001282, 0.7788007830714049, 2.718281828459045);
+  EXPECT(it, rs, 1e-15, "rsqrt", 0.6065306597126334, 1.2840254166877414, 0.36787944117144233);
+  EXPECT(it, th, 1e-15, "tanh", 0.7615941559557649, -0.46211715726000974, 0.9640275800758169);
+  EXPECT(it, relu, 0, "relu", 1, 0, 2);
+  EXPECT(it, ge, 1e-14, "gelu (tanh approximation)", 0.8411919906082768, -0.15428599017485606,
+         1.954597694087775);
+  EXPECT(it, si, 1e-14, "silu", 0.7310585786300049, -0.1887703343990727, 1.7615941559557646);
+  interp_free(it);
+
+  // The gradients against PyTorch's, with dy = 1.
+  fresh();
+  x = param("x", SH(3));
+  int ones = must(ir_broadcast(g, must(ir_const(g, 1, L0)), SH(3), L0));
+  int gb = NODE(OP_GELU_BWD, NULL, NULL, x, ones);
+  int sb = NODE(OP_SILU_BWD, NULL, NULL, x, ones), rb = NODE(OP_RELU_BWD, NULL, NULL, x, ones);
+  it = interp_new(g, INTERP_F64);
+  set(it, x, (double[]){1, -0.5, 2});
+  run(it);
+  EXPECT(it, gb, 1e-14, "gelu_bwd", 1.0829640838457826, 0.13263009646535764, 1.0860992566236183);
+  EXPECT(it, sb, 1e-14, "silu_bwd", 0.9276705118714869, 0.2600388126973482, 1.0907842487848955);
+  EXPECT(it, rb, 0, "relu_bwd", 1, 0, 1);
+  interp_free(it);
+}
+
+static void test_broadcast_and_precision(void) {
+  fresh();
+  int a = param("a", SH(2, 1)), b = param("b", SH(3));
+  int add = NODE(OP_ADD, NULL, NULL, a, b), sub = NODE(OP_SUB, NULL, NULL, b, a);
+  int mul = NODE(OP_MUL, NULL, NULL, a, b);
+  int three = must(ir_const(g, 3, L0));
+  int div = NODE(OP_DIV, NULL, NULL, a, three);
+  int bc = must(ir_broadcast(g, b, SH(2, 2, 3), L0));
+  Interp *it = interp_new(g, INTERP_F64);
+  set(it, a, (double[]){1, 2});
+  set(it, b, (double[]){10, 20, 30});
+  run(it);
+  EXPECT(it, add, 0, "add [2,1] + [3]", 11, 21, 31, 12, 22, 32);
+  EXPECT(it, sub, 0, "sub [3] - [2,1]", 9, 19, 29, 8, 18, 28);
+  EXPECT(it, mul, 0, "mul [2,1] * [3]", 10, 20, 30, 20, 40, 60);
+  EXPECT(it, bc, 0, "broadcast [3] to [2,2,3]", 10, 20, 30, 10, 20, 30, 10, 20, 30, 10, 20, 30);
+  CHECK(interp_value(it, div)[0] == 1.0 / 3, "f64 keeps doubles", "%.17g", interp_value(it, div)[0]);
+  interp_free(it);
+
+  it = interp_new(g, INTERP_F32);
+  set(it, a, (double[]){1, 2});
+  set(it, b, (double[]){10, 20, 30});
+  run(it);
+  CHECK(interp_value(it, div)[0] == (double)(float)(1.0 / 3) && interp_value(it, div)[1] == (double)(2.0f / 3),
+        "f32 rounds each result to float", "%.17g", interp_value(it, div)[0]);
+  interp_free(it);
+}
+
+static void test_matmul(void) {
+  const double a[] = {1, 2, 3, 4, 5, 6}, at[] = {1, 4, 2, 5, 3, 6};        // [2,3] and its transpose
+  const double b[] = {7, 8, 9, 10, 11, 12}, bt[] = {7, 9, 11, 8, 10, 12}; // [3,2] and its transpose
+  for (int ta = 0; ta < 2; ta++)
+    for (int tb = 0; tb < 2; tb++) {
+      fresh();
+      int pa = param("a", ta ? SH(3, 2) : SH(2, 3)), pb = param("b", tb ? SH(2, 3) : SH(3, 2));
+      int mm = NODE(OP_MATMUL, IA(ta, tb), NULL, pa, pb);
+      Interp *it = interp_new(g, INTERP_F64);
+      set(it, pa, ta ? at : a);
+      set(it, pb, tb ? bt : b);
+      run(it);
+      char name[64];
+      snprintf(name, sizeof name, "matmul 2x3 @ 3x2 ta=%d tb=%d", ta, tb);
+      EXPECT(it, mm, 0, name, 58, 64, 139, 154);
+      interp_free(it);
+    }
+  // Batch axes broadcast: [2,1,2,3] @ [3,3,2] -> [2,3,2,2].
+  fresh();
+  int pa = param("a", SH(2, 1, 2, 3)), pb = param("b", SH(3, 3, 2));
+  int mm = NODE(OP_MATMUL, NULL, NULL, pa, pb);
+  Interp *it = interp_new(g, INTERP_F64);
+  set_random(it, pa, 1);
+  set_random(it, pb, 2);
+  run(it);
+  const double *A = interp_param(it, pa), *B = interp_param(it, pb), *Y = interp_value(it, mm);
+  double err = 0;
+  for (int i = 0; i < 2; i++)
+    for (int j = 0; j < 3; j++)
+      for (int r = 0; r < 2; r++)
+        for (int c = 0; c < 2; c++) {
+          double s = 0;
+          for (int k = 0; k < 3; k++)
+            s += A[(i * 2 + r) * 3 + k] * B[(j * 3 + k) * 2 + c];
+          err = fmax(err, fabs(s - Y[((i * 3 + j) * 2 + r) * 2 + c]));
+        }
+  CHECK(interp_numel(it, mm) == 24 && err < 1e-15, "matmul with broadcast batch axes", "err %g", err);
+  interp_free(it);
+}
+
+static void test_reductions(void) {
+  fresh();
+  int x = param("x", SH(2, 3));
+  int s0 = NODE(OP_SUM, IA(0, 0), NULL, x), s1k = NODE(OP_SUM, IA(1, 1), NULL, x);
+  int m1 = NODE(OP_MEAN, IA(1, 0), NULL, x), mx0 = NODE(OP_MAX, IA(0, 0), NULL, x);
+  int mx1k = NODE(OP_MAX, IA(1, 1), NULL, x);
+  int flat = must(ir_reshape(g, x, SH(6), L0));
+  int all = NODE(OP_SUM, IA(0, 0), NULL, flat);
+  Interp *it = interp_new(g, INTERP_F64);
+  set(it, x, (double[]){1, 5, 3, 4, 2, 6});
+  run(it);
+  EXPECT(it, s0, 0, "sum axis 0", 5, 7, 9);
+  EXPECT(it, s1k, 0, "sum axis 1 keepdim", 9, 12);
+  CHECK(g->nodes[s1k]->shape.rank == 2 && g->nodes[s1k]->shape.d[1] == 1, "keepdim keeps the axis", "rank %d",
+        g->nodes[s1k]->shape.rank);
+  EXPECT(it, m1, 0, "mean axis 1", 3, 4);
+  EXPECT(it, mx0, 0, "max axis 0", 4, 5, 6);
+  EXPECT(it, mx1k, 0, "max axis 1 keepdim", 5, 6);
+  EXPECT(it, all, 0, "sum of everything to a scalar", 21);
+  set(it, x, (double[]){1, NAN, 3, -INFINITY, -INFINITY, -INFINITY});
+  run(it);
+  const double *mv = interp_value(it, mx1k);
+  CHECK(isnan(mv[0]) && mv[1] == -INFINITY, "max propagates NaN and handles -inf", "%g %g", mv[0], mv[1]);
+  interp_free(it);
+
+  // Ties share the gradient evenly.
+  fresh();
+  x = param("x", SH(2, 3));
+  int y = NODE(OP_MAX, IA(1, 1), NULL, x);
+  int dy = param("dy", SH(2, 1));
+  int dx = NODE(OP_MAX_BWD, IA(1, 1), NULL, x, y, dy);
+  it = interp_new(g, INTERP_F64);
+  set(it, x, (double[]){2, 2, 1, 0, 7, 7});
+  set(it, dy, (double[]){1, 3});
+  run(it);
+  EXPECT(it, dx, 0, "max_bwd with ties", 0.5, 0.5, 0, 0, 1.5, 1.5);
+  interp_free(it);
+}
+
+static void test_layout(void) {
+  fresh();
+  int x = param("x", SH(2, 3));
+  int sl = NODE(OP_SLICE, IA(1, 1, 3), NULL, x);
+  int sb = must(ir_slice_bwd(g, sl, SH(2, 3), 1, 1, 3, L0));
+  int c0 = NODE(OP_CONCAT, IA(0), NULL, x, x), c1 = NODE(OP_CONCAT, IA(1), NULL, x, sl);
+  int tr = NODE(OP_PERMUTE, IA(1, 0), NULL, x);
+  int x3 = must(ir_reshape(g, x, SH(1, 2, 3), L0));
+  int p3 = NODE(OP_PERMUTE, IA(2, 0, 1), NULL, x3);
+  Interp *it = interp_new(g, INTERP_F64);
+  set(it, x, (double[]){0, 1, 2, 3, 4, 5});
+  run(it);
+  EXPECT(it, sl, 0, "slice axis 1 [1,3)", 1, 2, 4, 5);
+  EXPECT(it, sb, 0, "slice_bwd puts dy back in zeros", 0, 1, 2, 0, 4, 5);
+  EXPECT(it, c0, 0, "concat axis 0", 0, 1, 2, 3, 4, 5, 0, 1, 2, 3, 4, 5);
+  EXPECT(it, c1, 0, "concat axis 1", 0, 1, 2, 1, 2, 3, 4, 5, 4, 5);
+  EXPECT(it, tr, 0, "permute [1,0]", 0, 3, 1, 4, 2, 5);
+  EXPECT(it, p3, 0, "permute [2,0,1] of [1,2,3]", 0, 3, 1, 4, 2, 5);
+  interp_free(it);
+}
+
+static void test_embed(void) {
+  fresh();
+  int tab = param("wte", SH(4, 2));
+  int ids = ids_input("tokens", SH(3));
+  int e = NODE(OP_EMBED, NULL, NULL, tab, ids);
+  int eb = must(ir_embed_bwd(g, ids, e, 4, L0));
+  Interp *it = interp_new(g, INTERP_F64);
+  set(it, tab, (double[]){0, 1, 10, 11, 20, 21, 30, 31});
+  char err[256] = "";
+  CHECK(!interp_run(it, g->n, err, sizeof err) && strcmp(err, "input 'tokens' was never set") == 0,
+        "an input never set is an error", "message '%s'", err);
+  CHECK(interp_set_input(it, "tokens", (int32_t[]){3, 0, 3}, NULL, 3), "set i32 input", "rejected");
+  CHECK(!interp_set_input(it, "tokens", (int32_t[]){3, 0}, NULL, 2), "set input of the wrong size fails",
+        "accepted");
+  CHECK(!interp_set_input(it, "nothing", (int32_t[]){0}, NULL, 1), "set unknown input fails", "accepted");
+  run(it);
+  EXPECT(it, e, 0, "embed rows", 30, 31, 0, 1, 30, 31);
+  EXPECT(it, eb, 0, "embed_bwd scatter-adds repeated ids", 0, 1, 0, 0, 0, 0, 60, 62);
+  interp_free(it);
+
+  fresh();
+  tab = param("wte", SH(256, 1));
+  ids = ids_input("tokens", SH(2));
+  e = NODE(OP_EMBED, NULL, NULL, tab, ids);
+  it = interp_new(g, INTERP_F32);
+  interp_set_input(it, "tokens", (int32_t[]){5, 300}, NULL, 2);
+  CHECK(!interp_run(it, g->n, err, sizeof err) && strcmp(err, "embed: id 300 out of range [0, 256)") == 0,
+        "embed id out of range", "message '%s'", err);
+  interp_set_input(it, "tokens", (int32_t[]){-1, 0}, NULL, 2);
+  CHECK(!interp_run(it, g->n, err, sizeof err) && strcmp(err, "embed: id -1 out of range [0, 256)") == 0,
+        "embed negative id", "message '%s'", err);
+  interp_free(it);
+}
+
+static void test_rows(void) {
+  fresh();
+  int x = param("x", SH(1, 4)), w = param("w", SH(4)), b = param("b", SH(4));
+  int ln = NODE(OP_LAYERNORM, NULL, FA(1e-5), x, w, b), rms = NODE(OP_RMSNORM, NULL, FA(1e-5), x, w);
+  int v = param("v", SH(3));
+  int sm = NODE(OP_SOFTMAX, NULL, NULL, v);
+  Interp *it = interp_new(g, INTERP_F64);
+  set(it, x, (double[]){1, 2, 3, 4});
+  set(it, w, (double[]){1, 1, 2, 2});
+  set(it, b, (double[]){0, 0, 1, 1});
+  set(it, v, (double[]){1, 2, 3});
+  run(it);
+  EXPECT(it, ln, 1e-14, "layernorm of a row", -1.341635419968927, -0.4472118066563091, 1.8944236133126178,
+         3.6832708399378538);
+  EXPECT(it, rms, 1e-14, "rmsnorm of a row", 0.3651481282381064, 0.7302962564762128, 2.1908887694286383,
+         2.921185025904851);
+  EXPECT(it, sm, 1e-15, "softmax of [1,2,3]", 0.09003057317038045, 0.2447284710547976, 0.6652409557748218);
+  interp_free(it);
+}
+
+static void test_cross_entropy(void) {
+  fresh();
+  int l = param("logits", SH(3, 3));
+  int t = ids_input("targets", SH(3));
+  int ce = NODE(OP_CROSS_ENTROPY, NULL, NULL, l, t);
+  int dl = param("dloss", SH(3));
+  int ceb = NODE(OP_CROSS_ENTROPY_BWD, NULL, NULL, l, t, dl);
+  Interp *it = interp_new(g, INTERP_F64);
+  set(it, l, (double[]){1, 2, 3, 0, 0, 0, 5, 1, 1});
+  set(it, dl, (double[]){1, 1, 2});
+  interp_set_input(it, "targets", (int32_t[]){2, -1, 0}, NULL, 3);
+  run(it);
+  EXPECT(it, ce, 1e-15, "cross_entropy with an ignored row", 0.4076059644443804, 0, 0.03597629974819324);
+  EXPECT(it, ceb, 1e-15, "cross_entropy_bwd", 0.09003057317038043, 0.24472847105479764, -0.3347590442251782, 0,
+         0, 0, -0.07067368805619245, 0.0353368440280961, 0.0353368440280961);
+  interp_set_input(it, "targets", (int32_t[]){2, 3, 0}, NULL, 3);
+  char err[256] = "";
+  CHECK(!interp_run(it, g->n, err, sizeof err) && strcmp(err, "cross_entropy: target 3 out of range [0, 3)") == 0,
+        "cross_entropy target >= V", "message '%s'", err);
+  interp_free(it);
+}
+
+// T = 3, two heads of width 1. Head 0: q = 1, k_j = ln(j+1), so p_ij is proportional to j+1 over
+// the allowed j; head 1: q = 0, a plain average of the allowed v_j.
+static void test_attention(void) {
+  for (int mode = 0; mode < 3; mode++) { // 0 causal, 1 causal + doc, 2 doc only
+    fresh();
+    int q = param("q", SH(1, 3, 2)), k = param("k", SH(1, 3, 2)), v = param("v", SH(1, 3, 2));
+    int doc = ids_input("doc", SH(1, 3));
+    int64_t causal = mode != 2, has_doc = mode != 0;
+    int at = has_doc ? NODE(OP_ATTENTION, IA(2, causal, 1), FA(1), q, k, v, doc)
+                     : NODE(OP_ATTENTION, IA(2, causal, 0), FA(1), q, k, v);
+    Interp *it = interp_new(g, INTERP_F64);
+    set(it, q, (double[]){1, 0, 1, 0, 1, 0});
+    set(it, k, (double[]){log(1), 5, log(2), -3, log(3), 7});
+    set(it, v, (double[]){1, 3, 10, 6, 100, 9});
+    interp_set_input(it, "doc", (int32_t[]){0, 0, 1}, NULL, 3);
+    run(it);
+    if (mode == 0)
+      EXPECT(it, at, 1e-13, "attention causal T=3", 1, 3, 7, 4.5, 53.5, 6);
+    else if (mode == 1)
+      EXPECT(it, at, 1e-13, "attention causal within documents", 1, 3, 7, 4.5, 100, 9);
+    else
+      EXPECT(it, at, 1e-13, "attention non-causal within documents", 7, 4.5, 7, 4.5, 100, 9);
+    interp_free(it);
+  }
+}
+
+static void test_rope(void) {
+  fresh();
+  int x = param("x", SH(1, 2, 4));
+  int pos = ids_input("pos", SH(1, 2));
+  int r = NODE(OP_ROPE, IA(1, 0), FA(10000), x, pos);
+  int back = NODE(OP_ROPE, IA(1, 1), FA(10000), r, pos);
+  Interp *it = interp_new(g, INTERP_F64);
+  set(it, x, (double[]){1, 0, 0, 1, 1, 0, 0, 1});
+  interp_set_input(it, "pos", (int32_t[]){1, 2}, NULL, 2);
+  run(it);
+  // Pairs (0,2) rotate by pos, pairs (1,3) by pos * 10000^(-1/2) = pos / 100.
+  EXPECT(it, r, 1e-15, "rope rotates pairs (i, i+D/2)", cos(1), -sin(0.01), sin(1), cos(0.01), cos(2),
+         -sin(0.02), sin(2), cos(0.02));
+  EXPECT(it, back, 1e-15, "inverse rope undoes rope", 1, 0, 0, 1, 1, 0, 0, 1);
+  interp_free(it);
+}
+
+static void test_dropout(void) {
+  fresh();
+  int x = param("x", SH(10000));
+  int d = NODE(OP_DROPOUT, IA(3), FA(0.25), x);
+  Interp *it = interp_new(g, INTERP_F64);
+  double *xv = interp_param(it, x);
+  for (int i = 0; i < 10000; i++)
+    xv[i] = 1;
+  interp_set_seed(it, 9);
+  run(it);
+  const double *y = interp_value(it, d);
+  int kept = 0, bad = 0;
+  for (int i = 0; i < 10000; i++) {
+    bool keep = mdl_rng_uniform(9, 3, (uint64_t)i) >= 0.25;
+    kept += keep;
+    bad += y[i] != (keep ? 1 / 0.75 : 0);
+  }
+  CHECK(bad == 0, "dropout keeps u >= p and scales by 1/(1-p)", "%d elements differ", bad);
+  CHECK(kept > 7300 && kept < 7700, "dropout keeps about 1-p", "kept %d of 10000", kept);
+  double first[64];
+  memcpy(first, y, sizeof first);
+  interp_set_seed(it, 10);
+  run(it);
+  CHECK(maxdiff(first, interp_value(it, d), 64) > 0, "another seed, another mask", "same mask");
+  interp_free(it);
+}
+
+static void test_adamw(void) {
+  for (int variant = 0; variant < 2; variant++) { // 0: weight decay, two steps; 1: clipped, one step
+    fresh();
+    int p = param("p", SH(2)), gr = param("g", SH(2));
+    int m = must(ir_leaf(g, OP_STATE, "p.m", DT_F32, SH(2), L0));
+    int v = must(ir_leaf(g, OP_STATE, "p.v", DT_F32, SH(2), L0));
+    int lr = must(ir_leaf(g, OP_SCALAR, "lr", DT_F32, (Shape){0}, L0));
+    int step = must(ir_leaf(g, OP_SCALAR, "step", DT_F32, (Shape){0}, L0));
+    int gn = NODE(OP_GRAD_NORM, NULL, NULL, gr);
+    int up = variant == 0 ? NODE(OP_ADAMW, NULL, FA(0.9, 0.999, 1e-8, 0.01, 0), p, gr, m, v, gn, lr, step)
+                          : NODE(OP_ADAMW, NULL, FA(0.9, 0.999, 1e-8, 0, 0.1), p, gr, m, v, gn, lr, step);
+    Interp *it = interp_new(g, INTERP_F64);
+    set(it, p, (double[]){1, -2});
+    set(it, gr, (double[]){0.5, 0.1});
+    char err[256] = "";
+    CHECK(!interp_run(it, g->n, err, sizeof err) && strcmp(err, "scalar 'lr' was never set") == 0,
+          variant ? "a scalar never set is an error" : "adamw needs its scalars", "message '%s'", err);
+    interp_set_scalar(it, "lr", 0.1);
+    interp_set_scalar(it, "step", 1);
+    run(it);
+    if (variant == 0) {
+      EXPECT(it, gn, 1e-15, "grad_norm", sqrt(0.26));
+      EXPECT(it, up, 1e-15, "adamw step 1", 0.899000002, -2.097999990000001);
+      EXPECT(it, p, 1e-15, "adamw writes the param in place", 0.899000002, -2.097999990000001);
+      EXPECT(it, m, 1e-15, "adamw first moment", 0.05, 0.01);
+      EXPECT(it, v, 1e-18, "adamw second moment", 0.00025, 1e-5);
+      set(it, gr, (double[]){-0.3, 0.2});
+      interp_set_scalar(it, "step", 2);
+      run(it);
+      EXPECT(it, p, 1e-14, "adamw step 2 with weight decay", 0.8789511989397751, -2.1924201864887465);
+      EXPECT(it, m, 1e-15, "adamw first moment, step 2", 0.015, 0.029);
+      EXPECT(it, v, 1e-18, "adamw second moment, step 2", 0.00033975, 4.999e-05);
+    } else {
+      EXPECT(it, p, 1e-14, "adamw with clipping", 0.900000010198058, -2.0999999490097307);
+      EXPECT(it, m, 1e-15, "adamw clipped moment", 0.009805787526177681, 0.0019611575052355364);
+    }
+    interp_free(it);
+  }
+  fresh();
+  int a = param("a", SH(2)), b = param("b", SH(1, 1));
+  int gn = NODE(OP_GRAD_NORM, NULL, NULL, a, b);
+  Interp *it = interp_new(g, INTERP_F64);
+  set(it, a, (double[]){3, 4});
+  set(it, b, (double[]){12});
+  run(it);
+  EXPECT(it, gn, 0, "grad_norm over several tensors", 13);
+  interp_free(it);
+}
+
+static void test_init(void) {
+  fresh();
+  int w = param("w", SH(100, 100)), o = param("o", SH(3)), z = param("z", SH(3));
+  g->nodes[w]->init = (ParamInit){INIT_NORMAL, 0.02, true};
+  g->nodes[o]->init = (ParamInit){INIT_ONES, 0, false};
+  g->nodes[z]->init = (ParamInit){INIT_ZEROS, 0, false};
+  Interp *it = interp_new(g, INTERP_F32), *again = interp_new(g, INTERP_F32);
+  set(it, z, (double[]){5, 5, 5});
+  interp_init_params(it, 1);
+  interp_init_params(again, 1);
+  const double *wv = interp_param(it, w);
+  double mean = 0, var = 0;
+  for (int i = 0; i < 10000; i++)
+    mean += wv[i] / 10000;
+  for (int i = 0; i < 10000; i++)
+    var += (wv[i] - mean) * (wv[i] - mean) / 10000;
+  CHECK(fabs(mean) < 0.001 && fabs(sqrt(var) - 0.02) < 0.001, "normal init has the asked std",
+        "mean %g std %g", mean, sqrt(var));
+  double u1 = mdl_rng_uniform(1, 1000, 0), u2 = mdl_rng_uniform(1, 1000, 1);
+  CHECK(wv[0] == (double)(float)(0.02 * sqrt(-2 * log(1 - u1)) * cos(2 * M_PI * u2)),
+        "normal init is Box-Muller on the shared generator", "%.9g", wv[0]);
+  CHECK(maxdiff(wv, interp_param(again, w), 10000) == 0, "init is deterministic", "runs differ");
+  EXPECT(it, o, 0, "ones init", 1, 1, 1);
+  EXPECT(it, z, 0, "zeros init", 0, 0, 0);
+  interp_init_params(again, 2);
+  CHECK(maxdiff(wv, interp_param(again, w), 10000) > 0, "another seed, other weights", "same weights");
+  interp_free(it);
+  interp_free(again);
+}
+
+// Central differences of L = sum(r * y) with respect to parameter x, against the backward node dx
+// (computed with dy = r). Returns max |error| / max |dx|.
+static double fd_error(Interp *it, int y, int r, int x, int dx) {
+  run(it);
+  int64_t nx = interp_numel(it, x), ny = interp_numel(it, y);
+  double *an = malloc(sizeof(double) * (size_t)nx), *xv = interp_param(it, x), err = 0, scale = 1e-12;
+  memcpy(an, interp_value(it, dx), sizeof(double) * (size_t)nx);
+  for (int64_t i = 0; i < nx; i++) {
+    double save = xv[i], h = 1e-5, lp = 0, lm = 0;
+    xv[i] = save + h;
+    run(it);
+    for (int64_t j = 0; j < ny; j++)
+      lp += interp_value(it, r)[j] * interp_value(it, y)[j];
+    xv[i] = save - h;
+    run(it);
+    for (int64_t j = 0; j < ny; j++)
+      lm += interp_value(it, r)[j] * interp_value(it, y)[j];
+    xv[i] = save;
+    err = fmax(err, fabs((lp - lm) / (2 * h) - an[i]));
+    scale = fmax(scale, fabs(an[i]));
+  }
+  free(an);
+  return err / scale;
+}
+
+#define FD_CHECK(it, y, r, x, dx, name)                                                            \
+  do {                                                                                             \
+    double e_ = fd_error(it, y, r, x, dx);                                                         \
+    CHECK(e_ < 1e-7, name, "relative error %g", e_);                                               \
+  } while (0)
+
+static void test_backward_ops(void) {
+  fresh();
+  int x = param("x", SH(2, 5)), w = param("w", SH(5)), b = param("b", SH(5)), r = param("r", SH(2, 5));
+  int ln = NODE(OP_LAYERNORM, NULL, FA(1e-5), x, w, b);
+  int dx = NODE(OP_LAYERNORM_BWD, IA(0), FA(1e-5), x, w, r), dw = NODE(OP_LAYERNORM_BWD, IA(1), FA(1e-5), x, w, r);
+  int db = NODE(OP_LAYERNORM_BWD, IA(2), FA(1e-5), x, w, r);
+  int rms = NODE(OP_RMSNORM, NULL, FA(1e-5), x, w);
+  int rdx = NODE(OP_RMSNORM_BWD, IA(0), FA(1e-5), x, w, r), rdw = NODE(OP_RMSNORM_BWD, IA(1), FA(1e-5), x, w, r);
+  int sm = NODE(OP_SOFTMAX, NULL, NULL, x), sdx = NODE(OP_SOFTMAX_BWD, NULL, NULL, sm, r);
+  int mx = NODE(OP_MAX, IA(1, 0), NULL, x), r1 = param("r1", SH(2));
+  int mdx = NODE(OP_MAX_BWD, IA(1, 0), NULL, x, mx, r1);
+  int ge = NODE(OP_GELU, NULL, NULL, x), gdx = NODE(OP_GELU_BWD, NULL, NULL, x, r);
+  int si = NODE(OP_SILU, NULL, NULL, x), sidx = NODE(OP_SILU_BWD, NULL, NULL, x, r);
+  int sl = NODE(OP_SLICE, IA(1, 1, 4), NULL, x), r3 = param("r3", SH(2, 3));
+  int sldx = must(ir_slice_bwd(g, r3, SH(2, 5), 1, 1, 4, L0));
+  Interp *it = interp_new(g, INTERP_F64);
+  set_random(it, x, 1);
+  set_random(it, w, 2);
+  set_random(it, b, 3);
+  set_random(it, r, 4);
+  set_random(it, r1, 5);
+  set_random(it, r3, 6);
+  FD_CHECK(it, ln, r, x, dx, "layernorm_bwd dx");
+  FD_CHECK(it, ln, r, w, dw, "layernorm_bwd dw");
+  FD_CHECK(it, ln, r, b, db, "layernorm_bwd db");
+  FD_CHECK(it, rms, r, x, rdx, "rmsnorm_bwd dx");
+  FD_CHECK(it, rms, r, w, rdw, "rmsnorm_bwd dw");
+  FD_CHECK(it, sm, r, x, sdx, "softmax_bwd");
+  FD_CHECK(it, mx, r1, x, mdx, "max_bwd");
+  FD_CHECK(it, ge, r, x, gdx, "gelu_bwd");
+  FD_CHECK(it, si, r, x, sidx, "silu_bwd");
+  FD_CHECK(it, sl, r3, x, sldx, "slice_bwd");
+  interp_free(it);
+
+  fresh();
+  int l = param("logits", SH(4, 5)), rl = param("r", SH(4));
+  int t = ids_input("targets", SH(4));
+  int ce = NODE(OP_CROSS_ENTROPY, NULL, NULL, l, t), cdx = NODE(OP_CROSS_ENTROPY_BWD, NULL, NULL, l, t, rl);
+  int tab = param("tab", SH(3, 2)), ids = ids_input("ids", SH(2, 2)), re = param("re", SH(2, 2, 2));
+  int em = NODE(OP_EMBED, NULL, NULL, tab, ids), edx = must(ir_embed_bwd(g, ids, re, 3, L0));
+  it = interp_new(g, INTERP_F64);
+  set_random(it, l, 7);
+  set_random(it, rl, 8);
+  set_random(it, tab, 9);
+  set_random(it, re, 10);
+  interp_set_input(it, "targets", (int32_t[]){4, -1, 0, 2}, NULL, 4);
+  interp_set_input(it, "ids", (int32_t[]){2, 0, 2, 2}, NULL, 4);
+  FD_CHECK(it, ce, rl, l, cdx, "cross_entropy_bwd");
+  FD_CHECK(it, em, re, tab, edx, "embed_bwd");
+  interp_free(it);
+
+  for (int has_doc = 0; has_doc < 2; has_doc++) {
+    fresh();
+    int q = param("q", SH(2, 4, 4)), k = param("k", SH(2, 4, 4)), v = param("v", SH(2, 4, 4));
+    int ra = param("r", SH(2, 4, 4)), doc = ids_input("doc", SH(2, 4));
+    int at, d[3];
+    if (has_doc) {
+      at = NODE(OP_ATTENTION, IA(2, 1, 1), FA(0.7), q, k, v, doc);
+      for (int wh = 0; wh < 3; wh++)
+        d[wh] = NODE(OP_ATTENTION_BWD, IA(2, 1, 1, wh), FA(0.7), q, k, v, doc, ra);
+    } else {
+      at = NODE(OP_ATTENTION, IA(2, 0, 0), FA(0.7), q, k, v);
+      for (int wh = 0; wh < 3; wh++)
+        d[wh] = NODE(OP_ATTENTION_BWD, IA(2, 0, 0, wh), FA(0.7), q, k, v, ra);
+    }
+    int pos = ids_input("pos", SH(2, 4));
+    int ro = NODE(OP_ROPE, IA(2, 0), FA(100), q, pos), rodx = NODE(OP_ROPE, IA(2, 1), FA(100), ra, pos);
+    it = interp_new(g, INTERP_F64);
+    set_random(it, q, 11);
+    set_random(it, k, 12);
+    set_random(it, v, 13);
+    set_random(it, ra, 14);
+    interp_set_input(it, "doc", (int32_t[]){0, 0, 1, 1, 0, 1, 1, 1}, NULL, 8);
+    interp_set_input(it, "pos", (int32_t[]){0, 1, 0, 1, 0, 0, 1, 2}, NULL, 8);
+    FD_CHECK(it, at, ra, q, d[0], has_doc ? "attention_bwd dq (causal, doc)" : "attention_bwd dq (full)");
+    FD_CHECK(it, at, ra, k, d[1], has_doc ? "attention_bwd dk (causal, doc)" : "attention_bwd dk (full)");
+    FD_CHECK(it, at, ra, v, d[2], has_doc ? "attention_bwd dv (causal, doc)" : "attention_bwd dv (full)");
+    if (has_doc)
+      FD_CHECK(it, ro, ra, q, rodx, "inverse rope is the rope gradient");
+    interp_free(it);
+  }
+}
+
+int main(void) {
+  test_elementwise();
+  test_broadcast_and_precision();
+  test_matmul();
+  test_reductions();
+  test_layout();
+  test_embed();
+  test_rows();
+  test_cross_entropy();
+  test_attention();
+  test_rope();
+  test_dropout();
+  test_adamw();
+  test_init();
+  test_backward_ops();
+  arena_free(arena);
+  TEST_EXIT();
+}

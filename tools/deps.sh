@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Installs what building and testing mdl needs, from Debian's packages, when it is missing.
+set -eu
+pkgs="make gcc flex bison libopenblas-dev python3-torch python3-numpy"
+missing=""
+for p in $pkgs; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing="$missing $p"
+done
+[ -z "$missing" ] && exit 0
+echo "installing:$missing"
+sudo=""
+[ "$(id -u)" -ne 0 ] && sudo="sudo"
+$sudo apt-get update -qq
+DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends $missing >/dev/null
