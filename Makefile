@@ -24,7 +24,7 @@ build/%.o: %.c $(HEADERS) build/mdl.tab.h
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) -c -o $@ $<
 
-build/mdl.tab.c build/mdl.tab.h: grammar/mdl.y
+build/mdl.tab.c build/mdl.tab.h &: grammar/mdl.y
 	@mkdir -p build
 	bison -Wall -Werror --defines=build/mdl.tab.h -o build/mdl.tab.c $<
 

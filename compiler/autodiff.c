@@ -179,11 +179,11 @@ static bool backward_rule(Ad *ad, int i, int dy) {
   case OP_SQRT: // dy * 0.5 / y
     accumulate(ad, x, binary(ad, OP_DIV, binary(ad, OP_MUL, dy, constant(ad, 0.5)), i));
     return true;
-  case OP_RSQRT: // y = x^(-1/2): dy * (-0.5 y^3)
-    accumulate(ad, x,
-               binary(ad, OP_MUL, dy,
-                      binary(ad, OP_MUL, constant(ad, -0.5), binary(ad, OP_MUL, i, binary(ad, OP_MUL, i, i)))));
+  case OP_RSQRT: { // y = x^(-1/2): dy * (-0.5 y^3)
+    int cube = binary(ad, OP_MUL, i, binary(ad, OP_MUL, i, i));
+    accumulate(ad, x, binary(ad, OP_MUL, dy, binary(ad, OP_MUL, constant(ad, -0.5), cube)));
     return true;
+  }
   case OP_RELU: case OP_GELU: case OP_SILU: {
     Op bwd = n->op == OP_RELU ? OP_RELU_BWD : n->op == OP_GELU ? OP_GELU_BWD : OP_SILU_BWD;
     accumulate(ad, x, binary(ad, bwd, x, dy));

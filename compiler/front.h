@@ -90,25 +90,28 @@ typedef struct {
 
 void vec_push(Arena *a, PtrVec *v, void *p);
 
-// Parser state shared by the scanner and the bison actions.
-typedef struct {
-  Arena *arena;
-  const char *file, *text;
-  PtrVec stmts;   // top-level statements
-  int errors;     // syntax and lexical errors
-  // scanner state
-  int line, col, offset;
-  int depth;          // open ( and [: newlines inside them are not statement ends
-  PtrVec braces;      // SrcLoc* of every open '{'
-  int eof_stage;      // 0 scanning, 1 sent the last newline, 2 closed the open blocks
-  int pending_close;  // '}' tokens still to synthesise at the end of the file
-} Parser;
-
+typedef struct Parser Parser;
 SrcLoc span_loc(const Parser *p, Span s);
 Expr *ast_expr(Parser *p, ExprKind kind, Span span, Span at);
 Stmt *ast_stmt(Parser *p, StmtKind kind, Span at);
 // The source text of an expression, as the user wrote it.
 char *ast_text(Arena *a, const char *text, const Expr *e);
+
+//
+// grammar/mdl.l, grammar/mdl.y: the scanner and the parser.
+//
+// State shared by the scanner and the parser's actions.
+struct Parser {
+  Arena *arena;
+  const char *file, *text;
+  PtrVec stmts;       // top-level statements
+  int errors;         // syntax and lexical errors
+  int line, col, offset; // the scanner's position
+  int depth;          // open ( and [: newlines inside them are not statement ends
+  PtrVec braces;      // SrcLoc* of every open '{'
+  bool at_eof;        // the end of the text was reached (and the last newline sent)
+  int pending_close;  // '}' and newline tokens still to send at the end, closing open blocks
+};
 
 // Runs the scanner and the parser over p->text; fills p->stmts. Returns false on syntax errors
 // (all already reported).

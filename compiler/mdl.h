@@ -277,4 +277,71 @@ const StTensor *st_find(const StFile *f, const char *name);
 // Writes atomically (temp file, fsync, rename); on failure prints "path: reason".
 bool st_write(const char *path, const StTensor *t, int n);
 
+//
+// fuse.c: the fusion pass. Groups the training graph's nodes into steps (the rules are written
+// at the top of fuse.c); every rejected pair gets a reason ("not fused: A with B: reason").
+//
+typedef enum {
+  STEP_KERNEL,    // one fused loop nest: elementwise chains, reductions, row-wise ops, gathers
+  STEP_GEMM,      // one matmul through the BLAS, with an elementwise epilogue (bias, gelu, residual)
+  STEP_ATTENTION, // attention forward, or its backward (dq, dk, dv in one step)
+  STEP_LMHEAD,    // LM-head matmul + cross-entropy fwd/bwd + the head's backward GEMMs, row chunk by chunk
+  STEP_OPTIMIZER, // global grad norm + AdamW over the flat parameter buffer, one kernel
+} StepKind;
+
+typedef struct {
+  StepKind kind;
+  const char *name;  // stable, says what it fuses: "k12_layernorm_fwd__add"
+  int *nodes;        // IR nodes computed inside, in topological order
+  int nnodes;
+  int root;          // the anchor node (the matmul, the reduction, the row-wise op), or -1
+  int *outs;         // nodes this step writes to memory (read by a later step, or a model output)
+  int nouts;
+  int *ins;          // materialised nodes (and leaves) this step reads
+  int nins;
+  double flops, bytes_read, bytes_written;
+} Step;
+
+typedef struct {
+  int a, b;           // node ids: a producer and its consumer
+  const char *reason;
+} FuseRejection;
+
+typedef struct {
+  bool fuse;          // false (--no-fuse): one step per node, the optimizer per parameter
+  bool chunk_lmhead;  // the LM head + cross-entropy run chunk by chunk (never the whole logits)
+  int max_group;      // cap on nodes per kernel
+} FuseOptions;
+
+typedef struct {
+  Graph *g;
+  FuseOptions opt;
+  Step *steps;        // in execution order
+  int nsteps;
+  int *step_of;       // per node: index of the step that computes it; -1 for leaves and views
+  bool *materialised; // per node: its value lives in memory (leaves, step outputs, views of them)
+  FuseRejection *rejected;
+  int nrejected;
+} Fusion;
+
+Fusion *fuse(Graph *g, FuseOptions opt);
+void fuse_dump(const Fusion *f, FILE *out); // steps with their ops and .mdl lines, then "not fused" lines
+
+//
+// memplan.c: one arena, liveness-based reuse. Parameters, their gradients and the AdamW moments
+// live in four flat buffers in parameter order (so the optimizer is one loop); inputs and scalars
+// have fixed slots; every other materialised node gets an offset reused after its last reader.
+// A RESHAPE of a materialised node is a view: it shares its input's offset.
+//
+typedef struct {
+  int64_t *offset;          // per node: byte offset in the arena, -1 when not materialised
+  int64_t params, grads, m, v; // offsets of the four flat buffers
+  int64_t param_bytes;      // size of each flat buffer
+  int64_t arena_bytes;      // the whole arena (peak)
+  int64_t activation_bytes; // peak of everything but the four flat buffers, inputs and scalars
+} MemPlan;
+
+MemPlan *memplan(const Fusion *f);
+void memplan_dump(const Fusion *f, const MemPlan *m, FILE *out);
+
 #endif

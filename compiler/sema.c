@@ -91,9 +91,9 @@ typedef struct {
   PtrVec decls;      // Decl*
   PtrVec settings;   // Setting*
   PtrVec no_decay;   // const char* glob patterns
-  PtrVec outputs;    // Stmt* of the outputs (duplicate check), then node ids via out_nodes
+  PtrVec outputs;    // Stmt* of every output statement (duplicate names)
   PtrVec reported;   // "line:col:message" of every error printed
-  int *out_nodes;
+  int *out_nodes;    // the outputs built so far
   int nout;
   int dropouts;
 } Sema;
@@ -295,17 +295,35 @@ static Val arith_scalar(Sema *s, const Expr *e, Val a, Val b) {
 
 static bool is_transpose(const Expr *e) { return e->kind == E_ATTR && !strcmp(e->s, "T"); }
 
+// v.T (e is the .T expression): a PERMUTE swapping the last two axes.
+static Val transpose(Sema *s, const Expr *e, Val v) {
+  if (v.kind == V_ERR)
+    return ERR;
+  if (v.kind != V_TENSOR || node(s, v.node)->shape.rank < 2) {
+    error_at(s, e->at, "'.T' needs a tensor of rank 2 or more, got %s",
+             v.kind == V_TENSOR ? shape_text(s, node(s, v.node)->shape) : describe(v));
+    return ERR;
+  }
+  int r = node(s, v.node)->shape.rank;
+  int64_t perm[8];
+  for (int i = 0; i < r; i++)
+    perm[i] = i;
+  perm[r - 2] = r - 1;
+  perm[r - 1] = r - 2;
+  return add_op(s, OP_PERMUTE, &v.node, 1, perm, NULL, e->at);
+}
+
 // A `.T` operand of @ becomes the matmul's transpose flag rather than a PERMUTE node.
 static Val matmul_operand(Sema *s, const Expr *e, bool *transposed) {
   *transposed = false;
-  if (is_transpose(e)) {
-    Val v = eval(s, e->lhs);
-    if (v.kind == V_TENSOR && node(s, v.node)->shape.rank >= 2) {
-      *transposed = true;
-      return v;
-    }
+  if (!is_transpose(e))
+    return eval(s, e);
+  Val v = eval(s, e->lhs);
+  if (v.kind == V_TENSOR && node(s, v.node)->shape.rank >= 2) {
+    *transposed = true;
+    return v;
   }
-  return eval(s, e);
+  return transpose(s, e, v);
 }
 
 // a @ b. A rank > 2 activation times a 2-D weight is lowered to one 2-D GEMM between reshapes.
@@ -386,21 +404,7 @@ static Val attr(Sema *s, const Expr *e) {
     error_at(s, e->at, "unknown attribute '.%s' (the only one is .T)", e->s);
     return ERR;
   }
-  Val v = eval(s, e->lhs);
-  if (v.kind == V_ERR)
-    return ERR;
-  if (v.kind != V_TENSOR || node(s, v.node)->shape.rank < 2) {
-    error_at(s, e->at, "'.T' needs a tensor of rank 2 or more, got %s",
-             v.kind == V_TENSOR ? shape_text(s, node(s, v.node)->shape) : describe(v));
-    return ERR;
-  }
-  int r = node(s, v.node)->shape.rank;
-  int64_t perm[8];
-  for (int i = 0; i < r; i++)
-    perm[i] = i;
-  perm[r - 2] = r - 1;
-  perm[r - 1] = r - 2;
-  return add_op(s, OP_PERMUTE, &v.node, 1, perm, NULL, e->at);
+  return transpose(s, e, eval(s, e->lhs));
 }
 
 // Evaluates e to an integer (dims, consts, literals and their arithmetic).
@@ -619,6 +623,7 @@ static bool need_i32(Sema *s, const Builtin *b, int x, const char *what, SrcLoc 
   return false;
 }
 
+// The value of an elementwise function (one of builtin_unary's ops) at a number.
 static double fold_unary(Op op, double x) {
   switch (op) {
   case OP_NEG: return -x;
@@ -629,7 +634,7 @@ static double fold_unary(Op op, double x) {
   case OP_RSQRT: return 1 / sqrt(x);
   case OP_RELU: return x > 0 ? x : 0;
   case OP_SILU: return x / (1 + exp(-x));
-  default: return 0.5 * x * (1 + tanh(sqrt(2 / M_PI) * (x + 0.044715 * x * x * x)));
+  default: /* OP_GELU */ return 0.5 * x * (1 + tanh(sqrt(2 / M_PI) * (x + 0.044715 * x * x * x)));
   }
 }
 
@@ -712,7 +717,8 @@ static Val builtin_reshape(Sema *s, const Builtin *b, const Expr *call, const Ex
       continue;
     }
     if (d[i] <= 0) {
-      error_at(s, arg[1]->args[i]->at, "reshape: size %lld is not allowed (sizes are positive; one may be -1)",
+      error_at(s, arg[1]->args[i]->at, d[i] == -1 ? "reshape: only one size may be -1"
+                                                  : "reshape: sizes must be positive (or one -1), got %lld",
                (long long)d[i]);
       return ERR;
     }
@@ -814,7 +820,7 @@ static Val builtin_concat(Sema *s, const Builtin *b, const Expr *call, const Exp
 
 static Val builtin_embed(Sema *s, const Builtin *b, const Expr *call, const Expr **arg) {
   int t = tensor_arg(s, b, arg[0], "table"), ids = tensor_arg(s, b, arg[1], "ids");
-  if (t < 0 || ids < 0 || !need_i32(s, b, ids, "ids", call->at))
+  if (t < 0 || ids < 0 || !need_i32(s, b, ids, "ids", arg[1]->at))
     return ERR;
   return add_op(s, OP_EMBED, (int[]){t, ids}, 2, NULL, NULL, call->at);
 }
@@ -1010,18 +1016,13 @@ static Val eval(Sema *s, const Expr *e) {
 // the bounds of a free dim checked.
 static Val dim_value(Sema *s, Sym *d) {
   const Stmt *st = d->decl;
-  Val v;
-  SrcLoc at = st->at;
-  if (d->overridden)
-    v = int_val(d->override);
-  else if (st->value)
-    v = eval(s, st->value), at = st->value->at;
-  else if (d->bind)
-    v = eval(s, d->bind), at = d->bind->at;
-  else {
+  const Expr *e = st->value ? st->value : d->bind;
+  if (!d->overridden && !e) {
     error_at(s, st->at, "dim '%s' is not bound: set it in the train section or with -D %s=N", d->name, d->name);
     return ERR;
   }
+  Val v = d->overridden ? int_val(d->override) : eval(s, e);
+  SrcLoc at = d->overridden ? st->at : e->at;
   if (v.kind == V_ERR)
     return ERR;
   if (v.kind != V_INT) {
@@ -1126,23 +1127,25 @@ static void reject_duplicate(Sema *s, Stmt *st, const Stmt *old) {
   st->rejected = true;
 }
 
+// Step 1 over the top-level statements; returns the train section, if any.
 static const Stmt *declare(Sema *s) {
-  PtrVec top = {0}, train = {0}, models = {0};
+  PtrVec top = {0};
+  Stmt *model = NULL, *train = NULL;
   for (int i = 0; i < s->p->stmts.n; i++) {
     Stmt *st = s->p->stmts.v[i];
     Stmt *old;
     switch (st->kind) {
     case S_MODEL:
-      if (models.n)
-        reject_duplicate(s, st, models.v[0]);
+      if (model)
+        reject_duplicate(s, st, model);
       else
-        vec_push(s->a, &models, st);
+        model = st;
       break;
     case S_TRAIN:
-      if (train.n)
-        reject_duplicate(s, st, train.v[0]);
+      if (train)
+        reject_duplicate(s, st, train);
       else
-        vec_push(s->a, &train, st);
+        train = st;
       break;
     case S_OUTPUT:
       if ((old = find_stmt(&s->outputs, st->name)))
@@ -1166,22 +1169,19 @@ static const Stmt *declare(Sema *s) {
     }
   }
   scan_body(s, (Stmt **)s->p->stmts.v, s->p->stmts.n, NULL);
-  if (!models.n)
+  if (!model)
     error_at(s, (SrcLoc){.file = s->p->file, .text = s->p->text, .line = 1, .col = 1},
              "no model statement: a .mdl file starts with 'model NAME'");
   else
-    s->g->model = ((Stmt *)models.v[0])->name;
-  if (!train.n)
-    return NULL;
-  Stmt *t = train.v[0];
-  for (int i = 0; i < t->nbody; i++) {
-    Stmt *st = t->body[i];
+    s->g->model = model->name;
+  for (int i = 0; train && i < train->nbody; i++) {
+    Stmt *st = train->body[i];
     if (st->kind != S_ASSIGN || st->nnames != 1) {
       error_at(s, st->at, "only settings such as 'B = 8' are allowed in the train section");
       st->rejected = true;
     }
   }
-  return t;
+  return train;
 }
 
 //
@@ -1191,6 +1191,8 @@ static const Stmt *declare(Sema *s) {
 static const char *const train_keys[] = {"optimizer", "schedule", "no_decay", "clip", "accumulate", "precision",
                                          "checkpoint"};
 
+// Step 2: sorts the train section into free-dim bindings and settings, applies -D over both, then
+// evaluates every dim (filling g->dims) and every const, so each error shows even when unused.
 static void bind_dims(Sema *s, const Stmt *train, const DimOverride *ov, int nov) {
   for (int i = 0; train && i < train->nbody; i++) {
     const Stmt *st = train->body[i];
@@ -1290,6 +1292,7 @@ static bool train_call(Sema *s, const Builtin *b, const Expr *e, const char *set
   return false;
 }
 
+// A setting whose value is one of a few bare words, such as `precision = bf16`.
 static const char *word(Sema *s, const Expr *e, const char *setting, const char *const *choices, int n) {
   for (int i = 0; e->kind == E_NAME && i < n; i++)
     if (!strcmp(e->s, choices[i]))

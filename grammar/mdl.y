@@ -19,20 +19,20 @@
 #define YY_TYPEDEF_YY_SCANNER_T
 typedef void *yyscan_t;
 #endif
-#define YYLLOC_DEFAULT(cur, rhs, n)                                                          \
-  do {                                                                                         \
-    if (n) {                                                                                   \
-      (cur).first_line = YYRHSLOC(rhs, 1).first_line;                                          \
-      (cur).first_column = YYRHSLOC(rhs, 1).first_column;                                      \
-      (cur).begin = YYRHSLOC(rhs, 1).begin;                                                    \
-      (cur).last_line = YYRHSLOC(rhs, n).last_line;                                            \
-      (cur).last_column = YYRHSLOC(rhs, n).last_column;                                        \
-      (cur).end = YYRHSLOC(rhs, n).end;                                                        \
-    } else {                                                                                   \
-      (cur).first_line = (cur).last_line = YYRHSLOC(rhs, 0).last_line;                         \
-      (cur).first_column = (cur).last_column = YYRHSLOC(rhs, 0).last_column;                   \
-      (cur).begin = (cur).end = YYRHSLOC(rhs, 0).end;                                          \
-    }                                                                                          \
+#define YYLLOC_DEFAULT(cur, rhs, n)                                                                \
+  do {                                                                                             \
+    if (n) {                                                                                       \
+      (cur).first_line = YYRHSLOC(rhs, 1).first_line;                                              \
+      (cur).first_column = YYRHSLOC(rhs, 1).first_column;                                          \
+      (cur).begin = YYRHSLOC(rhs, 1).begin;                                                        \
+      (cur).last_line = YYRHSLOC(rhs, n).last_line;                                                \
+      (cur).last_column = YYRHSLOC(rhs, n).last_column;                                            \
+      (cur).end = YYRHSLOC(rhs, n).end;                                                            \
+    } else {                                                                                       \
+      (cur).first_line = (cur).last_line = YYRHSLOC(rhs, 0).last_line;                             \
+      (cur).first_column = (cur).last_column = YYRHSLOC(rhs, 0).last_column;                       \
+      (cur).begin = (cur).end = YYRHSLOC(rhs, 0).end;                                              \
+    }                                                                                              \
   } while (0)
 }
 
