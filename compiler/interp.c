@@ -192,7 +192,7 @@ static double gelu_grad(double x) {
 
 static double sigmoid(double x) { return 1 / (1 + exp(-x)); }
 
-static double unary(Op op, double x) {
+double interp_unary(Op op, double x) {
   switch (op) {
   case OP_NEG: return -x;
   case OP_EXP: return exp(x);
@@ -661,7 +661,7 @@ static bool run_node(Ctx *c) {
   case OP_NEG: case OP_EXP: case OP_LOG: case OP_TANH: case OP_SQRT: case OP_RSQRT:
   case OP_RELU: case OP_GELU: case OP_SILU:
     for (int64_t i = 0; i < c->n; i++)
-      c->y[i] = unary(nd->op, c->x[0][i]);
+      c->y[i] = interp_unary(nd->op, c->x[0][i]);
     return true;
   case OP_DROPOUT: run_dropout(c); return true;
   case OP_ADD: case OP_SUB: case OP_MUL: case OP_DIV:

@@ -255,6 +255,8 @@ void interp_set_seed(Interp *it, uint64_t seed);                 // dropout mask
 bool interp_run(Interp *it, int end, char *err, size_t n);
 const double *interp_value(Interp *it, int node); // after interp_run
 int64_t interp_numel(Interp *it, int node);
+// An elementwise unary op (NEG ... SILU) at one number: also the front end's constant folding.
+double interp_unary(Op op, double x);
 
 //
 // safetensors.c: read and write safetensors files (parameters, gradients, batches).

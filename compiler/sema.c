@@ -623,21 +623,6 @@ static bool need_i32(Sema *s, const Builtin *b, int x, const char *what, SrcLoc 
   return false;
 }
 
-// The value of an elementwise function (one of builtin_unary's ops) at a number.
-static double fold_unary(Op op, double x) {
-  switch (op) {
-  case OP_NEG: return -x;
-  case OP_EXP: return exp(x);
-  case OP_LOG: return log(x);
-  case OP_TANH: return tanh(x);
-  case OP_SQRT: return sqrt(x);
-  case OP_RSQRT: return 1 / sqrt(x);
-  case OP_RELU: return x > 0 ? x : 0;
-  case OP_SILU: return x / (1 + exp(-x));
-  default: /* OP_GELU */ return 0.5 * x * (1 + tanh(sqrt(2 / M_PI) * (x + 0.044715 * x * x * x)));
-  }
-}
-
 // gelu relu silu exp log tanh sqrt rsqrt neg: elementwise on tensors, folded on scalars.
 static Val builtin_unary(Sema *s, const Builtin *b, const Expr *call, const Expr **arg) {
   Val v = eval(s, arg[0]);
@@ -655,7 +640,7 @@ static Val builtin_unary(Sema *s, const Builtin *b, const Expr *call, const Expr
     error_at(s, call->at, "%s(%g) is not a real number", b->name, x);
     return ERR;
   }
-  return float_val(fold_unary(b->op, x));
+  return float_val(interp_unary(b->op, x));
 }
 
 // sum / mean / max over one axis, or over everything: reshape to [numel], reduce axis 0 -> [].
