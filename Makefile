@@ -2,7 +2,8 @@
 CC      ?= cc
 CFLAGS  ?= -O2 -g
 CFLAGS  += -std=c11 -D_GNU_SOURCE -Wall -Wextra -Werror -Icompiler -Iruntime -Ibuild
-LDLIBS  += -lm -ldl -lpthread
+CFLAGS  += -I/usr/include/x86_64-linux-gnu/openblas-pthread
+LDLIBS  += -lopenblas -lm -ldl -lpthread
 
 LIB_SRC   := $(filter-out compiler/main.c,$(wildcard compiler/*.c runtime/*.c))
 LIB_OBJ   := $(patsubst %.c,build/%.o,$(LIB_SRC)) build/mdl.tab.o build/lex.yy.o
@@ -44,7 +45,15 @@ build/tests/%: tests/unit/%.c tests/unit/test.h build/libmdl.a
 test: bin/mdlc $(UNIT_BIN)
 	@tests/run.sh
 
+# generated/ from models/ (tests/cli/golden.sh fails when it is stale)
+regen: bin/mdlc
+	tools/regen.sh
+
+# tokens/s, fused vs unfused vs PyTorch eager (not a test: timings vary)
+bench: bin/mdlc
+	bench/run.sh
+
 clean:
 	rm -rf build bin
 
-.PHONY: all test clean
+.PHONY: all test regen bench clean

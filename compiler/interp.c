@@ -9,6 +9,12 @@
 // intermediate tensor in fp32; INTERP_F64 keeps doubles (finite-difference gradient checks).
 // PARAM and STATE arrays persist across runs; ADAMW writes its parameter and both moments in place.
 //
+// Decode mode (text generation) runs a graph compiled for one token (B = T = 1) once per position.
+// Every other op of a language model is position-wise, so only ATTENTION needs the past: each
+// ATTENTION node keeps a cache of the k and v rows of every position fed so far and attends the
+// new q over it. Row p of that computation is done in the same order as row p of a full sequence
+// (masked positions add exact zeros there), so decode mode reproduces the full forward's values.
+//
 // Parameter initialisation is deterministic and shared with every back end: element i of the
 // parameter with index k in Graph.params, INIT_NORMAL(std), is
 //   std * sqrt(-2 ln(1 - u1)) * cos(2 pi u2),  u1 = mdl_rng_uniform(seed, k + 1000, 2i),
@@ -27,6 +33,9 @@ struct Interp {
   int64_t *numel; // per node
   bool *given;    // INPUT / SCALAR: a value was set
   uint64_t seed;  // dropout masks
+  int64_t decode_len; // decode mode: rows of each attention cache; 0 when off
+  int64_t decode_pos; // decode mode: the position of this run's token
+  double **cache;     // decode mode, per ATTENTION node: its k rows then its v rows, decode_len x C each
 };
 
 static void *xcalloc(size_t n, size_t size) {
@@ -55,6 +64,7 @@ Interp *interp_new(const Graph *g, InterpPrecision prec) {
 void interp_free(Interp *it) {
   if (!it)
     return;
+  interp_set_decode(it, 0);
   for (int i = 0; i < it->g->n; i++)
     free(it->val[i]);
   free(it->val);
@@ -115,6 +125,17 @@ void interp_set_scalar(Interp *it, const char *name, double v) {
 }
 
 void interp_set_seed(Interp *it, uint64_t seed) { it->seed = seed; }
+
+void interp_set_decode(Interp *it, int64_t max_len) {
+  for (int i = 0; it->cache && i < it->g->n; i++)
+    free(it->cache[i]);
+  free(it->cache);
+  it->cache = max_len > 0 ? xcalloc((size_t)it->g->n, sizeof *it->cache) : NULL;
+  it->decode_len = max_len > 0 ? max_len : 0;
+  it->decode_pos = 0;
+}
+
+void interp_set_decode_pos(Interp *it, int64_t pos) { it->decode_pos = pos; }
 
 const double *interp_value(Interp *it, int node) { return it->val[node]; }
 
@@ -597,6 +618,51 @@ static void run_attention(Ctx *c, bool bwd) {
   free(ds);
 }
 
+// ATTENTION in decode mode: q, k, v are the rows [1,1,C] of the token at position p. Its k and v
+// rows go to row p of the node's cache (allocated on first use), then per head its q attends over
+// cache rows [0, p] as row p of run_attention does: the same sums in the same order. Causal only; doc
+// ids are not read (the sequence is one document).
+static bool run_attention_decode(Ctx *c) {
+  Interp *it = c->it;
+  Shape s = c->xn[0]->shape;
+  int64_t p = it->decode_pos, nc = s.d[2], heads = c->nd->ia[0], d = nc / heads, len = it->decode_len;
+  double scale = c->nd->fa[0];
+  if (s.d[0] != 1 || s.d[1] != 1)
+    return fail(c, "attention: decode mode wants one token (B = T = 1), got [%lld,%lld,%lld]", (long long)s.d[0],
+                (long long)s.d[1], (long long)nc);
+  if (!c->nd->ia[1])
+    return fail(c, "attention: decode mode needs causal attention");
+  if (p < 0 || p >= len)
+    return fail(c, "attention: decode position %lld is outside the cache's %lld rows", (long long)p, (long long)len);
+  if (!it->cache[c->nd->id])
+    it->cache[c->nd->id] = xcalloc((size_t)(2 * len * nc), sizeof(double));
+  double *kc = it->cache[c->nd->id], *vc = kc + len * nc;
+  memcpy(kc + p * nc, c->x[1], (size_t)nc * sizeof(double));
+  memcpy(vc + p * nc, c->x[2], (size_t)nc * sizeof(double));
+  const double *q = c->x[0];
+  double *w = xcalloc((size_t)(p + 1), sizeof(double));
+  memset(c->y, 0, (size_t)nc * sizeof(double));
+  for (int64_t h = 0; h < heads; h++) {
+    double m = -INFINITY, sum = 0;
+    for (int64_t j = 0; j <= p; j++) {
+      double sc = 0;
+      for (int64_t e = 0; e < d; e++)
+        sc += q[h * d + e] * kc[j * nc + h * d + e];
+      w[j] = sc * scale;
+      m = fmax(m, w[j]);
+    }
+    for (int64_t j = 0; j <= p; j++)
+      sum += w[j] = exp(w[j] - m);
+    for (int64_t j = 0; j <= p; j++)
+      w[j] /= sum;
+    for (int64_t j = 0; j <= p; j++)
+      for (int64_t e = 0; e < d; e++)
+        c->y[h * d + e] += w[j] * vc[j * nc + h * d + e];
+  }
+  free(w);
+  return true;
+}
+
 // ROPE: per head, the pair (i, i + D/2) rotated by theta = pos * base^(-2i/D) (by -theta when
 // inverse).
 static void run_rope(Ctx *c) {
@@ -692,8 +758,16 @@ static bool run_node(Ctx *c) {
   case OP_SOFTMAX_BWD: run_softmax_bwd(c); return true;
   case OP_CROSS_ENTROPY: return run_cross_entropy(c, false);
   case OP_CROSS_ENTROPY_BWD: return run_cross_entropy(c, true);
-  case OP_ATTENTION: run_attention(c, false); return true;
-  case OP_ATTENTION_BWD: run_attention(c, true); return true;
+  case OP_ATTENTION:
+    if (c->it->decode_len)
+      return run_attention_decode(c);
+    run_attention(c, false);
+    return true;
+  case OP_ATTENTION_BWD:
+    if (c->it->decode_len)
+      return fail(c, "attention_bwd: there is no backward in decode mode");
+    run_attention(c, true);
+    return true;
   case OP_ROPE: run_rope(c); return true;
   case OP_GRAD_NORM: run_grad_norm(c); return true;
   case OP_ADAMW: run_adamw(c); return true;

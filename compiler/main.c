@@ -1,10 +1,17 @@
 // main.c: the mdlc command line. Each verb runs the pipeline as far as it needs:
-//   parse + check (front end) -> autodiff + AdamW -> reference interpreter
-// and `-d LETTERS` prints the IR after the passes it names (P: parse, A: autodiff).
+//   parse + check (front end) -> autodiff + AdamW -> fuse -> plan memory -> emit C -> cc + dlopen
+// (or the reference interpreter instead of the last three), and `-d LETTERS` prints the IR after
+// the passes it names (P: parse, A: autodiff, F: fusion, M: memory plan).
+#include "backend.h"
+#include "data.h"
 #include "mdl.h"
 #include "runtime.h"
 
+#include <errno.h>
+#include <sys/stat.h>
+
 #include <getopt.h>
+#include <limits.h>
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -21,30 +28,48 @@ typedef struct {
   int64_t steps;
   uint64_t seed;
   bool fp64;
+  FuseOptions fuse;
+  PrepOptions prep;
+  bool resume, pack, shuffle;
+  int64_t val_every, val_batches, ckpt_every;
 } Options;
 
 static const char usage_text[] =
-    "usage: mdlc [options] VERB FILE.mdl\n"
+    "usage: mdlc [options] VERB FILE\n"
     "\n"
     "verbs:\n"
     "  check FILE.mdl                 parse and check; parameter count and shapes\n"
     "  init  FILE.mdl -o W.safetensors  initialise the parameters (--seed N)\n"
     "  grad  FILE.mdl --weights W --batch BATCH -o OUT\n"
     "                                 loss and every gradient of one step, as safetensors\n"
-    "  run   FILE.mdl [--steps N] [--data TEXT]\n"
-    "                                 compile and train (reference interpreter)\n"
+    "  prep  INPUT -o DIR             pre-tokenise a text file, a folder or JSONL into shards\n"
+    "                                 (--vocab N --doc-sep STR --val-fraction F --text-field NAME\n"
+    "                                  --shard-tokens N --force)\n"
+    "  build FILE.mdl -o DIR          emit the C, the step plan and the fusion report\n"
+    "  run   FILE.mdl --data DIR [--steps N] [--out DIR] [--resume]\n"
+    "                                 compile and train on shards from prep\n"
     "\n"
     "options:\n"
     "  -D, --dim NAME=N       bind a dimension (overrides the train section)\n"
-    "  -d, --dump LETTERS     print the IR after passes: P parse, A autodiff + optimizer\n"
+    "  -d, --dump LETTERS     print the IR after passes: P parse, A autodiff + optimizer,\n"
+    "                         F fusion, M memory plan\n"
     "  -o, --out PATH         output file\n"
     "      --weights PATH     load parameters from a safetensors file\n"
     "      --batch PATH       a batch as safetensors (tokens, targets, pos, doc: i32 [B,T])\n"
-    "      --data PATH        training text (bytes are tokens)\n"
+    "      --data DIR         shards and tokenizer made by `mdlc prep`\n"
+    "      --out DIR          checkpoint, log.jsonl and loss.svg (default: out)\n"
+    "      --resume           continue the checkpoint in --out exactly\n"
+    "      --no-pack          one padded document per row instead of packed rows\n"
+    "      --shuffle          shuffled batches (deterministic from --seed)\n"
+    "      --val-every N      validation loss every N steps (default 100; and at the end)\n"
+    "      --val-batches N    batches per validation (default 4)\n"
+    "      --ckpt-every N     a checkpoint every N steps (default 100; and at the end)\n"
     "      --steps N          training steps (default: the train section's, else 50)\n"
     "      --seed N           random seed (default 1337)\n"
-    "      --backend NAME     interp (the reference interpreter)\n"
+    "      --backend NAME     cpu (compiled C, the default), interp (the reference interpreter)\n"
     "      --fp64             run the interpreter in fp64\n"
+    "      --no-fuse          one kernel per IR node (to measure what fusion is worth)\n"
+    "      --no-chunk-lmhead  materialise the whole logits instead of running the LM head by chunks\n"
     "  -h, --help             this text\n"
     "  -V, --version          the version\n";
 
@@ -71,9 +96,19 @@ static int parse_options(int argc, char **argv, Options *o) {
       {"batch", required_argument, 0, 'b'},   {"data", required_argument, 0, 'a'},
       {"steps", required_argument, 0, 's'},   {"seed", required_argument, 0, 'S'},
       {"backend", required_argument, 0, 'k'}, {"fp64", no_argument, 0, 'F'},
+      {"no-fuse", no_argument, 0, 'N'},       {"no-chunk-lmhead", no_argument, 0, 'C'},
+      {"vocab", required_argument, 0, 'v'},   {"doc-sep", required_argument, 0, 'e'},
+      {"val-fraction", required_argument, 0, 'f'}, {"text-field", required_argument, 0, 't'},
+      {"shard-tokens", required_argument, 0, 'n'}, {"force", no_argument, 0, 'r'},
+      {"resume", no_argument, 0, 'R'},        {"no-pack", no_argument, 0, 'P'},
+      {"shuffle", no_argument, 0, 'H'},       {"val-every", required_argument, 0, 'E'},
+      {"val-batches", required_argument, 0, 'B'}, {"ckpt-every", required_argument, 0, 'K'},
       {"help", no_argument, 0, 'h'},          {"version", no_argument, 0, 'V'},
       {0, 0, 0, 0}};
-  *o = (Options){.seed = 1337, .backend = "interp", .steps = -1};
+  *o = (Options){.seed = 1337, .backend = "auto", .steps = -1, .pack = true, .val_every = 100, .val_batches = 4,
+                 .ckpt_every = 100,
+                 .fuse = {.fuse = true, .chunk_lmhead = true, .max_group = 64}};
+  prep_defaults(&o->prep);
   int c;
   int64_t v;
   while ((c = getopt_long(argc, argv, "D:d:o:hV", longopts, NULL)) != -1) {
@@ -88,8 +123,8 @@ static int parse_options(int argc, char **argv, Options *o) {
       break;
     }
     case 'd':
-      if (strspn(optarg, "PA") != strlen(optarg))
-        return usage_error("unknown dump letters in '%s' (known: P parse, A autodiff)", optarg);
+      if (strspn(optarg, "PAFM") != strlen(optarg))
+        return usage_error("unknown dump letters in '%s' (known: P parse, A autodiff, F fusion, M memory)", optarg);
       o->dump = optarg;
       break;
     case 'o': o->out = optarg; break;
@@ -106,11 +141,41 @@ static int parse_options(int argc, char **argv, Options *o) {
       o->seed = (uint64_t)v;
       break;
     case 'k':
-      if (strcmp(optarg, "interp"))
-        return usage_error("unknown backend '%s' (available: interp)", optarg);
+      if (strcmp(optarg, "interp") && strcmp(optarg, "cpu") && strcmp(optarg, "auto"))
+        return usage_error("unknown backend '%s' (available: cpu, interp, auto)", optarg);
       o->backend = optarg;
       break;
     case 'F': o->fp64 = true; break;
+    case 'N': o->fuse.fuse = false; break;
+    case 'v':
+      if (!parse_int(optarg, &v) || v < 256 || v > 65536)
+        return usage_error("--vocab wants a size from 256 to 65536, got '%s'", optarg);
+      o->prep.vocab = (int)v;
+      break;
+    case 'e': o->prep.doc_sep = optarg; break;
+    case 'f': {
+      char *end;
+      o->prep.val_fraction = strtod(optarg, &end);
+      if (*end || !(o->prep.val_fraction > 0 && o->prep.val_fraction <= 0.5))
+        return usage_error("--val-fraction wants a fraction in (0, 0.5], got '%s'", optarg);
+      break;
+    }
+    case 't': o->prep.text_field = optarg; break;
+    case 'n':
+      if (!parse_int(optarg, &o->prep.shard_tokens) || o->prep.shard_tokens <= 0)
+        return usage_error("--shard-tokens wants a positive count, got '%s'", optarg);
+      break;
+    case 'r': o->prep.force = true; break;
+    case 'R': o->resume = true; break;
+    case 'P': o->pack = false; break;
+    case 'H': o->shuffle = true; break;
+    case 'E': case 'B': case 'K': {
+      int64_t *dst = c == 'E' ? &o->val_every : c == 'B' ? &o->val_batches : &o->ckpt_every;
+      if (!parse_int(optarg, dst) || *dst < (c == 'B'))
+        return usage_error("expected a count, got '%s'", optarg);
+      break;
+    }
+    case 'C': o->fuse.chunk_lmhead = false; break;
     case 'h': fputs(usage_text, stdout); exit(0);
     case 'V': printf("mdlc %s\n", MDL_VERSION); exit(0);
     default: return usage_error("%s", "bad option");
@@ -156,8 +221,16 @@ static Graph *compile(Arena *a, const Options *o, bool grads, bool optimizer) {
   return g;
 }
 
+typedef struct {
+  Fusion *f;
+  MemPlan *m;
+  char *c_source;
+} Plan;
+static Plan plan(const Options *o, Graph *g, FuseOptions fo);
+
 static int cmd_check(const Options *o, Graph *g) {
-  (void)o;
+  if (dumping(o, 'F') || dumping(o, 'M'))
+    plan(o, g, o->fuse);
   char buf[128];
   printf("model %s: %lld parameters in %d tensors\n", g->model ? g->model : "?", (long long)ir_param_count(g),
          g->nparams);
@@ -183,7 +256,40 @@ static int cmd_check(const Options *o, Graph *g) {
 }
 
 // Copies every parameter from a safetensors file; names and shapes must match the model.
-static bool load_weights(Interp *it, const Graph *g, const char *path) {
+// The rest of the pipeline for a compiled back end: fuse, plan memory, emit C. Dumps F and M.
+static Plan plan(const Options *o, Graph *g, FuseOptions fo) {
+  Plan p = {.f = fuse(g, fo)};
+  p.m = memplan(p.f);
+  if (dumping(o, 'F'))
+    fuse_dump(p.f, stdout);
+  if (dumping(o, 'M'))
+    memplan_dump(p.f, p.m, stdout);
+  p.c_source = emit_c(p.f, p.m, o->file);
+  return p;
+}
+
+// The engine the options ask for: the interpreter, or the plan compiled for the CPU.
+// With `report`, one line on what was compiled.
+static Engine *open_engine(const Options *o, Graph *g, bool report) {
+  if (!strcmp(o->backend, "interp"))
+    return engine_interp(g, o->fp64 ? INTERP_F64 : INTERP_F32, o->seed);
+  Plan p = plan(o, g, o->fuse);
+  if (!p.c_source)
+    return NULL;
+  char err[512];
+  Engine *e = engine_cpu(p.f, p.m, p.c_source, o->seed, err, sizeof err);
+  if (!e)
+    diag_file_error(o->file, "%s", err);
+  else if (report)
+    printf("compiled %s for the CPU: %d kernels (fusion %s), arena %.1f MB (activations %.1f MB), %s\n", g->model,
+           p.f->nsteps, o->fuse.fuse ? "on" : "off", (double)p.m->arena_bytes / 1e6,
+           (double)p.m->activation_bytes / 1e6,
+           e->cache_hit ? "module from the cache" : arena_printf(g->arena, "cc took %.2f s", e->compile_seconds));
+  return e;
+}
+
+// Copies every parameter from a safetensors file; names and shapes must match the model.
+static bool load_weights(Engine *e, const Graph *g, const char *path) {
   Arena *a = arena_new();
   StFile f;
   bool ok = st_read(a, path, &f);
@@ -194,31 +300,26 @@ static bool load_weights(Interp *it, const Graph *g, const char *path) {
     if (!t) {
       diag_file_error(path, "no tensor '%s' (a parameter of %s)", p->name, g->model);
       ok = false;
-    } else if (!shape_eq(t->shape, p->shape) || (t->dtype != DT_F32 && t->dtype != DT_F64)) {
+    } else if (!shape_eq(t->shape, p->shape) || t->dtype != DT_F32) {
       diag_file_error(path, "tensor '%s' is %s%s, the model wants f32%s", p->name, dtype_name(t->dtype),
                       shape_str(t->shape, got, sizeof got), shape_str(p->shape, want, sizeof want));
       ok = false;
     } else {
-      double *dst = interp_param(it, p->id);
-      for (int64_t k = 0; k < shape_numel(p->shape); k++)
-        dst[k] = t->dtype == DT_F32 ? ((const float *)t->data)[k] : ((const double *)t->data)[k];
+      e->write(e, p->id, t->data);
     }
   }
   arena_free(a);
   return ok;
 }
 
-// Writes `count` tensors whose values come from the interpreter, as f32.
-static bool write_values(const char *path, Interp *it, const Graph *g, const int *nodes, const char **names,
-                         int count) {
+// Writes the values of `count` nodes, as f32, under the given names.
+static bool write_values(const char *path, Engine *e, const int *nodes, const char **names, int count) {
   StTensor *t = calloc((size_t)count, sizeof *t);
   for (int i = 0; i < count; i++) {
-    const IrNode *n = g->nodes[nodes[i]];
+    const IrNode *n = e->g->nodes[nodes[i]];
     int64_t numel = shape_numel(n->shape);
     float *d = malloc(sizeof(float) * (size_t)(numel ? numel : 1));
-    const double *v = n->op == OP_PARAM ? interp_param(it, n->id) : interp_value(it, n->id);
-    for (int64_t k = 0; k < numel; k++)
-      d[k] = (float)v[k];
+    e->read(e, n->id, d);
     t[i] = (StTensor){.name = names[i], .dtype = DT_F32, .shape = n->shape, .data = d};
   }
   bool ok = st_write(path, t, count);
@@ -228,17 +329,22 @@ static bool write_values(const char *path, Interp *it, const Graph *g, const int
   return ok;
 }
 
-static int cmd_init(const Options *o, Graph *g) {
-  if (!o->out)
-    return usage_error("init needs -o W.safetensors%s", "");
-  Interp *it = interp_new(g, INTERP_F32);
-  interp_init_params(it, o->seed);
+static bool write_params(const char *path, Engine *e) {
+  const Graph *g = e->g;
   const char **names = calloc((size_t)g->nparams, sizeof *names);
   for (int i = 0; i < g->nparams; i++)
     names[i] = g->nodes[g->params[i]]->name;
-  bool ok = write_values(o->out, it, g, g->params, names, g->nparams);
+  bool ok = write_values(path, e, g->params, names, g->nparams);
   free(names);
-  interp_free(it);
+  return ok;
+}
+
+static int cmd_init(const Options *o, Graph *g) {
+  if (!o->out)
+    return usage_error("init needs -o W.safetensors%s", "");
+  Engine *e = engine_interp(g, INTERP_F32, o->seed);
+  bool ok = write_params(o->out, e);
+  e->free(e);
   if (ok)
     printf("wrote %d parameters (%lld values, seed %llu) to %s\n", g->nparams, (long long)ir_param_count(g),
            (unsigned long long)o->seed, o->out);
@@ -246,7 +352,7 @@ static int cmd_init(const Options *o, Graph *g) {
 }
 
 // Sets every model input from a batch file (i32 or f32 tensors named as the inputs).
-static bool load_batch(Interp *it, const Graph *g, const char *path) {
+static bool load_batch(Engine *e, const Graph *g, const char *path) {
   Arena *a = arena_new();
   StFile f;
   bool ok = st_read(a, path, &f);
@@ -263,8 +369,8 @@ static bool load_batch(Interp *it, const Graph *g, const char *path) {
       diag_file_error(path, "tensor '%s' is %s%s, the model wants %s%s", n->name, dtype_name(t->dtype),
                       shape_str(t->shape, got, sizeof got), dtype_name(n->dtype), shape_str(n->shape, want, sizeof want));
       ok = false;
-    } else if (!interp_set_input(it, n->name, n->dtype == DT_I32 ? t->data : NULL,
-                                 n->dtype == DT_F32 ? t->data : NULL, shape_numel(n->shape))) {
+    } else if (!e->set_input(e, n->name, n->dtype == DT_I32 ? t->data : NULL, n->dtype == DT_F32 ? t->data : NULL,
+                             shape_numel(n->shape))) {
       diag_file_error(path, "cannot set input '%s'", n->name);
       ok = false;
     }
@@ -276,12 +382,13 @@ static bool load_batch(Interp *it, const Graph *g, const char *path) {
 static int cmd_grad(const Options *o, Graph *g) {
   if (!o->out || !o->weights || !o->batch)
     return usage_error("grad needs --weights W --batch BATCH -o OUT%s", "");
-  Interp *it = interp_new(g, o->fp64 ? INTERP_F64 : INTERP_F32);
-  interp_set_seed(it, o->seed);
+  Engine *e = open_engine(o, g, false);
+  if (!e)
+    return EXIT_USER;
   char err[512];
   int rc = EXIT_USER;
-  if (load_weights(it, g, o->weights) && load_batch(it, g, o->batch)) {
-    if (!interp_run(it, g->n, err, sizeof err)) {
+  if (load_weights(e, g, o->weights) && load_batch(e, g, o->batch)) {
+    if (!e->step(e, err, sizeof err)) {
       diag_file_error(o->file, "%s", err);
     } else {
       int count = g->nparams + 1;
@@ -293,108 +400,108 @@ static int cmd_grad(const Options *o, Graph *g) {
         nodes[i + 1] = g->grads[i];
         names[i + 1] = g->nodes[g->params[i]]->name;
       }
-      if (write_values(o->out, it, g, nodes, names, count)) {
-        printf("loss %.6f; wrote the loss and %d gradients to %s\n", interp_value(it, g->loss)[0], g->nparams, o->out);
+      if (write_values(o->out, e, nodes, names, count)) {
+        printf("loss %.6f; wrote the loss and %d gradients to %s (%s)\n", engine_scalar(e, g->loss), g->nparams,
+               o->out, e->name);
         rc = 0;
       }
       free(nodes);
       free(names);
     }
   }
-  interp_free(it);
+  e->free(e);
   return rc;
 }
 
-static int64_t dim_value(const Graph *g, const char *name) {
-  for (int i = 0; i < g->ndims; i++)
-    if (!strcmp(g->dims[i].name, name))
-      return g->dims[i].value;
-  return -1;
+// Writes DIR/model.c, DIR/plan.txt (fusion and memory plan) and DIR/fusion.txt (the report).
+static int cmd_build(const Options *o, Graph *g) {
+  if (!o->out)
+    return usage_error("build needs -o DIR%s", "");
+  if (mkdir(o->out, 0777) && errno != EEXIST) {
+    diag_file_error(o->out, "cannot create the directory: %s", strerror(errno));
+    return EXIT_USER;
+  }
+  Plan on = plan(o, g, o->fuse);
+  FuseOptions fo_off = o->fuse;
+  fo_off.fuse = false;
+  Fusion *off = fuse(g, fo_off);
+  MemPlan *moff = memplan(off);
+  if (!on.c_source)
+    return EXIT_USER;
+  char path[4096];
+  struct {
+    const char *name;
+    int what;
+  } files[] = {{"model.c", 0}, {"plan.txt", 1}, {"fusion.txt", 2}};
+  for (size_t i = 0; i < sizeof files / sizeof *files; i++) {
+    snprintf(path, sizeof path, "%s/%s", o->out, files[i].name);
+    char tmp[4200];
+    snprintf(tmp, sizeof tmp, "%s.tmp", path);
+    FILE *f = fopen(tmp, "w");
+    if (!f) {
+      diag_file_error(tmp, "cannot write: %s", strerror(errno));
+      return EXIT_USER;
+    }
+    if (files[i].what == 0)
+      fputs(on.c_source, f);
+    else if (files[i].what == 1) {
+      fuse_dump(on.f, f);
+      fputc('\n', f);
+      memplan_dump(on.f, on.m, f);
+    } else
+      fusion_report(on.f, off, on.m, moff, f);
+    if (fclose(f) || rename(tmp, path)) {
+      diag_file_error(path, "cannot write: %s", strerror(errno));
+      return EXIT_USER;
+    }
+  }
+  printf("%s: %d kernels (%d unfused), arena %.2f MB (activations %.2f MB) -> %s/{model.c,plan.txt,fusion.txt}\n",
+         g->model, on.f->nsteps, off->nsteps, (double)on.m->arena_bytes / 1e6, (double)on.m->activation_bytes / 1e6,
+         o->out);
+  return 0;
 }
 
-static double now_s(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+// The forward graph alone, on the same back end: the validation loss.
+static Engine *open_eval_engine(const Options *o, Arena *a) {
+  Graph *g = mdl_compile_file(a, o->file, o->dims, o->ndims);
+  if (!g || g->loss < 0)
+    return NULL;
+  Options quiet = *o;
+  quiet.dump = NULL;
+  return open_engine(&quiet, g, false);
 }
 
-// Trains in the reference interpreter on byte tokens of a text file.
 static int cmd_run(const Options *o, Graph *g) {
-  static const char default_text[] = "/usr/share/common-licenses/GPL-3";
-  int64_t B = dim_value(g, "B"), T = dim_value(g, "T");
-  const IrNode *tok = NULL;
-  for (int i = 0; i < g->fwd_end; i++)
-    if (g->nodes[i]->op == OP_INPUT && !strcmp(g->nodes[i]->name, "tokens"))
-      tok = g->nodes[i];
-  if (B <= 0 || T <= 0 || !tok || tok->shape.rank != 2) {
-    diag_file_error(o->file, "run trains language models: it needs dims B and T and an input tokens: i32[B, T]");
+  if (!o->data) {
+    diag_file_error(o->file, "run needs --data DIR: shards made by `mdlc prep TEXT -o DIR`");
     return EXIT_USER;
   }
-  TextData data;
-  const char *path = o->data ? o->data : default_text;
-  if (!rt_text_open(&data, path))
+  char model_abs[PATH_MAX], data_abs[PATH_MAX], tok_path[PATH_MAX + 16], out_dir[PATH_MAX];
+  if (!realpath(o->file, model_abs) || !realpath(o->data, data_abs)) {
+    diag_file_error(realpath(o->file, model_abs) ? o->data : o->file, "cannot resolve the path: %s", strerror(errno));
     return EXIT_USER;
-  TrainConfig tc = g->train;
-  int64_t steps = o->steps >= 0 ? o->steps : tc.steps > 0 ? tc.steps : 50;
-  if (tc.steps <= 0)
-    tc.steps = steps;
-  Interp *it = interp_new(g, o->fp64 ? INTERP_F64 : INTERP_F32);
-  interp_set_seed(it, o->seed);
-  interp_init_params(it, o->seed);
-  int rc = 0;
-  if (o->weights && !load_weights(it, g, o->weights))
-    rc = EXIT_USER;
-  int gnorm = -1;
-  for (int i = 0; i < g->n; i++)
-    if (g->nodes[i]->op == OP_GRAD_NORM)
-      gnorm = i;
-  const char *peak_how;
-  double peak = rt_cpu_peak_flops(&peak_how), flops = rt_step_flops(g);
-  printf("training %s (%lld parameters) on %s: %lld steps of %lldx%lld tokens, reference interpreter (%s)\n",
-         g->model, (long long)ir_param_count(g), path, (long long)steps, (long long)B, (long long)T,
-         o->fp64 ? "fp64" : "fp32");
-  printf("MFU = model flops (3x forward GEMM + attention flops from the graph: %.3g per step) / %s\n", flops, peak_how);
-  int32_t *buf = malloc(sizeof(int32_t) * (size_t)(4 * B * T));
-  int32_t *tokens = buf, *targets = buf + B * T, *pos = buf + 2 * B * T, *doc = buf + 3 * B * T;
-  char err[512];
-  for (int64_t step = 1; rc == 0 && step <= steps; step++) {
-    double t0 = now_s();
-    rt_text_batch(&data, B, T, tokens, targets, pos, doc);
-    interp_set_input(it, "tokens", tokens, NULL, B * T);
-    interp_set_input(it, "targets", targets, NULL, B * T);
-    interp_set_input(it, "pos", pos, NULL, B * T);
-    interp_set_input(it, "doc", doc, NULL, B * T);
-    double lr = rt_lr_at(&tc, step);
-    interp_set_scalar(it, "lr", lr);
-    interp_set_scalar(it, "step", (double)step);
-    if (!interp_run(it, g->n, err, sizeof err)) {
-      diag_file_error(o->file, "step %lld: %s", (long long)step, err);
-      rc = EXIT_USER;
-      break;
-    }
-    double dt = now_s() - t0, loss = interp_value(it, g->loss)[0];
-    printf("step %4lld/%lld | loss %.4f | lr %.2e | norm %.3f | %7.1f ms | %8.0f tok/s | MFU %.2f%%\n",
-           (long long)step, (long long)steps, loss, lr, gnorm >= 0 ? interp_value(it, gnorm)[0] : NAN, 1e3 * dt,
-           (double)(B * T) / dt, 100.0 * flops / dt / peak);
-    fflush(stdout);
-    if (!isfinite(loss)) {
-      diag_file_error(o->file, "step %lld: the loss is %g; stopping", (long long)step, loss);
-      rc = EXIT_USER;
-    }
   }
-  if (rc == 0 && o->out) {
-    const char **names = calloc((size_t)g->nparams, sizeof *names);
-    for (int i = 0; i < g->nparams; i++)
-      names[i] = g->nodes[g->params[i]]->name;
-    if (!write_values(o->out, it, g, g->params, names, g->nparams))
-      rc = EXIT_USER;
-    else
-      printf("wrote the trained parameters to %s\n", o->out);
-    free(names);
+  snprintf(tok_path, sizeof tok_path, "%s/tokenizer.bin", data_abs);
+  snprintf(out_dir, sizeof out_dir, "%s", o->out ? o->out : "out");
+  Engine *e = open_engine(o, g, true);
+  if (!e)
+    return EXIT_USER;
+  Arena *ea = arena_new();
+  Engine *eval = open_eval_engine(o, ea);
+  int rc = EXIT_USER;
+  if (eval && (!o->weights || load_weights(e, g, o->weights))) {
+    printf("training %s (%lld parameters) on %s, back end %s%s\n", g->model, (long long)ir_param_count(g),
+           e->name, strcmp(o->backend, "interp") && !o->fuse.fuse ? " (fusion off)" : "", o->resume ? ", resuming" : "");
+    TrainOptions to = {.model_path = model_abs, .data_dir = data_abs, .tokenizer_path = tok_path, .out_dir = out_dir,
+                       .steps = o->steps, .resume = o->resume, .pack = o->pack, .shuffle = o->shuffle,
+                       .seed = o->seed, .val_every = o->val_every, .val_batches = o->val_batches,
+                       .ckpt_every = o->ckpt_every};
+    rc = train_run(e, eval, &to) ? EXIT_USER : 0;
   }
-  free(buf);
-  interp_free(it);
-  rt_text_close(&data);
+  if (eval)
+    eval->free(eval);
+  arena_free(ea);
+  e->free(e);
   return rc;
 }
 
@@ -403,6 +510,13 @@ int main(int argc, char **argv) {
   int rc = parse_options(argc, argv, &o);
   if (rc)
     return rc;
+  if (!strcmp(o.verb, "prep")) {
+    if (!o.out)
+      return usage_error("prep needs -o DIR%s", "");
+    o.prep.input = o.file;
+    o.prep.out_dir = o.out;
+    return prep_run(&o.prep);
+  }
   static const struct {
     const char *verb;
     int (*fn)(const Options *, Graph *);
@@ -411,16 +525,18 @@ int main(int argc, char **argv) {
       {"check", cmd_check, false, false},
       {"init", cmd_init, false, false},
       {"grad", cmd_grad, true, false},
+      {"build", cmd_build, true, true},
       {"run", cmd_run, true, true},
   };
   for (size_t i = 0; i < sizeof verbs / sizeof *verbs; i++) {
     if (strcmp(o.verb, verbs[i].verb))
       continue;
     Arena *a = arena_new();
-    Graph *g = compile(a, &o, verbs[i].grads || dumping(&o, 'A'), verbs[i].optimizer || dumping(&o, 'A'));
+    bool train = verbs[i].optimizer || dumping(&o, 'A') || dumping(&o, 'F') || dumping(&o, 'M');
+    Graph *g = compile(a, &o, verbs[i].grads || train, train);
     rc = g ? verbs[i].fn(&o, g) : EXIT_USER;
     arena_free(a);
     return rc;
   }
-  return usage_error("unknown verb '%s' (verbs: check, init, grad, run)", o.verb);
+  return usage_error("unknown verb '%s' (verbs: check, init, grad, prep, build, run)", o.verb);
 }

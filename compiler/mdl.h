@@ -251,6 +251,13 @@ void interp_init_params(Interp *it, uint64_t seed); // from each ParamInit
 bool interp_set_input(Interp *it, const char *name, const int32_t *ids, const float *f, int64_t n);
 void interp_set_scalar(Interp *it, const char *name, double v); // "lr", "step"
 void interp_set_seed(Interp *it, uint64_t seed);                 // dropout masks
+// Decode mode, for text generation with a KV cache. With max_len > 0, each ATTENTION node of a
+// graph compiled for one token (B = T = 1) appends its k and v rows to a cache of its own (max_len
+// rows, allocated on first use) at the position set by interp_set_decode_pos before each run, and
+// attends its q over cache rows [0, pos]: causal, one document (doc ids are not read). max_len 0
+// turns decode mode off. interp_set_decode drops the caches and sets the position to 0.
+void interp_set_decode(Interp *it, int64_t max_len);
+void interp_set_decode_pos(Interp *it, int64_t pos);
 // Runs nodes [0, end) (end = g->n runs the whole step). Returns false with a message on error.
 bool interp_run(Interp *it, int end, char *err, size_t n);
 const double *interp_value(Interp *it, int node); // after interp_run
@@ -269,8 +276,14 @@ typedef struct {
 } StTensor;
 
 typedef struct {
+  const char *key, *value;
+} StMeta; // a string of the header's __metadata__
+
+typedef struct {
   StTensor *t;
   int n;
+  StMeta *meta;
+  int nmeta;
 } StFile;
 
 // Reads a whole file; on failure prints "path: reason" and returns false.
@@ -278,6 +291,8 @@ bool st_read(Arena *a, const char *path, StFile *out);
 const StTensor *st_find(const StFile *f, const char *name);
 // Writes atomically (temp file, fsync, rename); on failure prints "path: reason".
 bool st_write(const char *path, const StTensor *t, int n);
+bool st_write_meta(const char *path, const StTensor *t, int n, const StMeta *meta, int nmeta);
+const char *st_meta(const StFile *f, const char *key); // NULL when absent
 
 //
 // fuse.c: the fusion pass. Groups the training graph's nodes into steps (the rules are written
@@ -345,5 +360,10 @@ typedef struct {
 
 MemPlan *memplan(const Fusion *f);
 void memplan_dump(const Fusion *f, const MemPlan *m, FILE *out);
+
+//
+// report.c: the fusion report (per kernel: ops, bytes, flops; totals with fusion on and off).
+//
+void fusion_report(const Fusion *on, const Fusion *off, const MemPlan *mon, const MemPlan *moff, FILE *out);
 
 #endif

@@ -489,6 +489,13 @@ static bool parse_file(Arena *a, int fd, uint64_t size, StFile *out, char *why, 
         snprintf(why, wn, "__metadata__ is not an object");
         return false;
       }
+      for (JVal *m = e->child; m; m = m->next)
+        out->nmeta += m->kind == J_STR;
+      out->meta = arena_alloc(a, sizeof(StMeta) * (size_t)(out->nmeta ? out->nmeta : 1));
+      int k = 0;
+      for (JVal *m = e->child; m; m = m->next)
+        if (m->kind == J_STR)
+          out->meta[k++] = (StMeta){m->key, m->str};
       continue;
     }
     out->t[i].name = e->key;
@@ -534,6 +541,13 @@ bool st_read(Arena *a, const char *path, StFile *out) {
     *out = (StFile){0};
   }
   return ok;
+}
+
+const char *st_meta(const StFile *f, const char *key) {
+  for (int i = 0; i < f->nmeta; i++)
+    if (!strcmp(f->meta[i].key, key))
+      return f->meta[i].value;
+  return NULL;
 }
 
 const StTensor *st_find(const StFile *f, const char *name) {
@@ -606,9 +620,21 @@ static bool write_all(int fd, const void *p, size_t n) {
 
 // The header JSON for t[0..n), padded with spaces to a multiple of 8 bytes; false when a tensor
 // cannot be written (unsupported dtype, reserved or repeated name).
-static bool build_header(Buf *h, const StTensor *t, int n, char *why, size_t wn) {
+static bool build_header(Buf *h, const StTensor *t, int n, const StMeta *meta, int nmeta, char *why,
+                         size_t wn) {
   uint64_t off = 0;
   buf_put(h, "{", 1);
+  if (nmeta) {
+    buf_put(h, "\"__metadata__\":{", 16);
+    for (int i = 0; i < nmeta; i++) {
+      if (i)
+        buf_put(h, ",", 1);
+      buf_json_string(h, meta[i].key);
+      buf_put(h, ":", 1);
+      buf_json_string(h, meta[i].value);
+    }
+    buf_put(h, n ? "}," : "}", n ? 2 : 1);
+  }
   for (int i = 0; i < n; i++) {
     const char *tag = dtype_tag(t[i].dtype);
     if (!tag) {
@@ -642,10 +668,12 @@ static bool build_header(Buf *h, const StTensor *t, int n, char *why, size_t wn)
   return true;
 }
 
-bool st_write(const char *path, const StTensor *t, int n) {
+bool st_write(const char *path, const StTensor *t, int n) { return st_write_meta(path, t, n, NULL, 0); }
+
+bool st_write_meta(const char *path, const StTensor *t, int n, const StMeta *meta, int nmeta) {
   Buf h = {0};
   char why[512] = "";
-  if (!build_header(&h, t, n, why, sizeof why)) {
+  if (!build_header(&h, t, n, meta, nmeta, why, sizeof why)) {
     free(h.s);
     diag_file_error(path, "cannot write: %s", why);
     return false;

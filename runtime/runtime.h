@@ -19,17 +19,47 @@ double rt_step_flops(const Graph *g);
 double rt_cpu_peak_flops(const char **how);
 
 //
-// textdata.c: batches of B x T byte tokens taken in order from a text file (wrapping around).
+// engine.c: one training step on any back end, behind one struct of hooks.
+//
+typedef struct Engine Engine;
+struct Engine {
+  const char *name;
+  const Graph *g;
+  bool (*set_input)(Engine *e, const char *name, const int32_t *ids, const float *f, int64_t n);
+  void (*set_scalar)(Engine *e, const char *name, double v); // "lr", "step"
+  void (*set_seed)(Engine *e, uint64_t seed);                 // dropout masks of the next step
+  bool (*step)(Engine *e, char *err, size_t n);               // one whole training step
+  // A node's values as f32: params and AdamW moments (persistent), or step values that the back
+  // end keeps in memory (the loss, gradients, the grad norm).
+  void (*read)(Engine *e, int node, float *dst);
+  void (*write)(Engine *e, int node, const float *src); // params and moments only
+  void (*free)(Engine *e);
+  bool cache_hit;         // compiled back ends: the module came from the cache
+  double compile_seconds; // compiled back ends: time in the compiler
+  int64_t arena_bytes;    // compiled back ends: the planned arena (0: not planned)
+};
+
+// The reference interpreter; parameters initialised from the seed.
+Engine *engine_interp(const Graph *g, InterpPrecision prec, uint64_t seed);
+// The compiled CPU back end for an emitted module; parameters initialised from the seed as the
+// interpreter does. NULL with a message in err when the module does not compile or load.
+Engine *engine_cpu(const Fusion *f, const MemPlan *m, const char *source, uint64_t seed, char *err, size_t n);
+double engine_scalar(Engine *e, int node); // a rank-0 value (the loss, the grad norm)
+//
+// train.c: the training loop: shards in, metrics, validation, checkpoints and resume, loss curve.
 //
 typedef struct {
-  const char *path;
-  unsigned char *bytes;
-  int64_t n, cursor;
-} TextData;
+  const char *model_path;     // absolute path of the .mdl (recorded in checkpoints)
+  const char *data_dir;       // shards from `mdlc prep`
+  const char *tokenizer_path; // recorded in checkpoints, for `mdlc sample`
+  const char *out_dir;        // checkpoint.safetensors, log.jsonl, loss.svg
+  int64_t steps;              // > 0 overrides the train section's
+  bool resume, pack, shuffle;
+  uint64_t seed;
+  int64_t val_every, val_batches; // validation every N steps (and at the end), on N batches
+  int64_t ckpt_every;             // a checkpoint every N steps (and at the end)
+} TrainOptions;
 
-bool rt_text_open(TextData *d, const char *path); // prints "path: reason" on failure
-void rt_text_close(TextData *d);
-// tokens[b,t] = bytes[c + t], targets[b,t] = bytes[c + t + 1]; pos = t; doc = 0.
-void rt_text_batch(TextData *d, int64_t B, int64_t T, int32_t *tokens, int32_t *targets, int32_t *pos,
-                   int32_t *doc);
+// Trains e's graph; eval (forward-only, may be NULL) computes the validation loss. Exit status.
+int train_run(Engine *e, Engine *eval, const TrainOptions *o);
 #endif

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs what building and testing mdl needs, from Debian's packages, when it is missing.
 set -eu
-pkgs="make gcc flex bison libopenblas-dev python3-torch python3-numpy"
+pkgs="make gcc flex bison libopenblas-dev python3-torch python3-numpy fortunes"
 missing=""
 for p in $pkgs; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing="$missing $p"

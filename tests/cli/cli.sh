@@ -46,16 +46,31 @@ contains "the missing batch is named" "$tmp/err" "none.safetensors"
 expect "weights of another model are refused" 1 $m grad models/llama-tiny.mdl --weights "$tmp/w.safetensors" \
   --batch "$tmp/none.safetensors" -o "$tmp/g.safetensors"
 printf 'not a safetensors file' >"$tmp/bad.safetensors"
-expect "corrupt weights are refused" 1 $m run models/gpt2-tiny.mdl --steps 1 --weights "$tmp/bad.safetensors"
+expect "grad with corrupt weights is refused" 1 $m grad models/gpt2-tiny.mdl --weights "$tmp/bad.safetensors" \
+  --batch "$tmp/none.safetensors" -o "$tmp/g.safetensors"
 contains "the corrupt file is named" "$tmp/err" "bad.safetensors"
 
-head -c 4000 /usr/share/common-licenses/GPL-3 >"$tmp/text.txt"
-expect "run trains a few steps" 0 $m run models/gpt2-tiny.mdl -D B=2 -D T=16 --steps 3 --data "$tmp/text.txt" \
-  -o "$tmp/trained.safetensors"
+mkdir -p "$tmp/corpus"
+for i in 1 2 3 4 5 6; do head -c $((3000 * i)) /usr/share/common-licenses/GPL-3 | tail -c 3000 >"$tmp/corpus/doc$i.txt"; done
+expect "prep a small corpus" 0 $m prep "$tmp/corpus" -o "$tmp/shards"
+expect "run needs --data" 1 $m run models/gpt2-tiny.mdl --steps 1
+contains "run says where data comes from" "$tmp/err" "mdlc prep"
+expect "run trains a few steps" 0 $m run models/gpt2-tiny.mdl -D B=2 -D T=16 --steps 3 --data "$tmp/shards" \
+  --out "$tmp/run"
 contains "run prints tok/s" "$tmp/out" "tok/s"
 contains "run prints MFU" "$tmp/out" "MFU"
-[ -f "$tmp/trained.safetensors" ] && echo "[ok] cli: run writes the trained weights" ||
-  echo "[fail] cli: run writes the trained weights: no file"
+contains "run prints the validation loss" "$tmp/out" "val loss"
+for f in checkpoint.safetensors log.jsonl loss.svg; do
+  [ -s "$tmp/run/$f" ] && echo "[ok] cli: run writes $f" || echo "[fail] cli: run writes $f: missing or empty"
+done
+expect "run refuses to overwrite a checkpoint" 1 $m run models/gpt2-tiny.mdl -D B=2 -D T=16 --steps 3 \
+  --data "$tmp/shards" --out "$tmp/run"
+contains "the kept checkpoint is named" "$tmp/err" "checkpoint.safetensors"
+expect "a checkpoint of another configuration is refused" 1 $m run models/gpt2-tiny.mdl -D B=4 -D T=16 \
+  --steps 5 --data "$tmp/shards" --out "$tmp/run" --resume
+contains "the configuration mismatch is explained" "$tmp/err" "another model configuration"
+expect "weights of another model are refused by run" 1 $m run models/llama-tiny.mdl -D B=2 -D T=16 --steps 1 \
+  --data "$tmp/shards" --out "$tmp/run3" --weights "$tmp/w.safetensors"
 : >"$tmp/empty.txt"
-expect "an empty corpus is refused" 1 $m run models/gpt2-tiny.mdl --steps 1 --data "$tmp/empty.txt"
+expect "an empty corpus is refused" 1 $m prep "$tmp/empty.txt" -o "$tmp/nothing"
 contains "the empty corpus is named" "$tmp/err" "empty.txt"

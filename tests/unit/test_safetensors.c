@@ -139,6 +139,24 @@ static void test_round_trip(void) {
 
 // Laid out as Python's json.dumps (", " and ": " separators, \u escapes) with an unpadded header
 // whose length is not a multiple of 8, so the tensors sit at odd file offsets.
+// Metadata strings (a checkpoint's step, model, data position) survive a round trip.
+static void test_metadata(void) {
+  float x[2] = {1, 2};
+  StTensor t[] = {{"x", DT_F32, {1, {2}}, x}};
+  StMeta meta[] = {{"mdl.step", "1200"}, {"mdl.model", "gpt2 \"tiny\""}};
+  CHECK(st_write_meta(at("meta.safetensors"), t, 1, meta, 2), "write with metadata", "write failed");
+  Arena *a = arena_new();
+  StFile f;
+  bool ok = st_read(a, at("meta.safetensors"), &f);
+  CHECK(ok && f.n == 1 && f.nmeta == 2, "read back a tensor and two metadata strings", "n %d, nmeta %d", f.n, f.nmeta);
+  const char *step = ok ? st_meta(&f, "mdl.step") : NULL, *model = ok ? st_meta(&f, "mdl.model") : NULL;
+  CHECK(step && !strcmp(step, "1200"), "metadata value mdl.step", "got %s", step ? step : "(none)");
+  CHECK(model && !strcmp(model, "gpt2 \"tiny\""), "metadata value with quotes", "got %s", model ? model : "(none)");
+  CHECK(ok && !st_meta(&f, "mdl.absent"), "absent metadata key reads as NULL", "found");
+  CHECK(ok && ((float *)f.t[0].data)[1] == 2, "tensor data after metadata", "wrong data");
+  arena_free(a);
+}
+
 static void test_foreign_file(void) {
   const char *hdr = "{\"b\": {\"dtype\": \"I32\", \"shape\": [2], \"data_offsets\": [8, 16]}, "
                     "\"a\\u00e9\\ud83d\\ude00\": {\"dtype\": \"F32\", \"shape\": [1, 2], \"data_offsets\": [0, 8]}, "
@@ -250,6 +268,7 @@ int main(void) {
   }
   test_round_trip();
   test_foreign_file();
+  test_metadata();
   test_corrupt();
   char cmd[128];
   snprintf(cmd, sizeof cmd, "rm -rf '%s'", dir);

@@ -1,0 +1,1095 @@
+// fuse.c: the fusion pass. It groups the nodes of a training graph (forward, backward, GRAD_NORM,
+// ADAMW) into steps, the unit the emitters turn into one kernel or one library call each.
+//
+// Vocabulary. A *member* of a step is a node computed inside it. A node is *materialised* when its
+// value lives in memory: leaves other than CONST, the step *outs*, and views. An out is a member read
+// by another step, the loss, an ADAMW (its new parameter), or a member nobody reads (a dead value or
+// a named output, kept so it can be inspected). CONST leaves are never materialised and never in a
+// step's `ins`: emitters write their value inline. A RESHAPE whose input is materialised is a *view*:
+// it is in no step (step_of = -1) and shares its input's memory. Inside a step a RESHAPE member is
+// index-transparent: it reads its input at the same flat index.
+//
+// How a step evaluates its members. Every member is a function of a flat index into its own shape.
+// A member reads an input at an index given by its own op: the same flat index for unary ops,
+// RESHAPE and same-shape operands of binary ops ("identity"); numpy broadcasting for a smaller
+// operand of ADD/SUB/MUL/DIV and for BROADCAST; the permutation for PERMUTE; start + i on the axis
+// for SLICE; for SLICE_BWD the index minus start on the axis when it is inside [start, end), else
+// the value is 0 and the input is not read; for CONCAT the input whose range holds the axis index.
+// An input that is a member is evaluated at that index (a member read by several members at one
+// index is computed once); a CONST input is its value; any other input is loaded from memory at
+// that index. The root of a reduction, row-wise, GEMM, attention or optimizer step computes its own
+// op over its inputs as the interpreter does.
+//
+// The kinds of step, and the rules that build them (applied in this order; a node taken by an
+// earlier rule is not available to a later one):
+//  1. STEP_OPTIMIZER: GRAD_NORM (the root) and every ADAMW that reads it, one step (one kernel over
+//     the flat buffers). Outs: the ADAMW nodes (written in place over their PARAM, with m and v) and
+//     the gradient norm (4 bytes, so the metrics line can print it).
+//  2. STEP_LMHEAD (opt.chunk_lmhead): logits = MATMUL(x2 [N,C], W) (either orientation of W), any
+//     RESHAPEs, CROSS_ENTROPY and CROSS_ENTROPY_BWD of those logits and targets, RESHAPEs of the
+//     logits' gradient dl, then dx2 = MATMUL(dl, W, tb = !tb) and dW = MATMUL(dl, x2, ta) (W as
+//     [V,C]) or MATMUL(x2, dl, ta) (W as [C,V]); either backward GEMM may be missing. Only when
+//     every reader of the logits and of dl is in the pattern, so neither is ever materialised: the
+//     emitter runs it chunk by chunk of rows. Root: the logits MATMUL. Outs: the per-row losses,
+//     dx2, dW.
+//  3. Siblings. LAYERNORM_BWD (which 0/1/2), RMSNORM_BWD (0/1) and ATTENTION_BWD (dq/dk/dv) nodes
+//     with the same inputs and attributes form one step (row-wise STEP_KERNEL; STEP_ATTENTION),
+//     rooted at "which 0" when present. CROSS_ENTROPY and the CROSS_ENTROPY_BWD nodes on the same
+//     logits and targets form one row-wise STEP_KERNEL rooted at the forward op: the logits'
+//     gradient is produced by the kernel that computes the loss.
+//  4. STEP_GEMM: every other MATMUL, with an epilogue: a chain of consumers applied at the GEMM
+//     output's flat index, each reading the previous link at identity. A link may be RESHAPE, a
+//     unary elementwise op or a binary one (ADD SUB MUL DIV *_BWD) whose other operand comes from
+//     memory with any broadcast (bias along rows, residual, gelu_bwd's x); so bias ADD, GELU and
+//     residual ADD, and in the backward the activation gradient. The first qualifying reader
+//     (lowest id) continues the chain; a link with other readers is also written (an out: GELU's
+//     input, which its backward reads; the MATMUL itself when its raw result is read elsewhere,
+//     in which case the RESHAPE after it is a view of it and the next link reads that view, after
+//     the GEMM has written it). No prologue: GEMM operands always come from memory. The
+//     bias-gradient SUM is not folded into the dW GEMM: it is a reduction step of its own. A
+//     chain that starts in the forward pass stays there (this holds for rule 7's chains too).
+//  5. Row-wise STEP_KERNEL: LAYERNORM / RMSNORM forward together with the ADD that produces its x
+//     (same shape), when that ADD is not already in a GEMM epilogue (the GEMM writes the residual
+//     stream more cheaply); the ADD is an out (the residual stream). SOFTMAX and SOFTMAX_BWD alone.
+//  6. Single-node steps: EMBED, EMBED_BWD, MAX_BWD, ROPE, ATTENTION (STEP_ATTENTION), and any
+//     anchor op left over by the rules above (a lone CROSS_ENTROPY_BWD, a lone ADAMW).
+//  7. Reduction STEP_KERNEL: root SUM/MEAN/MAX over one axis. Producers of its input are fused as
+//     in an elementwise step (rule 8, so they are evaluated at the input's index while reducing);
+//     then a chain of elementwise consumers of the result with the result's element count, each
+//     reading the previous link at identity and being its only reader; the chain's end is the out.
+//  8. Elementwise STEP_KERNEL: the ops NEG EXP LOG TANH SQRT RSQRT RELU GELU SILU DROPOUT ADD SUB
+//     MUL DIV RELU_BWD GELU_BWD SILU_BWD BROADCAST PERMUTE SLICE SLICE_BWD CONCAT RESHAPE over one
+//     iteration space, the root's shape (the root is the last member and the only out). Groups
+//     grow from the last node backwards; a producer joins its consumer's group when (a) it is one of
+//     those ops, (b) every reader of it is in the group, (c) it is not read through a broadcast
+//     (many reads of one element) unless it is cheap (layout ops, NEG, RELU, ADD, SUB, MUL, DIV,
+//     RELU_BWD): exp, log, tanh, sqrt, rsqrt, gelu, silu, dropout and their backward are never
+//     recomputed, and (d) the group has fewer than opt.max_group members (0: 64). The cap binds
+//     rules 4, 7 and 8; the fixed patterns of rules 1-3 and 5 are never split.
+// With opt.fuse = false every node is its own step (GRAD_NORM alone, one step per ADAMW; the LM
+// head is not chunked); views are views all the same.
+//
+// A RESHAPE member read outside its step (the last member of a chain, typically) is dropped from
+// the step and becomes a view of its input, which becomes an out; members that read it then read
+// the view. A parameter's gradient is stored in the flat gradient buffer; when it is a RESHAPE, it
+// is a view only if its input can be placed there (an intermediate value no other gradient
+// claims), else it is a copy kernel (a one-node elementwise step).
+//
+// Every merge is checked against cycles between steps (a group may not depend on itself through
+// nodes outside it), and steps are ordered topologically, preferring the step whose last node
+// comes first (so a step reading a parameter runs before the optimizer updates it in place). Every
+// producer/consumer pair that crosses two steps gets a reason in Fusion.rejected, from the rule
+// that turned it down or from the kinds of the two steps (pairs feeding the optimizer excepted: it
+// reads the gradient buffer by design).
+//
+// Names: "k<index>_<root op>[_fwd]__<other ops, reshapes left out, deduplicated, in order>", with
+// "gemm" for MATMUL, "lmhead" for the LM-head root and _fwd on the forward row-wise and attention
+// roots: "k12_layernorm_fwd__add", "k7_gemm__add__gelu", "k30_attention_bwd".
+//
+// Costs: flops are counted per member (elementwise 1 per element, gelu 8, gelu_bwd 12, silu 4,
+// silu_bwd 6, layout ops 0, GEMM 2MNK, layernorm 8 and its backward 10/2/1 per element for dx/dw/db,
+// attention 4BTTC (half when causal) and its three backward siblings twice that together, AdamW 12,
+// ...); bytes count the materialised ins and outs only (ADAMW also writes m and v).
+#include "mdl.h"
+
+#include <stdarg.h>
+#include <stdlib.h>
+#include <string.h>
+
+enum { DEFAULT_MAX_GROUP = 64 };
+
+typedef struct {
+  StepKind kind;
+  int root;
+  int *m; // members, in the order they joined
+  int n, cap;
+} Group;
+
+typedef struct {
+  Graph *g;
+  Arena *a;
+  FuseOptions opt;
+  int max_group;
+  int *grp;       // per node: its group, or -1
+  Group *groups;
+  int ngroups, gcap;
+  int **users;    // per node: the distinct nodes that read it, ascending
+  int *nusers;
+  bool *view;
+  bool *pinned;   // the input of a gradient view: lives in the gradient buffer
+  FuseRejection *rej;
+  int nrej, rcap;
+  // scratch
+  int *seen, *gseen, epoch;
+  int *queue;
+  bool *extra, *cand, *bcast;
+} Fuser;
+
+static IrNode *node(const Fuser *F, int id) { return F->g->nodes[id]; }
+static Op op_of(const Fuser *F, int id) { return F->g->nodes[id]->op; }
+static int64_t numel(const Fuser *F, int id) { return shape_numel(F->g->nodes[id]->shape); }
+
+static bool is_leaf(Op op) {
+  return op == OP_INPUT || op == OP_PARAM || op == OP_STATE || op == OP_SCALAR || op == OP_CONST;
+}
+
+static bool is_unary(Op op) {
+  switch (op) {
+  case OP_NEG: case OP_EXP: case OP_LOG: case OP_TANH: case OP_SQRT: case OP_RSQRT: case OP_RELU:
+  case OP_GELU: case OP_SILU: case OP_DROPOUT: return true;
+  default: return false;
+  }
+}
+
+static bool is_binary(Op op) {
+  switch (op) {
+  case OP_ADD: case OP_SUB: case OP_MUL: case OP_DIV: case OP_RELU_BWD: case OP_GELU_BWD:
+  case OP_SILU_BWD: return true;
+  default: return false;
+  }
+}
+
+static bool is_elementwise(Op op) {
+  switch (op) {
+  case OP_BROADCAST: case OP_PERMUTE: case OP_SLICE: case OP_SLICE_BWD: case OP_CONCAT:
+  case OP_RESHAPE: return true;
+  default: return is_unary(op) || is_binary(op);
+  }
+}
+
+static bool is_reduction(Op op) { return op == OP_SUM || op == OP_MEAN || op == OP_MAX; }
+
+// Cheap enough to evaluate again for every element that reads it through a broadcast.
+static bool is_cheap(Op op) {
+  switch (op) {
+  case OP_NEG: case OP_RELU: case OP_ADD: case OP_SUB: case OP_MUL: case OP_DIV: case OP_RELU_BWD:
+  case OP_BROADCAST: case OP_PERMUTE: case OP_SLICE: case OP_SLICE_BWD: case OP_CONCAT:
+  case OP_RESHAPE: return true;
+  default: return false;
+  }
+}
+
+// The kind of a step made of this op alone.
+static StepKind kind_of(Op op) {
+  switch (op) {
+  case OP_MATMUL: return STEP_GEMM;
+  case OP_ATTENTION: case OP_ATTENTION_BWD: return STEP_ATTENTION;
+  case OP_GRAD_NORM: case OP_ADAMW: return STEP_OPTIMIZER;
+  default: return STEP_KERNEL;
+  }
+}
+
+static const char *kind_name(StepKind k) {
+  switch (k) {
+  case STEP_KERNEL: return "kernel";
+  case STEP_GEMM: return "gemm";
+  case STEP_ATTENTION: return "attention";
+  case STEP_LMHEAD: return "lmhead";
+  case STEP_OPTIMIZER: return "optimizer";
+  }
+  return "?";
+}
+
+static const char *shape_text(const Fuser *F, int id) {
+  char buf[128];
+  return arena_strdup(F->a, shape_str(node(F, id)->shape, buf, sizeof buf));
+}
+
+// Does consumer c read its input p at c's own flat index (every operand slot that holds p)?
+static bool reads_identity(const Fuser *F, int c, int p) {
+  IrNode *n = node(F, c);
+  if (n->op == OP_RESHAPE || is_unary(n->op))
+    return true;
+  if (!is_binary(n->op))
+    return false;
+  for (int k = 0; k < n->nin; k++)
+    if (n->in[k] == p && !shape_eq(node(F, p)->shape, n->shape))
+      return false;
+  return true;
+}
+
+// Does consumer c read some element of p more than once (a broadcast)?
+static bool reads_many_to_one(const Fuser *F, int c, int p) {
+  IrNode *n = node(F, c);
+  if (n->op == OP_BROADCAST || is_binary(n->op))
+    return numel(F, p) < numel(F, c);
+  return false;
+}
+
+static void reject(Fuser *F, int a, int b, const char *fmt, ...) __attribute__((format(printf, 4, 5)));
+static void reject(Fuser *F, int a, int b, const char *fmt, ...) {
+  for (int i = 0; i < F->nrej; i++)
+    if (F->rej[i].a == a && F->rej[i].b == b)
+      return;
+  if (F->nrej == F->rcap) {
+    F->rcap = F->rcap ? 2 * F->rcap : 64;
+    FuseRejection *r = arena_alloc(F->a, sizeof *r * (size_t)F->rcap);
+    if (F->nrej)
+      memcpy(r, F->rej, sizeof *r * (size_t)F->nrej);
+    F->rej = r;
+  }
+  char buf[256];
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(buf, sizeof buf, fmt, ap);
+  va_end(ap);
+  F->rej[F->nrej++] = (FuseRejection){a, b, arena_strdup(F->a, buf)};
+}
+
+static void add_member(Fuser *F, int gi, int id) {
+  Group *G = &F->groups[gi];
+  if (G->n == G->cap) {
+    G->cap = G->cap ? 2 * G->cap : 8;
+    int *m = arena_alloc(F->a, sizeof(int) * (size_t)G->cap);
+    if (G->n)
+      memcpy(m, G->m, sizeof(int) * (size_t)G->n);
+    G->m = m;
+  }
+  G->m[G->n++] = id;
+  F->grp[id] = gi;
+}
+
+static void remove_member(Fuser *F, int gi, int id) {
+  Group *G = &F->groups[gi];
+  for (int i = 0; i < G->n; i++)
+    if (G->m[i] == id) {
+      memmove(G->m + i, G->m + i + 1, sizeof(int) * (size_t)(G->n - i - 1));
+      G->n--;
+      break;
+    }
+  F->grp[id] = -1;
+}
+
+static int new_group(Fuser *F, StepKind kind, int root) {
+  if (F->ngroups == F->gcap) {
+    F->gcap = F->gcap ? 2 * F->gcap : 64;
+    Group *g = arena_alloc(F->a, sizeof *g * (size_t)F->gcap);
+    if (F->ngroups)
+      memcpy(g, F->groups, sizeof *g * (size_t)F->ngroups);
+    F->groups = g;
+  }
+  int gi = F->ngroups++;
+  F->groups[gi] = (Group){.kind = kind, .root = root};
+  add_member(F, gi, root);
+  return gi;
+}
+
+static bool in_set(const Fuser *F, int gi, int v) { return (gi >= 0 && F->grp[v] == gi) || F->extra[v]; }
+
+// Would group gi, grown by the nodes xs, depend on itself through nodes outside it? Walks the
+// readers of the grown group; a node that belongs to another group stands for the whole group.
+static bool creates_cycle(Fuser *F, int gi, const int *xs, int nx) {
+  for (int i = 0; i < nx; i++)
+    F->extra[xs[i]] = true;
+  F->epoch++;
+  int head = 0, tail = 0;
+  bool cycle = false;
+  // Seeds: readers of the grown group that are outside it.
+  int nm = gi >= 0 ? F->groups[gi].n : 0;
+  for (int i = 0; i < nm + nx; i++) {
+    int v = i < nm ? F->groups[gi].m[i] : xs[i - nm];
+    for (int k = 0; k < F->nusers[v]; k++) {
+      int u = F->users[v][k];
+      if (!in_set(F, gi, u) && F->seen[u] != F->epoch) {
+        F->seen[u] = F->epoch;
+        F->queue[tail++] = u;
+      }
+    }
+  }
+  while (head < tail && !cycle) {
+    int v = F->queue[head++];
+    const int *from = &v;
+    int nfrom = 1;
+    int h = F->grp[v];
+    if (h >= 0) {
+      if (F->gseen[h] == F->epoch)
+        continue;
+      F->gseen[h] = F->epoch;
+      from = F->groups[h].m;
+      nfrom = F->groups[h].n;
+    }
+    for (int i = 0; i < nfrom && !cycle; i++) {
+      int w = from[i];
+      F->seen[w] = F->epoch;
+      for (int k = 0; k < F->nusers[w]; k++) {
+        int u = F->users[w][k];
+        if (in_set(F, gi, u)) {
+          cycle = true;
+          break;
+        }
+        if (F->seen[u] != F->epoch) {
+          F->seen[u] = F->epoch;
+          F->queue[tail++] = u;
+        }
+      }
+    }
+  }
+  for (int i = 0; i < nx; i++)
+    F->extra[xs[i]] = false;
+  return cycle;
+}
+
+// Adds id to group gi unless that would make the steps cyclic.
+static bool try_add(Fuser *F, int gi, int id) {
+  if (creates_cycle(F, gi, &id, 1))
+    return false;
+  add_member(F, gi, id);
+  return true;
+}
+
+static const char *where(const Fuser *F, int id) {
+  return arena_printf(F->a, "%s@%d", op_name(op_of(F, id)), node(F, id)->loc.line);
+}
+
+//
+// Rule 1: the optimizer.
+//
+static void rule_optimizer(Fuser *F) {
+  Graph *g = F->g;
+  for (int i = 0; i < g->n; i++) {
+    if (op_of(F, i) != OP_GRAD_NORM || F->grp[i] >= 0)
+      continue;
+    int gi = new_group(F, STEP_OPTIMIZER, i);
+    for (int k = 0; k < F->nusers[i]; k++) {
+      int u = F->users[i][k];
+      if (op_of(F, u) == OP_ADAMW && F->grp[u] < 0 && !try_add(F, gi, u))
+        reject(F, i, u, "would make the steps cyclic");
+    }
+  }
+}
+
+//
+// Rule 2: the LM head.
+//
+static int only_user(const Fuser *F, int id) { return F->nusers[id] == 1 ? F->users[id][0] : -1; }
+
+// Follows single-reader RESHAPEs from id, appending them to list; returns the last node.
+static int follow_reshapes(const Fuser *F, int id, int *list, int *n) {
+  for (int u; (u = only_user(F, id)) >= 0 && op_of(F, u) == OP_RESHAPE;) {
+    list[(*n)++] = u;
+    id = u;
+  }
+  return id;
+}
+
+// Matches the LM-head pattern at MATMUL mm into list; returns NULL or why it does not match.
+static const char *match_lmhead(Fuser *F, int mm, int *list, int *n, int *ce_out) {
+  IrNode *m = node(F, mm);
+  int x2 = m->in[0], w = m->in[1];
+  *n = 0;
+  *ce_out = -1;
+  list[(*n)++] = mm;
+  int lg = follow_reshapes(F, mm, list, n);
+  int ce = -1, cb = -1;
+  for (int k = 0; k < F->nusers[lg]; k++) {
+    IrNode *u = node(F, F->users[lg][k]);
+    if (u->op == OP_CROSS_ENTROPY && u->in[0] == lg && ce < 0)
+      ce = u->id;
+  }
+  if (ce < 0)
+    return NULL; // not an LM head: nothing to say
+  *ce_out = ce;
+  if (m->ia[0] || node(F, x2)->shape.rank != 2 || node(F, w)->shape.rank != 2)
+    return "the logits GEMM is not x2[N,C] @ W with 2-D operands";
+  for (int k = 0; k < F->nusers[lg]; k++) {
+    IrNode *u = node(F, F->users[lg][k]);
+    if (u->op == OP_CROSS_ENTROPY_BWD && u->in[0] == lg && u->in[1] == node(F, ce)->in[1] && cb < 0)
+      cb = u->id;
+    else if (u->id != ce)
+      return arena_printf(F->a, "the logits are also read by %s", where(F, u->id));
+  }
+  if (cb < 0)
+    return "the cross-entropy has no backward";
+  list[(*n)++] = ce;
+  list[(*n)++] = cb;
+  int dl = follow_reshapes(F, cb, list, n);
+  if (!shape_eq(node(F, dl)->shape, m->shape))
+    return "the logits' gradient does not come back to the GEMM's shape";
+  bool tb = m->ia[1] != 0, have_dx = false, have_dw = false;
+  for (int k = 0; k < F->nusers[dl]; k++) {
+    IrNode *u = node(F, F->users[dl][k]);
+    bool dx = u->op == OP_MATMUL && u->in[0] == dl && u->in[1] == w && !u->ia[0] && u->ia[1] == !tb;
+    bool dw = u->op == OP_MATMUL && u->ia[0] && !u->ia[1] &&
+              (tb ? u->in[0] == dl && u->in[1] == x2 : u->in[0] == x2 && u->in[1] == dl);
+    if (dx && !have_dx)
+      have_dx = true;
+    else if (dw && !have_dw)
+      have_dw = true;
+    else
+      return arena_printf(F->a, "the logits' gradient is also read by %s", where(F, u->id));
+    list[(*n)++] = u->id;
+  }
+  for (int i = 0; i < *n; i++)
+    if (F->grp[list[i]] >= 0)
+      return arena_printf(F->a, "%s is already in another step", where(F, list[i]));
+  return NULL;
+}
+
+static void rule_lmhead(Fuser *F) {
+  Graph *g = F->g;
+  int *list = arena_alloc(F->a, sizeof(int) * (size_t)g->n);
+  for (int i = 0; i < g->n; i++) {
+    if (op_of(F, i) != OP_MATMUL || F->grp[i] >= 0)
+      continue;
+    int n, ce;
+    const char *why = match_lmhead(F, i, list, &n, &ce);
+    if (ce < 0)
+      continue;
+    if (!why && creates_cycle(F, -1, list, n))
+      why = "the loss' gradient depends on the loss itself";
+    if (why) {
+      reject(F, i, ce, "LM head not chunked: %s", why);
+      continue;
+    }
+    int gi = new_group(F, STEP_LMHEAD, i);
+    for (int k = 1; k < n; k++)
+      add_member(F, gi, list[k]);
+  }
+}
+
+//
+// Rule 3: siblings (multi-output backward ops) and cross-entropy forward + backward.
+//
+static bool same_inputs(const IrNode *a, const IrNode *b) {
+  if (a->op != b->op || a->nin != b->nin || a->fa[0] != b->fa[0])
+    return false;
+  for (int k = 0; k < a->nin; k++)
+    if (a->in[k] != b->in[k])
+      return false;
+  if (a->op == OP_ATTENTION_BWD)
+    return a->ia[0] == b->ia[0] && a->ia[1] == b->ia[1] && a->ia[2] == b->ia[2];
+  return true;
+}
+
+static int which_of(const IrNode *n) { return (int)(n->op == OP_ATTENTION_BWD ? n->ia[3] : n->ia[0]); }
+
+static void rule_siblings(Fuser *F) {
+  Graph *g = F->g;
+  for (int i = 0; i < g->n; i++) {
+    IrNode *n = node(F, i);
+    if (F->grp[i] >= 0)
+      continue;
+    if (n->op == OP_LAYERNORM_BWD || n->op == OP_RMSNORM_BWD || n->op == OP_ATTENTION_BWD) {
+      int dy = n->in[n->nin - 1], sib[3] = {-1, -1, -1}, ns = 0;
+      for (int k = 0; k < F->nusers[dy] && ns < 3; k++) {
+        IrNode *u = node(F, F->users[dy][k]);
+        if (F->grp[u->id] < 0 && same_inputs(n, u))
+          sib[ns++] = u->id;
+      }
+      int root = sib[0];
+      for (int k = 0; k < ns; k++)
+        if (which_of(node(F, sib[k])) == 0)
+          root = sib[k];
+      int gi = new_group(F, kind_of(n->op), root);
+      for (int k = 0; k < ns; k++)
+        if (sib[k] != root && !try_add(F, gi, sib[k]))
+          reject(F, root, sib[k], "would make the steps cyclic");
+    } else if (n->op == OP_CROSS_ENTROPY) {
+      int gi = new_group(F, STEP_KERNEL, i), lg = n->in[0];
+      for (int k = 0; k < F->nusers[lg]; k++) {
+        IrNode *u = node(F, F->users[lg][k]);
+        if (u->op != OP_CROSS_ENTROPY_BWD || u->in[0] != lg || u->in[1] != n->in[1] || F->grp[u->id] >= 0)
+          continue;
+        if (!try_add(F, gi, u->id))
+          reject(F, i, u->id, "the loss' gradient depends on the loss itself");
+      }
+    }
+  }
+}
+
+//
+// Rule 4: GEMMs and their epilogues.
+//
+// Would consumer u, a backward node, join the step of root, a forward node? (Forward steps hold
+// forward nodes only, so the backward pass can later be scheduled or recomputed on its own.)
+static bool crosses_into_backward(const Fuser *F, int root, int u) {
+  return root < F->g->fwd_end && u >= F->g->fwd_end;
+}
+
+// Why u cannot extend the epilogue of group gi whose chain ends at t, or NULL when it can.
+static const char *epilogue_refusal(Fuser *F, int gi, int t, int u) {
+  IrNode *n = node(F, u);
+  if (!is_elementwise(n->op))
+    return NULL; // not a candidate; the kinds of the two steps say why
+  if (n->op != OP_RESHAPE && !is_unary(n->op) && !is_binary(n->op))
+    return arena_printf(F->a, "%s remaps the GEMM's output index", op_name(n->op));
+  if (!reads_identity(F, u, t))
+    return arena_printf(F->a, "iteration spaces differ: %s vs %s", shape_text(F, t), shape_text(F, u));
+  if (crosses_into_backward(F, F->groups[gi].root, u))
+    return "the forward step does not compute backward values";
+  for (int k = 0; k < n->nin; k++)
+    if (F->grp[n->in[k]] == gi && !reads_identity(F, u, n->in[k]))
+      return "reads another epilogue value through a broadcast";
+  if (F->groups[gi].n >= F->max_group)
+    return arena_printf(F->a, "group size cap (%d nodes)", F->max_group);
+  if (creates_cycle(F, gi, &u, 1))
+    return "would make the steps cyclic (its other operand depends on this GEMM)";
+  return NULL;
+}
+
+static void rule_gemm(Fuser *F) {
+  Graph *g = F->g;
+  for (int i = 0; i < g->n; i++) {
+    if (op_of(F, i) != OP_MATMUL || F->grp[i] >= 0)
+      continue;
+    int gi = new_group(F, STEP_GEMM, i);
+    for (int t = i;;) {
+      int next = -1;
+      for (int k = 0; k < F->nusers[t] && next < 0; k++) {
+        int u = F->users[t][k];
+        if (F->grp[u] >= 0 || !is_elementwise(op_of(F, u)))
+          continue;
+        const char *why = epilogue_refusal(F, gi, t, u);
+        if (why)
+          reject(F, t, u, "%s", why);
+        else
+          next = u;
+      }
+      if (next < 0)
+        break;
+      add_member(F, gi, next);
+      t = next;
+    }
+  }
+}
+
+//
+// Rule 5: LAYERNORM / RMSNORM forward with the ADD producing x; softmax and its backward alone.
+//
+static void rule_rowwise(Fuser *F) {
+  Graph *g = F->g;
+  for (int i = 0; i < g->n; i++) {
+    IrNode *n = node(F, i);
+    if (F->grp[i] >= 0)
+      continue;
+    if (n->op == OP_SOFTMAX || n->op == OP_SOFTMAX_BWD) {
+      new_group(F, STEP_KERNEL, i);
+      continue;
+    }
+    if (n->op != OP_LAYERNORM && n->op != OP_RMSNORM)
+      continue;
+    int gi = new_group(F, STEP_KERNEL, i), x = n->in[0];
+    if (op_of(F, x) != OP_ADD || !shape_eq(node(F, x)->shape, n->shape))
+      continue;
+    int h = F->grp[x];
+    if (h >= 0)
+      reject(F, x, i, "the ADD is already in the epilogue of %s", where(F, F->groups[h].root));
+    else if (!try_add(F, gi, x))
+      reject(F, x, i, "would make the steps cyclic");
+  }
+}
+
+//
+// Rule 6: ops that run alone.
+//
+static void rule_singles(Fuser *F) {
+  for (int i = 0; i < F->g->n; i++) {
+    Op op = op_of(F, i);
+    if (F->grp[i] < 0 && !is_leaf(op) && !is_elementwise(op) && !is_reduction(op))
+      new_group(F, kind_of(op), i);
+  }
+}
+
+//
+// Rules 7 and 8: producers pulled into elementwise and reduction steps.
+//
+// Grows group gi with the producers of its members, scanning ids downwards from `from` (exclusive)
+// so that every reader of a candidate has been decided before the candidate is.
+static void pull_producers(Fuser *F, int gi, int from) {
+  Group *G = &F->groups[gi];
+  for (int i = 0; i < G->n; i++) {
+    IrNode *m = node(F, G->m[i]);
+    for (int k = 0; k < m->nin; k++)
+      F->cand[m->in[k]] = true;
+  }
+  for (int p = from - 1; p >= 0; p--) {
+    if (!F->cand[p])
+      continue;
+    F->cand[p] = false;
+    Op op = op_of(F, p);
+    if (is_leaf(op) || F->grp[p] >= 0 || !is_elementwise(op))
+      continue;
+    int reader = -1, outside = -1;
+    bool many = false;
+    for (int k = 0; k < F->nusers[p]; k++) {
+      int u = F->users[p][k];
+      if (F->grp[u] != gi) {
+        if (outside < 0)
+          outside = u;
+        continue;
+      }
+      if (reader < 0)
+        reader = u;
+      many |= F->bcast[u] || reads_many_to_one(F, u, p);
+    }
+    if (outside >= 0) {
+      reject(F, p, reader, "producer has readers outside the group (%s)", where(F, outside));
+      continue;
+    }
+    if (many && !is_cheap(op)) {
+      reject(F, p, reader, "iteration spaces differ: %s vs %s (%s would be recomputed per element)",
+             shape_text(F, p), shape_text(F, reader), op_name(op));
+      continue;
+    }
+    if (G->n >= F->max_group) {
+      reject(F, p, reader, "group size cap (%d nodes)", F->max_group);
+      continue;
+    }
+    add_member(F, gi, p);
+    F->bcast[p] = many;
+    IrNode *n = node(F, p);
+    for (int k = 0; k < n->nin; k++)
+      F->cand[n->in[k]] = true;
+  }
+  for (int i = 0; i < G->n; i++)
+    F->bcast[G->m[i]] = false;
+}
+
+static void rule_reductions(Fuser *F) {
+  Graph *g = F->g;
+  for (int r = 0; r < g->n; r++) {
+    if (!is_reduction(op_of(F, r)) || F->grp[r] >= 0)
+      continue;
+    int gi = new_group(F, STEP_KERNEL, r);
+    pull_producers(F, gi, r);
+    for (int t = r;;) {
+      int u = only_user(F, t);
+      if (u < 0 || F->grp[u] >= 0 || !is_elementwise(op_of(F, u)))
+        break;
+      IrNode *n = node(F, u);
+      const char *why = NULL;
+      if (!(n->op == OP_RESHAPE || is_unary(n->op) || is_binary(n->op)) || !reads_identity(F, u, t) ||
+          numel(F, u) != numel(F, r))
+        why = arena_printf(F->a, "iteration spaces differ: %s vs %s", shape_text(F, t), shape_text(F, u));
+      for (int k = 0; k < n->nin && !why; k++) {
+        int x = n->in[k];
+        if (F->grp[x] == gi && x != t && (x < r || !shape_eq(node(F, x)->shape, n->shape)))
+          why = "reads a value the reduction consumes";
+      }
+      if (!why && crosses_into_backward(F, r, u))
+        why = "the forward step does not compute backward values";
+      if (!why && F->groups[gi].n >= F->max_group)
+        why = arena_printf(F->a, "group size cap (%d nodes)", F->max_group);
+      if (why) {
+        reject(F, t, u, "%s", why);
+        break;
+      }
+      add_member(F, gi, u);
+      t = u;
+    }
+  }
+}
+
+static void rule_elementwise(Fuser *F) {
+  for (int c = F->g->n - 1; c >= 0; c--) {
+    if (F->grp[c] >= 0 || !is_elementwise(op_of(F, c)))
+      continue;
+    int gi = new_group(F, STEP_KERNEL, c);
+    pull_producers(F, gi, c);
+  }
+}
+
+//
+// Views.
+//
+static int view_base(const Fuser *F, int id) {
+  while (F->view[id])
+    id = node(F, id)->in[0];
+  return id;
+}
+
+// May RESHAPE r (whose input is materialised, or about to be) be a view? A parameter's gradient
+// must sit in the gradient buffer, so its input must be free to move there.
+static bool view_allowed(Fuser *F, int r) {
+  Graph *g = F->g;
+  if (node(F, r)->grad_of < 0)
+    return true;
+  int b = view_base(F, node(F, r)->in[0]);
+  IrNode *n = node(F, b);
+  return !is_leaf(n->op) && n->grad_of < 0 && n->op != OP_ADAMW && n->op != OP_GRAD_NORM && !F->pinned[b] &&
+         b != g->loss;
+}
+
+// Turns RESHAPEs into views: those whose input is materialised, and those read outside their step
+// (whose input then becomes an out).
+static void resolve_views(Fuser *F) {
+  Graph *g = F->g;
+  for (bool changed = true; changed;) {
+    changed = false;
+    for (int r = 0; r < g->n; r++) {
+      int gi = F->grp[r];
+      if (op_of(F, r) != OP_RESHAPE || gi < 0)
+        continue;
+      int x = node(F, r)->in[0];
+      bool mat = F->view[x] || (is_leaf(op_of(F, x)) && op_of(F, x) != OP_CONST) || (F->grp[x] >= 0 && F->grp[x] != gi);
+      bool read_outside = F->nusers[r] == 0 || r == g->loss;
+      for (int k = 0; k < F->nusers[r]; k++)
+        read_outside |= F->grp[F->users[r][k]] != gi;
+      if ((!mat && !(F->grp[x] == gi && read_outside)) || !view_allowed(F, r))
+        continue;
+      remove_member(F, gi, r);
+      F->view[r] = true;
+      if (node(F, r)->grad_of >= 0)
+        F->pinned[view_base(F, r)] = true;
+      Group *G = &F->groups[gi];
+      if (G->root == r && G->n > 0) {
+        G->root = G->m[0];
+        for (int i = 1; i < G->n; i++)
+          if (G->m[i] > G->root)
+            G->root = G->m[i];
+      }
+      changed = true;
+    }
+  }
+}
+
+//
+// Assembly: order, outs and ins, costs, names, and a reason for every pair left unfused.
+//
+static double node_flops(const Fuser *F, int id) {
+  IrNode *n = node(F, id);
+  double e = (double)shape_numel(n->shape), x = n->nin ? (double)numel(F, n->in[0]) : 0;
+  switch (n->op) {
+  case OP_GELU: return 8 * e;
+  case OP_GELU_BWD: return 12 * e;
+  case OP_SILU: return 4 * e;
+  case OP_SILU_BWD: return 6 * e;
+  case OP_MAX_BWD: return 2 * e;
+  case OP_SUM: case OP_MEAN: case OP_MAX: return x;
+  case OP_MATMUL: {
+    Shape a = node(F, n->in[0])->shape;
+    return 2 * e * (double)(n->ia[0] ? a.d[a.rank - 2] : a.d[a.rank - 1]);
+  }
+  case OP_EMBED_BWD: return (double)numel(F, n->in[1]);
+  case OP_LAYERNORM: return 8 * e;
+  case OP_LAYERNORM_BWD: return (n->ia[0] == 0 ? 10 : n->ia[0] == 1 ? 2 : 1) * x;
+  case OP_RMSNORM: return 5 * e;
+  case OP_RMSNORM_BWD: return (n->ia[0] == 0 ? 8 : 2) * x;
+  case OP_SOFTMAX: return 4 * e;
+  case OP_SOFTMAX_BWD: case OP_CROSS_ENTROPY: case OP_CROSS_ENTROPY_BWD: return 3 * x;
+  case OP_ATTENTION: case OP_ATTENTION_BWD: {
+    Shape q = n->shape;
+    double f = 4.0 * (double)q.d[0] * (double)q.d[1] * (double)q.d[1] * (double)q.d[2];
+    if (n->ia[1])
+      f /= 2;
+    return n->op == OP_ATTENTION ? f : 2 * f / 3;
+  }
+  case OP_ROPE: return 3 * e;
+  case OP_GRAD_NORM: {
+    double s = 0;
+    for (int k = 0; k < n->nin; k++)
+      s += 2 * (double)numel(F, n->in[k]);
+    return s;
+  }
+  case OP_ADAMW: return 12 * e;
+  case OP_INPUT: case OP_PARAM: case OP_STATE: case OP_SCALAR: case OP_CONST: case OP_RESHAPE:
+  case OP_PERMUTE: case OP_BROADCAST: case OP_SLICE: case OP_SLICE_BWD: case OP_CONCAT: case OP_EMBED:
+  case OP_COUNT: return 0;
+  default: return e; // the remaining elementwise ops: one operation per element
+  }
+}
+
+static int cmp_int(const void *a, const void *b) { return *(const int *)a - *(const int *)b; }
+
+static void push_unique(Arena *a, int **list, int *n, int v) {
+  for (int i = 0; i < *n; i++)
+    if ((*list)[i] == v)
+      return;
+  if ((*n & (*n - 1)) == 0) { // grow at powers of two
+    int *l = arena_alloc(a, sizeof(int) * (size_t)(*n ? 2 * *n : 1));
+    if (*n)
+      memcpy(l, *list, sizeof(int) * (size_t)*n);
+    *list = l;
+  }
+  (*list)[(*n)++] = v;
+}
+
+// Topological order of the live groups, preferring the one whose last node comes first. The
+// optimizer's nodes come last in the graph, so every step that reads a parameter runs before the
+// step that updates it in place.
+static int *order_groups(Fuser *F, int *live, int nlive) {
+  int *pos = arena_alloc(F->a, sizeof(int) * (size_t)F->ngroups);
+  int **succ = arena_alloc(F->a, sizeof(int *) * (size_t)nlive);
+  int *nsucc = arena_alloc(F->a, sizeof(int) * (size_t)nlive);
+  int *indeg = arena_alloc(F->a, sizeof(int) * (size_t)nlive);
+  int *key = arena_alloc(F->a, sizeof(int) * (size_t)nlive);
+  for (int i = 0; i < nlive; i++)
+    pos[live[i]] = i;
+  for (int i = 0; i < nlive; i++) {
+    Group *G = &F->groups[live[i]];
+    key[i] = -1;
+    for (int j = 0; j < G->n; j++) {
+      IrNode *n = node(F, G->m[j]);
+      if (n->id > key[i])
+        key[i] = n->id;
+      for (int k = 0; k < n->nin; k++) {
+        int b = view_base(F, n->in[k]);
+        int from = F->grp[b] >= 0 ? pos[F->grp[b]] : -1;
+        if (from >= 0 && from != i)
+          push_unique(F->a, &succ[from], &nsucc[from], i);
+      }
+    }
+  }
+  for (int i = 0; i < nlive; i++)
+    for (int k = 0; k < nsucc[i]; k++)
+      indeg[succ[i][k]]++;
+  int *order = arena_alloc(F->a, sizeof(int) * (size_t)nlive);
+  bool *done = arena_alloc(F->a, sizeof(bool) * (size_t)nlive);
+  for (int s = 0; s < nlive; s++) {
+    int best = -1;
+    for (int i = 0; i < nlive; i++)
+      if (!done[i] && indeg[i] == 0 && (best < 0 || key[i] < key[best]))
+        best = i;
+    if (best < 0)
+      return NULL;
+    done[best] = true;
+    order[s] = live[best];
+    for (int k = 0; k < nsucc[best]; k++)
+      indeg[succ[best][k]]--;
+  }
+  return order;
+}
+
+// The label of an op in a step name.
+static const char *label(const Fuser *F, int id, bool root, StepKind kind) {
+  Op op = op_of(F, id);
+  if (root && kind == STEP_LMHEAD)
+    return "lmhead";
+  if (op == OP_MATMUL)
+    return "gemm";
+  if (root && (op == OP_LAYERNORM || op == OP_RMSNORM || op == OP_SOFTMAX || op == OP_CROSS_ENTROPY ||
+               op == OP_ATTENTION))
+    return arena_printf(F->a, "%s_fwd", op_name(op));
+  return op_name(op);
+}
+
+static const char *step_name(const Fuser *F, int index, const Step *s) {
+  const char *seen[64];
+  int nseen = 0;
+  seen[nseen++] = op_name(op_of(F, s->root));
+  seen[nseen++] = label(F, s->root, true, s->kind);
+  char buf[512];
+  int len = snprintf(buf, sizeof buf, "k%d_%s", index, seen[1]);
+  for (int i = 0; i < s->nnodes; i++) {
+    int id = s->nodes[i];
+    if (id == s->root || op_of(F, id) == OP_RESHAPE)
+      continue;
+    const char *l = label(F, id, false, s->kind);
+    bool dup = false;
+    for (int k = 0; k < nseen && !dup; k++)
+      dup = !strcmp(seen[k], l);
+    if (dup || nseen == 64)
+      continue;
+    seen[nseen++] = l;
+    if (len < (int)sizeof buf)
+      len += snprintf(buf + len, sizeof buf - (size_t)len, "__%s", l);
+  }
+  return arena_strdup(F->a, buf);
+}
+
+// The reason a producer and a consumer in different steps were not fused, from the steps' kinds,
+// when no rule recorded one.
+static const char *generic_reason(const Fuser *F, const Fusion *f, int p, int c) {
+  const Step *sp = &f->steps[f->step_of[p]], *sc = &f->steps[f->step_of[c]];
+  Op cop = op_of(F, c), pop = op_of(F, p), croot = op_of(F, sc->root);
+  if (cop == OP_MATMUL)
+    return "consumer is a GEMM (no prologue fusion)";
+  if (cop == OP_ATTENTION || cop == OP_ATTENTION_BWD)
+    return "consumer is attention (its operands come from memory)";
+  if (sc->kind == STEP_LMHEAD)
+    return "consumer is in the LM-head step (its inputs come from memory)";
+  if (sc->kind == STEP_KERNEL && (croot == OP_LAYERNORM || croot == OP_RMSNORM))
+    return arena_printf(F->a, "consumer is a %s kernel (only an ADD producing its x is fused)", op_name(croot));
+  if (sc->kind == STEP_KERNEL && !is_elementwise(croot) && !is_reduction(croot))
+    return arena_printf(F->a, "consumer is a %s kernel (its inputs come from memory)", op_name(croot));
+  if (sc->kind == STEP_GEMM)
+    return "consumer is in a GEMM epilogue (its other operands come from memory)";
+  if (sp->kind == STEP_GEMM)
+    return F->nusers[p] > 1 ? arena_printf(F->a, "the GEMM epilogue ends here: %d readers", F->nusers[p])
+                            : "consumer is not an elementwise epilogue op";
+  if (sp->kind != STEP_KERNEL)
+    return arena_printf(F->a, "producer is written by the %s step (no epilogue fusion)", kind_name(sp->kind));
+  if (!is_elementwise(pop) && !is_reduction(pop))
+    return arena_printf(F->a, "producer is a %s kernel (no epilogue fusion)", op_name(op_of(F, sp->root)));
+  if (numel(F, p) != numel(F, c))
+    return arena_printf(F->a, "iteration spaces differ: %s vs %s", shape_text(F, p), shape_text(F, c));
+  return "producer has readers outside the group";
+}
+
+static Fusion *assemble(Fuser *F) {
+  Graph *g = F->g;
+  Arena *a = F->a;
+  int *live = arena_alloc(a, sizeof(int) * (size_t)(F->ngroups ? F->ngroups : 1)), nlive = 0;
+  for (int i = 0; i < F->ngroups; i++)
+    if (F->groups[i].n > 0)
+      live[nlive++] = i;
+  int *order = order_groups(F, live, nlive);
+  if (!order) {
+    snprintf(g->err, sizeof g->err, "fuse: internal error: the steps depend on each other in a cycle");
+    return NULL;
+  }
+  Fusion *f = arena_alloc(a, sizeof *f);
+  f->g = g;
+  f->opt = F->opt;
+  f->nsteps = nlive;
+  f->steps = arena_alloc(a, sizeof(Step) * (size_t)(nlive ? nlive : 1));
+  f->step_of = arena_alloc(a, sizeof(int) * (size_t)g->n);
+  f->materialised = arena_alloc(a, sizeof(bool) * (size_t)g->n);
+  for (int i = 0; i < g->n; i++) {
+    f->step_of[i] = -1;
+    f->materialised[i] = F->view[i] || (is_leaf(op_of(F, i)) && op_of(F, i) != OP_CONST);
+  }
+  for (int s = 0; s < nlive; s++) {
+    int gi = order[s];
+    Group *G = &F->groups[gi];
+    Step *st = &f->steps[s];
+    st->kind = G->kind;
+    st->root = G->root;
+    st->nnodes = G->n;
+    st->nodes = arena_alloc(a, sizeof(int) * (size_t)G->n);
+    memcpy(st->nodes, G->m, sizeof(int) * (size_t)G->n);
+    qsort(st->nodes, (size_t)G->n, sizeof(int), cmp_int);
+    for (int j = 0; j < G->n; j++) {
+      int id = st->nodes[j];
+      IrNode *n = node(F, id);
+      f->step_of[id] = s;
+      bool out = F->nusers[id] == 0 || id == g->loss || n->op == OP_ADAMW || n->op == OP_GRAD_NORM;
+      for (int k = 0; k < F->nusers[id] && !out; k++)
+        out = F->grp[F->users[id][k]] != gi;
+      if (out) {
+        push_unique(a, &st->outs, &st->nouts, id);
+        f->materialised[id] = true;
+        st->bytes_written += 4.0 * (double)numel(F, id) * (n->op == OP_ADAMW ? 3 : 1);
+      }
+      for (int k = 0; k < n->nin; k++) {
+        int x = n->in[k];
+        if (F->grp[x] == gi || op_of(F, x) == OP_CONST)
+          continue;
+        int before = st->nins;
+        push_unique(a, &st->ins, &st->nins, x);
+        if (st->nins > before)
+          st->bytes_read += 4.0 * (double)numel(F, x);
+      }
+      st->flops += node_flops(F, id);
+    }
+    st->name = step_name(F, s, st);
+  }
+  // One reason per producer and consuming step; the optimizer reads the gradient buffer by design.
+  for (int c = 0; c < g->n; c++) {
+    int sc = f->step_of[c];
+    if (sc < 0 || f->steps[sc].kind == STEP_OPTIMIZER)
+      continue;
+    IrNode *n = node(F, c);
+    for (int k = 0; k < n->nin; k++) {
+      int p = view_base(F, n->in[k]);
+      if (f->step_of[p] < 0 || f->step_of[p] == sc)
+        continue;
+      bool known = false;
+      for (int i = 0; i < F->nrej && !known; i++)
+        known = view_base(F, F->rej[i].a) == p && f->step_of[F->rej[i].b] == sc;
+      if (!known)
+        reject(F, p, c, "%s", generic_reason(F, f, p, c));
+    }
+  }
+  f->rejected = F->rej;
+  f->nrejected = F->nrej;
+  return f;
+}
+
+static void build_users(Fuser *F) {
+  Graph *g = F->g;
+  F->users = arena_alloc(F->a, sizeof(int *) * (size_t)g->n);
+  F->nusers = arena_alloc(F->a, sizeof(int) * (size_t)g->n);
+  int *cap = arena_alloc(F->a, sizeof(int) * (size_t)g->n);
+  for (int i = 0; i < g->n; i++) {
+    IrNode *n = node(F, i);
+    for (int k = 0; k < n->nin; k++) {
+      bool dup = false;
+      for (int j = 0; j < k; j++)
+        dup |= n->in[j] == n->in[k];
+      if (!dup)
+        cap[n->in[k]]++;
+    }
+  }
+  for (int i = 0; i < g->n; i++)
+    F->users[i] = arena_alloc(F->a, sizeof(int) * (size_t)(cap[i] ? cap[i] : 1));
+  for (int i = 0; i < g->n; i++) {
+    IrNode *n = node(F, i);
+    for (int k = 0; k < n->nin; k++) {
+      int x = n->in[k];
+      if (!F->nusers[x] || F->users[x][F->nusers[x] - 1] != i)
+        F->users[x][F->nusers[x]++] = i;
+    }
+  }
+}
+
+Fusion *fuse(Graph *g, FuseOptions opt) {
+  Arena *a = g->arena;
+  Fuser *F = arena_alloc(a, sizeof *F);
+  F->g = g;
+  F->a = a;
+  F->opt = opt;
+  F->max_group = opt.max_group > 0 ? opt.max_group : DEFAULT_MAX_GROUP;
+  size_t n = (size_t)(g->n ? g->n : 1);
+  F->grp = arena_alloc(a, sizeof(int) * n);
+  for (int i = 0; i < g->n; i++)
+    F->grp[i] = -1;
+  F->view = arena_alloc(a, sizeof(bool) * n);
+  F->pinned = arena_alloc(a, sizeof(bool) * n);
+  F->seen = arena_alloc(a, sizeof(int) * n);
+  F->gseen = arena_alloc(a, sizeof(int) * n);
+  F->queue = arena_alloc(a, sizeof(int) * n);
+  F->extra = arena_alloc(a, sizeof(bool) * n);
+  F->cand = arena_alloc(a, sizeof(bool) * n);
+  F->bcast = arena_alloc(a, sizeof(bool) * n);
+  build_users(F);
+  if (opt.fuse) {
+    rule_optimizer(F);
+    if (opt.chunk_lmhead)
+      rule_lmhead(F);
+    rule_siblings(F);
+    rule_gemm(F);
+    rule_rowwise(F);
+    rule_singles(F);
+    rule_reductions(F);
+    rule_elementwise(F);
+  } else {
+    for (int i = 0; i < g->n; i++)
+      if (!is_leaf(op_of(F, i)))
+        new_group(F, kind_of(op_of(F, i)), i);
+  }
+  resolve_views(F);
+  return assemble(F);
+}
+
+void fuse_dump(const Fusion *f, FILE *out) {
+  const Graph *g = f->g;
+  double flops = 0, rd = 0, wr = 0;
+  for (int s = 0; s < f->nsteps; s++) {
+    flops += f->steps[s].flops;
+    rd += f->steps[s].bytes_read;
+    wr += f->steps[s].bytes_written;
+  }
+  fprintf(out, "fusion of %s (%s): %d steps, %.3f GFLOP, %.2f MB read, %.2f MB written\n",
+          g->model ? g->model : "?", f->opt.fuse ? "fused" : "unfused", f->nsteps, flops / 1e9, rd / 1e6,
+          wr / 1e6);
+  for (int s = 0; s < f->nsteps; s++) {
+    const Step *st = &f->steps[s];
+    char buf[128];
+    fprintf(out, "%-44s %-9s %-14s", st->name, kind_name(st->kind),
+            shape_str(g->nodes[st->root]->shape, buf, sizeof buf));
+    for (int i = 0; i < st->nnodes; i++) {
+      const IrNode *n = g->nodes[st->nodes[i]];
+      fprintf(out, " %%%d %s@%d", n->id, op_name(n->op), n->loc.line);
+    }
+    fprintf(out, "  -> out");
+    for (int i = 0; i < st->nouts; i++)
+      fprintf(out, " %%%d", st->outs[i]);
+    fprintf(out, "\n");
+  }
+  for (int i = 0; i < f->nrejected; i++) {
+    const IrNode *a = g->nodes[f->rejected[i].a], *b = g->nodes[f->rejected[i].b];
+    fprintf(out, "not fused: %s@%d with %s@%d: %s (%%%d -> %%%d)\n", op_name(a->op), a->loc.line, op_name(b->op),
+            b->loc.line, f->rejected[i].reason, a->id, b->id);
+  }
+}

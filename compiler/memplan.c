@@ -1,0 +1,207 @@
+// memplan.c: the memory planner. Every materialised node of a Fusion gets a byte offset in one
+// arena; the back ends allocate the arena once and run every step inside it.
+//
+// Layout, each piece 64-byte aligned:
+//   params | grads | m | v | inputs | scalars | activations
+// The first four are flat buffers of param_bytes each with the parameters in declaration order at
+// the same relative offsets (parameter i starts at the same place in all four), so one loop walks
+// a parameter, its gradient and its two AdamW moments together. g->grads[i] is placed in the
+// gradient buffer (when it is a view, the node it views is); the STATE nodes "<p>.m" and "<p>.v"
+// in m and v; an ADAMW node writes its parameter in place and so shares the PARAM's offset.
+// INPUT and SCALAR nodes have fixed slots. Every other materialised node is an activation: it is
+// live from the step that writes it to the last step that reads it (directly or through a view;
+// the loss stays live to the end of the step so the runtime can read it), and activations whose
+// lifetimes do not overlap may share memory. Placement is greedy by size: largest first, each at
+// the lowest offset that does not overlap a placed buffer alive at the same time. A view (a RESHAPE
+// of a materialised node) shares its input's offset. i32 tensors take 4 bytes per element as f32.
+// After a step only the four flat buffers, the inputs, the scalars and the loss hold values.
+#include "mdl.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+enum { ALIGN = 64 };
+
+static int64_t align_up(int64_t x) { return (x + ALIGN - 1) / ALIGN * ALIGN; }
+
+static int64_t bytes_of(const IrNode *n) { return 4 * shape_numel(n->shape); }
+
+static bool is_leaf(Op op) {
+  return op == OP_INPUT || op == OP_PARAM || op == OP_STATE || op == OP_SCALAR || op == OP_CONST;
+}
+
+static bool is_view(const Fusion *f, int id) {
+  return f->materialised[id] && f->step_of[id] < 0 && !is_leaf(f->g->nodes[id]->op);
+}
+
+static int base_of(const Fusion *f, int id) {
+  while (is_view(f, id))
+    id = f->g->nodes[id]->in[0];
+  return id;
+}
+
+static bool ends_with(const char *s, const char *suffix) {
+  size_t n = strlen(s), k = strlen(suffix);
+  return n >= k && !strcmp(s + n - k, suffix);
+}
+
+typedef struct {
+  int id;
+  int64_t size, offset;
+  int first, last; // steps
+} Buffer;
+
+static int by_size(const void *pa, const void *pb) {
+  const Buffer *a = pa, *b = pb;
+  if (a->size != b->size)
+    return a->size > b->size ? -1 : 1;
+  if (a->first != b->first)
+    return a->first - b->first;
+  return a->id - b->id;
+}
+
+static int by_offset(const void *pa, const void *pb) {
+  const Buffer *a = *(Buffer *const *)pa, *b = *(Buffer *const *)pb;
+  return a->offset < b->offset ? -1 : a->offset > b->offset;
+}
+
+// Places the activations at the lowest offsets that do not collide with a placed buffer alive at
+// the same time; returns the peak.
+static int64_t place(Buffer *buf, int n) {
+  qsort(buf, (size_t)n, sizeof *buf, by_size);
+  Buffer **alive = malloc(sizeof(Buffer *) * (size_t)(n ? n : 1));
+  int64_t peak = 0;
+  for (int i = 0; i < n; i++) {
+    int na = 0;
+    for (int j = 0; j < i; j++)
+      if (buf[j].first <= buf[i].last && buf[i].first <= buf[j].last)
+        alive[na++] = &buf[j];
+    qsort(alive, (size_t)na, sizeof *alive, by_offset);
+    int64_t at = 0;
+    for (int j = 0; j < na; j++) {
+      if (alive[j]->offset >= at + buf[i].size)
+        break;
+      int64_t end = align_up(alive[j]->offset + alive[j]->size);
+      if (end > at)
+        at = end;
+    }
+    buf[i].offset = at;
+    if (at + buf[i].size > peak)
+      peak = at + buf[i].size;
+  }
+  free(alive);
+  return align_up(peak);
+}
+
+MemPlan *memplan(const Fusion *f) {
+  const Graph *g = f->g;
+  Arena *a = g->arena;
+  MemPlan *mp = arena_alloc(a, sizeof *mp);
+  mp->offset = arena_alloc(a, sizeof(int64_t) * (size_t)(g->n ? g->n : 1));
+  for (int i = 0; i < g->n; i++)
+    mp->offset[i] = -1;
+
+  // The four flat buffers.
+  int64_t *rel = arena_alloc(a, sizeof(int64_t) * (size_t)(g->n ? g->n : 1)); // per PARAM node
+  int64_t at = 0;
+  for (int i = 0; i < g->nparams; i++) {
+    rel[g->params[i]] = at;
+    at = align_up(at + bytes_of(g->nodes[g->params[i]]));
+  }
+  mp->param_bytes = at;
+  mp->params = 0;
+  mp->grads = at;
+  mp->m = 2 * at;
+  mp->v = 3 * at;
+  for (int i = 0; i < g->nparams; i++) {
+    int p = g->params[i];
+    mp->offset[p] = mp->params + rel[p];
+    if (g->grads)
+      mp->offset[base_of(f, g->grads[i])] = mp->grads + rel[p];
+  }
+  at = 4 * at;
+  for (int i = 0; i < g->n; i++) {
+    const IrNode *n = g->nodes[i];
+    if (n->op == OP_STATE && n->param_of >= 0)
+      mp->offset[i] = (ends_with(n->name, ".v") ? mp->v : mp->m) + rel[n->param_of];
+    else if (n->op == OP_ADAMW)
+      mp->offset[i] = mp->offset[n->in[0]];
+  }
+
+  // Fixed slots: inputs, then scalars.
+  for (int pass = 0; pass < 2; pass++)
+    for (int i = 0; i < g->n; i++)
+      if (g->nodes[i]->op == (pass ? OP_SCALAR : OP_INPUT)) {
+        mp->offset[i] = at;
+        at = align_up(at + bytes_of(g->nodes[i]));
+      }
+
+  // Activations with their lifetimes.
+  int *first = arena_alloc(a, sizeof(int) * (size_t)(g->n ? g->n : 1));
+  int *last = arena_alloc(a, sizeof(int) * (size_t)(g->n ? g->n : 1));
+  for (int i = 0; i < g->n; i++)
+    first[i] = last[i] = f->step_of[i];
+  for (int s = 0; s < f->nsteps; s++)
+    for (int k = 0; k < f->steps[s].nins; k++) {
+      int b = base_of(f, f->steps[s].ins[k]);
+      if (last[b] < s)
+        last[b] = s;
+    }
+  if (g->loss >= 0)
+    last[base_of(f, g->loss)] = f->nsteps;
+  Buffer *buf = malloc(sizeof *buf * (size_t)(g->n ? g->n : 1));
+  int nbuf = 0;
+  for (int i = 0; i < g->n; i++)
+    if (f->materialised[i] && mp->offset[i] < 0 && f->step_of[i] >= 0)
+      buf[nbuf++] = (Buffer){i, bytes_of(g->nodes[i]), 0, first[i], last[i]};
+  mp->activation_bytes = place(buf, nbuf);
+  for (int i = 0; i < nbuf; i++)
+    mp->offset[buf[i].id] = at + buf[i].offset;
+  free(buf);
+  mp->arena_bytes = at + mp->activation_bytes;
+
+  // Views share their input's offset (inputs come first in id order).
+  for (int i = 0; i < g->n; i++)
+    if (is_view(f, i) && mp->offset[i] < 0)
+      mp->offset[i] = mp->offset[g->nodes[i]->in[0]];
+  return mp;
+}
+
+static const char *region(const MemPlan *m, const IrNode *n, int64_t off, int64_t act) {
+  if (n->op == OP_INPUT || n->op == OP_SCALAR)
+    return op_name(n->op);
+  if (off < m->grads)
+    return "params";
+  if (off < m->m)
+    return "grads";
+  if (off < m->v)
+    return "m";
+  return off < act ? "v" : "act";
+}
+
+void memplan_dump(const Fusion *f, const MemPlan *m, FILE *out) {
+  const Graph *g = f->g;
+  int64_t act = m->arena_bytes - m->activation_bytes;
+  fprintf(out, "memory plan of %s: arena %lld bytes = 4 x %lld (params, grads, m, v) + %lld (inputs, scalars) + "
+               "%lld (activations, peak)\n",
+          g->model ? g->model : "?", (long long)m->arena_bytes, (long long)m->param_bytes,
+          (long long)(act - 4 * m->param_bytes), (long long)m->activation_bytes);
+  fprintf(out, "%-7s %12s %10s  %-6s %-28s %s\n", "region", "offset", "bytes", "node", "op / name", "shape");
+  for (int i = 0; i < g->n; i++) {
+    const IrNode *n = g->nodes[i];
+    if (m->offset[i] < 0)
+      continue;
+    char buf[128];
+    const char *what = n->name ? n->name : "";
+    char label[160];
+    snprintf(label, sizeof label, "%s%s%s", op_name(n->op), *what ? " " : "", what);
+    fprintf(out, "%-7s %12lld %10lld  %%%-5d %-28s %s%s", is_view(f, i) ? "view" : region(m, n, m->offset[i], act),
+            (long long)m->offset[i], (long long)bytes_of(n), i, label, dtype_name(n->dtype),
+            shape_str(n->shape, buf, sizeof buf));
+    if (is_view(f, i))
+      fprintf(out, "  = %%%d", n->in[0]);
+    else if (f->step_of[i] >= 0)
+      fprintf(out, "  written by %s", f->steps[f->step_of[i]].name);
+    fprintf(out, "\n");
+  }
+}

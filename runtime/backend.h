@@ -1,0 +1,85 @@
+// backend.h: the compiled CPU back end. emit_c (compiler/emit_c.c) turns a step plan into one C
+// translation unit; cpu.c compiles it into a cached shared object, loads it, and moves data between
+// the arena it runs on and the rest of the program (the interpreter, inputs, the lr/step scalars).
+//
+// The ABI between the runtime and a generated module is the two typedefs below; the generated file
+// repeats them (it includes nothing of ours), so the two copies must stay identical. The module
+// exports:
+//   void mdl_step(char *arena, const MdlHooks *h);   // one whole training step
+//   const MdlKernel mdl_kernels[]; const int mdl_nkernels; // the same step, kernel by kernel
+//   const int64_t mdl_arena_bytes;                    // the arena size it was planned for
+#ifndef MDL_BACKEND_H
+#define MDL_BACKEND_H
+#include "mdl.h"
+
+typedef struct {
+  // row-major C = op(A) op(B) + beta C, op = transpose when ta / tb
+  // (single-threaded: the module splits a GEMM's rows over its own threads)
+  void (*sgemm)(int ta, int tb, int64_t m, int64_t n, int64_t k, const float *a, int64_t lda,
+                const float *b, int64_t ldb, float beta, float *c, int64_t ldc);
+  int nthreads;  // OpenMP threads per parallel loop and per GEMM
+  uint64_t seed; // the run's seed: dropout masks
+  void *ctx;     // passed back to error
+  void (*error)(void *ctx, const char *what, int64_t value, int64_t limit); // an id or target out of range
+} MdlHooks;
+
+typedef struct {
+  const char *name;
+  void (*fn)(char *arena, const MdlHooks *h);
+} MdlKernel;
+
+//
+// emit_c.c: the C emitter.
+//
+// The whole training step of f's graph as C11 + OpenMP source, laid out on m's arena. The text is
+// allocated in f->g's arena; NULL (after a message on stderr) when a step cannot be emitted.
+// source_path only appears in the file's first comment.
+char *emit_c(const Fusion *f, const MemPlan *m, const char *source_path);
+
+//
+// cpu.c: compile, cache, load and run a generated module.
+//
+typedef struct {
+  void *so;                  // dlopen handle
+  void (*step)(char *arena, const MdlHooks *h);
+  const MdlKernel *kernels;
+  int nkernels;
+  int64_t arena_bytes;       // what the module was planned for
+  MdlHooks hooks;            // sgemm = OpenBLAS; nthreads (cpu_set_threads); seed 0: set it to the run's
+  bool cache_hit;            // the shared object was already in the cache
+  double compile_seconds;    // time spent in the C compiler (0 on a cache hit)
+  char path[1024];           // the cached shared object
+  char error[256];           // the first run-time error of the last cpu_step, or ""
+} CpuModule;
+
+// The compiler command (without input and output paths), part of the cache key.
+extern const char *const cpu_cc_flags;
+// Compiles `source` unless the cache ($MDL_CACHE, else ~/.cache/mdl) holds it already, then loads
+// it. NULL with a message in err on failure.
+CpuModule *cpu_load(const char *source, char *err, size_t n);
+void cpu_unload(CpuModule *cm);
+// Threads for the kernels' parallel loops and GEMMs (n >= 1; the default is OMP_NUM_THREADS, else
+// the machine's cores). OpenBLAS itself is set to one thread, process-wide.
+void cpu_set_threads(CpuModule *cm, int n);
+// Runs one training step on `arena` (cpu_arena_new). False with cm->error set when a kernel met a
+// bad id or target.
+bool cpu_step(CpuModule *cm, char *arena);
+// Runs kernel i alone (for timing); same error contract as cpu_step.
+bool cpu_run_kernel(CpuModule *cm, int i, char *arena);
+
+// A zeroed, 64-byte aligned arena of m->arena_bytes; free() it.
+char *cpu_arena_new(const MemPlan *m);
+// Where node `node` lives in the arena (f32 or i32 elements), or NULL when it is not materialised.
+void *cpu_value(const MemPlan *m, char *arena, int node);
+// Parameters initialised exactly as interp_init_params does.
+void cpu_init_params(const Graph *g, const MemPlan *m, char *arena, uint64_t seed);
+// Parameters and AdamW moments between the interpreter and the arena (rounded to float on the way in).
+void cpu_params_from_interp(const Graph *g, const MemPlan *m, char *arena, Interp *it);
+void cpu_params_to_interp(const Graph *g, const MemPlan *m, const char *arena, Interp *it);
+// Sets every INPUT named `name` (ids for i32 inputs, f for f32 ones); false when none matches or the
+// count or kind is wrong.
+bool cpu_set_input(const Graph *g, const MemPlan *m, char *arena, const char *name, const int32_t *ids,
+                   const float *f, int64_t n);
+// Sets every SCALAR named `name` ("lr", "step").
+void cpu_set_scalar(const Graph *g, const MemPlan *m, char *arena, const char *name, double v);
+#endif

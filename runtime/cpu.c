@@ -1,0 +1,328 @@
+// cpu.c: the compiled CPU back end. It compiles the C that emit_c generates into a shared object,
+// caches it on disk, loads it, and runs it on one arena; it also moves data between that arena and
+// the rest of the program (initial parameters, the interpreter's values, batches, lr and step).
+//
+// Cache: the key is a 128-bit FNV-1a hash of (source, compiler flags, MDL_VERSION); the module lives
+// in $MDL_CACHE (else ~/.cache/mdl) as <key>.so next to its source <key>.c and the compiler's output
+// <key>.log. A compile writes a temporary file and renames it into place, so a concurrent run never
+// loads half a module. GEMMs go to OpenBLAS through the sgemm hook; errors that kernels meet (an
+// id or a target out of range) come back through the error hook and end the step with a message.
+// One pool of threads runs everything: the module's OpenMP loops, and its GEMMs split by rows over
+// the same threads with OpenBLAS single-threaded inside (two pools, each spinning while the other
+// works, made steps several times slower on two cores).
+#include "backend.h"
+
+#include <cblas.h>
+#include <dlfcn.h>
+#include <stdarg.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <math.h>
+#include <pthread.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+const char *const cpu_cc_flags = "cc -O3 -march=native -fno-math-errno -fopenmp -shared -fPIC";
+
+static bool fail(char *err, size_t n, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
+static bool fail(char *err, size_t n, const char *fmt, ...) {
+  if (err && n) {
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(err, n, fmt, ap);
+    va_end(ap);
+  }
+  return false;
+}
+
+// FNV-1a, 128 bits, over several strings (each with its terminating NUL, so ("ab","c") != ("a","bc")).
+static void fnv128(const char *const *parts, int n, char hex[33]) {
+  const unsigned __int128 prime = ((unsigned __int128)1 << 88) + 0x13B;
+  unsigned __int128 h = ((unsigned __int128)0x6c62272e07bb0142ull << 64) | 0x62b821756295c58dull;
+  for (int i = 0; i < n; i++)
+    for (const unsigned char *p = (const unsigned char *)parts[i];; p++) {
+      h = (h ^ *p) * prime;
+      if (!*p)
+        break;
+    }
+  snprintf(hex, 33, "%016llx%016llx", (unsigned long long)(h >> 64), (unsigned long long)h);
+}
+
+static bool mkdirs(const char *path) {
+  char buf[1024];
+  snprintf(buf, sizeof buf, "%s", path);
+  for (char *p = buf + 1; *p; p++)
+    if (*p == '/') {
+      *p = 0;
+      if (mkdir(buf, 0755) && errno != EEXIST)
+        return false;
+      *p = '/';
+    }
+  return !mkdir(buf, 0755) || errno == EEXIST;
+}
+
+static bool cache_dir(char *dir, size_t n, char *err, size_t errn) {
+  const char *env = getenv("MDL_CACHE"), *home = getenv("HOME");
+  if (env && *env)
+    snprintf(dir, n, "%s", env);
+  else if (home && *home)
+    snprintf(dir, n, "%s/.cache/mdl", home);
+  else
+    return fail(err, errn, "no cache directory: set MDL_CACHE or HOME");
+  if (!mkdirs(dir))
+    return fail(err, errn, "%s: %s", dir, strerror(errno));
+  return true;
+}
+
+// Writes text to path through a temporary file and a rename.
+static bool write_atomic(const char *path, const char *text, char *err, size_t n) {
+  char tmp[1100];
+  snprintf(tmp, sizeof tmp, "%s.tmp.%ld", path, (long)getpid());
+  FILE *f = fopen(tmp, "w");
+  if (!f)
+    return fail(err, n, "%s: %s", tmp, strerror(errno));
+  size_t len = strlen(text);
+  bool ok = fwrite(text, 1, len, f) == len;
+  ok &= fclose(f) == 0;
+  if (!ok || rename(tmp, path)) {
+    unlink(tmp);
+    return fail(err, n, "%s: %s", path, strerror(errno));
+  }
+  return true;
+}
+
+static double now(void) {
+  struct timespec t;
+  clock_gettime(CLOCK_MONOTONIC, &t);
+  return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
+}
+
+// Runs the compiler on src into so (through a temporary name), its messages into log.
+static bool compile(const char *src, const char *so, const char *log, char *err, size_t n) {
+  char tmp[1100], flags[256];
+  snprintf(tmp, sizeof tmp, "%s.tmp.%ld", so, (long)getpid());
+  snprintf(flags, sizeof flags, "%s", cpu_cc_flags);
+  char *argv[32];
+  int argc = 0;
+  for (char *tok = strtok(flags, " "); tok && argc < 24; tok = strtok(NULL, " "))
+    argv[argc++] = tok;
+  argv[argc++] = "-o";
+  argv[argc++] = tmp;
+  argv[argc++] = (char *)src;
+  argv[argc++] = "-lm";
+  argv[argc] = NULL;
+  pid_t pid = fork();
+  if (pid < 0)
+    return fail(err, n, "fork: %s", strerror(errno));
+  if (pid == 0) {
+    int fd = open(log, O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    if (fd >= 0) {
+      dup2(fd, 1);
+      dup2(fd, 2);
+    }
+    execvp(argv[0], argv);
+    _exit(127);
+  }
+  int status = 0;
+  while (waitpid(pid, &status, 0) < 0 && errno == EINTR)
+    ;
+  if (WIFEXITED(status) && WEXITSTATUS(status) == 0 && rename(tmp, so) == 0)
+    return true;
+  unlink(tmp);
+  char msg[200] = "";
+  FILE *f = fopen(log, "r");
+  if (f) {
+    size_t k = fread(msg, 1, sizeof msg - 1, f);
+    msg[k] = 0;
+    fclose(f);
+  }
+  if (WIFEXITED(status) && WEXITSTATUS(status) == 127)
+    return fail(err, n, "cannot run the C compiler '%s'", argv[0]);
+  return fail(err, n, "the C compiler failed on %s (see %s): %s", src, log, msg);
+}
+
+static void sgemm_hook(int ta, int tb, int64_t m, int64_t n, int64_t k, const float *a, int64_t lda,
+                       const float *b, int64_t ldb, float beta, float *c, int64_t ldc) {
+  cblas_sgemm(CblasRowMajor, ta ? CblasTrans : CblasNoTrans, tb ? CblasTrans : CblasNoTrans, (blasint)m,
+              (blasint)n, (blasint)k, 1.0f, a, (blasint)lda, b, (blasint)ldb, beta, c, (blasint)ldc);
+}
+
+static pthread_mutex_t error_lock = PTHREAD_MUTEX_INITIALIZER;
+
+// Kernels call this from any thread; the first error of a step is kept.
+static void error_hook(void *ctx, const char *what, int64_t value, int64_t limit) {
+  CpuModule *cm = ctx;
+  pthread_mutex_lock(&error_lock);
+  if (!cm->error[0])
+    snprintf(cm->error, sizeof cm->error, "%s %lld out of range [0, %lld)", what, (long long)value,
+             (long long)limit);
+  pthread_mutex_unlock(&error_lock);
+}
+
+static int default_threads(void) {
+  const char *env = getenv("OMP_NUM_THREADS");
+  long n = env && atoi(env) > 0 ? atoi(env) : sysconf(_SC_NPROCESSORS_ONLN);
+  return n > 0 ? (int)n : 1;
+}
+
+CpuModule *cpu_load(const char *source, char *err, size_t n) {
+  char dir[900], key[33], src[1024], so[1024], log[1024];
+  if (!cache_dir(dir, sizeof dir, err, n))
+    return NULL;
+  const char *parts[] = {source, cpu_cc_flags, MDL_VERSION};
+  fnv128(parts, 3, key);
+  snprintf(src, sizeof src, "%s/%s.c", dir, key);
+  snprintf(so, sizeof so, "%s/%s.so", dir, key);
+  snprintf(log, sizeof log, "%s/%s.log", dir, key);
+  CpuModule *cm = calloc(1, sizeof *cm);
+  if (!cm) {
+    fail(err, n, "out of memory");
+    return NULL;
+  }
+  snprintf(cm->path, sizeof cm->path, "%s", so);
+  cm->cache_hit = access(so, R_OK) == 0;
+  if (!cm->cache_hit) {
+    double t0 = now();
+    if (!write_atomic(src, source, err, n) || !compile(src, so, log, err, n)) {
+      free(cm);
+      return NULL;
+    }
+    cm->compile_seconds = now() - t0;
+  }
+  cm->so = dlopen(so, RTLD_NOW | RTLD_LOCAL);
+  if (!cm->so) {
+    fail(err, n, "%s", dlerror());
+    free(cm);
+    return NULL;
+  }
+  // Unloading the OpenMP runtime under its idle worker threads would crash them: keep it resident.
+  dlopen("libgomp.so.1", RTLD_NOW | RTLD_NOLOAD | RTLD_NODELETE);
+  *(void **)&cm->step = dlsym(cm->so, "mdl_step");
+  cm->kernels = dlsym(cm->so, "mdl_kernels");
+  const int *nk = dlsym(cm->so, "mdl_nkernels");
+  const int64_t *bytes = dlsym(cm->so, "mdl_arena_bytes");
+  if (!cm->step || !cm->kernels || !nk || !bytes) {
+    fail(err, n, "%s: not an mdl module (mdl_step, mdl_kernels, mdl_nkernels or mdl_arena_bytes missing)", so);
+    dlclose(cm->so);
+    free(cm);
+    return NULL;
+  }
+  cm->nkernels = *nk;
+  cm->arena_bytes = *bytes;
+  cm->hooks = (MdlHooks){.sgemm = sgemm_hook, .ctx = cm, .error = error_hook};
+  cpu_set_threads(cm, default_threads());
+  return cm;
+}
+
+void cpu_unload(CpuModule *cm) {
+  if (!cm)
+    return;
+  dlclose(cm->so);
+  free(cm);
+}
+
+// The kernels' OpenMP loops use n threads; so do their GEMMs, which split the rows of C over them and
+// call OpenBLAS in each block: OpenBLAS itself stays single-threaded, so that one pool of threads
+// owns the cores.
+void cpu_set_threads(CpuModule *cm, int n) {
+  cm->hooks.nthreads = n > 0 ? n : 1;
+  openblas_set_num_threads(1);
+}
+
+bool cpu_step(CpuModule *cm, char *arena) {
+  cm->error[0] = 0;
+  cm->step(arena, &cm->hooks);
+  return !cm->error[0];
+}
+
+bool cpu_run_kernel(CpuModule *cm, int i, char *arena) {
+  cm->error[0] = 0;
+  if (i < 0 || i >= cm->nkernels) {
+    snprintf(cm->error, sizeof cm->error, "no kernel %d (the module has %d)", i, cm->nkernels);
+    return false;
+  }
+  cm->kernels[i].fn(arena, &cm->hooks);
+  return !cm->error[0];
+}
+
+char *cpu_arena_new(const MemPlan *m) {
+  size_t bytes = (size_t)(m->arena_bytes + 63) / 64 * 64;
+  char *a = aligned_alloc(64, bytes ? bytes : 64);
+  if (a)
+    memset(a, 0, bytes);
+  return a;
+}
+
+void *cpu_value(const MemPlan *m, char *arena, int node) {
+  return m->offset[node] >= 0 ? arena + m->offset[node] : NULL;
+}
+
+void cpu_init_params(const Graph *g, const MemPlan *m, char *arena, uint64_t seed) {
+  for (int k = 0; k < g->nparams; k++) {
+    const IrNode *p = g->nodes[g->params[k]];
+    float *x = cpu_value(m, arena, p->id);
+    for (int64_t i = 0; i < shape_numel(p->shape); i++) {
+      double v = 0;
+      if (p->init.kind == INIT_ONES) {
+        v = 1;
+      } else if (p->init.kind == INIT_NORMAL) {
+        double u1 = mdl_rng_uniform(seed, (uint64_t)k + 1000, 2 * (uint64_t)i);
+        double u2 = mdl_rng_uniform(seed, (uint64_t)k + 1000, 2 * (uint64_t)i + 1);
+        v = p->init.std * sqrt(-2 * log(1 - u1)) * cos(2 * M_PI * u2);
+      }
+      x[i] = (float)v;
+    }
+  }
+}
+
+// The nodes whose values persist across steps: parameters and AdamW moments.
+static bool persistent(const IrNode *n) { return n->op == OP_PARAM || n->op == OP_STATE; }
+
+void cpu_params_from_interp(const Graph *g, const MemPlan *m, char *arena, Interp *it) {
+  for (int i = 0; i < g->n; i++)
+    if (persistent(g->nodes[i]) && m->offset[i] >= 0) {
+      float *x = cpu_value(m, arena, i);
+      const double *v = interp_param(it, i);
+      for (int64_t j = 0; j < shape_numel(g->nodes[i]->shape); j++)
+        x[j] = (float)v[j];
+    }
+}
+
+void cpu_params_to_interp(const Graph *g, const MemPlan *m, const char *arena, Interp *it) {
+  for (int i = 0; i < g->n; i++)
+    if (persistent(g->nodes[i]) && m->offset[i] >= 0) {
+      const float *x = (const float *)(arena + m->offset[i]);
+      double *v = interp_param(it, i);
+      for (int64_t j = 0; j < shape_numel(g->nodes[i]->shape); j++)
+        v[j] = x[j];
+    }
+}
+
+bool cpu_set_input(const Graph *g, const MemPlan *m, char *arena, const char *name, const int32_t *ids,
+                   const float *f, int64_t n) {
+  bool found = false;
+  for (int i = 0; i < g->n; i++) {
+    const IrNode *nd = g->nodes[i];
+    if (nd->op != OP_INPUT || !nd->name || strcmp(nd->name, name) != 0 || m->offset[i] < 0)
+      continue;
+    bool i32 = nd->dtype == DT_I32;
+    if (n != shape_numel(nd->shape) || (i32 ? !ids : !f))
+      return false;
+    memcpy(arena + m->offset[i], i32 ? (const void *)ids : (const void *)f, (size_t)n * 4);
+    found = true;
+  }
+  return found;
+}
+
+void cpu_set_scalar(const Graph *g, const MemPlan *m, char *arena, const char *name, double v) {
+  for (int i = 0; i < g->n; i++) {
+    const IrNode *nd = g->nodes[i];
+    if (nd->op == OP_SCALAR && nd->name && !strcmp(nd->name, name) && m->offset[i] >= 0)
+      for (int64_t j = 0; j < shape_numel(nd->shape); j++)
+        ((float *)(arena + m->offset[i]))[j] = (float)v;
+  }
+}

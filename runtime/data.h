@@ -1,0 +1,155 @@
+// data.h: pre-tokenised training data. Text becomes token ids (tokenizer.c: bytes plus learned BPE
+// merges), `mdlc prep` writes them as llm.c-format shards (prep.c, shard.c), and the loader
+// (loader.c) memory-maps the shards and hands out B x T batches, packed or padded, in order or
+// shuffled, prepared one batch ahead by a background thread. Each section lists one file's API.
+#ifndef MDL_DATA_H
+#define MDL_DATA_H
+#include "mdl.h"
+
+//
+// tokenizer.c: byte-level BPE. Ids 0..255 are the bytes, except id 0 (NUL, which text never
+// holds) which is EOS, the token that starts every document. Merge r makes id 256 + r.
+//
+#define TOK_EOS 0
+#define TOK_MAX_VOCAB 65536 // ids must fit the shards' uint16
+#define TOK_MAX_WORD 128    // longer runs are cut into pieces of at most this many bytes
+
+typedef struct Tokenizer Tokenizer;
+
+// A growing array of token ids (encode appends to it).
+typedef struct {
+  int32_t *ids;
+  size_t n, cap;
+} TokBuf;
+
+// The end of the pre-split word that starts at text[i] (i < n): a run of letters (ASCII letters
+// and every byte >= 0x80, so UTF-8 text stays whole), of digits, or of other bytes, each with
+// its one leading space; or a run of whitespace, less its last space when a word follows.
+size_t tok_word_end(const char *text, size_t n, size_t i);
+
+// A tokenizer from its merges (pairs[2r], pairs[2r+1] make id 256 + r); NULL/0 gives the byte
+// level tokenizer (vocab 256). Returns NULL with a reason in why when the merges are invalid.
+Tokenizer *tok_new(const uint32_t *pairs, int nmerges, char *why, size_t nwhy);
+void tok_free(Tokenizer *t);
+int tok_vocab(const Tokenizer *t);                       // 256 + number of merges
+int tok_merges(const Tokenizer *t, const uint32_t **pairs); // number of merges; *pairs in rank order
+// Appends the ids of text (no EOS) to out; returns how many. Merges apply by rank, per word,
+// through a cache of encoded words (hence not const, and not for two threads at once).
+size_t tok_encode(Tokenizer *t, const char *text, size_t n, TokBuf *out);
+// Writes the bytes of ids to out (at most cap of them) and returns their full count. EOS decodes
+// to nothing, so decode(encode(text)) == text; ids outside the vocab decode to U+FFFD.
+size_t tok_decode(const Tokenizer *t, const int32_t *ids, size_t n, char *out, size_t cap);
+// DIR/tokenizer.bin: "MDLTOK1\0", u32 vocab, u32 number of merges, then the merges as pairs of
+// u32 in rank order, little-endian. Save writes atomically; both print "path: error: reason".
+bool tok_save(const Tokenizer *t, const char *path);
+Tokenizer *tok_load(const char *path);
+
+// The BPE trainer: add text (split into words and counted once), then learn merges over the word
+// table, the most frequent adjacent pair first (ties: the smallest pair of ids).
+typedef struct TokTrainer TokTrainer;
+TokTrainer *tok_trainer_new(void);
+void tok_trainer_add(TokTrainer *tr, const char *text, size_t n);
+// Learns up to vocab - 256 merges, stopping early when no pair occurs twice; calls progress (may
+// be NULL) now and then. Returns the tokenizer, or NULL when vocab is outside 256..65536.
+Tokenizer *tok_train(TokTrainer *tr, int vocab, void (*progress)(void *ctx, int done, int total), void *ctx);
+void tok_trainer_free(TokTrainer *tr);
+
+//
+// shard.c: llm.c token shards: a header of 256 little-endian int32 ([0] magic 20240520,
+// [1] version 1, [2] token count), then the tokens as uint16. Files are written atomically.
+//
+#define SHARD_MAGIC 20240520
+#define SHARD_VERSION 1
+#define SHARD_HEADER_BYTES 1024
+
+// Atomic file writing: write to a temporary file next to path, then fsync and rename.
+typedef struct {
+  FILE *f;
+  char *path, *tmp;
+} DataFile;
+bool datafile_open(DataFile *d, const char *path); // prints "path: error: reason" on failure
+bool datafile_commit(DataFile *d);                 // fsync, rename, fsync the folder; closes
+void datafile_abort(DataFile *d);                  // removes the temporary file
+
+typedef struct {
+  DataFile file;
+  int64_t n; // tokens written so far
+} ShardWriter;
+bool shard_writer_open(ShardWriter *w, const char *path);
+bool shard_writer_put(ShardWriter *w, const uint16_t *tokens, size_t n);
+bool shard_writer_finish(ShardWriter *w); // fills in the header's token count, commits
+bool shard_write(const char *path, const uint16_t *tokens, int64_t n);
+
+// A shard mapped read-only. Open validates it: size >= 1024 bytes, magic, version, token count
+// against the file size, and, when vocab > 0, every token < vocab (up front: one pass over the
+// mapping). Errors name the file: "PATH: error: truncated: header says 5000 tokens, file holds 1200".
+typedef struct {
+  char *path;
+  const uint16_t *tokens;
+  int64_t n;
+  void *map;
+  size_t map_bytes;
+} Shard;
+bool shard_open(Shard *s, const char *path, int64_t vocab);
+void shard_close(Shard *s);
+// The shards of one split in DIR, sorted by name: files ending in ".bin" whose name starts with
+// "SPLIT_" or holds "_SPLIT_" or "_SPLIT." (so llm.c's fineweb_train_000001.bin and
+// tiny_shakespeare_val.bin are found too). Returns the count (paths in *out, malloc'd), or -1
+// after printing why DIR cannot be read.
+int shard_list(const char *dir, const char *split, char ***out);
+void shard_list_free(char **paths, int n);
+
+//
+// prep.c: `mdlc prep INPUT -o DIR`: text (a file, a folder, or JSONL) to shards + tokenizer.bin.
+//
+typedef struct {
+  const char *input;      // a text file, a folder (recursively), or a *.jsonl file
+  const char *out_dir;
+  int vocab;              // 256 (bytes only) .. 65536
+  const char *doc_sep;    // a line equal to this ends a document (NULL: none)
+  const char *text_field; // the JSONL field holding the text
+  double val_fraction;    // of documents, in (0, 0.5]
+  int64_t shard_tokens;   // tokens per shard, at most
+  bool force;             // overwrite DIR's shards
+} PrepOptions;
+
+void prep_defaults(PrepOptions *o); // vocab 256, "text", 0.05, 100,000,000 tokens per shard
+// Runs prep; returns the exit status (0 ok, 1 user error) after printing errors as "path: error: ...".
+int prep_run(const PrepOptions *o);
+
+//
+// loader.c: batches from the shards of one split, prepared one ahead by a background thread.
+//
+typedef struct {
+  int64_t B, T, vocab; // vocab: the model's V; every token must be < V
+  bool pack;           // pack documents into rows (else one padded document per row)
+  bool shuffle;        // a permutation of the rows per epoch, from seed and epoch
+  uint64_t seed;
+} LoaderOptions;
+
+// B*T values each, owned by the loader: valid until the next loader_next or loader_close.
+typedef struct {
+  int32_t *tokens, *targets, *pos, *doc;
+  int64_t real_tokens; // positions that are not padding
+} Batch;
+
+// Where the next batch starts: the epoch, and the index in that epoch's order of its first row's
+// window (packed) or document (padded).
+typedef struct {
+  int64_t epoch, position;
+} LoaderState;
+
+typedef struct Loader Loader;
+// split is "train" or "val". Returns NULL after printing why.
+Loader *loader_open(const char *dir, const char *split, LoaderOptions o);
+// Hands over the prepared batch and starts preparing the next. Epochs wrap around, so there is
+// always a next batch: it returns true.
+bool loader_next(Loader *l, Batch *b);
+LoaderState loader_state(const Loader *l); // the state of the batch the next loader_next returns
+// Makes the next batch the one at s (as returned by loader_state, in this run or an earlier one).
+// Returns false after printing why when s is outside this split.
+bool loader_seek(Loader *l, LoaderState s);
+int64_t loader_rows(const Loader *l);   // windows (packed) or documents (padded) per epoch
+int64_t loader_tokens(const Loader *l); // tokens in the split
+void loader_close(Loader *l);
+#endif

@@ -1,0 +1,141 @@
+// engine.c: one training step on any back end, behind one struct of hooks (Engine). The training
+// loop, `mdlc grad` and the tests talk to an Engine and never ask which back end is behind it.
+//   interp: the reference interpreter (fp32 or fp64), op by op;
+//   cpu:    the plan fused, emitted as C, compiled with cc, cached and dlopen'd.
+#include "backend.h"
+#include "runtime.h"
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+//
+// The reference interpreter.
+//
+typedef struct {
+  Engine e;
+  Interp *it;
+} InterpEngine;
+
+static bool ie_set_input(Engine *e, const char *name, const int32_t *ids, const float *f, int64_t n) {
+  return interp_set_input(((InterpEngine *)e)->it, name, ids, f, n);
+}
+
+static void ie_set_scalar(Engine *e, const char *name, double v) { interp_set_scalar(((InterpEngine *)e)->it, name, v); }
+
+static void ie_set_seed(Engine *e, uint64_t seed) { interp_set_seed(((InterpEngine *)e)->it, seed); }
+
+static bool ie_step(Engine *e, char *err, size_t n) { return interp_run(((InterpEngine *)e)->it, e->g->n, err, n); }
+
+// PARAM and STATE nodes live in the interpreter's persistent storage; others are step values.
+static const double *ie_values(InterpEngine *ie, int node) {
+  Op op = ie->e.g->nodes[node]->op;
+  return op == OP_PARAM || op == OP_STATE ? interp_param(ie->it, node) : interp_value(ie->it, node);
+}
+
+static void ie_read(Engine *e, int node, float *dst) {
+  const double *v = ie_values((InterpEngine *)e, node);
+  int64_t n = shape_numel(e->g->nodes[node]->shape);
+  for (int64_t i = 0; i < n; i++)
+    dst[i] = (float)v[i];
+}
+
+static void ie_write(Engine *e, int node, const float *src) {
+  double *v = interp_param(((InterpEngine *)e)->it, node);
+  int64_t n = shape_numel(e->g->nodes[node]->shape);
+  for (int64_t i = 0; i < n; i++)
+    v[i] = src[i];
+}
+
+static void ie_free(Engine *e) {
+  interp_free(((InterpEngine *)e)->it);
+  free(e);
+}
+
+Engine *engine_interp(const Graph *g, InterpPrecision prec, uint64_t seed) {
+  InterpEngine *ie = calloc(1, sizeof *ie);
+  ie->it = interp_new(g, prec);
+  interp_set_seed(ie->it, seed);
+  interp_init_params(ie->it, seed);
+  ie->e = (Engine){.name = prec == INTERP_F64 ? "interp (fp64)" : "interp (fp32)", .g = g,
+                   .set_input = ie_set_input, .set_scalar = ie_set_scalar, .set_seed = ie_set_seed, .step = ie_step,
+                   .read = ie_read, .write = ie_write, .free = ie_free};
+  return &ie->e;
+}
+
+//
+// The compiled CPU back end.
+//
+typedef struct {
+  Engine e;
+  const MemPlan *m;
+  CpuModule *cm;
+  char *arena;
+} CpuEngine;
+
+static bool ce_set_input(Engine *e, const char *name, const int32_t *ids, const float *f, int64_t n) {
+  CpuEngine *ce = (CpuEngine *)e;
+  return cpu_set_input(e->g, ce->m, ce->arena, name, ids, f, n);
+}
+
+static void ce_set_scalar(Engine *e, const char *name, double v) {
+  CpuEngine *ce = (CpuEngine *)e;
+  cpu_set_scalar(e->g, ce->m, ce->arena, name, v);
+}
+
+static void ce_set_seed(Engine *e, uint64_t seed) { ((CpuEngine *)e)->cm->hooks.seed = seed; }
+
+static bool ce_step(Engine *e, char *err, size_t n) {
+  CpuEngine *ce = (CpuEngine *)e;
+  if (cpu_step(ce->cm, ce->arena))
+    return true;
+  snprintf(err, n, "%s", ce->cm->error);
+  return false;
+}
+
+// A value the plan keeps inside a kernel (never written to memory) reads as NaN.
+static void ce_read(Engine *e, int node, float *dst) {
+  CpuEngine *ce = (CpuEngine *)e;
+  const void *src = cpu_value(ce->m, ce->arena, node);
+  int64_t n = shape_numel(e->g->nodes[node]->shape);
+  if (src)
+    memcpy(dst, src, sizeof(float) * (size_t)n);
+  else
+    for (int64_t i = 0; i < n; i++)
+      dst[i] = NAN;
+}
+
+static void ce_write(Engine *e, int node, const float *src) {
+  CpuEngine *ce = (CpuEngine *)e;
+  memcpy(cpu_value(ce->m, ce->arena, node), src, sizeof(float) * (size_t)shape_numel(e->g->nodes[node]->shape));
+}
+
+static void ce_free(Engine *e) {
+  CpuEngine *ce = (CpuEngine *)e;
+  cpu_unload(ce->cm);
+  free(ce->arena);
+  free(ce);
+}
+
+Engine *engine_cpu(const Fusion *f, const MemPlan *m, const char *source, uint64_t seed, char *err, size_t n) {
+  CpuModule *cm = cpu_load(source, err, n);
+  if (!cm)
+    return NULL;
+  CpuEngine *ce = calloc(1, sizeof *ce);
+  ce->m = m;
+  ce->cm = cm;
+  ce->arena = cpu_arena_new(m);
+  cm->hooks.seed = seed;
+  cpu_init_params(f->g, m, ce->arena, seed);
+  ce->e = (Engine){.name = "cpu", .g = f->g, .set_input = ce_set_input, .set_scalar = ce_set_scalar,
+                   .set_seed = ce_set_seed, .arena_bytes = m->arena_bytes,
+                   .step = ce_step, .read = ce_read, .write = ce_write, .free = ce_free,
+                   .cache_hit = cm->cache_hit, .compile_seconds = cm->compile_seconds};
+  return &ce->e;
+}
+
+double engine_scalar(Engine *e, int node) {
+  float v;
+  e->read(e, node, &v);
+  return v;
+}

@@ -1,0 +1,414 @@
+// train.c: the training loop of `mdlc run`. Batches come from pre-tokenised shards (loader.c,
+// packed by default) while the step runs; every step prints a metrics line and appends it to
+// OUT/log.jsonl; validation loss every val_every steps on a forward-only engine; a checkpoint every
+// ckpt_every steps and at the end, written atomically, so a kill -9 loses at most the steps since the
+// last one; --resume continues exactly (same parameters, moments, data position and dropout seeds,
+// so the losses equal those of an uninterrupted run); OUT/loss.svg is drawn at the end.
+//
+// The checkpoint is a safetensors file: every parameter under its .mdl name, the AdamW moments as
+// "<param>.m" / "<param>.v", and __metadata__ strings: mdl.format, mdl.source (the .mdl path),
+// mdl.model, mdl.dims (every dim, "name=value,..."), mdl.step, mdl.seed, mdl.loader ("epoch,position"),
+// mdl.data, mdl.tokenizer.
+#include "data.h"
+#include "runtime.h"
+
+#include <errno.h>
+#include <limits.h>
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/resource.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+
+#define CKPT_FORMAT "mdl-checkpoint-1"
+
+static double now_s(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+static int64_t dim_of(const Graph *g, const char *name) {
+  for (int i = 0; i < g->ndims; i++)
+    if (!strcmp(g->dims[i].name, name))
+      return g->dims[i].value;
+  return -1;
+}
+
+static char *dims_string(const Graph *g) {
+  size_t cap = 64 + 48 * (size_t)g->ndims, len = 0;
+  char *s = calloc(1, cap);
+  for (int i = 0; i < g->ndims; i++)
+    len += (size_t)snprintf(s + len, cap - len, "%s%s=%lld", i ? "," : "", g->dims[i].name,
+                            (long long)g->dims[i].value);
+  return s;
+}
+
+// The per-step seed of dropout masks: a function of the run's seed and the step, so a resumed run
+// draws the same masks as an uninterrupted one.
+static uint64_t step_seed(uint64_t seed, int64_t step) { return mdl_rng_u64(seed, 0x5eed, (uint64_t)step); }
+
+static bool feed(Engine *e, const Batch *b, int64_t n) {
+  return e->set_input(e, "tokens", b->tokens, NULL, n) && e->set_input(e, "targets", b->targets, NULL, n) &&
+         e->set_input(e, "pos", b->pos, NULL, n) && e->set_input(e, "doc", b->doc, NULL, n);
+}
+
+// Every parameter, then every AdamW moment (when the engine's graph has them).
+static int checkpoint_nodes(const Graph *g, int *nodes) {
+  int n = 0;
+  for (int i = 0; i < g->nparams; i++)
+    nodes[n++] = g->params[i];
+  for (int i = 0; i < g->n; i++)
+    if (g->nodes[i]->op == OP_STATE)
+      nodes[n++] = i;
+  return n;
+}
+
+static bool write_checkpoint(const char *path, Engine *e, const TrainOptions *o, int64_t step, LoaderState ls) {
+  const Graph *g = e->g;
+  int *nodes = malloc(sizeof(int) * (size_t)g->n);
+  int n = checkpoint_nodes(g, nodes);
+  StTensor *t = calloc((size_t)n, sizeof *t);
+  for (int i = 0; i < n; i++) {
+    const IrNode *x = g->nodes[nodes[i]];
+    t[i] = (StTensor){.name = x->name, .dtype = DT_F32, .shape = x->shape,
+                      .data = malloc(sizeof(float) * (size_t)(shape_numel(x->shape) + 1))};
+    e->read(e, x->id, t[i].data);
+  }
+  char step_s[32], seed_s[32], loader_s[64];
+  snprintf(step_s, sizeof step_s, "%lld", (long long)step);
+  snprintf(seed_s, sizeof seed_s, "%llu", (unsigned long long)o->seed);
+  snprintf(loader_s, sizeof loader_s, "%lld,%lld", (long long)ls.epoch, (long long)ls.position);
+  char *dims = dims_string(g);
+  StMeta meta[] = {{"mdl.format", CKPT_FORMAT}, {"mdl.source", o->model_path}, {"mdl.model", g->model},
+                   {"mdl.dims", dims}, {"mdl.step", step_s}, {"mdl.seed", seed_s}, {"mdl.loader", loader_s},
+                   {"mdl.data", o->data_dir}, {"mdl.tokenizer", o->tokenizer_path}};
+  bool ok = st_write_meta(path, t, n, meta, (int)(sizeof meta / sizeof *meta));
+  for (int i = 0; i < n; i++)
+    free(t[i].data);
+  free(t);
+  free(nodes);
+  free(dims);
+  return ok;
+}
+
+// Loads a checkpoint into e after checking that it was written for this model; fills step, loader
+// state and seed.
+static bool read_checkpoint(const char *path, Engine *e, int64_t *step, LoaderState *ls, uint64_t *seed) {
+  const Graph *g = e->g;
+  Arena *a = arena_new();
+  StFile f;
+  bool ok = st_read(a, path, &f);
+  const char *fmt = ok ? st_meta(&f, "mdl.format") : NULL;
+  if (ok && (!fmt || strcmp(fmt, CKPT_FORMAT))) {
+    diag_file_error(path, "not an mdl checkpoint (no mdl.format = %s)", CKPT_FORMAT);
+    ok = false;
+  }
+  char *dims = dims_string(g);
+  const char *cdims = ok ? st_meta(&f, "mdl.dims") : NULL, *cstep = ok ? st_meta(&f, "mdl.step") : NULL,
+             *cload = ok ? st_meta(&f, "mdl.loader") : NULL, *cseed = ok ? st_meta(&f, "mdl.seed") : NULL;
+  if (ok && (!cdims || !cstep || !cload || !cseed)) {
+    diag_file_error(path, "checkpoint metadata is incomplete");
+    ok = false;
+  } else if (ok && strcmp(cdims, dims)) {
+    diag_file_error(path, "checkpoint of another model configuration: it has %s, this run %s", cdims, dims);
+    ok = false;
+  }
+  int *nodes = malloc(sizeof(int) * (size_t)g->n);
+  int n = ok ? checkpoint_nodes(g, nodes) : 0;
+  for (int i = 0; ok && i < n; i++) {
+    const IrNode *x = g->nodes[nodes[i]];
+    const StTensor *t = st_find(&f, x->name);
+    char want[128], got[128];
+    if (!t) {
+      diag_file_error(path, "checkpoint does not match %s: no tensor '%s'", g->model, x->name);
+      ok = false;
+    } else if (t->dtype != DT_F32 || !shape_eq(t->shape, x->shape)) {
+      diag_file_error(path, "checkpoint does not match %s: tensor '%s' is %s%s, the model wants f32%s", g->model,
+                      x->name, dtype_name(t->dtype), shape_str(t->shape, got, sizeof got),
+                      shape_str(x->shape, want, sizeof want));
+      ok = false;
+    }
+  }
+  for (int i = 0; ok && i < n; i++)
+    e->write(e, nodes[i], st_find(&f, g->nodes[nodes[i]]->name)->data);
+  if (ok) {
+    long long ep = 0, pos = 0;
+    *step = strtoll(cstep, NULL, 10);
+    *seed = strtoull(cseed, NULL, 10);
+    if (sscanf(cload, "%lld,%lld", &ep, &pos) != 2) {
+      diag_file_error(path, "bad mdl.loader '%s'", cload);
+      ok = false;
+    }
+    *ls = (LoaderState){ep, pos};
+  }
+  free(nodes);
+  free(dims);
+  arena_free(a);
+  return ok;
+}
+
+// Mean loss over `batches` validation batches, on the eval engine with the training parameters.
+static double validate(Engine *train, Engine *eval, Loader *val, int64_t batches, int64_t BT, char *err, size_t n) {
+  const Graph *g = train->g;
+  float *buf = NULL;
+  for (int i = 0; i < g->nparams; i++) {
+    buf = realloc(buf, sizeof(float) * (size_t)shape_numel(g->nodes[g->params[i]]->shape));
+    train->read(train, g->params[i], buf);
+    eval->write(eval, eval->g->params[i], buf);
+  }
+  free(buf);
+  double sum = 0;
+  for (int64_t b = 0; b < batches; b++) {
+    Batch batch;
+    loader_next(val, &batch);
+    if (!feed(eval, &batch, BT) || !eval->step(eval, err, n))
+      return NAN;
+    sum += engine_scalar(eval, eval->g->loss);
+  }
+  return sum / (double)batches;
+}
+
+// Unigram entropy (nats/token) of the training tokens: the loss of a model that knows only token
+// frequencies; the trained model must end well below it.
+static double unigram_entropy(const char *dir, int64_t vocab) {
+  char **paths;
+  int n = shard_list(dir, "train", &paths);
+  double *count = calloc((size_t)vocab, sizeof *count), total = 0, h = 0;
+  for (int i = 0; i < n; i++) {
+    Shard s;
+    if (!shard_open(&s, paths[i], vocab))
+      continue;
+    for (int64_t k = 0; k < s.n; k++)
+      count[s.tokens[k]]++;
+    total += (double)s.n;
+    shard_close(&s);
+  }
+  for (int64_t v = 0; v < vocab; v++)
+    if (count[v] > 0)
+      h -= count[v] / total * log(count[v] / total);
+  free(count);
+  shard_list_free(paths, n);
+  return total > 0 ? h : NAN;
+}
+
+typedef struct {
+  double *loss, *val;
+  int64_t *val_step;
+  int64_t n, nval, cap, capval;
+} Curve;
+
+// OUT/loss.svg: the training loss per step and the validation loss, on one set of axes.
+static bool write_svg(const char *path, const Curve *c, double unigram) {
+  char tmp[PATH_MAX + 8];
+  snprintf(tmp, sizeof tmp, "%s.tmp", path);
+  FILE *f = fopen(tmp, "w");
+  if (!f)
+    return false;
+  double lo = INFINITY, hi = -INFINITY;
+  for (int64_t i = 0; i < c->n; i++)
+    if (isfinite(c->loss[i]))
+      lo = fmin(lo, c->loss[i]), hi = fmax(hi, c->loss[i]);
+  for (int64_t i = 0; i < c->nval; i++)
+    lo = fmin(lo, c->val[i]), hi = fmax(hi, c->val[i]);
+  if (isfinite(unigram))
+    lo = fmin(lo, unigram), hi = fmax(hi, unigram);
+  if (!(hi > lo))
+    hi = lo + 1;
+  const double W = 640, H = 400, L = 60, R = 20, T = 30, Bm = 40;
+  double xs = (W - L - R) / (double)(c->n > 1 ? c->n - 1 : 1), ys = (H - T - Bm) / (hi - lo);
+#define X(i) (L + (double)(i) * xs)
+#define Y(v) (H - Bm - ((v) - lo) * ys)
+  fprintf(f, "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"%.0f\" height=\"%.0f\" font-family=\"sans-serif\" "
+             "font-size=\"12\">\n<rect width=\"100%%\" height=\"100%%\" fill=\"white\"/>\n", W, H);
+  fprintf(f, "<line x1=\"%g\" y1=\"%g\" x2=\"%g\" y2=\"%g\" stroke=\"black\"/>\n", L, H - Bm, W - R, H - Bm);
+  fprintf(f, "<line x1=\"%g\" y1=\"%g\" x2=\"%g\" y2=\"%g\" stroke=\"black\"/>\n", L, T, L, H - Bm);
+  for (int k = 0; k <= 4; k++) {
+    double v = lo + (hi - lo) * k / 4;
+    fprintf(f, "<text x=\"%g\" y=\"%g\" text-anchor=\"end\">%.2f</text>\n", L - 4, Y(v) + 4, v);
+  }
+  fprintf(f, "<text x=\"%g\" y=\"%g\" text-anchor=\"middle\">step (1 .. %lld)</text>\n", (L + W - R) / 2, H - 10,
+          (long long)c->n);
+  fprintf(f, "<text x=\"%g\" y=\"18\">loss (nats/token): train (blue), validation (red)%s</text>\n", L,
+          isfinite(unigram) ? ", unigram entropy (grey)" : "");
+  if (isfinite(unigram))
+    fprintf(f, "<line x1=\"%g\" y1=\"%g\" x2=\"%g\" y2=\"%g\" stroke=\"grey\" stroke-dasharray=\"4\"/>\n", L,
+            Y(unigram), W - R, Y(unigram));
+  fprintf(f, "<polyline fill=\"none\" stroke=\"steelblue\" points=\"");
+  for (int64_t i = 0; i < c->n; i++)
+    if (isfinite(c->loss[i]))
+      fprintf(f, "%.1f,%.1f ", X(i), Y(c->loss[i]));
+  fprintf(f, "\"/>\n");
+  for (int64_t i = 0; i < c->nval; i++)
+    fprintf(f, "<circle cx=\"%.1f\" cy=\"%.1f\" r=\"3\" fill=\"crimson\"/>\n", X(c->val_step[i] - 1), Y(c->val[i]));
+  fprintf(f, "</svg>\n");
+#undef X
+#undef Y
+  return fclose(f) == 0 && rename(tmp, path) == 0;
+}
+
+static void push(double **a, int64_t *n, int64_t *cap, double v) {
+  if (*n == *cap) {
+    *cap = *cap ? 2 * *cap : 256;
+    *a = realloc(*a, sizeof(double) * (size_t)*cap);
+  }
+  (*a)[(*n)++] = v;
+}
+
+static void eta(double seconds, char *buf, size_t n) {
+  long s = (long)(seconds + 0.5);
+  snprintf(buf, n, "%ld:%02ld", s / 60, s % 60);
+}
+
+int train_run(Engine *e, Engine *eval, const TrainOptions *o) {
+  const Graph *g = e->g;
+  int64_t B = dim_of(g, "B"), T = dim_of(g, "T"), V = dim_of(g, "V");
+  if (B <= 0 || T <= 0 || V <= 0) {
+    diag_file_error(o->model_path, "training needs dims B, T and V and the inputs tokens, targets, pos, doc");
+    return 1;
+  }
+  char ckpt[PATH_MAX], log_path[PATH_MAX], svg[PATH_MAX];
+  snprintf(ckpt, sizeof ckpt, "%s/checkpoint.safetensors", o->out_dir);
+  snprintf(log_path, sizeof log_path, "%s/log.jsonl", o->out_dir);
+  snprintf(svg, sizeof svg, "%s/loss.svg", o->out_dir);
+  if (mkdir(o->out_dir, 0777) && errno != EEXIST) {
+    diag_file_error(o->out_dir, "cannot create the directory: %s", strerror(errno));
+    return 1;
+  }
+  if (!o->resume && access(ckpt, F_OK) == 0) {
+    diag_file_error(ckpt, "a checkpoint is already here: continue it with --resume, or choose another --out");
+    return 1;
+  }
+  LoaderOptions lo = {.B = B, .T = T, .vocab = V, .pack = o->pack, .shuffle = o->shuffle, .seed = o->seed};
+  Loader *train = loader_open(o->data_dir, "train", lo);
+  if (!train)
+    return 1;
+  Loader *val = eval ? loader_open(o->data_dir, "val", lo) : NULL;
+  if (eval && !val) {
+    loader_close(train);
+    return 1;
+  }
+  int64_t start = 0;
+  uint64_t seed = o->seed;
+  if (o->resume) {
+    LoaderState ls;
+    if (!read_checkpoint(ckpt, e, &start, &ls, &seed) || !loader_seek(train, ls)) {
+      loader_close(train);
+      if (val)
+        loader_close(val);
+      return 1;
+    }
+    printf("resumed from %s at step %lld\n", ckpt, (long long)start);
+  }
+  FILE *log = fopen(log_path, o->resume ? "a" : "w");
+  if (!log) {
+    diag_file_error(log_path, "cannot write: %s", strerror(errno));
+    loader_close(train);
+    if (val)
+      loader_close(val);
+    return 1;
+  }
+  TrainConfig tc = g->train;
+  if (o->steps > 0)
+    tc.steps = o->steps;
+  if (tc.steps <= 0)
+    tc.steps = 100;
+  int gnorm = -1;
+  for (int i = 0; i < g->n; i++)
+    if (g->nodes[i]->op == OP_GRAD_NORM)
+      gnorm = i;
+  const char *peak_how;
+  double peak = rt_cpu_peak_flops(&peak_how), flops = rt_step_flops(g);
+  double unigram = unigram_entropy(o->data_dir, V);
+  printf("MFU = model flops (3x forward GEMM + attention flops counted in the graph: %.3g per step) / %s\n", flops,
+         peak_how);
+  printf("data %s: %lld train tokens, unigram entropy %.3f nats/token; %s batches of %lldx%lld\n", o->data_dir,
+         (long long)loader_tokens(train), unigram, o->pack ? "packed" : "padded", (long long)B, (long long)T);
+  Curve c = {0};
+  char err[512];
+  int rc = 0;
+  double t_start = now_s(), last_val = NAN;
+  int64_t real_total = 0;
+  for (int64_t step = start + 1; step <= tc.steps; step++) {
+    double t0 = now_s();
+    Batch batch;
+    loader_next(train, &batch);
+    double lr = rt_lr_at(&tc, step);
+    e->set_scalar(e, "lr", lr);
+    e->set_scalar(e, "step", (double)step);
+    e->set_seed(e, step_seed(seed, step));
+    if (!feed(e, &batch, B * T) || !e->step(e, err, sizeof err)) {
+      diag_file_error(o->model_path, "step %lld: %s", (long long)step, err[0] ? err : "bad batch");
+      rc = 1;
+      break;
+    }
+    double dt = now_s() - t0, loss = engine_scalar(e, g->loss), norm = gnorm >= 0 ? engine_scalar(e, gnorm) : NAN;
+    real_total += batch.real_tokens;
+    push(&c.loss, &c.n, &c.cap, loss);
+    bool do_val = eval && ((o->val_every > 0 && step % o->val_every == 0) || step == tc.steps);
+    if (do_val) {
+      last_val = validate(e, eval, val, o->val_batches, B * T, err, sizeof err);
+      if (isnan(last_val)) {
+        diag_file_error(o->model_path, "validation at step %lld: %s", (long long)step, err);
+        rc = 1;
+        break;
+      }
+      if (c.nval == c.capval) {
+        c.capval = c.capval ? 2 * c.capval : 64;
+        c.val = realloc(c.val, sizeof(double) * (size_t)c.capval);
+        c.val_step = realloc(c.val_step, sizeof(int64_t) * (size_t)c.capval);
+      }
+      c.val[c.nval] = last_val;
+      c.val_step[c.nval++] = step - start;
+    }
+    struct rusage ru;
+    getrusage(RUSAGE_SELF, &ru);
+    double elapsed = now_s() - t_start, left = elapsed / (double)(step - start) * (double)(tc.steps - step);
+    char eta_s[32];
+    eta(left, eta_s, sizeof eta_s);
+    double tok_s = (double)batch.real_tokens / dt, mfu = 100.0 * flops / dt / peak;
+    printf("step %5lld/%lld | loss %.4f | lr %.2e | norm %6.3f | %7.1f ms | %8.0f tok/s | MFU %5.2f%% | "
+           "peak %.0f MB | ETA %s\n",
+           (long long)step, (long long)tc.steps, loss, lr, norm, 1e3 * dt, tok_s, mfu,
+           (double)ru.ru_maxrss / 1024.0, eta_s);
+    if (do_val)
+      printf("step %5lld/%lld | val loss %.4f (unigram entropy %.4f)\n", (long long)step, (long long)tc.steps, last_val,
+             unigram);
+    fflush(stdout);
+    fprintf(log, "{\"step\":%lld,\"loss\":%.6f,\"lr\":%.6g,\"grad_norm\":%.6g,\"ms\":%.3f,\"tok_s\":%.1f,\"mfu\":%.4f",
+            (long long)step, loss, lr, norm, 1e3 * dt, tok_s, mfu);
+    if (do_val)
+      fprintf(log, ",\"val_loss\":%.6f", last_val);
+    fprintf(log, "}\n");
+    fflush(log);
+    if (!isfinite(loss)) {
+      diag_file_error(o->model_path, "step %lld: the loss is %g; stopping (the last checkpoint is kept)",
+                      (long long)step, loss);
+      rc = 1;
+      break;
+    }
+    if ((o->ckpt_every > 0 && step % o->ckpt_every == 0) || step == tc.steps)
+      if (!write_checkpoint(ckpt, e, o, step, loader_state(train))) {
+        rc = 1;
+        break;
+      }
+  }
+  fclose(log);
+  if (rc == 0 && c.n > 0) {
+    double secs = now_s() - t_start;
+    printf("trained %lld steps in %.1f s (%.0f tok/s); final loss %.4f, val loss %.4f, unigram entropy %.4f\n",
+           (long long)c.n, secs, (double)real_total / secs, c.loss[c.n - 1], last_val, unigram);
+    if (!write_svg(svg, &c, unigram))
+      diag_file_error(svg, "cannot write the loss curve: %s", strerror(errno));
+    printf("wrote %s, %s and %s\n", ckpt, log_path, svg);
+  }
+  free(c.loss);
+  free(c.val);
+  free(c.val_step);
+  loader_close(train);
+  if (val)
+    loader_close(val);
+  return rc;
+}

@@ -1,0 +1,464 @@
+// test_cpu.c: the compiled CPU back end (emit_c + cpu.c) against the reference interpreter
+// (INTERP_F32) on gpt2-tiny, llama-tiny and the MLP, with fusion off and on. Both start from the same
+// parameters and take the same batch (two documents per row, one ignored target), lr 2e-3; then:
+//   - cpu_init_params gives exactly the interpreter's initial parameters;
+//   - after one step the loss and every gradient agree per tensor within 1e-5 relative
+//     (max |cpu - interp| / max |interp|);
+//   - after 10 AdamW steps the parameters agree in the L2 sense, ||cpu - interp|| / ||interp||: within
+//     5e-4 per tensor and 1e-4 over all of them. Not tighter, because AdamW's first steps are close to
+//     lr * sign(g), which turns the rounding of near-zero gradients into whole updates: the GEMMs
+//     here accumulate in fp32 (the interpreter in double), and the interpreter's own fp32 and fp64
+//     runs already differ by up to 7e-5 on the zero-initialised attention biases of gpt2-tiny;
+//   - fusion on and off give the same loss and gradients within 1e-6 (the chunked LM head sums dW in
+//     another order) and the same parameters after 10 steps, in the L2 measure above;
+//   - a step gives bit-identical results with 1 and 2 threads (fixed-block reductions);
+//   - emitting twice gives byte-identical text, which compiles without warnings;
+//   - the module cache is hit for the same source and missed for a changed one; a source that does
+//     not compile is reported;
+//   - a target or a token id out of range ends the step with a message.
+#include "mdl.h"
+#include "backend.h"
+#include "test.h"
+
+#include <dirent.h>
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+enum { STEPS = 10 };
+static const double LR = 2e-3;
+
+typedef struct {
+  const char *path;
+  DimOverride ov[2];
+  int nov;
+  const char *text; // the model's source when it is not a file
+} Model;
+
+// Every op family the models above leave out, forward and backward: the transcendental unary ops,
+// division, reductions over inner and outer axes with and without keepdim (one long enough for
+// blocked partial sums), max, softmax, permute and transpose, batched matmuls (one broadcasting its
+// batch), concat and split, layernorm without bias, rmsnorm, rope, attention neither causal nor
+// document-masked, dropout, and an untied LM head.
+static const char allops[] =
+    "model allops\n"
+    "dim B = 2\n"
+    "dim T = 8\n"
+    "dim C = 16\n"
+    "dim V = 256\n"
+    "input x: f32[B, T, C]\n"
+    "input tokens: i32[B, T]\n"
+    "input targets: i32[B, T]\n"
+    "input pos: i32[B, T]\n"
+    "param w: [C, C] = normal(0.3)\n"
+    "param b: [C] = zeros\n"
+    "param g: [C] = ones\n"
+    "param big: [64, 128] = normal(0.1)\n"
+    "param tab: [V, C] = normal(0.5)\n"
+    "param head: [C, V] = normal(0.3)\n"
+    "e = embed(tab, tokens) + x\n"
+    "a = tanh(e @ w + b)\n"
+    "s = softmax(a * 2.0)\n"
+    "m = max(a, axis=2, keepdim=true)\n"
+    "u = exp(a - m) / sum(exp(a - m), axis=1, keepdim=true)\n"
+    "p = permute(u, [0, 2, 1])\n"
+    "bm = p @ transpose(p, 1, 2)\n"
+    "wp = w @ p\n"
+    "c1, c2 = split(concat([s, u], axis=-1), 2)\n"
+    "r = rope(c1 * sqrt(g * g + 1.0), pos, heads=2)\n"
+    "q = rmsnorm(r, g) + layernorm(c2, g)\n"
+    "att = dropout(attention(q, silu(q), gelu(q), heads=2), p=0.25)\n"
+    "h = relu(att) - neg(rsqrt(a * a + 1.0)) + log(a * a + 2.0)\n"
+    "extra = mean(bm) + mean(wp * wp) + 0.001 * sum(reshape(big * big, [8192])) + mean(max(big, axis=0))\n"
+    "output loss = mean(cross_entropy(h @ head, targets)) + extra\n";
+
+// What one run produced: the loss and gradients of step 1, the parameters after STEPS steps.
+typedef struct {
+  double loss;
+  double **grad, **param, **init;
+} Run;
+
+static int64_t count(const Graph *g, int k) { return shape_numel(g->nodes[g->params[k]]->shape); }
+
+static double *dup_f(const float *x, int64_t n) {
+  double *d = malloc(sizeof *d * (size_t)(n ? n : 1));
+  for (int64_t i = 0; i < n; i++)
+    d[i] = x[i];
+  return d;
+}
+
+static double *dup_d(const double *x, int64_t n) {
+  double *d = malloc(sizeof *d * (size_t)(n ? n : 1));
+  memcpy(d, x, sizeof *d * (size_t)n);
+  return d;
+}
+
+static void run_free(const Graph *g, Run *r) {
+  for (int k = 0; k < g->nparams; k++) {
+    free(r->grad[k]);
+    free(r->param[k]);
+    if (r->init)
+      free(r->init[k]);
+  }
+  free(r->grad);
+  free(r->param);
+  free(r->init);
+}
+
+// Per-tensor relative error: max |a - b| / max |b|.
+static double rel_err(const double *a, const double *b, int64_t n) {
+  double d = 0, m = 1e-30;
+  for (int64_t i = 0; i < n; i++) {
+    d = fmax(d, fabs(a[i] - b[i]));
+    m = fmax(m, fabs(b[i]));
+  }
+  return d / m;
+}
+
+// Per-tensor L2 relative error: ||a - b|| / ||b||.
+static double l2_err(const double *a, const double *b, int64_t n) {
+  double d = 0, m = 1e-300;
+  for (int64_t i = 0; i < n; i++) {
+    d += (a[i] - b[i]) * (a[i] - b[i]);
+    m += b[i] * b[i];
+  }
+  return sqrt(d / m);
+}
+
+// The L2 relative error over all the parameters together.
+static double l2_all(const Graph *g, double **a, double **b) {
+  double d = 0, m = 1e-300;
+  for (int k = 0; k < g->nparams; k++)
+    for (int64_t i = 0; i < count(g, k); i++) {
+      d += (a[k][i] - b[k][i]) * (a[k][i] - b[k][i]);
+      m += b[k][i] * b[k][i];
+    }
+  return sqrt(d / m);
+}
+
+// The worst per-tensor error (by `err`) over the gradients or parameters of two runs; *which names it.
+static double worst(const Graph *g, double **a, double **b, double (*err)(const double *, const double *, int64_t),
+                    const char **which) {
+  double w = 0;
+  for (int k = 0; k < g->nparams; k++) {
+    double e = err(a[k], b[k], count(g, k));
+    if (e > w || isnan(e)) {
+      w = isnan(e) ? INFINITY : e;
+      *which = g->nodes[g->params[k]]->name;
+    }
+  }
+  return w;
+}
+
+// The batch of input node nd: token patterns, two documents per row (positions restart at the
+// boundary), one ignored target; f32 inputs are a smooth pattern.
+static void batch(const IrNode *nd, int32_t *ids, float *f) {
+  int64_t n = shape_numel(nd->shape), cols = nd->shape.d[nd->shape.rank - 1];
+  for (int64_t j = 0; j < n; j++) {
+    int64_t t = j % cols, split = cols / 2 - 1;
+    ids[j] = 0;
+    if (!strcmp(nd->name, "tokens"))
+      ids[j] = (int32_t)((j * 37 + 11) % 256);
+    else if (!strcmp(nd->name, "targets"))
+      ids[j] = j == 3 ? -1 : (int32_t)((j * 53 + 7) % (nd->shape.rank == 1 ? 4 : 256));
+    else if (!strcmp(nd->name, "pos"))
+      ids[j] = (int32_t)(t < split ? t : t - split);
+    else if (!strcmp(nd->name, "doc"))
+      ids[j] = t < split ? 0 : 1;
+    f[j] = (float)sin(0.7 * (double)j + 0.3);
+  }
+}
+
+// Sets every input of the graph in the interpreter (it) or in the arena (m, arena).
+static void set_inputs(const Graph *g, Interp *it, const MemPlan *m, char *arena) {
+  for (int i = 0; i < g->n; i++) {
+    const IrNode *nd = g->nodes[i];
+    if (nd->op != OP_INPUT)
+      continue;
+    int64_t n = shape_numel(nd->shape);
+    int32_t *ids = malloc(sizeof *ids * (size_t)n);
+    float *f = malloc(sizeof *f * (size_t)n);
+    batch(nd, ids, f);
+    bool i32 = nd->dtype == DT_I32;
+    if (it)
+      interp_set_input(it, nd->name, i32 ? ids : NULL, i32 ? NULL : f, n);
+    else
+      cpu_set_input(g, m, arena, nd->name, i32 ? ids : NULL, i32 ? NULL : f, n);
+    free(ids);
+    free(f);
+  }
+}
+
+static bool interp_reference(const Graph *g, Run *ref) {
+  Interp *it = interp_new(g, INTERP_F32);
+  interp_init_params(it, 7);
+  interp_set_seed(it, 7);
+  set_inputs(g, it, NULL, NULL);
+  ref->grad = calloc((size_t)g->nparams, sizeof *ref->grad);
+  ref->param = calloc((size_t)g->nparams, sizeof *ref->param);
+  ref->init = calloc((size_t)g->nparams, sizeof *ref->init);
+  for (int k = 0; k < g->nparams; k++)
+    ref->init[k] = dup_d(interp_param(it, g->params[k]), count(g, k));
+  char err[256];
+  for (int s = 1; s <= STEPS; s++) {
+    interp_set_scalar(it, "lr", LR);
+    interp_set_scalar(it, "step", s);
+    if (!interp_run(it, g->n, err, sizeof err)) {
+      printf("[fail] interp: %s\n", err);
+      interp_free(it);
+      return false;
+    }
+    if (s == 1) {
+      ref->loss = interp_value(it, g->loss)[0];
+      for (int k = 0; k < g->nparams; k++)
+        ref->grad[k] = dup_d(interp_value(it, g->grads[k]), count(g, k));
+    }
+  }
+  for (int k = 0; k < g->nparams; k++)
+    ref->param[k] = dup_d(interp_param(it, g->params[k]), count(g, k));
+  interp_free(it);
+  return true;
+}
+
+// STEPS compiled steps from the initial parameters (seed 7) with `threads` threads.
+static bool cpu_run(const Graph *g, const MemPlan *m, CpuModule *cm, int threads, int steps, Run *out) {
+  char *arena = cpu_arena_new(m);
+  cpu_init_params(g, m, arena, 7);
+  set_inputs(g, NULL, m, arena);
+  cpu_set_threads(cm, threads);
+  cm->hooks.seed = 7;
+  out->grad = calloc((size_t)g->nparams, sizeof *out->grad);
+  out->param = calloc((size_t)g->nparams, sizeof *out->param);
+  out->init = NULL;
+  bool ok = true;
+  for (int s = 1; s <= steps && ok; s++) {
+    cpu_set_scalar(g, m, arena, "lr", LR);
+    cpu_set_scalar(g, m, arena, "step", s);
+    ok = cpu_step(cm, arena);
+    if (!ok)
+      printf("[fail] cpu_step: %s\n", cm->error);
+    if (s == 1) {
+      out->loss = *(float *)cpu_value(m, arena, g->loss);
+      for (int k = 0; k < g->nparams; k++)
+        out->grad[k] = dup_f(cpu_value(m, arena, g->grads[k]), count(g, k));
+    }
+  }
+  for (int k = 0; k < g->nparams; k++)
+    out->param[k] = dup_f(cpu_value(m, arena, g->params[k]), count(g, k));
+  free(arena);
+  return ok;
+}
+
+// The emitted file compiles without a warning; else the compiler's first message is in why.
+static bool compiles_clean(const char *src, char *why, size_t n) {
+  char path[] = "/tmp/mdl-emit-XXXXXX.c", log[] = "/tmp/mdl-emit-XXXXXX.log", cmd[512];
+  int fd = mkstemps(path, 2), lfd = mkstemps(log, 4);
+  if (fd < 0 || lfd < 0)
+    return false;
+  close(lfd);
+  FILE *f = fdopen(fd, "w");
+  fputs(src, f);
+  fclose(f);
+  snprintf(cmd, sizeof cmd, "cc -std=c11 -fopenmp -fsyntax-only -Wall -Wextra -Werror %s >%s 2>&1", path, log);
+  int rc = system(cmd);
+  snprintf(why, n, "?");
+  f = fopen(log, "r");
+  while (f && fgets(why, (int)n, f) && !strstr(why, "error"))
+    ;
+  if (f)
+    fclose(f);
+  unlink(path);
+  unlink(log);
+  return rc == 0;
+}
+
+static void test_model(const Model *md) {
+  Arena *a = arena_new();
+  Graph *g = md->text ? mdl_compile_text(a, md->path, md->text, md->ov, md->nov)
+                      : mdl_compile_file(a, md->path, md->ov, md->nov);
+  char name[160];
+  snprintf(name, sizeof name, "cpu %s: compiles", md->path);
+  CHECK(g && autodiff(g, true), name, "front end or autodiff failed");
+  if (!g) {
+    arena_free(a);
+    return;
+  }
+  Run ref = {0}, got[2];
+  memset(got, 0, sizeof got);
+  bool have_ref = interp_reference(g, &ref);
+  for (int fz = 0; fz < 2 && have_ref; fz++) {
+    const char *mode = fz ? "fused" : "unfused";
+    Fusion *f = fuse(g, (FuseOptions){.fuse = fz, .chunk_lmhead = fz});
+    MemPlan *m = memplan(f);
+    char *src = emit_c(f, m, md->path), *again = emit_c(f, m, md->path);
+    snprintf(name, sizeof name, "cpu %s %s: emits the same text twice", md->path, mode);
+    CHECK(src && again && !strcmp(src, again), name, "emit_c %s", src ? "differs between runs" : "failed");
+    if (!src)
+      continue;
+    snprintf(name, sizeof name, "cpu %s %s: the emitted C compiles with -Wall -Wextra -Werror", md->path, mode);
+    char err[256];
+    CHECK(compiles_clean(src, err, sizeof err), name, "%s", err);
+    CpuModule *cm = cpu_load(src, err, sizeof err);
+    snprintf(name, sizeof name, "cpu %s %s: module loads (%d kernels)", md->path, mode, cm ? cm->nkernels : 0);
+    CHECK(cm != NULL, name, "%s", err);
+    if (!cm)
+      continue;
+
+    char *arena = cpu_arena_new(m);
+    cpu_init_params(g, m, arena, 7);
+    double init = 0;
+    for (int k = 0; k < g->nparams; k++) {
+      double *p = dup_f(cpu_value(m, arena, g->params[k]), count(g, k));
+      init = fmax(init, rel_err(p, ref.init[k], count(g, k)));
+      free(p);
+    }
+    free(arena);
+    snprintf(name, sizeof name, "cpu %s %s: cpu_init_params matches interp_init_params", md->path, mode);
+    CHECK(init == 0, name, "relative difference %g", init);
+
+    bool ok = cpu_run(g, m, cm, 2, STEPS, &got[fz]);
+    snprintf(name, sizeof name, "cpu %s %s: %d steps run", md->path, mode, STEPS);
+    CHECK(ok, name, "a kernel reported an error");
+    const char *which = "?";
+    double el = fabs(got[fz].loss - ref.loss) / fabs(ref.loss), eg = worst(g, got[fz].grad, ref.grad, rel_err, &which);
+    snprintf(name, sizeof name, "cpu %s %s: loss matches the interpreter (%.6f)", md->path, mode, ref.loss);
+    CHECK(el < 1e-5, name, "loss %.8f vs %.8f", got[fz].loss, ref.loss);
+    snprintf(name, sizeof name, "cpu %s %s: every gradient within 1e-5 relative (worst %.1e)", md->path, mode, eg);
+    CHECK(eg < 1e-5, name, "%s: %.3g", which, eg);
+    double ep = worst(g, got[fz].param, ref.param, l2_err, &which), ea = l2_all(g, got[fz].param, ref.param);
+    snprintf(name, sizeof name, "cpu %s %s: parameters after %d steps within 5e-4 per tensor, 1e-4 overall (L2: "
+             "worst %.1e, overall %.1e)", md->path, mode, STEPS, ep, ea);
+    CHECK(ep < 5e-4 && ea < 1e-4, name, "%s: %.3g, overall %.3g", which, ep, ea);
+
+    if (fz) {
+      Run t1 = {0}, t2 = {0};
+      cpu_run(g, m, cm, 1, 2, &t1);
+      cpu_run(g, m, cm, 2, 2, &t2);
+      bool same = t1.loss == t2.loss;
+      for (int k = 0; k < g->nparams; k++)
+        same &= !memcmp(t1.grad[k], t2.grad[k], sizeof(double) * (size_t)count(g, k)) &&
+                !memcmp(t1.param[k], t2.param[k], sizeof(double) * (size_t)count(g, k));
+      snprintf(name, sizeof name, "cpu %s: 1 and 2 threads give bit-identical steps", md->path);
+      CHECK(same, name, "results differ");
+      run_free(g, &t1);
+      run_free(g, &t2);
+    }
+    cpu_unload(cm);
+  }
+  if (have_ref && got[0].grad && got[1].grad) {
+    const char *wg = "?", *wp = "?";
+    double eg = worst(g, got[1].grad, got[0].grad, rel_err, &wg);
+    double ep = worst(g, got[1].param, got[0].param, l2_err, &wp);
+    double ea = l2_all(g, got[1].param, got[0].param);
+    double el = fabs(got[1].loss - got[0].loss) / fabs(got[0].loss);
+    snprintf(name, sizeof name, "cpu %s: fusion on and off agree (loss, gradients within 1e-6: worst %.1e)",
+             md->path, eg);
+    CHECK(el < 1e-6 && eg < 1e-6, name, "loss %.3g, %s %.3g", el, wg, eg);
+    snprintf(name, sizeof name, "cpu %s: fusion on and off agree on parameters after %d steps (L2: worst %.1e, "
+             "overall %.1e)", md->path, STEPS, ep, ea);
+    CHECK(ep < 5e-4 && ea < 1e-4, name, "%s: %.3g, overall %.3g", wp, ep, ea);
+  }
+  for (int fz = 0; fz < 2; fz++)
+    if (got[fz].grad)
+      run_free(g, &got[fz]);
+  if (have_ref)
+    run_free(g, &ref);
+  arena_free(a);
+}
+
+// The same source is a cache hit; a changed one compiles anew. Bad ids and targets are reported.
+static void test_cache_and_errors(void) {
+  Arena *a = arena_new();
+  DimOverride ov[] = {{"B", 2}, {"T", 16}};
+  Graph *g = mdl_compile_file(a, "models/gpt2-tiny.mdl", ov, 2);
+  if (!g || !autodiff(g, true)) {
+    CHECK(false, "cpu cache: gpt2-tiny compiles", "front end failed");
+    arena_free(a);
+    return;
+  }
+  Fusion *f = fuse(g, (FuseOptions){.fuse = true, .chunk_lmhead = true});
+  MemPlan *m = memplan(f);
+  char *src = emit_c(f, m, "models/gpt2-tiny.mdl"), err[256];
+  CpuModule *first = src ? cpu_load(src, err, sizeof err) : NULL;
+  CpuModule *second = first ? cpu_load(src, err, sizeof err) : NULL;
+  CHECK(second && second->cache_hit && second->compile_seconds == 0 && !strcmp(first->path, second->path),
+        "cpu cache: the same source is a cache hit, without a compile", "%s",
+        second ? "it compiled again" : err);
+  size_t n = src ? strlen(src) : 0;
+  char *changed = malloc(n + 32);
+  snprintf(changed, n + 32, "%s// changed\n", src ? src : "");
+  CpuModule *third = first ? cpu_load(changed, err, sizeof err) : NULL;
+  CHECK(third && !third->cache_hit && third->compile_seconds > 0 && strcmp(first->path, third->path),
+        "cpu cache: a changed source misses the cache and compiles", "%s", third ? "it was a hit" : err);
+
+  CpuModule *bad = cpu_load("this is not C\n", err, sizeof err);
+  CHECK(!bad && strstr(err, "the C compiler failed"), "cpu cache: a source that does not compile is reported",
+        "got '%s'", bad ? "a module" : err);
+  cpu_unload(bad);
+
+  if (first) {
+    char *arena = cpu_arena_new(m);
+    cpu_init_params(g, m, arena, 7);
+    set_inputs(g, NULL, m, arena);
+    cpu_set_scalar(g, m, arena, "lr", LR);
+    cpu_set_scalar(g, m, arena, "step", 1);
+    int32_t *targets = NULL, *tokens = NULL;
+    for (int i = 0; i < g->n; i++)
+      if (g->nodes[i]->op == OP_INPUT && !strcmp(g->nodes[i]->name, "targets"))
+        targets = cpu_value(m, arena, i);
+      else if (g->nodes[i]->op == OP_INPUT && !strcmp(g->nodes[i]->name, "tokens"))
+        tokens = cpu_value(m, arena, i);
+    CHECK(cpu_step(first, arena), "cpu errors: a good batch runs", "%s", first->error);
+    targets[5] = 300;
+    bool ok = cpu_step(first, arena);
+    CHECK(!ok && strstr(first->error, "target 300 out of range [0, 256)"),
+          "cpu errors: a target >= V ends the step with a message", "got '%s'", first->error);
+    targets[5] = 1;
+    tokens[0] = 999;
+    ok = cpu_step(first, arena);
+    CHECK(!ok && strstr(first->error, "embed: id 999 out of range [0, 256)"),
+          "cpu errors: a token id >= V ends the step with a message", "got '%s'", first->error);
+    free(arena);
+  }
+  cpu_unload(first);
+  cpu_unload(second);
+  cpu_unload(third);
+  free(changed);
+  arena_free(a);
+}
+
+// Removes the test's cache directory and everything in it.
+static void remove_dir(const char *dir) {
+  DIR *d = opendir(dir);
+  struct dirent *ent;
+  char path[1200];
+  while (d && (ent = readdir(d)))
+    if (strcmp(ent->d_name, ".") && strcmp(ent->d_name, "..")) {
+      snprintf(path, sizeof path, "%s/%s", dir, ent->d_name);
+      unlink(path);
+    }
+  if (d)
+    closedir(d);
+  rmdir(dir);
+}
+
+int main(void) {
+  char dir[] = "/tmp/mdl-cache-XXXXXX";
+  if (!mkdtemp(dir)) {
+    CHECK(false, "cpu: a cache directory", "mkdtemp failed");
+    TEST_EXIT();
+  }
+  setenv("MDL_CACHE", dir, 1);
+  const Model models[] = {
+      {"models/gpt2-tiny.mdl", {{"B", 4}, {"T", 32}}, 2, NULL}, // 128 rows: the LM head in 2 chunks
+      {"models/llama-tiny.mdl", {{"B", 4}, {"T", 32}}, 2, NULL},
+      {"models/mlp.mdl", {{"B", 8}}, 1, NULL},
+      {"allops.mdl", {{NULL, 0}}, 0, allops},
+  };
+  for (size_t i = 0; i < sizeof models / sizeof *models; i++)
+    test_model(&models[i]);
+  test_cache_and_errors();
+  remove_dir(dir);
+  TEST_EXIT();
+}

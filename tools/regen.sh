@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# Rewrites generated/<model>/ from models/<model>.mdl: what `mdlc build` emits, committed so that a
+# person can read what fusion did and a test can tell when it changes.
+set -eu
+cd "$(dirname "$0")/.."
+for m in models/*.mdl; do
+  name=$(basename "$m" .mdl)
+  rm -rf "generated/$name"
+  mkdir -p "generated/$name"
+  bin/mdlc build "$m" -o "generated/$name"
+done
