@@ -10,11 +10,13 @@
 // in m and v; an ADAMW node writes its parameter in place and so shares the PARAM's offset.
 // INPUT and SCALAR nodes have fixed slots. Every other materialised node is an activation: it is
 // live from the step that writes it to the last step that reads it (directly or through a view;
-// the loss stays live to the end of the step so the runtime can read it), and activations whose
+// the loss, the gradient norm and every materialised model output stay live to the end of the step
+// so the runtime can read them), and activations whose
 // lifetimes do not overlap may share memory. Placement is greedy by size: largest first, each at
 // the lowest offset that does not overlap a placed buffer alive at the same time. A view (a RESHAPE
 // of a materialised node) shares its input's offset. i32 tensors take 4 bytes per element as f32.
-// After a step only the four flat buffers, the inputs, the scalars and the loss hold values.
+// After a step only the four flat buffers, the inputs, the scalars, the loss, the gradient norm and
+// the materialised outputs hold values.
 #include "mdl.h"
 
 #include <stdlib.h>
@@ -149,6 +151,12 @@ MemPlan *memplan(const Fusion *f) {
     }
   if (g->loss >= 0)
     last[base_of(f, g->loss)] = f->nsteps;
+  for (int i = 0; i < g->noutputs; i++)
+    if (f->materialised[g->outputs[i]])
+      last[base_of(f, g->outputs[i])] = f->nsteps;
+  for (int i = 0; i < g->n; i++)
+    if (g->nodes[i]->op == OP_GRAD_NORM && f->materialised[i])
+      last[base_of(f, i)] = f->nsteps;
   Buffer *buf = malloc(sizeof *buf * (size_t)(g->n ? g->n : 1));
   int nbuf = 0;
   for (int i = 0; i < g->n; i++)

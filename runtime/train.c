@@ -13,6 +13,7 @@
 #include "runtime.h"
 
 #include <errno.h>
+#include <glob.h>
 #include <limits.h>
 #include <math.h>
 #include <stdlib.h>
@@ -277,6 +278,14 @@ int train_run(Engine *e, Engine *eval, const TrainOptions *o) {
     diag_file_error(o->out_dir, "cannot create the directory: %s", strerror(errno));
     return 1;
   }
+  // A write cut short (kill -9) leaves its temporary file; the checkpoint itself is whole.
+  char pattern[PATH_MAX + 16];
+  snprintf(pattern, sizeof pattern, "%s.tmp.*", ckpt);
+  glob_t gl;
+  if (glob(pattern, 0, NULL, &gl) == 0)
+    for (size_t i = 0; i < gl.gl_pathc; i++)
+      unlink(gl.gl_pathv[i]);
+  globfree(&gl);
   if (!o->resume && access(ckpt, F_OK) == 0) {
     diag_file_error(ckpt, "a checkpoint is already here: continue it with --resume, or choose another --out");
     return 1;
@@ -310,11 +319,12 @@ int train_run(Engine *e, Engine *eval, const TrainOptions *o) {
       loader_close(val);
     return 1;
   }
+  // The run stops after step `last`; the schedule spans the train section's steps (so a run stopped
+  // early and resumed follows the same learning rates), or this run when the section sets none.
   TrainConfig tc = g->train;
-  if (o->steps > 0)
-    tc.steps = o->steps;
+  int64_t last = o->steps > 0 ? o->steps : tc.steps > 0 ? tc.steps : 100;
   if (tc.steps <= 0)
-    tc.steps = 100;
+    tc.steps = last;
   int gnorm = -1;
   for (int i = 0; i < g->n; i++)
     if (g->nodes[i]->op == OP_GRAD_NORM)
@@ -331,7 +341,7 @@ int train_run(Engine *e, Engine *eval, const TrainOptions *o) {
   int rc = 0;
   double t_start = now_s(), last_val = NAN;
   int64_t real_total = 0;
-  for (int64_t step = start + 1; step <= tc.steps; step++) {
+  for (int64_t step = start + 1; step <= last; step++) {
     double t0 = now_s();
     Batch batch;
     loader_next(train, &batch);
@@ -347,7 +357,7 @@ int train_run(Engine *e, Engine *eval, const TrainOptions *o) {
     double dt = now_s() - t0, loss = engine_scalar(e, g->loss), norm = gnorm >= 0 ? engine_scalar(e, gnorm) : NAN;
     real_total += batch.real_tokens;
     push(&c.loss, &c.n, &c.cap, loss);
-    bool do_val = eval && ((o->val_every > 0 && step % o->val_every == 0) || step == tc.steps);
+    bool do_val = eval && ((o->val_every > 0 && step % o->val_every == 0) || step == last);
     if (do_val) {
       last_val = validate(e, eval, val, o->val_batches, B * T, err, sizeof err);
       if (isnan(last_val)) {
@@ -365,16 +375,16 @@ int train_run(Engine *e, Engine *eval, const TrainOptions *o) {
     }
     struct rusage ru;
     getrusage(RUSAGE_SELF, &ru);
-    double elapsed = now_s() - t_start, left = elapsed / (double)(step - start) * (double)(tc.steps - step);
+    double elapsed = now_s() - t_start, left = elapsed / (double)(step - start) * (double)(last - step);
     char eta_s[32];
     eta(left, eta_s, sizeof eta_s);
     double tok_s = (double)batch.real_tokens / dt, mfu = 100.0 * flops / dt / peak;
     printf("step %5lld/%lld | loss %.4f | lr %.2e | norm %6.3f | %7.1f ms | %8.0f tok/s | MFU %5.2f%% | "
            "peak %.0f MB | ETA %s\n",
-           (long long)step, (long long)tc.steps, loss, lr, norm, 1e3 * dt, tok_s, mfu,
+           (long long)step, (long long)last, loss, lr, norm, 1e3 * dt, tok_s, mfu,
            (double)ru.ru_maxrss / 1024.0, eta_s);
     if (do_val)
-      printf("step %5lld/%lld | val loss %.4f (unigram entropy %.4f)\n", (long long)step, (long long)tc.steps, last_val,
+      printf("step %5lld/%lld | val loss %.4f (unigram entropy %.4f)\n", (long long)step, (long long)last, last_val,
              unigram);
     fflush(stdout);
     fprintf(log, "{\"step\":%lld,\"loss\":%.6f,\"lr\":%.6g,\"grad_norm\":%.6g,\"ms\":%.3f,\"tok_s\":%.1f,\"mfu\":%.4f",
@@ -389,7 +399,7 @@ int train_run(Engine *e, Engine *eval, const TrainOptions *o) {
       rc = 1;
       break;
     }
-    if ((o->ckpt_every > 0 && step % o->ckpt_every == 0) || step == tc.steps)
+    if ((o->ckpt_every > 0 && step % o->ckpt_every == 0) || step == last)
       if (!write_checkpoint(ckpt, e, o, step, loader_state(train))) {
         rc = 1;
         break;

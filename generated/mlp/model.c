@@ -246,7 +246,7 @@ static void k4_cross_entropy_fwd__cross_entropy_bwd(char *arena, const MdlHooks 
 static void k5_mean(char *arena, const MdlHooks *h) {
   (void)h;
   float *const b16 = (float *)(arena + 47744); // %16 cross_entropy f32[32]
-  float *const b17 = (float *)(arena + 46592); // %17 mean loss f32[]
+  float *const b17 = (float *)(arena + 47616); // %17 mean loss f32[]
   for (int64_t r = 0; r < 1; r++) {
     const int64_t base = r * 32;
     double acc = 0.0;
