@@ -8,7 +8,9 @@ steps=${STEPS:-12}
 threads=$(nproc)
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
-head -c 200000 /usr/share/common-licenses/GPL-3 >"$tmp/text.txt"
+mkdir -p "$tmp/corpus"
+cp /usr/share/common-licenses/GPL-3 /usr/share/common-licenses/Apache-2.0 /usr/share/common-licenses/GPL-2 "$tmp/corpus/"
+bin/mdlc prep "$tmp/corpus" -o "$tmp/data" >/dev/null
 
 median_tok_s() { # the median tok/s of the metrics lines after the first two (warm-up)
   grep -o '[0-9.]* tok/s' "$1" | awk 'NR > 2 {print $1}' | sort -n |
@@ -18,8 +20,9 @@ median_tok_s() { # the median tok/s of the metrics lines after the first two (wa
 echo "| model | mdlc fused tok/s | mdlc unfused tok/s | fused/unfused | PyTorch eager tok/s | fused/PyTorch |"
 echo "|---|---|---|---|---|---|"
 while IFS='|' read -r label model dims tdims; do
-  bin/mdlc run "$model" $dims --steps "$steps" --data "$tmp/text.txt" --backend cpu >"$tmp/fused" 2>&1
-  bin/mdlc run "$model" $dims --steps "$steps" --data "$tmp/text.txt" --backend cpu --no-fuse >"$tmp/unfused" 2>&1
+  run=(bin/mdlc run "$model" $dims --steps "$steps" --data "$tmp/data" --backend cpu --val-every 0 --ckpt-every 0)
+  rm -rf "$tmp/out"; "${run[@]}" --out "$tmp/out" >"$tmp/fused" 2>&1
+  rm -rf "$tmp/out"; "${run[@]}" --out "$tmp/out" --no-fuse >"$tmp/unfused" 2>&1
   f=$(median_tok_s "$tmp/fused"); u=$(median_tok_s "$tmp/unfused")
   t="n/a"
   if /usr/bin/python3 -c "import torch" 2>/dev/null; then

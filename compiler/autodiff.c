@@ -351,13 +351,30 @@ static int param_grad(Ad *ad, int p) {
 }
 
 // The optimizer step after the backward graph: lr and step scalars, two moments per parameter,
-// the global gradient norm, then one ADAMW per parameter.
+// the global gradient norm, then one ADAMW per parameter. With gradient accumulation over k
+// micro-batches (train.accumulate), the runtime runs the first k - 1 micro-batches on the
+// gradients-only graph and passes their summed gradients in as the inputs "acc.<param>"; this
+// step's update uses (gradient + acc) / k, the mean gradient over the k micro-batches.
 static bool optimizer_step(Graph *g) {
   SrcLoc none = {0};
   Shape scalar = {0};
   int lr = ir_leaf(g, OP_SCALAR, "lr", DT_F32, scalar, none);
   int step = ir_leaf(g, OP_SCALAR, "step", DT_F32, scalar, none);
-  int gnorm = ir_add(g, OP_GRAD_NORM, g->grads, g->nparams, NULL, NULL, none);
+  int *grads = g->grads;
+  int64_t k = g->train.accumulate;
+  if (k > 1) {
+    grads = arena_alloc(g->arena, sizeof(int) * (size_t)g->nparams);
+    int inv_k = ir_const(g, 1.0 / (double)k, none);
+    for (int i = 0; i < g->nparams; i++) {
+      IrNode *p = g->nodes[g->params[i]];
+      int acc = ir_leaf(g, OP_INPUT, arena_printf(g->arena, "acc.%s", p->name), DT_F32, p->shape, p->loc);
+      int sum = acc < 0 ? -1 : ir_add(g, OP_ADD, (int[]){g->grads[i], acc}, 2, NULL, NULL, p->loc);
+      grads[i] = sum < 0 ? -1 : ir_add(g, OP_MUL, (int[]){sum, inv_k}, 2, NULL, NULL, p->loc);
+      if (grads[i] < 0)
+        return false;
+    }
+  }
+  int gnorm = ir_add(g, OP_GRAD_NORM, grads, g->nparams, NULL, NULL, none);
   if (lr < 0 || step < 0 || gnorm < 0)
     return false;
   g->updates = arena_alloc(g->arena, sizeof(int) * (size_t)g->nparams);
@@ -371,7 +388,7 @@ static bool optimizer_step(Graph *g) {
     g->nodes[m]->param_of = g->nodes[v]->param_of = p->id;
     const TrainConfig *t = &g->train;
     double fa[6] = {t->beta1, t->beta2, t->eps, p->init.decay ? t->weight_decay : 0, t->clip};
-    int u = ir_add(g, OP_ADAMW, (int[]){p->id, g->grads[i], m, v, gnorm, lr, step}, 7, NULL, fa, p->loc);
+    int u = ir_add(g, OP_ADAMW, (int[]){p->id, grads[i], m, v, gnorm, lr, step}, 7, NULL, fa, p->loc);
     if (u < 0)
       return false;
     g->nodes[u]->param_of = p->id;

@@ -32,6 +32,7 @@ typedef struct {
   PrepOptions prep;
   bool resume, pack, shuffle;
   int64_t val_every, val_batches, ckpt_every;
+  int64_t accumulate; // > 0 overrides the train section's
 } Options;
 
 static const char usage_text[] =
@@ -64,6 +65,7 @@ static const char usage_text[] =
     "      --val-every N      validation loss every N steps (default 100; and at the end)\n"
     "      --val-batches N    batches per validation (default 4)\n"
     "      --ckpt-every N     a checkpoint every N steps (default 100; and at the end)\n"
+    "      --accumulate N     gradients accumulated over N micro-batches per step\n"
     "      --steps N          training steps (default: the train section's, else 50)\n"
     "      --seed N           random seed (default 1337)\n"
     "      --backend NAME     cpu (compiled C, the default), interp (the reference interpreter)\n"
@@ -103,6 +105,7 @@ static int parse_options(int argc, char **argv, Options *o) {
       {"resume", no_argument, 0, 'R'},        {"no-pack", no_argument, 0, 'P'},
       {"shuffle", no_argument, 0, 'H'},       {"val-every", required_argument, 0, 'E'},
       {"val-batches", required_argument, 0, 'B'}, {"ckpt-every", required_argument, 0, 'K'},
+      {"accumulate", required_argument, 0, 'A'},
       {"help", no_argument, 0, 'h'},          {"version", no_argument, 0, 'V'},
       {0, 0, 0, 0}};
   *o = (Options){.seed = 1337, .backend = "auto", .steps = -1, .pack = true, .val_every = 100, .val_batches = 4,
@@ -169,9 +172,9 @@ static int parse_options(int argc, char **argv, Options *o) {
     case 'R': o->resume = true; break;
     case 'P': o->pack = false; break;
     case 'H': o->shuffle = true; break;
-    case 'E': case 'B': case 'K': {
-      int64_t *dst = c == 'E' ? &o->val_every : c == 'B' ? &o->val_batches : &o->ckpt_every;
-      if (!parse_int(optarg, dst) || *dst < (c == 'B'))
+    case 'E': case 'B': case 'K': case 'A': {
+      int64_t *dst = c == 'E' ? &o->val_every : c == 'B' ? &o->val_batches : c == 'K' ? &o->ckpt_every : &o->accumulate;
+      if (!parse_int(optarg, dst) || *dst < (c == 'B' || c == 'A'))
         return usage_error("expected a count, got '%s'", optarg);
       break;
     }
@@ -195,6 +198,8 @@ static Graph *compile(Arena *a, const Options *o, bool grads, bool optimizer) {
   Graph *g = mdl_compile_file(a, o->file, o->dims, o->ndims);
   if (!g)
     return NULL;
+  if (o->accumulate > 0)
+    g->train.accumulate = o->accumulate;
   char why[512];
   if (!ir_validate(g, why, sizeof why)) {
     fprintf(stderr, "%s: internal error: the front end built a broken graph: %s\n", o->file, why);
@@ -461,10 +466,11 @@ static int cmd_build(const Options *o, Graph *g) {
   return 0;
 }
 
-// The forward graph alone, on the same back end: the validation loss.
-static Engine *open_eval_engine(const Options *o, Arena *a) {
+// The forward graph alone (validation loss), or forward + backward without the optimizer (the
+// micro-batches of gradient accumulation), on the same back end.
+static Engine *open_side_engine(const Options *o, Arena *a, bool grads) {
   Graph *g = mdl_compile_file(a, o->file, o->dims, o->ndims);
-  if (!g || g->loss < 0)
+  if (!g || g->loss < 0 || (grads && !autodiff(g, false)))
     return NULL;
   Options quiet = *o;
   quiet.dump = NULL;
@@ -487,19 +493,22 @@ static int cmd_run(const Options *o, Graph *g) {
   if (!e)
     return EXIT_USER;
   Arena *ea = arena_new();
-  Engine *eval = open_eval_engine(o, ea);
+  Engine *eval = open_side_engine(o, ea, false);
+  Engine *micro = g->train.accumulate > 1 ? open_side_engine(o, ea, true) : NULL;
   int rc = EXIT_USER;
-  if (eval && (!o->weights || load_weights(e, g, o->weights))) {
+  if (eval && (micro || g->train.accumulate <= 1) && (!o->weights || load_weights(e, g, o->weights))) {
     printf("training %s (%lld parameters) on %s, back end %s%s\n", g->model, (long long)ir_param_count(g),
            e->name, strcmp(o->backend, "interp") && !o->fuse.fuse ? " (fusion off)" : "", o->resume ? ", resuming" : "");
     TrainOptions to = {.model_path = model_abs, .data_dir = data_abs, .tokenizer_path = tok_path, .out_dir = out_dir,
                        .steps = o->steps, .resume = o->resume, .pack = o->pack, .shuffle = o->shuffle,
                        .seed = o->seed, .val_every = o->val_every, .val_batches = o->val_batches,
                        .ckpt_every = o->ckpt_every};
-    rc = train_run(e, eval, &to) ? EXIT_USER : 0;
+    rc = train_run(e, eval, micro, &to) ? EXIT_USER : 0;
   }
   if (eval)
     eval->free(eval);
+  if (micro)
+    micro->free(micro);
   arena_free(ea);
   e->free(e);
   return rc;

@@ -60,6 +60,8 @@ typedef struct {
   int64_t ckpt_every;             // a checkpoint every N steps (and at the end)
 } TrainOptions;
 
-// Trains e's graph; eval (forward-only, may be NULL) computes the validation loss. Exit status.
-int train_run(Engine *e, Engine *eval, const TrainOptions *o);
+// Trains e's graph; eval (forward-only, may be NULL) computes the validation loss; micro (the
+// gradients-only graph) runs the first k - 1 micro-batches when the train section accumulates
+// gradients over k (NULL otherwise). Returns the exit status.
+int train_run(Engine *e, Engine *eval, Engine *micro, const TrainOptions *o);
 #endif

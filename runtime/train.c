@@ -263,7 +263,59 @@ static void eta(double seconds, char *buf, size_t n) {
   snprintf(buf, n, "%ld:%02ld", s / 60, s % 60);
 }
 
-int train_run(Engine *e, Engine *eval, const TrainOptions *o) {
+// Copies every parameter of `from` into `to` (engines of two graphs of one model).
+static void copy_params(Engine *from, Engine *to) {
+  float *buf = NULL;
+  for (int i = 0; i < from->g->nparams; i++) {
+    buf = realloc(buf, sizeof(float) * (size_t)shape_numel(from->g->nodes[from->g->params[i]]->shape));
+    from->read(from, from->g->params[i], buf);
+    to->write(to, to->g->params[i], buf);
+  }
+  free(buf);
+}
+
+// Gradient accumulation: the first k - 1 micro-batches run on the gradients-only engine, their
+// gradients summed here; the summed gradients go to the step engine as the inputs "acc.<param>".
+typedef struct {
+  Engine *micro;
+  float **sum;   // per parameter
+  float *tmp;
+} Accum;
+
+static bool accumulate_micro(Accum *ac, Engine *e, Loader *train, int64_t k, int64_t BT, uint64_t seed,
+                             int64_t step, double *loss_sum, int64_t *real, char *err, size_t n) {
+  const Graph *mg = ac->micro->g;
+  copy_params(e, ac->micro);
+  for (int i = 0; i < mg->nparams; i++)
+    memset(ac->sum[i], 0, sizeof(float) * (size_t)shape_numel(mg->nodes[mg->params[i]]->shape));
+  for (int64_t j = 0; j + 1 < k; j++) {
+    Batch batch;
+    loader_next(train, &batch);
+    ac->micro->set_seed(ac->micro, step_seed(seed, step * k + j));
+    if (!feed(ac->micro, &batch, BT) || !ac->micro->step(ac->micro, err, n))
+      return false;
+    *loss_sum += engine_scalar(ac->micro, mg->loss);
+    *real += batch.real_tokens;
+    for (int i = 0; i < mg->nparams; i++) {
+      int64_t numel = shape_numel(mg->nodes[mg->params[i]]->shape);
+      ac->micro->read(ac->micro, mg->grads[i], ac->tmp);
+      for (int64_t x = 0; x < numel; x++)
+        ac->sum[i][x] += ac->tmp[x];
+    }
+  }
+  for (int i = 0; i < mg->nparams; i++) {
+    const IrNode *p = mg->nodes[mg->params[i]];
+    char name[512];
+    snprintf(name, sizeof name, "acc.%s", p->name);
+    if (!e->set_input(e, name, NULL, ac->sum[i], shape_numel(p->shape))) {
+      snprintf(err, n, "the step graph has no input for gradient accumulation of %s", p->name);
+      return false;
+    }
+  }
+  return true;
+}
+
+int train_run(Engine *e, Engine *eval, Engine *micro, const TrainOptions *o) {
   const Graph *g = e->g;
   int64_t B = dim_of(g, "B"), T = dim_of(g, "T"), V = dim_of(g, "V");
   if (B <= 0 || T <= 0 || V <= 0) {
@@ -336,26 +388,48 @@ int train_run(Engine *e, Engine *eval, const TrainOptions *o) {
          peak_how);
   printf("data %s: %lld train tokens, unigram entropy %.3f nats/token; %s batches of %lldx%lld\n", o->data_dir,
          (long long)loader_tokens(train), unigram, o->pack ? "packed" : "padded", (long long)B, (long long)T);
+  int64_t k = g->train.accumulate > 1 ? g->train.accumulate : 1;
+  Accum ac = {.micro = micro};
+  if (k > 1) {
+    int64_t most = 1;
+    ac.sum = calloc((size_t)g->nparams, sizeof *ac.sum);
+    for (int i = 0; i < g->nparams; i++) {
+      int64_t numel = shape_numel(g->nodes[g->params[i]]->shape);
+      ac.sum[i] = malloc(sizeof(float) * (size_t)numel);
+      most = numel > most ? numel : most;
+    }
+    ac.tmp = malloc(sizeof(float) * (size_t)most);
+    printf("gradient accumulation: %lld micro-batches of %lldx%lld per step\n", (long long)k, (long long)B,
+           (long long)T);
+  }
   Curve c = {0};
-  char err[512];
+  char err[512] = "";
   int rc = 0;
   double t_start = now_s(), last_val = NAN;
   int64_t real_total = 0;
   for (int64_t step = start + 1; step <= last; step++) {
-    double t0 = now_s();
+    double t0 = now_s(), loss_sum = 0;
+    int64_t real = 0;
+    if (k > 1 && !accumulate_micro(&ac, e, train, k, B * T, seed, step, &loss_sum, &real, err, sizeof err)) {
+      diag_file_error(o->model_path, "step %lld: %s", (long long)step, err[0] ? err : "bad batch");
+      rc = 1;
+      break;
+    }
     Batch batch;
     loader_next(train, &batch);
     double lr = rt_lr_at(&tc, step);
     e->set_scalar(e, "lr", lr);
     e->set_scalar(e, "step", (double)step);
-    e->set_seed(e, step_seed(seed, step));
+    e->set_seed(e, step_seed(seed, k > 1 ? step * k + k - 1 : step));
     if (!feed(e, &batch, B * T) || !e->step(e, err, sizeof err)) {
       diag_file_error(o->model_path, "step %lld: %s", (long long)step, err[0] ? err : "bad batch");
       rc = 1;
       break;
     }
-    double dt = now_s() - t0, loss = engine_scalar(e, g->loss), norm = gnorm >= 0 ? engine_scalar(e, gnorm) : NAN;
-    real_total += batch.real_tokens;
+    real += batch.real_tokens;
+    double dt = now_s() - t0, loss = (loss_sum + engine_scalar(e, g->loss)) / (double)k;
+    double norm = gnorm >= 0 ? engine_scalar(e, gnorm) : NAN;
+    real_total += real;
     push(&c.loss, &c.n, &c.cap, loss);
     bool do_val = eval && ((o->val_every > 0 && step % o->val_every == 0) || step == last);
     if (do_val) {
@@ -378,7 +452,7 @@ int train_run(Engine *e, Engine *eval, const TrainOptions *o) {
     double elapsed = now_s() - t_start, left = elapsed / (double)(step - start) * (double)(last - step);
     char eta_s[32];
     eta(left, eta_s, sizeof eta_s);
-    double tok_s = (double)batch.real_tokens / dt, mfu = 100.0 * flops / dt / peak;
+    double tok_s = (double)real / dt, mfu = 100.0 * (double)k * flops / dt / peak;
     printf("step %5lld/%lld | loss %.4f | lr %.2e | norm %6.3f | %7.1f ms | %8.0f tok/s | MFU %5.2f%% | "
            "peak %.0f MB | ETA %s\n",
            (long long)step, (long long)last, loss, lr, norm, 1e3 * dt, tok_s, mfu,
@@ -414,6 +488,10 @@ int train_run(Engine *e, Engine *eval, const TrainOptions *o) {
       diag_file_error(svg, "cannot write the loss curve: %s", strerror(errno));
     printf("wrote %s, %s and %s\n", ckpt, log_path, svg);
   }
+  for (int i = 0; k > 1 && i < g->nparams; i++)
+    free(ac.sum[i]);
+  free(ac.sum);
+  free(ac.tmp);
   free(c.loss);
   free(c.val);
   free(c.val_step);

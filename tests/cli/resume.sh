@@ -64,3 +64,15 @@ if ! $m run models/llama-tiny.mdl "${common[@]}" --steps 12 --out "$tmp/a-cpu" -
 else fail "a checkpoint of another model was accepted"; fi
 cmp -s "$tmp/good" "$tmp/a-cpu/checkpoint.safetensors" && ok "the other model's run left the checkpoint untouched" ||
   fail "the checkpoint changed"
+
+# Gradient accumulation: 2 micro-batches of 2 rows train exactly like one batch of 4 rows.
+acc=(--data "$tmp/data" --val-every 0 --steps 6 --backend cpu)
+$m run models/gpt2-tiny.mdl -D B=2 -D T=32 --accumulate 2 "${acc[@]}" --out "$tmp/acc2" >/dev/null 2>"$tmp/e" ||
+  fail "accumulate run: $(head -c 300 "$tmp/e")"
+$m run models/gpt2-tiny.mdl -D B=4 -D T=32 "${acc[@]}" --out "$tmp/acc1" >/dev/null 2>&1
+if paste <(losses "$tmp/acc2") <(losses "$tmp/acc1") | awk 'NF == 4 {n++; d = $2 - $4; if (d < 0) d = -d; if (d > 1e-5 * $4) bad++}
+    END {exit !(n == 6 && !bad)}'; then
+  ok "6 steps accumulating 2 micro-batches of 2 rows = 6 steps of 4 rows (losses within 1e-5)"
+else
+  fail "accumulated losses differ: $(paste <(losses "$tmp/acc2") <(losses "$tmp/acc1") | head -3 | tr '\n' ';')"
+fi
