@@ -6,6 +6,7 @@
 #include "data.h"
 #include "mdl.h"
 #include "runtime.h"
+#include "sample.h"
 
 #include <errno.h>
 #include <sys/stat.h>
@@ -33,6 +34,7 @@ typedef struct {
   bool resume, pack, shuffle;
   int64_t val_every, val_batches, ckpt_every;
   int64_t accumulate; // > 0 overrides the train section's
+  SampleOptions sample;
 } Options;
 
 static const char usage_text[] =
@@ -47,6 +49,7 @@ static const char usage_text[] =
     "                                 (--vocab N --doc-sep STR --val-fraction F --text-field NAME\n"
     "                                  --shard-tokens N --force)\n"
     "  build FILE.mdl -o DIR          emit the C, the step plan and the fusion report\n"
+    "  sample CHECKPOINT --prompt TEXT  generate text (--tokens N --temperature T --top-k K --seed S)\n"
     "  run   FILE.mdl --data DIR [--steps N] [--out DIR] [--resume]\n"
     "                                 compile and train on shards from prep\n"
     "\n"
@@ -105,13 +108,16 @@ static int parse_options(int argc, char **argv, Options *o) {
       {"resume", no_argument, 0, 'R'},        {"no-pack", no_argument, 0, 'P'},
       {"shuffle", no_argument, 0, 'H'},       {"val-every", required_argument, 0, 'E'},
       {"val-batches", required_argument, 0, 'B'}, {"ckpt-every", required_argument, 0, 'K'},
-      {"accumulate", required_argument, 0, 'A'},
+      {"accumulate", required_argument, 0, 'A'}, {"prompt", required_argument, 0, 'p'},
+      {"tokens", required_argument, 0, 'T'},  {"temperature", required_argument, 0, 'm'},
+      {"top-k", required_argument, 0, 'q'},
       {"help", no_argument, 0, 'h'},          {"version", no_argument, 0, 'V'},
       {0, 0, 0, 0}};
   *o = (Options){.seed = 1337, .backend = "auto", .steps = -1, .pack = true, .val_every = 100, .val_batches = 4,
                  .ckpt_every = 100,
                  .fuse = {.fuse = true, .chunk_lmhead = true, .max_group = 64}};
   prep_defaults(&o->prep);
+  sample_defaults(&o->sample);
   int c;
   int64_t v;
   while ((c = getopt_long(argc, argv, "D:d:o:hV", longopts, NULL)) != -1) {
@@ -170,6 +176,22 @@ static int parse_options(int argc, char **argv, Options *o) {
       break;
     case 'r': o->prep.force = true; break;
     case 'R': o->resume = true; break;
+    case 'p': o->sample.prompt = optarg; break;
+    case 'T':
+      if (!parse_int(optarg, &o->sample.tokens) || o->sample.tokens < 0)
+        return usage_error("--tokens wants a count, got '%s'", optarg);
+      break;
+    case 'q':
+      if (!parse_int(optarg, &o->sample.top_k) || o->sample.top_k < 0)
+        return usage_error("--top-k wants a count (0: all), got '%s'", optarg);
+      break;
+    case 'm': {
+      char *end;
+      o->sample.temperature = strtod(optarg, &end);
+      if (*end || !(o->sample.temperature >= 0 && o->sample.temperature <= 100))
+        return usage_error("--temperature wants a number from 0 to 100, got '%s'", optarg);
+      break;
+    }
     case 'P': o->pack = false; break;
     case 'H': o->shuffle = true; break;
     case 'E': case 'B': case 'K': case 'A': {
@@ -519,6 +541,11 @@ int main(int argc, char **argv) {
   int rc = parse_options(argc, argv, &o);
   if (rc)
     return rc;
+  if (!strcmp(o.verb, "sample")) {
+    o.sample.checkpoint = o.file;
+    o.sample.seed = o.seed;
+    return sample_run(&o.sample);
+  }
   if (!strcmp(o.verb, "prep")) {
     if (!o.out)
       return usage_error("prep needs -o DIR%s", "");
@@ -547,5 +574,5 @@ int main(int argc, char **argv) {
     arena_free(a);
     return rc;
   }
-  return usage_error("unknown verb '%s' (verbs: check, init, grad, prep, build, run)", o.verb);
+  return usage_error("unknown verb '%s' (verbs: check, init, grad, prep, build, run, sample)", o.verb);
 }

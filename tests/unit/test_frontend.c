@@ -108,10 +108,10 @@ static void test_gpt2_tiny(void) {
     ok = !strcmp(g->dims[i].name, want_dims[i]) && g->dims[i].value == want_vals[i];
   CHECK(ok, "gpt2-tiny dims in declaration order with values", "ndims %d", g->ndims);
   const TrainConfig *t = &g->train;
-  CHECK(t->lr == 1e-3 && t->beta1 == 0.9 && t->beta2 == 0.95 && t->eps == 1e-8 && t->weight_decay == 0.1,
+  CHECK(t->lr == 2e-3 && t->beta1 == 0.9 && t->beta2 == 0.95 && t->eps == 1e-8 && t->weight_decay == 0.1,
         "gpt2-tiny optimizer settings", "lr %g b1 %g b2 %g eps %g wd %g", t->lr, t->beta1, t->beta2, t->eps,
         t->weight_decay);
-  CHECK(t->warmup == 20 && t->min_lr == 1e-4 && t->steps == 2000 && t->clip == 1.0 && t->accumulate == 1,
+  CHECK(t->warmup == 100 && t->min_lr == 1e-4 && t->steps == 4000 && t->clip == 1.0 && t->accumulate == 1,
         "gpt2-tiny schedule, clip, accumulate", "warmup %lld min_lr %g steps %lld clip %g", (long long)t->warmup,
         t->min_lr, (long long)t->steps, t->clip);
   CHECK(!strcmp(t->precision, "bf16") && !strcmp(t->checkpoint, "auto"), "gpt2-tiny precision and checkpoint",

@@ -1,0 +1,48 @@
+// sample.h: `mdlc sample`: text generation from a checkpoint, one token per step with a KV cache
+// (sample.c). The pieces under sample_run are public so that tests can drive them token by token.
+#ifndef MDL_SAMPLE_H
+#define MDL_SAMPLE_H
+#include "mdl.h"
+
+typedef struct {
+  const char *checkpoint; // a safetensors checkpoint written by training ("mdl-checkpoint-1")
+  const char *prompt;     // text to continue; may be empty
+  int64_t tokens;         // new tokens at most
+  double temperature;     // logits are divided by it; 0 = greedy (argmax)
+  int64_t top_k;          // draw among the k most likely tokens; 0 = all of them
+  uint64_t seed;          // the draws' random stream
+} SampleOptions;
+
+// 200 tokens, temperature 1, top-k 0 (the model's own distribution), seed 0.
+void sample_defaults(SampleOptions *o);
+// Loads the checkpoint, its model and its tokenizer, prints the prompt and then the generated text
+// to stdout as it comes. Returns the exit status: 0, or 1 after printing "path: error: reason".
+int sample_run(const SampleOptions *o);
+
+// A checkpoint's model compiled for one token per step (B = T = 1, the other dims as recorded),
+// its parameters loaded into the interpreter in decode mode.
+typedef struct Sampler Sampler;
+Sampler *sampler_open(const char *checkpoint); // NULL after printing why
+void sampler_close(Sampler *s);
+int64_t sampler_vocab(const Sampler *s);         // V: the logits of one step
+int64_t sampler_context(const Sampler *s);       // the longest context: the dim maxT, else T
+const char *sampler_tokenizer(const Sampler *s); // the tokenizer path the checkpoint records
+// Starts a new sequence: the next token fed goes to position 0.
+void sampler_reset(Sampler *s);
+// Feeds one token at the next position and returns the logits that follow it (sampler_vocab
+// values, valid until the next call); NULL after printing why (a bad id, a full context).
+const double *sampler_feed(Sampler *s, int32_t token);
+// Feeds the context ctx[0..n) from position 0 (the prefill), then generates at most o->tokens new
+// ids into out (room for min(o->tokens, context - n + 1) of them), calling emit (may be NULL) with
+// each as it comes. Stops early at EOS (not stored) or once the model has seen sampler_context
+// tokens (the last id is drawn from that position). Returns the count, or -1 after printing why.
+int64_t sampler_generate(Sampler *s, const int32_t *ctx, int64_t n, const SampleOptions *o, int32_t *out,
+                         void (*emit)(void *arg, int32_t id), void *arg);
+
+// The next token from n logits: the argmax at temperature 0 (the lowest id among ties); otherwise
+// a draw from softmax(logits / temperature) over the top_k largest (ties to the lower id; 0 = all),
+// with u = mdl_rng_uniform(seed, SAMPLE_RNG_STREAM, index).
+#define SAMPLE_RNG_STREAM 0x73616d70u // "samp"
+int32_t sample_pick(const double *logits, int64_t n, double temperature, int64_t top_k, uint64_t seed,
+                    uint64_t index);
+#endif
