@@ -511,6 +511,20 @@ static int cmd_run(const Options *o, Graph *g) {
   }
   snprintf(tok_path, sizeof tok_path, "%s/tokenizer.bin", data_abs);
   snprintf(out_dir, sizeof out_dir, "%s", o->out ? o->out : "out");
+  Tokenizer *tok = tok_load(tok_path);
+  if (!tok)
+    return EXIT_USER;
+  int vocab = tok_vocab(tok);
+  tok_free(tok);
+  int64_t V = -1;
+  for (int i = 0; i < g->ndims; i++)
+    if (!strcmp(g->dims[i].name, "V"))
+      V = g->dims[i].value;
+  if (V >= 0 && vocab > V) {
+    diag_file_error(tok_path, "the data's tokenizer has %d tokens, more than the model's V = %lld: prepare the data "
+                    "with --vocab %lld or run with -D V=%d", vocab, (long long)V, (long long)V, vocab);
+    return EXIT_USER;
+  }
   Engine *e = open_engine(o, g, true);
   if (!e)
     return EXIT_USER;
@@ -519,8 +533,8 @@ static int cmd_run(const Options *o, Graph *g) {
   Engine *micro = g->train.accumulate > 1 ? open_side_engine(o, ea, true) : NULL;
   int rc = EXIT_USER;
   if (eval && (micro || g->train.accumulate <= 1) && (!o->weights || load_weights(e, g, o->weights))) {
-    printf("training %s (%lld parameters) on %s, back end %s%s\n", g->model, (long long)ir_param_count(g),
-           e->name, strcmp(o->backend, "interp") && !o->fuse.fuse ? " (fusion off)" : "", o->resume ? ", resuming" : "");
+    printf("training %s (%lld parameters), back end %s%s%s\n", g->model, (long long)ir_param_count(g), e->name,
+           strcmp(o->backend, "interp") && !o->fuse.fuse ? " (fusion off)" : "", o->resume ? ", resuming" : "");
     TrainOptions to = {.model_path = model_abs, .data_dir = data_abs, .tokenizer_path = tok_path, .out_dir = out_dir,
                        .steps = o->steps, .resume = o->resume, .pack = o->pack, .shuffle = o->shuffle,
                        .seed = o->seed, .val_every = o->val_every, .val_batches = o->val_batches,

@@ -646,7 +646,11 @@ static bool read_pass(Prep *p) {
         diag_file_error(f->path, "not a text file (it holds NUL bytes)");
         ok = false;
       } else {
-        note(p, f->path, "skipped: %s", "not a text file (it holds NUL bytes)");
+        // The first few by name; the summary line counts them all.
+        if (p->skipped_binary < 3)
+          note(p, f->path, "skipped: %s", "not a text file (it holds NUL bytes)");
+        else if (p->skipped_binary == 3)
+          note(p, f->path, "skipped: %s", "not a text file (and so are any further ones; the summary counts them)");
         f->skip = true;
         p->skipped_binary++;
         p->total_bytes -= f->size;

@@ -74,3 +74,16 @@ expect "weights of another model are refused by run" 1 $m run models/llama-tiny.
 : >"$tmp/empty.txt"
 expect "an empty corpus is refused" 1 $m prep "$tmp/empty.txt" -o "$tmp/nothing"
 contains "the empty corpus is named" "$tmp/err" "empty.txt"
+
+expect "prep with a BPE vocabulary" 0 $m prep "$tmp/corpus" -o "$tmp/bpe" --vocab 300
+expect "a tokenizer larger than the model's V is refused" 1 $m run models/gpt2-tiny.mdl -D B=2 -D T=16 --steps 1 \
+  --data "$tmp/bpe" --out "$tmp/run4"
+contains "the tokenizer file is named with both sizes" "$tmp/err" "tokenizer.bin: error: the data's tokenizer has 300 tokens, more than the model's V = 256"
+[ -e "$tmp/run4" ] && echo "[fail] cli: the refused run created its output folder" || echo "[ok] cli: the refused run wrote nothing"
+expect "the same data with -D V=300 trains" 0 $m run models/gpt2-tiny.mdl -D B=2 -D T=16 -D V=300 --steps 2 \
+  --data "$tmp/bpe" --out "$tmp/run5"
+cp -r "$tmp/shards" "$tmp/bad-shards"
+head -c 2000 "$tmp/shards/train_000000.bin" >"$tmp/bad-shards/train_000000.bin"
+expect "a truncated shard is refused" 1 $m run models/gpt2-tiny.mdl -D B=2 -D T=16 --steps 1 --data "$tmp/bad-shards" \
+  --out "$tmp/run6"
+contains "the truncated shard is named" "$tmp/err" "bad-shards/train_000000.bin: error: truncated"
