@@ -3,7 +3,9 @@
 // (or the reference interpreter instead of the last three), and `-d LETTERS` prints the IR after
 // the passes it names (P: parse, A: autodiff, F: fusion, M: memory plan).
 #include "backend.h"
+#include "cuda.h"
 #include "data.h"
+#include "emit_cuda.h"
 #include "mdl.h"
 #include "runtime.h"
 #include "sample.h"
@@ -71,7 +73,8 @@ static const char usage_text[] =
     "      --accumulate N     gradients accumulated over N micro-batches per step\n"
     "      --steps N          training steps (default: the train section's, else 50)\n"
     "      --seed N           random seed (default 1337)\n"
-    "      --backend NAME     cpu (compiled C, the default), interp (the reference interpreter)\n"
+    "      --backend NAME     auto (the default: cuda when a GPU is there, else cpu), cuda, cpu\n"
+    "                         (compiled C), interp (the reference interpreter)\n"
     "      --fp64             run the interpreter in fp64\n"
     "      --no-fuse          one kernel per IR node (to measure what fusion is worth)\n"
     "      --no-chunk-lmhead  materialise the whole logits instead of running the LM head by chunks\n"
@@ -150,8 +153,8 @@ static int parse_options(int argc, char **argv, Options *o) {
       o->seed = (uint64_t)v;
       break;
     case 'k':
-      if (strcmp(optarg, "interp") && strcmp(optarg, "cpu") && strcmp(optarg, "auto"))
-        return usage_error("unknown backend '%s' (available: cpu, interp, auto)", optarg);
+      if (strcmp(optarg, "interp") && strcmp(optarg, "cpu") && strcmp(optarg, "cuda") && strcmp(optarg, "auto"))
+        return usage_error("unknown backend '%s' (available: auto, cuda, cpu, interp)", optarg);
       o->backend = optarg;
       break;
     case 'F': o->fp64 = true; break;
@@ -296,14 +299,60 @@ static Plan plan(const Options *o, Graph *g, FuseOptions fo) {
 }
 
 // The engine the options ask for: the interpreter, or the plan compiled for the CPU.
+// The back end --backend names; "auto" is CUDA when a driver, a device and NVRTC are there, else
+// the CPU (saying why in one line, once).
+static const char *backend_of(const Options *o) {
+  static const char *chosen;
+  if (strcmp(o->backend, "auto"))
+    return o->backend;
+  if (!chosen) {
+    char why[256];
+    chosen = cuda_available(why, sizeof why) ? "cuda" : "cpu";
+    if (!strcmp(chosen, "cpu"))
+      fprintf(stderr, "mdlc: %s; using the CPU back end\n", why);
+  }
+  return chosen;
+}
+
+// The dense bf16 peak of the GPU MFU is measured against (the published figures of the SXM parts),
+// or its fp32 peak when it is not one we know, from the SM count (128 fp32 FMA lanes per SM at 1.7 GHz).
+static void gpu_peak(const CudaDevice *d, Engine *e) {
+  if (!strcmp(d->arch, "sm_90")) {
+    e->peak_flops = 989e12;
+    e->peak_how = "989 TFLOP/s: H100/H200 SXM bf16 dense peak";
+  } else if (!strcmp(d->arch, "sm_80")) {
+    e->peak_flops = 312e12;
+    e->peak_how = "312 TFLOP/s: A100 SXM bf16 dense peak";
+  } else {
+    e->peak_flops = (double)d->sm_count * 128 * 2 * 1.7e9;
+    e->peak_how = "fp32 peak estimated as SMs x 128 lanes x 2 x 1.7 GHz";
+  }
+}
+
 // With `report`, one line on what was compiled.
 static Engine *open_engine(const Options *o, Graph *g, bool report) {
-  if (!strcmp(o->backend, "interp"))
+  const char *backend = backend_of(o);
+  if (!strcmp(backend, "interp"))
     return engine_interp(g, o->fp64 ? INTERP_F64 : INTERP_F32, o->seed);
+  char err[512];
+  if (!strcmp(backend, "cuda")) {
+    Fusion *f = fuse(g, o->fuse);
+    MemPlan *m = memplan(f);
+    if (dumping(o, 'F'))
+      fuse_dump(f, stdout);
+    if (dumping(o, 'M'))
+      memplan_dump(f, m, stdout);
+    Engine *e = engine_cuda(f, m, o->seed, err, sizeof err);
+    CudaDevice d;
+    if (!e)
+      diag_file_error(o->file, "%s", err);
+    else if (cuda_device(&d, err, sizeof err))
+      gpu_peak(&d, e);
+    return e;
+  }
   Plan p = plan(o, g, o->fuse);
   if (!p.c_source)
     return NULL;
-  char err[512];
   Engine *e = engine_cpu(p.f, p.m, p.c_source, o->seed, err, sizeof err);
   if (!e)
     diag_file_error(o->file, "%s", err);
@@ -440,7 +489,7 @@ static int cmd_grad(const Options *o, Graph *g) {
   return rc;
 }
 
-// Writes DIR/model.c, DIR/plan.txt (fusion and memory plan) and DIR/fusion.txt (the report).
+// Writes DIR/model.c, DIR/model.cu, DIR/plan.txt (fusion and memory plan) and DIR/fusion.txt.
 static int cmd_build(const Options *o, Graph *g) {
   if (!o->out)
     return usage_error("build needs -o DIR%s", "");
@@ -453,13 +502,14 @@ static int cmd_build(const Options *o, Graph *g) {
   fo_off.fuse = false;
   Fusion *off = fuse(g, fo_off);
   MemPlan *moff = memplan(off);
-  if (!on.c_source)
+  char *cu_source = emit_cuda(on.f, on.m, o->file);
+  if (!on.c_source || !cu_source)
     return EXIT_USER;
   char path[4096];
   struct {
     const char *name;
     int what;
-  } files[] = {{"model.c", 0}, {"plan.txt", 1}, {"fusion.txt", 2}};
+  } files[] = {{"model.c", 0}, {"model.cu", 3}, {"plan.txt", 1}, {"fusion.txt", 2}};
   for (size_t i = 0; i < sizeof files / sizeof *files; i++) {
     snprintf(path, sizeof path, "%s/%s", o->out, files[i].name);
     char tmp[4200];
@@ -471,6 +521,8 @@ static int cmd_build(const Options *o, Graph *g) {
     }
     if (files[i].what == 0)
       fputs(on.c_source, f);
+    else if (files[i].what == 3)
+      fputs(cu_source, f);
     else if (files[i].what == 1) {
       fuse_dump(on.f, f);
       fputc('\n', f);
@@ -482,7 +534,7 @@ static int cmd_build(const Options *o, Graph *g) {
       return EXIT_USER;
     }
   }
-  printf("%s: %d kernels (%d unfused), arena %.2f MB (activations %.2f MB) -> %s/{model.c,plan.txt,fusion.txt}\n",
+  printf("%s: %d kernels (%d unfused), arena %.2f MB (activations %.2f MB) -> %s/{model.c,model.cu,plan.txt,fusion.txt}\n",
          g->model, on.f->nsteps, off->nsteps, (double)on.m->arena_bytes / 1e6, (double)on.m->activation_bytes / 1e6,
          o->out);
   return 0;
@@ -534,7 +586,7 @@ static int cmd_run(const Options *o, Graph *g) {
   int rc = EXIT_USER;
   if (eval && (micro || g->train.accumulate <= 1) && (!o->weights || load_weights(e, g, o->weights))) {
     printf("training %s (%lld parameters), back end %s%s%s\n", g->model, (long long)ir_param_count(g), e->name,
-           strcmp(o->backend, "interp") && !o->fuse.fuse ? " (fusion off)" : "", o->resume ? ", resuming" : "");
+           strcmp(backend_of(o), "interp") && !o->fuse.fuse ? " (fusion off)" : "", o->resume ? ", resuming" : "");
     TrainOptions to = {.model_path = model_abs, .data_dir = data_abs, .tokenizer_path = tok_path, .out_dir = out_dir,
                        .steps = o->steps, .resume = o->resume, .pack = o->pack, .shuffle = o->shuffle,
                        .seed = o->seed, .val_every = o->val_every, .val_batches = o->val_batches,

@@ -37,6 +37,8 @@ struct Engine {
   bool cache_hit;         // compiled back ends: the module came from the cache
   double compile_seconds; // compiled back ends: time in the compiler
   int64_t arena_bytes;    // compiled back ends: the planned arena (0: not planned)
+  double peak_flops;      // the peak MFU is measured against (0: this CPU's, rt_cpu_peak_flops)
+  const char *peak_how;   // what that peak is
 };
 
 // The reference interpreter; parameters initialised from the seed.

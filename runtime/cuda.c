@@ -1,0 +1,765 @@
+// cuda.c: the CUDA back end's runtime. It loads the CUDA driver and cuBLASLt with dlopen (never
+// linked, so one mdlc binary runs on machines with and without a GPU), compiles the emitted CUDA C
+// with NVRTC, and runs the training step as one CUDA Graph behind the Engine hooks.
+//
+// Driver. libcuda.so.1 (or $MDL_LIBCUDA) is opened once per path (and never closed: the driver and
+// the CUDA runtime inside cuBLASLt do not support being unloaded); every entry point is resolved
+// through cuGetProcAddress (cuGetProcAddress_v2, else the older four-argument form) at the ABI of
+// CUDA 12.0, whose signatures the declarations below follow; a driver without cuGetProcAddress is
+// searched with dlsym under the versioned names of that ABI ("cuMemAlloc_v2"). Entry points that are
+// missing stay NULL: probing needs only cuInit and the device queries, the engine needs them all.
+// The engine uses the device's primary context, the one the CUDA runtime inside cuBLASLt also uses.
+// Every failing call is reported as "function: CUDA_ERROR_NAME" in one line.
+//
+// cuBLASLt. libcublasLt.so.13 (or libcublasLt.so, or $MDL_LIBCUBLASLT; also looked for under
+// /usr/local/cuda/lib64). Our matrices are row-major and cuBLASLt's column-major, so row-major
+// C[m,n] = op(A) op(B) is computed as the column-major C^T[n,m] = op(B)^T op(A)^T: the operands
+// swap places, m and n swap, and the leading dimensions stay. In that view a bias over the columns
+// of C is a bias over the rows of C^T, which is what the BIAS epilogue adds, and GELU's
+// pre-activation (which the backward reads) goes to the epilogue's aux output. (No BGRAD epilogue:
+// the fusion pass keeps a bias gradient as a reduction step of its own.) The element types of a
+// GEMM are fields of its descriptor, taken from the IR (the matmul's operands and result: fp32 now,
+// bf16 operands with fp32 accumulation once the precision pass assigns them); the heuristic picks
+// one algorithm per GEMM when the engine is built, so capture and replay do no searching.
+//
+// The step. Parameters are initialised on the host exactly as the interpreter does and copied up;
+// the AdamW moments start at zero. Inputs and the lr/step scalars are staged on the host and copied
+// into their arena slots before each replay. The launches of the plan (kernels, GEMMs) are captured
+// once from one stream into a CUDA Graph, instantiated, and replayed every step. Every transfer goes
+// through that same (non-blocking) stream and is waited for, so it is ordered with the steps without
+// the legacy default stream; a step ends with a stream synchronisation, then the kernels' status is
+// read back.
+#include "cuda.h"
+#include "backend.h"
+#include "emit_cuda.h"
+
+#include <dlfcn.h>
+#include <math.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+//
+// The driver API: the few types and functions we use (from cuda.h, CUDA 12.0 ABI).
+//
+typedef int CUresult;
+typedef int CUdevice;
+typedef unsigned long long CUdeviceptr;
+typedef struct CUctx_st *CUcontext;
+typedef struct CUmod_st *CUmodule;
+typedef struct CUfunc_st *CUfunction;
+typedef struct CUstream_st *CUstream;
+typedef struct CUgraph_st *CUgraph;
+typedef struct CUgraphExec_st *CUgraphExec;
+
+enum {
+  CUDA_SUCCESS = 0,
+  CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT = 16,
+  CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR = 75,
+  CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR = 76,
+  CU_STREAM_NON_BLOCKING = 1,
+  CU_STREAM_CAPTURE_MODE_THREAD_LOCAL = 1,
+  CU_GET_PROC_ADDRESS_DEFAULT = 0,
+  CUDA_ABI_VERSION = 12000, // the driver ABI the declarations below follow
+};
+
+// name, versioned name (dlsym fallback), parameters
+#define CU_FUNCTIONS(X)                                                                                     \
+  X(cuInit, "cuInit", (unsigned int flags))                                                                 \
+  X(cuDriverGetVersion, "cuDriverGetVersion", (int *version))                                               \
+  X(cuGetErrorName, "cuGetErrorName", (CUresult error, const char **name))                                  \
+  X(cuDeviceGetCount, "cuDeviceGetCount", (int *count))                                                     \
+  X(cuDeviceGet, "cuDeviceGet", (CUdevice * dev, int ordinal))                                              \
+  X(cuDeviceGetAttribute, "cuDeviceGetAttribute", (int *value, int attribute, CUdevice dev))                \
+  X(cuDeviceGetName, "cuDeviceGetName", (char *name, int len, CUdevice dev))                                \
+  X(cuDeviceTotalMem, "cuDeviceTotalMem_v2", (size_t * bytes, CUdevice dev))                                \
+  X(cuDevicePrimaryCtxRetain, "cuDevicePrimaryCtxRetain", (CUcontext * ctx, CUdevice dev))                  \
+  X(cuDevicePrimaryCtxRelease, "cuDevicePrimaryCtxRelease_v2", (CUdevice dev))                              \
+  X(cuCtxSetCurrent, "cuCtxSetCurrent", (CUcontext ctx))                                                    \
+  X(cuModuleLoadData, "cuModuleLoadData", (CUmodule * mod, const void *image))                              \
+  X(cuModuleUnload, "cuModuleUnload", (CUmodule mod))                                                       \
+  X(cuModuleGetFunction, "cuModuleGetFunction", (CUfunction * fn, CUmodule mod, const char *name))          \
+  X(cuMemAlloc, "cuMemAlloc_v2", (CUdeviceptr * ptr, size_t bytes))                                         \
+  X(cuMemFree, "cuMemFree_v2", (CUdeviceptr ptr))                                                           \
+  X(cuMemGetInfo, "cuMemGetInfo_v2", (size_t * free_bytes, size_t *total_bytes))                            \
+  X(cuMemsetD8Async, "cuMemsetD8Async", (CUdeviceptr dst, unsigned char value, size_t n, CUstream s))       \
+  X(cuMemcpyDtoHAsync, "cuMemcpyDtoHAsync_v2", (void *dst, CUdeviceptr src, size_t bytes, CUstream s))   \
+  X(cuMemcpyHtoDAsync, "cuMemcpyHtoDAsync_v2", (CUdeviceptr dst, const void *src, size_t bytes, CUstream s)) \
+  X(cuStreamCreate, "cuStreamCreate", (CUstream * s, unsigned int flags))                                   \
+  X(cuStreamDestroy, "cuStreamDestroy_v2", (CUstream s))                                                    \
+  X(cuStreamSynchronize, "cuStreamSynchronize", (CUstream s))                                               \
+  X(cuLaunchKernel, "cuLaunchKernel",                                                                       \
+    (CUfunction fn, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz,           \
+     unsigned shared, CUstream s, void **params, void **extra))                                             \
+  X(cuStreamBeginCapture, "cuStreamBeginCapture_v2", (CUstream s, int mode))                                \
+  X(cuStreamEndCapture, "cuStreamEndCapture", (CUstream s, CUgraph * graph))                                \
+  X(cuGraphInstantiateWithFlags, "cuGraphInstantiateWithFlags",                                             \
+    (CUgraphExec * exec, CUgraph graph, unsigned long long flags))                                          \
+  X(cuGraphLaunch, "cuGraphLaunch", (CUgraphExec exec, CUstream s))                                         \
+  X(cuGraphExecDestroy, "cuGraphExecDestroy", (CUgraphExec exec))                                           \
+  X(cuGraphDestroy, "cuGraphDestroy", (CUgraph graph))
+
+typedef struct {
+  void *so;
+  char path[512];
+#define X(name, versioned, params) CUresult(*name) params;
+  CU_FUNCTIONS(X)
+#undef X
+} Driver;
+
+static Driver drv;
+
+static bool fail(char *err, size_t n, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
+static bool fail(char *err, size_t n, const char *fmt, ...) {
+  if (err && n) {
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(err, n, fmt, ap);
+    va_end(ap);
+  }
+  return false;
+}
+
+static const char *cu_error_name(CUresult r) {
+  const char *name = NULL;
+  if (drv.cuGetErrorName && drv.cuGetErrorName(r, &name) == CUDA_SUCCESS && name)
+    return name;
+  static char buf[32];
+  snprintf(buf, sizeof buf, "CUresult %d", r);
+  return buf;
+}
+
+// "function: CUDA_ERROR_NAME" into err when r is not CUDA_SUCCESS.
+static bool cu_ok(CUresult r, const char *fn, char *err, size_t n) {
+  return r == CUDA_SUCCESS || fail(err, n, "%s: %s", fn, cu_error_name(r));
+}
+#define CU(err, n, fn, ...) cu_ok(drv.fn(__VA_ARGS__), #fn, err, n)
+
+typedef CUresult (*GetProcAddress2)(const char *, void **, int, unsigned long long, int *);
+typedef CUresult (*GetProcAddress1)(const char *, void **, int, unsigned long long);
+
+// Opens the driver at `path` (once per path) and resolves every entry point it has.
+static bool driver_open(const char *path, char *why, size_t n) {
+  if (drv.so && !strcmp(drv.path, path))
+    return true;
+  void *so = dlopen(path, RTLD_NOW | RTLD_LOCAL);
+  if (!so) {
+    if (!strcmp(path, "libcuda.so.1"))
+      return fail(why, n, "no CUDA driver (libcuda.so.1 not found)");
+    return fail(why, n, "no CUDA driver (%s)", dlerror());
+  }
+  drv = (Driver){.so = so};
+  snprintf(drv.path, sizeof drv.path, "%s", path);
+  GetProcAddress2 gpa2 = (GetProcAddress2)dlsym(so, "cuGetProcAddress_v2");
+  GetProcAddress1 gpa1 = (GetProcAddress1)dlsym(so, "cuGetProcAddress");
+  struct {
+    const char *name, *versioned;
+    void **slot;
+  } fns[] = {
+#define X(name, versioned, params) {#name, versioned, (void **)&drv.name},
+      CU_FUNCTIONS(X)
+#undef X
+  };
+  for (size_t i = 0; i < sizeof fns / sizeof *fns; i++) {
+    void *p = NULL;
+    int status = 0;
+    if (gpa2) {
+      if (gpa2(fns[i].name, &p, CUDA_ABI_VERSION, CU_GET_PROC_ADDRESS_DEFAULT, &status) != CUDA_SUCCESS || status)
+        p = NULL;
+    } else if (gpa1) {
+      if (gpa1(fns[i].name, &p, CUDA_ABI_VERSION, CU_GET_PROC_ADDRESS_DEFAULT) != CUDA_SUCCESS)
+        p = NULL;
+    } else {
+      p = dlsym(so, fns[i].versioned);
+    }
+    *fns[i].slot = p;
+  }
+  return true;
+}
+
+// The driver initialised, with at least one device: device 0's properties.
+static bool driver_device(CudaDevice *d, char *why, size_t n) {
+  const char *env = getenv("MDL_LIBCUDA");
+  if (!driver_open(env && *env ? env : "libcuda.so.1", why, n))
+    return false;
+  if (!drv.cuInit || !drv.cuDeviceGetCount)
+    return fail(why, n, "no usable CUDA driver (%s lacks cuInit or cuDeviceGetCount)", drv.path);
+  CUresult r = drv.cuInit(0);
+  if (r != CUDA_SUCCESS) {
+    const char *name = cu_error_name(r);
+    if (!strcmp(name, "CUDA_ERROR_NO_DEVICE"))
+      return fail(why, n, "no CUDA device (cuInit: %s)", name);
+    return fail(why, n, "no usable CUDA driver (cuInit: %s)", name);
+  }
+  int count = 0;
+  if (!CU(why, n, cuDeviceGetCount, &count))
+    return false;
+  if (count < 1)
+    return fail(why, n, "no CUDA device");
+  if (!drv.cuDeviceGet || !drv.cuDeviceGetAttribute)
+    return fail(why, n, "no usable CUDA driver (%s lacks cuDeviceGet or cuDeviceGetAttribute)", drv.path);
+  *d = (CudaDevice){0};
+  int major = 0, minor = 0;
+  if (!CU(why, n, cuDeviceGet, &d->ordinal, 0) ||
+      !CU(why, n, cuDeviceGetAttribute, &major, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, d->ordinal) ||
+      !CU(why, n, cuDeviceGetAttribute, &minor, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, d->ordinal))
+    return false;
+  snprintf(d->arch, sizeof d->arch, "sm_%d%d", major, minor);
+  snprintf(d->name, sizeof d->name, "CUDA device 0");
+  if (drv.cuDeviceGetName)
+    drv.cuDeviceGetName(d->name, (int)sizeof d->name, d->ordinal);
+  if (drv.cuDeviceGetAttribute(&d->sm_count, CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, d->ordinal) != CUDA_SUCCESS)
+    d->sm_count = 0;
+  if (!drv.cuDeviceTotalMem || drv.cuDeviceTotalMem(&d->total_bytes, d->ordinal) != CUDA_SUCCESS)
+    d->total_bytes = 0;
+  if (!drv.cuDriverGetVersion || drv.cuDriverGetVersion(&d->driver_version) != CUDA_SUCCESS)
+    d->driver_version = 0;
+  return true;
+}
+
+bool cuda_device(CudaDevice *d, char *why, size_t n) { return driver_device(d, why, n); }
+
+bool cuda_probe(char *why, size_t n) {
+  CudaDevice d;
+  if (!driver_device(&d, why, n))
+    return false;
+  snprintf(why, n, "%s (%s, %d SMs, %.1f GiB, driver %d.%d)", d.name, d.arch, d.sm_count,
+           (double)d.total_bytes / (1 << 30), d.driver_version / 1000, d.driver_version % 1000 / 10);
+  return true;
+}
+
+bool cuda_available(char *why, size_t n) {
+  if (!cuda_probe(why, n))
+    return false;
+  char line[256];
+  snprintf(line, sizeof line, "%s", why);
+  if (!nvrtc_available(why, n))
+    return false;
+  snprintf(why, n, "%s", line);
+  return true;
+}
+
+//
+// cuBLASLt: the few types and functions we use (from cublasLt.h).
+//
+typedef int cublasStatus_t;
+typedef struct cublasLtContext *cublasLtHandle_t;
+typedef struct cublasLtMatmulDescOpaque *cublasLtMatmulDesc_t;
+typedef struct cublasLtMatrixLayoutOpaque *cublasLtMatrixLayout_t;
+typedef struct cublasLtMatmulPreferenceOpaque *cublasLtMatmulPreference_t;
+typedef struct {
+  uint64_t data[8];
+} cublasLtMatmulAlgo_t;
+typedef struct {
+  cublasLtMatmulAlgo_t algo;
+  size_t workspaceSize;
+  cublasStatus_t state;
+  float wavesCount;
+  int reserved[4];
+} cublasLtMatmulHeuristicResult_t;
+
+enum {
+  CUBLAS_STATUS_SUCCESS = 0,
+  CUBLAS_COMPUTE_32F = 68,
+  CUDA_R_32F = 0,
+  CUDA_R_16BF = 14,
+  CUDA_R_8F_E4M3 = 28,
+  CUBLAS_OP_N = 0,
+  CUBLAS_OP_T = 1,
+  CUBLASLT_MATMUL_DESC_TRANSA = 3,
+  CUBLASLT_MATMUL_DESC_TRANSB = 4,
+  CUBLASLT_MATMUL_DESC_EPILOGUE = 7,
+  CUBLASLT_MATMUL_DESC_BIAS_POINTER = 8,
+  CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER = 11,
+  CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD = 12,
+  CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_BATCH_STRIDE = 13,
+  CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE = 26,
+  CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT = 5,
+  CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET = 6,
+  CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES = 1,
+  CUBLASLT_EPILOGUE_DEFAULT = 1,
+  CUBLASLT_EPILOGUE_BIAS = 4,
+  CUBLASLT_EPILOGUE_GELU = 32,
+  CUBLASLT_EPILOGUE_GELU_AUX = 32 | 128,
+  CUBLASLT_EPILOGUE_GELU_BIAS = 32 | 4,
+  CUBLASLT_EPILOGUE_GELU_AUX_BIAS = 32 | 128 | 4,
+  LT_WORKSPACE_BYTES = 32 << 20, // what cuBLASLt asks for on Hopper
+};
+
+#define LT_FUNCTIONS(X)                                                                                        \
+  X(cublasStatus_t, cublasLtCreate, (cublasLtHandle_t * h))                                                   \
+  X(cublasStatus_t, cublasLtDestroy, (cublasLtHandle_t h))                                                    \
+  X(const char *, cublasLtGetStatusName, (cublasStatus_t s))                                                  \
+  X(size_t, cublasLtGetVersion, (void))                                                                       \
+  X(cublasStatus_t, cublasLtMatmulDescCreate, (cublasLtMatmulDesc_t * d, int compute, int scale))            \
+  X(cublasStatus_t, cublasLtMatmulDescSetAttribute, (cublasLtMatmulDesc_t d, int attr, const void *v, size_t n)) \
+  X(cublasStatus_t, cublasLtMatmulDescDestroy, (cublasLtMatmulDesc_t d))                                      \
+  X(cublasStatus_t, cublasLtMatrixLayoutCreate,                                                               \
+    (cublasLtMatrixLayout_t * l, int type, uint64_t rows, uint64_t cols, int64_t ld))                         \
+  X(cublasStatus_t, cublasLtMatrixLayoutSetAttribute,                                                         \
+    (cublasLtMatrixLayout_t l, int attr, const void *v, size_t n))                                            \
+  X(cublasStatus_t, cublasLtMatrixLayoutDestroy, (cublasLtMatrixLayout_t l))                                  \
+  X(cublasStatus_t, cublasLtMatmulPreferenceCreate, (cublasLtMatmulPreference_t * p))                         \
+  X(cublasStatus_t, cublasLtMatmulPreferenceSetAttribute,                                                     \
+    (cublasLtMatmulPreference_t p, int attr, const void *v, size_t n))                                        \
+  X(cublasStatus_t, cublasLtMatmulPreferenceDestroy, (cublasLtMatmulPreference_t p))                          \
+  X(cublasStatus_t, cublasLtMatmulAlgoGetHeuristic,                                                           \
+    (cublasLtHandle_t h, cublasLtMatmulDesc_t d, cublasLtMatrixLayout_t a, cublasLtMatrixLayout_t b,          \
+     cublasLtMatrixLayout_t c, cublasLtMatrixLayout_t dl, cublasLtMatmulPreference_t p, int want,             \
+     cublasLtMatmulHeuristicResult_t *res, int *got))                                                         \
+  X(cublasStatus_t, cublasLtMatmul,                                                                           \
+    (cublasLtHandle_t h, cublasLtMatmulDesc_t d, const void *alpha, const void *a, cublasLtMatrixLayout_t al, \
+     const void *b, cublasLtMatrixLayout_t bl, const void *beta, const void *c, cublasLtMatrixLayout_t cl,    \
+     void *dd, cublasLtMatrixLayout_t dl, const cublasLtMatmulAlgo_t *algo, void *ws, size_t wsn, CUstream s))
+
+typedef struct {
+  void *so;
+  char path[512]; // what $MDL_LIBCUBLASLT named when it was opened ("" for the default places)
+#define X(ret, name, params) ret(*name) params;
+  LT_FUNCTIONS(X)
+#undef X
+} Lt;
+
+static Lt lt;
+
+static bool lt_ok(cublasStatus_t s, const char *fn, char *err, size_t n) {
+  if (s == CUBLAS_STATUS_SUCCESS)
+    return true;
+  const char *name = lt.cublasLtGetStatusName ? lt.cublasLtGetStatusName(s) : NULL;
+  return fail(err, n, "%s: %s", fn, name ? name : "unknown cuBLAS status");
+}
+#define LT(err, n, fn, ...) lt_ok(lt.fn(__VA_ARGS__), #fn, err, n)
+
+// Opens cuBLASLt (once per $MDL_LIBCUBLASLT) and resolves every function we use.
+static bool lt_open(char *err, size_t n) {
+  const char *env = getenv("MDL_LIBCUBLASLT");
+  env = env ? env : "";
+  if (lt.so && !strcmp(lt.path, env))
+    return true;
+  const char *paths[] = {*env ? env : "libcublasLt.so.13", "libcublasLt.so", "/usr/local/cuda/lib64/libcublasLt.so.13",
+                         "/usr/local/cuda/lib64/libcublasLt.so"};
+  void *so = NULL;
+  for (size_t i = 0; i < (*env ? 1 : sizeof paths / sizeof *paths) && !so; i++)
+    so = dlopen(paths[i], RTLD_NOW | RTLD_LOCAL);
+  if (!so)
+    return *env ? fail(err, n, "cuBLASLt not found (%s)", dlerror())
+                : fail(err, n, "cuBLASLt not found (libcublasLt.so.13, libcublasLt.so, /usr/local/cuda/lib64)");
+  Lt t = {.so = so};
+  snprintf(t.path, sizeof t.path, "%s", env);
+#define X(ret, name, params)                                                                                   \
+  if (!(*(void **)&t.name = dlsym(so, #name))) {                                                               \
+    dlclose(so);                                                                                               \
+    return fail(err, n, "cuBLASLt lacks %s", #name);                                                           \
+  }
+  LT_FUNCTIONS(X)
+#undef X
+  lt = t;
+  return true;
+}
+
+static int lt_type(DType t) { return t == DT_BF16 ? CUDA_R_16BF : t == DT_F8E4M3 ? CUDA_R_8F_E4M3 : CUDA_R_32F; }
+
+// One GEMM ready to run: its element types, descriptors and the algorithm the heuristic chose, all
+// in cuBLASLt's column-major view (operands swapped, see the top of the file).
+typedef struct {
+  DType operands, result;
+  cublasLtMatmulDesc_t desc;
+  cublasLtMatrixLayout_t la, lb, lc;
+  cublasLtMatmulAlgo_t algo;
+  CUdeviceptr a, b, c; // cuBLASLt's A (our B), B (our A), C = D
+  float beta;
+} LtGemm;
+
+static void lt_gemm_free(LtGemm *q) {
+  if (q->desc)
+    lt.cublasLtMatmulDescDestroy(q->desc);
+  if (q->la)
+    lt.cublasLtMatrixLayoutDestroy(q->la);
+  if (q->lb)
+    lt.cublasLtMatrixLayoutDestroy(q->lb);
+  if (q->lc)
+    lt.cublasLtMatrixLayoutDestroy(q->lc);
+  *q = (LtGemm){0};
+}
+
+static bool lt_layout(cublasLtMatrixLayout_t *l, int type, int64_t rows, int64_t cols, int64_t ld, int32_t batch,
+                      int64_t stride, char *err, size_t n) {
+  return LT(err, n, cublasLtMatrixLayoutCreate, l, type, (uint64_t)rows, (uint64_t)cols, ld) &&
+         (batch <= 1 ||
+          (LT(err, n, cublasLtMatrixLayoutSetAttribute, *l, CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &batch, sizeof batch) &&
+           LT(err, n, cublasLtMatrixLayoutSetAttribute, *l, CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, &stride,
+              sizeof stride)));
+}
+
+// Builds the descriptors of row-major C = op(A) op(B) (+ epilogue) on the arena at `base` and asks
+// the heuristic for an algorithm that fits the workspace.
+static bool lt_gemm_new(LtGemm *q, cublasLtHandle_t h, const CudaGemm *gm, DType operands, DType result,
+                        CUdeviceptr base, char *err, size_t n) {
+  *q = (LtGemm){.operands = operands, .result = result, .a = base + (CUdeviceptr)gm->b,
+                .b = base + (CUdeviceptr)gm->a, .c = base + (CUdeviceptr)gm->c, .beta = gm->beta};
+  int ab = lt_type(q->operands), cd = lt_type(q->result);
+  int32_t ta = gm->tb ? CUBLAS_OP_T : CUBLAS_OP_N, tb = gm->ta ? CUBLAS_OP_T : CUBLAS_OP_N;
+  int32_t batch = (int32_t)(gm->batch > 1 ? gm->batch : 1);
+  // A row-major [r, c] matrix with leading dimension ld is the column-major [c, r] one with the same
+  // ld: cuBLASLt's A (our B, [k, n] or [n, k] when tb) and B (our A, [m, k] or [k, m] when ta).
+  int64_t a_rows = gm->tb ? gm->k : gm->n, a_cols = gm->tb ? gm->n : gm->k;
+  int64_t b_rows = gm->ta ? gm->m : gm->k, b_cols = gm->ta ? gm->k : gm->m;
+  uint32_t epi = CUBLASLT_EPILOGUE_DEFAULT;
+  switch (gm->epilogue) {
+  case CUDA_EPI_NONE: break;
+  case CUDA_EPI_BIAS: epi = CUBLASLT_EPILOGUE_BIAS; break;
+  case CUDA_EPI_GELU: epi = gm->aux >= 0 ? CUBLASLT_EPILOGUE_GELU_AUX : CUBLASLT_EPILOGUE_GELU; break;
+  case CUDA_EPI_BIAS_GELU: epi = gm->aux >= 0 ? CUBLASLT_EPILOGUE_GELU_AUX_BIAS : CUBLASLT_EPILOGUE_GELU_BIAS; break;
+  }
+  void *bias = gm->bias >= 0 ? (void *)(uintptr_t)(base + (CUdeviceptr)gm->bias) : NULL;
+  void *aux = gm->aux >= 0 ? (void *)(uintptr_t)(base + (CUdeviceptr)gm->aux) : NULL;
+  int64_t aux_ld = gm->ldc;
+  int32_t bias_type = CUDA_R_32F;
+  bool ok = LT(err, n, cublasLtMatmulDescCreate, &q->desc, CUBLAS_COMPUTE_32F, CUDA_R_32F) &&
+            LT(err, n, cublasLtMatmulDescSetAttribute, q->desc, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof ta) &&
+            LT(err, n, cublasLtMatmulDescSetAttribute, q->desc, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof tb) &&
+            LT(err, n, cublasLtMatmulDescSetAttribute, q->desc, CUBLASLT_MATMUL_DESC_EPILOGUE, &epi, sizeof epi) &&
+            (!bias || (LT(err, n, cublasLtMatmulDescSetAttribute, q->desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias,
+                          sizeof bias) &&
+                       LT(err, n, cublasLtMatmulDescSetAttribute, q->desc, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE,
+                          &bias_type, sizeof bias_type))) &&
+            (!aux || (LT(err, n, cublasLtMatmulDescSetAttribute, q->desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER,
+                         &aux, sizeof aux) &&
+                      LT(err, n, cublasLtMatmulDescSetAttribute, q->desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD,
+                         &aux_ld, sizeof aux_ld) &&
+                      (batch <= 1 || LT(err, n, cublasLtMatmulDescSetAttribute, q->desc,
+                                        CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_BATCH_STRIDE, &gm->stride_c,
+                                        sizeof gm->stride_c)))) &&
+            lt_layout(&q->la, ab, a_rows, a_cols, gm->ldb, batch, gm->stride_b, err, n) &&
+            lt_layout(&q->lb, ab, b_rows, b_cols, gm->lda, batch, gm->stride_a, err, n) &&
+            lt_layout(&q->lc, cd, gm->n, gm->m, gm->ldc, batch, gm->stride_c, err, n);
+  if (!ok) {
+    lt_gemm_free(q);
+    return false;
+  }
+  cublasLtMatmulPreference_t pref = NULL;
+  uint64_t ws = LT_WORKSPACE_BYTES;
+  cublasLtMatmulHeuristicResult_t res;
+  int got = 0;
+  ok = LT(err, n, cublasLtMatmulPreferenceCreate, &pref) &&
+       LT(err, n, cublasLtMatmulPreferenceSetAttribute, pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws,
+          sizeof ws) &&
+       LT(err, n, cublasLtMatmulAlgoGetHeuristic, h, q->desc, q->la, q->lb, q->lc, q->lc, pref, 1, &res, &got);
+  if (pref)
+    lt.cublasLtMatmulPreferenceDestroy(pref);
+  if (ok && got < 1)
+    ok = fail(err, n, "cublasLtMatmulAlgoGetHeuristic: no algorithm");
+  if (!ok) {
+    lt_gemm_free(q);
+    return false;
+  }
+  q->algo = res.algo;
+  return true;
+}
+
+static bool lt_gemm_run(const LtGemm *q, cublasLtHandle_t h, CUdeviceptr ws, CUstream s, char *err, size_t n) {
+  const float one = 1.0f;
+  return LT(err, n, cublasLtMatmul, h, q->desc, &one, (const void *)(uintptr_t)q->a, q->la,
+            (const void *)(uintptr_t)q->b, q->lb, &q->beta, (const void *)(uintptr_t)q->c, q->lc,
+            (void *)(uintptr_t)q->c, q->lc, &q->algo, (void *)(uintptr_t)ws, LT_WORKSPACE_BYTES, s);
+}
+
+//
+// The engine.
+//
+typedef struct {
+  Engine e;
+  const MemPlan *m;
+  const CudaPlan *plan;
+  CudaDevice dev;
+  CUcontext ctx;
+  CUmodule mod;
+  CUstream stream;
+  CUdeviceptr arena, status, workspace;
+  cublasLtHandle_t lt;
+  LtGemm *gemms;      // per CudaPlan.gemms
+  CUfunction *fns;    // per CudaPlan.launches (NULL for a GEMM)
+  CUgraph graph;
+  CUgraphExec exec;
+  char *staging;      // host copy of the inputs and scalars, arena bytes [lo, hi)
+  int64_t lo, hi;
+} CudaEngine;
+
+static double now(void) {
+  struct timespec t;
+  clock_gettime(CLOCK_MONOTONIC, &t);
+  return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
+}
+
+static bool staged(const IrNode *nd) { return nd->op == OP_INPUT || nd->op == OP_SCALAR; }
+
+static bool cu_set_input(Engine *e, const char *name, const int32_t *ids, const float *f, int64_t n) {
+  CudaEngine *ce = (CudaEngine *)e;
+  bool found = false;
+  for (int i = 0; i < e->g->n; i++) {
+    const IrNode *nd = e->g->nodes[i];
+    if (nd->op != OP_INPUT || !nd->name || strcmp(nd->name, name) || ce->m->offset[i] < 0)
+      continue;
+    bool i32 = nd->dtype == DT_I32;
+    if (n != shape_numel(nd->shape) || (i32 ? !ids : !f))
+      return false;
+    memcpy(ce->staging + (ce->m->offset[i] - ce->lo), i32 ? (const void *)ids : (const void *)f, (size_t)n * 4);
+    found = true;
+  }
+  return found;
+}
+
+static void cu_set_scalar(Engine *e, const char *name, double v) {
+  CudaEngine *ce = (CudaEngine *)e;
+  for (int i = 0; i < e->g->n; i++) {
+    const IrNode *nd = e->g->nodes[i];
+    if (nd->op == OP_SCALAR && nd->name && !strcmp(nd->name, name) && ce->m->offset[i] >= 0)
+      for (int64_t j = 0; j < shape_numel(nd->shape); j++)
+        ((float *)(ce->staging + (ce->m->offset[i] - ce->lo)))[j] = (float)v;
+  }
+}
+
+// Copies between the host and the arena, on the engine's stream, waited for.
+static bool upload(CudaEngine *ce, int64_t offset, const void *src, size_t bytes, char *err, size_t n) {
+  return CU(err, n, cuMemcpyHtoDAsync, ce->arena + (CUdeviceptr)offset, src, bytes, ce->stream) &&
+         CU(err, n, cuStreamSynchronize, ce->stream);
+}
+
+static bool download(CudaEngine *ce, void *dst, CUdeviceptr src, size_t bytes, char *err, size_t n) {
+  return CU(err, n, cuMemcpyDtoHAsync, dst, src, bytes, ce->stream) && CU(err, n, cuStreamSynchronize, ce->stream);
+}
+
+// Inputs and scalars up, the graph replayed, the stream drained, then the kernels' status checked.
+static bool cu_step(Engine *e, char *err, size_t n) {
+  CudaEngine *ce = (CudaEngine *)e;
+  MdlStatus st;
+  if ((ce->hi > ce->lo &&
+       !CU(err, n, cuMemcpyHtoDAsync, ce->arena + (CUdeviceptr)ce->lo, ce->staging, (size_t)(ce->hi - ce->lo),
+           ce->stream)) ||
+      !CU(err, n, cuGraphLaunch, ce->exec, ce->stream) || !download(ce, &st, ce->status, sizeof st, err, n))
+    return false;
+  if (st.set)
+    return fail(err, n, "%s %lld out of range [0, %lld)", cuda_error_what(st.code), st.value, st.limit);
+  return true;
+}
+
+// A value the plan keeps inside a kernel (never written to memory) reads as NaN, as on the CPU.
+static void cu_read(Engine *e, int node, float *dst) {
+  CudaEngine *ce = (CudaEngine *)e;
+  int64_t count = shape_numel(e->g->nodes[node]->shape);
+  char err[256];
+  if (ce->m->offset[node] >= 0) {
+    if (download(ce, dst, ce->arena + (CUdeviceptr)ce->m->offset[node], sizeof(float) * (size_t)count, err,
+                 sizeof err))
+      return;
+    fprintf(stderr, "mdlc: cuda: %s\n", err);
+  }
+  for (int64_t i = 0; i < count; i++)
+    dst[i] = NAN;
+}
+
+static void cu_write(Engine *e, int node, const float *src) {
+  CudaEngine *ce = (CudaEngine *)e;
+  char err[256];
+  if (ce->m->offset[node] >= 0 &&
+      !upload(ce, ce->m->offset[node], src, sizeof(float) * (size_t)shape_numel(e->g->nodes[node]->shape), err,
+              sizeof err))
+    fprintf(stderr, "mdlc: cuda: %s\n", err);
+}
+
+static void cu_free(Engine *e) {
+  CudaEngine *ce = (CudaEngine *)e;
+  if (ce->stream)
+    drv.cuStreamSynchronize(ce->stream);
+  if (ce->exec)
+    drv.cuGraphExecDestroy(ce->exec);
+  if (ce->graph)
+    drv.cuGraphDestroy(ce->graph);
+  for (int i = 0; ce->gemms && i < ce->plan->ngemms; i++)
+    lt_gemm_free(&ce->gemms[i]);
+  if (ce->lt)
+    lt.cublasLtDestroy(ce->lt);
+  if (ce->stream)
+    drv.cuStreamDestroy(ce->stream);
+  CUdeviceptr bufs[] = {ce->arena, ce->status, ce->workspace};
+  for (size_t i = 0; i < sizeof bufs / sizeof *bufs; i++)
+    if (bufs[i])
+      drv.cuMemFree(bufs[i]);
+  if (ce->mod)
+    drv.cuModuleUnload(ce->mod);
+  if (ce->ctx)
+    drv.cuDevicePrimaryCtxRelease(ce->dev.ordinal);
+  free(ce->gemms);
+  free(ce->fns);
+  free(ce->staging);
+  free(ce);
+}
+
+// The driver has every entry point the engine calls.
+static bool driver_complete(char *err, size_t n) {
+  struct {
+    const char *name;
+    void *fn;
+  } fns[] = {
+#define X(name, versioned, params) {#name, (void *)drv.name},
+      CU_FUNCTIONS(X)
+#undef X
+  };
+  for (size_t i = 0; i < sizeof fns / sizeof *fns; i++)
+    if (!fns[i].fn)
+      return fail(err, n, "the CUDA driver %s lacks %s", drv.path, fns[i].name);
+  return true;
+}
+
+// Parameters as the interpreter initialises them, copied up; the rest of the arena is zero.
+static bool init_arena(CudaEngine *ce, const Graph *g, uint64_t seed, char *err, size_t n) {
+  if (!CU(err, n, cuMemsetD8Async, ce->arena, 0, (size_t)ce->plan->arena_bytes, ce->stream))
+    return false;
+  size_t bytes = (size_t)(ce->m->params + ce->m->param_bytes);
+  char *host = calloc(bytes ? bytes : 1, 1);
+  if (!host)
+    return fail(err, n, "out of host memory for the initial parameters (%zu bytes)", bytes);
+  cpu_init_params(g, ce->m, host, seed);
+  bool ok = upload(ce, ce->m->params, host + ce->m->params, (size_t)ce->m->param_bytes, err, n);
+  free(host);
+  return ok;
+}
+
+// The staging area: the arena bytes from the first input or scalar to the end of the last.
+static bool init_staging(CudaEngine *ce, const Graph *g, char *err, size_t n) {
+  ce->lo = INT64_MAX;
+  ce->hi = 0;
+  for (int i = 0; i < g->n; i++)
+    if (staged(g->nodes[i]) && ce->m->offset[i] >= 0) {
+      int64_t end = ce->m->offset[i] + 4 * shape_numel(g->nodes[i]->shape);
+      ce->lo = ce->m->offset[i] < ce->lo ? ce->m->offset[i] : ce->lo;
+      ce->hi = end > ce->hi ? end : ce->hi;
+    }
+  if (ce->hi <= ce->lo)
+    ce->lo = ce->hi = 0;
+  ce->staging = calloc((size_t)(ce->hi - ce->lo) + 1, 1);
+  return ce->staging || fail(err, n, "out of host memory");
+}
+
+// The element types of a GEMM: its matmul's operands and result in the IR.
+static void gemm_types(const Fusion *f, const CudaGemm *gm, DType *operands, DType *result) {
+  const IrNode *mm = f->g->nodes[f->steps[gm->step].root];
+  *operands = f->g->nodes[mm->in[0]]->dtype;
+  *result = mm->dtype;
+}
+
+// Descriptors and algorithms for every GEMM, each run once eagerly: this checks every call with a
+// precise message before capture, and loads cuBLASLt's kernels outside it.
+static bool init_gemms(CudaEngine *ce, const Fusion *f, char *err, size_t n) {
+  const CudaPlan *p = ce->plan;
+  ce->gemms = calloc((size_t)p->ngemms + 1, sizeof *ce->gemms);
+  if (!ce->gemms)
+    return fail(err, n, "out of host memory");
+  if (!LT(err, n, cublasLtCreate, &ce->lt))
+    return false;
+  for (int i = 0; i < p->ngemms; i++) {
+    const CudaGemm *gm = &p->gemms[i];
+    DType operands, result;
+    gemm_types(f, gm, &operands, &result);
+    char why[256];
+    if (!lt_gemm_new(&ce->gemms[i], ce->lt, gm, operands, result, ce->arena, why, sizeof why) ||
+        !lt_gemm_run(&ce->gemms[i], ce->lt, ce->workspace, ce->stream, why, sizeof why))
+      return fail(err, n, "GEMM %d of step %s (%s[%lld x %lld] = %s%s[%lld x %lld] %s[%lld x %lld]): %s", i,
+                  f->steps[gm->step].name, dtype_name(result), (long long)gm->m, (long long)gm->n,
+                  dtype_name(operands), gm->ta ? "T" : "", (long long)gm->m, (long long)gm->k, gm->tb ? "T" : "",
+                  (long long)gm->k, (long long)gm->n, why);
+  }
+  return CU(err, n, cuStreamSynchronize, ce->stream);
+}
+
+// The whole step, launch by launch, captured from the stream into one graph and instantiated.
+static bool capture(CudaEngine *ce, uint64_t seed, char *err, size_t n) {
+  const CudaPlan *p = ce->plan;
+  ce->fns = calloc((size_t)p->nlaunches + 1, sizeof *ce->fns);
+  if (!ce->fns)
+    return fail(err, n, "out of host memory");
+  for (int i = 0; i < p->nlaunches; i++)
+    if (p->launches[i].kernel && !CU(err, n, cuModuleGetFunction, &ce->fns[i], ce->mod, p->launches[i].kernel))
+      return fail(err + strlen(err), n - strlen(err), " (kernel %s)", p->launches[i].kernel);
+  if (!CU(err, n, cuStreamBeginCapture, ce->stream, CU_STREAM_CAPTURE_MODE_THREAD_LOCAL))
+    return false;
+  bool ok = CU(err, n, cuMemsetD8Async, ce->status, 0, sizeof(MdlStatus), ce->stream);
+  for (int i = 0; ok && i < p->nlaunches; i++) {
+    const CudaLaunch *l = &p->launches[i];
+    if (!l->kernel) {
+      ok = lt_gemm_run(&ce->gemms[l->gemm], ce->lt, ce->workspace, ce->stream, err, n);
+      continue;
+    }
+    int64_t args[CUDA_MAX_ARGS] = {0};
+    memcpy(args, l->args, sizeof(int64_t) * (size_t)l->nargs);
+    CUdeviceptr arena = ce->arena, status = ce->status;
+    int64_t chunk = l->chunk;
+    void *params[] = {&arena, &status, &seed, &chunk, args};
+    ok = CU(err, n, cuLaunchKernel, ce->fns[i], l->grid[0], l->grid[1], l->grid[2], l->block[0], l->block[1],
+            l->block[2], 0, ce->stream, params, NULL);
+    if (!ok)
+      fail(err + strlen(err), n - strlen(err), " (kernel %s)", l->kernel);
+  }
+  char why[256];
+  bool ended = CU(why, sizeof why, cuStreamEndCapture, ce->stream, &ce->graph);
+  if (ok && !ended)
+    ok = fail(err, n, "%s", why);
+  return ok && CU(err, n, cuGraphInstantiateWithFlags, &ce->exec, ce->graph, 0);
+}
+
+Engine *engine_cuda(const Fusion *f, const MemPlan *m, uint64_t seed, char *err, size_t n) {
+  CudaEngine *ce = calloc(1, sizeof *ce);
+  if (!ce) {
+    fail(err, n, "out of host memory");
+    return NULL;
+  }
+  ce->m = m;
+  ce->e = (Engine){.name = "cuda", .g = f->g, .set_input = cu_set_input, .set_scalar = cu_set_scalar,
+                   .step = cu_step, .read = cu_read, .write = cu_write, .free = cu_free};
+  if (!driver_device(&ce->dev, err, n) || !driver_complete(err, n) || !lt_open(err, n) ||
+      !nvrtc_available(err, n)) {
+    free(ce);
+    return NULL;
+  }
+  ce->plan = emit_cuda_plan(f, m, f->g->model ? f->g->model : "model");
+  if (!ce->plan) {
+    fail(err, n, "the CUDA emitter could not emit %s", f->g->model ? f->g->model : "the model");
+    free(ce);
+    return NULL;
+  }
+  NvrtcResult cubin = {0};
+  if (!nvrtc_compile(ce->plan->source, ce->dev.arch, &cubin, err, n)) {
+    free(ce);
+    return NULL;
+  }
+  ce->e.cache_hit = cubin.cache_hit;
+  ce->e.compile_seconds = cubin.seconds;
+  double t0 = now();
+  bool ok = CU(err, n, cuDevicePrimaryCtxRetain, &ce->ctx, ce->dev.ordinal) && CU(err, n, cuCtxSetCurrent, ce->ctx) &&
+            CU(err, n, cuModuleLoadData, &ce->mod, cubin.cubin) &&
+            CU(err, n, cuStreamCreate, &ce->stream, CU_STREAM_NON_BLOCKING) &&
+            CU(err, n, cuMemAlloc, &ce->arena, (size_t)ce->plan->arena_bytes) &&
+            CU(err, n, cuMemAlloc, &ce->status, sizeof(MdlStatus)) &&
+            CU(err, n, cuMemAlloc, &ce->workspace, LT_WORKSPACE_BYTES) && init_arena(ce, f->g, seed, err, n) &&
+            init_staging(ce, f->g, err, n) && init_gemms(ce, f, err, n) && capture(ce, seed, err, n);
+  free(cubin.cubin);
+  if (!ok) {
+    cu_free(&ce->e);
+    return NULL;
+  }
+  size_t free_bytes = 0, total = 0;
+  drv.cuMemGetInfo(&free_bytes, &total);
+  char compiled[64];
+  if (cubin.cache_hit)
+    snprintf(compiled, sizeof compiled, "cubin from the cache");
+  else
+    snprintf(compiled, sizeof compiled, "NVRTC %.2f s", cubin.seconds);
+  printf("cuda: %s (%s): %d kernels and %d GEMMs in one graph of %d launches; %s; arena %.1f MB; "
+         "set up in %.2f s; device memory in use %.2f GiB of %.2f\n",
+         ce->dev.name, ce->dev.arch, ce->plan->nkernels, ce->plan->ngemms, ce->plan->nlaunches, compiled,
+         (double)ce->plan->arena_bytes / 1e6, now() - t0,
+         (double)(total - free_bytes) / (1 << 30), (double)total / (1 << 30));
+  return &ce->e;
+}

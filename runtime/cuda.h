@@ -1,0 +1,30 @@
+// cuda.h: the CUDA back end's runtime (runtime/cuda.c): finding a GPU through the driver (loaded
+// with dlopen, never linked), and the Engine that runs a training step on it as one CUDA Graph of
+// NVRTC-compiled kernels and cuBLASLt GEMMs.
+#ifndef MDL_CUDA_H
+#define MDL_CUDA_H
+#include "mdl.h"
+#include "runtime.h"
+
+typedef struct {
+  int ordinal;          // the driver's device number
+  char name[128];       // "NVIDIA H200"
+  char arch[16];        // "sm_90": what NVRTC compiles for
+  int sm_count;
+  size_t total_bytes;
+  int driver_version;   // 12080 = 12.8
+} CudaDevice;
+
+// The driver (libcuda.so.1, or $MDL_LIBCUDA) initialised and device 0 present. On success `why`
+// describes the device ("NVIDIA H200 (sm_90, 132 SMs, 139.8 GiB, driver 12.8)"); otherwise it says
+// why not in one line: "no CUDA driver (libcuda.so.1 not found)", "no CUDA device", ...
+bool cuda_probe(char *why, size_t n);
+// The same, with the device's properties.
+bool cuda_device(CudaDevice *d, char *why, size_t n);
+// cuda_probe and NVRTC both there: the CUDA back end can run. `why` as for cuda_probe.
+bool cuda_available(char *why, size_t n);
+
+// The CUDA back end for a step plan: parameters initialised from the seed as the interpreter does.
+// NULL with a one-line message in err when there is no GPU or the module does not compile or load.
+Engine *engine_cuda(const Fusion *f, const MemPlan *m, uint64_t seed, char *err, size_t n);
+#endif

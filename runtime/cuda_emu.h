@@ -1,0 +1,242 @@
+// cuda_emu.h: runs CUDA kernels on the CPU, so that the kernels mdlc emits can be tested on machines
+// without a GPU (in the spirit of tinygrad's emulator). Include it before an emitted .cu file and
+// compile the pair as C++17 with g++ (-fopenmp runs blocks on several cores):
+//   g++ -std=c++17 -O1 -fopenmp -include runtime/cuda_emu.h model.cu ...
+// and launch a kernel with mdl_emu::run(grid, block, body, ctx), where body(ctx) calls it once for
+// the current thread.
+//
+// Design. The CUDA keywords become plain C++ (__global__ and __device__ vanish, __shared__ becomes a
+// function-local `static thread_local`, which every thread of a block shares because a block runs on
+// one OS thread). The threads of a block are fibers (ucontext), one per CUDA thread, run round-robin
+// on one OS thread; threadIdx, blockIdx, blockDim and gridDim are thread-locals the scheduler sets
+// before it resumes a fiber. A fiber runs until it waits: __syncthreads waits until every live thread
+// of the block has arrived, a warp shuffle until every live thread of its warp has put its value in
+// the warp's exchange slots (then reads its partner's, and waits once more so that no slot is
+// overwritten before it is read). A thread that returns stops counting for the barriers; a whole pass
+// over the fibers without any arrival, release or exit is a deadlock and aborts. Blocks are
+// independent, so OpenMP runs them in parallel, each OS thread with its own fibers.
+#ifndef MDL_CUDA_EMU_H
+#define MDL_CUDA_EMU_H
+
+#include <math.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <ucontext.h>
+
+#define __global__
+#define __device__
+#define __host__
+#define __forceinline__ inline
+#define __shared__ static thread_local
+#define __launch_bounds__(...)
+
+struct uint3 {
+  unsigned x, y, z;
+};
+struct dim3 {
+  unsigned x, y, z;
+};
+struct __attribute__((aligned(16))) float4 {
+  float x, y, z, w;
+};
+
+inline thread_local uint3 threadIdx, blockIdx;
+inline thread_local dim3 blockDim, gridDim;
+static const int warpSize = 32;
+
+inline float4 make_float4(float x, float y, float z, float w) { return float4{x, y, z, w}; }
+
+// Bit casts, and __expf (the GPU's fast exp; here the exact one).
+inline float __int_as_float(int x) {
+  float f;
+  memcpy(&f, &x, 4);
+  return f;
+}
+inline float __uint_as_float(unsigned x) {
+  float f;
+  memcpy(&f, &x, 4);
+  return f;
+}
+inline unsigned __float_as_uint(float x) {
+  unsigned u;
+  memcpy(&u, &x, 4);
+  return u;
+}
+inline float __expf(float x) { return expf(x); }
+
+inline unsigned long long atomicCAS(unsigned long long *p, unsigned long long expect, unsigned long long desired) {
+  __atomic_compare_exchange_n(p, &expect, desired, false, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST);
+  return expect;
+}
+inline float atomicAdd(float *p, float v) {
+  float old = *p, sum;
+  do
+    sum = old + v;
+  while (!__atomic_compare_exchange(p, &old, &sum, false, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST));
+  return old;
+}
+
+namespace mdl_emu {
+
+enum { STACK = 128 << 10, MAX_THREADS = 1024 };
+
+struct Fiber {
+  ucontext_t ctx;
+  char *stack;
+  bool done;
+  uint3 idx;
+};
+
+struct Barrier {
+  unsigned gen;
+  int count, live;
+};
+
+struct Block {
+  Fiber fibers[MAX_THREADS];
+  ucontext_t sched;
+  int nthreads, cur;
+  Barrier block;
+  Barrier warp[MAX_THREADS / 32];
+  uint64_t slot[MAX_THREADS];
+  unsigned long events;
+  void (*body)(void *);
+  void *ctx;
+};
+
+inline thread_local Block *blk;
+
+inline void yield() {
+  Block *B = blk;
+  swapcontext(&B->fibers[B->cur].ctx, &B->sched);
+}
+
+// Arrives at barrier b and waits until all its live threads have.
+inline void wait(Barrier &b) {
+  Block *B = blk;
+  B->events++;
+  unsigned gen = b.gen;
+  if (++b.count >= b.live) {
+    b.count = 0;
+    b.gen++;
+    return;
+  }
+  while (b.gen == gen)
+    yield();
+}
+
+// A thread that ends leaves its barriers, which may release the threads waiting there.
+inline void leave(Barrier &b) {
+  b.live--;
+  if (b.count > 0 && b.count >= b.live) {
+    b.count = 0;
+    b.gen++;
+  }
+}
+
+inline void trampoline() {
+  Block *B = blk;
+  int t = B->cur;
+  B->body(B->ctx);
+  B->fibers[t].done = true;
+  B->events++;
+  leave(B->block);
+  leave(B->warp[t / 32]);
+}
+
+inline void run_block(Block *B, uint3 bidx, dim3 block) {
+  int n = (int)(block.x * block.y * block.z);
+  B->nthreads = n;
+  B->block = Barrier{0, 0, n};
+  for (int w = 0; w * 32 < n; w++)
+    B->warp[w] = Barrier{0, 0, n - w * 32 < 32 ? n - w * 32 : 32};
+  for (int t = 0; t < n; t++) {
+    Fiber *f = &B->fibers[t];
+    if (!f->stack && !(f->stack = (char *)malloc(STACK))) {
+      fprintf(stderr, "cuda_emu: out of memory for fiber stacks\n");
+      abort();
+    }
+    getcontext(&f->ctx);
+    f->ctx.uc_stack.ss_sp = f->stack;
+    f->ctx.uc_stack.ss_size = STACK;
+    f->ctx.uc_link = &B->sched;
+    makecontext(&f->ctx, trampoline, 0);
+    f->done = false;
+    f->idx = uint3{(unsigned)t % block.x, (unsigned)t / block.x % block.y, (unsigned)t / (block.x * block.y)};
+  }
+  blockIdx = bidx;
+  blockDim = block;
+  for (int live = n; live > 0;) {
+    unsigned long before = B->events;
+    live = 0;
+    for (int t = 0; t < n; t++) {
+      if (B->fibers[t].done)
+        continue;
+      B->cur = t;
+      threadIdx = B->fibers[t].idx;
+      swapcontext(&B->sched, &B->fibers[t].ctx);
+      live += !B->fibers[t].done;
+    }
+    if (live && B->events == before) {
+      fprintf(stderr, "cuda_emu: deadlock in block (%u, %u, %u): threads wait at barriers that never fill\n",
+              bidx.x, bidx.y, bidx.z);
+      abort();
+    }
+  }
+}
+
+// Runs body(ctx) once per thread of every block of the grid.
+inline void run(dim3 grid, dim3 block, void (*body)(void *), void *ctx) {
+  long nb = (long)grid.x * grid.y * grid.z;
+  if (block.x * block.y * block.z > MAX_THREADS || block.x * block.y * block.z == 0) {
+    fprintf(stderr, "cuda_emu: bad block size %u x %u x %u\n", block.x, block.y, block.z);
+    abort();
+  }
+#pragma omp parallel for schedule(dynamic, 1)
+  for (long b = 0; b < nb; b++) {
+    static thread_local Block *mine;
+    if (!mine && !(mine = (Block *)calloc(1, sizeof(Block)))) {
+      fprintf(stderr, "cuda_emu: out of memory\n");
+      abort();
+    }
+    blk = mine;
+    gridDim = grid;
+    mine->body = body;
+    mine->ctx = ctx;
+    run_block(mine, uint3{(unsigned)(b % grid.x), (unsigned)(b / grid.x % grid.y), (unsigned)(b / (grid.x * grid.y))},
+              block);
+  }
+}
+
+// Exchanges v among the lanes of the calling thread's warp: returns the value lane `src` put.
+template <class T> T exchange(T v, unsigned src) {
+  Block *B = blk;
+  int t = B->cur, base = t / 32 * 32;
+  static_assert(sizeof(T) <= sizeof(uint64_t), "shuffle of a value wider than 8 bytes");
+  memcpy(&B->slot[t], &v, sizeof v);
+  wait(B->warp[t / 32]);
+  T r;
+  memcpy(&r, &B->slot[base + (int)src], sizeof r);
+  wait(B->warp[t / 32]);
+  return r;
+}
+
+} // namespace mdl_emu
+
+inline void __syncthreads() { mdl_emu::wait(mdl_emu::blk->block); }
+
+template <class T> T __shfl_xor_sync(unsigned, T v, int mask, int width = 32) {
+  unsigned lane = (unsigned)mdl_emu::blk->cur % 32, src = lane ^ (unsigned)mask;
+  if ((src & ~(unsigned)(width - 1)) != (lane & ~(unsigned)(width - 1)))
+    src = lane;
+  return mdl_emu::exchange(v, src);
+}
+
+template <class T> T __shfl_sync(unsigned, T v, int src, int width = 32) {
+  unsigned lane = (unsigned)mdl_emu::blk->cur % 32;
+  return mdl_emu::exchange(v, (lane & ~(unsigned)(width - 1)) + ((unsigned)src & (unsigned)(width - 1)));
+}
+
+#endif

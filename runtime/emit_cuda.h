@@ -1,0 +1,112 @@
+// emit_cuda.h: the CUDA back end's compiler side. emit_cuda (compiler/emit_cuda.c) turns a step plan
+// into one CUDA C++ translation unit plus a launch schedule; nvrtc.c compiles that text into a cubin
+// (NVRTC loaded at run time, never linked) and caches it on disk. runtime/cuda.c reads a CudaPlan and
+// runs it: it needs no parsing of the generated text.
+//
+// The device arena is MemPlan's arena followed by step-local scratch (reduction partials, attention
+// row statistics, the LM head's logits chunk, values a step keeps to itself): CudaPlan.arena_bytes
+// in all. Every kernel has the same parameters:
+//   extern "C" __global__ void NAME(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o)
+//   - arena:  the device arena (256-byte aligned, as cuMemAlloc returns it);
+//   - status: a zeroed MdlStatus in device memory, set by the first kernel that meets a bad id or
+//             target (code CUDA_ERR_*, the value and the limit): read it back after the step;
+//   - seed:   the run's seed (dropout masks);
+//   - chunk:  CudaLaunch.chunk (the LM head's first row of the chunk, else 0);
+//   - o:      MdlArgs by value, o.b[i] = CudaLaunch.args[i]: byte offsets in the arena of the buffers
+//             the kernel reads and writes. Kernels with the same code (the layers of a model) are
+//             emitted once and launched with different offsets.
+// Kernels size their shared memory statically and are launched with 0 bytes of dynamic shared memory.
+#ifndef MDL_EMIT_CUDA_H
+#define MDL_EMIT_CUDA_H
+#include "mdl.h"
+
+enum { CUDA_MAX_ARGS = 48 }; // MdlArgs.b: the most buffers one kernel addresses
+
+// The layout of the kernels' status argument (the generated prelude declares the same struct).
+typedef struct {
+  unsigned long long set; // 0 until a kernel reports
+  long long code, value, limit;
+} MdlStatus;
+
+enum { CUDA_ERR_NONE, CUDA_ERR_EMBED_ID, CUDA_ERR_TARGET };
+
+// Epilogues cuBLASLt applies to a GEMM: D = A B (+ bias along the rows) (then GELU, tanh form).
+typedef enum { CUDA_EPI_NONE, CUDA_EPI_BIAS, CUDA_EPI_GELU, CUDA_EPI_BIAS_GELU } CudaEpilogue;
+
+// One GEMM, row-major: C = op(A) op(B) + beta C, op = transpose when ta / tb, m x n output, inner
+// dimension k; the same for `batch` matrices at the given strides (elements; 0 = the same matrix for
+// every batch). The epilogue then adds bias[j] to every row (BIAS kinds), writes that value to aux
+// (GELU kinds, when aux >= 0; leading dimension ldc) and applies GELU to C (GELU kinds).
+typedef struct {
+  int step;                  // index in Fusion.steps
+  bool ta, tb;
+  int64_t m, n, k;
+  int64_t lda, ldb, ldc;     // leading dimensions, row-major (elements)
+  int64_t batch;             // >= 1
+  int64_t stride_a, stride_b, stride_c;
+  int64_t a, b, c;           // byte offsets in the device arena
+  float beta;                // 0 or 1
+  CudaEpilogue epilogue;
+  int64_t bias;              // byte offset of bias[n] (BIAS kinds), else -1
+  int64_t aux;               // byte offset of the pre-GELU output (GELU kinds), or -1 when not kept
+} CudaGemm;
+
+// One entry of the schedule: a kernel launch or a GEMM, in the order they must run.
+typedef struct {
+  int step;                  // index in Fusion.steps
+  const char *kernel;        // the kernel's name, or NULL for a GEMM
+  int gemm;                  // index in CudaPlan.gemms, or -1
+  unsigned grid[3], block[3];
+  int shared;                // static shared memory of the kernel, bytes (for reports)
+  int64_t chunk;             // the kernel's chunk argument
+  int nargs;
+  int64_t args[CUDA_MAX_ARGS]; // MdlArgs.b[0..nargs)
+} CudaLaunch;
+
+typedef struct {
+  const char *source;        // the translation unit (also what emit_cuda returns)
+  CudaGemm *gemms;
+  int ngemms;
+  CudaLaunch *launches;
+  int nlaunches;
+  int nkernels;              // distinct kernels in source
+  int64_t scratch;           // where step-local scratch starts (MemPlan's arena size, aligned)
+  int64_t arena_bytes;       // the whole device arena: scratch + the largest step's scratch
+} CudaPlan;
+
+//
+// emit_cuda.c: the CUDA emitter.
+//
+// The whole training step of f's graph as CUDA C++ (for NVRTC, no #include) with its launch schedule.
+// Everything is allocated in f->g's arena; NULL (after a message on stderr) when a step cannot be
+// emitted. source_path only appears in the file's first comment.
+CudaPlan *emit_cuda_plan(const Fusion *f, const MemPlan *m, const char *source_path);
+// The source of emit_cuda_plan alone.
+char *emit_cuda(const Fusion *f, const MemPlan *m, const char *source_path);
+// The prelude every emitted module starts with (types, reductions, gelu, rng, bf16 conversions).
+const char *emit_cuda_prelude(void);
+// "embed: id", "cross_entropy: target" for a CUDA_ERR_* code.
+const char *cuda_error_what(long long code);
+
+//
+// nvrtc.c: NVRTC, loaded with dlopen, with a cubin cache on disk.
+//
+typedef struct {
+  void *cubin;       // malloc'd; free() it
+  size_t size;
+  bool cache_hit;
+  double seconds;    // spent in NVRTC (0 on a cache hit)
+  char *log;         // NVRTC's messages (warnings) of a compile, malloc'd, or NULL (none, or a cache hit)
+} NvrtcResult;
+
+// Compiles `src` for arch ("sm_80", "sm_90", ...) to a cubin, cached as
+// ($MDL_CACHE or ~/.cache/mdl)/cuda/<sha256 of (source, options, arch, NVRTC version, MDL_VERSION)>.cubin
+// (written atomically). False with NVRTC's log (or why it could not run) in err.
+bool nvrtc_compile(const char *src, const char *arch, NvrtcResult *out, char *err, size_t n);
+// NVRTC can be loaded; else false with the reason.
+bool nvrtc_available(char *why, size_t n);
+// The NVRTC version, e.g. 13.0, or false when NVRTC cannot be loaded.
+bool nvrtc_version(int *major, int *minor);
+// SHA-256 of n bytes as 64 lowercase hex digits (and a NUL).
+void nvrtc_sha256_hex(const void *data, size_t n, char hex[65]);
+#endif

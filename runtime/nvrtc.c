@@ -1,0 +1,316 @@
+// nvrtc.c: CUDA C++ to cubin through NVRTC, with a cache on disk. NVRTC is loaded with dlopen (never
+// linked), so the program builds and runs on machines without the CUDA toolkit; NVRTC itself needs no
+// GPU, so the emitted modules are compiled (and tested) on any machine that has the toolkit.
+//
+// Cache: the key is the SHA-256 of (source, options, arch, NVRTC version, MDL_VERSION), each part
+// followed by a NUL; the cubin lives in ($MDL_CACHE or ~/.cache/mdl)/cuda/<key>.cubin and is written
+// through a temporary file and a rename, so a concurrent run never reads half a cubin.
+#include "emit_cuda.h"
+
+#include <dlfcn.h>
+#include <errno.h>
+#include <stdarg.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+
+//
+// SHA-256 (FIPS 180-4).
+//
+static const uint32_t sha_k[64] = {
+    0x428a2f98, 0x71374491, 0xb5c0fbcf, 0xe9b5dba5, 0x3956c25b, 0x59f111f1, 0x923f82a4, 0xab1c5ed5,
+    0xd807aa98, 0x12835b01, 0x243185be, 0x550c7dc3, 0x72be5d74, 0x80deb1fe, 0x9bdc06a7, 0xc19bf174,
+    0xe49b69c1, 0xefbe4786, 0x0fc19dc6, 0x240ca1cc, 0x2de92c6f, 0x4a7484aa, 0x5cb0a9dc, 0x76f988da,
+    0x983e5152, 0xa831c66d, 0xb00327c8, 0xbf597fc7, 0xc6e00bf3, 0xd5a79147, 0x06ca6351, 0x14292967,
+    0x27b70a85, 0x2e1b2138, 0x4d2c6dfc, 0x53380d13, 0x650a7354, 0x766a0abb, 0x81c2c92e, 0x92722c85,
+    0xa2bfe8a1, 0xa81a664b, 0xc24b8b70, 0xc76c51a3, 0xd192e819, 0xd6990624, 0xf40e3585, 0x106aa070,
+    0x19a4c116, 0x1e376c08, 0x2748774c, 0x34b0bcb5, 0x391c0cb3, 0x4ed8aa4a, 0x5b9cca4f, 0x682e6ff3,
+    0x748f82ee, 0x78a5636f, 0x84c87814, 0x8cc70208, 0x90befffa, 0xa4506ceb, 0xbef9a3f7, 0xc67178f2};
+
+static uint32_t ror(uint32_t x, int n) { return (x >> n) | (x << (32 - n)); }
+
+static void sha_block(uint32_t h[8], const unsigned char *p) {
+  uint32_t w[64];
+  for (int i = 0; i < 16; i++)
+    w[i] = (uint32_t)p[4 * i] << 24 | (uint32_t)p[4 * i + 1] << 16 | (uint32_t)p[4 * i + 2] << 8 | p[4 * i + 3];
+  for (int i = 16; i < 64; i++) {
+    uint32_t s0 = ror(w[i - 15], 7) ^ ror(w[i - 15], 18) ^ (w[i - 15] >> 3);
+    uint32_t s1 = ror(w[i - 2], 17) ^ ror(w[i - 2], 19) ^ (w[i - 2] >> 10);
+    w[i] = w[i - 16] + s0 + w[i - 7] + s1;
+  }
+  uint32_t a = h[0], b = h[1], c = h[2], d = h[3], e = h[4], f = h[5], g = h[6], k = h[7];
+  for (int i = 0; i < 64; i++) {
+    uint32_t t1 = k + (ror(e, 6) ^ ror(e, 11) ^ ror(e, 25)) + ((e & f) ^ (~e & g)) + sha_k[i] + w[i];
+    uint32_t t2 = (ror(a, 2) ^ ror(a, 13) ^ ror(a, 22)) + ((a & b) ^ (a & c) ^ (b & c));
+    k = g, g = f, f = e, e = d + t1, d = c, c = b, b = a, a = t1 + t2;
+  }
+  h[0] += a, h[1] += b, h[2] += c, h[3] += d, h[4] += e, h[5] += f, h[6] += g, h[7] += k;
+}
+
+void nvrtc_sha256_hex(const void *data, size_t n, char hex[65]) {
+  uint32_t h[8] = {0x6a09e667, 0xbb67ae85, 0x3c6ef372, 0xa54ff53a, 0x510e527f, 0x9b05688c, 0x1f83d9ab, 0x5be0cd19};
+  const unsigned char *p = data;
+  size_t left = n;
+  for (; left >= 64; left -= 64, p += 64)
+    sha_block(h, p);
+  unsigned char tail[128] = {0};
+  memcpy(tail, p, left);
+  tail[left] = 0x80;
+  size_t len = left + 1 + 8 <= 64 ? 64 : 128;
+  uint64_t bits = (uint64_t)n * 8;
+  for (int i = 0; i < 8; i++)
+    tail[len - 1 - i] = (unsigned char)(bits >> (8 * i));
+  sha_block(h, tail);
+  if (len == 128)
+    sha_block(h, tail + 64);
+  for (int i = 0; i < 8; i++)
+    snprintf(hex + 8 * i, 9, "%08x", h[i]);
+}
+
+//
+// NVRTC through dlopen: the few entry points we call, with their C types (nvrtcResult is an int enum,
+// nvrtcProgram a pointer).
+//
+typedef int nvrtc_result;
+typedef void *nvrtc_program;
+
+static struct {
+  bool tried, ok;
+  char why[256];
+  nvrtc_result (*version)(int *, int *);
+  nvrtc_result (*create)(nvrtc_program *, const char *, const char *, int, const char *const *, const char *const *);
+  nvrtc_result (*compile)(nvrtc_program, int, const char *const *);
+  nvrtc_result (*log_size)(nvrtc_program, size_t *);
+  nvrtc_result (*log)(nvrtc_program, char *);
+  nvrtc_result (*cubin_size)(nvrtc_program, size_t *);
+  nvrtc_result (*cubin)(nvrtc_program, char *);
+  nvrtc_result (*destroy)(nvrtc_program *);
+  const char *(*error_string)(nvrtc_result);
+  int major, minor;
+} nv;
+
+static bool fail(char *err, size_t n, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
+static bool fail(char *err, size_t n, const char *fmt, ...) {
+  if (err && n) {
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(err, n, fmt, ap);
+    va_end(ap);
+  }
+  return false;
+}
+
+static bool load(void) {
+  if (nv.tried)
+    return nv.ok;
+  nv.tried = true;
+  static const char *const names[] = {"libnvrtc.so.13", "libnvrtc.so", "/usr/local/cuda/lib64/libnvrtc.so.13",
+                                      "/usr/local/cuda/lib64/libnvrtc.so"};
+  void *so = NULL;
+  for (size_t i = 0; i < sizeof names / sizeof *names && !so; i++)
+    so = dlopen(names[i], RTLD_NOW | RTLD_LOCAL);
+  if (!so) {
+    snprintf(nv.why, sizeof nv.why, "cannot load NVRTC (libnvrtc.so.13, libnvrtc.so, /usr/local/cuda/lib64): %s",
+             dlerror());
+    return false;
+  }
+  struct {
+    void **fn;
+    const char *name;
+  } syms[] = {{(void **)&nv.version, "nvrtcVersion"},
+              {(void **)&nv.create, "nvrtcCreateProgram"},
+              {(void **)&nv.compile, "nvrtcCompileProgram"},
+              {(void **)&nv.log_size, "nvrtcGetProgramLogSize"},
+              {(void **)&nv.log, "nvrtcGetProgramLog"},
+              {(void **)&nv.cubin_size, "nvrtcGetCUBINSize"},
+              {(void **)&nv.cubin, "nvrtcGetCUBIN"},
+              {(void **)&nv.destroy, "nvrtcDestroyProgram"},
+              {(void **)&nv.error_string, "nvrtcGetErrorString"}};
+  for (size_t i = 0; i < sizeof syms / sizeof *syms; i++) {
+    *syms[i].fn = dlsym(so, syms[i].name);
+    if (!*syms[i].fn) {
+      snprintf(nv.why, sizeof nv.why, "NVRTC has no %s", syms[i].name);
+      return false;
+    }
+  }
+  if (nv.version(&nv.major, &nv.minor) != 0) {
+    snprintf(nv.why, sizeof nv.why, "nvrtcVersion failed");
+    return false;
+  }
+  nv.ok = true;
+  return true;
+}
+
+bool nvrtc_available(char *why, size_t n) {
+  if (load())
+    return true;
+  return fail(why, n, "%s", nv.why);
+}
+
+bool nvrtc_version(int *major, int *minor) {
+  if (!load())
+    return false;
+  *major = nv.major;
+  *minor = nv.minor;
+  return true;
+}
+
+//
+// The cache.
+//
+static bool mkdirs(const char *path) {
+  char buf[1024];
+  snprintf(buf, sizeof buf, "%s", path);
+  for (char *p = buf + 1; *p; p++)
+    if (*p == '/') {
+      *p = 0;
+      if (mkdir(buf, 0755) && errno != EEXIST)
+        return false;
+      *p = '/';
+    }
+  return !mkdir(buf, 0755) || errno == EEXIST;
+}
+
+static bool cache_path(const char *key, char *path, size_t n, char *err, size_t errn) {
+  const char *env = getenv("MDL_CACHE"), *home = getenv("HOME");
+  char dir[900];
+  if (env && *env)
+    snprintf(dir, sizeof dir, "%s/cuda", env);
+  else if (home && *home)
+    snprintf(dir, sizeof dir, "%s/.cache/mdl/cuda", home);
+  else
+    return fail(err, errn, "no cache directory: set MDL_CACHE or HOME");
+  if (!mkdirs(dir))
+    return fail(err, errn, "%s: %s", dir, strerror(errno));
+  snprintf(path, n, "%s/%s.cubin", dir, key);
+  return true;
+}
+
+// The whole file, malloc'd; NULL when it cannot be read.
+static void *read_file(const char *path, size_t *size) {
+  FILE *f = fopen(path, "rb");
+  if (!f)
+    return NULL;
+  void *data = NULL;
+  if (fseek(f, 0, SEEK_END) == 0) {
+    long len = ftell(f);
+    if (len > 0 && fseek(f, 0, SEEK_SET) == 0 && (data = malloc((size_t)len)) &&
+        fread(data, 1, (size_t)len, f) != (size_t)len) {
+      free(data);
+      data = NULL;
+    }
+    *size = len > 0 ? (size_t)len : 0;
+  }
+  fclose(f);
+  return data;
+}
+
+static bool write_atomic(const char *path, const void *data, size_t size, char *err, size_t n) {
+  char tmp[1100];
+  snprintf(tmp, sizeof tmp, "%s.tmp.%ld", path, (long)getpid());
+  FILE *f = fopen(tmp, "wb");
+  if (!f)
+    return fail(err, n, "%s: %s", tmp, strerror(errno));
+  bool ok = fwrite(data, 1, size, f) == size;
+  ok &= fflush(f) == 0 && fsync(fileno(f)) == 0;
+  ok &= fclose(f) == 0;
+  if (!ok || rename(tmp, path)) {
+    unlink(tmp);
+    return fail(err, n, "%s: %s", path, strerror(errno));
+  }
+  return true;
+}
+
+static double now(void) {
+  struct timespec t;
+  clock_gettime(CLOCK_MONOTONIC, &t);
+  return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
+}
+
+// The program's log, malloc'd, or NULL when it is empty.
+static char *program_log(nvrtc_program prog) {
+  size_t len = 0;
+  char *log = NULL;
+  if (nv.log_size(prog, &len) != 0 || len <= 1 || !(log = malloc(len)) || nv.log(prog, log) != 0) {
+    free(log);
+    return NULL;
+  }
+  return log;
+}
+
+// Runs NVRTC; the cubin (malloc'd) and its log, or NULL with the log in err.
+static void *run_nvrtc(const char *src, const char *const *opts, int nopts, size_t *size, char **log, char *err,
+                       size_t n) {
+  nvrtc_program prog = NULL;
+  nvrtc_result r = nv.create(&prog, src, "model.cu", 0, NULL, NULL);
+  if (r != 0) {
+    fail(err, n, "nvrtcCreateProgram: %s", nv.error_string(r));
+    return NULL;
+  }
+  r = nv.compile(prog, nopts, opts);
+  void *cubin = NULL;
+  *log = program_log(prog);
+  if (r != 0) {
+    fail(err, n, "NVRTC: %s", *log ? *log : nv.error_string(r));
+    free(*log);
+    *log = NULL;
+  } else if (nv.cubin_size(prog, size) != 0 || !(cubin = malloc(*size ? *size : 1)) || nv.cubin(prog, cubin) != 0) {
+    free(cubin);
+    cubin = NULL;
+    fail(err, n, "NVRTC produced no cubin");
+  }
+  nv.destroy(&prog);
+  return cubin;
+}
+
+bool nvrtc_compile(const char *src, const char *arch, NvrtcResult *out, char *err, size_t n) {
+  *out = (NvrtcResult){0};
+  if (!load())
+    return fail(err, n, "%s", nv.why);
+  char archopt[64], version[32];
+  snprintf(archopt, sizeof archopt, "--gpu-architecture=%s", arch);
+  snprintf(version, sizeof version, "%d.%d", nv.major, nv.minor);
+  const char *opts[] = {archopt, "--std=c++17", "--fmad=true"};
+  int nopts = (int)(sizeof opts / sizeof *opts);
+
+  // The key: every part followed by a NUL, so that ("ab", "c") and ("a", "bc") differ.
+  const char *parts[7] = {src, opts[0], opts[1], opts[2], arch, version, MDL_VERSION};
+  size_t total = 0;
+  for (int i = 0; i < 7; i++)
+    total += strlen(parts[i]) + 1;
+  char *keybuf = malloc(total), *p = keybuf;
+  if (!keybuf)
+    return fail(err, n, "out of memory");
+  for (int i = 0; i < 7; i++) {
+    size_t len = strlen(parts[i]) + 1;
+    memcpy(p, parts[i], len);
+    p += len;
+  }
+  char key[65], path[1024];
+  nvrtc_sha256_hex(keybuf, total, key);
+  free(keybuf);
+  if (!cache_path(key, path, sizeof path, err, n))
+    return false;
+
+  size_t size = 0;
+  void *cubin = read_file(path, &size);
+  if (cubin) {
+    *out = (NvrtcResult){cubin, size, true, 0, NULL};
+    return true;
+  }
+  double t0 = now();
+  char *log = NULL;
+  cubin = run_nvrtc(src, opts, nopts, &size, &log, err, n);
+  if (!cubin)
+    return false;
+  double seconds = now() - t0;
+  if (!write_atomic(path, cubin, size, err, n)) {
+    free(cubin);
+    free(log);
+    return false;
+  }
+  *out = (NvrtcResult){cubin, size, false, seconds, log};
+  return true;
+}

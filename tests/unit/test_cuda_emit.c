@@ -1,0 +1,730 @@
+// test_cuda_emit.c: the CUDA emitter, on a machine without a GPU.
+//  1. NVRTC: every model in models/ (gpt2-tiny, gpt2 124M, llama-tiny, mlp), fused and unfused, emits a
+//     module that NVRTC compiles for sm_80 and sm_90 without an error or a warning; GPT-2 124M's module compiles cold in under 2 s and a
+//     second compile is a cache hit in under 0.2 s; a changed source or another arch misses the cache;
+//     a module that does not compile comes back with NVRTC's error; SHA-256 against FIPS 180-2 vectors.
+//  2. The plan: emitting twice gives the same text; every launch names a kernel of the source, every
+//     GEMM and kernel argument lies inside the device arena; GPT-2 124M's twelve layers share their
+//     kernels; the GEMM epilogues of gpt2-tiny (bias on qkv, bias + GELU on the MLP, with the pre-GELU
+//     value kept for the backward).
+//  3. Emulation: each module is compiled as C++ with runtime/cuda_emu.h (g++ -O1) and its schedule run
+//     on the CPU (GEMMs by a reference sgemm in double, with the same epilogues; the module compiles
+//     without a warning), on gpt2-tiny
+//     (B=2, T=16), llama-tiny (B=1, T=80), the MLP, a model of every other op family and one of wide
+//     rows, fused and unfused: after one step the loss and every gradient match the interpreter (INTERP_F32) within
+//     1e-5 relative per tensor (max |cuda - interp| / max |interp|), so do the AdamW moments, and the
+//     parameters agree within 1e-6 with AdamW computed on the host from the emulated gradients; a second step gives bit-identical values; a target >= V
+//     and a token id >= V are reported through the status argument.
+#include "mdl.h"
+#include "backend.h"
+#include "emit_cuda.h"
+#include "test.h"
+
+#include <dirent.h>
+#include <dlfcn.h>
+#include <math.h>
+#include <pthread.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+typedef struct {
+  const char *path;
+  DimOverride ov[2];
+  int nov;
+  const char *text; // the model's source when it is not a file
+} Model;
+
+// The op families the models leave out, forward and backward: transcendental unary ops, division,
+// reductions over inner and outer axes (one long enough for partial sums), max, softmax, permute and
+// transpose, batched matmuls (one broadcasting its batch), concat and split, layernorm, rmsnorm, rope,
+// attention neither causal nor within documents, dropout, relu, silu and an untied LM head.
+static const char allops[] =
+    "model allops\n"
+    "dim B = 2\n"
+    "dim T = 40\n"
+    "dim C = 16\n"
+    "dim V = 64\n"
+    "input x: f32[B, T, C]\n"
+    "input tokens: i32[B, T]\n"
+    "input targets: i32[B, T]\n"
+    "input pos: i32[B, T]\n"
+    "param w: [C, C] = normal(0.3)\n"
+    "param b: [C] = zeros\n"
+    "param g: [C] = ones\n"
+    "param big: [192, 256] = normal(0.1)\n"
+    "param tab: [V, C] = normal(0.5)\n"
+    "param head: [C, V] = normal(0.3)\n"
+    "e = embed(tab, tokens) + x\n"
+    "a = tanh(e @ w + b)\n"
+    "s = softmax(a * 2.0)\n"
+    "m = max(a, axis=2, keepdim=true)\n"
+    "u = exp(a - m) / sum(exp(a - m), axis=1, keepdim=true)\n"
+    "p = permute(u, [0, 2, 1])\n"
+    "bm = p @ transpose(p, 1, 2)\n"
+    "wp = w @ p\n"
+    "c1, c2 = split(concat([s, u], axis=-1), 2)\n"
+    "r = rope(c1 * sqrt(g * g + 1.0), pos, heads=2)\n"
+    "q = rmsnorm(r, g) + layernorm(c2, g)\n"
+    "att = dropout(attention(q, silu(q), gelu(q), heads=2), p=0.25)\n"
+    "h = relu(att) - neg(rsqrt(a * a + 1.0)) + log(a * a + 2.0)\n"
+    "extra = mean(bm) + mean(wp * wp) + 0.001 * sum(reshape(big * big, [49152])) + mean(max(big, axis=0))\n"
+    "more = 0.01 * mean(sum(big * big, axis=0)) + 0.1 * max(reshape(big, [49152]), axis=0)\n"
+    "output loss = mean(cross_entropy(h @ head, targets)) + extra + more\n";
+
+// Rows longer than a warp takes (layernorm, rmsnorm, softmax and cross-entropy by blocks of threads),
+// attention heads of 32 channels, a GEMM with a GELU epilogue and no bias, an embedding of odd width.
+static const char wide[] =
+    "model wide\n"
+    "dim B = 2\n"
+    "dim T = 4\n"
+    "dim C = 1100\n"
+    "dim V = 2200\n"
+    "dim E = 64\n"
+    "input tokens: i32[B, T]\n"
+    "input targets: i32[B, T]\n"
+    "param tab: [V, C] = normal(0.02)\n"
+    "param tab3: [V, 3] = normal(0.5)\n"
+    "param w: [C, E] = normal(0.03)\n"
+    "param wg: [E, E] = normal(0.2)\n"
+    "param g: [C] = ones\n"
+    "param bb: [C] = zeros\n"
+    "param head: [C, V] = normal(0.02)\n"
+    "x = layernorm(embed(tab, tokens), g, bb)\n"
+    "h = gelu((x @ w) @ wg)\n"
+    "a = attention(h, h, h, heads=2)\n"
+    "y = rmsnorm(x + softmax(x * 3.0), g)\n"
+    "p3 = embed(tab3, tokens)\n"
+    "output loss = mean(cross_entropy(y @ head, targets)) + mean(a * a) + 0.1 * mean(p3 * p3)\n";
+
+static const Model models[] = {
+    {"models/gpt2-tiny.mdl", {{"B", 2}, {"T", 16}}, 2, NULL},
+    {"models/llama-tiny.mdl", {{"B", 1}, {"T", 80}}, 2, NULL}, // keys in several tiles, the last partial
+    {"models/mlp.mdl", {{"B", 8}}, 1, NULL},
+    {"allops.mdl", {{NULL, 0}}, 0, allops},
+    {"wide.mdl", {{NULL, 0}}, 0, wide},
+};
+
+static Graph *load(Arena *a, const Model *md) {
+  Graph *g = md->text ? mdl_compile_text(a, md->path, md->text, md->ov, md->nov)
+                      : mdl_compile_file(a, md->path, md->ov, md->nov);
+  return g && autodiff(g, true) ? g : NULL;
+}
+
+static double now(void) {
+  struct timespec t;
+  clock_gettime(CLOCK_MONOTONIC, &t);
+  return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
+}
+
+static void remove_dir(const char *dir) {
+  DIR *d = opendir(dir);
+  struct dirent *ent;
+  char path[1200];
+  while (d && (ent = readdir(d)))
+    if (strcmp(ent->d_name, ".") && strcmp(ent->d_name, "..")) {
+      snprintf(path, sizeof path, "%s/%s", dir, ent->d_name);
+      if (unlink(path))
+        remove_dir(path);
+    }
+  if (d)
+    closedir(d);
+  rmdir(dir);
+}
+
+//
+// 1. NVRTC.
+//
+
+static void test_sha256(void) {
+  static const struct {
+    const char *in, *out;
+  } v[] = {
+      {"", "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855"},
+      {"abc", "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad"},
+      {"abcdbcdecdefdefgefghfghighijhijkijkljklmklmnlmnomnopnopq",
+       "248d6a61d20638b8e5c026930c3e6039a33ce45964ff2167f6ecedd419db06c1"},
+      {"abcdefghbcdefghicdefghijdefghijkefghijklfghijklmghijklmnhijklmnoijklmnopjklmnopqklmnopqrlmnopqrsmnopqrstnopqrstu",
+       "cf5b16a778af8380036ce59e7b0492370b249b11e8f07a51afac45037afee9d1"},
+  };
+  for (size_t i = 0; i < sizeof v / sizeof *v; i++) {
+    char hex[65], name[80];
+    nvrtc_sha256_hex(v[i].in, strlen(v[i].in), hex);
+    snprintf(name, sizeof name, "nvrtc sha256 of a %zu-byte message", strlen(v[i].in));
+    CHECK(!strcmp(hex, v[i].out), name, "got %s", hex);
+  }
+}
+
+typedef struct {
+  const char *src, *arch;
+  NvrtcResult r;
+  bool ok;
+  char err[4096];
+} Job;
+
+static void *compile_job(void *p) {
+  Job *j = p;
+  j->ok = nvrtc_compile(j->src, j->arch, &j->r, j->err, sizeof j->err);
+  return NULL;
+}
+
+// The module compiles for sm_80 and sm_90 (in two threads) without an error or a warning.
+static void test_nvrtc_model(const char *path, const char *label, bool fused) {
+  Arena *a = arena_new();
+  Graph *g = mdl_compile_file(a, path, NULL, 0);
+  char name[200];
+  if (!g || !autodiff(g, true)) {
+    snprintf(name, sizeof name, "nvrtc %s: compiles", label);
+    CHECK(false, name, "front end or autodiff failed");
+    arena_free(a);
+    return;
+  }
+  Fusion *f = fuse(g, (FuseOptions){.fuse = fused, .chunk_lmhead = fused});
+  CudaPlan *p = emit_cuda_plan(f, memplan(f), path);
+  snprintf(name, sizeof name, "nvrtc %s %s: emits", label, fused ? "fused" : "unfused");
+  CHECK(p != NULL, name, "emit_cuda_plan failed");
+  if (!p) {
+    arena_free(a);
+    return;
+  }
+  Job jobs[2] = {{.src = p->source, .arch = "sm_80"}, {.src = p->source, .arch = "sm_90"}};
+  pthread_t th;
+  bool threaded = pthread_create(&th, NULL, compile_job, &jobs[0]) == 0;
+  if (!threaded)
+    compile_job(&jobs[0]);
+  compile_job(&jobs[1]);
+  if (threaded)
+    pthread_join(th, NULL);
+  for (int i = 0; i < 2; i++) {
+    NvrtcResult *r = &jobs[i].r;
+    snprintf(name, sizeof name, "nvrtc %s %s %s compiles (%d kernels, %s)", label, fused ? "fused" : "unfused",
+             jobs[i].arch, p->nkernels, r->cache_hit ? "cache hit" : arena_printf(a, "%.2f s", r->seconds));
+    CHECK(jobs[i].ok && r->size > 0 && !r->log, name, "%.600s", jobs[i].ok ? r->log : jobs[i].err);
+    free(r->cubin);
+    free(r->log);
+  }
+  arena_free(a);
+}
+
+// GPT-2 124M: cold compile under 2 s, then a cache hit under 0.2 s; another arch and a changed source
+// miss the cache; a broken module reports NVRTC's error.
+static void test_nvrtc_cache(void) {
+  Arena *a = arena_new();
+  Graph *g = mdl_compile_file(a, "models/gpt2.mdl", NULL, 0);
+  if (!g || !autodiff(g, true)) {
+    CHECK(false, "nvrtc gpt2: compiles", "front end or autodiff failed");
+    arena_free(a);
+    return;
+  }
+  Fusion *f = fuse(g, (FuseOptions){.fuse = true, .chunk_lmhead = true});
+  const char *src = emit_cuda(f, memplan(f), "models/gpt2.mdl");
+  NvrtcResult cold = {0}, warm = {0}, other = {0};
+  char err[4096] = "", name[200];
+  double t0 = now();
+  bool ok = src && nvrtc_compile(src, "sm_90", &cold, err, sizeof err);
+  double tc = now() - t0;
+  snprintf(name, sizeof name, "nvrtc gpt2 sm_90 compiles (%.2f s)", tc);
+  CHECK(ok && !cold.cache_hit, name, "%.600s", src ? err : "emit failed");
+  snprintf(name, sizeof name, "nvrtc gpt2 sm_90: a cold compile takes under 2 s (%.2f s)", tc);
+  CHECK(ok && tc < 2.0, name, "%.2f s", tc);
+  t0 = now();
+  ok = ok && nvrtc_compile(src, "sm_90", &warm, err, sizeof err);
+  double tw = now() - t0;
+  snprintf(name, sizeof name, "nvrtc gpt2 sm_90: a second compile is a cache hit under 0.2 s (%.3f s)", tw);
+  CHECK(ok && warm.cache_hit && tw < 0.2 && warm.size == cold.size && !memcmp(warm.cubin, cold.cubin, cold.size),
+        name, "hit %d, %.3f s, %zu vs %zu bytes", warm.cache_hit, tw, warm.size, cold.size);
+  free(cold.cubin);
+  free(cold.log);
+  free(warm.cubin);
+
+  const char *tiny = "extern \"C\" __global__ void k(float *x) { x[threadIdx.x] *= 2.0f; }\n";
+  ok = nvrtc_compile(tiny, "sm_90", &other, err, sizeof err);
+  free(other.cubin);
+  free(other.log);
+  bool again = ok && nvrtc_compile(tiny, "sm_80", &other, err, sizeof err);
+  CHECK(again && !other.cache_hit, "nvrtc cache: another arch misses the cache", "%s", again ? "a hit" : err);
+  free(other.cubin);
+  free(other.log);
+  ok = nvrtc_compile("extern \"C\" __global__ void k(float *x) { x[threadIdx.x] *= 3.0f; }\n", "sm_90", &other,
+                     err, sizeof err);
+  CHECK(ok && !other.cache_hit, "nvrtc cache: a changed source misses the cache", "%s", ok ? "a hit" : err);
+  free(other.cubin);
+  free(other.log);
+  ok = nvrtc_compile("extern \"C\" __global__ void k(float *x) { x[threadIdx.x] = undeclared; }\n", "sm_90", &other,
+                     err, sizeof err);
+  CHECK(!ok && strstr(err, "undeclared") && strstr(err, "error"), "nvrtc: a module that does not compile reports "
+        "NVRTC's error", "got '%.300s'", ok ? "a cubin" : err);
+  arena_free(a);
+}
+
+//
+// 2. The plan.
+//
+
+// Every launch names a kernel defined in the source; GEMM operands and kernel arguments lie in the arena.
+static const char *check_plan(const CudaPlan *p, const Fusion *f, char *why, size_t n) {
+  int last_step = 0;
+  for (int i = 0; i < p->nlaunches; i++) {
+    const CudaLaunch *l = &p->launches[i];
+    if (l->step < last_step || l->step >= f->nsteps)
+      return snprintf(why, n, "launch %d: step %d out of order", i, l->step), why;
+    last_step = l->step;
+    if (l->kernel) {
+      char def[256];
+      snprintf(def, sizeof def, ") %s(char *arena", l->kernel);
+      if (!strstr(p->source, def))
+        return snprintf(why, n, "launch %d: no kernel %s in the source", i, l->kernel), why;
+      for (int k = 0; k < l->nargs; k++)
+        if (l->args[k] < 0 || l->args[k] >= p->arena_bytes || l->args[k] % 16)
+          return snprintf(why, n, "launch %d (%s): argument %d = %lld outside the arena or unaligned", i, l->kernel, k,
+                          (long long)l->args[k]), why;
+      if (l->grid[0] < 1 || l->block[0] < 1 || l->block[0] > 1024 || l->block[0] % 32)
+        return snprintf(why, n, "launch %d (%s): grid %u block %u", i, l->kernel, l->grid[0], l->block[0]), why;
+    } else {
+      const CudaGemm *gm = &p->gemms[l->gemm];
+      int64_t ea = 4 * ((gm->batch - 1) * gm->stride_a + (gm->ta ? gm->k : gm->m) * gm->lda);
+      int64_t eb = 4 * ((gm->batch - 1) * gm->stride_b + (gm->tb ? gm->n : gm->k) * gm->ldb);
+      int64_t ec = 4 * ((gm->batch - 1) * gm->stride_c + gm->m * gm->ldc);
+      if (gm->a < 0 || gm->b < 0 || gm->c < 0 || gm->a + ea > p->arena_bytes + 4 * gm->lda ||
+          gm->b + eb > p->arena_bytes + 4 * gm->ldb || gm->c + ec > p->arena_bytes)
+        return snprintf(why, n, "gemm %d: operands outside the arena", l->gemm), why;
+    }
+  }
+  return NULL;
+}
+
+static void test_plans(void) {
+  char why[300], name[200];
+  for (int fz = 0; fz < 2; fz++)
+    for (size_t i = 0; i < sizeof models / sizeof *models; i++) {
+      Arena *a = arena_new();
+      Graph *g = load(a, &models[i]);
+      if (!g) {
+        CHECK(false, "cuda plan: the model compiles", "%s", models[i].path);
+        arena_free(a);
+        continue;
+      }
+      Fusion *f = fuse(g, (FuseOptions){.fuse = fz, .chunk_lmhead = fz});
+      MemPlan *m = memplan(f);
+      CudaPlan *p = emit_cuda_plan(f, m, models[i].path), *q = emit_cuda_plan(f, m, models[i].path);
+      snprintf(name, sizeof name, "cuda plan %s %s: emitting twice gives the same text", models[i].path,
+               fz ? "fused" : "unfused");
+      CHECK(p && q && !strcmp(p->source, q->source), name, "%s", p && q ? "texts differ" : "emit failed");
+      why[0] = 0;
+      const char *bad = p ? check_plan(p, f, why, sizeof why) : "emit failed";
+      snprintf(name, sizeof name, "cuda plan %s %s: %d launches name kernels of the source, in the arena",
+               models[i].path, fz ? "fused" : "unfused", p ? p->nlaunches : 0);
+      CHECK(!bad, name, "%s", bad);
+      arena_free(a);
+    }
+
+  Arena *a = arena_new();
+  Graph *g = mdl_compile_file(a, "models/gpt2.mdl", NULL, 0);
+  if (g && autodiff(g, true)) {
+    Fusion *f = fuse(g, (FuseOptions){.fuse = true, .chunk_lmhead = true});
+    CudaPlan *p = emit_cuda_plan(f, memplan(f), "models/gpt2.mdl");
+    // The steps of layers 1-11 run the kernels of layer 0: few launches run a kernel named after their
+    // own step.
+    int own = 0, launches = 0;
+    for (int i = 0; p && i < p->nlaunches; i++) {
+      const CudaLaunch *l = &p->launches[i];
+      const char *step = f->steps[l->step].name;
+      if (!l->kernel)
+        continue;
+      launches++;
+      own += !strncmp(l->kernel, step, strlen(step));
+    }
+    snprintf(name, sizeof name, "cuda plan gpt2: the 12 layers share kernels (%d distinct kernels for %d launches)",
+             p ? p->nkernels : 0, launches);
+    CHECK(p && p->nkernels <= 40 && 4 * own < launches, name, "%d distinct, %d launches run their own step's kernel",
+          p ? p->nkernels : 0, own);
+  }
+  arena_free(a);
+
+  a = arena_new();
+  g = load(a, &models[0]);
+  if (g) {
+    Fusion *f = fuse(g, (FuseOptions){.fuse = true, .chunk_lmhead = true});
+    MemPlan *m = memplan(f);
+    CudaPlan *p = emit_cuda_plan(f, m, "gpt2-tiny");
+    int bias = 0, bias_gelu = 0, aux = 0;
+    for (int i = 0; p && i < p->ngemms; i++) {
+      bias += p->gemms[i].epilogue == CUDA_EPI_BIAS;
+      bias_gelu += p->gemms[i].epilogue == CUDA_EPI_BIAS_GELU;
+      aux += p->gemms[i].epilogue == CUDA_EPI_BIAS_GELU && p->gemms[i].aux >= 0 && p->gemms[i].bias >= 0;
+    }
+    // Per layer: qkv (bias) and the MLP's first GEMM (bias + GELU, its input kept for gelu_bwd). The
+    // projections compute (x + a @ w) + b, whose first link is the residual: the epilogue kernel's.
+    CHECK(bias == 2 && bias_gelu == 2 && aux == 2, "cuda plan gpt2-tiny: GEMM epilogues (bias x 2, bias + gelu x 2)",
+          "bias %d, bias + gelu %d (%d keep the pre-GELU value)", bias, bias_gelu, aux);
+  }
+  arena_free(a);
+
+  a = arena_new();
+  g = load(a, &models[4]);
+  if (g) {
+    Fusion *f = fuse(g, (FuseOptions){.fuse = true, .chunk_lmhead = true});
+    CudaPlan *p = emit_cuda_plan(f, memplan(f), "wide");
+    int gelu = 0;
+    for (int i = 0; p && i < p->ngemms; i++)
+      gelu += p->gemms[i].epilogue == CUDA_EPI_GELU && p->gemms[i].aux >= 0 && p->gemms[i].bias < 0;
+    CHECK(gelu == 1, "cuda plan wide: a GELU epilogue without bias keeps the GEMM's output for gelu_bwd", "%d", gelu);
+  }
+  arena_free(a);
+}
+
+//
+// 3. Emulation.
+//
+
+typedef void (*launch_fn)(void *fn, const unsigned *grid, const unsigned *block, char *arena, void *status,
+                          uint64_t seed, int64_t chunk, const int64_t *args, int nargs);
+
+// The batch of input node nd: token patterns, two documents per row (positions restart at the
+// boundary), one ignored target; f32 inputs a smooth pattern.
+static void batch(const IrNode *nd, int32_t *ids, float *f) {
+  int64_t n = shape_numel(nd->shape), cols = nd->shape.d[nd->shape.rank - 1];
+  for (int64_t j = 0; j < n; j++) {
+    int64_t t = j % cols, split = cols / 2 - 1;
+    ids[j] = 0;
+    if (!strcmp(nd->name, "tokens"))
+      ids[j] = (int32_t)((j * 37 + 11) % 64);
+    else if (!strcmp(nd->name, "targets"))
+      ids[j] = j == 3 ? -1 : (int32_t)((j * 53 + 7) % (nd->shape.rank == 1 ? 4 : 64));
+    else if (!strcmp(nd->name, "pos"))
+      ids[j] = (int32_t)(t < split ? t : t - split);
+    else if (!strcmp(nd->name, "doc"))
+      ids[j] = t < split ? 0 : 1;
+    f[j] = (float)sin(0.7 * (double)j + 0.3);
+  }
+}
+
+static void set_inputs(const Graph *g, Interp *it, const MemPlan *m, char *arena) {
+  for (int i = 0; i < g->n; i++) {
+    const IrNode *nd = g->nodes[i];
+    if (nd->op != OP_INPUT)
+      continue;
+    int64_t n = shape_numel(nd->shape);
+    int32_t *ids = malloc(sizeof *ids * (size_t)n);
+    float *f = malloc(sizeof *f * (size_t)n);
+    batch(nd, ids, f);
+    bool i32 = nd->dtype == DT_I32;
+    if (it)
+      interp_set_input(it, nd->name, i32 ? ids : NULL, i32 ? NULL : f, n);
+    else
+      cpu_set_input(g, m, arena, nd->name, i32 ? ids : NULL, i32 ? NULL : f, n);
+    free(ids);
+    free(f);
+  }
+}
+
+static double gelu(double x) { return 0.5 * x * (1 + tanh(sqrt(2 / M_PI) * (x + 0.044715 * x * x * x))); }
+
+// The reference GEMM: sums in double, the result rounded to float, then the epilogue.
+static void ref_gemm(char *arena, const CudaGemm *gm) {
+  for (int64_t t = 0; t < gm->batch; t++) {
+    const float *a = (const float *)(arena + gm->a) + t * gm->stride_a;
+    const float *b = (const float *)(arena + gm->b) + t * gm->stride_b;
+    float *c = (float *)(arena + gm->c) + t * gm->stride_c;
+    const float *bias = gm->bias >= 0 ? (const float *)(arena + gm->bias) : NULL;
+    float *aux = gm->aux >= 0 ? (float *)(arena + gm->aux) + t * gm->stride_c : NULL;
+    for (int64_t i = 0; i < gm->m; i++)
+      for (int64_t j = 0; j < gm->n; j++) {
+        double s = 0;
+        for (int64_t l = 0; l < gm->k; l++)
+          s += (double)(gm->ta ? a[l * gm->lda + i] : a[i * gm->lda + l]) * (gm->tb ? b[j * gm->ldb + l] : b[l * gm->ldb + j]);
+        float v = (float)(s + (gm->beta != 0 ? (double)gm->beta * c[i * gm->ldc + j] : 0.0));
+        if (bias)
+          v += bias[j];
+        if (aux)
+          aux[i * gm->ldc + j] = v;
+        if (gm->epilogue == CUDA_EPI_GELU || gm->epilogue == CUDA_EPI_BIAS_GELU)
+          v = (float)gelu(v);
+        c[i * gm->ldc + j] = v;
+      }
+  }
+}
+
+typedef struct {
+  void *so;
+  launch_fn launch;
+  void **fn; // per launch: its kernel
+} Emu;
+
+// Compiles the module with the emulator into dir/<tag>.so and loads it; false with the reason.
+static bool emu_load(const CudaPlan *p, const char *dir, const char *tag, Emu *emu, char *why, size_t n) {
+  char cu[600], so[600], log[600], cmd[2400];
+  snprintf(cu, sizeof cu, "%s/%s.cu", dir, tag);
+  snprintf(so, sizeof so, "%s/%s.so", dir, tag);
+  snprintf(log, sizeof log, "%s/%s.log", dir, tag);
+  FILE *f = fopen(cu, "w");
+  if (!f || fputs(p->source, f) < 0 || fclose(f)) {
+    snprintf(why, n, "cannot write %s", cu);
+    return false;
+  }
+  snprintf(cmd, sizeof cmd,
+           "g++ -std=c++17 -O1 -fopenmp -shared -fPIC -Wall -Wextra -Werror -Wno-unknown-pragmas -Wno-unused-parameter -Iruntime "
+           "-DMDL_EMU_SOURCE='\"%s\"' tests/unit/cuda_emu_driver.cpp -o %s >%s 2>&1",
+           cu, so, log);
+  if (system(cmd) != 0) {
+    FILE *l = fopen(log, "r");
+    size_t k = l ? fread(why, 1, n - 1, l) : 0;
+    why[k] = 0;
+    if (l)
+      fclose(l);
+    return false;
+  }
+  emu->so = dlopen(so, RTLD_NOW | RTLD_LOCAL);
+  if (!emu->so) {
+    snprintf(why, n, "%s", dlerror());
+    return false;
+  }
+  *(void **)&emu->launch = dlsym(emu->so, "mdl_emu_launch");
+  emu->fn = calloc((size_t)p->nlaunches + 1, sizeof *emu->fn);
+  for (int i = 0; i < p->nlaunches; i++)
+    if (p->launches[i].kernel && !(emu->fn[i] = dlsym(emu->so, p->launches[i].kernel))) {
+      snprintf(why, n, "no kernel %s in the module", p->launches[i].kernel);
+      return false;
+    }
+  return emu->launch != NULL;
+}
+
+static void emu_free(Emu *emu) {
+  if (emu->so)
+    dlclose(emu->so);
+  free(emu->fn);
+}
+
+// One training step of the plan on arena; the status of the step.
+static MdlStatus emu_step(const CudaPlan *p, const Emu *emu, char *arena) {
+  MdlStatus st = {0};
+  for (int i = 0; i < p->nlaunches; i++) {
+    const CudaLaunch *l = &p->launches[i];
+    if (l->kernel)
+      emu->launch(emu->fn[i], l->grid, l->block, arena, &st, 7, l->chunk, l->args, l->nargs);
+    else
+      ref_gemm(arena, &p->gemms[l->gemm]);
+  }
+  return st;
+}
+
+static char *arena_new_for(const CudaPlan *p) {
+  size_t bytes = (size_t)(p->arena_bytes + 255) / 256 * 256;
+  char *a = aligned_alloc(256, bytes ? bytes : 256);
+  if (a)
+    memset(a, 0, bytes);
+  return a;
+}
+
+static double rel_err(const double *a, const double *b, int64_t n) {
+  double d = 0, m = 1e-30;
+  for (int64_t i = 0; i < n; i++) {
+    d = fmax(d, fabs(a[i] - b[i]));
+    m = fmax(m, fabs(b[i]));
+  }
+  return isnan(d) ? INFINITY : d / m;
+}
+
+static double *from_float(const float *x, int64_t n) {
+  double *d = malloc(sizeof *d * (size_t)(n ? n : 1));
+  for (int64_t i = 0; i < n; i++)
+    d[i] = x[i];
+  return d;
+}
+
+static void test_emulation(const Model *md, bool fused, const char *dir) {
+  Arena *a = arena_new();
+  Graph *g = load(a, md);
+  char name[300], why[2048] = "";
+  const char *mode = fused ? "fused" : "unfused";
+  if (!g) {
+    snprintf(name, sizeof name, "cuda emu %s: compiles", md->path);
+    CHECK(false, name, "front end or autodiff failed");
+    arena_free(a);
+    return;
+  }
+  Fusion *f = fuse(g, (FuseOptions){.fuse = fused, .chunk_lmhead = fused});
+  MemPlan *m = memplan(f);
+  CudaPlan *p = emit_cuda_plan(f, m, md->path);
+  Emu emu = {0};
+  char tag[64];
+  snprintf(tag, sizeof tag, "%s_%s", g->model ? g->model : "model", mode);
+  double t0 = now();
+  bool ok = p && emu_load(p, dir, tag, &emu, why, sizeof why);
+  snprintf(name, sizeof name, "cuda emu %s %s: the module compiles with the emulator (%d kernels, %.1f s)", md->path,
+           mode, p ? p->nkernels : 0, now() - t0);
+  CHECK(ok, name, "%.1500s", p ? why : "emit failed");
+  if (!ok) {
+    emu_free(&emu);
+    arena_free(a);
+    return;
+  }
+
+  // The reference: one step of the interpreter from the same parameters and batch.
+  Interp *it = interp_new(g, INTERP_F32);
+  interp_init_params(it, 7);
+  interp_set_seed(it, 7);
+  set_inputs(g, it, NULL, NULL);
+  interp_set_scalar(it, "lr", 2e-3);
+  interp_set_scalar(it, "step", 1);
+  char err[256];
+  bool iok = interp_run(it, g->n, err, sizeof err);
+
+  char *arena = arena_new_for(p);
+  cpu_init_params(g, m, arena, 7);
+  set_inputs(g, NULL, m, arena);
+  cpu_set_scalar(g, m, arena, "lr", 2e-3);
+  cpu_set_scalar(g, m, arena, "step", 1);
+  double **p0 = calloc((size_t)g->nparams, sizeof *p0);
+  for (int k = 0; k < g->nparams; k++)
+    p0[k] = from_float(cpu_value(m, arena, g->params[k]), shape_numel(g->nodes[g->params[k]]->shape));
+  t0 = now();
+  MdlStatus st = emu_step(p, &emu, arena);
+  double t_step = now() - t0;
+  snprintf(name, sizeof name, "cuda emu %s %s: one step runs (%d launches, %.1f s)", md->path, mode, p->nlaunches,
+           t_step);
+  CHECK(iok && !st.set, name, "%s", iok ? cuda_error_what(st.code) : err);
+
+  double loss = *(float *)cpu_value(m, arena, g->loss), ref = interp_value(it, g->loss)[0];
+  snprintf(name, sizeof name, "cuda emu %s %s: loss matches the interpreter (%.6f)", md->path, mode, ref);
+  CHECK(fabs(loss - ref) <= 1e-5 * fabs(ref), name, "loss %.8f vs %.8f", loss, ref);
+  double worst = 0, worst_m = 0, worst_p = 0, ss = 0;
+  const char *which = "?", *which_m = "?", *which_p = "?";
+  double **grads = calloc((size_t)g->nparams, sizeof *grads);
+  for (int k = 0; k < g->nparams; k++) {
+    int64_t n = shape_numel(g->nodes[g->params[k]]->shape);
+    grads[k] = from_float(cpu_value(m, arena, g->grads[k]), n);
+    for (int64_t i = 0; i < n; i++)
+      ss += grads[k][i] * grads[k][i];
+    double e = rel_err(grads[k], interp_value(it, g->grads[k]), n);
+    if (e > worst || isinf(e))
+      worst = e, which = g->nodes[g->params[k]]->name;
+  }
+  // The AdamW moments against the interpreter's; the parameters against AdamW computed here from the
+  // emulated gradients (the first step's update is about lr sign(g): gradients that are rounding noise,
+  // such as a key bias's, make whole differences, so the parameters are checked against the same
+  // gradients).
+  const double gn = (float)sqrt(ss), lr = (float)2e-3;
+  for (int i = 0; i < g->n; i++) {
+    const IrNode *u = g->nodes[i];
+    int64_t n = shape_numel(u->shape);
+    if (u->op == OP_STATE) {
+      double *x = from_float(cpu_value(m, arena, i), n), e = rel_err(x, interp_param(it, i), n);
+      if (e > worst_m || isinf(e))
+        worst_m = e, which_m = u->name;
+      free(x);
+    }
+    if (u->op != OP_ADAMW)
+      continue;
+    int k = 0;
+    while (g->params[k] != u->in[0])
+      k++;
+    const double b1 = u->fa[0], b2 = u->fa[1], eps = u->fa[2], wd = u->fa[3], clip = u->fa[4];
+    const double sc = clip > 0 ? fmin(1.0, clip / (gn + 1e-6)) : 1.0;
+    double *want = malloc(sizeof *want * (size_t)n), *got = from_float(cpu_value(m, arena, u->in[0]), n);
+    for (int64_t j = 0; j < n; j++) {
+      double gi = sc * grads[k][j], mo = (float)((1 - b1) * gi), vo = (float)((1 - b2) * gi * gi);
+      want[j] = (float)(p0[k][j] - lr * (mo / (1 - b1) / (sqrt(vo / (1 - b2)) + eps) + wd * p0[k][j]));
+    }
+    double e = rel_err(got, want, n);
+    if (e > worst_p || isinf(e))
+      worst_p = e, which_p = u->name ? u->name : g->nodes[u->in[0]]->name;
+    free(want);
+    free(got);
+  }
+  snprintf(name, sizeof name, "cuda emu %s %s: every gradient within 1e-5 relative (worst %.1e)", md->path, mode,
+           worst);
+  CHECK(worst < 1e-5, name, "%s: %.3g", which, worst);
+  snprintf(name, sizeof name, "cuda emu %s %s: AdamW moments within 1e-5 relative (worst %.1e)", md->path, mode,
+           worst_m);
+  CHECK(worst_m < 1e-5, name, "%s: %.3g", which_m, worst_m);
+  snprintf(name, sizeof name, "cuda emu %s %s: parameters after AdamW within 1e-6 of AdamW on these gradients "
+           "(worst %.1e)", md->path, mode, worst_p);
+  CHECK(worst_p < 1e-6, name, "%s: %.3g", which_p, worst_p);
+  for (int k = 0; k < g->nparams; k++)
+    free(p0[k]);
+  free(p0);
+
+  // The same step again, from the same start: bit-identical.
+  cpu_init_params(g, m, arena, 7);
+  memset(arena + m->m, 0, (size_t)(2 * m->param_bytes));
+  cpu_set_scalar(g, m, arena, "step", 1);
+  emu_step(p, &emu, arena);
+  bool same = *(float *)cpu_value(m, arena, g->loss) == (float)loss;
+  for (int k = 0; k < g->nparams; k++) {
+    int64_t n = shape_numel(g->nodes[g->params[k]]->shape);
+    double *again = from_float(cpu_value(m, arena, g->grads[k]), n);
+    same &= !memcmp(again, grads[k], sizeof(double) * (size_t)n);
+    free(again);
+  }
+  snprintf(name, sizeof name, "cuda emu %s %s: a second run is bit-identical", md->path, mode);
+  CHECK(same, name, "results differ");
+
+  // Bad targets and ids are reported (models with tokens and targets of [B, T]).
+  int32_t *targets = NULL, *tokens = NULL;
+  int64_t v = 0, rows = 0;
+  for (int i = 0; i < g->n; i++) {
+    const IrNode *u = g->nodes[i];
+    if (u->op == OP_INPUT && !strcmp(u->name, "targets") && u->shape.rank == 2)
+      targets = cpu_value(m, arena, i);
+    else if (u->op == OP_INPUT && !strcmp(u->name, "tokens"))
+      tokens = cpu_value(m, arena, i);
+    else if (u->op == OP_CROSS_ENTROPY)
+      v = g->nodes[u->in[0]]->shape.d[g->nodes[u->in[0]]->shape.rank - 1];
+    else if (u->op == OP_EMBED && g->nodes[u->in[1]]->name && !strcmp(g->nodes[u->in[1]]->name, "tokens"))
+      rows = g->nodes[u->in[0]]->shape.d[0];
+  }
+  if (fused && targets && tokens) {
+    targets[5] = (int32_t)v + 44;
+    st = emu_step(p, &emu, arena);
+    snprintf(name, sizeof name, "cuda emu %s: a target >= V is reported", md->path);
+    CHECK(st.set && st.code == CUDA_ERR_TARGET && st.value == v + 44 && st.limit == v, name,
+          "set %llu code %lld value %lld limit %lld", st.set, st.code, st.value, st.limit);
+    targets[5] = 1;
+    tokens[0] = (int32_t)rows + 7;
+    st = emu_step(p, &emu, arena);
+    snprintf(name, sizeof name, "cuda emu %s: a token id >= V is reported", md->path);
+    CHECK(st.set && st.code == CUDA_ERR_EMBED_ID && st.value == rows + 7 && st.limit == rows &&
+              !strcmp(cuda_error_what(st.code), "embed: id"),
+          name, "set %llu code %lld value %lld limit %lld", st.set, st.code, st.value, st.limit);
+  }
+  for (int k = 0; k < g->nparams; k++)
+    free(grads[k]);
+  free(grads);
+  free(arena);
+  interp_free(it);
+  emu_free(&emu);
+  arena_free(a);
+}
+
+int main(void) {
+  char dir[] = "/tmp/mdl-cuda-XXXXXX";
+  if (!mkdtemp(dir)) {
+    CHECK(false, "cuda: a temporary directory", "mkdtemp failed");
+    TEST_EXIT();
+  }
+  setenv("MDL_CACHE", dir, 1);
+  test_sha256();
+  test_plans();
+  char why[256];
+  if (nvrtc_available(why, sizeof why)) {
+    test_nvrtc_cache();
+    static const char *const paths[] = {"models/gpt2-tiny.mdl", "models/gpt2.mdl", "models/llama-tiny.mdl",
+                                        "models/mlp.mdl"};
+    for (size_t i = 0; i < sizeof paths / sizeof *paths; i++)
+      for (int fz = 1; fz >= 0; fz--)
+        test_nvrtc_model(paths[i], strrchr(paths[i], '/') + 1, fz);
+  } else {
+    printf("[skip] nvrtc: %s\n", why);
+  }
+  if (system("g++ --version >/dev/null 2>&1") == 0) {
+    for (size_t i = 0; i < sizeof models / sizeof *models; i++)
+      for (int fz = 1; fz >= 0; fz--)
+        test_emulation(&models[i], fz, dir);
+  } else {
+    printf("[skip] cuda emu: no g++\n");
+  }
+  remove_dir(dir);
+  TEST_EXIT();
+}

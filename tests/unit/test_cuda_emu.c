@@ -1,0 +1,321 @@
+// test_cuda_emu.c: the CUDA emulator (runtime/cuda_emu.h) and the helpers of the emitted prelude,
+// run on the CPU. A C++ file made of the emulator, the prelude and the small kernels below is compiled
+// with g++ and loaded; each check compares what the kernels wrote with values computed here:
+//   - __syncthreads orders the threads of a block (each reads what another wrote before the barrier),
+//     warp shuffles exchange floats and doubles (xor and broadcast), blockIdx / threadIdx cover the
+//     grid, atomicAdd adds from every thread of several blocks, the first mdl_report of a step wins;
+//   - threads that wait at barriers that can never fill end the run with a deadlock message;
+//   - warp and block reductions (sum, max ignoring NaN, max where NaN wins) against sums done here;
+//   - the counter-based RNG and dropout agree bit for bit with mdl.h's; GELU, its derivative and SiLU's
+//     derivative against the double formulas of interp.c (within fp32 rounding);
+//   - bf16 conversion rounds to nearest even on hand-picked bit patterns (ties, carries into the
+//     exponent, overflow to infinity, NaNs kept quiet, signed zero) and widens exactly.
+#include "mdl.h"
+#include "emit_cuda.h"
+#include "test.h"
+
+#include <dlfcn.h>
+#include <math.h>
+#include <signal.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+// Kernels and the entry points the checks call: each fills out[] with what it observed.
+static const char kernels[] =
+    "#define N_MATH 200\n"
+    "extern \"C\" __global__ void k_sync(double *out) {\n"
+    "  __shared__ int sh[256];\n"
+    "  const int t = threadIdx.x;\n"
+    "  sh[t] = t * 3 + (int)blockIdx.x;\n"
+    "  __syncthreads();\n"
+    "  out[blockIdx.x * 256 + t] = sh[255 - t];\n"
+    "}\n"
+    "extern \"C\" __global__ void k_shfl(double *out) {\n"
+    "  const int lane = threadIdx.x & 31;\n"
+    "  const float f = __shfl_xor_sync(MDL_FULL, (float)threadIdx.x, 5);\n"
+    "  const double d = __shfl_sync(MDL_FULL, 0.5 + threadIdx.x, 7);\n"
+    "  out[threadIdx.x] = f;\n"
+    "  out[64 + threadIdx.x] = d;\n"
+    "  (void)lane;\n"
+    "}\n"
+    "extern \"C\" __global__ void k_atomic(double *out) {\n"
+    "  __shared__ float acc;\n"
+    "  if (threadIdx.x == 0)\n"
+    "    acc = 0.0f;\n"
+    "  __syncthreads();\n"
+    "  atomicAdd(&acc, 1.0f);\n"
+    "  atomicAdd((float *)out, 0.5f);\n"
+    "  __syncthreads();\n"
+    "  if (threadIdx.x == 0)\n"
+    "    out[1 + blockIdx.x] = acc;\n"
+    "}\n"
+    "extern \"C\" __global__ void k_report(MdlStatus *s) {\n"
+    "  if (threadIdx.x == 5)\n"
+    "    mdl_report(s, 1, 5, 10);\n"
+    "  if (threadIdx.x == 9)\n"
+    "    mdl_report(s, 2, 9, 10);\n"
+    "}\n"
+    "extern \"C\" __global__ void k_deadlock(double *out) {\n"
+    "  if (threadIdx.x < 16)\n"
+    "    __syncthreads();\n"
+    "  else\n"
+    "    out[threadIdx.x] = __shfl_xor_sync(MDL_FULL, 1.0, 1);\n"
+    "}\n"
+    "extern \"C\" __global__ void k_reduce(double *out) {\n"
+    "  __shared__ double shd[32];\n"
+    "  __shared__ float shf[32];\n"
+    "  const int t = threadIdx.x;\n"
+    "  const float x = (float)((t * 37) % 101) - 50.0f;\n"
+    "  const float xn = t == 77 ? MDL_NAN : x;\n"
+    "  out[0] = mdl_block_sum(x, shd);\n"
+    "  out[1] = mdl_block_fmax(xn, shf);\n"
+    "  out[2] = mdl_block_max_nan(xn, shf);\n"
+    "  out[3] = mdl_block_max_nan(x, shf);\n"
+    "  if (t < 32) {\n"
+    "    out[4] = mdl_warp_sum(x);\n"
+    "    out[5] = mdl_warp_sumf(x * 0.25f);\n"
+    "    out[6] = mdl_warp_fmax(t == 3 ? MDL_NAN : x);\n"
+    "    out[7] = mdl_warp_max_nan(t == 3 ? MDL_NAN : x);\n"
+    "  }\n"
+    "}\n"
+    "extern \"C\" __global__ void k_math(double *out, const float *in, int n) {\n"
+    "  const int t = blockIdx.x * blockDim.x + threadIdx.x;\n"
+    "  if (t >= n)\n"
+    "    return;\n"
+    "  out[6 * t] = mdl_gelu(in[t]);\n"
+    "  out[6 * t + 1] = mdl_gelu_grad(in[t]);\n"
+    "  out[6 * t + 2] = mdl_silu(in[t]);\n"
+    "  out[6 * t + 3] = mdl_silu_grad(in[t], 1.5f);\n"
+    "  out[6 * t + 4] = mdl_rng_uniform(7, 3, (uint64_t)t * 1000003u);\n"
+    "  out[6 * t + 5] = mdl_dropout(7, 3, (int64_t)t * 1000003, 0.3, in[t]);\n"
+    "  out[6 * N_MATH + t] = __expf(in[t]);\n"
+    "}\n"
+    "extern \"C\" __global__ void k_bf16(const uint32_t *in, uint32_t *out, int n) {\n"
+    "  const int t = threadIdx.x;\n"
+    "  if (t < n) {\n"
+    "    const uint16_t h = mdl_f32_to_bf16(__uint_as_float(in[t]));\n"
+    "    out[2 * t] = h;\n"
+    "    out[2 * t + 1] = __float_as_uint(mdl_bf16_to_f32(h));\n"
+    "  }\n"
+    "}\n"
+    "\n"
+    "struct Args { double *out; const float *in; const uint32_t *bits; uint32_t *bout; MdlStatus *st; int n; };\n"
+    "static Args A;\n"
+    "static void b_sync(void *) { k_sync(A.out); }\n"
+    "static void b_shfl(void *) { k_shfl(A.out); }\n"
+    "static void b_atomic(void *) { k_atomic(A.out); }\n"
+    "static void b_report(void *) { k_report(A.st); }\n"
+    "static void b_deadlock(void *) { k_deadlock(A.out); }\n"
+    "static void b_reduce(void *) { k_reduce(A.out); }\n"
+    "static void b_math(void *) { k_math(A.out, A.in, A.n); }\n"
+    "static void b_bf16(void *) { k_bf16(A.bits, A.bout, A.n); }\n"
+    "extern \"C\" void run_sync(double *out) { A.out = out; mdl_emu::run(dim3{3, 1, 1}, dim3{256, 1, 1}, b_sync, 0); }\n"
+    "extern \"C\" void run_shfl(double *out) { A.out = out; mdl_emu::run(dim3{1, 1, 1}, dim3{64, 1, 1}, b_shfl, 0); }\n"
+    "extern \"C\" void run_atomic(double *out) { A.out = out; mdl_emu::run(dim3{4, 1, 1}, dim3{128, 1, 1}, b_atomic, 0); }\n"
+    "extern \"C\" void run_report(MdlStatus *st) { A.st = st; mdl_emu::run(dim3{1, 1, 1}, dim3{32, 1, 1}, b_report, 0); }\n"
+    "extern \"C\" void run_deadlock(double *out) { A.out = out; mdl_emu::run(dim3{1, 1, 1}, dim3{32, 1, 1}, b_deadlock, 0); }\n"
+    "extern \"C\" void run_reduce(double *out) { A.out = out; mdl_emu::run(dim3{1, 1, 1}, dim3{256, 1, 1}, b_reduce, 0); }\n"
+    "extern \"C\" void run_math(double *out, const float *in, int n) {\n"
+    "  A.out = out; A.in = in; A.n = n;\n"
+    "  mdl_emu::run(dim3{(unsigned)(n + 63) / 64, 1, 1}, dim3{64, 1, 1}, b_math, 0);\n"
+    "}\n"
+    "extern \"C\" void run_bf16(const uint32_t *bits, uint32_t *out, int n) {\n"
+    "  A.bits = bits; A.bout = out; A.n = n;\n"
+    "  mdl_emu::run(dim3{1, 1, 1}, dim3{64, 1, 1}, b_bf16, 0);\n"
+    "}\n";
+
+static void *load(const char *dir, char *why, size_t n) {
+  char src[300], so[300], log[300], cmd[1200];
+  snprintf(src, sizeof src, "%s/emu.cpp", dir);
+  snprintf(so, sizeof so, "%s/emu.so", dir);
+  snprintf(log, sizeof log, "%s/emu.log", dir);
+  FILE *f = fopen(src, "w");
+  if (!f)
+    return NULL;
+  fprintf(f, "#include \"cuda_emu.h\"\n%s\n%s", emit_cuda_prelude(), kernels);
+  fclose(f);
+  snprintf(cmd, sizeof cmd, "g++ -std=c++17 -O1 -fopenmp -shared -fPIC -Wall -Iruntime %s -o %s >%s 2>&1", src, so, log);
+  if (system(cmd) != 0) {
+    f = fopen(log, "r");
+    size_t k = f ? fread(why, 1, n - 1, f) : 0;
+    why[k] = 0;
+    if (f)
+      fclose(f);
+    return NULL;
+  }
+  void *h = dlopen(so, RTLD_NOW | RTLD_LOCAL);
+  if (!h)
+    snprintf(why, n, "%s", dlerror());
+  return h;
+}
+
+static double gelu(double x) { return 0.5 * x * (1 + tanh(sqrt(2 / M_PI) * (x + 0.044715 * x * x * x))); }
+
+static double gelu_grad(double x) {
+  double k = sqrt(2 / M_PI), t = tanh(k * (x + 0.044715 * x * x * x));
+  return 0.5 * (1 + t) + 0.5 * x * (1 - t * t) * k * (1 + 3 * 0.044715 * x * x);
+}
+
+static double sigmoid(double x) { return 1 / (1 + exp(-x)); }
+
+static void test_primitives(void *h) {
+  double *out = calloc(1024, sizeof *out);
+  // First, before any OpenMP thread exists to be lost by the fork.
+  fflush(stdout);
+  pid_t pid = fork();
+  if (pid == 0) {
+    alarm(20); // a hang would end as SIGALRM, not as the abort checked below
+    if (!freopen("/dev/null", "w", stderr))
+      _exit(2);
+    void (*deadlock)(double *) = (void (*)(double *))dlsym(h, "run_deadlock");
+    deadlock(out);
+    _exit(0);
+  }
+  int status = 0;
+  waitpid(pid, &status, 0);
+  CHECK(WIFSIGNALED(status) && WTERMSIG(status) == SIGABRT,
+        "cuda emu: threads waiting at barriers that cannot fill abort the run", "status %d", status);
+  void (*run)(double *) = (void (*)(double *))dlsym(h, "run_sync");
+  run(out);
+  bool ok = true;
+  for (int b = 0; b < 3; b++)
+    for (int t = 0; t < 256; t++)
+      ok &= out[b * 256 + t] == (255 - t) * 3 + b;
+  CHECK(ok, "cuda emu: __syncthreads orders the writes and reads of a block (3 blocks of 256)", "wrong value");
+
+  memset(out, 0, 1024 * sizeof *out);
+  run = (void (*)(double *))dlsym(h, "run_shfl");
+  run(out);
+  ok = true;
+  for (int t = 0; t < 64; t++)
+    ok &= out[t] == (double)(t ^ 5) && out[64 + t] == 0.5 + (t / 32 * 32 + 7);
+  CHECK(ok, "cuda emu: warp shuffles exchange floats (xor) and doubles (broadcast) within each warp", "wrong value");
+
+  memset(out, 0, 1024 * sizeof *out);
+  run = (void (*)(double *))dlsym(h, "run_atomic");
+  run(out);
+  CHECK(((float *)out)[0] == 256.0f && out[1] == 128 && out[2] == 128 && out[3] == 128 && out[4] == 128,
+        "cuda emu: atomicAdd from every thread of 4 blocks", "%g, %g %g %g %g", ((float *)out)[0], out[1], out[2],
+        out[3], out[4]);
+
+  MdlStatus st = {0};
+  void (*report)(MdlStatus *) = (void (*)(MdlStatus *))dlsym(h, "run_report");
+  report(&st);
+  CHECK(st.set == 1 && st.code == 1 && st.value == 5 && st.limit == 10, "cuda emu: the first mdl_report wins",
+        "set %llu code %lld value %lld", st.set, st.code, st.value);
+
+  free(out);
+}
+
+static void test_prelude(void *h) {
+  double out[8] = {0};
+  void (*run)(double *) = (void (*)(double *))dlsym(h, "run_reduce");
+  run(out);
+  double sum = 0, sum32 = 0, sumq = 0, mx = -INFINITY, mx_nan = -INFINITY, mx32 = -INFINITY;
+  for (int t = 0; t < 256; t++) {
+    double x = (t * 37) % 101 - 50.0;
+    sum += x;
+    mx = fmax(mx, x);
+    if (t != 77)
+      mx_nan = fmax(mx_nan, x);
+    if (t < 32) {
+      sum32 += x;
+      sumq += x * 0.25;
+      if (t != 3)
+        mx32 = fmax(mx32, x);
+    }
+  }
+  CHECK(out[0] == sum && out[4] == sum32 && out[5] == sumq, "cuda prelude: block and warp sums",
+        "%g vs %g, %g vs %g, %g vs %g", out[0], sum, out[4], sum32, out[5], sumq);
+  CHECK(out[1] == mx_nan && out[6] == mx32, "cuda prelude: block and warp max ignoring NaN (softmax, cross-entropy)",
+        "%g vs %g, %g vs %g", out[1], mx_nan, out[6], mx32);
+  CHECK(isnan(out[2]) && out[3] == mx && isnan(out[7]), "cuda prelude: block and warp max where a NaN wins (max)",
+        "%g, %g vs %g, %g", out[2], out[3], mx, out[7]);
+
+  enum { N = 200 }; // N_MATH in the kernels
+  float in[N];
+  double *res = calloc(7 * N, sizeof *res);
+  for (int i = 0; i < N; i++)
+    in[i] = (float)(-8.0 + 16.0 * i / (N - 1));
+  void (*math)(double *, const float *, int) = (void (*)(double *, const float *, int))dlsym(h, "run_math");
+  math(res, in, N);
+  double eg = 0, egg = 0, es = 0, esg = 0;
+  bool rng = true, drop = true;
+  for (int i = 0; i < N; i++) {
+    double x = in[i], s = sigmoid(x);
+    eg = fmax(eg, fabs(res[6 * i] - gelu(x)) / fmax(1, fabs(gelu(x))));
+    egg = fmax(egg, fabs(res[6 * i + 1] - gelu_grad(x)) / fmax(1, fabs(gelu_grad(x))));
+    es = fmax(es, fabs(res[6 * i + 2] - x * s) / fmax(1, fabs(x * s)));
+    esg = fmax(esg, fabs(res[6 * i + 3] - 1.5 * s * (1 + x * (1 - s))));
+    double u = mdl_rng_uniform(7, 3, (uint64_t)i * 1000003u);
+    rng &= res[6 * i + 4] == u;
+    drop &= res[6 * i + 5] == (u >= 0.3 ? (double)(float)(in[i] / 0.7) : 0.0);
+  }
+  CHECK(eg < 1e-6 && egg < 1e-5, "cuda prelude: gelu (within 1e-6) and its derivative (1e-5: 1 - s loses bits "
+        "when s nears 1 in fp32) match the tanh formula",
+        "gelu %.2g, gelu' %.2g", eg, egg);
+  CHECK(es < 1e-6 && esg < 1e-6, "cuda prelude: silu and its derivative", "silu %.2g, silu' %.2g", es, esg);
+  CHECK(rng && drop, "cuda prelude: the RNG and dropout agree bit for bit with mdl.h", "rng %d, dropout %d", rng, drop);
+  bool ex = true;
+  for (int i = 0; i < N; i++)
+    ex &= res[6 * N + i] == (double)expf(in[i]);
+  CHECK(ex, "cuda emu: __expf", "differs from expf");
+  free(res);
+
+  static const struct {
+    uint32_t f;
+    uint16_t bf;
+  } cases[] = {
+      {0x3f800000, 0x3f80}, // 1.0
+      {0x3f808000, 0x3f80}, // 1 + 2^-8: a tie, to even (down)
+      {0x3f818000, 0x3f82}, // 1 + 3 * 2^-8: a tie, to even (up)
+      {0x3f808001, 0x3f81}, // just above a tie: up
+      {0x3f7fffff, 0x3f80}, // the carry reaches the exponent
+      {0x7f7fffff, 0x7f80}, // the largest float rounds to infinity
+      {0xff800000, 0xff80}, // -infinity
+      {0x80000000, 0x8000}, // -0
+      {0x7fc00000, 0x7fc0}, // a quiet NaN
+      {0x7f800001, 0x7fc0}, // a signalling NaN stays a NaN, made quiet
+      {0xc0490fdb, 0xc049}, // -pi
+      {0x00000001, 0x0000}, // the smallest subnormal rounds to zero
+  };
+  enum { NC = sizeof cases / sizeof *cases };
+  uint32_t bits[NC], got[2 * NC];
+  for (int i = 0; i < NC; i++)
+    bits[i] = cases[i].f;
+  void (*bf)(const uint32_t *, uint32_t *, int) = (void (*)(const uint32_t *, uint32_t *, int))dlsym(h, "run_bf16");
+  bf(bits, got, NC);
+  for (int i = 0; i < NC; i++) {
+    char name[120];
+    snprintf(name, sizeof name, "cuda prelude: bf16 of 0x%08x is 0x%04x and widens back exactly", cases[i].f,
+             cases[i].bf);
+    CHECK(got[2 * i] == cases[i].bf && got[2 * i + 1] == (uint32_t)cases[i].bf << 16, name, "got 0x%04x, 0x%08x",
+          got[2 * i], got[2 * i + 1]);
+  }
+}
+
+int main(void) {
+  if (system("g++ --version >/dev/null 2>&1") != 0) {
+    printf("[skip] cuda emu: no g++\n");
+    TEST_EXIT();
+  }
+  char dir[] = "/tmp/mdl-emu-XXXXXX", why[4096] = "";
+  if (!mkdtemp(dir)) {
+    CHECK(false, "cuda emu: a temporary directory", "mkdtemp failed");
+    TEST_EXIT();
+  }
+  void *h = load(dir, why, sizeof why);
+  CHECK(h != NULL, "cuda emu: the emulator, the prelude and the test kernels compile with g++ -Wall", "%.1500s", why);
+  if (h) {
+    test_primitives(h);
+    test_prelude(h);
+    dlclose(h);
+  }
+  char cmd[200];
+  snprintf(cmd, sizeof cmd, "rm -rf %s", dir);
+  if (system(cmd) != 0)
+    printf("[fail] cuda emu: cannot remove %s\n", dir);
+  TEST_EXIT();
+}
