@@ -1953,7 +1953,8 @@ static void emit_reduce(Emit *e, int gi, const bool *emitted) {
     line(e, "const float v = %s;", val(e, x, "ix"));
     accumulate(e, max);
     leave(e);
-    line(e, "acc = %s;", max ? str(e, "mdl_block_max_nan(acc, %s)", sh_float(e)) : str(e, "mdl_block_sum(acc, %s)", sh_double(e)));
+    line(e, "acc = %s;",
+         max ? str(e, "mdl_block_max_nan(acc, %s)", sh_float(e)) : str(e, "mdl_block_sum(acc, %s)", sh_double(e)));
     line(e, "if (threadIdx.x == 0)");
     line(e, "  %s[blockIdx.x] = acc;", p);
     kend(e, on * nb, BLOCK);
@@ -2351,11 +2352,12 @@ static void emit_ce(Emit *e, int gi) {
   RowShape rs = ce_shape(e, v, rows);
   phase_begin(e);
   kbegin(e, "");
-  note(e, "cross-entropy%s: %lld rows of %lld, %s per row", ceb >= 0 ? (ce >= 0 ? " and its gradient" : " gradient") : "",
-       (long long)rows, (long long)v, rs_who(e, &rs));
+  note(e, "cross-entropy%s: %lld rows of %lld, %s per row",
+       ceb >= 0 ? (ce >= 0 ? " and its gradient" : " gradient") : "", (long long)rows, (long long)v, rs_who(e, &rs));
   rows_open(e, &rs, "r");
   ce_row(e, &rs, v, str(e, "%s + r * %lld", ptr(e, lg), (long long)v), str(e, "%s[r]", ptr(e, tg)),
-         ce >= 0 ? str(e, "%s[r]", ptr(e, ce)) : NULL, ceb >= 0 ? str(e, "%s + r * %lld", ptr(e, ceb), (long long)v) : NULL,
+         ce >= 0 ? str(e, "%s[r]", ptr(e, ce)) : NULL,
+         ceb >= 0 ? str(e, "%s + r * %lld", ptr(e, ceb), (long long)v) : NULL,
          dl >= 0 ? str(e, "%s[r]", ptr(e, dl)) : NULL);
   leave(e);
   kend(e, rs.grid, rs.block);
@@ -2417,10 +2419,12 @@ static void emit_lmhead(Emit *e, int gi) {
                            .a = logits, .b = ow, .c = odx + 4 * r0 * c, .bias = -1, .aux = -1});
     if (gr->tb)
       gemm_add(e, (CudaGemm){.ta = 1, .tb = 0, .m = v, .n = c, .k = rn, .lda = v, .ldb = c, .ldc = c, .batch = 1,
-                             .a = logits, .b = ox + 4 * r0 * c, .c = odw, .beta = r0 ? 1.0f : 0.0f, .bias = -1, .aux = -1});
+                             .a = logits, .b = ox + 4 * r0 * c, .c = odw, .beta = r0 ? 1.0f : 0.0f, .bias = -1,
+                             .aux = -1});
     else
       gemm_add(e, (CudaGemm){.ta = 1, .tb = 0, .m = c, .n = v, .k = rn, .lda = c, .ldb = v, .ldc = v, .batch = 1,
-                             .a = ox + 4 * r0 * c, .b = logits, .c = odw, .beta = r0 ? 1.0f : 0.0f, .bias = -1, .aux = -1});
+                             .a = ox + 4 * r0 * c, .b = logits, .c = odw, .beta = r0 ? 1.0f : 0.0f, .bias = -1,
+                             .aux = -1});
   }
   for (int i = 0; i < 3; i++)
     phase_done(e, outs[i]);
@@ -2496,7 +2500,8 @@ static void att_query_kernel(Emit *e, const Att *A, AttMode mode, int out, int64
   bool guard = d % 32 != 0;
   kbegin(e, mode == ATT_FWD ? "" : mode == ATT_STATS ? "stats" : "dq");
   note(e, "attention%s: B %lld, T %lld, %lld heads of %lld%s%s; a block per (batch, head, %d queries), "
-          "keys in tiles of %d", mode == ATT_FWD ? "" : mode == ATT_STATS ? " backward, row statistics" : " backward, dq",
+          "keys in tiles of %d",
+       mode == ATT_FWD ? "" : mode == ATT_STATS ? " backward, row statistics" : " backward, dq",
        (long long)A->nb, (long long)t, (long long)A->heads, (long long)d, A->causal ? ", causal" : "",
        A->has_doc ? ", within documents" : "", bq, ATT_BK);
   e->shared = (int)(bq * d * 4 * (mode == ATT_DQ ? 2 : 1) + 2 * ATT_BK * (d + 1) * 4 + (A->has_doc ? ATT_BK * 4 : 0));
@@ -2640,7 +2645,8 @@ static void att_query_kernel(Emit *e, const Att *A, AttMode mode, int out, int64
     if (guard)
       line(e, "if (c < %lld)", (long long)d);
     line(e, "%s%s[(b * %lld + i) * %lld + hd * %lld + c] = %s;", guard ? "  " : "", o, (long long)t,
-         (long long)A->nc, (long long)d, mode == ATT_FWD ? "acc[rr][t] / l[rr]" : str(e, "%s * acc[rr][t]", flit(e, A->scale)));
+         (long long)A->nc, (long long)d,
+         mode == ATT_FWD ? "acc[rr][t] / l[rr]" : str(e, "%s * acc[rr][t]", flit(e, A->scale)));
     leave(e);
   }
   leave(e);
@@ -2816,7 +2822,8 @@ static void emit_embed(Emit *e, int gi) {
   int64_t cw = c / w, work = rows * cw;
   phase_begin(e);
   kbegin(e, "");
-  note(e, "embed: %lld rows of %lld from a table of %lld, %d per thread", (long long)rows, (long long)c, (long long)v, w);
+  note(e, "embed: %lld rows of %lld from a table of %lld, %d per thread", (long long)rows, (long long)c,
+       (long long)v, w);
   const char *t = w == 4 ? "float4" : "float";
   const char *tp = ptr(e, tab), *ip = ptr(e, ids), *op = ptr(e, a);
   enter(e, "for (%s u = blockIdx.x * blockDim.x + threadIdx.x; u < %lld; u += gridDim.x * blockDim.x)", e->ixt,
@@ -3098,7 +3105,8 @@ static void emit_optimizer(Emit *e, int gi) {
     line(e, "const double beta1 = %s, beta2 = %s, eps = %s;", dlit(e, a->fa[0]), dlit(e, a->fa[1]), dlit(e, a->fa[2]));
     line(e, "const double k1 = 1.0 / (1.0 - pow(beta1, step)), k2 = 1.0 / (1.0 - pow(beta2, step));");
     seg_loop(e, ns, total);
-    line(e, "float *p = (float *)(arena + seg[s].p), *m = (float *)(arena + seg[s].m), *v = (float *)(arena + seg[s].v);");
+    line(e, "float *p = (float *)(arena + seg[s].p), *m = (float *)(arena + seg[s].m);");
+    line(e, "float *v = (float *)(arena + seg[s].v);");
     line(e, "const double gi = sc * ((const float *)(arena + seg[s].g))[k];");
     line(e, "m[k] = (float)(beta1 * m[k] + (1 - beta1) * gi);");
     line(e, "v[k] = (float)(beta2 * v[k] + (1 - beta2) * gi * gi);");
@@ -3268,9 +3276,10 @@ static void commit_step(Emit *e) {
       grow(&e->gemms, e->ngemms, &e->capgemms, sizeof *e->gemms);
       cl->gemm = e->ngemms;
       e->gemms[e->ngemms++] = *gm;
-      bput(&e->out, "//   gemm %d: [%lld x %lld] = %s[%lld x %lld] %s[%lld x %lld]%s%s%s%s\n", cl->gemm, (long long)gm->m,
-           (long long)gm->n, gm->ta ? "T" : "", (long long)gm->m, (long long)gm->k, gm->tb ? "T" : "", (long long)gm->k,
-           (long long)gm->n, gm->batch > 1 ? str(e, ", %lld batches", (long long)gm->batch) : "",
+      bput(&e->out, "//   gemm %d: [%lld x %lld] = %s[%lld x %lld] %s[%lld x %lld]%s%s%s%s\n", cl->gemm,
+           (long long)gm->m, (long long)gm->n, gm->ta ? "T" : "", (long long)gm->m, (long long)gm->k,
+           gm->tb ? "T" : "", (long long)gm->k, (long long)gm->n,
+           gm->batch > 1 ? str(e, ", %lld batches", (long long)gm->batch) : "",
            gm->beta != 0 ? " + C" : "", gm->epilogue != CUDA_EPI_NONE ? ", epilogue " : "",
            gm->epilogue != CUDA_EPI_NONE ? epi_name(gm->epilogue) : "");
       continue;
@@ -3371,14 +3380,15 @@ CudaPlan *emit_cuda_plan(const Fusion *f, const MemPlan *m, const char *source_p
 
   int64_t scratch = align_up(m->arena_bytes, SCRATCH_ALIGN);
   bput(&e.out, "// Generated by mdlc %s from %s: do not edit.\n", MDL_VERSION, source_path ? source_path : "?");
-  bput(&e.out, "// Model %s: one training step (forward, backward, AdamW) as %d steps over one device arena: %lld bytes\n",
-       g->model ? g->model : "?", f->nsteps, (long long)m->arena_bytes);
-  bput(&e.out, "// planned (parameters, gradients and AdamW moments at %lld, %lld, %lld and %lld, %lld bytes each),\n",
-       (long long)m->params, (long long)m->grads, (long long)m->m, (long long)m->v, (long long)m->param_bytes);
-  bput(&e.out, "// then step-local scratch from %lld. Compiled by NVRTC; runtime/cuda.c runs the schedule below\n",
-       (long long)scratch);
-  bput(&e.out, "// each step's comment lists (kernels, and GEMMs through cuBLASLt). Kernel arguments:\n");
-  bput(&e.out, "// (arena, status, seed, chunk, offsets of the buffers used).\n\n");
+  bput(&e.out, "// Model %s: one training step (forward, backward, AdamW) as %d steps on one device arena:\n",
+       g->model ? g->model : "?", f->nsteps);
+  bput(&e.out, "//   the memory plan's part   %lld bytes\n", (long long)m->arena_bytes);
+  bput(&e.out, "//   params, grads, m, v at   %lld, %lld, %lld, %lld (%lld bytes each)\n", (long long)m->params,
+       (long long)m->grads, (long long)m->m, (long long)m->v, (long long)m->param_bytes);
+  bput(&e.out, "//   step-local scratch from  %lld\n", (long long)scratch);
+  bput(&e.out, "// NVRTC compiles this file; runtime/cuda.c runs the launches each step's comment lists (kernels,\n");
+  bput(&e.out, "// and GEMMs through cuBLASLt), every kernel with (arena, status, seed, chunk, the byte offsets of\n");
+  bput(&e.out, "// its buffers).\n\n");
   bput(&e.out, "%s", prelude);
 
   const char **names = xcalloc((size_t)f->nsteps + 1, sizeof *names);
@@ -3394,7 +3404,8 @@ CudaPlan *emit_cuda_plan(const Fusion *f, const MemPlan *m, const char *source_p
     int ngemm = 0;
     for (int i = 0; i < e.nlaunches; i++)
       ngemm += e.launches[i].gemm >= 0;
-    bput(&e.out, "\n// Schedule: %d launches per step, %d kernels (%d distinct) and %d GEMMs; device arena %lld bytes.\n",
+    bput(&e.out, "\n// Schedule: %d launches per step, %d kernels (%d distinct) and %d GEMMs; device arena %lld "
+                 "bytes.\n",
          e.nlaunches, e.nlaunches - ngemm, e.nknown, ngemm, (long long)(scratch + e.scratch_max));
     plan = arena_alloc(g->arena, sizeof *plan);
     char *text = arena_alloc(g->arena, e.out.len + 1);

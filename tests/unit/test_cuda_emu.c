@@ -111,12 +111,30 @@ static const char kernels[] =
     "static void b_reduce(void *) { k_reduce(A.out); }\n"
     "static void b_math(void *) { k_math(A.out, A.in, A.n); }\n"
     "static void b_bf16(void *) { k_bf16(A.bits, A.bout, A.n); }\n"
-    "extern \"C\" void run_sync(double *out) { A.out = out; mdl_emu::run(dim3{3, 1, 1}, dim3{256, 1, 1}, b_sync, 0); }\n"
-    "extern \"C\" void run_shfl(double *out) { A.out = out; mdl_emu::run(dim3{1, 1, 1}, dim3{64, 1, 1}, b_shfl, 0); }\n"
-    "extern \"C\" void run_atomic(double *out) { A.out = out; mdl_emu::run(dim3{4, 1, 1}, dim3{128, 1, 1}, b_atomic, 0); }\n"
-    "extern \"C\" void run_report(MdlStatus *st) { A.st = st; mdl_emu::run(dim3{1, 1, 1}, dim3{32, 1, 1}, b_report, 0); }\n"
-    "extern \"C\" void run_deadlock(double *out) { A.out = out; mdl_emu::run(dim3{1, 1, 1}, dim3{32, 1, 1}, b_deadlock, 0); }\n"
-    "extern \"C\" void run_reduce(double *out) { A.out = out; mdl_emu::run(dim3{1, 1, 1}, dim3{256, 1, 1}, b_reduce, 0); }\n"
+    "extern \"C\" void run_sync(double *out) {\n"
+    "  A.out = out;\n"
+    "  mdl_emu::run(dim3{3, 1, 1}, dim3{256, 1, 1}, b_sync, 0);\n"
+    "}\n"
+    "extern \"C\" void run_shfl(double *out) {\n"
+    "  A.out = out;\n"
+    "  mdl_emu::run(dim3{1, 1, 1}, dim3{64, 1, 1}, b_shfl, 0);\n"
+    "}\n"
+    "extern \"C\" void run_atomic(double *out) {\n"
+    "  A.out = out;\n"
+    "  mdl_emu::run(dim3{4, 1, 1}, dim3{128, 1, 1}, b_atomic, 0);\n"
+    "}\n"
+    "extern \"C\" void run_report(MdlStatus *st) {\n"
+    "  A.st = st;\n"
+    "  mdl_emu::run(dim3{1, 1, 1}, dim3{32, 1, 1}, b_report, 0);\n"
+    "}\n"
+    "extern \"C\" void run_deadlock(double *out) {\n"
+    "  A.out = out;\n"
+    "  mdl_emu::run(dim3{1, 1, 1}, dim3{32, 1, 1}, b_deadlock, 0);\n"
+    "}\n"
+    "extern \"C\" void run_reduce(double *out) {\n"
+    "  A.out = out;\n"
+    "  mdl_emu::run(dim3{1, 1, 1}, dim3{256, 1, 1}, b_reduce, 0);\n"
+    "}\n"
     "extern \"C\" void run_math(double *out, const float *in, int n) {\n"
     "  A.out = out; A.in = in; A.n = n;\n"
     "  mdl_emu::run(dim3{(unsigned)(n + 63) / 64, 1, 1}, dim3{64, 1, 1}, b_math, 0);\n"
@@ -136,7 +154,8 @@ static void *load(const char *dir, char *why, size_t n) {
     return NULL;
   fprintf(f, "#include \"cuda_emu.h\"\n%s\n%s", emit_cuda_prelude(), kernels);
   fclose(f);
-  snprintf(cmd, sizeof cmd, "g++ -std=c++17 -O1 -fopenmp -shared -fPIC -Wall -Iruntime %s -o %s >%s 2>&1", src, so, log);
+  snprintf(cmd, sizeof cmd, "g++ -std=c++17 -O1 -fopenmp -shared -fPIC -Wall -Iruntime %s -o %s >%s 2>&1", src, so,
+           log);
   if (system(cmd) != 0) {
     f = fopen(log, "r");
     size_t k = f ? fread(why, 1, n - 1, f) : 0;
