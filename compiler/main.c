@@ -32,6 +32,7 @@ typedef struct {
   uint64_t seed;
   bool fp64;
   FuseOptions fuse;
+  bool reuse; // the memory planner shares memory between activations whose lives do not overlap
   PrepOptions prep;
   bool resume, pack, shuffle;
   int64_t val_every, val_batches, ckpt_every;
@@ -78,6 +79,7 @@ static const char usage_text[] =
     "      --fp64             run the interpreter in fp64\n"
     "      --no-fuse          one kernel per IR node (to measure what fusion is worth)\n"
     "      --no-chunk-lmhead  materialise the whole logits instead of running the LM head by chunks\n"
+    "      --no-reuse         give every activation its own memory (what liveness-based reuse saves)\n"
     "  -h, --help             this text\n"
     "  -V, --version          the version\n";
 
@@ -105,6 +107,7 @@ static int parse_options(int argc, char **argv, Options *o) {
       {"steps", required_argument, 0, 's'},   {"seed", required_argument, 0, 'S'},
       {"backend", required_argument, 0, 'k'}, {"fp64", no_argument, 0, 'F'},
       {"no-fuse", no_argument, 0, 'N'},       {"no-chunk-lmhead", no_argument, 0, 'C'},
+      {"no-reuse", no_argument, 0, 'U'},
       {"vocab", required_argument, 0, 'v'},   {"doc-sep", required_argument, 0, 'e'},
       {"val-fraction", required_argument, 0, 'f'}, {"text-field", required_argument, 0, 't'},
       {"shard-tokens", required_argument, 0, 'n'}, {"force", no_argument, 0, 'r'},
@@ -116,7 +119,7 @@ static int parse_options(int argc, char **argv, Options *o) {
       {"top-k", required_argument, 0, 'q'},
       {"help", no_argument, 0, 'h'},          {"version", no_argument, 0, 'V'},
       {0, 0, 0, 0}};
-  *o = (Options){.seed = 1337, .backend = "auto", .steps = -1, .pack = true, .val_every = 100, .val_batches = 4,
+  *o = (Options){.seed = 1337, .backend = "auto", .steps = -1, .pack = true, .reuse = true, .val_every = 100, .val_batches = 4,
                  .ckpt_every = 100,
                  .fuse = {.fuse = true, .chunk_lmhead = true, .max_group = 64}};
   prep_defaults(&o->prep);
@@ -204,6 +207,7 @@ static int parse_options(int argc, char **argv, Options *o) {
       break;
     }
     case 'C': o->fuse.chunk_lmhead = false; break;
+    case 'U': o->reuse = false; break;
     case 'h': fputs(usage_text, stdout); exit(0);
     case 'V': printf("mdlc %s\n", MDL_VERSION); exit(0);
     default: return usage_error("%s", "bad option");
@@ -289,7 +293,7 @@ static int cmd_check(const Options *o, Graph *g) {
 // The rest of the pipeline for a compiled back end: fuse, plan memory, emit C. Dumps F and M.
 static Plan plan(const Options *o, Graph *g, FuseOptions fo) {
   Plan p = {.f = fuse(g, fo)};
-  p.m = memplan(p.f);
+  p.m = memplan_with(p.f, o->reuse);
   if (dumping(o, 'F'))
     fuse_dump(p.f, stdout);
   if (dumping(o, 'M'))
@@ -337,7 +341,7 @@ static Engine *open_engine(const Options *o, Graph *g, bool report) {
   char err[512];
   if (!strcmp(backend, "cuda")) {
     Fusion *f = fuse(g, o->fuse);
-    MemPlan *m = memplan(f);
+    MemPlan *m = memplan_with(f, o->reuse);
     if (dumping(o, 'F'))
       fuse_dump(f, stdout);
     if (dumping(o, 'M'))

@@ -359,6 +359,8 @@ typedef struct {
 } MemPlan;
 
 MemPlan *memplan(const Fusion *f);
+// With reuse off every activation gets memory of its own (--no-reuse: what liveness saves).
+MemPlan *memplan_with(const Fusion *f, bool reuse);
 void memplan_dump(const Fusion *f, const MemPlan *m, FILE *out);
 
 //

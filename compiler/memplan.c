@@ -68,15 +68,15 @@ static int by_offset(const void *pa, const void *pb) {
 }
 
 // Places the activations at the lowest offsets that do not collide with a placed buffer alive at
-// the same time; returns the peak.
-static int64_t place(Buffer *buf, int n) {
+// the same time (with `reuse` off: with any placed buffer); returns the peak.
+static int64_t place(Buffer *buf, int n, bool reuse) {
   qsort(buf, (size_t)n, sizeof *buf, by_size);
   Buffer **alive = malloc(sizeof(Buffer *) * (size_t)(n ? n : 1));
   int64_t peak = 0;
   for (int i = 0; i < n; i++) {
     int na = 0;
     for (int j = 0; j < i; j++)
-      if (buf[j].first <= buf[i].last && buf[i].first <= buf[j].last)
+      if (!reuse || (buf[j].first <= buf[i].last && buf[i].first <= buf[j].last))
         alive[na++] = &buf[j];
     qsort(alive, (size_t)na, sizeof *alive, by_offset);
     int64_t at = 0;
@@ -95,7 +95,9 @@ static int64_t place(Buffer *buf, int n) {
   return align_up(peak);
 }
 
-MemPlan *memplan(const Fusion *f) {
+MemPlan *memplan(const Fusion *f) { return memplan_with(f, true); }
+
+MemPlan *memplan_with(const Fusion *f, bool reuse) {
   const Graph *g = f->g;
   Arena *a = g->arena;
   MemPlan *mp = arena_alloc(a, sizeof *mp);
@@ -162,7 +164,7 @@ MemPlan *memplan(const Fusion *f) {
   for (int i = 0; i < g->n; i++)
     if (f->materialised[i] && mp->offset[i] < 0 && f->step_of[i] >= 0)
       buf[nbuf++] = (Buffer){i, bytes_of(g->nodes[i]), 0, first[i], last[i]};
-  mp->activation_bytes = place(buf, nbuf);
+  mp->activation_bytes = place(buf, nbuf, reuse);
   for (int i = 0; i < nbuf; i++)
     mp->offset[buf[i].id] = at + buf[i].offset;
   free(buf);

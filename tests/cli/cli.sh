@@ -87,3 +87,24 @@ head -c 2000 "$tmp/shards/train_000000.bin" >"$tmp/bad-shards/train_000000.bin"
 expect "a truncated shard is refused" 1 $m run models/gpt2-tiny.mdl -D B=2 -D T=16 --steps 1 --data "$tmp/bad-shards" \
   --out "$tmp/run6"
 contains "the truncated shard is named" "$tmp/err" "bad-shards/train_000000.bin: error: truncated"
+
+# Each pass can be switched off, and switching one off changes the plan but not the numbers.
+for off in "" --no-fuse --no-reuse --no-chunk-lmhead; do
+  rm -rf "$tmp/p$off"
+  $m run models/gpt2-tiny.mdl -D B=2 -D T=16 --steps 3 --data "$tmp/shards" --out "$tmp/p$off" --val-every 0 $off \
+    >"$tmp/p$off.out" 2>&1 || echo "[fail] cli: run ${off:-(all passes)}: $(tail -c 300 "$tmp/p$off.out")"
+  sed -n 's/.*"loss":\([0-9.]*\).*/\1/p' "$tmp/p$off/log.jsonl" >"$tmp/p$off.losses"
+done
+for off in --no-fuse --no-reuse --no-chunk-lmhead; do
+  if [ -s "$tmp/p.losses" ] && paste "$tmp/p.losses" "$tmp/p$off.losses" |
+    awk '{d = $1 - $2; if (d < 0) d = -d; if (d > 1e-5 * $1) bad = 1} END {exit bad}'; then
+    echo "[ok] cli: $off trains to the same losses (within 1e-5)"
+  else
+    echo "[fail] cli: $off changes the losses: $(paste "$tmp/p.losses" "$tmp/p$off.losses" | tr '\n' ' ')"
+  fi
+done
+a1=$($m build models/gpt2-tiny.mdl -o "$tmp/b1" | grep -o 'activations [0-9.]*' | cut -d' ' -f2)
+a2=$($m build models/gpt2-tiny.mdl -o "$tmp/b2" --no-reuse | grep -o 'activations [0-9.]*' | cut -d' ' -f2)
+awk -v a="$a1" -v b="$a2" 'BEGIN {exit !(a > 0 && b > 1.5 * a)}' &&
+  echo "[ok] cli: --no-reuse shows what memory reuse saves ($a1 MB vs $a2 MB of activations)" ||
+  echo "[fail] cli: --no-reuse activations $a2 MB vs $a1 MB"
