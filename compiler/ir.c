@@ -440,6 +440,12 @@ int ir_embed_bwd(Graph *g, int ids, int dy, int64_t vocab, SrcLoc loc) {
   return commit(g, n);
 }
 
+void ir_eval_mode(Graph *g) {
+  for (int i = 0; i < g->n; i++)
+    if (g->nodes[i]->op == OP_DROPOUT)
+      g->nodes[i]->fa[0] = 0;
+}
+
 int64_t ir_param_count(const Graph *g) {
   int64_t n = 0;
   for (int i = 0; i < g->nparams; i++)

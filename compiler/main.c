@@ -544,12 +544,14 @@ static int cmd_build(const Options *o, Graph *g) {
   return 0;
 }
 
-// The forward graph alone (validation loss), or forward + backward without the optimizer (the
-// micro-batches of gradient accumulation), on the same back end.
+// The forward graph alone (validation loss, dropout off), or forward + backward without the
+// optimizer (the micro-batches of gradient accumulation), on the same back end.
 static Engine *open_side_engine(const Options *o, Arena *a, bool grads) {
   Graph *g = mdl_compile_file(a, o->file, o->dims, o->ndims);
   if (!g || g->loss < 0 || (grads && !autodiff(g, false)))
     return NULL;
+  if (!grads)
+    ir_eval_mode(g);
   Options quiet = *o;
   quiet.dump = NULL;
   return open_engine(&quiet, g, false);

@@ -216,6 +216,8 @@ bool shape_eq(Shape a, Shape b);
 char *shape_str(Shape s, char *buf, size_t n); // "[2,3,4]"
 Shape shape_of(int rank, const int64_t *d);
 int64_t ir_param_count(const Graph *g);
+// A forward graph for evaluation and sampling: every dropout keeps everything (p = 0).
+void ir_eval_mode(Graph *g);
 
 //
 // front end (grammar/mdl.l, grammar/mdl.y, compiler/sema.c): .mdl text to the forward graph.

@@ -225,6 +225,7 @@ static bool open_from(Sampler *s, Arena *file_arena) {
   s->g = mdl_compile_file(s->a, source, ov, nov);
   if (!s->g || !check_graph(s, source))
     return false;
+  ir_eval_mode(s->g);
   s->it = interp_new(s->g, INTERP_F32);
   if (!load_params(s, &f, source))
     return false;

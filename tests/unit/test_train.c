@@ -18,7 +18,46 @@ static double loss_after(Interp *it, const Graph *g, int64_t step) {
   return interp_value(it, g->loss)[0];
 }
 
+// Evaluation graphs switch dropout off: their loss does not depend on the seed; training's does.
+static void test_eval_mode(void) {
+  static const char src[] = "model drop\n"
+                            "dim B = 4\n"
+                            "input x: f32[B, 8]\n"
+                            "input targets: i32[B]\n"
+                            "param w: [8, 3] = normal(0.5)\n"
+                            "output loss = mean(cross_entropy(dropout(x, p=0.5) @ w, targets))\n";
+  float x[32];
+  int32_t t[4] = {0, 1, 2, 1};
+  for (int i = 0; i < 32; i++)
+    x[i] = (float)((i * 7) % 5) - 2;
+  double loss[2][2];
+  for (int eval = 0; eval < 2; eval++)
+    for (int seed = 0; seed < 2; seed++) {
+      Arena *a = arena_new();
+      Graph *g = mdl_compile_text(a, "drop.mdl", src, NULL, 0);
+      if (!g) {
+        printf("[fail] eval mode: the model does not compile\n");
+        return;
+      }
+      if (eval)
+        ir_eval_mode(g);
+      Interp *it = interp_new(g, INTERP_F64);
+      interp_init_params(it, 3);
+      interp_set_seed(it, (uint64_t)seed + 1);
+      interp_set_input(it, "x", NULL, x, 32);
+      interp_set_input(it, "targets", t, NULL, 4);
+      char err[128];
+      loss[eval][seed] = interp_run(it, g->n, err, sizeof err) ? interp_value(it, g->loss)[0] : NAN;
+      interp_free(it);
+      arena_free(a);
+    }
+  CHECK(loss[0][0] != loss[0][1], "eval mode: training draws a dropout mask per seed", "%g == %g", loss[0][0], loss[0][1]);
+  CHECK(loss[1][0] == loss[1][1] && isfinite(loss[1][0]), "eval mode: evaluation switches dropout off",
+        "%g vs %g", loss[1][0], loss[1][1]);
+}
+
 int main(void) {
+  test_eval_mode();
   Arena *a = arena_new();
   DimOverride ov[] = {{"B", 4}, {"T", 32}};
   Graph *g = mdl_compile_file(a, "models/gpt2-tiny.mdl", ov, 2);
