@@ -1,0 +1,776 @@
+// emit_common.c: what the C emitter (emit_c.c) and the CUDA emitter (emit_cuda.c) share: the part
+// of code generation that does not depend on the target.
+//
+// Design. Both emitters split a step's nodes into anchors (ops that need a loop nest or a kernel of
+// their own) and pointwise nodes computed inline, and both settle the same questions the same way:
+// where a node's value is (in memory, a view of another node, or still to compute), which values
+// must be in memory before the next group (queued for an elementwise loop), which anchors form one
+// group and in what order the groups run, and which step outputs can be computed in a group's own
+// loop. Both also write the code of a loop body the same way: lines in nested scopes, values and
+// index variables memoised per scope, and the index maps of the inline evaluator (broadcast,
+// permute, slice, concat) as index expressions. EmitCore holds the state all this needs; each
+// emitter embeds it as `core` in its own state, next to what is target-specific (buffers or kernel
+// slots, launch shapes, the arithmetic of each op), and keeps everything that decides the text of a
+// target. Nothing here writes text of its own choosing: what it emits is the emitter's (index
+// variables are declared with the emitter's index type, EmitCore.ixt).
+#include "emit_common.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+//
+// Text buffers and memory.
+//
+
+void ec_bvput(Buf *b, const char *fmt, va_list ap) {
+  for (;;) {
+    va_list cp;
+    va_copy(cp, ap);
+    size_t room = b->cap - b->len;
+    int n = vsnprintf(b->s ? b->s + b->len : NULL, room, fmt, cp);
+    va_end(cp);
+    if (n < 0)
+      return;
+    if ((size_t)n < room) {
+      b->len += (size_t)n;
+      return;
+    }
+    size_t cap = b->cap ? b->cap : 4096;
+    while (cap - b->len <= (size_t)n)
+      cap *= 2;
+    char *s = realloc(b->s, cap);
+    if (!s) {
+      fprintf(stderr, "mdlc: out of memory (%zu bytes)\n", cap);
+      exit(1);
+    }
+    b->s = s;
+    b->cap = cap;
+  }
+}
+
+void ec_bput(Buf *b, const char *fmt, ...) {
+  va_list ap;
+  va_start(ap, fmt);
+  ec_bvput(b, fmt, ap);
+  va_end(ap);
+}
+
+void ec_bappend(Buf *b, const Buf *x) {
+  if (x->len)
+    ec_bput(b, "%.*s", (int)x->len, x->s);
+}
+
+void *ec_xcalloc(size_t n, size_t size) {
+  void *p = calloc(n ? n : 1, size);
+  if (!p) {
+    fprintf(stderr, "mdlc: out of memory (%zu bytes)\n", n * size);
+    exit(1);
+  }
+  return p;
+}
+
+// Grows *p (of *cap elements of `size` bytes) to hold n + 1.
+void ec_grow(void *p, int n, int *cap, size_t size) {
+  void **pp = p;
+  if (n < *cap)
+    return;
+  *cap = *cap ? 2 * *cap : 16;
+  *pp = realloc(*pp, size * (size_t)*cap);
+  if (!*pp) {
+    fprintf(stderr, "mdlc: out of memory\n");
+    exit(1);
+  }
+}
+
+//
+// Failure, nodes and where their values are.
+//
+
+bool ec_fail(EmitCore *e, const char *fmt, ...) {
+  if (!e->failed) {
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(e->err, sizeof e->err, fmt, ap);
+    va_end(ap);
+  }
+  e->failed = true;
+  return false;
+}
+
+const IrNode *ec_node(const EmitCore *e, int n) { return e->g->nodes[n]; }
+int64_t ec_numel(const EmitCore *e, int n) { return shape_numel(ec_node(e, n)->shape); }
+int64_t ec_last_dim(const EmitCore *e, int n) {
+  Shape s = ec_node(e, n)->shape;
+  return s.rank ? s.d[s.rank - 1] : 1;
+}
+
+const char *ec_ctype(const EmitCore *e, int n) { return ec_node(e, n)->dtype == DT_I32 ? "int32_t" : "float"; }
+
+bool ec_is_leaf(Op op) {
+  return op == OP_INPUT || op == OP_PARAM || op == OP_STATE || op == OP_SCALAR || op == OP_CONST;
+}
+
+// Ops computed inline at any flat index.
+bool ec_is_pointwise(Op op) {
+  switch (op) {
+  case OP_NEG: case OP_EXP: case OP_LOG: case OP_TANH: case OP_SQRT: case OP_RSQRT: case OP_RELU:
+  case OP_GELU: case OP_SILU: case OP_DROPOUT: case OP_ADD: case OP_SUB: case OP_MUL: case OP_DIV:
+  case OP_RELU_BWD: case OP_GELU_BWD: case OP_SILU_BWD: case OP_RESHAPE: case OP_PERMUTE:
+  case OP_BROADCAST: case OP_SLICE: case OP_SLICE_BWD: case OP_CONCAT:
+    return true;
+  default:
+    return false;
+  }
+}
+
+// A RESHAPE outside every step is a view: it lives where its input lives.
+int ec_canon(const EmitCore *e, int n) {
+  while (ec_node(e, n)->op == OP_RESHAPE && !e->in_step[n] && e->f->step_of[n] < 0)
+    n = ec_node(e, n)->in[0];
+  return n;
+}
+
+int64_t ec_offset(const EmitCore *e, int n) { return e->m->offset[n]; }
+
+// Is node c's value readable from memory right now?
+bool ec_in_memory(const EmitCore *e, int c) {
+  Op op = ec_node(e, c)->op;
+  if (e->written[c])
+    return true;
+  if (op == OP_CONST)
+    return false;
+  if (ec_is_leaf(op))
+    return true;
+  return !e->in_step[c] && ec_offset(e, c) >= 0;
+}
+
+bool ec_has_target(const EmitCore *e, int c) { return ec_offset(e, c) >= 0 || e->scratch[c] || e->host[c] >= 0; }
+
+void ec_flag(EmitCore *e, bool *set, int n) {
+  if (!set[n]) {
+    set[n] = true;
+    e->flagged = true;
+  }
+}
+
+//
+// Strings of the emission, lines and scopes of the code being built.
+//
+
+// printf into a string of the emission's arena.
+const char *ec_str(EmitCore *e, const char *fmt, ...) {
+  va_list ap, cp;
+  va_start(ap, fmt);
+  va_copy(cp, ap);
+  int n = vsnprintf(NULL, 0, fmt, cp);
+  va_end(cp);
+  char *s = arena_alloc(e->a, (size_t)(n > 0 ? n : 0) + 1);
+  vsnprintf(s, (size_t)(n > 0 ? n : 0) + 1, fmt, ap);
+  va_end(ap);
+  return s;
+}
+
+// A double literal that reads back as the same double, in as few digits as that takes.
+const char *ec_dlit(EmitCore *e, double v) {
+  char buf[64];
+  for (int prec = 1; prec <= 17; prec++) {
+    snprintf(buf, sizeof buf, "%.*g", prec, v);
+    if (strtod(buf, NULL) == v)
+      break;
+  }
+  if (!strpbrk(buf, ".en"))
+    strcat(buf, ".0");
+  return ec_str(e, "%s", buf);
+}
+
+void ec_line(EmitCore *e, const char *fmt, ...) {
+  ec_bput(&e->body, "%*s", 2 * e->indent, "");
+  va_list ap;
+  va_start(ap, fmt);
+  ec_bvput(&e->body, fmt, ap);
+  va_end(ap);
+  ec_bput(&e->body, "\n");
+}
+
+// A line ending in "{" (or a bare "{"), and a new scope for memoised values.
+void ec_enter(EmitCore *e, const char *fmt, ...) {
+  ec_bput(&e->body, "%*s", 2 * e->indent, "");
+  va_list ap;
+  va_start(ap, fmt);
+  ec_bvput(&e->body, fmt, ap);
+  va_end(ap);
+  ec_bput(&e->body, "%s{\n", e->body.s[e->body.len - 1] == ' ' ? "" : " ");
+  e->indent++;
+  e->depth++;
+}
+
+void ec_leave(EmitCore *e) {
+  while (e->nmemo && e->memo[e->nmemo - 1].depth >= e->depth)
+    e->nmemo--;
+  while (e->nixm && e->ixm[e->nixm - 1].depth >= e->depth)
+    e->nixm--;
+  e->depth--;
+  e->indent--;
+  ec_line(e, "}");
+}
+
+const char *ec_memo_get(EmitCore *e, int n, const char *ix) {
+  for (int i = e->nmemo - 1; i >= 0; i--)
+    if (e->memo[i].node == n && strcmp(e->memo[i].ix, ix) == 0)
+      return e->memo[i].name;
+  return NULL;
+}
+
+void ec_memo_put(EmitCore *e, int n, const char *ix, const char *name) {
+  ec_grow(&e->memo, e->nmemo, &e->capmemo, sizeof *e->memo);
+  e->memo[e->nmemo++] = (Memo){n, arena_strdup(e->a, ix), name, e->depth};
+}
+
+// A variable holding the index expression `expr` (or expr itself when it is a name or number).
+static const char *ix_var(EmitCore *e, const char *expr) {
+  bool simple = true;
+  for (const char *p = expr; *p; p++)
+    simple &= (*p >= 'a' && *p <= 'z') || (*p >= '0' && *p <= '9') || *p == '_';
+  if (simple)
+    return arena_strdup(e->a, expr);
+  for (int i = e->nixm - 1; i >= 0; i--)
+    if (strcmp(e->ixm[i].expr, expr) == 0)
+      return e->ixm[i].name;
+  const char *name = ec_str(e, "j%d", ++e->fresh);
+  ec_line(e, "const %s %s = %s;", e->ixt, name, expr);
+  ec_grow(&e->ixm, e->nixm, &e->capixm, sizeof *e->ixm);
+  e->ixm[e->nixm++] = (IxMemo){arena_strdup(e->a, expr), name, e->depth};
+  return name;
+}
+
+//
+// Phases (a loop nest or a kernel: its stores count as written after it), and what must be in
+// memory before the next group.
+//
+
+void ec_phase_begin(EmitCore *e) { e->nphase = 0; }
+
+void ec_phase_done(EmitCore *e, int n) {
+  e->written[n] = true;
+  e->stored[n] = true;
+}
+
+void ec_phase_end(EmitCore *e) {
+  for (int i = 0; i < e->nphase; i++)
+    e->written[e->phase_nodes[i]] = true;
+  e->nphase = 0;
+}
+
+// The node whose memory holds n's elements in n's flat order (n itself, its view's source, or the
+// source of unwritten reshapes of this step), or -1.
+int ec_mem_alias(EmitCore *e, int n) {
+  for (;;) {
+    int c = ec_canon(e, n);
+    if (ec_in_memory(e, c))
+      return c;
+    if (!(e->in_step[c] && ec_node(e, c)->op == OP_RESHAPE))
+      return -1;
+    n = ec_node(e, c)->in[0];
+  }
+}
+
+// Node n must be in memory before the next group: returns the node whose buffer to read, queueing
+// an elementwise loop when n is a pointwise node of this step or a constant.
+int ec_need(EmitCore *e, int n) {
+  int a = ec_mem_alias(e, n);
+  if (a >= 0)
+    return a;
+  int c = ec_canon(e, n);
+  Op op = ec_node(e, c)->op;
+  if (!(op == OP_CONST || (e->in_step[c] && ec_is_pointwise(op)))) {
+    if (e->in_step[c] && e->grp[c] >= 0) {
+      ec_flag(e, e->spill, c); // an anchor of this step kept as a local: whole in the next pass
+      e->scratch[c] = true;
+      return c;
+    }
+    ec_fail(e, "step %s needs node %d (%s) in memory", e->f->steps[e->si].name, c, op_name(op));
+    return c;
+  }
+  for (int i = 0; i < e->npending; i++)
+    if (e->pending[i] == c)
+      return c;
+  if (ec_offset(e, c) < 0)
+    e->scratch[c] = true;
+  e->pending[e->npending++] = c;
+  return c;
+}
+
+//
+// Groups: which anchors emit together, and in what order.
+//
+
+// Follows RESHAPEs (views and reshapes of this step) up from n.
+int ec_through_reshapes(EmitCore *e, int n) {
+  while (ec_node(e, n)->op == OP_RESHAPE && (e->in_step[n] || e->f->step_of[n] < 0))
+    n = ec_node(e, n)->in[0];
+  return n;
+}
+
+static bool same_inputs(const EmitCore *e, const IrNode *a, const IrNode *b) {
+  if (a->nin != b->nin)
+    return false;
+  for (int k = 0; k < a->nin; k++)
+    if (ec_canon(e, a->in[k]) != ec_canon(e, b->in[k]))
+      return false;
+  return true;
+}
+
+static void group_add(Group *gr, int n) { gr->mem[gr->nmem++] = n; }
+
+// The LM-head pattern around cross_entropy_bwd node ceb: logits = x @ W (or W^T), the loss and
+// its gradient of the same logits, and dx = dlogits @ W^T (W), dW = dlogits^T x (x^T dlogits). Only
+// when the logits and dlogits live nowhere else.
+static bool match_lmhead(EmitCore *e, int ceb, Group *gr) {
+  const IrNode *b = ec_node(e, ceb);
+  int mm = ec_through_reshapes(e, b->in[0]);
+  if (!e->in_step[mm] || ec_node(e, mm)->op != OP_MATMUL)
+    return false;
+  const IrNode *m = ec_node(e, mm);
+  if (m->ia[0] || ec_node(e, m->in[0])->shape.rank != 2 || ec_node(e, m->in[1])->shape.rank != 2)
+    return false;
+  int x = ec_canon(e, m->in[0]), w = ec_canon(e, m->in[1]);
+  bool tb = m->ia[1];
+  int ce = -1, dx = -1, dw = -1;
+  for (int k = 0; k < e->f->steps[e->si].nnodes; k++) {
+    int n = e->f->steps[e->si].nodes[k];
+    const IrNode *nd = ec_node(e, n);
+    if (nd->op == OP_CROSS_ENTROPY && ec_through_reshapes(e, nd->in[0]) == mm &&
+        ec_canon(e, nd->in[1]) == ec_canon(e, b->in[1]))
+      ce = n;
+    if (nd->op != OP_MATMUL || n == mm)
+      continue;
+    int a0 = ec_through_reshapes(e, nd->in[0]), a1 = ec_through_reshapes(e, nd->in[1]);
+    if (a0 == ceb && !nd->ia[0] && nd->ia[1] == !tb && ec_canon(e, nd->in[1]) == w)
+      dx = n;
+    if (tb && a0 == ceb && nd->ia[0] && !nd->ia[1] && ec_canon(e, nd->in[1]) == x)
+      dw = n;
+    if (!tb && a1 == ceb && nd->ia[0] && !nd->ia[1] && ec_canon(e, nd->in[0]) == x)
+      dw = n;
+  }
+  if (ce < 0 || dx < 0 || dw < 0)
+    return false;
+  // Every consumer of the logits and of dlogits (through reshapes) must be one of the pattern.
+  for (int n = mm; n < e->g->n; n++) {
+    const IrNode *nd = ec_node(e, n);
+    for (int k = 0; k < nd->nin; k++) {
+      int src = ec_through_reshapes(e, nd->in[k]);
+      if ((src != mm && src != ceb) || n == ce || n == ceb || n == dx || n == dw)
+        continue;
+      if (nd->op == OP_RESHAPE && (e->in_step[n] || e->f->step_of[n] < 0) && ec_offset(e, n) < 0 &&
+          (e->in_step[n] || ec_canon(e, n) != n))
+        continue;
+      return false;
+    }
+  }
+  if (ec_offset(e, mm) >= 0 || ec_offset(e, ceb) >= 0)
+    return false;
+  *gr = (Group){.kind = G_LMHEAD, .mm = mm, .ce = ce, .ceb = ceb, .dx = dx, .dw = dw, .x = m->in[0], .w = m->in[1],
+                .tgt = b->in[1], .dloss = b->in[2], .tb = tb};
+  return true;
+}
+
+static bool groups_build(EmitCore *e, bool split_all) {
+  const Step *st = &e->f->steps[e->si];
+  e->ngroups = 0;
+  e->groups = arena_alloc(e->a, sizeof(Group) * (size_t)(st->nnodes + 1));
+  for (int k = 0; k < st->nnodes; k++)
+    e->grp[st->nodes[k]] = -1;
+  for (int k = 0; k < st->nnodes && !split_all; k++) {
+    int n = st->nodes[k];
+    Group lm;
+    if (e->in_step[n] && e->grp[n] < 0 && ec_node(e, n)->op == OP_CROSS_ENTROPY_BWD && match_lmhead(e, n, &lm)) {
+      lm.mem = arena_alloc(e->a, sizeof(int) * 5);
+      int mem[5] = {lm.mm, lm.ce, lm.ceb, lm.dx, lm.dw};
+      for (int i = 0; i < 5; i++) {
+        group_add(&lm, mem[i]);
+        e->grp[mem[i]] = e->ngroups;
+      }
+      lm.ext = arena_alloc(e->a, sizeof(int) * 4);
+      lm.ext[0] = lm.x, lm.ext[1] = lm.w, lm.ext[2] = lm.tgt, lm.ext[3] = lm.dloss;
+      lm.n_ext = 4;
+      e->groups[e->ngroups++] = lm;
+    }
+  }
+  for (int k = 0; k < st->nnodes; k++) {
+    int n = st->nodes[k];
+    const IrNode *nd = ec_node(e, n);
+    if (!e->in_step[n] || e->grp[n] >= 0 || ec_is_pointwise(nd->op))
+      continue;
+    GroupKind kind = G_SINGLE;
+    switch (nd->op) {
+    case OP_LAYERNORM_BWD: case OP_RMSNORM_BWD: kind = G_NORM_BWD; break;
+    case OP_ATTENTION_BWD: kind = G_ATTN_BWD; break;
+    case OP_CROSS_ENTROPY: case OP_CROSS_ENTROPY_BWD: kind = G_CE; break;
+    case OP_GRAD_NORM: case OP_ADAMW: kind = G_OPT; break;
+    default: break;
+    }
+    Group *gr = &e->groups[e->ngroups];
+    *gr = (Group){.kind = kind, .mem = arena_alloc(e->a, sizeof(int) * (size_t)st->nnodes)};
+    group_add(gr, n);
+    e->grp[n] = e->ngroups;
+    for (int j = k + 1; j < st->nnodes && kind != G_SINGLE && !split_all; j++) {
+      int n2 = st->nodes[j];
+      const IrNode *m = ec_node(e, n2);
+      if (!e->in_step[n2] || e->grp[n2] >= 0)
+        continue;
+      bool join = false;
+      if (kind == G_NORM_BWD)
+        join = m->op == nd->op && same_inputs(e, nd, m) && m->fa[0] == nd->fa[0];
+      else if (kind == G_ATTN_BWD)
+        join = m->op == nd->op && same_inputs(e, nd, m) && m->fa[0] == nd->fa[0] && m->ia[0] == nd->ia[0] &&
+               m->ia[1] == nd->ia[1];
+      else if (kind == G_CE)
+        join = (m->op == OP_CROSS_ENTROPY || m->op == OP_CROSS_ENTROPY_BWD) && m->op != nd->op && gr->nmem == 1 &&
+               ec_canon(e, m->in[0]) == ec_canon(e, nd->in[0]) && ec_canon(e, m->in[1]) == ec_canon(e, nd->in[1]);
+      else if (kind == G_OPT)
+        join = m->op == OP_GRAD_NORM || m->op == OP_ADAMW;
+      if (join) {
+        group_add(gr, n2);
+        e->grp[n2] = e->ngroups;
+      }
+    }
+    int nin = 0;
+    for (int i = 0; i < gr->nmem; i++)
+      nin += ec_node(e, gr->mem[i])->nin;
+    gr->ext = arena_alloc(e->a, sizeof(int) * (size_t)(nin + 1));
+    for (int i = 0; i < gr->nmem; i++) {
+      const IrNode *m = ec_node(e, gr->mem[i]);
+      for (int j = 0; j < m->nin; j++)
+        if (e->grp[ec_canon(e, m->in[j])] != e->ngroups || !e->in_step[ec_canon(e, m->in[j])])
+          gr->ext[gr->n_ext++] = m->in[j];
+    }
+    e->ngroups++;
+  }
+  return true;
+}
+
+// The groups node n depends on directly (through pointwise nodes and views of this step).
+static void direct_deps(EmitCore *e, int n, bool *deps, int *stamp, int mark) {
+  int c = ec_canon(e, n);
+  if (!e->in_step[c] || stamp[c] == mark)
+    return;
+  stamp[c] = mark;
+  if (e->grp[c] >= 0) {
+    deps[e->grp[c]] = true;
+    return;
+  }
+  for (int k = 0; k < ec_node(e, c)->nin; k++)
+    direct_deps(e, ec_node(e, c)->in[k], deps, stamp, mark);
+}
+
+// Orders the groups (dependencies first, then the lowest member id). A group whose members depend
+// on one another through the step is split into single anchors.
+bool ec_groups_order(EmitCore *e) {
+  int *stamp = ec_xcalloc((size_t)e->g->n, sizeof *stamp);
+  for (int attempt = 0; attempt < 2; attempt++) {
+    groups_build(e, attempt == 1);
+    int ng = e->ngroups, mark = 0;
+    e->gdep = arena_alloc(e->a, sizeof(bool *) * (size_t)(ng + 1));
+    for (int a = 0; a < ng; a++) {
+      e->gdep[a] = arena_alloc(e->a, sizeof(bool) * (size_t)(ng + 1));
+      for (int k = 0; k < e->groups[a].n_ext; k++)
+        direct_deps(e, e->groups[a].ext[k], e->gdep[a], stamp, ++mark);
+    }
+    for (int k = 0; k < ng; k++) // transitive closure
+      for (int a = 0; a < ng; a++)
+        if (e->gdep[a][k])
+          for (int c = 0; c < ng; c++)
+            e->gdep[a][c] |= e->gdep[k][c];
+    bool cyclic = false;
+    for (int a = 0; a < ng; a++)
+      cyclic |= e->gdep[a][a];
+    if (cyclic)
+      continue;
+    e->order = arena_alloc(e->a, sizeof(int) * (size_t)(ng + 1));
+    bool *done = ec_xcalloc((size_t)ng + 1, sizeof *done);
+    for (int k = 0; k < ng; k++) {
+      int best = -1;
+      for (int a = 0; a < ng && best < 0; a++) {
+        bool ready = !done[a];
+        for (int b = 0; b < ng && ready; b++)
+          ready = !e->gdep[a][b] || done[b];
+        if (ready)
+          best = a;
+      }
+      done[best] = true;
+      e->order[k] = best;
+    }
+    free(done);
+    free(stamp);
+    return true;
+  }
+  free(stamp);
+  return ec_fail(e, "step %s: its anchors depend on one another in a cycle", e->f->steps[e->si].name);
+}
+
+// Outputs of the step that can be computed in (or right after) group gi's loop: pointwise, unwritten,
+// of `n` float elements, depending on gi and on no group not yet emitted.
+int ec_post_set(EmitCore *e, int gi, int64_t n, const bool *emitted, int *q) {
+  const Step *st = &e->f->steps[e->si];
+  int nq = 0, *stamp = ec_xcalloc((size_t)e->g->n, sizeof *stamp);
+  bool *deps = ec_xcalloc((size_t)e->ngroups + 1, sizeof *deps);
+  for (int k = 0; k < st->nnodes; k++) {
+    int c = st->nodes[k];
+    if (!e->in_step[c] || e->grp[c] >= 0 || !ec_is_pointwise(ec_node(e, c)->op) || ec_offset(e, c) < 0 ||
+        e->written[c] || e->post_bad[c] || ec_numel(e, c) != n || ec_node(e, c)->dtype != DT_F32)
+      continue;
+    memset(deps, 0, sizeof *deps * (size_t)e->ngroups);
+    direct_deps(e, c, deps, stamp, k + 1);
+    bool ok = deps[gi];
+    for (int b = 0; b < e->ngroups && ok; b++)
+      ok = !deps[b] || b == gi || emitted[b];
+    if (ok)
+      q[nq++] = c;
+  }
+  free(stamp);
+  free(deps);
+  return nq;
+}
+
+// Step outputs still unwritten when every group is done (pointwise nodes with an arena slot), into
+// rest; returns how many.
+int ec_unwritten(EmitCore *e, int *rest) {
+  const Step *st = &e->f->steps[e->si];
+  int nrest = 0;
+  for (int k = 0; k < st->nnodes; k++) {
+    int c = st->nodes[k];
+    if (e->in_step[c] && ec_offset(e, c) >= 0 && !e->written[c] && ec_is_pointwise(ec_node(e, c)->op))
+      rest[nrest++] = c;
+  }
+  return nrest;
+}
+
+// Fails when a value of the step that has an arena slot was never written (unless a flag set in
+// this pass asks for another).
+void ec_check_written(EmitCore *e) {
+  const Step *st = &e->f->steps[e->si];
+  for (int k = 0; k < st->nnodes && !e->failed; k++) {
+    int c = st->nodes[k];
+    if (e->in_step[c] && ec_offset(e, c) >= 0 && !e->written[c] && !e->flagged)
+      ec_fail(e, "step %s never writes node %d (%s)", st->name, c, op_name(ec_node(e, c)->op));
+  }
+}
+
+const char *ec_kind_name(StepKind k) {
+  switch (k) {
+  case STEP_KERNEL: return "kernel";
+  case STEP_GEMM: return "GEMM";
+  case STEP_ATTENTION: return "attention";
+  case STEP_LMHEAD: return "LM head";
+  case STEP_OPTIMIZER: return "optimizer";
+  }
+  return "?";
+}
+
+//
+// Index maps: the flat index into a node's input that an element of the node reads, as an
+// expression (held in a variable when it is not a name or a number).
+//
+
+const char *ec_buf_str(EmitCore *e, Buf *b) {
+  const char *s = arena_strdup(e->a, b->s ? b->s : "0");
+  free(b->s);
+  return s;
+}
+
+// "(ix / div % size)", leaving out what is 1 or redundant: the coordinate of one block of axes.
+static void coord(Buf *b, const char *ix, int64_t div, int64_t size, bool leftmost) {
+  if (div == 1 && leftmost)
+    ec_bput(b, "%s", ix);
+  else if (div == 1)
+    ec_bput(b, "%s %% %lld", ix, (long long)size);
+  else if (leftmost)
+    ec_bput(b, "%s / %lld", ix, (long long)div);
+  else
+    ec_bput(b, "%s / %lld %% %lld", ix, (long long)div, (long long)size);
+}
+
+int64_t ec_span(Shape s, int from, int to) {
+  int64_t n = 1;
+  for (int i = from; i < to; i++)
+    n *= s.d[i];
+  return n;
+}
+
+// The flat index into a tensor of shape `in` of element `ix` of a tensor of shape `out` under numpy
+// broadcasting. Adjacent axes that are all kept or all broadcast are merged, so a bias read from
+// [N,C] becomes "i % C" and a per-row value read from [N,C] becomes "i / C".
+const char *ec_ix_bcast(EmitCore *e, Shape out, Shape in, const char *ix) {
+  if (shape_numel(in) == 1)
+    return "0";
+  if (shape_numel(in) == shape_numel(out))
+    return ix;
+  struct {
+    bool kept;
+    int64_t size;
+  } blk[IR_MAX_RANK];
+  int nb = 0;
+  for (int k = 0; k < out.rank; k++) {
+    if (out.d[k] == 1)
+      continue;
+    int j = k - (out.rank - in.rank);
+    bool kept = j >= 0 && in.d[j] != 1;
+    if (nb && blk[nb - 1].kept == kept)
+      blk[nb - 1].size *= out.d[k];
+    else
+      blk[nb].kept = kept, blk[nb++].size = out.d[k];
+  }
+  Buf b = {0};
+  int64_t out_inner = 1, in_inner = 1;
+  for (int t = nb - 1; t >= 0; t--) {
+    if (blk[t].kept) {
+      if (b.len)
+        ec_bput(&b, " + ");
+      bool paren = in_inner != 1 && (out_inner != 1 || t != 0);
+      ec_bput(&b, "%s", paren ? "(" : "");
+      coord(&b, ix, out_inner, blk[t].size, t == 0);
+      ec_bput(&b, "%s", paren ? ")" : "");
+      if (in_inner != 1)
+        ec_bput(&b, " * %lld", (long long)in_inner);
+      in_inner *= blk[t].size;
+    }
+    out_inner *= blk[t].size;
+  }
+  return ix_var(e, ec_buf_str(e, &b));
+}
+
+const char *ec_ix_permute(EmitCore *e, const IrNode *nd, Shape in, const char *ix) {
+  Shape out = nd->shape;
+  int64_t stride[IR_MAX_RANK];
+  for (int k = in.rank - 1; k >= 0; k--)
+    stride[k] = k == in.rank - 1 ? 1 : stride[k + 1] * in.d[k + 1];
+  int first = 0;
+  while (first < out.rank && out.d[first] == 1)
+    first++;
+  Buf b = {0};
+  int64_t div = 1;
+  for (int k = out.rank - 1; k >= 0; k--) {
+    if (out.d[k] == 1)
+      continue;
+    if (b.len)
+      ec_bput(&b, " + ");
+    int64_t s = stride[nd->ia[k]];
+    ec_bput(&b, "%s", s != 1 ? "(" : "");
+    coord(&b, ix, div, out.d[k], k == first);
+    ec_bput(&b, "%s", s != 1 ? ")" : "");
+    if (s != 1)
+      ec_bput(&b, " * %lld", (long long)s);
+    div *= out.d[k];
+  }
+  return ix_var(e, ec_buf_str(e, &b));
+}
+
+// SLICE: element ix of the slice -> its index in the full input.
+const char *ec_ix_slice(EmitCore *e, const IrNode *nd, Shape full, const char *ix) {
+  int ax = (int)nd->ia[0];
+  int64_t start = nd->ia[1], len = nd->ia[2] - start, flen = full.d[ax];
+  int64_t outer = ec_span(full, 0, ax), inner = ec_span(full, ax + 1, full.rank);
+  if (outer == 1)
+    return start ? ix_var(e, ec_str(e, "%s + %lld", ix, (long long)(start * inner))) : ix;
+  return ix_var(e, ec_str(e, "%s / %lld * %lld + %lld + %s %% %lld", ix, (long long)(len * inner),
+                          (long long)(flen * inner), (long long)(start * inner), ix, (long long)(len * inner)));
+}
+
+// The coordinate along `ax` of element ix of a tensor of shape s.
+const char *ec_ix_axis(EmitCore *e, Shape s, int ax, const char *ix) {
+  Buf b = {0};
+  coord(&b, ix, ec_span(s, ax + 1, s.rank), s.d[ax], ec_span(s, 0, ax) == 1);
+  return ix_var(e, ec_buf_str(e, &b));
+}
+
+// Element (outer o, axis coordinate c - at, inner) of a part of length len along ax, for element ix
+// of the whole (shape s): the index into the part, or 0 when c is outside [at, at + len).
+const char *ec_ix_part(EmitCore *e, Shape s, int ax, const char *ix, const char *c, int64_t at, int64_t len) {
+  int64_t inner = ec_span(s, ax + 1, s.rank), outer = ec_span(s, 0, ax), flen = s.d[ax];
+  Buf b = {0};
+  ec_bput(&b, "%s >= %lld && %s < %lld ? ", c, (long long)at, c, (long long)(at + len));
+  if (outer > 1)
+    ec_bput(&b, "%s / %lld * %lld + ", ix, (long long)(flen * inner), (long long)(len * inner));
+  ec_bput(&b, "(%s - %lld)", c, (long long)at);
+  if (inner > 1)
+    ec_bput(&b, " * %lld + %s %% %lld", (long long)inner, ix, (long long)inner);
+  ec_bput(&b, " : 0");
+  return ix_var(e, ec_buf_str(e, &b));
+}
+
+//
+// The pointwise ops of the inline evaluator: each emitter's `val` (EmitCore.val) holds a node's
+// value in a local or reads it from memory, and computes a pointwise node through this.
+//
+
+const char *ec_pointwise_expr(EmitCore *e, int c, const char *ix) {
+  const IrNode *nd = ec_node(e, c);
+  const IrNode *x0 = nd->nin > 0 ? ec_node(e, nd->in[0]) : NULL,
+               *x1 = nd->nin > 1 ? ec_node(e, nd->in[1]) : NULL;
+  switch (nd->op) {
+  case OP_NEG: return ec_str(e, "-%s", e->val(e, nd->in[0], ix));
+  case OP_EXP: return ec_str(e, "expf(%s)", e->val(e, nd->in[0], ix));
+  case OP_LOG: return ec_str(e, "logf(%s)", e->val(e, nd->in[0], ix));
+  case OP_TANH: return ec_str(e, "tanhf(%s)", e->val(e, nd->in[0], ix));
+  case OP_SQRT: return ec_str(e, "sqrtf(%s)", e->val(e, nd->in[0], ix));
+  case OP_RSQRT: return ec_str(e, "1.0f / sqrtf(%s)", e->val(e, nd->in[0], ix));
+  case OP_RELU: {
+    const char *a = e->val(e, nd->in[0], ix);
+    return ec_str(e, "%s > 0.0f ? %s : 0.0f", a, a);
+  }
+  case OP_GELU: return ec_str(e, "mdl_gelu(%s)", e->val(e, nd->in[0], ix));
+  case OP_SILU: return ec_str(e, "mdl_silu(%s)", e->val(e, nd->in[0], ix));
+  case OP_DROPOUT:
+    return ec_str(e, "mdl_dropout(%s, %lld, %s, %s, %s)", e->seed(e), (long long)nd->ia[0], ix, ec_dlit(e, nd->fa[0]),
+                  e->val(e, nd->in[0], ix));
+  case OP_ADD: case OP_SUB: case OP_MUL: case OP_DIV: case OP_RELU_BWD: case OP_GELU_BWD: case OP_SILU_BWD: {
+    const char *a = e->val(e, nd->in[0], ec_ix_bcast(e, nd->shape, x0->shape, ix));
+    const char *b = e->val(e, nd->in[1], ec_ix_bcast(e, nd->shape, x1->shape, ix));
+    switch (nd->op) {
+    case OP_ADD: return ec_str(e, "%s + %s", a, b);
+    case OP_SUB: return ec_str(e, "%s - %s", a, b);
+    case OP_MUL: return ec_str(e, "%s * %s", a, b);
+    case OP_DIV: return ec_str(e, "%s / %s", a, b);
+    case OP_RELU_BWD: return ec_str(e, "%s > 0.0f ? %s : 0.0f", a, b);
+    case OP_GELU_BWD: return ec_str(e, "mdl_gelu_grad(%s) * %s", a, b);
+    default: return ec_str(e, "mdl_silu_grad(%s, %s)", a, b);
+    }
+  }
+  case OP_RESHAPE: return e->val(e, nd->in[0], ix);
+  case OP_BROADCAST: return e->val(e, nd->in[0], ec_ix_bcast(e, nd->shape, x0->shape, ix));
+  case OP_PERMUTE: return e->val(e, nd->in[0], ec_ix_permute(e, nd, x0->shape, ix));
+  case OP_SLICE: return e->val(e, nd->in[0], ec_ix_slice(e, nd, x0->shape, ix));
+  case OP_SLICE_BWD: {
+    int ax = (int)nd->ia[0];
+    const char *c = ec_ix_axis(e, nd->shape, ax, ix);
+    const char *j = ec_ix_part(e, nd->shape, ax, ix, c, nd->ia[1], nd->ia[2] - nd->ia[1]);
+    return ec_str(e, "%s >= %lld && %s < %lld ? %s : %s", c, (long long)nd->ia[1], c, (long long)nd->ia[2],
+                  e->val(e, nd->in[0], j), nd->dtype == DT_I32 ? "0" : "0.0f");
+  }
+  case OP_CONCAT: {
+    int ax = (int)nd->ia[0];
+    const char *c = ec_ix_axis(e, nd->shape, ax, ix);
+    const char *v[64];
+    int64_t at = 0, ends[64];
+    if (nd->nin > 64) {
+      ec_fail(e, "concat of %d inputs", nd->nin);
+      return "0";
+    }
+    for (int k = 0; k < nd->nin; k++) {
+      int64_t len = ec_node(e, nd->in[k])->shape.d[ax];
+      v[k] = e->val(e, nd->in[k], ec_ix_part(e, nd->shape, ax, ix, c, at, len));
+      at += len;
+      ends[k] = at;
+    }
+    Buf b = {0};
+    for (int k = 0; k + 1 < nd->nin; k++)
+      ec_bput(&b, "%s < %lld ? %s : ", c, (long long)ends[k], v[k]);
+    ec_bput(&b, "%s", v[nd->nin - 1]);
+    return ec_buf_str(e, &b);
+  }
+  default:
+    ec_fail(e, "%s is not pointwise", op_name(nd->op));
+    return "0";
+  }
+}

@@ -1,0 +1,165 @@
+// emit_common.h: what the C and CUDA emitters share (emit_common.c), names prefixed ec_. See
+// emit_common.c for the design.
+#ifndef EMIT_COMMON_H
+#define EMIT_COMMON_H
+
+#include "mdl.h"
+
+#include <stdarg.h>
+
+//
+// Text buffers and memory.
+//
+
+typedef struct {
+  char *s;
+  size_t len, cap;
+} Buf;
+
+void ec_bput(Buf *b, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+void ec_bvput(Buf *b, const char *fmt, va_list ap);
+void ec_bappend(Buf *b, const Buf *x);
+void *ec_xcalloc(size_t n, size_t size); // exits when out of memory
+void ec_grow(void *p, int n, int *cap, size_t size); // grows *p (*cap elements of size bytes) to hold n + 1
+
+//
+// The state both emitters keep about the step being emitted.
+//
+
+typedef enum { G_SINGLE, G_NORM_BWD, G_ATTN_BWD, G_CE, G_LMHEAD, G_OPT } GroupKind;
+
+typedef struct {
+  GroupKind kind;
+  int *mem;     // member anchors
+  int nmem;
+  int *ext;     // external inputs (what the group reads)
+  int n_ext;
+  // G_LMHEAD: the pattern's nodes
+  int mm, ce, ceb, dx, dw, x, w, tgt, dloss;
+  bool tb;
+} Group;
+
+// A value of the inline evaluator: node `node` at flat index `ix` is held in `name`, for the scopes
+// up to `depth`.
+typedef struct {
+  int node;
+  const char *ix;   // flat index expression the value is taken at
+  const char *name; // the expression holding it
+  int depth;
+} Memo;
+
+// An index expression held in a variable.
+typedef struct {
+  const char *expr, *name;
+  int depth;
+} IxMemo;
+
+// Each emitter embeds EmitCore as the first member (`core`) of its own state, so that its hooks may
+// convert the EmitCore pointer they get back to the emitter's state.
+typedef struct EmitCore EmitCore;
+struct EmitCore {
+  // the target's part of the inline evaluator
+  const char *(*val)(EmitCore *e, int n, const char *ix); // node n's value at flat index ix (emits what computes it)
+  const char *(*seed)(EmitCore *e);                       // the run's seed, for a dropout mask
+
+  const Fusion *f;
+  const MemPlan *m;
+  const Graph *g;
+  Arena *a;        // strings of one emission
+  char err[512];   // the first failure
+  bool failed;
+
+  // the step being emitted
+  int si;
+  bool *in_step;   // computed by this step (leaves excluded)
+  int *grp;        // anchor -> its group, else -1
+  Group *groups;
+  int ngroups;
+  bool **gdep;     // gdep[a][b]: group a depends on group b
+  int *order;      // groups in emission order
+  bool *spill;     // an internal anchor that must be kept whole in memory (sticky across passes)
+  bool *post_bad;  // an output that cannot share its anchor's loop (sticky across passes)
+  bool flagged;    // this pass set a new sticky flag
+
+  // one pass
+  bool *written;   // value in memory (inputs of the step, or written by an earlier phase)
+  bool *scratch;   // gets a buffer of the step's own
+  bool *stored;    // stored by the current phase
+  int *host;       // a GEMM root -> the epilogue output it writes into, or -1
+  int *phase_nodes;
+  int nphase;
+  int *pending;    // nodes to write before the next group
+  int npending;
+
+  // the code being built (a function or a kernel)
+  Buf body;
+  int indent, depth, fresh; // indent, scope depth, the last fresh name's number
+  Memo *memo;
+  int nmemo, capmemo;
+  IxMemo *ixm;
+  int nixm, capixm;
+  const char *ixt;  // the type of index variables: "int64_t" (or "int" in a small CUDA kernel)
+};
+
+bool ec_fail(EmitCore *e, const char *fmt, ...) __attribute__((format(printf, 2, 3))); // returns false
+
+//
+// Strings of the emission, lines and scopes of the code being built.
+//
+
+const char *ec_str(EmitCore *e, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+void ec_line(EmitCore *e, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+void ec_enter(EmitCore *e, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+void ec_leave(EmitCore *e);
+const char *ec_memo_get(EmitCore *e, int n, const char *ix);
+void ec_memo_put(EmitCore *e, int n, const char *ix, const char *name);
+const char *ec_dlit(EmitCore *e, double v); // a double literal that reads back as v
+
+//
+// Nodes and where their values are.
+//
+
+const IrNode *ec_node(const EmitCore *e, int n);
+int64_t ec_numel(const EmitCore *e, int n);
+int64_t ec_last_dim(const EmitCore *e, int n);
+const char *ec_ctype(const EmitCore *e, int n); // "int32_t" or "float"
+bool ec_is_leaf(Op op);
+bool ec_is_pointwise(Op op);
+int ec_canon(const EmitCore *e, int n);
+int64_t ec_offset(const EmitCore *e, int n);
+bool ec_in_memory(const EmitCore *e, int c);
+bool ec_has_target(const EmitCore *e, int c);
+void ec_flag(EmitCore *e, bool *set, int n); // sets a sticky flag, noting that this pass set one
+int ec_mem_alias(EmitCore *e, int n);
+int ec_need(EmitCore *e, int n);
+
+//
+// Index maps.
+//
+
+const char *ec_buf_str(EmitCore *e, Buf *b); // b's text in the arena (frees b), "0" when empty
+int64_t ec_span(Shape s, int from, int to); // product of s.d[from..to)
+const char *ec_ix_bcast(EmitCore *e, Shape out, Shape in, const char *ix);
+const char *ec_ix_permute(EmitCore *e, const IrNode *nd, Shape in, const char *ix);
+const char *ec_ix_slice(EmitCore *e, const IrNode *nd, Shape full, const char *ix);
+const char *ec_ix_axis(EmitCore *e, Shape s, int ax, const char *ix);
+const char *ec_ix_part(EmitCore *e, Shape s, int ax, const char *ix, const char *c, int64_t at, int64_t len);
+
+// The expression of pointwise node c at flat index ix, its inputs read through e->val.
+const char *ec_pointwise_expr(EmitCore *e, int c, const char *ix);
+
+//
+// Phases, groups, the outputs computed in a group's loop, and the check that a step is complete.
+//
+
+void ec_phase_begin(EmitCore *e);
+void ec_phase_done(EmitCore *e, int n);
+void ec_phase_end(EmitCore *e);
+int ec_through_reshapes(EmitCore *e, int n); // follows RESHAPEs (views and reshapes of this step) up
+bool ec_groups_order(EmitCore *e);
+int ec_post_set(EmitCore *e, int gi, int64_t n, const bool *emitted, int *q);
+int ec_unwritten(EmitCore *e, int *rest);
+void ec_check_written(EmitCore *e);
+const char *ec_kind_name(StepKind k); // "kernel", "GEMM", ...
+
+#endif
