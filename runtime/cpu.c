@@ -11,6 +11,7 @@
 // the same threads with OpenBLAS single-threaded inside (two pools, each spinning while the other
 // works, made steps several times slower on two cores).
 #include "backend.h"
+#include "runtime.h"
 
 #include <cblas.h>
 #include <dlfcn.h>
@@ -28,17 +29,6 @@
 
 const char *const cpu_cc_flags = "cc -O3 -march=native -fno-math-errno -fopenmp -shared -fPIC";
 
-static bool fail(char *err, size_t n, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
-static bool fail(char *err, size_t n, const char *fmt, ...) {
-  if (err && n) {
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(err, n, fmt, ap);
-    va_end(ap);
-  }
-  return false;
-}
-
 // FNV-1a, 128 bits, over several strings (each with its terminating NUL, so ("ab","c") != ("a","bc")).
 static void fnv128(const char *const *parts, int n, char hex[33]) {
   const unsigned __int128 prime = ((unsigned __int128)1 << 88) + 0x13B;
@@ -50,55 +40,6 @@ static void fnv128(const char *const *parts, int n, char hex[33]) {
         break;
     }
   snprintf(hex, 33, "%016llx%016llx", (unsigned long long)(h >> 64), (unsigned long long)h);
-}
-
-static bool mkdirs(const char *path) {
-  char buf[1024];
-  snprintf(buf, sizeof buf, "%s", path);
-  for (char *p = buf + 1; *p; p++)
-    if (*p == '/') {
-      *p = 0;
-      if (mkdir(buf, 0755) && errno != EEXIST)
-        return false;
-      *p = '/';
-    }
-  return !mkdir(buf, 0755) || errno == EEXIST;
-}
-
-static bool cache_dir(char *dir, size_t n, char *err, size_t errn) {
-  const char *env = getenv("MDL_CACHE"), *home = getenv("HOME");
-  if (env && *env)
-    snprintf(dir, n, "%s", env);
-  else if (home && *home)
-    snprintf(dir, n, "%s/.cache/mdl", home);
-  else
-    return fail(err, errn, "no cache directory: set MDL_CACHE or HOME");
-  if (!mkdirs(dir))
-    return fail(err, errn, "%s: %s", dir, strerror(errno));
-  return true;
-}
-
-// Writes text to path through a temporary file and a rename.
-static bool write_atomic(const char *path, const char *text, char *err, size_t n) {
-  char tmp[1100];
-  snprintf(tmp, sizeof tmp, "%s.tmp.%ld", path, (long)getpid());
-  FILE *f = fopen(tmp, "w");
-  if (!f)
-    return fail(err, n, "%s: %s", tmp, strerror(errno));
-  size_t len = strlen(text);
-  bool ok = fwrite(text, 1, len, f) == len;
-  ok &= fclose(f) == 0;
-  if (!ok || rename(tmp, path)) {
-    unlink(tmp);
-    return fail(err, n, "%s: %s", path, strerror(errno));
-  }
-  return true;
-}
-
-static double now(void) {
-  struct timespec t;
-  clock_gettime(CLOCK_MONOTONIC, &t);
-  return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
 }
 
 // Runs the compiler on src into so (through a temporary name), its messages into log.
@@ -117,7 +58,7 @@ static bool compile(const char *src, const char *so, const char *log, char *err,
   argv[argc] = NULL;
   pid_t pid = fork();
   if (pid < 0)
-    return fail(err, n, "fork: %s", strerror(errno));
+    return rt_fail(err, n, "fork: %s", strerror(errno));
   if (pid == 0) {
     int fd = open(log, O_WRONLY | O_CREAT | O_TRUNC, 0644);
     if (fd >= 0) {
@@ -141,8 +82,8 @@ static bool compile(const char *src, const char *so, const char *log, char *err,
     fclose(f);
   }
   if (WIFEXITED(status) && WEXITSTATUS(status) == 127)
-    return fail(err, n, "cannot run the C compiler '%s'", argv[0]);
-  return fail(err, n, "the C compiler failed on %s (see %s): %s", src, log, msg);
+    return rt_fail(err, n, "cannot run the C compiler '%s'", argv[0]);
+  return rt_fail(err, n, "the C compiler failed on %s (see %s): %s", src, log, msg);
 }
 
 static void sgemm_hook(int ta, int tb, int64_t m, int64_t n, int64_t k, const float *a, int64_t lda,
@@ -171,7 +112,7 @@ static int default_threads(void) {
 
 CpuModule *cpu_load(const char *source, char *err, size_t n) {
   char dir[900], key[33], src[1024], so[1024], log[1024];
-  if (!cache_dir(dir, sizeof dir, err, n))
+  if (!rt_cache_dir("", dir, sizeof dir, err, n))
     return NULL;
   const char *parts[] = {source, cpu_cc_flags, MDL_VERSION};
   fnv128(parts, 3, key);
@@ -180,22 +121,22 @@ CpuModule *cpu_load(const char *source, char *err, size_t n) {
   snprintf(log, sizeof log, "%s/%s.log", dir, key);
   CpuModule *cm = calloc(1, sizeof *cm);
   if (!cm) {
-    fail(err, n, "out of memory");
+    rt_fail(err, n, "out of memory");
     return NULL;
   }
   snprintf(cm->path, sizeof cm->path, "%s", so);
   cm->cache_hit = access(so, R_OK) == 0;
   if (!cm->cache_hit) {
-    double t0 = now();
-    if (!write_atomic(src, source, err, n) || !compile(src, so, log, err, n)) {
+    double t0 = rt_now();
+    if (!rt_write_atomic(src, source, strlen(source), err, n) || !compile(src, so, log, err, n)) {
       free(cm);
       return NULL;
     }
-    cm->compile_seconds = now() - t0;
+    cm->compile_seconds = rt_now() - t0;
   }
   cm->so = dlopen(so, RTLD_NOW | RTLD_LOCAL);
   if (!cm->so) {
-    fail(err, n, "%s", dlerror());
+    rt_fail(err, n, "%s", dlerror());
     free(cm);
     return NULL;
   }
@@ -206,7 +147,7 @@ CpuModule *cpu_load(const char *source, char *err, size_t n) {
   const int *nk = dlsym(cm->so, "mdl_nkernels");
   const int64_t *bytes = dlsym(cm->so, "mdl_arena_bytes");
   if (!cm->step || !cm->kernels || !nk || !bytes) {
-    fail(err, n, "%s: not an mdl module (mdl_step, mdl_kernels, mdl_nkernels or mdl_arena_bytes missing)", so);
+    rt_fail(err, n, "%s: not an mdl module (mdl_step, mdl_kernels, mdl_nkernels or mdl_arena_bytes missing)", so);
     dlclose(cm->so);
     free(cm);
     return NULL;

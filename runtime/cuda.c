@@ -111,17 +111,6 @@ typedef struct {
 
 static Driver drv;
 
-static bool fail(char *err, size_t n, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
-static bool fail(char *err, size_t n, const char *fmt, ...) {
-  if (err && n) {
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(err, n, fmt, ap);
-    va_end(ap);
-  }
-  return false;
-}
-
 static const char *cu_error_name(CUresult r) {
   const char *name = NULL;
   if (drv.cuGetErrorName && drv.cuGetErrorName(r, &name) == CUDA_SUCCESS && name)
@@ -133,7 +122,7 @@ static const char *cu_error_name(CUresult r) {
 
 // "function: CUDA_ERROR_NAME" into err when r is not CUDA_SUCCESS.
 static bool cu_ok(CUresult r, const char *fn, char *err, size_t n) {
-  return r == CUDA_SUCCESS || fail(err, n, "%s: %s", fn, cu_error_name(r));
+  return r == CUDA_SUCCESS || rt_fail(err, n, "%s: %s", fn, cu_error_name(r));
 }
 #define CU(err, n, fn, ...) cu_ok(drv.fn(__VA_ARGS__), #fn, err, n)
 
@@ -147,8 +136,8 @@ static bool driver_open(const char *path, char *why, size_t n) {
   void *so = dlopen(path, RTLD_NOW | RTLD_LOCAL);
   if (!so) {
     if (!strcmp(path, "libcuda.so.1"))
-      return fail(why, n, "no CUDA driver (libcuda.so.1 not found)");
-    return fail(why, n, "no CUDA driver (%s)", dlerror());
+      return rt_fail(why, n, "no CUDA driver (libcuda.so.1 not found)");
+    return rt_fail(why, n, "no CUDA driver (%s)", dlerror());
   }
   drv = (Driver){.so = so};
   snprintf(drv.path, sizeof drv.path, "%s", path);
@@ -185,21 +174,21 @@ static bool driver_device(CudaDevice *d, char *why, size_t n) {
   if (!driver_open(env && *env ? env : "libcuda.so.1", why, n))
     return false;
   if (!drv.cuInit || !drv.cuDeviceGetCount)
-    return fail(why, n, "no usable CUDA driver (%s lacks cuInit or cuDeviceGetCount)", drv.path);
+    return rt_fail(why, n, "no usable CUDA driver (%s lacks cuInit or cuDeviceGetCount)", drv.path);
   CUresult r = drv.cuInit(0);
   if (r != CUDA_SUCCESS) {
     const char *name = cu_error_name(r);
     if (!strcmp(name, "CUDA_ERROR_NO_DEVICE"))
-      return fail(why, n, "no CUDA device (cuInit: %s)", name);
-    return fail(why, n, "no usable CUDA driver (cuInit: %s)", name);
+      return rt_fail(why, n, "no CUDA device (cuInit: %s)", name);
+    return rt_fail(why, n, "no usable CUDA driver (cuInit: %s)", name);
   }
   int count = 0;
   if (!CU(why, n, cuDeviceGetCount, &count))
     return false;
   if (count < 1)
-    return fail(why, n, "no CUDA device");
+    return rt_fail(why, n, "no CUDA device");
   if (!drv.cuDeviceGet || !drv.cuDeviceGetAttribute)
-    return fail(why, n, "no usable CUDA driver (%s lacks cuDeviceGet or cuDeviceGetAttribute)", drv.path);
+    return rt_fail(why, n, "no usable CUDA driver (%s lacks cuDeviceGet or cuDeviceGetAttribute)", drv.path);
   *d = (CudaDevice){0};
   int major = 0, minor = 0;
   if (!CU(why, n, cuDeviceGet, &d->ordinal, 0) ||
@@ -328,7 +317,7 @@ static bool lt_ok(cublasStatus_t s, const char *fn, char *err, size_t n) {
   if (s == CUBLAS_STATUS_SUCCESS)
     return true;
   const char *name = lt.cublasLtGetStatusName ? lt.cublasLtGetStatusName(s) : NULL;
-  return fail(err, n, "%s: %s", fn, name ? name : "unknown cuBLAS status");
+  return rt_fail(err, n, "%s: %s", fn, name ? name : "unknown cuBLAS status");
 }
 #define LT(err, n, fn, ...) lt_ok(lt.fn(__VA_ARGS__), #fn, err, n)
 
@@ -344,14 +333,14 @@ static bool lt_open(char *err, size_t n) {
   for (size_t i = 0; i < (*env ? 1 : sizeof paths / sizeof *paths) && !so; i++)
     so = dlopen(paths[i], RTLD_NOW | RTLD_LOCAL);
   if (!so)
-    return *env ? fail(err, n, "cuBLASLt not found (%s)", dlerror())
-                : fail(err, n, "cuBLASLt not found (libcublasLt.so.13, libcublasLt.so, /usr/local/cuda/lib64)");
+    return *env ? rt_fail(err, n, "cuBLASLt not found (%s)", dlerror())
+                : rt_fail(err, n, "cuBLASLt not found (libcublasLt.so.13, libcublasLt.so, /usr/local/cuda/lib64)");
   Lt t = {.so = so};
   snprintf(t.path, sizeof t.path, "%s", env);
 #define X(ret, name, params)                                                                                   \
   if (!(*(void **)&t.name = dlsym(so, #name))) {                                                               \
     dlclose(so);                                                                                               \
-    return fail(err, n, "cuBLASLt lacks %s", #name);                                                           \
+    return rt_fail(err, n, "cuBLASLt lacks %s", #name);                                                           \
   }
   LT_FUNCTIONS(X)
 #undef X
@@ -450,7 +439,7 @@ static bool lt_gemm_new(LtGemm *q, cublasLtHandle_t h, const CudaGemm *gm, DType
   if (pref)
     lt.cublasLtMatmulPreferenceDestroy(pref);
   if (ok && got < 1)
-    ok = fail(err, n, "cublasLtMatmulAlgoGetHeuristic: no algorithm");
+    ok = rt_fail(err, n, "cublasLtMatmulAlgoGetHeuristic: no algorithm");
   if (!ok) {
     lt_gemm_free(q);
     return false;
@@ -486,12 +475,6 @@ typedef struct {
   char *staging;      // host copy of the inputs and scalars, arena bytes [lo, hi)
   int64_t lo, hi;
 } CudaEngine;
-
-static double now(void) {
-  struct timespec t;
-  clock_gettime(CLOCK_MONOTONIC, &t);
-  return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
-}
 
 static bool staged(const IrNode *nd) { return nd->op == OP_INPUT || nd->op == OP_SCALAR; }
 
@@ -541,7 +524,7 @@ static bool cu_step(Engine *e, char *err, size_t n) {
       !CU(err, n, cuGraphLaunch, ce->exec, ce->stream) || !download(ce, &st, ce->status, sizeof st, err, n))
     return false;
   if (st.set)
-    return fail(err, n, "%s %lld out of range [0, %lld)", cuda_error_what(st.code), st.value, st.limit);
+    return rt_fail(err, n, "%s %lld out of range [0, %lld)", cuda_error_what(st.code), st.value, st.limit);
   return true;
 }
 
@@ -609,7 +592,7 @@ static bool driver_complete(char *err, size_t n) {
   };
   for (size_t i = 0; i < sizeof fns / sizeof *fns; i++)
     if (!fns[i].fn)
-      return fail(err, n, "the CUDA driver %s lacks %s", drv.path, fns[i].name);
+      return rt_fail(err, n, "the CUDA driver %s lacks %s", drv.path, fns[i].name);
   return true;
 }
 
@@ -620,7 +603,7 @@ static bool init_arena(CudaEngine *ce, const Graph *g, uint64_t seed, char *err,
   size_t bytes = (size_t)(ce->m->params + ce->m->param_bytes);
   char *host = calloc(bytes ? bytes : 1, 1);
   if (!host)
-    return fail(err, n, "out of host memory for the initial parameters (%zu bytes)", bytes);
+    return rt_fail(err, n, "out of host memory for the initial parameters (%zu bytes)", bytes);
   cpu_init_params(g, ce->m, host, seed);
   bool ok = upload(ce, ce->m->params, host + ce->m->params, (size_t)ce->m->param_bytes, err, n);
   free(host);
@@ -640,7 +623,7 @@ static bool init_staging(CudaEngine *ce, const Graph *g, char *err, size_t n) {
   if (ce->hi <= ce->lo)
     ce->lo = ce->hi = 0;
   ce->staging = calloc((size_t)(ce->hi - ce->lo) + 1, 1);
-  return ce->staging || fail(err, n, "out of host memory");
+  return ce->staging || rt_fail(err, n, "out of host memory");
 }
 
 // The element types of a GEMM: its matmul's operands and result in the IR.
@@ -656,7 +639,7 @@ static bool init_gemms(CudaEngine *ce, const Fusion *f, char *err, size_t n) {
   const CudaPlan *p = ce->plan;
   ce->gemms = calloc((size_t)p->ngemms + 1, sizeof *ce->gemms);
   if (!ce->gemms)
-    return fail(err, n, "out of host memory");
+    return rt_fail(err, n, "out of host memory");
   if (!LT(err, n, cublasLtCreate, &ce->lt))
     return false;
   for (int i = 0; i < p->ngemms; i++) {
@@ -666,7 +649,7 @@ static bool init_gemms(CudaEngine *ce, const Fusion *f, char *err, size_t n) {
     char why[256];
     if (!lt_gemm_new(&ce->gemms[i], ce->lt, gm, operands, result, ce->arena, why, sizeof why) ||
         !lt_gemm_run(&ce->gemms[i], ce->lt, ce->workspace, ce->stream, why, sizeof why))
-      return fail(err, n, "GEMM %d of step %s (%s[%lld x %lld] = %s%s[%lld x %lld] %s[%lld x %lld]): %s", i,
+      return rt_fail(err, n, "GEMM %d of step %s (%s[%lld x %lld] = %s%s[%lld x %lld] %s[%lld x %lld]): %s", i,
                   f->steps[gm->step].name, dtype_name(result), (long long)gm->m, (long long)gm->n,
                   dtype_name(operands), gm->ta ? "T" : "", (long long)gm->m, (long long)gm->k, gm->tb ? "T" : "",
                   (long long)gm->k, (long long)gm->n, why);
@@ -679,10 +662,10 @@ static bool capture(CudaEngine *ce, uint64_t seed, char *err, size_t n) {
   const CudaPlan *p = ce->plan;
   ce->fns = calloc((size_t)p->nlaunches + 1, sizeof *ce->fns);
   if (!ce->fns)
-    return fail(err, n, "out of host memory");
+    return rt_fail(err, n, "out of host memory");
   for (int i = 0; i < p->nlaunches; i++)
     if (p->launches[i].kernel && !CU(err, n, cuModuleGetFunction, &ce->fns[i], ce->mod, p->launches[i].kernel))
-      return fail(err + strlen(err), n - strlen(err), " (kernel %s)", p->launches[i].kernel);
+      return rt_fail(err + strlen(err), n - strlen(err), " (kernel %s)", p->launches[i].kernel);
   if (!CU(err, n, cuStreamBeginCapture, ce->stream, CU_STREAM_CAPTURE_MODE_THREAD_LOCAL))
     return false;
   bool ok = CU(err, n, cuMemsetD8Async, ce->status, 0, sizeof(MdlStatus), ce->stream);
@@ -700,19 +683,19 @@ static bool capture(CudaEngine *ce, uint64_t seed, char *err, size_t n) {
     ok = CU(err, n, cuLaunchKernel, ce->fns[i], l->grid[0], l->grid[1], l->grid[2], l->block[0], l->block[1],
             l->block[2], 0, ce->stream, params, NULL);
     if (!ok)
-      fail(err + strlen(err), n - strlen(err), " (kernel %s)", l->kernel);
+      rt_fail(err + strlen(err), n - strlen(err), " (kernel %s)", l->kernel);
   }
   char why[256];
   bool ended = CU(why, sizeof why, cuStreamEndCapture, ce->stream, &ce->graph);
   if (ok && !ended)
-    ok = fail(err, n, "%s", why);
+    ok = rt_fail(err, n, "%s", why);
   return ok && CU(err, n, cuGraphInstantiateWithFlags, &ce->exec, ce->graph, 0);
 }
 
 Engine *engine_cuda(const Fusion *f, const MemPlan *m, uint64_t seed, char *err, size_t n) {
   CudaEngine *ce = calloc(1, sizeof *ce);
   if (!ce) {
-    fail(err, n, "out of host memory");
+    rt_fail(err, n, "out of host memory");
     return NULL;
   }
   ce->m = m;
@@ -725,7 +708,7 @@ Engine *engine_cuda(const Fusion *f, const MemPlan *m, uint64_t seed, char *err,
   }
   ce->plan = emit_cuda_plan(f, m, f->g->model ? f->g->model : "model");
   if (!ce->plan) {
-    fail(err, n, "the CUDA emitter could not emit %s", f->g->model ? f->g->model : "the model");
+    rt_fail(err, n, "the CUDA emitter could not emit %s", f->g->model ? f->g->model : "the model");
     free(ce);
     return NULL;
   }
@@ -736,7 +719,7 @@ Engine *engine_cuda(const Fusion *f, const MemPlan *m, uint64_t seed, char *err,
   }
   ce->e.cache_hit = cubin.cache_hit;
   ce->e.compile_seconds = cubin.seconds;
-  double t0 = now();
+  double t0 = rt_now();
   bool ok = CU(err, n, cuDevicePrimaryCtxRetain, &ce->ctx, ce->dev.ordinal) && CU(err, n, cuCtxSetCurrent, ce->ctx) &&
             CU(err, n, cuModuleLoadData, &ce->mod, cubin.cubin) &&
             CU(err, n, cuStreamCreate, &ce->stream, CU_STREAM_NON_BLOCKING) &&
@@ -759,7 +742,7 @@ Engine *engine_cuda(const Fusion *f, const MemPlan *m, uint64_t seed, char *err,
   printf("cuda: %s (%s): %d kernels and %d GEMMs in one graph of %d launches; %s; arena %.1f MB; "
          "set up in %.2f s; device memory in use %.2f GiB of %.2f\n",
          ce->dev.name, ce->dev.arch, ce->plan->nkernels, ce->plan->ngemms, ce->plan->nlaunches, compiled,
-         (double)ce->plan->arena_bytes / 1e6, now() - t0,
+         (double)ce->plan->arena_bytes / 1e6, rt_now() - t0,
          (double)(total - free_bytes) / (1 << 30), (double)total / (1 << 30));
   return &ce->e;
 }

@@ -6,6 +6,7 @@
 // followed by a NUL; the cubin lives in ($MDL_CACHE or ~/.cache/mdl)/cuda/<key>.cubin and is written
 // through a temporary file and a rename, so a concurrent run never reads half a cubin.
 #include "emit_cuda.h"
+#include "runtime.h"
 
 #include <dlfcn.h>
 #include <errno.h>
@@ -91,17 +92,6 @@ static struct {
   int major, minor;
 } nv;
 
-static bool fail(char *err, size_t n, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
-static bool fail(char *err, size_t n, const char *fmt, ...) {
-  if (err && n) {
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(err, n, fmt, ap);
-    va_end(ap);
-  }
-  return false;
-}
-
 static bool load(void) {
   if (nv.tried)
     return nv.ok;
@@ -146,7 +136,7 @@ static bool load(void) {
 bool nvrtc_available(char *why, size_t n) {
   if (load())
     return true;
-  return fail(why, n, "%s", nv.why);
+  return rt_fail(why, n, "%s", nv.why);
 }
 
 bool nvrtc_version(int *major, int *minor) {
@@ -160,30 +150,10 @@ bool nvrtc_version(int *major, int *minor) {
 //
 // The cache.
 //
-static bool mkdirs(const char *path) {
-  char buf[1024];
-  snprintf(buf, sizeof buf, "%s", path);
-  for (char *p = buf + 1; *p; p++)
-    if (*p == '/') {
-      *p = 0;
-      if (mkdir(buf, 0755) && errno != EEXIST)
-        return false;
-      *p = '/';
-    }
-  return !mkdir(buf, 0755) || errno == EEXIST;
-}
-
 static bool cache_path(const char *key, char *path, size_t n, char *err, size_t errn) {
-  const char *env = getenv("MDL_CACHE"), *home = getenv("HOME");
   char dir[900];
-  if (env && *env)
-    snprintf(dir, sizeof dir, "%s/cuda", env);
-  else if (home && *home)
-    snprintf(dir, sizeof dir, "%s/.cache/mdl/cuda", home);
-  else
-    return fail(err, errn, "no cache directory: set MDL_CACHE or HOME");
-  if (!mkdirs(dir))
-    return fail(err, errn, "%s: %s", dir, strerror(errno));
+  if (!rt_cache_dir("cuda", dir, sizeof dir, err, errn))
+    return false;
   snprintf(path, n, "%s/%s.cubin", dir, key);
   return true;
 }
@@ -207,28 +177,6 @@ static void *read_file(const char *path, size_t *size) {
   return data;
 }
 
-static bool write_atomic(const char *path, const void *data, size_t size, char *err, size_t n) {
-  char tmp[1100];
-  snprintf(tmp, sizeof tmp, "%s.tmp.%ld", path, (long)getpid());
-  FILE *f = fopen(tmp, "wb");
-  if (!f)
-    return fail(err, n, "%s: %s", tmp, strerror(errno));
-  bool ok = fwrite(data, 1, size, f) == size;
-  ok &= fflush(f) == 0 && fsync(fileno(f)) == 0;
-  ok &= fclose(f) == 0;
-  if (!ok || rename(tmp, path)) {
-    unlink(tmp);
-    return fail(err, n, "%s: %s", path, strerror(errno));
-  }
-  return true;
-}
-
-static double now(void) {
-  struct timespec t;
-  clock_gettime(CLOCK_MONOTONIC, &t);
-  return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
-}
-
 // The program's log, malloc'd, or NULL when it is empty.
 static char *program_log(nvrtc_program prog) {
   size_t len = 0;
@@ -246,20 +194,20 @@ static void *run_nvrtc(const char *src, const char *const *opts, int nopts, size
   nvrtc_program prog = NULL;
   nvrtc_result r = nv.create(&prog, src, "model.cu", 0, NULL, NULL);
   if (r != 0) {
-    fail(err, n, "nvrtcCreateProgram: %s", nv.error_string(r));
+    rt_fail(err, n, "nvrtcCreateProgram: %s", nv.error_string(r));
     return NULL;
   }
   r = nv.compile(prog, nopts, opts);
   void *cubin = NULL;
   *log = program_log(prog);
   if (r != 0) {
-    fail(err, n, "NVRTC: %s", *log ? *log : nv.error_string(r));
+    rt_fail(err, n, "NVRTC: %s", *log ? *log : nv.error_string(r));
     free(*log);
     *log = NULL;
   } else if (nv.cubin_size(prog, size) != 0 || !(cubin = malloc(*size ? *size : 1)) || nv.cubin(prog, cubin) != 0) {
     free(cubin);
     cubin = NULL;
-    fail(err, n, "NVRTC produced no cubin");
+    rt_fail(err, n, "NVRTC produced no cubin");
   }
   nv.destroy(&prog);
   return cubin;
@@ -268,7 +216,7 @@ static void *run_nvrtc(const char *src, const char *const *opts, int nopts, size
 bool nvrtc_compile(const char *src, const char *arch, NvrtcResult *out, char *err, size_t n) {
   *out = (NvrtcResult){0};
   if (!load())
-    return fail(err, n, "%s", nv.why);
+    return rt_fail(err, n, "%s", nv.why);
   char archopt[64], version[32];
   snprintf(archopt, sizeof archopt, "--gpu-architecture=%s", arch);
   snprintf(version, sizeof version, "%d.%d", nv.major, nv.minor);
@@ -282,7 +230,7 @@ bool nvrtc_compile(const char *src, const char *arch, NvrtcResult *out, char *er
     total += strlen(parts[i]) + 1;
   char *keybuf = malloc(total), *p = keybuf;
   if (!keybuf)
-    return fail(err, n, "out of memory");
+    return rt_fail(err, n, "out of memory");
   for (int i = 0; i < 7; i++) {
     size_t len = strlen(parts[i]) + 1;
     memcpy(p, parts[i], len);
@@ -300,13 +248,13 @@ bool nvrtc_compile(const char *src, const char *arch, NvrtcResult *out, char *er
     *out = (NvrtcResult){cubin, size, true, 0, NULL};
     return true;
   }
-  double t0 = now();
+  double t0 = rt_now();
   char *log = NULL;
   cubin = run_nvrtc(src, opts, nopts, &size, &log, err, n);
   if (!cubin)
     return false;
-  double seconds = now() - t0;
-  if (!write_atomic(path, cubin, size, err, n)) {
+  double seconds = rt_now() - t0;
+  if (!rt_write_atomic(path, cubin, size, err, n)) {
     free(cubin);
     free(log);
     return false;

@@ -4,6 +4,17 @@
 #include "mdl.h"
 
 //
+// util.c: shared helpers.
+//
+// Formats a message into err (when err is not NULL) and returns false.
+bool rt_fail(char *err, size_t n, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
+double rt_now(void); // seconds, monotonic
+// The compiled-module cache, $MDL_CACHE or ~/.cache/mdl, with `sub` appended ("" for none), created.
+bool rt_cache_dir(const char *sub, char *dir, size_t n, char *err, size_t errn);
+// Writes path through a temporary file, fsync and rename; a failure leaves path as it was.
+bool rt_write_atomic(const char *path, const void *data, size_t size, char *err, size_t n);
+
+//
 // schedule.c: linear warmup then cosine decay to min_lr over train.steps (constant after).
 //
 double rt_lr_at(const TrainConfig *tc, int64_t step); // step counts from 1

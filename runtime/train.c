@@ -25,12 +25,6 @@
 
 #define CKPT_FORMAT "mdl-checkpoint-1"
 
-static double now_s(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
-
 static int64_t dim_of(const Graph *g, const char *name) {
   for (int i = 0; i < g->ndims; i++)
     if (!strcmp(g->dims[i].name, name))
@@ -405,10 +399,10 @@ int train_run(Engine *e, Engine *eval, Engine *micro, const TrainOptions *o) {
   Curve c = {0};
   char err[512] = "";
   int rc = 0;
-  double t_start = now_s(), last_val = NAN;
+  double t_start = rt_now(), last_val = NAN;
   int64_t real_total = 0;
   for (int64_t step = start + 1; step <= last; step++) {
-    double t0 = now_s(), loss_sum = 0;
+    double t0 = rt_now(), loss_sum = 0;
     int64_t real = 0;
     if (k > 1 && !accumulate_micro(&ac, e, train, k, B * T, seed, step, &loss_sum, &real, err, sizeof err)) {
       diag_file_error(o->model_path, "step %lld: %s", (long long)step, err[0] ? err : "bad batch");
@@ -427,7 +421,7 @@ int train_run(Engine *e, Engine *eval, Engine *micro, const TrainOptions *o) {
       break;
     }
     real += batch.real_tokens;
-    double dt = now_s() - t0, loss = (loss_sum + engine_scalar(e, g->loss)) / (double)k;
+    double dt = rt_now() - t0, loss = (loss_sum + engine_scalar(e, g->loss)) / (double)k;
     double norm = gnorm >= 0 ? engine_scalar(e, gnorm) : NAN;
     real_total += real;
     push(&c.loss, &c.n, &c.cap, loss);
@@ -449,7 +443,7 @@ int train_run(Engine *e, Engine *eval, Engine *micro, const TrainOptions *o) {
     }
     struct rusage ru;
     getrusage(RUSAGE_SELF, &ru);
-    double elapsed = now_s() - t_start, left = elapsed / (double)(step - start) * (double)(last - step);
+    double elapsed = rt_now() - t_start, left = elapsed / (double)(step - start) * (double)(last - step);
     char eta_s[32];
     eta(left, eta_s, sizeof eta_s);
     double tok_s = (double)real / dt, mfu = 100.0 * (double)k * flops / dt / peak;
@@ -481,7 +475,7 @@ int train_run(Engine *e, Engine *eval, Engine *micro, const TrainOptions *o) {
   }
   fclose(log);
   if (rc == 0 && c.n > 0) {
-    double secs = now_s() - t_start;
+    double secs = rt_now() - t_start;
     printf("trained %lld steps in %.1f s (%.0f tok/s); final loss %.4f, val loss %.4f, unigram entropy %.4f\n",
            (long long)c.n, secs, (double)real_total / secs, c.loss[c.n - 1], last_val, unigram);
     if (!write_svg(svg, &c, unigram))
