@@ -258,13 +258,22 @@ static Graph *compile(Arena *a, const Options *o, bool grads, bool optimizer) {
 typedef struct {
   Fusion *f;
   MemPlan *m;
-  char *c_source;
 } Plan;
-static Plan plan(const Options *o, Graph *g, FuseOptions fo);
+
+// The passes a compiled back end adds: fuse, then plan memory. Dumps F and M.
+static Plan plan(const Options *o, Graph *g) {
+  Plan p = {.f = fuse(g, o->fuse)};
+  p.m = memplan_with(p.f, o->reuse);
+  if (dumping(o, 'F'))
+    fuse_dump(p.f, stdout);
+  if (dumping(o, 'M'))
+    memplan_dump(p.f, p.m, stdout);
+  return p;
+}
 
 static int cmd_check(const Options *o, Graph *g) {
   if (dumping(o, 'F') || dumping(o, 'M'))
-    plan(o, g, o->fuse);
+    plan(o, g);
   char buf[128];
   printf("model %s: %lld parameters in %d tensors\n", g->model ? g->model : "?", (long long)ir_param_count(g),
          g->nparams);
@@ -290,17 +299,6 @@ static int cmd_check(const Options *o, Graph *g) {
 }
 
 // Copies every parameter from a safetensors file; names and shapes must match the model.
-// The rest of the pipeline for a compiled back end: fuse, plan memory, emit C. Dumps F and M.
-static Plan plan(const Options *o, Graph *g, FuseOptions fo) {
-  Plan p = {.f = fuse(g, fo)};
-  p.m = memplan_with(p.f, o->reuse);
-  if (dumping(o, 'F'))
-    fuse_dump(p.f, stdout);
-  if (dumping(o, 'M'))
-    memplan_dump(p.f, p.m, stdout);
-  p.c_source = emit_c(p.f, p.m, o->file);
-  return p;
-}
 
 // The engine the options ask for: the interpreter, or the plan compiled for the CPU.
 // The back end --backend names; "auto" is CUDA when a driver, a device and NVRTC are there, else
@@ -339,14 +337,9 @@ static Engine *open_engine(const Options *o, Graph *g, bool report) {
   if (!strcmp(backend, "interp"))
     return engine_interp(g, o->fp64 ? INTERP_F64 : INTERP_F32, o->seed);
   char err[512];
+  Plan p = plan(o, g);
   if (!strcmp(backend, "cuda")) {
-    Fusion *f = fuse(g, o->fuse);
-    MemPlan *m = memplan_with(f, o->reuse);
-    if (dumping(o, 'F'))
-      fuse_dump(f, stdout);
-    if (dumping(o, 'M'))
-      memplan_dump(f, m, stdout);
-    Engine *e = engine_cuda(f, m, o->seed, err, sizeof err);
+    Engine *e = engine_cuda(p.f, p.m, o->seed, err, sizeof err);
     CudaDevice d;
     if (!e)
       diag_file_error(o->file, "%s", err);
@@ -354,10 +347,10 @@ static Engine *open_engine(const Options *o, Graph *g, bool report) {
       gpu_peak(&d, e);
     return e;
   }
-  Plan p = plan(o, g, o->fuse);
-  if (!p.c_source)
+  char *source = emit_c(p.f, p.m, o->file);
+  if (!source)
     return NULL;
-  Engine *e = engine_cpu(p.f, p.m, p.c_source, o->seed, err, sizeof err);
+  Engine *e = engine_cpu(p.f, p.m, source, o->seed, err, sizeof err);
   if (!e)
     diag_file_error(o->file, "%s", err);
   else if (report)
@@ -501,13 +494,14 @@ static int cmd_build(const Options *o, Graph *g) {
     diag_file_error(o->out, "cannot create the directory: %s", strerror(errno));
     return EXIT_USER;
   }
-  Plan on = plan(o, g, o->fuse);
+  Plan on = plan(o, g);
+  char *c_source = emit_c(on.f, on.m, o->file);
   FuseOptions fo_off = o->fuse;
   fo_off.fuse = false;
   Fusion *off = fuse(g, fo_off);
   MemPlan *moff = memplan(off);
   char *cu_source = emit_cuda(on.f, on.m, o->file);
-  if (!on.c_source || !cu_source)
+  if (!c_source || !cu_source)
     return EXIT_USER;
   char path[4096];
   struct {
@@ -524,7 +518,7 @@ static int cmd_build(const Options *o, Graph *g) {
       return EXIT_USER;
     }
     if (files[i].what == 0)
-      fputs(on.c_source, f);
+      fputs(c_source, f);
     else if (files[i].what == 3)
       fputs(cu_source, f);
     else if (files[i].what == 1) {
