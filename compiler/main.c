@@ -33,6 +33,7 @@ typedef struct {
   bool fp64;
   FuseOptions fuse;
   bool reuse; // the memory planner shares memory between activations whose lives do not overlap
+  bool profile;
   PrepOptions prep;
   bool resume, pack, shuffle;
   int64_t val_every, val_batches, ckpt_every;
@@ -80,6 +81,7 @@ static const char usage_text[] =
     "      --no-fuse          one kernel per IR node (to measure what fusion is worth)\n"
     "      --no-chunk-lmhead  materialise the whole logits instead of running the LM head by chunks\n"
     "      --no-reuse         give every activation its own memory (what liveness-based reuse saves)\n"
+    "      --profile          run each step kernel by kernel and print a table: time, GFLOP/s, GB/s\n"
     "  -h, --help             this text\n"
     "  -V, --version          the version\n";
 
@@ -107,7 +109,7 @@ static int parse_options(int argc, char **argv, Options *o) {
       {"steps", required_argument, 0, 's'},   {"seed", required_argument, 0, 'S'},
       {"backend", required_argument, 0, 'k'}, {"fp64", no_argument, 0, 'F'},
       {"no-fuse", no_argument, 0, 'N'},       {"no-chunk-lmhead", no_argument, 0, 'C'},
-      {"no-reuse", no_argument, 0, 'U'},
+      {"no-reuse", no_argument, 0, 'U'},      {"profile", no_argument, 0, 'O'},
       {"vocab", required_argument, 0, 'v'},   {"doc-sep", required_argument, 0, 'e'},
       {"val-fraction", required_argument, 0, 'f'}, {"text-field", required_argument, 0, 't'},
       {"shard-tokens", required_argument, 0, 'n'}, {"force", no_argument, 0, 'r'},
@@ -208,6 +210,7 @@ static int parse_options(int argc, char **argv, Options *o) {
     }
     case 'C': o->fuse.chunk_lmhead = false; break;
     case 'U': o->reuse = false; break;
+    case 'O': o->profile = true; break;
     case 'h': fputs(usage_text, stdout); exit(0);
     case 'V': printf("mdlc %s\n", MDL_VERSION); exit(0);
     default: return usage_error("%s", "bad option");
@@ -591,7 +594,10 @@ static int cmd_run(const Options *o, Graph *g) {
                        .steps = o->steps, .resume = o->resume, .pack = o->pack, .shuffle = o->shuffle,
                        .seed = o->seed, .val_every = o->val_every, .val_batches = o->val_batches,
                        .ckpt_every = o->ckpt_every};
+    e->profile = o->profile && e->kernel_seconds;
     rc = train_run(e, eval, micro, &to) ? EXIT_USER : 0;
+    if (rc == 0)
+      engine_profile_report(e, stdout);
   }
   if (eval)
     eval->free(eval);

@@ -87,10 +87,18 @@ static void ce_set_seed(Engine *e, uint64_t seed) { ((CpuEngine *)e)->cm->hooks.
 
 static bool ce_step(Engine *e, char *err, size_t n) {
   CpuEngine *ce = (CpuEngine *)e;
-  if (cpu_step(ce->cm, ce->arena))
-    return true;
-  snprintf(err, n, "%s", ce->cm->error);
-  return false;
+  bool ok = true;
+  if (!e->profile)
+    ok = cpu_step(ce->cm, ce->arena);
+  for (int i = 0; e->profile && ok && i < ce->cm->nkernels; i++) {
+    double t0 = rt_now();
+    ok = cpu_run_kernel(ce->cm, i, ce->arena);
+    e->kernel_seconds[i] += rt_now() - t0;
+  }
+  e->profiled_steps += e->profile && ok;
+  if (!ok)
+    snprintf(err, n, "%s", ce->cm->error);
+  return ok;
 }
 
 // A value the plan keeps inside a kernel (never written to memory) reads as NaN.
@@ -113,6 +121,7 @@ static void ce_write(Engine *e, int node, const float *src) {
 static void ce_free(Engine *e) {
   CpuEngine *ce = (CpuEngine *)e;
   cpu_unload(ce->cm);
+  free(e->kernel_seconds);
   free(ce->arena);
   free(ce);
 }
@@ -128,10 +137,50 @@ Engine *engine_cpu(const Fusion *f, const MemPlan *m, const char *source, uint64
   cm->hooks.seed = seed;
   cpu_init_params(f->g, m, ce->arena, seed);
   ce->e = (Engine){.name = "cpu", .g = f->g, .set_input = ce_set_input, .set_scalar = ce_set_scalar,
-                   .set_seed = ce_set_seed, .arena_bytes = m->arena_bytes,
+                   .set_seed = ce_set_seed, .arena_bytes = m->arena_bytes, .fusion = f,
+                   .kernel_seconds = calloc((size_t)cm->nkernels, sizeof(double)),
                    .step = ce_step, .read = ce_read, .write = ce_write, .free = ce_free,
                    .cache_hit = cm->cache_hit, .compile_seconds = cm->compile_seconds};
   return &ce->e;
+}
+
+static const double *by_time_of;
+static int slowest_first(const void *a, const void *b) {
+  double x = by_time_of[*(const int *)a], y = by_time_of[*(const int *)b];
+  return x < y ? 1 : x > y ? -1 : *(const int *)a - *(const int *)b;
+}
+
+void engine_profile_report(const Engine *e, FILE *out) {
+  const Fusion *f = e->fusion;
+  if (!f || !e->kernel_seconds || e->profiled_steps == 0)
+    return;
+  double total = 0;
+  int *order = malloc(sizeof(int) * (size_t)f->nsteps);
+  for (int i = 0; i < f->nsteps; i++) {
+    order[i] = i;
+    total += e->kernel_seconds[i];
+  }
+  by_time_of = e->kernel_seconds;
+  qsort(order, (size_t)f->nsteps, sizeof *order, slowest_first);
+  double steps = (double)e->profiled_steps;
+  fprintf(out, "profile: %d kernels, %.3f ms per step over %lld steps, run one by one\n", f->nsteps,
+          1e3 * total / steps, (long long)e->profiled_steps);
+  fprintf(out, "%-48s %9s %6s %9s %8s  ops (.mdl line)\n", "kernel", "ms/step", "share", "GFLOP/s", "GB/s");
+  for (int k = 0; k < f->nsteps; k++) {
+    const Step *st = &f->steps[order[k]];
+    double sec = e->kernel_seconds[order[k]] / steps;
+    fprintf(out, "%-48s %9.3f %5.1f%% %9.2f %8.2f ", st->name, 1e3 * sec, 100 * sec * steps / total,
+            sec > 0 ? st->flops / sec / 1e9 : 0, sec > 0 ? (st->bytes_read + st->bytes_written) / sec / 1e9 : 0);
+    for (int i = 0, shown = 0; i < st->nnodes && shown < 8; i++) {
+      const IrNode *n = f->g->nodes[st->nodes[i]];
+      if (n->op == OP_RESHAPE)
+        continue;
+      fprintf(out, " %s@%d", op_name(n->op), n->loc.line);
+      shown++;
+    }
+    fprintf(out, "\n");
+  }
+  free(order);
 }
 
 double engine_scalar(Engine *e, int node) {

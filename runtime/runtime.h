@@ -50,7 +50,17 @@ struct Engine {
   int64_t arena_bytes;    // compiled back ends: the planned arena (0: not planned)
   double peak_flops;      // the peak MFU is measured against (0: this CPU's, rt_cpu_peak_flops)
   const char *peak_how;   // what that peak is
+  // Profiling (compiled back ends): with `profile` set, a step runs kernel by kernel and adds each
+  // kernel's time to kernel_seconds[i] (the kernels are the plan's steps, in order).
+  bool profile;
+  const Fusion *fusion;
+  double *kernel_seconds;
+  int64_t profiled_steps;
 };
+
+// One line per kernel: name, ms per step, share of the step, GFLOP/s, GB/s, the .mdl ops inside;
+// slowest first.
+void engine_profile_report(const Engine *e, FILE *out);
 
 // The reference interpreter; parameters initialised from the seed.
 Engine *engine_interp(const Graph *g, InterpPrecision prec, uint64_t seed);
