@@ -26,7 +26,9 @@
 // Numerics follow interp.c op by op. Elementwise math is fp32; sums over many elements (norm
 // statistics, column sums, reductions, softmax denominators, the gradient norm) accumulate in double,
 // in fixed blocks combined in a fixed order, and short dot products use `omp simd` reductions (an
-// order fixed by the compiled code), so results do not depend on the thread count. AdamW runs in
+// order fixed by the compiled code), so results do not depend on the thread count. Attention keeps
+// one task per (batch, head) and sums its short rows of probabilities in fp32, in 8 lanes combined in
+// a fixed tree, with a vectorizable exp (mdl_exp_shifted) for the softmax. AdamW runs in
 // double per element, as the interpreter does. GEMMs go through mdl_gemm, which splits the rows of
 // C over the OpenMP threads and calls the runtime's single-threaded sgemm in each block, so one
 // pool of threads runs the whole step.
@@ -105,6 +107,28 @@ static const char prelude[] =
     "static inline float mdl_silu_grad(float x, float dy) {\n"
     "  const float s = mdl_sigmoid(x);\n"
     "  return dy * s * (1.0f + x * (1.0f - s));\n"
+    "}\n"
+    "\n"
+    "// exp(x) for x <= 0 (a softmax score less the row's maximum), 0 for -INFINITY: x = n ln 2 + r with\n"
+    "// n rounded to nearest by adding 1.5 * 2^23 (n then sits in the low bits of `big`), Cephes' expf\n"
+    "// polynomial in r, and 2^n made from n's bits; within 2 ulp, and branch-free so that loops of it\n"
+    "// vectorize.\n"
+    "static inline float mdl_exp_shifted(float x) {\n"
+    "  const float xc = x > -87.0f ? x : -87.0f;\n"
+    "  const float big = xc * 1.44269504f + 12582912.0f, n = big - 12582912.0f;\n"
+    "  const float r = xc - n * 0.693359375f + n * 2.12194440e-4f;\n"
+    "  float p = 1.9875691500e-4f;\n"
+    "  p = p * r + 1.3981999507e-3f;\n"
+    "  p = p * r + 8.3334519073e-3f;\n"
+    "  p = p * r + 4.1665795894e-2f;\n"
+    "  p = p * r + 1.6666665459e-1f;\n"
+    "  p = p * r + 5.0000001201e-1f;\n"
+    "  int32_t bits;\n"
+    "  memcpy(&bits, &big, sizeof bits);\n"
+    "  bits = (bits - 0x4B400000 + 127) * 8388608;\n"
+    "  float two_n;\n"
+    "  memcpy(&two_n, &bits, sizeof two_n);\n"
+    "  return x == -INFINITY ? 0.0f : (p * r * r + r + 1.0f) * two_n;\n"
     "}\n"
     "\n"
     "static inline void *mdl_scratch(size_t bytes) {\n"
@@ -1112,8 +1136,163 @@ static void emit_lmhead(Emit *e, int gi) {
   ec_phase_end(&e->core);
 }
 
-// ATTENTION forward: one task per (batch, head, query row); online softmax over the allowed keys in
-// blocks of 64, never a T x T matrix.
+// Declares `var` as the sum of `expr` (in terms of j) over the keys in [lo, hi), added in 8 lanes by
+// the key's place in the range and the lanes then in a fixed tree: an order that depends only on the
+// row, and 8 independent chains of additions instead of one.
+static void emit_attn_sum(Emit *e, const char *var, const char *expr) {
+  ec_line(&e->core, "float %s;", var);
+  ec_enter(&e->core, "%s", "");
+  ec_line(&e->core, "float part[8] = {0};");
+  ec_line(&e->core, "int64_t j0 = lo;");
+  ec_enter(&e->core, "for (; j0 + 8 <= hi; j0 += 8)");
+  ec_enter(&e->core, "for (int64_t u = 0; u < 8; u++)");
+  ec_line(&e->core, "const int64_t j = j0 + u;");
+  ec_line(&e->core, "part[u] += %s;", expr);
+  ec_leave(&e->core);
+  ec_leave(&e->core);
+  ec_enter(&e->core, "for (int64_t j = j0; j < hi; j++)");
+  ec_line(&e->core, "part[j - j0] += %s;", expr);
+  ec_leave(&e->core);
+  ec_line(&e->core, "%s = ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));",
+          var);
+  ec_leave(&e->core);
+}
+
+// Opens the loop over the query rows i of a task's head. The allowed keys of row i lie in [lo, hi):
+// with doc ids, lo is the first key of the row's id and hi - 1 its last (row i itself when causal),
+// found by scanning the ids when the id changes from the row before (so a key outside the range is
+// masked whatever the ids' order; inside, the mask is applied key by key).
+static void emit_attn_rows_open(Emit *e, const IrNode *nd, int doc) {
+  int64_t nt = nd->shape.d[1];
+  bool causal = nd->ia[1];
+  ec_line(&e->core, "int64_t lo = 0, hi = %lld;", (long long)nt);
+  if (doc >= 0)
+    ec_line(&e->core, "const int32_t *restrict dc = b%d + b * %lld;", ptr(e, doc), (long long)nt);
+  ec_enter(&e->core, "for (int64_t i = 0; i < %lld; i++)", (long long)nt);
+  if (doc >= 0) {
+    ec_line(&e->core, "const int32_t di = dc[i];");
+    ec_enter(&e->core, "if (i == 0 || dc[i - 1] != di)");
+    ec_line(&e->core, "lo = 0;");
+    ec_line(&e->core, "while (dc[lo] != di)");
+    ec_line(&e->core, "  lo++;");
+    if (!causal) {
+      ec_line(&e->core, "hi = %lld;", (long long)nt);
+      ec_line(&e->core, "while (dc[hi - 1] != di)");
+      ec_line(&e->core, "  hi--;");
+    }
+    ec_leave(&e->core);
+  }
+  if (causal)
+    ec_line(&e->core, "hi = i + 1;");
+}
+
+// Keys per block of the score loops, and the padded row length of a transposed [D][T] block (and of
+// the per-row buffers): a block that starts at lo < T may run up to lo + ATT_BLK - 1.
+enum { ATT_BLK = 32 };
+static int64_t attn_padded(int64_t nt) { return (nt + ATT_BLK + 7) / 8 * 8; }
+
+// out[j] = sum over c of vec[c] mat[c][j] (mat a transposed [D][padded T] block), in order over c, for
+// j in [lo, hi), a block of ATT_BLK keys at a time held in registers (ATT_BLK / 8 independent chains);
+// the block's tail past hi computes harmless values from the zeroed padding or later keys.
+static void emit_attn_dots(Emit *e, const char *out, const char *vec, const char *mat, int64_t nt, int64_t d) {
+  ec_enter(&e->core, "for (int64_t j0 = lo; j0 < hi; j0 += %d)", ATT_BLK);
+  ec_line(&e->core, "float acc[%d] = {0};", ATT_BLK);
+  ec_enter(&e->core, "for (int64_t c = 0; c < %lld; c++)", (long long)d);
+  ec_line(&e->core, "const float vc = %s[c], *restrict mc = %s + c * %lld + j0;", vec, mat, (long long)attn_padded(nt));
+  ec_line(&e->core, "#pragma omp simd");
+  ec_line(&e->core, "for (int64_t u = 0; u < %d; u++)", ATT_BLK);
+  ec_line(&e->core, "  acc[u] += vc * mc[u];");
+  ec_leave(&e->core);
+  ec_line(&e->core, "memcpy(%s + j0, acc, sizeof acc);", out);
+  ec_leave(&e->core);
+}
+
+// Row i of a task that owns (b, hd), with the keys of the head transposed into kt [D][T] (so score
+// loops run over keys, contiguous, each score summed over the head's columns in order): s[j] becomes
+// exp(scale q_i . k_j - max) for the allowed keys in [lo, hi) and 0 for the others, and l their sum.
+static void emit_attn_row(Emit *e, const IrNode *nd, Rows q, int doc) {
+  int64_t nt = nd->shape.d[1], d = nd->shape.d[2] / nd->ia[0];
+  ec_line(&e->core, "const float *restrict qi = %s + (b * %lld + i) * %lld + hd * %lld;", q.base, (long long)nt,
+          (long long)q.stride, (long long)d);
+  emit_attn_dots(e, "s", "qi", "kt", nt, d);
+  ec_line(&e->core, "float m = -INFINITY;");
+  ec_line(&e->core, "#pragma omp simd reduction(max : m)");
+  ec_enter(&e->core, "for (int64_t j = lo; j < hi; j++)");
+  if (doc >= 0)
+    ec_line(&e->core, "s[j] = dc[j] == di ? s[j] * %s : -INFINITY;", flit(e, nd->fa[0]));
+  else
+    ec_line(&e->core, "s[j] *= %s;", flit(e, nd->fa[0]));
+  ec_line(&e->core, "m = s[j] > m ? s[j] : m;");
+  ec_leave(&e->core);
+  ec_line(&e->core, "#pragma omp simd");
+  ec_line(&e->core, "for (int64_t j = lo; j < hi; j++)");
+  ec_line(&e->core, "  s[j] = mdl_exp_shifted(s[j] - m);");
+  emit_attn_sum(e, "l", "s[j]");
+}
+
+// Copies the head's rows of a [B,T,C] matrix into a [D][T] block.
+static void emit_attn_transpose(Emit *e, const char *dst, Rows x, int64_t nt, int64_t d) {
+  ec_enter(&e->core, "for (int64_t j = 0; j < %lld; j++)", (long long)nt);
+  ec_line(&e->core, "const float *xj = %s + (b * %lld + j) * %lld + hd * %lld;", x.base, (long long)nt,
+          (long long)x.stride, (long long)d);
+  ec_line(&e->core, "for (int64_t c = 0; c < %lld; c++)", (long long)d);
+  ec_line(&e->core, "  %s[c * %lld + j] = xj[c];", dst, (long long)attn_padded(nt));
+  ec_leave(&e->core);
+}
+
+// Opens the parallel region of an attention kernel, with per-thread scratch, and its loop over the
+// (batch, head) tasks; a task owns every output row of its head, so tasks never race and each output
+// is computed by one sequence of operations whatever the thread count.
+static void emit_attn_open(Emit *e, int64_t nb, int64_t heads, bool par, const Tmp *tmp, int ntmp) {
+  if (par) {
+    ec_line(&e->core, "#pragma omp parallel num_threads(h->nthreads)");
+    e->uses_h = true;
+  }
+  ec_enter(&e->core, "%s", "");
+  for (int i = 0; i < ntmp; i++)
+    ec_line(&e->core, "float *restrict %s = memset(mdl_scratch(%lld * sizeof(float)), 0, %lld * sizeof(float));",
+            tmp[i].name, (long long)tmp[i].n, (long long)tmp[i].n);
+  if (par)
+    ec_line(&e->core, "#pragma omp for schedule(dynamic, 1)");
+  ec_enter(&e->core, "for (int64_t task = 0; task < %lld; task++)", (long long)(nb * heads));
+  ec_line(&e->core, "const int64_t b = task / %lld, hd = task %% %lld;", (long long)heads, (long long)heads);
+}
+
+static void emit_attn_close(Emit *e, const Tmp *tmp, int ntmp) {
+  ec_leave(&e->core);
+  for (int i = 0; i < ntmp; i++)
+    ec_line(&e->core, "free(%s);", tmp[i].name);
+  ec_leave(&e->core);
+}
+
+// Declares acc0[D] and acc1[D] (for acc = "acc") whose sum is that over the keys j in [lo, hi) of
+// w[j] x_j (x_j the head's part of row j of x): keys taken in pairs, the even and odd keys of the
+// range in two accumulators, two chains of FMAs held in registers; the caller adds them.
+static void emit_attn_pairs(Emit *e, const char *acc, const char *w, Rows x, int64_t nt, int64_t d) {
+  const char *row = str(e, "%s + (b * %lld + j) * %lld + hd * %lld", x.base, (long long)nt, (long long)x.stride,
+                        (long long)d);
+  ec_line(&e->core, "float %s0[%lld] = {0}, %s1[%lld] = {0};", acc, (long long)d, acc, (long long)d);
+  ec_line(&e->core, "int64_t j = lo;");
+  ec_enter(&e->core, "for (; j + 1 < hi; j += 2)");
+  ec_line(&e->core, "const float w0 = %s[j], w1 = %s[j + 1], *restrict x0 = %s, *restrict x1 = x0 + %lld;", w, w, row,
+          (long long)x.stride);
+  ec_line(&e->core, "#pragma omp simd");
+  ec_enter(&e->core, "for (int64_t c = 0; c < %lld; c++)", (long long)d);
+  ec_line(&e->core, "%s0[c] += w0 * x0[c];", acc);
+  ec_line(&e->core, "%s1[c] += w1 * x1[c];", acc);
+  ec_leave(&e->core);
+  ec_leave(&e->core);
+  ec_enter(&e->core, "if (j < hi)");
+  ec_line(&e->core, "const float w0 = %s[j], *restrict x0 = %s;", w, row);
+  ec_line(&e->core, "#pragma omp simd");
+  ec_line(&e->core, "for (int64_t c = 0; c < %lld; c++)", (long long)d);
+  ec_line(&e->core, "  %s0[c] += w0 * x0[c];", acc);
+  ec_leave(&e->core);
+}
+
+// ATTENTION forward: one task per (batch, head), which transposes the head's keys once and then, per
+// query row, computes the scores of the allowed keys, their softmax and the weighted sum of values;
+// never a T x T matrix.
 static void emit_attention(Emit *e, int gi) {
   int a = e->core.groups[gi].mem[0];
   const IrNode *nd = ec_node(&e->core, a);
@@ -1126,69 +1305,27 @@ static void emit_attention(Emit *e, int gi) {
   if (ec_offset(&e->core, a) < 0)
     e->core.scratch[a] = true;
   ec_phase_begin(&e->core);
-  note(e, "attention: B %lld, T %lld, %lld heads of %lld%s%s; one task per query row", (long long)nb,
+  note(e, "attention: B %lld, T %lld, %lld heads of %lld%s%s; one task per (batch, head)", (long long)nb,
        (long long)nt, (long long)heads, (long long)d, causal ? ", causal" : "", has_doc ? ", within documents" : "");
-  par_for(e, nb * nt * nt * nc / (causal ? 2 : 1), "dynamic, 16");
-  ec_enter(&e->core, "for (int64_t task = 0; task < %lld; task++)", (long long)(nb * heads * nt));
-  ec_line(&e->core, "const int64_t b = task / %lld, hd = task / %lld %% %lld, i = task %% %lld;",
-          (long long)(heads * nt), (long long)nt, (long long)heads, (long long)nt);
-  ec_line(&e->core, "const float *qi = %s + (b * %lld + i) * %lld + hd * %lld;", q.base, (long long)nt,
-          (long long)q.stride, (long long)d);
-  if (has_doc)
-    ec_line(&e->core, "const int32_t di = b%d[b * %lld + i];", ptr(e, doc), (long long)nt);
-  ec_line(&e->core, "float acc[%lld] = {0}, s[64], m = -INFINITY, l = 0.0f;", (long long)d);
-  ec_line(&e->core, "const int64_t nj = %s;", causal ? "i + 1" : str(e, "%lld", (long long)nt));
-  ec_enter(&e->core, "for (int64_t j0 = 0; j0 < nj; j0 += 64)");
-  ec_line(&e->core, "const int64_t n = nj - j0 < 64 ? nj - j0 : 64;");
-  ec_line(&e->core, "float bm = -INFINITY;");
-  ec_enter(&e->core, "for (int64_t jj = 0; jj < n; jj++)");
-  ec_line(&e->core, "const int64_t j = j0 + jj;");
-  if (has_doc) {
-    ec_enter(&e->core, "if (b%d[b * %lld + j] != di)", ptr(e, doc), (long long)nt);
-    ec_line(&e->core, "s[jj] = -INFINITY;");
-    ec_line(&e->core, "continue;");
-    ec_leave(&e->core);
-  }
-  ec_line(&e->core, "const float *kj = %s + (b * %lld + j) * %lld + hd * %lld;", k.base, (long long)nt,
-          (long long)k.stride, (long long)d);
-  ec_line(&e->core, "float dot = 0.0f;");
-  ec_line(&e->core, "#pragma omp simd reduction(+ : dot)");
+  Tmp tmp[2] = {{"kt", d * attn_padded(nt)}, {"s", attn_padded(nt)}};
+  emit_attn_open(e, nb, heads, nb * nt * nt * nc >= PAR_MIN, tmp, 2);
+  emit_attn_transpose(e, "kt", k, nt, d);
+  emit_attn_rows_open(e, nd, doc);
+  emit_attn_row(e, nd, q, doc);
+  emit_attn_pairs(e, "acc", "s", v, nt, d);
+  ec_line(&e->core, "float *restrict oi = b%d + (b * %lld + i) * %lld + hd * %lld;", ptr(e, a), (long long)nt,
+          (long long)nc, (long long)d);
   ec_line(&e->core, "for (int64_t c = 0; c < %lld; c++)", (long long)d);
-  ec_line(&e->core, "  dot += qi[c] * kj[c];");
-  ec_line(&e->core, "s[jj] = dot * %s;", flit(e, nd->fa[0]));
-  ec_line(&e->core, "bm = fmaxf(bm, s[jj]);");
+  ec_line(&e->core, "  oi[c] = (acc0[c] + acc1[c]) / l;");
   ec_leave(&e->core);
-  ec_line(&e->core, "if (bm == -INFINITY)");
-  ec_line(&e->core, "  continue;");
-  ec_enter(&e->core, "if (bm > m)");
-  ec_line(&e->core, "const float corr = expf(m - bm);");
-  ec_line(&e->core, "l *= corr;");
-  ec_line(&e->core, "for (int64_t c = 0; c < %lld; c++)", (long long)d);
-  ec_line(&e->core, "  acc[c] *= corr;");
-  ec_line(&e->core, "m = bm;");
-  ec_leave(&e->core);
-  ec_enter(&e->core, "for (int64_t jj = 0; jj < n; jj++)");
-  ec_line(&e->core, "if (s[jj] == -INFINITY)");
-  ec_line(&e->core, "  continue;");
-  ec_line(&e->core, "const float p = expf(s[jj] - m);");
-  ec_line(&e->core, "const float *vj = %s + (b * %lld + j0 + jj) * %lld + hd * %lld;", v.base, (long long)nt,
-          (long long)v.stride, (long long)d);
-  ec_line(&e->core, "l += p;");
-  ec_line(&e->core, "for (int64_t c = 0; c < %lld; c++)", (long long)d);
-  ec_line(&e->core, "  acc[c] += p * vj[c];");
-  ec_leave(&e->core);
-  ec_leave(&e->core);
-  ec_line(&e->core, "float *oi = b%d + (b * %lld + i) * %lld + hd * %lld;", ptr(e, a), (long long)nt, (long long)nc,
-          (long long)d);
-  ec_line(&e->core, "for (int64_t c = 0; c < %lld; c++)", (long long)d);
-  ec_line(&e->core, "  oi[c] = acc[c] / l;");
-  ec_leave(&e->core);
+  emit_attn_close(e, tmp, 2);
   ec_phase_done(&e->core, a);
   ec_phase_end(&e->core);
 }
 
-// ATTENTION_BWD siblings: one task per (batch, head), so its dk and dv rows are written by that task
-// alone; the probabilities of each query row are recomputed.
+// ATTENTION_BWD siblings: one task per (batch, head), so its dq, dk and dv rows are written by that
+// task alone; dk and dv build up in per-thread [T][D] blocks copied out at the end of the task. The
+// probabilities of each query row are recomputed as in the forward.
 static void emit_attention_bwd(Emit *e, int gi) {
   const Group *gr = &e->core.groups[gi];
   const IrNode *nd = ec_node(&e->core, gr->mem[0]);
@@ -1207,111 +1344,79 @@ static void emit_attention_bwd(Emit *e, int gi) {
     if (out[i] >= 0 && ec_offset(&e->core, out[i]) < 0)
       e->core.scratch[out[i]] = true;
   const char *sc = flit(e, nd->fa[0]);
-  Tmp tmp[2] = {{"p", nt}, {"dp", nt}};
   ec_phase_begin(&e->core);
   note(e, "attention backward (%s%s%s): B %lld, T %lld, %lld heads of %lld%s%s; one task per (batch, head)",
        out[0] >= 0 ? "dq " : "", out[1] >= 0 ? "dk " : "", out[2] >= 0 ? "dv" : "", (long long)nb, (long long)nt,
        (long long)heads, (long long)d, causal ? ", causal" : "", has_doc ? ", within documents" : "");
-  bool par = nb * nt * nt * nc >= PAR_MIN;
-  if (par) {
-    ec_line(&e->core, "#pragma omp parallel num_threads(h->nthreads)");
-    e->uses_h = true;
+  Tmp tmp[6];
+  int ntmp = 0;
+  tmp[ntmp++] = (Tmp){"kt", d * attn_padded(nt)};
+  tmp[ntmp++] = (Tmp){"s", attn_padded(nt)};
+  if (ds) {
+    tmp[ntmp++] = (Tmp){"vt", d * attn_padded(nt)};
+    tmp[ntmp++] = (Tmp){"dp", attn_padded(nt)};
   }
-  ec_enter(&e->core, "%s", "");
-  int ntmp = ds ? 2 : 1;
-  for (int i = 0; i < ntmp; i++)
-    ec_line(&e->core, "float *%s = mdl_scratch(%lld * sizeof(float));", tmp[i].name, (long long)tmp[i].n);
-  if (par)
-    ec_line(&e->core, "#pragma omp for schedule(dynamic, 1)");
-  ec_enter(&e->core, "for (int64_t task = 0; task < %lld; task++)", (long long)(nb * heads));
-  ec_line(&e->core, "const int64_t b = task / %lld, hd = task %% %lld;", (long long)heads, (long long)heads);
+  if (out[1] >= 0)
+    tmp[ntmp++] = (Tmp){"dkh", nt * d};
+  if (out[2] >= 0)
+    tmp[ntmp++] = (Tmp){"dvh", nt * d};
+  emit_attn_open(e, nb, heads, nb * nt * nt * nc >= PAR_MIN, tmp, ntmp);
+  emit_attn_transpose(e, "kt", k, nt, d);
+  if (ds)
+    emit_attn_transpose(e, "vt", v, nt, d);
+  for (int i = 1; i < 3; i++)
+    if (out[i] >= 0)
+      ec_line(&e->core, "memset(%s, 0, %lld * sizeof(float));", i == 1 ? "dkh" : "dvh", (long long)(nt * d));
+  emit_attn_rows_open(e, nd, doc);
+  emit_attn_row(e, nd, q, doc);
+  ec_line(&e->core, "const float *restrict doi = %s + (b * %lld + i) * %lld + hd * %lld;", dout.base,
+          (long long)nt, (long long)dout.stride, (long long)d);
+  ec_line(&e->core, "#pragma omp simd");
+  ec_line(&e->core, "for (int64_t j = lo; j < hi; j++)");
+  ec_line(&e->core, "  s[j] /= l;");
+  if (ds) {
+    emit_attn_dots(e, "dp", "doi", "vt", nt, d);
+    emit_attn_sum(e, "dsum", "s[j] * dp[j]");
+    ec_line(&e->core, "#pragma omp simd");
+    ec_line(&e->core, "for (int64_t j = lo; j < hi; j++)");
+    ec_line(&e->core, "  dp[j] = s[j] * (dp[j] - dsum);");
+  }
+  if (out[0] >= 0)
+    emit_attn_pairs(e, "dqi", "dp", k, nt, d);
+  if (out[1] >= 0) {
+    ec_line(&e->core, "float sqi[%lld];", (long long)d);
+    ec_line(&e->core, "for (int64_t c = 0; c < %lld; c++)", (long long)d);
+    ec_line(&e->core, "  sqi[c] = %s * qi[c];", sc);
+  }
+  ec_enter(&e->core, "for (int64_t j = lo; j < hi; j++)");
+  if (out[1] >= 0) {
+    ec_line(&e->core, "float *restrict dkj = dkh + j * %lld;", (long long)d);
+    ec_line(&e->core, "#pragma omp simd");
+    ec_line(&e->core, "for (int64_t c = 0; c < %lld; c++)", (long long)d);
+    ec_line(&e->core, "  dkj[c] += dp[j] * sqi[c];");
+  }
+  if (out[2] >= 0) {
+    ec_line(&e->core, "float *restrict dvj = dvh + j * %lld;", (long long)d);
+    ec_line(&e->core, "#pragma omp simd");
+    ec_line(&e->core, "for (int64_t c = 0; c < %lld; c++)", (long long)d);
+    ec_line(&e->core, "  dvj[c] += s[j] * doi[c];");
+  }
+  ec_leave(&e->core);
+  if (out[0] >= 0) {
+    ec_line(&e->core, "float *restrict dq = b%d + (b * %lld + i) * %lld + hd * %lld;", ptr(e, out[0]), (long long)nt,
+            (long long)nc, (long long)d);
+    ec_line(&e->core, "for (int64_t c = 0; c < %lld; c++)", (long long)d);
+    ec_line(&e->core, "  dq[c] = %s * (dqi0[c] + dqi1[c]);", sc);
+  }
+  ec_leave(&e->core);
   for (int i = 1; i < 3; i++)
     if (out[i] >= 0) {
       ec_line(&e->core, "for (int64_t t = 0; t < %lld; t++)", (long long)nt);
-      ec_line(&e->core, "  memset(b%d + (b * %lld + t) * %lld + hd * %lld, 0, %lld * sizeof(float));", ptr(e, out[i]),
-              (long long)nt, (long long)nc, (long long)d, (long long)d);
+      ec_line(&e->core, "  memcpy(b%d + (b * %lld + t) * %lld + hd * %lld, %s + t * %lld, %lld * sizeof(float));",
+              ptr(e, out[i]), (long long)nt, (long long)nc, (long long)d, i == 1 ? "dkh" : "dvh", (long long)d,
+              (long long)d);
     }
-  ec_enter(&e->core, "for (int64_t i = 0; i < %lld; i++)", (long long)nt);
-  ec_line(&e->core, "const float *qi = %s + (b * %lld + i) * %lld + hd * %lld;", q.base, (long long)nt,
-          (long long)q.stride, (long long)d);
-  ec_line(&e->core, "const float *doi = %s + (b * %lld + i) * %lld + hd * %lld;", dout.base, (long long)nt,
-          (long long)dout.stride, (long long)d);
-  if (has_doc)
-    ec_line(&e->core, "const int32_t di = b%d[b * %lld + i];", ptr(e, doc), (long long)nt);
-  ec_line(&e->core, "const int64_t nj = %s;", causal ? "i + 1" : str(e, "%lld", (long long)nt));
-  const char *allowed = has_doc ? str(e, "b%d[b * %lld + j] == di", ptr(e, doc), (long long)nt) : NULL;
-  ec_line(&e->core, "float m = -INFINITY;");
-  ec_enter(&e->core, "for (int64_t j = 0; j < nj; j++)");
-  if (allowed) {
-    ec_enter(&e->core, "if (!(%s))", allowed);
-    ec_line(&e->core, "p[j] = -INFINITY;");
-    ec_line(&e->core, "continue;");
-    ec_leave(&e->core);
-  }
-  ec_line(&e->core, "const float *kj = %s + (b * %lld + j) * %lld + hd * %lld;", k.base, (long long)nt,
-          (long long)k.stride, (long long)d);
-  ec_line(&e->core, "float dot = 0.0f;");
-  ec_line(&e->core, "#pragma omp simd reduction(+ : dot)");
-  ec_line(&e->core, "for (int64_t c = 0; c < %lld; c++)", (long long)d);
-  ec_line(&e->core, "  dot += qi[c] * kj[c];");
-  ec_line(&e->core, "p[j] = dot * %s;", sc);
-  ec_line(&e->core, "m = fmaxf(m, p[j]);");
-  ec_leave(&e->core);
-  ec_line(&e->core, "double sum = 0%s;", ds ? ", dsum = 0" : "");
-  ec_enter(&e->core, "for (int64_t j = 0; j < nj; j++)");
-  ec_line(&e->core, "p[j] = p[j] == -INFINITY ? 0.0f : expf(p[j] - m);");
-  ec_line(&e->core, "sum += p[j];");
-  ec_leave(&e->core);
-  ec_enter(&e->core, "for (int64_t j = 0; j < nj; j++)");
-  ec_line(&e->core, "p[j] = (float)(p[j] / sum);");
-  if (ds) {
-    ec_line(&e->core, "const float *vj = %s + (b * %lld + j) * %lld + hd * %lld;", v.base, (long long)nt,
-            (long long)v.stride, (long long)d);
-    ec_line(&e->core, "float dot = 0.0f;");
-    ec_line(&e->core, "#pragma omp simd reduction(+ : dot)");
-    ec_line(&e->core, "for (int64_t c = 0; c < %lld; c++)", (long long)d);
-    ec_line(&e->core, "  dot += doi[c] * vj[c];");
-    ec_line(&e->core, "dp[j] = dot;");
-    ec_line(&e->core, "dsum += (double)p[j] * dot;");
-  }
-  ec_leave(&e->core);
-  if (out[0] >= 0)
-    ec_line(&e->core, "float dqi[%lld] = {0};", (long long)d);
-  ec_enter(&e->core, "for (int64_t j = 0; j < nj; j++)");
-  ec_line(&e->core, "if (p[j] == 0.0f)");
-  ec_line(&e->core, "  continue;");
-  if (ds)
-    ec_line(&e->core, "const float ds = p[j] * (dp[j] - (float)dsum);");
-  if (out[0] >= 0) {
-    ec_line(&e->core, "const float *kj = %s + (b * %lld + j) * %lld + hd * %lld;", k.base, (long long)nt,
-            (long long)k.stride, (long long)d);
-    ec_line(&e->core, "for (int64_t c = 0; c < %lld; c++)", (long long)d);
-    ec_line(&e->core, "  dqi[c] += ds * kj[c];");
-  }
-  if (out[1] >= 0) {
-    ec_line(&e->core, "float *dkj = b%d + (b * %lld + j) * %lld + hd * %lld;", ptr(e, out[1]), (long long)nt,
-            (long long)nc, (long long)d);
-    ec_line(&e->core, "for (int64_t c = 0; c < %lld; c++)", (long long)d);
-    ec_line(&e->core, "  dkj[c] += %s * ds * qi[c];", sc);
-  }
-  if (out[2] >= 0) {
-    ec_line(&e->core, "float *dvj = b%d + (b * %lld + j) * %lld + hd * %lld;", ptr(e, out[2]), (long long)nt,
-            (long long)nc, (long long)d);
-    ec_line(&e->core, "for (int64_t c = 0; c < %lld; c++)", (long long)d);
-    ec_line(&e->core, "  dvj[c] += p[j] * doi[c];");
-  }
-  ec_leave(&e->core);
-  if (out[0] >= 0) {
-    ec_line(&e->core, "float *dq = b%d + (b * %lld + i) * %lld + hd * %lld;", ptr(e, out[0]), (long long)nt,
-            (long long)nc, (long long)d);
-    ec_line(&e->core, "for (int64_t c = 0; c < %lld; c++)", (long long)d);
-    ec_line(&e->core, "  dq[c] = %s * dqi[c];", sc);
-  }
-  ec_leave(&e->core);
-  ec_leave(&e->core);
-  for (int i = 0; i < ntmp; i++)
-    ec_line(&e->core, "free(%s);", tmp[i].name);
-  ec_leave(&e->core);
+  emit_attn_close(e, tmp, ntmp);
   for (int i = 0; i < 3; i++)
     if (out[i] >= 0)
       ec_phase_done(&e->core, out[i]);

@@ -63,6 +63,28 @@ static inline float mdl_silu_grad(float x, float dy) {
   return dy * s * (1.0f + x * (1.0f - s));
 }
 
+// exp(x) for x <= 0 (a softmax score less the row's maximum), 0 for -INFINITY: x = n ln 2 + r with
+// n rounded to nearest by adding 1.5 * 2^23 (n then sits in the low bits of `big`), Cephes' expf
+// polynomial in r, and 2^n made from n's bits; within 2 ulp, and branch-free so that loops of it
+// vectorize.
+static inline float mdl_exp_shifted(float x) {
+  const float xc = x > -87.0f ? x : -87.0f;
+  const float big = xc * 1.44269504f + 12582912.0f, n = big - 12582912.0f;
+  const float r = xc - n * 0.693359375f + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  int32_t bits;
+  memcpy(&bits, &big, sizeof bits);
+  bits = (bits - 0x4B400000 + 127) * 8388608;
+  float two_n;
+  memcpy(&two_n, &bits, sizeof two_n);
+  return x == -INFINITY ? 0.0f : (p * r * r + r + 1.0f) * two_n;
+}
+
 static inline void *mdl_scratch(size_t bytes) {
   void *p = malloc(bytes ? bytes : 1);
   if (!p) {
@@ -269,59 +291,93 @@ static void k6_slice(char *arena, const MdlHooks *h) {
 // k7_attention_fwd: attention, 1 op
 //   %29    attention                               line 39    f32[8,1024,768]
 // loops:
-//   attention: B 8, T 1024, 12 heads of 64, causal, within documents; one task per query row
+//   attention: B 8, T 1024, 12 heads of 64, causal, within documents; one task per (batch, head)
 static void k7_attention_fwd(char *arena, const MdlHooks *h) {
   int32_t *const b3 = (int32_t *)(arena + 1991135232); // %3 input doc i32[8,1024]
   float *const b26 = (float *)(arena + 4611808384); // %26 slice h.0.q f32[8,1024,768]
   float *const b27 = (float *)(arena + 4636974208); // %27 slice h.0.k f32[8,1024,768]
   float *const b28 = (float *)(arena + 4662140032); // %28 slice h.0.v f32[8,1024,768]
   float *const b29 = (float *)(arena + 4687305856); // %29 attention f32[8,1024,768]
-  #pragma omp parallel for num_threads(h->nthreads) schedule(dynamic, 16)
-  for (int64_t task = 0; task < 98304; task++) {
-    const int64_t b = task / 12288, hd = task / 1024 % 12, i = task % 1024;
-    const float *qi = b26 + (b * 1024 + i) * 768 + hd * 64;
-    const int32_t di = b3[b * 1024 + i];
-    float acc[64] = {0}, s[64], m = -INFINITY, l = 0.0f;
-    const int64_t nj = i + 1;
-    for (int64_t j0 = 0; j0 < nj; j0 += 64) {
-      const int64_t n = nj - j0 < 64 ? nj - j0 : 64;
-      float bm = -INFINITY;
-      for (int64_t jj = 0; jj < n; jj++) {
-        const int64_t j = j0 + jj;
-        if (b3[b * 1024 + j] != di) {
-          s[jj] = -INFINITY;
-          continue;
+  #pragma omp parallel num_threads(h->nthreads)
+  {
+    float *restrict kt = memset(mdl_scratch(67584 * sizeof(float)), 0, 67584 * sizeof(float));
+    float *restrict s = memset(mdl_scratch(1056 * sizeof(float)), 0, 1056 * sizeof(float));
+    #pragma omp for schedule(dynamic, 1)
+    for (int64_t task = 0; task < 96; task++) {
+      const int64_t b = task / 12, hd = task % 12;
+      for (int64_t j = 0; j < 1024; j++) {
+        const float *xj = b27 + (b * 1024 + j) * 768 + hd * 64;
+        for (int64_t c = 0; c < 64; c++)
+          kt[c * 1056 + j] = xj[c];
+      }
+      int64_t lo = 0, hi = 1024;
+      const int32_t *restrict dc = b3 + b * 1024;
+      for (int64_t i = 0; i < 1024; i++) {
+        const int32_t di = dc[i];
+        if (i == 0 || dc[i - 1] != di) {
+          lo = 0;
+          while (dc[lo] != di)
+            lo++;
         }
-        const float *kj = b27 + (b * 1024 + j) * 768 + hd * 64;
-        float dot = 0.0f;
-        #pragma omp simd reduction(+ : dot)
+        hi = i + 1;
+        const float *restrict qi = b26 + (b * 1024 + i) * 768 + hd * 64;
+        for (int64_t j0 = lo; j0 < hi; j0 += 32) {
+          float acc[32] = {0};
+          for (int64_t c = 0; c < 64; c++) {
+            const float vc = qi[c], *restrict mc = kt + c * 1056 + j0;
+            #pragma omp simd
+            for (int64_t u = 0; u < 32; u++)
+              acc[u] += vc * mc[u];
+          }
+          memcpy(s + j0, acc, sizeof acc);
+        }
+        float m = -INFINITY;
+        #pragma omp simd reduction(max : m)
+        for (int64_t j = lo; j < hi; j++) {
+          s[j] = dc[j] == di ? s[j] * 0.125f : -INFINITY;
+          m = s[j] > m ? s[j] : m;
+        }
+        #pragma omp simd
+        for (int64_t j = lo; j < hi; j++)
+          s[j] = mdl_exp_shifted(s[j] - m);
+        float l;
+        {
+          float part[8] = {0};
+          int64_t j0 = lo;
+          for (; j0 + 8 <= hi; j0 += 8) {
+            for (int64_t u = 0; u < 8; u++) {
+              const int64_t j = j0 + u;
+              part[u] += s[j];
+            }
+          }
+          for (int64_t j = j0; j < hi; j++) {
+            part[j - j0] += s[j];
+          }
+          l = ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
+        }
+        float acc0[64] = {0}, acc1[64] = {0};
+        int64_t j = lo;
+        for (; j + 1 < hi; j += 2) {
+          const float w0 = s[j], w1 = s[j + 1], *restrict x0 = b28 + (b * 1024 + j) * 768 + hd * 64, *restrict x1 = x0 + 768;
+          #pragma omp simd
+          for (int64_t c = 0; c < 64; c++) {
+            acc0[c] += w0 * x0[c];
+            acc1[c] += w1 * x1[c];
+          }
+        }
+        if (j < hi) {
+          const float w0 = s[j], *restrict x0 = b28 + (b * 1024 + j) * 768 + hd * 64;
+          #pragma omp simd
+          for (int64_t c = 0; c < 64; c++)
+            acc0[c] += w0 * x0[c];
+        }
+        float *restrict oi = b29 + (b * 1024 + i) * 768 + hd * 64;
         for (int64_t c = 0; c < 64; c++)
-          dot += qi[c] * kj[c];
-        s[jj] = dot * 0.125f;
-        bm = fmaxf(bm, s[jj]);
-      }
-      if (bm == -INFINITY)
-        continue;
-      if (bm > m) {
-        const float corr = expf(m - bm);
-        l *= corr;
-        for (int64_t c = 0; c < 64; c++)
-          acc[c] *= corr;
-        m = bm;
-      }
-      for (int64_t jj = 0; jj < n; jj++) {
-        if (s[jj] == -INFINITY)
-          continue;
-        const float p = expf(s[jj] - m);
-        const float *vj = b28 + (b * 1024 + j0 + jj) * 768 + hd * 64;
-        l += p;
-        for (int64_t c = 0; c < 64; c++)
-          acc[c] += p * vj[c];
+          oi[c] = (acc0[c] + acc1[c]) / l;
       }
     }
-    float *oi = b29 + (b * 1024 + i) * 768 + hd * 64;
-    for (int64_t c = 0; c < 64; c++)
-      oi[c] = acc[c] / l;
+    free(kt);
+    free(s);
   }
 }
 
@@ -542,59 +598,93 @@ static void k16_slice(char *arena, const MdlHooks *h) {
 // k17_attention_fwd: attention, 1 op
 //   %66    attention                               line 39    f32[8,1024,768]
 // loops:
-//   attention: B 8, T 1024, 12 heads of 64, causal, within documents; one task per query row
+//   attention: B 8, T 1024, 12 heads of 64, causal, within documents; one task per (batch, head)
 static void k17_attention_fwd(char *arena, const MdlHooks *h) {
   int32_t *const b3 = (int32_t *)(arena + 1991135232); // %3 input doc i32[8,1024]
   float *const b63 = (float *)(arena + 4813134976); // %63 slice h.1.q f32[8,1024,768]
   float *const b64 = (float *)(arena + 4838300800); // %64 slice h.1.k f32[8,1024,768]
   float *const b65 = (float *)(arena + 4863466624); // %65 slice h.1.v f32[8,1024,768]
   float *const b66 = (float *)(arena + 4888632448); // %66 attention f32[8,1024,768]
-  #pragma omp parallel for num_threads(h->nthreads) schedule(dynamic, 16)
-  for (int64_t task = 0; task < 98304; task++) {
-    const int64_t b = task / 12288, hd = task / 1024 % 12, i = task % 1024;
-    const float *qi = b63 + (b * 1024 + i) * 768 + hd * 64;
-    const int32_t di = b3[b * 1024 + i];
-    float acc[64] = {0}, s[64], m = -INFINITY, l = 0.0f;
-    const int64_t nj = i + 1;
-    for (int64_t j0 = 0; j0 < nj; j0 += 64) {
-      const int64_t n = nj - j0 < 64 ? nj - j0 : 64;
-      float bm = -INFINITY;
-      for (int64_t jj = 0; jj < n; jj++) {
-        const int64_t j = j0 + jj;
-        if (b3[b * 1024 + j] != di) {
-          s[jj] = -INFINITY;
-          continue;
+  #pragma omp parallel num_threads(h->nthreads)
+  {
+    float *restrict kt = memset(mdl_scratch(67584 * sizeof(float)), 0, 67584 * sizeof(float));
+    float *restrict s = memset(mdl_scratch(1056 * sizeof(float)), 0, 1056 * sizeof(float));
+    #pragma omp for schedule(dynamic, 1)
+    for (int64_t task = 0; task < 96; task++) {
+      const int64_t b = task / 12, hd = task % 12;
+      for (int64_t j = 0; j < 1024; j++) {
+        const float *xj = b64 + (b * 1024 + j) * 768 + hd * 64;
+        for (int64_t c = 0; c < 64; c++)
+          kt[c * 1056 + j] = xj[c];
+      }
+      int64_t lo = 0, hi = 1024;
+      const int32_t *restrict dc = b3 + b * 1024;
+      for (int64_t i = 0; i < 1024; i++) {
+        const int32_t di = dc[i];
+        if (i == 0 || dc[i - 1] != di) {
+          lo = 0;
+          while (dc[lo] != di)
+            lo++;
         }
-        const float *kj = b64 + (b * 1024 + j) * 768 + hd * 64;
-        float dot = 0.0f;
-        #pragma omp simd reduction(+ : dot)
+        hi = i + 1;
+        const float *restrict qi = b63 + (b * 1024 + i) * 768 + hd * 64;
+        for (int64_t j0 = lo; j0 < hi; j0 += 32) {
+          float acc[32] = {0};
+          for (int64_t c = 0; c < 64; c++) {
+            const float vc = qi[c], *restrict mc = kt + c * 1056 + j0;
+            #pragma omp simd
+            for (int64_t u = 0; u < 32; u++)
+              acc[u] += vc * mc[u];
+          }
+          memcpy(s + j0, acc, sizeof acc);
+        }
+        float m = -INFINITY;
+        #pragma omp simd reduction(max : m)
+        for (int64_t j = lo; j < hi; j++) {
+          s[j] = dc[j] == di ? s[j] * 0.125f : -INFINITY;
+          m = s[j] > m ? s[j] : m;
+        }
+        #pragma omp simd
+        for (int64_t j = lo; j < hi; j++)
+          s[j] = mdl_exp_shifted(s[j] - m);
+        float l;
+        {
+          float part[8] = {0};
+          int64_t j0 = lo;
+          for (; j0 + 8 <= hi; j0 += 8) {
+            for (int64_t u = 0; u < 8; u++) {
+              const int64_t j = j0 + u;
+              part[u] += s[j];
+            }
+          }
+          for (int64_t j = j0; j < hi; j++) {
+            part[j - j0] += s[j];
+          }
+          l = ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
+        }
+        float acc0[64] = {0}, acc1[64] = {0};
+        int64_t j = lo;
+        for (; j + 1 < hi; j += 2) {
+          const float w0 = s[j], w1 = s[j + 1], *restrict x0 = b65 + (b * 1024 + j) * 768 + hd * 64, *restrict x1 = x0 + 768;
+          #pragma omp simd
+          for (int64_t c = 0; c < 64; c++) {
+            acc0[c] += w0 * x0[c];
+            acc1[c] += w1 * x1[c];
+          }
+        }
+        if (j < hi) {
+          const float w0 = s[j], *restrict x0 = b65 + (b * 1024 + j) * 768 + hd * 64;
+          #pragma omp simd
+          for (int64_t c = 0; c < 64; c++)
+            acc0[c] += w0 * x0[c];
+        }
+        float *restrict oi = b66 + (b * 1024 + i) * 768 + hd * 64;
         for (int64_t c = 0; c < 64; c++)
-          dot += qi[c] * kj[c];
-        s[jj] = dot * 0.125f;
-        bm = fmaxf(bm, s[jj]);
-      }
-      if (bm == -INFINITY)
-        continue;
-      if (bm > m) {
-        const float corr = expf(m - bm);
-        l *= corr;
-        for (int64_t c = 0; c < 64; c++)
-          acc[c] *= corr;
-        m = bm;
-      }
-      for (int64_t jj = 0; jj < n; jj++) {
-        if (s[jj] == -INFINITY)
-          continue;
-        const float p = expf(s[jj] - m);
-        const float *vj = b65 + (b * 1024 + j0 + jj) * 768 + hd * 64;
-        l += p;
-        for (int64_t c = 0; c < 64; c++)
-          acc[c] += p * vj[c];
+          oi[c] = (acc0[c] + acc1[c]) / l;
       }
     }
-    float *oi = b66 + (b * 1024 + i) * 768 + hd * 64;
-    for (int64_t c = 0; c < 64; c++)
-      oi[c] = acc[c] / l;
+    free(kt);
+    free(s);
   }
 }
 
@@ -815,59 +905,93 @@ static void k26_slice(char *arena, const MdlHooks *h) {
 // k27_attention_fwd: attention, 1 op
 //   %103   attention                               line 39    f32[8,1024,768]
 // loops:
-//   attention: B 8, T 1024, 12 heads of 64, causal, within documents; one task per query row
+//   attention: B 8, T 1024, 12 heads of 64, causal, within documents; one task per (batch, head)
 static void k27_attention_fwd(char *arena, const MdlHooks *h) {
   int32_t *const b3 = (int32_t *)(arena + 1991135232); // %3 input doc i32[8,1024]
   float *const b100 = (float *)(arena + 5014461568); // %100 slice h.2.q f32[8,1024,768]
   float *const b101 = (float *)(arena + 5039627392); // %101 slice h.2.k f32[8,1024,768]
   float *const b102 = (float *)(arena + 5064793216); // %102 slice h.2.v f32[8,1024,768]
   float *const b103 = (float *)(arena + 5089959040); // %103 attention f32[8,1024,768]
-  #pragma omp parallel for num_threads(h->nthreads) schedule(dynamic, 16)
-  for (int64_t task = 0; task < 98304; task++) {
-    const int64_t b = task / 12288, hd = task / 1024 % 12, i = task % 1024;
-    const float *qi = b100 + (b * 1024 + i) * 768 + hd * 64;
-    const int32_t di = b3[b * 1024 + i];
-    float acc[64] = {0}, s[64], m = -INFINITY, l = 0.0f;
-    const int64_t nj = i + 1;
-    for (int64_t j0 = 0; j0 < nj; j0 += 64) {
-      const int64_t n = nj - j0 < 64 ? nj - j0 : 64;
-      float bm = -INFINITY;
-      for (int64_t jj = 0; jj < n; jj++) {
-        const int64_t j = j0 + jj;
-        if (b3[b * 1024 + j] != di) {
-          s[jj] = -INFINITY;
-          continue;
+  #pragma omp parallel num_threads(h->nthreads)
+  {
+    float *restrict kt = memset(mdl_scratch(67584 * sizeof(float)), 0, 67584 * sizeof(float));
+    float *restrict s = memset(mdl_scratch(1056 * sizeof(float)), 0, 1056 * sizeof(float));
+    #pragma omp for schedule(dynamic, 1)
+    for (int64_t task = 0; task < 96; task++) {
+      const int64_t b = task / 12, hd = task % 12;
+      for (int64_t j = 0; j < 1024; j++) {
+        const float *xj = b101 + (b * 1024 + j) * 768 + hd * 64;
+        for (int64_t c = 0; c < 64; c++)
+          kt[c * 1056 + j] = xj[c];
+      }
+      int64_t lo = 0, hi = 1024;
+      const int32_t *restrict dc = b3 + b * 1024;
+      for (int64_t i = 0; i < 1024; i++) {
+        const int32_t di = dc[i];
+        if (i == 0 || dc[i - 1] != di) {
+          lo = 0;
+          while (dc[lo] != di)
+            lo++;
         }
-        const float *kj = b101 + (b * 1024 + j) * 768 + hd * 64;
-        float dot = 0.0f;
-        #pragma omp simd reduction(+ : dot)
+        hi = i + 1;
+        const float *restrict qi = b100 + (b * 1024 + i) * 768 + hd * 64;
+        for (int64_t j0 = lo; j0 < hi; j0 += 32) {
+          float acc[32] = {0};
+          for (int64_t c = 0; c < 64; c++) {
+            const float vc = qi[c], *restrict mc = kt + c * 1056 + j0;
+            #pragma omp simd
+            for (int64_t u = 0; u < 32; u++)
+              acc[u] += vc * mc[u];
+          }
+          memcpy(s + j0, acc, sizeof acc);
+        }
+        float m = -INFINITY;
+        #pragma omp simd reduction(max : m)
+        for (int64_t j = lo; j < hi; j++) {
+          s[j] = dc[j] == di ? s[j] * 0.125f : -INFINITY;
+          m = s[j] > m ? s[j] : m;
+        }
+        #pragma omp simd
+        for (int64_t j = lo; j < hi; j++)
+          s[j] = mdl_exp_shifted(s[j] - m);
+        float l;
+        {
+          float part[8] = {0};
+          int64_t j0 = lo;
+          for (; j0 + 8 <= hi; j0 += 8) {
+            for (int64_t u = 0; u < 8; u++) {
+              const int64_t j = j0 + u;
+              part[u] += s[j];
+            }
+          }
+          for (int64_t j = j0; j < hi; j++) {
+            part[j - j0] += s[j];
+          }
+          l = ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
+        }
+        float acc0[64] = {0}, acc1[64] = {0};
+        int64_t j = lo;
+        for (; j + 1 < hi; j += 2) {
+          const float w0 = s[j], w1 = s[j + 1], *restrict x0 = b102 + (b * 1024 + j) * 768 + hd * 64, *restrict x1 = x0 + 768;
+          #pragma omp simd
+          for (int64_t c = 0; c < 64; c++) {
+            acc0[c] += w0 * x0[c];
+            acc1[c] += w1 * x1[c];
+          }
+        }
+        if (j < hi) {
+          const float w0 = s[j], *restrict x0 = b102 + (b * 1024 + j) * 768 + hd * 64;
+          #pragma omp simd
+          for (int64_t c = 0; c < 64; c++)
+            acc0[c] += w0 * x0[c];
+        }
+        float *restrict oi = b103 + (b * 1024 + i) * 768 + hd * 64;
         for (int64_t c = 0; c < 64; c++)
-          dot += qi[c] * kj[c];
-        s[jj] = dot * 0.125f;
-        bm = fmaxf(bm, s[jj]);
-      }
-      if (bm == -INFINITY)
-        continue;
-      if (bm > m) {
-        const float corr = expf(m - bm);
-        l *= corr;
-        for (int64_t c = 0; c < 64; c++)
-          acc[c] *= corr;
-        m = bm;
-      }
-      for (int64_t jj = 0; jj < n; jj++) {
-        if (s[jj] == -INFINITY)
-          continue;
-        const float p = expf(s[jj] - m);
-        const float *vj = b102 + (b * 1024 + j0 + jj) * 768 + hd * 64;
-        l += p;
-        for (int64_t c = 0; c < 64; c++)
-          acc[c] += p * vj[c];
+          oi[c] = (acc0[c] + acc1[c]) / l;
       }
     }
-    float *oi = b103 + (b * 1024 + i) * 768 + hd * 64;
-    for (int64_t c = 0; c < 64; c++)
-      oi[c] = acc[c] / l;
+    free(kt);
+    free(s);
   }
 }
 
@@ -1088,59 +1212,93 @@ static void k36_slice(char *arena, const MdlHooks *h) {
 // k37_attention_fwd: attention, 1 op
 //   %140   attention                               line 39    f32[8,1024,768]
 // loops:
-//   attention: B 8, T 1024, 12 heads of 64, causal, within documents; one task per query row
+//   attention: B 8, T 1024, 12 heads of 64, causal, within documents; one task per (batch, head)
 static void k37_attention_fwd(char *arena, const MdlHooks *h) {
   int32_t *const b3 = (int32_t *)(arena + 1991135232); // %3 input doc i32[8,1024]
   float *const b137 = (float *)(arena + 5215788160); // %137 slice h.3.q f32[8,1024,768]
   float *const b138 = (float *)(arena + 5240953984); // %138 slice h.3.k f32[8,1024,768]
   float *const b139 = (float *)(arena + 5266119808); // %139 slice h.3.v f32[8,1024,768]
   float *const b140 = (float *)(arena + 5291285632); // %140 attention f32[8,1024,768]
-  #pragma omp parallel for num_threads(h->nthreads) schedule(dynamic, 16)
-  for (int64_t task = 0; task < 98304; task++) {
-    const int64_t b = task / 12288, hd = task / 1024 % 12, i = task % 1024;
-    const float *qi = b137 + (b * 1024 + i) * 768 + hd * 64;
-    const int32_t di = b3[b * 1024 + i];
-    float acc[64] = {0}, s[64], m = -INFINITY, l = 0.0f;
-    const int64_t nj = i + 1;
-    for (int64_t j0 = 0; j0 < nj; j0 += 64) {
-      const int64_t n = nj - j0 < 64 ? nj - j0 : 64;
-      float bm = -INFINITY;
-      for (int64_t jj = 0; jj < n; jj++) {
-        const int64_t j = j0 + jj;
-        if (b3[b * 1024 + j] != di) {
-          s[jj] = -INFINITY;
-          continue;
+  #pragma omp parallel num_threads(h->nthreads)
+  {
+    float *restrict kt = memset(mdl_scratch(67584 * sizeof(float)), 0, 67584 * sizeof(float));
+    float *restrict s = memset(mdl_scratch(1056 * sizeof(float)), 0, 1056 * sizeof(float));
+    #pragma omp for schedule(dynamic, 1)
+    for (int64_t task = 0; task < 96; task++) {
+      const int64_t b = task / 12, hd = task % 12;
+      for (int64_t j = 0; j < 1024; j++) {
+        const float *xj = b138 + (b * 1024 + j) * 768 + hd * 64;
+        for (int64_t c = 0; c < 64; c++)
+          kt[c * 1056 + j] = xj[c];
+      }
+      int64_t lo = 0, hi = 1024;
+      const int32_t *restrict dc = b3 + b * 1024;
+      for (int64_t i = 0; i < 1024; i++) {
+        const int32_t di = dc[i];
+        if (i == 0 || dc[i - 1] != di) {
+          lo = 0;
+          while (dc[lo] != di)
+            lo++;
         }
-        const float *kj = b138 + (b * 1024 + j) * 768 + hd * 64;
-        float dot = 0.0f;
-        #pragma omp simd reduction(+ : dot)
+        hi = i + 1;
+        const float *restrict qi = b137 + (b * 1024 + i) * 768 + hd * 64;
+        for (int64_t j0 = lo; j0 < hi; j0 += 32) {
+          float acc[32] = {0};
+          for (int64_t c = 0; c < 64; c++) {
+            const float vc = qi[c], *restrict mc = kt + c * 1056 + j0;
+            #pragma omp simd
+            for (int64_t u = 0; u < 32; u++)
+              acc[u] += vc * mc[u];
+          }
+          memcpy(s + j0, acc, sizeof acc);
+        }
+        float m = -INFINITY;
+        #pragma omp simd reduction(max : m)
+        for (int64_t j = lo; j < hi; j++) {
+          s[j] = dc[j] == di ? s[j] * 0.125f : -INFINITY;
+          m = s[j] > m ? s[j] : m;
+        }
+        #pragma omp simd
+        for (int64_t j = lo; j < hi; j++)
+          s[j] = mdl_exp_shifted(s[j] - m);
+        float l;
+        {
+          float part[8] = {0};
+          int64_t j0 = lo;
+          for (; j0 + 8 <= hi; j0 += 8) {
+            for (int64_t u = 0; u < 8; u++) {
+              const int64_t j = j0 + u;
+              part[u] += s[j];
+            }
+          }
+          for (int64_t j = j0; j < hi; j++) {
+            part[j - j0] += s[j];
+          }
+          l = ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
+        }
+        float acc0[64] = {0}, acc1[64] = {0};
+        int64_t j = lo;
+        for (; j + 1 < hi; j += 2) {
+          const float w0 = s[j], w1 = s[j + 1], *restrict x0 = b139 + (b * 1024 + j) * 768 + hd * 64, *restrict x1 = x0 + 768;
+          #pragma omp simd
+          for (int64_t c = 0; c < 64; c++) {
+            acc0[c] += w0 * x0[c];
+            acc1[c] += w1 * x1[c];
+          }
+        }
+        if (j < hi) {
+          const float w0 = s[j], *restrict x0 = b139 + (b * 1024 + j) * 768 + hd * 64;
+          #pragma omp simd
+          for (int64_t c = 0; c < 64; c++)
+            acc0[c] += w0 * x0[c];
+        }
+        float *restrict oi = b140 + (b * 1024 + i) * 768 + hd * 64;
         for (int64_t c = 0; c < 64; c++)
-          dot += qi[c] * kj[c];
-        s[jj] = dot * 0.125f;
-        bm = fmaxf(bm, s[jj]);
-      }
-      if (bm == -INFINITY)
-        continue;
-      if (bm > m) {
-        const float corr = expf(m - bm);
-        l *= corr;
-        for (int64_t c = 0; c < 64; c++)
-          acc[c] *= corr;
-        m = bm;
-      }
-      for (int64_t jj = 0; jj < n; jj++) {
-        if (s[jj] == -INFINITY)
-          continue;
-        const float p = expf(s[jj] - m);
-        const float *vj = b139 + (b * 1024 + j0 + jj) * 768 + hd * 64;
-        l += p;
-        for (int64_t c = 0; c < 64; c++)
-          acc[c] += p * vj[c];
+          oi[c] = (acc0[c] + acc1[c]) / l;
       }
     }
-    float *oi = b140 + (b * 1024 + i) * 768 + hd * 64;
-    for (int64_t c = 0; c < 64; c++)
-      oi[c] = acc[c] / l;
+    free(kt);
+    free(s);
   }
 }
 
@@ -1361,59 +1519,93 @@ static void k46_slice(char *arena, const MdlHooks *h) {
 // k47_attention_fwd: attention, 1 op
 //   %177   attention                               line 39    f32[8,1024,768]
 // loops:
-//   attention: B 8, T 1024, 12 heads of 64, causal, within documents; one task per query row
+//   attention: B 8, T 1024, 12 heads of 64, causal, within documents; one task per (batch, head)
 static void k47_attention_fwd(char *arena, const MdlHooks *h) {
   int32_t *const b3 = (int32_t *)(arena + 1991135232); // %3 input doc i32[8,1024]
   float *const b174 = (float *)(arena + 5417114752); // %174 slice h.4.q f32[8,1024,768]
   float *const b175 = (float *)(arena + 5442280576); // %175 slice h.4.k f32[8,1024,768]
   float *const b176 = (float *)(arena + 5467446400); // %176 slice h.4.v f32[8,1024,768]
   float *const b177 = (float *)(arena + 5492612224); // %177 attention f32[8,1024,768]
-  #pragma omp parallel for num_threads(h->nthreads) schedule(dynamic, 16)
-  for (int64_t task = 0; task < 98304; task++) {
-    const int64_t b = task / 12288, hd = task / 1024 % 12, i = task % 1024;
-    const float *qi = b174 + (b * 1024 + i) * 768 + hd * 64;
-    const int32_t di = b3[b * 1024 + i];
-    float acc[64] = {0}, s[64], m = -INFINITY, l = 0.0f;
-    const int64_t nj = i + 1;
-    for (int64_t j0 = 0; j0 < nj; j0 += 64) {
-      const int64_t n = nj - j0 < 64 ? nj - j0 : 64;
-      float bm = -INFINITY;
-      for (int64_t jj = 0; jj < n; jj++) {
-        const int64_t j = j0 + jj;
-        if (b3[b * 1024 + j] != di) {
-          s[jj] = -INFINITY;
-          continue;
+  #pragma omp parallel num_threads(h->nthreads)
+  {
+    float *restrict kt = memset(mdl_scratch(67584 * sizeof(float)), 0, 67584 * sizeof(float));
+    float *restrict s = memset(mdl_scratch(1056 * sizeof(float)), 0, 1056 * sizeof(float));
+    #pragma omp for schedule(dynamic, 1)
+    for (int64_t task = 0; task < 96; task++) {
+      const int64_t b = task / 12, hd = task % 12;
+      for (int64_t j = 0; j < 1024; j++) {
+        const float *xj = b175 + (b * 1024 + j) * 768 + hd * 64;
+        for (int64_t c = 0; c < 64; c++)
+          kt[c * 1056 + j] = xj[c];
+      }
+      int64_t lo = 0, hi = 1024;
+      const int32_t *restrict dc = b3 + b * 1024;
+      for (int64_t i = 0; i < 1024; i++) {
+        const int32_t di = dc[i];
+        if (i == 0 || dc[i - 1] != di) {
+          lo = 0;
+          while (dc[lo] != di)
+            lo++;
         }
-        const float *kj = b175 + (b * 1024 + j) * 768 + hd * 64;
-        float dot = 0.0f;
-        #pragma omp simd reduction(+ : dot)
+        hi = i + 1;
+        const float *restrict qi = b174 + (b * 1024 + i) * 768 + hd * 64;
+        for (int64_t j0 = lo; j0 < hi; j0 += 32) {
+          float acc[32] = {0};
+          for (int64_t c = 0; c < 64; c++) {
+            const float vc = qi[c], *restrict mc = kt + c * 1056 + j0;
+            #pragma omp simd
+            for (int64_t u = 0; u < 32; u++)
+              acc[u] += vc * mc[u];
+          }
+          memcpy(s + j0, acc, sizeof acc);
+        }
+        float m = -INFINITY;
+        #pragma omp simd reduction(max : m)
+        for (int64_t j = lo; j < hi; j++) {
+          s[j] = dc[j] == di ? s[j] * 0.125f : -INFINITY;
+          m = s[j] > m ? s[j] : m;
+        }
+        #pragma omp simd
+        for (int64_t j = lo; j < hi; j++)
+          s[j] = mdl_exp_shifted(s[j] - m);
+        float l;
+        {
+          float part[8] = {0};
+          int64_t j0 = lo;
+          for (; j0 + 8 <= hi; j0 += 8) {
+            for (int64_t u = 0; u < 8; u++) {
+              const int64_t j = j0 + u;
+              part[u] += s[j];
+            }
+          }
+          for (int64_t j = j0; j < hi; j++) {
+            part[j - j0] += s[j];
+          }
+          l = ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
+        }
+        float acc0[64] = {0}, acc1[64] = {0};
+        int64_t j = lo;
+        for (; j + 1 < hi; j += 2) {
+          const float w0 = s[j], w1 = s[j + 1], *restrict x0 = b176 + (b * 1024 + j) * 768 + hd * 64, *restrict x1 = x0 + 768;
+          #pragma omp simd
+          for (int64_t c = 0; c < 64; c++) {
+            acc0[c] += w0 * x0[c];
+            acc1[c] += w1 * x1[c];
+          }
+        }
+        if (j < hi) {
+          const float w0 = s[j], *restrict x0 = b176 + (b * 1024 + j) * 768 + hd * 64;
+          #pragma omp simd
+          for (int64_t c = 0; c < 64; c++)
+            acc0[c] += w0 * x0[c];
+        }
+        float *restrict oi = b177 + (b * 1024 + i) * 768 + hd * 64;
         for (int64_t c = 0; c < 64; c++)
-          dot += qi[c] * kj[c];
-        s[jj] = dot * 0.125f;
-        bm = fmaxf(bm, s[jj]);
-      }
-      if (bm == -INFINITY)
-        continue;
-      if (bm > m) {
-        const float corr = expf(m - bm);
-        l *= corr;
-        for (int64_t c = 0; c < 64; c++)
-          acc[c] *= corr;
-        m = bm;
-      }
-      for (int64_t jj = 0; jj < n; jj++) {
-        if (s[jj] == -INFINITY)
-          continue;
-        const float p = expf(s[jj] - m);
-        const float *vj = b176 + (b * 1024 + j0 + jj) * 768 + hd * 64;
-        l += p;
-        for (int64_t c = 0; c < 64; c++)
-          acc[c] += p * vj[c];
+          oi[c] = (acc0[c] + acc1[c]) / l;
       }
     }
-    float *oi = b177 + (b * 1024 + i) * 768 + hd * 64;
-    for (int64_t c = 0; c < 64; c++)
-      oi[c] = acc[c] / l;
+    free(kt);
+    free(s);
   }
 }
 
@@ -1634,59 +1826,93 @@ static void k56_slice(char *arena, const MdlHooks *h) {
 // k57_attention_fwd: attention, 1 op
 //   %214   attention                               line 39    f32[8,1024,768]
 // loops:
-//   attention: B 8, T 1024, 12 heads of 64, causal, within documents; one task per query row
+//   attention: B 8, T 1024, 12 heads of 64, causal, within documents; one task per (batch, head)
 static void k57_attention_fwd(char *arena, const MdlHooks *h) {
   int32_t *const b3 = (int32_t *)(arena + 1991135232); // %3 input doc i32[8,1024]
   float *const b211 = (float *)(arena + 5618441344); // %211 slice h.5.q f32[8,1024,768]
   float *const b212 = (float *)(arena + 5643607168); // %212 slice h.5.k f32[8,1024,768]
   float *const b213 = (float *)(arena + 5668772992); // %213 slice h.5.v f32[8,1024,768]
   float *const b214 = (float *)(arena + 5693938816); // %214 attention f32[8,1024,768]
-  #pragma omp parallel for num_threads(h->nthreads) schedule(dynamic, 16)
-  for (int64_t task = 0; task < 98304; task++) {
-    const int64_t b = task / 12288, hd = task / 1024 % 12, i = task % 1024;
-    const float *qi = b211 + (b * 1024 + i) * 768 + hd * 64;
-    const int32_t di = b3[b * 1024 + i];
-    float acc[64] = {0}, s[64], m = -INFINITY, l = 0.0f;
-    const int64_t nj = i + 1;
-    for (int64_t j0 = 0; j0 < nj; j0 += 64) {
-      const int64_t n = nj - j0 < 64 ? nj - j0 : 64;
-      float bm = -INFINITY;
-      for (int64_t jj = 0; jj < n; jj++) {
-        const int64_t j = j0 + jj;
-        if (b3[b * 1024 + j] != di) {
-          s[jj] = -INFINITY;
-          continue;
+  #pragma omp parallel num_threads(h->nthreads)
+  {
+    float *restrict kt = memset(mdl_scratch(67584 * sizeof(float)), 0, 67584 * sizeof(float));
+    float *restrict s = memset(mdl_scratch(1056 * sizeof(float)), 0, 1056 * sizeof(float));
+    #pragma omp for schedule(dynamic, 1)
+    for (int64_t task = 0; task < 96; task++) {
+      const int64_t b = task / 12, hd = task % 12;
+      for (int64_t j = 0; j < 1024; j++) {
+        const float *xj = b212 + (b * 1024 + j) * 768 + hd * 64;
+        for (int64_t c = 0; c < 64; c++)
+          kt[c * 1056 + j] = xj[c];
+      }
+      int64_t lo = 0, hi = 1024;
+      const int32_t *restrict dc = b3 + b * 1024;
+      for (int64_t i = 0; i < 1024; i++) {
+        const int32_t di = dc[i];
+        if (i == 0 || dc[i - 1] != di) {
+          lo = 0;
+          while (dc[lo] != di)
+            lo++;
         }
-        const float *kj = b212 + (b * 1024 + j) * 768 + hd * 64;
-        float dot = 0.0f;
-        #pragma omp simd reduction(+ : dot)
+        hi = i + 1;
+        const float *restrict qi = b211 + (b * 1024 + i) * 768 + hd * 64;
+        for (int64_t j0 = lo; j0 < hi; j0 += 32) {
+          float acc[32] = {0};
+          for (int64_t c = 0; c < 64; c++) {
+            const float vc = qi[c], *restrict mc = kt + c * 1056 + j0;
+            #pragma omp simd
+            for (int64_t u = 0; u < 32; u++)
+              acc[u] += vc * mc[u];
+          }
+          memcpy(s + j0, acc, sizeof acc);
+        }
+        float m = -INFINITY;
+        #pragma omp simd reduction(max : m)
+        for (int64_t j = lo; j < hi; j++) {
+          s[j] = dc[j] == di ? s[j] * 0.125f : -INFINITY;
+          m = s[j] > m ? s[j] : m;
+        }
+        #pragma omp simd
+        for (int64_t j = lo; j < hi; j++)
+          s[j] = mdl_exp_shifted(s[j] - m);
+        float l;
+        {
+          float part[8] = {0};
+          int64_t j0 = lo;
+          for (; j0 + 8 <= hi; j0 += 8) {
+            for (int64_t u = 0; u < 8; u++) {
+              const int64_t j = j0 + u;
+              part[u] += s[j];
+            }
+          }
+          for (int64_t j = j0; j < hi; j++) {
+            part[j - j0] += s[j];
+          }
+          l = ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
+        }
+        float acc0[64] = {0}, acc1[64] = {0};
+        int64_t j = lo;
+        for (; j + 1 < hi; j += 2) {
+          const float w0 = s[j], w1 = s[j + 1], *restrict x0 = b213 + (b * 1024 + j) * 768 + hd * 64, *restrict x1 = x0 + 768;
+          #pragma omp simd
+          for (int64_t c = 0; c < 64; c++) {
+            acc0[c] += w0 * x0[c];
+            acc1[c] += w1 * x1[c];
+          }
+        }
+        if (j < hi) {
+          const float w0 = s[j], *restrict x0 = b213 + (b * 1024 + j) * 768 + hd * 64;
+          #pragma omp simd
+          for (int64_t c = 0; c < 64; c++)
+            acc0[c] += w0 * x0[c];
+        }
+        float *restrict oi = b214 + (b * 1024 + i) * 768 + hd * 64;
         for (int64_t c = 0; c < 64; c++)
-          dot += qi[c] * kj[c];
-        s[jj] = dot * 0.125f;
-        bm = fmaxf(bm, s[jj]);
-      }
-      if (bm == -INFINITY)
-        continue;
-      if (bm > m) {
-        const float corr = expf(m - bm);
-        l *= corr;
-        for (int64_t c = 0; c < 64; c++)
-          acc[c] *= corr;
-        m = bm;
-      }
-      for (int64_t jj = 0; jj < n; jj++) {
-        if (s[jj] == -INFINITY)
-          continue;
-        const float p = expf(s[jj] - m);
-        const float *vj = b213 + (b * 1024 + j0 + jj) * 768 + hd * 64;
-        l += p;
-        for (int64_t c = 0; c < 64; c++)
-          acc[c] += p * vj[c];
+          oi[c] = (acc0[c] + acc1[c]) / l;
       }
     }
-    float *oi = b214 + (b * 1024 + i) * 768 + hd * 64;
-    for (int64_t c = 0; c < 64; c++)
-      oi[c] = acc[c] / l;
+    free(kt);
+    free(s);
   }
 }
 
@@ -1907,59 +2133,93 @@ static void k66_slice(char *arena, const MdlHooks *h) {
 // k67_attention_fwd: attention, 1 op
 //   %251   attention                               line 39    f32[8,1024,768]
 // loops:
-//   attention: B 8, T 1024, 12 heads of 64, causal, within documents; one task per query row
+//   attention: B 8, T 1024, 12 heads of 64, causal, within documents; one task per (batch, head)
 static void k67_attention_fwd(char *arena, const MdlHooks *h) {
   int32_t *const b3 = (int32_t *)(arena + 1991135232); // %3 input doc i32[8,1024]
   float *const b248 = (float *)(arena + 5819767936); // %248 slice h.6.q f32[8,1024,768]
   float *const b249 = (float *)(arena + 5844933760); // %249 slice h.6.k f32[8,1024,768]
   float *const b250 = (float *)(arena + 5870099584); // %250 slice h.6.v f32[8,1024,768]
   float *const b251 = (float *)(arena + 5895265408); // %251 attention f32[8,1024,768]
-  #pragma omp parallel for num_threads(h->nthreads) schedule(dynamic, 16)
-  for (int64_t task = 0; task < 98304; task++) {
-    const int64_t b = task / 12288, hd = task / 1024 % 12, i = task % 1024;
-    const float *qi = b248 + (b * 1024 + i) * 768 + hd * 64;
-    const int32_t di = b3[b * 1024 + i];
-    float acc[64] = {0}, s[64], m = -INFINITY, l = 0.0f;
-    const int64_t nj = i + 1;
-    for (int64_t j0 = 0; j0 < nj; j0 += 64) {
-      const int64_t n = nj - j0 < 64 ? nj - j0 : 64;
-      float bm = -INFINITY;
-      for (int64_t jj = 0; jj < n; jj++) {
-        const int64_t j = j0 + jj;
-        if (b3[b * 1024 + j] != di) {
-          s[jj] = -INFINITY;
-          continue;
+  #pragma omp parallel num_threads(h->nthreads)
+  {
+    float *restrict kt = memset(mdl_scratch(67584 * sizeof(float)), 0, 67584 * sizeof(float));
+    float *restrict s = memset(mdl_scratch(1056 * sizeof(float)), 0, 1056 * sizeof(float));
+    #pragma omp for schedule(dynamic, 1)
+    for (int64_t task = 0; task < 96; task++) {
+      const int64_t b = task / 12, hd = task % 12;
+      for (int64_t j = 0; j < 1024; j++) {
+        const float *xj = b249 + (b * 1024 + j) * 768 + hd * 64;
+        for (int64_t c = 0; c < 64; c++)
+          kt[c * 1056 + j] = xj[c];
+      }
+      int64_t lo = 0, hi = 1024;
+      const int32_t *restrict dc = b3 + b * 1024;
+      for (int64_t i = 0; i < 1024; i++) {
+        const int32_t di = dc[i];
+        if (i == 0 || dc[i - 1] != di) {
+          lo = 0;
+          while (dc[lo] != di)
+            lo++;
         }
-        const float *kj = b249 + (b * 1024 + j) * 768 + hd * 64;
-        float dot = 0.0f;
-        #pragma omp simd reduction(+ : dot)
+        hi = i + 1;
+        const float *restrict qi = b248 + (b * 1024 + i) * 768 + hd * 64;
+        for (int64_t j0 = lo; j0 < hi; j0 += 32) {
+          float acc[32] = {0};
+          for (int64_t c = 0; c < 64; c++) {
+            const float vc = qi[c], *restrict mc = kt + c * 1056 + j0;
+            #pragma omp simd
+            for (int64_t u = 0; u < 32; u++)
+              acc[u] += vc * mc[u];
+          }
+          memcpy(s + j0, acc, sizeof acc);
+        }
+        float m = -INFINITY;
+        #pragma omp simd reduction(max : m)
+        for (int64_t j = lo; j < hi; j++) {
+          s[j] = dc[j] == di ? s[j] * 0.125f : -INFINITY;
+          m = s[j] > m ? s[j] : m;
+        }
+        #pragma omp simd
+        for (int64_t j = lo; j < hi; j++)
+          s[j] = mdl_exp_shifted(s[j] - m);
+        float l;
+        {
+          float part[8] = {0};
+          int64_t j0 = lo;
+          for (; j0 + 8 <= hi; j0 += 8) {
+            for (int64_t u = 0; u < 8; u++) {
+              const int64_t j = j0 + u;
+              part[u] += s[j];
+            }
+          }
+          for (int64_t j = j0; j < hi; j++) {
+            part[j - j0] += s[j];
+          }
+          l = ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
+        }
+        float acc0[64] = {0}, acc1[64] = {0};
+        int64_t j = lo;
+        for (; j + 1 < hi; j += 2) {
+          const float w0 = s[j], w1 = s[j + 1], *restrict x0 = b250 + (b * 1024 + j) * 768 + hd * 64, *restrict x1 = x0 + 768;
+          #pragma omp simd
+          for (int64_t c = 0; c < 64; c++) {
+            acc0[c] += w0 * x0[c];
+            acc1[c] += w1 * x1[c];
+          }
+        }
+        if (j < hi) {
+          const float w0 = s[j], *restrict x0 = b250 + (b * 1024 + j) * 768 + hd * 64;
+          #pragma omp simd
+          for (int64_t c = 0; c < 64; c++)
+            acc0[c] += w0 * x0[c];
+        }
+        float *restrict oi = b251 + (b * 1024 + i) * 768 + hd * 64;
         for (int64_t c = 0; c < 64; c++)
-          dot += qi[c] * kj[c];
-        s[jj] = dot * 0.125f;
-        bm = fmaxf(bm, s[jj]);
-      }
-      if (bm == -INFINITY)
-        continue;
-      if (bm > m) {
-        const float corr = expf(m - bm);
-        l *= corr;
-        for (int64_t c = 0; c < 64; c++)
-          acc[c] *= corr;
-        m = bm;
-      }
-      for (int64_t jj = 0; jj < n; jj++) {
-        if (s[jj] == -INFINITY)
-          continue;
-        const float p = expf(s[jj] - m);
-        const float *vj = b250 + (b * 1024 + j0 + jj) * 768 + hd * 64;
-        l += p;
-        for (int64_t c = 0; c < 64; c++)
-          acc[c] += p * vj[c];
+          oi[c] = (acc0[c] + acc1[c]) / l;
       }
     }
-    float *oi = b251 + (b * 1024 + i) * 768 + hd * 64;
-    for (int64_t c = 0; c < 64; c++)
-      oi[c] = acc[c] / l;
+    free(kt);
+    free(s);
   }
 }
 
@@ -2180,59 +2440,93 @@ static void k76_slice(char *arena, const MdlHooks *h) {
 // k77_attention_fwd: attention, 1 op
 //   %288   attention                               line 39    f32[8,1024,768]
 // loops:
-//   attention: B 8, T 1024, 12 heads of 64, causal, within documents; one task per query row
+//   attention: B 8, T 1024, 12 heads of 64, causal, within documents; one task per (batch, head)
 static void k77_attention_fwd(char *arena, const MdlHooks *h) {
   int32_t *const b3 = (int32_t *)(arena + 1991135232); // %3 input doc i32[8,1024]
   float *const b285 = (float *)(arena + 6021094528); // %285 slice h.7.q f32[8,1024,768]
   float *const b286 = (float *)(arena + 6046260352); // %286 slice h.7.k f32[8,1024,768]
   float *const b287 = (float *)(arena + 6071426176); // %287 slice h.7.v f32[8,1024,768]
   float *const b288 = (float *)(arena + 6096592000); // %288 attention f32[8,1024,768]
-  #pragma omp parallel for num_threads(h->nthreads) schedule(dynamic, 16)
-  for (int64_t task = 0; task < 98304; task++) {
-    const int64_t b = task / 12288, hd = task / 1024 % 12, i = task % 1024;
-    const float *qi = b285 + (b * 1024 + i) * 768 + hd * 64;
-    const int32_t di = b3[b * 1024 + i];
-    float acc[64] = {0}, s[64], m = -INFINITY, l = 0.0f;
-    const int64_t nj = i + 1;
-    for (int64_t j0 = 0; j0 < nj; j0 += 64) {
-      const int64_t n = nj - j0 < 64 ? nj - j0 : 64;
-      float bm = -INFINITY;
-      for (int64_t jj = 0; jj < n; jj++) {
-        const int64_t j = j0 + jj;
-        if (b3[b * 1024 + j] != di) {
-          s[jj] = -INFINITY;
-          continue;
+  #pragma omp parallel num_threads(h->nthreads)
+  {
+    float *restrict kt = memset(mdl_scratch(67584 * sizeof(float)), 0, 67584 * sizeof(float));
+    float *restrict s = memset(mdl_scratch(1056 * sizeof(float)), 0, 1056 * sizeof(float));
+    #pragma omp for schedule(dynamic, 1)
+    for (int64_t task = 0; task < 96; task++) {
+      const int64_t b = task / 12, hd = task % 12;
+      for (int64_t j = 0; j < 1024; j++) {
+        const float *xj = b286 + (b * 1024 + j) * 768 + hd * 64;
+        for (int64_t c = 0; c < 64; c++)
+          kt[c * 1056 + j] = xj[c];
+      }
+      int64_t lo = 0, hi = 1024;
+      const int32_t *restrict dc = b3 + b * 1024;
+      for (int64_t i = 0; i < 1024; i++) {
+        const int32_t di = dc[i];
+        if (i == 0 || dc[i - 1] != di) {
+          lo = 0;
+          while (dc[lo] != di)
+            lo++;
         }
-        const float *kj = b286 + (b * 1024 + j) * 768 + hd * 64;
-        float dot = 0.0f;
-        #pragma omp simd reduction(+ : dot)
+        hi = i + 1;
+        const float *restrict qi = b285 + (b * 1024 + i) * 768 + hd * 64;
+        for (int64_t j0 = lo; j0 < hi; j0 += 32) {
+          float acc[32] = {0};
+          for (int64_t c = 0; c < 64; c++) {
+            const float vc = qi[c], *restrict mc = kt + c * 1056 + j0;
+            #pragma omp simd
+            for (int64_t u = 0; u < 32; u++)
+              acc[u] += vc * mc[u];
+          }
+          memcpy(s + j0, acc, sizeof acc);
+        }
+        float m = -INFINITY;
+        #pragma omp simd reduction(max : m)
+        for (int64_t j = lo; j < hi; j++) {
+          s[j] = dc[j] == di ? s[j] * 0.125f : -INFINITY;
+          m = s[j] > m ? s[j] : m;
+        }
+        #pragma omp simd
+        for (int64_t j = lo; j < hi; j++)
+          s[j] = mdl_exp_shifted(s[j] - m);
+        float l;
+        {
+          float part[8] = {0};
+          int64_t j0 = lo;
+          for (; j0 + 8 <= hi; j0 += 8) {
+            for (int64_t u = 0; u < 8; u++) {
+              const int64_t j = j0 + u;
+              part[u] += s[j];
+            }
+          }
+          for (int64_t j = j0; j < hi; j++) {
+            part[j - j0] += s[j];
+          }
+          l = ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
+        }
+        float acc0[64] = {0}, acc1[64] = {0};
+        int64_t j = lo;
+        for (; j + 1 < hi; j += 2) {
+          const float w0 = s[j], w1 = s[j + 1], *restrict x0 = b287 + (b * 1024 + j) * 768 + hd * 64, *restrict x1 = x0 + 768;
+          #pragma omp simd
+          for (int64_t c = 0; c < 64; c++) {
+            acc0[c] += w0 * x0[c];
+            acc1[c] += w1 * x1[c];
+          }
+        }
+        if (j < hi) {
+          const float w0 = s[j], *restrict x0 = b287 + (b * 1024 + j) * 768 + hd * 64;
+          #pragma omp simd
+          for (int64_t c = 0; c < 64; c++)
+            acc0[c] += w0 * x0[c];
+        }
+        float *restrict oi = b288 + (b * 1024 + i) * 768 + hd * 64;
         for (int64_t c = 0; c < 64; c++)
-          dot += qi[c] * kj[c];
-        s[jj] = dot * 0.125f;
-        bm = fmaxf(bm, s[jj]);
-      }
-      if (bm == -INFINITY)
-        continue;
-      if (bm > m) {
-        const float corr = expf(m - bm);
-        l *= corr;
-        for (int64_t c = 0; c < 64; c++)
-          acc[c] *= corr;
-        m = bm;
-      }
-      for (int64_t jj = 0; jj < n; jj++) {
-        if (s[jj] == -INFINITY)
-          continue;
-        const float p = expf(s[jj] - m);
-        const float *vj = b287 + (b * 1024 + j0 + jj) * 768 + hd * 64;
-        l += p;
-        for (int64_t c = 0; c < 64; c++)
-          acc[c] += p * vj[c];
+          oi[c] = (acc0[c] + acc1[c]) / l;
       }
     }
-    float *oi = b288 + (b * 1024 + i) * 768 + hd * 64;
-    for (int64_t c = 0; c < 64; c++)
-      oi[c] = acc[c] / l;
+    free(kt);
+    free(s);
   }
 }
 
@@ -2453,59 +2747,93 @@ static void k86_slice(char *arena, const MdlHooks *h) {
 // k87_attention_fwd: attention, 1 op
 //   %325   attention                               line 39    f32[8,1024,768]
 // loops:
-//   attention: B 8, T 1024, 12 heads of 64, causal, within documents; one task per query row
+//   attention: B 8, T 1024, 12 heads of 64, causal, within documents; one task per (batch, head)
 static void k87_attention_fwd(char *arena, const MdlHooks *h) {
   int32_t *const b3 = (int32_t *)(arena + 1991135232); // %3 input doc i32[8,1024]
   float *const b322 = (float *)(arena + 6222421120); // %322 slice h.8.q f32[8,1024,768]
   float *const b323 = (float *)(arena + 6247586944); // %323 slice h.8.k f32[8,1024,768]
   float *const b324 = (float *)(arena + 6272752768); // %324 slice h.8.v f32[8,1024,768]
   float *const b325 = (float *)(arena + 6297918592); // %325 attention f32[8,1024,768]
-  #pragma omp parallel for num_threads(h->nthreads) schedule(dynamic, 16)
-  for (int64_t task = 0; task < 98304; task++) {
-    const int64_t b = task / 12288, hd = task / 1024 % 12, i = task % 1024;
-    const float *qi = b322 + (b * 1024 + i) * 768 + hd * 64;
-    const int32_t di = b3[b * 1024 + i];
-    float acc[64] = {0}, s[64], m = -INFINITY, l = 0.0f;
-    const int64_t nj = i + 1;
-    for (int64_t j0 = 0; j0 < nj; j0 += 64) {
-      const int64_t n = nj - j0 < 64 ? nj - j0 : 64;
-      float bm = -INFINITY;
-      for (int64_t jj = 0; jj < n; jj++) {
-        const int64_t j = j0 + jj;
-        if (b3[b * 1024 + j] != di) {
-          s[jj] = -INFINITY;
-          continue;
+  #pragma omp parallel num_threads(h->nthreads)
+  {
+    float *restrict kt = memset(mdl_scratch(67584 * sizeof(float)), 0, 67584 * sizeof(float));
+    float *restrict s = memset(mdl_scratch(1056 * sizeof(float)), 0, 1056 * sizeof(float));
+    #pragma omp for schedule(dynamic, 1)
+    for (int64_t task = 0; task < 96; task++) {
+      const int64_t b = task / 12, hd = task % 12;
+      for (int64_t j = 0; j < 1024; j++) {
+        const float *xj = b323 + (b * 1024 + j) * 768 + hd * 64;
+        for (int64_t c = 0; c < 64; c++)
+          kt[c * 1056 + j] = xj[c];
+      }
+      int64_t lo = 0, hi = 1024;
+      const int32_t *restrict dc = b3 + b * 1024;
+      for (int64_t i = 0; i < 1024; i++) {
+        const int32_t di = dc[i];
+        if (i == 0 || dc[i - 1] != di) {
+          lo = 0;
+          while (dc[lo] != di)
+            lo++;
         }
-        const float *kj = b323 + (b * 1024 + j) * 768 + hd * 64;
-        float dot = 0.0f;
-        #pragma omp simd reduction(+ : dot)
+        hi = i + 1;
+        const float *restrict qi = b322 + (b * 1024 + i) * 768 + hd * 64;
+        for (int64_t j0 = lo; j0 < hi; j0 += 32) {
+          float acc[32] = {0};
+          for (int64_t c = 0; c < 64; c++) {
+            const float vc = qi[c], *restrict mc = kt + c * 1056 + j0;
+            #pragma omp simd
+            for (int64_t u = 0; u < 32; u++)
+              acc[u] += vc * mc[u];
+          }
+          memcpy(s + j0, acc, sizeof acc);
+        }
+        float m = -INFINITY;
+        #pragma omp simd reduction(max : m)
+        for (int64_t j = lo; j < hi; j++) {
+          s[j] = dc[j] == di ? s[j] * 0.125f : -INFINITY;
+          m = s[j] > m ? s[j] : m;
+        }
+        #pragma omp simd
+        for (int64_t j = lo; j < hi; j++)
+          s[j] = mdl_exp_shifted(s[j] - m);
+        float l;
+        {
+          float part[8] = {0};
+          int64_t j0 = lo;
+          for (; j0 + 8 <= hi; j0 += 8) {
+            for (int64_t u = 0; u < 8; u++) {
+              const int64_t j = j0 + u;
+              part[u] += s[j];
+            }
+          }
+          for (int64_t j = j0; j < hi; j++) {
+            part[j - j0] += s[j];
+          }
+          l = ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
+        }
+        float acc0[64] = {0}, acc1[64] = {0};
+        int64_t j = lo;
+        for (; j + 1 < hi; j += 2) {
+          const float w0 = s[j], w1 = s[j + 1], *restrict x0 = b324 + (b * 1024 + j) * 768 + hd * 64, *restrict x1 = x0 + 768;
+          #pragma omp simd
+          for (int64_t c = 0; c < 64; c++) {
+            acc0[c] += w0 * x0[c];
+            acc1[c] += w1 * x1[c];
+          }
+        }
+        if (j < hi) {
+          const float w0 = s[j], *restrict x0 = b324 + (b * 1024 + j) * 768 + hd * 64;
+          #pragma omp simd
+          for (int64_t c = 0; c < 64; c++)
+            acc0[c] += w0 * x0[c];
+        }
+        float *restrict oi = b325 + (b * 1024 + i) * 768 + hd * 64;
         for (int64_t c = 0; c < 64; c++)
-          dot += qi[c] * kj[c];
-        s[jj] = dot * 0.125f;
-        bm = fmaxf(bm, s[jj]);
-      }
-      if (bm == -INFINITY)
-        continue;
-      if (bm > m) {
-        const float corr = expf(m - bm);
-        l *= corr;
-        for (int64_t c = 0; c < 64; c++)
-          acc[c] *= corr;
-        m = bm;
-      }
-      for (int64_t jj = 0; jj < n; jj++) {
-        if (s[jj] == -INFINITY)
-          continue;
-        const float p = expf(s[jj] - m);
-        const float *vj = b324 + (b * 1024 + j0 + jj) * 768 + hd * 64;
-        l += p;
-        for (int64_t c = 0; c < 64; c++)
-          acc[c] += p * vj[c];
+          oi[c] = (acc0[c] + acc1[c]) / l;
       }
     }
-    float *oi = b325 + (b * 1024 + i) * 768 + hd * 64;
-    for (int64_t c = 0; c < 64; c++)
-      oi[c] = acc[c] / l;
+    free(kt);
+    free(s);
   }
 }
 
@@ -2726,59 +3054,93 @@ static void k96_slice(char *arena, const MdlHooks *h) {
 // k97_attention_fwd: attention, 1 op
 //   %362   attention                               line 39    f32[8,1024,768]
 // loops:
-//   attention: B 8, T 1024, 12 heads of 64, causal, within documents; one task per query row
+//   attention: B 8, T 1024, 12 heads of 64, causal, within documents; one task per (batch, head)
 static void k97_attention_fwd(char *arena, const MdlHooks *h) {
   int32_t *const b3 = (int32_t *)(arena + 1991135232); // %3 input doc i32[8,1024]
   float *const b359 = (float *)(arena + 6423747712); // %359 slice h.9.q f32[8,1024,768]
   float *const b360 = (float *)(arena + 6448913536); // %360 slice h.9.k f32[8,1024,768]
   float *const b361 = (float *)(arena + 6474079360); // %361 slice h.9.v f32[8,1024,768]
   float *const b362 = (float *)(arena + 6499245184); // %362 attention f32[8,1024,768]
-  #pragma omp parallel for num_threads(h->nthreads) schedule(dynamic, 16)
-  for (int64_t task = 0; task < 98304; task++) {
-    const int64_t b = task / 12288, hd = task / 1024 % 12, i = task % 1024;
-    const float *qi = b359 + (b * 1024 + i) * 768 + hd * 64;
-    const int32_t di = b3[b * 1024 + i];
-    float acc[64] = {0}, s[64], m = -INFINITY, l = 0.0f;
-    const int64_t nj = i + 1;
-    for (int64_t j0 = 0; j0 < nj; j0 += 64) {
-      const int64_t n = nj - j0 < 64 ? nj - j0 : 64;
-      float bm = -INFINITY;
-      for (int64_t jj = 0; jj < n; jj++) {
-        const int64_t j = j0 + jj;
-        if (b3[b * 1024 + j] != di) {
-          s[jj] = -INFINITY;
-          continue;
+  #pragma omp parallel num_threads(h->nthreads)
+  {
+    float *restrict kt = memset(mdl_scratch(67584 * sizeof(float)), 0, 67584 * sizeof(float));
+    float *restrict s = memset(mdl_scratch(1056 * sizeof(float)), 0, 1056 * sizeof(float));
+    #pragma omp for schedule(dynamic, 1)
+    for (int64_t task = 0; task < 96; task++) {
+      const int64_t b = task / 12, hd = task % 12;
+      for (int64_t j = 0; j < 1024; j++) {
+        const float *xj = b360 + (b * 1024 + j) * 768 + hd * 64;
+        for (int64_t c = 0; c < 64; c++)
+          kt[c * 1056 + j] = xj[c];
+      }
+      int64_t lo = 0, hi = 1024;
+      const int32_t *restrict dc = b3 + b * 1024;
+      for (int64_t i = 0; i < 1024; i++) {
+        const int32_t di = dc[i];
+        if (i == 0 || dc[i - 1] != di) {
+          lo = 0;
+          while (dc[lo] != di)
+            lo++;
         }
-        const float *kj = b360 + (b * 1024 + j) * 768 + hd * 64;
-        float dot = 0.0f;
-        #pragma omp simd reduction(+ : dot)
+        hi = i + 1;
+        const float *restrict qi = b359 + (b * 1024 + i) * 768 + hd * 64;
+        for (int64_t j0 = lo; j0 < hi; j0 += 32) {
+          float acc[32] = {0};
+          for (int64_t c = 0; c < 64; c++) {
+            const float vc = qi[c], *restrict mc = kt + c * 1056 + j0;
+            #pragma omp simd
+            for (int64_t u = 0; u < 32; u++)
+              acc[u] += vc * mc[u];
+          }
+          memcpy(s + j0, acc, sizeof acc);
+        }
+        float m = -INFINITY;
+        #pragma omp simd reduction(max : m)
+        for (int64_t j = lo; j < hi; j++) {
+          s[j] = dc[j] == di ? s[j] * 0.125f : -INFINITY;
+          m = s[j] > m ? s[j] : m;
+        }
+        #pragma omp simd
+        for (int64_t j = lo; j < hi; j++)
+          s[j] = mdl_exp_shifted(s[j] - m);
+        float l;
+        {
+          float part[8] = {0};
+          int64_t j0 = lo;
+          for (; j0 + 8 <= hi; j0 += 8) {
+            for (int64_t u = 0; u < 8; u++) {
+              const int64_t j = j0 + u;
+              part[u] += s[j];
+            }
+          }
+          for (int64_t j = j0; j < hi; j++) {
+            part[j - j0] += s[j];
+          }
+          l = ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
+        }
+        float acc0[64] = {0}, acc1[64] = {0};
+        int64_t j = lo;
+        for (; j + 1 < hi; j += 2) {
+          const float w0 = s[j], w1 = s[j + 1], *restrict x0 = b361 + (b * 1024 + j) * 768 + hd * 64, *restrict x1 = x0 + 768;
+          #pragma omp simd
+          for (int64_t c = 0; c < 64; c++) {
+            acc0[c] += w0 * x0[c];
+            acc1[c] += w1 * x1[c];
+          }
+        }
+        if (j < hi) {
+          const float w0 = s[j], *restrict x0 = b361 + (b * 1024 + j) * 768 + hd * 64;
+          #pragma omp simd
+          for (int64_t c = 0; c < 64; c++)
+            acc0[c] += w0 * x0[c];
+        }
+        float *restrict oi = b362 + (b * 1024 + i) * 768 + hd * 64;
         for (int64_t c = 0; c < 64; c++)
-          dot += qi[c] * kj[c];
-        s[jj] = dot * 0.125f;
-        bm = fmaxf(bm, s[jj]);
-      }
-      if (bm == -INFINITY)
-        continue;
-      if (bm > m) {
-        const float corr = expf(m - bm);
-        l *= corr;
-        for (int64_t c = 0; c < 64; c++)
-          acc[c] *= corr;
-        m = bm;
-      }
-      for (int64_t jj = 0; jj < n; jj++) {
-        if (s[jj] == -INFINITY)
-          continue;
-        const float p = expf(s[jj] - m);
-        const float *vj = b361 + (b * 1024 + j0 + jj) * 768 + hd * 64;
-        l += p;
-        for (int64_t c = 0; c < 64; c++)
-          acc[c] += p * vj[c];
+          oi[c] = (acc0[c] + acc1[c]) / l;
       }
     }
-    float *oi = b362 + (b * 1024 + i) * 768 + hd * 64;
-    for (int64_t c = 0; c < 64; c++)
-      oi[c] = acc[c] / l;
+    free(kt);
+    free(s);
   }
 }
 
@@ -2999,59 +3361,93 @@ static void k106_slice(char *arena, const MdlHooks *h) {
 // k107_attention_fwd: attention, 1 op
 //   %399   attention                               line 39    f32[8,1024,768]
 // loops:
-//   attention: B 8, T 1024, 12 heads of 64, causal, within documents; one task per query row
+//   attention: B 8, T 1024, 12 heads of 64, causal, within documents; one task per (batch, head)
 static void k107_attention_fwd(char *arena, const MdlHooks *h) {
   int32_t *const b3 = (int32_t *)(arena + 1991135232); // %3 input doc i32[8,1024]
   float *const b396 = (float *)(arena + 6625074304); // %396 slice h.10.q f32[8,1024,768]
   float *const b397 = (float *)(arena + 6650240128); // %397 slice h.10.k f32[8,1024,768]
   float *const b398 = (float *)(arena + 6675405952); // %398 slice h.10.v f32[8,1024,768]
   float *const b399 = (float *)(arena + 6700571776); // %399 attention f32[8,1024,768]
-  #pragma omp parallel for num_threads(h->nthreads) schedule(dynamic, 16)
-  for (int64_t task = 0; task < 98304; task++) {
-    const int64_t b = task / 12288, hd = task / 1024 % 12, i = task % 1024;
-    const float *qi = b396 + (b * 1024 + i) * 768 + hd * 64;
-    const int32_t di = b3[b * 1024 + i];
-    float acc[64] = {0}, s[64], m = -INFINITY, l = 0.0f;
-    const int64_t nj = i + 1;
-    for (int64_t j0 = 0; j0 < nj; j0 += 64) {
-      const int64_t n = nj - j0 < 64 ? nj - j0 : 64;
-      float bm = -INFINITY;
-      for (int64_t jj = 0; jj < n; jj++) {
-        const int64_t j = j0 + jj;
-        if (b3[b * 1024 + j] != di) {
-          s[jj] = -INFINITY;
-          continue;
+  #pragma omp parallel num_threads(h->nthreads)
+  {
+    float *restrict kt = memset(mdl_scratch(67584 * sizeof(float)), 0, 67584 * sizeof(float));
+    float *restrict s = memset(mdl_scratch(1056 * sizeof(float)), 0, 1056 * sizeof(float));
+    #pragma omp for schedule(dynamic, 1)
+    for (int64_t task = 0; task < 96; task++) {
+      const int64_t b = task / 12, hd = task % 12;
+      for (int64_t j = 0; j < 1024; j++) {
+        const float *xj = b397 + (b * 1024 + j) * 768 + hd * 64;
+        for (int64_t c = 0; c < 64; c++)
+          kt[c * 1056 + j] = xj[c];
+      }
+      int64_t lo = 0, hi = 1024;
+      const int32_t *restrict dc = b3 + b * 1024;
+      for (int64_t i = 0; i < 1024; i++) {
+        const int32_t di = dc[i];
+        if (i == 0 || dc[i - 1] != di) {
+          lo = 0;
+          while (dc[lo] != di)
+            lo++;
         }
-        const float *kj = b397 + (b * 1024 + j) * 768 + hd * 64;
-        float dot = 0.0f;
-        #pragma omp simd reduction(+ : dot)
+        hi = i + 1;
+        const float *restrict qi = b396 + (b * 1024 + i) * 768 + hd * 64;
+        for (int64_t j0 = lo; j0 < hi; j0 += 32) {
+          float acc[32] = {0};
+          for (int64_t c = 0; c < 64; c++) {
+            const float vc = qi[c], *restrict mc = kt + c * 1056 + j0;
+            #pragma omp simd
+            for (int64_t u = 0; u < 32; u++)
+              acc[u] += vc * mc[u];
+          }
+          memcpy(s + j0, acc, sizeof acc);
+        }
+        float m = -INFINITY;
+        #pragma omp simd reduction(max : m)
+        for (int64_t j = lo; j < hi; j++) {
+          s[j] = dc[j] == di ? s[j] * 0.125f : -INFINITY;
+          m = s[j] > m ? s[j] : m;
+        }
+        #pragma omp simd
+        for (int64_t j = lo; j < hi; j++)
+          s[j] = mdl_exp_shifted(s[j] - m);
+        float l;
+        {
+          float part[8] = {0};
+          int64_t j0 = lo;
+          for (; j0 + 8 <= hi; j0 += 8) {
+            for (int64_t u = 0; u < 8; u++) {
+              const int64_t j = j0 + u;
+              part[u] += s[j];
+            }
+          }
+          for (int64_t j = j0; j < hi; j++) {
+            part[j - j0] += s[j];
+          }
+          l = ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
+        }
+        float acc0[64] = {0}, acc1[64] = {0};
+        int64_t j = lo;
+        for (; j + 1 < hi; j += 2) {
+          const float w0 = s[j], w1 = s[j + 1], *restrict x0 = b398 + (b * 1024 + j) * 768 + hd * 64, *restrict x1 = x0 + 768;
+          #pragma omp simd
+          for (int64_t c = 0; c < 64; c++) {
+            acc0[c] += w0 * x0[c];
+            acc1[c] += w1 * x1[c];
+          }
+        }
+        if (j < hi) {
+          const float w0 = s[j], *restrict x0 = b398 + (b * 1024 + j) * 768 + hd * 64;
+          #pragma omp simd
+          for (int64_t c = 0; c < 64; c++)
+            acc0[c] += w0 * x0[c];
+        }
+        float *restrict oi = b399 + (b * 1024 + i) * 768 + hd * 64;
         for (int64_t c = 0; c < 64; c++)
-          dot += qi[c] * kj[c];
-        s[jj] = dot * 0.125f;
-        bm = fmaxf(bm, s[jj]);
-      }
-      if (bm == -INFINITY)
-        continue;
-      if (bm > m) {
-        const float corr = expf(m - bm);
-        l *= corr;
-        for (int64_t c = 0; c < 64; c++)
-          acc[c] *= corr;
-        m = bm;
-      }
-      for (int64_t jj = 0; jj < n; jj++) {
-        if (s[jj] == -INFINITY)
-          continue;
-        const float p = expf(s[jj] - m);
-        const float *vj = b398 + (b * 1024 + j0 + jj) * 768 + hd * 64;
-        l += p;
-        for (int64_t c = 0; c < 64; c++)
-          acc[c] += p * vj[c];
+          oi[c] = (acc0[c] + acc1[c]) / l;
       }
     }
-    float *oi = b399 + (b * 1024 + i) * 768 + hd * 64;
-    for (int64_t c = 0; c < 64; c++)
-      oi[c] = acc[c] / l;
+    free(kt);
+    free(s);
   }
 }
 
@@ -3272,59 +3668,93 @@ static void k116_slice(char *arena, const MdlHooks *h) {
 // k117_attention_fwd: attention, 1 op
 //   %436   attention                               line 39    f32[8,1024,768]
 // loops:
-//   attention: B 8, T 1024, 12 heads of 64, causal, within documents; one task per query row
+//   attention: B 8, T 1024, 12 heads of 64, causal, within documents; one task per (batch, head)
 static void k117_attention_fwd(char *arena, const MdlHooks *h) {
   int32_t *const b3 = (int32_t *)(arena + 1991135232); // %3 input doc i32[8,1024]
   float *const b433 = (float *)(arena + 6826400896); // %433 slice h.11.q f32[8,1024,768]
   float *const b434 = (float *)(arena + 6851566720); // %434 slice h.11.k f32[8,1024,768]
   float *const b435 = (float *)(arena + 6876732544); // %435 slice h.11.v f32[8,1024,768]
   float *const b436 = (float *)(arena + 6901898368); // %436 attention f32[8,1024,768]
-  #pragma omp parallel for num_threads(h->nthreads) schedule(dynamic, 16)
-  for (int64_t task = 0; task < 98304; task++) {
-    const int64_t b = task / 12288, hd = task / 1024 % 12, i = task % 1024;
-    const float *qi = b433 + (b * 1024 + i) * 768 + hd * 64;
-    const int32_t di = b3[b * 1024 + i];
-    float acc[64] = {0}, s[64], m = -INFINITY, l = 0.0f;
-    const int64_t nj = i + 1;
-    for (int64_t j0 = 0; j0 < nj; j0 += 64) {
-      const int64_t n = nj - j0 < 64 ? nj - j0 : 64;
-      float bm = -INFINITY;
-      for (int64_t jj = 0; jj < n; jj++) {
-        const int64_t j = j0 + jj;
-        if (b3[b * 1024 + j] != di) {
-          s[jj] = -INFINITY;
-          continue;
+  #pragma omp parallel num_threads(h->nthreads)
+  {
+    float *restrict kt = memset(mdl_scratch(67584 * sizeof(float)), 0, 67584 * sizeof(float));
+    float *restrict s = memset(mdl_scratch(1056 * sizeof(float)), 0, 1056 * sizeof(float));
+    #pragma omp for schedule(dynamic, 1)
+    for (int64_t task = 0; task < 96; task++) {
+      const int64_t b = task / 12, hd = task % 12;
+      for (int64_t j = 0; j < 1024; j++) {
+        const float *xj = b434 + (b * 1024 + j) * 768 + hd * 64;
+        for (int64_t c = 0; c < 64; c++)
+          kt[c * 1056 + j] = xj[c];
+      }
+      int64_t lo = 0, hi = 1024;
+      const int32_t *restrict dc = b3 + b * 1024;
+      for (int64_t i = 0; i < 1024; i++) {
+        const int32_t di = dc[i];
+        if (i == 0 || dc[i - 1] != di) {
+          lo = 0;
+          while (dc[lo] != di)
+            lo++;
         }
-        const float *kj = b434 + (b * 1024 + j) * 768 + hd * 64;
-        float dot = 0.0f;
-        #pragma omp simd reduction(+ : dot)
+        hi = i + 1;
+        const float *restrict qi = b433 + (b * 1024 + i) * 768 + hd * 64;
+        for (int64_t j0 = lo; j0 < hi; j0 += 32) {
+          float acc[32] = {0};
+          for (int64_t c = 0; c < 64; c++) {
+            const float vc = qi[c], *restrict mc = kt + c * 1056 + j0;
+            #pragma omp simd
+            for (int64_t u = 0; u < 32; u++)
+              acc[u] += vc * mc[u];
+          }
+          memcpy(s + j0, acc, sizeof acc);
+        }
+        float m = -INFINITY;
+        #pragma omp simd reduction(max : m)
+        for (int64_t j = lo; j < hi; j++) {
+          s[j] = dc[j] == di ? s[j] * 0.125f : -INFINITY;
+          m = s[j] > m ? s[j] : m;
+        }
+        #pragma omp simd
+        for (int64_t j = lo; j < hi; j++)
+          s[j] = mdl_exp_shifted(s[j] - m);
+        float l;
+        {
+          float part[8] = {0};
+          int64_t j0 = lo;
+          for (; j0 + 8 <= hi; j0 += 8) {
+            for (int64_t u = 0; u < 8; u++) {
+              const int64_t j = j0 + u;
+              part[u] += s[j];
+            }
+          }
+          for (int64_t j = j0; j < hi; j++) {
+            part[j - j0] += s[j];
+          }
+          l = ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
+        }
+        float acc0[64] = {0}, acc1[64] = {0};
+        int64_t j = lo;
+        for (; j + 1 < hi; j += 2) {
+          const float w0 = s[j], w1 = s[j + 1], *restrict x0 = b435 + (b * 1024 + j) * 768 + hd * 64, *restrict x1 = x0 + 768;
+          #pragma omp simd
+          for (int64_t c = 0; c < 64; c++) {
+            acc0[c] += w0 * x0[c];
+            acc1[c] += w1 * x1[c];
+          }
+        }
+        if (j < hi) {
+          const float w0 = s[j], *restrict x0 = b435 + (b * 1024 + j) * 768 + hd * 64;
+          #pragma omp simd
+          for (int64_t c = 0; c < 64; c++)
+            acc0[c] += w0 * x0[c];
+        }
+        float *restrict oi = b436 + (b * 1024 + i) * 768 + hd * 64;
         for (int64_t c = 0; c < 64; c++)
-          dot += qi[c] * kj[c];
-        s[jj] = dot * 0.125f;
-        bm = fmaxf(bm, s[jj]);
-      }
-      if (bm == -INFINITY)
-        continue;
-      if (bm > m) {
-        const float corr = expf(m - bm);
-        l *= corr;
-        for (int64_t c = 0; c < 64; c++)
-          acc[c] *= corr;
-        m = bm;
-      }
-      for (int64_t jj = 0; jj < n; jj++) {
-        if (s[jj] == -INFINITY)
-          continue;
-        const float p = expf(s[jj] - m);
-        const float *vj = b435 + (b * 1024 + j0 + jj) * 768 + hd * 64;
-        l += p;
-        for (int64_t c = 0; c < 64; c++)
-          acc[c] += p * vj[c];
+          oi[c] = (acc0[c] + acc1[c]) / l;
       }
     }
-    float *oi = b436 + (b * 1024 + i) * 768 + hd * 64;
-    for (int64_t c = 0; c < 64; c++)
-      oi[c] = acc[c] / l;
+    free(kt);
+    free(s);
   }
 }
 
@@ -3921,71 +4351,148 @@ static void k138_attention_bwd(char *arena, const MdlHooks *h) {
   float *const b498 = (float *)(arena + 4511145088); // %498 attention_bwd d.h.11.v f32[8,1024,768]
   #pragma omp parallel num_threads(h->nthreads)
   {
-    float *p = mdl_scratch(1024 * sizeof(float));
-    float *dp = mdl_scratch(1024 * sizeof(float));
+    float *restrict kt = memset(mdl_scratch(67584 * sizeof(float)), 0, 67584 * sizeof(float));
+    float *restrict s = memset(mdl_scratch(1056 * sizeof(float)), 0, 1056 * sizeof(float));
+    float *restrict vt = memset(mdl_scratch(67584 * sizeof(float)), 0, 67584 * sizeof(float));
+    float *restrict dp = memset(mdl_scratch(1056 * sizeof(float)), 0, 1056 * sizeof(float));
+    float *restrict dkh = memset(mdl_scratch(65536 * sizeof(float)), 0, 65536 * sizeof(float));
+    float *restrict dvh = memset(mdl_scratch(65536 * sizeof(float)), 0, 65536 * sizeof(float));
     #pragma omp for schedule(dynamic, 1)
     for (int64_t task = 0; task < 96; task++) {
       const int64_t b = task / 12, hd = task % 12;
-      for (int64_t t = 0; t < 1024; t++)
-        memset(b497 + (b * 1024 + t) * 768 + hd * 64, 0, 64 * sizeof(float));
-      for (int64_t t = 0; t < 1024; t++)
-        memset(b498 + (b * 1024 + t) * 768 + hd * 64, 0, 64 * sizeof(float));
-      for (int64_t i = 0; i < 1024; i++) {
-        const float *qi = b433 + (b * 1024 + i) * 768 + hd * 64;
-        const float *doi = b493 + (b * 1024 + i) * 768 + hd * 64;
-        const int32_t di = b3[b * 1024 + i];
-        const int64_t nj = i + 1;
-        float m = -INFINITY;
-        for (int64_t j = 0; j < nj; j++) {
-          if (!(b3[b * 1024 + j] == di)) {
-            p[j] = -INFINITY;
-            continue;
-          }
-          const float *kj = b434 + (b * 1024 + j) * 768 + hd * 64;
-          float dot = 0.0f;
-          #pragma omp simd reduction(+ : dot)
-          for (int64_t c = 0; c < 64; c++)
-            dot += qi[c] * kj[c];
-          p[j] = dot * 0.125f;
-          m = fmaxf(m, p[j]);
-        }
-        double sum = 0, dsum = 0;
-        for (int64_t j = 0; j < nj; j++) {
-          p[j] = p[j] == -INFINITY ? 0.0f : expf(p[j] - m);
-          sum += p[j];
-        }
-        for (int64_t j = 0; j < nj; j++) {
-          p[j] = (float)(p[j] / sum);
-          const float *vj = b435 + (b * 1024 + j) * 768 + hd * 64;
-          float dot = 0.0f;
-          #pragma omp simd reduction(+ : dot)
-          for (int64_t c = 0; c < 64; c++)
-            dot += doi[c] * vj[c];
-          dp[j] = dot;
-          dsum += (double)p[j] * dot;
-        }
-        float dqi[64] = {0};
-        for (int64_t j = 0; j < nj; j++) {
-          if (p[j] == 0.0f)
-            continue;
-          const float ds = p[j] * (dp[j] - (float)dsum);
-          const float *kj = b434 + (b * 1024 + j) * 768 + hd * 64;
-          for (int64_t c = 0; c < 64; c++)
-            dqi[c] += ds * kj[c];
-          float *dkj = b497 + (b * 1024 + j) * 768 + hd * 64;
-          for (int64_t c = 0; c < 64; c++)
-            dkj[c] += 0.125f * ds * qi[c];
-          float *dvj = b498 + (b * 1024 + j) * 768 + hd * 64;
-          for (int64_t c = 0; c < 64; c++)
-            dvj[c] += p[j] * doi[c];
-        }
-        float *dq = b496 + (b * 1024 + i) * 768 + hd * 64;
+      for (int64_t j = 0; j < 1024; j++) {
+        const float *xj = b434 + (b * 1024 + j) * 768 + hd * 64;
         for (int64_t c = 0; c < 64; c++)
-          dq[c] = 0.125f * dqi[c];
+          kt[c * 1056 + j] = xj[c];
       }
+      for (int64_t j = 0; j < 1024; j++) {
+        const float *xj = b435 + (b * 1024 + j) * 768 + hd * 64;
+        for (int64_t c = 0; c < 64; c++)
+          vt[c * 1056 + j] = xj[c];
+      }
+      memset(dkh, 0, 65536 * sizeof(float));
+      memset(dvh, 0, 65536 * sizeof(float));
+      int64_t lo = 0, hi = 1024;
+      const int32_t *restrict dc = b3 + b * 1024;
+      for (int64_t i = 0; i < 1024; i++) {
+        const int32_t di = dc[i];
+        if (i == 0 || dc[i - 1] != di) {
+          lo = 0;
+          while (dc[lo] != di)
+            lo++;
+        }
+        hi = i + 1;
+        const float *restrict qi = b433 + (b * 1024 + i) * 768 + hd * 64;
+        for (int64_t j0 = lo; j0 < hi; j0 += 32) {
+          float acc[32] = {0};
+          for (int64_t c = 0; c < 64; c++) {
+            const float vc = qi[c], *restrict mc = kt + c * 1056 + j0;
+            #pragma omp simd
+            for (int64_t u = 0; u < 32; u++)
+              acc[u] += vc * mc[u];
+          }
+          memcpy(s + j0, acc, sizeof acc);
+        }
+        float m = -INFINITY;
+        #pragma omp simd reduction(max : m)
+        for (int64_t j = lo; j < hi; j++) {
+          s[j] = dc[j] == di ? s[j] * 0.125f : -INFINITY;
+          m = s[j] > m ? s[j] : m;
+        }
+        #pragma omp simd
+        for (int64_t j = lo; j < hi; j++)
+          s[j] = mdl_exp_shifted(s[j] - m);
+        float l;
+        {
+          float part[8] = {0};
+          int64_t j0 = lo;
+          for (; j0 + 8 <= hi; j0 += 8) {
+            for (int64_t u = 0; u < 8; u++) {
+              const int64_t j = j0 + u;
+              part[u] += s[j];
+            }
+          }
+          for (int64_t j = j0; j < hi; j++) {
+            part[j - j0] += s[j];
+          }
+          l = ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
+        }
+        const float *restrict doi = b493 + (b * 1024 + i) * 768 + hd * 64;
+        #pragma omp simd
+        for (int64_t j = lo; j < hi; j++)
+          s[j] /= l;
+        for (int64_t j0 = lo; j0 < hi; j0 += 32) {
+          float acc[32] = {0};
+          for (int64_t c = 0; c < 64; c++) {
+            const float vc = doi[c], *restrict mc = vt + c * 1056 + j0;
+            #pragma omp simd
+            for (int64_t u = 0; u < 32; u++)
+              acc[u] += vc * mc[u];
+          }
+          memcpy(dp + j0, acc, sizeof acc);
+        }
+        float dsum;
+        {
+          float part[8] = {0};
+          int64_t j0 = lo;
+          for (; j0 + 8 <= hi; j0 += 8) {
+            for (int64_t u = 0; u < 8; u++) {
+              const int64_t j = j0 + u;
+              part[u] += s[j] * dp[j];
+            }
+          }
+          for (int64_t j = j0; j < hi; j++) {
+            part[j - j0] += s[j] * dp[j];
+          }
+          dsum = ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
+        }
+        #pragma omp simd
+        for (int64_t j = lo; j < hi; j++)
+          dp[j] = s[j] * (dp[j] - dsum);
+        float dqi0[64] = {0}, dqi1[64] = {0};
+        int64_t j = lo;
+        for (; j + 1 < hi; j += 2) {
+          const float w0 = dp[j], w1 = dp[j + 1], *restrict x0 = b434 + (b * 1024 + j) * 768 + hd * 64, *restrict x1 = x0 + 768;
+          #pragma omp simd
+          for (int64_t c = 0; c < 64; c++) {
+            dqi0[c] += w0 * x0[c];
+            dqi1[c] += w1 * x1[c];
+          }
+        }
+        if (j < hi) {
+          const float w0 = dp[j], *restrict x0 = b434 + (b * 1024 + j) * 768 + hd * 64;
+          #pragma omp simd
+          for (int64_t c = 0; c < 64; c++)
+            dqi0[c] += w0 * x0[c];
+        }
+        float sqi[64];
+        for (int64_t c = 0; c < 64; c++)
+          sqi[c] = 0.125f * qi[c];
+        for (int64_t j = lo; j < hi; j++) {
+          float *restrict dkj = dkh + j * 64;
+          #pragma omp simd
+          for (int64_t c = 0; c < 64; c++)
+            dkj[c] += dp[j] * sqi[c];
+          float *restrict dvj = dvh + j * 64;
+          #pragma omp simd
+          for (int64_t c = 0; c < 64; c++)
+            dvj[c] += s[j] * doi[c];
+        }
+        float *restrict dq = b496 + (b * 1024 + i) * 768 + hd * 64;
+        for (int64_t c = 0; c < 64; c++)
+          dq[c] = 0.125f * (dqi0[c] + dqi1[c]);
+      }
+      for (int64_t t = 0; t < 1024; t++)
+        memcpy(b497 + (b * 1024 + t) * 768 + hd * 64, dkh + t * 64, 64 * sizeof(float));
+      for (int64_t t = 0; t < 1024; t++)
+        memcpy(b498 + (b * 1024 + t) * 768 + hd * 64, dvh + t * 64, 64 * sizeof(float));
     }
-    free(p);
+    free(kt);
+    free(s);
+    free(vt);
     free(dp);
+    free(dkh);
+    free(dvh);
   }
 }
 
@@ -4442,71 +4949,148 @@ static void k156_attention_bwd(char *arena, const MdlHooks *h) {
   float *const b535 = (float *)(arena + 4309818496); // %535 attention_bwd d.h.10.v f32[8,1024,768]
   #pragma omp parallel num_threads(h->nthreads)
   {
-    float *p = mdl_scratch(1024 * sizeof(float));
-    float *dp = mdl_scratch(1024 * sizeof(float));
+    float *restrict kt = memset(mdl_scratch(67584 * sizeof(float)), 0, 67584 * sizeof(float));
+    float *restrict s = memset(mdl_scratch(1056 * sizeof(float)), 0, 1056 * sizeof(float));
+    float *restrict vt = memset(mdl_scratch(67584 * sizeof(float)), 0, 67584 * sizeof(float));
+    float *restrict dp = memset(mdl_scratch(1056 * sizeof(float)), 0, 1056 * sizeof(float));
+    float *restrict dkh = memset(mdl_scratch(65536 * sizeof(float)), 0, 65536 * sizeof(float));
+    float *restrict dvh = memset(mdl_scratch(65536 * sizeof(float)), 0, 65536 * sizeof(float));
     #pragma omp for schedule(dynamic, 1)
     for (int64_t task = 0; task < 96; task++) {
       const int64_t b = task / 12, hd = task % 12;
-      for (int64_t t = 0; t < 1024; t++)
-        memset(b534 + (b * 1024 + t) * 768 + hd * 64, 0, 64 * sizeof(float));
-      for (int64_t t = 0; t < 1024; t++)
-        memset(b535 + (b * 1024 + t) * 768 + hd * 64, 0, 64 * sizeof(float));
-      for (int64_t i = 0; i < 1024; i++) {
-        const float *qi = b396 + (b * 1024 + i) * 768 + hd * 64;
-        const float *doi = b530 + (b * 1024 + i) * 768 + hd * 64;
-        const int32_t di = b3[b * 1024 + i];
-        const int64_t nj = i + 1;
-        float m = -INFINITY;
-        for (int64_t j = 0; j < nj; j++) {
-          if (!(b3[b * 1024 + j] == di)) {
-            p[j] = -INFINITY;
-            continue;
-          }
-          const float *kj = b397 + (b * 1024 + j) * 768 + hd * 64;
-          float dot = 0.0f;
-          #pragma omp simd reduction(+ : dot)
-          for (int64_t c = 0; c < 64; c++)
-            dot += qi[c] * kj[c];
-          p[j] = dot * 0.125f;
-          m = fmaxf(m, p[j]);
-        }
-        double sum = 0, dsum = 0;
-        for (int64_t j = 0; j < nj; j++) {
-          p[j] = p[j] == -INFINITY ? 0.0f : expf(p[j] - m);
-          sum += p[j];
-        }
-        for (int64_t j = 0; j < nj; j++) {
-          p[j] = (float)(p[j] / sum);
-          const float *vj = b398 + (b * 1024 + j) * 768 + hd * 64;
-          float dot = 0.0f;
-          #pragma omp simd reduction(+ : dot)
-          for (int64_t c = 0; c < 64; c++)
-            dot += doi[c] * vj[c];
-          dp[j] = dot;
-          dsum += (double)p[j] * dot;
-        }
-        float dqi[64] = {0};
-        for (int64_t j = 0; j < nj; j++) {
-          if (p[j] == 0.0f)
-            continue;
-          const float ds = p[j] * (dp[j] - (float)dsum);
-          const float *kj = b397 + (b * 1024 + j) * 768 + hd * 64;
-          for (int64_t c = 0; c < 64; c++)
-            dqi[c] += ds * kj[c];
-          float *dkj = b534 + (b * 1024 + j) * 768 + hd * 64;
-          for (int64_t c = 0; c < 64; c++)
-            dkj[c] += 0.125f * ds * qi[c];
-          float *dvj = b535 + (b * 1024 + j) * 768 + hd * 64;
-          for (int64_t c = 0; c < 64; c++)
-            dvj[c] += p[j] * doi[c];
-        }
-        float *dq = b533 + (b * 1024 + i) * 768 + hd * 64;
+      for (int64_t j = 0; j < 1024; j++) {
+        const float *xj = b397 + (b * 1024 + j) * 768 + hd * 64;
         for (int64_t c = 0; c < 64; c++)
-          dq[c] = 0.125f * dqi[c];
+          kt[c * 1056 + j] = xj[c];
       }
+      for (int64_t j = 0; j < 1024; j++) {
+        const float *xj = b398 + (b * 1024 + j) * 768 + hd * 64;
+        for (int64_t c = 0; c < 64; c++)
+          vt[c * 1056 + j] = xj[c];
+      }
+      memset(dkh, 0, 65536 * sizeof(float));
+      memset(dvh, 0, 65536 * sizeof(float));
+      int64_t lo = 0, hi = 1024;
+      const int32_t *restrict dc = b3 + b * 1024;
+      for (int64_t i = 0; i < 1024; i++) {
+        const int32_t di = dc[i];
+        if (i == 0 || dc[i - 1] != di) {
+          lo = 0;
+          while (dc[lo] != di)
+            lo++;
+        }
+        hi = i + 1;
+        const float *restrict qi = b396 + (b * 1024 + i) * 768 + hd * 64;
+        for (int64_t j0 = lo; j0 < hi; j0 += 32) {
+          float acc[32] = {0};
+          for (int64_t c = 0; c < 64; c++) {
+            const float vc = qi[c], *restrict mc = kt + c * 1056 + j0;
+            #pragma omp simd
+            for (int64_t u = 0; u < 32; u++)
+              acc[u] += vc * mc[u];
+          }
+          memcpy(s + j0, acc, sizeof acc);
+        }
+        float m = -INFINITY;
+        #pragma omp simd reduction(max : m)
+        for (int64_t j = lo; j < hi; j++) {
+          s[j] = dc[j] == di ? s[j] * 0.125f : -INFINITY;
+          m = s[j] > m ? s[j] : m;
+        }
+        #pragma omp simd
+        for (int64_t j = lo; j < hi; j++)
+          s[j] = mdl_exp_shifted(s[j] - m);
+        float l;
+        {
+          float part[8] = {0};
+          int64_t j0 = lo;
+          for (; j0 + 8 <= hi; j0 += 8) {
+            for (int64_t u = 0; u < 8; u++) {
+              const int64_t j = j0 + u;
+              part[u] += s[j];
+            }
+          }
+          for (int64_t j = j0; j < hi; j++) {
+            part[j - j0] += s[j];
+          }
+          l = ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
+        }
+        const float *restrict doi = b530 + (b * 1024 + i) * 768 + hd * 64;
+        #pragma omp simd
+        for (int64_t j = lo; j < hi; j++)
+          s[j] /= l;
+        for (int64_t j0 = lo; j0 < hi; j0 += 32) {
+          float acc[32] = {0};
+          for (int64_t c = 0; c < 64; c++) {
+            const float vc = doi[c], *restrict mc = vt + c * 1056 + j0;
+            #pragma omp simd
+            for (int64_t u = 0; u < 32; u++)
+              acc[u] += vc * mc[u];
+          }
+          memcpy(dp + j0, acc, sizeof acc);
+        }
+        float dsum;
+        {
+          float part[8] = {0};
+          int64_t j0 = lo;
+          for (; j0 + 8 <= hi; j0 += 8) {
+            for (int64_t u = 0; u < 8; u++) {
+              const int64_t j = j0 + u;
+              part[u] += s[j] * dp[j];
+            }
+          }
+          for (int64_t j = j0; j < hi; j++) {
+            part[j - j0] += s[j] * dp[j];
+          }
+          dsum = ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
+        }
+        #pragma omp simd
+        for (int64_t j = lo; j < hi; j++)
+          dp[j] = s[j] * (dp[j] - dsum);
+        float dqi0[64] = {0}, dqi1[64] = {0};
+        int64_t j = lo;
+        for (; j + 1 < hi; j += 2) {
+          const float w0 = dp[j], w1 = dp[j + 1], *restrict x0 = b397 + (b * 1024 + j) * 768 + hd * 64, *restrict x1 = x0 + 768;
+          #pragma omp simd
+          for (int64_t c = 0; c < 64; c++) {
+            dqi0[c] += w0 * x0[c];
+            dqi1[c] += w1 * x1[c];
+          }
+        }
+        if (j < hi) {
+          const float w0 = dp[j], *restrict x0 = b397 + (b * 1024 + j) * 768 + hd * 64;
+          #pragma omp simd
+          for (int64_t c = 0; c < 64; c++)
+            dqi0[c] += w0 * x0[c];
+        }
+        float sqi[64];
+        for (int64_t c = 0; c < 64; c++)
+          sqi[c] = 0.125f * qi[c];
+        for (int64_t j = lo; j < hi; j++) {
+          float *restrict dkj = dkh + j * 64;
+          #pragma omp simd
+          for (int64_t c = 0; c < 64; c++)
+            dkj[c] += dp[j] * sqi[c];
+          float *restrict dvj = dvh + j * 64;
+          #pragma omp simd
+          for (int64_t c = 0; c < 64; c++)
+            dvj[c] += s[j] * doi[c];
+        }
+        float *restrict dq = b533 + (b * 1024 + i) * 768 + hd * 64;
+        for (int64_t c = 0; c < 64; c++)
+          dq[c] = 0.125f * (dqi0[c] + dqi1[c]);
+      }
+      for (int64_t t = 0; t < 1024; t++)
+        memcpy(b534 + (b * 1024 + t) * 768 + hd * 64, dkh + t * 64, 64 * sizeof(float));
+      for (int64_t t = 0; t < 1024; t++)
+        memcpy(b535 + (b * 1024 + t) * 768 + hd * 64, dvh + t * 64, 64 * sizeof(float));
     }
-    free(p);
+    free(kt);
+    free(s);
+    free(vt);
     free(dp);
+    free(dkh);
+    free(dvh);
   }
 }
 
@@ -4963,71 +5547,148 @@ static void k174_attention_bwd(char *arena, const MdlHooks *h) {
   float *const b572 = (float *)(arena + 4108491904); // %572 attention_bwd d.h.9.v f32[8,1024,768]
   #pragma omp parallel num_threads(h->nthreads)
   {
-    float *p = mdl_scratch(1024 * sizeof(float));
-    float *dp = mdl_scratch(1024 * sizeof(float));
+    float *restrict kt = memset(mdl_scratch(67584 * sizeof(float)), 0, 67584 * sizeof(float));
+    float *restrict s = memset(mdl_scratch(1056 * sizeof(float)), 0, 1056 * sizeof(float));
+    float *restrict vt = memset(mdl_scratch(67584 * sizeof(float)), 0, 67584 * sizeof(float));
+    float *restrict dp = memset(mdl_scratch(1056 * sizeof(float)), 0, 1056 * sizeof(float));
+    float *restrict dkh = memset(mdl_scratch(65536 * sizeof(float)), 0, 65536 * sizeof(float));
+    float *restrict dvh = memset(mdl_scratch(65536 * sizeof(float)), 0, 65536 * sizeof(float));
     #pragma omp for schedule(dynamic, 1)
     for (int64_t task = 0; task < 96; task++) {
       const int64_t b = task / 12, hd = task % 12;
-      for (int64_t t = 0; t < 1024; t++)
-        memset(b571 + (b * 1024 + t) * 768 + hd * 64, 0, 64 * sizeof(float));
-      for (int64_t t = 0; t < 1024; t++)
-        memset(b572 + (b * 1024 + t) * 768 + hd * 64, 0, 64 * sizeof(float));
-      for (int64_t i = 0; i < 1024; i++) {
-        const float *qi = b359 + (b * 1024 + i) * 768 + hd * 64;
-        const float *doi = b567 + (b * 1024 + i) * 768 + hd * 64;
-        const int32_t di = b3[b * 1024 + i];
-        const int64_t nj = i + 1;
-        float m = -INFINITY;
-        for (int64_t j = 0; j < nj; j++) {
-          if (!(b3[b * 1024 + j] == di)) {
-            p[j] = -INFINITY;
-            continue;
-          }
-          const float *kj = b360 + (b * 1024 + j) * 768 + hd * 64;
-          float dot = 0.0f;
-          #pragma omp simd reduction(+ : dot)
-          for (int64_t c = 0; c < 64; c++)
-            dot += qi[c] * kj[c];
-          p[j] = dot * 0.125f;
-          m = fmaxf(m, p[j]);
-        }
-        double sum = 0, dsum = 0;
-        for (int64_t j = 0; j < nj; j++) {
-          p[j] = p[j] == -INFINITY ? 0.0f : expf(p[j] - m);
-          sum += p[j];
-        }
-        for (int64_t j = 0; j < nj; j++) {
-          p[j] = (float)(p[j] / sum);
-          const float *vj = b361 + (b * 1024 + j) * 768 + hd * 64;
-          float dot = 0.0f;
-          #pragma omp simd reduction(+ : dot)
-          for (int64_t c = 0; c < 64; c++)
-            dot += doi[c] * vj[c];
-          dp[j] = dot;
-          dsum += (double)p[j] * dot;
-        }
-        float dqi[64] = {0};
-        for (int64_t j = 0; j < nj; j++) {
-          if (p[j] == 0.0f)
-            continue;
-          const float ds = p[j] * (dp[j] - (float)dsum);
-          const float *kj = b360 + (b * 1024 + j) * 768 + hd * 64;
-          for (int64_t c = 0; c < 64; c++)
-            dqi[c] += ds * kj[c];
-          float *dkj = b571 + (b * 1024 + j) * 768 + hd * 64;
-          for (int64_t c = 0; c < 64; c++)
-            dkj[c] += 0.125f * ds * qi[c];
-          float *dvj = b572 + (b * 1024 + j) * 768 + hd * 64;
-          for (int64_t c = 0; c < 64; c++)
-            dvj[c] += p[j] * doi[c];
-        }
-        float *dq = b570 + (b * 1024 + i) * 768 + hd * 64;
+      for (int64_t j = 0; j < 1024; j++) {
+        const float *xj = b360 + (b * 1024 + j) * 768 + hd * 64;
         for (int64_t c = 0; c < 64; c++)
-          dq[c] = 0.125f * dqi[c];
+          kt[c * 1056 + j] = xj[c];
       }
+      for (int64_t j = 0; j < 1024; j++) {
+        const float *xj = b361 + (b * 1024 + j) * 768 + hd * 64;
+        for (int64_t c = 0; c < 64; c++)
+          vt[c * 1056 + j] = xj[c];
+      }
+      memset(dkh, 0, 65536 * sizeof(float));
+      memset(dvh, 0, 65536 * sizeof(float));
+      int64_t lo = 0, hi = 1024;
+      const int32_t *restrict dc = b3 + b * 1024;
+      for (int64_t i = 0; i < 1024; i++) {
+        const int32_t di = dc[i];
+        if (i == 0 || dc[i - 1] != di) {
+          lo = 0;
+          while (dc[lo] != di)
+            lo++;
+        }
+        hi = i + 1;
+        const float *restrict qi = b359 + (b * 1024 + i) * 768 + hd * 64;
+        for (int64_t j0 = lo; j0 < hi; j0 += 32) {
+          float acc[32] = {0};
+          for (int64_t c = 0; c < 64; c++) {
+            const float vc = qi[c], *restrict mc = kt + c * 1056 + j0;
+            #pragma omp simd
+            for (int64_t u = 0; u < 32; u++)
+              acc[u] += vc * mc[u];
+          }
+          memcpy(s + j0, acc, sizeof acc);
+        }
+        float m = -INFINITY;
+        #pragma omp simd reduction(max : m)
+        for (int64_t j = lo; j < hi; j++) {
+          s[j] = dc[j] == di ? s[j] * 0.125f : -INFINITY;
+          m = s[j] > m ? s[j] : m;
+        }
+        #pragma omp simd
+        for (int64_t j = lo; j < hi; j++)
+          s[j] = mdl_exp_shifted(s[j] - m);
+        float l;
+        {
+          float part[8] = {0};
+          int64_t j0 = lo;
+          for (; j0 + 8 <= hi; j0 += 8) {
+            for (int64_t u = 0; u < 8; u++) {
+              const int64_t j = j0 + u;
+              part[u] += s[j];
+            }
+          }
+          for (int64_t j = j0; j < hi; j++) {
+            part[j - j0] += s[j];
+          }
+          l = ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
+        }
+        const float *restrict doi = b567 + (b * 1024 + i) * 768 + hd * 64;
+        #pragma omp simd
+        for (int64_t j = lo; j < hi; j++)
+          s[j] /= l;
+        for (int64_t j0 = lo; j0 < hi; j0 += 32) {
+          float acc[32] = {0};
+          for (int64_t c = 0; c < 64; c++) {
+            const float vc = doi[c], *restrict mc = vt + c * 1056 + j0;
+            #pragma omp simd
+            for (int64_t u = 0; u < 32; u++)
+              acc[u] += vc * mc[u];
+          }
+          memcpy(dp + j0, acc, sizeof acc);
+        }
+        float dsum;
+        {
+          float part[8] = {0};
+          int64_t j0 = lo;
+          for (; j0 + 8 <= hi; j0 += 8) {
+            for (int64_t u = 0; u < 8; u++) {
+              const int64_t j = j0 + u;
+              part[u] += s[j] * dp[j];
+            }
+          }
+          for (int64_t j = j0; j < hi; j++) {
+            part[j - j0] += s[j] * dp[j];
+          }
+          dsum = ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
+        }
+        #pragma omp simd
+        for (int64_t j = lo; j < hi; j++)
+          dp[j] = s[j] * (dp[j] - dsum);
+        float dqi0[64] = {0}, dqi1[64] = {0};
+        int64_t j = lo;
+        for (; j + 1 < hi; j += 2) {
+          const float w0 = dp[j], w1 = dp[j + 1], *restrict x0 = b360 + (b * 1024 + j) * 768 + hd * 64, *restrict x1 = x0 + 768;
+          #pragma omp simd
+          for (int64_t c = 0; c < 64; c++) {
+            dqi0[c] += w0 * x0[c];
+            dqi1[c] += w1 * x1[c];
+          }
+        }
+        if (j < hi) {
+          const float w0 = dp[j], *restrict x0 = b360 + (b * 1024 + j) * 768 + hd * 64;
+          #pragma omp simd
+          for (int64_t c = 0; c < 64; c++)
+            dqi0[c] += w0 * x0[c];
+        }
+        float sqi[64];
+        for (int64_t c = 0; c < 64; c++)
+          sqi[c] = 0.125f * qi[c];
+        for (int64_t j = lo; j < hi; j++) {
+          float *restrict dkj = dkh + j * 64;
+          #pragma omp simd
+          for (int64_t c = 0; c < 64; c++)
+            dkj[c] += dp[j] * sqi[c];
+          float *restrict dvj = dvh + j * 64;
+          #pragma omp simd
+          for (int64_t c = 0; c < 64; c++)
+            dvj[c] += s[j] * doi[c];
+        }
+        float *restrict dq = b570 + (b * 1024 + i) * 768 + hd * 64;
+        for (int64_t c = 0; c < 64; c++)
+          dq[c] = 0.125f * (dqi0[c] + dqi1[c]);
+      }
+      for (int64_t t = 0; t < 1024; t++)
+        memcpy(b571 + (b * 1024 + t) * 768 + hd * 64, dkh + t * 64, 64 * sizeof(float));
+      for (int64_t t = 0; t < 1024; t++)
+        memcpy(b572 + (b * 1024 + t) * 768 + hd * 64, dvh + t * 64, 64 * sizeof(float));
     }
-    free(p);
+    free(kt);
+    free(s);
+    free(vt);
     free(dp);
+    free(dkh);
+    free(dvh);
   }
 }
 
@@ -5484,71 +6145,148 @@ static void k192_attention_bwd(char *arena, const MdlHooks *h) {
   float *const b609 = (float *)(arena + 3907165312); // %609 attention_bwd d.h.8.v f32[8,1024,768]
   #pragma omp parallel num_threads(h->nthreads)
   {
-    float *p = mdl_scratch(1024 * sizeof(float));
-    float *dp = mdl_scratch(1024 * sizeof(float));
+    float *restrict kt = memset(mdl_scratch(67584 * sizeof(float)), 0, 67584 * sizeof(float));
+    float *restrict s = memset(mdl_scratch(1056 * sizeof(float)), 0, 1056 * sizeof(float));
+    float *restrict vt = memset(mdl_scratch(67584 * sizeof(float)), 0, 67584 * sizeof(float));
+    float *restrict dp = memset(mdl_scratch(1056 * sizeof(float)), 0, 1056 * sizeof(float));
+    float *restrict dkh = memset(mdl_scratch(65536 * sizeof(float)), 0, 65536 * sizeof(float));
+    float *restrict dvh = memset(mdl_scratch(65536 * sizeof(float)), 0, 65536 * sizeof(float));
     #pragma omp for schedule(dynamic, 1)
     for (int64_t task = 0; task < 96; task++) {
       const int64_t b = task / 12, hd = task % 12;
-      for (int64_t t = 0; t < 1024; t++)
-        memset(b608 + (b * 1024 + t) * 768 + hd * 64, 0, 64 * sizeof(float));
-      for (int64_t t = 0; t < 1024; t++)
-        memset(b609 + (b * 1024 + t) * 768 + hd * 64, 0, 64 * sizeof(float));
-      for (int64_t i = 0; i < 1024; i++) {
-        const float *qi = b322 + (b * 1024 + i) * 768 + hd * 64;
-        const float *doi = b604 + (b * 1024 + i) * 768 + hd * 64;
-        const int32_t di = b3[b * 1024 + i];
-        const int64_t nj = i + 1;
-        float m = -INFINITY;
-        for (int64_t j = 0; j < nj; j++) {
-          if (!(b3[b * 1024 + j] == di)) {
-            p[j] = -INFINITY;
-            continue;
-          }
-          const float *kj = b323 + (b * 1024 + j) * 768 + hd * 64;
-          float dot = 0.0f;
-          #pragma omp simd reduction(+ : dot)
-          for (int64_t c = 0; c < 64; c++)
-            dot += qi[c] * kj[c];
-          p[j] = dot * 0.125f;
-          m = fmaxf(m, p[j]);
-        }
-        double sum = 0, dsum = 0;
-        for (int64_t j = 0; j < nj; j++) {
-          p[j] = p[j] == -INFINITY ? 0.0f : expf(p[j] - m);
-          sum += p[j];
-        }
-        for (int64_t j = 0; j < nj; j++) {
-          p[j] = (float)(p[j] / sum);
-          const float *vj = b324 + (b * 1024 + j) * 768 + hd * 64;
-          float dot = 0.0f;
-          #pragma omp simd reduction(+ : dot)
-          for (int64_t c = 0; c < 64; c++)
-            dot += doi[c] * vj[c];
-          dp[j] = dot;
-          dsum += (double)p[j] * dot;
-        }
-        float dqi[64] = {0};
-        for (int64_t j = 0; j < nj; j++) {
-          if (p[j] == 0.0f)
-            continue;
-          const float ds = p[j] * (dp[j] - (float)dsum);
-          const float *kj = b323 + (b * 1024 + j) * 768 + hd * 64;
-          for (int64_t c = 0; c < 64; c++)
-            dqi[c] += ds * kj[c];
-          float *dkj = b608 + (b * 1024 + j) * 768 + hd * 64;
-          for (int64_t c = 0; c < 64; c++)
-            dkj[c] += 0.125f * ds * qi[c];
-          float *dvj = b609 + (b * 1024 + j) * 768 + hd * 64;
-          for (int64_t c = 0; c < 64; c++)
-            dvj[c] += p[j] * doi[c];
-        }
-        float *dq = b607 + (b * 1024 + i) * 768 + hd * 64;
+      for (int64_t j = 0; j < 1024; j++) {
+        const float *xj = b323 + (b * 1024 + j) * 768 + hd * 64;
         for (int64_t c = 0; c < 64; c++)
-          dq[c] = 0.125f * dqi[c];
+          kt[c * 1056 + j] = xj[c];
       }
+      for (int64_t j = 0; j < 1024; j++) {
+        const float *xj = b324 + (b * 1024 + j) * 768 + hd * 64;
+        for (int64_t c = 0; c < 64; c++)
+          vt[c * 1056 + j] = xj[c];
+      }
+      memset(dkh, 0, 65536 * sizeof(float));
+      memset(dvh, 0, 65536 * sizeof(float));
+      int64_t lo = 0, hi = 1024;
+      const int32_t *restrict dc = b3 + b * 1024;
+      for (int64_t i = 0; i < 1024; i++) {
+        const int32_t di = dc[i];
+        if (i == 0 || dc[i - 1] != di) {
+          lo = 0;
+          while (dc[lo] != di)
+            lo++;
+        }
+        hi = i + 1;
+        const float *restrict qi = b322 + (b * 1024 + i) * 768 + hd * 64;
+        for (int64_t j0 = lo; j0 < hi; j0 += 32) {
+          float acc[32] = {0};
+          for (int64_t c = 0; c < 64; c++) {
+            const float vc = qi[c], *restrict mc = kt + c * 1056 + j0;
+            #pragma omp simd
+            for (int64_t u = 0; u < 32; u++)
+              acc[u] += vc * mc[u];
+          }
+          memcpy(s + j0, acc, sizeof acc);
+        }
+        float m = -INFINITY;
+        #pragma omp simd reduction(max : m)
+        for (int64_t j = lo; j < hi; j++) {
+          s[j] = dc[j] == di ? s[j] * 0.125f : -INFINITY;
+          m = s[j] > m ? s[j] : m;
+        }
+        #pragma omp simd
+        for (int64_t j = lo; j < hi; j++)
+          s[j] = mdl_exp_shifted(s[j] - m);
+        float l;
+        {
+          float part[8] = {0};
+          int64_t j0 = lo;
+          for (; j0 + 8 <= hi; j0 += 8) {
+            for (int64_t u = 0; u < 8; u++) {
+              const int64_t j = j0 + u;
+              part[u] += s[j];
+            }
+          }
+          for (int64_t j = j0; j < hi; j++) {
+            part[j - j0] += s[j];
+          }
+          l = ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
+        }
+        const float *restrict doi = b604 + (b * 1024 + i) * 768 + hd * 64;
+        #pragma omp simd
+        for (int64_t j = lo; j < hi; j++)
+          s[j] /= l;
+        for (int64_t j0 = lo; j0 < hi; j0 += 32) {
+          float acc[32] = {0};
+          for (int64_t c = 0; c < 64; c++) {
+            const float vc = doi[c], *restrict mc = vt + c * 1056 + j0;
+            #pragma omp simd
+            for (int64_t u = 0; u < 32; u++)
+              acc[u] += vc * mc[u];
+          }
+          memcpy(dp + j0, acc, sizeof acc);
+        }
+        float dsum;
+        {
+          float part[8] = {0};
+          int64_t j0 = lo;
+          for (; j0 + 8 <= hi; j0 += 8) {
+            for (int64_t u = 0; u < 8; u++) {
+              const int64_t j = j0 + u;
+              part[u] += s[j] * dp[j];
+            }
+          }
+          for (int64_t j = j0; j < hi; j++) {
+            part[j - j0] += s[j] * dp[j];
+          }
+          dsum = ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
+        }
+        #pragma omp simd
+        for (int64_t j = lo; j < hi; j++)
+          dp[j] = s[j] * (dp[j] - dsum);
+        float dqi0[64] = {0}, dqi1[64] = {0};
+        int64_t j = lo;
+        for (; j + 1 < hi; j += 2) {
+          const float w0 = dp[j], w1 = dp[j + 1], *restrict x0 = b323 + (b * 1024 + j) * 768 + hd * 64, *restrict x1 = x0 + 768;
+          #pragma omp simd
+          for (int64_t c = 0; c < 64; c++) {
+            dqi0[c] += w0 * x0[c];
+            dqi1[c] += w1 * x1[c];
+          }
+        }
+        if (j < hi) {
+          const float w0 = dp[j], *restrict x0 = b323 + (b * 1024 + j) * 768 + hd * 64;
+          #pragma omp simd
+          for (int64_t c = 0; c < 64; c++)
+            dqi0[c] += w0 * x0[c];
+        }
+        float sqi[64];
+        for (int64_t c = 0; c < 64; c++)
+          sqi[c] = 0.125f * qi[c];
+        for (int64_t j = lo; j < hi; j++) {
+          float *restrict dkj = dkh + j * 64;
+          #pragma omp simd
+          for (int64_t c = 0; c < 64; c++)
+            dkj[c] += dp[j] * sqi[c];
+          float *restrict dvj = dvh + j * 64;
+          #pragma omp simd
+          for (int64_t c = 0; c < 64; c++)
+            dvj[c] += s[j] * doi[c];
+        }
+        float *restrict dq = b607 + (b * 1024 + i) * 768 + hd * 64;
+        for (int64_t c = 0; c < 64; c++)
+          dq[c] = 0.125f * (dqi0[c] + dqi1[c]);
+      }
+      for (int64_t t = 0; t < 1024; t++)
+        memcpy(b608 + (b * 1024 + t) * 768 + hd * 64, dkh + t * 64, 64 * sizeof(float));
+      for (int64_t t = 0; t < 1024; t++)
+        memcpy(b609 + (b * 1024 + t) * 768 + hd * 64, dvh + t * 64, 64 * sizeof(float));
     }
-    free(p);
+    free(kt);
+    free(s);
+    free(vt);
     free(dp);
+    free(dkh);
+    free(dvh);
   }
 }
 
@@ -6005,71 +6743,148 @@ static void k210_attention_bwd(char *arena, const MdlHooks *h) {
   float *const b646 = (float *)(arena + 3705838720); // %646 attention_bwd d.h.7.v f32[8,1024,768]
   #pragma omp parallel num_threads(h->nthreads)
   {
-    float *p = mdl_scratch(1024 * sizeof(float));
-    float *dp = mdl_scratch(1024 * sizeof(float));
+    float *restrict kt = memset(mdl_scratch(67584 * sizeof(float)), 0, 67584 * sizeof(float));
+    float *restrict s = memset(mdl_scratch(1056 * sizeof(float)), 0, 1056 * sizeof(float));
+    float *restrict vt = memset(mdl_scratch(67584 * sizeof(float)), 0, 67584 * sizeof(float));
+    float *restrict dp = memset(mdl_scratch(1056 * sizeof(float)), 0, 1056 * sizeof(float));
+    float *restrict dkh = memset(mdl_scratch(65536 * sizeof(float)), 0, 65536 * sizeof(float));
+    float *restrict dvh = memset(mdl_scratch(65536 * sizeof(float)), 0, 65536 * sizeof(float));
     #pragma omp for schedule(dynamic, 1)
     for (int64_t task = 0; task < 96; task++) {
       const int64_t b = task / 12, hd = task % 12;
-      for (int64_t t = 0; t < 1024; t++)
-        memset(b645 + (b * 1024 + t) * 768 + hd * 64, 0, 64 * sizeof(float));
-      for (int64_t t = 0; t < 1024; t++)
-        memset(b646 + (b * 1024 + t) * 768 + hd * 64, 0, 64 * sizeof(float));
-      for (int64_t i = 0; i < 1024; i++) {
-        const float *qi = b285 + (b * 1024 + i) * 768 + hd * 64;
-        const float *doi = b641 + (b * 1024 + i) * 768 + hd * 64;
-        const int32_t di = b3[b * 1024 + i];
-        const int64_t nj = i + 1;
-        float m = -INFINITY;
-        for (int64_t j = 0; j < nj; j++) {
-          if (!(b3[b * 1024 + j] == di)) {
-            p[j] = -INFINITY;
-            continue;
-          }
-          const float *kj = b286 + (b * 1024 + j) * 768 + hd * 64;
-          float dot = 0.0f;
-          #pragma omp simd reduction(+ : dot)
-          for (int64_t c = 0; c < 64; c++)
-            dot += qi[c] * kj[c];
-          p[j] = dot * 0.125f;
-          m = fmaxf(m, p[j]);
-        }
-        double sum = 0, dsum = 0;
-        for (int64_t j = 0; j < nj; j++) {
-          p[j] = p[j] == -INFINITY ? 0.0f : expf(p[j] - m);
-          sum += p[j];
-        }
-        for (int64_t j = 0; j < nj; j++) {
-          p[j] = (float)(p[j] / sum);
-          const float *vj = b287 + (b * 1024 + j) * 768 + hd * 64;
-          float dot = 0.0f;
-          #pragma omp simd reduction(+ : dot)
-          for (int64_t c = 0; c < 64; c++)
-            dot += doi[c] * vj[c];
-          dp[j] = dot;
-          dsum += (double)p[j] * dot;
-        }
-        float dqi[64] = {0};
-        for (int64_t j = 0; j < nj; j++) {
-          if (p[j] == 0.0f)
-            continue;
-          const float ds = p[j] * (dp[j] - (float)dsum);
-          const float *kj = b286 + (b * 1024 + j) * 768 + hd * 64;
-          for (int64_t c = 0; c < 64; c++)
-            dqi[c] += ds * kj[c];
-          float *dkj = b645 + (b * 1024 + j) * 768 + hd * 64;
-          for (int64_t c = 0; c < 64; c++)
-            dkj[c] += 0.125f * ds * qi[c];
-          float *dvj = b646 + (b * 1024 + j) * 768 + hd * 64;
-          for (int64_t c = 0; c < 64; c++)
-            dvj[c] += p[j] * doi[c];
-        }
-        float *dq = b644 + (b * 1024 + i) * 768 + hd * 64;
+      for (int64_t j = 0; j < 1024; j++) {
+        const float *xj = b286 + (b * 1024 + j) * 768 + hd * 64;
         for (int64_t c = 0; c < 64; c++)
-          dq[c] = 0.125f * dqi[c];
+          kt[c * 1056 + j] = xj[c];
       }
+      for (int64_t j = 0; j < 1024; j++) {
+        const float *xj = b287 + (b * 1024 + j) * 768 + hd * 64;
+        for (int64_t c = 0; c < 64; c++)
+          vt[c * 1056 + j] = xj[c];
+      }
+      memset(dkh, 0, 65536 * sizeof(float));
+      memset(dvh, 0, 65536 * sizeof(float));
+      int64_t lo = 0, hi = 1024;
+      const int32_t *restrict dc = b3 + b * 1024;
+      for (int64_t i = 0; i < 1024; i++) {
+        const int32_t di = dc[i];
+        if (i == 0 || dc[i - 1] != di) {
+          lo = 0;
+          while (dc[lo] != di)
+            lo++;
+        }
+        hi = i + 1;
+        const float *restrict qi = b285 + (b * 1024 + i) * 768 + hd * 64;
+        for (int64_t j0 = lo; j0 < hi; j0 += 32) {
+          float acc[32] = {0};
+          for (int64_t c = 0; c < 64; c++) {
+            const float vc = qi[c], *restrict mc = kt + c * 1056 + j0;
+            #pragma omp simd
+            for (int64_t u = 0; u < 32; u++)
+              acc[u] += vc * mc[u];
+          }
+          memcpy(s + j0, acc, sizeof acc);
+        }
+        float m = -INFINITY;
+        #pragma omp simd reduction(max : m)
+        for (int64_t j = lo; j < hi; j++) {
+          s[j] = dc[j] == di ? s[j] * 0.125f : -INFINITY;
+          m = s[j] > m ? s[j] : m;
+        }
+        #pragma omp simd
+        for (int64_t j = lo; j < hi; j++)
+          s[j] = mdl_exp_shifted(s[j] - m);
+        float l;
+        {
+          float part[8] = {0};
+          int64_t j0 = lo;
+          for (; j0 + 8 <= hi; j0 += 8) {
+            for (int64_t u = 0; u < 8; u++) {
+              const int64_t j = j0 + u;
+              part[u] += s[j];
+            }
+          }
+          for (int64_t j = j0; j < hi; j++) {
+            part[j - j0] += s[j];
+          }
+          l = ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
+        }
+        const float *restrict doi = b641 + (b * 1024 + i) * 768 + hd * 64;
+        #pragma omp simd
+        for (int64_t j = lo; j < hi; j++)
+          s[j] /= l;
+        for (int64_t j0 = lo; j0 < hi; j0 += 32) {
+          float acc[32] = {0};
+          for (int64_t c = 0; c < 64; c++) {
+            const float vc = doi[c], *restrict mc = vt + c * 1056 + j0;
+            #pragma omp simd
+            for (int64_t u = 0; u < 32; u++)
+              acc[u] += vc * mc[u];
+          }
+          memcpy(dp + j0, acc, sizeof acc);
+        }
+        float dsum;
+        {
+          float part[8] = {0};
+          int64_t j0 = lo;
+          for (; j0 + 8 <= hi; j0 += 8) {
+            for (int64_t u = 0; u < 8; u++) {
+              const int64_t j = j0 + u;
+              part[u] += s[j] * dp[j];
+            }
+          }
+          for (int64_t j = j0; j < hi; j++) {
+            part[j - j0] += s[j] * dp[j];
+          }
+          dsum = ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
+        }
+        #pragma omp simd
+        for (int64_t j = lo; j < hi; j++)
+          dp[j] = s[j] * (dp[j] - dsum);
+        float dqi0[64] = {0}, dqi1[64] = {0};
+        int64_t j = lo;
+        for (; j + 1 < hi; j += 2) {
+          const float w0 = dp[j], w1 = dp[j + 1], *restrict x0 = b286 + (b * 1024 + j) * 768 + hd * 64, *restrict x1 = x0 + 768;
+          #pragma omp simd
+          for (int64_t c = 0; c < 64; c++) {
+            dqi0[c] += w0 * x0[c];
+            dqi1[c] += w1 * x1[c];
+          }
+        }
+        if (j < hi) {
+          const float w0 = dp[j], *restrict x0 = b286 + (b * 1024 + j) * 768 + hd * 64;
+          #pragma omp simd
+          for (int64_t c = 0; c < 64; c++)
+            dqi0[c] += w0 * x0[c];
+        }
+        float sqi[64];
+        for (int64_t c = 0; c < 64; c++)
+          sqi[c] = 0.125f * qi[c];
+        for (int64_t j = lo; j < hi; j++) {
+          float *restrict dkj = dkh + j * 64;
+          #pragma omp simd
+          for (int64_t c = 0; c < 64; c++)
+            dkj[c] += dp[j] * sqi[c];
+          float *restrict dvj = dvh + j * 64;
+          #pragma omp simd
+          for (int64_t c = 0; c < 64; c++)
+            dvj[c] += s[j] * doi[c];
+        }
+        float *restrict dq = b644 + (b * 1024 + i) * 768 + hd * 64;
+        for (int64_t c = 0; c < 64; c++)
+          dq[c] = 0.125f * (dqi0[c] + dqi1[c]);
+      }
+      for (int64_t t = 0; t < 1024; t++)
+        memcpy(b645 + (b * 1024 + t) * 768 + hd * 64, dkh + t * 64, 64 * sizeof(float));
+      for (int64_t t = 0; t < 1024; t++)
+        memcpy(b646 + (b * 1024 + t) * 768 + hd * 64, dvh + t * 64, 64 * sizeof(float));
     }
-    free(p);
+    free(kt);
+    free(s);
+    free(vt);
     free(dp);
+    free(dkh);
+    free(dvh);
   }
 }
 
@@ -6526,71 +7341,148 @@ static void k228_attention_bwd(char *arena, const MdlHooks *h) {
   float *const b683 = (float *)(arena + 3504512128); // %683 attention_bwd d.h.6.v f32[8,1024,768]
   #pragma omp parallel num_threads(h->nthreads)
   {
-    float *p = mdl_scratch(1024 * sizeof(float));
-    float *dp = mdl_scratch(1024 * sizeof(float));
+    float *restrict kt = memset(mdl_scratch(67584 * sizeof(float)), 0, 67584 * sizeof(float));
+    float *restrict s = memset(mdl_scratch(1056 * sizeof(float)), 0, 1056 * sizeof(float));
+    float *restrict vt = memset(mdl_scratch(67584 * sizeof(float)), 0, 67584 * sizeof(float));
+    float *restrict dp = memset(mdl_scratch(1056 * sizeof(float)), 0, 1056 * sizeof(float));
+    float *restrict dkh = memset(mdl_scratch(65536 * sizeof(float)), 0, 65536 * sizeof(float));
+    float *restrict dvh = memset(mdl_scratch(65536 * sizeof(float)), 0, 65536 * sizeof(float));
     #pragma omp for schedule(dynamic, 1)
     for (int64_t task = 0; task < 96; task++) {
       const int64_t b = task / 12, hd = task % 12;
-      for (int64_t t = 0; t < 1024; t++)
-        memset(b682 + (b * 1024 + t) * 768 + hd * 64, 0, 64 * sizeof(float));
-      for (int64_t t = 0; t < 1024; t++)
-        memset(b683 + (b * 1024 + t) * 768 + hd * 64, 0, 64 * sizeof(float));
-      for (int64_t i = 0; i < 1024; i++) {
-        const float *qi = b248 + (b * 1024 + i) * 768 + hd * 64;
-        const float *doi = b678 + (b * 1024 + i) * 768 + hd * 64;
-        const int32_t di = b3[b * 1024 + i];
-        const int64_t nj = i + 1;
-        float m = -INFINITY;
-        for (int64_t j = 0; j < nj; j++) {
-          if (!(b3[b * 1024 + j] == di)) {
-            p[j] = -INFINITY;
-            continue;
-          }
-          const float *kj = b249 + (b * 1024 + j) * 768 + hd * 64;
-          float dot = 0.0f;
-          #pragma omp simd reduction(+ : dot)
-          for (int64_t c = 0; c < 64; c++)
-            dot += qi[c] * kj[c];
-          p[j] = dot * 0.125f;
-          m = fmaxf(m, p[j]);
-        }
-        double sum = 0, dsum = 0;
-        for (int64_t j = 0; j < nj; j++) {
-          p[j] = p[j] == -INFINITY ? 0.0f : expf(p[j] - m);
-          sum += p[j];
-        }
-        for (int64_t j = 0; j < nj; j++) {
-          p[j] = (float)(p[j] / sum);
-          const float *vj = b250 + (b * 1024 + j) * 768 + hd * 64;
-          float dot = 0.0f;
-          #pragma omp simd reduction(+ : dot)
-          for (int64_t c = 0; c < 64; c++)
-            dot += doi[c] * vj[c];
-          dp[j] = dot;
-          dsum += (double)p[j] * dot;
-        }
-        float dqi[64] = {0};
-        for (int64_t j = 0; j < nj; j++) {
-          if (p[j] == 0.0f)
-            continue;
-          const float ds = p[j] * (dp[j] - (float)dsum);
-          const float *kj = b249 + (b * 1024 + j) * 768 + hd * 64;
-          for (int64_t c = 0; c < 64; c++)
-            dqi[c] += ds * kj[c];
-          float *dkj = b682 + (b * 1024 + j) * 768 + hd * 64;
-          for (int64_t c = 0; c < 64; c++)
-            dkj[c] += 0.125f * ds * qi[c];
-          float *dvj = b683 + (b * 1024 + j) * 768 + hd * 64;
-          for (int64_t c = 0; c < 64; c++)
-            dvj[c] += p[j] * doi[c];
-        }
-        float *dq = b681 + (b * 1024 + i) * 768 + hd * 64;
+      for (int64_t j = 0; j < 1024; j++) {
+        const float *xj = b249 + (b * 1024 + j) * 768 + hd * 64;
         for (int64_t c = 0; c < 64; c++)
-          dq[c] = 0.125f * dqi[c];
+          kt[c * 1056 + j] = xj[c];
       }
+      for (int64_t j = 0; j < 1024; j++) {
+        const float *xj = b250 + (b * 1024 + j) * 768 + hd * 64;
+        for (int64_t c = 0; c < 64; c++)
+          vt[c * 1056 + j] = xj[c];
+      }
+      memset(dkh, 0, 65536 * sizeof(float));
+      memset(dvh, 0, 65536 * sizeof(float));
+      int64_t lo = 0, hi = 1024;
+      const int32_t *restrict dc = b3 + b * 1024;
+      for (int64_t i = 0; i < 1024; i++) {
+        const int32_t di = dc[i];
+        if (i == 0 || dc[i - 1] != di) {
+          lo = 0;
+          while (dc[lo] != di)
+            lo++;
+        }
+        hi = i + 1;
+        const float *restrict qi = b248 + (b * 1024 + i) * 768 + hd * 64;
+        for (int64_t j0 = lo; j0 < hi; j0 += 32) {
+          float acc[32] = {0};
+          for (int64_t c = 0; c < 64; c++) {
+            const float vc = qi[c], *restrict mc = kt + c * 1056 + j0;
+            #pragma omp simd
+            for (int64_t u = 0; u < 32; u++)
+              acc[u] += vc * mc[u];
+          }
+          memcpy(s + j0, acc, sizeof acc);
+        }
+        float m = -INFINITY;
+        #pragma omp simd reduction(max : m)
+        for (int64_t j = lo; j < hi; j++) {
+          s[j] = dc[j] == di ? s[j] * 0.125f : -INFINITY;
+          m = s[j] > m ? s[j] : m;
+        }
+        #pragma omp simd
+        for (int64_t j = lo; j < hi; j++)
+          s[j] = mdl_exp_shifted(s[j] - m);
+        float l;
+        {
+          float part[8] = {0};
+          int64_t j0 = lo;
+          for (; j0 + 8 <= hi; j0 += 8) {
+            for (int64_t u = 0; u < 8; u++) {
+              const int64_t j = j0 + u;
+              part[u] += s[j];
+            }
+          }
+          for (int64_t j = j0; j < hi; j++) {
+            part[j - j0] += s[j];
+          }
+          l = ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
+        }
+        const float *restrict doi = b678 + (b * 1024 + i) * 768 + hd * 64;
+        #pragma omp simd
+        for (int64_t j = lo; j < hi; j++)
+          s[j] /= l;
+        for (int64_t j0 = lo; j0 < hi; j0 += 32) {
+          float acc[32] = {0};
+          for (int64_t c = 0; c < 64; c++) {
+            const float vc = doi[c], *restrict mc = vt + c * 1056 + j0;
+            #pragma omp simd
+            for (int64_t u = 0; u < 32; u++)
+              acc[u] += vc * mc[u];
+          }
+          memcpy(dp + j0, acc, sizeof acc);
+        }
+        float dsum;
+        {
+          float part[8] = {0};
+          int64_t j0 = lo;
+          for (; j0 + 8 <= hi; j0 += 8) {
+            for (int64_t u = 0; u < 8; u++) {
+              const int64_t j = j0 + u;
+              part[u] += s[j] * dp[j];
+            }
+          }
+          for (int64_t j = j0; j < hi; j++) {
+            part[j - j0] += s[j] * dp[j];
+          }
+          dsum = ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
+        }
+        #pragma omp simd
+        for (int64_t j = lo; j < hi; j++)
+          dp[j] = s[j] * (dp[j] - dsum);
+        float dqi0[64] = {0}, dqi1[64] = {0};
+        int64_t j = lo;
+        for (; j + 1 < hi; j += 2) {
+          const float w0 = dp[j], w1 = dp[j + 1], *restrict x0 = b249 + (b * 1024 + j) * 768 + hd * 64, *restrict x1 = x0 + 768;
+          #pragma omp simd
+          for (int64_t c = 0; c < 64; c++) {
+            dqi0[c] += w0 * x0[c];
+            dqi1[c] += w1 * x1[c];
+          }
+        }
+        if (j < hi) {
+          const float w0 = dp[j], *restrict x0 = b249 + (b * 1024 + j) * 768 + hd * 64;
+          #pragma omp simd
+          for (int64_t c = 0; c < 64; c++)
+            dqi0[c] += w0 * x0[c];
+        }
+        float sqi[64];
+        for (int64_t c = 0; c < 64; c++)
+          sqi[c] = 0.125f * qi[c];
+        for (int64_t j = lo; j < hi; j++) {
+          float *restrict dkj = dkh + j * 64;
+          #pragma omp simd
+          for (int64_t c = 0; c < 64; c++)
+            dkj[c] += dp[j] * sqi[c];
+          float *restrict dvj = dvh + j * 64;
+          #pragma omp simd
+          for (int64_t c = 0; c < 64; c++)
+            dvj[c] += s[j] * doi[c];
+        }
+        float *restrict dq = b681 + (b * 1024 + i) * 768 + hd * 64;
+        for (int64_t c = 0; c < 64; c++)
+          dq[c] = 0.125f * (dqi0[c] + dqi1[c]);
+      }
+      for (int64_t t = 0; t < 1024; t++)
+        memcpy(b682 + (b * 1024 + t) * 768 + hd * 64, dkh + t * 64, 64 * sizeof(float));
+      for (int64_t t = 0; t < 1024; t++)
+        memcpy(b683 + (b * 1024 + t) * 768 + hd * 64, dvh + t * 64, 64 * sizeof(float));
     }
-    free(p);
+    free(kt);
+    free(s);
+    free(vt);
     free(dp);
+    free(dkh);
+    free(dvh);
   }
 }
 
@@ -7047,71 +7939,148 @@ static void k246_attention_bwd(char *arena, const MdlHooks *h) {
   float *const b720 = (float *)(arena + 3303185536); // %720 attention_bwd d.h.5.v f32[8,1024,768]
   #pragma omp parallel num_threads(h->nthreads)
   {
-    float *p = mdl_scratch(1024 * sizeof(float));
-    float *dp = mdl_scratch(1024 * sizeof(float));
+    float *restrict kt = memset(mdl_scratch(67584 * sizeof(float)), 0, 67584 * sizeof(float));
+    float *restrict s = memset(mdl_scratch(1056 * sizeof(float)), 0, 1056 * sizeof(float));
+    float *restrict vt = memset(mdl_scratch(67584 * sizeof(float)), 0, 67584 * sizeof(float));
+    float *restrict dp = memset(mdl_scratch(1056 * sizeof(float)), 0, 1056 * sizeof(float));
+    float *restrict dkh = memset(mdl_scratch(65536 * sizeof(float)), 0, 65536 * sizeof(float));
+    float *restrict dvh = memset(mdl_scratch(65536 * sizeof(float)), 0, 65536 * sizeof(float));
     #pragma omp for schedule(dynamic, 1)
     for (int64_t task = 0; task < 96; task++) {
       const int64_t b = task / 12, hd = task % 12;
-      for (int64_t t = 0; t < 1024; t++)
-        memset(b719 + (b * 1024 + t) * 768 + hd * 64, 0, 64 * sizeof(float));
-      for (int64_t t = 0; t < 1024; t++)
-        memset(b720 + (b * 1024 + t) * 768 + hd * 64, 0, 64 * sizeof(float));
-      for (int64_t i = 0; i < 1024; i++) {
-        const float *qi = b211 + (b * 1024 + i) * 768 + hd * 64;
-        const float *doi = b715 + (b * 1024 + i) * 768 + hd * 64;
-        const int32_t di = b3[b * 1024 + i];
-        const int64_t nj = i + 1;
-        float m = -INFINITY;
-        for (int64_t j = 0; j < nj; j++) {
-          if (!(b3[b * 1024 + j] == di)) {
-            p[j] = -INFINITY;
-            continue;
-          }
-          const float *kj = b212 + (b * 1024 + j) * 768 + hd * 64;
-          float dot = 0.0f;
-          #pragma omp simd reduction(+ : dot)
-          for (int64_t c = 0; c < 64; c++)
-            dot += qi[c] * kj[c];
-          p[j] = dot * 0.125f;
-          m = fmaxf(m, p[j]);
-        }
-        double sum = 0, dsum = 0;
-        for (int64_t j = 0; j < nj; j++) {
-          p[j] = p[j] == -INFINITY ? 0.0f : expf(p[j] - m);
-          sum += p[j];
-        }
-        for (int64_t j = 0; j < nj; j++) {
-          p[j] = (float)(p[j] / sum);
-          const float *vj = b213 + (b * 1024 + j) * 768 + hd * 64;
-          float dot = 0.0f;
-          #pragma omp simd reduction(+ : dot)
-          for (int64_t c = 0; c < 64; c++)
-            dot += doi[c] * vj[c];
-          dp[j] = dot;
-          dsum += (double)p[j] * dot;
-        }
-        float dqi[64] = {0};
-        for (int64_t j = 0; j < nj; j++) {
-          if (p[j] == 0.0f)
-            continue;
-          const float ds = p[j] * (dp[j] - (float)dsum);
-          const float *kj = b212 + (b * 1024 + j) * 768 + hd * 64;
-          for (int64_t c = 0; c < 64; c++)
-            dqi[c] += ds * kj[c];
-          float *dkj = b719 + (b * 1024 + j) * 768 + hd * 64;
-          for (int64_t c = 0; c < 64; c++)
-            dkj[c] += 0.125f * ds * qi[c];
-          float *dvj = b720 + (b * 1024 + j) * 768 + hd * 64;
-          for (int64_t c = 0; c < 64; c++)
-            dvj[c] += p[j] * doi[c];
-        }
-        float *dq = b718 + (b * 1024 + i) * 768 + hd * 64;
+      for (int64_t j = 0; j < 1024; j++) {
+        const float *xj = b212 + (b * 1024 + j) * 768 + hd * 64;
         for (int64_t c = 0; c < 64; c++)
-          dq[c] = 0.125f * dqi[c];
+          kt[c * 1056 + j] = xj[c];
       }
+      for (int64_t j = 0; j < 1024; j++) {
+        const float *xj = b213 + (b * 1024 + j) * 768 + hd * 64;
+        for (int64_t c = 0; c < 64; c++)
+          vt[c * 1056 + j] = xj[c];
+      }
+      memset(dkh, 0, 65536 * sizeof(float));
+      memset(dvh, 0, 65536 * sizeof(float));
+      int64_t lo = 0, hi = 1024;
+      const int32_t *restrict dc = b3 + b * 1024;
+      for (int64_t i = 0; i < 1024; i++) {
+        const int32_t di = dc[i];
+        if (i == 0 || dc[i - 1] != di) {
+          lo = 0;
+          while (dc[lo] != di)
+            lo++;
+        }
+        hi = i + 1;
+        const float *restrict qi = b211 + (b * 1024 + i) * 768 + hd * 64;
+        for (int64_t j0 = lo; j0 < hi; j0 += 32) {
+          float acc[32] = {0};
+          for (int64_t c = 0; c < 64; c++) {
+            const float vc = qi[c], *restrict mc = kt + c * 1056 + j0;
+            #pragma omp simd
+            for (int64_t u = 0; u < 32; u++)
+              acc[u] += vc * mc[u];
+          }
+          memcpy(s + j0, acc, sizeof acc);
+        }
+        float m = -INFINITY;
+        #pragma omp simd reduction(max : m)
+        for (int64_t j = lo; j < hi; j++) {
+          s[j] = dc[j] == di ? s[j] * 0.125f : -INFINITY;
+          m = s[j] > m ? s[j] : m;
+        }
+        #pragma omp simd
+        for (int64_t j = lo; j < hi; j++)
+          s[j] = mdl_exp_shifted(s[j] - m);
+        float l;
+        {
+          float part[8] = {0};
+          int64_t j0 = lo;
+          for (; j0 + 8 <= hi; j0 += 8) {
+            for (int64_t u = 0; u < 8; u++) {
+              const int64_t j = j0 + u;
+              part[u] += s[j];
+            }
+          }
+          for (int64_t j = j0; j < hi; j++) {
+            part[j - j0] += s[j];
+          }
+          l = ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
+        }
+        const float *restrict doi = b715 + (b * 1024 + i) * 768 + hd * 64;
+        #pragma omp simd
+        for (int64_t j = lo; j < hi; j++)
+          s[j] /= l;
+        for (int64_t j0 = lo; j0 < hi; j0 += 32) {
+          float acc[32] = {0};
+          for (int64_t c = 0; c < 64; c++) {
+            const float vc = doi[c], *restrict mc = vt + c * 1056 + j0;
+            #pragma omp simd
+            for (int64_t u = 0; u < 32; u++)
+              acc[u] += vc * mc[u];
+          }
+          memcpy(dp + j0, acc, sizeof acc);
+        }
+        float dsum;
+        {
+          float part[8] = {0};
+          int64_t j0 = lo;
+          for (; j0 + 8 <= hi; j0 += 8) {
+            for (int64_t u = 0; u < 8; u++) {
+              const int64_t j = j0 + u;
+              part[u] += s[j] * dp[j];
+            }
+          }
+          for (int64_t j = j0; j < hi; j++) {
+            part[j - j0] += s[j] * dp[j];
+          }
+          dsum = ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
+        }
+        #pragma omp simd
+        for (int64_t j = lo; j < hi; j++)
+          dp[j] = s[j] * (dp[j] - dsum);
+        float dqi0[64] = {0}, dqi1[64] = {0};
+        int64_t j = lo;
+        for (; j + 1 < hi; j += 2) {
+          const float w0 = dp[j], w1 = dp[j + 1], *restrict x0 = b212 + (b * 1024 + j) * 768 + hd * 64, *restrict x1 = x0 + 768;
+          #pragma omp simd
+          for (int64_t c = 0; c < 64; c++) {
+            dqi0[c] += w0 * x0[c];
+            dqi1[c] += w1 * x1[c];
+          }
+        }
+        if (j < hi) {
+          const float w0 = dp[j], *restrict x0 = b212 + (b * 1024 + j) * 768 + hd * 64;
+          #pragma omp simd
+          for (int64_t c = 0; c < 64; c++)
+            dqi0[c] += w0 * x0[c];
+        }
+        float sqi[64];
+        for (int64_t c = 0; c < 64; c++)
+          sqi[c] = 0.125f * qi[c];
+        for (int64_t j = lo; j < hi; j++) {
+          float *restrict dkj = dkh + j * 64;
+          #pragma omp simd
+          for (int64_t c = 0; c < 64; c++)
+            dkj[c] += dp[j] * sqi[c];
+          float *restrict dvj = dvh + j * 64;
+          #pragma omp simd
+          for (int64_t c = 0; c < 64; c++)
+            dvj[c] += s[j] * doi[c];
+        }
+        float *restrict dq = b718 + (b * 1024 + i) * 768 + hd * 64;
+        for (int64_t c = 0; c < 64; c++)
+          dq[c] = 0.125f * (dqi0[c] + dqi1[c]);
+      }
+      for (int64_t t = 0; t < 1024; t++)
+        memcpy(b719 + (b * 1024 + t) * 768 + hd * 64, dkh + t * 64, 64 * sizeof(float));
+      for (int64_t t = 0; t < 1024; t++)
+        memcpy(b720 + (b * 1024 + t) * 768 + hd * 64, dvh + t * 64, 64 * sizeof(float));
     }
-    free(p);
+    free(kt);
+    free(s);
+    free(vt);
     free(dp);
+    free(dkh);
+    free(dvh);
   }
 }
 
@@ -7568,71 +8537,148 @@ static void k264_attention_bwd(char *arena, const MdlHooks *h) {
   float *const b757 = (float *)(arena + 3101858944); // %757 attention_bwd d.h.4.v f32[8,1024,768]
   #pragma omp parallel num_threads(h->nthreads)
   {
-    float *p = mdl_scratch(1024 * sizeof(float));
-    float *dp = mdl_scratch(1024 * sizeof(float));
+    float *restrict kt = memset(mdl_scratch(67584 * sizeof(float)), 0, 67584 * sizeof(float));
+    float *restrict s = memset(mdl_scratch(1056 * sizeof(float)), 0, 1056 * sizeof(float));
+    float *restrict vt = memset(mdl_scratch(67584 * sizeof(float)), 0, 67584 * sizeof(float));
+    float *restrict dp = memset(mdl_scratch(1056 * sizeof(float)), 0, 1056 * sizeof(float));
+    float *restrict dkh = memset(mdl_scratch(65536 * sizeof(float)), 0, 65536 * sizeof(float));
+    float *restrict dvh = memset(mdl_scratch(65536 * sizeof(float)), 0, 65536 * sizeof(float));
     #pragma omp for schedule(dynamic, 1)
     for (int64_t task = 0; task < 96; task++) {
       const int64_t b = task / 12, hd = task % 12;
-      for (int64_t t = 0; t < 1024; t++)
-        memset(b756 + (b * 1024 + t) * 768 + hd * 64, 0, 64 * sizeof(float));
-      for (int64_t t = 0; t < 1024; t++)
-        memset(b757 + (b * 1024 + t) * 768 + hd * 64, 0, 64 * sizeof(float));
-      for (int64_t i = 0; i < 1024; i++) {
-        const float *qi = b174 + (b * 1024 + i) * 768 + hd * 64;
-        const float *doi = b752 + (b * 1024 + i) * 768 + hd * 64;
-        const int32_t di = b3[b * 1024 + i];
-        const int64_t nj = i + 1;
-        float m = -INFINITY;
-        for (int64_t j = 0; j < nj; j++) {
-          if (!(b3[b * 1024 + j] == di)) {
-            p[j] = -INFINITY;
-            continue;
-          }
-          const float *kj = b175 + (b * 1024 + j) * 768 + hd * 64;
-          float dot = 0.0f;
-          #pragma omp simd reduction(+ : dot)
-          for (int64_t c = 0; c < 64; c++)
-            dot += qi[c] * kj[c];
-          p[j] = dot * 0.125f;
-          m = fmaxf(m, p[j]);
-        }
-        double sum = 0, dsum = 0;
-        for (int64_t j = 0; j < nj; j++) {
-          p[j] = p[j] == -INFINITY ? 0.0f : expf(p[j] - m);
-          sum += p[j];
-        }
-        for (int64_t j = 0; j < nj; j++) {
-          p[j] = (float)(p[j] / sum);
-          const float *vj = b176 + (b * 1024 + j) * 768 + hd * 64;
-          float dot = 0.0f;
-          #pragma omp simd reduction(+ : dot)
-          for (int64_t c = 0; c < 64; c++)
-            dot += doi[c] * vj[c];
-          dp[j] = dot;
-          dsum += (double)p[j] * dot;
-        }
-        float dqi[64] = {0};
-        for (int64_t j = 0; j < nj; j++) {
-          if (p[j] == 0.0f)
-            continue;
-          const float ds = p[j] * (dp[j] - (float)dsum);
-          const float *kj = b175 + (b * 1024 + j) * 768 + hd * 64;
-          for (int64_t c = 0; c < 64; c++)
-            dqi[c] += ds * kj[c];
-          float *dkj = b756 + (b * 1024 + j) * 768 + hd * 64;
-          for (int64_t c = 0; c < 64; c++)
-            dkj[c] += 0.125f * ds * qi[c];
-          float *dvj = b757 + (b * 1024 + j) * 768 + hd * 64;
-          for (int64_t c = 0; c < 64; c++)
-            dvj[c] += p[j] * doi[c];
-        }
-        float *dq = b755 + (b * 1024 + i) * 768 + hd * 64;
+      for (int64_t j = 0; j < 1024; j++) {
+        const float *xj = b175 + (b * 1024 + j) * 768 + hd * 64;
         for (int64_t c = 0; c < 64; c++)
-          dq[c] = 0.125f * dqi[c];
+          kt[c * 1056 + j] = xj[c];
       }
+      for (int64_t j = 0; j < 1024; j++) {
+        const float *xj = b176 + (b * 1024 + j) * 768 + hd * 64;
+        for (int64_t c = 0; c < 64; c++)
+          vt[c * 1056 + j] = xj[c];
+      }
+      memset(dkh, 0, 65536 * sizeof(float));
+      memset(dvh, 0, 65536 * sizeof(float));
+      int64_t lo = 0, hi = 1024;
+      const int32_t *restrict dc = b3 + b * 1024;
+      for (int64_t i = 0; i < 1024; i++) {
+        const int32_t di = dc[i];
+        if (i == 0 || dc[i - 1] != di) {
+          lo = 0;
+          while (dc[lo] != di)
+            lo++;
+        }
+        hi = i + 1;
+        const float *restrict qi = b174 + (b * 1024 + i) * 768 + hd * 64;
+        for (int64_t j0 = lo; j0 < hi; j0 += 32) {
+          float acc[32] = {0};
+          for (int64_t c = 0; c < 64; c++) {
+            const float vc = qi[c], *restrict mc = kt + c * 1056 + j0;
+            #pragma omp simd
+            for (int64_t u = 0; u < 32; u++)
+              acc[u] += vc * mc[u];
+          }
+          memcpy(s + j0, acc, sizeof acc);
+        }
+        float m = -INFINITY;
+        #pragma omp simd reduction(max : m)
+        for (int64_t j = lo; j < hi; j++) {
+          s[j] = dc[j] == di ? s[j] * 0.125f : -INFINITY;
+          m = s[j] > m ? s[j] : m;
+        }
+        #pragma omp simd
+        for (int64_t j = lo; j < hi; j++)
+          s[j] = mdl_exp_shifted(s[j] - m);
+        float l;
+        {
+          float part[8] = {0};
+          int64_t j0 = lo;
+          for (; j0 + 8 <= hi; j0 += 8) {
+            for (int64_t u = 0; u < 8; u++) {
+              const int64_t j = j0 + u;
+              part[u] += s[j];
+            }
+          }
+          for (int64_t j = j0; j < hi; j++) {
+            part[j - j0] += s[j];
+          }
+          l = ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
+        }
+        const float *restrict doi = b752 + (b * 1024 + i) * 768 + hd * 64;
+        #pragma omp simd
+        for (int64_t j = lo; j < hi; j++)
+          s[j] /= l;
+        for (int64_t j0 = lo; j0 < hi; j0 += 32) {
+          float acc[32] = {0};
+          for (int64_t c = 0; c < 64; c++) {
+            const float vc = doi[c], *restrict mc = vt + c * 1056 + j0;
+            #pragma omp simd
+            for (int64_t u = 0; u < 32; u++)
+              acc[u] += vc * mc[u];
+          }
+          memcpy(dp + j0, acc, sizeof acc);
+        }
+        float dsum;
+        {
+          float part[8] = {0};
+          int64_t j0 = lo;
+          for (; j0 + 8 <= hi; j0 += 8) {
+            for (int64_t u = 0; u < 8; u++) {
+              const int64_t j = j0 + u;
+              part[u] += s[j] * dp[j];
+            }
+          }
+          for (int64_t j = j0; j < hi; j++) {
+            part[j - j0] += s[j] * dp[j];
+          }
+          dsum = ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
+        }
+        #pragma omp simd
+        for (int64_t j = lo; j < hi; j++)
+          dp[j] = s[j] * (dp[j] - dsum);
+        float dqi0[64] = {0}, dqi1[64] = {0};
+        int64_t j = lo;
+        for (; j + 1 < hi; j += 2) {
+          const float w0 = dp[j], w1 = dp[j + 1], *restrict x0 = b175 + (b * 1024 + j) * 768 + hd * 64, *restrict x1 = x0 + 768;
+          #pragma omp simd
+          for (int64_t c = 0; c < 64; c++) {
+            dqi0[c] += w0 * x0[c];
+            dqi1[c] += w1 * x1[c];
+          }
+        }
+        if (j < hi) {
+          const float w0 = dp[j], *restrict x0 = b175 + (b * 1024 + j) * 768 + hd * 64;
+          #pragma omp simd
+          for (int64_t c = 0; c < 64; c++)
+            dqi0[c] += w0 * x0[c];
+        }
+        float sqi[64];
+        for (int64_t c = 0; c < 64; c++)
+          sqi[c] = 0.125f * qi[c];
+        for (int64_t j = lo; j < hi; j++) {
+          float *restrict dkj = dkh + j * 64;
+          #pragma omp simd
+          for (int64_t c = 0; c < 64; c++)
+            dkj[c] += dp[j] * sqi[c];
+          float *restrict dvj = dvh + j * 64;
+          #pragma omp simd
+          for (int64_t c = 0; c < 64; c++)
+            dvj[c] += s[j] * doi[c];
+        }
+        float *restrict dq = b755 + (b * 1024 + i) * 768 + hd * 64;
+        for (int64_t c = 0; c < 64; c++)
+          dq[c] = 0.125f * (dqi0[c] + dqi1[c]);
+      }
+      for (int64_t t = 0; t < 1024; t++)
+        memcpy(b756 + (b * 1024 + t) * 768 + hd * 64, dkh + t * 64, 64 * sizeof(float));
+      for (int64_t t = 0; t < 1024; t++)
+        memcpy(b757 + (b * 1024 + t) * 768 + hd * 64, dvh + t * 64, 64 * sizeof(float));
     }
-    free(p);
+    free(kt);
+    free(s);
+    free(vt);
     free(dp);
+    free(dkh);
+    free(dvh);
   }
 }
 
@@ -8089,71 +9135,148 @@ static void k282_attention_bwd(char *arena, const MdlHooks *h) {
   float *const b794 = (float *)(arena + 2900532352); // %794 attention_bwd d.h.3.v f32[8,1024,768]
   #pragma omp parallel num_threads(h->nthreads)
   {
-    float *p = mdl_scratch(1024 * sizeof(float));
-    float *dp = mdl_scratch(1024 * sizeof(float));
+    float *restrict kt = memset(mdl_scratch(67584 * sizeof(float)), 0, 67584 * sizeof(float));
+    float *restrict s = memset(mdl_scratch(1056 * sizeof(float)), 0, 1056 * sizeof(float));
+    float *restrict vt = memset(mdl_scratch(67584 * sizeof(float)), 0, 67584 * sizeof(float));
+    float *restrict dp = memset(mdl_scratch(1056 * sizeof(float)), 0, 1056 * sizeof(float));
+    float *restrict dkh = memset(mdl_scratch(65536 * sizeof(float)), 0, 65536 * sizeof(float));
+    float *restrict dvh = memset(mdl_scratch(65536 * sizeof(float)), 0, 65536 * sizeof(float));
     #pragma omp for schedule(dynamic, 1)
     for (int64_t task = 0; task < 96; task++) {
       const int64_t b = task / 12, hd = task % 12;
-      for (int64_t t = 0; t < 1024; t++)
-        memset(b793 + (b * 1024 + t) * 768 + hd * 64, 0, 64 * sizeof(float));
-      for (int64_t t = 0; t < 1024; t++)
-        memset(b794 + (b * 1024 + t) * 768 + hd * 64, 0, 64 * sizeof(float));
-      for (int64_t i = 0; i < 1024; i++) {
-        const float *qi = b137 + (b * 1024 + i) * 768 + hd * 64;
-        const float *doi = b789 + (b * 1024 + i) * 768 + hd * 64;
-        const int32_t di = b3[b * 1024 + i];
-        const int64_t nj = i + 1;
-        float m = -INFINITY;
-        for (int64_t j = 0; j < nj; j++) {
-          if (!(b3[b * 1024 + j] == di)) {
-            p[j] = -INFINITY;
-            continue;
-          }
-          const float *kj = b138 + (b * 1024 + j) * 768 + hd * 64;
-          float dot = 0.0f;
-          #pragma omp simd reduction(+ : dot)
-          for (int64_t c = 0; c < 64; c++)
-            dot += qi[c] * kj[c];
-          p[j] = dot * 0.125f;
-          m = fmaxf(m, p[j]);
-        }
-        double sum = 0, dsum = 0;
-        for (int64_t j = 0; j < nj; j++) {
-          p[j] = p[j] == -INFINITY ? 0.0f : expf(p[j] - m);
-          sum += p[j];
-        }
-        for (int64_t j = 0; j < nj; j++) {
-          p[j] = (float)(p[j] / sum);
-          const float *vj = b139 + (b * 1024 + j) * 768 + hd * 64;
-          float dot = 0.0f;
-          #pragma omp simd reduction(+ : dot)
-          for (int64_t c = 0; c < 64; c++)
-            dot += doi[c] * vj[c];
-          dp[j] = dot;
-          dsum += (double)p[j] * dot;
-        }
-        float dqi[64] = {0};
-        for (int64_t j = 0; j < nj; j++) {
-          if (p[j] == 0.0f)
-            continue;
-          const float ds = p[j] * (dp[j] - (float)dsum);
-          const float *kj = b138 + (b * 1024 + j) * 768 + hd * 64;
-          for (int64_t c = 0; c < 64; c++)
-            dqi[c] += ds * kj[c];
-          float *dkj = b793 + (b * 1024 + j) * 768 + hd * 64;
-          for (int64_t c = 0; c < 64; c++)
-            dkj[c] += 0.125f * ds * qi[c];
-          float *dvj = b794 + (b * 1024 + j) * 768 + hd * 64;
-          for (int64_t c = 0; c < 64; c++)
-            dvj[c] += p[j] * doi[c];
-        }
-        float *dq = b792 + (b * 1024 + i) * 768 + hd * 64;
+      for (int64_t j = 0; j < 1024; j++) {
+        const float *xj = b138 + (b * 1024 + j) * 768 + hd * 64;
         for (int64_t c = 0; c < 64; c++)
-          dq[c] = 0.125f * dqi[c];
+          kt[c * 1056 + j] = xj[c];
       }
+      for (int64_t j = 0; j < 1024; j++) {
+        const float *xj = b139 + (b * 1024 + j) * 768 + hd * 64;
+        for (int64_t c = 0; c < 64; c++)
+          vt[c * 1056 + j] = xj[c];
+      }
+      memset(dkh, 0, 65536 * sizeof(float));
+      memset(dvh, 0, 65536 * sizeof(float));
+      int64_t lo = 0, hi = 1024;
+      const int32_t *restrict dc = b3 + b * 1024;
+      for (int64_t i = 0; i < 1024; i++) {
+        const int32_t di = dc[i];
+        if (i == 0 || dc[i - 1] != di) {
+          lo = 0;
+          while (dc[lo] != di)
+            lo++;
+        }
+        hi = i + 1;
+        const float *restrict qi = b137 + (b * 1024 + i) * 768 + hd * 64;
+        for (int64_t j0 = lo; j0 < hi; j0 += 32) {
+          float acc[32] = {0};
+          for (int64_t c = 0; c < 64; c++) {
+            const float vc = qi[c], *restrict mc = kt + c * 1056 + j0;
+            #pragma omp simd
+            for (int64_t u = 0; u < 32; u++)
+              acc[u] += vc * mc[u];
+          }
+          memcpy(s + j0, acc, sizeof acc);
+        }
+        float m = -INFINITY;
+        #pragma omp simd reduction(max : m)
+        for (int64_t j = lo; j < hi; j++) {
+          s[j] = dc[j] == di ? s[j] * 0.125f : -INFINITY;
+          m = s[j] > m ? s[j] : m;
+        }
+        #pragma omp simd
+        for (int64_t j = lo; j < hi; j++)
+          s[j] = mdl_exp_shifted(s[j] - m);
+        float l;
+        {
+          float part[8] = {0};
+          int64_t j0 = lo;
+          for (; j0 + 8 <= hi; j0 += 8) {
+            for (int64_t u = 0; u < 8; u++) {
+              const int64_t j = j0 + u;
+              part[u] += s[j];
+            }
+          }
+          for (int64_t j = j0; j < hi; j++) {
+            part[j - j0] += s[j];
+          }
+          l = ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
+        }
+        const float *restrict doi = b789 + (b * 1024 + i) * 768 + hd * 64;
+        #pragma omp simd
+        for (int64_t j = lo; j < hi; j++)
+          s[j] /= l;
+        for (int64_t j0 = lo; j0 < hi; j0 += 32) {
+          float acc[32] = {0};
+          for (int64_t c = 0; c < 64; c++) {
+            const float vc = doi[c], *restrict mc = vt + c * 1056 + j0;
+            #pragma omp simd
+            for (int64_t u = 0; u < 32; u++)
+              acc[u] += vc * mc[u];
+          }
+          memcpy(dp + j0, acc, sizeof acc);
+        }
+        float dsum;
+        {
+          float part[8] = {0};
+          int64_t j0 = lo;
+          for (; j0 + 8 <= hi; j0 += 8) {
+            for (int64_t u = 0; u < 8; u++) {
+              const int64_t j = j0 + u;
+              part[u] += s[j] * dp[j];
+            }
+          }
+          for (int64_t j = j0; j < hi; j++) {
+            part[j - j0] += s[j] * dp[j];
+          }
+          dsum = ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
+        }
+        #pragma omp simd
+        for (int64_t j = lo; j < hi; j++)
+          dp[j] = s[j] * (dp[j] - dsum);
+        float dqi0[64] = {0}, dqi1[64] = {0};
+        int64_t j = lo;
+        for (; j + 1 < hi; j += 2) {
+          const float w0 = dp[j], w1 = dp[j + 1], *restrict x0 = b138 + (b * 1024 + j) * 768 + hd * 64, *restrict x1 = x0 + 768;
+          #pragma omp simd
+          for (int64_t c = 0; c < 64; c++) {
+            dqi0[c] += w0 * x0[c];
+            dqi1[c] += w1 * x1[c];
+          }
+        }
+        if (j < hi) {
+          const float w0 = dp[j], *restrict x0 = b138 + (b * 1024 + j) * 768 + hd * 64;
+          #pragma omp simd
+          for (int64_t c = 0; c < 64; c++)
+            dqi0[c] += w0 * x0[c];
+        }
+        float sqi[64];
+        for (int64_t c = 0; c < 64; c++)
+          sqi[c] = 0.125f * qi[c];
+        for (int64_t j = lo; j < hi; j++) {
+          float *restrict dkj = dkh + j * 64;
+          #pragma omp simd
+          for (int64_t c = 0; c < 64; c++)
+            dkj[c] += dp[j] * sqi[c];
+          float *restrict dvj = dvh + j * 64;
+          #pragma omp simd
+          for (int64_t c = 0; c < 64; c++)
+            dvj[c] += s[j] * doi[c];
+        }
+        float *restrict dq = b792 + (b * 1024 + i) * 768 + hd * 64;
+        for (int64_t c = 0; c < 64; c++)
+          dq[c] = 0.125f * (dqi0[c] + dqi1[c]);
+      }
+      for (int64_t t = 0; t < 1024; t++)
+        memcpy(b793 + (b * 1024 + t) * 768 + hd * 64, dkh + t * 64, 64 * sizeof(float));
+      for (int64_t t = 0; t < 1024; t++)
+        memcpy(b794 + (b * 1024 + t) * 768 + hd * 64, dvh + t * 64, 64 * sizeof(float));
     }
-    free(p);
+    free(kt);
+    free(s);
+    free(vt);
     free(dp);
+    free(dkh);
+    free(dvh);
   }
 }
 
@@ -8610,71 +9733,148 @@ static void k300_attention_bwd(char *arena, const MdlHooks *h) {
   float *const b831 = (float *)(arena + 2699205760); // %831 attention_bwd d.h.2.v f32[8,1024,768]
   #pragma omp parallel num_threads(h->nthreads)
   {
-    float *p = mdl_scratch(1024 * sizeof(float));
-    float *dp = mdl_scratch(1024 * sizeof(float));
+    float *restrict kt = memset(mdl_scratch(67584 * sizeof(float)), 0, 67584 * sizeof(float));
+    float *restrict s = memset(mdl_scratch(1056 * sizeof(float)), 0, 1056 * sizeof(float));
+    float *restrict vt = memset(mdl_scratch(67584 * sizeof(float)), 0, 67584 * sizeof(float));
+    float *restrict dp = memset(mdl_scratch(1056 * sizeof(float)), 0, 1056 * sizeof(float));
+    float *restrict dkh = memset(mdl_scratch(65536 * sizeof(float)), 0, 65536 * sizeof(float));
+    float *restrict dvh = memset(mdl_scratch(65536 * sizeof(float)), 0, 65536 * sizeof(float));
     #pragma omp for schedule(dynamic, 1)
     for (int64_t task = 0; task < 96; task++) {
       const int64_t b = task / 12, hd = task % 12;
-      for (int64_t t = 0; t < 1024; t++)
-        memset(b830 + (b * 1024 + t) * 768 + hd * 64, 0, 64 * sizeof(float));
-      for (int64_t t = 0; t < 1024; t++)
-        memset(b831 + (b * 1024 + t) * 768 + hd * 64, 0, 64 * sizeof(float));
-      for (int64_t i = 0; i < 1024; i++) {
-        const float *qi = b100 + (b * 1024 + i) * 768 + hd * 64;
-        const float *doi = b826 + (b * 1024 + i) * 768 + hd * 64;
-        const int32_t di = b3[b * 1024 + i];
-        const int64_t nj = i + 1;
-        float m = -INFINITY;
-        for (int64_t j = 0; j < nj; j++) {
-          if (!(b3[b * 1024 + j] == di)) {
-            p[j] = -INFINITY;
-            continue;
-          }
-          const float *kj = b101 + (b * 1024 + j) * 768 + hd * 64;
-          float dot = 0.0f;
-          #pragma omp simd reduction(+ : dot)
-          for (int64_t c = 0; c < 64; c++)
-            dot += qi[c] * kj[c];
-          p[j] = dot * 0.125f;
-          m = fmaxf(m, p[j]);
-        }
-        double sum = 0, dsum = 0;
-        for (int64_t j = 0; j < nj; j++) {
-          p[j] = p[j] == -INFINITY ? 0.0f : expf(p[j] - m);
-          sum += p[j];
-        }
-        for (int64_t j = 0; j < nj; j++) {
-          p[j] = (float)(p[j] / sum);
-          const float *vj = b102 + (b * 1024 + j) * 768 + hd * 64;
-          float dot = 0.0f;
-          #pragma omp simd reduction(+ : dot)
-          for (int64_t c = 0; c < 64; c++)
-            dot += doi[c] * vj[c];
-          dp[j] = dot;
-          dsum += (double)p[j] * dot;
-        }
-        float dqi[64] = {0};
-        for (int64_t j = 0; j < nj; j++) {
-          if (p[j] == 0.0f)
-            continue;
-          const float ds = p[j] * (dp[j] - (float)dsum);
-          const float *kj = b101 + (b * 1024 + j) * 768 + hd * 64;
-          for (int64_t c = 0; c < 64; c++)
-            dqi[c] += ds * kj[c];
-          float *dkj = b830 + (b * 1024 + j) * 768 + hd * 64;
-          for (int64_t c = 0; c < 64; c++)
-            dkj[c] += 0.125f * ds * qi[c];
-          float *dvj = b831 + (b * 1024 + j) * 768 + hd * 64;
-          for (int64_t c = 0; c < 64; c++)
-            dvj[c] += p[j] * doi[c];
-        }
-        float *dq = b829 + (b * 1024 + i) * 768 + hd * 64;
+      for (int64_t j = 0; j < 1024; j++) {
+        const float *xj = b101 + (b * 1024 + j) * 768 + hd * 64;
         for (int64_t c = 0; c < 64; c++)
-          dq[c] = 0.125f * dqi[c];
+          kt[c * 1056 + j] = xj[c];
       }
+      for (int64_t j = 0; j < 1024; j++) {
+        const float *xj = b102 + (b * 1024 + j) * 768 + hd * 64;
+        for (int64_t c = 0; c < 64; c++)
+          vt[c * 1056 + j] = xj[c];
+      }
+      memset(dkh, 0, 65536 * sizeof(float));
+      memset(dvh, 0, 65536 * sizeof(float));
+      int64_t lo = 0, hi = 1024;
+      const int32_t *restrict dc = b3 + b * 1024;
+      for (int64_t i = 0; i < 1024; i++) {
+        const int32_t di = dc[i];
+        if (i == 0 || dc[i - 1] != di) {
+          lo = 0;
+          while (dc[lo] != di)
+            lo++;
+        }
+        hi = i + 1;
+        const float *restrict qi = b100 + (b * 1024 + i) * 768 + hd * 64;
+        for (int64_t j0 = lo; j0 < hi; j0 += 32) {
+          float acc[32] = {0};
+          for (int64_t c = 0; c < 64; c++) {
+            const float vc = qi[c], *restrict mc = kt + c * 1056 + j0;
+            #pragma omp simd
+            for (int64_t u = 0; u < 32; u++)
+              acc[u] += vc * mc[u];
+          }
+          memcpy(s + j0, acc, sizeof acc);
+        }
+        float m = -INFINITY;
+        #pragma omp simd reduction(max : m)
+        for (int64_t j = lo; j < hi; j++) {
+          s[j] = dc[j] == di ? s[j] * 0.125f : -INFINITY;
+          m = s[j] > m ? s[j] : m;
+        }
+        #pragma omp simd
+        for (int64_t j = lo; j < hi; j++)
+          s[j] = mdl_exp_shifted(s[j] - m);
+        float l;
+        {
+          float part[8] = {0};
+          int64_t j0 = lo;
+          for (; j0 + 8 <= hi; j0 += 8) {
+            for (int64_t u = 0; u < 8; u++) {
+              const int64_t j = j0 + u;
+              part[u] += s[j];
+            }
+          }
+          for (int64_t j = j0; j < hi; j++) {
+            part[j - j0] += s[j];
+          }
+          l = ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
+        }
+        const float *restrict doi = b826 + (b * 1024 + i) * 768 + hd * 64;
+        #pragma omp simd
+        for (int64_t j = lo; j < hi; j++)
+          s[j] /= l;
+        for (int64_t j0 = lo; j0 < hi; j0 += 32) {
+          float acc[32] = {0};
+          for (int64_t c = 0; c < 64; c++) {
+            const float vc = doi[c], *restrict mc = vt + c * 1056 + j0;
+            #pragma omp simd
+            for (int64_t u = 0; u < 32; u++)
+              acc[u] += vc * mc[u];
+          }
+          memcpy(dp + j0, acc, sizeof acc);
+        }
+        float dsum;
+        {
+          float part[8] = {0};
+          int64_t j0 = lo;
+          for (; j0 + 8 <= hi; j0 += 8) {
+            for (int64_t u = 0; u < 8; u++) {
+              const int64_t j = j0 + u;
+              part[u] += s[j] * dp[j];
+            }
+          }
+          for (int64_t j = j0; j < hi; j++) {
+            part[j - j0] += s[j] * dp[j];
+          }
+          dsum = ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
+        }
+        #pragma omp simd
+        for (int64_t j = lo; j < hi; j++)
+          dp[j] = s[j] * (dp[j] - dsum);
+        float dqi0[64] = {0}, dqi1[64] = {0};
+        int64_t j = lo;
+        for (; j + 1 < hi; j += 2) {
+          const float w0 = dp[j], w1 = dp[j + 1], *restrict x0 = b101 + (b * 1024 + j) * 768 + hd * 64, *restrict x1 = x0 + 768;
+          #pragma omp simd
+          for (int64_t c = 0; c < 64; c++) {
+            dqi0[c] += w0 * x0[c];
+            dqi1[c] += w1 * x1[c];
+          }
+        }
+        if (j < hi) {
+          const float w0 = dp[j], *restrict x0 = b101 + (b * 1024 + j) * 768 + hd * 64;
+          #pragma omp simd
+          for (int64_t c = 0; c < 64; c++)
+            dqi0[c] += w0 * x0[c];
+        }
+        float sqi[64];
+        for (int64_t c = 0; c < 64; c++)
+          sqi[c] = 0.125f * qi[c];
+        for (int64_t j = lo; j < hi; j++) {
+          float *restrict dkj = dkh + j * 64;
+          #pragma omp simd
+          for (int64_t c = 0; c < 64; c++)
+            dkj[c] += dp[j] * sqi[c];
+          float *restrict dvj = dvh + j * 64;
+          #pragma omp simd
+          for (int64_t c = 0; c < 64; c++)
+            dvj[c] += s[j] * doi[c];
+        }
+        float *restrict dq = b829 + (b * 1024 + i) * 768 + hd * 64;
+        for (int64_t c = 0; c < 64; c++)
+          dq[c] = 0.125f * (dqi0[c] + dqi1[c]);
+      }
+      for (int64_t t = 0; t < 1024; t++)
+        memcpy(b830 + (b * 1024 + t) * 768 + hd * 64, dkh + t * 64, 64 * sizeof(float));
+      for (int64_t t = 0; t < 1024; t++)
+        memcpy(b831 + (b * 1024 + t) * 768 + hd * 64, dvh + t * 64, 64 * sizeof(float));
     }
-    free(p);
+    free(kt);
+    free(s);
+    free(vt);
     free(dp);
+    free(dkh);
+    free(dvh);
   }
 }
 
@@ -9131,71 +10331,148 @@ static void k318_attention_bwd(char *arena, const MdlHooks *h) {
   float *const b868 = (float *)(arena + 2497879168); // %868 attention_bwd d.h.1.v f32[8,1024,768]
   #pragma omp parallel num_threads(h->nthreads)
   {
-    float *p = mdl_scratch(1024 * sizeof(float));
-    float *dp = mdl_scratch(1024 * sizeof(float));
+    float *restrict kt = memset(mdl_scratch(67584 * sizeof(float)), 0, 67584 * sizeof(float));
+    float *restrict s = memset(mdl_scratch(1056 * sizeof(float)), 0, 1056 * sizeof(float));
+    float *restrict vt = memset(mdl_scratch(67584 * sizeof(float)), 0, 67584 * sizeof(float));
+    float *restrict dp = memset(mdl_scratch(1056 * sizeof(float)), 0, 1056 * sizeof(float));
+    float *restrict dkh = memset(mdl_scratch(65536 * sizeof(float)), 0, 65536 * sizeof(float));
+    float *restrict dvh = memset(mdl_scratch(65536 * sizeof(float)), 0, 65536 * sizeof(float));
     #pragma omp for schedule(dynamic, 1)
     for (int64_t task = 0; task < 96; task++) {
       const int64_t b = task / 12, hd = task % 12;
-      for (int64_t t = 0; t < 1024; t++)
-        memset(b867 + (b * 1024 + t) * 768 + hd * 64, 0, 64 * sizeof(float));
-      for (int64_t t = 0; t < 1024; t++)
-        memset(b868 + (b * 1024 + t) * 768 + hd * 64, 0, 64 * sizeof(float));
-      for (int64_t i = 0; i < 1024; i++) {
-        const float *qi = b63 + (b * 1024 + i) * 768 + hd * 64;
-        const float *doi = b863 + (b * 1024 + i) * 768 + hd * 64;
-        const int32_t di = b3[b * 1024 + i];
-        const int64_t nj = i + 1;
-        float m = -INFINITY;
-        for (int64_t j = 0; j < nj; j++) {
-          if (!(b3[b * 1024 + j] == di)) {
-            p[j] = -INFINITY;
-            continue;
-          }
-          const float *kj = b64 + (b * 1024 + j) * 768 + hd * 64;
-          float dot = 0.0f;
-          #pragma omp simd reduction(+ : dot)
-          for (int64_t c = 0; c < 64; c++)
-            dot += qi[c] * kj[c];
-          p[j] = dot * 0.125f;
-          m = fmaxf(m, p[j]);
-        }
-        double sum = 0, dsum = 0;
-        for (int64_t j = 0; j < nj; j++) {
-          p[j] = p[j] == -INFINITY ? 0.0f : expf(p[j] - m);
-          sum += p[j];
-        }
-        for (int64_t j = 0; j < nj; j++) {
-          p[j] = (float)(p[j] / sum);
-          const float *vj = b65 + (b * 1024 + j) * 768 + hd * 64;
-          float dot = 0.0f;
-          #pragma omp simd reduction(+ : dot)
-          for (int64_t c = 0; c < 64; c++)
-            dot += doi[c] * vj[c];
-          dp[j] = dot;
-          dsum += (double)p[j] * dot;
-        }
-        float dqi[64] = {0};
-        for (int64_t j = 0; j < nj; j++) {
-          if (p[j] == 0.0f)
-            continue;
-          const float ds = p[j] * (dp[j] - (float)dsum);
-          const float *kj = b64 + (b * 1024 + j) * 768 + hd * 64;
-          for (int64_t c = 0; c < 64; c++)
-            dqi[c] += ds * kj[c];
-          float *dkj = b867 + (b * 1024 + j) * 768 + hd * 64;
-          for (int64_t c = 0; c < 64; c++)
-            dkj[c] += 0.125f * ds * qi[c];
-          float *dvj = b868 + (b * 1024 + j) * 768 + hd * 64;
-          for (int64_t c = 0; c < 64; c++)
-            dvj[c] += p[j] * doi[c];
-        }
-        float *dq = b866 + (b * 1024 + i) * 768 + hd * 64;
+      for (int64_t j = 0; j < 1024; j++) {
+        const float *xj = b64 + (b * 1024 + j) * 768 + hd * 64;
         for (int64_t c = 0; c < 64; c++)
-          dq[c] = 0.125f * dqi[c];
+          kt[c * 1056 + j] = xj[c];
       }
+      for (int64_t j = 0; j < 1024; j++) {
+        const float *xj = b65 + (b * 1024 + j) * 768 + hd * 64;
+        for (int64_t c = 0; c < 64; c++)
+          vt[c * 1056 + j] = xj[c];
+      }
+      memset(dkh, 0, 65536 * sizeof(float));
+      memset(dvh, 0, 65536 * sizeof(float));
+      int64_t lo = 0, hi = 1024;
+      const int32_t *restrict dc = b3 + b * 1024;
+      for (int64_t i = 0; i < 1024; i++) {
+        const int32_t di = dc[i];
+        if (i == 0 || dc[i - 1] != di) {
+          lo = 0;
+          while (dc[lo] != di)
+            lo++;
+        }
+        hi = i + 1;
+        const float *restrict qi = b63 + (b * 1024 + i) * 768 + hd * 64;
+        for (int64_t j0 = lo; j0 < hi; j0 += 32) {
+          float acc[32] = {0};
+          for (int64_t c = 0; c < 64; c++) {
+            const float vc = qi[c], *restrict mc = kt + c * 1056 + j0;
+            #pragma omp simd
+            for (int64_t u = 0; u < 32; u++)
+              acc[u] += vc * mc[u];
+          }
+          memcpy(s + j0, acc, sizeof acc);
+        }
+        float m = -INFINITY;
+        #pragma omp simd reduction(max : m)
+        for (int64_t j = lo; j < hi; j++) {
+          s[j] = dc[j] == di ? s[j] * 0.125f : -INFINITY;
+          m = s[j] > m ? s[j] : m;
+        }
+        #pragma omp simd
+        for (int64_t j = lo; j < hi; j++)
+          s[j] = mdl_exp_shifted(s[j] - m);
+        float l;
+        {
+          float part[8] = {0};
+          int64_t j0 = lo;
+          for (; j0 + 8 <= hi; j0 += 8) {
+            for (int64_t u = 0; u < 8; u++) {
+              const int64_t j = j0 + u;
+              part[u] += s[j];
+            }
+          }
+          for (int64_t j = j0; j < hi; j++) {
+            part[j - j0] += s[j];
+          }
+          l = ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
+        }
+        const float *restrict doi = b863 + (b * 1024 + i) * 768 + hd * 64;
+        #pragma omp simd
+        for (int64_t j = lo; j < hi; j++)
+          s[j] /= l;
+        for (int64_t j0 = lo; j0 < hi; j0 += 32) {
+          float acc[32] = {0};
+          for (int64_t c = 0; c < 64; c++) {
+            const float vc = doi[c], *restrict mc = vt + c * 1056 + j0;
+            #pragma omp simd
+            for (int64_t u = 0; u < 32; u++)
+              acc[u] += vc * mc[u];
+          }
+          memcpy(dp + j0, acc, sizeof acc);
+        }
+        float dsum;
+        {
+          float part[8] = {0};
+          int64_t j0 = lo;
+          for (; j0 + 8 <= hi; j0 += 8) {
+            for (int64_t u = 0; u < 8; u++) {
+              const int64_t j = j0 + u;
+              part[u] += s[j] * dp[j];
+            }
+          }
+          for (int64_t j = j0; j < hi; j++) {
+            part[j - j0] += s[j] * dp[j];
+          }
+          dsum = ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
+        }
+        #pragma omp simd
+        for (int64_t j = lo; j < hi; j++)
+          dp[j] = s[j] * (dp[j] - dsum);
+        float dqi0[64] = {0}, dqi1[64] = {0};
+        int64_t j = lo;
+        for (; j + 1 < hi; j += 2) {
+          const float w0 = dp[j], w1 = dp[j + 1], *restrict x0 = b64 + (b * 1024 + j) * 768 + hd * 64, *restrict x1 = x0 + 768;
+          #pragma omp simd
+          for (int64_t c = 0; c < 64; c++) {
+            dqi0[c] += w0 * x0[c];
+            dqi1[c] += w1 * x1[c];
+          }
+        }
+        if (j < hi) {
+          const float w0 = dp[j], *restrict x0 = b64 + (b * 1024 + j) * 768 + hd * 64;
+          #pragma omp simd
+          for (int64_t c = 0; c < 64; c++)
+            dqi0[c] += w0 * x0[c];
+        }
+        float sqi[64];
+        for (int64_t c = 0; c < 64; c++)
+          sqi[c] = 0.125f * qi[c];
+        for (int64_t j = lo; j < hi; j++) {
+          float *restrict dkj = dkh + j * 64;
+          #pragma omp simd
+          for (int64_t c = 0; c < 64; c++)
+            dkj[c] += dp[j] * sqi[c];
+          float *restrict dvj = dvh + j * 64;
+          #pragma omp simd
+          for (int64_t c = 0; c < 64; c++)
+            dvj[c] += s[j] * doi[c];
+        }
+        float *restrict dq = b866 + (b * 1024 + i) * 768 + hd * 64;
+        for (int64_t c = 0; c < 64; c++)
+          dq[c] = 0.125f * (dqi0[c] + dqi1[c]);
+      }
+      for (int64_t t = 0; t < 1024; t++)
+        memcpy(b867 + (b * 1024 + t) * 768 + hd * 64, dkh + t * 64, 64 * sizeof(float));
+      for (int64_t t = 0; t < 1024; t++)
+        memcpy(b868 + (b * 1024 + t) * 768 + hd * 64, dvh + t * 64, 64 * sizeof(float));
     }
-    free(p);
+    free(kt);
+    free(s);
+    free(vt);
     free(dp);
+    free(dkh);
+    free(dvh);
   }
 }
 
@@ -9652,71 +10929,148 @@ static void k336_attention_bwd(char *arena, const MdlHooks *h) {
   float *const b905 = (float *)(arena + 2296552576); // %905 attention_bwd d.h.0.v f32[8,1024,768]
   #pragma omp parallel num_threads(h->nthreads)
   {
-    float *p = mdl_scratch(1024 * sizeof(float));
-    float *dp = mdl_scratch(1024 * sizeof(float));
+    float *restrict kt = memset(mdl_scratch(67584 * sizeof(float)), 0, 67584 * sizeof(float));
+    float *restrict s = memset(mdl_scratch(1056 * sizeof(float)), 0, 1056 * sizeof(float));
+    float *restrict vt = memset(mdl_scratch(67584 * sizeof(float)), 0, 67584 * sizeof(float));
+    float *restrict dp = memset(mdl_scratch(1056 * sizeof(float)), 0, 1056 * sizeof(float));
+    float *restrict dkh = memset(mdl_scratch(65536 * sizeof(float)), 0, 65536 * sizeof(float));
+    float *restrict dvh = memset(mdl_scratch(65536 * sizeof(float)), 0, 65536 * sizeof(float));
     #pragma omp for schedule(dynamic, 1)
     for (int64_t task = 0; task < 96; task++) {
       const int64_t b = task / 12, hd = task % 12;
-      for (int64_t t = 0; t < 1024; t++)
-        memset(b904 + (b * 1024 + t) * 768 + hd * 64, 0, 64 * sizeof(float));
-      for (int64_t t = 0; t < 1024; t++)
-        memset(b905 + (b * 1024 + t) * 768 + hd * 64, 0, 64 * sizeof(float));
-      for (int64_t i = 0; i < 1024; i++) {
-        const float *qi = b26 + (b * 1024 + i) * 768 + hd * 64;
-        const float *doi = b900 + (b * 1024 + i) * 768 + hd * 64;
-        const int32_t di = b3[b * 1024 + i];
-        const int64_t nj = i + 1;
-        float m = -INFINITY;
-        for (int64_t j = 0; j < nj; j++) {
-          if (!(b3[b * 1024 + j] == di)) {
-            p[j] = -INFINITY;
-            continue;
-          }
-          const float *kj = b27 + (b * 1024 + j) * 768 + hd * 64;
-          float dot = 0.0f;
-          #pragma omp simd reduction(+ : dot)
-          for (int64_t c = 0; c < 64; c++)
-            dot += qi[c] * kj[c];
-          p[j] = dot * 0.125f;
-          m = fmaxf(m, p[j]);
-        }
-        double sum = 0, dsum = 0;
-        for (int64_t j = 0; j < nj; j++) {
-          p[j] = p[j] == -INFINITY ? 0.0f : expf(p[j] - m);
-          sum += p[j];
-        }
-        for (int64_t j = 0; j < nj; j++) {
-          p[j] = (float)(p[j] / sum);
-          const float *vj = b28 + (b * 1024 + j) * 768 + hd * 64;
-          float dot = 0.0f;
-          #pragma omp simd reduction(+ : dot)
-          for (int64_t c = 0; c < 64; c++)
-            dot += doi[c] * vj[c];
-          dp[j] = dot;
-          dsum += (double)p[j] * dot;
-        }
-        float dqi[64] = {0};
-        for (int64_t j = 0; j < nj; j++) {
-          if (p[j] == 0.0f)
-            continue;
-          const float ds = p[j] * (dp[j] - (float)dsum);
-          const float *kj = b27 + (b * 1024 + j) * 768 + hd * 64;
-          for (int64_t c = 0; c < 64; c++)
-            dqi[c] += ds * kj[c];
-          float *dkj = b904 + (b * 1024 + j) * 768 + hd * 64;
-          for (int64_t c = 0; c < 64; c++)
-            dkj[c] += 0.125f * ds * qi[c];
-          float *dvj = b905 + (b * 1024 + j) * 768 + hd * 64;
-          for (int64_t c = 0; c < 64; c++)
-            dvj[c] += p[j] * doi[c];
-        }
-        float *dq = b903 + (b * 1024 + i) * 768 + hd * 64;
+      for (int64_t j = 0; j < 1024; j++) {
+        const float *xj = b27 + (b * 1024 + j) * 768 + hd * 64;
         for (int64_t c = 0; c < 64; c++)
-          dq[c] = 0.125f * dqi[c];
+          kt[c * 1056 + j] = xj[c];
       }
+      for (int64_t j = 0; j < 1024; j++) {
+        const float *xj = b28 + (b * 1024 + j) * 768 + hd * 64;
+        for (int64_t c = 0; c < 64; c++)
+          vt[c * 1056 + j] = xj[c];
+      }
+      memset(dkh, 0, 65536 * sizeof(float));
+      memset(dvh, 0, 65536 * sizeof(float));
+      int64_t lo = 0, hi = 1024;
+      const int32_t *restrict dc = b3 + b * 1024;
+      for (int64_t i = 0; i < 1024; i++) {
+        const int32_t di = dc[i];
+        if (i == 0 || dc[i - 1] != di) {
+          lo = 0;
+          while (dc[lo] != di)
+            lo++;
+        }
+        hi = i + 1;
+        const float *restrict qi = b26 + (b * 1024 + i) * 768 + hd * 64;
+        for (int64_t j0 = lo; j0 < hi; j0 += 32) {
+          float acc[32] = {0};
+          for (int64_t c = 0; c < 64; c++) {
+            const float vc = qi[c], *restrict mc = kt + c * 1056 + j0;
+            #pragma omp simd
+            for (int64_t u = 0; u < 32; u++)
+              acc[u] += vc * mc[u];
+          }
+          memcpy(s + j0, acc, sizeof acc);
+        }
+        float m = -INFINITY;
+        #pragma omp simd reduction(max : m)
+        for (int64_t j = lo; j < hi; j++) {
+          s[j] = dc[j] == di ? s[j] * 0.125f : -INFINITY;
+          m = s[j] > m ? s[j] : m;
+        }
+        #pragma omp simd
+        for (int64_t j = lo; j < hi; j++)
+          s[j] = mdl_exp_shifted(s[j] - m);
+        float l;
+        {
+          float part[8] = {0};
+          int64_t j0 = lo;
+          for (; j0 + 8 <= hi; j0 += 8) {
+            for (int64_t u = 0; u < 8; u++) {
+              const int64_t j = j0 + u;
+              part[u] += s[j];
+            }
+          }
+          for (int64_t j = j0; j < hi; j++) {
+            part[j - j0] += s[j];
+          }
+          l = ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
+        }
+        const float *restrict doi = b900 + (b * 1024 + i) * 768 + hd * 64;
+        #pragma omp simd
+        for (int64_t j = lo; j < hi; j++)
+          s[j] /= l;
+        for (int64_t j0 = lo; j0 < hi; j0 += 32) {
+          float acc[32] = {0};
+          for (int64_t c = 0; c < 64; c++) {
+            const float vc = doi[c], *restrict mc = vt + c * 1056 + j0;
+            #pragma omp simd
+            for (int64_t u = 0; u < 32; u++)
+              acc[u] += vc * mc[u];
+          }
+          memcpy(dp + j0, acc, sizeof acc);
+        }
+        float dsum;
+        {
+          float part[8] = {0};
+          int64_t j0 = lo;
+          for (; j0 + 8 <= hi; j0 += 8) {
+            for (int64_t u = 0; u < 8; u++) {
+              const int64_t j = j0 + u;
+              part[u] += s[j] * dp[j];
+            }
+          }
+          for (int64_t j = j0; j < hi; j++) {
+            part[j - j0] += s[j] * dp[j];
+          }
+          dsum = ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
+        }
+        #pragma omp simd
+        for (int64_t j = lo; j < hi; j++)
+          dp[j] = s[j] * (dp[j] - dsum);
+        float dqi0[64] = {0}, dqi1[64] = {0};
+        int64_t j = lo;
+        for (; j + 1 < hi; j += 2) {
+          const float w0 = dp[j], w1 = dp[j + 1], *restrict x0 = b27 + (b * 1024 + j) * 768 + hd * 64, *restrict x1 = x0 + 768;
+          #pragma omp simd
+          for (int64_t c = 0; c < 64; c++) {
+            dqi0[c] += w0 * x0[c];
+            dqi1[c] += w1 * x1[c];
+          }
+        }
+        if (j < hi) {
+          const float w0 = dp[j], *restrict x0 = b27 + (b * 1024 + j) * 768 + hd * 64;
+          #pragma omp simd
+          for (int64_t c = 0; c < 64; c++)
+            dqi0[c] += w0 * x0[c];
+        }
+        float sqi[64];
+        for (int64_t c = 0; c < 64; c++)
+          sqi[c] = 0.125f * qi[c];
+        for (int64_t j = lo; j < hi; j++) {
+          float *restrict dkj = dkh + j * 64;
+          #pragma omp simd
+          for (int64_t c = 0; c < 64; c++)
+            dkj[c] += dp[j] * sqi[c];
+          float *restrict dvj = dvh + j * 64;
+          #pragma omp simd
+          for (int64_t c = 0; c < 64; c++)
+            dvj[c] += s[j] * doi[c];
+        }
+        float *restrict dq = b903 + (b * 1024 + i) * 768 + hd * 64;
+        for (int64_t c = 0; c < 64; c++)
+          dq[c] = 0.125f * (dqi0[c] + dqi1[c]);
+      }
+      for (int64_t t = 0; t < 1024; t++)
+        memcpy(b904 + (b * 1024 + t) * 768 + hd * 64, dkh + t * 64, 64 * sizeof(float));
+      for (int64_t t = 0; t < 1024; t++)
+        memcpy(b905 + (b * 1024 + t) * 768 + hd * 64, dvh + t * 64, 64 * sizeof(float));
     }
-    free(p);
+    free(kt);
+    free(s);
+    free(vt);
     free(dp);
+    free(dkh);
+    free(dvh);
   }
 }
 

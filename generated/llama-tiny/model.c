@@ -63,6 +63,28 @@ static inline float mdl_silu_grad(float x, float dy) {
   return dy * s * (1.0f + x * (1.0f - s));
 }
 
+// exp(x) for x <= 0 (a softmax score less the row's maximum), 0 for -INFINITY: x = n ln 2 + r with
+// n rounded to nearest by adding 1.5 * 2^23 (n then sits in the low bits of `big`), Cephes' expf
+// polynomial in r, and 2^n made from n's bits; within 2 ulp, and branch-free so that loops of it
+// vectorize.
+static inline float mdl_exp_shifted(float x) {
+  const float xc = x > -87.0f ? x : -87.0f;
+  const float big = xc * 1.44269504f + 12582912.0f, n = big - 12582912.0f;
+  const float r = xc - n * 0.693359375f + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  int32_t bits;
+  memcpy(&bits, &big, sizeof bits);
+  bits = (bits - 0x4B400000 + 127) * 8388608;
+  float two_n;
+  memcpy(&two_n, &bits, sizeof two_n);
+  return x == -INFINITY ? 0.0f : (p * r * r + r + 1.0f) * two_n;
+}
+
 static inline void *mdl_scratch(size_t bytes) {
   void *p = malloc(bytes ? bytes : 1);
   if (!p) {
@@ -240,59 +262,93 @@ static void k6_gemm(char *arena, const MdlHooks *h) {
 // k7_attention_fwd: attention, 1 op
 //   %27    attention                               line 38    f32[8,64,64]
 // loops:
-//   attention: B 8, T 64, 4 heads of 16, causal, within documents; one task per query row
+//   attention: B 8, T 64, 4 heads of 16, causal, within documents; one task per (batch, head)
 static void k7_attention_fwd(char *arena, const MdlHooks *h) {
   int32_t *const b3 = (int32_t *)(arena + 2116608); // %3 input doc i32[8,64]
   float *const b19 = (float *)(arena + 5551232); // %19 rope layers.0.q f32[8,64,64]
   float *const b23 = (float *)(arena + 5682304); // %23 rope layers.0.k f32[8,64,64]
   float *const b25 = (float *)(arena + 5813376); // %25 matmul f32[512,64]
   float *const b27 = (float *)(arena + 5944448); // %27 attention f32[8,64,64]
-  #pragma omp parallel for num_threads(h->nthreads) schedule(dynamic, 16)
-  for (int64_t task = 0; task < 2048; task++) {
-    const int64_t b = task / 256, hd = task / 64 % 4, i = task % 64;
-    const float *qi = b19 + (b * 64 + i) * 64 + hd * 16;
-    const int32_t di = b3[b * 64 + i];
-    float acc[16] = {0}, s[64], m = -INFINITY, l = 0.0f;
-    const int64_t nj = i + 1;
-    for (int64_t j0 = 0; j0 < nj; j0 += 64) {
-      const int64_t n = nj - j0 < 64 ? nj - j0 : 64;
-      float bm = -INFINITY;
-      for (int64_t jj = 0; jj < n; jj++) {
-        const int64_t j = j0 + jj;
-        if (b3[b * 64 + j] != di) {
-          s[jj] = -INFINITY;
-          continue;
+  #pragma omp parallel num_threads(h->nthreads)
+  {
+    float *restrict kt = memset(mdl_scratch(1536 * sizeof(float)), 0, 1536 * sizeof(float));
+    float *restrict s = memset(mdl_scratch(96 * sizeof(float)), 0, 96 * sizeof(float));
+    #pragma omp for schedule(dynamic, 1)
+    for (int64_t task = 0; task < 32; task++) {
+      const int64_t b = task / 4, hd = task % 4;
+      for (int64_t j = 0; j < 64; j++) {
+        const float *xj = b23 + (b * 64 + j) * 64 + hd * 16;
+        for (int64_t c = 0; c < 16; c++)
+          kt[c * 96 + j] = xj[c];
+      }
+      int64_t lo = 0, hi = 64;
+      const int32_t *restrict dc = b3 + b * 64;
+      for (int64_t i = 0; i < 64; i++) {
+        const int32_t di = dc[i];
+        if (i == 0 || dc[i - 1] != di) {
+          lo = 0;
+          while (dc[lo] != di)
+            lo++;
         }
-        const float *kj = b23 + (b * 64 + j) * 64 + hd * 16;
-        float dot = 0.0f;
-        #pragma omp simd reduction(+ : dot)
+        hi = i + 1;
+        const float *restrict qi = b19 + (b * 64 + i) * 64 + hd * 16;
+        for (int64_t j0 = lo; j0 < hi; j0 += 32) {
+          float acc[32] = {0};
+          for (int64_t c = 0; c < 16; c++) {
+            const float vc = qi[c], *restrict mc = kt + c * 96 + j0;
+            #pragma omp simd
+            for (int64_t u = 0; u < 32; u++)
+              acc[u] += vc * mc[u];
+          }
+          memcpy(s + j0, acc, sizeof acc);
+        }
+        float m = -INFINITY;
+        #pragma omp simd reduction(max : m)
+        for (int64_t j = lo; j < hi; j++) {
+          s[j] = dc[j] == di ? s[j] * 0.25f : -INFINITY;
+          m = s[j] > m ? s[j] : m;
+        }
+        #pragma omp simd
+        for (int64_t j = lo; j < hi; j++)
+          s[j] = mdl_exp_shifted(s[j] - m);
+        float l;
+        {
+          float part[8] = {0};
+          int64_t j0 = lo;
+          for (; j0 + 8 <= hi; j0 += 8) {
+            for (int64_t u = 0; u < 8; u++) {
+              const int64_t j = j0 + u;
+              part[u] += s[j];
+            }
+          }
+          for (int64_t j = j0; j < hi; j++) {
+            part[j - j0] += s[j];
+          }
+          l = ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
+        }
+        float acc0[16] = {0}, acc1[16] = {0};
+        int64_t j = lo;
+        for (; j + 1 < hi; j += 2) {
+          const float w0 = s[j], w1 = s[j + 1], *restrict x0 = b25 + (b * 64 + j) * 64 + hd * 16, *restrict x1 = x0 + 64;
+          #pragma omp simd
+          for (int64_t c = 0; c < 16; c++) {
+            acc0[c] += w0 * x0[c];
+            acc1[c] += w1 * x1[c];
+          }
+        }
+        if (j < hi) {
+          const float w0 = s[j], *restrict x0 = b25 + (b * 64 + j) * 64 + hd * 16;
+          #pragma omp simd
+          for (int64_t c = 0; c < 16; c++)
+            acc0[c] += w0 * x0[c];
+        }
+        float *restrict oi = b27 + (b * 64 + i) * 64 + hd * 16;
         for (int64_t c = 0; c < 16; c++)
-          dot += qi[c] * kj[c];
-        s[jj] = dot * 0.25f;
-        bm = fmaxf(bm, s[jj]);
-      }
-      if (bm == -INFINITY)
-        continue;
-      if (bm > m) {
-        const float corr = expf(m - bm);
-        l *= corr;
-        for (int64_t c = 0; c < 16; c++)
-          acc[c] *= corr;
-        m = bm;
-      }
-      for (int64_t jj = 0; jj < n; jj++) {
-        if (s[jj] == -INFINITY)
-          continue;
-        const float p = expf(s[jj] - m);
-        const float *vj = b25 + (b * 64 + j0 + jj) * 64 + hd * 16;
-        l += p;
-        for (int64_t c = 0; c < 16; c++)
-          acc[c] += p * vj[c];
+          oi[c] = (acc0[c] + acc1[c]) / l;
       }
     }
-    float *oi = b27 + (b * 64 + i) * 64 + hd * 16;
-    for (int64_t c = 0; c < 16; c++)
-      oi[c] = acc[c] / l;
+    free(kt);
+    free(s);
   }
 }
 
@@ -513,59 +569,93 @@ static void k18_gemm(char *arena, const MdlHooks *h) {
 // k19_attention_fwd: attention, 1 op
 //   %66    attention                               line 38    f32[8,64,64]
 // loops:
-//   attention: B 8, T 64, 4 heads of 16, causal, within documents; one task per query row
+//   attention: B 8, T 64, 4 heads of 16, causal, within documents; one task per (batch, head)
 static void k19_attention_fwd(char *arena, const MdlHooks *h) {
   int32_t *const b3 = (int32_t *)(arena + 2116608); // %3 input doc i32[8,64]
   float *const b58 = (float *)(arena + 6599808); // %58 rope layers.1.q f32[8,64,64]
   float *const b62 = (float *)(arena + 6730880); // %62 rope layers.1.k f32[8,64,64]
   float *const b64 = (float *)(arena + 6861952); // %64 matmul f32[512,64]
   float *const b66 = (float *)(arena + 6993024); // %66 attention f32[8,64,64]
-  #pragma omp parallel for num_threads(h->nthreads) schedule(dynamic, 16)
-  for (int64_t task = 0; task < 2048; task++) {
-    const int64_t b = task / 256, hd = task / 64 % 4, i = task % 64;
-    const float *qi = b58 + (b * 64 + i) * 64 + hd * 16;
-    const int32_t di = b3[b * 64 + i];
-    float acc[16] = {0}, s[64], m = -INFINITY, l = 0.0f;
-    const int64_t nj = i + 1;
-    for (int64_t j0 = 0; j0 < nj; j0 += 64) {
-      const int64_t n = nj - j0 < 64 ? nj - j0 : 64;
-      float bm = -INFINITY;
-      for (int64_t jj = 0; jj < n; jj++) {
-        const int64_t j = j0 + jj;
-        if (b3[b * 64 + j] != di) {
-          s[jj] = -INFINITY;
-          continue;
+  #pragma omp parallel num_threads(h->nthreads)
+  {
+    float *restrict kt = memset(mdl_scratch(1536 * sizeof(float)), 0, 1536 * sizeof(float));
+    float *restrict s = memset(mdl_scratch(96 * sizeof(float)), 0, 96 * sizeof(float));
+    #pragma omp for schedule(dynamic, 1)
+    for (int64_t task = 0; task < 32; task++) {
+      const int64_t b = task / 4, hd = task % 4;
+      for (int64_t j = 0; j < 64; j++) {
+        const float *xj = b62 + (b * 64 + j) * 64 + hd * 16;
+        for (int64_t c = 0; c < 16; c++)
+          kt[c * 96 + j] = xj[c];
+      }
+      int64_t lo = 0, hi = 64;
+      const int32_t *restrict dc = b3 + b * 64;
+      for (int64_t i = 0; i < 64; i++) {
+        const int32_t di = dc[i];
+        if (i == 0 || dc[i - 1] != di) {
+          lo = 0;
+          while (dc[lo] != di)
+            lo++;
         }
-        const float *kj = b62 + (b * 64 + j) * 64 + hd * 16;
-        float dot = 0.0f;
-        #pragma omp simd reduction(+ : dot)
+        hi = i + 1;
+        const float *restrict qi = b58 + (b * 64 + i) * 64 + hd * 16;
+        for (int64_t j0 = lo; j0 < hi; j0 += 32) {
+          float acc[32] = {0};
+          for (int64_t c = 0; c < 16; c++) {
+            const float vc = qi[c], *restrict mc = kt + c * 96 + j0;
+            #pragma omp simd
+            for (int64_t u = 0; u < 32; u++)
+              acc[u] += vc * mc[u];
+          }
+          memcpy(s + j0, acc, sizeof acc);
+        }
+        float m = -INFINITY;
+        #pragma omp simd reduction(max : m)
+        for (int64_t j = lo; j < hi; j++) {
+          s[j] = dc[j] == di ? s[j] * 0.25f : -INFINITY;
+          m = s[j] > m ? s[j] : m;
+        }
+        #pragma omp simd
+        for (int64_t j = lo; j < hi; j++)
+          s[j] = mdl_exp_shifted(s[j] - m);
+        float l;
+        {
+          float part[8] = {0};
+          int64_t j0 = lo;
+          for (; j0 + 8 <= hi; j0 += 8) {
+            for (int64_t u = 0; u < 8; u++) {
+              const int64_t j = j0 + u;
+              part[u] += s[j];
+            }
+          }
+          for (int64_t j = j0; j < hi; j++) {
+            part[j - j0] += s[j];
+          }
+          l = ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
+        }
+        float acc0[16] = {0}, acc1[16] = {0};
+        int64_t j = lo;
+        for (; j + 1 < hi; j += 2) {
+          const float w0 = s[j], w1 = s[j + 1], *restrict x0 = b64 + (b * 64 + j) * 64 + hd * 16, *restrict x1 = x0 + 64;
+          #pragma omp simd
+          for (int64_t c = 0; c < 16; c++) {
+            acc0[c] += w0 * x0[c];
+            acc1[c] += w1 * x1[c];
+          }
+        }
+        if (j < hi) {
+          const float w0 = s[j], *restrict x0 = b64 + (b * 64 + j) * 64 + hd * 16;
+          #pragma omp simd
+          for (int64_t c = 0; c < 16; c++)
+            acc0[c] += w0 * x0[c];
+        }
+        float *restrict oi = b66 + (b * 64 + i) * 64 + hd * 16;
         for (int64_t c = 0; c < 16; c++)
-          dot += qi[c] * kj[c];
-        s[jj] = dot * 0.25f;
-        bm = fmaxf(bm, s[jj]);
-      }
-      if (bm == -INFINITY)
-        continue;
-      if (bm > m) {
-        const float corr = expf(m - bm);
-        l *= corr;
-        for (int64_t c = 0; c < 16; c++)
-          acc[c] *= corr;
-        m = bm;
-      }
-      for (int64_t jj = 0; jj < n; jj++) {
-        if (s[jj] == -INFINITY)
-          continue;
-        const float p = expf(s[jj] - m);
-        const float *vj = b64 + (b * 64 + j0 + jj) * 64 + hd * 16;
-        l += p;
-        for (int64_t c = 0; c < 16; c++)
-          acc[c] += p * vj[c];
+          oi[c] = (acc0[c] + acc1[c]) / l;
       }
     }
-    float *oi = b66 + (b * 64 + i) * 64 + hd * 16;
-    for (int64_t c = 0; c < 16; c++)
-      oi[c] = acc[c] / l;
+    free(kt);
+    free(s);
   }
 }
 
@@ -1053,71 +1143,148 @@ static void k41_attention_bwd(char *arena, const MdlHooks *h) {
   float *const b131 = (float *)(arena + 4052096); // %131 attention_bwd f32[8,64,64]
   #pragma omp parallel num_threads(h->nthreads)
   {
-    float *p = mdl_scratch(64 * sizeof(float));
-    float *dp = mdl_scratch(64 * sizeof(float));
+    float *restrict kt = memset(mdl_scratch(1536 * sizeof(float)), 0, 1536 * sizeof(float));
+    float *restrict s = memset(mdl_scratch(96 * sizeof(float)), 0, 96 * sizeof(float));
+    float *restrict vt = memset(mdl_scratch(1536 * sizeof(float)), 0, 1536 * sizeof(float));
+    float *restrict dp = memset(mdl_scratch(96 * sizeof(float)), 0, 96 * sizeof(float));
+    float *restrict dkh = memset(mdl_scratch(1024 * sizeof(float)), 0, 1024 * sizeof(float));
+    float *restrict dvh = memset(mdl_scratch(1024 * sizeof(float)), 0, 1024 * sizeof(float));
     #pragma omp for schedule(dynamic, 1)
     for (int64_t task = 0; task < 32; task++) {
       const int64_t b = task / 4, hd = task % 4;
-      for (int64_t t = 0; t < 64; t++)
-        memset(b130 + (b * 64 + t) * 64 + hd * 16, 0, 16 * sizeof(float));
-      for (int64_t t = 0; t < 64; t++)
-        memset(b131 + (b * 64 + t) * 64 + hd * 16, 0, 16 * sizeof(float));
-      for (int64_t i = 0; i < 64; i++) {
-        const float *qi = b58 + (b * 64 + i) * 64 + hd * 16;
-        const float *doi = b126 + (b * 64 + i) * 64 + hd * 16;
-        const int32_t di = b3[b * 64 + i];
-        const int64_t nj = i + 1;
-        float m = -INFINITY;
-        for (int64_t j = 0; j < nj; j++) {
-          if (!(b3[b * 64 + j] == di)) {
-            p[j] = -INFINITY;
-            continue;
-          }
-          const float *kj = b62 + (b * 64 + j) * 64 + hd * 16;
-          float dot = 0.0f;
-          #pragma omp simd reduction(+ : dot)
-          for (int64_t c = 0; c < 16; c++)
-            dot += qi[c] * kj[c];
-          p[j] = dot * 0.25f;
-          m = fmaxf(m, p[j]);
-        }
-        double sum = 0, dsum = 0;
-        for (int64_t j = 0; j < nj; j++) {
-          p[j] = p[j] == -INFINITY ? 0.0f : expf(p[j] - m);
-          sum += p[j];
-        }
-        for (int64_t j = 0; j < nj; j++) {
-          p[j] = (float)(p[j] / sum);
-          const float *vj = b64 + (b * 64 + j) * 64 + hd * 16;
-          float dot = 0.0f;
-          #pragma omp simd reduction(+ : dot)
-          for (int64_t c = 0; c < 16; c++)
-            dot += doi[c] * vj[c];
-          dp[j] = dot;
-          dsum += (double)p[j] * dot;
-        }
-        float dqi[16] = {0};
-        for (int64_t j = 0; j < nj; j++) {
-          if (p[j] == 0.0f)
-            continue;
-          const float ds = p[j] * (dp[j] - (float)dsum);
-          const float *kj = b62 + (b * 64 + j) * 64 + hd * 16;
-          for (int64_t c = 0; c < 16; c++)
-            dqi[c] += ds * kj[c];
-          float *dkj = b130 + (b * 64 + j) * 64 + hd * 16;
-          for (int64_t c = 0; c < 16; c++)
-            dkj[c] += 0.25f * ds * qi[c];
-          float *dvj = b131 + (b * 64 + j) * 64 + hd * 16;
-          for (int64_t c = 0; c < 16; c++)
-            dvj[c] += p[j] * doi[c];
-        }
-        float *dq = b129 + (b * 64 + i) * 64 + hd * 16;
+      for (int64_t j = 0; j < 64; j++) {
+        const float *xj = b62 + (b * 64 + j) * 64 + hd * 16;
         for (int64_t c = 0; c < 16; c++)
-          dq[c] = 0.25f * dqi[c];
+          kt[c * 96 + j] = xj[c];
       }
+      for (int64_t j = 0; j < 64; j++) {
+        const float *xj = b64 + (b * 64 + j) * 64 + hd * 16;
+        for (int64_t c = 0; c < 16; c++)
+          vt[c * 96 + j] = xj[c];
+      }
+      memset(dkh, 0, 1024 * sizeof(float));
+      memset(dvh, 0, 1024 * sizeof(float));
+      int64_t lo = 0, hi = 64;
+      const int32_t *restrict dc = b3 + b * 64;
+      for (int64_t i = 0; i < 64; i++) {
+        const int32_t di = dc[i];
+        if (i == 0 || dc[i - 1] != di) {
+          lo = 0;
+          while (dc[lo] != di)
+            lo++;
+        }
+        hi = i + 1;
+        const float *restrict qi = b58 + (b * 64 + i) * 64 + hd * 16;
+        for (int64_t j0 = lo; j0 < hi; j0 += 32) {
+          float acc[32] = {0};
+          for (int64_t c = 0; c < 16; c++) {
+            const float vc = qi[c], *restrict mc = kt + c * 96 + j0;
+            #pragma omp simd
+            for (int64_t u = 0; u < 32; u++)
+              acc[u] += vc * mc[u];
+          }
+          memcpy(s + j0, acc, sizeof acc);
+        }
+        float m = -INFINITY;
+        #pragma omp simd reduction(max : m)
+        for (int64_t j = lo; j < hi; j++) {
+          s[j] = dc[j] == di ? s[j] * 0.25f : -INFINITY;
+          m = s[j] > m ? s[j] : m;
+        }
+        #pragma omp simd
+        for (int64_t j = lo; j < hi; j++)
+          s[j] = mdl_exp_shifted(s[j] - m);
+        float l;
+        {
+          float part[8] = {0};
+          int64_t j0 = lo;
+          for (; j0 + 8 <= hi; j0 += 8) {
+            for (int64_t u = 0; u < 8; u++) {
+              const int64_t j = j0 + u;
+              part[u] += s[j];
+            }
+          }
+          for (int64_t j = j0; j < hi; j++) {
+            part[j - j0] += s[j];
+          }
+          l = ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
+        }
+        const float *restrict doi = b126 + (b * 64 + i) * 64 + hd * 16;
+        #pragma omp simd
+        for (int64_t j = lo; j < hi; j++)
+          s[j] /= l;
+        for (int64_t j0 = lo; j0 < hi; j0 += 32) {
+          float acc[32] = {0};
+          for (int64_t c = 0; c < 16; c++) {
+            const float vc = doi[c], *restrict mc = vt + c * 96 + j0;
+            #pragma omp simd
+            for (int64_t u = 0; u < 32; u++)
+              acc[u] += vc * mc[u];
+          }
+          memcpy(dp + j0, acc, sizeof acc);
+        }
+        float dsum;
+        {
+          float part[8] = {0};
+          int64_t j0 = lo;
+          for (; j0 + 8 <= hi; j0 += 8) {
+            for (int64_t u = 0; u < 8; u++) {
+              const int64_t j = j0 + u;
+              part[u] += s[j] * dp[j];
+            }
+          }
+          for (int64_t j = j0; j < hi; j++) {
+            part[j - j0] += s[j] * dp[j];
+          }
+          dsum = ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
+        }
+        #pragma omp simd
+        for (int64_t j = lo; j < hi; j++)
+          dp[j] = s[j] * (dp[j] - dsum);
+        float dqi0[16] = {0}, dqi1[16] = {0};
+        int64_t j = lo;
+        for (; j + 1 < hi; j += 2) {
+          const float w0 = dp[j], w1 = dp[j + 1], *restrict x0 = b62 + (b * 64 + j) * 64 + hd * 16, *restrict x1 = x0 + 64;
+          #pragma omp simd
+          for (int64_t c = 0; c < 16; c++) {
+            dqi0[c] += w0 * x0[c];
+            dqi1[c] += w1 * x1[c];
+          }
+        }
+        if (j < hi) {
+          const float w0 = dp[j], *restrict x0 = b62 + (b * 64 + j) * 64 + hd * 16;
+          #pragma omp simd
+          for (int64_t c = 0; c < 16; c++)
+            dqi0[c] += w0 * x0[c];
+        }
+        float sqi[16];
+        for (int64_t c = 0; c < 16; c++)
+          sqi[c] = 0.25f * qi[c];
+        for (int64_t j = lo; j < hi; j++) {
+          float *restrict dkj = dkh + j * 16;
+          #pragma omp simd
+          for (int64_t c = 0; c < 16; c++)
+            dkj[c] += dp[j] * sqi[c];
+          float *restrict dvj = dvh + j * 16;
+          #pragma omp simd
+          for (int64_t c = 0; c < 16; c++)
+            dvj[c] += s[j] * doi[c];
+        }
+        float *restrict dq = b129 + (b * 64 + i) * 64 + hd * 16;
+        for (int64_t c = 0; c < 16; c++)
+          dq[c] = 0.25f * (dqi0[c] + dqi1[c]);
+      }
+      for (int64_t t = 0; t < 64; t++)
+        memcpy(b130 + (b * 64 + t) * 64 + hd * 16, dkh + t * 16, 16 * sizeof(float));
+      for (int64_t t = 0; t < 64; t++)
+        memcpy(b131 + (b * 64 + t) * 64 + hd * 16, dvh + t * 16, 16 * sizeof(float));
     }
-    free(p);
+    free(kt);
+    free(s);
+    free(vt);
     free(dp);
+    free(dkh);
+    free(dvh);
   }
 }
 
@@ -1534,71 +1701,148 @@ static void k63_attention_bwd(char *arena, const MdlHooks *h) {
   float *const b176 = (float *)(arena + 2643072); // %176 attention_bwd f32[8,64,64]
   #pragma omp parallel num_threads(h->nthreads)
   {
-    float *p = mdl_scratch(64 * sizeof(float));
-    float *dp = mdl_scratch(64 * sizeof(float));
+    float *restrict kt = memset(mdl_scratch(1536 * sizeof(float)), 0, 1536 * sizeof(float));
+    float *restrict s = memset(mdl_scratch(96 * sizeof(float)), 0, 96 * sizeof(float));
+    float *restrict vt = memset(mdl_scratch(1536 * sizeof(float)), 0, 1536 * sizeof(float));
+    float *restrict dp = memset(mdl_scratch(96 * sizeof(float)), 0, 96 * sizeof(float));
+    float *restrict dkh = memset(mdl_scratch(1024 * sizeof(float)), 0, 1024 * sizeof(float));
+    float *restrict dvh = memset(mdl_scratch(1024 * sizeof(float)), 0, 1024 * sizeof(float));
     #pragma omp for schedule(dynamic, 1)
     for (int64_t task = 0; task < 32; task++) {
       const int64_t b = task / 4, hd = task % 4;
-      for (int64_t t = 0; t < 64; t++)
-        memset(b175 + (b * 64 + t) * 64 + hd * 16, 0, 16 * sizeof(float));
-      for (int64_t t = 0; t < 64; t++)
-        memset(b176 + (b * 64 + t) * 64 + hd * 16, 0, 16 * sizeof(float));
-      for (int64_t i = 0; i < 64; i++) {
-        const float *qi = b19 + (b * 64 + i) * 64 + hd * 16;
-        const float *doi = b171 + (b * 64 + i) * 64 + hd * 16;
-        const int32_t di = b3[b * 64 + i];
-        const int64_t nj = i + 1;
-        float m = -INFINITY;
-        for (int64_t j = 0; j < nj; j++) {
-          if (!(b3[b * 64 + j] == di)) {
-            p[j] = -INFINITY;
-            continue;
-          }
-          const float *kj = b23 + (b * 64 + j) * 64 + hd * 16;
-          float dot = 0.0f;
-          #pragma omp simd reduction(+ : dot)
-          for (int64_t c = 0; c < 16; c++)
-            dot += qi[c] * kj[c];
-          p[j] = dot * 0.25f;
-          m = fmaxf(m, p[j]);
-        }
-        double sum = 0, dsum = 0;
-        for (int64_t j = 0; j < nj; j++) {
-          p[j] = p[j] == -INFINITY ? 0.0f : expf(p[j] - m);
-          sum += p[j];
-        }
-        for (int64_t j = 0; j < nj; j++) {
-          p[j] = (float)(p[j] / sum);
-          const float *vj = b25 + (b * 64 + j) * 64 + hd * 16;
-          float dot = 0.0f;
-          #pragma omp simd reduction(+ : dot)
-          for (int64_t c = 0; c < 16; c++)
-            dot += doi[c] * vj[c];
-          dp[j] = dot;
-          dsum += (double)p[j] * dot;
-        }
-        float dqi[16] = {0};
-        for (int64_t j = 0; j < nj; j++) {
-          if (p[j] == 0.0f)
-            continue;
-          const float ds = p[j] * (dp[j] - (float)dsum);
-          const float *kj = b23 + (b * 64 + j) * 64 + hd * 16;
-          for (int64_t c = 0; c < 16; c++)
-            dqi[c] += ds * kj[c];
-          float *dkj = b175 + (b * 64 + j) * 64 + hd * 16;
-          for (int64_t c = 0; c < 16; c++)
-            dkj[c] += 0.25f * ds * qi[c];
-          float *dvj = b176 + (b * 64 + j) * 64 + hd * 16;
-          for (int64_t c = 0; c < 16; c++)
-            dvj[c] += p[j] * doi[c];
-        }
-        float *dq = b174 + (b * 64 + i) * 64 + hd * 16;
+      for (int64_t j = 0; j < 64; j++) {
+        const float *xj = b23 + (b * 64 + j) * 64 + hd * 16;
         for (int64_t c = 0; c < 16; c++)
-          dq[c] = 0.25f * dqi[c];
+          kt[c * 96 + j] = xj[c];
       }
+      for (int64_t j = 0; j < 64; j++) {
+        const float *xj = b25 + (b * 64 + j) * 64 + hd * 16;
+        for (int64_t c = 0; c < 16; c++)
+          vt[c * 96 + j] = xj[c];
+      }
+      memset(dkh, 0, 1024 * sizeof(float));
+      memset(dvh, 0, 1024 * sizeof(float));
+      int64_t lo = 0, hi = 64;
+      const int32_t *restrict dc = b3 + b * 64;
+      for (int64_t i = 0; i < 64; i++) {
+        const int32_t di = dc[i];
+        if (i == 0 || dc[i - 1] != di) {
+          lo = 0;
+          while (dc[lo] != di)
+            lo++;
+        }
+        hi = i + 1;
+        const float *restrict qi = b19 + (b * 64 + i) * 64 + hd * 16;
+        for (int64_t j0 = lo; j0 < hi; j0 += 32) {
+          float acc[32] = {0};
+          for (int64_t c = 0; c < 16; c++) {
+            const float vc = qi[c], *restrict mc = kt + c * 96 + j0;
+            #pragma omp simd
+            for (int64_t u = 0; u < 32; u++)
+              acc[u] += vc * mc[u];
+          }
+          memcpy(s + j0, acc, sizeof acc);
+        }
+        float m = -INFINITY;
+        #pragma omp simd reduction(max : m)
+        for (int64_t j = lo; j < hi; j++) {
+          s[j] = dc[j] == di ? s[j] * 0.25f : -INFINITY;
+          m = s[j] > m ? s[j] : m;
+        }
+        #pragma omp simd
+        for (int64_t j = lo; j < hi; j++)
+          s[j] = mdl_exp_shifted(s[j] - m);
+        float l;
+        {
+          float part[8] = {0};
+          int64_t j0 = lo;
+          for (; j0 + 8 <= hi; j0 += 8) {
+            for (int64_t u = 0; u < 8; u++) {
+              const int64_t j = j0 + u;
+              part[u] += s[j];
+            }
+          }
+          for (int64_t j = j0; j < hi; j++) {
+            part[j - j0] += s[j];
+          }
+          l = ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
+        }
+        const float *restrict doi = b171 + (b * 64 + i) * 64 + hd * 16;
+        #pragma omp simd
+        for (int64_t j = lo; j < hi; j++)
+          s[j] /= l;
+        for (int64_t j0 = lo; j0 < hi; j0 += 32) {
+          float acc[32] = {0};
+          for (int64_t c = 0; c < 16; c++) {
+            const float vc = doi[c], *restrict mc = vt + c * 96 + j0;
+            #pragma omp simd
+            for (int64_t u = 0; u < 32; u++)
+              acc[u] += vc * mc[u];
+          }
+          memcpy(dp + j0, acc, sizeof acc);
+        }
+        float dsum;
+        {
+          float part[8] = {0};
+          int64_t j0 = lo;
+          for (; j0 + 8 <= hi; j0 += 8) {
+            for (int64_t u = 0; u < 8; u++) {
+              const int64_t j = j0 + u;
+              part[u] += s[j] * dp[j];
+            }
+          }
+          for (int64_t j = j0; j < hi; j++) {
+            part[j - j0] += s[j] * dp[j];
+          }
+          dsum = ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
+        }
+        #pragma omp simd
+        for (int64_t j = lo; j < hi; j++)
+          dp[j] = s[j] * (dp[j] - dsum);
+        float dqi0[16] = {0}, dqi1[16] = {0};
+        int64_t j = lo;
+        for (; j + 1 < hi; j += 2) {
+          const float w0 = dp[j], w1 = dp[j + 1], *restrict x0 = b23 + (b * 64 + j) * 64 + hd * 16, *restrict x1 = x0 + 64;
+          #pragma omp simd
+          for (int64_t c = 0; c < 16; c++) {
+            dqi0[c] += w0 * x0[c];
+            dqi1[c] += w1 * x1[c];
+          }
+        }
+        if (j < hi) {
+          const float w0 = dp[j], *restrict x0 = b23 + (b * 64 + j) * 64 + hd * 16;
+          #pragma omp simd
+          for (int64_t c = 0; c < 16; c++)
+            dqi0[c] += w0 * x0[c];
+        }
+        float sqi[16];
+        for (int64_t c = 0; c < 16; c++)
+          sqi[c] = 0.25f * qi[c];
+        for (int64_t j = lo; j < hi; j++) {
+          float *restrict dkj = dkh + j * 16;
+          #pragma omp simd
+          for (int64_t c = 0; c < 16; c++)
+            dkj[c] += dp[j] * sqi[c];
+          float *restrict dvj = dvh + j * 16;
+          #pragma omp simd
+          for (int64_t c = 0; c < 16; c++)
+            dvj[c] += s[j] * doi[c];
+        }
+        float *restrict dq = b174 + (b * 64 + i) * 64 + hd * 16;
+        for (int64_t c = 0; c < 16; c++)
+          dq[c] = 0.25f * (dqi0[c] + dqi1[c]);
+      }
+      for (int64_t t = 0; t < 64; t++)
+        memcpy(b175 + (b * 64 + t) * 64 + hd * 16, dkh + t * 16, 16 * sizeof(float));
+      for (int64_t t = 0; t < 64; t++)
+        memcpy(b176 + (b * 64 + t) * 64 + hd * 16, dvh + t * 16, 16 * sizeof(float));
     }
-    free(p);
+    free(kt);
+    free(s);
+    free(vt);
     free(dp);
+    free(dkh);
+    free(dvh);
   }
 }
 

@@ -63,6 +63,28 @@ static inline float mdl_silu_grad(float x, float dy) {
   return dy * s * (1.0f + x * (1.0f - s));
 }
 
+// exp(x) for x <= 0 (a softmax score less the row's maximum), 0 for -INFINITY: x = n ln 2 + r with
+// n rounded to nearest by adding 1.5 * 2^23 (n then sits in the low bits of `big`), Cephes' expf
+// polynomial in r, and 2^n made from n's bits; within 2 ulp, and branch-free so that loops of it
+// vectorize.
+static inline float mdl_exp_shifted(float x) {
+  const float xc = x > -87.0f ? x : -87.0f;
+  const float big = xc * 1.44269504f + 12582912.0f, n = big - 12582912.0f;
+  const float r = xc - n * 0.693359375f + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  int32_t bits;
+  memcpy(&bits, &big, sizeof bits);
+  bits = (bits - 0x4B400000 + 127) * 8388608;
+  float two_n;
+  memcpy(&two_n, &bits, sizeof two_n);
+  return x == -INFINITY ? 0.0f : (p * r * r + r + 1.0f) * two_n;
+}
+
 static inline void *mdl_scratch(size_t bytes) {
   void *p = malloc(bytes ? bytes : 1);
   if (!p) {
