@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The check to run in the few minutes a GPU is lent (`make gpu-check`; under 8 minutes with the build):
+# The check to run on a machine with a GPU (`make gpu-check`; under 8 minutes with the build):
 #   1. build mdlc; list the GPUs;
 #   2. gpt2-tiny on the GPU and on the CPU back end from the same weights and batch (`mdlc grad
 #      --backend cuda` vs `--backend cpu`, two shapes): the loss and every gradient, compared per
