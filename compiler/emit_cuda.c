@@ -1019,21 +1019,6 @@ static CudaEpilogue epilogue_of(Emit *e, int mm, int64_t n, int *out, int *bias,
   return CUDA_EPI_BIAS;
 }
 
-// The offset into a tensor of shape `in` of the element broadcasting maps to element idx of `out`.
-static int64_t bcast_index(Shape out, Shape in, int64_t idx) {
-  int64_t off = 0, stride = 1;
-  for (int k = out.rank - 1, j = in.rank - 1; k >= 0; k--, j--) {
-    int64_t c = idx % out.d[k];
-    idx /= out.d[k];
-    if (j < 0)
-      continue;
-    if (in.d[j] != 1)
-      off += c * stride;
-    stride *= in.d[j];
-  }
-  return off;
-}
-
 // The batch stride of a matmul operand of shape s (matrix of mk elements) for output batch shape ob:
 // 0 when it has one matrix, mk when it has one per output batch, -1 when it broadcasts otherwise.
 static int64_t batch_stride(Shape s, Shape ob, int64_t mk) {
@@ -1096,8 +1081,8 @@ static void emit_gemm(Emit *e, int gi, const bool *emitted) {
       ab.rank -= 2, bb.rank -= 2;
       CudaGemm one = gm;
       for (int64_t t = 0; t < batches; t++) {
-        one.a = gm.a + 4 * bcast_index(ob, ab, t) * m * k;
-        one.b = gm.b + 4 * bcast_index(ob, bb, t) * k * n;
+        one.a = gm.a + 4 * shape_bcast_offset(ob, ab, t) * m * k;
+        one.b = gm.b + 4 * shape_bcast_offset(ob, bb, t) * k * n;
         one.c = gm.c + 4 * t * m * n;
         gemm_add(e, one);
       }

@@ -179,7 +179,7 @@ static StepKind kind_of(Op op) {
   }
 }
 
-static const char *kind_name(StepKind k) {
+const char *step_kind_name(StepKind k) {
   switch (k) {
   case STEP_KERNEL: return "kernel";
   case STEP_GEMM: return "gemm";
@@ -908,7 +908,7 @@ static const char *generic_reason(const Fuser *F, const Fusion *f, int p, int c)
     return F->nusers[p] > 1 ? arena_printf(F->a, "the GEMM epilogue ends here: %d readers", F->nusers[p])
                             : "consumer is not an elementwise epilogue op";
   if (sp->kind != STEP_KERNEL)
-    return arena_printf(F->a, "producer is written by the %s step (no epilogue fusion)", kind_name(sp->kind));
+    return arena_printf(F->a, "producer is written by the %s step (no epilogue fusion)", step_kind_name(sp->kind));
   if (!is_elementwise(pop) && !is_reduction(pop))
     return arena_printf(F->a, "producer is a %s kernel (no epilogue fusion)", op_name(op_of(F, sp->root)));
   if (numel(F, p) != numel(F, c))
@@ -1076,7 +1076,7 @@ void fuse_dump(const Fusion *f, FILE *out) {
   for (int s = 0; s < f->nsteps; s++) {
     const Step *st = &f->steps[s];
     char buf[128];
-    fprintf(out, "%-44s %-9s %-14s", st->name, kind_name(st->kind),
+    fprintf(out, "%-44s %-9s %-14s", st->name, step_kind_name(st->kind),
             shape_str(g->nodes[st->root]->shape, buf, sizeof buf));
     for (int i = 0; i < st->nnodes; i++) {
       const IrNode *n = g->nodes[st->nodes[i]];

@@ -153,22 +153,6 @@ static int64_t span(Shape s, int from, int to) {
   return n;
 }
 
-// Offset into a tensor of shape `in` of the element that broadcasting maps to flat index `idx` of a
-// tensor of shape `out` (numpy rules: axes aligned on the right, size-1 and missing axes repeat).
-static int64_t bcast_offset(Shape out, Shape in, int64_t idx) {
-  int64_t off = 0, stride = 1;
-  for (int k = out.rank - 1, j = in.rank - 1; k >= 0; k--, j--) {
-    int64_t c = idx % out.d[k];
-    idx /= out.d[k];
-    if (j < 0)
-      continue;
-    if (in.d[j] != 1)
-      off += c * stride;
-    stride *= in.d[j];
-  }
-  return off;
-}
-
 // The shape of the leading (batch) axes of a matmul operand: all but the last two.
 static Shape batch_shape(Shape s) {
   Shape b = s;
@@ -245,7 +229,7 @@ static double binary(Op op, double a, double b) {
 static void run_binary(Ctx *c) {
   Shape out = c->nd->shape, sa = c->xn[0]->shape, sb = c->xn[1]->shape;
   for (int64_t i = 0; i < c->n; i++)
-    c->y[i] = binary(c->nd->op, c->x[0][bcast_offset(out, sa, i)], c->x[1][bcast_offset(out, sb, i)]);
+    c->y[i] = binary(c->nd->op, c->x[0][shape_bcast_offset(out, sa, i)], c->x[1][shape_bcast_offset(out, sb, i)]);
 }
 
 static void run_dropout(Ctx *c) {
@@ -345,8 +329,8 @@ static void run_matmul(Ctx *c) {
   int64_t k = ta ? sa.d[sa.rank - 2] : sa.d[sa.rank - 1];
   int64_t batches = span(so, 0, so.rank - 2);
   for (int64_t bi = 0; bi < batches; bi++) {
-    const double *a = c->x[0] + bcast_offset(batch_shape(so), batch_shape(sa), bi) * m * k;
-    const double *b = c->x[1] + bcast_offset(batch_shape(so), batch_shape(sb), bi) * k * n;
+    const double *a = c->x[0] + shape_bcast_offset(batch_shape(so), batch_shape(sa), bi) * m * k;
+    const double *b = c->x[1] + shape_bcast_offset(batch_shape(so), batch_shape(sb), bi) * k * n;
     double *y = c->y + bi * m * n;
     // Row i of y accumulates a[i,l] * b[l,:] for l = 0, 1, ...: each y[i,j] sums over l in order.
     memset(y, 0, (size_t)(m * n) * sizeof(double));
@@ -742,7 +726,7 @@ static bool run_node(Ctx *c) {
   case OP_PERMUTE: run_permute(c); return true;
   case OP_BROADCAST:
     for (int64_t i = 0; i < c->n; i++)
-      c->y[i] = c->x[0][bcast_offset(nd->shape, c->xn[0]->shape, i)];
+      c->y[i] = c->x[0][shape_bcast_offset(nd->shape, c->xn[0]->shape, i)];
     return true;
   case OP_SLICE: run_slice(c, false); return true;
   case OP_SLICE_BWD: run_slice(c, true); return true;

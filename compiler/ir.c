@@ -57,6 +57,20 @@ Shape shape_of(int rank, const int64_t *d) {
   return s;
 }
 
+int64_t shape_bcast_offset(Shape out, Shape in, int64_t idx) {
+  int64_t off = 0, stride = 1;
+  for (int k = out.rank - 1, j = in.rank - 1; k >= 0; k--, j--) {
+    int64_t c = idx % out.d[k];
+    idx /= out.d[k];
+    if (j < 0)
+      continue;
+    if (in.d[j] != 1)
+      off += c * stride;
+    stride *= in.d[j];
+  }
+  return off;
+}
+
 Graph *ir_new(Arena *a) {
   Graph *g = arena_alloc(a, sizeof *g);
   g->arena = a;
@@ -444,6 +458,13 @@ void ir_eval_mode(Graph *g) {
   for (int i = 0; i < g->n; i++)
     if (g->nodes[i]->op == OP_DROPOUT)
       g->nodes[i]->fa[0] = 0;
+}
+
+int64_t ir_dim(const Graph *g, const char *name) {
+  for (int i = 0; i < g->ndims; i++)
+    if (!strcmp(g->dims[i].name, name))
+      return g->dims[i].value;
+  return -1;
 }
 
 int64_t ir_param_count(const Graph *g) {

@@ -370,19 +370,10 @@ static bool load_weights(Engine *e, const Graph *g, const char *path) {
   StFile f;
   bool ok = st_read(a, path, &f);
   for (int i = 0; ok && i < g->nparams; i++) {
-    const IrNode *p = g->nodes[g->params[i]];
-    const StTensor *t = st_find(&f, p->name);
-    char want[128], got[128];
-    if (!t) {
-      diag_file_error(path, "no tensor '%s' (a parameter of %s)", p->name, g->model);
-      ok = false;
-    } else if (!shape_eq(t->shape, p->shape) || t->dtype != DT_F32) {
-      diag_file_error(path, "tensor '%s' is %s%s, the model wants f32%s", p->name, dtype_name(t->dtype),
-                      shape_str(t->shape, got, sizeof got), shape_str(p->shape, want, sizeof want));
-      ok = false;
-    } else {
-      e->write(e, p->id, t->data);
-    }
+    const StTensor *t = st_expect(&f, path, "", g->nodes[g->params[i]]);
+    ok = t != NULL;
+    if (ok)
+      e->write(e, g->params[i], t->data);
   }
   arena_free(a);
   return ok;
@@ -436,14 +427,8 @@ static bool load_batch(Engine *e, const Graph *g, const char *path) {
     const IrNode *n = g->nodes[i];
     if (n->op != OP_INPUT)
       continue;
-    const StTensor *t = st_find(&f, n->name);
-    char want[128], got[128];
+    const StTensor *t = st_expect(&f, path, "", n);
     if (!t) {
-      diag_file_error(path, "no tensor '%s' (an input of %s)", n->name, g->model);
-      ok = false;
-    } else if (!shape_eq(t->shape, n->shape) || t->dtype != n->dtype) {
-      diag_file_error(path, "tensor '%s' is %s%s, the model wants %s%s", n->name, dtype_name(t->dtype),
-                      shape_str(t->shape, got, sizeof got), dtype_name(n->dtype), shape_str(n->shape, want, sizeof want));
       ok = false;
     } else if (!e->set_input(e, n->name, n->dtype == DT_I32 ? t->data : NULL, n->dtype == DT_F32 ? t->data : NULL,
                              shape_numel(n->shape))) {
@@ -571,10 +556,7 @@ static int cmd_run(const Options *o, Graph *g) {
     return EXIT_USER;
   int vocab = tok_vocab(tok);
   tok_free(tok);
-  int64_t V = -1;
-  for (int i = 0; i < g->ndims; i++)
-    if (!strcmp(g->dims[i].name, "V"))
-      V = g->dims[i].value;
+  int64_t V = ir_dim(g, "V");
   if (V >= 0 && vocab > V) {
     diag_file_error(tok_path, "the data's tokenizer has %d tokens, more than the model's V = %lld: prepare the data "
                     "with --vocab %lld or run with -D V=%d", vocab, (long long)V, (long long)V, vocab);

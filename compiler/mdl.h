@@ -215,7 +215,11 @@ int64_t shape_numel(Shape s);
 bool shape_eq(Shape a, Shape b);
 char *shape_str(Shape s, char *buf, size_t n); // "[2,3,4]"
 Shape shape_of(int rank, const int64_t *d);
+// Offset into a tensor of shape `in` of the element that broadcasting maps to flat index idx of a
+// tensor of shape `out` (numpy rules: axes aligned on the right, size-1 and missing axes repeat).
+int64_t shape_bcast_offset(Shape out, Shape in, int64_t idx);
 int64_t ir_param_count(const Graph *g);
+int64_t ir_dim(const Graph *g, const char *name); // a dim's bound value, -1 when there is none
 // A forward graph for evaluation and sampling: every dropout keeps everything (p = 0).
 void ir_eval_mode(Graph *g);
 
@@ -291,6 +295,9 @@ typedef struct {
 // Reads a whole file; on failure prints "path: reason" and returns false.
 bool st_read(Arena *a, const char *path, StFile *out);
 const StTensor *st_find(const StFile *f, const char *name);
+// The tensor named like node n with n's dtype and shape; NULL after "path: error: <prefix>no tensor
+// 'x' (the model's parameter [64])" or "<prefix>tensor 'x' is [32], the model wants [64]".
+const StTensor *st_expect(const StFile *f, const char *path, const char *prefix, const IrNode *n);
 // Writes atomically (temp file, fsync, rename); on failure prints "path: reason".
 bool st_write(const char *path, const StTensor *t, int n);
 bool st_write_meta(const char *path, const StTensor *t, int n, const StMeta *meta, int nmeta);
@@ -345,6 +352,7 @@ typedef struct {
 
 Fusion *fuse(Graph *g, FuseOptions opt);
 void fuse_dump(const Fusion *f, FILE *out); // steps with their ops and .mdl lines, then "not fused" lines
+const char *step_kind_name(StepKind k);     // "kernel", "gemm", "attention", "lmhead", "optimizer"
 
 //
 // memplan.c: one arena, liveness-based reuse. Parameters, their gradients and the AdamW moments

@@ -12,17 +12,6 @@ static void totals(const Fusion *f, double *flops, double *rd, double *wr) {
   }
 }
 
-static const char *kind_word(StepKind k) {
-  switch (k) {
-  case STEP_KERNEL: return "kernel";
-  case STEP_GEMM: return "gemm";
-  case STEP_ATTENTION: return "attention";
-  case STEP_LMHEAD: return "lmhead";
-  case STEP_OPTIMIZER: return "optimizer";
-  }
-  return "?";
-}
-
 void fusion_report(const Fusion *on, const Fusion *off, const MemPlan *mon, const MemPlan *moff, FILE *out) {
   const Graph *g = on->g;
   fprintf(out, "# fusion report: %s\n", g->model ? g->model : "?");
@@ -30,7 +19,7 @@ void fusion_report(const Fusion *on, const Fusion *off, const MemPlan *mon, cons
           "MFLOP");
   for (int s = 0; s < on->nsteps; s++) {
     const Step *st = &on->steps[s];
-    fprintf(out, "%-4d %-44s %-9s %12.3f %12.3f %14.3f ", s, st->name, kind_word(st->kind), st->bytes_read / 1e6,
+    fprintf(out, "%-4d %-44s %-9s %12.3f %12.3f %14.3f ", s, st->name, step_kind_name(st->kind), st->bytes_read / 1e6,
             st->bytes_written / 1e6, st->flops / 1e6);
     int shown = 0;
     for (int i = 0; i < st->nnodes; i++) {

@@ -550,6 +550,24 @@ const char *st_meta(const StFile *f, const char *key) {
   return NULL;
 }
 
+const StTensor *st_expect(const StFile *f, const char *path, const char *prefix, const IrNode *n) {
+  const StTensor *t = st_find(f, n->name);
+  char have[128], want[128];
+  shape_str(n->shape, want, sizeof want);
+  const char *kind = n->op == OP_PARAM ? "parameter" : n->op == OP_INPUT ? "input" : "state";
+  if (!t) {
+    diag_file_error(path, "%sno tensor '%s' (the model's %s %s)", prefix, n->name, kind, want);
+    return NULL;
+  }
+  if (t->dtype != n->dtype || !shape_eq(t->shape, n->shape)) {
+    bool dt = t->dtype != n->dtype;
+    diag_file_error(path, "%stensor '%s' is %s%s, the model wants %s%s", prefix, n->name, dt ? dtype_name(t->dtype) : "",
+                    shape_str(t->shape, have, sizeof have), dt ? dtype_name(n->dtype) : "", want);
+    return NULL;
+  }
+  return t;
+}
+
 const StTensor *st_find(const StFile *f, const char *name) {
   for (int i = 0; i < f->n; i++)
     if (strcmp(f->t[i].name, name) == 0)

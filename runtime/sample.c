@@ -155,22 +155,12 @@ static int find_param(const Graph *g, const char *name) {
 // parameter or one of its AdamW moments ("<param>.m", "<param>.v"). Copies the values in.
 static bool load_params(Sampler *s, const StFile *f, const char *source) {
   const Graph *g = s->g;
-  char have[64], want[64];
+  const char *prefix = arena_printf(s->a, "checkpoint does not match %s: ", source);
   for (int k = 0; k < g->nparams; k++) {
     const IrNode *n = g->nodes[g->params[k]];
-    const StTensor *t = st_find(f, n->name);
-    shape_str(n->shape, want, sizeof want);
-    if (!t) {
-      diag_file_error(s->path, "checkpoint does not match %s: no tensor '%s' (the model's parameter %s)", source,
-                      n->name, want);
+    const StTensor *t = st_expect(f, s->path, prefix, n);
+    if (!t)
       return false;
-    }
-    if (t->dtype != DT_F32 || !shape_eq(t->shape, n->shape)) {
-      diag_file_error(s->path, "checkpoint does not match %s: tensor '%s' is %s%s, the model wants %s%s", source,
-                      n->name, t->dtype == DT_F32 ? "" : dtype_name(t->dtype),
-                      shape_str(t->shape, have, sizeof have), t->dtype == DT_F32 ? "" : "f32", want);
-      return false;
-    }
     double *p = interp_param(s->it, n->id);
     const float *src = t->data;
     for (int64_t i = 0; i < shape_numel(n->shape); i++)

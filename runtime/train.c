@@ -25,13 +25,6 @@
 
 #define CKPT_FORMAT "mdl-checkpoint-1"
 
-static int64_t dim_of(const Graph *g, const char *name) {
-  for (int i = 0; i < g->ndims; i++)
-    if (!strcmp(g->dims[i].name, name))
-      return g->dims[i].value;
-  return -1;
-}
-
 static char *dims_string(const Graph *g) {
   size_t cap = 64 + 48 * (size_t)g->ndims, len = 0;
   char *s = calloc(1, cap);
@@ -113,20 +106,9 @@ static bool read_checkpoint(const char *path, Engine *e, int64_t *step, LoaderSt
   }
   int *nodes = malloc(sizeof(int) * (size_t)g->n);
   int n = ok ? checkpoint_nodes(g, nodes) : 0;
-  for (int i = 0; ok && i < n; i++) {
-    const IrNode *x = g->nodes[nodes[i]];
-    const StTensor *t = st_find(&f, x->name);
-    char want[128], got[128];
-    if (!t) {
-      diag_file_error(path, "checkpoint does not match %s: no tensor '%s'", g->model, x->name);
-      ok = false;
-    } else if (t->dtype != DT_F32 || !shape_eq(t->shape, x->shape)) {
-      diag_file_error(path, "checkpoint does not match %s: tensor '%s' is %s%s, the model wants f32%s", g->model,
-                      x->name, dtype_name(t->dtype), shape_str(t->shape, got, sizeof got),
-                      shape_str(x->shape, want, sizeof want));
-      ok = false;
-    }
-  }
+  const char *prefix = arena_printf(a, "checkpoint does not match %s: ", g->model);
+  for (int i = 0; ok && i < n; i++)
+    ok = st_expect(&f, path, prefix, g->nodes[nodes[i]]) != NULL;
   for (int i = 0; ok && i < n; i++)
     e->write(e, nodes[i], st_find(&f, g->nodes[nodes[i]]->name)->data);
   if (ok) {
@@ -145,16 +127,20 @@ static bool read_checkpoint(const char *path, Engine *e, int64_t *step, LoaderSt
   return ok;
 }
 
-// Mean loss over `batches` validation batches, on the eval engine with the training parameters.
-static double validate(Engine *train, Engine *eval, Loader *val, int64_t batches, int64_t BT, char *err, size_t n) {
-  const Graph *g = train->g;
+// Copies every parameter of `from` into `to` (engines of two graphs of one model).
+static void copy_params(Engine *from, Engine *to) {
   float *buf = NULL;
-  for (int i = 0; i < g->nparams; i++) {
-    buf = realloc(buf, sizeof(float) * (size_t)shape_numel(g->nodes[g->params[i]]->shape));
-    train->read(train, g->params[i], buf);
-    eval->write(eval, eval->g->params[i], buf);
+  for (int i = 0; i < from->g->nparams; i++) {
+    buf = realloc(buf, sizeof(float) * (size_t)shape_numel(from->g->nodes[from->g->params[i]]->shape));
+    from->read(from, from->g->params[i], buf);
+    to->write(to, to->g->params[i], buf);
   }
   free(buf);
+}
+
+// Mean loss over `batches` validation batches, on the eval engine with the training parameters.
+static double validate(Engine *train, Engine *eval, Loader *val, int64_t batches, int64_t BT, char *err, size_t n) {
+  copy_params(train, eval);
   double sum = 0;
   for (int64_t b = 0; b < batches; b++) {
     Batch batch;
@@ -257,17 +243,6 @@ static void eta(double seconds, char *buf, size_t n) {
   snprintf(buf, n, "%ld:%02ld", s / 60, s % 60);
 }
 
-// Copies every parameter of `from` into `to` (engines of two graphs of one model).
-static void copy_params(Engine *from, Engine *to) {
-  float *buf = NULL;
-  for (int i = 0; i < from->g->nparams; i++) {
-    buf = realloc(buf, sizeof(float) * (size_t)shape_numel(from->g->nodes[from->g->params[i]]->shape));
-    from->read(from, from->g->params[i], buf);
-    to->write(to, to->g->params[i], buf);
-  }
-  free(buf);
-}
-
 // Gradient accumulation: the first k - 1 micro-batches run on the gradients-only engine, their
 // gradients summed here; the summed gradients go to the step engine as the inputs "acc.<param>".
 typedef struct {
@@ -311,7 +286,7 @@ static bool accumulate_micro(Accum *ac, Engine *e, Loader *train, int64_t k, int
 
 int train_run(Engine *e, Engine *eval, Engine *micro, const TrainOptions *o) {
   const Graph *g = e->g;
-  int64_t B = dim_of(g, "B"), T = dim_of(g, "T"), V = dim_of(g, "V");
+  int64_t B = ir_dim(g, "B"), T = ir_dim(g, "T"), V = ir_dim(g, "V");
   if (B <= 0 || T <= 0 || V <= 0) {
     diag_file_error(o->model_path, "training needs dims B, T and V and the inputs tokens, targets, pos, doc");
     return 1;
