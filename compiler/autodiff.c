@@ -189,6 +189,9 @@ static bool backward_rule(Ad *ad, int i, int dy) {
     accumulate(ad, x, binary(ad, bwd, x, dy));
     return true;
   }
+  case OP_CAST: // rounding passes the gradient straight through (the precision pass runs after autodiff)
+    accumulate(ad, x, dy);
+    return true;
   case OP_DROPOUT: // the same mask and scale applied to the gradient
     accumulate(ad, x, add_node(ad, OP_DROPOUT, &dy, 1, n->ia, n->fa));
     return true;

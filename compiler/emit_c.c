@@ -33,6 +33,15 @@
 // C over the OpenMP threads and calls the runtime's single-threaded sgemm in each block, so one
 // pool of threads runs the whole step.
 //
+// bf16. After the precision pass, GEMM operands are CASTs to bf16: stored in 16 bits (uint16_t
+// buffers, half the bytes), read and written through mdl_bf16_to_f32 / mdl_f32_to_bf16 (round to
+// nearest even, as the interpreter's CAST), while every computation stays f32. A GEMM of bf16
+// operands runs as the f32 GEMM of its operands widened exactly into scratch (mdl_widen_bf16, once
+// per buffer and group): products of bf16 values are exact in f32 and sums accumulate in f32, as on
+// a GPU's bf16 tensor cores. Its f32 result never goes into a bf16 buffer. The LM head widens x and W
+// once for all its chunks and rounds dlogits to bf16 values before its backward GEMMs. The prelude's
+// bf16 helpers are emitted only for graphs that hold bf16 values, so fp32 code is unchanged.
+//
 // What does not depend on the target (where values are, groups and their order, lines and scopes,
 // the index maps of the evaluator) is in emit_common.c, whose state EmitCore this emitter embeds as
 // e->core.
@@ -178,6 +187,37 @@ static const char prelude[] =
     "  return s;\n"
     "}\n";
 
+// Only in the code of graphs that hold bf16 values (so an fp32 graph's code is what it was).
+static const char prelude_bf16[] =
+    "\n"
+    "// bf16 <-> f32 (a bf16 value is the top half of an f32). To bf16: round to nearest, ties to even,\n"
+    "// on the bits; a NaN stays a quiet NaN.\n"
+    "static inline uint16_t mdl_f32_to_bf16(float x) {\n"
+    "  uint32_t u;\n"
+    "  memcpy(&u, &x, sizeof u);\n"
+    "  if ((u & 0x7fffffffu) > 0x7f800000u)\n"
+    "    return (uint16_t)((u >> 16) | 0x40u);\n"
+    "  return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);\n"
+    "}\n"
+    "\n"
+    "static inline float mdl_bf16_to_f32(uint16_t h) {\n"
+    "  const uint32_t u = (uint32_t)h << 16;\n"
+    "  float x;\n"
+    "  memcpy(&x, &u, sizeof x);\n"
+    "  return x;\n"
+    "}\n"
+    "\n"
+    "// n bf16 values widened into a new f32 buffer (exact), for the f32 GEMM that computes a GEMM of\n"
+    "// bf16 operands: every product of two bf16 values is exact in f32, and the sums accumulate in f32\n"
+    "// as on a GPU's bf16 tensor cores. free() it.\n"
+    "static inline float *mdl_widen_bf16(const uint16_t *x, int64_t n, int nthreads) {\n"
+    "  float *y = mdl_scratch((size_t)n * sizeof(float));\n"
+    "#pragma omp parallel for num_threads(nthreads) schedule(static) if (n >= 65536)\n"
+    "  for (int64_t i = 0; i < n; i++)\n"
+    "    y[i] = mdl_bf16_to_f32(x[i]);\n"
+    "  return y;\n"
+    "}\n";
+
 //
 // The emitter's state.
 //
@@ -286,13 +326,14 @@ static void write_decls(Emit *e, Buf *decl, Buf *frees) {
   for (int pass = 0; pass < 2; pass++)
     for (int i = 0; i < e->ndecls; i++) {
       int c = e->decls[i];
-      const char *t = ec_ctype(&e->core, c);
+      const char *t = ec_mtype(&e->core, c);
       if (pass == 0 && ec_offset(&e->core, c) >= 0) {
         ec_bput(decl, "  %s *const b%d = (%s *)(arena + %lld); // %s %s\n", t, c, t, (long long)ec_offset(&e->core, c),
                 node_label(e, c), shape_txt(e, c));
       } else if (pass == 0 && e->core.host[c] < 0) {
         ec_bput(decl, "  %s *const b%d = mdl_scratch(%lld); // %s %s, kept in this kernel\n", t, c,
-                (long long)ec_numel(&e->core, c) * 4, node_label(e, c), shape_txt(e, c));
+                (long long)ec_numel(&e->core, c) * dtype_size(ec_node(&e->core, c)->dtype), node_label(e, c),
+                shape_txt(e, c));
         ec_bput(frees, "  free(b%d);\n", c);
       } else if (pass == 1 && ec_offset(&e->core, c) < 0 && e->core.host[c] >= 0) {
         ec_bput(decl, "  float *const b%d = b%d; // %s %s: the GEMM writes into its epilogue's output\n", c,
@@ -329,13 +370,14 @@ static const char *val(Emit *e, int n, const char *ix) {
   const char *name = str(e, "v%d_%s", c, ix);
   if (ec_in_memory(&e->core, c)) {
     note_read(e, c, ix);
-    ec_line(&e->core, "const %s %s = b%d[%s];", ec_ctype(&e->core, c), name, ptr(e, c), ix);
+    ec_line(&e->core, "const %s %s = %s;", ec_ctype(&e->core, c), name,
+            ec_load(&e->core, c, str(e, "b%d[%s]", ptr(e, c), ix)));
   } else if (e->core.in_step[c] && ec_is_pointwise(nd->op)) {
     const char *expr = ec_pointwise_expr(&e->core, c, ix);
     ec_line(&e->core, "const %s %s = %s;", ec_ctype(&e->core, c), name, expr);
     bool own = e->loop_ix && ec_numel(&e->core, c) == e->loop_n && (strcmp(ix, e->loop_ix) == 0 || e->loop_n == 1);
     if (ec_has_target(&e->core, c) && !e->core.stored[c] && own) {
-      ec_line(&e->core, "b%d[%s] = %s;", ptr(e, c), ix, name);
+      ec_line(&e->core, "b%d[%s] = %s;", ptr(e, c), ix, ec_store(&e->core, c, name));
       e->core.stored[c] = true;
       e->core.phase_nodes[e->core.nphase++] = c;
     }
@@ -388,7 +430,7 @@ static void pw_loop(Emit *e, const int *nodes, int k, int64_t numel, int post_an
     e->cur_q = nodes[t];
     const char *v = val(e, nodes[t], "i");
     if (!e->core.stored[nodes[t]]) {
-      ec_line(&e->core, "b%d[i] = %s;", ptr(e, nodes[t]), v);
+      ec_line(&e->core, "b%d[i] = %s;", ptr(e, nodes[t]), ec_store(&e->core, nodes[t], v));
       e->core.stored[nodes[t]] = true;
       e->core.phase_nodes[e->core.nphase++] = nodes[t];
     }
@@ -425,11 +467,18 @@ static void flush(Emit *e) {
   e->core.npending = 0;
 }
 
-// Rows of a matrix in memory: row r starts at base + r * stride.
+// Rows of a matrix in memory: row r starts at base + r * stride, base being element `off` of node
+// buf's buffer.
 typedef struct {
   const char *base;
   int64_t stride;
+  int buf;
+  int64_t off;
 } Rows;
+
+static Rows rows_at(Emit *e, int buf, int64_t off, int64_t stride) {
+  return (Rows){off ? str(e, "b%d + %lld", ptr(e, buf), (long long)off) : str(e, "b%d", ptr(e, buf)), stride, buf, off};
+}
 
 // n's rows (last axis) in memory: n itself, or an unwritten SLICE of the last axis of a tensor in
 // memory (q, k, v out of one qkv buffer), read with that tensor's stride.
@@ -440,13 +489,34 @@ static Rows rows_of(Emit *e, int n) {
   if (a < 0 && e->core.in_step[c] && nd->op == OP_SLICE && ec_offset(&e->core, c) < 0 &&
       nd->ia[0] == nd->shape.rank - 1) {
     int src = ec_mem_alias(&e->core, nd->in[0]);
-    if (src >= 0) {
-      int64_t s = ec_last_dim(&e->core, src);
-      return (Rows){nd->ia[1] ? str(e, "b%d + %lld", ptr(e, src), (long long)nd->ia[1]) : str(e, "b%d", ptr(e, src)),
-                    s};
-    }
+    if (src >= 0)
+      return rows_at(e, src, nd->ia[1], ec_last_dim(&e->core, src));
   }
-  return (Rows){str(e, "b%d", ptr(e, ec_need(&e->core, n))), ec_last_dim(&e->core, n)};
+  return rows_at(e, ec_need(&e->core, n), 0, ec_last_dim(&e->core, n));
+}
+
+// The rows r of a GEMM's operand as f32: a bf16 operand reads them from its buffer widened into
+// w<buf> (emitted here, once per group however many operands read that buffer; wide[] lists the
+// buffers to free after the group).
+static Rows widened(Emit *e, Rows r, int *wide, int *nwide) {
+  if (ec_node(&e->core, r.buf)->dtype != DT_BF16)
+    return r;
+  bool have = false;
+  for (int i = 0; i < *nwide; i++)
+    have |= wide[i] == r.buf;
+  if (!have) {
+    e->uses_h = true;
+    ec_line(&e->core, "float *const w%d = mdl_widen_bf16(b%d, %lld, h->nthreads);", r.buf, ptr(e, r.buf),
+            (long long)ec_numel(&e->core, r.buf));
+    wide[(*nwide)++] = r.buf;
+  }
+  r.base = r.off ? str(e, "w%d + %lld", r.buf, (long long)r.off) : str(e, "w%d", r.buf);
+  return r;
+}
+
+static void free_widened(Emit *e, const int *wide, int nwide) {
+  for (int i = 0; i < nwide; i++)
+    ec_line(&e->core, "free(w%d);", wide[i]);
 }
 
 // Evaluates the post outputs inside the anchor's own loop, where the anchor's value at index ix is
@@ -562,15 +632,16 @@ static void emit_gemm(Emit *e, int gi, const bool *emitted) {
     a = rows_of(e, nd->in[0]);
     b = rows_of(e, nd->in[1]);
   } else {
-    a = (Rows){str(e, "b%d", ptr(e, ec_need(&e->core, nd->in[0]))), sa.d[sa.rank - 1]};
-    b = (Rows){str(e, "b%d", ptr(e, ec_need(&e->core, nd->in[1]))), sb.d[sb.rank - 1]};
+    a = rows_at(e, ec_need(&e->core, nd->in[0]), 0, sa.d[sa.rank - 1]);
+    b = rows_at(e, ec_need(&e->core, nd->in[1]), 0, sb.d[sb.rank - 1]);
   }
   flush(e);
   int *q = ec_xcalloc((size_t)e->core.g->n, sizeof *q);
   int nq = ec_post_set(&e->core, gi, ec_numel(&e->core, mm), emitted, q);
+  // The product is f32: it may be written into an f32 output of the epilogue only.
   if (ec_offset(&e->core, mm) < 0) {
     for (int t = 0; t < nq && !e->core.spill[mm] && e->core.host[mm] < 0; t++)
-      if (ec_offset(&e->core, q[t]) >= 0)
+      if (ec_offset(&e->core, q[t]) >= 0 && ec_node(&e->core, q[t])->dtype == DT_F32)
         e->core.host[mm] = q[t];
     if (e->core.host[mm] < 0)
       e->core.scratch[mm] = true;
@@ -579,9 +650,18 @@ static void emit_gemm(Emit *e, int gi, const bool *emitted) {
   int64_t batches = ec_span(so, 0, so.rank - 2);
   e->uses_h = true;
   ec_phase_begin(&e->core);
-  note(e, "gemm %%%d: [%lld x %lld] = %s[%lld x %lld] %s[%lld x %lld]%s%s", mm, (long long)m, (long long)n,
+  // bf16 operands: an f32 GEMM of the operands widened, in a scope of its own.
+  bool bf16 = ec_node(&e->core, nd->in[0])->dtype == DT_BF16;
+  int wide[2], nwide = 0;
+  note(e, "gemm %%%d: [%lld x %lld] = %s[%lld x %lld] %s[%lld x %lld]%s%s%s", mm, (long long)m, (long long)n,
        ta ? "T" : "", (long long)m, (long long)k, tb ? "T" : "", (long long)k, (long long)n,
-       batches > 1 ? str(e, ", %lld batches", (long long)batches) : "", nq ? ", epilogue after" : "");
+       bf16 ? ", bf16 operands widened to f32" : "", batches > 1 ? str(e, ", %lld batches", (long long)batches) : "",
+       nq ? ", epilogue after" : "");
+  if (bf16) {
+    ec_enter(&e->core, "%s", "");
+    a = widened(e, a, wide, &nwide);
+    b = widened(e, b, wide, &nwide);
+  }
   if (batches == 1) {
     ec_line(&e->core, "mdl_gemm(h, %d, %d, %lld, %lld, %lld, %s, %lld, %s, %lld, 0.0f, b%d, %lld);", ta, tb,
             (long long)m, (long long)n, (long long)k, a.base, (long long)a.stride, b.base, (long long)b.stride, c,
@@ -596,6 +676,10 @@ static void emit_gemm(Emit *e, int gi, const bool *emitted) {
             "b%d + t * %lld, %lld);",
             ta, tb, (long long)m, (long long)n, (long long)k, a.base, ia, (long long)(m * k), (long long)a.stride,
             b.base, ib, (long long)(k * n), (long long)b.stride, c, (long long)(m * n), (long long)n);
+    ec_leave(&e->core);
+  }
+  if (bf16) {
+    free_widened(e, wide, nwide);
     ec_leave(&e->core);
   }
   ec_phase_done(&e->core, mm);
@@ -1009,8 +1093,10 @@ static void emit_softmax(Emit *e, int gi, const bool *emitted) {
 
 // One row of cross-entropy: the loss into `loss` (an lvalue, or NULL) and dloss * (softmax - onehot)
 // into the row `dx` (or NULL), for logits row x and target t; an ignored target (< 0) gives zeros,
-// one >= V an error.
-static void ce_row(Emit *e, const char *what, int64_t v, const char *loss, const char *dx, const char *dloss) {
+// one >= V an error. With bf16, dx holds the gradient rounded to bf16 values (the CAST that the
+// LM head's backward GEMMs read).
+static void ce_row(Emit *e, const char *what, int64_t v, const char *loss, const char *dx, const char *dloss,
+                   bool bf16) {
   e->uses_h = true;
   ec_enter(&e->core, "if (t < 0 || t >= %lld)", (long long)v);
   ec_line(&e->core, "if (t >= %lld)", (long long)v);
@@ -1041,7 +1127,10 @@ static void ce_row(Emit *e, const char *what, int64_t v, const char *loss, const
   if (dx) {
     ec_line(&e->core, "const double g = %s, inv = 1.0 / sum;", dloss);
     ec_line(&e->core, "for (int64_t j = 0; j < %lld; j++)", (long long)v);
-    ec_line(&e->core, "  %s[j] = (float)(g * (%s[j] * inv - (j == t)));", dx, dx);
+    if (bf16)
+      ec_line(&e->core, "  %s[j] = mdl_bf16_to_f32(mdl_f32_to_bf16((float)(g * (%s[j] * inv - (j == t)))));", dx, dx);
+    else
+      ec_line(&e->core, "  %s[j] = (float)(g * (%s[j] * inv - (j == t)));", dx, dx);
   }
 }
 
@@ -1069,7 +1158,7 @@ static void emit_ce(Emit *e, int gi) {
   if (ceb >= 0)
     ec_line(&e->core, "float *dx = b%d + r * %lld;", ptr(e, ceb), (long long)v);
   ce_row(e, "cross_entropy", v, ce >= 0 ? str(e, "b%d[r]", ptr(e, ce)) : NULL, ceb >= 0 ? "dx" : NULL,
-         dl >= 0 ? str(e, "b%d[r]", ptr(e, dl)) : NULL);
+         dl >= 0 ? str(e, "b%d[r]", ptr(e, dl)) : NULL, false);
   ec_leave(&e->core);
   for (int i = 0; i < gr->nmem; i++)
     ec_phase_done(&e->core, gr->mem[i]);
@@ -1077,7 +1166,8 @@ static void emit_ce(Emit *e, int gi) {
 }
 
 // The LM head chunk by chunk: logits rows = x W^T (or x W) into a chunk buffer, cross-entropy and its
-// gradient in place, then dx rows = dlogits W (W^T) and dW += dlogits^T x (x^T dlogits).
+// gradient in place, then dx rows = dlogits W (W^T) and dW += dlogits^T x (x^T dlogits). With bf16
+// operands, x and W are widened to f32 once for all the chunks, and dlogits rounded to bf16 values.
 static void emit_lmhead(Emit *e, int gi) {
   const Group *gr = &e->core.groups[gi];
   const IrNode *xm = ec_node(&e->core, gr->x);
@@ -1102,35 +1192,37 @@ static void emit_lmhead(Emit *e, int gi) {
   ec_phase_begin(&e->core);
   note(e, "LM head: %lld rows x %lld classes from width %lld, in chunks of %lld rows", (long long)n, (long long)v,
        (long long)c, (long long)rc);
+  int wide[2], nwide = 0;
+  const char *xs = widened(e, rows_at(e, x, 0, c), wide, &nwide).base;
+  const char *ws = widened(e, rows_at(e, w, 0, ldw), wide, &nwide).base;
   ec_line(&e->core, "float *logits = mdl_scratch(%lld * sizeof(float));", (long long)(rc * v));
   ec_enter(&e->core, "for (int64_t r0 = 0; r0 < %lld; r0 += %lld)", (long long)n, (long long)rc);
   ec_line(&e->core, "const int64_t rn = %lld - r0 < %lld ? %lld - r0 : %lld;", (long long)n, (long long)rc,
           (long long)n, (long long)rc);
-  ec_line(&e->core, "mdl_gemm(h, 0, %d, rn, %lld, %lld, b%d + r0 * %lld, %lld, b%d, %lld, 0.0f, logits, %lld);", gr->tb,
-          (long long)v, (long long)c, ptr(e, x), (long long)c, (long long)c, ptr(e, w), (long long)ldw, (long long)v);
+  ec_line(&e->core, "mdl_gemm(h, 0, %d, rn, %lld, %lld, %s + r0 * %lld, %lld, %s, %lld, 0.0f, logits, %lld);", gr->tb,
+          (long long)v, (long long)c, xs, (long long)c, (long long)c, ws, (long long)ldw, (long long)v);
   par_for(e, rc * v, "static");
   ec_enter(&e->core, "for (int64_t i = 0; i < rn; i++)");
   ec_line(&e->core, "const int64_t r = r0 + i;");
   ec_line(&e->core, "const float *x = logits + i * %lld;", (long long)v);
   ec_line(&e->core, "float *dx = logits + i * %lld;", (long long)v);
   ec_line(&e->core, "const int32_t t = b%d[r];", ptr(e, tg));
-  ce_row(e, "cross_entropy", v, str(e, "b%d[r]", ptr(e, gr->ce)), "dx", str(e, "b%d[r]", ptr(e, dl)));
+  ce_row(e, "cross_entropy", v, str(e, "b%d[r]", ptr(e, gr->ce)), "dx", str(e, "b%d[r]", ptr(e, dl)), gr->dlc >= 0);
   ec_leave(&e->core);
-  ec_line(&e->core, "mdl_gemm(h, 0, %d, rn, %lld, %lld, logits, %lld, b%d, %lld, 0.0f, b%d + r0 * %lld, %lld);",
-          !gr->tb, (long long)c, (long long)v, (long long)v, ptr(e, w), (long long)ldw, ptr(e, gr->dx), (long long)c,
+  ec_line(&e->core, "mdl_gemm(h, 0, %d, rn, %lld, %lld, logits, %lld, %s, %lld, 0.0f, b%d + r0 * %lld, %lld);",
+          !gr->tb, (long long)c, (long long)v, (long long)v, ws, (long long)ldw, ptr(e, gr->dx), (long long)c,
           (long long)c);
   if (gr->tb)
     ec_line(&e->core,
-            "mdl_gemm(h, 1, 0, %lld, %lld, rn, logits, %lld, b%d + r0 * %lld, %lld, r0 ? 1.0f : 0.0f, b%d, %lld);",
-            (long long)v, (long long)c, (long long)v, ptr(e, x), (long long)c, (long long)c, ptr(e, gr->dw),
-            (long long)c);
+            "mdl_gemm(h, 1, 0, %lld, %lld, rn, logits, %lld, %s + r0 * %lld, %lld, r0 ? 1.0f : 0.0f, b%d, %lld);",
+            (long long)v, (long long)c, (long long)v, xs, (long long)c, (long long)c, ptr(e, gr->dw), (long long)c);
   else
     ec_line(&e->core,
-            "mdl_gemm(h, 1, 0, %lld, %lld, rn, b%d + r0 * %lld, %lld, logits, %lld, r0 ? 1.0f : 0.0f, b%d, %lld);",
-            (long long)c, (long long)v, ptr(e, x), (long long)c, (long long)c, (long long)v, ptr(e, gr->dw),
-            (long long)v);
+            "mdl_gemm(h, 1, 0, %lld, %lld, rn, %s + r0 * %lld, %lld, logits, %lld, r0 ? 1.0f : 0.0f, b%d, %lld);",
+            (long long)c, (long long)v, xs, (long long)c, (long long)c, (long long)v, ptr(e, gr->dw), (long long)v);
   ec_leave(&e->core);
   ec_line(&e->core, "free(logits);");
+  free_widened(e, wide, nwide);
   for (int i = 0; i < 3; i++)
     ec_phase_done(&e->core, outs[i]);
   ec_phase_end(&e->core);
@@ -1833,6 +1925,11 @@ char *emit_c(const Fusion *f, const MemPlan *m, const char *source_path) {
           (long long)m->params, (long long)m->grads, (long long)m->m, (long long)m->v, (long long)m->param_bytes);
   ec_bput(&e.out, "// Build: cc -O3 -march=native -fno-math-errno -fopenmp -shared -fPIC; runtime/cpu.c loads it.\n");
   ec_bput(&e.out, "%s", prelude);
+  bool bf16 = false;
+  for (int i = 0; i < g->n; i++)
+    bf16 |= g->nodes[i]->dtype == DT_BF16;
+  if (bf16)
+    ec_bput(&e.out, "%s", prelude_bf16);
 
   const char **names = ec_xcalloc((size_t)f->nsteps + 1, sizeof *names);
   for (int si = 0; si < f->nsteps; si++) {

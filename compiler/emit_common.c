@@ -107,6 +107,19 @@ int64_t ec_last_dim(const EmitCore *e, int n) {
 
 const char *ec_ctype(const EmitCore *e, int n) { return ec_node(e, n)->dtype == DT_I32 ? "int32_t" : "float"; }
 
+const char *ec_mtype(const EmitCore *e, int n) {
+  DType dt = ec_node(e, n)->dtype;
+  return dt == DT_I32 ? "int32_t" : dt == DT_BF16 ? "uint16_t" : "float";
+}
+
+const char *ec_load(EmitCore *e, int n, const char *elem) {
+  return ec_node(e, n)->dtype == DT_BF16 ? ec_str(e, "mdl_bf16_to_f32(%s)", elem) : elem;
+}
+
+const char *ec_store(EmitCore *e, int n, const char *v) {
+  return ec_node(e, n)->dtype == DT_BF16 ? ec_str(e, "mdl_f32_to_bf16(%s)", v) : v;
+}
+
 bool ec_is_leaf(Op op) {
   return op == OP_INPUT || op == OP_PARAM || op == OP_STATE || op == OP_SCALAR || op == OP_CONST;
 }
@@ -115,7 +128,7 @@ bool ec_is_leaf(Op op) {
 bool ec_is_pointwise(Op op) {
   switch (op) {
   case OP_NEG: case OP_EXP: case OP_LOG: case OP_TANH: case OP_SQRT: case OP_RSQRT: case OP_RELU:
-  case OP_GELU: case OP_SILU: case OP_DROPOUT: case OP_ADD: case OP_SUB: case OP_MUL: case OP_DIV:
+  case OP_GELU: case OP_SILU: case OP_DROPOUT: case OP_CAST: case OP_ADD: case OP_SUB: case OP_MUL: case OP_DIV:
   case OP_RELU_BWD: case OP_GELU_BWD: case OP_SILU_BWD: case OP_RESHAPE: case OP_PERMUTE:
   case OP_BROADCAST: case OP_SLICE: case OP_SLICE_BWD: case OP_CONCAT:
     return true;
@@ -326,6 +339,14 @@ static void group_add(Group *gr, int n) { gr->mem[gr->nmem++] = n; }
 // The LM-head pattern around cross_entropy_bwd node ceb: logits = x @ W (or W^T), the loss and
 // its gradient of the same logits, and dx = dlogits @ W^T (W), dW = dlogits^T x (x^T dlogits). Only
 // when the logits and dlogits live nowhere else.
+// The value n reads through in-step RESHAPEs and the in-step CAST of the gradient (bf16 GEMMs).
+static int through_cast(EmitCore *e, int n) {
+  n = ec_through_reshapes(e, n);
+  while (ec_node(e, n)->op == OP_CAST && e->in_step[n])
+    n = ec_through_reshapes(e, ec_node(e, n)->in[0]);
+  return n;
+}
+
 static bool match_lmhead(EmitCore *e, int ceb, Group *gr) {
   const IrNode *b = ec_node(e, ceb);
   int mm = ec_through_reshapes(e, b->in[0]);
@@ -345,7 +366,7 @@ static bool match_lmhead(EmitCore *e, int ceb, Group *gr) {
       ce = n;
     if (nd->op != OP_MATMUL || n == mm)
       continue;
-    int a0 = ec_through_reshapes(e, nd->in[0]), a1 = ec_through_reshapes(e, nd->in[1]);
+    int a0 = through_cast(e, nd->in[0]), a1 = through_cast(e, nd->in[1]);
     if (a0 == ceb && !nd->ia[0] && nd->ia[1] == !tb && ec_canon(e, nd->in[1]) == w)
       dx = n;
     if (tb && a0 == ceb && nd->ia[0] && !nd->ia[1] && ec_canon(e, nd->in[1]) == x)
@@ -355,12 +376,15 @@ static bool match_lmhead(EmitCore *e, int ceb, Group *gr) {
   }
   if (ce < 0 || dx < 0 || dw < 0)
     return false;
+  int dlc = ec_through_reshapes(e, ec_node(e, dx)->in[0]);
+  if (ec_node(e, dlc)->op != OP_CAST)
+    dlc = -1;
   // Every consumer of the logits and of dlogits (through reshapes) must be one of the pattern.
   for (int n = mm; n < e->g->n; n++) {
     const IrNode *nd = ec_node(e, n);
     for (int k = 0; k < nd->nin; k++) {
       int src = ec_through_reshapes(e, nd->in[k]);
-      if ((src != mm && src != ceb) || n == ce || n == ceb || n == dx || n == dw)
+      if ((src != mm && src != ceb && src != dlc) || n == ce || n == ceb || n == dx || n == dw || n == dlc)
         continue;
       if (nd->op == OP_RESHAPE && (e->in_step[n] || e->f->step_of[n] < 0) && ec_offset(e, n) < 0 &&
           (e->in_step[n] || ec_canon(e, n) != n))
@@ -368,10 +392,10 @@ static bool match_lmhead(EmitCore *e, int ceb, Group *gr) {
       return false;
     }
   }
-  if (ec_offset(e, mm) >= 0 || ec_offset(e, ceb) >= 0)
+  if (ec_offset(e, mm) >= 0 || ec_offset(e, ceb) >= 0 || (dlc >= 0 && ec_offset(e, dlc) >= 0))
     return false;
   *gr = (Group){.kind = G_LMHEAD, .mm = mm, .ce = ce, .ceb = ceb, .dx = dx, .dw = dw, .x = m->in[0], .w = m->in[1],
-                .tgt = b->in[1], .dloss = b->in[2], .tb = tb};
+                .tgt = b->in[1], .dloss = b->in[2], .tb = tb, .dlc = dlc};
   return true;
 }
 
@@ -385,9 +409,9 @@ static bool groups_build(EmitCore *e, bool split_all) {
     int n = st->nodes[k];
     Group lm;
     if (e->in_step[n] && e->grp[n] < 0 && ec_node(e, n)->op == OP_CROSS_ENTROPY_BWD && match_lmhead(e, n, &lm)) {
-      lm.mem = arena_alloc(e->a, sizeof(int) * 5);
-      int mem[5] = {lm.mm, lm.ce, lm.ceb, lm.dx, lm.dw};
-      for (int i = 0; i < 5; i++) {
+      lm.mem = arena_alloc(e->a, sizeof(int) * 6);
+      int mem[6] = {lm.mm, lm.ce, lm.ceb, lm.dx, lm.dw, lm.dlc};
+      for (int i = 0; i < 5 + (lm.dlc >= 0); i++) {
         group_add(&lm, mem[i]);
         e->grp[mem[i]] = e->ngroups;
       }
@@ -510,7 +534,7 @@ bool ec_groups_order(EmitCore *e) {
 }
 
 // Outputs of the step that can be computed in (or right after) group gi's loop: pointwise, unwritten,
-// of `n` float elements, depending on gi and on no group not yet emitted.
+// of `n` f32 or bf16 elements, depending on gi and on no group not yet emitted.
 int ec_post_set(EmitCore *e, int gi, int64_t n, const bool *emitted, int *q) {
   const Step *st = &e->f->steps[e->si];
   int nq = 0, *stamp = ec_xcalloc((size_t)e->g->n, sizeof *stamp);
@@ -518,7 +542,8 @@ int ec_post_set(EmitCore *e, int gi, int64_t n, const bool *emitted, int *q) {
   for (int k = 0; k < st->nnodes; k++) {
     int c = st->nodes[k];
     if (!e->in_step[c] || e->grp[c] >= 0 || !ec_is_pointwise(ec_node(e, c)->op) || ec_offset(e, c) < 0 ||
-        e->written[c] || e->post_bad[c] || ec_numel(e, c) != n || ec_node(e, c)->dtype != DT_F32)
+        e->written[c] || e->post_bad[c] || ec_numel(e, c) != n ||
+        (ec_node(e, c)->dtype != DT_F32 && ec_node(e, c)->dtype != DT_BF16))
       continue;
     memset(deps, 0, sizeof *deps * (size_t)e->ngroups);
     direct_deps(e, c, deps, stamp, k + 1);
@@ -721,6 +746,9 @@ const char *ec_pointwise_expr(EmitCore *e, int c, const char *ix) {
   }
   case OP_GELU: return ec_str(e, "mdl_gelu(%s)", e->val(e, nd->in[0], ix));
   case OP_SILU: return ec_str(e, "mdl_silu(%s)", e->val(e, nd->in[0], ix));
+  case OP_CAST: // the value rounded as it will be stored (ec_store then converts it exactly)
+    return nd->ia[0] == DT_BF16 ? ec_str(e, "mdl_bf16_to_f32(mdl_f32_to_bf16(%s))", e->val(e, nd->in[0], ix))
+                                : e->val(e, nd->in[0], ix);
   case OP_DROPOUT:
     return ec_str(e, "mdl_dropout(%s, %lld, %s, %s, %s)", e->seed(e), (long long)nd->ia[0], ix, ec_dlit(e, nd->fa[0]),
                   e->val(e, nd->in[0], ix));

@@ -36,6 +36,7 @@ typedef struct {
   int n_ext;
   // G_LMHEAD: the pattern's nodes
   int mm, ce, ceb, dx, dw, x, w, tgt, dloss;
+  int dlc; // the CAST of dlogits the backward GEMMs read (bf16 operands), or -1 (x and w are CASTs then too)
   bool tb;
 } Group;
 
@@ -122,7 +123,12 @@ const char *ec_dlit(EmitCore *e, double v); // a double literal that reads back 
 const IrNode *ec_node(const EmitCore *e, int n);
 int64_t ec_numel(const EmitCore *e, int n);
 int64_t ec_last_dim(const EmitCore *e, int n);
-const char *ec_ctype(const EmitCore *e, int n); // "int32_t" or "float"
+const char *ec_ctype(const EmitCore *e, int n); // a value's type in code: "int32_t" or "float" (also for bf16)
+const char *ec_mtype(const EmitCore *e, int n); // its element type in memory: "int32_t", "float" or "uint16_t" (bf16)
+// An element of n read from memory (`elem`, e.g. "b7[i]") as a value, and a value v as n stores it:
+// bf16 goes through mdl_bf16_to_f32 / mdl_f32_to_bf16 (round to nearest even), which both preludes define.
+const char *ec_load(EmitCore *e, int n, const char *elem);
+const char *ec_store(EmitCore *e, int n, const char *v);
 bool ec_is_leaf(Op op);
 bool ec_is_pointwise(Op op);
 int ec_canon(const EmitCore *e, int n);

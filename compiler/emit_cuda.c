@@ -38,6 +38,14 @@
 // order; AdamW in double per element. Every reduction tree is fixed by the launch shape, so results
 // do not depend on scheduling.
 //
+// bf16 (the precision pass's CASTs, read only by GEMMs and layout ops): a bf16 value lives in memory
+// as uint16_t and is a float everywhere else; kernels widen it as they load it and round it as they
+// store it (ec_load / ec_store), and the four lanes of an elementwise kernel store four bf16 values
+// as one 8-byte ushort4. A GEMM reads bf16 operands and sums in f32; its result is written as bf16
+// by cuBLASLt itself when a CAST is its only reader and no epilogue is needed (cuBLASLt's bias and
+// aux take D's type, and ours are f32), else it is f32 and the epilogue kernel rounds. The LM head's
+// cross-entropy kernel writes dlogits rounded to bf16 into a chunk of its own for the dx and dW GEMMs.
+//
 // What does not depend on the target (where values are, groups and their order, lines and scopes,
 // the index maps of the evaluator) is in emit_common.c, whose state EmitCore this emitter embeds as
 // e->core.
@@ -145,6 +153,71 @@ static const char prelude[] =
     "}\n"
     "\n"
     "__device__ __forceinline__ float mdl_bf16_to_f32(uint16_t h) { return __uint_as_float((uint32_t)h << 16); }\n"
+    "\n"
+    "// fp8 <-> f32 in the two OCP formats of Hopper's tensor cores: E4M3 (bias 7, no infinity, S.1111.111\n"
+    "// is NaN, largest 448) and E5M2 (bias 15, IEEE-like, largest 57344). To fp8: round to nearest, ties\n"
+    "// to even, subnormals exact, -0 kept; beyond the largest finite value (infinity too) saturate to it\n"
+    "// with the sign (satfinite, as cuBLASLt and __NV_SATFINITE); every NaN becomes 0x7f. The widenings\n"
+    "// are exact. mdl_f32_to_fp8 is the reference, in integer arithmetic: |x| is clamped to the largest\n"
+    "// value (bits max), then rounded on the bits (normal) or as an integer multiple of the smallest\n"
+    "// subnormal. From sm_89 on the encoders use cvt.rn.satfinite, which PTX defines the same way for\n"
+    "// every input but NaN (any NaN of the format): NaN inputs still give 0x7f.\n"
+    "typedef unsigned char uint8_t;\n"
+    "\n"
+    "__device__ __forceinline__ uint8_t mdl_f32_to_fp8(float x, uint32_t man, uint32_t bias, uint32_t max) {\n"
+    "  const uint32_t u = __float_as_uint(x), s = (u >> 24) & 0x80u;\n"
+    "  uint32_t a = u & 0x7fffffffu;\n"
+    "  if (a > 0x7f800000u)\n"
+    "    return 0x7f;\n"
+    "  a = a < max ? a : max;\n"
+    "  const uint32_t e = a >> 23;\n"
+    "  if (e >= 128u - bias) {\n"
+    "    const uint32_t sh = 23u - man, r = a + (1u << (sh - 1u)) - 1u + ((a >> sh) & 1u);\n"
+    "    return (uint8_t)(s | ((r >> sh) - ((127u - bias) << man)));\n"
+    "  }\n"
+    "  const uint32_t m = (a & 0x7fffffu) | (e ? 0x800000u : 0u), sh = 151u - bias - man - (e ? e : 1u);\n"
+    "  if (sh > 31u)\n"
+    "    return (uint8_t)s;\n"
+    "  return (uint8_t)(s | ((m + (1u << (sh - 1u)) - 1u + ((m >> sh) & 1u)) >> sh));\n"
+    "}\n"
+    "\n"
+    "__device__ __forceinline__ uint8_t mdl_f32_to_e4m3(float x) {\n"
+    "#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890\n"
+    "  unsigned short h;\n"
+    "  asm(\"cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;\" : \"=h\"(h) : \"f\"(0.0f), \"f\"(x));\n"
+    "  return (__float_as_uint(x) & 0x7fffffffu) > 0x7f800000u ? (uint8_t)0x7f : (uint8_t)h;\n"
+    "#else\n"
+    "  return mdl_f32_to_fp8(x, 3u, 7u, 0x43e00000u);\n"
+    "#endif\n"
+    "}\n"
+    "\n"
+    "__device__ __forceinline__ uint8_t mdl_f32_to_e5m2(float x) {\n"
+    "#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890\n"
+    "  unsigned short h;\n"
+    "  asm(\"cvt.rn.satfinite.e5m2x2.f32 %0, %1, %2;\" : \"=h\"(h) : \"f\"(0.0f), \"f\"(x));\n"
+    "  return (__float_as_uint(x) & 0x7fffffffu) > 0x7f800000u ? (uint8_t)0x7f : (uint8_t)h;\n"
+    "#else\n"
+    "  return mdl_f32_to_fp8(x, 2u, 15u, 0x47600000u);\n"
+    "#endif\n"
+    "}\n"
+    "\n"
+    "// A finite fp8 code widened: normal values by their bits, subnormals as m times the smallest one.\n"
+    "__device__ __forceinline__ float mdl_fp8_to_f32(uint8_t c, uint32_t man, uint32_t bias) {\n"
+    "  const uint32_t e = (c & 0x7fu) >> man, m = c & ((1u << man) - 1u);\n"
+    "  const float v = e ? __uint_as_float((e + 127u - bias) << 23 | m << (23u - man))\n"
+    "                    : (float)m * __uint_as_float((128u - bias - man) << 23);\n"
+    "  return __uint_as_float(__float_as_uint(v) | (uint32_t)(c & 0x80u) << 24);\n"
+    "}\n"
+    "\n"
+    "__device__ __forceinline__ float mdl_e4m3_to_f32(uint8_t c) {\n"
+    "  return (c & 0x7fu) == 0x7fu ? MDL_NAN : mdl_fp8_to_f32(c, 3u, 7u);\n"
+    "}\n"
+    "\n"
+    "__device__ __forceinline__ float mdl_e5m2_to_f32(uint8_t c) {\n"
+    "  if ((c & 0x7fu) >= 0x7cu)\n"
+    "    return (c & 0x7fu) > 0x7cu ? MDL_NAN : __uint_as_float(0x7f800000u | (uint32_t)(c & 0x80u) << 24);\n"
+    "  return mdl_fp8_to_f32(c, 2u, 15u);\n"
+    "}\n"
     "\n"
     "// The larger of a and b where a NaN wins (max reductions, as interp.c).\n"
     "__device__ __forceinline__ float mdl_max_nan(float a, float b) {\n"
@@ -448,7 +521,7 @@ static int64_t buf_off(Emit *e, int c) {
   if (!e->core.scratch[c])
     return -1;
   if (e->soff[c] < 0)
-    e->soff[c] = scratch_alloc(e, ec_numel(&e->core, c) * 4);
+    e->soff[c] = scratch_alloc(e, ec_numel(&e->core, c) * dtype_size(ec_node(&e->core, c)->dtype));
   return e->soff[c];
 }
 
@@ -474,7 +547,7 @@ static int slot(Emit *e, int c) {
             e->core.f->steps[e->core.si].name);
   const IrNode *nd = ec_node(&e->core, c);
   return e->slot_of[c] =
-             add_slot(e, c, off, ec_ctype(&e->core, c), ec_str(&e->core, "%s %s", op_name(nd->op), shape_txt(e, c)));
+             add_slot(e, c, off, ec_mtype(&e->core, c), ec_str(&e->core, "%s %s", op_name(nd->op), shape_txt(e, c)));
 }
 
 // The pointer (b<k>) to node c's buffer in the current kernel.
@@ -612,20 +685,26 @@ static void note_read(Emit *e, int c, const char *ix) {
     ec_flag(&e->core, e->core.spill, c);
 }
 
-// Is ix the index of the lane being written in a four-lane loop body, for a value of that loop's size?
-static bool lane_ix(const Emit *e, int c, const char *ix) {
-  return e->lane >= 0 && ec_node(&e->core, c)->dtype == DT_F32 && e->loop_ix && !strcmp(ix, e->loop_ix) &&
+// Is ix the index of the lane being written in a four-lane loop body, for a value of that loop's size
+// that the lanes load as one float4 (f32), or store as one float4 (f32) or ushort4 (bf16)?
+static bool lane_ix(const Emit *e, int c, const char *ix, bool storing) {
+  DType dt = ec_node(&e->core, c)->dtype;
+  return e->lane >= 0 && (dt == DT_F32 || (storing && dt == DT_BF16)) && e->loop_ix && !strcmp(ix, e->loop_ix) &&
          ec_numel(&e->core, c) == e->loop_n;
 }
 
-// Stores value v of node c at ix; in a four-lane body the lanes' stores become one float4 store.
+// Stores value v of node c at ix; in a four-lane body the lanes' stores become one vector store. A
+// CAST of this step to bf16 stores its input rounded (v is that rounding widened back).
 static void store(Emit *e, int c, const char *ix, const char *v) {
-  if (lane_ix(e, c, ix)) {
+  const IrNode *nd = ec_node(&e->core, c);
+  if (nd->op == OP_CAST && nd->dtype == DT_BF16 && e->core.in_step[c])
+    v = val(e, nd->in[0], ix);
+  if (lane_ix(e, c, ix, true)) {
     ec_grow(&e->lst, e->nlst, &e->caplst, sizeof *e->lst);
     e->lst[e->nlst++] = (LaneStore){c, e->lane, v};
     return;
   }
-  ec_line(&e->core, "%s[%s] = %s;", ptr(e, c), ix, v);
+  ec_line(&e->core, "%s[%s] = %s;", ptr(e, c), ix, ec_store(&e->core, c, v));
 }
 
 // The value of node n at flat index ix, as an expression; emits what computes it. A step output met
@@ -644,7 +723,7 @@ static const char *val(Emit *e, int n, const char *ix) {
   const char *name = ec_str(&e->core, "v%d", ++e->core.fresh);
   if (ec_in_memory(&e->core, c)) {
     note_read(e, c, ix);
-    if (lane_ix(e, c, ix)) {
+    if (lane_ix(e, c, ix, false)) {
       const char *q = ec_memo_get(&e->core, c, "float4");
       if (!q) {
         q = ec_str(&e->core, "f%d", ++e->core.fresh);
@@ -653,7 +732,8 @@ static const char *val(Emit *e, int n, const char *ix) {
       }
       name = ec_str(&e->core, "%s.%c", q, "xyzw"[e->lane]);
     } else {
-      ec_line(&e->core, "const %s %s = %s[%s];", ec_ctype(&e->core, c), name, ptr(e, c), ix);
+      ec_line(&e->core, "const %s %s = %s;", ec_ctype(&e->core, c), name,
+              ec_load(&e->core, c, ec_str(&e->core, "%s[%s]", ptr(e, c), ix)));
     }
   } else if (e->core.in_step[c] && ec_is_pointwise(nd->op)) {
     const char *expr = ec_pointwise_expr(&e->core, c, ix);
@@ -701,7 +781,8 @@ static const char *op_list(Emit *e, const int *nodes, int k) {
   return ec_buf_str(&e->core, &b);
 }
 
-// The deferred stores of a four-lane body: one float4 store per node that has all four lanes.
+// The deferred stores of a four-lane body: one float4 (f32) or ushort4 (bf16) store per node that has
+// all four lanes.
 static void flush_lanes(Emit *e) {
   for (int i = 0; i < e->nlst; i++) {
     const LaneStore *s = &e->lst[i];
@@ -715,8 +796,10 @@ static void flush_lanes(Emit *e) {
       ec_fail(&e->core, "step %s: node %d is stored in some lanes only", e->core.f->steps[e->core.si].name, s->node);
       continue;
     }
-    ec_line(&e->core, "reinterpret_cast<float4 *>(%s)[q] = make_float4(%s, %s, %s, %s);", ptr(e, s->node), v[0], v[1],
-            v[2], v[3]);
+    const char *vt = ec_node(&e->core, s->node)->dtype == DT_BF16 ? "ushort4" : "float4";
+    ec_line(&e->core, "reinterpret_cast<%s *>(%s)[q] = make_%s(%s, %s, %s, %s);", vt, ptr(e, s->node), vt,
+            ec_store(&e->core, s->node, v[0]), ec_store(&e->core, s->node, v[1]), ec_store(&e->core, s->node, v[2]),
+            ec_store(&e->core, s->node, v[3]));
   }
   e->nlst = 0;
 }
@@ -926,7 +1009,8 @@ static void row_load(Emit *e, const RowShape *rs, int x, const char *name, int64
   ec_line(&e->core, "const %s j = tr + t * %d;", e->core.ixt, rs->tpr);
   int a = ec_mem_alias(&e->core, x);
   if (a >= 0) {
-    ec_line(&e->core, "%s[t] = j < %lld ? %s[r * %lld + j] : 0.0f;", name, (long long)cols, ptr(e, a), (long long)cols);
+    ec_line(&e->core, "%s[t] = j < %lld ? %s : 0.0f;", name, (long long)cols,
+            ec_load(&e->core, a, ec_str(&e->core, "%s[r * %lld + j]", ptr(e, a), (long long)cols)));
   } else {
     ec_line(&e->core, "%s[t] = 0.0f;", name);
     ec_enter(&e->core, "if (j < %lld)", (long long)cols);
@@ -1029,6 +1113,21 @@ static int64_t batch_stride(Shape s, Shape ob, int64_t mk) {
   return shape_numel(b) == shape_numel(ob) ? mk : -1;
 }
 
+// The CAST to bf16 that is the only reader of GEMM result mm (n columns) and has a slot in the arena,
+// or -1: cuBLASLt then writes the GEMM's sum rounded to bf16 there itself (D of type bf16), which is
+// the CAST of the matmul's f32 value. Nothing else may need the f32 value.
+static int bf16_result(Emit *e, int mm, int64_t n) {
+  int r = -1;
+  bool outside = false;
+  if (e->core.spill[mm] || ec_offset(&e->core, mm) >= 0 || step_readers(e, mm, &r, &outside) != 1 || outside)
+    return -1;
+  const IrNode *nd = ec_node(&e->core, r);
+  if (nd->op != OP_CAST || nd->dtype != DT_BF16 || ec_offset(&e->core, r) < 0 ||
+      ec_numel(&e->core, r) != ec_numel(&e->core, mm) || ec_last_dim(&e->core, r) != n)
+    return -1;
+  return r;
+}
+
 static const char *epi_name(CudaEpilogue k) {
   switch (k) {
   case CUDA_EPI_BIAS: return "bias";
@@ -1056,18 +1155,25 @@ static void emit_gemm(Emit *e, int gi, const bool *emitted) {
   int *q = ec_xcalloc((size_t)e->core.g->n, sizeof *q);
   int nq = ec_post_set(&e->core, gi, ec_numel(&e->core, mm), emitted, q);
   int64_t batches = ec_span(so, 0, so.rank - 2);
-  int out = mm, bias = -1, aux = -1;
-  CudaEpilogue epi = batches == 1 ? epilogue_of(e, mm, n, &out, &bias, &aux) : CUDA_EPI_NONE;
+  int out = mm, bias = -1, aux = -1, cast = bf16_result(e, mm, n);
+  CudaEpilogue epi = CUDA_EPI_NONE;
+  if (cast >= 0)
+    out = cast;
+  else if (batches == 1)
+    epi = epilogue_of(e, mm, n, &out, &bias, &aux);
   if (out == mm && ec_offset(&e->core, mm) < 0) {
     for (int t = 0; t < nq && !e->core.spill[mm] && e->core.host[mm] < 0; t++)
-      if (ec_offset(&e->core, q[t]) >= 0)
+      if (ec_offset(&e->core, q[t]) >= 0 && ec_node(&e->core, q[t])->dtype == DT_F32)
         e->core.host[mm] = q[t];
     if (e->core.host[mm] < 0)
       e->core.scratch[mm] = true;
   }
-  CudaGemm gm = {.ta = ta, .tb = tb, .m = m, .n = n, .k = k, .lda = a.stride, .ldb = b.stride, .ldc = n, .batch = 1,
-                 .a = buf_off(e, a.node) + 4 * a.at, .b = buf_off(e, b.node) + 4 * b.at, .c = buf_off(e, out),
-                 .epilogue = epi, .bias = bias >= 0 ? buf_off(e, bias) : -1, .aux = aux >= 0 ? buf_off(e, aux) : -1};
+  DType ab = ec_node(&e->core, a.node)->dtype, ct = cast >= 0 ? DT_BF16 : DT_F32;
+  int64_t sab = dtype_size(ab), sc = dtype_size(ct);
+  CudaGemm gm = {.ab = ab, .c_type = ct, .ta = ta, .tb = tb, .m = m, .n = n, .k = k, .lda = a.stride,
+                 .ldb = b.stride, .ldc = n, .batch = 1, .a = buf_off(e, a.node) + sab * a.at,
+                 .b = buf_off(e, b.node) + sab * b.at, .c = buf_off(e, out), .epilogue = epi,
+                 .bias = bias >= 0 ? buf_off(e, bias) : -1, .aux = aux >= 0 ? buf_off(e, aux) : -1};
   ec_phase_begin(&e->core);
   if (batches > 1) {
     Shape ob = so;
@@ -1077,13 +1183,13 @@ static void emit_gemm(Emit *e, int gi, const bool *emitted) {
       gm.batch = batches, gm.stride_a = s1, gm.stride_b = s2, gm.stride_c = m * n;
       gemm_add(e, gm);
     } else {
-      Shape ab = sa, bb = sb;
-      ab.rank -= 2, bb.rank -= 2;
+      Shape ba = sa, bb = sb;
+      ba.rank -= 2, bb.rank -= 2;
       CudaGemm one = gm;
       for (int64_t t = 0; t < batches; t++) {
-        one.a = gm.a + 4 * shape_bcast_offset(ob, ab, t) * m * k;
-        one.b = gm.b + 4 * shape_bcast_offset(ob, bb, t) * k * n;
-        one.c = gm.c + 4 * t * m * n;
+        one.a = gm.a + sab * shape_bcast_offset(ob, ba, t) * m * k;
+        one.b = gm.b + sab * shape_bcast_offset(ob, bb, t) * k * n;
+        one.c = gm.c + sc * t * m * n;
         gemm_add(e, one);
       }
     }
@@ -1540,13 +1646,14 @@ static void emit_softmax(Emit *e, int gi, const bool *emitted) {
 
 // One row r of cross-entropy inside a row group, the logits row at x (in memory): the loss into
 // loss[r] (loss may be NULL) and dloss[r] * (softmax - onehot) into the row at dx (may be NULL, may
-// be x itself); an ignored target (< 0) gives zeros, one >= V a report.
+// be x itself; of bf16 values when dx16, each the f32 value rounded); an ignored target (< 0) gives
+// zeros, one >= V a report.
 static void ce_row(Emit *e, const RowShape *rs, int64_t v, const char *x, const char *tg, const char *loss,
-                   const char *dx, const char *dloss) {
+                   const char *dx, bool dx16, const char *dloss) {
   const char *ixt = e->core.ixt;
   ec_line(&e->core, "const float *x = %s;", x);
   if (dx) {
-    ec_line(&e->core, "float *dx = %s;", dx);
+    ec_line(&e->core, "%s *dx = %s;", dx16 ? "uint16_t" : "float", dx);
     dx = "dx";
   }
   ec_line(&e->core, "const int32_t tg = %s;", tg);
@@ -1559,7 +1666,7 @@ static void ce_row(Emit *e, const RowShape *rs, int64_t v, const char *x, const 
   }
   if (dx) {
     ec_line(&e->core, "for (%s j = tr; j < %lld; j += %d)", ixt, (long long)v, rs->tpr);
-    ec_line(&e->core, "  %s[j] = 0.0f;", dx);
+    ec_line(&e->core, "  %s[j] = %s;", dx, dx16 ? "0" : "0.0f");
   }
   orelse(e);
   if (loss)
@@ -1579,7 +1686,8 @@ static void ce_row(Emit *e, const RowShape *rs, int64_t v, const char *x, const 
   if (dx) {
     ec_line(&e->core, "const double g = %s, inv = 1.0 / sum;", dloss);
     ec_line(&e->core, "for (%s j = tr; j < %lld; j += %d)", ixt, (long long)v, rs->tpr);
-    ec_line(&e->core, "  %s[j] = (float)(g * (expf(x[j] - mx) * inv - (j == tg)));", dx);
+    const char *d = "(float)(g * (expf(x[j] - mx) * inv - (j == tg)))";
+    ec_line(&e->core, "  %s[j] = %s;", dx, dx16 ? ec_str(&e->core, "mdl_f32_to_bf16(%s)", d) : d);
   }
   ec_leave(&e->core);
 }
@@ -1609,7 +1717,7 @@ static void emit_ce(Emit *e, int gi) {
   rows_open(e, &rs, "r");
   ce_row(e, &rs, v, ec_str(&e->core, "%s + r * %lld", ptr(e, lg), (long long)v), ec_str(&e->core, "%s[r]", ptr(e, tg)),
          ce >= 0 ? ec_str(&e->core, "%s[r]", ptr(e, ce)) : NULL,
-         ceb >= 0 ? ec_str(&e->core, "%s + r * %lld", ptr(e, ceb), (long long)v) : NULL,
+         ceb >= 0 ? ec_str(&e->core, "%s + r * %lld", ptr(e, ceb), (long long)v) : NULL, false,
          dl >= 0 ? ec_str(&e->core, "%s[r]", ptr(e, dl)) : NULL);
   ec_leave(&e->core);
   kend(e, rs.grid, rs.block);
@@ -1621,6 +1729,8 @@ static void emit_ce(Emit *e, int gi) {
 // The LM head chunk by chunk: logits rows = x W^T (or x W) into a scratch chunk (a GEMM),
 // cross-entropy and its gradient in place (a kernel), then dx rows = dlogits W (W^T) and
 // dW += dlogits^T x (x^T dlogits) (two GEMMs, the second accumulating from the second chunk on).
+// With bf16 operands (x and W are CASTs, dlogits read through the CAST dlc) the logits stay f32 and
+// the kernel writes dlogits rounded to bf16 into a chunk of their own, which the two GEMMs read.
 static void emit_lmhead(Emit *e, int gi) {
   const Group *gr = &e->core.groups[gi];
   const IrNode *xm = ec_node(&e->core, gr->x);
@@ -1628,6 +1738,11 @@ static void emit_lmhead(Emit *e, int gi) {
   int x = ec_need(&e->core, gr->x), w = ec_need(&e->core, gr->w), tg = ec_need(&e->core, gr->tgt),
       dl = ec_need(&e->core, gr->dloss);
   flush(e);
+  DType ab = ec_node(&e->core, x)->dtype;
+  bool d16 = gr->dlc >= 0;
+  if (ec_node(&e->core, w)->dtype != ab || d16 != (ab == DT_BF16))
+    ec_fail(&e->core, "step %s: the LM head's x, W and dlogits are not all f32 or all bf16",
+            e->core.f->steps[e->core.si].name);
   int outs[3] = {gr->ce, gr->dx, gr->dw};
   for (int i = 0; i < 3; i++)
     if (ec_offset(&e->core, outs[i]) < 0)
@@ -1638,21 +1753,25 @@ static void emit_lmhead(Emit *e, int gi) {
     rc = 64;
   if (rc > n)
     rc = n;
+  // grads: where the kernel writes dlogits and the dx and dW GEMMs read them.
   int64_t ldw = gr->tb ? c : v, logits = scratch_alloc(e, rc * v * 4);
+  int64_t grads = d16 ? scratch_alloc(e, rc * v * 2) : logits, sab = dtype_size(ab);
   int64_t ox = buf_off(e, x), ow = buf_off(e, w), odx = buf_off(e, gr->dx), odw = buf_off(e, gr->dw);
   RowShape rs = ce_shape(e, v, rc);
   ec_phase_begin(&e->core);
   int kt = -1;
   for (int64_t r0 = 0; r0 < n; r0 += rc) {
     int64_t rn = n - r0 < rc ? n - r0 : rc;
-    gemm_add(e, (CudaGemm){.ta = 0, .tb = gr->tb, .m = rn, .n = v, .k = c, .lda = c, .ldb = ldw, .ldc = v, .batch = 1,
-                           .a = ox + 4 * r0 * c, .b = ow, .c = logits, .bias = -1, .aux = -1});
+    gemm_add(e, (CudaGemm){.ab = ab, .ta = 0, .tb = gr->tb, .m = rn, .n = v, .k = c, .lda = c, .ldb = ldw, .ldc = v,
+                           .batch = 1, .a = ox + sab * r0 * c, .b = ow, .c = logits, .bias = -1, .aux = -1});
     int64_t grid = (rn + rs.rpb - 1) / rs.rpb;
     if (kt < 0) {
       kbegin(e, "ce");
-      note(e, "LM head: cross-entropy and its gradient of a chunk of at most %lld rows of %lld classes, in place; "
-              "chunk = its first row; %s per row", (long long)rc, (long long)v, rs_who(e, &rs));
+      note(e, "LM head: cross-entropy and its gradient of a chunk of at most %lld rows of %lld classes, %s; "
+              "chunk = its first row; %s per row", (long long)rc, (long long)v,
+           d16 ? "the gradient rounded to bf16 into a chunk of its own" : "in place", rs_who(e, &rs));
       const char *lp = raw_ptr(e, logits, "float", "the chunk's logits");
+      const char *gp = d16 ? raw_ptr(e, grads, "uint16_t", "the chunk's dlogits, bf16") : lp;
       ec_line(&e->core, "const %s rn = %lld - chunk < %lld ? %lld - chunk : %lld;", e->core.ixt, (long long)n,
               (long long)rc, (long long)n, (long long)rc);
       const char *row = rs.tpr == 32 ? ec_str(&e->core, "blockIdx.x * %d + (threadIdx.x >> 5)", rs.rpb) : "blockIdx.x";
@@ -1661,7 +1780,7 @@ static void emit_lmhead(Emit *e, int gi) {
       ec_enter(&e->core, "if (i < rn)");
       ec_line(&e->core, "const %s r = chunk + i;", e->core.ixt);
       ce_row(e, &rs, v, ec_str(&e->core, "%s + i * %lld", lp, (long long)v), ec_str(&e->core, "%s[r]", ptr(e, tg)),
-             ec_str(&e->core, "%s[r]", ptr(e, gr->ce)), ec_str(&e->core, "%s + i * %lld", lp, (long long)v),
+             ec_str(&e->core, "%s[r]", ptr(e, gr->ce)), ec_str(&e->core, "%s + i * %lld", gp, (long long)v), d16,
              ec_str(&e->core, "%s[r]", ptr(e, dl)));
       ec_leave(&e->core);
       kt = kend(e, grid, rs.block);
@@ -1669,16 +1788,16 @@ static void emit_lmhead(Emit *e, int gi) {
     } else {
       relaunch(e, kt, grid, r0);
     }
-    gemm_add(e, (CudaGemm){.ta = 0, .tb = !gr->tb, .m = rn, .n = c, .k = v, .lda = v, .ldb = ldw, .ldc = c, .batch = 1,
-                           .a = logits, .b = ow, .c = odx + 4 * r0 * c, .bias = -1, .aux = -1});
+    gemm_add(e, (CudaGemm){.ab = ab, .ta = 0, .tb = !gr->tb, .m = rn, .n = c, .k = v, .lda = v, .ldb = ldw, .ldc = c,
+                           .batch = 1, .a = grads, .b = ow, .c = odx + 4 * r0 * c, .bias = -1, .aux = -1});
     if (gr->tb)
-      gemm_add(e, (CudaGemm){.ta = 1, .tb = 0, .m = v, .n = c, .k = rn, .lda = v, .ldb = c, .ldc = c, .batch = 1,
-                             .a = logits, .b = ox + 4 * r0 * c, .c = odw, .beta = r0 ? 1.0f : 0.0f, .bias = -1,
-                             .aux = -1});
+      gemm_add(e, (CudaGemm){.ab = ab, .ta = 1, .tb = 0, .m = v, .n = c, .k = rn, .lda = v, .ldb = c, .ldc = c,
+                             .batch = 1, .a = grads, .b = ox + sab * r0 * c, .c = odw, .beta = r0 ? 1.0f : 0.0f,
+                             .bias = -1, .aux = -1});
     else
-      gemm_add(e, (CudaGemm){.ta = 1, .tb = 0, .m = c, .n = v, .k = rn, .lda = c, .ldb = v, .ldc = v, .batch = 1,
-                             .a = ox + 4 * r0 * c, .b = logits, .c = odw, .beta = r0 ? 1.0f : 0.0f, .bias = -1,
-                             .aux = -1});
+      gemm_add(e, (CudaGemm){.ab = ab, .ta = 1, .tb = 0, .m = c, .n = v, .k = rn, .lda = c, .ldb = v, .ldc = v,
+                             .batch = 1, .a = ox + sab * r0 * c, .b = grads, .c = odw, .beta = r0 ? 1.0f : 0.0f,
+                             .bias = -1, .aux = -1});
   }
   for (int i = 0; i < 3; i++)
     ec_phase_done(&e->core, outs[i]);
@@ -2518,12 +2637,14 @@ static void commit_step(Emit *e) {
       ec_grow(&e->gemms, e->ngemms, &e->capgemms, sizeof *e->gemms);
       cl->gemm = e->ngemms;
       e->gemms[e->ngemms++] = *gm;
-      ec_bput(&e->out, "//   gemm %d: [%lld x %lld] = %s[%lld x %lld] %s[%lld x %lld]%s%s%s%s\n", cl->gemm,
+      bool f32 = gm->ab == DT_F32 && gm->c_type == DT_F32;
+      ec_bput(&e->out, "//   gemm %d: [%lld x %lld] = %s[%lld x %lld] %s[%lld x %lld]%s%s%s%s%s\n", cl->gemm,
               (long long)gm->m, (long long)gm->n, gm->ta ? "T" : "", (long long)gm->m, (long long)gm->k,
               gm->tb ? "T" : "", (long long)gm->k, (long long)gm->n,
               gm->batch > 1 ? ec_str(&e->core, ", %lld batches", (long long)gm->batch) : "",
               gm->beta != 0 ? " + C" : "", gm->epilogue != CUDA_EPI_NONE ? ", epilogue " : "",
-              gm->epilogue != CUDA_EPI_NONE ? epi_name(gm->epilogue) : "");
+              gm->epilogue != CUDA_EPI_NONE ? epi_name(gm->epilogue) : "",
+              f32 ? "" : ec_str(&e->core, ", %s A and B, %s C", dtype_name(gm->ab), dtype_name(gm->c_type)));
       continue;
     }
     const KText *t = &e->kt[l->kt];

@@ -28,7 +28,8 @@
 //  2. STEP_LMHEAD (opt.chunk_lmhead): logits = MATMUL(x2 [N,C], W) (either orientation of W), any
 //     RESHAPEs, CROSS_ENTROPY and CROSS_ENTROPY_BWD of those logits and targets, RESHAPEs of the
 //     logits' gradient dl, then dx2 = MATMUL(dl, W, tb = !tb) and dW = MATMUL(dl, x2, ta) (W as
-//     [V,C]) or MATMUL(x2, dl, ta) (W as [C,V]); either backward GEMM may be missing. Only when
+//     [V,C]) or MATMUL(x2, dl, ta) (W as [C,V]), where dl is the CAST of the gradient when the
+//     GEMMs read bf16 operands; either backward GEMM may be missing. Only when
 //     every reader of the logits and of dl is in the pattern, so neither is ever materialised: the
 //     emitter runs it chunk by chunk of rows. Root: the logits MATMUL. Outs: the per-row losses,
 //     dx2, dW.
@@ -50,7 +51,8 @@
 //     chain that starts in the forward pass stays there (this holds for rule 7's chains too).
 //  5. Row-wise STEP_KERNEL: LAYERNORM / RMSNORM forward together with the ADD that produces its x
 //     (same shape), when that ADD is not already in a GEMM epilogue (the GEMM writes the residual
-//     stream more cheaply); the ADD is an out (the residual stream). SOFTMAX and SOFTMAX_BWD alone.
+//     stream more cheaply); the ADD is an out (the residual stream); the CASTs of its output (the
+//     next GEMM's bf16 operand) are written by the same row loop. SOFTMAX and SOFTMAX_BWD alone.
 //  6. Single-node steps: EMBED, EMBED_BWD, MAX_BWD, ROPE, ATTENTION (STEP_ATTENTION), and any
 //     anchor op left over by the rules above (a lone CROSS_ENTROPY_BWD, a lone ADAMW).
 //  7. Reduction STEP_KERNEL: root SUM/MEAN/MAX over one axis. Producers of its input are fused as
@@ -136,7 +138,7 @@ static bool is_leaf(Op op) {
 static bool is_unary(Op op) {
   switch (op) {
   case OP_NEG: case OP_EXP: case OP_LOG: case OP_TANH: case OP_SQRT: case OP_RSQRT: case OP_RELU:
-  case OP_GELU: case OP_SILU: case OP_DROPOUT: return true;
+  case OP_GELU: case OP_SILU: case OP_DROPOUT: case OP_CAST: return true;
   default: return false;
   }
 }
@@ -405,6 +407,11 @@ static const char *match_lmhead(Fuser *F, int mm, int *list, int *n, int *ce_out
   int dl = follow_reshapes(F, cb, list, n);
   if (!shape_eq(node(F, dl)->shape, m->shape))
     return "the logits' gradient does not come back to the GEMM's shape";
+  // With GEMM operands in bf16, the gradient reaches the backward GEMMs through its CAST.
+  if (node(F, x2)->op == OP_CAST && F->nusers[dl] == 1 && op_of(F, F->users[dl][0]) == OP_CAST) {
+    dl = F->users[dl][0];
+    list[(*n)++] = dl;
+  }
   bool tb = m->ia[1] != 0, have_dx = false, have_dw = false;
   for (int k = 0; k < F->nusers[dl]; k++) {
     IrNode *u = node(F, F->users[dl][k]);
@@ -554,7 +561,8 @@ static void rule_gemm(Fuser *F) {
 }
 
 //
-// Rule 5: LAYERNORM / RMSNORM forward with the ADD producing x; softmax and its backward alone.
+// Rule 5: LAYERNORM / RMSNORM forward with the ADD producing x and the CASTs of y; softmax and its
+// backward alone.
 //
 static void rule_rowwise(Fuser *F) {
   Graph *g = F->g;
@@ -569,6 +577,20 @@ static void rule_rowwise(Fuser *F) {
     if (n->op != OP_LAYERNORM && n->op != OP_RMSNORM)
       continue;
     int gi = new_group(F, STEP_KERNEL, i), x = n->in[0];
+    for (int k = 0; k < F->nusers[i]; k++) {
+      int u = F->users[i][k];
+      if (op_of(F, u) == OP_CAST && F->grp[u] < 0 && !try_add(F, gi, u))
+        reject(F, i, u, "would make the steps cyclic");
+      if (op_of(F, u) != OP_RESHAPE || F->grp[u] >= 0 || F->nusers[u] < 1)
+        continue;
+      bool casts = true; // y reshaped to [N,C] for a GEMM: the reshape and its CASTs
+      for (int j = 0; j < F->nusers[u]; j++)
+        casts = casts && op_of(F, F->users[u][j]) == OP_CAST && F->grp[F->users[u][j]] < 0;
+      if (casts && try_add(F, gi, u))
+        for (int j = 0; j < F->nusers[u]; j++)
+          if (!try_add(F, gi, F->users[u][j]))
+            reject(F, u, F->users[u][j], "would make the steps cyclic");
+    }
     if (op_of(F, x) != OP_ADD || !shape_eq(node(F, x)->shape, n->shape))
       continue;
     int h = F->grp[x];
@@ -959,7 +981,7 @@ static Fusion *assemble(Fuser *F) {
       if (out) {
         push_unique(a, &st->outs, &st->nouts, id);
         f->materialised[id] = true;
-        st->bytes_written += 4.0 * (double)numel(F, id) * (n->op == OP_ADAMW ? 3 : 1);
+        st->bytes_written += dtype_size(n->dtype) * (double)numel(F, id) * (n->op == OP_ADAMW ? 3 : 1);
       }
       for (int k = 0; k < n->nin; k++) {
         int x = n->in[k];
@@ -968,7 +990,7 @@ static Fusion *assemble(Fuser *F) {
         int before = st->nins;
         push_unique(a, &st->ins, &st->nins, x);
         if (st->nins > before)
-          st->bytes_read += 4.0 * (double)numel(F, x);
+          st->bytes_read += dtype_size(node(F, x)->dtype) * (double)numel(F, x);
       }
       st->flops += node_flops(F, id);
     }

@@ -714,6 +714,10 @@ static bool run_node(Ctx *c) {
       c->y[i] = interp_unary(nd->op, c->x[0][i]);
     return true;
   case OP_DROPOUT: run_dropout(c); return true;
+  case OP_CAST:
+    for (int64_t i = 0; i < c->n; i++)
+      c->y[i] = nd->ia[0] == DT_BF16 ? round_bf16(c->x[0][i]) : (double)(float)c->x[0][i];
+    return true;
   case OP_ADD: case OP_SUB: case OP_MUL: case OP_DIV:
   case OP_RELU_BWD: case OP_GELU_BWD: case OP_SILU_BWD:
     run_binary(c);

@@ -25,6 +25,27 @@ const char *dtype_name(DType dt) {
   return "?";
 }
 
+int dtype_size(DType dt) {
+  switch (dt) {
+  case DT_BF16: return 2;
+  case DT_F8E4M3: return 1;
+  case DT_F64: return 8;
+  case DT_F32: case DT_I32: return 4;
+  }
+  return 4;
+}
+
+double round_bf16(double x) {
+  float f = (float)x;
+  uint32_t u;
+  memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u)
+    return x; // NaN
+  u = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+  memcpy(&f, &u, 4);
+  return f;
+}
+
 int64_t shape_numel(Shape s) {
   int64_t n = 1;
   for (int i = 0; i < s.rank; i++)
@@ -117,7 +138,7 @@ static bool infer(Graph *g, IrNode *n) {
   switch (n->op) {
   case OP_INPUT: case OP_PARAM: case OP_STATE: case OP_SCALAR: case OP_CONST: want = 0; break;
   case OP_NEG: case OP_EXP: case OP_LOG: case OP_TANH: case OP_SQRT: case OP_RSQRT: case OP_RELU:
-  case OP_GELU: case OP_SILU: case OP_DROPOUT: case OP_SUM: case OP_MEAN: case OP_MAX:
+  case OP_GELU: case OP_SILU: case OP_DROPOUT: case OP_CAST: case OP_SUM: case OP_MEAN: case OP_MAX:
   case OP_RESHAPE: case OP_PERMUTE: case OP_BROADCAST: case OP_SLICE: case OP_SLICE_BWD:
   case OP_SOFTMAX: want = 1; break;
   case OP_ADD: case OP_SUB: case OP_MUL: case OP_DIV: case OP_RELU_BWD: case OP_GELU_BWD:
@@ -149,9 +170,15 @@ static bool infer(Graph *g, IrNode *n) {
       return fail(g, "%s: ids must be i32, got %s", name, dtype_name(dt));
     if (!ids && !is_float(dt))
       return fail(g, "%s: expected a float tensor, got %s", name, dtype_name(dt));
+    // Rounded values feed GEMMs only: every other op computes on f32 (and the back ends load f32).
+    if (dt != DT_F32 && dt != DT_I32 && n->op != OP_MATMUL && n->op != OP_CAST)
+      return fail(g, "%s: reads a %s value; only matmul and cast read values narrower than f32", name,
+                  dtype_name(dt));
   }
   if (layout)
     n->dtype = in[0]->dtype;
+  else if (n->op == OP_CAST)
+    n->dtype = (DType)n->ia[0];
   else if (n->op != OP_INPUT)
     n->dtype = DT_F32;
 
@@ -254,8 +281,16 @@ static bool infer(Graph *g, IrNode *n) {
     }
     return true;
   }
+  case OP_CAST:
+    if (n->ia[0] != DT_F32 && n->ia[0] != DT_BF16)
+      return fail(g, "cast to %s: only f32 and bf16 are supported", dtype_name((DType)n->ia[0]));
+    n->shape = in[0]->shape;
+    return true;
   case OP_MATMUL: {
     Shape a = in[0]->shape, b = in[1]->shape;
+    if (in[0]->dtype != in[1]->dtype)
+      return fail(g, "matmul operands are %s and %s; both must have one dtype", dtype_name(in[0]->dtype),
+                  dtype_name(in[1]->dtype));
     if (a.rank < 2 || b.rank < 2)
       return fail(g, "matmul needs operands of rank 2 or more, got %s and %s", SHAPE(a), SHAPE(b));
     int64_t m = n->ia[0] ? a.d[a.rank - 1] : a.d[a.rank - 2];
@@ -547,6 +582,7 @@ void ir_dump(const Graph *g, FILE *f) {
     case OP_CONCAT: fprintf(f, " axis=%lld", (long long)n->ia[0]); break;
     case OP_MATMUL: fprintf(f, "%s%s", n->ia[0] ? " a.T" : "", n->ia[1] ? " b.T" : ""); break;
     case OP_DROPOUT: fprintf(f, " p=%g stream=%lld", n->fa[0], (long long)n->ia[0]); break;
+    case OP_CAST: fprintf(f, " to=%s", dtype_name((DType)n->ia[0])); break;
     case OP_LAYERNORM: case OP_RMSNORM: fprintf(f, " eps=%g", n->fa[0]); break;
     case OP_LAYERNORM_BWD: case OP_RMSNORM_BWD:
       fprintf(f, " eps=%g which=%lld", n->fa[0], (long long)n->ia[0]);

@@ -1,7 +1,7 @@
 // main.c: the mdlc command line. Each verb runs the pipeline as far as it needs:
 //   parse + check (front end) -> autodiff + AdamW -> fuse -> plan memory -> emit C -> cc + dlopen
 // (or the reference interpreter instead of the last three), and `-d LETTERS` prints the IR after
-// the passes it names (P: parse, A: autodiff, F: fusion, M: memory plan).
+// the passes it names (P: parse, A: autodiff, R: precision, F: fusion, M: memory plan).
 #include "backend.h"
 #include "cuda.h"
 #include "data.h"
@@ -28,6 +28,7 @@ typedef struct {
   DimOverride dims[32];
   int ndims;
   const char *out, *weights, *batch, *data, *backend;
+  const char *precision; // --precision, else the train section's
   int64_t steps;
   uint64_t seed;
   bool fp64;
@@ -60,7 +61,7 @@ static const char usage_text[] =
     "options:\n"
     "  -D, --dim NAME=N       bind a dimension (overrides the train section)\n"
     "  -d, --dump LETTERS     print the IR after passes: P parse, A autodiff + optimizer,\n"
-    "                         F fusion, M memory plan\n"
+    "                         R precision, F fusion, M memory plan\n"
     "  -o, --out PATH         output file\n"
     "      --weights PATH     load parameters from a safetensors file\n"
     "      --batch PATH       a batch as safetensors (tokens, targets, pos, doc: i32 [B,T])\n"
@@ -78,6 +79,7 @@ static const char usage_text[] =
     "      --backend NAME     auto (the default: cuda when a GPU is there, else cpu), cuda, cpu\n"
     "                         (compiled C), interp (the reference interpreter)\n"
     "      --fp64             run the interpreter in fp64\n"
+    "      --precision P      fp32 or bf16: the GEMMs' operands (default: the train section's, else bf16)\n"
     "      --no-fuse          one kernel per IR node (to measure what fusion is worth)\n"
     "      --no-chunk-lmhead  materialise the whole logits instead of running the LM head by chunks\n"
     "      --no-reuse         give every activation its own memory (what liveness-based reuse saves)\n"
@@ -108,6 +110,7 @@ static int parse_options(int argc, char **argv, Options *o) {
       {"batch", required_argument, 0, 'b'},   {"data", required_argument, 0, 'a'},
       {"steps", required_argument, 0, 's'},   {"seed", required_argument, 0, 'S'},
       {"backend", required_argument, 0, 'k'}, {"fp64", no_argument, 0, 'F'},
+      {"precision", required_argument, 0, 'Q'},
       {"no-fuse", no_argument, 0, 'N'},       {"no-chunk-lmhead", no_argument, 0, 'C'},
       {"no-reuse", no_argument, 0, 'U'},      {"profile", no_argument, 0, 'O'},
       {"vocab", required_argument, 0, 'v'},   {"doc-sep", required_argument, 0, 'e'},
@@ -140,8 +143,8 @@ static int parse_options(int argc, char **argv, Options *o) {
       break;
     }
     case 'd':
-      if (strspn(optarg, "PAFM") != strlen(optarg))
-        return usage_error("unknown dump letters in '%s' (known: P parse, A autodiff, F fusion, M memory)", optarg);
+      if (strspn(optarg, "PARFM") != strlen(optarg))
+        return usage_error("unknown dump letters in '%s' (known: P parse, A autodiff, R precision, F fusion, M memory)", optarg);
       o->dump = optarg;
       break;
     case 'o': o->out = optarg; break;
@@ -163,6 +166,13 @@ static int parse_options(int argc, char **argv, Options *o) {
       o->backend = optarg;
       break;
     case 'F': o->fp64 = true; break;
+    case 'Q': {
+      DType dt;
+      if (!precision_parse(optarg, &dt))
+        return usage_error("--precision wants fp32 or bf16, got '%s'", optarg);
+      o->precision = optarg;
+      break;
+    }
     case 'N': o->fuse.fuse = false; break;
     case 'v':
       if (!parse_int(optarg, &v) || v < 256 || v > 65536)
@@ -225,6 +235,33 @@ static int parse_options(int argc, char **argv, Options *o) {
 
 static bool dumping(const Options *o, char letter) { return o->dump && strchr(o->dump, letter); }
 
+// The GEMM precision: --precision, else the train section's; an error where this build cannot run it.
+static bool gemm_precision(const Options *o, Graph *g, DType *dt) {
+  if (o->precision)
+    g->train.precision = o->precision;
+  if (precision_parse(g->train.precision, dt))
+    return true;
+  const char *msg = "precision = %s: FP8 GEMMs are not implemented yet; use bf16 or fp32";
+  if (g->train.precision_at.line > 0)
+    diag_error(g->train.precision_at, msg, g->train.precision);
+  else
+    diag_file_error(o->file, msg, g->train.precision);
+  return false;
+}
+
+// The precision pass on a graph with its backward.
+static bool apply_precision(const Options *o, Graph *g) {
+  DType dt;
+  if (!gemm_precision(o, g, &dt))
+    return false;
+  char why[512];
+  if (!precision_assign(g, dt, why, sizeof why)) {
+    fprintf(stderr, "%s: internal error: the precision pass built a broken graph: %s\n", o->file, why);
+    return false;
+  }
+  return true;
+}
+
 // Front end, then autodiff (+ optimizer) when `train` is set; validates after each pass.
 static Graph *compile(Arena *a, const Options *o, bool grads, bool optimizer) {
   Graph *g = mdl_compile_file(a, o->file, o->dims, o->ndims);
@@ -239,6 +276,9 @@ static Graph *compile(Arena *a, const Options *o, bool grads, bool optimizer) {
   }
   if (dumping(o, 'P'))
     ir_dump(g, stdout);
+  DType dt;
+  if (!gemm_precision(o, g, &dt))
+    return NULL;
   if (!grads)
     return g;
   if (g->loss < 0) {
@@ -254,6 +294,10 @@ static Graph *compile(Arena *a, const Options *o, bool grads, bool optimizer) {
     return NULL;
   }
   if (dumping(o, 'A'))
+    ir_dump(g, stdout);
+  if (!apply_precision(o, g))
+    return NULL;
+  if (dumping(o, 'R'))
     ir_dump(g, stdout);
   return g;
 }
@@ -530,7 +574,7 @@ static int cmd_build(const Options *o, Graph *g) {
 // optimizer (the micro-batches of gradient accumulation), on the same back end.
 static Engine *open_side_engine(const Options *o, Arena *a, bool grads) {
   Graph *g = mdl_compile_file(a, o->file, o->dims, o->ndims);
-  if (!g || g->loss < 0 || (grads && !autodiff(g, false)))
+  if (!g || g->loss < 0 || (grads && !autodiff(g, false)) || !apply_precision(o, g))
     return NULL;
   if (!grads)
     ir_eval_mode(g);
@@ -570,8 +614,9 @@ static int cmd_run(const Options *o, Graph *g) {
   Engine *micro = g->train.accumulate > 1 ? open_side_engine(o, ea, true) : NULL;
   int rc = EXIT_USER;
   if (eval && (micro || g->train.accumulate <= 1) && (!o->weights || load_weights(e, g, o->weights))) {
-    printf("training %s (%lld parameters), back end %s%s%s\n", g->model, (long long)ir_param_count(g), e->name,
-           strcmp(backend_of(o), "interp") && !o->fuse.fuse ? " (fusion off)" : "", o->resume ? ", resuming" : "");
+    printf("training %s (%lld parameters), back end %s%s, precision %s%s\n", g->model, (long long)ir_param_count(g),
+           e->name, strcmp(backend_of(o), "interp") && !o->fuse.fuse ? " (fusion off)" : "", g->train.precision,
+           o->resume ? ", resuming" : "");
     TrainOptions to = {.model_path = model_abs, .data_dir = data_abs, .tokenizer_path = tok_path, .out_dir = out_dir,
                        .steps = o->steps, .resume = o->resume, .pack = o->pack, .shuffle = o->shuffle,
                        .seed = o->seed, .val_every = o->val_every, .val_batches = o->val_batches,
@@ -622,7 +667,7 @@ int main(int argc, char **argv) {
     if (strcmp(o.verb, verbs[i].verb))
       continue;
     Arena *a = arena_new();
-    bool train = verbs[i].optimizer || dumping(&o, 'A') || dumping(&o, 'F') || dumping(&o, 'M');
+    bool train = verbs[i].optimizer || dumping(&o, 'A') || dumping(&o, 'R') || dumping(&o, 'F') || dumping(&o, 'M');
     Graph *g = compile(a, &o, verbs[i].grads || train, train);
     rc = g ? verbs[i].fn(&o, g) : EXIT_USER;
     arena_free(a);

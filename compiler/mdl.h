@@ -83,6 +83,7 @@ typedef struct {
   X(GELU, "gelu")           /* tanh approximation, as GPT-2 */                                    \
   X(SILU, "silu")                                                                                  \
   X(DROPOUT, "dropout")     /* fa[0] = p; ia[0] = seed id (same id, same mask) */                 \
+  X(CAST, "cast")           /* ia[0] = the DType to round to (bf16: nearest, ties to even) */     \
   /* elementwise binary, numpy broadcasting */                                                     \
   X(ADD, "add")                                                                                    \
   X(SUB, "sub")                                                                                    \
@@ -105,7 +106,8 @@ typedef struct {
   X(SLICE_BWD, "slice_bwd") /* (dy) -> zeros of node shape with dy at [start,end) on axis */      \
   X(CONCAT, "concat")       /* ia[0] = axis; any number of inputs */                              \
   /* linear algebra: (a, b) -> a @ b over the last two axes, leading axes broadcast */             \
-  X(MATMUL, "matmul")       /* ia[0] = transpose a, ia[1] = transpose b */                        \
+  X(MATMUL, "matmul")       /* ia[0] = transpose a, ia[1] = transpose b; operands f32, or both   \
+                               bf16 (a product of bf16 values is exact in f32): the result is f32 */ \
   /* embedding: (table [V,C], ids i32[...]) -> [..., C] */                                         \
   X(EMBED, "embed")                                                                                \
   X(EMBED_BWD, "embed_bwd") /* (ids, dy) -> d table [V,C] (scatter-add); shape gives V */         \
@@ -170,6 +172,7 @@ typedef struct {
   double clip;         // max global grad norm, 0 = off
   int64_t accumulate;  // micro-batches per step
   const char *precision;  // "fp32" | "bf16" | "fp8"
+  SrcLoc precision_at;    // where the train section set it (line 0: the default)
   const char *checkpoint; // "none" | "all" | "auto" | "auto=BUDGET"
 } TrainConfig;
 
@@ -211,6 +214,9 @@ bool ir_validate(const Graph *g, char *why, size_t n); // false with a reason wh
 void ir_dump(const Graph *g, FILE *f);
 const char *op_name(Op op);
 const char *dtype_name(DType dt);
+int dtype_size(DType dt); // bytes per element in memory: 4 for f32 and i32, 2 for bf16, ...
+// x rounded to the nearest bf16 value, ties to even (NaN stays NaN, overflow goes to inf).
+double round_bf16(double x);
 int64_t shape_numel(Shape s);
 bool shape_eq(Shape a, Shape b);
 char *shape_str(Shape s, char *buf, size_t n); // "[2,3,4]"
@@ -270,6 +276,16 @@ const double *interp_value(Interp *it, int node); // after interp_run
 int64_t interp_numel(Interp *it, int node);
 // An elementwise unary op (NEG ... SILU) at one number: also the front end's constant folding.
 double interp_unary(Op op, double x);
+
+//
+// precision.c: the precision pass. Rewrites a training graph so that every MATMUL reads its
+// operands through CAST nodes to `gemm` (DT_BF16), one CAST per source value shared by all the
+// GEMMs that read it (forward and backward); everything else stays f32: the parameters (master
+// weights), optimizer state, gradients, reductions and the residual stream. DT_F32 leaves g as it is.
+// False with a reason when the graph cannot be rebuilt.
+bool precision_assign(Graph *g, DType gemm, char *why, size_t n);
+// "fp32" -> DT_F32, "bf16" -> DT_BF16; false for a precision this build cannot run ("fp8").
+bool precision_parse(const char *name, DType *out);
 
 //
 // safetensors.c: read and write safetensors files (parameters, gradients, batches).

@@ -14,7 +14,8 @@
 // so the runtime can read them), and activations whose
 // lifetimes do not overlap may share memory. Placement is greedy by size: largest first, each at
 // the lowest offset that does not overlap a placed buffer alive at the same time. A view (a RESHAPE
-// of a materialised node) shares its input's offset. i32 tensors take 4 bytes per element as f32.
+// of a materialised node) shares its input's offset. Each tensor takes dtype_size bytes per element
+// (4 for f32 and i32, 2 for bf16).
 // After a step only the four flat buffers, the inputs, the scalars, the loss, the gradient norm and
 // the materialised outputs hold values.
 #include "mdl.h"
@@ -26,7 +27,7 @@ enum { ALIGN = 64 };
 
 static int64_t align_up(int64_t x) { return (x + ALIGN - 1) / ALIGN * ALIGN; }
 
-static int64_t bytes_of(const IrNode *n) { return 4 * shape_numel(n->shape); }
+static int64_t bytes_of(const IrNode *n) { return dtype_size(n->dtype) * shape_numel(n->shape); }
 
 static bool is_leaf(Op op) {
   return op == OP_INPUT || op == OP_PARAM || op == OP_STATE || op == OP_SCALAR || op == OP_CONST;

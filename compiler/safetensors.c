@@ -277,13 +277,6 @@ static const struct {
   int size;
 } dtypes[] = {{"F32", DT_F32, 4}, {"I32", DT_I32, 4}, {"BF16", DT_BF16, 2}, {"F64", DT_F64, 8}};
 
-static int dtype_size(DType dt) {
-  for (size_t k = 0; k < sizeof dtypes / sizeof dtypes[0]; k++)
-    if (dtypes[k].dt == dt)
-      return dtypes[k].size;
-  return 0;
-}
-
 static const char *dtype_tag(DType dt) {
   for (size_t k = 0; k < sizeof dtypes / sizeof dtypes[0]; k++)
     if (dtypes[k].dt == dt)

@@ -1352,8 +1352,10 @@ static void train_config(Sema *s) {
     } else if (!strcmp(set->key, "precision")) {
       static const char *const precisions[] = {"fp32", "bf16", "fp8"};
       const char *w = word(s, e, "precision", precisions, 3);
-      if (w)
+      if (w) {
         t->precision = w;
+        t->precision_at = e->at;
+      }
     } else {
       checkpoint_setting(s, e, t);
     }

@@ -18,9 +18,10 @@
 // of C is a bias over the rows of C^T, which is what the BIAS epilogue adds, and GELU's
 // pre-activation (which the backward reads) goes to the epilogue's aux output. (No BGRAD epilogue:
 // the fusion pass keeps a bias gradient as a reduction step of its own.) The element types of a
-// GEMM are fields of its descriptor, taken from the IR (the matmul's operands and result: fp32 now,
-// bf16 operands with fp32 accumulation once the precision pass assigns them); the heuristic picks
-// one algorithm per GEMM when the engine is built, so capture and replay do no searching.
+// GEMM are the CudaGemm's, set by the emitter: A and B f32 or bf16, always summed in f32
+// (CUBLAS_COMPUTE_32F, f32 alpha and beta); D f32, or bf16 for a GEMM whose only reader rounds it (no
+// epilogue then: cuBLASLt's bias and aux would take D's type, ours are f32). The heuristic picks one
+// algorithm per GEMM when the engine is built, so capture and replay do no searching.
 //
 // The step. Parameters are initialised on the host exactly as the interpreter does and copied up;
 // the AdamW moments start at zero. Inputs and the lr/step scalars are staged on the host and copied
@@ -353,7 +354,6 @@ static int lt_type(DType t) { return t == DT_BF16 ? CUDA_R_16BF : t == DT_F8E4M3
 // One GEMM ready to run: its element types, descriptors and the algorithm the heuristic chose, all
 // in cuBLASLt's column-major view (operands swapped, see the top of the file).
 typedef struct {
-  DType operands, result;
   cublasLtMatmulDesc_t desc;
   cublasLtMatrixLayout_t la, lb, lc;
   cublasLtMatmulAlgo_t algo;
@@ -384,11 +384,10 @@ static bool lt_layout(cublasLtMatrixLayout_t *l, int type, int64_t rows, int64_t
 
 // Builds the descriptors of row-major C = op(A) op(B) (+ epilogue) on the arena at `base` and asks
 // the heuristic for an algorithm that fits the workspace.
-static bool lt_gemm_new(LtGemm *q, cublasLtHandle_t h, const CudaGemm *gm, DType operands, DType result,
-                        CUdeviceptr base, char *err, size_t n) {
-  *q = (LtGemm){.operands = operands, .result = result, .a = base + (CUdeviceptr)gm->b,
-                .b = base + (CUdeviceptr)gm->a, .c = base + (CUdeviceptr)gm->c, .beta = gm->beta};
-  int ab = lt_type(q->operands), cd = lt_type(q->result);
+static bool lt_gemm_new(LtGemm *q, cublasLtHandle_t h, const CudaGemm *gm, CUdeviceptr base, char *err, size_t n) {
+  *q = (LtGemm){.a = base + (CUdeviceptr)gm->b, .b = base + (CUdeviceptr)gm->a, .c = base + (CUdeviceptr)gm->c,
+                .beta = gm->beta};
+  int ab = lt_type(gm->ab), cd = lt_type(gm->c_type);
   int32_t ta = gm->tb ? CUBLAS_OP_T : CUBLAS_OP_N, tb = gm->ta ? CUBLAS_OP_T : CUBLAS_OP_N;
   int32_t batch = (int32_t)(gm->batch > 1 ? gm->batch : 1);
   // A row-major [r, c] matrix with leading dimension ld is the column-major [c, r] one with the same
@@ -528,15 +527,24 @@ static bool cu_step(Engine *e, char *err, size_t n) {
   return true;
 }
 
-// A value the plan keeps inside a kernel (never written to memory) reads as NaN, as on the CPU.
+// A value the plan keeps inside a kernel (never written to memory) reads as NaN, as on the CPU. A
+// bf16 value comes down into the first half of dst and is widened in place, from its last element.
 static void cu_read(Engine *e, int node, float *dst) {
   CudaEngine *ce = (CudaEngine *)e;
   int64_t count = shape_numel(e->g->nodes[node]->shape);
+  bool bf16 = e->g->nodes[node]->dtype == DT_BF16;
   char err[256];
   if (ce->m->offset[node] >= 0) {
-    if (download(ce, dst, ce->arena + (CUdeviceptr)ce->m->offset[node], sizeof(float) * (size_t)count, err,
-                 sizeof err))
+    if (download(ce, dst, ce->arena + (CUdeviceptr)ce->m->offset[node], (bf16 ? 2 : 4) * (size_t)count, err,
+                 sizeof err)) {
+      for (int64_t i = count - 1; bf16 && i >= 0; i--) {
+        uint16_t h;
+        memcpy(&h, (const char *)dst + 2 * i, 2);
+        uint32_t u = (uint32_t)h << 16;
+        memcpy(&dst[i], &u, 4);
+      }
       return;
+    }
     fprintf(stderr, "mdlc: cuda: %s\n", err);
   }
   for (int64_t i = 0; i < count; i++)
@@ -626,13 +634,6 @@ static bool init_staging(CudaEngine *ce, const Graph *g, char *err, size_t n) {
   return ce->staging || rt_fail(err, n, "out of host memory");
 }
 
-// The element types of a GEMM: its matmul's operands and result in the IR.
-static void gemm_types(const Fusion *f, const CudaGemm *gm, DType *operands, DType *result) {
-  const IrNode *mm = f->g->nodes[f->steps[gm->step].root];
-  *operands = f->g->nodes[mm->in[0]]->dtype;
-  *result = mm->dtype;
-}
-
 // Descriptors and algorithms for every GEMM, each run once eagerly: this checks every call with a
 // precise message before capture, and loads cuBLASLt's kernels outside it.
 static bool init_gemms(CudaEngine *ce, const Fusion *f, char *err, size_t n) {
@@ -644,14 +645,12 @@ static bool init_gemms(CudaEngine *ce, const Fusion *f, char *err, size_t n) {
     return false;
   for (int i = 0; i < p->ngemms; i++) {
     const CudaGemm *gm = &p->gemms[i];
-    DType operands, result;
-    gemm_types(f, gm, &operands, &result);
     char why[256];
-    if (!lt_gemm_new(&ce->gemms[i], ce->lt, gm, operands, result, ce->arena, why, sizeof why) ||
+    if (!lt_gemm_new(&ce->gemms[i], ce->lt, gm, ce->arena, why, sizeof why) ||
         !lt_gemm_run(&ce->gemms[i], ce->lt, ce->workspace, ce->stream, why, sizeof why))
       return rt_fail(err, n, "GEMM %d of step %s (%s[%lld x %lld] = %s%s[%lld x %lld] %s[%lld x %lld]): %s", i,
-                  f->steps[gm->step].name, dtype_name(result), (long long)gm->m, (long long)gm->n,
-                  dtype_name(operands), gm->ta ? "T" : "", (long long)gm->m, (long long)gm->k, gm->tb ? "T" : "",
+                  f->steps[gm->step].name, dtype_name(gm->c_type), (long long)gm->m, (long long)gm->n,
+                  dtype_name(gm->ab), gm->ta ? "T" : "", (long long)gm->m, (long long)gm->k, gm->tb ? "T" : "",
                   (long long)gm->k, (long long)gm->n, why);
   }
   return CU(err, n, cuStreamSynchronize, ce->stream);

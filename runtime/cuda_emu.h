@@ -41,12 +41,18 @@ struct dim3 {
 struct __attribute__((aligned(16))) float4 {
   float x, y, z, w;
 };
+struct __attribute__((aligned(8))) ushort4 {
+  unsigned short x, y, z, w;
+};
 
 inline thread_local uint3 threadIdx, blockIdx;
 inline thread_local dim3 blockDim, gridDim;
 static const int warpSize = 32;
 
 inline float4 make_float4(float x, float y, float z, float w) { return float4{x, y, z, w}; }
+inline ushort4 make_ushort4(unsigned short x, unsigned short y, unsigned short z, unsigned short w) {
+  return ushort4{x, y, z, w};
+}
 
 // Bit casts, and __expf (the GPU's fast exp; here the exact one).
 inline float __int_as_float(int x) {

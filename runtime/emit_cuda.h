@@ -37,8 +37,13 @@ typedef enum { CUDA_EPI_NONE, CUDA_EPI_BIAS, CUDA_EPI_GELU, CUDA_EPI_BIAS_GELU }
 // dimension k; the same for `batch` matrices at the given strides (elements; 0 = the same matrix for
 // every batch). The epilogue then adds bias[j] to every row (BIAS kinds), writes that value to aux
 // (GELU kinds, when aux >= 0; leading dimension ldc) and applies GELU to C (GELU kinds).
+// Element types: A and B are both f32 or both bf16 (ab); products are summed in f32 whatever they
+// are. C is f32, or bf16 (c_type) when the GEMM's value is only read rounded to bf16 (a CAST): the
+// f32 sum is then rounded to nearest even as it is stored. A bf16 C has no epilogue and beta 0; bias
+// and aux are always f32.
 typedef struct {
   int step;                  // index in Fusion.steps
+  DType ab, c_type;          // DT_F32 or DT_BF16
   bool ta, tb;
   int64_t m, n, k;
   int64_t lda, ldb, ldc;     // leading dimensions, row-major (elements)
@@ -83,7 +88,7 @@ typedef struct {
 CudaPlan *emit_cuda_plan(const Fusion *f, const MemPlan *m, const char *source_path);
 // The source of emit_cuda_plan alone.
 char *emit_cuda(const Fusion *f, const MemPlan *m, const char *source_path);
-// The prelude every emitted module starts with (types, reductions, gelu, rng, bf16 conversions).
+// The prelude every emitted module starts with (types, reductions, gelu, rng, bf16 and fp8 conversions).
 const char *emit_cuda_prelude(void);
 // "embed: id", "cross_entropy: target" for a CUDA_ERR_* code.
 const char *cuda_error_what(long long code);

@@ -2,10 +2,13 @@
 # The check to run on a machine with a GPU (`make gpu-check`; under 8 minutes with the build):
 #   1. build mdlc; list the GPUs;
 #   2. gpt2-tiny on the GPU and on the CPU back end from the same weights and batch (`mdlc grad
-#      --backend cuda` vs `--backend cpu`, two shapes): the loss and every gradient, compared per
-#      tensor as max |gpu - cpu| / max |cpu| (tolerance 1e-4 in fp32; GPU_CHECK_TOL=2e-2 once the
-#      GEMMs run in bf16);
-#   3. GPT-2 124M trained for 30 steps with `mdlc run --backend cuda` (B=8, T=1024; B=4 if that does
+#      --backend cuda` vs `--backend cpu`, two shapes, --precision fp32 and bf16): the loss and every
+#      gradient, compared per tensor as max |gpu - cpu| / max |cpu|. Both back ends run the same graph,
+#      so bf16 differs from fp32 only where an f32 value near a bf16 rounding midpoint rounds the other
+#      way after a different summation order: tolerance 1e-4 in fp32 and 1e-3 in bf16 (GPU_CHECK_TOL
+#      and GPU_CHECK_TOL_BF16 override them);
+#   3. GPT-2 124M trained for 30 steps with `mdlc run --backend cuda` (bf16, the model's precision;
+#      B=8, T=1024; B=4 if that does
 #      not fit) on this repository's sources as byte tokens (`mdlc prep`): tokens/s (mean over steps
 #      6-29: the last one also validates and writes a checkpoint), MFU and peak device memory.
 # MFU here = tokens/s x (model flops per step / tokens per step) / 989e12, where the model flops are the
@@ -17,7 +20,8 @@
 set -u
 cd "$(dirname "$0")/.."
 res="${OUT:-.}/gpu-check-results.txt"
-tol="${GPU_CHECK_TOL:-1e-4}"
+tol_fp32="${GPU_CHECK_TOL:-1e-4}"
+tol_bf16="${GPU_CHECK_TOL_BF16:-1e-3}"
 tmp=$(mktemp -d)
 smi_pid=""
 trap '[ -n "$smi_pid" ] && kill "$smi_pid" 2>/dev/null; rm -rf "$tmp"' EXIT
@@ -107,14 +111,16 @@ cc -std=c11 -D_GNU_SOURCE -O2 -Icompiler -Iruntime -o "$tmp/gpucmp" "$tmp/gpucmp
 
 # GPU vs CPU gradients on gpt2-tiny.
 bin/mdlc init models/gpt2-tiny.mdl -o "$tmp/W.safetensors" --seed 1 >/dev/null || die "mdlc init failed"
-for shape in "2 16" "8 64"; do
+for shape in "2 16 fp32" "8 64 fp32" "2 16 bf16" "8 64 bf16"; do
   set -- $shape
-  B=$1 T=$2
-  say "== gpt2-tiny B=$B T=$T: loss and gradients, cuda vs cpu"
+  B=$1 T=$2 prec=$3
+  tol=$([ "$prec" = bf16 ] && echo "$tol_bf16" || echo "$tol_fp32")
+  say "== gpt2-tiny B=$B T=$T $prec: loss and gradients, cuda vs cpu"
   "$tmp/gpucmp" batch "$tmp/batch.safetensors" "$B" "$T" 256 7 || die "cannot write the batch"
   for be in cpu cuda; do
     if ! timeout 120 bin/mdlc grad models/gpt2-tiny.mdl -D B="$B" -D T="$T" --weights "$tmp/W.safetensors" \
-      --batch "$tmp/batch.safetensors" -o "$tmp/g_$be.safetensors" --backend "$be" >"$tmp/grad_$be.log" 2>&1; then
+      --batch "$tmp/batch.safetensors" -o "$tmp/g_$be.safetensors" --backend "$be" --precision "$prec" \
+      >"$tmp/grad_$be.log" 2>&1; then
       tail -5 "$tmp/grad_$be.log" | tee -a "$res"
       die "mdlc grad --backend $be failed"
     fi

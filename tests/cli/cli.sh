@@ -113,8 +113,31 @@ awk -v a="$a1" -v b="$a2" 'BEGIN {exit !(a > 0 && b > 1.5 * a)}' &&
 rm -rf "$tmp/prof"
 $m run models/gpt2-tiny.mdl -D B=2 -D T=16 --steps 3 --data "$tmp/shards" --out "$tmp/prof" --val-every 0 --profile \
   >"$tmp/prof.out" 2>&1
-contains "--profile prints the kernel table" "$tmp/prof.out" "profile: 67 kernels"
+contains "--profile prints the kernel table" "$tmp/prof.out" "profile: 84 kernels"
 contains "--profile names the fused kernels" "$tmp/prof.out" "k2_layernorm_fwd__add"
 sed -n 's/.*"loss":\([0-9.]*\).*/\1/p' "$tmp/prof/log.jsonl" >"$tmp/prof.losses"
 cmp -s "$tmp/prof.losses" "$tmp/p.losses" && echo "[ok] cli: --profile trains to the same losses" ||
   echo "[fail] cli: --profile changes the losses"
+
+# Precision: bf16 GEMM operands by default, fp32 on request; both train, to close but different losses.
+contains "run says which precision it trains in" "$tmp/p.out" "precision bf16"
+rm -rf "$tmp/p32"
+$m run models/gpt2-tiny.mdl -D B=2 -D T=16 --steps 3 --data "$tmp/shards" --out "$tmp/p32" --val-every 0 \
+  --precision fp32 >"$tmp/p32.out" 2>&1 || echo "[fail] cli: run --precision fp32: $(tail -c 300 "$tmp/p32.out")"
+contains "--precision fp32 reaches the run" "$tmp/p32.out" "precision fp32"
+sed -n 's/.*"loss":\([0-9.]*\).*/\1/p' "$tmp/p32/log.jsonl" >"$tmp/p32.losses"
+if [ -s "$tmp/p32.losses" ] && paste "$tmp/p.losses" "$tmp/p32.losses" |
+  awk '{d = $1 - $2; if (d < 0) d = -d; if (d > 1e-2 * $2) bad = 1; if (d > 1e-6 * $2) moved = 1}
+       END {exit bad || !moved}'; then
+  echo "[ok] cli: bf16 and fp32 losses agree within 1% and differ"
+else
+  echo "[fail] cli: bf16 vs fp32 losses: $(paste "$tmp/p.losses" "$tmp/p32.losses" | tr '\n' ' ')"
+fi
+expect "--precision fp8 is a usage error" 2 $m build models/mlp.mdl -o "$tmp/b8" --precision fp8
+contains "the usage error names the choices" "$tmp/err" "fp32 or bf16"
+expect "dump after the precision pass" 0 $m -d R check models/mlp.mdl --precision bf16
+contains "the dump shows the casts" "$tmp/out" "to=bf16"
+sed 's/precision = fp32/precision = fp8/' models/mlp.mdl >"$tmp/fp8.mdl"
+line=$(grep -n 'precision = fp8' "$tmp/fp8.mdl" | cut -d: -f1)
+expect "a model asking for fp8 is refused" 1 $m check "$tmp/fp8.mdl"
+contains "the fp8 setting is located" "$tmp/err" "fp8.mdl:$line:17: error: precision = fp8: FP8 GEMMs are not implemented"

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The PyTorch cross-check: `mdlc grad` on models/gpt2-tiny.mdl against the same model written in
 # PyTorch (tests/torch/gpt2_tiny.py), for the loss and every parameter gradient, on a packed batch
-# (two documents per row). Skips when /usr/bin/python3 cannot import torch.
+# (two documents per row): in fp32 (relative error < 1e-4 per tensor) and with bf16 GEMM operands
+# (PyTorch rounding the same operands and gradients; < 1e-3, the room an f32 value within an ulp of
+# a bf16 rounding midpoint needs). Skips when /usr/bin/python3 cannot import torch.
 set -u
 cd "$(dirname "$0")/../.."
 py=/usr/bin/python3
@@ -23,6 +25,12 @@ step() { # step NAME COMMAND...: runs the command; on failure prints a [fail] li
 
 step "mdlc init" bin/mdlc init models/gpt2-tiny.mdl -o "$tmp/W.safetensors" --seed 1
 step "making the batch" "$py" tests/torch/gpt2_tiny.py batch "$tmp/batch.safetensors" --B $B --T $T --seed 1
-step "mdlc grad" bin/mdlc grad models/gpt2-tiny.mdl --weights "$tmp/W.safetensors" \
-  --batch "$tmp/batch.safetensors" -D B=$B -D T=$T -o "$tmp/grads.safetensors"
-"$py" tests/torch/gpt2_tiny.py check "$tmp/W.safetensors" "$tmp/batch.safetensors" "$tmp/grads.safetensors"
+rc=0
+for p in fp32 bf16; do
+  step "mdlc grad --precision $p" bin/mdlc grad models/gpt2-tiny.mdl --weights "$tmp/W.safetensors" \
+    --batch "$tmp/batch.safetensors" -D B=$B -D T=$T --precision $p -o "$tmp/grads-$p.safetensors"
+done
+"$py" tests/torch/gpt2_tiny.py check "$tmp/W.safetensors" "$tmp/batch.safetensors" "$tmp/grads-fp32.safetensors" || rc=1
+"$py" tests/torch/gpt2_tiny.py check "$tmp/W.safetensors" "$tmp/batch.safetensors" "$tmp/grads-bf16.safetensors" \
+  --bf16 --tol 1e-3 || rc=1
+exit $rc

@@ -6,10 +6,15 @@ used to cross-check the loss and every gradient that `mdlc grad` computes.
       writes a packed batch: tokens, targets, pos, doc (i32 [B,T]); every row holds two documents,
       pos restarts at each document, a target is the next token of the same document (-1 at a
       document's last position).
-  gpt2_tiny.py check WEIGHTS BATCH GRADS [--heads 4]
+  gpt2_tiny.py check WEIGHTS BATCH GRADS [--heads 4] [--bf16] [--tol 1e-4]
       computes the loss and the gradient of every parameter in fp32 and compares them with GRADS
-      ("loss" and one tensor per parameter): relative error max|diff| / max|ref| < 1e-4 per tensor.
+      ("loss" and one tensor per parameter): relative error max|diff| / max|ref| < tol per tensor.
       Prints "[ok] torch ..." / "[fail] torch ...: why" per tensor; exits 1 on any failure.
+      With --bf16 every matmul rounds its operands to bf16 (nearest, ties to even) and accumulates
+      in fp32, and its backward rounds the incoming gradient likewise before the two GEMMs: the
+      semantics of `mdlc --precision bf16`, written here without mdl's code. It then also checks
+      that the bf16 loss and gradients differ from the fp32 ones by more than tol somewhere, so that
+      the comparison can tell the two precisions apart.
 
 Model (names as in the .mdl; shapes follow from the weights): x = wte[tokens] + wpe[pos]; per layer
 l: q, k, v = split(layernorm(x) @ attn_w + attn_b); x += attention(q, k, v) @ proj_w + proj_b with
@@ -96,37 +101,83 @@ def attention(q, k, v, doc, heads):
     return (p @ v).transpose(1, 2).reshape(B, T, C)
 
 
-def forward(w, batch, heads):
+def round_bf16(t):
+    return t.to(torch.bfloat16).to(torch.float32)
+
+
+class Bf16MatMul(torch.autograd.Function):
+    """a @ b on operands rounded to bf16, fp32 accumulation; the backward GEMMs read the gradient
+    rounded to bf16 and the same rounded operands."""
+
+    @staticmethod
+    def forward(ctx, a, b):
+        ar, br = round_bf16(a), round_bf16(b)
+        ctx.save_for_backward(ar, br)
+        return ar @ br
+
+    @staticmethod
+    def backward(ctx, dy):
+        ar, br = ctx.saved_tensors
+        dyr = round_bf16(dy)
+        return dyr @ br.transpose(-1, -2), ar.transpose(-1, -2) @ dyr
+
+
+def matmul(a, b, bf16):
+    return Bf16MatMul.apply(a, b) if bf16 else a @ b
+
+
+def forward(w, batch, heads, bf16=False):
     C = w["wte"].shape[1]
     L = sum(1 for name in w if name.startswith("h.") and name.endswith(".ln1_w"))
     ln = lambda x, g, b: F.layer_norm(x, (C,), g, b, 1e-5)
     x = w["wte"][batch["tokens"]] + w["wpe"][batch["pos"]]
     for l in range(L):
         p = lambda n: w["h.%d.%s" % (l, n)]
-        q, k, v = (ln(x, p("ln1_w"), p("ln1_b")) @ p("attn_w") + p("attn_b")).split(C, dim=-1)
-        x = x + attention(q, k, v, batch["doc"], heads) @ p("proj_w") + p("proj_b")
-        h = F.gelu(ln(x, p("ln2_w"), p("ln2_b")) @ p("fc_w") + p("fc_b"), approximate="tanh")
-        x = x + h @ p("fcproj_w") + p("fcproj_b")
-    logits = ln(x, w["lnf_w"], w["lnf_b"]) @ w["wte"].T
+        mm = lambda a, b: matmul(a.reshape(-1, a.shape[-1]), b, bf16).reshape(*a.shape[:-1], b.shape[-1])
+        q, k, v = (mm(ln(x, p("ln1_w"), p("ln1_b")), p("attn_w")) + p("attn_b")).split(C, dim=-1)
+        x = x + mm(attention(q, k, v, batch["doc"], heads), p("proj_w")) + p("proj_b")
+        h = F.gelu(mm(ln(x, p("ln2_w"), p("ln2_b")), p("fc_w")) + p("fc_b"), approximate="tanh")
+        x = x + mm(h, p("fcproj_w")) + p("fcproj_b")
+    xf = ln(x, w["lnf_w"], w["lnf_b"])
+    logits = matmul(xf.reshape(-1, C), w["wte"].T, bf16).reshape(*xf.shape[:-1], -1)
     V = logits.shape[-1]
     per_pos = F.cross_entropy(logits.reshape(-1, V), batch["targets"].reshape(-1).long(), ignore_index=-1,
                               reduction="none")
     return per_pos.mean()
 
 
-def check(weights_path, batch_path, grads_path, heads):
-    torch.set_num_threads(2)
-    w = {n: torch.tensor(a, dtype=torch.float32, requires_grad=True) for n, a in read_safetensors(weights_path).items()}
-    batch = {n: torch.tensor(a.astype(np.int64)) for n, a in read_safetensors(batch_path).items()}
-    got = read_safetensors(grads_path)
-    loss = forward(w, batch, heads)
+def reference(weights, batch, heads, bf16):
+    w = {n: torch.tensor(a, dtype=torch.float32, requires_grad=True) for n, a in weights.items()}
+    loss = forward(w, batch, heads, bf16)
     loss.backward()
     ref = {"loss": loss.detach().numpy().astype(np.float64)}
     ref.update({n: t.grad.numpy().astype(np.float64) for n, t in w.items()})
+    return ref
 
+
+def relative(a, ref):
+    diff = np.max(np.abs(a.astype(np.float64) - ref), initial=0.0)
+    scale = np.max(np.abs(ref), initial=0.0)
+    return (diff / scale if scale > 0 else diff), diff, scale
+
+
+def check(weights_path, batch_path, grads_path, heads, bf16, tol):
+    torch.set_num_threads(2)
+    weights = read_safetensors(weights_path)
+    batch = {n: torch.tensor(a.astype(np.int64)) for n, a in read_safetensors(batch_path).items()}
+    got = read_safetensors(grads_path)
+    ref = reference(weights, batch, heads, bf16)
     failed = 0
+    if bf16:
+        fp32 = reference(weights, batch, heads, False)
+        apart = max(relative(fp32[n], ref[n])[0] for n in ref)
+        if apart > tol:
+            print("[ok] torch bf16 differs from fp32 (largest relative difference %.2g > %.2g)" % (apart, tol))
+        else:
+            print("[fail] torch bf16 differs from fp32 by %.2g only: tolerance %.2g cannot tell them apart" % (apart, tol))
+            failed += 1
     for name in sorted(set(ref) | set(got), key=lambda n: (n != "loss", n)):
-        label = "torch loss" if name == "loss" else "torch grad %s" % name
+        label = ("torch %sloss" if name == "loss" else "torch %sgrad " + name) % ("bf16 " if bf16 else "")
         if name not in got:
             print("[fail] %s: missing from %s" % (label, grads_path))
         elif name not in ref:
@@ -134,10 +185,8 @@ def check(weights_path, batch_path, grads_path, heads):
         elif got[name].shape != ref[name].shape:
             print("[fail] %s: shape %s, PyTorch has %s" % (label, list(got[name].shape), list(ref[name].shape)))
         else:
-            diff = np.max(np.abs(got[name].astype(np.float64) - ref[name]), initial=0.0)
-            scale = np.max(np.abs(ref[name]), initial=0.0)
-            rel = diff / scale if scale > 0 else diff
-            if rel < 1e-4:
+            rel, diff, scale = relative(got[name], ref[name])
+            if rel < tol:
                 print("[ok] %s (relative error %.2g)" % (label, rel))
                 continue
             print("[fail] %s: relative error %.3g (max |diff| %.3g, max |ref| %.3g)" % (label, rel, diff, scale))
@@ -158,11 +207,13 @@ def main():
     c.add_argument("batch")
     c.add_argument("grads")
     c.add_argument("--heads", type=int, default=4)
+    c.add_argument("--bf16", action="store_true")
+    c.add_argument("--tol", type=float, default=1e-4)
     args = ap.parse_args()
     if args.cmd == "batch":
         make_batch(args.out, args.B, args.T, args.seed)
         return 0
-    return 1 if check(args.weights, args.batch, args.grads, args.heads) else 0
+    return 1 if check(args.weights, args.batch, args.grads, args.heads, args.bf16, args.tol) else 0
 
 
 if __name__ == "__main__":

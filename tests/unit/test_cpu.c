@@ -16,6 +16,10 @@
 //   - the module cache is hit for the same source and missed for a changed one; a source that does
 //     not compile is reported;
 //   - a target or a token id out of range ends the step with a message.
+// With GEMM operands in bf16 (precision_assign) on the first three models, fusion off and on, the
+// compiled step is compared with the interpreter on the same graph kernel by kernel and as a whole
+// (test_bf16 says how and within what); CAST's rounding is checked bit by bit on chosen values; and a
+// bf16 plan needs a smaller arena than the fp32 one.
 #include "mdl.h"
 #include "backend.h"
 #include "test.h"
@@ -73,7 +77,7 @@ static const char allops[] =
     "extra = mean(bm) + mean(wp * wp) + 0.001 * sum(reshape(big * big, [8192])) + mean(max(big, axis=0))\n"
     "output loss = mean(cross_entropy(h @ head, targets)) + extra\n";
 
-// What one run produced: the loss and gradients of step 1, the parameters after STEPS steps.
+// What one run produced: the loss and gradients of step 1, the parameters after the last step.
 typedef struct {
   double loss;
   double **grad, **param, **init;
@@ -190,7 +194,10 @@ static void set_inputs(const Graph *g, Interp *it, const MemPlan *m, char *arena
   }
 }
 
-static bool interp_reference(const Graph *g, Run *ref) {
+// `steps` interpreter steps from the initial parameters (seed 7): the loss and gradients of step 1,
+// the parameters after the last. With keep, *keep is the interpreter, its values those of the last
+// step (the caller frees it).
+static bool interp_reference(const Graph *g, int steps, Run *ref, Interp **keep) {
   Interp *it = interp_new(g, INTERP_F32);
   interp_init_params(it, 7);
   interp_set_seed(it, 7);
@@ -201,7 +208,7 @@ static bool interp_reference(const Graph *g, Run *ref) {
   for (int k = 0; k < g->nparams; k++)
     ref->init[k] = dup_d(interp_param(it, g->params[k]), count(g, k));
   char err[256];
-  for (int s = 1; s <= STEPS; s++) {
+  for (int s = 1; s <= steps; s++) {
     interp_set_scalar(it, "lr", LR);
     interp_set_scalar(it, "step", s);
     if (!interp_run(it, g->n, err, sizeof err)) {
@@ -217,11 +224,14 @@ static bool interp_reference(const Graph *g, Run *ref) {
   }
   for (int k = 0; k < g->nparams; k++)
     ref->param[k] = dup_d(interp_param(it, g->params[k]), count(g, k));
-  interp_free(it);
+  if (keep)
+    *keep = it;
+  else
+    interp_free(it);
   return true;
 }
 
-// STEPS compiled steps from the initial parameters (seed 7) with `threads` threads.
+// `steps` compiled steps from the initial parameters (seed 7) with `threads` threads.
 static bool cpu_run(const Graph *g, const MemPlan *m, CpuModule *cm, int threads, int steps, Run *out) {
   char *arena = cpu_arena_new(m);
   cpu_init_params(g, m, arena, 7);
@@ -286,7 +296,7 @@ static void test_model(const Model *md) {
   }
   Run ref = {0}, got[2];
   memset(got, 0, sizeof got);
-  bool have_ref = interp_reference(g, &ref);
+  bool have_ref = interp_reference(g, STEPS, &ref, NULL);
   for (int fz = 0; fz < 2 && have_ref; fz++) {
     const char *mode = fz ? "fused" : "unfused";
     Fusion *f = fuse(g, (FuseOptions){.fuse = fz, .chunk_lmhead = fz});
@@ -364,6 +374,248 @@ static void test_model(const Model *md) {
       run_free(g, &got[fz]);
   if (have_ref)
     run_free(g, &ref);
+  arena_free(a);
+}
+
+// A training graph of md (NULL after a failed check): with GEMM operands in bf16 when bf16 is set.
+static Graph *training_graph(Arena *a, const Model *md, bool bf16) {
+  Graph *g = md->text ? mdl_compile_text(a, md->path, md->text, md->ov, md->nov)
+                      : mdl_compile_file(a, md->path, md->ov, md->nov);
+  char why[256] = "front end or autodiff failed", name[200];
+  bool ok = g && autodiff(g, true) && (!bf16 || precision_assign(g, DT_BF16, why, sizeof why));
+  snprintf(name, sizeof name, "cpu bf16 %s: the %s training graph builds", md->path, bf16 ? "bf16" : "fp32");
+  CHECK(ok, name, "%s", why);
+  return ok ? g : NULL;
+}
+
+static uint16_t bf16_bits(float x) {
+  uint32_t u;
+  memcpy(&u, &x, sizeof u);
+  return (uint16_t)(u >> 16);
+}
+
+static float bf16_value(uint16_t h) {
+  uint32_t u = (uint32_t)h << 16;
+  float x;
+  memcpy(&x, &u, sizeof x);
+  return x;
+}
+
+// How kernel outputs compare with the interpreter's values: the worst f32 output (max |cpu - interp|
+// / max |interp| per tensor; a NaN counts as infinite), bf16 elements that differ (all of them one
+// bf16 ulp apart when ulp1), i32 elements that differ, and the first kernel that reported an error.
+typedef struct {
+  double f32;
+  int f32_node, failed;
+  int64_t bf16_diff, bf16_total, i32_diff;
+  bool ulp1;
+} Forced;
+
+// Runs the module's kernels one by one, each on the interpreter's values of the materialised nodes
+// it reads (written into the arena first; parameters, moments and inputs are already equal), and
+// compares what it writes with the interpreter's values: so every kernel is checked alone, without
+// the differences of the kernels before it.
+static Forced kernels_forced(const Graph *g, const Fusion *f, const MemPlan *m, CpuModule *cm, Interp *it) {
+  Forced r = {.f32_node = -1, .failed = -1, .ulp1 = true};
+  char *arena = cpu_arena_new(m);
+  cpu_init_params(g, m, arena, 7);
+  set_inputs(g, NULL, m, arena);
+  cpu_set_threads(cm, 2);
+  cm->hooks.seed = 7;
+  cpu_set_scalar(g, m, arena, "lr", LR);
+  cpu_set_scalar(g, m, arena, "step", 1);
+  for (int k = 0; k < cm->nkernels && k < f->nsteps; k++) {
+    const Step *st = &f->steps[k];
+    for (int i = 0; i < st->nins; i++) {
+      const IrNode *nd = g->nodes[st->ins[i]];
+      bool leaf = nd->op == OP_INPUT || nd->op == OP_PARAM || nd->op == OP_STATE || nd->op == OP_SCALAR;
+      if (leaf || m->offset[nd->id] < 0)
+        continue;
+      const double *v = interp_value(it, nd->id);
+      void *dst = cpu_value(m, arena, nd->id);
+      for (int64_t j = 0; j < shape_numel(nd->shape); j++)
+        if (nd->dtype == DT_BF16)
+          ((uint16_t *)dst)[j] = bf16_bits((float)v[j]);
+        else if (nd->dtype == DT_I32)
+          ((int32_t *)dst)[j] = (int32_t)v[j];
+        else
+          ((float *)dst)[j] = (float)v[j];
+    }
+    if (!cpu_run_kernel(cm, k, arena) && r.failed < 0)
+      r.failed = k;
+    for (int o = 0; o < st->nouts; o++) {
+      const IrNode *nd = g->nodes[st->outs[o]];
+      if (m->offset[nd->id] < 0)
+        continue;
+      const double *v = interp_value(it, nd->id);
+      const void *x = cpu_value(m, arena, nd->id);
+      int64_t n = shape_numel(nd->shape);
+      double d = 0, mx = 1e-30;
+      for (int64_t j = 0; j < n; j++)
+        if (nd->dtype == DT_BF16) {
+          int diff = (int)((const uint16_t *)x)[j] - (int)bf16_bits((float)v[j]);
+          r.bf16_diff += diff != 0;
+          r.ulp1 &= abs(diff) <= 1 && bf16_value(bf16_bits((float)v[j])) == (float)v[j];
+        } else if (nd->dtype == DT_I32) {
+          r.i32_diff += ((const int32_t *)x)[j] != (int32_t)v[j];
+        } else {
+          double e = fabs(((const float *)x)[j] - v[j]);
+          d = isnan(e) ? INFINITY : fmax(d, e);
+          mx = fmax(mx, fabs(v[j]));
+        }
+      r.bf16_total += nd->dtype == DT_BF16 ? n : 0;
+      if (d / mx > r.f32) {
+        r.f32 = d / mx;
+        r.f32_node = nd->id;
+      }
+    }
+  }
+  free(arena);
+  return r;
+}
+
+// GEMMs on bf16 operands (the precision pass), fusion off and on; the interpreter runs the same graph
+// and rounds at every CAST. The compiled step can differ from it only where an f32 value lies within
+// its last bits of a bf16 rounding midpoint (the GEMMs and attention sum in other orders): there the
+// rounding goes the other way, one bf16 ulp (2^-8 relative), and that difference spreads through the
+// layers after it. So:
+//   - each kernel run alone on the interpreter's values of its inputs (kernels_forced) writes its
+//     f32 outputs within 1e-4 relative (per tensor, max norm) and its bf16 outputs within one bf16
+//     ulp, on at most 1 element in 1000;
+//   - the whole step: the loss within 1e-4 relative; the gradients within 1.5e-3 in the L2 measure
+//     over all of them (gpt2-tiny: 7e-4, llama-tiny: 1e-4, mlp: 5e-9) and 5e-3 per tensor (gpt2-tiny:
+//     2e-3); the parameters after the AdamW step within 3e-3 over all (AdamW's first step is about
+//     lr * sign(g), so a gradient near 0 whose sign differs moves its parameter by 2 lr; gpt2-tiny:
+//     1e-3);
+//   - the gradients differ from those of the fp32 graph by more than 2.5e-3 over all (all three
+//     models: 3e-3 to 4e-3), so the rounding does happen.
+static void test_bf16(const Model *md) {
+  Arena *a = arena_new();
+  Graph *g16 = training_graph(a, md, true), *g32 = training_graph(a, md, false);
+  Run ref = {0}, r32 = {0};
+  Interp *it = NULL;
+  bool have = g16 && g32 && interp_reference(g16, 1, &ref, &it) && interp_reference(g32, 1, &r32, NULL);
+  for (int fz = 0; fz < 2 && have; fz++) {
+    const char *mode = fz ? "fused" : "unfused";
+    char name[256], err[256];
+    Fusion *f = fuse(g16, (FuseOptions){.fuse = fz, .chunk_lmhead = fz});
+    MemPlan *m = memplan(f);
+    char *src = emit_c(f, m, md->path);
+    snprintf(name, sizeof name, "cpu bf16 %s %s: the emitted C compiles with -Wall -Wextra -Werror", md->path, mode);
+    CHECK(src && compiles_clean(src, err, sizeof err), name, "%s", src ? err : "emit_c failed");
+    CpuModule *cm = src ? cpu_load(src, err, sizeof err) : NULL;
+    snprintf(name, sizeof name, "cpu bf16 %s %s: module loads (%d kernels)", md->path, mode, cm ? cm->nkernels : 0);
+    CHECK(cm != NULL, name, "%s", src ? err : "emit_c failed");
+    if (!cm)
+      continue;
+
+    Forced kf = kernels_forced(g16, f, m, cm, it);
+    snprintf(name, sizeof name, "cpu bf16 %s %s: every kernel on the interpreter's inputs writes its f32 outputs "
+             "within 1e-4 (worst %.1e)", md->path, mode, kf.f32);
+    CHECK(kf.failed < 0 && kf.f32 < 1e-4 && kf.i32_diff == 0, name, "node %d: %.3g; %lld i32 values differ; "
+          "kernel %d reported an error", kf.f32_node, kf.f32, (long long)kf.i32_diff, kf.failed);
+    snprintf(name, sizeof name, "cpu bf16 %s %s: ... and its bf16 outputs within one ulp, %lld of %lld values "
+             "differ", md->path, mode, (long long)kf.bf16_diff, (long long)kf.bf16_total);
+    CHECK(kf.bf16_total > 0 && kf.ulp1 && kf.bf16_diff * 1000 <= kf.bf16_total, name, "%s",
+          kf.ulp1 ? "too many" : "some by more than one ulp");
+
+    Run got = {0};
+    bool ok = cpu_run(g16, m, cm, 2, 1, &got);
+    snprintf(name, sizeof name, "cpu bf16 %s %s: a step runs", md->path, mode);
+    CHECK(ok, name, "a kernel reported an error");
+    const char *which = "?";
+    double el = fabs(got.loss - ref.loss) / fabs(ref.loss);
+    snprintf(name, sizeof name, "cpu bf16 %s %s: loss matches the interpreter (%.6f)", md->path, mode, ref.loss);
+    CHECK(el < 1e-4, name, "loss %.8f vs %.8f", got.loss, ref.loss);
+    double eg = l2_all(g16, got.grad, ref.grad), wg = worst(g16, got.grad, ref.grad, l2_err, &which);
+    snprintf(name, sizeof name, "cpu bf16 %s %s: gradients within 1.5e-3 overall, 5e-3 per tensor (L2: overall "
+             "%.1e, worst %.1e)", md->path, mode, eg, wg);
+    CHECK(eg < 1.5e-3 && wg < 5e-3, name, "overall %.3g, %s %.3g", eg, which, wg);
+    double ep = l2_all(g16, got.param, ref.param);
+    snprintf(name, sizeof name, "cpu bf16 %s %s: parameters after the AdamW step within 3e-3 overall (L2: %.1e)",
+             md->path, mode, ep);
+    CHECK(ep < 3e-3, name, "%.3g", ep);
+    double apart = l2_all(g16, got.grad, r32.grad);
+    snprintf(name, sizeof name, "cpu bf16 %s %s: gradients differ from the fp32 graph's by more than 2.5e-3 (L2: "
+             "%.1e)", md->path, mode, apart);
+    CHECK(apart > 2.5e-3, name, "%.3g: is anything rounded?", apart);
+    run_free(g16, &got);
+    cpu_unload(cm);
+  }
+  if (it)
+    interp_free(it);
+  if (ref.grad)
+    run_free(g16, &ref);
+  if (r32.grad)
+    run_free(g32, &r32);
+  arena_free(a);
+}
+
+// The compiled CAST to bf16 on values chosen by hand, unfused (so the CAST of x is in memory): round
+// to nearest, ties to even (also below the normal range), overflow to infinity, signs kept, a NaN
+// quiet NaN; and the same as the interpreter's round_bf16 wherever that is a number.
+static void test_bf16_rounding(void) {
+  static const char src[] = "model castbits\n"
+                            "input x: f32[2, 8]\n"
+                            "input targets: i32[2]\n"
+                            "param w: [8, 4] = normal(0.1)\n"
+                            "output loss = mean(cross_entropy(x @ w, targets))\n";
+  static const uint32_t in[16] = {0x3f800000, 0x3f808000, 0x3f818000, 0x3f808001, 0x3f807fff, 0x80000000,
+                                  0x7f7fffff, 0x7f800000, 0xff800000, 0x7fc00000, 0x7f800001, 0xbf818000,
+                                  0x00000001, 0x00008000, 0x00018000, 0x7f7f8000};
+  static const uint16_t want[16] = {0x3f80, 0x3f80, 0x3f82, 0x3f81, 0x3f80, 0x8000, 0x7f80, 0x7f80,
+                                    0xff80, 0x7fc0, 0x7fc0, 0xbf82, 0x0000, 0x0000, 0x0002, 0x7f80};
+  Arena *a = arena_new();
+  Model md = {"castbits.mdl", {{NULL, 0}}, 0, src};
+  Graph *g = training_graph(a, &md, true);
+  int x = -1, cast = -1;
+  for (int i = 0; g && i < g->n; i++) {
+    x = g->nodes[i]->op == OP_INPUT && !strcmp(g->nodes[i]->name, "x") ? i : x;
+    cast = g->nodes[i]->op == OP_CAST && g->nodes[i]->in[0] == x && x >= 0 ? i : cast;
+  }
+  Fusion *f = g ? fuse(g, (FuseOptions){0}) : NULL;
+  MemPlan *m = f ? memplan(f) : NULL;
+  char *code = m ? emit_c(f, m, md.path) : NULL, err[256] = "no CAST of x in memory";
+  CpuModule *cm = code && cast >= 0 && m->offset[cast] >= 0 ? cpu_load(code, err, sizeof err) : NULL;
+  CHECK(cm, "cpu bf16: a graph that casts its input compiles", "%s", err);
+  if (cm) {
+    char *arena = cpu_arena_new(m);
+    float xs[16];
+    memcpy(xs, in, sizeof xs);
+    int32_t t[2] = {0, 1};
+    cpu_set_input(g, m, arena, "x", NULL, xs, 16);
+    cpu_set_input(g, m, arena, "targets", t, NULL, 2);
+    cpu_step(cm, arena);
+    const uint16_t *got = cpu_value(m, arena, cast);
+    int bad = -1;
+    for (int i = 0; i < 16; i++) {
+      bool nan = isnan(xs[i]);
+      if (got[i] != want[i] || (!nan && bf16_value(got[i]) != (float)round_bf16(xs[i])))
+        bad = bad < 0 ? i : bad;
+    }
+    CHECK(bad < 0, "cpu bf16: CAST rounds to nearest even, overflows to inf, keeps signs, quiets NaNs",
+          "input 0x%08x: got 0x%04x, want 0x%04x", bad >= 0 ? in[bad] : 0, bad >= 0 ? got[bad] : 0,
+          bad >= 0 ? want[bad] : 0);
+    free(arena);
+    cpu_unload(cm);
+  }
+  arena_free(a);
+}
+
+// The plan of a bf16 training graph takes less memory than the fp32 one, at the train section's dims:
+// the activations that feed GEMMs are stored in 16 bits (outweighing the bf16 copies of the weights).
+static void test_bf16_arena(const char *path) {
+  Arena *a = arena_new();
+  Model md = {path, {{NULL, 0}}, 0, NULL};
+  Graph *g16 = training_graph(a, &md, true), *g32 = training_graph(a, &md, false);
+  for (int fz = 0; fz < 2 && g16 && g32; fz++) {
+    FuseOptions o = {.fuse = fz, .chunk_lmhead = fz};
+    int64_t b16 = memplan(fuse(g16, o))->arena_bytes, b32 = memplan(fuse(g32, o))->arena_bytes;
+    char name[256];
+    snprintf(name, sizeof name, "cpu bf16 %s %s: the arena is smaller than fp32's (%lld < %lld bytes)", path,
+             fz ? "fused" : "unfused", (long long)b16, (long long)b32);
+    CHECK(b16 < b32, name, "it is not");
+  }
   arena_free(a);
 }
 
@@ -458,6 +710,11 @@ int main(void) {
   };
   for (size_t i = 0; i < sizeof models / sizeof *models; i++)
     test_model(&models[i]);
+  for (size_t i = 0; i < 3; i++)
+    test_bf16(&models[i]);
+  test_bf16_arena("models/gpt2-tiny.mdl");
+  test_bf16_arena("models/llama-tiny.mdl");
+  test_bf16_rounding();
   test_cache_and_errors();
   remove_dir(dir);
   TEST_EXIT();

@@ -9,7 +9,9 @@
 //   - the counter-based RNG and dropout agree bit for bit with mdl.h's; GELU, its derivative and SiLU's
 //     derivative against the double formulas of interp.c (within fp32 rounding);
 //   - bf16 conversion rounds to nearest even on hand-picked bit patterns (ties, carries into the
-//     exponent, overflow to infinity, NaNs kept quiet, signed zero) and widens exactly.
+//     exponent, overflow to infinity, NaNs kept quiet, signed zero) and widens exactly;
+//   - four bf16 values stored as one ushort4 (the emitted elementwise kernels' four-lane store) land
+//     at consecutive 16-bit slots, x first, and ushort4 is 8 bytes aligned to 8, as in CUDA.
 #include "mdl.h"
 #include "emit_cuda.h"
 #include "test.h"
@@ -92,6 +94,13 @@ static const char kernels[] =
     "  out[6 * t + 5] = mdl_dropout(7, 3, (int64_t)t * 1000003, 0.3, in[t]);\n"
     "  out[6 * N_MATH + t] = __expf(in[t]);\n"
     "}\n"
+    "extern \"C\" __global__ void k_ushort4(const uint32_t *in, uint16_t *out) {\n"
+    "  const int q = threadIdx.x;\n"
+    "  reinterpret_cast<ushort4 *>(out)[q] = make_ushort4(mdl_f32_to_bf16(__uint_as_float(in[4 * q])),\n"
+    "      mdl_f32_to_bf16(__uint_as_float(in[4 * q + 1])), mdl_f32_to_bf16(__uint_as_float(in[4 * q + 2])),\n"
+    "      mdl_f32_to_bf16(__uint_as_float(in[4 * q + 3])));\n"
+    "}\n"
+    "static_assert(sizeof(ushort4) == 8 && alignof(ushort4) == 8, \"ushort4 as in CUDA\");\n"
     "extern \"C\" __global__ void k_bf16(const uint32_t *in, uint32_t *out, int n) {\n"
     "  const int t = threadIdx.x;\n"
     "  if (t < n) {\n"
@@ -111,6 +120,7 @@ static const char kernels[] =
     "static void b_reduce(void *) { k_reduce(A.out); }\n"
     "static void b_math(void *) { k_math(A.out, A.in, A.n); }\n"
     "static void b_bf16(void *) { k_bf16(A.bits, A.bout, A.n); }\n"
+    "static void b_ushort4(void *) { k_ushort4(A.bits, (uint16_t *)A.bout); }\n"
     "extern \"C\" void run_sync(double *out) {\n"
     "  A.out = out;\n"
     "  mdl_emu::run(dim3{3, 1, 1}, dim3{256, 1, 1}, b_sync, 0);\n"
@@ -138,6 +148,10 @@ static const char kernels[] =
     "extern \"C\" void run_math(double *out, const float *in, int n) {\n"
     "  A.out = out; A.in = in; A.n = n;\n"
     "  mdl_emu::run(dim3{(unsigned)(n + 63) / 64, 1, 1}, dim3{64, 1, 1}, b_math, 0);\n"
+    "}\n"
+    "extern \"C\" void run_ushort4(const uint32_t *bits, uint16_t *out, int n) {\n"
+    "  A.bits = bits; A.bout = (uint32_t *)out;\n"
+    "  mdl_emu::run(dim3{1, 1, 1}, dim3{(unsigned)n / 4, 1, 1}, b_ushort4, 0);\n"
     "}\n"
     "extern \"C\" void run_bf16(const uint32_t *bits, uint32_t *out, int n) {\n"
     "  A.bits = bits; A.bout = out; A.n = n;\n"
@@ -313,6 +327,16 @@ static void test_prelude(void *h) {
     CHECK(got[2 * i] == cases[i].bf && got[2 * i + 1] == (uint32_t)cases[i].bf << 16, name, "got 0x%04x, 0x%08x",
           got[2 * i], got[2 * i + 1]);
   }
+  _Static_assert(NC % 4 == 0, "the cases fill whole ushort4s");
+  uint16_t four[NC + 1];
+  four[NC] = 0xbeef; // past the last store: must stay
+  void (*u4)(const uint32_t *, uint16_t *, int) = (void (*)(const uint32_t *, uint16_t *, int))dlsym(h, "run_ushort4");
+  u4(bits, four, NC);
+  bool in_order = four[NC] == 0xbeef;
+  for (int i = 0; i < NC; i++)
+    in_order &= four[i] == cases[i].bf;
+  CHECK(in_order, "cuda emu: four bf16 values stored as one ushort4 land in order", "0x%04x 0x%04x 0x%04x 0x%04x ...",
+        four[0], four[1], four[2], four[3]);
 }
 
 int main(void) {

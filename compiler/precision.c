@@ -1,0 +1,104 @@
+// precision.c: the precision pass (mixed precision). With bf16, every MATMUL reads its operands
+// through CAST nodes that round them to bf16, so the GEMMs run with bf16 inputs and f32
+// accumulation (the product of two bf16 values is exact in f32); the GEMM's result stays f32.
+// Nothing else narrows: parameters are f32 master weights updated by AdamW in f32, the moments and
+// gradients are f32, and so are the residual stream, the norms, softmax and the loss.
+//
+// Design. The pass rebuilds the node array once, in order: before the first MATMUL that reads a
+// value it inserts that value's CAST, and every later MATMUL reading the same value (the backward
+// GEMMs read the forward's activations and weights again) shares it, so each value is rounded once
+// per step. The ids after the rebuild stay topological; the graph's lists (params, grads, updates,
+// outputs, loss, fwd_end) and the nodes' grad_of / param_of are renumbered. The fusion pass then
+// treats a CAST as an elementwise op: it joins the kernel that produces its input when it can (a
+// GEMM epilogue, a layernorm's output loop), and the back ends store a bf16 value in 16 bits.
+// Because the CAST is in the graph, the reference interpreter rounds at exactly the same places as
+// the compiled back ends, so the oracle keeps its meaning under bf16.
+#include "mdl.h"
+
+#include <string.h>
+
+bool precision_parse(const char *name, DType *out) {
+  if (!strcmp(name, "fp32"))
+    *out = DT_F32;
+  else if (!strcmp(name, "bf16"))
+    *out = DT_BF16;
+  else
+    return false;
+  return true;
+}
+
+static IrNode *copy_node(Graph *g, const IrNode *o, int id, const int *map) {
+  IrNode *c = arena_alloc(g->arena, sizeof *c);
+  *c = *o;
+  c->id = id;
+  c->in = arena_alloc(g->arena, sizeof(int) * (size_t)(o->nin ? o->nin : 1));
+  for (int k = 0; k < o->nin; k++)
+    c->in[k] = map[o->in[k]];
+  c->grad_of = o->grad_of >= 0 ? map[o->grad_of] : -1;
+  c->param_of = o->param_of >= 0 ? map[o->param_of] : -1;
+  return c;
+}
+
+static void remap_list(int *list, int n, const int *map) {
+  for (int i = 0; i < n; i++)
+    if (list[i] >= 0)
+      list[i] = map[list[i]];
+}
+
+bool precision_assign(Graph *g, DType gemm, char *why, size_t n) {
+  if (gemm == DT_F32)
+    return true;
+  if (gemm != DT_BF16) {
+    snprintf(why, n, "GEMM operands in %s are not supported", dtype_name(gemm));
+    return false;
+  }
+  int old_n = g->n, cap = 2 * old_n + 1;
+  IrNode **nodes = arena_alloc(g->arena, sizeof(IrNode *) * (size_t)cap);
+  int *map = arena_alloc(g->arena, sizeof(int) * (size_t)old_n);
+  int *cast = arena_alloc(g->arena, sizeof(int) * (size_t)cap); // new id -> its CAST's new id, or -1
+  memset(cast, -1, sizeof(int) * (size_t)cap);
+  int nn = 0, fwd_end = 0;
+  for (int i = 0; i < old_n; i++) {
+    const IrNode *o = g->nodes[i];
+    if (o->op == OP_MATMUL && o->nin == 2) {
+      for (int k = 0; k < 2; k++) {
+        int src = map[o->in[k]];
+        if (cast[src] >= 0)
+          continue;
+        if (nodes[src]->dtype != DT_F32) {
+          snprintf(why, n, "node %d (matmul) reads a %s operand", i, dtype_name(nodes[src]->dtype));
+          return false;
+        }
+        IrNode *c = arena_alloc(g->arena, sizeof *c);
+        *c = (IrNode){.id = nn, .op = OP_CAST, .dtype = gemm, .shape = nodes[src]->shape, .nin = 1,
+                      .loc = o->loc, .grad_of = -1, .param_of = -1};
+        c->in = arena_alloc(g->arena, sizeof(int));
+        c->in[0] = src;
+        c->ia[0] = gemm;
+        nodes[nn] = c;
+        cast[src] = nn++;
+      }
+    }
+    map[i] = nn;
+    nodes[nn] = copy_node(g, o, nn, map);
+    if (o->op == OP_MATMUL && o->nin == 2)
+      for (int k = 0; k < 2; k++)
+        nodes[nn]->in[k] = cast[map[o->in[k]]];
+    nn++;
+    if (i + 1 == g->fwd_end)
+      fwd_end = nn;
+  }
+  g->nodes = nodes;
+  g->n = nn;
+  g->cap = cap;
+  g->fwd_end = fwd_end;
+  if (g->loss >= 0)
+    g->loss = map[g->loss];
+  remap_list(g->outputs, g->noutputs, map);
+  remap_list(g->params, g->nparams, map);
+  if (g->grads)
+    remap_list(g->grads, g->nparams, map);
+  if (g->updates)
+    remap_list(g->updates, g->nparams, map);
+  return ir_validate(g, why, n);
+}
