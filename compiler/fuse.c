@@ -67,7 +67,11 @@
 //     (many reads of one element) unless it is cheap (layout ops, NEG, RELU, ADD, SUB, MUL, DIV,
 //     RELU_BWD): exp, log, tanh, sqrt, rsqrt, gelu, silu, dropout and their backward are never
 //     recomputed, and (d) the group has fewer than opt.max_group members (0: 64). The cap binds
-//     rules 4, 7 and 8; the fixed patterns of rules 1-3 and 5 are never split.
+//     rules 4, 7, 8 and 9; the fixed patterns of rules 1-3 and 5 are never split.
+//  9. A CAST still alone (a bf16 GEMM operand whose value other steps read too, such as a gradient
+//     that is also summed into a bias gradient) joins the row-wise or elementwise STEP_KERNEL that
+//     computes its input when the element counts match: that kernel writes the value and its
+//     rounding in one pass. Not into a forward step from the backward, and within the cap.
 // With opt.fuse = false every node is its own step (GRAD_NORM alone, one step per ADAMW; the LM
 // head is not chunked); views are views all the same.
 //
@@ -712,6 +716,48 @@ static void rule_elementwise(Fuser *F) {
 }
 
 //
+// Rule 9: a CAST left alone joins the kernel that computes its input.
+//
+static void rule_casts(Fuser *F) {
+  for (int c = 0; c < F->g->n; c++) {
+    int lone = F->grp[c];
+    if (op_of(F, c) != OP_CAST || lone < 0)
+      continue;
+    // The input, through RESHAPEs in the CAST's step or alone in theirs (views to be): they move along
+    // with the CAST, which must leave nothing else behind.
+    int moved[8], nmoved = 0, x = node(F, c)->in[0], left = F->groups[lone].n - 1;
+    while (op_of(F, x) == OP_RESHAPE && F->grp[x] >= 0 && (F->grp[x] == lone || F->groups[F->grp[x]].n == 1) &&
+           nmoved < 7) {
+      left -= F->grp[x] == lone;
+      moved[nmoved++] = x;
+      x = node(F, x)->in[0];
+    }
+    moved[nmoved++] = c;
+    if (left != 0)
+      continue;
+    int gi = F->grp[x];
+    if (gi < 0 || F->groups[gi].kind != STEP_KERNEL || is_reduction(op_of(F, F->groups[gi].root)) ||
+        numel(F, x) != numel(F, c))
+      continue;
+    const char *why = NULL;
+    if (crosses_into_backward(F, F->groups[gi].root, c))
+      why = "the forward step does not compute backward values";
+    else if (F->groups[gi].n + nmoved > F->max_group)
+      why = arena_printf(F->a, "group size cap (%d nodes)", F->max_group);
+    else if (creates_cycle(F, gi, moved, nmoved))
+      why = "would make the steps cyclic";
+    if (why) {
+      reject(F, x, c, "%s", why);
+      continue;
+    }
+    for (int k = 0; k < nmoved; k++) {
+      remove_member(F, F->grp[moved[k]], moved[k]);
+      add_member(F, gi, moved[k]);
+    }
+  }
+}
+
+//
 // Views.
 //
 static int view_base(const Fuser *F, int id) {
@@ -754,11 +800,13 @@ static void resolve_views(Fuser *F) {
       if (node(F, r)->grad_of >= 0)
         F->pinned[view_base(F, r)] = true;
       Group *G = &F->groups[gi];
-      if (G->root == r && G->n > 0) {
+      if (G->root == r && G->n > 0) { // the last member, a CAST joined by rule 9 only if all are
         G->root = G->m[0];
-        for (int i = 1; i < G->n; i++)
-          if (G->m[i] > G->root)
+        for (int i = 1; i < G->n; i++) {
+          bool cast = op_of(F, G->m[i]) == OP_CAST, root_cast = op_of(F, G->root) == OP_CAST;
+          if ((cast == root_cast && G->m[i] > G->root) || (!cast && root_cast))
             G->root = G->m[i];
+        }
       }
       changed = true;
     }
@@ -989,7 +1037,9 @@ static Fusion *assemble(Fuser *F) {
           continue;
         int before = st->nins;
         push_unique(a, &st->ins, &st->nins, x);
-        if (st->nins > before)
+        // A CAST of rule 9 reads a view of a member: the rounding of a value the kernel computes.
+        bool own = n->op == OP_CAST && F->grp[view_base(F, x)] == gi;
+        if (st->nins > before && !own)
           st->bytes_read += dtype_size(node(F, x)->dtype) * (double)numel(F, x);
       }
       st->flops += node_flops(F, id);
@@ -1013,6 +1063,14 @@ static Fusion *assemble(Fuser *F) {
         reject(F, p, c, "%s", generic_reason(F, f, p, c));
     }
   }
+  // A pair turned down by one rule may share a step after a later one (rule 9).
+  int kept = 0;
+  for (int i = 0; i < F->nrej; i++) {
+    int sa = f->step_of[F->rej[i].a], sb = f->step_of[F->rej[i].b];
+    if (sa < 0 || sa != sb)
+      F->rej[kept++] = F->rej[i];
+  }
+  F->nrej = kept;
   f->rejected = F->rej;
   f->nrejected = F->nrej;
   return f;
@@ -1075,6 +1133,7 @@ Fusion *fuse(Graph *g, FuseOptions opt) {
     rule_singles(F);
     rule_reductions(F);
     rule_elementwise(F);
+    rule_casts(F);
   } else {
     for (int i = 0; i < g->n; i++)
       if (!is_leaf(op_of(F, i)))

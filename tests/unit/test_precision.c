@@ -8,7 +8,9 @@
 //     (params, grads, updates, loss, outputs) still name the same nodes, and fp32 leaves the graph
 //     untouched.
 //  3. The IR rejects a bf16 value read by anything but matmul and cast, and a matmul of mixed dtypes.
-//  4. The interpreter on the bf16 graph: every CAST value is a bf16 value; the loss moves off the
+//  4. Fusion of the bf16 graph (rule 9): no kernel of casts alone reads a value that a row-wise or
+//     elementwise kernel computes, the number of casts those kernels write is as counted by hand.
+//  5. The interpreter on the bf16 graph: every CAST value is a bf16 value; the loss moves off the
 //     fp32 one by a little (more than 1e-7, less than 1e-2 relative); 40 AdamW steps on one batch
 //     bring the loss down as fp32 does (final losses within 5% of each other, both < 40% of start).
 #include "mdl.h"
@@ -166,6 +168,64 @@ static void test_structure(const char *path, const DimOverride *ov, int nov) {
   arena_free(b);
 }
 
+// Rule 9 on the bf16 graph: a step made of casts (and reshapes) alone reads a weight or the output of
+// a GEMM, attention or LM-head step, never a value that a row-wise or elementwise kernel computes
+// (that kernel writes the rounding itself); no "not fused" pair shares a step; and the casts that
+// joined kernels are counted, so the test fails if the rule stops firing.
+static void test_fusion(const char *path, const DimOverride *ov, int nov, int want_joined) {
+  Arena *a = arena_new();
+  Graph *g = training_graph(a, path, ov, nov);
+  char why[256], name[256];
+  if (!precision_assign(g, DT_BF16, why, sizeof why)) {
+    printf("[fail] precision: %s: %s\n", path, why);
+    arena_free(a);
+    return;
+  }
+  Fusion *f = fuse(g, (FuseOptions){.fuse = true, .chunk_lmhead = true});
+  snprintf(name, sizeof name, "precision: %s: the bf16 graph fuses", path);
+  CHECK(f != NULL, name, "%s", g->err);
+  if (!f) {
+    arena_free(a);
+    return;
+  }
+  int lone_bad = 0, joined = 0, shared = 0;
+  for (int s = 0; s < f->nsteps; s++) {
+    const Step *st = &f->steps[s];
+    bool only_casts = true;
+    for (int k = 0; k < st->nnodes; k++) {
+      Op op = g->nodes[st->nodes[k]]->op;
+      only_casts = only_casts && (op == OP_CAST || op == OP_RESHAPE);
+    }
+    for (int k = 0; k < st->nnodes; k++) {
+      const IrNode *c = g->nodes[st->nodes[k]];
+      if (c->op != OP_CAST)
+        continue;
+      int x = c->in[0];
+      while (g->nodes[x]->op == OP_RESHAPE && f->step_of[x] < 0)
+        x = g->nodes[x]->in[0];
+      int from = f->step_of[x];
+      bool kernel_input = from >= 0 && f->steps[from].kind == STEP_KERNEL;
+      if (only_casts && kernel_input && g->nodes[f->steps[from].root]->op != OP_SUM &&
+          g->nodes[f->steps[from].root]->op != OP_MEAN && g->nodes[f->steps[from].root]->op != OP_MAX) {
+        if (!lone_bad)
+          printf("  %s: %s reads %%%d of %s\n", path, st->name, x, f->steps[from].name);
+        lone_bad++;
+      }
+      joined += !only_casts && st->kind == STEP_KERNEL && from == s;
+    }
+  }
+  for (int i = 0; i < f->nrejected; i++)
+    shared += f->step_of[f->rejected[i].a] >= 0 && f->step_of[f->rejected[i].a] == f->step_of[f->rejected[i].b];
+  snprintf(name, sizeof name, "precision: %s: no cast kernel reads what a row-wise or elementwise kernel computes",
+           path);
+  CHECK(lone_bad == 0, name, "%d casts left alone", lone_bad);
+  snprintf(name, sizeof name, "precision: %s: %d casts written by the kernel of their input", path, want_joined);
+  CHECK(joined == want_joined, name, "%d", joined);
+  snprintf(name, sizeof name, "precision: %s: no 'not fused' pair shares a step", path);
+  CHECK(shared == 0, name, "%d", shared);
+  arena_free(a);
+}
+
 static void test_ir_rules(void) {
   Arena *a = arena_new();
   Graph *g = ir_new(a);
@@ -271,6 +331,8 @@ int main(void) {
   test_structure("models/gpt2-tiny.mdl", ov, 2);
   test_structure("models/llama-tiny.mdl", ov, 2);
   test_structure("models/mlp.mdl", NULL, 0);
+  test_fusion("models/gpt2-tiny.mdl", ov, 2, 11); // 5 norm outputs, 3 gradients a layer
+  test_fusion("models/llama-tiny.mdl", ov, 2, 21);
   test_ir_rules();
   test_interp();
   TEST_EXIT();
