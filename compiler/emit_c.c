@@ -480,18 +480,13 @@ static Rows rows_at(Emit *e, int buf, int64_t off, int64_t stride) {
   return (Rows){off ? str(e, "b%d + %lld", ptr(e, buf), (long long)off) : str(e, "b%d", ptr(e, buf)), stride, buf, off};
 }
 
-// n's rows (last axis) in memory: n itself, or an unwritten SLICE of the last axis of a tensor in
-// memory (q, k, v out of one qkv buffer), read with that tensor's stride.
+// n's rows (last axis) in memory: n itself, or a SLICE of the last axis of a tensor in memory (q, k,
+// v out of one qkv buffer), read in place with that tensor's stride.
 static Rows rows_of(Emit *e, int n) {
-  int a = ec_mem_alias(&e->core, n);
-  int c = ec_canon(&e->core, n);
-  const IrNode *nd = ec_node(&e->core, c);
-  if (a < 0 && e->core.in_step[c] && nd->op == OP_SLICE && ec_offset(&e->core, c) < 0 &&
-      nd->ia[0] == nd->shape.rank - 1) {
-    int src = ec_mem_alias(&e->core, nd->in[0]);
-    if (src >= 0)
-      return rows_at(e, src, nd->ia[1], ec_last_dim(&e->core, src));
-  }
+  int src;
+  int64_t start;
+  if (ec_row_slice(&e->core, n, &src, &start))
+    return rows_at(e, src, start, ec_last_dim(&e->core, src));
   return rows_at(e, ec_need(&e->core, n), 0, ec_last_dim(&e->core, n));
 }
 

@@ -288,6 +288,24 @@ int ec_mem_alias(EmitCore *e, int n) {
   }
 }
 
+// n read in place as rows of a wider tensor: a SLICE of the last axis that is an unwritten member of
+// this step, or a strided view (a SLICE the fusion left in no step because only attention reads it).
+// Sets *src, the node whose buffer holds the whole rows, and *start, the slice's first column.
+bool ec_row_slice(EmitCore *e, int n, int *src, int64_t *start) {
+  int c = ec_canon(e, n);
+  const IrNode *nd = ec_node(e, c);
+  if (nd->op != OP_SLICE || nd->ia[0] != nd->shape.rank - 1)
+    return false;
+  bool view = !e->in_step[c] && e->f->step_of[c] < 0;
+  bool member = e->in_step[c] && ec_offset(e, c) < 0 && ec_mem_alias(e, n) < 0;
+  int s = view || member ? ec_mem_alias(e, nd->in[0]) : -1;
+  if (s < 0)
+    return false;
+  *src = s;
+  *start = nd->ia[1];
+  return true;
+}
+
 // Node n must be in memory before the next group: returns the node whose buffer to read, queueing
 // an elementwise loop when n is a pointwise node of this step or a constant.
 int ec_need(EmitCore *e, int n) {

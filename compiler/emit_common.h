@@ -137,6 +137,9 @@ bool ec_in_memory(const EmitCore *e, int c);
 bool ec_has_target(const EmitCore *e, int c);
 void ec_flag(EmitCore *e, bool *set, int n); // sets a sticky flag, noting that this pass set one
 int ec_mem_alias(EmitCore *e, int n);
+// n read in place as rows of a wider tensor (a SLICE of the last axis, a member not written or a
+// strided view): the node whose buffer holds the rows, and the slice's first column.
+bool ec_row_slice(EmitCore *e, int n, int *src, int64_t *start);
 int ec_need(EmitCore *e, int n);
 
 //

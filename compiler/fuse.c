@@ -6,7 +6,9 @@
 // by another step, the loss, an ADAMW (its new parameter), or a member nobody reads (a dead value or
 // a named output, kept so it can be inspected). CONST leaves are never materialised and never in a
 // step's `ins`: emitters write their value inline. A RESHAPE whose input is materialised is a *view*:
-// it is in no step (step_of = -1) and shares its input's memory. Inside a step a RESHAPE member is
+// it is in no step (step_of = -1) and shares its input's memory. So is a SLICE of the last axis that
+// only attention reads as q, k or v (a *strided view*: attention reads its rows in place, with the
+// stride of the sliced tensor, so q, k and v are never copied out of the qkv GEMM's output). Inside a step a RESHAPE member is
 // index-transparent: it reads its input at the same flat index.
 //
 // How a step evaluates its members. Every member is a function of a flat index into its own shape.
@@ -778,15 +780,37 @@ static bool view_allowed(Fuser *F, int r) {
          b != g->loss;
 }
 
+// Is r a SLICE of the last axis that only attention reads, as q, k or v? Attention reads its rows in
+// place, with the stride of the sliced tensor, so r need not be copied out (a strided view).
+static bool attention_slice(const Fuser *F, int r) {
+  const IrNode *n = node(F, r);
+  if (n->op != OP_SLICE || n->ia[0] != n->shape.rank - 1 || F->nusers[r] == 0 || r == F->g->loss ||
+      n->grad_of >= 0)
+    return false;
+  for (int k = 0; k < F->nusers[r]; k++) {
+    const IrNode *u = node(F, F->users[r][k]);
+    if (u->op != OP_ATTENTION && u->op != OP_ATTENTION_BWD)
+      return false;
+    for (int i = 3; i < u->nin; i++)
+      if (u->in[i] == r)
+        return false;
+  }
+  for (int i = 0; i < F->g->noutputs; i++)
+    if (F->g->outputs[i] == r)
+      return false;
+  return true;
+}
+
 // Turns RESHAPEs into views: those whose input is materialised, and those read outside their step
-// (whose input then becomes an out).
+// (whose input then becomes an out); and the SLICEs only attention reads (attention_slice).
 static void resolve_views(Fuser *F) {
   Graph *g = F->g;
   for (bool changed = true; changed;) {
     changed = false;
     for (int r = 0; r < g->n; r++) {
       int gi = F->grp[r];
-      if (op_of(F, r) != OP_RESHAPE || gi < 0)
+      bool slice = gi >= 0 && attention_slice(F, r);
+      if ((op_of(F, r) != OP_RESHAPE && !slice) || gi < 0)
         continue;
       int x = node(F, r)->in[0];
       bool mat = F->view[x] || (is_leaf(op_of(F, x)) && op_of(F, x) != OP_CONST) || (F->grp[x] >= 0 && F->grp[x] != gi);

@@ -14,7 +14,8 @@
 // so the runtime can read them), and activations whose
 // lifetimes do not overlap may share memory. Placement is greedy by size: largest first, each at
 // the lowest offset that does not overlap a placed buffer alive at the same time. A view (a RESHAPE
-// of a materialised node) shares its input's offset. Each tensor takes dtype_size bytes per element
+// of a materialised node, or a SLICE that attention reads in place) shares its input's offset; its
+// readers keep the input alive. Each tensor takes dtype_size bytes per element
 // (4 for f32 and i32, 2 for bf16).
 // After a step only the four flat buffers, the inputs, the scalars, the loss, the gradient norm and
 // the materialised outputs hold values.

@@ -427,7 +427,12 @@ static Forced kernels_forced(const Graph *g, const Fusion *f, const MemPlan *m, 
   for (int k = 0; k < cm->nkernels && k < f->nsteps; k++) {
     const Step *st = &f->steps[k];
     for (int i = 0; i < st->nins; i++) {
-      const IrNode *nd = g->nodes[st->ins[i]];
+      // A view's values are its base's (a strided SLICE view is not laid out as its own tensor).
+      int id = st->ins[i];
+      while (f->step_of[id] < 0 && f->materialised[id] && g->nodes[id]->op != OP_INPUT &&
+             g->nodes[id]->op != OP_PARAM && g->nodes[id]->op != OP_STATE && g->nodes[id]->op != OP_SCALAR)
+        id = g->nodes[id]->in[0];
+      const IrNode *nd = g->nodes[id];
       bool leaf = nd->op == OP_INPUT || nd->op == OP_PARAM || nd->op == OP_STATE || nd->op == OP_SCALAR;
       if (leaf || m->offset[nd->id] < 0)
         continue;

@@ -57,8 +57,17 @@ static const char *check_cover(const Fusion *f, char *why, size_t n) {
   for (int i = 0; i < g->n && !*why; i++) {
     const IrNode *nd = g->nodes[i];
     bool view = is_view(f, i);
-    if (view && (nd->op != OP_RESHAPE || !f->materialised[nd->in[0]]))
-      snprintf(why, n, "%%%d (%s) is a view but not a RESHAPE of a materialised node", i, op_name(nd->op));
+    // A SLICE view: of the last axis, read only by attention as q, k or v (in place, strided).
+    bool attn_slice = nd->op == OP_SLICE && nd->ia[0] == nd->shape.rank - 1;
+    for (int u = 0; u < g->n && attn_slice; u++) {
+      const IrNode *r = g->nodes[u];
+      for (int k = 0; k < r->nin; k++)
+        if (r->in[k] == i && !((r->op == OP_ATTENTION || r->op == OP_ATTENTION_BWD) && k < 3))
+          attn_slice = false;
+    }
+    if (view && ((nd->op != OP_RESHAPE && !attn_slice) || !f->materialised[nd->in[0]]))
+      snprintf(why, n, "%%%d (%s) is a view but not a RESHAPE, nor a SLICE only attention reads, of a materialised node",
+               i, op_name(nd->op));
     else if ((is_leaf(nd->op) || view) && count[i])
       snprintf(why, n, "%%%d (%s) is a leaf or a view but in a step", i, op_name(nd->op));
     else if (!is_leaf(nd->op) && !view && count[i] != 1)
@@ -354,6 +363,22 @@ static void gpt2_rules(void) {
         att_bwd);
   CHECK(gelu_epilogue == 2, "rules: GEMM epilogue has bias add + gelu (pre-activation written)",
         "%d GEMM steps with it, want 2 (one per layer)", gelu_epilogue);
+  // q, k and v are column slices of one qkv GEMM output: attention (forward and backward) reads them
+  // in place, so no step copies them out; the backward reads them (its ins keep qkv alive).
+  int slices = 0, in_place = 0, qkv_live = 0;
+  for (int i = 0; i < g->n; i++) {
+    const IrNode *n = g->nodes[i];
+    if (n->op != OP_SLICE || i >= g->fwd_end)
+      continue;
+    slices++;
+    in_place += f->step_of[i] < 0 && f->materialised[i];
+    for (int s = 0; s < f->nsteps; s++)
+      if (f->steps[s].kind == STEP_ATTENTION && g->nodes[f->steps[s].root]->op == OP_ATTENTION_BWD)
+        for (int k = 0; k < f->steps[s].nins; k++)
+          qkv_live += f->steps[s].ins[k] == i;
+  }
+  CHECK(slices == 6 && in_place == 6 && qkv_live == 6, "rules: attention reads q, k, v in place (no slice kernels)",
+        "%d slices, %d views, %d read by the backward", slices, in_place, qkv_live);
 
   int nopt = 0, gn = -1;
   for (int s = 0; s < f->nsteps; s++)
