@@ -1299,8 +1299,16 @@ static void emit_attn_dots(Emit *e, const char *out, const char *vec, const char
 // exp(scale q_i . k_j - max) for the allowed keys in [lo, hi) and 0 for the others, and l their sum.
 static void emit_attn_row(Emit *e, const IrNode *nd, Rows q, int doc) {
   int64_t nt = nd->shape.d[1], d = nd->shape.d[2] / nd->ia[0];
-  ec_line(&e->core, "const float *restrict qi = %s + (b * %lld + i) * %lld + hd * %lld;", q.base, (long long)nt,
-          (long long)q.stride, (long long)d);
+  if (nd->ia[4] == DT_BF16) { // q_i rounded to bf16 (the keys were rounded when transposed)
+    ec_line(&e->core, "float qr[%lld];", (long long)d);
+    ec_line(&e->core, "for (int64_t c = 0; c < %lld; c++)", (long long)d);
+    ec_line(&e->core, "  qr[c] = mdl_bf16_to_f32(mdl_f32_to_bf16(%s[(b * %lld + i) * %lld + hd * %lld + c]));",
+            q.base, (long long)nt, (long long)q.stride, (long long)d);
+    ec_line(&e->core, "const float *restrict qi = qr;");
+  } else {
+    ec_line(&e->core, "const float *restrict qi = %s + (b * %lld + i) * %lld + hd * %lld;", q.base, (long long)nt,
+            (long long)q.stride, (long long)d);
+  }
   emit_attn_dots(e, "s", "qi", "kt", nt, d);
   ec_line(&e->core, "float m = -INFINITY;");
   ec_line(&e->core, "#pragma omp simd reduction(max : m)");
@@ -1317,13 +1325,14 @@ static void emit_attn_row(Emit *e, const IrNode *nd, Rows q, int doc) {
   emit_attn_sum(e, "l", "s[j]");
 }
 
-// Copies the head's rows of a [B,T,C] matrix into a [D][T] block.
-static void emit_attn_transpose(Emit *e, const char *dst, Rows x, int64_t nt, int64_t d) {
+// Copies the head's rows of a [B,T,C] matrix into a [D][T] block (rounded to bf16 with `round`).
+static void emit_attn_transpose(Emit *e, const char *dst, Rows x, int64_t nt, int64_t d, bool round) {
   ec_enter(&e->core, "for (int64_t j = 0; j < %lld; j++)", (long long)nt);
   ec_line(&e->core, "const float *xj = %s + (b * %lld + j) * %lld + hd * %lld;", x.base, (long long)nt,
           (long long)x.stride, (long long)d);
   ec_line(&e->core, "for (int64_t c = 0; c < %lld; c++)", (long long)d);
-  ec_line(&e->core, "  %s[c * %lld + j] = xj[c];", dst, (long long)attn_padded(nt));
+  ec_line(&e->core, "  %s[c * %lld + j] = %s;", dst, (long long)attn_padded(nt),
+          round ? "mdl_bf16_to_f32(mdl_f32_to_bf16(xj[c]))" : "xj[c]");
   ec_leave(&e->core);
 }
 
@@ -1355,25 +1364,32 @@ static void emit_attn_close(Emit *e, const Tmp *tmp, int ntmp) {
 // Declares acc0[D] and acc1[D] (for acc = "acc") whose sum is that over the keys j in [lo, hi) of
 // w[j] x_j (x_j the head's part of row j of x): keys taken in pairs, the even and odd keys of the
 // range in two accumulators, two chains of FMAs held in registers; the caller adds them.
-static void emit_attn_pairs(Emit *e, const char *acc, const char *w, Rows x, int64_t nt, int64_t d) {
+// With round_w / round_x (bf16 attention, mdl.h) the weights / the rows are read rounded to bf16.
+static void emit_attn_pairs(Emit *e, const char *acc, const char *w, Rows x, int64_t nt, int64_t d, bool round_w,
+                            bool round_x) {
   const char *row = str(e, "%s + (b * %lld + j) * %lld + hd * %lld", x.base, (long long)nt, (long long)x.stride,
                         (long long)d);
+  const char *w0 = str(e, "%s[j]", w), *w1 = str(e, "%s[j + 1]", w);
+  if (round_w)
+    w0 = str(e, "mdl_bf16_to_f32(mdl_f32_to_bf16(%s))", w0), w1 = str(e, "mdl_bf16_to_f32(mdl_f32_to_bf16(%s))", w1);
+  const char *x0 = round_x ? "mdl_bf16_to_f32(mdl_f32_to_bf16(x0[c]))" : "x0[c]";
+  const char *x1 = round_x ? "mdl_bf16_to_f32(mdl_f32_to_bf16(x1[c]))" : "x1[c]";
   ec_line(&e->core, "float %s0[%lld] = {0}, %s1[%lld] = {0};", acc, (long long)d, acc, (long long)d);
   ec_line(&e->core, "int64_t j = lo;");
   ec_enter(&e->core, "for (; j + 1 < hi; j += 2)");
-  ec_line(&e->core, "const float w0 = %s[j], w1 = %s[j + 1], *restrict x0 = %s, *restrict x1 = x0 + %lld;", w, w, row,
+  ec_line(&e->core, "const float w0 = %s, w1 = %s, *restrict x0 = %s, *restrict x1 = x0 + %lld;", w0, w1, row,
           (long long)x.stride);
   ec_line(&e->core, "#pragma omp simd");
   ec_enter(&e->core, "for (int64_t c = 0; c < %lld; c++)", (long long)d);
-  ec_line(&e->core, "%s0[c] += w0 * x0[c];", acc);
-  ec_line(&e->core, "%s1[c] += w1 * x1[c];", acc);
+  ec_line(&e->core, "%s0[c] += w0 * %s;", acc, x0);
+  ec_line(&e->core, "%s1[c] += w1 * %s;", acc, x1);
   ec_leave(&e->core);
   ec_leave(&e->core);
   ec_enter(&e->core, "if (j < hi)");
-  ec_line(&e->core, "const float w0 = %s[j], *restrict x0 = %s;", w, row);
+  ec_line(&e->core, "const float w0 = %s, *restrict x0 = %s;", w0, row);
   ec_line(&e->core, "#pragma omp simd");
   ec_line(&e->core, "for (int64_t c = 0; c < %lld; c++)", (long long)d);
-  ec_line(&e->core, "  %s0[c] += w0 * x0[c];", acc);
+  ec_line(&e->core, "  %s0[c] += w0 * %s;", acc, x0);
   ec_leave(&e->core);
 }
 
@@ -1396,10 +1412,11 @@ static void emit_attention(Emit *e, int gi) {
        (long long)nt, (long long)heads, (long long)d, causal ? ", causal" : "", has_doc ? ", within documents" : "");
   Tmp tmp[2] = {{"kt", d * attn_padded(nt)}, {"s", attn_padded(nt)}};
   emit_attn_open(e, nb, heads, nb * nt * nt * nc >= PAR_MIN, tmp, 2);
-  emit_attn_transpose(e, "kt", k, nt, d);
+  bool bf16 = nd->ia[4] == DT_BF16; // q, k, v and e = exp(s - max) read rounded (mdl.h)
+  emit_attn_transpose(e, "kt", k, nt, d, bf16);
   emit_attn_rows_open(e, nd, doc);
   emit_attn_row(e, nd, q, doc);
-  emit_attn_pairs(e, "acc", "s", v, nt, d);
+  emit_attn_pairs(e, "acc", "s", v, nt, d, bf16, bf16);
   ec_line(&e->core, "float *restrict oi = b%d + (b * %lld + i) * %lld + hd * %lld;", ptr(e, a), (long long)nt,
           (long long)nc, (long long)d);
   ec_line(&e->core, "for (int64_t c = 0; c < %lld; c++)", (long long)d);
@@ -1448,9 +1465,10 @@ static void emit_attention_bwd(Emit *e, int gi) {
   if (out[2] >= 0)
     tmp[ntmp++] = (Tmp){"dvh", nt * d};
   emit_attn_open(e, nb, heads, nb * nt * nt * nc >= PAR_MIN, tmp, ntmp);
-  emit_attn_transpose(e, "kt", k, nt, d);
+  bool bf16 = nd->ia[4] == DT_BF16; // q, k, v read rounded (mdl.h)
+  emit_attn_transpose(e, "kt", k, nt, d, bf16);
   if (ds)
-    emit_attn_transpose(e, "vt", v, nt, d);
+    emit_attn_transpose(e, "vt", v, nt, d, bf16);
   for (int i = 1; i < 3; i++)
     if (out[i] >= 0)
       ec_line(&e->core, "memset(%s, 0, %lld * sizeof(float));", i == 1 ? "dkh" : "dvh", (long long)(nt * d));
@@ -1469,7 +1487,7 @@ static void emit_attention_bwd(Emit *e, int gi) {
     ec_line(&e->core, "  dp[j] = s[j] * (dp[j] - dsum);");
   }
   if (out[0] >= 0)
-    emit_attn_pairs(e, "dqi", "dp", k, nt, d);
+    emit_attn_pairs(e, "dqi", "dp", k, nt, d, false, bf16);
   if (out[1] >= 0) {
     ec_line(&e->core, "float sqi[%lld];", (long long)d);
     ec_line(&e->core, "for (int64_t c = 0; c < %lld; c++)", (long long)d);
@@ -1922,7 +1940,8 @@ char *emit_c(const Fusion *f, const MemPlan *m, const char *source_path) {
   ec_bput(&e.out, "%s", prelude);
   bool bf16 = false;
   for (int i = 0; i < g->n; i++)
-    bf16 |= g->nodes[i]->dtype == DT_BF16;
+    bf16 |= g->nodes[i]->dtype == DT_BF16 ||
+            ((g->nodes[i]->op == OP_ATTENTION || g->nodes[i]->op == OP_ATTENTION_BWD) && g->nodes[i]->ia[4] == DT_BF16);
   if (bf16)
     ec_bput(&e.out, "%s", prelude_bf16);
 

@@ -18,9 +18,11 @@
 //   - column sums (norm dw / db, reductions over an outer axis): per-block partial sums, then one
 //     thread per column adds them in block order: deterministic, no atomics;
 //   - attention: flash-style, one block per (batch, head, tile of queries), keys and values in
-//     tiles in shared memory, online softmax; the backward recomputes the probabilities from the
-//     row statistics of a first kernel, computes dq per query tile and dk, dv per key tile (each key
-//     tile owned by one block, summed in query order);
+//     tiles in shared memory, online softmax; in bf16 with heads of a multiple of 16 channels the
+//     forward runs on tensor cores (mma.sync m16n8k16, FlashAttention-2's layout: a warp per 16
+//     query rows); the backward recomputes the probabilities from the row statistics of a first
+//     kernel, computes dq per query tile and dk, dv per key tile (each key tile owned by one block,
+//     summed in query order);
 //   - embedding backward: each block owns a range of vocabulary rows and columns and scans the ids
 //     in order; the optimizer: a sum of squares per fixed chunk, one block adding the chunks, then
 //     AdamW over the flat buffers through a table of segments.
@@ -45,6 +47,8 @@
 // by cuBLASLt itself when a CAST is its only reader and no epilogue is needed (cuBLASLt's bias and
 // aux take D's type, and ours are f32), else it is f32 and the epilogue kernel rounds. The LM head's
 // cross-entropy kernel writes dlogits rounded to bf16 into a chunk of its own for the dx and dW GEMMs.
+// Attention marked bf16 (ia[4]) rounds where mdl.h says: q, k, v as every kernel loads them, and e in
+// the forward's P V (on tensor cores, or in the CUDA-core kernels where those do not apply).
 //
 // What does not depend on the target (where values are, groups and their order, lines and scopes,
 // the index maps of the evaluator) is in emit_common.c, whose state EmitCore this emitter embeds as
@@ -64,6 +68,8 @@ enum {
   SCRATCH_ALIGN = 256,  // scratch buffers start at multiples of this
   OPT_CHUNK = 8192,     // optimizer: elements per block
   ATT_BK = 32,          // attention: keys per tile
+  ATT_MMA_BQ = 64,      // attention on tensor cores: queries per block (16 per warp)
+  ATT_MMA_BK = 64,      //   and keys per tile
 };
 
 static const char prelude[] =
@@ -153,6 +159,39 @@ static const char prelude[] =
     "}\n"
     "\n"
     "__device__ __forceinline__ float mdl_bf16_to_f32(uint16_t h) { return __uint_as_float((uint32_t)h << 16); }\n"
+    "\n"
+    "// Two floats rounded to bf16 and packed into one register, lo in the low half (the order of the\n"
+    "// elements of an mma fragment). On the GPU one cvt.rn.bf16x2.f32 (its second source is the low\n"
+    "// half), which rounds as mdl_f32_to_bf16 does but may give a NaN other bits.\n"
+    "__device__ __forceinline__ uint32_t mdl_bf16x2(float lo, float hi) {\n"
+    "#if defined(__CUDA_ARCH__)\n"
+    "  uint32_t r;\n"
+    "  asm(\"cvt.rn.bf16x2.f32 %0, %1, %2;\" : \"=r\"(r) : \"f\"(hi), \"f\"(lo));\n"
+    "  return r;\n"
+    "#else\n"
+    "  return (uint32_t)mdl_f32_to_bf16(lo) | (uint32_t)mdl_f32_to_bf16(hi) << 16;\n"
+    "#endif\n"
+    "}\n"
+    "\n"
+    "// Tensor cores (sm_80 and later): d += A B for one 16 x 8 tile, A 16 x 16 bf16 (row-major), B 16 x 8\n"
+    "// bf16 (column-major), d f32, computed by the warp together: every lane passes its fragments of A\n"
+    "// and B and gets its four elements of d. With g = lane >> 2 and t = lane & 3, a lane holds (PTX ISA,\n"
+    "// \"Matrix Fragments for mma.m16n8k16 with floating point type\"; a register holds two bf16, the\n"
+    "// lower column or row in its low half):\n"
+    "//   a[0] = A[g][2t, 2t+1]    a[1] = A[g+8][2t, 2t+1]    a[2] = A[g][2t+8, 2t+9]    a[3] = A[g+8][2t+8, 2t+9]\n"
+    "//   b[0] = B[2t, 2t+1][g]    b[1] = B[2t+8, 2t+9][g]\n"
+    "//   d[0], d[1] = D[g][2t], D[g][2t+1]    d[2], d[3] = D[g+8][2t], D[g+8][2t+1]\n"
+    "// So the accumulators of two adjacent tiles (columns 0-7, then 8-15), rounded and packed in pairs, are\n"
+    "// the A fragment of one k16 step: a[0], a[1] from the first's (d[0], d[1]), (d[2], d[3]); a[2], a[3]\n"
+    "// from the second's. The CUDA emulator (runtime/cuda_emu.h) has its own definition.\n"
+    "#if defined(__CUDA_ARCH__)\n"
+    "__device__ __forceinline__ void mdl_mma_bf16_16816(float d[4], const uint32_t a[4], const uint32_t b[2]) {\n"
+    "  asm volatile(\"mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, \"\n"
+    "               \"{%8, %9}, {%0, %1, %2, %3};\"\n"
+    "               : \"+f\"(d[0]), \"+f\"(d[1]), \"+f\"(d[2]), \"+f\"(d[3])\n"
+    "               : \"r\"(a[0]), \"r\"(a[1]), \"r\"(a[2]), \"r\"(a[3]), \"r\"(b[0]), \"r\"(b[1]));\n"
+    "}\n"
+    "#endif\n"
     "\n"
     "// fp8 <-> f32 in the two OCP formats of Hopper's tensor cores: E4M3 (bias 7, no infinity, S.1111.111\n"
     "// is NaN, largest 448) and E5M2 (bias 15, IEEE-like, largest 57344). To fp8: round to nearest, ties\n"
@@ -1806,6 +1845,7 @@ static void emit_lmhead(Emit *e, int gi) {
 typedef struct {
   int64_t nb, nt, nc, heads, d;
   bool causal, has_doc;
+  bool bf16; // the products read q, k, v rounded to bf16, and P V reads e rounded (ia[4], mdl.h)
   double scale;
   Rows q, k, v, dout;
   int doc, dpl; // doc: node or -1; dpl: channels per lane
@@ -1816,7 +1856,7 @@ typedef enum { ATT_FWD, ATT_STATS, ATT_DQ } AttMode;
 static Att att_of(const IrNode *nd) {
   Shape s = nd->shape;
   Att A = {.nb = s.d[0], .nt = s.d[1], .nc = s.d[2], .heads = nd->ia[0], .causal = nd->ia[1], .has_doc = nd->ia[2],
-           .scale = nd->fa[0], .doc = -1};
+           .bf16 = nd->ia[4] == DT_BF16, .scale = nd->fa[0], .doc = -1};
   A.d = A.nc / A.heads;
   A.dpl = (int)((A.d + 31) / 32);
   return A;
@@ -1826,6 +1866,11 @@ static Att att_of(const IrNode *nd) {
 static const char *at_row(Emit *e, Rows r, const Att *A, const char *t, const char *c) {
   return ec_str(&e->core, "%s[(b * %lld + %s) * %lld + hd * %lld + %s]", rows_base(e, r), (long long)A->nt, t,
                 (long long)r.stride, (long long)A->d, c);
+}
+
+// An element of q, k or v as the products read it: rounded to bf16 when the node says so.
+static const char *att_in(Emit *e, const Att *A, const char *x) {
+  return A->bf16 ? ec_str(&e->core, "mdl_bf16_to_f32(mdl_f32_to_bf16(%s))", x) : x;
 }
 
 // The mask of key j for query row i (i's document in `di`, j's in `dj`).
@@ -1861,6 +1906,8 @@ static int att_bq(Emit *e, const Att *A, int per_query) {
 // when dsum >= 0) and the backward's dq (out = dq). One block of 4 warps per (batch, head, tile of
 // queries), each warp owning every 4th query row of the tile; keys and values in shared tiles of 32,
 // a key per lane; online softmax (forward, statistics) or probabilities from the statistics (dq).
+// bf16: q, k, v rounded as they are staged; the forward and the statistics (whose out is the
+// forward's) sum e rounded in P V and unrounded in l.
 static void att_query_kernel(Emit *e, const Att *A, AttMode mode, int out, int64_t lse, int64_t dsum) {
   const char *ixt = e->core.ixt;
   int64_t d = A->d, t = A->nt;
@@ -1888,7 +1935,7 @@ static void att_query_kernel(Emit *e, const Att *A, AttMode mode, int out, int64
   ec_enter(&e->core, "for (int u = threadIdx.x; u < %lld; u += %d)", (long long)(bq * d), 128);
   ec_line(&e->core, "const int i = u / %lld, c = u %% %lld;", (long long)d, (long long)d);
   ec_line(&e->core, "const bool in = q0 + i < %lld;", (long long)t);
-  ec_line(&e->core, "Qs[i][c] = in ? %s : 0.0f;", at_row(e, A->q, A, "q0 + i", "c"));
+  ec_line(&e->core, "Qs[i][c] = in ? %s : 0.0f;", att_in(e, A, at_row(e, A->q, A, "q0 + i", "c")));
   if (mode == ATT_DQ)
     ec_line(&e->core, "Os[i][c] = in ? %s : 0.0f;", at_row(e, A->dout, A, "q0 + i", "c"));
   ec_leave(&e->core);
@@ -1926,8 +1973,8 @@ static void att_query_kernel(Emit *e, const Att *A, AttMode mode, int out, int64
   ec_enter(&e->core, "for (int u = threadIdx.x; u < %lld; u += %d)", (long long)(ATT_BK * d), 128);
   ec_line(&e->core, "const int jj = u / %lld, c = u %% %lld;", (long long)d, (long long)d);
   ec_line(&e->core, "const bool in = k0 + jj < %lld;", (long long)t);
-  ec_line(&e->core, "Ks[jj][c] = in ? %s : 0.0f;", at_row(e, A->k, A, "k0 + jj", "c"));
-  ec_line(&e->core, "Vs[jj][c] = in ? %s : 0.0f;", at_row(e, A->v, A, "k0 + jj", "c"));
+  ec_line(&e->core, "Ks[jj][c] = in ? %s : 0.0f;", att_in(e, A, at_row(e, A->k, A, "k0 + jj", "c")));
+  ec_line(&e->core, "Vs[jj][c] = in ? %s : 0.0f;", att_in(e, A, at_row(e, A->v, A, "k0 + jj", "c")));
   ec_leave(&e->core);
   if (A->has_doc) {
     ec_line(&e->core, "if (threadIdx.x < %d)", ATT_BK);
@@ -1976,9 +2023,13 @@ static void att_query_kernel(Emit *e, const Att *A, AttMode mode, int out, int64
     ec_line(&e->core, "#pragma unroll");
     ec_line(&e->core, "for (int t = 0; t < %d; t++)", A->dpl);
     ec_line(&e->core, "  acc[rr][t] *= corr;");
+    // The forward's P V reads e rounded (l does not); the backward's dout . out sums exact P (mdl.h).
+    bool round_e = A->bf16 && mode == ATT_FWD;
+    if (round_e)
+      ec_line(&e->core, "const float pr = mdl_bf16_to_f32(mdl_f32_to_bf16(p)); // P V reads e rounded, l does not");
     ec_line(&e->core, "#pragma unroll 4");
     ec_enter(&e->core, "for (int jj = 0; jj < %d; jj++)", ATT_BK);
-    ec_line(&e->core, "const float pj = __shfl_sync(MDL_FULL, p, jj);");
+    ec_line(&e->core, "const float pj = __shfl_sync(MDL_FULL, %s, jj);", round_e ? "pr" : "p");
     lanes_stmt(e, A, "acc[rr][t] += pj * Vs[jj][lane + 32 * t];");
     ec_leave(&e->core);
   }
@@ -2022,7 +2073,211 @@ static void att_query_kernel(Emit *e, const Att *A, AttMode mode, int out, int64
   kend(e, A->nb * A->heads * nqt, 128);
 }
 
-// ATTENTION forward.
+// Shared memory of the tensor-core forward: the tile's keys and values as bf16, rows padded by 8
+// (no bank conflicts in the fragment loads), and the keys' documents.
+static int64_t att_mma_shared(const Att *A) {
+  return 2 * ATT_MMA_BK * (A->d + 8) * 2 + (A->has_doc ? ATT_MMA_BK * 4 : 0);
+}
+
+// Whether rows of r can be read as float4 at channels that are multiples of 4: its stride and start
+// in floats are (buffers start 64-byte aligned).
+static bool att_rows16(Rows r) { return r.stride % 4 == 0 && r.at % 4 == 0; }
+
+// Does the forward run on tensor cores: bf16 products, heads of a multiple of 16 channels (the k16
+// steps of Q K^T, the n8 tiles of P V), tiles that fit in 48 KB of shared memory, keys and values
+// staged by float4 loads (always so for such heads: q, k, v are whole or equal parts of one tensor).
+static bool att_mma(const Att *A) {
+  return A->bf16 && A->d % 16 == 0 && att_mma_shared(A) <= 48 << 10 && att_rows16(A->k) && att_rows16(A->v);
+}
+
+// The forward on tensor cores (att_mma), FlashAttention-2 style: a block of 4 warps per (batch, head,
+// 64 queries), 16 query rows per warp with their Q in registers as mma A fragments (rounded to bf16
+// once); keys and values staged in shared tiles of 64, rounded to bf16; S = Q K^T by mma, scaled and
+// masked; the online softmax of each row over the quad of lanes that holds it; e = exp(S - m) summed
+// unrounded into l and, rounded, reused as the A fragments of O += P V (the accumulators of two
+// adjacent n8 tiles of S are one k16 step); out = O / l in f32.
+static void att_mma_kernel(Emit *e, const Att *A, int out) {
+  const char *ixt = e->core.ixt;
+  int64_t d = A->d, t = A->nt, nqt = (t + ATT_MMA_BQ - 1) / ATT_MMA_BQ;
+  int ksteps = (int)(d / 16), ntiles = (int)(d / 8), stiles = ATT_MMA_BK / 8;
+  kbegin(e, "");
+  note(e, "attention on tensor cores: B %lld, T %lld, %lld heads of %lld%s%s; a block of 4 warps per (batch, head, %d "
+          "queries), 16 query rows per warp, keys in tiles of %d; bf16 products (mma m16n8k16), f32 softmax",
+       (long long)A->nb, (long long)t, (long long)A->heads, (long long)d, A->causal ? ", causal" : "",
+       A->has_doc ? ", within documents" : "", ATT_MMA_BQ, ATT_MMA_BK);
+  e->shared = (int)att_mma_shared(A);
+  ec_line(&e->core, "__shared__ uint32_t Ks[%d][%lld]; // keys of the tile, channels in bf16 pairs", ATT_MMA_BK,
+          (long long)(d / 2 + 4));
+  ec_line(&e->core, "__shared__ uint16_t Vs[%d][%lld]; // values of the tile, bf16", ATT_MMA_BK, (long long)(d + 8));
+  if (A->has_doc)
+    ec_line(&e->core, "__shared__ int32_t Dk[%d];", ATT_MMA_BK);
+  ec_line(&e->core, "const int w = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tq = lane & 3;");
+  bool last_first = A->causal && nqt > 1;
+  if (last_first)
+    ec_line(&e->core, "// (query tiles from the last: the ones with the most keys start first)");
+  ec_line(&e->core, "const %s b = blockIdx.x / %lld, hd = blockIdx.x / %lld %% %lld, q0 = %sblockIdx.x %% %lld%s * %d;",
+          ixt, (long long)(A->heads * nqt), (long long)nqt, (long long)A->heads,
+          last_first ? ec_str(&e->core, "(%lld - ", (long long)(nqt - 1)) : "", (long long)nqt, last_first ? ")" : "",
+          ATT_MMA_BQ);
+  ec_line(&e->core, "// The lane's query rows: r0 (accumulators 0 and 1 of a tile) and r1 (2 and 3).");
+  ec_line(&e->core, "const %s r0 = q0 + 16 * w + g, r1 = r0 + 8;", ixt);
+  ec_line(&e->core, "// Q as the A fragments of the k16 steps over the channels, rounded once; 0 beyond T.");
+  ec_line(&e->core, "uint32_t qa[%d][4];", ksteps);
+  ec_line(&e->core, "#pragma unroll");
+  ec_enter(&e->core, "for (int k = 0; k < %d; k++)", ksteps);
+  ec_line(&e->core, "const int c = 16 * k + 2 * tq;");
+  for (int r = 0; r < 4; r++) {
+    const char *row = r & 1 ? "r1" : "r0", *c0 = r & 2 ? "c + 8" : "c", *c1 = r & 2 ? "c + 9" : "c + 1";
+    ec_line(&e->core, "qa[k][%d] = %s < %lld ? mdl_bf16x2(%s, %s) : 0u;", r, row, (long long)t,
+            at_row(e, A->q, A, row, c0), at_row(e, A->q, A, row, c1));
+  }
+  ec_leave(&e->core);
+  if (A->has_doc)
+    ec_line(&e->core, "const int32_t d0 = r0 < %lld ? %s[b * %lld + r0] : 0, d1 = r1 < %lld ? %s[b * %lld + r1] : 0;",
+            (long long)t, ptr(e, A->doc), (long long)t, (long long)t, ptr(e, A->doc), (long long)t);
+  ec_line(&e->core, "// Per row: the running maximum m and this lane's part of the sum l; acc[n]: the output's");
+  ec_line(&e->core, "// channels 8 n .. 8 n + 7 (accumulators).");
+  ec_line(&e->core, "float m0 = -MDL_INF, m1 = -MDL_INF, l0 = 0.0f, l1 = 0.0f, acc[%d][4];", ntiles);
+  ec_line(&e->core, "#pragma unroll");
+  ec_line(&e->core, "for (int n = 0; n < %d; n++)", ntiles);
+  ec_line(&e->core, "  acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;");
+  if (A->causal)
+    ec_line(&e->core, "const %s kend = q0 + %d < %lld ? q0 + %d : %lld; // later keys are masked for every row", ixt,
+            ATT_MMA_BQ, (long long)t, ATT_MMA_BQ, (long long)t);
+  else
+    ec_line(&e->core, "const %s kend = %lld;", ixt, (long long)t);
+  ec_enter(&e->core, "for (%s k0 = 0; k0 < kend; k0 += %d)", ixt, ATT_MMA_BK);
+  ec_line(&e->core, "__syncthreads();");
+  ec_line(&e->core, "// The tile's keys and values, rounded to bf16; 0 beyond T.");
+  ec_enter(&e->core, "for (int u = threadIdx.x; u < %lld; u += 128)", (long long)(ATT_MMA_BK * d / 4));
+  ec_line(&e->core, "const int jj = u / %lld, c = u %% %lld * 4;", (long long)(d / 4), (long long)(d / 4));
+  ec_line(&e->core, "const bool in = k0 + jj < %lld;", (long long)t);
+  ec_line(&e->core, "const float4 kx = in ? *(const float4 *)&%s : make_float4(0.0f, 0.0f, 0.0f, 0.0f);",
+          at_row(e, A->k, A, "k0 + jj", "c"));
+  ec_line(&e->core, "const float4 vx = in ? *(const float4 *)&%s : make_float4(0.0f, 0.0f, 0.0f, 0.0f);",
+          at_row(e, A->v, A, "k0 + jj", "c"));
+  ec_line(&e->core, "Ks[jj][c / 2] = mdl_bf16x2(kx.x, kx.y);");
+  ec_line(&e->core, "Ks[jj][c / 2 + 1] = mdl_bf16x2(kx.z, kx.w);");
+  ec_line(&e->core, "Vs[jj][c] = mdl_f32_to_bf16(vx.x);");
+  ec_line(&e->core, "Vs[jj][c + 1] = mdl_f32_to_bf16(vx.y);");
+  ec_line(&e->core, "Vs[jj][c + 2] = mdl_f32_to_bf16(vx.z);");
+  ec_line(&e->core, "Vs[jj][c + 3] = mdl_f32_to_bf16(vx.w);");
+  ec_leave(&e->core);
+  if (A->has_doc) {
+    ec_line(&e->core, "if (threadIdx.x < %d)", ATT_MMA_BK);
+    ec_line(&e->core, "  Dk[threadIdx.x] = k0 + threadIdx.x < %lld ? %s[b * %lld + k0 + threadIdx.x] : 0;",
+            (long long)t, ptr(e, A->doc), (long long)t);
+  }
+  ec_line(&e->core, "__syncthreads();");
+  ec_line(&e->core, "// S = Q K^T: s[n] holds keys k0 + 8 n .. k0 + 8 n + 7; the B fragment of step k is key 8 n + g,");
+  ec_line(&e->core, "// channels 16 k + 2 tq, + 1 and 8 further.");
+  ec_line(&e->core, "float s[%d][4];", stiles);
+  ec_line(&e->core, "#pragma unroll");
+  ec_enter(&e->core, "for (int n = 0; n < %d; n++)", stiles);
+  ec_line(&e->core, "s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;");
+  ec_line(&e->core, "#pragma unroll");
+  ec_enter(&e->core, "for (int k = 0; k < %d; k++)", ksteps);
+  ec_line(&e->core, "const uint32_t kb[2] = {Ks[8 * n + g][8 * k + tq], Ks[8 * n + g][8 * k + tq + 4]};");
+  ec_line(&e->core, "mdl_mma_bf16_16816(s[n], qa[k], kb);");
+  ec_leave(&e->core);
+  ec_line(&e->core, "#pragma unroll");
+  ec_line(&e->core, "for (int x = 0; x < 4; x++)");
+  ec_line(&e->core, "  s[n][x] *= %s;", flit(e, A->scale));
+  ec_leave(&e->core);
+  // Which tiles need the mask: with documents all; else those reaching past T or, causal, past the
+  // warp's first row.
+  const char *edge = A->has_doc ? NULL
+                     : A->causal ? ec_str(&e->core, "k0 + %d > %lld || k0 + %d > q0 + 16 * w", ATT_MMA_BK,
+                                          (long long)t, ATT_MMA_BK - 1)
+                                 : ec_str(&e->core, "k0 + %d > %lld", ATT_MMA_BK, (long long)t);
+  ec_line(&e->core, "// Keys the row may not see get -inf%s.",
+          edge ? " (only tiles that reach past T or past one of the warp's rows have any)" : "");
+  if (edge)
+    ec_enter(&e->core, "if (%s)", edge);
+  ec_line(&e->core, "#pragma unroll");
+  ec_enter(&e->core, "for (int n = 0; n < %d; n++)", stiles);
+  ec_line(&e->core, "#pragma unroll");
+  ec_enter(&e->core, "for (int x = 0; x < 4; x++)");
+  if (A->causal)
+    ec_line(&e->core, "const %s i = x < 2 ? r0 : r1, j = k0 + 8 * n + 2 * tq + (x & 1);", ixt);
+  else
+    ec_line(&e->core, "const %s j = k0 + 8 * n + 2 * tq + (x & 1);", ixt);
+  ec_line(&e->core, "if (!(%s))", att_allowed(e, A, "(x < 2 ? d0 : d1)", "Dk[j - k0]"));
+  ec_line(&e->core, "  s[n][x] = -MDL_INF;");
+  ec_leave(&e->core);
+  ec_leave(&e->core);
+  if (edge)
+    ec_leave(&e->core);
+  ec_line(&e->core, "// The rows' maxima over the tile: the lane's, then its quad's (lanes 4 g .. 4 g + 3 share r0).");
+  ec_line(&e->core, "float x0 = -MDL_INF, x1 = -MDL_INF;");
+  ec_line(&e->core, "#pragma unroll");
+  ec_enter(&e->core, "for (int n = 0; n < %d; n++)", stiles);
+  ec_line(&e->core, "x0 = fmaxf(x0, fmaxf(s[n][0], s[n][1]));");
+  ec_line(&e->core, "x1 = fmaxf(x1, fmaxf(s[n][2], s[n][3]));");
+  ec_leave(&e->core);
+  ec_line(&e->core, "x0 = fmaxf(x0, __shfl_xor_sync(MDL_FULL, x0, 1));");
+  ec_line(&e->core, "x0 = fmaxf(x0, __shfl_xor_sync(MDL_FULL, x0, 2));");
+  ec_line(&e->core, "x1 = fmaxf(x1, __shfl_xor_sync(MDL_FULL, x1, 1));");
+  ec_line(&e->core, "x1 = fmaxf(x1, __shfl_xor_sync(MDL_FULL, x1, 2));");
+  ec_line(&e->core, "// The new maxima; a row that has seen no key yet subtracts 0, not -inf (its e are 0).");
+  ec_line(&e->core, "// What earlier tiles summed is rescaled by exp(m - m_new).");
+  ec_line(&e->core, "const float mn0 = fmaxf(m0, x0), mn1 = fmaxf(m1, x1);");
+  ec_line(&e->core, "const float z0 = mn0 == -MDL_INF ? 0.0f : mn0, z1 = mn1 == -MDL_INF ? 0.0f : mn1;");
+  ec_line(&e->core, "const float c0 = expf(m0 - z0), c1 = expf(m1 - z1);");
+  ec_line(&e->core, "m0 = mn0;");
+  ec_line(&e->core, "m1 = mn1;");
+  ec_line(&e->core, "l0 *= c0;");
+  ec_line(&e->core, "l1 *= c1;");
+  ec_line(&e->core, "#pragma unroll");
+  ec_enter(&e->core, "for (int n = 0; n < %d; n++)", ntiles);
+  ec_line(&e->core, "acc[n][0] *= c0;");
+  ec_line(&e->core, "acc[n][1] *= c0;");
+  ec_line(&e->core, "acc[n][2] *= c1;");
+  ec_line(&e->core, "acc[n][3] *= c1;");
+  ec_leave(&e->core);
+  ec_line(&e->core, "// e = exp(S - m) goes into l as it is; rounded to bf16, tiles 2 k and 2 k + 1 of S are the A");
+  ec_line(&e->core, "// fragment of step k of O += P V, whose B fragment is keys 16 k + 2 tq, + 1 and 8 further of");
+  ec_line(&e->core, "// channel 8 n + g.");
+  ec_line(&e->core, "#pragma unroll");
+  ec_enter(&e->core, "for (int k = 0; k < %d; k++)", ATT_MMA_BK / 16);
+  ec_line(&e->core, "uint32_t pa[4];");
+  ec_line(&e->core, "#pragma unroll");
+  ec_enter(&e->core, "for (int h = 0; h < 2; h++)");
+  ec_line(&e->core, "const float e0 = expf(s[2 * k + h][0] - z0), e1 = expf(s[2 * k + h][1] - z0);");
+  ec_line(&e->core, "const float e2 = expf(s[2 * k + h][2] - z1), e3 = expf(s[2 * k + h][3] - z1);");
+  ec_line(&e->core, "l0 += e0 + e1;");
+  ec_line(&e->core, "l1 += e2 + e3;");
+  ec_line(&e->core, "pa[2 * h] = mdl_bf16x2(e0, e1);");
+  ec_line(&e->core, "pa[2 * h + 1] = mdl_bf16x2(e2, e3);");
+  ec_leave(&e->core);
+  ec_line(&e->core, "#pragma unroll");
+  ec_enter(&e->core, "for (int n = 0; n < %d; n++)", ntiles);
+  ec_line(&e->core, "const int j = 16 * k + 2 * tq, c = 8 * n + g;");
+  ec_line(&e->core, "const uint32_t vb[2] = {Vs[j][c] | (uint32_t)Vs[j + 1][c] << 16,");
+  ec_line(&e->core, "                        Vs[j + 8][c] | (uint32_t)Vs[j + 9][c] << 16};");
+  ec_line(&e->core, "mdl_mma_bf16_16816(acc[n], pa, vb);");
+  ec_leave(&e->core);
+  ec_leave(&e->core);
+  ec_leave(&e->core);
+  ec_line(&e->core, "// l: the sum of the quad's four parts; out = O / l (O: acc).");
+  ec_line(&e->core, "l0 += __shfl_xor_sync(MDL_FULL, l0, 1);");
+  ec_line(&e->core, "l0 += __shfl_xor_sync(MDL_FULL, l0, 2);");
+  ec_line(&e->core, "l1 += __shfl_xor_sync(MDL_FULL, l1, 1);");
+  ec_line(&e->core, "l1 += __shfl_xor_sync(MDL_FULL, l1, 2);");
+  const char *o = ptr(e, out);
+  ec_line(&e->core, "#pragma unroll");
+  ec_enter(&e->core, "for (int n = 0; n < %d; n++)", ntiles);
+  ec_line(&e->core, "const int c = 8 * n + 2 * tq;");
+  for (int r = 0; r < 2; r++) {
+    ec_line(&e->core, "if (r%d < %lld)", r, (long long)t);
+    ec_line(&e->core, "  *(float2 *)&%s[(b * %lld + r%d) * %lld + hd * %lld + c] = make_float2(acc[n][%d] / l%d, "
+            "acc[n][%d] / l%d);", o, (long long)t, r, (long long)A->nc, (long long)d, 2 * r, r, 2 * r + 1, r);
+  }
+  ec_leave(&e->core);
+  kend(e, A->nb * A->heads * nqt, 128);
+}
+
+// ATTENTION forward: on tensor cores where att_mma allows, else on CUDA cores (att_query_kernel).
 static void emit_attention(Emit *e, int gi) {
   int a = e->core.groups[gi].mem[0];
   const IrNode *nd = ec_node(&e->core, a);
@@ -2035,7 +2290,10 @@ static void emit_attention(Emit *e, int gi) {
   if (ec_offset(&e->core, a) < 0)
     e->core.scratch[a] = true;
   ec_phase_begin(&e->core);
-  att_query_kernel(e, &A, ATT_FWD, a, -1, -1);
+  if (att_mma(&A))
+    att_mma_kernel(e, &A, a);
+  else
+    att_query_kernel(e, &A, ATT_FWD, a, -1, -1);
   ec_phase_done(&e->core, a);
   ec_phase_end(&e->core);
 }
@@ -2073,9 +2331,9 @@ static void att_key_kernel(Emit *e, const Att *A, int dk, int dv, int64_t lse, i
   ec_enter(&e->core, "for (int u = lane; u < %lld; u += 32)", (long long)(ATT_BK * d));
   ec_line(&e->core, "const int jj = u / %lld, c = u %% %lld;", (long long)d, (long long)d);
   ec_line(&e->core, "const bool in = k0 + jj < %lld;", (long long)t);
-  ec_line(&e->core, "Ks[jj][c] = in ? %s : 0.0f;", at_row(e, A->k, A, "k0 + jj", "c"));
+  ec_line(&e->core, "Ks[jj][c] = in ? %s : 0.0f;", att_in(e, A, at_row(e, A->k, A, "k0 + jj", "c")));
   if (dk >= 0)
-    ec_line(&e->core, "Vs[jj][c] = in ? %s : 0.0f;", at_row(e, A->v, A, "k0 + jj", "c"));
+    ec_line(&e->core, "Vs[jj][c] = in ? %s : 0.0f;", att_in(e, A, at_row(e, A->v, A, "k0 + jj", "c")));
   ec_leave(&e->core);
   if (A->has_doc)
     ec_line(&e->core, "Dk[lane] = j < %lld ? %s[b * %lld + j] : 0;", (long long)t, ptr(e, A->doc), (long long)t);
@@ -2091,7 +2349,7 @@ static void att_key_kernel(Emit *e, const Att *A, int dk, int dv, int64_t lse, i
   ec_enter(&e->core, "for (int u = lane; u < %lld; u += 32)", (long long)(bq * d));
   ec_line(&e->core, "const int ii = u / %lld, c = u %% %lld;", (long long)d, (long long)d);
   ec_line(&e->core, "const bool in = i0 + ii < %lld;", (long long)t);
-  ec_line(&e->core, "Qs[ii][c] = in ? %s : 0.0f;", at_row(e, A->q, A, "i0 + ii", "c"));
+  ec_line(&e->core, "Qs[ii][c] = in ? %s : 0.0f;", att_in(e, A, at_row(e, A->q, A, "i0 + ii", "c")));
   ec_line(&e->core, "Os[ii][c] = in ? %s : 0.0f;", at_row(e, A->dout, A, "i0 + ii", "c"));
   ec_leave(&e->core);
   ec_enter(&e->core, "for (int u = lane; u < %d; u += 32)", bq);
@@ -2147,7 +2405,8 @@ static void att_key_kernel(Emit *e, const Att *A, int dk, int dv, int64_t lse, i
 }
 
 // ATTENTION_BWD siblings: the row statistics (log-sum-exp, dout . out) by a forward pass, then dq per
-// query tile and dk, dv per key tile, each recomputing the probabilities from the statistics.
+// query tile and dk, dv per key tile, each recomputing the probabilities from the statistics. bf16:
+// every kernel reads q, k, v rounded; P, dS and dout are not (mdl.h).
 static void emit_attention_bwd(Emit *e, int gi) {
   const Group *gr = &e->core.groups[gi];
   const IrNode *nd = ec_node(&e->core, gr->mem[0]);

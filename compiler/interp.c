@@ -541,6 +541,19 @@ static void run_attention(Ctx *c, bool bwd) {
   double scale = c->nd->fa[0];
   const double *q = c->x[0], *k = c->x[1], *v = c->x[2];
   const double *doc = has_doc ? c->x[3] : NULL, *dout = bwd ? c->x[has_doc ? 4 : 3] : NULL;
+  // bf16 (mdl.h): the products read q, k, v rounded; the forward's P V reads e rounded too.
+  bool bf16 = c->nd->ia[4] == DT_BF16;
+  double *rounded = NULL, *l = xcalloc((size_t)nt, sizeof(double));
+  if (bf16) {
+    size_t n = (size_t)(nb * nt * nc);
+    rounded = xcalloc(3 * n, sizeof(double));
+    for (size_t i = 0; i < n; i++) {
+      rounded[i] = round_bf16(q[i]);
+      rounded[n + i] = round_bf16(k[i]);
+      rounded[2 * n + i] = round_bf16(v[i]);
+    }
+    q = rounded, k = rounded + n, v = rounded + 2 * n;
+  }
   double *p = xcalloc((size_t)(nt * nt), sizeof(double));
   double *ds = xcalloc((size_t)(nt * nt), sizeof(double));
   memset(c->y, 0, (size_t)c->n * sizeof(double));
@@ -564,14 +577,21 @@ static void run_attention(Ctx *c, bool bwd) {
         }
         for (int64_t j = 0; j < nt; j++)
           sum += p[i * nt + j] = p[i * nt + j] == -INFINITY ? 0 : exp(p[i * nt + j] - m);
-        for (int64_t j = 0; j < nt; j++)
-          p[i * nt + j] /= sum;
-      }
-      if (!bwd) {
-        for (int64_t i = 0; i < nt; i++)
+        l[i] = sum;
+        if (bwd || !bf16)
           for (int64_t j = 0; j < nt; j++)
+            p[i * nt + j] /= sum;
+      }
+      if (!bwd) { // bf16: p holds e = exp(S - max), rounded here, divided by l at the end
+        for (int64_t i = 0; i < nt; i++) {
+          for (int64_t j = 0; j < nt; j++) {
+            double pij = bf16 ? round_bf16(p[i * nt + j]) : p[i * nt + j];
             for (int64_t e = 0; e < d; e++)
-              c->y[AT(i, e)] += p[i * nt + j] * v[AT(j, e)];
+              c->y[AT(i, e)] += pij * v[AT(j, e)];
+          }
+          for (int64_t e = 0; bf16 && e < d; e++)
+            c->y[AT(i, e)] /= l[i];
+        }
         continue;
       }
       for (int64_t i = 0; i < nt; i++) {
@@ -600,6 +620,8 @@ static void run_attention(Ctx *c, bool bwd) {
     }
   free(p);
   free(ds);
+  free(l);
+  free(rounded);
 }
 
 // ATTENTION in decode mode: q, k, v are the rows [1,1,C] of the token at position p. Its k and v

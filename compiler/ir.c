@@ -592,6 +592,8 @@ void ir_dump(const Graph *g, FILE *f) {
               n->ia[2] ? " doc" : "", n->fa[0]);
       if (n->op == OP_ATTENTION_BWD)
         fprintf(f, " which=%lld", (long long)n->ia[3]);
+      if (n->ia[4] == DT_BF16)
+        fprintf(f, " bf16");
       break;
     case OP_ROPE:
       fprintf(f, " heads=%lld base=%g%s", (long long)n->ia[0], n->fa[0], n->ia[1] ? " inverse" : "");

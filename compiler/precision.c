@@ -1,7 +1,9 @@
 // precision.c: the precision pass (mixed precision). With bf16, every MATMUL reads its operands
 // through CAST nodes that round them to bf16, so the GEMMs run with bf16 inputs and f32
 // accumulation (the product of two bf16 values is exact in f32); the GEMM's result stays f32.
-// Nothing else narrows: parameters are f32 master weights updated by AdamW in f32, the moments and
+// Attention's two products (Q K^T and P V) read bf16 operands as well: the pass marks the ATTENTION
+// and ATTENTION_BWD nodes (ia[4] = DT_BF16; the rounding points are written in mdl.h), so the GPU
+// runs them on tensor cores and every back end rounds at the same places. Nothing else narrows: parameters are f32 master weights updated by AdamW in f32, the moments and
 // gradients are f32, and so are the residual stream, the norms, softmax and the loss.
 //
 // Design. The pass rebuilds the node array once, in order: before the first MATMUL that reads a
@@ -81,6 +83,8 @@ bool precision_assign(Graph *g, DType gemm, char *why, size_t n) {
     }
     map[i] = nn;
     nodes[nn] = copy_node(g, o, nn, map);
+    if (o->op == OP_ATTENTION || o->op == OP_ATTENTION_BWD)
+      nodes[nn]->ia[4] = gemm; // its two products read bf16 operands too (mdl.h)
     if (o->op == OP_MATMUL && o->nin == 2)
       for (int k = 0; k < 2; k++)
         nodes[nn]->in[k] = cast[map[o->in[k]]];

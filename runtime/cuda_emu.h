@@ -12,9 +12,11 @@
 // before it resumes a fiber. A fiber runs until it waits: __syncthreads waits until every live thread
 // of the block has arrived, a warp shuffle until every live thread of its warp has put its value in
 // the warp's exchange slots (then reads its partner's, and waits once more so that no slot is
-// overwritten before it is read). A thread that returns stops counting for the barriers; a whole pass
-// over the fibers without any arrival, release or exit is a deadlock and aborts. Blocks are
-// independent, so OpenMP runs them in parallel, each OS thread with its own fibers.
+// overwritten before it is read). The tensor cores' mma.sync is warp-collective the same way: the
+// lanes put their fragments in the warp's slots, wait, each computes its own part of D from the whole
+// A and B, and wait again. A thread that returns stops counting for the barriers; a whole pass over
+// the fibers without any arrival, release or exit is a deadlock and aborts. Blocks are independent,
+// so OpenMP runs them in parallel, each OS thread with its own fibers.
 #ifndef MDL_CUDA_EMU_H
 #define MDL_CUDA_EMU_H
 
@@ -38,6 +40,9 @@ struct uint3 {
 struct dim3 {
   unsigned x, y, z;
 };
+struct __attribute__((aligned(8))) float2 {
+  float x, y;
+};
 struct __attribute__((aligned(16))) float4 {
   float x, y, z, w;
 };
@@ -49,6 +54,7 @@ inline thread_local uint3 threadIdx, blockIdx;
 inline thread_local dim3 blockDim, gridDim;
 static const int warpSize = 32;
 
+inline float2 make_float2(float x, float y) { return float2{x, y}; }
 inline float4 make_float4(float x, float y, float z, float w) { return float4{x, y, z, w}; }
 inline ushort4 make_ushort4(unsigned short x, unsigned short y, unsigned short z, unsigned short w) {
   return ushort4{x, y, z, w};
@@ -107,6 +113,7 @@ struct Block {
   Barrier block;
   Barrier warp[MAX_THREADS / 32];
   uint64_t slot[MAX_THREADS];
+  uint32_t frag[MAX_THREADS][6]; // mma: a lane's A (4 registers) and B (2) fragments
   unsigned long events;
   void (*body)(void *);
   void *ctx;
@@ -229,7 +236,43 @@ template <class T> T exchange(T v, unsigned src) {
   return r;
 }
 
+// mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 (d += A B) with the fragment layout the
+// prelude describes above mdl_mma_bf16_16816: A[r][k] is in lane 4 (r % 8) + (k % 8) / 2, register
+// r / 8 + 2 (k / 8); B[k][n] in lane 4 n + (k % 8) / 2, register k / 8; the half k % 2 (low first).
+// Every lane of the warp must take part, as on the GPU. The products of two bf16 values are exact;
+// they and d are added in double and rounded to f32 once (the GPU adds in an order and precision of
+// its own: the two agree within f32 summation error).
+inline float bf16_half(uint32_t reg, int k) { return __uint_as_float((k & 1 ? reg >> 16 : reg & 0xffffu) << 16); }
+
+inline void mma_bf16_16816(float d[4], const uint32_t a[4], const uint32_t b[2]) {
+  Block *B = blk;
+  int t = B->cur, w = t / 32, base = w * 32, lane = t % 32;
+  memcpy(B->frag[t], a, 4 * sizeof *a);
+  memcpy(B->frag[t] + 4, b, 2 * sizeof *b);
+  wait(B->warp[w]);
+  if (B->warp[w].live != 32) { // (the lanes that returned released the barrier)
+    fprintf(stderr, "cuda_emu: mma.sync in warp %d of block (%u, %u, %u) with %d of its 32 threads\n", w, blockIdx.x,
+            blockIdx.y, blockIdx.z, B->warp[w].live);
+    abort();
+  }
+  const int g = lane >> 2, tq = lane & 3;
+  for (int i = 0; i < 4; i++) {
+    const int r = g + (i >= 2 ? 8 : 0), n = 2 * tq + (i & 1);
+    double s = d[i];
+    for (int k = 0; k < 16; k++)
+      s += (double)bf16_half(B->frag[base + 4 * (r % 8) + (k % 8) / 2][r / 8 + 2 * (k / 8)], k) *
+           bf16_half(B->frag[base + 4 * n + (k % 8) / 2][4 + k / 8], k);
+    d[i] = (float)s;
+  }
+  wait(B->warp[w]);
+}
+
 } // namespace mdl_emu
+
+// The prelude defines mdl_mma_bf16_16816 for the GPU only; this is the emulator's.
+inline void mdl_mma_bf16_16816(float d[4], const uint32_t a[4], const uint32_t b[2]) {
+  mdl_emu::mma_bf16_16816(d, a, b);
+}
 
 inline void __syncthreads() { mdl_emu::wait(mdl_emu::blk->block); }
 

@@ -317,7 +317,7 @@ static void k5_attention_fwd(char *arena, const MdlHooks *h) {
       for (int64_t j = 0; j < 64; j++) {
         const float *xj = b27 + 64 + (b * 64 + j) * 192 + hd * 16;
         for (int64_t c = 0; c < 16; c++)
-          kt[c * 96 + j] = xj[c];
+          kt[c * 96 + j] = mdl_bf16_to_f32(mdl_f32_to_bf16(xj[c]));
       }
       int64_t lo = 0, hi = 64;
       const int32_t *restrict dc = b3 + b * 64;
@@ -329,7 +329,10 @@ static void k5_attention_fwd(char *arena, const MdlHooks *h) {
             lo++;
         }
         hi = i + 1;
-        const float *restrict qi = b27 + (b * 64 + i) * 192 + hd * 16;
+        float qr[16];
+        for (int64_t c = 0; c < 16; c++)
+          qr[c] = mdl_bf16_to_f32(mdl_f32_to_bf16(b27[(b * 64 + i) * 192 + hd * 16 + c]));
+        const float *restrict qi = qr;
         for (int64_t j0 = lo; j0 < hi; j0 += 32) {
           float acc[32] = {0};
           for (int64_t c = 0; c < 16; c++) {
@@ -367,18 +370,18 @@ static void k5_attention_fwd(char *arena, const MdlHooks *h) {
         float acc0[16] = {0}, acc1[16] = {0};
         int64_t j = lo;
         for (; j + 1 < hi; j += 2) {
-          const float w0 = s[j], w1 = s[j + 1], *restrict x0 = b27 + 128 + (b * 64 + j) * 192 + hd * 16, *restrict x1 = x0 + 192;
+          const float w0 = mdl_bf16_to_f32(mdl_f32_to_bf16(s[j])), w1 = mdl_bf16_to_f32(mdl_f32_to_bf16(s[j + 1])), *restrict x0 = b27 + 128 + (b * 64 + j) * 192 + hd * 16, *restrict x1 = x0 + 192;
           #pragma omp simd
           for (int64_t c = 0; c < 16; c++) {
-            acc0[c] += w0 * x0[c];
-            acc1[c] += w1 * x1[c];
+            acc0[c] += w0 * mdl_bf16_to_f32(mdl_f32_to_bf16(x0[c]));
+            acc1[c] += w1 * mdl_bf16_to_f32(mdl_f32_to_bf16(x1[c]));
           }
         }
         if (j < hi) {
-          const float w0 = s[j], *restrict x0 = b27 + 128 + (b * 64 + j) * 192 + hd * 16;
+          const float w0 = mdl_bf16_to_f32(mdl_f32_to_bf16(s[j])), *restrict x0 = b27 + 128 + (b * 64 + j) * 192 + hd * 16;
           #pragma omp simd
           for (int64_t c = 0; c < 16; c++)
-            acc0[c] += w0 * x0[c];
+            acc0[c] += w0 * mdl_bf16_to_f32(mdl_f32_to_bf16(x0[c]));
         }
         float *restrict oi = b31 + (b * 64 + i) * 64 + hd * 16;
         for (int64_t c = 0; c < 16; c++)
@@ -703,7 +706,7 @@ static void k17_attention_fwd(char *arena, const MdlHooks *h) {
       for (int64_t j = 0; j < 64; j++) {
         const float *xj = b72 + 64 + (b * 64 + j) * 192 + hd * 16;
         for (int64_t c = 0; c < 16; c++)
-          kt[c * 96 + j] = xj[c];
+          kt[c * 96 + j] = mdl_bf16_to_f32(mdl_f32_to_bf16(xj[c]));
       }
       int64_t lo = 0, hi = 64;
       const int32_t *restrict dc = b3 + b * 64;
@@ -715,7 +718,10 @@ static void k17_attention_fwd(char *arena, const MdlHooks *h) {
             lo++;
         }
         hi = i + 1;
-        const float *restrict qi = b72 + (b * 64 + i) * 192 + hd * 16;
+        float qr[16];
+        for (int64_t c = 0; c < 16; c++)
+          qr[c] = mdl_bf16_to_f32(mdl_f32_to_bf16(b72[(b * 64 + i) * 192 + hd * 16 + c]));
+        const float *restrict qi = qr;
         for (int64_t j0 = lo; j0 < hi; j0 += 32) {
           float acc[32] = {0};
           for (int64_t c = 0; c < 16; c++) {
@@ -753,18 +759,18 @@ static void k17_attention_fwd(char *arena, const MdlHooks *h) {
         float acc0[16] = {0}, acc1[16] = {0};
         int64_t j = lo;
         for (; j + 1 < hi; j += 2) {
-          const float w0 = s[j], w1 = s[j + 1], *restrict x0 = b72 + 128 + (b * 64 + j) * 192 + hd * 16, *restrict x1 = x0 + 192;
+          const float w0 = mdl_bf16_to_f32(mdl_f32_to_bf16(s[j])), w1 = mdl_bf16_to_f32(mdl_f32_to_bf16(s[j + 1])), *restrict x0 = b72 + 128 + (b * 64 + j) * 192 + hd * 16, *restrict x1 = x0 + 192;
           #pragma omp simd
           for (int64_t c = 0; c < 16; c++) {
-            acc0[c] += w0 * x0[c];
-            acc1[c] += w1 * x1[c];
+            acc0[c] += w0 * mdl_bf16_to_f32(mdl_f32_to_bf16(x0[c]));
+            acc1[c] += w1 * mdl_bf16_to_f32(mdl_f32_to_bf16(x1[c]));
           }
         }
         if (j < hi) {
-          const float w0 = s[j], *restrict x0 = b72 + 128 + (b * 64 + j) * 192 + hd * 16;
+          const float w0 = mdl_bf16_to_f32(mdl_f32_to_bf16(s[j])), *restrict x0 = b72 + 128 + (b * 64 + j) * 192 + hd * 16;
           #pragma omp simd
           for (int64_t c = 0; c < 16; c++)
-            acc0[c] += w0 * x0[c];
+            acc0[c] += w0 * mdl_bf16_to_f32(mdl_f32_to_bf16(x0[c]));
         }
         float *restrict oi = b76 + (b * 64 + i) * 64 + hd * 16;
         for (int64_t c = 0; c < 16; c++)
@@ -1542,12 +1548,12 @@ static void k43_attention_bwd(char *arena, const MdlHooks *h) {
       for (int64_t j = 0; j < 64; j++) {
         const float *xj = b72 + 64 + (b * 64 + j) * 192 + hd * 16;
         for (int64_t c = 0; c < 16; c++)
-          kt[c * 96 + j] = xj[c];
+          kt[c * 96 + j] = mdl_bf16_to_f32(mdl_f32_to_bf16(xj[c]));
       }
       for (int64_t j = 0; j < 64; j++) {
         const float *xj = b72 + 128 + (b * 64 + j) * 192 + hd * 16;
         for (int64_t c = 0; c < 16; c++)
-          vt[c * 96 + j] = xj[c];
+          vt[c * 96 + j] = mdl_bf16_to_f32(mdl_f32_to_bf16(xj[c]));
       }
       memset(dkh, 0, 1024 * sizeof(float));
       memset(dvh, 0, 1024 * sizeof(float));
@@ -1561,7 +1567,10 @@ static void k43_attention_bwd(char *arena, const MdlHooks *h) {
             lo++;
         }
         hi = i + 1;
-        const float *restrict qi = b72 + (b * 64 + i) * 192 + hd * 16;
+        float qr[16];
+        for (int64_t c = 0; c < 16; c++)
+          qr[c] = mdl_bf16_to_f32(mdl_f32_to_bf16(b72[(b * 64 + i) * 192 + hd * 16 + c]));
+        const float *restrict qi = qr;
         for (int64_t j0 = lo; j0 < hi; j0 += 32) {
           float acc[32] = {0};
           for (int64_t c = 0; c < 16; c++) {
@@ -1634,15 +1643,15 @@ static void k43_attention_bwd(char *arena, const MdlHooks *h) {
           const float w0 = dp[j], w1 = dp[j + 1], *restrict x0 = b72 + 64 + (b * 64 + j) * 192 + hd * 16, *restrict x1 = x0 + 192;
           #pragma omp simd
           for (int64_t c = 0; c < 16; c++) {
-            dqi0[c] += w0 * x0[c];
-            dqi1[c] += w1 * x1[c];
+            dqi0[c] += w0 * mdl_bf16_to_f32(mdl_f32_to_bf16(x0[c]));
+            dqi1[c] += w1 * mdl_bf16_to_f32(mdl_f32_to_bf16(x1[c]));
           }
         }
         if (j < hi) {
           const float w0 = dp[j], *restrict x0 = b72 + 64 + (b * 64 + j) * 192 + hd * 16;
           #pragma omp simd
           for (int64_t c = 0; c < 16; c++)
-            dqi0[c] += w0 * x0[c];
+            dqi0[c] += w0 * mdl_bf16_to_f32(mdl_f32_to_bf16(x0[c]));
         }
         float sqi[16];
         for (int64_t c = 0; c < 16; c++)
@@ -2196,12 +2205,12 @@ static void k61_attention_bwd(char *arena, const MdlHooks *h) {
       for (int64_t j = 0; j < 64; j++) {
         const float *xj = b27 + 64 + (b * 64 + j) * 192 + hd * 16;
         for (int64_t c = 0; c < 16; c++)
-          kt[c * 96 + j] = xj[c];
+          kt[c * 96 + j] = mdl_bf16_to_f32(mdl_f32_to_bf16(xj[c]));
       }
       for (int64_t j = 0; j < 64; j++) {
         const float *xj = b27 + 128 + (b * 64 + j) * 192 + hd * 16;
         for (int64_t c = 0; c < 16; c++)
-          vt[c * 96 + j] = xj[c];
+          vt[c * 96 + j] = mdl_bf16_to_f32(mdl_f32_to_bf16(xj[c]));
       }
       memset(dkh, 0, 1024 * sizeof(float));
       memset(dvh, 0, 1024 * sizeof(float));
@@ -2215,7 +2224,10 @@ static void k61_attention_bwd(char *arena, const MdlHooks *h) {
             lo++;
         }
         hi = i + 1;
-        const float *restrict qi = b27 + (b * 64 + i) * 192 + hd * 16;
+        float qr[16];
+        for (int64_t c = 0; c < 16; c++)
+          qr[c] = mdl_bf16_to_f32(mdl_f32_to_bf16(b27[(b * 64 + i) * 192 + hd * 16 + c]));
+        const float *restrict qi = qr;
         for (int64_t j0 = lo; j0 < hi; j0 += 32) {
           float acc[32] = {0};
           for (int64_t c = 0; c < 16; c++) {
@@ -2288,15 +2300,15 @@ static void k61_attention_bwd(char *arena, const MdlHooks *h) {
           const float w0 = dp[j], w1 = dp[j + 1], *restrict x0 = b27 + 64 + (b * 64 + j) * 192 + hd * 16, *restrict x1 = x0 + 192;
           #pragma omp simd
           for (int64_t c = 0; c < 16; c++) {
-            dqi0[c] += w0 * x0[c];
-            dqi1[c] += w1 * x1[c];
+            dqi0[c] += w0 * mdl_bf16_to_f32(mdl_f32_to_bf16(x0[c]));
+            dqi1[c] += w1 * mdl_bf16_to_f32(mdl_f32_to_bf16(x1[c]));
           }
         }
         if (j < hi) {
           const float w0 = dp[j], *restrict x0 = b27 + 64 + (b * 64 + j) * 192 + hd * 16;
           #pragma omp simd
           for (int64_t c = 0; c < 16; c++)
-            dqi0[c] += w0 * x0[c];
+            dqi0[c] += w0 * mdl_bf16_to_f32(mdl_f32_to_bf16(x0[c]));
         }
         float sqi[16];
         for (int64_t c = 0; c < 16; c++)

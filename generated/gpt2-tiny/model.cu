@@ -94,6 +94,39 @@ __device__ __forceinline__ uint16_t mdl_f32_to_bf16(float x) {
 
 __device__ __forceinline__ float mdl_bf16_to_f32(uint16_t h) { return __uint_as_float((uint32_t)h << 16); }
 
+// Two floats rounded to bf16 and packed into one register, lo in the low half (the order of the
+// elements of an mma fragment). On the GPU one cvt.rn.bf16x2.f32 (its second source is the low
+// half), which rounds as mdl_f32_to_bf16 does but may give a NaN other bits.
+__device__ __forceinline__ uint32_t mdl_bf16x2(float lo, float hi) {
+#if defined(__CUDA_ARCH__)
+  uint32_t r;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  return r;
+#else
+  return (uint32_t)mdl_f32_to_bf16(lo) | (uint32_t)mdl_f32_to_bf16(hi) << 16;
+#endif
+}
+
+// Tensor cores (sm_80 and later): d += A B for one 16 x 8 tile, A 16 x 16 bf16 (row-major), B 16 x 8
+// bf16 (column-major), d f32, computed by the warp together: every lane passes its fragments of A
+// and B and gets its four elements of d. With g = lane >> 2 and t = lane & 3, a lane holds (PTX ISA,
+// "Matrix Fragments for mma.m16n8k16 with floating point type"; a register holds two bf16, the
+// lower column or row in its low half):
+//   a[0] = A[g][2t, 2t+1]    a[1] = A[g+8][2t, 2t+1]    a[2] = A[g][2t+8, 2t+9]    a[3] = A[g+8][2t+8, 2t+9]
+//   b[0] = B[2t, 2t+1][g]    b[1] = B[2t+8, 2t+9][g]
+//   d[0], d[1] = D[g][2t], D[g][2t+1]    d[2], d[3] = D[g+8][2t], D[g+8][2t+1]
+// So the accumulators of two adjacent tiles (columns 0-7, then 8-15), rounded and packed in pairs, are
+// the A fragment of one k16 step: a[0], a[1] from the first's (d[0], d[1]), (d[2], d[3]); a[2], a[3]
+// from the second's. The CUDA emulator (runtime/cuda_emu.h) has its own definition.
+#if defined(__CUDA_ARCH__)
+__device__ __forceinline__ void mdl_mma_bf16_16816(float d[4], const uint32_t a[4], const uint32_t b[2]) {
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+               "{%8, %9}, {%0, %1, %2, %3};"
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+#endif
+
 // fp8 <-> f32 in the two OCP formats of Hopper's tensor cores: E4M3 (bias 7, no infinity, S.1111.111
 // is NaN, largest 448) and E5M2 (bias 15, IEEE-like, largest 57344). To fp8: round to nearest, ties
 // to even, subnormals exact, -0 kept; beyond the largest finite value (infinity too) saturate to it
@@ -348,93 +381,144 @@ extern "C" __global__ void __launch_bounds__(256) k3_cast(char *arena, MdlStatus
 // k5_attention_fwd: attention, 1 op
 //   %31    attention                               line 39    f32[8,64,64]
 // runs:
-//   k5_attention_fwd<<<128, 128>>>
+//   k5_attention_fwd<<<32, 128>>>
 
-// attention: B 8, T 64, 4 heads of 16, causal, within documents; a block per (batch, head, 16 queries), keys in tiles of 32
+// attention on tensor cores: B 8, T 64, 4 heads of 16, causal, within documents; a block of 4 warps per (batch, head, 64 queries), 16 query rows per warp, keys in tiles of 64; bf16 products (mma m16n8k16), f32 softmax
 extern "C" __global__ void __launch_bounds__(128) k5_attention_fwd(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
   float *const b0 = (float *)(arena + o.b[0]); // add f32[8,64,192]
   int32_t *const b1 = (int32_t *)(arena + o.b[1]); // input i32[8,64]
   float *const b2 = (float *)(arena + o.b[2]); // attention f32[8,64,64]
-  __shared__ float Qs[16][16];
-  __shared__ float Ks[32][17], Vs[32][17];
-  __shared__ int32_t Dk[32];
-  const int w = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int b = blockIdx.x / 16, hd = blockIdx.x / 4 % 4, q0 = blockIdx.x % 4 * 16;
-  for (int u = threadIdx.x; u < 256; u += 128) {
-    const int i = u / 16, c = u % 16;
-    const bool in = q0 + i < 64;
-    Qs[i][c] = in ? b0[(b * 64 + q0 + i) * 192 + hd * 16 + c] : 0.0f;
-  }
-  float m[4], l[4], acc[4][1];
-  int32_t di[4];
+  __shared__ uint32_t Ks[64][12]; // keys of the tile, channels in bf16 pairs
+  __shared__ uint16_t Vs[64][24]; // values of the tile, bf16
+  __shared__ int32_t Dk[64];
+  const int w = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tq = lane & 3;
+  const int b = blockIdx.x / 4, hd = blockIdx.x / 1 % 4, q0 = blockIdx.x % 1 * 64;
+  // The lane's query rows: r0 (accumulators 0 and 1 of a tile) and r1 (2 and 3).
+  const int r0 = q0 + 16 * w + g, r1 = r0 + 8;
+  // Q as the A fragments of the k16 steps over the channels, rounded once; 0 beyond T.
+  uint32_t qa[1][4];
   #pragma unroll
-  for (int rr = 0; rr < 4; rr++) {
-    const int i = q0 + w + 4 * rr;
-    m[rr] = -MDL_INF;
-    l[rr] = 0.0f;
-    di[rr] = i < 64 ? b1[b * 64 + i] : 0;
-    #pragma unroll
-    for (int t = 0; t < 1; t++)
-      acc[rr][t] = 0.0f;
+  for (int k = 0; k < 1; k++) {
+    const int c = 16 * k + 2 * tq;
+    qa[k][0] = r0 < 64 ? mdl_bf16x2(b0[(b * 64 + r0) * 192 + hd * 16 + c], b0[(b * 64 + r0) * 192 + hd * 16 + c + 1]) : 0u;
+    qa[k][1] = r1 < 64 ? mdl_bf16x2(b0[(b * 64 + r1) * 192 + hd * 16 + c], b0[(b * 64 + r1) * 192 + hd * 16 + c + 1]) : 0u;
+    qa[k][2] = r0 < 64 ? mdl_bf16x2(b0[(b * 64 + r0) * 192 + hd * 16 + c + 8], b0[(b * 64 + r0) * 192 + hd * 16 + c + 9]) : 0u;
+    qa[k][3] = r1 < 64 ? mdl_bf16x2(b0[(b * 64 + r1) * 192 + hd * 16 + c + 8], b0[(b * 64 + r1) * 192 + hd * 16 + c + 9]) : 0u;
   }
-  const int kend = q0 + 16 < 64 ? q0 + 16 : 64;
-  for (int k0 = 0; k0 < kend; k0 += 32) {
+  const int32_t d0 = r0 < 64 ? b1[b * 64 + r0] : 0, d1 = r1 < 64 ? b1[b * 64 + r1] : 0;
+  // Per row: the running maximum m and this lane's part of the sum l; acc[n]: the output's
+  // channels 8 n .. 8 n + 7 (accumulators).
+  float m0 = -MDL_INF, m1 = -MDL_INF, l0 = 0.0f, l1 = 0.0f, acc[2][4];
+  #pragma unroll
+  for (int n = 0; n < 2; n++)
+    acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
+  const int kend = q0 + 64 < 64 ? q0 + 64 : 64; // later keys are masked for every row
+  for (int k0 = 0; k0 < kend; k0 += 64) {
     __syncthreads();
-    for (int u = threadIdx.x; u < 512; u += 128) {
-      const int jj = u / 16, c = u % 16;
+    // The tile's keys and values, rounded to bf16; 0 beyond T.
+    for (int u = threadIdx.x; u < 256; u += 128) {
+      const int jj = u / 4, c = u % 4 * 4;
       const bool in = k0 + jj < 64;
-      Ks[jj][c] = in ? (b0 + 64)[(b * 64 + k0 + jj) * 192 + hd * 16 + c] : 0.0f;
-      Vs[jj][c] = in ? (b0 + 128)[(b * 64 + k0 + jj) * 192 + hd * 16 + c] : 0.0f;
+      const float4 kx = in ? *(const float4 *)&(b0 + 64)[(b * 64 + k0 + jj) * 192 + hd * 16 + c] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+      const float4 vx = in ? *(const float4 *)&(b0 + 128)[(b * 64 + k0 + jj) * 192 + hd * 16 + c] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+      Ks[jj][c / 2] = mdl_bf16x2(kx.x, kx.y);
+      Ks[jj][c / 2 + 1] = mdl_bf16x2(kx.z, kx.w);
+      Vs[jj][c] = mdl_f32_to_bf16(vx.x);
+      Vs[jj][c + 1] = mdl_f32_to_bf16(vx.y);
+      Vs[jj][c + 2] = mdl_f32_to_bf16(vx.z);
+      Vs[jj][c + 3] = mdl_f32_to_bf16(vx.w);
     }
-    if (threadIdx.x < 32)
+    if (threadIdx.x < 64)
       Dk[threadIdx.x] = k0 + threadIdx.x < 64 ? b1[b * 64 + k0 + threadIdx.x] : 0;
     __syncthreads();
+    // S = Q K^T: s[n] holds keys k0 + 8 n .. k0 + 8 n + 7; the B fragment of step k is key 8 n + g,
+    // channels 16 k + 2 tq, + 1 and 8 further.
+    float s[8][4];
     #pragma unroll
-    for (int rr = 0; rr < 4; rr++) {
-      const int ii = w + 4 * rr;
-      const int i = q0 + ii, j = k0 + lane;
-      if (i >= 64)
-        continue;
-      const bool ok = j < 64 && j <= i && Dk[lane] == di[rr];
-      float s = -MDL_INF;
-      if (ok) {
-        float dot = 0.0f;
-        #pragma unroll 8
-        for (int c = 0; c < 16; c++)
-          dot += Qs[ii][c] * Ks[lane][c];
-        s = dot * 0.25f;
-      }
-      const float bm = mdl_warp_fmax(s);
-      if (bm == -MDL_INF)
-        continue;
-      const float mn = fmaxf(m[rr], bm), corr = expf(m[rr] - mn);
-      const float p = ok ? expf(s - mn) : 0.0f;
-      l[rr] = l[rr] * corr + mdl_warp_sumf(p);
-      m[rr] = mn;
+    for (int n = 0; n < 8; n++) {
+      s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
       #pragma unroll
-      for (int t = 0; t < 1; t++)
-        acc[rr][t] *= corr;
-      #pragma unroll 4
-      for (int jj = 0; jj < 32; jj++) {
-        const float pj = __shfl_sync(MDL_FULL, p, jj);
-        #pragma unroll
-        for (int t = 0; t < 1; t++)
-          if (lane + 32 * t < 16)
-            acc[rr][t] += pj * Vs[jj][lane + 32 * t];
+      for (int k = 0; k < 1; k++) {
+        const uint32_t kb[2] = {Ks[8 * n + g][8 * k + tq], Ks[8 * n + g][8 * k + tq + 4]};
+        mdl_mma_bf16_16816(s[n], qa[k], kb);
+      }
+      #pragma unroll
+      for (int x = 0; x < 4; x++)
+        s[n][x] *= 0.25f;
+    }
+    // Keys the row may not see get -inf.
+    #pragma unroll
+    for (int n = 0; n < 8; n++) {
+      #pragma unroll
+      for (int x = 0; x < 4; x++) {
+        const int i = x < 2 ? r0 : r1, j = k0 + 8 * n + 2 * tq + (x & 1);
+        if (!(j < 64 && j <= i && Dk[j - k0] == (x < 2 ? d0 : d1)))
+          s[n][x] = -MDL_INF;
+      }
+    }
+    // The rows' maxima over the tile: the lane's, then its quad's (lanes 4 g .. 4 g + 3 share r0).
+    float x0 = -MDL_INF, x1 = -MDL_INF;
+    #pragma unroll
+    for (int n = 0; n < 8; n++) {
+      x0 = fmaxf(x0, fmaxf(s[n][0], s[n][1]));
+      x1 = fmaxf(x1, fmaxf(s[n][2], s[n][3]));
+    }
+    x0 = fmaxf(x0, __shfl_xor_sync(MDL_FULL, x0, 1));
+    x0 = fmaxf(x0, __shfl_xor_sync(MDL_FULL, x0, 2));
+    x1 = fmaxf(x1, __shfl_xor_sync(MDL_FULL, x1, 1));
+    x1 = fmaxf(x1, __shfl_xor_sync(MDL_FULL, x1, 2));
+    // The new maxima; a row that has seen no key yet subtracts 0, not -inf (its e are 0).
+    // What earlier tiles summed is rescaled by exp(m - m_new).
+    const float mn0 = fmaxf(m0, x0), mn1 = fmaxf(m1, x1);
+    const float z0 = mn0 == -MDL_INF ? 0.0f : mn0, z1 = mn1 == -MDL_INF ? 0.0f : mn1;
+    const float c0 = expf(m0 - z0), c1 = expf(m1 - z1);
+    m0 = mn0;
+    m1 = mn1;
+    l0 *= c0;
+    l1 *= c1;
+    #pragma unroll
+    for (int n = 0; n < 2; n++) {
+      acc[n][0] *= c0;
+      acc[n][1] *= c0;
+      acc[n][2] *= c1;
+      acc[n][3] *= c1;
+    }
+    // e = exp(S - m) goes into l as it is; rounded to bf16, tiles 2 k and 2 k + 1 of S are the A
+    // fragment of step k of O += P V, whose B fragment is keys 16 k + 2 tq, + 1 and 8 further of
+    // channel 8 n + g.
+    #pragma unroll
+    for (int k = 0; k < 4; k++) {
+      uint32_t pa[4];
+      #pragma unroll
+      for (int h = 0; h < 2; h++) {
+        const float e0 = expf(s[2 * k + h][0] - z0), e1 = expf(s[2 * k + h][1] - z0);
+        const float e2 = expf(s[2 * k + h][2] - z1), e3 = expf(s[2 * k + h][3] - z1);
+        l0 += e0 + e1;
+        l1 += e2 + e3;
+        pa[2 * h] = mdl_bf16x2(e0, e1);
+        pa[2 * h + 1] = mdl_bf16x2(e2, e3);
+      }
+      #pragma unroll
+      for (int n = 0; n < 2; n++) {
+        const int j = 16 * k + 2 * tq, c = 8 * n + g;
+        const uint32_t vb[2] = {Vs[j][c] | (uint32_t)Vs[j + 1][c] << 16,
+                                Vs[j + 8][c] | (uint32_t)Vs[j + 9][c] << 16};
+        mdl_mma_bf16_16816(acc[n], pa, vb);
       }
     }
   }
+  // l: the sum of the quad's four parts; out = O / l (O: acc).
+  l0 += __shfl_xor_sync(MDL_FULL, l0, 1);
+  l0 += __shfl_xor_sync(MDL_FULL, l0, 2);
+  l1 += __shfl_xor_sync(MDL_FULL, l1, 1);
+  l1 += __shfl_xor_sync(MDL_FULL, l1, 2);
   #pragma unroll
-  for (int rr = 0; rr < 4; rr++) {
-    const int i = q0 + w + 4 * rr;
-    if (i >= 64)
-      continue;
-    #pragma unroll
-    for (int t = 0; t < 1; t++) {
-      const int c = lane + 32 * t;
-      if (c < 16)
-        b2[(b * 64 + i) * 64 + hd * 16 + c] = acc[rr][t] / l[rr];
-    }
+  for (int n = 0; n < 2; n++) {
+    const int c = 8 * n + 2 * tq;
+    if (r0 < 64)
+      *(float2 *)&b2[(b * 64 + r0) * 64 + hd * 16 + c] = make_float2(acc[n][0] / l0, acc[n][1] / l0);
+    if (r1 < 64)
+      *(float2 *)&b2[(b * 64 + r1) * 64 + hd * 16 + c] = make_float2(acc[n][2] / l1, acc[n][3] / l1);
   }
 }
 
@@ -649,7 +733,7 @@ extern "C" __global__ void __launch_bounds__(256) k12_cast(char *arena, MdlStatu
 // k17_attention_fwd: attention, 1 op
 //   %76    attention                               line 39    f32[8,64,64]
 // runs:
-//   k5_attention_fwd<<<128, 128>>>
+//   k5_attention_fwd<<<32, 128>>>
 
 // k18_cast: kernel, 1 op
 //   %78    cast                                    line 39    bf16[512,64]
@@ -1211,7 +1295,7 @@ extern "C" __global__ void __launch_bounds__(128) k43_attention_bwd_stats(char *
   for (int u = threadIdx.x; u < 256; u += 128) {
     const int i = u / 16, c = u % 16;
     const bool in = q0 + i < 64;
-    Qs[i][c] = in ? b2[(b * 64 + q0 + i) * 192 + hd * 16 + c] : 0.0f;
+    Qs[i][c] = in ? mdl_bf16_to_f32(mdl_f32_to_bf16(b2[(b * 64 + q0 + i) * 192 + hd * 16 + c])) : 0.0f;
   }
   float m[4], l[4], acc[4][1];
   int32_t di[4];
@@ -1231,8 +1315,8 @@ extern "C" __global__ void __launch_bounds__(128) k43_attention_bwd_stats(char *
     for (int u = threadIdx.x; u < 512; u += 128) {
       const int jj = u / 16, c = u % 16;
       const bool in = k0 + jj < 64;
-      Ks[jj][c] = in ? (b2 + 64)[(b * 64 + k0 + jj) * 192 + hd * 16 + c] : 0.0f;
-      Vs[jj][c] = in ? (b2 + 128)[(b * 64 + k0 + jj) * 192 + hd * 16 + c] : 0.0f;
+      Ks[jj][c] = in ? mdl_bf16_to_f32(mdl_f32_to_bf16((b2 + 64)[(b * 64 + k0 + jj) * 192 + hd * 16 + c])) : 0.0f;
+      Vs[jj][c] = in ? mdl_bf16_to_f32(mdl_f32_to_bf16((b2 + 128)[(b * 64 + k0 + jj) * 192 + hd * 16 + c])) : 0.0f;
     }
     if (threadIdx.x < 32)
       Dk[threadIdx.x] = k0 + threadIdx.x < 64 ? b3[b * 64 + k0 + threadIdx.x] : 0;
@@ -1309,7 +1393,7 @@ extern "C" __global__ void __launch_bounds__(128) k43_attention_bwd_dq(char *are
   for (int u = threadIdx.x; u < 256; u += 128) {
     const int i = u / 16, c = u % 16;
     const bool in = q0 + i < 64;
-    Qs[i][c] = in ? b2[(b * 64 + q0 + i) * 192 + hd * 16 + c] : 0.0f;
+    Qs[i][c] = in ? mdl_bf16_to_f32(mdl_f32_to_bf16(b2[(b * 64 + q0 + i) * 192 + hd * 16 + c])) : 0.0f;
     Os[i][c] = in ? b3[(b * 64 + q0 + i) * 64 + hd * 16 + c] : 0.0f;
   }
   float acc[4][1], lr[4], sr[4];
@@ -1330,8 +1414,8 @@ extern "C" __global__ void __launch_bounds__(128) k43_attention_bwd_dq(char *are
     for (int u = threadIdx.x; u < 512; u += 128) {
       const int jj = u / 16, c = u % 16;
       const bool in = k0 + jj < 64;
-      Ks[jj][c] = in ? (b2 + 64)[(b * 64 + k0 + jj) * 192 + hd * 16 + c] : 0.0f;
-      Vs[jj][c] = in ? (b2 + 128)[(b * 64 + k0 + jj) * 192 + hd * 16 + c] : 0.0f;
+      Ks[jj][c] = in ? mdl_bf16_to_f32(mdl_f32_to_bf16((b2 + 64)[(b * 64 + k0 + jj) * 192 + hd * 16 + c])) : 0.0f;
+      Vs[jj][c] = in ? mdl_bf16_to_f32(mdl_f32_to_bf16((b2 + 128)[(b * 64 + k0 + jj) * 192 + hd * 16 + c])) : 0.0f;
     }
     if (threadIdx.x < 32)
       Dk[threadIdx.x] = k0 + threadIdx.x < 64 ? b4[b * 64 + k0 + threadIdx.x] : 0;
@@ -1402,8 +1486,8 @@ extern "C" __global__ void __launch_bounds__(32) k43_attention_bwd_dkv(char *are
   for (int u = lane; u < 512; u += 32) {
     const int jj = u / 16, c = u % 16;
     const bool in = k0 + jj < 64;
-    Ks[jj][c] = in ? (b2 + 64)[(b * 64 + k0 + jj) * 192 + hd * 16 + c] : 0.0f;
-    Vs[jj][c] = in ? (b2 + 128)[(b * 64 + k0 + jj) * 192 + hd * 16 + c] : 0.0f;
+    Ks[jj][c] = in ? mdl_bf16_to_f32(mdl_f32_to_bf16((b2 + 64)[(b * 64 + k0 + jj) * 192 + hd * 16 + c])) : 0.0f;
+    Vs[jj][c] = in ? mdl_bf16_to_f32(mdl_f32_to_bf16((b2 + 128)[(b * 64 + k0 + jj) * 192 + hd * 16 + c])) : 0.0f;
   }
   Dk[lane] = j < 64 ? b3[b * 64 + j] : 0;
   float dka[16];
@@ -1416,7 +1500,7 @@ extern "C" __global__ void __launch_bounds__(32) k43_attention_bwd_dkv(char *are
     for (int u = lane; u < 512; u += 32) {
       const int ii = u / 16, c = u % 16;
       const bool in = i0 + ii < 64;
-      Qs[ii][c] = in ? b2[(b * 64 + i0 + ii) * 192 + hd * 16 + c] : 0.0f;
+      Qs[ii][c] = in ? mdl_bf16_to_f32(mdl_f32_to_bf16(b2[(b * 64 + i0 + ii) * 192 + hd * 16 + c])) : 0.0f;
       Os[ii][c] = in ? b4[(b * 64 + i0 + ii) * 64 + hd * 16 + c] : 0.0f;
     }
     for (int u = lane; u < 32; u += 32) {

@@ -317,7 +317,7 @@ static void k5_attention_fwd(char *arena, const MdlHooks *h) {
       for (int64_t j = 0; j < 1024; j++) {
         const float *xj = b27 + 768 + (b * 1024 + j) * 2304 + hd * 64;
         for (int64_t c = 0; c < 64; c++)
-          kt[c * 1056 + j] = xj[c];
+          kt[c * 1056 + j] = mdl_bf16_to_f32(mdl_f32_to_bf16(xj[c]));
       }
       int64_t lo = 0, hi = 1024;
       const int32_t *restrict dc = b3 + b * 1024;
@@ -329,7 +329,10 @@ static void k5_attention_fwd(char *arena, const MdlHooks *h) {
             lo++;
         }
         hi = i + 1;
-        const float *restrict qi = b27 + (b * 1024 + i) * 2304 + hd * 64;
+        float qr[64];
+        for (int64_t c = 0; c < 64; c++)
+          qr[c] = mdl_bf16_to_f32(mdl_f32_to_bf16(b27[(b * 1024 + i) * 2304 + hd * 64 + c]));
+        const float *restrict qi = qr;
         for (int64_t j0 = lo; j0 < hi; j0 += 32) {
           float acc[32] = {0};
           for (int64_t c = 0; c < 64; c++) {
@@ -367,18 +370,18 @@ static void k5_attention_fwd(char *arena, const MdlHooks *h) {
         float acc0[64] = {0}, acc1[64] = {0};
         int64_t j = lo;
         for (; j + 1 < hi; j += 2) {
-          const float w0 = s[j], w1 = s[j + 1], *restrict x0 = b27 + 1536 + (b * 1024 + j) * 2304 + hd * 64, *restrict x1 = x0 + 2304;
+          const float w0 = mdl_bf16_to_f32(mdl_f32_to_bf16(s[j])), w1 = mdl_bf16_to_f32(mdl_f32_to_bf16(s[j + 1])), *restrict x0 = b27 + 1536 + (b * 1024 + j) * 2304 + hd * 64, *restrict x1 = x0 + 2304;
           #pragma omp simd
           for (int64_t c = 0; c < 64; c++) {
-            acc0[c] += w0 * x0[c];
-            acc1[c] += w1 * x1[c];
+            acc0[c] += w0 * mdl_bf16_to_f32(mdl_f32_to_bf16(x0[c]));
+            acc1[c] += w1 * mdl_bf16_to_f32(mdl_f32_to_bf16(x1[c]));
           }
         }
         if (j < hi) {
-          const float w0 = s[j], *restrict x0 = b27 + 1536 + (b * 1024 + j) * 2304 + hd * 64;
+          const float w0 = mdl_bf16_to_f32(mdl_f32_to_bf16(s[j])), *restrict x0 = b27 + 1536 + (b * 1024 + j) * 2304 + hd * 64;
           #pragma omp simd
           for (int64_t c = 0; c < 64; c++)
-            acc0[c] += w0 * x0[c];
+            acc0[c] += w0 * mdl_bf16_to_f32(mdl_f32_to_bf16(x0[c]));
         }
         float *restrict oi = b31 + (b * 1024 + i) * 768 + hd * 64;
         for (int64_t c = 0; c < 64; c++)
@@ -703,7 +706,7 @@ static void k17_attention_fwd(char *arena, const MdlHooks *h) {
       for (int64_t j = 0; j < 1024; j++) {
         const float *xj = b72 + 768 + (b * 1024 + j) * 2304 + hd * 64;
         for (int64_t c = 0; c < 64; c++)
-          kt[c * 1056 + j] = xj[c];
+          kt[c * 1056 + j] = mdl_bf16_to_f32(mdl_f32_to_bf16(xj[c]));
       }
       int64_t lo = 0, hi = 1024;
       const int32_t *restrict dc = b3 + b * 1024;
@@ -715,7 +718,10 @@ static void k17_attention_fwd(char *arena, const MdlHooks *h) {
             lo++;
         }
         hi = i + 1;
-        const float *restrict qi = b72 + (b * 1024 + i) * 2304 + hd * 64;
+        float qr[64];
+        for (int64_t c = 0; c < 64; c++)
+          qr[c] = mdl_bf16_to_f32(mdl_f32_to_bf16(b72[(b * 1024 + i) * 2304 + hd * 64 + c]));
+        const float *restrict qi = qr;
         for (int64_t j0 = lo; j0 < hi; j0 += 32) {
           float acc[32] = {0};
           for (int64_t c = 0; c < 64; c++) {
@@ -753,18 +759,18 @@ static void k17_attention_fwd(char *arena, const MdlHooks *h) {
         float acc0[64] = {0}, acc1[64] = {0};
         int64_t j = lo;
         for (; j + 1 < hi; j += 2) {
-          const float w0 = s[j], w1 = s[j + 1], *restrict x0 = b72 + 1536 + (b * 1024 + j) * 2304 + hd * 64, *restrict x1 = x0 + 2304;
+          const float w0 = mdl_bf16_to_f32(mdl_f32_to_bf16(s[j])), w1 = mdl_bf16_to_f32(mdl_f32_to_bf16(s[j + 1])), *restrict x0 = b72 + 1536 + (b * 1024 + j) * 2304 + hd * 64, *restrict x1 = x0 + 2304;
           #pragma omp simd
           for (int64_t c = 0; c < 64; c++) {
-            acc0[c] += w0 * x0[c];
-            acc1[c] += w1 * x1[c];
+            acc0[c] += w0 * mdl_bf16_to_f32(mdl_f32_to_bf16(x0[c]));
+            acc1[c] += w1 * mdl_bf16_to_f32(mdl_f32_to_bf16(x1[c]));
           }
         }
         if (j < hi) {
-          const float w0 = s[j], *restrict x0 = b72 + 1536 + (b * 1024 + j) * 2304 + hd * 64;
+          const float w0 = mdl_bf16_to_f32(mdl_f32_to_bf16(s[j])), *restrict x0 = b72 + 1536 + (b * 1024 + j) * 2304 + hd * 64;
           #pragma omp simd
           for (int64_t c = 0; c < 64; c++)
-            acc0[c] += w0 * x0[c];
+            acc0[c] += w0 * mdl_bf16_to_f32(mdl_f32_to_bf16(x0[c]));
         }
         float *restrict oi = b76 + (b * 1024 + i) * 768 + hd * 64;
         for (int64_t c = 0; c < 64; c++)
@@ -1089,7 +1095,7 @@ static void k29_attention_fwd(char *arena, const MdlHooks *h) {
       for (int64_t j = 0; j < 1024; j++) {
         const float *xj = b117 + 768 + (b * 1024 + j) * 2304 + hd * 64;
         for (int64_t c = 0; c < 64; c++)
-          kt[c * 1056 + j] = xj[c];
+          kt[c * 1056 + j] = mdl_bf16_to_f32(mdl_f32_to_bf16(xj[c]));
       }
       int64_t lo = 0, hi = 1024;
       const int32_t *restrict dc = b3 + b * 1024;
@@ -1101,7 +1107,10 @@ static void k29_attention_fwd(char *arena, const MdlHooks *h) {
             lo++;
         }
         hi = i + 1;
-        const float *restrict qi = b117 + (b * 1024 + i) * 2304 + hd * 64;
+        float qr[64];
+        for (int64_t c = 0; c < 64; c++)
+          qr[c] = mdl_bf16_to_f32(mdl_f32_to_bf16(b117[(b * 1024 + i) * 2304 + hd * 64 + c]));
+        const float *restrict qi = qr;
         for (int64_t j0 = lo; j0 < hi; j0 += 32) {
           float acc[32] = {0};
           for (int64_t c = 0; c < 64; c++) {
@@ -1139,18 +1148,18 @@ static void k29_attention_fwd(char *arena, const MdlHooks *h) {
         float acc0[64] = {0}, acc1[64] = {0};
         int64_t j = lo;
         for (; j + 1 < hi; j += 2) {
-          const float w0 = s[j], w1 = s[j + 1], *restrict x0 = b117 + 1536 + (b * 1024 + j) * 2304 + hd * 64, *restrict x1 = x0 + 2304;
+          const float w0 = mdl_bf16_to_f32(mdl_f32_to_bf16(s[j])), w1 = mdl_bf16_to_f32(mdl_f32_to_bf16(s[j + 1])), *restrict x0 = b117 + 1536 + (b * 1024 + j) * 2304 + hd * 64, *restrict x1 = x0 + 2304;
           #pragma omp simd
           for (int64_t c = 0; c < 64; c++) {
-            acc0[c] += w0 * x0[c];
-            acc1[c] += w1 * x1[c];
+            acc0[c] += w0 * mdl_bf16_to_f32(mdl_f32_to_bf16(x0[c]));
+            acc1[c] += w1 * mdl_bf16_to_f32(mdl_f32_to_bf16(x1[c]));
           }
         }
         if (j < hi) {
-          const float w0 = s[j], *restrict x0 = b117 + 1536 + (b * 1024 + j) * 2304 + hd * 64;
+          const float w0 = mdl_bf16_to_f32(mdl_f32_to_bf16(s[j])), *restrict x0 = b117 + 1536 + (b * 1024 + j) * 2304 + hd * 64;
           #pragma omp simd
           for (int64_t c = 0; c < 64; c++)
-            acc0[c] += w0 * x0[c];
+            acc0[c] += w0 * mdl_bf16_to_f32(mdl_f32_to_bf16(x0[c]));
         }
         float *restrict oi = b121 + (b * 1024 + i) * 768 + hd * 64;
         for (int64_t c = 0; c < 64; c++)
@@ -1475,7 +1484,7 @@ static void k41_attention_fwd(char *arena, const MdlHooks *h) {
       for (int64_t j = 0; j < 1024; j++) {
         const float *xj = b162 + 768 + (b * 1024 + j) * 2304 + hd * 64;
         for (int64_t c = 0; c < 64; c++)
-          kt[c * 1056 + j] = xj[c];
+          kt[c * 1056 + j] = mdl_bf16_to_f32(mdl_f32_to_bf16(xj[c]));
       }
       int64_t lo = 0, hi = 1024;
       const int32_t *restrict dc = b3 + b * 1024;
@@ -1487,7 +1496,10 @@ static void k41_attention_fwd(char *arena, const MdlHooks *h) {
             lo++;
         }
         hi = i + 1;
-        const float *restrict qi = b162 + (b * 1024 + i) * 2304 + hd * 64;
+        float qr[64];
+        for (int64_t c = 0; c < 64; c++)
+          qr[c] = mdl_bf16_to_f32(mdl_f32_to_bf16(b162[(b * 1024 + i) * 2304 + hd * 64 + c]));
+        const float *restrict qi = qr;
         for (int64_t j0 = lo; j0 < hi; j0 += 32) {
           float acc[32] = {0};
           for (int64_t c = 0; c < 64; c++) {
@@ -1525,18 +1537,18 @@ static void k41_attention_fwd(char *arena, const MdlHooks *h) {
         float acc0[64] = {0}, acc1[64] = {0};
         int64_t j = lo;
         for (; j + 1 < hi; j += 2) {
-          const float w0 = s[j], w1 = s[j + 1], *restrict x0 = b162 + 1536 + (b * 1024 + j) * 2304 + hd * 64, *restrict x1 = x0 + 2304;
+          const float w0 = mdl_bf16_to_f32(mdl_f32_to_bf16(s[j])), w1 = mdl_bf16_to_f32(mdl_f32_to_bf16(s[j + 1])), *restrict x0 = b162 + 1536 + (b * 1024 + j) * 2304 + hd * 64, *restrict x1 = x0 + 2304;
           #pragma omp simd
           for (int64_t c = 0; c < 64; c++) {
-            acc0[c] += w0 * x0[c];
-            acc1[c] += w1 * x1[c];
+            acc0[c] += w0 * mdl_bf16_to_f32(mdl_f32_to_bf16(x0[c]));
+            acc1[c] += w1 * mdl_bf16_to_f32(mdl_f32_to_bf16(x1[c]));
           }
         }
         if (j < hi) {
-          const float w0 = s[j], *restrict x0 = b162 + 1536 + (b * 1024 + j) * 2304 + hd * 64;
+          const float w0 = mdl_bf16_to_f32(mdl_f32_to_bf16(s[j])), *restrict x0 = b162 + 1536 + (b * 1024 + j) * 2304 + hd * 64;
           #pragma omp simd
           for (int64_t c = 0; c < 64; c++)
-            acc0[c] += w0 * x0[c];
+            acc0[c] += w0 * mdl_bf16_to_f32(mdl_f32_to_bf16(x0[c]));
         }
         float *restrict oi = b166 + (b * 1024 + i) * 768 + hd * 64;
         for (int64_t c = 0; c < 64; c++)
@@ -1861,7 +1873,7 @@ static void k53_attention_fwd(char *arena, const MdlHooks *h) {
       for (int64_t j = 0; j < 1024; j++) {
         const float *xj = b207 + 768 + (b * 1024 + j) * 2304 + hd * 64;
         for (int64_t c = 0; c < 64; c++)
-          kt[c * 1056 + j] = xj[c];
+          kt[c * 1056 + j] = mdl_bf16_to_f32(mdl_f32_to_bf16(xj[c]));
       }
       int64_t lo = 0, hi = 1024;
       const int32_t *restrict dc = b3 + b * 1024;
@@ -1873,7 +1885,10 @@ static void k53_attention_fwd(char *arena, const MdlHooks *h) {
             lo++;
         }
         hi = i + 1;
-        const float *restrict qi = b207 + (b * 1024 + i) * 2304 + hd * 64;
+        float qr[64];
+        for (int64_t c = 0; c < 64; c++)
+          qr[c] = mdl_bf16_to_f32(mdl_f32_to_bf16(b207[(b * 1024 + i) * 2304 + hd * 64 + c]));
+        const float *restrict qi = qr;
         for (int64_t j0 = lo; j0 < hi; j0 += 32) {
           float acc[32] = {0};
           for (int64_t c = 0; c < 64; c++) {
@@ -1911,18 +1926,18 @@ static void k53_attention_fwd(char *arena, const MdlHooks *h) {
         float acc0[64] = {0}, acc1[64] = {0};
         int64_t j = lo;
         for (; j + 1 < hi; j += 2) {
-          const float w0 = s[j], w1 = s[j + 1], *restrict x0 = b207 + 1536 + (b * 1024 + j) * 2304 + hd * 64, *restrict x1 = x0 + 2304;
+          const float w0 = mdl_bf16_to_f32(mdl_f32_to_bf16(s[j])), w1 = mdl_bf16_to_f32(mdl_f32_to_bf16(s[j + 1])), *restrict x0 = b207 + 1536 + (b * 1024 + j) * 2304 + hd * 64, *restrict x1 = x0 + 2304;
           #pragma omp simd
           for (int64_t c = 0; c < 64; c++) {
-            acc0[c] += w0 * x0[c];
-            acc1[c] += w1 * x1[c];
+            acc0[c] += w0 * mdl_bf16_to_f32(mdl_f32_to_bf16(x0[c]));
+            acc1[c] += w1 * mdl_bf16_to_f32(mdl_f32_to_bf16(x1[c]));
           }
         }
         if (j < hi) {
-          const float w0 = s[j], *restrict x0 = b207 + 1536 + (b * 1024 + j) * 2304 + hd * 64;
+          const float w0 = mdl_bf16_to_f32(mdl_f32_to_bf16(s[j])), *restrict x0 = b207 + 1536 + (b * 1024 + j) * 2304 + hd * 64;
           #pragma omp simd
           for (int64_t c = 0; c < 64; c++)
-            acc0[c] += w0 * x0[c];
+            acc0[c] += w0 * mdl_bf16_to_f32(mdl_f32_to_bf16(x0[c]));
         }
         float *restrict oi = b211 + (b * 1024 + i) * 768 + hd * 64;
         for (int64_t c = 0; c < 64; c++)
@@ -2247,7 +2262,7 @@ static void k65_attention_fwd(char *arena, const MdlHooks *h) {
       for (int64_t j = 0; j < 1024; j++) {
         const float *xj = b252 + 768 + (b * 1024 + j) * 2304 + hd * 64;
         for (int64_t c = 0; c < 64; c++)
-          kt[c * 1056 + j] = xj[c];
+          kt[c * 1056 + j] = mdl_bf16_to_f32(mdl_f32_to_bf16(xj[c]));
       }
       int64_t lo = 0, hi = 1024;
       const int32_t *restrict dc = b3 + b * 1024;
@@ -2259,7 +2274,10 @@ static void k65_attention_fwd(char *arena, const MdlHooks *h) {
             lo++;
         }
         hi = i + 1;
-        const float *restrict qi = b252 + (b * 1024 + i) * 2304 + hd * 64;
+        float qr[64];
+        for (int64_t c = 0; c < 64; c++)
+          qr[c] = mdl_bf16_to_f32(mdl_f32_to_bf16(b252[(b * 1024 + i) * 2304 + hd * 64 + c]));
+        const float *restrict qi = qr;
         for (int64_t j0 = lo; j0 < hi; j0 += 32) {
           float acc[32] = {0};
           for (int64_t c = 0; c < 64; c++) {
@@ -2297,18 +2315,18 @@ static void k65_attention_fwd(char *arena, const MdlHooks *h) {
         float acc0[64] = {0}, acc1[64] = {0};
         int64_t j = lo;
         for (; j + 1 < hi; j += 2) {
-          const float w0 = s[j], w1 = s[j + 1], *restrict x0 = b252 + 1536 + (b * 1024 + j) * 2304 + hd * 64, *restrict x1 = x0 + 2304;
+          const float w0 = mdl_bf16_to_f32(mdl_f32_to_bf16(s[j])), w1 = mdl_bf16_to_f32(mdl_f32_to_bf16(s[j + 1])), *restrict x0 = b252 + 1536 + (b * 1024 + j) * 2304 + hd * 64, *restrict x1 = x0 + 2304;
           #pragma omp simd
           for (int64_t c = 0; c < 64; c++) {
-            acc0[c] += w0 * x0[c];
-            acc1[c] += w1 * x1[c];
+            acc0[c] += w0 * mdl_bf16_to_f32(mdl_f32_to_bf16(x0[c]));
+            acc1[c] += w1 * mdl_bf16_to_f32(mdl_f32_to_bf16(x1[c]));
           }
         }
         if (j < hi) {
-          const float w0 = s[j], *restrict x0 = b252 + 1536 + (b * 1024 + j) * 2304 + hd * 64;
+          const float w0 = mdl_bf16_to_f32(mdl_f32_to_bf16(s[j])), *restrict x0 = b252 + 1536 + (b * 1024 + j) * 2304 + hd * 64;
           #pragma omp simd
           for (int64_t c = 0; c < 64; c++)
-            acc0[c] += w0 * x0[c];
+            acc0[c] += w0 * mdl_bf16_to_f32(mdl_f32_to_bf16(x0[c]));
         }
         float *restrict oi = b256 + (b * 1024 + i) * 768 + hd * 64;
         for (int64_t c = 0; c < 64; c++)
@@ -2633,7 +2651,7 @@ static void k77_attention_fwd(char *arena, const MdlHooks *h) {
       for (int64_t j = 0; j < 1024; j++) {
         const float *xj = b297 + 768 + (b * 1024 + j) * 2304 + hd * 64;
         for (int64_t c = 0; c < 64; c++)
-          kt[c * 1056 + j] = xj[c];
+          kt[c * 1056 + j] = mdl_bf16_to_f32(mdl_f32_to_bf16(xj[c]));
       }
       int64_t lo = 0, hi = 1024;
       const int32_t *restrict dc = b3 + b * 1024;
@@ -2645,7 +2663,10 @@ static void k77_attention_fwd(char *arena, const MdlHooks *h) {
             lo++;
         }
         hi = i + 1;
-        const float *restrict qi = b297 + (b * 1024 + i) * 2304 + hd * 64;
+        float qr[64];
+        for (int64_t c = 0; c < 64; c++)
+          qr[c] = mdl_bf16_to_f32(mdl_f32_to_bf16(b297[(b * 1024 + i) * 2304 + hd * 64 + c]));
+        const float *restrict qi = qr;
         for (int64_t j0 = lo; j0 < hi; j0 += 32) {
           float acc[32] = {0};
           for (int64_t c = 0; c < 64; c++) {
@@ -2683,18 +2704,18 @@ static void k77_attention_fwd(char *arena, const MdlHooks *h) {
         float acc0[64] = {0}, acc1[64] = {0};
         int64_t j = lo;
         for (; j + 1 < hi; j += 2) {
-          const float w0 = s[j], w1 = s[j + 1], *restrict x0 = b297 + 1536 + (b * 1024 + j) * 2304 + hd * 64, *restrict x1 = x0 + 2304;
+          const float w0 = mdl_bf16_to_f32(mdl_f32_to_bf16(s[j])), w1 = mdl_bf16_to_f32(mdl_f32_to_bf16(s[j + 1])), *restrict x0 = b297 + 1536 + (b * 1024 + j) * 2304 + hd * 64, *restrict x1 = x0 + 2304;
           #pragma omp simd
           for (int64_t c = 0; c < 64; c++) {
-            acc0[c] += w0 * x0[c];
-            acc1[c] += w1 * x1[c];
+            acc0[c] += w0 * mdl_bf16_to_f32(mdl_f32_to_bf16(x0[c]));
+            acc1[c] += w1 * mdl_bf16_to_f32(mdl_f32_to_bf16(x1[c]));
           }
         }
         if (j < hi) {
-          const float w0 = s[j], *restrict x0 = b297 + 1536 + (b * 1024 + j) * 2304 + hd * 64;
+          const float w0 = mdl_bf16_to_f32(mdl_f32_to_bf16(s[j])), *restrict x0 = b297 + 1536 + (b * 1024 + j) * 2304 + hd * 64;
           #pragma omp simd
           for (int64_t c = 0; c < 64; c++)
-            acc0[c] += w0 * x0[c];
+            acc0[c] += w0 * mdl_bf16_to_f32(mdl_f32_to_bf16(x0[c]));
         }
         float *restrict oi = b301 + (b * 1024 + i) * 768 + hd * 64;
         for (int64_t c = 0; c < 64; c++)
@@ -3019,7 +3040,7 @@ static void k89_attention_fwd(char *arena, const MdlHooks *h) {
       for (int64_t j = 0; j < 1024; j++) {
         const float *xj = b342 + 768 + (b * 1024 + j) * 2304 + hd * 64;
         for (int64_t c = 0; c < 64; c++)
-          kt[c * 1056 + j] = xj[c];
+          kt[c * 1056 + j] = mdl_bf16_to_f32(mdl_f32_to_bf16(xj[c]));
       }
       int64_t lo = 0, hi = 1024;
       const int32_t *restrict dc = b3 + b * 1024;
@@ -3031,7 +3052,10 @@ static void k89_attention_fwd(char *arena, const MdlHooks *h) {
             lo++;
         }
         hi = i + 1;
-        const float *restrict qi = b342 + (b * 1024 + i) * 2304 + hd * 64;
+        float qr[64];
+        for (int64_t c = 0; c < 64; c++)
+          qr[c] = mdl_bf16_to_f32(mdl_f32_to_bf16(b342[(b * 1024 + i) * 2304 + hd * 64 + c]));
+        const float *restrict qi = qr;
         for (int64_t j0 = lo; j0 < hi; j0 += 32) {
           float acc[32] = {0};
           for (int64_t c = 0; c < 64; c++) {
@@ -3069,18 +3093,18 @@ static void k89_attention_fwd(char *arena, const MdlHooks *h) {
         float acc0[64] = {0}, acc1[64] = {0};
         int64_t j = lo;
         for (; j + 1 < hi; j += 2) {
-          const float w0 = s[j], w1 = s[j + 1], *restrict x0 = b342 + 1536 + (b * 1024 + j) * 2304 + hd * 64, *restrict x1 = x0 + 2304;
+          const float w0 = mdl_bf16_to_f32(mdl_f32_to_bf16(s[j])), w1 = mdl_bf16_to_f32(mdl_f32_to_bf16(s[j + 1])), *restrict x0 = b342 + 1536 + (b * 1024 + j) * 2304 + hd * 64, *restrict x1 = x0 + 2304;
           #pragma omp simd
           for (int64_t c = 0; c < 64; c++) {
-            acc0[c] += w0 * x0[c];
-            acc1[c] += w1 * x1[c];
+            acc0[c] += w0 * mdl_bf16_to_f32(mdl_f32_to_bf16(x0[c]));
+            acc1[c] += w1 * mdl_bf16_to_f32(mdl_f32_to_bf16(x1[c]));
           }
         }
         if (j < hi) {
-          const float w0 = s[j], *restrict x0 = b342 + 1536 + (b * 1024 + j) * 2304 + hd * 64;
+          const float w0 = mdl_bf16_to_f32(mdl_f32_to_bf16(s[j])), *restrict x0 = b342 + 1536 + (b * 1024 + j) * 2304 + hd * 64;
           #pragma omp simd
           for (int64_t c = 0; c < 64; c++)
-            acc0[c] += w0 * x0[c];
+            acc0[c] += w0 * mdl_bf16_to_f32(mdl_f32_to_bf16(x0[c]));
         }
         float *restrict oi = b346 + (b * 1024 + i) * 768 + hd * 64;
         for (int64_t c = 0; c < 64; c++)
@@ -3405,7 +3429,7 @@ static void k101_attention_fwd(char *arena, const MdlHooks *h) {
       for (int64_t j = 0; j < 1024; j++) {
         const float *xj = b387 + 768 + (b * 1024 + j) * 2304 + hd * 64;
         for (int64_t c = 0; c < 64; c++)
-          kt[c * 1056 + j] = xj[c];
+          kt[c * 1056 + j] = mdl_bf16_to_f32(mdl_f32_to_bf16(xj[c]));
       }
       int64_t lo = 0, hi = 1024;
       const int32_t *restrict dc = b3 + b * 1024;
@@ -3417,7 +3441,10 @@ static void k101_attention_fwd(char *arena, const MdlHooks *h) {
             lo++;
         }
         hi = i + 1;
-        const float *restrict qi = b387 + (b * 1024 + i) * 2304 + hd * 64;
+        float qr[64];
+        for (int64_t c = 0; c < 64; c++)
+          qr[c] = mdl_bf16_to_f32(mdl_f32_to_bf16(b387[(b * 1024 + i) * 2304 + hd * 64 + c]));
+        const float *restrict qi = qr;
         for (int64_t j0 = lo; j0 < hi; j0 += 32) {
           float acc[32] = {0};
           for (int64_t c = 0; c < 64; c++) {
@@ -3455,18 +3482,18 @@ static void k101_attention_fwd(char *arena, const MdlHooks *h) {
         float acc0[64] = {0}, acc1[64] = {0};
         int64_t j = lo;
         for (; j + 1 < hi; j += 2) {
-          const float w0 = s[j], w1 = s[j + 1], *restrict x0 = b387 + 1536 + (b * 1024 + j) * 2304 + hd * 64, *restrict x1 = x0 + 2304;
+          const float w0 = mdl_bf16_to_f32(mdl_f32_to_bf16(s[j])), w1 = mdl_bf16_to_f32(mdl_f32_to_bf16(s[j + 1])), *restrict x0 = b387 + 1536 + (b * 1024 + j) * 2304 + hd * 64, *restrict x1 = x0 + 2304;
           #pragma omp simd
           for (int64_t c = 0; c < 64; c++) {
-            acc0[c] += w0 * x0[c];
-            acc1[c] += w1 * x1[c];
+            acc0[c] += w0 * mdl_bf16_to_f32(mdl_f32_to_bf16(x0[c]));
+            acc1[c] += w1 * mdl_bf16_to_f32(mdl_f32_to_bf16(x1[c]));
           }
         }
         if (j < hi) {
-          const float w0 = s[j], *restrict x0 = b387 + 1536 + (b * 1024 + j) * 2304 + hd * 64;
+          const float w0 = mdl_bf16_to_f32(mdl_f32_to_bf16(s[j])), *restrict x0 = b387 + 1536 + (b * 1024 + j) * 2304 + hd * 64;
           #pragma omp simd
           for (int64_t c = 0; c < 64; c++)
-            acc0[c] += w0 * x0[c];
+            acc0[c] += w0 * mdl_bf16_to_f32(mdl_f32_to_bf16(x0[c]));
         }
         float *restrict oi = b391 + (b * 1024 + i) * 768 + hd * 64;
         for (int64_t c = 0; c < 64; c++)
@@ -3791,7 +3818,7 @@ static void k113_attention_fwd(char *arena, const MdlHooks *h) {
       for (int64_t j = 0; j < 1024; j++) {
         const float *xj = b432 + 768 + (b * 1024 + j) * 2304 + hd * 64;
         for (int64_t c = 0; c < 64; c++)
-          kt[c * 1056 + j] = xj[c];
+          kt[c * 1056 + j] = mdl_bf16_to_f32(mdl_f32_to_bf16(xj[c]));
       }
       int64_t lo = 0, hi = 1024;
       const int32_t *restrict dc = b3 + b * 1024;
@@ -3803,7 +3830,10 @@ static void k113_attention_fwd(char *arena, const MdlHooks *h) {
             lo++;
         }
         hi = i + 1;
-        const float *restrict qi = b432 + (b * 1024 + i) * 2304 + hd * 64;
+        float qr[64];
+        for (int64_t c = 0; c < 64; c++)
+          qr[c] = mdl_bf16_to_f32(mdl_f32_to_bf16(b432[(b * 1024 + i) * 2304 + hd * 64 + c]));
+        const float *restrict qi = qr;
         for (int64_t j0 = lo; j0 < hi; j0 += 32) {
           float acc[32] = {0};
           for (int64_t c = 0; c < 64; c++) {
@@ -3841,18 +3871,18 @@ static void k113_attention_fwd(char *arena, const MdlHooks *h) {
         float acc0[64] = {0}, acc1[64] = {0};
         int64_t j = lo;
         for (; j + 1 < hi; j += 2) {
-          const float w0 = s[j], w1 = s[j + 1], *restrict x0 = b432 + 1536 + (b * 1024 + j) * 2304 + hd * 64, *restrict x1 = x0 + 2304;
+          const float w0 = mdl_bf16_to_f32(mdl_f32_to_bf16(s[j])), w1 = mdl_bf16_to_f32(mdl_f32_to_bf16(s[j + 1])), *restrict x0 = b432 + 1536 + (b * 1024 + j) * 2304 + hd * 64, *restrict x1 = x0 + 2304;
           #pragma omp simd
           for (int64_t c = 0; c < 64; c++) {
-            acc0[c] += w0 * x0[c];
-            acc1[c] += w1 * x1[c];
+            acc0[c] += w0 * mdl_bf16_to_f32(mdl_f32_to_bf16(x0[c]));
+            acc1[c] += w1 * mdl_bf16_to_f32(mdl_f32_to_bf16(x1[c]));
           }
         }
         if (j < hi) {
-          const float w0 = s[j], *restrict x0 = b432 + 1536 + (b * 1024 + j) * 2304 + hd * 64;
+          const float w0 = mdl_bf16_to_f32(mdl_f32_to_bf16(s[j])), *restrict x0 = b432 + 1536 + (b * 1024 + j) * 2304 + hd * 64;
           #pragma omp simd
           for (int64_t c = 0; c < 64; c++)
-            acc0[c] += w0 * x0[c];
+            acc0[c] += w0 * mdl_bf16_to_f32(mdl_f32_to_bf16(x0[c]));
         }
         float *restrict oi = b436 + (b * 1024 + i) * 768 + hd * 64;
         for (int64_t c = 0; c < 64; c++)
@@ -4177,7 +4207,7 @@ static void k125_attention_fwd(char *arena, const MdlHooks *h) {
       for (int64_t j = 0; j < 1024; j++) {
         const float *xj = b477 + 768 + (b * 1024 + j) * 2304 + hd * 64;
         for (int64_t c = 0; c < 64; c++)
-          kt[c * 1056 + j] = xj[c];
+          kt[c * 1056 + j] = mdl_bf16_to_f32(mdl_f32_to_bf16(xj[c]));
       }
       int64_t lo = 0, hi = 1024;
       const int32_t *restrict dc = b3 + b * 1024;
@@ -4189,7 +4219,10 @@ static void k125_attention_fwd(char *arena, const MdlHooks *h) {
             lo++;
         }
         hi = i + 1;
-        const float *restrict qi = b477 + (b * 1024 + i) * 2304 + hd * 64;
+        float qr[64];
+        for (int64_t c = 0; c < 64; c++)
+          qr[c] = mdl_bf16_to_f32(mdl_f32_to_bf16(b477[(b * 1024 + i) * 2304 + hd * 64 + c]));
+        const float *restrict qi = qr;
         for (int64_t j0 = lo; j0 < hi; j0 += 32) {
           float acc[32] = {0};
           for (int64_t c = 0; c < 64; c++) {
@@ -4227,18 +4260,18 @@ static void k125_attention_fwd(char *arena, const MdlHooks *h) {
         float acc0[64] = {0}, acc1[64] = {0};
         int64_t j = lo;
         for (; j + 1 < hi; j += 2) {
-          const float w0 = s[j], w1 = s[j + 1], *restrict x0 = b477 + 1536 + (b * 1024 + j) * 2304 + hd * 64, *restrict x1 = x0 + 2304;
+          const float w0 = mdl_bf16_to_f32(mdl_f32_to_bf16(s[j])), w1 = mdl_bf16_to_f32(mdl_f32_to_bf16(s[j + 1])), *restrict x0 = b477 + 1536 + (b * 1024 + j) * 2304 + hd * 64, *restrict x1 = x0 + 2304;
           #pragma omp simd
           for (int64_t c = 0; c < 64; c++) {
-            acc0[c] += w0 * x0[c];
-            acc1[c] += w1 * x1[c];
+            acc0[c] += w0 * mdl_bf16_to_f32(mdl_f32_to_bf16(x0[c]));
+            acc1[c] += w1 * mdl_bf16_to_f32(mdl_f32_to_bf16(x1[c]));
           }
         }
         if (j < hi) {
-          const float w0 = s[j], *restrict x0 = b477 + 1536 + (b * 1024 + j) * 2304 + hd * 64;
+          const float w0 = mdl_bf16_to_f32(mdl_f32_to_bf16(s[j])), *restrict x0 = b477 + 1536 + (b * 1024 + j) * 2304 + hd * 64;
           #pragma omp simd
           for (int64_t c = 0; c < 64; c++)
-            acc0[c] += w0 * x0[c];
+            acc0[c] += w0 * mdl_bf16_to_f32(mdl_f32_to_bf16(x0[c]));
         }
         float *restrict oi = b481 + (b * 1024 + i) * 768 + hd * 64;
         for (int64_t c = 0; c < 64; c++)
@@ -4563,7 +4596,7 @@ static void k137_attention_fwd(char *arena, const MdlHooks *h) {
       for (int64_t j = 0; j < 1024; j++) {
         const float *xj = b522 + 768 + (b * 1024 + j) * 2304 + hd * 64;
         for (int64_t c = 0; c < 64; c++)
-          kt[c * 1056 + j] = xj[c];
+          kt[c * 1056 + j] = mdl_bf16_to_f32(mdl_f32_to_bf16(xj[c]));
       }
       int64_t lo = 0, hi = 1024;
       const int32_t *restrict dc = b3 + b * 1024;
@@ -4575,7 +4608,10 @@ static void k137_attention_fwd(char *arena, const MdlHooks *h) {
             lo++;
         }
         hi = i + 1;
-        const float *restrict qi = b522 + (b * 1024 + i) * 2304 + hd * 64;
+        float qr[64];
+        for (int64_t c = 0; c < 64; c++)
+          qr[c] = mdl_bf16_to_f32(mdl_f32_to_bf16(b522[(b * 1024 + i) * 2304 + hd * 64 + c]));
+        const float *restrict qi = qr;
         for (int64_t j0 = lo; j0 < hi; j0 += 32) {
           float acc[32] = {0};
           for (int64_t c = 0; c < 64; c++) {
@@ -4613,18 +4649,18 @@ static void k137_attention_fwd(char *arena, const MdlHooks *h) {
         float acc0[64] = {0}, acc1[64] = {0};
         int64_t j = lo;
         for (; j + 1 < hi; j += 2) {
-          const float w0 = s[j], w1 = s[j + 1], *restrict x0 = b522 + 1536 + (b * 1024 + j) * 2304 + hd * 64, *restrict x1 = x0 + 2304;
+          const float w0 = mdl_bf16_to_f32(mdl_f32_to_bf16(s[j])), w1 = mdl_bf16_to_f32(mdl_f32_to_bf16(s[j + 1])), *restrict x0 = b522 + 1536 + (b * 1024 + j) * 2304 + hd * 64, *restrict x1 = x0 + 2304;
           #pragma omp simd
           for (int64_t c = 0; c < 64; c++) {
-            acc0[c] += w0 * x0[c];
-            acc1[c] += w1 * x1[c];
+            acc0[c] += w0 * mdl_bf16_to_f32(mdl_f32_to_bf16(x0[c]));
+            acc1[c] += w1 * mdl_bf16_to_f32(mdl_f32_to_bf16(x1[c]));
           }
         }
         if (j < hi) {
-          const float w0 = s[j], *restrict x0 = b522 + 1536 + (b * 1024 + j) * 2304 + hd * 64;
+          const float w0 = mdl_bf16_to_f32(mdl_f32_to_bf16(s[j])), *restrict x0 = b522 + 1536 + (b * 1024 + j) * 2304 + hd * 64;
           #pragma omp simd
           for (int64_t c = 0; c < 64; c++)
-            acc0[c] += w0 * x0[c];
+            acc0[c] += w0 * mdl_bf16_to_f32(mdl_f32_to_bf16(x0[c]));
         }
         float *restrict oi = b526 + (b * 1024 + i) * 768 + hd * 64;
         for (int64_t c = 0; c < 64; c++)
@@ -5418,12 +5454,12 @@ static void k163_attention_bwd(char *arena, const MdlHooks *h) {
       for (int64_t j = 0; j < 1024; j++) {
         const float *xj = b522 + 768 + (b * 1024 + j) * 2304 + hd * 64;
         for (int64_t c = 0; c < 64; c++)
-          kt[c * 1056 + j] = xj[c];
+          kt[c * 1056 + j] = mdl_bf16_to_f32(mdl_f32_to_bf16(xj[c]));
       }
       for (int64_t j = 0; j < 1024; j++) {
         const float *xj = b522 + 1536 + (b * 1024 + j) * 2304 + hd * 64;
         for (int64_t c = 0; c < 64; c++)
-          vt[c * 1056 + j] = xj[c];
+          vt[c * 1056 + j] = mdl_bf16_to_f32(mdl_f32_to_bf16(xj[c]));
       }
       memset(dkh, 0, 65536 * sizeof(float));
       memset(dvh, 0, 65536 * sizeof(float));
@@ -5437,7 +5473,10 @@ static void k163_attention_bwd(char *arena, const MdlHooks *h) {
             lo++;
         }
         hi = i + 1;
-        const float *restrict qi = b522 + (b * 1024 + i) * 2304 + hd * 64;
+        float qr[64];
+        for (int64_t c = 0; c < 64; c++)
+          qr[c] = mdl_bf16_to_f32(mdl_f32_to_bf16(b522[(b * 1024 + i) * 2304 + hd * 64 + c]));
+        const float *restrict qi = qr;
         for (int64_t j0 = lo; j0 < hi; j0 += 32) {
           float acc[32] = {0};
           for (int64_t c = 0; c < 64; c++) {
@@ -5510,15 +5549,15 @@ static void k163_attention_bwd(char *arena, const MdlHooks *h) {
           const float w0 = dp[j], w1 = dp[j + 1], *restrict x0 = b522 + 768 + (b * 1024 + j) * 2304 + hd * 64, *restrict x1 = x0 + 2304;
           #pragma omp simd
           for (int64_t c = 0; c < 64; c++) {
-            dqi0[c] += w0 * x0[c];
-            dqi1[c] += w1 * x1[c];
+            dqi0[c] += w0 * mdl_bf16_to_f32(mdl_f32_to_bf16(x0[c]));
+            dqi1[c] += w1 * mdl_bf16_to_f32(mdl_f32_to_bf16(x1[c]));
           }
         }
         if (j < hi) {
           const float w0 = dp[j], *restrict x0 = b522 + 768 + (b * 1024 + j) * 2304 + hd * 64;
           #pragma omp simd
           for (int64_t c = 0; c < 64; c++)
-            dqi0[c] += w0 * x0[c];
+            dqi0[c] += w0 * mdl_bf16_to_f32(mdl_f32_to_bf16(x0[c]));
         }
         float sqi[64];
         for (int64_t c = 0; c < 64; c++)
@@ -6078,12 +6117,12 @@ static void k181_attention_bwd(char *arena, const MdlHooks *h) {
       for (int64_t j = 0; j < 1024; j++) {
         const float *xj = b477 + 768 + (b * 1024 + j) * 2304 + hd * 64;
         for (int64_t c = 0; c < 64; c++)
-          kt[c * 1056 + j] = xj[c];
+          kt[c * 1056 + j] = mdl_bf16_to_f32(mdl_f32_to_bf16(xj[c]));
       }
       for (int64_t j = 0; j < 1024; j++) {
         const float *xj = b477 + 1536 + (b * 1024 + j) * 2304 + hd * 64;
         for (int64_t c = 0; c < 64; c++)
-          vt[c * 1056 + j] = xj[c];
+          vt[c * 1056 + j] = mdl_bf16_to_f32(mdl_f32_to_bf16(xj[c]));
       }
       memset(dkh, 0, 65536 * sizeof(float));
       memset(dvh, 0, 65536 * sizeof(float));
@@ -6097,7 +6136,10 @@ static void k181_attention_bwd(char *arena, const MdlHooks *h) {
             lo++;
         }
         hi = i + 1;
-        const float *restrict qi = b477 + (b * 1024 + i) * 2304 + hd * 64;
+        float qr[64];
+        for (int64_t c = 0; c < 64; c++)
+          qr[c] = mdl_bf16_to_f32(mdl_f32_to_bf16(b477[(b * 1024 + i) * 2304 + hd * 64 + c]));
+        const float *restrict qi = qr;
         for (int64_t j0 = lo; j0 < hi; j0 += 32) {
           float acc[32] = {0};
           for (int64_t c = 0; c < 64; c++) {
@@ -6170,15 +6212,15 @@ static void k181_attention_bwd(char *arena, const MdlHooks *h) {
           const float w0 = dp[j], w1 = dp[j + 1], *restrict x0 = b477 + 768 + (b * 1024 + j) * 2304 + hd * 64, *restrict x1 = x0 + 2304;
           #pragma omp simd
           for (int64_t c = 0; c < 64; c++) {
-            dqi0[c] += w0 * x0[c];
-            dqi1[c] += w1 * x1[c];
+            dqi0[c] += w0 * mdl_bf16_to_f32(mdl_f32_to_bf16(x0[c]));
+            dqi1[c] += w1 * mdl_bf16_to_f32(mdl_f32_to_bf16(x1[c]));
           }
         }
         if (j < hi) {
           const float w0 = dp[j], *restrict x0 = b477 + 768 + (b * 1024 + j) * 2304 + hd * 64;
           #pragma omp simd
           for (int64_t c = 0; c < 64; c++)
-            dqi0[c] += w0 * x0[c];
+            dqi0[c] += w0 * mdl_bf16_to_f32(mdl_f32_to_bf16(x0[c]));
         }
         float sqi[64];
         for (int64_t c = 0; c < 64; c++)
@@ -6738,12 +6780,12 @@ static void k199_attention_bwd(char *arena, const MdlHooks *h) {
       for (int64_t j = 0; j < 1024; j++) {
         const float *xj = b432 + 768 + (b * 1024 + j) * 2304 + hd * 64;
         for (int64_t c = 0; c < 64; c++)
-          kt[c * 1056 + j] = xj[c];
+          kt[c * 1056 + j] = mdl_bf16_to_f32(mdl_f32_to_bf16(xj[c]));
       }
       for (int64_t j = 0; j < 1024; j++) {
         const float *xj = b432 + 1536 + (b * 1024 + j) * 2304 + hd * 64;
         for (int64_t c = 0; c < 64; c++)
-          vt[c * 1056 + j] = xj[c];
+          vt[c * 1056 + j] = mdl_bf16_to_f32(mdl_f32_to_bf16(xj[c]));
       }
       memset(dkh, 0, 65536 * sizeof(float));
       memset(dvh, 0, 65536 * sizeof(float));
@@ -6757,7 +6799,10 @@ static void k199_attention_bwd(char *arena, const MdlHooks *h) {
             lo++;
         }
         hi = i + 1;
-        const float *restrict qi = b432 + (b * 1024 + i) * 2304 + hd * 64;
+        float qr[64];
+        for (int64_t c = 0; c < 64; c++)
+          qr[c] = mdl_bf16_to_f32(mdl_f32_to_bf16(b432[(b * 1024 + i) * 2304 + hd * 64 + c]));
+        const float *restrict qi = qr;
         for (int64_t j0 = lo; j0 < hi; j0 += 32) {
           float acc[32] = {0};
           for (int64_t c = 0; c < 64; c++) {
@@ -6830,15 +6875,15 @@ static void k199_attention_bwd(char *arena, const MdlHooks *h) {
           const float w0 = dp[j], w1 = dp[j + 1], *restrict x0 = b432 + 768 + (b * 1024 + j) * 2304 + hd * 64, *restrict x1 = x0 + 2304;
           #pragma omp simd
           for (int64_t c = 0; c < 64; c++) {
-            dqi0[c] += w0 * x0[c];
-            dqi1[c] += w1 * x1[c];
+            dqi0[c] += w0 * mdl_bf16_to_f32(mdl_f32_to_bf16(x0[c]));
+            dqi1[c] += w1 * mdl_bf16_to_f32(mdl_f32_to_bf16(x1[c]));
           }
         }
         if (j < hi) {
           const float w0 = dp[j], *restrict x0 = b432 + 768 + (b * 1024 + j) * 2304 + hd * 64;
           #pragma omp simd
           for (int64_t c = 0; c < 64; c++)
-            dqi0[c] += w0 * x0[c];
+            dqi0[c] += w0 * mdl_bf16_to_f32(mdl_f32_to_bf16(x0[c]));
         }
         float sqi[64];
         for (int64_t c = 0; c < 64; c++)
@@ -7398,12 +7443,12 @@ static void k217_attention_bwd(char *arena, const MdlHooks *h) {
       for (int64_t j = 0; j < 1024; j++) {
         const float *xj = b387 + 768 + (b * 1024 + j) * 2304 + hd * 64;
         for (int64_t c = 0; c < 64; c++)
-          kt[c * 1056 + j] = xj[c];
+          kt[c * 1056 + j] = mdl_bf16_to_f32(mdl_f32_to_bf16(xj[c]));
       }
       for (int64_t j = 0; j < 1024; j++) {
         const float *xj = b387 + 1536 + (b * 1024 + j) * 2304 + hd * 64;
         for (int64_t c = 0; c < 64; c++)
-          vt[c * 1056 + j] = xj[c];
+          vt[c * 1056 + j] = mdl_bf16_to_f32(mdl_f32_to_bf16(xj[c]));
       }
       memset(dkh, 0, 65536 * sizeof(float));
       memset(dvh, 0, 65536 * sizeof(float));
@@ -7417,7 +7462,10 @@ static void k217_attention_bwd(char *arena, const MdlHooks *h) {
             lo++;
         }
         hi = i + 1;
-        const float *restrict qi = b387 + (b * 1024 + i) * 2304 + hd * 64;
+        float qr[64];
+        for (int64_t c = 0; c < 64; c++)
+          qr[c] = mdl_bf16_to_f32(mdl_f32_to_bf16(b387[(b * 1024 + i) * 2304 + hd * 64 + c]));
+        const float *restrict qi = qr;
         for (int64_t j0 = lo; j0 < hi; j0 += 32) {
           float acc[32] = {0};
           for (int64_t c = 0; c < 64; c++) {
@@ -7490,15 +7538,15 @@ static void k217_attention_bwd(char *arena, const MdlHooks *h) {
           const float w0 = dp[j], w1 = dp[j + 1], *restrict x0 = b387 + 768 + (b * 1024 + j) * 2304 + hd * 64, *restrict x1 = x0 + 2304;
           #pragma omp simd
           for (int64_t c = 0; c < 64; c++) {
-            dqi0[c] += w0 * x0[c];
-            dqi1[c] += w1 * x1[c];
+            dqi0[c] += w0 * mdl_bf16_to_f32(mdl_f32_to_bf16(x0[c]));
+            dqi1[c] += w1 * mdl_bf16_to_f32(mdl_f32_to_bf16(x1[c]));
           }
         }
         if (j < hi) {
           const float w0 = dp[j], *restrict x0 = b387 + 768 + (b * 1024 + j) * 2304 + hd * 64;
           #pragma omp simd
           for (int64_t c = 0; c < 64; c++)
-            dqi0[c] += w0 * x0[c];
+            dqi0[c] += w0 * mdl_bf16_to_f32(mdl_f32_to_bf16(x0[c]));
         }
         float sqi[64];
         for (int64_t c = 0; c < 64; c++)
@@ -8058,12 +8106,12 @@ static void k235_attention_bwd(char *arena, const MdlHooks *h) {
       for (int64_t j = 0; j < 1024; j++) {
         const float *xj = b342 + 768 + (b * 1024 + j) * 2304 + hd * 64;
         for (int64_t c = 0; c < 64; c++)
-          kt[c * 1056 + j] = xj[c];
+          kt[c * 1056 + j] = mdl_bf16_to_f32(mdl_f32_to_bf16(xj[c]));
       }
       for (int64_t j = 0; j < 1024; j++) {
         const float *xj = b342 + 1536 + (b * 1024 + j) * 2304 + hd * 64;
         for (int64_t c = 0; c < 64; c++)
-          vt[c * 1056 + j] = xj[c];
+          vt[c * 1056 + j] = mdl_bf16_to_f32(mdl_f32_to_bf16(xj[c]));
       }
       memset(dkh, 0, 65536 * sizeof(float));
       memset(dvh, 0, 65536 * sizeof(float));
@@ -8077,7 +8125,10 @@ static void k235_attention_bwd(char *arena, const MdlHooks *h) {
             lo++;
         }
         hi = i + 1;
-        const float *restrict qi = b342 + (b * 1024 + i) * 2304 + hd * 64;
+        float qr[64];
+        for (int64_t c = 0; c < 64; c++)
+          qr[c] = mdl_bf16_to_f32(mdl_f32_to_bf16(b342[(b * 1024 + i) * 2304 + hd * 64 + c]));
+        const float *restrict qi = qr;
         for (int64_t j0 = lo; j0 < hi; j0 += 32) {
           float acc[32] = {0};
           for (int64_t c = 0; c < 64; c++) {
@@ -8150,15 +8201,15 @@ static void k235_attention_bwd(char *arena, const MdlHooks *h) {
           const float w0 = dp[j], w1 = dp[j + 1], *restrict x0 = b342 + 768 + (b * 1024 + j) * 2304 + hd * 64, *restrict x1 = x0 + 2304;
           #pragma omp simd
           for (int64_t c = 0; c < 64; c++) {
-            dqi0[c] += w0 * x0[c];
-            dqi1[c] += w1 * x1[c];
+            dqi0[c] += w0 * mdl_bf16_to_f32(mdl_f32_to_bf16(x0[c]));
+            dqi1[c] += w1 * mdl_bf16_to_f32(mdl_f32_to_bf16(x1[c]));
           }
         }
         if (j < hi) {
           const float w0 = dp[j], *restrict x0 = b342 + 768 + (b * 1024 + j) * 2304 + hd * 64;
           #pragma omp simd
           for (int64_t c = 0; c < 64; c++)
-            dqi0[c] += w0 * x0[c];
+            dqi0[c] += w0 * mdl_bf16_to_f32(mdl_f32_to_bf16(x0[c]));
         }
         float sqi[64];
         for (int64_t c = 0; c < 64; c++)
@@ -8718,12 +8769,12 @@ static void k253_attention_bwd(char *arena, const MdlHooks *h) {
       for (int64_t j = 0; j < 1024; j++) {
         const float *xj = b297 + 768 + (b * 1024 + j) * 2304 + hd * 64;
         for (int64_t c = 0; c < 64; c++)
-          kt[c * 1056 + j] = xj[c];
+          kt[c * 1056 + j] = mdl_bf16_to_f32(mdl_f32_to_bf16(xj[c]));
       }
       for (int64_t j = 0; j < 1024; j++) {
         const float *xj = b297 + 1536 + (b * 1024 + j) * 2304 + hd * 64;
         for (int64_t c = 0; c < 64; c++)
-          vt[c * 1056 + j] = xj[c];
+          vt[c * 1056 + j] = mdl_bf16_to_f32(mdl_f32_to_bf16(xj[c]));
       }
       memset(dkh, 0, 65536 * sizeof(float));
       memset(dvh, 0, 65536 * sizeof(float));
@@ -8737,7 +8788,10 @@ static void k253_attention_bwd(char *arena, const MdlHooks *h) {
             lo++;
         }
         hi = i + 1;
-        const float *restrict qi = b297 + (b * 1024 + i) * 2304 + hd * 64;
+        float qr[64];
+        for (int64_t c = 0; c < 64; c++)
+          qr[c] = mdl_bf16_to_f32(mdl_f32_to_bf16(b297[(b * 1024 + i) * 2304 + hd * 64 + c]));
+        const float *restrict qi = qr;
         for (int64_t j0 = lo; j0 < hi; j0 += 32) {
           float acc[32] = {0};
           for (int64_t c = 0; c < 64; c++) {
@@ -8810,15 +8864,15 @@ static void k253_attention_bwd(char *arena, const MdlHooks *h) {
           const float w0 = dp[j], w1 = dp[j + 1], *restrict x0 = b297 + 768 + (b * 1024 + j) * 2304 + hd * 64, *restrict x1 = x0 + 2304;
           #pragma omp simd
           for (int64_t c = 0; c < 64; c++) {
-            dqi0[c] += w0 * x0[c];
-            dqi1[c] += w1 * x1[c];
+            dqi0[c] += w0 * mdl_bf16_to_f32(mdl_f32_to_bf16(x0[c]));
+            dqi1[c] += w1 * mdl_bf16_to_f32(mdl_f32_to_bf16(x1[c]));
           }
         }
         if (j < hi) {
           const float w0 = dp[j], *restrict x0 = b297 + 768 + (b * 1024 + j) * 2304 + hd * 64;
           #pragma omp simd
           for (int64_t c = 0; c < 64; c++)
-            dqi0[c] += w0 * x0[c];
+            dqi0[c] += w0 * mdl_bf16_to_f32(mdl_f32_to_bf16(x0[c]));
         }
         float sqi[64];
         for (int64_t c = 0; c < 64; c++)
@@ -9378,12 +9432,12 @@ static void k271_attention_bwd(char *arena, const MdlHooks *h) {
       for (int64_t j = 0; j < 1024; j++) {
         const float *xj = b252 + 768 + (b * 1024 + j) * 2304 + hd * 64;
         for (int64_t c = 0; c < 64; c++)
-          kt[c * 1056 + j] = xj[c];
+          kt[c * 1056 + j] = mdl_bf16_to_f32(mdl_f32_to_bf16(xj[c]));
       }
       for (int64_t j = 0; j < 1024; j++) {
         const float *xj = b252 + 1536 + (b * 1024 + j) * 2304 + hd * 64;
         for (int64_t c = 0; c < 64; c++)
-          vt[c * 1056 + j] = xj[c];
+          vt[c * 1056 + j] = mdl_bf16_to_f32(mdl_f32_to_bf16(xj[c]));
       }
       memset(dkh, 0, 65536 * sizeof(float));
       memset(dvh, 0, 65536 * sizeof(float));
@@ -9397,7 +9451,10 @@ static void k271_attention_bwd(char *arena, const MdlHooks *h) {
             lo++;
         }
         hi = i + 1;
-        const float *restrict qi = b252 + (b * 1024 + i) * 2304 + hd * 64;
+        float qr[64];
+        for (int64_t c = 0; c < 64; c++)
+          qr[c] = mdl_bf16_to_f32(mdl_f32_to_bf16(b252[(b * 1024 + i) * 2304 + hd * 64 + c]));
+        const float *restrict qi = qr;
         for (int64_t j0 = lo; j0 < hi; j0 += 32) {
           float acc[32] = {0};
           for (int64_t c = 0; c < 64; c++) {
@@ -9470,15 +9527,15 @@ static void k271_attention_bwd(char *arena, const MdlHooks *h) {
           const float w0 = dp[j], w1 = dp[j + 1], *restrict x0 = b252 + 768 + (b * 1024 + j) * 2304 + hd * 64, *restrict x1 = x0 + 2304;
           #pragma omp simd
           for (int64_t c = 0; c < 64; c++) {
-            dqi0[c] += w0 * x0[c];
-            dqi1[c] += w1 * x1[c];
+            dqi0[c] += w0 * mdl_bf16_to_f32(mdl_f32_to_bf16(x0[c]));
+            dqi1[c] += w1 * mdl_bf16_to_f32(mdl_f32_to_bf16(x1[c]));
           }
         }
         if (j < hi) {
           const float w0 = dp[j], *restrict x0 = b252 + 768 + (b * 1024 + j) * 2304 + hd * 64;
           #pragma omp simd
           for (int64_t c = 0; c < 64; c++)
-            dqi0[c] += w0 * x0[c];
+            dqi0[c] += w0 * mdl_bf16_to_f32(mdl_f32_to_bf16(x0[c]));
         }
         float sqi[64];
         for (int64_t c = 0; c < 64; c++)
@@ -10038,12 +10095,12 @@ static void k289_attention_bwd(char *arena, const MdlHooks *h) {
       for (int64_t j = 0; j < 1024; j++) {
         const float *xj = b207 + 768 + (b * 1024 + j) * 2304 + hd * 64;
         for (int64_t c = 0; c < 64; c++)
-          kt[c * 1056 + j] = xj[c];
+          kt[c * 1056 + j] = mdl_bf16_to_f32(mdl_f32_to_bf16(xj[c]));
       }
       for (int64_t j = 0; j < 1024; j++) {
         const float *xj = b207 + 1536 + (b * 1024 + j) * 2304 + hd * 64;
         for (int64_t c = 0; c < 64; c++)
-          vt[c * 1056 + j] = xj[c];
+          vt[c * 1056 + j] = mdl_bf16_to_f32(mdl_f32_to_bf16(xj[c]));
       }
       memset(dkh, 0, 65536 * sizeof(float));
       memset(dvh, 0, 65536 * sizeof(float));
@@ -10057,7 +10114,10 @@ static void k289_attention_bwd(char *arena, const MdlHooks *h) {
             lo++;
         }
         hi = i + 1;
-        const float *restrict qi = b207 + (b * 1024 + i) * 2304 + hd * 64;
+        float qr[64];
+        for (int64_t c = 0; c < 64; c++)
+          qr[c] = mdl_bf16_to_f32(mdl_f32_to_bf16(b207[(b * 1024 + i) * 2304 + hd * 64 + c]));
+        const float *restrict qi = qr;
         for (int64_t j0 = lo; j0 < hi; j0 += 32) {
           float acc[32] = {0};
           for (int64_t c = 0; c < 64; c++) {
@@ -10130,15 +10190,15 @@ static void k289_attention_bwd(char *arena, const MdlHooks *h) {
           const float w0 = dp[j], w1 = dp[j + 1], *restrict x0 = b207 + 768 + (b * 1024 + j) * 2304 + hd * 64, *restrict x1 = x0 + 2304;
           #pragma omp simd
           for (int64_t c = 0; c < 64; c++) {
-            dqi0[c] += w0 * x0[c];
-            dqi1[c] += w1 * x1[c];
+            dqi0[c] += w0 * mdl_bf16_to_f32(mdl_f32_to_bf16(x0[c]));
+            dqi1[c] += w1 * mdl_bf16_to_f32(mdl_f32_to_bf16(x1[c]));
           }
         }
         if (j < hi) {
           const float w0 = dp[j], *restrict x0 = b207 + 768 + (b * 1024 + j) * 2304 + hd * 64;
           #pragma omp simd
           for (int64_t c = 0; c < 64; c++)
-            dqi0[c] += w0 * x0[c];
+            dqi0[c] += w0 * mdl_bf16_to_f32(mdl_f32_to_bf16(x0[c]));
         }
         float sqi[64];
         for (int64_t c = 0; c < 64; c++)
@@ -10698,12 +10758,12 @@ static void k307_attention_bwd(char *arena, const MdlHooks *h) {
       for (int64_t j = 0; j < 1024; j++) {
         const float *xj = b162 + 768 + (b * 1024 + j) * 2304 + hd * 64;
         for (int64_t c = 0; c < 64; c++)
-          kt[c * 1056 + j] = xj[c];
+          kt[c * 1056 + j] = mdl_bf16_to_f32(mdl_f32_to_bf16(xj[c]));
       }
       for (int64_t j = 0; j < 1024; j++) {
         const float *xj = b162 + 1536 + (b * 1024 + j) * 2304 + hd * 64;
         for (int64_t c = 0; c < 64; c++)
-          vt[c * 1056 + j] = xj[c];
+          vt[c * 1056 + j] = mdl_bf16_to_f32(mdl_f32_to_bf16(xj[c]));
       }
       memset(dkh, 0, 65536 * sizeof(float));
       memset(dvh, 0, 65536 * sizeof(float));
@@ -10717,7 +10777,10 @@ static void k307_attention_bwd(char *arena, const MdlHooks *h) {
             lo++;
         }
         hi = i + 1;
-        const float *restrict qi = b162 + (b * 1024 + i) * 2304 + hd * 64;
+        float qr[64];
+        for (int64_t c = 0; c < 64; c++)
+          qr[c] = mdl_bf16_to_f32(mdl_f32_to_bf16(b162[(b * 1024 + i) * 2304 + hd * 64 + c]));
+        const float *restrict qi = qr;
         for (int64_t j0 = lo; j0 < hi; j0 += 32) {
           float acc[32] = {0};
           for (int64_t c = 0; c < 64; c++) {
@@ -10790,15 +10853,15 @@ static void k307_attention_bwd(char *arena, const MdlHooks *h) {
           const float w0 = dp[j], w1 = dp[j + 1], *restrict x0 = b162 + 768 + (b * 1024 + j) * 2304 + hd * 64, *restrict x1 = x0 + 2304;
           #pragma omp simd
           for (int64_t c = 0; c < 64; c++) {
-            dqi0[c] += w0 * x0[c];
-            dqi1[c] += w1 * x1[c];
+            dqi0[c] += w0 * mdl_bf16_to_f32(mdl_f32_to_bf16(x0[c]));
+            dqi1[c] += w1 * mdl_bf16_to_f32(mdl_f32_to_bf16(x1[c]));
           }
         }
         if (j < hi) {
           const float w0 = dp[j], *restrict x0 = b162 + 768 + (b * 1024 + j) * 2304 + hd * 64;
           #pragma omp simd
           for (int64_t c = 0; c < 64; c++)
-            dqi0[c] += w0 * x0[c];
+            dqi0[c] += w0 * mdl_bf16_to_f32(mdl_f32_to_bf16(x0[c]));
         }
         float sqi[64];
         for (int64_t c = 0; c < 64; c++)
@@ -11358,12 +11421,12 @@ static void k325_attention_bwd(char *arena, const MdlHooks *h) {
       for (int64_t j = 0; j < 1024; j++) {
         const float *xj = b117 + 768 + (b * 1024 + j) * 2304 + hd * 64;
         for (int64_t c = 0; c < 64; c++)
-          kt[c * 1056 + j] = xj[c];
+          kt[c * 1056 + j] = mdl_bf16_to_f32(mdl_f32_to_bf16(xj[c]));
       }
       for (int64_t j = 0; j < 1024; j++) {
         const float *xj = b117 + 1536 + (b * 1024 + j) * 2304 + hd * 64;
         for (int64_t c = 0; c < 64; c++)
-          vt[c * 1056 + j] = xj[c];
+          vt[c * 1056 + j] = mdl_bf16_to_f32(mdl_f32_to_bf16(xj[c]));
       }
       memset(dkh, 0, 65536 * sizeof(float));
       memset(dvh, 0, 65536 * sizeof(float));
@@ -11377,7 +11440,10 @@ static void k325_attention_bwd(char *arena, const MdlHooks *h) {
             lo++;
         }
         hi = i + 1;
-        const float *restrict qi = b117 + (b * 1024 + i) * 2304 + hd * 64;
+        float qr[64];
+        for (int64_t c = 0; c < 64; c++)
+          qr[c] = mdl_bf16_to_f32(mdl_f32_to_bf16(b117[(b * 1024 + i) * 2304 + hd * 64 + c]));
+        const float *restrict qi = qr;
         for (int64_t j0 = lo; j0 < hi; j0 += 32) {
           float acc[32] = {0};
           for (int64_t c = 0; c < 64; c++) {
@@ -11450,15 +11516,15 @@ static void k325_attention_bwd(char *arena, const MdlHooks *h) {
           const float w0 = dp[j], w1 = dp[j + 1], *restrict x0 = b117 + 768 + (b * 1024 + j) * 2304 + hd * 64, *restrict x1 = x0 + 2304;
           #pragma omp simd
           for (int64_t c = 0; c < 64; c++) {
-            dqi0[c] += w0 * x0[c];
-            dqi1[c] += w1 * x1[c];
+            dqi0[c] += w0 * mdl_bf16_to_f32(mdl_f32_to_bf16(x0[c]));
+            dqi1[c] += w1 * mdl_bf16_to_f32(mdl_f32_to_bf16(x1[c]));
           }
         }
         if (j < hi) {
           const float w0 = dp[j], *restrict x0 = b117 + 768 + (b * 1024 + j) * 2304 + hd * 64;
           #pragma omp simd
           for (int64_t c = 0; c < 64; c++)
-            dqi0[c] += w0 * x0[c];
+            dqi0[c] += w0 * mdl_bf16_to_f32(mdl_f32_to_bf16(x0[c]));
         }
         float sqi[64];
         for (int64_t c = 0; c < 64; c++)
@@ -12018,12 +12084,12 @@ static void k343_attention_bwd(char *arena, const MdlHooks *h) {
       for (int64_t j = 0; j < 1024; j++) {
         const float *xj = b72 + 768 + (b * 1024 + j) * 2304 + hd * 64;
         for (int64_t c = 0; c < 64; c++)
-          kt[c * 1056 + j] = xj[c];
+          kt[c * 1056 + j] = mdl_bf16_to_f32(mdl_f32_to_bf16(xj[c]));
       }
       for (int64_t j = 0; j < 1024; j++) {
         const float *xj = b72 + 1536 + (b * 1024 + j) * 2304 + hd * 64;
         for (int64_t c = 0; c < 64; c++)
-          vt[c * 1056 + j] = xj[c];
+          vt[c * 1056 + j] = mdl_bf16_to_f32(mdl_f32_to_bf16(xj[c]));
       }
       memset(dkh, 0, 65536 * sizeof(float));
       memset(dvh, 0, 65536 * sizeof(float));
@@ -12037,7 +12103,10 @@ static void k343_attention_bwd(char *arena, const MdlHooks *h) {
             lo++;
         }
         hi = i + 1;
-        const float *restrict qi = b72 + (b * 1024 + i) * 2304 + hd * 64;
+        float qr[64];
+        for (int64_t c = 0; c < 64; c++)
+          qr[c] = mdl_bf16_to_f32(mdl_f32_to_bf16(b72[(b * 1024 + i) * 2304 + hd * 64 + c]));
+        const float *restrict qi = qr;
         for (int64_t j0 = lo; j0 < hi; j0 += 32) {
           float acc[32] = {0};
           for (int64_t c = 0; c < 64; c++) {
@@ -12110,15 +12179,15 @@ static void k343_attention_bwd(char *arena, const MdlHooks *h) {
           const float w0 = dp[j], w1 = dp[j + 1], *restrict x0 = b72 + 768 + (b * 1024 + j) * 2304 + hd * 64, *restrict x1 = x0 + 2304;
           #pragma omp simd
           for (int64_t c = 0; c < 64; c++) {
-            dqi0[c] += w0 * x0[c];
-            dqi1[c] += w1 * x1[c];
+            dqi0[c] += w0 * mdl_bf16_to_f32(mdl_f32_to_bf16(x0[c]));
+            dqi1[c] += w1 * mdl_bf16_to_f32(mdl_f32_to_bf16(x1[c]));
           }
         }
         if (j < hi) {
           const float w0 = dp[j], *restrict x0 = b72 + 768 + (b * 1024 + j) * 2304 + hd * 64;
           #pragma omp simd
           for (int64_t c = 0; c < 64; c++)
-            dqi0[c] += w0 * x0[c];
+            dqi0[c] += w0 * mdl_bf16_to_f32(mdl_f32_to_bf16(x0[c]));
         }
         float sqi[64];
         for (int64_t c = 0; c < 64; c++)
@@ -12678,12 +12747,12 @@ static void k361_attention_bwd(char *arena, const MdlHooks *h) {
       for (int64_t j = 0; j < 1024; j++) {
         const float *xj = b27 + 768 + (b * 1024 + j) * 2304 + hd * 64;
         for (int64_t c = 0; c < 64; c++)
-          kt[c * 1056 + j] = xj[c];
+          kt[c * 1056 + j] = mdl_bf16_to_f32(mdl_f32_to_bf16(xj[c]));
       }
       for (int64_t j = 0; j < 1024; j++) {
         const float *xj = b27 + 1536 + (b * 1024 + j) * 2304 + hd * 64;
         for (int64_t c = 0; c < 64; c++)
-          vt[c * 1056 + j] = xj[c];
+          vt[c * 1056 + j] = mdl_bf16_to_f32(mdl_f32_to_bf16(xj[c]));
       }
       memset(dkh, 0, 65536 * sizeof(float));
       memset(dvh, 0, 65536 * sizeof(float));
@@ -12697,7 +12766,10 @@ static void k361_attention_bwd(char *arena, const MdlHooks *h) {
             lo++;
         }
         hi = i + 1;
-        const float *restrict qi = b27 + (b * 1024 + i) * 2304 + hd * 64;
+        float qr[64];
+        for (int64_t c = 0; c < 64; c++)
+          qr[c] = mdl_bf16_to_f32(mdl_f32_to_bf16(b27[(b * 1024 + i) * 2304 + hd * 64 + c]));
+        const float *restrict qi = qr;
         for (int64_t j0 = lo; j0 < hi; j0 += 32) {
           float acc[32] = {0};
           for (int64_t c = 0; c < 64; c++) {
@@ -12770,15 +12842,15 @@ static void k361_attention_bwd(char *arena, const MdlHooks *h) {
           const float w0 = dp[j], w1 = dp[j + 1], *restrict x0 = b27 + 768 + (b * 1024 + j) * 2304 + hd * 64, *restrict x1 = x0 + 2304;
           #pragma omp simd
           for (int64_t c = 0; c < 64; c++) {
-            dqi0[c] += w0 * x0[c];
-            dqi1[c] += w1 * x1[c];
+            dqi0[c] += w0 * mdl_bf16_to_f32(mdl_f32_to_bf16(x0[c]));
+            dqi1[c] += w1 * mdl_bf16_to_f32(mdl_f32_to_bf16(x1[c]));
           }
         }
         if (j < hi) {
           const float w0 = dp[j], *restrict x0 = b27 + 768 + (b * 1024 + j) * 2304 + hd * 64;
           #pragma omp simd
           for (int64_t c = 0; c < 64; c++)
-            dqi0[c] += w0 * x0[c];
+            dqi0[c] += w0 * mdl_bf16_to_f32(mdl_f32_to_bf16(x0[c]));
         }
         float sqi[64];
         for (int64_t c = 0; c < 64; c++)

@@ -395,7 +395,7 @@ static void k10_attention_fwd(char *arena, const MdlHooks *h) {
       for (int64_t j = 0; j < 64; j++) {
         const float *xj = b27 + (b * 64 + j) * 64 + hd * 16;
         for (int64_t c = 0; c < 16; c++)
-          kt[c * 96 + j] = xj[c];
+          kt[c * 96 + j] = mdl_bf16_to_f32(mdl_f32_to_bf16(xj[c]));
       }
       int64_t lo = 0, hi = 64;
       const int32_t *restrict dc = b3 + b * 64;
@@ -407,7 +407,10 @@ static void k10_attention_fwd(char *arena, const MdlHooks *h) {
             lo++;
         }
         hi = i + 1;
-        const float *restrict qi = b21 + (b * 64 + i) * 64 + hd * 16;
+        float qr[16];
+        for (int64_t c = 0; c < 16; c++)
+          qr[c] = mdl_bf16_to_f32(mdl_f32_to_bf16(b21[(b * 64 + i) * 64 + hd * 16 + c]));
+        const float *restrict qi = qr;
         for (int64_t j0 = lo; j0 < hi; j0 += 32) {
           float acc[32] = {0};
           for (int64_t c = 0; c < 16; c++) {
@@ -445,18 +448,18 @@ static void k10_attention_fwd(char *arena, const MdlHooks *h) {
         float acc0[16] = {0}, acc1[16] = {0};
         int64_t j = lo;
         for (; j + 1 < hi; j += 2) {
-          const float w0 = s[j], w1 = s[j + 1], *restrict x0 = b31 + (b * 64 + j) * 64 + hd * 16, *restrict x1 = x0 + 64;
+          const float w0 = mdl_bf16_to_f32(mdl_f32_to_bf16(s[j])), w1 = mdl_bf16_to_f32(mdl_f32_to_bf16(s[j + 1])), *restrict x0 = b31 + (b * 64 + j) * 64 + hd * 16, *restrict x1 = x0 + 64;
           #pragma omp simd
           for (int64_t c = 0; c < 16; c++) {
-            acc0[c] += w0 * x0[c];
-            acc1[c] += w1 * x1[c];
+            acc0[c] += w0 * mdl_bf16_to_f32(mdl_f32_to_bf16(x0[c]));
+            acc1[c] += w1 * mdl_bf16_to_f32(mdl_f32_to_bf16(x1[c]));
           }
         }
         if (j < hi) {
-          const float w0 = s[j], *restrict x0 = b31 + (b * 64 + j) * 64 + hd * 16;
+          const float w0 = mdl_bf16_to_f32(mdl_f32_to_bf16(s[j])), *restrict x0 = b31 + (b * 64 + j) * 64 + hd * 16;
           #pragma omp simd
           for (int64_t c = 0; c < 16; c++)
-            acc0[c] += w0 * x0[c];
+            acc0[c] += w0 * mdl_bf16_to_f32(mdl_f32_to_bf16(x0[c]));
         }
         float *restrict oi = b33 + (b * 64 + i) * 64 + hd * 16;
         for (int64_t c = 0; c < 16; c++)
@@ -912,7 +915,7 @@ static void k30_attention_fwd(char *arena, const MdlHooks *h) {
       for (int64_t j = 0; j < 64; j++) {
         const float *xj = b80 + (b * 64 + j) * 64 + hd * 16;
         for (int64_t c = 0; c < 16; c++)
-          kt[c * 96 + j] = xj[c];
+          kt[c * 96 + j] = mdl_bf16_to_f32(mdl_f32_to_bf16(xj[c]));
       }
       int64_t lo = 0, hi = 64;
       const int32_t *restrict dc = b3 + b * 64;
@@ -924,7 +927,10 @@ static void k30_attention_fwd(char *arena, const MdlHooks *h) {
             lo++;
         }
         hi = i + 1;
-        const float *restrict qi = b74 + (b * 64 + i) * 64 + hd * 16;
+        float qr[16];
+        for (int64_t c = 0; c < 16; c++)
+          qr[c] = mdl_bf16_to_f32(mdl_f32_to_bf16(b74[(b * 64 + i) * 64 + hd * 16 + c]));
+        const float *restrict qi = qr;
         for (int64_t j0 = lo; j0 < hi; j0 += 32) {
           float acc[32] = {0};
           for (int64_t c = 0; c < 16; c++) {
@@ -962,18 +968,18 @@ static void k30_attention_fwd(char *arena, const MdlHooks *h) {
         float acc0[16] = {0}, acc1[16] = {0};
         int64_t j = lo;
         for (; j + 1 < hi; j += 2) {
-          const float w0 = s[j], w1 = s[j + 1], *restrict x0 = b84 + (b * 64 + j) * 64 + hd * 16, *restrict x1 = x0 + 64;
+          const float w0 = mdl_bf16_to_f32(mdl_f32_to_bf16(s[j])), w1 = mdl_bf16_to_f32(mdl_f32_to_bf16(s[j + 1])), *restrict x0 = b84 + (b * 64 + j) * 64 + hd * 16, *restrict x1 = x0 + 64;
           #pragma omp simd
           for (int64_t c = 0; c < 16; c++) {
-            acc0[c] += w0 * x0[c];
-            acc1[c] += w1 * x1[c];
+            acc0[c] += w0 * mdl_bf16_to_f32(mdl_f32_to_bf16(x0[c]));
+            acc1[c] += w1 * mdl_bf16_to_f32(mdl_f32_to_bf16(x1[c]));
           }
         }
         if (j < hi) {
-          const float w0 = s[j], *restrict x0 = b84 + (b * 64 + j) * 64 + hd * 16;
+          const float w0 = mdl_bf16_to_f32(mdl_f32_to_bf16(s[j])), *restrict x0 = b84 + (b * 64 + j) * 64 + hd * 16;
           #pragma omp simd
           for (int64_t c = 0; c < 16; c++)
-            acc0[c] += w0 * x0[c];
+            acc0[c] += w0 * mdl_bf16_to_f32(mdl_f32_to_bf16(x0[c]));
         }
         float *restrict oi = b86 + (b * 64 + i) * 64 + hd * 16;
         for (int64_t c = 0; c < 16; c++)
@@ -1707,12 +1713,12 @@ static void k58_attention_bwd(char *arena, const MdlHooks *h) {
       for (int64_t j = 0; j < 64; j++) {
         const float *xj = b80 + (b * 64 + j) * 64 + hd * 16;
         for (int64_t c = 0; c < 16; c++)
-          kt[c * 96 + j] = xj[c];
+          kt[c * 96 + j] = mdl_bf16_to_f32(mdl_f32_to_bf16(xj[c]));
       }
       for (int64_t j = 0; j < 64; j++) {
         const float *xj = b84 + (b * 64 + j) * 64 + hd * 16;
         for (int64_t c = 0; c < 16; c++)
-          vt[c * 96 + j] = xj[c];
+          vt[c * 96 + j] = mdl_bf16_to_f32(mdl_f32_to_bf16(xj[c]));
       }
       memset(dkh, 0, 1024 * sizeof(float));
       memset(dvh, 0, 1024 * sizeof(float));
@@ -1726,7 +1732,10 @@ static void k58_attention_bwd(char *arena, const MdlHooks *h) {
             lo++;
         }
         hi = i + 1;
-        const float *restrict qi = b74 + (b * 64 + i) * 64 + hd * 16;
+        float qr[16];
+        for (int64_t c = 0; c < 16; c++)
+          qr[c] = mdl_bf16_to_f32(mdl_f32_to_bf16(b74[(b * 64 + i) * 64 + hd * 16 + c]));
+        const float *restrict qi = qr;
         for (int64_t j0 = lo; j0 < hi; j0 += 32) {
           float acc[32] = {0};
           for (int64_t c = 0; c < 16; c++) {
@@ -1799,15 +1808,15 @@ static void k58_attention_bwd(char *arena, const MdlHooks *h) {
           const float w0 = dp[j], w1 = dp[j + 1], *restrict x0 = b80 + (b * 64 + j) * 64 + hd * 16, *restrict x1 = x0 + 64;
           #pragma omp simd
           for (int64_t c = 0; c < 16; c++) {
-            dqi0[c] += w0 * x0[c];
-            dqi1[c] += w1 * x1[c];
+            dqi0[c] += w0 * mdl_bf16_to_f32(mdl_f32_to_bf16(x0[c]));
+            dqi1[c] += w1 * mdl_bf16_to_f32(mdl_f32_to_bf16(x1[c]));
           }
         }
         if (j < hi) {
           const float w0 = dp[j], *restrict x0 = b80 + (b * 64 + j) * 64 + hd * 16;
           #pragma omp simd
           for (int64_t c = 0; c < 16; c++)
-            dqi0[c] += w0 * x0[c];
+            dqi0[c] += w0 * mdl_bf16_to_f32(mdl_f32_to_bf16(x0[c]));
         }
         float sqi[16];
         for (int64_t c = 0; c < 16; c++)
@@ -2408,12 +2417,12 @@ static void k81_attention_bwd(char *arena, const MdlHooks *h) {
       for (int64_t j = 0; j < 64; j++) {
         const float *xj = b27 + (b * 64 + j) * 64 + hd * 16;
         for (int64_t c = 0; c < 16; c++)
-          kt[c * 96 + j] = xj[c];
+          kt[c * 96 + j] = mdl_bf16_to_f32(mdl_f32_to_bf16(xj[c]));
       }
       for (int64_t j = 0; j < 64; j++) {
         const float *xj = b31 + (b * 64 + j) * 64 + hd * 16;
         for (int64_t c = 0; c < 16; c++)
-          vt[c * 96 + j] = xj[c];
+          vt[c * 96 + j] = mdl_bf16_to_f32(mdl_f32_to_bf16(xj[c]));
       }
       memset(dkh, 0, 1024 * sizeof(float));
       memset(dvh, 0, 1024 * sizeof(float));
@@ -2427,7 +2436,10 @@ static void k81_attention_bwd(char *arena, const MdlHooks *h) {
             lo++;
         }
         hi = i + 1;
-        const float *restrict qi = b21 + (b * 64 + i) * 64 + hd * 16;
+        float qr[16];
+        for (int64_t c = 0; c < 16; c++)
+          qr[c] = mdl_bf16_to_f32(mdl_f32_to_bf16(b21[(b * 64 + i) * 64 + hd * 16 + c]));
+        const float *restrict qi = qr;
         for (int64_t j0 = lo; j0 < hi; j0 += 32) {
           float acc[32] = {0};
           for (int64_t c = 0; c < 16; c++) {
@@ -2500,15 +2512,15 @@ static void k81_attention_bwd(char *arena, const MdlHooks *h) {
           const float w0 = dp[j], w1 = dp[j + 1], *restrict x0 = b27 + (b * 64 + j) * 64 + hd * 16, *restrict x1 = x0 + 64;
           #pragma omp simd
           for (int64_t c = 0; c < 16; c++) {
-            dqi0[c] += w0 * x0[c];
-            dqi1[c] += w1 * x1[c];
+            dqi0[c] += w0 * mdl_bf16_to_f32(mdl_f32_to_bf16(x0[c]));
+            dqi1[c] += w1 * mdl_bf16_to_f32(mdl_f32_to_bf16(x1[c]));
           }
         }
         if (j < hi) {
           const float w0 = dp[j], *restrict x0 = b27 + (b * 64 + j) * 64 + hd * 16;
           #pragma omp simd
           for (int64_t c = 0; c < 16; c++)
-            dqi0[c] += w0 * x0[c];
+            dqi0[c] += w0 * mdl_bf16_to_f32(mdl_f32_to_bf16(x0[c]));
         }
         float sqi[16];
         for (int64_t c = 0; c < 16; c++)

@@ -94,6 +94,39 @@ __device__ __forceinline__ uint16_t mdl_f32_to_bf16(float x) {
 
 __device__ __forceinline__ float mdl_bf16_to_f32(uint16_t h) { return __uint_as_float((uint32_t)h << 16); }
 
+// Two floats rounded to bf16 and packed into one register, lo in the low half (the order of the
+// elements of an mma fragment). On the GPU one cvt.rn.bf16x2.f32 (its second source is the low
+// half), which rounds as mdl_f32_to_bf16 does but may give a NaN other bits.
+__device__ __forceinline__ uint32_t mdl_bf16x2(float lo, float hi) {
+#if defined(__CUDA_ARCH__)
+  uint32_t r;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  return r;
+#else
+  return (uint32_t)mdl_f32_to_bf16(lo) | (uint32_t)mdl_f32_to_bf16(hi) << 16;
+#endif
+}
+
+// Tensor cores (sm_80 and later): d += A B for one 16 x 8 tile, A 16 x 16 bf16 (row-major), B 16 x 8
+// bf16 (column-major), d f32, computed by the warp together: every lane passes its fragments of A
+// and B and gets its four elements of d. With g = lane >> 2 and t = lane & 3, a lane holds (PTX ISA,
+// "Matrix Fragments for mma.m16n8k16 with floating point type"; a register holds two bf16, the
+// lower column or row in its low half):
+//   a[0] = A[g][2t, 2t+1]    a[1] = A[g+8][2t, 2t+1]    a[2] = A[g][2t+8, 2t+9]    a[3] = A[g+8][2t+8, 2t+9]
+//   b[0] = B[2t, 2t+1][g]    b[1] = B[2t+8, 2t+9][g]
+//   d[0], d[1] = D[g][2t], D[g][2t+1]    d[2], d[3] = D[g+8][2t], D[g+8][2t+1]
+// So the accumulators of two adjacent tiles (columns 0-7, then 8-15), rounded and packed in pairs, are
+// the A fragment of one k16 step: a[0], a[1] from the first's (d[0], d[1]), (d[2], d[3]); a[2], a[3]
+// from the second's. The CUDA emulator (runtime/cuda_emu.h) has its own definition.
+#if defined(__CUDA_ARCH__)
+__device__ __forceinline__ void mdl_mma_bf16_16816(float d[4], const uint32_t a[4], const uint32_t b[2]) {
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+               "{%8, %9}, {%0, %1, %2, %3};"
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+#endif
+
 // fp8 <-> f32 in the two OCP formats of Hopper's tensor cores: E4M3 (bias 7, no infinity, S.1111.111
 // is NaN, largest 448) and E5M2 (bias 15, IEEE-like, largest 57344). To fp8: round to nearest, ties
 // to even, subnormals exact, -0 kept; beyond the largest finite value (infinity too) saturate to it

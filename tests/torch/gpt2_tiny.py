@@ -89,20 +89,36 @@ def make_batch(path, B, T, seed):
     write_safetensors(path, {"tokens": tokens, "targets": targets, "pos": pos, "doc": doc})
 
 
-def attention(q, k, v, doc, heads):
+def round_bf16(t):
+    return t.to(torch.bfloat16).to(torch.float32)
+
+
+def straight_through(t):
+    """t rounded to bf16 in the forward; the gradient passes as if it were not."""
+    return t + (round_bf16(t) - t).detach()
+
+
+def attention(q, k, v, doc, heads, bf16=False):
+    """With bf16, mdl's contract (compiler/mdl.h): scores from q, k rounded to bf16; out = sum of
+    bf16(e) bf16(v) / sum of e, e = exp(score - max); the backward is softmax's exact one with the
+    rounded q, k, v (the rounding of e is left out of it)."""
     B, T, C = q.shape
     D = C // heads
+    if bf16:
+        q, k, v = straight_through(q), straight_through(k), straight_through(v)
     q, k, v = (t.view(B, T, heads, D).transpose(1, 2) for t in (q, k, v))
     scores = (q @ k.transpose(-1, -2)) * (1.0 / math.sqrt(D))
     causal = torch.ones(T, T, dtype=torch.bool).tril()
     same_doc = doc[:, :, None] == doc[:, None, :]
     allowed = (causal[None] & same_doc)[:, None]  # [B, 1, T, T]
-    p = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)
-    return (p @ v).transpose(1, 2).reshape(B, T, C)
-
-
-def round_bf16(t):
-    return t.to(torch.bfloat16).to(torch.float32)
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    if not bf16:
+        p = torch.softmax(scores, dim=-1)
+        return (p @ v).transpose(1, 2).reshape(B, T, C)
+    e = torch.exp(scores - scores.amax(dim=-1, keepdim=True).detach())
+    l = e.sum(dim=-1, keepdim=True)
+    out = e @ v / l + ((round_bf16(e) - e) @ v / l).detach()
+    return out.transpose(1, 2).reshape(B, T, C)
 
 
 class Bf16MatMul(torch.autograd.Function):
@@ -135,7 +151,7 @@ def forward(w, batch, heads, bf16=False):
         p = lambda n: w["h.%d.%s" % (l, n)]
         mm = lambda a, b: matmul(a.reshape(-1, a.shape[-1]), b, bf16).reshape(*a.shape[:-1], b.shape[-1])
         q, k, v = (mm(ln(x, p("ln1_w"), p("ln1_b")), p("attn_w")) + p("attn_b")).split(C, dim=-1)
-        x = x + mm(attention(q, k, v, batch["doc"], heads), p("proj_w")) + p("proj_b")
+        x = x + mm(attention(q, k, v, batch["doc"], heads, bf16), p("proj_w")) + p("proj_b")
         h = F.gelu(mm(ln(x, p("ln2_w"), p("ln2_b")), p("fc_w")) + p("fc_b"), approximate="tanh")
         x = x + mm(h, p("fcproj_w")) + p("fcproj_b")
     xf = ln(x, w["lnf_w"], w["lnf_b"])

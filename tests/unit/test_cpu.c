@@ -455,12 +455,18 @@ static Forced kernels_forced(const Graph *g, const Fusion *f, const MemPlan *m, 
       const double *v = interp_value(it, nd->id);
       const void *x = cpu_value(m, arena, nd->id);
       int64_t n = shape_numel(nd->shape);
-      double d = 0, mx = 1e-30;
+      double d = 0, mx = 1e-30, bmx = 0;
+      for (int64_t j = 0; j < n && nd->dtype == DT_BF16; j++)
+        bmx = fmax(bmx, fabs(v[j]));
       for (int64_t j = 0; j < n; j++)
         if (nd->dtype == DT_BF16) {
-          int diff = (int)((const uint16_t *)x)[j] - (int)bf16_bits((float)v[j]);
+          // A value near 0 after cancellation (|error| within 1e-5 of the tensor's largest) may be
+          // several ulps off: f32 and double sums differ there by more than the value's own ulp.
+          uint16_t got = ((const uint16_t *)x)[j];
+          int diff = (int)got - (int)bf16_bits((float)v[j]);
           r.bf16_diff += diff != 0;
-          r.ulp1 &= abs(diff) <= 1 && bf16_value(bf16_bits((float)v[j])) == (float)v[j];
+          r.ulp1 &= (abs(diff) <= 1 || fabs(bf16_value(got) - v[j]) <= 1e-5 * bmx) &&
+                    bf16_value(bf16_bits((float)v[j])) == (float)v[j];
         } else if (nd->dtype == DT_I32) {
           r.i32_diff += ((const int32_t *)x)[j] != (int32_t)v[j];
         } else {
@@ -486,7 +492,8 @@ static Forced kernels_forced(const Graph *g, const Fusion *f, const MemPlan *m, 
 // layers after it. So:
 //   - each kernel run alone on the interpreter's values of its inputs (kernels_forced) writes its
 //     f32 outputs within 1e-4 relative (per tensor, max norm) and its bf16 outputs within one bf16
-//     ulp, on at most 1 element in 1000;
+//     ulp (or, for a value near 0 left by cancellation, within 1e-5 of the tensor's largest), on at
+//     most 1 element in 1000;
 //   - the whole step: the loss within 1e-4 relative; the gradients within 1.5e-3 in the L2 measure
 //     over all of them (gpt2-tiny: 7e-4, llama-tiny: 1e-4, mlp: 5e-9) and 5e-3 per tensor (gpt2-tiny:
 //     2e-3); the parameters after the AdamW step within 3e-3 over all (AdamW's first step is about

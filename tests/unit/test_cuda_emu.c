@@ -12,6 +12,12 @@
 //     exponent, overflow to infinity, NaNs kept quiet, signed zero) and widens exactly;
 //   - four bf16 values stored as one ushort4 (the emitted elementwise kernels' four-lane store) land
 //     at consecutive 16-bit slots, x first, and ushort4 is 8 bytes aligned to 8, as in CUDA.
+//   - tensor cores: mdl_bf16x2 packs two roundings, the first in the low half; mdl_mma_bf16_16816 on
+//     random matrices (each lane building its fragments by the layout the prelude documents, two
+//     warps of a block and several blocks each with matrices of their own) against D = C + A B in
+//     double on the bf16 roundings, within 1e-6 of the sum of the magnitudes; an mma in a warp whose
+//     other lanes have returned aborts the run; the kernels also compile with NVRTC for sm_80 and
+//     sm_90 (the GPU's inline PTX), where NVRTC is installed.
 #include "mdl.h"
 #include "emit_cuda.h"
 #include "test.h"
@@ -23,6 +29,38 @@
 #include <string.h>
 #include <sys/wait.h>
 #include <unistd.h>
+
+// Kernels on tensor cores, compiled by g++ with the emulator and by NVRTC. k_mma: warp w of the grid
+// multiplies its own A (16 x 16, row-major), B (16 x 8, row-major: b[k * 8 + n]) and C, building the
+// fragments element by element from the layout of the prelude's comment, and stores D the same way.
+// k_mma_partial: half the warp returns before the other half's mma.
+static const char mma_kernels[] =
+    "extern \"C\" __global__ void k_mma(const float *a, const float *b, const float *c, float *d) {\n"
+    "  const int w = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5), lane = threadIdx.x & 31;\n"
+    "  const int g = lane >> 2, t = lane & 3;\n"
+    "  const float *A = a + 256 * w, *B = b + 128 * w, *C = c + 128 * w;\n"
+    "  const uint32_t fa[4] = {mdl_bf16x2(A[g * 16 + 2 * t], A[g * 16 + 2 * t + 1]),\n"
+    "                          mdl_bf16x2(A[(g + 8) * 16 + 2 * t], A[(g + 8) * 16 + 2 * t + 1]),\n"
+    "                          mdl_bf16x2(A[g * 16 + 2 * t + 8], A[g * 16 + 2 * t + 9]),\n"
+    "                          mdl_bf16x2(A[(g + 8) * 16 + 2 * t + 8], A[(g + 8) * 16 + 2 * t + 9])};\n"
+    "  const uint32_t fb[2] = {mdl_bf16x2(B[2 * t * 8 + g], B[(2 * t + 1) * 8 + g]),\n"
+    "                          mdl_bf16x2(B[(2 * t + 8) * 8 + g], B[(2 * t + 9) * 8 + g])};\n"
+    "  float acc[4] = {C[g * 8 + 2 * t], C[g * 8 + 2 * t + 1], C[(g + 8) * 8 + 2 * t], C[(g + 8) * 8 + 2 * t + 1]};\n"
+    "  mdl_mma_bf16_16816(acc, fa, fb);\n"
+    "  float *D = d + 128 * w;\n"
+    "  D[g * 8 + 2 * t] = acc[0];\n"
+    "  D[g * 8 + 2 * t + 1] = acc[1];\n"
+    "  D[(g + 8) * 8 + 2 * t] = acc[2];\n"
+    "  D[(g + 8) * 8 + 2 * t + 1] = acc[3];\n"
+    "}\n"
+    "extern \"C\" __global__ void k_mma_partial(float *d) {\n"
+    "  if (threadIdx.x >= 16)\n"
+    "    return;\n"
+    "  const uint32_t fa[4] = {0u, 0u, 0u, 0u}, fb[2] = {0u, 0u};\n"
+    "  float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};\n"
+    "  mdl_mma_bf16_16816(acc, fa, fb);\n"
+    "  d[threadIdx.x] = acc[0];\n"
+    "}\n";
 
 // Kernels and the entry points the checks call: each fills out[] with what it observed.
 static const char kernels[] =
@@ -109,8 +147,14 @@ static const char kernels[] =
     "    out[2 * t + 1] = __float_as_uint(mdl_bf16_to_f32(h));\n"
     "  }\n"
     "}\n"
+    "extern \"C\" __global__ void k_bf16x2(const uint32_t *in, uint32_t *out, int n) {\n"
+    "  const int t = threadIdx.x;\n"
+    "  if (2 * t + 1 < n)\n"
+    "    out[t] = mdl_bf16x2(__uint_as_float(in[2 * t]), __uint_as_float(in[2 * t + 1]));\n"
+    "}\n"
     "\n"
-    "struct Args { double *out; const float *in; const uint32_t *bits; uint32_t *bout; MdlStatus *st; int n; };\n"
+    "struct Args { double *out; const float *in; const uint32_t *bits; uint32_t *bout; MdlStatus *st; int n;\n"
+    "              const float *ma, *mb, *mc; float *md; };\n"
     "static Args A;\n"
     "static void b_sync(void *) { k_sync(A.out); }\n"
     "static void b_shfl(void *) { k_shfl(A.out); }\n"
@@ -121,6 +165,9 @@ static const char kernels[] =
     "static void b_math(void *) { k_math(A.out, A.in, A.n); }\n"
     "static void b_bf16(void *) { k_bf16(A.bits, A.bout, A.n); }\n"
     "static void b_ushort4(void *) { k_ushort4(A.bits, (uint16_t *)A.bout); }\n"
+    "static void b_bf16x2(void *) { k_bf16x2(A.bits, A.bout, A.n); }\n"
+    "static void b_mma(void *) { k_mma(A.ma, A.mb, A.mc, A.md); }\n"
+    "static void b_mma_partial(void *) { k_mma_partial(A.md); }\n"
     "extern \"C\" void run_sync(double *out) {\n"
     "  A.out = out;\n"
     "  mdl_emu::run(dim3{3, 1, 1}, dim3{256, 1, 1}, b_sync, 0);\n"
@@ -156,6 +203,18 @@ static const char kernels[] =
     "extern \"C\" void run_bf16(const uint32_t *bits, uint32_t *out, int n) {\n"
     "  A.bits = bits; A.bout = out; A.n = n;\n"
     "  mdl_emu::run(dim3{1, 1, 1}, dim3{64, 1, 1}, b_bf16, 0);\n"
+    "}\n"
+    "extern \"C\" void run_bf16x2(const uint32_t *bits, uint32_t *out, int n) {\n"
+    "  A.bits = bits; A.bout = out; A.n = n;\n"
+    "  mdl_emu::run(dim3{1, 1, 1}, dim3{32, 1, 1}, b_bf16x2, 0);\n"
+    "}\n"
+    "extern \"C\" void run_mma(const float *a, const float *b, const float *c, float *d, int blocks) {\n"
+    "  A.ma = a; A.mb = b; A.mc = c; A.md = d;\n"
+    "  mdl_emu::run(dim3{(unsigned)blocks, 1, 1}, dim3{64, 1, 1}, b_mma, 0);\n"
+    "}\n"
+    "extern \"C\" void run_mma_partial(float *d) {\n"
+    "  A.md = d;\n"
+    "  mdl_emu::run(dim3{1, 1, 1}, dim3{32, 1, 1}, b_mma_partial, 0);\n"
     "}\n";
 
 static void *load(const char *dir, char *why, size_t n) {
@@ -166,7 +225,7 @@ static void *load(const char *dir, char *why, size_t n) {
   FILE *f = fopen(src, "w");
   if (!f)
     return NULL;
-  fprintf(f, "#include \"cuda_emu.h\"\n%s\n%s", emit_cuda_prelude(), kernels);
+  fprintf(f, "#include \"cuda_emu.h\"\n%s\n%s%s", emit_cuda_prelude(), mma_kernels, kernels);
   fclose(f);
   snprintf(cmd, sizeof cmd, "g++ -std=c++17 -O1 -fopenmp -shared -fPIC -Wall -Iruntime %s -o %s >%s 2>&1", src, so,
            log);
@@ -193,23 +252,32 @@ static double gelu_grad(double x) {
 
 static double sigmoid(double x) { return 1 / (1 + exp(-x)); }
 
-static void test_primitives(void *h) {
-  double *out = calloc(1024, sizeof *out);
-  // First, before any OpenMP thread exists to be lost by the fork.
+// Runs the entry point `entry` (taking one buffer) in a child process; its wait status.
+static int run_in_child(void *h, const char *entry, void *buf) {
   fflush(stdout);
   pid_t pid = fork();
   if (pid == 0) {
-    alarm(20); // a hang would end as SIGALRM, not as the abort checked below
+    alarm(20); // a hang would end as SIGALRM, not as an abort
     if (!freopen("/dev/null", "w", stderr))
       _exit(2);
-    void (*deadlock)(double *) = (void (*)(double *))dlsym(h, "run_deadlock");
-    deadlock(out);
+    void (*run)(void *) = (void (*)(void *))dlsym(h, entry);
+    run(buf);
     _exit(0);
   }
   int status = 0;
   waitpid(pid, &status, 0);
+  return status;
+}
+
+static void test_primitives(void *h) {
+  double *out = calloc(1024, sizeof *out);
+  // First, before any OpenMP thread exists to be lost by the forks.
+  int status = run_in_child(h, "run_deadlock", out);
   CHECK(WIFSIGNALED(status) && WTERMSIG(status) == SIGABRT,
         "cuda emu: threads waiting at barriers that cannot fill abort the run", "status %d", status);
+  status = run_in_child(h, "run_mma_partial", out);
+  CHECK(WIFSIGNALED(status) && WTERMSIG(status) == SIGABRT,
+        "cuda emu: an mma in a warp whose other lanes have returned aborts the run", "status %d", status);
   void (*run)(double *) = (void (*)(double *))dlsym(h, "run_sync");
   run(out);
   bool ok = true;
@@ -339,6 +407,105 @@ static void test_prelude(void *h) {
         four[0], four[1], four[2], four[3]);
 }
 
+// xorshift64*: the test's random numbers, the same on every run.
+static double uniform(uint64_t *st) {
+  *st ^= *st >> 12;
+  *st ^= *st << 25;
+  *st ^= *st >> 27;
+  return (double)((*st * 0x2545F4914F6CDD1Dull) >> 11) / 9007199254740992.0;
+}
+
+// Tensor cores in the emulator: the packing of two roundings, then random matrices of mixed
+// magnitudes (not bf16 values: the fragments round them) through mdl_mma_bf16_16816 against
+// D = C + bf(A) bf(B) in double.
+static void test_mma(void *h) {
+  static const uint32_t pairs[] = {0x3f808000, 0x3f818000, // ties: to even (down, then up)
+                                   0xc0490fdb, 0x3f7fffff, // -pi; a carry into the exponent
+                                   0x7f7fffff, 0x80000000, // to infinity; -0
+                                   0x00000001, 0x3f808001}; // to zero; just above a tie
+  enum { NP = sizeof pairs / sizeof *pairs };
+  uint32_t packed[NP / 2] = {0};
+  void (*bx2)(const uint32_t *, uint32_t *, int) = (void (*)(const uint32_t *, uint32_t *, int))dlsym(h, "run_bf16x2");
+  bx2(pairs, packed, NP);
+  bool ok = true;
+  for (int i = 0; i < NP / 2; i++) {
+    float lo, hi;
+    memcpy(&lo, &pairs[2 * i], 4);
+    memcpy(&hi, &pairs[2 * i + 1], 4);
+    float rl = (float)round_bf16(lo), rh = (float)round_bf16(hi);
+    uint32_t ul, uh;
+    memcpy(&ul, &rl, 4);
+    memcpy(&uh, &rh, 4);
+    ok &= packed[i] == ((ul >> 16) | (uh & 0xffff0000u));
+  }
+  CHECK(ok, "cuda prelude: mdl_bf16x2 rounds two floats to nearest even, the first in the low half",
+        "0x%08x 0x%08x 0x%08x 0x%08x", packed[0], packed[1], packed[2], packed[3]);
+
+  enum { BLOCKS = 3, WARPS = 2 * BLOCKS };
+  float *a = malloc(sizeof *a * 256 * WARPS), *b = malloc(sizeof *b * 128 * WARPS);
+  float *c = malloc(sizeof *c * 128 * WARPS), *d = calloc(128 * WARPS, sizeof *d);
+  uint64_t st = 0x9E3779B97F4A7C15ull;
+  for (int i = 0; i < 256 * WARPS; i++)
+    a[i] = (float)((2 * uniform(&st) - 1) * ldexp(1, (int)(uniform(&st) * 7) - 3));
+  for (int i = 0; i < 128 * WARPS; i++) {
+    b[i] = (float)((2 * uniform(&st) - 1) * ldexp(1, (int)(uniform(&st) * 7) - 3));
+    c[i] = (float)(2 * uniform(&st) - 1);
+  }
+  void (*mma)(const float *, const float *, const float *, float *, int) =
+      (void (*)(const float *, const float *, const float *, float *, int))dlsym(h, "run_mma");
+  mma(a, b, c, d, BLOCKS);
+  double worst = 0;
+  int at = -1;
+  for (int w = 0; w < WARPS; w++)
+    for (int r = 0; r < 16; r++)
+      for (int n = 0; n < 8; n++) {
+        double sum = c[128 * w + 8 * r + n], mag = fabs(sum);
+        for (int k = 0; k < 16; k++) {
+          double p = round_bf16(a[256 * w + 16 * r + k]) * round_bf16(b[128 * w + 8 * k + n]);
+          sum += p;
+          mag += fabs(p);
+        }
+        double e = fabs(d[128 * w + 8 * r + n] - sum) / mag;
+        if (!(e <= worst))
+          worst = e, at = 128 * w + 8 * r + n;
+      }
+  char name[200];
+  snprintf(name, sizeof name, "cuda emu: mma m16n8k16 (bf16 fragments by the documented layout, f32 accumulators) "
+           "in %d warps of %d blocks against D = C + A B in double (worst %.1e of the magnitudes)", WARPS, BLOCKS,
+           worst);
+  CHECK(worst <= 1e-6, name, "element %d of warp %d: %.9g", at % 128, at / 128, at >= 0 ? d[at] : 0.0);
+  free(a);
+  free(b);
+  free(c);
+  free(d);
+}
+
+// The prelude and the tensor-core kernels compile with NVRTC: the inline PTX of mma.sync and cvt.
+static void test_mma_nvrtc(void) {
+  char why[256];
+  if (!nvrtc_available(why, sizeof why)) {
+    printf("[skip] cuda prelude nvrtc: %s\n", why);
+    return;
+  }
+  size_t np = strlen(emit_cuda_prelude()), nk = strlen(mma_kernels);
+  char *src = malloc(np + nk + 2);
+  memcpy(src, emit_cuda_prelude(), np);
+  src[np] = '\n';
+  memcpy(src + np + 1, mma_kernels, nk + 1);
+  static const char *const archs[] = {"sm_80", "sm_90"};
+  for (int i = 0; i < 2; i++) {
+    NvrtcResult r = {0};
+    char err[4096] = "", name[160];
+    bool ok = nvrtc_compile(src, archs[i], &r, err, sizeof err);
+    snprintf(name, sizeof name, "cuda prelude nvrtc %s: kernels on mdl_mma_bf16_16816 and mdl_bf16x2 compile without "
+             "a warning", archs[i]);
+    CHECK(ok && r.size > 0 && !r.log, name, "%.1500s", ok ? r.log : err);
+    free(r.cubin);
+    free(r.log);
+  }
+  free(src);
+}
+
 int main(void) {
   if (system("g++ --version >/dev/null 2>&1") != 0) {
     printf("[skip] cuda emu: no g++\n");
@@ -349,13 +516,16 @@ int main(void) {
     CHECK(false, "cuda emu: a temporary directory", "mkdtemp failed");
     TEST_EXIT();
   }
+  setenv("MDL_CACHE", dir, 1);
   void *h = load(dir, why, sizeof why);
   CHECK(h != NULL, "cuda emu: the emulator, the prelude and the test kernels compile with g++ -Wall", "%.1500s", why);
   if (h) {
     test_primitives(h);
     test_prelude(h);
+    test_mma(h);
     dlclose(h);
   }
+  test_mma_nvrtc();
   char cmd[200];
   snprintf(cmd, sizeof cmd, "rm -rf %s", dir);
   if (system(cmd) != 0)

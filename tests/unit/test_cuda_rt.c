@@ -831,14 +831,35 @@ static void compare_engines(const char *label, Engine *cuda, Engine *ref, int st
     return;
   for (int s = 2; ok && s <= steps; s++)
     ok = step_both(es, s, err, sizeof err);
+  // fp32: every parameter tensor within ptol (L2). bf16: all parameters together, since a gradient
+  // element near 0 (the key bias gets only rounding noise: its exact gradient is 0) may change sign
+  // between engines, and AdamW moves it by lr either way: one small tensor can differ by far more
+  // than the model does.
   worst = 0;
-  at = "";
+  at = l2 ? "all parameters" : "";
+  double d2 = 0, r2 = 0;
   for (int i = 0; ok && i < g->nparams; i++) {
+    if (l2) {
+      int64_t n = shape_numel(g->nodes[g->params[i]]->shape);
+      float *a = calloc((size_t)n, sizeof *a), *b = calloc((size_t)n, sizeof *b);
+      cuda->read(cuda, g->params[i], a);
+      ref->read(ref, g->params[i], b);
+      for (int64_t j = 0; j < n; j++) {
+        d2 += ((double)a[j] - b[j]) * ((double)a[j] - b[j]);
+        r2 += (double)b[j] * b[j];
+      }
+      free(a);
+      free(b);
+      continue;
+    }
     double r = rel_error(cuda, ref, g->params[i], true);
     if (!(r <= worst))
       worst = r, at = g->nodes[g->params[i]]->name;
   }
-  snprintf(name, sizeof name, "cuda: %s: parameters after %d steps match the interpreter (%.0e)", label, steps, ptol);
+  if (l2)
+    worst = isnan(d2) ? INFINITY : sqrt(d2) / (r2 > 0 ? sqrt(r2) : 1);
+  snprintf(name, sizeof name, "cuda: %s: parameters after %d steps match the interpreter (%.0e%s)", label, steps, ptol,
+           l2 ? " over all" : "");
   CHECK(ok && worst <= ptol, name, "%s; worst %.3g at %s", ok ? "ran" : err, worst, at);
 }
 
@@ -937,8 +958,11 @@ static void emulated_checks(const Model *md) {
     CHECK(init == 0, name, "max relative difference %.3g", init);
     enum { STEPS = 4 };
     // (AdamW's first steps move a parameter by about lr whatever the size of its gradient: where a
-    // gradient is rounding noise, as a key bias's, bf16's larger noise shows more in the parameters.)
-    compare_engines(md->label, cuda, ref, STEPS, bf16 ? 1e-3 : 1e-5, bf16, c.m, bf16 ? 2e-3 : 5e-4);
+    // gradient is rounding noise, as a key bias's, bf16's larger noise shows more in the parameters.
+    // bf16 gradients: 3e-3, the room a rounding flip of q, k, v, the softmax numerators or a GEMM
+    // operand needs on so small a batch: the compiled C and the interpreter differ by up to 2.1e-3
+    // per tensor at B=2 T=16, while bf16 and fp32 differ by 2e-3 to 6e-3.)
+    compare_engines(md->label, cuda, ref, STEPS, bf16 ? 3e-3 : 1e-5, bf16, c.m, bf16 ? 2e-3 : 5e-4);
     int kernels = 0, gemms = 0, ab16 = 0, d16 = 0;
     for (int i = 0; i < p->nlaunches; i++)
       p->launches[i].kernel ? kernels++ : gemms++;
@@ -1027,7 +1051,7 @@ static void gpu_checks(void) {
     CHECK(cuda, name, "%s", why);
     if (cuda) {
       Engine *ref = engine_interp(c.g, INTERP_F32, 5);
-      compare_engines(md->label, cuda, ref, 1, bf16 ? 2e-3 : 1e-4, bf16, c.m, 0);
+      compare_engines(md->label, cuda, ref, 1, bf16 ? 3e-3 : 1e-4, bf16, c.m, 0);
       ref->free(ref);
       cuda->free(cuda);
     }

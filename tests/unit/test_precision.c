@@ -10,7 +10,9 @@
 //  3. The IR rejects a bf16 value read by anything but matmul and cast, and a matmul of mixed dtypes.
 //  4. Fusion of the bf16 graph (rule 9): no kernel of casts alone reads a value that a row-wise or
 //     elementwise kernel computes, the number of casts those kernels write is as counted by hand.
-//  5. The interpreter on the bf16 graph: every CAST value is a bf16 value; the loss moves off the
+//  5. Attention in a bf16 graph: the interpreter's output and gradients against the contract of
+//     mdl.h (q, k, v and the softmax numerators rounded to bf16) computed in the test.
+//  6. The interpreter on the bf16 graph: every CAST value is a bf16 value; the loss moves off the
 //     fp32 one by a little (more than 1e-7, less than 1e-2 relative); 40 AdamW steps on one batch
 //     bring the loss down as fp32 does (final losses within 5% of each other, both < 40% of start).
 #include "mdl.h"
@@ -325,6 +327,128 @@ static void test_interp(void) {
   arena_free(a);
 }
 
+// Attention of a bf16 graph against the contract of mdl.h, computed here in double from the
+// interpreter's own q, k, v (and dout): S = scale bf(q) bf(k)^T, e = exp(S - max), out = sum bf(e) bf(v)
+// / sum e; dq, dk, dv softmax's backward with bf(q), bf(k), bf(v) (exact P). Also: the rounding moves the
+// output (the same formulas without bf differ by more than 1e-4).
+static void test_attention(void) {
+  DimOverride ov[] = {{"B", 2}, {"T", 16}};
+  Arena *a = arena_new();
+  Graph *g = training_graph(a, "models/gpt2-tiny.mdl", ov, 2);
+  char why[256], err[256];
+  if (!precision_assign(g, DT_BF16, why, sizeof why)) {
+    printf("[fail] precision: %s\n", why);
+    return;
+  }
+  Interp *it = interp_new(g, INTERP_F64);
+  interp_init_params(it, 3);
+  interp_set_seed(it, 3);
+  set_batch(g, it);
+  interp_set_scalar(it, "lr", 3e-3);
+  interp_set_scalar(it, "step", 1);
+  if (!interp_run(it, g->n, err, sizeof err)) {
+    printf("[fail] interp: %s\n", err);
+    return;
+  }
+  int att = -1, bwd[3] = {-1, -1, -1};
+  for (int i = 0; i < g->n; i++)
+    if (g->nodes[i]->op == OP_ATTENTION && att < 0)
+      att = i;
+  const IrNode *A = g->nodes[att];
+  for (int i = 0; i < g->n; i++) {
+    const IrNode *n = g->nodes[i];
+    if (n->op == OP_ATTENTION_BWD && !memcmp(n->in, A->in, sizeof(int) * 3))
+      bwd[n->ia[3]] = i;
+  }
+  CHECK(A->ia[4] == DT_BF16 && bwd[0] >= 0 && bwd[1] >= 0 && bwd[2] >= 0,
+        "attention: the precision pass marks attention and its backward bf16", "ia[4] = %lld", (long long)A->ia[4]);
+  if (bwd[0] < 0 || bwd[1] < 0 || bwd[2] < 0)
+    return;
+  int64_t nb = A->shape.d[0], nt = A->shape.d[1], nc = A->shape.d[2], hs = A->ia[0], d = nc / hs;
+  double scale = A->fa[0];
+  const double *q = interp_value(it, A->in[0]), *k = interp_value(it, A->in[1]), *v = interp_value(it, A->in[2]);
+  const double *doc = interp_value(it, A->in[3]), *dout = interp_value(it, g->nodes[bwd[0]]->in[4]);
+  const double *got[4] = {interp_value(it, att), interp_value(it, bwd[0]), interp_value(it, bwd[1]),
+                          interp_value(it, bwd[2])};
+  size_t n = (size_t)(nb * nt * nc);
+  double *want[5];
+  for (int w = 0; w < 5; w++)
+    want[w] = calloc(n, sizeof(double)); // out, dq, dk, dv, and out without rounding
+  double *e = malloc(sizeof(double) * (size_t)nt), *e32 = malloc(sizeof(double) * (size_t)nt);
+  double *ds = malloc(sizeof(double) * (size_t)nt);
+#define X(t, c) (((b)*nt + (t)) * nc + h * d + (c))
+#define R(x) ref_bf16((float)(x))
+  for (int64_t b = 0; b < nb; b++)
+    for (int64_t h = 0; h < hs; h++)
+      for (int64_t i = 0; i < nt; i++) {
+        double m = -INFINITY, m32 = -INFINITY, l = 0, l32 = 0;
+        for (int64_t j = 0; j < nt; j++) {
+          bool ok = j <= i && doc[b * nt + j] == doc[b * nt + i];
+          double s = 0, s32 = 0;
+          for (int64_t c = 0; c < d; c++) {
+            s += R(q[X(i, c)]) * R(k[X(j, c)]);
+            s32 += q[X(i, c)] * k[X(j, c)];
+          }
+          e[j] = ok ? s * scale : -INFINITY;
+          e32[j] = ok ? s32 * scale : -INFINITY;
+          m = fmax(m, e[j]);
+          m32 = fmax(m32, e32[j]);
+        }
+        for (int64_t j = 0; j < nt; j++) {
+          l += e[j] = exp(e[j] - m);
+          l32 += e32[j] = exp(e32[j] - m32);
+        }
+        for (int64_t j = 0; j < nt; j++)
+          for (int64_t c = 0; c < d; c++) {
+            want[0][X(i, c)] += R(e[j]) * R(v[X(j, c)]) / l;
+            want[4][X(i, c)] += e32[j] * v[X(j, c)] / l32;
+          }
+        // backward: P = e / l; dP = dout . bf(v); dS = P (dP - sum P dP)
+        double dot = 0;
+        for (int64_t j = 0; j < nt; j++) {
+          double dp = 0;
+          for (int64_t c = 0; c < d; c++)
+            dp += dout[X(i, c)] * R(v[X(j, c)]);
+          ds[j] = dp;
+          dot += e[j] / l * dp;
+        }
+        for (int64_t j = 0; j < nt; j++) {
+          double p = e[j] / l, dsj = p * (ds[j] - dot);
+          for (int64_t c = 0; c < d; c++) {
+            want[1][X(i, c)] += scale * dsj * R(k[X(j, c)]);
+            want[2][X(j, c)] += scale * dsj * R(q[X(i, c)]);
+            want[3][X(j, c)] += p * dout[X(i, c)];
+          }
+        }
+      }
+#undef X
+#undef R
+  const char *what[4] = {"out", "dq", "dk", "dv"};
+  for (int w = 0; w < 4; w++) {
+    double diff = 0, ref = 0;
+    for (size_t j = 0; j < n; j++) {
+      diff = fmax(diff, fabs(got[w][j] - want[w][j]));
+      ref = fmax(ref, fabs(want[w][j]));
+    }
+    char name[128];
+    snprintf(name, sizeof name, "attention bf16: the interpreter's %s follows the contract (within 1e-6)", what[w]);
+    CHECK(diff <= 1e-6 * ref && ref > 0, name, "max error %.3g of %.3g", diff, ref);
+  }
+  double moved = 0, ref = 0;
+  for (size_t j = 0; j < n; j++) {
+    moved = fmax(moved, fabs(want[4][j] - want[0][j]));
+    ref = fmax(ref, fabs(want[4][j]));
+  }
+  CHECK(moved > 1e-4 * ref, "attention bf16: rounding q, k, v and e moves the output", "%.3g of %.3g", moved, ref);
+  for (int w = 0; w < 5; w++)
+    free(want[w]);
+  free(e);
+  free(e32);
+  free(ds);
+  interp_free(it);
+  arena_free(a);
+}
+
 int main(void) {
   test_rounding();
   DimOverride ov[] = {{"B", 2}, {"T", 16}};
@@ -334,6 +458,7 @@ int main(void) {
   test_fusion("models/gpt2-tiny.mdl", ov, 2, 11); // 5 norm outputs, 3 gradients a layer
   test_fusion("models/llama-tiny.mdl", ov, 2, 21);
   test_ir_rules();
+  test_attention();
   test_interp();
   TEST_EXIT();
 }
