@@ -1465,7 +1465,7 @@ static void emit_attention_bwd(Emit *e, int gi) {
   if (out[2] >= 0)
     tmp[ntmp++] = (Tmp){"dvh", nt * d};
   emit_attn_open(e, nb, heads, nb * nt * nt * nc >= PAR_MIN, tmp, ntmp);
-  bool bf16 = nd->ia[4] == DT_BF16; // q, k, v read rounded (mdl.h)
+  bool bf16 = nd->ia[4] == DT_BF16; // the products read q, k, v, dout, P and dS rounded (mdl.h)
   emit_attn_transpose(e, "kt", k, nt, d, bf16);
   if (ds)
     emit_attn_transpose(e, "vt", v, nt, d, bf16);
@@ -1474,8 +1474,16 @@ static void emit_attention_bwd(Emit *e, int gi) {
       ec_line(&e->core, "memset(%s, 0, %lld * sizeof(float));", i == 1 ? "dkh" : "dvh", (long long)(nt * d));
   emit_attn_rows_open(e, nd, doc);
   emit_attn_row(e, nd, q, doc);
-  ec_line(&e->core, "const float *restrict doi = %s + (b * %lld + i) * %lld + hd * %lld;", dout.base,
-          (long long)nt, (long long)dout.stride, (long long)d);
+  if (bf16) { // dout_i rounded: every product of the backward reads bf16 operands (mdl.h)
+    ec_line(&e->core, "float dor[%lld];", (long long)d);
+    ec_line(&e->core, "for (int64_t c = 0; c < %lld; c++)", (long long)d);
+    ec_line(&e->core, "  dor[c] = mdl_bf16_to_f32(mdl_f32_to_bf16(%s[(b * %lld + i) * %lld + hd * %lld + c]));",
+            dout.base, (long long)nt, (long long)dout.stride, (long long)d);
+    ec_line(&e->core, "const float *restrict doi = dor;");
+  } else {
+    ec_line(&e->core, "const float *restrict doi = %s + (b * %lld + i) * %lld + hd * %lld;", dout.base,
+            (long long)nt, (long long)dout.stride, (long long)d);
+  }
   ec_line(&e->core, "#pragma omp simd");
   ec_line(&e->core, "for (int64_t j = lo; j < hi; j++)");
   ec_line(&e->core, "  s[j] /= l;");
@@ -1487,7 +1495,7 @@ static void emit_attention_bwd(Emit *e, int gi) {
     ec_line(&e->core, "  dp[j] = s[j] * (dp[j] - dsum);");
   }
   if (out[0] >= 0)
-    emit_attn_pairs(e, "dqi", "dp", k, nt, d, false, bf16);
+    emit_attn_pairs(e, "dqi", "dp", k, nt, d, bf16, bf16);
   if (out[1] >= 0) {
     ec_line(&e->core, "float sqi[%lld];", (long long)d);
     ec_line(&e->core, "for (int64_t c = 0; c < %lld; c++)", (long long)d);
@@ -1498,13 +1506,13 @@ static void emit_attention_bwd(Emit *e, int gi) {
     ec_line(&e->core, "float *restrict dkj = dkh + j * %lld;", (long long)d);
     ec_line(&e->core, "#pragma omp simd");
     ec_line(&e->core, "for (int64_t c = 0; c < %lld; c++)", (long long)d);
-    ec_line(&e->core, "  dkj[c] += dp[j] * sqi[c];");
+    ec_line(&e->core, "  dkj[c] += %s * sqi[c];", bf16 ? "mdl_bf16_to_f32(mdl_f32_to_bf16(dp[j]))" : "dp[j]");
   }
   if (out[2] >= 0) {
     ec_line(&e->core, "float *restrict dvj = dvh + j * %lld;", (long long)d);
     ec_line(&e->core, "#pragma omp simd");
     ec_line(&e->core, "for (int64_t c = 0; c < %lld; c++)", (long long)d);
-    ec_line(&e->core, "  dvj[c] += s[j] * doi[c];");
+    ec_line(&e->core, "  dvj[c] += %s * doi[c];", bf16 ? "mdl_bf16_to_f32(mdl_f32_to_bf16(s[j]))" : "s[j]");
   }
   ec_leave(&e->core);
   if (out[0] >= 0) {

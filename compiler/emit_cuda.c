@@ -18,11 +18,11 @@
 //   - column sums (norm dw / db, reductions over an outer axis): per-block partial sums, then one
 //     thread per column adds them in block order: deterministic, no atomics;
 //   - attention: flash-style, one block per (batch, head, tile of queries), keys and values in
-//     tiles in shared memory, online softmax; in bf16 with heads of a multiple of 16 channels the
-//     forward runs on tensor cores (mma.sync m16n8k16, FlashAttention-2's layout: a warp per 16
-//     query rows); the backward recomputes the probabilities from the row statistics of a first
-//     kernel, computes dq per query tile and dk, dv per key tile (each key tile owned by one block,
-//     summed in query order);
+//     tiles in shared memory, online softmax; the backward recomputes the probabilities from the
+//     row statistics of a first kernel, computes dq per query tile and dk, dv per key tile (each key
+//     tile owned by one block, summed in query order); in bf16 with heads of a multiple of 16
+//     channels the forward and the backward's dq and dk, dv kernels run on tensor cores (mma.sync
+//     m16n8k16, FlashAttention-2's layout: a warp per 16 query rows, or 16 keys);
 //   - embedding backward: each block owns a range of vocabulary rows and columns and scans the ids
 //     in order; the optimizer: a sum of squares per fixed chunk, one block adding the chunks, then
 //     AdamW over the flat buffers through a table of segments.
@@ -68,8 +68,8 @@ enum {
   SCRATCH_ALIGN = 256,  // scratch buffers start at multiples of this
   OPT_CHUNK = 8192,     // optimizer: elements per block
   ATT_BK = 32,          // attention: keys per tile
-  ATT_MMA_BQ = 64,      // attention on tensor cores: queries per block (16 per warp)
-  ATT_MMA_BK = 64,      //   and keys per tile
+  ATT_MMA_BQ = 64,      // attention on tensor cores: queries per block or tile (16 per warp)
+  ATT_MMA_BK = 64,      //   and keys per tile or block
 };
 
 static const char prelude[] =
@@ -1906,8 +1906,9 @@ static int att_bq(Emit *e, const Att *A, int per_query) {
 // when dsum >= 0) and the backward's dq (out = dq). One block of 4 warps per (batch, head, tile of
 // queries), each warp owning every 4th query row of the tile; keys and values in shared tiles of 32,
 // a key per lane; online softmax (forward, statistics) or probabilities from the statistics (dq).
-// bf16: q, k, v rounded as they are staged; the forward and the statistics (whose out is the
-// forward's) sum e rounded in P V and unrounded in l.
+// bf16: q, k, v and dout rounded as they are staged; the forward and the statistics (whose out is the
+// forward's) sum e rounded in P V and unrounded in l; the statistics' D = bf(dout) . out sums exact P;
+// dq reads dS rounded.
 static void att_query_kernel(Emit *e, const Att *A, AttMode mode, int out, int64_t lse, int64_t dsum) {
   const char *ixt = e->core.ixt;
   int64_t d = A->d, t = A->nt;
@@ -1937,7 +1938,7 @@ static void att_query_kernel(Emit *e, const Att *A, AttMode mode, int out, int64
   ec_line(&e->core, "const bool in = q0 + i < %lld;", (long long)t);
   ec_line(&e->core, "Qs[i][c] = in ? %s : 0.0f;", att_in(e, A, at_row(e, A->q, A, "q0 + i", "c")));
   if (mode == ATT_DQ)
-    ec_line(&e->core, "Os[i][c] = in ? %s : 0.0f;", at_row(e, A->dout, A, "q0 + i", "c"));
+    ec_line(&e->core, "Os[i][c] = in ? %s : 0.0f;", att_in(e, A, at_row(e, A->dout, A, "q0 + i", "c")));
   ec_leave(&e->core);
   if (mode == ATT_DQ)
     ec_line(&e->core, "float acc[%d][%d], lr[%d], sr[%d];", rw, A->dpl, rw, rw);
@@ -2006,6 +2007,8 @@ static void att_query_kernel(Emit *e, const Att *A, AttMode mode, int out, int64
     ec_line(&e->core, "for (int c = 0; c < %lld; c++)", (long long)d);
     ec_line(&e->core, "  dp += Os[ii][c] * Vs[lane][c];");
     ec_line(&e->core, "ds = p * (dp - sr[rr]);");
+    if (A->bf16)
+      ec_line(&e->core, "ds = mdl_bf16_to_f32(mdl_f32_to_bf16(ds)); // dq reads dS rounded");
     ec_leave(&e->core);
     ec_line(&e->core, "#pragma unroll 4");
     ec_enter(&e->core, "for (int jj = 0; jj < %d; jj++)", ATT_BK);
@@ -2049,7 +2052,8 @@ static void att_query_kernel(Emit *e, const Att *A, AttMode mode, int out, int64
       ec_line(&e->core, "const int c = lane + 32 * t;");
       if (guard)
         ec_line(&e->core, "if (c < %lld)", (long long)d);
-      ec_line(&e->core, "%sdd += %s * (acc[rr][t] / l[rr]);", guard ? "  " : "", at_row(e, A->dout, A, "i", "c"));
+      ec_line(&e->core, "%sdd += %s * (acc[rr][t] / l[rr]);", guard ? "  " : "",
+              att_in(e, A, at_row(e, A->dout, A, "i", "c")));
       ec_leave(&e->core);
       ec_line(&e->core, "dd = mdl_warp_sumf(dd);");
     }
@@ -2299,7 +2303,8 @@ static void emit_attention(Emit *e, int gi) {
 }
 
 // dk and dv: one warp per (batch, head, tile of 32 keys), a key per lane, the query rows that may
-// see the tile taken in order through shared tiles; each key's sums are its lane's alone.
+// see the tile taken in order through shared tiles; each key's sums are its lane's alone. bf16: q, k,
+// v and dout rounded as they are staged, dk reads dS rounded and dv reads P rounded.
 static void att_key_kernel(Emit *e, const Att *A, int dk, int dv, int64_t lse, int64_t dsum) {
   const char *ixt = e->core.ixt;
   int64_t d = A->d, t = A->nt, nkt = (t + ATT_BK - 1) / ATT_BK;
@@ -2350,7 +2355,7 @@ static void att_key_kernel(Emit *e, const Att *A, int dk, int dv, int64_t lse, i
   ec_line(&e->core, "const int ii = u / %lld, c = u %% %lld;", (long long)d, (long long)d);
   ec_line(&e->core, "const bool in = i0 + ii < %lld;", (long long)t);
   ec_line(&e->core, "Qs[ii][c] = in ? %s : 0.0f;", att_in(e, A, at_row(e, A->q, A, "i0 + ii", "c")));
-  ec_line(&e->core, "Os[ii][c] = in ? %s : 0.0f;", at_row(e, A->dout, A, "i0 + ii", "c"));
+  ec_line(&e->core, "Os[ii][c] = in ? %s : 0.0f;", att_in(e, A, at_row(e, A->dout, A, "i0 + ii", "c")));
   ec_leave(&e->core);
   ec_enter(&e->core, "for (int u = lane; u < %d; u += 32)", bq);
   ec_line(&e->core, "const bool in = i0 + u < %lld;", (long long)t);
@@ -2374,16 +2379,20 @@ static void att_key_kernel(Emit *e, const Att *A, int dk, int dv, int64_t lse, i
   ec_line(&e->core, "  dot += Qs[ii][c] * Ks[lane][c];");
   ec_line(&e->core, "const float p = expf(dot * %s - Ls[ii]);", flit(e, A->scale));
   if (dv >= 0) {
+    if (A->bf16)
+      ec_line(&e->core, "const float pr = mdl_bf16_to_f32(mdl_f32_to_bf16(p)); // dv reads P rounded");
     ec_line(&e->core, "#pragma unroll");
     ec_line(&e->core, "for (int c = 0; c < %lld; c++)", (long long)d);
-    ec_line(&e->core, "  dva[c] += p * Os[ii][c];");
+    ec_line(&e->core, "  dva[c] += %s * Os[ii][c];", A->bf16 ? "pr" : "p");
   }
   if (dk >= 0) {
     ec_line(&e->core, "float dp = 0.0f;");
     ec_line(&e->core, "#pragma unroll 8");
     ec_line(&e->core, "for (int c = 0; c < %lld; c++)", (long long)d);
     ec_line(&e->core, "  dp += Os[ii][c] * Vs[lane][c];");
-    ec_line(&e->core, "const float ds = p * (dp - Ss[ii]);");
+    ec_line(&e->core, "const float ds = %s;%s",
+            A->bf16 ? "mdl_bf16_to_f32(mdl_f32_to_bf16(p * (dp - Ss[ii])))" : "p * (dp - Ss[ii])",
+            A->bf16 ? " // dk reads dS rounded" : "");
     ec_line(&e->core, "#pragma unroll");
     ec_line(&e->core, "for (int c = 0; c < %lld; c++)", (long long)d);
     ec_line(&e->core, "  dka[c] += ds * Qs[ii][c];");
@@ -2404,9 +2413,349 @@ static void att_key_kernel(Emit *e, const Att *A, int dk, int dv, int64_t lse, i
   kend(e, A->nb * A->heads * nkt, 32);
 }
 
+// Shared memory of the tensor-core backward kernels: two tiles of 64 rows as bf16 channel pairs, rows
+// padded by 8 channels (keys and values for dq; queries and dout, with their log-sum-exp and D, for dk
+// and dv), and the tile's documents.
+static int64_t att_mma_bwd_shared(const Att *A, bool keys) {
+  return 2 * ATT_MMA_BK * (A->d + 8) * 2 + (keys ? 2 * ATT_MMA_BQ * 4 : 0) + (A->has_doc ? ATT_MMA_BK * 4 : 0);
+}
+
+// Does the backward run its dq and dk, dv kernels on tensor cores: as the forward (att_mma), and
+// q and dout also read by float4 loads.
+static bool att_mma_bwd(const Att *A) {
+  return att_mma(A) && att_mma_bwd_shared(A, true) <= 48 << 10 && att_rows16(A->q) && att_rows16(A->dout);
+}
+
+// Stages rows x0 + jj (jj < 64) of a and b, rounded to bf16, into the shared tiles as and bs (channel
+// pairs); 0 beyond T.
+static void att_mma_stage(Emit *e, const Att *A, const char *x0, Rows a, const char *as, Rows b, const char *bs) {
+  int64_t d = A->d;
+  ec_enter(&e->core, "for (int u = threadIdx.x; u < %lld; u += 128)", (long long)(ATT_MMA_BK * d / 4));
+  ec_line(&e->core, "const int jj = u / %lld, c = u %% %lld * 4;", (long long)(d / 4), (long long)(d / 4));
+  ec_line(&e->core, "const bool in = %s + jj < %lld;", x0, (long long)A->nt);
+  const char *jj = ec_str(&e->core, "%s + jj", x0);
+  ec_line(&e->core, "const float4 ax = in ? *(const float4 *)&%s : make_float4(0.0f, 0.0f, 0.0f, 0.0f);",
+          at_row(e, a, A, jj, "c"));
+  ec_line(&e->core, "const float4 bx = in ? *(const float4 *)&%s : make_float4(0.0f, 0.0f, 0.0f, 0.0f);",
+          at_row(e, b, A, jj, "c"));
+  ec_line(&e->core, "%s[jj][c / 2] = mdl_bf16x2(ax.x, ax.y);", as);
+  ec_line(&e->core, "%s[jj][c / 2 + 1] = mdl_bf16x2(ax.z, ax.w);", as);
+  ec_line(&e->core, "%s[jj][c / 2] = mdl_bf16x2(bx.x, bx.y);", bs);
+  ec_line(&e->core, "%s[jj][c / 2 + 1] = mdl_bf16x2(bx.z, bx.w);", bs);
+  ec_leave(&e->core);
+}
+
+// The A fragments of the k16 steps over the channels of rows r0 and r1 = r0 + 8 of x, as bf16; 0
+// beyond T.
+static void att_mma_frags(Emit *e, const Att *A, Rows x, const char *name) {
+  ec_line(&e->core, "uint32_t %s[%lld][4];", name, (long long)(A->d / 16));
+  ec_line(&e->core, "#pragma unroll");
+  ec_enter(&e->core, "for (int k = 0; k < %lld; k++)", (long long)(A->d / 16));
+  ec_line(&e->core, "const int c = 16 * k + 2 * tq;");
+  for (int r = 0; r < 4; r++) {
+    const char *row = r & 1 ? "r1" : "r0", *c0 = r & 2 ? "c + 8" : "c", *c1 = r & 2 ? "c + 9" : "c + 1";
+    ec_line(&e->core, "%s[k][%d] = %s < %lld ? mdl_bf16x2(%s, %s) : 0u;", name, r, row, (long long)A->nt,
+            at_row(e, x, A, row, c0), at_row(e, x, A, row, c1));
+  }
+  ec_leave(&e->core);
+}
+
+// The two products of a tile with the warp's rows by mma: s = X Y^T (scaled) and dp = Z W^T (unless
+// za is NULL) over the channels, X, Z as A fragments xa, za; Y, W the shared tiles ys, ws; tile n of s,
+// dp: columns 8 n .. 8 n + 7 of the tile (B fragment: row 8 n + g of ys, channels 16 k + 2 tq, + 1 and
+// 8 further).
+static void att_mma_scores(Emit *e, const Att *A, const char *xa, const char *ys, const char *za, const char *ws) {
+  int stiles = ATT_MMA_BK / 8;
+  if (za)
+    ec_line(&e->core, "float s[%d][4], dp[%d][4];", stiles, stiles);
+  else
+    ec_line(&e->core, "float s[%d][4];", stiles);
+  ec_line(&e->core, "#pragma unroll");
+  ec_enter(&e->core, "for (int n = 0; n < %d; n++)", stiles);
+  ec_line(&e->core, "s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;");
+  if (za)
+    ec_line(&e->core, "dp[n][0] = dp[n][1] = dp[n][2] = dp[n][3] = 0.0f;");
+  ec_line(&e->core, "#pragma unroll");
+  ec_enter(&e->core, "for (int k = 0; k < %lld; k++)", (long long)(A->d / 16));
+  ec_line(&e->core, "const uint32_t yb[2] = {%s[8 * n + g][8 * k + tq], %s[8 * n + g][8 * k + tq + 4]};", ys, ys);
+  ec_line(&e->core, "mdl_mma_bf16_16816(s[n], %s[k], yb);", xa);
+  if (za) {
+    ec_line(&e->core, "const uint32_t wb[2] = {%s[8 * n + g][8 * k + tq], %s[8 * n + g][8 * k + tq + 4]};", ws, ws);
+    ec_line(&e->core, "mdl_mma_bf16_16816(dp[n], %s[k], wb);", za);
+  }
+  ec_leave(&e->core);
+  ec_line(&e->core, "#pragma unroll");
+  ec_line(&e->core, "for (int x = 0; x < 4; x++)");
+  ec_line(&e->core, "  s[n][x] *= %s;", flit(e, A->scale));
+  ec_leave(&e->core);
+}
+
+// Masks s (-inf where the query may not see the key) when `edge` holds (always when it is NULL): ij
+// declares i and j of accumulator x of tile n, di and dj are their documents; row_bound: the query
+// (a column) must be below T too.
+static void att_mma_mask(Emit *e, const Att *A, const char *edge, const char *ij, const char *dj, const char *di,
+                         bool row_bound) {
+  if (edge)
+    ec_enter(&e->core, "if (%s)", edge);
+  ec_line(&e->core, "#pragma unroll");
+  ec_enter(&e->core, "for (int n = 0; n < %d; n++)", ATT_MMA_BK / 8);
+  ec_line(&e->core, "#pragma unroll");
+  ec_enter(&e->core, "for (int x = 0; x < 4; x++)");
+  ec_line(&e->core, "const %s %s;", e->core.ixt, ij);
+  ec_line(&e->core, "if (!(%s%s))", row_bound ? ec_str(&e->core, "i < %lld && ", (long long)A->nt) : "",
+          att_allowed(e, A, di, dj));
+  ec_line(&e->core, "  s[n][x] = -MDL_INF;");
+  ec_leave(&e->core);
+  ec_leave(&e->core);
+  if (edge)
+    ec_leave(&e->core);
+}
+
+// A B fragment of rows j, j + 1 and j + 8, j + 9 of the shared tile xs at channel c = 8 n + g: the
+// halves `sh` (16 for odd channels) of their channel pairs.
+static const char *att_mma_colb(Emit *e, const char *xs) {
+  return ec_str(&e->core, "{(%s[j][c >> 1] >> sh & 0xffffu) | (%s[j + 1][c >> 1] >> sh) << 16, "
+                          "(%s[j + 8][c >> 1] >> sh & 0xffffu) | (%s[j + 9][c >> 1] >> sh) << 16}", xs, xs, xs, xs);
+}
+
+// dq on tensor cores (att_mma_bwd), FlashAttention-2's backward by query tile: a block of 4 warps per
+// (batch, head, 64 queries), 16 query rows per warp with Q and dout as mma A fragments (bf16);
+// keys and values staged in shared tiles of 64 as bf16; S = Q K^T and dP = dout V^T by mma, P =
+// exp(S - lse), dS = P (dP - D) in f32; rounded, the dS accumulators of two adjacent n8 tiles are the
+// A fragment of one k16 step of dq += dS K; dq = scale dq.
+static void att_mma_dq_kernel(Emit *e, const Att *A, int out, int64_t lse, int64_t dsum) {
+  const char *ixt = e->core.ixt;
+  int64_t d = A->d, t = A->nt, nqt = (t + ATT_MMA_BQ - 1) / ATT_MMA_BQ;
+  int ntiles = (int)(d / 8);
+  kbegin(e, "dq");
+  note(e, "attention backward, dq on tensor cores: B %lld, T %lld, %lld heads of %lld%s%s; a block of 4 warps per "
+          "(batch, head, %d queries), 16 query rows per warp, keys in tiles of %d; bf16 products (mma m16n8k16)",
+       (long long)A->nb, (long long)t, (long long)A->heads, (long long)d, A->causal ? ", causal" : "",
+       A->has_doc ? ", within documents" : "", ATT_MMA_BQ, ATT_MMA_BK);
+  e->shared = (int)att_mma_bwd_shared(A, false);
+  ec_line(&e->core, "__shared__ uint32_t Ks[%d][%lld], Vs[%d][%lld]; // the tile's keys and values, bf16 pairs",
+          ATT_MMA_BK, (long long)(d / 2 + 4), ATT_MMA_BK, (long long)(d / 2 + 4));
+  if (A->has_doc)
+    ec_line(&e->core, "__shared__ int32_t Dk[%d];", ATT_MMA_BK);
+  ec_line(&e->core, "const int w = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tq = lane & 3;");
+  bool last_first = A->causal && nqt > 1;
+  if (last_first)
+    ec_line(&e->core, "// (query tiles from the last: the ones with the most keys start first)");
+  ec_line(&e->core, "const %s b = blockIdx.x / %lld, hd = blockIdx.x / %lld %% %lld, q0 = %sblockIdx.x %% %lld%s * %d;",
+          ixt, (long long)(A->heads * nqt), (long long)nqt, (long long)A->heads,
+          last_first ? ec_str(&e->core, "(%lld - ", (long long)(nqt - 1)) : "", (long long)nqt, last_first ? ")" : "",
+          ATT_MMA_BQ);
+  ec_line(&e->core, "// The lane's query rows: r0 (accumulators 0 and 1 of a tile) and r1 (2 and 3).");
+  ec_line(&e->core, "const %s r0 = q0 + 16 * w + g, r1 = r0 + 8;", ixt);
+  ec_line(&e->core, "// Q and dout as the A fragments of the k16 steps over the channels, rounded once; 0 beyond T.");
+  att_mma_frags(e, A, A->q, "qa");
+  att_mma_frags(e, A, A->dout, "oa");
+  if (A->has_doc)
+    ec_line(&e->core, "const int32_t d0 = r0 < %lld ? %s[b * %lld + r0] : 0, d1 = r1 < %lld ? %s[b * %lld + r1] : 0;",
+            (long long)t, ptr(e, A->doc), (long long)t, (long long)t, ptr(e, A->doc), (long long)t);
+  const char *lp = raw_ptr(e, lse, "float", "log-sum-exp per row");
+  const char *sp = raw_ptr(e, dsum, "float", "dout . out per row");
+  for (int r = 0; r < 2; r++)
+    ec_line(&e->core, "const float l%d = r%d < %lld ? %s[(b * %lld + hd) * %lld + r%d] : 0.0f, "
+            "s%d = r%d < %lld ? %s[(b * %lld + hd) * %lld + r%d] : 0.0f;", r, r, (long long)t, lp,
+            (long long)A->heads, (long long)t, r, r, r, (long long)t, sp, (long long)A->heads, (long long)t, r);
+  ec_line(&e->core, "const int sh = (g & 1) * 16; // channel 8 n + g: the half of its pair");
+  ec_line(&e->core, "float acc[%d][4]; // dq's channels 8 n .. 8 n + 7", ntiles);
+  ec_line(&e->core, "#pragma unroll");
+  ec_line(&e->core, "for (int n = 0; n < %d; n++)", ntiles);
+  ec_line(&e->core, "  acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;");
+  if (A->causal)
+    ec_line(&e->core, "const %s kend = q0 + %d < %lld ? q0 + %d : %lld; // later keys are masked for every row", ixt,
+            ATT_MMA_BQ, (long long)t, ATT_MMA_BQ, (long long)t);
+  else
+    ec_line(&e->core, "const %s kend = %lld;", ixt, (long long)t);
+  ec_enter(&e->core, "for (%s k0 = 0; k0 < kend; k0 += %d)", ixt, ATT_MMA_BK);
+  ec_line(&e->core, "__syncthreads();");
+  att_mma_stage(e, A, "k0", A->k, "Ks", A->v, "Vs");
+  if (A->has_doc) {
+    ec_line(&e->core, "if (threadIdx.x < %d)", ATT_MMA_BK);
+    ec_line(&e->core, "  Dk[threadIdx.x] = k0 + threadIdx.x < %lld ? %s[b * %lld + k0 + threadIdx.x] : 0;",
+            (long long)t, ptr(e, A->doc), (long long)t);
+  }
+  ec_line(&e->core, "__syncthreads();");
+  ec_line(&e->core, "// S = Q K^T (scaled) and dP = dout V^T: tile n holds keys k0 + 8 n .. k0 + 8 n + 7.");
+  att_mma_scores(e, A, "qa", "Ks", "oa", "Vs");
+  const char *edge = A->has_doc ? NULL
+                     : A->causal ? ec_str(&e->core, "k0 + %d > %lld || k0 + %d > q0 + 16 * w", ATT_MMA_BK,
+                                          (long long)t, ATT_MMA_BK - 1)
+                                 : ec_str(&e->core, "k0 + %d > %lld", ATT_MMA_BK, (long long)t);
+  ec_line(&e->core, "// Keys the row may not see get -inf%s.",
+          edge ? " (only tiles that reach past T or past one of the warp's rows have any)" : "");
+  const char *ij = A->causal ? "i = x < 2 ? r0 : r1, j = k0 + 8 * n + 2 * tq + (x & 1)"
+                             : "j = k0 + 8 * n + 2 * tq + (x & 1)";
+  att_mma_mask(e, A, edge, ij, "Dk[j - k0]", "(x < 2 ? d0 : d1)", false);
+  ec_line(&e->core, "// P = exp(S - lse), dS = P (dP - D); rounded, tiles 2 k and 2 k + 1 of dS are the A fragment");
+  ec_line(&e->core, "// of step k of dq += dS K, whose B fragment is keys 16 k + 2 tq, + 1 and 8 further of");
+  ec_line(&e->core, "// channel 8 n + g.");
+  ec_line(&e->core, "#pragma unroll");
+  ec_enter(&e->core, "for (int k = 0; k < %d; k++)", ATT_MMA_BK / 16);
+  ec_line(&e->core, "uint32_t da[4];");
+  ec_line(&e->core, "#pragma unroll");
+  ec_enter(&e->core, "for (int h = 0; h < 2; h++)");
+  ec_line(&e->core, "const float (&sv)[4] = s[2 * k + h], (&pv)[4] = dp[2 * k + h];");
+  ec_line(&e->core, "da[2 * h] = mdl_bf16x2(expf(sv[0] - l0) * (pv[0] - s0), expf(sv[1] - l0) * (pv[1] - s0));");
+  ec_line(&e->core, "da[2 * h + 1] = mdl_bf16x2(expf(sv[2] - l1) * (pv[2] - s1), expf(sv[3] - l1) * (pv[3] - s1));");
+  ec_leave(&e->core);
+  ec_line(&e->core, "#pragma unroll");
+  ec_enter(&e->core, "for (int n = 0; n < %d; n++)", ntiles);
+  ec_line(&e->core, "const int j = 16 * k + 2 * tq, c = 8 * n + g;");
+  ec_line(&e->core, "const uint32_t kb[2] = %s;", att_mma_colb(e, "Ks"));
+  ec_line(&e->core, "mdl_mma_bf16_16816(acc[n], da, kb);");
+  ec_leave(&e->core);
+  ec_leave(&e->core);
+  ec_leave(&e->core);
+  const char *o = ptr(e, out);
+  ec_line(&e->core, "#pragma unroll");
+  ec_enter(&e->core, "for (int n = 0; n < %d; n++)", ntiles);
+  ec_line(&e->core, "const int c = 8 * n + 2 * tq;");
+  for (int r = 0; r < 2; r++) {
+    ec_line(&e->core, "if (r%d < %lld)", r, (long long)t);
+    ec_line(&e->core, "  *(float2 *)&%s[(b * %lld + r%d) * %lld + hd * %lld + c] = make_float2(%s * acc[n][%d], "
+            "%s * acc[n][%d]);", o, (long long)t, r, (long long)A->nc, (long long)d, flit(e, A->scale), 2 * r,
+            flit(e, A->scale), 2 * r + 1);
+  }
+  ec_leave(&e->core);
+  kend(e, A->nb * A->heads * nqt, 128);
+}
+
+// dk and dv on tensor cores (att_mma_bwd), FlashAttention-2's backward by key tile: a block of 4 warps
+// per (batch, head, 64 keys), 16 keys per warp with K and V as mma A fragments (bf16); the queries that
+// may see the tile, and their dout, staged in shared tiles of 64 as bf16 with their log-sum-exp and D;
+// S^T = K Q^T and dP^T = V dout^T by mma, P^T = exp(S^T - lse), dS^T = P^T (dP^T - D) in f32; rounded,
+// the accumulators of two adjacent n8 tiles are the A fragments of one k16 step of dv += P^T dout and
+// dk += dS^T Q; dk = scale dk.
+static void att_mma_dkv_kernel(Emit *e, const Att *A, int dk, int dv, int64_t lse, int64_t dsum) {
+  const char *ixt = e->core.ixt;
+  int64_t d = A->d, t = A->nt, nkt = (t + ATT_MMA_BK - 1) / ATT_MMA_BK;
+  int ntiles = (int)(d / 8);
+  kbegin(e, "dkv");
+  note(e, "attention backward, %s on tensor cores: B %lld, T %lld, %lld heads of %lld%s%s; a block of 4 warps per "
+          "(batch, head, %d keys), 16 keys per warp, queries in tiles of %d; bf16 products (mma m16n8k16)",
+       dk >= 0 && dv >= 0 ? "dk and dv" : dk >= 0 ? "dk" : "dv", (long long)A->nb, (long long)t, (long long)A->heads,
+       (long long)d, A->causal ? ", causal" : "", A->has_doc ? ", within documents" : "", ATT_MMA_BK, ATT_MMA_BQ);
+  e->shared = (int)att_mma_bwd_shared(A, true);
+  ec_line(&e->core, "__shared__ uint32_t Qs[%d][%lld], Os[%d][%lld]; // the tile's queries and dout, bf16 pairs",
+          ATT_MMA_BQ, (long long)(d / 2 + 4), ATT_MMA_BQ, (long long)(d / 2 + 4));
+  if (dk >= 0)
+    ec_line(&e->core, "__shared__ float Ls[%d], Ss[%d]; // their log-sum-exp and D", ATT_MMA_BQ, ATT_MMA_BQ);
+  else
+    ec_line(&e->core, "__shared__ float Ls[%d]; // their log-sum-exp", ATT_MMA_BQ);
+  if (A->has_doc)
+    ec_line(&e->core, "__shared__ int32_t Dq[%d];", ATT_MMA_BQ);
+  ec_line(&e->core, "const int w = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tq = lane & 3;");
+  ec_line(&e->core, "const %s b = blockIdx.x / %lld, hd = blockIdx.x / %lld %% %lld, k0 = blockIdx.x %% %lld * %d;",
+          ixt, (long long)(A->heads * nkt), (long long)nkt, (long long)A->heads, (long long)nkt, ATT_MMA_BK);
+  ec_line(&e->core, "// The lane's keys: r0 (accumulators 0 and 1 of a tile) and r1 (2 and 3).");
+  ec_line(&e->core, "const %s r0 = k0 + 16 * w + g, r1 = r0 + 8;", ixt);
+  ec_line(&e->core, "// K and V as the A fragments of the k16 steps over the channels, rounded once; 0 beyond T.");
+  att_mma_frags(e, A, A->k, "ka");
+  if (dk >= 0)
+    att_mma_frags(e, A, A->v, "va");
+  if (A->has_doc)
+    ec_line(&e->core, "const int32_t d0 = r0 < %lld ? %s[b * %lld + r0] : 0, d1 = r1 < %lld ? %s[b * %lld + r1] : 0;",
+            (long long)t, ptr(e, A->doc), (long long)t, (long long)t, ptr(e, A->doc), (long long)t);
+  const char *lp = raw_ptr(e, lse, "float", "log-sum-exp per row");
+  const char *sp = dk >= 0 ? raw_ptr(e, dsum, "float", "dout . out per row") : NULL;
+  ec_line(&e->core, "const int sh = (g & 1) * 16; // channel 8 n + g: the half of its pair");
+  ec_line(&e->core, "float %s; // channels 8 n .. 8 n + 7",
+          dk >= 0 && dv >= 0 ? ec_str(&e->core, "dka[%d][4], dva[%d][4]", ntiles, ntiles)
+                             : ec_str(&e->core, "%s[%d][4]", dk >= 0 ? "dka" : "dva", ntiles));
+  ec_line(&e->core, "#pragma unroll");
+  ec_enter(&e->core, "for (int n = 0; n < %d; n++)", ntiles);
+  if (dk >= 0)
+    ec_line(&e->core, "dka[n][0] = dka[n][1] = dka[n][2] = dka[n][3] = 0.0f;");
+  if (dv >= 0)
+    ec_line(&e->core, "dva[n][0] = dva[n][1] = dva[n][2] = dva[n][3] = 0.0f;");
+  ec_leave(&e->core);
+  if (A->causal)
+    ec_line(&e->core, "// (queries before k0 see none of the keys)");
+  ec_enter(&e->core, "for (%s i0 = %s; i0 < %lld; i0 += %d)", ixt, A->causal ? "k0" : "0", (long long)t, ATT_MMA_BQ);
+  ec_line(&e->core, "__syncthreads();");
+  att_mma_stage(e, A, "i0", A->q, "Qs", A->dout, "Os");
+  ec_enter(&e->core, "if (threadIdx.x < %d)", ATT_MMA_BQ);
+  ec_line(&e->core, "const %s i = i0 + threadIdx.x;", ixt);
+  ec_line(&e->core, "Ls[threadIdx.x] = i < %lld ? %s[(b * %lld + hd) * %lld + i] : 0.0f;", (long long)t, lp,
+          (long long)A->heads, (long long)t);
+  if (sp)
+    ec_line(&e->core, "Ss[threadIdx.x] = i < %lld ? %s[(b * %lld + hd) * %lld + i] : 0.0f;", (long long)t, sp,
+            (long long)A->heads, (long long)t);
+  if (A->has_doc)
+    ec_line(&e->core, "Dq[threadIdx.x] = i < %lld ? %s[b * %lld + i] : 0;", (long long)t, ptr(e, A->doc), (long long)t);
+  ec_leave(&e->core);
+  ec_line(&e->core, "__syncthreads();");
+  ec_line(&e->core, "// S^T = K Q^T (scaled)%s: tile n holds queries i0 + 8 n .. i0 + 8 n + 7.",
+          dk >= 0 ? " and dP^T = V dout^T" : "");
+  att_mma_scores(e, A, "ka", "Qs", dk >= 0 ? "va" : NULL, "Os");
+  const char *edge = A->has_doc ? NULL
+                     : A->causal ? ec_str(&e->core, "i0 + %d > %lld || i0 < k0 + 16 * w + 15", ATT_MMA_BQ, (long long)t)
+                                 : ec_str(&e->core, "i0 + %d > %lld", ATT_MMA_BQ, (long long)t);
+  ec_line(&e->core, "// Queries that may not see the key get -inf%s.",
+          edge ? " (only tiles that reach past T or before one of the warp's keys have any)" : "");
+  att_mma_mask(e, A, edge, "i = i0 + 8 * n + 2 * tq + (x & 1), j = x < 2 ? r0 : r1", "(x < 2 ? d0 : d1)",
+               "Dq[i - i0]", true);
+  ec_line(&e->core, "// P^T = exp(S^T - lse), dS^T = P^T (dP^T - D); rounded, tiles 2 k and 2 k + 1 are the A");
+  ec_line(&e->core, "// fragments of step k of dv += P^T dout and dk += dS^T Q, whose B fragments are queries");
+  ec_line(&e->core, "// 16 k + 2 tq, + 1 and 8 further of channel 8 n + g.");
+  ec_line(&e->core, "#pragma unroll");
+  ec_enter(&e->core, "for (int k = 0; k < %d; k++)", ATT_MMA_BQ / 16);
+  ec_line(&e->core, "uint32_t %s;", dk >= 0 && dv >= 0 ? "pa[4], da[4]" : dk >= 0 ? "da[4]" : "pa[4]");
+  ec_line(&e->core, "#pragma unroll");
+  ec_enter(&e->core, "for (int h = 0; h < 2; h++)");
+  ec_line(&e->core, "const int i = 16 * k + 8 * h + 2 * tq;");
+  ec_line(&e->core, "const float (&sv)[4] = s[2 * k + h]%s;", dk >= 0 ? ", (&pv)[4] = dp[2 * k + h]" : "");
+  ec_line(&e->core, "const float p0 = expf(sv[0] - Ls[i]), p1 = expf(sv[1] - Ls[i + 1]);");
+  ec_line(&e->core, "const float p2 = expf(sv[2] - Ls[i]), p3 = expf(sv[3] - Ls[i + 1]);");
+  if (dv >= 0) {
+    ec_line(&e->core, "pa[2 * h] = mdl_bf16x2(p0, p1);");
+    ec_line(&e->core, "pa[2 * h + 1] = mdl_bf16x2(p2, p3);");
+  }
+  if (dk >= 0) {
+    ec_line(&e->core, "da[2 * h] = mdl_bf16x2(p0 * (pv[0] - Ss[i]), p1 * (pv[1] - Ss[i + 1]));");
+    ec_line(&e->core, "da[2 * h + 1] = mdl_bf16x2(p2 * (pv[2] - Ss[i]), p3 * (pv[3] - Ss[i + 1]));");
+  }
+  ec_leave(&e->core);
+  ec_line(&e->core, "#pragma unroll");
+  ec_enter(&e->core, "for (int n = 0; n < %d; n++)", ntiles);
+  ec_line(&e->core, "const int j = 16 * k + 2 * tq, c = 8 * n + g;");
+  if (dv >= 0) {
+    ec_line(&e->core, "const uint32_t ob[2] = %s;", att_mma_colb(e, "Os"));
+    ec_line(&e->core, "mdl_mma_bf16_16816(dva[n], pa, ob);");
+  }
+  if (dk >= 0) {
+    ec_line(&e->core, "const uint32_t qb[2] = %s;", att_mma_colb(e, "Qs"));
+    ec_line(&e->core, "mdl_mma_bf16_16816(dka[n], da, qb);");
+  }
+  ec_leave(&e->core);
+  ec_leave(&e->core);
+  ec_leave(&e->core);
+  ec_line(&e->core, "#pragma unroll");
+  ec_enter(&e->core, "for (int n = 0; n < %d; n++)", ntiles);
+  ec_line(&e->core, "const int c = 8 * n + 2 * tq;");
+  for (int r = 0; r < 2; r++) {
+    ec_enter(&e->core, "if (r%d < %lld)", r, (long long)t);
+    if (dk >= 0)
+      ec_line(&e->core, "*(float2 *)&%s[(b * %lld + r%d) * %lld + hd * %lld + c] = make_float2(%s * dka[n][%d], "
+              "%s * dka[n][%d]);", ptr(e, dk), (long long)t, r, (long long)A->nc, (long long)d, flit(e, A->scale),
+              2 * r, flit(e, A->scale), 2 * r + 1);
+    if (dv >= 0)
+      ec_line(&e->core, "*(float2 *)&%s[(b * %lld + r%d) * %lld + hd * %lld + c] = make_float2(dva[n][%d], "
+              "dva[n][%d]);", ptr(e, dv), (long long)t, r, (long long)A->nc, (long long)d, 2 * r, 2 * r + 1);
+    ec_leave(&e->core);
+  }
+  ec_leave(&e->core);
+  kend(e, A->nb * A->heads * nkt, 128);
+}
+
 // ATTENTION_BWD siblings: the row statistics (log-sum-exp, dout . out) by a forward pass, then dq per
-// query tile and dk, dv per key tile, each recomputing the probabilities from the statistics. bf16:
-// every kernel reads q, k, v rounded; P, dS and dout are not (mdl.h).
+// query tile and dk, dv per key tile (on tensor cores where att_mma_bwd allows), each recomputing the
+// probabilities from the statistics. bf16:
+// every kernel reads q, k, v and dout rounded, dq and dk read dS rounded, dv reads P rounded; the
+// statistics' D = bf(dout) . out sums exact P (mdl.h).
 static void emit_attention_bwd(Emit *e, int gi) {
   const Group *gr = &e->core.groups[gi];
   const IrNode *nd = ec_node(&e->core, gr->mem[0]);
@@ -2428,9 +2777,14 @@ static void emit_attention_bwd(Emit *e, int gi) {
   int64_t lse = scratch_alloc(e, rows * 4), dsum = ds ? scratch_alloc(e, rows * 4) : -1;
   ec_phase_begin(&e->core);
   att_query_kernel(e, &A, ATT_STATS, -1, lse, dsum);
-  if (out[0] >= 0)
+  bool mma = att_mma_bwd(&A);
+  if (out[0] >= 0 && mma)
+    att_mma_dq_kernel(e, &A, out[0], lse, dsum);
+  else if (out[0] >= 0)
     att_query_kernel(e, &A, ATT_DQ, out[0], lse, dsum);
-  if (out[1] >= 0 || out[2] >= 0)
+  if ((out[1] >= 0 || out[2] >= 0) && mma)
+    att_mma_dkv_kernel(e, &A, out[1], out[2], lse, dsum);
+  else if (out[1] >= 0 || out[2] >= 0)
     att_key_kernel(e, &A, out[1], out[2], lse, dsum);
   for (int i = 0; i < 3; i++)
     if (out[i] >= 0)

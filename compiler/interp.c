@@ -541,9 +541,10 @@ static void run_attention(Ctx *c, bool bwd) {
   double scale = c->nd->fa[0];
   const double *q = c->x[0], *k = c->x[1], *v = c->x[2];
   const double *doc = has_doc ? c->x[3] : NULL, *dout = bwd ? c->x[has_doc ? 4 : 3] : NULL;
-  // bf16 (mdl.h): the products read q, k, v rounded; the forward's P V reads e rounded too.
+  // bf16 (mdl.h): the products read q, k, v rounded; the forward's P V reads e rounded too, and
+  // the backward's read dout, P and dS rounded.
   bool bf16 = c->nd->ia[4] == DT_BF16;
-  double *rounded = NULL, *l = xcalloc((size_t)nt, sizeof(double));
+  double *rounded = NULL, *rounded_dout = NULL, *l = xcalloc((size_t)nt, sizeof(double));
   if (bf16) {
     size_t n = (size_t)(nb * nt * nc);
     rounded = xcalloc(3 * n, sizeof(double));
@@ -553,6 +554,13 @@ static void run_attention(Ctx *c, bool bwd) {
       rounded[2 * n + i] = round_bf16(v[i]);
     }
     q = rounded, k = rounded + n, v = rounded + 2 * n;
+  }
+  if (bf16 && bwd) { // the backward's products read dout, dS and P rounded as well
+    size_t n = (size_t)(nb * nt * nc);
+    double *r = xcalloc(n, sizeof(double));
+    for (size_t i = 0; i < n; i++)
+      r[i] = round_bf16(dout[i]);
+    dout = rounded_dout = r;
   }
   double *p = xcalloc((size_t)(nt * nt), sizeof(double));
   double *ds = xcalloc((size_t)(nt * nt), sizeof(double));
@@ -607,21 +615,25 @@ static void run_attention(Ctx *c, bool bwd) {
           ds[i * nt + j] = p[i * nt + j] * (ds[i * nt + j] - dot);
       }
       for (int64_t i = 0; i < nt; i++)
-        for (int64_t j = 0; j < nt; j++)
+        for (int64_t j = 0; j < nt; j++) {
+          double dsij = bf16 ? round_bf16(ds[i * nt + j]) : ds[i * nt + j];
+          double pij = bf16 ? round_bf16(p[i * nt + j]) : p[i * nt + j];
           for (int64_t e = 0; e < d; e++) {
             if (which == 0)
-              c->y[AT(i, e)] += scale * ds[i * nt + j] * k[AT(j, e)];
+              c->y[AT(i, e)] += scale * dsij * k[AT(j, e)];
             else if (which == 1)
-              c->y[AT(j, e)] += scale * ds[i * nt + j] * q[AT(i, e)];
+              c->y[AT(j, e)] += scale * dsij * q[AT(i, e)];
             else
-              c->y[AT(j, e)] += p[i * nt + j] * dout[AT(i, e)];
+              c->y[AT(j, e)] += pij * dout[AT(i, e)];
           }
+        }
 #undef AT
     }
   free(p);
   free(ds);
   free(l);
   free(rounded);
+  free(rounded_dout);
 }
 
 // ATTENTION in decode mode: q, k, v are the rows [1,1,C] of the token at position p. Its k and v

@@ -124,9 +124,9 @@ typedef struct {
      ia[2] = has doc input; fa[0] = scale. Attention within a document only when doc is given.     \
      ia[4] = DT_BF16 (set by the precision pass): S = scale * bf(q) bf(k)^T summed in f32,         \
      e = exp(S - rowmax), out = sum_j bf(e_j) bf(v_j) / sum_j e_j (bf = round to bf16); the        \
-     backward is softmax's with bf(q), bf(k), bf(v): dS = P (dP - D), dP = dout bf(v)^T,           \
-     P = e / sum e (exact), D = sum_j P dP (so sum_j dS = 0: a bias on every key gets no gradient),  \
-     dq = scale dS bf(k), dk = scale dS^T bf(q), dv = P^T dout.                                    \
+     backward is softmax's with its products on bf16 operands: dP = bf(dout) bf(v)^T,             \
+     P = e / sum e (exact), D = sum_j P dP (so sum_j dS = 0: a bias on every key gets no gradient), \
+     dS = P (dP - D), dq = scale bf(dS) bf(k), dk = scale bf(dS)^T bf(q), dv = bf(P)^T bf(dout).     \
      ia[4] = DT_F32: no rounding. */                                                               \
   X(ATTENTION, "attention")                                                                        \
   X(ATTENTION_BWD, "attention_bwd") /* (q, k, v, [doc,] dout); ia[3] which: 0 dq, 1 dk, 2 dv */   \

@@ -1605,7 +1605,10 @@ static void k43_attention_bwd(char *arena, const MdlHooks *h) {
           }
           l = ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
         }
-        const float *restrict doi = b145 + (b * 64 + i) * 64 + hd * 16;
+        float dor[16];
+        for (int64_t c = 0; c < 16; c++)
+          dor[c] = mdl_bf16_to_f32(mdl_f32_to_bf16(b145[(b * 64 + i) * 64 + hd * 16 + c]));
+        const float *restrict doi = dor;
         #pragma omp simd
         for (int64_t j = lo; j < hi; j++)
           s[j] /= l;
@@ -1640,7 +1643,7 @@ static void k43_attention_bwd(char *arena, const MdlHooks *h) {
         float dqi0[16] = {0}, dqi1[16] = {0};
         int64_t j = lo;
         for (; j + 1 < hi; j += 2) {
-          const float w0 = dp[j], w1 = dp[j + 1], *restrict x0 = b72 + 64 + (b * 64 + j) * 192 + hd * 16, *restrict x1 = x0 + 192;
+          const float w0 = mdl_bf16_to_f32(mdl_f32_to_bf16(dp[j])), w1 = mdl_bf16_to_f32(mdl_f32_to_bf16(dp[j + 1])), *restrict x0 = b72 + 64 + (b * 64 + j) * 192 + hd * 16, *restrict x1 = x0 + 192;
           #pragma omp simd
           for (int64_t c = 0; c < 16; c++) {
             dqi0[c] += w0 * mdl_bf16_to_f32(mdl_f32_to_bf16(x0[c]));
@@ -1648,7 +1651,7 @@ static void k43_attention_bwd(char *arena, const MdlHooks *h) {
           }
         }
         if (j < hi) {
-          const float w0 = dp[j], *restrict x0 = b72 + 64 + (b * 64 + j) * 192 + hd * 16;
+          const float w0 = mdl_bf16_to_f32(mdl_f32_to_bf16(dp[j])), *restrict x0 = b72 + 64 + (b * 64 + j) * 192 + hd * 16;
           #pragma omp simd
           for (int64_t c = 0; c < 16; c++)
             dqi0[c] += w0 * mdl_bf16_to_f32(mdl_f32_to_bf16(x0[c]));
@@ -1660,11 +1663,11 @@ static void k43_attention_bwd(char *arena, const MdlHooks *h) {
           float *restrict dkj = dkh + j * 16;
           #pragma omp simd
           for (int64_t c = 0; c < 16; c++)
-            dkj[c] += dp[j] * sqi[c];
+            dkj[c] += mdl_bf16_to_f32(mdl_f32_to_bf16(dp[j])) * sqi[c];
           float *restrict dvj = dvh + j * 16;
           #pragma omp simd
           for (int64_t c = 0; c < 16; c++)
-            dvj[c] += s[j] * doi[c];
+            dvj[c] += mdl_bf16_to_f32(mdl_f32_to_bf16(s[j])) * doi[c];
         }
         float *restrict dq = b148 + (b * 64 + i) * 64 + hd * 16;
         for (int64_t c = 0; c < 16; c++)
@@ -2262,7 +2265,10 @@ static void k61_attention_bwd(char *arena, const MdlHooks *h) {
           }
           l = ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
         }
-        const float *restrict doi = b186 + (b * 64 + i) * 64 + hd * 16;
+        float dor[16];
+        for (int64_t c = 0; c < 16; c++)
+          dor[c] = mdl_bf16_to_f32(mdl_f32_to_bf16(b186[(b * 64 + i) * 64 + hd * 16 + c]));
+        const float *restrict doi = dor;
         #pragma omp simd
         for (int64_t j = lo; j < hi; j++)
           s[j] /= l;
@@ -2297,7 +2303,7 @@ static void k61_attention_bwd(char *arena, const MdlHooks *h) {
         float dqi0[16] = {0}, dqi1[16] = {0};
         int64_t j = lo;
         for (; j + 1 < hi; j += 2) {
-          const float w0 = dp[j], w1 = dp[j + 1], *restrict x0 = b27 + 64 + (b * 64 + j) * 192 + hd * 16, *restrict x1 = x0 + 192;
+          const float w0 = mdl_bf16_to_f32(mdl_f32_to_bf16(dp[j])), w1 = mdl_bf16_to_f32(mdl_f32_to_bf16(dp[j + 1])), *restrict x0 = b27 + 64 + (b * 64 + j) * 192 + hd * 16, *restrict x1 = x0 + 192;
           #pragma omp simd
           for (int64_t c = 0; c < 16; c++) {
             dqi0[c] += w0 * mdl_bf16_to_f32(mdl_f32_to_bf16(x0[c]));
@@ -2305,7 +2311,7 @@ static void k61_attention_bwd(char *arena, const MdlHooks *h) {
           }
         }
         if (j < hi) {
-          const float w0 = dp[j], *restrict x0 = b27 + 64 + (b * 64 + j) * 192 + hd * 16;
+          const float w0 = mdl_bf16_to_f32(mdl_f32_to_bf16(dp[j])), *restrict x0 = b27 + 64 + (b * 64 + j) * 192 + hd * 16;
           #pragma omp simd
           for (int64_t c = 0; c < 16; c++)
             dqi0[c] += w0 * mdl_bf16_to_f32(mdl_f32_to_bf16(x0[c]));
@@ -2317,11 +2323,11 @@ static void k61_attention_bwd(char *arena, const MdlHooks *h) {
           float *restrict dkj = dkh + j * 16;
           #pragma omp simd
           for (int64_t c = 0; c < 16; c++)
-            dkj[c] += dp[j] * sqi[c];
+            dkj[c] += mdl_bf16_to_f32(mdl_f32_to_bf16(dp[j])) * sqi[c];
           float *restrict dvj = dvh + j * 16;
           #pragma omp simd
           for (int64_t c = 0; c < 16; c++)
-            dvj[c] += s[j] * doi[c];
+            dvj[c] += mdl_bf16_to_f32(mdl_f32_to_bf16(s[j])) * doi[c];
         }
         float *restrict dq = b189 + (b * 64 + i) * 64 + hd * 16;
         for (int64_t c = 0; c < 16; c++)

@@ -1277,8 +1277,8 @@ extern "C" __global__ void __launch_bounds__(256) k40_sum_partial(char *arena, M
 //   %150   attention_bwd      d.h.1.v              line 39    f32[8,64,64]
 // runs:
 //   k43_attention_bwd_stats<<<128, 128>>>
-//   k43_attention_bwd_dq<<<128, 128>>>
-//   k43_attention_bwd_dkv<<<64, 32>>>
+//   k43_attention_bwd_dq<<<32, 128>>>
+//   k43_attention_bwd_dkv<<<32, 128>>>
 
 // attention backward, row statistics: B 8, T 64, 4 heads of 16, causal, within documents; a block per (batch, head, 16 queries), keys in tiles of 32
 extern "C" __global__ void __launch_bounds__(128) k43_attention_bwd_stats(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
@@ -1366,7 +1366,7 @@ extern "C" __global__ void __launch_bounds__(128) k43_attention_bwd_stats(char *
     for (int t = 0; t < 1; t++) {
       const int c = lane + 32 * t;
       if (c < 16)
-        dd += b4[(b * 64 + i) * 64 + hd * 16 + c] * (acc[rr][t] / l[rr]);
+        dd += mdl_bf16_to_f32(mdl_f32_to_bf16(b4[(b * 64 + i) * 64 + hd * 16 + c])) * (acc[rr][t] / l[rr]);
     }
     dd = mdl_warp_sumf(dd);
     if (lane == 0) {
@@ -1376,169 +1376,247 @@ extern "C" __global__ void __launch_bounds__(128) k43_attention_bwd_stats(char *
   }
 }
 
-// attention backward, dq: B 8, T 64, 4 heads of 16, causal, within documents; a block per (batch, head, 16 queries), keys in tiles of 32
+// attention backward, dq on tensor cores: B 8, T 64, 4 heads of 16, causal, within documents; a block of 4 warps per (batch, head, 64 queries), 16 query rows per warp, keys in tiles of 64; bf16 products (mma m16n8k16)
 extern "C" __global__ void __launch_bounds__(128) k43_attention_bwd_dq(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
-  float *const b0 = (float *)(arena + o.b[0]); // log-sum-exp per row
-  float *const b1 = (float *)(arena + o.b[1]); // dout . out per row
-  float *const b2 = (float *)(arena + o.b[2]); // add f32[8,64,192]
-  float *const b3 = (float *)(arena + o.b[3]); // matmul f32[512,64]
-  int32_t *const b4 = (int32_t *)(arena + o.b[4]); // input i32[8,64]
+  float *const b0 = (float *)(arena + o.b[0]); // add f32[8,64,192]
+  float *const b1 = (float *)(arena + o.b[1]); // matmul f32[512,64]
+  int32_t *const b2 = (int32_t *)(arena + o.b[2]); // input i32[8,64]
+  float *const b3 = (float *)(arena + o.b[3]); // log-sum-exp per row
+  float *const b4 = (float *)(arena + o.b[4]); // dout . out per row
   float *const b5 = (float *)(arena + o.b[5]); // attention_bwd f32[8,64,64]
-  __shared__ float Qs[16][16];
-  __shared__ float Os[16][16];
-  __shared__ float Ks[32][17], Vs[32][17];
-  __shared__ int32_t Dk[32];
-  const int w = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int b = blockIdx.x / 16, hd = blockIdx.x / 4 % 4, q0 = blockIdx.x % 4 * 16;
-  for (int u = threadIdx.x; u < 256; u += 128) {
-    const int i = u / 16, c = u % 16;
-    const bool in = q0 + i < 64;
-    Qs[i][c] = in ? mdl_bf16_to_f32(mdl_f32_to_bf16(b2[(b * 64 + q0 + i) * 192 + hd * 16 + c])) : 0.0f;
-    Os[i][c] = in ? b3[(b * 64 + q0 + i) * 64 + hd * 16 + c] : 0.0f;
-  }
-  float acc[4][1], lr[4], sr[4];
-  int32_t di[4];
+  __shared__ uint32_t Ks[64][12], Vs[64][12]; // the tile's keys and values, bf16 pairs
+  __shared__ int32_t Dk[64];
+  const int w = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tq = lane & 3;
+  const int b = blockIdx.x / 4, hd = blockIdx.x / 1 % 4, q0 = blockIdx.x % 1 * 64;
+  // The lane's query rows: r0 (accumulators 0 and 1 of a tile) and r1 (2 and 3).
+  const int r0 = q0 + 16 * w + g, r1 = r0 + 8;
+  // Q and dout as the A fragments of the k16 steps over the channels, rounded once; 0 beyond T.
+  uint32_t qa[1][4];
   #pragma unroll
-  for (int rr = 0; rr < 4; rr++) {
-    const int i = q0 + w + 4 * rr;
-    lr[rr] = i < 64 ? b0[(b * 4 + hd) * 64 + i] : 0.0f;
-    sr[rr] = i < 64 ? b1[(b * 4 + hd) * 64 + i] : 0.0f;
-    di[rr] = i < 64 ? b4[b * 64 + i] : 0;
-    #pragma unroll
-    for (int t = 0; t < 1; t++)
-      acc[rr][t] = 0.0f;
+  for (int k = 0; k < 1; k++) {
+    const int c = 16 * k + 2 * tq;
+    qa[k][0] = r0 < 64 ? mdl_bf16x2(b0[(b * 64 + r0) * 192 + hd * 16 + c], b0[(b * 64 + r0) * 192 + hd * 16 + c + 1]) : 0u;
+    qa[k][1] = r1 < 64 ? mdl_bf16x2(b0[(b * 64 + r1) * 192 + hd * 16 + c], b0[(b * 64 + r1) * 192 + hd * 16 + c + 1]) : 0u;
+    qa[k][2] = r0 < 64 ? mdl_bf16x2(b0[(b * 64 + r0) * 192 + hd * 16 + c + 8], b0[(b * 64 + r0) * 192 + hd * 16 + c + 9]) : 0u;
+    qa[k][3] = r1 < 64 ? mdl_bf16x2(b0[(b * 64 + r1) * 192 + hd * 16 + c + 8], b0[(b * 64 + r1) * 192 + hd * 16 + c + 9]) : 0u;
   }
-  const int kend = q0 + 16 < 64 ? q0 + 16 : 64;
-  for (int k0 = 0; k0 < kend; k0 += 32) {
+  uint32_t oa[1][4];
+  #pragma unroll
+  for (int k = 0; k < 1; k++) {
+    const int c = 16 * k + 2 * tq;
+    oa[k][0] = r0 < 64 ? mdl_bf16x2(b1[(b * 64 + r0) * 64 + hd * 16 + c], b1[(b * 64 + r0) * 64 + hd * 16 + c + 1]) : 0u;
+    oa[k][1] = r1 < 64 ? mdl_bf16x2(b1[(b * 64 + r1) * 64 + hd * 16 + c], b1[(b * 64 + r1) * 64 + hd * 16 + c + 1]) : 0u;
+    oa[k][2] = r0 < 64 ? mdl_bf16x2(b1[(b * 64 + r0) * 64 + hd * 16 + c + 8], b1[(b * 64 + r0) * 64 + hd * 16 + c + 9]) : 0u;
+    oa[k][3] = r1 < 64 ? mdl_bf16x2(b1[(b * 64 + r1) * 64 + hd * 16 + c + 8], b1[(b * 64 + r1) * 64 + hd * 16 + c + 9]) : 0u;
+  }
+  const int32_t d0 = r0 < 64 ? b2[b * 64 + r0] : 0, d1 = r1 < 64 ? b2[b * 64 + r1] : 0;
+  const float l0 = r0 < 64 ? b3[(b * 4 + hd) * 64 + r0] : 0.0f, s0 = r0 < 64 ? b4[(b * 4 + hd) * 64 + r0] : 0.0f;
+  const float l1 = r1 < 64 ? b3[(b * 4 + hd) * 64 + r1] : 0.0f, s1 = r1 < 64 ? b4[(b * 4 + hd) * 64 + r1] : 0.0f;
+  const int sh = (g & 1) * 16; // channel 8 n + g: the half of its pair
+  float acc[2][4]; // dq's channels 8 n .. 8 n + 7
+  #pragma unroll
+  for (int n = 0; n < 2; n++)
+    acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
+  const int kend = q0 + 64 < 64 ? q0 + 64 : 64; // later keys are masked for every row
+  for (int k0 = 0; k0 < kend; k0 += 64) {
     __syncthreads();
-    for (int u = threadIdx.x; u < 512; u += 128) {
-      const int jj = u / 16, c = u % 16;
+    for (int u = threadIdx.x; u < 256; u += 128) {
+      const int jj = u / 4, c = u % 4 * 4;
       const bool in = k0 + jj < 64;
-      Ks[jj][c] = in ? mdl_bf16_to_f32(mdl_f32_to_bf16((b2 + 64)[(b * 64 + k0 + jj) * 192 + hd * 16 + c])) : 0.0f;
-      Vs[jj][c] = in ? mdl_bf16_to_f32(mdl_f32_to_bf16((b2 + 128)[(b * 64 + k0 + jj) * 192 + hd * 16 + c])) : 0.0f;
+      const float4 ax = in ? *(const float4 *)&(b0 + 64)[(b * 64 + k0 + jj) * 192 + hd * 16 + c] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+      const float4 bx = in ? *(const float4 *)&(b0 + 128)[(b * 64 + k0 + jj) * 192 + hd * 16 + c] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+      Ks[jj][c / 2] = mdl_bf16x2(ax.x, ax.y);
+      Ks[jj][c / 2 + 1] = mdl_bf16x2(ax.z, ax.w);
+      Vs[jj][c / 2] = mdl_bf16x2(bx.x, bx.y);
+      Vs[jj][c / 2 + 1] = mdl_bf16x2(bx.z, bx.w);
     }
-    if (threadIdx.x < 32)
-      Dk[threadIdx.x] = k0 + threadIdx.x < 64 ? b4[b * 64 + k0 + threadIdx.x] : 0;
+    if (threadIdx.x < 64)
+      Dk[threadIdx.x] = k0 + threadIdx.x < 64 ? b2[b * 64 + k0 + threadIdx.x] : 0;
     __syncthreads();
+    // S = Q K^T (scaled) and dP = dout V^T: tile n holds keys k0 + 8 n .. k0 + 8 n + 7.
+    float s[8][4], dp[8][4];
     #pragma unroll
-    for (int rr = 0; rr < 4; rr++) {
-      const int ii = w + 4 * rr;
-      const int i = q0 + ii, j = k0 + lane;
-      if (i >= 64)
-        continue;
-      const bool ok = j < 64 && j <= i && Dk[lane] == di[rr];
-      float s = -MDL_INF;
-      if (ok) {
-        float dot = 0.0f;
-        #pragma unroll 8
-        for (int c = 0; c < 16; c++)
-          dot += Qs[ii][c] * Ks[lane][c];
-        s = dot * 0.25f;
+    for (int n = 0; n < 8; n++) {
+      s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
+      dp[n][0] = dp[n][1] = dp[n][2] = dp[n][3] = 0.0f;
+      #pragma unroll
+      for (int k = 0; k < 1; k++) {
+        const uint32_t yb[2] = {Ks[8 * n + g][8 * k + tq], Ks[8 * n + g][8 * k + tq + 4]};
+        mdl_mma_bf16_16816(s[n], qa[k], yb);
+        const uint32_t wb[2] = {Vs[8 * n + g][8 * k + tq], Vs[8 * n + g][8 * k + tq + 4]};
+        mdl_mma_bf16_16816(dp[n], oa[k], wb);
       }
-      float ds = 0.0f;
-      if (ok) {
-        const float p = expf(s - lr[rr]);
-        float dp = 0.0f;
-        #pragma unroll 8
-        for (int c = 0; c < 16; c++)
-          dp += Os[ii][c] * Vs[lane][c];
-        ds = p * (dp - sr[rr]);
+      #pragma unroll
+      for (int x = 0; x < 4; x++)
+        s[n][x] *= 0.25f;
+    }
+    // Keys the row may not see get -inf.
+    #pragma unroll
+    for (int n = 0; n < 8; n++) {
+      #pragma unroll
+      for (int x = 0; x < 4; x++) {
+        const int i = x < 2 ? r0 : r1, j = k0 + 8 * n + 2 * tq + (x & 1);
+        if (!(j < 64 && j <= i && Dk[j - k0] == (x < 2 ? d0 : d1)))
+          s[n][x] = -MDL_INF;
       }
-      #pragma unroll 4
-      for (int jj = 0; jj < 32; jj++) {
-        const float dj = __shfl_sync(MDL_FULL, ds, jj);
-        #pragma unroll
-        for (int t = 0; t < 1; t++)
-          if (lane + 32 * t < 16)
-            acc[rr][t] += dj * Ks[jj][lane + 32 * t];
+    }
+    // P = exp(S - lse), dS = P (dP - D); rounded, tiles 2 k and 2 k + 1 of dS are the A fragment
+    // of step k of dq += dS K, whose B fragment is keys 16 k + 2 tq, + 1 and 8 further of
+    // channel 8 n + g.
+    #pragma unroll
+    for (int k = 0; k < 4; k++) {
+      uint32_t da[4];
+      #pragma unroll
+      for (int h = 0; h < 2; h++) {
+        const float (&sv)[4] = s[2 * k + h], (&pv)[4] = dp[2 * k + h];
+        da[2 * h] = mdl_bf16x2(expf(sv[0] - l0) * (pv[0] - s0), expf(sv[1] - l0) * (pv[1] - s0));
+        da[2 * h + 1] = mdl_bf16x2(expf(sv[2] - l1) * (pv[2] - s1), expf(sv[3] - l1) * (pv[3] - s1));
+      }
+      #pragma unroll
+      for (int n = 0; n < 2; n++) {
+        const int j = 16 * k + 2 * tq, c = 8 * n + g;
+        const uint32_t kb[2] = {(Ks[j][c >> 1] >> sh & 0xffffu) | (Ks[j + 1][c >> 1] >> sh) << 16, (Ks[j + 8][c >> 1] >> sh & 0xffffu) | (Ks[j + 9][c >> 1] >> sh) << 16};
+        mdl_mma_bf16_16816(acc[n], da, kb);
       }
     }
   }
   #pragma unroll
-  for (int rr = 0; rr < 4; rr++) {
-    const int i = q0 + w + 4 * rr;
-    if (i >= 64)
-      continue;
-    #pragma unroll
-    for (int t = 0; t < 1; t++) {
-      const int c = lane + 32 * t;
-      if (c < 16)
-        b5[(b * 64 + i) * 64 + hd * 16 + c] = 0.25f * acc[rr][t];
-    }
+  for (int n = 0; n < 2; n++) {
+    const int c = 8 * n + 2 * tq;
+    if (r0 < 64)
+      *(float2 *)&b5[(b * 64 + r0) * 64 + hd * 16 + c] = make_float2(0.25f * acc[n][0], 0.25f * acc[n][1]);
+    if (r1 < 64)
+      *(float2 *)&b5[(b * 64 + r1) * 64 + hd * 16 + c] = make_float2(0.25f * acc[n][2], 0.25f * acc[n][3]);
   }
 }
 
-// attention backward, dk and dv: B 8, T 64, 4 heads of 16, causal, within documents; a warp per (batch, head, 32 keys), a key per lane, queries in tiles of 32
-extern "C" __global__ void __launch_bounds__(32) k43_attention_bwd_dkv(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
-  float *const b0 = (float *)(arena + o.b[0]); // log-sum-exp per row
-  float *const b1 = (float *)(arena + o.b[1]); // dout . out per row
-  float *const b2 = (float *)(arena + o.b[2]); // add f32[8,64,192]
-  int32_t *const b3 = (int32_t *)(arena + o.b[3]); // input i32[8,64]
+// attention backward, dk and dv on tensor cores: B 8, T 64, 4 heads of 16, causal, within documents; a block of 4 warps per (batch, head, 64 keys), 16 keys per warp, queries in tiles of 64; bf16 products (mma m16n8k16)
+extern "C" __global__ void __launch_bounds__(128) k43_attention_bwd_dkv(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
+  float *const b0 = (float *)(arena + o.b[0]); // add f32[8,64,192]
+  int32_t *const b1 = (int32_t *)(arena + o.b[1]); // input i32[8,64]
+  float *const b2 = (float *)(arena + o.b[2]); // log-sum-exp per row
+  float *const b3 = (float *)(arena + o.b[3]); // dout . out per row
   float *const b4 = (float *)(arena + o.b[4]); // matmul f32[512,64]
   float *const b5 = (float *)(arena + o.b[5]); // attention_bwd f32[8,64,64]
   float *const b6 = (float *)(arena + o.b[6]); // attention_bwd f32[8,64,64]
-  __shared__ float Ks[32][17], Qs[32][16], Os[32][16], Ls[32];
-  __shared__ float Vs[32][17], Ss[32];
-  __shared__ int32_t Dk[32], Dq[32];
-  const int lane = threadIdx.x;
-  const int b = blockIdx.x / 8, hd = blockIdx.x / 2 % 4, k0 = blockIdx.x % 2 * 32;
-  const int j = k0 + lane;
-  for (int u = lane; u < 512; u += 32) {
-    const int jj = u / 16, c = u % 16;
-    const bool in = k0 + jj < 64;
-    Ks[jj][c] = in ? mdl_bf16_to_f32(mdl_f32_to_bf16((b2 + 64)[(b * 64 + k0 + jj) * 192 + hd * 16 + c])) : 0.0f;
-    Vs[jj][c] = in ? mdl_bf16_to_f32(mdl_f32_to_bf16((b2 + 128)[(b * 64 + k0 + jj) * 192 + hd * 16 + c])) : 0.0f;
-  }
-  Dk[lane] = j < 64 ? b3[b * 64 + j] : 0;
-  float dka[16];
-  float dva[16];
+  __shared__ uint32_t Qs[64][12], Os[64][12]; // the tile's queries and dout, bf16 pairs
+  __shared__ float Ls[64], Ss[64]; // their log-sum-exp and D
+  __shared__ int32_t Dq[64];
+  const int w = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tq = lane & 3;
+  const int b = blockIdx.x / 4, hd = blockIdx.x / 1 % 4, k0 = blockIdx.x % 1 * 64;
+  // The lane's keys: r0 (accumulators 0 and 1 of a tile) and r1 (2 and 3).
+  const int r0 = k0 + 16 * w + g, r1 = r0 + 8;
+  // K and V as the A fragments of the k16 steps over the channels, rounded once; 0 beyond T.
+  uint32_t ka[1][4];
   #pragma unroll
-  for (int c = 0; c < 16; c++)
-    dka[c] = dva[c] = 0.0f;
-  for (int i0 = k0; i0 < 64; i0 += 32) {
+  for (int k = 0; k < 1; k++) {
+    const int c = 16 * k + 2 * tq;
+    ka[k][0] = r0 < 64 ? mdl_bf16x2((b0 + 64)[(b * 64 + r0) * 192 + hd * 16 + c], (b0 + 64)[(b * 64 + r0) * 192 + hd * 16 + c + 1]) : 0u;
+    ka[k][1] = r1 < 64 ? mdl_bf16x2((b0 + 64)[(b * 64 + r1) * 192 + hd * 16 + c], (b0 + 64)[(b * 64 + r1) * 192 + hd * 16 + c + 1]) : 0u;
+    ka[k][2] = r0 < 64 ? mdl_bf16x2((b0 + 64)[(b * 64 + r0) * 192 + hd * 16 + c + 8], (b0 + 64)[(b * 64 + r0) * 192 + hd * 16 + c + 9]) : 0u;
+    ka[k][3] = r1 < 64 ? mdl_bf16x2((b0 + 64)[(b * 64 + r1) * 192 + hd * 16 + c + 8], (b0 + 64)[(b * 64 + r1) * 192 + hd * 16 + c + 9]) : 0u;
+  }
+  uint32_t va[1][4];
+  #pragma unroll
+  for (int k = 0; k < 1; k++) {
+    const int c = 16 * k + 2 * tq;
+    va[k][0] = r0 < 64 ? mdl_bf16x2((b0 + 128)[(b * 64 + r0) * 192 + hd * 16 + c], (b0 + 128)[(b * 64 + r0) * 192 + hd * 16 + c + 1]) : 0u;
+    va[k][1] = r1 < 64 ? mdl_bf16x2((b0 + 128)[(b * 64 + r1) * 192 + hd * 16 + c], (b0 + 128)[(b * 64 + r1) * 192 + hd * 16 + c + 1]) : 0u;
+    va[k][2] = r0 < 64 ? mdl_bf16x2((b0 + 128)[(b * 64 + r0) * 192 + hd * 16 + c + 8], (b0 + 128)[(b * 64 + r0) * 192 + hd * 16 + c + 9]) : 0u;
+    va[k][3] = r1 < 64 ? mdl_bf16x2((b0 + 128)[(b * 64 + r1) * 192 + hd * 16 + c + 8], (b0 + 128)[(b * 64 + r1) * 192 + hd * 16 + c + 9]) : 0u;
+  }
+  const int32_t d0 = r0 < 64 ? b1[b * 64 + r0] : 0, d1 = r1 < 64 ? b1[b * 64 + r1] : 0;
+  const int sh = (g & 1) * 16; // channel 8 n + g: the half of its pair
+  float dka[2][4], dva[2][4]; // channels 8 n .. 8 n + 7
+  #pragma unroll
+  for (int n = 0; n < 2; n++) {
+    dka[n][0] = dka[n][1] = dka[n][2] = dka[n][3] = 0.0f;
+    dva[n][0] = dva[n][1] = dva[n][2] = dva[n][3] = 0.0f;
+  }
+  // (queries before k0 see none of the keys)
+  for (int i0 = k0; i0 < 64; i0 += 64) {
     __syncthreads();
-    for (int u = lane; u < 512; u += 32) {
-      const int ii = u / 16, c = u % 16;
-      const bool in = i0 + ii < 64;
-      Qs[ii][c] = in ? mdl_bf16_to_f32(mdl_f32_to_bf16(b2[(b * 64 + i0 + ii) * 192 + hd * 16 + c])) : 0.0f;
-      Os[ii][c] = in ? b4[(b * 64 + i0 + ii) * 64 + hd * 16 + c] : 0.0f;
+    for (int u = threadIdx.x; u < 256; u += 128) {
+      const int jj = u / 4, c = u % 4 * 4;
+      const bool in = i0 + jj < 64;
+      const float4 ax = in ? *(const float4 *)&b0[(b * 64 + i0 + jj) * 192 + hd * 16 + c] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+      const float4 bx = in ? *(const float4 *)&b4[(b * 64 + i0 + jj) * 64 + hd * 16 + c] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+      Qs[jj][c / 2] = mdl_bf16x2(ax.x, ax.y);
+      Qs[jj][c / 2 + 1] = mdl_bf16x2(ax.z, ax.w);
+      Os[jj][c / 2] = mdl_bf16x2(bx.x, bx.y);
+      Os[jj][c / 2 + 1] = mdl_bf16x2(bx.z, bx.w);
     }
-    for (int u = lane; u < 32; u += 32) {
-      const bool in = i0 + u < 64;
-      Ls[u] = in ? b0[(b * 4 + hd) * 64 + i0 + u] : 0.0f;
-      Ss[u] = in ? b1[(b * 4 + hd) * 64 + i0 + u] : 0.0f;
-      Dq[u] = in ? b3[b * 64 + i0 + u] : 0;
+    if (threadIdx.x < 64) {
+      const int i = i0 + threadIdx.x;
+      Ls[threadIdx.x] = i < 64 ? b2[(b * 4 + hd) * 64 + i] : 0.0f;
+      Ss[threadIdx.x] = i < 64 ? b3[(b * 4 + hd) * 64 + i] : 0.0f;
+      Dq[threadIdx.x] = i < 64 ? b1[b * 64 + i] : 0;
     }
     __syncthreads();
-    for (int ii = 0; ii < 32; ii++) {
-      const int i = i0 + ii;
-      if (i >= 64)
-        break;
-      if (!(j < 64 && j <= i && Dk[lane] == Dq[ii]))
-        continue;
-      float dot = 0.0f;
-      #pragma unroll 8
-      for (int c = 0; c < 16; c++)
-        dot += Qs[ii][c] * Ks[lane][c];
-      const float p = expf(dot * 0.25f - Ls[ii]);
+    // S^T = K Q^T (scaled) and dP^T = V dout^T: tile n holds queries i0 + 8 n .. i0 + 8 n + 7.
+    float s[8][4], dp[8][4];
+    #pragma unroll
+    for (int n = 0; n < 8; n++) {
+      s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
+      dp[n][0] = dp[n][1] = dp[n][2] = dp[n][3] = 0.0f;
       #pragma unroll
-      for (int c = 0; c < 16; c++)
-        dva[c] += p * Os[ii][c];
-      float dp = 0.0f;
-      #pragma unroll 8
-      for (int c = 0; c < 16; c++)
-        dp += Os[ii][c] * Vs[lane][c];
-      const float ds = p * (dp - Ss[ii]);
+      for (int k = 0; k < 1; k++) {
+        const uint32_t yb[2] = {Qs[8 * n + g][8 * k + tq], Qs[8 * n + g][8 * k + tq + 4]};
+        mdl_mma_bf16_16816(s[n], ka[k], yb);
+        const uint32_t wb[2] = {Os[8 * n + g][8 * k + tq], Os[8 * n + g][8 * k + tq + 4]};
+        mdl_mma_bf16_16816(dp[n], va[k], wb);
+      }
       #pragma unroll
-      for (int c = 0; c < 16; c++)
-        dka[c] += ds * Qs[ii][c];
+      for (int x = 0; x < 4; x++)
+        s[n][x] *= 0.25f;
+    }
+    // Queries that may not see the key get -inf.
+    #pragma unroll
+    for (int n = 0; n < 8; n++) {
+      #pragma unroll
+      for (int x = 0; x < 4; x++) {
+        const int i = i0 + 8 * n + 2 * tq + (x & 1), j = x < 2 ? r0 : r1;
+        if (!(i < 64 && j < 64 && j <= i && (x < 2 ? d0 : d1) == Dq[i - i0]))
+          s[n][x] = -MDL_INF;
+      }
+    }
+    // P^T = exp(S^T - lse), dS^T = P^T (dP^T - D); rounded, tiles 2 k and 2 k + 1 are the A
+    // fragments of step k of dv += P^T dout and dk += dS^T Q, whose B fragments are queries
+    // 16 k + 2 tq, + 1 and 8 further of channel 8 n + g.
+    #pragma unroll
+    for (int k = 0; k < 4; k++) {
+      uint32_t pa[4], da[4];
+      #pragma unroll
+      for (int h = 0; h < 2; h++) {
+        const int i = 16 * k + 8 * h + 2 * tq;
+        const float (&sv)[4] = s[2 * k + h], (&pv)[4] = dp[2 * k + h];
+        const float p0 = expf(sv[0] - Ls[i]), p1 = expf(sv[1] - Ls[i + 1]);
+        const float p2 = expf(sv[2] - Ls[i]), p3 = expf(sv[3] - Ls[i + 1]);
+        pa[2 * h] = mdl_bf16x2(p0, p1);
+        pa[2 * h + 1] = mdl_bf16x2(p2, p3);
+        da[2 * h] = mdl_bf16x2(p0 * (pv[0] - Ss[i]), p1 * (pv[1] - Ss[i + 1]));
+        da[2 * h + 1] = mdl_bf16x2(p2 * (pv[2] - Ss[i]), p3 * (pv[3] - Ss[i + 1]));
+      }
+      #pragma unroll
+      for (int n = 0; n < 2; n++) {
+        const int j = 16 * k + 2 * tq, c = 8 * n + g;
+        const uint32_t ob[2] = {(Os[j][c >> 1] >> sh & 0xffffu) | (Os[j + 1][c >> 1] >> sh) << 16, (Os[j + 8][c >> 1] >> sh & 0xffffu) | (Os[j + 9][c >> 1] >> sh) << 16};
+        mdl_mma_bf16_16816(dva[n], pa, ob);
+        const uint32_t qb[2] = {(Qs[j][c >> 1] >> sh & 0xffffu) | (Qs[j + 1][c >> 1] >> sh) << 16, (Qs[j + 8][c >> 1] >> sh & 0xffffu) | (Qs[j + 9][c >> 1] >> sh) << 16};
+        mdl_mma_bf16_16816(dka[n], da, qb);
+      }
     }
   }
-  if (j < 64) {
-    #pragma unroll
-    for (int c = 0; c < 16; c++) {
-      b5[(b * 64 + j) * 64 + hd * 16 + c] = 0.25f * dka[c];
-      b6[(b * 64 + j) * 64 + hd * 16 + c] = dva[c];
+  #pragma unroll
+  for (int n = 0; n < 2; n++) {
+    const int c = 8 * n + 2 * tq;
+    if (r0 < 64) {
+      *(float2 *)&b5[(b * 64 + r0) * 64 + hd * 16 + c] = make_float2(0.25f * dka[n][0], 0.25f * dka[n][1]);
+      *(float2 *)&b6[(b * 64 + r0) * 64 + hd * 16 + c] = make_float2(dva[n][0], dva[n][1]);
+    }
+    if (r1 < 64) {
+      *(float2 *)&b5[(b * 64 + r1) * 64 + hd * 16 + c] = make_float2(0.25f * dka[n][2], 0.25f * dka[n][3]);
+      *(float2 *)&b6[(b * 64 + r1) * 64 + hd * 16 + c] = make_float2(dva[n][2], dva[n][3]);
     }
   }
 }
@@ -1772,8 +1850,8 @@ extern "C" __global__ void __launch_bounds__(256) k49_add__cast(char *arena, Mdl
 //   %191   attention_bwd      d.h.0.v              line 39    f32[8,64,64]
 // runs:
 //   k43_attention_bwd_stats<<<128, 128>>>
-//   k43_attention_bwd_dq<<<128, 128>>>
-//   k43_attention_bwd_dkv<<<64, 32>>>
+//   k43_attention_bwd_dq<<<32, 128>>>
+//   k43_attention_bwd_dkv<<<32, 128>>>
 
 // k62_add__slice_bwd__cast: kernel, 6 ops
 //   %192   slice_bwd                               line 38    f32[8,64,192]

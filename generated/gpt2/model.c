@@ -5511,7 +5511,10 @@ static void k163_attention_bwd(char *arena, const MdlHooks *h) {
           }
           l = ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
         }
-        const float *restrict doi = b595 + (b * 1024 + i) * 768 + hd * 64;
+        float dor[64];
+        for (int64_t c = 0; c < 64; c++)
+          dor[c] = mdl_bf16_to_f32(mdl_f32_to_bf16(b595[(b * 1024 + i) * 768 + hd * 64 + c]));
+        const float *restrict doi = dor;
         #pragma omp simd
         for (int64_t j = lo; j < hi; j++)
           s[j] /= l;
@@ -5546,7 +5549,7 @@ static void k163_attention_bwd(char *arena, const MdlHooks *h) {
         float dqi0[64] = {0}, dqi1[64] = {0};
         int64_t j = lo;
         for (; j + 1 < hi; j += 2) {
-          const float w0 = dp[j], w1 = dp[j + 1], *restrict x0 = b522 + 768 + (b * 1024 + j) * 2304 + hd * 64, *restrict x1 = x0 + 2304;
+          const float w0 = mdl_bf16_to_f32(mdl_f32_to_bf16(dp[j])), w1 = mdl_bf16_to_f32(mdl_f32_to_bf16(dp[j + 1])), *restrict x0 = b522 + 768 + (b * 1024 + j) * 2304 + hd * 64, *restrict x1 = x0 + 2304;
           #pragma omp simd
           for (int64_t c = 0; c < 64; c++) {
             dqi0[c] += w0 * mdl_bf16_to_f32(mdl_f32_to_bf16(x0[c]));
@@ -5554,7 +5557,7 @@ static void k163_attention_bwd(char *arena, const MdlHooks *h) {
           }
         }
         if (j < hi) {
-          const float w0 = dp[j], *restrict x0 = b522 + 768 + (b * 1024 + j) * 2304 + hd * 64;
+          const float w0 = mdl_bf16_to_f32(mdl_f32_to_bf16(dp[j])), *restrict x0 = b522 + 768 + (b * 1024 + j) * 2304 + hd * 64;
           #pragma omp simd
           for (int64_t c = 0; c < 64; c++)
             dqi0[c] += w0 * mdl_bf16_to_f32(mdl_f32_to_bf16(x0[c]));
@@ -5566,11 +5569,11 @@ static void k163_attention_bwd(char *arena, const MdlHooks *h) {
           float *restrict dkj = dkh + j * 64;
           #pragma omp simd
           for (int64_t c = 0; c < 64; c++)
-            dkj[c] += dp[j] * sqi[c];
+            dkj[c] += mdl_bf16_to_f32(mdl_f32_to_bf16(dp[j])) * sqi[c];
           float *restrict dvj = dvh + j * 64;
           #pragma omp simd
           for (int64_t c = 0; c < 64; c++)
-            dvj[c] += s[j] * doi[c];
+            dvj[c] += mdl_bf16_to_f32(mdl_f32_to_bf16(s[j])) * doi[c];
         }
         float *restrict dq = b598 + (b * 1024 + i) * 768 + hd * 64;
         for (int64_t c = 0; c < 64; c++)
@@ -6174,7 +6177,10 @@ static void k181_attention_bwd(char *arena, const MdlHooks *h) {
           }
           l = ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
         }
-        const float *restrict doi = b636 + (b * 1024 + i) * 768 + hd * 64;
+        float dor[64];
+        for (int64_t c = 0; c < 64; c++)
+          dor[c] = mdl_bf16_to_f32(mdl_f32_to_bf16(b636[(b * 1024 + i) * 768 + hd * 64 + c]));
+        const float *restrict doi = dor;
         #pragma omp simd
         for (int64_t j = lo; j < hi; j++)
           s[j] /= l;
@@ -6209,7 +6215,7 @@ static void k181_attention_bwd(char *arena, const MdlHooks *h) {
         float dqi0[64] = {0}, dqi1[64] = {0};
         int64_t j = lo;
         for (; j + 1 < hi; j += 2) {
-          const float w0 = dp[j], w1 = dp[j + 1], *restrict x0 = b477 + 768 + (b * 1024 + j) * 2304 + hd * 64, *restrict x1 = x0 + 2304;
+          const float w0 = mdl_bf16_to_f32(mdl_f32_to_bf16(dp[j])), w1 = mdl_bf16_to_f32(mdl_f32_to_bf16(dp[j + 1])), *restrict x0 = b477 + 768 + (b * 1024 + j) * 2304 + hd * 64, *restrict x1 = x0 + 2304;
           #pragma omp simd
           for (int64_t c = 0; c < 64; c++) {
             dqi0[c] += w0 * mdl_bf16_to_f32(mdl_f32_to_bf16(x0[c]));
@@ -6217,7 +6223,7 @@ static void k181_attention_bwd(char *arena, const MdlHooks *h) {
           }
         }
         if (j < hi) {
-          const float w0 = dp[j], *restrict x0 = b477 + 768 + (b * 1024 + j) * 2304 + hd * 64;
+          const float w0 = mdl_bf16_to_f32(mdl_f32_to_bf16(dp[j])), *restrict x0 = b477 + 768 + (b * 1024 + j) * 2304 + hd * 64;
           #pragma omp simd
           for (int64_t c = 0; c < 64; c++)
             dqi0[c] += w0 * mdl_bf16_to_f32(mdl_f32_to_bf16(x0[c]));
@@ -6229,11 +6235,11 @@ static void k181_attention_bwd(char *arena, const MdlHooks *h) {
           float *restrict dkj = dkh + j * 64;
           #pragma omp simd
           for (int64_t c = 0; c < 64; c++)
-            dkj[c] += dp[j] * sqi[c];
+            dkj[c] += mdl_bf16_to_f32(mdl_f32_to_bf16(dp[j])) * sqi[c];
           float *restrict dvj = dvh + j * 64;
           #pragma omp simd
           for (int64_t c = 0; c < 64; c++)
-            dvj[c] += s[j] * doi[c];
+            dvj[c] += mdl_bf16_to_f32(mdl_f32_to_bf16(s[j])) * doi[c];
         }
         float *restrict dq = b639 + (b * 1024 + i) * 768 + hd * 64;
         for (int64_t c = 0; c < 64; c++)
@@ -6837,7 +6843,10 @@ static void k199_attention_bwd(char *arena, const MdlHooks *h) {
           }
           l = ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
         }
-        const float *restrict doi = b677 + (b * 1024 + i) * 768 + hd * 64;
+        float dor[64];
+        for (int64_t c = 0; c < 64; c++)
+          dor[c] = mdl_bf16_to_f32(mdl_f32_to_bf16(b677[(b * 1024 + i) * 768 + hd * 64 + c]));
+        const float *restrict doi = dor;
         #pragma omp simd
         for (int64_t j = lo; j < hi; j++)
           s[j] /= l;
@@ -6872,7 +6881,7 @@ static void k199_attention_bwd(char *arena, const MdlHooks *h) {
         float dqi0[64] = {0}, dqi1[64] = {0};
         int64_t j = lo;
         for (; j + 1 < hi; j += 2) {
-          const float w0 = dp[j], w1 = dp[j + 1], *restrict x0 = b432 + 768 + (b * 1024 + j) * 2304 + hd * 64, *restrict x1 = x0 + 2304;
+          const float w0 = mdl_bf16_to_f32(mdl_f32_to_bf16(dp[j])), w1 = mdl_bf16_to_f32(mdl_f32_to_bf16(dp[j + 1])), *restrict x0 = b432 + 768 + (b * 1024 + j) * 2304 + hd * 64, *restrict x1 = x0 + 2304;
           #pragma omp simd
           for (int64_t c = 0; c < 64; c++) {
             dqi0[c] += w0 * mdl_bf16_to_f32(mdl_f32_to_bf16(x0[c]));
@@ -6880,7 +6889,7 @@ static void k199_attention_bwd(char *arena, const MdlHooks *h) {
           }
         }
         if (j < hi) {
-          const float w0 = dp[j], *restrict x0 = b432 + 768 + (b * 1024 + j) * 2304 + hd * 64;
+          const float w0 = mdl_bf16_to_f32(mdl_f32_to_bf16(dp[j])), *restrict x0 = b432 + 768 + (b * 1024 + j) * 2304 + hd * 64;
           #pragma omp simd
           for (int64_t c = 0; c < 64; c++)
             dqi0[c] += w0 * mdl_bf16_to_f32(mdl_f32_to_bf16(x0[c]));
@@ -6892,11 +6901,11 @@ static void k199_attention_bwd(char *arena, const MdlHooks *h) {
           float *restrict dkj = dkh + j * 64;
           #pragma omp simd
           for (int64_t c = 0; c < 64; c++)
-            dkj[c] += dp[j] * sqi[c];
+            dkj[c] += mdl_bf16_to_f32(mdl_f32_to_bf16(dp[j])) * sqi[c];
           float *restrict dvj = dvh + j * 64;
           #pragma omp simd
           for (int64_t c = 0; c < 64; c++)
-            dvj[c] += s[j] * doi[c];
+            dvj[c] += mdl_bf16_to_f32(mdl_f32_to_bf16(s[j])) * doi[c];
         }
         float *restrict dq = b680 + (b * 1024 + i) * 768 + hd * 64;
         for (int64_t c = 0; c < 64; c++)
@@ -7500,7 +7509,10 @@ static void k217_attention_bwd(char *arena, const MdlHooks *h) {
           }
           l = ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
         }
-        const float *restrict doi = b718 + (b * 1024 + i) * 768 + hd * 64;
+        float dor[64];
+        for (int64_t c = 0; c < 64; c++)
+          dor[c] = mdl_bf16_to_f32(mdl_f32_to_bf16(b718[(b * 1024 + i) * 768 + hd * 64 + c]));
+        const float *restrict doi = dor;
         #pragma omp simd
         for (int64_t j = lo; j < hi; j++)
           s[j] /= l;
@@ -7535,7 +7547,7 @@ static void k217_attention_bwd(char *arena, const MdlHooks *h) {
         float dqi0[64] = {0}, dqi1[64] = {0};
         int64_t j = lo;
         for (; j + 1 < hi; j += 2) {
-          const float w0 = dp[j], w1 = dp[j + 1], *restrict x0 = b387 + 768 + (b * 1024 + j) * 2304 + hd * 64, *restrict x1 = x0 + 2304;
+          const float w0 = mdl_bf16_to_f32(mdl_f32_to_bf16(dp[j])), w1 = mdl_bf16_to_f32(mdl_f32_to_bf16(dp[j + 1])), *restrict x0 = b387 + 768 + (b * 1024 + j) * 2304 + hd * 64, *restrict x1 = x0 + 2304;
           #pragma omp simd
           for (int64_t c = 0; c < 64; c++) {
             dqi0[c] += w0 * mdl_bf16_to_f32(mdl_f32_to_bf16(x0[c]));
@@ -7543,7 +7555,7 @@ static void k217_attention_bwd(char *arena, const MdlHooks *h) {
           }
         }
         if (j < hi) {
-          const float w0 = dp[j], *restrict x0 = b387 + 768 + (b * 1024 + j) * 2304 + hd * 64;
+          const float w0 = mdl_bf16_to_f32(mdl_f32_to_bf16(dp[j])), *restrict x0 = b387 + 768 + (b * 1024 + j) * 2304 + hd * 64;
           #pragma omp simd
           for (int64_t c = 0; c < 64; c++)
             dqi0[c] += w0 * mdl_bf16_to_f32(mdl_f32_to_bf16(x0[c]));
@@ -7555,11 +7567,11 @@ static void k217_attention_bwd(char *arena, const MdlHooks *h) {
           float *restrict dkj = dkh + j * 64;
           #pragma omp simd
           for (int64_t c = 0; c < 64; c++)
-            dkj[c] += dp[j] * sqi[c];
+            dkj[c] += mdl_bf16_to_f32(mdl_f32_to_bf16(dp[j])) * sqi[c];
           float *restrict dvj = dvh + j * 64;
           #pragma omp simd
           for (int64_t c = 0; c < 64; c++)
-            dvj[c] += s[j] * doi[c];
+            dvj[c] += mdl_bf16_to_f32(mdl_f32_to_bf16(s[j])) * doi[c];
         }
         float *restrict dq = b721 + (b * 1024 + i) * 768 + hd * 64;
         for (int64_t c = 0; c < 64; c++)
@@ -8163,7 +8175,10 @@ static void k235_attention_bwd(char *arena, const MdlHooks *h) {
           }
           l = ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
         }
-        const float *restrict doi = b759 + (b * 1024 + i) * 768 + hd * 64;
+        float dor[64];
+        for (int64_t c = 0; c < 64; c++)
+          dor[c] = mdl_bf16_to_f32(mdl_f32_to_bf16(b759[(b * 1024 + i) * 768 + hd * 64 + c]));
+        const float *restrict doi = dor;
         #pragma omp simd
         for (int64_t j = lo; j < hi; j++)
           s[j] /= l;
@@ -8198,7 +8213,7 @@ static void k235_attention_bwd(char *arena, const MdlHooks *h) {
         float dqi0[64] = {0}, dqi1[64] = {0};
         int64_t j = lo;
         for (; j + 1 < hi; j += 2) {
-          const float w0 = dp[j], w1 = dp[j + 1], *restrict x0 = b342 + 768 + (b * 1024 + j) * 2304 + hd * 64, *restrict x1 = x0 + 2304;
+          const float w0 = mdl_bf16_to_f32(mdl_f32_to_bf16(dp[j])), w1 = mdl_bf16_to_f32(mdl_f32_to_bf16(dp[j + 1])), *restrict x0 = b342 + 768 + (b * 1024 + j) * 2304 + hd * 64, *restrict x1 = x0 + 2304;
           #pragma omp simd
           for (int64_t c = 0; c < 64; c++) {
             dqi0[c] += w0 * mdl_bf16_to_f32(mdl_f32_to_bf16(x0[c]));
@@ -8206,7 +8221,7 @@ static void k235_attention_bwd(char *arena, const MdlHooks *h) {
           }
         }
         if (j < hi) {
-          const float w0 = dp[j], *restrict x0 = b342 + 768 + (b * 1024 + j) * 2304 + hd * 64;
+          const float w0 = mdl_bf16_to_f32(mdl_f32_to_bf16(dp[j])), *restrict x0 = b342 + 768 + (b * 1024 + j) * 2304 + hd * 64;
           #pragma omp simd
           for (int64_t c = 0; c < 64; c++)
             dqi0[c] += w0 * mdl_bf16_to_f32(mdl_f32_to_bf16(x0[c]));
@@ -8218,11 +8233,11 @@ static void k235_attention_bwd(char *arena, const MdlHooks *h) {
           float *restrict dkj = dkh + j * 64;
           #pragma omp simd
           for (int64_t c = 0; c < 64; c++)
-            dkj[c] += dp[j] * sqi[c];
+            dkj[c] += mdl_bf16_to_f32(mdl_f32_to_bf16(dp[j])) * sqi[c];
           float *restrict dvj = dvh + j * 64;
           #pragma omp simd
           for (int64_t c = 0; c < 64; c++)
-            dvj[c] += s[j] * doi[c];
+            dvj[c] += mdl_bf16_to_f32(mdl_f32_to_bf16(s[j])) * doi[c];
         }
         float *restrict dq = b762 + (b * 1024 + i) * 768 + hd * 64;
         for (int64_t c = 0; c < 64; c++)
@@ -8826,7 +8841,10 @@ static void k253_attention_bwd(char *arena, const MdlHooks *h) {
           }
           l = ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
         }
-        const float *restrict doi = b800 + (b * 1024 + i) * 768 + hd * 64;
+        float dor[64];
+        for (int64_t c = 0; c < 64; c++)
+          dor[c] = mdl_bf16_to_f32(mdl_f32_to_bf16(b800[(b * 1024 + i) * 768 + hd * 64 + c]));
+        const float *restrict doi = dor;
         #pragma omp simd
         for (int64_t j = lo; j < hi; j++)
           s[j] /= l;
@@ -8861,7 +8879,7 @@ static void k253_attention_bwd(char *arena, const MdlHooks *h) {
         float dqi0[64] = {0}, dqi1[64] = {0};
         int64_t j = lo;
         for (; j + 1 < hi; j += 2) {
-          const float w0 = dp[j], w1 = dp[j + 1], *restrict x0 = b297 + 768 + (b * 1024 + j) * 2304 + hd * 64, *restrict x1 = x0 + 2304;
+          const float w0 = mdl_bf16_to_f32(mdl_f32_to_bf16(dp[j])), w1 = mdl_bf16_to_f32(mdl_f32_to_bf16(dp[j + 1])), *restrict x0 = b297 + 768 + (b * 1024 + j) * 2304 + hd * 64, *restrict x1 = x0 + 2304;
           #pragma omp simd
           for (int64_t c = 0; c < 64; c++) {
             dqi0[c] += w0 * mdl_bf16_to_f32(mdl_f32_to_bf16(x0[c]));
@@ -8869,7 +8887,7 @@ static void k253_attention_bwd(char *arena, const MdlHooks *h) {
           }
         }
         if (j < hi) {
-          const float w0 = dp[j], *restrict x0 = b297 + 768 + (b * 1024 + j) * 2304 + hd * 64;
+          const float w0 = mdl_bf16_to_f32(mdl_f32_to_bf16(dp[j])), *restrict x0 = b297 + 768 + (b * 1024 + j) * 2304 + hd * 64;
           #pragma omp simd
           for (int64_t c = 0; c < 64; c++)
             dqi0[c] += w0 * mdl_bf16_to_f32(mdl_f32_to_bf16(x0[c]));
@@ -8881,11 +8899,11 @@ static void k253_attention_bwd(char *arena, const MdlHooks *h) {
           float *restrict dkj = dkh + j * 64;
           #pragma omp simd
           for (int64_t c = 0; c < 64; c++)
-            dkj[c] += dp[j] * sqi[c];
+            dkj[c] += mdl_bf16_to_f32(mdl_f32_to_bf16(dp[j])) * sqi[c];
           float *restrict dvj = dvh + j * 64;
           #pragma omp simd
           for (int64_t c = 0; c < 64; c++)
-            dvj[c] += s[j] * doi[c];
+            dvj[c] += mdl_bf16_to_f32(mdl_f32_to_bf16(s[j])) * doi[c];
         }
         float *restrict dq = b803 + (b * 1024 + i) * 768 + hd * 64;
         for (int64_t c = 0; c < 64; c++)
@@ -9489,7 +9507,10 @@ static void k271_attention_bwd(char *arena, const MdlHooks *h) {
           }
           l = ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
         }
-        const float *restrict doi = b841 + (b * 1024 + i) * 768 + hd * 64;
+        float dor[64];
+        for (int64_t c = 0; c < 64; c++)
+          dor[c] = mdl_bf16_to_f32(mdl_f32_to_bf16(b841[(b * 1024 + i) * 768 + hd * 64 + c]));
+        const float *restrict doi = dor;
         #pragma omp simd
         for (int64_t j = lo; j < hi; j++)
           s[j] /= l;
@@ -9524,7 +9545,7 @@ static void k271_attention_bwd(char *arena, const MdlHooks *h) {
         float dqi0[64] = {0}, dqi1[64] = {0};
         int64_t j = lo;
         for (; j + 1 < hi; j += 2) {
-          const float w0 = dp[j], w1 = dp[j + 1], *restrict x0 = b252 + 768 + (b * 1024 + j) * 2304 + hd * 64, *restrict x1 = x0 + 2304;
+          const float w0 = mdl_bf16_to_f32(mdl_f32_to_bf16(dp[j])), w1 = mdl_bf16_to_f32(mdl_f32_to_bf16(dp[j + 1])), *restrict x0 = b252 + 768 + (b * 1024 + j) * 2304 + hd * 64, *restrict x1 = x0 + 2304;
           #pragma omp simd
           for (int64_t c = 0; c < 64; c++) {
             dqi0[c] += w0 * mdl_bf16_to_f32(mdl_f32_to_bf16(x0[c]));
@@ -9532,7 +9553,7 @@ static void k271_attention_bwd(char *arena, const MdlHooks *h) {
           }
         }
         if (j < hi) {
-          const float w0 = dp[j], *restrict x0 = b252 + 768 + (b * 1024 + j) * 2304 + hd * 64;
+          const float w0 = mdl_bf16_to_f32(mdl_f32_to_bf16(dp[j])), *restrict x0 = b252 + 768 + (b * 1024 + j) * 2304 + hd * 64;
           #pragma omp simd
           for (int64_t c = 0; c < 64; c++)
             dqi0[c] += w0 * mdl_bf16_to_f32(mdl_f32_to_bf16(x0[c]));
@@ -9544,11 +9565,11 @@ static void k271_attention_bwd(char *arena, const MdlHooks *h) {
           float *restrict dkj = dkh + j * 64;
           #pragma omp simd
           for (int64_t c = 0; c < 64; c++)
-            dkj[c] += dp[j] * sqi[c];
+            dkj[c] += mdl_bf16_to_f32(mdl_f32_to_bf16(dp[j])) * sqi[c];
           float *restrict dvj = dvh + j * 64;
           #pragma omp simd
           for (int64_t c = 0; c < 64; c++)
-            dvj[c] += s[j] * doi[c];
+            dvj[c] += mdl_bf16_to_f32(mdl_f32_to_bf16(s[j])) * doi[c];
         }
         float *restrict dq = b844 + (b * 1024 + i) * 768 + hd * 64;
         for (int64_t c = 0; c < 64; c++)
@@ -10152,7 +10173,10 @@ static void k289_attention_bwd(char *arena, const MdlHooks *h) {
           }
           l = ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
         }
-        const float *restrict doi = b882 + (b * 1024 + i) * 768 + hd * 64;
+        float dor[64];
+        for (int64_t c = 0; c < 64; c++)
+          dor[c] = mdl_bf16_to_f32(mdl_f32_to_bf16(b882[(b * 1024 + i) * 768 + hd * 64 + c]));
+        const float *restrict doi = dor;
         #pragma omp simd
         for (int64_t j = lo; j < hi; j++)
           s[j] /= l;
@@ -10187,7 +10211,7 @@ static void k289_attention_bwd(char *arena, const MdlHooks *h) {
         float dqi0[64] = {0}, dqi1[64] = {0};
         int64_t j = lo;
         for (; j + 1 < hi; j += 2) {
-          const float w0 = dp[j], w1 = dp[j + 1], *restrict x0 = b207 + 768 + (b * 1024 + j) * 2304 + hd * 64, *restrict x1 = x0 + 2304;
+          const float w0 = mdl_bf16_to_f32(mdl_f32_to_bf16(dp[j])), w1 = mdl_bf16_to_f32(mdl_f32_to_bf16(dp[j + 1])), *restrict x0 = b207 + 768 + (b * 1024 + j) * 2304 + hd * 64, *restrict x1 = x0 + 2304;
           #pragma omp simd
           for (int64_t c = 0; c < 64; c++) {
             dqi0[c] += w0 * mdl_bf16_to_f32(mdl_f32_to_bf16(x0[c]));
@@ -10195,7 +10219,7 @@ static void k289_attention_bwd(char *arena, const MdlHooks *h) {
           }
         }
         if (j < hi) {
-          const float w0 = dp[j], *restrict x0 = b207 + 768 + (b * 1024 + j) * 2304 + hd * 64;
+          const float w0 = mdl_bf16_to_f32(mdl_f32_to_bf16(dp[j])), *restrict x0 = b207 + 768 + (b * 1024 + j) * 2304 + hd * 64;
           #pragma omp simd
           for (int64_t c = 0; c < 64; c++)
             dqi0[c] += w0 * mdl_bf16_to_f32(mdl_f32_to_bf16(x0[c]));
@@ -10207,11 +10231,11 @@ static void k289_attention_bwd(char *arena, const MdlHooks *h) {
           float *restrict dkj = dkh + j * 64;
           #pragma omp simd
           for (int64_t c = 0; c < 64; c++)
-            dkj[c] += dp[j] * sqi[c];
+            dkj[c] += mdl_bf16_to_f32(mdl_f32_to_bf16(dp[j])) * sqi[c];
           float *restrict dvj = dvh + j * 64;
           #pragma omp simd
           for (int64_t c = 0; c < 64; c++)
-            dvj[c] += s[j] * doi[c];
+            dvj[c] += mdl_bf16_to_f32(mdl_f32_to_bf16(s[j])) * doi[c];
         }
         float *restrict dq = b885 + (b * 1024 + i) * 768 + hd * 64;
         for (int64_t c = 0; c < 64; c++)
@@ -10815,7 +10839,10 @@ static void k307_attention_bwd(char *arena, const MdlHooks *h) {
           }
           l = ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
         }
-        const float *restrict doi = b923 + (b * 1024 + i) * 768 + hd * 64;
+        float dor[64];
+        for (int64_t c = 0; c < 64; c++)
+          dor[c] = mdl_bf16_to_f32(mdl_f32_to_bf16(b923[(b * 1024 + i) * 768 + hd * 64 + c]));
+        const float *restrict doi = dor;
         #pragma omp simd
         for (int64_t j = lo; j < hi; j++)
           s[j] /= l;
@@ -10850,7 +10877,7 @@ static void k307_attention_bwd(char *arena, const MdlHooks *h) {
         float dqi0[64] = {0}, dqi1[64] = {0};
         int64_t j = lo;
         for (; j + 1 < hi; j += 2) {
-          const float w0 = dp[j], w1 = dp[j + 1], *restrict x0 = b162 + 768 + (b * 1024 + j) * 2304 + hd * 64, *restrict x1 = x0 + 2304;
+          const float w0 = mdl_bf16_to_f32(mdl_f32_to_bf16(dp[j])), w1 = mdl_bf16_to_f32(mdl_f32_to_bf16(dp[j + 1])), *restrict x0 = b162 + 768 + (b * 1024 + j) * 2304 + hd * 64, *restrict x1 = x0 + 2304;
           #pragma omp simd
           for (int64_t c = 0; c < 64; c++) {
             dqi0[c] += w0 * mdl_bf16_to_f32(mdl_f32_to_bf16(x0[c]));
@@ -10858,7 +10885,7 @@ static void k307_attention_bwd(char *arena, const MdlHooks *h) {
           }
         }
         if (j < hi) {
-          const float w0 = dp[j], *restrict x0 = b162 + 768 + (b * 1024 + j) * 2304 + hd * 64;
+          const float w0 = mdl_bf16_to_f32(mdl_f32_to_bf16(dp[j])), *restrict x0 = b162 + 768 + (b * 1024 + j) * 2304 + hd * 64;
           #pragma omp simd
           for (int64_t c = 0; c < 64; c++)
             dqi0[c] += w0 * mdl_bf16_to_f32(mdl_f32_to_bf16(x0[c]));
@@ -10870,11 +10897,11 @@ static void k307_attention_bwd(char *arena, const MdlHooks *h) {
           float *restrict dkj = dkh + j * 64;
           #pragma omp simd
           for (int64_t c = 0; c < 64; c++)
-            dkj[c] += dp[j] * sqi[c];
+            dkj[c] += mdl_bf16_to_f32(mdl_f32_to_bf16(dp[j])) * sqi[c];
           float *restrict dvj = dvh + j * 64;
           #pragma omp simd
           for (int64_t c = 0; c < 64; c++)
-            dvj[c] += s[j] * doi[c];
+            dvj[c] += mdl_bf16_to_f32(mdl_f32_to_bf16(s[j])) * doi[c];
         }
         float *restrict dq = b926 + (b * 1024 + i) * 768 + hd * 64;
         for (int64_t c = 0; c < 64; c++)
@@ -11478,7 +11505,10 @@ static void k325_attention_bwd(char *arena, const MdlHooks *h) {
           }
           l = ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
         }
-        const float *restrict doi = b964 + (b * 1024 + i) * 768 + hd * 64;
+        float dor[64];
+        for (int64_t c = 0; c < 64; c++)
+          dor[c] = mdl_bf16_to_f32(mdl_f32_to_bf16(b964[(b * 1024 + i) * 768 + hd * 64 + c]));
+        const float *restrict doi = dor;
         #pragma omp simd
         for (int64_t j = lo; j < hi; j++)
           s[j] /= l;
@@ -11513,7 +11543,7 @@ static void k325_attention_bwd(char *arena, const MdlHooks *h) {
         float dqi0[64] = {0}, dqi1[64] = {0};
         int64_t j = lo;
         for (; j + 1 < hi; j += 2) {
-          const float w0 = dp[j], w1 = dp[j + 1], *restrict x0 = b117 + 768 + (b * 1024 + j) * 2304 + hd * 64, *restrict x1 = x0 + 2304;
+          const float w0 = mdl_bf16_to_f32(mdl_f32_to_bf16(dp[j])), w1 = mdl_bf16_to_f32(mdl_f32_to_bf16(dp[j + 1])), *restrict x0 = b117 + 768 + (b * 1024 + j) * 2304 + hd * 64, *restrict x1 = x0 + 2304;
           #pragma omp simd
           for (int64_t c = 0; c < 64; c++) {
             dqi0[c] += w0 * mdl_bf16_to_f32(mdl_f32_to_bf16(x0[c]));
@@ -11521,7 +11551,7 @@ static void k325_attention_bwd(char *arena, const MdlHooks *h) {
           }
         }
         if (j < hi) {
-          const float w0 = dp[j], *restrict x0 = b117 + 768 + (b * 1024 + j) * 2304 + hd * 64;
+          const float w0 = mdl_bf16_to_f32(mdl_f32_to_bf16(dp[j])), *restrict x0 = b117 + 768 + (b * 1024 + j) * 2304 + hd * 64;
           #pragma omp simd
           for (int64_t c = 0; c < 64; c++)
             dqi0[c] += w0 * mdl_bf16_to_f32(mdl_f32_to_bf16(x0[c]));
@@ -11533,11 +11563,11 @@ static void k325_attention_bwd(char *arena, const MdlHooks *h) {
           float *restrict dkj = dkh + j * 64;
           #pragma omp simd
           for (int64_t c = 0; c < 64; c++)
-            dkj[c] += dp[j] * sqi[c];
+            dkj[c] += mdl_bf16_to_f32(mdl_f32_to_bf16(dp[j])) * sqi[c];
           float *restrict dvj = dvh + j * 64;
           #pragma omp simd
           for (int64_t c = 0; c < 64; c++)
-            dvj[c] += s[j] * doi[c];
+            dvj[c] += mdl_bf16_to_f32(mdl_f32_to_bf16(s[j])) * doi[c];
         }
         float *restrict dq = b967 + (b * 1024 + i) * 768 + hd * 64;
         for (int64_t c = 0; c < 64; c++)
@@ -12141,7 +12171,10 @@ static void k343_attention_bwd(char *arena, const MdlHooks *h) {
           }
           l = ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
         }
-        const float *restrict doi = b1005 + (b * 1024 + i) * 768 + hd * 64;
+        float dor[64];
+        for (int64_t c = 0; c < 64; c++)
+          dor[c] = mdl_bf16_to_f32(mdl_f32_to_bf16(b1005[(b * 1024 + i) * 768 + hd * 64 + c]));
+        const float *restrict doi = dor;
         #pragma omp simd
         for (int64_t j = lo; j < hi; j++)
           s[j] /= l;
@@ -12176,7 +12209,7 @@ static void k343_attention_bwd(char *arena, const MdlHooks *h) {
         float dqi0[64] = {0}, dqi1[64] = {0};
         int64_t j = lo;
         for (; j + 1 < hi; j += 2) {
-          const float w0 = dp[j], w1 = dp[j + 1], *restrict x0 = b72 + 768 + (b * 1024 + j) * 2304 + hd * 64, *restrict x1 = x0 + 2304;
+          const float w0 = mdl_bf16_to_f32(mdl_f32_to_bf16(dp[j])), w1 = mdl_bf16_to_f32(mdl_f32_to_bf16(dp[j + 1])), *restrict x0 = b72 + 768 + (b * 1024 + j) * 2304 + hd * 64, *restrict x1 = x0 + 2304;
           #pragma omp simd
           for (int64_t c = 0; c < 64; c++) {
             dqi0[c] += w0 * mdl_bf16_to_f32(mdl_f32_to_bf16(x0[c]));
@@ -12184,7 +12217,7 @@ static void k343_attention_bwd(char *arena, const MdlHooks *h) {
           }
         }
         if (j < hi) {
-          const float w0 = dp[j], *restrict x0 = b72 + 768 + (b * 1024 + j) * 2304 + hd * 64;
+          const float w0 = mdl_bf16_to_f32(mdl_f32_to_bf16(dp[j])), *restrict x0 = b72 + 768 + (b * 1024 + j) * 2304 + hd * 64;
           #pragma omp simd
           for (int64_t c = 0; c < 64; c++)
             dqi0[c] += w0 * mdl_bf16_to_f32(mdl_f32_to_bf16(x0[c]));
@@ -12196,11 +12229,11 @@ static void k343_attention_bwd(char *arena, const MdlHooks *h) {
           float *restrict dkj = dkh + j * 64;
           #pragma omp simd
           for (int64_t c = 0; c < 64; c++)
-            dkj[c] += dp[j] * sqi[c];
+            dkj[c] += mdl_bf16_to_f32(mdl_f32_to_bf16(dp[j])) * sqi[c];
           float *restrict dvj = dvh + j * 64;
           #pragma omp simd
           for (int64_t c = 0; c < 64; c++)
-            dvj[c] += s[j] * doi[c];
+            dvj[c] += mdl_bf16_to_f32(mdl_f32_to_bf16(s[j])) * doi[c];
         }
         float *restrict dq = b1008 + (b * 1024 + i) * 768 + hd * 64;
         for (int64_t c = 0; c < 64; c++)
@@ -12804,7 +12837,10 @@ static void k361_attention_bwd(char *arena, const MdlHooks *h) {
           }
           l = ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
         }
-        const float *restrict doi = b1046 + (b * 1024 + i) * 768 + hd * 64;
+        float dor[64];
+        for (int64_t c = 0; c < 64; c++)
+          dor[c] = mdl_bf16_to_f32(mdl_f32_to_bf16(b1046[(b * 1024 + i) * 768 + hd * 64 + c]));
+        const float *restrict doi = dor;
         #pragma omp simd
         for (int64_t j = lo; j < hi; j++)
           s[j] /= l;
@@ -12839,7 +12875,7 @@ static void k361_attention_bwd(char *arena, const MdlHooks *h) {
         float dqi0[64] = {0}, dqi1[64] = {0};
         int64_t j = lo;
         for (; j + 1 < hi; j += 2) {
-          const float w0 = dp[j], w1 = dp[j + 1], *restrict x0 = b27 + 768 + (b * 1024 + j) * 2304 + hd * 64, *restrict x1 = x0 + 2304;
+          const float w0 = mdl_bf16_to_f32(mdl_f32_to_bf16(dp[j])), w1 = mdl_bf16_to_f32(mdl_f32_to_bf16(dp[j + 1])), *restrict x0 = b27 + 768 + (b * 1024 + j) * 2304 + hd * 64, *restrict x1 = x0 + 2304;
           #pragma omp simd
           for (int64_t c = 0; c < 64; c++) {
             dqi0[c] += w0 * mdl_bf16_to_f32(mdl_f32_to_bf16(x0[c]));
@@ -12847,7 +12883,7 @@ static void k361_attention_bwd(char *arena, const MdlHooks *h) {
           }
         }
         if (j < hi) {
-          const float w0 = dp[j], *restrict x0 = b27 + 768 + (b * 1024 + j) * 2304 + hd * 64;
+          const float w0 = mdl_bf16_to_f32(mdl_f32_to_bf16(dp[j])), *restrict x0 = b27 + 768 + (b * 1024 + j) * 2304 + hd * 64;
           #pragma omp simd
           for (int64_t c = 0; c < 64; c++)
             dqi0[c] += w0 * mdl_bf16_to_f32(mdl_f32_to_bf16(x0[c]));
@@ -12859,11 +12895,11 @@ static void k361_attention_bwd(char *arena, const MdlHooks *h) {
           float *restrict dkj = dkh + j * 64;
           #pragma omp simd
           for (int64_t c = 0; c < 64; c++)
-            dkj[c] += dp[j] * sqi[c];
+            dkj[c] += mdl_bf16_to_f32(mdl_f32_to_bf16(dp[j])) * sqi[c];
           float *restrict dvj = dvh + j * 64;
           #pragma omp simd
           for (int64_t c = 0; c < 64; c++)
-            dvj[c] += s[j] * doi[c];
+            dvj[c] += mdl_bf16_to_f32(mdl_f32_to_bf16(s[j])) * doi[c];
         }
         float *restrict dq = b1049 + (b * 1024 + i) * 768 + hd * 64;
         for (int64_t c = 0; c < 64; c++)

@@ -93,32 +93,46 @@ def round_bf16(t):
     return t.to(torch.bfloat16).to(torch.float32)
 
 
-def straight_through(t):
-    """t rounded to bf16 in the forward; the gradient passes as if it were not."""
-    return t + (round_bf16(t) - t).detach()
+class Bf16Attention(torch.autograd.Function):
+    """mdl's bf16 attention (compiler/mdl.h) on heads [B, H, T, D]: every product reads bf16 operands
+    (q, k and v; the numerators e = exp(s - max), divided by their unrounded sum; in the backward
+    dout, P and dS), sums are fp32; P stays exact in D = sum P dP and in dS."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, allowed, scale):
+        qr, kr, vr = round_bf16(q), round_bf16(k), round_bf16(v)
+        s = ((qr @ kr.transpose(-1, -2)) * scale).masked_fill(~allowed, float("-inf"))
+        e = torch.exp(s - s.amax(dim=-1, keepdim=True))
+        l = e.sum(dim=-1, keepdim=True)
+        ctx.save_for_backward(qr, kr, vr, e / l)
+        ctx.scale = scale
+        return (round_bf16(e) @ vr) / l
+
+    @staticmethod
+    def backward(ctx, dout):
+        qr, kr, vr, p = ctx.saved_tensors
+        dor = round_bf16(dout)
+        dp = dor @ vr.transpose(-1, -2)
+        ds = p * (dp - (p * dp).sum(dim=-1, keepdim=True))
+        dsr = round_bf16(ds)
+        dq = ctx.scale * (dsr @ kr)
+        dk = ctx.scale * (dsr.transpose(-1, -2) @ qr)
+        dv = round_bf16(p).transpose(-1, -2) @ dor
+        return dq, dk, dv, None, None
 
 
 def attention(q, k, v, doc, heads, bf16=False):
-    """With bf16, mdl's contract (compiler/mdl.h): scores from q, k rounded to bf16; out = sum of
-    bf16(e) bf16(v) / sum of e, e = exp(score - max); the backward is softmax's exact one with the
-    rounded q, k, v (the rounding of e is left out of it)."""
     B, T, C = q.shape
     D = C // heads
-    if bf16:
-        q, k, v = straight_through(q), straight_through(k), straight_through(v)
     q, k, v = (t.view(B, T, heads, D).transpose(1, 2) for t in (q, k, v))
-    scores = (q @ k.transpose(-1, -2)) * (1.0 / math.sqrt(D))
     causal = torch.ones(T, T, dtype=torch.bool).tril()
     same_doc = doc[:, :, None] == doc[:, None, :]
     allowed = (causal[None] & same_doc)[:, None]  # [B, 1, T, T]
-    scores = scores.masked_fill(~allowed, float("-inf"))
-    if not bf16:
-        p = torch.softmax(scores, dim=-1)
-        return (p @ v).transpose(1, 2).reshape(B, T, C)
-    e = torch.exp(scores - scores.amax(dim=-1, keepdim=True).detach())
-    l = e.sum(dim=-1, keepdim=True)
-    out = e @ v / l + ((round_bf16(e) - e) @ v / l).detach()
-    return out.transpose(1, 2).reshape(B, T, C)
+    if bf16:
+        return Bf16Attention.apply(q, k, v, allowed, 1.0 / math.sqrt(D)).transpose(1, 2).reshape(B, T, C)
+    scores = (q @ k.transpose(-1, -2)) * (1.0 / math.sqrt(D))
+    p = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)
+    return (p @ v).transpose(1, 2).reshape(B, T, C)
 
 
 class Bf16MatMul(torch.autograd.Function):

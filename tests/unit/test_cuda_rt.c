@@ -961,8 +961,9 @@ static void emulated_checks(const Model *md) {
     // gradient is rounding noise, as a key bias's, bf16's larger noise shows more in the parameters.
     // bf16 gradients: 3e-3, the room a rounding flip of q, k, v, the softmax numerators or a GEMM
     // operand needs on so small a batch: the compiled C and the interpreter differ by up to 2.1e-3
-    // per tensor at B=2 T=16, while bf16 and fp32 differ by 2e-3 to 6e-3.)
-    compare_engines(md->label, cuda, ref, STEPS, bf16 ? 3e-3 : 1e-5, bf16, c.m, bf16 ? 2e-3 : 5e-4);
+    // per tensor at B=2 T=16, while bf16 and fp32 differ by 2e-3 to 6e-3; the parameters after 4
+    // steps, over all: 2.4e-3 with the backward's products on bf16 operands.)
+    compare_engines(md->label, cuda, ref, STEPS, bf16 ? 3e-3 : 1e-5, bf16, c.m, bf16 ? 4e-3 : 5e-4);
     int kernels = 0, gemms = 0, ab16 = 0, d16 = 0;
     for (int i = 0; i < p->nlaunches; i++)
       p->launches[i].kernel ? kernels++ : gemms++;

@@ -329,7 +329,8 @@ static void test_interp(void) {
 
 // Attention of a bf16 graph against the contract of mdl.h, computed here in double from the
 // interpreter's own q, k, v (and dout): S = scale bf(q) bf(k)^T, e = exp(S - max), out = sum bf(e) bf(v)
-// / sum e; dq, dk, dv softmax's backward with bf(q), bf(k), bf(v) (exact P). Also: the rounding moves the
+// / sum e; dq, dk, dv softmax's backward with every product on bf16 operands (P exact in D and dS).
+// Also: the rounding moves the
 // output (the same formulas without bf differ by more than 1e-4).
 static void test_attention(void) {
   DimOverride ov[] = {{"B", 2}, {"T", 16}};
@@ -403,21 +404,21 @@ static void test_attention(void) {
             want[0][X(i, c)] += R(e[j]) * R(v[X(j, c)]) / l;
             want[4][X(i, c)] += e32[j] * v[X(j, c)] / l32;
           }
-        // backward: P = e / l; dP = dout . bf(v); dS = P (dP - sum P dP)
+        // backward: P = e / l; dP = bf(dout) . bf(v); dS = P (dP - sum P dP); products on bf16
         double dot = 0;
         for (int64_t j = 0; j < nt; j++) {
           double dp = 0;
           for (int64_t c = 0; c < d; c++)
-            dp += dout[X(i, c)] * R(v[X(j, c)]);
+            dp += R(dout[X(i, c)]) * R(v[X(j, c)]);
           ds[j] = dp;
           dot += e[j] / l * dp;
         }
         for (int64_t j = 0; j < nt; j++) {
-          double p = e[j] / l, dsj = p * (ds[j] - dot);
+          double p = e[j] / l, dsj = R(p * (ds[j] - dot));
           for (int64_t c = 0; c < d; c++) {
             want[1][X(i, c)] += scale * dsj * R(k[X(j, c)]);
             want[2][X(j, c)] += scale * dsj * R(q[X(i, c)]);
-            want[3][X(j, c)] += p * dout[X(i, c)];
+            want[3][X(j, c)] += R(p) * R(dout[X(i, c)]);
           }
         }
       }
