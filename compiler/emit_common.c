@@ -354,9 +354,6 @@ static bool same_inputs(const EmitCore *e, const IrNode *a, const IrNode *b) {
 
 static void group_add(Group *gr, int n) { gr->mem[gr->nmem++] = n; }
 
-// The LM-head pattern around cross_entropy_bwd node ceb: logits = x @ W (or W^T), the loss and
-// its gradient of the same logits, and dx = dlogits @ W^T (W), dW = dlogits^T x (x^T dlogits). Only
-// when the logits and dlogits live nowhere else.
 // The value n reads through in-step RESHAPEs and the in-step CAST of the gradient (bf16 GEMMs).
 static int through_cast(EmitCore *e, int n) {
   n = ec_through_reshapes(e, n);
@@ -364,6 +361,10 @@ static int through_cast(EmitCore *e, int n) {
     n = ec_through_reshapes(e, ec_node(e, n)->in[0]);
   return n;
 }
+
+// The LM-head pattern around cross_entropy_bwd node ceb: logits = x @ W (or W^T), the loss and
+// its gradient of the same logits, and dx = dlogits @ W^T (W), dW = dlogits^T x (x^T dlogits). Only
+// when the logits and dlogits live nowhere else.
 
 static bool match_lmhead(EmitCore *e, int ceb, Group *gr) {
   const IrNode *b = ec_node(e, ceb);

@@ -8,8 +8,8 @@
 // step's `ins`: emitters write their value inline. A RESHAPE whose input is materialised is a *view*:
 // it is in no step (step_of = -1) and shares its input's memory. So is a SLICE of the last axis that
 // only attention reads as q, k or v (a *strided view*: attention reads its rows in place, with the
-// stride of the sliced tensor, so q, k and v are never copied out of the qkv GEMM's output). Inside a step a RESHAPE member is
-// index-transparent: it reads its input at the same flat index.
+// stride of the sliced tensor, so q, k and v are never copied out of the qkv GEMM's output). Inside
+// a step a RESHAPE member is index-transparent: it reads its input at the same flat index.
 //
 // How a step evaluates its members. Every member is a function of a flat index into its own shape.
 // A member reads an input at an index given by its own op: the same flat index for unary ops,
@@ -53,8 +53,8 @@
 //     chain that starts in the forward pass stays there (this holds for rule 7's chains too).
 //  5. Row-wise STEP_KERNEL: LAYERNORM / RMSNORM forward together with the ADD that produces its x
 //     (same shape), when that ADD is not already in a GEMM epilogue (the GEMM writes the residual
-//     stream more cheaply); the ADD is an out (the residual stream); the CASTs of its output (the
-//     next GEMM's bf16 operand) are written by the same row loop. SOFTMAX and SOFTMAX_BWD alone.
+//     stream more cheaply); the ADD is an out (the residual stream). SOFTMAX and SOFTMAX_BWD alone.
+//     (The CASTs of its output, the next GEMM's bf16 operand, join it by rule 9.)
 //  6. Single-node steps: EMBED, EMBED_BWD, MAX_BWD, ROPE, ATTENTION (STEP_ATTENTION), and any
 //     anchor op left over by the rules above (a lone CROSS_ENTROPY_BWD, a lone ADAMW).
 //  7. Reduction STEP_KERNEL: root SUM/MEAN/MAX over one axis. Producers of its input are fused as
@@ -70,8 +70,8 @@
 //     RELU_BWD): exp, log, tanh, sqrt, rsqrt, gelu, silu, dropout and their backward are never
 //     recomputed, and (d) the group has fewer than opt.max_group members (0: 64). The cap binds
 //     rules 4, 7, 8 and 9; the fixed patterns of rules 1-3 and 5 are never split.
-//  9. A CAST still alone (a bf16 GEMM operand whose value other steps read too, such as a gradient
-//     that is also summed into a bias gradient) joins the row-wise or elementwise STEP_KERNEL that
+//  9. A CAST still alone (a bf16 GEMM operand: a norm's output, or a gradient that is also summed
+//     into a bias gradient) joins the row-wise or elementwise STEP_KERNEL that
 //     computes its input when the element counts match: that kernel writes the value and its
 //     rounding in one pass. Not into a forward step from the backward, and within the cap.
 // With opt.fuse = false every node is its own step (GRAD_NORM alone, one step per ADAMW; the LM
@@ -567,8 +567,7 @@ static void rule_gemm(Fuser *F) {
 }
 
 //
-// Rule 5: LAYERNORM / RMSNORM forward with the ADD producing x and the CASTs of y; softmax and its
-// backward alone.
+// Rule 5: LAYERNORM / RMSNORM forward with the ADD producing x; softmax and its backward alone.
 //
 static void rule_rowwise(Fuser *F) {
   Graph *g = F->g;
@@ -583,20 +582,6 @@ static void rule_rowwise(Fuser *F) {
     if (n->op != OP_LAYERNORM && n->op != OP_RMSNORM)
       continue;
     int gi = new_group(F, STEP_KERNEL, i), x = n->in[0];
-    for (int k = 0; k < F->nusers[i]; k++) {
-      int u = F->users[i][k];
-      if (op_of(F, u) == OP_CAST && F->grp[u] < 0 && !try_add(F, gi, u))
-        reject(F, i, u, "would make the steps cyclic");
-      if (op_of(F, u) != OP_RESHAPE || F->grp[u] >= 0 || F->nusers[u] < 1)
-        continue;
-      bool casts = true; // y reshaped to [N,C] for a GEMM: the reshape and its CASTs
-      for (int j = 0; j < F->nusers[u]; j++)
-        casts = casts && op_of(F, F->users[u][j]) == OP_CAST && F->grp[F->users[u][j]] < 0;
-      if (casts && try_add(F, gi, u))
-        for (int j = 0; j < F->nusers[u]; j++)
-          if (!try_add(F, gi, F->users[u][j]))
-            reject(F, u, F->users[u][j], "would make the steps cyclic");
-    }
     if (op_of(F, x) != OP_ADD || !shape_eq(node(F, x)->shape, n->shape))
       continue;
     int h = F->grp[x];
