@@ -2426,8 +2426,8 @@ static bool att_mma_bwd(const Att *A) {
   return att_mma(A) && att_mma_bwd_shared(A, true) <= 48 << 10 && att_rows16(A->q) && att_rows16(A->dout);
 }
 
-// Stages rows x0 + jj (jj < 64) of a and b, rounded to bf16, into the shared tiles as and bs (channel
-// pairs); 0 beyond T.
+// Stages rows x0 + jj (jj < 64) of a and b (unless bs is NULL), rounded to bf16, into the shared tiles
+// as and bs (channel pairs); 0 beyond T.
 static void att_mma_stage(Emit *e, const Att *A, const char *x0, Rows a, const char *as, Rows b, const char *bs) {
   int64_t d = A->d;
   ec_enter(&e->core, "for (int u = threadIdx.x; u < %lld; u += 128)", (long long)(ATT_MMA_BK * d / 4));
@@ -2436,12 +2436,15 @@ static void att_mma_stage(Emit *e, const Att *A, const char *x0, Rows a, const c
   const char *jj = ec_str(&e->core, "%s + jj", x0);
   ec_line(&e->core, "const float4 ax = in ? *(const float4 *)&%s : make_float4(0.0f, 0.0f, 0.0f, 0.0f);",
           at_row(e, a, A, jj, "c"));
-  ec_line(&e->core, "const float4 bx = in ? *(const float4 *)&%s : make_float4(0.0f, 0.0f, 0.0f, 0.0f);",
-          at_row(e, b, A, jj, "c"));
+  if (bs)
+    ec_line(&e->core, "const float4 bx = in ? *(const float4 *)&%s : make_float4(0.0f, 0.0f, 0.0f, 0.0f);",
+            at_row(e, b, A, jj, "c"));
   ec_line(&e->core, "%s[jj][c / 2] = mdl_bf16x2(ax.x, ax.y);", as);
   ec_line(&e->core, "%s[jj][c / 2 + 1] = mdl_bf16x2(ax.z, ax.w);", as);
-  ec_line(&e->core, "%s[jj][c / 2] = mdl_bf16x2(bx.x, bx.y);", bs);
-  ec_line(&e->core, "%s[jj][c / 2 + 1] = mdl_bf16x2(bx.z, bx.w);", bs);
+  if (bs) {
+    ec_line(&e->core, "%s[jj][c / 2] = mdl_bf16x2(bx.x, bx.y);", bs);
+    ec_line(&e->core, "%s[jj][c / 2 + 1] = mdl_bf16x2(bx.z, bx.w);", bs);
+  }
   ec_leave(&e->core);
 }
 
@@ -2518,23 +2521,16 @@ static const char *att_mma_colb(Emit *e, const char *xs) {
                           "(%s[j + 8][c >> 1] >> sh & 0xffffu) | (%s[j + 9][c >> 1] >> sh) << 16}", xs, xs, xs, xs);
 }
 
-// dq on tensor cores (att_mma_bwd), FlashAttention-2's backward by query tile: a block of 4 warps per
-// (batch, head, 64 queries), 16 query rows per warp with Q and dout as mma A fragments (bf16);
-// keys and values staged in shared tiles of 64 as bf16; S = Q K^T and dP = dout V^T by mma, P =
-// exp(S - lse), dS = P (dP - D) in f32; rounded, the dS accumulators of two adjacent n8 tiles are the
-// A fragment of one k16 step of dq += dS K; dq = scale dq.
-static void att_mma_dq_kernel(Emit *e, const Att *A, int out, int64_t lse, int64_t dsum) {
+// The set-up of a block of the backward by query tile on tensor cores (the row statistics and dq): a
+// block of 4 warps per (batch, head, 64 queries), 16 query rows per warp, with Q (and dout when dout)
+// as mma A fragments in registers.
+static void att_mma_query_rows(Emit *e, const Att *A, bool dout) {
   const char *ixt = e->core.ixt;
-  int64_t d = A->d, t = A->nt, nqt = (t + ATT_MMA_BQ - 1) / ATT_MMA_BQ;
-  int ntiles = (int)(d / 8);
-  kbegin(e, "dq");
-  note(e, "attention backward, dq on tensor cores: B %lld, T %lld, %lld heads of %lld%s%s; a block of 4 warps per "
-          "(batch, head, %d queries), 16 query rows per warp, keys in tiles of %d; bf16 products (mma m16n8k16)",
-       (long long)A->nb, (long long)t, (long long)A->heads, (long long)d, A->causal ? ", causal" : "",
-       A->has_doc ? ", within documents" : "", ATT_MMA_BQ, ATT_MMA_BK);
+  int64_t t = A->nt, nqt = (t + ATT_MMA_BQ - 1) / ATT_MMA_BQ;
   e->shared = (int)att_mma_bwd_shared(A, false);
-  ec_line(&e->core, "__shared__ uint32_t Ks[%d][%lld], Vs[%d][%lld]; // the tile's keys and values, bf16 pairs",
-          ATT_MMA_BK, (long long)(d / 2 + 4), ATT_MMA_BK, (long long)(d / 2 + 4));
+  long long pairs = A->d / 2 + 4;
+  ec_line(&e->core, "__shared__ uint32_t Ks[%d][%lld]%s; // the tile's keys%s, bf16 pairs", ATT_MMA_BK, pairs,
+          dout ? ec_str(&e->core, ", Vs[%d][%lld]", ATT_MMA_BK, pairs) : "", dout ? " and values" : "");
   if (A->has_doc)
     ec_line(&e->core, "__shared__ int32_t Dk[%d];", ATT_MMA_BK);
   ec_line(&e->core, "const int w = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tq = lane & 3;");
@@ -2547,12 +2543,138 @@ static void att_mma_dq_kernel(Emit *e, const Att *A, int out, int64_t lse, int64
           ATT_MMA_BQ);
   ec_line(&e->core, "// The lane's query rows: r0 (accumulators 0 and 1 of a tile) and r1 (2 and 3).");
   ec_line(&e->core, "const %s r0 = q0 + 16 * w + g, r1 = r0 + 8;", ixt);
-  ec_line(&e->core, "// Q and dout as the A fragments of the k16 steps over the channels, rounded once; 0 beyond T.");
+  ec_line(&e->core, "// Q%s as the A fragments of the k16 steps over the channels, rounded once; 0 beyond T.",
+          dout ? " and dout" : "");
   att_mma_frags(e, A, A->q, "qa");
-  att_mma_frags(e, A, A->dout, "oa");
+  if (dout)
+    att_mma_frags(e, A, A->dout, "oa");
   if (A->has_doc)
     ec_line(&e->core, "const int32_t d0 = r0 < %lld ? %s[b * %lld + r0] : 0, d1 = r1 < %lld ? %s[b * %lld + r1] : 0;",
             (long long)t, ptr(e, A->doc), (long long)t, (long long)t, ptr(e, A->doc), (long long)t);
+}
+
+// Opens the loop over the key tiles of the block's queries (att_mma_query_rows): stages the tile, and
+// leaves S = Q K^T (scaled, -inf where the row may not see the key) in s and, when dout, dP = dout V^T
+// in dp.
+static void att_mma_query_tiles(Emit *e, const Att *A, bool dout) {
+  const char *ixt = e->core.ixt;
+  int64_t t = A->nt;
+  if (A->causal)
+    ec_line(&e->core, "const %s kend = q0 + %d < %lld ? q0 + %d : %lld; // later keys are masked for every row", ixt,
+            ATT_MMA_BQ, (long long)t, ATT_MMA_BQ, (long long)t);
+  else
+    ec_line(&e->core, "const %s kend = %lld;", ixt, (long long)t);
+  ec_enter(&e->core, "for (%s k0 = 0; k0 < kend; k0 += %d)", ixt, ATT_MMA_BK);
+  ec_line(&e->core, "__syncthreads();");
+  att_mma_stage(e, A, "k0", A->k, "Ks", A->v, dout ? "Vs" : NULL);
+  if (A->has_doc) {
+    ec_line(&e->core, "if (threadIdx.x < %d)", ATT_MMA_BK);
+    ec_line(&e->core, "  Dk[threadIdx.x] = k0 + threadIdx.x < %lld ? %s[b * %lld + k0 + threadIdx.x] : 0;",
+            (long long)t, ptr(e, A->doc), (long long)t);
+  }
+  ec_line(&e->core, "__syncthreads();");
+  ec_line(&e->core, "// S = Q K^T (scaled)%s: tile n holds keys k0 + 8 n .. k0 + 8 n + 7.",
+          dout ? " and dP = dout V^T" : "");
+  att_mma_scores(e, A, "qa", "Ks", dout ? "oa" : NULL, "Vs");
+  const char *edge = A->has_doc ? NULL
+                     : A->causal ? ec_str(&e->core, "k0 + %d > %lld || k0 + %d > q0 + 16 * w", ATT_MMA_BK,
+                                          (long long)t, ATT_MMA_BK - 1)
+                                 : ec_str(&e->core, "k0 + %d > %lld", ATT_MMA_BK, (long long)t);
+  ec_line(&e->core, "// Keys the row may not see get -inf%s.",
+          edge ? " (only tiles that reach past T or past one of the warp's rows have any)" : "");
+  const char *ij = A->causal ? "i = x < 2 ? r0 : r1, j = k0 + 8 * n + 2 * tq + (x & 1)"
+                             : "j = k0 + 8 * n + 2 * tq + (x & 1)";
+  att_mma_mask(e, A, edge, ij, "Dk[j - k0]", "(x < 2 ? d0 : d1)", false);
+}
+
+// The backward's row statistics on tensor cores (att_mma_bwd): the forward's log-sum-exp of each row
+// again and, when dsum >= 0, D = sum_j P dP (mdl.h) with dP = dout V^T; blocks as dq's. S and dP by
+// mma, the online softmax over the quad of lanes that holds a row as in the forward: e = exp(S - m)
+// unrounded into l and, times dP, into the lane's part of D; lse = m + log l, D = D / l. S here is
+// the S of the dq and dk, dv kernels to the bit (the same fragments, the same order of products).
+static void att_mma_stats_kernel(Emit *e, const Att *A, int64_t lse, int64_t dsum) {
+  int64_t t = A->nt, nqt = (t + ATT_MMA_BQ - 1) / ATT_MMA_BQ;
+  bool dd = dsum >= 0;
+  kbegin(e, "stats");
+  note(e, "attention backward, row statistics on tensor cores: B %lld, T %lld, %lld heads of %lld%s%s; a block of 4 "
+          "warps per (batch, head, %d queries), 16 query rows per warp, keys in tiles of %d; bf16 products (mma "
+          "m16n8k16), f32 softmax",
+       (long long)A->nb, (long long)t, (long long)A->heads, (long long)A->d, A->causal ? ", causal" : "",
+       A->has_doc ? ", within documents" : "", ATT_MMA_BQ, ATT_MMA_BK);
+  att_mma_query_rows(e, A, dd);
+  ec_line(&e->core, "// Per row: the running maximum m and this lane's parts of the sum l%s.", dd ? " and of D" : "");
+  ec_line(&e->core, "float m0 = -MDL_INF, m1 = -MDL_INF, l0 = 0.0f, l1 = 0.0f%s;", dd ? ", D0 = 0.0f, D1 = 0.0f" : "");
+  att_mma_query_tiles(e, A, dd);
+  ec_line(&e->core, "// The rows' maxima over the tile: the lane's, then its quad's (lanes 4 g .. 4 g + 3 share r0).");
+  ec_line(&e->core, "float x0 = -MDL_INF, x1 = -MDL_INF;");
+  ec_line(&e->core, "#pragma unroll");
+  ec_enter(&e->core, "for (int n = 0; n < %d; n++)", ATT_MMA_BK / 8);
+  ec_line(&e->core, "x0 = fmaxf(x0, fmaxf(s[n][0], s[n][1]));");
+  ec_line(&e->core, "x1 = fmaxf(x1, fmaxf(s[n][2], s[n][3]));");
+  ec_leave(&e->core);
+  for (int r = 0; r < 2; r++)
+    for (int x = 1; x <= 2; x++)
+      ec_line(&e->core, "x%d = fmaxf(x%d, __shfl_xor_sync(MDL_FULL, x%d, %d));", r, r, r, x);
+  ec_line(&e->core, "// The new maxima (a row that has seen no key yet subtracts 0, not -inf); what earlier tiles");
+  ec_line(&e->core, "// summed is rescaled by exp(m - m_new).");
+  ec_line(&e->core, "const float mn0 = fmaxf(m0, x0), mn1 = fmaxf(m1, x1);");
+  ec_line(&e->core, "const float z0 = mn0 == -MDL_INF ? 0.0f : mn0, z1 = mn1 == -MDL_INF ? 0.0f : mn1;");
+  ec_line(&e->core, "const float c0 = expf(m0 - z0), c1 = expf(m1 - z1);");
+  ec_line(&e->core, "m0 = mn0;");
+  ec_line(&e->core, "m1 = mn1;");
+  ec_line(&e->core, "l0 *= c0;");
+  ec_line(&e->core, "l1 *= c1;");
+  if (dd) {
+    ec_line(&e->core, "D0 *= c0;");
+    ec_line(&e->core, "D1 *= c1;");
+  }
+  ec_line(&e->core, "#pragma unroll");
+  ec_enter(&e->core, "for (int n = 0; n < %d; n++)", ATT_MMA_BK / 8);
+  ec_line(&e->core, "const float e0 = expf(s[n][0] - z0), e1 = expf(s[n][1] - z0);");
+  ec_line(&e->core, "const float e2 = expf(s[n][2] - z1), e3 = expf(s[n][3] - z1);");
+  ec_line(&e->core, "l0 += e0 + e1;");
+  ec_line(&e->core, "l1 += e2 + e3;");
+  if (dd) {
+    ec_line(&e->core, "D0 += e0 * dp[n][0] + e1 * dp[n][1];");
+    ec_line(&e->core, "D1 += e2 * dp[n][2] + e3 * dp[n][3];");
+  }
+  ec_leave(&e->core);
+  ec_leave(&e->core);
+  ec_line(&e->core, "// The sums of the quad's four parts; lane tq = 0 writes its rows'.");
+  for (int r = 0; r < 2; r++)
+    for (int x = 1; x <= 2; x++) {
+      ec_line(&e->core, "l%d += __shfl_xor_sync(MDL_FULL, l%d, %d);", r, r, x);
+      if (dd)
+        ec_line(&e->core, "D%d += __shfl_xor_sync(MDL_FULL, D%d, %d);", r, r, x);
+    }
+  const char *lp = raw_ptr(e, lse, "float", "log-sum-exp per row");
+  const char *sp = dd ? raw_ptr(e, dsum, "float", "dout . out per row") : NULL;
+  for (int r = 0; r < 2; r++) {
+    ec_enter(&e->core, "if (tq == 0 && r%d < %lld)", r, (long long)t);
+    ec_line(&e->core, "%s[(b * %lld + hd) * %lld + r%d] = m%d + logf(l%d);", lp, (long long)A->heads, (long long)t, r,
+            r, r);
+    if (dd)
+      ec_line(&e->core, "%s[(b * %lld + hd) * %lld + r%d] = D%d / l%d;", sp, (long long)A->heads, (long long)t, r, r,
+              r);
+    ec_leave(&e->core);
+  }
+  kend(e, A->nb * A->heads * nqt, 128);
+}
+
+// dq on tensor cores (att_mma_bwd), FlashAttention-2's backward by query tile: a block of 4 warps per
+// (batch, head, 64 queries), 16 query rows per warp with Q and dout as mma A fragments (bf16);
+// keys and values staged in shared tiles of 64 as bf16; S = Q K^T and dP = dout V^T by mma, P =
+// exp(S - lse), dS = P (dP - D) in f32; rounded, the dS accumulators of two adjacent n8 tiles are the
+// A fragment of one k16 step of dq += dS K; dq = scale dq.
+static void att_mma_dq_kernel(Emit *e, const Att *A, int out, int64_t lse, int64_t dsum) {
+  int64_t d = A->d, t = A->nt, nqt = (t + ATT_MMA_BQ - 1) / ATT_MMA_BQ;
+  int ntiles = (int)(d / 8);
+  kbegin(e, "dq");
+  note(e, "attention backward, dq on tensor cores: B %lld, T %lld, %lld heads of %lld%s%s; a block of 4 warps per "
+          "(batch, head, %d queries), 16 query rows per warp, keys in tiles of %d; bf16 products (mma m16n8k16)",
+       (long long)A->nb, (long long)t, (long long)A->heads, (long long)d, A->causal ? ", causal" : "",
+       A->has_doc ? ", within documents" : "", ATT_MMA_BQ, ATT_MMA_BK);
+  att_mma_query_rows(e, A, true);
   const char *lp = raw_ptr(e, lse, "float", "log-sum-exp per row");
   const char *sp = raw_ptr(e, dsum, "float", "dout . out per row");
   for (int r = 0; r < 2; r++)
@@ -2564,31 +2686,7 @@ static void att_mma_dq_kernel(Emit *e, const Att *A, int out, int64_t lse, int64
   ec_line(&e->core, "#pragma unroll");
   ec_line(&e->core, "for (int n = 0; n < %d; n++)", ntiles);
   ec_line(&e->core, "  acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;");
-  if (A->causal)
-    ec_line(&e->core, "const %s kend = q0 + %d < %lld ? q0 + %d : %lld; // later keys are masked for every row", ixt,
-            ATT_MMA_BQ, (long long)t, ATT_MMA_BQ, (long long)t);
-  else
-    ec_line(&e->core, "const %s kend = %lld;", ixt, (long long)t);
-  ec_enter(&e->core, "for (%s k0 = 0; k0 < kend; k0 += %d)", ixt, ATT_MMA_BK);
-  ec_line(&e->core, "__syncthreads();");
-  att_mma_stage(e, A, "k0", A->k, "Ks", A->v, "Vs");
-  if (A->has_doc) {
-    ec_line(&e->core, "if (threadIdx.x < %d)", ATT_MMA_BK);
-    ec_line(&e->core, "  Dk[threadIdx.x] = k0 + threadIdx.x < %lld ? %s[b * %lld + k0 + threadIdx.x] : 0;",
-            (long long)t, ptr(e, A->doc), (long long)t);
-  }
-  ec_line(&e->core, "__syncthreads();");
-  ec_line(&e->core, "// S = Q K^T (scaled) and dP = dout V^T: tile n holds keys k0 + 8 n .. k0 + 8 n + 7.");
-  att_mma_scores(e, A, "qa", "Ks", "oa", "Vs");
-  const char *edge = A->has_doc ? NULL
-                     : A->causal ? ec_str(&e->core, "k0 + %d > %lld || k0 + %d > q0 + 16 * w", ATT_MMA_BK,
-                                          (long long)t, ATT_MMA_BK - 1)
-                                 : ec_str(&e->core, "k0 + %d > %lld", ATT_MMA_BK, (long long)t);
-  ec_line(&e->core, "// Keys the row may not see get -inf%s.",
-          edge ? " (only tiles that reach past T or past one of the warp's rows have any)" : "");
-  const char *ij = A->causal ? "i = x < 2 ? r0 : r1, j = k0 + 8 * n + 2 * tq + (x & 1)"
-                             : "j = k0 + 8 * n + 2 * tq + (x & 1)";
-  att_mma_mask(e, A, edge, ij, "Dk[j - k0]", "(x < 2 ? d0 : d1)", false);
+  att_mma_query_tiles(e, A, true);
   ec_line(&e->core, "// P = exp(S - lse), dS = P (dP - D); rounded, tiles 2 k and 2 k + 1 of dS are the A fragment");
   ec_line(&e->core, "// of step k of dq += dS K, whose B fragment is keys 16 k + 2 tq, + 1 and 8 further of");
   ec_line(&e->core, "// channel 8 n + g.");
@@ -2776,8 +2874,11 @@ static void emit_attention_bwd(Emit *e, int gi) {
   int64_t rows = A.nb * A.heads * A.nt;
   int64_t lse = scratch_alloc(e, rows * 4), dsum = ds ? scratch_alloc(e, rows * 4) : -1;
   ec_phase_begin(&e->core);
-  att_query_kernel(e, &A, ATT_STATS, -1, lse, dsum);
   bool mma = att_mma_bwd(&A);
+  if (mma)
+    att_mma_stats_kernel(e, &A, lse, dsum);
+  else
+    att_query_kernel(e, &A, ATT_STATS, -1, lse, dsum);
   if (out[0] >= 0 && mma)
     att_mma_dq_kernel(e, &A, out[0], lse, dsum);
   else if (out[0] >= 0)

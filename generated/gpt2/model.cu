@@ -2137,101 +2137,137 @@ extern "C" __global__ void __launch_bounds__(256) k160_sum_partial(char *arena, 
 //   %599   attention_bwd      d.h.11.k             line 39    f32[8,1024,768]
 //   %600   attention_bwd      d.h.11.v             line 39    f32[8,1024,768]
 // runs:
-//   k163_attention_bwd_stats<<<6144, 128>>>
+//   k163_attention_bwd_stats<<<1536, 128>>>
 //   k163_attention_bwd_dq<<<1536, 128>>>
 //   k163_attention_bwd_dkv<<<1536, 128>>>
 
-// attention backward, row statistics: B 8, T 1024, 12 heads of 64, causal, within documents; a block per (batch, head, 16 queries), keys in tiles of 32
+// attention backward, row statistics on tensor cores: B 8, T 1024, 12 heads of 64, causal, within documents; a block of 4 warps per (batch, head, 64 queries), 16 query rows per warp, keys in tiles of 64; bf16 products (mma m16n8k16), f32 softmax
 extern "C" __global__ void __launch_bounds__(128) k163_attention_bwd_stats(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
-  float *const b0 = (float *)(arena + o.b[0]); // log-sum-exp per row
-  float *const b1 = (float *)(arena + o.b[1]); // dout . out per row
-  float *const b2 = (float *)(arena + o.b[2]); // add f32[8,1024,2304]
-  int32_t *const b3 = (int32_t *)(arena + o.b[3]); // input i32[8,1024]
-  float *const b4 = (float *)(arena + o.b[4]); // matmul f32[8192,768]
-  __shared__ float Qs[16][64];
-  __shared__ float Ks[32][65], Vs[32][65];
-  __shared__ int32_t Dk[32];
-  const int w = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int b = blockIdx.x / 768, hd = blockIdx.x / 64 % 12, q0 = blockIdx.x % 64 * 16;
-  for (int u = threadIdx.x; u < 1024; u += 128) {
-    const int i = u / 64, c = u % 64;
-    const bool in = q0 + i < 1024;
-    Qs[i][c] = in ? mdl_bf16_to_f32(mdl_f32_to_bf16(b2[(b * 1024 + q0 + i) * 2304 + hd * 64 + c])) : 0.0f;
-  }
-  float m[4], l[4], acc[4][2];
-  int32_t di[4];
+  float *const b0 = (float *)(arena + o.b[0]); // add f32[8,1024,2304]
+  float *const b1 = (float *)(arena + o.b[1]); // matmul f32[8192,768]
+  int32_t *const b2 = (int32_t *)(arena + o.b[2]); // input i32[8,1024]
+  float *const b3 = (float *)(arena + o.b[3]); // log-sum-exp per row
+  float *const b4 = (float *)(arena + o.b[4]); // dout . out per row
+  __shared__ uint32_t Ks[64][36], Vs[64][36]; // the tile's keys and values, bf16 pairs
+  __shared__ int32_t Dk[64];
+  const int w = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tq = lane & 3;
+  // (query tiles from the last: the ones with the most keys start first)
+  const int b = blockIdx.x / 192, hd = blockIdx.x / 16 % 12, q0 = (15 - blockIdx.x % 16) * 64;
+  // The lane's query rows: r0 (accumulators 0 and 1 of a tile) and r1 (2 and 3).
+  const int r0 = q0 + 16 * w + g, r1 = r0 + 8;
+  // Q and dout as the A fragments of the k16 steps over the channels, rounded once; 0 beyond T.
+  uint32_t qa[4][4];
   #pragma unroll
-  for (int rr = 0; rr < 4; rr++) {
-    const int i = q0 + w + 4 * rr;
-    m[rr] = -MDL_INF;
-    l[rr] = 0.0f;
-    di[rr] = i < 1024 ? b3[b * 1024 + i] : 0;
-    #pragma unroll
-    for (int t = 0; t < 2; t++)
-      acc[rr][t] = 0.0f;
+  for (int k = 0; k < 4; k++) {
+    const int c = 16 * k + 2 * tq;
+    qa[k][0] = r0 < 1024 ? mdl_bf16x2(b0[(b * 1024 + r0) * 2304 + hd * 64 + c], b0[(b * 1024 + r0) * 2304 + hd * 64 + c + 1]) : 0u;
+    qa[k][1] = r1 < 1024 ? mdl_bf16x2(b0[(b * 1024 + r1) * 2304 + hd * 64 + c], b0[(b * 1024 + r1) * 2304 + hd * 64 + c + 1]) : 0u;
+    qa[k][2] = r0 < 1024 ? mdl_bf16x2(b0[(b * 1024 + r0) * 2304 + hd * 64 + c + 8], b0[(b * 1024 + r0) * 2304 + hd * 64 + c + 9]) : 0u;
+    qa[k][3] = r1 < 1024 ? mdl_bf16x2(b0[(b * 1024 + r1) * 2304 + hd * 64 + c + 8], b0[(b * 1024 + r1) * 2304 + hd * 64 + c + 9]) : 0u;
   }
-  const int kend = q0 + 16 < 1024 ? q0 + 16 : 1024;
-  for (int k0 = 0; k0 < kend; k0 += 32) {
+  uint32_t oa[4][4];
+  #pragma unroll
+  for (int k = 0; k < 4; k++) {
+    const int c = 16 * k + 2 * tq;
+    oa[k][0] = r0 < 1024 ? mdl_bf16x2(b1[(b * 1024 + r0) * 768 + hd * 64 + c], b1[(b * 1024 + r0) * 768 + hd * 64 + c + 1]) : 0u;
+    oa[k][1] = r1 < 1024 ? mdl_bf16x2(b1[(b * 1024 + r1) * 768 + hd * 64 + c], b1[(b * 1024 + r1) * 768 + hd * 64 + c + 1]) : 0u;
+    oa[k][2] = r0 < 1024 ? mdl_bf16x2(b1[(b * 1024 + r0) * 768 + hd * 64 + c + 8], b1[(b * 1024 + r0) * 768 + hd * 64 + c + 9]) : 0u;
+    oa[k][3] = r1 < 1024 ? mdl_bf16x2(b1[(b * 1024 + r1) * 768 + hd * 64 + c + 8], b1[(b * 1024 + r1) * 768 + hd * 64 + c + 9]) : 0u;
+  }
+  const int32_t d0 = r0 < 1024 ? b2[b * 1024 + r0] : 0, d1 = r1 < 1024 ? b2[b * 1024 + r1] : 0;
+  // Per row: the running maximum m and this lane's parts of the sum l and of D.
+  float m0 = -MDL_INF, m1 = -MDL_INF, l0 = 0.0f, l1 = 0.0f, D0 = 0.0f, D1 = 0.0f;
+  const int kend = q0 + 64 < 1024 ? q0 + 64 : 1024; // later keys are masked for every row
+  for (int k0 = 0; k0 < kend; k0 += 64) {
     __syncthreads();
-    for (int u = threadIdx.x; u < 2048; u += 128) {
-      const int jj = u / 64, c = u % 64;
+    for (int u = threadIdx.x; u < 1024; u += 128) {
+      const int jj = u / 16, c = u % 16 * 4;
       const bool in = k0 + jj < 1024;
-      Ks[jj][c] = in ? mdl_bf16_to_f32(mdl_f32_to_bf16((b2 + 768)[(b * 1024 + k0 + jj) * 2304 + hd * 64 + c])) : 0.0f;
-      Vs[jj][c] = in ? mdl_bf16_to_f32(mdl_f32_to_bf16((b2 + 1536)[(b * 1024 + k0 + jj) * 2304 + hd * 64 + c])) : 0.0f;
+      const float4 ax = in ? *(const float4 *)&(b0 + 768)[(b * 1024 + k0 + jj) * 2304 + hd * 64 + c] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+      const float4 bx = in ? *(const float4 *)&(b0 + 1536)[(b * 1024 + k0 + jj) * 2304 + hd * 64 + c] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+      Ks[jj][c / 2] = mdl_bf16x2(ax.x, ax.y);
+      Ks[jj][c / 2 + 1] = mdl_bf16x2(ax.z, ax.w);
+      Vs[jj][c / 2] = mdl_bf16x2(bx.x, bx.y);
+      Vs[jj][c / 2 + 1] = mdl_bf16x2(bx.z, bx.w);
     }
-    if (threadIdx.x < 32)
-      Dk[threadIdx.x] = k0 + threadIdx.x < 1024 ? b3[b * 1024 + k0 + threadIdx.x] : 0;
+    if (threadIdx.x < 64)
+      Dk[threadIdx.x] = k0 + threadIdx.x < 1024 ? b2[b * 1024 + k0 + threadIdx.x] : 0;
     __syncthreads();
+    // S = Q K^T (scaled) and dP = dout V^T: tile n holds keys k0 + 8 n .. k0 + 8 n + 7.
+    float s[8][4], dp[8][4];
     #pragma unroll
-    for (int rr = 0; rr < 4; rr++) {
-      const int ii = w + 4 * rr;
-      const int i = q0 + ii, j = k0 + lane;
-      if (i >= 1024)
-        continue;
-      const bool ok = j < 1024 && j <= i && Dk[lane] == di[rr];
-      float s = -MDL_INF;
-      if (ok) {
-        float dot = 0.0f;
-        #pragma unroll 8
-        for (int c = 0; c < 64; c++)
-          dot += Qs[ii][c] * Ks[lane][c];
-        s = dot * 0.125f;
-      }
-      const float bm = mdl_warp_fmax(s);
-      if (bm == -MDL_INF)
-        continue;
-      const float mn = fmaxf(m[rr], bm), corr = expf(m[rr] - mn);
-      const float p = ok ? expf(s - mn) : 0.0f;
-      l[rr] = l[rr] * corr + mdl_warp_sumf(p);
-      m[rr] = mn;
+    for (int n = 0; n < 8; n++) {
+      s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
+      dp[n][0] = dp[n][1] = dp[n][2] = dp[n][3] = 0.0f;
       #pragma unroll
-      for (int t = 0; t < 2; t++)
-        acc[rr][t] *= corr;
-      #pragma unroll 4
-      for (int jj = 0; jj < 32; jj++) {
-        const float pj = __shfl_sync(MDL_FULL, p, jj);
-        #pragma unroll
-        for (int t = 0; t < 2; t++)
-          acc[rr][t] += pj * Vs[jj][lane + 32 * t];
+      for (int k = 0; k < 4; k++) {
+        const uint32_t yb[2] = {Ks[8 * n + g][8 * k + tq], Ks[8 * n + g][8 * k + tq + 4]};
+        mdl_mma_bf16_16816(s[n], qa[k], yb);
+        const uint32_t wb[2] = {Vs[8 * n + g][8 * k + tq], Vs[8 * n + g][8 * k + tq + 4]};
+        mdl_mma_bf16_16816(dp[n], oa[k], wb);
       }
+      #pragma unroll
+      for (int x = 0; x < 4; x++)
+        s[n][x] *= 0.125f;
+    }
+    // Keys the row may not see get -inf.
+    #pragma unroll
+    for (int n = 0; n < 8; n++) {
+      #pragma unroll
+      for (int x = 0; x < 4; x++) {
+        const int i = x < 2 ? r0 : r1, j = k0 + 8 * n + 2 * tq + (x & 1);
+        if (!(j < 1024 && j <= i && Dk[j - k0] == (x < 2 ? d0 : d1)))
+          s[n][x] = -MDL_INF;
+      }
+    }
+    // The rows' maxima over the tile: the lane's, then its quad's (lanes 4 g .. 4 g + 3 share r0).
+    float x0 = -MDL_INF, x1 = -MDL_INF;
+    #pragma unroll
+    for (int n = 0; n < 8; n++) {
+      x0 = fmaxf(x0, fmaxf(s[n][0], s[n][1]));
+      x1 = fmaxf(x1, fmaxf(s[n][2], s[n][3]));
+    }
+    x0 = fmaxf(x0, __shfl_xor_sync(MDL_FULL, x0, 1));
+    x0 = fmaxf(x0, __shfl_xor_sync(MDL_FULL, x0, 2));
+    x1 = fmaxf(x1, __shfl_xor_sync(MDL_FULL, x1, 1));
+    x1 = fmaxf(x1, __shfl_xor_sync(MDL_FULL, x1, 2));
+    // The new maxima (a row that has seen no key yet subtracts 0, not -inf); what earlier tiles
+    // summed is rescaled by exp(m - m_new).
+    const float mn0 = fmaxf(m0, x0), mn1 = fmaxf(m1, x1);
+    const float z0 = mn0 == -MDL_INF ? 0.0f : mn0, z1 = mn1 == -MDL_INF ? 0.0f : mn1;
+    const float c0 = expf(m0 - z0), c1 = expf(m1 - z1);
+    m0 = mn0;
+    m1 = mn1;
+    l0 *= c0;
+    l1 *= c1;
+    D0 *= c0;
+    D1 *= c1;
+    #pragma unroll
+    for (int n = 0; n < 8; n++) {
+      const float e0 = expf(s[n][0] - z0), e1 = expf(s[n][1] - z0);
+      const float e2 = expf(s[n][2] - z1), e3 = expf(s[n][3] - z1);
+      l0 += e0 + e1;
+      l1 += e2 + e3;
+      D0 += e0 * dp[n][0] + e1 * dp[n][1];
+      D1 += e2 * dp[n][2] + e3 * dp[n][3];
     }
   }
-  #pragma unroll
-  for (int rr = 0; rr < 4; rr++) {
-    const int i = q0 + w + 4 * rr;
-    if (i >= 1024)
-      continue;
-    float dd = 0.0f;
-    #pragma unroll
-    for (int t = 0; t < 2; t++) {
-      const int c = lane + 32 * t;
-      dd += mdl_bf16_to_f32(mdl_f32_to_bf16(b4[(b * 1024 + i) * 768 + hd * 64 + c])) * (acc[rr][t] / l[rr]);
-    }
-    dd = mdl_warp_sumf(dd);
-    if (lane == 0) {
-      b0[(b * 12 + hd) * 1024 + i] = m[rr] + logf(l[rr]);
-      b1[(b * 12 + hd) * 1024 + i] = dd;
-    }
+  // The sums of the quad's four parts; lane tq = 0 writes its rows'.
+  l0 += __shfl_xor_sync(MDL_FULL, l0, 1);
+  D0 += __shfl_xor_sync(MDL_FULL, D0, 1);
+  l0 += __shfl_xor_sync(MDL_FULL, l0, 2);
+  D0 += __shfl_xor_sync(MDL_FULL, D0, 2);
+  l1 += __shfl_xor_sync(MDL_FULL, l1, 1);
+  D1 += __shfl_xor_sync(MDL_FULL, D1, 1);
+  l1 += __shfl_xor_sync(MDL_FULL, l1, 2);
+  D1 += __shfl_xor_sync(MDL_FULL, D1, 2);
+  if (tq == 0 && r0 < 1024) {
+    b3[(b * 12 + hd) * 1024 + r0] = m0 + logf(l0);
+    b4[(b * 12 + hd) * 1024 + r0] = D0 / l0;
+  }
+  if (tq == 0 && r1 < 1024) {
+    b3[(b * 12 + hd) * 1024 + r1] = m1 + logf(l1);
+    b4[(b * 12 + hd) * 1024 + r1] = D1 / l1;
   }
 }
 
@@ -2709,7 +2745,7 @@ extern "C" __global__ void __launch_bounds__(256) k169_add__cast(char *arena, Md
 //   %640   attention_bwd      d.h.10.k             line 39    f32[8,1024,768]
 //   %641   attention_bwd      d.h.10.v             line 39    f32[8,1024,768]
 // runs:
-//   k163_attention_bwd_stats<<<6144, 128>>>
+//   k163_attention_bwd_stats<<<1536, 128>>>
 //   k163_attention_bwd_dq<<<1536, 128>>>
 //   k163_attention_bwd_dkv<<<1536, 128>>>
 
@@ -2824,7 +2860,7 @@ extern "C" __global__ void __launch_bounds__(256) k169_add__cast(char *arena, Md
 //   %681   attention_bwd      d.h.9.k              line 39    f32[8,1024,768]
 //   %682   attention_bwd      d.h.9.v              line 39    f32[8,1024,768]
 // runs:
-//   k163_attention_bwd_stats<<<6144, 128>>>
+//   k163_attention_bwd_stats<<<1536, 128>>>
 //   k163_attention_bwd_dq<<<1536, 128>>>
 //   k163_attention_bwd_dkv<<<1536, 128>>>
 
@@ -2939,7 +2975,7 @@ extern "C" __global__ void __launch_bounds__(256) k169_add__cast(char *arena, Md
 //   %722   attention_bwd      d.h.8.k              line 39    f32[8,1024,768]
 //   %723   attention_bwd      d.h.8.v              line 39    f32[8,1024,768]
 // runs:
-//   k163_attention_bwd_stats<<<6144, 128>>>
+//   k163_attention_bwd_stats<<<1536, 128>>>
 //   k163_attention_bwd_dq<<<1536, 128>>>
 //   k163_attention_bwd_dkv<<<1536, 128>>>
 
@@ -3054,7 +3090,7 @@ extern "C" __global__ void __launch_bounds__(256) k169_add__cast(char *arena, Md
 //   %763   attention_bwd      d.h.7.k              line 39    f32[8,1024,768]
 //   %764   attention_bwd      d.h.7.v              line 39    f32[8,1024,768]
 // runs:
-//   k163_attention_bwd_stats<<<6144, 128>>>
+//   k163_attention_bwd_stats<<<1536, 128>>>
 //   k163_attention_bwd_dq<<<1536, 128>>>
 //   k163_attention_bwd_dkv<<<1536, 128>>>
 
@@ -3169,7 +3205,7 @@ extern "C" __global__ void __launch_bounds__(256) k169_add__cast(char *arena, Md
 //   %804   attention_bwd      d.h.6.k              line 39    f32[8,1024,768]
 //   %805   attention_bwd      d.h.6.v              line 39    f32[8,1024,768]
 // runs:
-//   k163_attention_bwd_stats<<<6144, 128>>>
+//   k163_attention_bwd_stats<<<1536, 128>>>
 //   k163_attention_bwd_dq<<<1536, 128>>>
 //   k163_attention_bwd_dkv<<<1536, 128>>>
 
@@ -3284,7 +3320,7 @@ extern "C" __global__ void __launch_bounds__(256) k169_add__cast(char *arena, Md
 //   %845   attention_bwd      d.h.5.k              line 39    f32[8,1024,768]
 //   %846   attention_bwd      d.h.5.v              line 39    f32[8,1024,768]
 // runs:
-//   k163_attention_bwd_stats<<<6144, 128>>>
+//   k163_attention_bwd_stats<<<1536, 128>>>
 //   k163_attention_bwd_dq<<<1536, 128>>>
 //   k163_attention_bwd_dkv<<<1536, 128>>>
 
@@ -3399,7 +3435,7 @@ extern "C" __global__ void __launch_bounds__(256) k169_add__cast(char *arena, Md
 //   %886   attention_bwd      d.h.4.k              line 39    f32[8,1024,768]
 //   %887   attention_bwd      d.h.4.v              line 39    f32[8,1024,768]
 // runs:
-//   k163_attention_bwd_stats<<<6144, 128>>>
+//   k163_attention_bwd_stats<<<1536, 128>>>
 //   k163_attention_bwd_dq<<<1536, 128>>>
 //   k163_attention_bwd_dkv<<<1536, 128>>>
 
@@ -3514,7 +3550,7 @@ extern "C" __global__ void __launch_bounds__(256) k169_add__cast(char *arena, Md
 //   %927   attention_bwd      d.h.3.k              line 39    f32[8,1024,768]
 //   %928   attention_bwd      d.h.3.v              line 39    f32[8,1024,768]
 // runs:
-//   k163_attention_bwd_stats<<<6144, 128>>>
+//   k163_attention_bwd_stats<<<1536, 128>>>
 //   k163_attention_bwd_dq<<<1536, 128>>>
 //   k163_attention_bwd_dkv<<<1536, 128>>>
 
@@ -3629,7 +3665,7 @@ extern "C" __global__ void __launch_bounds__(256) k169_add__cast(char *arena, Md
 //   %968   attention_bwd      d.h.2.k              line 39    f32[8,1024,768]
 //   %969   attention_bwd      d.h.2.v              line 39    f32[8,1024,768]
 // runs:
-//   k163_attention_bwd_stats<<<6144, 128>>>
+//   k163_attention_bwd_stats<<<1536, 128>>>
 //   k163_attention_bwd_dq<<<1536, 128>>>
 //   k163_attention_bwd_dkv<<<1536, 128>>>
 
@@ -3744,7 +3780,7 @@ extern "C" __global__ void __launch_bounds__(256) k169_add__cast(char *arena, Md
 //   %1009  attention_bwd      d.h.1.k              line 39    f32[8,1024,768]
 //   %1010  attention_bwd      d.h.1.v              line 39    f32[8,1024,768]
 // runs:
-//   k163_attention_bwd_stats<<<6144, 128>>>
+//   k163_attention_bwd_stats<<<1536, 128>>>
 //   k163_attention_bwd_dq<<<1536, 128>>>
 //   k163_attention_bwd_dkv<<<1536, 128>>>
 
@@ -3859,7 +3895,7 @@ extern "C" __global__ void __launch_bounds__(256) k169_add__cast(char *arena, Md
 //   %1050  attention_bwd      d.h.0.k              line 39    f32[8,1024,768]
 //   %1051  attention_bwd      d.h.0.v              line 39    f32[8,1024,768]
 // runs:
-//   k163_attention_bwd_stats<<<6144, 128>>>
+//   k163_attention_bwd_stats<<<1536, 128>>>
 //   k163_attention_bwd_dq<<<1536, 128>>>
 //   k163_attention_bwd_dkv<<<1536, 128>>>
 

@@ -1356,105 +1356,138 @@ extern "C" __global__ void __launch_bounds__(256) k55_add__cast(char *arena, Mdl
 //   %165   attention_bwd      d.layers.1.k         line 38    f32[8,64,64]
 //   %166   attention_bwd                           line 38    f32[8,64,64]
 // runs:
-//   k58_attention_bwd_stats<<<128, 128>>>
+//   k58_attention_bwd_stats<<<32, 128>>>
 //   k58_attention_bwd_dq<<<32, 128>>>
 //   k58_attention_bwd_dkv<<<32, 128>>>
 
-// attention backward, row statistics: B 8, T 64, 4 heads of 16, causal, within documents; a block per (batch, head, 16 queries), keys in tiles of 32
+// attention backward, row statistics on tensor cores: B 8, T 64, 4 heads of 16, causal, within documents; a block of 4 warps per (batch, head, 64 queries), 16 query rows per warp, keys in tiles of 64; bf16 products (mma m16n8k16), f32 softmax
 extern "C" __global__ void __launch_bounds__(128) k58_attention_bwd_stats(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
-  float *const b0 = (float *)(arena + o.b[0]); // log-sum-exp per row
-  float *const b1 = (float *)(arena + o.b[1]); // dout . out per row
-  float *const b2 = (float *)(arena + o.b[2]); // rope f32[8,64,64]
-  int32_t *const b3 = (int32_t *)(arena + o.b[3]); // input i32[8,64]
-  float *const b4 = (float *)(arena + o.b[4]); // rope f32[8,64,64]
-  float *const b5 = (float *)(arena + o.b[5]); // matmul f32[512,64]
-  float *const b6 = (float *)(arena + o.b[6]); // matmul f32[512,64]
-  __shared__ float Qs[16][16];
-  __shared__ float Ks[32][17], Vs[32][17];
-  __shared__ int32_t Dk[32];
-  const int w = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int b = blockIdx.x / 16, hd = blockIdx.x / 4 % 4, q0 = blockIdx.x % 4 * 16;
-  for (int u = threadIdx.x; u < 256; u += 128) {
-    const int i = u / 16, c = u % 16;
-    const bool in = q0 + i < 64;
-    Qs[i][c] = in ? mdl_bf16_to_f32(mdl_f32_to_bf16(b2[(b * 64 + q0 + i) * 64 + hd * 16 + c])) : 0.0f;
-  }
-  float m[4], l[4], acc[4][1];
-  int32_t di[4];
+  float *const b0 = (float *)(arena + o.b[0]); // rope f32[8,64,64]
+  float *const b1 = (float *)(arena + o.b[1]); // matmul f32[512,64]
+  int32_t *const b2 = (int32_t *)(arena + o.b[2]); // input i32[8,64]
+  float *const b3 = (float *)(arena + o.b[3]); // rope f32[8,64,64]
+  float *const b4 = (float *)(arena + o.b[4]); // matmul f32[512,64]
+  float *const b5 = (float *)(arena + o.b[5]); // log-sum-exp per row
+  float *const b6 = (float *)(arena + o.b[6]); // dout . out per row
+  __shared__ uint32_t Ks[64][12], Vs[64][12]; // the tile's keys and values, bf16 pairs
+  __shared__ int32_t Dk[64];
+  const int w = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tq = lane & 3;
+  const int b = blockIdx.x / 4, hd = blockIdx.x / 1 % 4, q0 = blockIdx.x % 1 * 64;
+  // The lane's query rows: r0 (accumulators 0 and 1 of a tile) and r1 (2 and 3).
+  const int r0 = q0 + 16 * w + g, r1 = r0 + 8;
+  // Q and dout as the A fragments of the k16 steps over the channels, rounded once; 0 beyond T.
+  uint32_t qa[1][4];
   #pragma unroll
-  for (int rr = 0; rr < 4; rr++) {
-    const int i = q0 + w + 4 * rr;
-    m[rr] = -MDL_INF;
-    l[rr] = 0.0f;
-    di[rr] = i < 64 ? b3[b * 64 + i] : 0;
-    #pragma unroll
-    for (int t = 0; t < 1; t++)
-      acc[rr][t] = 0.0f;
+  for (int k = 0; k < 1; k++) {
+    const int c = 16 * k + 2 * tq;
+    qa[k][0] = r0 < 64 ? mdl_bf16x2(b0[(b * 64 + r0) * 64 + hd * 16 + c], b0[(b * 64 + r0) * 64 + hd * 16 + c + 1]) : 0u;
+    qa[k][1] = r1 < 64 ? mdl_bf16x2(b0[(b * 64 + r1) * 64 + hd * 16 + c], b0[(b * 64 + r1) * 64 + hd * 16 + c + 1]) : 0u;
+    qa[k][2] = r0 < 64 ? mdl_bf16x2(b0[(b * 64 + r0) * 64 + hd * 16 + c + 8], b0[(b * 64 + r0) * 64 + hd * 16 + c + 9]) : 0u;
+    qa[k][3] = r1 < 64 ? mdl_bf16x2(b0[(b * 64 + r1) * 64 + hd * 16 + c + 8], b0[(b * 64 + r1) * 64 + hd * 16 + c + 9]) : 0u;
   }
-  const int kend = q0 + 16 < 64 ? q0 + 16 : 64;
-  for (int k0 = 0; k0 < kend; k0 += 32) {
+  uint32_t oa[1][4];
+  #pragma unroll
+  for (int k = 0; k < 1; k++) {
+    const int c = 16 * k + 2 * tq;
+    oa[k][0] = r0 < 64 ? mdl_bf16x2(b1[(b * 64 + r0) * 64 + hd * 16 + c], b1[(b * 64 + r0) * 64 + hd * 16 + c + 1]) : 0u;
+    oa[k][1] = r1 < 64 ? mdl_bf16x2(b1[(b * 64 + r1) * 64 + hd * 16 + c], b1[(b * 64 + r1) * 64 + hd * 16 + c + 1]) : 0u;
+    oa[k][2] = r0 < 64 ? mdl_bf16x2(b1[(b * 64 + r0) * 64 + hd * 16 + c + 8], b1[(b * 64 + r0) * 64 + hd * 16 + c + 9]) : 0u;
+    oa[k][3] = r1 < 64 ? mdl_bf16x2(b1[(b * 64 + r1) * 64 + hd * 16 + c + 8], b1[(b * 64 + r1) * 64 + hd * 16 + c + 9]) : 0u;
+  }
+  const int32_t d0 = r0 < 64 ? b2[b * 64 + r0] : 0, d1 = r1 < 64 ? b2[b * 64 + r1] : 0;
+  // Per row: the running maximum m and this lane's parts of the sum l and of D.
+  float m0 = -MDL_INF, m1 = -MDL_INF, l0 = 0.0f, l1 = 0.0f, D0 = 0.0f, D1 = 0.0f;
+  const int kend = q0 + 64 < 64 ? q0 + 64 : 64; // later keys are masked for every row
+  for (int k0 = 0; k0 < kend; k0 += 64) {
     __syncthreads();
-    for (int u = threadIdx.x; u < 512; u += 128) {
-      const int jj = u / 16, c = u % 16;
+    for (int u = threadIdx.x; u < 256; u += 128) {
+      const int jj = u / 4, c = u % 4 * 4;
       const bool in = k0 + jj < 64;
-      Ks[jj][c] = in ? mdl_bf16_to_f32(mdl_f32_to_bf16(b4[(b * 64 + k0 + jj) * 64 + hd * 16 + c])) : 0.0f;
-      Vs[jj][c] = in ? mdl_bf16_to_f32(mdl_f32_to_bf16(b5[(b * 64 + k0 + jj) * 64 + hd * 16 + c])) : 0.0f;
+      const float4 ax = in ? *(const float4 *)&b3[(b * 64 + k0 + jj) * 64 + hd * 16 + c] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+      const float4 bx = in ? *(const float4 *)&b4[(b * 64 + k0 + jj) * 64 + hd * 16 + c] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+      Ks[jj][c / 2] = mdl_bf16x2(ax.x, ax.y);
+      Ks[jj][c / 2 + 1] = mdl_bf16x2(ax.z, ax.w);
+      Vs[jj][c / 2] = mdl_bf16x2(bx.x, bx.y);
+      Vs[jj][c / 2 + 1] = mdl_bf16x2(bx.z, bx.w);
     }
-    if (threadIdx.x < 32)
-      Dk[threadIdx.x] = k0 + threadIdx.x < 64 ? b3[b * 64 + k0 + threadIdx.x] : 0;
+    if (threadIdx.x < 64)
+      Dk[threadIdx.x] = k0 + threadIdx.x < 64 ? b2[b * 64 + k0 + threadIdx.x] : 0;
     __syncthreads();
+    // S = Q K^T (scaled) and dP = dout V^T: tile n holds keys k0 + 8 n .. k0 + 8 n + 7.
+    float s[8][4], dp[8][4];
     #pragma unroll
-    for (int rr = 0; rr < 4; rr++) {
-      const int ii = w + 4 * rr;
-      const int i = q0 + ii, j = k0 + lane;
-      if (i >= 64)
-        continue;
-      const bool ok = j < 64 && j <= i && Dk[lane] == di[rr];
-      float s = -MDL_INF;
-      if (ok) {
-        float dot = 0.0f;
-        #pragma unroll 8
-        for (int c = 0; c < 16; c++)
-          dot += Qs[ii][c] * Ks[lane][c];
-        s = dot * 0.25f;
-      }
-      const float bm = mdl_warp_fmax(s);
-      if (bm == -MDL_INF)
-        continue;
-      const float mn = fmaxf(m[rr], bm), corr = expf(m[rr] - mn);
-      const float p = ok ? expf(s - mn) : 0.0f;
-      l[rr] = l[rr] * corr + mdl_warp_sumf(p);
-      m[rr] = mn;
+    for (int n = 0; n < 8; n++) {
+      s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
+      dp[n][0] = dp[n][1] = dp[n][2] = dp[n][3] = 0.0f;
       #pragma unroll
-      for (int t = 0; t < 1; t++)
-        acc[rr][t] *= corr;
-      #pragma unroll 4
-      for (int jj = 0; jj < 32; jj++) {
-        const float pj = __shfl_sync(MDL_FULL, p, jj);
-        #pragma unroll
-        for (int t = 0; t < 1; t++)
-          if (lane + 32 * t < 16)
-            acc[rr][t] += pj * Vs[jj][lane + 32 * t];
+      for (int k = 0; k < 1; k++) {
+        const uint32_t yb[2] = {Ks[8 * n + g][8 * k + tq], Ks[8 * n + g][8 * k + tq + 4]};
+        mdl_mma_bf16_16816(s[n], qa[k], yb);
+        const uint32_t wb[2] = {Vs[8 * n + g][8 * k + tq], Vs[8 * n + g][8 * k + tq + 4]};
+        mdl_mma_bf16_16816(dp[n], oa[k], wb);
       }
+      #pragma unroll
+      for (int x = 0; x < 4; x++)
+        s[n][x] *= 0.25f;
+    }
+    // Keys the row may not see get -inf.
+    #pragma unroll
+    for (int n = 0; n < 8; n++) {
+      #pragma unroll
+      for (int x = 0; x < 4; x++) {
+        const int i = x < 2 ? r0 : r1, j = k0 + 8 * n + 2 * tq + (x & 1);
+        if (!(j < 64 && j <= i && Dk[j - k0] == (x < 2 ? d0 : d1)))
+          s[n][x] = -MDL_INF;
+      }
+    }
+    // The rows' maxima over the tile: the lane's, then its quad's (lanes 4 g .. 4 g + 3 share r0).
+    float x0 = -MDL_INF, x1 = -MDL_INF;
+    #pragma unroll
+    for (int n = 0; n < 8; n++) {
+      x0 = fmaxf(x0, fmaxf(s[n][0], s[n][1]));
+      x1 = fmaxf(x1, fmaxf(s[n][2], s[n][3]));
+    }
+    x0 = fmaxf(x0, __shfl_xor_sync(MDL_FULL, x0, 1));
+    x0 = fmaxf(x0, __shfl_xor_sync(MDL_FULL, x0, 2));
+    x1 = fmaxf(x1, __shfl_xor_sync(MDL_FULL, x1, 1));
+    x1 = fmaxf(x1, __shfl_xor_sync(MDL_FULL, x1, 2));
+    // The new maxima (a row that has seen no key yet subtracts 0, not -inf); what earlier tiles
+    // summed is rescaled by exp(m - m_new).
+    const float mn0 = fmaxf(m0, x0), mn1 = fmaxf(m1, x1);
+    const float z0 = mn0 == -MDL_INF ? 0.0f : mn0, z1 = mn1 == -MDL_INF ? 0.0f : mn1;
+    const float c0 = expf(m0 - z0), c1 = expf(m1 - z1);
+    m0 = mn0;
+    m1 = mn1;
+    l0 *= c0;
+    l1 *= c1;
+    D0 *= c0;
+    D1 *= c1;
+    #pragma unroll
+    for (int n = 0; n < 8; n++) {
+      const float e0 = expf(s[n][0] - z0), e1 = expf(s[n][1] - z0);
+      const float e2 = expf(s[n][2] - z1), e3 = expf(s[n][3] - z1);
+      l0 += e0 + e1;
+      l1 += e2 + e3;
+      D0 += e0 * dp[n][0] + e1 * dp[n][1];
+      D1 += e2 * dp[n][2] + e3 * dp[n][3];
     }
   }
-  #pragma unroll
-  for (int rr = 0; rr < 4; rr++) {
-    const int i = q0 + w + 4 * rr;
-    if (i >= 64)
-      continue;
-    float dd = 0.0f;
-    #pragma unroll
-    for (int t = 0; t < 1; t++) {
-      const int c = lane + 32 * t;
-      if (c < 16)
-        dd += mdl_bf16_to_f32(mdl_f32_to_bf16(b6[(b * 64 + i) * 64 + hd * 16 + c])) * (acc[rr][t] / l[rr]);
-    }
-    dd = mdl_warp_sumf(dd);
-    if (lane == 0) {
-      b0[(b * 4 + hd) * 64 + i] = m[rr] + logf(l[rr]);
-      b1[(b * 4 + hd) * 64 + i] = dd;
-    }
+  // The sums of the quad's four parts; lane tq = 0 writes its rows'.
+  l0 += __shfl_xor_sync(MDL_FULL, l0, 1);
+  D0 += __shfl_xor_sync(MDL_FULL, D0, 1);
+  l0 += __shfl_xor_sync(MDL_FULL, l0, 2);
+  D0 += __shfl_xor_sync(MDL_FULL, D0, 2);
+  l1 += __shfl_xor_sync(MDL_FULL, l1, 1);
+  D1 += __shfl_xor_sync(MDL_FULL, D1, 1);
+  l1 += __shfl_xor_sync(MDL_FULL, l1, 2);
+  D1 += __shfl_xor_sync(MDL_FULL, D1, 2);
+  if (tq == 0 && r0 < 64) {
+    b5[(b * 4 + hd) * 64 + r0] = m0 + logf(l0);
+    b6[(b * 4 + hd) * 64 + r0] = D0 / l0;
+  }
+  if (tq == 0 && r1 < 64) {
+    b5[(b * 4 + hd) * 64 + r1] = m1 + logf(l1);
+    b6[(b * 4 + hd) * 64 + r1] = D1 / l1;
   }
 }
 
@@ -1938,7 +1971,7 @@ extern "C" __global__ void __launch_bounds__(256) k69_add__cast(char *arena, Mdl
 //   %217   attention_bwd      d.layers.0.k         line 38    f32[8,64,64]
 //   %218   attention_bwd                           line 38    f32[8,64,64]
 // runs:
-//   k58_attention_bwd_stats<<<128, 128>>>
+//   k58_attention_bwd_stats<<<32, 128>>>
 //   k58_attention_bwd_dq<<<32, 128>>>
 //   k58_attention_bwd_dkv<<<32, 128>>>
 

@@ -13,9 +13,9 @@
 //     GEMMs read bf16 into f32 (the MLP's GELU, only kept rounded, moves to the epilogue kernel) and
 //     its LM head's dx and dW GEMMs read bf16 dlogits from a chunk of their own; the wide model's
 //     (x @ w) and its gradient, only read rounded, are written as bf16 by their GEMMs into the CASTs.
-//     Attention: bf16 forwards and backward dq and dk, dv kernels with heads of 16 (gpt2-tiny) and 32
-//     (attn) call the tensor cores' mma, with heads of 12 (attn-d12) they fall back to the CUDA-core
-//     kernels; bf16 kernels round, fp32 ones do not.
+//     Attention: bf16 forwards and the backward's statistics, dq and dk, dv kernels with heads of 16
+//     (gpt2-tiny) and 32 (attn) call the tensor cores' mma, with heads of 12 (attn-d12) they fall back
+//     to the CUDA-core kernels; bf16 kernels round, fp32 ones do not.
 //  3. Emulation: each module is compiled as C++ with runtime/cuda_emu.h (g++ -O1, no warning) and its
 //     schedule run on the CPU, the GEMMs by a reference GEMM in double (f32 or bf16 operands and
 //     result, as the plan says) with the same epilogues. On gpt2-tiny (B=2, T=16), llama-tiny (B=1,
@@ -500,10 +500,10 @@ static void kernels_with(const char *src, const char *name, const char *except, 
   }
 }
 
-// The attention kernels by precision and head size: bf16 forwards, and the backward's dq and dk, dv
-// kernels, with heads of a multiple of 16 (gpt2-tiny: 16, attn: 32) run on tensor cores; heads of 12
-// (attn-d12) fall back to the CUDA-core kernels, which round as the tensor cores would, and so does
-// the backward's statistics kernel in every bf16 graph; fp32 graphs round nothing in attention.
+// The attention kernels by precision and head size: bf16 forwards, and the backward's statistics, dq
+// and dk, dv kernels, with heads of a multiple of 16 (gpt2-tiny: 16, attn: 32) run on tensor cores;
+// heads of 12 (attn-d12) fall back to the CUDA-core kernels, which round as the tensor cores would;
+// fp32 graphs round nothing in attention.
 static void test_attention_kernels(void) {
   static const struct {
     int model;
@@ -527,7 +527,7 @@ static void test_attention_kernels(void) {
       kernels_with(src, "attention", "bwd", "mdl_f32_to_bf16(", &fwd, &fwd_round);
       kernels_with(src, "attention_bwd", NULL, "mdl_f32_to_bf16(", &bwd, &bwd_round);
       kernels_with(src, "attention_bwd", NULL, "mdl_bf16x2(", &bwd, &bwd_pairs);
-      kernels_with(src, "attention_bwd_d", NULL, "mdl_mma_bf16_16816(", &grad, &grad_mma);
+      kernels_with(src, "attention_bwd", NULL, "mdl_mma_bf16_16816(", &grad, &grad_mma);
       char name[300];
       const char *label = arena_printf(a, "%s %s %s", md->path, prec_name(cases[i].prec), fz ? "fused" : "unfused");
       if (cases[i].mma)
@@ -545,8 +545,8 @@ static void test_attention_kernels(void) {
                bf16 ? "round their operands to bf16" : "round nothing");
       CHECK(bwd > 0 && bwd_round + bwd_pairs == (bf16 ? bwd : 0),
             name, "%d kernels, %d rounding, %d packing bf16 pairs", bwd, bwd_round, bwd_pairs);
-      snprintf(name, sizeof name, "cuda plan %s: its attention backward's dq and dk, dv kernels (%d) %s", label, grad,
-               cases[i].mma ? "run on tensor cores (mma)" : "do not use mma");
+      snprintf(name, sizeof name, "cuda plan %s: its attention backward's statistics, dq and dk, dv kernels (%d) %s",
+               label, grad, cases[i].mma ? "run on tensor cores (mma)" : "do not use mma");
       CHECK(grad > 0 && grad_mma == (cases[i].mma ? grad : 0), name, "%d kernels, %d with mma", grad, grad_mma);
       arena_free(a);
     }
