@@ -29,7 +29,9 @@
 // once from one stream into a CUDA Graph, instantiated, and replayed every step. Every transfer goes
 // through that same (non-blocking) stream and is waited for, so it is ordered with the steps without
 // the legacy default stream; a step ends with a stream synchronisation, then the kernels' status is
-// read back.
+// read back. With --profile (Engine.profile) the step runs the same launches outside the graph, with
+// an event where each plan step's launches begin, and each plan step's device time is added to
+// Engine.kernel_seconds.
 #include "cuda.h"
 #include "backend.h"
 #include "emit_cuda.h"
@@ -54,6 +56,7 @@ typedef struct CUfunc_st *CUfunction;
 typedef struct CUstream_st *CUstream;
 typedef struct CUgraph_st *CUgraph;
 typedef struct CUgraphExec_st *CUgraphExec;
+typedef struct CUevent_st *CUevent;
 
 enum {
   CUDA_SUCCESS = 0,
@@ -100,7 +103,12 @@ enum {
     (CUgraphExec * exec, CUgraph graph, unsigned long long flags))                                          \
   X(cuGraphLaunch, "cuGraphLaunch", (CUgraphExec exec, CUstream s))                                         \
   X(cuGraphExecDestroy, "cuGraphExecDestroy", (CUgraphExec exec))                                           \
-  X(cuGraphDestroy, "cuGraphDestroy", (CUgraph graph))
+  X(cuGraphDestroy, "cuGraphDestroy", (CUgraph graph))                                                     \
+  X(cuEventCreate, "cuEventCreate", (CUevent * ev, unsigned int flags))                                     \
+  X(cuEventRecord, "cuEventRecord", (CUevent ev, CUstream s))                                               \
+  X(cuEventSynchronize, "cuEventSynchronize", (CUevent ev))                                                 \
+  X(cuEventElapsedTime, "cuEventElapsedTime", (float *ms, CUevent start, CUevent end))                      \
+  X(cuEventDestroy, "cuEventDestroy_v2", (CUevent ev))
 
 typedef struct {
   void *so;
@@ -473,6 +481,9 @@ typedef struct {
   CUgraphExec exec;
   char *staging;      // host copy of the inputs and scalars, arena bytes [lo, hi)
   int64_t lo, hi;
+  uint64_t seed;      // the kernels' seed argument
+  CUevent *marks;     // --profile: an event where each plan step's launches begin, and one at the end
+  int nmarks;
 } CudaEngine;
 
 static bool staged(const IrNode *nd) { return nd->op == OP_INPUT || nd->op == OP_SCALAR; }
@@ -514,14 +525,53 @@ static bool download(CudaEngine *ce, void *dst, CUdeviceptr src, size_t bytes, c
 }
 
 // Inputs and scalars up, the graph replayed, the stream drained, then the kernels' status checked.
+static bool enqueue(CudaEngine *ce, int i, char *err, size_t n);
+
+// A step outside the graph (--profile): the same launches in the same order on the stream, with an
+// event recorded where each plan step's launches begin; each step's time is what the device took
+// from its event to the next, launch gaps included (the CPU queues far ahead of short kernels).
+static bool profile_step(CudaEngine *ce, char *err, size_t n) {
+  const CudaPlan *p = ce->plan;
+  if (!ce->marks) {
+    ce->marks = calloc((size_t)p->nlaunches + 1, sizeof *ce->marks);
+    if (!ce->marks)
+      return rt_fail(err, n, "out of host memory");
+    for (; ce->nmarks <= p->nlaunches; ce->nmarks++)
+      if (!CU(err, n, cuEventCreate, &ce->marks[ce->nmarks], 0))
+        return false;
+  }
+  bool ok = CU(err, n, cuMemsetD8Async, ce->status, 0, sizeof(MdlStatus), ce->stream);
+  int marked = 0, *step_of = malloc(sizeof(int) * ((size_t)p->nlaunches + 1));
+  if (!step_of)
+    return rt_fail(err, n, "out of host memory");
+  for (int i = 0; ok && i < p->nlaunches; i++) {
+    if (i == 0 || p->launches[i].step != p->launches[i - 1].step) {
+      step_of[marked] = p->launches[i].step;
+      ok = CU(err, n, cuEventRecord, ce->marks[marked++], ce->stream);
+    }
+    ok = ok && enqueue(ce, i, err, n);
+  }
+  ok = ok && CU(err, n, cuEventRecord, ce->marks[marked], ce->stream) &&
+       CU(err, n, cuEventSynchronize, ce->marks[marked]);
+  for (int k = 0; ok && k < marked; k++) {
+    float ms = 0;
+    ok = CU(err, n, cuEventElapsedTime, &ms, ce->marks[k], ce->marks[k + 1]);
+    ce->e.kernel_seconds[step_of[k]] += 1e-3 * ms;
+  }
+  free(step_of);
+  return ok;
+}
+
 static bool cu_step(Engine *e, char *err, size_t n) {
   CudaEngine *ce = (CudaEngine *)e;
   MdlStatus st;
   if ((ce->hi > ce->lo &&
        !CU(err, n, cuMemcpyHtoDAsync, ce->arena + (CUdeviceptr)ce->lo, ce->staging, (size_t)(ce->hi - ce->lo),
            ce->stream)) ||
-      !CU(err, n, cuGraphLaunch, ce->exec, ce->stream) || !download(ce, &st, ce->status, sizeof st, err, n))
+      !(e->profile ? profile_step(ce, err, n) : CU(err, n, cuGraphLaunch, ce->exec, ce->stream)) ||
+      !download(ce, &st, ce->status, sizeof st, err, n))
     return false;
+  e->profiled_steps += e->profile;
   if (st.set)
     return rt_fail(err, n, "%s %lld out of range [0, %lld)", cuda_error_what(st.code), st.value, st.limit);
   return true;
@@ -564,6 +614,8 @@ static void cu_free(Engine *e) {
   CudaEngine *ce = (CudaEngine *)e;
   if (ce->stream)
     drv.cuStreamSynchronize(ce->stream);
+  for (int i = 0; i < ce->nmarks; i++)
+    drv.cuEventDestroy(ce->marks[i]);
   if (ce->exec)
     drv.cuGraphExecDestroy(ce->exec);
   if (ce->graph)
@@ -585,6 +637,8 @@ static void cu_free(Engine *e) {
   free(ce->gemms);
   free(ce->fns);
   free(ce->staging);
+  free(ce->marks);
+  free(ce->e.kernel_seconds);
   free(ce);
 }
 
@@ -656,8 +710,24 @@ static bool init_gemms(CudaEngine *ce, const Fusion *f, char *err, size_t n) {
   return CU(err, n, cuStreamSynchronize, ce->stream);
 }
 
+// Launch i of the plan (a kernel or a GEMM) on the stream.
+static bool enqueue(CudaEngine *ce, int i, char *err, size_t n) {
+  const CudaLaunch *l = &ce->plan->launches[i];
+  if (!l->kernel)
+    return lt_gemm_run(&ce->gemms[l->gemm], ce->lt, ce->workspace, ce->stream, err, n);
+  int64_t args[CUDA_MAX_ARGS] = {0};
+  memcpy(args, l->args, sizeof(int64_t) * (size_t)l->nargs);
+  CUdeviceptr arena = ce->arena, status = ce->status;
+  uint64_t seed = ce->seed;
+  int64_t chunk = l->chunk;
+  void *params[] = {&arena, &status, &seed, &chunk, args};
+  return CU(err, n, cuLaunchKernel, ce->fns[i], l->grid[0], l->grid[1], l->grid[2], l->block[0], l->block[1],
+            l->block[2], 0, ce->stream, params, NULL) ||
+         rt_fail(err + strlen(err), n - strlen(err), " (kernel %s)", l->kernel);
+}
+
 // The whole step, launch by launch, captured from the stream into one graph and instantiated.
-static bool capture(CudaEngine *ce, uint64_t seed, char *err, size_t n) {
+static bool capture(CudaEngine *ce, char *err, size_t n) {
   const CudaPlan *p = ce->plan;
   ce->fns = calloc((size_t)p->nlaunches + 1, sizeof *ce->fns);
   if (!ce->fns)
@@ -668,22 +738,8 @@ static bool capture(CudaEngine *ce, uint64_t seed, char *err, size_t n) {
   if (!CU(err, n, cuStreamBeginCapture, ce->stream, CU_STREAM_CAPTURE_MODE_THREAD_LOCAL))
     return false;
   bool ok = CU(err, n, cuMemsetD8Async, ce->status, 0, sizeof(MdlStatus), ce->stream);
-  for (int i = 0; ok && i < p->nlaunches; i++) {
-    const CudaLaunch *l = &p->launches[i];
-    if (!l->kernel) {
-      ok = lt_gemm_run(&ce->gemms[l->gemm], ce->lt, ce->workspace, ce->stream, err, n);
-      continue;
-    }
-    int64_t args[CUDA_MAX_ARGS] = {0};
-    memcpy(args, l->args, sizeof(int64_t) * (size_t)l->nargs);
-    CUdeviceptr arena = ce->arena, status = ce->status;
-    int64_t chunk = l->chunk;
-    void *params[] = {&arena, &status, &seed, &chunk, args};
-    ok = CU(err, n, cuLaunchKernel, ce->fns[i], l->grid[0], l->grid[1], l->grid[2], l->block[0], l->block[1],
-            l->block[2], 0, ce->stream, params, NULL);
-    if (!ok)
-      rt_fail(err + strlen(err), n - strlen(err), " (kernel %s)", l->kernel);
-  }
+  for (int i = 0; ok && i < p->nlaunches; i++)
+    ok = enqueue(ce, i, err, n);
   char why[256];
   bool ended = CU(why, sizeof why, cuStreamEndCapture, ce->stream, &ce->graph);
   if (ok && !ended)
@@ -698,8 +754,10 @@ Engine *engine_cuda(const Fusion *f, const MemPlan *m, uint64_t seed, char *err,
     return NULL;
   }
   ce->m = m;
-  ce->e = (Engine){.name = "cuda", .g = f->g, .set_input = cu_set_input, .set_scalar = cu_set_scalar,
-                   .step = cu_step, .read = cu_read, .write = cu_write, .free = cu_free};
+  ce->seed = seed;
+  ce->e = (Engine){.name = "cuda", .g = f->g, .fusion = f, .set_input = cu_set_input, .set_scalar = cu_set_scalar,
+                   .step = cu_step, .read = cu_read, .write = cu_write, .free = cu_free,
+                   .kernel_seconds = calloc((size_t)f->nsteps + 1, sizeof(double))};
   if (!driver_device(&ce->dev, err, n) || !driver_complete(err, n) || !lt_open(err, n) ||
       !nvrtc_available(err, n)) {
     free(ce);
@@ -725,7 +783,7 @@ Engine *engine_cuda(const Fusion *f, const MemPlan *m, uint64_t seed, char *err,
             CU(err, n, cuMemAlloc, &ce->arena, (size_t)ce->plan->arena_bytes) &&
             CU(err, n, cuMemAlloc, &ce->status, sizeof(MdlStatus)) &&
             CU(err, n, cuMemAlloc, &ce->workspace, LT_WORKSPACE_BYTES) && init_arena(ce, f->g, seed, err, n) &&
-            init_staging(ce, f->g, err, n) && init_gemms(ce, f, err, n) && capture(ce, seed, err, n);
+            init_staging(ce, f->g, err, n) && init_gemms(ce, f, err, n) && capture(ce, err, n);
   free(cubin.cubin);
   if (!ok) {
     cu_free(&ce->e);

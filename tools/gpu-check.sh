@@ -16,7 +16,12 @@
 #   3. GPT-2 124M trained for 30 steps with `mdlc run --backend cuda` (bf16, the model's precision;
 #      B=8, T=1024; B=4 if that does
 #      not fit) on this repository's sources as byte tokens (`mdlc prep`): tokens/s (mean over steps
-#      6-29: the last one also validates and writes a checkpoint), MFU and peak device memory.
+#      6-29: the last one also validates and writes a checkpoint), MFU and peak device memory;
+#   4. three more steps of it with --profile (launch by launch, timed by events): the whole kernel
+#      table goes to $OUT/gpu-check-profile.txt, its 25 slowest lines and the time by kind of kernel
+#      (GEMMs, attention, LM head, optimizer, lone casts, lone sums, other elementwise and row
+#      kernels) to the results.
+# A failing stage is reported and the next one still runs, so one run gives every figure it can.
 # MFU here = tokens/s x (model flops per step / tokens per step) / 989e12, where the model flops are the
 # count mdlc prints (3x the forward GEMM + attention flops: llm.c's 6N + 6LCT per token) and 989
 # TFLOP/s is the bf16 dense peak of an H100/H200 SXM; mdlc's own MFU column is also shown. Peak
@@ -26,6 +31,7 @@
 set -u
 cd "$(dirname "$0")/.."
 res="${OUT:-.}/gpu-check-results.txt"
+prof="${OUT:-.}/gpu-check-profile.txt"
 tol_fp32="${GPU_CHECK_TOL:-1e-4}"
 tol_bf16="${GPU_CHECK_TOL_BF16:-5e-3}"
 tmp=$(mktemp -d)
@@ -130,7 +136,9 @@ for shape in "2 16 fp32" "8 64 fp32" "2 16 bf16" "8 64 bf16"; do
       --batch "$tmp/batch.safetensors" -o "$tmp/g_$be.safetensors" --backend "$be" --precision "$prec" \
       >"$tmp/grad_$be.log" 2>&1; then
       tail -5 "$tmp/grad_$be.log" | tee -a "$res"
-      die "mdlc grad --backend $be failed"
+      say "mdlc grad --backend $be failed"
+      status=1
+      continue 2
     fi
     grep -E '^(cuda:|loss)' "$tmp/grad_$be.log" | sed "s/^/  $be: /" | tee -a "$res"
   done
@@ -188,6 +196,33 @@ else
       printf "peak device memory %s MiB (nvidia-smi memory.used); mdlc printed peak %s\n", mem == "" ? "?" : mem, peak
     }' "$tmp/run.log" | tee -a "$res"
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+fi
+# Where the step's time goes: GPT-2 124M kernel by kernel, at the B that trained.
+if [ $rc -eq 0 ]; then
+  say "== gpt2 124M: 3 steps with --profile, B=$B T=$T"
+  if timeout 240 bin/mdlc run models/gpt2.mdl --backend cuda --steps 3 -D B="$B" -D T="$T" --val-every 0 \
+    --ckpt-every 0 --data "$tmp/shards" --out "$tmp/prof" --profile >"$tmp/prof.log" 2>&1; then
+    sed -n '/^profile:/,$p' "$tmp/prof.log" >"$prof"
+    head -27 "$prof" | tee -a "$res"
+    awk 'NR > 2 && NF >= 5 {
+           k = $1; sub(/^k[0-9]+_/, "", k)
+           kind = "elementwise and row kernels"
+           if (k ~ /^gemm/) kind = "GEMMs"
+           else if (k ~ /^attention/) kind = "attention"
+           else if (k ~ /adamw/) kind = "optimizer"
+           else if (k ~ /^lmhead/) kind = "LM head"
+           else if (k ~ /^sum$/) kind = "lone sums (bias gradients)"
+           else if (k ~ /^cast$/) kind = "lone casts to bf16"
+           ms[kind] += $2; n[kind]++; total += $2
+         }
+         END { for (x in ms) printf "  %9.3f ms/step %5.1f%% %4d kernels: %s\n", ms[x], 100 * ms[x] / total, n[x], x }' \
+      "$prof" | sort -nr | tee -a "$res"
+    say "whole table: $prof"
+  else
+    tail -5 "$tmp/prof.log" | tee -a "$res"
+    say "mdlc run --profile failed"
+    status=1
+  fi
 fi
 say "== gpu-check $([ $status -eq 0 ] && echo passed || echo FAILED) in $(($(date +%s) - t0)) s; results in $res"
 exit $status

@@ -22,7 +22,9 @@
 //     element types as the plan has them; a target out of range ends the step with the kernels'
 //     message and the next good step runs; a parameter written through the Engine reads back;
 //     freeing the engine frees every allocation and the module; an allocation that fails is
-//     reported as "cuMemAlloc: CUDA_ERROR_OUT_OF_MEMORY" and leaks nothing. Models: gpt2-tiny (B=2,
+//     reported as "cuMemAlloc: CUDA_ERROR_OUT_OF_MEMORY" and leaks nothing; with --profile a fresh
+//     engine runs the plan launch by launch (no replay) to the graph's loss and gradients bit for
+//     bit, every plan step that launches gets a time from the events, and the events are freed. Models: gpt2-tiny (B=2,
 //     T=16) and a small model of batched matmuls, one broadcasting its batch, each also with bf16
 //     GEMM operands (the precision pass): every GEMM is then described with CUDA_R_16BF A and B, the
 //     batched model's a @ a^T also with a bf16 D; the gradients agree within 1e-3 in L2 per tensor,
@@ -38,6 +40,7 @@
 // Device memory is host memory; every call runs at once except on a capturing stream, where kernel
 // launches, memsets and GEMMs are recorded into the graph that cuGraphLaunch replays. It exports no
 // cuGetProcAddress, so the runtime finds its entry points under their versioned names.
+#include <chrono>
 #include <vector>
 
 #include MDL_MODULE
@@ -122,6 +125,7 @@ struct Stream {
 struct Counters {
   long captures, replays, kernels, gemms, live_allocations, modules;
   long described, ab16, d16;
+  long events; // live
 };
 static Counters counters;
 static size_t used;
@@ -318,6 +322,33 @@ CUresult cuGraphExecDestroy(std::vector<Rec> *exec) {
 }
 CUresult cuGraphDestroy(std::vector<Rec> *graph) {
   delete graph;
+  return 0;
+}
+// Events hold the host time they were recorded at (everything before them has run by then).
+struct Event {
+  double seconds;
+};
+CUresult cuEventCreate(Event **ev, unsigned) {
+  *ev = new Event{-1};
+  counters.events++;
+  return 0;
+}
+CUresult cuEventRecord(Event *ev, Stream *s) {
+  if (s->capturing)
+    return 1;
+  ev->seconds = std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+  return 0;
+}
+CUresult cuEventSynchronize(Event *ev) { return ev->seconds < 0; }
+CUresult cuEventElapsedTime(float *ms, Event *a, Event *b) {
+  if (a->seconds < 0 || b->seconds < 0)
+    return 1;
+  *ms = (float)(1e3 * (b->seconds - a->seconds));
+  return 0;
+}
+CUresult cuEventDestroy_v2(Event *ev) {
+  delete ev;
+  counters.events--;
   return 0;
 }
 } // extern "C"
@@ -888,6 +919,7 @@ static void no_driver_checks(void) {
 typedef struct {
   long captures, replays, kernels, gemms, live_allocations, modules;
   long described, ab16, d16;
+  long events;
 } Counters;
 
 // The emulated GPU for one plan: this file as C++ with the plan's module and kernel list.
@@ -921,6 +953,48 @@ static bool build_fake_gpu(const CudaPlan *p, const char *name, char *so, size_t
     return false;
   }
   return true;
+}
+
+// --profile on two fresh engines from one seed and batch: the profiled one runs the plan launch by
+// launch outside the graph (no replay) and reaches the graph's loss and gradients bit for bit; every
+// plan step with a launch gets a time; its events are freed with the engine.
+static void profile_checks(const char *label, const Compiled *c, const Counters *k) {
+  char why[1024], name[256];
+  Engine *es[2] = {engine_cuda(c->f, c->m, 5, why, sizeof why), NULL};
+  es[1] = es[0] ? engine_cuda(c->f, c->m, 5, why, sizeof why) : NULL;
+  snprintf(name, sizeof name, "cuda: %s: --profile runs the step launch by launch, to the graph's results", label);
+  if (!es[0] || !es[1]) {
+    CHECK(false, name, "%s", why);
+    if (es[0])
+      es[0]->free(es[0]);
+    return;
+  }
+  es[0]->profile = true;
+  set_batch(c->g, es, 2, 0);
+  long replays = k->replays;
+  bool ok = step_both(es, 1, why, sizeof why);
+  double worst = ok ? rel_error(es[0], es[1], c->g->loss, false) : INFINITY;
+  for (int i = 0; ok && i < c->g->nparams; i++)
+    worst = fmax(worst, rel_error(es[0], es[1], c->g->grads[i], false));
+  CHECK(ok && worst == 0 && k->replays == replays + 1 && es[0]->profiled_steps == 1, name,
+        "%s; loss and gradients differ by up to %.3g; %ld replays for 2 steps (1 expected); %lld profiled",
+        ok ? "ran" : why, worst, k->replays - replays, (long long)es[0]->profiled_steps);
+  const CudaPlan *p = emit_cuda_plan(c->f, c->m, c->g->model);
+  int timed = 0, steps = 0;
+  for (int s = 0; p && s < c->f->nsteps; s++) {
+    bool launched = false;
+    for (int i = 0; i < p->nlaunches && !launched; i++)
+      launched = p->launches[i].step == s;
+    steps += launched;
+    timed += launched && es[0]->kernel_seconds[s] > 0;
+  }
+  snprintf(name, sizeof name, "cuda: %s: --profile times every plan step that launches (%d)", label, steps);
+  CHECK(p && steps > 0 && timed == steps, name, "%d of %d timed", timed, steps);
+  es[0]->free(es[0]);
+  es[1]->free(es[1]);
+  snprintf(name, sizeof name, "cuda: %s: freeing a profiled engine frees its events and memory", label);
+  CHECK(k->events == 0 && k->live_allocations == 0, name, "%ld events, %ld allocations", k->events,
+        k->live_allocations);
 }
 
 static void emulated_checks(const Model *md) {
@@ -1012,6 +1086,7 @@ static void emulated_checks(const Model *md) {
     snprintf(name, sizeof name, "cuda: %s: freeing the engine frees the device memory and the module", md->label);
     CHECK(k->live_allocations == 0 && k->modules == 0, name, "%ld allocations, %ld modules", k->live_allocations,
           k->modules);
+    profile_checks(md->label, &c, k);
     setenv("FAKE_GPU_MEMORY", "100000", 1);
     cuda = engine_cuda(c.f, c.m, 5, why, sizeof why);
     unsetenv("FAKE_GPU_MEMORY");
