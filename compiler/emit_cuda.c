@@ -2094,6 +2094,33 @@ static bool att_mma(const Att *A) {
   return A->bf16 && A->d % 16 == 0 && att_mma_shared(A) <= 48 << 10 && att_rows16(A->k) && att_rows16(A->v);
 }
 
+// One tile of the online softmax on tensor cores, rows r0 and r1 of the lane (s: the tile's scores
+// by n8 tile): the rows' maxima over the tile, then the new running maxima m0, m1; z0, z1 what e =
+// exp(s - z) subtracts, c0, c1 the factors exp(m - m_new) by which l0, l1 are rescaled here (and
+// whatever else the caller summed over earlier tiles, by the caller).
+static void att_mma_online_max(Emit *e) {
+  ec_line(&e->core, "// The rows' maxima over the tile: the lane's, then its quad's (lanes 4 g .. 4 g + 3 share r0).");
+  ec_line(&e->core, "float x0 = -MDL_INF, x1 = -MDL_INF;");
+  ec_line(&e->core, "#pragma unroll");
+  ec_enter(&e->core, "for (int n = 0; n < %d; n++)", ATT_MMA_BK / 8);
+  ec_line(&e->core, "x0 = fmaxf(x0, fmaxf(s[n][0], s[n][1]));");
+  ec_line(&e->core, "x1 = fmaxf(x1, fmaxf(s[n][2], s[n][3]));");
+  ec_leave(&e->core);
+  ec_line(&e->core, "x0 = fmaxf(x0, __shfl_xor_sync(MDL_FULL, x0, 1));");
+  ec_line(&e->core, "x0 = fmaxf(x0, __shfl_xor_sync(MDL_FULL, x0, 2));");
+  ec_line(&e->core, "x1 = fmaxf(x1, __shfl_xor_sync(MDL_FULL, x1, 1));");
+  ec_line(&e->core, "x1 = fmaxf(x1, __shfl_xor_sync(MDL_FULL, x1, 2));");
+  ec_line(&e->core, "// The new maxima; a row that has seen no key yet subtracts 0, not -inf (its e are 0).");
+  ec_line(&e->core, "// What earlier tiles summed is rescaled by exp(m - m_new).");
+  ec_line(&e->core, "const float mn0 = fmaxf(m0, x0), mn1 = fmaxf(m1, x1);");
+  ec_line(&e->core, "const float z0 = mn0 == -MDL_INF ? 0.0f : mn0, z1 = mn1 == -MDL_INF ? 0.0f : mn1;");
+  ec_line(&e->core, "const float c0 = expf(m0 - z0), c1 = expf(m1 - z1);");
+  ec_line(&e->core, "m0 = mn0;");
+  ec_line(&e->core, "m1 = mn1;");
+  ec_line(&e->core, "l0 *= c0;");
+  ec_line(&e->core, "l1 *= c1;");
+}
+
 // The forward on tensor cores (att_mma), FlashAttention-2 style: a block of 4 warps per (batch, head,
 // 64 queries), 16 query rows per warp with their Q in registers as mma A fragments (rounded to bf16
 // once); keys and values staged in shared tiles of 64, rounded to bf16; S = Q K^T by mma, scaled and
@@ -2212,26 +2239,7 @@ static void att_mma_kernel(Emit *e, const Att *A, int out) {
   ec_leave(&e->core);
   if (edge)
     ec_leave(&e->core);
-  ec_line(&e->core, "// The rows' maxima over the tile: the lane's, then its quad's (lanes 4 g .. 4 g + 3 share r0).");
-  ec_line(&e->core, "float x0 = -MDL_INF, x1 = -MDL_INF;");
-  ec_line(&e->core, "#pragma unroll");
-  ec_enter(&e->core, "for (int n = 0; n < %d; n++)", stiles);
-  ec_line(&e->core, "x0 = fmaxf(x0, fmaxf(s[n][0], s[n][1]));");
-  ec_line(&e->core, "x1 = fmaxf(x1, fmaxf(s[n][2], s[n][3]));");
-  ec_leave(&e->core);
-  ec_line(&e->core, "x0 = fmaxf(x0, __shfl_xor_sync(MDL_FULL, x0, 1));");
-  ec_line(&e->core, "x0 = fmaxf(x0, __shfl_xor_sync(MDL_FULL, x0, 2));");
-  ec_line(&e->core, "x1 = fmaxf(x1, __shfl_xor_sync(MDL_FULL, x1, 1));");
-  ec_line(&e->core, "x1 = fmaxf(x1, __shfl_xor_sync(MDL_FULL, x1, 2));");
-  ec_line(&e->core, "// The new maxima; a row that has seen no key yet subtracts 0, not -inf (its e are 0).");
-  ec_line(&e->core, "// What earlier tiles summed is rescaled by exp(m - m_new).");
-  ec_line(&e->core, "const float mn0 = fmaxf(m0, x0), mn1 = fmaxf(m1, x1);");
-  ec_line(&e->core, "const float z0 = mn0 == -MDL_INF ? 0.0f : mn0, z1 = mn1 == -MDL_INF ? 0.0f : mn1;");
-  ec_line(&e->core, "const float c0 = expf(m0 - z0), c1 = expf(m1 - z1);");
-  ec_line(&e->core, "m0 = mn0;");
-  ec_line(&e->core, "m1 = mn1;");
-  ec_line(&e->core, "l0 *= c0;");
-  ec_line(&e->core, "l1 *= c1;");
+  att_mma_online_max(e);
   ec_line(&e->core, "#pragma unroll");
   ec_enter(&e->core, "for (int n = 0; n < %d; n++)", ntiles);
   ec_line(&e->core, "acc[n][0] *= c0;");
@@ -2605,25 +2613,7 @@ static void att_mma_stats_kernel(Emit *e, const Att *A, int64_t lse, int64_t dsu
   ec_line(&e->core, "// Per row: the running maximum m and this lane's parts of the sum l%s.", dd ? " and of D" : "");
   ec_line(&e->core, "float m0 = -MDL_INF, m1 = -MDL_INF, l0 = 0.0f, l1 = 0.0f%s;", dd ? ", D0 = 0.0f, D1 = 0.0f" : "");
   att_mma_query_tiles(e, A, dd);
-  ec_line(&e->core, "// The rows' maxima over the tile: the lane's, then its quad's (lanes 4 g .. 4 g + 3 share r0).");
-  ec_line(&e->core, "float x0 = -MDL_INF, x1 = -MDL_INF;");
-  ec_line(&e->core, "#pragma unroll");
-  ec_enter(&e->core, "for (int n = 0; n < %d; n++)", ATT_MMA_BK / 8);
-  ec_line(&e->core, "x0 = fmaxf(x0, fmaxf(s[n][0], s[n][1]));");
-  ec_line(&e->core, "x1 = fmaxf(x1, fmaxf(s[n][2], s[n][3]));");
-  ec_leave(&e->core);
-  for (int r = 0; r < 2; r++)
-    for (int x = 1; x <= 2; x++)
-      ec_line(&e->core, "x%d = fmaxf(x%d, __shfl_xor_sync(MDL_FULL, x%d, %d));", r, r, r, x);
-  ec_line(&e->core, "// The new maxima (a row that has seen no key yet subtracts 0, not -inf); what earlier tiles");
-  ec_line(&e->core, "// summed is rescaled by exp(m - m_new).");
-  ec_line(&e->core, "const float mn0 = fmaxf(m0, x0), mn1 = fmaxf(m1, x1);");
-  ec_line(&e->core, "const float z0 = mn0 == -MDL_INF ? 0.0f : mn0, z1 = mn1 == -MDL_INF ? 0.0f : mn1;");
-  ec_line(&e->core, "const float c0 = expf(m0 - z0), c1 = expf(m1 - z1);");
-  ec_line(&e->core, "m0 = mn0;");
-  ec_line(&e->core, "m1 = mn1;");
-  ec_line(&e->core, "l0 *= c0;");
-  ec_line(&e->core, "l1 *= c1;");
+  att_mma_online_max(e);
   if (dd) {
     ec_line(&e->core, "D0 *= c0;");
     ec_line(&e->core, "D1 *= c1;");

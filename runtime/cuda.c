@@ -483,6 +483,7 @@ typedef struct {
   int64_t lo, hi;
   uint64_t seed;      // the kernels' seed argument
   CUevent *marks;     // --profile: an event where each plan step's launches begin, and one at the end
+  int *marked_step;   //   the plan step each of those events begins
   int nmarks;
 } CudaEngine;
 
@@ -534,19 +535,18 @@ static bool profile_step(CudaEngine *ce, char *err, size_t n) {
   const CudaPlan *p = ce->plan;
   if (!ce->marks) {
     ce->marks = calloc((size_t)p->nlaunches + 1, sizeof *ce->marks);
-    if (!ce->marks)
+    ce->marked_step = calloc((size_t)p->nlaunches + 1, sizeof *ce->marked_step);
+    if (!ce->marks || !ce->marked_step)
       return rt_fail(err, n, "out of host memory");
     for (; ce->nmarks <= p->nlaunches; ce->nmarks++)
       if (!CU(err, n, cuEventCreate, &ce->marks[ce->nmarks], 0))
         return false;
   }
   bool ok = CU(err, n, cuMemsetD8Async, ce->status, 0, sizeof(MdlStatus), ce->stream);
-  int marked = 0, *step_of = malloc(sizeof(int) * ((size_t)p->nlaunches + 1));
-  if (!step_of)
-    return rt_fail(err, n, "out of host memory");
+  int marked = 0;
   for (int i = 0; ok && i < p->nlaunches; i++) {
     if (i == 0 || p->launches[i].step != p->launches[i - 1].step) {
-      step_of[marked] = p->launches[i].step;
+      ce->marked_step[marked] = p->launches[i].step;
       ok = CU(err, n, cuEventRecord, ce->marks[marked++], ce->stream);
     }
     ok = ok && enqueue(ce, i, err, n);
@@ -556,9 +556,8 @@ static bool profile_step(CudaEngine *ce, char *err, size_t n) {
   for (int k = 0; ok && k < marked; k++) {
     float ms = 0;
     ok = CU(err, n, cuEventElapsedTime, &ms, ce->marks[k], ce->marks[k + 1]);
-    ce->e.kernel_seconds[step_of[k]] += 1e-3 * ms;
+    ce->e.kernel_seconds[ce->marked_step[k]] += 1e-3 * ms;
   }
-  free(step_of);
   return ok;
 }
 
@@ -638,6 +637,7 @@ static void cu_free(Engine *e) {
   free(ce->fns);
   free(ce->staging);
   free(ce->marks);
+  free(ce->marked_step);
   free(ce->e.kernel_seconds);
   free(ce);
 }

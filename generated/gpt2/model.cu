@@ -2231,8 +2231,8 @@ extern "C" __global__ void __launch_bounds__(128) k163_attention_bwd_stats(char 
     x0 = fmaxf(x0, __shfl_xor_sync(MDL_FULL, x0, 2));
     x1 = fmaxf(x1, __shfl_xor_sync(MDL_FULL, x1, 1));
     x1 = fmaxf(x1, __shfl_xor_sync(MDL_FULL, x1, 2));
-    // The new maxima (a row that has seen no key yet subtracts 0, not -inf); what earlier tiles
-    // summed is rescaled by exp(m - m_new).
+    // The new maxima; a row that has seen no key yet subtracts 0, not -inf (its e are 0).
+    // What earlier tiles summed is rescaled by exp(m - m_new).
     const float mn0 = fmaxf(m0, x0), mn1 = fmaxf(m1, x1);
     const float z0 = mn0 == -MDL_INF ? 0.0f : mn0, z1 = mn1 == -MDL_INF ? 0.0f : mn1;
     const float c0 = expf(m0 - z0), c1 = expf(m1 - z1);
