@@ -707,6 +707,16 @@ static void reduce_finish(Emit *e, int a, bool buf, const int *q, int nq) {
   post_inloop(e, a, q, nq, "r", ec_numel(&e->core, a), "y");
 }
 
+// One element of a reduction's input, at ix, into v; the step's outputs of the input's size that the
+// reduction does not read (`side`: a bf16 rounding of the input, say) are computed and stored on the
+// way, as the elementwise kernel they came from would have.
+static void reduce_input(Emit *e, int x, const int *side, int nside) {
+  ec_line(&e->core, "const float v = %s;", val(e, x, "ix"));
+  for (int t = 0; t < nside; t++)
+    if (!e->core.stored[side[t]])
+      val(e, side[t], "ix");
+}
+
 // SUM / MEAN / MAX over one axis, the input computed inline. Many outputs: one task per output.
 // Few outputs over many elements: partial results per fixed block of the reduced axis (of rows, for
 // column sums), combined in block order.
@@ -720,6 +730,8 @@ static void emit_reduce(Emit *e, int gi, const bool *emitted) {
   bool max = nd->op == OP_MAX, buf = whole(e, a);
   int *q = ec_xcalloc((size_t)e->core.g->n, sizeof *q);
   int nq = ec_post_set(&e->core, gi, on, emitted, q);
+  int *side = ec_xcalloc((size_t)e->core.g->n, sizeof *side);
+  int nside = ec_side_set(&e->core, gi, ec_numel(&e->core, x), emitted, side);
   const char *acc_t = max ? "float" : "double", *init = max ? "-INFINITY" : "0.0";
   ec_phase_begin(&e->core);
   if ((inner == 1 && (outer >= 16 || len < 4096)) || (inner > 1 && outer > 1)) {
@@ -739,7 +751,7 @@ static void emit_reduce(Emit *e, int gi, const bool *emitted) {
       ec_line(&e->core, "const int64_t ix = base + l * %lld;", (long long)inner);
     e->loop_ix = "ix";
     e->loop_n = ec_numel(&e->core, x);
-    ec_line(&e->core, "const float v = %s;", val(e, x, "ix"));
+    reduce_input(e, x, side, nside);
     accumulate(e, max);
     ec_leave(&e->core);
     reduce_finish(e, a, buf, q, nq);
@@ -766,7 +778,7 @@ static void emit_reduce(Emit *e, int gi, const bool *emitted) {
       ec_enter(&e->core, "for (int64_t l = k * %lld; l < end; l++)", (long long)bl);
       ec_enter(&e->core, "for (int64_t c = 0; c < %lld; c++)", (long long)inner);
       ec_line(&e->core, "const int64_t ix = l * %lld + c;", (long long)inner);
-      ec_line(&e->core, "const float v = %s;", val(e, x, "ix"));
+      reduce_input(e, x, side, nside);
       if (max) {
         ec_line(&e->core, "float acc = p[c];");
         accumulate(e, max);
@@ -787,7 +799,7 @@ static void emit_reduce(Emit *e, int gi, const bool *emitted) {
       ec_line(&e->core, "%s acc = %s;", acc_t, init);
       ec_enter(&e->core, "for (int64_t l = l0; l < end; l++)");
       ec_line(&e->core, "const int64_t ix = r * %lld + l;", (long long)len);
-      ec_line(&e->core, "const float v = %s;", val(e, x, "ix"));
+      reduce_input(e, x, side, nside);
       accumulate(e, max);
       ec_leave(&e->core);
       ec_line(&e->core, "part[t] = acc;");
@@ -812,6 +824,7 @@ static void emit_reduce(Emit *e, int gi, const bool *emitted) {
     ec_phase_done(&e->core, a);
   ec_phase_end(&e->core);
   free(q);
+  free(side);
 }
 
 // LAYERNORM / RMSNORM forward, one row per iteration; x (the residual sum) computed inline.
@@ -1875,6 +1888,7 @@ static bool emit_kernel(Emit *e, int si, const char *name) {
   }
   if (e->core.failed)
     return false;
+  ec_drop_unused(&e->core);
 
   ec_bput(&e->out, "\n// %s: %s, %d op%s\n", name, ec_kind_name(st->kind), st->nnodes, st->nnodes == 1 ? "" : "s");
   for (int k = 0; k < st->nnodes; k++) {

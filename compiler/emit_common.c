@@ -552,9 +552,9 @@ bool ec_groups_order(EmitCore *e) {
   return ec_fail(e, "step %s: its anchors depend on one another in a cycle", e->f->steps[e->si].name);
 }
 
-// Outputs of the step that can be computed in (or right after) group gi's loop: pointwise, unwritten,
-// of `n` f32 or bf16 elements, depending on gi and on no group not yet emitted.
-int ec_post_set(EmitCore *e, int gi, int64_t n, const bool *emitted, int *q) {
+// Outputs of the step that are pointwise, unwritten, of `n` f32 or bf16 elements, depending on no
+// group not yet emitted, and on group gi (`after`) or not.
+static int out_set(EmitCore *e, int gi, int64_t n, const bool *emitted, int *q, bool after) {
   const Step *st = &e->f->steps[e->si];
   int nq = 0, *stamp = ec_xcalloc((size_t)e->g->n, sizeof *stamp);
   bool *deps = ec_xcalloc((size_t)e->ngroups + 1, sizeof *deps);
@@ -566,7 +566,7 @@ int ec_post_set(EmitCore *e, int gi, int64_t n, const bool *emitted, int *q) {
       continue;
     memset(deps, 0, sizeof *deps * (size_t)e->ngroups);
     direct_deps(e, c, deps, stamp, k + 1);
-    bool ok = deps[gi];
+    bool ok = deps[gi] == after;
     for (int b = 0; b < e->ngroups && ok; b++)
       ok = !deps[b] || b == gi || emitted[b];
     if (ok)
@@ -575,6 +575,17 @@ int ec_post_set(EmitCore *e, int gi, int64_t n, const bool *emitted, int *q) {
   free(stamp);
   free(deps);
   return nq;
+}
+
+// Outputs of the step that can be computed in (or right after) group gi's loop over its `n` outputs.
+int ec_post_set(EmitCore *e, int gi, int64_t n, const bool *emitted, int *q) {
+  return out_set(e, gi, n, emitted, q, true);
+}
+
+// The step outputs a reduction's loop over its input computes on the way (rule 10 of fuse.c): of the
+// input's `n` f32 or bf16 elements, not depending on group gi nor on a group not yet emitted.
+int ec_side_set(EmitCore *e, int gi, int64_t n, const bool *emitted, int *q) {
+  return out_set(e, gi, n, emitted, q, false);
 }
 
 // Step outputs still unwritten when every group is done (pointwise nodes with an arena slot), into
@@ -610,6 +621,86 @@ const char *ec_kind_name(StepKind k) {
   case STEP_OPTIMIZER: return "optimizer";
   }
   return "?";
+}
+
+//
+// Declarations nobody reads.
+//
+
+static bool ident_char(char c) {
+  return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '_';
+}
+
+// How many times the identifier `name` (not a member: x.name) occurs in [from, to).
+static int occurrences(const char *from, const char *to, const char *name) {
+  size_t n = strlen(name);
+  int count = 0;
+  for (const char *p = from; p + n <= to; p++)
+    if (!memcmp(p, name, n) && (p == from || (!ident_char(p[-1]) && p[-1] != '.')) && !ident_char(p[n]))
+      count++;
+  return count;
+}
+
+// The end of the block that holds the line at ln (its closing brace, or the end of the text).
+static const char *scope_end(const char *ln) {
+  int depth = 0;
+  for (const char *p = ln; *p; p++)
+    if (*p == '{')
+      depth++;
+    else if (*p == '}' && --depth < 0)
+      return p;
+  return ln + strlen(ln);
+}
+
+// Is `name` one of the evaluator's values or indices (v12, v12_i, v12_j3, f3, j7, i0..i3, ix)?
+static bool temp_name(const char *s, size_t n) {
+  if (n == 2 && !strncmp(s, "ix", 2))
+    return true;
+  if (n < 2 || !strchr("vfji", s[0]))
+    return false;
+  size_t k = 1;
+  while (k < n && s[k] >= '0' && s[k] <= '9')
+    k++;
+  if (k == 1)
+    return false;
+  if (k < n && (s[0] != 'v' || s[k] != '_')) // the C back end's values: v<node>_<index>
+    return false;
+  return s[0] != 'i' || n == 2;
+}
+
+// Removes the declarations of evaluator values and indices their scope never reads (an index computed
+// for a value that turned out to be a constant, a lane index only float4 loads needed), repeatedly,
+// since a removed line may have been the last reader of another. Their initialisers have no effects.
+void ec_drop_unused(EmitCore *e) {
+  for (bool changed = true; changed && e->body.len;) {
+    changed = false;
+    e->body.s[e->body.len] = 0;
+    for (char *ln = e->body.s; *ln;) {
+      char *end = strchr(ln, '\n'), *p = ln;
+      end = end ? end + 1 : ln + strlen(ln);
+      while (*p == ' ')
+        p++;
+      char *eq = strstr(p, " = ");
+      if (!strncmp(p, "const ", 6) && eq && eq < end && end[-2] == ';') {
+        char *name = eq;
+        while (name > p && ident_char(name[-1]))
+          name--;
+        char buf[32];
+        size_t n = (size_t)(eq - name);
+        if (n < sizeof buf && temp_name(name, n)) {
+          memcpy(buf, name, n);
+          buf[n] = 0;
+          if (occurrences(ln, scope_end(ln), buf) == 1) {
+            memmove(ln, end, e->body.len - (size_t)(end - e->body.s) + 1);
+            e->body.len -= (size_t)(end - ln);
+            changed = true;
+            continue;
+          }
+        }
+      }
+      ln = end;
+    }
+  }
 }
 
 //

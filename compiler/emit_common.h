@@ -115,6 +115,8 @@ void ec_leave(EmitCore *e);
 const char *ec_memo_get(EmitCore *e, int n, const char *ix);
 void ec_memo_put(EmitCore *e, int n, const char *ix, const char *name);
 const char *ec_dlit(EmitCore *e, double v); // a double literal that reads back as v
+// Removes the declarations of evaluator values and indices (v12, v12_i, j3, ...) their scope never reads.
+void ec_drop_unused(EmitCore *e);
 
 //
 // Nodes and where their values are.
@@ -167,6 +169,7 @@ void ec_phase_end(EmitCore *e);
 int ec_through_reshapes(EmitCore *e, int n); // follows RESHAPEs (views and reshapes of this step) up
 bool ec_groups_order(EmitCore *e);
 int ec_post_set(EmitCore *e, int gi, int64_t n, const bool *emitted, int *q);
+int ec_side_set(EmitCore *e, int gi, int64_t n, const bool *emitted, int *q);
 int ec_unwritten(EmitCore *e, int *rest);
 void ec_check_written(EmitCore *e);
 const char *ec_kind_name(StepKind k); // "kernel", "GEMM", ...

@@ -437,78 +437,6 @@ static void note(Emit *e, const char *fmt, ...) {
   ec_bput(&e->notes, "\n");
 }
 
-static bool ident_char(char c) {
-  return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '_';
-}
-
-// How many times the identifier `name` (not a member: x.name) occurs in [from, to).
-static int occurrences(const char *from, const char *to, const char *name) {
-  size_t n = strlen(name);
-  int count = 0;
-  for (const char *p = from; p + n <= to; p++)
-    if (!memcmp(p, name, n) && (p == from || (!ident_char(p[-1]) && p[-1] != '.')) && !ident_char(p[n]))
-      count++;
-  return count;
-}
-
-// The end of the block that holds the line at ln (its closing brace, or the end of the text).
-static const char *scope_end(const char *ln) {
-  int depth = 0;
-  for (const char *p = ln; *p; p++)
-    if (*p == '{')
-      depth++;
-    else if (*p == '}' && --depth < 0)
-      return p;
-  return ln + strlen(ln);
-}
-
-// Is `name` one of the evaluator's values or indices (v12, f3, j7, i0..i3, ix)?
-static bool temp_name(const char *s, size_t n) {
-  if (n == 2 && !strncmp(s, "ix", 2))
-    return true;
-  if (n < 2 || !strchr("vfji", s[0]))
-    return false;
-  for (size_t k = 1; k < n; k++)
-    if (s[k] < '0' || s[k] > '9')
-      return false;
-  return s[0] != 'i' || n == 2;
-}
-
-// Removes the declarations of evaluator values and indices their scope never reads (an index computed
-// for a value that turned out to be a constant, a lane index only float4 loads needed), repeatedly,
-// since a removed line may have been the last reader of another. Their initialisers have no effects.
-static void drop_unused(Emit *e) {
-  for (bool changed = true; changed && e->core.body.len;) {
-    changed = false;
-    e->core.body.s[e->core.body.len] = 0;
-    for (char *ln = e->core.body.s; *ln;) {
-      char *end = strchr(ln, '\n'), *p = ln;
-      end = end ? end + 1 : ln + strlen(ln);
-      while (*p == ' ')
-        p++;
-      char *eq = strstr(p, " = ");
-      if (!strncmp(p, "const ", 6) && eq && eq < end && end[-2] == ';') {
-        char *name = eq;
-        while (name > p && ident_char(name[-1]))
-          name--;
-        char buf[32];
-        size_t n = (size_t)(eq - name);
-        if (n < sizeof buf && temp_name(name, n)) {
-          memcpy(buf, name, n);
-          buf[n] = 0;
-          if (occurrences(ln, scope_end(ln), buf) == 1) {
-            memmove(ln, end, e->core.body.len - (size_t)(end - e->core.body.s) + 1);
-            e->core.body.len -= (size_t)(end - ln);
-            changed = true;
-            continue;
-          }
-        }
-      }
-      ln = end;
-    }
-  }
-}
-
 // Closes the scope of an if and opens its else.
 static void orelse(Emit *e) {
   ec_leave(&e->core);
@@ -644,7 +572,7 @@ static int64_t grid_for(int64_t work, int block) {
 static int block_for(int64_t work) { return work >= BLOCK ? BLOCK : (int)align_up(work < 1 ? 1 : work, 32); }
 
 static int kend(Emit *e, int64_t grid, int block) {
-  drop_unused(e);
+  ec_drop_unused(&e->core);
   Buf code = {0};
   ec_bput(&code, "(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {\n");
   for (int k = 0; k < e->nslots; k++)
@@ -1261,6 +1189,16 @@ static void reduce_finish(Emit *e, int a, bool buf, const int *q, int nq) {
   post_inloop(e, a, q, nq, "r", ec_numel(&e->core, a), "y");
 }
 
+// One element of a reduction's input, at ix, into v; the step's outputs of the input's size that the
+// reduction does not read (`side`: a bf16 rounding of the input, say) are computed and stored on the
+// way, as the elementwise kernel they came from would have.
+static void reduce_input(Emit *e, int x, const int *side, int nside) {
+  ec_line(&e->core, "const float v = %s;", val(e, x, "ix"));
+  for (int t = 0; t < nside; t++)
+    if (!e->core.stored[side[t]])
+      val(e, side[t], "ix");
+}
+
 // SUM / MEAN / MAX over one axis (the input as [outer, len, inner]), the input computed inline.
 // Contiguous rows: a warp per output (a thread when rows are short); few long rows: per-block
 // partials, then a warp per output adds them. Strided: a thread per output, or, for long axes,
@@ -1275,6 +1213,8 @@ static void emit_reduce(Emit *e, int gi, const bool *emitted) {
   bool max = nd->op == OP_MAX, buf = whole(e, a);
   int *q = ec_xcalloc((size_t)e->core.g->n, sizeof *q);
   int nq = ec_post_set(&e->core, gi, on, emitted, q);
+  int *side = ec_xcalloc((size_t)e->core.g->n, sizeof *side);
+  int nside = ec_side_set(&e->core, gi, ec_numel(&e->core, x), emitted, side);
   const char *acc_t = max ? "float" : "double", *init = max ? "-MDL_INF" : "0.0", *ixt = e->core.ixt;
   const char *what = op_name(nd->op);
   ec_phase_begin(&e->core);
@@ -1295,7 +1235,7 @@ static void emit_reduce(Emit *e, int gi, const bool *emitted) {
             inner == 1 ? "" : ec_str(&e->core, " * %lld", (long long)inner));
     e->loop_ix = "ix";
     e->loop_n = ec_numel(&e->core, x);
-    ec_line(&e->core, "const float v = %s;", val(e, x, "ix"));
+    reduce_input(e, x, side, nside);
     accumulate(e, max);
     ec_leave(&e->core);
     reduce_finish(e, a, buf, q, nq);
@@ -1312,7 +1252,7 @@ static void emit_reduce(Emit *e, int gi, const bool *emitted) {
     ec_line(&e->core, "const %s ix = r * %lld + l;", ixt, (long long)len);
     e->loop_ix = "ix";
     e->loop_n = ec_numel(&e->core, x);
-    ec_line(&e->core, "const float v = %s;", val(e, x, "ix"));
+    reduce_input(e, x, side, nside);
     accumulate(e, max);
     ec_leave(&e->core);
     ec_line(&e->core, "acc = %s(acc);", max ? "mdl_warp_max_nan" : "mdl_warp_sum");
@@ -1336,7 +1276,7 @@ static void emit_reduce(Emit *e, int gi, const bool *emitted) {
     ec_line(&e->core, "const %s ix = r * %lld + l;", ixt, (long long)len);
     e->loop_ix = "ix";
     e->loop_n = ec_numel(&e->core, x);
-    ec_line(&e->core, "const float v = %s;", val(e, x, "ix"));
+    reduce_input(e, x, side, nside);
     accumulate(e, max);
     ec_leave(&e->core);
     ec_line(&e->core, "acc = %s;",
@@ -1363,7 +1303,9 @@ static void emit_reduce(Emit *e, int gi, const bool *emitted) {
     ec_leave(&e->core);
     kend(e, (on + BLOCK / 32 - 1) / (BLOCK / 32), BLOCK);
   } else {
-    int64_t nb = 65536 / on < 1 ? 1 : 65536 / on;
+    // About two threads per thread slot of an H100/H200 (132 SMs of 2048): a column sum is bound by
+    // memory, and only many loads in flight keep it busy.
+    int64_t nb = 262144 / on < 1 ? 1 : 262144 / on;
     if (nb > (len + 7) / 8)
       nb = (len + 7) / 8;
     int64_t bl = (len + nb - 1) / nb;
@@ -1385,7 +1327,7 @@ static void emit_reduce(Emit *e, int gi, const bool *emitted) {
     ec_line(&e->core, "const %s ix = base + l * %lld;", ixt, (long long)inner);
     e->loop_ix = "ix";
     e->loop_n = ec_numel(&e->core, x);
-    ec_line(&e->core, "const float v = %s;", val(e, x, "ix"));
+    reduce_input(e, x, side, nside);
     accumulate(e, max);
     ec_leave(&e->core);
     ec_line(&e->core, "%s[u] = acc;", p);
@@ -1411,6 +1353,7 @@ static void emit_reduce(Emit *e, int gi, const bool *emitted) {
     ec_phase_done(&e->core, a);
   ec_phase_end(&e->core);
   free(q);
+  free(side);
 }
 
 // LAYERNORM / RMSNORM forward, a warp (or block) per row, the row in registers; x (the residual sum)

@@ -74,6 +74,12 @@
 //     into a bias gradient) joins the row-wise or elementwise STEP_KERNEL that
 //     computes its input when the element counts match: that kernel writes the value and its
 //     rounding in one pass. Not into a forward step from the backward, and within the cap.
+// 10. A reduction step whose input (through RESHAPEs) is written by an elementwise STEP_KERNEL whose
+//     every out has the input's element count takes that kernel in: the reduction's loop visits
+//     each element of its input once, so it computes and writes the kernel's outs on the way (the
+//     gradient, its bf16 rounding) and reduces without reading them back. A bias gradient is summed
+//     by the kernel that produces the activation gradient. Not when another member of the reduction
+//     step reads the kernel's values, across the forward/backward line, or past the cap.
 // With opt.fuse = false every node is its own step (GRAD_NORM alone, one step per ADAMW; the LM
 // head is not chunked); views are views all the same.
 //
@@ -242,6 +248,16 @@ static void reject(Fuser *F, int a, int b, const char *fmt, ...) {
   vsnprintf(buf, sizeof buf, fmt, ap);
   va_end(ap);
   F->rej[F->nrej++] = (FuseRejection){a, b, arena_strdup(F->a, buf)};
+}
+
+// A later rule's reason for a pair replaces an earlier one: it is the reason the pair stays apart.
+static void reject_again(Fuser *F, int a, int b, const char *why) {
+  for (int i = 0; i < F->nrej; i++)
+    if (F->rej[i].a == a && F->rej[i].b == b) {
+      F->rej[i].reason = arena_strdup(F->a, why);
+      return;
+    }
+  reject(F, a, b, "%s", why);
 }
 
 static void add_member(Fuser *F, int gi, int id) {
@@ -745,6 +761,82 @@ static void rule_casts(Fuser *F) {
 }
 
 //
+// Rule 10: a reduction over the value an elementwise kernel writes takes that kernel in.
+//
+// Whether group gi is an elementwise kernel whose every out has n elements (so a loop over the
+// reduction's input visits each of its outs once per element).
+static bool elementwise_over(const Fuser *F, int gi, int64_t n) {
+  const Group *G = &F->groups[gi];
+  if (G->kind != STEP_KERNEL || G->n == 0 || !is_elementwise(op_of(F, G->root)) || numel(F, G->root) != n)
+    return false;
+  for (int i = 0; i < G->n; i++) {
+    int v = G->m[i];
+    bool out = F->nusers[v] == 0 || v == F->g->loss;
+    for (int k = 0; k < F->nusers[v] && !out; k++)
+      out = F->grp[F->users[v][k]] != gi;
+    for (int k = 0; k < F->g->noutputs && !out; k++)
+      out = F->g->outputs[k] == v;
+    if (out && numel(F, v) != n)
+      return false;
+  }
+  return true;
+}
+
+static void rule_reduction_producers(Fuser *F) {
+  for (int r = 0; r < F->g->n; r++) {
+    int gi = F->grp[r];
+    if (!is_reduction(op_of(F, r)) || gi < 0 || F->groups[gi].root != r)
+      continue;
+    // The reduction's input through the RESHAPEs between (its own members, or alone in their steps:
+    // views to be).
+    int chain[8], nchain = 0, x = node(F, r)->in[0];
+    while (op_of(F, x) == OP_RESHAPE && (F->grp[x] < 0 || F->grp[x] == gi || F->groups[F->grp[x]].n == 1) &&
+           nchain < 8) {
+      chain[nchain++] = x;
+      x = node(F, x)->in[0];
+    }
+    int ei = F->grp[x];
+    if (ei < 0 || ei == gi || !elementwise_over(F, ei, numel(F, x)))
+      continue;
+    // Nothing else of the reduction's step may read the kernel's values (they would be evaluated at
+    // the reduction's output index), and the forward and backward halves stay apart.
+    const Group *R = &F->groups[gi], *E = &F->groups[ei];
+    const char *why = NULL;
+    for (int i = 0; i < R->n && !why; i++) {
+      int u = R->m[i];
+      bool on_chain = u == r;
+      for (int c = 0; c < nchain; c++)
+        on_chain |= u == chain[c];
+      for (int k = 0; k < node(F, u)->nin && !on_chain && !why; k++)
+        if (F->grp[node(F, u)->in[k]] == ei)
+          why = "another member of the reduction reads the kernel's values at other indices";
+    }
+    if (!why && (E->root < F->g->fwd_end) != (r < F->g->fwd_end))
+      why = "the forward step does not compute backward values";
+    if (!why && R->n + E->n > F->max_group)
+      why = arena_printf(F->a, "group size cap (%d nodes)", F->max_group);
+    // What moves: the kernel's members and the RESHAPEs not yet in the reduction's step.
+    int nmoved = 0, *moved = arena_alloc(F->a, sizeof(int) * (size_t)(E->n + nchain));
+    for (int k = 0; k < E->n; k++)
+      moved[nmoved++] = E->m[k];
+    for (int c = 0; c < nchain; c++)
+      if (F->grp[chain[c]] != gi)
+        moved[nmoved++] = chain[c];
+    if (!why && creates_cycle(F, gi, moved, nmoved))
+      why = "would make the steps cyclic";
+    if (why) {
+      reject_again(F, x, nchain ? chain[nchain - 1] : r, why);
+      continue;
+    }
+    for (int k = 0; k < nmoved; k++) {
+      if (F->grp[moved[k]] >= 0)
+        remove_member(F, F->grp[moved[k]], moved[k]);
+      add_member(F, gi, moved[k]);
+    }
+  }
+}
+
+//
 // Views.
 //
 static int view_base(const Fuser *F, int id) {
@@ -1046,8 +1138,9 @@ static Fusion *assemble(Fuser *F) {
           continue;
         int before = st->nins;
         push_unique(a, &st->ins, &st->nins, x);
-        // A CAST of rule 9 reads a view of a member: the rounding of a value the kernel computes.
-        bool own = n->op == OP_CAST && F->grp[view_base(F, x)] == gi;
+        // A view of a member is the member's value, which the kernel computes: a CAST of rule 9
+        // rounds it, a reduction of rule 10 sums it; neither reads it back from memory.
+        bool own = F->grp[view_base(F, x)] == gi && (n->op == OP_CAST || G->kind == STEP_KERNEL);
         if (st->nins > before && !own)
           st->bytes_read += dtype_size(node(F, x)->dtype) * (double)numel(F, x);
       }
@@ -1143,6 +1236,7 @@ Fusion *fuse(Graph *g, FuseOptions opt) {
     rule_reductions(F);
     rule_elementwise(F);
     rule_casts(F);
+    rule_reduction_producers(F);
   } else {
     for (int i = 0; i < g->n; i++)
       if (!is_leaf(op_of(F, i)))

@@ -142,6 +142,7 @@ static const Model models[] = {
     {"wide.mdl", {{NULL, 0}}, 0, wide},
     {"attn.mdl", {{NULL, 0}}, 0, attn},
     {"attn-d12.mdl", {{"C", 24}}, 1, attn},
+    {"tests/unit/sums.mdl", {{NULL, 0}}, 0, NULL},
 };
 
 // The training graph of md, its GEMMs' operands rounded to bf16 when prec is DT_BF16.
@@ -368,6 +369,24 @@ static void test_plans(void) {
         snprintf(name, sizeof name, "cuda plan %s: %d launches name kernels of the source, in the arena", label,
                  p ? p->nlaunches : 0);
         CHECK(!bad, name, "%s", bad);
+        // A reduction step computes the elementwise values it holds (rule 10) in its own loop: one
+        // kernel, or partial results and the kernel that adds them, and no kernel of their own.
+        int worst = 0, members = 0;
+        const char *at = "";
+        for (int s = 0; p && s < f->nsteps; s++) {
+          Op op = g->nodes[f->steps[s].root]->op;
+          if (f->steps[s].kind != STEP_KERNEL || (op != OP_SUM && op != OP_MEAN && op != OP_MAX))
+            continue;
+          int k = 0;
+          for (int l = 0; l < p->nlaunches; l++)
+            k += p->launches[l].step == s;
+          members += f->steps[s].nnodes > 1;
+          if (k > worst)
+            worst = k, at = f->steps[s].name;
+        }
+        snprintf(name, sizeof name, "cuda plan %s: reduction steps run at most 2 kernels (%d steps with more than "
+                 "the reduction)", label, members);
+        CHECK(worst <= 2, name, "%s runs %d", at, worst);
         arena_free(a);
       }
 
@@ -904,7 +923,8 @@ static void test_emulation(const Model *md, bool fused, DType prec, const char *
   snprintf(name, sizeof name, "cuda emu %s %s: a second run is bit-identical", md->path, mode);
   CHECK(same, name, "results differ");
 
-  // bf16 rounds: a gradient is clearly off the fp32 graph's (the interpreter's).
+  // bf16 rounds: a gradient is clearly off the fp32 graph's (the interpreter's): by 1e-3, where f32
+  // alone stays within 1e-5 (a bf16 operand is off by up to 2^-9 relative).
   if (bf16) {
     Graph *g32 = load(a, md, DT_F32);
     bool ok32 = false;
@@ -916,9 +936,9 @@ static void test_emulation(const Model *md, bool fused, DType prec, const char *
       if (e > far)
         far = e, at = g->nodes[g->params[k]]->name;
     }
-    snprintf(name, sizeof name, "cuda emu %s %s: a gradient differs from the fp32 graph's by over 4e-3 (%.1e in L2 "
+    snprintf(name, sizeof name, "cuda emu %s %s: a gradient differs from the fp32 graph's by over 1e-3 (%.1e in L2 "
              "at %s)", md->path, mode, far, at);
-    CHECK(ok32 && far > 4e-3, name, "%s", ok32 ? "too close: no bf16 rounding?" : err);
+    CHECK(ok32 && far > 1e-3, name, "%s", ok32 ? "too close: no bf16 rounding?" : err);
     if (r32)
       interp_free(r32);
   }

@@ -166,7 +166,9 @@ static const char *check_forward(const Fusion *f, char *why, size_t n) {
   return why;
 }
 
-static int64_t nbytes(const Graph *g, int id) { return 4 * shape_numel(g->nodes[id]->shape); }
+static int64_t nbytes(const Graph *g, int id) {
+  return dtype_size(g->nodes[id]->dtype) * shape_numel(g->nodes[id]->shape);
+}
 
 static const char *state_of(const Graph *g, int p, const char *suffix, int *id) {
   *id = -1;
@@ -535,6 +537,104 @@ static void cycle_rule(void) {
   arena_free(a);
 }
 
+// Rule 10 on hand graphs. p = exp(x) is read by a column sum and by another kernel: the sum's step
+// computes p, writes it and sums it, so p is never read back. Not across the forward/backward line,
+// and not when the sum's step would wait on a step that waits on it.
+static Graph *sum_graph(Arena *a, bool cycle, int *x_, int *p_, int *s_, int *u_) {
+  Graph *g = ir_new(a);
+  SrcLoc no = {0};
+  int x = ir_leaf(g, OP_INPUT, "x", DT_F32, shape_of(2, (int64_t[]){64, 8}), no);
+  int p = ir_add(g, OP_EXP, &x, 1, NULL, NULL, no);
+  int s = ir_add(g, OP_SUM, &p, 1, (int64_t[8]){0, 0}, NULL, no);
+  int u = ir_add(g, OP_MUL, (int[]){p, p}, 2, NULL, NULL, no);
+  if (cycle) { // s + sum(u, axis 0): the sum's step would read what a step reading p computes
+    int w = ir_add(g, OP_SUM, &u, 1, (int64_t[8]){0, 0}, NULL, no);
+    ir_add(g, OP_ADD, (int[]){s, w}, 2, NULL, NULL, no);
+  }
+  g->fwd_end = g->n;
+  *x_ = x, *p_ = p, *s_ = s, *u_ = u;
+  return g;
+}
+
+static void reduction_rule(void) {
+  Arena *a = arena_new();
+  int x, p, s, u;
+  Graph *g = sum_graph(a, false, &x, &p, &s, &u);
+  Fusion *f = fuse(g, (FuseOptions){.fuse = true});
+  bool ok = f && f->nsteps == 2 && f->step_of[p] == f->step_of[s] && f->step_of[u] != f->step_of[s];
+  const Step *st = ok ? &f->steps[f->step_of[s]] : NULL;
+  ok = ok && st->root == s && st->nouts == 2 && contains(st->outs, st->nouts, p) && st->nins == 1 && st->ins[0] == x &&
+       !strcmp(st->name, "k0_sum__exp") && st->bytes_read == 64 * 8 * 4;
+  CHECK(ok, "rule 10: a column sum computes, writes and sums the elementwise value it reads",
+        "%d steps; the sum's step: %s", f ? f->nsteps : -1, st ? st->name : "?");
+  if (f)
+    check_invariants("hand graph (rule 10)", f);
+
+  g = sum_graph(a, false, &x, &p, &s, &u);
+  g->fwd_end = s; // p forward, the sum backward
+  f = fuse(g, (FuseOptions){.fuse = true});
+  CHECK(f && f->step_of[p] != f->step_of[s] && has_reason(f, p, s, "forward step"),
+        "rule 10: not across the forward/backward line, and says so", "p and its sum share a step");
+
+  g = sum_graph(a, true, &x, &p, &s, &u);
+  f = fuse(g, (FuseOptions){.fuse = true});
+  CHECK(f && f->step_of[p] != f->step_of[s] && has_reason(f, p, s, "cyclic"),
+        "rule 10: not when the steps would wait on each other, and says so", "p and its sum share a step");
+  if (f)
+    check_invariants("hand graph (rule 10, cycle)", f);
+
+  g = sum_graph(a, false, &x, &p, &s, &u);
+  f = fuse(g, (FuseOptions){.fuse = true, .max_group = 1});
+  CHECK(f && f->step_of[p] != f->step_of[s] && has_reason(f, p, s, "group size cap"),
+        "rule 10: bound by the group size cap", "p and its sum share a step");
+
+  // The tiny GPT (2 layers): the bias gradients whose activation gradient an elementwise kernel
+  // computes are summed by that kernel: the attention projection's and the qkv GEMM's in each layer,
+  // the MLP projection's in the first (in the last, the final layernorm's backward computes it). The
+  // MLP's first bias, whose gradient is a GEMM epilogue (gelu_bwd), keeps a sum of its own. In bf16
+  // the kernel also writes the gradient's rounding for the GEMMs, and the f32 qkv gradient, read only
+  // by the sum and the rounding, is never written.
+  for (int bf = 0; bf < 2; bf++) {
+    Graph *t = training_graph(a, "models/gpt2-tiny.mdl");
+    char why[256] = "";
+    if (!t || (bf && !precision_assign(t, DT_BF16, why, sizeof why))) {
+      CHECK(false, "rule 10: gpt2-tiny", "no training graph %s", why);
+      continue;
+    }
+    Fusion *h = fuse(t, (FuseOptions){.fuse = true, .chunk_lmhead = true});
+    if (!h) {
+      CHECK(false, "rule 10: gpt2-tiny fuses", "%s", t->err);
+      continue;
+    }
+    int bias = 0, fused = 0, casts = 0, unwritten = 0;
+    for (int k = 0; k < t->nparams; k++) {
+      int gr = t->grads[k];
+      const IrNode *pn = t->nodes[t->params[k]];
+      if (t->nodes[gr]->op != OP_SUM || pn->shape.rank != 1 || !strstr(pn->name, "_b"))
+        continue;
+      bias++;
+      int in = t->nodes[gr]->in[0];
+      while (t->nodes[in]->op == OP_RESHAPE)
+        in = t->nodes[in]->in[0];
+      const Step *bs = &h->steps[h->step_of[gr]];
+      if (h->step_of[in] != h->step_of[gr] || t->nodes[in]->op == OP_MATMUL)
+        continue;
+      fused++;
+      for (int i = 0; i < t->n; i++)
+        if (t->nodes[i]->op == OP_CAST && t->nodes[t->nodes[i]->in[0]]->in[0] == in && h->step_of[i] == h->step_of[gr] &&
+            contains(bs->outs, bs->nouts, i))
+          casts++;
+      unwritten += !h->materialised[in];
+    }
+    CHECK(bias == 8 && fused == 5 && casts == (bf ? 5 : 0) && unwritten == (bf ? 2 : 0),
+          bf ? "rule 10: gpt2-tiny bf16: bias gradients summed by the kernels computing them, with the roundings"
+             : "rule 10: gpt2-tiny: bias gradients summed by the kernels computing them",
+          "%d bias gradients, %d fused, %d roundings, %d gradients not written", bias, fused, casts, unwritten);
+    check_invariants(bf ? "gpt2-tiny bf16 (rule 10)" : "gpt2-tiny (rule 10)", h);
+  }
+  arena_free(a);
+}
+
 // A hand-built chain with hand-computed lifetimes: x[16] -> exp -> exp -> exp -> sum. Unfused, the
 // four results live over steps [0,1], [1,2], [2,3], [3,end]: two 64-byte buffers suffice (a and c
 // share one), 128 bytes of activations. Fused, the chain is one reduction step and only the sum
@@ -732,6 +832,7 @@ static void models(void) {
 int main(void) {
   recompute_rule();
   cycle_rule();
+  reduction_rule();
   memplan_by_hand();
   gradient_view();
   every_op();
