@@ -679,7 +679,7 @@ static void emit_gemm(Emit *e, int gi, const bool *emitted) {
   }
   ec_phase_done(&e->core, mm);
   ec_phase_end(&e->core);
-  if (nq)
+  if (nq && !ec_reduction_after(&e->core, gi, emitted, ec_numel(&e->core, mm)))
     pw_loop(e, q, nq, ec_numel(&e->core, mm), mm);
   free(q);
 }

@@ -588,6 +588,21 @@ int ec_side_set(EmitCore *e, int gi, int64_t n, const bool *emitted, int *q) {
   return out_set(e, gi, n, emitted, q, false);
 }
 
+// Is a reduction over `n` elements that depends on group gi still to be emitted in this step (rule 10
+// of fuse.c)? Then gi's epilogue is left to it: its loop computes and stores those values while
+// reducing them, and they are not read back.
+bool ec_reduction_after(EmitCore *e, int gi, const bool *emitted, int64_t n) {
+  for (int r = 0; r < e->ngroups; r++) {
+    const Group *gr = &e->groups[r];
+    if (r == gi || emitted[r] || gr->kind != G_SINGLE || !e->gdep[r][gi])
+      continue;
+    const IrNode *nd = ec_node(e, gr->mem[0]);
+    if ((nd->op == OP_SUM || nd->op == OP_MEAN || nd->op == OP_MAX) && ec_numel(e, nd->in[0]) == n)
+      return true;
+  }
+  return false;
+}
+
 // Step outputs still unwritten when every group is done (pointwise nodes with an arena slot), into
 // rest; returns how many.
 int ec_unwritten(EmitCore *e, int *rest) {

@@ -1163,7 +1163,7 @@ static void emit_gemm(Emit *e, int gi, const bool *emitted) {
     ec_phase_done(&e->core, aux);
   ec_phase_end(&e->core);
   nq = ec_post_set(&e->core, gi, ec_numel(&e->core, mm), emitted, q);
-  if (nq)
+  if (nq && !ec_reduction_after(&e->core, gi, emitted, ec_numel(&e->core, mm)))
     pw_loop(e, q, nq, ec_numel(&e->core, mm), mm, "epilogue");
   free(q);
 }

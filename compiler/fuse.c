@@ -49,7 +49,8 @@
 //     input, which its backward reads; the MATMUL itself when its raw result is read elsewhere,
 //     in which case the RESHAPE after it is a view of it and the next link reads that view, after
 //     the GEMM has written it). No prologue: GEMM operands always come from memory. The
-//     bias-gradient SUM is not folded into the dW GEMM: it is a reduction step of its own. A
+//     bias-gradient SUM is not folded into the dW GEMM; rule 10 may fold it into the GEMM whose
+//     epilogue computes the gradient it sums. A
 //     chain that starts in the forward pass stays there (this holds for rule 7's chains too).
 //  5. Row-wise STEP_KERNEL: LAYERNORM / RMSNORM forward together with the ADD that produces its x
 //     (same shape), when that ADD is not already in a GEMM epilogue (the GEMM writes the residual
@@ -78,8 +79,12 @@
 //     every out has the input's element count takes that kernel in: the reduction's loop visits
 //     each element of its input once, so it computes and writes the kernel's outs on the way (the
 //     gradient, its bf16 rounding) and reduces without reading them back. A bias gradient is summed
-//     by the kernel that produces the activation gradient. Not when another member of the reduction
-//     step reads the kernel's values, across the forward/backward line, or past the cap.
+//     by the kernel that produces the activation gradient. When the input comes from a STEP_GEMM
+//     (an epilogue link, gelu_bwd say) whose outs all have the GEMM's element count, the reduction
+//     joins the GEMM's step instead, which stays a GEMM step: the emitters then compute the
+//     epilogue inside the reduction's loop, reading the product once. Not when another member of
+//     the reduction step reads the kernel's values, across the forward/backward line, or past the
+//     cap.
 // With opt.fuse = false every node is its own step (GRAD_NORM alone, one step per ADAMW; the LM
 // head is not chunked); views are views all the same.
 //
@@ -763,11 +768,13 @@ static void rule_casts(Fuser *F) {
 //
 // Rule 10: a reduction over the value an elementwise kernel writes takes that kernel in.
 //
-// Whether group gi is an elementwise kernel whose every out has n elements (so a loop over the
-// reduction's input visits each of its outs once per element).
+// Whether group gi is an elementwise kernel, or a GEMM with its epilogue, whose every out has n
+// elements (so a loop over the reduction's input visits each of its outs once per element).
 static bool elementwise_over(const Fuser *F, int gi, int64_t n) {
   const Group *G = &F->groups[gi];
-  if (G->kind != STEP_KERNEL || G->n == 0 || !is_elementwise(op_of(F, G->root)) || numel(F, G->root) != n)
+  bool gemm = G->kind == STEP_GEMM && op_of(F, G->root) == OP_MATMUL && numel(F, G->root) == n;
+  bool kernel = G->kind == STEP_KERNEL && is_elementwise(op_of(F, G->root)) && numel(F, G->root) == n;
+  if (G->n == 0 || (!gemm && !kernel))
     return false;
   for (int i = 0; i < G->n; i++) {
     int v = G->m[i];
@@ -815,14 +822,18 @@ static void rule_reduction_producers(Fuser *F) {
       why = "the forward step does not compute backward values";
     if (!why && R->n + E->n > F->max_group)
       why = arena_printf(F->a, "group size cap (%d nodes)", F->max_group);
-    // What moves: the kernel's members and the RESHAPEs not yet in the reduction's step.
-    int nmoved = 0, *moved = arena_alloc(F->a, sizeof(int) * (size_t)(E->n + nchain));
-    for (int k = 0; k < E->n; k++)
-      moved[nmoved++] = E->m[k];
+    // What moves: the kernel's members and the RESHAPEs not yet in the reduction's step; into a GEMM's
+    // step (which stays a GEMM step, its epilogue now computed by the reduction's loop), the
+    // reduction's members and the RESHAPEs.
+    bool gemm = E->kind == STEP_GEMM;
+    int into = gemm ? ei : gi, from = gemm ? gi : ei;
+    int nmoved = 0, *moved = arena_alloc(F->a, sizeof(int) * (size_t)(E->n + R->n + nchain));
+    for (int k = 0; k < F->groups[from].n; k++)
+      moved[nmoved++] = F->groups[from].m[k];
     for (int c = 0; c < nchain; c++)
-      if (F->grp[chain[c]] != gi)
+      if (F->grp[chain[c]] != into && F->grp[chain[c]] != from)
         moved[nmoved++] = chain[c];
-    if (!why && creates_cycle(F, gi, moved, nmoved))
+    if (!why && creates_cycle(F, into, moved, nmoved))
       why = "would make the steps cyclic";
     if (why) {
       reject_again(F, x, nchain ? chain[nchain - 1] : r, why);
@@ -831,7 +842,7 @@ static void rule_reduction_producers(Fuser *F) {
     for (int k = 0; k < nmoved; k++) {
       if (F->grp[moved[k]] >= 0)
         remove_member(F, F->grp[moved[k]], moved[k]);
-      add_member(F, gi, moved[k]);
+      add_member(F, into, moved[k]);
     }
   }
 }
@@ -1140,7 +1151,7 @@ static Fusion *assemble(Fuser *F) {
         push_unique(a, &st->ins, &st->nins, x);
         // A view of a member is the member's value, which the kernel computes: a CAST of rule 9
         // rounds it, a reduction of rule 10 sums it; neither reads it back from memory.
-        bool own = F->grp[view_base(F, x)] == gi && (n->op == OP_CAST || G->kind == STEP_KERNEL);
+        bool own = F->grp[view_base(F, x)] == gi && (n->op == OP_CAST || G->kind == STEP_KERNEL || is_reduction(n->op));
         if (st->nins > before && !own)
           st->bytes_read += dtype_size(node(F, x)->dtype) * (double)numel(F, x);
       }

@@ -370,16 +370,21 @@ static void test_plans(void) {
                  p ? p->nlaunches : 0);
         CHECK(!bad, name, "%s", bad);
         // A reduction step computes the elementwise values it holds (rule 10) in its own loop: one
-        // kernel, or partial results and the kernel that adds them, and no kernel of their own.
+        // kernel, or partial results and the kernel that adds them, and no kernel of their own. So
+        // does a GEMM step holding a reduction, after its GEMM: its epilogue runs in the reduction.
         int worst = 0, members = 0;
         const char *at = "";
         for (int s = 0; p && s < f->nsteps; s++) {
-          Op op = g->nodes[f->steps[s].root]->op;
-          if (f->steps[s].kind != STEP_KERNEL || (op != OP_SUM && op != OP_MEAN && op != OP_MAX))
+          bool reduces = false;
+          for (int k = 0; k < f->steps[s].nnodes; k++) {
+            Op op = g->nodes[f->steps[s].nodes[k]]->op;
+            reduces |= op == OP_SUM || op == OP_MEAN || op == OP_MAX;
+          }
+          if (!reduces || (f->steps[s].kind != STEP_KERNEL && f->steps[s].kind != STEP_GEMM))
             continue;
           int k = 0;
           for (int l = 0; l < p->nlaunches; l++)
-            k += p->launches[l].step == s;
+            k += p->launches[l].step == s && p->launches[l].kernel;
           members += f->steps[s].nnodes > 1;
           if (k > worst)
             worst = k, at = f->steps[s].name;

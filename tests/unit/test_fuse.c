@@ -525,10 +525,12 @@ static void cycle_rule(void) {
   int u = ir_add(g, OP_MUL, (int[]){t, bc}, 2, NULL, NULL, no);
   g->fwd_end = g->n;
   Fusion *f = fuse(g, (FuseOptions){.fuse = true});
-  bool ok = f && f->nsteps == 3 && f->steps[0].kind == STEP_GEMM && f->steps[0].nnodes == 3 &&
-            f->step_of[ad] == 0 && f->step_of[t] == 0 && f->steps[0].nouts == 1 && f->steps[0].outs[0] == t &&
-            f->step_of[s] == 1 && f->steps[1].nnodes == 1 && f->step_of[r] < 0 && f->materialised[r] &&
-            f->step_of[bc] == 2 && f->step_of[u] == 2 && !strcmp(f->steps[0].name, "k0_gemm__add__tanh");
+  // The row sum of t joins the GEMM's step (rule 10): its loop computes the epilogue.
+  bool ok = f && f->nsteps == 2 && f->steps[0].kind == STEP_GEMM && f->steps[0].nnodes == 4 &&
+            f->step_of[ad] == 0 && f->step_of[t] == 0 && f->step_of[s] == 0 && f->steps[0].nouts == 2 &&
+            contains(f->steps[0].outs, 2, t) && contains(f->steps[0].outs, 2, s) && f->step_of[r] < 0 &&
+            f->materialised[r] && f->step_of[bc] == 1 && f->step_of[u] == 1 &&
+            !strcmp(f->steps[0].name, "k0_gemm__add__tanh__sum");
   CHECK(ok, "hand graph: GEMM epilogue stops before a cycle; the reduction's reshape is a view",
         "%d steps", f ? f->nsteps : -1);
   CHECK(f && has_reason(f, t, u, "cyclic"), "hand graph: the cycle rejection says why", "no reason");
@@ -591,9 +593,9 @@ static void reduction_rule(void) {
   // The tiny GPT (2 layers): the bias gradients whose activation gradient an elementwise kernel
   // computes are summed by that kernel: the attention projection's and the qkv GEMM's in each layer,
   // the MLP projection's in the first (in the last, the final layernorm's backward computes it). The
-  // MLP's first bias, whose gradient is a GEMM epilogue (gelu_bwd), keeps a sum of its own. In bf16
-  // the kernel also writes the gradient's rounding for the GEMMs, and the f32 qkv gradient, read only
-  // by the sum and the rounding, is never written.
+  // MLP's first bias, whose gradient a GEMM epilogue computes (gelu_bwd), is summed in that GEMM's
+  // step. In bf16 the step also writes the gradient's rounding for the GEMMs, and the f32 gradients
+  // read only by the sum and the rounding (qkv's, gelu_bwd's) are never written.
   for (int bf = 0; bf < 2; bf++) {
     Graph *t = training_graph(a, "models/gpt2-tiny.mdl");
     char why[256] = "";
@@ -606,7 +608,7 @@ static void reduction_rule(void) {
       CHECK(false, "rule 10: gpt2-tiny fuses", "%s", t->err);
       continue;
     }
-    int bias = 0, fused = 0, casts = 0, unwritten = 0;
+    int bias = 0, fused = 0, in_gemm = 0, casts = 0, unwritten = 0;
     for (int k = 0; k < t->nparams; k++) {
       int gr = t->grads[k];
       const IrNode *pn = t->nodes[t->params[k]];
@@ -620,16 +622,18 @@ static void reduction_rule(void) {
       if (h->step_of[in] != h->step_of[gr] || t->nodes[in]->op == OP_MATMUL)
         continue;
       fused++;
+      in_gemm += bs->kind == STEP_GEMM && t->nodes[bs->root]->op == OP_MATMUL;
       for (int i = 0; i < t->n; i++)
         if (t->nodes[i]->op == OP_CAST && t->nodes[t->nodes[i]->in[0]]->in[0] == in && h->step_of[i] == h->step_of[gr] &&
             contains(bs->outs, bs->nouts, i))
           casts++;
       unwritten += !h->materialised[in];
     }
-    CHECK(bias == 8 && fused == 5 && casts == (bf ? 5 : 0) && unwritten == (bf ? 2 : 0),
+    CHECK(bias == 8 && fused == 7 && in_gemm == 2 && casts == (bf ? 7 : 0) && unwritten == (bf ? 4 : 0),
           bf ? "rule 10: gpt2-tiny bf16: bias gradients summed by the kernels computing them, with the roundings"
              : "rule 10: gpt2-tiny: bias gradients summed by the kernels computing them",
-          "%d bias gradients, %d fused, %d roundings, %d gradients not written", bias, fused, casts, unwritten);
+          "%d bias gradients, %d fused (%d in GEMM steps), %d roundings, %d gradients not written", bias, fused,
+          in_gemm, casts, unwritten);
     check_invariants(bf ? "gpt2-tiny bf16 (rule 10)" : "gpt2-tiny (rule 10)", h);
   }
   arena_free(a);
@@ -752,7 +756,7 @@ typedef struct {
 // Ceilings at the train section's dims. A figure above its ceiling is a regression; more than 20%
 // below means the ceiling is stale and should be lowered.
 static const Ceiling ceilings[] = {
-    {"gpt2-tiny", 70, 145, 4900000},
+    {"gpt2-tiny", 60, 145, 4900000},
     {"llama-tiny", 80, 135, 5800000},
     {"mlp", 16, 32, 18500},
 };
