@@ -1418,7 +1418,12 @@ static void emit_attention(Emit *e, int gi) {
   Rows q = rows_of(e, nd->in[0]), k = rows_of(e, nd->in[1]), v = rows_of(e, nd->in[2]);
   int doc = has_doc ? ec_need(&e->core, nd->in[3]) : -1;
   flush(e);
-  if (ec_offset(&e->core, a) < 0)
+  // The bf16 roundings of the output that this step holds (rule 9) are stored here too; the f32
+  // output only when something reads it.
+  int casts[4];
+  bool f32;
+  int ncast = ec_output_casts(&e->core, a, casts, 4, &f32);
+  if (f32 && ec_offset(&e->core, a) < 0)
     e->core.scratch[a] = true;
   ec_phase_begin(&e->core);
   note(e, "attention: B %lld, T %lld, %lld heads of %lld%s%s; one task per (batch, head)", (long long)nb,
@@ -1430,13 +1435,24 @@ static void emit_attention(Emit *e, int gi) {
   emit_attn_rows_open(e, nd, doc);
   emit_attn_row(e, nd, q, doc);
   emit_attn_pairs(e, "acc", "s", v, nt, d, bf16, bf16);
-  ec_line(&e->core, "float *restrict oi = b%d + (b * %lld + i) * %lld + hd * %lld;", ptr(e, a), (long long)nt,
-          (long long)nc, (long long)d);
-  ec_line(&e->core, "for (int64_t c = 0; c < %lld; c++)", (long long)d);
-  ec_line(&e->core, "  oi[c] = (acc0[c] + acc1[c]) / l;");
+  const char *row = str(e, "(b * %lld + i) * %lld + hd * %lld", (long long)nt, (long long)nc, (long long)d);
+  if (f32)
+    ec_line(&e->core, "float *restrict oi = b%d + %s;", ptr(e, a), row);
+  for (int t = 0; t < ncast; t++)
+    ec_line(&e->core, "uint16_t *restrict o%d = b%d + %s;", t, ptr(e, casts[t]), row);
+  ec_enter(&e->core, "for (int64_t c = 0; c < %lld; c++)", (long long)d);
+  ec_line(&e->core, "const float y = (acc0[c] + acc1[c]) / l;");
+  if (f32)
+    ec_line(&e->core, "oi[c] = y;");
+  for (int t = 0; t < ncast; t++)
+    ec_line(&e->core, "o%d[c] = mdl_f32_to_bf16(y);", t);
+  ec_leave(&e->core);
   ec_leave(&e->core);
   emit_attn_close(e, tmp, 2);
-  ec_phase_done(&e->core, a);
+  if (f32)
+    ec_phase_done(&e->core, a);
+  for (int t = 0; t < ncast; t++)
+    ec_phase_done(&e->core, casts[t]);
   ec_phase_end(&e->core);
 }
 

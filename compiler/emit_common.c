@@ -603,6 +603,33 @@ bool ec_reduction_after(EmitCore *e, int gi, const bool *emitted, int64_t n) {
   return false;
 }
 
+// The bf16 CASTs of this step that round anchor a's output at its own flat index (rule 9 of fuse.c:
+// the attention forward's), at most `max`, into casts; the anchor's kernel stores them itself. *f32
+// says whether a's own value must still be stored: it has a slot, or something else of the step
+// reads it.
+int ec_output_casts(EmitCore *e, int a, int *casts, int max, bool *f32) {
+  const Step *st = &e->f->steps[e->si];
+  int n = 0;
+  *f32 = ec_offset(e, a) >= 0 || e->spill[a];
+  for (int k = 0; k < st->nnodes; k++) {
+    int c = st->nodes[k];
+    const IrNode *nd = ec_node(e, c);
+    if (!e->in_step[c] || c == a || (nd->op == OP_RESHAPE && ec_through_reshapes(e, c) == a))
+      continue;
+    bool reads = false;
+    for (int i = 0; i < nd->nin; i++)
+      reads |= ec_through_reshapes(e, nd->in[i]) == a;
+    if (!reads)
+      continue;
+    if (nd->op == OP_CAST && nd->dtype == DT_BF16 && ec_offset(e, c) >= 0 && !e->written[c] &&
+        ec_numel(e, c) == ec_numel(e, a) && n < max)
+      casts[n++] = c;
+    else
+      *f32 = true;
+  }
+  return n;
+}
+
 // Step outputs still unwritten when every group is done (pointwise nodes with an arena slot), into
 // rest; returns how many.
 int ec_unwritten(EmitCore *e, int *rest) {

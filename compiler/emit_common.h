@@ -171,6 +171,7 @@ bool ec_groups_order(EmitCore *e);
 int ec_post_set(EmitCore *e, int gi, int64_t n, const bool *emitted, int *q);
 int ec_side_set(EmitCore *e, int gi, int64_t n, const bool *emitted, int *q);
 bool ec_reduction_after(EmitCore *e, int gi, const bool *emitted, int64_t n);
+int ec_output_casts(EmitCore *e, int a, int *casts, int max, bool *f32);
 int ec_unwritten(EmitCore *e, int *rest);
 void ec_check_written(EmitCore *e);
 const char *ec_kind_name(StepKind k); // "kernel", "GEMM", ...

@@ -408,6 +408,9 @@ typedef struct {
   bool post_inloop;
   int cur_q;
   int lane;            // four-lane body: the lane being written, else -1
+  int out_cast[4];     // an attention forward's output: the bf16 CASTs it stores (rule 9)
+  int nout_cast;
+  bool out_f32;        // and whether it stores its f32 value too
   LaneStore *lst;
   int nlst, caplst;
 
@@ -1986,7 +1989,7 @@ static void att_query_kernel(Emit *e, const Att *A, AttMode mode, int out, int64
   ec_line(&e->core, "const %s i = q0 + w + 4 * rr;", ixt);
   ec_line(&e->core, "if (i >= %lld)", (long long)t);
   ec_line(&e->core, "  continue;");
-  const char *o = out >= 0 ? ptr(e, out) : NULL;
+  const char *o = out >= 0 && (mode != ATT_FWD || e->out_f32) ? ptr(e, out) : NULL;
   if (mode == ATT_STATS) {
     if (sp) {
       ec_line(&e->core, "float dd = 0.0f;");
@@ -2011,9 +2014,21 @@ static void att_query_kernel(Emit *e, const Att *A, AttMode mode, int out, int64
     ec_line(&e->core, "const int c = lane + 32 * t;");
     if (guard)
       ec_line(&e->core, "if (c < %lld)", (long long)d);
-    ec_line(&e->core, "%s%s[(b * %lld + i) * %lld + hd * %lld + c] = %s;", guard ? "  " : "", o, (long long)t,
-            (long long)A->nc, (long long)d,
-            mode == ATT_FWD ? "acc[rr][t] / l[rr]" : ec_str(&e->core, "%s * acc[rr][t]", flit(e, A->scale)));
+    const char *ix = ec_str(&e->core, "(b * %lld + i) * %lld + hd * %lld + c", (long long)t, (long long)A->nc,
+                            (long long)d);
+    if (mode == ATT_FWD) {
+      if (guard)
+        ec_enter(&e->core, "if (c < %lld)", (long long)d);
+      ec_line(&e->core, "const float y = acc[rr][t] / l[rr];");
+      if (e->out_f32)
+        ec_line(&e->core, "%s[%s] = y;", o, ix);
+      for (int k = 0; k < e->nout_cast; k++)
+        ec_line(&e->core, "%s[%s] = mdl_f32_to_bf16(y);", ptr(e, e->out_cast[k]), ix);
+      if (guard)
+        ec_leave(&e->core);
+    } else {
+      ec_line(&e->core, "%s%s[%s] = %s * acc[rr][t];", guard ? "  " : "", o, ix, flit(e, A->scale));
+    }
     ec_leave(&e->core);
   }
   ec_leave(&e->core);
@@ -2219,14 +2234,21 @@ static void att_mma_kernel(Emit *e, const Att *A, int out) {
   ec_line(&e->core, "l0 += __shfl_xor_sync(MDL_FULL, l0, 2);");
   ec_line(&e->core, "l1 += __shfl_xor_sync(MDL_FULL, l1, 1);");
   ec_line(&e->core, "l1 += __shfl_xor_sync(MDL_FULL, l1, 2);");
-  const char *o = ptr(e, out);
+  const char *o = e->out_f32 ? ptr(e, out) : NULL;
   ec_line(&e->core, "#pragma unroll");
   ec_enter(&e->core, "for (int n = 0; n < %d; n++)", ntiles);
   ec_line(&e->core, "const int c = 8 * n + 2 * tq;");
   for (int r = 0; r < 2; r++) {
-    ec_line(&e->core, "if (r%d < %lld)", r, (long long)t);
-    ec_line(&e->core, "  *(float2 *)&%s[(b * %lld + r%d) * %lld + hd * %lld + c] = make_float2(acc[n][%d] / l%d, "
-            "acc[n][%d] / l%d);", o, (long long)t, r, (long long)A->nc, (long long)d, 2 * r, r, 2 * r + 1, r);
+    const char *ix = ec_str(&e->core, "(b * %lld + r%d) * %lld + hd * %lld + c", (long long)t, r, (long long)A->nc,
+                            (long long)d);
+    ec_enter(&e->core, "if (r%d < %lld)", r, (long long)t);
+    ec_line(&e->core, "const float y0 = acc[n][%d] / l%d, y1 = acc[n][%d] / l%d;", 2 * r, r, 2 * r + 1, r);
+    if (e->out_f32)
+      ec_line(&e->core, "*(float2 *)&%s[%s] = make_float2(y0, y1);", o, ix);
+    for (int k = 0; k < e->nout_cast; k++)
+      ec_line(&e->core, "*(ushort2 *)&%s[%s] = make_ushort2(mdl_f32_to_bf16(y0), mdl_f32_to_bf16(y1));",
+              ptr(e, e->out_cast[k]), ix);
+    ec_leave(&e->core);
   }
   ec_leave(&e->core);
   kend(e, A->nb * A->heads * nqt, 128);
@@ -2242,15 +2264,20 @@ static void emit_attention(Emit *e, int gi) {
   A.v = rows_of(e, nd->in[2]);
   A.doc = A.has_doc ? ec_need(&e->core, nd->in[3]) : -1;
   flush(e);
-  if (ec_offset(&e->core, a) < 0)
+  e->nout_cast = ec_output_casts(&e->core, a, e->out_cast, 4, &e->out_f32);
+  if (e->out_f32 && ec_offset(&e->core, a) < 0)
     e->core.scratch[a] = true;
   ec_phase_begin(&e->core);
   if (att_mma(&A))
     att_mma_kernel(e, &A, a);
   else
     att_query_kernel(e, &A, ATT_FWD, a, -1, -1);
-  ec_phase_done(&e->core, a);
+  if (e->out_f32)
+    ec_phase_done(&e->core, a);
+  for (int k = 0; k < e->nout_cast; k++)
+    ec_phase_done(&e->core, e->out_cast[k]);
   ec_phase_end(&e->core);
+  e->nout_cast = 0;
 }
 
 // dk and dv: one warp per (batch, head, tile of 32 keys), a key per lane, the query rows that may

@@ -74,7 +74,9 @@
 //  9. A CAST still alone (a bf16 GEMM operand: a norm's output, or a gradient that is also summed
 //     into a bias gradient) joins the row-wise or elementwise STEP_KERNEL that
 //     computes its input when the element counts match: that kernel writes the value and its
-//     rounding in one pass. Not into a forward step from the backward, and within the cap.
+//     rounding in one pass. So does the bf16 CAST of an attention forward's output (the projection
+//     GEMM's operand), which the attention kernel then writes itself: the f32 output is written only
+//     when something else reads it. Not into a forward step from the backward, and within the cap.
 // 10. A reduction step whose input (through RESHAPEs) is written by an elementwise STEP_KERNEL whose
 //     every out has the input's element count takes that kernel in: the reduction's loop visits
 //     each element of its input once, so it computes and writes the kernel's outs on the way (the
@@ -744,7 +746,9 @@ static void rule_casts(Fuser *F) {
     if (left != 0)
       continue;
     int gi = F->grp[x];
-    if (gi < 0 || F->groups[gi].kind != STEP_KERNEL || is_reduction(op_of(F, F->groups[gi].root)) ||
+    bool attention = gi >= 0 && F->groups[gi].kind == STEP_ATTENTION && op_of(F, F->groups[gi].root) == OP_ATTENTION &&
+                     x == F->groups[gi].root && node(F, c)->dtype == DT_BF16;
+    if (gi < 0 || (F->groups[gi].kind != STEP_KERNEL && !attention) || is_reduction(op_of(F, F->groups[gi].root)) ||
         numel(F, x) != numel(F, c))
       continue;
     const char *why = NULL;

@@ -46,6 +46,9 @@ struct __attribute__((aligned(8))) float2 {
 struct __attribute__((aligned(16))) float4 {
   float x, y, z, w;
 };
+struct __attribute__((aligned(4))) ushort2 {
+  unsigned short x, y;
+};
 struct __attribute__((aligned(8))) ushort4 {
   unsigned short x, y, z, w;
 };
@@ -56,6 +59,7 @@ static const int warpSize = 32;
 
 inline float2 make_float2(float x, float y) { return float2{x, y}; }
 inline float4 make_float4(float x, float y, float z, float w) { return float4{x, y, z, w}; }
+inline ushort2 make_ushort2(unsigned short x, unsigned short y) { return ushort2{x, y}; }
 inline ushort4 make_ushort4(unsigned short x, unsigned short y, unsigned short z, unsigned short w) {
   return ushort4{x, y, z, w};
 }

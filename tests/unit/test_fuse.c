@@ -635,6 +635,21 @@ static void reduction_rule(void) {
           "%d bias gradients, %d fused (%d in GEMM steps), %d roundings, %d gradients not written", bias, fused,
           in_gemm, casts, unwritten);
     check_invariants(bf ? "gpt2-tiny bf16 (rule 10)" : "gpt2-tiny (rule 10)", h);
+    // Rule 9: in bf16 the attention forward writes its output's rounding (the projection's operand)
+    // itself, and the f32 output, read by nothing else, is never written.
+    int att = 0, att_cast = 0;
+    for (int i = 0; i < t->n; i++) {
+      if (t->nodes[i]->op != OP_ATTENTION)
+        continue;
+      att++;
+      for (int c = 0; c < t->n; c++)
+        att_cast += t->nodes[c]->op == OP_CAST && h->step_of[c] == h->step_of[i] && !h->materialised[i] &&
+                    h->steps[h->step_of[i]].kind == STEP_ATTENTION;
+    }
+    CHECK(att == 2 && att_cast == (bf ? 2 : 0),
+          bf ? "rule 9: gpt2-tiny bf16: attention writes its output rounded to bf16, not in f32"
+             : "rule 9: gpt2-tiny: attention writes its f32 output",
+          "%d attention steps, %d with the rounding", att, att_cast);
   }
   arena_free(a);
 }
