@@ -23,8 +23,8 @@
 //     tile owned by one block, summed in query order); in bf16 with heads of a multiple of 16
 //     channels the forward and the backward's dq and dk, dv kernels run on tensor cores (mma.sync
 //     m16n8k16, FlashAttention-2's layout: a warp per 16 query rows, or 16 keys);
-//   - embedding backward: each block owns a range of vocabulary rows and columns and scans the ids
-//     in order; the optimizer: a sum of squares per fixed chunk, one block adding the chunks, then
+//   - embedding backward: each block owns a range of vocabulary rows and columns and adds the rows of
+//     its bucket of ids, sorted by position (emit_embed_bwd); the optimizer: a sum of squares per fixed chunk, one block adding the chunks, then
 //     AdamW over the flat buffers through a table of segments.
 // GEMMs are not kernels: each is a CudaGemm (cuBLASLt, row-major description) whose epilogue covers
 // bias and GELU when the chain allows; the rest of the chain is the "<step>_epilogue" kernel.
@@ -2890,9 +2890,16 @@ static void emit_embed(Emit *e, int gi) {
   ec_phase_end(&e->core);
 }
 
-// EMBED_BWD: a scatter-add without atomics. Each block owns 32 rows of the table and 256 of its
-// columns (a column per thread, its 32 sums in shared memory) and scans every id in order, adding the
-// rows of dy whose id falls in its range: deterministic, every sum in the interpreter's order.
+// EMBED_BWD: a scatter-add without atomic float adds, every sum in the interpreter's order (the rows of
+// dy by increasing position). Each block owns 32 rows of the table and 256 of its columns (a column
+// per thread, its 32 sums in shared memory). Scanning every id in every block would cost blocks x ids
+// (GPT-2: 4713 blocks x 8192 ids a step), so the ids are first put in buckets of 32 table rows: counts
+// (atomic integer adds, exact), their prefix sums, and each bucket's positions, placed in any order.
+// A block then sorts its bucket's positions in shared memory (a rank sort: they are distinct) and adds
+// those rows of dy in increasing position. A bucket of more than 1024 positions (a very frequent
+// token) is not sorted: its blocks scan every id in order.
+enum { EMBED_ROWS = 32, EMBED_SORT = 1024 };
+
 static void emit_embed_bwd(Emit *e, int gi) {
   int a = e->core.groups[gi].mem[0];
   const IrNode *nd = ec_node(&e->core, a);
@@ -2901,29 +2908,123 @@ static void emit_embed_bwd(Emit *e, int gi) {
   flush(e);
   if (ec_offset(&e->core, a) < 0)
     e->core.scratch[a] = true;
-  int vr = 32, cb = c < BLOCK ? (int)align_up(c, 32) : BLOCK;
+  int vr = EMBED_ROWS, cb = c < BLOCK ? (int)align_up(c, 32) : BLOCK;
   int64_t nvb = (v + vr - 1) / vr, ncb = (c + cb - 1) / cb;
+  int64_t cnt = scratch_alloc(e, 4 * nvb), cur = scratch_alloc(e, 4 * nvb), off = scratch_alloc(e, 4 * (nvb + 1)),
+          pos = scratch_alloc(e, 4 * rows);
+  const char *ixt = e->core.ixt;
   ec_phase_begin(&e->core);
+
+  kbegin(e, "zero");
+  note(e, "embed backward: the bucket counts and cursors set to zero");
+  const char *cp = raw_ptr(e, cnt, "int", "bucket counts"), *up = raw_ptr(e, cur, "int", "bucket cursors");
+  ec_enter(&e->core, "for (%s u = blockIdx.x * blockDim.x + threadIdx.x; u < %lld; u += gridDim.x * blockDim.x)", ixt,
+           (long long)nvb);
+  ec_line(&e->core, "%s[u] = 0;", cp);
+  ec_line(&e->core, "%s[u] = 0;", up);
+  ec_leave(&e->core);
+  kend(e, grid_for(nvb, block_for(nvb)), block_for(nvb));
+
+  kbegin(e, "count");
+  note(e, "embed backward: %lld ids counted into buckets of %d table rows", (long long)rows, vr);
+  const char *ip = ptr(e, ids);
+  cp = raw_ptr(e, cnt, "int", "bucket counts");
+  ec_enter(&e->core, "for (%s r = blockIdx.x * blockDim.x + threadIdx.x; r < %lld; r += gridDim.x * blockDim.x)", ixt,
+           (long long)rows);
+  ec_line(&e->core, "const int32_t id = %s[r];", ip);
+  ec_line(&e->core, "if (id < 0 || id >= %lld)", (long long)v);
+  ec_line(&e->core, "  mdl_report(status, MDL_ERR_EMBED_ID, id, %lld);", (long long)v);
+  ec_line(&e->core, "else");
+  ec_line(&e->core, "  atomicAdd(&%s[id / %d], 1);", cp, vr);
+  ec_leave(&e->core);
+  kend(e, grid_for(rows, block_for(rows)), block_for(rows));
+
+  kbegin(e, "offsets");
+  note(e, "embed backward: where each of the %lld buckets starts (prefix sums of the counts), one block", (long long)nvb);
+  cp = raw_ptr(e, cnt, "int", "bucket counts");
+  const char *op = raw_ptr(e, off, "int", "bucket starts");
+  int64_t per = (nvb + BLOCK - 1) / BLOCK;
+  ec_line(&e->core, "__shared__ int part[%d];", BLOCK + 1);
+  ec_line(&e->core, "const %s lo = threadIdx.x * %lld, hi = lo + %lld < %lld ? lo + %lld : %lld;", ixt, (long long)per,
+          (long long)per, (long long)nvb, (long long)per, (long long)nvb);
+  ec_line(&e->core, "int n = 0;");
+  ec_line(&e->core, "for (%s b = lo; b < hi; b++)", ixt);
+  ec_line(&e->core, "  n += %s[b];", cp);
+  ec_line(&e->core, "part[threadIdx.x + 1] = n;");
+  ec_line(&e->core, "__syncthreads();");
+  ec_enter(&e->core, "if (threadIdx.x == 0)");
+  ec_line(&e->core, "part[0] = 0;");
+  ec_line(&e->core, "for (int t = 1; t <= %d; t++)", BLOCK);
+  ec_line(&e->core, "  part[t] += part[t - 1];");
+  ec_line(&e->core, "%s[%lld] = part[%d];", op, (long long)nvb, BLOCK);
+  ec_leave(&e->core);
+  ec_line(&e->core, "__syncthreads();");
+  ec_line(&e->core, "n = part[threadIdx.x];");
+  ec_enter(&e->core, "for (%s b = lo; b < hi; b++)", ixt);
+  ec_line(&e->core, "%s[b] = n;", op);
+  ec_line(&e->core, "n += %s[b];", cp);
+  ec_leave(&e->core);
+  e->shared = 4 * (BLOCK + 1);
+  kend(e, 1, BLOCK);
+
+  kbegin(e, "place");
+  note(e, "embed backward: each position into its bucket, in any order");
+  ip = ptr(e, ids);
+  up = raw_ptr(e, cur, "int", "bucket cursors");
+  op = raw_ptr(e, off, "int", "bucket starts");
+  const char *pp = raw_ptr(e, pos, "int", "positions by bucket");
+  ec_enter(&e->core, "for (%s r = blockIdx.x * blockDim.x + threadIdx.x; r < %lld; r += gridDim.x * blockDim.x)", ixt,
+           (long long)rows);
+  ec_line(&e->core, "const int32_t id = %s[r];", ip);
+  ec_line(&e->core, "if (id >= 0 && id < %lld)", (long long)v);
+  ec_line(&e->core, "  %s[%s[id / %d] + atomicAdd(&%s[id / %d], 1)] = (int)r;", pp, op, vr, up, vr);
+  ec_leave(&e->core);
+  kend(e, grid_for(rows, block_for(rows)), block_for(rows));
+
   kbegin(e, "");
-  note(e, "embed backward: %lld rows of %lld into a table of %lld; a block per %d table rows x %d columns",
-       (long long)rows, (long long)c, (long long)v, vr, cb);
-  e->shared = vr * cb * 4;
+  note(e, "embed backward: %lld rows of %lld into a table of %lld; a block per %d table rows x %d columns, its "
+       "bucket's positions sorted (more than %d: every id scanned)", (long long)rows, (long long)c, (long long)v, vr, cb,
+       EMBED_SORT);
+  e->shared = vr * cb * 4 + 2 * EMBED_SORT * 4;
   ec_line(&e->core, "__shared__ float acc[%d][%d];", vr, cb);
-  const char *ip = ptr(e, ids), *dp = ptr(e, dy), *op = ptr(e, a);
-  ec_line(&e->core, "const %s v0 = blockIdx.x / %lld * %d, c = blockIdx.x %% %lld * %d + threadIdx.x;", e->core.ixt,
+  ec_line(&e->core, "__shared__ int sp[%d], so[%d];", EMBED_SORT, EMBED_SORT);
+  ip = ptr(e, ids);
+  const char *dp = ptr(e, dy), *tp = ptr(e, a);
+  cp = raw_ptr(e, cnt, "int", "bucket counts");
+  op = raw_ptr(e, off, "int", "bucket starts");
+  pp = raw_ptr(e, pos, "int", "positions by bucket");
+  ec_line(&e->core, "const %s bk = blockIdx.x / %lld, v0 = bk * %d, c = blockIdx.x %% %lld * %d + threadIdx.x;", ixt,
           (long long)ncb, vr, (long long)ncb, cb);
   ec_line(&e->core, "for (int k = 0; k < %d; k++)", vr);
   ec_line(&e->core, "  acc[k][threadIdx.x] = 0.0f;");
-  ec_enter(&e->core, "for (%s r = 0; r < %lld; r++)", e->core.ixt, (long long)rows);
+  ec_line(&e->core, "const int n = %s[bk], at = %s[bk];", cp, op);
+  ec_enter(&e->core, "if (n <= %d)", EMBED_SORT);
+  ec_line(&e->core, "for (int i = threadIdx.x; i < n; i += blockDim.x)");
+  ec_line(&e->core, "  sp[i] = %s[at + i];", pp);
+  ec_line(&e->core, "__syncthreads();");
+  ec_enter(&e->core, "for (int i = threadIdx.x; i < n; i += blockDim.x)");
+  ec_line(&e->core, "int rank = 0;");
+  ec_line(&e->core, "for (int j = 0; j < n; j++)");
+  ec_line(&e->core, "  rank += sp[j] < sp[i];");
+  ec_line(&e->core, "so[rank] = sp[i];");
+  ec_leave(&e->core);
+  ec_line(&e->core, "__syncthreads();");
+  ec_enter(&e->core, "if (c < %lld)", (long long)c);
+  ec_enter(&e->core, "for (int i = 0; i < n; i++)");
+  ec_line(&e->core, "const %s r = so[i];", ixt);
+  ec_line(&e->core, "acc[%s[r] - v0][threadIdx.x] += %s[r * %lld + c];", ip, dp, (long long)c);
+  ec_leave(&e->core);
+  ec_leave(&e->core);
+  orelse(e);
+  ec_enter(&e->core, "for (%s r = 0; r < %lld; r++)", ixt, (long long)rows);
   ec_line(&e->core, "const int32_t id = %s[r];", ip);
   ec_line(&e->core, "if (id >= v0 && id < v0 + %d && c < %lld)", vr, (long long)c);
   ec_line(&e->core, "  acc[id - v0][threadIdx.x] += %s[r * %lld + c];", dp, (long long)c);
-  ec_line(&e->core, "else if ((id < 0 || id >= %lld) && blockIdx.x == 0 && threadIdx.x == 0)", (long long)v);
-  ec_line(&e->core, "  mdl_report(status, MDL_ERR_EMBED_ID, id, %lld);", (long long)v);
+  ec_leave(&e->core);
   ec_leave(&e->core);
   ec_line(&e->core, "if (c < %lld)", (long long)c);
   ec_line(&e->core, "  for (int k = 0; k < %d && v0 + k < %lld; k++)", vr, (long long)v);
-  ec_line(&e->core, "    %s[(v0 + k) * %lld + c] = acc[k][threadIdx.x];", op, (long long)c);
+  ec_line(&e->core, "    %s[(v0 + k) * %lld + c] = acc[k][threadIdx.x];", tp, (long long)c);
   kend(e, nvb * ncb, cb);
   ec_phase_done(&e->core, a);
   ec_phase_end(&e->core);

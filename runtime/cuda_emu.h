@@ -86,6 +86,7 @@ inline unsigned long long atomicCAS(unsigned long long *p, unsigned long long ex
   __atomic_compare_exchange_n(p, &expect, desired, false, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST);
   return expect;
 }
+inline int atomicAdd(int *p, int v) { return __atomic_fetch_add(p, v, __ATOMIC_SEQ_CST); }
 inline float atomicAdd(float *p, float v) {
   float old = *p, sum;
   do

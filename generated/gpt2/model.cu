@@ -3709,23 +3709,110 @@ extern "C" __global__ void __launch_bounds__(256) k308_add(char *arena, MdlStatu
 // k309_embed_bwd: kernel, 1 op
 //   %1067  embed_bwd          d.wpe                line 22    f32[1024,768]
 // runs:
+//   k309_embed_bwd_zero<<<1, 32>>>
+//   k309_embed_bwd_count<<<32, 256>>>
+//   k309_embed_bwd_offsets<<<1, 256>>>
+//   k309_embed_bwd_place<<<32, 256>>>
 //   k309_embed_bwd<<<96, 256>>>
 
-// embed backward: 8192 rows of 768 into a table of 1024; a block per 32 table rows x 256 columns
+// embed backward: the bucket counts and cursors set to zero
+extern "C" __global__ void __launch_bounds__(32) k309_embed_bwd_zero(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
+  int *const b0 = (int *)(arena + o.b[0]); // bucket counts
+  int *const b1 = (int *)(arena + o.b[1]); // bucket cursors
+  for (int u = blockIdx.x * blockDim.x + threadIdx.x; u < 32; u += gridDim.x * blockDim.x) {
+    b0[u] = 0;
+    b1[u] = 0;
+  }
+}
+
+// embed backward: 8192 ids counted into buckets of 32 table rows
+extern "C" __global__ void __launch_bounds__(256) k309_embed_bwd_count(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
+  int32_t *const b0 = (int32_t *)(arena + o.b[0]); // input i32[8,1024]
+  int *const b1 = (int *)(arena + o.b[1]); // bucket counts
+  for (int r = blockIdx.x * blockDim.x + threadIdx.x; r < 8192; r += gridDim.x * blockDim.x) {
+    const int32_t id = b0[r];
+    if (id < 0 || id >= 1024)
+      mdl_report(status, MDL_ERR_EMBED_ID, id, 1024);
+    else
+      atomicAdd(&b1[id / 32], 1);
+  }
+}
+
+// embed backward: where each of the 32 buckets starts (prefix sums of the counts), one block
+extern "C" __global__ void __launch_bounds__(256) k309_embed_bwd_offsets(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
+  int *const b0 = (int *)(arena + o.b[0]); // bucket counts
+  int *const b1 = (int *)(arena + o.b[1]); // bucket starts
+  __shared__ int part[257];
+  const int lo = threadIdx.x * 1, hi = lo + 1 < 32 ? lo + 1 : 32;
+  int n = 0;
+  for (int b = lo; b < hi; b++)
+    n += b0[b];
+  part[threadIdx.x + 1] = n;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    part[0] = 0;
+    for (int t = 1; t <= 256; t++)
+      part[t] += part[t - 1];
+    b1[32] = part[256];
+  }
+  __syncthreads();
+  n = part[threadIdx.x];
+  for (int b = lo; b < hi; b++) {
+    b1[b] = n;
+    n += b0[b];
+  }
+}
+
+// embed backward: each position into its bucket, in any order
+extern "C" __global__ void __launch_bounds__(256) k309_embed_bwd_place(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
+  int32_t *const b0 = (int32_t *)(arena + o.b[0]); // input i32[8,1024]
+  int *const b1 = (int *)(arena + o.b[1]); // bucket cursors
+  int *const b2 = (int *)(arena + o.b[2]); // bucket starts
+  int *const b3 = (int *)(arena + o.b[3]); // positions by bucket
+  for (int r = blockIdx.x * blockDim.x + threadIdx.x; r < 8192; r += gridDim.x * blockDim.x) {
+    const int32_t id = b0[r];
+    if (id >= 0 && id < 1024)
+      b3[b2[id / 32] + atomicAdd(&b1[id / 32], 1)] = (int)r;
+  }
+}
+
+// embed backward: 8192 rows of 768 into a table of 1024; a block per 32 table rows x 256 columns, its bucket's positions sorted (more than 1024: every id scanned)
 extern "C" __global__ void __launch_bounds__(256) k309_embed_bwd(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
   int32_t *const b0 = (int32_t *)(arena + o.b[0]); // input i32[8,1024]
   float *const b1 = (float *)(arena + o.b[1]); // add f32[8,1024,768]
   float *const b2 = (float *)(arena + o.b[2]); // embed_bwd f32[1024,768]
+  int *const b3 = (int *)(arena + o.b[3]); // bucket counts
+  int *const b4 = (int *)(arena + o.b[4]); // bucket starts
+  int *const b5 = (int *)(arena + o.b[5]); // positions by bucket
   __shared__ float acc[32][256];
-  const int v0 = blockIdx.x / 3 * 32, c = blockIdx.x % 3 * 256 + threadIdx.x;
+  __shared__ int sp[1024], so[1024];
+  const int bk = blockIdx.x / 3, v0 = bk * 32, c = blockIdx.x % 3 * 256 + threadIdx.x;
   for (int k = 0; k < 32; k++)
     acc[k][threadIdx.x] = 0.0f;
-  for (int r = 0; r < 8192; r++) {
-    const int32_t id = b0[r];
-    if (id >= v0 && id < v0 + 32 && c < 768)
-      acc[id - v0][threadIdx.x] += b1[r * 768 + c];
-    else if ((id < 0 || id >= 1024) && blockIdx.x == 0 && threadIdx.x == 0)
-      mdl_report(status, MDL_ERR_EMBED_ID, id, 1024);
+  const int n = b3[bk], at = b4[bk];
+  if (n <= 1024) {
+    for (int i = threadIdx.x; i < n; i += blockDim.x)
+      sp[i] = b5[at + i];
+    __syncthreads();
+    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+      int rank = 0;
+      for (int j = 0; j < n; j++)
+        rank += sp[j] < sp[i];
+      so[rank] = sp[i];
+    }
+    __syncthreads();
+    if (c < 768) {
+      for (int i = 0; i < n; i++) {
+        const int r = so[i];
+        acc[b0[r] - v0][threadIdx.x] += b1[r * 768 + c];
+      }
+    }
+  } else {
+    for (int r = 0; r < 8192; r++) {
+      const int32_t id = b0[r];
+      if (id >= v0 && id < v0 + 32 && c < 768)
+        acc[id - v0][threadIdx.x] += b1[r * 768 + c];
+    }
   }
   if (c < 768)
     for (int k = 0; k < 32 && v0 + k < 1024; k++)
@@ -3735,23 +3822,110 @@ extern "C" __global__ void __launch_bounds__(256) k309_embed_bwd(char *arena, Md
 // k310_embed_bwd: kernel, 1 op
 //   %1068  embed_bwd                               line 22    f32[50257,768]
 // runs:
+//   k310_embed_bwd_zero<<<7, 256>>>
+//   k310_embed_bwd_count<<<32, 256>>>
+//   k310_embed_bwd_offsets<<<1, 256>>>
+//   k310_embed_bwd_place<<<32, 256>>>
 //   k310_embed_bwd<<<4713, 256>>>
 
-// embed backward: 8192 rows of 768 into a table of 50257; a block per 32 table rows x 256 columns
+// embed backward: the bucket counts and cursors set to zero
+extern "C" __global__ void __launch_bounds__(256) k310_embed_bwd_zero(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
+  int *const b0 = (int *)(arena + o.b[0]); // bucket counts
+  int *const b1 = (int *)(arena + o.b[1]); // bucket cursors
+  for (int u = blockIdx.x * blockDim.x + threadIdx.x; u < 1571; u += gridDim.x * blockDim.x) {
+    b0[u] = 0;
+    b1[u] = 0;
+  }
+}
+
+// embed backward: 8192 ids counted into buckets of 32 table rows
+extern "C" __global__ void __launch_bounds__(256) k310_embed_bwd_count(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
+  int32_t *const b0 = (int32_t *)(arena + o.b[0]); // input i32[8,1024]
+  int *const b1 = (int *)(arena + o.b[1]); // bucket counts
+  for (int r = blockIdx.x * blockDim.x + threadIdx.x; r < 8192; r += gridDim.x * blockDim.x) {
+    const int32_t id = b0[r];
+    if (id < 0 || id >= 50257)
+      mdl_report(status, MDL_ERR_EMBED_ID, id, 50257);
+    else
+      atomicAdd(&b1[id / 32], 1);
+  }
+}
+
+// embed backward: where each of the 1571 buckets starts (prefix sums of the counts), one block
+extern "C" __global__ void __launch_bounds__(256) k310_embed_bwd_offsets(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
+  int *const b0 = (int *)(arena + o.b[0]); // bucket counts
+  int *const b1 = (int *)(arena + o.b[1]); // bucket starts
+  __shared__ int part[257];
+  const int lo = threadIdx.x * 7, hi = lo + 7 < 1571 ? lo + 7 : 1571;
+  int n = 0;
+  for (int b = lo; b < hi; b++)
+    n += b0[b];
+  part[threadIdx.x + 1] = n;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    part[0] = 0;
+    for (int t = 1; t <= 256; t++)
+      part[t] += part[t - 1];
+    b1[1571] = part[256];
+  }
+  __syncthreads();
+  n = part[threadIdx.x];
+  for (int b = lo; b < hi; b++) {
+    b1[b] = n;
+    n += b0[b];
+  }
+}
+
+// embed backward: each position into its bucket, in any order
+extern "C" __global__ void __launch_bounds__(256) k310_embed_bwd_place(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
+  int32_t *const b0 = (int32_t *)(arena + o.b[0]); // input i32[8,1024]
+  int *const b1 = (int *)(arena + o.b[1]); // bucket cursors
+  int *const b2 = (int *)(arena + o.b[2]); // bucket starts
+  int *const b3 = (int *)(arena + o.b[3]); // positions by bucket
+  for (int r = blockIdx.x * blockDim.x + threadIdx.x; r < 8192; r += gridDim.x * blockDim.x) {
+    const int32_t id = b0[r];
+    if (id >= 0 && id < 50257)
+      b3[b2[id / 32] + atomicAdd(&b1[id / 32], 1)] = (int)r;
+  }
+}
+
+// embed backward: 8192 rows of 768 into a table of 50257; a block per 32 table rows x 256 columns, its bucket's positions sorted (more than 1024: every id scanned)
 extern "C" __global__ void __launch_bounds__(256) k310_embed_bwd(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
   int32_t *const b0 = (int32_t *)(arena + o.b[0]); // input i32[8,1024]
   float *const b1 = (float *)(arena + o.b[1]); // add f32[8,1024,768]
   float *const b2 = (float *)(arena + o.b[2]); // embed_bwd f32[50257,768]
+  int *const b3 = (int *)(arena + o.b[3]); // bucket counts
+  int *const b4 = (int *)(arena + o.b[4]); // bucket starts
+  int *const b5 = (int *)(arena + o.b[5]); // positions by bucket
   __shared__ float acc[32][256];
-  const int v0 = blockIdx.x / 3 * 32, c = blockIdx.x % 3 * 256 + threadIdx.x;
+  __shared__ int sp[1024], so[1024];
+  const int bk = blockIdx.x / 3, v0 = bk * 32, c = blockIdx.x % 3 * 256 + threadIdx.x;
   for (int k = 0; k < 32; k++)
     acc[k][threadIdx.x] = 0.0f;
-  for (int r = 0; r < 8192; r++) {
-    const int32_t id = b0[r];
-    if (id >= v0 && id < v0 + 32 && c < 768)
-      acc[id - v0][threadIdx.x] += b1[r * 768 + c];
-    else if ((id < 0 || id >= 50257) && blockIdx.x == 0 && threadIdx.x == 0)
-      mdl_report(status, MDL_ERR_EMBED_ID, id, 50257);
+  const int n = b3[bk], at = b4[bk];
+  if (n <= 1024) {
+    for (int i = threadIdx.x; i < n; i += blockDim.x)
+      sp[i] = b5[at + i];
+    __syncthreads();
+    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+      int rank = 0;
+      for (int j = 0; j < n; j++)
+        rank += sp[j] < sp[i];
+      so[rank] = sp[i];
+    }
+    __syncthreads();
+    if (c < 768) {
+      for (int i = 0; i < n; i++) {
+        const int r = so[i];
+        acc[b0[r] - v0][threadIdx.x] += b1[r * 768 + c];
+      }
+    }
+  } else {
+    for (int r = 0; r < 8192; r++) {
+      const int32_t id = b0[r];
+      if (id >= v0 && id < v0 + 32 && c < 768)
+        acc[id - v0][threadIdx.x] += b1[r * 768 + c];
+    }
   }
   if (c < 768)
     for (int k = 0; k < 32 && v0 + k < 50257; k++)
@@ -4297,4 +4471,4 @@ extern "C" __global__ void __launch_bounds__(256) k312_grad_norm__adamw(char *ar
   }
 }
 
-// Schedule: 511 launches per step, 328 kernels (36 distinct) and 183 GEMMs; device arena 6423462400 bytes.
+// Schedule: 519 launches per step, 336 kernels (44 distinct) and 183 GEMMs; device arena 6423462400 bytes.

@@ -2108,23 +2108,110 @@ extern "C" __global__ void __launch_bounds__(256) k90_add(char *arena, MdlStatus
 // k91_embed_bwd: kernel, 1 op
 //   %241   embed_bwd          d.tok_emb            line 22    f32[256,64]
 // runs:
+//   k91_embed_bwd_zero<<<1, 32>>>
+//   k91_embed_bwd_count<<<2, 256>>>
+//   k91_embed_bwd_offsets<<<1, 256>>>
+//   k91_embed_bwd_place<<<2, 256>>>
 //   k91_embed_bwd<<<8, 64>>>
 
-// embed backward: 512 rows of 64 into a table of 256; a block per 32 table rows x 64 columns
+// embed backward: the bucket counts and cursors set to zero
+extern "C" __global__ void __launch_bounds__(32) k91_embed_bwd_zero(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
+  int *const b0 = (int *)(arena + o.b[0]); // bucket counts
+  int *const b1 = (int *)(arena + o.b[1]); // bucket cursors
+  for (int u = blockIdx.x * blockDim.x + threadIdx.x; u < 8; u += gridDim.x * blockDim.x) {
+    b0[u] = 0;
+    b1[u] = 0;
+  }
+}
+
+// embed backward: 512 ids counted into buckets of 32 table rows
+extern "C" __global__ void __launch_bounds__(256) k91_embed_bwd_count(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
+  int32_t *const b0 = (int32_t *)(arena + o.b[0]); // input i32[8,64]
+  int *const b1 = (int *)(arena + o.b[1]); // bucket counts
+  for (int r = blockIdx.x * blockDim.x + threadIdx.x; r < 512; r += gridDim.x * blockDim.x) {
+    const int32_t id = b0[r];
+    if (id < 0 || id >= 256)
+      mdl_report(status, MDL_ERR_EMBED_ID, id, 256);
+    else
+      atomicAdd(&b1[id / 32], 1);
+  }
+}
+
+// embed backward: where each of the 8 buckets starts (prefix sums of the counts), one block
+extern "C" __global__ void __launch_bounds__(256) k91_embed_bwd_offsets(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
+  int *const b0 = (int *)(arena + o.b[0]); // bucket counts
+  int *const b1 = (int *)(arena + o.b[1]); // bucket starts
+  __shared__ int part[257];
+  const int lo = threadIdx.x * 1, hi = lo + 1 < 8 ? lo + 1 : 8;
+  int n = 0;
+  for (int b = lo; b < hi; b++)
+    n += b0[b];
+  part[threadIdx.x + 1] = n;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    part[0] = 0;
+    for (int t = 1; t <= 256; t++)
+      part[t] += part[t - 1];
+    b1[8] = part[256];
+  }
+  __syncthreads();
+  n = part[threadIdx.x];
+  for (int b = lo; b < hi; b++) {
+    b1[b] = n;
+    n += b0[b];
+  }
+}
+
+// embed backward: each position into its bucket, in any order
+extern "C" __global__ void __launch_bounds__(256) k91_embed_bwd_place(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
+  int32_t *const b0 = (int32_t *)(arena + o.b[0]); // input i32[8,64]
+  int *const b1 = (int *)(arena + o.b[1]); // bucket cursors
+  int *const b2 = (int *)(arena + o.b[2]); // bucket starts
+  int *const b3 = (int *)(arena + o.b[3]); // positions by bucket
+  for (int r = blockIdx.x * blockDim.x + threadIdx.x; r < 512; r += gridDim.x * blockDim.x) {
+    const int32_t id = b0[r];
+    if (id >= 0 && id < 256)
+      b3[b2[id / 32] + atomicAdd(&b1[id / 32], 1)] = (int)r;
+  }
+}
+
+// embed backward: 512 rows of 64 into a table of 256; a block per 32 table rows x 64 columns, its bucket's positions sorted (more than 1024: every id scanned)
 extern "C" __global__ void __launch_bounds__(64) k91_embed_bwd(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
   int32_t *const b0 = (int32_t *)(arena + o.b[0]); // input i32[8,64]
   float *const b1 = (float *)(arena + o.b[1]); // add f32[8,64,64]
   float *const b2 = (float *)(arena + o.b[2]); // embed_bwd f32[256,64]
+  int *const b3 = (int *)(arena + o.b[3]); // bucket counts
+  int *const b4 = (int *)(arena + o.b[4]); // bucket starts
+  int *const b5 = (int *)(arena + o.b[5]); // positions by bucket
   __shared__ float acc[32][64];
-  const int v0 = blockIdx.x / 1 * 32, c = blockIdx.x % 1 * 64 + threadIdx.x;
+  __shared__ int sp[1024], so[1024];
+  const int bk = blockIdx.x / 1, v0 = bk * 32, c = blockIdx.x % 1 * 64 + threadIdx.x;
   for (int k = 0; k < 32; k++)
     acc[k][threadIdx.x] = 0.0f;
-  for (int r = 0; r < 512; r++) {
-    const int32_t id = b0[r];
-    if (id >= v0 && id < v0 + 32 && c < 64)
-      acc[id - v0][threadIdx.x] += b1[r * 64 + c];
-    else if ((id < 0 || id >= 256) && blockIdx.x == 0 && threadIdx.x == 0)
-      mdl_report(status, MDL_ERR_EMBED_ID, id, 256);
+  const int n = b3[bk], at = b4[bk];
+  if (n <= 1024) {
+    for (int i = threadIdx.x; i < n; i += blockDim.x)
+      sp[i] = b5[at + i];
+    __syncthreads();
+    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+      int rank = 0;
+      for (int j = 0; j < n; j++)
+        rank += sp[j] < sp[i];
+      so[rank] = sp[i];
+    }
+    __syncthreads();
+    if (c < 64) {
+      for (int i = 0; i < n; i++) {
+        const int r = so[i];
+        acc[b0[r] - v0][threadIdx.x] += b1[r * 64 + c];
+      }
+    }
+  } else {
+    for (int r = 0; r < 512; r++) {
+      const int32_t id = b0[r];
+      if (id >= v0 && id < v0 + 32 && c < 64)
+        acc[id - v0][threadIdx.x] += b1[r * 64 + c];
+    }
   }
   if (c < 64)
     for (int k = 0; k < 32 && v0 + k < 256; k++)
@@ -2268,4 +2355,4 @@ extern "C" __global__ void __launch_bounds__(256) k92_grad_norm__adamw(char *are
   }
 }
 
-// Schedule: 123 launches per step, 78 kernels (38 distinct) and 45 GEMMs; device arena 8214784 bytes.
+// Schedule: 127 launches per step, 82 kernels (42 distinct) and 45 GEMMs; device arena 8214784 bytes.

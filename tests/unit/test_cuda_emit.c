@@ -136,6 +136,20 @@ static const char attn[] =
     "a = attention(q, k, v, heads=H, causal=true) @ wo + attention(q, k, v, heads=H, doc=doc)\n"
     "output loss = mean(cross_entropy(a @ head, targets))\n";
 
+// An embedding whose backward has a bucket of table rows with more than 1024 positions (ids 0-31,
+// 1280 of 1600), whose blocks scan every id, and one with fewer (ids 32-63), sorted.
+static const char hot[] =
+    "model hot\n"
+    "dim B = 4\n"
+    "dim T = 400\n"
+    "dim C = 24\n"
+    "dim V = 64\n"
+    "input hot: i32[B, T]\n"
+    "input targets: i32[B, T]\n"
+    "param tab: [V, C] = normal(0.5)\n"
+    "param head: [C, V] = normal(0.3)\n"
+    "output loss = mean(cross_entropy(embed(tab, hot) @ head, targets))\n";
+
 static const Model models[] = {
     {"models/gpt2-tiny.mdl", {{"B", 2}, {"T", 16}}, 2, NULL},
     {"models/llama-tiny.mdl", {{"B", 1}, {"T", 80}}, 2, NULL}, // keys in several tiles, the last partial
@@ -145,6 +159,7 @@ static const Model models[] = {
     {"attn.mdl", {{NULL, 0}}, 0, attn},
     {"attn-d12.mdl", {{"C", 24}}, 1, attn},
     {"tests/unit/sums.mdl", {{NULL, 0}}, 0, NULL},
+    {"hot.mdl", {{NULL, 0}}, 0, hot},
 };
 
 // The training graph of md, its GEMMs' operands rounded to bf16 when prec is DT_BF16.
@@ -594,6 +609,8 @@ static void batch(const IrNode *nd, int32_t *ids, float *f) {
     ids[j] = 0;
     if (!strcmp(nd->name, "tokens"))
       ids[j] = (int32_t)((j * 37 + 11) % 64);
+    else if (!strcmp(nd->name, "hot")) // 4 in 5 among ids 0-31, the rest among 40-63
+      ids[j] = (int32_t)(j % 5 ? (j * 37 + 11) % 32 : 40 + j % 24);
     else if (!strcmp(nd->name, "targets"))
       ids[j] = j == 3 ? -1 : (int32_t)((j * 53 + 7) % (nd->shape.rank == 1 ? 4 : 64));
     else if (!strcmp(nd->name, "pos"))
@@ -732,10 +749,13 @@ static void emu_free(Emu *emu) {
 }
 
 // One training step of the plan on arena; the status of the step.
-static MdlStatus emu_step(const CudaPlan *p, const Emu *emu, char *arena) {
+// Runs the plan's launches of steps [0, last] (last = -1: the whole step).
+static MdlStatus emu_until(const CudaPlan *p, const Emu *emu, char *arena, int last) {
   MdlStatus st = {0};
   for (int i = 0; i < p->nlaunches; i++) {
     const CudaLaunch *l = &p->launches[i];
+    if (last >= 0 && l->step > last)
+      break;
     if (l->kernel)
       emu->launch(emu->fn[i], l->grid, l->block, arena, &st, 7, l->chunk, l->args, l->nargs);
     else
@@ -743,6 +763,8 @@ static MdlStatus emu_step(const CudaPlan *p, const Emu *emu, char *arena) {
   }
   return st;
 }
+
+static MdlStatus emu_step(const CudaPlan *p, const Emu *emu, char *arena) { return emu_until(p, emu, arena, -1); }
 
 static char *arena_new_for(const CudaPlan *p) {
   size_t bytes = (size_t)(p->arena_bytes + 255) / 256 * 256;
@@ -929,6 +951,29 @@ static void test_emulation(const Model *md, bool fused, DType prec, const char *
   }
   snprintf(name, sizeof name, "cuda emu %s %s: a second run is bit-identical", md->path, mode);
   CHECK(same, name, "results differ");
+
+  // An embedding backward adds the rows of dy in increasing position, as the C back end and the
+  // interpreter do: right after its step, bit for bit the sums of a plain loop in f32.
+  for (int s = 0; s < f->nsteps; s++) {
+    int eb = f->steps[s].root;
+    if (g->nodes[eb]->op != OP_EMBED_BWD)
+      continue;
+    cpu_init_params(g, m, arena, 7);
+    memset(arena + m->m, 0, (size_t)(2 * m->param_bytes));
+    emu_until(p, &emu, arena, s);
+    const IrNode *nd = g->nodes[eb];
+    int64_t v = nd->shape.d[0], c = nd->shape.d[1], rows = shape_numel(g->nodes[nd->in[0]]->shape);
+    const int32_t *id = cpu_value(m, arena, nd->in[0]);
+    const float *dy = cpu_value(m, arena, nd->in[1]), *got = cpu_value(m, arena, eb);
+    float *want = calloc((size_t)(v * c), sizeof *want);
+    for (int64_t r = 0; r < rows; r++)
+      for (int64_t j = 0; j < c && id[r] >= 0 && id[r] < v; j++)
+        want[id[r] * c + j] += dy[r * c + j];
+    snprintf(name, sizeof name, "cuda emu %s %s: embed backward adds dy's rows in position order (bit for bit)",
+             md->path, mode);
+    CHECK(!memcmp(want, got, sizeof *want * (size_t)(v * c)), name, "sums differ from the loop's");
+    free(want);
+  }
 
   // bf16 rounds: a gradient is clearly off the fp32 graph's (the interpreter's): by 1e-3, where f32
   // alone stays within 1e-5 (a bf16 operand is off by up to 2^-9 relative).
