@@ -1171,6 +1171,53 @@ static void emit_gemm(Emit *e, int gi, const bool *emitted) {
   free(q);
 }
 
+// Column sums of partial results: array i holds parts[i][k * cols + r] for k < nb. A block per 32
+// columns, its threads in row groups: thread (g, r) adds rows g, g + groups, ..., then the groups'
+// sums are added in group order, in shared memory. The order is fixed (deterministic), and there are
+// enough threads in flight for the memory: a thread per column left all but a few SMs idle. Opens
+// the scope where thread group 0 holds column r's totals in accs[i]; the caller closes it and ends
+// the kernel with grid colsum_grid(cols) and block colsum_block(nb).
+static int colsum_groups(int64_t nb) { return nb >= 128 ? 32 : nb >= 16 ? 8 : 1; }
+static int64_t colsum_grid(int64_t cols) { return (cols + 31) / 32; }
+static int colsum_block(int64_t nb) { return 32 * colsum_groups(nb); }
+
+static void colsum_open(Emit *e, int64_t nb, int64_t cols, const char *const *parts, const char *const *accs, int n,
+                        bool max) {
+  int groups = colsum_groups(nb);
+  const char *t = max ? "float" : "double", *init = max ? "-MDL_INF" : "0.0", *ixt = e->core.ixt;
+  for (int i = 0; i < n && groups > 1; i++)
+    ec_line(&e->core, "__shared__ %s cs%d[%d][32];", t, i, groups);
+  e->shared += groups > 1 ? n * groups * 32 * (max ? 4 : 8) : 0;
+  ec_line(&e->core, "const int tx = threadIdx.x & 31, ty = threadIdx.x >> 5;");
+  ec_line(&e->core, "const %s r = blockIdx.x * 32 + tx;", ixt);
+  for (int i = 0; i < n; i++)
+    ec_line(&e->core, "%s %s = %s;", t, accs[i], init);
+  ec_enter(&e->core, "if (r < %lld)", (long long)cols);
+  ec_enter(&e->core, "for (%s k = ty; k < %lld; k += %d)", ixt, (long long)nb, groups);
+  for (int i = 0; i < n; i++)
+    if (max)
+      ec_line(&e->core, "%s = mdl_max_nan(%s, %s[k * %lld + r]);", accs[i], accs[i], parts[i], (long long)cols);
+    else
+      ec_line(&e->core, "%s += %s[k * %lld + r];", accs[i], parts[i], (long long)cols);
+  ec_leave(&e->core);
+  ec_leave(&e->core);
+  if (groups == 1) {
+    ec_enter(&e->core, "if (r < %lld)", (long long)cols);
+    return;
+  }
+  for (int i = 0; i < n; i++)
+    ec_line(&e->core, "cs%d[ty][tx] = %s;", i, accs[i]);
+  ec_line(&e->core, "__syncthreads();");
+  ec_enter(&e->core, "if (ty == 0 && r < %lld)", (long long)cols);
+  for (int i = 0; i < n && groups > 1; i++) {
+    ec_line(&e->core, "for (int g = 1; g < %d; g++)", groups);
+    if (max)
+      ec_line(&e->core, "  %s = mdl_max_nan(%s, cs%d[g][tx]);", accs[i], accs[i], i);
+    else
+      ec_line(&e->core, "  %s += cs%d[g][tx];", accs[i], i);
+  }
+}
+
 // The accumulation of one value v into acc: a sum, or a max where a NaN wins (as in interp.c).
 static void accumulate(Emit *e, bool max) {
   if (max)
@@ -1337,19 +1384,14 @@ static void emit_reduce(Emit *e, int gi, const bool *emitted) {
     ec_leave(&e->core);
     kend(e, grid_for(on * nb, BLOCK), block_for(on * nb));
     kbegin(e, "");
-    note(e, "%s: the %lld partial results of each output added in order, a thread per output", what,
-         (long long)nb);
+    note(e, "%s: the %lld partial results of each output added, a block per 32 outputs in %d groups of rows",
+         what, (long long)nb, colsum_groups(nb));
     p = raw_ptr(e, part, acc_t, "partial results");
-    ec_enter(&e->core, "for (%s r = blockIdx.x * blockDim.x + threadIdx.x; r < %lld; r += gridDim.x * blockDim.x)", ixt,
-             (long long)on);
-    ec_line(&e->core, "%s acc = %s;", acc_t, init);
-    ec_enter(&e->core, "for (%s k = 0; k < %lld; k++)", ixt, (long long)nb);
-    ec_line(&e->core, "const %s v = %s[k * %lld + r];", acc_t, p, (long long)on);
-    accumulate(e, max);
-    ec_leave(&e->core);
+    const char *acc = "acc";
+    colsum_open(e, nb, on, &p, &acc, 1, max);
     reduce_finish(e, a, buf, q, nq);
     ec_leave(&e->core);
-    kend(e, grid_for(on, block_for(on)), block_for(on));
+    kend(e, colsum_grid(on), colsum_block(nb));
   }
   e->loop_ix = NULL;
   if (buf)
@@ -1533,28 +1575,21 @@ static void emit_norm_bwd(Emit *e, int gi, const bool *emitted) {
   e->loop_ix = NULL;
   if (cols_sum) {
     kbegin(e, "colsum");
-    note(e, "%s: column sums of %lld blocks of rows, added in order, a thread per column", op_name(nd->op),
-         (long long)nb);
-    sw = pdw >= 0 ? raw_ptr(e, pdw, "double", "dw partials") : NULL;
-    sb = pdb >= 0 ? raw_ptr(e, pdb, "double", "db partials") : NULL;
-    ec_enter(&e->core, "for (%s j = blockIdx.x * blockDim.x + threadIdx.x; j < %lld; j += gridDim.x * blockDim.x)", ixt,
-             (long long)cols);
-    if (sw)
-      ec_line(&e->core, "double w = 0;");
-    if (sb)
-      ec_line(&e->core, "double b = 0;");
-    ec_enter(&e->core, "for (%s k = 0; k < %lld; k++)", ixt, (long long)nb);
-    if (sw)
-      ec_line(&e->core, "w += %s[k * %lld + j];", sw, (long long)cols);
-    if (sb)
-      ec_line(&e->core, "b += %s[k * %lld + j];", sb, (long long)cols);
-    ec_leave(&e->core);
+    note(e, "%s: column sums of %lld blocks of rows, a block per 32 columns in %d groups of rows", op_name(nd->op),
+         (long long)nb, colsum_groups(nb));
+    const char *parts[2], *accs[2];
+    int np = 0;
+    if (pdw >= 0)
+      parts[np] = raw_ptr(e, pdw, "double", "dw partials"), accs[np++] = "w";
+    if (pdb >= 0)
+      parts[np] = raw_ptr(e, pdb, "double", "db partials"), accs[np++] = "b";
+    colsum_open(e, nb, cols, parts, accs, np, false);
     if (dw >= 0)
-      ec_line(&e->core, "%s[j] = (float)w;", ptr(e, dw));
+      ec_line(&e->core, "%s[r] = (float)w;", ptr(e, dw));
     if (db >= 0)
-      ec_line(&e->core, "%s[j] = (float)b;", ptr(e, db));
+      ec_line(&e->core, "%s[r] = (float)b;", ptr(e, db));
     ec_leave(&e->core);
-    kend(e, grid_for(cols, block_for(cols)), block_for(cols));
+    kend(e, colsum_grid(cols), colsum_block(nb));
   }
   if (dxbuf)
     ec_phase_done(&e->core, dx);

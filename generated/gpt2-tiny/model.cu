@@ -902,7 +902,7 @@ extern "C" __global__ void __launch_bounds__(256) k28_mean(char *arena, MdlStatu
 //   %127   cast                                    line 40    bf16[512,64]
 // runs:
 //   k29_layernorm_bwd__cast<<<64, 256>>>
-//   k29_layernorm_bwd__cast_colsum<<<1, 64>>>
+//   k29_layernorm_bwd__cast_colsum<<<2, 1024>>>
 
 // layernorm_bwd: 512 rows of 64, a warp per row; column partials over 512 blocks of 1 rows
 extern "C" __global__ void __launch_bounds__(256) k29_layernorm_bwd__cast(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
@@ -977,21 +977,34 @@ extern "C" __global__ void __launch_bounds__(256) k29_layernorm_bwd__cast(char *
   }
 }
 
-// layernorm_bwd: column sums of 512 blocks of rows, added in order, a thread per column
-extern "C" __global__ void __launch_bounds__(64) k29_layernorm_bwd__cast_colsum(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
+// layernorm_bwd: column sums of 512 blocks of rows, a block per 32 columns in 32 groups of rows
+extern "C" __global__ void __launch_bounds__(1024) k29_layernorm_bwd__cast_colsum(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
   double *const b0 = (double *)(arena + o.b[0]); // dw partials
   double *const b1 = (double *)(arena + o.b[1]); // db partials
   float *const b2 = (float *)(arena + o.b[2]); // layernorm_bwd f32[64]
   float *const b3 = (float *)(arena + o.b[3]); // layernorm_bwd f32[64]
-  for (int j = blockIdx.x * blockDim.x + threadIdx.x; j < 64; j += gridDim.x * blockDim.x) {
-    double w = 0;
-    double b = 0;
-    for (int k = 0; k < 512; k++) {
-      w += b0[k * 64 + j];
-      b += b1[k * 64 + j];
+  __shared__ double cs0[32][32];
+  __shared__ double cs1[32][32];
+  const int tx = threadIdx.x & 31, ty = threadIdx.x >> 5;
+  const int r = blockIdx.x * 32 + tx;
+  double w = 0.0;
+  double b = 0.0;
+  if (r < 64) {
+    for (int k = ty; k < 512; k += 32) {
+      w += b0[k * 64 + r];
+      b += b1[k * 64 + r];
     }
-    b2[j] = (float)w;
-    b3[j] = (float)b;
+  }
+  cs0[ty][tx] = w;
+  cs1[ty][tx] = b;
+  __syncthreads();
+  if (ty == 0 && r < 64) {
+    for (int g = 1; g < 32; g++)
+      w += cs0[g][tx];
+    for (int g = 1; g < 32; g++)
+      b += cs1[g][tx];
+    b2[r] = (float)w;
+    b3[r] = (float)b;
   }
 }
 
@@ -999,7 +1012,7 @@ extern "C" __global__ void __launch_bounds__(64) k29_layernorm_bwd__cast_colsum(
 //   %126   sum                d.h.1.fcproj_b       line 40    f32[64]
 // runs:
 //   k30_sum_partial<<<16, 256>>>
-//   k30_sum<<<1, 64>>>
+//   k30_sum<<<2, 256>>>
 
 // sum: 64 outputs over 512 elements, first partial results over 64 blocks of 8
 extern "C" __global__ void __launch_bounds__(256) k30_sum_partial(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
@@ -1020,16 +1033,24 @@ extern "C" __global__ void __launch_bounds__(256) k30_sum_partial(char *arena, M
   }
 }
 
-// sum: the 64 partial results of each output added in order, a thread per output
-extern "C" __global__ void __launch_bounds__(64) k30_sum(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
+// sum: the 64 partial results of each output added, a block per 32 outputs in 8 groups of rows
+extern "C" __global__ void __launch_bounds__(256) k30_sum(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
   double *const b0 = (double *)(arena + o.b[0]); // partial results
   float *const b1 = (float *)(arena + o.b[1]); // sum f32[64]
-  for (int r = blockIdx.x * blockDim.x + threadIdx.x; r < 64; r += gridDim.x * blockDim.x) {
-    double acc = 0.0;
-    for (int k = 0; k < 64; k++) {
-      const double v = b0[k * 64 + r];
-      acc += v;
+  __shared__ double cs0[8][32];
+  const int tx = threadIdx.x & 31, ty = threadIdx.x >> 5;
+  const int r = blockIdx.x * 32 + tx;
+  double acc = 0.0;
+  if (r < 64) {
+    for (int k = ty; k < 64; k += 8) {
+      acc += b0[k * 64 + r];
     }
+  }
+  cs0[ty][tx] = acc;
+  __syncthreads();
+  if (ty == 0 && r < 64) {
+    for (int g = 1; g < 8; g++)
+      acc += cs0[g][tx];
     const float y = (float)acc;
     b1[r] = y;
   }
@@ -1050,7 +1071,7 @@ extern "C" __global__ void __launch_bounds__(64) k30_sum(char *arena, MdlStatus 
 // runs:
 //   gemm 12: [512 x 256] = [512 x 64] T[64 x 256], bf16 A and B, f32 C
 //   k32_gemm__gelu_bwd__sum__cast_partial<<<64, 256>>>
-//   k32_gemm__gelu_bwd__sum__cast<<<1, 256>>>
+//   k32_gemm__gelu_bwd__sum__cast<<<8, 256>>>
 
 // sum: 256 outputs over 512 elements, first partial results over 64 blocks of 8
 extern "C" __global__ void __launch_bounds__(256) k32_gemm__gelu_bwd__sum__cast_partial(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
@@ -1078,16 +1099,24 @@ extern "C" __global__ void __launch_bounds__(256) k32_gemm__gelu_bwd__sum__cast_
   }
 }
 
-// sum: the 64 partial results of each output added in order, a thread per output
+// sum: the 64 partial results of each output added, a block per 32 outputs in 8 groups of rows
 extern "C" __global__ void __launch_bounds__(256) k32_gemm__gelu_bwd__sum__cast(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
   double *const b0 = (double *)(arena + o.b[0]); // partial results
   float *const b1 = (float *)(arena + o.b[1]); // sum f32[256]
-  for (int r = blockIdx.x * blockDim.x + threadIdx.x; r < 256; r += gridDim.x * blockDim.x) {
-    double acc = 0.0;
-    for (int k = 0; k < 64; k++) {
-      const double v = b0[k * 256 + r];
-      acc += v;
+  __shared__ double cs0[8][32];
+  const int tx = threadIdx.x & 31, ty = threadIdx.x >> 5;
+  const int r = blockIdx.x * 32 + tx;
+  double acc = 0.0;
+  if (r < 256) {
+    for (int k = ty; k < 64; k += 8) {
+      acc += b0[k * 256 + r];
     }
+  }
+  cs0[ty][tx] = acc;
+  __syncthreads();
+  if (ty == 0 && r < 256) {
+    for (int g = 1; g < 8; g++)
+      acc += cs0[g][tx];
     const float y = (float)acc;
     b1[r] = y;
   }
@@ -1109,7 +1138,7 @@ extern "C" __global__ void __launch_bounds__(256) k32_gemm__gelu_bwd__sum__cast(
 //   %141   layernorm_bwd      d.h.1.ln2_b          line 40    f32[64]
 // runs:
 //   k35_layernorm_bwd<<<64, 256>>>
-//   k29_layernorm_bwd__cast_colsum<<<1, 64>>>
+//   k29_layernorm_bwd__cast_colsum<<<2, 1024>>>
 
 // layernorm_bwd: 512 rows of 64, a warp per row; column partials over 512 blocks of 1 rows
 extern "C" __global__ void __launch_bounds__(256) k35_layernorm_bwd(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
@@ -1189,7 +1218,7 @@ extern "C" __global__ void __launch_bounds__(256) k35_layernorm_bwd(char *arena,
 //   %144   cast                                    line 39    bf16[512,64]
 // runs:
 //   k36_sum__add__cast_partial<<<16, 256>>>
-//   k30_sum<<<1, 64>>>
+//   k30_sum<<<2, 256>>>
 
 // sum: 64 outputs over 512 elements, first partial results over 64 blocks of 8
 extern "C" __global__ void __launch_bounds__(256) k36_sum__add__cast_partial(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
@@ -1622,7 +1651,7 @@ extern "C" __global__ void __launch_bounds__(128) k39_attention_bwd_dkv(char *ar
 //   %158   cast                                    line 38    bf16[512,192]
 // runs:
 //   k40_sum__slice_bwd__add__cast_partial<<<48, 256>>>
-//   k40_sum__slice_bwd__add__cast<<<1, 192>>>
+//   k40_sum__slice_bwd__add__cast<<<6, 256>>>
 
 // sum: 192 outputs over 512 elements, first partial results over 64 blocks of 8
 extern "C" __global__ void __launch_bounds__(256) k40_sum__slice_bwd__add__cast_partial(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
@@ -1659,16 +1688,24 @@ extern "C" __global__ void __launch_bounds__(256) k40_sum__slice_bwd__add__cast_
   }
 }
 
-// sum: the 64 partial results of each output added in order, a thread per output
-extern "C" __global__ void __launch_bounds__(192) k40_sum__slice_bwd__add__cast(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
+// sum: the 64 partial results of each output added, a block per 32 outputs in 8 groups of rows
+extern "C" __global__ void __launch_bounds__(256) k40_sum__slice_bwd__add__cast(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
   double *const b0 = (double *)(arena + o.b[0]); // partial results
   float *const b1 = (float *)(arena + o.b[1]); // sum f32[192]
-  for (int r = blockIdx.x * blockDim.x + threadIdx.x; r < 192; r += gridDim.x * blockDim.x) {
-    double acc = 0.0;
-    for (int k = 0; k < 64; k++) {
-      const double v = b0[k * 192 + r];
-      acc += v;
+  __shared__ double cs0[8][32];
+  const int tx = threadIdx.x & 31, ty = threadIdx.x >> 5;
+  const int r = blockIdx.x * 32 + tx;
+  double acc = 0.0;
+  if (r < 192) {
+    for (int k = ty; k < 64; k += 8) {
+      acc += b0[k * 192 + r];
     }
+  }
+  cs0[ty][tx] = acc;
+  __syncthreads();
+  if (ty == 0 && r < 192) {
+    for (int g = 1; g < 8; g++)
+      acc += cs0[g][tx];
     const float y = (float)acc;
     b1[r] = y;
   }
@@ -1690,7 +1727,7 @@ extern "C" __global__ void __launch_bounds__(192) k40_sum__slice_bwd__add__cast(
 //   %165   layernorm_bwd      d.h.1.ln1_b          line 38    f32[64]
 // runs:
 //   k35_layernorm_bwd<<<64, 256>>>
-//   k29_layernorm_bwd__cast_colsum<<<1, 64>>>
+//   k29_layernorm_bwd__cast_colsum<<<2, 1024>>>
 
 // k44_sum__add__cast: kernel, 4 ops
 //   %163   add                d.h.0.x              line 38    f32[8,64,64]
@@ -1699,7 +1736,7 @@ extern "C" __global__ void __launch_bounds__(192) k40_sum__slice_bwd__add__cast(
 //   %168   cast                                    line 40    bf16[512,64]
 // runs:
 //   k44_sum__add__cast_partial<<<16, 256>>>
-//   k30_sum<<<1, 64>>>
+//   k30_sum<<<2, 256>>>
 
 // sum: 64 outputs over 512 elements, first partial results over 64 blocks of 8
 extern "C" __global__ void __launch_bounds__(256) k44_sum__add__cast_partial(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
@@ -1743,7 +1780,7 @@ extern "C" __global__ void __launch_bounds__(256) k44_sum__add__cast_partial(cha
 // runs:
 //   gemm 20: [512 x 256] = [512 x 64] T[64 x 256], bf16 A and B, f32 C
 //   k32_gemm__gelu_bwd__sum__cast_partial<<<64, 256>>>
-//   k32_gemm__gelu_bwd__sum__cast<<<1, 256>>>
+//   k32_gemm__gelu_bwd__sum__cast<<<8, 256>>>
 
 // k47_gemm: GEMM, 1 op
 //   %176   matmul                                  line 40    f32[512,64]
@@ -1761,7 +1798,7 @@ extern "C" __global__ void __launch_bounds__(256) k44_sum__add__cast_partial(cha
 //   %182   layernorm_bwd      d.h.0.ln2_b          line 40    f32[64]
 // runs:
 //   k35_layernorm_bwd<<<64, 256>>>
-//   k29_layernorm_bwd__cast_colsum<<<1, 64>>>
+//   k29_layernorm_bwd__cast_colsum<<<2, 1024>>>
 
 // k50_sum__add__cast: kernel, 4 ops
 //   %180   add                d.h.0.x              line 40    f32[8,64,64]
@@ -1770,7 +1807,7 @@ extern "C" __global__ void __launch_bounds__(256) k44_sum__add__cast_partial(cha
 //   %185   cast                                    line 39    bf16[512,64]
 // runs:
 //   k44_sum__add__cast_partial<<<16, 256>>>
-//   k30_sum<<<1, 64>>>
+//   k30_sum<<<2, 256>>>
 
 // k51_gemm: GEMM, 1 op
 //   %186   matmul                                  line 39    f32[512,64]
@@ -1802,7 +1839,7 @@ extern "C" __global__ void __launch_bounds__(256) k44_sum__add__cast_partial(cha
 //   %199   cast                                    line 38    bf16[512,192]
 // runs:
 //   k40_sum__slice_bwd__add__cast_partial<<<48, 256>>>
-//   k40_sum__slice_bwd__add__cast<<<1, 192>>>
+//   k40_sum__slice_bwd__add__cast<<<6, 256>>>
 
 // k55_gemm: GEMM, 1 op
 //   %200   matmul                                  line 38    f32[512,64]
@@ -1820,7 +1857,7 @@ extern "C" __global__ void __launch_bounds__(256) k44_sum__add__cast_partial(cha
 //   %206   layernorm_bwd      d.h.0.ln1_b          line 38    f32[64]
 // runs:
 //   k35_layernorm_bwd<<<64, 256>>>
-//   k29_layernorm_bwd__cast_colsum<<<1, 64>>>
+//   k29_layernorm_bwd__cast_colsum<<<2, 1024>>>
 
 // k58_add: kernel, 1 op
 //   %204   add                d.x                  line 38    f32[8,64,64]

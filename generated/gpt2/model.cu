@@ -1733,7 +1733,7 @@ extern "C" __global__ void __launch_bounds__(256) k138_mean(char *arena, MdlStat
 //   %577   cast                                    line 40    bf16[8192,768]
 // runs:
 //   k139_layernorm_bwd__cast<<<128, 256>>>
-//   k139_layernorm_bwd__cast_colsum<<<3, 256>>>
+//   k139_layernorm_bwd__cast_colsum<<<24, 1024>>>
 
 // layernorm_bwd: 8192 rows of 768, a warp per row; column partials over 1024 blocks of 8 rows
 extern "C" __global__ void __launch_bounds__(256) k139_layernorm_bwd__cast(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
@@ -1808,21 +1808,34 @@ extern "C" __global__ void __launch_bounds__(256) k139_layernorm_bwd__cast(char 
   }
 }
 
-// layernorm_bwd: column sums of 1024 blocks of rows, added in order, a thread per column
-extern "C" __global__ void __launch_bounds__(256) k139_layernorm_bwd__cast_colsum(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
+// layernorm_bwd: column sums of 1024 blocks of rows, a block per 32 columns in 32 groups of rows
+extern "C" __global__ void __launch_bounds__(1024) k139_layernorm_bwd__cast_colsum(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
   double *const b0 = (double *)(arena + o.b[0]); // dw partials
   double *const b1 = (double *)(arena + o.b[1]); // db partials
   float *const b2 = (float *)(arena + o.b[2]); // layernorm_bwd f32[768]
   float *const b3 = (float *)(arena + o.b[3]); // layernorm_bwd f32[768]
-  for (int j = blockIdx.x * blockDim.x + threadIdx.x; j < 768; j += gridDim.x * blockDim.x) {
-    double w = 0;
-    double b = 0;
-    for (int k = 0; k < 1024; k++) {
-      w += b0[k * 768 + j];
-      b += b1[k * 768 + j];
+  __shared__ double cs0[32][32];
+  __shared__ double cs1[32][32];
+  const int tx = threadIdx.x & 31, ty = threadIdx.x >> 5;
+  const int r = blockIdx.x * 32 + tx;
+  double w = 0.0;
+  double b = 0.0;
+  if (r < 768) {
+    for (int k = ty; k < 1024; k += 32) {
+      w += b0[k * 768 + r];
+      b += b1[k * 768 + r];
     }
-    b2[j] = (float)w;
-    b3[j] = (float)b;
+  }
+  cs0[ty][tx] = w;
+  cs1[ty][tx] = b;
+  __syncthreads();
+  if (ty == 0 && r < 768) {
+    for (int g = 1; g < 32; g++)
+      w += cs0[g][tx];
+    for (int g = 1; g < 32; g++)
+      b += cs1[g][tx];
+    b2[r] = (float)w;
+    b3[r] = (float)b;
   }
 }
 
@@ -1830,7 +1843,7 @@ extern "C" __global__ void __launch_bounds__(256) k139_layernorm_bwd__cast_colsu
 //   %576   sum                d.h.11.fcproj_b      line 40    f32[768]
 // runs:
 //   k140_sum_partial<<<984, 256>>>
-//   k140_sum<<<3, 256>>>
+//   k140_sum<<<24, 1024>>>
 
 // sum: 768 outputs over 8192 elements, first partial results over 328 blocks of 25
 extern "C" __global__ void __launch_bounds__(256) k140_sum_partial(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
@@ -1851,16 +1864,24 @@ extern "C" __global__ void __launch_bounds__(256) k140_sum_partial(char *arena, 
   }
 }
 
-// sum: the 328 partial results of each output added in order, a thread per output
-extern "C" __global__ void __launch_bounds__(256) k140_sum(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
+// sum: the 328 partial results of each output added, a block per 32 outputs in 32 groups of rows
+extern "C" __global__ void __launch_bounds__(1024) k140_sum(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
   double *const b0 = (double *)(arena + o.b[0]); // partial results
   float *const b1 = (float *)(arena + o.b[1]); // sum f32[768]
-  for (int r = blockIdx.x * blockDim.x + threadIdx.x; r < 768; r += gridDim.x * blockDim.x) {
-    double acc = 0.0;
-    for (int k = 0; k < 328; k++) {
-      const double v = b0[k * 768 + r];
-      acc += v;
+  __shared__ double cs0[32][32];
+  const int tx = threadIdx.x & 31, ty = threadIdx.x >> 5;
+  const int r = blockIdx.x * 32 + tx;
+  double acc = 0.0;
+  if (r < 768) {
+    for (int k = ty; k < 328; k += 32) {
+      acc += b0[k * 768 + r];
     }
+  }
+  cs0[ty][tx] = acc;
+  __syncthreads();
+  if (ty == 0 && r < 768) {
+    for (int g = 1; g < 32; g++)
+      acc += cs0[g][tx];
     const float y = (float)acc;
     b1[r] = y;
   }
@@ -1881,7 +1902,7 @@ extern "C" __global__ void __launch_bounds__(256) k140_sum(char *arena, MdlStatu
 // runs:
 //   gemm 88: [8192 x 3072] = [8192 x 768] T[768 x 3072], bf16 A and B, f32 C
 //   k142_gemm__gelu_bwd__sum__cast_partial<<<1020, 256>>>
-//   k142_gemm__gelu_bwd__sum__cast<<<12, 256>>>
+//   k142_gemm__gelu_bwd__sum__cast<<<96, 256>>>
 
 // sum: 3072 outputs over 8192 elements, first partial results over 85 blocks of 97
 extern "C" __global__ void __launch_bounds__(256) k142_gemm__gelu_bwd__sum__cast_partial(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
@@ -1909,16 +1930,24 @@ extern "C" __global__ void __launch_bounds__(256) k142_gemm__gelu_bwd__sum__cast
   }
 }
 
-// sum: the 85 partial results of each output added in order, a thread per output
+// sum: the 85 partial results of each output added, a block per 32 outputs in 8 groups of rows
 extern "C" __global__ void __launch_bounds__(256) k142_gemm__gelu_bwd__sum__cast(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
   double *const b0 = (double *)(arena + o.b[0]); // partial results
   float *const b1 = (float *)(arena + o.b[1]); // sum f32[3072]
-  for (int r = blockIdx.x * blockDim.x + threadIdx.x; r < 3072; r += gridDim.x * blockDim.x) {
-    double acc = 0.0;
-    for (int k = 0; k < 85; k++) {
-      const double v = b0[k * 3072 + r];
-      acc += v;
+  __shared__ double cs0[8][32];
+  const int tx = threadIdx.x & 31, ty = threadIdx.x >> 5;
+  const int r = blockIdx.x * 32 + tx;
+  double acc = 0.0;
+  if (r < 3072) {
+    for (int k = ty; k < 85; k += 8) {
+      acc += b0[k * 3072 + r];
     }
+  }
+  cs0[ty][tx] = acc;
+  __syncthreads();
+  if (ty == 0 && r < 3072) {
+    for (int g = 1; g < 8; g++)
+      acc += cs0[g][tx];
     const float y = (float)acc;
     b1[r] = y;
   }
@@ -1940,7 +1969,7 @@ extern "C" __global__ void __launch_bounds__(256) k142_gemm__gelu_bwd__sum__cast
 //   %591   layernorm_bwd      d.h.11.ln2_b         line 40    f32[768]
 // runs:
 //   k145_layernorm_bwd<<<128, 256>>>
-//   k139_layernorm_bwd__cast_colsum<<<3, 256>>>
+//   k139_layernorm_bwd__cast_colsum<<<24, 1024>>>
 
 // layernorm_bwd: 8192 rows of 768, a warp per row; column partials over 1024 blocks of 8 rows
 extern "C" __global__ void __launch_bounds__(256) k145_layernorm_bwd(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
@@ -2020,7 +2049,7 @@ extern "C" __global__ void __launch_bounds__(256) k145_layernorm_bwd(char *arena
 //   %594   cast                                    line 39    bf16[8192,768]
 // runs:
 //   k146_sum__add__cast_partial<<<984, 256>>>
-//   k140_sum<<<3, 256>>>
+//   k140_sum<<<24, 1024>>>
 
 // sum: 768 outputs over 8192 elements, first partial results over 328 blocks of 25
 extern "C" __global__ void __launch_bounds__(256) k146_sum__add__cast_partial(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
@@ -2455,7 +2484,7 @@ extern "C" __global__ void __launch_bounds__(128) k149_attention_bwd_dkv(char *a
 //   %608   cast                                    line 38    bf16[8192,2304]
 // runs:
 //   k150_sum__slice_bwd__add__cast_partial<<<1017, 256>>>
-//   k150_sum__slice_bwd__add__cast<<<9, 256>>>
+//   k150_sum__slice_bwd__add__cast<<<72, 256>>>
 
 // sum: 2304 outputs over 8192 elements, first partial results over 113 blocks of 73
 extern "C" __global__ void __launch_bounds__(256) k150_sum__slice_bwd__add__cast_partial(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
@@ -2492,16 +2521,24 @@ extern "C" __global__ void __launch_bounds__(256) k150_sum__slice_bwd__add__cast
   }
 }
 
-// sum: the 113 partial results of each output added in order, a thread per output
+// sum: the 113 partial results of each output added, a block per 32 outputs in 8 groups of rows
 extern "C" __global__ void __launch_bounds__(256) k150_sum__slice_bwd__add__cast(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
   double *const b0 = (double *)(arena + o.b[0]); // partial results
   float *const b1 = (float *)(arena + o.b[1]); // sum f32[2304]
-  for (int r = blockIdx.x * blockDim.x + threadIdx.x; r < 2304; r += gridDim.x * blockDim.x) {
-    double acc = 0.0;
-    for (int k = 0; k < 113; k++) {
-      const double v = b0[k * 2304 + r];
-      acc += v;
+  __shared__ double cs0[8][32];
+  const int tx = threadIdx.x & 31, ty = threadIdx.x >> 5;
+  const int r = blockIdx.x * 32 + tx;
+  double acc = 0.0;
+  if (r < 2304) {
+    for (int k = ty; k < 113; k += 8) {
+      acc += b0[k * 2304 + r];
     }
+  }
+  cs0[ty][tx] = acc;
+  __syncthreads();
+  if (ty == 0 && r < 2304) {
+    for (int g = 1; g < 8; g++)
+      acc += cs0[g][tx];
     const float y = (float)acc;
     b1[r] = y;
   }
@@ -2523,7 +2560,7 @@ extern "C" __global__ void __launch_bounds__(256) k150_sum__slice_bwd__add__cast
 //   %615   layernorm_bwd      d.h.11.ln1_b         line 38    f32[768]
 // runs:
 //   k145_layernorm_bwd<<<128, 256>>>
-//   k139_layernorm_bwd__cast_colsum<<<3, 256>>>
+//   k139_layernorm_bwd__cast_colsum<<<24, 1024>>>
 
 // k154_sum__add__cast: kernel, 4 ops
 //   %613   add                d.h.10.x             line 38    f32[8,1024,768]
@@ -2532,7 +2569,7 @@ extern "C" __global__ void __launch_bounds__(256) k150_sum__slice_bwd__add__cast
 //   %618   cast                                    line 40    bf16[8192,768]
 // runs:
 //   k154_sum__add__cast_partial<<<984, 256>>>
-//   k140_sum<<<3, 256>>>
+//   k140_sum<<<24, 1024>>>
 
 // sum: 768 outputs over 8192 elements, first partial results over 328 blocks of 25
 extern "C" __global__ void __launch_bounds__(256) k154_sum__add__cast_partial(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
@@ -2576,7 +2613,7 @@ extern "C" __global__ void __launch_bounds__(256) k154_sum__add__cast_partial(ch
 // runs:
 //   gemm 96: [8192 x 3072] = [8192 x 768] T[768 x 3072], bf16 A and B, f32 C
 //   k142_gemm__gelu_bwd__sum__cast_partial<<<1020, 256>>>
-//   k142_gemm__gelu_bwd__sum__cast<<<12, 256>>>
+//   k142_gemm__gelu_bwd__sum__cast<<<96, 256>>>
 
 // k157_gemm: GEMM, 1 op
 //   %626   matmul                                  line 40    f32[8192,768]
@@ -2594,7 +2631,7 @@ extern "C" __global__ void __launch_bounds__(256) k154_sum__add__cast_partial(ch
 //   %632   layernorm_bwd      d.h.10.ln2_b         line 40    f32[768]
 // runs:
 //   k145_layernorm_bwd<<<128, 256>>>
-//   k139_layernorm_bwd__cast_colsum<<<3, 256>>>
+//   k139_layernorm_bwd__cast_colsum<<<24, 1024>>>
 
 // k160_sum__add__cast: kernel, 4 ops
 //   %630   add                d.h.10.x             line 40    f32[8,1024,768]
@@ -2603,7 +2640,7 @@ extern "C" __global__ void __launch_bounds__(256) k154_sum__add__cast_partial(ch
 //   %635   cast                                    line 39    bf16[8192,768]
 // runs:
 //   k154_sum__add__cast_partial<<<984, 256>>>
-//   k140_sum<<<3, 256>>>
+//   k140_sum<<<24, 1024>>>
 
 // k161_gemm: GEMM, 1 op
 //   %636   matmul                                  line 39    f32[8192,768]
@@ -2635,7 +2672,7 @@ extern "C" __global__ void __launch_bounds__(256) k154_sum__add__cast_partial(ch
 //   %649   cast                                    line 38    bf16[8192,2304]
 // runs:
 //   k150_sum__slice_bwd__add__cast_partial<<<1017, 256>>>
-//   k150_sum__slice_bwd__add__cast<<<9, 256>>>
+//   k150_sum__slice_bwd__add__cast<<<72, 256>>>
 
 // k165_gemm: GEMM, 1 op
 //   %650   matmul                                  line 38    f32[8192,768]
@@ -2653,7 +2690,7 @@ extern "C" __global__ void __launch_bounds__(256) k154_sum__add__cast_partial(ch
 //   %656   layernorm_bwd      d.h.10.ln1_b         line 38    f32[768]
 // runs:
 //   k145_layernorm_bwd<<<128, 256>>>
-//   k139_layernorm_bwd__cast_colsum<<<3, 256>>>
+//   k139_layernorm_bwd__cast_colsum<<<24, 1024>>>
 
 // k168_sum__add__cast: kernel, 4 ops
 //   %654   add                d.h.9.x              line 38    f32[8,1024,768]
@@ -2662,7 +2699,7 @@ extern "C" __global__ void __launch_bounds__(256) k154_sum__add__cast_partial(ch
 //   %659   cast                                    line 40    bf16[8192,768]
 // runs:
 //   k154_sum__add__cast_partial<<<984, 256>>>
-//   k140_sum<<<3, 256>>>
+//   k140_sum<<<24, 1024>>>
 
 // k169_gemm: GEMM, 1 op
 //   %661   matmul             d.h.9.fcproj_w       line 40    f32[3072,768]
@@ -2679,7 +2716,7 @@ extern "C" __global__ void __launch_bounds__(256) k154_sum__add__cast_partial(ch
 // runs:
 //   gemm 104: [8192 x 3072] = [8192 x 768] T[768 x 3072], bf16 A and B, f32 C
 //   k142_gemm__gelu_bwd__sum__cast_partial<<<1020, 256>>>
-//   k142_gemm__gelu_bwd__sum__cast<<<12, 256>>>
+//   k142_gemm__gelu_bwd__sum__cast<<<96, 256>>>
 
 // k171_gemm: GEMM, 1 op
 //   %667   matmul                                  line 40    f32[8192,768]
@@ -2697,7 +2734,7 @@ extern "C" __global__ void __launch_bounds__(256) k154_sum__add__cast_partial(ch
 //   %673   layernorm_bwd      d.h.9.ln2_b          line 40    f32[768]
 // runs:
 //   k145_layernorm_bwd<<<128, 256>>>
-//   k139_layernorm_bwd__cast_colsum<<<3, 256>>>
+//   k139_layernorm_bwd__cast_colsum<<<24, 1024>>>
 
 // k174_sum__add__cast: kernel, 4 ops
 //   %671   add                d.h.9.x              line 40    f32[8,1024,768]
@@ -2706,7 +2743,7 @@ extern "C" __global__ void __launch_bounds__(256) k154_sum__add__cast_partial(ch
 //   %676   cast                                    line 39    bf16[8192,768]
 // runs:
 //   k154_sum__add__cast_partial<<<984, 256>>>
-//   k140_sum<<<3, 256>>>
+//   k140_sum<<<24, 1024>>>
 
 // k175_gemm: GEMM, 1 op
 //   %677   matmul                                  line 39    f32[8192,768]
@@ -2738,7 +2775,7 @@ extern "C" __global__ void __launch_bounds__(256) k154_sum__add__cast_partial(ch
 //   %690   cast                                    line 38    bf16[8192,2304]
 // runs:
 //   k150_sum__slice_bwd__add__cast_partial<<<1017, 256>>>
-//   k150_sum__slice_bwd__add__cast<<<9, 256>>>
+//   k150_sum__slice_bwd__add__cast<<<72, 256>>>
 
 // k179_gemm: GEMM, 1 op
 //   %691   matmul                                  line 38    f32[8192,768]
@@ -2756,7 +2793,7 @@ extern "C" __global__ void __launch_bounds__(256) k154_sum__add__cast_partial(ch
 //   %697   layernorm_bwd      d.h.9.ln1_b          line 38    f32[768]
 // runs:
 //   k145_layernorm_bwd<<<128, 256>>>
-//   k139_layernorm_bwd__cast_colsum<<<3, 256>>>
+//   k139_layernorm_bwd__cast_colsum<<<24, 1024>>>
 
 // k182_sum__add__cast: kernel, 4 ops
 //   %695   add                d.h.8.x              line 38    f32[8,1024,768]
@@ -2765,7 +2802,7 @@ extern "C" __global__ void __launch_bounds__(256) k154_sum__add__cast_partial(ch
 //   %700   cast                                    line 40    bf16[8192,768]
 // runs:
 //   k154_sum__add__cast_partial<<<984, 256>>>
-//   k140_sum<<<3, 256>>>
+//   k140_sum<<<24, 1024>>>
 
 // k183_gemm: GEMM, 1 op
 //   %702   matmul             d.h.8.fcproj_w       line 40    f32[3072,768]
@@ -2782,7 +2819,7 @@ extern "C" __global__ void __launch_bounds__(256) k154_sum__add__cast_partial(ch
 // runs:
 //   gemm 112: [8192 x 3072] = [8192 x 768] T[768 x 3072], bf16 A and B, f32 C
 //   k142_gemm__gelu_bwd__sum__cast_partial<<<1020, 256>>>
-//   k142_gemm__gelu_bwd__sum__cast<<<12, 256>>>
+//   k142_gemm__gelu_bwd__sum__cast<<<96, 256>>>
 
 // k185_gemm: GEMM, 1 op
 //   %708   matmul                                  line 40    f32[8192,768]
@@ -2800,7 +2837,7 @@ extern "C" __global__ void __launch_bounds__(256) k154_sum__add__cast_partial(ch
 //   %714   layernorm_bwd      d.h.8.ln2_b          line 40    f32[768]
 // runs:
 //   k145_layernorm_bwd<<<128, 256>>>
-//   k139_layernorm_bwd__cast_colsum<<<3, 256>>>
+//   k139_layernorm_bwd__cast_colsum<<<24, 1024>>>
 
 // k188_sum__add__cast: kernel, 4 ops
 //   %712   add                d.h.8.x              line 40    f32[8,1024,768]
@@ -2809,7 +2846,7 @@ extern "C" __global__ void __launch_bounds__(256) k154_sum__add__cast_partial(ch
 //   %717   cast                                    line 39    bf16[8192,768]
 // runs:
 //   k154_sum__add__cast_partial<<<984, 256>>>
-//   k140_sum<<<3, 256>>>
+//   k140_sum<<<24, 1024>>>
 
 // k189_gemm: GEMM, 1 op
 //   %718   matmul                                  line 39    f32[8192,768]
@@ -2841,7 +2878,7 @@ extern "C" __global__ void __launch_bounds__(256) k154_sum__add__cast_partial(ch
 //   %731   cast                                    line 38    bf16[8192,2304]
 // runs:
 //   k150_sum__slice_bwd__add__cast_partial<<<1017, 256>>>
-//   k150_sum__slice_bwd__add__cast<<<9, 256>>>
+//   k150_sum__slice_bwd__add__cast<<<72, 256>>>
 
 // k193_gemm: GEMM, 1 op
 //   %732   matmul                                  line 38    f32[8192,768]
@@ -2859,7 +2896,7 @@ extern "C" __global__ void __launch_bounds__(256) k154_sum__add__cast_partial(ch
 //   %738   layernorm_bwd      d.h.8.ln1_b          line 38    f32[768]
 // runs:
 //   k145_layernorm_bwd<<<128, 256>>>
-//   k139_layernorm_bwd__cast_colsum<<<3, 256>>>
+//   k139_layernorm_bwd__cast_colsum<<<24, 1024>>>
 
 // k196_sum__add__cast: kernel, 4 ops
 //   %736   add                d.h.7.x              line 38    f32[8,1024,768]
@@ -2868,7 +2905,7 @@ extern "C" __global__ void __launch_bounds__(256) k154_sum__add__cast_partial(ch
 //   %741   cast                                    line 40    bf16[8192,768]
 // runs:
 //   k154_sum__add__cast_partial<<<984, 256>>>
-//   k140_sum<<<3, 256>>>
+//   k140_sum<<<24, 1024>>>
 
 // k197_gemm: GEMM, 1 op
 //   %743   matmul             d.h.7.fcproj_w       line 40    f32[3072,768]
@@ -2885,7 +2922,7 @@ extern "C" __global__ void __launch_bounds__(256) k154_sum__add__cast_partial(ch
 // runs:
 //   gemm 120: [8192 x 3072] = [8192 x 768] T[768 x 3072], bf16 A and B, f32 C
 //   k142_gemm__gelu_bwd__sum__cast_partial<<<1020, 256>>>
-//   k142_gemm__gelu_bwd__sum__cast<<<12, 256>>>
+//   k142_gemm__gelu_bwd__sum__cast<<<96, 256>>>
 
 // k199_gemm: GEMM, 1 op
 //   %749   matmul                                  line 40    f32[8192,768]
@@ -2903,7 +2940,7 @@ extern "C" __global__ void __launch_bounds__(256) k154_sum__add__cast_partial(ch
 //   %755   layernorm_bwd      d.h.7.ln2_b          line 40    f32[768]
 // runs:
 //   k145_layernorm_bwd<<<128, 256>>>
-//   k139_layernorm_bwd__cast_colsum<<<3, 256>>>
+//   k139_layernorm_bwd__cast_colsum<<<24, 1024>>>
 
 // k202_sum__add__cast: kernel, 4 ops
 //   %753   add                d.h.7.x              line 40    f32[8,1024,768]
@@ -2912,7 +2949,7 @@ extern "C" __global__ void __launch_bounds__(256) k154_sum__add__cast_partial(ch
 //   %758   cast                                    line 39    bf16[8192,768]
 // runs:
 //   k154_sum__add__cast_partial<<<984, 256>>>
-//   k140_sum<<<3, 256>>>
+//   k140_sum<<<24, 1024>>>
 
 // k203_gemm: GEMM, 1 op
 //   %759   matmul                                  line 39    f32[8192,768]
@@ -2944,7 +2981,7 @@ extern "C" __global__ void __launch_bounds__(256) k154_sum__add__cast_partial(ch
 //   %772   cast                                    line 38    bf16[8192,2304]
 // runs:
 //   k150_sum__slice_bwd__add__cast_partial<<<1017, 256>>>
-//   k150_sum__slice_bwd__add__cast<<<9, 256>>>
+//   k150_sum__slice_bwd__add__cast<<<72, 256>>>
 
 // k207_gemm: GEMM, 1 op
 //   %773   matmul                                  line 38    f32[8192,768]
@@ -2962,7 +2999,7 @@ extern "C" __global__ void __launch_bounds__(256) k154_sum__add__cast_partial(ch
 //   %779   layernorm_bwd      d.h.7.ln1_b          line 38    f32[768]
 // runs:
 //   k145_layernorm_bwd<<<128, 256>>>
-//   k139_layernorm_bwd__cast_colsum<<<3, 256>>>
+//   k139_layernorm_bwd__cast_colsum<<<24, 1024>>>
 
 // k210_sum__add__cast: kernel, 4 ops
 //   %777   add                d.h.6.x              line 38    f32[8,1024,768]
@@ -2971,7 +3008,7 @@ extern "C" __global__ void __launch_bounds__(256) k154_sum__add__cast_partial(ch
 //   %782   cast                                    line 40    bf16[8192,768]
 // runs:
 //   k154_sum__add__cast_partial<<<984, 256>>>
-//   k140_sum<<<3, 256>>>
+//   k140_sum<<<24, 1024>>>
 
 // k211_gemm: GEMM, 1 op
 //   %784   matmul             d.h.6.fcproj_w       line 40    f32[3072,768]
@@ -2988,7 +3025,7 @@ extern "C" __global__ void __launch_bounds__(256) k154_sum__add__cast_partial(ch
 // runs:
 //   gemm 128: [8192 x 3072] = [8192 x 768] T[768 x 3072], bf16 A and B, f32 C
 //   k142_gemm__gelu_bwd__sum__cast_partial<<<1020, 256>>>
-//   k142_gemm__gelu_bwd__sum__cast<<<12, 256>>>
+//   k142_gemm__gelu_bwd__sum__cast<<<96, 256>>>
 
 // k213_gemm: GEMM, 1 op
 //   %790   matmul                                  line 40    f32[8192,768]
@@ -3006,7 +3043,7 @@ extern "C" __global__ void __launch_bounds__(256) k154_sum__add__cast_partial(ch
 //   %796   layernorm_bwd      d.h.6.ln2_b          line 40    f32[768]
 // runs:
 //   k145_layernorm_bwd<<<128, 256>>>
-//   k139_layernorm_bwd__cast_colsum<<<3, 256>>>
+//   k139_layernorm_bwd__cast_colsum<<<24, 1024>>>
 
 // k216_sum__add__cast: kernel, 4 ops
 //   %794   add                d.h.6.x              line 40    f32[8,1024,768]
@@ -3015,7 +3052,7 @@ extern "C" __global__ void __launch_bounds__(256) k154_sum__add__cast_partial(ch
 //   %799   cast                                    line 39    bf16[8192,768]
 // runs:
 //   k154_sum__add__cast_partial<<<984, 256>>>
-//   k140_sum<<<3, 256>>>
+//   k140_sum<<<24, 1024>>>
 
 // k217_gemm: GEMM, 1 op
 //   %800   matmul                                  line 39    f32[8192,768]
@@ -3047,7 +3084,7 @@ extern "C" __global__ void __launch_bounds__(256) k154_sum__add__cast_partial(ch
 //   %813   cast                                    line 38    bf16[8192,2304]
 // runs:
 //   k150_sum__slice_bwd__add__cast_partial<<<1017, 256>>>
-//   k150_sum__slice_bwd__add__cast<<<9, 256>>>
+//   k150_sum__slice_bwd__add__cast<<<72, 256>>>
 
 // k221_gemm: GEMM, 1 op
 //   %814   matmul                                  line 38    f32[8192,768]
@@ -3065,7 +3102,7 @@ extern "C" __global__ void __launch_bounds__(256) k154_sum__add__cast_partial(ch
 //   %820   layernorm_bwd      d.h.6.ln1_b          line 38    f32[768]
 // runs:
 //   k145_layernorm_bwd<<<128, 256>>>
-//   k139_layernorm_bwd__cast_colsum<<<3, 256>>>
+//   k139_layernorm_bwd__cast_colsum<<<24, 1024>>>
 
 // k224_sum__add__cast: kernel, 4 ops
 //   %818   add                d.h.5.x              line 38    f32[8,1024,768]
@@ -3074,7 +3111,7 @@ extern "C" __global__ void __launch_bounds__(256) k154_sum__add__cast_partial(ch
 //   %823   cast                                    line 40    bf16[8192,768]
 // runs:
 //   k154_sum__add__cast_partial<<<984, 256>>>
-//   k140_sum<<<3, 256>>>
+//   k140_sum<<<24, 1024>>>
 
 // k225_gemm: GEMM, 1 op
 //   %825   matmul             d.h.5.fcproj_w       line 40    f32[3072,768]
@@ -3091,7 +3128,7 @@ extern "C" __global__ void __launch_bounds__(256) k154_sum__add__cast_partial(ch
 // runs:
 //   gemm 136: [8192 x 3072] = [8192 x 768] T[768 x 3072], bf16 A and B, f32 C
 //   k142_gemm__gelu_bwd__sum__cast_partial<<<1020, 256>>>
-//   k142_gemm__gelu_bwd__sum__cast<<<12, 256>>>
+//   k142_gemm__gelu_bwd__sum__cast<<<96, 256>>>
 
 // k227_gemm: GEMM, 1 op
 //   %831   matmul                                  line 40    f32[8192,768]
@@ -3109,7 +3146,7 @@ extern "C" __global__ void __launch_bounds__(256) k154_sum__add__cast_partial(ch
 //   %837   layernorm_bwd      d.h.5.ln2_b          line 40    f32[768]
 // runs:
 //   k145_layernorm_bwd<<<128, 256>>>
-//   k139_layernorm_bwd__cast_colsum<<<3, 256>>>
+//   k139_layernorm_bwd__cast_colsum<<<24, 1024>>>
 
 // k230_sum__add__cast: kernel, 4 ops
 //   %835   add                d.h.5.x              line 40    f32[8,1024,768]
@@ -3118,7 +3155,7 @@ extern "C" __global__ void __launch_bounds__(256) k154_sum__add__cast_partial(ch
 //   %840   cast                                    line 39    bf16[8192,768]
 // runs:
 //   k154_sum__add__cast_partial<<<984, 256>>>
-//   k140_sum<<<3, 256>>>
+//   k140_sum<<<24, 1024>>>
 
 // k231_gemm: GEMM, 1 op
 //   %841   matmul                                  line 39    f32[8192,768]
@@ -3150,7 +3187,7 @@ extern "C" __global__ void __launch_bounds__(256) k154_sum__add__cast_partial(ch
 //   %854   cast                                    line 38    bf16[8192,2304]
 // runs:
 //   k150_sum__slice_bwd__add__cast_partial<<<1017, 256>>>
-//   k150_sum__slice_bwd__add__cast<<<9, 256>>>
+//   k150_sum__slice_bwd__add__cast<<<72, 256>>>
 
 // k235_gemm: GEMM, 1 op
 //   %855   matmul                                  line 38    f32[8192,768]
@@ -3168,7 +3205,7 @@ extern "C" __global__ void __launch_bounds__(256) k154_sum__add__cast_partial(ch
 //   %861   layernorm_bwd      d.h.5.ln1_b          line 38    f32[768]
 // runs:
 //   k145_layernorm_bwd<<<128, 256>>>
-//   k139_layernorm_bwd__cast_colsum<<<3, 256>>>
+//   k139_layernorm_bwd__cast_colsum<<<24, 1024>>>
 
 // k238_sum__add__cast: kernel, 4 ops
 //   %859   add                d.h.4.x              line 38    f32[8,1024,768]
@@ -3177,7 +3214,7 @@ extern "C" __global__ void __launch_bounds__(256) k154_sum__add__cast_partial(ch
 //   %864   cast                                    line 40    bf16[8192,768]
 // runs:
 //   k154_sum__add__cast_partial<<<984, 256>>>
-//   k140_sum<<<3, 256>>>
+//   k140_sum<<<24, 1024>>>
 
 // k239_gemm: GEMM, 1 op
 //   %866   matmul             d.h.4.fcproj_w       line 40    f32[3072,768]
@@ -3194,7 +3231,7 @@ extern "C" __global__ void __launch_bounds__(256) k154_sum__add__cast_partial(ch
 // runs:
 //   gemm 144: [8192 x 3072] = [8192 x 768] T[768 x 3072], bf16 A and B, f32 C
 //   k142_gemm__gelu_bwd__sum__cast_partial<<<1020, 256>>>
-//   k142_gemm__gelu_bwd__sum__cast<<<12, 256>>>
+//   k142_gemm__gelu_bwd__sum__cast<<<96, 256>>>
 
 // k241_gemm: GEMM, 1 op
 //   %872   matmul                                  line 40    f32[8192,768]
@@ -3212,7 +3249,7 @@ extern "C" __global__ void __launch_bounds__(256) k154_sum__add__cast_partial(ch
 //   %878   layernorm_bwd      d.h.4.ln2_b          line 40    f32[768]
 // runs:
 //   k145_layernorm_bwd<<<128, 256>>>
-//   k139_layernorm_bwd__cast_colsum<<<3, 256>>>
+//   k139_layernorm_bwd__cast_colsum<<<24, 1024>>>
 
 // k244_sum__add__cast: kernel, 4 ops
 //   %876   add                d.h.4.x              line 40    f32[8,1024,768]
@@ -3221,7 +3258,7 @@ extern "C" __global__ void __launch_bounds__(256) k154_sum__add__cast_partial(ch
 //   %881   cast                                    line 39    bf16[8192,768]
 // runs:
 //   k154_sum__add__cast_partial<<<984, 256>>>
-//   k140_sum<<<3, 256>>>
+//   k140_sum<<<24, 1024>>>
 
 // k245_gemm: GEMM, 1 op
 //   %882   matmul                                  line 39    f32[8192,768]
@@ -3253,7 +3290,7 @@ extern "C" __global__ void __launch_bounds__(256) k154_sum__add__cast_partial(ch
 //   %895   cast                                    line 38    bf16[8192,2304]
 // runs:
 //   k150_sum__slice_bwd__add__cast_partial<<<1017, 256>>>
-//   k150_sum__slice_bwd__add__cast<<<9, 256>>>
+//   k150_sum__slice_bwd__add__cast<<<72, 256>>>
 
 // k249_gemm: GEMM, 1 op
 //   %896   matmul                                  line 38    f32[8192,768]
@@ -3271,7 +3308,7 @@ extern "C" __global__ void __launch_bounds__(256) k154_sum__add__cast_partial(ch
 //   %902   layernorm_bwd      d.h.4.ln1_b          line 38    f32[768]
 // runs:
 //   k145_layernorm_bwd<<<128, 256>>>
-//   k139_layernorm_bwd__cast_colsum<<<3, 256>>>
+//   k139_layernorm_bwd__cast_colsum<<<24, 1024>>>
 
 // k252_sum__add__cast: kernel, 4 ops
 //   %900   add                d.h.3.x              line 38    f32[8,1024,768]
@@ -3280,7 +3317,7 @@ extern "C" __global__ void __launch_bounds__(256) k154_sum__add__cast_partial(ch
 //   %905   cast                                    line 40    bf16[8192,768]
 // runs:
 //   k154_sum__add__cast_partial<<<984, 256>>>
-//   k140_sum<<<3, 256>>>
+//   k140_sum<<<24, 1024>>>
 
 // k253_gemm: GEMM, 1 op
 //   %907   matmul             d.h.3.fcproj_w       line 40    f32[3072,768]
@@ -3297,7 +3334,7 @@ extern "C" __global__ void __launch_bounds__(256) k154_sum__add__cast_partial(ch
 // runs:
 //   gemm 152: [8192 x 3072] = [8192 x 768] T[768 x 3072], bf16 A and B, f32 C
 //   k142_gemm__gelu_bwd__sum__cast_partial<<<1020, 256>>>
-//   k142_gemm__gelu_bwd__sum__cast<<<12, 256>>>
+//   k142_gemm__gelu_bwd__sum__cast<<<96, 256>>>
 
 // k255_gemm: GEMM, 1 op
 //   %913   matmul                                  line 40    f32[8192,768]
@@ -3315,7 +3352,7 @@ extern "C" __global__ void __launch_bounds__(256) k154_sum__add__cast_partial(ch
 //   %919   layernorm_bwd      d.h.3.ln2_b          line 40    f32[768]
 // runs:
 //   k145_layernorm_bwd<<<128, 256>>>
-//   k139_layernorm_bwd__cast_colsum<<<3, 256>>>
+//   k139_layernorm_bwd__cast_colsum<<<24, 1024>>>
 
 // k258_sum__add__cast: kernel, 4 ops
 //   %917   add                d.h.3.x              line 40    f32[8,1024,768]
@@ -3324,7 +3361,7 @@ extern "C" __global__ void __launch_bounds__(256) k154_sum__add__cast_partial(ch
 //   %922   cast                                    line 39    bf16[8192,768]
 // runs:
 //   k154_sum__add__cast_partial<<<984, 256>>>
-//   k140_sum<<<3, 256>>>
+//   k140_sum<<<24, 1024>>>
 
 // k259_gemm: GEMM, 1 op
 //   %923   matmul                                  line 39    f32[8192,768]
@@ -3356,7 +3393,7 @@ extern "C" __global__ void __launch_bounds__(256) k154_sum__add__cast_partial(ch
 //   %936   cast                                    line 38    bf16[8192,2304]
 // runs:
 //   k150_sum__slice_bwd__add__cast_partial<<<1017, 256>>>
-//   k150_sum__slice_bwd__add__cast<<<9, 256>>>
+//   k150_sum__slice_bwd__add__cast<<<72, 256>>>
 
 // k263_gemm: GEMM, 1 op
 //   %937   matmul                                  line 38    f32[8192,768]
@@ -3374,7 +3411,7 @@ extern "C" __global__ void __launch_bounds__(256) k154_sum__add__cast_partial(ch
 //   %943   layernorm_bwd      d.h.3.ln1_b          line 38    f32[768]
 // runs:
 //   k145_layernorm_bwd<<<128, 256>>>
-//   k139_layernorm_bwd__cast_colsum<<<3, 256>>>
+//   k139_layernorm_bwd__cast_colsum<<<24, 1024>>>
 
 // k266_sum__add__cast: kernel, 4 ops
 //   %941   add                d.h.2.x              line 38    f32[8,1024,768]
@@ -3383,7 +3420,7 @@ extern "C" __global__ void __launch_bounds__(256) k154_sum__add__cast_partial(ch
 //   %946   cast                                    line 40    bf16[8192,768]
 // runs:
 //   k154_sum__add__cast_partial<<<984, 256>>>
-//   k140_sum<<<3, 256>>>
+//   k140_sum<<<24, 1024>>>
 
 // k267_gemm: GEMM, 1 op
 //   %948   matmul             d.h.2.fcproj_w       line 40    f32[3072,768]
@@ -3400,7 +3437,7 @@ extern "C" __global__ void __launch_bounds__(256) k154_sum__add__cast_partial(ch
 // runs:
 //   gemm 160: [8192 x 3072] = [8192 x 768] T[768 x 3072], bf16 A and B, f32 C
 //   k142_gemm__gelu_bwd__sum__cast_partial<<<1020, 256>>>
-//   k142_gemm__gelu_bwd__sum__cast<<<12, 256>>>
+//   k142_gemm__gelu_bwd__sum__cast<<<96, 256>>>
 
 // k269_gemm: GEMM, 1 op
 //   %954   matmul                                  line 40    f32[8192,768]
@@ -3418,7 +3455,7 @@ extern "C" __global__ void __launch_bounds__(256) k154_sum__add__cast_partial(ch
 //   %960   layernorm_bwd      d.h.2.ln2_b          line 40    f32[768]
 // runs:
 //   k145_layernorm_bwd<<<128, 256>>>
-//   k139_layernorm_bwd__cast_colsum<<<3, 256>>>
+//   k139_layernorm_bwd__cast_colsum<<<24, 1024>>>
 
 // k272_sum__add__cast: kernel, 4 ops
 //   %958   add                d.h.2.x              line 40    f32[8,1024,768]
@@ -3427,7 +3464,7 @@ extern "C" __global__ void __launch_bounds__(256) k154_sum__add__cast_partial(ch
 //   %963   cast                                    line 39    bf16[8192,768]
 // runs:
 //   k154_sum__add__cast_partial<<<984, 256>>>
-//   k140_sum<<<3, 256>>>
+//   k140_sum<<<24, 1024>>>
 
 // k273_gemm: GEMM, 1 op
 //   %964   matmul                                  line 39    f32[8192,768]
@@ -3459,7 +3496,7 @@ extern "C" __global__ void __launch_bounds__(256) k154_sum__add__cast_partial(ch
 //   %977   cast                                    line 38    bf16[8192,2304]
 // runs:
 //   k150_sum__slice_bwd__add__cast_partial<<<1017, 256>>>
-//   k150_sum__slice_bwd__add__cast<<<9, 256>>>
+//   k150_sum__slice_bwd__add__cast<<<72, 256>>>
 
 // k277_gemm: GEMM, 1 op
 //   %978   matmul                                  line 38    f32[8192,768]
@@ -3477,7 +3514,7 @@ extern "C" __global__ void __launch_bounds__(256) k154_sum__add__cast_partial(ch
 //   %984   layernorm_bwd      d.h.2.ln1_b          line 38    f32[768]
 // runs:
 //   k145_layernorm_bwd<<<128, 256>>>
-//   k139_layernorm_bwd__cast_colsum<<<3, 256>>>
+//   k139_layernorm_bwd__cast_colsum<<<24, 1024>>>
 
 // k280_sum__add__cast: kernel, 4 ops
 //   %982   add                d.h.1.x              line 38    f32[8,1024,768]
@@ -3486,7 +3523,7 @@ extern "C" __global__ void __launch_bounds__(256) k154_sum__add__cast_partial(ch
 //   %987   cast                                    line 40    bf16[8192,768]
 // runs:
 //   k154_sum__add__cast_partial<<<984, 256>>>
-//   k140_sum<<<3, 256>>>
+//   k140_sum<<<24, 1024>>>
 
 // k281_gemm: GEMM, 1 op
 //   %989   matmul             d.h.1.fcproj_w       line 40    f32[3072,768]
@@ -3503,7 +3540,7 @@ extern "C" __global__ void __launch_bounds__(256) k154_sum__add__cast_partial(ch
 // runs:
 //   gemm 168: [8192 x 3072] = [8192 x 768] T[768 x 3072], bf16 A and B, f32 C
 //   k142_gemm__gelu_bwd__sum__cast_partial<<<1020, 256>>>
-//   k142_gemm__gelu_bwd__sum__cast<<<12, 256>>>
+//   k142_gemm__gelu_bwd__sum__cast<<<96, 256>>>
 
 // k283_gemm: GEMM, 1 op
 //   %995   matmul                                  line 40    f32[8192,768]
@@ -3521,7 +3558,7 @@ extern "C" __global__ void __launch_bounds__(256) k154_sum__add__cast_partial(ch
 //   %1001  layernorm_bwd      d.h.1.ln2_b          line 40    f32[768]
 // runs:
 //   k145_layernorm_bwd<<<128, 256>>>
-//   k139_layernorm_bwd__cast_colsum<<<3, 256>>>
+//   k139_layernorm_bwd__cast_colsum<<<24, 1024>>>
 
 // k286_sum__add__cast: kernel, 4 ops
 //   %999   add                d.h.1.x              line 40    f32[8,1024,768]
@@ -3530,7 +3567,7 @@ extern "C" __global__ void __launch_bounds__(256) k154_sum__add__cast_partial(ch
 //   %1004  cast                                    line 39    bf16[8192,768]
 // runs:
 //   k154_sum__add__cast_partial<<<984, 256>>>
-//   k140_sum<<<3, 256>>>
+//   k140_sum<<<24, 1024>>>
 
 // k287_gemm: GEMM, 1 op
 //   %1005  matmul                                  line 39    f32[8192,768]
@@ -3562,7 +3599,7 @@ extern "C" __global__ void __launch_bounds__(256) k154_sum__add__cast_partial(ch
 //   %1018  cast                                    line 38    bf16[8192,2304]
 // runs:
 //   k150_sum__slice_bwd__add__cast_partial<<<1017, 256>>>
-//   k150_sum__slice_bwd__add__cast<<<9, 256>>>
+//   k150_sum__slice_bwd__add__cast<<<72, 256>>>
 
 // k291_gemm: GEMM, 1 op
 //   %1019  matmul                                  line 38    f32[8192,768]
@@ -3580,7 +3617,7 @@ extern "C" __global__ void __launch_bounds__(256) k154_sum__add__cast_partial(ch
 //   %1025  layernorm_bwd      d.h.1.ln1_b          line 38    f32[768]
 // runs:
 //   k145_layernorm_bwd<<<128, 256>>>
-//   k139_layernorm_bwd__cast_colsum<<<3, 256>>>
+//   k139_layernorm_bwd__cast_colsum<<<24, 1024>>>
 
 // k294_sum__add__cast: kernel, 4 ops
 //   %1023  add                d.h.0.x              line 38    f32[8,1024,768]
@@ -3589,7 +3626,7 @@ extern "C" __global__ void __launch_bounds__(256) k154_sum__add__cast_partial(ch
 //   %1028  cast                                    line 40    bf16[8192,768]
 // runs:
 //   k154_sum__add__cast_partial<<<984, 256>>>
-//   k140_sum<<<3, 256>>>
+//   k140_sum<<<24, 1024>>>
 
 // k295_gemm: GEMM, 1 op
 //   %1030  matmul             d.h.0.fcproj_w       line 40    f32[3072,768]
@@ -3606,7 +3643,7 @@ extern "C" __global__ void __launch_bounds__(256) k154_sum__add__cast_partial(ch
 // runs:
 //   gemm 176: [8192 x 3072] = [8192 x 768] T[768 x 3072], bf16 A and B, f32 C
 //   k142_gemm__gelu_bwd__sum__cast_partial<<<1020, 256>>>
-//   k142_gemm__gelu_bwd__sum__cast<<<12, 256>>>
+//   k142_gemm__gelu_bwd__sum__cast<<<96, 256>>>
 
 // k297_gemm: GEMM, 1 op
 //   %1036  matmul                                  line 40    f32[8192,768]
@@ -3624,7 +3661,7 @@ extern "C" __global__ void __launch_bounds__(256) k154_sum__add__cast_partial(ch
 //   %1042  layernorm_bwd      d.h.0.ln2_b          line 40    f32[768]
 // runs:
 //   k145_layernorm_bwd<<<128, 256>>>
-//   k139_layernorm_bwd__cast_colsum<<<3, 256>>>
+//   k139_layernorm_bwd__cast_colsum<<<24, 1024>>>
 
 // k300_sum__add__cast: kernel, 4 ops
 //   %1040  add                d.h.0.x              line 40    f32[8,1024,768]
@@ -3633,7 +3670,7 @@ extern "C" __global__ void __launch_bounds__(256) k154_sum__add__cast_partial(ch
 //   %1045  cast                                    line 39    bf16[8192,768]
 // runs:
 //   k154_sum__add__cast_partial<<<984, 256>>>
-//   k140_sum<<<3, 256>>>
+//   k140_sum<<<24, 1024>>>
 
 // k301_gemm: GEMM, 1 op
 //   %1046  matmul                                  line 39    f32[8192,768]
@@ -3665,7 +3702,7 @@ extern "C" __global__ void __launch_bounds__(256) k154_sum__add__cast_partial(ch
 //   %1059  cast                                    line 38    bf16[8192,2304]
 // runs:
 //   k150_sum__slice_bwd__add__cast_partial<<<1017, 256>>>
-//   k150_sum__slice_bwd__add__cast<<<9, 256>>>
+//   k150_sum__slice_bwd__add__cast<<<72, 256>>>
 
 // k305_gemm: GEMM, 1 op
 //   %1060  matmul                                  line 38    f32[8192,768]
@@ -3683,7 +3720,7 @@ extern "C" __global__ void __launch_bounds__(256) k154_sum__add__cast_partial(ch
 //   %1066  layernorm_bwd      d.h.0.ln1_b          line 38    f32[768]
 // runs:
 //   k145_layernorm_bwd<<<128, 256>>>
-//   k139_layernorm_bwd__cast_colsum<<<3, 256>>>
+//   k139_layernorm_bwd__cast_colsum<<<24, 1024>>>
 
 // k308_add: kernel, 1 op
 //   %1064  add                d.x                  line 38    f32[8,1024,768]

@@ -1046,7 +1046,7 @@ extern "C" __global__ void __launch_bounds__(256) k43_mean(char *arena, MdlStatu
 //   %138   cast                                    line 40    bf16[512,64]
 // runs:
 //   k44_rmsnorm_bwd__cast<<<64, 256>>>
-//   k44_rmsnorm_bwd__cast_colsum<<<1, 64>>>
+//   k44_rmsnorm_bwd__cast_colsum<<<2, 1024>>>
 
 // rmsnorm_bwd: 512 rows of 64, a warp per row; column partials over 512 blocks of 1 rows
 extern "C" __global__ void __launch_bounds__(256) k44_rmsnorm_bwd__cast(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
@@ -1110,16 +1110,25 @@ extern "C" __global__ void __launch_bounds__(256) k44_rmsnorm_bwd__cast(char *ar
   }
 }
 
-// rmsnorm_bwd: column sums of 512 blocks of rows, added in order, a thread per column
-extern "C" __global__ void __launch_bounds__(64) k44_rmsnorm_bwd__cast_colsum(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
+// rmsnorm_bwd: column sums of 512 blocks of rows, a block per 32 columns in 32 groups of rows
+extern "C" __global__ void __launch_bounds__(1024) k44_rmsnorm_bwd__cast_colsum(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
   double *const b0 = (double *)(arena + o.b[0]); // dw partials
   float *const b1 = (float *)(arena + o.b[1]); // rmsnorm_bwd f32[64]
-  for (int j = blockIdx.x * blockDim.x + threadIdx.x; j < 64; j += gridDim.x * blockDim.x) {
-    double w = 0;
-    for (int k = 0; k < 512; k++) {
-      w += b0[k * 64 + j];
+  __shared__ double cs0[32][32];
+  const int tx = threadIdx.x & 31, ty = threadIdx.x >> 5;
+  const int r = blockIdx.x * 32 + tx;
+  double w = 0.0;
+  if (r < 64) {
+    for (int k = ty; k < 512; k += 32) {
+      w += b0[k * 64 + r];
     }
-    b1[j] = (float)w;
+  }
+  cs0[ty][tx] = w;
+  __syncthreads();
+  if (ty == 0 && r < 64) {
+    for (int g = 1; g < 32; g++)
+      w += cs0[g][tx];
+    b1[r] = (float)w;
   }
 }
 
@@ -1239,7 +1248,7 @@ extern "C" __global__ void __launch_bounds__(256) k51_gemm__add_epilogue(char *a
 //   %158   rmsnorm_bwd        d.layers.1.mlp_norm  line 39    f32[64]
 // runs:
 //   k52_rmsnorm_bwd<<<64, 256>>>
-//   k44_rmsnorm_bwd__cast_colsum<<<1, 64>>>
+//   k44_rmsnorm_bwd__cast_colsum<<<2, 1024>>>
 
 // rmsnorm_bwd: 512 rows of 64, a warp per row; column partials over 512 blocks of 1 rows
 extern "C" __global__ void __launch_bounds__(256) k52_rmsnorm_bwd(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
@@ -1854,7 +1863,7 @@ extern "C" __global__ void __launch_bounds__(256) k65_gemm__add_epilogue(char *a
 //   %188   rmsnorm_bwd        d.layers.1.attn_norm line 35    f32[64]
 // runs:
 //   k52_rmsnorm_bwd<<<64, 256>>>
-//   k44_rmsnorm_bwd__cast_colsum<<<1, 64>>>
+//   k44_rmsnorm_bwd__cast_colsum<<<2, 1024>>>
 
 // k67_add__cast: kernel, 3 ops
 //   %187   add                d.layers.0.x         line 35    f32[8,64,64]
@@ -1935,7 +1944,7 @@ extern "C" __global__ void __launch_bounds__(256) k67_add__cast(char *arena, Mdl
 //   %210   rmsnorm_bwd        d.layers.0.mlp_norm  line 39    f32[64]
 // runs:
 //   k52_rmsnorm_bwd<<<64, 256>>>
-//   k44_rmsnorm_bwd__cast_colsum<<<1, 64>>>
+//   k44_rmsnorm_bwd__cast_colsum<<<2, 1024>>>
 
 // k76_add__cast: kernel, 3 ops
 //   %209   add                d.layers.0.x         line 39    f32[8,64,64]
@@ -2023,7 +2032,7 @@ extern "C" __global__ void __launch_bounds__(256) k67_add__cast(char *arena, Mdl
 //   %240   rmsnorm_bwd        d.layers.0.attn_norm line 35    f32[64]
 // runs:
 //   k89_rmsnorm_bwd<<<64, 256>>>
-//   k44_rmsnorm_bwd__cast_colsum<<<1, 64>>>
+//   k44_rmsnorm_bwd__cast_colsum<<<2, 1024>>>
 
 // rmsnorm_bwd: 512 rows of 64, a warp per row; column partials over 512 blocks of 1 rows
 extern "C" __global__ void __launch_bounds__(256) k89_rmsnorm_bwd(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
