@@ -2935,13 +2935,18 @@ static void emit_embed(Emit *e, int gi) {
 // token) is not sorted: its blocks scan every id in order.
 enum { EMBED_ROWS = 32, EMBED_SORT = 1024 };
 
-static void emit_embed_bwd(Emit *e, int gi) {
+static void emit_embed_bwd(Emit *e, int gi, const bool *emitted) {
   int a = e->core.groups[gi].mem[0];
   const IrNode *nd = ec_node(&e->core, a);
   int64_t v = nd->shape.d[0], c = nd->shape.d[1], rows = ec_numel(&e->core, nd->in[0]);
   int ids = ec_need(&e->core, nd->in[0]), dy = ec_need(&e->core, nd->in[1]);
   flush(e);
-  if (ec_offset(&e->core, a) < 0)
+  // The chain after it (a tied table's other gradient added, rule 7 of fuse.c) is computed as each
+  // element of the table is stored; the table itself is stored only when something else reads it.
+  int *q = ec_xcalloc((size_t)e->core.g->n, sizeof *q);
+  int nq = ec_post_set(&e->core, gi, ec_numel(&e->core, a), emitted, q);
+  bool buf = whole(e, a) || nq == 0;
+  if (buf && ec_offset(&e->core, a) < 0)
     e->core.scratch[a] = true;
   int vr = EMBED_ROWS, cb = c < BLOCK ? (int)align_up(c, 32) : BLOCK;
   int64_t nvb = (v + vr - 1) / vr, ncb = (c + cb - 1) / cb;
@@ -3024,7 +3029,7 @@ static void emit_embed_bwd(Emit *e, int gi) {
   ec_line(&e->core, "__shared__ float acc[%d][%d];", vr, cb);
   ec_line(&e->core, "__shared__ int sp[%d], so[%d];", EMBED_SORT, EMBED_SORT);
   ip = ptr(e, ids);
-  const char *dp = ptr(e, dy), *tp = ptr(e, a);
+  const char *dp = ptr(e, dy), *tp = buf ? ptr(e, a) : NULL;
   cp = raw_ptr(e, cnt, "int", "bucket counts");
   op = raw_ptr(e, off, "int", "bucket starts");
   pp = raw_ptr(e, pos, "int", "positions by bucket");
@@ -3057,12 +3062,21 @@ static void emit_embed_bwd(Emit *e, int gi) {
   ec_line(&e->core, "  acc[id - v0][threadIdx.x] += %s[r * %lld + c];", dp, (long long)c);
   ec_leave(&e->core);
   ec_leave(&e->core);
-  ec_line(&e->core, "if (c < %lld)", (long long)c);
-  ec_line(&e->core, "  for (int k = 0; k < %d && v0 + k < %lld; k++)", vr, (long long)v);
-  ec_line(&e->core, "    %s[(v0 + k) * %lld + c] = acc[k][threadIdx.x];", tp, (long long)c);
+  ec_enter(&e->core, "if (c < %lld)", (long long)c);
+  ec_enter(&e->core, "for (int k = 0; k < %d && v0 + k < %lld; k++)", vr, (long long)v);
+  ec_line(&e->core, "const %s ix = (v0 + k) * %lld + c;", ixt, (long long)c);
+  ec_line(&e->core, "const float y = acc[k][threadIdx.x];");
+  if (buf)
+    ec_line(&e->core, "%s[ix] = y;", tp);
+  post_inloop(e, a, q, nq, "ix", ec_numel(&e->core, a), "y");
+  ec_leave(&e->core);
+  ec_leave(&e->core);
+  e->loop_ix = NULL;
   kend(e, nvb * ncb, cb);
-  ec_phase_done(&e->core, a);
+  if (buf)
+    ec_phase_done(&e->core, a);
   ec_phase_end(&e->core);
+  free(q);
 }
 
 // ROPE: a thread per (row, head, pair); the angle in double, as the interpreter takes it.
@@ -3330,7 +3344,7 @@ static void emit_group(Emit *e, int gi, const bool *emitted) {
   case OP_SOFTMAX: case OP_SOFTMAX_BWD: emit_softmax(e, gi, emitted); return;
   case OP_ATTENTION: emit_attention(e, gi); return;
   case OP_EMBED: emit_embed(e, gi); return;
-  case OP_EMBED_BWD: emit_embed_bwd(e, gi); return;
+  case OP_EMBED_BWD: emit_embed_bwd(e, gi, emitted); return;
   case OP_ROPE: emit_rope(e, gi); return;
   case OP_MAX_BWD: emit_max_bwd(e, gi); return;
   default: ec_fail(&e->core, "no kernel for %s", op_name(op));

@@ -62,6 +62,8 @@
 //     in an elementwise step (rule 8, so they are evaluated at the input's index while reducing);
 //     then a chain of elementwise consumers of the result with the result's element count, each
 //     reading the previous link at identity and being its only reader; the chain's end is the out.
+//     An EMBED_BWD step of rule 6 grows the same chain: a tied table's gradient (the LM head's part
+//     plus the embedding's) is added as the embedding backward stores each element.
 //  8. Elementwise STEP_KERNEL: the ops NEG EXP LOG TANH SQRT RSQRT RELU GELU SILU DROPOUT ADD SUB
 //     MUL DIV RELU_BWD GELU_BWD SILU_BWD BROADCAST PERMUTE SLICE SLICE_BWD CONCAT RESHAPE over one
 //     iteration space, the root's shape (the root is the last member and the only out). Groups
@@ -681,38 +683,48 @@ static void pull_producers(Fuser *F, int gi, int from) {
     F->bcast[G->m[i]] = false;
 }
 
+// Grows group gi (rooted at r) with the chain of elementwise consumers of r's result: each of the
+// result's element count, reading the previous link at identity and being its only reader.
+static void grow_chain(Fuser *F, int gi, int r) {
+  for (int t = r;;) {
+    int u = only_user(F, t);
+    if (u < 0 || F->grp[u] >= 0 || !is_elementwise(op_of(F, u)))
+      break;
+    IrNode *n = node(F, u);
+    const char *why = NULL;
+    if (!(n->op == OP_RESHAPE || is_unary(n->op) || is_binary(n->op)) || !reads_identity(F, u, t) ||
+        numel(F, u) != numel(F, r))
+      why = arena_printf(F->a, "iteration spaces differ: %s vs %s", shape_text(F, t), shape_text(F, u));
+    for (int k = 0; k < n->nin && !why; k++) {
+      int x = n->in[k];
+      if (F->grp[x] == gi && x != t && (x < r || !shape_eq(node(F, x)->shape, n->shape)))
+        why = "reads a value the reduction consumes";
+    }
+    if (!why && crosses_into_backward(F, r, u))
+      why = "the forward step does not compute backward values";
+    if (!why && F->groups[gi].n >= F->max_group)
+      why = arena_printf(F->a, "group size cap (%d nodes)", F->max_group);
+    if (why) {
+      reject(F, t, u, "%s", why);
+      break;
+    }
+    add_member(F, gi, u);
+    t = u;
+  }
+}
+
 static void rule_reductions(Fuser *F) {
   Graph *g = F->g;
   for (int r = 0; r < g->n; r++) {
+    if (op_of(F, r) == OP_EMBED_BWD && F->grp[r] >= 0 && F->groups[F->grp[r]].n == 1) {
+      grow_chain(F, F->grp[r], r); // the tied table's gradient: lm head's + the embedding's
+      continue;
+    }
     if (!is_reduction(op_of(F, r)) || F->grp[r] >= 0)
       continue;
     int gi = new_group(F, STEP_KERNEL, r);
     pull_producers(F, gi, r);
-    for (int t = r;;) {
-      int u = only_user(F, t);
-      if (u < 0 || F->grp[u] >= 0 || !is_elementwise(op_of(F, u)))
-        break;
-      IrNode *n = node(F, u);
-      const char *why = NULL;
-      if (!(n->op == OP_RESHAPE || is_unary(n->op) || is_binary(n->op)) || !reads_identity(F, u, t) ||
-          numel(F, u) != numel(F, r))
-        why = arena_printf(F->a, "iteration spaces differ: %s vs %s", shape_text(F, t), shape_text(F, u));
-      for (int k = 0; k < n->nin && !why; k++) {
-        int x = n->in[k];
-        if (F->grp[x] == gi && x != t && (x < r || !shape_eq(node(F, x)->shape, n->shape)))
-          why = "reads a value the reduction consumes";
-      }
-      if (!why && crosses_into_backward(F, r, u))
-        why = "the forward step does not compute backward values";
-      if (!why && F->groups[gi].n >= F->max_group)
-        why = arena_printf(F->a, "group size cap (%d nodes)", F->max_group);
-      if (why) {
-        reject(F, t, u, "%s", why);
-        break;
-      }
-      add_member(F, gi, u);
-      t = u;
-    }
+    grow_chain(F, gi, r);
   }
 }
 

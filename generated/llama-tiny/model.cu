@@ -2222,9 +2222,13 @@ extern "C" __global__ void __launch_bounds__(64) k91_embed_bwd(char *arena, MdlS
         acc[id - v0][threadIdx.x] += b1[r * 64 + c];
     }
   }
-  if (c < 64)
-    for (int k = 0; k < 32 && v0 + k < 256; k++)
-      b2[(v0 + k) * 64 + c] = acc[k][threadIdx.x];
+  if (c < 64) {
+    for (int k = 0; k < 32 && v0 + k < 256; k++) {
+      const int ix = (v0 + k) * 64 + c;
+      const float y = acc[k][threadIdx.x];
+      b2[ix] = y;
+    }
+  }
 }
 
 // k92_grad_norm__adamw: optimizer, 22 ops

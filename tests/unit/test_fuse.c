@@ -646,6 +646,17 @@ static void reduction_rule(void) {
         att_cast += t->nodes[c]->op == OP_CAST && h->step_of[c] == h->step_of[i] && !h->materialised[i] &&
                     h->steps[h->step_of[i]].kind == STEP_ATTENTION;
     }
+    // The tied table's gradient: the embedding backward's step adds the LM head's part as it stores
+    // each element, so the embedding's own part is never written.
+    int tied = 0;
+    for (int i = 0; i < t->n; i++)
+      if (t->nodes[i]->op == OP_EMBED_BWD && t->nodes[i]->shape.d[0] == 256) {
+        const Step *es = &h->steps[h->step_of[i]];
+        tied += es->nnodes == 2 && t->nodes[es->nodes[1]]->op == OP_ADD && !h->materialised[i] &&
+                t->nodes[es->nodes[1]]->grad_of >= 0 && !strcmp(es->name + strcspn(es->name, "_"), "_embed_bwd__add");
+      }
+    CHECK(tied == 1, "rule 7: gpt2-tiny: the tied table's gradient adds the LM head's part in the embedding backward",
+          "%d such steps", tied);
     CHECK(att == 2 && att_cast == (bf ? 2 : 0),
           bf ? "rule 9: gpt2-tiny bf16: attention writes its output rounded to bf16, not in f32"
              : "rule 9: gpt2-tiny: attention writes its f32 output",
