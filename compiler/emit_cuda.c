@@ -1741,6 +1741,8 @@ static void emit_ce(Emit *e, int gi) {
   ec_phase_end(&e->core);
 }
 
+enum { LMHEAD_LOGITS = 256 << 20 }; // the most logits of one chunk of the LM head ($MDL_LMHEAD_LOGITS)
+
 // The LM head chunk by chunk: logits rows = x W^T (or x W) into a scratch chunk (a GEMM),
 // cross-entropy and its gradient in place (a kernel), then dx rows = dlogits W (W^T) and
 // dW += dlogits^T x (x^T dlogits) (two GEMMs, the second accumulating from the second chunk on).
@@ -1762,10 +1764,17 @@ static void emit_lmhead(Emit *e, int gi) {
   for (int i = 0; i < 3; i++)
     if (ec_offset(&e->core, outs[i]) < 0)
       e->core.scratch[outs[i]] = true;
-  // Chunks of a multiple of 64 rows, at most 32M logits (128 MB).
-  int64_t rc = (32 << 20) / v / 64 * 64;
-  if (rc < 64)
-    rc = 64;
+  // As few chunks as hold at most 256M logits (1 GiB in f32), of equal multiples of 64 rows. Each
+  // chunk reads W for two GEMMs and reads and writes all of dW once (a GEMM with K = its rows): GPT-2
+  // 124M at B=8, T=1024 takes 2 chunks of 4096 rows, moving 0.8 GB of W and dW where chunks of 640
+  // rows (13) moved 5.9 GB, in GEMMs of a K too small to keep the tensor cores busy.
+  int64_t most = LMHEAD_LOGITS;
+  const char *env = getenv("MDL_LMHEAD_LOGITS"); // fewer, on a GPU short of memory
+  if (env && atoll(env) > 0)
+    most = atoll(env);
+  int64_t nch = (n * v + most - 1) / most;
+  int64_t rc = (n + nch - 1) / nch;
+  rc = (rc + 63) / 64 * 64;
   if (rc > n)
     rc = n;
   // grads: where the kernel writes dlogits and the dx and dW GEMMs read them.

@@ -1603,60 +1603,16 @@ extern "C" __global__ void __launch_bounds__(256) k136_broadcast__mul(char *aren
 //   %569   matmul                                  line 45    f32[8192,768]
 //   %570   matmul                                  line 45    f32[50257,768]
 // runs:
-//   gemm 48: [640 x 50257] = [640 x 768] T[768 x 50257], bf16 A and B, f32 C
-//   k137_lmhead__cross_entropy__cross_entropy_bwd__cast__gemm_ce<<<640, 1024>>>
-//   gemm 49: [640 x 768] = [640 x 50257] [50257 x 768], bf16 A and B, f32 C
-//   gemm 50: [50257 x 768] = T[50257 x 640] [640 x 768], bf16 A and B, f32 C
-//   gemm 51: [640 x 50257] = [640 x 768] T[768 x 50257], bf16 A and B, f32 C
-//   k137_lmhead__cross_entropy__cross_entropy_bwd__cast__gemm_ce<<<640, 1024>>> chunk 640
-//   gemm 52: [640 x 768] = [640 x 50257] [50257 x 768], bf16 A and B, f32 C
-//   gemm 53: [50257 x 768] = T[50257 x 640] [640 x 768] + C, bf16 A and B, f32 C
-//   gemm 54: [640 x 50257] = [640 x 768] T[768 x 50257], bf16 A and B, f32 C
-//   k137_lmhead__cross_entropy__cross_entropy_bwd__cast__gemm_ce<<<640, 1024>>> chunk 1280
-//   gemm 55: [640 x 768] = [640 x 50257] [50257 x 768], bf16 A and B, f32 C
-//   gemm 56: [50257 x 768] = T[50257 x 640] [640 x 768] + C, bf16 A and B, f32 C
-//   gemm 57: [640 x 50257] = [640 x 768] T[768 x 50257], bf16 A and B, f32 C
-//   k137_lmhead__cross_entropy__cross_entropy_bwd__cast__gemm_ce<<<640, 1024>>> chunk 1920
-//   gemm 58: [640 x 768] = [640 x 50257] [50257 x 768], bf16 A and B, f32 C
-//   gemm 59: [50257 x 768] = T[50257 x 640] [640 x 768] + C, bf16 A and B, f32 C
-//   gemm 60: [640 x 50257] = [640 x 768] T[768 x 50257], bf16 A and B, f32 C
-//   k137_lmhead__cross_entropy__cross_entropy_bwd__cast__gemm_ce<<<640, 1024>>> chunk 2560
-//   gemm 61: [640 x 768] = [640 x 50257] [50257 x 768], bf16 A and B, f32 C
-//   gemm 62: [50257 x 768] = T[50257 x 640] [640 x 768] + C, bf16 A and B, f32 C
-//   gemm 63: [640 x 50257] = [640 x 768] T[768 x 50257], bf16 A and B, f32 C
-//   k137_lmhead__cross_entropy__cross_entropy_bwd__cast__gemm_ce<<<640, 1024>>> chunk 3200
-//   gemm 64: [640 x 768] = [640 x 50257] [50257 x 768], bf16 A and B, f32 C
-//   gemm 65: [50257 x 768] = T[50257 x 640] [640 x 768] + C, bf16 A and B, f32 C
-//   gemm 66: [640 x 50257] = [640 x 768] T[768 x 50257], bf16 A and B, f32 C
-//   k137_lmhead__cross_entropy__cross_entropy_bwd__cast__gemm_ce<<<640, 1024>>> chunk 3840
-//   gemm 67: [640 x 768] = [640 x 50257] [50257 x 768], bf16 A and B, f32 C
-//   gemm 68: [50257 x 768] = T[50257 x 640] [640 x 768] + C, bf16 A and B, f32 C
-//   gemm 69: [640 x 50257] = [640 x 768] T[768 x 50257], bf16 A and B, f32 C
-//   k137_lmhead__cross_entropy__cross_entropy_bwd__cast__gemm_ce<<<640, 1024>>> chunk 4480
-//   gemm 70: [640 x 768] = [640 x 50257] [50257 x 768], bf16 A and B, f32 C
-//   gemm 71: [50257 x 768] = T[50257 x 640] [640 x 768] + C, bf16 A and B, f32 C
-//   gemm 72: [640 x 50257] = [640 x 768] T[768 x 50257], bf16 A and B, f32 C
-//   k137_lmhead__cross_entropy__cross_entropy_bwd__cast__gemm_ce<<<640, 1024>>> chunk 5120
-//   gemm 73: [640 x 768] = [640 x 50257] [50257 x 768], bf16 A and B, f32 C
-//   gemm 74: [50257 x 768] = T[50257 x 640] [640 x 768] + C, bf16 A and B, f32 C
-//   gemm 75: [640 x 50257] = [640 x 768] T[768 x 50257], bf16 A and B, f32 C
-//   k137_lmhead__cross_entropy__cross_entropy_bwd__cast__gemm_ce<<<640, 1024>>> chunk 5760
-//   gemm 76: [640 x 768] = [640 x 50257] [50257 x 768], bf16 A and B, f32 C
-//   gemm 77: [50257 x 768] = T[50257 x 640] [640 x 768] + C, bf16 A and B, f32 C
-//   gemm 78: [640 x 50257] = [640 x 768] T[768 x 50257], bf16 A and B, f32 C
-//   k137_lmhead__cross_entropy__cross_entropy_bwd__cast__gemm_ce<<<640, 1024>>> chunk 6400
-//   gemm 79: [640 x 768] = [640 x 50257] [50257 x 768], bf16 A and B, f32 C
-//   gemm 80: [50257 x 768] = T[50257 x 640] [640 x 768] + C, bf16 A and B, f32 C
-//   gemm 81: [640 x 50257] = [640 x 768] T[768 x 50257], bf16 A and B, f32 C
-//   k137_lmhead__cross_entropy__cross_entropy_bwd__cast__gemm_ce<<<640, 1024>>> chunk 7040
-//   gemm 82: [640 x 768] = [640 x 50257] [50257 x 768], bf16 A and B, f32 C
-//   gemm 83: [50257 x 768] = T[50257 x 640] [640 x 768] + C, bf16 A and B, f32 C
-//   gemm 84: [512 x 50257] = [512 x 768] T[768 x 50257], bf16 A and B, f32 C
-//   k137_lmhead__cross_entropy__cross_entropy_bwd__cast__gemm_ce<<<512, 1024>>> chunk 7680
-//   gemm 85: [512 x 768] = [512 x 50257] [50257 x 768], bf16 A and B, f32 C
-//   gemm 86: [50257 x 768] = T[50257 x 512] [512 x 768] + C, bf16 A and B, f32 C
+//   gemm 48: [4096 x 50257] = [4096 x 768] T[768 x 50257], bf16 A and B, f32 C
+//   k137_lmhead__cross_entropy__cross_entropy_bwd__cast__gemm_ce<<<4096, 1024>>>
+//   gemm 49: [4096 x 768] = [4096 x 50257] [50257 x 768], bf16 A and B, f32 C
+//   gemm 50: [50257 x 768] = T[50257 x 4096] [4096 x 768], bf16 A and B, f32 C
+//   gemm 51: [4096 x 50257] = [4096 x 768] T[768 x 50257], bf16 A and B, f32 C
+//   k137_lmhead__cross_entropy__cross_entropy_bwd__cast__gemm_ce<<<4096, 1024>>> chunk 4096
+//   gemm 52: [4096 x 768] = [4096 x 50257] [50257 x 768], bf16 A and B, f32 C
+//   gemm 53: [50257 x 768] = T[50257 x 4096] [4096 x 768] + C, bf16 A and B, f32 C
 
-// LM head: cross-entropy and its gradient of a chunk of at most 640 rows of 50257 classes, the gradient rounded to bf16 into a chunk of its own; chunk = its first row; a block of 1024 threads per row
+// LM head: cross-entropy and its gradient of a chunk of at most 4096 rows of 50257 classes, the gradient rounded to bf16 into a chunk of its own; chunk = its first row; a block of 1024 threads per row
 extern "C" __global__ void __launch_bounds__(1024) k137_lmhead__cross_entropy__cross_entropy_bwd__cast__gemm_ce(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
   float *const b0 = (float *)(arena + o.b[0]); // the chunk's logits
   uint16_t *const b1 = (uint16_t *)(arena + o.b[1]); // the chunk's dlogits, bf16
@@ -1665,7 +1621,7 @@ extern "C" __global__ void __launch_bounds__(1024) k137_lmhead__cross_entropy__c
   int32_t *const b4 = (int32_t *)(arena + o.b[4]); // input i32[8,1024]
   __shared__ double sh_d[32];
   __shared__ float sh_f[32];
-  const int rn = 8192 - chunk < 640 ? 8192 - chunk : 640;
+  const int rn = 8192 - chunk < 4096 ? 8192 - chunk : 4096;
   const int i = blockIdx.x;
   const int tr = threadIdx.x;
   if (i < rn) {
@@ -1890,7 +1846,7 @@ extern "C" __global__ void __launch_bounds__(1024) k140_sum(char *arena, MdlStat
 // k141_gemm: GEMM, 1 op
 //   %579   matmul             d.h.11.fcproj_w      line 40    f32[3072,768]
 // runs:
-//   gemm 87: [3072 x 768] = T[3072 x 8192] [8192 x 768], bf16 A and B, f32 C
+//   gemm 54: [3072 x 768] = T[3072 x 8192] [8192 x 768], bf16 A and B, f32 C
 
 // k142_gemm__gelu_bwd__sum__cast: GEMM, 6 ops
 //   %578   matmul                                  line 40    f32[8192,3072]
@@ -1900,7 +1856,7 @@ extern "C" __global__ void __launch_bounds__(1024) k140_sum(char *arena, MdlStat
 //   %583   sum                d.h.11.fc_b          line 40    f32[3072]
 //   %584   cast                                    line 40    bf16[8192,3072]
 // runs:
-//   gemm 88: [8192 x 3072] = [8192 x 768] T[768 x 3072], bf16 A and B, f32 C
+//   gemm 55: [8192 x 3072] = [8192 x 768] T[768 x 3072], bf16 A and B, f32 C
 //   k142_gemm__gelu_bwd__sum__cast_partial<<<1020, 256>>>
 //   k142_gemm__gelu_bwd__sum__cast<<<96, 256>>>
 
@@ -1956,12 +1912,12 @@ extern "C" __global__ void __launch_bounds__(256) k142_gemm__gelu_bwd__sum__cast
 // k143_gemm: GEMM, 1 op
 //   %585   matmul                                  line 40    f32[8192,768]
 // runs:
-//   gemm 89: [8192 x 768] = [8192 x 3072] T[3072 x 768], bf16 A and B, f32 C
+//   gemm 56: [8192 x 768] = [8192 x 3072] T[3072 x 768], bf16 A and B, f32 C
 
 // k144_gemm: GEMM, 1 op
 //   %586   matmul             d.h.11.fc_w          line 40    f32[768,3072]
 // runs:
-//   gemm 90: [768 x 3072] = T[768 x 8192] [8192 x 3072], bf16 A and B, f32 C
+//   gemm 57: [768 x 3072] = T[768 x 8192] [8192 x 3072], bf16 A and B, f32 C
 
 // k145_layernorm_bwd: kernel, 3 ops
 //   %588   layernorm_bwd                           line 40    f32[8,1024,768]
@@ -2081,12 +2037,12 @@ extern "C" __global__ void __launch_bounds__(256) k146_sum__add__cast_partial(ch
 // k147_gemm: GEMM, 1 op
 //   %595   matmul                                  line 39    f32[8192,768]
 // runs:
-//   gemm 91: [8192 x 768] = [8192 x 768] T[768 x 768], bf16 A and B, f32 C
+//   gemm 58: [8192 x 768] = [8192 x 768] T[768 x 768], bf16 A and B, f32 C
 
 // k148_gemm: GEMM, 1 op
 //   %596   matmul             d.h.11.proj_w        line 39    f32[768,768]
 // runs:
-//   gemm 92: [768 x 768] = T[768 x 8192] [8192 x 768], bf16 A and B, f32 C
+//   gemm 59: [768 x 768] = T[768 x 8192] [8192 x 768], bf16 A and B, f32 C
 
 // k149_attention_bwd: attention, 3 ops
 //   %598   attention_bwd      d.h.11.q             line 39    f32[8,1024,768]
@@ -2547,12 +2503,12 @@ extern "C" __global__ void __launch_bounds__(256) k150_sum__slice_bwd__add__cast
 // k151_gemm: GEMM, 1 op
 //   %609   matmul                                  line 38    f32[8192,768]
 // runs:
-//   gemm 93: [8192 x 768] = [8192 x 2304] T[2304 x 768], bf16 A and B, f32 C
+//   gemm 60: [8192 x 768] = [8192 x 2304] T[2304 x 768], bf16 A and B, f32 C
 
 // k152_gemm: GEMM, 1 op
 //   %610   matmul             d.h.11.attn_w        line 38    f32[768,2304]
 // runs:
-//   gemm 94: [768 x 2304] = T[768 x 8192] [8192 x 2304], bf16 A and B, f32 C
+//   gemm 61: [768 x 2304] = T[768 x 8192] [8192 x 2304], bf16 A and B, f32 C
 
 // k153_layernorm_bwd: kernel, 3 ops
 //   %612   layernorm_bwd                           line 38    f32[8,1024,768]
@@ -2601,7 +2557,7 @@ extern "C" __global__ void __launch_bounds__(256) k154_sum__add__cast_partial(ch
 // k155_gemm: GEMM, 1 op
 //   %620   matmul             d.h.10.fcproj_w      line 40    f32[3072,768]
 // runs:
-//   gemm 95: [3072 x 768] = T[3072 x 8192] [8192 x 768], bf16 A and B, f32 C
+//   gemm 62: [3072 x 768] = T[3072 x 8192] [8192 x 768], bf16 A and B, f32 C
 
 // k156_gemm__gelu_bwd__sum__cast: GEMM, 6 ops
 //   %619   matmul                                  line 40    f32[8192,3072]
@@ -2611,19 +2567,19 @@ extern "C" __global__ void __launch_bounds__(256) k154_sum__add__cast_partial(ch
 //   %624   sum                d.h.10.fc_b          line 40    f32[3072]
 //   %625   cast                                    line 40    bf16[8192,3072]
 // runs:
-//   gemm 96: [8192 x 3072] = [8192 x 768] T[768 x 3072], bf16 A and B, f32 C
+//   gemm 63: [8192 x 3072] = [8192 x 768] T[768 x 3072], bf16 A and B, f32 C
 //   k142_gemm__gelu_bwd__sum__cast_partial<<<1020, 256>>>
 //   k142_gemm__gelu_bwd__sum__cast<<<96, 256>>>
 
 // k157_gemm: GEMM, 1 op
 //   %626   matmul                                  line 40    f32[8192,768]
 // runs:
-//   gemm 97: [8192 x 768] = [8192 x 3072] T[3072 x 768], bf16 A and B, f32 C
+//   gemm 64: [8192 x 768] = [8192 x 3072] T[3072 x 768], bf16 A and B, f32 C
 
 // k158_gemm: GEMM, 1 op
 //   %627   matmul             d.h.10.fc_w          line 40    f32[768,3072]
 // runs:
-//   gemm 98: [768 x 3072] = T[768 x 8192] [8192 x 3072], bf16 A and B, f32 C
+//   gemm 65: [768 x 3072] = T[768 x 8192] [8192 x 3072], bf16 A and B, f32 C
 
 // k159_layernorm_bwd: kernel, 3 ops
 //   %629   layernorm_bwd                           line 40    f32[8,1024,768]
@@ -2645,12 +2601,12 @@ extern "C" __global__ void __launch_bounds__(256) k154_sum__add__cast_partial(ch
 // k161_gemm: GEMM, 1 op
 //   %636   matmul                                  line 39    f32[8192,768]
 // runs:
-//   gemm 99: [8192 x 768] = [8192 x 768] T[768 x 768], bf16 A and B, f32 C
+//   gemm 66: [8192 x 768] = [8192 x 768] T[768 x 768], bf16 A and B, f32 C
 
 // k162_gemm: GEMM, 1 op
 //   %637   matmul             d.h.10.proj_w        line 39    f32[768,768]
 // runs:
-//   gemm 100: [768 x 768] = T[768 x 8192] [8192 x 768], bf16 A and B, f32 C
+//   gemm 67: [768 x 768] = T[768 x 8192] [8192 x 768], bf16 A and B, f32 C
 
 // k163_attention_bwd: attention, 3 ops
 //   %639   attention_bwd      d.h.10.q             line 39    f32[8,1024,768]
@@ -2677,12 +2633,12 @@ extern "C" __global__ void __launch_bounds__(256) k154_sum__add__cast_partial(ch
 // k165_gemm: GEMM, 1 op
 //   %650   matmul                                  line 38    f32[8192,768]
 // runs:
-//   gemm 101: [8192 x 768] = [8192 x 2304] T[2304 x 768], bf16 A and B, f32 C
+//   gemm 68: [8192 x 768] = [8192 x 2304] T[2304 x 768], bf16 A and B, f32 C
 
 // k166_gemm: GEMM, 1 op
 //   %651   matmul             d.h.10.attn_w        line 38    f32[768,2304]
 // runs:
-//   gemm 102: [768 x 2304] = T[768 x 8192] [8192 x 2304], bf16 A and B, f32 C
+//   gemm 69: [768 x 2304] = T[768 x 8192] [8192 x 2304], bf16 A and B, f32 C
 
 // k167_layernorm_bwd: kernel, 3 ops
 //   %653   layernorm_bwd                           line 38    f32[8,1024,768]
@@ -2704,7 +2660,7 @@ extern "C" __global__ void __launch_bounds__(256) k154_sum__add__cast_partial(ch
 // k169_gemm: GEMM, 1 op
 //   %661   matmul             d.h.9.fcproj_w       line 40    f32[3072,768]
 // runs:
-//   gemm 103: [3072 x 768] = T[3072 x 8192] [8192 x 768], bf16 A and B, f32 C
+//   gemm 70: [3072 x 768] = T[3072 x 8192] [8192 x 768], bf16 A and B, f32 C
 
 // k170_gemm__gelu_bwd__sum__cast: GEMM, 6 ops
 //   %660   matmul                                  line 40    f32[8192,3072]
@@ -2714,19 +2670,19 @@ extern "C" __global__ void __launch_bounds__(256) k154_sum__add__cast_partial(ch
 //   %665   sum                d.h.9.fc_b           line 40    f32[3072]
 //   %666   cast                                    line 40    bf16[8192,3072]
 // runs:
-//   gemm 104: [8192 x 3072] = [8192 x 768] T[768 x 3072], bf16 A and B, f32 C
+//   gemm 71: [8192 x 3072] = [8192 x 768] T[768 x 3072], bf16 A and B, f32 C
 //   k142_gemm__gelu_bwd__sum__cast_partial<<<1020, 256>>>
 //   k142_gemm__gelu_bwd__sum__cast<<<96, 256>>>
 
 // k171_gemm: GEMM, 1 op
 //   %667   matmul                                  line 40    f32[8192,768]
 // runs:
-//   gemm 105: [8192 x 768] = [8192 x 3072] T[3072 x 768], bf16 A and B, f32 C
+//   gemm 72: [8192 x 768] = [8192 x 3072] T[3072 x 768], bf16 A and B, f32 C
 
 // k172_gemm: GEMM, 1 op
 //   %668   matmul             d.h.9.fc_w           line 40    f32[768,3072]
 // runs:
-//   gemm 106: [768 x 3072] = T[768 x 8192] [8192 x 3072], bf16 A and B, f32 C
+//   gemm 73: [768 x 3072] = T[768 x 8192] [8192 x 3072], bf16 A and B, f32 C
 
 // k173_layernorm_bwd: kernel, 3 ops
 //   %670   layernorm_bwd                           line 40    f32[8,1024,768]
@@ -2748,12 +2704,12 @@ extern "C" __global__ void __launch_bounds__(256) k154_sum__add__cast_partial(ch
 // k175_gemm: GEMM, 1 op
 //   %677   matmul                                  line 39    f32[8192,768]
 // runs:
-//   gemm 107: [8192 x 768] = [8192 x 768] T[768 x 768], bf16 A and B, f32 C
+//   gemm 74: [8192 x 768] = [8192 x 768] T[768 x 768], bf16 A and B, f32 C
 
 // k176_gemm: GEMM, 1 op
 //   %678   matmul             d.h.9.proj_w         line 39    f32[768,768]
 // runs:
-//   gemm 108: [768 x 768] = T[768 x 8192] [8192 x 768], bf16 A and B, f32 C
+//   gemm 75: [768 x 768] = T[768 x 8192] [8192 x 768], bf16 A and B, f32 C
 
 // k177_attention_bwd: attention, 3 ops
 //   %680   attention_bwd      d.h.9.q              line 39    f32[8,1024,768]
@@ -2780,12 +2736,12 @@ extern "C" __global__ void __launch_bounds__(256) k154_sum__add__cast_partial(ch
 // k179_gemm: GEMM, 1 op
 //   %691   matmul                                  line 38    f32[8192,768]
 // runs:
-//   gemm 109: [8192 x 768] = [8192 x 2304] T[2304 x 768], bf16 A and B, f32 C
+//   gemm 76: [8192 x 768] = [8192 x 2304] T[2304 x 768], bf16 A and B, f32 C
 
 // k180_gemm: GEMM, 1 op
 //   %692   matmul             d.h.9.attn_w         line 38    f32[768,2304]
 // runs:
-//   gemm 110: [768 x 2304] = T[768 x 8192] [8192 x 2304], bf16 A and B, f32 C
+//   gemm 77: [768 x 2304] = T[768 x 8192] [8192 x 2304], bf16 A and B, f32 C
 
 // k181_layernorm_bwd: kernel, 3 ops
 //   %694   layernorm_bwd                           line 38    f32[8,1024,768]
@@ -2807,7 +2763,7 @@ extern "C" __global__ void __launch_bounds__(256) k154_sum__add__cast_partial(ch
 // k183_gemm: GEMM, 1 op
 //   %702   matmul             d.h.8.fcproj_w       line 40    f32[3072,768]
 // runs:
-//   gemm 111: [3072 x 768] = T[3072 x 8192] [8192 x 768], bf16 A and B, f32 C
+//   gemm 78: [3072 x 768] = T[3072 x 8192] [8192 x 768], bf16 A and B, f32 C
 
 // k184_gemm__gelu_bwd__sum__cast: GEMM, 6 ops
 //   %701   matmul                                  line 40    f32[8192,3072]
@@ -2817,19 +2773,19 @@ extern "C" __global__ void __launch_bounds__(256) k154_sum__add__cast_partial(ch
 //   %706   sum                d.h.8.fc_b           line 40    f32[3072]
 //   %707   cast                                    line 40    bf16[8192,3072]
 // runs:
-//   gemm 112: [8192 x 3072] = [8192 x 768] T[768 x 3072], bf16 A and B, f32 C
+//   gemm 79: [8192 x 3072] = [8192 x 768] T[768 x 3072], bf16 A and B, f32 C
 //   k142_gemm__gelu_bwd__sum__cast_partial<<<1020, 256>>>
 //   k142_gemm__gelu_bwd__sum__cast<<<96, 256>>>
 
 // k185_gemm: GEMM, 1 op
 //   %708   matmul                                  line 40    f32[8192,768]
 // runs:
-//   gemm 113: [8192 x 768] = [8192 x 3072] T[3072 x 768], bf16 A and B, f32 C
+//   gemm 80: [8192 x 768] = [8192 x 3072] T[3072 x 768], bf16 A and B, f32 C
 
 // k186_gemm: GEMM, 1 op
 //   %709   matmul             d.h.8.fc_w           line 40    f32[768,3072]
 // runs:
-//   gemm 114: [768 x 3072] = T[768 x 8192] [8192 x 3072], bf16 A and B, f32 C
+//   gemm 81: [768 x 3072] = T[768 x 8192] [8192 x 3072], bf16 A and B, f32 C
 
 // k187_layernorm_bwd: kernel, 3 ops
 //   %711   layernorm_bwd                           line 40    f32[8,1024,768]
@@ -2851,12 +2807,12 @@ extern "C" __global__ void __launch_bounds__(256) k154_sum__add__cast_partial(ch
 // k189_gemm: GEMM, 1 op
 //   %718   matmul                                  line 39    f32[8192,768]
 // runs:
-//   gemm 115: [8192 x 768] = [8192 x 768] T[768 x 768], bf16 A and B, f32 C
+//   gemm 82: [8192 x 768] = [8192 x 768] T[768 x 768], bf16 A and B, f32 C
 
 // k190_gemm: GEMM, 1 op
 //   %719   matmul             d.h.8.proj_w         line 39    f32[768,768]
 // runs:
-//   gemm 116: [768 x 768] = T[768 x 8192] [8192 x 768], bf16 A and B, f32 C
+//   gemm 83: [768 x 768] = T[768 x 8192] [8192 x 768], bf16 A and B, f32 C
 
 // k191_attention_bwd: attention, 3 ops
 //   %721   attention_bwd      d.h.8.q              line 39    f32[8,1024,768]
@@ -2883,12 +2839,12 @@ extern "C" __global__ void __launch_bounds__(256) k154_sum__add__cast_partial(ch
 // k193_gemm: GEMM, 1 op
 //   %732   matmul                                  line 38    f32[8192,768]
 // runs:
-//   gemm 117: [8192 x 768] = [8192 x 2304] T[2304 x 768], bf16 A and B, f32 C
+//   gemm 84: [8192 x 768] = [8192 x 2304] T[2304 x 768], bf16 A and B, f32 C
 
 // k194_gemm: GEMM, 1 op
 //   %733   matmul             d.h.8.attn_w         line 38    f32[768,2304]
 // runs:
-//   gemm 118: [768 x 2304] = T[768 x 8192] [8192 x 2304], bf16 A and B, f32 C
+//   gemm 85: [768 x 2304] = T[768 x 8192] [8192 x 2304], bf16 A and B, f32 C
 
 // k195_layernorm_bwd: kernel, 3 ops
 //   %735   layernorm_bwd                           line 38    f32[8,1024,768]
@@ -2910,7 +2866,7 @@ extern "C" __global__ void __launch_bounds__(256) k154_sum__add__cast_partial(ch
 // k197_gemm: GEMM, 1 op
 //   %743   matmul             d.h.7.fcproj_w       line 40    f32[3072,768]
 // runs:
-//   gemm 119: [3072 x 768] = T[3072 x 8192] [8192 x 768], bf16 A and B, f32 C
+//   gemm 86: [3072 x 768] = T[3072 x 8192] [8192 x 768], bf16 A and B, f32 C
 
 // k198_gemm__gelu_bwd__sum__cast: GEMM, 6 ops
 //   %742   matmul                                  line 40    f32[8192,3072]
@@ -2920,19 +2876,19 @@ extern "C" __global__ void __launch_bounds__(256) k154_sum__add__cast_partial(ch
 //   %747   sum                d.h.7.fc_b           line 40    f32[3072]
 //   %748   cast                                    line 40    bf16[8192,3072]
 // runs:
-//   gemm 120: [8192 x 3072] = [8192 x 768] T[768 x 3072], bf16 A and B, f32 C
+//   gemm 87: [8192 x 3072] = [8192 x 768] T[768 x 3072], bf16 A and B, f32 C
 //   k142_gemm__gelu_bwd__sum__cast_partial<<<1020, 256>>>
 //   k142_gemm__gelu_bwd__sum__cast<<<96, 256>>>
 
 // k199_gemm: GEMM, 1 op
 //   %749   matmul                                  line 40    f32[8192,768]
 // runs:
-//   gemm 121: [8192 x 768] = [8192 x 3072] T[3072 x 768], bf16 A and B, f32 C
+//   gemm 88: [8192 x 768] = [8192 x 3072] T[3072 x 768], bf16 A and B, f32 C
 
 // k200_gemm: GEMM, 1 op
 //   %750   matmul             d.h.7.fc_w           line 40    f32[768,3072]
 // runs:
-//   gemm 122: [768 x 3072] = T[768 x 8192] [8192 x 3072], bf16 A and B, f32 C
+//   gemm 89: [768 x 3072] = T[768 x 8192] [8192 x 3072], bf16 A and B, f32 C
 
 // k201_layernorm_bwd: kernel, 3 ops
 //   %752   layernorm_bwd                           line 40    f32[8,1024,768]
@@ -2954,12 +2910,12 @@ extern "C" __global__ void __launch_bounds__(256) k154_sum__add__cast_partial(ch
 // k203_gemm: GEMM, 1 op
 //   %759   matmul                                  line 39    f32[8192,768]
 // runs:
-//   gemm 123: [8192 x 768] = [8192 x 768] T[768 x 768], bf16 A and B, f32 C
+//   gemm 90: [8192 x 768] = [8192 x 768] T[768 x 768], bf16 A and B, f32 C
 
 // k204_gemm: GEMM, 1 op
 //   %760   matmul             d.h.7.proj_w         line 39    f32[768,768]
 // runs:
-//   gemm 124: [768 x 768] = T[768 x 8192] [8192 x 768], bf16 A and B, f32 C
+//   gemm 91: [768 x 768] = T[768 x 8192] [8192 x 768], bf16 A and B, f32 C
 
 // k205_attention_bwd: attention, 3 ops
 //   %762   attention_bwd      d.h.7.q              line 39    f32[8,1024,768]
@@ -2986,12 +2942,12 @@ extern "C" __global__ void __launch_bounds__(256) k154_sum__add__cast_partial(ch
 // k207_gemm: GEMM, 1 op
 //   %773   matmul                                  line 38    f32[8192,768]
 // runs:
-//   gemm 125: [8192 x 768] = [8192 x 2304] T[2304 x 768], bf16 A and B, f32 C
+//   gemm 92: [8192 x 768] = [8192 x 2304] T[2304 x 768], bf16 A and B, f32 C
 
 // k208_gemm: GEMM, 1 op
 //   %774   matmul             d.h.7.attn_w         line 38    f32[768,2304]
 // runs:
-//   gemm 126: [768 x 2304] = T[768 x 8192] [8192 x 2304], bf16 A and B, f32 C
+//   gemm 93: [768 x 2304] = T[768 x 8192] [8192 x 2304], bf16 A and B, f32 C
 
 // k209_layernorm_bwd: kernel, 3 ops
 //   %776   layernorm_bwd                           line 38    f32[8,1024,768]
@@ -3013,7 +2969,7 @@ extern "C" __global__ void __launch_bounds__(256) k154_sum__add__cast_partial(ch
 // k211_gemm: GEMM, 1 op
 //   %784   matmul             d.h.6.fcproj_w       line 40    f32[3072,768]
 // runs:
-//   gemm 127: [3072 x 768] = T[3072 x 8192] [8192 x 768], bf16 A and B, f32 C
+//   gemm 94: [3072 x 768] = T[3072 x 8192] [8192 x 768], bf16 A and B, f32 C
 
 // k212_gemm__gelu_bwd__sum__cast: GEMM, 6 ops
 //   %783   matmul                                  line 40    f32[8192,3072]
@@ -3023,19 +2979,19 @@ extern "C" __global__ void __launch_bounds__(256) k154_sum__add__cast_partial(ch
 //   %788   sum                d.h.6.fc_b           line 40    f32[3072]
 //   %789   cast                                    line 40    bf16[8192,3072]
 // runs:
-//   gemm 128: [8192 x 3072] = [8192 x 768] T[768 x 3072], bf16 A and B, f32 C
+//   gemm 95: [8192 x 3072] = [8192 x 768] T[768 x 3072], bf16 A and B, f32 C
 //   k142_gemm__gelu_bwd__sum__cast_partial<<<1020, 256>>>
 //   k142_gemm__gelu_bwd__sum__cast<<<96, 256>>>
 
 // k213_gemm: GEMM, 1 op
 //   %790   matmul                                  line 40    f32[8192,768]
 // runs:
-//   gemm 129: [8192 x 768] = [8192 x 3072] T[3072 x 768], bf16 A and B, f32 C
+//   gemm 96: [8192 x 768] = [8192 x 3072] T[3072 x 768], bf16 A and B, f32 C
 
 // k214_gemm: GEMM, 1 op
 //   %791   matmul             d.h.6.fc_w           line 40    f32[768,3072]
 // runs:
-//   gemm 130: [768 x 3072] = T[768 x 8192] [8192 x 3072], bf16 A and B, f32 C
+//   gemm 97: [768 x 3072] = T[768 x 8192] [8192 x 3072], bf16 A and B, f32 C
 
 // k215_layernorm_bwd: kernel, 3 ops
 //   %793   layernorm_bwd                           line 40    f32[8,1024,768]
@@ -3057,12 +3013,12 @@ extern "C" __global__ void __launch_bounds__(256) k154_sum__add__cast_partial(ch
 // k217_gemm: GEMM, 1 op
 //   %800   matmul                                  line 39    f32[8192,768]
 // runs:
-//   gemm 131: [8192 x 768] = [8192 x 768] T[768 x 768], bf16 A and B, f32 C
+//   gemm 98: [8192 x 768] = [8192 x 768] T[768 x 768], bf16 A and B, f32 C
 
 // k218_gemm: GEMM, 1 op
 //   %801   matmul             d.h.6.proj_w         line 39    f32[768,768]
 // runs:
-//   gemm 132: [768 x 768] = T[768 x 8192] [8192 x 768], bf16 A and B, f32 C
+//   gemm 99: [768 x 768] = T[768 x 8192] [8192 x 768], bf16 A and B, f32 C
 
 // k219_attention_bwd: attention, 3 ops
 //   %803   attention_bwd      d.h.6.q              line 39    f32[8,1024,768]
@@ -3089,12 +3045,12 @@ extern "C" __global__ void __launch_bounds__(256) k154_sum__add__cast_partial(ch
 // k221_gemm: GEMM, 1 op
 //   %814   matmul                                  line 38    f32[8192,768]
 // runs:
-//   gemm 133: [8192 x 768] = [8192 x 2304] T[2304 x 768], bf16 A and B, f32 C
+//   gemm 100: [8192 x 768] = [8192 x 2304] T[2304 x 768], bf16 A and B, f32 C
 
 // k222_gemm: GEMM, 1 op
 //   %815   matmul             d.h.6.attn_w         line 38    f32[768,2304]
 // runs:
-//   gemm 134: [768 x 2304] = T[768 x 8192] [8192 x 2304], bf16 A and B, f32 C
+//   gemm 101: [768 x 2304] = T[768 x 8192] [8192 x 2304], bf16 A and B, f32 C
 
 // k223_layernorm_bwd: kernel, 3 ops
 //   %817   layernorm_bwd                           line 38    f32[8,1024,768]
@@ -3116,7 +3072,7 @@ extern "C" __global__ void __launch_bounds__(256) k154_sum__add__cast_partial(ch
 // k225_gemm: GEMM, 1 op
 //   %825   matmul             d.h.5.fcproj_w       line 40    f32[3072,768]
 // runs:
-//   gemm 135: [3072 x 768] = T[3072 x 8192] [8192 x 768], bf16 A and B, f32 C
+//   gemm 102: [3072 x 768] = T[3072 x 8192] [8192 x 768], bf16 A and B, f32 C
 
 // k226_gemm__gelu_bwd__sum__cast: GEMM, 6 ops
 //   %824   matmul                                  line 40    f32[8192,3072]
@@ -3126,19 +3082,19 @@ extern "C" __global__ void __launch_bounds__(256) k154_sum__add__cast_partial(ch
 //   %829   sum                d.h.5.fc_b           line 40    f32[3072]
 //   %830   cast                                    line 40    bf16[8192,3072]
 // runs:
-//   gemm 136: [8192 x 3072] = [8192 x 768] T[768 x 3072], bf16 A and B, f32 C
+//   gemm 103: [8192 x 3072] = [8192 x 768] T[768 x 3072], bf16 A and B, f32 C
 //   k142_gemm__gelu_bwd__sum__cast_partial<<<1020, 256>>>
 //   k142_gemm__gelu_bwd__sum__cast<<<96, 256>>>
 
 // k227_gemm: GEMM, 1 op
 //   %831   matmul                                  line 40    f32[8192,768]
 // runs:
-//   gemm 137: [8192 x 768] = [8192 x 3072] T[3072 x 768], bf16 A and B, f32 C
+//   gemm 104: [8192 x 768] = [8192 x 3072] T[3072 x 768], bf16 A and B, f32 C
 
 // k228_gemm: GEMM, 1 op
 //   %832   matmul             d.h.5.fc_w           line 40    f32[768,3072]
 // runs:
-//   gemm 138: [768 x 3072] = T[768 x 8192] [8192 x 3072], bf16 A and B, f32 C
+//   gemm 105: [768 x 3072] = T[768 x 8192] [8192 x 3072], bf16 A and B, f32 C
 
 // k229_layernorm_bwd: kernel, 3 ops
 //   %834   layernorm_bwd                           line 40    f32[8,1024,768]
@@ -3160,12 +3116,12 @@ extern "C" __global__ void __launch_bounds__(256) k154_sum__add__cast_partial(ch
 // k231_gemm: GEMM, 1 op
 //   %841   matmul                                  line 39    f32[8192,768]
 // runs:
-//   gemm 139: [8192 x 768] = [8192 x 768] T[768 x 768], bf16 A and B, f32 C
+//   gemm 106: [8192 x 768] = [8192 x 768] T[768 x 768], bf16 A and B, f32 C
 
 // k232_gemm: GEMM, 1 op
 //   %842   matmul             d.h.5.proj_w         line 39    f32[768,768]
 // runs:
-//   gemm 140: [768 x 768] = T[768 x 8192] [8192 x 768], bf16 A and B, f32 C
+//   gemm 107: [768 x 768] = T[768 x 8192] [8192 x 768], bf16 A and B, f32 C
 
 // k233_attention_bwd: attention, 3 ops
 //   %844   attention_bwd      d.h.5.q              line 39    f32[8,1024,768]
@@ -3192,12 +3148,12 @@ extern "C" __global__ void __launch_bounds__(256) k154_sum__add__cast_partial(ch
 // k235_gemm: GEMM, 1 op
 //   %855   matmul                                  line 38    f32[8192,768]
 // runs:
-//   gemm 141: [8192 x 768] = [8192 x 2304] T[2304 x 768], bf16 A and B, f32 C
+//   gemm 108: [8192 x 768] = [8192 x 2304] T[2304 x 768], bf16 A and B, f32 C
 
 // k236_gemm: GEMM, 1 op
 //   %856   matmul             d.h.5.attn_w         line 38    f32[768,2304]
 // runs:
-//   gemm 142: [768 x 2304] = T[768 x 8192] [8192 x 2304], bf16 A and B, f32 C
+//   gemm 109: [768 x 2304] = T[768 x 8192] [8192 x 2304], bf16 A and B, f32 C
 
 // k237_layernorm_bwd: kernel, 3 ops
 //   %858   layernorm_bwd                           line 38    f32[8,1024,768]
@@ -3219,7 +3175,7 @@ extern "C" __global__ void __launch_bounds__(256) k154_sum__add__cast_partial(ch
 // k239_gemm: GEMM, 1 op
 //   %866   matmul             d.h.4.fcproj_w       line 40    f32[3072,768]
 // runs:
-//   gemm 143: [3072 x 768] = T[3072 x 8192] [8192 x 768], bf16 A and B, f32 C
+//   gemm 110: [3072 x 768] = T[3072 x 8192] [8192 x 768], bf16 A and B, f32 C
 
 // k240_gemm__gelu_bwd__sum__cast: GEMM, 6 ops
 //   %865   matmul                                  line 40    f32[8192,3072]
@@ -3229,19 +3185,19 @@ extern "C" __global__ void __launch_bounds__(256) k154_sum__add__cast_partial(ch
 //   %870   sum                d.h.4.fc_b           line 40    f32[3072]
 //   %871   cast                                    line 40    bf16[8192,3072]
 // runs:
-//   gemm 144: [8192 x 3072] = [8192 x 768] T[768 x 3072], bf16 A and B, f32 C
+//   gemm 111: [8192 x 3072] = [8192 x 768] T[768 x 3072], bf16 A and B, f32 C
 //   k142_gemm__gelu_bwd__sum__cast_partial<<<1020, 256>>>
 //   k142_gemm__gelu_bwd__sum__cast<<<96, 256>>>
 
 // k241_gemm: GEMM, 1 op
 //   %872   matmul                                  line 40    f32[8192,768]
 // runs:
-//   gemm 145: [8192 x 768] = [8192 x 3072] T[3072 x 768], bf16 A and B, f32 C
+//   gemm 112: [8192 x 768] = [8192 x 3072] T[3072 x 768], bf16 A and B, f32 C
 
 // k242_gemm: GEMM, 1 op
 //   %873   matmul             d.h.4.fc_w           line 40    f32[768,3072]
 // runs:
-//   gemm 146: [768 x 3072] = T[768 x 8192] [8192 x 3072], bf16 A and B, f32 C
+//   gemm 113: [768 x 3072] = T[768 x 8192] [8192 x 3072], bf16 A and B, f32 C
 
 // k243_layernorm_bwd: kernel, 3 ops
 //   %875   layernorm_bwd                           line 40    f32[8,1024,768]
@@ -3263,12 +3219,12 @@ extern "C" __global__ void __launch_bounds__(256) k154_sum__add__cast_partial(ch
 // k245_gemm: GEMM, 1 op
 //   %882   matmul                                  line 39    f32[8192,768]
 // runs:
-//   gemm 147: [8192 x 768] = [8192 x 768] T[768 x 768], bf16 A and B, f32 C
+//   gemm 114: [8192 x 768] = [8192 x 768] T[768 x 768], bf16 A and B, f32 C
 
 // k246_gemm: GEMM, 1 op
 //   %883   matmul             d.h.4.proj_w         line 39    f32[768,768]
 // runs:
-//   gemm 148: [768 x 768] = T[768 x 8192] [8192 x 768], bf16 A and B, f32 C
+//   gemm 115: [768 x 768] = T[768 x 8192] [8192 x 768], bf16 A and B, f32 C
 
 // k247_attention_bwd: attention, 3 ops
 //   %885   attention_bwd      d.h.4.q              line 39    f32[8,1024,768]
@@ -3295,12 +3251,12 @@ extern "C" __global__ void __launch_bounds__(256) k154_sum__add__cast_partial(ch
 // k249_gemm: GEMM, 1 op
 //   %896   matmul                                  line 38    f32[8192,768]
 // runs:
-//   gemm 149: [8192 x 768] = [8192 x 2304] T[2304 x 768], bf16 A and B, f32 C
+//   gemm 116: [8192 x 768] = [8192 x 2304] T[2304 x 768], bf16 A and B, f32 C
 
 // k250_gemm: GEMM, 1 op
 //   %897   matmul             d.h.4.attn_w         line 38    f32[768,2304]
 // runs:
-//   gemm 150: [768 x 2304] = T[768 x 8192] [8192 x 2304], bf16 A and B, f32 C
+//   gemm 117: [768 x 2304] = T[768 x 8192] [8192 x 2304], bf16 A and B, f32 C
 
 // k251_layernorm_bwd: kernel, 3 ops
 //   %899   layernorm_bwd                           line 38    f32[8,1024,768]
@@ -3322,7 +3278,7 @@ extern "C" __global__ void __launch_bounds__(256) k154_sum__add__cast_partial(ch
 // k253_gemm: GEMM, 1 op
 //   %907   matmul             d.h.3.fcproj_w       line 40    f32[3072,768]
 // runs:
-//   gemm 151: [3072 x 768] = T[3072 x 8192] [8192 x 768], bf16 A and B, f32 C
+//   gemm 118: [3072 x 768] = T[3072 x 8192] [8192 x 768], bf16 A and B, f32 C
 
 // k254_gemm__gelu_bwd__sum__cast: GEMM, 6 ops
 //   %906   matmul                                  line 40    f32[8192,3072]
@@ -3332,19 +3288,19 @@ extern "C" __global__ void __launch_bounds__(256) k154_sum__add__cast_partial(ch
 //   %911   sum                d.h.3.fc_b           line 40    f32[3072]
 //   %912   cast                                    line 40    bf16[8192,3072]
 // runs:
-//   gemm 152: [8192 x 3072] = [8192 x 768] T[768 x 3072], bf16 A and B, f32 C
+//   gemm 119: [8192 x 3072] = [8192 x 768] T[768 x 3072], bf16 A and B, f32 C
 //   k142_gemm__gelu_bwd__sum__cast_partial<<<1020, 256>>>
 //   k142_gemm__gelu_bwd__sum__cast<<<96, 256>>>
 
 // k255_gemm: GEMM, 1 op
 //   %913   matmul                                  line 40    f32[8192,768]
 // runs:
-//   gemm 153: [8192 x 768] = [8192 x 3072] T[3072 x 768], bf16 A and B, f32 C
+//   gemm 120: [8192 x 768] = [8192 x 3072] T[3072 x 768], bf16 A and B, f32 C
 
 // k256_gemm: GEMM, 1 op
 //   %914   matmul             d.h.3.fc_w           line 40    f32[768,3072]
 // runs:
-//   gemm 154: [768 x 3072] = T[768 x 8192] [8192 x 3072], bf16 A and B, f32 C
+//   gemm 121: [768 x 3072] = T[768 x 8192] [8192 x 3072], bf16 A and B, f32 C
 
 // k257_layernorm_bwd: kernel, 3 ops
 //   %916   layernorm_bwd                           line 40    f32[8,1024,768]
@@ -3366,12 +3322,12 @@ extern "C" __global__ void __launch_bounds__(256) k154_sum__add__cast_partial(ch
 // k259_gemm: GEMM, 1 op
 //   %923   matmul                                  line 39    f32[8192,768]
 // runs:
-//   gemm 155: [8192 x 768] = [8192 x 768] T[768 x 768], bf16 A and B, f32 C
+//   gemm 122: [8192 x 768] = [8192 x 768] T[768 x 768], bf16 A and B, f32 C
 
 // k260_gemm: GEMM, 1 op
 //   %924   matmul             d.h.3.proj_w         line 39    f32[768,768]
 // runs:
-//   gemm 156: [768 x 768] = T[768 x 8192] [8192 x 768], bf16 A and B, f32 C
+//   gemm 123: [768 x 768] = T[768 x 8192] [8192 x 768], bf16 A and B, f32 C
 
 // k261_attention_bwd: attention, 3 ops
 //   %926   attention_bwd      d.h.3.q              line 39    f32[8,1024,768]
@@ -3398,12 +3354,12 @@ extern "C" __global__ void __launch_bounds__(256) k154_sum__add__cast_partial(ch
 // k263_gemm: GEMM, 1 op
 //   %937   matmul                                  line 38    f32[8192,768]
 // runs:
-//   gemm 157: [8192 x 768] = [8192 x 2304] T[2304 x 768], bf16 A and B, f32 C
+//   gemm 124: [8192 x 768] = [8192 x 2304] T[2304 x 768], bf16 A and B, f32 C
 
 // k264_gemm: GEMM, 1 op
 //   %938   matmul             d.h.3.attn_w         line 38    f32[768,2304]
 // runs:
-//   gemm 158: [768 x 2304] = T[768 x 8192] [8192 x 2304], bf16 A and B, f32 C
+//   gemm 125: [768 x 2304] = T[768 x 8192] [8192 x 2304], bf16 A and B, f32 C
 
 // k265_layernorm_bwd: kernel, 3 ops
 //   %940   layernorm_bwd                           line 38    f32[8,1024,768]
@@ -3425,7 +3381,7 @@ extern "C" __global__ void __launch_bounds__(256) k154_sum__add__cast_partial(ch
 // k267_gemm: GEMM, 1 op
 //   %948   matmul             d.h.2.fcproj_w       line 40    f32[3072,768]
 // runs:
-//   gemm 159: [3072 x 768] = T[3072 x 8192] [8192 x 768], bf16 A and B, f32 C
+//   gemm 126: [3072 x 768] = T[3072 x 8192] [8192 x 768], bf16 A and B, f32 C
 
 // k268_gemm__gelu_bwd__sum__cast: GEMM, 6 ops
 //   %947   matmul                                  line 40    f32[8192,3072]
@@ -3435,19 +3391,19 @@ extern "C" __global__ void __launch_bounds__(256) k154_sum__add__cast_partial(ch
 //   %952   sum                d.h.2.fc_b           line 40    f32[3072]
 //   %953   cast                                    line 40    bf16[8192,3072]
 // runs:
-//   gemm 160: [8192 x 3072] = [8192 x 768] T[768 x 3072], bf16 A and B, f32 C
+//   gemm 127: [8192 x 3072] = [8192 x 768] T[768 x 3072], bf16 A and B, f32 C
 //   k142_gemm__gelu_bwd__sum__cast_partial<<<1020, 256>>>
 //   k142_gemm__gelu_bwd__sum__cast<<<96, 256>>>
 
 // k269_gemm: GEMM, 1 op
 //   %954   matmul                                  line 40    f32[8192,768]
 // runs:
-//   gemm 161: [8192 x 768] = [8192 x 3072] T[3072 x 768], bf16 A and B, f32 C
+//   gemm 128: [8192 x 768] = [8192 x 3072] T[3072 x 768], bf16 A and B, f32 C
 
 // k270_gemm: GEMM, 1 op
 //   %955   matmul             d.h.2.fc_w           line 40    f32[768,3072]
 // runs:
-//   gemm 162: [768 x 3072] = T[768 x 8192] [8192 x 3072], bf16 A and B, f32 C
+//   gemm 129: [768 x 3072] = T[768 x 8192] [8192 x 3072], bf16 A and B, f32 C
 
 // k271_layernorm_bwd: kernel, 3 ops
 //   %957   layernorm_bwd                           line 40    f32[8,1024,768]
@@ -3469,12 +3425,12 @@ extern "C" __global__ void __launch_bounds__(256) k154_sum__add__cast_partial(ch
 // k273_gemm: GEMM, 1 op
 //   %964   matmul                                  line 39    f32[8192,768]
 // runs:
-//   gemm 163: [8192 x 768] = [8192 x 768] T[768 x 768], bf16 A and B, f32 C
+//   gemm 130: [8192 x 768] = [8192 x 768] T[768 x 768], bf16 A and B, f32 C
 
 // k274_gemm: GEMM, 1 op
 //   %965   matmul             d.h.2.proj_w         line 39    f32[768,768]
 // runs:
-//   gemm 164: [768 x 768] = T[768 x 8192] [8192 x 768], bf16 A and B, f32 C
+//   gemm 131: [768 x 768] = T[768 x 8192] [8192 x 768], bf16 A and B, f32 C
 
 // k275_attention_bwd: attention, 3 ops
 //   %967   attention_bwd      d.h.2.q              line 39    f32[8,1024,768]
@@ -3501,12 +3457,12 @@ extern "C" __global__ void __launch_bounds__(256) k154_sum__add__cast_partial(ch
 // k277_gemm: GEMM, 1 op
 //   %978   matmul                                  line 38    f32[8192,768]
 // runs:
-//   gemm 165: [8192 x 768] = [8192 x 2304] T[2304 x 768], bf16 A and B, f32 C
+//   gemm 132: [8192 x 768] = [8192 x 2304] T[2304 x 768], bf16 A and B, f32 C
 
 // k278_gemm: GEMM, 1 op
 //   %979   matmul             d.h.2.attn_w         line 38    f32[768,2304]
 // runs:
-//   gemm 166: [768 x 2304] = T[768 x 8192] [8192 x 2304], bf16 A and B, f32 C
+//   gemm 133: [768 x 2304] = T[768 x 8192] [8192 x 2304], bf16 A and B, f32 C
 
 // k279_layernorm_bwd: kernel, 3 ops
 //   %981   layernorm_bwd                           line 38    f32[8,1024,768]
@@ -3528,7 +3484,7 @@ extern "C" __global__ void __launch_bounds__(256) k154_sum__add__cast_partial(ch
 // k281_gemm: GEMM, 1 op
 //   %989   matmul             d.h.1.fcproj_w       line 40    f32[3072,768]
 // runs:
-//   gemm 167: [3072 x 768] = T[3072 x 8192] [8192 x 768], bf16 A and B, f32 C
+//   gemm 134: [3072 x 768] = T[3072 x 8192] [8192 x 768], bf16 A and B, f32 C
 
 // k282_gemm__gelu_bwd__sum__cast: GEMM, 6 ops
 //   %988   matmul                                  line 40    f32[8192,3072]
@@ -3538,19 +3494,19 @@ extern "C" __global__ void __launch_bounds__(256) k154_sum__add__cast_partial(ch
 //   %993   sum                d.h.1.fc_b           line 40    f32[3072]
 //   %994   cast                                    line 40    bf16[8192,3072]
 // runs:
-//   gemm 168: [8192 x 3072] = [8192 x 768] T[768 x 3072], bf16 A and B, f32 C
+//   gemm 135: [8192 x 3072] = [8192 x 768] T[768 x 3072], bf16 A and B, f32 C
 //   k142_gemm__gelu_bwd__sum__cast_partial<<<1020, 256>>>
 //   k142_gemm__gelu_bwd__sum__cast<<<96, 256>>>
 
 // k283_gemm: GEMM, 1 op
 //   %995   matmul                                  line 40    f32[8192,768]
 // runs:
-//   gemm 169: [8192 x 768] = [8192 x 3072] T[3072 x 768], bf16 A and B, f32 C
+//   gemm 136: [8192 x 768] = [8192 x 3072] T[3072 x 768], bf16 A and B, f32 C
 
 // k284_gemm: GEMM, 1 op
 //   %996   matmul             d.h.1.fc_w           line 40    f32[768,3072]
 // runs:
-//   gemm 170: [768 x 3072] = T[768 x 8192] [8192 x 3072], bf16 A and B, f32 C
+//   gemm 137: [768 x 3072] = T[768 x 8192] [8192 x 3072], bf16 A and B, f32 C
 
 // k285_layernorm_bwd: kernel, 3 ops
 //   %998   layernorm_bwd                           line 40    f32[8,1024,768]
@@ -3572,12 +3528,12 @@ extern "C" __global__ void __launch_bounds__(256) k154_sum__add__cast_partial(ch
 // k287_gemm: GEMM, 1 op
 //   %1005  matmul                                  line 39    f32[8192,768]
 // runs:
-//   gemm 171: [8192 x 768] = [8192 x 768] T[768 x 768], bf16 A and B, f32 C
+//   gemm 138: [8192 x 768] = [8192 x 768] T[768 x 768], bf16 A and B, f32 C
 
 // k288_gemm: GEMM, 1 op
 //   %1006  matmul             d.h.1.proj_w         line 39    f32[768,768]
 // runs:
-//   gemm 172: [768 x 768] = T[768 x 8192] [8192 x 768], bf16 A and B, f32 C
+//   gemm 139: [768 x 768] = T[768 x 8192] [8192 x 768], bf16 A and B, f32 C
 
 // k289_attention_bwd: attention, 3 ops
 //   %1008  attention_bwd      d.h.1.q              line 39    f32[8,1024,768]
@@ -3604,12 +3560,12 @@ extern "C" __global__ void __launch_bounds__(256) k154_sum__add__cast_partial(ch
 // k291_gemm: GEMM, 1 op
 //   %1019  matmul                                  line 38    f32[8192,768]
 // runs:
-//   gemm 173: [8192 x 768] = [8192 x 2304] T[2304 x 768], bf16 A and B, f32 C
+//   gemm 140: [8192 x 768] = [8192 x 2304] T[2304 x 768], bf16 A and B, f32 C
 
 // k292_gemm: GEMM, 1 op
 //   %1020  matmul             d.h.1.attn_w         line 38    f32[768,2304]
 // runs:
-//   gemm 174: [768 x 2304] = T[768 x 8192] [8192 x 2304], bf16 A and B, f32 C
+//   gemm 141: [768 x 2304] = T[768 x 8192] [8192 x 2304], bf16 A and B, f32 C
 
 // k293_layernorm_bwd: kernel, 3 ops
 //   %1022  layernorm_bwd                           line 38    f32[8,1024,768]
@@ -3631,7 +3587,7 @@ extern "C" __global__ void __launch_bounds__(256) k154_sum__add__cast_partial(ch
 // k295_gemm: GEMM, 1 op
 //   %1030  matmul             d.h.0.fcproj_w       line 40    f32[3072,768]
 // runs:
-//   gemm 175: [3072 x 768] = T[3072 x 8192] [8192 x 768], bf16 A and B, f32 C
+//   gemm 142: [3072 x 768] = T[3072 x 8192] [8192 x 768], bf16 A and B, f32 C
 
 // k296_gemm__gelu_bwd__sum__cast: GEMM, 6 ops
 //   %1029  matmul                                  line 40    f32[8192,3072]
@@ -3641,19 +3597,19 @@ extern "C" __global__ void __launch_bounds__(256) k154_sum__add__cast_partial(ch
 //   %1034  sum                d.h.0.fc_b           line 40    f32[3072]
 //   %1035  cast                                    line 40    bf16[8192,3072]
 // runs:
-//   gemm 176: [8192 x 3072] = [8192 x 768] T[768 x 3072], bf16 A and B, f32 C
+//   gemm 143: [8192 x 3072] = [8192 x 768] T[768 x 3072], bf16 A and B, f32 C
 //   k142_gemm__gelu_bwd__sum__cast_partial<<<1020, 256>>>
 //   k142_gemm__gelu_bwd__sum__cast<<<96, 256>>>
 
 // k297_gemm: GEMM, 1 op
 //   %1036  matmul                                  line 40    f32[8192,768]
 // runs:
-//   gemm 177: [8192 x 768] = [8192 x 3072] T[3072 x 768], bf16 A and B, f32 C
+//   gemm 144: [8192 x 768] = [8192 x 3072] T[3072 x 768], bf16 A and B, f32 C
 
 // k298_gemm: GEMM, 1 op
 //   %1037  matmul             d.h.0.fc_w           line 40    f32[768,3072]
 // runs:
-//   gemm 178: [768 x 3072] = T[768 x 8192] [8192 x 3072], bf16 A and B, f32 C
+//   gemm 145: [768 x 3072] = T[768 x 8192] [8192 x 3072], bf16 A and B, f32 C
 
 // k299_layernorm_bwd: kernel, 3 ops
 //   %1039  layernorm_bwd                           line 40    f32[8,1024,768]
@@ -3675,12 +3631,12 @@ extern "C" __global__ void __launch_bounds__(256) k154_sum__add__cast_partial(ch
 // k301_gemm: GEMM, 1 op
 //   %1046  matmul                                  line 39    f32[8192,768]
 // runs:
-//   gemm 179: [8192 x 768] = [8192 x 768] T[768 x 768], bf16 A and B, f32 C
+//   gemm 146: [8192 x 768] = [8192 x 768] T[768 x 768], bf16 A and B, f32 C
 
 // k302_gemm: GEMM, 1 op
 //   %1047  matmul             d.h.0.proj_w         line 39    f32[768,768]
 // runs:
-//   gemm 180: [768 x 768] = T[768 x 8192] [8192 x 768], bf16 A and B, f32 C
+//   gemm 147: [768 x 768] = T[768 x 8192] [8192 x 768], bf16 A and B, f32 C
 
 // k303_attention_bwd: attention, 3 ops
 //   %1049  attention_bwd      d.h.0.q              line 39    f32[8,1024,768]
@@ -3707,12 +3663,12 @@ extern "C" __global__ void __launch_bounds__(256) k154_sum__add__cast_partial(ch
 // k305_gemm: GEMM, 1 op
 //   %1060  matmul                                  line 38    f32[8192,768]
 // runs:
-//   gemm 181: [8192 x 768] = [8192 x 2304] T[2304 x 768], bf16 A and B, f32 C
+//   gemm 148: [8192 x 768] = [8192 x 2304] T[2304 x 768], bf16 A and B, f32 C
 
 // k306_gemm: GEMM, 1 op
 //   %1061  matmul             d.h.0.attn_w         line 38    f32[768,2304]
 // runs:
-//   gemm 182: [768 x 2304] = T[768 x 8192] [8192 x 2304], bf16 A and B, f32 C
+//   gemm 149: [768 x 2304] = T[768 x 8192] [8192 x 2304], bf16 A and B, f32 C
 
 // k307_layernorm_bwd: kernel, 3 ops
 //   %1063  layernorm_bwd                           line 38    f32[8,1024,768]
@@ -4499,4 +4455,4 @@ extern "C" __global__ void __launch_bounds__(256) k311_grad_norm__adamw(char *ar
   }
 }
 
-// Schedule: 518 launches per step, 335 kernels (43 distinct) and 183 GEMMs; device arena 6423462400 bytes.
+// Schedule: 474 launches per step, 324 kernels (43 distinct) and 150 GEMMs; device arena 7465591552 bytes.

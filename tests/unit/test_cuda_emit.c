@@ -1129,6 +1129,45 @@ static void test_attention_alone(const char *dir) {
   }
 }
 
+// The LM head in two chunks (64 rows, then 16), as GPT-2 124M runs it (2 of 4096): llama-tiny with
+// at most 16384 logits a chunk ($MDL_LMHEAD_LOGITS). The dW GEMM of the second chunk accumulates.
+static void test_lmhead_chunks(const char *dir) {
+  FILE *fp = fopen("models/llama-tiny.mdl", "rb");
+  static char text[1 << 16];
+  size_t len = fp ? fread(text, 1, sizeof text - 1, fp) : 0;
+  if (fp)
+    fclose(fp);
+  text[len] = 0;
+  CHECK(len > 0, "cuda lm head chunks: models/llama-tiny.mdl reads", "no model");
+  if (!len)
+    return;
+  Model md = {"llama-tiny-chunked.mdl", {{"B", 1}, {"T", 80}}, 2, text};
+  setenv("MDL_LMHEAD_LOGITS", "16384", 1);
+  Arena *a = arena_new();
+  Graph *g = load(a, &md, DT_BF16);
+  Fusion *f = g ? fuse(g, (FuseOptions){.fuse = true, .chunk_lmhead = true}) : NULL;
+  CudaPlan *p = f ? emit_cuda_plan(f, memplan(f), md.path) : NULL;
+  int ce = 0, dw = 0, acc = 0, lm = -1;
+  for (int s = 0; f && s < f->nsteps; s++)
+    if (f->steps[s].kind == STEP_LMHEAD)
+      lm = s;
+  for (int i = 0; p && i < p->nlaunches; i++) {
+    const CudaLaunch *l = &p->launches[i];
+    ce += l->kernel && strstr(l->kernel, "lmhead") && strstr(l->kernel, "_ce");
+    const CudaGemm *gm = l->kernel ? NULL : &p->gemms[l->gemm];
+    bool w = gm && gm->step == lm && gm->m * gm->n == 256 * 64 && gm->ta;
+    dw += w; // dW = x^T dlogits: [C x V], K = the chunk's rows
+    acc += w && gm->beta == 1.0f;
+  }
+  CHECK(ce == 2 && dw == 2 && acc == 1, "cuda lm head chunks: 80 rows of 256 logits in 2 chunks (a cross-entropy "
+        "kernel and a dW GEMM each, the second accumulating)", "%d cross-entropy launches, %d dW GEMMs (%d "
+        "accumulating)", ce, dw, acc);
+  arena_free(a);
+  test_emulation(&md, true, DT_F32, dir);
+  test_emulation(&md, true, DT_BF16, dir);
+  unsetenv("MDL_LMHEAD_LOGITS");
+}
+
 int main(void) {
   char dir[] = "/tmp/mdl-cuda-XXXXXX";
   if (!mkdtemp(dir)) {
@@ -1159,6 +1198,7 @@ int main(void) {
         for (int fz = 1; fz >= ((pr && i >= 3) || i >= 5 ? 1 : 0); fz--)
           test_emulation(&models[i], fz, pr ? DT_BF16 : DT_F32, dir);
     test_attention_alone(dir);
+    test_lmhead_chunks(dir);
   } else {
     printf("[skip] cuda emu: no g++\n");
   }
