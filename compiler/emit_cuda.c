@@ -15,8 +15,9 @@
 //     when the count is a multiple of 4 (arena offsets are 64-byte aligned);
 //   - row-wise ops (layernorm / rmsnorm forward and backward, softmax, cross-entropy): a warp per
 //     row, or a block for rows longer than 1024, the row in registers, shuffle reductions;
-//   - column sums (norm dw / db, reductions over an outer axis): per-block partial sums, then one
-//     thread per column adds them in block order: deterministic, no atomics;
+//   - column sums (norm dw / db, reductions over an outer axis): per-block partial sums, then a
+//     block per 32 columns adds them in groups of rows, in a fixed order (colsum_open):
+//     deterministic, no atomics;
 //   - attention: flash-style, one block per (batch, head, tile of queries), keys and values in
 //     tiles in shared memory, online softmax; the backward recomputes the probabilities from the
 //     row statistics of a first kernel, computes dq per query tile and dk, dv per key tile (each key
@@ -1456,8 +1457,8 @@ static void emit_norm_fwd(Emit *e, int gi, const bool *emitted) {
 }
 
 // LAYERNORM_BWD / RMSNORM_BWD siblings: dx per row; dw (and db) as column sums: each row group
-// adds a fixed block of rows into per-column partials, then a thread per column adds the blocks in
-// order.
+// adds a fixed block of rows into per-column partials, then the column sums add the blocks in a fixed
+// order (colsum_open).
 static void emit_norm_bwd(Emit *e, int gi, const bool *emitted) {
   const Group *gr = &e->core.groups[gi];
   const IrNode *nd = ec_node(&e->core, gr->mem[0]);
