@@ -707,16 +707,6 @@ static void reduce_finish(Emit *e, int a, bool buf, const int *q, int nq) {
   post_inloop(e, a, q, nq, "r", ec_numel(&e->core, a), "y");
 }
 
-// One element of a reduction's input, at ix, into v; the step's outputs of the input's size that the
-// reduction does not read (`side`: a bf16 rounding of the input, say) are computed and stored on the
-// way, as the elementwise kernel they came from would have.
-static void reduce_input(Emit *e, int x, const int *side, int nside) {
-  ec_line(&e->core, "const float v = %s;", val(e, x, "ix"));
-  for (int t = 0; t < nside; t++)
-    if (!e->core.stored[side[t]])
-      val(e, side[t], "ix");
-}
-
 // SUM / MEAN / MAX over one axis, the input computed inline. Many outputs: one task per output.
 // Few outputs over many elements: partial results per fixed block of the reduced axis (of rows, for
 // column sums), combined in block order.
@@ -751,7 +741,7 @@ static void emit_reduce(Emit *e, int gi, const bool *emitted) {
       ec_line(&e->core, "const int64_t ix = base + l * %lld;", (long long)inner);
     e->loop_ix = "ix";
     e->loop_n = ec_numel(&e->core, x);
-    reduce_input(e, x, side, nside);
+    ec_reduce_input(&e->core, x, side, nside);
     accumulate(e, max);
     ec_leave(&e->core);
     reduce_finish(e, a, buf, q, nq);
@@ -778,7 +768,7 @@ static void emit_reduce(Emit *e, int gi, const bool *emitted) {
       ec_enter(&e->core, "for (int64_t l = k * %lld; l < end; l++)", (long long)bl);
       ec_enter(&e->core, "for (int64_t c = 0; c < %lld; c++)", (long long)inner);
       ec_line(&e->core, "const int64_t ix = l * %lld + c;", (long long)inner);
-      reduce_input(e, x, side, nside);
+      ec_reduce_input(&e->core, x, side, nside);
       if (max) {
         ec_line(&e->core, "float acc = p[c];");
         accumulate(e, max);
@@ -799,7 +789,7 @@ static void emit_reduce(Emit *e, int gi, const bool *emitted) {
       ec_line(&e->core, "%s acc = %s;", acc_t, init);
       ec_enter(&e->core, "for (int64_t l = l0; l < end; l++)");
       ec_line(&e->core, "const int64_t ix = r * %lld + l;", (long long)len);
-      reduce_input(e, x, side, nside);
+      ec_reduce_input(&e->core, x, side, nside);
       accumulate(e, max);
       ec_leave(&e->core);
       ec_line(&e->core, "part[t] = acc;");

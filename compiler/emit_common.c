@@ -588,6 +588,16 @@ int ec_side_set(EmitCore *e, int gi, int64_t n, const bool *emitted, int *q) {
   return out_set(e, gi, n, emitted, q, false);
 }
 
+// One element of a reduction's input, at ix, into v; the step's outputs of the input's size that the
+// reduction does not read (`side`: a bf16 rounding of the input, say) are computed and stored on the
+// way, as the elementwise kernel they came from would have.
+void ec_reduce_input(EmitCore *e, int x, const int *side, int nside) {
+  ec_line(e, "const float v = %s;", e->val(e, x, "ix"));
+  for (int t = 0; t < nside; t++)
+    if (!e->stored[side[t]])
+      e->val(e, side[t], "ix");
+}
+
 // Is a reduction over `n` elements that depends on group gi still to be emitted in this step (rule 10
 // of fuse.c)? Then gi's epilogue is left to it: its loop computes and stores those values while
 // reducing them, and they are not read back.

@@ -170,6 +170,7 @@ int ec_through_reshapes(EmitCore *e, int n); // follows RESHAPEs (views and resh
 bool ec_groups_order(EmitCore *e);
 int ec_post_set(EmitCore *e, int gi, int64_t n, const bool *emitted, int *q);
 int ec_side_set(EmitCore *e, int gi, int64_t n, const bool *emitted, int *q);
+void ec_reduce_input(EmitCore *e, int x, const int *side, int nside);
 bool ec_reduction_after(EmitCore *e, int gi, const bool *emitted, int64_t n);
 int ec_output_casts(EmitCore *e, int a, int *casts, int max, bool *f32);
 int ec_unwritten(EmitCore *e, int *rest);

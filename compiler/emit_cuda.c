@@ -25,8 +25,9 @@
 //     channels the forward and the backward's dq and dk, dv kernels run on tensor cores (mma.sync
 //     m16n8k16, FlashAttention-2's layout: a warp per 16 query rows, or 16 keys);
 //   - embedding backward: each block owns a range of vocabulary rows and columns and adds the rows of
-//     its bucket of ids, sorted by position (emit_embed_bwd); the optimizer: a sum of squares per fixed chunk, one block adding the chunks, then
-//     AdamW over the flat buffers through a table of segments.
+//     its bucket of ids, sorted by position (emit_embed_bwd);
+//   - the optimizer: a sum of squares per fixed chunk, one block adding the chunks, then AdamW over
+//     the flat buffers through a table of segments.
 // GEMMs are not kernels: each is a CudaGemm (cuBLASLt, row-major description) whose epilogue covers
 // bias and GELU when the chain allows; the rest of the chain is the "<step>_epilogue" kernel.
 //
@@ -1189,7 +1190,10 @@ static void colsum_open(Emit *e, int64_t nb, int64_t cols, const char *const *pa
   for (int i = 0; i < n && groups > 1; i++)
     ec_line(&e->core, "__shared__ %s cs%d[%d][32];", t, i, groups);
   e->shared += groups > 1 ? n * groups * 32 * (max ? 4 : 8) : 0;
-  ec_line(&e->core, "const int tx = threadIdx.x & 31, ty = threadIdx.x >> 5;");
+  if (groups > 1)
+    ec_line(&e->core, "const int tx = threadIdx.x & 31, ty = threadIdx.x >> 5;");
+  else
+    ec_line(&e->core, "const int tx = threadIdx.x, ty = 0;");
   ec_line(&e->core, "const %s r = blockIdx.x * 32 + tx;", ixt);
   for (int i = 0; i < n; i++)
     ec_line(&e->core, "%s %s = %s;", t, accs[i], init);
@@ -1210,7 +1214,7 @@ static void colsum_open(Emit *e, int64_t nb, int64_t cols, const char *const *pa
     ec_line(&e->core, "cs%d[ty][tx] = %s;", i, accs[i]);
   ec_line(&e->core, "__syncthreads();");
   ec_enter(&e->core, "if (ty == 0 && r < %lld)", (long long)cols);
-  for (int i = 0; i < n && groups > 1; i++) {
+  for (int i = 0; i < n; i++) {
     ec_line(&e->core, "for (int g = 1; g < %d; g++)", groups);
     if (max)
       ec_line(&e->core, "  %s = mdl_max_nan(%s, cs%d[g][tx]);", accs[i], accs[i], i);
@@ -1238,16 +1242,6 @@ static void reduce_finish(Emit *e, int a, bool buf, const int *q, int nq) {
   if (buf)
     ec_line(&e->core, "%s[r] = y;", ptr(e, a));
   post_inloop(e, a, q, nq, "r", ec_numel(&e->core, a), "y");
-}
-
-// One element of a reduction's input, at ix, into v; the step's outputs of the input's size that the
-// reduction does not read (`side`: a bf16 rounding of the input, say) are computed and stored on the
-// way, as the elementwise kernel they came from would have.
-static void reduce_input(Emit *e, int x, const int *side, int nside) {
-  ec_line(&e->core, "const float v = %s;", val(e, x, "ix"));
-  for (int t = 0; t < nside; t++)
-    if (!e->core.stored[side[t]])
-      val(e, side[t], "ix");
 }
 
 // SUM / MEAN / MAX over one axis (the input as [outer, len, inner]), the input computed inline.
@@ -1286,7 +1280,7 @@ static void emit_reduce(Emit *e, int gi, const bool *emitted) {
             inner == 1 ? "" : ec_str(&e->core, " * %lld", (long long)inner));
     e->loop_ix = "ix";
     e->loop_n = ec_numel(&e->core, x);
-    reduce_input(e, x, side, nside);
+    ec_reduce_input(&e->core, x, side, nside);
     accumulate(e, max);
     ec_leave(&e->core);
     reduce_finish(e, a, buf, q, nq);
@@ -1303,7 +1297,7 @@ static void emit_reduce(Emit *e, int gi, const bool *emitted) {
     ec_line(&e->core, "const %s ix = r * %lld + l;", ixt, (long long)len);
     e->loop_ix = "ix";
     e->loop_n = ec_numel(&e->core, x);
-    reduce_input(e, x, side, nside);
+    ec_reduce_input(&e->core, x, side, nside);
     accumulate(e, max);
     ec_leave(&e->core);
     ec_line(&e->core, "acc = %s(acc);", max ? "mdl_warp_max_nan" : "mdl_warp_sum");
@@ -1327,7 +1321,7 @@ static void emit_reduce(Emit *e, int gi, const bool *emitted) {
     ec_line(&e->core, "const %s ix = r * %lld + l;", ixt, (long long)len);
     e->loop_ix = "ix";
     e->loop_n = ec_numel(&e->core, x);
-    reduce_input(e, x, side, nside);
+    ec_reduce_input(&e->core, x, side, nside);
     accumulate(e, max);
     ec_leave(&e->core);
     ec_line(&e->core, "acc = %s;",
@@ -1378,7 +1372,7 @@ static void emit_reduce(Emit *e, int gi, const bool *emitted) {
     ec_line(&e->core, "const %s ix = base + l * %lld;", ixt, (long long)inner);
     e->loop_ix = "ix";
     e->loop_n = ec_numel(&e->core, x);
-    reduce_input(e, x, side, nside);
+    ec_reduce_input(&e->core, x, side, nside);
     accumulate(e, max);
     ec_leave(&e->core);
     ec_line(&e->core, "%s[u] = acc;", p);

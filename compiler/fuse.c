@@ -307,6 +307,16 @@ static int new_group(Fuser *F, StepKind kind, int root) {
   return gi;
 }
 
+// Is member v of group gi one of its outs (written to memory): read by another step, the loss, an
+// ADAMW or GRAD_NORM, or read by nobody?
+static bool is_out(const Fuser *F, int gi, int v) {
+  Op op = op_of(F, v);
+  bool out = F->nusers[v] == 0 || v == F->g->loss || op == OP_ADAMW || op == OP_GRAD_NORM;
+  for (int k = 0; k < F->nusers[v] && !out; k++)
+    out = F->grp[F->users[v][k]] != gi;
+  return out;
+}
+
 static bool in_set(const Fuser *F, int gi, int v) { return (gi >= 0 && F->grp[v] == gi) || F->extra[v]; }
 
 // Would group gi, grown by the nodes xs, depend on itself through nodes outside it? Walks the
@@ -792,16 +802,9 @@ static bool elementwise_over(const Fuser *F, int gi, int64_t n) {
   bool kernel = G->kind == STEP_KERNEL && is_elementwise(op_of(F, G->root)) && numel(F, G->root) == n;
   if (G->n == 0 || (!gemm && !kernel))
     return false;
-  for (int i = 0; i < G->n; i++) {
-    int v = G->m[i];
-    bool out = F->nusers[v] == 0 || v == F->g->loss;
-    for (int k = 0; k < F->nusers[v] && !out; k++)
-      out = F->grp[F->users[v][k]] != gi;
-    for (int k = 0; k < F->g->noutputs && !out; k++)
-      out = F->g->outputs[k] == v;
-    if (out && numel(F, v) != n)
+  for (int i = 0; i < G->n; i++)
+    if (is_out(F, gi, G->m[i]) && numel(F, G->m[i]) != n)
       return false;
-  }
   return true;
 }
 
@@ -1151,10 +1154,7 @@ static Fusion *assemble(Fuser *F) {
       int id = st->nodes[j];
       IrNode *n = node(F, id);
       f->step_of[id] = s;
-      bool out = F->nusers[id] == 0 || id == g->loss || n->op == OP_ADAMW || n->op == OP_GRAD_NORM;
-      for (int k = 0; k < F->nusers[id] && !out; k++)
-        out = F->grp[F->users[id][k]] != gi;
-      if (out) {
+      if (is_out(F, gi, id)) {
         push_unique(a, &st->outs, &st->nouts, id);
         f->materialised[id] = true;
         st->bytes_written += dtype_size(n->dtype) * (double)numel(F, id) * (n->op == OP_ADAMW ? 3 : 1);
