@@ -1684,7 +1684,8 @@ static void emit_max_bwd(Emit *e, int gi) {
 }
 
 // GRAD_NORM (sum of squares per tensor in double, fixed blocks) and AdamW over a table of
-// parameter segments, in double per element like the interpreter; p, m and v in place.
+// parameter segments, in double per element like the interpreter; p, m and v in place, and the
+// parameter's bf16 copy (fuse.c, rule 11) rounded from the new p.
 static void emit_optimizer(Emit *e, int gi) {
   const Group *gr = &e->core.groups[gi];
   int gn = -1;
@@ -1749,11 +1750,14 @@ static void emit_optimizer(Emit *e, int gi) {
       total += ec_numel(&e->core, gr->mem[j]);
     }
     int gnorm = ec_need(&e->core, a->in[4]), lr = ec_need(&e->core, a->in[5]), step = ec_need(&e->core, a->in[6]);
-    note(e, "AdamW over %d parameters, %lld values (beta1 %g, beta2 %g, eps %g, clip %g)", ns, (long long)total,
-         a->fa[0], a->fa[1], a->fa[2], a->fa[4]);
+    int ncopies = 0;
+    for (int j = 0; j < ns; j++)
+      ncopies += e->core.f->copy_of[ec_canon(&e->core, ec_node(&e->core, seg[j])->in[0])] >= 0;
+    note(e, "AdamW over %d parameters, %lld values (beta1 %g, beta2 %g, eps %g, clip %g)%s", ns, (long long)total,
+         a->fa[0], a->fa[1], a->fa[2], a->fa[4], ncopies ? ec_str(&e->core, "; %d bf16 copies", ncopies) : "");
     ec_enter(&e->core, "%s", "");
     ec_line(&e->core, "static const struct {");
-    ec_line(&e->core, "  int64_t p, g, m, v, n;");
+    ec_line(&e->core, ncopies ? "  int64_t p, g, m, v, c, n; // c: the bf16 copy, or -1" : "  int64_t p, g, m, v, n;");
     ec_line(&e->core, "  double wd;");
     ec_line(&e->core, "} seg[%d] = {", ns);
     for (int j = 0; j < ns; j++) {
@@ -1763,8 +1767,10 @@ static void emit_optimizer(Emit *e, int gi) {
       if (ec_offset(&e->core, p) < 0 || ec_offset(&e->core, g) < 0 || ec_offset(&e->core, m) < 0 ||
           ec_offset(&e->core, v) < 0)
         ec_fail(&e->core, "adamw %d: parameter, gradient or moments not in memory", seg[j]);
-      ec_line(&e->core, "    {%lld, %lld, %lld, %lld, %lld, %s}, // %s", (long long)ec_offset(&e->core, p),
+      int c = e->core.f->copy_of[p];
+      ec_line(&e->core, "    {%lld, %lld, %lld, %lld, %s%lld, %s}, // %s", (long long)ec_offset(&e->core, p),
               (long long)ec_offset(&e->core, g), (long long)ec_offset(&e->core, m), (long long)ec_offset(&e->core, v),
+              ncopies ? ec_str(&e->core, "%lld, ", c >= 0 ? (long long)ec_offset(&e->core, c) : -1LL) : "",
               (long long)ec_numel(&e->core, p), ec_dlit(&e->core, u->fa[3]),
               ec_node(&e->core, p)->name ? ec_node(&e->core, p)->name : "");
     }
@@ -1783,6 +1789,8 @@ static void emit_optimizer(Emit *e, int gi) {
     ec_line(&e->core, "float *restrict p = (float *)(arena + seg[k].p), *restrict m = (float *)(arena + seg[k].m);");
     ec_line(&e->core, "float *restrict v = (float *)(arena + seg[k].v);");
     ec_line(&e->core, "const float *restrict g = (const float *)(arena + seg[k].g);");
+    if (ncopies)
+      ec_line(&e->core, "uint16_t *restrict c = seg[k].c >= 0 ? (uint16_t *)(arena + seg[k].c) : NULL;");
     ec_line(&e->core, "const double wd = seg[k].wd;");
     if (total >= PAR_MIN)
       ec_line(&e->core, "#pragma omp for schedule(static) nowait");
@@ -1791,6 +1799,10 @@ static void emit_optimizer(Emit *e, int gi) {
     ec_line(&e->core, "m[i] = (float)(b1 * m[i] + (1 - b1) * gi);");
     ec_line(&e->core, "v[i] = (float)(b2 * v[i] + (1 - b2) * gi * gi);");
     ec_line(&e->core, "p[i] = (float)(p[i] - lr * (m[i] * c1 / (sqrt(v[i] * c2) + eps) + wd * p[i]));");
+    if (ncopies) {
+      ec_line(&e->core, "if (c)");
+      ec_line(&e->core, "  c[i] = mdl_f32_to_bf16(p[i]);");
+    }
     ec_leave(&e->core);
     ec_leave(&e->core);
     for (int j = 0; j < ns; j++) {

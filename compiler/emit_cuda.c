@@ -27,7 +27,8 @@
 //   - embedding backward: each block owns a range of vocabulary rows and columns and adds the rows of
 //     its bucket of ids, sorted by position (emit_embed_bwd);
 //   - the optimizer: a sum of squares per fixed chunk, one block adding the chunks, then AdamW over
-//     the flat buffers through a table of segments.
+//     the flat buffers through a table of segments, rounding each parameter that has a bf16 copy
+//     (fuse.c, rule 11) into it as it updates it.
 // GEMMs are not kernels: each is a CudaGemm (cuBLASLt, row-major description) whose epilogue covers
 // bias and GELU when the chain allows; the rest of the chain is the "<step>_epilogue" kernel.
 //
@@ -99,10 +100,10 @@ static const char prelude[] =
     "  int64_t b[48];\n"
     "} MdlArgs;\n"
     "\n"
-    "// A segment of the optimizer's flat buffers: byte offsets of p, g, m, v, its length, where it\n"
-    "// starts in the concatenation of the segments, its weight decay.\n"
+    "// A segment of the optimizer's flat buffers: byte offsets of p, g, m, v and of p's bf16 copy (-1:\n"
+    "// none), its length, where it starts in the concatenation of the segments, its weight decay.\n"
     "typedef struct {\n"
-    "  int64_t p, g, m, v, n, start;\n"
+    "  int64_t p, g, m, v, c, n, start;\n"
     "  double wd;\n"
     "} MdlSeg;\n"
     "\n"
@@ -3152,15 +3153,15 @@ static void emit_max_bwd(Emit *e, int gi) {
 
 // The optimizer's segments: a table at file scope named `name`, or, for one segment, a local array
 // from the kernel's arguments (so that the kernels of equal segments are the same text). Entries are
-// {p, g, m, v, n, start, wd}; nodes -1 stand for fields left 0.
-static void seg_table(Emit *e, const char *name, int nseg, const int (*nodes)[4], const int64_t *n,
+// {p, g, m, v, c, n, start, wd}; nodes -1 stand for fields left 0 (p, g, m, v) or -1 (c: no copy).
+static void seg_table(Emit *e, const char *name, int nseg, const int (*nodes)[5], const int64_t *n,
                       const double *wd) {
   if (nseg == 1) {
-    const char *f[4];
-    for (int k = 0; k < 4; k++)
-      f[k] = nodes[0][k] >= 0 ? offset_arg(e, nodes[0][k]) : "0";
-    ec_line(&e->core, "const MdlSeg seg[1] = {{%s, %s, %s, %s, %lld, 0, %s}};", f[0], f[1], f[2], f[3], (long long)n[0],
-            ec_dlit(&e->core, wd[0]));
+    const char *f[5];
+    for (int k = 0; k < 5; k++)
+      f[k] = nodes[0][k] >= 0 ? offset_arg(e, nodes[0][k]) : k == 4 ? "-1" : "0";
+    ec_line(&e->core, "const MdlSeg seg[1] = {{%s, %s, %s, %s, %s, %lld, 0, %s}};", f[0], f[1], f[2], f[3], f[4],
+            (long long)n[0], ec_dlit(&e->core, wd[0]));
     return;
   }
   Buf b = {0};
@@ -3168,8 +3169,8 @@ static void seg_table(Emit *e, const char *name, int nseg, const int (*nodes)[4]
   int64_t start = 0;
   for (int s = 0; s < nseg; s++) {
     ec_bput(&b, "    {");
-    for (int k = 0; k < 4; k++)
-      ec_bput(&b, "%lld, ", nodes[s][k] >= 0 ? (long long)buf_off(e, nodes[s][k]) : 0LL);
+    for (int k = 0; k < 5; k++)
+      ec_bput(&b, "%lld, ", nodes[s][k] >= 0 ? (long long)buf_off(e, nodes[s][k]) : k == 4 ? -1LL : 0LL);
     const char *pname = ec_node(&e->core, nodes[s][0])->name;
     ec_bput(&b, "%lld, %lld, %s}, // %s\n", (long long)n[s], (long long)start, ec_dlit(&e->core, wd[s]),
             pname ? pname : "");
@@ -3220,12 +3221,12 @@ static void emit_optimizer(Emit *e, int gi) {
     int gn = gr->mem[i];
     if (ec_offset(&e->core, gn) < 0)
       e->core.scratch[gn] = true;
-    int (*nodes)[4] = ec_xcalloc((size_t)nd->nin, sizeof *nodes);
+    int (*nodes)[5] = ec_xcalloc((size_t)nd->nin, sizeof *nodes);
     int64_t *n = ec_xcalloc((size_t)nd->nin, sizeof *n), total = 0;
     double *wd = ec_xcalloc((size_t)nd->nin, sizeof *wd);
     for (int k = 0; k < nd->nin; k++) {
       nodes[k][0] = ec_need(&e->core, nd->in[k]);
-      nodes[k][1] = nodes[k][2] = nodes[k][3] = -1;
+      nodes[k][1] = nodes[k][2] = nodes[k][3] = nodes[k][4] = -1;
       n[k] = ec_numel(&e->core, nd->in[k]);
       total += n[k];
     }
@@ -3233,7 +3234,7 @@ static void emit_optimizer(Emit *e, int gi) {
     kbegin(e, "sumsq");
     note(e, "gradient norm: sums of squares of %d tensors, %lld values, in %lld chunks of %d", nd->nin,
          (long long)total, (long long)nb, OPT_CHUNK);
-    seg_table(e, ec_str(&e->core, "%s_grads", e->sname), nd->nin, (const int(*)[4])nodes, n, wd);
+    seg_table(e, ec_str(&e->core, "%s_grads", e->sname), nd->nin, (const int(*)[5])nodes, n, wd);
     const char *pp = raw_ptr(e, part, "double", "sums of squares per chunk");
     ec_line(&e->core, "double acc = 0;");
     seg_loop(e, nd->nin, total);
@@ -3281,7 +3282,8 @@ static void emit_optimizer(Emit *e, int gi) {
       seg[ns++] = gr->mem[j];
       total += ec_numel(&e->core, gr->mem[j]);
     }
-    int (*nodes)[4] = ec_xcalloc((size_t)ns, sizeof *nodes);
+    int (*nodes)[5] = ec_xcalloc((size_t)ns, sizeof *nodes);
+    int ncopies = 0;
     int64_t *n = ec_xcalloc((size_t)ns, sizeof *n);
     double *wd = ec_xcalloc((size_t)ns, sizeof *wd);
     for (int j = 0; j < ns; j++) {
@@ -3293,15 +3295,18 @@ static void emit_optimizer(Emit *e, int gi) {
       }
       if (ec_offset(&e->core, seg[j]) >= 0 && ec_offset(&e->core, seg[j]) != ec_offset(&e->core, nodes[j][0]))
         ec_fail(&e->core, "adamw %d: the new parameter is not written in place", seg[j]);
+      nodes[j][4] = e->core.f->copy_of[nodes[j][0]];
+      ncopies += nodes[j][4] >= 0;
       n[j] = ec_numel(&e->core, seg[j]);
       wd[j] = u->fa[3];
     }
     int gnorm = ec_need(&e->core, a->in[4]), lr = ec_need(&e->core, a->in[5]), step = ec_need(&e->core, a->in[6]);
     kbegin(e, table ? ec_str(&e->core, "%d", table + 1) : "");
-    note(e, "AdamW over %d parameters, %lld values (beta1 %g, beta2 %g, eps %g, clip %g), chunks of %d", ns,
-         (long long)total, a->fa[0], a->fa[1], a->fa[2], a->fa[4], OPT_CHUNK);
+    note(e, "AdamW over %d parameters, %lld values (beta1 %g, beta2 %g, eps %g, clip %g), chunks of %d%s", ns,
+         (long long)total, a->fa[0], a->fa[1], a->fa[2], a->fa[4], OPT_CHUNK,
+         ncopies ? ec_str(&e->core, "; %d bf16 copies", ncopies) : "");
     seg_table(e, ec_str(&e->core, "%s_seg%s", e->sname, table ? ec_str(&e->core, "%d", table + 1) : ""), ns,
-              (const int(*)[4])nodes, n, wd);
+              (const int(*)[5])nodes, n, wd);
     ec_line(&e->core, "const double clip = %s, gnorm = %s[0];", ec_dlit(&e->core, a->fa[4]), ptr(e, gnorm));
     ec_line(&e->core, "const double sc = clip > 0 ? fmin(1.0, clip / (gnorm + 1e-6)) : 1.0;");
     ec_line(&e->core, "const double lr = %s[0], step = %s[0];", ptr(e, lr), ptr(e, step));
@@ -3315,6 +3320,10 @@ static void emit_optimizer(Emit *e, int gi) {
     ec_line(&e->core, "m[k] = (float)(beta1 * m[k] + (1 - beta1) * gi);");
     ec_line(&e->core, "v[k] = (float)(beta2 * v[k] + (1 - beta2) * gi * gi);");
     ec_line(&e->core, "p[k] = (float)(p[k] - lr * (m[k] * k1 / (sqrt(v[k] * k2) + eps) + seg[s].wd * p[k]));");
+    if (ncopies) {
+      ec_line(&e->core, "if (seg[s].c >= 0)");
+      ec_line(&e->core, "  ((uint16_t *)(arena + seg[s].c))[k] = mdl_f32_to_bf16(p[k]);");
+    }
     ec_leave(&e->core);
     ec_leave(&e->core);
     kend(e, (total + OPT_CHUNK - 1) / OPT_CHUNK, BLOCK);

@@ -89,6 +89,12 @@
 //     epilogue inside the reduction's loop, reading the product once. Not when another member of
 //     the reduction step reads the kernel's values, across the forward/backward line, or past the
 //     cap.
+// 11. A bf16 CAST of a PARAM still alone in its step (a weight's GEMM operand), when the parameter's
+//     ADAMW is in the optimizer step, leaves the plan: it becomes the parameter's *copy*
+//     (Fusion.copy_of), in no step and materialised, which the optimizer step rewrites as it updates
+//     the parameter. The next step's GEMMs read it as they read a leaf, and no kernel reads the
+//     f32 weights only to round them. One copy per parameter (a second CAST of it stays a kernel).
+//     The runtime writes the copies itself whenever it sets parameters (initialisation, checkpoints).
 // With opt.fuse = false every node is its own step (GRAD_NORM alone, one step per ADAMW; the LM
 // head is not chunked); views are views all the same.
 //
@@ -112,7 +118,8 @@
 // Costs: flops are counted per member (elementwise 1 per element, gelu 8, gelu_bwd 12, silu 4,
 // silu_bwd 6, layout ops 0, GEMM 2MNK, layernorm 8 and its backward 10/2/1 per element for dx/dw/db,
 // attention 4BTTC (half when causal) and its three backward siblings twice that together, AdamW 12,
-// ...); bytes count the materialised ins and outs only (ADAMW also writes m and v).
+// ...); bytes count the materialised ins and outs only (ADAMW also writes m and v; the optimizer step
+// writes the copies of rule 11, one flop per element).
 #include "mdl.h"
 
 #include <stdarg.h>
@@ -146,6 +153,7 @@ typedef struct {
   int *seen, *gseen, epoch;
   int *queue;
   bool *extra, *cand, *bcast;
+  int *copy_of;   // rule 11: per PARAM its copy, else -1
 } Fuser;
 
 static IrNode *node(const Fuser *F, int id) { return F->g->nodes[id]; }
@@ -867,8 +875,38 @@ static void rule_reduction_producers(Fuser *F) {
 }
 
 //
+// Rule 11: a parameter's bf16 rounding becomes a copy the optimizer keeps.
+//
+static void rule_copies(Fuser *F) {
+  int opt = -1;
+  for (int gi = 0; gi < F->ngroups && opt < 0; gi++)
+    if (F->groups[gi].kind == STEP_OPTIMIZER && F->groups[gi].n > 0)
+      opt = gi;
+  if (opt < 0)
+    return;
+  for (int c = 0; c < F->g->n; c++) {
+    const IrNode *n = node(F, c);
+    int p = n->nin == 1 ? n->in[0] : -1, gi = F->grp[c];
+    if (n->op != OP_CAST || n->dtype != DT_BF16 || op_of(F, p) != OP_PARAM || gi < 0 || F->groups[gi].n != 1)
+      continue;
+    bool updated = false;
+    for (int k = 0; k < F->nusers[p]; k++)
+      updated |= op_of(F, F->users[p][k]) == OP_ADAMW && F->grp[F->users[p][k]] == opt;
+    if (!updated || F->copy_of[p] >= 0)
+      continue;
+    remove_member(F, gi, c);
+    F->copy_of[p] = c;
+  }
+}
+
+//
 // Views.
 //
+static bool is_copy(const Fuser *F, int id) {
+  const IrNode *n = node(F, id);
+  return n->op == OP_CAST && F->copy_of[n->in[0]] == id;
+}
+
 static int view_base(const Fuser *F, int id) {
   while (F->view[id])
     id = node(F, id)->in[0];
@@ -920,7 +958,8 @@ static void resolve_views(Fuser *F) {
       if ((op_of(F, r) != OP_RESHAPE && !slice) || gi < 0)
         continue;
       int x = node(F, r)->in[0];
-      bool mat = F->view[x] || (is_leaf(op_of(F, x)) && op_of(F, x) != OP_CONST) || (F->grp[x] >= 0 && F->grp[x] != gi);
+      bool mat = F->view[x] || (is_leaf(op_of(F, x)) && op_of(F, x) != OP_CONST) || (F->grp[x] >= 0 && F->grp[x] != gi) ||
+                 is_copy(F, x);
       bool read_outside = F->nusers[r] == 0 || r == g->loss;
       for (int k = 0; k < F->nusers[r]; k++)
         read_outside |= F->grp[F->users[r][k]] != gi;
@@ -1117,6 +1156,29 @@ static const char *generic_reason(const Fuser *F, const Fusion *f, int p, int c)
   return "producer has readers outside the group";
 }
 
+// The optimizer step writes the copies (rule 11): count what it writes, and check that every step
+// reading a copy runs before it.
+static bool copies_written(Fuser *F, Fusion *f) {
+  int opt = -1;
+  for (int s = 0; s < f->nsteps; s++)
+    if (f->steps[s].kind == STEP_OPTIMIZER)
+      opt = s;
+  for (int s = 0; s < f->nsteps; s++)
+    for (int k = 0; k < f->steps[s].nins; k++)
+      if (is_copy(F, view_base(F, f->steps[s].ins[k])) && s > opt) {
+        snprintf(F->g->err, sizeof F->g->err, "fuse: internal error: %s reads a parameter copy after the optimizer",
+                 f->steps[s].name);
+        return false;
+      }
+  for (int i = 0; i < F->g->n; i++)
+    if (is_copy(F, i)) {
+      f->ncopies++;
+      f->steps[opt].bytes_written += dtype_size(DT_BF16) * (double)numel(F, i);
+      f->steps[opt].flops += (double)numel(F, i);
+    }
+  return true;
+}
+
 static Fusion *assemble(Fuser *F) {
   Graph *g = F->g;
   Arena *a = F->a;
@@ -1138,8 +1200,9 @@ static Fusion *assemble(Fuser *F) {
   f->materialised = arena_alloc(a, sizeof(bool) * (size_t)g->n);
   for (int i = 0; i < g->n; i++) {
     f->step_of[i] = -1;
-    f->materialised[i] = F->view[i] || (is_leaf(op_of(F, i)) && op_of(F, i) != OP_CONST);
+    f->materialised[i] = F->view[i] || (is_leaf(op_of(F, i)) && op_of(F, i) != OP_CONST) || is_copy(F, i);
   }
+  f->copy_of = F->copy_of;
   for (int s = 0; s < nlive; s++) {
     int gi = order[s];
     Group *G = &F->groups[gi];
@@ -1175,6 +1238,8 @@ static Fusion *assemble(Fuser *F) {
     }
     st->name = step_name(F, s, st);
   }
+  if (!copies_written(F, f))
+    return NULL;
   // One reason per producer and consuming step; the optimizer reads the gradient buffer by design.
   for (int c = 0; c < g->n; c++) {
     int sc = f->step_of[c];
@@ -1251,6 +1316,9 @@ Fusion *fuse(Graph *g, FuseOptions opt) {
   F->extra = arena_alloc(a, sizeof(bool) * n);
   F->cand = arena_alloc(a, sizeof(bool) * n);
   F->bcast = arena_alloc(a, sizeof(bool) * n);
+  F->copy_of = arena_alloc(a, sizeof(int) * n);
+  for (int i = 0; i < g->n; i++)
+    F->copy_of[i] = -1;
   build_users(F);
   if (opt.fuse) {
     rule_optimizer(F);
@@ -1264,6 +1332,7 @@ Fusion *fuse(Graph *g, FuseOptions opt) {
     rule_elementwise(F);
     rule_casts(F);
     rule_reduction_producers(F);
+    rule_copies(F);
   } else {
     for (int i = 0; i < g->n; i++)
       if (!is_leaf(op_of(F, i)))
@@ -1296,6 +1365,13 @@ void fuse_dump(const Fusion *f, FILE *out) {
     fprintf(out, "  -> out");
     for (int i = 0; i < st->nouts; i++)
       fprintf(out, " %%%d", st->outs[i]);
+    fprintf(out, "\n");
+  }
+  if (f->ncopies) {
+    fprintf(out, "copies (bf16, written by the optimizer):");
+    for (int i = 0; i < g->n; i++)
+      if (g->nodes[i]->op == OP_PARAM && f->copy_of[i] >= 0)
+        fprintf(out, " %%%d %s", f->copy_of[i], g->nodes[i]->name);
     fprintf(out, "\n");
   }
   for (int i = 0; i < f->nrejected; i++) {

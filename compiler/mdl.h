@@ -368,6 +368,12 @@ typedef struct {
   int nsteps;
   int *step_of;       // per node: index of the step that computes it; -1 for leaves and views
   bool *materialised; // per node: its value lives in memory (leaves, step outputs, views of them)
+  // Per node: for a PARAM, the bf16 CAST of it that is a *copy* (rule 11), else -1. A copy is in no
+  // step (step_of -1) and materialised beside the parameter: the optimizer step rewrites it as it
+  // updates the parameter, and whoever sets a parameter from outside (initialisation, a checkpoint,
+  // another engine's weights) writes its copy as well.
+  int *copy_of;
+  int ncopies;
   FuseRejection *rejected;
   int nrejected;
 } Fusion;
@@ -378,16 +384,19 @@ const char *step_kind_name(StepKind k);     // "kernel", "gemm", "attention", "l
 
 //
 // memplan.c: one arena, liveness-based reuse. Parameters, their gradients and the AdamW moments
-// live in four flat buffers in parameter order (so the optimizer is one loop); inputs and scalars
-// have fixed slots; every other materialised node gets an offset reused after its last reader.
-// A RESHAPE of a materialised node is a view: it shares its input's offset.
+// live in four flat buffers in parameter order (so the optimizer is one loop); the parameters' bf16
+// copies (Fusion.copy_of) follow them, persistent too; inputs and scalars have fixed slots; every
+// other materialised node gets an offset reused after its last reader. A RESHAPE of a materialised
+// node is a view: it shares its input's offset.
 //
 typedef struct {
   int64_t *offset;          // per node: byte offset in the arena, -1 when not materialised
   int64_t params, grads, m, v; // offsets of the four flat buffers
   int64_t param_bytes;      // size of each flat buffer
+  int64_t copies, copy_bytes; // the bf16 copies: offset and size of their region
+  const int *copy_of;       // Fusion.copy_of: per PARAM node its copy, else -1
   int64_t arena_bytes;      // the whole arena (peak)
-  int64_t activation_bytes; // peak of everything but the four flat buffers, inputs and scalars
+  int64_t activation_bytes; // peak of everything but the flat buffers, the copies, inputs and scalars
 } MemPlan;
 
 MemPlan *memplan(const Fusion *f);

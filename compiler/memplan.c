@@ -2,13 +2,14 @@
 // arena; the back ends allocate the arena once and run every step inside it.
 //
 // Layout, each piece 64-byte aligned:
-//   params | grads | m | v | inputs | scalars | activations
+//   params | grads | m | v | copies | inputs | scalars | activations
 // The first four are flat buffers of param_bytes each with the parameters in declaration order at
 // the same relative offsets (parameter i starts at the same place in all four), so one loop walks
 // a parameter, its gradient and its two AdamW moments together. g->grads[i] is placed in the
 // gradient buffer (when it is a view, the node it views is); the STATE nodes "<p>.m" and "<p>.v"
 // in m and v; an ADAMW node writes its parameter in place and so shares the PARAM's offset.
-// INPUT and SCALAR nodes have fixed slots. Every other materialised node is an activation: it is
+// The parameters' bf16 copies (Fusion.copy_of, rule 11 of fuse.c) follow, in parameter order: they
+// persist from one step to the next like the parameters. INPUT and SCALAR nodes have fixed slots. Every other materialised node is an activation: it is
 // live from the step that writes it to the last step that reads it (directly or through a view;
 // the loss, the gradient norm and every materialised model output stay live to the end of the step
 // so the runtime can read them), and activations whose
@@ -17,7 +18,7 @@
 // of a materialised node, or a SLICE that attention reads in place) shares its input's offset; its
 // readers keep the input alive. Each tensor takes dtype_size bytes per element
 // (4 for f32 and i32, 2 for bf16).
-// After a step only the four flat buffers, the inputs, the scalars, the loss, the gradient norm and
+// After a step only the four flat buffers, the copies, the inputs, the scalars, the loss, the gradient norm and
 // the materialised outputs hold values.
 #include "mdl.h"
 
@@ -34,8 +35,13 @@ static bool is_leaf(Op op) {
   return op == OP_INPUT || op == OP_PARAM || op == OP_STATE || op == OP_SCALAR || op == OP_CONST;
 }
 
+static bool is_copy(const Fusion *f, int id) {
+  const IrNode *n = f->g->nodes[id];
+  return n->op == OP_CAST && f->copy_of[n->in[0]] == id;
+}
+
 static bool is_view(const Fusion *f, int id) {
-  return f->materialised[id] && f->step_of[id] < 0 && !is_leaf(f->g->nodes[id]->op);
+  return f->materialised[id] && f->step_of[id] < 0 && !is_leaf(f->g->nodes[id]->op) && !is_copy(f, id);
 }
 
 static int base_of(const Fusion *f, int id) {
@@ -126,6 +132,16 @@ MemPlan *memplan_with(const Fusion *f, bool reuse) {
       mp->offset[base_of(f, g->grads[i])] = mp->grads + rel[p];
   }
   at = 4 * at;
+  mp->copies = at;
+  mp->copy_of = f->copy_of;
+  for (int i = 0; i < g->nparams; i++) {
+    int c = f->copy_of[g->params[i]];
+    if (c >= 0) {
+      mp->offset[c] = at;
+      at = align_up(at + bytes_of(g->nodes[c]));
+    }
+  }
+  mp->copy_bytes = at - mp->copies;
   for (int i = 0; i < g->n; i++) {
     const IrNode *n = g->nodes[i];
     if (n->op == OP_STATE && n->param_of >= 0)
@@ -179,7 +195,7 @@ MemPlan *memplan_with(const Fusion *f, bool reuse) {
   return mp;
 }
 
-static const char *region(const MemPlan *m, const IrNode *n, int64_t off, int64_t act) {
+static const char *region(const MemPlan *m, const IrNode *n, int64_t off) {
   if (n->op == OP_INPUT || n->op == OP_SCALAR)
     return op_name(n->op);
   if (off < m->grads)
@@ -188,16 +204,20 @@ static const char *region(const MemPlan *m, const IrNode *n, int64_t off, int64_
     return "grads";
   if (off < m->v)
     return "m";
-  return off < act ? "v" : "act";
+  if (off < m->copies)
+    return "v";
+  if (off < m->copies + m->copy_bytes)
+    return "copies";
+  return "act";
 }
 
 void memplan_dump(const Fusion *f, const MemPlan *m, FILE *out) {
   const Graph *g = f->g;
   int64_t act = m->arena_bytes - m->activation_bytes;
-  fprintf(out, "memory plan of %s: arena %lld bytes = 4 x %lld (params, grads, m, v) + %lld (inputs, scalars) + "
-               "%lld (activations, peak)\n",
-          g->model ? g->model : "?", (long long)m->arena_bytes, (long long)m->param_bytes,
-          (long long)(act - 4 * m->param_bytes), (long long)m->activation_bytes);
+  fprintf(out, "memory plan of %s: arena %lld bytes = 4 x %lld (params, grads, m, v) + %lld (bf16 copies) + "
+               "%lld (inputs, scalars) + %lld (activations, peak)\n",
+          g->model ? g->model : "?", (long long)m->arena_bytes, (long long)m->param_bytes, (long long)m->copy_bytes,
+          (long long)(act - 4 * m->param_bytes - m->copy_bytes), (long long)m->activation_bytes);
   fprintf(out, "%-7s %12s %10s  %-6s %-28s %s\n", "region", "offset", "bytes", "node", "op / name", "shape");
   for (int i = 0; i < g->n; i++) {
     const IrNode *n = g->nodes[i];
@@ -207,13 +227,15 @@ void memplan_dump(const Fusion *f, const MemPlan *m, FILE *out) {
     const char *what = n->name ? n->name : "";
     char label[160];
     snprintf(label, sizeof label, "%s%s%s", op_name(n->op), *what ? " " : "", what);
-    fprintf(out, "%-7s %12lld %10lld  %%%-5d %-28s %s%s", is_view(f, i) ? "view" : region(m, n, m->offset[i], act),
+    fprintf(out, "%-7s %12lld %10lld  %%%-5d %-28s %s%s", is_view(f, i) ? "view" : region(m, n, m->offset[i]),
             (long long)m->offset[i], (long long)bytes_of(n), i, label, dtype_name(n->dtype),
             shape_str(n->shape, buf, sizeof buf));
     if (is_view(f, i))
       fprintf(out, "  = %%%d", n->in[0]);
     else if (f->step_of[i] >= 0)
       fprintf(out, "  written by %s", f->steps[f->step_of[i]].name);
+    else if (is_copy(f, i))
+      fprintf(out, "  copy of %%%d, written by the optimizer", n->in[0]);
     fprintf(out, "\n");
   }
 }

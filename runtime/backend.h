@@ -71,9 +71,15 @@ bool cpu_run_kernel(CpuModule *cm, int i, char *arena);
 char *cpu_arena_new(const MemPlan *m);
 // Where node `node` lives in the arena (f32 or i32 elements), or NULL when it is not materialised.
 void *cpu_value(const MemPlan *m, char *arena, int node);
-// Parameters initialised exactly as interp_init_params does.
+// y[i] = x[i] rounded to bf16 (nearest, ties to even), as the kernels' casts round.
+void cpu_bf16_from_f32(const float *x, uint16_t *y, int64_t n);
+// The bf16 copy of PARAM node `param` (MemPlan.copy_of) rounded from its f32 values in the arena; nothing
+// when it has none. Whoever writes a parameter calls it (the functions below do).
+void cpu_round_copy(const Graph *g, const MemPlan *m, char *arena, int param);
+// Parameters initialised exactly as interp_init_params does, with their copies.
 void cpu_init_params(const Graph *g, const MemPlan *m, char *arena, uint64_t seed);
-// Parameters and AdamW moments between the interpreter and the arena (rounded to float on the way in).
+// Parameters and AdamW moments between the interpreter and the arena (rounded to float on the way in;
+// the copies follow).
 void cpu_params_from_interp(const Graph *g, const MemPlan *m, char *arena, Interp *it);
 void cpu_params_to_interp(const Graph *g, const MemPlan *m, const char *arena, Interp *it);
 // Sets every INPUT named `name` (ids for i32 inputs, f for f32 ones); false when none matches or the

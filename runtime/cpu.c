@@ -202,6 +202,23 @@ void *cpu_value(const MemPlan *m, char *arena, int node) {
   return m->offset[node] >= 0 ? arena + m->offset[node] : NULL;
 }
 
+void cpu_bf16_from_f32(const float *x, uint16_t *y, int64_t n) {
+  for (int64_t i = 0; i < n; i++) {
+    float r = (float)round_bf16(x[i]);
+    uint32_t u;
+    memcpy(&u, &r, 4);
+    y[i] = (uint16_t)(u >> 16);
+  }
+}
+
+void cpu_round_copy(const Graph *g, const MemPlan *m, char *arena, int param) {
+  int c = g->nodes[param]->op == OP_PARAM && m->copy_of ? m->copy_of[param] : -1;
+  if (c < 0 || m->offset[c] < 0)
+    return;
+  cpu_bf16_from_f32((const float *)(arena + m->offset[param]), (uint16_t *)(arena + m->offset[c]),
+                    shape_numel(g->nodes[param]->shape));
+}
+
 void cpu_init_params(const Graph *g, const MemPlan *m, char *arena, uint64_t seed) {
   for (int k = 0; k < g->nparams; k++) {
     const IrNode *p = g->nodes[g->params[k]];
@@ -217,6 +234,7 @@ void cpu_init_params(const Graph *g, const MemPlan *m, char *arena, uint64_t see
       }
       x[i] = (float)v;
     }
+    cpu_round_copy(g, m, arena, p->id);
   }
 }
 
@@ -230,6 +248,7 @@ void cpu_params_from_interp(const Graph *g, const MemPlan *m, char *arena, Inter
       const double *v = interp_param(it, i);
       for (int64_t j = 0; j < shape_numel(g->nodes[i]->shape); j++)
         x[j] = (float)v[j];
+      cpu_round_copy(g, m, arena, i);
     }
 }
 

@@ -600,12 +600,24 @@ static void cu_read(Engine *e, int node, float *dst) {
     dst[i] = NAN;
 }
 
+// A parameter's bf16 copy (MemPlan.copy_of) is rounded here, as cpu_round_copy does, and sent along.
 static void cu_write(Engine *e, int node, const float *src) {
   CudaEngine *ce = (CudaEngine *)e;
   char err[256];
-  if (ce->m->offset[node] >= 0 &&
-      !upload(ce, ce->m->offset[node], src, sizeof(float) * (size_t)shape_numel(e->g->nodes[node]->shape), err,
-              sizeof err))
+  int64_t n = shape_numel(e->g->nodes[node]->shape);
+  int c = e->g->nodes[node]->op == OP_PARAM ? ce->m->copy_of[node] : -1;
+  bool ok = ce->m->offset[node] < 0 || upload(ce, ce->m->offset[node], src, sizeof(float) * (size_t)n, err, sizeof err);
+  if (ok && c >= 0) {
+    uint16_t *y = malloc(sizeof *y * (size_t)(n ? n : 1));
+    if (!y) {
+      ok = rt_fail(err, sizeof err, "out of host memory");
+    } else {
+      cpu_bf16_from_f32(src, y, n);
+      ok = upload(ce, ce->m->offset[c], y, sizeof *y * (size_t)n, err, sizeof err);
+      free(y);
+    }
+  }
+  if (!ok)
     fprintf(stderr, "mdlc: cuda: %s\n", err);
 }
 
@@ -658,16 +670,18 @@ static bool driver_complete(char *err, size_t n) {
   return true;
 }
 
-// Parameters as the interpreter initialises them, copied up; the rest of the arena is zero.
+// Parameters as the interpreter initialises them, and their bf16 copies, copied up; the rest of the
+// arena is zero.
 static bool init_arena(CudaEngine *ce, const Graph *g, uint64_t seed, char *err, size_t n) {
   if (!CU(err, n, cuMemsetD8Async, ce->arena, 0, (size_t)ce->plan->arena_bytes, ce->stream))
     return false;
-  size_t bytes = (size_t)(ce->m->params + ce->m->param_bytes);
+  size_t bytes = (size_t)(ce->m->copies + ce->m->copy_bytes);
   char *host = calloc(bytes ? bytes : 1, 1);
   if (!host)
     return rt_fail(err, n, "out of host memory for the initial parameters (%zu bytes)", bytes);
   cpu_init_params(g, ce->m, host, seed);
-  bool ok = upload(ce, ce->m->params, host + ce->m->params, (size_t)ce->m->param_bytes, err, n);
+  bool ok = upload(ce, ce->m->params, host + ce->m->params, (size_t)ce->m->param_bytes, err, n) &&
+            (!ce->m->copy_bytes || upload(ce, ce->m->copies, host + ce->m->copies, (size_t)ce->m->copy_bytes, err, n));
   free(host);
   return ok;
 }

@@ -116,6 +116,7 @@ static void ce_read(Engine *e, int node, float *dst) {
 static void ce_write(Engine *e, int node, const float *src) {
   CpuEngine *ce = (CpuEngine *)e;
   memcpy(cpu_value(ce->m, ce->arena, node), src, sizeof(float) * (size_t)shape_numel(e->g->nodes[node]->shape));
+  cpu_round_copy(e->g, ce->m, ce->arena, node);
 }
 
 static void ce_free(Engine *e) {

@@ -31,10 +31,10 @@ typedef struct {
   int64_t b[48];
 } MdlArgs;
 
-// A segment of the optimizer's flat buffers: byte offsets of p, g, m, v, its length, where it
-// starts in the concatenation of the segments, its weight decay.
+// A segment of the optimizer's flat buffers: byte offsets of p, g, m, v and of p's bf16 copy (-1:
+// none), its length, where it starts in the concatenation of the segments, its weight decay.
 typedef struct {
-  int64_t p, g, m, v, n, start;
+  int64_t p, g, m, v, c, n, start;
   double wd;
 } MdlSeg;
 
@@ -470,12 +470,12 @@ extern "C" __global__ void __launch_bounds__(32) k8_gemm__relu_bwd__sum(char *ar
 //   k12_grad_norm__adamw<<<1, 256>>>
 
 static __device__ const MdlSeg k12_grad_norm__adamw_grads[6] = {
-    {6976, 0, 0, 0, 512, 0, 0.0}, // d.w1
-    {9024, 0, 0, 0, 32, 512, 0.0}, // d.b1
-    {9152, 0, 0, 0, 1024, 544, 0.0}, // d.w2
-    {13248, 0, 0, 0, 32, 1568, 0.0}, // d.b2
-    {13376, 0, 0, 0, 128, 1600, 0.0}, // d.w3
-    {13888, 0, 0, 0, 4, 1728, 0.0}, // d.b3
+    {6976, 0, 0, 0, -1, 512, 0, 0.0}, // d.w1
+    {9024, 0, 0, 0, -1, 32, 512, 0.0}, // d.b1
+    {9152, 0, 0, 0, -1, 1024, 544, 0.0}, // d.w2
+    {13248, 0, 0, 0, -1, 32, 1568, 0.0}, // d.b2
+    {13376, 0, 0, 0, -1, 128, 1600, 0.0}, // d.w3
+    {13888, 0, 0, 0, -1, 4, 1728, 0.0}, // d.b3
 };
 
 // gradient norm: sums of squares of 6 tensors, 1732 values, in 1 chunks of 8192
@@ -513,12 +513,12 @@ extern "C" __global__ void __launch_bounds__(256) k12_grad_norm__adamw_norm(char
 }
 
 static __device__ const MdlSeg k12_grad_norm__adamw_seg[6] = {
-    {0, 6976, 13952, 20928, 512, 0, 0.01}, // w1
-    {2048, 9024, 16000, 22976, 32, 512, 0.0}, // b1
-    {2176, 9152, 16128, 23104, 1024, 544, 0.01}, // w2
-    {6272, 13248, 20224, 27200, 32, 1568, 0.0}, // b2
-    {6400, 13376, 20352, 27328, 128, 1600, 0.01}, // w3
-    {6912, 13888, 20864, 27840, 4, 1728, 0.0}, // b3
+    {0, 6976, 13952, 20928, -1, 512, 0, 0.01}, // w1
+    {2048, 9024, 16000, 22976, -1, 32, 512, 0.0}, // b1
+    {2176, 9152, 16128, 23104, -1, 1024, 544, 0.01}, // w2
+    {6272, 13248, 20224, 27200, -1, 32, 1568, 0.0}, // b2
+    {6400, 13376, 20352, 27328, -1, 128, 1600, 0.01}, // w3
+    {6912, 13888, 20864, 27840, -1, 4, 1728, 0.0}, // b3
 };
 
 // AdamW over 6 parameters, 1732 values (beta1 0.9, beta2 0.95, eps 1e-08, clip 0), chunks of 8192

@@ -411,12 +411,8 @@ typedef struct {
   bool ulp1;
 } Forced;
 
-// Runs the module's kernels one by one, each on the interpreter's values of the materialised nodes
-// it reads (written into the arena first; parameters, moments and inputs are already equal), and
-// compares what it writes with the interpreter's values: so every kernel is checked alone, without
-// the differences of the kernels before it.
-static Forced kernels_forced(const Graph *g, const Fusion *f, const MemPlan *m, CpuModule *cm, Interp *it) {
-  Forced r = {.f32_node = -1, .failed = -1, .ulp1 = true};
+// An arena ready for step 1: the initial parameters (seed 7), the batch, lr and step; 2 threads.
+static char *first_step_arena(const Graph *g, const MemPlan *m, CpuModule *cm) {
   char *arena = cpu_arena_new(m);
   cpu_init_params(g, m, arena, 7);
   set_inputs(g, NULL, m, arena);
@@ -424,6 +420,16 @@ static Forced kernels_forced(const Graph *g, const Fusion *f, const MemPlan *m, 
   cm->hooks.seed = 7;
   cpu_set_scalar(g, m, arena, "lr", LR);
   cpu_set_scalar(g, m, arena, "step", 1);
+  return arena;
+}
+
+// Runs the module's kernels one by one, each on the interpreter's values of the materialised nodes
+// it reads (written into the arena first; parameters, moments and inputs are already equal), and
+// compares what it writes with the interpreter's values: so every kernel is checked alone, without
+// the differences of the kernels before it.
+static Forced kernels_forced(const Graph *g, const Fusion *f, const MemPlan *m, CpuModule *cm, Interp *it) {
+  Forced r = {.f32_node = -1, .failed = -1, .ulp1 = true};
+  char *arena = first_step_arena(g, m, cm);
   for (int k = 0; k < cm->nkernels && k < f->nsteps; k++) {
     const Step *st = &f->steps[k];
     for (int i = 0; i < st->nins; i++) {
@@ -501,6 +507,46 @@ static Forced kernels_forced(const Graph *g, const Fusion *f, const MemPlan *m, 
 //     1e-3);
 //   - the gradients differ from those of the fp32 graph by more than 2.5e-3 over all (all three
 //     models: 3e-3 to 4e-3), so the rounding does happen.
+// The second step reads the bf16 copies of the weights that the first step's optimizer wrote (fuse.c,
+// rule 11): after step 1 every copy is the new parameter rounded, bit for bit, and step 2's loss is
+// the interpreter's loss from the parameters (and moments) after step 1, within 1e-4, when it moved
+// by over 10x that from step 1's (so stale copies would show).
+static void second_step(const Model *md, const Graph *g, const Fusion *f, const MemPlan *m, CpuModule *cm) {
+  char name[256], err[256];
+  char *arena = first_step_arena(g, m, cm);
+  bool ok = cpu_step(cm, arena);
+  double loss1 = *(float *)cpu_value(m, arena, g->loss);
+  int64_t differ = 0, total = 0;
+  for (int k = 0; k < g->nparams; k++) {
+    int c = f->copy_of[g->params[k]];
+    if (c < 0)
+      continue;
+    const float *p = cpu_value(m, arena, g->params[k]);
+    const uint16_t *got = cpu_value(m, arena, c);
+    for (int64_t i = 0; i < count(g, k); i++)
+      differ += got[i] != bf16_bits((float)round_bf16(p[i]));
+    total += count(g, k);
+  }
+  snprintf(name, sizeof name, "cpu bf16 %s: after a step the %d copies hold the new weights rounded (%lld values)",
+           md->path, f->ncopies, (long long)total);
+  CHECK(ok && f->ncopies > 0 && differ == 0, name, "%lld differ", (long long)differ);
+  Interp *it = interp_new(g, INTERP_F32);
+  interp_set_seed(it, 7);
+  set_inputs(g, it, NULL, NULL);
+  cpu_params_to_interp(g, m, arena, it);
+  interp_set_scalar(it, "lr", LR);
+  interp_set_scalar(it, "step", 2);
+  cpu_set_scalar(g, m, arena, "step", 2);
+  ok = ok && interp_run(it, g->n, err, sizeof err) && cpu_step(cm, arena);
+  double loss2 = *(float *)cpu_value(m, arena, g->loss), ref = ok ? interp_value(it, g->loss)[0] : NAN;
+  snprintf(name, sizeof name, "cpu bf16 %s: step 2 reads the copies step 1 wrote (loss %.6f, step 1 %.6f)", md->path,
+           ref, loss1);
+  CHECK(ok && fabs(loss2 - ref) < 1e-4 * fabs(ref) && fabs(loss1 - ref) > 1e-3 * fabs(ref), name,
+        "loss %.8f vs the interpreter's %.8f; step 1 %.8f", loss2, ref, loss1);
+  interp_free(it);
+  free(arena);
+}
+
 static void test_bf16(const Model *md) {
   Arena *a = arena_new();
   Graph *g16 = training_graph(a, md, true), *g32 = training_graph(a, md, false);
@@ -551,6 +597,8 @@ static void test_bf16(const Model *md) {
     snprintf(name, sizeof name, "cpu bf16 %s %s: gradients differ from the fp32 graph's by over 1e-3 and 10x more "
              "than from the bf16 graph's (L2: %.1e vs %.1e)", md->path, mode, apart, eg);
     CHECK(apart > 1e-3 && apart > 10 * eg, name, "%.3g vs %.3g: is anything rounded?", apart, eg);
+    if (fz)
+      second_step(md, g16, f, m, cm);
     run_free(g16, &got);
     cpu_unload(cm);
   }

@@ -933,6 +933,29 @@ static void test_emulation(const Model *md, bool fused, DType prec, const char *
   snprintf(name, sizeof name, "cuda emu %s %s: parameters after AdamW within 1e-6 of AdamW on these gradients "
            "(worst %.1e)", md->path, mode, worst_p);
   CHECK(worst_p < 1e-6, name, "%s: %.3g", which_p, worst_p);
+  // The bf16 copies of the weights (fuse.c, rule 11): the optimizer kernel rounds each new parameter
+  // into its copy, bit for bit as the host rounds it.
+  int ncopies = 0;
+  int64_t differ = 0, ncopied = 0;
+  for (int k = 0; k < g->nparams; k++) {
+    int c = m->copy_of[g->params[k]];
+    if (c < 0)
+      continue;
+    int64_t n = shape_numel(g->nodes[c]->shape);
+    uint16_t *want = malloc(sizeof *want * (size_t)n);
+    cpu_bf16_from_f32(cpu_value(m, arena, g->params[k]), want, n);
+    const uint16_t *got = cpu_value(m, arena, c);
+    for (int64_t i = 0; i < n; i++)
+      differ += got[i] != want[i];
+    ncopies++;
+    ncopied += n;
+    free(want);
+  }
+  if (ncopies) {
+    snprintf(name, sizeof name, "cuda emu %s %s: the optimizer rounds the new weights into their %d bf16 copies "
+             "(%lld values)", md->path, mode, ncopies, (long long)ncopied);
+    CHECK(differ == 0, name, "%lld differ", (long long)differ);
+  }
   for (int k = 0; k < g->nparams; k++)
     free(p0[k]);
   free(p0);

@@ -19,8 +19,22 @@ static bool is_leaf(Op op) {
   return op == OP_INPUT || op == OP_PARAM || op == OP_STATE || op == OP_SCALAR || op == OP_CONST;
 }
 
+// A parameter's bf16 copy (rule 11): a CAST of a PARAM in no step, written by the optimizer.
+static bool is_copy(const Fusion *f, int id) {
+  const IrNode *nd = f->g->nodes[id];
+  return nd->op == OP_CAST && f->copy_of[nd->in[0]] == id;
+}
+
 static bool is_view(const Fusion *f, int id) {
-  return f->materialised[id] && f->step_of[id] < 0 && !is_leaf(f->g->nodes[id]->op);
+  return f->materialised[id] && f->step_of[id] < 0 && !is_leaf(f->g->nodes[id]->op) && !is_copy(f, id);
+}
+
+// The step of the ADAMW that updates PARAM p, or -1.
+static int update_step(const Fusion *f, int p) {
+  for (int i = 0; f->g->updates && i < f->g->nparams; i++)
+    if (f->g->params[i] == p)
+      return f->step_of[f->g->updates[i]];
+  return -1;
 }
 
 static int base_of(const Fusion *f, int id) {
@@ -65,7 +79,15 @@ static const char *check_cover(const Fusion *f, char *why, size_t n) {
         if (r->in[k] == i && !((r->op == OP_ATTENTION || r->op == OP_ATTENTION_BWD) && k < 3))
           attn_slice = false;
     }
-    if (view && ((nd->op != OP_RESHAPE && !attn_slice) || !f->materialised[nd->in[0]]))
+    int up = is_copy(f, i) ? update_step(f, nd->in[0]) : -1;
+    if (is_copy(f, i) && (nd->dtype != DT_BF16 || g->nodes[nd->in[0]]->op != OP_PARAM || f->step_of[i] >= 0 ||
+                          !f->materialised[i] || up < 0 || f->steps[up].kind != STEP_OPTIMIZER))
+      snprintf(why, n, "copy %%%d: not a bf16 CAST of a PARAM in no step, materialised, beside its optimizer step", i);
+    else if (is_copy(f, i) && count[i])
+      snprintf(why, n, "copy %%%d is in a step", i);
+    else if (is_copy(f, i))
+      continue;
+    else if (view && ((nd->op != OP_RESHAPE && !attn_slice) || !f->materialised[nd->in[0]]))
       snprintf(why, n, "%%%d (%s) is a view but not a RESHAPE, nor a SLICE only attention reads, of a materialised node",
                i, op_name(nd->op));
     else if ((is_leaf(nd->op) || view) && count[i])
@@ -118,6 +140,8 @@ static const char *check_order(const Fusion *f, char *why, size_t n) {
       for (int i = 0; g->updates && i < g->nparams && !*why; i++)
         if (p == g->params[i] && f->step_of[c] > f->step_of[g->updates[i]])
           snprintf(why, n, "%%%d reads %s after the optimizer updated it", c, g->nodes[p]->name);
+      if (!*why && is_copy(f, p) && f->step_of[c] >= update_step(f, g->nodes[p]->in[0]))
+        snprintf(why, n, "%%%d reads the copy %%%d after the optimizer rewrote it", c, p);
       if (f->step_of[p] >= 0 && f->step_of[c] >= 0 && f->step_of[p] != f->step_of[c] &&
           !contains(f->steps[f->step_of[p]].outs, f->steps[f->step_of[p]].nouts, p))
         snprintf(why, n, "%%%d is read by step %d but is not an out of its step", p, f->step_of[c]);
@@ -665,6 +689,75 @@ static void reduction_rule(void) {
   arena_free(a);
 }
 
+// Rule 11 on the tiny GPT in bf16: each matmul weight's rounding (the two layers' four weights and the
+// tied table) is a copy the optimizer writes, in no step, placed after the AdamW moments; the
+// optimizer step counts the bytes it writes. No copies in fp32, unfused, or without an optimizer.
+static void copies_rule(void) {
+  Arena *a = arena_new();
+  for (int mode = 0; mode < 4; mode++) { // bf16 fused, fp32, bf16 unfused, bf16 without optimizer
+    Graph *g = mdl_compile_file(a, "models/gpt2-tiny.mdl", NULL, 0);
+    char why[256] = "";
+    if (!g || !autodiff(g, mode != 3) || (mode != 1 && !precision_assign(g, DT_BF16, why, sizeof why))) {
+      CHECK(false, "rule 11: gpt2-tiny compiles", "%s", why);
+      continue;
+    }
+    Fusion *f = fuse(g, (FuseOptions){.fuse = mode != 2, .chunk_lmhead = true});
+    if (!f) {
+      CHECK(false, "rule 11: gpt2-tiny fuses", "%s", g->err);
+      continue;
+    }
+    if (mode) {
+      CHECK(f->ncopies == 0, mode == 1 ? "rule 11: no copies in fp32" : mode == 2 ? "rule 11: no copies unfused"
+                                                                                  : "rule 11: no copies without an optimizer",
+            "%d copies", f->ncopies);
+      continue;
+    }
+    MemPlan *m = memplan(f);
+    int copies = 0, weights = 0, bad = -1, opt = -1;
+    double want = 0;
+    for (int s = 0; s < f->nsteps; s++)
+      if (f->steps[s].kind == STEP_OPTIMIZER)
+        opt = s;
+    for (int k = 0; k < g->nparams; k++) {
+      const IrNode *pn = g->nodes[g->params[k]];
+      int c = f->copy_of[pn->id];
+      bool weight = pn->shape.rank == 2 && strcmp(pn->name, "wpe");
+      weights += weight;
+      want += 12.0 * (double)shape_numel(pn->shape);
+      if (c < 0) {
+        if (weight)
+          bad = pn->id;
+        continue;
+      }
+      copies++;
+      want += 2.0 * (double)shape_numel(pn->shape);
+      int64_t o = m->offset[c];
+      if (!weight || g->nodes[c]->op != OP_CAST || g->nodes[c]->in[0] != pn->id || f->step_of[c] >= 0 ||
+          !f->materialised[c] || o < m->copies || o + 2 * shape_numel(pn->shape) > m->copies + m->copy_bytes ||
+          m->copies < m->v + m->param_bytes)
+        bad = c;
+      for (int s = 0; s < f->nsteps; s++)
+        for (int i = 0; i < f->steps[s].nins; i++)
+          if (f->steps[s].ins[i] == c && f->steps[s].kind != STEP_GEMM && f->steps[s].kind != STEP_LMHEAD)
+            bad = c;
+    }
+    for (int s = 0; s < f->nsteps; s++)
+      for (int i = 0; i < f->steps[s].nnodes; i++) {
+        const IrNode *nd = g->nodes[f->steps[s].nodes[i]];
+        if (nd->op == OP_CAST && g->nodes[nd->in[0]]->op == OP_PARAM)
+          bad = nd->id;
+      }
+    want += 4; // the gradient norm
+    CHECK(copies == 9 && weights == 9 && f->ncopies == 9 && bad < 0 && opt == f->nsteps - 1 &&
+              f->steps[opt].bytes_written == want,
+          "rule 11: gpt2-tiny bf16: every weight's rounding is a copy the optimizer writes",
+          "%d copies of %d weights (ncopies %d), node %%%d wrong, optimizer step %d of %d writes %.0f bytes, want %.0f",
+          copies, weights, f->ncopies, bad, opt, f->nsteps, opt >= 0 ? f->steps[opt].bytes_written : 0, want);
+    check_invariants("gpt2-tiny bf16 (rule 11)", f);
+  }
+  arena_free(a);
+}
+
 // A hand-built chain with hand-computed lifetimes: x[16] -> exp -> exp -> exp -> sum. Unfused, the
 // four results live over steps [0,1], [1,2], [2,3], [3,end]: two 64-byte buffers suffice (a and c
 // share one), 128 bytes of activations. Fused, the chain is one reduction step and only the sum
@@ -863,6 +956,7 @@ int main(void) {
   recompute_rule();
   cycle_rule();
   reduction_rule();
+  copies_rule();
   memplan_by_hand();
   gradient_view();
   every_op();
