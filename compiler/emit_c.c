@@ -886,10 +886,17 @@ static void emit_norm_bwd(Emit *e, int gi, const bool *emitted) {
   const Group *gr = &e->core.groups[gi];
   const IrNode *nd = ec_node(&e->core, gr->mem[0]);
   bool ln = nd->op == OP_LAYERNORM_BWD;
-  int dx = -1, dw = -1, db = -1;
+  int dx = -1, dw = -1, db = -1, sums[EC_MAX_COLSUMS], nsum = 0;
   for (int i = 0; i < gr->nmem; i++) {
-    int which = (int)ec_node(&e->core, gr->mem[i])->ia[0];
-    *(which == 0 ? &dx : which == 1 ? &dw : &db) = gr->mem[i];
+    const IrNode *m = ec_node(&e->core, gr->mem[i]);
+    if (m->op == OP_SUM) {
+      if (nsum == EC_MAX_COLSUMS)
+        ec_fail(&e->core, "more than %d column sums in a norm backward", EC_MAX_COLSUMS);
+      else
+        sums[nsum++] = gr->mem[i];
+      continue;
+    }
+    *(m->ia[0] == 0 ? &dx : m->ia[0] == 1 ? &dw : &db) = gr->mem[i];
   }
   int x = nd->in[0], dy = nd->in[2];
   int64_t cols = ec_last_dim(&e->core, x), rows = ec_numel(&e->core, x) / cols;
@@ -899,11 +906,14 @@ static void emit_norm_bwd(Emit *e, int gi, const bool *emitted) {
   int *q = ec_xcalloc((size_t)e->core.g->n, sizeof *q);
   int nq = dx >= 0 ? ec_post_set(&e->core, gi, ec_numel(&e->core, dx), emitted, q) : 0;
   bool dxbuf = dx >= 0 && whole(e, dx);
-  bool cols_sum = dw >= 0 || db >= 0;
+  bool cols_sum = dw >= 0 || db >= 0 || nsum > 0;
   if (dw >= 0 && ec_offset(&e->core, dw) < 0)
     e->core.scratch[dw] = true;
   if (db >= 0 && ec_offset(&e->core, db) < 0)
     e->core.scratch[db] = true;
+  for (int i = 0; i < nsum; i++)
+    if (ec_offset(&e->core, sums[i]) < 0)
+      e->core.scratch[sums[i]] = true;
   Tmp tmp[3];
   int ntmp = 0;
   if (xin)
@@ -921,13 +931,22 @@ static void emit_norm_bwd(Emit *e, int gi, const bool *emitted) {
       ec_line(&e->core, "double *pdw = mdl_scratch(%lld * sizeof(double));", (long long)(nb * cols));
     if (db >= 0)
       ec_line(&e->core, "double *pdb = mdl_scratch(%lld * sizeof(double));", (long long)(nb * cols));
+    for (int i = 0; i < nsum; i++)
+      ec_line(&e->core, "double *ps%d = mdl_scratch(%lld * sizeof(double)); // partials of the column sum %%%d", i,
+              (long long)(nb * cols), sums[i]);
     rows_open(e, "k", nb, rows * cols, tmp, ntmp);
     if (dw >= 0)
       ec_line(&e->core, "double *sw = pdw + k * %lld;", (long long)cols);
     if (db >= 0)
       ec_line(&e->core, "double *sb = pdb + k * %lld;", (long long)cols);
+    Buf zero = {0};
+    for (int i = 0; i < nsum; i++) {
+      ec_line(&e->core, "double *sa%d = ps%d + k * %lld;", i, i, (long long)cols);
+      ec_bput(&zero, "sa%d[j] = ", i);
+    }
     ec_line(&e->core, "for (int64_t j = 0; j < %lld; j++)", (long long)cols);
-    ec_line(&e->core, "  %s%s%s", dw >= 0 ? "sw[j] = " : "", db >= 0 ? "sb[j] = " : "", "0;");
+    ec_line(&e->core, "  %s%s%s0;", dw >= 0 ? "sw[j] = " : "", db >= 0 ? "sb[j] = " : "", zero.s ? zero.s : "");
+    free(zero.s);
     ec_line(&e->core, "const int64_t end = k * %lld + %lld < %lld ? k * %lld + %lld : %lld;", (long long)bl,
             (long long)bl, (long long)rows, (long long)bl, (long long)bl, (long long)rows);
     ec_enter(&e->core, "for (int64_t r = k * %lld; r < end; r++)", (long long)bl);
@@ -986,10 +1005,12 @@ static void emit_norm_bwd(Emit *e, int gi, const bool *emitted) {
       ec_line(&e->core, "for (int64_t j = 0; j < %lld; j++)", (long long)cols);
       ec_line(&e->core, "  dx[j] = (float)(s * dy[j] * b%d[j] - s * s * s * x[j] * mgx);", ptr(e, w));
     }
-    if (nq) {
+    if (nq || nsum) {
       ec_enter(&e->core, "for (int64_t j = 0; j < %lld; j++)", (long long)cols);
       ec_line(&e->core, "const int64_t ix = r * %lld + j;", (long long)cols);
       post_inloop(e, dx, q, nq, "ix", ec_numel(&e->core, dx), "dx[j]");
+      for (int i = 0; i < nsum; i++)
+        ec_line(&e->core, "sa%d[j] += %s;", i, e->core.val(&e->core, ec_node(&e->core, sums[i])->in[0], "ix"));
       ec_leave(&e->core);
     }
   }
@@ -999,22 +1020,36 @@ static void emit_norm_bwd(Emit *e, int gi, const bool *emitted) {
   if (cols_sum) {
     par_for(e, cols * nb, "static");
     ec_enter(&e->core, "for (int64_t j = 0; j < %lld; j++)", (long long)cols);
-    ec_line(&e->core, "%s%s0;", dw >= 0 ? "double w = " : "", db >= 0 ? (dw >= 0 ? "0, b = " : "double b = ") : "");
+    Buf acc = {0};
+    if (dw >= 0)
+      ec_bput(&acc, "w = 0");
+    if (db >= 0)
+      ec_bput(&acc, "%sb = 0", acc.len ? ", " : "");
+    for (int i = 0; i < nsum; i++)
+      ec_bput(&acc, "%sa%d = 0", acc.len ? ", " : "", i);
+    ec_line(&e->core, "double %s;", acc.s);
+    free(acc.s);
     ec_enter(&e->core, "for (int64_t k = 0; k < %lld; k++)", (long long)nb);
     if (dw >= 0)
       ec_line(&e->core, "w += pdw[k * %lld + j];", (long long)cols);
     if (db >= 0)
       ec_line(&e->core, "b += pdb[k * %lld + j];", (long long)cols);
+    for (int i = 0; i < nsum; i++)
+      ec_line(&e->core, "a%d += ps%d[k * %lld + j];", i, i, (long long)cols);
     ec_leave(&e->core);
     if (dw >= 0)
       ec_line(&e->core, "b%d[j] = (float)w;", ptr(e, dw));
     if (db >= 0)
       ec_line(&e->core, "b%d[j] = (float)b;", ptr(e, db));
+    for (int i = 0; i < nsum; i++)
+      ec_line(&e->core, "b%d[j] = (float)a%d;", ptr(e, sums[i]), i);
     ec_leave(&e->core);
     if (dw >= 0)
       ec_line(&e->core, "free(pdw);");
     if (db >= 0)
       ec_line(&e->core, "free(pdb);");
+    for (int i = 0; i < nsum; i++)
+      ec_line(&e->core, "free(ps%d);", i);
   }
   e->loop_ix = NULL;
   if (dxbuf)
@@ -1023,6 +1058,8 @@ static void emit_norm_bwd(Emit *e, int gi, const bool *emitted) {
     ec_phase_done(&e->core, dw);
   if (db >= 0)
     ec_phase_done(&e->core, db);
+  for (int i = 0; i < nsum; i++)
+    ec_phase_done(&e->core, sums[i]);
   ec_phase_end(&e->core);
   free(q);
 }

@@ -418,6 +418,14 @@ static bool match_lmhead(EmitCore *e, int ceb, Group *gr) {
   return true;
 }
 
+// Is m a SUM over the rows of a value of norm backward nd's element count and row length (rule 10 of
+// fuse.c)? The norm's row loop adds it up in column partials, as it does dw and db.
+static bool column_sum(const EmitCore *e, const IrNode *nd, const IrNode *m) {
+  const IrNode *in = ec_node(e, m->in[0]);
+  return m->op == OP_SUM && m->ia[0] == 0 && in->shape.rank == 2 && ec_numel(e, m->in[0]) == ec_numel(e, nd->in[0]) &&
+         in->shape.d[1] == ec_last_dim(e, nd->in[0]);
+}
+
 static bool groups_build(EmitCore *e, bool split_all) {
   const Step *st = &e->f->steps[e->si];
   e->ngroups = 0;
@@ -464,7 +472,8 @@ static bool groups_build(EmitCore *e, bool split_all) {
         continue;
       bool join = false;
       if (kind == G_NORM_BWD)
-        join = m->op == nd->op && same_inputs(e, nd, m) && m->fa[0] == nd->fa[0];
+        join = (m->op == nd->op && same_inputs(e, nd, m) && m->fa[0] == nd->fa[0]) ||
+               (column_sum(e, nd, m) && gr->nmem < 3 + EC_MAX_COLSUMS);
       else if (kind == G_ATTN_BWD)
         join = m->op == nd->op && same_inputs(e, nd, m) && m->fa[0] == nd->fa[0] && m->ia[0] == nd->ia[0] &&
                m->ia[1] == nd->ia[1];
@@ -519,6 +528,9 @@ bool ec_groups_order(EmitCore *e) {
       e->gdep[a] = arena_alloc(e->a, sizeof(bool) * (size_t)(ng + 1));
       for (int k = 0; k < e->groups[a].n_ext; k++)
         direct_deps(e, e->groups[a].ext[k], e->gdep[a], stamp, ++mark);
+      // A norm backward's column sums add up values its own row loop computes.
+      if (e->groups[a].kind == G_NORM_BWD)
+        e->gdep[a][a] = false;
     }
     for (int k = 0; k < ng; k++) // transitive closure
       for (int a = 0; a < ng; a++)

@@ -70,6 +70,7 @@ enum {
   MAX_GRID = 4096,      // blocks of a grid-stride kernel
   SCRATCH_ALIGN = 256,  // scratch buffers start at multiples of this
   OPT_CHUNK = 8192,     // optimizer: elements per block
+  NORM_F32_ROWS = 16,   // norm backward: column partials of up to this many rows per lane summed in f32
   ATT_BK = 32,          // attention: keys per tile
   ATT_MMA_BQ = 64,      // attention on tensor cores: queries per block or tile (16 per warp)
   ATT_MMA_BK = 64,      //   and keys per tile or block
@@ -1458,10 +1459,17 @@ static void emit_norm_bwd(Emit *e, int gi, const bool *emitted) {
   const Group *gr = &e->core.groups[gi];
   const IrNode *nd = ec_node(&e->core, gr->mem[0]);
   bool ln = nd->op == OP_LAYERNORM_BWD;
-  int dx = -1, dw = -1, db = -1;
+  int dx = -1, dw = -1, db = -1, sums[EC_MAX_COLSUMS], nsum = 0;
   for (int i = 0; i < gr->nmem; i++) {
-    int which = (int)ec_node(&e->core, gr->mem[i])->ia[0];
-    *(which == 0 ? &dx : which == 1 ? &dw : &db) = gr->mem[i];
+    const IrNode *m = ec_node(&e->core, gr->mem[i]);
+    if (m->op == OP_SUM) {
+      if (nsum == EC_MAX_COLSUMS)
+        ec_fail(&e->core, "%s: more than %d column sums", e->sname, EC_MAX_COLSUMS);
+      else
+        sums[nsum++] = gr->mem[i];
+      continue;
+    }
+    *(m->ia[0] == 0 ? &dx : m->ia[0] == 1 ? &dw : &db) = gr->mem[i];
   }
   int x = nd->in[0], dy = nd->in[2];
   int64_t cols = ec_last_dim(&e->core, x), rows = ec_numel(&e->core, x) / cols;
@@ -1472,13 +1480,19 @@ static void emit_norm_bwd(Emit *e, int gi, const bool *emitted) {
   int *q = ec_xcalloc((size_t)e->core.g->n, sizeof *q);
   int nq = dx >= 0 ? ec_post_set(&e->core, gi, ec_numel(&e->core, dx), emitted, q) : 0;
   bool dxbuf = dx >= 0 && whole(e, dx);
-  bool cols_sum = dw >= 0 || db >= 0;
+  bool cols_sum = dw >= 0 || db >= 0 || nsum > 0;
   if (dw >= 0 && ec_offset(&e->core, dw) < 0)
     e->core.scratch[dw] = true;
   if (db >= 0 && ec_offset(&e->core, db) < 0)
     e->core.scratch[db] = true;
+  for (int i = 0; i < nsum; i++)
+    if (ec_offset(&e->core, sums[i]) < 0)
+      e->core.scratch[sums[i]] = true;
   int64_t bl = cols_sum ? (rows + 1023) / 1024 : 1, nb = (rows + bl - 1) / bl;
   int64_t pdw = dw >= 0 ? scratch_alloc(e, nb * cols * 8) : -1, pdb = db >= 0 ? scratch_alloc(e, nb * cols * 8) : -1;
+  int64_t psum[EC_MAX_COLSUMS];
+  for (int i = 0; i < nsum; i++)
+    psum[i] = scratch_alloc(e, nb * cols * 8);
   RowShape rs = row_shape(e, cols, nb, 32);
   const char *ixt = e->core.ixt;
   ec_phase_begin(&e->core);
@@ -1487,13 +1501,21 @@ static void emit_norm_bwd(Emit *e, int gi, const bool *emitted) {
        cols_sum ? ec_str(&e->core, "; column partials over %lld blocks of %lld rows", (long long)nb, (long long)bl)
                 : "");
   const char *sw = pdw >= 0 ? raw_ptr(e, pdw, "double", "dw partials") : NULL;
-  const char *sb = pdb >= 0 ? raw_ptr(e, pdb, "double", "db partials") : NULL;
+  const char *sb = pdb >= 0 ? raw_ptr(e, pdb, "double", "db partials") : NULL, *ss[EC_MAX_COLSUMS];
+  for (int i = 0; i < nsum; i++)
+    ss[i] = raw_ptr(e, psum[i], "double", "column sum partials");
+  // A lane's column sums over its block's rows: in f32 over at most NORM_F32_ROWS rows (a row of 768
+  // takes 24 of them per lane and sum; double accumulators would spill registers), else in double.
+  // The block partials are added in double.
+  const char *at = bl <= NORM_F32_ROWS ? "float" : "double";
   rows_open(e, &rs, cols_sum ? "k" : "r");
   if (cols_sum) {
     if (sw)
-      ec_line(&e->core, "double sw[%d] = {0};", rs.npl);
+      ec_line(&e->core, "%s sw[%d] = {0};", at, rs.npl);
     if (sb)
-      ec_line(&e->core, "double sb[%d] = {0};", rs.npl);
+      ec_line(&e->core, "%s sb[%d] = {0};", at, rs.npl);
+    for (int i = 0; i < nsum; i++)
+      ec_line(&e->core, "%s sa%d[%d] = {0};", at, i, rs.npl);
     ec_line(&e->core, "const %s end = k * %lld + %lld < %lld ? k * %lld + %lld : %lld;", ixt, (long long)bl,
             (long long)bl, (long long)rows, (long long)bl, (long long)bl, (long long)rows);
     ec_enter(&e->core, "for (%s r = k * %lld; r < end; r++)", ixt, (long long)bl);
@@ -1518,7 +1540,7 @@ static void emit_norm_bwd(Emit *e, int gi, const bool *emitted) {
     ec_line(&e->core, "mg += g;");
     ec_line(&e->core, "mgx += g * xhat;");
     if (sw)
-      ec_line(&e->core, "sw[t] += dyv[t] * xhat;");
+      ec_line(&e->core, "sw[t] += (%s)(dyv[t] * xhat);", at);
     if (sb)
       ec_line(&e->core, "sb[t] += dyv[t];");
     row_each_end(e);
@@ -1536,7 +1558,7 @@ static void emit_norm_bwd(Emit *e, int gi, const bool *emitted) {
     row_each(e, &rs, cols);
     ec_line(&e->core, "mgx += (double)dyv[t] * %s[j] * xv[t];", wp);
     if (sw)
-      ec_line(&e->core, "sw[t] += (double)dyv[t] * xv[t] * sc;");
+      ec_line(&e->core, "sw[t] += (%s)((double)dyv[t] * xv[t] * sc);", at);
     row_each_end(e);
     if (dx >= 0)
       ec_line(&e->core, "mgx = %s / %lld;", rsum(e, &rs, "mgx"), (long long)cols);
@@ -1551,6 +1573,8 @@ static void emit_norm_bwd(Emit *e, int gi, const bool *emitted) {
     if (dxbuf)
       ec_line(&e->core, "%s[ix] = d;", ptr(e, dx));
     post_inloop(e, dx, q, nq, "ix", ec_numel(&e->core, dx), "d");
+    for (int i = 0; i < nsum; i++)
+      ec_line(&e->core, "sa%d[t] += %s;", i, val(e, ec_node(&e->core, sums[i])->in[0], "ix"));
     row_each_end(e);
   }
   if (cols_sum) {
@@ -1563,6 +1587,8 @@ static void emit_norm_bwd(Emit *e, int gi, const bool *emitted) {
       ec_line(&e->core, "%s[k * %lld + j] = sw[t];", sw, (long long)cols);
     if (sb)
       ec_line(&e->core, "%s[k * %lld + j] = sb[t];", sb, (long long)cols);
+    for (int i = 0; i < nsum; i++)
+      ec_line(&e->core, "%s[k * %lld + j] = sa%d[t];", ss[i], (long long)cols, i);
     ec_leave(&e->core);
     ec_leave(&e->core);
   }
@@ -1573,17 +1599,23 @@ static void emit_norm_bwd(Emit *e, int gi, const bool *emitted) {
     kbegin(e, "colsum");
     note(e, "%s: column sums of %lld blocks of rows, a block per 32 columns in %d groups of rows", op_name(nd->op),
          (long long)nb, colsum_groups(nb));
-    const char *parts[2], *accs[2];
+    const char *parts[2 + EC_MAX_COLSUMS], *accs[2 + EC_MAX_COLSUMS];
     int np = 0;
     if (pdw >= 0)
       parts[np] = raw_ptr(e, pdw, "double", "dw partials"), accs[np++] = "w";
     if (pdb >= 0)
       parts[np] = raw_ptr(e, pdb, "double", "db partials"), accs[np++] = "b";
+    for (int i = 0; i < nsum; i++) {
+      parts[np] = raw_ptr(e, psum[i], "double", "column sum partials");
+      accs[np++] = ec_str(&e->core, "a%d", i);
+    }
     colsum_open(e, nb, cols, parts, accs, np, false);
     if (dw >= 0)
       ec_line(&e->core, "%s[r] = (float)w;", ptr(e, dw));
     if (db >= 0)
       ec_line(&e->core, "%s[r] = (float)b;", ptr(e, db));
+    for (int i = 0; i < nsum; i++)
+      ec_line(&e->core, "%s[r] = (float)a%d;", ptr(e, sums[i]), i);
     ec_leave(&e->core);
     kend(e, colsum_grid(cols), colsum_block(nb));
   }
@@ -1593,6 +1625,8 @@ static void emit_norm_bwd(Emit *e, int gi, const bool *emitted) {
     ec_phase_done(&e->core, dw);
   if (db >= 0)
     ec_phase_done(&e->core, db);
+  for (int i = 0; i < nsum; i++)
+    ec_phase_done(&e->core, sums[i]);
   ec_phase_end(&e->core);
   free(q);
 }

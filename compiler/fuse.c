@@ -63,7 +63,9 @@
 //     then a chain of elementwise consumers of the result with the result's element count, each
 //     reading the previous link at identity and being its only reader; the chain's end is the out.
 //     An EMBED_BWD step of rule 6 grows the same chain: a tied table's gradient (the LM head's part
-//     plus the embedding's) is added as the embedding backward stores each element.
+//     plus the embedding's) is added as the embedding backward stores each element. So does the dx
+//     of a norm backward step (rule 3), before any reduction is formed: the residual gradient that
+//     dx is added to is summed as each row's dx is computed.
 //  8. Elementwise STEP_KERNEL: the ops NEG EXP LOG TANH SQRT RSQRT RELU GELU SILU DROPOUT ADD SUB
 //     MUL DIV RELU_BWD GELU_BWD SILU_BWD BROADCAST PERMUTE SLICE SLICE_BWD CONCAT RESHAPE over one
 //     iteration space, the root's shape (the root is the last member and the only out). Groups
@@ -88,7 +90,9 @@
 //     joins the GEMM's step instead, which stays a GEMM step: the emitters then compute the
 //     epilogue inside the reduction's loop, reading the product once. Not when another member of
 //     the reduction step reads the kernel's values, across the forward/backward line, or past the
-//     cap.
+//     cap. A SUM over the rows of a value of a norm backward step (axis 0 of [rows, C] with the
+//     norm's row length C and element count), alone in its step but for RESHAPEs, joins that step:
+//     the norm's row loop adds it up in column partials as it does dw and db (a bias gradient).
 // 11. A bf16 CAST of a PARAM still alone in its step (a weight's GEMM operand), when the parameter's
 //     ADAMW is in the optimizer step, leaves the plan: it becomes the parameter's *copy*
 //     (Fusion.copy_of), in no step and materialised, which the optimizer step rewrites as it updates
@@ -722,6 +726,8 @@ static void grow_chain(Fuser *F, int gi, int r) {
       why = "the forward step does not compute backward values";
     if (!why && F->groups[gi].n >= F->max_group)
       why = arena_printf(F->a, "group size cap (%d nodes)", F->max_group);
+    if (!why && creates_cycle(F, gi, &u, 1))
+      why = "would make the steps cyclic";
     if (why) {
       reject(F, t, u, "%s", why);
       break;
@@ -731,8 +737,15 @@ static void grow_chain(Fuser *F, int gi, int r) {
   }
 }
 
+static bool is_norm_bwd(Op op) { return op == OP_LAYERNORM_BWD || op == OP_RMSNORM_BWD; }
+
 static void rule_reductions(Fuser *F) {
   Graph *g = F->g;
+  for (int r = 0; r < g->n; r++) { // a norm backward's dx first: its chain is the residual gradient
+    const IrNode *n = node(F, r);
+    if (is_norm_bwd(n->op) && n->ia[0] == 0 && F->grp[r] >= 0 && F->groups[F->grp[r]].root == r)
+      grow_chain(F, F->grp[r], r);
+  }
   for (int r = 0; r < g->n; r++) {
     if (op_of(F, r) == OP_EMBED_BWD && F->grp[r] >= 0 && F->groups[F->grp[r]].n == 1) {
       grow_chain(F, F->grp[r], r); // the tied table's gradient: lm head's + the embedding's
@@ -816,6 +829,44 @@ static bool elementwise_over(const Fuser *F, int gi, int64_t n) {
   return true;
 }
 
+// Is reduction r (alone in group gi, with RESHAPEs) a SUM over the rows of x, a value of norm
+// backward step ei with the norm's element count and row length: a column sum its row loop can add up?
+static bool column_sum_of_norm(const Fuser *F, int r, int gi, int x, int ei) {
+  const Group *E = &F->groups[ei];
+  const IrNode *n = node(F, r), *in = node(F, n->in[0]), *root = node(F, E->root);
+  if (E->kind != STEP_KERNEL || !is_norm_bwd(root->op) || n->op != OP_SUM || n->ia[0] != 0 || in->shape.rank != 2 ||
+      numel(F, x) != numel(F, E->root) || in->shape.d[1] != root->shape.d[root->shape.rank - 1])
+    return false;
+  for (int i = 0; i < F->groups[gi].n; i++)
+    if (F->groups[gi].m[i] != r && op_of(F, F->groups[gi].m[i]) != OP_RESHAPE)
+      return false;
+  return true;
+}
+
+// Moves the members of group `from`, and the RESHAPEs of the chain between x and reduction r that
+// are in neither group, into group `into`; unless `why` (a refusal already found) or a cycle says no,
+// which the pair from x to the chain's end (or r) is told.
+static void merge_reduction(Fuser *F, int into, int from, const int *chain, int nchain, int x, int r,
+                            const char *why) {
+  int nmoved = 0, *moved = arena_alloc(F->a, sizeof(int) * (size_t)(F->groups[from].n + nchain + 1));
+  for (int k = 0; k < F->groups[from].n; k++)
+    moved[nmoved++] = F->groups[from].m[k];
+  for (int c = 0; c < nchain; c++)
+    if (F->grp[chain[c]] != into && F->grp[chain[c]] != from)
+      moved[nmoved++] = chain[c];
+  if (!why && creates_cycle(F, into, moved, nmoved))
+    why = "would make the steps cyclic";
+  if (why) {
+    reject_again(F, x, nchain ? chain[nchain - 1] : r, why);
+    return;
+  }
+  for (int k = 0; k < nmoved; k++) {
+    if (F->grp[moved[k]] >= 0)
+      remove_member(F, F->grp[moved[k]], moved[k]);
+    add_member(F, into, moved[k]);
+  }
+}
+
 static void rule_reduction_producers(Fuser *F) {
   for (int r = 0; r < F->g->n; r++) {
     int gi = F->grp[r];
@@ -830,6 +881,12 @@ static void rule_reduction_producers(Fuser *F) {
       x = node(F, x)->in[0];
     }
     int ei = F->grp[x];
+    if (ei >= 0 && ei != gi && column_sum_of_norm(F, r, gi, x, ei)) { // into the norm's step
+      bool cap = F->groups[ei].n + F->groups[gi].n > F->max_group;
+      merge_reduction(F, ei, gi, chain, nchain, x, r,
+                      cap ? arena_printf(F->a, "group size cap (%d nodes)", F->max_group) : NULL);
+      continue;
+    }
     if (ei < 0 || ei == gi || !elementwise_over(F, ei, numel(F, x)))
       continue;
     // Nothing else of the reduction's step may read the kernel's values (they would be evaluated at
@@ -853,24 +910,7 @@ static void rule_reduction_producers(Fuser *F) {
     // step (which stays a GEMM step, its epilogue now computed by the reduction's loop), the
     // reduction's members and the RESHAPEs.
     bool gemm = E->kind == STEP_GEMM;
-    int into = gemm ? ei : gi, from = gemm ? gi : ei;
-    int nmoved = 0, *moved = arena_alloc(F->a, sizeof(int) * (size_t)(E->n + R->n + nchain));
-    for (int k = 0; k < F->groups[from].n; k++)
-      moved[nmoved++] = F->groups[from].m[k];
-    for (int c = 0; c < nchain; c++)
-      if (F->grp[chain[c]] != into && F->grp[chain[c]] != from)
-        moved[nmoved++] = chain[c];
-    if (!why && creates_cycle(F, into, moved, nmoved))
-      why = "would make the steps cyclic";
-    if (why) {
-      reject_again(F, x, nchain ? chain[nchain - 1] : r, why);
-      continue;
-    }
-    for (int k = 0; k < nmoved; k++) {
-      if (F->grp[moved[k]] >= 0)
-        remove_member(F, F->grp[moved[k]], moved[k]);
-      add_member(F, into, moved[k]);
-    }
+    merge_reduction(F, gemm ? ei : gi, gemm ? gi : ei, chain, nchain, x, r, why);
   }
 }
 

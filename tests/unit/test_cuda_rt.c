@@ -871,36 +871,34 @@ static void compare_engines(const char *label, Engine *cuda, Engine *ref, int st
     return;
   for (int s = 2; ok && s <= steps; s++)
     ok = step_both(es, s, err, sizeof err);
-  // fp32: every parameter tensor within ptol (L2). bf16: all parameters together, since a gradient
+  // All parameters together within ptol (L2); in fp32 also every tensor within 100 ptol. A gradient
   // element near 0 (the key bias gets only rounding noise: its exact gradient is 0) may change sign
-  // between engines, and AdamW moves it by lr either way: one small tensor can differ by far more
-  // than the model does.
+  // between engines, and AdamW moves it by lr either way: the attention biases, which hold the key
+  // bias, differ by up to 5e-4 in fp32 where every other tensor is within 3e-5 (3e-6 over all). In
+  // bf16 one small tensor can differ by far more than the model does, so only the whole counts.
   worst = 0;
-  at = l2 ? "all parameters" : "";
+  at = "";
   double d2 = 0, r2 = 0;
   for (int i = 0; ok && i < g->nparams; i++) {
-    if (l2) {
-      int64_t n = shape_numel(g->nodes[g->params[i]]->shape);
-      float *a = calloc((size_t)n, sizeof *a), *b = calloc((size_t)n, sizeof *b);
-      cuda->read(cuda, g->params[i], a);
-      ref->read(ref, g->params[i], b);
-      for (int64_t j = 0; j < n; j++) {
-        d2 += ((double)a[j] - b[j]) * ((double)a[j] - b[j]);
-        r2 += (double)b[j] * b[j];
-      }
-      free(a);
-      free(b);
-      continue;
+    int64_t n = shape_numel(g->nodes[g->params[i]]->shape);
+    float *a = calloc((size_t)n, sizeof *a), *b = calloc((size_t)n, sizeof *b);
+    cuda->read(cuda, g->params[i], a);
+    ref->read(ref, g->params[i], b);
+    for (int64_t j = 0; j < n; j++) {
+      d2 += ((double)a[j] - b[j]) * ((double)a[j] - b[j]);
+      r2 += (double)b[j] * b[j];
     }
-    double r = rel_error(cuda, ref, g->params[i], true);
+    free(a);
+    free(b);
+    double r = l2 ? 0 : rel_error(cuda, ref, g->params[i], true);
     if (!(r <= worst))
       worst = r, at = g->nodes[g->params[i]]->name;
   }
-  if (l2)
-    worst = isnan(d2) ? INFINITY : sqrt(d2) / (r2 > 0 ? sqrt(r2) : 1);
-  snprintf(name, sizeof name, "cuda: %s: parameters after %d steps match the interpreter (%.0e%s)", label, steps, ptol,
-           l2 ? " over all" : "");
-  CHECK(ok && worst <= ptol, name, "%s; worst %.3g at %s", ok ? "ran" : err, worst, at);
+  double all = isnan(d2) ? INFINITY : sqrt(d2) / (r2 > 0 ? sqrt(r2) : 1);
+  snprintf(name, sizeof name, "cuda: %s: parameters after %d steps match the interpreter (%.0e over all%s)", label,
+           steps, ptol, l2 ? "" : ", 100x that per tensor");
+  CHECK(ok && all <= ptol && worst <= 100 * ptol, name, "%s; over all %.3g, worst tensor %.3g at %s", ok ? "ran" : err,
+        all, worst, at);
 }
 
 static void no_driver_checks(void) {
@@ -1046,7 +1044,7 @@ static void emulated_checks(const Model *md) {
     // operand needs on so small a batch: the compiled C and the interpreter differ by up to 2.1e-3
     // per tensor at B=2 T=16, while bf16 and fp32 differ by 2e-3 to 6e-3; the parameters after 4
     // steps, over all: 2.4e-3 with the backward's products on bf16 operands.)
-    compare_engines(md->label, cuda, ref, STEPS, bf16 ? 3e-3 : 1e-5, bf16, c.m, bf16 ? 4e-3 : 5e-4);
+    compare_engines(md->label, cuda, ref, STEPS, bf16 ? 3e-3 : 1e-5, bf16, c.m, bf16 ? 4e-3 : 1e-5);
     int kernels = 0, gemms = 0, ab16 = 0, d16 = 0;
     for (int i = 0; i < p->nlaunches; i++)
       p->launches[i].kernel ? kernels++ : gemms++;
