@@ -71,6 +71,7 @@ enum {
   SCRATCH_ALIGN = 256,  // scratch buffers start at multiples of this
   OPT_CHUNK = 8192,     // optimizer: elements per block
   NORM_F32_ROWS = 16,   // norm backward: column partials of up to this many rows per lane summed in f32
+  NORM_LANE_ELEMS = 8,  // norm backward with column sums: elements of a row per lane, at most
   ATT_BK = 32,          // attention: keys per tile
   ATT_MMA_BQ = 64,      // attention on tensor cores: queries per block or tile (16 per warp)
   ATT_MMA_BK = 64,      //   and keys per tile or block
@@ -1493,7 +1494,11 @@ static void emit_norm_bwd(Emit *e, int gi, const bool *emitted) {
   int64_t psum[EC_MAX_COLSUMS];
   for (int i = 0; i < nsum; i++)
     psum[i] = scratch_alloc(e, nb * cols * 8);
-  RowShape rs = row_shape(e, cols, nb, 32);
+  // With column sums there are at most 1024 groups of rows (1024 partials per column), so a group gets
+  // a block of threads (up to NORM_LANE_ELEMS elements per lane) rather than a warp: GPT-2's 8192 rows
+  // of 768 are then 4096 warps of 6 elements a lane, not 1024 warps (128 blocks, under one wave on
+  // 132 SMs) of 24 at 244 registers.
+  RowShape rs = row_shape(e, cols, nb, cols_sum ? NORM_LANE_ELEMS : 32);
   const char *ixt = e->core.ixt;
   ec_phase_begin(&e->core);
   kbegin(e, "");

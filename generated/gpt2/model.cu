@@ -1395,11 +1395,11 @@ extern "C" __global__ void __launch_bounds__(256) k89_mean(char *arena, MdlStatu
 //   %576   sum                d.h.11.fcproj_b      line 40    f32[768]
 //   %577   cast                                    line 40    bf16[8192,768]
 // runs:
-//   k90_layernorm_bwd__sum__cast<<<128, 256>>>
+//   k90_layernorm_bwd__sum__cast<<<1024, 128>>>
 //   k90_layernorm_bwd__sum__cast_colsum<<<24, 1024>>>
 
-// layernorm_bwd: 8192 rows of 768, a warp per row; column partials over 1024 blocks of 8 rows
-extern "C" __global__ void __launch_bounds__(256) k90_layernorm_bwd__sum__cast(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
+// layernorm_bwd: 8192 rows of 768, a block of 128 threads per row; column partials over 1024 blocks of 8 rows
+extern "C" __global__ void __launch_bounds__(128) k90_layernorm_bwd__sum__cast(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
   double *const b0 = (double *)(arena + o.b[0]); // dw partials
   double *const b1 = (double *)(arena + o.b[1]); // db partials
   double *const b2 = (double *)(arena + o.b[2]); // column sum partials
@@ -1408,39 +1408,40 @@ extern "C" __global__ void __launch_bounds__(256) k90_layernorm_bwd__sum__cast(c
   float *const b5 = (float *)(arena + o.b[5]); // param f32[768]
   float *const b6 = (float *)(arena + o.b[6]); // layernorm_bwd f32[8,1024,768]
   uint16_t *const b7 = (uint16_t *)(arena + o.b[7]); // cast bf16[8192,768]
-  const int k = blockIdx.x * 8 + (threadIdx.x >> 5);
-  const int tr = threadIdx.x & 31;
+  __shared__ double sh_d[32];
+  const int k = blockIdx.x;
+  const int tr = threadIdx.x;
   {
-    float sw[24] = {0};
-    float sb[24] = {0};
-    float sa0[24] = {0};
+    float sw[6] = {0};
+    float sb[6] = {0};
+    float sa0[6] = {0};
     const int end = k * 8 + 8 < 8192 ? k * 8 + 8 : 8192;
     for (int r = k * 8; r < end; r++) {
-      float xv[24];
+      float xv[6];
       #pragma unroll
-      for (int t = 0; t < 24; t++) {
-        const int j = tr + t * 32;
+      for (int t = 0; t < 6; t++) {
+        const int j = tr + t * 128;
         xv[t] = j < 768 ? b3[r * 768 + j] : 0.0f;
       }
-      float dyv[24];
+      float dyv[6];
       #pragma unroll
-      for (int t = 0; t < 24; t++) {
-        const int j = tr + t * 32;
+      for (int t = 0; t < 6; t++) {
+        const int j = tr + t * 128;
         dyv[t] = j < 768 ? b4[r * 768 + j] : 0.0f;
       }
       double s = 0;
       #pragma unroll
-      for (int t = 0; t < 24; t++)
+      for (int t = 0; t < 6; t++)
         s += xv[t];
-      const double mean = mdl_warp_sum(s) / 768;
+      const double mean = mdl_block_sum(s, sh_d) / 768;
       double var = 0, mg = 0, mgx = 0;
       #pragma unroll
-      for (int t = 0; t < 24; t++)
-        var += tr + t * 32 < 768 ? (xv[t] - mean) * (xv[t] - mean) : 0.0;
-      const double rstd = 1.0 / sqrt(mdl_warp_sum(var) / 768 + 1e-05);
+      for (int t = 0; t < 6; t++)
+        var += tr + t * 128 < 768 ? (xv[t] - mean) * (xv[t] - mean) : 0.0;
+      const double rstd = 1.0 / sqrt(mdl_block_sum(var, sh_d) / 768 + 1e-05);
       #pragma unroll
-      for (int t = 0; t < 24; t++) {
-        const int j = tr + t * 32;
+      for (int t = 0; t < 6; t++) {
+        const int j = tr + t * 128;
         if (j < 768) {
           const double xhat = (xv[t] - mean) * rstd, g = (double)dyv[t] * b5[j];
           mg += g;
@@ -1449,11 +1450,11 @@ extern "C" __global__ void __launch_bounds__(256) k90_layernorm_bwd__sum__cast(c
           sb[t] += dyv[t];
         }
       }
-      mg = mdl_warp_sum(mg) / 768;
-      mgx = mdl_warp_sum(mgx) / 768;
+      mg = mdl_block_sum(mg, sh_d) / 768;
+      mgx = mdl_block_sum(mgx, sh_d) / 768;
       #pragma unroll
-      for (int t = 0; t < 24; t++) {
-        const int j = tr + t * 32;
+      for (int t = 0; t < 6; t++) {
+        const int j = tr + t * 128;
         if (j < 768) {
           const int ix = r * 768 + j;
           const float d = (float)(rstd * ((double)dyv[t] * b5[j] - mg - (xv[t] - mean) * rstd * mgx));
@@ -1465,8 +1466,8 @@ extern "C" __global__ void __launch_bounds__(256) k90_layernorm_bwd__sum__cast(c
       }
     }
     #pragma unroll
-    for (int t = 0; t < 24; t++) {
-      const int j = tr + t * 32;
+    for (int t = 0; t < 6; t++) {
+      const int j = tr + t * 128;
       if (j < 768) {
         b0[k * 768 + j] = sw[t];
         b1[k * 768 + j] = sb[t];
@@ -1601,11 +1602,11 @@ extern "C" __global__ void __launch_bounds__(256) k92_gemm__gelu_bwd__sum__cast(
 //   %593   sum                d.h.11.proj_b        line 39    f32[768]
 //   %594   cast                                    line 39    bf16[8192,768]
 // runs:
-//   k95_layernorm_bwd__add__sum__cast<<<128, 256>>>
+//   k95_layernorm_bwd__add__sum__cast<<<1024, 128>>>
 //   k90_layernorm_bwd__sum__cast_colsum<<<24, 1024>>>
 
-// layernorm_bwd: 8192 rows of 768, a warp per row; column partials over 1024 blocks of 8 rows
-extern "C" __global__ void __launch_bounds__(256) k95_layernorm_bwd__add__sum__cast(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
+// layernorm_bwd: 8192 rows of 768, a block of 128 threads per row; column partials over 1024 blocks of 8 rows
+extern "C" __global__ void __launch_bounds__(128) k95_layernorm_bwd__add__sum__cast(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
   double *const b0 = (double *)(arena + o.b[0]); // dw partials
   double *const b1 = (double *)(arena + o.b[1]); // db partials
   double *const b2 = (double *)(arena + o.b[2]); // column sum partials
@@ -1615,39 +1616,40 @@ extern "C" __global__ void __launch_bounds__(256) k95_layernorm_bwd__add__sum__c
   float *const b6 = (float *)(arena + o.b[6]); // layernorm_bwd f32[8,1024,768]
   float *const b7 = (float *)(arena + o.b[7]); // add f32[8,1024,768]
   uint16_t *const b8 = (uint16_t *)(arena + o.b[8]); // cast bf16[8192,768]
-  const int k = blockIdx.x * 8 + (threadIdx.x >> 5);
-  const int tr = threadIdx.x & 31;
+  __shared__ double sh_d[32];
+  const int k = blockIdx.x;
+  const int tr = threadIdx.x;
   {
-    float sw[24] = {0};
-    float sb[24] = {0};
-    float sa0[24] = {0};
+    float sw[6] = {0};
+    float sb[6] = {0};
+    float sa0[6] = {0};
     const int end = k * 8 + 8 < 8192 ? k * 8 + 8 : 8192;
     for (int r = k * 8; r < end; r++) {
-      float xv[24];
+      float xv[6];
       #pragma unroll
-      for (int t = 0; t < 24; t++) {
-        const int j = tr + t * 32;
+      for (int t = 0; t < 6; t++) {
+        const int j = tr + t * 128;
         xv[t] = j < 768 ? b3[r * 768 + j] : 0.0f;
       }
-      float dyv[24];
+      float dyv[6];
       #pragma unroll
-      for (int t = 0; t < 24; t++) {
-        const int j = tr + t * 32;
+      for (int t = 0; t < 6; t++) {
+        const int j = tr + t * 128;
         dyv[t] = j < 768 ? b4[r * 768 + j] : 0.0f;
       }
       double s = 0;
       #pragma unroll
-      for (int t = 0; t < 24; t++)
+      for (int t = 0; t < 6; t++)
         s += xv[t];
-      const double mean = mdl_warp_sum(s) / 768;
+      const double mean = mdl_block_sum(s, sh_d) / 768;
       double var = 0, mg = 0, mgx = 0;
       #pragma unroll
-      for (int t = 0; t < 24; t++)
-        var += tr + t * 32 < 768 ? (xv[t] - mean) * (xv[t] - mean) : 0.0;
-      const double rstd = 1.0 / sqrt(mdl_warp_sum(var) / 768 + 1e-05);
+      for (int t = 0; t < 6; t++)
+        var += tr + t * 128 < 768 ? (xv[t] - mean) * (xv[t] - mean) : 0.0;
+      const double rstd = 1.0 / sqrt(mdl_block_sum(var, sh_d) / 768 + 1e-05);
       #pragma unroll
-      for (int t = 0; t < 24; t++) {
-        const int j = tr + t * 32;
+      for (int t = 0; t < 6; t++) {
+        const int j = tr + t * 128;
         if (j < 768) {
           const double xhat = (xv[t] - mean) * rstd, g = (double)dyv[t] * b5[j];
           mg += g;
@@ -1656,11 +1658,11 @@ extern "C" __global__ void __launch_bounds__(256) k95_layernorm_bwd__add__sum__c
           sb[t] += dyv[t];
         }
       }
-      mg = mdl_warp_sum(mg) / 768;
-      mgx = mdl_warp_sum(mgx) / 768;
+      mg = mdl_block_sum(mg, sh_d) / 768;
+      mgx = mdl_block_sum(mgx, sh_d) / 768;
       #pragma unroll
-      for (int t = 0; t < 24; t++) {
-        const int j = tr + t * 32;
+      for (int t = 0; t < 6; t++) {
+        const int j = tr + t * 128;
         if (j < 768) {
           const int ix = r * 768 + j;
           const float d = (float)(rstd * ((double)dyv[t] * b5[j] - mg - (xv[t] - mean) * rstd * mgx));
@@ -1674,8 +1676,8 @@ extern "C" __global__ void __launch_bounds__(256) k95_layernorm_bwd__add__sum__c
       }
     }
     #pragma unroll
-    for (int t = 0; t < 24; t++) {
-      const int j = tr + t * 32;
+    for (int t = 0; t < 6; t++) {
+      const int j = tr + t * 128;
       if (j < 768) {
         b0[k * 768 + j] = sw[t];
         b1[k * 768 + j] = sb[t];
@@ -2170,11 +2172,11 @@ extern "C" __global__ void __launch_bounds__(256) k99_sum__slice_bwd__add__cast(
 //   %617   sum                d.h.10.fcproj_b      line 40    f32[768]
 //   %618   cast                                    line 40    bf16[8192,768]
 // runs:
-//   k102_layernorm_bwd__add__sum__cast<<<128, 256>>>
+//   k102_layernorm_bwd__add__sum__cast<<<1024, 128>>>
 //   k90_layernorm_bwd__sum__cast_colsum<<<24, 1024>>>
 
-// layernorm_bwd: 8192 rows of 768, a warp per row; column partials over 1024 blocks of 8 rows
-extern "C" __global__ void __launch_bounds__(256) k102_layernorm_bwd__add__sum__cast(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
+// layernorm_bwd: 8192 rows of 768, a block of 128 threads per row; column partials over 1024 blocks of 8 rows
+extern "C" __global__ void __launch_bounds__(128) k102_layernorm_bwd__add__sum__cast(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
   double *const b0 = (double *)(arena + o.b[0]); // dw partials
   double *const b1 = (double *)(arena + o.b[1]); // db partials
   double *const b2 = (double *)(arena + o.b[2]); // column sum partials
@@ -2184,39 +2186,40 @@ extern "C" __global__ void __launch_bounds__(256) k102_layernorm_bwd__add__sum__
   float *const b6 = (float *)(arena + o.b[6]); // add f32[8,1024,768]
   float *const b7 = (float *)(arena + o.b[7]); // add f32[8,1024,768]
   uint16_t *const b8 = (uint16_t *)(arena + o.b[8]); // cast bf16[8192,768]
-  const int k = blockIdx.x * 8 + (threadIdx.x >> 5);
-  const int tr = threadIdx.x & 31;
+  __shared__ double sh_d[32];
+  const int k = blockIdx.x;
+  const int tr = threadIdx.x;
   {
-    float sw[24] = {0};
-    float sb[24] = {0};
-    float sa0[24] = {0};
+    float sw[6] = {0};
+    float sb[6] = {0};
+    float sa0[6] = {0};
     const int end = k * 8 + 8 < 8192 ? k * 8 + 8 : 8192;
     for (int r = k * 8; r < end; r++) {
-      float xv[24];
+      float xv[6];
       #pragma unroll
-      for (int t = 0; t < 24; t++) {
-        const int j = tr + t * 32;
+      for (int t = 0; t < 6; t++) {
+        const int j = tr + t * 128;
         xv[t] = j < 768 ? b3[r * 768 + j] : 0.0f;
       }
-      float dyv[24];
+      float dyv[6];
       #pragma unroll
-      for (int t = 0; t < 24; t++) {
-        const int j = tr + t * 32;
+      for (int t = 0; t < 6; t++) {
+        const int j = tr + t * 128;
         dyv[t] = j < 768 ? b4[r * 768 + j] : 0.0f;
       }
       double s = 0;
       #pragma unroll
-      for (int t = 0; t < 24; t++)
+      for (int t = 0; t < 6; t++)
         s += xv[t];
-      const double mean = mdl_warp_sum(s) / 768;
+      const double mean = mdl_block_sum(s, sh_d) / 768;
       double var = 0, mg = 0, mgx = 0;
       #pragma unroll
-      for (int t = 0; t < 24; t++)
-        var += tr + t * 32 < 768 ? (xv[t] - mean) * (xv[t] - mean) : 0.0;
-      const double rstd = 1.0 / sqrt(mdl_warp_sum(var) / 768 + 1e-05);
+      for (int t = 0; t < 6; t++)
+        var += tr + t * 128 < 768 ? (xv[t] - mean) * (xv[t] - mean) : 0.0;
+      const double rstd = 1.0 / sqrt(mdl_block_sum(var, sh_d) / 768 + 1e-05);
       #pragma unroll
-      for (int t = 0; t < 24; t++) {
-        const int j = tr + t * 32;
+      for (int t = 0; t < 6; t++) {
+        const int j = tr + t * 128;
         if (j < 768) {
           const double xhat = (xv[t] - mean) * rstd, g = (double)dyv[t] * b5[j];
           mg += g;
@@ -2225,11 +2228,11 @@ extern "C" __global__ void __launch_bounds__(256) k102_layernorm_bwd__add__sum__
           sb[t] += dyv[t];
         }
       }
-      mg = mdl_warp_sum(mg) / 768;
-      mgx = mdl_warp_sum(mgx) / 768;
+      mg = mdl_block_sum(mg, sh_d) / 768;
+      mgx = mdl_block_sum(mgx, sh_d) / 768;
       #pragma unroll
-      for (int t = 0; t < 24; t++) {
-        const int j = tr + t * 32;
+      for (int t = 0; t < 6; t++) {
+        const int j = tr + t * 128;
         if (j < 768) {
           const int ix = r * 768 + j;
           const float d = (float)(rstd * ((double)dyv[t] * b5[j] - mg - (xv[t] - mean) * rstd * mgx));
@@ -2243,8 +2246,8 @@ extern "C" __global__ void __launch_bounds__(256) k102_layernorm_bwd__add__sum__
       }
     }
     #pragma unroll
-    for (int t = 0; t < 24; t++) {
-      const int j = tr + t * 32;
+    for (int t = 0; t < 6; t++) {
+      const int j = tr + t * 128;
       if (j < 768) {
         b0[k * 768 + j] = sw[t];
         b1[k * 768 + j] = sb[t];
@@ -2290,7 +2293,7 @@ extern "C" __global__ void __launch_bounds__(256) k102_layernorm_bwd__add__sum__
 //   %634   sum                d.h.10.proj_b        line 39    f32[768]
 //   %635   cast                                    line 39    bf16[8192,768]
 // runs:
-//   k102_layernorm_bwd__add__sum__cast<<<128, 256>>>
+//   k102_layernorm_bwd__add__sum__cast<<<1024, 128>>>
 //   k90_layernorm_bwd__sum__cast_colsum<<<24, 1024>>>
 
 // k108_gemm: GEMM, 1 op
@@ -2344,7 +2347,7 @@ extern "C" __global__ void __launch_bounds__(256) k102_layernorm_bwd__add__sum__
 //   %658   sum                d.h.9.fcproj_b       line 40    f32[768]
 //   %659   cast                                    line 40    bf16[8192,768]
 // runs:
-//   k102_layernorm_bwd__add__sum__cast<<<128, 256>>>
+//   k102_layernorm_bwd__add__sum__cast<<<1024, 128>>>
 //   k90_layernorm_bwd__sum__cast_colsum<<<24, 1024>>>
 
 // k115_gemm: GEMM, 1 op
@@ -2383,7 +2386,7 @@ extern "C" __global__ void __launch_bounds__(256) k102_layernorm_bwd__add__sum__
 //   %675   sum                d.h.9.proj_b         line 39    f32[768]
 //   %676   cast                                    line 39    bf16[8192,768]
 // runs:
-//   k102_layernorm_bwd__add__sum__cast<<<128, 256>>>
+//   k102_layernorm_bwd__add__sum__cast<<<1024, 128>>>
 //   k90_layernorm_bwd__sum__cast_colsum<<<24, 1024>>>
 
 // k120_gemm: GEMM, 1 op
@@ -2437,7 +2440,7 @@ extern "C" __global__ void __launch_bounds__(256) k102_layernorm_bwd__add__sum__
 //   %699   sum                d.h.8.fcproj_b       line 40    f32[768]
 //   %700   cast                                    line 40    bf16[8192,768]
 // runs:
-//   k102_layernorm_bwd__add__sum__cast<<<128, 256>>>
+//   k102_layernorm_bwd__add__sum__cast<<<1024, 128>>>
 //   k90_layernorm_bwd__sum__cast_colsum<<<24, 1024>>>
 
 // k127_gemm: GEMM, 1 op
@@ -2476,7 +2479,7 @@ extern "C" __global__ void __launch_bounds__(256) k102_layernorm_bwd__add__sum__
 //   %716   sum                d.h.8.proj_b         line 39    f32[768]
 //   %717   cast                                    line 39    bf16[8192,768]
 // runs:
-//   k102_layernorm_bwd__add__sum__cast<<<128, 256>>>
+//   k102_layernorm_bwd__add__sum__cast<<<1024, 128>>>
 //   k90_layernorm_bwd__sum__cast_colsum<<<24, 1024>>>
 
 // k132_gemm: GEMM, 1 op
@@ -2530,7 +2533,7 @@ extern "C" __global__ void __launch_bounds__(256) k102_layernorm_bwd__add__sum__
 //   %740   sum                d.h.7.fcproj_b       line 40    f32[768]
 //   %741   cast                                    line 40    bf16[8192,768]
 // runs:
-//   k102_layernorm_bwd__add__sum__cast<<<128, 256>>>
+//   k102_layernorm_bwd__add__sum__cast<<<1024, 128>>>
 //   k90_layernorm_bwd__sum__cast_colsum<<<24, 1024>>>
 
 // k139_gemm: GEMM, 1 op
@@ -2569,7 +2572,7 @@ extern "C" __global__ void __launch_bounds__(256) k102_layernorm_bwd__add__sum__
 //   %757   sum                d.h.7.proj_b         line 39    f32[768]
 //   %758   cast                                    line 39    bf16[8192,768]
 // runs:
-//   k102_layernorm_bwd__add__sum__cast<<<128, 256>>>
+//   k102_layernorm_bwd__add__sum__cast<<<1024, 128>>>
 //   k90_layernorm_bwd__sum__cast_colsum<<<24, 1024>>>
 
 // k144_gemm: GEMM, 1 op
@@ -2623,7 +2626,7 @@ extern "C" __global__ void __launch_bounds__(256) k102_layernorm_bwd__add__sum__
 //   %781   sum                d.h.6.fcproj_b       line 40    f32[768]
 //   %782   cast                                    line 40    bf16[8192,768]
 // runs:
-//   k102_layernorm_bwd__add__sum__cast<<<128, 256>>>
+//   k102_layernorm_bwd__add__sum__cast<<<1024, 128>>>
 //   k90_layernorm_bwd__sum__cast_colsum<<<24, 1024>>>
 
 // k151_gemm: GEMM, 1 op
@@ -2662,7 +2665,7 @@ extern "C" __global__ void __launch_bounds__(256) k102_layernorm_bwd__add__sum__
 //   %798   sum                d.h.6.proj_b         line 39    f32[768]
 //   %799   cast                                    line 39    bf16[8192,768]
 // runs:
-//   k102_layernorm_bwd__add__sum__cast<<<128, 256>>>
+//   k102_layernorm_bwd__add__sum__cast<<<1024, 128>>>
 //   k90_layernorm_bwd__sum__cast_colsum<<<24, 1024>>>
 
 // k156_gemm: GEMM, 1 op
@@ -2716,7 +2719,7 @@ extern "C" __global__ void __launch_bounds__(256) k102_layernorm_bwd__add__sum__
 //   %822   sum                d.h.5.fcproj_b       line 40    f32[768]
 //   %823   cast                                    line 40    bf16[8192,768]
 // runs:
-//   k102_layernorm_bwd__add__sum__cast<<<128, 256>>>
+//   k102_layernorm_bwd__add__sum__cast<<<1024, 128>>>
 //   k90_layernorm_bwd__sum__cast_colsum<<<24, 1024>>>
 
 // k163_gemm: GEMM, 1 op
@@ -2755,7 +2758,7 @@ extern "C" __global__ void __launch_bounds__(256) k102_layernorm_bwd__add__sum__
 //   %839   sum                d.h.5.proj_b         line 39    f32[768]
 //   %840   cast                                    line 39    bf16[8192,768]
 // runs:
-//   k102_layernorm_bwd__add__sum__cast<<<128, 256>>>
+//   k102_layernorm_bwd__add__sum__cast<<<1024, 128>>>
 //   k90_layernorm_bwd__sum__cast_colsum<<<24, 1024>>>
 
 // k168_gemm: GEMM, 1 op
@@ -2809,7 +2812,7 @@ extern "C" __global__ void __launch_bounds__(256) k102_layernorm_bwd__add__sum__
 //   %863   sum                d.h.4.fcproj_b       line 40    f32[768]
 //   %864   cast                                    line 40    bf16[8192,768]
 // runs:
-//   k102_layernorm_bwd__add__sum__cast<<<128, 256>>>
+//   k102_layernorm_bwd__add__sum__cast<<<1024, 128>>>
 //   k90_layernorm_bwd__sum__cast_colsum<<<24, 1024>>>
 
 // k175_gemm: GEMM, 1 op
@@ -2848,7 +2851,7 @@ extern "C" __global__ void __launch_bounds__(256) k102_layernorm_bwd__add__sum__
 //   %880   sum                d.h.4.proj_b         line 39    f32[768]
 //   %881   cast                                    line 39    bf16[8192,768]
 // runs:
-//   k102_layernorm_bwd__add__sum__cast<<<128, 256>>>
+//   k102_layernorm_bwd__add__sum__cast<<<1024, 128>>>
 //   k90_layernorm_bwd__sum__cast_colsum<<<24, 1024>>>
 
 // k180_gemm: GEMM, 1 op
@@ -2902,7 +2905,7 @@ extern "C" __global__ void __launch_bounds__(256) k102_layernorm_bwd__add__sum__
 //   %904   sum                d.h.3.fcproj_b       line 40    f32[768]
 //   %905   cast                                    line 40    bf16[8192,768]
 // runs:
-//   k102_layernorm_bwd__add__sum__cast<<<128, 256>>>
+//   k102_layernorm_bwd__add__sum__cast<<<1024, 128>>>
 //   k90_layernorm_bwd__sum__cast_colsum<<<24, 1024>>>
 
 // k187_gemm: GEMM, 1 op
@@ -2941,7 +2944,7 @@ extern "C" __global__ void __launch_bounds__(256) k102_layernorm_bwd__add__sum__
 //   %921   sum                d.h.3.proj_b         line 39    f32[768]
 //   %922   cast                                    line 39    bf16[8192,768]
 // runs:
-//   k102_layernorm_bwd__add__sum__cast<<<128, 256>>>
+//   k102_layernorm_bwd__add__sum__cast<<<1024, 128>>>
 //   k90_layernorm_bwd__sum__cast_colsum<<<24, 1024>>>
 
 // k192_gemm: GEMM, 1 op
@@ -2995,7 +2998,7 @@ extern "C" __global__ void __launch_bounds__(256) k102_layernorm_bwd__add__sum__
 //   %945   sum                d.h.2.fcproj_b       line 40    f32[768]
 //   %946   cast                                    line 40    bf16[8192,768]
 // runs:
-//   k102_layernorm_bwd__add__sum__cast<<<128, 256>>>
+//   k102_layernorm_bwd__add__sum__cast<<<1024, 128>>>
 //   k90_layernorm_bwd__sum__cast_colsum<<<24, 1024>>>
 
 // k199_gemm: GEMM, 1 op
@@ -3034,7 +3037,7 @@ extern "C" __global__ void __launch_bounds__(256) k102_layernorm_bwd__add__sum__
 //   %962   sum                d.h.2.proj_b         line 39    f32[768]
 //   %963   cast                                    line 39    bf16[8192,768]
 // runs:
-//   k102_layernorm_bwd__add__sum__cast<<<128, 256>>>
+//   k102_layernorm_bwd__add__sum__cast<<<1024, 128>>>
 //   k90_layernorm_bwd__sum__cast_colsum<<<24, 1024>>>
 
 // k204_gemm: GEMM, 1 op
@@ -3088,7 +3091,7 @@ extern "C" __global__ void __launch_bounds__(256) k102_layernorm_bwd__add__sum__
 //   %986   sum                d.h.1.fcproj_b       line 40    f32[768]
 //   %987   cast                                    line 40    bf16[8192,768]
 // runs:
-//   k102_layernorm_bwd__add__sum__cast<<<128, 256>>>
+//   k102_layernorm_bwd__add__sum__cast<<<1024, 128>>>
 //   k90_layernorm_bwd__sum__cast_colsum<<<24, 1024>>>
 
 // k211_gemm: GEMM, 1 op
@@ -3127,7 +3130,7 @@ extern "C" __global__ void __launch_bounds__(256) k102_layernorm_bwd__add__sum__
 //   %1003  sum                d.h.1.proj_b         line 39    f32[768]
 //   %1004  cast                                    line 39    bf16[8192,768]
 // runs:
-//   k102_layernorm_bwd__add__sum__cast<<<128, 256>>>
+//   k102_layernorm_bwd__add__sum__cast<<<1024, 128>>>
 //   k90_layernorm_bwd__sum__cast_colsum<<<24, 1024>>>
 
 // k216_gemm: GEMM, 1 op
@@ -3181,7 +3184,7 @@ extern "C" __global__ void __launch_bounds__(256) k102_layernorm_bwd__add__sum__
 //   %1027  sum                d.h.0.fcproj_b       line 40    f32[768]
 //   %1028  cast                                    line 40    bf16[8192,768]
 // runs:
-//   k102_layernorm_bwd__add__sum__cast<<<128, 256>>>
+//   k102_layernorm_bwd__add__sum__cast<<<1024, 128>>>
 //   k90_layernorm_bwd__sum__cast_colsum<<<24, 1024>>>
 
 // k223_gemm: GEMM, 1 op
@@ -3220,7 +3223,7 @@ extern "C" __global__ void __launch_bounds__(256) k102_layernorm_bwd__add__sum__
 //   %1044  sum                d.h.0.proj_b         line 39    f32[768]
 //   %1045  cast                                    line 39    bf16[8192,768]
 // runs:
-//   k102_layernorm_bwd__add__sum__cast<<<128, 256>>>
+//   k102_layernorm_bwd__add__sum__cast<<<1024, 128>>>
 //   k90_layernorm_bwd__sum__cast_colsum<<<24, 1024>>>
 
 // k228_gemm: GEMM, 1 op
@@ -3271,11 +3274,11 @@ extern "C" __global__ void __launch_bounds__(256) k102_layernorm_bwd__add__sum__
 //   %1065  layernorm_bwd      d.h.0.ln1_w          line 38    f32[768]
 //   %1066  layernorm_bwd      d.h.0.ln1_b          line 38    f32[768]
 // runs:
-//   k234_layernorm_bwd__add<<<128, 256>>>
+//   k234_layernorm_bwd__add<<<1024, 128>>>
 //   k234_layernorm_bwd__add_colsum<<<24, 1024>>>
 
-// layernorm_bwd: 8192 rows of 768, a warp per row; column partials over 1024 blocks of 8 rows
-extern "C" __global__ void __launch_bounds__(256) k234_layernorm_bwd__add(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
+// layernorm_bwd: 8192 rows of 768, a block of 128 threads per row; column partials over 1024 blocks of 8 rows
+extern "C" __global__ void __launch_bounds__(128) k234_layernorm_bwd__add(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
   double *const b0 = (double *)(arena + o.b[0]); // dw partials
   double *const b1 = (double *)(arena + o.b[1]); // db partials
   float *const b2 = (float *)(arena + o.b[2]); // add f32[8,1024,768]
@@ -3283,38 +3286,39 @@ extern "C" __global__ void __launch_bounds__(256) k234_layernorm_bwd__add(char *
   float *const b4 = (float *)(arena + o.b[4]); // param f32[768]
   float *const b5 = (float *)(arena + o.b[5]); // add f32[8,1024,768]
   float *const b6 = (float *)(arena + o.b[6]); // add f32[8,1024,768]
-  const int k = blockIdx.x * 8 + (threadIdx.x >> 5);
-  const int tr = threadIdx.x & 31;
+  __shared__ double sh_d[32];
+  const int k = blockIdx.x;
+  const int tr = threadIdx.x;
   {
-    float sw[24] = {0};
-    float sb[24] = {0};
+    float sw[6] = {0};
+    float sb[6] = {0};
     const int end = k * 8 + 8 < 8192 ? k * 8 + 8 : 8192;
     for (int r = k * 8; r < end; r++) {
-      float xv[24];
+      float xv[6];
       #pragma unroll
-      for (int t = 0; t < 24; t++) {
-        const int j = tr + t * 32;
+      for (int t = 0; t < 6; t++) {
+        const int j = tr + t * 128;
         xv[t] = j < 768 ? b2[r * 768 + j] : 0.0f;
       }
-      float dyv[24];
+      float dyv[6];
       #pragma unroll
-      for (int t = 0; t < 24; t++) {
-        const int j = tr + t * 32;
+      for (int t = 0; t < 6; t++) {
+        const int j = tr + t * 128;
         dyv[t] = j < 768 ? b3[r * 768 + j] : 0.0f;
       }
       double s = 0;
       #pragma unroll
-      for (int t = 0; t < 24; t++)
+      for (int t = 0; t < 6; t++)
         s += xv[t];
-      const double mean = mdl_warp_sum(s) / 768;
+      const double mean = mdl_block_sum(s, sh_d) / 768;
       double var = 0, mg = 0, mgx = 0;
       #pragma unroll
-      for (int t = 0; t < 24; t++)
-        var += tr + t * 32 < 768 ? (xv[t] - mean) * (xv[t] - mean) : 0.0;
-      const double rstd = 1.0 / sqrt(mdl_warp_sum(var) / 768 + 1e-05);
+      for (int t = 0; t < 6; t++)
+        var += tr + t * 128 < 768 ? (xv[t] - mean) * (xv[t] - mean) : 0.0;
+      const double rstd = 1.0 / sqrt(mdl_block_sum(var, sh_d) / 768 + 1e-05);
       #pragma unroll
-      for (int t = 0; t < 24; t++) {
-        const int j = tr + t * 32;
+      for (int t = 0; t < 6; t++) {
+        const int j = tr + t * 128;
         if (j < 768) {
           const double xhat = (xv[t] - mean) * rstd, g = (double)dyv[t] * b4[j];
           mg += g;
@@ -3323,11 +3327,11 @@ extern "C" __global__ void __launch_bounds__(256) k234_layernorm_bwd__add(char *
           sb[t] += dyv[t];
         }
       }
-      mg = mdl_warp_sum(mg) / 768;
-      mgx = mdl_warp_sum(mgx) / 768;
+      mg = mdl_block_sum(mg, sh_d) / 768;
+      mgx = mdl_block_sum(mgx, sh_d) / 768;
       #pragma unroll
-      for (int t = 0; t < 24; t++) {
-        const int j = tr + t * 32;
+      for (int t = 0; t < 6; t++) {
+        const int j = tr + t * 128;
         if (j < 768) {
           const int ix = r * 768 + j;
           const float d = (float)(rstd * ((double)dyv[t] * b4[j] - mg - (xv[t] - mean) * rstd * mgx));
@@ -3338,8 +3342,8 @@ extern "C" __global__ void __launch_bounds__(256) k234_layernorm_bwd__add(char *
       }
     }
     #pragma unroll
-    for (int t = 0; t < 24; t++) {
-      const int j = tr + t * 32;
+    for (int t = 0; t < 6; t++) {
+      const int j = tr + t * 128;
       if (j < 768) {
         b0[k * 768 + j] = sw[t];
         b1[k * 768 + j] = sb[t];
