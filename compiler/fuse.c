@@ -123,7 +123,8 @@
 // silu_bwd 6, layout ops 0, GEMM 2MNK, layernorm 8 and its backward 10/2/1 per element for dx/dw/db,
 // attention 4BTTC (half when causal) and its three backward siblings twice that together, AdamW 12,
 // ...); bytes count the materialised ins and outs only (ADAMW also writes m and v; the optimizer step
-// writes the copies of rule 11, one flop per element).
+// writes the copies of rule 11, one flop per element), and the product of a GEMM whose epilogue a
+// reduction computes (rule 10), written and read back.
 #include "mdl.h"
 
 #include <stdarg.h>
@@ -1275,6 +1276,17 @@ static Fusion *assemble(Fuser *F) {
           st->bytes_read += dtype_size(node(F, x)->dtype) * (double)numel(F, x);
       }
       st->flops += node_flops(F, id);
+    }
+    // A GEMM whose epilogue a reduction computes (rule 10) leaves its product in memory for the
+    // reduction's loop to read: the emitters cannot sum inside the library's GEMM.
+    bool reduces = false;
+    for (int j = 0; j < G->n; j++)
+      reduces |= is_reduction(op_of(F, G->m[j]));
+    if (G->kind == STEP_GEMM && reduces) {
+      double product = dtype_size(node(F, G->root)->dtype) * (double)numel(F, G->root);
+      st->bytes_read += product;
+      if (!is_out(F, gi, G->root))
+        st->bytes_written += product;
     }
     st->name = step_name(F, s, st);
   }

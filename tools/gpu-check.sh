@@ -19,8 +19,9 @@
 #      6-29: the last one also validates and writes a checkpoint), MFU and peak device memory;
 #   4. three more steps of it with --profile (launch by launch, timed by events): the whole kernel
 #      table goes to $OUT/gpu-check-profile.txt, its 25 slowest lines and the time by kind of kernel
-#      (GEMMs, attention, LM head, optimizer, embedding backward, sums with their producers, lone
-#      casts, lone sums, other elementwise and row kernels) to the results.
+#      (GEMMs, attention, LM head, optimizer, embedding backward, norm backward with its add and
+#      column sums, norm forward, sums with their producers, lone casts, lone sums, other
+#      elementwise and row kernels) to the results.
 # A failing stage is reported and the next one still runs, so one run gives every figure it can.
 # MFU here = tokens/s x (model flops per step / tokens per step) / 989e12, where the model flops are the
 # count mdlc prints (3x the forward GEMM + attention flops: llm.c's 6N + 6LCT per token) and 989
@@ -212,6 +213,8 @@ if [ $rc -eq 0 ]; then
            else if (k ~ /adamw/) kind = "optimizer"
            else if (k ~ /^lmhead/) kind = "LM head"
            else if (k ~ /^embed_bwd/) kind = "embedding backward"
+           else if (k ~ /^(layernorm|rmsnorm)_bwd/) kind = "norm backward (with the residual add and column sums)"
+           else if (k ~ /^(layernorm|rmsnorm)_fwd/) kind = "norm forward"
            else if (k ~ /^sum__/) kind = "sums with the kernel that produces their input"
            else if (k ~ /^sum$/) kind = "lone sums (bias gradients)"
            else if (k ~ /^cast$/) kind = "lone casts to bf16"
