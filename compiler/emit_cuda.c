@@ -1028,11 +1028,36 @@ static int step_readers(Emit *e, int c, int *first, bool *outside) {
   return n;
 }
 
+// Is u an f32 ADD of v (through RESHAPEs) and x, an f32 tensor in memory of `count` elements and
+// row length n (v's count: a residual, which cuBLASLt adds as its out-of-place C; n: a bias)?
+static bool add_of(Emit *e, int v, int u, int64_t count, int64_t n, int *x) {
+  const IrNode *nd = ec_node(&e->core, u);
+  if (nd->op != OP_ADD || nd->dtype != DT_F32 || ec_numel(&e->core, u) != ec_numel(&e->core, v))
+    return false;
+  bool first = ec_through_reshapes(&e->core, nd->in[0]) == v, second = ec_through_reshapes(&e->core, nd->in[1]) == v;
+  if (first == second)
+    return false;
+  int c = ec_canon(&e->core, nd->in[first ? 1 : 0]);
+  if (!ec_in_memory(&e->core, c) || ec_offset(&e->core, c) < 0 || ec_node(&e->core, c)->dtype != DT_F32 ||
+      ec_numel(&e->core, c) != count || ec_last_dim(&e->core, c) != n)
+    return false;
+  *x = c;
+  return true;
+}
+
+// u, the only reader of v, is written and reads it through an ADD of a bias or a residual (add_of)?
+static bool then_written_add(Emit *e, int v, int64_t count, int64_t n, int *u, int *x) {
+  bool outside = false;
+  return !e->core.spill[v] && ec_offset(&e->core, v) < 0 && step_readers(e, v, u, &outside) == 1 && !outside &&
+         ec_offset(&e->core, *u) >= 0 && add_of(e, v, *u, count, n, x);
+}
+
 // The GEMM epilogue cuBLASLt can apply to mm (m x n): a bias ADD along the rows of a vector in memory
-// and / or a GELU, on values nobody else reads at other indices. *out is the node the GEMM then writes,
+// and / or a GELU, on values nobody else reads at other indices; or, without GELU, the ADD of a
+// residual after that (*resid, added as the out-of-place C). *out is the node the GEMM then writes,
 // *aux the pre-GELU value it also keeps (or -1).
-static CudaEpilogue epilogue_of(Emit *e, int mm, int64_t n, int *out, int *bias, int *aux) {
-  *out = mm, *bias = *aux = -1;
+static CudaEpilogue epilogue_of(Emit *e, int mm, int64_t n, int *out, int *bias, int *aux, int *resid) {
+  *out = mm, *bias = *aux = *resid = -1;
   int r1 = -1;
   bool outside = false;
   if (e->core.spill[mm] || step_readers(e, mm, &r1, &outside) != 1)
@@ -1047,6 +1072,19 @@ static CudaEpilogue epilogue_of(Emit *e, int mm, int64_t n, int *out, int *bias,
   }
   if (l1->op != OP_ADD || ec_offset(&e->core, mm) >= 0 || outside)
     return CUDA_EPI_NONE;
+  int r2 = -1;
+  if (add_of(e, mm, r1, ec_numel(&e->core, mm), n, resid)) { // the residual, then maybe the bias
+    if (ec_offset(&e->core, r1) >= 0) {
+      *out = r1;
+      return CUDA_EPI_NONE;
+    }
+    if (then_written_add(e, r1, n, n, &r2, bias)) {
+      *out = r2;
+      return CUDA_EPI_BIAS;
+    }
+    *resid = -1;
+    return CUDA_EPI_NONE;
+  }
   bool first = ec_through_reshapes(&e->core, l1->in[0]) == mm, second = ec_through_reshapes(&e->core, l1->in[1]) == mm;
   if (first == second)
     return CUDA_EPI_NONE;
@@ -1056,7 +1094,6 @@ static CudaEpilogue epilogue_of(Emit *e, int mm, int64_t n, int *out, int *bias,
     return CUDA_EPI_NONE;
   *bias = b;
   *out = r1;
-  int r2 = -1;
   bool out2 = false;
   int nr = step_readers(e, r1, &r2, &out2);
   for (int k = 0; k < e->nusers[r1]; k++) {
@@ -1067,6 +1104,10 @@ static CudaEpilogue epilogue_of(Emit *e, int mm, int64_t n, int *out, int *bias,
       *out = u;
       return CUDA_EPI_BIAS_GELU;
     }
+  }
+  if (then_written_add(e, r1, ec_numel(&e->core, r1), n, &r2, resid)) { // the bias, then the residual
+    *out = r2;
+    return CUDA_EPI_BIAS;
   }
   if (ec_offset(&e->core, r1) < 0)
     e->core.scratch[r1] = true;
@@ -1125,12 +1166,12 @@ static void emit_gemm(Emit *e, int gi, const bool *emitted) {
   int *q = ec_xcalloc((size_t)e->core.g->n, sizeof *q);
   int nq = ec_post_set(&e->core, gi, ec_numel(&e->core, mm), emitted, q);
   int64_t batches = ec_span(so, 0, so.rank - 2);
-  int out = mm, bias = -1, aux = -1, cast = bf16_result(e, mm, n);
+  int out = mm, bias = -1, aux = -1, resid = -1, cast = bf16_result(e, mm, n);
   CudaEpilogue epi = CUDA_EPI_NONE;
   if (cast >= 0)
     out = cast;
   else if (batches == 1)
-    epi = epilogue_of(e, mm, n, &out, &bias, &aux);
+    epi = epilogue_of(e, mm, n, &out, &bias, &aux, &resid);
   if (out == mm && ec_offset(&e->core, mm) < 0) {
     for (int t = 0; t < nq && !e->core.spill[mm] && e->core.host[mm] < 0; t++)
       if (ec_offset(&e->core, q[t]) >= 0 && ec_node(&e->core, q[t])->dtype == DT_F32)
@@ -1143,7 +1184,8 @@ static void emit_gemm(Emit *e, int gi, const bool *emitted) {
   CudaGemm gm = {.ab = ab, .c_type = ct, .ta = ta, .tb = tb, .m = m, .n = n, .k = k, .lda = a.stride,
                  .ldb = b.stride, .ldc = n, .batch = 1, .a = buf_off(e, a.node) + sab * a.at,
                  .b = buf_off(e, b.node) + sab * b.at, .c = buf_off(e, out), .epilogue = epi,
-                 .bias = bias >= 0 ? buf_off(e, bias) : -1, .aux = aux >= 0 ? buf_off(e, aux) : -1};
+                 .bias = bias >= 0 ? buf_off(e, bias) : -1, .aux = aux >= 0 ? buf_off(e, aux) : -1,
+                 .beta = resid >= 0 ? 1.0f : 0.0f, .c_apart = resid >= 0, .cin = resid >= 0 ? buf_off(e, resid) : 0};
   ec_phase_begin(&e->core);
   if (batches > 1) {
     Shape ob = so;
@@ -3513,7 +3555,8 @@ static void commit_step(Emit *e) {
               (long long)gm->m, (long long)gm->n, gm->ta ? "T" : "", (long long)gm->m, (long long)gm->k,
               gm->tb ? "T" : "", (long long)gm->k, (long long)gm->n,
               gm->batch > 1 ? ec_str(&e->core, ", %lld batches", (long long)gm->batch) : "",
-              gm->beta != 0 ? " + C" : "", gm->epilogue != CUDA_EPI_NONE ? ", epilogue " : "",
+              gm->beta != 0 ? (gm->c_apart ? " + a residual C" : " + C") : "",
+              gm->epilogue != CUDA_EPI_NONE ? ", epilogue " : "",
               gm->epilogue != CUDA_EPI_NONE ? epi_name(gm->epilogue) : "",
               f32 ? "" : ec_str(&e->core, ", %s A and B, %s C", dtype_name(gm->ab), dtype_name(gm->c_type)));
       continue;

@@ -16,15 +16,17 @@
 // C[m,n] = op(A) op(B) is computed as the column-major C^T[n,m] = op(B)^T op(A)^T: the operands
 // swap places, m and n swap, and the leading dimensions stay. In that view a bias over the columns
 // of C is a bias over the rows of C^T, which is what the BIAS epilogue adds, and GELU's
-// pre-activation (which the backward reads) goes to the epilogue's aux output. (No BGRAD epilogue:
-// the fusion pass keeps a bias gradient as a reduction step of its own.) The element types of a
+// pre-activation (which the backward reads) goes to the epilogue's aux output. A residual added to
+// the product is cuBLASLt's C with beta 1, out of place (CudaGemm.c_apart: C and D two matrices of
+// one layout, as cublasLtMatmul allows), so the GEMM writes x + a @ w (+ b) without a kernel after
+// it. (No BGRAD epilogue: a bias gradient is summed by the fused kernels.) The element types of a
 // GEMM are the CudaGemm's, set by the emitter: A and B f32 or bf16, always summed in f32
 // (CUBLAS_COMPUTE_32F, f32 alpha and beta); D f32, or bf16 for a GEMM whose only reader rounds it (no
 // epilogue then: cuBLASLt's bias and aux would take D's type, ours are f32). The heuristic picks one
 // algorithm per GEMM when the engine is built, so capture and replay do no searching.
 //
-// The step. Parameters are initialised on the host exactly as the interpreter does and copied up;
-// the AdamW moments start at zero. Inputs and the lr/step scalars are staged on the host and copied
+// The step. Parameters are initialised on the host exactly as the interpreter does and copied up with
+// their bf16 copies (fuse.c, rule 11); the AdamW moments start at zero. Inputs and the lr/step scalars are staged on the host and copied
 // into their arena slots before each replay. The launches of the plan (kernels, GEMMs) are captured
 // once from one stream into a CUDA Graph, instantiated, and replayed every step. Every transfer goes
 // through that same (non-blocking) stream and is waited for, so it is ordered with the steps without
@@ -365,7 +367,8 @@ typedef struct {
   cublasLtMatmulDesc_t desc;
   cublasLtMatrixLayout_t la, lb, lc;
   cublasLtMatmulAlgo_t algo;
-  CUdeviceptr a, b, c; // cuBLASLt's A (our B), B (our A), C = D
+  CUdeviceptr a, b, c; // cuBLASLt's A (our B), B (our A), D
+  CUdeviceptr cin;     // C: D itself, or the out-of-place C (CudaGemm.c_apart) of D's layout
   float beta;
 } LtGemm;
 
@@ -394,7 +397,7 @@ static bool lt_layout(cublasLtMatrixLayout_t *l, int type, int64_t rows, int64_t
 // the heuristic for an algorithm that fits the workspace.
 static bool lt_gemm_new(LtGemm *q, cublasLtHandle_t h, const CudaGemm *gm, CUdeviceptr base, char *err, size_t n) {
   *q = (LtGemm){.a = base + (CUdeviceptr)gm->b, .b = base + (CUdeviceptr)gm->a, .c = base + (CUdeviceptr)gm->c,
-                .beta = gm->beta};
+                .cin = base + (CUdeviceptr)(gm->c_apart ? gm->cin : gm->c), .beta = gm->beta};
   int ab = lt_type(gm->ab), cd = lt_type(gm->c_type);
   int32_t ta = gm->tb ? CUBLAS_OP_T : CUBLAS_OP_N, tb = gm->ta ? CUBLAS_OP_T : CUBLAS_OP_N;
   int32_t batch = (int32_t)(gm->batch > 1 ? gm->batch : 1);
@@ -458,7 +461,7 @@ static bool lt_gemm_new(LtGemm *q, cublasLtHandle_t h, const CudaGemm *gm, CUdev
 static bool lt_gemm_run(const LtGemm *q, cublasLtHandle_t h, CUdeviceptr ws, CUstream s, char *err, size_t n) {
   const float one = 1.0f;
   return LT(err, n, cublasLtMatmul, h, q->desc, &one, (const void *)(uintptr_t)q->a, q->la,
-            (const void *)(uintptr_t)q->b, q->lb, &q->beta, (const void *)(uintptr_t)q->c, q->lc,
+            (const void *)(uintptr_t)q->b, q->lb, &q->beta, (const void *)(uintptr_t)q->cin, q->lc,
             (void *)(uintptr_t)q->c, q->lc, &q->algo, (void *)(uintptr_t)ws, LT_WORKSPACE_BYTES, s);
 }
 

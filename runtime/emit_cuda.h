@@ -40,7 +40,9 @@ typedef enum { CUDA_EPI_NONE, CUDA_EPI_BIAS, CUDA_EPI_GELU, CUDA_EPI_BIAS_GELU }
 // Element types: A and B are both f32 or both bf16 (ab); products are summed in f32 whatever they
 // are. C is f32, or bf16 (c_type) when the GEMM's value is only read rounded to bf16 (a CAST): the
 // f32 sum is then rounded to nearest even as it is stored. A bf16 C has no epilogue and beta 0; bias
-// and aux are always f32.
+// and aux are always f32. With c_apart the beta term reads another f32 matrix of C's shape and
+// leading dimension at byte offset cin (cuBLASLt's out-of-place C; a residual added as the GEMM stores
+// its result): C_out = op(A) op(B) + beta C_in (+ bias).
 typedef struct {
   int step;                  // index in Fusion.steps
   DType ab, c_type;          // DT_F32 or DT_BF16
@@ -54,6 +56,8 @@ typedef struct {
   CudaEpilogue epilogue;
   int64_t bias;              // byte offset of bias[n] (BIAS kinds), else -1
   int64_t aux;               // byte offset of the pre-GELU output (GELU kinds), or -1 when not kept
+  bool c_apart;              // beta C reads the matrix at cin, not C itself
+  int64_t cin;               // c_apart: its byte offset
 } CudaGemm;
 
 // One entry of the schedule: a kernel launch or a GEMM, in the order they must run.

@@ -520,45 +520,7 @@ extern "C" __global__ void __launch_bounds__(128) k4_attention_fwd__cast(char *a
 //   %37    add                                     line 39    f32[8,1024,768]
 //   %38    add                h.0.x                line 39    f32[8,1024,768]
 // runs:
-//   gemm 1: [8192 x 768] = [8192 x 768] [768 x 768], bf16 A and B, f32 C
-//   k5_gemm__add_epilogue<<<4096, 256>>>
-
-// elementwise over 6291456, 4 per thread: add
-extern "C" __global__ void __launch_bounds__(256) k5_gemm__add_epilogue(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
-  float *const b0 = (float *)(arena + o.b[0]); // add f32[8,1024,768]
-  float *const b1 = (float *)(arena + o.b[1]); // matmul f32[8192,768]
-  float *const b2 = (float *)(arena + o.b[2]); // param f32[768]
-  float *const b3 = (float *)(arena + o.b[3]); // add f32[8,1024,768]
-  for (int q = blockIdx.x * blockDim.x + threadIdx.x; q < 1572864; q += gridDim.x * blockDim.x) {
-    const int i0 = 4 * q;
-    const int i1 = i0 + 1;
-    const int i2 = i0 + 2;
-    const int i3 = i0 + 3;
-    const float4 f4 = reinterpret_cast<const float4 *>(b0)[q];
-    const float4 f7 = reinterpret_cast<const float4 *>(b1)[q];
-    const float v5 = f7.x;
-    const float v2 = f4.x + v5;
-    const int j8 = i0 % 768;
-    const float v9 = b2[j8];
-    const float v1 = v2 + v9;
-    const float v13 = f7.y;
-    const float v11 = f4.y + v13;
-    const int j15 = i1 % 768;
-    const float v16 = b2[j15];
-    const float v10 = v11 + v16;
-    const float v20 = f7.z;
-    const float v18 = f4.z + v20;
-    const int j22 = i2 % 768;
-    const float v23 = b2[j22];
-    const float v17 = v18 + v23;
-    const float v27 = f7.w;
-    const float v25 = f4.w + v27;
-    const int j29 = i3 % 768;
-    const float v30 = b2[j29];
-    const float v24 = v25 + v30;
-    reinterpret_cast<float4 *>(b3)[q] = make_float4(v1, v10, v17, v24);
-  }
-}
+//   gemm 1: [8192 x 768] = [8192 x 768] [768 x 768] + a residual C, epilogue bias, bf16 A and B, f32 C
 
 // k6_layernorm_fwd__cast: kernel, 3 ops
 //   %39    layernorm                               line 40    f32[8,1024,768]
@@ -640,8 +602,7 @@ extern "C" __global__ void __launch_bounds__(256) k7_gemm__add__gelu__cast_epilo
 //   %52    add                                     line 40    f32[8,1024,768]
 //   %53    add                h.0.x                line 40    f32[8,1024,768]
 // runs:
-//   gemm 3: [8192 x 768] = [8192 x 3072] [3072 x 768], bf16 A and B, f32 C
-//   k5_gemm__add_epilogue<<<4096, 256>>>
+//   gemm 3: [8192 x 768] = [8192 x 3072] [3072 x 768] + a residual C, epilogue bias, bf16 A and B, f32 C
 
 // k9_layernorm_fwd__cast: kernel, 3 ops
 //   %66    layernorm                               line 38    f32[8,1024,768]
@@ -670,8 +631,7 @@ extern "C" __global__ void __launch_bounds__(256) k7_gemm__add__gelu__cast_epilo
 //   %82    add                                     line 39    f32[8,1024,768]
 //   %83    add                h.1.x                line 39    f32[8,1024,768]
 // runs:
-//   gemm 5: [8192 x 768] = [8192 x 768] [768 x 768], bf16 A and B, f32 C
-//   k5_gemm__add_epilogue<<<4096, 256>>>
+//   gemm 5: [8192 x 768] = [8192 x 768] [768 x 768] + a residual C, epilogue bias, bf16 A and B, f32 C
 
 // k13_layernorm_fwd__cast: kernel, 3 ops
 //   %84    layernorm                               line 40    f32[8,1024,768]
@@ -697,8 +657,7 @@ extern "C" __global__ void __launch_bounds__(256) k7_gemm__add__gelu__cast_epilo
 //   %97    add                                     line 40    f32[8,1024,768]
 //   %98    add                h.1.x                line 40    f32[8,1024,768]
 // runs:
-//   gemm 7: [8192 x 768] = [8192 x 3072] [3072 x 768], bf16 A and B, f32 C
-//   k5_gemm__add_epilogue<<<4096, 256>>>
+//   gemm 7: [8192 x 768] = [8192 x 3072] [3072 x 768] + a residual C, epilogue bias, bf16 A and B, f32 C
 
 // k16_layernorm_fwd__cast: kernel, 3 ops
 //   %111   layernorm                               line 38    f32[8,1024,768]
@@ -727,8 +686,7 @@ extern "C" __global__ void __launch_bounds__(256) k7_gemm__add__gelu__cast_epilo
 //   %127   add                                     line 39    f32[8,1024,768]
 //   %128   add                h.2.x                line 39    f32[8,1024,768]
 // runs:
-//   gemm 9: [8192 x 768] = [8192 x 768] [768 x 768], bf16 A and B, f32 C
-//   k5_gemm__add_epilogue<<<4096, 256>>>
+//   gemm 9: [8192 x 768] = [8192 x 768] [768 x 768] + a residual C, epilogue bias, bf16 A and B, f32 C
 
 // k20_layernorm_fwd__cast: kernel, 3 ops
 //   %129   layernorm                               line 40    f32[8,1024,768]
@@ -754,8 +712,7 @@ extern "C" __global__ void __launch_bounds__(256) k7_gemm__add__gelu__cast_epilo
 //   %142   add                                     line 40    f32[8,1024,768]
 //   %143   add                h.2.x                line 40    f32[8,1024,768]
 // runs:
-//   gemm 11: [8192 x 768] = [8192 x 3072] [3072 x 768], bf16 A and B, f32 C
-//   k5_gemm__add_epilogue<<<4096, 256>>>
+//   gemm 11: [8192 x 768] = [8192 x 3072] [3072 x 768] + a residual C, epilogue bias, bf16 A and B, f32 C
 
 // k23_layernorm_fwd__cast: kernel, 3 ops
 //   %156   layernorm                               line 38    f32[8,1024,768]
@@ -784,8 +741,7 @@ extern "C" __global__ void __launch_bounds__(256) k7_gemm__add__gelu__cast_epilo
 //   %172   add                                     line 39    f32[8,1024,768]
 //   %173   add                h.3.x                line 39    f32[8,1024,768]
 // runs:
-//   gemm 13: [8192 x 768] = [8192 x 768] [768 x 768], bf16 A and B, f32 C
-//   k5_gemm__add_epilogue<<<4096, 256>>>
+//   gemm 13: [8192 x 768] = [8192 x 768] [768 x 768] + a residual C, epilogue bias, bf16 A and B, f32 C
 
 // k27_layernorm_fwd__cast: kernel, 3 ops
 //   %174   layernorm                               line 40    f32[8,1024,768]
@@ -811,8 +767,7 @@ extern "C" __global__ void __launch_bounds__(256) k7_gemm__add__gelu__cast_epilo
 //   %187   add                                     line 40    f32[8,1024,768]
 //   %188   add                h.3.x                line 40    f32[8,1024,768]
 // runs:
-//   gemm 15: [8192 x 768] = [8192 x 3072] [3072 x 768], bf16 A and B, f32 C
-//   k5_gemm__add_epilogue<<<4096, 256>>>
+//   gemm 15: [8192 x 768] = [8192 x 3072] [3072 x 768] + a residual C, epilogue bias, bf16 A and B, f32 C
 
 // k30_layernorm_fwd__cast: kernel, 3 ops
 //   %201   layernorm                               line 38    f32[8,1024,768]
@@ -841,8 +796,7 @@ extern "C" __global__ void __launch_bounds__(256) k7_gemm__add__gelu__cast_epilo
 //   %217   add                                     line 39    f32[8,1024,768]
 //   %218   add                h.4.x                line 39    f32[8,1024,768]
 // runs:
-//   gemm 17: [8192 x 768] = [8192 x 768] [768 x 768], bf16 A and B, f32 C
-//   k5_gemm__add_epilogue<<<4096, 256>>>
+//   gemm 17: [8192 x 768] = [8192 x 768] [768 x 768] + a residual C, epilogue bias, bf16 A and B, f32 C
 
 // k34_layernorm_fwd__cast: kernel, 3 ops
 //   %219   layernorm                               line 40    f32[8,1024,768]
@@ -868,8 +822,7 @@ extern "C" __global__ void __launch_bounds__(256) k7_gemm__add__gelu__cast_epilo
 //   %232   add                                     line 40    f32[8,1024,768]
 //   %233   add                h.4.x                line 40    f32[8,1024,768]
 // runs:
-//   gemm 19: [8192 x 768] = [8192 x 3072] [3072 x 768], bf16 A and B, f32 C
-//   k5_gemm__add_epilogue<<<4096, 256>>>
+//   gemm 19: [8192 x 768] = [8192 x 3072] [3072 x 768] + a residual C, epilogue bias, bf16 A and B, f32 C
 
 // k37_layernorm_fwd__cast: kernel, 3 ops
 //   %246   layernorm                               line 38    f32[8,1024,768]
@@ -898,8 +851,7 @@ extern "C" __global__ void __launch_bounds__(256) k7_gemm__add__gelu__cast_epilo
 //   %262   add                                     line 39    f32[8,1024,768]
 //   %263   add                h.5.x                line 39    f32[8,1024,768]
 // runs:
-//   gemm 21: [8192 x 768] = [8192 x 768] [768 x 768], bf16 A and B, f32 C
-//   k5_gemm__add_epilogue<<<4096, 256>>>
+//   gemm 21: [8192 x 768] = [8192 x 768] [768 x 768] + a residual C, epilogue bias, bf16 A and B, f32 C
 
 // k41_layernorm_fwd__cast: kernel, 3 ops
 //   %264   layernorm                               line 40    f32[8,1024,768]
@@ -925,8 +877,7 @@ extern "C" __global__ void __launch_bounds__(256) k7_gemm__add__gelu__cast_epilo
 //   %277   add                                     line 40    f32[8,1024,768]
 //   %278   add                h.5.x                line 40    f32[8,1024,768]
 // runs:
-//   gemm 23: [8192 x 768] = [8192 x 3072] [3072 x 768], bf16 A and B, f32 C
-//   k5_gemm__add_epilogue<<<4096, 256>>>
+//   gemm 23: [8192 x 768] = [8192 x 3072] [3072 x 768] + a residual C, epilogue bias, bf16 A and B, f32 C
 
 // k44_layernorm_fwd__cast: kernel, 3 ops
 //   %291   layernorm                               line 38    f32[8,1024,768]
@@ -955,8 +906,7 @@ extern "C" __global__ void __launch_bounds__(256) k7_gemm__add__gelu__cast_epilo
 //   %307   add                                     line 39    f32[8,1024,768]
 //   %308   add                h.6.x                line 39    f32[8,1024,768]
 // runs:
-//   gemm 25: [8192 x 768] = [8192 x 768] [768 x 768], bf16 A and B, f32 C
-//   k5_gemm__add_epilogue<<<4096, 256>>>
+//   gemm 25: [8192 x 768] = [8192 x 768] [768 x 768] + a residual C, epilogue bias, bf16 A and B, f32 C
 
 // k48_layernorm_fwd__cast: kernel, 3 ops
 //   %309   layernorm                               line 40    f32[8,1024,768]
@@ -982,8 +932,7 @@ extern "C" __global__ void __launch_bounds__(256) k7_gemm__add__gelu__cast_epilo
 //   %322   add                                     line 40    f32[8,1024,768]
 //   %323   add                h.6.x                line 40    f32[8,1024,768]
 // runs:
-//   gemm 27: [8192 x 768] = [8192 x 3072] [3072 x 768], bf16 A and B, f32 C
-//   k5_gemm__add_epilogue<<<4096, 256>>>
+//   gemm 27: [8192 x 768] = [8192 x 3072] [3072 x 768] + a residual C, epilogue bias, bf16 A and B, f32 C
 
 // k51_layernorm_fwd__cast: kernel, 3 ops
 //   %336   layernorm                               line 38    f32[8,1024,768]
@@ -1012,8 +961,7 @@ extern "C" __global__ void __launch_bounds__(256) k7_gemm__add__gelu__cast_epilo
 //   %352   add                                     line 39    f32[8,1024,768]
 //   %353   add                h.7.x                line 39    f32[8,1024,768]
 // runs:
-//   gemm 29: [8192 x 768] = [8192 x 768] [768 x 768], bf16 A and B, f32 C
-//   k5_gemm__add_epilogue<<<4096, 256>>>
+//   gemm 29: [8192 x 768] = [8192 x 768] [768 x 768] + a residual C, epilogue bias, bf16 A and B, f32 C
 
 // k55_layernorm_fwd__cast: kernel, 3 ops
 //   %354   layernorm                               line 40    f32[8,1024,768]
@@ -1039,8 +987,7 @@ extern "C" __global__ void __launch_bounds__(256) k7_gemm__add__gelu__cast_epilo
 //   %367   add                                     line 40    f32[8,1024,768]
 //   %368   add                h.7.x                line 40    f32[8,1024,768]
 // runs:
-//   gemm 31: [8192 x 768] = [8192 x 3072] [3072 x 768], bf16 A and B, f32 C
-//   k5_gemm__add_epilogue<<<4096, 256>>>
+//   gemm 31: [8192 x 768] = [8192 x 3072] [3072 x 768] + a residual C, epilogue bias, bf16 A and B, f32 C
 
 // k58_layernorm_fwd__cast: kernel, 3 ops
 //   %381   layernorm                               line 38    f32[8,1024,768]
@@ -1069,8 +1016,7 @@ extern "C" __global__ void __launch_bounds__(256) k7_gemm__add__gelu__cast_epilo
 //   %397   add                                     line 39    f32[8,1024,768]
 //   %398   add                h.8.x                line 39    f32[8,1024,768]
 // runs:
-//   gemm 33: [8192 x 768] = [8192 x 768] [768 x 768], bf16 A and B, f32 C
-//   k5_gemm__add_epilogue<<<4096, 256>>>
+//   gemm 33: [8192 x 768] = [8192 x 768] [768 x 768] + a residual C, epilogue bias, bf16 A and B, f32 C
 
 // k62_layernorm_fwd__cast: kernel, 3 ops
 //   %399   layernorm                               line 40    f32[8,1024,768]
@@ -1096,8 +1042,7 @@ extern "C" __global__ void __launch_bounds__(256) k7_gemm__add__gelu__cast_epilo
 //   %412   add                                     line 40    f32[8,1024,768]
 //   %413   add                h.8.x                line 40    f32[8,1024,768]
 // runs:
-//   gemm 35: [8192 x 768] = [8192 x 3072] [3072 x 768], bf16 A and B, f32 C
-//   k5_gemm__add_epilogue<<<4096, 256>>>
+//   gemm 35: [8192 x 768] = [8192 x 3072] [3072 x 768] + a residual C, epilogue bias, bf16 A and B, f32 C
 
 // k65_layernorm_fwd__cast: kernel, 3 ops
 //   %426   layernorm                               line 38    f32[8,1024,768]
@@ -1126,8 +1071,7 @@ extern "C" __global__ void __launch_bounds__(256) k7_gemm__add__gelu__cast_epilo
 //   %442   add                                     line 39    f32[8,1024,768]
 //   %443   add                h.9.x                line 39    f32[8,1024,768]
 // runs:
-//   gemm 37: [8192 x 768] = [8192 x 768] [768 x 768], bf16 A and B, f32 C
-//   k5_gemm__add_epilogue<<<4096, 256>>>
+//   gemm 37: [8192 x 768] = [8192 x 768] [768 x 768] + a residual C, epilogue bias, bf16 A and B, f32 C
 
 // k69_layernorm_fwd__cast: kernel, 3 ops
 //   %444   layernorm                               line 40    f32[8,1024,768]
@@ -1153,8 +1097,7 @@ extern "C" __global__ void __launch_bounds__(256) k7_gemm__add__gelu__cast_epilo
 //   %457   add                                     line 40    f32[8,1024,768]
 //   %458   add                h.9.x                line 40    f32[8,1024,768]
 // runs:
-//   gemm 39: [8192 x 768] = [8192 x 3072] [3072 x 768], bf16 A and B, f32 C
-//   k5_gemm__add_epilogue<<<4096, 256>>>
+//   gemm 39: [8192 x 768] = [8192 x 3072] [3072 x 768] + a residual C, epilogue bias, bf16 A and B, f32 C
 
 // k72_layernorm_fwd__cast: kernel, 3 ops
 //   %471   layernorm                               line 38    f32[8,1024,768]
@@ -1183,8 +1126,7 @@ extern "C" __global__ void __launch_bounds__(256) k7_gemm__add__gelu__cast_epilo
 //   %487   add                                     line 39    f32[8,1024,768]
 //   %488   add                h.10.x               line 39    f32[8,1024,768]
 // runs:
-//   gemm 41: [8192 x 768] = [8192 x 768] [768 x 768], bf16 A and B, f32 C
-//   k5_gemm__add_epilogue<<<4096, 256>>>
+//   gemm 41: [8192 x 768] = [8192 x 768] [768 x 768] + a residual C, epilogue bias, bf16 A and B, f32 C
 
 // k76_layernorm_fwd__cast: kernel, 3 ops
 //   %489   layernorm                               line 40    f32[8,1024,768]
@@ -1210,8 +1152,7 @@ extern "C" __global__ void __launch_bounds__(256) k7_gemm__add__gelu__cast_epilo
 //   %502   add                                     line 40    f32[8,1024,768]
 //   %503   add                h.10.x               line 40    f32[8,1024,768]
 // runs:
-//   gemm 43: [8192 x 768] = [8192 x 3072] [3072 x 768], bf16 A and B, f32 C
-//   k5_gemm__add_epilogue<<<4096, 256>>>
+//   gemm 43: [8192 x 768] = [8192 x 3072] [3072 x 768] + a residual C, epilogue bias, bf16 A and B, f32 C
 
 // k79_layernorm_fwd__cast: kernel, 3 ops
 //   %516   layernorm                               line 38    f32[8,1024,768]
@@ -1240,8 +1181,7 @@ extern "C" __global__ void __launch_bounds__(256) k7_gemm__add__gelu__cast_epilo
 //   %532   add                                     line 39    f32[8,1024,768]
 //   %533   add                h.11.x               line 39    f32[8,1024,768]
 // runs:
-//   gemm 45: [8192 x 768] = [8192 x 768] [768 x 768], bf16 A and B, f32 C
-//   k5_gemm__add_epilogue<<<4096, 256>>>
+//   gemm 45: [8192 x 768] = [8192 x 768] [768 x 768] + a residual C, epilogue bias, bf16 A and B, f32 C
 
 // k83_layernorm_fwd__cast: kernel, 3 ops
 //   %534   layernorm                               line 40    f32[8,1024,768]
@@ -1267,8 +1207,7 @@ extern "C" __global__ void __launch_bounds__(256) k7_gemm__add__gelu__cast_epilo
 //   %547   add                                     line 40    f32[8,1024,768]
 //   %548   add                h.11.x               line 40    f32[8,1024,768]
 // runs:
-//   gemm 47: [8192 x 768] = [8192 x 3072] [3072 x 768], bf16 A and B, f32 C
-//   k5_gemm__add_epilogue<<<4096, 256>>>
+//   gemm 47: [8192 x 768] = [8192 x 3072] [3072 x 768] + a residual C, epilogue bias, bf16 A and B, f32 C
 
 // k86_layernorm_fwd__cast: kernel, 3 ops
 //   %551   layernorm                               line 45    f32[8,1024,768]
@@ -4141,4 +4080,4 @@ extern "C" __global__ void __launch_bounds__(256) k237_grad_norm__adamw(char *ar
   }
 }
 
-// Schedule: 376 launches per step, 226 kernels (36 distinct) and 150 GEMMs; device arena 7490691840 bytes.
+// Schedule: 352 launches per step, 202 kernels (35 distinct) and 150 GEMMs; device arena 7490691840 bytes.

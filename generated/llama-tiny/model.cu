@@ -524,28 +524,7 @@ extern "C" __global__ void __launch_bounds__(128) k7_attention_fwd__cast(char *a
 //   %38    reshape                                 line 38    f32[8,64,64]
 //   %39    add                layers.0.x           line 38    f32[8,64,64]
 // runs:
-//   gemm 3: [512 x 64] = [512 x 64] [64 x 64], bf16 A and B, f32 C
-//   k8_gemm__add_epilogue<<<32, 256>>>
-
-// elementwise over 32768, 4 per thread: add
-extern "C" __global__ void __launch_bounds__(256) k8_gemm__add_epilogue(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
-  float *const b0 = (float *)(arena + o.b[0]); // embed f32[8,64,64]
-  float *const b1 = (float *)(arena + o.b[1]); // matmul f32[512,64]
-  float *const b2 = (float *)(arena + o.b[2]); // add f32[8,64,64]
-  for (int q = blockIdx.x * blockDim.x + threadIdx.x; q < 8192; q += gridDim.x * blockDim.x) {
-    const float4 f3 = reinterpret_cast<const float4 *>(b0)[q];
-    const float4 f6 = reinterpret_cast<const float4 *>(b1)[q];
-    const float v4 = f6.x;
-    const float v1 = f3.x + v4;
-    const float v9 = f6.y;
-    const float v7 = f3.y + v9;
-    const float v13 = f6.z;
-    const float v11 = f3.z + v13;
-    const float v17 = f6.w;
-    const float v15 = f3.w + v17;
-    reinterpret_cast<float4 *>(b2)[q] = make_float4(v1, v7, v11, v15);
-  }
-}
+//   gemm 3: [512 x 64] = [512 x 64] [64 x 64] + a residual C, bf16 A and B, f32 C
 
 // k9_rmsnorm_fwd__cast: kernel, 5 ops
 //   %40    rmsnorm            layers.0.a           line 39    f32[8,64,64]
@@ -637,28 +616,7 @@ extern "C" __global__ void __launch_bounds__(256) k11_gemm__silu__mul__cast_epil
 //   %57    reshape                                 line 40    f32[8,64,64]
 //   %58    add                layers.0.x           line 40    f32[8,64,64]
 // runs:
-//   gemm 6: [512 x 64] = [512 x 172] [172 x 64], bf16 A and B, f32 C
-//   k12_gemm__add_epilogue<<<32, 256>>>
-
-// elementwise over 32768, 4 per thread: add
-extern "C" __global__ void __launch_bounds__(256) k12_gemm__add_epilogue(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
-  float *const b0 = (float *)(arena + o.b[0]); // add f32[8,64,64]
-  float *const b1 = (float *)(arena + o.b[1]); // matmul f32[512,64]
-  float *const b2 = (float *)(arena + o.b[2]); // add f32[8,64,64]
-  for (int q = blockIdx.x * blockDim.x + threadIdx.x; q < 8192; q += gridDim.x * blockDim.x) {
-    const float4 f3 = reinterpret_cast<const float4 *>(b0)[q];
-    const float4 f6 = reinterpret_cast<const float4 *>(b1)[q];
-    const float v4 = f6.x;
-    const float v1 = f3.x + v4;
-    const float v9 = f6.y;
-    const float v7 = f3.y + v9;
-    const float v13 = f6.z;
-    const float v11 = f3.z + v13;
-    const float v17 = f6.w;
-    const float v15 = f3.w + v17;
-    reinterpret_cast<float4 *>(b2)[q] = make_float4(v1, v7, v11, v15);
-  }
-}
+//   gemm 6: [512 x 64] = [512 x 172] [172 x 64] + a residual C, bf16 A and B, f32 C
 
 // k13_rmsnorm_fwd__cast: kernel, 7 ops
 //   %68    rmsnorm            layers.1.a           line 35    f32[8,64,64]
@@ -746,8 +704,7 @@ extern "C" __global__ void __launch_bounds__(256) k13_rmsnorm_fwd__cast(char *ar
 //   %91    reshape                                 line 38    f32[8,64,64]
 //   %92    add                layers.1.x           line 38    f32[8,64,64]
 // runs:
-//   gemm 10: [512 x 64] = [512 x 64] [64 x 64], bf16 A and B, f32 C
-//   k12_gemm__add_epilogue<<<32, 256>>>
+//   gemm 10: [512 x 64] = [512 x 64] [64 x 64] + a residual C, bf16 A and B, f32 C
 
 // k21_rmsnorm_fwd__cast: kernel, 5 ops
 //   %93    rmsnorm            layers.1.a           line 39    f32[8,64,64]
@@ -778,8 +735,7 @@ extern "C" __global__ void __launch_bounds__(256) k13_rmsnorm_fwd__cast(char *ar
 //   %110   reshape                                 line 40    f32[8,64,64]
 //   %111   add                layers.1.x           line 40    f32[8,64,64]
 // runs:
-//   gemm 13: [512 x 64] = [512 x 172] [172 x 64], bf16 A and B, f32 C
-//   k12_gemm__add_epilogue<<<32, 256>>>
+//   gemm 13: [512 x 64] = [512 x 172] [172 x 64] + a residual C, bf16 A and B, f32 C
 
 // k25_rmsnorm_fwd__cast: kernel, 3 ops
 //   %114   rmsnorm                                 line 45    f32[8,64,64]
@@ -1105,28 +1061,7 @@ extern "C" __global__ void __launch_bounds__(256) k32_cast__mul(char *arena, Mdl
 //   %148   reshape                                 line 40    f32[8,64,64]
 //   %155   add                d.layers.1.a         line 40    f32[8,64,64]
 // runs:
-//   gemm 22: [512 x 64] = [512 x 172] T[172 x 64], bf16 A and B, f32 C
-//   k36_gemm__add_epilogue<<<32, 256>>>
-
-// elementwise over 32768, 4 per thread: add
-extern "C" __global__ void __launch_bounds__(256) k36_gemm__add_epilogue(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
-  float *const b0 = (float *)(arena + o.b[0]); // matmul f32[512,64]
-  float *const b1 = (float *)(arena + o.b[1]); // matmul f32[512,64]
-  float *const b2 = (float *)(arena + o.b[2]); // add f32[8,64,64]
-  for (int q = blockIdx.x * blockDim.x + threadIdx.x; q < 8192; q += gridDim.x * blockDim.x) {
-    const float4 f4 = reinterpret_cast<const float4 *>(b0)[q];
-    const float v2 = f4.x;
-    const float4 f6 = reinterpret_cast<const float4 *>(b1)[q];
-    const float v1 = v2 + f6.x;
-    const float v8 = f4.y;
-    const float v7 = v8 + f6.y;
-    const float v12 = f4.z;
-    const float v11 = v12 + f6.z;
-    const float v16 = f4.w;
-    const float v15 = v16 + f6.w;
-    reinterpret_cast<float4 *>(b2)[q] = make_float4(v1, v7, v11, v15);
-  }
-}
+//   gemm 22: [512 x 64] = [512 x 172] T[172 x 64] + a residual C, bf16 A and B, f32 C
 
 // k37_rmsnorm_bwd__add__cast: kernel, 5 ops
 //   %156   rmsnorm_bwd                             line 39    f32[8,64,64]
@@ -1840,8 +1775,7 @@ extern "C" __global__ void __launch_bounds__(256) k50_rmsnorm_bwd__add__cast(cha
 //   %200   reshape                                 line 40    f32[8,64,64]
 //   %207   add                d.layers.0.a         line 40    f32[8,64,64]
 // runs:
-//   gemm 36: [512 x 64] = [512 x 172] T[172 x 64], bf16 A and B, f32 C
-//   k36_gemm__add_epilogue<<<32, 256>>>
+//   gemm 36: [512 x 64] = [512 x 172] T[172 x 64] + a residual C, bf16 A and B, f32 C
 
 // k58_rmsnorm_bwd__add__cast: kernel, 5 ops
 //   %208   rmsnorm_bwd                             line 39    f32[8,64,64]
@@ -2253,4 +2187,4 @@ extern "C" __global__ void __launch_bounds__(256) k73_grad_norm__adamw(char *are
   }
 }
 
-// Schedule: 108 launches per step, 63 kernels (36 distinct) and 45 GEMMs; device arena 8247552 bytes.
+// Schedule: 102 launches per step, 57 kernels (33 distinct) and 45 GEMMs; device arena 8247552 bytes.

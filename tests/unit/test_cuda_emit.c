@@ -448,21 +448,33 @@ static void test_plans(void) {
     Fusion *f = fuse(g, (FuseOptions){.fuse = true, .chunk_lmhead = true});
     MemPlan *m = memplan(f);
     CudaPlan *p = emit_cuda_plan(f, m, "gpt2-tiny");
-    int bias = 0, bias_gelu = 0, aux = 0;
+    int bias = 0, bias_gelu = 0, aux = 0, resid = 0, alone = 0;
     for (int i = 0; p && i < p->ngemms; i++) {
-      bias += p->gemms[i].epilogue == CUDA_EPI_BIAS;
-      bias_gelu += p->gemms[i].epilogue == CUDA_EPI_BIAS_GELU;
-      aux += p->gemms[i].epilogue == CUDA_EPI_BIAS_GELU && p->gemms[i].aux >= 0 && p->gemms[i].bias >= 0;
+      const CudaGemm *gm = &p->gemms[i];
+      bias += gm->epilogue == CUDA_EPI_BIAS;
+      bias_gelu += gm->epilogue == CUDA_EPI_BIAS_GELU;
+      aux += gm->epilogue == CUDA_EPI_BIAS_GELU && gm->aux >= 0 && gm->bias >= 0;
+      if (!gm->c_apart)
+        continue;
+      resid += gm->beta == 1.0f && gm->cin != gm->c && gm->epilogue == CUDA_EPI_BIAS;
+      int launches = 0;
+      for (int l = 0; l < p->nlaunches; l++)
+        launches += p->launches[l].step == gm->step;
+      alone += launches == 1;
     }
-    // Per layer: qkv (bias) and the MLP's first GEMM (bias + GELU, its input kept for gelu_bwd). The
-    // projections compute (x + a @ w) + b, whose first link is the residual: the epilogue kernel's.
-    CHECK(bias == 2 && bias_gelu == 2 && aux == 2, "cuda plan gpt2-tiny: GEMM epilogues (bias x 2, bias + gelu x 2)",
-          "bias %d, bias + gelu %d (%d keep the pre-GELU value)", bias, bias_gelu, aux);
+    // Per layer: qkv (bias), the MLP's first GEMM (bias + GELU, its input kept for gelu_bwd), and the
+    // two projections, (x + a @ w) + b: cuBLASLt adds the bias and the residual x (its out-of-place C),
+    // and the step runs no kernel of its own.
+    CHECK(bias == 6 && bias_gelu == 2 && aux == 2 && resid == 4 && alone == 4,
+          "cuda plan gpt2-tiny: GEMM epilogues (bias x 6, 4 of them with the residual as C; bias + gelu x 2)",
+          "bias %d, bias + gelu %d (%d keep the pre-GELU value), %d with a residual C (%d steps of the GEMM alone)", bias,
+          bias_gelu, aux, resid, alone);
   }
   arena_free(a);
 
   // bf16: every GEMM reads bf16 operands into an f32 result. The MLP's GELU is only kept rounded (a
-  // CAST), so its GEMM adds the bias and the epilogue kernel does GELU and the rounding. The LM head's
+  // CAST), so its GEMM adds the bias and the epilogue kernel does GELU and the rounding; the projections
+  // add the bias and the residual as in fp32: 8 bias epilogues in all. The LM head's
   // dx and dW GEMMs read dlogits from a bf16 chunk of scratch of their own, not the logits chunk.
   a = arena_new();
   g = load(a, &models[0], DT_BF16);
@@ -478,8 +490,8 @@ static void test_plans(void) {
       if (strstr(f->steps[gm->step].name, "lmhead") && nlm < 3)
         lm[nlm++] = i;
     }
-    CHECK(p && bias == 4 && other == 0 && bf16 == p->ngemms,
-          "cuda plan gpt2-tiny bf16: bf16 x bf16 -> f32 GEMMs, the bias in 4 of their epilogues",
+    CHECK(p && bias == 8 && other == 0 && bf16 == p->ngemms,
+          "cuda plan gpt2-tiny bf16: bf16 x bf16 -> f32 GEMMs, the bias in 8 of their epilogues",
           "bias %d, other epilogues %d, %d of %d GEMMs bf16 -> f32", bias, other, bf16, p ? p->ngemms : 0);
     const CudaGemm *gl = p ? &p->gemms[lm[0]] : NULL, *gx = p ? &p->gemms[lm[1]] : NULL,
                    *gw = p ? &p->gemms[lm[2]] : NULL;
@@ -676,6 +688,7 @@ static void ref_gemm(char *arena, const CudaGemm *gm) {
   for (int64_t t = 0; t < gm->batch; t++) {
     const char *a = arena + gm->a + sab * t * gm->stride_a, *b = arena + gm->b + sab * t * gm->stride_b;
     char *c = arena + gm->c + sc * t * gm->stride_c;
+    const char *cin = gm->c_apart ? arena + gm->cin + sc * t * gm->stride_c : c; // the beta term's C
     const float *bias = gm->bias >= 0 ? (const float *)(arena + gm->bias) : NULL;
     float *aux = gm->aux >= 0 ? (float *)(arena + gm->aux) + t * gm->stride_c : NULL;
     for (int64_t i = 0; i < gm->m; i++)
@@ -685,7 +698,7 @@ static void ref_gemm(char *arena, const CudaGemm *gm) {
           s += (double)elem(a, gm->ab, gm->ta ? l * gm->lda + i : i * gm->lda + l) *
                elem(b, gm->ab, gm->tb ? j * gm->ldb + l : l * gm->ldb + j);
         int64_t at = i * gm->ldc + j;
-        float v = (float)(s + (gm->beta != 0 ? (double)gm->beta * elem(c, gm->c_type, at) : 0.0));
+        float v = (float)(s + (gm->beta != 0 ? (double)gm->beta * elem(cin, gm->c_type, at) : 0.0));
         if (bias)
           v += bias[j];
         if (aux)

@@ -65,8 +65,8 @@ struct Gemm {
   Desc d;
   Layout a, b, c;
   float alpha, beta;
-  const void *pa, *pb;
-  void *pc;
+  const void *pa, *pb, *pcin; // pcin: C, read for the beta term (D itself when in place)
+  void *pc;                    // D
 };
 
 // A recorded operation: a kernel launch, a memset or a GEMM.
@@ -399,7 +399,7 @@ static void run_gemm(const Gemm *q) {
           acc += get_elem(q->pa, q->a.type, oa + (int64_t)(q->d.transa ? l + i * q->a.ld : i + l * q->a.ld)) *
                  get_elem(q->pb, q->b.type, ob + (int64_t)(q->d.transb ? j + l * q->b.ld : l + j * q->b.ld));
         int64_t at = oc + (int64_t)(i + j * q->c.ld);
-        float v = q->alpha * acc + (q->beta != 0 ? q->beta * get_elem(q->pc, q->c.type, at) : 0.0f);
+        float v = q->alpha * acc + (q->beta != 0 ? q->beta * get_elem(q->pcin, q->c.type, at) : 0.0f);
         if (bias)
           v += ((const float *)q->d.bias)[i];
         if (q->d.aux)
@@ -504,11 +504,13 @@ int cublasLtMatmulAlgoGetHeuristic(void *, Desc *d, Layout *a, Layout *b, Layout
 int cublasLtMatmul(void *, Desc *d, const float *alpha, const void *A, Layout *a, const void *B, Layout *b,
                    const float *beta, const void *C, Layout *c, void *D, Layout *dl, const void *algo, void *ws,
                    size_t wsn, Stream *s) {
-  if (!algo || !ws || !wsn || C != D || c != dl || !consistent(d, a, b, c))
+  // C and D: one matrix (in place), or two of one layout (out of place; the documented rule is the
+  // same type, rows, columns, batch and order; the engine passes one layout for both).
+  if (!algo || !ws || !wsn || c != dl || !consistent(d, a, b, c))
     return INVALID_VALUE;
   Rec r = {};
   r.kind = 2;
-  r.gemm = Gemm{*d, *a, *b, *c, *alpha, *beta, A, B, D};
+  r.gemm = Gemm{*d, *a, *b, *c, *alpha, *beta, A, B, C, D};
   if (s->capturing)
     s->graph->push_back(r);
   else
