@@ -999,8 +999,8 @@ static void resolve_views(Fuser *F) {
       if ((op_of(F, r) != OP_RESHAPE && !slice) || gi < 0)
         continue;
       int x = node(F, r)->in[0];
-      bool mat = F->view[x] || (is_leaf(op_of(F, x)) && op_of(F, x) != OP_CONST) || (F->grp[x] >= 0 && F->grp[x] != gi) ||
-                 is_copy(F, x);
+      bool mat = F->view[x] || (is_leaf(op_of(F, x)) && op_of(F, x) != OP_CONST) ||
+                 (F->grp[x] >= 0 && F->grp[x] != gi) || is_copy(F, x);
       bool read_outside = F->nusers[r] == 0 || r == g->loss;
       for (int k = 0; k < F->nusers[r]; k++)
         read_outside |= F->grp[F->users[r][k]] != gi;

@@ -9,17 +9,17 @@
 // gradient buffer (when it is a view, the node it views is); the STATE nodes "<p>.m" and "<p>.v"
 // in m and v; an ADAMW node writes its parameter in place and so shares the PARAM's offset.
 // The parameters' bf16 copies (Fusion.copy_of, rule 11 of fuse.c) follow, in parameter order: they
-// persist from one step to the next like the parameters. INPUT and SCALAR nodes have fixed slots. Every other materialised node is an activation: it is
-// live from the step that writes it to the last step that reads it (directly or through a view;
-// the loss, the gradient norm and every materialised model output stay live to the end of the step
-// so the runtime can read them), and activations whose
-// lifetimes do not overlap may share memory. Placement is greedy by size: largest first, each at
-// the lowest offset that does not overlap a placed buffer alive at the same time. A view (a RESHAPE
-// of a materialised node, or a SLICE that attention reads in place) shares its input's offset; its
-// readers keep the input alive. Each tensor takes dtype_size bytes per element
+// persist from one step to the next like the parameters. INPUT and SCALAR nodes have fixed slots.
+// Every other materialised node is an activation: it is live from the step that writes it to the
+// last step that reads it (directly or through a view; the loss, the gradient norm and every
+// materialised model output stay live to the end of the step so the runtime can read them), and
+// activations whose lifetimes do not overlap may share memory. Placement is greedy by size: largest
+// first, each at the lowest offset that does not overlap a placed buffer alive at the same time. A
+// view (a RESHAPE of a materialised node, or a SLICE that attention reads in place) shares its
+// input's offset; its readers keep the input alive. Each tensor takes dtype_size bytes per element
 // (4 for f32 and i32, 2 for bf16).
-// After a step only the four flat buffers, the copies, the inputs, the scalars, the loss, the gradient norm and
-// the materialised outputs hold values.
+// After a step only the four flat buffers, the copies, the inputs, the scalars, the loss, the
+// gradient norm and the materialised outputs hold values.
 #include "mdl.h"
 
 #include <stdlib.h>

@@ -25,15 +25,15 @@
 // epilogue then: cuBLASLt's bias and aux would take D's type, ours are f32). The heuristic picks one
 // algorithm per GEMM when the engine is built, so capture and replay do no searching.
 //
-// The step. Parameters are initialised on the host exactly as the interpreter does and copied up with
-// their bf16 copies (fuse.c, rule 11); the AdamW moments start at zero. Inputs and the lr/step scalars are staged on the host and copied
-// into their arena slots before each replay. The launches of the plan (kernels, GEMMs) are captured
-// once from one stream into a CUDA Graph, instantiated, and replayed every step. Every transfer goes
-// through that same (non-blocking) stream and is waited for, so it is ordered with the steps without
-// the legacy default stream; a step ends with a stream synchronisation, then the kernels' status is
-// read back. With --profile (Engine.profile) the step runs the same launches outside the graph, with
-// an event where each plan step's launches begin, and each plan step's device time is added to
-// Engine.kernel_seconds.
+// The step. Parameters are initialised on the host exactly as the interpreter does and copied up
+// with their bf16 copies (fuse.c, rule 11); the AdamW moments start at zero. Inputs and the lr/step
+// scalars are staged on the host and copied into their arena slots before each replay. The launches
+// of the plan (kernels, GEMMs) are captured once from one stream into a CUDA Graph, instantiated,
+// and replayed every step. Every transfer goes through that same (non-blocking) stream and is
+// waited for, so it is ordered with the steps without the legacy default stream; a step ends with a
+// stream synchronisation, then the kernels' status is read back. With --profile (Engine.profile)
+// the step runs the same launches outside the graph, with an event where each plan step's launches
+// begin, and each plan step's device time is added to Engine.kernel_seconds.
 #include "cuda.h"
 #include "backend.h"
 #include "emit_cuda.h"
@@ -609,7 +609,8 @@ static void cu_write(Engine *e, int node, const float *src) {
   char err[256];
   int64_t n = shape_numel(e->g->nodes[node]->shape);
   int c = e->g->nodes[node]->op == OP_PARAM ? ce->m->copy_of[node] : -1;
-  bool ok = ce->m->offset[node] < 0 || upload(ce, ce->m->offset[node], src, sizeof(float) * (size_t)n, err, sizeof err);
+  bool ok = ce->m->offset[node] < 0 ||
+            upload(ce, ce->m->offset[node], src, sizeof(float) * (size_t)n, err, sizeof err);
   if (ok && c >= 0) {
     uint16_t *y = malloc(sizeof *y * (size_t)(n ? n : 1));
     if (!y) {
@@ -683,8 +684,9 @@ static bool init_arena(CudaEngine *ce, const Graph *g, uint64_t seed, char *err,
   if (!host)
     return rt_fail(err, n, "out of host memory for the initial parameters (%zu bytes)", bytes);
   cpu_init_params(g, ce->m, host, seed);
-  bool ok = upload(ce, ce->m->params, host + ce->m->params, (size_t)ce->m->param_bytes, err, n) &&
-            (!ce->m->copy_bytes || upload(ce, ce->m->copies, host + ce->m->copies, (size_t)ce->m->copy_bytes, err, n));
+  const MemPlan *m = ce->m;
+  bool ok = upload(ce, m->params, host + m->params, (size_t)m->param_bytes, err, n) &&
+            (!m->copy_bytes || upload(ce, m->copies, host + m->copies, (size_t)m->copy_bytes, err, n));
   free(host);
   return ok;
 }
