@@ -886,18 +886,7 @@ static void emit_norm_bwd(Emit *e, int gi, const bool *emitted) {
   const Group *gr = &e->core.groups[gi];
   const IrNode *nd = ec_node(&e->core, gr->mem[0]);
   bool ln = nd->op == OP_LAYERNORM_BWD;
-  int dx = -1, dw = -1, db = -1, sums[EC_MAX_COLSUMS], nsum = 0;
-  for (int i = 0; i < gr->nmem; i++) {
-    const IrNode *m = ec_node(&e->core, gr->mem[i]);
-    if (m->op == OP_SUM) {
-      if (nsum == EC_MAX_COLSUMS)
-        ec_fail(&e->core, "more than %d column sums in a norm backward", EC_MAX_COLSUMS);
-      else
-        sums[nsum++] = gr->mem[i];
-      continue;
-    }
-    *(m->ia[0] == 0 ? &dx : m->ia[0] == 1 ? &dw : &db) = gr->mem[i];
-  }
+  int dx, dw, db, sums[EC_MAX_COLSUMS], nsum = ec_norm_members(&e->core, gi, &dx, &dw, &db, sums);
   int x = nd->in[0], dy = nd->in[2];
   int64_t cols = ec_last_dim(&e->core, x), rows = ec_numel(&e->core, x) / cols;
   bool xin = row_inline(e, x), dyin = row_inline(e, dy);
@@ -907,13 +896,6 @@ static void emit_norm_bwd(Emit *e, int gi, const bool *emitted) {
   int nq = dx >= 0 ? ec_post_set(&e->core, gi, ec_numel(&e->core, dx), emitted, q) : 0;
   bool dxbuf = dx >= 0 && whole(e, dx);
   bool cols_sum = dw >= 0 || db >= 0 || nsum > 0;
-  if (dw >= 0 && ec_offset(&e->core, dw) < 0)
-    e->core.scratch[dw] = true;
-  if (db >= 0 && ec_offset(&e->core, db) < 0)
-    e->core.scratch[db] = true;
-  for (int i = 0; i < nsum; i++)
-    if (ec_offset(&e->core, sums[i]) < 0)
-      e->core.scratch[sums[i]] = true;
   Tmp tmp[3];
   int ntmp = 0;
   if (xin)

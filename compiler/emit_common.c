@@ -463,6 +463,7 @@ static bool groups_build(EmitCore *e, bool split_all) {
     }
     Group *gr = &e->groups[e->ngroups];
     *gr = (Group){.kind = kind, .mem = arena_alloc(e->a, sizeof(int) * (size_t)st->nnodes)};
+    int nsums = 0; // G_NORM_BWD: its column sums
     group_add(gr, n);
     e->grp[n] = e->ngroups;
     for (int j = k + 1; j < st->nnodes && kind != G_SINGLE && !split_all; j++) {
@@ -473,7 +474,7 @@ static bool groups_build(EmitCore *e, bool split_all) {
       bool join = false;
       if (kind == G_NORM_BWD)
         join = (m->op == nd->op && same_inputs(e, nd, m) && m->fa[0] == nd->fa[0]) ||
-               (column_sum(e, nd, m) && gr->nmem < 3 + EC_MAX_COLSUMS);
+               (column_sum(e, nd, m) && nsums < EC_MAX_COLSUMS);
       else if (kind == G_ATTN_BWD)
         join = m->op == nd->op && same_inputs(e, nd, m) && m->fa[0] == nd->fa[0] && m->ia[0] == nd->ia[0] &&
                m->ia[1] == nd->ia[1];
@@ -485,6 +486,7 @@ static bool groups_build(EmitCore *e, bool split_all) {
       if (join) {
         group_add(gr, n2);
         e->grp[n2] = e->ngroups;
+        nsums += kind == G_NORM_BWD && m->op == OP_SUM;
       }
     }
     int nin = 0;
@@ -562,6 +564,27 @@ bool ec_groups_order(EmitCore *e) {
   }
   free(stamp);
   return ec_fail(e, "step %s: its anchors depend on one another in a cycle", e->f->steps[e->si].name);
+}
+
+// The members of G_NORM_BWD group gi: its siblings dx, dw, db (-1 when absent) and its column sums
+// (returns how many). The column outputs get a buffer of the step's own when they have no slot.
+int ec_norm_members(EmitCore *e, int gi, int *dx, int *dw, int *db, int *sums) {
+  const Group *gr = &e->groups[gi];
+  int nsum = 0;
+  *dx = *dw = *db = -1;
+  for (int i = 0; i < gr->nmem; i++) {
+    const IrNode *m = ec_node(e, gr->mem[i]);
+    if (m->op == OP_SUM)
+      sums[nsum++] = gr->mem[i];
+    else
+      *(m->ia[0] == 0 ? dx : m->ia[0] == 1 ? dw : db) = gr->mem[i];
+  }
+  int cols[2 + EC_MAX_COLSUMS] = {*dw, *db};
+  memcpy(cols + 2, sums, sizeof *sums * (size_t)nsum);
+  for (int i = 0; i < 2 + nsum; i++)
+    if (cols[i] >= 0 && ec_offset(e, cols[i]) < 0)
+      e->scratch[cols[i]] = true;
+  return nsum;
 }
 
 // Outputs of the step that are pointwise, unwritten, of `n` f32 or bf16 elements, depending on no

@@ -171,6 +171,7 @@ void ec_phase_done(EmitCore *e, int n);
 void ec_phase_end(EmitCore *e);
 int ec_through_reshapes(EmitCore *e, int n); // follows RESHAPEs (views and reshapes of this step) up
 bool ec_groups_order(EmitCore *e);
+int ec_norm_members(EmitCore *e, int gi, int *dx, int *dw, int *db, int *sums); // sums: EC_MAX_COLSUMS
 int ec_post_set(EmitCore *e, int gi, int64_t n, const bool *emitted, int *q);
 int ec_side_set(EmitCore *e, int gi, int64_t n, const bool *emitted, int *q);
 void ec_reduce_input(EmitCore *e, int x, const int *side, int nside);

@@ -1394,6 +1394,11 @@ Fusion *fuse(Graph *g, FuseOptions opt) {
   return assemble(F);
 }
 
+bool fuse_is_copy(const Fusion *f, int node) {
+  const IrNode *n = f->g->nodes[node];
+  return n->op == OP_CAST && f->copy_of[n->in[0]] == node;
+}
+
 void fuse_dump(const Fusion *f, FILE *out) {
   const Graph *g = f->g;
   double flops = 0, rd = 0, wr = 0;

@@ -379,6 +379,7 @@ typedef struct {
 } Fusion;
 
 Fusion *fuse(Graph *g, FuseOptions opt);
+bool fuse_is_copy(const Fusion *f, int node); // node is a parameter's bf16 copy (rule 11)
 void fuse_dump(const Fusion *f, FILE *out); // steps with their ops and .mdl lines, then "not fused" lines
 const char *step_kind_name(StepKind k);     // "kernel", "gemm", "attention", "lmhead", "optimizer"
 

@@ -35,13 +35,8 @@ static bool is_leaf(Op op) {
   return op == OP_INPUT || op == OP_PARAM || op == OP_STATE || op == OP_SCALAR || op == OP_CONST;
 }
 
-static bool is_copy(const Fusion *f, int id) {
-  const IrNode *n = f->g->nodes[id];
-  return n->op == OP_CAST && f->copy_of[n->in[0]] == id;
-}
-
 static bool is_view(const Fusion *f, int id) {
-  return f->materialised[id] && f->step_of[id] < 0 && !is_leaf(f->g->nodes[id]->op) && !is_copy(f, id);
+  return f->materialised[id] && f->step_of[id] < 0 && !is_leaf(f->g->nodes[id]->op) && !fuse_is_copy(f, id);
 }
 
 static int base_of(const Fusion *f, int id) {
@@ -234,7 +229,7 @@ void memplan_dump(const Fusion *f, const MemPlan *m, FILE *out) {
       fprintf(out, "  = %%%d", n->in[0]);
     else if (f->step_of[i] >= 0)
       fprintf(out, "  written by %s", f->steps[f->step_of[i]].name);
-    else if (is_copy(f, i))
+    else if (fuse_is_copy(f, i))
       fprintf(out, "  copy of %%%d, written by the optimizer", n->in[0]);
     fprintf(out, "\n");
   }
