@@ -338,14 +338,15 @@ static bool lt_open(char *err, size_t n) {
   env = env ? env : "";
   if (lt.so && !strcmp(lt.path, env))
     return true;
-  const char *paths[] = {*env ? env : "libcublasLt.so.13", "libcublasLt.so", "/usr/local/cuda/lib64/libcublasLt.so.13",
+  const char *paths[] = {*env ? env : "libcublasLt.so.13", "libcublasLt.so.12", "libcublasLt.so",
+                         "/usr/local/cuda/lib64/libcublasLt.so.13", "/usr/local/cuda/lib64/libcublasLt.so.12",
                          "/usr/local/cuda/lib64/libcublasLt.so"};
   void *so = NULL;
   for (size_t i = 0; i < (*env ? 1 : sizeof paths / sizeof *paths) && !so; i++)
     so = dlopen(paths[i], RTLD_NOW | RTLD_LOCAL);
   if (!so)
     return *env ? rt_fail(err, n, "cuBLASLt not found (%s)", dlerror())
-                : rt_fail(err, n, "cuBLASLt not found (libcublasLt.so.13, libcublasLt.so, /usr/local/cuda/lib64)");
+                : rt_fail(err, n, "cuBLASLt not found (libcublasLt.so.13 or .12, libcublasLt.so, /usr/local/cuda/lib64)");
   Lt t = {.so = so};
   snprintf(t.path, sizeof t.path, "%s", env);
 #define X(ret, name, params)                                                                                   \

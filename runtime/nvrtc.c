@@ -96,13 +96,14 @@ static bool load(void) {
   if (nv.tried)
     return nv.ok;
   nv.tried = true;
-  static const char *const names[] = {"libnvrtc.so.13", "libnvrtc.so", "/usr/local/cuda/lib64/libnvrtc.so.13",
+  static const char *const names[] = {"libnvrtc.so.13", "libnvrtc.so.12", "libnvrtc.so",
+                                      "/usr/local/cuda/lib64/libnvrtc.so.13", "/usr/local/cuda/lib64/libnvrtc.so.12",
                                       "/usr/local/cuda/lib64/libnvrtc.so"};
   void *so = NULL;
   for (size_t i = 0; i < sizeof names / sizeof *names && !so; i++)
     so = dlopen(names[i], RTLD_NOW | RTLD_LOCAL);
   if (!so) {
-    snprintf(nv.why, sizeof nv.why, "cannot load NVRTC (libnvrtc.so.13, libnvrtc.so, /usr/local/cuda/lib64): %s",
+    snprintf(nv.why, sizeof nv.why, "cannot load NVRTC (libnvrtc.so.13 or .12, libnvrtc.so, /usr/local/cuda/lib64): %s",
              dlerror());
     return false;
   }
@@ -220,18 +221,24 @@ bool nvrtc_compile(const char *src, const char *arch, NvrtcResult *out, char *er
   char archopt[64], version[32];
   snprintf(archopt, sizeof archopt, "--gpu-architecture=%s", arch);
   snprintf(version, sizeof version, "%d.%d", nv.major, nv.minor);
-  const char *opts[] = {archopt, "--std=c++17", "--fmad=true"};
-  int nopts = (int)(sizeof opts / sizeof *opts);
+  // --split-compile=0 (NVRTC 12.1 and later) optimises the kernels on as many threads as the machine
+  // has: GPT-2 124M's module took 3.5 s on one thread and 2.2 s on two, its longest kernel (attention
+  // backward's dk/dv) alone 0.7 s.
+  const char *opts[4] = {archopt, "--std=c++17", "--fmad=true", "--split-compile=0"};
+  int nopts = nv.major > 12 || (nv.major == 12 && nv.minor >= 1) ? 4 : 3;
 
   // The key: every part followed by a NUL, so that ("ab", "c") and ("a", "bc") differ.
-  const char *parts[7] = {src, opts[0], opts[1], opts[2], arch, version, MDL_VERSION};
+  const char *parts[8] = {src, arch, version, MDL_VERSION};
+  int nparts = 4;
+  for (int i = 0; i < nopts; i++)
+    parts[nparts++] = opts[i];
   size_t total = 0;
-  for (int i = 0; i < 7; i++)
+  for (int i = 0; i < nparts; i++)
     total += strlen(parts[i]) + 1;
   char *keybuf = malloc(total), *p = keybuf;
   if (!keybuf)
     return rt_fail(err, n, "out of memory");
-  for (int i = 0; i < 7; i++) {
+  for (int i = 0; i < nparts; i++) {
     size_t len = strlen(parts[i]) + 1;
     memcpy(p, parts[i], len);
     p += len;
