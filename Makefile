@@ -57,7 +57,11 @@ bench: bin/mdlc
 gpu-check:
 	tools/gpu-check.sh
 
+# for a GPU machine where nothing can be installed: mdlc with OpenBLAS linked in, and gpu-check's helper
+gpu-bundle:
+	tools/gpu-check.sh --bundle
+
 clean:
 	rm -rf build bin
 
-.PHONY: all test regen bench gpu-check clean
+.PHONY: all test regen bench gpu-check gpu-bundle clean

@@ -29,12 +29,53 @@
 # memory is the largest memory.used nvidia-smi reported while training. Every figure goes to
 # $OUT/gpu-check-results.txt (or ./gpu-check-results.txt) and is printed. Exit status 0 when
 # everything ran and agreed.
+#
+# Where nothing can be installed (no flex, bison or OpenBLAS, as on a bare GPU machine), the build
+# fails there and the script uses gpu-bundle/ instead: `make gpu-bundle` (`tools/gpu-check.sh --bundle
+# [DIR]`) on a machine that has them writes mdlc with OpenBLAS linked in (it needs only glibc 2.34 or
+# later; CUDA's libraries are opened at run time, as always) and the comparison helper, with the
+# SHA-256 of the sources they were built from; bring the folder along. A bundle of other sources is
+# refused.
+#
+# A rehearsal without a GPU (tests/cli/gpu_check.sh runs one, so that the script and the output it
+# reads stay in step): GPU_CHECK_BACKEND=cpu puts the CPU back end where the GPU's was, with
+# GPU_CHECK_REFERENCE=interp the reference interpreter where the CPU's was in stage 2, GPU_CHECK_DIMS
+# adds -D options to stage 3's model (a smaller GPT) and GPU_CHECK_T sets its T (1024).
 set -u
 cd "$(dirname "$0")/.."
+sources_hash() { cat Makefile grammar/* compiler/*.[ch] runtime/*.[ch] tools/gpucmp.c | sha256sum | cut -d' ' -f1; }
+
+if [ "${1:-}" = "--bundle" ]; then
+  dir="${2:-gpu-bundle}"
+  make -j"$(nproc)" bin/mdlc build/libmdl.a >/dev/null || { echo "gpu-check --bundle: make failed"; exit 1; }
+  blas=""
+  for f in /usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.a /usr/lib/x86_64-linux-gnu/libopenblas.a \
+    /usr/lib64/libopenblas.a /usr/lib/libopenblas.a; do
+    [ -f "$f" ] && { blas=$f; break; }
+  done
+  [ -n "$blas" ] || { echo "gpu-check --bundle: no static OpenBLAS (libopenblas.a: Debian's libopenblas-dev)"; exit 1; }
+  mkdir -p "$dir" || exit 1
+  if ! { cc -O2 -o "$dir/mdlc" build/compiler/main.o build/libmdl.a "$blas" -lm -ldl -lpthread &&
+    cc -std=c11 -D_GNU_SOURCE -O2 -Wall -Wextra -Werror -Icompiler -Iruntime -o "$dir/gpucmp" tools/gpucmp.c \
+      build/libmdl.a "$blas" -lm -ldl -lpthread && strip "$dir/mdlc" "$dir/gpucmp"; }; then
+    echo "gpu-check --bundle: linking failed"
+    exit 1
+  fi
+  sources_hash >"$dir/SOURCES"
+  echo "gpu-check --bundle: $dir/mdlc and $dir/gpucmp ($(du -sh "$dir" | cut -f1)), sources $(cut -c1-12 "$dir/SOURCES")"
+  exit 0
+fi
+
 res="${OUT:-.}/gpu-check-results.txt"
 prof="${OUT:-.}/gpu-check-profile.txt"
 tol_fp32="${GPU_CHECK_TOL:-1e-4}"
 tol_bf16="${GPU_CHECK_TOL_BF16:-5e-3}"
+backend="${GPU_CHECK_BACKEND:-cuda}"
+reference="${GPU_CHECK_REFERENCE:-cpu}"
+dims="${GPU_CHECK_DIMS:-}"
+T="${GPU_CHECK_T:-1024}"
+model="gpt2 124M"
+[ -n "$dims" ] && model="gpt2 $dims"
 tmp=$(mktemp -d)
 smi_pid=""
 trap '[ -n "$smi_pid" ] && kill "$smi_pid" 2>/dev/null; rm -rf "$tmp"' EXIT
@@ -43,128 +84,78 @@ status=0
 
 say() { printf '%s\n' "$*" | tee -a "$res"; }
 die() { say "gpu-check FAILED: $*"; exit 1; }
-for c in make cc nvidia-smi awk timeout tee nproc; do
+needed="awk timeout tee nproc sha256sum"
+[ "$backend" = cuda ] && needed="$needed nvidia-smi"
+for c in $needed; do
   command -v "$c" >/dev/null 2>&1 || die "'$c' is not installed"
 done
 
 say "== gpu-check $(date -u '+%Y-%m-%d %H:%M UTC')"
 t0=$(date +%s)
-make -j"$(nproc)" bin/mdlc build/libmdl.a >"$tmp/build.log" 2>&1 || { tail -30 "$tmp/build.log"; die "make failed"; }
-say "built in $(($(date +%s) - t0)) s"
-nvidia-smi -L 2>&1 | tee -a "$res"
+mdlc=bin/mdlc
+gpucmp="$tmp/gpucmp"
+if make -j"$(nproc)" bin/mdlc build/libmdl.a >"$tmp/build.log" 2>&1 &&
+  cc -std=c11 -D_GNU_SOURCE -O2 -Icompiler -Iruntime -o "$gpucmp" tools/gpucmp.c build/libmdl.a \
+    -lopenblas -lm -ldl -lpthread >>"$tmp/build.log" 2>&1; then
+  say "built in $(($(date +%s) - t0)) s"
+elif [ -x gpu-bundle/mdlc ] && [ -x gpu-bundle/gpucmp ]; then
+  [ "$(cat gpu-bundle/SOURCES 2>/dev/null)" = "$(sources_hash)" ] ||
+    die "the build failed here and gpu-bundle/ was made from other sources: make gpu-bundle again"
+  say "the build failed here ($(grep -m1 -iE 'error|not found' "$tmp/build.log")); using gpu-bundle/ (same sources)"
+  mdlc=gpu-bundle/mdlc
+  gpucmp=gpu-bundle/gpucmp
+else
+  tail -30 "$tmp/build.log"
+  die "the build failed (where flex, bison or OpenBLAS cannot be installed: make gpu-bundle elsewhere and bring gpu-bundle/)"
+fi
+"$mdlc" --version >/dev/null 2>&1 || die "$mdlc does not run on this machine"
+[ "$backend" = cuda ] && nvidia-smi -L 2>&1 | tee -a "$res"
 
-# A helper against libmdl: `batch FILE B T V SEED` writes a batch (two documents per row, one ignored
-# target); `compare GPU CPU TOL` compares two `mdlc grad` outputs tensor by tensor.
-cat >"$tmp/gpucmp.c" <<'EOF'
-#include "mdl.h"
-#include <math.h>
-#include <stdlib.h>
-#include <string.h>
-
-static int batch(const char *path, int B, int T, int V, unsigned seed) {
-  int32_t *d = malloc(sizeof(int32_t) * 4 * (size_t)(B * T));
-  int32_t *tok = d, *tgt = d + B * T, *pos = d + 2 * B * T, *doc = d + 3 * B * T;
-  for (int i = 0; i < B * T; i++) {
-    int t = i % T, half = T / 2;
-    tok[i] = (int)(mdl_rng_u64(seed, 1, (uint64_t)i) % (uint64_t)V);
-    tgt[i] = i == T - 1 ? -1 : (int)(mdl_rng_u64(seed, 2, (uint64_t)i) % (uint64_t)V);
-    doc[i] = t >= half;
-    pos[i] = t >= half ? t - half : t;
-  }
-  Shape s = shape_of(2, (int64_t[]){B, T});
-  StTensor ts[] = {{"tokens", DT_I32, s, tok}, {"targets", DT_I32, s, tgt}, {"pos", DT_I32, s, pos},
-                   {"doc", DT_I32, s, doc}};
-  int ok = st_write(path, ts, 4);
-  free(d);
-  return ok ? 0 : 1;
-}
-
-static int compare(const char *gpu, const char *cpu, double tol) {
-  Arena *a = arena_new();
-  StFile g, c;
-  if (!st_read(a, gpu, &g) || !st_read(a, cpu, &c))
-    return 1;
-  int bad = 0;
-  double worst = 0;
-  for (int i = 0; i < c.n; i++) {
-    const StTensor *r = &c.t[i], *x = st_find(&g, r->name);
-    int64_t n = shape_numel(r->shape);
-    if (!x || shape_numel(x->shape) != n) {
-      printf("  %-28s missing or of another shape on the GPU\n", r->name);
-      bad++;
-      continue;
-    }
-    double diff = 0, ref = 0, d2 = 0, r2 = 0;
-    for (int64_t j = 0; j < n; j++) {
-      double u = ((const float *)x->data)[j], v = ((const float *)r->data)[j];
-      diff = fmax(diff, isnan(u) || isnan(v) ? INFINITY : fabs(u - v));
-      ref = fmax(ref, fabs(v));
-      d2 += isnan(u) || isnan(v) ? INFINITY : (u - v) * (u - v);
-      r2 += v * v;
-    }
-    double rel = sqrt(d2) / (r2 > 0 ? sqrt(r2) : 1), mrel = diff / (ref > 0 ? ref : 1);
-    worst = fmax(worst, rel);
-    bad += !(rel <= tol);
-    printf("  %-28s L2 rel %.2e  max rel %.2e%s\n", r->name, rel, mrel, rel <= tol ? "" : "  > tolerance");
-  }
-  printf("  %d tensors, worst L2 rel %.2e, tolerance %.2g: %s\n", c.n, worst, tol, bad ? "FAIL" : "ok");
-  return bad ? 1 : 0;
-}
-
-int main(int argc, char **argv) {
-  if (argc == 7 && !strcmp(argv[1], "batch"))
-    return batch(argv[2], atoi(argv[3]), atoi(argv[4]), atoi(argv[5]), (unsigned)atoi(argv[6]));
-  if (argc == 5 && !strcmp(argv[1], "compare"))
-    return compare(argv[2], argv[3], atof(argv[4]));
-  fprintf(stderr, "usage: gpucmp batch FILE B T V SEED | compare GPU CPU TOL\n");
-  return 2;
-}
-EOF
-cc -std=c11 -D_GNU_SOURCE -O2 -Icompiler -Iruntime -o "$tmp/gpucmp" "$tmp/gpucmp.c" build/libmdl.a \
-  -lopenblas -lm -ldl -lpthread >"$tmp/cc.log" 2>&1 ||
-  { cat "$tmp/cc.log"; die "the comparison helper does not build"; }
 
 # GPU vs CPU gradients on gpt2-tiny.
-bin/mdlc init models/gpt2-tiny.mdl -o "$tmp/W.safetensors" --seed 1 >/dev/null || die "mdlc init failed"
+"$mdlc" init models/gpt2-tiny.mdl -o "$tmp/W.safetensors" --seed 1 >/dev/null || die "mdlc init failed"
 for shape in "2 16 fp32" "8 64 fp32" "2 16 bf16" "8 64 bf16"; do
   set -- $shape
-  B=$1 T=$2 prec=$3
+  b=$1 t=$2 prec=$3
   tol=$([ "$prec" = bf16 ] && echo "$tol_bf16" || echo "$tol_fp32")
-  say "== gpt2-tiny B=$B T=$T $prec: loss and gradients, cuda vs cpu"
-  "$tmp/gpucmp" batch "$tmp/batch.safetensors" "$B" "$T" 256 7 || die "cannot write the batch"
-  for be in cpu cuda; do
-    if ! timeout 120 bin/mdlc grad models/gpt2-tiny.mdl -D B="$B" -D T="$T" --weights "$tmp/W.safetensors" \
-      --batch "$tmp/batch.safetensors" -o "$tmp/g_$be.safetensors" --backend "$be" --precision "$prec" \
-      >"$tmp/grad_$be.log" 2>&1; then
-      tail -5 "$tmp/grad_$be.log" | tee -a "$res"
+  say "== gpt2-tiny B=$b T=$t $prec: loss and gradients, $backend vs $reference"
+  "$gpucmp" batch "$tmp/batch.safetensors" "$b" "$t" 256 7 || die "cannot write the batch"
+  for side in "$reference:reference" "$backend:tested"; do
+    be=${side%%:*}
+    if ! timeout 120 "$mdlc" grad models/gpt2-tiny.mdl -D B="$b" -D T="$t" --weights "$tmp/W.safetensors" \
+      --batch "$tmp/batch.safetensors" -o "$tmp/${side#*:}.safetensors" --backend "$be" --precision "$prec" \
+      >"$tmp/grad.log" 2>&1; then
+      tail -5 "$tmp/grad.log" | tee -a "$res"
       say "mdlc grad --backend $be failed"
       status=1
       continue 2
     fi
-    grep -E '^(cuda:|loss)' "$tmp/grad_$be.log" | sed "s/^/  $be: /" | tee -a "$res"
+    grep -E '^(cuda:|loss)' "$tmp/grad.log" | sed "s/^/  $be: /" | tee -a "$res"
   done
-  "$tmp/gpucmp" compare "$tmp/g_cuda.safetensors" "$tmp/g_cpu.safetensors" "$tol" | tee -a "$res"
+  "$gpucmp" compare "$tmp/tested.safetensors" "$tmp/reference.safetensors" "$tol" | tee -a "$res"
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 done
 
 # GPT-2 124M: 30 training steps on the GPU, on this repository's sources as byte tokens.
 cat compiler/*.c runtime/*.c >"$tmp/text.txt"
-bin/mdlc prep "$tmp/text.txt" -o "$tmp/shards" >"$tmp/prep.log" 2>&1 || { cat "$tmp/prep.log"; die "mdlc prep failed"; }
-nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 250 >"$tmp/mem.log" 2>/dev/null &
-smi_pid=$!
+"$mdlc" prep "$tmp/text.txt" -o "$tmp/shards" >"$tmp/prep.log" 2>&1 || { cat "$tmp/prep.log"; die "mdlc prep failed"; }
+: >"$tmp/mem.log"
+if [ "$backend" = cuda ]; then
+  nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 250 >"$tmp/mem.log" 2>/dev/null &
+  smi_pid=$!
+fi
 steps=30
 for B in 8 4; do
-  T=1024
-  say "== gpt2 124M: $steps steps, B=$B T=$T, mdlc run --backend cuda"
+  say "== $model: $steps steps, B=$B T=$T, mdlc run --backend $backend"
   rm -rf "$tmp/run"
-  timeout 360 bin/mdlc run models/gpt2.mdl --backend cuda --steps "$steps" -D B="$B" -D T="$T" \
+  timeout 360 "$mdlc" run models/gpt2.mdl --backend "$backend" --steps "$steps" $dims -D B="$B" -D T="$T" \
     --data "$tmp/shards" --out "$tmp/run" >"$tmp/run.log" 2>&1
   rc=$?
   [ $rc -eq 0 ] && break
   tail -5 "$tmp/run.log" | tee -a "$res"
   grep -q OUT_OF_MEMORY "$tmp/run.log" || break
 done
-kill "$smi_pid" 2>/dev/null
+[ -n "$smi_pid" ] && kill "$smi_pid" 2>/dev/null
 smi_pid=""
 grep -E '^(training|compiled|MFU =|cuda:|trained)' "$tmp/run.log" | tee -a "$res"
 grep -E '^step .*tok/s' "$tmp/run.log" | sed -n '1,3p;$p' | tee -a "$res"
@@ -200,10 +191,11 @@ else
 fi
 # Where the step's time goes: GPT-2 124M kernel by kernel, at the B that trained.
 if [ $rc -eq 0 ]; then
-  say "== gpt2 124M: 3 steps with --profile, B=$B T=$T"
-  if timeout 240 bin/mdlc run models/gpt2.mdl --backend cuda --steps 3 -D B="$B" -D T="$T" --val-every 0 \
+  say "== $model: 3 steps with --profile, B=$B T=$T"
+  if timeout 240 "$mdlc" run models/gpt2.mdl --backend "$backend" --steps 3 $dims -D B="$B" -D T="$T" --val-every 0 \
     --ckpt-every 0 --data "$tmp/shards" --out "$tmp/prof" --profile >"$tmp/prof.log" 2>&1; then
     sed -n '/^profile:/,$p' "$tmp/prof.log" >"$prof"
+    grep -q '^profile:' "$prof" || { say "mdlc run --profile printed no profile"; status=1; }
     head -27 "$prof" | tee -a "$res"
     awk 'NR > 2 && NF >= 5 {
            k = $1; sub(/^k[0-9]+_/, "", k)

@@ -1,0 +1,77 @@
+#!/usr/bin/env bash
+# tools/gpu-check.sh without a GPU, so that the script, and the output of mdlc that it reads, stay in
+# step until a GPU runs it: a rehearsal with the compiled C where the GPU's back end would be and the
+# interpreter as its reference (stage 2 compares two back ends that really differ, stage 3 trains a
+# small GPT and reads tokens/s and MFU from the run's lines, stage 4 sorts a profile into kinds); the same with tolerances no back end meets
+# fails; `--bundle` makes an mdlc that needs no OpenBLAS library and a helper; in a copy of the sources
+# where the build fails (no bison), the script takes the bundle, and refuses a bundle of other sources.
+set -u
+cd "$(dirname "$0")/../.."
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+ok() { echo "[ok] gpu-check: $1"; }
+fail() { echo "[fail] gpu-check: $1"; }
+check() { # check NAME COMMAND...: ok when the command succeeds
+  local name=$1; shift
+  if "$@"; then ok "$name"; else fail "$name"; fi
+}
+export GPU_CHECK_DIMS="-D L=1 -D C=64 -D H=2 -D V=512 -D maxT=64" GPU_CHECK_T=64
+
+mkdir -p "$tmp/a"
+GPU_CHECK_BACKEND=cpu GPU_CHECK_REFERENCE=interp OUT="$tmp/a" tools/gpu-check.sh >"$tmp/a.log" 2>&1
+rc=$?
+r="$tmp/a/gpu-check-results.txt"
+check "a rehearsal (interpreter vs compiled C) passes" [ $rc -eq 0 ]
+[ $rc -eq 0 ] || tail -20 "$tmp/a.log"
+check "stage 2 compares 4 shapes and precisions, all within tolerance" \
+  [ "$(grep -cE '^  29 tensors, worst L2 rel [0-9.e+-]+, tolerance [0-9.e-]+: ok$' "$r")" -eq 4 ]
+# fp32 agrees to rounding; bf16 shows the rounding the two back ends do in other orders.
+worst() { grep 'worst L2 rel' "$r" | sed -n "${1}p" | sed 's/.*worst L2 rel \([^,]*\),.*/\1/'; }
+check "fp32 differs by under 1e-5, bf16 by 1e-4 to 5e-3 ($(worst 1) $(worst 3))" \
+  awk -v a="$(worst 1)" -v b="$(worst 2)" -v c="$(worst 3)" -v d="$(worst 4)" \
+  'BEGIN { exit !(a < 1e-5 && b < 1e-5 && c > 1e-4 && c < 5e-3 && d > 1e-4 && d < 5e-3) }'
+check "stage 3 reads tokens/s and MFU from the run" \
+  grep -qE '^tokens/s [1-9][0-9]* \(mean of steps 6 to 29, B=8 T=64\)$' "$r"
+check "stage 3 reads the model's flops and mdlc's MFU" \
+  grep -qE '^MFU [0-9.]+% of 989 TFLOP/s \([0-9.]+e\+[0-9]+ model flops per step.*mdlc printed [0-9.]+%$' "$r"
+check "stage 3 reads the first and the last loss" grep -qE '^loss [0-9]\.[0-9]{4} at step 1, [0-9]\.[0-9]{4} at' "$r"
+check "stage 4 writes the profile and sorts its kernels into kinds" \
+  eval 'grep -q "^profile: " "$tmp/a/gpu-check-profile.txt" && grep -qE "ms/step .* kernels: GEMMs$" "$r" &&
+    grep -qE "kernels: attention$" "$r" && grep -qE "kernels: optimizer$" "$r" && grep -qE "kernels: LM head$" "$r"'
+
+mkdir -p "$tmp/b"
+GPU_CHECK_BACKEND=cpu GPU_CHECK_REFERENCE=interp GPU_CHECK_TOL=1e-9 GPU_CHECK_TOL_BF16=1e-9 OUT="$tmp/b" tools/gpu-check.sh >"$tmp/b.log" 2>&1
+rc=$?
+check "tolerances no back end meets fail the check" \
+  eval '[ $rc -ne 0 ] && [ "$(grep -c ": FAIL$" "$tmp/b/gpu-check-results.txt")" -eq 4 ] &&
+    grep -q "> tolerance" "$tmp/b/gpu-check-results.txt" && grep -q "^== gpu-check FAILED" "$tmp/b.log"'
+
+tools/gpu-check.sh --bundle "$tmp/bundle" >"$tmp/bundle.log" 2>&1
+check "--bundle builds mdlc and the helper" eval '[ -x "$tmp/bundle/mdlc" ] && [ -x "$tmp/bundle/gpucmp" ]'
+check "the bundle's mdlc runs and needs no OpenBLAS library" \
+  eval '"$tmp/bundle/mdlc" --version >/dev/null && ! ldd "$tmp/bundle/mdlc" | grep -q openblas'
+
+# A copy of the sources whose build fails, as where flex and bison cannot be installed.
+if files=$(git ls-files 2>/dev/null) && [ -n "$files" ]; then
+  mkdir -p "$tmp/repo" "$tmp/nobison" "$tmp/c"
+  printf '%s\n' "$files" | while IFS= read -r f; do
+    [ -e "$f" ] && mkdir -p "$tmp/repo/$(dirname "$f")" && cp -p "$f" "$tmp/repo/$f"
+  done
+  # the script and its helper as they are here, committed or not
+  cp -p tools/gpu-check.sh tools/gpucmp.c "$tmp/repo/tools/"
+  cp -r "$tmp/bundle" "$tmp/repo/gpu-bundle"
+  printf '#!/bin/sh\necho "bison: not installed" >&2\nexit 127\n' >"$tmp/nobison/bison"
+  chmod +x "$tmp/nobison/bison"
+  PATH="$tmp/nobison:$PATH" GPU_CHECK_BACKEND=cpu OUT="$tmp/c" "$tmp/repo/tools/gpu-check.sh" >"$tmp/c.log" 2>&1
+  rc=$?
+  check "where the build fails, the script runs the bundle" \
+    eval '[ $rc -eq 0 ] && grep -q "using gpu-bundle/ (same sources)" "$tmp/c.log" && grep -q "^tokens/s " "$tmp/c.log"'
+  [ $rc -eq 0 ] || tail -20 "$tmp/c.log"
+  echo "$(printf '0%.0s' $(seq 64))" >"$tmp/repo/gpu-bundle/SOURCES"
+  PATH="$tmp/nobison:$PATH" GPU_CHECK_BACKEND=cpu OUT="$tmp/c" "$tmp/repo/tools/gpu-check.sh" >"$tmp/c.log" 2>&1
+  rc=$?
+  check "a bundle of other sources is refused" \
+    eval '[ $rc -ne 0 ] && grep -q "gpu-bundle/ was made from other sources" "$tmp/c.log"'
+else
+  echo "[skip] gpu-check: the bundle in a failing build (not a git checkout)"
+fi
