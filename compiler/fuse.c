@@ -1288,6 +1288,22 @@ static Fusion *assemble(Fuser *F) {
       if (!is_out(F, gi, G->root))
         st->bytes_written += product;
     }
+    // The LM head's logits and their gradient are never materialised, but they cross memory chunk by
+    // chunk all the same: the logits GEMM writes a chunk and the cross-entropy kernel reads it back;
+    // the kernel writes dlogits (its CAST when the GEMMs read bf16) and each backward GEMM reads them.
+    // (W and dW, read and updated once per chunk, are counted once: the chunk count is the target's.)
+    if (G->kind == STEP_LMHEAD) {
+      double logits = dtype_size(node(F, G->root)->dtype) * (double)numel(F, G->root), dl = 0;
+      int readers = 0;
+      for (int j = 0; j < G->n; j++) {
+        const IrNode *n = node(F, G->m[j]);
+        if (n->op == OP_CAST || (n->op == OP_CROSS_ENTROPY_BWD && dl == 0))
+          dl = dtype_size(n->dtype) * (double)numel(F, n->id);
+        readers += n->op == OP_MATMUL && n->id != G->root;
+      }
+      st->bytes_written += logits + dl;
+      st->bytes_read += logits + readers * dl;
+    }
     st->name = step_name(F, s, st);
   }
   if (!copies_written(F, f))

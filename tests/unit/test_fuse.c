@@ -335,6 +335,36 @@ static bool has_reason(const Fusion *f, int a, int b, const char *text) {
 }
 
 // The fusion rules on the tiny GPT.
+// The LM head's traffic: what its step reads and writes, plus the f32 logits written and read back
+// and dlogits (dl_size bytes each: 2 when the backward GEMMs read their bf16 CAST) written once and
+// read by both backward GEMMs.
+static void lmhead_traffic(const char *label, const Fusion *f, int dl_size) {
+  const Graph *g = f->g;
+  int lm = -1, ceb = -1;
+  for (int s = 0; s < f->nsteps; s++)
+    if (f->steps[s].kind == STEP_LMHEAD)
+      lm = s;
+  for (int k = 0; lm >= 0 && k < f->steps[lm].nnodes; k++)
+    if (g->nodes[f->steps[lm].nodes[k]]->op == OP_CROSS_ENTROPY_BWD)
+      ceb = f->steps[lm].nodes[k];
+  char name[160];
+  snprintf(name, sizeof name, "rules: %s: the LM head counts its logits and dlogits chunks as read and written", label);
+  if (ceb < 0) {
+    CHECK(false, name, "no LM head step");
+    return;
+  }
+  const Step *st = &f->steps[lm];
+  double rd = 0, wr = 0, nv = (double)shape_numel(g->nodes[ceb]->shape);
+  for (int i = 0; i < st->nins; i++)
+    rd += dtype_size(g->nodes[st->ins[i]]->dtype) * (double)shape_numel(g->nodes[st->ins[i]]->shape);
+  for (int i = 0; i < st->nouts; i++)
+    wr += dtype_size(g->nodes[st->outs[i]]->dtype) * (double)shape_numel(g->nodes[st->outs[i]]->shape);
+  rd += 4 * nv + 2 * dl_size * nv;
+  wr += 4 * nv + dl_size * nv;
+  CHECK(st->bytes_read == rd && st->bytes_written == wr, name, "read %.0f, want %.0f; written %.0f, want %.0f",
+        st->bytes_read, rd, st->bytes_written, wr);
+}
+
 static void gpt2_rules(void) {
   Arena *a = arena_new();
   Graph *g = training_graph(a, "models/gpt2-tiny.mdl");
@@ -448,6 +478,8 @@ static void gpt2_rules(void) {
           contains(f->steps[lm].outs, f->steps[lm].nouts, ce);
   CHECK(lm_ok, "rules: LM head chunked (3 GEMMs + CE fwd/bwd in one step, logits never materialised)",
         "%d LM-head steps, %d GEMMs", nlm, mm);
+  if (lm_ok)
+    lmhead_traffic("gpt2-tiny", f, 4);
 
   // Without chunking: cross-entropy forward and backward share one row-wise kernel.
   Fusion *u = fuse(g, (FuseOptions){.fuse = true});
@@ -668,6 +700,8 @@ static void reduction_rule(void) {
           "%d bias gradients, %d fused (%d in GEMM steps, %d in layernorm backward steps), %d roundings, %d gradients "
           "not written", bias, fused, in_gemm, in_norm, casts, unwritten);
     check_invariants(bf ? "gpt2-tiny bf16 (rule 10)" : "gpt2-tiny (rule 10)", h);
+    if (bf)
+      lmhead_traffic("gpt2-tiny bf16", h, 2);
     // Rule 9: in bf16 the attention forward writes its output's rounding (the projection's operand)
     // itself, and the f32 output, read by nothing else, is never written.
     int att = 0, att_cast = 0;
