@@ -446,13 +446,19 @@ static void note(Emit *e, const char *fmt, ...) {
 }
 
 // Closes the scope of an if and opens its else.
-static void orelse(Emit *e) {
+// Closes an if block and opens its else (cond NULL) or else-if block.
+static void orelse_if(Emit *e, const char *cond) {
   ec_leave(&e->core);
   e->core.body.len -= 2; // the "}\n" leave wrote
-  ec_bput(&e->core.body, "} else {\n");
+  if (cond)
+    ec_bput(&e->core.body, "} else if (%s) {\n", cond);
+  else
+    ec_bput(&e->core.body, "} else {\n");
   e->core.indent++;
   e->core.depth++;
 }
+
+static void orelse(Emit *e) { orelse_if(e, NULL); }
 
 // A float literal that reads back as the same float, in as few digits as that takes.
 static const char *flit(Emit *e, double v) {
@@ -1745,13 +1751,22 @@ static void ce_row(Emit *e, const RowShape *rs, int64_t v, const char *x, const 
   orelse(e);
   if (loss)
     ec_line(&e->core, "const float xt = x[tg];");
-  ec_line(&e->core, "float mx = -MDL_INF;");
-  ec_line(&e->core, "for (%s j = tr; j < %lld; j += %d)", ixt, (long long)v, rs->tpr);
-  ec_line(&e->core, "  mx = fmaxf(mx, x[j]);");
-  ec_line(&e->core, "mx = %s;", rfmax(e, rs, "mx"));
-  ec_line(&e->core, "double sum = 0;");
-  ec_line(&e->core, "for (%s j = tr; j < %lld; j += %d)", ixt, (long long)v, rs->tpr);
-  ec_line(&e->core, "  sum += expf(x[j] - mx);");
+  // One pass for the maximum and the sum (online softmax): each thread keeps the largest logit it
+  // has seen and its sum of exp(x - that), rescaled when the maximum grows; the threads' sums are
+  // then rescaled to the row's maximum and added. The gradient's pass reads the row a second time.
+  ec_line(&e->core, "float m = -MDL_INF;");
+  ec_line(&e->core, "double part = 0;");
+  ec_enter(&e->core, "for (%s j = tr; j < %lld; j += %d)", ixt, (long long)v, rs->tpr);
+  ec_line(&e->core, "const float xj = x[j];");
+  ec_enter(&e->core, "if (xj > m)");
+  ec_line(&e->core, "part = part * (double)expf(m - xj) + 1.0;");
+  ec_line(&e->core, "m = xj;");
+  orelse_if(e, "xj != -MDL_INF"); // (a term of 0; and no inf - inf while m is -inf)
+  ec_line(&e->core, "part += expf(xj - m);");
+  ec_leave(&e->core);
+  ec_leave(&e->core);
+  ec_line(&e->core, "const float mx = %s;", rfmax(e, rs, "m"));
+  ec_line(&e->core, "double sum = m == -MDL_INF ? 0.0 : part * (double)expf(m - mx);");
   ec_line(&e->core, "sum = %s;", rsum(e, rs, "sum"));
   if (loss) {
     ec_line(&e->core, "if (tr == 0)");
@@ -1766,7 +1781,7 @@ static void ce_row(Emit *e, const RowShape *rs, int64_t v, const char *x, const 
   ec_leave(&e->core);
 }
 
-// The threads per row of a cross-entropy over v classes (the row is read from memory three times).
+// The threads per row of a cross-entropy over v classes (the row is read from memory twice).
 static RowShape ce_shape(Emit *e, int64_t v, int64_t rows) { return row_shape(e, v, rows, 64); }
 
 // CROSS_ENTROPY and / or CROSS_ENTROPY_BWD over the same logits: one pass per row.

@@ -1282,13 +1282,19 @@ extern "C" __global__ void __launch_bounds__(1024) k88_lmhead__cross_entropy__cr
         dx[j] = 0;
     } else {
       const float xt = x[tg];
-      float mx = -MDL_INF;
-      for (int j = tr; j < 50257; j += 1024)
-        mx = fmaxf(mx, x[j]);
-      mx = mdl_block_fmax(mx, sh_f);
-      double sum = 0;
-      for (int j = tr; j < 50257; j += 1024)
-        sum += expf(x[j] - mx);
+      float m = -MDL_INF;
+      double part = 0;
+      for (int j = tr; j < 50257; j += 1024) {
+        const float xj = x[j];
+        if (xj > m) {
+          part = part * (double)expf(m - xj) + 1.0;
+          m = xj;
+        } else if (xj != -MDL_INF) {
+          part += expf(xj - m);
+        }
+      }
+      const float mx = mdl_block_fmax(m, sh_f);
+      double sum = m == -MDL_INF ? 0.0 : part * (double)expf(m - mx);
       sum = mdl_block_sum(sum, sh_d);
       if (tr == 0)
         b3[r] = (float)(mx + log(sum) - xt);

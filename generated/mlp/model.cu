@@ -339,13 +339,19 @@ extern "C" __global__ void __launch_bounds__(256) k4_cross_entropy_fwd__cross_en
         dx[j] = 0.0f;
     } else {
       const float xt = x[tg];
-      float mx = -MDL_INF;
-      for (int j = tr; j < 4; j += 32)
-        mx = fmaxf(mx, x[j]);
-      mx = mdl_warp_fmax(mx);
-      double sum = 0;
-      for (int j = tr; j < 4; j += 32)
-        sum += expf(x[j] - mx);
+      float m = -MDL_INF;
+      double part = 0;
+      for (int j = tr; j < 4; j += 32) {
+        const float xj = x[j];
+        if (xj > m) {
+          part = part * (double)expf(m - xj) + 1.0;
+          m = xj;
+        } else if (xj != -MDL_INF) {
+          part += expf(xj - m);
+        }
+      }
+      const float mx = mdl_warp_fmax(m);
+      double sum = m == -MDL_INF ? 0.0 : part * (double)expf(m - mx);
       sum = mdl_warp_sum(sum);
       if (tr == 0)
         b2[r] = (float)(mx + log(sum) - xt);
