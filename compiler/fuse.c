@@ -1272,8 +1272,12 @@ static Fusion *assemble(Fuser *F) {
         // A view of a member is the member's value, which the kernel computes: a CAST of rule 9
         // rounds it, a reduction of rule 10 sums it; neither reads it back from memory.
         bool own = F->grp[view_base(F, x)] == gi && (n->op == OP_CAST || G->kind == STEP_KERNEL || is_reduction(n->op));
+        // An embedding reads the rows its ids pick, at most one per output row, not the whole table.
+        double count = (double)numel(F, x);
+        if (n->op == OP_EMBED && k == 0 && (double)numel(F, id) < count)
+          count = (double)numel(F, id);
         if (st->nins > before && !own)
-          st->bytes_read += dtype_size(node(F, x)->dtype) * (double)numel(F, x);
+          st->bytes_read += dtype_size(node(F, x)->dtype) * count;
       }
       st->flops += node_flops(F, id);
     }

@@ -481,6 +481,30 @@ static void gpt2_rules(void) {
   if (lm_ok)
     lmhead_traffic("gpt2-tiny", f, 4);
 
+  // An embedding step reads the table's rows its ids pick (at most one per output row), not the whole
+  // table: at B=1 T=16, 16 of wte's 256 rows and 16 of wpe's 128; at the default shape (512 rows)
+  // all of both.
+  for (int small = 0; small < 2; small++) {
+    DimOverride ov[] = {{"B", 1}, {"T", 16}};
+    Graph *e = mdl_compile_file(a, "models/gpt2-tiny.mdl", small ? ov : NULL, small ? 2 : 0);
+    Fusion *ef = e && autodiff(e, true) ? fuse(e, (FuseOptions){.fuse = true, .chunk_lmhead = true}) : NULL;
+    int embeds = 0, right = 0;
+    for (int s = 0; ef && s < ef->nsteps; s++) {
+      const Step *st = &ef->steps[s];
+      const IrNode *n = e->nodes[st->root];
+      if (n->op != OP_EMBED || st->nnodes != 1)
+        continue;
+      embeds++;
+      double table = 4.0 * (double)shape_numel(e->nodes[n->in[0]]->shape), out = 4.0 * (double)shape_numel(n->shape);
+      double ids = 4.0 * (double)shape_numel(e->nodes[n->in[1]]->shape);
+      right += st->bytes_read == (small ? out : table) + ids && (small ? out < table : table <= out);
+    }
+    CHECK(embeds == 2 && right == 2,
+          small ? "traffic: gpt2-tiny B=1 T=16: an embedding reads the rows it gathers, not its table"
+                : "traffic: gpt2-tiny: an embedding of more rows than its table reads the table once",
+          "%d embedding steps, %d counted right", embeds, right);
+  }
+
   // Without chunking: cross-entropy forward and backward share one row-wise kernel.
   Fusion *u = fuse(g, (FuseOptions){.fuse = true});
   bool ce_ok = u && ce >= 0 && ceb >= 0 && u->step_of[ce] == u->step_of[ceb] &&
