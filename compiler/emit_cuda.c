@@ -1224,28 +1224,44 @@ static void emit_gemm(Emit *e, int gi, const bool *emitted) {
   free(q);
 }
 
-// Column sums of partial results: array i holds parts[i][k * cols + r] for k < nb. A block per 32
-// columns, its threads in row groups: thread (g, r) adds rows g, g + groups, ..., then the groups'
-// sums are added in group order, in shared memory. The order is fixed (deterministic), and there are
-// enough threads in flight for the memory: a thread per column left all but a few SMs idle. Opens
-// the scope where thread group 0 holds column r's totals in accs[i]; the caller closes it and ends
-// the kernel with grid colsum_grid(cols) and block colsum_block(nb).
+// Column sums of partial results: array i holds parts[i][k * cols + r] for k < nb. A block per w
+// columns (colsum_width), its threads in row groups: thread (g, r) adds rows g, g + groups, ..., then
+// the groups' sums are added pairwise in shared memory (group g takes g + groups / 2, and so on down
+// to group 0). The order is fixed (deterministic), and there are enough threads in flight for the
+// memory: a thread per column left all but a few SMs idle. Opens the scope where thread group 0
+// holds column r's totals in accs[i]; the caller closes it and ends the kernel with grid
+// colsum_grid(nb, cols) and block colsum_block(nb).
 static int colsum_groups(int64_t nb) { return nb >= 128 ? 32 : nb >= 16 ? 8 : 1; }
-static int64_t colsum_grid(int64_t cols) { return (cols + 31) / 32; }
 static int colsum_block(int64_t nb) { return 32 * colsum_groups(nb); }
+// Columns per block: 32 (a warp reads 128 contiguous bytes of a row of f32 partials) while that
+// still gives COLSUM_BLOCKS blocks, else 16 or 8 (row segments of 64 or 32 bytes): GPT-2's columns of
+// 768 were 24 blocks on 132 SMs, reading 19 MB of partials; they are 96 blocks of 8 columns.
+enum { COLSUM_BLOCKS = 128 };
+static int colsum_width(int64_t nb, int64_t cols) {
+  if (colsum_groups(nb) == 1)
+    return 32;
+  int w = 32;
+  while (w > 8 && (cols + w - 1) / w < COLSUM_BLOCKS)
+    w /= 2;
+  return w;
+}
+static int64_t colsum_grid(int64_t nb, int64_t cols) {
+  int w = colsum_width(nb, cols);
+  return (cols + w - 1) / w;
+}
 
 static void colsum_open(Emit *e, int64_t nb, int64_t cols, const char *const *parts, const char *const *accs, int n,
                         bool max) {
-  int groups = colsum_groups(nb);
+  int w = colsum_width(nb, cols), groups = colsum_block(nb) / w;
   const char *t = max ? "float" : "double", *init = max ? "-MDL_INF" : "0.0", *ixt = e->core.ixt;
   for (int i = 0; i < n && groups > 1; i++)
-    ec_line(&e->core, "__shared__ %s cs%d[%d][32];", t, i, groups);
-  e->shared += groups > 1 ? n * groups * 32 * (max ? 4 : 8) : 0;
+    ec_line(&e->core, "__shared__ %s cs%d[%d][%d];", t, i, groups, w);
+  e->shared += groups > 1 ? n * groups * w * (max ? 4 : 8) : 0;
   if (groups > 1)
-    ec_line(&e->core, "const int tx = threadIdx.x & 31, ty = threadIdx.x >> 5;");
+    ec_line(&e->core, "const int tx = threadIdx.x %% %d, ty = threadIdx.x / %d;", w, w);
   else
     ec_line(&e->core, "const int tx = threadIdx.x, ty = 0;");
-  ec_line(&e->core, "const %s r = blockIdx.x * 32 + tx;", ixt);
+  ec_line(&e->core, "const %s r = blockIdx.x * %d + tx;", ixt, w);
   for (int i = 0; i < n; i++)
     ec_line(&e->core, "%s %s = %s;", t, accs[i], init);
   ec_enter(&e->core, "if (r < %lld)", (long long)cols);
@@ -1263,15 +1279,17 @@ static void colsum_open(Emit *e, int64_t nb, int64_t cols, const char *const *pa
   }
   for (int i = 0; i < n; i++)
     ec_line(&e->core, "cs%d[ty][tx] = %s;", i, accs[i]);
+  ec_enter(&e->core, "for (int h = %d; h > 0; h >>= 1)", groups / 2);
   ec_line(&e->core, "__syncthreads();");
-  ec_enter(&e->core, "if (ty == 0 && r < %lld)", (long long)cols);
-  for (int i = 0; i < n; i++) {
-    ec_line(&e->core, "for (int g = 1; g < %d; g++)", groups);
+  ec_enter(&e->core, "if (ty < h)");
+  for (int i = 0; i < n; i++)
     if (max)
-      ec_line(&e->core, "  %s = mdl_max_nan(%s, cs%d[g][tx]);", accs[i], accs[i], i);
+      ec_line(&e->core, "cs%d[ty][tx] = %s = mdl_max_nan(%s, cs%d[ty + h][tx]);", i, accs[i], accs[i], i);
     else
-      ec_line(&e->core, "  %s += cs%d[g][tx];", accs[i], i);
-  }
+      ec_line(&e->core, "cs%d[ty][tx] = %s += cs%d[ty + h][tx];", i, accs[i], i);
+  ec_leave(&e->core);
+  ec_leave(&e->core);
+  ec_enter(&e->core, "if (ty == 0 && r < %lld)", (long long)cols);
 }
 
 // The accumulation of one value v into acc: a sum, or a max where a NaN wins (as in interp.c).
@@ -1430,14 +1448,14 @@ static void emit_reduce(Emit *e, int gi, const bool *emitted) {
     ec_leave(&e->core);
     kend(e, grid_for(on * nb, BLOCK), block_for(on * nb));
     kbegin(e, "");
-    note(e, "%s: the %lld partial results of each output added, a block per 32 outputs in %d groups of rows",
-         what, (long long)nb, colsum_groups(nb));
+    note(e, "%s: the %lld partial results of each output added, a block per %d outputs in %d groups of rows",
+         what, (long long)nb, colsum_width(nb, on), colsum_block(nb) / colsum_width(nb, on));
     p = raw_ptr(e, part, acc_t, "partial results");
     const char *acc = "acc";
     colsum_open(e, nb, on, &p, &acc, 1, max);
     reduce_finish(e, a, buf, q, nq);
     ec_leave(&e->core);
-    kend(e, colsum_grid(on), colsum_block(nb));
+    kend(e, colsum_grid(nb, on), colsum_block(nb));
   }
   e->loop_ix = NULL;
   if (buf)
@@ -1520,10 +1538,16 @@ static void emit_norm_bwd(Emit *e, int gi, const bool *emitted) {
   bool dxbuf = dx >= 0 && whole(e, dx);
   bool cols_sum = dw >= 0 || db >= 0 || nsum > 0;
   int64_t bl = cols_sum ? (rows + 1023) / 1024 : 1, nb = (rows + bl - 1) / bl;
-  int64_t pdw = dw >= 0 ? scratch_alloc(e, nb * cols * 8) : -1, pdb = db >= 0 ? scratch_alloc(e, nb * cols * 8) : -1;
+  // A lane's column sums over its block's rows: in f32 over at most NORM_F32_ROWS rows (a row of 768
+  // takes 24 of them per lane and sum; double accumulators would spill registers), else in double.
+  // The partials keep that type (an f32 sum stored as f32 loses nothing, in half the bytes: 9.4 MB
+  // instead of 18.9 written and read back per GPT-2 norm backward) and are added in double.
+  const char *at = bl <= NORM_F32_ROWS ? "float" : "double";
+  int64_t psz = bl <= NORM_F32_ROWS ? 4 : 8;
+  int64_t pdw = dw >= 0 ? scratch_alloc(e, nb * cols * psz) : -1, pdb = db >= 0 ? scratch_alloc(e, nb * cols * psz) : -1;
   int64_t psum[EC_MAX_COLSUMS];
   for (int i = 0; i < nsum; i++)
-    psum[i] = scratch_alloc(e, nb * cols * 8);
+    psum[i] = scratch_alloc(e, nb * cols * psz);
   // With column sums there are at most 1024 groups of rows (1024 partials per column), so a group gets
   // a block of threads (up to NORM_LANE_ELEMS elements per lane) rather than a warp: GPT-2's 8192 rows
   // of 768 are then 4096 warps of 6 elements a lane, not 1024 warps (128 blocks, under one wave on
@@ -1535,14 +1559,10 @@ static void emit_norm_bwd(Emit *e, int gi, const bool *emitted) {
   note(e, "%s: %lld rows of %lld, %s per row%s", op_name(nd->op), (long long)rows, (long long)cols, rs_who(e, &rs),
        cols_sum ? ec_str(&e->core, "; column partials over %lld blocks of %lld rows", (long long)nb, (long long)bl)
                 : "");
-  const char *sw = pdw >= 0 ? raw_ptr(e, pdw, "double", "dw partials") : NULL;
-  const char *sb = pdb >= 0 ? raw_ptr(e, pdb, "double", "db partials") : NULL, *ss[EC_MAX_COLSUMS];
+  const char *sw = pdw >= 0 ? raw_ptr(e, pdw, at, "dw partials") : NULL;
+  const char *sb = pdb >= 0 ? raw_ptr(e, pdb, at, "db partials") : NULL, *ss[EC_MAX_COLSUMS];
   for (int i = 0; i < nsum; i++)
-    ss[i] = raw_ptr(e, psum[i], "double", "column sum partials");
-  // A lane's column sums over its block's rows: in f32 over at most NORM_F32_ROWS rows (a row of 768
-  // takes 24 of them per lane and sum; double accumulators would spill registers), else in double.
-  // The block partials are added in double.
-  const char *at = bl <= NORM_F32_ROWS ? "float" : "double";
+    ss[i] = raw_ptr(e, psum[i], at, "column sum partials");
   rows_open(e, &rs, cols_sum ? "k" : "r");
   if (cols_sum) {
     if (sw)
@@ -1632,16 +1652,16 @@ static void emit_norm_bwd(Emit *e, int gi, const bool *emitted) {
   e->loop_ix = NULL;
   if (cols_sum) {
     kbegin(e, "colsum");
-    note(e, "%s: column sums of %lld blocks of rows, a block per 32 columns in %d groups of rows", op_name(nd->op),
-         (long long)nb, colsum_groups(nb));
+    note(e, "%s: column sums of %lld blocks of rows, a block per %d columns in %d groups of rows", op_name(nd->op),
+         (long long)nb, colsum_width(nb, cols), colsum_block(nb) / colsum_width(nb, cols));
     const char *parts[2 + EC_MAX_COLSUMS], *accs[2 + EC_MAX_COLSUMS];
     int np = 0;
     if (pdw >= 0)
-      parts[np] = raw_ptr(e, pdw, "double", "dw partials"), accs[np++] = "w";
+      parts[np] = raw_ptr(e, pdw, at, "dw partials"), accs[np++] = "w";
     if (pdb >= 0)
-      parts[np] = raw_ptr(e, pdb, "double", "db partials"), accs[np++] = "b";
+      parts[np] = raw_ptr(e, pdb, at, "db partials"), accs[np++] = "b";
     for (int i = 0; i < nsum; i++) {
-      parts[np] = raw_ptr(e, psum[i], "double", "column sum partials");
+      parts[np] = raw_ptr(e, psum[i], at, "column sum partials");
       accs[np++] = ec_str(&e->core, "a%d", i);
     }
     colsum_open(e, nb, cols, parts, accs, np, false);
@@ -1652,7 +1672,7 @@ static void emit_norm_bwd(Emit *e, int gi, const bool *emitted) {
     for (int i = 0; i < nsum; i++)
       ec_line(&e->core, "%s[r] = (float)a%d;", ptr(e, sums[i]), i);
     ec_leave(&e->core);
-    kend(e, colsum_grid(cols), colsum_block(nb));
+    kend(e, colsum_grid(nb, cols), colsum_block(nb));
   }
   if (dxbuf)
     ec_phase_done(&e->core, dx);

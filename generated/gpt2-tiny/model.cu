@@ -784,13 +784,13 @@ extern "C" __global__ void __launch_bounds__(256) k19_mean(char *arena, MdlStatu
 //   %127   cast                                    line 40    bf16[512,64]
 // runs:
 //   k20_layernorm_bwd__sum__cast<<<64, 256>>>
-//   k20_layernorm_bwd__sum__cast_colsum<<<2, 1024>>>
+//   k20_layernorm_bwd__sum__cast_colsum<<<8, 1024>>>
 
 // layernorm_bwd: 512 rows of 64, a warp per row; column partials over 512 blocks of 1 rows
 extern "C" __global__ void __launch_bounds__(256) k20_layernorm_bwd__sum__cast(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
-  double *const b0 = (double *)(arena + o.b[0]); // dw partials
-  double *const b1 = (double *)(arena + o.b[1]); // db partials
-  double *const b2 = (double *)(arena + o.b[2]); // column sum partials
+  float *const b0 = (float *)(arena + o.b[0]); // dw partials
+  float *const b1 = (float *)(arena + o.b[1]); // db partials
+  float *const b2 = (float *)(arena + o.b[2]); // column sum partials
   float *const b3 = (float *)(arena + o.b[3]); // add f32[8,64,64]
   float *const b4 = (float *)(arena + o.b[4]); // matmul f32[512,64]
   float *const b5 = (float *)(arena + o.b[5]); // param f32[64]
@@ -864,24 +864,24 @@ extern "C" __global__ void __launch_bounds__(256) k20_layernorm_bwd__sum__cast(c
   }
 }
 
-// layernorm_bwd: column sums of 512 blocks of rows, a block per 32 columns in 32 groups of rows
+// layernorm_bwd: column sums of 512 blocks of rows, a block per 8 columns in 128 groups of rows
 extern "C" __global__ void __launch_bounds__(1024) k20_layernorm_bwd__sum__cast_colsum(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
-  double *const b0 = (double *)(arena + o.b[0]); // dw partials
-  double *const b1 = (double *)(arena + o.b[1]); // db partials
-  double *const b2 = (double *)(arena + o.b[2]); // column sum partials
+  float *const b0 = (float *)(arena + o.b[0]); // dw partials
+  float *const b1 = (float *)(arena + o.b[1]); // db partials
+  float *const b2 = (float *)(arena + o.b[2]); // column sum partials
   float *const b3 = (float *)(arena + o.b[3]); // layernorm_bwd f32[64]
   float *const b4 = (float *)(arena + o.b[4]); // layernorm_bwd f32[64]
   float *const b5 = (float *)(arena + o.b[5]); // sum f32[64]
-  __shared__ double cs0[32][32];
-  __shared__ double cs1[32][32];
-  __shared__ double cs2[32][32];
-  const int tx = threadIdx.x & 31, ty = threadIdx.x >> 5;
-  const int r = blockIdx.x * 32 + tx;
+  __shared__ double cs0[128][8];
+  __shared__ double cs1[128][8];
+  __shared__ double cs2[128][8];
+  const int tx = threadIdx.x % 8, ty = threadIdx.x / 8;
+  const int r = blockIdx.x * 8 + tx;
   double w = 0.0;
   double b = 0.0;
   double a0 = 0.0;
   if (r < 64) {
-    for (int k = ty; k < 512; k += 32) {
+    for (int k = ty; k < 512; k += 128) {
       w += b0[k * 64 + r];
       b += b1[k * 64 + r];
       a0 += b2[k * 64 + r];
@@ -890,14 +890,15 @@ extern "C" __global__ void __launch_bounds__(1024) k20_layernorm_bwd__sum__cast_
   cs0[ty][tx] = w;
   cs1[ty][tx] = b;
   cs2[ty][tx] = a0;
-  __syncthreads();
+  for (int h = 64; h > 0; h >>= 1) {
+    __syncthreads();
+    if (ty < h) {
+      cs0[ty][tx] = w += cs0[ty + h][tx];
+      cs1[ty][tx] = b += cs1[ty + h][tx];
+      cs2[ty][tx] = a0 += cs2[ty + h][tx];
+    }
+  }
   if (ty == 0 && r < 64) {
-    for (int g = 1; g < 32; g++)
-      w += cs0[g][tx];
-    for (int g = 1; g < 32; g++)
-      b += cs1[g][tx];
-    for (int g = 1; g < 32; g++)
-      a0 += cs2[g][tx];
     b3[r] = (float)w;
     b4[r] = (float)b;
     b5[r] = (float)a0;
@@ -919,7 +920,7 @@ extern "C" __global__ void __launch_bounds__(1024) k20_layernorm_bwd__sum__cast_
 // runs:
 //   gemm 12: [512 x 256] = [512 x 64] T[64 x 256], bf16 A and B, f32 C
 //   k22_gemm__gelu_bwd__sum__cast_partial<<<64, 256>>>
-//   k22_gemm__gelu_bwd__sum__cast<<<8, 256>>>
+//   k22_gemm__gelu_bwd__sum__cast<<<32, 256>>>
 
 // sum: 256 outputs over 512 elements, first partial results over 64 blocks of 8
 extern "C" __global__ void __launch_bounds__(256) k22_gemm__gelu_bwd__sum__cast_partial(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
@@ -947,24 +948,27 @@ extern "C" __global__ void __launch_bounds__(256) k22_gemm__gelu_bwd__sum__cast_
   }
 }
 
-// sum: the 64 partial results of each output added, a block per 32 outputs in 8 groups of rows
+// sum: the 64 partial results of each output added, a block per 8 outputs in 32 groups of rows
 extern "C" __global__ void __launch_bounds__(256) k22_gemm__gelu_bwd__sum__cast(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
   double *const b0 = (double *)(arena + o.b[0]); // partial results
   float *const b1 = (float *)(arena + o.b[1]); // sum f32[256]
-  __shared__ double cs0[8][32];
-  const int tx = threadIdx.x & 31, ty = threadIdx.x >> 5;
-  const int r = blockIdx.x * 32 + tx;
+  __shared__ double cs0[32][8];
+  const int tx = threadIdx.x % 8, ty = threadIdx.x / 8;
+  const int r = blockIdx.x * 8 + tx;
   double acc = 0.0;
   if (r < 256) {
-    for (int k = ty; k < 64; k += 8) {
+    for (int k = ty; k < 64; k += 32) {
       acc += b0[k * 256 + r];
     }
   }
   cs0[ty][tx] = acc;
-  __syncthreads();
+  for (int h = 16; h > 0; h >>= 1) {
+    __syncthreads();
+    if (ty < h) {
+      cs0[ty][tx] = acc += cs0[ty + h][tx];
+    }
+  }
   if (ty == 0 && r < 256) {
-    for (int g = 1; g < 8; g++)
-      acc += cs0[g][tx];
     const float y = (float)acc;
     b1[r] = y;
   }
@@ -990,13 +994,13 @@ extern "C" __global__ void __launch_bounds__(256) k22_gemm__gelu_bwd__sum__cast(
 //   %144   cast                                    line 39    bf16[512,64]
 // runs:
 //   k25_layernorm_bwd__add__sum__cast<<<64, 256>>>
-//   k20_layernorm_bwd__sum__cast_colsum<<<2, 1024>>>
+//   k20_layernorm_bwd__sum__cast_colsum<<<8, 1024>>>
 
 // layernorm_bwd: 512 rows of 64, a warp per row; column partials over 512 blocks of 1 rows
 extern "C" __global__ void __launch_bounds__(256) k25_layernorm_bwd__add__sum__cast(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
-  double *const b0 = (double *)(arena + o.b[0]); // dw partials
-  double *const b1 = (double *)(arena + o.b[1]); // db partials
-  double *const b2 = (double *)(arena + o.b[2]); // column sum partials
+  float *const b0 = (float *)(arena + o.b[0]); // dw partials
+  float *const b1 = (float *)(arena + o.b[1]); // db partials
+  float *const b2 = (float *)(arena + o.b[2]); // column sum partials
   float *const b3 = (float *)(arena + o.b[3]); // add f32[8,64,64]
   float *const b4 = (float *)(arena + o.b[4]); // matmul f32[512,64]
   float *const b5 = (float *)(arena + o.b[5]); // param f32[64]
@@ -1477,7 +1481,7 @@ extern "C" __global__ void __launch_bounds__(128) k28_attention_bwd_dkv(char *ar
 //   %158   cast                                    line 38    bf16[512,192]
 // runs:
 //   k29_sum__slice_bwd__add__cast_partial<<<48, 256>>>
-//   k29_sum__slice_bwd__add__cast<<<6, 256>>>
+//   k29_sum__slice_bwd__add__cast<<<24, 256>>>
 
 // sum: 192 outputs over 512 elements, first partial results over 64 blocks of 8
 extern "C" __global__ void __launch_bounds__(256) k29_sum__slice_bwd__add__cast_partial(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
@@ -1514,24 +1518,27 @@ extern "C" __global__ void __launch_bounds__(256) k29_sum__slice_bwd__add__cast_
   }
 }
 
-// sum: the 64 partial results of each output added, a block per 32 outputs in 8 groups of rows
+// sum: the 64 partial results of each output added, a block per 8 outputs in 32 groups of rows
 extern "C" __global__ void __launch_bounds__(256) k29_sum__slice_bwd__add__cast(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
   double *const b0 = (double *)(arena + o.b[0]); // partial results
   float *const b1 = (float *)(arena + o.b[1]); // sum f32[192]
-  __shared__ double cs0[8][32];
-  const int tx = threadIdx.x & 31, ty = threadIdx.x >> 5;
-  const int r = blockIdx.x * 32 + tx;
+  __shared__ double cs0[32][8];
+  const int tx = threadIdx.x % 8, ty = threadIdx.x / 8;
+  const int r = blockIdx.x * 8 + tx;
   double acc = 0.0;
   if (r < 192) {
-    for (int k = ty; k < 64; k += 8) {
+    for (int k = ty; k < 64; k += 32) {
       acc += b0[k * 192 + r];
     }
   }
   cs0[ty][tx] = acc;
-  __syncthreads();
+  for (int h = 16; h > 0; h >>= 1) {
+    __syncthreads();
+    if (ty < h) {
+      cs0[ty][tx] = acc += cs0[ty + h][tx];
+    }
+  }
   if (ty == 0 && r < 192) {
-    for (int g = 1; g < 8; g++)
-      acc += cs0[g][tx];
     const float y = (float)acc;
     b1[r] = y;
   }
@@ -1557,13 +1564,13 @@ extern "C" __global__ void __launch_bounds__(256) k29_sum__slice_bwd__add__cast(
 //   %168   cast                                    line 40    bf16[512,64]
 // runs:
 //   k32_layernorm_bwd__add__sum__cast<<<64, 256>>>
-//   k20_layernorm_bwd__sum__cast_colsum<<<2, 1024>>>
+//   k20_layernorm_bwd__sum__cast_colsum<<<8, 1024>>>
 
 // layernorm_bwd: 512 rows of 64, a warp per row; column partials over 512 blocks of 1 rows
 extern "C" __global__ void __launch_bounds__(256) k32_layernorm_bwd__add__sum__cast(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
-  double *const b0 = (double *)(arena + o.b[0]); // dw partials
-  double *const b1 = (double *)(arena + o.b[1]); // db partials
-  double *const b2 = (double *)(arena + o.b[2]); // column sum partials
+  float *const b0 = (float *)(arena + o.b[0]); // dw partials
+  float *const b1 = (float *)(arena + o.b[1]); // db partials
+  float *const b2 = (float *)(arena + o.b[2]); // column sum partials
   float *const b3 = (float *)(arena + o.b[3]); // add f32[8,64,64]
   float *const b4 = (float *)(arena + o.b[4]); // matmul f32[512,64]
   float *const b5 = (float *)(arena + o.b[5]); // param f32[64]
@@ -1655,7 +1662,7 @@ extern "C" __global__ void __launch_bounds__(256) k32_layernorm_bwd__add__sum__c
 // runs:
 //   gemm 20: [512 x 256] = [512 x 64] T[64 x 256], bf16 A and B, f32 C
 //   k22_gemm__gelu_bwd__sum__cast_partial<<<64, 256>>>
-//   k22_gemm__gelu_bwd__sum__cast<<<8, 256>>>
+//   k22_gemm__gelu_bwd__sum__cast<<<32, 256>>>
 
 // k35_gemm: GEMM, 1 op
 //   %176   matmul                                  line 40    f32[512,64]
@@ -1677,7 +1684,7 @@ extern "C" __global__ void __launch_bounds__(256) k32_layernorm_bwd__add__sum__c
 //   %185   cast                                    line 39    bf16[512,64]
 // runs:
 //   k32_layernorm_bwd__add__sum__cast<<<64, 256>>>
-//   k20_layernorm_bwd__sum__cast_colsum<<<2, 1024>>>
+//   k20_layernorm_bwd__sum__cast_colsum<<<8, 1024>>>
 
 // k38_gemm: GEMM, 1 op
 //   %186   matmul                                  line 39    f32[512,64]
@@ -1709,7 +1716,7 @@ extern "C" __global__ void __launch_bounds__(256) k32_layernorm_bwd__add__sum__c
 //   %199   cast                                    line 38    bf16[512,192]
 // runs:
 //   k29_sum__slice_bwd__add__cast_partial<<<48, 256>>>
-//   k29_sum__slice_bwd__add__cast<<<6, 256>>>
+//   k29_sum__slice_bwd__add__cast<<<24, 256>>>
 
 // k42_gemm: GEMM, 1 op
 //   %200   matmul                                  line 38    f32[512,64]
@@ -1728,12 +1735,12 @@ extern "C" __global__ void __launch_bounds__(256) k32_layernorm_bwd__add__sum__c
 //   %206   layernorm_bwd      d.h.0.ln1_b          line 38    f32[64]
 // runs:
 //   k44_layernorm_bwd__add<<<64, 256>>>
-//   k44_layernorm_bwd__add_colsum<<<2, 1024>>>
+//   k44_layernorm_bwd__add_colsum<<<8, 1024>>>
 
 // layernorm_bwd: 512 rows of 64, a warp per row; column partials over 512 blocks of 1 rows
 extern "C" __global__ void __launch_bounds__(256) k44_layernorm_bwd__add(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
-  double *const b0 = (double *)(arena + o.b[0]); // dw partials
-  double *const b1 = (double *)(arena + o.b[1]); // db partials
+  float *const b0 = (float *)(arena + o.b[0]); // dw partials
+  float *const b1 = (float *)(arena + o.b[1]); // db partials
   float *const b2 = (float *)(arena + o.b[2]); // add f32[8,64,64]
   float *const b3 = (float *)(arena + o.b[3]); // matmul f32[512,64]
   float *const b4 = (float *)(arena + o.b[4]); // param f32[64]
@@ -1804,32 +1811,34 @@ extern "C" __global__ void __launch_bounds__(256) k44_layernorm_bwd__add(char *a
   }
 }
 
-// layernorm_bwd: column sums of 512 blocks of rows, a block per 32 columns in 32 groups of rows
+// layernorm_bwd: column sums of 512 blocks of rows, a block per 8 columns in 128 groups of rows
 extern "C" __global__ void __launch_bounds__(1024) k44_layernorm_bwd__add_colsum(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
-  double *const b0 = (double *)(arena + o.b[0]); // dw partials
-  double *const b1 = (double *)(arena + o.b[1]); // db partials
+  float *const b0 = (float *)(arena + o.b[0]); // dw partials
+  float *const b1 = (float *)(arena + o.b[1]); // db partials
   float *const b2 = (float *)(arena + o.b[2]); // layernorm_bwd f32[64]
   float *const b3 = (float *)(arena + o.b[3]); // layernorm_bwd f32[64]
-  __shared__ double cs0[32][32];
-  __shared__ double cs1[32][32];
-  const int tx = threadIdx.x & 31, ty = threadIdx.x >> 5;
-  const int r = blockIdx.x * 32 + tx;
+  __shared__ double cs0[128][8];
+  __shared__ double cs1[128][8];
+  const int tx = threadIdx.x % 8, ty = threadIdx.x / 8;
+  const int r = blockIdx.x * 8 + tx;
   double w = 0.0;
   double b = 0.0;
   if (r < 64) {
-    for (int k = ty; k < 512; k += 32) {
+    for (int k = ty; k < 512; k += 128) {
       w += b0[k * 64 + r];
       b += b1[k * 64 + r];
     }
   }
   cs0[ty][tx] = w;
   cs1[ty][tx] = b;
-  __syncthreads();
+  for (int h = 64; h > 0; h >>= 1) {
+    __syncthreads();
+    if (ty < h) {
+      cs0[ty][tx] = w += cs0[ty + h][tx];
+      cs1[ty][tx] = b += cs1[ty + h][tx];
+    }
+  }
   if (ty == 0 && r < 64) {
-    for (int g = 1; g < 32; g++)
-      w += cs0[g][tx];
-    for (int g = 1; g < 32; g++)
-      b += cs1[g][tx];
     b2[r] = (float)w;
     b3[r] = (float)b;
   }

@@ -1341,13 +1341,13 @@ extern "C" __global__ void __launch_bounds__(256) k89_mean(char *arena, MdlStatu
 //   %577   cast                                    line 40    bf16[8192,768]
 // runs:
 //   k90_layernorm_bwd__sum__cast<<<1024, 128>>>
-//   k90_layernorm_bwd__sum__cast_colsum<<<24, 1024>>>
+//   k90_layernorm_bwd__sum__cast_colsum<<<96, 1024>>>
 
 // layernorm_bwd: 8192 rows of 768, a block of 128 threads per row; column partials over 1024 blocks of 8 rows
 extern "C" __global__ void __launch_bounds__(128) k90_layernorm_bwd__sum__cast(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
-  double *const b0 = (double *)(arena + o.b[0]); // dw partials
-  double *const b1 = (double *)(arena + o.b[1]); // db partials
-  double *const b2 = (double *)(arena + o.b[2]); // column sum partials
+  float *const b0 = (float *)(arena + o.b[0]); // dw partials
+  float *const b1 = (float *)(arena + o.b[1]); // db partials
+  float *const b2 = (float *)(arena + o.b[2]); // column sum partials
   float *const b3 = (float *)(arena + o.b[3]); // add f32[8,1024,768]
   float *const b4 = (float *)(arena + o.b[4]); // matmul f32[8192,768]
   float *const b5 = (float *)(arena + o.b[5]); // param f32[768]
@@ -1422,24 +1422,24 @@ extern "C" __global__ void __launch_bounds__(128) k90_layernorm_bwd__sum__cast(c
   }
 }
 
-// layernorm_bwd: column sums of 1024 blocks of rows, a block per 32 columns in 32 groups of rows
+// layernorm_bwd: column sums of 1024 blocks of rows, a block per 8 columns in 128 groups of rows
 extern "C" __global__ void __launch_bounds__(1024) k90_layernorm_bwd__sum__cast_colsum(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
-  double *const b0 = (double *)(arena + o.b[0]); // dw partials
-  double *const b1 = (double *)(arena + o.b[1]); // db partials
-  double *const b2 = (double *)(arena + o.b[2]); // column sum partials
+  float *const b0 = (float *)(arena + o.b[0]); // dw partials
+  float *const b1 = (float *)(arena + o.b[1]); // db partials
+  float *const b2 = (float *)(arena + o.b[2]); // column sum partials
   float *const b3 = (float *)(arena + o.b[3]); // layernorm_bwd f32[768]
   float *const b4 = (float *)(arena + o.b[4]); // layernorm_bwd f32[768]
   float *const b5 = (float *)(arena + o.b[5]); // sum f32[768]
-  __shared__ double cs0[32][32];
-  __shared__ double cs1[32][32];
-  __shared__ double cs2[32][32];
-  const int tx = threadIdx.x & 31, ty = threadIdx.x >> 5;
-  const int r = blockIdx.x * 32 + tx;
+  __shared__ double cs0[128][8];
+  __shared__ double cs1[128][8];
+  __shared__ double cs2[128][8];
+  const int tx = threadIdx.x % 8, ty = threadIdx.x / 8;
+  const int r = blockIdx.x * 8 + tx;
   double w = 0.0;
   double b = 0.0;
   double a0 = 0.0;
   if (r < 768) {
-    for (int k = ty; k < 1024; k += 32) {
+    for (int k = ty; k < 1024; k += 128) {
       w += b0[k * 768 + r];
       b += b1[k * 768 + r];
       a0 += b2[k * 768 + r];
@@ -1448,14 +1448,15 @@ extern "C" __global__ void __launch_bounds__(1024) k90_layernorm_bwd__sum__cast_
   cs0[ty][tx] = w;
   cs1[ty][tx] = b;
   cs2[ty][tx] = a0;
-  __syncthreads();
+  for (int h = 64; h > 0; h >>= 1) {
+    __syncthreads();
+    if (ty < h) {
+      cs0[ty][tx] = w += cs0[ty + h][tx];
+      cs1[ty][tx] = b += cs1[ty + h][tx];
+      cs2[ty][tx] = a0 += cs2[ty + h][tx];
+    }
+  }
   if (ty == 0 && r < 768) {
-    for (int g = 1; g < 32; g++)
-      w += cs0[g][tx];
-    for (int g = 1; g < 32; g++)
-      b += cs1[g][tx];
-    for (int g = 1; g < 32; g++)
-      a0 += cs2[g][tx];
     b3[r] = (float)w;
     b4[r] = (float)b;
     b5[r] = (float)a0;
@@ -1477,7 +1478,7 @@ extern "C" __global__ void __launch_bounds__(1024) k90_layernorm_bwd__sum__cast_
 // runs:
 //   gemm 55: [8192 x 3072] = [8192 x 768] T[768 x 3072], bf16 A and B, f32 C
 //   k92_gemm__gelu_bwd__sum__cast_partial<<<1020, 256>>>
-//   k92_gemm__gelu_bwd__sum__cast<<<96, 256>>>
+//   k92_gemm__gelu_bwd__sum__cast<<<192, 256>>>
 
 // sum: 3072 outputs over 8192 elements, first partial results over 85 blocks of 97
 extern "C" __global__ void __launch_bounds__(256) k92_gemm__gelu_bwd__sum__cast_partial(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
@@ -1505,24 +1506,27 @@ extern "C" __global__ void __launch_bounds__(256) k92_gemm__gelu_bwd__sum__cast_
   }
 }
 
-// sum: the 85 partial results of each output added, a block per 32 outputs in 8 groups of rows
+// sum: the 85 partial results of each output added, a block per 16 outputs in 16 groups of rows
 extern "C" __global__ void __launch_bounds__(256) k92_gemm__gelu_bwd__sum__cast(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
   double *const b0 = (double *)(arena + o.b[0]); // partial results
   float *const b1 = (float *)(arena + o.b[1]); // sum f32[3072]
-  __shared__ double cs0[8][32];
-  const int tx = threadIdx.x & 31, ty = threadIdx.x >> 5;
-  const int r = blockIdx.x * 32 + tx;
+  __shared__ double cs0[16][16];
+  const int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
+  const int r = blockIdx.x * 16 + tx;
   double acc = 0.0;
   if (r < 3072) {
-    for (int k = ty; k < 85; k += 8) {
+    for (int k = ty; k < 85; k += 16) {
       acc += b0[k * 3072 + r];
     }
   }
   cs0[ty][tx] = acc;
-  __syncthreads();
+  for (int h = 8; h > 0; h >>= 1) {
+    __syncthreads();
+    if (ty < h) {
+      cs0[ty][tx] = acc += cs0[ty + h][tx];
+    }
+  }
   if (ty == 0 && r < 3072) {
-    for (int g = 1; g < 8; g++)
-      acc += cs0[g][tx];
     const float y = (float)acc;
     b1[r] = y;
   }
@@ -1548,13 +1552,13 @@ extern "C" __global__ void __launch_bounds__(256) k92_gemm__gelu_bwd__sum__cast(
 //   %594   cast                                    line 39    bf16[8192,768]
 // runs:
 //   k95_layernorm_bwd__add__sum__cast<<<1024, 128>>>
-//   k90_layernorm_bwd__sum__cast_colsum<<<24, 1024>>>
+//   k90_layernorm_bwd__sum__cast_colsum<<<96, 1024>>>
 
 // layernorm_bwd: 8192 rows of 768, a block of 128 threads per row; column partials over 1024 blocks of 8 rows
 extern "C" __global__ void __launch_bounds__(128) k95_layernorm_bwd__add__sum__cast(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
-  double *const b0 = (double *)(arena + o.b[0]); // dw partials
-  double *const b1 = (double *)(arena + o.b[1]); // db partials
-  double *const b2 = (double *)(arena + o.b[2]); // column sum partials
+  float *const b0 = (float *)(arena + o.b[0]); // dw partials
+  float *const b1 = (float *)(arena + o.b[1]); // db partials
+  float *const b2 = (float *)(arena + o.b[2]); // column sum partials
   float *const b3 = (float *)(arena + o.b[3]); // add f32[8,1024,768]
   float *const b4 = (float *)(arena + o.b[4]); // matmul f32[8192,768]
   float *const b5 = (float *)(arena + o.b[5]); // param f32[768]
@@ -2038,7 +2042,7 @@ extern "C" __global__ void __launch_bounds__(128) k98_attention_bwd_dkv(char *ar
 //   %608   cast                                    line 38    bf16[8192,2304]
 // runs:
 //   k99_sum__slice_bwd__add__cast_partial<<<1017, 256>>>
-//   k99_sum__slice_bwd__add__cast<<<72, 256>>>
+//   k99_sum__slice_bwd__add__cast<<<144, 256>>>
 
 // sum: 2304 outputs over 8192 elements, first partial results over 113 blocks of 73
 extern "C" __global__ void __launch_bounds__(256) k99_sum__slice_bwd__add__cast_partial(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
@@ -2075,24 +2079,27 @@ extern "C" __global__ void __launch_bounds__(256) k99_sum__slice_bwd__add__cast_
   }
 }
 
-// sum: the 113 partial results of each output added, a block per 32 outputs in 8 groups of rows
+// sum: the 113 partial results of each output added, a block per 16 outputs in 16 groups of rows
 extern "C" __global__ void __launch_bounds__(256) k99_sum__slice_bwd__add__cast(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
   double *const b0 = (double *)(arena + o.b[0]); // partial results
   float *const b1 = (float *)(arena + o.b[1]); // sum f32[2304]
-  __shared__ double cs0[8][32];
-  const int tx = threadIdx.x & 31, ty = threadIdx.x >> 5;
-  const int r = blockIdx.x * 32 + tx;
+  __shared__ double cs0[16][16];
+  const int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
+  const int r = blockIdx.x * 16 + tx;
   double acc = 0.0;
   if (r < 2304) {
-    for (int k = ty; k < 113; k += 8) {
+    for (int k = ty; k < 113; k += 16) {
       acc += b0[k * 2304 + r];
     }
   }
   cs0[ty][tx] = acc;
-  __syncthreads();
+  for (int h = 8; h > 0; h >>= 1) {
+    __syncthreads();
+    if (ty < h) {
+      cs0[ty][tx] = acc += cs0[ty + h][tx];
+    }
+  }
   if (ty == 0 && r < 2304) {
-    for (int g = 1; g < 8; g++)
-      acc += cs0[g][tx];
     const float y = (float)acc;
     b1[r] = y;
   }
@@ -2118,13 +2125,13 @@ extern "C" __global__ void __launch_bounds__(256) k99_sum__slice_bwd__add__cast(
 //   %618   cast                                    line 40    bf16[8192,768]
 // runs:
 //   k102_layernorm_bwd__add__sum__cast<<<1024, 128>>>
-//   k90_layernorm_bwd__sum__cast_colsum<<<24, 1024>>>
+//   k90_layernorm_bwd__sum__cast_colsum<<<96, 1024>>>
 
 // layernorm_bwd: 8192 rows of 768, a block of 128 threads per row; column partials over 1024 blocks of 8 rows
 extern "C" __global__ void __launch_bounds__(128) k102_layernorm_bwd__add__sum__cast(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
-  double *const b0 = (double *)(arena + o.b[0]); // dw partials
-  double *const b1 = (double *)(arena + o.b[1]); // db partials
-  double *const b2 = (double *)(arena + o.b[2]); // column sum partials
+  float *const b0 = (float *)(arena + o.b[0]); // dw partials
+  float *const b1 = (float *)(arena + o.b[1]); // db partials
+  float *const b2 = (float *)(arena + o.b[2]); // column sum partials
   float *const b3 = (float *)(arena + o.b[3]); // add f32[8,1024,768]
   float *const b4 = (float *)(arena + o.b[4]); // matmul f32[8192,768]
   float *const b5 = (float *)(arena + o.b[5]); // param f32[768]
@@ -2217,7 +2224,7 @@ extern "C" __global__ void __launch_bounds__(128) k102_layernorm_bwd__add__sum__
 // runs:
 //   gemm 63: [8192 x 3072] = [8192 x 768] T[768 x 3072], bf16 A and B, f32 C
 //   k92_gemm__gelu_bwd__sum__cast_partial<<<1020, 256>>>
-//   k92_gemm__gelu_bwd__sum__cast<<<96, 256>>>
+//   k92_gemm__gelu_bwd__sum__cast<<<192, 256>>>
 
 // k105_gemm: GEMM, 1 op
 //   %626   matmul                                  line 40    f32[8192,768]
@@ -2239,7 +2246,7 @@ extern "C" __global__ void __launch_bounds__(128) k102_layernorm_bwd__add__sum__
 //   %635   cast                                    line 39    bf16[8192,768]
 // runs:
 //   k102_layernorm_bwd__add__sum__cast<<<1024, 128>>>
-//   k90_layernorm_bwd__sum__cast_colsum<<<24, 1024>>>
+//   k90_layernorm_bwd__sum__cast_colsum<<<96, 1024>>>
 
 // k108_gemm: GEMM, 1 op
 //   %636   matmul                                  line 39    f32[8192,768]
@@ -2271,7 +2278,7 @@ extern "C" __global__ void __launch_bounds__(128) k102_layernorm_bwd__add__sum__
 //   %649   cast                                    line 38    bf16[8192,2304]
 // runs:
 //   k99_sum__slice_bwd__add__cast_partial<<<1017, 256>>>
-//   k99_sum__slice_bwd__add__cast<<<72, 256>>>
+//   k99_sum__slice_bwd__add__cast<<<144, 256>>>
 
 // k112_gemm: GEMM, 1 op
 //   %650   matmul                                  line 38    f32[8192,768]
@@ -2293,7 +2300,7 @@ extern "C" __global__ void __launch_bounds__(128) k102_layernorm_bwd__add__sum__
 //   %659   cast                                    line 40    bf16[8192,768]
 // runs:
 //   k102_layernorm_bwd__add__sum__cast<<<1024, 128>>>
-//   k90_layernorm_bwd__sum__cast_colsum<<<24, 1024>>>
+//   k90_layernorm_bwd__sum__cast_colsum<<<96, 1024>>>
 
 // k115_gemm: GEMM, 1 op
 //   %661   matmul             d.h.9.fcproj_w       line 40    f32[3072,768]
@@ -2310,7 +2317,7 @@ extern "C" __global__ void __launch_bounds__(128) k102_layernorm_bwd__add__sum__
 // runs:
 //   gemm 71: [8192 x 3072] = [8192 x 768] T[768 x 3072], bf16 A and B, f32 C
 //   k92_gemm__gelu_bwd__sum__cast_partial<<<1020, 256>>>
-//   k92_gemm__gelu_bwd__sum__cast<<<96, 256>>>
+//   k92_gemm__gelu_bwd__sum__cast<<<192, 256>>>
 
 // k117_gemm: GEMM, 1 op
 //   %667   matmul                                  line 40    f32[8192,768]
@@ -2332,7 +2339,7 @@ extern "C" __global__ void __launch_bounds__(128) k102_layernorm_bwd__add__sum__
 //   %676   cast                                    line 39    bf16[8192,768]
 // runs:
 //   k102_layernorm_bwd__add__sum__cast<<<1024, 128>>>
-//   k90_layernorm_bwd__sum__cast_colsum<<<24, 1024>>>
+//   k90_layernorm_bwd__sum__cast_colsum<<<96, 1024>>>
 
 // k120_gemm: GEMM, 1 op
 //   %677   matmul                                  line 39    f32[8192,768]
@@ -2364,7 +2371,7 @@ extern "C" __global__ void __launch_bounds__(128) k102_layernorm_bwd__add__sum__
 //   %690   cast                                    line 38    bf16[8192,2304]
 // runs:
 //   k99_sum__slice_bwd__add__cast_partial<<<1017, 256>>>
-//   k99_sum__slice_bwd__add__cast<<<72, 256>>>
+//   k99_sum__slice_bwd__add__cast<<<144, 256>>>
 
 // k124_gemm: GEMM, 1 op
 //   %691   matmul                                  line 38    f32[8192,768]
@@ -2386,7 +2393,7 @@ extern "C" __global__ void __launch_bounds__(128) k102_layernorm_bwd__add__sum__
 //   %700   cast                                    line 40    bf16[8192,768]
 // runs:
 //   k102_layernorm_bwd__add__sum__cast<<<1024, 128>>>
-//   k90_layernorm_bwd__sum__cast_colsum<<<24, 1024>>>
+//   k90_layernorm_bwd__sum__cast_colsum<<<96, 1024>>>
 
 // k127_gemm: GEMM, 1 op
 //   %702   matmul             d.h.8.fcproj_w       line 40    f32[3072,768]
@@ -2403,7 +2410,7 @@ extern "C" __global__ void __launch_bounds__(128) k102_layernorm_bwd__add__sum__
 // runs:
 //   gemm 79: [8192 x 3072] = [8192 x 768] T[768 x 3072], bf16 A and B, f32 C
 //   k92_gemm__gelu_bwd__sum__cast_partial<<<1020, 256>>>
-//   k92_gemm__gelu_bwd__sum__cast<<<96, 256>>>
+//   k92_gemm__gelu_bwd__sum__cast<<<192, 256>>>
 
 // k129_gemm: GEMM, 1 op
 //   %708   matmul                                  line 40    f32[8192,768]
@@ -2425,7 +2432,7 @@ extern "C" __global__ void __launch_bounds__(128) k102_layernorm_bwd__add__sum__
 //   %717   cast                                    line 39    bf16[8192,768]
 // runs:
 //   k102_layernorm_bwd__add__sum__cast<<<1024, 128>>>
-//   k90_layernorm_bwd__sum__cast_colsum<<<24, 1024>>>
+//   k90_layernorm_bwd__sum__cast_colsum<<<96, 1024>>>
 
 // k132_gemm: GEMM, 1 op
 //   %718   matmul                                  line 39    f32[8192,768]
@@ -2457,7 +2464,7 @@ extern "C" __global__ void __launch_bounds__(128) k102_layernorm_bwd__add__sum__
 //   %731   cast                                    line 38    bf16[8192,2304]
 // runs:
 //   k99_sum__slice_bwd__add__cast_partial<<<1017, 256>>>
-//   k99_sum__slice_bwd__add__cast<<<72, 256>>>
+//   k99_sum__slice_bwd__add__cast<<<144, 256>>>
 
 // k136_gemm: GEMM, 1 op
 //   %732   matmul                                  line 38    f32[8192,768]
@@ -2479,7 +2486,7 @@ extern "C" __global__ void __launch_bounds__(128) k102_layernorm_bwd__add__sum__
 //   %741   cast                                    line 40    bf16[8192,768]
 // runs:
 //   k102_layernorm_bwd__add__sum__cast<<<1024, 128>>>
-//   k90_layernorm_bwd__sum__cast_colsum<<<24, 1024>>>
+//   k90_layernorm_bwd__sum__cast_colsum<<<96, 1024>>>
 
 // k139_gemm: GEMM, 1 op
 //   %743   matmul             d.h.7.fcproj_w       line 40    f32[3072,768]
@@ -2496,7 +2503,7 @@ extern "C" __global__ void __launch_bounds__(128) k102_layernorm_bwd__add__sum__
 // runs:
 //   gemm 87: [8192 x 3072] = [8192 x 768] T[768 x 3072], bf16 A and B, f32 C
 //   k92_gemm__gelu_bwd__sum__cast_partial<<<1020, 256>>>
-//   k92_gemm__gelu_bwd__sum__cast<<<96, 256>>>
+//   k92_gemm__gelu_bwd__sum__cast<<<192, 256>>>
 
 // k141_gemm: GEMM, 1 op
 //   %749   matmul                                  line 40    f32[8192,768]
@@ -2518,7 +2525,7 @@ extern "C" __global__ void __launch_bounds__(128) k102_layernorm_bwd__add__sum__
 //   %758   cast                                    line 39    bf16[8192,768]
 // runs:
 //   k102_layernorm_bwd__add__sum__cast<<<1024, 128>>>
-//   k90_layernorm_bwd__sum__cast_colsum<<<24, 1024>>>
+//   k90_layernorm_bwd__sum__cast_colsum<<<96, 1024>>>
 
 // k144_gemm: GEMM, 1 op
 //   %759   matmul                                  line 39    f32[8192,768]
@@ -2550,7 +2557,7 @@ extern "C" __global__ void __launch_bounds__(128) k102_layernorm_bwd__add__sum__
 //   %772   cast                                    line 38    bf16[8192,2304]
 // runs:
 //   k99_sum__slice_bwd__add__cast_partial<<<1017, 256>>>
-//   k99_sum__slice_bwd__add__cast<<<72, 256>>>
+//   k99_sum__slice_bwd__add__cast<<<144, 256>>>
 
 // k148_gemm: GEMM, 1 op
 //   %773   matmul                                  line 38    f32[8192,768]
@@ -2572,7 +2579,7 @@ extern "C" __global__ void __launch_bounds__(128) k102_layernorm_bwd__add__sum__
 //   %782   cast                                    line 40    bf16[8192,768]
 // runs:
 //   k102_layernorm_bwd__add__sum__cast<<<1024, 128>>>
-//   k90_layernorm_bwd__sum__cast_colsum<<<24, 1024>>>
+//   k90_layernorm_bwd__sum__cast_colsum<<<96, 1024>>>
 
 // k151_gemm: GEMM, 1 op
 //   %784   matmul             d.h.6.fcproj_w       line 40    f32[3072,768]
@@ -2589,7 +2596,7 @@ extern "C" __global__ void __launch_bounds__(128) k102_layernorm_bwd__add__sum__
 // runs:
 //   gemm 95: [8192 x 3072] = [8192 x 768] T[768 x 3072], bf16 A and B, f32 C
 //   k92_gemm__gelu_bwd__sum__cast_partial<<<1020, 256>>>
-//   k92_gemm__gelu_bwd__sum__cast<<<96, 256>>>
+//   k92_gemm__gelu_bwd__sum__cast<<<192, 256>>>
 
 // k153_gemm: GEMM, 1 op
 //   %790   matmul                                  line 40    f32[8192,768]
@@ -2611,7 +2618,7 @@ extern "C" __global__ void __launch_bounds__(128) k102_layernorm_bwd__add__sum__
 //   %799   cast                                    line 39    bf16[8192,768]
 // runs:
 //   k102_layernorm_bwd__add__sum__cast<<<1024, 128>>>
-//   k90_layernorm_bwd__sum__cast_colsum<<<24, 1024>>>
+//   k90_layernorm_bwd__sum__cast_colsum<<<96, 1024>>>
 
 // k156_gemm: GEMM, 1 op
 //   %800   matmul                                  line 39    f32[8192,768]
@@ -2643,7 +2650,7 @@ extern "C" __global__ void __launch_bounds__(128) k102_layernorm_bwd__add__sum__
 //   %813   cast                                    line 38    bf16[8192,2304]
 // runs:
 //   k99_sum__slice_bwd__add__cast_partial<<<1017, 256>>>
-//   k99_sum__slice_bwd__add__cast<<<72, 256>>>
+//   k99_sum__slice_bwd__add__cast<<<144, 256>>>
 
 // k160_gemm: GEMM, 1 op
 //   %814   matmul                                  line 38    f32[8192,768]
@@ -2665,7 +2672,7 @@ extern "C" __global__ void __launch_bounds__(128) k102_layernorm_bwd__add__sum__
 //   %823   cast                                    line 40    bf16[8192,768]
 // runs:
 //   k102_layernorm_bwd__add__sum__cast<<<1024, 128>>>
-//   k90_layernorm_bwd__sum__cast_colsum<<<24, 1024>>>
+//   k90_layernorm_bwd__sum__cast_colsum<<<96, 1024>>>
 
 // k163_gemm: GEMM, 1 op
 //   %825   matmul             d.h.5.fcproj_w       line 40    f32[3072,768]
@@ -2682,7 +2689,7 @@ extern "C" __global__ void __launch_bounds__(128) k102_layernorm_bwd__add__sum__
 // runs:
 //   gemm 103: [8192 x 3072] = [8192 x 768] T[768 x 3072], bf16 A and B, f32 C
 //   k92_gemm__gelu_bwd__sum__cast_partial<<<1020, 256>>>
-//   k92_gemm__gelu_bwd__sum__cast<<<96, 256>>>
+//   k92_gemm__gelu_bwd__sum__cast<<<192, 256>>>
 
 // k165_gemm: GEMM, 1 op
 //   %831   matmul                                  line 40    f32[8192,768]
@@ -2704,7 +2711,7 @@ extern "C" __global__ void __launch_bounds__(128) k102_layernorm_bwd__add__sum__
 //   %840   cast                                    line 39    bf16[8192,768]
 // runs:
 //   k102_layernorm_bwd__add__sum__cast<<<1024, 128>>>
-//   k90_layernorm_bwd__sum__cast_colsum<<<24, 1024>>>
+//   k90_layernorm_bwd__sum__cast_colsum<<<96, 1024>>>
 
 // k168_gemm: GEMM, 1 op
 //   %841   matmul                                  line 39    f32[8192,768]
@@ -2736,7 +2743,7 @@ extern "C" __global__ void __launch_bounds__(128) k102_layernorm_bwd__add__sum__
 //   %854   cast                                    line 38    bf16[8192,2304]
 // runs:
 //   k99_sum__slice_bwd__add__cast_partial<<<1017, 256>>>
-//   k99_sum__slice_bwd__add__cast<<<72, 256>>>
+//   k99_sum__slice_bwd__add__cast<<<144, 256>>>
 
 // k172_gemm: GEMM, 1 op
 //   %855   matmul                                  line 38    f32[8192,768]
@@ -2758,7 +2765,7 @@ extern "C" __global__ void __launch_bounds__(128) k102_layernorm_bwd__add__sum__
 //   %864   cast                                    line 40    bf16[8192,768]
 // runs:
 //   k102_layernorm_bwd__add__sum__cast<<<1024, 128>>>
-//   k90_layernorm_bwd__sum__cast_colsum<<<24, 1024>>>
+//   k90_layernorm_bwd__sum__cast_colsum<<<96, 1024>>>
 
 // k175_gemm: GEMM, 1 op
 //   %866   matmul             d.h.4.fcproj_w       line 40    f32[3072,768]
@@ -2775,7 +2782,7 @@ extern "C" __global__ void __launch_bounds__(128) k102_layernorm_bwd__add__sum__
 // runs:
 //   gemm 111: [8192 x 3072] = [8192 x 768] T[768 x 3072], bf16 A and B, f32 C
 //   k92_gemm__gelu_bwd__sum__cast_partial<<<1020, 256>>>
-//   k92_gemm__gelu_bwd__sum__cast<<<96, 256>>>
+//   k92_gemm__gelu_bwd__sum__cast<<<192, 256>>>
 
 // k177_gemm: GEMM, 1 op
 //   %872   matmul                                  line 40    f32[8192,768]
@@ -2797,7 +2804,7 @@ extern "C" __global__ void __launch_bounds__(128) k102_layernorm_bwd__add__sum__
 //   %881   cast                                    line 39    bf16[8192,768]
 // runs:
 //   k102_layernorm_bwd__add__sum__cast<<<1024, 128>>>
-//   k90_layernorm_bwd__sum__cast_colsum<<<24, 1024>>>
+//   k90_layernorm_bwd__sum__cast_colsum<<<96, 1024>>>
 
 // k180_gemm: GEMM, 1 op
 //   %882   matmul                                  line 39    f32[8192,768]
@@ -2829,7 +2836,7 @@ extern "C" __global__ void __launch_bounds__(128) k102_layernorm_bwd__add__sum__
 //   %895   cast                                    line 38    bf16[8192,2304]
 // runs:
 //   k99_sum__slice_bwd__add__cast_partial<<<1017, 256>>>
-//   k99_sum__slice_bwd__add__cast<<<72, 256>>>
+//   k99_sum__slice_bwd__add__cast<<<144, 256>>>
 
 // k184_gemm: GEMM, 1 op
 //   %896   matmul                                  line 38    f32[8192,768]
@@ -2851,7 +2858,7 @@ extern "C" __global__ void __launch_bounds__(128) k102_layernorm_bwd__add__sum__
 //   %905   cast                                    line 40    bf16[8192,768]
 // runs:
 //   k102_layernorm_bwd__add__sum__cast<<<1024, 128>>>
-//   k90_layernorm_bwd__sum__cast_colsum<<<24, 1024>>>
+//   k90_layernorm_bwd__sum__cast_colsum<<<96, 1024>>>
 
 // k187_gemm: GEMM, 1 op
 //   %907   matmul             d.h.3.fcproj_w       line 40    f32[3072,768]
@@ -2868,7 +2875,7 @@ extern "C" __global__ void __launch_bounds__(128) k102_layernorm_bwd__add__sum__
 // runs:
 //   gemm 119: [8192 x 3072] = [8192 x 768] T[768 x 3072], bf16 A and B, f32 C
 //   k92_gemm__gelu_bwd__sum__cast_partial<<<1020, 256>>>
-//   k92_gemm__gelu_bwd__sum__cast<<<96, 256>>>
+//   k92_gemm__gelu_bwd__sum__cast<<<192, 256>>>
 
 // k189_gemm: GEMM, 1 op
 //   %913   matmul                                  line 40    f32[8192,768]
@@ -2890,7 +2897,7 @@ extern "C" __global__ void __launch_bounds__(128) k102_layernorm_bwd__add__sum__
 //   %922   cast                                    line 39    bf16[8192,768]
 // runs:
 //   k102_layernorm_bwd__add__sum__cast<<<1024, 128>>>
-//   k90_layernorm_bwd__sum__cast_colsum<<<24, 1024>>>
+//   k90_layernorm_bwd__sum__cast_colsum<<<96, 1024>>>
 
 // k192_gemm: GEMM, 1 op
 //   %923   matmul                                  line 39    f32[8192,768]
@@ -2922,7 +2929,7 @@ extern "C" __global__ void __launch_bounds__(128) k102_layernorm_bwd__add__sum__
 //   %936   cast                                    line 38    bf16[8192,2304]
 // runs:
 //   k99_sum__slice_bwd__add__cast_partial<<<1017, 256>>>
-//   k99_sum__slice_bwd__add__cast<<<72, 256>>>
+//   k99_sum__slice_bwd__add__cast<<<144, 256>>>
 
 // k196_gemm: GEMM, 1 op
 //   %937   matmul                                  line 38    f32[8192,768]
@@ -2944,7 +2951,7 @@ extern "C" __global__ void __launch_bounds__(128) k102_layernorm_bwd__add__sum__
 //   %946   cast                                    line 40    bf16[8192,768]
 // runs:
 //   k102_layernorm_bwd__add__sum__cast<<<1024, 128>>>
-//   k90_layernorm_bwd__sum__cast_colsum<<<24, 1024>>>
+//   k90_layernorm_bwd__sum__cast_colsum<<<96, 1024>>>
 
 // k199_gemm: GEMM, 1 op
 //   %948   matmul             d.h.2.fcproj_w       line 40    f32[3072,768]
@@ -2961,7 +2968,7 @@ extern "C" __global__ void __launch_bounds__(128) k102_layernorm_bwd__add__sum__
 // runs:
 //   gemm 127: [8192 x 3072] = [8192 x 768] T[768 x 3072], bf16 A and B, f32 C
 //   k92_gemm__gelu_bwd__sum__cast_partial<<<1020, 256>>>
-//   k92_gemm__gelu_bwd__sum__cast<<<96, 256>>>
+//   k92_gemm__gelu_bwd__sum__cast<<<192, 256>>>
 
 // k201_gemm: GEMM, 1 op
 //   %954   matmul                                  line 40    f32[8192,768]
@@ -2983,7 +2990,7 @@ extern "C" __global__ void __launch_bounds__(128) k102_layernorm_bwd__add__sum__
 //   %963   cast                                    line 39    bf16[8192,768]
 // runs:
 //   k102_layernorm_bwd__add__sum__cast<<<1024, 128>>>
-//   k90_layernorm_bwd__sum__cast_colsum<<<24, 1024>>>
+//   k90_layernorm_bwd__sum__cast_colsum<<<96, 1024>>>
 
 // k204_gemm: GEMM, 1 op
 //   %964   matmul                                  line 39    f32[8192,768]
@@ -3015,7 +3022,7 @@ extern "C" __global__ void __launch_bounds__(128) k102_layernorm_bwd__add__sum__
 //   %977   cast                                    line 38    bf16[8192,2304]
 // runs:
 //   k99_sum__slice_bwd__add__cast_partial<<<1017, 256>>>
-//   k99_sum__slice_bwd__add__cast<<<72, 256>>>
+//   k99_sum__slice_bwd__add__cast<<<144, 256>>>
 
 // k208_gemm: GEMM, 1 op
 //   %978   matmul                                  line 38    f32[8192,768]
@@ -3037,7 +3044,7 @@ extern "C" __global__ void __launch_bounds__(128) k102_layernorm_bwd__add__sum__
 //   %987   cast                                    line 40    bf16[8192,768]
 // runs:
 //   k102_layernorm_bwd__add__sum__cast<<<1024, 128>>>
-//   k90_layernorm_bwd__sum__cast_colsum<<<24, 1024>>>
+//   k90_layernorm_bwd__sum__cast_colsum<<<96, 1024>>>
 
 // k211_gemm: GEMM, 1 op
 //   %989   matmul             d.h.1.fcproj_w       line 40    f32[3072,768]
@@ -3054,7 +3061,7 @@ extern "C" __global__ void __launch_bounds__(128) k102_layernorm_bwd__add__sum__
 // runs:
 //   gemm 135: [8192 x 3072] = [8192 x 768] T[768 x 3072], bf16 A and B, f32 C
 //   k92_gemm__gelu_bwd__sum__cast_partial<<<1020, 256>>>
-//   k92_gemm__gelu_bwd__sum__cast<<<96, 256>>>
+//   k92_gemm__gelu_bwd__sum__cast<<<192, 256>>>
 
 // k213_gemm: GEMM, 1 op
 //   %995   matmul                                  line 40    f32[8192,768]
@@ -3076,7 +3083,7 @@ extern "C" __global__ void __launch_bounds__(128) k102_layernorm_bwd__add__sum__
 //   %1004  cast                                    line 39    bf16[8192,768]
 // runs:
 //   k102_layernorm_bwd__add__sum__cast<<<1024, 128>>>
-//   k90_layernorm_bwd__sum__cast_colsum<<<24, 1024>>>
+//   k90_layernorm_bwd__sum__cast_colsum<<<96, 1024>>>
 
 // k216_gemm: GEMM, 1 op
 //   %1005  matmul                                  line 39    f32[8192,768]
@@ -3108,7 +3115,7 @@ extern "C" __global__ void __launch_bounds__(128) k102_layernorm_bwd__add__sum__
 //   %1018  cast                                    line 38    bf16[8192,2304]
 // runs:
 //   k99_sum__slice_bwd__add__cast_partial<<<1017, 256>>>
-//   k99_sum__slice_bwd__add__cast<<<72, 256>>>
+//   k99_sum__slice_bwd__add__cast<<<144, 256>>>
 
 // k220_gemm: GEMM, 1 op
 //   %1019  matmul                                  line 38    f32[8192,768]
@@ -3130,7 +3137,7 @@ extern "C" __global__ void __launch_bounds__(128) k102_layernorm_bwd__add__sum__
 //   %1028  cast                                    line 40    bf16[8192,768]
 // runs:
 //   k102_layernorm_bwd__add__sum__cast<<<1024, 128>>>
-//   k90_layernorm_bwd__sum__cast_colsum<<<24, 1024>>>
+//   k90_layernorm_bwd__sum__cast_colsum<<<96, 1024>>>
 
 // k223_gemm: GEMM, 1 op
 //   %1030  matmul             d.h.0.fcproj_w       line 40    f32[3072,768]
@@ -3147,7 +3154,7 @@ extern "C" __global__ void __launch_bounds__(128) k102_layernorm_bwd__add__sum__
 // runs:
 //   gemm 143: [8192 x 3072] = [8192 x 768] T[768 x 3072], bf16 A and B, f32 C
 //   k92_gemm__gelu_bwd__sum__cast_partial<<<1020, 256>>>
-//   k92_gemm__gelu_bwd__sum__cast<<<96, 256>>>
+//   k92_gemm__gelu_bwd__sum__cast<<<192, 256>>>
 
 // k225_gemm: GEMM, 1 op
 //   %1036  matmul                                  line 40    f32[8192,768]
@@ -3169,7 +3176,7 @@ extern "C" __global__ void __launch_bounds__(128) k102_layernorm_bwd__add__sum__
 //   %1045  cast                                    line 39    bf16[8192,768]
 // runs:
 //   k102_layernorm_bwd__add__sum__cast<<<1024, 128>>>
-//   k90_layernorm_bwd__sum__cast_colsum<<<24, 1024>>>
+//   k90_layernorm_bwd__sum__cast_colsum<<<96, 1024>>>
 
 // k228_gemm: GEMM, 1 op
 //   %1046  matmul                                  line 39    f32[8192,768]
@@ -3201,7 +3208,7 @@ extern "C" __global__ void __launch_bounds__(128) k102_layernorm_bwd__add__sum__
 //   %1059  cast                                    line 38    bf16[8192,2304]
 // runs:
 //   k99_sum__slice_bwd__add__cast_partial<<<1017, 256>>>
-//   k99_sum__slice_bwd__add__cast<<<72, 256>>>
+//   k99_sum__slice_bwd__add__cast<<<144, 256>>>
 
 // k232_gemm: GEMM, 1 op
 //   %1060  matmul                                  line 38    f32[8192,768]
@@ -3220,12 +3227,12 @@ extern "C" __global__ void __launch_bounds__(128) k102_layernorm_bwd__add__sum__
 //   %1066  layernorm_bwd      d.h.0.ln1_b          line 38    f32[768]
 // runs:
 //   k234_layernorm_bwd__add<<<1024, 128>>>
-//   k234_layernorm_bwd__add_colsum<<<24, 1024>>>
+//   k234_layernorm_bwd__add_colsum<<<96, 1024>>>
 
 // layernorm_bwd: 8192 rows of 768, a block of 128 threads per row; column partials over 1024 blocks of 8 rows
 extern "C" __global__ void __launch_bounds__(128) k234_layernorm_bwd__add(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
-  double *const b0 = (double *)(arena + o.b[0]); // dw partials
-  double *const b1 = (double *)(arena + o.b[1]); // db partials
+  float *const b0 = (float *)(arena + o.b[0]); // dw partials
+  float *const b1 = (float *)(arena + o.b[1]); // db partials
   float *const b2 = (float *)(arena + o.b[2]); // add f32[8,1024,768]
   float *const b3 = (float *)(arena + o.b[3]); // matmul f32[8192,768]
   float *const b4 = (float *)(arena + o.b[4]); // param f32[768]
@@ -3297,32 +3304,34 @@ extern "C" __global__ void __launch_bounds__(128) k234_layernorm_bwd__add(char *
   }
 }
 
-// layernorm_bwd: column sums of 1024 blocks of rows, a block per 32 columns in 32 groups of rows
+// layernorm_bwd: column sums of 1024 blocks of rows, a block per 8 columns in 128 groups of rows
 extern "C" __global__ void __launch_bounds__(1024) k234_layernorm_bwd__add_colsum(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
-  double *const b0 = (double *)(arena + o.b[0]); // dw partials
-  double *const b1 = (double *)(arena + o.b[1]); // db partials
+  float *const b0 = (float *)(arena + o.b[0]); // dw partials
+  float *const b1 = (float *)(arena + o.b[1]); // db partials
   float *const b2 = (float *)(arena + o.b[2]); // layernorm_bwd f32[768]
   float *const b3 = (float *)(arena + o.b[3]); // layernorm_bwd f32[768]
-  __shared__ double cs0[32][32];
-  __shared__ double cs1[32][32];
-  const int tx = threadIdx.x & 31, ty = threadIdx.x >> 5;
-  const int r = blockIdx.x * 32 + tx;
+  __shared__ double cs0[128][8];
+  __shared__ double cs1[128][8];
+  const int tx = threadIdx.x % 8, ty = threadIdx.x / 8;
+  const int r = blockIdx.x * 8 + tx;
   double w = 0.0;
   double b = 0.0;
   if (r < 768) {
-    for (int k = ty; k < 1024; k += 32) {
+    for (int k = ty; k < 1024; k += 128) {
       w += b0[k * 768 + r];
       b += b1[k * 768 + r];
     }
   }
   cs0[ty][tx] = w;
   cs1[ty][tx] = b;
-  __syncthreads();
+  for (int h = 64; h > 0; h >>= 1) {
+    __syncthreads();
+    if (ty < h) {
+      cs0[ty][tx] = w += cs0[ty + h][tx];
+      cs1[ty][tx] = b += cs1[ty + h][tx];
+    }
+  }
   if (ty == 0 && r < 768) {
-    for (int g = 1; g < 32; g++)
-      w += cs0[g][tx];
-    for (int g = 1; g < 32; g++)
-      b += cs1[g][tx];
     b2[r] = (float)w;
     b3[r] = (float)b;
   }

@@ -893,11 +893,11 @@ extern "C" __global__ void __launch_bounds__(256) k28_mean(char *arena, MdlStatu
 //   %138   cast                                    line 40    bf16[512,64]
 // runs:
 //   k29_rmsnorm_bwd__cast<<<64, 256>>>
-//   k29_rmsnorm_bwd__cast_colsum<<<2, 1024>>>
+//   k29_rmsnorm_bwd__cast_colsum<<<8, 1024>>>
 
 // rmsnorm_bwd: 512 rows of 64, a warp per row; column partials over 512 blocks of 1 rows
 extern "C" __global__ void __launch_bounds__(256) k29_rmsnorm_bwd__cast(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
-  double *const b0 = (double *)(arena + o.b[0]); // dw partials
+  float *const b0 = (float *)(arena + o.b[0]); // dw partials
   float *const b1 = (float *)(arena + o.b[1]); // add f32[8,64,64]
   float *const b2 = (float *)(arena + o.b[2]); // matmul f32[512,64]
   float *const b3 = (float *)(arena + o.b[3]); // param f32[64]
@@ -957,24 +957,27 @@ extern "C" __global__ void __launch_bounds__(256) k29_rmsnorm_bwd__cast(char *ar
   }
 }
 
-// rmsnorm_bwd: column sums of 512 blocks of rows, a block per 32 columns in 32 groups of rows
+// rmsnorm_bwd: column sums of 512 blocks of rows, a block per 8 columns in 128 groups of rows
 extern "C" __global__ void __launch_bounds__(1024) k29_rmsnorm_bwd__cast_colsum(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
-  double *const b0 = (double *)(arena + o.b[0]); // dw partials
+  float *const b0 = (float *)(arena + o.b[0]); // dw partials
   float *const b1 = (float *)(arena + o.b[1]); // rmsnorm_bwd f32[64]
-  __shared__ double cs0[32][32];
-  const int tx = threadIdx.x & 31, ty = threadIdx.x >> 5;
-  const int r = blockIdx.x * 32 + tx;
+  __shared__ double cs0[128][8];
+  const int tx = threadIdx.x % 8, ty = threadIdx.x / 8;
+  const int r = blockIdx.x * 8 + tx;
   double w = 0.0;
   if (r < 64) {
-    for (int k = ty; k < 512; k += 32) {
+    for (int k = ty; k < 512; k += 128) {
       w += b0[k * 64 + r];
     }
   }
   cs0[ty][tx] = w;
-  __syncthreads();
+  for (int h = 64; h > 0; h >>= 1) {
+    __syncthreads();
+    if (ty < h) {
+      cs0[ty][tx] = w += cs0[ty + h][tx];
+    }
+  }
   if (ty == 0 && r < 64) {
-    for (int g = 1; g < 32; g++)
-      w += cs0[g][tx];
     b1[r] = (float)w;
   }
 }
@@ -1077,11 +1080,11 @@ extern "C" __global__ void __launch_bounds__(256) k32_cast__mul(char *arena, Mdl
 //   %160   cast                                    line 38    bf16[512,64]
 // runs:
 //   k37_rmsnorm_bwd__add__cast<<<64, 256>>>
-//   k29_rmsnorm_bwd__cast_colsum<<<2, 1024>>>
+//   k29_rmsnorm_bwd__cast_colsum<<<8, 1024>>>
 
 // rmsnorm_bwd: 512 rows of 64, a warp per row; column partials over 512 blocks of 1 rows
 extern "C" __global__ void __launch_bounds__(256) k37_rmsnorm_bwd__add__cast(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
-  double *const b0 = (double *)(arena + o.b[0]); // dw partials
+  float *const b0 = (float *)(arena + o.b[0]); // dw partials
   float *const b1 = (float *)(arena + o.b[1]); // add f32[8,64,64]
   float *const b2 = (float *)(arena + o.b[2]); // add f32[8,64,64]
   float *const b3 = (float *)(arena + o.b[3]); // param f32[64]
@@ -1672,11 +1675,11 @@ extern "C" __global__ void __launch_bounds__(256) k49_gemm__add_epilogue(char *a
 //   %190   cast                                    line 40    bf16[512,64]
 // runs:
 //   k50_rmsnorm_bwd__add__cast<<<64, 256>>>
-//   k29_rmsnorm_bwd__cast_colsum<<<2, 1024>>>
+//   k29_rmsnorm_bwd__cast_colsum<<<8, 1024>>>
 
 // rmsnorm_bwd: 512 rows of 64, a warp per row; column partials over 512 blocks of 1 rows
 extern "C" __global__ void __launch_bounds__(256) k50_rmsnorm_bwd__add__cast(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
-  double *const b0 = (double *)(arena + o.b[0]); // dw partials
+  float *const b0 = (float *)(arena + o.b[0]); // dw partials
   float *const b1 = (float *)(arena + o.b[1]); // add f32[8,64,64]
   float *const b2 = (float *)(arena + o.b[2]); // add f32[8,64,64]
   float *const b3 = (float *)(arena + o.b[3]); // param f32[64]
@@ -1791,7 +1794,7 @@ extern "C" __global__ void __launch_bounds__(256) k50_rmsnorm_bwd__add__cast(cha
 //   %212   cast                                    line 38    bf16[512,64]
 // runs:
 //   k50_rmsnorm_bwd__add__cast<<<64, 256>>>
-//   k29_rmsnorm_bwd__cast_colsum<<<2, 1024>>>
+//   k29_rmsnorm_bwd__cast_colsum<<<8, 1024>>>
 
 // k59_gemm: GEMM, 1 op
 //   %213   matmul                                  line 38    f32[512,64]
@@ -1873,11 +1876,11 @@ extern "C" __global__ void __launch_bounds__(256) k50_rmsnorm_bwd__add__cast(cha
 //   %240   rmsnorm_bwd        d.layers.0.attn_norm line 35    f32[64]
 // runs:
 //   k71_rmsnorm_bwd__add<<<64, 256>>>
-//   k29_rmsnorm_bwd__cast_colsum<<<2, 1024>>>
+//   k29_rmsnorm_bwd__cast_colsum<<<8, 1024>>>
 
 // rmsnorm_bwd: 512 rows of 64, a warp per row; column partials over 512 blocks of 1 rows
 extern "C" __global__ void __launch_bounds__(256) k71_rmsnorm_bwd__add(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
-  double *const b0 = (double *)(arena + o.b[0]); // dw partials
+  float *const b0 = (float *)(arena + o.b[0]); // dw partials
   float *const b1 = (float *)(arena + o.b[1]); // embed f32[8,64,64]
   float *const b2 = (float *)(arena + o.b[2]); // add f32[8,64,64]
   float *const b3 = (float *)(arena + o.b[3]); // param f32[64]
