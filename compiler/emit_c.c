@@ -1512,11 +1512,13 @@ static void emit_attention_bwd(Emit *e, int gi) {
       ec_line(&e->core, "memset(%s, 0, %lld * sizeof(float));", i == 1 ? "dkh" : "dvh", (long long)(nt * d));
   emit_attn_rows_open(e, nd, doc);
   emit_attn_row(e, nd, q, doc);
-  if (bf16) { // dout_i rounded: every product of the backward reads bf16 operands (mdl.h)
+  if (bf16) { // dout_i rounded (mdl.h), or already a bf16 value (its CAST, precision.c)
+    bool stored16 = ec_node(&e->core, dout.buf)->dtype == DT_BF16;
+    const char *di = ec_str(&e->core, "%s[(b * %lld + i) * %lld + hd * %lld + c]", dout.base, (long long)nt,
+                            (long long)dout.stride, (long long)d);
     ec_line(&e->core, "float dor[%lld];", (long long)d);
     ec_line(&e->core, "for (int64_t c = 0; c < %lld; c++)", (long long)d);
-    ec_line(&e->core, "  dor[c] = mdl_bf16_to_f32(mdl_f32_to_bf16(%s[(b * %lld + i) * %lld + hd * %lld + c]));",
-            dout.base, (long long)nt, (long long)dout.stride, (long long)d);
+    ec_line(&e->core, "  dor[c] = mdl_bf16_to_f32(%s);", stored16 ? di : ec_str(&e->core, "mdl_f32_to_bf16(%s)", di));
     ec_line(&e->core, "const float *restrict doi = dor;");
   } else {
     ec_line(&e->core, "const float *restrict doi = %s + (b * %lld + i) * %lld + hd * %lld;", dout.base,

@@ -1957,6 +1957,23 @@ static const char *att_in(Emit *e, const Att *A, const char *x) {
   return A->bf16 ? ec_str(&e->core, "mdl_bf16_to_f32(mdl_f32_to_bf16(%s))", x) : x;
 }
 
+static bool att_stored16(Emit *e, Rows r) { return ec_node(&e->core, r.node)->dtype == DT_BF16; }
+
+// Element (row t, channel c) of q, k, v or dout as the products read it: att_in of an f32 value, or
+// a value stored as bf16 (the backward's dout, precision.c) widened.
+static const char *att_elem(Emit *e, const Att *A, Rows r, const char *t, const char *c) {
+  const char *x = at_row(e, r, A, t, c);
+  return att_stored16(e, r) ? ec_str(&e->core, "mdl_bf16_to_f32(%s)", x) : att_in(e, A, x);
+}
+
+// Channels c0 and c1 of row t as one register of two bf16 values (c0 in the low half): rounded from
+// f32, or the two stored halves.
+static const char *att_pair(Emit *e, const Att *A, Rows r, const char *t, const char *c0, const char *c1) {
+  if (att_stored16(e, r))
+    return ec_str(&e->core, "((uint32_t)%s | (uint32_t)%s << 16)", at_row(e, r, A, t, c0), at_row(e, r, A, t, c1));
+  return ec_str(&e->core, "mdl_bf16x2(%s, %s)", at_row(e, r, A, t, c0), at_row(e, r, A, t, c1));
+}
+
 // The mask of key j for query row i (i's document in `di`, j's in `dj`).
 static const char *att_allowed(Emit *e, const Att *A, const char *di, const char *dj) {
   return ec_str(&e->core, "j < %lld%s%s", (long long)A->nt, A->causal ? " && j <= i" : "",
@@ -2022,7 +2039,7 @@ static void att_query_kernel(Emit *e, const Att *A, AttMode mode, int out, int64
   ec_line(&e->core, "const bool in = q0 + i < %lld;", (long long)t);
   ec_line(&e->core, "Qs[i][c] = in ? %s : 0.0f;", att_in(e, A, at_row(e, A->q, A, "q0 + i", "c")));
   if (mode == ATT_DQ)
-    ec_line(&e->core, "Os[i][c] = in ? %s : 0.0f;", att_in(e, A, at_row(e, A->dout, A, "q0 + i", "c")));
+    ec_line(&e->core, "Os[i][c] = in ? %s : 0.0f;", att_elem(e, A, A->dout, "q0 + i", "c"));
   ec_leave(&e->core);
   if (mode == ATT_DQ)
     ec_line(&e->core, "float acc[%d][%d], lr[%d], sr[%d];", rw, A->dpl, rw, rw);
@@ -2136,8 +2153,7 @@ static void att_query_kernel(Emit *e, const Att *A, AttMode mode, int out, int64
       ec_line(&e->core, "const int c = lane + 32 * t;");
       if (guard)
         ec_line(&e->core, "if (c < %lld)", (long long)d);
-      ec_line(&e->core, "%sdd += %s * (acc[rr][t] / l[rr]);", guard ? "  " : "",
-              att_in(e, A, at_row(e, A->dout, A, "i", "c")));
+      ec_line(&e->core, "%sdd += %s * (acc[rr][t] / l[rr]);", guard ? "  " : "", att_elem(e, A, A->dout, "i", "c"));
       ec_leave(&e->core);
       ec_line(&e->core, "dd = mdl_warp_sumf(dd);");
     }
@@ -2471,7 +2487,7 @@ static void att_key_kernel(Emit *e, const Att *A, int dk, int dv, int64_t lse, i
   ec_line(&e->core, "const int ii = u / %lld, c = u %% %lld;", (long long)d, (long long)d);
   ec_line(&e->core, "const bool in = i0 + ii < %lld;", (long long)t);
   ec_line(&e->core, "Qs[ii][c] = in ? %s : 0.0f;", att_in(e, A, at_row(e, A->q, A, "i0 + ii", "c")));
-  ec_line(&e->core, "Os[ii][c] = in ? %s : 0.0f;", att_in(e, A, at_row(e, A->dout, A, "i0 + ii", "c")));
+  ec_line(&e->core, "Os[ii][c] = in ? %s : 0.0f;", att_elem(e, A, A->dout, "i0 + ii", "c"));
   ec_leave(&e->core);
   ec_enter(&e->core, "for (int u = lane; u < %d; u += 32)", bq);
   ec_line(&e->core, "const bool in = i0 + u < %lld;", (long long)t);
@@ -2550,16 +2566,20 @@ static void att_mma_stage(Emit *e, const Att *A, const char *x0, Rows a, const c
   ec_line(&e->core, "const int jj = u / %lld, c = u %% %lld * 4;", (long long)(d / 4), (long long)(d / 4));
   ec_line(&e->core, "const bool in = %s + jj < %lld;", x0, (long long)A->nt);
   const char *jj = ec_str(&e->core, "%s + jj", x0);
-  ec_line(&e->core, "const float4 ax = in ? *(const float4 *)&%s : make_float4(0.0f, 0.0f, 0.0f, 0.0f);",
-          at_row(e, a, A, jj, "c"));
-  if (bs)
-    ec_line(&e->core, "const float4 bx = in ? *(const float4 *)&%s : make_float4(0.0f, 0.0f, 0.0f, 0.0f);",
-            at_row(e, b, A, jj, "c"));
-  ec_line(&e->core, "%s[jj][c / 2] = mdl_bf16x2(ax.x, ax.y);", as);
-  ec_line(&e->core, "%s[jj][c / 2 + 1] = mdl_bf16x2(ax.z, ax.w);", as);
-  if (bs) {
-    ec_line(&e->core, "%s[jj][c / 2] = mdl_bf16x2(bx.x, bx.y);", bs);
-    ec_line(&e->core, "%s[jj][c / 2 + 1] = mdl_bf16x2(bx.z, bx.w);", bs);
+  for (int i = 0; i < (bs ? 2 : 1); i++) {
+    Rows r = i ? b : a;
+    const char *x = i ? "bx" : "ax", *sh = i ? bs : as;
+    if (att_stored16(e, r)) { // four bf16 values: the two pairs as they are
+      ec_line(&e->core, "const ushort4 %s = in ? *(const ushort4 *)&%s : make_ushort4(0, 0, 0, 0);", x,
+              at_row(e, r, A, jj, "c"));
+      ec_line(&e->core, "%s[jj][c / 2] = (uint32_t)%s.x | (uint32_t)%s.y << 16;", sh, x, x);
+      ec_line(&e->core, "%s[jj][c / 2 + 1] = (uint32_t)%s.z | (uint32_t)%s.w << 16;", sh, x, x);
+    } else {
+      ec_line(&e->core, "const float4 %s = in ? *(const float4 *)&%s : make_float4(0.0f, 0.0f, 0.0f, 0.0f);", x,
+              at_row(e, r, A, jj, "c"));
+      ec_line(&e->core, "%s[jj][c / 2] = mdl_bf16x2(%s.x, %s.y);", sh, x, x);
+      ec_line(&e->core, "%s[jj][c / 2 + 1] = mdl_bf16x2(%s.z, %s.w);", sh, x, x);
+    }
   }
   ec_leave(&e->core);
 }
@@ -2573,8 +2593,8 @@ static void att_mma_frags(Emit *e, const Att *A, Rows x, const char *name) {
   ec_line(&e->core, "const int c = 16 * k + 2 * tq;");
   for (int r = 0; r < 4; r++) {
     const char *row = r & 1 ? "r1" : "r0", *c0 = r & 2 ? "c + 8" : "c", *c1 = r & 2 ? "c + 9" : "c + 1";
-    ec_line(&e->core, "%s[k][%d] = %s < %lld ? mdl_bf16x2(%s, %s) : 0u;", name, r, row, (long long)A->nt,
-            at_row(e, x, A, row, c0), at_row(e, x, A, row, c1));
+    ec_line(&e->core, "%s[k][%d] = %s < %lld ? %s : 0u;", name, r, row, (long long)A->nt,
+            att_pair(e, A, x, row, c0, c1));
   }
   ec_leave(&e->core);
 }

@@ -170,10 +170,12 @@ static bool infer(Graph *g, IrNode *n) {
       return fail(g, "%s: ids must be i32, got %s", name, dtype_name(dt));
     if (!ids && !is_float(dt))
       return fail(g, "%s: expected a float tensor, got %s", name, dtype_name(dt));
-    // Rounded values feed GEMMs only: every other op computes on f32 (and the back ends load f32).
-    if (dt != DT_F32 && dt != DT_I32 && n->op != OP_MATMUL && n->op != OP_CAST)
-      return fail(g, "%s: reads a %s value; only matmul and cast read values narrower than f32", name,
-                  dtype_name(dt));
+    // Rounded values feed GEMMs only (and the products of a bf16 attention backward, through its
+    // dout): every other op computes on f32 (and the back ends load f32).
+    bool dout16 = n->op == OP_ATTENTION_BWD && i == n->nin - 1 && n->ia[4] == DT_BF16 && dt == DT_BF16;
+    if (dt != DT_F32 && dt != DT_I32 && n->op != OP_MATMUL && n->op != OP_CAST && !dout16)
+      return fail(g, "%s: reads a %s value; only matmul, cast and a bf16 attention backward's dout read values "
+                  "narrower than f32", name, dtype_name(dt));
   }
   if (layout)
     n->dtype = in[0]->dtype;

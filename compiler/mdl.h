@@ -129,7 +129,8 @@ typedef struct {
      dS = P (dP - D), dq = scale bf(dS) bf(k), dk = scale bf(dS)^T bf(q), dv = bf(P)^T bf(dout).     \
      ia[4] = DT_F32: no rounding. */                                                               \
   X(ATTENTION, "attention")                                                                        \
-  X(ATTENTION_BWD, "attention_bwd") /* (q, k, v, [doc,] dout); ia[3] which: 0 dq, 1 dk, 2 dv */   \
+  X(ATTENTION_BWD, "attention_bwd") /* (q, k, v, [doc,] dout); ia[3] which: 0 dq, 1 dk, 2 dv;   \
+     a bf16 one may read dout as a bf16 value (the precision pass's CAST of it) */                 \
   /* rotary embedding, half-split pairs (i, i + D/2) per head: (x [B,T,C], pos i32[B,T]);         \
      ia[0] = heads, ia[1] = inverse (rotate by -angle: the backward); fa[0] = base */              \
   X(ROPE, "rope")                                                                                  \

@@ -3,8 +3,10 @@
 // accumulation (the product of two bf16 values is exact in f32); the GEMM's result stays f32.
 // Attention's two products (Q K^T and P V) read bf16 operands as well: the pass marks the ATTENTION
 // and ATTENTION_BWD nodes (ia[4] = DT_BF16; the rounding points are written in mdl.h), so the GPU
-// runs them on tensor cores and every back end rounds at the same places. Nothing else narrows: parameters are f32 master weights updated by AdamW in f32, the moments and
-// gradients are f32, and so are the residual stream, the norms, softmax and the loss.
+// runs them on tensor cores and every back end rounds at the same places. The attention backward
+// reads its dout only rounded, so it reads it through a CAST too (the value is the same, stored in
+// half the bytes). Nothing else narrows: parameters are f32 master weights updated by AdamW in f32,
+// the moments and gradients are f32, and so are the residual stream, the norms, softmax and the loss.
 //
 // Design. The pass rebuilds the node array once, in order: before the first MATMUL that reads a
 // value it inserts that value's CAST, and every later MATMUL reading the same value (the backward
@@ -41,6 +43,21 @@ static IrNode *copy_node(Graph *g, const IrNode *o, int id, const int *map) {
   return c;
 }
 
+// The inputs a node reads only rounded to bf16, and so through a CAST: both of a MATMUL's, and the
+// dout of a bf16 attention backward (mdl.h: each of its products reads bf(dout)). The GEMM that
+// computes dout then stores it rounded, in half the bytes, for the three kernels that read it.
+static int rounded_inputs(const IrNode *o, int which[2]) {
+  if (o->op == OP_MATMUL && o->nin == 2) {
+    which[0] = 0, which[1] = 1;
+    return 2;
+  }
+  if (o->op == OP_ATTENTION_BWD) {
+    which[0] = o->nin - 1;
+    return 1;
+  }
+  return 0;
+}
+
 static void remap_list(int *list, int n, const int *map) {
   for (int i = 0; i < n; i++)
     if (list[i] >= 0)
@@ -62,32 +79,30 @@ bool precision_assign(Graph *g, DType gemm, char *why, size_t n) {
   int nn = 0, fwd_end = 0;
   for (int i = 0; i < old_n; i++) {
     const IrNode *o = g->nodes[i];
-    if (o->op == OP_MATMUL && o->nin == 2) {
-      for (int k = 0; k < 2; k++) {
-        int src = map[o->in[k]];
-        if (cast[src] >= 0)
-          continue;
-        if (nodes[src]->dtype != DT_F32) {
-          snprintf(why, n, "node %d (matmul) reads a %s operand", i, dtype_name(nodes[src]->dtype));
-          return false;
-        }
-        IrNode *c = arena_alloc(g->arena, sizeof *c);
-        *c = (IrNode){.id = nn, .op = OP_CAST, .dtype = gemm, .shape = nodes[src]->shape, .nin = 1,
-                      .loc = o->loc, .grad_of = -1, .param_of = -1};
-        c->in = arena_alloc(g->arena, sizeof(int));
-        c->in[0] = src;
-        c->ia[0] = gemm;
-        nodes[nn] = c;
-        cast[src] = nn++;
+    int which[2], nr = rounded_inputs(o, which);
+    for (int r = 0; r < nr; r++) {
+      int src = map[o->in[which[r]]];
+      if (cast[src] >= 0)
+        continue;
+      if (nodes[src]->dtype != DT_F32) {
+        snprintf(why, n, "node %d (%s) reads a %s operand", i, op_name(o->op), dtype_name(nodes[src]->dtype));
+        return false;
       }
+      IrNode *c = arena_alloc(g->arena, sizeof *c);
+      *c = (IrNode){.id = nn, .op = OP_CAST, .dtype = gemm, .shape = nodes[src]->shape, .nin = 1, .loc = o->loc,
+                    .grad_of = -1, .param_of = -1};
+      c->in = arena_alloc(g->arena, sizeof(int));
+      c->in[0] = src;
+      c->ia[0] = gemm;
+      nodes[nn] = c;
+      cast[src] = nn++;
     }
     map[i] = nn;
     nodes[nn] = copy_node(g, o, nn, map);
     if (o->op == OP_ATTENTION || o->op == OP_ATTENTION_BWD)
       nodes[nn]->ia[4] = gemm; // its two products read bf16 operands too (mdl.h)
-    if (o->op == OP_MATMUL && o->nin == 2)
-      for (int k = 0; k < 2; k++)
-        nodes[nn]->in[k] = cast[map[o->in[k]]];
+    for (int r = 0; r < nr; r++)
+      nodes[nn]->in[which[r]] = cast[map[o->in[which[r]]]];
     nn++;
     if (i + 1 == g->fwd_end)
       fwd_end = nn;

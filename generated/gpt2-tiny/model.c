@@ -1267,27 +1267,10 @@ static void k25_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
 }
 
 // k26_gemm: GEMM, 1 op
-//   %145   matmul                                  line 39    f32[512,64]
-// loops:
-//   gemm %145: [512 x 64] = [512 x 64] T[64 x 64], bf16 operands widened to f32
-static void k26_gemm(char *arena, const MdlHooks *h) {
-  uint16_t *const b79 = (uint16_t *)(arena + 2150400); // %79 cast bf16[64,64]
-  uint16_t *const b144 = (uint16_t *)(arena + 2887808); // %144 cast bf16[512,64]
-  float *const b145 = (float *)(arena + 2756736); // %145 matmul f32[512,64]
-  {
-    float *const w144 = mdl_widen_bf16(b144, 32768, h->nthreads);
-    float *const w79 = mdl_widen_bf16(b79, 4096, h->nthreads);
-    mdl_gemm(h, 0, 1, 512, 64, 64, w144, 64, w79, 64, 0.0f, b145, 64);
-    free(w144);
-    free(w79);
-  }
-}
-
-// k27_gemm: GEMM, 1 op
 //   %146   matmul             d.h.1.proj_w         line 39    f32[64,64]
 // loops:
 //   gemm %146: [64 x 64] = T[64 x 512] [512 x 64], bf16 operands widened to f32
-static void k27_gemm(char *arena, const MdlHooks *h) {
+static void k26_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b78 = (uint16_t *)(arena + 5771392); // %78 cast bf16[512,64]
   uint16_t *const b144 = (uint16_t *)(arena + 2887808); // %144 cast bf16[512,64]
   float *const b146 = (float *)(arena + 847360); // %146 matmul d.h.1.proj_w f32[64,64]
@@ -1300,19 +1283,48 @@ static void k27_gemm(char *arena, const MdlHooks *h) {
   }
 }
 
+// k27_gemm__cast: GEMM, 3 ops
+//   %145   matmul                                  line 39    f32[512,64]
+//   %147   reshape                                 line 39    f32[8,64,64]
+//   %148   cast                                    line 39    bf16[8,64,64]
+// loops:
+//   gemm %145: [512 x 64] = [512 x 64] T[64 x 64], bf16 operands widened to f32, epilogue after
+//   elementwise over 32768: %148
+static void k27_gemm__cast(char *arena, const MdlHooks *h) {
+  uint16_t *const b79 = (uint16_t *)(arena + 2150400); // %79 cast bf16[64,64]
+  uint16_t *const b144 = (uint16_t *)(arena + 2887808); // %144 cast bf16[512,64]
+  float *const b145 = mdl_scratch(131072); // %145 matmul f32[512,64], kept in this kernel
+  uint16_t *const b148 = (uint16_t *)(arena + 2756736); // %148 cast bf16[8,64,64]
+  {
+    float *const w144 = mdl_widen_bf16(b144, 32768, h->nthreads);
+    float *const w79 = mdl_widen_bf16(b79, 4096, h->nthreads);
+    mdl_gemm(h, 0, 1, 512, 64, 64, w144, 64, w79, 64, 0.0f, b145, 64);
+    free(w144);
+    free(w79);
+  }
+  #pragma omp parallel for num_threads(h->nthreads) schedule(static)
+  for (int64_t i = 0; i < 32768; i++) {
+    const float v145_i = b145[i];
+    const float v147_i = v145_i;
+    const float v148_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v147_i));
+    b148[i] = mdl_f32_to_bf16(v148_i);
+  }
+  free(b145);
+}
+
 // k28_attention_bwd: attention, 3 ops
-//   %148   attention_bwd      d.h.1.q              line 39    f32[8,64,64]
-//   %149   attention_bwd      d.h.1.k              line 39    f32[8,64,64]
-//   %150   attention_bwd      d.h.1.v              line 39    f32[8,64,64]
+//   %149   attention_bwd      d.h.1.q              line 39    f32[8,64,64]
+//   %150   attention_bwd      d.h.1.k              line 39    f32[8,64,64]
+//   %151   attention_bwd      d.h.1.v              line 39    f32[8,64,64]
 // loops:
 //   attention backward (dq dk dv): B 8, T 64, 4 heads of 16, causal, within documents; one task per (batch, head)
 static void k28_attention_bwd(char *arena, const MdlHooks *h) {
   int32_t *const b3 = (int32_t *)(arena + 2230272); // %3 input doc i32[8,64]
   float *const b72 = (float *)(arena + 3674240); // %72 add f32[8,64,192]
-  float *const b145 = (float *)(arena + 2756736); // %145 matmul f32[512,64]
-  float *const b148 = (float *)(arena + 3084416); // %148 attention_bwd d.h.1.q f32[8,64,64]
-  float *const b149 = (float *)(arena + 4329600); // %149 attention_bwd d.h.1.k f32[8,64,64]
-  float *const b150 = (float *)(arena + 4460672); // %150 attention_bwd d.h.1.v f32[8,64,64]
+  uint16_t *const b148 = (uint16_t *)(arena + 2756736); // %148 cast bf16[8,64,64]
+  float *const b149 = (float *)(arena + 3084416); // %149 attention_bwd d.h.1.q f32[8,64,64]
+  float *const b150 = (float *)(arena + 4329600); // %150 attention_bwd d.h.1.k f32[8,64,64]
+  float *const b151 = (float *)(arena + 4460672); // %151 attention_bwd d.h.1.v f32[8,64,64]
   #pragma omp parallel num_threads(h->nthreads)
   {
     float *restrict kt = memset(mdl_scratch(1536 * sizeof(float)), 0, 1536 * sizeof(float));
@@ -1386,7 +1398,7 @@ static void k28_attention_bwd(char *arena, const MdlHooks *h) {
         }
         float dor[16];
         for (int64_t c = 0; c < 16; c++)
-          dor[c] = mdl_bf16_to_f32(mdl_f32_to_bf16(b145[(b * 64 + i) * 64 + hd * 16 + c]));
+          dor[c] = mdl_bf16_to_f32(b148[(b * 64 + i) * 64 + hd * 16 + c]);
         const float *restrict doi = dor;
         #pragma omp simd
         for (int64_t j = lo; j < hi; j++)
@@ -1448,14 +1460,14 @@ static void k28_attention_bwd(char *arena, const MdlHooks *h) {
           for (int64_t c = 0; c < 16; c++)
             dvj[c] += mdl_bf16_to_f32(mdl_f32_to_bf16(s[j])) * doi[c];
         }
-        float *restrict dq = b148 + (b * 64 + i) * 64 + hd * 16;
+        float *restrict dq = b149 + (b * 64 + i) * 64 + hd * 16;
         for (int64_t c = 0; c < 16; c++)
           dq[c] = 0.25f * (dqi0[c] + dqi1[c]);
       }
       for (int64_t t = 0; t < 64; t++)
-        memcpy(b149 + (b * 64 + t) * 64 + hd * 16, dkh + t * 16, 16 * sizeof(float));
+        memcpy(b150 + (b * 64 + t) * 64 + hd * 16, dkh + t * 16, 16 * sizeof(float));
       for (int64_t t = 0; t < 64; t++)
-        memcpy(b150 + (b * 64 + t) * 64 + hd * 16, dvh + t * 16, 16 * sizeof(float));
+        memcpy(b151 + (b * 64 + t) * 64 + hd * 16, dvh + t * 16, 16 * sizeof(float));
     }
     free(kt);
     free(s);
@@ -1467,22 +1479,22 @@ static void k28_attention_bwd(char *arena, const MdlHooks *h) {
 }
 
 // k29_sum__slice_bwd__add__cast: kernel, 8 ops
-//   %151   slice_bwd                               line 38    f32[8,64,192]
 //   %152   slice_bwd                               line 38    f32[8,64,192]
-//   %153   add                                     line 38    f32[8,64,192]
-//   %154   slice_bwd                               line 38    f32[8,64,192]
-//   %155   add                                     line 38    f32[8,64,192]
-//   %156   reshape                                 line 38    f32[512,192]
-//   %157   sum                d.h.1.attn_b         line 38    f32[192]
-//   %158   cast                                    line 38    bf16[512,192]
+//   %153   slice_bwd                               line 38    f32[8,64,192]
+//   %154   add                                     line 38    f32[8,64,192]
+//   %155   slice_bwd                               line 38    f32[8,64,192]
+//   %156   add                                     line 38    f32[8,64,192]
+//   %157   reshape                                 line 38    f32[512,192]
+//   %158   sum                d.h.1.attn_b         line 38    f32[192]
+//   %159   cast                                    line 38    bf16[512,192]
 // loops:
-//   sum %157: 192 outputs over 512 elements, in 32 blocks of 16
+//   sum %158: 192 outputs over 512 elements, in 32 blocks of 16
 static void k29_sum__slice_bwd__add__cast(char *arena, const MdlHooks *h) {
-  float *const b148 = (float *)(arena + 3084416); // %148 attention_bwd d.h.1.q f32[8,64,64]
-  float *const b149 = (float *)(arena + 4329600); // %149 attention_bwd d.h.1.k f32[8,64,64]
-  float *const b150 = (float *)(arena + 4460672); // %150 attention_bwd d.h.1.v f32[8,64,64]
-  float *const b157 = (float *)(arena + 846592); // %157 sum d.h.1.attn_b f32[192]
-  uint16_t *const b158 = (uint16_t *)(arena + 2756736); // %158 cast bf16[512,192]
+  float *const b149 = (float *)(arena + 3084416); // %149 attention_bwd d.h.1.q f32[8,64,64]
+  float *const b150 = (float *)(arena + 4329600); // %150 attention_bwd d.h.1.k f32[8,64,64]
+  float *const b151 = (float *)(arena + 4460672); // %151 attention_bwd d.h.1.v f32[8,64,64]
+  float *const b158 = (float *)(arena + 846592); // %158 sum d.h.1.attn_b f32[192]
+  uint16_t *const b159 = (uint16_t *)(arena + 2756736); // %159 cast bf16[512,192]
   double *part = mdl_scratch(6144 * sizeof(double));
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
   for (int64_t k = 0; k < 32; k++) {
@@ -1495,20 +1507,20 @@ static void k29_sum__slice_bwd__add__cast(char *arena, const MdlHooks *h) {
         const int64_t ix = l * 192 + c;
         const int64_t j1 = ix % 192;
         const int64_t j2 = j1 >= 128 && j1 < 192 ? ix / 192 * 64 + (j1 - 128) : 0;
-        const float v150_j2 = b150[j2];
-        const float v151_ix = j1 >= 128 && j1 < 192 ? v150_j2 : 0.0f;
+        const float v151_j2 = b151[j2];
+        const float v152_ix = j1 >= 128 && j1 < 192 ? v151_j2 : 0.0f;
         const int64_t j3 = j1 >= 64 && j1 < 128 ? ix / 192 * 64 + (j1 - 64) : 0;
-        const float v149_j3 = b149[j3];
-        const float v152_ix = j1 >= 64 && j1 < 128 ? v149_j3 : 0.0f;
-        const float v153_ix = v151_ix + v152_ix;
+        const float v150_j3 = b150[j3];
+        const float v153_ix = j1 >= 64 && j1 < 128 ? v150_j3 : 0.0f;
+        const float v154_ix = v152_ix + v153_ix;
         const int64_t j4 = j1 >= 0 && j1 < 64 ? ix / 192 * 64 + (j1 - 0) : 0;
-        const float v148_j4 = b148[j4];
-        const float v154_ix = j1 >= 0 && j1 < 64 ? v148_j4 : 0.0f;
-        const float v155_ix = v153_ix + v154_ix;
-        const float v156_ix = v155_ix;
-        const float v = v156_ix;
-        const float v158_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v156_ix));
-        b158[ix] = mdl_f32_to_bf16(v158_ix);
+        const float v149_j4 = b149[j4];
+        const float v155_ix = j1 >= 0 && j1 < 64 ? v149_j4 : 0.0f;
+        const float v156_ix = v154_ix + v155_ix;
+        const float v157_ix = v156_ix;
+        const float v = v157_ix;
+        const float v159_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v157_ix));
+        b159[ix] = mdl_f32_to_bf16(v159_ix);
         p[c] += v;
       }
     }
@@ -1520,68 +1532,68 @@ static void k29_sum__slice_bwd__add__cast(char *arena, const MdlHooks *h) {
       acc += v;
     }
     const float y = (float)acc;
-    b157[r] = y;
+    b158[r] = y;
   }
   free(part);
 }
 
 // k30_gemm: GEMM, 1 op
-//   %159   matmul                                  line 38    f32[512,64]
+//   %160   matmul                                  line 38    f32[512,64]
 // loops:
-//   gemm %159: [512 x 64] = [512 x 192] T[192 x 64], bf16 operands widened to f32
+//   gemm %160: [512 x 64] = [512 x 192] T[192 x 64], bf16 operands widened to f32
 static void k30_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b69 = (uint16_t *)(arena + 2125824); // %69 cast bf16[64,192]
-  uint16_t *const b158 = (uint16_t *)(arena + 2756736); // %158 cast bf16[512,192]
-  float *const b159 = (float *)(arena + 3084416); // %159 matmul f32[512,64]
+  uint16_t *const b159 = (uint16_t *)(arena + 2756736); // %159 cast bf16[512,192]
+  float *const b160 = (float *)(arena + 3084416); // %160 matmul f32[512,64]
   {
-    float *const w158 = mdl_widen_bf16(b158, 98304, h->nthreads);
+    float *const w159 = mdl_widen_bf16(b159, 98304, h->nthreads);
     float *const w69 = mdl_widen_bf16(b69, 12288, h->nthreads);
-    mdl_gemm(h, 0, 1, 512, 64, 192, w158, 192, w69, 192, 0.0f, b159, 64);
-    free(w158);
+    mdl_gemm(h, 0, 1, 512, 64, 192, w159, 192, w69, 192, 0.0f, b160, 64);
+    free(w159);
     free(w69);
   }
 }
 
 // k31_gemm: GEMM, 1 op
-//   %160   matmul             d.h.1.attn_w         line 38    f32[64,192]
+//   %161   matmul             d.h.1.attn_w         line 38    f32[64,192]
 // loops:
-//   gemm %160: [64 x 192] = T[64 x 512] [512 x 192], bf16 operands widened to f32
+//   gemm %161: [64 x 192] = T[64 x 512] [512 x 192], bf16 operands widened to f32
 static void k31_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b68 = (uint16_t *)(arena + 5705856); // %68 cast bf16[512,64]
-  uint16_t *const b158 = (uint16_t *)(arena + 2756736); // %158 cast bf16[512,192]
-  float *const b160 = (float *)(arena + 797440); // %160 matmul d.h.1.attn_w f32[64,192]
+  uint16_t *const b159 = (uint16_t *)(arena + 2756736); // %159 cast bf16[512,192]
+  float *const b161 = (float *)(arena + 797440); // %161 matmul d.h.1.attn_w f32[64,192]
   {
     float *const w68 = mdl_widen_bf16(b68, 32768, h->nthreads);
-    float *const w158 = mdl_widen_bf16(b158, 98304, h->nthreads);
-    mdl_gemm(h, 1, 0, 64, 192, 512, w68, 64, w158, 192, 0.0f, b160, 192);
+    float *const w159 = mdl_widen_bf16(b159, 98304, h->nthreads);
+    mdl_gemm(h, 1, 0, 64, 192, 512, w68, 64, w159, 192, 0.0f, b161, 192);
     free(w68);
-    free(w158);
+    free(w159);
   }
 }
 
 // k32_layernorm_bwd__add__sum__cast: kernel, 7 ops
-//   %162   layernorm_bwd                           line 38    f32[8,64,64]
-//   %163   add                d.h.0.x              line 38    f32[8,64,64]
-//   %164   layernorm_bwd      d.h.1.ln1_w          line 38    f32[64]
-//   %165   layernorm_bwd      d.h.1.ln1_b          line 38    f32[64]
-//   %166   reshape                                 line 40    f32[512,64]
-//   %167   sum                d.h.0.fcproj_b       line 40    f32[64]
-//   %168   cast                                    line 40    bf16[512,64]
+//   %163   layernorm_bwd                           line 38    f32[8,64,64]
+//   %164   add                d.h.0.x              line 38    f32[8,64,64]
+//   %165   layernorm_bwd      d.h.1.ln1_w          line 38    f32[64]
+//   %166   layernorm_bwd      d.h.1.ln1_b          line 38    f32[64]
+//   %167   reshape                                 line 40    f32[512,64]
+//   %168   sum                d.h.0.fcproj_b       line 40    f32[64]
+//   %169   cast                                    line 40    bf16[512,64]
 // loops:
 //   layernorm_bwd: 512 rows of 64, column sums over 32 blocks of 16 rows
 static void k32_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
   float *const b53 = (float *)(arena + 4853888); // %53 add h.0.x f32[8,64,64]
   float *const b54 = (float *)(arena + 298240); // %54 param h.1.ln1_w f32[64]
   float *const b139 = (float *)(arena + 2953344); // %139 add d.h.1.x f32[8,64,64]
-  float *const b159 = (float *)(arena + 3084416); // %159 matmul f32[512,64]
-  float *const b163 = (float *)(arena + 3674240); // %163 add d.h.0.x f32[8,64,64]
-  float *const b164 = (float *)(arena + 796928); // %164 layernorm_bwd d.h.1.ln1_w f32[64]
-  float *const b165 = (float *)(arena + 797184); // %165 layernorm_bwd d.h.1.ln1_b f32[64]
-  float *const b167 = (float *)(arena + 796672); // %167 sum d.h.0.fcproj_b f32[64]
-  uint16_t *const b168 = (uint16_t *)(arena + 3215488); // %168 cast bf16[512,64]
+  float *const b160 = (float *)(arena + 3084416); // %160 matmul f32[512,64]
+  float *const b164 = (float *)(arena + 3674240); // %164 add d.h.0.x f32[8,64,64]
+  float *const b165 = (float *)(arena + 796928); // %165 layernorm_bwd d.h.1.ln1_w f32[64]
+  float *const b166 = (float *)(arena + 797184); // %166 layernorm_bwd d.h.1.ln1_b f32[64]
+  float *const b168 = (float *)(arena + 796672); // %168 sum d.h.0.fcproj_b f32[64]
+  uint16_t *const b169 = (uint16_t *)(arena + 3215488); // %169 cast bf16[512,64]
   double *pdw = mdl_scratch(2048 * sizeof(double));
   double *pdb = mdl_scratch(2048 * sizeof(double));
-  double *ps0 = mdl_scratch(2048 * sizeof(double)); // partials of the column sum %167
+  double *ps0 = mdl_scratch(2048 * sizeof(double)); // partials of the column sum %168
   #pragma omp parallel num_threads(h->nthreads)
   {
     float *dxrow = mdl_scratch(64 * sizeof(float));
@@ -1595,7 +1607,7 @@ static void k32_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
       const int64_t end = k * 16 + 16 < 512 ? k * 16 + 16 : 512;
       for (int64_t r = k * 16; r < end; r++) {
         const float *x = b53 + r * 64;
-        const float *dy = b159 + r * 64;
+        const float *dy = b160 + r * 64;
         double mean = 0, var = 0, mg = 0, mgx = 0;
         #pragma omp simd reduction(+ : mean)
         for (int64_t j = 0; j < 64; j++)
@@ -1621,12 +1633,12 @@ static void k32_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
         for (int64_t j = 0; j < 64; j++) {
           const int64_t ix = r * 64 + j;
           const float v139_ix = b139[ix];
-          const float v163_ix = v139_ix + dx[j];
-          b163[ix] = v163_ix;
-          const float v166_ix = v163_ix;
-          const float v168_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v166_ix));
-          b168[ix] = mdl_f32_to_bf16(v168_ix);
-          sa0[j] += v166_ix;
+          const float v164_ix = v139_ix + dx[j];
+          b164[ix] = v164_ix;
+          const float v167_ix = v164_ix;
+          const float v169_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v167_ix));
+          b169[ix] = mdl_f32_to_bf16(v169_ix);
+          sa0[j] += v167_ix;
         }
       }
     }
@@ -1639,9 +1651,9 @@ static void k32_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
       b += pdb[k * 64 + j];
       a0 += ps0[k * 64 + j];
     }
-    b164[j] = (float)w;
-    b165[j] = (float)b;
-    b167[j] = (float)a0;
+    b165[j] = (float)w;
+    b166[j] = (float)b;
+    b168[j] = (float)a0;
   }
   free(pdw);
   free(pdb);
@@ -1649,44 +1661,44 @@ static void k32_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
 }
 
 // k33_gemm: GEMM, 1 op
-//   %170   matmul             d.h.0.fcproj_w       line 40    f32[256,64]
+//   %171   matmul             d.h.0.fcproj_w       line 40    f32[256,64]
 // loops:
-//   gemm %170: [256 x 64] = T[256 x 512] [512 x 64], bf16 operands widened to f32
+//   gemm %171: [256 x 64] = T[256 x 512] [512 x 64], bf16 operands widened to f32
 static void k33_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b48 = (uint16_t *)(arena + 4067456); // %48 cast bf16[512,256]
-  uint16_t *const b168 = (uint16_t *)(arena + 3215488); // %168 cast bf16[512,64]
-  float *const b170 = (float *)(arena + 731136); // %170 matmul d.h.0.fcproj_w f32[256,64]
+  uint16_t *const b169 = (uint16_t *)(arena + 3215488); // %169 cast bf16[512,64]
+  float *const b171 = (float *)(arena + 731136); // %171 matmul d.h.0.fcproj_w f32[256,64]
   {
     float *const w48 = mdl_widen_bf16(b48, 131072, h->nthreads);
-    float *const w168 = mdl_widen_bf16(b168, 32768, h->nthreads);
-    mdl_gemm(h, 1, 0, 256, 64, 512, w48, 256, w168, 64, 0.0f, b170, 64);
+    float *const w169 = mdl_widen_bf16(b169, 32768, h->nthreads);
+    mdl_gemm(h, 1, 0, 256, 64, 512, w48, 256, w169, 64, 0.0f, b171, 64);
     free(w48);
-    free(w168);
+    free(w169);
   }
 }
 
 // k34_gemm__gelu_bwd__sum__cast: GEMM, 6 ops
-//   %169   matmul                                  line 40    f32[512,256]
-//   %171   reshape                                 line 40    f32[8,64,256]
-//   %172   gelu_bwd                                line 40    f32[8,64,256]
-//   %173   reshape                                 line 40    f32[512,256]
-//   %174   sum                d.h.0.fc_b           line 40    f32[256]
-//   %175   cast                                    line 40    bf16[512,256]
+//   %170   matmul                                  line 40    f32[512,256]
+//   %172   reshape                                 line 40    f32[8,64,256]
+//   %173   gelu_bwd                                line 40    f32[8,64,256]
+//   %174   reshape                                 line 40    f32[512,256]
+//   %175   sum                d.h.0.fc_b           line 40    f32[256]
+//   %176   cast                                    line 40    bf16[512,256]
 // loops:
-//   gemm %169: [512 x 256] = [512 x 64] T[64 x 256], bf16 operands widened to f32, epilogue after
-//   sum %174: 256 outputs over 512 elements, in 32 blocks of 16
+//   gemm %170: [512 x 256] = [512 x 64] T[64 x 256], bf16 operands widened to f32, epilogue after
+//   sum %175: 256 outputs over 512 elements, in 32 blocks of 16
 static void k34_gemm__gelu_bwd__sum__cast(char *arena, const MdlHooks *h) {
   float *const b45 = (float *)(arena + 2232448); // %45 add f32[8,64,256]
   uint16_t *const b49 = (uint16_t *)(arena + 2093056); // %49 cast bf16[256,64]
-  uint16_t *const b168 = (uint16_t *)(arena + 3215488); // %168 cast bf16[512,64]
-  float *const b169 = mdl_scratch(524288); // %169 matmul f32[512,256], kept in this kernel
-  float *const b174 = (float *)(arena + 730112); // %174 sum d.h.0.fc_b f32[256]
-  uint16_t *const b175 = (uint16_t *)(arena + 2756736); // %175 cast bf16[512,256]
+  uint16_t *const b169 = (uint16_t *)(arena + 3215488); // %169 cast bf16[512,64]
+  float *const b170 = mdl_scratch(524288); // %170 matmul f32[512,256], kept in this kernel
+  float *const b175 = (float *)(arena + 730112); // %175 sum d.h.0.fc_b f32[256]
+  uint16_t *const b176 = (uint16_t *)(arena + 2756736); // %176 cast bf16[512,256]
   {
-    float *const w168 = mdl_widen_bf16(b168, 32768, h->nthreads);
+    float *const w169 = mdl_widen_bf16(b169, 32768, h->nthreads);
     float *const w49 = mdl_widen_bf16(b49, 16384, h->nthreads);
-    mdl_gemm(h, 0, 1, 512, 256, 64, w168, 64, w49, 64, 0.0f, b169, 256);
-    free(w168);
+    mdl_gemm(h, 0, 1, 512, 256, 64, w169, 64, w49, 64, 0.0f, b170, 256);
+    free(w169);
     free(w49);
   }
   double *part = mdl_scratch(8192 * sizeof(double));
@@ -1700,13 +1712,13 @@ static void k34_gemm__gelu_bwd__sum__cast(char *arena, const MdlHooks *h) {
       for (int64_t c = 0; c < 256; c++) {
         const int64_t ix = l * 256 + c;
         const float v45_ix = b45[ix];
-        const float v169_ix = b169[ix];
-        const float v171_ix = v169_ix;
-        const float v172_ix = mdl_gelu_grad(v45_ix) * v171_ix;
-        const float v173_ix = v172_ix;
-        const float v = v173_ix;
-        const float v175_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v173_ix));
-        b175[ix] = mdl_f32_to_bf16(v175_ix);
+        const float v170_ix = b170[ix];
+        const float v172_ix = v170_ix;
+        const float v173_ix = mdl_gelu_grad(v45_ix) * v172_ix;
+        const float v174_ix = v173_ix;
+        const float v = v174_ix;
+        const float v176_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v174_ix));
+        b176[ix] = mdl_f32_to_bf16(v176_ix);
         p[c] += v;
       }
     }
@@ -1718,69 +1730,69 @@ static void k34_gemm__gelu_bwd__sum__cast(char *arena, const MdlHooks *h) {
       acc += v;
     }
     const float y = (float)acc;
-    b174[r] = y;
+    b175[r] = y;
   }
   free(part);
-  free(b169);
+  free(b170);
 }
 
 // k35_gemm: GEMM, 1 op
-//   %176   matmul                                  line 40    f32[512,64]
+//   %177   matmul                                  line 40    f32[512,64]
 // loops:
-//   gemm %176: [512 x 64] = [512 x 256] T[256 x 64], bf16 operands widened to f32
+//   gemm %177: [512 x 64] = [512 x 256] T[256 x 64], bf16 operands widened to f32
 static void k35_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b42 = (uint16_t *)(arena + 2060288); // %42 cast bf16[64,256]
-  uint16_t *const b175 = (uint16_t *)(arena + 2756736); // %175 cast bf16[512,256]
-  float *const b176 = (float *)(arena + 2232448); // %176 matmul f32[512,64]
+  uint16_t *const b176 = (uint16_t *)(arena + 2756736); // %176 cast bf16[512,256]
+  float *const b177 = (float *)(arena + 2232448); // %177 matmul f32[512,64]
   {
-    float *const w175 = mdl_widen_bf16(b175, 131072, h->nthreads);
+    float *const w176 = mdl_widen_bf16(b176, 131072, h->nthreads);
     float *const w42 = mdl_widen_bf16(b42, 16384, h->nthreads);
-    mdl_gemm(h, 0, 1, 512, 64, 256, w175, 256, w42, 256, 0.0f, b176, 64);
-    free(w175);
+    mdl_gemm(h, 0, 1, 512, 64, 256, w176, 256, w42, 256, 0.0f, b177, 64);
+    free(w176);
     free(w42);
   }
 }
 
 // k36_gemm: GEMM, 1 op
-//   %177   matmul             d.h.0.fc_w           line 40    f32[64,256]
+//   %178   matmul             d.h.0.fc_w           line 40    f32[64,256]
 // loops:
-//   gemm %177: [64 x 256] = T[64 x 512] [512 x 256], bf16 operands widened to f32
+//   gemm %178: [64 x 256] = T[64 x 512] [512 x 256], bf16 operands widened to f32
 static void k36_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b41 = (uint16_t *)(arena + 5640320); // %41 cast bf16[512,64]
-  uint16_t *const b175 = (uint16_t *)(arena + 2756736); // %175 cast bf16[512,256]
-  float *const b177 = (float *)(arena + 664576); // %177 matmul d.h.0.fc_w f32[64,256]
+  uint16_t *const b176 = (uint16_t *)(arena + 2756736); // %176 cast bf16[512,256]
+  float *const b178 = (float *)(arena + 664576); // %178 matmul d.h.0.fc_w f32[64,256]
   {
     float *const w41 = mdl_widen_bf16(b41, 32768, h->nthreads);
-    float *const w175 = mdl_widen_bf16(b175, 131072, h->nthreads);
-    mdl_gemm(h, 1, 0, 64, 256, 512, w41, 64, w175, 256, 0.0f, b177, 256);
+    float *const w176 = mdl_widen_bf16(b176, 131072, h->nthreads);
+    mdl_gemm(h, 1, 0, 64, 256, 512, w41, 64, w176, 256, 0.0f, b178, 256);
     free(w41);
-    free(w175);
+    free(w176);
   }
 }
 
 // k37_layernorm_bwd__add__sum__cast: kernel, 7 ops
-//   %179   layernorm_bwd                           line 40    f32[8,64,64]
-//   %180   add                d.h.0.x              line 40    f32[8,64,64]
-//   %181   layernorm_bwd      d.h.0.ln2_w          line 40    f32[64]
-//   %182   layernorm_bwd      d.h.0.ln2_b          line 40    f32[64]
-//   %183   reshape                                 line 39    f32[512,64]
-//   %184   sum                d.h.0.proj_b         line 39    f32[64]
-//   %185   cast                                    line 39    bf16[512,64]
+//   %180   layernorm_bwd                           line 40    f32[8,64,64]
+//   %181   add                d.h.0.x              line 40    f32[8,64,64]
+//   %182   layernorm_bwd      d.h.0.ln2_w          line 40    f32[64]
+//   %183   layernorm_bwd      d.h.0.ln2_b          line 40    f32[64]
+//   %184   reshape                                 line 39    f32[512,64]
+//   %185   sum                d.h.0.proj_b         line 39    f32[64]
+//   %186   cast                                    line 39    bf16[512,64]
 // loops:
 //   layernorm_bwd: 512 rows of 64, column sums over 32 blocks of 16 rows
 static void k37_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
   float *const b15 = (float *)(arena + 165376); // %15 param h.0.ln2_w f32[64]
   float *const b38 = (float *)(arena + 4722816); // %38 add h.0.x f32[8,64,64]
-  float *const b163 = (float *)(arena + 3674240); // %163 add d.h.0.x f32[8,64,64]
-  float *const b176 = (float *)(arena + 2232448); // %176 matmul f32[512,64]
-  float *const b180 = (float *)(arena + 2429056); // %180 add d.h.0.x f32[8,64,64]
-  float *const b181 = (float *)(arena + 664064); // %181 layernorm_bwd d.h.0.ln2_w f32[64]
-  float *const b182 = (float *)(arena + 664320); // %182 layernorm_bwd d.h.0.ln2_b f32[64]
-  float *const b184 = (float *)(arena + 663808); // %184 sum d.h.0.proj_b f32[64]
-  uint16_t *const b185 = (uint16_t *)(arena + 2363520); // %185 cast bf16[512,64]
+  float *const b164 = (float *)(arena + 3674240); // %164 add d.h.0.x f32[8,64,64]
+  float *const b177 = (float *)(arena + 2232448); // %177 matmul f32[512,64]
+  float *const b181 = (float *)(arena + 2429056); // %181 add d.h.0.x f32[8,64,64]
+  float *const b182 = (float *)(arena + 664064); // %182 layernorm_bwd d.h.0.ln2_w f32[64]
+  float *const b183 = (float *)(arena + 664320); // %183 layernorm_bwd d.h.0.ln2_b f32[64]
+  float *const b185 = (float *)(arena + 663808); // %185 sum d.h.0.proj_b f32[64]
+  uint16_t *const b186 = (uint16_t *)(arena + 2363520); // %186 cast bf16[512,64]
   double *pdw = mdl_scratch(2048 * sizeof(double));
   double *pdb = mdl_scratch(2048 * sizeof(double));
-  double *ps0 = mdl_scratch(2048 * sizeof(double)); // partials of the column sum %184
+  double *ps0 = mdl_scratch(2048 * sizeof(double)); // partials of the column sum %185
   #pragma omp parallel num_threads(h->nthreads)
   {
     float *dxrow = mdl_scratch(64 * sizeof(float));
@@ -1794,7 +1806,7 @@ static void k37_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
       const int64_t end = k * 16 + 16 < 512 ? k * 16 + 16 : 512;
       for (int64_t r = k * 16; r < end; r++) {
         const float *x = b38 + r * 64;
-        const float *dy = b176 + r * 64;
+        const float *dy = b177 + r * 64;
         double mean = 0, var = 0, mg = 0, mgx = 0;
         #pragma omp simd reduction(+ : mean)
         for (int64_t j = 0; j < 64; j++)
@@ -1819,13 +1831,13 @@ static void k37_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
           dx[j] = (float)(rstd * ((double)dy[j] * b15[j] - mg - (x[j] - mean) * rstd * mgx));
         for (int64_t j = 0; j < 64; j++) {
           const int64_t ix = r * 64 + j;
-          const float v163_ix = b163[ix];
-          const float v180_ix = v163_ix + dx[j];
-          b180[ix] = v180_ix;
-          const float v183_ix = v180_ix;
-          const float v185_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v183_ix));
-          b185[ix] = mdl_f32_to_bf16(v185_ix);
-          sa0[j] += v183_ix;
+          const float v164_ix = b164[ix];
+          const float v181_ix = v164_ix + dx[j];
+          b181[ix] = v181_ix;
+          const float v184_ix = v181_ix;
+          const float v186_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v184_ix));
+          b186[ix] = mdl_f32_to_bf16(v186_ix);
+          sa0[j] += v184_ix;
         }
       }
     }
@@ -1838,9 +1850,9 @@ static void k37_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
       b += pdb[k * 64 + j];
       a0 += ps0[k * 64 + j];
     }
-    b181[j] = (float)w;
-    b182[j] = (float)b;
-    b184[j] = (float)a0;
+    b182[j] = (float)w;
+    b183[j] = (float)b;
+    b185[j] = (float)a0;
   }
   free(pdw);
   free(pdb);
@@ -1848,52 +1860,64 @@ static void k37_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
 }
 
 // k38_gemm: GEMM, 1 op
-//   %186   matmul                                  line 39    f32[512,64]
+//   %188   matmul             d.h.0.proj_w         line 39    f32[64,64]
 // loops:
-//   gemm %186: [512 x 64] = [512 x 64] T[64 x 64], bf16 operands widened to f32
+//   gemm %188: [64 x 64] = T[64 x 512] [512 x 64], bf16 operands widened to f32
 static void k38_gemm(char *arena, const MdlHooks *h) {
-  uint16_t *const b34 = (uint16_t *)(arena + 2052096); // %34 cast bf16[64,64]
-  uint16_t *const b185 = (uint16_t *)(arena + 2363520); // %185 cast bf16[512,64]
-  float *const b186 = (float *)(arena + 2232448); // %186 matmul f32[512,64]
+  uint16_t *const b33 = (uint16_t *)(arena + 5574784); // %33 cast bf16[512,64]
+  uint16_t *const b186 = (uint16_t *)(arena + 2363520); // %186 cast bf16[512,64]
+  float *const b188 = (float *)(arena + 647424); // %188 matmul d.h.0.proj_w f32[64,64]
   {
-    float *const w185 = mdl_widen_bf16(b185, 32768, h->nthreads);
-    float *const w34 = mdl_widen_bf16(b34, 4096, h->nthreads);
-    mdl_gemm(h, 0, 1, 512, 64, 64, w185, 64, w34, 64, 0.0f, b186, 64);
-    free(w185);
-    free(w34);
+    float *const w33 = mdl_widen_bf16(b33, 32768, h->nthreads);
+    float *const w186 = mdl_widen_bf16(b186, 32768, h->nthreads);
+    mdl_gemm(h, 1, 0, 64, 64, 512, w33, 64, w186, 64, 0.0f, b188, 64);
+    free(w33);
+    free(w186);
   }
 }
 
-// k39_gemm: GEMM, 1 op
-//   %187   matmul             d.h.0.proj_w         line 39    f32[64,64]
+// k39_gemm__cast: GEMM, 3 ops
+//   %187   matmul                                  line 39    f32[512,64]
+//   %189   reshape                                 line 39    f32[8,64,64]
+//   %190   cast                                    line 39    bf16[8,64,64]
 // loops:
-//   gemm %187: [64 x 64] = T[64 x 512] [512 x 64], bf16 operands widened to f32
-static void k39_gemm(char *arena, const MdlHooks *h) {
-  uint16_t *const b33 = (uint16_t *)(arena + 5574784); // %33 cast bf16[512,64]
-  uint16_t *const b185 = (uint16_t *)(arena + 2363520); // %185 cast bf16[512,64]
-  float *const b187 = (float *)(arena + 647424); // %187 matmul d.h.0.proj_w f32[64,64]
+//   gemm %187: [512 x 64] = [512 x 64] T[64 x 64], bf16 operands widened to f32, epilogue after
+//   elementwise over 32768: %190
+static void k39_gemm__cast(char *arena, const MdlHooks *h) {
+  uint16_t *const b34 = (uint16_t *)(arena + 2052096); // %34 cast bf16[64,64]
+  uint16_t *const b186 = (uint16_t *)(arena + 2363520); // %186 cast bf16[512,64]
+  float *const b187 = mdl_scratch(131072); // %187 matmul f32[512,64], kept in this kernel
+  uint16_t *const b190 = (uint16_t *)(arena + 2232448); // %190 cast bf16[8,64,64]
   {
-    float *const w33 = mdl_widen_bf16(b33, 32768, h->nthreads);
-    float *const w185 = mdl_widen_bf16(b185, 32768, h->nthreads);
-    mdl_gemm(h, 1, 0, 64, 64, 512, w33, 64, w185, 64, 0.0f, b187, 64);
-    free(w33);
-    free(w185);
+    float *const w186 = mdl_widen_bf16(b186, 32768, h->nthreads);
+    float *const w34 = mdl_widen_bf16(b34, 4096, h->nthreads);
+    mdl_gemm(h, 0, 1, 512, 64, 64, w186, 64, w34, 64, 0.0f, b187, 64);
+    free(w186);
+    free(w34);
   }
+  #pragma omp parallel for num_threads(h->nthreads) schedule(static)
+  for (int64_t i = 0; i < 32768; i++) {
+    const float v187_i = b187[i];
+    const float v189_i = v187_i;
+    const float v190_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v189_i));
+    b190[i] = mdl_f32_to_bf16(v190_i);
+  }
+  free(b187);
 }
 
 // k40_attention_bwd: attention, 3 ops
-//   %189   attention_bwd      d.h.0.q              line 39    f32[8,64,64]
-//   %190   attention_bwd      d.h.0.k              line 39    f32[8,64,64]
-//   %191   attention_bwd      d.h.0.v              line 39    f32[8,64,64]
+//   %191   attention_bwd      d.h.0.q              line 39    f32[8,64,64]
+//   %192   attention_bwd      d.h.0.k              line 39    f32[8,64,64]
+//   %193   attention_bwd      d.h.0.v              line 39    f32[8,64,64]
 // loops:
 //   attention backward (dq dk dv): B 8, T 64, 4 heads of 16, causal, within documents; one task per (batch, head)
 static void k40_attention_bwd(char *arena, const MdlHooks *h) {
   int32_t *const b3 = (int32_t *)(arena + 2230272); // %3 input doc i32[8,64]
   float *const b27 = (float *)(arena + 3281024); // %27 add f32[8,64,192]
-  float *const b186 = (float *)(arena + 2232448); // %186 matmul f32[512,64]
-  float *const b189 = (float *)(arena + 2560128); // %189 attention_bwd d.h.0.q f32[8,64,64]
-  float *const b190 = (float *)(arena + 2691200); // %190 attention_bwd d.h.0.k f32[8,64,64]
-  float *const b191 = (float *)(arena + 2822272); // %191 attention_bwd d.h.0.v f32[8,64,64]
+  uint16_t *const b190 = (uint16_t *)(arena + 2232448); // %190 cast bf16[8,64,64]
+  float *const b191 = (float *)(arena + 2560128); // %191 attention_bwd d.h.0.q f32[8,64,64]
+  float *const b192 = (float *)(arena + 2691200); // %192 attention_bwd d.h.0.k f32[8,64,64]
+  float *const b193 = (float *)(arena + 2822272); // %193 attention_bwd d.h.0.v f32[8,64,64]
   #pragma omp parallel num_threads(h->nthreads)
   {
     float *restrict kt = memset(mdl_scratch(1536 * sizeof(float)), 0, 1536 * sizeof(float));
@@ -1967,7 +1991,7 @@ static void k40_attention_bwd(char *arena, const MdlHooks *h) {
         }
         float dor[16];
         for (int64_t c = 0; c < 16; c++)
-          dor[c] = mdl_bf16_to_f32(mdl_f32_to_bf16(b186[(b * 64 + i) * 64 + hd * 16 + c]));
+          dor[c] = mdl_bf16_to_f32(b190[(b * 64 + i) * 64 + hd * 16 + c]);
         const float *restrict doi = dor;
         #pragma omp simd
         for (int64_t j = lo; j < hi; j++)
@@ -2029,14 +2053,14 @@ static void k40_attention_bwd(char *arena, const MdlHooks *h) {
           for (int64_t c = 0; c < 16; c++)
             dvj[c] += mdl_bf16_to_f32(mdl_f32_to_bf16(s[j])) * doi[c];
         }
-        float *restrict dq = b189 + (b * 64 + i) * 64 + hd * 16;
+        float *restrict dq = b191 + (b * 64 + i) * 64 + hd * 16;
         for (int64_t c = 0; c < 16; c++)
           dq[c] = 0.25f * (dqi0[c] + dqi1[c]);
       }
       for (int64_t t = 0; t < 64; t++)
-        memcpy(b190 + (b * 64 + t) * 64 + hd * 16, dkh + t * 16, 16 * sizeof(float));
+        memcpy(b192 + (b * 64 + t) * 64 + hd * 16, dkh + t * 16, 16 * sizeof(float));
       for (int64_t t = 0; t < 64; t++)
-        memcpy(b191 + (b * 64 + t) * 64 + hd * 16, dvh + t * 16, 16 * sizeof(float));
+        memcpy(b193 + (b * 64 + t) * 64 + hd * 16, dvh + t * 16, 16 * sizeof(float));
     }
     free(kt);
     free(s);
@@ -2048,22 +2072,22 @@ static void k40_attention_bwd(char *arena, const MdlHooks *h) {
 }
 
 // k41_sum__slice_bwd__add__cast: kernel, 8 ops
-//   %192   slice_bwd                               line 38    f32[8,64,192]
-//   %193   slice_bwd                               line 38    f32[8,64,192]
-//   %194   add                                     line 38    f32[8,64,192]
+//   %194   slice_bwd                               line 38    f32[8,64,192]
 //   %195   slice_bwd                               line 38    f32[8,64,192]
 //   %196   add                                     line 38    f32[8,64,192]
-//   %197   reshape                                 line 38    f32[512,192]
-//   %198   sum                d.h.0.attn_b         line 38    f32[192]
-//   %199   cast                                    line 38    bf16[512,192]
+//   %197   slice_bwd                               line 38    f32[8,64,192]
+//   %198   add                                     line 38    f32[8,64,192]
+//   %199   reshape                                 line 38    f32[512,192]
+//   %200   sum                d.h.0.attn_b         line 38    f32[192]
+//   %201   cast                                    line 38    bf16[512,192]
 // loops:
-//   sum %198: 192 outputs over 512 elements, in 32 blocks of 16
+//   sum %200: 192 outputs over 512 elements, in 32 blocks of 16
 static void k41_sum__slice_bwd__add__cast(char *arena, const MdlHooks *h) {
-  float *const b189 = (float *)(arena + 2560128); // %189 attention_bwd d.h.0.q f32[8,64,64]
-  float *const b190 = (float *)(arena + 2691200); // %190 attention_bwd d.h.0.k f32[8,64,64]
-  float *const b191 = (float *)(arena + 2822272); // %191 attention_bwd d.h.0.v f32[8,64,64]
-  float *const b198 = (float *)(arena + 646656); // %198 sum d.h.0.attn_b f32[192]
-  uint16_t *const b199 = (uint16_t *)(arena + 2232448); // %199 cast bf16[512,192]
+  float *const b191 = (float *)(arena + 2560128); // %191 attention_bwd d.h.0.q f32[8,64,64]
+  float *const b192 = (float *)(arena + 2691200); // %192 attention_bwd d.h.0.k f32[8,64,64]
+  float *const b193 = (float *)(arena + 2822272); // %193 attention_bwd d.h.0.v f32[8,64,64]
+  float *const b200 = (float *)(arena + 646656); // %200 sum d.h.0.attn_b f32[192]
+  uint16_t *const b201 = (uint16_t *)(arena + 2232448); // %201 cast bf16[512,192]
   double *part = mdl_scratch(6144 * sizeof(double));
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
   for (int64_t k = 0; k < 32; k++) {
@@ -2076,20 +2100,20 @@ static void k41_sum__slice_bwd__add__cast(char *arena, const MdlHooks *h) {
         const int64_t ix = l * 192 + c;
         const int64_t j1 = ix % 192;
         const int64_t j2 = j1 >= 128 && j1 < 192 ? ix / 192 * 64 + (j1 - 128) : 0;
-        const float v191_j2 = b191[j2];
-        const float v192_ix = j1 >= 128 && j1 < 192 ? v191_j2 : 0.0f;
+        const float v193_j2 = b193[j2];
+        const float v194_ix = j1 >= 128 && j1 < 192 ? v193_j2 : 0.0f;
         const int64_t j3 = j1 >= 64 && j1 < 128 ? ix / 192 * 64 + (j1 - 64) : 0;
-        const float v190_j3 = b190[j3];
-        const float v193_ix = j1 >= 64 && j1 < 128 ? v190_j3 : 0.0f;
-        const float v194_ix = v192_ix + v193_ix;
-        const int64_t j4 = j1 >= 0 && j1 < 64 ? ix / 192 * 64 + (j1 - 0) : 0;
-        const float v189_j4 = b189[j4];
-        const float v195_ix = j1 >= 0 && j1 < 64 ? v189_j4 : 0.0f;
+        const float v192_j3 = b192[j3];
+        const float v195_ix = j1 >= 64 && j1 < 128 ? v192_j3 : 0.0f;
         const float v196_ix = v194_ix + v195_ix;
-        const float v197_ix = v196_ix;
-        const float v = v197_ix;
-        const float v199_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v197_ix));
-        b199[ix] = mdl_f32_to_bf16(v199_ix);
+        const int64_t j4 = j1 >= 0 && j1 < 64 ? ix / 192 * 64 + (j1 - 0) : 0;
+        const float v191_j4 = b191[j4];
+        const float v197_ix = j1 >= 0 && j1 < 64 ? v191_j4 : 0.0f;
+        const float v198_ix = v196_ix + v197_ix;
+        const float v199_ix = v198_ix;
+        const float v = v199_ix;
+        const float v201_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v199_ix));
+        b201[ix] = mdl_f32_to_bf16(v201_ix);
         p[c] += v;
       }
     }
@@ -2101,60 +2125,60 @@ static void k41_sum__slice_bwd__add__cast(char *arena, const MdlHooks *h) {
       acc += v;
     }
     const float y = (float)acc;
-    b198[r] = y;
+    b200[r] = y;
   }
   free(part);
 }
 
 // k42_gemm: GEMM, 1 op
-//   %200   matmul                                  line 38    f32[512,64]
+//   %202   matmul                                  line 38    f32[512,64]
 // loops:
-//   gemm %200: [512 x 64] = [512 x 192] T[192 x 64], bf16 operands widened to f32
+//   gemm %202: [512 x 64] = [512 x 192] T[192 x 64], bf16 operands widened to f32
 static void k42_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b24 = (uint16_t *)(arena + 2027520); // %24 cast bf16[64,192]
-  uint16_t *const b199 = (uint16_t *)(arena + 2232448); // %199 cast bf16[512,192]
-  float *const b200 = (float *)(arena + 2560128); // %200 matmul f32[512,64]
+  uint16_t *const b201 = (uint16_t *)(arena + 2232448); // %201 cast bf16[512,192]
+  float *const b202 = (float *)(arena + 2560128); // %202 matmul f32[512,64]
   {
-    float *const w199 = mdl_widen_bf16(b199, 98304, h->nthreads);
+    float *const w201 = mdl_widen_bf16(b201, 98304, h->nthreads);
     float *const w24 = mdl_widen_bf16(b24, 12288, h->nthreads);
-    mdl_gemm(h, 0, 1, 512, 64, 192, w199, 192, w24, 192, 0.0f, b200, 64);
-    free(w199);
+    mdl_gemm(h, 0, 1, 512, 64, 192, w201, 192, w24, 192, 0.0f, b202, 64);
+    free(w201);
     free(w24);
   }
 }
 
 // k43_gemm: GEMM, 1 op
-//   %201   matmul             d.h.0.attn_w         line 38    f32[64,192]
+//   %203   matmul             d.h.0.attn_w         line 38    f32[64,192]
 // loops:
-//   gemm %201: [64 x 192] = T[64 x 512] [512 x 192], bf16 operands widened to f32
+//   gemm %203: [64 x 192] = T[64 x 512] [512 x 192], bf16 operands widened to f32
 static void k43_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b23 = (uint16_t *)(arena + 5509248); // %23 cast bf16[512,64]
-  uint16_t *const b199 = (uint16_t *)(arena + 2232448); // %199 cast bf16[512,192]
-  float *const b201 = (float *)(arena + 597504); // %201 matmul d.h.0.attn_w f32[64,192]
+  uint16_t *const b201 = (uint16_t *)(arena + 2232448); // %201 cast bf16[512,192]
+  float *const b203 = (float *)(arena + 597504); // %203 matmul d.h.0.attn_w f32[64,192]
   {
     float *const w23 = mdl_widen_bf16(b23, 32768, h->nthreads);
-    float *const w199 = mdl_widen_bf16(b199, 98304, h->nthreads);
-    mdl_gemm(h, 1, 0, 64, 192, 512, w23, 64, w199, 192, 0.0f, b201, 192);
+    float *const w201 = mdl_widen_bf16(b201, 98304, h->nthreads);
+    mdl_gemm(h, 1, 0, 64, 192, 512, w23, 64, w201, 192, 0.0f, b203, 192);
     free(w23);
-    free(w199);
+    free(w201);
   }
 }
 
 // k44_layernorm_bwd__add: kernel, 4 ops
-//   %203   layernorm_bwd                           line 38    f32[8,64,64]
-//   %204   add                d.x                  line 38    f32[8,64,64]
-//   %205   layernorm_bwd      d.h.0.ln1_w          line 38    f32[64]
-//   %206   layernorm_bwd      d.h.0.ln1_b          line 38    f32[64]
+//   %205   layernorm_bwd                           line 38    f32[8,64,64]
+//   %206   add                d.x                  line 38    f32[8,64,64]
+//   %207   layernorm_bwd      d.h.0.ln1_w          line 38    f32[64]
+//   %208   layernorm_bwd      d.h.0.ln1_b          line 38    f32[64]
 // loops:
 //   layernorm_bwd: 512 rows of 64, column sums over 32 blocks of 16 rows
 static void k44_layernorm_bwd__add(char *arena, const MdlHooks *h) {
   float *const b8 = (float *)(arena + 4591744); // %8 add x f32[8,64,64]
   float *const b9 = (float *)(arena + 98304); // %9 param h.0.ln1_w f32[64]
-  float *const b180 = (float *)(arena + 2429056); // %180 add d.h.0.x f32[8,64,64]
-  float *const b200 = (float *)(arena + 2560128); // %200 matmul f32[512,64]
-  float *const b204 = (float *)(arena + 2232448); // %204 add d.x f32[8,64,64]
-  float *const b205 = (float *)(arena + 596992); // %205 layernorm_bwd d.h.0.ln1_w f32[64]
-  float *const b206 = (float *)(arena + 597248); // %206 layernorm_bwd d.h.0.ln1_b f32[64]
+  float *const b181 = (float *)(arena + 2429056); // %181 add d.h.0.x f32[8,64,64]
+  float *const b202 = (float *)(arena + 2560128); // %202 matmul f32[512,64]
+  float *const b206 = (float *)(arena + 2232448); // %206 add d.x f32[8,64,64]
+  float *const b207 = (float *)(arena + 596992); // %207 layernorm_bwd d.h.0.ln1_w f32[64]
+  float *const b208 = (float *)(arena + 597248); // %208 layernorm_bwd d.h.0.ln1_b f32[64]
   double *pdw = mdl_scratch(2048 * sizeof(double));
   double *pdb = mdl_scratch(2048 * sizeof(double));
   #pragma omp parallel num_threads(h->nthreads)
@@ -2169,7 +2193,7 @@ static void k44_layernorm_bwd__add(char *arena, const MdlHooks *h) {
       const int64_t end = k * 16 + 16 < 512 ? k * 16 + 16 : 512;
       for (int64_t r = k * 16; r < end; r++) {
         const float *x = b8 + r * 64;
-        const float *dy = b200 + r * 64;
+        const float *dy = b202 + r * 64;
         double mean = 0, var = 0, mg = 0, mgx = 0;
         #pragma omp simd reduction(+ : mean)
         for (int64_t j = 0; j < 64; j++)
@@ -2194,9 +2218,9 @@ static void k44_layernorm_bwd__add(char *arena, const MdlHooks *h) {
           dx[j] = (float)(rstd * ((double)dy[j] * b9[j] - mg - (x[j] - mean) * rstd * mgx));
         for (int64_t j = 0; j < 64; j++) {
           const int64_t ix = r * 64 + j;
-          const float v180_ix = b180[ix];
-          const float v204_ix = v180_ix + dx[j];
-          b204[ix] = v204_ix;
+          const float v181_ix = b181[ix];
+          const float v206_ix = v181_ix + dx[j];
+          b206[ix] = v206_ix;
         }
       }
     }
@@ -2208,26 +2232,26 @@ static void k44_layernorm_bwd__add(char *arena, const MdlHooks *h) {
       w += pdw[k * 64 + j];
       b += pdb[k * 64 + j];
     }
-    b205[j] = (float)w;
-    b206[j] = (float)b;
+    b207[j] = (float)w;
+    b208[j] = (float)b;
   }
   free(pdw);
   free(pdb);
 }
 
 // k45_embed_bwd: kernel, 1 op
-//   %207   embed_bwd          d.wpe                line 22    f32[128,64]
+//   %209   embed_bwd          d.wpe                line 22    f32[128,64]
 // loops:
 //   embed backward: 512 rows of 64 into a table of 128, 4 column blocks
 static void k45_embed_bwd(char *arena, const MdlHooks *h) {
   int32_t *const b2 = (int32_t *)(arena + 2228224); // %2 input pos i32[8,64]
-  float *const b204 = (float *)(arena + 2232448); // %204 add d.x f32[8,64,64]
-  float *const b207 = (float *)(arena + 564224); // %207 embed_bwd d.wpe f32[128,64]
+  float *const b206 = (float *)(arena + 2232448); // %206 add d.x f32[8,64,64]
+  float *const b209 = (float *)(arena + 564224); // %209 embed_bwd d.wpe f32[128,64]
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
   for (int64_t k = 0; k < 4; k++) {
     const int64_t c0 = k * 16, c1 = c0 + 16 < 64 ? c0 + 16 : 64;
     for (int64_t t = 0; t < 128; t++)
-      memset(b207 + t * 64 + c0, 0, (size_t)(c1 - c0) * sizeof(float));
+      memset(b209 + t * 64 + c0, 0, (size_t)(c1 - c0) * sizeof(float));
     for (int64_t r = 0; r < 512; r++) {
       const int32_t id = b2[r];
       if (id < 0 || id >= 128) {
@@ -2236,28 +2260,28 @@ static void k45_embed_bwd(char *arena, const MdlHooks *h) {
         continue;
       }
       for (int64_t j = c0; j < c1; j++)
-        b207[(int64_t)id * 64 + j] += b204[r * 64 + j];
+        b209[(int64_t)id * 64 + j] += b206[r * 64 + j];
     }
   }
 }
 
 // k46_embed_bwd__add: kernel, 2 ops
-//   %208   embed_bwd                               line 22    f32[256,64]
-//   %209   add                d.wte                line 22    f32[256,64]
+//   %210   embed_bwd                               line 22    f32[256,64]
+//   %211   add                d.wte                line 22    f32[256,64]
 // loops:
 //   embed backward: 512 rows of 64 into a table of 256, 4 column blocks
-//   elementwise over 16384: %209
+//   elementwise over 16384: %211
 static void k46_embed_bwd__add(char *arena, const MdlHooks *h) {
   int32_t *const b0 = (int32_t *)(arena + 2224128); // %0 input tokens i32[8,64]
   float *const b120 = (float *)(arena + 5902464); // %120 matmul f32[256,64]
-  float *const b204 = (float *)(arena + 2232448); // %204 add d.x f32[8,64,64]
-  float *const b208 = mdl_scratch(65536); // %208 embed_bwd f32[256,64], kept in this kernel
-  float *const b209 = (float *)(arena + 498688); // %209 add d.wte f32[256,64]
+  float *const b206 = (float *)(arena + 2232448); // %206 add d.x f32[8,64,64]
+  float *const b210 = mdl_scratch(65536); // %210 embed_bwd f32[256,64], kept in this kernel
+  float *const b211 = (float *)(arena + 498688); // %211 add d.wte f32[256,64]
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
   for (int64_t k = 0; k < 4; k++) {
     const int64_t c0 = k * 16, c1 = c0 + 16 < 64 ? c0 + 16 : 64;
     for (int64_t t = 0; t < 256; t++)
-      memset(b208 + t * 64 + c0, 0, (size_t)(c1 - c0) * sizeof(float));
+      memset(b210 + t * 64 + c0, 0, (size_t)(c1 - c0) * sizeof(float));
     for (int64_t r = 0; r < 512; r++) {
       const int32_t id = b0[r];
       if (id < 0 || id >= 256) {
@@ -2266,50 +2290,50 @@ static void k46_embed_bwd__add(char *arena, const MdlHooks *h) {
         continue;
       }
       for (int64_t j = c0; j < c1; j++)
-        b208[(int64_t)id * 64 + j] += b204[r * 64 + j];
+        b210[(int64_t)id * 64 + j] += b206[r * 64 + j];
     }
   }
   for (int64_t i = 0; i < 16384; i++) {
     const float v120_i = b120[i];
-    const float v208_i = b208[i];
-    const float v209_i = v120_i + v208_i;
-    b209[i] = v209_i;
+    const float v210_i = b210[i];
+    const float v211_i = v120_i + v210_i;
+    b211[i] = v211_i;
   }
-  free(b208);
+  free(b210);
 }
 
 // k47_grad_norm__adamw: optimizer, 29 ops
-//   %212   grad_norm                                          f32[]
-//   %215   adamw              wte.new              line 19    f32[256,64]
-//   %218   adamw              wpe.new              line 20    f32[128,64]
-//   %221   adamw              h.0.ln1_w.new        line 25    f32[64]
-//   %224   adamw              h.0.ln1_b.new        line 26    f32[64]
-//   %227   adamw              h.0.attn_w.new       line 27    f32[64,192]
-//   %230   adamw              h.0.attn_b.new       line 28    f32[192]
-//   %233   adamw              h.0.proj_w.new       line 29    f32[64,64]
-//   %236   adamw              h.0.proj_b.new       line 30    f32[64]
-//   %239   adamw              h.0.ln2_w.new        line 31    f32[64]
-//   %242   adamw              h.0.ln2_b.new        line 32    f32[64]
-//   %245   adamw              h.0.fc_w.new         line 33    f32[64,256]
-//   %248   adamw              h.0.fc_b.new         line 34    f32[256]
-//   %251   adamw              h.0.fcproj_w.new     line 35    f32[256,64]
-//   %254   adamw              h.0.fcproj_b.new     line 36    f32[64]
-//   %257   adamw              h.1.ln1_w.new        line 25    f32[64]
-//   %260   adamw              h.1.ln1_b.new        line 26    f32[64]
-//   %263   adamw              h.1.attn_w.new       line 27    f32[64,192]
-//   %266   adamw              h.1.attn_b.new       line 28    f32[192]
-//   %269   adamw              h.1.proj_w.new       line 29    f32[64,64]
-//   %272   adamw              h.1.proj_b.new       line 30    f32[64]
-//   %275   adamw              h.1.ln2_w.new        line 31    f32[64]
-//   %278   adamw              h.1.ln2_b.new        line 32    f32[64]
-//   %281   adamw              h.1.fc_w.new         line 33    f32[64,256]
-//   %284   adamw              h.1.fc_b.new         line 34    f32[256]
-//   %287   adamw              h.1.fcproj_w.new     line 35    f32[256,64]
-//   %290   adamw              h.1.fcproj_b.new     line 36    f32[64]
-//   %293   adamw              lnf_w.new            line 43    f32[64]
-//   %296   adamw              lnf_b.new            line 44    f32[64]
+//   %214   grad_norm                                          f32[]
+//   %217   adamw              wte.new              line 19    f32[256,64]
+//   %220   adamw              wpe.new              line 20    f32[128,64]
+//   %223   adamw              h.0.ln1_w.new        line 25    f32[64]
+//   %226   adamw              h.0.ln1_b.new        line 26    f32[64]
+//   %229   adamw              h.0.attn_w.new       line 27    f32[64,192]
+//   %232   adamw              h.0.attn_b.new       line 28    f32[192]
+//   %235   adamw              h.0.proj_w.new       line 29    f32[64,64]
+//   %238   adamw              h.0.proj_b.new       line 30    f32[64]
+//   %241   adamw              h.0.ln2_w.new        line 31    f32[64]
+//   %244   adamw              h.0.ln2_b.new        line 32    f32[64]
+//   %247   adamw              h.0.fc_w.new         line 33    f32[64,256]
+//   %250   adamw              h.0.fc_b.new         line 34    f32[256]
+//   %253   adamw              h.0.fcproj_w.new     line 35    f32[256,64]
+//   %256   adamw              h.0.fcproj_b.new     line 36    f32[64]
+//   %259   adamw              h.1.ln1_w.new        line 25    f32[64]
+//   %262   adamw              h.1.ln1_b.new        line 26    f32[64]
+//   %265   adamw              h.1.attn_w.new       line 27    f32[64,192]
+//   %268   adamw              h.1.attn_b.new       line 28    f32[192]
+//   %271   adamw              h.1.proj_w.new       line 29    f32[64,64]
+//   %274   adamw              h.1.proj_b.new       line 30    f32[64]
+//   %277   adamw              h.1.ln2_w.new        line 31    f32[64]
+//   %280   adamw              h.1.ln2_b.new        line 32    f32[64]
+//   %283   adamw              h.1.fc_w.new         line 33    f32[64,256]
+//   %286   adamw              h.1.fc_b.new         line 34    f32[256]
+//   %289   adamw              h.1.fcproj_w.new     line 35    f32[256,64]
+//   %292   adamw              h.1.fcproj_b.new     line 36    f32[64]
+//   %295   adamw              lnf_w.new            line 43    f32[64]
+//   %298   adamw              lnf_b.new            line 44    f32[64]
 // loops:
-//   gradient norm %212 over 28 tensors, 124672 values
+//   gradient norm %214 over 28 tensors, 124672 values
 //   AdamW over 28 parameters, 124672 values (beta1 0.9, beta2 0.95, eps 1e-08, clip 1); 9 bf16 copies
 static void k47_grad_norm__adamw(char *arena, const MdlHooks *h) {
   float *const b123 = (float *)(arena + 996864); // %123 layernorm_bwd d.lnf_w f32[64]
@@ -2322,47 +2346,47 @@ static void k47_grad_norm__adamw(char *arena, const MdlHooks *h) {
   float *const b141 = (float *)(arena + 864256); // %141 layernorm_bwd d.h.1.ln2_b f32[64]
   float *const b143 = (float *)(arena + 863744); // %143 sum d.h.1.proj_b f32[64]
   float *const b146 = (float *)(arena + 847360); // %146 matmul d.h.1.proj_w f32[64,64]
-  float *const b157 = (float *)(arena + 846592); // %157 sum d.h.1.attn_b f32[192]
-  float *const b160 = (float *)(arena + 797440); // %160 matmul d.h.1.attn_w f32[64,192]
-  float *const b164 = (float *)(arena + 796928); // %164 layernorm_bwd d.h.1.ln1_w f32[64]
-  float *const b165 = (float *)(arena + 797184); // %165 layernorm_bwd d.h.1.ln1_b f32[64]
-  float *const b167 = (float *)(arena + 796672); // %167 sum d.h.0.fcproj_b f32[64]
-  float *const b170 = (float *)(arena + 731136); // %170 matmul d.h.0.fcproj_w f32[256,64]
-  float *const b174 = (float *)(arena + 730112); // %174 sum d.h.0.fc_b f32[256]
-  float *const b177 = (float *)(arena + 664576); // %177 matmul d.h.0.fc_w f32[64,256]
-  float *const b181 = (float *)(arena + 664064); // %181 layernorm_bwd d.h.0.ln2_w f32[64]
-  float *const b182 = (float *)(arena + 664320); // %182 layernorm_bwd d.h.0.ln2_b f32[64]
-  float *const b184 = (float *)(arena + 663808); // %184 sum d.h.0.proj_b f32[64]
-  float *const b187 = (float *)(arena + 647424); // %187 matmul d.h.0.proj_w f32[64,64]
-  float *const b198 = (float *)(arena + 646656); // %198 sum d.h.0.attn_b f32[192]
-  float *const b201 = (float *)(arena + 597504); // %201 matmul d.h.0.attn_w f32[64,192]
-  float *const b205 = (float *)(arena + 596992); // %205 layernorm_bwd d.h.0.ln1_w f32[64]
-  float *const b206 = (float *)(arena + 597248); // %206 layernorm_bwd d.h.0.ln1_b f32[64]
-  float *const b207 = (float *)(arena + 564224); // %207 embed_bwd d.wpe f32[128,64]
-  float *const b209 = (float *)(arena + 498688); // %209 add d.wte f32[256,64]
-  float *const b210 = (float *)(arena + 2232320); // %210 scalar lr f32[]
-  float *const b211 = (float *)(arena + 2232384); // %211 scalar step f32[]
-  float *const b212 = (float *)(arena + 2232448); // %212 grad_norm f32[]
+  float *const b158 = (float *)(arena + 846592); // %158 sum d.h.1.attn_b f32[192]
+  float *const b161 = (float *)(arena + 797440); // %161 matmul d.h.1.attn_w f32[64,192]
+  float *const b165 = (float *)(arena + 796928); // %165 layernorm_bwd d.h.1.ln1_w f32[64]
+  float *const b166 = (float *)(arena + 797184); // %166 layernorm_bwd d.h.1.ln1_b f32[64]
+  float *const b168 = (float *)(arena + 796672); // %168 sum d.h.0.fcproj_b f32[64]
+  float *const b171 = (float *)(arena + 731136); // %171 matmul d.h.0.fcproj_w f32[256,64]
+  float *const b175 = (float *)(arena + 730112); // %175 sum d.h.0.fc_b f32[256]
+  float *const b178 = (float *)(arena + 664576); // %178 matmul d.h.0.fc_w f32[64,256]
+  float *const b182 = (float *)(arena + 664064); // %182 layernorm_bwd d.h.0.ln2_w f32[64]
+  float *const b183 = (float *)(arena + 664320); // %183 layernorm_bwd d.h.0.ln2_b f32[64]
+  float *const b185 = (float *)(arena + 663808); // %185 sum d.h.0.proj_b f32[64]
+  float *const b188 = (float *)(arena + 647424); // %188 matmul d.h.0.proj_w f32[64,64]
+  float *const b200 = (float *)(arena + 646656); // %200 sum d.h.0.attn_b f32[192]
+  float *const b203 = (float *)(arena + 597504); // %203 matmul d.h.0.attn_w f32[64,192]
+  float *const b207 = (float *)(arena + 596992); // %207 layernorm_bwd d.h.0.ln1_w f32[64]
+  float *const b208 = (float *)(arena + 597248); // %208 layernorm_bwd d.h.0.ln1_b f32[64]
+  float *const b209 = (float *)(arena + 564224); // %209 embed_bwd d.wpe f32[128,64]
+  float *const b211 = (float *)(arena + 498688); // %211 add d.wte f32[256,64]
+  float *const b212 = (float *)(arena + 2232320); // %212 scalar lr f32[]
+  float *const b213 = (float *)(arena + 2232384); // %213 scalar step f32[]
+  float *const b214 = (float *)(arena + 2232448); // %214 grad_norm f32[]
   {
     double ss = 0;
-    ss += mdl_sumsq(b209, 16384, h->nthreads); // d.wte
-    ss += mdl_sumsq(b207, 8192, h->nthreads); // d.wpe
-    ss += mdl_sumsq(b205, 64, h->nthreads); // d.h.0.ln1_w
-    ss += mdl_sumsq(b206, 64, h->nthreads); // d.h.0.ln1_b
-    ss += mdl_sumsq(b201, 12288, h->nthreads); // d.h.0.attn_w
-    ss += mdl_sumsq(b198, 192, h->nthreads); // d.h.0.attn_b
-    ss += mdl_sumsq(b187, 4096, h->nthreads); // d.h.0.proj_w
-    ss += mdl_sumsq(b184, 64, h->nthreads); // d.h.0.proj_b
-    ss += mdl_sumsq(b181, 64, h->nthreads); // d.h.0.ln2_w
-    ss += mdl_sumsq(b182, 64, h->nthreads); // d.h.0.ln2_b
-    ss += mdl_sumsq(b177, 16384, h->nthreads); // d.h.0.fc_w
-    ss += mdl_sumsq(b174, 256, h->nthreads); // d.h.0.fc_b
-    ss += mdl_sumsq(b170, 16384, h->nthreads); // d.h.0.fcproj_w
-    ss += mdl_sumsq(b167, 64, h->nthreads); // d.h.0.fcproj_b
-    ss += mdl_sumsq(b164, 64, h->nthreads); // d.h.1.ln1_w
-    ss += mdl_sumsq(b165, 64, h->nthreads); // d.h.1.ln1_b
-    ss += mdl_sumsq(b160, 12288, h->nthreads); // d.h.1.attn_w
-    ss += mdl_sumsq(b157, 192, h->nthreads); // d.h.1.attn_b
+    ss += mdl_sumsq(b211, 16384, h->nthreads); // d.wte
+    ss += mdl_sumsq(b209, 8192, h->nthreads); // d.wpe
+    ss += mdl_sumsq(b207, 64, h->nthreads); // d.h.0.ln1_w
+    ss += mdl_sumsq(b208, 64, h->nthreads); // d.h.0.ln1_b
+    ss += mdl_sumsq(b203, 12288, h->nthreads); // d.h.0.attn_w
+    ss += mdl_sumsq(b200, 192, h->nthreads); // d.h.0.attn_b
+    ss += mdl_sumsq(b188, 4096, h->nthreads); // d.h.0.proj_w
+    ss += mdl_sumsq(b185, 64, h->nthreads); // d.h.0.proj_b
+    ss += mdl_sumsq(b182, 64, h->nthreads); // d.h.0.ln2_w
+    ss += mdl_sumsq(b183, 64, h->nthreads); // d.h.0.ln2_b
+    ss += mdl_sumsq(b178, 16384, h->nthreads); // d.h.0.fc_w
+    ss += mdl_sumsq(b175, 256, h->nthreads); // d.h.0.fc_b
+    ss += mdl_sumsq(b171, 16384, h->nthreads); // d.h.0.fcproj_w
+    ss += mdl_sumsq(b168, 64, h->nthreads); // d.h.0.fcproj_b
+    ss += mdl_sumsq(b165, 64, h->nthreads); // d.h.1.ln1_w
+    ss += mdl_sumsq(b166, 64, h->nthreads); // d.h.1.ln1_b
+    ss += mdl_sumsq(b161, 12288, h->nthreads); // d.h.1.attn_w
+    ss += mdl_sumsq(b158, 192, h->nthreads); // d.h.1.attn_b
     ss += mdl_sumsq(b146, 4096, h->nthreads); // d.h.1.proj_w
     ss += mdl_sumsq(b143, 64, h->nthreads); // d.h.1.proj_b
     ss += mdl_sumsq(b140, 64, h->nthreads); // d.h.1.ln2_w
@@ -2373,7 +2397,7 @@ static void k47_grad_norm__adamw(char *arena, const MdlHooks *h) {
     ss += mdl_sumsq(b126, 64, h->nthreads); // d.h.1.fcproj_b
     ss += mdl_sumsq(b123, 64, h->nthreads); // d.lnf_w
     ss += mdl_sumsq(b124, 64, h->nthreads); // d.lnf_b
-    b212[0] = (float)sqrt(ss);
+    b214[0] = (float)sqrt(ss);
   }
   {
     static const struct {
@@ -2409,9 +2433,9 @@ static void k47_grad_norm__adamw(char *arena, const MdlHooks *h) {
         {498176, 996864, 1495552, 1994240, -1, 64, 0.0}, // lnf_w
         {498432, 997120, 1495808, 1994496, -1, 64, 0.0}, // lnf_b
     };
-    const double clip = 1.0, gnorm = b212[0];
+    const double clip = 1.0, gnorm = b214[0];
     const double s = clip > 0 ? fmin(1.0, clip / (gnorm + 1e-6)) : 1.0;
-    const double lr = b210[0], step = b211[0];
+    const double lr = b212[0], step = b213[0];
     const double b1 = 0.9, b2 = 0.95, eps = 1e-08;
     const double c1 = 1.0 / (1.0 - pow(b1, step)), c2 = 1.0 / (1.0 - pow(b2, step));
     #pragma omp parallel num_threads(h->nthreads)
@@ -2463,7 +2487,7 @@ void mdl_step(char *arena, const MdlHooks *h) {
   k24_gemm(arena, h);
   k25_layernorm_bwd__add__sum__cast(arena, h);
   k26_gemm(arena, h);
-  k27_gemm(arena, h);
+  k27_gemm__cast(arena, h);
   k28_attention_bwd(arena, h);
   k29_sum__slice_bwd__add__cast(arena, h);
   k30_gemm(arena, h);
@@ -2475,7 +2499,7 @@ void mdl_step(char *arena, const MdlHooks *h) {
   k36_gemm(arena, h);
   k37_layernorm_bwd__add__sum__cast(arena, h);
   k38_gemm(arena, h);
-  k39_gemm(arena, h);
+  k39_gemm__cast(arena, h);
   k40_attention_bwd(arena, h);
   k41_sum__slice_bwd__add__cast(arena, h);
   k42_gemm(arena, h);
@@ -2514,7 +2538,7 @@ const MdlKernel mdl_kernels[] = {
     {"k24_gemm", k24_gemm},
     {"k25_layernorm_bwd__add__sum__cast", k25_layernorm_bwd__add__sum__cast},
     {"k26_gemm", k26_gemm},
-    {"k27_gemm", k27_gemm},
+    {"k27_gemm__cast", k27_gemm__cast},
     {"k28_attention_bwd", k28_attention_bwd},
     {"k29_sum__slice_bwd__add__cast", k29_sum__slice_bwd__add__cast},
     {"k30_gemm", k30_gemm},
@@ -2526,7 +2550,7 @@ const MdlKernel mdl_kernels[] = {
     {"k36_gemm", k36_gemm},
     {"k37_layernorm_bwd__add__sum__cast", k37_layernorm_bwd__add__sum__cast},
     {"k38_gemm", k38_gemm},
-    {"k39_gemm", k39_gemm},
+    {"k39_gemm__cast", k39_gemm__cast},
     {"k40_attention_bwd", k40_attention_bwd},
     {"k41_sum__slice_bwd__add__cast", k41_sum__slice_bwd__add__cast},
     {"k42_gemm", k42_gemm},

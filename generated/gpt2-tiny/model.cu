@@ -1078,19 +1078,21 @@ extern "C" __global__ void __launch_bounds__(256) k25_layernorm_bwd__add__sum__c
 }
 
 // k26_gemm: GEMM, 1 op
-//   %145   matmul                                  line 39    f32[512,64]
-// runs:
-//   gemm 15: [512 x 64] = [512 x 64] T[64 x 64], bf16 A and B, f32 C
-
-// k27_gemm: GEMM, 1 op
 //   %146   matmul             d.h.1.proj_w         line 39    f32[64,64]
 // runs:
-//   gemm 16: [64 x 64] = T[64 x 512] [512 x 64], bf16 A and B, f32 C
+//   gemm 15: [64 x 64] = T[64 x 512] [512 x 64], bf16 A and B, f32 C
+
+// k27_gemm__cast: GEMM, 3 ops
+//   %145   matmul                                  line 39    f32[512,64]
+//   %147   reshape                                 line 39    f32[8,64,64]
+//   %148   cast                                    line 39    bf16[8,64,64]
+// runs:
+//   gemm 16: [512 x 64] = [512 x 64] T[64 x 64], bf16 A and B, bf16 C
 
 // k28_attention_bwd: attention, 3 ops
-//   %148   attention_bwd      d.h.1.q              line 39    f32[8,64,64]
-//   %149   attention_bwd      d.h.1.k              line 39    f32[8,64,64]
-//   %150   attention_bwd      d.h.1.v              line 39    f32[8,64,64]
+//   %149   attention_bwd      d.h.1.q              line 39    f32[8,64,64]
+//   %150   attention_bwd      d.h.1.k              line 39    f32[8,64,64]
+//   %151   attention_bwd      d.h.1.v              line 39    f32[8,64,64]
 // runs:
 //   k28_attention_bwd_stats<<<32, 128>>>
 //   k28_attention_bwd_dq<<<32, 128>>>
@@ -1099,7 +1101,7 @@ extern "C" __global__ void __launch_bounds__(256) k25_layernorm_bwd__add__sum__c
 // attention backward, row statistics on tensor cores: B 8, T 64, 4 heads of 16, causal, within documents; a block of 4 warps per (batch, head, 64 queries), 16 query rows per warp, keys in tiles of 64; bf16 products (mma m16n8k16), f32 softmax
 extern "C" __global__ void __launch_bounds__(128) k28_attention_bwd_stats(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
   float *const b0 = (float *)(arena + o.b[0]); // add f32[8,64,192]
-  float *const b1 = (float *)(arena + o.b[1]); // matmul f32[512,64]
+  uint16_t *const b1 = (uint16_t *)(arena + o.b[1]); // cast bf16[8,64,64]
   int32_t *const b2 = (int32_t *)(arena + o.b[2]); // input i32[8,64]
   float *const b3 = (float *)(arena + o.b[3]); // log-sum-exp per row
   float *const b4 = (float *)(arena + o.b[4]); // dout . out per row
@@ -1123,10 +1125,10 @@ extern "C" __global__ void __launch_bounds__(128) k28_attention_bwd_stats(char *
   #pragma unroll
   for (int k = 0; k < 1; k++) {
     const int c = 16 * k + 2 * tq;
-    oa[k][0] = r0 < 64 ? mdl_bf16x2(b1[(b * 64 + r0) * 64 + hd * 16 + c], b1[(b * 64 + r0) * 64 + hd * 16 + c + 1]) : 0u;
-    oa[k][1] = r1 < 64 ? mdl_bf16x2(b1[(b * 64 + r1) * 64 + hd * 16 + c], b1[(b * 64 + r1) * 64 + hd * 16 + c + 1]) : 0u;
-    oa[k][2] = r0 < 64 ? mdl_bf16x2(b1[(b * 64 + r0) * 64 + hd * 16 + c + 8], b1[(b * 64 + r0) * 64 + hd * 16 + c + 9]) : 0u;
-    oa[k][3] = r1 < 64 ? mdl_bf16x2(b1[(b * 64 + r1) * 64 + hd * 16 + c + 8], b1[(b * 64 + r1) * 64 + hd * 16 + c + 9]) : 0u;
+    oa[k][0] = r0 < 64 ? ((uint32_t)b1[(b * 64 + r0) * 64 + hd * 16 + c] | (uint32_t)b1[(b * 64 + r0) * 64 + hd * 16 + c + 1] << 16) : 0u;
+    oa[k][1] = r1 < 64 ? ((uint32_t)b1[(b * 64 + r1) * 64 + hd * 16 + c] | (uint32_t)b1[(b * 64 + r1) * 64 + hd * 16 + c + 1] << 16) : 0u;
+    oa[k][2] = r0 < 64 ? ((uint32_t)b1[(b * 64 + r0) * 64 + hd * 16 + c + 8] | (uint32_t)b1[(b * 64 + r0) * 64 + hd * 16 + c + 9] << 16) : 0u;
+    oa[k][3] = r1 < 64 ? ((uint32_t)b1[(b * 64 + r1) * 64 + hd * 16 + c + 8] | (uint32_t)b1[(b * 64 + r1) * 64 + hd * 16 + c + 9] << 16) : 0u;
   }
   const int32_t d0 = r0 < 64 ? b2[b * 64 + r0] : 0, d1 = r1 < 64 ? b2[b * 64 + r1] : 0;
   // Per row: the running maximum m and this lane's parts of the sum l and of D.
@@ -1138,9 +1140,9 @@ extern "C" __global__ void __launch_bounds__(128) k28_attention_bwd_stats(char *
       const int jj = u / 4, c = u % 4 * 4;
       const bool in = k0 + jj < 64;
       const float4 ax = in ? *(const float4 *)&(b0 + 64)[(b * 64 + k0 + jj) * 192 + hd * 16 + c] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-      const float4 bx = in ? *(const float4 *)&(b0 + 128)[(b * 64 + k0 + jj) * 192 + hd * 16 + c] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
       Ks[jj][c / 2] = mdl_bf16x2(ax.x, ax.y);
       Ks[jj][c / 2 + 1] = mdl_bf16x2(ax.z, ax.w);
+      const float4 bx = in ? *(const float4 *)&(b0 + 128)[(b * 64 + k0 + jj) * 192 + hd * 16 + c] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
       Vs[jj][c / 2] = mdl_bf16x2(bx.x, bx.y);
       Vs[jj][c / 2 + 1] = mdl_bf16x2(bx.z, bx.w);
     }
@@ -1228,7 +1230,7 @@ extern "C" __global__ void __launch_bounds__(128) k28_attention_bwd_stats(char *
 // attention backward, dq on tensor cores: B 8, T 64, 4 heads of 16, causal, within documents; a block of 4 warps per (batch, head, 64 queries), 16 query rows per warp, keys in tiles of 64; bf16 products (mma m16n8k16)
 extern "C" __global__ void __launch_bounds__(128) k28_attention_bwd_dq(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
   float *const b0 = (float *)(arena + o.b[0]); // add f32[8,64,192]
-  float *const b1 = (float *)(arena + o.b[1]); // matmul f32[512,64]
+  uint16_t *const b1 = (uint16_t *)(arena + o.b[1]); // cast bf16[8,64,64]
   int32_t *const b2 = (int32_t *)(arena + o.b[2]); // input i32[8,64]
   float *const b3 = (float *)(arena + o.b[3]); // log-sum-exp per row
   float *const b4 = (float *)(arena + o.b[4]); // dout . out per row
@@ -1253,10 +1255,10 @@ extern "C" __global__ void __launch_bounds__(128) k28_attention_bwd_dq(char *are
   #pragma unroll
   for (int k = 0; k < 1; k++) {
     const int c = 16 * k + 2 * tq;
-    oa[k][0] = r0 < 64 ? mdl_bf16x2(b1[(b * 64 + r0) * 64 + hd * 16 + c], b1[(b * 64 + r0) * 64 + hd * 16 + c + 1]) : 0u;
-    oa[k][1] = r1 < 64 ? mdl_bf16x2(b1[(b * 64 + r1) * 64 + hd * 16 + c], b1[(b * 64 + r1) * 64 + hd * 16 + c + 1]) : 0u;
-    oa[k][2] = r0 < 64 ? mdl_bf16x2(b1[(b * 64 + r0) * 64 + hd * 16 + c + 8], b1[(b * 64 + r0) * 64 + hd * 16 + c + 9]) : 0u;
-    oa[k][3] = r1 < 64 ? mdl_bf16x2(b1[(b * 64 + r1) * 64 + hd * 16 + c + 8], b1[(b * 64 + r1) * 64 + hd * 16 + c + 9]) : 0u;
+    oa[k][0] = r0 < 64 ? ((uint32_t)b1[(b * 64 + r0) * 64 + hd * 16 + c] | (uint32_t)b1[(b * 64 + r0) * 64 + hd * 16 + c + 1] << 16) : 0u;
+    oa[k][1] = r1 < 64 ? ((uint32_t)b1[(b * 64 + r1) * 64 + hd * 16 + c] | (uint32_t)b1[(b * 64 + r1) * 64 + hd * 16 + c + 1] << 16) : 0u;
+    oa[k][2] = r0 < 64 ? ((uint32_t)b1[(b * 64 + r0) * 64 + hd * 16 + c + 8] | (uint32_t)b1[(b * 64 + r0) * 64 + hd * 16 + c + 9] << 16) : 0u;
+    oa[k][3] = r1 < 64 ? ((uint32_t)b1[(b * 64 + r1) * 64 + hd * 16 + c + 8] | (uint32_t)b1[(b * 64 + r1) * 64 + hd * 16 + c + 9] << 16) : 0u;
   }
   const int32_t d0 = r0 < 64 ? b2[b * 64 + r0] : 0, d1 = r1 < 64 ? b2[b * 64 + r1] : 0;
   const float l0 = r0 < 64 ? b3[(b * 4 + hd) * 64 + r0] : 0.0f, s0 = r0 < 64 ? b4[(b * 4 + hd) * 64 + r0] : 0.0f;
@@ -1273,9 +1275,9 @@ extern "C" __global__ void __launch_bounds__(128) k28_attention_bwd_dq(char *are
       const int jj = u / 4, c = u % 4 * 4;
       const bool in = k0 + jj < 64;
       const float4 ax = in ? *(const float4 *)&(b0 + 64)[(b * 64 + k0 + jj) * 192 + hd * 16 + c] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-      const float4 bx = in ? *(const float4 *)&(b0 + 128)[(b * 64 + k0 + jj) * 192 + hd * 16 + c] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
       Ks[jj][c / 2] = mdl_bf16x2(ax.x, ax.y);
       Ks[jj][c / 2 + 1] = mdl_bf16x2(ax.z, ax.w);
+      const float4 bx = in ? *(const float4 *)&(b0 + 128)[(b * 64 + k0 + jj) * 192 + hd * 16 + c] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
       Vs[jj][c / 2] = mdl_bf16x2(bx.x, bx.y);
       Vs[jj][c / 2 + 1] = mdl_bf16x2(bx.z, bx.w);
     }
@@ -1345,7 +1347,7 @@ extern "C" __global__ void __launch_bounds__(128) k28_attention_bwd_dkv(char *ar
   int32_t *const b1 = (int32_t *)(arena + o.b[1]); // input i32[8,64]
   float *const b2 = (float *)(arena + o.b[2]); // log-sum-exp per row
   float *const b3 = (float *)(arena + o.b[3]); // dout . out per row
-  float *const b4 = (float *)(arena + o.b[4]); // matmul f32[512,64]
+  uint16_t *const b4 = (uint16_t *)(arena + o.b[4]); // cast bf16[8,64,64]
   float *const b5 = (float *)(arena + o.b[5]); // attention_bwd f32[8,64,64]
   float *const b6 = (float *)(arena + o.b[6]); // attention_bwd f32[8,64,64]
   __shared__ uint32_t Qs[64][12], Os[64][12]; // the tile's queries and dout, bf16 pairs
@@ -1389,11 +1391,11 @@ extern "C" __global__ void __launch_bounds__(128) k28_attention_bwd_dkv(char *ar
       const int jj = u / 4, c = u % 4 * 4;
       const bool in = i0 + jj < 64;
       const float4 ax = in ? *(const float4 *)&b0[(b * 64 + i0 + jj) * 192 + hd * 16 + c] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-      const float4 bx = in ? *(const float4 *)&b4[(b * 64 + i0 + jj) * 64 + hd * 16 + c] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
       Qs[jj][c / 2] = mdl_bf16x2(ax.x, ax.y);
       Qs[jj][c / 2 + 1] = mdl_bf16x2(ax.z, ax.w);
-      Os[jj][c / 2] = mdl_bf16x2(bx.x, bx.y);
-      Os[jj][c / 2 + 1] = mdl_bf16x2(bx.z, bx.w);
+      const ushort4 bx = in ? *(const ushort4 *)&b4[(b * 64 + i0 + jj) * 64 + hd * 16 + c] : make_ushort4(0, 0, 0, 0);
+      Os[jj][c / 2] = (uint32_t)bx.x | (uint32_t)bx.y << 16;
+      Os[jj][c / 2 + 1] = (uint32_t)bx.z | (uint32_t)bx.w << 16;
     }
     if (threadIdx.x < 64) {
       const int i = i0 + threadIdx.x;
@@ -1471,14 +1473,14 @@ extern "C" __global__ void __launch_bounds__(128) k28_attention_bwd_dkv(char *ar
 }
 
 // k29_sum__slice_bwd__add__cast: kernel, 8 ops
-//   %151   slice_bwd                               line 38    f32[8,64,192]
 //   %152   slice_bwd                               line 38    f32[8,64,192]
-//   %153   add                                     line 38    f32[8,64,192]
-//   %154   slice_bwd                               line 38    f32[8,64,192]
-//   %155   add                                     line 38    f32[8,64,192]
-//   %156   reshape                                 line 38    f32[512,192]
-//   %157   sum                d.h.1.attn_b         line 38    f32[192]
-//   %158   cast                                    line 38    bf16[512,192]
+//   %153   slice_bwd                               line 38    f32[8,64,192]
+//   %154   add                                     line 38    f32[8,64,192]
+//   %155   slice_bwd                               line 38    f32[8,64,192]
+//   %156   add                                     line 38    f32[8,64,192]
+//   %157   reshape                                 line 38    f32[512,192]
+//   %158   sum                d.h.1.attn_b         line 38    f32[192]
+//   %159   cast                                    line 38    bf16[512,192]
 // runs:
 //   k29_sum__slice_bwd__add__cast_partial<<<48, 256>>>
 //   k29_sum__slice_bwd__add__cast<<<24, 256>>>
@@ -1545,23 +1547,23 @@ extern "C" __global__ void __launch_bounds__(256) k29_sum__slice_bwd__add__cast(
 }
 
 // k30_gemm: GEMM, 1 op
-//   %159   matmul                                  line 38    f32[512,64]
+//   %160   matmul                                  line 38    f32[512,64]
 // runs:
 //   gemm 17: [512 x 64] = [512 x 192] T[192 x 64], bf16 A and B, f32 C
 
 // k31_gemm: GEMM, 1 op
-//   %160   matmul             d.h.1.attn_w         line 38    f32[64,192]
+//   %161   matmul             d.h.1.attn_w         line 38    f32[64,192]
 // runs:
 //   gemm 18: [64 x 192] = T[64 x 512] [512 x 192], bf16 A and B, f32 C
 
 // k32_layernorm_bwd__add__sum__cast: kernel, 7 ops
-//   %162   layernorm_bwd                           line 38    f32[8,64,64]
-//   %163   add                d.h.0.x              line 38    f32[8,64,64]
-//   %164   layernorm_bwd      d.h.1.ln1_w          line 38    f32[64]
-//   %165   layernorm_bwd      d.h.1.ln1_b          line 38    f32[64]
-//   %166   reshape                                 line 40    f32[512,64]
-//   %167   sum                d.h.0.fcproj_b       line 40    f32[64]
-//   %168   cast                                    line 40    bf16[512,64]
+//   %163   layernorm_bwd                           line 38    f32[8,64,64]
+//   %164   add                d.h.0.x              line 38    f32[8,64,64]
+//   %165   layernorm_bwd      d.h.1.ln1_w          line 38    f32[64]
+//   %166   layernorm_bwd      d.h.1.ln1_b          line 38    f32[64]
+//   %167   reshape                                 line 40    f32[512,64]
+//   %168   sum                d.h.0.fcproj_b       line 40    f32[64]
+//   %169   cast                                    line 40    bf16[512,64]
 // runs:
 //   k32_layernorm_bwd__add__sum__cast<<<64, 256>>>
 //   k20_layernorm_bwd__sum__cast_colsum<<<8, 1024>>>
@@ -1648,91 +1650,93 @@ extern "C" __global__ void __launch_bounds__(256) k32_layernorm_bwd__add__sum__c
 }
 
 // k33_gemm: GEMM, 1 op
-//   %170   matmul             d.h.0.fcproj_w       line 40    f32[256,64]
+//   %171   matmul             d.h.0.fcproj_w       line 40    f32[256,64]
 // runs:
 //   gemm 19: [256 x 64] = T[256 x 512] [512 x 64], bf16 A and B, f32 C
 
 // k34_gemm__gelu_bwd__sum__cast: GEMM, 6 ops
-//   %169   matmul                                  line 40    f32[512,256]
-//   %171   reshape                                 line 40    f32[8,64,256]
-//   %172   gelu_bwd                                line 40    f32[8,64,256]
-//   %173   reshape                                 line 40    f32[512,256]
-//   %174   sum                d.h.0.fc_b           line 40    f32[256]
-//   %175   cast                                    line 40    bf16[512,256]
+//   %170   matmul                                  line 40    f32[512,256]
+//   %172   reshape                                 line 40    f32[8,64,256]
+//   %173   gelu_bwd                                line 40    f32[8,64,256]
+//   %174   reshape                                 line 40    f32[512,256]
+//   %175   sum                d.h.0.fc_b           line 40    f32[256]
+//   %176   cast                                    line 40    bf16[512,256]
 // runs:
 //   gemm 20: [512 x 256] = [512 x 64] T[64 x 256], bf16 A and B, f32 C
 //   k22_gemm__gelu_bwd__sum__cast_partial<<<64, 256>>>
 //   k22_gemm__gelu_bwd__sum__cast<<<32, 256>>>
 
 // k35_gemm: GEMM, 1 op
-//   %176   matmul                                  line 40    f32[512,64]
+//   %177   matmul                                  line 40    f32[512,64]
 // runs:
 //   gemm 21: [512 x 64] = [512 x 256] T[256 x 64], bf16 A and B, f32 C
 
 // k36_gemm: GEMM, 1 op
-//   %177   matmul             d.h.0.fc_w           line 40    f32[64,256]
+//   %178   matmul             d.h.0.fc_w           line 40    f32[64,256]
 // runs:
 //   gemm 22: [64 x 256] = T[64 x 512] [512 x 256], bf16 A and B, f32 C
 
 // k37_layernorm_bwd__add__sum__cast: kernel, 7 ops
-//   %179   layernorm_bwd                           line 40    f32[8,64,64]
-//   %180   add                d.h.0.x              line 40    f32[8,64,64]
-//   %181   layernorm_bwd      d.h.0.ln2_w          line 40    f32[64]
-//   %182   layernorm_bwd      d.h.0.ln2_b          line 40    f32[64]
-//   %183   reshape                                 line 39    f32[512,64]
-//   %184   sum                d.h.0.proj_b         line 39    f32[64]
-//   %185   cast                                    line 39    bf16[512,64]
+//   %180   layernorm_bwd                           line 40    f32[8,64,64]
+//   %181   add                d.h.0.x              line 40    f32[8,64,64]
+//   %182   layernorm_bwd      d.h.0.ln2_w          line 40    f32[64]
+//   %183   layernorm_bwd      d.h.0.ln2_b          line 40    f32[64]
+//   %184   reshape                                 line 39    f32[512,64]
+//   %185   sum                d.h.0.proj_b         line 39    f32[64]
+//   %186   cast                                    line 39    bf16[512,64]
 // runs:
 //   k32_layernorm_bwd__add__sum__cast<<<64, 256>>>
 //   k20_layernorm_bwd__sum__cast_colsum<<<8, 1024>>>
 
 // k38_gemm: GEMM, 1 op
-//   %186   matmul                                  line 39    f32[512,64]
+//   %188   matmul             d.h.0.proj_w         line 39    f32[64,64]
 // runs:
-//   gemm 23: [512 x 64] = [512 x 64] T[64 x 64], bf16 A and B, f32 C
+//   gemm 23: [64 x 64] = T[64 x 512] [512 x 64], bf16 A and B, f32 C
 
-// k39_gemm: GEMM, 1 op
-//   %187   matmul             d.h.0.proj_w         line 39    f32[64,64]
+// k39_gemm__cast: GEMM, 3 ops
+//   %187   matmul                                  line 39    f32[512,64]
+//   %189   reshape                                 line 39    f32[8,64,64]
+//   %190   cast                                    line 39    bf16[8,64,64]
 // runs:
-//   gemm 24: [64 x 64] = T[64 x 512] [512 x 64], bf16 A and B, f32 C
+//   gemm 24: [512 x 64] = [512 x 64] T[64 x 64], bf16 A and B, bf16 C
 
 // k40_attention_bwd: attention, 3 ops
-//   %189   attention_bwd      d.h.0.q              line 39    f32[8,64,64]
-//   %190   attention_bwd      d.h.0.k              line 39    f32[8,64,64]
-//   %191   attention_bwd      d.h.0.v              line 39    f32[8,64,64]
+//   %191   attention_bwd      d.h.0.q              line 39    f32[8,64,64]
+//   %192   attention_bwd      d.h.0.k              line 39    f32[8,64,64]
+//   %193   attention_bwd      d.h.0.v              line 39    f32[8,64,64]
 // runs:
 //   k28_attention_bwd_stats<<<32, 128>>>
 //   k28_attention_bwd_dq<<<32, 128>>>
 //   k28_attention_bwd_dkv<<<32, 128>>>
 
 // k41_sum__slice_bwd__add__cast: kernel, 8 ops
-//   %192   slice_bwd                               line 38    f32[8,64,192]
-//   %193   slice_bwd                               line 38    f32[8,64,192]
-//   %194   add                                     line 38    f32[8,64,192]
+//   %194   slice_bwd                               line 38    f32[8,64,192]
 //   %195   slice_bwd                               line 38    f32[8,64,192]
 //   %196   add                                     line 38    f32[8,64,192]
-//   %197   reshape                                 line 38    f32[512,192]
-//   %198   sum                d.h.0.attn_b         line 38    f32[192]
-//   %199   cast                                    line 38    bf16[512,192]
+//   %197   slice_bwd                               line 38    f32[8,64,192]
+//   %198   add                                     line 38    f32[8,64,192]
+//   %199   reshape                                 line 38    f32[512,192]
+//   %200   sum                d.h.0.attn_b         line 38    f32[192]
+//   %201   cast                                    line 38    bf16[512,192]
 // runs:
 //   k29_sum__slice_bwd__add__cast_partial<<<48, 256>>>
 //   k29_sum__slice_bwd__add__cast<<<24, 256>>>
 
 // k42_gemm: GEMM, 1 op
-//   %200   matmul                                  line 38    f32[512,64]
+//   %202   matmul                                  line 38    f32[512,64]
 // runs:
 //   gemm 25: [512 x 64] = [512 x 192] T[192 x 64], bf16 A and B, f32 C
 
 // k43_gemm: GEMM, 1 op
-//   %201   matmul             d.h.0.attn_w         line 38    f32[64,192]
+//   %203   matmul             d.h.0.attn_w         line 38    f32[64,192]
 // runs:
 //   gemm 26: [64 x 192] = T[64 x 512] [512 x 192], bf16 A and B, f32 C
 
 // k44_layernorm_bwd__add: kernel, 4 ops
-//   %203   layernorm_bwd                           line 38    f32[8,64,64]
-//   %204   add                d.x                  line 38    f32[8,64,64]
-//   %205   layernorm_bwd      d.h.0.ln1_w          line 38    f32[64]
-//   %206   layernorm_bwd      d.h.0.ln1_b          line 38    f32[64]
+//   %205   layernorm_bwd                           line 38    f32[8,64,64]
+//   %206   add                d.x                  line 38    f32[8,64,64]
+//   %207   layernorm_bwd      d.h.0.ln1_w          line 38    f32[64]
+//   %208   layernorm_bwd      d.h.0.ln1_b          line 38    f32[64]
 // runs:
 //   k44_layernorm_bwd__add<<<64, 256>>>
 //   k44_layernorm_bwd__add_colsum<<<8, 1024>>>
@@ -1845,7 +1849,7 @@ extern "C" __global__ void __launch_bounds__(1024) k44_layernorm_bwd__add_colsum
 }
 
 // k45_embed_bwd: kernel, 1 op
-//   %207   embed_bwd          d.wpe                line 22    f32[128,64]
+//   %209   embed_bwd          d.wpe                line 22    f32[128,64]
 // runs:
 //   k45_embed_bwd_zero<<<1, 32>>>
 //   k45_embed_bwd_count<<<2, 256>>>
@@ -1962,8 +1966,8 @@ extern "C" __global__ void __launch_bounds__(64) k45_embed_bwd(char *arena, MdlS
 }
 
 // k46_embed_bwd__add: kernel, 2 ops
-//   %208   embed_bwd                               line 22    f32[256,64]
-//   %209   add                d.wte                line 22    f32[256,64]
+//   %210   embed_bwd                               line 22    f32[256,64]
+//   %211   add                d.wte                line 22    f32[256,64]
 // runs:
 //   k46_embed_bwd__add_zero<<<1, 32>>>
 //   k46_embed_bwd__add_count<<<2, 256>>>
@@ -2083,35 +2087,35 @@ extern "C" __global__ void __launch_bounds__(64) k46_embed_bwd__add(char *arena,
 }
 
 // k47_grad_norm__adamw: optimizer, 29 ops
-//   %212   grad_norm                                          f32[]
-//   %215   adamw              wte.new              line 19    f32[256,64]
-//   %218   adamw              wpe.new              line 20    f32[128,64]
-//   %221   adamw              h.0.ln1_w.new        line 25    f32[64]
-//   %224   adamw              h.0.ln1_b.new        line 26    f32[64]
-//   %227   adamw              h.0.attn_w.new       line 27    f32[64,192]
-//   %230   adamw              h.0.attn_b.new       line 28    f32[192]
-//   %233   adamw              h.0.proj_w.new       line 29    f32[64,64]
-//   %236   adamw              h.0.proj_b.new       line 30    f32[64]
-//   %239   adamw              h.0.ln2_w.new        line 31    f32[64]
-//   %242   adamw              h.0.ln2_b.new        line 32    f32[64]
-//   %245   adamw              h.0.fc_w.new         line 33    f32[64,256]
-//   %248   adamw              h.0.fc_b.new         line 34    f32[256]
-//   %251   adamw              h.0.fcproj_w.new     line 35    f32[256,64]
-//   %254   adamw              h.0.fcproj_b.new     line 36    f32[64]
-//   %257   adamw              h.1.ln1_w.new        line 25    f32[64]
-//   %260   adamw              h.1.ln1_b.new        line 26    f32[64]
-//   %263   adamw              h.1.attn_w.new       line 27    f32[64,192]
-//   %266   adamw              h.1.attn_b.new       line 28    f32[192]
-//   %269   adamw              h.1.proj_w.new       line 29    f32[64,64]
-//   %272   adamw              h.1.proj_b.new       line 30    f32[64]
-//   %275   adamw              h.1.ln2_w.new        line 31    f32[64]
-//   %278   adamw              h.1.ln2_b.new        line 32    f32[64]
-//   %281   adamw              h.1.fc_w.new         line 33    f32[64,256]
-//   %284   adamw              h.1.fc_b.new         line 34    f32[256]
-//   %287   adamw              h.1.fcproj_w.new     line 35    f32[256,64]
-//   %290   adamw              h.1.fcproj_b.new     line 36    f32[64]
-//   %293   adamw              lnf_w.new            line 43    f32[64]
-//   %296   adamw              lnf_b.new            line 44    f32[64]
+//   %214   grad_norm                                          f32[]
+//   %217   adamw              wte.new              line 19    f32[256,64]
+//   %220   adamw              wpe.new              line 20    f32[128,64]
+//   %223   adamw              h.0.ln1_w.new        line 25    f32[64]
+//   %226   adamw              h.0.ln1_b.new        line 26    f32[64]
+//   %229   adamw              h.0.attn_w.new       line 27    f32[64,192]
+//   %232   adamw              h.0.attn_b.new       line 28    f32[192]
+//   %235   adamw              h.0.proj_w.new       line 29    f32[64,64]
+//   %238   adamw              h.0.proj_b.new       line 30    f32[64]
+//   %241   adamw              h.0.ln2_w.new        line 31    f32[64]
+//   %244   adamw              h.0.ln2_b.new        line 32    f32[64]
+//   %247   adamw              h.0.fc_w.new         line 33    f32[64,256]
+//   %250   adamw              h.0.fc_b.new         line 34    f32[256]
+//   %253   adamw              h.0.fcproj_w.new     line 35    f32[256,64]
+//   %256   adamw              h.0.fcproj_b.new     line 36    f32[64]
+//   %259   adamw              h.1.ln1_w.new        line 25    f32[64]
+//   %262   adamw              h.1.ln1_b.new        line 26    f32[64]
+//   %265   adamw              h.1.attn_w.new       line 27    f32[64,192]
+//   %268   adamw              h.1.attn_b.new       line 28    f32[192]
+//   %271   adamw              h.1.proj_w.new       line 29    f32[64,64]
+//   %274   adamw              h.1.proj_b.new       line 30    f32[64]
+//   %277   adamw              h.1.ln2_w.new        line 31    f32[64]
+//   %280   adamw              h.1.ln2_b.new        line 32    f32[64]
+//   %283   adamw              h.1.fc_w.new         line 33    f32[64,256]
+//   %286   adamw              h.1.fc_b.new         line 34    f32[256]
+//   %289   adamw              h.1.fcproj_w.new     line 35    f32[256,64]
+//   %292   adamw              h.1.fcproj_b.new     line 36    f32[64]
+//   %295   adamw              lnf_w.new            line 43    f32[64]
+//   %298   adamw              lnf_b.new            line 44    f32[64]
 // runs:
 //   k47_grad_norm__adamw_sumsq<<<16, 256>>>
 //   k47_grad_norm__adamw_norm<<<1, 256>>>

@@ -4461,27 +4461,10 @@ static void k95_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
 }
 
 // k96_gemm: GEMM, 1 op
-//   %595   matmul                                  line 39    f32[8192,768]
-// loops:
-//   gemm %595: [8192 x 768] = [8192 x 768] T[768 x 768], bf16 operands widened to f32
-static void k96_gemm(char *arena, const MdlHooks *h) {
-  uint16_t *const b529 = (uint16_t *)(arena + 2227484160); // %529 cast bf16[768,768]
-  uint16_t *const b594 = (uint16_t *)(arena + 3525083776); // %594 cast bf16[8192,768]
-  float *const b595 = (float *)(arena + 3499917952); // %595 matmul f32[8192,768]
-  {
-    float *const w594 = mdl_widen_bf16(b594, 6291456, h->nthreads);
-    float *const w529 = mdl_widen_bf16(b529, 589824, h->nthreads);
-    mdl_gemm(h, 0, 1, 8192, 768, 768, w594, 768, w529, 768, 0.0f, b595, 768);
-    free(w594);
-    free(w529);
-  }
-}
-
-// k97_gemm: GEMM, 1 op
 //   %596   matmul             d.h.11.proj_w        line 39    f32[768,768]
 // loops:
 //   gemm %596: [768 x 768] = T[768 x 8192] [8192 x 768], bf16 operands widened to f32
-static void k97_gemm(char *arena, const MdlHooks *h) {
+static void k96_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b528 = (uint16_t *)(arena + 6217826944); // %528 cast bf16[8192,768]
   uint16_t *const b594 = (uint16_t *)(arena + 3525083776); // %594 cast bf16[8192,768]
   float *const b596 = (float *)(arena + 974254080); // %596 matmul d.h.11.proj_w f32[768,768]
@@ -4494,19 +4477,48 @@ static void k97_gemm(char *arena, const MdlHooks *h) {
   }
 }
 
+// k97_gemm__cast: GEMM, 3 ops
+//   %595   matmul                                  line 39    f32[8192,768]
+//   %597   reshape                                 line 39    f32[8,1024,768]
+//   %598   cast                                    line 39    bf16[8,1024,768]
+// loops:
+//   gemm %595: [8192 x 768] = [8192 x 768] T[768 x 768], bf16 operands widened to f32, epilogue after
+//   elementwise over 6291456: %598
+static void k97_gemm__cast(char *arena, const MdlHooks *h) {
+  uint16_t *const b529 = (uint16_t *)(arena + 2227484160); // %529 cast bf16[768,768]
+  uint16_t *const b594 = (uint16_t *)(arena + 3525083776); // %594 cast bf16[8192,768]
+  float *const b595 = mdl_scratch(25165824); // %595 matmul f32[8192,768], kept in this kernel
+  uint16_t *const b598 = (uint16_t *)(arena + 3499917952); // %598 cast bf16[8,1024,768]
+  {
+    float *const w594 = mdl_widen_bf16(b594, 6291456, h->nthreads);
+    float *const w529 = mdl_widen_bf16(b529, 589824, h->nthreads);
+    mdl_gemm(h, 0, 1, 8192, 768, 768, w594, 768, w529, 768, 0.0f, b595, 768);
+    free(w594);
+    free(w529);
+  }
+  #pragma omp parallel for num_threads(h->nthreads) schedule(static)
+  for (int64_t i = 0; i < 6291456; i++) {
+    const float v595_i = b595[i];
+    const float v597_i = v595_i;
+    const float v598_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v597_i));
+    b598[i] = mdl_f32_to_bf16(v598_i);
+  }
+  free(b595);
+}
+
 // k98_attention_bwd: attention, 3 ops
-//   %598   attention_bwd      d.h.11.q             line 39    f32[8,1024,768]
-//   %599   attention_bwd      d.h.11.k             line 39    f32[8,1024,768]
-//   %600   attention_bwd      d.h.11.v             line 39    f32[8,1024,768]
+//   %599   attention_bwd      d.h.11.q             line 39    f32[8,1024,768]
+//   %600   attention_bwd      d.h.11.k             line 39    f32[8,1024,768]
+//   %601   attention_bwd      d.h.11.v             line 39    f32[8,1024,768]
 // loops:
 //   attention backward (dq dk dv): B 8, T 1024, 12 heads of 64, causal, within documents; one task per (batch, head)
 static void k98_attention_bwd(char *arena, const MdlHooks *h) {
   int32_t *const b3 = (int32_t *)(arena + 2238199296); // %3 input doc i32[8,1024]
   float *const b522 = (float *)(arena + 4431053440); // %522 add f32[8,1024,2304]
-  float *const b595 = (float *)(arena + 3499917952); // %595 matmul f32[8192,768]
-  float *const b598 = (float *)(arena + 3562832512); // %598 attention_bwd d.h.11.q f32[8,1024,768]
-  float *const b599 = (float *)(arena + 5060199040); // %599 attention_bwd d.h.11.k f32[8,1024,768]
-  float *const b600 = (float *)(arena + 5085364864); // %600 attention_bwd d.h.11.v f32[8,1024,768]
+  uint16_t *const b598 = (uint16_t *)(arena + 3499917952); // %598 cast bf16[8,1024,768]
+  float *const b599 = (float *)(arena + 3562832512); // %599 attention_bwd d.h.11.q f32[8,1024,768]
+  float *const b600 = (float *)(arena + 5060199040); // %600 attention_bwd d.h.11.k f32[8,1024,768]
+  float *const b601 = (float *)(arena + 5085364864); // %601 attention_bwd d.h.11.v f32[8,1024,768]
   #pragma omp parallel num_threads(h->nthreads)
   {
     float *restrict kt = memset(mdl_scratch(67584 * sizeof(float)), 0, 67584 * sizeof(float));
@@ -4580,7 +4592,7 @@ static void k98_attention_bwd(char *arena, const MdlHooks *h) {
         }
         float dor[64];
         for (int64_t c = 0; c < 64; c++)
-          dor[c] = mdl_bf16_to_f32(mdl_f32_to_bf16(b595[(b * 1024 + i) * 768 + hd * 64 + c]));
+          dor[c] = mdl_bf16_to_f32(b598[(b * 1024 + i) * 768 + hd * 64 + c]);
         const float *restrict doi = dor;
         #pragma omp simd
         for (int64_t j = lo; j < hi; j++)
@@ -4642,14 +4654,14 @@ static void k98_attention_bwd(char *arena, const MdlHooks *h) {
           for (int64_t c = 0; c < 64; c++)
             dvj[c] += mdl_bf16_to_f32(mdl_f32_to_bf16(s[j])) * doi[c];
         }
-        float *restrict dq = b598 + (b * 1024 + i) * 768 + hd * 64;
+        float *restrict dq = b599 + (b * 1024 + i) * 768 + hd * 64;
         for (int64_t c = 0; c < 64; c++)
           dq[c] = 0.125f * (dqi0[c] + dqi1[c]);
       }
       for (int64_t t = 0; t < 1024; t++)
-        memcpy(b599 + (b * 1024 + t) * 768 + hd * 64, dkh + t * 64, 64 * sizeof(float));
+        memcpy(b600 + (b * 1024 + t) * 768 + hd * 64, dkh + t * 64, 64 * sizeof(float));
       for (int64_t t = 0; t < 1024; t++)
-        memcpy(b600 + (b * 1024 + t) * 768 + hd * 64, dvh + t * 64, 64 * sizeof(float));
+        memcpy(b601 + (b * 1024 + t) * 768 + hd * 64, dvh + t * 64, 64 * sizeof(float));
     }
     free(kt);
     free(s);
@@ -4661,22 +4673,22 @@ static void k98_attention_bwd(char *arena, const MdlHooks *h) {
 }
 
 // k99_sum__slice_bwd__add__cast: kernel, 8 ops
-//   %601   slice_bwd                               line 38    f32[8,1024,2304]
 //   %602   slice_bwd                               line 38    f32[8,1024,2304]
-//   %603   add                                     line 38    f32[8,1024,2304]
-//   %604   slice_bwd                               line 38    f32[8,1024,2304]
-//   %605   add                                     line 38    f32[8,1024,2304]
-//   %606   reshape                                 line 38    f32[8192,2304]
-//   %607   sum                d.h.11.attn_b        line 38    f32[2304]
-//   %608   cast                                    line 38    bf16[8192,2304]
+//   %603   slice_bwd                               line 38    f32[8,1024,2304]
+//   %604   add                                     line 38    f32[8,1024,2304]
+//   %605   slice_bwd                               line 38    f32[8,1024,2304]
+//   %606   add                                     line 38    f32[8,1024,2304]
+//   %607   reshape                                 line 38    f32[8192,2304]
+//   %608   sum                d.h.11.attn_b        line 38    f32[2304]
+//   %609   cast                                    line 38    bf16[8192,2304]
 // loops:
-//   sum %607: 2304 outputs over 8192 elements, in 64 blocks of 128
+//   sum %608: 2304 outputs over 8192 elements, in 64 blocks of 128
 static void k99_sum__slice_bwd__add__cast(char *arena, const MdlHooks *h) {
-  float *const b598 = (float *)(arena + 3562832512); // %598 attention_bwd d.h.11.q f32[8,1024,768]
-  float *const b599 = (float *)(arena + 5060199040); // %599 attention_bwd d.h.11.k f32[8,1024,768]
-  float *const b600 = (float *)(arena + 5085364864); // %600 attention_bwd d.h.11.v f32[8,1024,768]
-  float *const b607 = (float *)(arena + 974244864); // %607 sum d.h.11.attn_b f32[2304]
-  uint16_t *const b608 = (uint16_t *)(arena + 3499917952); // %608 cast bf16[8192,2304]
+  float *const b599 = (float *)(arena + 3562832512); // %599 attention_bwd d.h.11.q f32[8,1024,768]
+  float *const b600 = (float *)(arena + 5060199040); // %600 attention_bwd d.h.11.k f32[8,1024,768]
+  float *const b601 = (float *)(arena + 5085364864); // %601 attention_bwd d.h.11.v f32[8,1024,768]
+  float *const b608 = (float *)(arena + 974244864); // %608 sum d.h.11.attn_b f32[2304]
+  uint16_t *const b609 = (uint16_t *)(arena + 3499917952); // %609 cast bf16[8192,2304]
   double *part = mdl_scratch(147456 * sizeof(double));
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
   for (int64_t k = 0; k < 64; k++) {
@@ -4689,20 +4701,20 @@ static void k99_sum__slice_bwd__add__cast(char *arena, const MdlHooks *h) {
         const int64_t ix = l * 2304 + c;
         const int64_t j1 = ix % 2304;
         const int64_t j2 = j1 >= 1536 && j1 < 2304 ? ix / 2304 * 768 + (j1 - 1536) : 0;
-        const float v600_j2 = b600[j2];
-        const float v601_ix = j1 >= 1536 && j1 < 2304 ? v600_j2 : 0.0f;
+        const float v601_j2 = b601[j2];
+        const float v602_ix = j1 >= 1536 && j1 < 2304 ? v601_j2 : 0.0f;
         const int64_t j3 = j1 >= 768 && j1 < 1536 ? ix / 2304 * 768 + (j1 - 768) : 0;
-        const float v599_j3 = b599[j3];
-        const float v602_ix = j1 >= 768 && j1 < 1536 ? v599_j3 : 0.0f;
-        const float v603_ix = v601_ix + v602_ix;
+        const float v600_j3 = b600[j3];
+        const float v603_ix = j1 >= 768 && j1 < 1536 ? v600_j3 : 0.0f;
+        const float v604_ix = v602_ix + v603_ix;
         const int64_t j4 = j1 >= 0 && j1 < 768 ? ix / 2304 * 768 + (j1 - 0) : 0;
-        const float v598_j4 = b598[j4];
-        const float v604_ix = j1 >= 0 && j1 < 768 ? v598_j4 : 0.0f;
-        const float v605_ix = v603_ix + v604_ix;
-        const float v606_ix = v605_ix;
-        const float v = v606_ix;
-        const float v608_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v606_ix));
-        b608[ix] = mdl_f32_to_bf16(v608_ix);
+        const float v599_j4 = b599[j4];
+        const float v605_ix = j1 >= 0 && j1 < 768 ? v599_j4 : 0.0f;
+        const float v606_ix = v604_ix + v605_ix;
+        const float v607_ix = v606_ix;
+        const float v = v607_ix;
+        const float v609_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v607_ix));
+        b609[ix] = mdl_f32_to_bf16(v609_ix);
         p[c] += v;
       }
     }
@@ -4715,68 +4727,68 @@ static void k99_sum__slice_bwd__add__cast(char *arena, const MdlHooks *h) {
       acc += v;
     }
     const float y = (float)acc;
-    b607[r] = y;
+    b608[r] = y;
   }
   free(part);
 }
 
 // k100_gemm: GEMM, 1 op
-//   %609   matmul                                  line 38    f32[8192,768]
+//   %610   matmul                                  line 38    f32[8192,768]
 // loops:
-//   gemm %609: [8192 x 768] = [8192 x 2304] T[2304 x 768], bf16 operands widened to f32
+//   gemm %610: [8192 x 768] = [8192 x 2304] T[2304 x 768], bf16 operands widened to f32
 static void k100_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b519 = (uint16_t *)(arena + 2223945216); // %519 cast bf16[768,2304]
-  uint16_t *const b608 = (uint16_t *)(arena + 3499917952); // %608 cast bf16[8192,2304]
-  float *const b609 = (float *)(arena + 3562832512); // %609 matmul f32[8192,768]
+  uint16_t *const b609 = (uint16_t *)(arena + 3499917952); // %609 cast bf16[8192,2304]
+  float *const b610 = (float *)(arena + 3562832512); // %610 matmul f32[8192,768]
   {
-    float *const w608 = mdl_widen_bf16(b608, 18874368, h->nthreads);
+    float *const w609 = mdl_widen_bf16(b609, 18874368, h->nthreads);
     float *const w519 = mdl_widen_bf16(b519, 1769472, h->nthreads);
-    mdl_gemm(h, 0, 1, 8192, 768, 2304, w608, 2304, w519, 2304, 0.0f, b609, 768);
-    free(w608);
+    mdl_gemm(h, 0, 1, 8192, 768, 2304, w609, 2304, w519, 2304, 0.0f, b610, 768);
+    free(w609);
     free(w519);
   }
 }
 
 // k101_gemm: GEMM, 1 op
-//   %610   matmul             d.h.11.attn_w        line 38    f32[768,2304]
+//   %611   matmul             d.h.11.attn_w        line 38    f32[768,2304]
 // loops:
-//   gemm %610: [768 x 2304] = T[768 x 8192] [8192 x 2304], bf16 operands widened to f32
+//   gemm %611: [768 x 2304] = T[768 x 8192] [8192 x 2304], bf16 operands widened to f32
 static void k101_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b518 = (uint16_t *)(arena + 6205244032); // %518 cast bf16[8192,768]
-  uint16_t *const b608 = (uint16_t *)(arena + 3499917952); // %608 cast bf16[8192,2304]
-  float *const b610 = (float *)(arena + 967166976); // %610 matmul d.h.11.attn_w f32[768,2304]
+  uint16_t *const b609 = (uint16_t *)(arena + 3499917952); // %609 cast bf16[8192,2304]
+  float *const b611 = (float *)(arena + 967166976); // %611 matmul d.h.11.attn_w f32[768,2304]
   {
     float *const w518 = mdl_widen_bf16(b518, 6291456, h->nthreads);
-    float *const w608 = mdl_widen_bf16(b608, 18874368, h->nthreads);
-    mdl_gemm(h, 1, 0, 768, 2304, 8192, w518, 768, w608, 2304, 0.0f, b610, 2304);
+    float *const w609 = mdl_widen_bf16(b609, 18874368, h->nthreads);
+    mdl_gemm(h, 1, 0, 768, 2304, 8192, w518, 768, w609, 2304, 0.0f, b611, 2304);
     free(w518);
-    free(w608);
+    free(w609);
   }
 }
 
 // k102_layernorm_bwd__add__sum__cast: kernel, 7 ops
-//   %612   layernorm_bwd                           line 38    f32[8,1024,768]
-//   %613   add                d.h.10.x             line 38    f32[8,1024,768]
-//   %614   layernorm_bwd      d.h.11.ln1_w         line 38    f32[768]
-//   %615   layernorm_bwd      d.h.11.ln1_b         line 38    f32[768]
-//   %616   reshape                                 line 40    f32[8192,768]
-//   %617   sum                d.h.10.fcproj_b      line 40    f32[768]
-//   %618   cast                                    line 40    bf16[8192,768]
+//   %613   layernorm_bwd                           line 38    f32[8,1024,768]
+//   %614   add                d.h.10.x             line 38    f32[8,1024,768]
+//   %615   layernorm_bwd      d.h.11.ln1_w         line 38    f32[768]
+//   %616   layernorm_bwd      d.h.11.ln1_b         line 38    f32[768]
+//   %617   reshape                                 line 40    f32[8192,768]
+//   %618   sum                d.h.10.fcproj_b      line 40    f32[768]
+//   %619   cast                                    line 40    bf16[8192,768]
 // loops:
 //   layernorm_bwd: 8192 rows of 768, column sums over 64 blocks of 128 rows
 static void k102_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
   float *const b503 = (float *)(arena + 5664178816); // %503 add h.10.x f32[8,1024,768]
   float *const b504 = (float *)(arena + 469401600); // %504 param h.11.ln1_w f32[768]
   float *const b589 = (float *)(arena + 3537666688); // %589 add d.h.11.x f32[8,1024,768]
-  float *const b609 = (float *)(arena + 3562832512); // %609 matmul f32[8192,768]
-  float *const b613 = (float *)(arena + 4431053440); // %613 add d.h.10.x f32[8,1024,768]
-  float *const b614 = (float *)(arena + 967160832); // %614 layernorm_bwd d.h.11.ln1_w f32[768]
-  float *const b615 = (float *)(arena + 967163904); // %615 layernorm_bwd d.h.11.ln1_b f32[768]
-  float *const b617 = (float *)(arena + 967157760); // %617 sum d.h.10.fcproj_b f32[768]
-  uint16_t *const b618 = (uint16_t *)(arena + 3587998336); // %618 cast bf16[8192,768]
+  float *const b610 = (float *)(arena + 3562832512); // %610 matmul f32[8192,768]
+  float *const b614 = (float *)(arena + 4431053440); // %614 add d.h.10.x f32[8,1024,768]
+  float *const b615 = (float *)(arena + 967160832); // %615 layernorm_bwd d.h.11.ln1_w f32[768]
+  float *const b616 = (float *)(arena + 967163904); // %616 layernorm_bwd d.h.11.ln1_b f32[768]
+  float *const b618 = (float *)(arena + 967157760); // %618 sum d.h.10.fcproj_b f32[768]
+  uint16_t *const b619 = (uint16_t *)(arena + 3587998336); // %619 cast bf16[8192,768]
   double *pdw = mdl_scratch(49152 * sizeof(double));
   double *pdb = mdl_scratch(49152 * sizeof(double));
-  double *ps0 = mdl_scratch(49152 * sizeof(double)); // partials of the column sum %617
+  double *ps0 = mdl_scratch(49152 * sizeof(double)); // partials of the column sum %618
   #pragma omp parallel num_threads(h->nthreads)
   {
     float *dxrow = mdl_scratch(768 * sizeof(float));
@@ -4790,7 +4802,7 @@ static void k102_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
       const int64_t end = k * 128 + 128 < 8192 ? k * 128 + 128 : 8192;
       for (int64_t r = k * 128; r < end; r++) {
         const float *x = b503 + r * 768;
-        const float *dy = b609 + r * 768;
+        const float *dy = b610 + r * 768;
         double mean = 0, var = 0, mg = 0, mgx = 0;
         #pragma omp simd reduction(+ : mean)
         for (int64_t j = 0; j < 768; j++)
@@ -4816,12 +4828,12 @@ static void k102_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
         for (int64_t j = 0; j < 768; j++) {
           const int64_t ix = r * 768 + j;
           const float v589_ix = b589[ix];
-          const float v613_ix = v589_ix + dx[j];
-          b613[ix] = v613_ix;
-          const float v616_ix = v613_ix;
-          const float v618_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v616_ix));
-          b618[ix] = mdl_f32_to_bf16(v618_ix);
-          sa0[j] += v616_ix;
+          const float v614_ix = v589_ix + dx[j];
+          b614[ix] = v614_ix;
+          const float v617_ix = v614_ix;
+          const float v619_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v617_ix));
+          b619[ix] = mdl_f32_to_bf16(v619_ix);
+          sa0[j] += v617_ix;
         }
       }
     }
@@ -4835,9 +4847,9 @@ static void k102_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
       b += pdb[k * 768 + j];
       a0 += ps0[k * 768 + j];
     }
-    b614[j] = (float)w;
-    b615[j] = (float)b;
-    b617[j] = (float)a0;
+    b615[j] = (float)w;
+    b616[j] = (float)b;
+    b618[j] = (float)a0;
   }
   free(pdw);
   free(pdb);
@@ -4845,44 +4857,44 @@ static void k102_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
 }
 
 // k103_gemm: GEMM, 1 op
-//   %620   matmul             d.h.10.fcproj_w      line 40    f32[3072,768]
+//   %621   matmul             d.h.10.fcproj_w      line 40    f32[3072,768]
 // loops:
-//   gemm %620: [3072 x 768] = T[3072 x 8192] [8192 x 768], bf16 operands widened to f32
+//   gemm %621: [3072 x 768] = T[3072 x 8192] [8192 x 768], bf16 operands widened to f32
 static void k103_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b498 = (uint16_t *)(arena + 5009867392); // %498 cast bf16[8192,3072]
-  uint16_t *const b618 = (uint16_t *)(arena + 3587998336); // %618 cast bf16[8192,768]
-  float *const b620 = (float *)(arena + 957720576); // %620 matmul d.h.10.fcproj_w f32[3072,768]
+  uint16_t *const b619 = (uint16_t *)(arena + 3587998336); // %619 cast bf16[8192,768]
+  float *const b621 = (float *)(arena + 957720576); // %621 matmul d.h.10.fcproj_w f32[3072,768]
   {
     float *const w498 = mdl_widen_bf16(b498, 25165824, h->nthreads);
-    float *const w618 = mdl_widen_bf16(b618, 6291456, h->nthreads);
-    mdl_gemm(h, 1, 0, 3072, 768, 8192, w498, 3072, w618, 768, 0.0f, b620, 768);
+    float *const w619 = mdl_widen_bf16(b619, 6291456, h->nthreads);
+    mdl_gemm(h, 1, 0, 3072, 768, 8192, w498, 3072, w619, 768, 0.0f, b621, 768);
     free(w498);
-    free(w618);
+    free(w619);
   }
 }
 
 // k104_gemm__gelu_bwd__sum__cast: GEMM, 6 ops
-//   %619   matmul                                  line 40    f32[8192,3072]
-//   %621   reshape                                 line 40    f32[8,1024,3072]
-//   %622   gelu_bwd                                line 40    f32[8,1024,3072]
-//   %623   reshape                                 line 40    f32[8192,3072]
-//   %624   sum                d.h.10.fc_b          line 40    f32[3072]
-//   %625   cast                                    line 40    bf16[8192,3072]
+//   %620   matmul                                  line 40    f32[8192,3072]
+//   %622   reshape                                 line 40    f32[8,1024,3072]
+//   %623   gelu_bwd                                line 40    f32[8,1024,3072]
+//   %624   reshape                                 line 40    f32[8192,3072]
+//   %625   sum                d.h.10.fc_b          line 40    f32[3072]
+//   %626   cast                                    line 40    bf16[8192,3072]
 // loops:
-//   gemm %619: [8192 x 3072] = [8192 x 768] T[768 x 3072], bf16 operands widened to f32, epilogue after
-//   sum %624: 3072 outputs over 8192 elements, in 64 blocks of 128
+//   gemm %620: [8192 x 3072] = [8192 x 768] T[768 x 3072], bf16 operands widened to f32, epilogue after
+//   sum %625: 3072 outputs over 8192 elements, in 64 blocks of 128
 static void k104_gemm__gelu_bwd__sum__cast(char *arena, const MdlHooks *h) {
   float *const b495 = (float *)(arena + 3399254656); // %495 add f32[8,1024,3072]
   uint16_t *const b499 = (uint16_t *)(arena + 2219226624); // %499 cast bf16[3072,768]
-  uint16_t *const b618 = (uint16_t *)(arena + 3587998336); // %618 cast bf16[8192,768]
-  float *const b619 = mdl_scratch(100663296); // %619 matmul f32[8192,3072], kept in this kernel
-  float *const b624 = (float *)(arena + 957708288); // %624 sum d.h.10.fc_b f32[3072]
-  uint16_t *const b625 = (uint16_t *)(arena + 3499917952); // %625 cast bf16[8192,3072]
+  uint16_t *const b619 = (uint16_t *)(arena + 3587998336); // %619 cast bf16[8192,768]
+  float *const b620 = mdl_scratch(100663296); // %620 matmul f32[8192,3072], kept in this kernel
+  float *const b625 = (float *)(arena + 957708288); // %625 sum d.h.10.fc_b f32[3072]
+  uint16_t *const b626 = (uint16_t *)(arena + 3499917952); // %626 cast bf16[8192,3072]
   {
-    float *const w618 = mdl_widen_bf16(b618, 6291456, h->nthreads);
+    float *const w619 = mdl_widen_bf16(b619, 6291456, h->nthreads);
     float *const w499 = mdl_widen_bf16(b499, 2359296, h->nthreads);
-    mdl_gemm(h, 0, 1, 8192, 3072, 768, w618, 768, w499, 768, 0.0f, b619, 3072);
-    free(w618);
+    mdl_gemm(h, 0, 1, 8192, 3072, 768, w619, 768, w499, 768, 0.0f, b620, 3072);
+    free(w619);
     free(w499);
   }
   double *part = mdl_scratch(196608 * sizeof(double));
@@ -4896,13 +4908,13 @@ static void k104_gemm__gelu_bwd__sum__cast(char *arena, const MdlHooks *h) {
       for (int64_t c = 0; c < 3072; c++) {
         const int64_t ix = l * 3072 + c;
         const float v495_ix = b495[ix];
-        const float v619_ix = b619[ix];
-        const float v621_ix = v619_ix;
-        const float v622_ix = mdl_gelu_grad(v495_ix) * v621_ix;
-        const float v623_ix = v622_ix;
-        const float v = v623_ix;
-        const float v625_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v623_ix));
-        b625[ix] = mdl_f32_to_bf16(v625_ix);
+        const float v620_ix = b620[ix];
+        const float v622_ix = v620_ix;
+        const float v623_ix = mdl_gelu_grad(v495_ix) * v622_ix;
+        const float v624_ix = v623_ix;
+        const float v = v624_ix;
+        const float v626_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v624_ix));
+        b626[ix] = mdl_f32_to_bf16(v626_ix);
         p[c] += v;
       }
     }
@@ -4915,69 +4927,69 @@ static void k104_gemm__gelu_bwd__sum__cast(char *arena, const MdlHooks *h) {
       acc += v;
     }
     const float y = (float)acc;
-    b624[r] = y;
+    b625[r] = y;
   }
   free(part);
-  free(b619);
+  free(b620);
 }
 
 // k105_gemm: GEMM, 1 op
-//   %626   matmul                                  line 40    f32[8192,768]
+//   %627   matmul                                  line 40    f32[8192,768]
 // loops:
-//   gemm %626: [8192 x 768] = [8192 x 3072] T[3072 x 768], bf16 operands widened to f32
+//   gemm %627: [8192 x 768] = [8192 x 3072] T[3072 x 768], bf16 operands widened to f32
 static void k105_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b492 = (uint16_t *)(arena + 2214508032); // %492 cast bf16[768,3072]
-  uint16_t *const b625 = (uint16_t *)(arena + 3499917952); // %625 cast bf16[8192,3072]
-  float *const b626 = (float *)(arena + 3399254656); // %626 matmul f32[8192,768]
+  uint16_t *const b626 = (uint16_t *)(arena + 3499917952); // %626 cast bf16[8192,3072]
+  float *const b627 = (float *)(arena + 3399254656); // %627 matmul f32[8192,768]
   {
-    float *const w625 = mdl_widen_bf16(b625, 25165824, h->nthreads);
+    float *const w626 = mdl_widen_bf16(b626, 25165824, h->nthreads);
     float *const w492 = mdl_widen_bf16(b492, 2359296, h->nthreads);
-    mdl_gemm(h, 0, 1, 8192, 768, 3072, w625, 3072, w492, 3072, 0.0f, b626, 768);
-    free(w625);
+    mdl_gemm(h, 0, 1, 8192, 768, 3072, w626, 3072, w492, 3072, 0.0f, b627, 768);
+    free(w626);
     free(w492);
   }
 }
 
 // k106_gemm: GEMM, 1 op
-//   %627   matmul             d.h.10.fc_w          line 40    f32[768,3072]
+//   %628   matmul             d.h.10.fc_w          line 40    f32[768,3072]
 // loops:
-//   gemm %627: [768 x 3072] = T[768 x 8192] [8192 x 3072], bf16 operands widened to f32
+//   gemm %628: [768 x 3072] = T[768 x 8192] [8192 x 3072], bf16 operands widened to f32
 static void k106_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b491 = (uint16_t *)(arena + 6192661120); // %491 cast bf16[8192,768]
-  uint16_t *const b625 = (uint16_t *)(arena + 3499917952); // %625 cast bf16[8192,3072]
-  float *const b627 = (float *)(arena + 948271104); // %627 matmul d.h.10.fc_w f32[768,3072]
+  uint16_t *const b626 = (uint16_t *)(arena + 3499917952); // %626 cast bf16[8192,3072]
+  float *const b628 = (float *)(arena + 948271104); // %628 matmul d.h.10.fc_w f32[768,3072]
   {
     float *const w491 = mdl_widen_bf16(b491, 6291456, h->nthreads);
-    float *const w625 = mdl_widen_bf16(b625, 25165824, h->nthreads);
-    mdl_gemm(h, 1, 0, 768, 3072, 8192, w491, 768, w625, 3072, 0.0f, b627, 3072);
+    float *const w626 = mdl_widen_bf16(b626, 25165824, h->nthreads);
+    mdl_gemm(h, 1, 0, 768, 3072, 8192, w491, 768, w626, 3072, 0.0f, b628, 3072);
     free(w491);
-    free(w625);
+    free(w626);
   }
 }
 
 // k107_layernorm_bwd__add__sum__cast: kernel, 7 ops
-//   %629   layernorm_bwd                           line 40    f32[8,1024,768]
-//   %630   add                d.h.10.x             line 40    f32[8,1024,768]
-//   %631   layernorm_bwd      d.h.10.ln2_w         line 40    f32[768]
-//   %632   layernorm_bwd      d.h.10.ln2_b         line 40    f32[768]
-//   %633   reshape                                 line 39    f32[8192,768]
-//   %634   sum                d.h.10.proj_b        line 39    f32[768]
-//   %635   cast                                    line 39    bf16[8192,768]
+//   %630   layernorm_bwd                           line 40    f32[8,1024,768]
+//   %631   add                d.h.10.x             line 40    f32[8,1024,768]
+//   %632   layernorm_bwd      d.h.10.ln2_w         line 40    f32[768]
+//   %633   layernorm_bwd      d.h.10.ln2_b         line 40    f32[768]
+//   %634   reshape                                 line 39    f32[8192,768]
+//   %635   sum                d.h.10.proj_b        line 39    f32[768]
+//   %636   cast                                    line 39    bf16[8192,768]
 // loops:
 //   layernorm_bwd: 8192 rows of 768, column sums over 64 blocks of 128 rows
 static void k107_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
   float *const b465 = (float *)(arena + 450505728); // %465 param h.10.ln2_w f32[768]
   float *const b488 = (float *)(arena + 5639012992); // %488 add h.10.x f32[8,1024,768]
-  float *const b613 = (float *)(arena + 4431053440); // %613 add d.h.10.x f32[8,1024,768]
-  float *const b626 = (float *)(arena + 3399254656); // %626 matmul f32[8192,768]
-  float *const b630 = (float *)(arena + 3437003392); // %630 add d.h.10.x f32[8,1024,768]
-  float *const b631 = (float *)(arena + 948264960); // %631 layernorm_bwd d.h.10.ln2_w f32[768]
-  float *const b632 = (float *)(arena + 948268032); // %632 layernorm_bwd d.h.10.ln2_b f32[768]
-  float *const b634 = (float *)(arena + 948261888); // %634 sum d.h.10.proj_b f32[768]
-  uint16_t *const b635 = (uint16_t *)(arena + 3424420480); // %635 cast bf16[8192,768]
+  float *const b614 = (float *)(arena + 4431053440); // %614 add d.h.10.x f32[8,1024,768]
+  float *const b627 = (float *)(arena + 3399254656); // %627 matmul f32[8192,768]
+  float *const b631 = (float *)(arena + 3437003392); // %631 add d.h.10.x f32[8,1024,768]
+  float *const b632 = (float *)(arena + 948264960); // %632 layernorm_bwd d.h.10.ln2_w f32[768]
+  float *const b633 = (float *)(arena + 948268032); // %633 layernorm_bwd d.h.10.ln2_b f32[768]
+  float *const b635 = (float *)(arena + 948261888); // %635 sum d.h.10.proj_b f32[768]
+  uint16_t *const b636 = (uint16_t *)(arena + 3424420480); // %636 cast bf16[8192,768]
   double *pdw = mdl_scratch(49152 * sizeof(double));
   double *pdb = mdl_scratch(49152 * sizeof(double));
-  double *ps0 = mdl_scratch(49152 * sizeof(double)); // partials of the column sum %634
+  double *ps0 = mdl_scratch(49152 * sizeof(double)); // partials of the column sum %635
   #pragma omp parallel num_threads(h->nthreads)
   {
     float *dxrow = mdl_scratch(768 * sizeof(float));
@@ -4991,7 +5003,7 @@ static void k107_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
       const int64_t end = k * 128 + 128 < 8192 ? k * 128 + 128 : 8192;
       for (int64_t r = k * 128; r < end; r++) {
         const float *x = b488 + r * 768;
-        const float *dy = b626 + r * 768;
+        const float *dy = b627 + r * 768;
         double mean = 0, var = 0, mg = 0, mgx = 0;
         #pragma omp simd reduction(+ : mean)
         for (int64_t j = 0; j < 768; j++)
@@ -5016,13 +5028,13 @@ static void k107_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
           dx[j] = (float)(rstd * ((double)dy[j] * b465[j] - mg - (x[j] - mean) * rstd * mgx));
         for (int64_t j = 0; j < 768; j++) {
           const int64_t ix = r * 768 + j;
-          const float v613_ix = b613[ix];
-          const float v630_ix = v613_ix + dx[j];
-          b630[ix] = v630_ix;
-          const float v633_ix = v630_ix;
-          const float v635_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v633_ix));
-          b635[ix] = mdl_f32_to_bf16(v635_ix);
-          sa0[j] += v633_ix;
+          const float v614_ix = b614[ix];
+          const float v631_ix = v614_ix + dx[j];
+          b631[ix] = v631_ix;
+          const float v634_ix = v631_ix;
+          const float v636_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v634_ix));
+          b636[ix] = mdl_f32_to_bf16(v636_ix);
+          sa0[j] += v634_ix;
         }
       }
     }
@@ -5036,9 +5048,9 @@ static void k107_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
       b += pdb[k * 768 + j];
       a0 += ps0[k * 768 + j];
     }
-    b631[j] = (float)w;
-    b632[j] = (float)b;
-    b634[j] = (float)a0;
+    b632[j] = (float)w;
+    b633[j] = (float)b;
+    b635[j] = (float)a0;
   }
   free(pdw);
   free(pdb);
@@ -5046,52 +5058,64 @@ static void k107_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
 }
 
 // k108_gemm: GEMM, 1 op
-//   %636   matmul                                  line 39    f32[8192,768]
+//   %638   matmul             d.h.10.proj_w        line 39    f32[768,768]
 // loops:
-//   gemm %636: [8192 x 768] = [8192 x 768] T[768 x 768], bf16 operands widened to f32
+//   gemm %638: [768 x 768] = T[768 x 8192] [8192 x 768], bf16 operands widened to f32
 static void k108_gemm(char *arena, const MdlHooks *h) {
-  uint16_t *const b484 = (uint16_t *)(arena + 2213328384); // %484 cast bf16[768,768]
-  uint16_t *const b635 = (uint16_t *)(arena + 3424420480); // %635 cast bf16[8192,768]
-  float *const b636 = (float *)(arena + 3399254656); // %636 matmul f32[8192,768]
+  uint16_t *const b483 = (uint16_t *)(arena + 6180078208); // %483 cast bf16[8192,768]
+  uint16_t *const b636 = (uint16_t *)(arena + 3424420480); // %636 cast bf16[8192,768]
+  float *const b638 = (float *)(arena + 945902592); // %638 matmul d.h.10.proj_w f32[768,768]
   {
-    float *const w635 = mdl_widen_bf16(b635, 6291456, h->nthreads);
-    float *const w484 = mdl_widen_bf16(b484, 589824, h->nthreads);
-    mdl_gemm(h, 0, 1, 8192, 768, 768, w635, 768, w484, 768, 0.0f, b636, 768);
-    free(w635);
-    free(w484);
+    float *const w483 = mdl_widen_bf16(b483, 6291456, h->nthreads);
+    float *const w636 = mdl_widen_bf16(b636, 6291456, h->nthreads);
+    mdl_gemm(h, 1, 0, 768, 768, 8192, w483, 768, w636, 768, 0.0f, b638, 768);
+    free(w483);
+    free(w636);
   }
 }
 
-// k109_gemm: GEMM, 1 op
-//   %637   matmul             d.h.10.proj_w        line 39    f32[768,768]
+// k109_gemm__cast: GEMM, 3 ops
+//   %637   matmul                                  line 39    f32[8192,768]
+//   %639   reshape                                 line 39    f32[8,1024,768]
+//   %640   cast                                    line 39    bf16[8,1024,768]
 // loops:
-//   gemm %637: [768 x 768] = T[768 x 8192] [8192 x 768], bf16 operands widened to f32
-static void k109_gemm(char *arena, const MdlHooks *h) {
-  uint16_t *const b483 = (uint16_t *)(arena + 6180078208); // %483 cast bf16[8192,768]
-  uint16_t *const b635 = (uint16_t *)(arena + 3424420480); // %635 cast bf16[8192,768]
-  float *const b637 = (float *)(arena + 945902592); // %637 matmul d.h.10.proj_w f32[768,768]
+//   gemm %637: [8192 x 768] = [8192 x 768] T[768 x 768], bf16 operands widened to f32, epilogue after
+//   elementwise over 6291456: %640
+static void k109_gemm__cast(char *arena, const MdlHooks *h) {
+  uint16_t *const b484 = (uint16_t *)(arena + 2213328384); // %484 cast bf16[768,768]
+  uint16_t *const b636 = (uint16_t *)(arena + 3424420480); // %636 cast bf16[8192,768]
+  float *const b637 = mdl_scratch(25165824); // %637 matmul f32[8192,768], kept in this kernel
+  uint16_t *const b640 = (uint16_t *)(arena + 3399254656); // %640 cast bf16[8,1024,768]
   {
-    float *const w483 = mdl_widen_bf16(b483, 6291456, h->nthreads);
-    float *const w635 = mdl_widen_bf16(b635, 6291456, h->nthreads);
-    mdl_gemm(h, 1, 0, 768, 768, 8192, w483, 768, w635, 768, 0.0f, b637, 768);
-    free(w483);
-    free(w635);
+    float *const w636 = mdl_widen_bf16(b636, 6291456, h->nthreads);
+    float *const w484 = mdl_widen_bf16(b484, 589824, h->nthreads);
+    mdl_gemm(h, 0, 1, 8192, 768, 768, w636, 768, w484, 768, 0.0f, b637, 768);
+    free(w636);
+    free(w484);
   }
+  #pragma omp parallel for num_threads(h->nthreads) schedule(static)
+  for (int64_t i = 0; i < 6291456; i++) {
+    const float v637_i = b637[i];
+    const float v639_i = v637_i;
+    const float v640_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v639_i));
+    b640[i] = mdl_f32_to_bf16(v640_i);
+  }
+  free(b637);
 }
 
 // k110_attention_bwd: attention, 3 ops
-//   %639   attention_bwd      d.h.10.q             line 39    f32[8,1024,768]
-//   %640   attention_bwd      d.h.10.k             line 39    f32[8,1024,768]
-//   %641   attention_bwd      d.h.10.v             line 39    f32[8,1024,768]
+//   %641   attention_bwd      d.h.10.q             line 39    f32[8,1024,768]
+//   %642   attention_bwd      d.h.10.k             line 39    f32[8,1024,768]
+//   %643   attention_bwd      d.h.10.v             line 39    f32[8,1024,768]
 // loops:
 //   attention backward (dq dk dv): B 8, T 1024, 12 heads of 64, causal, within documents; one task per (batch, head)
 static void k110_attention_bwd(char *arena, const MdlHooks *h) {
   int32_t *const b3 = (int32_t *)(arena + 2238199296); // %3 input doc i32[8,1024]
   float *const b477 = (float *)(arena + 4355555968); // %477 add f32[8,1024,2304]
-  float *const b636 = (float *)(arena + 3399254656); // %636 matmul f32[8192,768]
-  float *const b639 = (float *)(arena + 3462169216); // %639 attention_bwd d.h.10.q f32[8,1024,768]
-  float *const b640 = (float *)(arena + 3487335040); // %640 attention_bwd d.h.10.k f32[8,1024,768]
-  float *const b641 = (float *)(arena + 3512500864); // %641 attention_bwd d.h.10.v f32[8,1024,768]
+  uint16_t *const b640 = (uint16_t *)(arena + 3399254656); // %640 cast bf16[8,1024,768]
+  float *const b641 = (float *)(arena + 3462169216); // %641 attention_bwd d.h.10.q f32[8,1024,768]
+  float *const b642 = (float *)(arena + 3487335040); // %642 attention_bwd d.h.10.k f32[8,1024,768]
+  float *const b643 = (float *)(arena + 3512500864); // %643 attention_bwd d.h.10.v f32[8,1024,768]
   #pragma omp parallel num_threads(h->nthreads)
   {
     float *restrict kt = memset(mdl_scratch(67584 * sizeof(float)), 0, 67584 * sizeof(float));
@@ -5165,7 +5189,7 @@ static void k110_attention_bwd(char *arena, const MdlHooks *h) {
         }
         float dor[64];
         for (int64_t c = 0; c < 64; c++)
-          dor[c] = mdl_bf16_to_f32(mdl_f32_to_bf16(b636[(b * 1024 + i) * 768 + hd * 64 + c]));
+          dor[c] = mdl_bf16_to_f32(b640[(b * 1024 + i) * 768 + hd * 64 + c]);
         const float *restrict doi = dor;
         #pragma omp simd
         for (int64_t j = lo; j < hi; j++)
@@ -5227,14 +5251,14 @@ static void k110_attention_bwd(char *arena, const MdlHooks *h) {
           for (int64_t c = 0; c < 64; c++)
             dvj[c] += mdl_bf16_to_f32(mdl_f32_to_bf16(s[j])) * doi[c];
         }
-        float *restrict dq = b639 + (b * 1024 + i) * 768 + hd * 64;
+        float *restrict dq = b641 + (b * 1024 + i) * 768 + hd * 64;
         for (int64_t c = 0; c < 64; c++)
           dq[c] = 0.125f * (dqi0[c] + dqi1[c]);
       }
       for (int64_t t = 0; t < 1024; t++)
-        memcpy(b640 + (b * 1024 + t) * 768 + hd * 64, dkh + t * 64, 64 * sizeof(float));
+        memcpy(b642 + (b * 1024 + t) * 768 + hd * 64, dkh + t * 64, 64 * sizeof(float));
       for (int64_t t = 0; t < 1024; t++)
-        memcpy(b641 + (b * 1024 + t) * 768 + hd * 64, dvh + t * 64, 64 * sizeof(float));
+        memcpy(b643 + (b * 1024 + t) * 768 + hd * 64, dvh + t * 64, 64 * sizeof(float));
     }
     free(kt);
     free(s);
@@ -5246,22 +5270,22 @@ static void k110_attention_bwd(char *arena, const MdlHooks *h) {
 }
 
 // k111_sum__slice_bwd__add__cast: kernel, 8 ops
-//   %642   slice_bwd                               line 38    f32[8,1024,2304]
-//   %643   slice_bwd                               line 38    f32[8,1024,2304]
-//   %644   add                                     line 38    f32[8,1024,2304]
+//   %644   slice_bwd                               line 38    f32[8,1024,2304]
 //   %645   slice_bwd                               line 38    f32[8,1024,2304]
 //   %646   add                                     line 38    f32[8,1024,2304]
-//   %647   reshape                                 line 38    f32[8192,2304]
-//   %648   sum                d.h.10.attn_b        line 38    f32[2304]
-//   %649   cast                                    line 38    bf16[8192,2304]
+//   %647   slice_bwd                               line 38    f32[8,1024,2304]
+//   %648   add                                     line 38    f32[8,1024,2304]
+//   %649   reshape                                 line 38    f32[8192,2304]
+//   %650   sum                d.h.10.attn_b        line 38    f32[2304]
+//   %651   cast                                    line 38    bf16[8192,2304]
 // loops:
-//   sum %648: 2304 outputs over 8192 elements, in 64 blocks of 128
+//   sum %650: 2304 outputs over 8192 elements, in 64 blocks of 128
 static void k111_sum__slice_bwd__add__cast(char *arena, const MdlHooks *h) {
-  float *const b639 = (float *)(arena + 3462169216); // %639 attention_bwd d.h.10.q f32[8,1024,768]
-  float *const b640 = (float *)(arena + 3487335040); // %640 attention_bwd d.h.10.k f32[8,1024,768]
-  float *const b641 = (float *)(arena + 3512500864); // %641 attention_bwd d.h.10.v f32[8,1024,768]
-  float *const b648 = (float *)(arena + 945893376); // %648 sum d.h.10.attn_b f32[2304]
-  uint16_t *const b649 = (uint16_t *)(arena + 3399254656); // %649 cast bf16[8192,2304]
+  float *const b641 = (float *)(arena + 3462169216); // %641 attention_bwd d.h.10.q f32[8,1024,768]
+  float *const b642 = (float *)(arena + 3487335040); // %642 attention_bwd d.h.10.k f32[8,1024,768]
+  float *const b643 = (float *)(arena + 3512500864); // %643 attention_bwd d.h.10.v f32[8,1024,768]
+  float *const b650 = (float *)(arena + 945893376); // %650 sum d.h.10.attn_b f32[2304]
+  uint16_t *const b651 = (uint16_t *)(arena + 3399254656); // %651 cast bf16[8192,2304]
   double *part = mdl_scratch(147456 * sizeof(double));
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
   for (int64_t k = 0; k < 64; k++) {
@@ -5274,20 +5298,20 @@ static void k111_sum__slice_bwd__add__cast(char *arena, const MdlHooks *h) {
         const int64_t ix = l * 2304 + c;
         const int64_t j1 = ix % 2304;
         const int64_t j2 = j1 >= 1536 && j1 < 2304 ? ix / 2304 * 768 + (j1 - 1536) : 0;
-        const float v641_j2 = b641[j2];
-        const float v642_ix = j1 >= 1536 && j1 < 2304 ? v641_j2 : 0.0f;
+        const float v643_j2 = b643[j2];
+        const float v644_ix = j1 >= 1536 && j1 < 2304 ? v643_j2 : 0.0f;
         const int64_t j3 = j1 >= 768 && j1 < 1536 ? ix / 2304 * 768 + (j1 - 768) : 0;
-        const float v640_j3 = b640[j3];
-        const float v643_ix = j1 >= 768 && j1 < 1536 ? v640_j3 : 0.0f;
-        const float v644_ix = v642_ix + v643_ix;
-        const int64_t j4 = j1 >= 0 && j1 < 768 ? ix / 2304 * 768 + (j1 - 0) : 0;
-        const float v639_j4 = b639[j4];
-        const float v645_ix = j1 >= 0 && j1 < 768 ? v639_j4 : 0.0f;
+        const float v642_j3 = b642[j3];
+        const float v645_ix = j1 >= 768 && j1 < 1536 ? v642_j3 : 0.0f;
         const float v646_ix = v644_ix + v645_ix;
-        const float v647_ix = v646_ix;
-        const float v = v647_ix;
-        const float v649_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v647_ix));
-        b649[ix] = mdl_f32_to_bf16(v649_ix);
+        const int64_t j4 = j1 >= 0 && j1 < 768 ? ix / 2304 * 768 + (j1 - 0) : 0;
+        const float v641_j4 = b641[j4];
+        const float v647_ix = j1 >= 0 && j1 < 768 ? v641_j4 : 0.0f;
+        const float v648_ix = v646_ix + v647_ix;
+        const float v649_ix = v648_ix;
+        const float v = v649_ix;
+        const float v651_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v649_ix));
+        b651[ix] = mdl_f32_to_bf16(v651_ix);
         p[c] += v;
       }
     }
@@ -5300,68 +5324,68 @@ static void k111_sum__slice_bwd__add__cast(char *arena, const MdlHooks *h) {
       acc += v;
     }
     const float y = (float)acc;
-    b648[r] = y;
+    b650[r] = y;
   }
   free(part);
 }
 
 // k112_gemm: GEMM, 1 op
-//   %650   matmul                                  line 38    f32[8192,768]
+//   %652   matmul                                  line 38    f32[8192,768]
 // loops:
-//   gemm %650: [8192 x 768] = [8192 x 2304] T[2304 x 768], bf16 operands widened to f32
+//   gemm %652: [8192 x 768] = [8192 x 2304] T[2304 x 768], bf16 operands widened to f32
 static void k112_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b474 = (uint16_t *)(arena + 2209789440); // %474 cast bf16[768,2304]
-  uint16_t *const b649 = (uint16_t *)(arena + 3399254656); // %649 cast bf16[8192,2304]
-  float *const b650 = (float *)(arena + 3462169216); // %650 matmul f32[8192,768]
+  uint16_t *const b651 = (uint16_t *)(arena + 3399254656); // %651 cast bf16[8192,2304]
+  float *const b652 = (float *)(arena + 3462169216); // %652 matmul f32[8192,768]
   {
-    float *const w649 = mdl_widen_bf16(b649, 18874368, h->nthreads);
+    float *const w651 = mdl_widen_bf16(b651, 18874368, h->nthreads);
     float *const w474 = mdl_widen_bf16(b474, 1769472, h->nthreads);
-    mdl_gemm(h, 0, 1, 8192, 768, 2304, w649, 2304, w474, 2304, 0.0f, b650, 768);
-    free(w649);
+    mdl_gemm(h, 0, 1, 8192, 768, 2304, w651, 2304, w474, 2304, 0.0f, b652, 768);
+    free(w651);
     free(w474);
   }
 }
 
 // k113_gemm: GEMM, 1 op
-//   %651   matmul             d.h.10.attn_w        line 38    f32[768,2304]
+//   %653   matmul             d.h.10.attn_w        line 38    f32[768,2304]
 // loops:
-//   gemm %651: [768 x 2304] = T[768 x 8192] [8192 x 2304], bf16 operands widened to f32
+//   gemm %653: [768 x 2304] = T[768 x 8192] [8192 x 2304], bf16 operands widened to f32
 static void k113_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b473 = (uint16_t *)(arena + 6167495296); // %473 cast bf16[8192,768]
-  uint16_t *const b649 = (uint16_t *)(arena + 3399254656); // %649 cast bf16[8192,2304]
-  float *const b651 = (float *)(arena + 938815488); // %651 matmul d.h.10.attn_w f32[768,2304]
+  uint16_t *const b651 = (uint16_t *)(arena + 3399254656); // %651 cast bf16[8192,2304]
+  float *const b653 = (float *)(arena + 938815488); // %653 matmul d.h.10.attn_w f32[768,2304]
   {
     float *const w473 = mdl_widen_bf16(b473, 6291456, h->nthreads);
-    float *const w649 = mdl_widen_bf16(b649, 18874368, h->nthreads);
-    mdl_gemm(h, 1, 0, 768, 2304, 8192, w473, 768, w649, 2304, 0.0f, b651, 2304);
+    float *const w651 = mdl_widen_bf16(b651, 18874368, h->nthreads);
+    mdl_gemm(h, 1, 0, 768, 2304, 8192, w473, 768, w651, 2304, 0.0f, b653, 2304);
     free(w473);
-    free(w649);
+    free(w651);
   }
 }
 
 // k114_layernorm_bwd__add__sum__cast: kernel, 7 ops
-//   %653   layernorm_bwd                           line 38    f32[8,1024,768]
-//   %654   add                d.h.9.x              line 38    f32[8,1024,768]
-//   %655   layernorm_bwd      d.h.10.ln1_w         line 38    f32[768]
-//   %656   layernorm_bwd      d.h.10.ln1_b         line 38    f32[768]
-//   %657   reshape                                 line 40    f32[8192,768]
-//   %658   sum                d.h.9.fcproj_b       line 40    f32[768]
-//   %659   cast                                    line 40    bf16[8192,768]
+//   %655   layernorm_bwd                           line 38    f32[8,1024,768]
+//   %656   add                d.h.9.x              line 38    f32[8,1024,768]
+//   %657   layernorm_bwd      d.h.10.ln1_w         line 38    f32[768]
+//   %658   layernorm_bwd      d.h.10.ln1_b         line 38    f32[768]
+//   %659   reshape                                 line 40    f32[8192,768]
+//   %660   sum                d.h.9.fcproj_b       line 40    f32[768]
+//   %661   cast                                    line 40    bf16[8192,768]
 // loops:
 //   layernorm_bwd: 8192 rows of 768, column sums over 64 blocks of 128 rows
 static void k114_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
   float *const b458 = (float *)(arena + 5613847168); // %458 add h.9.x f32[8,1024,768]
   float *const b459 = (float *)(arena + 441050112); // %459 param h.10.ln1_w f32[768]
-  float *const b630 = (float *)(arena + 3437003392); // %630 add d.h.10.x f32[8,1024,768]
-  float *const b650 = (float *)(arena + 3462169216); // %650 matmul f32[8192,768]
-  float *const b654 = (float *)(arena + 3487335040); // %654 add d.h.9.x f32[8,1024,768]
-  float *const b655 = (float *)(arena + 938809344); // %655 layernorm_bwd d.h.10.ln1_w f32[768]
-  float *const b656 = (float *)(arena + 938812416); // %656 layernorm_bwd d.h.10.ln1_b f32[768]
-  float *const b658 = (float *)(arena + 938806272); // %658 sum d.h.9.fcproj_b f32[768]
-  uint16_t *const b659 = (uint16_t *)(arena + 3512500864); // %659 cast bf16[8192,768]
+  float *const b631 = (float *)(arena + 3437003392); // %631 add d.h.10.x f32[8,1024,768]
+  float *const b652 = (float *)(arena + 3462169216); // %652 matmul f32[8192,768]
+  float *const b656 = (float *)(arena + 3487335040); // %656 add d.h.9.x f32[8,1024,768]
+  float *const b657 = (float *)(arena + 938809344); // %657 layernorm_bwd d.h.10.ln1_w f32[768]
+  float *const b658 = (float *)(arena + 938812416); // %658 layernorm_bwd d.h.10.ln1_b f32[768]
+  float *const b660 = (float *)(arena + 938806272); // %660 sum d.h.9.fcproj_b f32[768]
+  uint16_t *const b661 = (uint16_t *)(arena + 3512500864); // %661 cast bf16[8192,768]
   double *pdw = mdl_scratch(49152 * sizeof(double));
   double *pdb = mdl_scratch(49152 * sizeof(double));
-  double *ps0 = mdl_scratch(49152 * sizeof(double)); // partials of the column sum %658
+  double *ps0 = mdl_scratch(49152 * sizeof(double)); // partials of the column sum %660
   #pragma omp parallel num_threads(h->nthreads)
   {
     float *dxrow = mdl_scratch(768 * sizeof(float));
@@ -5375,7 +5399,7 @@ static void k114_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
       const int64_t end = k * 128 + 128 < 8192 ? k * 128 + 128 : 8192;
       for (int64_t r = k * 128; r < end; r++) {
         const float *x = b458 + r * 768;
-        const float *dy = b650 + r * 768;
+        const float *dy = b652 + r * 768;
         double mean = 0, var = 0, mg = 0, mgx = 0;
         #pragma omp simd reduction(+ : mean)
         for (int64_t j = 0; j < 768; j++)
@@ -5400,13 +5424,13 @@ static void k114_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
           dx[j] = (float)(rstd * ((double)dy[j] * b459[j] - mg - (x[j] - mean) * rstd * mgx));
         for (int64_t j = 0; j < 768; j++) {
           const int64_t ix = r * 768 + j;
-          const float v630_ix = b630[ix];
-          const float v654_ix = v630_ix + dx[j];
-          b654[ix] = v654_ix;
-          const float v657_ix = v654_ix;
-          const float v659_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v657_ix));
-          b659[ix] = mdl_f32_to_bf16(v659_ix);
-          sa0[j] += v657_ix;
+          const float v631_ix = b631[ix];
+          const float v656_ix = v631_ix + dx[j];
+          b656[ix] = v656_ix;
+          const float v659_ix = v656_ix;
+          const float v661_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v659_ix));
+          b661[ix] = mdl_f32_to_bf16(v661_ix);
+          sa0[j] += v659_ix;
         }
       }
     }
@@ -5420,9 +5444,9 @@ static void k114_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
       b += pdb[k * 768 + j];
       a0 += ps0[k * 768 + j];
     }
-    b655[j] = (float)w;
-    b656[j] = (float)b;
-    b658[j] = (float)a0;
+    b657[j] = (float)w;
+    b658[j] = (float)b;
+    b660[j] = (float)a0;
   }
   free(pdw);
   free(pdb);
@@ -5430,44 +5454,44 @@ static void k114_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
 }
 
 // k115_gemm: GEMM, 1 op
-//   %661   matmul             d.h.9.fcproj_w       line 40    f32[3072,768]
+//   %663   matmul             d.h.9.fcproj_w       line 40    f32[3072,768]
 // loops:
-//   gemm %661: [3072 x 768] = T[3072 x 8192] [8192 x 768], bf16 operands widened to f32
+//   gemm %663: [3072 x 768] = T[3072 x 8192] [8192 x 768], bf16 operands widened to f32
 static void k115_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b453 = (uint16_t *)(arena + 4959535744); // %453 cast bf16[8192,3072]
-  uint16_t *const b659 = (uint16_t *)(arena + 3512500864); // %659 cast bf16[8192,768]
-  float *const b661 = (float *)(arena + 929369088); // %661 matmul d.h.9.fcproj_w f32[3072,768]
+  uint16_t *const b661 = (uint16_t *)(arena + 3512500864); // %661 cast bf16[8192,768]
+  float *const b663 = (float *)(arena + 929369088); // %663 matmul d.h.9.fcproj_w f32[3072,768]
   {
     float *const w453 = mdl_widen_bf16(b453, 25165824, h->nthreads);
-    float *const w659 = mdl_widen_bf16(b659, 6291456, h->nthreads);
-    mdl_gemm(h, 1, 0, 3072, 768, 8192, w453, 3072, w659, 768, 0.0f, b661, 768);
+    float *const w661 = mdl_widen_bf16(b661, 6291456, h->nthreads);
+    mdl_gemm(h, 1, 0, 3072, 768, 8192, w453, 3072, w661, 768, 0.0f, b663, 768);
     free(w453);
-    free(w659);
+    free(w661);
   }
 }
 
 // k116_gemm__gelu_bwd__sum__cast: GEMM, 6 ops
-//   %660   matmul                                  line 40    f32[8192,3072]
-//   %662   reshape                                 line 40    f32[8,1024,3072]
-//   %663   gelu_bwd                                line 40    f32[8,1024,3072]
-//   %664   reshape                                 line 40    f32[8192,3072]
-//   %665   sum                d.h.9.fc_b           line 40    f32[3072]
-//   %666   cast                                    line 40    bf16[8192,3072]
+//   %662   matmul                                  line 40    f32[8192,3072]
+//   %664   reshape                                 line 40    f32[8,1024,3072]
+//   %665   gelu_bwd                                line 40    f32[8,1024,3072]
+//   %666   reshape                                 line 40    f32[8192,3072]
+//   %667   sum                d.h.9.fc_b           line 40    f32[3072]
+//   %668   cast                                    line 40    bf16[8192,3072]
 // loops:
-//   gemm %660: [8192 x 3072] = [8192 x 768] T[768 x 3072], bf16 operands widened to f32, epilogue after
-//   sum %665: 3072 outputs over 8192 elements, in 64 blocks of 128
+//   gemm %662: [8192 x 3072] = [8192 x 768] T[768 x 3072], bf16 operands widened to f32, epilogue after
+//   sum %667: 3072 outputs over 8192 elements, in 64 blocks of 128
 static void k116_gemm__gelu_bwd__sum__cast(char *arena, const MdlHooks *h) {
   float *const b450 = (float *)(arena + 3298591360); // %450 add f32[8,1024,3072]
   uint16_t *const b454 = (uint16_t *)(arena + 2205070848); // %454 cast bf16[3072,768]
-  uint16_t *const b659 = (uint16_t *)(arena + 3512500864); // %659 cast bf16[8192,768]
-  float *const b660 = mdl_scratch(100663296); // %660 matmul f32[8192,3072], kept in this kernel
-  float *const b665 = (float *)(arena + 929356800); // %665 sum d.h.9.fc_b f32[3072]
-  uint16_t *const b666 = (uint16_t *)(arena + 3399254656); // %666 cast bf16[8192,3072]
+  uint16_t *const b661 = (uint16_t *)(arena + 3512500864); // %661 cast bf16[8192,768]
+  float *const b662 = mdl_scratch(100663296); // %662 matmul f32[8192,3072], kept in this kernel
+  float *const b667 = (float *)(arena + 929356800); // %667 sum d.h.9.fc_b f32[3072]
+  uint16_t *const b668 = (uint16_t *)(arena + 3399254656); // %668 cast bf16[8192,3072]
   {
-    float *const w659 = mdl_widen_bf16(b659, 6291456, h->nthreads);
+    float *const w661 = mdl_widen_bf16(b661, 6291456, h->nthreads);
     float *const w454 = mdl_widen_bf16(b454, 2359296, h->nthreads);
-    mdl_gemm(h, 0, 1, 8192, 3072, 768, w659, 768, w454, 768, 0.0f, b660, 3072);
-    free(w659);
+    mdl_gemm(h, 0, 1, 8192, 3072, 768, w661, 768, w454, 768, 0.0f, b662, 3072);
+    free(w661);
     free(w454);
   }
   double *part = mdl_scratch(196608 * sizeof(double));
@@ -5481,13 +5505,13 @@ static void k116_gemm__gelu_bwd__sum__cast(char *arena, const MdlHooks *h) {
       for (int64_t c = 0; c < 3072; c++) {
         const int64_t ix = l * 3072 + c;
         const float v450_ix = b450[ix];
-        const float v660_ix = b660[ix];
-        const float v662_ix = v660_ix;
-        const float v663_ix = mdl_gelu_grad(v450_ix) * v662_ix;
-        const float v664_ix = v663_ix;
-        const float v = v664_ix;
-        const float v666_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v664_ix));
-        b666[ix] = mdl_f32_to_bf16(v666_ix);
+        const float v662_ix = b662[ix];
+        const float v664_ix = v662_ix;
+        const float v665_ix = mdl_gelu_grad(v450_ix) * v664_ix;
+        const float v666_ix = v665_ix;
+        const float v = v666_ix;
+        const float v668_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v666_ix));
+        b668[ix] = mdl_f32_to_bf16(v668_ix);
         p[c] += v;
       }
     }
@@ -5500,69 +5524,69 @@ static void k116_gemm__gelu_bwd__sum__cast(char *arena, const MdlHooks *h) {
       acc += v;
     }
     const float y = (float)acc;
-    b665[r] = y;
+    b667[r] = y;
   }
   free(part);
-  free(b660);
+  free(b662);
 }
 
 // k117_gemm: GEMM, 1 op
-//   %667   matmul                                  line 40    f32[8192,768]
+//   %669   matmul                                  line 40    f32[8192,768]
 // loops:
-//   gemm %667: [8192 x 768] = [8192 x 3072] T[3072 x 768], bf16 operands widened to f32
+//   gemm %669: [8192 x 768] = [8192 x 3072] T[3072 x 768], bf16 operands widened to f32
 static void k117_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b447 = (uint16_t *)(arena + 2200352256); // %447 cast bf16[768,3072]
-  uint16_t *const b666 = (uint16_t *)(arena + 3399254656); // %666 cast bf16[8192,3072]
-  float *const b667 = (float *)(arena + 3298591360); // %667 matmul f32[8192,768]
+  uint16_t *const b668 = (uint16_t *)(arena + 3399254656); // %668 cast bf16[8192,3072]
+  float *const b669 = (float *)(arena + 3298591360); // %669 matmul f32[8192,768]
   {
-    float *const w666 = mdl_widen_bf16(b666, 25165824, h->nthreads);
+    float *const w668 = mdl_widen_bf16(b668, 25165824, h->nthreads);
     float *const w447 = mdl_widen_bf16(b447, 2359296, h->nthreads);
-    mdl_gemm(h, 0, 1, 8192, 768, 3072, w666, 3072, w447, 3072, 0.0f, b667, 768);
-    free(w666);
+    mdl_gemm(h, 0, 1, 8192, 768, 3072, w668, 3072, w447, 3072, 0.0f, b669, 768);
+    free(w668);
     free(w447);
   }
 }
 
 // k118_gemm: GEMM, 1 op
-//   %668   matmul             d.h.9.fc_w           line 40    f32[768,3072]
+//   %670   matmul             d.h.9.fc_w           line 40    f32[768,3072]
 // loops:
-//   gemm %668: [768 x 3072] = T[768 x 8192] [8192 x 3072], bf16 operands widened to f32
+//   gemm %670: [768 x 3072] = T[768 x 8192] [8192 x 3072], bf16 operands widened to f32
 static void k118_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b446 = (uint16_t *)(arena + 6154912384); // %446 cast bf16[8192,768]
-  uint16_t *const b666 = (uint16_t *)(arena + 3399254656); // %666 cast bf16[8192,3072]
-  float *const b668 = (float *)(arena + 919919616); // %668 matmul d.h.9.fc_w f32[768,3072]
+  uint16_t *const b668 = (uint16_t *)(arena + 3399254656); // %668 cast bf16[8192,3072]
+  float *const b670 = (float *)(arena + 919919616); // %670 matmul d.h.9.fc_w f32[768,3072]
   {
     float *const w446 = mdl_widen_bf16(b446, 6291456, h->nthreads);
-    float *const w666 = mdl_widen_bf16(b666, 25165824, h->nthreads);
-    mdl_gemm(h, 1, 0, 768, 3072, 8192, w446, 768, w666, 3072, 0.0f, b668, 3072);
+    float *const w668 = mdl_widen_bf16(b668, 25165824, h->nthreads);
+    mdl_gemm(h, 1, 0, 768, 3072, 8192, w446, 768, w668, 3072, 0.0f, b670, 3072);
     free(w446);
-    free(w666);
+    free(w668);
   }
 }
 
 // k119_layernorm_bwd__add__sum__cast: kernel, 7 ops
-//   %670   layernorm_bwd                           line 40    f32[8,1024,768]
-//   %671   add                d.h.9.x              line 40    f32[8,1024,768]
-//   %672   layernorm_bwd      d.h.9.ln2_w          line 40    f32[768]
-//   %673   layernorm_bwd      d.h.9.ln2_b          line 40    f32[768]
-//   %674   reshape                                 line 39    f32[8192,768]
-//   %675   sum                d.h.9.proj_b         line 39    f32[768]
-//   %676   cast                                    line 39    bf16[8192,768]
+//   %672   layernorm_bwd                           line 40    f32[8,1024,768]
+//   %673   add                d.h.9.x              line 40    f32[8,1024,768]
+//   %674   layernorm_bwd      d.h.9.ln2_w          line 40    f32[768]
+//   %675   layernorm_bwd      d.h.9.ln2_b          line 40    f32[768]
+//   %676   reshape                                 line 39    f32[8192,768]
+//   %677   sum                d.h.9.proj_b         line 39    f32[768]
+//   %678   cast                                    line 39    bf16[8192,768]
 // loops:
 //   layernorm_bwd: 8192 rows of 768, column sums over 64 blocks of 128 rows
 static void k119_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
   float *const b420 = (float *)(arena + 422154240); // %420 param h.9.ln2_w f32[768]
   float *const b443 = (float *)(arena + 5588681344); // %443 add h.9.x f32[8,1024,768]
-  float *const b654 = (float *)(arena + 3487335040); // %654 add d.h.9.x f32[8,1024,768]
-  float *const b667 = (float *)(arena + 3298591360); // %667 matmul f32[8192,768]
-  float *const b671 = (float *)(arena + 3336340096); // %671 add d.h.9.x f32[8,1024,768]
-  float *const b672 = (float *)(arena + 919913472); // %672 layernorm_bwd d.h.9.ln2_w f32[768]
-  float *const b673 = (float *)(arena + 919916544); // %673 layernorm_bwd d.h.9.ln2_b f32[768]
-  float *const b675 = (float *)(arena + 919910400); // %675 sum d.h.9.proj_b f32[768]
-  uint16_t *const b676 = (uint16_t *)(arena + 3323757184); // %676 cast bf16[8192,768]
+  float *const b656 = (float *)(arena + 3487335040); // %656 add d.h.9.x f32[8,1024,768]
+  float *const b669 = (float *)(arena + 3298591360); // %669 matmul f32[8192,768]
+  float *const b673 = (float *)(arena + 3336340096); // %673 add d.h.9.x f32[8,1024,768]
+  float *const b674 = (float *)(arena + 919913472); // %674 layernorm_bwd d.h.9.ln2_w f32[768]
+  float *const b675 = (float *)(arena + 919916544); // %675 layernorm_bwd d.h.9.ln2_b f32[768]
+  float *const b677 = (float *)(arena + 919910400); // %677 sum d.h.9.proj_b f32[768]
+  uint16_t *const b678 = (uint16_t *)(arena + 3323757184); // %678 cast bf16[8192,768]
   double *pdw = mdl_scratch(49152 * sizeof(double));
   double *pdb = mdl_scratch(49152 * sizeof(double));
-  double *ps0 = mdl_scratch(49152 * sizeof(double)); // partials of the column sum %675
+  double *ps0 = mdl_scratch(49152 * sizeof(double)); // partials of the column sum %677
   #pragma omp parallel num_threads(h->nthreads)
   {
     float *dxrow = mdl_scratch(768 * sizeof(float));
@@ -5576,7 +5600,7 @@ static void k119_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
       const int64_t end = k * 128 + 128 < 8192 ? k * 128 + 128 : 8192;
       for (int64_t r = k * 128; r < end; r++) {
         const float *x = b443 + r * 768;
-        const float *dy = b667 + r * 768;
+        const float *dy = b669 + r * 768;
         double mean = 0, var = 0, mg = 0, mgx = 0;
         #pragma omp simd reduction(+ : mean)
         for (int64_t j = 0; j < 768; j++)
@@ -5601,13 +5625,13 @@ static void k119_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
           dx[j] = (float)(rstd * ((double)dy[j] * b420[j] - mg - (x[j] - mean) * rstd * mgx));
         for (int64_t j = 0; j < 768; j++) {
           const int64_t ix = r * 768 + j;
-          const float v654_ix = b654[ix];
-          const float v671_ix = v654_ix + dx[j];
-          b671[ix] = v671_ix;
-          const float v674_ix = v671_ix;
-          const float v676_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v674_ix));
-          b676[ix] = mdl_f32_to_bf16(v676_ix);
-          sa0[j] += v674_ix;
+          const float v656_ix = b656[ix];
+          const float v673_ix = v656_ix + dx[j];
+          b673[ix] = v673_ix;
+          const float v676_ix = v673_ix;
+          const float v678_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v676_ix));
+          b678[ix] = mdl_f32_to_bf16(v678_ix);
+          sa0[j] += v676_ix;
         }
       }
     }
@@ -5621,9 +5645,9 @@ static void k119_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
       b += pdb[k * 768 + j];
       a0 += ps0[k * 768 + j];
     }
-    b672[j] = (float)w;
-    b673[j] = (float)b;
-    b675[j] = (float)a0;
+    b674[j] = (float)w;
+    b675[j] = (float)b;
+    b677[j] = (float)a0;
   }
   free(pdw);
   free(pdb);
@@ -5631,52 +5655,64 @@ static void k119_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
 }
 
 // k120_gemm: GEMM, 1 op
-//   %677   matmul                                  line 39    f32[8192,768]
+//   %680   matmul             d.h.9.proj_w         line 39    f32[768,768]
 // loops:
-//   gemm %677: [8192 x 768] = [8192 x 768] T[768 x 768], bf16 operands widened to f32
+//   gemm %680: [768 x 768] = T[768 x 8192] [8192 x 768], bf16 operands widened to f32
 static void k120_gemm(char *arena, const MdlHooks *h) {
-  uint16_t *const b439 = (uint16_t *)(arena + 2199172608); // %439 cast bf16[768,768]
-  uint16_t *const b676 = (uint16_t *)(arena + 3323757184); // %676 cast bf16[8192,768]
-  float *const b677 = (float *)(arena + 3298591360); // %677 matmul f32[8192,768]
+  uint16_t *const b438 = (uint16_t *)(arena + 6142329472); // %438 cast bf16[8192,768]
+  uint16_t *const b678 = (uint16_t *)(arena + 3323757184); // %678 cast bf16[8192,768]
+  float *const b680 = (float *)(arena + 917551104); // %680 matmul d.h.9.proj_w f32[768,768]
   {
-    float *const w676 = mdl_widen_bf16(b676, 6291456, h->nthreads);
-    float *const w439 = mdl_widen_bf16(b439, 589824, h->nthreads);
-    mdl_gemm(h, 0, 1, 8192, 768, 768, w676, 768, w439, 768, 0.0f, b677, 768);
-    free(w676);
-    free(w439);
+    float *const w438 = mdl_widen_bf16(b438, 6291456, h->nthreads);
+    float *const w678 = mdl_widen_bf16(b678, 6291456, h->nthreads);
+    mdl_gemm(h, 1, 0, 768, 768, 8192, w438, 768, w678, 768, 0.0f, b680, 768);
+    free(w438);
+    free(w678);
   }
 }
 
-// k121_gemm: GEMM, 1 op
-//   %678   matmul             d.h.9.proj_w         line 39    f32[768,768]
+// k121_gemm__cast: GEMM, 3 ops
+//   %679   matmul                                  line 39    f32[8192,768]
+//   %681   reshape                                 line 39    f32[8,1024,768]
+//   %682   cast                                    line 39    bf16[8,1024,768]
 // loops:
-//   gemm %678: [768 x 768] = T[768 x 8192] [8192 x 768], bf16 operands widened to f32
-static void k121_gemm(char *arena, const MdlHooks *h) {
-  uint16_t *const b438 = (uint16_t *)(arena + 6142329472); // %438 cast bf16[8192,768]
-  uint16_t *const b676 = (uint16_t *)(arena + 3323757184); // %676 cast bf16[8192,768]
-  float *const b678 = (float *)(arena + 917551104); // %678 matmul d.h.9.proj_w f32[768,768]
+//   gemm %679: [8192 x 768] = [8192 x 768] T[768 x 768], bf16 operands widened to f32, epilogue after
+//   elementwise over 6291456: %682
+static void k121_gemm__cast(char *arena, const MdlHooks *h) {
+  uint16_t *const b439 = (uint16_t *)(arena + 2199172608); // %439 cast bf16[768,768]
+  uint16_t *const b678 = (uint16_t *)(arena + 3323757184); // %678 cast bf16[8192,768]
+  float *const b679 = mdl_scratch(25165824); // %679 matmul f32[8192,768], kept in this kernel
+  uint16_t *const b682 = (uint16_t *)(arena + 3298591360); // %682 cast bf16[8,1024,768]
   {
-    float *const w438 = mdl_widen_bf16(b438, 6291456, h->nthreads);
-    float *const w676 = mdl_widen_bf16(b676, 6291456, h->nthreads);
-    mdl_gemm(h, 1, 0, 768, 768, 8192, w438, 768, w676, 768, 0.0f, b678, 768);
-    free(w438);
-    free(w676);
+    float *const w678 = mdl_widen_bf16(b678, 6291456, h->nthreads);
+    float *const w439 = mdl_widen_bf16(b439, 589824, h->nthreads);
+    mdl_gemm(h, 0, 1, 8192, 768, 768, w678, 768, w439, 768, 0.0f, b679, 768);
+    free(w678);
+    free(w439);
   }
+  #pragma omp parallel for num_threads(h->nthreads) schedule(static)
+  for (int64_t i = 0; i < 6291456; i++) {
+    const float v679_i = b679[i];
+    const float v681_i = v679_i;
+    const float v682_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v681_i));
+    b682[i] = mdl_f32_to_bf16(v682_i);
+  }
+  free(b679);
 }
 
 // k122_attention_bwd: attention, 3 ops
-//   %680   attention_bwd      d.h.9.q              line 39    f32[8,1024,768]
-//   %681   attention_bwd      d.h.9.k              line 39    f32[8,1024,768]
-//   %682   attention_bwd      d.h.9.v              line 39    f32[8,1024,768]
+//   %683   attention_bwd      d.h.9.q              line 39    f32[8,1024,768]
+//   %684   attention_bwd      d.h.9.k              line 39    f32[8,1024,768]
+//   %685   attention_bwd      d.h.9.v              line 39    f32[8,1024,768]
 // loops:
 //   attention backward (dq dk dv): B 8, T 1024, 12 heads of 64, causal, within documents; one task per (batch, head)
 static void k122_attention_bwd(char *arena, const MdlHooks *h) {
   int32_t *const b3 = (int32_t *)(arena + 2238199296); // %3 input doc i32[8,1024]
   float *const b432 = (float *)(arena + 4280058496); // %432 add f32[8,1024,2304]
-  float *const b677 = (float *)(arena + 3298591360); // %677 matmul f32[8192,768]
-  float *const b680 = (float *)(arena + 3361505920); // %680 attention_bwd d.h.9.q f32[8,1024,768]
-  float *const b681 = (float *)(arena + 3386671744); // %681 attention_bwd d.h.9.k f32[8,1024,768]
-  float *const b682 = (float *)(arena + 3411837568); // %682 attention_bwd d.h.9.v f32[8,1024,768]
+  uint16_t *const b682 = (uint16_t *)(arena + 3298591360); // %682 cast bf16[8,1024,768]
+  float *const b683 = (float *)(arena + 3361505920); // %683 attention_bwd d.h.9.q f32[8,1024,768]
+  float *const b684 = (float *)(arena + 3386671744); // %684 attention_bwd d.h.9.k f32[8,1024,768]
+  float *const b685 = (float *)(arena + 3411837568); // %685 attention_bwd d.h.9.v f32[8,1024,768]
   #pragma omp parallel num_threads(h->nthreads)
   {
     float *restrict kt = memset(mdl_scratch(67584 * sizeof(float)), 0, 67584 * sizeof(float));
@@ -5750,7 +5786,7 @@ static void k122_attention_bwd(char *arena, const MdlHooks *h) {
         }
         float dor[64];
         for (int64_t c = 0; c < 64; c++)
-          dor[c] = mdl_bf16_to_f32(mdl_f32_to_bf16(b677[(b * 1024 + i) * 768 + hd * 64 + c]));
+          dor[c] = mdl_bf16_to_f32(b682[(b * 1024 + i) * 768 + hd * 64 + c]);
         const float *restrict doi = dor;
         #pragma omp simd
         for (int64_t j = lo; j < hi; j++)
@@ -5812,14 +5848,14 @@ static void k122_attention_bwd(char *arena, const MdlHooks *h) {
           for (int64_t c = 0; c < 64; c++)
             dvj[c] += mdl_bf16_to_f32(mdl_f32_to_bf16(s[j])) * doi[c];
         }
-        float *restrict dq = b680 + (b * 1024 + i) * 768 + hd * 64;
+        float *restrict dq = b683 + (b * 1024 + i) * 768 + hd * 64;
         for (int64_t c = 0; c < 64; c++)
           dq[c] = 0.125f * (dqi0[c] + dqi1[c]);
       }
       for (int64_t t = 0; t < 1024; t++)
-        memcpy(b681 + (b * 1024 + t) * 768 + hd * 64, dkh + t * 64, 64 * sizeof(float));
+        memcpy(b684 + (b * 1024 + t) * 768 + hd * 64, dkh + t * 64, 64 * sizeof(float));
       for (int64_t t = 0; t < 1024; t++)
-        memcpy(b682 + (b * 1024 + t) * 768 + hd * 64, dvh + t * 64, 64 * sizeof(float));
+        memcpy(b685 + (b * 1024 + t) * 768 + hd * 64, dvh + t * 64, 64 * sizeof(float));
     }
     free(kt);
     free(s);
@@ -5831,22 +5867,22 @@ static void k122_attention_bwd(char *arena, const MdlHooks *h) {
 }
 
 // k123_sum__slice_bwd__add__cast: kernel, 8 ops
-//   %683   slice_bwd                               line 38    f32[8,1024,2304]
-//   %684   slice_bwd                               line 38    f32[8,1024,2304]
-//   %685   add                                     line 38    f32[8,1024,2304]
 //   %686   slice_bwd                               line 38    f32[8,1024,2304]
-//   %687   add                                     line 38    f32[8,1024,2304]
-//   %688   reshape                                 line 38    f32[8192,2304]
-//   %689   sum                d.h.9.attn_b         line 38    f32[2304]
-//   %690   cast                                    line 38    bf16[8192,2304]
+//   %687   slice_bwd                               line 38    f32[8,1024,2304]
+//   %688   add                                     line 38    f32[8,1024,2304]
+//   %689   slice_bwd                               line 38    f32[8,1024,2304]
+//   %690   add                                     line 38    f32[8,1024,2304]
+//   %691   reshape                                 line 38    f32[8192,2304]
+//   %692   sum                d.h.9.attn_b         line 38    f32[2304]
+//   %693   cast                                    line 38    bf16[8192,2304]
 // loops:
-//   sum %689: 2304 outputs over 8192 elements, in 64 blocks of 128
+//   sum %692: 2304 outputs over 8192 elements, in 64 blocks of 128
 static void k123_sum__slice_bwd__add__cast(char *arena, const MdlHooks *h) {
-  float *const b680 = (float *)(arena + 3361505920); // %680 attention_bwd d.h.9.q f32[8,1024,768]
-  float *const b681 = (float *)(arena + 3386671744); // %681 attention_bwd d.h.9.k f32[8,1024,768]
-  float *const b682 = (float *)(arena + 3411837568); // %682 attention_bwd d.h.9.v f32[8,1024,768]
-  float *const b689 = (float *)(arena + 917541888); // %689 sum d.h.9.attn_b f32[2304]
-  uint16_t *const b690 = (uint16_t *)(arena + 3298591360); // %690 cast bf16[8192,2304]
+  float *const b683 = (float *)(arena + 3361505920); // %683 attention_bwd d.h.9.q f32[8,1024,768]
+  float *const b684 = (float *)(arena + 3386671744); // %684 attention_bwd d.h.9.k f32[8,1024,768]
+  float *const b685 = (float *)(arena + 3411837568); // %685 attention_bwd d.h.9.v f32[8,1024,768]
+  float *const b692 = (float *)(arena + 917541888); // %692 sum d.h.9.attn_b f32[2304]
+  uint16_t *const b693 = (uint16_t *)(arena + 3298591360); // %693 cast bf16[8192,2304]
   double *part = mdl_scratch(147456 * sizeof(double));
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
   for (int64_t k = 0; k < 64; k++) {
@@ -5859,20 +5895,20 @@ static void k123_sum__slice_bwd__add__cast(char *arena, const MdlHooks *h) {
         const int64_t ix = l * 2304 + c;
         const int64_t j1 = ix % 2304;
         const int64_t j2 = j1 >= 1536 && j1 < 2304 ? ix / 2304 * 768 + (j1 - 1536) : 0;
-        const float v682_j2 = b682[j2];
-        const float v683_ix = j1 >= 1536 && j1 < 2304 ? v682_j2 : 0.0f;
+        const float v685_j2 = b685[j2];
+        const float v686_ix = j1 >= 1536 && j1 < 2304 ? v685_j2 : 0.0f;
         const int64_t j3 = j1 >= 768 && j1 < 1536 ? ix / 2304 * 768 + (j1 - 768) : 0;
-        const float v681_j3 = b681[j3];
-        const float v684_ix = j1 >= 768 && j1 < 1536 ? v681_j3 : 0.0f;
-        const float v685_ix = v683_ix + v684_ix;
+        const float v684_j3 = b684[j3];
+        const float v687_ix = j1 >= 768 && j1 < 1536 ? v684_j3 : 0.0f;
+        const float v688_ix = v686_ix + v687_ix;
         const int64_t j4 = j1 >= 0 && j1 < 768 ? ix / 2304 * 768 + (j1 - 0) : 0;
-        const float v680_j4 = b680[j4];
-        const float v686_ix = j1 >= 0 && j1 < 768 ? v680_j4 : 0.0f;
-        const float v687_ix = v685_ix + v686_ix;
-        const float v688_ix = v687_ix;
-        const float v = v688_ix;
-        const float v690_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v688_ix));
-        b690[ix] = mdl_f32_to_bf16(v690_ix);
+        const float v683_j4 = b683[j4];
+        const float v689_ix = j1 >= 0 && j1 < 768 ? v683_j4 : 0.0f;
+        const float v690_ix = v688_ix + v689_ix;
+        const float v691_ix = v690_ix;
+        const float v = v691_ix;
+        const float v693_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v691_ix));
+        b693[ix] = mdl_f32_to_bf16(v693_ix);
         p[c] += v;
       }
     }
@@ -5885,68 +5921,68 @@ static void k123_sum__slice_bwd__add__cast(char *arena, const MdlHooks *h) {
       acc += v;
     }
     const float y = (float)acc;
-    b689[r] = y;
+    b692[r] = y;
   }
   free(part);
 }
 
 // k124_gemm: GEMM, 1 op
-//   %691   matmul                                  line 38    f32[8192,768]
+//   %694   matmul                                  line 38    f32[8192,768]
 // loops:
-//   gemm %691: [8192 x 768] = [8192 x 2304] T[2304 x 768], bf16 operands widened to f32
+//   gemm %694: [8192 x 768] = [8192 x 2304] T[2304 x 768], bf16 operands widened to f32
 static void k124_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b429 = (uint16_t *)(arena + 2195633664); // %429 cast bf16[768,2304]
-  uint16_t *const b690 = (uint16_t *)(arena + 3298591360); // %690 cast bf16[8192,2304]
-  float *const b691 = (float *)(arena + 3361505920); // %691 matmul f32[8192,768]
+  uint16_t *const b693 = (uint16_t *)(arena + 3298591360); // %693 cast bf16[8192,2304]
+  float *const b694 = (float *)(arena + 3361505920); // %694 matmul f32[8192,768]
   {
-    float *const w690 = mdl_widen_bf16(b690, 18874368, h->nthreads);
+    float *const w693 = mdl_widen_bf16(b693, 18874368, h->nthreads);
     float *const w429 = mdl_widen_bf16(b429, 1769472, h->nthreads);
-    mdl_gemm(h, 0, 1, 8192, 768, 2304, w690, 2304, w429, 2304, 0.0f, b691, 768);
-    free(w690);
+    mdl_gemm(h, 0, 1, 8192, 768, 2304, w693, 2304, w429, 2304, 0.0f, b694, 768);
+    free(w693);
     free(w429);
   }
 }
 
 // k125_gemm: GEMM, 1 op
-//   %692   matmul             d.h.9.attn_w         line 38    f32[768,2304]
+//   %695   matmul             d.h.9.attn_w         line 38    f32[768,2304]
 // loops:
-//   gemm %692: [768 x 2304] = T[768 x 8192] [8192 x 2304], bf16 operands widened to f32
+//   gemm %695: [768 x 2304] = T[768 x 8192] [8192 x 2304], bf16 operands widened to f32
 static void k125_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b428 = (uint16_t *)(arena + 6129746560); // %428 cast bf16[8192,768]
-  uint16_t *const b690 = (uint16_t *)(arena + 3298591360); // %690 cast bf16[8192,2304]
-  float *const b692 = (float *)(arena + 910464000); // %692 matmul d.h.9.attn_w f32[768,2304]
+  uint16_t *const b693 = (uint16_t *)(arena + 3298591360); // %693 cast bf16[8192,2304]
+  float *const b695 = (float *)(arena + 910464000); // %695 matmul d.h.9.attn_w f32[768,2304]
   {
     float *const w428 = mdl_widen_bf16(b428, 6291456, h->nthreads);
-    float *const w690 = mdl_widen_bf16(b690, 18874368, h->nthreads);
-    mdl_gemm(h, 1, 0, 768, 2304, 8192, w428, 768, w690, 2304, 0.0f, b692, 2304);
+    float *const w693 = mdl_widen_bf16(b693, 18874368, h->nthreads);
+    mdl_gemm(h, 1, 0, 768, 2304, 8192, w428, 768, w693, 2304, 0.0f, b695, 2304);
     free(w428);
-    free(w690);
+    free(w693);
   }
 }
 
 // k126_layernorm_bwd__add__sum__cast: kernel, 7 ops
-//   %694   layernorm_bwd                           line 38    f32[8,1024,768]
-//   %695   add                d.h.8.x              line 38    f32[8,1024,768]
-//   %696   layernorm_bwd      d.h.9.ln1_w          line 38    f32[768]
-//   %697   layernorm_bwd      d.h.9.ln1_b          line 38    f32[768]
-//   %698   reshape                                 line 40    f32[8192,768]
-//   %699   sum                d.h.8.fcproj_b       line 40    f32[768]
-//   %700   cast                                    line 40    bf16[8192,768]
+//   %697   layernorm_bwd                           line 38    f32[8,1024,768]
+//   %698   add                d.h.8.x              line 38    f32[8,1024,768]
+//   %699   layernorm_bwd      d.h.9.ln1_w          line 38    f32[768]
+//   %700   layernorm_bwd      d.h.9.ln1_b          line 38    f32[768]
+//   %701   reshape                                 line 40    f32[8192,768]
+//   %702   sum                d.h.8.fcproj_b       line 40    f32[768]
+//   %703   cast                                    line 40    bf16[8192,768]
 // loops:
 //   layernorm_bwd: 8192 rows of 768, column sums over 64 blocks of 128 rows
 static void k126_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
   float *const b413 = (float *)(arena + 5563515520); // %413 add h.8.x f32[8,1024,768]
   float *const b414 = (float *)(arena + 412698624); // %414 param h.9.ln1_w f32[768]
-  float *const b671 = (float *)(arena + 3336340096); // %671 add d.h.9.x f32[8,1024,768]
-  float *const b691 = (float *)(arena + 3361505920); // %691 matmul f32[8192,768]
-  float *const b695 = (float *)(arena + 3386671744); // %695 add d.h.8.x f32[8,1024,768]
-  float *const b696 = (float *)(arena + 910457856); // %696 layernorm_bwd d.h.9.ln1_w f32[768]
-  float *const b697 = (float *)(arena + 910460928); // %697 layernorm_bwd d.h.9.ln1_b f32[768]
-  float *const b699 = (float *)(arena + 910454784); // %699 sum d.h.8.fcproj_b f32[768]
-  uint16_t *const b700 = (uint16_t *)(arena + 3411837568); // %700 cast bf16[8192,768]
+  float *const b673 = (float *)(arena + 3336340096); // %673 add d.h.9.x f32[8,1024,768]
+  float *const b694 = (float *)(arena + 3361505920); // %694 matmul f32[8192,768]
+  float *const b698 = (float *)(arena + 3386671744); // %698 add d.h.8.x f32[8,1024,768]
+  float *const b699 = (float *)(arena + 910457856); // %699 layernorm_bwd d.h.9.ln1_w f32[768]
+  float *const b700 = (float *)(arena + 910460928); // %700 layernorm_bwd d.h.9.ln1_b f32[768]
+  float *const b702 = (float *)(arena + 910454784); // %702 sum d.h.8.fcproj_b f32[768]
+  uint16_t *const b703 = (uint16_t *)(arena + 3411837568); // %703 cast bf16[8192,768]
   double *pdw = mdl_scratch(49152 * sizeof(double));
   double *pdb = mdl_scratch(49152 * sizeof(double));
-  double *ps0 = mdl_scratch(49152 * sizeof(double)); // partials of the column sum %699
+  double *ps0 = mdl_scratch(49152 * sizeof(double)); // partials of the column sum %702
   #pragma omp parallel num_threads(h->nthreads)
   {
     float *dxrow = mdl_scratch(768 * sizeof(float));
@@ -5960,7 +5996,7 @@ static void k126_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
       const int64_t end = k * 128 + 128 < 8192 ? k * 128 + 128 : 8192;
       for (int64_t r = k * 128; r < end; r++) {
         const float *x = b413 + r * 768;
-        const float *dy = b691 + r * 768;
+        const float *dy = b694 + r * 768;
         double mean = 0, var = 0, mg = 0, mgx = 0;
         #pragma omp simd reduction(+ : mean)
         for (int64_t j = 0; j < 768; j++)
@@ -5985,13 +6021,13 @@ static void k126_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
           dx[j] = (float)(rstd * ((double)dy[j] * b414[j] - mg - (x[j] - mean) * rstd * mgx));
         for (int64_t j = 0; j < 768; j++) {
           const int64_t ix = r * 768 + j;
-          const float v671_ix = b671[ix];
-          const float v695_ix = v671_ix + dx[j];
-          b695[ix] = v695_ix;
-          const float v698_ix = v695_ix;
-          const float v700_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v698_ix));
-          b700[ix] = mdl_f32_to_bf16(v700_ix);
-          sa0[j] += v698_ix;
+          const float v673_ix = b673[ix];
+          const float v698_ix = v673_ix + dx[j];
+          b698[ix] = v698_ix;
+          const float v701_ix = v698_ix;
+          const float v703_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v701_ix));
+          b703[ix] = mdl_f32_to_bf16(v703_ix);
+          sa0[j] += v701_ix;
         }
       }
     }
@@ -6005,9 +6041,9 @@ static void k126_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
       b += pdb[k * 768 + j];
       a0 += ps0[k * 768 + j];
     }
-    b696[j] = (float)w;
-    b697[j] = (float)b;
-    b699[j] = (float)a0;
+    b699[j] = (float)w;
+    b700[j] = (float)b;
+    b702[j] = (float)a0;
   }
   free(pdw);
   free(pdb);
@@ -6015,44 +6051,44 @@ static void k126_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
 }
 
 // k127_gemm: GEMM, 1 op
-//   %702   matmul             d.h.8.fcproj_w       line 40    f32[3072,768]
+//   %705   matmul             d.h.8.fcproj_w       line 40    f32[3072,768]
 // loops:
-//   gemm %702: [3072 x 768] = T[3072 x 8192] [8192 x 768], bf16 operands widened to f32
+//   gemm %705: [3072 x 768] = T[3072 x 8192] [8192 x 768], bf16 operands widened to f32
 static void k127_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b408 = (uint16_t *)(arena + 4909204096); // %408 cast bf16[8192,3072]
-  uint16_t *const b700 = (uint16_t *)(arena + 3411837568); // %700 cast bf16[8192,768]
-  float *const b702 = (float *)(arena + 901017600); // %702 matmul d.h.8.fcproj_w f32[3072,768]
+  uint16_t *const b703 = (uint16_t *)(arena + 3411837568); // %703 cast bf16[8192,768]
+  float *const b705 = (float *)(arena + 901017600); // %705 matmul d.h.8.fcproj_w f32[3072,768]
   {
     float *const w408 = mdl_widen_bf16(b408, 25165824, h->nthreads);
-    float *const w700 = mdl_widen_bf16(b700, 6291456, h->nthreads);
-    mdl_gemm(h, 1, 0, 3072, 768, 8192, w408, 3072, w700, 768, 0.0f, b702, 768);
+    float *const w703 = mdl_widen_bf16(b703, 6291456, h->nthreads);
+    mdl_gemm(h, 1, 0, 3072, 768, 8192, w408, 3072, w703, 768, 0.0f, b705, 768);
     free(w408);
-    free(w700);
+    free(w703);
   }
 }
 
 // k128_gemm__gelu_bwd__sum__cast: GEMM, 6 ops
-//   %701   matmul                                  line 40    f32[8192,3072]
-//   %703   reshape                                 line 40    f32[8,1024,3072]
-//   %704   gelu_bwd                                line 40    f32[8,1024,3072]
-//   %705   reshape                                 line 40    f32[8192,3072]
-//   %706   sum                d.h.8.fc_b           line 40    f32[3072]
-//   %707   cast                                    line 40    bf16[8192,3072]
+//   %704   matmul                                  line 40    f32[8192,3072]
+//   %706   reshape                                 line 40    f32[8,1024,3072]
+//   %707   gelu_bwd                                line 40    f32[8,1024,3072]
+//   %708   reshape                                 line 40    f32[8192,3072]
+//   %709   sum                d.h.8.fc_b           line 40    f32[3072]
+//   %710   cast                                    line 40    bf16[8192,3072]
 // loops:
-//   gemm %701: [8192 x 3072] = [8192 x 768] T[768 x 3072], bf16 operands widened to f32, epilogue after
-//   sum %706: 3072 outputs over 8192 elements, in 64 blocks of 128
+//   gemm %704: [8192 x 3072] = [8192 x 768] T[768 x 3072], bf16 operands widened to f32, epilogue after
+//   sum %709: 3072 outputs over 8192 elements, in 64 blocks of 128
 static void k128_gemm__gelu_bwd__sum__cast(char *arena, const MdlHooks *h) {
   float *const b405 = (float *)(arena + 3197928064); // %405 add f32[8,1024,3072]
   uint16_t *const b409 = (uint16_t *)(arena + 2190915072); // %409 cast bf16[3072,768]
-  uint16_t *const b700 = (uint16_t *)(arena + 3411837568); // %700 cast bf16[8192,768]
-  float *const b701 = mdl_scratch(100663296); // %701 matmul f32[8192,3072], kept in this kernel
-  float *const b706 = (float *)(arena + 901005312); // %706 sum d.h.8.fc_b f32[3072]
-  uint16_t *const b707 = (uint16_t *)(arena + 3298591360); // %707 cast bf16[8192,3072]
+  uint16_t *const b703 = (uint16_t *)(arena + 3411837568); // %703 cast bf16[8192,768]
+  float *const b704 = mdl_scratch(100663296); // %704 matmul f32[8192,3072], kept in this kernel
+  float *const b709 = (float *)(arena + 901005312); // %709 sum d.h.8.fc_b f32[3072]
+  uint16_t *const b710 = (uint16_t *)(arena + 3298591360); // %710 cast bf16[8192,3072]
   {
-    float *const w700 = mdl_widen_bf16(b700, 6291456, h->nthreads);
+    float *const w703 = mdl_widen_bf16(b703, 6291456, h->nthreads);
     float *const w409 = mdl_widen_bf16(b409, 2359296, h->nthreads);
-    mdl_gemm(h, 0, 1, 8192, 3072, 768, w700, 768, w409, 768, 0.0f, b701, 3072);
-    free(w700);
+    mdl_gemm(h, 0, 1, 8192, 3072, 768, w703, 768, w409, 768, 0.0f, b704, 3072);
+    free(w703);
     free(w409);
   }
   double *part = mdl_scratch(196608 * sizeof(double));
@@ -6066,13 +6102,13 @@ static void k128_gemm__gelu_bwd__sum__cast(char *arena, const MdlHooks *h) {
       for (int64_t c = 0; c < 3072; c++) {
         const int64_t ix = l * 3072 + c;
         const float v405_ix = b405[ix];
-        const float v701_ix = b701[ix];
-        const float v703_ix = v701_ix;
-        const float v704_ix = mdl_gelu_grad(v405_ix) * v703_ix;
-        const float v705_ix = v704_ix;
-        const float v = v705_ix;
-        const float v707_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v705_ix));
-        b707[ix] = mdl_f32_to_bf16(v707_ix);
+        const float v704_ix = b704[ix];
+        const float v706_ix = v704_ix;
+        const float v707_ix = mdl_gelu_grad(v405_ix) * v706_ix;
+        const float v708_ix = v707_ix;
+        const float v = v708_ix;
+        const float v710_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v708_ix));
+        b710[ix] = mdl_f32_to_bf16(v710_ix);
         p[c] += v;
       }
     }
@@ -6085,69 +6121,69 @@ static void k128_gemm__gelu_bwd__sum__cast(char *arena, const MdlHooks *h) {
       acc += v;
     }
     const float y = (float)acc;
-    b706[r] = y;
+    b709[r] = y;
   }
   free(part);
-  free(b701);
+  free(b704);
 }
 
 // k129_gemm: GEMM, 1 op
-//   %708   matmul                                  line 40    f32[8192,768]
+//   %711   matmul                                  line 40    f32[8192,768]
 // loops:
-//   gemm %708: [8192 x 768] = [8192 x 3072] T[3072 x 768], bf16 operands widened to f32
+//   gemm %711: [8192 x 768] = [8192 x 3072] T[3072 x 768], bf16 operands widened to f32
 static void k129_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b402 = (uint16_t *)(arena + 2186196480); // %402 cast bf16[768,3072]
-  uint16_t *const b707 = (uint16_t *)(arena + 3298591360); // %707 cast bf16[8192,3072]
-  float *const b708 = (float *)(arena + 3197928064); // %708 matmul f32[8192,768]
+  uint16_t *const b710 = (uint16_t *)(arena + 3298591360); // %710 cast bf16[8192,3072]
+  float *const b711 = (float *)(arena + 3197928064); // %711 matmul f32[8192,768]
   {
-    float *const w707 = mdl_widen_bf16(b707, 25165824, h->nthreads);
+    float *const w710 = mdl_widen_bf16(b710, 25165824, h->nthreads);
     float *const w402 = mdl_widen_bf16(b402, 2359296, h->nthreads);
-    mdl_gemm(h, 0, 1, 8192, 768, 3072, w707, 3072, w402, 3072, 0.0f, b708, 768);
-    free(w707);
+    mdl_gemm(h, 0, 1, 8192, 768, 3072, w710, 3072, w402, 3072, 0.0f, b711, 768);
+    free(w710);
     free(w402);
   }
 }
 
 // k130_gemm: GEMM, 1 op
-//   %709   matmul             d.h.8.fc_w           line 40    f32[768,3072]
+//   %712   matmul             d.h.8.fc_w           line 40    f32[768,3072]
 // loops:
-//   gemm %709: [768 x 3072] = T[768 x 8192] [8192 x 3072], bf16 operands widened to f32
+//   gemm %712: [768 x 3072] = T[768 x 8192] [8192 x 3072], bf16 operands widened to f32
 static void k130_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b401 = (uint16_t *)(arena + 6117163648); // %401 cast bf16[8192,768]
-  uint16_t *const b707 = (uint16_t *)(arena + 3298591360); // %707 cast bf16[8192,3072]
-  float *const b709 = (float *)(arena + 891568128); // %709 matmul d.h.8.fc_w f32[768,3072]
+  uint16_t *const b710 = (uint16_t *)(arena + 3298591360); // %710 cast bf16[8192,3072]
+  float *const b712 = (float *)(arena + 891568128); // %712 matmul d.h.8.fc_w f32[768,3072]
   {
     float *const w401 = mdl_widen_bf16(b401, 6291456, h->nthreads);
-    float *const w707 = mdl_widen_bf16(b707, 25165824, h->nthreads);
-    mdl_gemm(h, 1, 0, 768, 3072, 8192, w401, 768, w707, 3072, 0.0f, b709, 3072);
+    float *const w710 = mdl_widen_bf16(b710, 25165824, h->nthreads);
+    mdl_gemm(h, 1, 0, 768, 3072, 8192, w401, 768, w710, 3072, 0.0f, b712, 3072);
     free(w401);
-    free(w707);
+    free(w710);
   }
 }
 
 // k131_layernorm_bwd__add__sum__cast: kernel, 7 ops
-//   %711   layernorm_bwd                           line 40    f32[8,1024,768]
-//   %712   add                d.h.8.x              line 40    f32[8,1024,768]
-//   %713   layernorm_bwd      d.h.8.ln2_w          line 40    f32[768]
-//   %714   layernorm_bwd      d.h.8.ln2_b          line 40    f32[768]
-//   %715   reshape                                 line 39    f32[8192,768]
-//   %716   sum                d.h.8.proj_b         line 39    f32[768]
-//   %717   cast                                    line 39    bf16[8192,768]
+//   %714   layernorm_bwd                           line 40    f32[8,1024,768]
+//   %715   add                d.h.8.x              line 40    f32[8,1024,768]
+//   %716   layernorm_bwd      d.h.8.ln2_w          line 40    f32[768]
+//   %717   layernorm_bwd      d.h.8.ln2_b          line 40    f32[768]
+//   %718   reshape                                 line 39    f32[8192,768]
+//   %719   sum                d.h.8.proj_b         line 39    f32[768]
+//   %720   cast                                    line 39    bf16[8192,768]
 // loops:
 //   layernorm_bwd: 8192 rows of 768, column sums over 64 blocks of 128 rows
 static void k131_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
   float *const b375 = (float *)(arena + 393802752); // %375 param h.8.ln2_w f32[768]
   float *const b398 = (float *)(arena + 5538349696); // %398 add h.8.x f32[8,1024,768]
-  float *const b695 = (float *)(arena + 3386671744); // %695 add d.h.8.x f32[8,1024,768]
-  float *const b708 = (float *)(arena + 3197928064); // %708 matmul f32[8192,768]
-  float *const b712 = (float *)(arena + 3235676800); // %712 add d.h.8.x f32[8,1024,768]
-  float *const b713 = (float *)(arena + 891561984); // %713 layernorm_bwd d.h.8.ln2_w f32[768]
-  float *const b714 = (float *)(arena + 891565056); // %714 layernorm_bwd d.h.8.ln2_b f32[768]
-  float *const b716 = (float *)(arena + 891558912); // %716 sum d.h.8.proj_b f32[768]
-  uint16_t *const b717 = (uint16_t *)(arena + 3223093888); // %717 cast bf16[8192,768]
+  float *const b698 = (float *)(arena + 3386671744); // %698 add d.h.8.x f32[8,1024,768]
+  float *const b711 = (float *)(arena + 3197928064); // %711 matmul f32[8192,768]
+  float *const b715 = (float *)(arena + 3235676800); // %715 add d.h.8.x f32[8,1024,768]
+  float *const b716 = (float *)(arena + 891561984); // %716 layernorm_bwd d.h.8.ln2_w f32[768]
+  float *const b717 = (float *)(arena + 891565056); // %717 layernorm_bwd d.h.8.ln2_b f32[768]
+  float *const b719 = (float *)(arena + 891558912); // %719 sum d.h.8.proj_b f32[768]
+  uint16_t *const b720 = (uint16_t *)(arena + 3223093888); // %720 cast bf16[8192,768]
   double *pdw = mdl_scratch(49152 * sizeof(double));
   double *pdb = mdl_scratch(49152 * sizeof(double));
-  double *ps0 = mdl_scratch(49152 * sizeof(double)); // partials of the column sum %716
+  double *ps0 = mdl_scratch(49152 * sizeof(double)); // partials of the column sum %719
   #pragma omp parallel num_threads(h->nthreads)
   {
     float *dxrow = mdl_scratch(768 * sizeof(float));
@@ -6161,7 +6197,7 @@ static void k131_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
       const int64_t end = k * 128 + 128 < 8192 ? k * 128 + 128 : 8192;
       for (int64_t r = k * 128; r < end; r++) {
         const float *x = b398 + r * 768;
-        const float *dy = b708 + r * 768;
+        const float *dy = b711 + r * 768;
         double mean = 0, var = 0, mg = 0, mgx = 0;
         #pragma omp simd reduction(+ : mean)
         for (int64_t j = 0; j < 768; j++)
@@ -6186,13 +6222,13 @@ static void k131_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
           dx[j] = (float)(rstd * ((double)dy[j] * b375[j] - mg - (x[j] - mean) * rstd * mgx));
         for (int64_t j = 0; j < 768; j++) {
           const int64_t ix = r * 768 + j;
-          const float v695_ix = b695[ix];
-          const float v712_ix = v695_ix + dx[j];
-          b712[ix] = v712_ix;
-          const float v715_ix = v712_ix;
-          const float v717_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v715_ix));
-          b717[ix] = mdl_f32_to_bf16(v717_ix);
-          sa0[j] += v715_ix;
+          const float v698_ix = b698[ix];
+          const float v715_ix = v698_ix + dx[j];
+          b715[ix] = v715_ix;
+          const float v718_ix = v715_ix;
+          const float v720_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v718_ix));
+          b720[ix] = mdl_f32_to_bf16(v720_ix);
+          sa0[j] += v718_ix;
         }
       }
     }
@@ -6206,9 +6242,9 @@ static void k131_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
       b += pdb[k * 768 + j];
       a0 += ps0[k * 768 + j];
     }
-    b713[j] = (float)w;
-    b714[j] = (float)b;
-    b716[j] = (float)a0;
+    b716[j] = (float)w;
+    b717[j] = (float)b;
+    b719[j] = (float)a0;
   }
   free(pdw);
   free(pdb);
@@ -6216,52 +6252,64 @@ static void k131_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
 }
 
 // k132_gemm: GEMM, 1 op
-//   %718   matmul                                  line 39    f32[8192,768]
+//   %722   matmul             d.h.8.proj_w         line 39    f32[768,768]
 // loops:
-//   gemm %718: [8192 x 768] = [8192 x 768] T[768 x 768], bf16 operands widened to f32
+//   gemm %722: [768 x 768] = T[768 x 8192] [8192 x 768], bf16 operands widened to f32
 static void k132_gemm(char *arena, const MdlHooks *h) {
-  uint16_t *const b394 = (uint16_t *)(arena + 2185016832); // %394 cast bf16[768,768]
-  uint16_t *const b717 = (uint16_t *)(arena + 3223093888); // %717 cast bf16[8192,768]
-  float *const b718 = (float *)(arena + 3197928064); // %718 matmul f32[8192,768]
+  uint16_t *const b393 = (uint16_t *)(arena + 6104580736); // %393 cast bf16[8192,768]
+  uint16_t *const b720 = (uint16_t *)(arena + 3223093888); // %720 cast bf16[8192,768]
+  float *const b722 = (float *)(arena + 889199616); // %722 matmul d.h.8.proj_w f32[768,768]
   {
-    float *const w717 = mdl_widen_bf16(b717, 6291456, h->nthreads);
-    float *const w394 = mdl_widen_bf16(b394, 589824, h->nthreads);
-    mdl_gemm(h, 0, 1, 8192, 768, 768, w717, 768, w394, 768, 0.0f, b718, 768);
-    free(w717);
-    free(w394);
+    float *const w393 = mdl_widen_bf16(b393, 6291456, h->nthreads);
+    float *const w720 = mdl_widen_bf16(b720, 6291456, h->nthreads);
+    mdl_gemm(h, 1, 0, 768, 768, 8192, w393, 768, w720, 768, 0.0f, b722, 768);
+    free(w393);
+    free(w720);
   }
 }
 
-// k133_gemm: GEMM, 1 op
-//   %719   matmul             d.h.8.proj_w         line 39    f32[768,768]
+// k133_gemm__cast: GEMM, 3 ops
+//   %721   matmul                                  line 39    f32[8192,768]
+//   %723   reshape                                 line 39    f32[8,1024,768]
+//   %724   cast                                    line 39    bf16[8,1024,768]
 // loops:
-//   gemm %719: [768 x 768] = T[768 x 8192] [8192 x 768], bf16 operands widened to f32
-static void k133_gemm(char *arena, const MdlHooks *h) {
-  uint16_t *const b393 = (uint16_t *)(arena + 6104580736); // %393 cast bf16[8192,768]
-  uint16_t *const b717 = (uint16_t *)(arena + 3223093888); // %717 cast bf16[8192,768]
-  float *const b719 = (float *)(arena + 889199616); // %719 matmul d.h.8.proj_w f32[768,768]
+//   gemm %721: [8192 x 768] = [8192 x 768] T[768 x 768], bf16 operands widened to f32, epilogue after
+//   elementwise over 6291456: %724
+static void k133_gemm__cast(char *arena, const MdlHooks *h) {
+  uint16_t *const b394 = (uint16_t *)(arena + 2185016832); // %394 cast bf16[768,768]
+  uint16_t *const b720 = (uint16_t *)(arena + 3223093888); // %720 cast bf16[8192,768]
+  float *const b721 = mdl_scratch(25165824); // %721 matmul f32[8192,768], kept in this kernel
+  uint16_t *const b724 = (uint16_t *)(arena + 3197928064); // %724 cast bf16[8,1024,768]
   {
-    float *const w393 = mdl_widen_bf16(b393, 6291456, h->nthreads);
-    float *const w717 = mdl_widen_bf16(b717, 6291456, h->nthreads);
-    mdl_gemm(h, 1, 0, 768, 768, 8192, w393, 768, w717, 768, 0.0f, b719, 768);
-    free(w393);
-    free(w717);
+    float *const w720 = mdl_widen_bf16(b720, 6291456, h->nthreads);
+    float *const w394 = mdl_widen_bf16(b394, 589824, h->nthreads);
+    mdl_gemm(h, 0, 1, 8192, 768, 768, w720, 768, w394, 768, 0.0f, b721, 768);
+    free(w720);
+    free(w394);
   }
+  #pragma omp parallel for num_threads(h->nthreads) schedule(static)
+  for (int64_t i = 0; i < 6291456; i++) {
+    const float v721_i = b721[i];
+    const float v723_i = v721_i;
+    const float v724_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v723_i));
+    b724[i] = mdl_f32_to_bf16(v724_i);
+  }
+  free(b721);
 }
 
 // k134_attention_bwd: attention, 3 ops
-//   %721   attention_bwd      d.h.8.q              line 39    f32[8,1024,768]
-//   %722   attention_bwd      d.h.8.k              line 39    f32[8,1024,768]
-//   %723   attention_bwd      d.h.8.v              line 39    f32[8,1024,768]
+//   %725   attention_bwd      d.h.8.q              line 39    f32[8,1024,768]
+//   %726   attention_bwd      d.h.8.k              line 39    f32[8,1024,768]
+//   %727   attention_bwd      d.h.8.v              line 39    f32[8,1024,768]
 // loops:
 //   attention backward (dq dk dv): B 8, T 1024, 12 heads of 64, causal, within documents; one task per (batch, head)
 static void k134_attention_bwd(char *arena, const MdlHooks *h) {
   int32_t *const b3 = (int32_t *)(arena + 2238199296); // %3 input doc i32[8,1024]
   float *const b387 = (float *)(arena + 4204561024); // %387 add f32[8,1024,2304]
-  float *const b718 = (float *)(arena + 3197928064); // %718 matmul f32[8192,768]
-  float *const b721 = (float *)(arena + 3260842624); // %721 attention_bwd d.h.8.q f32[8,1024,768]
-  float *const b722 = (float *)(arena + 3286008448); // %722 attention_bwd d.h.8.k f32[8,1024,768]
-  float *const b723 = (float *)(arena + 3311174272); // %723 attention_bwd d.h.8.v f32[8,1024,768]
+  uint16_t *const b724 = (uint16_t *)(arena + 3197928064); // %724 cast bf16[8,1024,768]
+  float *const b725 = (float *)(arena + 3260842624); // %725 attention_bwd d.h.8.q f32[8,1024,768]
+  float *const b726 = (float *)(arena + 3286008448); // %726 attention_bwd d.h.8.k f32[8,1024,768]
+  float *const b727 = (float *)(arena + 3311174272); // %727 attention_bwd d.h.8.v f32[8,1024,768]
   #pragma omp parallel num_threads(h->nthreads)
   {
     float *restrict kt = memset(mdl_scratch(67584 * sizeof(float)), 0, 67584 * sizeof(float));
@@ -6335,7 +6383,7 @@ static void k134_attention_bwd(char *arena, const MdlHooks *h) {
         }
         float dor[64];
         for (int64_t c = 0; c < 64; c++)
-          dor[c] = mdl_bf16_to_f32(mdl_f32_to_bf16(b718[(b * 1024 + i) * 768 + hd * 64 + c]));
+          dor[c] = mdl_bf16_to_f32(b724[(b * 1024 + i) * 768 + hd * 64 + c]);
         const float *restrict doi = dor;
         #pragma omp simd
         for (int64_t j = lo; j < hi; j++)
@@ -6397,14 +6445,14 @@ static void k134_attention_bwd(char *arena, const MdlHooks *h) {
           for (int64_t c = 0; c < 64; c++)
             dvj[c] += mdl_bf16_to_f32(mdl_f32_to_bf16(s[j])) * doi[c];
         }
-        float *restrict dq = b721 + (b * 1024 + i) * 768 + hd * 64;
+        float *restrict dq = b725 + (b * 1024 + i) * 768 + hd * 64;
         for (int64_t c = 0; c < 64; c++)
           dq[c] = 0.125f * (dqi0[c] + dqi1[c]);
       }
       for (int64_t t = 0; t < 1024; t++)
-        memcpy(b722 + (b * 1024 + t) * 768 + hd * 64, dkh + t * 64, 64 * sizeof(float));
+        memcpy(b726 + (b * 1024 + t) * 768 + hd * 64, dkh + t * 64, 64 * sizeof(float));
       for (int64_t t = 0; t < 1024; t++)
-        memcpy(b723 + (b * 1024 + t) * 768 + hd * 64, dvh + t * 64, 64 * sizeof(float));
+        memcpy(b727 + (b * 1024 + t) * 768 + hd * 64, dvh + t * 64, 64 * sizeof(float));
     }
     free(kt);
     free(s);
@@ -6416,22 +6464,22 @@ static void k134_attention_bwd(char *arena, const MdlHooks *h) {
 }
 
 // k135_sum__slice_bwd__add__cast: kernel, 8 ops
-//   %724   slice_bwd                               line 38    f32[8,1024,2304]
-//   %725   slice_bwd                               line 38    f32[8,1024,2304]
-//   %726   add                                     line 38    f32[8,1024,2304]
-//   %727   slice_bwd                               line 38    f32[8,1024,2304]
-//   %728   add                                     line 38    f32[8,1024,2304]
-//   %729   reshape                                 line 38    f32[8192,2304]
-//   %730   sum                d.h.8.attn_b         line 38    f32[2304]
-//   %731   cast                                    line 38    bf16[8192,2304]
+//   %728   slice_bwd                               line 38    f32[8,1024,2304]
+//   %729   slice_bwd                               line 38    f32[8,1024,2304]
+//   %730   add                                     line 38    f32[8,1024,2304]
+//   %731   slice_bwd                               line 38    f32[8,1024,2304]
+//   %732   add                                     line 38    f32[8,1024,2304]
+//   %733   reshape                                 line 38    f32[8192,2304]
+//   %734   sum                d.h.8.attn_b         line 38    f32[2304]
+//   %735   cast                                    line 38    bf16[8192,2304]
 // loops:
-//   sum %730: 2304 outputs over 8192 elements, in 64 blocks of 128
+//   sum %734: 2304 outputs over 8192 elements, in 64 blocks of 128
 static void k135_sum__slice_bwd__add__cast(char *arena, const MdlHooks *h) {
-  float *const b721 = (float *)(arena + 3260842624); // %721 attention_bwd d.h.8.q f32[8,1024,768]
-  float *const b722 = (float *)(arena + 3286008448); // %722 attention_bwd d.h.8.k f32[8,1024,768]
-  float *const b723 = (float *)(arena + 3311174272); // %723 attention_bwd d.h.8.v f32[8,1024,768]
-  float *const b730 = (float *)(arena + 889190400); // %730 sum d.h.8.attn_b f32[2304]
-  uint16_t *const b731 = (uint16_t *)(arena + 3197928064); // %731 cast bf16[8192,2304]
+  float *const b725 = (float *)(arena + 3260842624); // %725 attention_bwd d.h.8.q f32[8,1024,768]
+  float *const b726 = (float *)(arena + 3286008448); // %726 attention_bwd d.h.8.k f32[8,1024,768]
+  float *const b727 = (float *)(arena + 3311174272); // %727 attention_bwd d.h.8.v f32[8,1024,768]
+  float *const b734 = (float *)(arena + 889190400); // %734 sum d.h.8.attn_b f32[2304]
+  uint16_t *const b735 = (uint16_t *)(arena + 3197928064); // %735 cast bf16[8192,2304]
   double *part = mdl_scratch(147456 * sizeof(double));
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
   for (int64_t k = 0; k < 64; k++) {
@@ -6444,20 +6492,20 @@ static void k135_sum__slice_bwd__add__cast(char *arena, const MdlHooks *h) {
         const int64_t ix = l * 2304 + c;
         const int64_t j1 = ix % 2304;
         const int64_t j2 = j1 >= 1536 && j1 < 2304 ? ix / 2304 * 768 + (j1 - 1536) : 0;
-        const float v723_j2 = b723[j2];
-        const float v724_ix = j1 >= 1536 && j1 < 2304 ? v723_j2 : 0.0f;
+        const float v727_j2 = b727[j2];
+        const float v728_ix = j1 >= 1536 && j1 < 2304 ? v727_j2 : 0.0f;
         const int64_t j3 = j1 >= 768 && j1 < 1536 ? ix / 2304 * 768 + (j1 - 768) : 0;
-        const float v722_j3 = b722[j3];
-        const float v725_ix = j1 >= 768 && j1 < 1536 ? v722_j3 : 0.0f;
-        const float v726_ix = v724_ix + v725_ix;
+        const float v726_j3 = b726[j3];
+        const float v729_ix = j1 >= 768 && j1 < 1536 ? v726_j3 : 0.0f;
+        const float v730_ix = v728_ix + v729_ix;
         const int64_t j4 = j1 >= 0 && j1 < 768 ? ix / 2304 * 768 + (j1 - 0) : 0;
-        const float v721_j4 = b721[j4];
-        const float v727_ix = j1 >= 0 && j1 < 768 ? v721_j4 : 0.0f;
-        const float v728_ix = v726_ix + v727_ix;
-        const float v729_ix = v728_ix;
-        const float v = v729_ix;
-        const float v731_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v729_ix));
-        b731[ix] = mdl_f32_to_bf16(v731_ix);
+        const float v725_j4 = b725[j4];
+        const float v731_ix = j1 >= 0 && j1 < 768 ? v725_j4 : 0.0f;
+        const float v732_ix = v730_ix + v731_ix;
+        const float v733_ix = v732_ix;
+        const float v = v733_ix;
+        const float v735_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v733_ix));
+        b735[ix] = mdl_f32_to_bf16(v735_ix);
         p[c] += v;
       }
     }
@@ -6470,68 +6518,68 @@ static void k135_sum__slice_bwd__add__cast(char *arena, const MdlHooks *h) {
       acc += v;
     }
     const float y = (float)acc;
-    b730[r] = y;
+    b734[r] = y;
   }
   free(part);
 }
 
 // k136_gemm: GEMM, 1 op
-//   %732   matmul                                  line 38    f32[8192,768]
+//   %736   matmul                                  line 38    f32[8192,768]
 // loops:
-//   gemm %732: [8192 x 768] = [8192 x 2304] T[2304 x 768], bf16 operands widened to f32
+//   gemm %736: [8192 x 768] = [8192 x 2304] T[2304 x 768], bf16 operands widened to f32
 static void k136_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b384 = (uint16_t *)(arena + 2181477888); // %384 cast bf16[768,2304]
-  uint16_t *const b731 = (uint16_t *)(arena + 3197928064); // %731 cast bf16[8192,2304]
-  float *const b732 = (float *)(arena + 3260842624); // %732 matmul f32[8192,768]
+  uint16_t *const b735 = (uint16_t *)(arena + 3197928064); // %735 cast bf16[8192,2304]
+  float *const b736 = (float *)(arena + 3260842624); // %736 matmul f32[8192,768]
   {
-    float *const w731 = mdl_widen_bf16(b731, 18874368, h->nthreads);
+    float *const w735 = mdl_widen_bf16(b735, 18874368, h->nthreads);
     float *const w384 = mdl_widen_bf16(b384, 1769472, h->nthreads);
-    mdl_gemm(h, 0, 1, 8192, 768, 2304, w731, 2304, w384, 2304, 0.0f, b732, 768);
-    free(w731);
+    mdl_gemm(h, 0, 1, 8192, 768, 2304, w735, 2304, w384, 2304, 0.0f, b736, 768);
+    free(w735);
     free(w384);
   }
 }
 
 // k137_gemm: GEMM, 1 op
-//   %733   matmul             d.h.8.attn_w         line 38    f32[768,2304]
+//   %737   matmul             d.h.8.attn_w         line 38    f32[768,2304]
 // loops:
-//   gemm %733: [768 x 2304] = T[768 x 8192] [8192 x 2304], bf16 operands widened to f32
+//   gemm %737: [768 x 2304] = T[768 x 8192] [8192 x 2304], bf16 operands widened to f32
 static void k137_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b383 = (uint16_t *)(arena + 6091997824); // %383 cast bf16[8192,768]
-  uint16_t *const b731 = (uint16_t *)(arena + 3197928064); // %731 cast bf16[8192,2304]
-  float *const b733 = (float *)(arena + 882112512); // %733 matmul d.h.8.attn_w f32[768,2304]
+  uint16_t *const b735 = (uint16_t *)(arena + 3197928064); // %735 cast bf16[8192,2304]
+  float *const b737 = (float *)(arena + 882112512); // %737 matmul d.h.8.attn_w f32[768,2304]
   {
     float *const w383 = mdl_widen_bf16(b383, 6291456, h->nthreads);
-    float *const w731 = mdl_widen_bf16(b731, 18874368, h->nthreads);
-    mdl_gemm(h, 1, 0, 768, 2304, 8192, w383, 768, w731, 2304, 0.0f, b733, 2304);
+    float *const w735 = mdl_widen_bf16(b735, 18874368, h->nthreads);
+    mdl_gemm(h, 1, 0, 768, 2304, 8192, w383, 768, w735, 2304, 0.0f, b737, 2304);
     free(w383);
-    free(w731);
+    free(w735);
   }
 }
 
 // k138_layernorm_bwd__add__sum__cast: kernel, 7 ops
-//   %735   layernorm_bwd                           line 38    f32[8,1024,768]
-//   %736   add                d.h.7.x              line 38    f32[8,1024,768]
-//   %737   layernorm_bwd      d.h.8.ln1_w          line 38    f32[768]
-//   %738   layernorm_bwd      d.h.8.ln1_b          line 38    f32[768]
-//   %739   reshape                                 line 40    f32[8192,768]
-//   %740   sum                d.h.7.fcproj_b       line 40    f32[768]
-//   %741   cast                                    line 40    bf16[8192,768]
+//   %739   layernorm_bwd                           line 38    f32[8,1024,768]
+//   %740   add                d.h.7.x              line 38    f32[8,1024,768]
+//   %741   layernorm_bwd      d.h.8.ln1_w          line 38    f32[768]
+//   %742   layernorm_bwd      d.h.8.ln1_b          line 38    f32[768]
+//   %743   reshape                                 line 40    f32[8192,768]
+//   %744   sum                d.h.7.fcproj_b       line 40    f32[768]
+//   %745   cast                                    line 40    bf16[8192,768]
 // loops:
 //   layernorm_bwd: 8192 rows of 768, column sums over 64 blocks of 128 rows
 static void k138_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
   float *const b368 = (float *)(arena + 5513183872); // %368 add h.7.x f32[8,1024,768]
   float *const b369 = (float *)(arena + 384347136); // %369 param h.8.ln1_w f32[768]
-  float *const b712 = (float *)(arena + 3235676800); // %712 add d.h.8.x f32[8,1024,768]
-  float *const b732 = (float *)(arena + 3260842624); // %732 matmul f32[8192,768]
-  float *const b736 = (float *)(arena + 3286008448); // %736 add d.h.7.x f32[8,1024,768]
-  float *const b737 = (float *)(arena + 882106368); // %737 layernorm_bwd d.h.8.ln1_w f32[768]
-  float *const b738 = (float *)(arena + 882109440); // %738 layernorm_bwd d.h.8.ln1_b f32[768]
-  float *const b740 = (float *)(arena + 882103296); // %740 sum d.h.7.fcproj_b f32[768]
-  uint16_t *const b741 = (uint16_t *)(arena + 3311174272); // %741 cast bf16[8192,768]
+  float *const b715 = (float *)(arena + 3235676800); // %715 add d.h.8.x f32[8,1024,768]
+  float *const b736 = (float *)(arena + 3260842624); // %736 matmul f32[8192,768]
+  float *const b740 = (float *)(arena + 3286008448); // %740 add d.h.7.x f32[8,1024,768]
+  float *const b741 = (float *)(arena + 882106368); // %741 layernorm_bwd d.h.8.ln1_w f32[768]
+  float *const b742 = (float *)(arena + 882109440); // %742 layernorm_bwd d.h.8.ln1_b f32[768]
+  float *const b744 = (float *)(arena + 882103296); // %744 sum d.h.7.fcproj_b f32[768]
+  uint16_t *const b745 = (uint16_t *)(arena + 3311174272); // %745 cast bf16[8192,768]
   double *pdw = mdl_scratch(49152 * sizeof(double));
   double *pdb = mdl_scratch(49152 * sizeof(double));
-  double *ps0 = mdl_scratch(49152 * sizeof(double)); // partials of the column sum %740
+  double *ps0 = mdl_scratch(49152 * sizeof(double)); // partials of the column sum %744
   #pragma omp parallel num_threads(h->nthreads)
   {
     float *dxrow = mdl_scratch(768 * sizeof(float));
@@ -6545,7 +6593,7 @@ static void k138_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
       const int64_t end = k * 128 + 128 < 8192 ? k * 128 + 128 : 8192;
       for (int64_t r = k * 128; r < end; r++) {
         const float *x = b368 + r * 768;
-        const float *dy = b732 + r * 768;
+        const float *dy = b736 + r * 768;
         double mean = 0, var = 0, mg = 0, mgx = 0;
         #pragma omp simd reduction(+ : mean)
         for (int64_t j = 0; j < 768; j++)
@@ -6570,13 +6618,13 @@ static void k138_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
           dx[j] = (float)(rstd * ((double)dy[j] * b369[j] - mg - (x[j] - mean) * rstd * mgx));
         for (int64_t j = 0; j < 768; j++) {
           const int64_t ix = r * 768 + j;
-          const float v712_ix = b712[ix];
-          const float v736_ix = v712_ix + dx[j];
-          b736[ix] = v736_ix;
-          const float v739_ix = v736_ix;
-          const float v741_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v739_ix));
-          b741[ix] = mdl_f32_to_bf16(v741_ix);
-          sa0[j] += v739_ix;
+          const float v715_ix = b715[ix];
+          const float v740_ix = v715_ix + dx[j];
+          b740[ix] = v740_ix;
+          const float v743_ix = v740_ix;
+          const float v745_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v743_ix));
+          b745[ix] = mdl_f32_to_bf16(v745_ix);
+          sa0[j] += v743_ix;
         }
       }
     }
@@ -6590,9 +6638,9 @@ static void k138_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
       b += pdb[k * 768 + j];
       a0 += ps0[k * 768 + j];
     }
-    b737[j] = (float)w;
-    b738[j] = (float)b;
-    b740[j] = (float)a0;
+    b741[j] = (float)w;
+    b742[j] = (float)b;
+    b744[j] = (float)a0;
   }
   free(pdw);
   free(pdb);
@@ -6600,44 +6648,44 @@ static void k138_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
 }
 
 // k139_gemm: GEMM, 1 op
-//   %743   matmul             d.h.7.fcproj_w       line 40    f32[3072,768]
+//   %747   matmul             d.h.7.fcproj_w       line 40    f32[3072,768]
 // loops:
-//   gemm %743: [3072 x 768] = T[3072 x 8192] [8192 x 768], bf16 operands widened to f32
+//   gemm %747: [3072 x 768] = T[3072 x 8192] [8192 x 768], bf16 operands widened to f32
 static void k139_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b363 = (uint16_t *)(arena + 4858872448); // %363 cast bf16[8192,3072]
-  uint16_t *const b741 = (uint16_t *)(arena + 3311174272); // %741 cast bf16[8192,768]
-  float *const b743 = (float *)(arena + 872666112); // %743 matmul d.h.7.fcproj_w f32[3072,768]
+  uint16_t *const b745 = (uint16_t *)(arena + 3311174272); // %745 cast bf16[8192,768]
+  float *const b747 = (float *)(arena + 872666112); // %747 matmul d.h.7.fcproj_w f32[3072,768]
   {
     float *const w363 = mdl_widen_bf16(b363, 25165824, h->nthreads);
-    float *const w741 = mdl_widen_bf16(b741, 6291456, h->nthreads);
-    mdl_gemm(h, 1, 0, 3072, 768, 8192, w363, 3072, w741, 768, 0.0f, b743, 768);
+    float *const w745 = mdl_widen_bf16(b745, 6291456, h->nthreads);
+    mdl_gemm(h, 1, 0, 3072, 768, 8192, w363, 3072, w745, 768, 0.0f, b747, 768);
     free(w363);
-    free(w741);
+    free(w745);
   }
 }
 
 // k140_gemm__gelu_bwd__sum__cast: GEMM, 6 ops
-//   %742   matmul                                  line 40    f32[8192,3072]
-//   %744   reshape                                 line 40    f32[8,1024,3072]
-//   %745   gelu_bwd                                line 40    f32[8,1024,3072]
-//   %746   reshape                                 line 40    f32[8192,3072]
-//   %747   sum                d.h.7.fc_b           line 40    f32[3072]
-//   %748   cast                                    line 40    bf16[8192,3072]
+//   %746   matmul                                  line 40    f32[8192,3072]
+//   %748   reshape                                 line 40    f32[8,1024,3072]
+//   %749   gelu_bwd                                line 40    f32[8,1024,3072]
+//   %750   reshape                                 line 40    f32[8192,3072]
+//   %751   sum                d.h.7.fc_b           line 40    f32[3072]
+//   %752   cast                                    line 40    bf16[8192,3072]
 // loops:
-//   gemm %742: [8192 x 3072] = [8192 x 768] T[768 x 3072], bf16 operands widened to f32, epilogue after
-//   sum %747: 3072 outputs over 8192 elements, in 64 blocks of 128
+//   gemm %746: [8192 x 3072] = [8192 x 768] T[768 x 3072], bf16 operands widened to f32, epilogue after
+//   sum %751: 3072 outputs over 8192 elements, in 64 blocks of 128
 static void k140_gemm__gelu_bwd__sum__cast(char *arena, const MdlHooks *h) {
   float *const b360 = (float *)(arena + 3097264768); // %360 add f32[8,1024,3072]
   uint16_t *const b364 = (uint16_t *)(arena + 2176759296); // %364 cast bf16[3072,768]
-  uint16_t *const b741 = (uint16_t *)(arena + 3311174272); // %741 cast bf16[8192,768]
-  float *const b742 = mdl_scratch(100663296); // %742 matmul f32[8192,3072], kept in this kernel
-  float *const b747 = (float *)(arena + 872653824); // %747 sum d.h.7.fc_b f32[3072]
-  uint16_t *const b748 = (uint16_t *)(arena + 3197928064); // %748 cast bf16[8192,3072]
+  uint16_t *const b745 = (uint16_t *)(arena + 3311174272); // %745 cast bf16[8192,768]
+  float *const b746 = mdl_scratch(100663296); // %746 matmul f32[8192,3072], kept in this kernel
+  float *const b751 = (float *)(arena + 872653824); // %751 sum d.h.7.fc_b f32[3072]
+  uint16_t *const b752 = (uint16_t *)(arena + 3197928064); // %752 cast bf16[8192,3072]
   {
-    float *const w741 = mdl_widen_bf16(b741, 6291456, h->nthreads);
+    float *const w745 = mdl_widen_bf16(b745, 6291456, h->nthreads);
     float *const w364 = mdl_widen_bf16(b364, 2359296, h->nthreads);
-    mdl_gemm(h, 0, 1, 8192, 3072, 768, w741, 768, w364, 768, 0.0f, b742, 3072);
-    free(w741);
+    mdl_gemm(h, 0, 1, 8192, 3072, 768, w745, 768, w364, 768, 0.0f, b746, 3072);
+    free(w745);
     free(w364);
   }
   double *part = mdl_scratch(196608 * sizeof(double));
@@ -6651,13 +6699,13 @@ static void k140_gemm__gelu_bwd__sum__cast(char *arena, const MdlHooks *h) {
       for (int64_t c = 0; c < 3072; c++) {
         const int64_t ix = l * 3072 + c;
         const float v360_ix = b360[ix];
-        const float v742_ix = b742[ix];
-        const float v744_ix = v742_ix;
-        const float v745_ix = mdl_gelu_grad(v360_ix) * v744_ix;
-        const float v746_ix = v745_ix;
-        const float v = v746_ix;
-        const float v748_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v746_ix));
-        b748[ix] = mdl_f32_to_bf16(v748_ix);
+        const float v746_ix = b746[ix];
+        const float v748_ix = v746_ix;
+        const float v749_ix = mdl_gelu_grad(v360_ix) * v748_ix;
+        const float v750_ix = v749_ix;
+        const float v = v750_ix;
+        const float v752_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v750_ix));
+        b752[ix] = mdl_f32_to_bf16(v752_ix);
         p[c] += v;
       }
     }
@@ -6670,69 +6718,69 @@ static void k140_gemm__gelu_bwd__sum__cast(char *arena, const MdlHooks *h) {
       acc += v;
     }
     const float y = (float)acc;
-    b747[r] = y;
+    b751[r] = y;
   }
   free(part);
-  free(b742);
+  free(b746);
 }
 
 // k141_gemm: GEMM, 1 op
-//   %749   matmul                                  line 40    f32[8192,768]
+//   %753   matmul                                  line 40    f32[8192,768]
 // loops:
-//   gemm %749: [8192 x 768] = [8192 x 3072] T[3072 x 768], bf16 operands widened to f32
+//   gemm %753: [8192 x 768] = [8192 x 3072] T[3072 x 768], bf16 operands widened to f32
 static void k141_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b357 = (uint16_t *)(arena + 2172040704); // %357 cast bf16[768,3072]
-  uint16_t *const b748 = (uint16_t *)(arena + 3197928064); // %748 cast bf16[8192,3072]
-  float *const b749 = (float *)(arena + 3097264768); // %749 matmul f32[8192,768]
+  uint16_t *const b752 = (uint16_t *)(arena + 3197928064); // %752 cast bf16[8192,3072]
+  float *const b753 = (float *)(arena + 3097264768); // %753 matmul f32[8192,768]
   {
-    float *const w748 = mdl_widen_bf16(b748, 25165824, h->nthreads);
+    float *const w752 = mdl_widen_bf16(b752, 25165824, h->nthreads);
     float *const w357 = mdl_widen_bf16(b357, 2359296, h->nthreads);
-    mdl_gemm(h, 0, 1, 8192, 768, 3072, w748, 3072, w357, 3072, 0.0f, b749, 768);
-    free(w748);
+    mdl_gemm(h, 0, 1, 8192, 768, 3072, w752, 3072, w357, 3072, 0.0f, b753, 768);
+    free(w752);
     free(w357);
   }
 }
 
 // k142_gemm: GEMM, 1 op
-//   %750   matmul             d.h.7.fc_w           line 40    f32[768,3072]
+//   %754   matmul             d.h.7.fc_w           line 40    f32[768,3072]
 // loops:
-//   gemm %750: [768 x 3072] = T[768 x 8192] [8192 x 3072], bf16 operands widened to f32
+//   gemm %754: [768 x 3072] = T[768 x 8192] [8192 x 3072], bf16 operands widened to f32
 static void k142_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b356 = (uint16_t *)(arena + 6079414912); // %356 cast bf16[8192,768]
-  uint16_t *const b748 = (uint16_t *)(arena + 3197928064); // %748 cast bf16[8192,3072]
-  float *const b750 = (float *)(arena + 863216640); // %750 matmul d.h.7.fc_w f32[768,3072]
+  uint16_t *const b752 = (uint16_t *)(arena + 3197928064); // %752 cast bf16[8192,3072]
+  float *const b754 = (float *)(arena + 863216640); // %754 matmul d.h.7.fc_w f32[768,3072]
   {
     float *const w356 = mdl_widen_bf16(b356, 6291456, h->nthreads);
-    float *const w748 = mdl_widen_bf16(b748, 25165824, h->nthreads);
-    mdl_gemm(h, 1, 0, 768, 3072, 8192, w356, 768, w748, 3072, 0.0f, b750, 3072);
+    float *const w752 = mdl_widen_bf16(b752, 25165824, h->nthreads);
+    mdl_gemm(h, 1, 0, 768, 3072, 8192, w356, 768, w752, 3072, 0.0f, b754, 3072);
     free(w356);
-    free(w748);
+    free(w752);
   }
 }
 
 // k143_layernorm_bwd__add__sum__cast: kernel, 7 ops
-//   %752   layernorm_bwd                           line 40    f32[8,1024,768]
-//   %753   add                d.h.7.x              line 40    f32[8,1024,768]
-//   %754   layernorm_bwd      d.h.7.ln2_w          line 40    f32[768]
-//   %755   layernorm_bwd      d.h.7.ln2_b          line 40    f32[768]
-//   %756   reshape                                 line 39    f32[8192,768]
-//   %757   sum                d.h.7.proj_b         line 39    f32[768]
-//   %758   cast                                    line 39    bf16[8192,768]
+//   %756   layernorm_bwd                           line 40    f32[8,1024,768]
+//   %757   add                d.h.7.x              line 40    f32[8,1024,768]
+//   %758   layernorm_bwd      d.h.7.ln2_w          line 40    f32[768]
+//   %759   layernorm_bwd      d.h.7.ln2_b          line 40    f32[768]
+//   %760   reshape                                 line 39    f32[8192,768]
+//   %761   sum                d.h.7.proj_b         line 39    f32[768]
+//   %762   cast                                    line 39    bf16[8192,768]
 // loops:
 //   layernorm_bwd: 8192 rows of 768, column sums over 64 blocks of 128 rows
 static void k143_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
   float *const b330 = (float *)(arena + 365451264); // %330 param h.7.ln2_w f32[768]
   float *const b353 = (float *)(arena + 5488018048); // %353 add h.7.x f32[8,1024,768]
-  float *const b736 = (float *)(arena + 3286008448); // %736 add d.h.7.x f32[8,1024,768]
-  float *const b749 = (float *)(arena + 3097264768); // %749 matmul f32[8192,768]
-  float *const b753 = (float *)(arena + 3135013504); // %753 add d.h.7.x f32[8,1024,768]
-  float *const b754 = (float *)(arena + 863210496); // %754 layernorm_bwd d.h.7.ln2_w f32[768]
-  float *const b755 = (float *)(arena + 863213568); // %755 layernorm_bwd d.h.7.ln2_b f32[768]
-  float *const b757 = (float *)(arena + 863207424); // %757 sum d.h.7.proj_b f32[768]
-  uint16_t *const b758 = (uint16_t *)(arena + 3122430592); // %758 cast bf16[8192,768]
+  float *const b740 = (float *)(arena + 3286008448); // %740 add d.h.7.x f32[8,1024,768]
+  float *const b753 = (float *)(arena + 3097264768); // %753 matmul f32[8192,768]
+  float *const b757 = (float *)(arena + 3135013504); // %757 add d.h.7.x f32[8,1024,768]
+  float *const b758 = (float *)(arena + 863210496); // %758 layernorm_bwd d.h.7.ln2_w f32[768]
+  float *const b759 = (float *)(arena + 863213568); // %759 layernorm_bwd d.h.7.ln2_b f32[768]
+  float *const b761 = (float *)(arena + 863207424); // %761 sum d.h.7.proj_b f32[768]
+  uint16_t *const b762 = (uint16_t *)(arena + 3122430592); // %762 cast bf16[8192,768]
   double *pdw = mdl_scratch(49152 * sizeof(double));
   double *pdb = mdl_scratch(49152 * sizeof(double));
-  double *ps0 = mdl_scratch(49152 * sizeof(double)); // partials of the column sum %757
+  double *ps0 = mdl_scratch(49152 * sizeof(double)); // partials of the column sum %761
   #pragma omp parallel num_threads(h->nthreads)
   {
     float *dxrow = mdl_scratch(768 * sizeof(float));
@@ -6746,7 +6794,7 @@ static void k143_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
       const int64_t end = k * 128 + 128 < 8192 ? k * 128 + 128 : 8192;
       for (int64_t r = k * 128; r < end; r++) {
         const float *x = b353 + r * 768;
-        const float *dy = b749 + r * 768;
+        const float *dy = b753 + r * 768;
         double mean = 0, var = 0, mg = 0, mgx = 0;
         #pragma omp simd reduction(+ : mean)
         for (int64_t j = 0; j < 768; j++)
@@ -6771,13 +6819,13 @@ static void k143_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
           dx[j] = (float)(rstd * ((double)dy[j] * b330[j] - mg - (x[j] - mean) * rstd * mgx));
         for (int64_t j = 0; j < 768; j++) {
           const int64_t ix = r * 768 + j;
-          const float v736_ix = b736[ix];
-          const float v753_ix = v736_ix + dx[j];
-          b753[ix] = v753_ix;
-          const float v756_ix = v753_ix;
-          const float v758_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v756_ix));
-          b758[ix] = mdl_f32_to_bf16(v758_ix);
-          sa0[j] += v756_ix;
+          const float v740_ix = b740[ix];
+          const float v757_ix = v740_ix + dx[j];
+          b757[ix] = v757_ix;
+          const float v760_ix = v757_ix;
+          const float v762_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v760_ix));
+          b762[ix] = mdl_f32_to_bf16(v762_ix);
+          sa0[j] += v760_ix;
         }
       }
     }
@@ -6791,9 +6839,9 @@ static void k143_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
       b += pdb[k * 768 + j];
       a0 += ps0[k * 768 + j];
     }
-    b754[j] = (float)w;
-    b755[j] = (float)b;
-    b757[j] = (float)a0;
+    b758[j] = (float)w;
+    b759[j] = (float)b;
+    b761[j] = (float)a0;
   }
   free(pdw);
   free(pdb);
@@ -6801,52 +6849,64 @@ static void k143_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
 }
 
 // k144_gemm: GEMM, 1 op
-//   %759   matmul                                  line 39    f32[8192,768]
+//   %764   matmul             d.h.7.proj_w         line 39    f32[768,768]
 // loops:
-//   gemm %759: [8192 x 768] = [8192 x 768] T[768 x 768], bf16 operands widened to f32
+//   gemm %764: [768 x 768] = T[768 x 8192] [8192 x 768], bf16 operands widened to f32
 static void k144_gemm(char *arena, const MdlHooks *h) {
-  uint16_t *const b349 = (uint16_t *)(arena + 2170861056); // %349 cast bf16[768,768]
-  uint16_t *const b758 = (uint16_t *)(arena + 3122430592); // %758 cast bf16[8192,768]
-  float *const b759 = (float *)(arena + 3097264768); // %759 matmul f32[8192,768]
+  uint16_t *const b348 = (uint16_t *)(arena + 6066832000); // %348 cast bf16[8192,768]
+  uint16_t *const b762 = (uint16_t *)(arena + 3122430592); // %762 cast bf16[8192,768]
+  float *const b764 = (float *)(arena + 860848128); // %764 matmul d.h.7.proj_w f32[768,768]
   {
-    float *const w758 = mdl_widen_bf16(b758, 6291456, h->nthreads);
-    float *const w349 = mdl_widen_bf16(b349, 589824, h->nthreads);
-    mdl_gemm(h, 0, 1, 8192, 768, 768, w758, 768, w349, 768, 0.0f, b759, 768);
-    free(w758);
-    free(w349);
+    float *const w348 = mdl_widen_bf16(b348, 6291456, h->nthreads);
+    float *const w762 = mdl_widen_bf16(b762, 6291456, h->nthreads);
+    mdl_gemm(h, 1, 0, 768, 768, 8192, w348, 768, w762, 768, 0.0f, b764, 768);
+    free(w348);
+    free(w762);
   }
 }
 
-// k145_gemm: GEMM, 1 op
-//   %760   matmul             d.h.7.proj_w         line 39    f32[768,768]
+// k145_gemm__cast: GEMM, 3 ops
+//   %763   matmul                                  line 39    f32[8192,768]
+//   %765   reshape                                 line 39    f32[8,1024,768]
+//   %766   cast                                    line 39    bf16[8,1024,768]
 // loops:
-//   gemm %760: [768 x 768] = T[768 x 8192] [8192 x 768], bf16 operands widened to f32
-static void k145_gemm(char *arena, const MdlHooks *h) {
-  uint16_t *const b348 = (uint16_t *)(arena + 6066832000); // %348 cast bf16[8192,768]
-  uint16_t *const b758 = (uint16_t *)(arena + 3122430592); // %758 cast bf16[8192,768]
-  float *const b760 = (float *)(arena + 860848128); // %760 matmul d.h.7.proj_w f32[768,768]
+//   gemm %763: [8192 x 768] = [8192 x 768] T[768 x 768], bf16 operands widened to f32, epilogue after
+//   elementwise over 6291456: %766
+static void k145_gemm__cast(char *arena, const MdlHooks *h) {
+  uint16_t *const b349 = (uint16_t *)(arena + 2170861056); // %349 cast bf16[768,768]
+  uint16_t *const b762 = (uint16_t *)(arena + 3122430592); // %762 cast bf16[8192,768]
+  float *const b763 = mdl_scratch(25165824); // %763 matmul f32[8192,768], kept in this kernel
+  uint16_t *const b766 = (uint16_t *)(arena + 3097264768); // %766 cast bf16[8,1024,768]
   {
-    float *const w348 = mdl_widen_bf16(b348, 6291456, h->nthreads);
-    float *const w758 = mdl_widen_bf16(b758, 6291456, h->nthreads);
-    mdl_gemm(h, 1, 0, 768, 768, 8192, w348, 768, w758, 768, 0.0f, b760, 768);
-    free(w348);
-    free(w758);
+    float *const w762 = mdl_widen_bf16(b762, 6291456, h->nthreads);
+    float *const w349 = mdl_widen_bf16(b349, 589824, h->nthreads);
+    mdl_gemm(h, 0, 1, 8192, 768, 768, w762, 768, w349, 768, 0.0f, b763, 768);
+    free(w762);
+    free(w349);
   }
+  #pragma omp parallel for num_threads(h->nthreads) schedule(static)
+  for (int64_t i = 0; i < 6291456; i++) {
+    const float v763_i = b763[i];
+    const float v765_i = v763_i;
+    const float v766_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v765_i));
+    b766[i] = mdl_f32_to_bf16(v766_i);
+  }
+  free(b763);
 }
 
 // k146_attention_bwd: attention, 3 ops
-//   %762   attention_bwd      d.h.7.q              line 39    f32[8,1024,768]
-//   %763   attention_bwd      d.h.7.k              line 39    f32[8,1024,768]
-//   %764   attention_bwd      d.h.7.v              line 39    f32[8,1024,768]
+//   %767   attention_bwd      d.h.7.q              line 39    f32[8,1024,768]
+//   %768   attention_bwd      d.h.7.k              line 39    f32[8,1024,768]
+//   %769   attention_bwd      d.h.7.v              line 39    f32[8,1024,768]
 // loops:
 //   attention backward (dq dk dv): B 8, T 1024, 12 heads of 64, causal, within documents; one task per (batch, head)
 static void k146_attention_bwd(char *arena, const MdlHooks *h) {
   int32_t *const b3 = (int32_t *)(arena + 2238199296); // %3 input doc i32[8,1024]
   float *const b342 = (float *)(arena + 4129063552); // %342 add f32[8,1024,2304]
-  float *const b759 = (float *)(arena + 3097264768); // %759 matmul f32[8192,768]
-  float *const b762 = (float *)(arena + 3160179328); // %762 attention_bwd d.h.7.q f32[8,1024,768]
-  float *const b763 = (float *)(arena + 3185345152); // %763 attention_bwd d.h.7.k f32[8,1024,768]
-  float *const b764 = (float *)(arena + 3210510976); // %764 attention_bwd d.h.7.v f32[8,1024,768]
+  uint16_t *const b766 = (uint16_t *)(arena + 3097264768); // %766 cast bf16[8,1024,768]
+  float *const b767 = (float *)(arena + 3160179328); // %767 attention_bwd d.h.7.q f32[8,1024,768]
+  float *const b768 = (float *)(arena + 3185345152); // %768 attention_bwd d.h.7.k f32[8,1024,768]
+  float *const b769 = (float *)(arena + 3210510976); // %769 attention_bwd d.h.7.v f32[8,1024,768]
   #pragma omp parallel num_threads(h->nthreads)
   {
     float *restrict kt = memset(mdl_scratch(67584 * sizeof(float)), 0, 67584 * sizeof(float));
@@ -6920,7 +6980,7 @@ static void k146_attention_bwd(char *arena, const MdlHooks *h) {
         }
         float dor[64];
         for (int64_t c = 0; c < 64; c++)
-          dor[c] = mdl_bf16_to_f32(mdl_f32_to_bf16(b759[(b * 1024 + i) * 768 + hd * 64 + c]));
+          dor[c] = mdl_bf16_to_f32(b766[(b * 1024 + i) * 768 + hd * 64 + c]);
         const float *restrict doi = dor;
         #pragma omp simd
         for (int64_t j = lo; j < hi; j++)
@@ -6982,14 +7042,14 @@ static void k146_attention_bwd(char *arena, const MdlHooks *h) {
           for (int64_t c = 0; c < 64; c++)
             dvj[c] += mdl_bf16_to_f32(mdl_f32_to_bf16(s[j])) * doi[c];
         }
-        float *restrict dq = b762 + (b * 1024 + i) * 768 + hd * 64;
+        float *restrict dq = b767 + (b * 1024 + i) * 768 + hd * 64;
         for (int64_t c = 0; c < 64; c++)
           dq[c] = 0.125f * (dqi0[c] + dqi1[c]);
       }
       for (int64_t t = 0; t < 1024; t++)
-        memcpy(b763 + (b * 1024 + t) * 768 + hd * 64, dkh + t * 64, 64 * sizeof(float));
+        memcpy(b768 + (b * 1024 + t) * 768 + hd * 64, dkh + t * 64, 64 * sizeof(float));
       for (int64_t t = 0; t < 1024; t++)
-        memcpy(b764 + (b * 1024 + t) * 768 + hd * 64, dvh + t * 64, 64 * sizeof(float));
+        memcpy(b769 + (b * 1024 + t) * 768 + hd * 64, dvh + t * 64, 64 * sizeof(float));
     }
     free(kt);
     free(s);
@@ -7001,22 +7061,22 @@ static void k146_attention_bwd(char *arena, const MdlHooks *h) {
 }
 
 // k147_sum__slice_bwd__add__cast: kernel, 8 ops
-//   %765   slice_bwd                               line 38    f32[8,1024,2304]
-//   %766   slice_bwd                               line 38    f32[8,1024,2304]
-//   %767   add                                     line 38    f32[8,1024,2304]
-//   %768   slice_bwd                               line 38    f32[8,1024,2304]
-//   %769   add                                     line 38    f32[8,1024,2304]
-//   %770   reshape                                 line 38    f32[8192,2304]
-//   %771   sum                d.h.7.attn_b         line 38    f32[2304]
-//   %772   cast                                    line 38    bf16[8192,2304]
+//   %770   slice_bwd                               line 38    f32[8,1024,2304]
+//   %771   slice_bwd                               line 38    f32[8,1024,2304]
+//   %772   add                                     line 38    f32[8,1024,2304]
+//   %773   slice_bwd                               line 38    f32[8,1024,2304]
+//   %774   add                                     line 38    f32[8,1024,2304]
+//   %775   reshape                                 line 38    f32[8192,2304]
+//   %776   sum                d.h.7.attn_b         line 38    f32[2304]
+//   %777   cast                                    line 38    bf16[8192,2304]
 // loops:
-//   sum %771: 2304 outputs over 8192 elements, in 64 blocks of 128
+//   sum %776: 2304 outputs over 8192 elements, in 64 blocks of 128
 static void k147_sum__slice_bwd__add__cast(char *arena, const MdlHooks *h) {
-  float *const b762 = (float *)(arena + 3160179328); // %762 attention_bwd d.h.7.q f32[8,1024,768]
-  float *const b763 = (float *)(arena + 3185345152); // %763 attention_bwd d.h.7.k f32[8,1024,768]
-  float *const b764 = (float *)(arena + 3210510976); // %764 attention_bwd d.h.7.v f32[8,1024,768]
-  float *const b771 = (float *)(arena + 860838912); // %771 sum d.h.7.attn_b f32[2304]
-  uint16_t *const b772 = (uint16_t *)(arena + 3097264768); // %772 cast bf16[8192,2304]
+  float *const b767 = (float *)(arena + 3160179328); // %767 attention_bwd d.h.7.q f32[8,1024,768]
+  float *const b768 = (float *)(arena + 3185345152); // %768 attention_bwd d.h.7.k f32[8,1024,768]
+  float *const b769 = (float *)(arena + 3210510976); // %769 attention_bwd d.h.7.v f32[8,1024,768]
+  float *const b776 = (float *)(arena + 860838912); // %776 sum d.h.7.attn_b f32[2304]
+  uint16_t *const b777 = (uint16_t *)(arena + 3097264768); // %777 cast bf16[8192,2304]
   double *part = mdl_scratch(147456 * sizeof(double));
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
   for (int64_t k = 0; k < 64; k++) {
@@ -7029,20 +7089,20 @@ static void k147_sum__slice_bwd__add__cast(char *arena, const MdlHooks *h) {
         const int64_t ix = l * 2304 + c;
         const int64_t j1 = ix % 2304;
         const int64_t j2 = j1 >= 1536 && j1 < 2304 ? ix / 2304 * 768 + (j1 - 1536) : 0;
-        const float v764_j2 = b764[j2];
-        const float v765_ix = j1 >= 1536 && j1 < 2304 ? v764_j2 : 0.0f;
+        const float v769_j2 = b769[j2];
+        const float v770_ix = j1 >= 1536 && j1 < 2304 ? v769_j2 : 0.0f;
         const int64_t j3 = j1 >= 768 && j1 < 1536 ? ix / 2304 * 768 + (j1 - 768) : 0;
-        const float v763_j3 = b763[j3];
-        const float v766_ix = j1 >= 768 && j1 < 1536 ? v763_j3 : 0.0f;
-        const float v767_ix = v765_ix + v766_ix;
+        const float v768_j3 = b768[j3];
+        const float v771_ix = j1 >= 768 && j1 < 1536 ? v768_j3 : 0.0f;
+        const float v772_ix = v770_ix + v771_ix;
         const int64_t j4 = j1 >= 0 && j1 < 768 ? ix / 2304 * 768 + (j1 - 0) : 0;
-        const float v762_j4 = b762[j4];
-        const float v768_ix = j1 >= 0 && j1 < 768 ? v762_j4 : 0.0f;
-        const float v769_ix = v767_ix + v768_ix;
-        const float v770_ix = v769_ix;
-        const float v = v770_ix;
-        const float v772_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v770_ix));
-        b772[ix] = mdl_f32_to_bf16(v772_ix);
+        const float v767_j4 = b767[j4];
+        const float v773_ix = j1 >= 0 && j1 < 768 ? v767_j4 : 0.0f;
+        const float v774_ix = v772_ix + v773_ix;
+        const float v775_ix = v774_ix;
+        const float v = v775_ix;
+        const float v777_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v775_ix));
+        b777[ix] = mdl_f32_to_bf16(v777_ix);
         p[c] += v;
       }
     }
@@ -7055,68 +7115,68 @@ static void k147_sum__slice_bwd__add__cast(char *arena, const MdlHooks *h) {
       acc += v;
     }
     const float y = (float)acc;
-    b771[r] = y;
+    b776[r] = y;
   }
   free(part);
 }
 
 // k148_gemm: GEMM, 1 op
-//   %773   matmul                                  line 38    f32[8192,768]
+//   %778   matmul                                  line 38    f32[8192,768]
 // loops:
-//   gemm %773: [8192 x 768] = [8192 x 2304] T[2304 x 768], bf16 operands widened to f32
+//   gemm %778: [8192 x 768] = [8192 x 2304] T[2304 x 768], bf16 operands widened to f32
 static void k148_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b339 = (uint16_t *)(arena + 2167322112); // %339 cast bf16[768,2304]
-  uint16_t *const b772 = (uint16_t *)(arena + 3097264768); // %772 cast bf16[8192,2304]
-  float *const b773 = (float *)(arena + 3160179328); // %773 matmul f32[8192,768]
+  uint16_t *const b777 = (uint16_t *)(arena + 3097264768); // %777 cast bf16[8192,2304]
+  float *const b778 = (float *)(arena + 3160179328); // %778 matmul f32[8192,768]
   {
-    float *const w772 = mdl_widen_bf16(b772, 18874368, h->nthreads);
+    float *const w777 = mdl_widen_bf16(b777, 18874368, h->nthreads);
     float *const w339 = mdl_widen_bf16(b339, 1769472, h->nthreads);
-    mdl_gemm(h, 0, 1, 8192, 768, 2304, w772, 2304, w339, 2304, 0.0f, b773, 768);
-    free(w772);
+    mdl_gemm(h, 0, 1, 8192, 768, 2304, w777, 2304, w339, 2304, 0.0f, b778, 768);
+    free(w777);
     free(w339);
   }
 }
 
 // k149_gemm: GEMM, 1 op
-//   %774   matmul             d.h.7.attn_w         line 38    f32[768,2304]
+//   %779   matmul             d.h.7.attn_w         line 38    f32[768,2304]
 // loops:
-//   gemm %774: [768 x 2304] = T[768 x 8192] [8192 x 2304], bf16 operands widened to f32
+//   gemm %779: [768 x 2304] = T[768 x 8192] [8192 x 2304], bf16 operands widened to f32
 static void k149_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b338 = (uint16_t *)(arena + 6054249088); // %338 cast bf16[8192,768]
-  uint16_t *const b772 = (uint16_t *)(arena + 3097264768); // %772 cast bf16[8192,2304]
-  float *const b774 = (float *)(arena + 853761024); // %774 matmul d.h.7.attn_w f32[768,2304]
+  uint16_t *const b777 = (uint16_t *)(arena + 3097264768); // %777 cast bf16[8192,2304]
+  float *const b779 = (float *)(arena + 853761024); // %779 matmul d.h.7.attn_w f32[768,2304]
   {
     float *const w338 = mdl_widen_bf16(b338, 6291456, h->nthreads);
-    float *const w772 = mdl_widen_bf16(b772, 18874368, h->nthreads);
-    mdl_gemm(h, 1, 0, 768, 2304, 8192, w338, 768, w772, 2304, 0.0f, b774, 2304);
+    float *const w777 = mdl_widen_bf16(b777, 18874368, h->nthreads);
+    mdl_gemm(h, 1, 0, 768, 2304, 8192, w338, 768, w777, 2304, 0.0f, b779, 2304);
     free(w338);
-    free(w772);
+    free(w777);
   }
 }
 
 // k150_layernorm_bwd__add__sum__cast: kernel, 7 ops
-//   %776   layernorm_bwd                           line 38    f32[8,1024,768]
-//   %777   add                d.h.6.x              line 38    f32[8,1024,768]
-//   %778   layernorm_bwd      d.h.7.ln1_w          line 38    f32[768]
-//   %779   layernorm_bwd      d.h.7.ln1_b          line 38    f32[768]
-//   %780   reshape                                 line 40    f32[8192,768]
-//   %781   sum                d.h.6.fcproj_b       line 40    f32[768]
-//   %782   cast                                    line 40    bf16[8192,768]
+//   %781   layernorm_bwd                           line 38    f32[8,1024,768]
+//   %782   add                d.h.6.x              line 38    f32[8,1024,768]
+//   %783   layernorm_bwd      d.h.7.ln1_w          line 38    f32[768]
+//   %784   layernorm_bwd      d.h.7.ln1_b          line 38    f32[768]
+//   %785   reshape                                 line 40    f32[8192,768]
+//   %786   sum                d.h.6.fcproj_b       line 40    f32[768]
+//   %787   cast                                    line 40    bf16[8192,768]
 // loops:
 //   layernorm_bwd: 8192 rows of 768, column sums over 64 blocks of 128 rows
 static void k150_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
   float *const b323 = (float *)(arena + 5462852224); // %323 add h.6.x f32[8,1024,768]
   float *const b324 = (float *)(arena + 355995648); // %324 param h.7.ln1_w f32[768]
-  float *const b753 = (float *)(arena + 3135013504); // %753 add d.h.7.x f32[8,1024,768]
-  float *const b773 = (float *)(arena + 3160179328); // %773 matmul f32[8192,768]
-  float *const b777 = (float *)(arena + 3185345152); // %777 add d.h.6.x f32[8,1024,768]
-  float *const b778 = (float *)(arena + 853754880); // %778 layernorm_bwd d.h.7.ln1_w f32[768]
-  float *const b779 = (float *)(arena + 853757952); // %779 layernorm_bwd d.h.7.ln1_b f32[768]
-  float *const b781 = (float *)(arena + 853751808); // %781 sum d.h.6.fcproj_b f32[768]
-  uint16_t *const b782 = (uint16_t *)(arena + 3210510976); // %782 cast bf16[8192,768]
+  float *const b757 = (float *)(arena + 3135013504); // %757 add d.h.7.x f32[8,1024,768]
+  float *const b778 = (float *)(arena + 3160179328); // %778 matmul f32[8192,768]
+  float *const b782 = (float *)(arena + 3185345152); // %782 add d.h.6.x f32[8,1024,768]
+  float *const b783 = (float *)(arena + 853754880); // %783 layernorm_bwd d.h.7.ln1_w f32[768]
+  float *const b784 = (float *)(arena + 853757952); // %784 layernorm_bwd d.h.7.ln1_b f32[768]
+  float *const b786 = (float *)(arena + 853751808); // %786 sum d.h.6.fcproj_b f32[768]
+  uint16_t *const b787 = (uint16_t *)(arena + 3210510976); // %787 cast bf16[8192,768]
   double *pdw = mdl_scratch(49152 * sizeof(double));
   double *pdb = mdl_scratch(49152 * sizeof(double));
-  double *ps0 = mdl_scratch(49152 * sizeof(double)); // partials of the column sum %781
+  double *ps0 = mdl_scratch(49152 * sizeof(double)); // partials of the column sum %786
   #pragma omp parallel num_threads(h->nthreads)
   {
     float *dxrow = mdl_scratch(768 * sizeof(float));
@@ -7130,7 +7190,7 @@ static void k150_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
       const int64_t end = k * 128 + 128 < 8192 ? k * 128 + 128 : 8192;
       for (int64_t r = k * 128; r < end; r++) {
         const float *x = b323 + r * 768;
-        const float *dy = b773 + r * 768;
+        const float *dy = b778 + r * 768;
         double mean = 0, var = 0, mg = 0, mgx = 0;
         #pragma omp simd reduction(+ : mean)
         for (int64_t j = 0; j < 768; j++)
@@ -7155,13 +7215,13 @@ static void k150_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
           dx[j] = (float)(rstd * ((double)dy[j] * b324[j] - mg - (x[j] - mean) * rstd * mgx));
         for (int64_t j = 0; j < 768; j++) {
           const int64_t ix = r * 768 + j;
-          const float v753_ix = b753[ix];
-          const float v777_ix = v753_ix + dx[j];
-          b777[ix] = v777_ix;
-          const float v780_ix = v777_ix;
-          const float v782_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v780_ix));
-          b782[ix] = mdl_f32_to_bf16(v782_ix);
-          sa0[j] += v780_ix;
+          const float v757_ix = b757[ix];
+          const float v782_ix = v757_ix + dx[j];
+          b782[ix] = v782_ix;
+          const float v785_ix = v782_ix;
+          const float v787_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v785_ix));
+          b787[ix] = mdl_f32_to_bf16(v787_ix);
+          sa0[j] += v785_ix;
         }
       }
     }
@@ -7175,9 +7235,9 @@ static void k150_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
       b += pdb[k * 768 + j];
       a0 += ps0[k * 768 + j];
     }
-    b778[j] = (float)w;
-    b779[j] = (float)b;
-    b781[j] = (float)a0;
+    b783[j] = (float)w;
+    b784[j] = (float)b;
+    b786[j] = (float)a0;
   }
   free(pdw);
   free(pdb);
@@ -7185,44 +7245,44 @@ static void k150_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
 }
 
 // k151_gemm: GEMM, 1 op
-//   %784   matmul             d.h.6.fcproj_w       line 40    f32[3072,768]
+//   %789   matmul             d.h.6.fcproj_w       line 40    f32[3072,768]
 // loops:
-//   gemm %784: [3072 x 768] = T[3072 x 8192] [8192 x 768], bf16 operands widened to f32
+//   gemm %789: [3072 x 768] = T[3072 x 8192] [8192 x 768], bf16 operands widened to f32
 static void k151_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b318 = (uint16_t *)(arena + 4808540800); // %318 cast bf16[8192,3072]
-  uint16_t *const b782 = (uint16_t *)(arena + 3210510976); // %782 cast bf16[8192,768]
-  float *const b784 = (float *)(arena + 844314624); // %784 matmul d.h.6.fcproj_w f32[3072,768]
+  uint16_t *const b787 = (uint16_t *)(arena + 3210510976); // %787 cast bf16[8192,768]
+  float *const b789 = (float *)(arena + 844314624); // %789 matmul d.h.6.fcproj_w f32[3072,768]
   {
     float *const w318 = mdl_widen_bf16(b318, 25165824, h->nthreads);
-    float *const w782 = mdl_widen_bf16(b782, 6291456, h->nthreads);
-    mdl_gemm(h, 1, 0, 3072, 768, 8192, w318, 3072, w782, 768, 0.0f, b784, 768);
+    float *const w787 = mdl_widen_bf16(b787, 6291456, h->nthreads);
+    mdl_gemm(h, 1, 0, 3072, 768, 8192, w318, 3072, w787, 768, 0.0f, b789, 768);
     free(w318);
-    free(w782);
+    free(w787);
   }
 }
 
 // k152_gemm__gelu_bwd__sum__cast: GEMM, 6 ops
-//   %783   matmul                                  line 40    f32[8192,3072]
-//   %785   reshape                                 line 40    f32[8,1024,3072]
-//   %786   gelu_bwd                                line 40    f32[8,1024,3072]
-//   %787   reshape                                 line 40    f32[8192,3072]
-//   %788   sum                d.h.6.fc_b           line 40    f32[3072]
-//   %789   cast                                    line 40    bf16[8192,3072]
+//   %788   matmul                                  line 40    f32[8192,3072]
+//   %790   reshape                                 line 40    f32[8,1024,3072]
+//   %791   gelu_bwd                                line 40    f32[8,1024,3072]
+//   %792   reshape                                 line 40    f32[8192,3072]
+//   %793   sum                d.h.6.fc_b           line 40    f32[3072]
+//   %794   cast                                    line 40    bf16[8192,3072]
 // loops:
-//   gemm %783: [8192 x 3072] = [8192 x 768] T[768 x 3072], bf16 operands widened to f32, epilogue after
-//   sum %788: 3072 outputs over 8192 elements, in 64 blocks of 128
+//   gemm %788: [8192 x 3072] = [8192 x 768] T[768 x 3072], bf16 operands widened to f32, epilogue after
+//   sum %793: 3072 outputs over 8192 elements, in 64 blocks of 128
 static void k152_gemm__gelu_bwd__sum__cast(char *arena, const MdlHooks *h) {
   float *const b315 = (float *)(arena + 2996601472); // %315 add f32[8,1024,3072]
   uint16_t *const b319 = (uint16_t *)(arena + 2162603520); // %319 cast bf16[3072,768]
-  uint16_t *const b782 = (uint16_t *)(arena + 3210510976); // %782 cast bf16[8192,768]
-  float *const b783 = mdl_scratch(100663296); // %783 matmul f32[8192,3072], kept in this kernel
-  float *const b788 = (float *)(arena + 844302336); // %788 sum d.h.6.fc_b f32[3072]
-  uint16_t *const b789 = (uint16_t *)(arena + 3097264768); // %789 cast bf16[8192,3072]
+  uint16_t *const b787 = (uint16_t *)(arena + 3210510976); // %787 cast bf16[8192,768]
+  float *const b788 = mdl_scratch(100663296); // %788 matmul f32[8192,3072], kept in this kernel
+  float *const b793 = (float *)(arena + 844302336); // %793 sum d.h.6.fc_b f32[3072]
+  uint16_t *const b794 = (uint16_t *)(arena + 3097264768); // %794 cast bf16[8192,3072]
   {
-    float *const w782 = mdl_widen_bf16(b782, 6291456, h->nthreads);
+    float *const w787 = mdl_widen_bf16(b787, 6291456, h->nthreads);
     float *const w319 = mdl_widen_bf16(b319, 2359296, h->nthreads);
-    mdl_gemm(h, 0, 1, 8192, 3072, 768, w782, 768, w319, 768, 0.0f, b783, 3072);
-    free(w782);
+    mdl_gemm(h, 0, 1, 8192, 3072, 768, w787, 768, w319, 768, 0.0f, b788, 3072);
+    free(w787);
     free(w319);
   }
   double *part = mdl_scratch(196608 * sizeof(double));
@@ -7236,13 +7296,13 @@ static void k152_gemm__gelu_bwd__sum__cast(char *arena, const MdlHooks *h) {
       for (int64_t c = 0; c < 3072; c++) {
         const int64_t ix = l * 3072 + c;
         const float v315_ix = b315[ix];
-        const float v783_ix = b783[ix];
-        const float v785_ix = v783_ix;
-        const float v786_ix = mdl_gelu_grad(v315_ix) * v785_ix;
-        const float v787_ix = v786_ix;
-        const float v = v787_ix;
-        const float v789_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v787_ix));
-        b789[ix] = mdl_f32_to_bf16(v789_ix);
+        const float v788_ix = b788[ix];
+        const float v790_ix = v788_ix;
+        const float v791_ix = mdl_gelu_grad(v315_ix) * v790_ix;
+        const float v792_ix = v791_ix;
+        const float v = v792_ix;
+        const float v794_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v792_ix));
+        b794[ix] = mdl_f32_to_bf16(v794_ix);
         p[c] += v;
       }
     }
@@ -7255,69 +7315,69 @@ static void k152_gemm__gelu_bwd__sum__cast(char *arena, const MdlHooks *h) {
       acc += v;
     }
     const float y = (float)acc;
-    b788[r] = y;
+    b793[r] = y;
   }
   free(part);
-  free(b783);
+  free(b788);
 }
 
 // k153_gemm: GEMM, 1 op
-//   %790   matmul                                  line 40    f32[8192,768]
+//   %795   matmul                                  line 40    f32[8192,768]
 // loops:
-//   gemm %790: [8192 x 768] = [8192 x 3072] T[3072 x 768], bf16 operands widened to f32
+//   gemm %795: [8192 x 768] = [8192 x 3072] T[3072 x 768], bf16 operands widened to f32
 static void k153_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b312 = (uint16_t *)(arena + 2157884928); // %312 cast bf16[768,3072]
-  uint16_t *const b789 = (uint16_t *)(arena + 3097264768); // %789 cast bf16[8192,3072]
-  float *const b790 = (float *)(arena + 2996601472); // %790 matmul f32[8192,768]
+  uint16_t *const b794 = (uint16_t *)(arena + 3097264768); // %794 cast bf16[8192,3072]
+  float *const b795 = (float *)(arena + 2996601472); // %795 matmul f32[8192,768]
   {
-    float *const w789 = mdl_widen_bf16(b789, 25165824, h->nthreads);
+    float *const w794 = mdl_widen_bf16(b794, 25165824, h->nthreads);
     float *const w312 = mdl_widen_bf16(b312, 2359296, h->nthreads);
-    mdl_gemm(h, 0, 1, 8192, 768, 3072, w789, 3072, w312, 3072, 0.0f, b790, 768);
-    free(w789);
+    mdl_gemm(h, 0, 1, 8192, 768, 3072, w794, 3072, w312, 3072, 0.0f, b795, 768);
+    free(w794);
     free(w312);
   }
 }
 
 // k154_gemm: GEMM, 1 op
-//   %791   matmul             d.h.6.fc_w           line 40    f32[768,3072]
+//   %796   matmul             d.h.6.fc_w           line 40    f32[768,3072]
 // loops:
-//   gemm %791: [768 x 3072] = T[768 x 8192] [8192 x 3072], bf16 operands widened to f32
+//   gemm %796: [768 x 3072] = T[768 x 8192] [8192 x 3072], bf16 operands widened to f32
 static void k154_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b311 = (uint16_t *)(arena + 6041666176); // %311 cast bf16[8192,768]
-  uint16_t *const b789 = (uint16_t *)(arena + 3097264768); // %789 cast bf16[8192,3072]
-  float *const b791 = (float *)(arena + 834865152); // %791 matmul d.h.6.fc_w f32[768,3072]
+  uint16_t *const b794 = (uint16_t *)(arena + 3097264768); // %794 cast bf16[8192,3072]
+  float *const b796 = (float *)(arena + 834865152); // %796 matmul d.h.6.fc_w f32[768,3072]
   {
     float *const w311 = mdl_widen_bf16(b311, 6291456, h->nthreads);
-    float *const w789 = mdl_widen_bf16(b789, 25165824, h->nthreads);
-    mdl_gemm(h, 1, 0, 768, 3072, 8192, w311, 768, w789, 3072, 0.0f, b791, 3072);
+    float *const w794 = mdl_widen_bf16(b794, 25165824, h->nthreads);
+    mdl_gemm(h, 1, 0, 768, 3072, 8192, w311, 768, w794, 3072, 0.0f, b796, 3072);
     free(w311);
-    free(w789);
+    free(w794);
   }
 }
 
 // k155_layernorm_bwd__add__sum__cast: kernel, 7 ops
-//   %793   layernorm_bwd                           line 40    f32[8,1024,768]
-//   %794   add                d.h.6.x              line 40    f32[8,1024,768]
-//   %795   layernorm_bwd      d.h.6.ln2_w          line 40    f32[768]
-//   %796   layernorm_bwd      d.h.6.ln2_b          line 40    f32[768]
-//   %797   reshape                                 line 39    f32[8192,768]
-//   %798   sum                d.h.6.proj_b         line 39    f32[768]
-//   %799   cast                                    line 39    bf16[8192,768]
+//   %798   layernorm_bwd                           line 40    f32[8,1024,768]
+//   %799   add                d.h.6.x              line 40    f32[8,1024,768]
+//   %800   layernorm_bwd      d.h.6.ln2_w          line 40    f32[768]
+//   %801   layernorm_bwd      d.h.6.ln2_b          line 40    f32[768]
+//   %802   reshape                                 line 39    f32[8192,768]
+//   %803   sum                d.h.6.proj_b         line 39    f32[768]
+//   %804   cast                                    line 39    bf16[8192,768]
 // loops:
 //   layernorm_bwd: 8192 rows of 768, column sums over 64 blocks of 128 rows
 static void k155_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
   float *const b285 = (float *)(arena + 337099776); // %285 param h.6.ln2_w f32[768]
   float *const b308 = (float *)(arena + 5437686400); // %308 add h.6.x f32[8,1024,768]
-  float *const b777 = (float *)(arena + 3185345152); // %777 add d.h.6.x f32[8,1024,768]
-  float *const b790 = (float *)(arena + 2996601472); // %790 matmul f32[8192,768]
-  float *const b794 = (float *)(arena + 3034350208); // %794 add d.h.6.x f32[8,1024,768]
-  float *const b795 = (float *)(arena + 834859008); // %795 layernorm_bwd d.h.6.ln2_w f32[768]
-  float *const b796 = (float *)(arena + 834862080); // %796 layernorm_bwd d.h.6.ln2_b f32[768]
-  float *const b798 = (float *)(arena + 834855936); // %798 sum d.h.6.proj_b f32[768]
-  uint16_t *const b799 = (uint16_t *)(arena + 3021767296); // %799 cast bf16[8192,768]
+  float *const b782 = (float *)(arena + 3185345152); // %782 add d.h.6.x f32[8,1024,768]
+  float *const b795 = (float *)(arena + 2996601472); // %795 matmul f32[8192,768]
+  float *const b799 = (float *)(arena + 3034350208); // %799 add d.h.6.x f32[8,1024,768]
+  float *const b800 = (float *)(arena + 834859008); // %800 layernorm_bwd d.h.6.ln2_w f32[768]
+  float *const b801 = (float *)(arena + 834862080); // %801 layernorm_bwd d.h.6.ln2_b f32[768]
+  float *const b803 = (float *)(arena + 834855936); // %803 sum d.h.6.proj_b f32[768]
+  uint16_t *const b804 = (uint16_t *)(arena + 3021767296); // %804 cast bf16[8192,768]
   double *pdw = mdl_scratch(49152 * sizeof(double));
   double *pdb = mdl_scratch(49152 * sizeof(double));
-  double *ps0 = mdl_scratch(49152 * sizeof(double)); // partials of the column sum %798
+  double *ps0 = mdl_scratch(49152 * sizeof(double)); // partials of the column sum %803
   #pragma omp parallel num_threads(h->nthreads)
   {
     float *dxrow = mdl_scratch(768 * sizeof(float));
@@ -7331,7 +7391,7 @@ static void k155_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
       const int64_t end = k * 128 + 128 < 8192 ? k * 128 + 128 : 8192;
       for (int64_t r = k * 128; r < end; r++) {
         const float *x = b308 + r * 768;
-        const float *dy = b790 + r * 768;
+        const float *dy = b795 + r * 768;
         double mean = 0, var = 0, mg = 0, mgx = 0;
         #pragma omp simd reduction(+ : mean)
         for (int64_t j = 0; j < 768; j++)
@@ -7356,13 +7416,13 @@ static void k155_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
           dx[j] = (float)(rstd * ((double)dy[j] * b285[j] - mg - (x[j] - mean) * rstd * mgx));
         for (int64_t j = 0; j < 768; j++) {
           const int64_t ix = r * 768 + j;
-          const float v777_ix = b777[ix];
-          const float v794_ix = v777_ix + dx[j];
-          b794[ix] = v794_ix;
-          const float v797_ix = v794_ix;
-          const float v799_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v797_ix));
-          b799[ix] = mdl_f32_to_bf16(v799_ix);
-          sa0[j] += v797_ix;
+          const float v782_ix = b782[ix];
+          const float v799_ix = v782_ix + dx[j];
+          b799[ix] = v799_ix;
+          const float v802_ix = v799_ix;
+          const float v804_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v802_ix));
+          b804[ix] = mdl_f32_to_bf16(v804_ix);
+          sa0[j] += v802_ix;
         }
       }
     }
@@ -7376,9 +7436,9 @@ static void k155_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
       b += pdb[k * 768 + j];
       a0 += ps0[k * 768 + j];
     }
-    b795[j] = (float)w;
-    b796[j] = (float)b;
-    b798[j] = (float)a0;
+    b800[j] = (float)w;
+    b801[j] = (float)b;
+    b803[j] = (float)a0;
   }
   free(pdw);
   free(pdb);
@@ -7386,52 +7446,64 @@ static void k155_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
 }
 
 // k156_gemm: GEMM, 1 op
-//   %800   matmul                                  line 39    f32[8192,768]
+//   %806   matmul             d.h.6.proj_w         line 39    f32[768,768]
 // loops:
-//   gemm %800: [8192 x 768] = [8192 x 768] T[768 x 768], bf16 operands widened to f32
+//   gemm %806: [768 x 768] = T[768 x 8192] [8192 x 768], bf16 operands widened to f32
 static void k156_gemm(char *arena, const MdlHooks *h) {
-  uint16_t *const b304 = (uint16_t *)(arena + 2156705280); // %304 cast bf16[768,768]
-  uint16_t *const b799 = (uint16_t *)(arena + 3021767296); // %799 cast bf16[8192,768]
-  float *const b800 = (float *)(arena + 2996601472); // %800 matmul f32[8192,768]
+  uint16_t *const b303 = (uint16_t *)(arena + 6029083264); // %303 cast bf16[8192,768]
+  uint16_t *const b804 = (uint16_t *)(arena + 3021767296); // %804 cast bf16[8192,768]
+  float *const b806 = (float *)(arena + 832496640); // %806 matmul d.h.6.proj_w f32[768,768]
   {
-    float *const w799 = mdl_widen_bf16(b799, 6291456, h->nthreads);
-    float *const w304 = mdl_widen_bf16(b304, 589824, h->nthreads);
-    mdl_gemm(h, 0, 1, 8192, 768, 768, w799, 768, w304, 768, 0.0f, b800, 768);
-    free(w799);
-    free(w304);
+    float *const w303 = mdl_widen_bf16(b303, 6291456, h->nthreads);
+    float *const w804 = mdl_widen_bf16(b804, 6291456, h->nthreads);
+    mdl_gemm(h, 1, 0, 768, 768, 8192, w303, 768, w804, 768, 0.0f, b806, 768);
+    free(w303);
+    free(w804);
   }
 }
 
-// k157_gemm: GEMM, 1 op
-//   %801   matmul             d.h.6.proj_w         line 39    f32[768,768]
+// k157_gemm__cast: GEMM, 3 ops
+//   %805   matmul                                  line 39    f32[8192,768]
+//   %807   reshape                                 line 39    f32[8,1024,768]
+//   %808   cast                                    line 39    bf16[8,1024,768]
 // loops:
-//   gemm %801: [768 x 768] = T[768 x 8192] [8192 x 768], bf16 operands widened to f32
-static void k157_gemm(char *arena, const MdlHooks *h) {
-  uint16_t *const b303 = (uint16_t *)(arena + 6029083264); // %303 cast bf16[8192,768]
-  uint16_t *const b799 = (uint16_t *)(arena + 3021767296); // %799 cast bf16[8192,768]
-  float *const b801 = (float *)(arena + 832496640); // %801 matmul d.h.6.proj_w f32[768,768]
+//   gemm %805: [8192 x 768] = [8192 x 768] T[768 x 768], bf16 operands widened to f32, epilogue after
+//   elementwise over 6291456: %808
+static void k157_gemm__cast(char *arena, const MdlHooks *h) {
+  uint16_t *const b304 = (uint16_t *)(arena + 2156705280); // %304 cast bf16[768,768]
+  uint16_t *const b804 = (uint16_t *)(arena + 3021767296); // %804 cast bf16[8192,768]
+  float *const b805 = mdl_scratch(25165824); // %805 matmul f32[8192,768], kept in this kernel
+  uint16_t *const b808 = (uint16_t *)(arena + 2996601472); // %808 cast bf16[8,1024,768]
   {
-    float *const w303 = mdl_widen_bf16(b303, 6291456, h->nthreads);
-    float *const w799 = mdl_widen_bf16(b799, 6291456, h->nthreads);
-    mdl_gemm(h, 1, 0, 768, 768, 8192, w303, 768, w799, 768, 0.0f, b801, 768);
-    free(w303);
-    free(w799);
+    float *const w804 = mdl_widen_bf16(b804, 6291456, h->nthreads);
+    float *const w304 = mdl_widen_bf16(b304, 589824, h->nthreads);
+    mdl_gemm(h, 0, 1, 8192, 768, 768, w804, 768, w304, 768, 0.0f, b805, 768);
+    free(w804);
+    free(w304);
   }
+  #pragma omp parallel for num_threads(h->nthreads) schedule(static)
+  for (int64_t i = 0; i < 6291456; i++) {
+    const float v805_i = b805[i];
+    const float v807_i = v805_i;
+    const float v808_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v807_i));
+    b808[i] = mdl_f32_to_bf16(v808_i);
+  }
+  free(b805);
 }
 
 // k158_attention_bwd: attention, 3 ops
-//   %803   attention_bwd      d.h.6.q              line 39    f32[8,1024,768]
-//   %804   attention_bwd      d.h.6.k              line 39    f32[8,1024,768]
-//   %805   attention_bwd      d.h.6.v              line 39    f32[8,1024,768]
+//   %809   attention_bwd      d.h.6.q              line 39    f32[8,1024,768]
+//   %810   attention_bwd      d.h.6.k              line 39    f32[8,1024,768]
+//   %811   attention_bwd      d.h.6.v              line 39    f32[8,1024,768]
 // loops:
 //   attention backward (dq dk dv): B 8, T 1024, 12 heads of 64, causal, within documents; one task per (batch, head)
 static void k158_attention_bwd(char *arena, const MdlHooks *h) {
   int32_t *const b3 = (int32_t *)(arena + 2238199296); // %3 input doc i32[8,1024]
   float *const b297 = (float *)(arena + 4053566080); // %297 add f32[8,1024,2304]
-  float *const b800 = (float *)(arena + 2996601472); // %800 matmul f32[8192,768]
-  float *const b803 = (float *)(arena + 3059516032); // %803 attention_bwd d.h.6.q f32[8,1024,768]
-  float *const b804 = (float *)(arena + 3084681856); // %804 attention_bwd d.h.6.k f32[8,1024,768]
-  float *const b805 = (float *)(arena + 3109847680); // %805 attention_bwd d.h.6.v f32[8,1024,768]
+  uint16_t *const b808 = (uint16_t *)(arena + 2996601472); // %808 cast bf16[8,1024,768]
+  float *const b809 = (float *)(arena + 3059516032); // %809 attention_bwd d.h.6.q f32[8,1024,768]
+  float *const b810 = (float *)(arena + 3084681856); // %810 attention_bwd d.h.6.k f32[8,1024,768]
+  float *const b811 = (float *)(arena + 3109847680); // %811 attention_bwd d.h.6.v f32[8,1024,768]
   #pragma omp parallel num_threads(h->nthreads)
   {
     float *restrict kt = memset(mdl_scratch(67584 * sizeof(float)), 0, 67584 * sizeof(float));
@@ -7505,7 +7577,7 @@ static void k158_attention_bwd(char *arena, const MdlHooks *h) {
         }
         float dor[64];
         for (int64_t c = 0; c < 64; c++)
-          dor[c] = mdl_bf16_to_f32(mdl_f32_to_bf16(b800[(b * 1024 + i) * 768 + hd * 64 + c]));
+          dor[c] = mdl_bf16_to_f32(b808[(b * 1024 + i) * 768 + hd * 64 + c]);
         const float *restrict doi = dor;
         #pragma omp simd
         for (int64_t j = lo; j < hi; j++)
@@ -7567,14 +7639,14 @@ static void k158_attention_bwd(char *arena, const MdlHooks *h) {
           for (int64_t c = 0; c < 64; c++)
             dvj[c] += mdl_bf16_to_f32(mdl_f32_to_bf16(s[j])) * doi[c];
         }
-        float *restrict dq = b803 + (b * 1024 + i) * 768 + hd * 64;
+        float *restrict dq = b809 + (b * 1024 + i) * 768 + hd * 64;
         for (int64_t c = 0; c < 64; c++)
           dq[c] = 0.125f * (dqi0[c] + dqi1[c]);
       }
       for (int64_t t = 0; t < 1024; t++)
-        memcpy(b804 + (b * 1024 + t) * 768 + hd * 64, dkh + t * 64, 64 * sizeof(float));
+        memcpy(b810 + (b * 1024 + t) * 768 + hd * 64, dkh + t * 64, 64 * sizeof(float));
       for (int64_t t = 0; t < 1024; t++)
-        memcpy(b805 + (b * 1024 + t) * 768 + hd * 64, dvh + t * 64, 64 * sizeof(float));
+        memcpy(b811 + (b * 1024 + t) * 768 + hd * 64, dvh + t * 64, 64 * sizeof(float));
     }
     free(kt);
     free(s);
@@ -7586,22 +7658,22 @@ static void k158_attention_bwd(char *arena, const MdlHooks *h) {
 }
 
 // k159_sum__slice_bwd__add__cast: kernel, 8 ops
-//   %806   slice_bwd                               line 38    f32[8,1024,2304]
-//   %807   slice_bwd                               line 38    f32[8,1024,2304]
-//   %808   add                                     line 38    f32[8,1024,2304]
-//   %809   slice_bwd                               line 38    f32[8,1024,2304]
-//   %810   add                                     line 38    f32[8,1024,2304]
-//   %811   reshape                                 line 38    f32[8192,2304]
-//   %812   sum                d.h.6.attn_b         line 38    f32[2304]
-//   %813   cast                                    line 38    bf16[8192,2304]
+//   %812   slice_bwd                               line 38    f32[8,1024,2304]
+//   %813   slice_bwd                               line 38    f32[8,1024,2304]
+//   %814   add                                     line 38    f32[8,1024,2304]
+//   %815   slice_bwd                               line 38    f32[8,1024,2304]
+//   %816   add                                     line 38    f32[8,1024,2304]
+//   %817   reshape                                 line 38    f32[8192,2304]
+//   %818   sum                d.h.6.attn_b         line 38    f32[2304]
+//   %819   cast                                    line 38    bf16[8192,2304]
 // loops:
-//   sum %812: 2304 outputs over 8192 elements, in 64 blocks of 128
+//   sum %818: 2304 outputs over 8192 elements, in 64 blocks of 128
 static void k159_sum__slice_bwd__add__cast(char *arena, const MdlHooks *h) {
-  float *const b803 = (float *)(arena + 3059516032); // %803 attention_bwd d.h.6.q f32[8,1024,768]
-  float *const b804 = (float *)(arena + 3084681856); // %804 attention_bwd d.h.6.k f32[8,1024,768]
-  float *const b805 = (float *)(arena + 3109847680); // %805 attention_bwd d.h.6.v f32[8,1024,768]
-  float *const b812 = (float *)(arena + 832487424); // %812 sum d.h.6.attn_b f32[2304]
-  uint16_t *const b813 = (uint16_t *)(arena + 2996601472); // %813 cast bf16[8192,2304]
+  float *const b809 = (float *)(arena + 3059516032); // %809 attention_bwd d.h.6.q f32[8,1024,768]
+  float *const b810 = (float *)(arena + 3084681856); // %810 attention_bwd d.h.6.k f32[8,1024,768]
+  float *const b811 = (float *)(arena + 3109847680); // %811 attention_bwd d.h.6.v f32[8,1024,768]
+  float *const b818 = (float *)(arena + 832487424); // %818 sum d.h.6.attn_b f32[2304]
+  uint16_t *const b819 = (uint16_t *)(arena + 2996601472); // %819 cast bf16[8192,2304]
   double *part = mdl_scratch(147456 * sizeof(double));
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
   for (int64_t k = 0; k < 64; k++) {
@@ -7614,20 +7686,20 @@ static void k159_sum__slice_bwd__add__cast(char *arena, const MdlHooks *h) {
         const int64_t ix = l * 2304 + c;
         const int64_t j1 = ix % 2304;
         const int64_t j2 = j1 >= 1536 && j1 < 2304 ? ix / 2304 * 768 + (j1 - 1536) : 0;
-        const float v805_j2 = b805[j2];
-        const float v806_ix = j1 >= 1536 && j1 < 2304 ? v805_j2 : 0.0f;
+        const float v811_j2 = b811[j2];
+        const float v812_ix = j1 >= 1536 && j1 < 2304 ? v811_j2 : 0.0f;
         const int64_t j3 = j1 >= 768 && j1 < 1536 ? ix / 2304 * 768 + (j1 - 768) : 0;
-        const float v804_j3 = b804[j3];
-        const float v807_ix = j1 >= 768 && j1 < 1536 ? v804_j3 : 0.0f;
-        const float v808_ix = v806_ix + v807_ix;
+        const float v810_j3 = b810[j3];
+        const float v813_ix = j1 >= 768 && j1 < 1536 ? v810_j3 : 0.0f;
+        const float v814_ix = v812_ix + v813_ix;
         const int64_t j4 = j1 >= 0 && j1 < 768 ? ix / 2304 * 768 + (j1 - 0) : 0;
-        const float v803_j4 = b803[j4];
-        const float v809_ix = j1 >= 0 && j1 < 768 ? v803_j4 : 0.0f;
-        const float v810_ix = v808_ix + v809_ix;
-        const float v811_ix = v810_ix;
-        const float v = v811_ix;
-        const float v813_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v811_ix));
-        b813[ix] = mdl_f32_to_bf16(v813_ix);
+        const float v809_j4 = b809[j4];
+        const float v815_ix = j1 >= 0 && j1 < 768 ? v809_j4 : 0.0f;
+        const float v816_ix = v814_ix + v815_ix;
+        const float v817_ix = v816_ix;
+        const float v = v817_ix;
+        const float v819_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v817_ix));
+        b819[ix] = mdl_f32_to_bf16(v819_ix);
         p[c] += v;
       }
     }
@@ -7640,68 +7712,68 @@ static void k159_sum__slice_bwd__add__cast(char *arena, const MdlHooks *h) {
       acc += v;
     }
     const float y = (float)acc;
-    b812[r] = y;
+    b818[r] = y;
   }
   free(part);
 }
 
 // k160_gemm: GEMM, 1 op
-//   %814   matmul                                  line 38    f32[8192,768]
+//   %820   matmul                                  line 38    f32[8192,768]
 // loops:
-//   gemm %814: [8192 x 768] = [8192 x 2304] T[2304 x 768], bf16 operands widened to f32
+//   gemm %820: [8192 x 768] = [8192 x 2304] T[2304 x 768], bf16 operands widened to f32
 static void k160_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b294 = (uint16_t *)(arena + 2153166336); // %294 cast bf16[768,2304]
-  uint16_t *const b813 = (uint16_t *)(arena + 2996601472); // %813 cast bf16[8192,2304]
-  float *const b814 = (float *)(arena + 3059516032); // %814 matmul f32[8192,768]
+  uint16_t *const b819 = (uint16_t *)(arena + 2996601472); // %819 cast bf16[8192,2304]
+  float *const b820 = (float *)(arena + 3059516032); // %820 matmul f32[8192,768]
   {
-    float *const w813 = mdl_widen_bf16(b813, 18874368, h->nthreads);
+    float *const w819 = mdl_widen_bf16(b819, 18874368, h->nthreads);
     float *const w294 = mdl_widen_bf16(b294, 1769472, h->nthreads);
-    mdl_gemm(h, 0, 1, 8192, 768, 2304, w813, 2304, w294, 2304, 0.0f, b814, 768);
-    free(w813);
+    mdl_gemm(h, 0, 1, 8192, 768, 2304, w819, 2304, w294, 2304, 0.0f, b820, 768);
+    free(w819);
     free(w294);
   }
 }
 
 // k161_gemm: GEMM, 1 op
-//   %815   matmul             d.h.6.attn_w         line 38    f32[768,2304]
+//   %821   matmul             d.h.6.attn_w         line 38    f32[768,2304]
 // loops:
-//   gemm %815: [768 x 2304] = T[768 x 8192] [8192 x 2304], bf16 operands widened to f32
+//   gemm %821: [768 x 2304] = T[768 x 8192] [8192 x 2304], bf16 operands widened to f32
 static void k161_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b293 = (uint16_t *)(arena + 6016500352); // %293 cast bf16[8192,768]
-  uint16_t *const b813 = (uint16_t *)(arena + 2996601472); // %813 cast bf16[8192,2304]
-  float *const b815 = (float *)(arena + 825409536); // %815 matmul d.h.6.attn_w f32[768,2304]
+  uint16_t *const b819 = (uint16_t *)(arena + 2996601472); // %819 cast bf16[8192,2304]
+  float *const b821 = (float *)(arena + 825409536); // %821 matmul d.h.6.attn_w f32[768,2304]
   {
     float *const w293 = mdl_widen_bf16(b293, 6291456, h->nthreads);
-    float *const w813 = mdl_widen_bf16(b813, 18874368, h->nthreads);
-    mdl_gemm(h, 1, 0, 768, 2304, 8192, w293, 768, w813, 2304, 0.0f, b815, 2304);
+    float *const w819 = mdl_widen_bf16(b819, 18874368, h->nthreads);
+    mdl_gemm(h, 1, 0, 768, 2304, 8192, w293, 768, w819, 2304, 0.0f, b821, 2304);
     free(w293);
-    free(w813);
+    free(w819);
   }
 }
 
 // k162_layernorm_bwd__add__sum__cast: kernel, 7 ops
-//   %817   layernorm_bwd                           line 38    f32[8,1024,768]
-//   %818   add                d.h.5.x              line 38    f32[8,1024,768]
-//   %819   layernorm_bwd      d.h.6.ln1_w          line 38    f32[768]
-//   %820   layernorm_bwd      d.h.6.ln1_b          line 38    f32[768]
-//   %821   reshape                                 line 40    f32[8192,768]
-//   %822   sum                d.h.5.fcproj_b       line 40    f32[768]
-//   %823   cast                                    line 40    bf16[8192,768]
+//   %823   layernorm_bwd                           line 38    f32[8,1024,768]
+//   %824   add                d.h.5.x              line 38    f32[8,1024,768]
+//   %825   layernorm_bwd      d.h.6.ln1_w          line 38    f32[768]
+//   %826   layernorm_bwd      d.h.6.ln1_b          line 38    f32[768]
+//   %827   reshape                                 line 40    f32[8192,768]
+//   %828   sum                d.h.5.fcproj_b       line 40    f32[768]
+//   %829   cast                                    line 40    bf16[8192,768]
 // loops:
 //   layernorm_bwd: 8192 rows of 768, column sums over 64 blocks of 128 rows
 static void k162_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
   float *const b278 = (float *)(arena + 5412520576); // %278 add h.5.x f32[8,1024,768]
   float *const b279 = (float *)(arena + 327644160); // %279 param h.6.ln1_w f32[768]
-  float *const b794 = (float *)(arena + 3034350208); // %794 add d.h.6.x f32[8,1024,768]
-  float *const b814 = (float *)(arena + 3059516032); // %814 matmul f32[8192,768]
-  float *const b818 = (float *)(arena + 3084681856); // %818 add d.h.5.x f32[8,1024,768]
-  float *const b819 = (float *)(arena + 825403392); // %819 layernorm_bwd d.h.6.ln1_w f32[768]
-  float *const b820 = (float *)(arena + 825406464); // %820 layernorm_bwd d.h.6.ln1_b f32[768]
-  float *const b822 = (float *)(arena + 825400320); // %822 sum d.h.5.fcproj_b f32[768]
-  uint16_t *const b823 = (uint16_t *)(arena + 3109847680); // %823 cast bf16[8192,768]
+  float *const b799 = (float *)(arena + 3034350208); // %799 add d.h.6.x f32[8,1024,768]
+  float *const b820 = (float *)(arena + 3059516032); // %820 matmul f32[8192,768]
+  float *const b824 = (float *)(arena + 3084681856); // %824 add d.h.5.x f32[8,1024,768]
+  float *const b825 = (float *)(arena + 825403392); // %825 layernorm_bwd d.h.6.ln1_w f32[768]
+  float *const b826 = (float *)(arena + 825406464); // %826 layernorm_bwd d.h.6.ln1_b f32[768]
+  float *const b828 = (float *)(arena + 825400320); // %828 sum d.h.5.fcproj_b f32[768]
+  uint16_t *const b829 = (uint16_t *)(arena + 3109847680); // %829 cast bf16[8192,768]
   double *pdw = mdl_scratch(49152 * sizeof(double));
   double *pdb = mdl_scratch(49152 * sizeof(double));
-  double *ps0 = mdl_scratch(49152 * sizeof(double)); // partials of the column sum %822
+  double *ps0 = mdl_scratch(49152 * sizeof(double)); // partials of the column sum %828
   #pragma omp parallel num_threads(h->nthreads)
   {
     float *dxrow = mdl_scratch(768 * sizeof(float));
@@ -7715,7 +7787,7 @@ static void k162_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
       const int64_t end = k * 128 + 128 < 8192 ? k * 128 + 128 : 8192;
       for (int64_t r = k * 128; r < end; r++) {
         const float *x = b278 + r * 768;
-        const float *dy = b814 + r * 768;
+        const float *dy = b820 + r * 768;
         double mean = 0, var = 0, mg = 0, mgx = 0;
         #pragma omp simd reduction(+ : mean)
         for (int64_t j = 0; j < 768; j++)
@@ -7740,13 +7812,13 @@ static void k162_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
           dx[j] = (float)(rstd * ((double)dy[j] * b279[j] - mg - (x[j] - mean) * rstd * mgx));
         for (int64_t j = 0; j < 768; j++) {
           const int64_t ix = r * 768 + j;
-          const float v794_ix = b794[ix];
-          const float v818_ix = v794_ix + dx[j];
-          b818[ix] = v818_ix;
-          const float v821_ix = v818_ix;
-          const float v823_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v821_ix));
-          b823[ix] = mdl_f32_to_bf16(v823_ix);
-          sa0[j] += v821_ix;
+          const float v799_ix = b799[ix];
+          const float v824_ix = v799_ix + dx[j];
+          b824[ix] = v824_ix;
+          const float v827_ix = v824_ix;
+          const float v829_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v827_ix));
+          b829[ix] = mdl_f32_to_bf16(v829_ix);
+          sa0[j] += v827_ix;
         }
       }
     }
@@ -7760,9 +7832,9 @@ static void k162_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
       b += pdb[k * 768 + j];
       a0 += ps0[k * 768 + j];
     }
-    b819[j] = (float)w;
-    b820[j] = (float)b;
-    b822[j] = (float)a0;
+    b825[j] = (float)w;
+    b826[j] = (float)b;
+    b828[j] = (float)a0;
   }
   free(pdw);
   free(pdb);
@@ -7770,44 +7842,44 @@ static void k162_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
 }
 
 // k163_gemm: GEMM, 1 op
-//   %825   matmul             d.h.5.fcproj_w       line 40    f32[3072,768]
+//   %831   matmul             d.h.5.fcproj_w       line 40    f32[3072,768]
 // loops:
-//   gemm %825: [3072 x 768] = T[3072 x 8192] [8192 x 768], bf16 operands widened to f32
+//   gemm %831: [3072 x 768] = T[3072 x 8192] [8192 x 768], bf16 operands widened to f32
 static void k163_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b273 = (uint16_t *)(arena + 4758209152); // %273 cast bf16[8192,3072]
-  uint16_t *const b823 = (uint16_t *)(arena + 3109847680); // %823 cast bf16[8192,768]
-  float *const b825 = (float *)(arena + 815963136); // %825 matmul d.h.5.fcproj_w f32[3072,768]
+  uint16_t *const b829 = (uint16_t *)(arena + 3109847680); // %829 cast bf16[8192,768]
+  float *const b831 = (float *)(arena + 815963136); // %831 matmul d.h.5.fcproj_w f32[3072,768]
   {
     float *const w273 = mdl_widen_bf16(b273, 25165824, h->nthreads);
-    float *const w823 = mdl_widen_bf16(b823, 6291456, h->nthreads);
-    mdl_gemm(h, 1, 0, 3072, 768, 8192, w273, 3072, w823, 768, 0.0f, b825, 768);
+    float *const w829 = mdl_widen_bf16(b829, 6291456, h->nthreads);
+    mdl_gemm(h, 1, 0, 3072, 768, 8192, w273, 3072, w829, 768, 0.0f, b831, 768);
     free(w273);
-    free(w823);
+    free(w829);
   }
 }
 
 // k164_gemm__gelu_bwd__sum__cast: GEMM, 6 ops
-//   %824   matmul                                  line 40    f32[8192,3072]
-//   %826   reshape                                 line 40    f32[8,1024,3072]
-//   %827   gelu_bwd                                line 40    f32[8,1024,3072]
-//   %828   reshape                                 line 40    f32[8192,3072]
-//   %829   sum                d.h.5.fc_b           line 40    f32[3072]
-//   %830   cast                                    line 40    bf16[8192,3072]
+//   %830   matmul                                  line 40    f32[8192,3072]
+//   %832   reshape                                 line 40    f32[8,1024,3072]
+//   %833   gelu_bwd                                line 40    f32[8,1024,3072]
+//   %834   reshape                                 line 40    f32[8192,3072]
+//   %835   sum                d.h.5.fc_b           line 40    f32[3072]
+//   %836   cast                                    line 40    bf16[8192,3072]
 // loops:
-//   gemm %824: [8192 x 3072] = [8192 x 768] T[768 x 3072], bf16 operands widened to f32, epilogue after
-//   sum %829: 3072 outputs over 8192 elements, in 64 blocks of 128
+//   gemm %830: [8192 x 3072] = [8192 x 768] T[768 x 3072], bf16 operands widened to f32, epilogue after
+//   sum %835: 3072 outputs over 8192 elements, in 64 blocks of 128
 static void k164_gemm__gelu_bwd__sum__cast(char *arena, const MdlHooks *h) {
   float *const b270 = (float *)(arena + 2895938176); // %270 add f32[8,1024,3072]
   uint16_t *const b274 = (uint16_t *)(arena + 2148447744); // %274 cast bf16[3072,768]
-  uint16_t *const b823 = (uint16_t *)(arena + 3109847680); // %823 cast bf16[8192,768]
-  float *const b824 = mdl_scratch(100663296); // %824 matmul f32[8192,3072], kept in this kernel
-  float *const b829 = (float *)(arena + 815950848); // %829 sum d.h.5.fc_b f32[3072]
-  uint16_t *const b830 = (uint16_t *)(arena + 2996601472); // %830 cast bf16[8192,3072]
+  uint16_t *const b829 = (uint16_t *)(arena + 3109847680); // %829 cast bf16[8192,768]
+  float *const b830 = mdl_scratch(100663296); // %830 matmul f32[8192,3072], kept in this kernel
+  float *const b835 = (float *)(arena + 815950848); // %835 sum d.h.5.fc_b f32[3072]
+  uint16_t *const b836 = (uint16_t *)(arena + 2996601472); // %836 cast bf16[8192,3072]
   {
-    float *const w823 = mdl_widen_bf16(b823, 6291456, h->nthreads);
+    float *const w829 = mdl_widen_bf16(b829, 6291456, h->nthreads);
     float *const w274 = mdl_widen_bf16(b274, 2359296, h->nthreads);
-    mdl_gemm(h, 0, 1, 8192, 3072, 768, w823, 768, w274, 768, 0.0f, b824, 3072);
-    free(w823);
+    mdl_gemm(h, 0, 1, 8192, 3072, 768, w829, 768, w274, 768, 0.0f, b830, 3072);
+    free(w829);
     free(w274);
   }
   double *part = mdl_scratch(196608 * sizeof(double));
@@ -7821,13 +7893,13 @@ static void k164_gemm__gelu_bwd__sum__cast(char *arena, const MdlHooks *h) {
       for (int64_t c = 0; c < 3072; c++) {
         const int64_t ix = l * 3072 + c;
         const float v270_ix = b270[ix];
-        const float v824_ix = b824[ix];
-        const float v826_ix = v824_ix;
-        const float v827_ix = mdl_gelu_grad(v270_ix) * v826_ix;
-        const float v828_ix = v827_ix;
-        const float v = v828_ix;
-        const float v830_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v828_ix));
-        b830[ix] = mdl_f32_to_bf16(v830_ix);
+        const float v830_ix = b830[ix];
+        const float v832_ix = v830_ix;
+        const float v833_ix = mdl_gelu_grad(v270_ix) * v832_ix;
+        const float v834_ix = v833_ix;
+        const float v = v834_ix;
+        const float v836_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v834_ix));
+        b836[ix] = mdl_f32_to_bf16(v836_ix);
         p[c] += v;
       }
     }
@@ -7840,69 +7912,69 @@ static void k164_gemm__gelu_bwd__sum__cast(char *arena, const MdlHooks *h) {
       acc += v;
     }
     const float y = (float)acc;
-    b829[r] = y;
+    b835[r] = y;
   }
   free(part);
-  free(b824);
+  free(b830);
 }
 
 // k165_gemm: GEMM, 1 op
-//   %831   matmul                                  line 40    f32[8192,768]
+//   %837   matmul                                  line 40    f32[8192,768]
 // loops:
-//   gemm %831: [8192 x 768] = [8192 x 3072] T[3072 x 768], bf16 operands widened to f32
+//   gemm %837: [8192 x 768] = [8192 x 3072] T[3072 x 768], bf16 operands widened to f32
 static void k165_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b267 = (uint16_t *)(arena + 2143729152); // %267 cast bf16[768,3072]
-  uint16_t *const b830 = (uint16_t *)(arena + 2996601472); // %830 cast bf16[8192,3072]
-  float *const b831 = (float *)(arena + 2895938176); // %831 matmul f32[8192,768]
+  uint16_t *const b836 = (uint16_t *)(arena + 2996601472); // %836 cast bf16[8192,3072]
+  float *const b837 = (float *)(arena + 2895938176); // %837 matmul f32[8192,768]
   {
-    float *const w830 = mdl_widen_bf16(b830, 25165824, h->nthreads);
+    float *const w836 = mdl_widen_bf16(b836, 25165824, h->nthreads);
     float *const w267 = mdl_widen_bf16(b267, 2359296, h->nthreads);
-    mdl_gemm(h, 0, 1, 8192, 768, 3072, w830, 3072, w267, 3072, 0.0f, b831, 768);
-    free(w830);
+    mdl_gemm(h, 0, 1, 8192, 768, 3072, w836, 3072, w267, 3072, 0.0f, b837, 768);
+    free(w836);
     free(w267);
   }
 }
 
 // k166_gemm: GEMM, 1 op
-//   %832   matmul             d.h.5.fc_w           line 40    f32[768,3072]
+//   %838   matmul             d.h.5.fc_w           line 40    f32[768,3072]
 // loops:
-//   gemm %832: [768 x 3072] = T[768 x 8192] [8192 x 3072], bf16 operands widened to f32
+//   gemm %838: [768 x 3072] = T[768 x 8192] [8192 x 3072], bf16 operands widened to f32
 static void k166_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b266 = (uint16_t *)(arena + 6003917440); // %266 cast bf16[8192,768]
-  uint16_t *const b830 = (uint16_t *)(arena + 2996601472); // %830 cast bf16[8192,3072]
-  float *const b832 = (float *)(arena + 806513664); // %832 matmul d.h.5.fc_w f32[768,3072]
+  uint16_t *const b836 = (uint16_t *)(arena + 2996601472); // %836 cast bf16[8192,3072]
+  float *const b838 = (float *)(arena + 806513664); // %838 matmul d.h.5.fc_w f32[768,3072]
   {
     float *const w266 = mdl_widen_bf16(b266, 6291456, h->nthreads);
-    float *const w830 = mdl_widen_bf16(b830, 25165824, h->nthreads);
-    mdl_gemm(h, 1, 0, 768, 3072, 8192, w266, 768, w830, 3072, 0.0f, b832, 3072);
+    float *const w836 = mdl_widen_bf16(b836, 25165824, h->nthreads);
+    mdl_gemm(h, 1, 0, 768, 3072, 8192, w266, 768, w836, 3072, 0.0f, b838, 3072);
     free(w266);
-    free(w830);
+    free(w836);
   }
 }
 
 // k167_layernorm_bwd__add__sum__cast: kernel, 7 ops
-//   %834   layernorm_bwd                           line 40    f32[8,1024,768]
-//   %835   add                d.h.5.x              line 40    f32[8,1024,768]
-//   %836   layernorm_bwd      d.h.5.ln2_w          line 40    f32[768]
-//   %837   layernorm_bwd      d.h.5.ln2_b          line 40    f32[768]
-//   %838   reshape                                 line 39    f32[8192,768]
-//   %839   sum                d.h.5.proj_b         line 39    f32[768]
-//   %840   cast                                    line 39    bf16[8192,768]
+//   %840   layernorm_bwd                           line 40    f32[8,1024,768]
+//   %841   add                d.h.5.x              line 40    f32[8,1024,768]
+//   %842   layernorm_bwd      d.h.5.ln2_w          line 40    f32[768]
+//   %843   layernorm_bwd      d.h.5.ln2_b          line 40    f32[768]
+//   %844   reshape                                 line 39    f32[8192,768]
+//   %845   sum                d.h.5.proj_b         line 39    f32[768]
+//   %846   cast                                    line 39    bf16[8192,768]
 // loops:
 //   layernorm_bwd: 8192 rows of 768, column sums over 64 blocks of 128 rows
 static void k167_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
   float *const b240 = (float *)(arena + 308748288); // %240 param h.5.ln2_w f32[768]
   float *const b263 = (float *)(arena + 5387354752); // %263 add h.5.x f32[8,1024,768]
-  float *const b818 = (float *)(arena + 3084681856); // %818 add d.h.5.x f32[8,1024,768]
-  float *const b831 = (float *)(arena + 2895938176); // %831 matmul f32[8192,768]
-  float *const b835 = (float *)(arena + 2933686912); // %835 add d.h.5.x f32[8,1024,768]
-  float *const b836 = (float *)(arena + 806507520); // %836 layernorm_bwd d.h.5.ln2_w f32[768]
-  float *const b837 = (float *)(arena + 806510592); // %837 layernorm_bwd d.h.5.ln2_b f32[768]
-  float *const b839 = (float *)(arena + 806504448); // %839 sum d.h.5.proj_b f32[768]
-  uint16_t *const b840 = (uint16_t *)(arena + 2921104000); // %840 cast bf16[8192,768]
+  float *const b824 = (float *)(arena + 3084681856); // %824 add d.h.5.x f32[8,1024,768]
+  float *const b837 = (float *)(arena + 2895938176); // %837 matmul f32[8192,768]
+  float *const b841 = (float *)(arena + 2933686912); // %841 add d.h.5.x f32[8,1024,768]
+  float *const b842 = (float *)(arena + 806507520); // %842 layernorm_bwd d.h.5.ln2_w f32[768]
+  float *const b843 = (float *)(arena + 806510592); // %843 layernorm_bwd d.h.5.ln2_b f32[768]
+  float *const b845 = (float *)(arena + 806504448); // %845 sum d.h.5.proj_b f32[768]
+  uint16_t *const b846 = (uint16_t *)(arena + 2921104000); // %846 cast bf16[8192,768]
   double *pdw = mdl_scratch(49152 * sizeof(double));
   double *pdb = mdl_scratch(49152 * sizeof(double));
-  double *ps0 = mdl_scratch(49152 * sizeof(double)); // partials of the column sum %839
+  double *ps0 = mdl_scratch(49152 * sizeof(double)); // partials of the column sum %845
   #pragma omp parallel num_threads(h->nthreads)
   {
     float *dxrow = mdl_scratch(768 * sizeof(float));
@@ -7916,7 +7988,7 @@ static void k167_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
       const int64_t end = k * 128 + 128 < 8192 ? k * 128 + 128 : 8192;
       for (int64_t r = k * 128; r < end; r++) {
         const float *x = b263 + r * 768;
-        const float *dy = b831 + r * 768;
+        const float *dy = b837 + r * 768;
         double mean = 0, var = 0, mg = 0, mgx = 0;
         #pragma omp simd reduction(+ : mean)
         for (int64_t j = 0; j < 768; j++)
@@ -7941,13 +8013,13 @@ static void k167_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
           dx[j] = (float)(rstd * ((double)dy[j] * b240[j] - mg - (x[j] - mean) * rstd * mgx));
         for (int64_t j = 0; j < 768; j++) {
           const int64_t ix = r * 768 + j;
-          const float v818_ix = b818[ix];
-          const float v835_ix = v818_ix + dx[j];
-          b835[ix] = v835_ix;
-          const float v838_ix = v835_ix;
-          const float v840_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v838_ix));
-          b840[ix] = mdl_f32_to_bf16(v840_ix);
-          sa0[j] += v838_ix;
+          const float v824_ix = b824[ix];
+          const float v841_ix = v824_ix + dx[j];
+          b841[ix] = v841_ix;
+          const float v844_ix = v841_ix;
+          const float v846_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v844_ix));
+          b846[ix] = mdl_f32_to_bf16(v846_ix);
+          sa0[j] += v844_ix;
         }
       }
     }
@@ -7961,9 +8033,9 @@ static void k167_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
       b += pdb[k * 768 + j];
       a0 += ps0[k * 768 + j];
     }
-    b836[j] = (float)w;
-    b837[j] = (float)b;
-    b839[j] = (float)a0;
+    b842[j] = (float)w;
+    b843[j] = (float)b;
+    b845[j] = (float)a0;
   }
   free(pdw);
   free(pdb);
@@ -7971,52 +8043,64 @@ static void k167_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
 }
 
 // k168_gemm: GEMM, 1 op
-//   %841   matmul                                  line 39    f32[8192,768]
+//   %848   matmul             d.h.5.proj_w         line 39    f32[768,768]
 // loops:
-//   gemm %841: [8192 x 768] = [8192 x 768] T[768 x 768], bf16 operands widened to f32
+//   gemm %848: [768 x 768] = T[768 x 8192] [8192 x 768], bf16 operands widened to f32
 static void k168_gemm(char *arena, const MdlHooks *h) {
-  uint16_t *const b259 = (uint16_t *)(arena + 2142549504); // %259 cast bf16[768,768]
-  uint16_t *const b840 = (uint16_t *)(arena + 2921104000); // %840 cast bf16[8192,768]
-  float *const b841 = (float *)(arena + 2895938176); // %841 matmul f32[8192,768]
+  uint16_t *const b258 = (uint16_t *)(arena + 5991334528); // %258 cast bf16[8192,768]
+  uint16_t *const b846 = (uint16_t *)(arena + 2921104000); // %846 cast bf16[8192,768]
+  float *const b848 = (float *)(arena + 804145152); // %848 matmul d.h.5.proj_w f32[768,768]
   {
-    float *const w840 = mdl_widen_bf16(b840, 6291456, h->nthreads);
-    float *const w259 = mdl_widen_bf16(b259, 589824, h->nthreads);
-    mdl_gemm(h, 0, 1, 8192, 768, 768, w840, 768, w259, 768, 0.0f, b841, 768);
-    free(w840);
-    free(w259);
+    float *const w258 = mdl_widen_bf16(b258, 6291456, h->nthreads);
+    float *const w846 = mdl_widen_bf16(b846, 6291456, h->nthreads);
+    mdl_gemm(h, 1, 0, 768, 768, 8192, w258, 768, w846, 768, 0.0f, b848, 768);
+    free(w258);
+    free(w846);
   }
 }
 
-// k169_gemm: GEMM, 1 op
-//   %842   matmul             d.h.5.proj_w         line 39    f32[768,768]
+// k169_gemm__cast: GEMM, 3 ops
+//   %847   matmul                                  line 39    f32[8192,768]
+//   %849   reshape                                 line 39    f32[8,1024,768]
+//   %850   cast                                    line 39    bf16[8,1024,768]
 // loops:
-//   gemm %842: [768 x 768] = T[768 x 8192] [8192 x 768], bf16 operands widened to f32
-static void k169_gemm(char *arena, const MdlHooks *h) {
-  uint16_t *const b258 = (uint16_t *)(arena + 5991334528); // %258 cast bf16[8192,768]
-  uint16_t *const b840 = (uint16_t *)(arena + 2921104000); // %840 cast bf16[8192,768]
-  float *const b842 = (float *)(arena + 804145152); // %842 matmul d.h.5.proj_w f32[768,768]
+//   gemm %847: [8192 x 768] = [8192 x 768] T[768 x 768], bf16 operands widened to f32, epilogue after
+//   elementwise over 6291456: %850
+static void k169_gemm__cast(char *arena, const MdlHooks *h) {
+  uint16_t *const b259 = (uint16_t *)(arena + 2142549504); // %259 cast bf16[768,768]
+  uint16_t *const b846 = (uint16_t *)(arena + 2921104000); // %846 cast bf16[8192,768]
+  float *const b847 = mdl_scratch(25165824); // %847 matmul f32[8192,768], kept in this kernel
+  uint16_t *const b850 = (uint16_t *)(arena + 2895938176); // %850 cast bf16[8,1024,768]
   {
-    float *const w258 = mdl_widen_bf16(b258, 6291456, h->nthreads);
-    float *const w840 = mdl_widen_bf16(b840, 6291456, h->nthreads);
-    mdl_gemm(h, 1, 0, 768, 768, 8192, w258, 768, w840, 768, 0.0f, b842, 768);
-    free(w258);
-    free(w840);
+    float *const w846 = mdl_widen_bf16(b846, 6291456, h->nthreads);
+    float *const w259 = mdl_widen_bf16(b259, 589824, h->nthreads);
+    mdl_gemm(h, 0, 1, 8192, 768, 768, w846, 768, w259, 768, 0.0f, b847, 768);
+    free(w846);
+    free(w259);
   }
+  #pragma omp parallel for num_threads(h->nthreads) schedule(static)
+  for (int64_t i = 0; i < 6291456; i++) {
+    const float v847_i = b847[i];
+    const float v849_i = v847_i;
+    const float v850_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v849_i));
+    b850[i] = mdl_f32_to_bf16(v850_i);
+  }
+  free(b847);
 }
 
 // k170_attention_bwd: attention, 3 ops
-//   %844   attention_bwd      d.h.5.q              line 39    f32[8,1024,768]
-//   %845   attention_bwd      d.h.5.k              line 39    f32[8,1024,768]
-//   %846   attention_bwd      d.h.5.v              line 39    f32[8,1024,768]
+//   %851   attention_bwd      d.h.5.q              line 39    f32[8,1024,768]
+//   %852   attention_bwd      d.h.5.k              line 39    f32[8,1024,768]
+//   %853   attention_bwd      d.h.5.v              line 39    f32[8,1024,768]
 // loops:
 //   attention backward (dq dk dv): B 8, T 1024, 12 heads of 64, causal, within documents; one task per (batch, head)
 static void k170_attention_bwd(char *arena, const MdlHooks *h) {
   int32_t *const b3 = (int32_t *)(arena + 2238199296); // %3 input doc i32[8,1024]
   float *const b252 = (float *)(arena + 3978068608); // %252 add f32[8,1024,2304]
-  float *const b841 = (float *)(arena + 2895938176); // %841 matmul f32[8192,768]
-  float *const b844 = (float *)(arena + 2958852736); // %844 attention_bwd d.h.5.q f32[8,1024,768]
-  float *const b845 = (float *)(arena + 2984018560); // %845 attention_bwd d.h.5.k f32[8,1024,768]
-  float *const b846 = (float *)(arena + 3009184384); // %846 attention_bwd d.h.5.v f32[8,1024,768]
+  uint16_t *const b850 = (uint16_t *)(arena + 2895938176); // %850 cast bf16[8,1024,768]
+  float *const b851 = (float *)(arena + 2958852736); // %851 attention_bwd d.h.5.q f32[8,1024,768]
+  float *const b852 = (float *)(arena + 2984018560); // %852 attention_bwd d.h.5.k f32[8,1024,768]
+  float *const b853 = (float *)(arena + 3009184384); // %853 attention_bwd d.h.5.v f32[8,1024,768]
   #pragma omp parallel num_threads(h->nthreads)
   {
     float *restrict kt = memset(mdl_scratch(67584 * sizeof(float)), 0, 67584 * sizeof(float));
@@ -8090,7 +8174,7 @@ static void k170_attention_bwd(char *arena, const MdlHooks *h) {
         }
         float dor[64];
         for (int64_t c = 0; c < 64; c++)
-          dor[c] = mdl_bf16_to_f32(mdl_f32_to_bf16(b841[(b * 1024 + i) * 768 + hd * 64 + c]));
+          dor[c] = mdl_bf16_to_f32(b850[(b * 1024 + i) * 768 + hd * 64 + c]);
         const float *restrict doi = dor;
         #pragma omp simd
         for (int64_t j = lo; j < hi; j++)
@@ -8152,14 +8236,14 @@ static void k170_attention_bwd(char *arena, const MdlHooks *h) {
           for (int64_t c = 0; c < 64; c++)
             dvj[c] += mdl_bf16_to_f32(mdl_f32_to_bf16(s[j])) * doi[c];
         }
-        float *restrict dq = b844 + (b * 1024 + i) * 768 + hd * 64;
+        float *restrict dq = b851 + (b * 1024 + i) * 768 + hd * 64;
         for (int64_t c = 0; c < 64; c++)
           dq[c] = 0.125f * (dqi0[c] + dqi1[c]);
       }
       for (int64_t t = 0; t < 1024; t++)
-        memcpy(b845 + (b * 1024 + t) * 768 + hd * 64, dkh + t * 64, 64 * sizeof(float));
+        memcpy(b852 + (b * 1024 + t) * 768 + hd * 64, dkh + t * 64, 64 * sizeof(float));
       for (int64_t t = 0; t < 1024; t++)
-        memcpy(b846 + (b * 1024 + t) * 768 + hd * 64, dvh + t * 64, 64 * sizeof(float));
+        memcpy(b853 + (b * 1024 + t) * 768 + hd * 64, dvh + t * 64, 64 * sizeof(float));
     }
     free(kt);
     free(s);
@@ -8171,22 +8255,22 @@ static void k170_attention_bwd(char *arena, const MdlHooks *h) {
 }
 
 // k171_sum__slice_bwd__add__cast: kernel, 8 ops
-//   %847   slice_bwd                               line 38    f32[8,1024,2304]
-//   %848   slice_bwd                               line 38    f32[8,1024,2304]
-//   %849   add                                     line 38    f32[8,1024,2304]
-//   %850   slice_bwd                               line 38    f32[8,1024,2304]
-//   %851   add                                     line 38    f32[8,1024,2304]
-//   %852   reshape                                 line 38    f32[8192,2304]
-//   %853   sum                d.h.5.attn_b         line 38    f32[2304]
-//   %854   cast                                    line 38    bf16[8192,2304]
+//   %854   slice_bwd                               line 38    f32[8,1024,2304]
+//   %855   slice_bwd                               line 38    f32[8,1024,2304]
+//   %856   add                                     line 38    f32[8,1024,2304]
+//   %857   slice_bwd                               line 38    f32[8,1024,2304]
+//   %858   add                                     line 38    f32[8,1024,2304]
+//   %859   reshape                                 line 38    f32[8192,2304]
+//   %860   sum                d.h.5.attn_b         line 38    f32[2304]
+//   %861   cast                                    line 38    bf16[8192,2304]
 // loops:
-//   sum %853: 2304 outputs over 8192 elements, in 64 blocks of 128
+//   sum %860: 2304 outputs over 8192 elements, in 64 blocks of 128
 static void k171_sum__slice_bwd__add__cast(char *arena, const MdlHooks *h) {
-  float *const b844 = (float *)(arena + 2958852736); // %844 attention_bwd d.h.5.q f32[8,1024,768]
-  float *const b845 = (float *)(arena + 2984018560); // %845 attention_bwd d.h.5.k f32[8,1024,768]
-  float *const b846 = (float *)(arena + 3009184384); // %846 attention_bwd d.h.5.v f32[8,1024,768]
-  float *const b853 = (float *)(arena + 804135936); // %853 sum d.h.5.attn_b f32[2304]
-  uint16_t *const b854 = (uint16_t *)(arena + 2895938176); // %854 cast bf16[8192,2304]
+  float *const b851 = (float *)(arena + 2958852736); // %851 attention_bwd d.h.5.q f32[8,1024,768]
+  float *const b852 = (float *)(arena + 2984018560); // %852 attention_bwd d.h.5.k f32[8,1024,768]
+  float *const b853 = (float *)(arena + 3009184384); // %853 attention_bwd d.h.5.v f32[8,1024,768]
+  float *const b860 = (float *)(arena + 804135936); // %860 sum d.h.5.attn_b f32[2304]
+  uint16_t *const b861 = (uint16_t *)(arena + 2895938176); // %861 cast bf16[8192,2304]
   double *part = mdl_scratch(147456 * sizeof(double));
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
   for (int64_t k = 0; k < 64; k++) {
@@ -8199,20 +8283,20 @@ static void k171_sum__slice_bwd__add__cast(char *arena, const MdlHooks *h) {
         const int64_t ix = l * 2304 + c;
         const int64_t j1 = ix % 2304;
         const int64_t j2 = j1 >= 1536 && j1 < 2304 ? ix / 2304 * 768 + (j1 - 1536) : 0;
-        const float v846_j2 = b846[j2];
-        const float v847_ix = j1 >= 1536 && j1 < 2304 ? v846_j2 : 0.0f;
+        const float v853_j2 = b853[j2];
+        const float v854_ix = j1 >= 1536 && j1 < 2304 ? v853_j2 : 0.0f;
         const int64_t j3 = j1 >= 768 && j1 < 1536 ? ix / 2304 * 768 + (j1 - 768) : 0;
-        const float v845_j3 = b845[j3];
-        const float v848_ix = j1 >= 768 && j1 < 1536 ? v845_j3 : 0.0f;
-        const float v849_ix = v847_ix + v848_ix;
+        const float v852_j3 = b852[j3];
+        const float v855_ix = j1 >= 768 && j1 < 1536 ? v852_j3 : 0.0f;
+        const float v856_ix = v854_ix + v855_ix;
         const int64_t j4 = j1 >= 0 && j1 < 768 ? ix / 2304 * 768 + (j1 - 0) : 0;
-        const float v844_j4 = b844[j4];
-        const float v850_ix = j1 >= 0 && j1 < 768 ? v844_j4 : 0.0f;
-        const float v851_ix = v849_ix + v850_ix;
-        const float v852_ix = v851_ix;
-        const float v = v852_ix;
-        const float v854_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v852_ix));
-        b854[ix] = mdl_f32_to_bf16(v854_ix);
+        const float v851_j4 = b851[j4];
+        const float v857_ix = j1 >= 0 && j1 < 768 ? v851_j4 : 0.0f;
+        const float v858_ix = v856_ix + v857_ix;
+        const float v859_ix = v858_ix;
+        const float v = v859_ix;
+        const float v861_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v859_ix));
+        b861[ix] = mdl_f32_to_bf16(v861_ix);
         p[c] += v;
       }
     }
@@ -8225,68 +8309,68 @@ static void k171_sum__slice_bwd__add__cast(char *arena, const MdlHooks *h) {
       acc += v;
     }
     const float y = (float)acc;
-    b853[r] = y;
+    b860[r] = y;
   }
   free(part);
 }
 
 // k172_gemm: GEMM, 1 op
-//   %855   matmul                                  line 38    f32[8192,768]
+//   %862   matmul                                  line 38    f32[8192,768]
 // loops:
-//   gemm %855: [8192 x 768] = [8192 x 2304] T[2304 x 768], bf16 operands widened to f32
+//   gemm %862: [8192 x 768] = [8192 x 2304] T[2304 x 768], bf16 operands widened to f32
 static void k172_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b249 = (uint16_t *)(arena + 2139010560); // %249 cast bf16[768,2304]
-  uint16_t *const b854 = (uint16_t *)(arena + 2895938176); // %854 cast bf16[8192,2304]
-  float *const b855 = (float *)(arena + 2958852736); // %855 matmul f32[8192,768]
+  uint16_t *const b861 = (uint16_t *)(arena + 2895938176); // %861 cast bf16[8192,2304]
+  float *const b862 = (float *)(arena + 2958852736); // %862 matmul f32[8192,768]
   {
-    float *const w854 = mdl_widen_bf16(b854, 18874368, h->nthreads);
+    float *const w861 = mdl_widen_bf16(b861, 18874368, h->nthreads);
     float *const w249 = mdl_widen_bf16(b249, 1769472, h->nthreads);
-    mdl_gemm(h, 0, 1, 8192, 768, 2304, w854, 2304, w249, 2304, 0.0f, b855, 768);
-    free(w854);
+    mdl_gemm(h, 0, 1, 8192, 768, 2304, w861, 2304, w249, 2304, 0.0f, b862, 768);
+    free(w861);
     free(w249);
   }
 }
 
 // k173_gemm: GEMM, 1 op
-//   %856   matmul             d.h.5.attn_w         line 38    f32[768,2304]
+//   %863   matmul             d.h.5.attn_w         line 38    f32[768,2304]
 // loops:
-//   gemm %856: [768 x 2304] = T[768 x 8192] [8192 x 2304], bf16 operands widened to f32
+//   gemm %863: [768 x 2304] = T[768 x 8192] [8192 x 2304], bf16 operands widened to f32
 static void k173_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b248 = (uint16_t *)(arena + 5978751616); // %248 cast bf16[8192,768]
-  uint16_t *const b854 = (uint16_t *)(arena + 2895938176); // %854 cast bf16[8192,2304]
-  float *const b856 = (float *)(arena + 797058048); // %856 matmul d.h.5.attn_w f32[768,2304]
+  uint16_t *const b861 = (uint16_t *)(arena + 2895938176); // %861 cast bf16[8192,2304]
+  float *const b863 = (float *)(arena + 797058048); // %863 matmul d.h.5.attn_w f32[768,2304]
   {
     float *const w248 = mdl_widen_bf16(b248, 6291456, h->nthreads);
-    float *const w854 = mdl_widen_bf16(b854, 18874368, h->nthreads);
-    mdl_gemm(h, 1, 0, 768, 2304, 8192, w248, 768, w854, 2304, 0.0f, b856, 2304);
+    float *const w861 = mdl_widen_bf16(b861, 18874368, h->nthreads);
+    mdl_gemm(h, 1, 0, 768, 2304, 8192, w248, 768, w861, 2304, 0.0f, b863, 2304);
     free(w248);
-    free(w854);
+    free(w861);
   }
 }
 
 // k174_layernorm_bwd__add__sum__cast: kernel, 7 ops
-//   %858   layernorm_bwd                           line 38    f32[8,1024,768]
-//   %859   add                d.h.4.x              line 38    f32[8,1024,768]
-//   %860   layernorm_bwd      d.h.5.ln1_w          line 38    f32[768]
-//   %861   layernorm_bwd      d.h.5.ln1_b          line 38    f32[768]
-//   %862   reshape                                 line 40    f32[8192,768]
-//   %863   sum                d.h.4.fcproj_b       line 40    f32[768]
-//   %864   cast                                    line 40    bf16[8192,768]
+//   %865   layernorm_bwd                           line 38    f32[8,1024,768]
+//   %866   add                d.h.4.x              line 38    f32[8,1024,768]
+//   %867   layernorm_bwd      d.h.5.ln1_w          line 38    f32[768]
+//   %868   layernorm_bwd      d.h.5.ln1_b          line 38    f32[768]
+//   %869   reshape                                 line 40    f32[8192,768]
+//   %870   sum                d.h.4.fcproj_b       line 40    f32[768]
+//   %871   cast                                    line 40    bf16[8192,768]
 // loops:
 //   layernorm_bwd: 8192 rows of 768, column sums over 64 blocks of 128 rows
 static void k174_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
   float *const b233 = (float *)(arena + 5362188928); // %233 add h.4.x f32[8,1024,768]
   float *const b234 = (float *)(arena + 299292672); // %234 param h.5.ln1_w f32[768]
-  float *const b835 = (float *)(arena + 2933686912); // %835 add d.h.5.x f32[8,1024,768]
-  float *const b855 = (float *)(arena + 2958852736); // %855 matmul f32[8192,768]
-  float *const b859 = (float *)(arena + 2984018560); // %859 add d.h.4.x f32[8,1024,768]
-  float *const b860 = (float *)(arena + 797051904); // %860 layernorm_bwd d.h.5.ln1_w f32[768]
-  float *const b861 = (float *)(arena + 797054976); // %861 layernorm_bwd d.h.5.ln1_b f32[768]
-  float *const b863 = (float *)(arena + 797048832); // %863 sum d.h.4.fcproj_b f32[768]
-  uint16_t *const b864 = (uint16_t *)(arena + 3009184384); // %864 cast bf16[8192,768]
+  float *const b841 = (float *)(arena + 2933686912); // %841 add d.h.5.x f32[8,1024,768]
+  float *const b862 = (float *)(arena + 2958852736); // %862 matmul f32[8192,768]
+  float *const b866 = (float *)(arena + 2984018560); // %866 add d.h.4.x f32[8,1024,768]
+  float *const b867 = (float *)(arena + 797051904); // %867 layernorm_bwd d.h.5.ln1_w f32[768]
+  float *const b868 = (float *)(arena + 797054976); // %868 layernorm_bwd d.h.5.ln1_b f32[768]
+  float *const b870 = (float *)(arena + 797048832); // %870 sum d.h.4.fcproj_b f32[768]
+  uint16_t *const b871 = (uint16_t *)(arena + 3009184384); // %871 cast bf16[8192,768]
   double *pdw = mdl_scratch(49152 * sizeof(double));
   double *pdb = mdl_scratch(49152 * sizeof(double));
-  double *ps0 = mdl_scratch(49152 * sizeof(double)); // partials of the column sum %863
+  double *ps0 = mdl_scratch(49152 * sizeof(double)); // partials of the column sum %870
   #pragma omp parallel num_threads(h->nthreads)
   {
     float *dxrow = mdl_scratch(768 * sizeof(float));
@@ -8300,7 +8384,7 @@ static void k174_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
       const int64_t end = k * 128 + 128 < 8192 ? k * 128 + 128 : 8192;
       for (int64_t r = k * 128; r < end; r++) {
         const float *x = b233 + r * 768;
-        const float *dy = b855 + r * 768;
+        const float *dy = b862 + r * 768;
         double mean = 0, var = 0, mg = 0, mgx = 0;
         #pragma omp simd reduction(+ : mean)
         for (int64_t j = 0; j < 768; j++)
@@ -8325,13 +8409,13 @@ static void k174_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
           dx[j] = (float)(rstd * ((double)dy[j] * b234[j] - mg - (x[j] - mean) * rstd * mgx));
         for (int64_t j = 0; j < 768; j++) {
           const int64_t ix = r * 768 + j;
-          const float v835_ix = b835[ix];
-          const float v859_ix = v835_ix + dx[j];
-          b859[ix] = v859_ix;
-          const float v862_ix = v859_ix;
-          const float v864_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v862_ix));
-          b864[ix] = mdl_f32_to_bf16(v864_ix);
-          sa0[j] += v862_ix;
+          const float v841_ix = b841[ix];
+          const float v866_ix = v841_ix + dx[j];
+          b866[ix] = v866_ix;
+          const float v869_ix = v866_ix;
+          const float v871_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v869_ix));
+          b871[ix] = mdl_f32_to_bf16(v871_ix);
+          sa0[j] += v869_ix;
         }
       }
     }
@@ -8345,9 +8429,9 @@ static void k174_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
       b += pdb[k * 768 + j];
       a0 += ps0[k * 768 + j];
     }
-    b860[j] = (float)w;
-    b861[j] = (float)b;
-    b863[j] = (float)a0;
+    b867[j] = (float)w;
+    b868[j] = (float)b;
+    b870[j] = (float)a0;
   }
   free(pdw);
   free(pdb);
@@ -8355,44 +8439,44 @@ static void k174_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
 }
 
 // k175_gemm: GEMM, 1 op
-//   %866   matmul             d.h.4.fcproj_w       line 40    f32[3072,768]
+//   %873   matmul             d.h.4.fcproj_w       line 40    f32[3072,768]
 // loops:
-//   gemm %866: [3072 x 768] = T[3072 x 8192] [8192 x 768], bf16 operands widened to f32
+//   gemm %873: [3072 x 768] = T[3072 x 8192] [8192 x 768], bf16 operands widened to f32
 static void k175_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b228 = (uint16_t *)(arena + 4707877504); // %228 cast bf16[8192,3072]
-  uint16_t *const b864 = (uint16_t *)(arena + 3009184384); // %864 cast bf16[8192,768]
-  float *const b866 = (float *)(arena + 787611648); // %866 matmul d.h.4.fcproj_w f32[3072,768]
+  uint16_t *const b871 = (uint16_t *)(arena + 3009184384); // %871 cast bf16[8192,768]
+  float *const b873 = (float *)(arena + 787611648); // %873 matmul d.h.4.fcproj_w f32[3072,768]
   {
     float *const w228 = mdl_widen_bf16(b228, 25165824, h->nthreads);
-    float *const w864 = mdl_widen_bf16(b864, 6291456, h->nthreads);
-    mdl_gemm(h, 1, 0, 3072, 768, 8192, w228, 3072, w864, 768, 0.0f, b866, 768);
+    float *const w871 = mdl_widen_bf16(b871, 6291456, h->nthreads);
+    mdl_gemm(h, 1, 0, 3072, 768, 8192, w228, 3072, w871, 768, 0.0f, b873, 768);
     free(w228);
-    free(w864);
+    free(w871);
   }
 }
 
 // k176_gemm__gelu_bwd__sum__cast: GEMM, 6 ops
-//   %865   matmul                                  line 40    f32[8192,3072]
-//   %867   reshape                                 line 40    f32[8,1024,3072]
-//   %868   gelu_bwd                                line 40    f32[8,1024,3072]
-//   %869   reshape                                 line 40    f32[8192,3072]
-//   %870   sum                d.h.4.fc_b           line 40    f32[3072]
-//   %871   cast                                    line 40    bf16[8192,3072]
+//   %872   matmul                                  line 40    f32[8192,3072]
+//   %874   reshape                                 line 40    f32[8,1024,3072]
+//   %875   gelu_bwd                                line 40    f32[8,1024,3072]
+//   %876   reshape                                 line 40    f32[8192,3072]
+//   %877   sum                d.h.4.fc_b           line 40    f32[3072]
+//   %878   cast                                    line 40    bf16[8192,3072]
 // loops:
-//   gemm %865: [8192 x 3072] = [8192 x 768] T[768 x 3072], bf16 operands widened to f32, epilogue after
-//   sum %870: 3072 outputs over 8192 elements, in 64 blocks of 128
+//   gemm %872: [8192 x 3072] = [8192 x 768] T[768 x 3072], bf16 operands widened to f32, epilogue after
+//   sum %877: 3072 outputs over 8192 elements, in 64 blocks of 128
 static void k176_gemm__gelu_bwd__sum__cast(char *arena, const MdlHooks *h) {
   float *const b225 = (float *)(arena + 2795274880); // %225 add f32[8,1024,3072]
   uint16_t *const b229 = (uint16_t *)(arena + 2134291968); // %229 cast bf16[3072,768]
-  uint16_t *const b864 = (uint16_t *)(arena + 3009184384); // %864 cast bf16[8192,768]
-  float *const b865 = mdl_scratch(100663296); // %865 matmul f32[8192,3072], kept in this kernel
-  float *const b870 = (float *)(arena + 787599360); // %870 sum d.h.4.fc_b f32[3072]
-  uint16_t *const b871 = (uint16_t *)(arena + 2895938176); // %871 cast bf16[8192,3072]
+  uint16_t *const b871 = (uint16_t *)(arena + 3009184384); // %871 cast bf16[8192,768]
+  float *const b872 = mdl_scratch(100663296); // %872 matmul f32[8192,3072], kept in this kernel
+  float *const b877 = (float *)(arena + 787599360); // %877 sum d.h.4.fc_b f32[3072]
+  uint16_t *const b878 = (uint16_t *)(arena + 2895938176); // %878 cast bf16[8192,3072]
   {
-    float *const w864 = mdl_widen_bf16(b864, 6291456, h->nthreads);
+    float *const w871 = mdl_widen_bf16(b871, 6291456, h->nthreads);
     float *const w229 = mdl_widen_bf16(b229, 2359296, h->nthreads);
-    mdl_gemm(h, 0, 1, 8192, 3072, 768, w864, 768, w229, 768, 0.0f, b865, 3072);
-    free(w864);
+    mdl_gemm(h, 0, 1, 8192, 3072, 768, w871, 768, w229, 768, 0.0f, b872, 3072);
+    free(w871);
     free(w229);
   }
   double *part = mdl_scratch(196608 * sizeof(double));
@@ -8406,13 +8490,13 @@ static void k176_gemm__gelu_bwd__sum__cast(char *arena, const MdlHooks *h) {
       for (int64_t c = 0; c < 3072; c++) {
         const int64_t ix = l * 3072 + c;
         const float v225_ix = b225[ix];
-        const float v865_ix = b865[ix];
-        const float v867_ix = v865_ix;
-        const float v868_ix = mdl_gelu_grad(v225_ix) * v867_ix;
-        const float v869_ix = v868_ix;
-        const float v = v869_ix;
-        const float v871_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v869_ix));
-        b871[ix] = mdl_f32_to_bf16(v871_ix);
+        const float v872_ix = b872[ix];
+        const float v874_ix = v872_ix;
+        const float v875_ix = mdl_gelu_grad(v225_ix) * v874_ix;
+        const float v876_ix = v875_ix;
+        const float v = v876_ix;
+        const float v878_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v876_ix));
+        b878[ix] = mdl_f32_to_bf16(v878_ix);
         p[c] += v;
       }
     }
@@ -8425,69 +8509,69 @@ static void k176_gemm__gelu_bwd__sum__cast(char *arena, const MdlHooks *h) {
       acc += v;
     }
     const float y = (float)acc;
-    b870[r] = y;
+    b877[r] = y;
   }
   free(part);
-  free(b865);
+  free(b872);
 }
 
 // k177_gemm: GEMM, 1 op
-//   %872   matmul                                  line 40    f32[8192,768]
+//   %879   matmul                                  line 40    f32[8192,768]
 // loops:
-//   gemm %872: [8192 x 768] = [8192 x 3072] T[3072 x 768], bf16 operands widened to f32
+//   gemm %879: [8192 x 768] = [8192 x 3072] T[3072 x 768], bf16 operands widened to f32
 static void k177_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b222 = (uint16_t *)(arena + 2129573376); // %222 cast bf16[768,3072]
-  uint16_t *const b871 = (uint16_t *)(arena + 2895938176); // %871 cast bf16[8192,3072]
-  float *const b872 = (float *)(arena + 2795274880); // %872 matmul f32[8192,768]
+  uint16_t *const b878 = (uint16_t *)(arena + 2895938176); // %878 cast bf16[8192,3072]
+  float *const b879 = (float *)(arena + 2795274880); // %879 matmul f32[8192,768]
   {
-    float *const w871 = mdl_widen_bf16(b871, 25165824, h->nthreads);
+    float *const w878 = mdl_widen_bf16(b878, 25165824, h->nthreads);
     float *const w222 = mdl_widen_bf16(b222, 2359296, h->nthreads);
-    mdl_gemm(h, 0, 1, 8192, 768, 3072, w871, 3072, w222, 3072, 0.0f, b872, 768);
-    free(w871);
+    mdl_gemm(h, 0, 1, 8192, 768, 3072, w878, 3072, w222, 3072, 0.0f, b879, 768);
+    free(w878);
     free(w222);
   }
 }
 
 // k178_gemm: GEMM, 1 op
-//   %873   matmul             d.h.4.fc_w           line 40    f32[768,3072]
+//   %880   matmul             d.h.4.fc_w           line 40    f32[768,3072]
 // loops:
-//   gemm %873: [768 x 3072] = T[768 x 8192] [8192 x 3072], bf16 operands widened to f32
+//   gemm %880: [768 x 3072] = T[768 x 8192] [8192 x 3072], bf16 operands widened to f32
 static void k178_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b221 = (uint16_t *)(arena + 5966168704); // %221 cast bf16[8192,768]
-  uint16_t *const b871 = (uint16_t *)(arena + 2895938176); // %871 cast bf16[8192,3072]
-  float *const b873 = (float *)(arena + 778162176); // %873 matmul d.h.4.fc_w f32[768,3072]
+  uint16_t *const b878 = (uint16_t *)(arena + 2895938176); // %878 cast bf16[8192,3072]
+  float *const b880 = (float *)(arena + 778162176); // %880 matmul d.h.4.fc_w f32[768,3072]
   {
     float *const w221 = mdl_widen_bf16(b221, 6291456, h->nthreads);
-    float *const w871 = mdl_widen_bf16(b871, 25165824, h->nthreads);
-    mdl_gemm(h, 1, 0, 768, 3072, 8192, w221, 768, w871, 3072, 0.0f, b873, 3072);
+    float *const w878 = mdl_widen_bf16(b878, 25165824, h->nthreads);
+    mdl_gemm(h, 1, 0, 768, 3072, 8192, w221, 768, w878, 3072, 0.0f, b880, 3072);
     free(w221);
-    free(w871);
+    free(w878);
   }
 }
 
 // k179_layernorm_bwd__add__sum__cast: kernel, 7 ops
-//   %875   layernorm_bwd                           line 40    f32[8,1024,768]
-//   %876   add                d.h.4.x              line 40    f32[8,1024,768]
-//   %877   layernorm_bwd      d.h.4.ln2_w          line 40    f32[768]
-//   %878   layernorm_bwd      d.h.4.ln2_b          line 40    f32[768]
-//   %879   reshape                                 line 39    f32[8192,768]
-//   %880   sum                d.h.4.proj_b         line 39    f32[768]
-//   %881   cast                                    line 39    bf16[8192,768]
+//   %882   layernorm_bwd                           line 40    f32[8,1024,768]
+//   %883   add                d.h.4.x              line 40    f32[8,1024,768]
+//   %884   layernorm_bwd      d.h.4.ln2_w          line 40    f32[768]
+//   %885   layernorm_bwd      d.h.4.ln2_b          line 40    f32[768]
+//   %886   reshape                                 line 39    f32[8192,768]
+//   %887   sum                d.h.4.proj_b         line 39    f32[768]
+//   %888   cast                                    line 39    bf16[8192,768]
 // loops:
 //   layernorm_bwd: 8192 rows of 768, column sums over 64 blocks of 128 rows
 static void k179_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
   float *const b195 = (float *)(arena + 280396800); // %195 param h.4.ln2_w f32[768]
   float *const b218 = (float *)(arena + 5337023104); // %218 add h.4.x f32[8,1024,768]
-  float *const b859 = (float *)(arena + 2984018560); // %859 add d.h.4.x f32[8,1024,768]
-  float *const b872 = (float *)(arena + 2795274880); // %872 matmul f32[8192,768]
-  float *const b876 = (float *)(arena + 2833023616); // %876 add d.h.4.x f32[8,1024,768]
-  float *const b877 = (float *)(arena + 778156032); // %877 layernorm_bwd d.h.4.ln2_w f32[768]
-  float *const b878 = (float *)(arena + 778159104); // %878 layernorm_bwd d.h.4.ln2_b f32[768]
-  float *const b880 = (float *)(arena + 778152960); // %880 sum d.h.4.proj_b f32[768]
-  uint16_t *const b881 = (uint16_t *)(arena + 2820440704); // %881 cast bf16[8192,768]
+  float *const b866 = (float *)(arena + 2984018560); // %866 add d.h.4.x f32[8,1024,768]
+  float *const b879 = (float *)(arena + 2795274880); // %879 matmul f32[8192,768]
+  float *const b883 = (float *)(arena + 2833023616); // %883 add d.h.4.x f32[8,1024,768]
+  float *const b884 = (float *)(arena + 778156032); // %884 layernorm_bwd d.h.4.ln2_w f32[768]
+  float *const b885 = (float *)(arena + 778159104); // %885 layernorm_bwd d.h.4.ln2_b f32[768]
+  float *const b887 = (float *)(arena + 778152960); // %887 sum d.h.4.proj_b f32[768]
+  uint16_t *const b888 = (uint16_t *)(arena + 2820440704); // %888 cast bf16[8192,768]
   double *pdw = mdl_scratch(49152 * sizeof(double));
   double *pdb = mdl_scratch(49152 * sizeof(double));
-  double *ps0 = mdl_scratch(49152 * sizeof(double)); // partials of the column sum %880
+  double *ps0 = mdl_scratch(49152 * sizeof(double)); // partials of the column sum %887
   #pragma omp parallel num_threads(h->nthreads)
   {
     float *dxrow = mdl_scratch(768 * sizeof(float));
@@ -8501,7 +8585,7 @@ static void k179_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
       const int64_t end = k * 128 + 128 < 8192 ? k * 128 + 128 : 8192;
       for (int64_t r = k * 128; r < end; r++) {
         const float *x = b218 + r * 768;
-        const float *dy = b872 + r * 768;
+        const float *dy = b879 + r * 768;
         double mean = 0, var = 0, mg = 0, mgx = 0;
         #pragma omp simd reduction(+ : mean)
         for (int64_t j = 0; j < 768; j++)
@@ -8526,13 +8610,13 @@ static void k179_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
           dx[j] = (float)(rstd * ((double)dy[j] * b195[j] - mg - (x[j] - mean) * rstd * mgx));
         for (int64_t j = 0; j < 768; j++) {
           const int64_t ix = r * 768 + j;
-          const float v859_ix = b859[ix];
-          const float v876_ix = v859_ix + dx[j];
-          b876[ix] = v876_ix;
-          const float v879_ix = v876_ix;
-          const float v881_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v879_ix));
-          b881[ix] = mdl_f32_to_bf16(v881_ix);
-          sa0[j] += v879_ix;
+          const float v866_ix = b866[ix];
+          const float v883_ix = v866_ix + dx[j];
+          b883[ix] = v883_ix;
+          const float v886_ix = v883_ix;
+          const float v888_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v886_ix));
+          b888[ix] = mdl_f32_to_bf16(v888_ix);
+          sa0[j] += v886_ix;
         }
       }
     }
@@ -8546,9 +8630,9 @@ static void k179_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
       b += pdb[k * 768 + j];
       a0 += ps0[k * 768 + j];
     }
-    b877[j] = (float)w;
-    b878[j] = (float)b;
-    b880[j] = (float)a0;
+    b884[j] = (float)w;
+    b885[j] = (float)b;
+    b887[j] = (float)a0;
   }
   free(pdw);
   free(pdb);
@@ -8556,52 +8640,64 @@ static void k179_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
 }
 
 // k180_gemm: GEMM, 1 op
-//   %882   matmul                                  line 39    f32[8192,768]
+//   %890   matmul             d.h.4.proj_w         line 39    f32[768,768]
 // loops:
-//   gemm %882: [8192 x 768] = [8192 x 768] T[768 x 768], bf16 operands widened to f32
+//   gemm %890: [768 x 768] = T[768 x 8192] [8192 x 768], bf16 operands widened to f32
 static void k180_gemm(char *arena, const MdlHooks *h) {
-  uint16_t *const b214 = (uint16_t *)(arena + 2128393728); // %214 cast bf16[768,768]
-  uint16_t *const b881 = (uint16_t *)(arena + 2820440704); // %881 cast bf16[8192,768]
-  float *const b882 = (float *)(arena + 2795274880); // %882 matmul f32[8192,768]
+  uint16_t *const b213 = (uint16_t *)(arena + 5953585792); // %213 cast bf16[8192,768]
+  uint16_t *const b888 = (uint16_t *)(arena + 2820440704); // %888 cast bf16[8192,768]
+  float *const b890 = (float *)(arena + 775793664); // %890 matmul d.h.4.proj_w f32[768,768]
   {
-    float *const w881 = mdl_widen_bf16(b881, 6291456, h->nthreads);
-    float *const w214 = mdl_widen_bf16(b214, 589824, h->nthreads);
-    mdl_gemm(h, 0, 1, 8192, 768, 768, w881, 768, w214, 768, 0.0f, b882, 768);
-    free(w881);
-    free(w214);
+    float *const w213 = mdl_widen_bf16(b213, 6291456, h->nthreads);
+    float *const w888 = mdl_widen_bf16(b888, 6291456, h->nthreads);
+    mdl_gemm(h, 1, 0, 768, 768, 8192, w213, 768, w888, 768, 0.0f, b890, 768);
+    free(w213);
+    free(w888);
   }
 }
 
-// k181_gemm: GEMM, 1 op
-//   %883   matmul             d.h.4.proj_w         line 39    f32[768,768]
+// k181_gemm__cast: GEMM, 3 ops
+//   %889   matmul                                  line 39    f32[8192,768]
+//   %891   reshape                                 line 39    f32[8,1024,768]
+//   %892   cast                                    line 39    bf16[8,1024,768]
 // loops:
-//   gemm %883: [768 x 768] = T[768 x 8192] [8192 x 768], bf16 operands widened to f32
-static void k181_gemm(char *arena, const MdlHooks *h) {
-  uint16_t *const b213 = (uint16_t *)(arena + 5953585792); // %213 cast bf16[8192,768]
-  uint16_t *const b881 = (uint16_t *)(arena + 2820440704); // %881 cast bf16[8192,768]
-  float *const b883 = (float *)(arena + 775793664); // %883 matmul d.h.4.proj_w f32[768,768]
+//   gemm %889: [8192 x 768] = [8192 x 768] T[768 x 768], bf16 operands widened to f32, epilogue after
+//   elementwise over 6291456: %892
+static void k181_gemm__cast(char *arena, const MdlHooks *h) {
+  uint16_t *const b214 = (uint16_t *)(arena + 2128393728); // %214 cast bf16[768,768]
+  uint16_t *const b888 = (uint16_t *)(arena + 2820440704); // %888 cast bf16[8192,768]
+  float *const b889 = mdl_scratch(25165824); // %889 matmul f32[8192,768], kept in this kernel
+  uint16_t *const b892 = (uint16_t *)(arena + 2795274880); // %892 cast bf16[8,1024,768]
   {
-    float *const w213 = mdl_widen_bf16(b213, 6291456, h->nthreads);
-    float *const w881 = mdl_widen_bf16(b881, 6291456, h->nthreads);
-    mdl_gemm(h, 1, 0, 768, 768, 8192, w213, 768, w881, 768, 0.0f, b883, 768);
-    free(w213);
-    free(w881);
+    float *const w888 = mdl_widen_bf16(b888, 6291456, h->nthreads);
+    float *const w214 = mdl_widen_bf16(b214, 589824, h->nthreads);
+    mdl_gemm(h, 0, 1, 8192, 768, 768, w888, 768, w214, 768, 0.0f, b889, 768);
+    free(w888);
+    free(w214);
   }
+  #pragma omp parallel for num_threads(h->nthreads) schedule(static)
+  for (int64_t i = 0; i < 6291456; i++) {
+    const float v889_i = b889[i];
+    const float v891_i = v889_i;
+    const float v892_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v891_i));
+    b892[i] = mdl_f32_to_bf16(v892_i);
+  }
+  free(b889);
 }
 
 // k182_attention_bwd: attention, 3 ops
-//   %885   attention_bwd      d.h.4.q              line 39    f32[8,1024,768]
-//   %886   attention_bwd      d.h.4.k              line 39    f32[8,1024,768]
-//   %887   attention_bwd      d.h.4.v              line 39    f32[8,1024,768]
+//   %893   attention_bwd      d.h.4.q              line 39    f32[8,1024,768]
+//   %894   attention_bwd      d.h.4.k              line 39    f32[8,1024,768]
+//   %895   attention_bwd      d.h.4.v              line 39    f32[8,1024,768]
 // loops:
 //   attention backward (dq dk dv): B 8, T 1024, 12 heads of 64, causal, within documents; one task per (batch, head)
 static void k182_attention_bwd(char *arena, const MdlHooks *h) {
   int32_t *const b3 = (int32_t *)(arena + 2238199296); // %3 input doc i32[8,1024]
   float *const b207 = (float *)(arena + 3902571136); // %207 add f32[8,1024,2304]
-  float *const b882 = (float *)(arena + 2795274880); // %882 matmul f32[8192,768]
-  float *const b885 = (float *)(arena + 2858189440); // %885 attention_bwd d.h.4.q f32[8,1024,768]
-  float *const b886 = (float *)(arena + 2883355264); // %886 attention_bwd d.h.4.k f32[8,1024,768]
-  float *const b887 = (float *)(arena + 2908521088); // %887 attention_bwd d.h.4.v f32[8,1024,768]
+  uint16_t *const b892 = (uint16_t *)(arena + 2795274880); // %892 cast bf16[8,1024,768]
+  float *const b893 = (float *)(arena + 2858189440); // %893 attention_bwd d.h.4.q f32[8,1024,768]
+  float *const b894 = (float *)(arena + 2883355264); // %894 attention_bwd d.h.4.k f32[8,1024,768]
+  float *const b895 = (float *)(arena + 2908521088); // %895 attention_bwd d.h.4.v f32[8,1024,768]
   #pragma omp parallel num_threads(h->nthreads)
   {
     float *restrict kt = memset(mdl_scratch(67584 * sizeof(float)), 0, 67584 * sizeof(float));
@@ -8675,7 +8771,7 @@ static void k182_attention_bwd(char *arena, const MdlHooks *h) {
         }
         float dor[64];
         for (int64_t c = 0; c < 64; c++)
-          dor[c] = mdl_bf16_to_f32(mdl_f32_to_bf16(b882[(b * 1024 + i) * 768 + hd * 64 + c]));
+          dor[c] = mdl_bf16_to_f32(b892[(b * 1024 + i) * 768 + hd * 64 + c]);
         const float *restrict doi = dor;
         #pragma omp simd
         for (int64_t j = lo; j < hi; j++)
@@ -8737,14 +8833,14 @@ static void k182_attention_bwd(char *arena, const MdlHooks *h) {
           for (int64_t c = 0; c < 64; c++)
             dvj[c] += mdl_bf16_to_f32(mdl_f32_to_bf16(s[j])) * doi[c];
         }
-        float *restrict dq = b885 + (b * 1024 + i) * 768 + hd * 64;
+        float *restrict dq = b893 + (b * 1024 + i) * 768 + hd * 64;
         for (int64_t c = 0; c < 64; c++)
           dq[c] = 0.125f * (dqi0[c] + dqi1[c]);
       }
       for (int64_t t = 0; t < 1024; t++)
-        memcpy(b886 + (b * 1024 + t) * 768 + hd * 64, dkh + t * 64, 64 * sizeof(float));
+        memcpy(b894 + (b * 1024 + t) * 768 + hd * 64, dkh + t * 64, 64 * sizeof(float));
       for (int64_t t = 0; t < 1024; t++)
-        memcpy(b887 + (b * 1024 + t) * 768 + hd * 64, dvh + t * 64, 64 * sizeof(float));
+        memcpy(b895 + (b * 1024 + t) * 768 + hd * 64, dvh + t * 64, 64 * sizeof(float));
     }
     free(kt);
     free(s);
@@ -8756,22 +8852,22 @@ static void k182_attention_bwd(char *arena, const MdlHooks *h) {
 }
 
 // k183_sum__slice_bwd__add__cast: kernel, 8 ops
-//   %888   slice_bwd                               line 38    f32[8,1024,2304]
-//   %889   slice_bwd                               line 38    f32[8,1024,2304]
-//   %890   add                                     line 38    f32[8,1024,2304]
-//   %891   slice_bwd                               line 38    f32[8,1024,2304]
-//   %892   add                                     line 38    f32[8,1024,2304]
-//   %893   reshape                                 line 38    f32[8192,2304]
-//   %894   sum                d.h.4.attn_b         line 38    f32[2304]
-//   %895   cast                                    line 38    bf16[8192,2304]
+//   %896   slice_bwd                               line 38    f32[8,1024,2304]
+//   %897   slice_bwd                               line 38    f32[8,1024,2304]
+//   %898   add                                     line 38    f32[8,1024,2304]
+//   %899   slice_bwd                               line 38    f32[8,1024,2304]
+//   %900   add                                     line 38    f32[8,1024,2304]
+//   %901   reshape                                 line 38    f32[8192,2304]
+//   %902   sum                d.h.4.attn_b         line 38    f32[2304]
+//   %903   cast                                    line 38    bf16[8192,2304]
 // loops:
-//   sum %894: 2304 outputs over 8192 elements, in 64 blocks of 128
+//   sum %902: 2304 outputs over 8192 elements, in 64 blocks of 128
 static void k183_sum__slice_bwd__add__cast(char *arena, const MdlHooks *h) {
-  float *const b885 = (float *)(arena + 2858189440); // %885 attention_bwd d.h.4.q f32[8,1024,768]
-  float *const b886 = (float *)(arena + 2883355264); // %886 attention_bwd d.h.4.k f32[8,1024,768]
-  float *const b887 = (float *)(arena + 2908521088); // %887 attention_bwd d.h.4.v f32[8,1024,768]
-  float *const b894 = (float *)(arena + 775784448); // %894 sum d.h.4.attn_b f32[2304]
-  uint16_t *const b895 = (uint16_t *)(arena + 2795274880); // %895 cast bf16[8192,2304]
+  float *const b893 = (float *)(arena + 2858189440); // %893 attention_bwd d.h.4.q f32[8,1024,768]
+  float *const b894 = (float *)(arena + 2883355264); // %894 attention_bwd d.h.4.k f32[8,1024,768]
+  float *const b895 = (float *)(arena + 2908521088); // %895 attention_bwd d.h.4.v f32[8,1024,768]
+  float *const b902 = (float *)(arena + 775784448); // %902 sum d.h.4.attn_b f32[2304]
+  uint16_t *const b903 = (uint16_t *)(arena + 2795274880); // %903 cast bf16[8192,2304]
   double *part = mdl_scratch(147456 * sizeof(double));
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
   for (int64_t k = 0; k < 64; k++) {
@@ -8784,20 +8880,20 @@ static void k183_sum__slice_bwd__add__cast(char *arena, const MdlHooks *h) {
         const int64_t ix = l * 2304 + c;
         const int64_t j1 = ix % 2304;
         const int64_t j2 = j1 >= 1536 && j1 < 2304 ? ix / 2304 * 768 + (j1 - 1536) : 0;
-        const float v887_j2 = b887[j2];
-        const float v888_ix = j1 >= 1536 && j1 < 2304 ? v887_j2 : 0.0f;
+        const float v895_j2 = b895[j2];
+        const float v896_ix = j1 >= 1536 && j1 < 2304 ? v895_j2 : 0.0f;
         const int64_t j3 = j1 >= 768 && j1 < 1536 ? ix / 2304 * 768 + (j1 - 768) : 0;
-        const float v886_j3 = b886[j3];
-        const float v889_ix = j1 >= 768 && j1 < 1536 ? v886_j3 : 0.0f;
-        const float v890_ix = v888_ix + v889_ix;
+        const float v894_j3 = b894[j3];
+        const float v897_ix = j1 >= 768 && j1 < 1536 ? v894_j3 : 0.0f;
+        const float v898_ix = v896_ix + v897_ix;
         const int64_t j4 = j1 >= 0 && j1 < 768 ? ix / 2304 * 768 + (j1 - 0) : 0;
-        const float v885_j4 = b885[j4];
-        const float v891_ix = j1 >= 0 && j1 < 768 ? v885_j4 : 0.0f;
-        const float v892_ix = v890_ix + v891_ix;
-        const float v893_ix = v892_ix;
-        const float v = v893_ix;
-        const float v895_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v893_ix));
-        b895[ix] = mdl_f32_to_bf16(v895_ix);
+        const float v893_j4 = b893[j4];
+        const float v899_ix = j1 >= 0 && j1 < 768 ? v893_j4 : 0.0f;
+        const float v900_ix = v898_ix + v899_ix;
+        const float v901_ix = v900_ix;
+        const float v = v901_ix;
+        const float v903_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v901_ix));
+        b903[ix] = mdl_f32_to_bf16(v903_ix);
         p[c] += v;
       }
     }
@@ -8810,68 +8906,68 @@ static void k183_sum__slice_bwd__add__cast(char *arena, const MdlHooks *h) {
       acc += v;
     }
     const float y = (float)acc;
-    b894[r] = y;
+    b902[r] = y;
   }
   free(part);
 }
 
 // k184_gemm: GEMM, 1 op
-//   %896   matmul                                  line 38    f32[8192,768]
+//   %904   matmul                                  line 38    f32[8192,768]
 // loops:
-//   gemm %896: [8192 x 768] = [8192 x 2304] T[2304 x 768], bf16 operands widened to f32
+//   gemm %904: [8192 x 768] = [8192 x 2304] T[2304 x 768], bf16 operands widened to f32
 static void k184_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b204 = (uint16_t *)(arena + 2124854784); // %204 cast bf16[768,2304]
-  uint16_t *const b895 = (uint16_t *)(arena + 2795274880); // %895 cast bf16[8192,2304]
-  float *const b896 = (float *)(arena + 2858189440); // %896 matmul f32[8192,768]
+  uint16_t *const b903 = (uint16_t *)(arena + 2795274880); // %903 cast bf16[8192,2304]
+  float *const b904 = (float *)(arena + 2858189440); // %904 matmul f32[8192,768]
   {
-    float *const w895 = mdl_widen_bf16(b895, 18874368, h->nthreads);
+    float *const w903 = mdl_widen_bf16(b903, 18874368, h->nthreads);
     float *const w204 = mdl_widen_bf16(b204, 1769472, h->nthreads);
-    mdl_gemm(h, 0, 1, 8192, 768, 2304, w895, 2304, w204, 2304, 0.0f, b896, 768);
-    free(w895);
+    mdl_gemm(h, 0, 1, 8192, 768, 2304, w903, 2304, w204, 2304, 0.0f, b904, 768);
+    free(w903);
     free(w204);
   }
 }
 
 // k185_gemm: GEMM, 1 op
-//   %897   matmul             d.h.4.attn_w         line 38    f32[768,2304]
+//   %905   matmul             d.h.4.attn_w         line 38    f32[768,2304]
 // loops:
-//   gemm %897: [768 x 2304] = T[768 x 8192] [8192 x 2304], bf16 operands widened to f32
+//   gemm %905: [768 x 2304] = T[768 x 8192] [8192 x 2304], bf16 operands widened to f32
 static void k185_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b203 = (uint16_t *)(arena + 5941002880); // %203 cast bf16[8192,768]
-  uint16_t *const b895 = (uint16_t *)(arena + 2795274880); // %895 cast bf16[8192,2304]
-  float *const b897 = (float *)(arena + 768706560); // %897 matmul d.h.4.attn_w f32[768,2304]
+  uint16_t *const b903 = (uint16_t *)(arena + 2795274880); // %903 cast bf16[8192,2304]
+  float *const b905 = (float *)(arena + 768706560); // %905 matmul d.h.4.attn_w f32[768,2304]
   {
     float *const w203 = mdl_widen_bf16(b203, 6291456, h->nthreads);
-    float *const w895 = mdl_widen_bf16(b895, 18874368, h->nthreads);
-    mdl_gemm(h, 1, 0, 768, 2304, 8192, w203, 768, w895, 2304, 0.0f, b897, 2304);
+    float *const w903 = mdl_widen_bf16(b903, 18874368, h->nthreads);
+    mdl_gemm(h, 1, 0, 768, 2304, 8192, w203, 768, w903, 2304, 0.0f, b905, 2304);
     free(w203);
-    free(w895);
+    free(w903);
   }
 }
 
 // k186_layernorm_bwd__add__sum__cast: kernel, 7 ops
-//   %899   layernorm_bwd                           line 38    f32[8,1024,768]
-//   %900   add                d.h.3.x              line 38    f32[8,1024,768]
-//   %901   layernorm_bwd      d.h.4.ln1_w          line 38    f32[768]
-//   %902   layernorm_bwd      d.h.4.ln1_b          line 38    f32[768]
-//   %903   reshape                                 line 40    f32[8192,768]
-//   %904   sum                d.h.3.fcproj_b       line 40    f32[768]
-//   %905   cast                                    line 40    bf16[8192,768]
+//   %907   layernorm_bwd                           line 38    f32[8,1024,768]
+//   %908   add                d.h.3.x              line 38    f32[8,1024,768]
+//   %909   layernorm_bwd      d.h.4.ln1_w          line 38    f32[768]
+//   %910   layernorm_bwd      d.h.4.ln1_b          line 38    f32[768]
+//   %911   reshape                                 line 40    f32[8192,768]
+//   %912   sum                d.h.3.fcproj_b       line 40    f32[768]
+//   %913   cast                                    line 40    bf16[8192,768]
 // loops:
 //   layernorm_bwd: 8192 rows of 768, column sums over 64 blocks of 128 rows
 static void k186_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
   float *const b188 = (float *)(arena + 5311857280); // %188 add h.3.x f32[8,1024,768]
   float *const b189 = (float *)(arena + 270941184); // %189 param h.4.ln1_w f32[768]
-  float *const b876 = (float *)(arena + 2833023616); // %876 add d.h.4.x f32[8,1024,768]
-  float *const b896 = (float *)(arena + 2858189440); // %896 matmul f32[8192,768]
-  float *const b900 = (float *)(arena + 2883355264); // %900 add d.h.3.x f32[8,1024,768]
-  float *const b901 = (float *)(arena + 768700416); // %901 layernorm_bwd d.h.4.ln1_w f32[768]
-  float *const b902 = (float *)(arena + 768703488); // %902 layernorm_bwd d.h.4.ln1_b f32[768]
-  float *const b904 = (float *)(arena + 768697344); // %904 sum d.h.3.fcproj_b f32[768]
-  uint16_t *const b905 = (uint16_t *)(arena + 2908521088); // %905 cast bf16[8192,768]
+  float *const b883 = (float *)(arena + 2833023616); // %883 add d.h.4.x f32[8,1024,768]
+  float *const b904 = (float *)(arena + 2858189440); // %904 matmul f32[8192,768]
+  float *const b908 = (float *)(arena + 2883355264); // %908 add d.h.3.x f32[8,1024,768]
+  float *const b909 = (float *)(arena + 768700416); // %909 layernorm_bwd d.h.4.ln1_w f32[768]
+  float *const b910 = (float *)(arena + 768703488); // %910 layernorm_bwd d.h.4.ln1_b f32[768]
+  float *const b912 = (float *)(arena + 768697344); // %912 sum d.h.3.fcproj_b f32[768]
+  uint16_t *const b913 = (uint16_t *)(arena + 2908521088); // %913 cast bf16[8192,768]
   double *pdw = mdl_scratch(49152 * sizeof(double));
   double *pdb = mdl_scratch(49152 * sizeof(double));
-  double *ps0 = mdl_scratch(49152 * sizeof(double)); // partials of the column sum %904
+  double *ps0 = mdl_scratch(49152 * sizeof(double)); // partials of the column sum %912
   #pragma omp parallel num_threads(h->nthreads)
   {
     float *dxrow = mdl_scratch(768 * sizeof(float));
@@ -8885,7 +8981,7 @@ static void k186_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
       const int64_t end = k * 128 + 128 < 8192 ? k * 128 + 128 : 8192;
       for (int64_t r = k * 128; r < end; r++) {
         const float *x = b188 + r * 768;
-        const float *dy = b896 + r * 768;
+        const float *dy = b904 + r * 768;
         double mean = 0, var = 0, mg = 0, mgx = 0;
         #pragma omp simd reduction(+ : mean)
         for (int64_t j = 0; j < 768; j++)
@@ -8910,13 +9006,13 @@ static void k186_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
           dx[j] = (float)(rstd * ((double)dy[j] * b189[j] - mg - (x[j] - mean) * rstd * mgx));
         for (int64_t j = 0; j < 768; j++) {
           const int64_t ix = r * 768 + j;
-          const float v876_ix = b876[ix];
-          const float v900_ix = v876_ix + dx[j];
-          b900[ix] = v900_ix;
-          const float v903_ix = v900_ix;
-          const float v905_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v903_ix));
-          b905[ix] = mdl_f32_to_bf16(v905_ix);
-          sa0[j] += v903_ix;
+          const float v883_ix = b883[ix];
+          const float v908_ix = v883_ix + dx[j];
+          b908[ix] = v908_ix;
+          const float v911_ix = v908_ix;
+          const float v913_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v911_ix));
+          b913[ix] = mdl_f32_to_bf16(v913_ix);
+          sa0[j] += v911_ix;
         }
       }
     }
@@ -8930,9 +9026,9 @@ static void k186_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
       b += pdb[k * 768 + j];
       a0 += ps0[k * 768 + j];
     }
-    b901[j] = (float)w;
-    b902[j] = (float)b;
-    b904[j] = (float)a0;
+    b909[j] = (float)w;
+    b910[j] = (float)b;
+    b912[j] = (float)a0;
   }
   free(pdw);
   free(pdb);
@@ -8940,44 +9036,44 @@ static void k186_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
 }
 
 // k187_gemm: GEMM, 1 op
-//   %907   matmul             d.h.3.fcproj_w       line 40    f32[3072,768]
+//   %915   matmul             d.h.3.fcproj_w       line 40    f32[3072,768]
 // loops:
-//   gemm %907: [3072 x 768] = T[3072 x 8192] [8192 x 768], bf16 operands widened to f32
+//   gemm %915: [3072 x 768] = T[3072 x 8192] [8192 x 768], bf16 operands widened to f32
 static void k187_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b183 = (uint16_t *)(arena + 4657545856); // %183 cast bf16[8192,3072]
-  uint16_t *const b905 = (uint16_t *)(arena + 2908521088); // %905 cast bf16[8192,768]
-  float *const b907 = (float *)(arena + 759260160); // %907 matmul d.h.3.fcproj_w f32[3072,768]
+  uint16_t *const b913 = (uint16_t *)(arena + 2908521088); // %913 cast bf16[8192,768]
+  float *const b915 = (float *)(arena + 759260160); // %915 matmul d.h.3.fcproj_w f32[3072,768]
   {
     float *const w183 = mdl_widen_bf16(b183, 25165824, h->nthreads);
-    float *const w905 = mdl_widen_bf16(b905, 6291456, h->nthreads);
-    mdl_gemm(h, 1, 0, 3072, 768, 8192, w183, 3072, w905, 768, 0.0f, b907, 768);
+    float *const w913 = mdl_widen_bf16(b913, 6291456, h->nthreads);
+    mdl_gemm(h, 1, 0, 3072, 768, 8192, w183, 3072, w913, 768, 0.0f, b915, 768);
     free(w183);
-    free(w905);
+    free(w913);
   }
 }
 
 // k188_gemm__gelu_bwd__sum__cast: GEMM, 6 ops
-//   %906   matmul                                  line 40    f32[8192,3072]
-//   %908   reshape                                 line 40    f32[8,1024,3072]
-//   %909   gelu_bwd                                line 40    f32[8,1024,3072]
-//   %910   reshape                                 line 40    f32[8192,3072]
-//   %911   sum                d.h.3.fc_b           line 40    f32[3072]
-//   %912   cast                                    line 40    bf16[8192,3072]
+//   %914   matmul                                  line 40    f32[8192,3072]
+//   %916   reshape                                 line 40    f32[8,1024,3072]
+//   %917   gelu_bwd                                line 40    f32[8,1024,3072]
+//   %918   reshape                                 line 40    f32[8192,3072]
+//   %919   sum                d.h.3.fc_b           line 40    f32[3072]
+//   %920   cast                                    line 40    bf16[8192,3072]
 // loops:
-//   gemm %906: [8192 x 3072] = [8192 x 768] T[768 x 3072], bf16 operands widened to f32, epilogue after
-//   sum %911: 3072 outputs over 8192 elements, in 64 blocks of 128
+//   gemm %914: [8192 x 3072] = [8192 x 768] T[768 x 3072], bf16 operands widened to f32, epilogue after
+//   sum %919: 3072 outputs over 8192 elements, in 64 blocks of 128
 static void k188_gemm__gelu_bwd__sum__cast(char *arena, const MdlHooks *h) {
   float *const b180 = (float *)(arena + 2694611584); // %180 add f32[8,1024,3072]
   uint16_t *const b184 = (uint16_t *)(arena + 2120136192); // %184 cast bf16[3072,768]
-  uint16_t *const b905 = (uint16_t *)(arena + 2908521088); // %905 cast bf16[8192,768]
-  float *const b906 = mdl_scratch(100663296); // %906 matmul f32[8192,3072], kept in this kernel
-  float *const b911 = (float *)(arena + 759247872); // %911 sum d.h.3.fc_b f32[3072]
-  uint16_t *const b912 = (uint16_t *)(arena + 2795274880); // %912 cast bf16[8192,3072]
+  uint16_t *const b913 = (uint16_t *)(arena + 2908521088); // %913 cast bf16[8192,768]
+  float *const b914 = mdl_scratch(100663296); // %914 matmul f32[8192,3072], kept in this kernel
+  float *const b919 = (float *)(arena + 759247872); // %919 sum d.h.3.fc_b f32[3072]
+  uint16_t *const b920 = (uint16_t *)(arena + 2795274880); // %920 cast bf16[8192,3072]
   {
-    float *const w905 = mdl_widen_bf16(b905, 6291456, h->nthreads);
+    float *const w913 = mdl_widen_bf16(b913, 6291456, h->nthreads);
     float *const w184 = mdl_widen_bf16(b184, 2359296, h->nthreads);
-    mdl_gemm(h, 0, 1, 8192, 3072, 768, w905, 768, w184, 768, 0.0f, b906, 3072);
-    free(w905);
+    mdl_gemm(h, 0, 1, 8192, 3072, 768, w913, 768, w184, 768, 0.0f, b914, 3072);
+    free(w913);
     free(w184);
   }
   double *part = mdl_scratch(196608 * sizeof(double));
@@ -8991,13 +9087,13 @@ static void k188_gemm__gelu_bwd__sum__cast(char *arena, const MdlHooks *h) {
       for (int64_t c = 0; c < 3072; c++) {
         const int64_t ix = l * 3072 + c;
         const float v180_ix = b180[ix];
-        const float v906_ix = b906[ix];
-        const float v908_ix = v906_ix;
-        const float v909_ix = mdl_gelu_grad(v180_ix) * v908_ix;
-        const float v910_ix = v909_ix;
-        const float v = v910_ix;
-        const float v912_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v910_ix));
-        b912[ix] = mdl_f32_to_bf16(v912_ix);
+        const float v914_ix = b914[ix];
+        const float v916_ix = v914_ix;
+        const float v917_ix = mdl_gelu_grad(v180_ix) * v916_ix;
+        const float v918_ix = v917_ix;
+        const float v = v918_ix;
+        const float v920_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v918_ix));
+        b920[ix] = mdl_f32_to_bf16(v920_ix);
         p[c] += v;
       }
     }
@@ -9010,69 +9106,69 @@ static void k188_gemm__gelu_bwd__sum__cast(char *arena, const MdlHooks *h) {
       acc += v;
     }
     const float y = (float)acc;
-    b911[r] = y;
+    b919[r] = y;
   }
   free(part);
-  free(b906);
+  free(b914);
 }
 
 // k189_gemm: GEMM, 1 op
-//   %913   matmul                                  line 40    f32[8192,768]
+//   %921   matmul                                  line 40    f32[8192,768]
 // loops:
-//   gemm %913: [8192 x 768] = [8192 x 3072] T[3072 x 768], bf16 operands widened to f32
+//   gemm %921: [8192 x 768] = [8192 x 3072] T[3072 x 768], bf16 operands widened to f32
 static void k189_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b177 = (uint16_t *)(arena + 2115417600); // %177 cast bf16[768,3072]
-  uint16_t *const b912 = (uint16_t *)(arena + 2795274880); // %912 cast bf16[8192,3072]
-  float *const b913 = (float *)(arena + 2694611584); // %913 matmul f32[8192,768]
+  uint16_t *const b920 = (uint16_t *)(arena + 2795274880); // %920 cast bf16[8192,3072]
+  float *const b921 = (float *)(arena + 2694611584); // %921 matmul f32[8192,768]
   {
-    float *const w912 = mdl_widen_bf16(b912, 25165824, h->nthreads);
+    float *const w920 = mdl_widen_bf16(b920, 25165824, h->nthreads);
     float *const w177 = mdl_widen_bf16(b177, 2359296, h->nthreads);
-    mdl_gemm(h, 0, 1, 8192, 768, 3072, w912, 3072, w177, 3072, 0.0f, b913, 768);
-    free(w912);
+    mdl_gemm(h, 0, 1, 8192, 768, 3072, w920, 3072, w177, 3072, 0.0f, b921, 768);
+    free(w920);
     free(w177);
   }
 }
 
 // k190_gemm: GEMM, 1 op
-//   %914   matmul             d.h.3.fc_w           line 40    f32[768,3072]
+//   %922   matmul             d.h.3.fc_w           line 40    f32[768,3072]
 // loops:
-//   gemm %914: [768 x 3072] = T[768 x 8192] [8192 x 3072], bf16 operands widened to f32
+//   gemm %922: [768 x 3072] = T[768 x 8192] [8192 x 3072], bf16 operands widened to f32
 static void k190_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b176 = (uint16_t *)(arena + 5928419968); // %176 cast bf16[8192,768]
-  uint16_t *const b912 = (uint16_t *)(arena + 2795274880); // %912 cast bf16[8192,3072]
-  float *const b914 = (float *)(arena + 749810688); // %914 matmul d.h.3.fc_w f32[768,3072]
+  uint16_t *const b920 = (uint16_t *)(arena + 2795274880); // %920 cast bf16[8192,3072]
+  float *const b922 = (float *)(arena + 749810688); // %922 matmul d.h.3.fc_w f32[768,3072]
   {
     float *const w176 = mdl_widen_bf16(b176, 6291456, h->nthreads);
-    float *const w912 = mdl_widen_bf16(b912, 25165824, h->nthreads);
-    mdl_gemm(h, 1, 0, 768, 3072, 8192, w176, 768, w912, 3072, 0.0f, b914, 3072);
+    float *const w920 = mdl_widen_bf16(b920, 25165824, h->nthreads);
+    mdl_gemm(h, 1, 0, 768, 3072, 8192, w176, 768, w920, 3072, 0.0f, b922, 3072);
     free(w176);
-    free(w912);
+    free(w920);
   }
 }
 
 // k191_layernorm_bwd__add__sum__cast: kernel, 7 ops
-//   %916   layernorm_bwd                           line 40    f32[8,1024,768]
-//   %917   add                d.h.3.x              line 40    f32[8,1024,768]
-//   %918   layernorm_bwd      d.h.3.ln2_w          line 40    f32[768]
-//   %919   layernorm_bwd      d.h.3.ln2_b          line 40    f32[768]
-//   %920   reshape                                 line 39    f32[8192,768]
-//   %921   sum                d.h.3.proj_b         line 39    f32[768]
-//   %922   cast                                    line 39    bf16[8192,768]
+//   %924   layernorm_bwd                           line 40    f32[8,1024,768]
+//   %925   add                d.h.3.x              line 40    f32[8,1024,768]
+//   %926   layernorm_bwd      d.h.3.ln2_w          line 40    f32[768]
+//   %927   layernorm_bwd      d.h.3.ln2_b          line 40    f32[768]
+//   %928   reshape                                 line 39    f32[8192,768]
+//   %929   sum                d.h.3.proj_b         line 39    f32[768]
+//   %930   cast                                    line 39    bf16[8192,768]
 // loops:
 //   layernorm_bwd: 8192 rows of 768, column sums over 64 blocks of 128 rows
 static void k191_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
   float *const b150 = (float *)(arena + 252045312); // %150 param h.3.ln2_w f32[768]
   float *const b173 = (float *)(arena + 5286691456); // %173 add h.3.x f32[8,1024,768]
-  float *const b900 = (float *)(arena + 2883355264); // %900 add d.h.3.x f32[8,1024,768]
-  float *const b913 = (float *)(arena + 2694611584); // %913 matmul f32[8192,768]
-  float *const b917 = (float *)(arena + 2732360320); // %917 add d.h.3.x f32[8,1024,768]
-  float *const b918 = (float *)(arena + 749804544); // %918 layernorm_bwd d.h.3.ln2_w f32[768]
-  float *const b919 = (float *)(arena + 749807616); // %919 layernorm_bwd d.h.3.ln2_b f32[768]
-  float *const b921 = (float *)(arena + 749801472); // %921 sum d.h.3.proj_b f32[768]
-  uint16_t *const b922 = (uint16_t *)(arena + 2719777408); // %922 cast bf16[8192,768]
+  float *const b908 = (float *)(arena + 2883355264); // %908 add d.h.3.x f32[8,1024,768]
+  float *const b921 = (float *)(arena + 2694611584); // %921 matmul f32[8192,768]
+  float *const b925 = (float *)(arena + 2732360320); // %925 add d.h.3.x f32[8,1024,768]
+  float *const b926 = (float *)(arena + 749804544); // %926 layernorm_bwd d.h.3.ln2_w f32[768]
+  float *const b927 = (float *)(arena + 749807616); // %927 layernorm_bwd d.h.3.ln2_b f32[768]
+  float *const b929 = (float *)(arena + 749801472); // %929 sum d.h.3.proj_b f32[768]
+  uint16_t *const b930 = (uint16_t *)(arena + 2719777408); // %930 cast bf16[8192,768]
   double *pdw = mdl_scratch(49152 * sizeof(double));
   double *pdb = mdl_scratch(49152 * sizeof(double));
-  double *ps0 = mdl_scratch(49152 * sizeof(double)); // partials of the column sum %921
+  double *ps0 = mdl_scratch(49152 * sizeof(double)); // partials of the column sum %929
   #pragma omp parallel num_threads(h->nthreads)
   {
     float *dxrow = mdl_scratch(768 * sizeof(float));
@@ -9086,7 +9182,7 @@ static void k191_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
       const int64_t end = k * 128 + 128 < 8192 ? k * 128 + 128 : 8192;
       for (int64_t r = k * 128; r < end; r++) {
         const float *x = b173 + r * 768;
-        const float *dy = b913 + r * 768;
+        const float *dy = b921 + r * 768;
         double mean = 0, var = 0, mg = 0, mgx = 0;
         #pragma omp simd reduction(+ : mean)
         for (int64_t j = 0; j < 768; j++)
@@ -9111,13 +9207,13 @@ static void k191_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
           dx[j] = (float)(rstd * ((double)dy[j] * b150[j] - mg - (x[j] - mean) * rstd * mgx));
         for (int64_t j = 0; j < 768; j++) {
           const int64_t ix = r * 768 + j;
-          const float v900_ix = b900[ix];
-          const float v917_ix = v900_ix + dx[j];
-          b917[ix] = v917_ix;
-          const float v920_ix = v917_ix;
-          const float v922_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v920_ix));
-          b922[ix] = mdl_f32_to_bf16(v922_ix);
-          sa0[j] += v920_ix;
+          const float v908_ix = b908[ix];
+          const float v925_ix = v908_ix + dx[j];
+          b925[ix] = v925_ix;
+          const float v928_ix = v925_ix;
+          const float v930_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v928_ix));
+          b930[ix] = mdl_f32_to_bf16(v930_ix);
+          sa0[j] += v928_ix;
         }
       }
     }
@@ -9131,9 +9227,9 @@ static void k191_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
       b += pdb[k * 768 + j];
       a0 += ps0[k * 768 + j];
     }
-    b918[j] = (float)w;
-    b919[j] = (float)b;
-    b921[j] = (float)a0;
+    b926[j] = (float)w;
+    b927[j] = (float)b;
+    b929[j] = (float)a0;
   }
   free(pdw);
   free(pdb);
@@ -9141,52 +9237,64 @@ static void k191_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
 }
 
 // k192_gemm: GEMM, 1 op
-//   %923   matmul                                  line 39    f32[8192,768]
+//   %932   matmul             d.h.3.proj_w         line 39    f32[768,768]
 // loops:
-//   gemm %923: [8192 x 768] = [8192 x 768] T[768 x 768], bf16 operands widened to f32
+//   gemm %932: [768 x 768] = T[768 x 8192] [8192 x 768], bf16 operands widened to f32
 static void k192_gemm(char *arena, const MdlHooks *h) {
-  uint16_t *const b169 = (uint16_t *)(arena + 2114237952); // %169 cast bf16[768,768]
-  uint16_t *const b922 = (uint16_t *)(arena + 2719777408); // %922 cast bf16[8192,768]
-  float *const b923 = (float *)(arena + 2694611584); // %923 matmul f32[8192,768]
+  uint16_t *const b168 = (uint16_t *)(arena + 5915837056); // %168 cast bf16[8192,768]
+  uint16_t *const b930 = (uint16_t *)(arena + 2719777408); // %930 cast bf16[8192,768]
+  float *const b932 = (float *)(arena + 747442176); // %932 matmul d.h.3.proj_w f32[768,768]
   {
-    float *const w922 = mdl_widen_bf16(b922, 6291456, h->nthreads);
-    float *const w169 = mdl_widen_bf16(b169, 589824, h->nthreads);
-    mdl_gemm(h, 0, 1, 8192, 768, 768, w922, 768, w169, 768, 0.0f, b923, 768);
-    free(w922);
-    free(w169);
+    float *const w168 = mdl_widen_bf16(b168, 6291456, h->nthreads);
+    float *const w930 = mdl_widen_bf16(b930, 6291456, h->nthreads);
+    mdl_gemm(h, 1, 0, 768, 768, 8192, w168, 768, w930, 768, 0.0f, b932, 768);
+    free(w168);
+    free(w930);
   }
 }
 
-// k193_gemm: GEMM, 1 op
-//   %924   matmul             d.h.3.proj_w         line 39    f32[768,768]
+// k193_gemm__cast: GEMM, 3 ops
+//   %931   matmul                                  line 39    f32[8192,768]
+//   %933   reshape                                 line 39    f32[8,1024,768]
+//   %934   cast                                    line 39    bf16[8,1024,768]
 // loops:
-//   gemm %924: [768 x 768] = T[768 x 8192] [8192 x 768], bf16 operands widened to f32
-static void k193_gemm(char *arena, const MdlHooks *h) {
-  uint16_t *const b168 = (uint16_t *)(arena + 5915837056); // %168 cast bf16[8192,768]
-  uint16_t *const b922 = (uint16_t *)(arena + 2719777408); // %922 cast bf16[8192,768]
-  float *const b924 = (float *)(arena + 747442176); // %924 matmul d.h.3.proj_w f32[768,768]
+//   gemm %931: [8192 x 768] = [8192 x 768] T[768 x 768], bf16 operands widened to f32, epilogue after
+//   elementwise over 6291456: %934
+static void k193_gemm__cast(char *arena, const MdlHooks *h) {
+  uint16_t *const b169 = (uint16_t *)(arena + 2114237952); // %169 cast bf16[768,768]
+  uint16_t *const b930 = (uint16_t *)(arena + 2719777408); // %930 cast bf16[8192,768]
+  float *const b931 = mdl_scratch(25165824); // %931 matmul f32[8192,768], kept in this kernel
+  uint16_t *const b934 = (uint16_t *)(arena + 2694611584); // %934 cast bf16[8,1024,768]
   {
-    float *const w168 = mdl_widen_bf16(b168, 6291456, h->nthreads);
-    float *const w922 = mdl_widen_bf16(b922, 6291456, h->nthreads);
-    mdl_gemm(h, 1, 0, 768, 768, 8192, w168, 768, w922, 768, 0.0f, b924, 768);
-    free(w168);
-    free(w922);
+    float *const w930 = mdl_widen_bf16(b930, 6291456, h->nthreads);
+    float *const w169 = mdl_widen_bf16(b169, 589824, h->nthreads);
+    mdl_gemm(h, 0, 1, 8192, 768, 768, w930, 768, w169, 768, 0.0f, b931, 768);
+    free(w930);
+    free(w169);
   }
+  #pragma omp parallel for num_threads(h->nthreads) schedule(static)
+  for (int64_t i = 0; i < 6291456; i++) {
+    const float v931_i = b931[i];
+    const float v933_i = v931_i;
+    const float v934_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v933_i));
+    b934[i] = mdl_f32_to_bf16(v934_i);
+  }
+  free(b931);
 }
 
 // k194_attention_bwd: attention, 3 ops
-//   %926   attention_bwd      d.h.3.q              line 39    f32[8,1024,768]
-//   %927   attention_bwd      d.h.3.k              line 39    f32[8,1024,768]
-//   %928   attention_bwd      d.h.3.v              line 39    f32[8,1024,768]
+//   %935   attention_bwd      d.h.3.q              line 39    f32[8,1024,768]
+//   %936   attention_bwd      d.h.3.k              line 39    f32[8,1024,768]
+//   %937   attention_bwd      d.h.3.v              line 39    f32[8,1024,768]
 // loops:
 //   attention backward (dq dk dv): B 8, T 1024, 12 heads of 64, causal, within documents; one task per (batch, head)
 static void k194_attention_bwd(char *arena, const MdlHooks *h) {
   int32_t *const b3 = (int32_t *)(arena + 2238199296); // %3 input doc i32[8,1024]
   float *const b162 = (float *)(arena + 3827073664); // %162 add f32[8,1024,2304]
-  float *const b923 = (float *)(arena + 2694611584); // %923 matmul f32[8192,768]
-  float *const b926 = (float *)(arena + 2757526144); // %926 attention_bwd d.h.3.q f32[8,1024,768]
-  float *const b927 = (float *)(arena + 2782691968); // %927 attention_bwd d.h.3.k f32[8,1024,768]
-  float *const b928 = (float *)(arena + 2807857792); // %928 attention_bwd d.h.3.v f32[8,1024,768]
+  uint16_t *const b934 = (uint16_t *)(arena + 2694611584); // %934 cast bf16[8,1024,768]
+  float *const b935 = (float *)(arena + 2757526144); // %935 attention_bwd d.h.3.q f32[8,1024,768]
+  float *const b936 = (float *)(arena + 2782691968); // %936 attention_bwd d.h.3.k f32[8,1024,768]
+  float *const b937 = (float *)(arena + 2807857792); // %937 attention_bwd d.h.3.v f32[8,1024,768]
   #pragma omp parallel num_threads(h->nthreads)
   {
     float *restrict kt = memset(mdl_scratch(67584 * sizeof(float)), 0, 67584 * sizeof(float));
@@ -9260,7 +9368,7 @@ static void k194_attention_bwd(char *arena, const MdlHooks *h) {
         }
         float dor[64];
         for (int64_t c = 0; c < 64; c++)
-          dor[c] = mdl_bf16_to_f32(mdl_f32_to_bf16(b923[(b * 1024 + i) * 768 + hd * 64 + c]));
+          dor[c] = mdl_bf16_to_f32(b934[(b * 1024 + i) * 768 + hd * 64 + c]);
         const float *restrict doi = dor;
         #pragma omp simd
         for (int64_t j = lo; j < hi; j++)
@@ -9322,14 +9430,14 @@ static void k194_attention_bwd(char *arena, const MdlHooks *h) {
           for (int64_t c = 0; c < 64; c++)
             dvj[c] += mdl_bf16_to_f32(mdl_f32_to_bf16(s[j])) * doi[c];
         }
-        float *restrict dq = b926 + (b * 1024 + i) * 768 + hd * 64;
+        float *restrict dq = b935 + (b * 1024 + i) * 768 + hd * 64;
         for (int64_t c = 0; c < 64; c++)
           dq[c] = 0.125f * (dqi0[c] + dqi1[c]);
       }
       for (int64_t t = 0; t < 1024; t++)
-        memcpy(b927 + (b * 1024 + t) * 768 + hd * 64, dkh + t * 64, 64 * sizeof(float));
+        memcpy(b936 + (b * 1024 + t) * 768 + hd * 64, dkh + t * 64, 64 * sizeof(float));
       for (int64_t t = 0; t < 1024; t++)
-        memcpy(b928 + (b * 1024 + t) * 768 + hd * 64, dvh + t * 64, 64 * sizeof(float));
+        memcpy(b937 + (b * 1024 + t) * 768 + hd * 64, dvh + t * 64, 64 * sizeof(float));
     }
     free(kt);
     free(s);
@@ -9341,22 +9449,22 @@ static void k194_attention_bwd(char *arena, const MdlHooks *h) {
 }
 
 // k195_sum__slice_bwd__add__cast: kernel, 8 ops
-//   %929   slice_bwd                               line 38    f32[8,1024,2304]
-//   %930   slice_bwd                               line 38    f32[8,1024,2304]
-//   %931   add                                     line 38    f32[8,1024,2304]
-//   %932   slice_bwd                               line 38    f32[8,1024,2304]
-//   %933   add                                     line 38    f32[8,1024,2304]
-//   %934   reshape                                 line 38    f32[8192,2304]
-//   %935   sum                d.h.3.attn_b         line 38    f32[2304]
-//   %936   cast                                    line 38    bf16[8192,2304]
+//   %938   slice_bwd                               line 38    f32[8,1024,2304]
+//   %939   slice_bwd                               line 38    f32[8,1024,2304]
+//   %940   add                                     line 38    f32[8,1024,2304]
+//   %941   slice_bwd                               line 38    f32[8,1024,2304]
+//   %942   add                                     line 38    f32[8,1024,2304]
+//   %943   reshape                                 line 38    f32[8192,2304]
+//   %944   sum                d.h.3.attn_b         line 38    f32[2304]
+//   %945   cast                                    line 38    bf16[8192,2304]
 // loops:
-//   sum %935: 2304 outputs over 8192 elements, in 64 blocks of 128
+//   sum %944: 2304 outputs over 8192 elements, in 64 blocks of 128
 static void k195_sum__slice_bwd__add__cast(char *arena, const MdlHooks *h) {
-  float *const b926 = (float *)(arena + 2757526144); // %926 attention_bwd d.h.3.q f32[8,1024,768]
-  float *const b927 = (float *)(arena + 2782691968); // %927 attention_bwd d.h.3.k f32[8,1024,768]
-  float *const b928 = (float *)(arena + 2807857792); // %928 attention_bwd d.h.3.v f32[8,1024,768]
-  float *const b935 = (float *)(arena + 747432960); // %935 sum d.h.3.attn_b f32[2304]
-  uint16_t *const b936 = (uint16_t *)(arena + 2694611584); // %936 cast bf16[8192,2304]
+  float *const b935 = (float *)(arena + 2757526144); // %935 attention_bwd d.h.3.q f32[8,1024,768]
+  float *const b936 = (float *)(arena + 2782691968); // %936 attention_bwd d.h.3.k f32[8,1024,768]
+  float *const b937 = (float *)(arena + 2807857792); // %937 attention_bwd d.h.3.v f32[8,1024,768]
+  float *const b944 = (float *)(arena + 747432960); // %944 sum d.h.3.attn_b f32[2304]
+  uint16_t *const b945 = (uint16_t *)(arena + 2694611584); // %945 cast bf16[8192,2304]
   double *part = mdl_scratch(147456 * sizeof(double));
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
   for (int64_t k = 0; k < 64; k++) {
@@ -9369,20 +9477,20 @@ static void k195_sum__slice_bwd__add__cast(char *arena, const MdlHooks *h) {
         const int64_t ix = l * 2304 + c;
         const int64_t j1 = ix % 2304;
         const int64_t j2 = j1 >= 1536 && j1 < 2304 ? ix / 2304 * 768 + (j1 - 1536) : 0;
-        const float v928_j2 = b928[j2];
-        const float v929_ix = j1 >= 1536 && j1 < 2304 ? v928_j2 : 0.0f;
+        const float v937_j2 = b937[j2];
+        const float v938_ix = j1 >= 1536 && j1 < 2304 ? v937_j2 : 0.0f;
         const int64_t j3 = j1 >= 768 && j1 < 1536 ? ix / 2304 * 768 + (j1 - 768) : 0;
-        const float v927_j3 = b927[j3];
-        const float v930_ix = j1 >= 768 && j1 < 1536 ? v927_j3 : 0.0f;
-        const float v931_ix = v929_ix + v930_ix;
+        const float v936_j3 = b936[j3];
+        const float v939_ix = j1 >= 768 && j1 < 1536 ? v936_j3 : 0.0f;
+        const float v940_ix = v938_ix + v939_ix;
         const int64_t j4 = j1 >= 0 && j1 < 768 ? ix / 2304 * 768 + (j1 - 0) : 0;
-        const float v926_j4 = b926[j4];
-        const float v932_ix = j1 >= 0 && j1 < 768 ? v926_j4 : 0.0f;
-        const float v933_ix = v931_ix + v932_ix;
-        const float v934_ix = v933_ix;
-        const float v = v934_ix;
-        const float v936_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v934_ix));
-        b936[ix] = mdl_f32_to_bf16(v936_ix);
+        const float v935_j4 = b935[j4];
+        const float v941_ix = j1 >= 0 && j1 < 768 ? v935_j4 : 0.0f;
+        const float v942_ix = v940_ix + v941_ix;
+        const float v943_ix = v942_ix;
+        const float v = v943_ix;
+        const float v945_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v943_ix));
+        b945[ix] = mdl_f32_to_bf16(v945_ix);
         p[c] += v;
       }
     }
@@ -9395,68 +9503,68 @@ static void k195_sum__slice_bwd__add__cast(char *arena, const MdlHooks *h) {
       acc += v;
     }
     const float y = (float)acc;
-    b935[r] = y;
+    b944[r] = y;
   }
   free(part);
 }
 
 // k196_gemm: GEMM, 1 op
-//   %937   matmul                                  line 38    f32[8192,768]
+//   %946   matmul                                  line 38    f32[8192,768]
 // loops:
-//   gemm %937: [8192 x 768] = [8192 x 2304] T[2304 x 768], bf16 operands widened to f32
+//   gemm %946: [8192 x 768] = [8192 x 2304] T[2304 x 768], bf16 operands widened to f32
 static void k196_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b159 = (uint16_t *)(arena + 2110699008); // %159 cast bf16[768,2304]
-  uint16_t *const b936 = (uint16_t *)(arena + 2694611584); // %936 cast bf16[8192,2304]
-  float *const b937 = (float *)(arena + 2757526144); // %937 matmul f32[8192,768]
+  uint16_t *const b945 = (uint16_t *)(arena + 2694611584); // %945 cast bf16[8192,2304]
+  float *const b946 = (float *)(arena + 2757526144); // %946 matmul f32[8192,768]
   {
-    float *const w936 = mdl_widen_bf16(b936, 18874368, h->nthreads);
+    float *const w945 = mdl_widen_bf16(b945, 18874368, h->nthreads);
     float *const w159 = mdl_widen_bf16(b159, 1769472, h->nthreads);
-    mdl_gemm(h, 0, 1, 8192, 768, 2304, w936, 2304, w159, 2304, 0.0f, b937, 768);
-    free(w936);
+    mdl_gemm(h, 0, 1, 8192, 768, 2304, w945, 2304, w159, 2304, 0.0f, b946, 768);
+    free(w945);
     free(w159);
   }
 }
 
 // k197_gemm: GEMM, 1 op
-//   %938   matmul             d.h.3.attn_w         line 38    f32[768,2304]
+//   %947   matmul             d.h.3.attn_w         line 38    f32[768,2304]
 // loops:
-//   gemm %938: [768 x 2304] = T[768 x 8192] [8192 x 2304], bf16 operands widened to f32
+//   gemm %947: [768 x 2304] = T[768 x 8192] [8192 x 2304], bf16 operands widened to f32
 static void k197_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b158 = (uint16_t *)(arena + 5903254144); // %158 cast bf16[8192,768]
-  uint16_t *const b936 = (uint16_t *)(arena + 2694611584); // %936 cast bf16[8192,2304]
-  float *const b938 = (float *)(arena + 740355072); // %938 matmul d.h.3.attn_w f32[768,2304]
+  uint16_t *const b945 = (uint16_t *)(arena + 2694611584); // %945 cast bf16[8192,2304]
+  float *const b947 = (float *)(arena + 740355072); // %947 matmul d.h.3.attn_w f32[768,2304]
   {
     float *const w158 = mdl_widen_bf16(b158, 6291456, h->nthreads);
-    float *const w936 = mdl_widen_bf16(b936, 18874368, h->nthreads);
-    mdl_gemm(h, 1, 0, 768, 2304, 8192, w158, 768, w936, 2304, 0.0f, b938, 2304);
+    float *const w945 = mdl_widen_bf16(b945, 18874368, h->nthreads);
+    mdl_gemm(h, 1, 0, 768, 2304, 8192, w158, 768, w945, 2304, 0.0f, b947, 2304);
     free(w158);
-    free(w936);
+    free(w945);
   }
 }
 
 // k198_layernorm_bwd__add__sum__cast: kernel, 7 ops
-//   %940   layernorm_bwd                           line 38    f32[8,1024,768]
-//   %941   add                d.h.2.x              line 38    f32[8,1024,768]
-//   %942   layernorm_bwd      d.h.3.ln1_w          line 38    f32[768]
-//   %943   layernorm_bwd      d.h.3.ln1_b          line 38    f32[768]
-//   %944   reshape                                 line 40    f32[8192,768]
-//   %945   sum                d.h.2.fcproj_b       line 40    f32[768]
-//   %946   cast                                    line 40    bf16[8192,768]
+//   %949   layernorm_bwd                           line 38    f32[8,1024,768]
+//   %950   add                d.h.2.x              line 38    f32[8,1024,768]
+//   %951   layernorm_bwd      d.h.3.ln1_w          line 38    f32[768]
+//   %952   layernorm_bwd      d.h.3.ln1_b          line 38    f32[768]
+//   %953   reshape                                 line 40    f32[8192,768]
+//   %954   sum                d.h.2.fcproj_b       line 40    f32[768]
+//   %955   cast                                    line 40    bf16[8192,768]
 // loops:
 //   layernorm_bwd: 8192 rows of 768, column sums over 64 blocks of 128 rows
 static void k198_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
   float *const b143 = (float *)(arena + 5261525632); // %143 add h.2.x f32[8,1024,768]
   float *const b144 = (float *)(arena + 242589696); // %144 param h.3.ln1_w f32[768]
-  float *const b917 = (float *)(arena + 2732360320); // %917 add d.h.3.x f32[8,1024,768]
-  float *const b937 = (float *)(arena + 2757526144); // %937 matmul f32[8192,768]
-  float *const b941 = (float *)(arena + 2782691968); // %941 add d.h.2.x f32[8,1024,768]
-  float *const b942 = (float *)(arena + 740348928); // %942 layernorm_bwd d.h.3.ln1_w f32[768]
-  float *const b943 = (float *)(arena + 740352000); // %943 layernorm_bwd d.h.3.ln1_b f32[768]
-  float *const b945 = (float *)(arena + 740345856); // %945 sum d.h.2.fcproj_b f32[768]
-  uint16_t *const b946 = (uint16_t *)(arena + 2807857792); // %946 cast bf16[8192,768]
+  float *const b925 = (float *)(arena + 2732360320); // %925 add d.h.3.x f32[8,1024,768]
+  float *const b946 = (float *)(arena + 2757526144); // %946 matmul f32[8192,768]
+  float *const b950 = (float *)(arena + 2782691968); // %950 add d.h.2.x f32[8,1024,768]
+  float *const b951 = (float *)(arena + 740348928); // %951 layernorm_bwd d.h.3.ln1_w f32[768]
+  float *const b952 = (float *)(arena + 740352000); // %952 layernorm_bwd d.h.3.ln1_b f32[768]
+  float *const b954 = (float *)(arena + 740345856); // %954 sum d.h.2.fcproj_b f32[768]
+  uint16_t *const b955 = (uint16_t *)(arena + 2807857792); // %955 cast bf16[8192,768]
   double *pdw = mdl_scratch(49152 * sizeof(double));
   double *pdb = mdl_scratch(49152 * sizeof(double));
-  double *ps0 = mdl_scratch(49152 * sizeof(double)); // partials of the column sum %945
+  double *ps0 = mdl_scratch(49152 * sizeof(double)); // partials of the column sum %954
   #pragma omp parallel num_threads(h->nthreads)
   {
     float *dxrow = mdl_scratch(768 * sizeof(float));
@@ -9470,7 +9578,7 @@ static void k198_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
       const int64_t end = k * 128 + 128 < 8192 ? k * 128 + 128 : 8192;
       for (int64_t r = k * 128; r < end; r++) {
         const float *x = b143 + r * 768;
-        const float *dy = b937 + r * 768;
+        const float *dy = b946 + r * 768;
         double mean = 0, var = 0, mg = 0, mgx = 0;
         #pragma omp simd reduction(+ : mean)
         for (int64_t j = 0; j < 768; j++)
@@ -9495,13 +9603,13 @@ static void k198_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
           dx[j] = (float)(rstd * ((double)dy[j] * b144[j] - mg - (x[j] - mean) * rstd * mgx));
         for (int64_t j = 0; j < 768; j++) {
           const int64_t ix = r * 768 + j;
-          const float v917_ix = b917[ix];
-          const float v941_ix = v917_ix + dx[j];
-          b941[ix] = v941_ix;
-          const float v944_ix = v941_ix;
-          const float v946_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v944_ix));
-          b946[ix] = mdl_f32_to_bf16(v946_ix);
-          sa0[j] += v944_ix;
+          const float v925_ix = b925[ix];
+          const float v950_ix = v925_ix + dx[j];
+          b950[ix] = v950_ix;
+          const float v953_ix = v950_ix;
+          const float v955_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v953_ix));
+          b955[ix] = mdl_f32_to_bf16(v955_ix);
+          sa0[j] += v953_ix;
         }
       }
     }
@@ -9515,9 +9623,9 @@ static void k198_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
       b += pdb[k * 768 + j];
       a0 += ps0[k * 768 + j];
     }
-    b942[j] = (float)w;
-    b943[j] = (float)b;
-    b945[j] = (float)a0;
+    b951[j] = (float)w;
+    b952[j] = (float)b;
+    b954[j] = (float)a0;
   }
   free(pdw);
   free(pdb);
@@ -9525,44 +9633,44 @@ static void k198_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
 }
 
 // k199_gemm: GEMM, 1 op
-//   %948   matmul             d.h.2.fcproj_w       line 40    f32[3072,768]
+//   %957   matmul             d.h.2.fcproj_w       line 40    f32[3072,768]
 // loops:
-//   gemm %948: [3072 x 768] = T[3072 x 8192] [8192 x 768], bf16 operands widened to f32
+//   gemm %957: [3072 x 768] = T[3072 x 8192] [8192 x 768], bf16 operands widened to f32
 static void k199_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b138 = (uint16_t *)(arena + 4607214208); // %138 cast bf16[8192,3072]
-  uint16_t *const b946 = (uint16_t *)(arena + 2807857792); // %946 cast bf16[8192,768]
-  float *const b948 = (float *)(arena + 730908672); // %948 matmul d.h.2.fcproj_w f32[3072,768]
+  uint16_t *const b955 = (uint16_t *)(arena + 2807857792); // %955 cast bf16[8192,768]
+  float *const b957 = (float *)(arena + 730908672); // %957 matmul d.h.2.fcproj_w f32[3072,768]
   {
     float *const w138 = mdl_widen_bf16(b138, 25165824, h->nthreads);
-    float *const w946 = mdl_widen_bf16(b946, 6291456, h->nthreads);
-    mdl_gemm(h, 1, 0, 3072, 768, 8192, w138, 3072, w946, 768, 0.0f, b948, 768);
+    float *const w955 = mdl_widen_bf16(b955, 6291456, h->nthreads);
+    mdl_gemm(h, 1, 0, 3072, 768, 8192, w138, 3072, w955, 768, 0.0f, b957, 768);
     free(w138);
-    free(w946);
+    free(w955);
   }
 }
 
 // k200_gemm__gelu_bwd__sum__cast: GEMM, 6 ops
-//   %947   matmul                                  line 40    f32[8192,3072]
-//   %949   reshape                                 line 40    f32[8,1024,3072]
-//   %950   gelu_bwd                                line 40    f32[8,1024,3072]
-//   %951   reshape                                 line 40    f32[8192,3072]
-//   %952   sum                d.h.2.fc_b           line 40    f32[3072]
-//   %953   cast                                    line 40    bf16[8192,3072]
+//   %956   matmul                                  line 40    f32[8192,3072]
+//   %958   reshape                                 line 40    f32[8,1024,3072]
+//   %959   gelu_bwd                                line 40    f32[8,1024,3072]
+//   %960   reshape                                 line 40    f32[8192,3072]
+//   %961   sum                d.h.2.fc_b           line 40    f32[3072]
+//   %962   cast                                    line 40    bf16[8192,3072]
 // loops:
-//   gemm %947: [8192 x 3072] = [8192 x 768] T[768 x 3072], bf16 operands widened to f32, epilogue after
-//   sum %952: 3072 outputs over 8192 elements, in 64 blocks of 128
+//   gemm %956: [8192 x 3072] = [8192 x 768] T[768 x 3072], bf16 operands widened to f32, epilogue after
+//   sum %961: 3072 outputs over 8192 elements, in 64 blocks of 128
 static void k200_gemm__gelu_bwd__sum__cast(char *arena, const MdlHooks *h) {
   float *const b135 = (float *)(arena + 2593948288); // %135 add f32[8,1024,3072]
   uint16_t *const b139 = (uint16_t *)(arena + 2105980416); // %139 cast bf16[3072,768]
-  uint16_t *const b946 = (uint16_t *)(arena + 2807857792); // %946 cast bf16[8192,768]
-  float *const b947 = mdl_scratch(100663296); // %947 matmul f32[8192,3072], kept in this kernel
-  float *const b952 = (float *)(arena + 730896384); // %952 sum d.h.2.fc_b f32[3072]
-  uint16_t *const b953 = (uint16_t *)(arena + 2694611584); // %953 cast bf16[8192,3072]
+  uint16_t *const b955 = (uint16_t *)(arena + 2807857792); // %955 cast bf16[8192,768]
+  float *const b956 = mdl_scratch(100663296); // %956 matmul f32[8192,3072], kept in this kernel
+  float *const b961 = (float *)(arena + 730896384); // %961 sum d.h.2.fc_b f32[3072]
+  uint16_t *const b962 = (uint16_t *)(arena + 2694611584); // %962 cast bf16[8192,3072]
   {
-    float *const w946 = mdl_widen_bf16(b946, 6291456, h->nthreads);
+    float *const w955 = mdl_widen_bf16(b955, 6291456, h->nthreads);
     float *const w139 = mdl_widen_bf16(b139, 2359296, h->nthreads);
-    mdl_gemm(h, 0, 1, 8192, 3072, 768, w946, 768, w139, 768, 0.0f, b947, 3072);
-    free(w946);
+    mdl_gemm(h, 0, 1, 8192, 3072, 768, w955, 768, w139, 768, 0.0f, b956, 3072);
+    free(w955);
     free(w139);
   }
   double *part = mdl_scratch(196608 * sizeof(double));
@@ -9576,13 +9684,13 @@ static void k200_gemm__gelu_bwd__sum__cast(char *arena, const MdlHooks *h) {
       for (int64_t c = 0; c < 3072; c++) {
         const int64_t ix = l * 3072 + c;
         const float v135_ix = b135[ix];
-        const float v947_ix = b947[ix];
-        const float v949_ix = v947_ix;
-        const float v950_ix = mdl_gelu_grad(v135_ix) * v949_ix;
-        const float v951_ix = v950_ix;
-        const float v = v951_ix;
-        const float v953_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v951_ix));
-        b953[ix] = mdl_f32_to_bf16(v953_ix);
+        const float v956_ix = b956[ix];
+        const float v958_ix = v956_ix;
+        const float v959_ix = mdl_gelu_grad(v135_ix) * v958_ix;
+        const float v960_ix = v959_ix;
+        const float v = v960_ix;
+        const float v962_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v960_ix));
+        b962[ix] = mdl_f32_to_bf16(v962_ix);
         p[c] += v;
       }
     }
@@ -9595,69 +9703,69 @@ static void k200_gemm__gelu_bwd__sum__cast(char *arena, const MdlHooks *h) {
       acc += v;
     }
     const float y = (float)acc;
-    b952[r] = y;
+    b961[r] = y;
   }
   free(part);
-  free(b947);
+  free(b956);
 }
 
 // k201_gemm: GEMM, 1 op
-//   %954   matmul                                  line 40    f32[8192,768]
+//   %963   matmul                                  line 40    f32[8192,768]
 // loops:
-//   gemm %954: [8192 x 768] = [8192 x 3072] T[3072 x 768], bf16 operands widened to f32
+//   gemm %963: [8192 x 768] = [8192 x 3072] T[3072 x 768], bf16 operands widened to f32
 static void k201_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b132 = (uint16_t *)(arena + 2101261824); // %132 cast bf16[768,3072]
-  uint16_t *const b953 = (uint16_t *)(arena + 2694611584); // %953 cast bf16[8192,3072]
-  float *const b954 = (float *)(arena + 2593948288); // %954 matmul f32[8192,768]
+  uint16_t *const b962 = (uint16_t *)(arena + 2694611584); // %962 cast bf16[8192,3072]
+  float *const b963 = (float *)(arena + 2593948288); // %963 matmul f32[8192,768]
   {
-    float *const w953 = mdl_widen_bf16(b953, 25165824, h->nthreads);
+    float *const w962 = mdl_widen_bf16(b962, 25165824, h->nthreads);
     float *const w132 = mdl_widen_bf16(b132, 2359296, h->nthreads);
-    mdl_gemm(h, 0, 1, 8192, 768, 3072, w953, 3072, w132, 3072, 0.0f, b954, 768);
-    free(w953);
+    mdl_gemm(h, 0, 1, 8192, 768, 3072, w962, 3072, w132, 3072, 0.0f, b963, 768);
+    free(w962);
     free(w132);
   }
 }
 
 // k202_gemm: GEMM, 1 op
-//   %955   matmul             d.h.2.fc_w           line 40    f32[768,3072]
+//   %964   matmul             d.h.2.fc_w           line 40    f32[768,3072]
 // loops:
-//   gemm %955: [768 x 3072] = T[768 x 8192] [8192 x 3072], bf16 operands widened to f32
+//   gemm %964: [768 x 3072] = T[768 x 8192] [8192 x 3072], bf16 operands widened to f32
 static void k202_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b131 = (uint16_t *)(arena + 5890671232); // %131 cast bf16[8192,768]
-  uint16_t *const b953 = (uint16_t *)(arena + 2694611584); // %953 cast bf16[8192,3072]
-  float *const b955 = (float *)(arena + 721459200); // %955 matmul d.h.2.fc_w f32[768,3072]
+  uint16_t *const b962 = (uint16_t *)(arena + 2694611584); // %962 cast bf16[8192,3072]
+  float *const b964 = (float *)(arena + 721459200); // %964 matmul d.h.2.fc_w f32[768,3072]
   {
     float *const w131 = mdl_widen_bf16(b131, 6291456, h->nthreads);
-    float *const w953 = mdl_widen_bf16(b953, 25165824, h->nthreads);
-    mdl_gemm(h, 1, 0, 768, 3072, 8192, w131, 768, w953, 3072, 0.0f, b955, 3072);
+    float *const w962 = mdl_widen_bf16(b962, 25165824, h->nthreads);
+    mdl_gemm(h, 1, 0, 768, 3072, 8192, w131, 768, w962, 3072, 0.0f, b964, 3072);
     free(w131);
-    free(w953);
+    free(w962);
   }
 }
 
 // k203_layernorm_bwd__add__sum__cast: kernel, 7 ops
-//   %957   layernorm_bwd                           line 40    f32[8,1024,768]
-//   %958   add                d.h.2.x              line 40    f32[8,1024,768]
-//   %959   layernorm_bwd      d.h.2.ln2_w          line 40    f32[768]
-//   %960   layernorm_bwd      d.h.2.ln2_b          line 40    f32[768]
-//   %961   reshape                                 line 39    f32[8192,768]
-//   %962   sum                d.h.2.proj_b         line 39    f32[768]
-//   %963   cast                                    line 39    bf16[8192,768]
+//   %966   layernorm_bwd                           line 40    f32[8,1024,768]
+//   %967   add                d.h.2.x              line 40    f32[8,1024,768]
+//   %968   layernorm_bwd      d.h.2.ln2_w          line 40    f32[768]
+//   %969   layernorm_bwd      d.h.2.ln2_b          line 40    f32[768]
+//   %970   reshape                                 line 39    f32[8192,768]
+//   %971   sum                d.h.2.proj_b         line 39    f32[768]
+//   %972   cast                                    line 39    bf16[8192,768]
 // loops:
 //   layernorm_bwd: 8192 rows of 768, column sums over 64 blocks of 128 rows
 static void k203_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
   float *const b105 = (float *)(arena + 223693824); // %105 param h.2.ln2_w f32[768]
   float *const b128 = (float *)(arena + 5236359808); // %128 add h.2.x f32[8,1024,768]
-  float *const b941 = (float *)(arena + 2782691968); // %941 add d.h.2.x f32[8,1024,768]
-  float *const b954 = (float *)(arena + 2593948288); // %954 matmul f32[8192,768]
-  float *const b958 = (float *)(arena + 2631697024); // %958 add d.h.2.x f32[8,1024,768]
-  float *const b959 = (float *)(arena + 721453056); // %959 layernorm_bwd d.h.2.ln2_w f32[768]
-  float *const b960 = (float *)(arena + 721456128); // %960 layernorm_bwd d.h.2.ln2_b f32[768]
-  float *const b962 = (float *)(arena + 721449984); // %962 sum d.h.2.proj_b f32[768]
-  uint16_t *const b963 = (uint16_t *)(arena + 2619114112); // %963 cast bf16[8192,768]
+  float *const b950 = (float *)(arena + 2782691968); // %950 add d.h.2.x f32[8,1024,768]
+  float *const b963 = (float *)(arena + 2593948288); // %963 matmul f32[8192,768]
+  float *const b967 = (float *)(arena + 2631697024); // %967 add d.h.2.x f32[8,1024,768]
+  float *const b968 = (float *)(arena + 721453056); // %968 layernorm_bwd d.h.2.ln2_w f32[768]
+  float *const b969 = (float *)(arena + 721456128); // %969 layernorm_bwd d.h.2.ln2_b f32[768]
+  float *const b971 = (float *)(arena + 721449984); // %971 sum d.h.2.proj_b f32[768]
+  uint16_t *const b972 = (uint16_t *)(arena + 2619114112); // %972 cast bf16[8192,768]
   double *pdw = mdl_scratch(49152 * sizeof(double));
   double *pdb = mdl_scratch(49152 * sizeof(double));
-  double *ps0 = mdl_scratch(49152 * sizeof(double)); // partials of the column sum %962
+  double *ps0 = mdl_scratch(49152 * sizeof(double)); // partials of the column sum %971
   #pragma omp parallel num_threads(h->nthreads)
   {
     float *dxrow = mdl_scratch(768 * sizeof(float));
@@ -9671,7 +9779,7 @@ static void k203_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
       const int64_t end = k * 128 + 128 < 8192 ? k * 128 + 128 : 8192;
       for (int64_t r = k * 128; r < end; r++) {
         const float *x = b128 + r * 768;
-        const float *dy = b954 + r * 768;
+        const float *dy = b963 + r * 768;
         double mean = 0, var = 0, mg = 0, mgx = 0;
         #pragma omp simd reduction(+ : mean)
         for (int64_t j = 0; j < 768; j++)
@@ -9696,13 +9804,13 @@ static void k203_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
           dx[j] = (float)(rstd * ((double)dy[j] * b105[j] - mg - (x[j] - mean) * rstd * mgx));
         for (int64_t j = 0; j < 768; j++) {
           const int64_t ix = r * 768 + j;
-          const float v941_ix = b941[ix];
-          const float v958_ix = v941_ix + dx[j];
-          b958[ix] = v958_ix;
-          const float v961_ix = v958_ix;
-          const float v963_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v961_ix));
-          b963[ix] = mdl_f32_to_bf16(v963_ix);
-          sa0[j] += v961_ix;
+          const float v950_ix = b950[ix];
+          const float v967_ix = v950_ix + dx[j];
+          b967[ix] = v967_ix;
+          const float v970_ix = v967_ix;
+          const float v972_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v970_ix));
+          b972[ix] = mdl_f32_to_bf16(v972_ix);
+          sa0[j] += v970_ix;
         }
       }
     }
@@ -9716,9 +9824,9 @@ static void k203_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
       b += pdb[k * 768 + j];
       a0 += ps0[k * 768 + j];
     }
-    b959[j] = (float)w;
-    b960[j] = (float)b;
-    b962[j] = (float)a0;
+    b968[j] = (float)w;
+    b969[j] = (float)b;
+    b971[j] = (float)a0;
   }
   free(pdw);
   free(pdb);
@@ -9726,52 +9834,64 @@ static void k203_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
 }
 
 // k204_gemm: GEMM, 1 op
-//   %964   matmul                                  line 39    f32[8192,768]
+//   %974   matmul             d.h.2.proj_w         line 39    f32[768,768]
 // loops:
-//   gemm %964: [8192 x 768] = [8192 x 768] T[768 x 768], bf16 operands widened to f32
+//   gemm %974: [768 x 768] = T[768 x 8192] [8192 x 768], bf16 operands widened to f32
 static void k204_gemm(char *arena, const MdlHooks *h) {
-  uint16_t *const b124 = (uint16_t *)(arena + 2100082176); // %124 cast bf16[768,768]
-  uint16_t *const b963 = (uint16_t *)(arena + 2619114112); // %963 cast bf16[8192,768]
-  float *const b964 = (float *)(arena + 2593948288); // %964 matmul f32[8192,768]
+  uint16_t *const b123 = (uint16_t *)(arena + 5878088320); // %123 cast bf16[8192,768]
+  uint16_t *const b972 = (uint16_t *)(arena + 2619114112); // %972 cast bf16[8192,768]
+  float *const b974 = (float *)(arena + 719090688); // %974 matmul d.h.2.proj_w f32[768,768]
   {
-    float *const w963 = mdl_widen_bf16(b963, 6291456, h->nthreads);
-    float *const w124 = mdl_widen_bf16(b124, 589824, h->nthreads);
-    mdl_gemm(h, 0, 1, 8192, 768, 768, w963, 768, w124, 768, 0.0f, b964, 768);
-    free(w963);
-    free(w124);
+    float *const w123 = mdl_widen_bf16(b123, 6291456, h->nthreads);
+    float *const w972 = mdl_widen_bf16(b972, 6291456, h->nthreads);
+    mdl_gemm(h, 1, 0, 768, 768, 8192, w123, 768, w972, 768, 0.0f, b974, 768);
+    free(w123);
+    free(w972);
   }
 }
 
-// k205_gemm: GEMM, 1 op
-//   %965   matmul             d.h.2.proj_w         line 39    f32[768,768]
+// k205_gemm__cast: GEMM, 3 ops
+//   %973   matmul                                  line 39    f32[8192,768]
+//   %975   reshape                                 line 39    f32[8,1024,768]
+//   %976   cast                                    line 39    bf16[8,1024,768]
 // loops:
-//   gemm %965: [768 x 768] = T[768 x 8192] [8192 x 768], bf16 operands widened to f32
-static void k205_gemm(char *arena, const MdlHooks *h) {
-  uint16_t *const b123 = (uint16_t *)(arena + 5878088320); // %123 cast bf16[8192,768]
-  uint16_t *const b963 = (uint16_t *)(arena + 2619114112); // %963 cast bf16[8192,768]
-  float *const b965 = (float *)(arena + 719090688); // %965 matmul d.h.2.proj_w f32[768,768]
+//   gemm %973: [8192 x 768] = [8192 x 768] T[768 x 768], bf16 operands widened to f32, epilogue after
+//   elementwise over 6291456: %976
+static void k205_gemm__cast(char *arena, const MdlHooks *h) {
+  uint16_t *const b124 = (uint16_t *)(arena + 2100082176); // %124 cast bf16[768,768]
+  uint16_t *const b972 = (uint16_t *)(arena + 2619114112); // %972 cast bf16[8192,768]
+  float *const b973 = mdl_scratch(25165824); // %973 matmul f32[8192,768], kept in this kernel
+  uint16_t *const b976 = (uint16_t *)(arena + 2593948288); // %976 cast bf16[8,1024,768]
   {
-    float *const w123 = mdl_widen_bf16(b123, 6291456, h->nthreads);
-    float *const w963 = mdl_widen_bf16(b963, 6291456, h->nthreads);
-    mdl_gemm(h, 1, 0, 768, 768, 8192, w123, 768, w963, 768, 0.0f, b965, 768);
-    free(w123);
-    free(w963);
+    float *const w972 = mdl_widen_bf16(b972, 6291456, h->nthreads);
+    float *const w124 = mdl_widen_bf16(b124, 589824, h->nthreads);
+    mdl_gemm(h, 0, 1, 8192, 768, 768, w972, 768, w124, 768, 0.0f, b973, 768);
+    free(w972);
+    free(w124);
   }
+  #pragma omp parallel for num_threads(h->nthreads) schedule(static)
+  for (int64_t i = 0; i < 6291456; i++) {
+    const float v973_i = b973[i];
+    const float v975_i = v973_i;
+    const float v976_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v975_i));
+    b976[i] = mdl_f32_to_bf16(v976_i);
+  }
+  free(b973);
 }
 
 // k206_attention_bwd: attention, 3 ops
-//   %967   attention_bwd      d.h.2.q              line 39    f32[8,1024,768]
-//   %968   attention_bwd      d.h.2.k              line 39    f32[8,1024,768]
-//   %969   attention_bwd      d.h.2.v              line 39    f32[8,1024,768]
+//   %977   attention_bwd      d.h.2.q              line 39    f32[8,1024,768]
+//   %978   attention_bwd      d.h.2.k              line 39    f32[8,1024,768]
+//   %979   attention_bwd      d.h.2.v              line 39    f32[8,1024,768]
 // loops:
 //   attention backward (dq dk dv): B 8, T 1024, 12 heads of 64, causal, within documents; one task per (batch, head)
 static void k206_attention_bwd(char *arena, const MdlHooks *h) {
   int32_t *const b3 = (int32_t *)(arena + 2238199296); // %3 input doc i32[8,1024]
   float *const b117 = (float *)(arena + 3751576192); // %117 add f32[8,1024,2304]
-  float *const b964 = (float *)(arena + 2593948288); // %964 matmul f32[8192,768]
-  float *const b967 = (float *)(arena + 2656862848); // %967 attention_bwd d.h.2.q f32[8,1024,768]
-  float *const b968 = (float *)(arena + 2682028672); // %968 attention_bwd d.h.2.k f32[8,1024,768]
-  float *const b969 = (float *)(arena + 2707194496); // %969 attention_bwd d.h.2.v f32[8,1024,768]
+  uint16_t *const b976 = (uint16_t *)(arena + 2593948288); // %976 cast bf16[8,1024,768]
+  float *const b977 = (float *)(arena + 2656862848); // %977 attention_bwd d.h.2.q f32[8,1024,768]
+  float *const b978 = (float *)(arena + 2682028672); // %978 attention_bwd d.h.2.k f32[8,1024,768]
+  float *const b979 = (float *)(arena + 2707194496); // %979 attention_bwd d.h.2.v f32[8,1024,768]
   #pragma omp parallel num_threads(h->nthreads)
   {
     float *restrict kt = memset(mdl_scratch(67584 * sizeof(float)), 0, 67584 * sizeof(float));
@@ -9845,7 +9965,7 @@ static void k206_attention_bwd(char *arena, const MdlHooks *h) {
         }
         float dor[64];
         for (int64_t c = 0; c < 64; c++)
-          dor[c] = mdl_bf16_to_f32(mdl_f32_to_bf16(b964[(b * 1024 + i) * 768 + hd * 64 + c]));
+          dor[c] = mdl_bf16_to_f32(b976[(b * 1024 + i) * 768 + hd * 64 + c]);
         const float *restrict doi = dor;
         #pragma omp simd
         for (int64_t j = lo; j < hi; j++)
@@ -9907,14 +10027,14 @@ static void k206_attention_bwd(char *arena, const MdlHooks *h) {
           for (int64_t c = 0; c < 64; c++)
             dvj[c] += mdl_bf16_to_f32(mdl_f32_to_bf16(s[j])) * doi[c];
         }
-        float *restrict dq = b967 + (b * 1024 + i) * 768 + hd * 64;
+        float *restrict dq = b977 + (b * 1024 + i) * 768 + hd * 64;
         for (int64_t c = 0; c < 64; c++)
           dq[c] = 0.125f * (dqi0[c] + dqi1[c]);
       }
       for (int64_t t = 0; t < 1024; t++)
-        memcpy(b968 + (b * 1024 + t) * 768 + hd * 64, dkh + t * 64, 64 * sizeof(float));
+        memcpy(b978 + (b * 1024 + t) * 768 + hd * 64, dkh + t * 64, 64 * sizeof(float));
       for (int64_t t = 0; t < 1024; t++)
-        memcpy(b969 + (b * 1024 + t) * 768 + hd * 64, dvh + t * 64, 64 * sizeof(float));
+        memcpy(b979 + (b * 1024 + t) * 768 + hd * 64, dvh + t * 64, 64 * sizeof(float));
     }
     free(kt);
     free(s);
@@ -9926,22 +10046,22 @@ static void k206_attention_bwd(char *arena, const MdlHooks *h) {
 }
 
 // k207_sum__slice_bwd__add__cast: kernel, 8 ops
-//   %970   slice_bwd                               line 38    f32[8,1024,2304]
-//   %971   slice_bwd                               line 38    f32[8,1024,2304]
-//   %972   add                                     line 38    f32[8,1024,2304]
-//   %973   slice_bwd                               line 38    f32[8,1024,2304]
-//   %974   add                                     line 38    f32[8,1024,2304]
-//   %975   reshape                                 line 38    f32[8192,2304]
-//   %976   sum                d.h.2.attn_b         line 38    f32[2304]
-//   %977   cast                                    line 38    bf16[8192,2304]
+//   %980   slice_bwd                               line 38    f32[8,1024,2304]
+//   %981   slice_bwd                               line 38    f32[8,1024,2304]
+//   %982   add                                     line 38    f32[8,1024,2304]
+//   %983   slice_bwd                               line 38    f32[8,1024,2304]
+//   %984   add                                     line 38    f32[8,1024,2304]
+//   %985   reshape                                 line 38    f32[8192,2304]
+//   %986   sum                d.h.2.attn_b         line 38    f32[2304]
+//   %987   cast                                    line 38    bf16[8192,2304]
 // loops:
-//   sum %976: 2304 outputs over 8192 elements, in 64 blocks of 128
+//   sum %986: 2304 outputs over 8192 elements, in 64 blocks of 128
 static void k207_sum__slice_bwd__add__cast(char *arena, const MdlHooks *h) {
-  float *const b967 = (float *)(arena + 2656862848); // %967 attention_bwd d.h.2.q f32[8,1024,768]
-  float *const b968 = (float *)(arena + 2682028672); // %968 attention_bwd d.h.2.k f32[8,1024,768]
-  float *const b969 = (float *)(arena + 2707194496); // %969 attention_bwd d.h.2.v f32[8,1024,768]
-  float *const b976 = (float *)(arena + 719081472); // %976 sum d.h.2.attn_b f32[2304]
-  uint16_t *const b977 = (uint16_t *)(arena + 2593948288); // %977 cast bf16[8192,2304]
+  float *const b977 = (float *)(arena + 2656862848); // %977 attention_bwd d.h.2.q f32[8,1024,768]
+  float *const b978 = (float *)(arena + 2682028672); // %978 attention_bwd d.h.2.k f32[8,1024,768]
+  float *const b979 = (float *)(arena + 2707194496); // %979 attention_bwd d.h.2.v f32[8,1024,768]
+  float *const b986 = (float *)(arena + 719081472); // %986 sum d.h.2.attn_b f32[2304]
+  uint16_t *const b987 = (uint16_t *)(arena + 2593948288); // %987 cast bf16[8192,2304]
   double *part = mdl_scratch(147456 * sizeof(double));
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
   for (int64_t k = 0; k < 64; k++) {
@@ -9954,20 +10074,20 @@ static void k207_sum__slice_bwd__add__cast(char *arena, const MdlHooks *h) {
         const int64_t ix = l * 2304 + c;
         const int64_t j1 = ix % 2304;
         const int64_t j2 = j1 >= 1536 && j1 < 2304 ? ix / 2304 * 768 + (j1 - 1536) : 0;
-        const float v969_j2 = b969[j2];
-        const float v970_ix = j1 >= 1536 && j1 < 2304 ? v969_j2 : 0.0f;
+        const float v979_j2 = b979[j2];
+        const float v980_ix = j1 >= 1536 && j1 < 2304 ? v979_j2 : 0.0f;
         const int64_t j3 = j1 >= 768 && j1 < 1536 ? ix / 2304 * 768 + (j1 - 768) : 0;
-        const float v968_j3 = b968[j3];
-        const float v971_ix = j1 >= 768 && j1 < 1536 ? v968_j3 : 0.0f;
-        const float v972_ix = v970_ix + v971_ix;
+        const float v978_j3 = b978[j3];
+        const float v981_ix = j1 >= 768 && j1 < 1536 ? v978_j3 : 0.0f;
+        const float v982_ix = v980_ix + v981_ix;
         const int64_t j4 = j1 >= 0 && j1 < 768 ? ix / 2304 * 768 + (j1 - 0) : 0;
-        const float v967_j4 = b967[j4];
-        const float v973_ix = j1 >= 0 && j1 < 768 ? v967_j4 : 0.0f;
-        const float v974_ix = v972_ix + v973_ix;
-        const float v975_ix = v974_ix;
-        const float v = v975_ix;
-        const float v977_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v975_ix));
-        b977[ix] = mdl_f32_to_bf16(v977_ix);
+        const float v977_j4 = b977[j4];
+        const float v983_ix = j1 >= 0 && j1 < 768 ? v977_j4 : 0.0f;
+        const float v984_ix = v982_ix + v983_ix;
+        const float v985_ix = v984_ix;
+        const float v = v985_ix;
+        const float v987_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v985_ix));
+        b987[ix] = mdl_f32_to_bf16(v987_ix);
         p[c] += v;
       }
     }
@@ -9980,68 +10100,68 @@ static void k207_sum__slice_bwd__add__cast(char *arena, const MdlHooks *h) {
       acc += v;
     }
     const float y = (float)acc;
-    b976[r] = y;
+    b986[r] = y;
   }
   free(part);
 }
 
 // k208_gemm: GEMM, 1 op
-//   %978   matmul                                  line 38    f32[8192,768]
+//   %988   matmul                                  line 38    f32[8192,768]
 // loops:
-//   gemm %978: [8192 x 768] = [8192 x 2304] T[2304 x 768], bf16 operands widened to f32
+//   gemm %988: [8192 x 768] = [8192 x 2304] T[2304 x 768], bf16 operands widened to f32
 static void k208_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b114 = (uint16_t *)(arena + 2096543232); // %114 cast bf16[768,2304]
-  uint16_t *const b977 = (uint16_t *)(arena + 2593948288); // %977 cast bf16[8192,2304]
-  float *const b978 = (float *)(arena + 2656862848); // %978 matmul f32[8192,768]
+  uint16_t *const b987 = (uint16_t *)(arena + 2593948288); // %987 cast bf16[8192,2304]
+  float *const b988 = (float *)(arena + 2656862848); // %988 matmul f32[8192,768]
   {
-    float *const w977 = mdl_widen_bf16(b977, 18874368, h->nthreads);
+    float *const w987 = mdl_widen_bf16(b987, 18874368, h->nthreads);
     float *const w114 = mdl_widen_bf16(b114, 1769472, h->nthreads);
-    mdl_gemm(h, 0, 1, 8192, 768, 2304, w977, 2304, w114, 2304, 0.0f, b978, 768);
-    free(w977);
+    mdl_gemm(h, 0, 1, 8192, 768, 2304, w987, 2304, w114, 2304, 0.0f, b988, 768);
+    free(w987);
     free(w114);
   }
 }
 
 // k209_gemm: GEMM, 1 op
-//   %979   matmul             d.h.2.attn_w         line 38    f32[768,2304]
+//   %989   matmul             d.h.2.attn_w         line 38    f32[768,2304]
 // loops:
-//   gemm %979: [768 x 2304] = T[768 x 8192] [8192 x 2304], bf16 operands widened to f32
+//   gemm %989: [768 x 2304] = T[768 x 8192] [8192 x 2304], bf16 operands widened to f32
 static void k209_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b113 = (uint16_t *)(arena + 5865505408); // %113 cast bf16[8192,768]
-  uint16_t *const b977 = (uint16_t *)(arena + 2593948288); // %977 cast bf16[8192,2304]
-  float *const b979 = (float *)(arena + 712003584); // %979 matmul d.h.2.attn_w f32[768,2304]
+  uint16_t *const b987 = (uint16_t *)(arena + 2593948288); // %987 cast bf16[8192,2304]
+  float *const b989 = (float *)(arena + 712003584); // %989 matmul d.h.2.attn_w f32[768,2304]
   {
     float *const w113 = mdl_widen_bf16(b113, 6291456, h->nthreads);
-    float *const w977 = mdl_widen_bf16(b977, 18874368, h->nthreads);
-    mdl_gemm(h, 1, 0, 768, 2304, 8192, w113, 768, w977, 2304, 0.0f, b979, 2304);
+    float *const w987 = mdl_widen_bf16(b987, 18874368, h->nthreads);
+    mdl_gemm(h, 1, 0, 768, 2304, 8192, w113, 768, w987, 2304, 0.0f, b989, 2304);
     free(w113);
-    free(w977);
+    free(w987);
   }
 }
 
 // k210_layernorm_bwd__add__sum__cast: kernel, 7 ops
-//   %981   layernorm_bwd                           line 38    f32[8,1024,768]
-//   %982   add                d.h.1.x              line 38    f32[8,1024,768]
-//   %983   layernorm_bwd      d.h.2.ln1_w          line 38    f32[768]
-//   %984   layernorm_bwd      d.h.2.ln1_b          line 38    f32[768]
-//   %985   reshape                                 line 40    f32[8192,768]
-//   %986   sum                d.h.1.fcproj_b       line 40    f32[768]
-//   %987   cast                                    line 40    bf16[8192,768]
+//   %991   layernorm_bwd                           line 38    f32[8,1024,768]
+//   %992   add                d.h.1.x              line 38    f32[8,1024,768]
+//   %993   layernorm_bwd      d.h.2.ln1_w          line 38    f32[768]
+//   %994   layernorm_bwd      d.h.2.ln1_b          line 38    f32[768]
+//   %995   reshape                                 line 40    f32[8192,768]
+//   %996   sum                d.h.1.fcproj_b       line 40    f32[768]
+//   %997   cast                                    line 40    bf16[8192,768]
 // loops:
 //   layernorm_bwd: 8192 rows of 768, column sums over 64 blocks of 128 rows
 static void k210_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
   float *const b98 = (float *)(arena + 5211193984); // %98 add h.1.x f32[8,1024,768]
   float *const b99 = (float *)(arena + 214238208); // %99 param h.2.ln1_w f32[768]
-  float *const b958 = (float *)(arena + 2631697024); // %958 add d.h.2.x f32[8,1024,768]
-  float *const b978 = (float *)(arena + 2656862848); // %978 matmul f32[8192,768]
-  float *const b982 = (float *)(arena + 2682028672); // %982 add d.h.1.x f32[8,1024,768]
-  float *const b983 = (float *)(arena + 711997440); // %983 layernorm_bwd d.h.2.ln1_w f32[768]
-  float *const b984 = (float *)(arena + 712000512); // %984 layernorm_bwd d.h.2.ln1_b f32[768]
-  float *const b986 = (float *)(arena + 711994368); // %986 sum d.h.1.fcproj_b f32[768]
-  uint16_t *const b987 = (uint16_t *)(arena + 2707194496); // %987 cast bf16[8192,768]
+  float *const b967 = (float *)(arena + 2631697024); // %967 add d.h.2.x f32[8,1024,768]
+  float *const b988 = (float *)(arena + 2656862848); // %988 matmul f32[8192,768]
+  float *const b992 = (float *)(arena + 2682028672); // %992 add d.h.1.x f32[8,1024,768]
+  float *const b993 = (float *)(arena + 711997440); // %993 layernorm_bwd d.h.2.ln1_w f32[768]
+  float *const b994 = (float *)(arena + 712000512); // %994 layernorm_bwd d.h.2.ln1_b f32[768]
+  float *const b996 = (float *)(arena + 711994368); // %996 sum d.h.1.fcproj_b f32[768]
+  uint16_t *const b997 = (uint16_t *)(arena + 2707194496); // %997 cast bf16[8192,768]
   double *pdw = mdl_scratch(49152 * sizeof(double));
   double *pdb = mdl_scratch(49152 * sizeof(double));
-  double *ps0 = mdl_scratch(49152 * sizeof(double)); // partials of the column sum %986
+  double *ps0 = mdl_scratch(49152 * sizeof(double)); // partials of the column sum %996
   #pragma omp parallel num_threads(h->nthreads)
   {
     float *dxrow = mdl_scratch(768 * sizeof(float));
@@ -10055,7 +10175,7 @@ static void k210_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
       const int64_t end = k * 128 + 128 < 8192 ? k * 128 + 128 : 8192;
       for (int64_t r = k * 128; r < end; r++) {
         const float *x = b98 + r * 768;
-        const float *dy = b978 + r * 768;
+        const float *dy = b988 + r * 768;
         double mean = 0, var = 0, mg = 0, mgx = 0;
         #pragma omp simd reduction(+ : mean)
         for (int64_t j = 0; j < 768; j++)
@@ -10080,13 +10200,13 @@ static void k210_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
           dx[j] = (float)(rstd * ((double)dy[j] * b99[j] - mg - (x[j] - mean) * rstd * mgx));
         for (int64_t j = 0; j < 768; j++) {
           const int64_t ix = r * 768 + j;
-          const float v958_ix = b958[ix];
-          const float v982_ix = v958_ix + dx[j];
-          b982[ix] = v982_ix;
-          const float v985_ix = v982_ix;
-          const float v987_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v985_ix));
-          b987[ix] = mdl_f32_to_bf16(v987_ix);
-          sa0[j] += v985_ix;
+          const float v967_ix = b967[ix];
+          const float v992_ix = v967_ix + dx[j];
+          b992[ix] = v992_ix;
+          const float v995_ix = v992_ix;
+          const float v997_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v995_ix));
+          b997[ix] = mdl_f32_to_bf16(v997_ix);
+          sa0[j] += v995_ix;
         }
       }
     }
@@ -10100,9 +10220,9 @@ static void k210_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
       b += pdb[k * 768 + j];
       a0 += ps0[k * 768 + j];
     }
-    b983[j] = (float)w;
-    b984[j] = (float)b;
-    b986[j] = (float)a0;
+    b993[j] = (float)w;
+    b994[j] = (float)b;
+    b996[j] = (float)a0;
   }
   free(pdw);
   free(pdb);
@@ -10110,44 +10230,44 @@ static void k210_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
 }
 
 // k211_gemm: GEMM, 1 op
-//   %989   matmul             d.h.1.fcproj_w       line 40    f32[3072,768]
+//   %999   matmul             d.h.1.fcproj_w       line 40    f32[3072,768]
 // loops:
-//   gemm %989: [3072 x 768] = T[3072 x 8192] [8192 x 768], bf16 operands widened to f32
+//   gemm %999: [3072 x 768] = T[3072 x 8192] [8192 x 768], bf16 operands widened to f32
 static void k211_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b93 = (uint16_t *)(arena + 4556882560); // %93 cast bf16[8192,3072]
-  uint16_t *const b987 = (uint16_t *)(arena + 2707194496); // %987 cast bf16[8192,768]
-  float *const b989 = (float *)(arena + 702557184); // %989 matmul d.h.1.fcproj_w f32[3072,768]
+  uint16_t *const b997 = (uint16_t *)(arena + 2707194496); // %997 cast bf16[8192,768]
+  float *const b999 = (float *)(arena + 702557184); // %999 matmul d.h.1.fcproj_w f32[3072,768]
   {
     float *const w93 = mdl_widen_bf16(b93, 25165824, h->nthreads);
-    float *const w987 = mdl_widen_bf16(b987, 6291456, h->nthreads);
-    mdl_gemm(h, 1, 0, 3072, 768, 8192, w93, 3072, w987, 768, 0.0f, b989, 768);
+    float *const w997 = mdl_widen_bf16(b997, 6291456, h->nthreads);
+    mdl_gemm(h, 1, 0, 3072, 768, 8192, w93, 3072, w997, 768, 0.0f, b999, 768);
     free(w93);
-    free(w987);
+    free(w997);
   }
 }
 
 // k212_gemm__gelu_bwd__sum__cast: GEMM, 6 ops
-//   %988   matmul                                  line 40    f32[8192,3072]
-//   %990   reshape                                 line 40    f32[8,1024,3072]
-//   %991   gelu_bwd                                line 40    f32[8,1024,3072]
-//   %992   reshape                                 line 40    f32[8192,3072]
-//   %993   sum                d.h.1.fc_b           line 40    f32[3072]
-//   %994   cast                                    line 40    bf16[8192,3072]
+//   %998   matmul                                  line 40    f32[8192,3072]
+//   %1000  reshape                                 line 40    f32[8,1024,3072]
+//   %1001  gelu_bwd                                line 40    f32[8,1024,3072]
+//   %1002  reshape                                 line 40    f32[8192,3072]
+//   %1003  sum                d.h.1.fc_b           line 40    f32[3072]
+//   %1004  cast                                    line 40    bf16[8192,3072]
 // loops:
-//   gemm %988: [8192 x 3072] = [8192 x 768] T[768 x 3072], bf16 operands widened to f32, epilogue after
-//   sum %993: 3072 outputs over 8192 elements, in 64 blocks of 128
+//   gemm %998: [8192 x 3072] = [8192 x 768] T[768 x 3072], bf16 operands widened to f32, epilogue after
+//   sum %1003: 3072 outputs over 8192 elements, in 64 blocks of 128
 static void k212_gemm__gelu_bwd__sum__cast(char *arena, const MdlHooks *h) {
   float *const b90 = (float *)(arena + 2493284992); // %90 add f32[8,1024,3072]
   uint16_t *const b94 = (uint16_t *)(arena + 2091824640); // %94 cast bf16[3072,768]
-  uint16_t *const b987 = (uint16_t *)(arena + 2707194496); // %987 cast bf16[8192,768]
-  float *const b988 = mdl_scratch(100663296); // %988 matmul f32[8192,3072], kept in this kernel
-  float *const b993 = (float *)(arena + 702544896); // %993 sum d.h.1.fc_b f32[3072]
-  uint16_t *const b994 = (uint16_t *)(arena + 2593948288); // %994 cast bf16[8192,3072]
+  uint16_t *const b997 = (uint16_t *)(arena + 2707194496); // %997 cast bf16[8192,768]
+  float *const b998 = mdl_scratch(100663296); // %998 matmul f32[8192,3072], kept in this kernel
+  float *const b1003 = (float *)(arena + 702544896); // %1003 sum d.h.1.fc_b f32[3072]
+  uint16_t *const b1004 = (uint16_t *)(arena + 2593948288); // %1004 cast bf16[8192,3072]
   {
-    float *const w987 = mdl_widen_bf16(b987, 6291456, h->nthreads);
+    float *const w997 = mdl_widen_bf16(b997, 6291456, h->nthreads);
     float *const w94 = mdl_widen_bf16(b94, 2359296, h->nthreads);
-    mdl_gemm(h, 0, 1, 8192, 3072, 768, w987, 768, w94, 768, 0.0f, b988, 3072);
-    free(w987);
+    mdl_gemm(h, 0, 1, 8192, 3072, 768, w997, 768, w94, 768, 0.0f, b998, 3072);
+    free(w997);
     free(w94);
   }
   double *part = mdl_scratch(196608 * sizeof(double));
@@ -10161,13 +10281,13 @@ static void k212_gemm__gelu_bwd__sum__cast(char *arena, const MdlHooks *h) {
       for (int64_t c = 0; c < 3072; c++) {
         const int64_t ix = l * 3072 + c;
         const float v90_ix = b90[ix];
-        const float v988_ix = b988[ix];
-        const float v990_ix = v988_ix;
-        const float v991_ix = mdl_gelu_grad(v90_ix) * v990_ix;
-        const float v992_ix = v991_ix;
-        const float v = v992_ix;
-        const float v994_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v992_ix));
-        b994[ix] = mdl_f32_to_bf16(v994_ix);
+        const float v998_ix = b998[ix];
+        const float v1000_ix = v998_ix;
+        const float v1001_ix = mdl_gelu_grad(v90_ix) * v1000_ix;
+        const float v1002_ix = v1001_ix;
+        const float v = v1002_ix;
+        const float v1004_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v1002_ix));
+        b1004[ix] = mdl_f32_to_bf16(v1004_ix);
         p[c] += v;
       }
     }
@@ -10180,69 +10300,69 @@ static void k212_gemm__gelu_bwd__sum__cast(char *arena, const MdlHooks *h) {
       acc += v;
     }
     const float y = (float)acc;
-    b993[r] = y;
+    b1003[r] = y;
   }
   free(part);
-  free(b988);
+  free(b998);
 }
 
 // k213_gemm: GEMM, 1 op
-//   %995   matmul                                  line 40    f32[8192,768]
+//   %1005  matmul                                  line 40    f32[8192,768]
 // loops:
-//   gemm %995: [8192 x 768] = [8192 x 3072] T[3072 x 768], bf16 operands widened to f32
+//   gemm %1005: [8192 x 768] = [8192 x 3072] T[3072 x 768], bf16 operands widened to f32
 static void k213_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b87 = (uint16_t *)(arena + 2087106048); // %87 cast bf16[768,3072]
-  uint16_t *const b994 = (uint16_t *)(arena + 2593948288); // %994 cast bf16[8192,3072]
-  float *const b995 = (float *)(arena + 2493284992); // %995 matmul f32[8192,768]
+  uint16_t *const b1004 = (uint16_t *)(arena + 2593948288); // %1004 cast bf16[8192,3072]
+  float *const b1005 = (float *)(arena + 2493284992); // %1005 matmul f32[8192,768]
   {
-    float *const w994 = mdl_widen_bf16(b994, 25165824, h->nthreads);
+    float *const w1004 = mdl_widen_bf16(b1004, 25165824, h->nthreads);
     float *const w87 = mdl_widen_bf16(b87, 2359296, h->nthreads);
-    mdl_gemm(h, 0, 1, 8192, 768, 3072, w994, 3072, w87, 3072, 0.0f, b995, 768);
-    free(w994);
+    mdl_gemm(h, 0, 1, 8192, 768, 3072, w1004, 3072, w87, 3072, 0.0f, b1005, 768);
+    free(w1004);
     free(w87);
   }
 }
 
 // k214_gemm: GEMM, 1 op
-//   %996   matmul             d.h.1.fc_w           line 40    f32[768,3072]
+//   %1006  matmul             d.h.1.fc_w           line 40    f32[768,3072]
 // loops:
-//   gemm %996: [768 x 3072] = T[768 x 8192] [8192 x 3072], bf16 operands widened to f32
+//   gemm %1006: [768 x 3072] = T[768 x 8192] [8192 x 3072], bf16 operands widened to f32
 static void k214_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b86 = (uint16_t *)(arena + 5852922496); // %86 cast bf16[8192,768]
-  uint16_t *const b994 = (uint16_t *)(arena + 2593948288); // %994 cast bf16[8192,3072]
-  float *const b996 = (float *)(arena + 693107712); // %996 matmul d.h.1.fc_w f32[768,3072]
+  uint16_t *const b1004 = (uint16_t *)(arena + 2593948288); // %1004 cast bf16[8192,3072]
+  float *const b1006 = (float *)(arena + 693107712); // %1006 matmul d.h.1.fc_w f32[768,3072]
   {
     float *const w86 = mdl_widen_bf16(b86, 6291456, h->nthreads);
-    float *const w994 = mdl_widen_bf16(b994, 25165824, h->nthreads);
-    mdl_gemm(h, 1, 0, 768, 3072, 8192, w86, 768, w994, 3072, 0.0f, b996, 3072);
+    float *const w1004 = mdl_widen_bf16(b1004, 25165824, h->nthreads);
+    mdl_gemm(h, 1, 0, 768, 3072, 8192, w86, 768, w1004, 3072, 0.0f, b1006, 3072);
     free(w86);
-    free(w994);
+    free(w1004);
   }
 }
 
 // k215_layernorm_bwd__add__sum__cast: kernel, 7 ops
-//   %998   layernorm_bwd                           line 40    f32[8,1024,768]
-//   %999   add                d.h.1.x              line 40    f32[8,1024,768]
-//   %1000  layernorm_bwd      d.h.1.ln2_w          line 40    f32[768]
-//   %1001  layernorm_bwd      d.h.1.ln2_b          line 40    f32[768]
-//   %1002  reshape                                 line 39    f32[8192,768]
-//   %1003  sum                d.h.1.proj_b         line 39    f32[768]
-//   %1004  cast                                    line 39    bf16[8192,768]
+//   %1008  layernorm_bwd                           line 40    f32[8,1024,768]
+//   %1009  add                d.h.1.x              line 40    f32[8,1024,768]
+//   %1010  layernorm_bwd      d.h.1.ln2_w          line 40    f32[768]
+//   %1011  layernorm_bwd      d.h.1.ln2_b          line 40    f32[768]
+//   %1012  reshape                                 line 39    f32[8192,768]
+//   %1013  sum                d.h.1.proj_b         line 39    f32[768]
+//   %1014  cast                                    line 39    bf16[8192,768]
 // loops:
 //   layernorm_bwd: 8192 rows of 768, column sums over 64 blocks of 128 rows
 static void k215_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
   float *const b60 = (float *)(arena + 195342336); // %60 param h.1.ln2_w f32[768]
   float *const b83 = (float *)(arena + 5186028160); // %83 add h.1.x f32[8,1024,768]
-  float *const b982 = (float *)(arena + 2682028672); // %982 add d.h.1.x f32[8,1024,768]
-  float *const b995 = (float *)(arena + 2493284992); // %995 matmul f32[8192,768]
-  float *const b999 = (float *)(arena + 2531033728); // %999 add d.h.1.x f32[8,1024,768]
-  float *const b1000 = (float *)(arena + 693101568); // %1000 layernorm_bwd d.h.1.ln2_w f32[768]
-  float *const b1001 = (float *)(arena + 693104640); // %1001 layernorm_bwd d.h.1.ln2_b f32[768]
-  float *const b1003 = (float *)(arena + 693098496); // %1003 sum d.h.1.proj_b f32[768]
-  uint16_t *const b1004 = (uint16_t *)(arena + 2518450816); // %1004 cast bf16[8192,768]
+  float *const b992 = (float *)(arena + 2682028672); // %992 add d.h.1.x f32[8,1024,768]
+  float *const b1005 = (float *)(arena + 2493284992); // %1005 matmul f32[8192,768]
+  float *const b1009 = (float *)(arena + 2531033728); // %1009 add d.h.1.x f32[8,1024,768]
+  float *const b1010 = (float *)(arena + 693101568); // %1010 layernorm_bwd d.h.1.ln2_w f32[768]
+  float *const b1011 = (float *)(arena + 693104640); // %1011 layernorm_bwd d.h.1.ln2_b f32[768]
+  float *const b1013 = (float *)(arena + 693098496); // %1013 sum d.h.1.proj_b f32[768]
+  uint16_t *const b1014 = (uint16_t *)(arena + 2518450816); // %1014 cast bf16[8192,768]
   double *pdw = mdl_scratch(49152 * sizeof(double));
   double *pdb = mdl_scratch(49152 * sizeof(double));
-  double *ps0 = mdl_scratch(49152 * sizeof(double)); // partials of the column sum %1003
+  double *ps0 = mdl_scratch(49152 * sizeof(double)); // partials of the column sum %1013
   #pragma omp parallel num_threads(h->nthreads)
   {
     float *dxrow = mdl_scratch(768 * sizeof(float));
@@ -10256,7 +10376,7 @@ static void k215_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
       const int64_t end = k * 128 + 128 < 8192 ? k * 128 + 128 : 8192;
       for (int64_t r = k * 128; r < end; r++) {
         const float *x = b83 + r * 768;
-        const float *dy = b995 + r * 768;
+        const float *dy = b1005 + r * 768;
         double mean = 0, var = 0, mg = 0, mgx = 0;
         #pragma omp simd reduction(+ : mean)
         for (int64_t j = 0; j < 768; j++)
@@ -10281,13 +10401,13 @@ static void k215_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
           dx[j] = (float)(rstd * ((double)dy[j] * b60[j] - mg - (x[j] - mean) * rstd * mgx));
         for (int64_t j = 0; j < 768; j++) {
           const int64_t ix = r * 768 + j;
-          const float v982_ix = b982[ix];
-          const float v999_ix = v982_ix + dx[j];
-          b999[ix] = v999_ix;
-          const float v1002_ix = v999_ix;
-          const float v1004_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v1002_ix));
-          b1004[ix] = mdl_f32_to_bf16(v1004_ix);
-          sa0[j] += v1002_ix;
+          const float v992_ix = b992[ix];
+          const float v1009_ix = v992_ix + dx[j];
+          b1009[ix] = v1009_ix;
+          const float v1012_ix = v1009_ix;
+          const float v1014_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v1012_ix));
+          b1014[ix] = mdl_f32_to_bf16(v1014_ix);
+          sa0[j] += v1012_ix;
         }
       }
     }
@@ -10301,9 +10421,9 @@ static void k215_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
       b += pdb[k * 768 + j];
       a0 += ps0[k * 768 + j];
     }
-    b1000[j] = (float)w;
-    b1001[j] = (float)b;
-    b1003[j] = (float)a0;
+    b1010[j] = (float)w;
+    b1011[j] = (float)b;
+    b1013[j] = (float)a0;
   }
   free(pdw);
   free(pdb);
@@ -10311,52 +10431,64 @@ static void k215_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
 }
 
 // k216_gemm: GEMM, 1 op
-//   %1005  matmul                                  line 39    f32[8192,768]
+//   %1016  matmul             d.h.1.proj_w         line 39    f32[768,768]
 // loops:
-//   gemm %1005: [8192 x 768] = [8192 x 768] T[768 x 768], bf16 operands widened to f32
+//   gemm %1016: [768 x 768] = T[768 x 8192] [8192 x 768], bf16 operands widened to f32
 static void k216_gemm(char *arena, const MdlHooks *h) {
-  uint16_t *const b79 = (uint16_t *)(arena + 2085926400); // %79 cast bf16[768,768]
-  uint16_t *const b1004 = (uint16_t *)(arena + 2518450816); // %1004 cast bf16[8192,768]
-  float *const b1005 = (float *)(arena + 2493284992); // %1005 matmul f32[8192,768]
+  uint16_t *const b78 = (uint16_t *)(arena + 5840339584); // %78 cast bf16[8192,768]
+  uint16_t *const b1014 = (uint16_t *)(arena + 2518450816); // %1014 cast bf16[8192,768]
+  float *const b1016 = (float *)(arena + 690739200); // %1016 matmul d.h.1.proj_w f32[768,768]
   {
-    float *const w1004 = mdl_widen_bf16(b1004, 6291456, h->nthreads);
-    float *const w79 = mdl_widen_bf16(b79, 589824, h->nthreads);
-    mdl_gemm(h, 0, 1, 8192, 768, 768, w1004, 768, w79, 768, 0.0f, b1005, 768);
-    free(w1004);
-    free(w79);
+    float *const w78 = mdl_widen_bf16(b78, 6291456, h->nthreads);
+    float *const w1014 = mdl_widen_bf16(b1014, 6291456, h->nthreads);
+    mdl_gemm(h, 1, 0, 768, 768, 8192, w78, 768, w1014, 768, 0.0f, b1016, 768);
+    free(w78);
+    free(w1014);
   }
 }
 
-// k217_gemm: GEMM, 1 op
-//   %1006  matmul             d.h.1.proj_w         line 39    f32[768,768]
+// k217_gemm__cast: GEMM, 3 ops
+//   %1015  matmul                                  line 39    f32[8192,768]
+//   %1017  reshape                                 line 39    f32[8,1024,768]
+//   %1018  cast                                    line 39    bf16[8,1024,768]
 // loops:
-//   gemm %1006: [768 x 768] = T[768 x 8192] [8192 x 768], bf16 operands widened to f32
-static void k217_gemm(char *arena, const MdlHooks *h) {
-  uint16_t *const b78 = (uint16_t *)(arena + 5840339584); // %78 cast bf16[8192,768]
-  uint16_t *const b1004 = (uint16_t *)(arena + 2518450816); // %1004 cast bf16[8192,768]
-  float *const b1006 = (float *)(arena + 690739200); // %1006 matmul d.h.1.proj_w f32[768,768]
+//   gemm %1015: [8192 x 768] = [8192 x 768] T[768 x 768], bf16 operands widened to f32, epilogue after
+//   elementwise over 6291456: %1018
+static void k217_gemm__cast(char *arena, const MdlHooks *h) {
+  uint16_t *const b79 = (uint16_t *)(arena + 2085926400); // %79 cast bf16[768,768]
+  uint16_t *const b1014 = (uint16_t *)(arena + 2518450816); // %1014 cast bf16[8192,768]
+  float *const b1015 = mdl_scratch(25165824); // %1015 matmul f32[8192,768], kept in this kernel
+  uint16_t *const b1018 = (uint16_t *)(arena + 2493284992); // %1018 cast bf16[8,1024,768]
   {
-    float *const w78 = mdl_widen_bf16(b78, 6291456, h->nthreads);
-    float *const w1004 = mdl_widen_bf16(b1004, 6291456, h->nthreads);
-    mdl_gemm(h, 1, 0, 768, 768, 8192, w78, 768, w1004, 768, 0.0f, b1006, 768);
-    free(w78);
-    free(w1004);
+    float *const w1014 = mdl_widen_bf16(b1014, 6291456, h->nthreads);
+    float *const w79 = mdl_widen_bf16(b79, 589824, h->nthreads);
+    mdl_gemm(h, 0, 1, 8192, 768, 768, w1014, 768, w79, 768, 0.0f, b1015, 768);
+    free(w1014);
+    free(w79);
   }
+  #pragma omp parallel for num_threads(h->nthreads) schedule(static)
+  for (int64_t i = 0; i < 6291456; i++) {
+    const float v1015_i = b1015[i];
+    const float v1017_i = v1015_i;
+    const float v1018_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v1017_i));
+    b1018[i] = mdl_f32_to_bf16(v1018_i);
+  }
+  free(b1015);
 }
 
 // k218_attention_bwd: attention, 3 ops
-//   %1008  attention_bwd      d.h.1.q              line 39    f32[8,1024,768]
-//   %1009  attention_bwd      d.h.1.k              line 39    f32[8,1024,768]
-//   %1010  attention_bwd      d.h.1.v              line 39    f32[8,1024,768]
+//   %1019  attention_bwd      d.h.1.q              line 39    f32[8,1024,768]
+//   %1020  attention_bwd      d.h.1.k              line 39    f32[8,1024,768]
+//   %1021  attention_bwd      d.h.1.v              line 39    f32[8,1024,768]
 // loops:
 //   attention backward (dq dk dv): B 8, T 1024, 12 heads of 64, causal, within documents; one task per (batch, head)
 static void k218_attention_bwd(char *arena, const MdlHooks *h) {
   int32_t *const b3 = (int32_t *)(arena + 2238199296); // %3 input doc i32[8,1024]
   float *const b72 = (float *)(arena + 3676078720); // %72 add f32[8,1024,2304]
-  float *const b1005 = (float *)(arena + 2493284992); // %1005 matmul f32[8192,768]
-  float *const b1008 = (float *)(arena + 2556199552); // %1008 attention_bwd d.h.1.q f32[8,1024,768]
-  float *const b1009 = (float *)(arena + 2581365376); // %1009 attention_bwd d.h.1.k f32[8,1024,768]
-  float *const b1010 = (float *)(arena + 2606531200); // %1010 attention_bwd d.h.1.v f32[8,1024,768]
+  uint16_t *const b1018 = (uint16_t *)(arena + 2493284992); // %1018 cast bf16[8,1024,768]
+  float *const b1019 = (float *)(arena + 2556199552); // %1019 attention_bwd d.h.1.q f32[8,1024,768]
+  float *const b1020 = (float *)(arena + 2581365376); // %1020 attention_bwd d.h.1.k f32[8,1024,768]
+  float *const b1021 = (float *)(arena + 2606531200); // %1021 attention_bwd d.h.1.v f32[8,1024,768]
   #pragma omp parallel num_threads(h->nthreads)
   {
     float *restrict kt = memset(mdl_scratch(67584 * sizeof(float)), 0, 67584 * sizeof(float));
@@ -10430,7 +10562,7 @@ static void k218_attention_bwd(char *arena, const MdlHooks *h) {
         }
         float dor[64];
         for (int64_t c = 0; c < 64; c++)
-          dor[c] = mdl_bf16_to_f32(mdl_f32_to_bf16(b1005[(b * 1024 + i) * 768 + hd * 64 + c]));
+          dor[c] = mdl_bf16_to_f32(b1018[(b * 1024 + i) * 768 + hd * 64 + c]);
         const float *restrict doi = dor;
         #pragma omp simd
         for (int64_t j = lo; j < hi; j++)
@@ -10492,14 +10624,14 @@ static void k218_attention_bwd(char *arena, const MdlHooks *h) {
           for (int64_t c = 0; c < 64; c++)
             dvj[c] += mdl_bf16_to_f32(mdl_f32_to_bf16(s[j])) * doi[c];
         }
-        float *restrict dq = b1008 + (b * 1024 + i) * 768 + hd * 64;
+        float *restrict dq = b1019 + (b * 1024 + i) * 768 + hd * 64;
         for (int64_t c = 0; c < 64; c++)
           dq[c] = 0.125f * (dqi0[c] + dqi1[c]);
       }
       for (int64_t t = 0; t < 1024; t++)
-        memcpy(b1009 + (b * 1024 + t) * 768 + hd * 64, dkh + t * 64, 64 * sizeof(float));
+        memcpy(b1020 + (b * 1024 + t) * 768 + hd * 64, dkh + t * 64, 64 * sizeof(float));
       for (int64_t t = 0; t < 1024; t++)
-        memcpy(b1010 + (b * 1024 + t) * 768 + hd * 64, dvh + t * 64, 64 * sizeof(float));
+        memcpy(b1021 + (b * 1024 + t) * 768 + hd * 64, dvh + t * 64, 64 * sizeof(float));
     }
     free(kt);
     free(s);
@@ -10511,22 +10643,22 @@ static void k218_attention_bwd(char *arena, const MdlHooks *h) {
 }
 
 // k219_sum__slice_bwd__add__cast: kernel, 8 ops
-//   %1011  slice_bwd                               line 38    f32[8,1024,2304]
-//   %1012  slice_bwd                               line 38    f32[8,1024,2304]
-//   %1013  add                                     line 38    f32[8,1024,2304]
-//   %1014  slice_bwd                               line 38    f32[8,1024,2304]
-//   %1015  add                                     line 38    f32[8,1024,2304]
-//   %1016  reshape                                 line 38    f32[8192,2304]
-//   %1017  sum                d.h.1.attn_b         line 38    f32[2304]
-//   %1018  cast                                    line 38    bf16[8192,2304]
+//   %1022  slice_bwd                               line 38    f32[8,1024,2304]
+//   %1023  slice_bwd                               line 38    f32[8,1024,2304]
+//   %1024  add                                     line 38    f32[8,1024,2304]
+//   %1025  slice_bwd                               line 38    f32[8,1024,2304]
+//   %1026  add                                     line 38    f32[8,1024,2304]
+//   %1027  reshape                                 line 38    f32[8192,2304]
+//   %1028  sum                d.h.1.attn_b         line 38    f32[2304]
+//   %1029  cast                                    line 38    bf16[8192,2304]
 // loops:
-//   sum %1017: 2304 outputs over 8192 elements, in 64 blocks of 128
+//   sum %1028: 2304 outputs over 8192 elements, in 64 blocks of 128
 static void k219_sum__slice_bwd__add__cast(char *arena, const MdlHooks *h) {
-  float *const b1008 = (float *)(arena + 2556199552); // %1008 attention_bwd d.h.1.q f32[8,1024,768]
-  float *const b1009 = (float *)(arena + 2581365376); // %1009 attention_bwd d.h.1.k f32[8,1024,768]
-  float *const b1010 = (float *)(arena + 2606531200); // %1010 attention_bwd d.h.1.v f32[8,1024,768]
-  float *const b1017 = (float *)(arena + 690729984); // %1017 sum d.h.1.attn_b f32[2304]
-  uint16_t *const b1018 = (uint16_t *)(arena + 2493284992); // %1018 cast bf16[8192,2304]
+  float *const b1019 = (float *)(arena + 2556199552); // %1019 attention_bwd d.h.1.q f32[8,1024,768]
+  float *const b1020 = (float *)(arena + 2581365376); // %1020 attention_bwd d.h.1.k f32[8,1024,768]
+  float *const b1021 = (float *)(arena + 2606531200); // %1021 attention_bwd d.h.1.v f32[8,1024,768]
+  float *const b1028 = (float *)(arena + 690729984); // %1028 sum d.h.1.attn_b f32[2304]
+  uint16_t *const b1029 = (uint16_t *)(arena + 2493284992); // %1029 cast bf16[8192,2304]
   double *part = mdl_scratch(147456 * sizeof(double));
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
   for (int64_t k = 0; k < 64; k++) {
@@ -10539,20 +10671,20 @@ static void k219_sum__slice_bwd__add__cast(char *arena, const MdlHooks *h) {
         const int64_t ix = l * 2304 + c;
         const int64_t j1 = ix % 2304;
         const int64_t j2 = j1 >= 1536 && j1 < 2304 ? ix / 2304 * 768 + (j1 - 1536) : 0;
-        const float v1010_j2 = b1010[j2];
-        const float v1011_ix = j1 >= 1536 && j1 < 2304 ? v1010_j2 : 0.0f;
+        const float v1021_j2 = b1021[j2];
+        const float v1022_ix = j1 >= 1536 && j1 < 2304 ? v1021_j2 : 0.0f;
         const int64_t j3 = j1 >= 768 && j1 < 1536 ? ix / 2304 * 768 + (j1 - 768) : 0;
-        const float v1009_j3 = b1009[j3];
-        const float v1012_ix = j1 >= 768 && j1 < 1536 ? v1009_j3 : 0.0f;
-        const float v1013_ix = v1011_ix + v1012_ix;
+        const float v1020_j3 = b1020[j3];
+        const float v1023_ix = j1 >= 768 && j1 < 1536 ? v1020_j3 : 0.0f;
+        const float v1024_ix = v1022_ix + v1023_ix;
         const int64_t j4 = j1 >= 0 && j1 < 768 ? ix / 2304 * 768 + (j1 - 0) : 0;
-        const float v1008_j4 = b1008[j4];
-        const float v1014_ix = j1 >= 0 && j1 < 768 ? v1008_j4 : 0.0f;
-        const float v1015_ix = v1013_ix + v1014_ix;
-        const float v1016_ix = v1015_ix;
-        const float v = v1016_ix;
-        const float v1018_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v1016_ix));
-        b1018[ix] = mdl_f32_to_bf16(v1018_ix);
+        const float v1019_j4 = b1019[j4];
+        const float v1025_ix = j1 >= 0 && j1 < 768 ? v1019_j4 : 0.0f;
+        const float v1026_ix = v1024_ix + v1025_ix;
+        const float v1027_ix = v1026_ix;
+        const float v = v1027_ix;
+        const float v1029_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v1027_ix));
+        b1029[ix] = mdl_f32_to_bf16(v1029_ix);
         p[c] += v;
       }
     }
@@ -10565,68 +10697,68 @@ static void k219_sum__slice_bwd__add__cast(char *arena, const MdlHooks *h) {
       acc += v;
     }
     const float y = (float)acc;
-    b1017[r] = y;
+    b1028[r] = y;
   }
   free(part);
 }
 
 // k220_gemm: GEMM, 1 op
-//   %1019  matmul                                  line 38    f32[8192,768]
+//   %1030  matmul                                  line 38    f32[8192,768]
 // loops:
-//   gemm %1019: [8192 x 768] = [8192 x 2304] T[2304 x 768], bf16 operands widened to f32
+//   gemm %1030: [8192 x 768] = [8192 x 2304] T[2304 x 768], bf16 operands widened to f32
 static void k220_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b69 = (uint16_t *)(arena + 2082387456); // %69 cast bf16[768,2304]
-  uint16_t *const b1018 = (uint16_t *)(arena + 2493284992); // %1018 cast bf16[8192,2304]
-  float *const b1019 = (float *)(arena + 2556199552); // %1019 matmul f32[8192,768]
+  uint16_t *const b1029 = (uint16_t *)(arena + 2493284992); // %1029 cast bf16[8192,2304]
+  float *const b1030 = (float *)(arena + 2556199552); // %1030 matmul f32[8192,768]
   {
-    float *const w1018 = mdl_widen_bf16(b1018, 18874368, h->nthreads);
+    float *const w1029 = mdl_widen_bf16(b1029, 18874368, h->nthreads);
     float *const w69 = mdl_widen_bf16(b69, 1769472, h->nthreads);
-    mdl_gemm(h, 0, 1, 8192, 768, 2304, w1018, 2304, w69, 2304, 0.0f, b1019, 768);
-    free(w1018);
+    mdl_gemm(h, 0, 1, 8192, 768, 2304, w1029, 2304, w69, 2304, 0.0f, b1030, 768);
+    free(w1029);
     free(w69);
   }
 }
 
 // k221_gemm: GEMM, 1 op
-//   %1020  matmul             d.h.1.attn_w         line 38    f32[768,2304]
+//   %1031  matmul             d.h.1.attn_w         line 38    f32[768,2304]
 // loops:
-//   gemm %1020: [768 x 2304] = T[768 x 8192] [8192 x 2304], bf16 operands widened to f32
+//   gemm %1031: [768 x 2304] = T[768 x 8192] [8192 x 2304], bf16 operands widened to f32
 static void k221_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b68 = (uint16_t *)(arena + 5827756672); // %68 cast bf16[8192,768]
-  uint16_t *const b1018 = (uint16_t *)(arena + 2493284992); // %1018 cast bf16[8192,2304]
-  float *const b1020 = (float *)(arena + 683652096); // %1020 matmul d.h.1.attn_w f32[768,2304]
+  uint16_t *const b1029 = (uint16_t *)(arena + 2493284992); // %1029 cast bf16[8192,2304]
+  float *const b1031 = (float *)(arena + 683652096); // %1031 matmul d.h.1.attn_w f32[768,2304]
   {
     float *const w68 = mdl_widen_bf16(b68, 6291456, h->nthreads);
-    float *const w1018 = mdl_widen_bf16(b1018, 18874368, h->nthreads);
-    mdl_gemm(h, 1, 0, 768, 2304, 8192, w68, 768, w1018, 2304, 0.0f, b1020, 2304);
+    float *const w1029 = mdl_widen_bf16(b1029, 18874368, h->nthreads);
+    mdl_gemm(h, 1, 0, 768, 2304, 8192, w68, 768, w1029, 2304, 0.0f, b1031, 2304);
     free(w68);
-    free(w1018);
+    free(w1029);
   }
 }
 
 // k222_layernorm_bwd__add__sum__cast: kernel, 7 ops
-//   %1022  layernorm_bwd                           line 38    f32[8,1024,768]
-//   %1023  add                d.h.0.x              line 38    f32[8,1024,768]
-//   %1024  layernorm_bwd      d.h.1.ln1_w          line 38    f32[768]
-//   %1025  layernorm_bwd      d.h.1.ln1_b          line 38    f32[768]
-//   %1026  reshape                                 line 40    f32[8192,768]
-//   %1027  sum                d.h.0.fcproj_b       line 40    f32[768]
-//   %1028  cast                                    line 40    bf16[8192,768]
+//   %1033  layernorm_bwd                           line 38    f32[8,1024,768]
+//   %1034  add                d.h.0.x              line 38    f32[8,1024,768]
+//   %1035  layernorm_bwd      d.h.1.ln1_w          line 38    f32[768]
+//   %1036  layernorm_bwd      d.h.1.ln1_b          line 38    f32[768]
+//   %1037  reshape                                 line 40    f32[8192,768]
+//   %1038  sum                d.h.0.fcproj_b       line 40    f32[768]
+//   %1039  cast                                    line 40    bf16[8192,768]
 // loops:
 //   layernorm_bwd: 8192 rows of 768, column sums over 64 blocks of 128 rows
 static void k222_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
   float *const b53 = (float *)(arena + 5160862336); // %53 add h.0.x f32[8,1024,768]
   float *const b54 = (float *)(arena + 185886720); // %54 param h.1.ln1_w f32[768]
-  float *const b999 = (float *)(arena + 2531033728); // %999 add d.h.1.x f32[8,1024,768]
-  float *const b1019 = (float *)(arena + 2556199552); // %1019 matmul f32[8192,768]
-  float *const b1023 = (float *)(arena + 2581365376); // %1023 add d.h.0.x f32[8,1024,768]
-  float *const b1024 = (float *)(arena + 683645952); // %1024 layernorm_bwd d.h.1.ln1_w f32[768]
-  float *const b1025 = (float *)(arena + 683649024); // %1025 layernorm_bwd d.h.1.ln1_b f32[768]
-  float *const b1027 = (float *)(arena + 683642880); // %1027 sum d.h.0.fcproj_b f32[768]
-  uint16_t *const b1028 = (uint16_t *)(arena + 2606531200); // %1028 cast bf16[8192,768]
+  float *const b1009 = (float *)(arena + 2531033728); // %1009 add d.h.1.x f32[8,1024,768]
+  float *const b1030 = (float *)(arena + 2556199552); // %1030 matmul f32[8192,768]
+  float *const b1034 = (float *)(arena + 2581365376); // %1034 add d.h.0.x f32[8,1024,768]
+  float *const b1035 = (float *)(arena + 683645952); // %1035 layernorm_bwd d.h.1.ln1_w f32[768]
+  float *const b1036 = (float *)(arena + 683649024); // %1036 layernorm_bwd d.h.1.ln1_b f32[768]
+  float *const b1038 = (float *)(arena + 683642880); // %1038 sum d.h.0.fcproj_b f32[768]
+  uint16_t *const b1039 = (uint16_t *)(arena + 2606531200); // %1039 cast bf16[8192,768]
   double *pdw = mdl_scratch(49152 * sizeof(double));
   double *pdb = mdl_scratch(49152 * sizeof(double));
-  double *ps0 = mdl_scratch(49152 * sizeof(double)); // partials of the column sum %1027
+  double *ps0 = mdl_scratch(49152 * sizeof(double)); // partials of the column sum %1038
   #pragma omp parallel num_threads(h->nthreads)
   {
     float *dxrow = mdl_scratch(768 * sizeof(float));
@@ -10640,7 +10772,7 @@ static void k222_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
       const int64_t end = k * 128 + 128 < 8192 ? k * 128 + 128 : 8192;
       for (int64_t r = k * 128; r < end; r++) {
         const float *x = b53 + r * 768;
-        const float *dy = b1019 + r * 768;
+        const float *dy = b1030 + r * 768;
         double mean = 0, var = 0, mg = 0, mgx = 0;
         #pragma omp simd reduction(+ : mean)
         for (int64_t j = 0; j < 768; j++)
@@ -10665,13 +10797,13 @@ static void k222_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
           dx[j] = (float)(rstd * ((double)dy[j] * b54[j] - mg - (x[j] - mean) * rstd * mgx));
         for (int64_t j = 0; j < 768; j++) {
           const int64_t ix = r * 768 + j;
-          const float v999_ix = b999[ix];
-          const float v1023_ix = v999_ix + dx[j];
-          b1023[ix] = v1023_ix;
-          const float v1026_ix = v1023_ix;
-          const float v1028_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v1026_ix));
-          b1028[ix] = mdl_f32_to_bf16(v1028_ix);
-          sa0[j] += v1026_ix;
+          const float v1009_ix = b1009[ix];
+          const float v1034_ix = v1009_ix + dx[j];
+          b1034[ix] = v1034_ix;
+          const float v1037_ix = v1034_ix;
+          const float v1039_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v1037_ix));
+          b1039[ix] = mdl_f32_to_bf16(v1039_ix);
+          sa0[j] += v1037_ix;
         }
       }
     }
@@ -10685,9 +10817,9 @@ static void k222_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
       b += pdb[k * 768 + j];
       a0 += ps0[k * 768 + j];
     }
-    b1024[j] = (float)w;
-    b1025[j] = (float)b;
-    b1027[j] = (float)a0;
+    b1035[j] = (float)w;
+    b1036[j] = (float)b;
+    b1038[j] = (float)a0;
   }
   free(pdw);
   free(pdb);
@@ -10695,44 +10827,44 @@ static void k222_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
 }
 
 // k223_gemm: GEMM, 1 op
-//   %1030  matmul             d.h.0.fcproj_w       line 40    f32[3072,768]
+//   %1041  matmul             d.h.0.fcproj_w       line 40    f32[3072,768]
 // loops:
-//   gemm %1030: [3072 x 768] = T[3072 x 8192] [8192 x 768], bf16 operands widened to f32
+//   gemm %1041: [3072 x 768] = T[3072 x 8192] [8192 x 768], bf16 operands widened to f32
 static void k223_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b48 = (uint16_t *)(arena + 4506550912); // %48 cast bf16[8192,3072]
-  uint16_t *const b1028 = (uint16_t *)(arena + 2606531200); // %1028 cast bf16[8192,768]
-  float *const b1030 = (float *)(arena + 674205696); // %1030 matmul d.h.0.fcproj_w f32[3072,768]
+  uint16_t *const b1039 = (uint16_t *)(arena + 2606531200); // %1039 cast bf16[8192,768]
+  float *const b1041 = (float *)(arena + 674205696); // %1041 matmul d.h.0.fcproj_w f32[3072,768]
   {
     float *const w48 = mdl_widen_bf16(b48, 25165824, h->nthreads);
-    float *const w1028 = mdl_widen_bf16(b1028, 6291456, h->nthreads);
-    mdl_gemm(h, 1, 0, 3072, 768, 8192, w48, 3072, w1028, 768, 0.0f, b1030, 768);
+    float *const w1039 = mdl_widen_bf16(b1039, 6291456, h->nthreads);
+    mdl_gemm(h, 1, 0, 3072, 768, 8192, w48, 3072, w1039, 768, 0.0f, b1041, 768);
     free(w48);
-    free(w1028);
+    free(w1039);
   }
 }
 
 // k224_gemm__gelu_bwd__sum__cast: GEMM, 6 ops
-//   %1029  matmul                                  line 40    f32[8192,3072]
-//   %1031  reshape                                 line 40    f32[8,1024,3072]
-//   %1032  gelu_bwd                                line 40    f32[8,1024,3072]
-//   %1033  reshape                                 line 40    f32[8192,3072]
-//   %1034  sum                d.h.0.fc_b           line 40    f32[3072]
-//   %1035  cast                                    line 40    bf16[8192,3072]
+//   %1040  matmul                                  line 40    f32[8192,3072]
+//   %1042  reshape                                 line 40    f32[8,1024,3072]
+//   %1043  gelu_bwd                                line 40    f32[8,1024,3072]
+//   %1044  reshape                                 line 40    f32[8192,3072]
+//   %1045  sum                d.h.0.fc_b           line 40    f32[3072]
+//   %1046  cast                                    line 40    bf16[8192,3072]
 // loops:
-//   gemm %1029: [8192 x 3072] = [8192 x 768] T[768 x 3072], bf16 operands widened to f32, epilogue after
-//   sum %1034: 3072 outputs over 8192 elements, in 64 blocks of 128
+//   gemm %1040: [8192 x 3072] = [8192 x 768] T[768 x 3072], bf16 operands widened to f32, epilogue after
+//   sum %1045: 3072 outputs over 8192 elements, in 64 blocks of 128
 static void k224_gemm__gelu_bwd__sum__cast(char *arena, const MdlHooks *h) {
   float *const b45 = (float *)(arena + 2392621696); // %45 add f32[8,1024,3072]
   uint16_t *const b49 = (uint16_t *)(arena + 2077668864); // %49 cast bf16[3072,768]
-  uint16_t *const b1028 = (uint16_t *)(arena + 2606531200); // %1028 cast bf16[8192,768]
-  float *const b1029 = mdl_scratch(100663296); // %1029 matmul f32[8192,3072], kept in this kernel
-  float *const b1034 = (float *)(arena + 674193408); // %1034 sum d.h.0.fc_b f32[3072]
-  uint16_t *const b1035 = (uint16_t *)(arena + 2493284992); // %1035 cast bf16[8192,3072]
+  uint16_t *const b1039 = (uint16_t *)(arena + 2606531200); // %1039 cast bf16[8192,768]
+  float *const b1040 = mdl_scratch(100663296); // %1040 matmul f32[8192,3072], kept in this kernel
+  float *const b1045 = (float *)(arena + 674193408); // %1045 sum d.h.0.fc_b f32[3072]
+  uint16_t *const b1046 = (uint16_t *)(arena + 2493284992); // %1046 cast bf16[8192,3072]
   {
-    float *const w1028 = mdl_widen_bf16(b1028, 6291456, h->nthreads);
+    float *const w1039 = mdl_widen_bf16(b1039, 6291456, h->nthreads);
     float *const w49 = mdl_widen_bf16(b49, 2359296, h->nthreads);
-    mdl_gemm(h, 0, 1, 8192, 3072, 768, w1028, 768, w49, 768, 0.0f, b1029, 3072);
-    free(w1028);
+    mdl_gemm(h, 0, 1, 8192, 3072, 768, w1039, 768, w49, 768, 0.0f, b1040, 3072);
+    free(w1039);
     free(w49);
   }
   double *part = mdl_scratch(196608 * sizeof(double));
@@ -10746,13 +10878,13 @@ static void k224_gemm__gelu_bwd__sum__cast(char *arena, const MdlHooks *h) {
       for (int64_t c = 0; c < 3072; c++) {
         const int64_t ix = l * 3072 + c;
         const float v45_ix = b45[ix];
-        const float v1029_ix = b1029[ix];
-        const float v1031_ix = v1029_ix;
-        const float v1032_ix = mdl_gelu_grad(v45_ix) * v1031_ix;
-        const float v1033_ix = v1032_ix;
-        const float v = v1033_ix;
-        const float v1035_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v1033_ix));
-        b1035[ix] = mdl_f32_to_bf16(v1035_ix);
+        const float v1040_ix = b1040[ix];
+        const float v1042_ix = v1040_ix;
+        const float v1043_ix = mdl_gelu_grad(v45_ix) * v1042_ix;
+        const float v1044_ix = v1043_ix;
+        const float v = v1044_ix;
+        const float v1046_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v1044_ix));
+        b1046[ix] = mdl_f32_to_bf16(v1046_ix);
         p[c] += v;
       }
     }
@@ -10765,69 +10897,69 @@ static void k224_gemm__gelu_bwd__sum__cast(char *arena, const MdlHooks *h) {
       acc += v;
     }
     const float y = (float)acc;
-    b1034[r] = y;
+    b1045[r] = y;
   }
   free(part);
-  free(b1029);
+  free(b1040);
 }
 
 // k225_gemm: GEMM, 1 op
-//   %1036  matmul                                  line 40    f32[8192,768]
+//   %1047  matmul                                  line 40    f32[8192,768]
 // loops:
-//   gemm %1036: [8192 x 768] = [8192 x 3072] T[3072 x 768], bf16 operands widened to f32
+//   gemm %1047: [8192 x 768] = [8192 x 3072] T[3072 x 768], bf16 operands widened to f32
 static void k225_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b42 = (uint16_t *)(arena + 2072950272); // %42 cast bf16[768,3072]
-  uint16_t *const b1035 = (uint16_t *)(arena + 2493284992); // %1035 cast bf16[8192,3072]
-  float *const b1036 = (float *)(arena + 2392621696); // %1036 matmul f32[8192,768]
+  uint16_t *const b1046 = (uint16_t *)(arena + 2493284992); // %1046 cast bf16[8192,3072]
+  float *const b1047 = (float *)(arena + 2392621696); // %1047 matmul f32[8192,768]
   {
-    float *const w1035 = mdl_widen_bf16(b1035, 25165824, h->nthreads);
+    float *const w1046 = mdl_widen_bf16(b1046, 25165824, h->nthreads);
     float *const w42 = mdl_widen_bf16(b42, 2359296, h->nthreads);
-    mdl_gemm(h, 0, 1, 8192, 768, 3072, w1035, 3072, w42, 3072, 0.0f, b1036, 768);
-    free(w1035);
+    mdl_gemm(h, 0, 1, 8192, 768, 3072, w1046, 3072, w42, 3072, 0.0f, b1047, 768);
+    free(w1046);
     free(w42);
   }
 }
 
 // k226_gemm: GEMM, 1 op
-//   %1037  matmul             d.h.0.fc_w           line 40    f32[768,3072]
+//   %1048  matmul             d.h.0.fc_w           line 40    f32[768,3072]
 // loops:
-//   gemm %1037: [768 x 3072] = T[768 x 8192] [8192 x 3072], bf16 operands widened to f32
+//   gemm %1048: [768 x 3072] = T[768 x 8192] [8192 x 3072], bf16 operands widened to f32
 static void k226_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b41 = (uint16_t *)(arena + 5815173760); // %41 cast bf16[8192,768]
-  uint16_t *const b1035 = (uint16_t *)(arena + 2493284992); // %1035 cast bf16[8192,3072]
-  float *const b1037 = (float *)(arena + 664756224); // %1037 matmul d.h.0.fc_w f32[768,3072]
+  uint16_t *const b1046 = (uint16_t *)(arena + 2493284992); // %1046 cast bf16[8192,3072]
+  float *const b1048 = (float *)(arena + 664756224); // %1048 matmul d.h.0.fc_w f32[768,3072]
   {
     float *const w41 = mdl_widen_bf16(b41, 6291456, h->nthreads);
-    float *const w1035 = mdl_widen_bf16(b1035, 25165824, h->nthreads);
-    mdl_gemm(h, 1, 0, 768, 3072, 8192, w41, 768, w1035, 3072, 0.0f, b1037, 3072);
+    float *const w1046 = mdl_widen_bf16(b1046, 25165824, h->nthreads);
+    mdl_gemm(h, 1, 0, 768, 3072, 8192, w41, 768, w1046, 3072, 0.0f, b1048, 3072);
     free(w41);
-    free(w1035);
+    free(w1046);
   }
 }
 
 // k227_layernorm_bwd__add__sum__cast: kernel, 7 ops
-//   %1039  layernorm_bwd                           line 40    f32[8,1024,768]
-//   %1040  add                d.h.0.x              line 40    f32[8,1024,768]
-//   %1041  layernorm_bwd      d.h.0.ln2_w          line 40    f32[768]
-//   %1042  layernorm_bwd      d.h.0.ln2_b          line 40    f32[768]
-//   %1043  reshape                                 line 39    f32[8192,768]
-//   %1044  sum                d.h.0.proj_b         line 39    f32[768]
-//   %1045  cast                                    line 39    bf16[8192,768]
+//   %1050  layernorm_bwd                           line 40    f32[8,1024,768]
+//   %1051  add                d.h.0.x              line 40    f32[8,1024,768]
+//   %1052  layernorm_bwd      d.h.0.ln2_w          line 40    f32[768]
+//   %1053  layernorm_bwd      d.h.0.ln2_b          line 40    f32[768]
+//   %1054  reshape                                 line 39    f32[8192,768]
+//   %1055  sum                d.h.0.proj_b         line 39    f32[768]
+//   %1056  cast                                    line 39    bf16[8192,768]
 // loops:
 //   layernorm_bwd: 8192 rows of 768, column sums over 64 blocks of 128 rows
 static void k227_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
   float *const b15 = (float *)(arena + 166990848); // %15 param h.0.ln2_w f32[768]
   float *const b38 = (float *)(arena + 5135696512); // %38 add h.0.x f32[8,1024,768]
-  float *const b1023 = (float *)(arena + 2581365376); // %1023 add d.h.0.x f32[8,1024,768]
-  float *const b1036 = (float *)(arena + 2392621696); // %1036 matmul f32[8192,768]
-  float *const b1040 = (float *)(arena + 2430370432); // %1040 add d.h.0.x f32[8,1024,768]
-  float *const b1041 = (float *)(arena + 664750080); // %1041 layernorm_bwd d.h.0.ln2_w f32[768]
-  float *const b1042 = (float *)(arena + 664753152); // %1042 layernorm_bwd d.h.0.ln2_b f32[768]
-  float *const b1044 = (float *)(arena + 664747008); // %1044 sum d.h.0.proj_b f32[768]
-  uint16_t *const b1045 = (uint16_t *)(arena + 2417787520); // %1045 cast bf16[8192,768]
+  float *const b1034 = (float *)(arena + 2581365376); // %1034 add d.h.0.x f32[8,1024,768]
+  float *const b1047 = (float *)(arena + 2392621696); // %1047 matmul f32[8192,768]
+  float *const b1051 = (float *)(arena + 2430370432); // %1051 add d.h.0.x f32[8,1024,768]
+  float *const b1052 = (float *)(arena + 664750080); // %1052 layernorm_bwd d.h.0.ln2_w f32[768]
+  float *const b1053 = (float *)(arena + 664753152); // %1053 layernorm_bwd d.h.0.ln2_b f32[768]
+  float *const b1055 = (float *)(arena + 664747008); // %1055 sum d.h.0.proj_b f32[768]
+  uint16_t *const b1056 = (uint16_t *)(arena + 2417787520); // %1056 cast bf16[8192,768]
   double *pdw = mdl_scratch(49152 * sizeof(double));
   double *pdb = mdl_scratch(49152 * sizeof(double));
-  double *ps0 = mdl_scratch(49152 * sizeof(double)); // partials of the column sum %1044
+  double *ps0 = mdl_scratch(49152 * sizeof(double)); // partials of the column sum %1055
   #pragma omp parallel num_threads(h->nthreads)
   {
     float *dxrow = mdl_scratch(768 * sizeof(float));
@@ -10841,7 +10973,7 @@ static void k227_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
       const int64_t end = k * 128 + 128 < 8192 ? k * 128 + 128 : 8192;
       for (int64_t r = k * 128; r < end; r++) {
         const float *x = b38 + r * 768;
-        const float *dy = b1036 + r * 768;
+        const float *dy = b1047 + r * 768;
         double mean = 0, var = 0, mg = 0, mgx = 0;
         #pragma omp simd reduction(+ : mean)
         for (int64_t j = 0; j < 768; j++)
@@ -10866,13 +10998,13 @@ static void k227_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
           dx[j] = (float)(rstd * ((double)dy[j] * b15[j] - mg - (x[j] - mean) * rstd * mgx));
         for (int64_t j = 0; j < 768; j++) {
           const int64_t ix = r * 768 + j;
-          const float v1023_ix = b1023[ix];
-          const float v1040_ix = v1023_ix + dx[j];
-          b1040[ix] = v1040_ix;
-          const float v1043_ix = v1040_ix;
-          const float v1045_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v1043_ix));
-          b1045[ix] = mdl_f32_to_bf16(v1045_ix);
-          sa0[j] += v1043_ix;
+          const float v1034_ix = b1034[ix];
+          const float v1051_ix = v1034_ix + dx[j];
+          b1051[ix] = v1051_ix;
+          const float v1054_ix = v1051_ix;
+          const float v1056_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v1054_ix));
+          b1056[ix] = mdl_f32_to_bf16(v1056_ix);
+          sa0[j] += v1054_ix;
         }
       }
     }
@@ -10886,9 +11018,9 @@ static void k227_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
       b += pdb[k * 768 + j];
       a0 += ps0[k * 768 + j];
     }
-    b1041[j] = (float)w;
-    b1042[j] = (float)b;
-    b1044[j] = (float)a0;
+    b1052[j] = (float)w;
+    b1053[j] = (float)b;
+    b1055[j] = (float)a0;
   }
   free(pdw);
   free(pdb);
@@ -10896,52 +11028,64 @@ static void k227_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
 }
 
 // k228_gemm: GEMM, 1 op
-//   %1046  matmul                                  line 39    f32[8192,768]
+//   %1058  matmul             d.h.0.proj_w         line 39    f32[768,768]
 // loops:
-//   gemm %1046: [8192 x 768] = [8192 x 768] T[768 x 768], bf16 operands widened to f32
+//   gemm %1058: [768 x 768] = T[768 x 8192] [8192 x 768], bf16 operands widened to f32
 static void k228_gemm(char *arena, const MdlHooks *h) {
-  uint16_t *const b34 = (uint16_t *)(arena + 2071770624); // %34 cast bf16[768,768]
-  uint16_t *const b1045 = (uint16_t *)(arena + 2417787520); // %1045 cast bf16[8192,768]
-  float *const b1046 = (float *)(arena + 2392621696); // %1046 matmul f32[8192,768]
+  uint16_t *const b33 = (uint16_t *)(arena + 5802590848); // %33 cast bf16[8192,768]
+  uint16_t *const b1056 = (uint16_t *)(arena + 2417787520); // %1056 cast bf16[8192,768]
+  float *const b1058 = (float *)(arena + 662387712); // %1058 matmul d.h.0.proj_w f32[768,768]
   {
-    float *const w1045 = mdl_widen_bf16(b1045, 6291456, h->nthreads);
-    float *const w34 = mdl_widen_bf16(b34, 589824, h->nthreads);
-    mdl_gemm(h, 0, 1, 8192, 768, 768, w1045, 768, w34, 768, 0.0f, b1046, 768);
-    free(w1045);
-    free(w34);
+    float *const w33 = mdl_widen_bf16(b33, 6291456, h->nthreads);
+    float *const w1056 = mdl_widen_bf16(b1056, 6291456, h->nthreads);
+    mdl_gemm(h, 1, 0, 768, 768, 8192, w33, 768, w1056, 768, 0.0f, b1058, 768);
+    free(w33);
+    free(w1056);
   }
 }
 
-// k229_gemm: GEMM, 1 op
-//   %1047  matmul             d.h.0.proj_w         line 39    f32[768,768]
+// k229_gemm__cast: GEMM, 3 ops
+//   %1057  matmul                                  line 39    f32[8192,768]
+//   %1059  reshape                                 line 39    f32[8,1024,768]
+//   %1060  cast                                    line 39    bf16[8,1024,768]
 // loops:
-//   gemm %1047: [768 x 768] = T[768 x 8192] [8192 x 768], bf16 operands widened to f32
-static void k229_gemm(char *arena, const MdlHooks *h) {
-  uint16_t *const b33 = (uint16_t *)(arena + 5802590848); // %33 cast bf16[8192,768]
-  uint16_t *const b1045 = (uint16_t *)(arena + 2417787520); // %1045 cast bf16[8192,768]
-  float *const b1047 = (float *)(arena + 662387712); // %1047 matmul d.h.0.proj_w f32[768,768]
+//   gemm %1057: [8192 x 768] = [8192 x 768] T[768 x 768], bf16 operands widened to f32, epilogue after
+//   elementwise over 6291456: %1060
+static void k229_gemm__cast(char *arena, const MdlHooks *h) {
+  uint16_t *const b34 = (uint16_t *)(arena + 2071770624); // %34 cast bf16[768,768]
+  uint16_t *const b1056 = (uint16_t *)(arena + 2417787520); // %1056 cast bf16[8192,768]
+  float *const b1057 = mdl_scratch(25165824); // %1057 matmul f32[8192,768], kept in this kernel
+  uint16_t *const b1060 = (uint16_t *)(arena + 2392621696); // %1060 cast bf16[8,1024,768]
   {
-    float *const w33 = mdl_widen_bf16(b33, 6291456, h->nthreads);
-    float *const w1045 = mdl_widen_bf16(b1045, 6291456, h->nthreads);
-    mdl_gemm(h, 1, 0, 768, 768, 8192, w33, 768, w1045, 768, 0.0f, b1047, 768);
-    free(w33);
-    free(w1045);
+    float *const w1056 = mdl_widen_bf16(b1056, 6291456, h->nthreads);
+    float *const w34 = mdl_widen_bf16(b34, 589824, h->nthreads);
+    mdl_gemm(h, 0, 1, 8192, 768, 768, w1056, 768, w34, 768, 0.0f, b1057, 768);
+    free(w1056);
+    free(w34);
   }
+  #pragma omp parallel for num_threads(h->nthreads) schedule(static)
+  for (int64_t i = 0; i < 6291456; i++) {
+    const float v1057_i = b1057[i];
+    const float v1059_i = v1057_i;
+    const float v1060_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v1059_i));
+    b1060[i] = mdl_f32_to_bf16(v1060_i);
+  }
+  free(b1057);
 }
 
 // k230_attention_bwd: attention, 3 ops
-//   %1049  attention_bwd      d.h.0.q              line 39    f32[8,1024,768]
-//   %1050  attention_bwd      d.h.0.k              line 39    f32[8,1024,768]
-//   %1051  attention_bwd      d.h.0.v              line 39    f32[8,1024,768]
+//   %1061  attention_bwd      d.h.0.q              line 39    f32[8,1024,768]
+//   %1062  attention_bwd      d.h.0.k              line 39    f32[8,1024,768]
+//   %1063  attention_bwd      d.h.0.v              line 39    f32[8,1024,768]
 // loops:
 //   attention backward (dq dk dv): B 8, T 1024, 12 heads of 64, causal, within documents; one task per (batch, head)
 static void k230_attention_bwd(char *arena, const MdlHooks *h) {
   int32_t *const b3 = (int32_t *)(arena + 2238199296); // %3 input doc i32[8,1024]
   float *const b27 = (float *)(arena + 3600581248); // %27 add f32[8,1024,2304]
-  float *const b1046 = (float *)(arena + 2392621696); // %1046 matmul f32[8192,768]
-  float *const b1049 = (float *)(arena + 2455536256); // %1049 attention_bwd d.h.0.q f32[8,1024,768]
-  float *const b1050 = (float *)(arena + 2480702080); // %1050 attention_bwd d.h.0.k f32[8,1024,768]
-  float *const b1051 = (float *)(arena + 2505867904); // %1051 attention_bwd d.h.0.v f32[8,1024,768]
+  uint16_t *const b1060 = (uint16_t *)(arena + 2392621696); // %1060 cast bf16[8,1024,768]
+  float *const b1061 = (float *)(arena + 2455536256); // %1061 attention_bwd d.h.0.q f32[8,1024,768]
+  float *const b1062 = (float *)(arena + 2480702080); // %1062 attention_bwd d.h.0.k f32[8,1024,768]
+  float *const b1063 = (float *)(arena + 2505867904); // %1063 attention_bwd d.h.0.v f32[8,1024,768]
   #pragma omp parallel num_threads(h->nthreads)
   {
     float *restrict kt = memset(mdl_scratch(67584 * sizeof(float)), 0, 67584 * sizeof(float));
@@ -11015,7 +11159,7 @@ static void k230_attention_bwd(char *arena, const MdlHooks *h) {
         }
         float dor[64];
         for (int64_t c = 0; c < 64; c++)
-          dor[c] = mdl_bf16_to_f32(mdl_f32_to_bf16(b1046[(b * 1024 + i) * 768 + hd * 64 + c]));
+          dor[c] = mdl_bf16_to_f32(b1060[(b * 1024 + i) * 768 + hd * 64 + c]);
         const float *restrict doi = dor;
         #pragma omp simd
         for (int64_t j = lo; j < hi; j++)
@@ -11077,14 +11221,14 @@ static void k230_attention_bwd(char *arena, const MdlHooks *h) {
           for (int64_t c = 0; c < 64; c++)
             dvj[c] += mdl_bf16_to_f32(mdl_f32_to_bf16(s[j])) * doi[c];
         }
-        float *restrict dq = b1049 + (b * 1024 + i) * 768 + hd * 64;
+        float *restrict dq = b1061 + (b * 1024 + i) * 768 + hd * 64;
         for (int64_t c = 0; c < 64; c++)
           dq[c] = 0.125f * (dqi0[c] + dqi1[c]);
       }
       for (int64_t t = 0; t < 1024; t++)
-        memcpy(b1050 + (b * 1024 + t) * 768 + hd * 64, dkh + t * 64, 64 * sizeof(float));
+        memcpy(b1062 + (b * 1024 + t) * 768 + hd * 64, dkh + t * 64, 64 * sizeof(float));
       for (int64_t t = 0; t < 1024; t++)
-        memcpy(b1051 + (b * 1024 + t) * 768 + hd * 64, dvh + t * 64, 64 * sizeof(float));
+        memcpy(b1063 + (b * 1024 + t) * 768 + hd * 64, dvh + t * 64, 64 * sizeof(float));
     }
     free(kt);
     free(s);
@@ -11096,22 +11240,22 @@ static void k230_attention_bwd(char *arena, const MdlHooks *h) {
 }
 
 // k231_sum__slice_bwd__add__cast: kernel, 8 ops
-//   %1052  slice_bwd                               line 38    f32[8,1024,2304]
-//   %1053  slice_bwd                               line 38    f32[8,1024,2304]
-//   %1054  add                                     line 38    f32[8,1024,2304]
-//   %1055  slice_bwd                               line 38    f32[8,1024,2304]
-//   %1056  add                                     line 38    f32[8,1024,2304]
-//   %1057  reshape                                 line 38    f32[8192,2304]
-//   %1058  sum                d.h.0.attn_b         line 38    f32[2304]
-//   %1059  cast                                    line 38    bf16[8192,2304]
+//   %1064  slice_bwd                               line 38    f32[8,1024,2304]
+//   %1065  slice_bwd                               line 38    f32[8,1024,2304]
+//   %1066  add                                     line 38    f32[8,1024,2304]
+//   %1067  slice_bwd                               line 38    f32[8,1024,2304]
+//   %1068  add                                     line 38    f32[8,1024,2304]
+//   %1069  reshape                                 line 38    f32[8192,2304]
+//   %1070  sum                d.h.0.attn_b         line 38    f32[2304]
+//   %1071  cast                                    line 38    bf16[8192,2304]
 // loops:
-//   sum %1058: 2304 outputs over 8192 elements, in 64 blocks of 128
+//   sum %1070: 2304 outputs over 8192 elements, in 64 blocks of 128
 static void k231_sum__slice_bwd__add__cast(char *arena, const MdlHooks *h) {
-  float *const b1049 = (float *)(arena + 2455536256); // %1049 attention_bwd d.h.0.q f32[8,1024,768]
-  float *const b1050 = (float *)(arena + 2480702080); // %1050 attention_bwd d.h.0.k f32[8,1024,768]
-  float *const b1051 = (float *)(arena + 2505867904); // %1051 attention_bwd d.h.0.v f32[8,1024,768]
-  float *const b1058 = (float *)(arena + 662378496); // %1058 sum d.h.0.attn_b f32[2304]
-  uint16_t *const b1059 = (uint16_t *)(arena + 2392621696); // %1059 cast bf16[8192,2304]
+  float *const b1061 = (float *)(arena + 2455536256); // %1061 attention_bwd d.h.0.q f32[8,1024,768]
+  float *const b1062 = (float *)(arena + 2480702080); // %1062 attention_bwd d.h.0.k f32[8,1024,768]
+  float *const b1063 = (float *)(arena + 2505867904); // %1063 attention_bwd d.h.0.v f32[8,1024,768]
+  float *const b1070 = (float *)(arena + 662378496); // %1070 sum d.h.0.attn_b f32[2304]
+  uint16_t *const b1071 = (uint16_t *)(arena + 2392621696); // %1071 cast bf16[8192,2304]
   double *part = mdl_scratch(147456 * sizeof(double));
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
   for (int64_t k = 0; k < 64; k++) {
@@ -11124,20 +11268,20 @@ static void k231_sum__slice_bwd__add__cast(char *arena, const MdlHooks *h) {
         const int64_t ix = l * 2304 + c;
         const int64_t j1 = ix % 2304;
         const int64_t j2 = j1 >= 1536 && j1 < 2304 ? ix / 2304 * 768 + (j1 - 1536) : 0;
-        const float v1051_j2 = b1051[j2];
-        const float v1052_ix = j1 >= 1536 && j1 < 2304 ? v1051_j2 : 0.0f;
+        const float v1063_j2 = b1063[j2];
+        const float v1064_ix = j1 >= 1536 && j1 < 2304 ? v1063_j2 : 0.0f;
         const int64_t j3 = j1 >= 768 && j1 < 1536 ? ix / 2304 * 768 + (j1 - 768) : 0;
-        const float v1050_j3 = b1050[j3];
-        const float v1053_ix = j1 >= 768 && j1 < 1536 ? v1050_j3 : 0.0f;
-        const float v1054_ix = v1052_ix + v1053_ix;
+        const float v1062_j3 = b1062[j3];
+        const float v1065_ix = j1 >= 768 && j1 < 1536 ? v1062_j3 : 0.0f;
+        const float v1066_ix = v1064_ix + v1065_ix;
         const int64_t j4 = j1 >= 0 && j1 < 768 ? ix / 2304 * 768 + (j1 - 0) : 0;
-        const float v1049_j4 = b1049[j4];
-        const float v1055_ix = j1 >= 0 && j1 < 768 ? v1049_j4 : 0.0f;
-        const float v1056_ix = v1054_ix + v1055_ix;
-        const float v1057_ix = v1056_ix;
-        const float v = v1057_ix;
-        const float v1059_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v1057_ix));
-        b1059[ix] = mdl_f32_to_bf16(v1059_ix);
+        const float v1061_j4 = b1061[j4];
+        const float v1067_ix = j1 >= 0 && j1 < 768 ? v1061_j4 : 0.0f;
+        const float v1068_ix = v1066_ix + v1067_ix;
+        const float v1069_ix = v1068_ix;
+        const float v = v1069_ix;
+        const float v1071_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v1069_ix));
+        b1071[ix] = mdl_f32_to_bf16(v1071_ix);
         p[c] += v;
       }
     }
@@ -11150,60 +11294,60 @@ static void k231_sum__slice_bwd__add__cast(char *arena, const MdlHooks *h) {
       acc += v;
     }
     const float y = (float)acc;
-    b1058[r] = y;
+    b1070[r] = y;
   }
   free(part);
 }
 
 // k232_gemm: GEMM, 1 op
-//   %1060  matmul                                  line 38    f32[8192,768]
+//   %1072  matmul                                  line 38    f32[8192,768]
 // loops:
-//   gemm %1060: [8192 x 768] = [8192 x 2304] T[2304 x 768], bf16 operands widened to f32
+//   gemm %1072: [8192 x 768] = [8192 x 2304] T[2304 x 768], bf16 operands widened to f32
 static void k232_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b24 = (uint16_t *)(arena + 2068231680); // %24 cast bf16[768,2304]
-  uint16_t *const b1059 = (uint16_t *)(arena + 2392621696); // %1059 cast bf16[8192,2304]
-  float *const b1060 = (float *)(arena + 2455536256); // %1060 matmul f32[8192,768]
+  uint16_t *const b1071 = (uint16_t *)(arena + 2392621696); // %1071 cast bf16[8192,2304]
+  float *const b1072 = (float *)(arena + 2455536256); // %1072 matmul f32[8192,768]
   {
-    float *const w1059 = mdl_widen_bf16(b1059, 18874368, h->nthreads);
+    float *const w1071 = mdl_widen_bf16(b1071, 18874368, h->nthreads);
     float *const w24 = mdl_widen_bf16(b24, 1769472, h->nthreads);
-    mdl_gemm(h, 0, 1, 8192, 768, 2304, w1059, 2304, w24, 2304, 0.0f, b1060, 768);
-    free(w1059);
+    mdl_gemm(h, 0, 1, 8192, 768, 2304, w1071, 2304, w24, 2304, 0.0f, b1072, 768);
+    free(w1071);
     free(w24);
   }
 }
 
 // k233_gemm: GEMM, 1 op
-//   %1061  matmul             d.h.0.attn_w         line 38    f32[768,2304]
+//   %1073  matmul             d.h.0.attn_w         line 38    f32[768,2304]
 // loops:
-//   gemm %1061: [768 x 2304] = T[768 x 8192] [8192 x 2304], bf16 operands widened to f32
+//   gemm %1073: [768 x 2304] = T[768 x 8192] [8192 x 2304], bf16 operands widened to f32
 static void k233_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b23 = (uint16_t *)(arena + 5790007936); // %23 cast bf16[8192,768]
-  uint16_t *const b1059 = (uint16_t *)(arena + 2392621696); // %1059 cast bf16[8192,2304]
-  float *const b1061 = (float *)(arena + 655300608); // %1061 matmul d.h.0.attn_w f32[768,2304]
+  uint16_t *const b1071 = (uint16_t *)(arena + 2392621696); // %1071 cast bf16[8192,2304]
+  float *const b1073 = (float *)(arena + 655300608); // %1073 matmul d.h.0.attn_w f32[768,2304]
   {
     float *const w23 = mdl_widen_bf16(b23, 6291456, h->nthreads);
-    float *const w1059 = mdl_widen_bf16(b1059, 18874368, h->nthreads);
-    mdl_gemm(h, 1, 0, 768, 2304, 8192, w23, 768, w1059, 2304, 0.0f, b1061, 2304);
+    float *const w1071 = mdl_widen_bf16(b1071, 18874368, h->nthreads);
+    mdl_gemm(h, 1, 0, 768, 2304, 8192, w23, 768, w1071, 2304, 0.0f, b1073, 2304);
     free(w23);
-    free(w1059);
+    free(w1071);
   }
 }
 
 // k234_layernorm_bwd__add: kernel, 4 ops
-//   %1063  layernorm_bwd                           line 38    f32[8,1024,768]
-//   %1064  add                d.x                  line 38    f32[8,1024,768]
-//   %1065  layernorm_bwd      d.h.0.ln1_w          line 38    f32[768]
-//   %1066  layernorm_bwd      d.h.0.ln1_b          line 38    f32[768]
+//   %1075  layernorm_bwd                           line 38    f32[8,1024,768]
+//   %1076  add                d.x                  line 38    f32[8,1024,768]
+//   %1077  layernorm_bwd      d.h.0.ln1_w          line 38    f32[768]
+//   %1078  layernorm_bwd      d.h.0.ln1_b          line 38    f32[768]
 // loops:
 //   layernorm_bwd: 8192 rows of 768, column sums over 64 blocks of 128 rows
 static void k234_layernorm_bwd__add(char *arena, const MdlHooks *h) {
   float *const b8 = (float *)(arena + 5110530688); // %8 add x f32[8,1024,768]
   float *const b9 = (float *)(arena + 157535232); // %9 param h.0.ln1_w f32[768]
-  float *const b1040 = (float *)(arena + 2430370432); // %1040 add d.h.0.x f32[8,1024,768]
-  float *const b1060 = (float *)(arena + 2455536256); // %1060 matmul f32[8192,768]
-  float *const b1064 = (float *)(arena + 2392621696); // %1064 add d.x f32[8,1024,768]
-  float *const b1065 = (float *)(arena + 655294464); // %1065 layernorm_bwd d.h.0.ln1_w f32[768]
-  float *const b1066 = (float *)(arena + 655297536); // %1066 layernorm_bwd d.h.0.ln1_b f32[768]
+  float *const b1051 = (float *)(arena + 2430370432); // %1051 add d.h.0.x f32[8,1024,768]
+  float *const b1072 = (float *)(arena + 2455536256); // %1072 matmul f32[8192,768]
+  float *const b1076 = (float *)(arena + 2392621696); // %1076 add d.x f32[8,1024,768]
+  float *const b1077 = (float *)(arena + 655294464); // %1077 layernorm_bwd d.h.0.ln1_w f32[768]
+  float *const b1078 = (float *)(arena + 655297536); // %1078 layernorm_bwd d.h.0.ln1_b f32[768]
   double *pdw = mdl_scratch(49152 * sizeof(double));
   double *pdb = mdl_scratch(49152 * sizeof(double));
   #pragma omp parallel num_threads(h->nthreads)
@@ -11218,7 +11362,7 @@ static void k234_layernorm_bwd__add(char *arena, const MdlHooks *h) {
       const int64_t end = k * 128 + 128 < 8192 ? k * 128 + 128 : 8192;
       for (int64_t r = k * 128; r < end; r++) {
         const float *x = b8 + r * 768;
-        const float *dy = b1060 + r * 768;
+        const float *dy = b1072 + r * 768;
         double mean = 0, var = 0, mg = 0, mgx = 0;
         #pragma omp simd reduction(+ : mean)
         for (int64_t j = 0; j < 768; j++)
@@ -11243,9 +11387,9 @@ static void k234_layernorm_bwd__add(char *arena, const MdlHooks *h) {
           dx[j] = (float)(rstd * ((double)dy[j] * b9[j] - mg - (x[j] - mean) * rstd * mgx));
         for (int64_t j = 0; j < 768; j++) {
           const int64_t ix = r * 768 + j;
-          const float v1040_ix = b1040[ix];
-          const float v1064_ix = v1040_ix + dx[j];
-          b1064[ix] = v1064_ix;
+          const float v1051_ix = b1051[ix];
+          const float v1076_ix = v1051_ix + dx[j];
+          b1076[ix] = v1076_ix;
         }
       }
     }
@@ -11258,26 +11402,26 @@ static void k234_layernorm_bwd__add(char *arena, const MdlHooks *h) {
       w += pdw[k * 768 + j];
       b += pdb[k * 768 + j];
     }
-    b1065[j] = (float)w;
-    b1066[j] = (float)b;
+    b1077[j] = (float)w;
+    b1078[j] = (float)b;
   }
   free(pdw);
   free(pdb);
 }
 
 // k235_embed_bwd: kernel, 1 op
-//   %1067  embed_bwd          d.wpe                line 22    f32[1024,768]
+//   %1079  embed_bwd          d.wpe                line 22    f32[1024,768]
 // loops:
 //   embed backward: 8192 rows of 768 into a table of 1024, 48 column blocks
 static void k235_embed_bwd(char *arena, const MdlHooks *h) {
   int32_t *const b2 = (int32_t *)(arena + 2238166528); // %2 input pos i32[8,1024]
-  float *const b1064 = (float *)(arena + 2392621696); // %1064 add d.x f32[8,1024,768]
-  float *const b1067 = (float *)(arena + 652148736); // %1067 embed_bwd d.wpe f32[1024,768]
+  float *const b1076 = (float *)(arena + 2392621696); // %1076 add d.x f32[8,1024,768]
+  float *const b1079 = (float *)(arena + 652148736); // %1079 embed_bwd d.wpe f32[1024,768]
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
   for (int64_t k = 0; k < 48; k++) {
     const int64_t c0 = k * 16, c1 = c0 + 16 < 768 ? c0 + 16 : 768;
     for (int64_t t = 0; t < 1024; t++)
-      memset(b1067 + t * 768 + c0, 0, (size_t)(c1 - c0) * sizeof(float));
+      memset(b1079 + t * 768 + c0, 0, (size_t)(c1 - c0) * sizeof(float));
     for (int64_t r = 0; r < 8192; r++) {
       const int32_t id = b2[r];
       if (id < 0 || id >= 1024) {
@@ -11286,28 +11430,28 @@ static void k235_embed_bwd(char *arena, const MdlHooks *h) {
         continue;
       }
       for (int64_t j = c0; j < c1; j++)
-        b1067[(int64_t)id * 768 + j] += b1064[r * 768 + j];
+        b1079[(int64_t)id * 768 + j] += b1076[r * 768 + j];
     }
   }
 }
 
 // k236_embed_bwd__add: kernel, 2 ops
-//   %1068  embed_bwd                               line 22    f32[50257,768]
-//   %1069  add                d.wte                line 22    f32[50257,768]
+//   %1080  embed_bwd                               line 22    f32[50257,768]
+//   %1081  add                d.wte                line 22    f32[50257,768]
 // loops:
 //   embed backward: 8192 rows of 768 into a table of 50257, 48 column blocks
-//   elementwise over 38597376: %1069
+//   elementwise over 38597376: %1081
 static void k236_embed_bwd__add(char *arena, const MdlHooks *h) {
   int32_t *const b0 = (int32_t *)(arena + 2238100992); // %0 input tokens i32[8,1024]
   float *const b570 = (float *)(arena + 2238232192); // %570 matmul f32[50257,768]
-  float *const b1064 = (float *)(arena + 2392621696); // %1064 add d.x f32[8,1024,768]
-  float *const b1068 = mdl_scratch(154389504); // %1068 embed_bwd f32[50257,768], kept in this kernel
-  float *const b1069 = (float *)(arena + 497759232); // %1069 add d.wte f32[50257,768]
+  float *const b1076 = (float *)(arena + 2392621696); // %1076 add d.x f32[8,1024,768]
+  float *const b1080 = mdl_scratch(154389504); // %1080 embed_bwd f32[50257,768], kept in this kernel
+  float *const b1081 = (float *)(arena + 497759232); // %1081 add d.wte f32[50257,768]
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
   for (int64_t k = 0; k < 48; k++) {
     const int64_t c0 = k * 16, c1 = c0 + 16 < 768 ? c0 + 16 : 768;
     for (int64_t t = 0; t < 50257; t++)
-      memset(b1068 + t * 768 + c0, 0, (size_t)(c1 - c0) * sizeof(float));
+      memset(b1080 + t * 768 + c0, 0, (size_t)(c1 - c0) * sizeof(float));
     for (int64_t r = 0; r < 8192; r++) {
       const int32_t id = b0[r];
       if (id < 0 || id >= 50257) {
@@ -11316,171 +11460,171 @@ static void k236_embed_bwd__add(char *arena, const MdlHooks *h) {
         continue;
       }
       for (int64_t j = c0; j < c1; j++)
-        b1068[(int64_t)id * 768 + j] += b1064[r * 768 + j];
+        b1080[(int64_t)id * 768 + j] += b1076[r * 768 + j];
     }
   }
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
   for (int64_t i = 0; i < 38597376; i++) {
     const float v570_i = b570[i];
-    const float v1068_i = b1068[i];
-    const float v1069_i = v570_i + v1068_i;
-    b1069[i] = v1069_i;
+    const float v1080_i = b1080[i];
+    const float v1081_i = v570_i + v1080_i;
+    b1081[i] = v1081_i;
   }
-  free(b1068);
+  free(b1080);
 }
 
 // k237_grad_norm__adamw: optimizer, 149 ops
-//   %1072  grad_norm                                          f32[]
-//   %1075  adamw              wte.new              line 19    f32[50257,768]
-//   %1078  adamw              wpe.new              line 20    f32[1024,768]
-//   %1081  adamw              h.0.ln1_w.new        line 25    f32[768]
-//   %1084  adamw              h.0.ln1_b.new        line 26    f32[768]
-//   %1087  adamw              h.0.attn_w.new       line 27    f32[768,2304]
-//   %1090  adamw              h.0.attn_b.new       line 28    f32[2304]
-//   %1093  adamw              h.0.proj_w.new       line 29    f32[768,768]
-//   %1096  adamw              h.0.proj_b.new       line 30    f32[768]
-//   %1099  adamw              h.0.ln2_w.new        line 31    f32[768]
-//   %1102  adamw              h.0.ln2_b.new        line 32    f32[768]
-//   %1105  adamw              h.0.fc_w.new         line 33    f32[768,3072]
-//   %1108  adamw              h.0.fc_b.new         line 34    f32[3072]
-//   %1111  adamw              h.0.fcproj_w.new     line 35    f32[3072,768]
-//   %1114  adamw              h.0.fcproj_b.new     line 36    f32[768]
-//   %1117  adamw              h.1.ln1_w.new        line 25    f32[768]
-//   %1120  adamw              h.1.ln1_b.new        line 26    f32[768]
-//   %1123  adamw              h.1.attn_w.new       line 27    f32[768,2304]
-//   %1126  adamw              h.1.attn_b.new       line 28    f32[2304]
-//   %1129  adamw              h.1.proj_w.new       line 29    f32[768,768]
-//   %1132  adamw              h.1.proj_b.new       line 30    f32[768]
-//   %1135  adamw              h.1.ln2_w.new        line 31    f32[768]
-//   %1138  adamw              h.1.ln2_b.new        line 32    f32[768]
-//   %1141  adamw              h.1.fc_w.new         line 33    f32[768,3072]
-//   %1144  adamw              h.1.fc_b.new         line 34    f32[3072]
-//   %1147  adamw              h.1.fcproj_w.new     line 35    f32[3072,768]
-//   %1150  adamw              h.1.fcproj_b.new     line 36    f32[768]
-//   %1153  adamw              h.2.ln1_w.new        line 25    f32[768]
-//   %1156  adamw              h.2.ln1_b.new        line 26    f32[768]
-//   %1159  adamw              h.2.attn_w.new       line 27    f32[768,2304]
-//   %1162  adamw              h.2.attn_b.new       line 28    f32[2304]
-//   %1165  adamw              h.2.proj_w.new       line 29    f32[768,768]
-//   %1168  adamw              h.2.proj_b.new       line 30    f32[768]
-//   %1171  adamw              h.2.ln2_w.new        line 31    f32[768]
-//   %1174  adamw              h.2.ln2_b.new        line 32    f32[768]
-//   %1177  adamw              h.2.fc_w.new         line 33    f32[768,3072]
-//   %1180  adamw              h.2.fc_b.new         line 34    f32[3072]
-//   %1183  adamw              h.2.fcproj_w.new     line 35    f32[3072,768]
-//   %1186  adamw              h.2.fcproj_b.new     line 36    f32[768]
-//   %1189  adamw              h.3.ln1_w.new        line 25    f32[768]
-//   %1192  adamw              h.3.ln1_b.new        line 26    f32[768]
-//   %1195  adamw              h.3.attn_w.new       line 27    f32[768,2304]
-//   %1198  adamw              h.3.attn_b.new       line 28    f32[2304]
-//   %1201  adamw              h.3.proj_w.new       line 29    f32[768,768]
-//   %1204  adamw              h.3.proj_b.new       line 30    f32[768]
-//   %1207  adamw              h.3.ln2_w.new        line 31    f32[768]
-//   %1210  adamw              h.3.ln2_b.new        line 32    f32[768]
-//   %1213  adamw              h.3.fc_w.new         line 33    f32[768,3072]
-//   %1216  adamw              h.3.fc_b.new         line 34    f32[3072]
-//   %1219  adamw              h.3.fcproj_w.new     line 35    f32[3072,768]
-//   %1222  adamw              h.3.fcproj_b.new     line 36    f32[768]
-//   %1225  adamw              h.4.ln1_w.new        line 25    f32[768]
-//   %1228  adamw              h.4.ln1_b.new        line 26    f32[768]
-//   %1231  adamw              h.4.attn_w.new       line 27    f32[768,2304]
-//   %1234  adamw              h.4.attn_b.new       line 28    f32[2304]
-//   %1237  adamw              h.4.proj_w.new       line 29    f32[768,768]
-//   %1240  adamw              h.4.proj_b.new       line 30    f32[768]
-//   %1243  adamw              h.4.ln2_w.new        line 31    f32[768]
-//   %1246  adamw              h.4.ln2_b.new        line 32    f32[768]
-//   %1249  adamw              h.4.fc_w.new         line 33    f32[768,3072]
-//   %1252  adamw              h.4.fc_b.new         line 34    f32[3072]
-//   %1255  adamw              h.4.fcproj_w.new     line 35    f32[3072,768]
-//   %1258  adamw              h.4.fcproj_b.new     line 36    f32[768]
-//   %1261  adamw              h.5.ln1_w.new        line 25    f32[768]
-//   %1264  adamw              h.5.ln1_b.new        line 26    f32[768]
-//   %1267  adamw              h.5.attn_w.new       line 27    f32[768,2304]
-//   %1270  adamw              h.5.attn_b.new       line 28    f32[2304]
-//   %1273  adamw              h.5.proj_w.new       line 29    f32[768,768]
-//   %1276  adamw              h.5.proj_b.new       line 30    f32[768]
-//   %1279  adamw              h.5.ln2_w.new        line 31    f32[768]
-//   %1282  adamw              h.5.ln2_b.new        line 32    f32[768]
-//   %1285  adamw              h.5.fc_w.new         line 33    f32[768,3072]
-//   %1288  adamw              h.5.fc_b.new         line 34    f32[3072]
-//   %1291  adamw              h.5.fcproj_w.new     line 35    f32[3072,768]
-//   %1294  adamw              h.5.fcproj_b.new     line 36    f32[768]
-//   %1297  adamw              h.6.ln1_w.new        line 25    f32[768]
-//   %1300  adamw              h.6.ln1_b.new        line 26    f32[768]
-//   %1303  adamw              h.6.attn_w.new       line 27    f32[768,2304]
-//   %1306  adamw              h.6.attn_b.new       line 28    f32[2304]
-//   %1309  adamw              h.6.proj_w.new       line 29    f32[768,768]
-//   %1312  adamw              h.6.proj_b.new       line 30    f32[768]
-//   %1315  adamw              h.6.ln2_w.new        line 31    f32[768]
-//   %1318  adamw              h.6.ln2_b.new        line 32    f32[768]
-//   %1321  adamw              h.6.fc_w.new         line 33    f32[768,3072]
-//   %1324  adamw              h.6.fc_b.new         line 34    f32[3072]
-//   %1327  adamw              h.6.fcproj_w.new     line 35    f32[3072,768]
-//   %1330  adamw              h.6.fcproj_b.new     line 36    f32[768]
-//   %1333  adamw              h.7.ln1_w.new        line 25    f32[768]
-//   %1336  adamw              h.7.ln1_b.new        line 26    f32[768]
-//   %1339  adamw              h.7.attn_w.new       line 27    f32[768,2304]
-//   %1342  adamw              h.7.attn_b.new       line 28    f32[2304]
-//   %1345  adamw              h.7.proj_w.new       line 29    f32[768,768]
-//   %1348  adamw              h.7.proj_b.new       line 30    f32[768]
-//   %1351  adamw              h.7.ln2_w.new        line 31    f32[768]
-//   %1354  adamw              h.7.ln2_b.new        line 32    f32[768]
-//   %1357  adamw              h.7.fc_w.new         line 33    f32[768,3072]
-//   %1360  adamw              h.7.fc_b.new         line 34    f32[3072]
-//   %1363  adamw              h.7.fcproj_w.new     line 35    f32[3072,768]
-//   %1366  adamw              h.7.fcproj_b.new     line 36    f32[768]
-//   %1369  adamw              h.8.ln1_w.new        line 25    f32[768]
-//   %1372  adamw              h.8.ln1_b.new        line 26    f32[768]
-//   %1375  adamw              h.8.attn_w.new       line 27    f32[768,2304]
-//   %1378  adamw              h.8.attn_b.new       line 28    f32[2304]
-//   %1381  adamw              h.8.proj_w.new       line 29    f32[768,768]
-//   %1384  adamw              h.8.proj_b.new       line 30    f32[768]
-//   %1387  adamw              h.8.ln2_w.new        line 31    f32[768]
-//   %1390  adamw              h.8.ln2_b.new        line 32    f32[768]
-//   %1393  adamw              h.8.fc_w.new         line 33    f32[768,3072]
-//   %1396  adamw              h.8.fc_b.new         line 34    f32[3072]
-//   %1399  adamw              h.8.fcproj_w.new     line 35    f32[3072,768]
-//   %1402  adamw              h.8.fcproj_b.new     line 36    f32[768]
-//   %1405  adamw              h.9.ln1_w.new        line 25    f32[768]
-//   %1408  adamw              h.9.ln1_b.new        line 26    f32[768]
-//   %1411  adamw              h.9.attn_w.new       line 27    f32[768,2304]
-//   %1414  adamw              h.9.attn_b.new       line 28    f32[2304]
-//   %1417  adamw              h.9.proj_w.new       line 29    f32[768,768]
-//   %1420  adamw              h.9.proj_b.new       line 30    f32[768]
-//   %1423  adamw              h.9.ln2_w.new        line 31    f32[768]
-//   %1426  adamw              h.9.ln2_b.new        line 32    f32[768]
-//   %1429  adamw              h.9.fc_w.new         line 33    f32[768,3072]
-//   %1432  adamw              h.9.fc_b.new         line 34    f32[3072]
-//   %1435  adamw              h.9.fcproj_w.new     line 35    f32[3072,768]
-//   %1438  adamw              h.9.fcproj_b.new     line 36    f32[768]
-//   %1441  adamw              h.10.ln1_w.new       line 25    f32[768]
-//   %1444  adamw              h.10.ln1_b.new       line 26    f32[768]
-//   %1447  adamw              h.10.attn_w.new      line 27    f32[768,2304]
-//   %1450  adamw              h.10.attn_b.new      line 28    f32[2304]
-//   %1453  adamw              h.10.proj_w.new      line 29    f32[768,768]
-//   %1456  adamw              h.10.proj_b.new      line 30    f32[768]
-//   %1459  adamw              h.10.ln2_w.new       line 31    f32[768]
-//   %1462  adamw              h.10.ln2_b.new       line 32    f32[768]
-//   %1465  adamw              h.10.fc_w.new        line 33    f32[768,3072]
-//   %1468  adamw              h.10.fc_b.new        line 34    f32[3072]
-//   %1471  adamw              h.10.fcproj_w.new    line 35    f32[3072,768]
-//   %1474  adamw              h.10.fcproj_b.new    line 36    f32[768]
-//   %1477  adamw              h.11.ln1_w.new       line 25    f32[768]
-//   %1480  adamw              h.11.ln1_b.new       line 26    f32[768]
-//   %1483  adamw              h.11.attn_w.new      line 27    f32[768,2304]
-//   %1486  adamw              h.11.attn_b.new      line 28    f32[2304]
-//   %1489  adamw              h.11.proj_w.new      line 29    f32[768,768]
-//   %1492  adamw              h.11.proj_b.new      line 30    f32[768]
-//   %1495  adamw              h.11.ln2_w.new       line 31    f32[768]
-//   %1498  adamw              h.11.ln2_b.new       line 32    f32[768]
-//   %1501  adamw              h.11.fc_w.new        line 33    f32[768,3072]
-//   %1504  adamw              h.11.fc_b.new        line 34    f32[3072]
-//   %1507  adamw              h.11.fcproj_w.new    line 35    f32[3072,768]
-//   %1510  adamw              h.11.fcproj_b.new    line 36    f32[768]
-//   %1513  adamw              lnf_w.new            line 43    f32[768]
-//   %1516  adamw              lnf_b.new            line 44    f32[768]
+//   %1084  grad_norm                                          f32[]
+//   %1087  adamw              wte.new              line 19    f32[50257,768]
+//   %1090  adamw              wpe.new              line 20    f32[1024,768]
+//   %1093  adamw              h.0.ln1_w.new        line 25    f32[768]
+//   %1096  adamw              h.0.ln1_b.new        line 26    f32[768]
+//   %1099  adamw              h.0.attn_w.new       line 27    f32[768,2304]
+//   %1102  adamw              h.0.attn_b.new       line 28    f32[2304]
+//   %1105  adamw              h.0.proj_w.new       line 29    f32[768,768]
+//   %1108  adamw              h.0.proj_b.new       line 30    f32[768]
+//   %1111  adamw              h.0.ln2_w.new        line 31    f32[768]
+//   %1114  adamw              h.0.ln2_b.new        line 32    f32[768]
+//   %1117  adamw              h.0.fc_w.new         line 33    f32[768,3072]
+//   %1120  adamw              h.0.fc_b.new         line 34    f32[3072]
+//   %1123  adamw              h.0.fcproj_w.new     line 35    f32[3072,768]
+//   %1126  adamw              h.0.fcproj_b.new     line 36    f32[768]
+//   %1129  adamw              h.1.ln1_w.new        line 25    f32[768]
+//   %1132  adamw              h.1.ln1_b.new        line 26    f32[768]
+//   %1135  adamw              h.1.attn_w.new       line 27    f32[768,2304]
+//   %1138  adamw              h.1.attn_b.new       line 28    f32[2304]
+//   %1141  adamw              h.1.proj_w.new       line 29    f32[768,768]
+//   %1144  adamw              h.1.proj_b.new       line 30    f32[768]
+//   %1147  adamw              h.1.ln2_w.new        line 31    f32[768]
+//   %1150  adamw              h.1.ln2_b.new        line 32    f32[768]
+//   %1153  adamw              h.1.fc_w.new         line 33    f32[768,3072]
+//   %1156  adamw              h.1.fc_b.new         line 34    f32[3072]
+//   %1159  adamw              h.1.fcproj_w.new     line 35    f32[3072,768]
+//   %1162  adamw              h.1.fcproj_b.new     line 36    f32[768]
+//   %1165  adamw              h.2.ln1_w.new        line 25    f32[768]
+//   %1168  adamw              h.2.ln1_b.new        line 26    f32[768]
+//   %1171  adamw              h.2.attn_w.new       line 27    f32[768,2304]
+//   %1174  adamw              h.2.attn_b.new       line 28    f32[2304]
+//   %1177  adamw              h.2.proj_w.new       line 29    f32[768,768]
+//   %1180  adamw              h.2.proj_b.new       line 30    f32[768]
+//   %1183  adamw              h.2.ln2_w.new        line 31    f32[768]
+//   %1186  adamw              h.2.ln2_b.new        line 32    f32[768]
+//   %1189  adamw              h.2.fc_w.new         line 33    f32[768,3072]
+//   %1192  adamw              h.2.fc_b.new         line 34    f32[3072]
+//   %1195  adamw              h.2.fcproj_w.new     line 35    f32[3072,768]
+//   %1198  adamw              h.2.fcproj_b.new     line 36    f32[768]
+//   %1201  adamw              h.3.ln1_w.new        line 25    f32[768]
+//   %1204  adamw              h.3.ln1_b.new        line 26    f32[768]
+//   %1207  adamw              h.3.attn_w.new       line 27    f32[768,2304]
+//   %1210  adamw              h.3.attn_b.new       line 28    f32[2304]
+//   %1213  adamw              h.3.proj_w.new       line 29    f32[768,768]
+//   %1216  adamw              h.3.proj_b.new       line 30    f32[768]
+//   %1219  adamw              h.3.ln2_w.new        line 31    f32[768]
+//   %1222  adamw              h.3.ln2_b.new        line 32    f32[768]
+//   %1225  adamw              h.3.fc_w.new         line 33    f32[768,3072]
+//   %1228  adamw              h.3.fc_b.new         line 34    f32[3072]
+//   %1231  adamw              h.3.fcproj_w.new     line 35    f32[3072,768]
+//   %1234  adamw              h.3.fcproj_b.new     line 36    f32[768]
+//   %1237  adamw              h.4.ln1_w.new        line 25    f32[768]
+//   %1240  adamw              h.4.ln1_b.new        line 26    f32[768]
+//   %1243  adamw              h.4.attn_w.new       line 27    f32[768,2304]
+//   %1246  adamw              h.4.attn_b.new       line 28    f32[2304]
+//   %1249  adamw              h.4.proj_w.new       line 29    f32[768,768]
+//   %1252  adamw              h.4.proj_b.new       line 30    f32[768]
+//   %1255  adamw              h.4.ln2_w.new        line 31    f32[768]
+//   %1258  adamw              h.4.ln2_b.new        line 32    f32[768]
+//   %1261  adamw              h.4.fc_w.new         line 33    f32[768,3072]
+//   %1264  adamw              h.4.fc_b.new         line 34    f32[3072]
+//   %1267  adamw              h.4.fcproj_w.new     line 35    f32[3072,768]
+//   %1270  adamw              h.4.fcproj_b.new     line 36    f32[768]
+//   %1273  adamw              h.5.ln1_w.new        line 25    f32[768]
+//   %1276  adamw              h.5.ln1_b.new        line 26    f32[768]
+//   %1279  adamw              h.5.attn_w.new       line 27    f32[768,2304]
+//   %1282  adamw              h.5.attn_b.new       line 28    f32[2304]
+//   %1285  adamw              h.5.proj_w.new       line 29    f32[768,768]
+//   %1288  adamw              h.5.proj_b.new       line 30    f32[768]
+//   %1291  adamw              h.5.ln2_w.new        line 31    f32[768]
+//   %1294  adamw              h.5.ln2_b.new        line 32    f32[768]
+//   %1297  adamw              h.5.fc_w.new         line 33    f32[768,3072]
+//   %1300  adamw              h.5.fc_b.new         line 34    f32[3072]
+//   %1303  adamw              h.5.fcproj_w.new     line 35    f32[3072,768]
+//   %1306  adamw              h.5.fcproj_b.new     line 36    f32[768]
+//   %1309  adamw              h.6.ln1_w.new        line 25    f32[768]
+//   %1312  adamw              h.6.ln1_b.new        line 26    f32[768]
+//   %1315  adamw              h.6.attn_w.new       line 27    f32[768,2304]
+//   %1318  adamw              h.6.attn_b.new       line 28    f32[2304]
+//   %1321  adamw              h.6.proj_w.new       line 29    f32[768,768]
+//   %1324  adamw              h.6.proj_b.new       line 30    f32[768]
+//   %1327  adamw              h.6.ln2_w.new        line 31    f32[768]
+//   %1330  adamw              h.6.ln2_b.new        line 32    f32[768]
+//   %1333  adamw              h.6.fc_w.new         line 33    f32[768,3072]
+//   %1336  adamw              h.6.fc_b.new         line 34    f32[3072]
+//   %1339  adamw              h.6.fcproj_w.new     line 35    f32[3072,768]
+//   %1342  adamw              h.6.fcproj_b.new     line 36    f32[768]
+//   %1345  adamw              h.7.ln1_w.new        line 25    f32[768]
+//   %1348  adamw              h.7.ln1_b.new        line 26    f32[768]
+//   %1351  adamw              h.7.attn_w.new       line 27    f32[768,2304]
+//   %1354  adamw              h.7.attn_b.new       line 28    f32[2304]
+//   %1357  adamw              h.7.proj_w.new       line 29    f32[768,768]
+//   %1360  adamw              h.7.proj_b.new       line 30    f32[768]
+//   %1363  adamw              h.7.ln2_w.new        line 31    f32[768]
+//   %1366  adamw              h.7.ln2_b.new        line 32    f32[768]
+//   %1369  adamw              h.7.fc_w.new         line 33    f32[768,3072]
+//   %1372  adamw              h.7.fc_b.new         line 34    f32[3072]
+//   %1375  adamw              h.7.fcproj_w.new     line 35    f32[3072,768]
+//   %1378  adamw              h.7.fcproj_b.new     line 36    f32[768]
+//   %1381  adamw              h.8.ln1_w.new        line 25    f32[768]
+//   %1384  adamw              h.8.ln1_b.new        line 26    f32[768]
+//   %1387  adamw              h.8.attn_w.new       line 27    f32[768,2304]
+//   %1390  adamw              h.8.attn_b.new       line 28    f32[2304]
+//   %1393  adamw              h.8.proj_w.new       line 29    f32[768,768]
+//   %1396  adamw              h.8.proj_b.new       line 30    f32[768]
+//   %1399  adamw              h.8.ln2_w.new        line 31    f32[768]
+//   %1402  adamw              h.8.ln2_b.new        line 32    f32[768]
+//   %1405  adamw              h.8.fc_w.new         line 33    f32[768,3072]
+//   %1408  adamw              h.8.fc_b.new         line 34    f32[3072]
+//   %1411  adamw              h.8.fcproj_w.new     line 35    f32[3072,768]
+//   %1414  adamw              h.8.fcproj_b.new     line 36    f32[768]
+//   %1417  adamw              h.9.ln1_w.new        line 25    f32[768]
+//   %1420  adamw              h.9.ln1_b.new        line 26    f32[768]
+//   %1423  adamw              h.9.attn_w.new       line 27    f32[768,2304]
+//   %1426  adamw              h.9.attn_b.new       line 28    f32[2304]
+//   %1429  adamw              h.9.proj_w.new       line 29    f32[768,768]
+//   %1432  adamw              h.9.proj_b.new       line 30    f32[768]
+//   %1435  adamw              h.9.ln2_w.new        line 31    f32[768]
+//   %1438  adamw              h.9.ln2_b.new        line 32    f32[768]
+//   %1441  adamw              h.9.fc_w.new         line 33    f32[768,3072]
+//   %1444  adamw              h.9.fc_b.new         line 34    f32[3072]
+//   %1447  adamw              h.9.fcproj_w.new     line 35    f32[3072,768]
+//   %1450  adamw              h.9.fcproj_b.new     line 36    f32[768]
+//   %1453  adamw              h.10.ln1_w.new       line 25    f32[768]
+//   %1456  adamw              h.10.ln1_b.new       line 26    f32[768]
+//   %1459  adamw              h.10.attn_w.new      line 27    f32[768,2304]
+//   %1462  adamw              h.10.attn_b.new      line 28    f32[2304]
+//   %1465  adamw              h.10.proj_w.new      line 29    f32[768,768]
+//   %1468  adamw              h.10.proj_b.new      line 30    f32[768]
+//   %1471  adamw              h.10.ln2_w.new       line 31    f32[768]
+//   %1474  adamw              h.10.ln2_b.new       line 32    f32[768]
+//   %1477  adamw              h.10.fc_w.new        line 33    f32[768,3072]
+//   %1480  adamw              h.10.fc_b.new        line 34    f32[3072]
+//   %1483  adamw              h.10.fcproj_w.new    line 35    f32[3072,768]
+//   %1486  adamw              h.10.fcproj_b.new    line 36    f32[768]
+//   %1489  adamw              h.11.ln1_w.new       line 25    f32[768]
+//   %1492  adamw              h.11.ln1_b.new       line 26    f32[768]
+//   %1495  adamw              h.11.attn_w.new      line 27    f32[768,2304]
+//   %1498  adamw              h.11.attn_b.new      line 28    f32[2304]
+//   %1501  adamw              h.11.proj_w.new      line 29    f32[768,768]
+//   %1504  adamw              h.11.proj_b.new      line 30    f32[768]
+//   %1507  adamw              h.11.ln2_w.new       line 31    f32[768]
+//   %1510  adamw              h.11.ln2_b.new       line 32    f32[768]
+//   %1513  adamw              h.11.fc_w.new        line 33    f32[768,3072]
+//   %1516  adamw              h.11.fc_b.new        line 34    f32[3072]
+//   %1519  adamw              h.11.fcproj_w.new    line 35    f32[3072,768]
+//   %1522  adamw              h.11.fcproj_b.new    line 36    f32[768]
+//   %1525  adamw              lnf_w.new            line 43    f32[768]
+//   %1528  adamw              lnf_b.new            line 44    f32[768]
 // loops:
-//   gradient norm %1072 over 148 tensors, 124439808 values
+//   gradient norm %1084 over 148 tensors, 124439808 values
 //   AdamW over 148 parameters, 124439808 values (beta1 0.9, beta2 0.95, eps 1e-08, clip 1); 49 bf16 copies
 static void k237_grad_norm__adamw(char *arena, const MdlHooks *h) {
   float *const b573 = (float *)(arena + 995512320); // %573 layernorm_bwd d.lnf_w f32[768]
@@ -11493,287 +11637,287 @@ static void k237_grad_norm__adamw(char *arena, const MdlHooks *h) {
   float *const b591 = (float *)(arena + 976619520); // %591 layernorm_bwd d.h.11.ln2_b f32[768]
   float *const b593 = (float *)(arena + 976613376); // %593 sum d.h.11.proj_b f32[768]
   float *const b596 = (float *)(arena + 974254080); // %596 matmul d.h.11.proj_w f32[768,768]
-  float *const b607 = (float *)(arena + 974244864); // %607 sum d.h.11.attn_b f32[2304]
-  float *const b610 = (float *)(arena + 967166976); // %610 matmul d.h.11.attn_w f32[768,2304]
-  float *const b614 = (float *)(arena + 967160832); // %614 layernorm_bwd d.h.11.ln1_w f32[768]
-  float *const b615 = (float *)(arena + 967163904); // %615 layernorm_bwd d.h.11.ln1_b f32[768]
-  float *const b617 = (float *)(arena + 967157760); // %617 sum d.h.10.fcproj_b f32[768]
-  float *const b620 = (float *)(arena + 957720576); // %620 matmul d.h.10.fcproj_w f32[3072,768]
-  float *const b624 = (float *)(arena + 957708288); // %624 sum d.h.10.fc_b f32[3072]
-  float *const b627 = (float *)(arena + 948271104); // %627 matmul d.h.10.fc_w f32[768,3072]
-  float *const b631 = (float *)(arena + 948264960); // %631 layernorm_bwd d.h.10.ln2_w f32[768]
-  float *const b632 = (float *)(arena + 948268032); // %632 layernorm_bwd d.h.10.ln2_b f32[768]
-  float *const b634 = (float *)(arena + 948261888); // %634 sum d.h.10.proj_b f32[768]
-  float *const b637 = (float *)(arena + 945902592); // %637 matmul d.h.10.proj_w f32[768,768]
-  float *const b648 = (float *)(arena + 945893376); // %648 sum d.h.10.attn_b f32[2304]
-  float *const b651 = (float *)(arena + 938815488); // %651 matmul d.h.10.attn_w f32[768,2304]
-  float *const b655 = (float *)(arena + 938809344); // %655 layernorm_bwd d.h.10.ln1_w f32[768]
-  float *const b656 = (float *)(arena + 938812416); // %656 layernorm_bwd d.h.10.ln1_b f32[768]
-  float *const b658 = (float *)(arena + 938806272); // %658 sum d.h.9.fcproj_b f32[768]
-  float *const b661 = (float *)(arena + 929369088); // %661 matmul d.h.9.fcproj_w f32[3072,768]
-  float *const b665 = (float *)(arena + 929356800); // %665 sum d.h.9.fc_b f32[3072]
-  float *const b668 = (float *)(arena + 919919616); // %668 matmul d.h.9.fc_w f32[768,3072]
-  float *const b672 = (float *)(arena + 919913472); // %672 layernorm_bwd d.h.9.ln2_w f32[768]
-  float *const b673 = (float *)(arena + 919916544); // %673 layernorm_bwd d.h.9.ln2_b f32[768]
-  float *const b675 = (float *)(arena + 919910400); // %675 sum d.h.9.proj_b f32[768]
-  float *const b678 = (float *)(arena + 917551104); // %678 matmul d.h.9.proj_w f32[768,768]
-  float *const b689 = (float *)(arena + 917541888); // %689 sum d.h.9.attn_b f32[2304]
-  float *const b692 = (float *)(arena + 910464000); // %692 matmul d.h.9.attn_w f32[768,2304]
-  float *const b696 = (float *)(arena + 910457856); // %696 layernorm_bwd d.h.9.ln1_w f32[768]
-  float *const b697 = (float *)(arena + 910460928); // %697 layernorm_bwd d.h.9.ln1_b f32[768]
-  float *const b699 = (float *)(arena + 910454784); // %699 sum d.h.8.fcproj_b f32[768]
-  float *const b702 = (float *)(arena + 901017600); // %702 matmul d.h.8.fcproj_w f32[3072,768]
-  float *const b706 = (float *)(arena + 901005312); // %706 sum d.h.8.fc_b f32[3072]
-  float *const b709 = (float *)(arena + 891568128); // %709 matmul d.h.8.fc_w f32[768,3072]
-  float *const b713 = (float *)(arena + 891561984); // %713 layernorm_bwd d.h.8.ln2_w f32[768]
-  float *const b714 = (float *)(arena + 891565056); // %714 layernorm_bwd d.h.8.ln2_b f32[768]
-  float *const b716 = (float *)(arena + 891558912); // %716 sum d.h.8.proj_b f32[768]
-  float *const b719 = (float *)(arena + 889199616); // %719 matmul d.h.8.proj_w f32[768,768]
-  float *const b730 = (float *)(arena + 889190400); // %730 sum d.h.8.attn_b f32[2304]
-  float *const b733 = (float *)(arena + 882112512); // %733 matmul d.h.8.attn_w f32[768,2304]
-  float *const b737 = (float *)(arena + 882106368); // %737 layernorm_bwd d.h.8.ln1_w f32[768]
-  float *const b738 = (float *)(arena + 882109440); // %738 layernorm_bwd d.h.8.ln1_b f32[768]
-  float *const b740 = (float *)(arena + 882103296); // %740 sum d.h.7.fcproj_b f32[768]
-  float *const b743 = (float *)(arena + 872666112); // %743 matmul d.h.7.fcproj_w f32[3072,768]
-  float *const b747 = (float *)(arena + 872653824); // %747 sum d.h.7.fc_b f32[3072]
-  float *const b750 = (float *)(arena + 863216640); // %750 matmul d.h.7.fc_w f32[768,3072]
-  float *const b754 = (float *)(arena + 863210496); // %754 layernorm_bwd d.h.7.ln2_w f32[768]
-  float *const b755 = (float *)(arena + 863213568); // %755 layernorm_bwd d.h.7.ln2_b f32[768]
-  float *const b757 = (float *)(arena + 863207424); // %757 sum d.h.7.proj_b f32[768]
-  float *const b760 = (float *)(arena + 860848128); // %760 matmul d.h.7.proj_w f32[768,768]
-  float *const b771 = (float *)(arena + 860838912); // %771 sum d.h.7.attn_b f32[2304]
-  float *const b774 = (float *)(arena + 853761024); // %774 matmul d.h.7.attn_w f32[768,2304]
-  float *const b778 = (float *)(arena + 853754880); // %778 layernorm_bwd d.h.7.ln1_w f32[768]
-  float *const b779 = (float *)(arena + 853757952); // %779 layernorm_bwd d.h.7.ln1_b f32[768]
-  float *const b781 = (float *)(arena + 853751808); // %781 sum d.h.6.fcproj_b f32[768]
-  float *const b784 = (float *)(arena + 844314624); // %784 matmul d.h.6.fcproj_w f32[3072,768]
-  float *const b788 = (float *)(arena + 844302336); // %788 sum d.h.6.fc_b f32[3072]
-  float *const b791 = (float *)(arena + 834865152); // %791 matmul d.h.6.fc_w f32[768,3072]
-  float *const b795 = (float *)(arena + 834859008); // %795 layernorm_bwd d.h.6.ln2_w f32[768]
-  float *const b796 = (float *)(arena + 834862080); // %796 layernorm_bwd d.h.6.ln2_b f32[768]
-  float *const b798 = (float *)(arena + 834855936); // %798 sum d.h.6.proj_b f32[768]
-  float *const b801 = (float *)(arena + 832496640); // %801 matmul d.h.6.proj_w f32[768,768]
-  float *const b812 = (float *)(arena + 832487424); // %812 sum d.h.6.attn_b f32[2304]
-  float *const b815 = (float *)(arena + 825409536); // %815 matmul d.h.6.attn_w f32[768,2304]
-  float *const b819 = (float *)(arena + 825403392); // %819 layernorm_bwd d.h.6.ln1_w f32[768]
-  float *const b820 = (float *)(arena + 825406464); // %820 layernorm_bwd d.h.6.ln1_b f32[768]
-  float *const b822 = (float *)(arena + 825400320); // %822 sum d.h.5.fcproj_b f32[768]
-  float *const b825 = (float *)(arena + 815963136); // %825 matmul d.h.5.fcproj_w f32[3072,768]
-  float *const b829 = (float *)(arena + 815950848); // %829 sum d.h.5.fc_b f32[3072]
-  float *const b832 = (float *)(arena + 806513664); // %832 matmul d.h.5.fc_w f32[768,3072]
-  float *const b836 = (float *)(arena + 806507520); // %836 layernorm_bwd d.h.5.ln2_w f32[768]
-  float *const b837 = (float *)(arena + 806510592); // %837 layernorm_bwd d.h.5.ln2_b f32[768]
-  float *const b839 = (float *)(arena + 806504448); // %839 sum d.h.5.proj_b f32[768]
-  float *const b842 = (float *)(arena + 804145152); // %842 matmul d.h.5.proj_w f32[768,768]
-  float *const b853 = (float *)(arena + 804135936); // %853 sum d.h.5.attn_b f32[2304]
-  float *const b856 = (float *)(arena + 797058048); // %856 matmul d.h.5.attn_w f32[768,2304]
-  float *const b860 = (float *)(arena + 797051904); // %860 layernorm_bwd d.h.5.ln1_w f32[768]
-  float *const b861 = (float *)(arena + 797054976); // %861 layernorm_bwd d.h.5.ln1_b f32[768]
-  float *const b863 = (float *)(arena + 797048832); // %863 sum d.h.4.fcproj_b f32[768]
-  float *const b866 = (float *)(arena + 787611648); // %866 matmul d.h.4.fcproj_w f32[3072,768]
-  float *const b870 = (float *)(arena + 787599360); // %870 sum d.h.4.fc_b f32[3072]
-  float *const b873 = (float *)(arena + 778162176); // %873 matmul d.h.4.fc_w f32[768,3072]
-  float *const b877 = (float *)(arena + 778156032); // %877 layernorm_bwd d.h.4.ln2_w f32[768]
-  float *const b878 = (float *)(arena + 778159104); // %878 layernorm_bwd d.h.4.ln2_b f32[768]
-  float *const b880 = (float *)(arena + 778152960); // %880 sum d.h.4.proj_b f32[768]
-  float *const b883 = (float *)(arena + 775793664); // %883 matmul d.h.4.proj_w f32[768,768]
-  float *const b894 = (float *)(arena + 775784448); // %894 sum d.h.4.attn_b f32[2304]
-  float *const b897 = (float *)(arena + 768706560); // %897 matmul d.h.4.attn_w f32[768,2304]
-  float *const b901 = (float *)(arena + 768700416); // %901 layernorm_bwd d.h.4.ln1_w f32[768]
-  float *const b902 = (float *)(arena + 768703488); // %902 layernorm_bwd d.h.4.ln1_b f32[768]
-  float *const b904 = (float *)(arena + 768697344); // %904 sum d.h.3.fcproj_b f32[768]
-  float *const b907 = (float *)(arena + 759260160); // %907 matmul d.h.3.fcproj_w f32[3072,768]
-  float *const b911 = (float *)(arena + 759247872); // %911 sum d.h.3.fc_b f32[3072]
-  float *const b914 = (float *)(arena + 749810688); // %914 matmul d.h.3.fc_w f32[768,3072]
-  float *const b918 = (float *)(arena + 749804544); // %918 layernorm_bwd d.h.3.ln2_w f32[768]
-  float *const b919 = (float *)(arena + 749807616); // %919 layernorm_bwd d.h.3.ln2_b f32[768]
-  float *const b921 = (float *)(arena + 749801472); // %921 sum d.h.3.proj_b f32[768]
-  float *const b924 = (float *)(arena + 747442176); // %924 matmul d.h.3.proj_w f32[768,768]
-  float *const b935 = (float *)(arena + 747432960); // %935 sum d.h.3.attn_b f32[2304]
-  float *const b938 = (float *)(arena + 740355072); // %938 matmul d.h.3.attn_w f32[768,2304]
-  float *const b942 = (float *)(arena + 740348928); // %942 layernorm_bwd d.h.3.ln1_w f32[768]
-  float *const b943 = (float *)(arena + 740352000); // %943 layernorm_bwd d.h.3.ln1_b f32[768]
-  float *const b945 = (float *)(arena + 740345856); // %945 sum d.h.2.fcproj_b f32[768]
-  float *const b948 = (float *)(arena + 730908672); // %948 matmul d.h.2.fcproj_w f32[3072,768]
-  float *const b952 = (float *)(arena + 730896384); // %952 sum d.h.2.fc_b f32[3072]
-  float *const b955 = (float *)(arena + 721459200); // %955 matmul d.h.2.fc_w f32[768,3072]
-  float *const b959 = (float *)(arena + 721453056); // %959 layernorm_bwd d.h.2.ln2_w f32[768]
-  float *const b960 = (float *)(arena + 721456128); // %960 layernorm_bwd d.h.2.ln2_b f32[768]
-  float *const b962 = (float *)(arena + 721449984); // %962 sum d.h.2.proj_b f32[768]
-  float *const b965 = (float *)(arena + 719090688); // %965 matmul d.h.2.proj_w f32[768,768]
-  float *const b976 = (float *)(arena + 719081472); // %976 sum d.h.2.attn_b f32[2304]
-  float *const b979 = (float *)(arena + 712003584); // %979 matmul d.h.2.attn_w f32[768,2304]
-  float *const b983 = (float *)(arena + 711997440); // %983 layernorm_bwd d.h.2.ln1_w f32[768]
-  float *const b984 = (float *)(arena + 712000512); // %984 layernorm_bwd d.h.2.ln1_b f32[768]
-  float *const b986 = (float *)(arena + 711994368); // %986 sum d.h.1.fcproj_b f32[768]
-  float *const b989 = (float *)(arena + 702557184); // %989 matmul d.h.1.fcproj_w f32[3072,768]
-  float *const b993 = (float *)(arena + 702544896); // %993 sum d.h.1.fc_b f32[3072]
-  float *const b996 = (float *)(arena + 693107712); // %996 matmul d.h.1.fc_w f32[768,3072]
-  float *const b1000 = (float *)(arena + 693101568); // %1000 layernorm_bwd d.h.1.ln2_w f32[768]
-  float *const b1001 = (float *)(arena + 693104640); // %1001 layernorm_bwd d.h.1.ln2_b f32[768]
-  float *const b1003 = (float *)(arena + 693098496); // %1003 sum d.h.1.proj_b f32[768]
-  float *const b1006 = (float *)(arena + 690739200); // %1006 matmul d.h.1.proj_w f32[768,768]
-  float *const b1017 = (float *)(arena + 690729984); // %1017 sum d.h.1.attn_b f32[2304]
-  float *const b1020 = (float *)(arena + 683652096); // %1020 matmul d.h.1.attn_w f32[768,2304]
-  float *const b1024 = (float *)(arena + 683645952); // %1024 layernorm_bwd d.h.1.ln1_w f32[768]
-  float *const b1025 = (float *)(arena + 683649024); // %1025 layernorm_bwd d.h.1.ln1_b f32[768]
-  float *const b1027 = (float *)(arena + 683642880); // %1027 sum d.h.0.fcproj_b f32[768]
-  float *const b1030 = (float *)(arena + 674205696); // %1030 matmul d.h.0.fcproj_w f32[3072,768]
-  float *const b1034 = (float *)(arena + 674193408); // %1034 sum d.h.0.fc_b f32[3072]
-  float *const b1037 = (float *)(arena + 664756224); // %1037 matmul d.h.0.fc_w f32[768,3072]
-  float *const b1041 = (float *)(arena + 664750080); // %1041 layernorm_bwd d.h.0.ln2_w f32[768]
-  float *const b1042 = (float *)(arena + 664753152); // %1042 layernorm_bwd d.h.0.ln2_b f32[768]
-  float *const b1044 = (float *)(arena + 664747008); // %1044 sum d.h.0.proj_b f32[768]
-  float *const b1047 = (float *)(arena + 662387712); // %1047 matmul d.h.0.proj_w f32[768,768]
-  float *const b1058 = (float *)(arena + 662378496); // %1058 sum d.h.0.attn_b f32[2304]
-  float *const b1061 = (float *)(arena + 655300608); // %1061 matmul d.h.0.attn_w f32[768,2304]
-  float *const b1065 = (float *)(arena + 655294464); // %1065 layernorm_bwd d.h.0.ln1_w f32[768]
-  float *const b1066 = (float *)(arena + 655297536); // %1066 layernorm_bwd d.h.0.ln1_b f32[768]
-  float *const b1067 = (float *)(arena + 652148736); // %1067 embed_bwd d.wpe f32[1024,768]
-  float *const b1069 = (float *)(arena + 497759232); // %1069 add d.wte f32[50257,768]
-  float *const b1070 = (float *)(arena + 2238232064); // %1070 scalar lr f32[]
-  float *const b1071 = (float *)(arena + 2238232128); // %1071 scalar step f32[]
-  float *const b1072 = (float *)(arena + 2238232192); // %1072 grad_norm f32[]
+  float *const b608 = (float *)(arena + 974244864); // %608 sum d.h.11.attn_b f32[2304]
+  float *const b611 = (float *)(arena + 967166976); // %611 matmul d.h.11.attn_w f32[768,2304]
+  float *const b615 = (float *)(arena + 967160832); // %615 layernorm_bwd d.h.11.ln1_w f32[768]
+  float *const b616 = (float *)(arena + 967163904); // %616 layernorm_bwd d.h.11.ln1_b f32[768]
+  float *const b618 = (float *)(arena + 967157760); // %618 sum d.h.10.fcproj_b f32[768]
+  float *const b621 = (float *)(arena + 957720576); // %621 matmul d.h.10.fcproj_w f32[3072,768]
+  float *const b625 = (float *)(arena + 957708288); // %625 sum d.h.10.fc_b f32[3072]
+  float *const b628 = (float *)(arena + 948271104); // %628 matmul d.h.10.fc_w f32[768,3072]
+  float *const b632 = (float *)(arena + 948264960); // %632 layernorm_bwd d.h.10.ln2_w f32[768]
+  float *const b633 = (float *)(arena + 948268032); // %633 layernorm_bwd d.h.10.ln2_b f32[768]
+  float *const b635 = (float *)(arena + 948261888); // %635 sum d.h.10.proj_b f32[768]
+  float *const b638 = (float *)(arena + 945902592); // %638 matmul d.h.10.proj_w f32[768,768]
+  float *const b650 = (float *)(arena + 945893376); // %650 sum d.h.10.attn_b f32[2304]
+  float *const b653 = (float *)(arena + 938815488); // %653 matmul d.h.10.attn_w f32[768,2304]
+  float *const b657 = (float *)(arena + 938809344); // %657 layernorm_bwd d.h.10.ln1_w f32[768]
+  float *const b658 = (float *)(arena + 938812416); // %658 layernorm_bwd d.h.10.ln1_b f32[768]
+  float *const b660 = (float *)(arena + 938806272); // %660 sum d.h.9.fcproj_b f32[768]
+  float *const b663 = (float *)(arena + 929369088); // %663 matmul d.h.9.fcproj_w f32[3072,768]
+  float *const b667 = (float *)(arena + 929356800); // %667 sum d.h.9.fc_b f32[3072]
+  float *const b670 = (float *)(arena + 919919616); // %670 matmul d.h.9.fc_w f32[768,3072]
+  float *const b674 = (float *)(arena + 919913472); // %674 layernorm_bwd d.h.9.ln2_w f32[768]
+  float *const b675 = (float *)(arena + 919916544); // %675 layernorm_bwd d.h.9.ln2_b f32[768]
+  float *const b677 = (float *)(arena + 919910400); // %677 sum d.h.9.proj_b f32[768]
+  float *const b680 = (float *)(arena + 917551104); // %680 matmul d.h.9.proj_w f32[768,768]
+  float *const b692 = (float *)(arena + 917541888); // %692 sum d.h.9.attn_b f32[2304]
+  float *const b695 = (float *)(arena + 910464000); // %695 matmul d.h.9.attn_w f32[768,2304]
+  float *const b699 = (float *)(arena + 910457856); // %699 layernorm_bwd d.h.9.ln1_w f32[768]
+  float *const b700 = (float *)(arena + 910460928); // %700 layernorm_bwd d.h.9.ln1_b f32[768]
+  float *const b702 = (float *)(arena + 910454784); // %702 sum d.h.8.fcproj_b f32[768]
+  float *const b705 = (float *)(arena + 901017600); // %705 matmul d.h.8.fcproj_w f32[3072,768]
+  float *const b709 = (float *)(arena + 901005312); // %709 sum d.h.8.fc_b f32[3072]
+  float *const b712 = (float *)(arena + 891568128); // %712 matmul d.h.8.fc_w f32[768,3072]
+  float *const b716 = (float *)(arena + 891561984); // %716 layernorm_bwd d.h.8.ln2_w f32[768]
+  float *const b717 = (float *)(arena + 891565056); // %717 layernorm_bwd d.h.8.ln2_b f32[768]
+  float *const b719 = (float *)(arena + 891558912); // %719 sum d.h.8.proj_b f32[768]
+  float *const b722 = (float *)(arena + 889199616); // %722 matmul d.h.8.proj_w f32[768,768]
+  float *const b734 = (float *)(arena + 889190400); // %734 sum d.h.8.attn_b f32[2304]
+  float *const b737 = (float *)(arena + 882112512); // %737 matmul d.h.8.attn_w f32[768,2304]
+  float *const b741 = (float *)(arena + 882106368); // %741 layernorm_bwd d.h.8.ln1_w f32[768]
+  float *const b742 = (float *)(arena + 882109440); // %742 layernorm_bwd d.h.8.ln1_b f32[768]
+  float *const b744 = (float *)(arena + 882103296); // %744 sum d.h.7.fcproj_b f32[768]
+  float *const b747 = (float *)(arena + 872666112); // %747 matmul d.h.7.fcproj_w f32[3072,768]
+  float *const b751 = (float *)(arena + 872653824); // %751 sum d.h.7.fc_b f32[3072]
+  float *const b754 = (float *)(arena + 863216640); // %754 matmul d.h.7.fc_w f32[768,3072]
+  float *const b758 = (float *)(arena + 863210496); // %758 layernorm_bwd d.h.7.ln2_w f32[768]
+  float *const b759 = (float *)(arena + 863213568); // %759 layernorm_bwd d.h.7.ln2_b f32[768]
+  float *const b761 = (float *)(arena + 863207424); // %761 sum d.h.7.proj_b f32[768]
+  float *const b764 = (float *)(arena + 860848128); // %764 matmul d.h.7.proj_w f32[768,768]
+  float *const b776 = (float *)(arena + 860838912); // %776 sum d.h.7.attn_b f32[2304]
+  float *const b779 = (float *)(arena + 853761024); // %779 matmul d.h.7.attn_w f32[768,2304]
+  float *const b783 = (float *)(arena + 853754880); // %783 layernorm_bwd d.h.7.ln1_w f32[768]
+  float *const b784 = (float *)(arena + 853757952); // %784 layernorm_bwd d.h.7.ln1_b f32[768]
+  float *const b786 = (float *)(arena + 853751808); // %786 sum d.h.6.fcproj_b f32[768]
+  float *const b789 = (float *)(arena + 844314624); // %789 matmul d.h.6.fcproj_w f32[3072,768]
+  float *const b793 = (float *)(arena + 844302336); // %793 sum d.h.6.fc_b f32[3072]
+  float *const b796 = (float *)(arena + 834865152); // %796 matmul d.h.6.fc_w f32[768,3072]
+  float *const b800 = (float *)(arena + 834859008); // %800 layernorm_bwd d.h.6.ln2_w f32[768]
+  float *const b801 = (float *)(arena + 834862080); // %801 layernorm_bwd d.h.6.ln2_b f32[768]
+  float *const b803 = (float *)(arena + 834855936); // %803 sum d.h.6.proj_b f32[768]
+  float *const b806 = (float *)(arena + 832496640); // %806 matmul d.h.6.proj_w f32[768,768]
+  float *const b818 = (float *)(arena + 832487424); // %818 sum d.h.6.attn_b f32[2304]
+  float *const b821 = (float *)(arena + 825409536); // %821 matmul d.h.6.attn_w f32[768,2304]
+  float *const b825 = (float *)(arena + 825403392); // %825 layernorm_bwd d.h.6.ln1_w f32[768]
+  float *const b826 = (float *)(arena + 825406464); // %826 layernorm_bwd d.h.6.ln1_b f32[768]
+  float *const b828 = (float *)(arena + 825400320); // %828 sum d.h.5.fcproj_b f32[768]
+  float *const b831 = (float *)(arena + 815963136); // %831 matmul d.h.5.fcproj_w f32[3072,768]
+  float *const b835 = (float *)(arena + 815950848); // %835 sum d.h.5.fc_b f32[3072]
+  float *const b838 = (float *)(arena + 806513664); // %838 matmul d.h.5.fc_w f32[768,3072]
+  float *const b842 = (float *)(arena + 806507520); // %842 layernorm_bwd d.h.5.ln2_w f32[768]
+  float *const b843 = (float *)(arena + 806510592); // %843 layernorm_bwd d.h.5.ln2_b f32[768]
+  float *const b845 = (float *)(arena + 806504448); // %845 sum d.h.5.proj_b f32[768]
+  float *const b848 = (float *)(arena + 804145152); // %848 matmul d.h.5.proj_w f32[768,768]
+  float *const b860 = (float *)(arena + 804135936); // %860 sum d.h.5.attn_b f32[2304]
+  float *const b863 = (float *)(arena + 797058048); // %863 matmul d.h.5.attn_w f32[768,2304]
+  float *const b867 = (float *)(arena + 797051904); // %867 layernorm_bwd d.h.5.ln1_w f32[768]
+  float *const b868 = (float *)(arena + 797054976); // %868 layernorm_bwd d.h.5.ln1_b f32[768]
+  float *const b870 = (float *)(arena + 797048832); // %870 sum d.h.4.fcproj_b f32[768]
+  float *const b873 = (float *)(arena + 787611648); // %873 matmul d.h.4.fcproj_w f32[3072,768]
+  float *const b877 = (float *)(arena + 787599360); // %877 sum d.h.4.fc_b f32[3072]
+  float *const b880 = (float *)(arena + 778162176); // %880 matmul d.h.4.fc_w f32[768,3072]
+  float *const b884 = (float *)(arena + 778156032); // %884 layernorm_bwd d.h.4.ln2_w f32[768]
+  float *const b885 = (float *)(arena + 778159104); // %885 layernorm_bwd d.h.4.ln2_b f32[768]
+  float *const b887 = (float *)(arena + 778152960); // %887 sum d.h.4.proj_b f32[768]
+  float *const b890 = (float *)(arena + 775793664); // %890 matmul d.h.4.proj_w f32[768,768]
+  float *const b902 = (float *)(arena + 775784448); // %902 sum d.h.4.attn_b f32[2304]
+  float *const b905 = (float *)(arena + 768706560); // %905 matmul d.h.4.attn_w f32[768,2304]
+  float *const b909 = (float *)(arena + 768700416); // %909 layernorm_bwd d.h.4.ln1_w f32[768]
+  float *const b910 = (float *)(arena + 768703488); // %910 layernorm_bwd d.h.4.ln1_b f32[768]
+  float *const b912 = (float *)(arena + 768697344); // %912 sum d.h.3.fcproj_b f32[768]
+  float *const b915 = (float *)(arena + 759260160); // %915 matmul d.h.3.fcproj_w f32[3072,768]
+  float *const b919 = (float *)(arena + 759247872); // %919 sum d.h.3.fc_b f32[3072]
+  float *const b922 = (float *)(arena + 749810688); // %922 matmul d.h.3.fc_w f32[768,3072]
+  float *const b926 = (float *)(arena + 749804544); // %926 layernorm_bwd d.h.3.ln2_w f32[768]
+  float *const b927 = (float *)(arena + 749807616); // %927 layernorm_bwd d.h.3.ln2_b f32[768]
+  float *const b929 = (float *)(arena + 749801472); // %929 sum d.h.3.proj_b f32[768]
+  float *const b932 = (float *)(arena + 747442176); // %932 matmul d.h.3.proj_w f32[768,768]
+  float *const b944 = (float *)(arena + 747432960); // %944 sum d.h.3.attn_b f32[2304]
+  float *const b947 = (float *)(arena + 740355072); // %947 matmul d.h.3.attn_w f32[768,2304]
+  float *const b951 = (float *)(arena + 740348928); // %951 layernorm_bwd d.h.3.ln1_w f32[768]
+  float *const b952 = (float *)(arena + 740352000); // %952 layernorm_bwd d.h.3.ln1_b f32[768]
+  float *const b954 = (float *)(arena + 740345856); // %954 sum d.h.2.fcproj_b f32[768]
+  float *const b957 = (float *)(arena + 730908672); // %957 matmul d.h.2.fcproj_w f32[3072,768]
+  float *const b961 = (float *)(arena + 730896384); // %961 sum d.h.2.fc_b f32[3072]
+  float *const b964 = (float *)(arena + 721459200); // %964 matmul d.h.2.fc_w f32[768,3072]
+  float *const b968 = (float *)(arena + 721453056); // %968 layernorm_bwd d.h.2.ln2_w f32[768]
+  float *const b969 = (float *)(arena + 721456128); // %969 layernorm_bwd d.h.2.ln2_b f32[768]
+  float *const b971 = (float *)(arena + 721449984); // %971 sum d.h.2.proj_b f32[768]
+  float *const b974 = (float *)(arena + 719090688); // %974 matmul d.h.2.proj_w f32[768,768]
+  float *const b986 = (float *)(arena + 719081472); // %986 sum d.h.2.attn_b f32[2304]
+  float *const b989 = (float *)(arena + 712003584); // %989 matmul d.h.2.attn_w f32[768,2304]
+  float *const b993 = (float *)(arena + 711997440); // %993 layernorm_bwd d.h.2.ln1_w f32[768]
+  float *const b994 = (float *)(arena + 712000512); // %994 layernorm_bwd d.h.2.ln1_b f32[768]
+  float *const b996 = (float *)(arena + 711994368); // %996 sum d.h.1.fcproj_b f32[768]
+  float *const b999 = (float *)(arena + 702557184); // %999 matmul d.h.1.fcproj_w f32[3072,768]
+  float *const b1003 = (float *)(arena + 702544896); // %1003 sum d.h.1.fc_b f32[3072]
+  float *const b1006 = (float *)(arena + 693107712); // %1006 matmul d.h.1.fc_w f32[768,3072]
+  float *const b1010 = (float *)(arena + 693101568); // %1010 layernorm_bwd d.h.1.ln2_w f32[768]
+  float *const b1011 = (float *)(arena + 693104640); // %1011 layernorm_bwd d.h.1.ln2_b f32[768]
+  float *const b1013 = (float *)(arena + 693098496); // %1013 sum d.h.1.proj_b f32[768]
+  float *const b1016 = (float *)(arena + 690739200); // %1016 matmul d.h.1.proj_w f32[768,768]
+  float *const b1028 = (float *)(arena + 690729984); // %1028 sum d.h.1.attn_b f32[2304]
+  float *const b1031 = (float *)(arena + 683652096); // %1031 matmul d.h.1.attn_w f32[768,2304]
+  float *const b1035 = (float *)(arena + 683645952); // %1035 layernorm_bwd d.h.1.ln1_w f32[768]
+  float *const b1036 = (float *)(arena + 683649024); // %1036 layernorm_bwd d.h.1.ln1_b f32[768]
+  float *const b1038 = (float *)(arena + 683642880); // %1038 sum d.h.0.fcproj_b f32[768]
+  float *const b1041 = (float *)(arena + 674205696); // %1041 matmul d.h.0.fcproj_w f32[3072,768]
+  float *const b1045 = (float *)(arena + 674193408); // %1045 sum d.h.0.fc_b f32[3072]
+  float *const b1048 = (float *)(arena + 664756224); // %1048 matmul d.h.0.fc_w f32[768,3072]
+  float *const b1052 = (float *)(arena + 664750080); // %1052 layernorm_bwd d.h.0.ln2_w f32[768]
+  float *const b1053 = (float *)(arena + 664753152); // %1053 layernorm_bwd d.h.0.ln2_b f32[768]
+  float *const b1055 = (float *)(arena + 664747008); // %1055 sum d.h.0.proj_b f32[768]
+  float *const b1058 = (float *)(arena + 662387712); // %1058 matmul d.h.0.proj_w f32[768,768]
+  float *const b1070 = (float *)(arena + 662378496); // %1070 sum d.h.0.attn_b f32[2304]
+  float *const b1073 = (float *)(arena + 655300608); // %1073 matmul d.h.0.attn_w f32[768,2304]
+  float *const b1077 = (float *)(arena + 655294464); // %1077 layernorm_bwd d.h.0.ln1_w f32[768]
+  float *const b1078 = (float *)(arena + 655297536); // %1078 layernorm_bwd d.h.0.ln1_b f32[768]
+  float *const b1079 = (float *)(arena + 652148736); // %1079 embed_bwd d.wpe f32[1024,768]
+  float *const b1081 = (float *)(arena + 497759232); // %1081 add d.wte f32[50257,768]
+  float *const b1082 = (float *)(arena + 2238232064); // %1082 scalar lr f32[]
+  float *const b1083 = (float *)(arena + 2238232128); // %1083 scalar step f32[]
+  float *const b1084 = (float *)(arena + 2238232192); // %1084 grad_norm f32[]
   {
     double ss = 0;
-    ss += mdl_sumsq(b1069, 38597376, h->nthreads); // d.wte
-    ss += mdl_sumsq(b1067, 786432, h->nthreads); // d.wpe
-    ss += mdl_sumsq(b1065, 768, h->nthreads); // d.h.0.ln1_w
-    ss += mdl_sumsq(b1066, 768, h->nthreads); // d.h.0.ln1_b
-    ss += mdl_sumsq(b1061, 1769472, h->nthreads); // d.h.0.attn_w
-    ss += mdl_sumsq(b1058, 2304, h->nthreads); // d.h.0.attn_b
-    ss += mdl_sumsq(b1047, 589824, h->nthreads); // d.h.0.proj_w
-    ss += mdl_sumsq(b1044, 768, h->nthreads); // d.h.0.proj_b
-    ss += mdl_sumsq(b1041, 768, h->nthreads); // d.h.0.ln2_w
-    ss += mdl_sumsq(b1042, 768, h->nthreads); // d.h.0.ln2_b
-    ss += mdl_sumsq(b1037, 2359296, h->nthreads); // d.h.0.fc_w
-    ss += mdl_sumsq(b1034, 3072, h->nthreads); // d.h.0.fc_b
-    ss += mdl_sumsq(b1030, 2359296, h->nthreads); // d.h.0.fcproj_w
-    ss += mdl_sumsq(b1027, 768, h->nthreads); // d.h.0.fcproj_b
-    ss += mdl_sumsq(b1024, 768, h->nthreads); // d.h.1.ln1_w
-    ss += mdl_sumsq(b1025, 768, h->nthreads); // d.h.1.ln1_b
-    ss += mdl_sumsq(b1020, 1769472, h->nthreads); // d.h.1.attn_w
-    ss += mdl_sumsq(b1017, 2304, h->nthreads); // d.h.1.attn_b
-    ss += mdl_sumsq(b1006, 589824, h->nthreads); // d.h.1.proj_w
-    ss += mdl_sumsq(b1003, 768, h->nthreads); // d.h.1.proj_b
-    ss += mdl_sumsq(b1000, 768, h->nthreads); // d.h.1.ln2_w
-    ss += mdl_sumsq(b1001, 768, h->nthreads); // d.h.1.ln2_b
-    ss += mdl_sumsq(b996, 2359296, h->nthreads); // d.h.1.fc_w
-    ss += mdl_sumsq(b993, 3072, h->nthreads); // d.h.1.fc_b
-    ss += mdl_sumsq(b989, 2359296, h->nthreads); // d.h.1.fcproj_w
-    ss += mdl_sumsq(b986, 768, h->nthreads); // d.h.1.fcproj_b
-    ss += mdl_sumsq(b983, 768, h->nthreads); // d.h.2.ln1_w
-    ss += mdl_sumsq(b984, 768, h->nthreads); // d.h.2.ln1_b
-    ss += mdl_sumsq(b979, 1769472, h->nthreads); // d.h.2.attn_w
-    ss += mdl_sumsq(b976, 2304, h->nthreads); // d.h.2.attn_b
-    ss += mdl_sumsq(b965, 589824, h->nthreads); // d.h.2.proj_w
-    ss += mdl_sumsq(b962, 768, h->nthreads); // d.h.2.proj_b
-    ss += mdl_sumsq(b959, 768, h->nthreads); // d.h.2.ln2_w
-    ss += mdl_sumsq(b960, 768, h->nthreads); // d.h.2.ln2_b
-    ss += mdl_sumsq(b955, 2359296, h->nthreads); // d.h.2.fc_w
-    ss += mdl_sumsq(b952, 3072, h->nthreads); // d.h.2.fc_b
-    ss += mdl_sumsq(b948, 2359296, h->nthreads); // d.h.2.fcproj_w
-    ss += mdl_sumsq(b945, 768, h->nthreads); // d.h.2.fcproj_b
-    ss += mdl_sumsq(b942, 768, h->nthreads); // d.h.3.ln1_w
-    ss += mdl_sumsq(b943, 768, h->nthreads); // d.h.3.ln1_b
-    ss += mdl_sumsq(b938, 1769472, h->nthreads); // d.h.3.attn_w
-    ss += mdl_sumsq(b935, 2304, h->nthreads); // d.h.3.attn_b
-    ss += mdl_sumsq(b924, 589824, h->nthreads); // d.h.3.proj_w
-    ss += mdl_sumsq(b921, 768, h->nthreads); // d.h.3.proj_b
-    ss += mdl_sumsq(b918, 768, h->nthreads); // d.h.3.ln2_w
-    ss += mdl_sumsq(b919, 768, h->nthreads); // d.h.3.ln2_b
-    ss += mdl_sumsq(b914, 2359296, h->nthreads); // d.h.3.fc_w
-    ss += mdl_sumsq(b911, 3072, h->nthreads); // d.h.3.fc_b
-    ss += mdl_sumsq(b907, 2359296, h->nthreads); // d.h.3.fcproj_w
-    ss += mdl_sumsq(b904, 768, h->nthreads); // d.h.3.fcproj_b
-    ss += mdl_sumsq(b901, 768, h->nthreads); // d.h.4.ln1_w
-    ss += mdl_sumsq(b902, 768, h->nthreads); // d.h.4.ln1_b
-    ss += mdl_sumsq(b897, 1769472, h->nthreads); // d.h.4.attn_w
-    ss += mdl_sumsq(b894, 2304, h->nthreads); // d.h.4.attn_b
-    ss += mdl_sumsq(b883, 589824, h->nthreads); // d.h.4.proj_w
-    ss += mdl_sumsq(b880, 768, h->nthreads); // d.h.4.proj_b
-    ss += mdl_sumsq(b877, 768, h->nthreads); // d.h.4.ln2_w
-    ss += mdl_sumsq(b878, 768, h->nthreads); // d.h.4.ln2_b
-    ss += mdl_sumsq(b873, 2359296, h->nthreads); // d.h.4.fc_w
-    ss += mdl_sumsq(b870, 3072, h->nthreads); // d.h.4.fc_b
-    ss += mdl_sumsq(b866, 2359296, h->nthreads); // d.h.4.fcproj_w
-    ss += mdl_sumsq(b863, 768, h->nthreads); // d.h.4.fcproj_b
-    ss += mdl_sumsq(b860, 768, h->nthreads); // d.h.5.ln1_w
-    ss += mdl_sumsq(b861, 768, h->nthreads); // d.h.5.ln1_b
-    ss += mdl_sumsq(b856, 1769472, h->nthreads); // d.h.5.attn_w
-    ss += mdl_sumsq(b853, 2304, h->nthreads); // d.h.5.attn_b
-    ss += mdl_sumsq(b842, 589824, h->nthreads); // d.h.5.proj_w
-    ss += mdl_sumsq(b839, 768, h->nthreads); // d.h.5.proj_b
-    ss += mdl_sumsq(b836, 768, h->nthreads); // d.h.5.ln2_w
-    ss += mdl_sumsq(b837, 768, h->nthreads); // d.h.5.ln2_b
-    ss += mdl_sumsq(b832, 2359296, h->nthreads); // d.h.5.fc_w
-    ss += mdl_sumsq(b829, 3072, h->nthreads); // d.h.5.fc_b
-    ss += mdl_sumsq(b825, 2359296, h->nthreads); // d.h.5.fcproj_w
-    ss += mdl_sumsq(b822, 768, h->nthreads); // d.h.5.fcproj_b
-    ss += mdl_sumsq(b819, 768, h->nthreads); // d.h.6.ln1_w
-    ss += mdl_sumsq(b820, 768, h->nthreads); // d.h.6.ln1_b
-    ss += mdl_sumsq(b815, 1769472, h->nthreads); // d.h.6.attn_w
-    ss += mdl_sumsq(b812, 2304, h->nthreads); // d.h.6.attn_b
-    ss += mdl_sumsq(b801, 589824, h->nthreads); // d.h.6.proj_w
-    ss += mdl_sumsq(b798, 768, h->nthreads); // d.h.6.proj_b
-    ss += mdl_sumsq(b795, 768, h->nthreads); // d.h.6.ln2_w
-    ss += mdl_sumsq(b796, 768, h->nthreads); // d.h.6.ln2_b
-    ss += mdl_sumsq(b791, 2359296, h->nthreads); // d.h.6.fc_w
-    ss += mdl_sumsq(b788, 3072, h->nthreads); // d.h.6.fc_b
-    ss += mdl_sumsq(b784, 2359296, h->nthreads); // d.h.6.fcproj_w
-    ss += mdl_sumsq(b781, 768, h->nthreads); // d.h.6.fcproj_b
-    ss += mdl_sumsq(b778, 768, h->nthreads); // d.h.7.ln1_w
-    ss += mdl_sumsq(b779, 768, h->nthreads); // d.h.7.ln1_b
-    ss += mdl_sumsq(b774, 1769472, h->nthreads); // d.h.7.attn_w
-    ss += mdl_sumsq(b771, 2304, h->nthreads); // d.h.7.attn_b
-    ss += mdl_sumsq(b760, 589824, h->nthreads); // d.h.7.proj_w
-    ss += mdl_sumsq(b757, 768, h->nthreads); // d.h.7.proj_b
-    ss += mdl_sumsq(b754, 768, h->nthreads); // d.h.7.ln2_w
-    ss += mdl_sumsq(b755, 768, h->nthreads); // d.h.7.ln2_b
-    ss += mdl_sumsq(b750, 2359296, h->nthreads); // d.h.7.fc_w
-    ss += mdl_sumsq(b747, 3072, h->nthreads); // d.h.7.fc_b
-    ss += mdl_sumsq(b743, 2359296, h->nthreads); // d.h.7.fcproj_w
-    ss += mdl_sumsq(b740, 768, h->nthreads); // d.h.7.fcproj_b
-    ss += mdl_sumsq(b737, 768, h->nthreads); // d.h.8.ln1_w
-    ss += mdl_sumsq(b738, 768, h->nthreads); // d.h.8.ln1_b
-    ss += mdl_sumsq(b733, 1769472, h->nthreads); // d.h.8.attn_w
-    ss += mdl_sumsq(b730, 2304, h->nthreads); // d.h.8.attn_b
-    ss += mdl_sumsq(b719, 589824, h->nthreads); // d.h.8.proj_w
-    ss += mdl_sumsq(b716, 768, h->nthreads); // d.h.8.proj_b
-    ss += mdl_sumsq(b713, 768, h->nthreads); // d.h.8.ln2_w
-    ss += mdl_sumsq(b714, 768, h->nthreads); // d.h.8.ln2_b
-    ss += mdl_sumsq(b709, 2359296, h->nthreads); // d.h.8.fc_w
-    ss += mdl_sumsq(b706, 3072, h->nthreads); // d.h.8.fc_b
-    ss += mdl_sumsq(b702, 2359296, h->nthreads); // d.h.8.fcproj_w
-    ss += mdl_sumsq(b699, 768, h->nthreads); // d.h.8.fcproj_b
-    ss += mdl_sumsq(b696, 768, h->nthreads); // d.h.9.ln1_w
-    ss += mdl_sumsq(b697, 768, h->nthreads); // d.h.9.ln1_b
-    ss += mdl_sumsq(b692, 1769472, h->nthreads); // d.h.9.attn_w
-    ss += mdl_sumsq(b689, 2304, h->nthreads); // d.h.9.attn_b
-    ss += mdl_sumsq(b678, 589824, h->nthreads); // d.h.9.proj_w
-    ss += mdl_sumsq(b675, 768, h->nthreads); // d.h.9.proj_b
-    ss += mdl_sumsq(b672, 768, h->nthreads); // d.h.9.ln2_w
-    ss += mdl_sumsq(b673, 768, h->nthreads); // d.h.9.ln2_b
-    ss += mdl_sumsq(b668, 2359296, h->nthreads); // d.h.9.fc_w
-    ss += mdl_sumsq(b665, 3072, h->nthreads); // d.h.9.fc_b
-    ss += mdl_sumsq(b661, 2359296, h->nthreads); // d.h.9.fcproj_w
-    ss += mdl_sumsq(b658, 768, h->nthreads); // d.h.9.fcproj_b
-    ss += mdl_sumsq(b655, 768, h->nthreads); // d.h.10.ln1_w
-    ss += mdl_sumsq(b656, 768, h->nthreads); // d.h.10.ln1_b
-    ss += mdl_sumsq(b651, 1769472, h->nthreads); // d.h.10.attn_w
-    ss += mdl_sumsq(b648, 2304, h->nthreads); // d.h.10.attn_b
-    ss += mdl_sumsq(b637, 589824, h->nthreads); // d.h.10.proj_w
-    ss += mdl_sumsq(b634, 768, h->nthreads); // d.h.10.proj_b
-    ss += mdl_sumsq(b631, 768, h->nthreads); // d.h.10.ln2_w
-    ss += mdl_sumsq(b632, 768, h->nthreads); // d.h.10.ln2_b
-    ss += mdl_sumsq(b627, 2359296, h->nthreads); // d.h.10.fc_w
-    ss += mdl_sumsq(b624, 3072, h->nthreads); // d.h.10.fc_b
-    ss += mdl_sumsq(b620, 2359296, h->nthreads); // d.h.10.fcproj_w
-    ss += mdl_sumsq(b617, 768, h->nthreads); // d.h.10.fcproj_b
-    ss += mdl_sumsq(b614, 768, h->nthreads); // d.h.11.ln1_w
-    ss += mdl_sumsq(b615, 768, h->nthreads); // d.h.11.ln1_b
-    ss += mdl_sumsq(b610, 1769472, h->nthreads); // d.h.11.attn_w
-    ss += mdl_sumsq(b607, 2304, h->nthreads); // d.h.11.attn_b
+    ss += mdl_sumsq(b1081, 38597376, h->nthreads); // d.wte
+    ss += mdl_sumsq(b1079, 786432, h->nthreads); // d.wpe
+    ss += mdl_sumsq(b1077, 768, h->nthreads); // d.h.0.ln1_w
+    ss += mdl_sumsq(b1078, 768, h->nthreads); // d.h.0.ln1_b
+    ss += mdl_sumsq(b1073, 1769472, h->nthreads); // d.h.0.attn_w
+    ss += mdl_sumsq(b1070, 2304, h->nthreads); // d.h.0.attn_b
+    ss += mdl_sumsq(b1058, 589824, h->nthreads); // d.h.0.proj_w
+    ss += mdl_sumsq(b1055, 768, h->nthreads); // d.h.0.proj_b
+    ss += mdl_sumsq(b1052, 768, h->nthreads); // d.h.0.ln2_w
+    ss += mdl_sumsq(b1053, 768, h->nthreads); // d.h.0.ln2_b
+    ss += mdl_sumsq(b1048, 2359296, h->nthreads); // d.h.0.fc_w
+    ss += mdl_sumsq(b1045, 3072, h->nthreads); // d.h.0.fc_b
+    ss += mdl_sumsq(b1041, 2359296, h->nthreads); // d.h.0.fcproj_w
+    ss += mdl_sumsq(b1038, 768, h->nthreads); // d.h.0.fcproj_b
+    ss += mdl_sumsq(b1035, 768, h->nthreads); // d.h.1.ln1_w
+    ss += mdl_sumsq(b1036, 768, h->nthreads); // d.h.1.ln1_b
+    ss += mdl_sumsq(b1031, 1769472, h->nthreads); // d.h.1.attn_w
+    ss += mdl_sumsq(b1028, 2304, h->nthreads); // d.h.1.attn_b
+    ss += mdl_sumsq(b1016, 589824, h->nthreads); // d.h.1.proj_w
+    ss += mdl_sumsq(b1013, 768, h->nthreads); // d.h.1.proj_b
+    ss += mdl_sumsq(b1010, 768, h->nthreads); // d.h.1.ln2_w
+    ss += mdl_sumsq(b1011, 768, h->nthreads); // d.h.1.ln2_b
+    ss += mdl_sumsq(b1006, 2359296, h->nthreads); // d.h.1.fc_w
+    ss += mdl_sumsq(b1003, 3072, h->nthreads); // d.h.1.fc_b
+    ss += mdl_sumsq(b999, 2359296, h->nthreads); // d.h.1.fcproj_w
+    ss += mdl_sumsq(b996, 768, h->nthreads); // d.h.1.fcproj_b
+    ss += mdl_sumsq(b993, 768, h->nthreads); // d.h.2.ln1_w
+    ss += mdl_sumsq(b994, 768, h->nthreads); // d.h.2.ln1_b
+    ss += mdl_sumsq(b989, 1769472, h->nthreads); // d.h.2.attn_w
+    ss += mdl_sumsq(b986, 2304, h->nthreads); // d.h.2.attn_b
+    ss += mdl_sumsq(b974, 589824, h->nthreads); // d.h.2.proj_w
+    ss += mdl_sumsq(b971, 768, h->nthreads); // d.h.2.proj_b
+    ss += mdl_sumsq(b968, 768, h->nthreads); // d.h.2.ln2_w
+    ss += mdl_sumsq(b969, 768, h->nthreads); // d.h.2.ln2_b
+    ss += mdl_sumsq(b964, 2359296, h->nthreads); // d.h.2.fc_w
+    ss += mdl_sumsq(b961, 3072, h->nthreads); // d.h.2.fc_b
+    ss += mdl_sumsq(b957, 2359296, h->nthreads); // d.h.2.fcproj_w
+    ss += mdl_sumsq(b954, 768, h->nthreads); // d.h.2.fcproj_b
+    ss += mdl_sumsq(b951, 768, h->nthreads); // d.h.3.ln1_w
+    ss += mdl_sumsq(b952, 768, h->nthreads); // d.h.3.ln1_b
+    ss += mdl_sumsq(b947, 1769472, h->nthreads); // d.h.3.attn_w
+    ss += mdl_sumsq(b944, 2304, h->nthreads); // d.h.3.attn_b
+    ss += mdl_sumsq(b932, 589824, h->nthreads); // d.h.3.proj_w
+    ss += mdl_sumsq(b929, 768, h->nthreads); // d.h.3.proj_b
+    ss += mdl_sumsq(b926, 768, h->nthreads); // d.h.3.ln2_w
+    ss += mdl_sumsq(b927, 768, h->nthreads); // d.h.3.ln2_b
+    ss += mdl_sumsq(b922, 2359296, h->nthreads); // d.h.3.fc_w
+    ss += mdl_sumsq(b919, 3072, h->nthreads); // d.h.3.fc_b
+    ss += mdl_sumsq(b915, 2359296, h->nthreads); // d.h.3.fcproj_w
+    ss += mdl_sumsq(b912, 768, h->nthreads); // d.h.3.fcproj_b
+    ss += mdl_sumsq(b909, 768, h->nthreads); // d.h.4.ln1_w
+    ss += mdl_sumsq(b910, 768, h->nthreads); // d.h.4.ln1_b
+    ss += mdl_sumsq(b905, 1769472, h->nthreads); // d.h.4.attn_w
+    ss += mdl_sumsq(b902, 2304, h->nthreads); // d.h.4.attn_b
+    ss += mdl_sumsq(b890, 589824, h->nthreads); // d.h.4.proj_w
+    ss += mdl_sumsq(b887, 768, h->nthreads); // d.h.4.proj_b
+    ss += mdl_sumsq(b884, 768, h->nthreads); // d.h.4.ln2_w
+    ss += mdl_sumsq(b885, 768, h->nthreads); // d.h.4.ln2_b
+    ss += mdl_sumsq(b880, 2359296, h->nthreads); // d.h.4.fc_w
+    ss += mdl_sumsq(b877, 3072, h->nthreads); // d.h.4.fc_b
+    ss += mdl_sumsq(b873, 2359296, h->nthreads); // d.h.4.fcproj_w
+    ss += mdl_sumsq(b870, 768, h->nthreads); // d.h.4.fcproj_b
+    ss += mdl_sumsq(b867, 768, h->nthreads); // d.h.5.ln1_w
+    ss += mdl_sumsq(b868, 768, h->nthreads); // d.h.5.ln1_b
+    ss += mdl_sumsq(b863, 1769472, h->nthreads); // d.h.5.attn_w
+    ss += mdl_sumsq(b860, 2304, h->nthreads); // d.h.5.attn_b
+    ss += mdl_sumsq(b848, 589824, h->nthreads); // d.h.5.proj_w
+    ss += mdl_sumsq(b845, 768, h->nthreads); // d.h.5.proj_b
+    ss += mdl_sumsq(b842, 768, h->nthreads); // d.h.5.ln2_w
+    ss += mdl_sumsq(b843, 768, h->nthreads); // d.h.5.ln2_b
+    ss += mdl_sumsq(b838, 2359296, h->nthreads); // d.h.5.fc_w
+    ss += mdl_sumsq(b835, 3072, h->nthreads); // d.h.5.fc_b
+    ss += mdl_sumsq(b831, 2359296, h->nthreads); // d.h.5.fcproj_w
+    ss += mdl_sumsq(b828, 768, h->nthreads); // d.h.5.fcproj_b
+    ss += mdl_sumsq(b825, 768, h->nthreads); // d.h.6.ln1_w
+    ss += mdl_sumsq(b826, 768, h->nthreads); // d.h.6.ln1_b
+    ss += mdl_sumsq(b821, 1769472, h->nthreads); // d.h.6.attn_w
+    ss += mdl_sumsq(b818, 2304, h->nthreads); // d.h.6.attn_b
+    ss += mdl_sumsq(b806, 589824, h->nthreads); // d.h.6.proj_w
+    ss += mdl_sumsq(b803, 768, h->nthreads); // d.h.6.proj_b
+    ss += mdl_sumsq(b800, 768, h->nthreads); // d.h.6.ln2_w
+    ss += mdl_sumsq(b801, 768, h->nthreads); // d.h.6.ln2_b
+    ss += mdl_sumsq(b796, 2359296, h->nthreads); // d.h.6.fc_w
+    ss += mdl_sumsq(b793, 3072, h->nthreads); // d.h.6.fc_b
+    ss += mdl_sumsq(b789, 2359296, h->nthreads); // d.h.6.fcproj_w
+    ss += mdl_sumsq(b786, 768, h->nthreads); // d.h.6.fcproj_b
+    ss += mdl_sumsq(b783, 768, h->nthreads); // d.h.7.ln1_w
+    ss += mdl_sumsq(b784, 768, h->nthreads); // d.h.7.ln1_b
+    ss += mdl_sumsq(b779, 1769472, h->nthreads); // d.h.7.attn_w
+    ss += mdl_sumsq(b776, 2304, h->nthreads); // d.h.7.attn_b
+    ss += mdl_sumsq(b764, 589824, h->nthreads); // d.h.7.proj_w
+    ss += mdl_sumsq(b761, 768, h->nthreads); // d.h.7.proj_b
+    ss += mdl_sumsq(b758, 768, h->nthreads); // d.h.7.ln2_w
+    ss += mdl_sumsq(b759, 768, h->nthreads); // d.h.7.ln2_b
+    ss += mdl_sumsq(b754, 2359296, h->nthreads); // d.h.7.fc_w
+    ss += mdl_sumsq(b751, 3072, h->nthreads); // d.h.7.fc_b
+    ss += mdl_sumsq(b747, 2359296, h->nthreads); // d.h.7.fcproj_w
+    ss += mdl_sumsq(b744, 768, h->nthreads); // d.h.7.fcproj_b
+    ss += mdl_sumsq(b741, 768, h->nthreads); // d.h.8.ln1_w
+    ss += mdl_sumsq(b742, 768, h->nthreads); // d.h.8.ln1_b
+    ss += mdl_sumsq(b737, 1769472, h->nthreads); // d.h.8.attn_w
+    ss += mdl_sumsq(b734, 2304, h->nthreads); // d.h.8.attn_b
+    ss += mdl_sumsq(b722, 589824, h->nthreads); // d.h.8.proj_w
+    ss += mdl_sumsq(b719, 768, h->nthreads); // d.h.8.proj_b
+    ss += mdl_sumsq(b716, 768, h->nthreads); // d.h.8.ln2_w
+    ss += mdl_sumsq(b717, 768, h->nthreads); // d.h.8.ln2_b
+    ss += mdl_sumsq(b712, 2359296, h->nthreads); // d.h.8.fc_w
+    ss += mdl_sumsq(b709, 3072, h->nthreads); // d.h.8.fc_b
+    ss += mdl_sumsq(b705, 2359296, h->nthreads); // d.h.8.fcproj_w
+    ss += mdl_sumsq(b702, 768, h->nthreads); // d.h.8.fcproj_b
+    ss += mdl_sumsq(b699, 768, h->nthreads); // d.h.9.ln1_w
+    ss += mdl_sumsq(b700, 768, h->nthreads); // d.h.9.ln1_b
+    ss += mdl_sumsq(b695, 1769472, h->nthreads); // d.h.9.attn_w
+    ss += mdl_sumsq(b692, 2304, h->nthreads); // d.h.9.attn_b
+    ss += mdl_sumsq(b680, 589824, h->nthreads); // d.h.9.proj_w
+    ss += mdl_sumsq(b677, 768, h->nthreads); // d.h.9.proj_b
+    ss += mdl_sumsq(b674, 768, h->nthreads); // d.h.9.ln2_w
+    ss += mdl_sumsq(b675, 768, h->nthreads); // d.h.9.ln2_b
+    ss += mdl_sumsq(b670, 2359296, h->nthreads); // d.h.9.fc_w
+    ss += mdl_sumsq(b667, 3072, h->nthreads); // d.h.9.fc_b
+    ss += mdl_sumsq(b663, 2359296, h->nthreads); // d.h.9.fcproj_w
+    ss += mdl_sumsq(b660, 768, h->nthreads); // d.h.9.fcproj_b
+    ss += mdl_sumsq(b657, 768, h->nthreads); // d.h.10.ln1_w
+    ss += mdl_sumsq(b658, 768, h->nthreads); // d.h.10.ln1_b
+    ss += mdl_sumsq(b653, 1769472, h->nthreads); // d.h.10.attn_w
+    ss += mdl_sumsq(b650, 2304, h->nthreads); // d.h.10.attn_b
+    ss += mdl_sumsq(b638, 589824, h->nthreads); // d.h.10.proj_w
+    ss += mdl_sumsq(b635, 768, h->nthreads); // d.h.10.proj_b
+    ss += mdl_sumsq(b632, 768, h->nthreads); // d.h.10.ln2_w
+    ss += mdl_sumsq(b633, 768, h->nthreads); // d.h.10.ln2_b
+    ss += mdl_sumsq(b628, 2359296, h->nthreads); // d.h.10.fc_w
+    ss += mdl_sumsq(b625, 3072, h->nthreads); // d.h.10.fc_b
+    ss += mdl_sumsq(b621, 2359296, h->nthreads); // d.h.10.fcproj_w
+    ss += mdl_sumsq(b618, 768, h->nthreads); // d.h.10.fcproj_b
+    ss += mdl_sumsq(b615, 768, h->nthreads); // d.h.11.ln1_w
+    ss += mdl_sumsq(b616, 768, h->nthreads); // d.h.11.ln1_b
+    ss += mdl_sumsq(b611, 1769472, h->nthreads); // d.h.11.attn_w
+    ss += mdl_sumsq(b608, 2304, h->nthreads); // d.h.11.attn_b
     ss += mdl_sumsq(b596, 589824, h->nthreads); // d.h.11.proj_w
     ss += mdl_sumsq(b593, 768, h->nthreads); // d.h.11.proj_b
     ss += mdl_sumsq(b590, 768, h->nthreads); // d.h.11.ln2_w
@@ -11784,7 +11928,7 @@ static void k237_grad_norm__adamw(char *arena, const MdlHooks *h) {
     ss += mdl_sumsq(b576, 768, h->nthreads); // d.h.11.fcproj_b
     ss += mdl_sumsq(b573, 768, h->nthreads); // d.lnf_w
     ss += mdl_sumsq(b574, 768, h->nthreads); // d.lnf_b
-    b1072[0] = (float)sqrt(ss);
+    b1084[0] = (float)sqrt(ss);
   }
   {
     static const struct {
@@ -11940,9 +12084,9 @@ static void k237_grad_norm__adamw(char *arena, const MdlHooks *h) {
         {497753088, 995512320, 1493271552, 1991030784, -1, 768, 0.0}, // lnf_w
         {497756160, 995515392, 1493274624, 1991033856, -1, 768, 0.0}, // lnf_b
     };
-    const double clip = 1.0, gnorm = b1072[0];
+    const double clip = 1.0, gnorm = b1084[0];
     const double s = clip > 0 ? fmin(1.0, clip / (gnorm + 1e-6)) : 1.0;
-    const double lr = b1070[0], step = b1071[0];
+    const double lr = b1082[0], step = b1083[0];
     const double b1 = 0.9, b2 = 0.95, eps = 1e-08;
     const double c1 = 1.0 / (1.0 - pow(b1, step)), c2 = 1.0 / (1.0 - pow(b2, step));
     #pragma omp parallel num_threads(h->nthreads)
@@ -12064,7 +12208,7 @@ void mdl_step(char *arena, const MdlHooks *h) {
   k94_gemm(arena, h);
   k95_layernorm_bwd__add__sum__cast(arena, h);
   k96_gemm(arena, h);
-  k97_gemm(arena, h);
+  k97_gemm__cast(arena, h);
   k98_attention_bwd(arena, h);
   k99_sum__slice_bwd__add__cast(arena, h);
   k100_gemm(arena, h);
@@ -12076,7 +12220,7 @@ void mdl_step(char *arena, const MdlHooks *h) {
   k106_gemm(arena, h);
   k107_layernorm_bwd__add__sum__cast(arena, h);
   k108_gemm(arena, h);
-  k109_gemm(arena, h);
+  k109_gemm__cast(arena, h);
   k110_attention_bwd(arena, h);
   k111_sum__slice_bwd__add__cast(arena, h);
   k112_gemm(arena, h);
@@ -12088,7 +12232,7 @@ void mdl_step(char *arena, const MdlHooks *h) {
   k118_gemm(arena, h);
   k119_layernorm_bwd__add__sum__cast(arena, h);
   k120_gemm(arena, h);
-  k121_gemm(arena, h);
+  k121_gemm__cast(arena, h);
   k122_attention_bwd(arena, h);
   k123_sum__slice_bwd__add__cast(arena, h);
   k124_gemm(arena, h);
@@ -12100,7 +12244,7 @@ void mdl_step(char *arena, const MdlHooks *h) {
   k130_gemm(arena, h);
   k131_layernorm_bwd__add__sum__cast(arena, h);
   k132_gemm(arena, h);
-  k133_gemm(arena, h);
+  k133_gemm__cast(arena, h);
   k134_attention_bwd(arena, h);
   k135_sum__slice_bwd__add__cast(arena, h);
   k136_gemm(arena, h);
@@ -12112,7 +12256,7 @@ void mdl_step(char *arena, const MdlHooks *h) {
   k142_gemm(arena, h);
   k143_layernorm_bwd__add__sum__cast(arena, h);
   k144_gemm(arena, h);
-  k145_gemm(arena, h);
+  k145_gemm__cast(arena, h);
   k146_attention_bwd(arena, h);
   k147_sum__slice_bwd__add__cast(arena, h);
   k148_gemm(arena, h);
@@ -12124,7 +12268,7 @@ void mdl_step(char *arena, const MdlHooks *h) {
   k154_gemm(arena, h);
   k155_layernorm_bwd__add__sum__cast(arena, h);
   k156_gemm(arena, h);
-  k157_gemm(arena, h);
+  k157_gemm__cast(arena, h);
   k158_attention_bwd(arena, h);
   k159_sum__slice_bwd__add__cast(arena, h);
   k160_gemm(arena, h);
@@ -12136,7 +12280,7 @@ void mdl_step(char *arena, const MdlHooks *h) {
   k166_gemm(arena, h);
   k167_layernorm_bwd__add__sum__cast(arena, h);
   k168_gemm(arena, h);
-  k169_gemm(arena, h);
+  k169_gemm__cast(arena, h);
   k170_attention_bwd(arena, h);
   k171_sum__slice_bwd__add__cast(arena, h);
   k172_gemm(arena, h);
@@ -12148,7 +12292,7 @@ void mdl_step(char *arena, const MdlHooks *h) {
   k178_gemm(arena, h);
   k179_layernorm_bwd__add__sum__cast(arena, h);
   k180_gemm(arena, h);
-  k181_gemm(arena, h);
+  k181_gemm__cast(arena, h);
   k182_attention_bwd(arena, h);
   k183_sum__slice_bwd__add__cast(arena, h);
   k184_gemm(arena, h);
@@ -12160,7 +12304,7 @@ void mdl_step(char *arena, const MdlHooks *h) {
   k190_gemm(arena, h);
   k191_layernorm_bwd__add__sum__cast(arena, h);
   k192_gemm(arena, h);
-  k193_gemm(arena, h);
+  k193_gemm__cast(arena, h);
   k194_attention_bwd(arena, h);
   k195_sum__slice_bwd__add__cast(arena, h);
   k196_gemm(arena, h);
@@ -12172,7 +12316,7 @@ void mdl_step(char *arena, const MdlHooks *h) {
   k202_gemm(arena, h);
   k203_layernorm_bwd__add__sum__cast(arena, h);
   k204_gemm(arena, h);
-  k205_gemm(arena, h);
+  k205_gemm__cast(arena, h);
   k206_attention_bwd(arena, h);
   k207_sum__slice_bwd__add__cast(arena, h);
   k208_gemm(arena, h);
@@ -12184,7 +12328,7 @@ void mdl_step(char *arena, const MdlHooks *h) {
   k214_gemm(arena, h);
   k215_layernorm_bwd__add__sum__cast(arena, h);
   k216_gemm(arena, h);
-  k217_gemm(arena, h);
+  k217_gemm__cast(arena, h);
   k218_attention_bwd(arena, h);
   k219_sum__slice_bwd__add__cast(arena, h);
   k220_gemm(arena, h);
@@ -12196,7 +12340,7 @@ void mdl_step(char *arena, const MdlHooks *h) {
   k226_gemm(arena, h);
   k227_layernorm_bwd__add__sum__cast(arena, h);
   k228_gemm(arena, h);
-  k229_gemm(arena, h);
+  k229_gemm__cast(arena, h);
   k230_attention_bwd(arena, h);
   k231_sum__slice_bwd__add__cast(arena, h);
   k232_gemm(arena, h);
@@ -12305,7 +12449,7 @@ const MdlKernel mdl_kernels[] = {
     {"k94_gemm", k94_gemm},
     {"k95_layernorm_bwd__add__sum__cast", k95_layernorm_bwd__add__sum__cast},
     {"k96_gemm", k96_gemm},
-    {"k97_gemm", k97_gemm},
+    {"k97_gemm__cast", k97_gemm__cast},
     {"k98_attention_bwd", k98_attention_bwd},
     {"k99_sum__slice_bwd__add__cast", k99_sum__slice_bwd__add__cast},
     {"k100_gemm", k100_gemm},
@@ -12317,7 +12461,7 @@ const MdlKernel mdl_kernels[] = {
     {"k106_gemm", k106_gemm},
     {"k107_layernorm_bwd__add__sum__cast", k107_layernorm_bwd__add__sum__cast},
     {"k108_gemm", k108_gemm},
-    {"k109_gemm", k109_gemm},
+    {"k109_gemm__cast", k109_gemm__cast},
     {"k110_attention_bwd", k110_attention_bwd},
     {"k111_sum__slice_bwd__add__cast", k111_sum__slice_bwd__add__cast},
     {"k112_gemm", k112_gemm},
@@ -12329,7 +12473,7 @@ const MdlKernel mdl_kernels[] = {
     {"k118_gemm", k118_gemm},
     {"k119_layernorm_bwd__add__sum__cast", k119_layernorm_bwd__add__sum__cast},
     {"k120_gemm", k120_gemm},
-    {"k121_gemm", k121_gemm},
+    {"k121_gemm__cast", k121_gemm__cast},
     {"k122_attention_bwd", k122_attention_bwd},
     {"k123_sum__slice_bwd__add__cast", k123_sum__slice_bwd__add__cast},
     {"k124_gemm", k124_gemm},
@@ -12341,7 +12485,7 @@ const MdlKernel mdl_kernels[] = {
     {"k130_gemm", k130_gemm},
     {"k131_layernorm_bwd__add__sum__cast", k131_layernorm_bwd__add__sum__cast},
     {"k132_gemm", k132_gemm},
-    {"k133_gemm", k133_gemm},
+    {"k133_gemm__cast", k133_gemm__cast},
     {"k134_attention_bwd", k134_attention_bwd},
     {"k135_sum__slice_bwd__add__cast", k135_sum__slice_bwd__add__cast},
     {"k136_gemm", k136_gemm},
@@ -12353,7 +12497,7 @@ const MdlKernel mdl_kernels[] = {
     {"k142_gemm", k142_gemm},
     {"k143_layernorm_bwd__add__sum__cast", k143_layernorm_bwd__add__sum__cast},
     {"k144_gemm", k144_gemm},
-    {"k145_gemm", k145_gemm},
+    {"k145_gemm__cast", k145_gemm__cast},
     {"k146_attention_bwd", k146_attention_bwd},
     {"k147_sum__slice_bwd__add__cast", k147_sum__slice_bwd__add__cast},
     {"k148_gemm", k148_gemm},
@@ -12365,7 +12509,7 @@ const MdlKernel mdl_kernels[] = {
     {"k154_gemm", k154_gemm},
     {"k155_layernorm_bwd__add__sum__cast", k155_layernorm_bwd__add__sum__cast},
     {"k156_gemm", k156_gemm},
-    {"k157_gemm", k157_gemm},
+    {"k157_gemm__cast", k157_gemm__cast},
     {"k158_attention_bwd", k158_attention_bwd},
     {"k159_sum__slice_bwd__add__cast", k159_sum__slice_bwd__add__cast},
     {"k160_gemm", k160_gemm},
@@ -12377,7 +12521,7 @@ const MdlKernel mdl_kernels[] = {
     {"k166_gemm", k166_gemm},
     {"k167_layernorm_bwd__add__sum__cast", k167_layernorm_bwd__add__sum__cast},
     {"k168_gemm", k168_gemm},
-    {"k169_gemm", k169_gemm},
+    {"k169_gemm__cast", k169_gemm__cast},
     {"k170_attention_bwd", k170_attention_bwd},
     {"k171_sum__slice_bwd__add__cast", k171_sum__slice_bwd__add__cast},
     {"k172_gemm", k172_gemm},
@@ -12389,7 +12533,7 @@ const MdlKernel mdl_kernels[] = {
     {"k178_gemm", k178_gemm},
     {"k179_layernorm_bwd__add__sum__cast", k179_layernorm_bwd__add__sum__cast},
     {"k180_gemm", k180_gemm},
-    {"k181_gemm", k181_gemm},
+    {"k181_gemm__cast", k181_gemm__cast},
     {"k182_attention_bwd", k182_attention_bwd},
     {"k183_sum__slice_bwd__add__cast", k183_sum__slice_bwd__add__cast},
     {"k184_gemm", k184_gemm},
@@ -12401,7 +12545,7 @@ const MdlKernel mdl_kernels[] = {
     {"k190_gemm", k190_gemm},
     {"k191_layernorm_bwd__add__sum__cast", k191_layernorm_bwd__add__sum__cast},
     {"k192_gemm", k192_gemm},
-    {"k193_gemm", k193_gemm},
+    {"k193_gemm__cast", k193_gemm__cast},
     {"k194_attention_bwd", k194_attention_bwd},
     {"k195_sum__slice_bwd__add__cast", k195_sum__slice_bwd__add__cast},
     {"k196_gemm", k196_gemm},
@@ -12413,7 +12557,7 @@ const MdlKernel mdl_kernels[] = {
     {"k202_gemm", k202_gemm},
     {"k203_layernorm_bwd__add__sum__cast", k203_layernorm_bwd__add__sum__cast},
     {"k204_gemm", k204_gemm},
-    {"k205_gemm", k205_gemm},
+    {"k205_gemm__cast", k205_gemm__cast},
     {"k206_attention_bwd", k206_attention_bwd},
     {"k207_sum__slice_bwd__add__cast", k207_sum__slice_bwd__add__cast},
     {"k208_gemm", k208_gemm},
@@ -12425,7 +12569,7 @@ const MdlKernel mdl_kernels[] = {
     {"k214_gemm", k214_gemm},
     {"k215_layernorm_bwd__add__sum__cast", k215_layernorm_bwd__add__sum__cast},
     {"k216_gemm", k216_gemm},
-    {"k217_gemm", k217_gemm},
+    {"k217_gemm__cast", k217_gemm__cast},
     {"k218_attention_bwd", k218_attention_bwd},
     {"k219_sum__slice_bwd__add__cast", k219_sum__slice_bwd__add__cast},
     {"k220_gemm", k220_gemm},
@@ -12437,7 +12581,7 @@ const MdlKernel mdl_kernels[] = {
     {"k226_gemm", k226_gemm},
     {"k227_layernorm_bwd__add__sum__cast", k227_layernorm_bwd__add__sum__cast},
     {"k228_gemm", k228_gemm},
-    {"k229_gemm", k229_gemm},
+    {"k229_gemm__cast", k229_gemm__cast},
     {"k230_attention_bwd", k230_attention_bwd},
     {"k231_sum__slice_bwd__add__cast", k231_sum__slice_bwd__add__cast},
     {"k232_gemm", k232_gemm},

@@ -1637,19 +1637,21 @@ extern "C" __global__ void __launch_bounds__(128) k95_layernorm_bwd__add__sum__c
 }
 
 // k96_gemm: GEMM, 1 op
-//   %595   matmul                                  line 39    f32[8192,768]
-// runs:
-//   gemm 58: [8192 x 768] = [8192 x 768] T[768 x 768], bf16 A and B, f32 C
-
-// k97_gemm: GEMM, 1 op
 //   %596   matmul             d.h.11.proj_w        line 39    f32[768,768]
 // runs:
-//   gemm 59: [768 x 768] = T[768 x 8192] [8192 x 768], bf16 A and B, f32 C
+//   gemm 58: [768 x 768] = T[768 x 8192] [8192 x 768], bf16 A and B, f32 C
+
+// k97_gemm__cast: GEMM, 3 ops
+//   %595   matmul                                  line 39    f32[8192,768]
+//   %597   reshape                                 line 39    f32[8,1024,768]
+//   %598   cast                                    line 39    bf16[8,1024,768]
+// runs:
+//   gemm 59: [8192 x 768] = [8192 x 768] T[768 x 768], bf16 A and B, bf16 C
 
 // k98_attention_bwd: attention, 3 ops
-//   %598   attention_bwd      d.h.11.q             line 39    f32[8,1024,768]
-//   %599   attention_bwd      d.h.11.k             line 39    f32[8,1024,768]
-//   %600   attention_bwd      d.h.11.v             line 39    f32[8,1024,768]
+//   %599   attention_bwd      d.h.11.q             line 39    f32[8,1024,768]
+//   %600   attention_bwd      d.h.11.k             line 39    f32[8,1024,768]
+//   %601   attention_bwd      d.h.11.v             line 39    f32[8,1024,768]
 // runs:
 //   k98_attention_bwd_stats<<<1536, 128>>>
 //   k98_attention_bwd_dq<<<1536, 128>>>
@@ -1658,7 +1660,7 @@ extern "C" __global__ void __launch_bounds__(128) k95_layernorm_bwd__add__sum__c
 // attention backward, row statistics on tensor cores: B 8, T 1024, 12 heads of 64, causal, within documents; a block of 4 warps per (batch, head, 64 queries), 16 query rows per warp, keys in tiles of 64; bf16 products (mma m16n8k16), f32 softmax
 extern "C" __global__ void __launch_bounds__(128) k98_attention_bwd_stats(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
   float *const b0 = (float *)(arena + o.b[0]); // add f32[8,1024,2304]
-  float *const b1 = (float *)(arena + o.b[1]); // matmul f32[8192,768]
+  uint16_t *const b1 = (uint16_t *)(arena + o.b[1]); // cast bf16[8,1024,768]
   int32_t *const b2 = (int32_t *)(arena + o.b[2]); // input i32[8,1024]
   float *const b3 = (float *)(arena + o.b[3]); // log-sum-exp per row
   float *const b4 = (float *)(arena + o.b[4]); // dout . out per row
@@ -1683,10 +1685,10 @@ extern "C" __global__ void __launch_bounds__(128) k98_attention_bwd_stats(char *
   #pragma unroll
   for (int k = 0; k < 4; k++) {
     const int c = 16 * k + 2 * tq;
-    oa[k][0] = r0 < 1024 ? mdl_bf16x2(b1[(b * 1024 + r0) * 768 + hd * 64 + c], b1[(b * 1024 + r0) * 768 + hd * 64 + c + 1]) : 0u;
-    oa[k][1] = r1 < 1024 ? mdl_bf16x2(b1[(b * 1024 + r1) * 768 + hd * 64 + c], b1[(b * 1024 + r1) * 768 + hd * 64 + c + 1]) : 0u;
-    oa[k][2] = r0 < 1024 ? mdl_bf16x2(b1[(b * 1024 + r0) * 768 + hd * 64 + c + 8], b1[(b * 1024 + r0) * 768 + hd * 64 + c + 9]) : 0u;
-    oa[k][3] = r1 < 1024 ? mdl_bf16x2(b1[(b * 1024 + r1) * 768 + hd * 64 + c + 8], b1[(b * 1024 + r1) * 768 + hd * 64 + c + 9]) : 0u;
+    oa[k][0] = r0 < 1024 ? ((uint32_t)b1[(b * 1024 + r0) * 768 + hd * 64 + c] | (uint32_t)b1[(b * 1024 + r0) * 768 + hd * 64 + c + 1] << 16) : 0u;
+    oa[k][1] = r1 < 1024 ? ((uint32_t)b1[(b * 1024 + r1) * 768 + hd * 64 + c] | (uint32_t)b1[(b * 1024 + r1) * 768 + hd * 64 + c + 1] << 16) : 0u;
+    oa[k][2] = r0 < 1024 ? ((uint32_t)b1[(b * 1024 + r0) * 768 + hd * 64 + c + 8] | (uint32_t)b1[(b * 1024 + r0) * 768 + hd * 64 + c + 9] << 16) : 0u;
+    oa[k][3] = r1 < 1024 ? ((uint32_t)b1[(b * 1024 + r1) * 768 + hd * 64 + c + 8] | (uint32_t)b1[(b * 1024 + r1) * 768 + hd * 64 + c + 9] << 16) : 0u;
   }
   const int32_t d0 = r0 < 1024 ? b2[b * 1024 + r0] : 0, d1 = r1 < 1024 ? b2[b * 1024 + r1] : 0;
   // Per row: the running maximum m and this lane's parts of the sum l and of D.
@@ -1698,9 +1700,9 @@ extern "C" __global__ void __launch_bounds__(128) k98_attention_bwd_stats(char *
       const int jj = u / 16, c = u % 16 * 4;
       const bool in = k0 + jj < 1024;
       const float4 ax = in ? *(const float4 *)&(b0 + 768)[(b * 1024 + k0 + jj) * 2304 + hd * 64 + c] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-      const float4 bx = in ? *(const float4 *)&(b0 + 1536)[(b * 1024 + k0 + jj) * 2304 + hd * 64 + c] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
       Ks[jj][c / 2] = mdl_bf16x2(ax.x, ax.y);
       Ks[jj][c / 2 + 1] = mdl_bf16x2(ax.z, ax.w);
+      const float4 bx = in ? *(const float4 *)&(b0 + 1536)[(b * 1024 + k0 + jj) * 2304 + hd * 64 + c] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
       Vs[jj][c / 2] = mdl_bf16x2(bx.x, bx.y);
       Vs[jj][c / 2 + 1] = mdl_bf16x2(bx.z, bx.w);
     }
@@ -1788,7 +1790,7 @@ extern "C" __global__ void __launch_bounds__(128) k98_attention_bwd_stats(char *
 // attention backward, dq on tensor cores: B 8, T 1024, 12 heads of 64, causal, within documents; a block of 4 warps per (batch, head, 64 queries), 16 query rows per warp, keys in tiles of 64; bf16 products (mma m16n8k16)
 extern "C" __global__ void __launch_bounds__(128) k98_attention_bwd_dq(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
   float *const b0 = (float *)(arena + o.b[0]); // add f32[8,1024,2304]
-  float *const b1 = (float *)(arena + o.b[1]); // matmul f32[8192,768]
+  uint16_t *const b1 = (uint16_t *)(arena + o.b[1]); // cast bf16[8,1024,768]
   int32_t *const b2 = (int32_t *)(arena + o.b[2]); // input i32[8,1024]
   float *const b3 = (float *)(arena + o.b[3]); // log-sum-exp per row
   float *const b4 = (float *)(arena + o.b[4]); // dout . out per row
@@ -1814,10 +1816,10 @@ extern "C" __global__ void __launch_bounds__(128) k98_attention_bwd_dq(char *are
   #pragma unroll
   for (int k = 0; k < 4; k++) {
     const int c = 16 * k + 2 * tq;
-    oa[k][0] = r0 < 1024 ? mdl_bf16x2(b1[(b * 1024 + r0) * 768 + hd * 64 + c], b1[(b * 1024 + r0) * 768 + hd * 64 + c + 1]) : 0u;
-    oa[k][1] = r1 < 1024 ? mdl_bf16x2(b1[(b * 1024 + r1) * 768 + hd * 64 + c], b1[(b * 1024 + r1) * 768 + hd * 64 + c + 1]) : 0u;
-    oa[k][2] = r0 < 1024 ? mdl_bf16x2(b1[(b * 1024 + r0) * 768 + hd * 64 + c + 8], b1[(b * 1024 + r0) * 768 + hd * 64 + c + 9]) : 0u;
-    oa[k][3] = r1 < 1024 ? mdl_bf16x2(b1[(b * 1024 + r1) * 768 + hd * 64 + c + 8], b1[(b * 1024 + r1) * 768 + hd * 64 + c + 9]) : 0u;
+    oa[k][0] = r0 < 1024 ? ((uint32_t)b1[(b * 1024 + r0) * 768 + hd * 64 + c] | (uint32_t)b1[(b * 1024 + r0) * 768 + hd * 64 + c + 1] << 16) : 0u;
+    oa[k][1] = r1 < 1024 ? ((uint32_t)b1[(b * 1024 + r1) * 768 + hd * 64 + c] | (uint32_t)b1[(b * 1024 + r1) * 768 + hd * 64 + c + 1] << 16) : 0u;
+    oa[k][2] = r0 < 1024 ? ((uint32_t)b1[(b * 1024 + r0) * 768 + hd * 64 + c + 8] | (uint32_t)b1[(b * 1024 + r0) * 768 + hd * 64 + c + 9] << 16) : 0u;
+    oa[k][3] = r1 < 1024 ? ((uint32_t)b1[(b * 1024 + r1) * 768 + hd * 64 + c + 8] | (uint32_t)b1[(b * 1024 + r1) * 768 + hd * 64 + c + 9] << 16) : 0u;
   }
   const int32_t d0 = r0 < 1024 ? b2[b * 1024 + r0] : 0, d1 = r1 < 1024 ? b2[b * 1024 + r1] : 0;
   const float l0 = r0 < 1024 ? b3[(b * 12 + hd) * 1024 + r0] : 0.0f, s0 = r0 < 1024 ? b4[(b * 12 + hd) * 1024 + r0] : 0.0f;
@@ -1834,9 +1836,9 @@ extern "C" __global__ void __launch_bounds__(128) k98_attention_bwd_dq(char *are
       const int jj = u / 16, c = u % 16 * 4;
       const bool in = k0 + jj < 1024;
       const float4 ax = in ? *(const float4 *)&(b0 + 768)[(b * 1024 + k0 + jj) * 2304 + hd * 64 + c] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-      const float4 bx = in ? *(const float4 *)&(b0 + 1536)[(b * 1024 + k0 + jj) * 2304 + hd * 64 + c] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
       Ks[jj][c / 2] = mdl_bf16x2(ax.x, ax.y);
       Ks[jj][c / 2 + 1] = mdl_bf16x2(ax.z, ax.w);
+      const float4 bx = in ? *(const float4 *)&(b0 + 1536)[(b * 1024 + k0 + jj) * 2304 + hd * 64 + c] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
       Vs[jj][c / 2] = mdl_bf16x2(bx.x, bx.y);
       Vs[jj][c / 2 + 1] = mdl_bf16x2(bx.z, bx.w);
     }
@@ -1906,7 +1908,7 @@ extern "C" __global__ void __launch_bounds__(128) k98_attention_bwd_dkv(char *ar
   int32_t *const b1 = (int32_t *)(arena + o.b[1]); // input i32[8,1024]
   float *const b2 = (float *)(arena + o.b[2]); // log-sum-exp per row
   float *const b3 = (float *)(arena + o.b[3]); // dout . out per row
-  float *const b4 = (float *)(arena + o.b[4]); // matmul f32[8192,768]
+  uint16_t *const b4 = (uint16_t *)(arena + o.b[4]); // cast bf16[8,1024,768]
   float *const b5 = (float *)(arena + o.b[5]); // attention_bwd f32[8,1024,768]
   float *const b6 = (float *)(arena + o.b[6]); // attention_bwd f32[8,1024,768]
   __shared__ uint32_t Qs[64][36], Os[64][36]; // the tile's queries and dout, bf16 pairs
@@ -1950,11 +1952,11 @@ extern "C" __global__ void __launch_bounds__(128) k98_attention_bwd_dkv(char *ar
       const int jj = u / 16, c = u % 16 * 4;
       const bool in = i0 + jj < 1024;
       const float4 ax = in ? *(const float4 *)&b0[(b * 1024 + i0 + jj) * 2304 + hd * 64 + c] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-      const float4 bx = in ? *(const float4 *)&b4[(b * 1024 + i0 + jj) * 768 + hd * 64 + c] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
       Qs[jj][c / 2] = mdl_bf16x2(ax.x, ax.y);
       Qs[jj][c / 2 + 1] = mdl_bf16x2(ax.z, ax.w);
-      Os[jj][c / 2] = mdl_bf16x2(bx.x, bx.y);
-      Os[jj][c / 2 + 1] = mdl_bf16x2(bx.z, bx.w);
+      const ushort4 bx = in ? *(const ushort4 *)&b4[(b * 1024 + i0 + jj) * 768 + hd * 64 + c] : make_ushort4(0, 0, 0, 0);
+      Os[jj][c / 2] = (uint32_t)bx.x | (uint32_t)bx.y << 16;
+      Os[jj][c / 2 + 1] = (uint32_t)bx.z | (uint32_t)bx.w << 16;
     }
     if (threadIdx.x < 64) {
       const int i = i0 + threadIdx.x;
@@ -2032,14 +2034,14 @@ extern "C" __global__ void __launch_bounds__(128) k98_attention_bwd_dkv(char *ar
 }
 
 // k99_sum__slice_bwd__add__cast: kernel, 8 ops
-//   %601   slice_bwd                               line 38    f32[8,1024,2304]
 //   %602   slice_bwd                               line 38    f32[8,1024,2304]
-//   %603   add                                     line 38    f32[8,1024,2304]
-//   %604   slice_bwd                               line 38    f32[8,1024,2304]
-//   %605   add                                     line 38    f32[8,1024,2304]
-//   %606   reshape                                 line 38    f32[8192,2304]
-//   %607   sum                d.h.11.attn_b        line 38    f32[2304]
-//   %608   cast                                    line 38    bf16[8192,2304]
+//   %603   slice_bwd                               line 38    f32[8,1024,2304]
+//   %604   add                                     line 38    f32[8,1024,2304]
+//   %605   slice_bwd                               line 38    f32[8,1024,2304]
+//   %606   add                                     line 38    f32[8,1024,2304]
+//   %607   reshape                                 line 38    f32[8192,2304]
+//   %608   sum                d.h.11.attn_b        line 38    f32[2304]
+//   %609   cast                                    line 38    bf16[8192,2304]
 // runs:
 //   k99_sum__slice_bwd__add__cast_partial<<<1017, 256>>>
 //   k99_sum__slice_bwd__add__cast<<<144, 256>>>
@@ -2106,23 +2108,23 @@ extern "C" __global__ void __launch_bounds__(256) k99_sum__slice_bwd__add__cast(
 }
 
 // k100_gemm: GEMM, 1 op
-//   %609   matmul                                  line 38    f32[8192,768]
+//   %610   matmul                                  line 38    f32[8192,768]
 // runs:
 //   gemm 60: [8192 x 768] = [8192 x 2304] T[2304 x 768], bf16 A and B, f32 C
 
 // k101_gemm: GEMM, 1 op
-//   %610   matmul             d.h.11.attn_w        line 38    f32[768,2304]
+//   %611   matmul             d.h.11.attn_w        line 38    f32[768,2304]
 // runs:
 //   gemm 61: [768 x 2304] = T[768 x 8192] [8192 x 2304], bf16 A and B, f32 C
 
 // k102_layernorm_bwd__add__sum__cast: kernel, 7 ops
-//   %612   layernorm_bwd                           line 38    f32[8,1024,768]
-//   %613   add                d.h.10.x             line 38    f32[8,1024,768]
-//   %614   layernorm_bwd      d.h.11.ln1_w         line 38    f32[768]
-//   %615   layernorm_bwd      d.h.11.ln1_b         line 38    f32[768]
-//   %616   reshape                                 line 40    f32[8192,768]
-//   %617   sum                d.h.10.fcproj_b      line 40    f32[768]
-//   %618   cast                                    line 40    bf16[8192,768]
+//   %613   layernorm_bwd                           line 38    f32[8,1024,768]
+//   %614   add                d.h.10.x             line 38    f32[8,1024,768]
+//   %615   layernorm_bwd      d.h.11.ln1_w         line 38    f32[768]
+//   %616   layernorm_bwd      d.h.11.ln1_b         line 38    f32[768]
+//   %617   reshape                                 line 40    f32[8192,768]
+//   %618   sum                d.h.10.fcproj_b      line 40    f32[768]
+//   %619   cast                                    line 40    bf16[8192,768]
 // runs:
 //   k102_layernorm_bwd__add__sum__cast<<<1024, 128>>>
 //   k90_layernorm_bwd__sum__cast_colsum<<<96, 1024>>>
@@ -2210,1021 +2212,1043 @@ extern "C" __global__ void __launch_bounds__(128) k102_layernorm_bwd__add__sum__
 }
 
 // k103_gemm: GEMM, 1 op
-//   %620   matmul             d.h.10.fcproj_w      line 40    f32[3072,768]
+//   %621   matmul             d.h.10.fcproj_w      line 40    f32[3072,768]
 // runs:
 //   gemm 62: [3072 x 768] = T[3072 x 8192] [8192 x 768], bf16 A and B, f32 C
 
 // k104_gemm__gelu_bwd__sum__cast: GEMM, 6 ops
-//   %619   matmul                                  line 40    f32[8192,3072]
-//   %621   reshape                                 line 40    f32[8,1024,3072]
-//   %622   gelu_bwd                                line 40    f32[8,1024,3072]
-//   %623   reshape                                 line 40    f32[8192,3072]
-//   %624   sum                d.h.10.fc_b          line 40    f32[3072]
-//   %625   cast                                    line 40    bf16[8192,3072]
+//   %620   matmul                                  line 40    f32[8192,3072]
+//   %622   reshape                                 line 40    f32[8,1024,3072]
+//   %623   gelu_bwd                                line 40    f32[8,1024,3072]
+//   %624   reshape                                 line 40    f32[8192,3072]
+//   %625   sum                d.h.10.fc_b          line 40    f32[3072]
+//   %626   cast                                    line 40    bf16[8192,3072]
 // runs:
 //   gemm 63: [8192 x 3072] = [8192 x 768] T[768 x 3072], bf16 A and B, f32 C
 //   k92_gemm__gelu_bwd__sum__cast_partial<<<1020, 256>>>
 //   k92_gemm__gelu_bwd__sum__cast<<<192, 256>>>
 
 // k105_gemm: GEMM, 1 op
-//   %626   matmul                                  line 40    f32[8192,768]
+//   %627   matmul                                  line 40    f32[8192,768]
 // runs:
 //   gemm 64: [8192 x 768] = [8192 x 3072] T[3072 x 768], bf16 A and B, f32 C
 
 // k106_gemm: GEMM, 1 op
-//   %627   matmul             d.h.10.fc_w          line 40    f32[768,3072]
+//   %628   matmul             d.h.10.fc_w          line 40    f32[768,3072]
 // runs:
 //   gemm 65: [768 x 3072] = T[768 x 8192] [8192 x 3072], bf16 A and B, f32 C
 
 // k107_layernorm_bwd__add__sum__cast: kernel, 7 ops
-//   %629   layernorm_bwd                           line 40    f32[8,1024,768]
-//   %630   add                d.h.10.x             line 40    f32[8,1024,768]
-//   %631   layernorm_bwd      d.h.10.ln2_w         line 40    f32[768]
-//   %632   layernorm_bwd      d.h.10.ln2_b         line 40    f32[768]
-//   %633   reshape                                 line 39    f32[8192,768]
-//   %634   sum                d.h.10.proj_b        line 39    f32[768]
-//   %635   cast                                    line 39    bf16[8192,768]
+//   %630   layernorm_bwd                           line 40    f32[8,1024,768]
+//   %631   add                d.h.10.x             line 40    f32[8,1024,768]
+//   %632   layernorm_bwd      d.h.10.ln2_w         line 40    f32[768]
+//   %633   layernorm_bwd      d.h.10.ln2_b         line 40    f32[768]
+//   %634   reshape                                 line 39    f32[8192,768]
+//   %635   sum                d.h.10.proj_b        line 39    f32[768]
+//   %636   cast                                    line 39    bf16[8192,768]
 // runs:
 //   k102_layernorm_bwd__add__sum__cast<<<1024, 128>>>
 //   k90_layernorm_bwd__sum__cast_colsum<<<96, 1024>>>
 
 // k108_gemm: GEMM, 1 op
-//   %636   matmul                                  line 39    f32[8192,768]
+//   %638   matmul             d.h.10.proj_w        line 39    f32[768,768]
 // runs:
-//   gemm 66: [8192 x 768] = [8192 x 768] T[768 x 768], bf16 A and B, f32 C
+//   gemm 66: [768 x 768] = T[768 x 8192] [8192 x 768], bf16 A and B, f32 C
 
-// k109_gemm: GEMM, 1 op
-//   %637   matmul             d.h.10.proj_w        line 39    f32[768,768]
+// k109_gemm__cast: GEMM, 3 ops
+//   %637   matmul                                  line 39    f32[8192,768]
+//   %639   reshape                                 line 39    f32[8,1024,768]
+//   %640   cast                                    line 39    bf16[8,1024,768]
 // runs:
-//   gemm 67: [768 x 768] = T[768 x 8192] [8192 x 768], bf16 A and B, f32 C
+//   gemm 67: [8192 x 768] = [8192 x 768] T[768 x 768], bf16 A and B, bf16 C
 
 // k110_attention_bwd: attention, 3 ops
-//   %639   attention_bwd      d.h.10.q             line 39    f32[8,1024,768]
-//   %640   attention_bwd      d.h.10.k             line 39    f32[8,1024,768]
-//   %641   attention_bwd      d.h.10.v             line 39    f32[8,1024,768]
+//   %641   attention_bwd      d.h.10.q             line 39    f32[8,1024,768]
+//   %642   attention_bwd      d.h.10.k             line 39    f32[8,1024,768]
+//   %643   attention_bwd      d.h.10.v             line 39    f32[8,1024,768]
 // runs:
 //   k98_attention_bwd_stats<<<1536, 128>>>
 //   k98_attention_bwd_dq<<<1536, 128>>>
 //   k98_attention_bwd_dkv<<<1536, 128>>>
 
 // k111_sum__slice_bwd__add__cast: kernel, 8 ops
-//   %642   slice_bwd                               line 38    f32[8,1024,2304]
-//   %643   slice_bwd                               line 38    f32[8,1024,2304]
-//   %644   add                                     line 38    f32[8,1024,2304]
+//   %644   slice_bwd                               line 38    f32[8,1024,2304]
 //   %645   slice_bwd                               line 38    f32[8,1024,2304]
 //   %646   add                                     line 38    f32[8,1024,2304]
-//   %647   reshape                                 line 38    f32[8192,2304]
-//   %648   sum                d.h.10.attn_b        line 38    f32[2304]
-//   %649   cast                                    line 38    bf16[8192,2304]
+//   %647   slice_bwd                               line 38    f32[8,1024,2304]
+//   %648   add                                     line 38    f32[8,1024,2304]
+//   %649   reshape                                 line 38    f32[8192,2304]
+//   %650   sum                d.h.10.attn_b        line 38    f32[2304]
+//   %651   cast                                    line 38    bf16[8192,2304]
 // runs:
 //   k99_sum__slice_bwd__add__cast_partial<<<1017, 256>>>
 //   k99_sum__slice_bwd__add__cast<<<144, 256>>>
 
 // k112_gemm: GEMM, 1 op
-//   %650   matmul                                  line 38    f32[8192,768]
+//   %652   matmul                                  line 38    f32[8192,768]
 // runs:
 //   gemm 68: [8192 x 768] = [8192 x 2304] T[2304 x 768], bf16 A and B, f32 C
 
 // k113_gemm: GEMM, 1 op
-//   %651   matmul             d.h.10.attn_w        line 38    f32[768,2304]
+//   %653   matmul             d.h.10.attn_w        line 38    f32[768,2304]
 // runs:
 //   gemm 69: [768 x 2304] = T[768 x 8192] [8192 x 2304], bf16 A and B, f32 C
 
 // k114_layernorm_bwd__add__sum__cast: kernel, 7 ops
-//   %653   layernorm_bwd                           line 38    f32[8,1024,768]
-//   %654   add                d.h.9.x              line 38    f32[8,1024,768]
-//   %655   layernorm_bwd      d.h.10.ln1_w         line 38    f32[768]
-//   %656   layernorm_bwd      d.h.10.ln1_b         line 38    f32[768]
-//   %657   reshape                                 line 40    f32[8192,768]
-//   %658   sum                d.h.9.fcproj_b       line 40    f32[768]
-//   %659   cast                                    line 40    bf16[8192,768]
+//   %655   layernorm_bwd                           line 38    f32[8,1024,768]
+//   %656   add                d.h.9.x              line 38    f32[8,1024,768]
+//   %657   layernorm_bwd      d.h.10.ln1_w         line 38    f32[768]
+//   %658   layernorm_bwd      d.h.10.ln1_b         line 38    f32[768]
+//   %659   reshape                                 line 40    f32[8192,768]
+//   %660   sum                d.h.9.fcproj_b       line 40    f32[768]
+//   %661   cast                                    line 40    bf16[8192,768]
 // runs:
 //   k102_layernorm_bwd__add__sum__cast<<<1024, 128>>>
 //   k90_layernorm_bwd__sum__cast_colsum<<<96, 1024>>>
 
 // k115_gemm: GEMM, 1 op
-//   %661   matmul             d.h.9.fcproj_w       line 40    f32[3072,768]
+//   %663   matmul             d.h.9.fcproj_w       line 40    f32[3072,768]
 // runs:
 //   gemm 70: [3072 x 768] = T[3072 x 8192] [8192 x 768], bf16 A and B, f32 C
 
 // k116_gemm__gelu_bwd__sum__cast: GEMM, 6 ops
-//   %660   matmul                                  line 40    f32[8192,3072]
-//   %662   reshape                                 line 40    f32[8,1024,3072]
-//   %663   gelu_bwd                                line 40    f32[8,1024,3072]
-//   %664   reshape                                 line 40    f32[8192,3072]
-//   %665   sum                d.h.9.fc_b           line 40    f32[3072]
-//   %666   cast                                    line 40    bf16[8192,3072]
+//   %662   matmul                                  line 40    f32[8192,3072]
+//   %664   reshape                                 line 40    f32[8,1024,3072]
+//   %665   gelu_bwd                                line 40    f32[8,1024,3072]
+//   %666   reshape                                 line 40    f32[8192,3072]
+//   %667   sum                d.h.9.fc_b           line 40    f32[3072]
+//   %668   cast                                    line 40    bf16[8192,3072]
 // runs:
 //   gemm 71: [8192 x 3072] = [8192 x 768] T[768 x 3072], bf16 A and B, f32 C
 //   k92_gemm__gelu_bwd__sum__cast_partial<<<1020, 256>>>
 //   k92_gemm__gelu_bwd__sum__cast<<<192, 256>>>
 
 // k117_gemm: GEMM, 1 op
-//   %667   matmul                                  line 40    f32[8192,768]
+//   %669   matmul                                  line 40    f32[8192,768]
 // runs:
 //   gemm 72: [8192 x 768] = [8192 x 3072] T[3072 x 768], bf16 A and B, f32 C
 
 // k118_gemm: GEMM, 1 op
-//   %668   matmul             d.h.9.fc_w           line 40    f32[768,3072]
+//   %670   matmul             d.h.9.fc_w           line 40    f32[768,3072]
 // runs:
 //   gemm 73: [768 x 3072] = T[768 x 8192] [8192 x 3072], bf16 A and B, f32 C
 
 // k119_layernorm_bwd__add__sum__cast: kernel, 7 ops
-//   %670   layernorm_bwd                           line 40    f32[8,1024,768]
-//   %671   add                d.h.9.x              line 40    f32[8,1024,768]
-//   %672   layernorm_bwd      d.h.9.ln2_w          line 40    f32[768]
-//   %673   layernorm_bwd      d.h.9.ln2_b          line 40    f32[768]
-//   %674   reshape                                 line 39    f32[8192,768]
-//   %675   sum                d.h.9.proj_b         line 39    f32[768]
-//   %676   cast                                    line 39    bf16[8192,768]
+//   %672   layernorm_bwd                           line 40    f32[8,1024,768]
+//   %673   add                d.h.9.x              line 40    f32[8,1024,768]
+//   %674   layernorm_bwd      d.h.9.ln2_w          line 40    f32[768]
+//   %675   layernorm_bwd      d.h.9.ln2_b          line 40    f32[768]
+//   %676   reshape                                 line 39    f32[8192,768]
+//   %677   sum                d.h.9.proj_b         line 39    f32[768]
+//   %678   cast                                    line 39    bf16[8192,768]
 // runs:
 //   k102_layernorm_bwd__add__sum__cast<<<1024, 128>>>
 //   k90_layernorm_bwd__sum__cast_colsum<<<96, 1024>>>
 
 // k120_gemm: GEMM, 1 op
-//   %677   matmul                                  line 39    f32[8192,768]
+//   %680   matmul             d.h.9.proj_w         line 39    f32[768,768]
 // runs:
-//   gemm 74: [8192 x 768] = [8192 x 768] T[768 x 768], bf16 A and B, f32 C
+//   gemm 74: [768 x 768] = T[768 x 8192] [8192 x 768], bf16 A and B, f32 C
 
-// k121_gemm: GEMM, 1 op
-//   %678   matmul             d.h.9.proj_w         line 39    f32[768,768]
+// k121_gemm__cast: GEMM, 3 ops
+//   %679   matmul                                  line 39    f32[8192,768]
+//   %681   reshape                                 line 39    f32[8,1024,768]
+//   %682   cast                                    line 39    bf16[8,1024,768]
 // runs:
-//   gemm 75: [768 x 768] = T[768 x 8192] [8192 x 768], bf16 A and B, f32 C
+//   gemm 75: [8192 x 768] = [8192 x 768] T[768 x 768], bf16 A and B, bf16 C
 
 // k122_attention_bwd: attention, 3 ops
-//   %680   attention_bwd      d.h.9.q              line 39    f32[8,1024,768]
-//   %681   attention_bwd      d.h.9.k              line 39    f32[8,1024,768]
-//   %682   attention_bwd      d.h.9.v              line 39    f32[8,1024,768]
+//   %683   attention_bwd      d.h.9.q              line 39    f32[8,1024,768]
+//   %684   attention_bwd      d.h.9.k              line 39    f32[8,1024,768]
+//   %685   attention_bwd      d.h.9.v              line 39    f32[8,1024,768]
 // runs:
 //   k98_attention_bwd_stats<<<1536, 128>>>
 //   k98_attention_bwd_dq<<<1536, 128>>>
 //   k98_attention_bwd_dkv<<<1536, 128>>>
 
 // k123_sum__slice_bwd__add__cast: kernel, 8 ops
-//   %683   slice_bwd                               line 38    f32[8,1024,2304]
-//   %684   slice_bwd                               line 38    f32[8,1024,2304]
-//   %685   add                                     line 38    f32[8,1024,2304]
 //   %686   slice_bwd                               line 38    f32[8,1024,2304]
-//   %687   add                                     line 38    f32[8,1024,2304]
-//   %688   reshape                                 line 38    f32[8192,2304]
-//   %689   sum                d.h.9.attn_b         line 38    f32[2304]
-//   %690   cast                                    line 38    bf16[8192,2304]
+//   %687   slice_bwd                               line 38    f32[8,1024,2304]
+//   %688   add                                     line 38    f32[8,1024,2304]
+//   %689   slice_bwd                               line 38    f32[8,1024,2304]
+//   %690   add                                     line 38    f32[8,1024,2304]
+//   %691   reshape                                 line 38    f32[8192,2304]
+//   %692   sum                d.h.9.attn_b         line 38    f32[2304]
+//   %693   cast                                    line 38    bf16[8192,2304]
 // runs:
 //   k99_sum__slice_bwd__add__cast_partial<<<1017, 256>>>
 //   k99_sum__slice_bwd__add__cast<<<144, 256>>>
 
 // k124_gemm: GEMM, 1 op
-//   %691   matmul                                  line 38    f32[8192,768]
+//   %694   matmul                                  line 38    f32[8192,768]
 // runs:
 //   gemm 76: [8192 x 768] = [8192 x 2304] T[2304 x 768], bf16 A and B, f32 C
 
 // k125_gemm: GEMM, 1 op
-//   %692   matmul             d.h.9.attn_w         line 38    f32[768,2304]
+//   %695   matmul             d.h.9.attn_w         line 38    f32[768,2304]
 // runs:
 //   gemm 77: [768 x 2304] = T[768 x 8192] [8192 x 2304], bf16 A and B, f32 C
 
 // k126_layernorm_bwd__add__sum__cast: kernel, 7 ops
-//   %694   layernorm_bwd                           line 38    f32[8,1024,768]
-//   %695   add                d.h.8.x              line 38    f32[8,1024,768]
-//   %696   layernorm_bwd      d.h.9.ln1_w          line 38    f32[768]
-//   %697   layernorm_bwd      d.h.9.ln1_b          line 38    f32[768]
-//   %698   reshape                                 line 40    f32[8192,768]
-//   %699   sum                d.h.8.fcproj_b       line 40    f32[768]
-//   %700   cast                                    line 40    bf16[8192,768]
+//   %697   layernorm_bwd                           line 38    f32[8,1024,768]
+//   %698   add                d.h.8.x              line 38    f32[8,1024,768]
+//   %699   layernorm_bwd      d.h.9.ln1_w          line 38    f32[768]
+//   %700   layernorm_bwd      d.h.9.ln1_b          line 38    f32[768]
+//   %701   reshape                                 line 40    f32[8192,768]
+//   %702   sum                d.h.8.fcproj_b       line 40    f32[768]
+//   %703   cast                                    line 40    bf16[8192,768]
 // runs:
 //   k102_layernorm_bwd__add__sum__cast<<<1024, 128>>>
 //   k90_layernorm_bwd__sum__cast_colsum<<<96, 1024>>>
 
 // k127_gemm: GEMM, 1 op
-//   %702   matmul             d.h.8.fcproj_w       line 40    f32[3072,768]
+//   %705   matmul             d.h.8.fcproj_w       line 40    f32[3072,768]
 // runs:
 //   gemm 78: [3072 x 768] = T[3072 x 8192] [8192 x 768], bf16 A and B, f32 C
 
 // k128_gemm__gelu_bwd__sum__cast: GEMM, 6 ops
-//   %701   matmul                                  line 40    f32[8192,3072]
-//   %703   reshape                                 line 40    f32[8,1024,3072]
-//   %704   gelu_bwd                                line 40    f32[8,1024,3072]
-//   %705   reshape                                 line 40    f32[8192,3072]
-//   %706   sum                d.h.8.fc_b           line 40    f32[3072]
-//   %707   cast                                    line 40    bf16[8192,3072]
+//   %704   matmul                                  line 40    f32[8192,3072]
+//   %706   reshape                                 line 40    f32[8,1024,3072]
+//   %707   gelu_bwd                                line 40    f32[8,1024,3072]
+//   %708   reshape                                 line 40    f32[8192,3072]
+//   %709   sum                d.h.8.fc_b           line 40    f32[3072]
+//   %710   cast                                    line 40    bf16[8192,3072]
 // runs:
 //   gemm 79: [8192 x 3072] = [8192 x 768] T[768 x 3072], bf16 A and B, f32 C
 //   k92_gemm__gelu_bwd__sum__cast_partial<<<1020, 256>>>
 //   k92_gemm__gelu_bwd__sum__cast<<<192, 256>>>
 
 // k129_gemm: GEMM, 1 op
-//   %708   matmul                                  line 40    f32[8192,768]
+//   %711   matmul                                  line 40    f32[8192,768]
 // runs:
 //   gemm 80: [8192 x 768] = [8192 x 3072] T[3072 x 768], bf16 A and B, f32 C
 
 // k130_gemm: GEMM, 1 op
-//   %709   matmul             d.h.8.fc_w           line 40    f32[768,3072]
+//   %712   matmul             d.h.8.fc_w           line 40    f32[768,3072]
 // runs:
 //   gemm 81: [768 x 3072] = T[768 x 8192] [8192 x 3072], bf16 A and B, f32 C
 
 // k131_layernorm_bwd__add__sum__cast: kernel, 7 ops
-//   %711   layernorm_bwd                           line 40    f32[8,1024,768]
-//   %712   add                d.h.8.x              line 40    f32[8,1024,768]
-//   %713   layernorm_bwd      d.h.8.ln2_w          line 40    f32[768]
-//   %714   layernorm_bwd      d.h.8.ln2_b          line 40    f32[768]
-//   %715   reshape                                 line 39    f32[8192,768]
-//   %716   sum                d.h.8.proj_b         line 39    f32[768]
-//   %717   cast                                    line 39    bf16[8192,768]
+//   %714   layernorm_bwd                           line 40    f32[8,1024,768]
+//   %715   add                d.h.8.x              line 40    f32[8,1024,768]
+//   %716   layernorm_bwd      d.h.8.ln2_w          line 40    f32[768]
+//   %717   layernorm_bwd      d.h.8.ln2_b          line 40    f32[768]
+//   %718   reshape                                 line 39    f32[8192,768]
+//   %719   sum                d.h.8.proj_b         line 39    f32[768]
+//   %720   cast                                    line 39    bf16[8192,768]
 // runs:
 //   k102_layernorm_bwd__add__sum__cast<<<1024, 128>>>
 //   k90_layernorm_bwd__sum__cast_colsum<<<96, 1024>>>
 
 // k132_gemm: GEMM, 1 op
-//   %718   matmul                                  line 39    f32[8192,768]
+//   %722   matmul             d.h.8.proj_w         line 39    f32[768,768]
 // runs:
-//   gemm 82: [8192 x 768] = [8192 x 768] T[768 x 768], bf16 A and B, f32 C
+//   gemm 82: [768 x 768] = T[768 x 8192] [8192 x 768], bf16 A and B, f32 C
 
-// k133_gemm: GEMM, 1 op
-//   %719   matmul             d.h.8.proj_w         line 39    f32[768,768]
+// k133_gemm__cast: GEMM, 3 ops
+//   %721   matmul                                  line 39    f32[8192,768]
+//   %723   reshape                                 line 39    f32[8,1024,768]
+//   %724   cast                                    line 39    bf16[8,1024,768]
 // runs:
-//   gemm 83: [768 x 768] = T[768 x 8192] [8192 x 768], bf16 A and B, f32 C
+//   gemm 83: [8192 x 768] = [8192 x 768] T[768 x 768], bf16 A and B, bf16 C
 
 // k134_attention_bwd: attention, 3 ops
-//   %721   attention_bwd      d.h.8.q              line 39    f32[8,1024,768]
-//   %722   attention_bwd      d.h.8.k              line 39    f32[8,1024,768]
-//   %723   attention_bwd      d.h.8.v              line 39    f32[8,1024,768]
+//   %725   attention_bwd      d.h.8.q              line 39    f32[8,1024,768]
+//   %726   attention_bwd      d.h.8.k              line 39    f32[8,1024,768]
+//   %727   attention_bwd      d.h.8.v              line 39    f32[8,1024,768]
 // runs:
 //   k98_attention_bwd_stats<<<1536, 128>>>
 //   k98_attention_bwd_dq<<<1536, 128>>>
 //   k98_attention_bwd_dkv<<<1536, 128>>>
 
 // k135_sum__slice_bwd__add__cast: kernel, 8 ops
-//   %724   slice_bwd                               line 38    f32[8,1024,2304]
-//   %725   slice_bwd                               line 38    f32[8,1024,2304]
-//   %726   add                                     line 38    f32[8,1024,2304]
-//   %727   slice_bwd                               line 38    f32[8,1024,2304]
-//   %728   add                                     line 38    f32[8,1024,2304]
-//   %729   reshape                                 line 38    f32[8192,2304]
-//   %730   sum                d.h.8.attn_b         line 38    f32[2304]
-//   %731   cast                                    line 38    bf16[8192,2304]
+//   %728   slice_bwd                               line 38    f32[8,1024,2304]
+//   %729   slice_bwd                               line 38    f32[8,1024,2304]
+//   %730   add                                     line 38    f32[8,1024,2304]
+//   %731   slice_bwd                               line 38    f32[8,1024,2304]
+//   %732   add                                     line 38    f32[8,1024,2304]
+//   %733   reshape                                 line 38    f32[8192,2304]
+//   %734   sum                d.h.8.attn_b         line 38    f32[2304]
+//   %735   cast                                    line 38    bf16[8192,2304]
 // runs:
 //   k99_sum__slice_bwd__add__cast_partial<<<1017, 256>>>
 //   k99_sum__slice_bwd__add__cast<<<144, 256>>>
 
 // k136_gemm: GEMM, 1 op
-//   %732   matmul                                  line 38    f32[8192,768]
+//   %736   matmul                                  line 38    f32[8192,768]
 // runs:
 //   gemm 84: [8192 x 768] = [8192 x 2304] T[2304 x 768], bf16 A and B, f32 C
 
 // k137_gemm: GEMM, 1 op
-//   %733   matmul             d.h.8.attn_w         line 38    f32[768,2304]
+//   %737   matmul             d.h.8.attn_w         line 38    f32[768,2304]
 // runs:
 //   gemm 85: [768 x 2304] = T[768 x 8192] [8192 x 2304], bf16 A and B, f32 C
 
 // k138_layernorm_bwd__add__sum__cast: kernel, 7 ops
-//   %735   layernorm_bwd                           line 38    f32[8,1024,768]
-//   %736   add                d.h.7.x              line 38    f32[8,1024,768]
-//   %737   layernorm_bwd      d.h.8.ln1_w          line 38    f32[768]
-//   %738   layernorm_bwd      d.h.8.ln1_b          line 38    f32[768]
-//   %739   reshape                                 line 40    f32[8192,768]
-//   %740   sum                d.h.7.fcproj_b       line 40    f32[768]
-//   %741   cast                                    line 40    bf16[8192,768]
+//   %739   layernorm_bwd                           line 38    f32[8,1024,768]
+//   %740   add                d.h.7.x              line 38    f32[8,1024,768]
+//   %741   layernorm_bwd      d.h.8.ln1_w          line 38    f32[768]
+//   %742   layernorm_bwd      d.h.8.ln1_b          line 38    f32[768]
+//   %743   reshape                                 line 40    f32[8192,768]
+//   %744   sum                d.h.7.fcproj_b       line 40    f32[768]
+//   %745   cast                                    line 40    bf16[8192,768]
 // runs:
 //   k102_layernorm_bwd__add__sum__cast<<<1024, 128>>>
 //   k90_layernorm_bwd__sum__cast_colsum<<<96, 1024>>>
 
 // k139_gemm: GEMM, 1 op
-//   %743   matmul             d.h.7.fcproj_w       line 40    f32[3072,768]
+//   %747   matmul             d.h.7.fcproj_w       line 40    f32[3072,768]
 // runs:
 //   gemm 86: [3072 x 768] = T[3072 x 8192] [8192 x 768], bf16 A and B, f32 C
 
 // k140_gemm__gelu_bwd__sum__cast: GEMM, 6 ops
-//   %742   matmul                                  line 40    f32[8192,3072]
-//   %744   reshape                                 line 40    f32[8,1024,3072]
-//   %745   gelu_bwd                                line 40    f32[8,1024,3072]
-//   %746   reshape                                 line 40    f32[8192,3072]
-//   %747   sum                d.h.7.fc_b           line 40    f32[3072]
-//   %748   cast                                    line 40    bf16[8192,3072]
+//   %746   matmul                                  line 40    f32[8192,3072]
+//   %748   reshape                                 line 40    f32[8,1024,3072]
+//   %749   gelu_bwd                                line 40    f32[8,1024,3072]
+//   %750   reshape                                 line 40    f32[8192,3072]
+//   %751   sum                d.h.7.fc_b           line 40    f32[3072]
+//   %752   cast                                    line 40    bf16[8192,3072]
 // runs:
 //   gemm 87: [8192 x 3072] = [8192 x 768] T[768 x 3072], bf16 A and B, f32 C
 //   k92_gemm__gelu_bwd__sum__cast_partial<<<1020, 256>>>
 //   k92_gemm__gelu_bwd__sum__cast<<<192, 256>>>
 
 // k141_gemm: GEMM, 1 op
-//   %749   matmul                                  line 40    f32[8192,768]
+//   %753   matmul                                  line 40    f32[8192,768]
 // runs:
 //   gemm 88: [8192 x 768] = [8192 x 3072] T[3072 x 768], bf16 A and B, f32 C
 
 // k142_gemm: GEMM, 1 op
-//   %750   matmul             d.h.7.fc_w           line 40    f32[768,3072]
+//   %754   matmul             d.h.7.fc_w           line 40    f32[768,3072]
 // runs:
 //   gemm 89: [768 x 3072] = T[768 x 8192] [8192 x 3072], bf16 A and B, f32 C
 
 // k143_layernorm_bwd__add__sum__cast: kernel, 7 ops
-//   %752   layernorm_bwd                           line 40    f32[8,1024,768]
-//   %753   add                d.h.7.x              line 40    f32[8,1024,768]
-//   %754   layernorm_bwd      d.h.7.ln2_w          line 40    f32[768]
-//   %755   layernorm_bwd      d.h.7.ln2_b          line 40    f32[768]
-//   %756   reshape                                 line 39    f32[8192,768]
-//   %757   sum                d.h.7.proj_b         line 39    f32[768]
-//   %758   cast                                    line 39    bf16[8192,768]
+//   %756   layernorm_bwd                           line 40    f32[8,1024,768]
+//   %757   add                d.h.7.x              line 40    f32[8,1024,768]
+//   %758   layernorm_bwd      d.h.7.ln2_w          line 40    f32[768]
+//   %759   layernorm_bwd      d.h.7.ln2_b          line 40    f32[768]
+//   %760   reshape                                 line 39    f32[8192,768]
+//   %761   sum                d.h.7.proj_b         line 39    f32[768]
+//   %762   cast                                    line 39    bf16[8192,768]
 // runs:
 //   k102_layernorm_bwd__add__sum__cast<<<1024, 128>>>
 //   k90_layernorm_bwd__sum__cast_colsum<<<96, 1024>>>
 
 // k144_gemm: GEMM, 1 op
-//   %759   matmul                                  line 39    f32[8192,768]
+//   %764   matmul             d.h.7.proj_w         line 39    f32[768,768]
 // runs:
-//   gemm 90: [8192 x 768] = [8192 x 768] T[768 x 768], bf16 A and B, f32 C
+//   gemm 90: [768 x 768] = T[768 x 8192] [8192 x 768], bf16 A and B, f32 C
 
-// k145_gemm: GEMM, 1 op
-//   %760   matmul             d.h.7.proj_w         line 39    f32[768,768]
+// k145_gemm__cast: GEMM, 3 ops
+//   %763   matmul                                  line 39    f32[8192,768]
+//   %765   reshape                                 line 39    f32[8,1024,768]
+//   %766   cast                                    line 39    bf16[8,1024,768]
 // runs:
-//   gemm 91: [768 x 768] = T[768 x 8192] [8192 x 768], bf16 A and B, f32 C
+//   gemm 91: [8192 x 768] = [8192 x 768] T[768 x 768], bf16 A and B, bf16 C
 
 // k146_attention_bwd: attention, 3 ops
-//   %762   attention_bwd      d.h.7.q              line 39    f32[8,1024,768]
-//   %763   attention_bwd      d.h.7.k              line 39    f32[8,1024,768]
-//   %764   attention_bwd      d.h.7.v              line 39    f32[8,1024,768]
+//   %767   attention_bwd      d.h.7.q              line 39    f32[8,1024,768]
+//   %768   attention_bwd      d.h.7.k              line 39    f32[8,1024,768]
+//   %769   attention_bwd      d.h.7.v              line 39    f32[8,1024,768]
 // runs:
 //   k98_attention_bwd_stats<<<1536, 128>>>
 //   k98_attention_bwd_dq<<<1536, 128>>>
 //   k98_attention_bwd_dkv<<<1536, 128>>>
 
 // k147_sum__slice_bwd__add__cast: kernel, 8 ops
-//   %765   slice_bwd                               line 38    f32[8,1024,2304]
-//   %766   slice_bwd                               line 38    f32[8,1024,2304]
-//   %767   add                                     line 38    f32[8,1024,2304]
-//   %768   slice_bwd                               line 38    f32[8,1024,2304]
-//   %769   add                                     line 38    f32[8,1024,2304]
-//   %770   reshape                                 line 38    f32[8192,2304]
-//   %771   sum                d.h.7.attn_b         line 38    f32[2304]
-//   %772   cast                                    line 38    bf16[8192,2304]
+//   %770   slice_bwd                               line 38    f32[8,1024,2304]
+//   %771   slice_bwd                               line 38    f32[8,1024,2304]
+//   %772   add                                     line 38    f32[8,1024,2304]
+//   %773   slice_bwd                               line 38    f32[8,1024,2304]
+//   %774   add                                     line 38    f32[8,1024,2304]
+//   %775   reshape                                 line 38    f32[8192,2304]
+//   %776   sum                d.h.7.attn_b         line 38    f32[2304]
+//   %777   cast                                    line 38    bf16[8192,2304]
 // runs:
 //   k99_sum__slice_bwd__add__cast_partial<<<1017, 256>>>
 //   k99_sum__slice_bwd__add__cast<<<144, 256>>>
 
 // k148_gemm: GEMM, 1 op
-//   %773   matmul                                  line 38    f32[8192,768]
+//   %778   matmul                                  line 38    f32[8192,768]
 // runs:
 //   gemm 92: [8192 x 768] = [8192 x 2304] T[2304 x 768], bf16 A and B, f32 C
 
 // k149_gemm: GEMM, 1 op
-//   %774   matmul             d.h.7.attn_w         line 38    f32[768,2304]
+//   %779   matmul             d.h.7.attn_w         line 38    f32[768,2304]
 // runs:
 //   gemm 93: [768 x 2304] = T[768 x 8192] [8192 x 2304], bf16 A and B, f32 C
 
 // k150_layernorm_bwd__add__sum__cast: kernel, 7 ops
-//   %776   layernorm_bwd                           line 38    f32[8,1024,768]
-//   %777   add                d.h.6.x              line 38    f32[8,1024,768]
-//   %778   layernorm_bwd      d.h.7.ln1_w          line 38    f32[768]
-//   %779   layernorm_bwd      d.h.7.ln1_b          line 38    f32[768]
-//   %780   reshape                                 line 40    f32[8192,768]
-//   %781   sum                d.h.6.fcproj_b       line 40    f32[768]
-//   %782   cast                                    line 40    bf16[8192,768]
+//   %781   layernorm_bwd                           line 38    f32[8,1024,768]
+//   %782   add                d.h.6.x              line 38    f32[8,1024,768]
+//   %783   layernorm_bwd      d.h.7.ln1_w          line 38    f32[768]
+//   %784   layernorm_bwd      d.h.7.ln1_b          line 38    f32[768]
+//   %785   reshape                                 line 40    f32[8192,768]
+//   %786   sum                d.h.6.fcproj_b       line 40    f32[768]
+//   %787   cast                                    line 40    bf16[8192,768]
 // runs:
 //   k102_layernorm_bwd__add__sum__cast<<<1024, 128>>>
 //   k90_layernorm_bwd__sum__cast_colsum<<<96, 1024>>>
 
 // k151_gemm: GEMM, 1 op
-//   %784   matmul             d.h.6.fcproj_w       line 40    f32[3072,768]
+//   %789   matmul             d.h.6.fcproj_w       line 40    f32[3072,768]
 // runs:
 //   gemm 94: [3072 x 768] = T[3072 x 8192] [8192 x 768], bf16 A and B, f32 C
 
 // k152_gemm__gelu_bwd__sum__cast: GEMM, 6 ops
-//   %783   matmul                                  line 40    f32[8192,3072]
-//   %785   reshape                                 line 40    f32[8,1024,3072]
-//   %786   gelu_bwd                                line 40    f32[8,1024,3072]
-//   %787   reshape                                 line 40    f32[8192,3072]
-//   %788   sum                d.h.6.fc_b           line 40    f32[3072]
-//   %789   cast                                    line 40    bf16[8192,3072]
+//   %788   matmul                                  line 40    f32[8192,3072]
+//   %790   reshape                                 line 40    f32[8,1024,3072]
+//   %791   gelu_bwd                                line 40    f32[8,1024,3072]
+//   %792   reshape                                 line 40    f32[8192,3072]
+//   %793   sum                d.h.6.fc_b           line 40    f32[3072]
+//   %794   cast                                    line 40    bf16[8192,3072]
 // runs:
 //   gemm 95: [8192 x 3072] = [8192 x 768] T[768 x 3072], bf16 A and B, f32 C
 //   k92_gemm__gelu_bwd__sum__cast_partial<<<1020, 256>>>
 //   k92_gemm__gelu_bwd__sum__cast<<<192, 256>>>
 
 // k153_gemm: GEMM, 1 op
-//   %790   matmul                                  line 40    f32[8192,768]
+//   %795   matmul                                  line 40    f32[8192,768]
 // runs:
 //   gemm 96: [8192 x 768] = [8192 x 3072] T[3072 x 768], bf16 A and B, f32 C
 
 // k154_gemm: GEMM, 1 op
-//   %791   matmul             d.h.6.fc_w           line 40    f32[768,3072]
+//   %796   matmul             d.h.6.fc_w           line 40    f32[768,3072]
 // runs:
 //   gemm 97: [768 x 3072] = T[768 x 8192] [8192 x 3072], bf16 A and B, f32 C
 
 // k155_layernorm_bwd__add__sum__cast: kernel, 7 ops
-//   %793   layernorm_bwd                           line 40    f32[8,1024,768]
-//   %794   add                d.h.6.x              line 40    f32[8,1024,768]
-//   %795   layernorm_bwd      d.h.6.ln2_w          line 40    f32[768]
-//   %796   layernorm_bwd      d.h.6.ln2_b          line 40    f32[768]
-//   %797   reshape                                 line 39    f32[8192,768]
-//   %798   sum                d.h.6.proj_b         line 39    f32[768]
-//   %799   cast                                    line 39    bf16[8192,768]
+//   %798   layernorm_bwd                           line 40    f32[8,1024,768]
+//   %799   add                d.h.6.x              line 40    f32[8,1024,768]
+//   %800   layernorm_bwd      d.h.6.ln2_w          line 40    f32[768]
+//   %801   layernorm_bwd      d.h.6.ln2_b          line 40    f32[768]
+//   %802   reshape                                 line 39    f32[8192,768]
+//   %803   sum                d.h.6.proj_b         line 39    f32[768]
+//   %804   cast                                    line 39    bf16[8192,768]
 // runs:
 //   k102_layernorm_bwd__add__sum__cast<<<1024, 128>>>
 //   k90_layernorm_bwd__sum__cast_colsum<<<96, 1024>>>
 
 // k156_gemm: GEMM, 1 op
-//   %800   matmul                                  line 39    f32[8192,768]
+//   %806   matmul             d.h.6.proj_w         line 39    f32[768,768]
 // runs:
-//   gemm 98: [8192 x 768] = [8192 x 768] T[768 x 768], bf16 A and B, f32 C
+//   gemm 98: [768 x 768] = T[768 x 8192] [8192 x 768], bf16 A and B, f32 C
 
-// k157_gemm: GEMM, 1 op
-//   %801   matmul             d.h.6.proj_w         line 39    f32[768,768]
+// k157_gemm__cast: GEMM, 3 ops
+//   %805   matmul                                  line 39    f32[8192,768]
+//   %807   reshape                                 line 39    f32[8,1024,768]
+//   %808   cast                                    line 39    bf16[8,1024,768]
 // runs:
-//   gemm 99: [768 x 768] = T[768 x 8192] [8192 x 768], bf16 A and B, f32 C
+//   gemm 99: [8192 x 768] = [8192 x 768] T[768 x 768], bf16 A and B, bf16 C
 
 // k158_attention_bwd: attention, 3 ops
-//   %803   attention_bwd      d.h.6.q              line 39    f32[8,1024,768]
-//   %804   attention_bwd      d.h.6.k              line 39    f32[8,1024,768]
-//   %805   attention_bwd      d.h.6.v              line 39    f32[8,1024,768]
+//   %809   attention_bwd      d.h.6.q              line 39    f32[8,1024,768]
+//   %810   attention_bwd      d.h.6.k              line 39    f32[8,1024,768]
+//   %811   attention_bwd      d.h.6.v              line 39    f32[8,1024,768]
 // runs:
 //   k98_attention_bwd_stats<<<1536, 128>>>
 //   k98_attention_bwd_dq<<<1536, 128>>>
 //   k98_attention_bwd_dkv<<<1536, 128>>>
 
 // k159_sum__slice_bwd__add__cast: kernel, 8 ops
-//   %806   slice_bwd                               line 38    f32[8,1024,2304]
-//   %807   slice_bwd                               line 38    f32[8,1024,2304]
-//   %808   add                                     line 38    f32[8,1024,2304]
-//   %809   slice_bwd                               line 38    f32[8,1024,2304]
-//   %810   add                                     line 38    f32[8,1024,2304]
-//   %811   reshape                                 line 38    f32[8192,2304]
-//   %812   sum                d.h.6.attn_b         line 38    f32[2304]
-//   %813   cast                                    line 38    bf16[8192,2304]
+//   %812   slice_bwd                               line 38    f32[8,1024,2304]
+//   %813   slice_bwd                               line 38    f32[8,1024,2304]
+//   %814   add                                     line 38    f32[8,1024,2304]
+//   %815   slice_bwd                               line 38    f32[8,1024,2304]
+//   %816   add                                     line 38    f32[8,1024,2304]
+//   %817   reshape                                 line 38    f32[8192,2304]
+//   %818   sum                d.h.6.attn_b         line 38    f32[2304]
+//   %819   cast                                    line 38    bf16[8192,2304]
 // runs:
 //   k99_sum__slice_bwd__add__cast_partial<<<1017, 256>>>
 //   k99_sum__slice_bwd__add__cast<<<144, 256>>>
 
 // k160_gemm: GEMM, 1 op
-//   %814   matmul                                  line 38    f32[8192,768]
+//   %820   matmul                                  line 38    f32[8192,768]
 // runs:
 //   gemm 100: [8192 x 768] = [8192 x 2304] T[2304 x 768], bf16 A and B, f32 C
 
 // k161_gemm: GEMM, 1 op
-//   %815   matmul             d.h.6.attn_w         line 38    f32[768,2304]
+//   %821   matmul             d.h.6.attn_w         line 38    f32[768,2304]
 // runs:
 //   gemm 101: [768 x 2304] = T[768 x 8192] [8192 x 2304], bf16 A and B, f32 C
 
 // k162_layernorm_bwd__add__sum__cast: kernel, 7 ops
-//   %817   layernorm_bwd                           line 38    f32[8,1024,768]
-//   %818   add                d.h.5.x              line 38    f32[8,1024,768]
-//   %819   layernorm_bwd      d.h.6.ln1_w          line 38    f32[768]
-//   %820   layernorm_bwd      d.h.6.ln1_b          line 38    f32[768]
-//   %821   reshape                                 line 40    f32[8192,768]
-//   %822   sum                d.h.5.fcproj_b       line 40    f32[768]
-//   %823   cast                                    line 40    bf16[8192,768]
+//   %823   layernorm_bwd                           line 38    f32[8,1024,768]
+//   %824   add                d.h.5.x              line 38    f32[8,1024,768]
+//   %825   layernorm_bwd      d.h.6.ln1_w          line 38    f32[768]
+//   %826   layernorm_bwd      d.h.6.ln1_b          line 38    f32[768]
+//   %827   reshape                                 line 40    f32[8192,768]
+//   %828   sum                d.h.5.fcproj_b       line 40    f32[768]
+//   %829   cast                                    line 40    bf16[8192,768]
 // runs:
 //   k102_layernorm_bwd__add__sum__cast<<<1024, 128>>>
 //   k90_layernorm_bwd__sum__cast_colsum<<<96, 1024>>>
 
 // k163_gemm: GEMM, 1 op
-//   %825   matmul             d.h.5.fcproj_w       line 40    f32[3072,768]
+//   %831   matmul             d.h.5.fcproj_w       line 40    f32[3072,768]
 // runs:
 //   gemm 102: [3072 x 768] = T[3072 x 8192] [8192 x 768], bf16 A and B, f32 C
 
 // k164_gemm__gelu_bwd__sum__cast: GEMM, 6 ops
-//   %824   matmul                                  line 40    f32[8192,3072]
-//   %826   reshape                                 line 40    f32[8,1024,3072]
-//   %827   gelu_bwd                                line 40    f32[8,1024,3072]
-//   %828   reshape                                 line 40    f32[8192,3072]
-//   %829   sum                d.h.5.fc_b           line 40    f32[3072]
-//   %830   cast                                    line 40    bf16[8192,3072]
+//   %830   matmul                                  line 40    f32[8192,3072]
+//   %832   reshape                                 line 40    f32[8,1024,3072]
+//   %833   gelu_bwd                                line 40    f32[8,1024,3072]
+//   %834   reshape                                 line 40    f32[8192,3072]
+//   %835   sum                d.h.5.fc_b           line 40    f32[3072]
+//   %836   cast                                    line 40    bf16[8192,3072]
 // runs:
 //   gemm 103: [8192 x 3072] = [8192 x 768] T[768 x 3072], bf16 A and B, f32 C
 //   k92_gemm__gelu_bwd__sum__cast_partial<<<1020, 256>>>
 //   k92_gemm__gelu_bwd__sum__cast<<<192, 256>>>
 
 // k165_gemm: GEMM, 1 op
-//   %831   matmul                                  line 40    f32[8192,768]
+//   %837   matmul                                  line 40    f32[8192,768]
 // runs:
 //   gemm 104: [8192 x 768] = [8192 x 3072] T[3072 x 768], bf16 A and B, f32 C
 
 // k166_gemm: GEMM, 1 op
-//   %832   matmul             d.h.5.fc_w           line 40    f32[768,3072]
+//   %838   matmul             d.h.5.fc_w           line 40    f32[768,3072]
 // runs:
 //   gemm 105: [768 x 3072] = T[768 x 8192] [8192 x 3072], bf16 A and B, f32 C
 
 // k167_layernorm_bwd__add__sum__cast: kernel, 7 ops
-//   %834   layernorm_bwd                           line 40    f32[8,1024,768]
-//   %835   add                d.h.5.x              line 40    f32[8,1024,768]
-//   %836   layernorm_bwd      d.h.5.ln2_w          line 40    f32[768]
-//   %837   layernorm_bwd      d.h.5.ln2_b          line 40    f32[768]
-//   %838   reshape                                 line 39    f32[8192,768]
-//   %839   sum                d.h.5.proj_b         line 39    f32[768]
-//   %840   cast                                    line 39    bf16[8192,768]
+//   %840   layernorm_bwd                           line 40    f32[8,1024,768]
+//   %841   add                d.h.5.x              line 40    f32[8,1024,768]
+//   %842   layernorm_bwd      d.h.5.ln2_w          line 40    f32[768]
+//   %843   layernorm_bwd      d.h.5.ln2_b          line 40    f32[768]
+//   %844   reshape                                 line 39    f32[8192,768]
+//   %845   sum                d.h.5.proj_b         line 39    f32[768]
+//   %846   cast                                    line 39    bf16[8192,768]
 // runs:
 //   k102_layernorm_bwd__add__sum__cast<<<1024, 128>>>
 //   k90_layernorm_bwd__sum__cast_colsum<<<96, 1024>>>
 
 // k168_gemm: GEMM, 1 op
-//   %841   matmul                                  line 39    f32[8192,768]
+//   %848   matmul             d.h.5.proj_w         line 39    f32[768,768]
 // runs:
-//   gemm 106: [8192 x 768] = [8192 x 768] T[768 x 768], bf16 A and B, f32 C
+//   gemm 106: [768 x 768] = T[768 x 8192] [8192 x 768], bf16 A and B, f32 C
 
-// k169_gemm: GEMM, 1 op
-//   %842   matmul             d.h.5.proj_w         line 39    f32[768,768]
+// k169_gemm__cast: GEMM, 3 ops
+//   %847   matmul                                  line 39    f32[8192,768]
+//   %849   reshape                                 line 39    f32[8,1024,768]
+//   %850   cast                                    line 39    bf16[8,1024,768]
 // runs:
-//   gemm 107: [768 x 768] = T[768 x 8192] [8192 x 768], bf16 A and B, f32 C
+//   gemm 107: [8192 x 768] = [8192 x 768] T[768 x 768], bf16 A and B, bf16 C
 
 // k170_attention_bwd: attention, 3 ops
-//   %844   attention_bwd      d.h.5.q              line 39    f32[8,1024,768]
-//   %845   attention_bwd      d.h.5.k              line 39    f32[8,1024,768]
-//   %846   attention_bwd      d.h.5.v              line 39    f32[8,1024,768]
+//   %851   attention_bwd      d.h.5.q              line 39    f32[8,1024,768]
+//   %852   attention_bwd      d.h.5.k              line 39    f32[8,1024,768]
+//   %853   attention_bwd      d.h.5.v              line 39    f32[8,1024,768]
 // runs:
 //   k98_attention_bwd_stats<<<1536, 128>>>
 //   k98_attention_bwd_dq<<<1536, 128>>>
 //   k98_attention_bwd_dkv<<<1536, 128>>>
 
 // k171_sum__slice_bwd__add__cast: kernel, 8 ops
-//   %847   slice_bwd                               line 38    f32[8,1024,2304]
-//   %848   slice_bwd                               line 38    f32[8,1024,2304]
-//   %849   add                                     line 38    f32[8,1024,2304]
-//   %850   slice_bwd                               line 38    f32[8,1024,2304]
-//   %851   add                                     line 38    f32[8,1024,2304]
-//   %852   reshape                                 line 38    f32[8192,2304]
-//   %853   sum                d.h.5.attn_b         line 38    f32[2304]
-//   %854   cast                                    line 38    bf16[8192,2304]
+//   %854   slice_bwd                               line 38    f32[8,1024,2304]
+//   %855   slice_bwd                               line 38    f32[8,1024,2304]
+//   %856   add                                     line 38    f32[8,1024,2304]
+//   %857   slice_bwd                               line 38    f32[8,1024,2304]
+//   %858   add                                     line 38    f32[8,1024,2304]
+//   %859   reshape                                 line 38    f32[8192,2304]
+//   %860   sum                d.h.5.attn_b         line 38    f32[2304]
+//   %861   cast                                    line 38    bf16[8192,2304]
 // runs:
 //   k99_sum__slice_bwd__add__cast_partial<<<1017, 256>>>
 //   k99_sum__slice_bwd__add__cast<<<144, 256>>>
 
 // k172_gemm: GEMM, 1 op
-//   %855   matmul                                  line 38    f32[8192,768]
+//   %862   matmul                                  line 38    f32[8192,768]
 // runs:
 //   gemm 108: [8192 x 768] = [8192 x 2304] T[2304 x 768], bf16 A and B, f32 C
 
 // k173_gemm: GEMM, 1 op
-//   %856   matmul             d.h.5.attn_w         line 38    f32[768,2304]
+//   %863   matmul             d.h.5.attn_w         line 38    f32[768,2304]
 // runs:
 //   gemm 109: [768 x 2304] = T[768 x 8192] [8192 x 2304], bf16 A and B, f32 C
 
 // k174_layernorm_bwd__add__sum__cast: kernel, 7 ops
-//   %858   layernorm_bwd                           line 38    f32[8,1024,768]
-//   %859   add                d.h.4.x              line 38    f32[8,1024,768]
-//   %860   layernorm_bwd      d.h.5.ln1_w          line 38    f32[768]
-//   %861   layernorm_bwd      d.h.5.ln1_b          line 38    f32[768]
-//   %862   reshape                                 line 40    f32[8192,768]
-//   %863   sum                d.h.4.fcproj_b       line 40    f32[768]
-//   %864   cast                                    line 40    bf16[8192,768]
+//   %865   layernorm_bwd                           line 38    f32[8,1024,768]
+//   %866   add                d.h.4.x              line 38    f32[8,1024,768]
+//   %867   layernorm_bwd      d.h.5.ln1_w          line 38    f32[768]
+//   %868   layernorm_bwd      d.h.5.ln1_b          line 38    f32[768]
+//   %869   reshape                                 line 40    f32[8192,768]
+//   %870   sum                d.h.4.fcproj_b       line 40    f32[768]
+//   %871   cast                                    line 40    bf16[8192,768]
 // runs:
 //   k102_layernorm_bwd__add__sum__cast<<<1024, 128>>>
 //   k90_layernorm_bwd__sum__cast_colsum<<<96, 1024>>>
 
 // k175_gemm: GEMM, 1 op
-//   %866   matmul             d.h.4.fcproj_w       line 40    f32[3072,768]
+//   %873   matmul             d.h.4.fcproj_w       line 40    f32[3072,768]
 // runs:
 //   gemm 110: [3072 x 768] = T[3072 x 8192] [8192 x 768], bf16 A and B, f32 C
 
 // k176_gemm__gelu_bwd__sum__cast: GEMM, 6 ops
-//   %865   matmul                                  line 40    f32[8192,3072]
-//   %867   reshape                                 line 40    f32[8,1024,3072]
-//   %868   gelu_bwd                                line 40    f32[8,1024,3072]
-//   %869   reshape                                 line 40    f32[8192,3072]
-//   %870   sum                d.h.4.fc_b           line 40    f32[3072]
-//   %871   cast                                    line 40    bf16[8192,3072]
+//   %872   matmul                                  line 40    f32[8192,3072]
+//   %874   reshape                                 line 40    f32[8,1024,3072]
+//   %875   gelu_bwd                                line 40    f32[8,1024,3072]
+//   %876   reshape                                 line 40    f32[8192,3072]
+//   %877   sum                d.h.4.fc_b           line 40    f32[3072]
+//   %878   cast                                    line 40    bf16[8192,3072]
 // runs:
 //   gemm 111: [8192 x 3072] = [8192 x 768] T[768 x 3072], bf16 A and B, f32 C
 //   k92_gemm__gelu_bwd__sum__cast_partial<<<1020, 256>>>
 //   k92_gemm__gelu_bwd__sum__cast<<<192, 256>>>
 
 // k177_gemm: GEMM, 1 op
-//   %872   matmul                                  line 40    f32[8192,768]
+//   %879   matmul                                  line 40    f32[8192,768]
 // runs:
 //   gemm 112: [8192 x 768] = [8192 x 3072] T[3072 x 768], bf16 A and B, f32 C
 
 // k178_gemm: GEMM, 1 op
-//   %873   matmul             d.h.4.fc_w           line 40    f32[768,3072]
+//   %880   matmul             d.h.4.fc_w           line 40    f32[768,3072]
 // runs:
 //   gemm 113: [768 x 3072] = T[768 x 8192] [8192 x 3072], bf16 A and B, f32 C
 
 // k179_layernorm_bwd__add__sum__cast: kernel, 7 ops
-//   %875   layernorm_bwd                           line 40    f32[8,1024,768]
-//   %876   add                d.h.4.x              line 40    f32[8,1024,768]
-//   %877   layernorm_bwd      d.h.4.ln2_w          line 40    f32[768]
-//   %878   layernorm_bwd      d.h.4.ln2_b          line 40    f32[768]
-//   %879   reshape                                 line 39    f32[8192,768]
-//   %880   sum                d.h.4.proj_b         line 39    f32[768]
-//   %881   cast                                    line 39    bf16[8192,768]
+//   %882   layernorm_bwd                           line 40    f32[8,1024,768]
+//   %883   add                d.h.4.x              line 40    f32[8,1024,768]
+//   %884   layernorm_bwd      d.h.4.ln2_w          line 40    f32[768]
+//   %885   layernorm_bwd      d.h.4.ln2_b          line 40    f32[768]
+//   %886   reshape                                 line 39    f32[8192,768]
+//   %887   sum                d.h.4.proj_b         line 39    f32[768]
+//   %888   cast                                    line 39    bf16[8192,768]
 // runs:
 //   k102_layernorm_bwd__add__sum__cast<<<1024, 128>>>
 //   k90_layernorm_bwd__sum__cast_colsum<<<96, 1024>>>
 
 // k180_gemm: GEMM, 1 op
-//   %882   matmul                                  line 39    f32[8192,768]
+//   %890   matmul             d.h.4.proj_w         line 39    f32[768,768]
 // runs:
-//   gemm 114: [8192 x 768] = [8192 x 768] T[768 x 768], bf16 A and B, f32 C
+//   gemm 114: [768 x 768] = T[768 x 8192] [8192 x 768], bf16 A and B, f32 C
 
-// k181_gemm: GEMM, 1 op
-//   %883   matmul             d.h.4.proj_w         line 39    f32[768,768]
+// k181_gemm__cast: GEMM, 3 ops
+//   %889   matmul                                  line 39    f32[8192,768]
+//   %891   reshape                                 line 39    f32[8,1024,768]
+//   %892   cast                                    line 39    bf16[8,1024,768]
 // runs:
-//   gemm 115: [768 x 768] = T[768 x 8192] [8192 x 768], bf16 A and B, f32 C
+//   gemm 115: [8192 x 768] = [8192 x 768] T[768 x 768], bf16 A and B, bf16 C
 
 // k182_attention_bwd: attention, 3 ops
-//   %885   attention_bwd      d.h.4.q              line 39    f32[8,1024,768]
-//   %886   attention_bwd      d.h.4.k              line 39    f32[8,1024,768]
-//   %887   attention_bwd      d.h.4.v              line 39    f32[8,1024,768]
+//   %893   attention_bwd      d.h.4.q              line 39    f32[8,1024,768]
+//   %894   attention_bwd      d.h.4.k              line 39    f32[8,1024,768]
+//   %895   attention_bwd      d.h.4.v              line 39    f32[8,1024,768]
 // runs:
 //   k98_attention_bwd_stats<<<1536, 128>>>
 //   k98_attention_bwd_dq<<<1536, 128>>>
 //   k98_attention_bwd_dkv<<<1536, 128>>>
 
 // k183_sum__slice_bwd__add__cast: kernel, 8 ops
-//   %888   slice_bwd                               line 38    f32[8,1024,2304]
-//   %889   slice_bwd                               line 38    f32[8,1024,2304]
-//   %890   add                                     line 38    f32[8,1024,2304]
-//   %891   slice_bwd                               line 38    f32[8,1024,2304]
-//   %892   add                                     line 38    f32[8,1024,2304]
-//   %893   reshape                                 line 38    f32[8192,2304]
-//   %894   sum                d.h.4.attn_b         line 38    f32[2304]
-//   %895   cast                                    line 38    bf16[8192,2304]
+//   %896   slice_bwd                               line 38    f32[8,1024,2304]
+//   %897   slice_bwd                               line 38    f32[8,1024,2304]
+//   %898   add                                     line 38    f32[8,1024,2304]
+//   %899   slice_bwd                               line 38    f32[8,1024,2304]
+//   %900   add                                     line 38    f32[8,1024,2304]
+//   %901   reshape                                 line 38    f32[8192,2304]
+//   %902   sum                d.h.4.attn_b         line 38    f32[2304]
+//   %903   cast                                    line 38    bf16[8192,2304]
 // runs:
 //   k99_sum__slice_bwd__add__cast_partial<<<1017, 256>>>
 //   k99_sum__slice_bwd__add__cast<<<144, 256>>>
 
 // k184_gemm: GEMM, 1 op
-//   %896   matmul                                  line 38    f32[8192,768]
+//   %904   matmul                                  line 38    f32[8192,768]
 // runs:
 //   gemm 116: [8192 x 768] = [8192 x 2304] T[2304 x 768], bf16 A and B, f32 C
 
 // k185_gemm: GEMM, 1 op
-//   %897   matmul             d.h.4.attn_w         line 38    f32[768,2304]
+//   %905   matmul             d.h.4.attn_w         line 38    f32[768,2304]
 // runs:
 //   gemm 117: [768 x 2304] = T[768 x 8192] [8192 x 2304], bf16 A and B, f32 C
 
 // k186_layernorm_bwd__add__sum__cast: kernel, 7 ops
-//   %899   layernorm_bwd                           line 38    f32[8,1024,768]
-//   %900   add                d.h.3.x              line 38    f32[8,1024,768]
-//   %901   layernorm_bwd      d.h.4.ln1_w          line 38    f32[768]
-//   %902   layernorm_bwd      d.h.4.ln1_b          line 38    f32[768]
-//   %903   reshape                                 line 40    f32[8192,768]
-//   %904   sum                d.h.3.fcproj_b       line 40    f32[768]
-//   %905   cast                                    line 40    bf16[8192,768]
+//   %907   layernorm_bwd                           line 38    f32[8,1024,768]
+//   %908   add                d.h.3.x              line 38    f32[8,1024,768]
+//   %909   layernorm_bwd      d.h.4.ln1_w          line 38    f32[768]
+//   %910   layernorm_bwd      d.h.4.ln1_b          line 38    f32[768]
+//   %911   reshape                                 line 40    f32[8192,768]
+//   %912   sum                d.h.3.fcproj_b       line 40    f32[768]
+//   %913   cast                                    line 40    bf16[8192,768]
 // runs:
 //   k102_layernorm_bwd__add__sum__cast<<<1024, 128>>>
 //   k90_layernorm_bwd__sum__cast_colsum<<<96, 1024>>>
 
 // k187_gemm: GEMM, 1 op
-//   %907   matmul             d.h.3.fcproj_w       line 40    f32[3072,768]
+//   %915   matmul             d.h.3.fcproj_w       line 40    f32[3072,768]
 // runs:
 //   gemm 118: [3072 x 768] = T[3072 x 8192] [8192 x 768], bf16 A and B, f32 C
 
 // k188_gemm__gelu_bwd__sum__cast: GEMM, 6 ops
-//   %906   matmul                                  line 40    f32[8192,3072]
-//   %908   reshape                                 line 40    f32[8,1024,3072]
-//   %909   gelu_bwd                                line 40    f32[8,1024,3072]
-//   %910   reshape                                 line 40    f32[8192,3072]
-//   %911   sum                d.h.3.fc_b           line 40    f32[3072]
-//   %912   cast                                    line 40    bf16[8192,3072]
+//   %914   matmul                                  line 40    f32[8192,3072]
+//   %916   reshape                                 line 40    f32[8,1024,3072]
+//   %917   gelu_bwd                                line 40    f32[8,1024,3072]
+//   %918   reshape                                 line 40    f32[8192,3072]
+//   %919   sum                d.h.3.fc_b           line 40    f32[3072]
+//   %920   cast                                    line 40    bf16[8192,3072]
 // runs:
 //   gemm 119: [8192 x 3072] = [8192 x 768] T[768 x 3072], bf16 A and B, f32 C
 //   k92_gemm__gelu_bwd__sum__cast_partial<<<1020, 256>>>
 //   k92_gemm__gelu_bwd__sum__cast<<<192, 256>>>
 
 // k189_gemm: GEMM, 1 op
-//   %913   matmul                                  line 40    f32[8192,768]
+//   %921   matmul                                  line 40    f32[8192,768]
 // runs:
 //   gemm 120: [8192 x 768] = [8192 x 3072] T[3072 x 768], bf16 A and B, f32 C
 
 // k190_gemm: GEMM, 1 op
-//   %914   matmul             d.h.3.fc_w           line 40    f32[768,3072]
+//   %922   matmul             d.h.3.fc_w           line 40    f32[768,3072]
 // runs:
 //   gemm 121: [768 x 3072] = T[768 x 8192] [8192 x 3072], bf16 A and B, f32 C
 
 // k191_layernorm_bwd__add__sum__cast: kernel, 7 ops
-//   %916   layernorm_bwd                           line 40    f32[8,1024,768]
-//   %917   add                d.h.3.x              line 40    f32[8,1024,768]
-//   %918   layernorm_bwd      d.h.3.ln2_w          line 40    f32[768]
-//   %919   layernorm_bwd      d.h.3.ln2_b          line 40    f32[768]
-//   %920   reshape                                 line 39    f32[8192,768]
-//   %921   sum                d.h.3.proj_b         line 39    f32[768]
-//   %922   cast                                    line 39    bf16[8192,768]
+//   %924   layernorm_bwd                           line 40    f32[8,1024,768]
+//   %925   add                d.h.3.x              line 40    f32[8,1024,768]
+//   %926   layernorm_bwd      d.h.3.ln2_w          line 40    f32[768]
+//   %927   layernorm_bwd      d.h.3.ln2_b          line 40    f32[768]
+//   %928   reshape                                 line 39    f32[8192,768]
+//   %929   sum                d.h.3.proj_b         line 39    f32[768]
+//   %930   cast                                    line 39    bf16[8192,768]
 // runs:
 //   k102_layernorm_bwd__add__sum__cast<<<1024, 128>>>
 //   k90_layernorm_bwd__sum__cast_colsum<<<96, 1024>>>
 
 // k192_gemm: GEMM, 1 op
-//   %923   matmul                                  line 39    f32[8192,768]
+//   %932   matmul             d.h.3.proj_w         line 39    f32[768,768]
 // runs:
-//   gemm 122: [8192 x 768] = [8192 x 768] T[768 x 768], bf16 A and B, f32 C
+//   gemm 122: [768 x 768] = T[768 x 8192] [8192 x 768], bf16 A and B, f32 C
 
-// k193_gemm: GEMM, 1 op
-//   %924   matmul             d.h.3.proj_w         line 39    f32[768,768]
+// k193_gemm__cast: GEMM, 3 ops
+//   %931   matmul                                  line 39    f32[8192,768]
+//   %933   reshape                                 line 39    f32[8,1024,768]
+//   %934   cast                                    line 39    bf16[8,1024,768]
 // runs:
-//   gemm 123: [768 x 768] = T[768 x 8192] [8192 x 768], bf16 A and B, f32 C
+//   gemm 123: [8192 x 768] = [8192 x 768] T[768 x 768], bf16 A and B, bf16 C
 
 // k194_attention_bwd: attention, 3 ops
-//   %926   attention_bwd      d.h.3.q              line 39    f32[8,1024,768]
-//   %927   attention_bwd      d.h.3.k              line 39    f32[8,1024,768]
-//   %928   attention_bwd      d.h.3.v              line 39    f32[8,1024,768]
+//   %935   attention_bwd      d.h.3.q              line 39    f32[8,1024,768]
+//   %936   attention_bwd      d.h.3.k              line 39    f32[8,1024,768]
+//   %937   attention_bwd      d.h.3.v              line 39    f32[8,1024,768]
 // runs:
 //   k98_attention_bwd_stats<<<1536, 128>>>
 //   k98_attention_bwd_dq<<<1536, 128>>>
 //   k98_attention_bwd_dkv<<<1536, 128>>>
 
 // k195_sum__slice_bwd__add__cast: kernel, 8 ops
-//   %929   slice_bwd                               line 38    f32[8,1024,2304]
-//   %930   slice_bwd                               line 38    f32[8,1024,2304]
-//   %931   add                                     line 38    f32[8,1024,2304]
-//   %932   slice_bwd                               line 38    f32[8,1024,2304]
-//   %933   add                                     line 38    f32[8,1024,2304]
-//   %934   reshape                                 line 38    f32[8192,2304]
-//   %935   sum                d.h.3.attn_b         line 38    f32[2304]
-//   %936   cast                                    line 38    bf16[8192,2304]
+//   %938   slice_bwd                               line 38    f32[8,1024,2304]
+//   %939   slice_bwd                               line 38    f32[8,1024,2304]
+//   %940   add                                     line 38    f32[8,1024,2304]
+//   %941   slice_bwd                               line 38    f32[8,1024,2304]
+//   %942   add                                     line 38    f32[8,1024,2304]
+//   %943   reshape                                 line 38    f32[8192,2304]
+//   %944   sum                d.h.3.attn_b         line 38    f32[2304]
+//   %945   cast                                    line 38    bf16[8192,2304]
 // runs:
 //   k99_sum__slice_bwd__add__cast_partial<<<1017, 256>>>
 //   k99_sum__slice_bwd__add__cast<<<144, 256>>>
 
 // k196_gemm: GEMM, 1 op
-//   %937   matmul                                  line 38    f32[8192,768]
+//   %946   matmul                                  line 38    f32[8192,768]
 // runs:
 //   gemm 124: [8192 x 768] = [8192 x 2304] T[2304 x 768], bf16 A and B, f32 C
 
 // k197_gemm: GEMM, 1 op
-//   %938   matmul             d.h.3.attn_w         line 38    f32[768,2304]
+//   %947   matmul             d.h.3.attn_w         line 38    f32[768,2304]
 // runs:
 //   gemm 125: [768 x 2304] = T[768 x 8192] [8192 x 2304], bf16 A and B, f32 C
 
 // k198_layernorm_bwd__add__sum__cast: kernel, 7 ops
-//   %940   layernorm_bwd                           line 38    f32[8,1024,768]
-//   %941   add                d.h.2.x              line 38    f32[8,1024,768]
-//   %942   layernorm_bwd      d.h.3.ln1_w          line 38    f32[768]
-//   %943   layernorm_bwd      d.h.3.ln1_b          line 38    f32[768]
-//   %944   reshape                                 line 40    f32[8192,768]
-//   %945   sum                d.h.2.fcproj_b       line 40    f32[768]
-//   %946   cast                                    line 40    bf16[8192,768]
+//   %949   layernorm_bwd                           line 38    f32[8,1024,768]
+//   %950   add                d.h.2.x              line 38    f32[8,1024,768]
+//   %951   layernorm_bwd      d.h.3.ln1_w          line 38    f32[768]
+//   %952   layernorm_bwd      d.h.3.ln1_b          line 38    f32[768]
+//   %953   reshape                                 line 40    f32[8192,768]
+//   %954   sum                d.h.2.fcproj_b       line 40    f32[768]
+//   %955   cast                                    line 40    bf16[8192,768]
 // runs:
 //   k102_layernorm_bwd__add__sum__cast<<<1024, 128>>>
 //   k90_layernorm_bwd__sum__cast_colsum<<<96, 1024>>>
 
 // k199_gemm: GEMM, 1 op
-//   %948   matmul             d.h.2.fcproj_w       line 40    f32[3072,768]
+//   %957   matmul             d.h.2.fcproj_w       line 40    f32[3072,768]
 // runs:
 //   gemm 126: [3072 x 768] = T[3072 x 8192] [8192 x 768], bf16 A and B, f32 C
 
 // k200_gemm__gelu_bwd__sum__cast: GEMM, 6 ops
-//   %947   matmul                                  line 40    f32[8192,3072]
-//   %949   reshape                                 line 40    f32[8,1024,3072]
-//   %950   gelu_bwd                                line 40    f32[8,1024,3072]
-//   %951   reshape                                 line 40    f32[8192,3072]
-//   %952   sum                d.h.2.fc_b           line 40    f32[3072]
-//   %953   cast                                    line 40    bf16[8192,3072]
+//   %956   matmul                                  line 40    f32[8192,3072]
+//   %958   reshape                                 line 40    f32[8,1024,3072]
+//   %959   gelu_bwd                                line 40    f32[8,1024,3072]
+//   %960   reshape                                 line 40    f32[8192,3072]
+//   %961   sum                d.h.2.fc_b           line 40    f32[3072]
+//   %962   cast                                    line 40    bf16[8192,3072]
 // runs:
 //   gemm 127: [8192 x 3072] = [8192 x 768] T[768 x 3072], bf16 A and B, f32 C
 //   k92_gemm__gelu_bwd__sum__cast_partial<<<1020, 256>>>
 //   k92_gemm__gelu_bwd__sum__cast<<<192, 256>>>
 
 // k201_gemm: GEMM, 1 op
-//   %954   matmul                                  line 40    f32[8192,768]
+//   %963   matmul                                  line 40    f32[8192,768]
 // runs:
 //   gemm 128: [8192 x 768] = [8192 x 3072] T[3072 x 768], bf16 A and B, f32 C
 
 // k202_gemm: GEMM, 1 op
-//   %955   matmul             d.h.2.fc_w           line 40    f32[768,3072]
+//   %964   matmul             d.h.2.fc_w           line 40    f32[768,3072]
 // runs:
 //   gemm 129: [768 x 3072] = T[768 x 8192] [8192 x 3072], bf16 A and B, f32 C
 
 // k203_layernorm_bwd__add__sum__cast: kernel, 7 ops
-//   %957   layernorm_bwd                           line 40    f32[8,1024,768]
-//   %958   add                d.h.2.x              line 40    f32[8,1024,768]
-//   %959   layernorm_bwd      d.h.2.ln2_w          line 40    f32[768]
-//   %960   layernorm_bwd      d.h.2.ln2_b          line 40    f32[768]
-//   %961   reshape                                 line 39    f32[8192,768]
-//   %962   sum                d.h.2.proj_b         line 39    f32[768]
-//   %963   cast                                    line 39    bf16[8192,768]
+//   %966   layernorm_bwd                           line 40    f32[8,1024,768]
+//   %967   add                d.h.2.x              line 40    f32[8,1024,768]
+//   %968   layernorm_bwd      d.h.2.ln2_w          line 40    f32[768]
+//   %969   layernorm_bwd      d.h.2.ln2_b          line 40    f32[768]
+//   %970   reshape                                 line 39    f32[8192,768]
+//   %971   sum                d.h.2.proj_b         line 39    f32[768]
+//   %972   cast                                    line 39    bf16[8192,768]
 // runs:
 //   k102_layernorm_bwd__add__sum__cast<<<1024, 128>>>
 //   k90_layernorm_bwd__sum__cast_colsum<<<96, 1024>>>
 
 // k204_gemm: GEMM, 1 op
-//   %964   matmul                                  line 39    f32[8192,768]
+//   %974   matmul             d.h.2.proj_w         line 39    f32[768,768]
 // runs:
-//   gemm 130: [8192 x 768] = [8192 x 768] T[768 x 768], bf16 A and B, f32 C
+//   gemm 130: [768 x 768] = T[768 x 8192] [8192 x 768], bf16 A and B, f32 C
 
-// k205_gemm: GEMM, 1 op
-//   %965   matmul             d.h.2.proj_w         line 39    f32[768,768]
+// k205_gemm__cast: GEMM, 3 ops
+//   %973   matmul                                  line 39    f32[8192,768]
+//   %975   reshape                                 line 39    f32[8,1024,768]
+//   %976   cast                                    line 39    bf16[8,1024,768]
 // runs:
-//   gemm 131: [768 x 768] = T[768 x 8192] [8192 x 768], bf16 A and B, f32 C
+//   gemm 131: [8192 x 768] = [8192 x 768] T[768 x 768], bf16 A and B, bf16 C
 
 // k206_attention_bwd: attention, 3 ops
-//   %967   attention_bwd      d.h.2.q              line 39    f32[8,1024,768]
-//   %968   attention_bwd      d.h.2.k              line 39    f32[8,1024,768]
-//   %969   attention_bwd      d.h.2.v              line 39    f32[8,1024,768]
+//   %977   attention_bwd      d.h.2.q              line 39    f32[8,1024,768]
+//   %978   attention_bwd      d.h.2.k              line 39    f32[8,1024,768]
+//   %979   attention_bwd      d.h.2.v              line 39    f32[8,1024,768]
 // runs:
 //   k98_attention_bwd_stats<<<1536, 128>>>
 //   k98_attention_bwd_dq<<<1536, 128>>>
 //   k98_attention_bwd_dkv<<<1536, 128>>>
 
 // k207_sum__slice_bwd__add__cast: kernel, 8 ops
-//   %970   slice_bwd                               line 38    f32[8,1024,2304]
-//   %971   slice_bwd                               line 38    f32[8,1024,2304]
-//   %972   add                                     line 38    f32[8,1024,2304]
-//   %973   slice_bwd                               line 38    f32[8,1024,2304]
-//   %974   add                                     line 38    f32[8,1024,2304]
-//   %975   reshape                                 line 38    f32[8192,2304]
-//   %976   sum                d.h.2.attn_b         line 38    f32[2304]
-//   %977   cast                                    line 38    bf16[8192,2304]
+//   %980   slice_bwd                               line 38    f32[8,1024,2304]
+//   %981   slice_bwd                               line 38    f32[8,1024,2304]
+//   %982   add                                     line 38    f32[8,1024,2304]
+//   %983   slice_bwd                               line 38    f32[8,1024,2304]
+//   %984   add                                     line 38    f32[8,1024,2304]
+//   %985   reshape                                 line 38    f32[8192,2304]
+//   %986   sum                d.h.2.attn_b         line 38    f32[2304]
+//   %987   cast                                    line 38    bf16[8192,2304]
 // runs:
 //   k99_sum__slice_bwd__add__cast_partial<<<1017, 256>>>
 //   k99_sum__slice_bwd__add__cast<<<144, 256>>>
 
 // k208_gemm: GEMM, 1 op
-//   %978   matmul                                  line 38    f32[8192,768]
+//   %988   matmul                                  line 38    f32[8192,768]
 // runs:
 //   gemm 132: [8192 x 768] = [8192 x 2304] T[2304 x 768], bf16 A and B, f32 C
 
 // k209_gemm: GEMM, 1 op
-//   %979   matmul             d.h.2.attn_w         line 38    f32[768,2304]
+//   %989   matmul             d.h.2.attn_w         line 38    f32[768,2304]
 // runs:
 //   gemm 133: [768 x 2304] = T[768 x 8192] [8192 x 2304], bf16 A and B, f32 C
 
 // k210_layernorm_bwd__add__sum__cast: kernel, 7 ops
-//   %981   layernorm_bwd                           line 38    f32[8,1024,768]
-//   %982   add                d.h.1.x              line 38    f32[8,1024,768]
-//   %983   layernorm_bwd      d.h.2.ln1_w          line 38    f32[768]
-//   %984   layernorm_bwd      d.h.2.ln1_b          line 38    f32[768]
-//   %985   reshape                                 line 40    f32[8192,768]
-//   %986   sum                d.h.1.fcproj_b       line 40    f32[768]
-//   %987   cast                                    line 40    bf16[8192,768]
+//   %991   layernorm_bwd                           line 38    f32[8,1024,768]
+//   %992   add                d.h.1.x              line 38    f32[8,1024,768]
+//   %993   layernorm_bwd      d.h.2.ln1_w          line 38    f32[768]
+//   %994   layernorm_bwd      d.h.2.ln1_b          line 38    f32[768]
+//   %995   reshape                                 line 40    f32[8192,768]
+//   %996   sum                d.h.1.fcproj_b       line 40    f32[768]
+//   %997   cast                                    line 40    bf16[8192,768]
 // runs:
 //   k102_layernorm_bwd__add__sum__cast<<<1024, 128>>>
 //   k90_layernorm_bwd__sum__cast_colsum<<<96, 1024>>>
 
 // k211_gemm: GEMM, 1 op
-//   %989   matmul             d.h.1.fcproj_w       line 40    f32[3072,768]
+//   %999   matmul             d.h.1.fcproj_w       line 40    f32[3072,768]
 // runs:
 //   gemm 134: [3072 x 768] = T[3072 x 8192] [8192 x 768], bf16 A and B, f32 C
 
 // k212_gemm__gelu_bwd__sum__cast: GEMM, 6 ops
-//   %988   matmul                                  line 40    f32[8192,3072]
-//   %990   reshape                                 line 40    f32[8,1024,3072]
-//   %991   gelu_bwd                                line 40    f32[8,1024,3072]
-//   %992   reshape                                 line 40    f32[8192,3072]
-//   %993   sum                d.h.1.fc_b           line 40    f32[3072]
-//   %994   cast                                    line 40    bf16[8192,3072]
+//   %998   matmul                                  line 40    f32[8192,3072]
+//   %1000  reshape                                 line 40    f32[8,1024,3072]
+//   %1001  gelu_bwd                                line 40    f32[8,1024,3072]
+//   %1002  reshape                                 line 40    f32[8192,3072]
+//   %1003  sum                d.h.1.fc_b           line 40    f32[3072]
+//   %1004  cast                                    line 40    bf16[8192,3072]
 // runs:
 //   gemm 135: [8192 x 3072] = [8192 x 768] T[768 x 3072], bf16 A and B, f32 C
 //   k92_gemm__gelu_bwd__sum__cast_partial<<<1020, 256>>>
 //   k92_gemm__gelu_bwd__sum__cast<<<192, 256>>>
 
 // k213_gemm: GEMM, 1 op
-//   %995   matmul                                  line 40    f32[8192,768]
+//   %1005  matmul                                  line 40    f32[8192,768]
 // runs:
 //   gemm 136: [8192 x 768] = [8192 x 3072] T[3072 x 768], bf16 A and B, f32 C
 
 // k214_gemm: GEMM, 1 op
-//   %996   matmul             d.h.1.fc_w           line 40    f32[768,3072]
+//   %1006  matmul             d.h.1.fc_w           line 40    f32[768,3072]
 // runs:
 //   gemm 137: [768 x 3072] = T[768 x 8192] [8192 x 3072], bf16 A and B, f32 C
 
 // k215_layernorm_bwd__add__sum__cast: kernel, 7 ops
-//   %998   layernorm_bwd                           line 40    f32[8,1024,768]
-//   %999   add                d.h.1.x              line 40    f32[8,1024,768]
-//   %1000  layernorm_bwd      d.h.1.ln2_w          line 40    f32[768]
-//   %1001  layernorm_bwd      d.h.1.ln2_b          line 40    f32[768]
-//   %1002  reshape                                 line 39    f32[8192,768]
-//   %1003  sum                d.h.1.proj_b         line 39    f32[768]
-//   %1004  cast                                    line 39    bf16[8192,768]
+//   %1008  layernorm_bwd                           line 40    f32[8,1024,768]
+//   %1009  add                d.h.1.x              line 40    f32[8,1024,768]
+//   %1010  layernorm_bwd      d.h.1.ln2_w          line 40    f32[768]
+//   %1011  layernorm_bwd      d.h.1.ln2_b          line 40    f32[768]
+//   %1012  reshape                                 line 39    f32[8192,768]
+//   %1013  sum                d.h.1.proj_b         line 39    f32[768]
+//   %1014  cast                                    line 39    bf16[8192,768]
 // runs:
 //   k102_layernorm_bwd__add__sum__cast<<<1024, 128>>>
 //   k90_layernorm_bwd__sum__cast_colsum<<<96, 1024>>>
 
 // k216_gemm: GEMM, 1 op
-//   %1005  matmul                                  line 39    f32[8192,768]
+//   %1016  matmul             d.h.1.proj_w         line 39    f32[768,768]
 // runs:
-//   gemm 138: [8192 x 768] = [8192 x 768] T[768 x 768], bf16 A and B, f32 C
+//   gemm 138: [768 x 768] = T[768 x 8192] [8192 x 768], bf16 A and B, f32 C
 
-// k217_gemm: GEMM, 1 op
-//   %1006  matmul             d.h.1.proj_w         line 39    f32[768,768]
+// k217_gemm__cast: GEMM, 3 ops
+//   %1015  matmul                                  line 39    f32[8192,768]
+//   %1017  reshape                                 line 39    f32[8,1024,768]
+//   %1018  cast                                    line 39    bf16[8,1024,768]
 // runs:
-//   gemm 139: [768 x 768] = T[768 x 8192] [8192 x 768], bf16 A and B, f32 C
+//   gemm 139: [8192 x 768] = [8192 x 768] T[768 x 768], bf16 A and B, bf16 C
 
 // k218_attention_bwd: attention, 3 ops
-//   %1008  attention_bwd      d.h.1.q              line 39    f32[8,1024,768]
-//   %1009  attention_bwd      d.h.1.k              line 39    f32[8,1024,768]
-//   %1010  attention_bwd      d.h.1.v              line 39    f32[8,1024,768]
+//   %1019  attention_bwd      d.h.1.q              line 39    f32[8,1024,768]
+//   %1020  attention_bwd      d.h.1.k              line 39    f32[8,1024,768]
+//   %1021  attention_bwd      d.h.1.v              line 39    f32[8,1024,768]
 // runs:
 //   k98_attention_bwd_stats<<<1536, 128>>>
 //   k98_attention_bwd_dq<<<1536, 128>>>
 //   k98_attention_bwd_dkv<<<1536, 128>>>
 
 // k219_sum__slice_bwd__add__cast: kernel, 8 ops
-//   %1011  slice_bwd                               line 38    f32[8,1024,2304]
-//   %1012  slice_bwd                               line 38    f32[8,1024,2304]
-//   %1013  add                                     line 38    f32[8,1024,2304]
-//   %1014  slice_bwd                               line 38    f32[8,1024,2304]
-//   %1015  add                                     line 38    f32[8,1024,2304]
-//   %1016  reshape                                 line 38    f32[8192,2304]
-//   %1017  sum                d.h.1.attn_b         line 38    f32[2304]
-//   %1018  cast                                    line 38    bf16[8192,2304]
+//   %1022  slice_bwd                               line 38    f32[8,1024,2304]
+//   %1023  slice_bwd                               line 38    f32[8,1024,2304]
+//   %1024  add                                     line 38    f32[8,1024,2304]
+//   %1025  slice_bwd                               line 38    f32[8,1024,2304]
+//   %1026  add                                     line 38    f32[8,1024,2304]
+//   %1027  reshape                                 line 38    f32[8192,2304]
+//   %1028  sum                d.h.1.attn_b         line 38    f32[2304]
+//   %1029  cast                                    line 38    bf16[8192,2304]
 // runs:
 //   k99_sum__slice_bwd__add__cast_partial<<<1017, 256>>>
 //   k99_sum__slice_bwd__add__cast<<<144, 256>>>
 
 // k220_gemm: GEMM, 1 op
-//   %1019  matmul                                  line 38    f32[8192,768]
+//   %1030  matmul                                  line 38    f32[8192,768]
 // runs:
 //   gemm 140: [8192 x 768] = [8192 x 2304] T[2304 x 768], bf16 A and B, f32 C
 
 // k221_gemm: GEMM, 1 op
-//   %1020  matmul             d.h.1.attn_w         line 38    f32[768,2304]
+//   %1031  matmul             d.h.1.attn_w         line 38    f32[768,2304]
 // runs:
 //   gemm 141: [768 x 2304] = T[768 x 8192] [8192 x 2304], bf16 A and B, f32 C
 
 // k222_layernorm_bwd__add__sum__cast: kernel, 7 ops
-//   %1022  layernorm_bwd                           line 38    f32[8,1024,768]
-//   %1023  add                d.h.0.x              line 38    f32[8,1024,768]
-//   %1024  layernorm_bwd      d.h.1.ln1_w          line 38    f32[768]
-//   %1025  layernorm_bwd      d.h.1.ln1_b          line 38    f32[768]
-//   %1026  reshape                                 line 40    f32[8192,768]
-//   %1027  sum                d.h.0.fcproj_b       line 40    f32[768]
-//   %1028  cast                                    line 40    bf16[8192,768]
+//   %1033  layernorm_bwd                           line 38    f32[8,1024,768]
+//   %1034  add                d.h.0.x              line 38    f32[8,1024,768]
+//   %1035  layernorm_bwd      d.h.1.ln1_w          line 38    f32[768]
+//   %1036  layernorm_bwd      d.h.1.ln1_b          line 38    f32[768]
+//   %1037  reshape                                 line 40    f32[8192,768]
+//   %1038  sum                d.h.0.fcproj_b       line 40    f32[768]
+//   %1039  cast                                    line 40    bf16[8192,768]
 // runs:
 //   k102_layernorm_bwd__add__sum__cast<<<1024, 128>>>
 //   k90_layernorm_bwd__sum__cast_colsum<<<96, 1024>>>
 
 // k223_gemm: GEMM, 1 op
-//   %1030  matmul             d.h.0.fcproj_w       line 40    f32[3072,768]
+//   %1041  matmul             d.h.0.fcproj_w       line 40    f32[3072,768]
 // runs:
 //   gemm 142: [3072 x 768] = T[3072 x 8192] [8192 x 768], bf16 A and B, f32 C
 
 // k224_gemm__gelu_bwd__sum__cast: GEMM, 6 ops
-//   %1029  matmul                                  line 40    f32[8192,3072]
-//   %1031  reshape                                 line 40    f32[8,1024,3072]
-//   %1032  gelu_bwd                                line 40    f32[8,1024,3072]
-//   %1033  reshape                                 line 40    f32[8192,3072]
-//   %1034  sum                d.h.0.fc_b           line 40    f32[3072]
-//   %1035  cast                                    line 40    bf16[8192,3072]
+//   %1040  matmul                                  line 40    f32[8192,3072]
+//   %1042  reshape                                 line 40    f32[8,1024,3072]
+//   %1043  gelu_bwd                                line 40    f32[8,1024,3072]
+//   %1044  reshape                                 line 40    f32[8192,3072]
+//   %1045  sum                d.h.0.fc_b           line 40    f32[3072]
+//   %1046  cast                                    line 40    bf16[8192,3072]
 // runs:
 //   gemm 143: [8192 x 3072] = [8192 x 768] T[768 x 3072], bf16 A and B, f32 C
 //   k92_gemm__gelu_bwd__sum__cast_partial<<<1020, 256>>>
 //   k92_gemm__gelu_bwd__sum__cast<<<192, 256>>>
 
 // k225_gemm: GEMM, 1 op
-//   %1036  matmul                                  line 40    f32[8192,768]
+//   %1047  matmul                                  line 40    f32[8192,768]
 // runs:
 //   gemm 144: [8192 x 768] = [8192 x 3072] T[3072 x 768], bf16 A and B, f32 C
 
 // k226_gemm: GEMM, 1 op
-//   %1037  matmul             d.h.0.fc_w           line 40    f32[768,3072]
+//   %1048  matmul             d.h.0.fc_w           line 40    f32[768,3072]
 // runs:
 //   gemm 145: [768 x 3072] = T[768 x 8192] [8192 x 3072], bf16 A and B, f32 C
 
 // k227_layernorm_bwd__add__sum__cast: kernel, 7 ops
-//   %1039  layernorm_bwd                           line 40    f32[8,1024,768]
-//   %1040  add                d.h.0.x              line 40    f32[8,1024,768]
-//   %1041  layernorm_bwd      d.h.0.ln2_w          line 40    f32[768]
-//   %1042  layernorm_bwd      d.h.0.ln2_b          line 40    f32[768]
-//   %1043  reshape                                 line 39    f32[8192,768]
-//   %1044  sum                d.h.0.proj_b         line 39    f32[768]
-//   %1045  cast                                    line 39    bf16[8192,768]
+//   %1050  layernorm_bwd                           line 40    f32[8,1024,768]
+//   %1051  add                d.h.0.x              line 40    f32[8,1024,768]
+//   %1052  layernorm_bwd      d.h.0.ln2_w          line 40    f32[768]
+//   %1053  layernorm_bwd      d.h.0.ln2_b          line 40    f32[768]
+//   %1054  reshape                                 line 39    f32[8192,768]
+//   %1055  sum                d.h.0.proj_b         line 39    f32[768]
+//   %1056  cast                                    line 39    bf16[8192,768]
 // runs:
 //   k102_layernorm_bwd__add__sum__cast<<<1024, 128>>>
 //   k90_layernorm_bwd__sum__cast_colsum<<<96, 1024>>>
 
 // k228_gemm: GEMM, 1 op
-//   %1046  matmul                                  line 39    f32[8192,768]
+//   %1058  matmul             d.h.0.proj_w         line 39    f32[768,768]
 // runs:
-//   gemm 146: [8192 x 768] = [8192 x 768] T[768 x 768], bf16 A and B, f32 C
+//   gemm 146: [768 x 768] = T[768 x 8192] [8192 x 768], bf16 A and B, f32 C
 
-// k229_gemm: GEMM, 1 op
-//   %1047  matmul             d.h.0.proj_w         line 39    f32[768,768]
+// k229_gemm__cast: GEMM, 3 ops
+//   %1057  matmul                                  line 39    f32[8192,768]
+//   %1059  reshape                                 line 39    f32[8,1024,768]
+//   %1060  cast                                    line 39    bf16[8,1024,768]
 // runs:
-//   gemm 147: [768 x 768] = T[768 x 8192] [8192 x 768], bf16 A and B, f32 C
+//   gemm 147: [8192 x 768] = [8192 x 768] T[768 x 768], bf16 A and B, bf16 C
 
 // k230_attention_bwd: attention, 3 ops
-//   %1049  attention_bwd      d.h.0.q              line 39    f32[8,1024,768]
-//   %1050  attention_bwd      d.h.0.k              line 39    f32[8,1024,768]
-//   %1051  attention_bwd      d.h.0.v              line 39    f32[8,1024,768]
+//   %1061  attention_bwd      d.h.0.q              line 39    f32[8,1024,768]
+//   %1062  attention_bwd      d.h.0.k              line 39    f32[8,1024,768]
+//   %1063  attention_bwd      d.h.0.v              line 39    f32[8,1024,768]
 // runs:
 //   k98_attention_bwd_stats<<<1536, 128>>>
 //   k98_attention_bwd_dq<<<1536, 128>>>
 //   k98_attention_bwd_dkv<<<1536, 128>>>
 
 // k231_sum__slice_bwd__add__cast: kernel, 8 ops
-//   %1052  slice_bwd                               line 38    f32[8,1024,2304]
-//   %1053  slice_bwd                               line 38    f32[8,1024,2304]
-//   %1054  add                                     line 38    f32[8,1024,2304]
-//   %1055  slice_bwd                               line 38    f32[8,1024,2304]
-//   %1056  add                                     line 38    f32[8,1024,2304]
-//   %1057  reshape                                 line 38    f32[8192,2304]
-//   %1058  sum                d.h.0.attn_b         line 38    f32[2304]
-//   %1059  cast                                    line 38    bf16[8192,2304]
+//   %1064  slice_bwd                               line 38    f32[8,1024,2304]
+//   %1065  slice_bwd                               line 38    f32[8,1024,2304]
+//   %1066  add                                     line 38    f32[8,1024,2304]
+//   %1067  slice_bwd                               line 38    f32[8,1024,2304]
+//   %1068  add                                     line 38    f32[8,1024,2304]
+//   %1069  reshape                                 line 38    f32[8192,2304]
+//   %1070  sum                d.h.0.attn_b         line 38    f32[2304]
+//   %1071  cast                                    line 38    bf16[8192,2304]
 // runs:
 //   k99_sum__slice_bwd__add__cast_partial<<<1017, 256>>>
 //   k99_sum__slice_bwd__add__cast<<<144, 256>>>
 
 // k232_gemm: GEMM, 1 op
-//   %1060  matmul                                  line 38    f32[8192,768]
+//   %1072  matmul                                  line 38    f32[8192,768]
 // runs:
 //   gemm 148: [8192 x 768] = [8192 x 2304] T[2304 x 768], bf16 A and B, f32 C
 
 // k233_gemm: GEMM, 1 op
-//   %1061  matmul             d.h.0.attn_w         line 38    f32[768,2304]
+//   %1073  matmul             d.h.0.attn_w         line 38    f32[768,2304]
 // runs:
 //   gemm 149: [768 x 2304] = T[768 x 8192] [8192 x 2304], bf16 A and B, f32 C
 
 // k234_layernorm_bwd__add: kernel, 4 ops
-//   %1063  layernorm_bwd                           line 38    f32[8,1024,768]
-//   %1064  add                d.x                  line 38    f32[8,1024,768]
-//   %1065  layernorm_bwd      d.h.0.ln1_w          line 38    f32[768]
-//   %1066  layernorm_bwd      d.h.0.ln1_b          line 38    f32[768]
+//   %1075  layernorm_bwd                           line 38    f32[8,1024,768]
+//   %1076  add                d.x                  line 38    f32[8,1024,768]
+//   %1077  layernorm_bwd      d.h.0.ln1_w          line 38    f32[768]
+//   %1078  layernorm_bwd      d.h.0.ln1_b          line 38    f32[768]
 // runs:
 //   k234_layernorm_bwd__add<<<1024, 128>>>
 //   k234_layernorm_bwd__add_colsum<<<96, 1024>>>
@@ -3338,7 +3362,7 @@ extern "C" __global__ void __launch_bounds__(1024) k234_layernorm_bwd__add_colsu
 }
 
 // k235_embed_bwd: kernel, 1 op
-//   %1067  embed_bwd          d.wpe                line 22    f32[1024,768]
+//   %1079  embed_bwd          d.wpe                line 22    f32[1024,768]
 // runs:
 //   k235_embed_bwd_zero<<<1, 32>>>
 //   k235_embed_bwd_count<<<32, 256>>>
@@ -3455,8 +3479,8 @@ extern "C" __global__ void __launch_bounds__(256) k235_embed_bwd(char *arena, Md
 }
 
 // k236_embed_bwd__add: kernel, 2 ops
-//   %1068  embed_bwd                               line 22    f32[50257,768]
-//   %1069  add                d.wte                line 22    f32[50257,768]
+//   %1080  embed_bwd                               line 22    f32[50257,768]
+//   %1081  add                d.wte                line 22    f32[50257,768]
 // runs:
 //   k236_embed_bwd__add_zero<<<7, 256>>>
 //   k236_embed_bwd__add_count<<<32, 256>>>
@@ -3576,155 +3600,155 @@ extern "C" __global__ void __launch_bounds__(256) k236_embed_bwd__add(char *aren
 }
 
 // k237_grad_norm__adamw: optimizer, 149 ops
-//   %1072  grad_norm                                          f32[]
-//   %1075  adamw              wte.new              line 19    f32[50257,768]
-//   %1078  adamw              wpe.new              line 20    f32[1024,768]
-//   %1081  adamw              h.0.ln1_w.new        line 25    f32[768]
-//   %1084  adamw              h.0.ln1_b.new        line 26    f32[768]
-//   %1087  adamw              h.0.attn_w.new       line 27    f32[768,2304]
-//   %1090  adamw              h.0.attn_b.new       line 28    f32[2304]
-//   %1093  adamw              h.0.proj_w.new       line 29    f32[768,768]
-//   %1096  adamw              h.0.proj_b.new       line 30    f32[768]
-//   %1099  adamw              h.0.ln2_w.new        line 31    f32[768]
-//   %1102  adamw              h.0.ln2_b.new        line 32    f32[768]
-//   %1105  adamw              h.0.fc_w.new         line 33    f32[768,3072]
-//   %1108  adamw              h.0.fc_b.new         line 34    f32[3072]
-//   %1111  adamw              h.0.fcproj_w.new     line 35    f32[3072,768]
-//   %1114  adamw              h.0.fcproj_b.new     line 36    f32[768]
-//   %1117  adamw              h.1.ln1_w.new        line 25    f32[768]
-//   %1120  adamw              h.1.ln1_b.new        line 26    f32[768]
-//   %1123  adamw              h.1.attn_w.new       line 27    f32[768,2304]
-//   %1126  adamw              h.1.attn_b.new       line 28    f32[2304]
-//   %1129  adamw              h.1.proj_w.new       line 29    f32[768,768]
-//   %1132  adamw              h.1.proj_b.new       line 30    f32[768]
-//   %1135  adamw              h.1.ln2_w.new        line 31    f32[768]
-//   %1138  adamw              h.1.ln2_b.new        line 32    f32[768]
-//   %1141  adamw              h.1.fc_w.new         line 33    f32[768,3072]
-//   %1144  adamw              h.1.fc_b.new         line 34    f32[3072]
-//   %1147  adamw              h.1.fcproj_w.new     line 35    f32[3072,768]
-//   %1150  adamw              h.1.fcproj_b.new     line 36    f32[768]
-//   %1153  adamw              h.2.ln1_w.new        line 25    f32[768]
-//   %1156  adamw              h.2.ln1_b.new        line 26    f32[768]
-//   %1159  adamw              h.2.attn_w.new       line 27    f32[768,2304]
-//   %1162  adamw              h.2.attn_b.new       line 28    f32[2304]
-//   %1165  adamw              h.2.proj_w.new       line 29    f32[768,768]
-//   %1168  adamw              h.2.proj_b.new       line 30    f32[768]
-//   %1171  adamw              h.2.ln2_w.new        line 31    f32[768]
-//   %1174  adamw              h.2.ln2_b.new        line 32    f32[768]
-//   %1177  adamw              h.2.fc_w.new         line 33    f32[768,3072]
-//   %1180  adamw              h.2.fc_b.new         line 34    f32[3072]
-//   %1183  adamw              h.2.fcproj_w.new     line 35    f32[3072,768]
-//   %1186  adamw              h.2.fcproj_b.new     line 36    f32[768]
-//   %1189  adamw              h.3.ln1_w.new        line 25    f32[768]
-//   %1192  adamw              h.3.ln1_b.new        line 26    f32[768]
-//   %1195  adamw              h.3.attn_w.new       line 27    f32[768,2304]
-//   %1198  adamw              h.3.attn_b.new       line 28    f32[2304]
-//   %1201  adamw              h.3.proj_w.new       line 29    f32[768,768]
-//   %1204  adamw              h.3.proj_b.new       line 30    f32[768]
-//   %1207  adamw              h.3.ln2_w.new        line 31    f32[768]
-//   %1210  adamw              h.3.ln2_b.new        line 32    f32[768]
-//   %1213  adamw              h.3.fc_w.new         line 33    f32[768,3072]
-//   %1216  adamw              h.3.fc_b.new         line 34    f32[3072]
-//   %1219  adamw              h.3.fcproj_w.new     line 35    f32[3072,768]
-//   %1222  adamw              h.3.fcproj_b.new     line 36    f32[768]
-//   %1225  adamw              h.4.ln1_w.new        line 25    f32[768]
-//   %1228  adamw              h.4.ln1_b.new        line 26    f32[768]
-//   %1231  adamw              h.4.attn_w.new       line 27    f32[768,2304]
-//   %1234  adamw              h.4.attn_b.new       line 28    f32[2304]
-//   %1237  adamw              h.4.proj_w.new       line 29    f32[768,768]
-//   %1240  adamw              h.4.proj_b.new       line 30    f32[768]
-//   %1243  adamw              h.4.ln2_w.new        line 31    f32[768]
-//   %1246  adamw              h.4.ln2_b.new        line 32    f32[768]
-//   %1249  adamw              h.4.fc_w.new         line 33    f32[768,3072]
-//   %1252  adamw              h.4.fc_b.new         line 34    f32[3072]
-//   %1255  adamw              h.4.fcproj_w.new     line 35    f32[3072,768]
-//   %1258  adamw              h.4.fcproj_b.new     line 36    f32[768]
-//   %1261  adamw              h.5.ln1_w.new        line 25    f32[768]
-//   %1264  adamw              h.5.ln1_b.new        line 26    f32[768]
-//   %1267  adamw              h.5.attn_w.new       line 27    f32[768,2304]
-//   %1270  adamw              h.5.attn_b.new       line 28    f32[2304]
-//   %1273  adamw              h.5.proj_w.new       line 29    f32[768,768]
-//   %1276  adamw              h.5.proj_b.new       line 30    f32[768]
-//   %1279  adamw              h.5.ln2_w.new        line 31    f32[768]
-//   %1282  adamw              h.5.ln2_b.new        line 32    f32[768]
-//   %1285  adamw              h.5.fc_w.new         line 33    f32[768,3072]
-//   %1288  adamw              h.5.fc_b.new         line 34    f32[3072]
-//   %1291  adamw              h.5.fcproj_w.new     line 35    f32[3072,768]
-//   %1294  adamw              h.5.fcproj_b.new     line 36    f32[768]
-//   %1297  adamw              h.6.ln1_w.new        line 25    f32[768]
-//   %1300  adamw              h.6.ln1_b.new        line 26    f32[768]
-//   %1303  adamw              h.6.attn_w.new       line 27    f32[768,2304]
-//   %1306  adamw              h.6.attn_b.new       line 28    f32[2304]
-//   %1309  adamw              h.6.proj_w.new       line 29    f32[768,768]
-//   %1312  adamw              h.6.proj_b.new       line 30    f32[768]
-//   %1315  adamw              h.6.ln2_w.new        line 31    f32[768]
-//   %1318  adamw              h.6.ln2_b.new        line 32    f32[768]
-//   %1321  adamw              h.6.fc_w.new         line 33    f32[768,3072]
-//   %1324  adamw              h.6.fc_b.new         line 34    f32[3072]
-//   %1327  adamw              h.6.fcproj_w.new     line 35    f32[3072,768]
-//   %1330  adamw              h.6.fcproj_b.new     line 36    f32[768]
-//   %1333  adamw              h.7.ln1_w.new        line 25    f32[768]
-//   %1336  adamw              h.7.ln1_b.new        line 26    f32[768]
-//   %1339  adamw              h.7.attn_w.new       line 27    f32[768,2304]
-//   %1342  adamw              h.7.attn_b.new       line 28    f32[2304]
-//   %1345  adamw              h.7.proj_w.new       line 29    f32[768,768]
-//   %1348  adamw              h.7.proj_b.new       line 30    f32[768]
-//   %1351  adamw              h.7.ln2_w.new        line 31    f32[768]
-//   %1354  adamw              h.7.ln2_b.new        line 32    f32[768]
-//   %1357  adamw              h.7.fc_w.new         line 33    f32[768,3072]
-//   %1360  adamw              h.7.fc_b.new         line 34    f32[3072]
-//   %1363  adamw              h.7.fcproj_w.new     line 35    f32[3072,768]
-//   %1366  adamw              h.7.fcproj_b.new     line 36    f32[768]
-//   %1369  adamw              h.8.ln1_w.new        line 25    f32[768]
-//   %1372  adamw              h.8.ln1_b.new        line 26    f32[768]
-//   %1375  adamw              h.8.attn_w.new       line 27    f32[768,2304]
-//   %1378  adamw              h.8.attn_b.new       line 28    f32[2304]
-//   %1381  adamw              h.8.proj_w.new       line 29    f32[768,768]
-//   %1384  adamw              h.8.proj_b.new       line 30    f32[768]
-//   %1387  adamw              h.8.ln2_w.new        line 31    f32[768]
-//   %1390  adamw              h.8.ln2_b.new        line 32    f32[768]
-//   %1393  adamw              h.8.fc_w.new         line 33    f32[768,3072]
-//   %1396  adamw              h.8.fc_b.new         line 34    f32[3072]
-//   %1399  adamw              h.8.fcproj_w.new     line 35    f32[3072,768]
-//   %1402  adamw              h.8.fcproj_b.new     line 36    f32[768]
-//   %1405  adamw              h.9.ln1_w.new        line 25    f32[768]
-//   %1408  adamw              h.9.ln1_b.new        line 26    f32[768]
-//   %1411  adamw              h.9.attn_w.new       line 27    f32[768,2304]
-//   %1414  adamw              h.9.attn_b.new       line 28    f32[2304]
-//   %1417  adamw              h.9.proj_w.new       line 29    f32[768,768]
-//   %1420  adamw              h.9.proj_b.new       line 30    f32[768]
-//   %1423  adamw              h.9.ln2_w.new        line 31    f32[768]
-//   %1426  adamw              h.9.ln2_b.new        line 32    f32[768]
-//   %1429  adamw              h.9.fc_w.new         line 33    f32[768,3072]
-//   %1432  adamw              h.9.fc_b.new         line 34    f32[3072]
-//   %1435  adamw              h.9.fcproj_w.new     line 35    f32[3072,768]
-//   %1438  adamw              h.9.fcproj_b.new     line 36    f32[768]
-//   %1441  adamw              h.10.ln1_w.new       line 25    f32[768]
-//   %1444  adamw              h.10.ln1_b.new       line 26    f32[768]
-//   %1447  adamw              h.10.attn_w.new      line 27    f32[768,2304]
-//   %1450  adamw              h.10.attn_b.new      line 28    f32[2304]
-//   %1453  adamw              h.10.proj_w.new      line 29    f32[768,768]
-//   %1456  adamw              h.10.proj_b.new      line 30    f32[768]
-//   %1459  adamw              h.10.ln2_w.new       line 31    f32[768]
-//   %1462  adamw              h.10.ln2_b.new       line 32    f32[768]
-//   %1465  adamw              h.10.fc_w.new        line 33    f32[768,3072]
-//   %1468  adamw              h.10.fc_b.new        line 34    f32[3072]
-//   %1471  adamw              h.10.fcproj_w.new    line 35    f32[3072,768]
-//   %1474  adamw              h.10.fcproj_b.new    line 36    f32[768]
-//   %1477  adamw              h.11.ln1_w.new       line 25    f32[768]
-//   %1480  adamw              h.11.ln1_b.new       line 26    f32[768]
-//   %1483  adamw              h.11.attn_w.new      line 27    f32[768,2304]
-//   %1486  adamw              h.11.attn_b.new      line 28    f32[2304]
-//   %1489  adamw              h.11.proj_w.new      line 29    f32[768,768]
-//   %1492  adamw              h.11.proj_b.new      line 30    f32[768]
-//   %1495  adamw              h.11.ln2_w.new       line 31    f32[768]
-//   %1498  adamw              h.11.ln2_b.new       line 32    f32[768]
-//   %1501  adamw              h.11.fc_w.new        line 33    f32[768,3072]
-//   %1504  adamw              h.11.fc_b.new        line 34    f32[3072]
-//   %1507  adamw              h.11.fcproj_w.new    line 35    f32[3072,768]
-//   %1510  adamw              h.11.fcproj_b.new    line 36    f32[768]
-//   %1513  adamw              lnf_w.new            line 43    f32[768]
-//   %1516  adamw              lnf_b.new            line 44    f32[768]
+//   %1084  grad_norm                                          f32[]
+//   %1087  adamw              wte.new              line 19    f32[50257,768]
+//   %1090  adamw              wpe.new              line 20    f32[1024,768]
+//   %1093  adamw              h.0.ln1_w.new        line 25    f32[768]
+//   %1096  adamw              h.0.ln1_b.new        line 26    f32[768]
+//   %1099  adamw              h.0.attn_w.new       line 27    f32[768,2304]
+//   %1102  adamw              h.0.attn_b.new       line 28    f32[2304]
+//   %1105  adamw              h.0.proj_w.new       line 29    f32[768,768]
+//   %1108  adamw              h.0.proj_b.new       line 30    f32[768]
+//   %1111  adamw              h.0.ln2_w.new        line 31    f32[768]
+//   %1114  adamw              h.0.ln2_b.new        line 32    f32[768]
+//   %1117  adamw              h.0.fc_w.new         line 33    f32[768,3072]
+//   %1120  adamw              h.0.fc_b.new         line 34    f32[3072]
+//   %1123  adamw              h.0.fcproj_w.new     line 35    f32[3072,768]
+//   %1126  adamw              h.0.fcproj_b.new     line 36    f32[768]
+//   %1129  adamw              h.1.ln1_w.new        line 25    f32[768]
+//   %1132  adamw              h.1.ln1_b.new        line 26    f32[768]
+//   %1135  adamw              h.1.attn_w.new       line 27    f32[768,2304]
+//   %1138  adamw              h.1.attn_b.new       line 28    f32[2304]
+//   %1141  adamw              h.1.proj_w.new       line 29    f32[768,768]
+//   %1144  adamw              h.1.proj_b.new       line 30    f32[768]
+//   %1147  adamw              h.1.ln2_w.new        line 31    f32[768]
+//   %1150  adamw              h.1.ln2_b.new        line 32    f32[768]
+//   %1153  adamw              h.1.fc_w.new         line 33    f32[768,3072]
+//   %1156  adamw              h.1.fc_b.new         line 34    f32[3072]
+//   %1159  adamw              h.1.fcproj_w.new     line 35    f32[3072,768]
+//   %1162  adamw              h.1.fcproj_b.new     line 36    f32[768]
+//   %1165  adamw              h.2.ln1_w.new        line 25    f32[768]
+//   %1168  adamw              h.2.ln1_b.new        line 26    f32[768]
+//   %1171  adamw              h.2.attn_w.new       line 27    f32[768,2304]
+//   %1174  adamw              h.2.attn_b.new       line 28    f32[2304]
+//   %1177  adamw              h.2.proj_w.new       line 29    f32[768,768]
+//   %1180  adamw              h.2.proj_b.new       line 30    f32[768]
+//   %1183  adamw              h.2.ln2_w.new        line 31    f32[768]
+//   %1186  adamw              h.2.ln2_b.new        line 32    f32[768]
+//   %1189  adamw              h.2.fc_w.new         line 33    f32[768,3072]
+//   %1192  adamw              h.2.fc_b.new         line 34    f32[3072]
+//   %1195  adamw              h.2.fcproj_w.new     line 35    f32[3072,768]
+//   %1198  adamw              h.2.fcproj_b.new     line 36    f32[768]
+//   %1201  adamw              h.3.ln1_w.new        line 25    f32[768]
+//   %1204  adamw              h.3.ln1_b.new        line 26    f32[768]
+//   %1207  adamw              h.3.attn_w.new       line 27    f32[768,2304]
+//   %1210  adamw              h.3.attn_b.new       line 28    f32[2304]
+//   %1213  adamw              h.3.proj_w.new       line 29    f32[768,768]
+//   %1216  adamw              h.3.proj_b.new       line 30    f32[768]
+//   %1219  adamw              h.3.ln2_w.new        line 31    f32[768]
+//   %1222  adamw              h.3.ln2_b.new        line 32    f32[768]
+//   %1225  adamw              h.3.fc_w.new         line 33    f32[768,3072]
+//   %1228  adamw              h.3.fc_b.new         line 34    f32[3072]
+//   %1231  adamw              h.3.fcproj_w.new     line 35    f32[3072,768]
+//   %1234  adamw              h.3.fcproj_b.new     line 36    f32[768]
+//   %1237  adamw              h.4.ln1_w.new        line 25    f32[768]
+//   %1240  adamw              h.4.ln1_b.new        line 26    f32[768]
+//   %1243  adamw              h.4.attn_w.new       line 27    f32[768,2304]
+//   %1246  adamw              h.4.attn_b.new       line 28    f32[2304]
+//   %1249  adamw              h.4.proj_w.new       line 29    f32[768,768]
+//   %1252  adamw              h.4.proj_b.new       line 30    f32[768]
+//   %1255  adamw              h.4.ln2_w.new        line 31    f32[768]
+//   %1258  adamw              h.4.ln2_b.new        line 32    f32[768]
+//   %1261  adamw              h.4.fc_w.new         line 33    f32[768,3072]
+//   %1264  adamw              h.4.fc_b.new         line 34    f32[3072]
+//   %1267  adamw              h.4.fcproj_w.new     line 35    f32[3072,768]
+//   %1270  adamw              h.4.fcproj_b.new     line 36    f32[768]
+//   %1273  adamw              h.5.ln1_w.new        line 25    f32[768]
+//   %1276  adamw              h.5.ln1_b.new        line 26    f32[768]
+//   %1279  adamw              h.5.attn_w.new       line 27    f32[768,2304]
+//   %1282  adamw              h.5.attn_b.new       line 28    f32[2304]
+//   %1285  adamw              h.5.proj_w.new       line 29    f32[768,768]
+//   %1288  adamw              h.5.proj_b.new       line 30    f32[768]
+//   %1291  adamw              h.5.ln2_w.new        line 31    f32[768]
+//   %1294  adamw              h.5.ln2_b.new        line 32    f32[768]
+//   %1297  adamw              h.5.fc_w.new         line 33    f32[768,3072]
+//   %1300  adamw              h.5.fc_b.new         line 34    f32[3072]
+//   %1303  adamw              h.5.fcproj_w.new     line 35    f32[3072,768]
+//   %1306  adamw              h.5.fcproj_b.new     line 36    f32[768]
+//   %1309  adamw              h.6.ln1_w.new        line 25    f32[768]
+//   %1312  adamw              h.6.ln1_b.new        line 26    f32[768]
+//   %1315  adamw              h.6.attn_w.new       line 27    f32[768,2304]
+//   %1318  adamw              h.6.attn_b.new       line 28    f32[2304]
+//   %1321  adamw              h.6.proj_w.new       line 29    f32[768,768]
+//   %1324  adamw              h.6.proj_b.new       line 30    f32[768]
+//   %1327  adamw              h.6.ln2_w.new        line 31    f32[768]
+//   %1330  adamw              h.6.ln2_b.new        line 32    f32[768]
+//   %1333  adamw              h.6.fc_w.new         line 33    f32[768,3072]
+//   %1336  adamw              h.6.fc_b.new         line 34    f32[3072]
+//   %1339  adamw              h.6.fcproj_w.new     line 35    f32[3072,768]
+//   %1342  adamw              h.6.fcproj_b.new     line 36    f32[768]
+//   %1345  adamw              h.7.ln1_w.new        line 25    f32[768]
+//   %1348  adamw              h.7.ln1_b.new        line 26    f32[768]
+//   %1351  adamw              h.7.attn_w.new       line 27    f32[768,2304]
+//   %1354  adamw              h.7.attn_b.new       line 28    f32[2304]
+//   %1357  adamw              h.7.proj_w.new       line 29    f32[768,768]
+//   %1360  adamw              h.7.proj_b.new       line 30    f32[768]
+//   %1363  adamw              h.7.ln2_w.new        line 31    f32[768]
+//   %1366  adamw              h.7.ln2_b.new        line 32    f32[768]
+//   %1369  adamw              h.7.fc_w.new         line 33    f32[768,3072]
+//   %1372  adamw              h.7.fc_b.new         line 34    f32[3072]
+//   %1375  adamw              h.7.fcproj_w.new     line 35    f32[3072,768]
+//   %1378  adamw              h.7.fcproj_b.new     line 36    f32[768]
+//   %1381  adamw              h.8.ln1_w.new        line 25    f32[768]
+//   %1384  adamw              h.8.ln1_b.new        line 26    f32[768]
+//   %1387  adamw              h.8.attn_w.new       line 27    f32[768,2304]
+//   %1390  adamw              h.8.attn_b.new       line 28    f32[2304]
+//   %1393  adamw              h.8.proj_w.new       line 29    f32[768,768]
+//   %1396  adamw              h.8.proj_b.new       line 30    f32[768]
+//   %1399  adamw              h.8.ln2_w.new        line 31    f32[768]
+//   %1402  adamw              h.8.ln2_b.new        line 32    f32[768]
+//   %1405  adamw              h.8.fc_w.new         line 33    f32[768,3072]
+//   %1408  adamw              h.8.fc_b.new         line 34    f32[3072]
+//   %1411  adamw              h.8.fcproj_w.new     line 35    f32[3072,768]
+//   %1414  adamw              h.8.fcproj_b.new     line 36    f32[768]
+//   %1417  adamw              h.9.ln1_w.new        line 25    f32[768]
+//   %1420  adamw              h.9.ln1_b.new        line 26    f32[768]
+//   %1423  adamw              h.9.attn_w.new       line 27    f32[768,2304]
+//   %1426  adamw              h.9.attn_b.new       line 28    f32[2304]
+//   %1429  adamw              h.9.proj_w.new       line 29    f32[768,768]
+//   %1432  adamw              h.9.proj_b.new       line 30    f32[768]
+//   %1435  adamw              h.9.ln2_w.new        line 31    f32[768]
+//   %1438  adamw              h.9.ln2_b.new        line 32    f32[768]
+//   %1441  adamw              h.9.fc_w.new         line 33    f32[768,3072]
+//   %1444  adamw              h.9.fc_b.new         line 34    f32[3072]
+//   %1447  adamw              h.9.fcproj_w.new     line 35    f32[3072,768]
+//   %1450  adamw              h.9.fcproj_b.new     line 36    f32[768]
+//   %1453  adamw              h.10.ln1_w.new       line 25    f32[768]
+//   %1456  adamw              h.10.ln1_b.new       line 26    f32[768]
+//   %1459  adamw              h.10.attn_w.new      line 27    f32[768,2304]
+//   %1462  adamw              h.10.attn_b.new      line 28    f32[2304]
+//   %1465  adamw              h.10.proj_w.new      line 29    f32[768,768]
+//   %1468  adamw              h.10.proj_b.new      line 30    f32[768]
+//   %1471  adamw              h.10.ln2_w.new       line 31    f32[768]
+//   %1474  adamw              h.10.ln2_b.new       line 32    f32[768]
+//   %1477  adamw              h.10.fc_w.new        line 33    f32[768,3072]
+//   %1480  adamw              h.10.fc_b.new        line 34    f32[3072]
+//   %1483  adamw              h.10.fcproj_w.new    line 35    f32[3072,768]
+//   %1486  adamw              h.10.fcproj_b.new    line 36    f32[768]
+//   %1489  adamw              h.11.ln1_w.new       line 25    f32[768]
+//   %1492  adamw              h.11.ln1_b.new       line 26    f32[768]
+//   %1495  adamw              h.11.attn_w.new      line 27    f32[768,2304]
+//   %1498  adamw              h.11.attn_b.new      line 28    f32[2304]
+//   %1501  adamw              h.11.proj_w.new      line 29    f32[768,768]
+//   %1504  adamw              h.11.proj_b.new      line 30    f32[768]
+//   %1507  adamw              h.11.ln2_w.new       line 31    f32[768]
+//   %1510  adamw              h.11.ln2_b.new       line 32    f32[768]
+//   %1513  adamw              h.11.fc_w.new        line 33    f32[768,3072]
+//   %1516  adamw              h.11.fc_b.new        line 34    f32[3072]
+//   %1519  adamw              h.11.fcproj_w.new    line 35    f32[3072,768]
+//   %1522  adamw              h.11.fcproj_b.new    line 36    f32[768]
+//   %1525  adamw              lnf_w.new            line 43    f32[768]
+//   %1528  adamw              lnf_b.new            line 44    f32[768]
 // runs:
 //   k237_grad_norm__adamw_sumsq<<<15191, 256>>>
 //   k237_grad_norm__adamw_norm<<<1, 256>>>

@@ -1348,7 +1348,7 @@ static void k37_rmsnorm_bwd__add__cast(char *arena, const MdlHooks *h) {
   float *const b155 = (float *)(arena + 3713152); // %155 add d.layers.1.a f32[8,64,64]
   float *const b157 = (float *)(arena + 3405952); // %157 add d.layers.1.x f32[8,64,64]
   float *const b158 = (float *)(arena + 857088); // %158 rmsnorm_bwd d.layers.1.mlp_norm f32[64]
-  uint16_t *const b160 = (uint16_t *)(arena + 3844224); // %160 cast bf16[512,64]
+  uint16_t *const b160 = (uint16_t *)(arena + 3537024); // %160 cast bf16[512,64]
   double *pdw = mdl_scratch(2048 * sizeof(double));
   #pragma omp parallel num_threads(h->nthreads)
   {
@@ -1400,29 +1400,12 @@ static void k37_rmsnorm_bwd__add__cast(char *arena, const MdlHooks *h) {
 }
 
 // k38_gemm: GEMM, 1 op
-//   %161   matmul                                  line 38    f32[512,64]
-// loops:
-//   gemm %161: [512 x 64] = [512 x 64] T[64 x 64], bf16 operands widened to f32
-static void k38_gemm(char *arena, const MdlHooks *h) {
-  uint16_t *const b89 = (uint16_t *)(arena + 2233856); // %89 cast bf16[64,64]
-  uint16_t *const b160 = (uint16_t *)(arena + 3844224); // %160 cast bf16[512,64]
-  float *const b161 = (float *)(arena + 3537024); // %161 matmul f32[512,64]
-  {
-    float *const w160 = mdl_widen_bf16(b160, 32768, h->nthreads);
-    float *const w89 = mdl_widen_bf16(b89, 4096, h->nthreads);
-    mdl_gemm(h, 0, 1, 512, 64, 64, w160, 64, w89, 64, 0.0f, b161, 64);
-    free(w160);
-    free(w89);
-  }
-}
-
-// k39_gemm: GEMM, 1 op
 //   %162   matmul             d.layers.1.wo        line 38    f32[64,64]
 // loops:
 //   gemm %162: [64 x 64] = T[64 x 512] [512 x 64], bf16 operands widened to f32
-static void k39_gemm(char *arena, const MdlHooks *h) {
+static void k38_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b88 = (uint16_t *)(arena + 7198848); // %88 cast bf16[512,64]
-  uint16_t *const b160 = (uint16_t *)(arena + 3844224); // %160 cast bf16[512,64]
+  uint16_t *const b160 = (uint16_t *)(arena + 3537024); // %160 cast bf16[512,64]
   float *const b162 = (float *)(arena + 840704); // %162 matmul d.layers.1.wo f32[64,64]
   {
     float *const w88 = mdl_widen_bf16(b88, 32768, h->nthreads);
@@ -1433,10 +1416,39 @@ static void k39_gemm(char *arena, const MdlHooks *h) {
   }
 }
 
+// k39_gemm__cast: GEMM, 3 ops
+//   %161   matmul                                  line 38    f32[512,64]
+//   %163   reshape                                 line 38    f32[8,64,64]
+//   %164   cast                                    line 38    bf16[8,64,64]
+// loops:
+//   gemm %161: [512 x 64] = [512 x 64] T[64 x 64], bf16 operands widened to f32, epilogue after
+//   elementwise over 32768: %164
+static void k39_gemm__cast(char *arena, const MdlHooks *h) {
+  uint16_t *const b89 = (uint16_t *)(arena + 2233856); // %89 cast bf16[64,64]
+  uint16_t *const b160 = (uint16_t *)(arena + 3537024); // %160 cast bf16[512,64]
+  float *const b161 = mdl_scratch(131072); // %161 matmul f32[512,64], kept in this kernel
+  uint16_t *const b164 = (uint16_t *)(arena + 3930240); // %164 cast bf16[8,64,64]
+  {
+    float *const w160 = mdl_widen_bf16(b160, 32768, h->nthreads);
+    float *const w89 = mdl_widen_bf16(b89, 4096, h->nthreads);
+    mdl_gemm(h, 0, 1, 512, 64, 64, w160, 64, w89, 64, 0.0f, b161, 64);
+    free(w160);
+    free(w89);
+  }
+  #pragma omp parallel for num_threads(h->nthreads) schedule(static)
+  for (int64_t i = 0; i < 32768; i++) {
+    const float v161_i = b161[i];
+    const float v163_i = v161_i;
+    const float v164_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v163_i));
+    b164[i] = mdl_f32_to_bf16(v164_i);
+  }
+  free(b161);
+}
+
 // k40_attention_bwd: attention, 3 ops
-//   %164   attention_bwd      d.layers.1.q         line 38    f32[8,64,64]
-//   %165   attention_bwd      d.layers.1.k         line 38    f32[8,64,64]
-//   %166   attention_bwd                           line 38    f32[8,64,64]
+//   %165   attention_bwd      d.layers.1.q         line 38    f32[8,64,64]
+//   %166   attention_bwd      d.layers.1.k         line 38    f32[8,64,64]
+//   %167   attention_bwd                           line 38    f32[8,64,64]
 // loops:
 //   attention backward (dq dk dv): B 8, T 64, 4 heads of 16, causal, within documents; one task per (batch, head)
 static void k40_attention_bwd(char *arena, const MdlHooks *h) {
@@ -1444,10 +1456,10 @@ static void k40_attention_bwd(char *arena, const MdlHooks *h) {
   float *const b74 = (float *)(arena + 5953664); // %74 rope layers.1.q f32[8,64,64]
   float *const b80 = (float *)(arena + 6084736); // %80 rope layers.1.k f32[8,64,64]
   float *const b84 = (float *)(arena + 6215808); // %84 matmul f32[512,64]
-  float *const b161 = (float *)(arena + 3537024); // %161 matmul f32[512,64]
-  float *const b164 = (float *)(arena + 3668096); // %164 attention_bwd d.layers.1.q f32[8,64,64]
-  float *const b165 = (float *)(arena + 3799168); // %165 attention_bwd d.layers.1.k f32[8,64,64]
-  float *const b166 = (float *)(arena + 3930240); // %166 attention_bwd f32[8,64,64]
+  uint16_t *const b164 = (uint16_t *)(arena + 3930240); // %164 cast bf16[8,64,64]
+  float *const b165 = (float *)(arena + 3537024); // %165 attention_bwd d.layers.1.q f32[8,64,64]
+  float *const b166 = (float *)(arena + 3668096); // %166 attention_bwd d.layers.1.k f32[8,64,64]
+  float *const b167 = (float *)(arena + 3799168); // %167 attention_bwd f32[8,64,64]
   #pragma omp parallel num_threads(h->nthreads)
   {
     float *restrict kt = memset(mdl_scratch(1536 * sizeof(float)), 0, 1536 * sizeof(float));
@@ -1521,7 +1533,7 @@ static void k40_attention_bwd(char *arena, const MdlHooks *h) {
         }
         float dor[16];
         for (int64_t c = 0; c < 16; c++)
-          dor[c] = mdl_bf16_to_f32(mdl_f32_to_bf16(b161[(b * 64 + i) * 64 + hd * 16 + c]));
+          dor[c] = mdl_bf16_to_f32(b164[(b * 64 + i) * 64 + hd * 16 + c]);
         const float *restrict doi = dor;
         #pragma omp simd
         for (int64_t j = lo; j < hi; j++)
@@ -1583,14 +1595,14 @@ static void k40_attention_bwd(char *arena, const MdlHooks *h) {
           for (int64_t c = 0; c < 16; c++)
             dvj[c] += mdl_bf16_to_f32(mdl_f32_to_bf16(s[j])) * doi[c];
         }
-        float *restrict dq = b164 + (b * 64 + i) * 64 + hd * 16;
+        float *restrict dq = b165 + (b * 64 + i) * 64 + hd * 16;
         for (int64_t c = 0; c < 16; c++)
           dq[c] = 0.25f * (dqi0[c] + dqi1[c]);
       }
       for (int64_t t = 0; t < 64; t++)
-        memcpy(b165 + (b * 64 + t) * 64 + hd * 16, dkh + t * 16, 16 * sizeof(float));
+        memcpy(b166 + (b * 64 + t) * 64 + hd * 16, dkh + t * 16, 16 * sizeof(float));
       for (int64_t t = 0; t < 64; t++)
-        memcpy(b166 + (b * 64 + t) * 64 + hd * 16, dvh + t * 16, 16 * sizeof(float));
+        memcpy(b167 + (b * 64 + t) * 64 + hd * 16, dvh + t * 16, 16 * sizeof(float));
     }
     free(kt);
     free(s);
@@ -1602,54 +1614,54 @@ static void k40_attention_bwd(char *arena, const MdlHooks *h) {
 }
 
 // k41_cast: kernel, 1 op
-//   %168   cast                                    line 38    bf16[512,64]
+//   %169   cast                                    line 38    bf16[512,64]
 // loops:
-//   elementwise over 32768: %168
+//   elementwise over 32768: %169
 static void k41_cast(char *arena, const MdlHooks *h) {
-  float *const b166 = (float *)(arena + 3930240); // %166 attention_bwd f32[8,64,64]
-  uint16_t *const b168 = (uint16_t *)(arena + 4061312); // %168 cast bf16[512,64]
+  float *const b167 = (float *)(arena + 3799168); // %167 attention_bwd f32[8,64,64]
+  uint16_t *const b169 = (uint16_t *)(arena + 3930240); // %169 cast bf16[512,64]
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
   for (int64_t i = 0; i < 32768; i++) {
-    const float v166_i = b166[i];
-    const float v168_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v166_i));
-    b168[i] = mdl_f32_to_bf16(v168_i);
+    const float v167_i = b167[i];
+    const float v169_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v167_i));
+    b169[i] = mdl_f32_to_bf16(v169_i);
   }
 }
 
 // k42_gemm: GEMM, 1 op
-//   %170   matmul             d.layers.1.wv        line 38    f32[64,64]
+//   %171   matmul             d.layers.1.wv        line 38    f32[64,64]
 // loops:
-//   gemm %170: [64 x 64] = T[64 x 512] [512 x 64], bf16 operands widened to f32
+//   gemm %171: [64 x 64] = T[64 x 512] [512 x 64], bf16 operands widened to f32
 static void k42_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b82 = (uint16_t *)(arena + 7133312); // %82 cast bf16[512,64]
-  uint16_t *const b168 = (uint16_t *)(arena + 4061312); // %168 cast bf16[512,64]
-  float *const b170 = (float *)(arena + 824320); // %170 matmul d.layers.1.wv f32[64,64]
+  uint16_t *const b169 = (uint16_t *)(arena + 3930240); // %169 cast bf16[512,64]
+  float *const b171 = (float *)(arena + 824320); // %171 matmul d.layers.1.wv f32[64,64]
   {
     float *const w82 = mdl_widen_bf16(b82, 32768, h->nthreads);
-    float *const w168 = mdl_widen_bf16(b168, 32768, h->nthreads);
-    mdl_gemm(h, 1, 0, 64, 64, 512, w82, 64, w168, 64, 0.0f, b170, 64);
+    float *const w169 = mdl_widen_bf16(b169, 32768, h->nthreads);
+    mdl_gemm(h, 1, 0, 64, 64, 512, w82, 64, w169, 64, 0.0f, b171, 64);
     free(w82);
-    free(w168);
+    free(w169);
   }
 }
 
 // k43_rope__cast: kernel, 3 ops
-//   %172   rope                                    line 37    f32[8,64,64]
-//   %173   reshape                                 line 37    f32[512,64]
-//   %174   cast                                    line 37    bf16[512,64]
+//   %173   rope                                    line 37    f32[8,64,64]
+//   %174   reshape                                 line 37    f32[512,64]
+//   %175   cast                                    line 37    bf16[512,64]
 // loops:
 //   rope (inverse): 512 rows, 4 heads of 16
-//   elementwise over 32768: %174
+//   elementwise over 32768: %175
 static void k43_rope__cast(char *arena, const MdlHooks *h) {
   int32_t *const b2 = (int32_t *)(arena + 2344960); // %2 input pos i32[8,64]
-  float *const b165 = (float *)(arena + 3799168); // %165 attention_bwd d.layers.1.k f32[8,64,64]
-  float *const b172 = mdl_scratch(131072); // %172 rope f32[8,64,64], kept in this kernel
-  uint16_t *const b174 = (uint16_t *)(arena + 3930240); // %174 cast bf16[512,64]
+  float *const b166 = (float *)(arena + 3668096); // %166 attention_bwd d.layers.1.k f32[8,64,64]
+  float *const b173 = mdl_scratch(131072); // %173 rope f32[8,64,64], kept in this kernel
+  uint16_t *const b175 = (uint16_t *)(arena + 3799168); // %175 cast bf16[512,64]
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
   for (int64_t r = 0; r < 512; r++) {
     const double p = -1.0 * b2[r];
-    const float *x = b165 + r * 64;
-    float *y = b172 + r * 64;
+    const float *x = b166 + r * 64;
+    float *y = b173 + r * 64;
     for (int64_t i = 0; i < 8; i++) {
       const double th = p * pow(1e+04, -2.0 * (double)i / 16);
       const float cs = (float)cos(th), sn = (float)sin(th);
@@ -1663,65 +1675,65 @@ static void k43_rope__cast(char *arena, const MdlHooks *h) {
   }
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
   for (int64_t i = 0; i < 32768; i++) {
-    const float v172_i = b172[i];
-    const float v173_i = v172_i;
-    const float v174_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v173_i));
-    b174[i] = mdl_f32_to_bf16(v174_i);
+    const float v173_i = b173[i];
+    const float v174_i = v173_i;
+    const float v175_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v174_i));
+    b175[i] = mdl_f32_to_bf16(v175_i);
   }
-  free(b172);
+  free(b173);
 }
 
 // k44_gemm: GEMM, 1 op
-//   %175   matmul                                  line 37    f32[512,64]
+//   %176   matmul                                  line 37    f32[512,64]
 // loops:
-//   gemm %175: [512 x 64] = [512 x 64] T[64 x 64], bf16 operands widened to f32
+//   gemm %176: [512 x 64] = [512 x 64] T[64 x 64], bf16 operands widened to f32
 static void k44_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b77 = (uint16_t *)(arena + 2217472); // %77 cast bf16[64,64]
-  uint16_t *const b174 = (uint16_t *)(arena + 3930240); // %174 cast bf16[512,64]
-  float *const b175 = (float *)(arena + 3537024); // %175 matmul f32[512,64]
+  uint16_t *const b175 = (uint16_t *)(arena + 3799168); // %175 cast bf16[512,64]
+  float *const b176 = (float *)(arena + 3668096); // %176 matmul f32[512,64]
   {
-    float *const w174 = mdl_widen_bf16(b174, 32768, h->nthreads);
+    float *const w175 = mdl_widen_bf16(b175, 32768, h->nthreads);
     float *const w77 = mdl_widen_bf16(b77, 4096, h->nthreads);
-    mdl_gemm(h, 0, 1, 512, 64, 64, w174, 64, w77, 64, 0.0f, b175, 64);
-    free(w174);
+    mdl_gemm(h, 0, 1, 512, 64, 64, w175, 64, w77, 64, 0.0f, b176, 64);
+    free(w175);
     free(w77);
   }
 }
 
 // k45_gemm: GEMM, 1 op
-//   %176   matmul             d.layers.1.wk        line 37    f32[64,64]
+//   %177   matmul             d.layers.1.wk        line 37    f32[64,64]
 // loops:
-//   gemm %176: [64 x 64] = T[64 x 512] [512 x 64], bf16 operands widened to f32
+//   gemm %177: [64 x 64] = T[64 x 512] [512 x 64], bf16 operands widened to f32
 static void k45_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b76 = (uint16_t *)(arena + 7067776); // %76 cast bf16[512,64]
-  uint16_t *const b174 = (uint16_t *)(arena + 3930240); // %174 cast bf16[512,64]
-  float *const b176 = (float *)(arena + 807936); // %176 matmul d.layers.1.wk f32[64,64]
+  uint16_t *const b175 = (uint16_t *)(arena + 3799168); // %175 cast bf16[512,64]
+  float *const b177 = (float *)(arena + 807936); // %177 matmul d.layers.1.wk f32[64,64]
   {
     float *const w76 = mdl_widen_bf16(b76, 32768, h->nthreads);
-    float *const w174 = mdl_widen_bf16(b174, 32768, h->nthreads);
-    mdl_gemm(h, 1, 0, 64, 64, 512, w76, 64, w174, 64, 0.0f, b176, 64);
+    float *const w175 = mdl_widen_bf16(b175, 32768, h->nthreads);
+    mdl_gemm(h, 1, 0, 64, 64, 512, w76, 64, w175, 64, 0.0f, b177, 64);
     free(w76);
-    free(w174);
+    free(w175);
   }
 }
 
 // k46_rope__cast: kernel, 3 ops
-//   %179   rope                                    line 36    f32[8,64,64]
-//   %180   reshape                                 line 36    f32[512,64]
-//   %181   cast                                    line 36    bf16[512,64]
+//   %180   rope                                    line 36    f32[8,64,64]
+//   %181   reshape                                 line 36    f32[512,64]
+//   %182   cast                                    line 36    bf16[512,64]
 // loops:
 //   rope (inverse): 512 rows, 4 heads of 16
-//   elementwise over 32768: %181
+//   elementwise over 32768: %182
 static void k46_rope__cast(char *arena, const MdlHooks *h) {
   int32_t *const b2 = (int32_t *)(arena + 2344960); // %2 input pos i32[8,64]
-  float *const b164 = (float *)(arena + 3668096); // %164 attention_bwd d.layers.1.q f32[8,64,64]
-  float *const b179 = mdl_scratch(131072); // %179 rope f32[8,64,64], kept in this kernel
-  uint16_t *const b181 = (uint16_t *)(arena + 3799168); // %181 cast bf16[512,64]
+  float *const b165 = (float *)(arena + 3537024); // %165 attention_bwd d.layers.1.q f32[8,64,64]
+  float *const b180 = mdl_scratch(131072); // %180 rope f32[8,64,64], kept in this kernel
+  uint16_t *const b182 = (uint16_t *)(arena + 3799168); // %182 cast bf16[512,64]
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
   for (int64_t r = 0; r < 512; r++) {
     const double p = -1.0 * b2[r];
-    const float *x = b164 + r * 64;
-    float *y = b179 + r * 64;
+    const float *x = b165 + r * 64;
+    float *y = b180 + r * 64;
     for (int64_t i = 0; i < 8; i++) {
       const double th = p * pow(1e+04, -2.0 * (double)i / 16);
       const float cs = (float)cos(th), sn = (float)sin(th);
@@ -1735,98 +1747,98 @@ static void k46_rope__cast(char *arena, const MdlHooks *h) {
   }
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
   for (int64_t i = 0; i < 32768; i++) {
-    const float v179_i = b179[i];
-    const float v180_i = v179_i;
-    const float v181_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v180_i));
-    b181[i] = mdl_f32_to_bf16(v181_i);
+    const float v180_i = b180[i];
+    const float v181_i = v180_i;
+    const float v182_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v181_i));
+    b182[i] = mdl_f32_to_bf16(v182_i);
   }
-  free(b179);
+  free(b180);
 }
 
 // k47_gemm: GEMM, 1 op
-//   %182   matmul                                  line 36    f32[512,64]
+//   %183   matmul                                  line 36    f32[512,64]
 // loops:
-//   gemm %182: [512 x 64] = [512 x 64] T[64 x 64], bf16 operands widened to f32
+//   gemm %183: [512 x 64] = [512 x 64] T[64 x 64], bf16 operands widened to f32
 static void k47_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b71 = (uint16_t *)(arena + 2209280); // %71 cast bf16[64,64]
-  uint16_t *const b181 = (uint16_t *)(arena + 3799168); // %181 cast bf16[512,64]
-  float *const b182 = (float *)(arena + 3668096); // %182 matmul f32[512,64]
+  uint16_t *const b182 = (uint16_t *)(arena + 3799168); // %182 cast bf16[512,64]
+  float *const b183 = (float *)(arena + 3537024); // %183 matmul f32[512,64]
   {
-    float *const w181 = mdl_widen_bf16(b181, 32768, h->nthreads);
+    float *const w182 = mdl_widen_bf16(b182, 32768, h->nthreads);
     float *const w71 = mdl_widen_bf16(b71, 4096, h->nthreads);
-    mdl_gemm(h, 0, 1, 512, 64, 64, w181, 64, w71, 64, 0.0f, b182, 64);
-    free(w181);
+    mdl_gemm(h, 0, 1, 512, 64, 64, w182, 64, w71, 64, 0.0f, b183, 64);
+    free(w182);
     free(w71);
   }
 }
 
 // k48_gemm: GEMM, 1 op
-//   %183   matmul             d.layers.1.wq        line 36    f32[64,64]
+//   %184   matmul             d.layers.1.wq        line 36    f32[64,64]
 // loops:
-//   gemm %183: [64 x 64] = T[64 x 512] [512 x 64], bf16 operands widened to f32
+//   gemm %184: [64 x 64] = T[64 x 512] [512 x 64], bf16 operands widened to f32
 static void k48_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b70 = (uint16_t *)(arena + 7002240); // %70 cast bf16[512,64]
-  uint16_t *const b181 = (uint16_t *)(arena + 3799168); // %181 cast bf16[512,64]
-  float *const b183 = (float *)(arena + 791552); // %183 matmul d.layers.1.wq f32[64,64]
+  uint16_t *const b182 = (uint16_t *)(arena + 3799168); // %182 cast bf16[512,64]
+  float *const b184 = (float *)(arena + 791552); // %184 matmul d.layers.1.wq f32[64,64]
   {
     float *const w70 = mdl_widen_bf16(b70, 32768, h->nthreads);
-    float *const w181 = mdl_widen_bf16(b181, 32768, h->nthreads);
-    mdl_gemm(h, 1, 0, 64, 64, 512, w70, 64, w181, 64, 0.0f, b183, 64);
+    float *const w182 = mdl_widen_bf16(b182, 32768, h->nthreads);
+    mdl_gemm(h, 1, 0, 64, 64, 512, w70, 64, w182, 64, 0.0f, b184, 64);
     free(w70);
-    free(w181);
+    free(w182);
   }
 }
 
 // k49_gemm__add: GEMM, 4 ops
-//   %169   matmul                                  line 38    f32[512,64]
-//   %171   reshape                                 line 38    f32[8,64,64]
-//   %178   add                                     line 37    f32[8,64,64]
-//   %185   add                d.layers.1.a         line 36    f32[8,64,64]
+//   %170   matmul                                  line 38    f32[512,64]
+//   %172   reshape                                 line 38    f32[8,64,64]
+//   %179   add                                     line 37    f32[8,64,64]
+//   %186   add                d.layers.1.a         line 36    f32[8,64,64]
 // loops:
-//   gemm %169: [512 x 64] = [512 x 64] T[64 x 64], bf16 operands widened to f32, epilogue after
-//   elementwise over 32768: %185
+//   gemm %170: [512 x 64] = [512 x 64] T[64 x 64], bf16 operands widened to f32, epilogue after
+//   elementwise over 32768: %186
 static void k49_gemm__add(char *arena, const MdlHooks *h) {
   uint16_t *const b83 = (uint16_t *)(arena + 2225664); // %83 cast bf16[64,64]
-  uint16_t *const b168 = (uint16_t *)(arena + 4061312); // %168 cast bf16[512,64]
-  float *const b175 = (float *)(arena + 3537024); // %175 matmul f32[512,64]
-  float *const b182 = (float *)(arena + 3668096); // %182 matmul f32[512,64]
-  float *const b185 = (float *)(arena + 3799168); // %185 add d.layers.1.a f32[8,64,64]
-  float *const b169 = b185; // %169 matmul f32[512,64]: the GEMM writes into its epilogue's output
+  uint16_t *const b169 = (uint16_t *)(arena + 3930240); // %169 cast bf16[512,64]
+  float *const b176 = (float *)(arena + 3668096); // %176 matmul f32[512,64]
+  float *const b183 = (float *)(arena + 3537024); // %183 matmul f32[512,64]
+  float *const b186 = (float *)(arena + 3799168); // %186 add d.layers.1.a f32[8,64,64]
+  float *const b170 = b186; // %170 matmul f32[512,64]: the GEMM writes into its epilogue's output
   {
-    float *const w168 = mdl_widen_bf16(b168, 32768, h->nthreads);
+    float *const w169 = mdl_widen_bf16(b169, 32768, h->nthreads);
     float *const w83 = mdl_widen_bf16(b83, 4096, h->nthreads);
-    mdl_gemm(h, 0, 1, 512, 64, 64, w168, 64, w83, 64, 0.0f, b169, 64);
-    free(w168);
+    mdl_gemm(h, 0, 1, 512, 64, 64, w169, 64, w83, 64, 0.0f, b170, 64);
+    free(w169);
     free(w83);
   }
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
   for (int64_t i = 0; i < 32768; i++) {
-    const float v169_i = b169[i];
-    const float v171_i = v169_i;
-    const float v175_i = b175[i];
-    const float v178_i = v171_i + v175_i;
-    const float v182_i = b182[i];
-    const float v185_i = v178_i + v182_i;
-    b185[i] = v185_i;
+    const float v170_i = b170[i];
+    const float v172_i = v170_i;
+    const float v176_i = b176[i];
+    const float v179_i = v172_i + v176_i;
+    const float v183_i = b183[i];
+    const float v186_i = v179_i + v183_i;
+    b186[i] = v186_i;
   }
 }
 
 // k50_rmsnorm_bwd__add__cast: kernel, 5 ops
-//   %186   rmsnorm_bwd                             line 35    f32[8,64,64]
-//   %187   add                d.layers.0.x         line 35    f32[8,64,64]
-//   %188   rmsnorm_bwd        d.layers.1.attn_norm line 35    f32[64]
-//   %189   reshape                                 line 40    f32[512,64]
-//   %190   cast                                    line 40    bf16[512,64]
+//   %187   rmsnorm_bwd                             line 35    f32[8,64,64]
+//   %188   add                d.layers.0.x         line 35    f32[8,64,64]
+//   %189   rmsnorm_bwd        d.layers.1.attn_norm line 35    f32[64]
+//   %190   reshape                                 line 40    f32[512,64]
+//   %191   cast                                    line 40    bf16[512,64]
 // loops:
 //   rmsnorm_bwd: 512 rows of 64, column sums over 32 blocks of 16 rows
 static void k50_rmsnorm_bwd__add__cast(char *arena, const MdlHooks *h) {
   float *const b58 = (float *)(arena + 5822592); // %58 add layers.0.x f32[8,64,64]
   float *const b59 = (float *)(arena + 263680); // %59 param layers.1.attn_norm f32[64]
   float *const b157 = (float *)(arena + 3405952); // %157 add d.layers.1.x f32[8,64,64]
-  float *const b185 = (float *)(arena + 3799168); // %185 add d.layers.1.a f32[8,64,64]
-  float *const b187 = (float *)(arena + 3934336); // %187 add d.layers.0.x f32[8,64,64]
-  float *const b188 = (float *)(arena + 791296); // %188 rmsnorm_bwd d.layers.1.attn_norm f32[64]
-  uint16_t *const b190 = (uint16_t *)(arena + 4065408); // %190 cast bf16[512,64]
+  float *const b186 = (float *)(arena + 3799168); // %186 add d.layers.1.a f32[8,64,64]
+  float *const b188 = (float *)(arena + 3934336); // %188 add d.layers.0.x f32[8,64,64]
+  float *const b189 = (float *)(arena + 791296); // %189 rmsnorm_bwd d.layers.1.attn_norm f32[64]
+  uint16_t *const b191 = (uint16_t *)(arena + 4065408); // %191 cast bf16[512,64]
   double *pdw = mdl_scratch(2048 * sizeof(double));
   #pragma omp parallel num_threads(h->nthreads)
   {
@@ -1839,7 +1851,7 @@ static void k50_rmsnorm_bwd__add__cast(char *arena, const MdlHooks *h) {
       const int64_t end = k * 16 + 16 < 512 ? k * 16 + 16 : 512;
       for (int64_t r = k * 16; r < end; r++) {
         const float *x = b58 + r * 64;
-        const float *dy = b185 + r * 64;
+        const float *dy = b186 + r * 64;
         double ms = 0, mgx = 0;
         #pragma omp simd reduction(+ : ms)
         for (int64_t j = 0; j < 64; j++)
@@ -1857,11 +1869,11 @@ static void k50_rmsnorm_bwd__add__cast(char *arena, const MdlHooks *h) {
         for (int64_t j = 0; j < 64; j++) {
           const int64_t ix = r * 64 + j;
           const float v157_ix = b157[ix];
-          const float v187_ix = v157_ix + dx[j];
-          b187[ix] = v187_ix;
-          const float v189_ix = v187_ix;
-          const float v190_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v189_ix));
-          b190[ix] = mdl_f32_to_bf16(v190_ix);
+          const float v188_ix = v157_ix + dx[j];
+          b188[ix] = v188_ix;
+          const float v190_ix = v188_ix;
+          const float v191_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v190_ix));
+          b191[ix] = mdl_f32_to_bf16(v191_ix);
         }
       }
     }
@@ -1872,182 +1884,182 @@ static void k50_rmsnorm_bwd__add__cast(char *arena, const MdlHooks *h) {
     for (int64_t k = 0; k < 32; k++) {
       w += pdw[k * 64 + j];
     }
-    b188[j] = (float)w;
+    b189[j] = (float)w;
   }
   free(pdw);
 }
 
 // k51_gemm: GEMM, 1 op
-//   %192   matmul             d.layers.0.w2        line 40    f32[172,64]
+//   %193   matmul             d.layers.0.w2        line 40    f32[172,64]
 // loops:
-//   gemm %192: [172 x 64] = T[172 x 512] [512 x 64], bf16 operands widened to f32
+//   gemm %193: [172 x 64] = T[172 x 512] [512 x 64], bf16 operands widened to f32
 static void k51_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b54 = (uint16_t *)(arena + 4814976); // %54 cast bf16[512,172]
-  uint16_t *const b190 = (uint16_t *)(arena + 4065408); // %190 cast bf16[512,64]
-  float *const b192 = (float *)(arena + 747264); // %192 matmul d.layers.0.w2 f32[172,64]
+  uint16_t *const b191 = (uint16_t *)(arena + 4065408); // %191 cast bf16[512,64]
+  float *const b193 = (float *)(arena + 747264); // %193 matmul d.layers.0.w2 f32[172,64]
   {
     float *const w54 = mdl_widen_bf16(b54, 88064, h->nthreads);
-    float *const w190 = mdl_widen_bf16(b190, 32768, h->nthreads);
-    mdl_gemm(h, 1, 0, 172, 64, 512, w54, 172, w190, 64, 0.0f, b192, 64);
+    float *const w191 = mdl_widen_bf16(b191, 32768, h->nthreads);
+    mdl_gemm(h, 1, 0, 172, 64, 512, w54, 172, w191, 64, 0.0f, b193, 64);
     free(w54);
-    free(w190);
+    free(w191);
   }
 }
 
 // k52_gemm__mul__silu_bwd__cast: GEMM, 5 ops
-//   %191   matmul                                  line 40    f32[512,172]
-//   %194   mul                                     line 40    f32[8,64,172]
-//   %201   silu_bwd                                line 40    f32[8,64,172]
-//   %202   reshape                                 line 40    f32[512,172]
-//   %203   cast                                    line 40    bf16[512,172]
+//   %192   matmul                                  line 40    f32[512,172]
+//   %195   mul                                     line 40    f32[8,64,172]
+//   %202   silu_bwd                                line 40    f32[8,64,172]
+//   %203   reshape                                 line 40    f32[512,172]
+//   %204   cast                                    line 40    bf16[512,172]
 // loops:
-//   gemm %191: [512 x 172] = [512 x 64] T[64 x 172], bf16 operands widened to f32, epilogue after
-//   elementwise over 88064: %203
+//   gemm %192: [512 x 172] = [512 x 64] T[64 x 172], bf16 operands widened to f32, epilogue after
+//   elementwise over 88064: %204
 static void k52_gemm__mul__silu_bwd__cast(char *arena, const MdlHooks *h) {
   float *const b44 = (float *)(arena + 2701440); // %44 matmul f32[512,172]
   float *const b50 = (float *)(arena + 2349184); // %50 matmul f32[512,172]
   uint16_t *const b55 = (uint16_t *)(arena + 2187264); // %55 cast bf16[172,64]
-  uint16_t *const b190 = (uint16_t *)(arena + 4065408); // %190 cast bf16[512,64]
-  float *const b191 = (float *)(arena + 3405952); // %191 matmul f32[512,172]
-  uint16_t *const b203 = (uint16_t *)(arena + 3758208); // %203 cast bf16[512,172]
+  uint16_t *const b191 = (uint16_t *)(arena + 4065408); // %191 cast bf16[512,64]
+  float *const b192 = (float *)(arena + 3405952); // %192 matmul f32[512,172]
+  uint16_t *const b204 = (uint16_t *)(arena + 3758208); // %204 cast bf16[512,172]
   {
-    float *const w190 = mdl_widen_bf16(b190, 32768, h->nthreads);
+    float *const w191 = mdl_widen_bf16(b191, 32768, h->nthreads);
     float *const w55 = mdl_widen_bf16(b55, 11008, h->nthreads);
-    mdl_gemm(h, 0, 1, 512, 172, 64, w190, 64, w55, 64, 0.0f, b191, 172);
-    free(w190);
+    mdl_gemm(h, 0, 1, 512, 172, 64, w191, 64, w55, 64, 0.0f, b192, 172);
+    free(w191);
     free(w55);
   }
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
   for (int64_t i = 0; i < 88064; i++) {
     const float v44_i = b44[i];
-    const float v191_i = b191[i];
+    const float v192_i = b192[i];
     const float v50_i = b50[i];
-    const float v194_i = v191_i * v50_i;
-    const float v201_i = mdl_silu_grad(v44_i, v194_i);
-    const float v202_i = v201_i;
-    const float v203_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v202_i));
-    b203[i] = mdl_f32_to_bf16(v203_i);
+    const float v195_i = v192_i * v50_i;
+    const float v202_i = mdl_silu_grad(v44_i, v195_i);
+    const float v203_i = v202_i;
+    const float v204_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v203_i));
+    b204[i] = mdl_f32_to_bf16(v204_i);
   }
 }
 
 // k53_cast__mul: kernel, 3 ops
-//   %195   mul                                     line 40    f32[8,64,172]
-//   %196   reshape                                 line 40    f32[512,172]
-//   %197   cast                                    line 40    bf16[512,172]
+//   %196   mul                                     line 40    f32[8,64,172]
+//   %197   reshape                                 line 40    f32[512,172]
+//   %198   cast                                    line 40    bf16[512,172]
 // loops:
-//   elementwise over 88064: %197
+//   elementwise over 88064: %198
 static void k53_cast__mul(char *arena, const MdlHooks *h) {
   float *const b46 = (float *)(arena + 3053696); // %46 silu f32[8,64,172]
-  float *const b191 = (float *)(arena + 3405952); // %191 matmul f32[512,172]
-  uint16_t *const b197 = (uint16_t *)(arena + 2349184); // %197 cast bf16[512,172]
+  float *const b192 = (float *)(arena + 3405952); // %192 matmul f32[512,172]
+  uint16_t *const b198 = (uint16_t *)(arena + 2349184); // %198 cast bf16[512,172]
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
   for (int64_t i = 0; i < 88064; i++) {
-    const float v191_i = b191[i];
+    const float v192_i = b192[i];
     const float v46_i = b46[i];
-    const float v195_i = v191_i * v46_i;
-    const float v196_i = v195_i;
-    const float v197_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v196_i));
-    b197[i] = mdl_f32_to_bf16(v197_i);
+    const float v196_i = v192_i * v46_i;
+    const float v197_i = v196_i;
+    const float v198_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v197_i));
+    b198[i] = mdl_f32_to_bf16(v198_i);
   }
 }
 
 // k54_gemm: GEMM, 1 op
-//   %199   matmul             d.layers.0.w3        line 40    f32[64,172]
+//   %200   matmul             d.layers.0.w3        line 40    f32[64,172]
 // loops:
-//   gemm %199: [64 x 172] = T[64 x 512] [512 x 172], bf16 operands widened to f32
+//   gemm %200: [64 x 172] = T[64 x 512] [512 x 172], bf16 operands widened to f32
 static void k54_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b48 = (uint16_t *)(arena + 6936704); // %48 cast bf16[512,64]
-  uint16_t *const b197 = (uint16_t *)(arena + 2349184); // %197 cast bf16[512,172]
-  float *const b199 = (float *)(arena + 703232); // %199 matmul d.layers.0.w3 f32[64,172]
+  uint16_t *const b198 = (uint16_t *)(arena + 2349184); // %198 cast bf16[512,172]
+  float *const b200 = (float *)(arena + 703232); // %200 matmul d.layers.0.w3 f32[64,172]
   {
     float *const w48 = mdl_widen_bf16(b48, 32768, h->nthreads);
-    float *const w197 = mdl_widen_bf16(b197, 88064, h->nthreads);
-    mdl_gemm(h, 1, 0, 64, 172, 512, w48, 64, w197, 172, 0.0f, b199, 172);
+    float *const w198 = mdl_widen_bf16(b198, 88064, h->nthreads);
+    mdl_gemm(h, 1, 0, 64, 172, 512, w48, 64, w198, 172, 0.0f, b200, 172);
     free(w48);
-    free(w197);
+    free(w198);
   }
 }
 
 // k55_gemm: GEMM, 1 op
-//   %204   matmul                                  line 40    f32[512,64]
+//   %205   matmul                                  line 40    f32[512,64]
 // loops:
-//   gemm %204: [512 x 64] = [512 x 172] T[172 x 64], bf16 operands widened to f32
+//   gemm %205: [512 x 64] = [512 x 172] T[172 x 64], bf16 operands widened to f32
 static void k55_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b43 = (uint16_t *)(arena + 2143232); // %43 cast bf16[64,172]
-  uint16_t *const b203 = (uint16_t *)(arena + 3758208); // %203 cast bf16[512,172]
-  float *const b204 = (float *)(arena + 2525312); // %204 matmul f32[512,64]
+  uint16_t *const b204 = (uint16_t *)(arena + 3758208); // %204 cast bf16[512,172]
+  float *const b205 = (float *)(arena + 2525312); // %205 matmul f32[512,64]
   {
-    float *const w203 = mdl_widen_bf16(b203, 88064, h->nthreads);
+    float *const w204 = mdl_widen_bf16(b204, 88064, h->nthreads);
     float *const w43 = mdl_widen_bf16(b43, 11008, h->nthreads);
-    mdl_gemm(h, 0, 1, 512, 64, 172, w203, 172, w43, 172, 0.0f, b204, 64);
-    free(w203);
+    mdl_gemm(h, 0, 1, 512, 64, 172, w204, 172, w43, 172, 0.0f, b205, 64);
+    free(w204);
     free(w43);
   }
 }
 
 // k56_gemm: GEMM, 1 op
-//   %205   matmul             d.layers.0.w1        line 40    f32[64,172]
+//   %206   matmul             d.layers.0.w1        line 40    f32[64,172]
 // loops:
-//   gemm %205: [64 x 172] = T[64 x 512] [512 x 172], bf16 operands widened to f32
+//   gemm %206: [64 x 172] = T[64 x 512] [512 x 172], bf16 operands widened to f32
 static void k56_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b42 = (uint16_t *)(arena + 6871168); // %42 cast bf16[512,64]
-  uint16_t *const b203 = (uint16_t *)(arena + 3758208); // %203 cast bf16[512,172]
-  float *const b205 = (float *)(arena + 659200); // %205 matmul d.layers.0.w1 f32[64,172]
+  uint16_t *const b204 = (uint16_t *)(arena + 3758208); // %204 cast bf16[512,172]
+  float *const b206 = (float *)(arena + 659200); // %206 matmul d.layers.0.w1 f32[64,172]
   {
     float *const w42 = mdl_widen_bf16(b42, 32768, h->nthreads);
-    float *const w203 = mdl_widen_bf16(b203, 88064, h->nthreads);
-    mdl_gemm(h, 1, 0, 64, 172, 512, w42, 64, w203, 172, 0.0f, b205, 172);
+    float *const w204 = mdl_widen_bf16(b204, 88064, h->nthreads);
+    mdl_gemm(h, 1, 0, 64, 172, 512, w42, 64, w204, 172, 0.0f, b206, 172);
     free(w42);
-    free(w203);
+    free(w204);
   }
 }
 
 // k57_gemm__add: GEMM, 3 ops
-//   %198   matmul                                  line 40    f32[512,64]
-//   %200   reshape                                 line 40    f32[8,64,64]
-//   %207   add                d.layers.0.a         line 40    f32[8,64,64]
+//   %199   matmul                                  line 40    f32[512,64]
+//   %201   reshape                                 line 40    f32[8,64,64]
+//   %208   add                d.layers.0.a         line 40    f32[8,64,64]
 // loops:
-//   gemm %198: [512 x 64] = [512 x 172] T[172 x 64], bf16 operands widened to f32, epilogue after
-//   elementwise over 32768: %207
+//   gemm %199: [512 x 64] = [512 x 172] T[172 x 64], bf16 operands widened to f32, epilogue after
+//   elementwise over 32768: %208
 static void k57_gemm__add(char *arena, const MdlHooks *h) {
   uint16_t *const b49 = (uint16_t *)(arena + 2165248); // %49 cast bf16[64,172]
-  uint16_t *const b197 = (uint16_t *)(arena + 2349184); // %197 cast bf16[512,172]
-  float *const b204 = (float *)(arena + 2525312); // %204 matmul f32[512,64]
-  float *const b207 = (float *)(arena + 2656384); // %207 add d.layers.0.a f32[8,64,64]
-  float *const b198 = b207; // %198 matmul f32[512,64]: the GEMM writes into its epilogue's output
+  uint16_t *const b198 = (uint16_t *)(arena + 2349184); // %198 cast bf16[512,172]
+  float *const b205 = (float *)(arena + 2525312); // %205 matmul f32[512,64]
+  float *const b208 = (float *)(arena + 2656384); // %208 add d.layers.0.a f32[8,64,64]
+  float *const b199 = b208; // %199 matmul f32[512,64]: the GEMM writes into its epilogue's output
   {
-    float *const w197 = mdl_widen_bf16(b197, 88064, h->nthreads);
+    float *const w198 = mdl_widen_bf16(b198, 88064, h->nthreads);
     float *const w49 = mdl_widen_bf16(b49, 11008, h->nthreads);
-    mdl_gemm(h, 0, 1, 512, 64, 172, w197, 172, w49, 172, 0.0f, b198, 64);
-    free(w197);
+    mdl_gemm(h, 0, 1, 512, 64, 172, w198, 172, w49, 172, 0.0f, b199, 64);
+    free(w198);
     free(w49);
   }
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
   for (int64_t i = 0; i < 32768; i++) {
-    const float v198_i = b198[i];
-    const float v200_i = v198_i;
-    const float v204_i = b204[i];
-    const float v207_i = v200_i + v204_i;
-    b207[i] = v207_i;
+    const float v199_i = b199[i];
+    const float v201_i = v199_i;
+    const float v205_i = b205[i];
+    const float v208_i = v201_i + v205_i;
+    b208[i] = v208_i;
   }
 }
 
 // k58_rmsnorm_bwd__add__cast: kernel, 5 ops
-//   %208   rmsnorm_bwd                             line 39    f32[8,64,64]
-//   %209   add                d.layers.0.x         line 39    f32[8,64,64]
-//   %210   rmsnorm_bwd        d.layers.0.mlp_norm  line 39    f32[64]
-//   %211   reshape                                 line 38    f32[512,64]
-//   %212   cast                                    line 38    bf16[512,64]
+//   %209   rmsnorm_bwd                             line 39    f32[8,64,64]
+//   %210   add                d.layers.0.x         line 39    f32[8,64,64]
+//   %211   rmsnorm_bwd        d.layers.0.mlp_norm  line 39    f32[64]
+//   %212   reshape                                 line 38    f32[512,64]
+//   %213   cast                                    line 38    bf16[512,64]
 // loops:
 //   rmsnorm_bwd: 512 rows of 64, column sums over 32 blocks of 16 rows
 static void k58_rmsnorm_bwd__add__cast(char *arena, const MdlHooks *h) {
   float *const b11 = (float *)(arena + 131328); // %11 param layers.0.mlp_norm f32[64]
   float *const b39 = (float *)(arena + 5691520); // %39 add layers.0.x f32[8,64,64]
-  float *const b187 = (float *)(arena + 3934336); // %187 add d.layers.0.x f32[8,64,64]
-  float *const b207 = (float *)(arena + 2656384); // %207 add d.layers.0.a f32[8,64,64]
-  float *const b209 = (float *)(arena + 2349184); // %209 add d.layers.0.x f32[8,64,64]
-  float *const b210 = (float *)(arena + 658944); // %210 rmsnorm_bwd d.layers.0.mlp_norm f32[64]
-  uint16_t *const b212 = (uint16_t *)(arena + 2787456); // %212 cast bf16[512,64]
+  float *const b188 = (float *)(arena + 3934336); // %188 add d.layers.0.x f32[8,64,64]
+  float *const b208 = (float *)(arena + 2656384); // %208 add d.layers.0.a f32[8,64,64]
+  float *const b210 = (float *)(arena + 2349184); // %210 add d.layers.0.x f32[8,64,64]
+  float *const b211 = (float *)(arena + 658944); // %211 rmsnorm_bwd d.layers.0.mlp_norm f32[64]
+  uint16_t *const b213 = (uint16_t *)(arena + 2480256); // %213 cast bf16[512,64]
   double *pdw = mdl_scratch(2048 * sizeof(double));
   #pragma omp parallel num_threads(h->nthreads)
   {
@@ -2060,7 +2072,7 @@ static void k58_rmsnorm_bwd__add__cast(char *arena, const MdlHooks *h) {
       const int64_t end = k * 16 + 16 < 512 ? k * 16 + 16 : 512;
       for (int64_t r = k * 16; r < end; r++) {
         const float *x = b39 + r * 64;
-        const float *dy = b207 + r * 64;
+        const float *dy = b208 + r * 64;
         double ms = 0, mgx = 0;
         #pragma omp simd reduction(+ : ms)
         for (int64_t j = 0; j < 64; j++)
@@ -2077,12 +2089,12 @@ static void k58_rmsnorm_bwd__add__cast(char *arena, const MdlHooks *h) {
           dx[j] = (float)(s * dy[j] * b11[j] - s * s * s * x[j] * mgx);
         for (int64_t j = 0; j < 64; j++) {
           const int64_t ix = r * 64 + j;
-          const float v187_ix = b187[ix];
-          const float v209_ix = v187_ix + dx[j];
-          b209[ix] = v209_ix;
-          const float v211_ix = v209_ix;
-          const float v212_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v211_ix));
-          b212[ix] = mdl_f32_to_bf16(v212_ix);
+          const float v188_ix = b188[ix];
+          const float v210_ix = v188_ix + dx[j];
+          b210[ix] = v210_ix;
+          const float v212_ix = v210_ix;
+          const float v213_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v212_ix));
+          b213[ix] = mdl_f32_to_bf16(v213_ix);
         }
       }
     }
@@ -2093,49 +2105,61 @@ static void k58_rmsnorm_bwd__add__cast(char *arena, const MdlHooks *h) {
     for (int64_t k = 0; k < 32; k++) {
       w += pdw[k * 64 + j];
     }
-    b210[j] = (float)w;
+    b211[j] = (float)w;
   }
   free(pdw);
 }
 
 // k59_gemm: GEMM, 1 op
-//   %213   matmul                                  line 38    f32[512,64]
+//   %215   matmul             d.layers.0.wo        line 38    f32[64,64]
 // loops:
-//   gemm %213: [512 x 64] = [512 x 64] T[64 x 64], bf16 operands widened to f32
+//   gemm %215: [64 x 64] = T[64 x 512] [512 x 64], bf16 operands widened to f32
 static void k59_gemm(char *arena, const MdlHooks *h) {
-  uint16_t *const b36 = (uint16_t *)(arena + 2135040); // %36 cast bf16[64,64]
-  uint16_t *const b212 = (uint16_t *)(arena + 2787456); // %212 cast bf16[512,64]
-  float *const b213 = (float *)(arena + 2480256); // %213 matmul f32[512,64]
+  uint16_t *const b35 = (uint16_t *)(arena + 6805632); // %35 cast bf16[512,64]
+  uint16_t *const b213 = (uint16_t *)(arena + 2480256); // %213 cast bf16[512,64]
+  float *const b215 = (float *)(arena + 642560); // %215 matmul d.layers.0.wo f32[64,64]
   {
-    float *const w212 = mdl_widen_bf16(b212, 32768, h->nthreads);
-    float *const w36 = mdl_widen_bf16(b36, 4096, h->nthreads);
-    mdl_gemm(h, 0, 1, 512, 64, 64, w212, 64, w36, 64, 0.0f, b213, 64);
-    free(w212);
-    free(w36);
+    float *const w35 = mdl_widen_bf16(b35, 32768, h->nthreads);
+    float *const w213 = mdl_widen_bf16(b213, 32768, h->nthreads);
+    mdl_gemm(h, 1, 0, 64, 64, 512, w35, 64, w213, 64, 0.0f, b215, 64);
+    free(w35);
+    free(w213);
   }
 }
 
-// k60_gemm: GEMM, 1 op
-//   %214   matmul             d.layers.0.wo        line 38    f32[64,64]
+// k60_gemm__cast: GEMM, 3 ops
+//   %214   matmul                                  line 38    f32[512,64]
+//   %216   reshape                                 line 38    f32[8,64,64]
+//   %217   cast                                    line 38    bf16[8,64,64]
 // loops:
-//   gemm %214: [64 x 64] = T[64 x 512] [512 x 64], bf16 operands widened to f32
-static void k60_gemm(char *arena, const MdlHooks *h) {
-  uint16_t *const b35 = (uint16_t *)(arena + 6805632); // %35 cast bf16[512,64]
-  uint16_t *const b212 = (uint16_t *)(arena + 2787456); // %212 cast bf16[512,64]
-  float *const b214 = (float *)(arena + 642560); // %214 matmul d.layers.0.wo f32[64,64]
+//   gemm %214: [512 x 64] = [512 x 64] T[64 x 64], bf16 operands widened to f32, epilogue after
+//   elementwise over 32768: %217
+static void k60_gemm__cast(char *arena, const MdlHooks *h) {
+  uint16_t *const b36 = (uint16_t *)(arena + 2135040); // %36 cast bf16[64,64]
+  uint16_t *const b213 = (uint16_t *)(arena + 2480256); // %213 cast bf16[512,64]
+  float *const b214 = mdl_scratch(131072); // %214 matmul f32[512,64], kept in this kernel
+  uint16_t *const b217 = (uint16_t *)(arena + 2873472); // %217 cast bf16[8,64,64]
   {
-    float *const w35 = mdl_widen_bf16(b35, 32768, h->nthreads);
-    float *const w212 = mdl_widen_bf16(b212, 32768, h->nthreads);
-    mdl_gemm(h, 1, 0, 64, 64, 512, w35, 64, w212, 64, 0.0f, b214, 64);
-    free(w35);
-    free(w212);
+    float *const w213 = mdl_widen_bf16(b213, 32768, h->nthreads);
+    float *const w36 = mdl_widen_bf16(b36, 4096, h->nthreads);
+    mdl_gemm(h, 0, 1, 512, 64, 64, w213, 64, w36, 64, 0.0f, b214, 64);
+    free(w213);
+    free(w36);
   }
+  #pragma omp parallel for num_threads(h->nthreads) schedule(static)
+  for (int64_t i = 0; i < 32768; i++) {
+    const float v214_i = b214[i];
+    const float v216_i = v214_i;
+    const float v217_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v216_i));
+    b217[i] = mdl_f32_to_bf16(v217_i);
+  }
+  free(b214);
 }
 
 // k61_attention_bwd: attention, 3 ops
-//   %216   attention_bwd      d.layers.0.q         line 38    f32[8,64,64]
-//   %217   attention_bwd      d.layers.0.k         line 38    f32[8,64,64]
-//   %218   attention_bwd                           line 38    f32[8,64,64]
+//   %218   attention_bwd      d.layers.0.q         line 38    f32[8,64,64]
+//   %219   attention_bwd      d.layers.0.k         line 38    f32[8,64,64]
+//   %220   attention_bwd                           line 38    f32[8,64,64]
 // loops:
 //   attention backward (dq dk dv): B 8, T 64, 4 heads of 16, causal, within documents; one task per (batch, head)
 static void k61_attention_bwd(char *arena, const MdlHooks *h) {
@@ -2143,10 +2167,10 @@ static void k61_attention_bwd(char *arena, const MdlHooks *h) {
   float *const b21 = (float *)(arena + 5298304); // %21 rope layers.0.q f32[8,64,64]
   float *const b27 = (float *)(arena + 5429376); // %27 rope layers.0.k f32[8,64,64]
   float *const b31 = (float *)(arena + 5560448); // %31 matmul f32[512,64]
-  float *const b213 = (float *)(arena + 2480256); // %213 matmul f32[512,64]
-  float *const b216 = (float *)(arena + 2611328); // %216 attention_bwd d.layers.0.q f32[8,64,64]
-  float *const b217 = (float *)(arena + 2742400); // %217 attention_bwd d.layers.0.k f32[8,64,64]
-  float *const b218 = (float *)(arena + 2873472); // %218 attention_bwd f32[8,64,64]
+  uint16_t *const b217 = (uint16_t *)(arena + 2873472); // %217 cast bf16[8,64,64]
+  float *const b218 = (float *)(arena + 2480256); // %218 attention_bwd d.layers.0.q f32[8,64,64]
+  float *const b219 = (float *)(arena + 2611328); // %219 attention_bwd d.layers.0.k f32[8,64,64]
+  float *const b220 = (float *)(arena + 2742400); // %220 attention_bwd f32[8,64,64]
   #pragma omp parallel num_threads(h->nthreads)
   {
     float *restrict kt = memset(mdl_scratch(1536 * sizeof(float)), 0, 1536 * sizeof(float));
@@ -2220,7 +2244,7 @@ static void k61_attention_bwd(char *arena, const MdlHooks *h) {
         }
         float dor[16];
         for (int64_t c = 0; c < 16; c++)
-          dor[c] = mdl_bf16_to_f32(mdl_f32_to_bf16(b213[(b * 64 + i) * 64 + hd * 16 + c]));
+          dor[c] = mdl_bf16_to_f32(b217[(b * 64 + i) * 64 + hd * 16 + c]);
         const float *restrict doi = dor;
         #pragma omp simd
         for (int64_t j = lo; j < hi; j++)
@@ -2282,14 +2306,14 @@ static void k61_attention_bwd(char *arena, const MdlHooks *h) {
           for (int64_t c = 0; c < 16; c++)
             dvj[c] += mdl_bf16_to_f32(mdl_f32_to_bf16(s[j])) * doi[c];
         }
-        float *restrict dq = b216 + (b * 64 + i) * 64 + hd * 16;
+        float *restrict dq = b218 + (b * 64 + i) * 64 + hd * 16;
         for (int64_t c = 0; c < 16; c++)
           dq[c] = 0.25f * (dqi0[c] + dqi1[c]);
       }
       for (int64_t t = 0; t < 64; t++)
-        memcpy(b217 + (b * 64 + t) * 64 + hd * 16, dkh + t * 16, 16 * sizeof(float));
+        memcpy(b219 + (b * 64 + t) * 64 + hd * 16, dkh + t * 16, 16 * sizeof(float));
       for (int64_t t = 0; t < 64; t++)
-        memcpy(b218 + (b * 64 + t) * 64 + hd * 16, dvh + t * 16, 16 * sizeof(float));
+        memcpy(b220 + (b * 64 + t) * 64 + hd * 16, dvh + t * 16, 16 * sizeof(float));
     }
     free(kt);
     free(s);
@@ -2301,54 +2325,54 @@ static void k61_attention_bwd(char *arena, const MdlHooks *h) {
 }
 
 // k62_cast: kernel, 1 op
-//   %220   cast                                    line 38    bf16[512,64]
+//   %222   cast                                    line 38    bf16[512,64]
 // loops:
-//   elementwise over 32768: %220
+//   elementwise over 32768: %222
 static void k62_cast(char *arena, const MdlHooks *h) {
-  float *const b218 = (float *)(arena + 2873472); // %218 attention_bwd f32[8,64,64]
-  uint16_t *const b220 = (uint16_t *)(arena + 3004544); // %220 cast bf16[512,64]
+  float *const b220 = (float *)(arena + 2742400); // %220 attention_bwd f32[8,64,64]
+  uint16_t *const b222 = (uint16_t *)(arena + 2873472); // %222 cast bf16[512,64]
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
   for (int64_t i = 0; i < 32768; i++) {
-    const float v218_i = b218[i];
-    const float v220_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v218_i));
-    b220[i] = mdl_f32_to_bf16(v220_i);
+    const float v220_i = b220[i];
+    const float v222_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v220_i));
+    b222[i] = mdl_f32_to_bf16(v222_i);
   }
 }
 
 // k63_gemm: GEMM, 1 op
-//   %222   matmul             d.layers.0.wv        line 38    f32[64,64]
+//   %224   matmul             d.layers.0.wv        line 38    f32[64,64]
 // loops:
-//   gemm %222: [64 x 64] = T[64 x 512] [512 x 64], bf16 operands widened to f32
+//   gemm %224: [64 x 64] = T[64 x 512] [512 x 64], bf16 operands widened to f32
 static void k63_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b29 = (uint16_t *)(arena + 6740096); // %29 cast bf16[512,64]
-  uint16_t *const b220 = (uint16_t *)(arena + 3004544); // %220 cast bf16[512,64]
-  float *const b222 = (float *)(arena + 626176); // %222 matmul d.layers.0.wv f32[64,64]
+  uint16_t *const b222 = (uint16_t *)(arena + 2873472); // %222 cast bf16[512,64]
+  float *const b224 = (float *)(arena + 626176); // %224 matmul d.layers.0.wv f32[64,64]
   {
     float *const w29 = mdl_widen_bf16(b29, 32768, h->nthreads);
-    float *const w220 = mdl_widen_bf16(b220, 32768, h->nthreads);
-    mdl_gemm(h, 1, 0, 64, 64, 512, w29, 64, w220, 64, 0.0f, b222, 64);
+    float *const w222 = mdl_widen_bf16(b222, 32768, h->nthreads);
+    mdl_gemm(h, 1, 0, 64, 64, 512, w29, 64, w222, 64, 0.0f, b224, 64);
     free(w29);
-    free(w220);
+    free(w222);
   }
 }
 
 // k64_rope__cast: kernel, 3 ops
-//   %224   rope                                    line 37    f32[8,64,64]
-//   %225   reshape                                 line 37    f32[512,64]
-//   %226   cast                                    line 37    bf16[512,64]
+//   %226   rope                                    line 37    f32[8,64,64]
+//   %227   reshape                                 line 37    f32[512,64]
+//   %228   cast                                    line 37    bf16[512,64]
 // loops:
 //   rope (inverse): 512 rows, 4 heads of 16
-//   elementwise over 32768: %226
+//   elementwise over 32768: %228
 static void k64_rope__cast(char *arena, const MdlHooks *h) {
   int32_t *const b2 = (int32_t *)(arena + 2344960); // %2 input pos i32[8,64]
-  float *const b217 = (float *)(arena + 2742400); // %217 attention_bwd d.layers.0.k f32[8,64,64]
-  float *const b224 = mdl_scratch(131072); // %224 rope f32[8,64,64], kept in this kernel
-  uint16_t *const b226 = (uint16_t *)(arena + 2873472); // %226 cast bf16[512,64]
+  float *const b219 = (float *)(arena + 2611328); // %219 attention_bwd d.layers.0.k f32[8,64,64]
+  float *const b226 = mdl_scratch(131072); // %226 rope f32[8,64,64], kept in this kernel
+  uint16_t *const b228 = (uint16_t *)(arena + 2742400); // %228 cast bf16[512,64]
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
   for (int64_t r = 0; r < 512; r++) {
     const double p = -1.0 * b2[r];
-    const float *x = b217 + r * 64;
-    float *y = b224 + r * 64;
+    const float *x = b219 + r * 64;
+    float *y = b226 + r * 64;
     for (int64_t i = 0; i < 8; i++) {
       const double th = p * pow(1e+04, -2.0 * (double)i / 16);
       const float cs = (float)cos(th), sn = (float)sin(th);
@@ -2362,65 +2386,65 @@ static void k64_rope__cast(char *arena, const MdlHooks *h) {
   }
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
   for (int64_t i = 0; i < 32768; i++) {
-    const float v224_i = b224[i];
-    const float v225_i = v224_i;
-    const float v226_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v225_i));
-    b226[i] = mdl_f32_to_bf16(v226_i);
+    const float v226_i = b226[i];
+    const float v227_i = v226_i;
+    const float v228_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v227_i));
+    b228[i] = mdl_f32_to_bf16(v228_i);
   }
-  free(b224);
+  free(b226);
 }
 
 // k65_gemm: GEMM, 1 op
-//   %227   matmul                                  line 37    f32[512,64]
+//   %229   matmul                                  line 37    f32[512,64]
 // loops:
-//   gemm %227: [512 x 64] = [512 x 64] T[64 x 64], bf16 operands widened to f32
+//   gemm %229: [512 x 64] = [512 x 64] T[64 x 64], bf16 operands widened to f32
 static void k65_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b24 = (uint16_t *)(arena + 2118656); // %24 cast bf16[64,64]
-  uint16_t *const b226 = (uint16_t *)(arena + 2873472); // %226 cast bf16[512,64]
-  float *const b227 = (float *)(arena + 2480256); // %227 matmul f32[512,64]
+  uint16_t *const b228 = (uint16_t *)(arena + 2742400); // %228 cast bf16[512,64]
+  float *const b229 = (float *)(arena + 2611328); // %229 matmul f32[512,64]
   {
-    float *const w226 = mdl_widen_bf16(b226, 32768, h->nthreads);
+    float *const w228 = mdl_widen_bf16(b228, 32768, h->nthreads);
     float *const w24 = mdl_widen_bf16(b24, 4096, h->nthreads);
-    mdl_gemm(h, 0, 1, 512, 64, 64, w226, 64, w24, 64, 0.0f, b227, 64);
-    free(w226);
+    mdl_gemm(h, 0, 1, 512, 64, 64, w228, 64, w24, 64, 0.0f, b229, 64);
+    free(w228);
     free(w24);
   }
 }
 
 // k66_gemm: GEMM, 1 op
-//   %228   matmul             d.layers.0.wk        line 37    f32[64,64]
+//   %230   matmul             d.layers.0.wk        line 37    f32[64,64]
 // loops:
-//   gemm %228: [64 x 64] = T[64 x 512] [512 x 64], bf16 operands widened to f32
+//   gemm %230: [64 x 64] = T[64 x 512] [512 x 64], bf16 operands widened to f32
 static void k66_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b23 = (uint16_t *)(arena + 6674560); // %23 cast bf16[512,64]
-  uint16_t *const b226 = (uint16_t *)(arena + 2873472); // %226 cast bf16[512,64]
-  float *const b228 = (float *)(arena + 609792); // %228 matmul d.layers.0.wk f32[64,64]
+  uint16_t *const b228 = (uint16_t *)(arena + 2742400); // %228 cast bf16[512,64]
+  float *const b230 = (float *)(arena + 609792); // %230 matmul d.layers.0.wk f32[64,64]
   {
     float *const w23 = mdl_widen_bf16(b23, 32768, h->nthreads);
-    float *const w226 = mdl_widen_bf16(b226, 32768, h->nthreads);
-    mdl_gemm(h, 1, 0, 64, 64, 512, w23, 64, w226, 64, 0.0f, b228, 64);
+    float *const w228 = mdl_widen_bf16(b228, 32768, h->nthreads);
+    mdl_gemm(h, 1, 0, 64, 64, 512, w23, 64, w228, 64, 0.0f, b230, 64);
     free(w23);
-    free(w226);
+    free(w228);
   }
 }
 
 // k67_rope__cast: kernel, 3 ops
-//   %231   rope                                    line 36    f32[8,64,64]
-//   %232   reshape                                 line 36    f32[512,64]
-//   %233   cast                                    line 36    bf16[512,64]
+//   %233   rope                                    line 36    f32[8,64,64]
+//   %234   reshape                                 line 36    f32[512,64]
+//   %235   cast                                    line 36    bf16[512,64]
 // loops:
 //   rope (inverse): 512 rows, 4 heads of 16
-//   elementwise over 32768: %233
+//   elementwise over 32768: %235
 static void k67_rope__cast(char *arena, const MdlHooks *h) {
   int32_t *const b2 = (int32_t *)(arena + 2344960); // %2 input pos i32[8,64]
-  float *const b216 = (float *)(arena + 2611328); // %216 attention_bwd d.layers.0.q f32[8,64,64]
-  float *const b231 = mdl_scratch(131072); // %231 rope f32[8,64,64], kept in this kernel
-  uint16_t *const b233 = (uint16_t *)(arena + 2742400); // %233 cast bf16[512,64]
+  float *const b218 = (float *)(arena + 2480256); // %218 attention_bwd d.layers.0.q f32[8,64,64]
+  float *const b233 = mdl_scratch(131072); // %233 rope f32[8,64,64], kept in this kernel
+  uint16_t *const b235 = (uint16_t *)(arena + 2742400); // %235 cast bf16[512,64]
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
   for (int64_t r = 0; r < 512; r++) {
     const double p = -1.0 * b2[r];
-    const float *x = b216 + r * 64;
-    float *y = b231 + r * 64;
+    const float *x = b218 + r * 64;
+    float *y = b233 + r * 64;
     for (int64_t i = 0; i < 8; i++) {
       const double th = p * pow(1e+04, -2.0 * (double)i / 16);
       const float cs = (float)cos(th), sn = (float)sin(th);
@@ -2434,95 +2458,95 @@ static void k67_rope__cast(char *arena, const MdlHooks *h) {
   }
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
   for (int64_t i = 0; i < 32768; i++) {
-    const float v231_i = b231[i];
-    const float v232_i = v231_i;
-    const float v233_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v232_i));
-    b233[i] = mdl_f32_to_bf16(v233_i);
+    const float v233_i = b233[i];
+    const float v234_i = v233_i;
+    const float v235_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v234_i));
+    b235[i] = mdl_f32_to_bf16(v235_i);
   }
-  free(b231);
+  free(b233);
 }
 
 // k68_gemm: GEMM, 1 op
-//   %234   matmul                                  line 36    f32[512,64]
+//   %236   matmul                                  line 36    f32[512,64]
 // loops:
-//   gemm %234: [512 x 64] = [512 x 64] T[64 x 64], bf16 operands widened to f32
+//   gemm %236: [512 x 64] = [512 x 64] T[64 x 64], bf16 operands widened to f32
 static void k68_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b18 = (uint16_t *)(arena + 2110464); // %18 cast bf16[64,64]
-  uint16_t *const b233 = (uint16_t *)(arena + 2742400); // %233 cast bf16[512,64]
-  float *const b234 = (float *)(arena + 2611328); // %234 matmul f32[512,64]
+  uint16_t *const b235 = (uint16_t *)(arena + 2742400); // %235 cast bf16[512,64]
+  float *const b236 = (float *)(arena + 2480256); // %236 matmul f32[512,64]
   {
-    float *const w233 = mdl_widen_bf16(b233, 32768, h->nthreads);
+    float *const w235 = mdl_widen_bf16(b235, 32768, h->nthreads);
     float *const w18 = mdl_widen_bf16(b18, 4096, h->nthreads);
-    mdl_gemm(h, 0, 1, 512, 64, 64, w233, 64, w18, 64, 0.0f, b234, 64);
-    free(w233);
+    mdl_gemm(h, 0, 1, 512, 64, 64, w235, 64, w18, 64, 0.0f, b236, 64);
+    free(w235);
     free(w18);
   }
 }
 
 // k69_gemm: GEMM, 1 op
-//   %235   matmul             d.layers.0.wq        line 36    f32[64,64]
+//   %237   matmul             d.layers.0.wq        line 36    f32[64,64]
 // loops:
-//   gemm %235: [64 x 64] = T[64 x 512] [512 x 64], bf16 operands widened to f32
+//   gemm %237: [64 x 64] = T[64 x 512] [512 x 64], bf16 operands widened to f32
 static void k69_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b17 = (uint16_t *)(arena + 6609024); // %17 cast bf16[512,64]
-  uint16_t *const b233 = (uint16_t *)(arena + 2742400); // %233 cast bf16[512,64]
-  float *const b235 = (float *)(arena + 593408); // %235 matmul d.layers.0.wq f32[64,64]
+  uint16_t *const b235 = (uint16_t *)(arena + 2742400); // %235 cast bf16[512,64]
+  float *const b237 = (float *)(arena + 593408); // %237 matmul d.layers.0.wq f32[64,64]
   {
     float *const w17 = mdl_widen_bf16(b17, 32768, h->nthreads);
-    float *const w233 = mdl_widen_bf16(b233, 32768, h->nthreads);
-    mdl_gemm(h, 1, 0, 64, 64, 512, w17, 64, w233, 64, 0.0f, b235, 64);
+    float *const w235 = mdl_widen_bf16(b235, 32768, h->nthreads);
+    mdl_gemm(h, 1, 0, 64, 64, 512, w17, 64, w235, 64, 0.0f, b237, 64);
     free(w17);
-    free(w233);
+    free(w235);
   }
 }
 
 // k70_gemm__add: GEMM, 4 ops
-//   %221   matmul                                  line 38    f32[512,64]
-//   %223   reshape                                 line 38    f32[8,64,64]
-//   %230   add                                     line 37    f32[8,64,64]
-//   %237   add                d.layers.0.a         line 36    f32[8,64,64]
+//   %223   matmul                                  line 38    f32[512,64]
+//   %225   reshape                                 line 38    f32[8,64,64]
+//   %232   add                                     line 37    f32[8,64,64]
+//   %239   add                d.layers.0.a         line 36    f32[8,64,64]
 // loops:
-//   gemm %221: [512 x 64] = [512 x 64] T[64 x 64], bf16 operands widened to f32, epilogue after
-//   elementwise over 32768: %237
+//   gemm %223: [512 x 64] = [512 x 64] T[64 x 64], bf16 operands widened to f32, epilogue after
+//   elementwise over 32768: %239
 static void k70_gemm__add(char *arena, const MdlHooks *h) {
   uint16_t *const b30 = (uint16_t *)(arena + 2126848); // %30 cast bf16[64,64]
-  uint16_t *const b220 = (uint16_t *)(arena + 3004544); // %220 cast bf16[512,64]
-  float *const b227 = (float *)(arena + 2480256); // %227 matmul f32[512,64]
-  float *const b234 = (float *)(arena + 2611328); // %234 matmul f32[512,64]
-  float *const b237 = (float *)(arena + 2742400); // %237 add d.layers.0.a f32[8,64,64]
-  float *const b221 = b237; // %221 matmul f32[512,64]: the GEMM writes into its epilogue's output
+  uint16_t *const b222 = (uint16_t *)(arena + 2873472); // %222 cast bf16[512,64]
+  float *const b229 = (float *)(arena + 2611328); // %229 matmul f32[512,64]
+  float *const b236 = (float *)(arena + 2480256); // %236 matmul f32[512,64]
+  float *const b239 = (float *)(arena + 2742400); // %239 add d.layers.0.a f32[8,64,64]
+  float *const b223 = b239; // %223 matmul f32[512,64]: the GEMM writes into its epilogue's output
   {
-    float *const w220 = mdl_widen_bf16(b220, 32768, h->nthreads);
+    float *const w222 = mdl_widen_bf16(b222, 32768, h->nthreads);
     float *const w30 = mdl_widen_bf16(b30, 4096, h->nthreads);
-    mdl_gemm(h, 0, 1, 512, 64, 64, w220, 64, w30, 64, 0.0f, b221, 64);
-    free(w220);
+    mdl_gemm(h, 0, 1, 512, 64, 64, w222, 64, w30, 64, 0.0f, b223, 64);
+    free(w222);
     free(w30);
   }
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
   for (int64_t i = 0; i < 32768; i++) {
-    const float v221_i = b221[i];
-    const float v223_i = v221_i;
-    const float v227_i = b227[i];
-    const float v230_i = v223_i + v227_i;
-    const float v234_i = b234[i];
-    const float v237_i = v230_i + v234_i;
-    b237[i] = v237_i;
+    const float v223_i = b223[i];
+    const float v225_i = v223_i;
+    const float v229_i = b229[i];
+    const float v232_i = v225_i + v229_i;
+    const float v236_i = b236[i];
+    const float v239_i = v232_i + v236_i;
+    b239[i] = v239_i;
   }
 }
 
 // k71_rmsnorm_bwd__add: kernel, 3 ops
-//   %238   rmsnorm_bwd                             line 35    f32[8,64,64]
-//   %239   add                d.x                  line 35    f32[8,64,64]
-//   %240   rmsnorm_bwd        d.layers.0.attn_norm line 35    f32[64]
+//   %240   rmsnorm_bwd                             line 35    f32[8,64,64]
+//   %241   add                d.x                  line 35    f32[8,64,64]
+//   %242   rmsnorm_bwd        d.layers.0.attn_norm line 35    f32[64]
 // loops:
 //   rmsnorm_bwd: 512 rows of 64, column sums over 32 blocks of 16 rows
 static void k71_rmsnorm_bwd__add(char *arena, const MdlHooks *h) {
   float *const b5 = (float *)(arena + 5167232); // %5 embed x f32[8,64,64]
   float *const b6 = (float *)(arena + 65536); // %6 param layers.0.attn_norm f32[64]
-  float *const b209 = (float *)(arena + 2349184); // %209 add d.layers.0.x f32[8,64,64]
-  float *const b237 = (float *)(arena + 2742400); // %237 add d.layers.0.a f32[8,64,64]
-  float *const b239 = (float *)(arena + 2480256); // %239 add d.x f32[8,64,64]
-  float *const b240 = (float *)(arena + 593152); // %240 rmsnorm_bwd d.layers.0.attn_norm f32[64]
+  float *const b210 = (float *)(arena + 2349184); // %210 add d.layers.0.x f32[8,64,64]
+  float *const b239 = (float *)(arena + 2742400); // %239 add d.layers.0.a f32[8,64,64]
+  float *const b241 = (float *)(arena + 2480256); // %241 add d.x f32[8,64,64]
+  float *const b242 = (float *)(arena + 593152); // %242 rmsnorm_bwd d.layers.0.attn_norm f32[64]
   double *pdw = mdl_scratch(2048 * sizeof(double));
   #pragma omp parallel num_threads(h->nthreads)
   {
@@ -2535,7 +2559,7 @@ static void k71_rmsnorm_bwd__add(char *arena, const MdlHooks *h) {
       const int64_t end = k * 16 + 16 < 512 ? k * 16 + 16 : 512;
       for (int64_t r = k * 16; r < end; r++) {
         const float *x = b5 + r * 64;
-        const float *dy = b237 + r * 64;
+        const float *dy = b239 + r * 64;
         double ms = 0, mgx = 0;
         #pragma omp simd reduction(+ : ms)
         for (int64_t j = 0; j < 64; j++)
@@ -2552,9 +2576,9 @@ static void k71_rmsnorm_bwd__add(char *arena, const MdlHooks *h) {
           dx[j] = (float)(s * dy[j] * b6[j] - s * s * s * x[j] * mgx);
         for (int64_t j = 0; j < 64; j++) {
           const int64_t ix = r * 64 + j;
-          const float v209_ix = b209[ix];
-          const float v239_ix = v209_ix + dx[j];
-          b239[ix] = v239_ix;
+          const float v210_ix = b210[ix];
+          const float v241_ix = v210_ix + dx[j];
+          b241[ix] = v241_ix;
         }
       }
     }
@@ -2565,24 +2589,24 @@ static void k71_rmsnorm_bwd__add(char *arena, const MdlHooks *h) {
     for (int64_t k = 0; k < 32; k++) {
       w += pdw[k * 64 + j];
     }
-    b240[j] = (float)w;
+    b242[j] = (float)w;
   }
   free(pdw);
 }
 
 // k72_embed_bwd: kernel, 1 op
-//   %241   embed_bwd          d.tok_emb            line 22    f32[256,64]
+//   %243   embed_bwd          d.tok_emb            line 22    f32[256,64]
 // loops:
 //   embed backward: 512 rows of 64 into a table of 256, 4 column blocks
 static void k72_embed_bwd(char *arena, const MdlHooks *h) {
   int32_t *const b0 = (int32_t *)(arena + 2340864); // %0 input tokens i32[8,64]
-  float *const b239 = (float *)(arena + 2480256); // %239 add d.x f32[8,64,64]
-  float *const b241 = (float *)(arena + 527616); // %241 embed_bwd d.tok_emb f32[256,64]
+  float *const b241 = (float *)(arena + 2480256); // %241 add d.x f32[8,64,64]
+  float *const b243 = (float *)(arena + 527616); // %243 embed_bwd d.tok_emb f32[256,64]
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
   for (int64_t k = 0; k < 4; k++) {
     const int64_t c0 = k * 16, c1 = c0 + 16 < 64 ? c0 + 16 : 64;
     for (int64_t t = 0; t < 256; t++)
-      memset(b241 + t * 64 + c0, 0, (size_t)(c1 - c0) * sizeof(float));
+      memset(b243 + t * 64 + c0, 0, (size_t)(c1 - c0) * sizeof(float));
     for (int64_t r = 0; r < 512; r++) {
       const int32_t id = b0[r];
       if (id < 0 || id >= 256) {
@@ -2591,36 +2615,36 @@ static void k72_embed_bwd(char *arena, const MdlHooks *h) {
         continue;
       }
       for (int64_t j = c0; j < c1; j++)
-        b241[(int64_t)id * 64 + j] += b239[r * 64 + j];
+        b243[(int64_t)id * 64 + j] += b241[r * 64 + j];
     }
   }
 }
 
 // k73_grad_norm__adamw: optimizer, 22 ops
-//   %244   grad_norm                                          f32[]
-//   %247   adamw              tok_emb.new          line 20    f32[256,64]
-//   %250   adamw              layers.0.attn_norm.new line 25    f32[64]
-//   %253   adamw              layers.0.wq.new      line 26    f32[64,64]
-//   %256   adamw              layers.0.wk.new      line 27    f32[64,64]
-//   %259   adamw              layers.0.wv.new      line 28    f32[64,64]
-//   %262   adamw              layers.0.wo.new      line 29    f32[64,64]
-//   %265   adamw              layers.0.mlp_norm.new line 30    f32[64]
-//   %268   adamw              layers.0.w1.new      line 31    f32[64,172]
-//   %271   adamw              layers.0.w3.new      line 32    f32[64,172]
-//   %274   adamw              layers.0.w2.new      line 33    f32[172,64]
-//   %277   adamw              layers.1.attn_norm.new line 25    f32[64]
-//   %280   adamw              layers.1.wq.new      line 26    f32[64,64]
-//   %283   adamw              layers.1.wk.new      line 27    f32[64,64]
-//   %286   adamw              layers.1.wv.new      line 28    f32[64,64]
-//   %289   adamw              layers.1.wo.new      line 29    f32[64,64]
-//   %292   adamw              layers.1.mlp_norm.new line 30    f32[64]
-//   %295   adamw              layers.1.w1.new      line 31    f32[64,172]
-//   %298   adamw              layers.1.w3.new      line 32    f32[64,172]
-//   %301   adamw              layers.1.w2.new      line 33    f32[172,64]
-//   %304   adamw              norm.new             line 43    f32[64]
-//   %307   adamw              lm_head.new          line 44    f32[64,256]
+//   %246   grad_norm                                          f32[]
+//   %249   adamw              tok_emb.new          line 20    f32[256,64]
+//   %252   adamw              layers.0.attn_norm.new line 25    f32[64]
+//   %255   adamw              layers.0.wq.new      line 26    f32[64,64]
+//   %258   adamw              layers.0.wk.new      line 27    f32[64,64]
+//   %261   adamw              layers.0.wv.new      line 28    f32[64,64]
+//   %264   adamw              layers.0.wo.new      line 29    f32[64,64]
+//   %267   adamw              layers.0.mlp_norm.new line 30    f32[64]
+//   %270   adamw              layers.0.w1.new      line 31    f32[64,172]
+//   %273   adamw              layers.0.w3.new      line 32    f32[64,172]
+//   %276   adamw              layers.0.w2.new      line 33    f32[172,64]
+//   %279   adamw              layers.1.attn_norm.new line 25    f32[64]
+//   %282   adamw              layers.1.wq.new      line 26    f32[64,64]
+//   %285   adamw              layers.1.wk.new      line 27    f32[64,64]
+//   %288   adamw              layers.1.wv.new      line 28    f32[64,64]
+//   %291   adamw              layers.1.wo.new      line 29    f32[64,64]
+//   %294   adamw              layers.1.mlp_norm.new line 30    f32[64]
+//   %297   adamw              layers.1.w1.new      line 31    f32[64,172]
+//   %300   adamw              layers.1.w3.new      line 32    f32[64,172]
+//   %303   adamw              layers.1.w2.new      line 33    f32[172,64]
+//   %306   adamw              norm.new             line 43    f32[64]
+//   %309   adamw              lm_head.new          line 44    f32[64,256]
 // loops:
-//   gradient norm %244 over 21 tensors, 131904 values
+//   gradient norm %246 over 21 tensors, 131904 values
 //   AdamW over 21 parameters, 131904 values (beta1 0.9, beta2 0.95, eps 1e-08, clip 1); 15 bf16 copies
 static void k73_grad_norm__adamw(char *arena, const MdlHooks *h) {
   float *const b133 = (float *)(arena + 989696); // %133 matmul d.lm_head f32[64,256]
@@ -2630,39 +2654,39 @@ static void k73_grad_norm__adamw(char *arena, const MdlHooks *h) {
   float *const b153 = (float *)(arena + 857344); // %153 matmul d.layers.1.w1 f32[64,172]
   float *const b158 = (float *)(arena + 857088); // %158 rmsnorm_bwd d.layers.1.mlp_norm f32[64]
   float *const b162 = (float *)(arena + 840704); // %162 matmul d.layers.1.wo f32[64,64]
-  float *const b170 = (float *)(arena + 824320); // %170 matmul d.layers.1.wv f32[64,64]
-  float *const b176 = (float *)(arena + 807936); // %176 matmul d.layers.1.wk f32[64,64]
-  float *const b183 = (float *)(arena + 791552); // %183 matmul d.layers.1.wq f32[64,64]
-  float *const b188 = (float *)(arena + 791296); // %188 rmsnorm_bwd d.layers.1.attn_norm f32[64]
-  float *const b192 = (float *)(arena + 747264); // %192 matmul d.layers.0.w2 f32[172,64]
-  float *const b199 = (float *)(arena + 703232); // %199 matmul d.layers.0.w3 f32[64,172]
-  float *const b205 = (float *)(arena + 659200); // %205 matmul d.layers.0.w1 f32[64,172]
-  float *const b210 = (float *)(arena + 658944); // %210 rmsnorm_bwd d.layers.0.mlp_norm f32[64]
-  float *const b214 = (float *)(arena + 642560); // %214 matmul d.layers.0.wo f32[64,64]
-  float *const b222 = (float *)(arena + 626176); // %222 matmul d.layers.0.wv f32[64,64]
-  float *const b228 = (float *)(arena + 609792); // %228 matmul d.layers.0.wk f32[64,64]
-  float *const b235 = (float *)(arena + 593408); // %235 matmul d.layers.0.wq f32[64,64]
-  float *const b240 = (float *)(arena + 593152); // %240 rmsnorm_bwd d.layers.0.attn_norm f32[64]
-  float *const b241 = (float *)(arena + 527616); // %241 embed_bwd d.tok_emb f32[256,64]
-  float *const b242 = (float *)(arena + 2349056); // %242 scalar lr f32[]
-  float *const b243 = (float *)(arena + 2349120); // %243 scalar step f32[]
-  float *const b244 = (float *)(arena + 2349184); // %244 grad_norm f32[]
+  float *const b171 = (float *)(arena + 824320); // %171 matmul d.layers.1.wv f32[64,64]
+  float *const b177 = (float *)(arena + 807936); // %177 matmul d.layers.1.wk f32[64,64]
+  float *const b184 = (float *)(arena + 791552); // %184 matmul d.layers.1.wq f32[64,64]
+  float *const b189 = (float *)(arena + 791296); // %189 rmsnorm_bwd d.layers.1.attn_norm f32[64]
+  float *const b193 = (float *)(arena + 747264); // %193 matmul d.layers.0.w2 f32[172,64]
+  float *const b200 = (float *)(arena + 703232); // %200 matmul d.layers.0.w3 f32[64,172]
+  float *const b206 = (float *)(arena + 659200); // %206 matmul d.layers.0.w1 f32[64,172]
+  float *const b211 = (float *)(arena + 658944); // %211 rmsnorm_bwd d.layers.0.mlp_norm f32[64]
+  float *const b215 = (float *)(arena + 642560); // %215 matmul d.layers.0.wo f32[64,64]
+  float *const b224 = (float *)(arena + 626176); // %224 matmul d.layers.0.wv f32[64,64]
+  float *const b230 = (float *)(arena + 609792); // %230 matmul d.layers.0.wk f32[64,64]
+  float *const b237 = (float *)(arena + 593408); // %237 matmul d.layers.0.wq f32[64,64]
+  float *const b242 = (float *)(arena + 593152); // %242 rmsnorm_bwd d.layers.0.attn_norm f32[64]
+  float *const b243 = (float *)(arena + 527616); // %243 embed_bwd d.tok_emb f32[256,64]
+  float *const b244 = (float *)(arena + 2349056); // %244 scalar lr f32[]
+  float *const b245 = (float *)(arena + 2349120); // %245 scalar step f32[]
+  float *const b246 = (float *)(arena + 2349184); // %246 grad_norm f32[]
   {
     double ss = 0;
-    ss += mdl_sumsq(b241, 16384, h->nthreads); // d.tok_emb
-    ss += mdl_sumsq(b240, 64, h->nthreads); // d.layers.0.attn_norm
-    ss += mdl_sumsq(b235, 4096, h->nthreads); // d.layers.0.wq
-    ss += mdl_sumsq(b228, 4096, h->nthreads); // d.layers.0.wk
-    ss += mdl_sumsq(b222, 4096, h->nthreads); // d.layers.0.wv
-    ss += mdl_sumsq(b214, 4096, h->nthreads); // d.layers.0.wo
-    ss += mdl_sumsq(b210, 64, h->nthreads); // d.layers.0.mlp_norm
-    ss += mdl_sumsq(b205, 11008, h->nthreads); // d.layers.0.w1
-    ss += mdl_sumsq(b199, 11008, h->nthreads); // d.layers.0.w3
-    ss += mdl_sumsq(b192, 11008, h->nthreads); // d.layers.0.w2
-    ss += mdl_sumsq(b188, 64, h->nthreads); // d.layers.1.attn_norm
-    ss += mdl_sumsq(b183, 4096, h->nthreads); // d.layers.1.wq
-    ss += mdl_sumsq(b176, 4096, h->nthreads); // d.layers.1.wk
-    ss += mdl_sumsq(b170, 4096, h->nthreads); // d.layers.1.wv
+    ss += mdl_sumsq(b243, 16384, h->nthreads); // d.tok_emb
+    ss += mdl_sumsq(b242, 64, h->nthreads); // d.layers.0.attn_norm
+    ss += mdl_sumsq(b237, 4096, h->nthreads); // d.layers.0.wq
+    ss += mdl_sumsq(b230, 4096, h->nthreads); // d.layers.0.wk
+    ss += mdl_sumsq(b224, 4096, h->nthreads); // d.layers.0.wv
+    ss += mdl_sumsq(b215, 4096, h->nthreads); // d.layers.0.wo
+    ss += mdl_sumsq(b211, 64, h->nthreads); // d.layers.0.mlp_norm
+    ss += mdl_sumsq(b206, 11008, h->nthreads); // d.layers.0.w1
+    ss += mdl_sumsq(b200, 11008, h->nthreads); // d.layers.0.w3
+    ss += mdl_sumsq(b193, 11008, h->nthreads); // d.layers.0.w2
+    ss += mdl_sumsq(b189, 64, h->nthreads); // d.layers.1.attn_norm
+    ss += mdl_sumsq(b184, 4096, h->nthreads); // d.layers.1.wq
+    ss += mdl_sumsq(b177, 4096, h->nthreads); // d.layers.1.wk
+    ss += mdl_sumsq(b171, 4096, h->nthreads); // d.layers.1.wv
     ss += mdl_sumsq(b162, 4096, h->nthreads); // d.layers.1.wo
     ss += mdl_sumsq(b158, 64, h->nthreads); // d.layers.1.mlp_norm
     ss += mdl_sumsq(b153, 11008, h->nthreads); // d.layers.1.w1
@@ -2670,7 +2694,7 @@ static void k73_grad_norm__adamw(char *arena, const MdlHooks *h) {
     ss += mdl_sumsq(b140, 11008, h->nthreads); // d.layers.1.w2
     ss += mdl_sumsq(b136, 64, h->nthreads); // d.norm
     ss += mdl_sumsq(b133, 16384, h->nthreads); // d.lm_head
-    b244[0] = (float)sqrt(ss);
+    b246[0] = (float)sqrt(ss);
   }
   {
     static const struct {
@@ -2699,9 +2723,9 @@ static void k73_grad_norm__adamw(char *arena, const MdlHooks *h) {
         {461824, 989440, 1517056, 2044672, -1, 64, 0.0}, // norm
         {462080, 989696, 1517312, 2044928, 2308096, 16384, 0.1}, // lm_head
     };
-    const double clip = 1.0, gnorm = b244[0];
+    const double clip = 1.0, gnorm = b246[0];
     const double s = clip > 0 ? fmin(1.0, clip / (gnorm + 1e-6)) : 1.0;
-    const double lr = b242[0], step = b243[0];
+    const double lr = b244[0], step = b245[0];
     const double b1 = 0.9, b2 = 0.95, eps = 1e-08;
     const double c1 = 1.0 / (1.0 - pow(b1, step)), c2 = 1.0 / (1.0 - pow(b2, step));
     #pragma omp parallel num_threads(h->nthreads)
@@ -2765,7 +2789,7 @@ void mdl_step(char *arena, const MdlHooks *h) {
   k36_gemm__add(arena, h);
   k37_rmsnorm_bwd__add__cast(arena, h);
   k38_gemm(arena, h);
-  k39_gemm(arena, h);
+  k39_gemm__cast(arena, h);
   k40_attention_bwd(arena, h);
   k41_cast(arena, h);
   k42_gemm(arena, h);
@@ -2786,7 +2810,7 @@ void mdl_step(char *arena, const MdlHooks *h) {
   k57_gemm__add(arena, h);
   k58_rmsnorm_bwd__add__cast(arena, h);
   k59_gemm(arena, h);
-  k60_gemm(arena, h);
+  k60_gemm__cast(arena, h);
   k61_attention_bwd(arena, h);
   k62_cast(arena, h);
   k63_gemm(arena, h);
@@ -2842,7 +2866,7 @@ const MdlKernel mdl_kernels[] = {
     {"k36_gemm__add", k36_gemm__add},
     {"k37_rmsnorm_bwd__add__cast", k37_rmsnorm_bwd__add__cast},
     {"k38_gemm", k38_gemm},
-    {"k39_gemm", k39_gemm},
+    {"k39_gemm__cast", k39_gemm__cast},
     {"k40_attention_bwd", k40_attention_bwd},
     {"k41_cast", k41_cast},
     {"k42_gemm", k42_gemm},
@@ -2863,7 +2887,7 @@ const MdlKernel mdl_kernels[] = {
     {"k57_gemm__add", k57_gemm__add},
     {"k58_rmsnorm_bwd__add__cast", k58_rmsnorm_bwd__add__cast},
     {"k59_gemm", k59_gemm},
-    {"k60_gemm", k60_gemm},
+    {"k60_gemm__cast", k60_gemm__cast},
     {"k61_attention_bwd", k61_attention_bwd},
     {"k62_cast", k62_cast},
     {"k63_gemm", k63_gemm},

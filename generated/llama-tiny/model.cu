@@ -1148,19 +1148,21 @@ extern "C" __global__ void __launch_bounds__(256) k37_rmsnorm_bwd__add__cast(cha
 }
 
 // k38_gemm: GEMM, 1 op
-//   %161   matmul                                  line 38    f32[512,64]
-// runs:
-//   gemm 23: [512 x 64] = [512 x 64] T[64 x 64], bf16 A and B, f32 C
-
-// k39_gemm: GEMM, 1 op
 //   %162   matmul             d.layers.1.wo        line 38    f32[64,64]
 // runs:
-//   gemm 24: [64 x 64] = T[64 x 512] [512 x 64], bf16 A and B, f32 C
+//   gemm 23: [64 x 64] = T[64 x 512] [512 x 64], bf16 A and B, f32 C
+
+// k39_gemm__cast: GEMM, 3 ops
+//   %161   matmul                                  line 38    f32[512,64]
+//   %163   reshape                                 line 38    f32[8,64,64]
+//   %164   cast                                    line 38    bf16[8,64,64]
+// runs:
+//   gemm 24: [512 x 64] = [512 x 64] T[64 x 64], bf16 A and B, bf16 C
 
 // k40_attention_bwd: attention, 3 ops
-//   %164   attention_bwd      d.layers.1.q         line 38    f32[8,64,64]
-//   %165   attention_bwd      d.layers.1.k         line 38    f32[8,64,64]
-//   %166   attention_bwd                           line 38    f32[8,64,64]
+//   %165   attention_bwd      d.layers.1.q         line 38    f32[8,64,64]
+//   %166   attention_bwd      d.layers.1.k         line 38    f32[8,64,64]
+//   %167   attention_bwd                           line 38    f32[8,64,64]
 // runs:
 //   k40_attention_bwd_stats<<<32, 128>>>
 //   k40_attention_bwd_dq<<<32, 128>>>
@@ -1169,7 +1171,7 @@ extern "C" __global__ void __launch_bounds__(256) k37_rmsnorm_bwd__add__cast(cha
 // attention backward, row statistics on tensor cores: B 8, T 64, 4 heads of 16, causal, within documents; a block of 4 warps per (batch, head, 64 queries), 16 query rows per warp, keys in tiles of 64; bf16 products (mma m16n8k16), f32 softmax
 extern "C" __global__ void __launch_bounds__(128) k40_attention_bwd_stats(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
   float *const b0 = (float *)(arena + o.b[0]); // rope f32[8,64,64]
-  float *const b1 = (float *)(arena + o.b[1]); // matmul f32[512,64]
+  uint16_t *const b1 = (uint16_t *)(arena + o.b[1]); // cast bf16[8,64,64]
   int32_t *const b2 = (int32_t *)(arena + o.b[2]); // input i32[8,64]
   float *const b3 = (float *)(arena + o.b[3]); // rope f32[8,64,64]
   float *const b4 = (float *)(arena + o.b[4]); // matmul f32[512,64]
@@ -1195,10 +1197,10 @@ extern "C" __global__ void __launch_bounds__(128) k40_attention_bwd_stats(char *
   #pragma unroll
   for (int k = 0; k < 1; k++) {
     const int c = 16 * k + 2 * tq;
-    oa[k][0] = r0 < 64 ? mdl_bf16x2(b1[(b * 64 + r0) * 64 + hd * 16 + c], b1[(b * 64 + r0) * 64 + hd * 16 + c + 1]) : 0u;
-    oa[k][1] = r1 < 64 ? mdl_bf16x2(b1[(b * 64 + r1) * 64 + hd * 16 + c], b1[(b * 64 + r1) * 64 + hd * 16 + c + 1]) : 0u;
-    oa[k][2] = r0 < 64 ? mdl_bf16x2(b1[(b * 64 + r0) * 64 + hd * 16 + c + 8], b1[(b * 64 + r0) * 64 + hd * 16 + c + 9]) : 0u;
-    oa[k][3] = r1 < 64 ? mdl_bf16x2(b1[(b * 64 + r1) * 64 + hd * 16 + c + 8], b1[(b * 64 + r1) * 64 + hd * 16 + c + 9]) : 0u;
+    oa[k][0] = r0 < 64 ? ((uint32_t)b1[(b * 64 + r0) * 64 + hd * 16 + c] | (uint32_t)b1[(b * 64 + r0) * 64 + hd * 16 + c + 1] << 16) : 0u;
+    oa[k][1] = r1 < 64 ? ((uint32_t)b1[(b * 64 + r1) * 64 + hd * 16 + c] | (uint32_t)b1[(b * 64 + r1) * 64 + hd * 16 + c + 1] << 16) : 0u;
+    oa[k][2] = r0 < 64 ? ((uint32_t)b1[(b * 64 + r0) * 64 + hd * 16 + c + 8] | (uint32_t)b1[(b * 64 + r0) * 64 + hd * 16 + c + 9] << 16) : 0u;
+    oa[k][3] = r1 < 64 ? ((uint32_t)b1[(b * 64 + r1) * 64 + hd * 16 + c + 8] | (uint32_t)b1[(b * 64 + r1) * 64 + hd * 16 + c + 9] << 16) : 0u;
   }
   const int32_t d0 = r0 < 64 ? b2[b * 64 + r0] : 0, d1 = r1 < 64 ? b2[b * 64 + r1] : 0;
   // Per row: the running maximum m and this lane's parts of the sum l and of D.
@@ -1210,9 +1212,9 @@ extern "C" __global__ void __launch_bounds__(128) k40_attention_bwd_stats(char *
       const int jj = u / 4, c = u % 4 * 4;
       const bool in = k0 + jj < 64;
       const float4 ax = in ? *(const float4 *)&b3[(b * 64 + k0 + jj) * 64 + hd * 16 + c] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-      const float4 bx = in ? *(const float4 *)&b4[(b * 64 + k0 + jj) * 64 + hd * 16 + c] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
       Ks[jj][c / 2] = mdl_bf16x2(ax.x, ax.y);
       Ks[jj][c / 2 + 1] = mdl_bf16x2(ax.z, ax.w);
+      const float4 bx = in ? *(const float4 *)&b4[(b * 64 + k0 + jj) * 64 + hd * 16 + c] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
       Vs[jj][c / 2] = mdl_bf16x2(bx.x, bx.y);
       Vs[jj][c / 2 + 1] = mdl_bf16x2(bx.z, bx.w);
     }
@@ -1300,7 +1302,7 @@ extern "C" __global__ void __launch_bounds__(128) k40_attention_bwd_stats(char *
 // attention backward, dq on tensor cores: B 8, T 64, 4 heads of 16, causal, within documents; a block of 4 warps per (batch, head, 64 queries), 16 query rows per warp, keys in tiles of 64; bf16 products (mma m16n8k16)
 extern "C" __global__ void __launch_bounds__(128) k40_attention_bwd_dq(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
   float *const b0 = (float *)(arena + o.b[0]); // rope f32[8,64,64]
-  float *const b1 = (float *)(arena + o.b[1]); // matmul f32[512,64]
+  uint16_t *const b1 = (uint16_t *)(arena + o.b[1]); // cast bf16[8,64,64]
   int32_t *const b2 = (int32_t *)(arena + o.b[2]); // input i32[8,64]
   float *const b3 = (float *)(arena + o.b[3]); // log-sum-exp per row
   float *const b4 = (float *)(arena + o.b[4]); // dout . out per row
@@ -1327,10 +1329,10 @@ extern "C" __global__ void __launch_bounds__(128) k40_attention_bwd_dq(char *are
   #pragma unroll
   for (int k = 0; k < 1; k++) {
     const int c = 16 * k + 2 * tq;
-    oa[k][0] = r0 < 64 ? mdl_bf16x2(b1[(b * 64 + r0) * 64 + hd * 16 + c], b1[(b * 64 + r0) * 64 + hd * 16 + c + 1]) : 0u;
-    oa[k][1] = r1 < 64 ? mdl_bf16x2(b1[(b * 64 + r1) * 64 + hd * 16 + c], b1[(b * 64 + r1) * 64 + hd * 16 + c + 1]) : 0u;
-    oa[k][2] = r0 < 64 ? mdl_bf16x2(b1[(b * 64 + r0) * 64 + hd * 16 + c + 8], b1[(b * 64 + r0) * 64 + hd * 16 + c + 9]) : 0u;
-    oa[k][3] = r1 < 64 ? mdl_bf16x2(b1[(b * 64 + r1) * 64 + hd * 16 + c + 8], b1[(b * 64 + r1) * 64 + hd * 16 + c + 9]) : 0u;
+    oa[k][0] = r0 < 64 ? ((uint32_t)b1[(b * 64 + r0) * 64 + hd * 16 + c] | (uint32_t)b1[(b * 64 + r0) * 64 + hd * 16 + c + 1] << 16) : 0u;
+    oa[k][1] = r1 < 64 ? ((uint32_t)b1[(b * 64 + r1) * 64 + hd * 16 + c] | (uint32_t)b1[(b * 64 + r1) * 64 + hd * 16 + c + 1] << 16) : 0u;
+    oa[k][2] = r0 < 64 ? ((uint32_t)b1[(b * 64 + r0) * 64 + hd * 16 + c + 8] | (uint32_t)b1[(b * 64 + r0) * 64 + hd * 16 + c + 9] << 16) : 0u;
+    oa[k][3] = r1 < 64 ? ((uint32_t)b1[(b * 64 + r1) * 64 + hd * 16 + c + 8] | (uint32_t)b1[(b * 64 + r1) * 64 + hd * 16 + c + 9] << 16) : 0u;
   }
   const int32_t d0 = r0 < 64 ? b2[b * 64 + r0] : 0, d1 = r1 < 64 ? b2[b * 64 + r1] : 0;
   const float l0 = r0 < 64 ? b3[(b * 4 + hd) * 64 + r0] : 0.0f, s0 = r0 < 64 ? b4[(b * 4 + hd) * 64 + r0] : 0.0f;
@@ -1347,9 +1349,9 @@ extern "C" __global__ void __launch_bounds__(128) k40_attention_bwd_dq(char *are
       const int jj = u / 4, c = u % 4 * 4;
       const bool in = k0 + jj < 64;
       const float4 ax = in ? *(const float4 *)&b5[(b * 64 + k0 + jj) * 64 + hd * 16 + c] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-      const float4 bx = in ? *(const float4 *)&b6[(b * 64 + k0 + jj) * 64 + hd * 16 + c] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
       Ks[jj][c / 2] = mdl_bf16x2(ax.x, ax.y);
       Ks[jj][c / 2 + 1] = mdl_bf16x2(ax.z, ax.w);
+      const float4 bx = in ? *(const float4 *)&b6[(b * 64 + k0 + jj) * 64 + hd * 16 + c] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
       Vs[jj][c / 2] = mdl_bf16x2(bx.x, bx.y);
       Vs[jj][c / 2 + 1] = mdl_bf16x2(bx.z, bx.w);
     }
@@ -1421,7 +1423,7 @@ extern "C" __global__ void __launch_bounds__(128) k40_attention_bwd_dkv(char *ar
   float *const b3 = (float *)(arena + o.b[3]); // log-sum-exp per row
   float *const b4 = (float *)(arena + o.b[4]); // dout . out per row
   float *const b5 = (float *)(arena + o.b[5]); // rope f32[8,64,64]
-  float *const b6 = (float *)(arena + o.b[6]); // matmul f32[512,64]
+  uint16_t *const b6 = (uint16_t *)(arena + o.b[6]); // cast bf16[8,64,64]
   float *const b7 = (float *)(arena + o.b[7]); // attention_bwd f32[8,64,64]
   float *const b8 = (float *)(arena + o.b[8]); // attention_bwd f32[8,64,64]
   __shared__ uint32_t Qs[64][12], Os[64][12]; // the tile's queries and dout, bf16 pairs
@@ -1465,11 +1467,11 @@ extern "C" __global__ void __launch_bounds__(128) k40_attention_bwd_dkv(char *ar
       const int jj = u / 4, c = u % 4 * 4;
       const bool in = i0 + jj < 64;
       const float4 ax = in ? *(const float4 *)&b5[(b * 64 + i0 + jj) * 64 + hd * 16 + c] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-      const float4 bx = in ? *(const float4 *)&b6[(b * 64 + i0 + jj) * 64 + hd * 16 + c] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
       Qs[jj][c / 2] = mdl_bf16x2(ax.x, ax.y);
       Qs[jj][c / 2 + 1] = mdl_bf16x2(ax.z, ax.w);
-      Os[jj][c / 2] = mdl_bf16x2(bx.x, bx.y);
-      Os[jj][c / 2 + 1] = mdl_bf16x2(bx.z, bx.w);
+      const ushort4 bx = in ? *(const ushort4 *)&b6[(b * 64 + i0 + jj) * 64 + hd * 16 + c] : make_ushort4(0, 0, 0, 0);
+      Os[jj][c / 2] = (uint32_t)bx.x | (uint32_t)bx.y << 16;
+      Os[jj][c / 2 + 1] = (uint32_t)bx.z | (uint32_t)bx.w << 16;
     }
     if (threadIdx.x < 64) {
       const int i = i0 + threadIdx.x;
@@ -1547,7 +1549,7 @@ extern "C" __global__ void __launch_bounds__(128) k40_attention_bwd_dkv(char *ar
 }
 
 // k41_cast: kernel, 1 op
-//   %168   cast                                    line 38    bf16[512,64]
+//   %169   cast                                    line 38    bf16[512,64]
 // runs:
 //   k41_cast<<<32, 256>>>
 
@@ -1562,14 +1564,14 @@ extern "C" __global__ void __launch_bounds__(256) k41_cast(char *arena, MdlStatu
 }
 
 // k42_gemm: GEMM, 1 op
-//   %170   matmul             d.layers.1.wv        line 38    f32[64,64]
+//   %171   matmul             d.layers.1.wv        line 38    f32[64,64]
 // runs:
 //   gemm 25: [64 x 64] = T[64 x 512] [512 x 64], bf16 A and B, f32 C
 
 // k43_rope__cast: kernel, 3 ops
-//   %172   rope                                    line 37    f32[8,64,64]
-//   %173   reshape                                 line 37    f32[512,64]
-//   %174   cast                                    line 37    bf16[512,64]
+//   %173   rope                                    line 37    f32[8,64,64]
+//   %174   reshape                                 line 37    f32[512,64]
+//   %175   cast                                    line 37    bf16[512,64]
 // runs:
 //   k43_rope__cast<<<64, 256>>>
 //   k43_rope__cast_rest<<<32, 256>>>
@@ -1605,38 +1607,38 @@ extern "C" __global__ void __launch_bounds__(256) k43_rope__cast_rest(char *aren
 }
 
 // k44_gemm: GEMM, 1 op
-//   %175   matmul                                  line 37    f32[512,64]
+//   %176   matmul                                  line 37    f32[512,64]
 // runs:
 //   gemm 26: [512 x 64] = [512 x 64] T[64 x 64], bf16 A and B, f32 C
 
 // k45_gemm: GEMM, 1 op
-//   %176   matmul             d.layers.1.wk        line 37    f32[64,64]
+//   %177   matmul             d.layers.1.wk        line 37    f32[64,64]
 // runs:
 //   gemm 27: [64 x 64] = T[64 x 512] [512 x 64], bf16 A and B, f32 C
 
 // k46_rope__cast: kernel, 3 ops
-//   %179   rope                                    line 36    f32[8,64,64]
-//   %180   reshape                                 line 36    f32[512,64]
-//   %181   cast                                    line 36    bf16[512,64]
+//   %180   rope                                    line 36    f32[8,64,64]
+//   %181   reshape                                 line 36    f32[512,64]
+//   %182   cast                                    line 36    bf16[512,64]
 // runs:
 //   k43_rope__cast<<<64, 256>>>
 //   k43_rope__cast_rest<<<32, 256>>>
 
 // k47_gemm: GEMM, 1 op
-//   %182   matmul                                  line 36    f32[512,64]
+//   %183   matmul                                  line 36    f32[512,64]
 // runs:
 //   gemm 28: [512 x 64] = [512 x 64] T[64 x 64], bf16 A and B, f32 C
 
 // k48_gemm: GEMM, 1 op
-//   %183   matmul             d.layers.1.wq        line 36    f32[64,64]
+//   %184   matmul             d.layers.1.wq        line 36    f32[64,64]
 // runs:
 //   gemm 29: [64 x 64] = T[64 x 512] [512 x 64], bf16 A and B, f32 C
 
 // k49_gemm__add: GEMM, 4 ops
-//   %169   matmul                                  line 38    f32[512,64]
-//   %171   reshape                                 line 38    f32[8,64,64]
-//   %178   add                                     line 37    f32[8,64,64]
-//   %185   add                d.layers.1.a         line 36    f32[8,64,64]
+//   %170   matmul                                  line 38    f32[512,64]
+//   %172   reshape                                 line 38    f32[8,64,64]
+//   %179   add                                     line 37    f32[8,64,64]
+//   %186   add                d.layers.1.a         line 36    f32[8,64,64]
 // runs:
 //   gemm 30: [512 x 64] = [512 x 64] T[64 x 64], bf16 A and B, f32 C
 //   k49_gemm__add_epilogue<<<32, 256>>>
@@ -1668,11 +1670,11 @@ extern "C" __global__ void __launch_bounds__(256) k49_gemm__add_epilogue(char *a
 }
 
 // k50_rmsnorm_bwd__add__cast: kernel, 5 ops
-//   %186   rmsnorm_bwd                             line 35    f32[8,64,64]
-//   %187   add                d.layers.0.x         line 35    f32[8,64,64]
-//   %188   rmsnorm_bwd        d.layers.1.attn_norm line 35    f32[64]
-//   %189   reshape                                 line 40    f32[512,64]
-//   %190   cast                                    line 40    bf16[512,64]
+//   %187   rmsnorm_bwd                             line 35    f32[8,64,64]
+//   %188   add                d.layers.0.x         line 35    f32[8,64,64]
+//   %189   rmsnorm_bwd        d.layers.1.attn_norm line 35    f32[64]
+//   %190   reshape                                 line 40    f32[512,64]
+//   %191   cast                                    line 40    bf16[512,64]
 // runs:
 //   k50_rmsnorm_bwd__add__cast<<<64, 256>>>
 //   k29_rmsnorm_bwd__cast_colsum<<<8, 1024>>>
@@ -1743,137 +1745,139 @@ extern "C" __global__ void __launch_bounds__(256) k50_rmsnorm_bwd__add__cast(cha
 }
 
 // k51_gemm: GEMM, 1 op
-//   %192   matmul             d.layers.0.w2        line 40    f32[172,64]
+//   %193   matmul             d.layers.0.w2        line 40    f32[172,64]
 // runs:
 //   gemm 31: [172 x 64] = T[172 x 512] [512 x 64], bf16 A and B, f32 C
 
 // k52_gemm__mul__silu_bwd__cast: GEMM, 5 ops
-//   %191   matmul                                  line 40    f32[512,172]
-//   %194   mul                                     line 40    f32[8,64,172]
-//   %201   silu_bwd                                line 40    f32[8,64,172]
-//   %202   reshape                                 line 40    f32[512,172]
-//   %203   cast                                    line 40    bf16[512,172]
+//   %192   matmul                                  line 40    f32[512,172]
+//   %195   mul                                     line 40    f32[8,64,172]
+//   %202   silu_bwd                                line 40    f32[8,64,172]
+//   %203   reshape                                 line 40    f32[512,172]
+//   %204   cast                                    line 40    bf16[512,172]
 // runs:
 //   gemm 32: [512 x 172] = [512 x 64] T[64 x 172], bf16 A and B, f32 C
 //   k31_gemm__mul__silu_bwd__cast_epilogue<<<86, 256>>>
 
 // k53_cast__mul: kernel, 3 ops
-//   %195   mul                                     line 40    f32[8,64,172]
-//   %196   reshape                                 line 40    f32[512,172]
-//   %197   cast                                    line 40    bf16[512,172]
+//   %196   mul                                     line 40    f32[8,64,172]
+//   %197   reshape                                 line 40    f32[512,172]
+//   %198   cast                                    line 40    bf16[512,172]
 // runs:
 //   k32_cast__mul<<<86, 256>>>
 
 // k54_gemm: GEMM, 1 op
-//   %199   matmul             d.layers.0.w3        line 40    f32[64,172]
+//   %200   matmul             d.layers.0.w3        line 40    f32[64,172]
 // runs:
 //   gemm 33: [64 x 172] = T[64 x 512] [512 x 172], bf16 A and B, f32 C
 
 // k55_gemm: GEMM, 1 op
-//   %204   matmul                                  line 40    f32[512,64]
+//   %205   matmul                                  line 40    f32[512,64]
 // runs:
 //   gemm 34: [512 x 64] = [512 x 172] T[172 x 64], bf16 A and B, f32 C
 
 // k56_gemm: GEMM, 1 op
-//   %205   matmul             d.layers.0.w1        line 40    f32[64,172]
+//   %206   matmul             d.layers.0.w1        line 40    f32[64,172]
 // runs:
 //   gemm 35: [64 x 172] = T[64 x 512] [512 x 172], bf16 A and B, f32 C
 
 // k57_gemm__add: GEMM, 3 ops
-//   %198   matmul                                  line 40    f32[512,64]
-//   %200   reshape                                 line 40    f32[8,64,64]
-//   %207   add                d.layers.0.a         line 40    f32[8,64,64]
+//   %199   matmul                                  line 40    f32[512,64]
+//   %201   reshape                                 line 40    f32[8,64,64]
+//   %208   add                d.layers.0.a         line 40    f32[8,64,64]
 // runs:
 //   gemm 36: [512 x 64] = [512 x 172] T[172 x 64] + a residual C, bf16 A and B, f32 C
 
 // k58_rmsnorm_bwd__add__cast: kernel, 5 ops
-//   %208   rmsnorm_bwd                             line 39    f32[8,64,64]
-//   %209   add                d.layers.0.x         line 39    f32[8,64,64]
-//   %210   rmsnorm_bwd        d.layers.0.mlp_norm  line 39    f32[64]
-//   %211   reshape                                 line 38    f32[512,64]
-//   %212   cast                                    line 38    bf16[512,64]
+//   %209   rmsnorm_bwd                             line 39    f32[8,64,64]
+//   %210   add                d.layers.0.x         line 39    f32[8,64,64]
+//   %211   rmsnorm_bwd        d.layers.0.mlp_norm  line 39    f32[64]
+//   %212   reshape                                 line 38    f32[512,64]
+//   %213   cast                                    line 38    bf16[512,64]
 // runs:
 //   k50_rmsnorm_bwd__add__cast<<<64, 256>>>
 //   k29_rmsnorm_bwd__cast_colsum<<<8, 1024>>>
 
 // k59_gemm: GEMM, 1 op
-//   %213   matmul                                  line 38    f32[512,64]
+//   %215   matmul             d.layers.0.wo        line 38    f32[64,64]
 // runs:
-//   gemm 37: [512 x 64] = [512 x 64] T[64 x 64], bf16 A and B, f32 C
+//   gemm 37: [64 x 64] = T[64 x 512] [512 x 64], bf16 A and B, f32 C
 
-// k60_gemm: GEMM, 1 op
-//   %214   matmul             d.layers.0.wo        line 38    f32[64,64]
+// k60_gemm__cast: GEMM, 3 ops
+//   %214   matmul                                  line 38    f32[512,64]
+//   %216   reshape                                 line 38    f32[8,64,64]
+//   %217   cast                                    line 38    bf16[8,64,64]
 // runs:
-//   gemm 38: [64 x 64] = T[64 x 512] [512 x 64], bf16 A and B, f32 C
+//   gemm 38: [512 x 64] = [512 x 64] T[64 x 64], bf16 A and B, bf16 C
 
 // k61_attention_bwd: attention, 3 ops
-//   %216   attention_bwd      d.layers.0.q         line 38    f32[8,64,64]
-//   %217   attention_bwd      d.layers.0.k         line 38    f32[8,64,64]
-//   %218   attention_bwd                           line 38    f32[8,64,64]
+//   %218   attention_bwd      d.layers.0.q         line 38    f32[8,64,64]
+//   %219   attention_bwd      d.layers.0.k         line 38    f32[8,64,64]
+//   %220   attention_bwd                           line 38    f32[8,64,64]
 // runs:
 //   k40_attention_bwd_stats<<<32, 128>>>
 //   k40_attention_bwd_dq<<<32, 128>>>
 //   k40_attention_bwd_dkv<<<32, 128>>>
 
 // k62_cast: kernel, 1 op
-//   %220   cast                                    line 38    bf16[512,64]
+//   %222   cast                                    line 38    bf16[512,64]
 // runs:
 //   k41_cast<<<32, 256>>>
 
 // k63_gemm: GEMM, 1 op
-//   %222   matmul             d.layers.0.wv        line 38    f32[64,64]
+//   %224   matmul             d.layers.0.wv        line 38    f32[64,64]
 // runs:
 //   gemm 39: [64 x 64] = T[64 x 512] [512 x 64], bf16 A and B, f32 C
 
 // k64_rope__cast: kernel, 3 ops
-//   %224   rope                                    line 37    f32[8,64,64]
-//   %225   reshape                                 line 37    f32[512,64]
-//   %226   cast                                    line 37    bf16[512,64]
+//   %226   rope                                    line 37    f32[8,64,64]
+//   %227   reshape                                 line 37    f32[512,64]
+//   %228   cast                                    line 37    bf16[512,64]
 // runs:
 //   k43_rope__cast<<<64, 256>>>
 //   k43_rope__cast_rest<<<32, 256>>>
 
 // k65_gemm: GEMM, 1 op
-//   %227   matmul                                  line 37    f32[512,64]
+//   %229   matmul                                  line 37    f32[512,64]
 // runs:
 //   gemm 40: [512 x 64] = [512 x 64] T[64 x 64], bf16 A and B, f32 C
 
 // k66_gemm: GEMM, 1 op
-//   %228   matmul             d.layers.0.wk        line 37    f32[64,64]
+//   %230   matmul             d.layers.0.wk        line 37    f32[64,64]
 // runs:
 //   gemm 41: [64 x 64] = T[64 x 512] [512 x 64], bf16 A and B, f32 C
 
 // k67_rope__cast: kernel, 3 ops
-//   %231   rope                                    line 36    f32[8,64,64]
-//   %232   reshape                                 line 36    f32[512,64]
-//   %233   cast                                    line 36    bf16[512,64]
+//   %233   rope                                    line 36    f32[8,64,64]
+//   %234   reshape                                 line 36    f32[512,64]
+//   %235   cast                                    line 36    bf16[512,64]
 // runs:
 //   k43_rope__cast<<<64, 256>>>
 //   k43_rope__cast_rest<<<32, 256>>>
 
 // k68_gemm: GEMM, 1 op
-//   %234   matmul                                  line 36    f32[512,64]
+//   %236   matmul                                  line 36    f32[512,64]
 // runs:
 //   gemm 42: [512 x 64] = [512 x 64] T[64 x 64], bf16 A and B, f32 C
 
 // k69_gemm: GEMM, 1 op
-//   %235   matmul             d.layers.0.wq        line 36    f32[64,64]
+//   %237   matmul             d.layers.0.wq        line 36    f32[64,64]
 // runs:
 //   gemm 43: [64 x 64] = T[64 x 512] [512 x 64], bf16 A and B, f32 C
 
 // k70_gemm__add: GEMM, 4 ops
-//   %221   matmul                                  line 38    f32[512,64]
-//   %223   reshape                                 line 38    f32[8,64,64]
-//   %230   add                                     line 37    f32[8,64,64]
-//   %237   add                d.layers.0.a         line 36    f32[8,64,64]
+//   %223   matmul                                  line 38    f32[512,64]
+//   %225   reshape                                 line 38    f32[8,64,64]
+//   %232   add                                     line 37    f32[8,64,64]
+//   %239   add                d.layers.0.a         line 36    f32[8,64,64]
 // runs:
 //   gemm 44: [512 x 64] = [512 x 64] T[64 x 64], bf16 A and B, f32 C
 //   k49_gemm__add_epilogue<<<32, 256>>>
 
 // k71_rmsnorm_bwd__add: kernel, 3 ops
-//   %238   rmsnorm_bwd                             line 35    f32[8,64,64]
-//   %239   add                d.x                  line 35    f32[8,64,64]
-//   %240   rmsnorm_bwd        d.layers.0.attn_norm line 35    f32[64]
+//   %240   rmsnorm_bwd                             line 35    f32[8,64,64]
+//   %241   add                d.x                  line 35    f32[8,64,64]
+//   %242   rmsnorm_bwd        d.layers.0.attn_norm line 35    f32[64]
 // runs:
 //   k71_rmsnorm_bwd__add<<<64, 256>>>
 //   k29_rmsnorm_bwd__cast_colsum<<<8, 1024>>>
@@ -1941,7 +1945,7 @@ extern "C" __global__ void __launch_bounds__(256) k71_rmsnorm_bwd__add(char *are
 }
 
 // k72_embed_bwd: kernel, 1 op
-//   %241   embed_bwd          d.tok_emb            line 22    f32[256,64]
+//   %243   embed_bwd          d.tok_emb            line 22    f32[256,64]
 // runs:
 //   k72_embed_bwd_zero<<<1, 32>>>
 //   k72_embed_bwd_count<<<2, 256>>>
@@ -2058,28 +2062,28 @@ extern "C" __global__ void __launch_bounds__(64) k72_embed_bwd(char *arena, MdlS
 }
 
 // k73_grad_norm__adamw: optimizer, 22 ops
-//   %244   grad_norm                                          f32[]
-//   %247   adamw              tok_emb.new          line 20    f32[256,64]
-//   %250   adamw              layers.0.attn_norm.new line 25    f32[64]
-//   %253   adamw              layers.0.wq.new      line 26    f32[64,64]
-//   %256   adamw              layers.0.wk.new      line 27    f32[64,64]
-//   %259   adamw              layers.0.wv.new      line 28    f32[64,64]
-//   %262   adamw              layers.0.wo.new      line 29    f32[64,64]
-//   %265   adamw              layers.0.mlp_norm.new line 30    f32[64]
-//   %268   adamw              layers.0.w1.new      line 31    f32[64,172]
-//   %271   adamw              layers.0.w3.new      line 32    f32[64,172]
-//   %274   adamw              layers.0.w2.new      line 33    f32[172,64]
-//   %277   adamw              layers.1.attn_norm.new line 25    f32[64]
-//   %280   adamw              layers.1.wq.new      line 26    f32[64,64]
-//   %283   adamw              layers.1.wk.new      line 27    f32[64,64]
-//   %286   adamw              layers.1.wv.new      line 28    f32[64,64]
-//   %289   adamw              layers.1.wo.new      line 29    f32[64,64]
-//   %292   adamw              layers.1.mlp_norm.new line 30    f32[64]
-//   %295   adamw              layers.1.w1.new      line 31    f32[64,172]
-//   %298   adamw              layers.1.w3.new      line 32    f32[64,172]
-//   %301   adamw              layers.1.w2.new      line 33    f32[172,64]
-//   %304   adamw              norm.new             line 43    f32[64]
-//   %307   adamw              lm_head.new          line 44    f32[64,256]
+//   %246   grad_norm                                          f32[]
+//   %249   adamw              tok_emb.new          line 20    f32[256,64]
+//   %252   adamw              layers.0.attn_norm.new line 25    f32[64]
+//   %255   adamw              layers.0.wq.new      line 26    f32[64,64]
+//   %258   adamw              layers.0.wk.new      line 27    f32[64,64]
+//   %261   adamw              layers.0.wv.new      line 28    f32[64,64]
+//   %264   adamw              layers.0.wo.new      line 29    f32[64,64]
+//   %267   adamw              layers.0.mlp_norm.new line 30    f32[64]
+//   %270   adamw              layers.0.w1.new      line 31    f32[64,172]
+//   %273   adamw              layers.0.w3.new      line 32    f32[64,172]
+//   %276   adamw              layers.0.w2.new      line 33    f32[172,64]
+//   %279   adamw              layers.1.attn_norm.new line 25    f32[64]
+//   %282   adamw              layers.1.wq.new      line 26    f32[64,64]
+//   %285   adamw              layers.1.wk.new      line 27    f32[64,64]
+//   %288   adamw              layers.1.wv.new      line 28    f32[64,64]
+//   %291   adamw              layers.1.wo.new      line 29    f32[64,64]
+//   %294   adamw              layers.1.mlp_norm.new line 30    f32[64]
+//   %297   adamw              layers.1.w1.new      line 31    f32[64,172]
+//   %300   adamw              layers.1.w3.new      line 32    f32[64,172]
+//   %303   adamw              layers.1.w2.new      line 33    f32[172,64]
+//   %306   adamw              norm.new             line 43    f32[64]
+//   %309   adamw              lm_head.new          line 44    f32[64,256]
 // runs:
 //   k73_grad_norm__adamw_sumsq<<<17, 256>>>
 //   k73_grad_norm__adamw_norm<<<1, 256>>>

@@ -472,27 +472,38 @@ static void test_plans(void) {
   }
   arena_free(a);
 
-  // bf16: every GEMM reads bf16 operands into an f32 result. The MLP's GELU is only kept rounded (a
-  // CAST), so its GEMM adds the bias and the epilogue kernel does GELU and the rounding; the projections
-  // add the bias and the residual as in fp32: 8 bias epilogues in all. The LM head's
-  // dx and dW GEMMs read dlogits from a bf16 chunk of scratch of their own, not the logits chunk.
+  // bf16: every GEMM reads bf16 operands into an f32 result, but for the two that compute the
+  // attention backward's dout, which it reads only rounded (a CAST): they store bf16. The MLP's GELU
+  // is only kept rounded, so its GEMM adds the bias and the epilogue kernel does GELU and the
+  // rounding; the projections add the bias and the residual as in fp32: 8 bias epilogues in all. The
+  // LM head's dx and dW GEMMs read dlogits from a bf16 chunk of scratch of their own, not the logits
+  // chunk.
   a = arena_new();
   g = load(a, &models[0], DT_BF16);
   if (g) {
     Fusion *f = fuse(g, (FuseOptions){.fuse = true, .chunk_lmhead = true});
-    CudaPlan *p = emit_cuda_plan(f, memplan(f), "gpt2-tiny");
-    int bias = 0, other = 0, bf16 = 0, lm[3], nlm = 0;
+    const MemPlan *mp = memplan(f);
+    CudaPlan *p = emit_cuda_plan(f, mp, "gpt2-tiny");
+    int bias = 0, other = 0, bf16 = 0, dout = 0, lm[3], nlm = 0;
     for (int i = 0; p && i < p->ngemms; i++) {
       const CudaGemm *gm = &p->gemms[i];
       bias += gm->epilogue == CUDA_EPI_BIAS && gm->bias >= 0 && gm->aux < 0;
       other += gm->epilogue != CUDA_EPI_BIAS && gm->epilogue != CUDA_EPI_NONE;
       bf16 += gm->ab == DT_BF16 && gm->c_type == DT_F32;
+      // A bf16 result read by an attention backward, with no epilogue and beta 0.
+      bool to_att = false;
+      for (int n = 0; n < g->n; n++)
+        to_att |= g->nodes[n]->op == OP_ATTENTION_BWD &&
+                  mp->offset[g->nodes[n]->in[g->nodes[n]->nin - 1]] == gm->c;
+      dout += gm->ab == DT_BF16 && gm->c_type == DT_BF16 && gm->epilogue == CUDA_EPI_NONE && gm->beta == 0 && to_att;
       if (strstr(f->steps[gm->step].name, "lmhead") && nlm < 3)
         lm[nlm++] = i;
     }
-    CHECK(p && bias == 8 && other == 0 && bf16 == p->ngemms,
-          "cuda plan gpt2-tiny bf16: bf16 x bf16 -> f32 GEMMs, the bias in 8 of their epilogues",
-          "bias %d, other epilogues %d, %d of %d GEMMs bf16 -> f32", bias, other, bf16, p ? p->ngemms : 0);
+    CHECK(p && bias == 8 && other == 0 && dout == 2 && bf16 == p->ngemms - 2,
+          "cuda plan gpt2-tiny bf16: bf16 x bf16 -> f32 GEMMs, the bias in 8 of their epilogues; the attention "
+          "backward's dout stored as bf16 by its GEMMs",
+          "bias %d, other epilogues %d, %d of %d GEMMs bf16 -> f32, %d write a dout in bf16", bias, other, bf16,
+          p ? p->ngemms : 0, dout);
     const CudaGemm *gl = p ? &p->gemms[lm[0]] : NULL, *gx = p ? &p->gemms[lm[1]] : NULL,
                    *gw = p ? &p->gemms[lm[2]] : NULL;
     CHECK(p && nlm == 3 && gl->c >= p->scratch && gx->a >= p->scratch && gx->a != gl->c && gw->a == gx->a &&

@@ -3,11 +3,13 @@
 //     overflow to inf, NaN, -0, a subnormal) and on a million random floats against a reference
 //     written differently (frexp / nearbyint / ldexp on the float's exact value).
 //  2. The pass on gpt2-tiny, llama-tiny and the MLP (with their backward and AdamW): every MATMUL
-//     reads two bf16 CASTs, no value is cast twice, the casts are exactly the distinct GEMM operands
-//     of the graph before the pass, the forward's casts stay in the forward, the graph's lists
+//     reads two bf16 CASTs and every attention backward its dout through one, no value is cast
+//     twice, the casts are exactly the distinct GEMM operands and attention douts of the graph before
+//     the pass, the forward's casts stay in the forward, the graph's lists
 //     (params, grads, updates, loss, outputs) still name the same nodes, and fp32 leaves the graph
 //     untouched.
-//  3. The IR rejects a bf16 value read by anything but matmul and cast, and a matmul of mixed dtypes.
+//  3. The IR rejects a bf16 value read by anything but matmul, cast and a bf16 attention backward's
+//     dout, and a matmul of mixed dtypes.
 //  4. Fusion of the bf16 graph (rule 9): no kernel of casts alone reads a value that a row-wise or
 //     elementwise kernel computes, the number of casts those kernels write is as counted by hand.
 //  5. Attention in a bf16 graph: the interpreter's output and gradients against the contract of
@@ -99,24 +101,27 @@ static void test_structure(const char *path, const DimOverride *ov, int nov) {
   Arena *a = arena_new(), *b = arena_new();
   Graph *g = training_graph(a, path, ov, nov), *before = training_graph(b, path, ov, nov);
   char why[256], name[256];
-  // The distinct GEMM operands before the pass.
-  int want_casts = 0, matmuls = 0;
+  // The distinct GEMM operands and attention backward douts before the pass.
+  int want_casts = 0, matmuls = 0, atts = 0;
   bool *operand = calloc((size_t)before->n, 1);
-  for (int i = 0; i < before->n; i++)
-    if (before->nodes[i]->op == OP_MATMUL) {
-      matmuls++;
-      for (int k = 0; k < 2; k++)
-        if (!operand[before->nodes[i]->in[k]]) {
-          operand[before->nodes[i]->in[k]] = true;
+  for (int i = 0; i < before->n; i++) {
+    const IrNode *n = before->nodes[i];
+    if (n->op == OP_MATMUL || n->op == OP_ATTENTION_BWD) {
+      matmuls += n->op == OP_MATMUL;
+      atts += n->op == OP_ATTENTION_BWD;
+      for (int k = n->op == OP_MATMUL ? 0 : n->nin - 1; k < n->nin; k++)
+        if (!operand[n->in[k]]) {
+          operand[n->in[k]] = true;
           want_casts++;
         }
     }
+  }
   bool ok = precision_assign(g, DT_BF16, why, sizeof why);
   snprintf(name, sizeof name, "precision: %s: the bf16 graph validates", path);
   CHECK(ok, name, "%s", why);
   if (!ok)
     return;
-  int casts = 0, got_matmuls = 0, bad_matmul = 0, twice = 0, fwd_bad = 0;
+  int casts = 0, got_matmuls = 0, bad_matmul = 0, twice = 0, fwd_bad = 0, got_atts = 0, bad_att = 0;
   int *cast_of = malloc(sizeof(int) * (size_t)g->n);
   memset(cast_of, -1, sizeof(int) * (size_t)g->n);
   for (int i = 0; i < g->n; i++) {
@@ -126,6 +131,11 @@ static void test_structure(const char *path, const DimOverride *ov, int nov) {
       if (cast_of[n->in[0]] >= 0)
         twice++;
       cast_of[n->in[0]] = i;
+    }
+    if (n->op == OP_ATTENTION_BWD) {
+      const IrNode *x = g->nodes[n->in[n->nin - 1]];
+      got_atts++;
+      bad_att += x->op != OP_CAST || x->dtype != DT_BF16 || n->ia[4] != DT_BF16;
     }
     if (n->op != OP_MATMUL)
       continue;
@@ -143,7 +153,12 @@ static void test_structure(const char *path, const DimOverride *ov, int nov) {
   snprintf(name, sizeof name, "precision: %s: every matmul reads two bf16 casts and yields f32", path);
   CHECK(bad_matmul == 0 && got_matmuls == matmuls, name, "%d bad operands, %d matmuls (had %d)", bad_matmul,
         got_matmuls, matmuls);
-  snprintf(name, sizeof name, "precision: %s: one cast per GEMM operand value (%d), none twice", path, want_casts);
+  snprintf(name, sizeof name, "precision: %s: every attention backward (%d) reads its dout through a bf16 cast", path,
+           atts);
+  CHECK(bad_att == 0 && got_atts == atts, name, "%d bad, %d attention backward nodes (had %d)", bad_att, got_atts,
+        atts);
+  snprintf(name, sizeof name, "precision: %s: one cast per GEMM operand and dout value (%d), none twice", path,
+           want_casts);
   CHECK(casts == want_casts && twice == 0 && g->n == before->n + casts, name, "%d casts (%d twice), %d nodes, had %d",
         casts, twice, g->n, before->n);
   snprintf(name, sizeof name, "precision: %s: the forward's casts stay in the forward", path);
@@ -247,6 +262,21 @@ static void test_ir_rules(void) {
   CHECK(mm >= 0 && g->nodes[mm]->dtype == DT_F32, "ir: matmul of two bf16 values yields f32", "%s", g->err);
   bad = ir_add(g, OP_CAST, &x, 1, (int64_t[8]){DT_I32}, NULL, l);
   CHECK(bad < 0 && strstr(g->err, "cast to i32"), "ir: cast to i32 is rejected", "got %d: %s", bad, g->err);
+  // Attention backward (q, k, v, dout) [1, 4, 8], 2 heads: a bf16 dout when its products read bf16
+  // (ia[4]), not when they read f32, and never a bf16 q.
+  Shape qs = shape_of(3, (int64_t[]){1, 4, 8});
+  int q = ir_leaf(g, OP_PARAM, "q", DT_F32, qs, l), dout = ir_leaf(g, OP_PARAM, "dout", DT_F32, qs, l);
+  int qc = ir_add(g, OP_CAST, &q, 1, (int64_t[8]){DT_BF16}, NULL, l);
+  int dc = ir_add(g, OP_CAST, &dout, 1, (int64_t[8]){DT_BF16}, NULL, l);
+  double scale[8] = {0.5};
+  int ok16 = ir_add(g, OP_ATTENTION_BWD, (int[]){q, q, q, dc}, 4, (int64_t[8]){2, 1, 0, 0, DT_BF16}, scale, l);
+  CHECK(ok16 >= 0, "ir: a bf16 attention backward reads a bf16 dout", "%s", g->err);
+  bad = ir_add(g, OP_ATTENTION_BWD, (int[]){q, q, q, dc}, 4, (int64_t[8]){2, 1, 0, 0, DT_F32}, scale, l);
+  CHECK(bad < 0 && strstr(g->err, "reads a bf16 value"), "ir: an f32 attention backward rejects a bf16 dout",
+        "got %d: %s", bad, g->err);
+  bad = ir_add(g, OP_ATTENTION_BWD, (int[]){qc, q, q, dout}, 4, (int64_t[8]){2, 1, 0, 0, DT_BF16}, scale, l);
+  CHECK(bad < 0 && strstr(g->err, "reads a bf16 value"), "ir: attention backward rejects a bf16 q", "got %d: %s",
+        bad, g->err);
   arena_free(a);
 }
 
