@@ -445,8 +445,7 @@ static void note(Emit *e, const char *fmt, ...) {
   ec_bput(&e->notes, "\n");
 }
 
-// Closes the scope of an if and opens its else.
-// Closes an if block and opens its else (cond NULL) or else-if block.
+// Closes the scope of an if and opens its else (cond NULL) or its else-if.
 static void orelse_if(Emit *e, const char *cond) {
   ec_leave(&e->core);
   e->core.body.len -= 2; // the "}\n" leave wrote
@@ -1234,8 +1233,8 @@ static void emit_gemm(Emit *e, int gi, const bool *emitted) {
 static int colsum_groups(int64_t nb) { return nb >= 128 ? 32 : nb >= 16 ? 8 : 1; }
 static int colsum_block(int64_t nb) { return 32 * colsum_groups(nb); }
 // Columns per block: 32 (a warp reads 128 contiguous bytes of a row of f32 partials) while that
-// still gives COLSUM_BLOCKS blocks, else 16 or 8 (row segments of 64 or 32 bytes): GPT-2's columns of
-// 768 were 24 blocks on 132 SMs, reading 19 MB of partials; they are 96 blocks of 8 columns.
+// still gives COLSUM_BLOCKS blocks, else 16 or 8 (row segments of 64 or 32 bytes): GPT-2's norms, of
+// 768 columns, get 96 blocks of 8 rather than 24 of 32 on 132 SMs.
 enum { COLSUM_BLOCKS = 128 };
 static int colsum_width(int64_t nb, int64_t cols) {
   if (colsum_groups(nb) == 1)
@@ -1544,7 +1543,8 @@ static void emit_norm_bwd(Emit *e, int gi, const bool *emitted) {
   // instead of 18.9 written and read back per GPT-2 norm backward) and are added in double.
   const char *at = bl <= NORM_F32_ROWS ? "float" : "double";
   int64_t psz = bl <= NORM_F32_ROWS ? 4 : 8;
-  int64_t pdw = dw >= 0 ? scratch_alloc(e, nb * cols * psz) : -1, pdb = db >= 0 ? scratch_alloc(e, nb * cols * psz) : -1;
+  int64_t pdw = dw >= 0 ? scratch_alloc(e, nb * cols * psz) : -1;
+  int64_t pdb = db >= 0 ? scratch_alloc(e, nb * cols * psz) : -1;
   int64_t psum[EC_MAX_COLSUMS];
   for (int i = 0; i < nsum; i++)
     psum[i] = scratch_alloc(e, nb * cols * psz);

@@ -346,7 +346,8 @@ static bool lt_open(char *err, size_t n) {
     so = dlopen(paths[i], RTLD_NOW | RTLD_LOCAL);
   if (!so)
     return *env ? rt_fail(err, n, "cuBLASLt not found (%s)", dlerror())
-                : rt_fail(err, n, "cuBLASLt not found (libcublasLt.so.13 or .12, libcublasLt.so, /usr/local/cuda/lib64)");
+                : rt_fail(err, n, "cuBLASLt not found (libcublasLt.so.13 or .12, libcublasLt.so, "
+                                  "/usr/local/cuda/lib64)");
   Lt t = {.so = so};
   snprintf(t.path, sizeof t.path, "%s", env);
 #define X(ret, name, params)                                                                                   \
@@ -790,10 +791,12 @@ Engine *engine_cuda(const Fusion *f, const MemPlan *m, uint64_t seed, char *err,
     return NULL;
   }
   NvrtcResult cubin = {0};
+  double tc = rt_now();
   if (!nvrtc_compile(ce->plan->source, ce->dev.arch, &cubin, err, n)) {
     free(ce);
     return NULL;
   }
+  tc = rt_now() - tc;
   ce->e.cache_hit = cubin.cache_hit;
   ce->e.compile_seconds = cubin.seconds;
   double t0 = rt_now();
@@ -813,7 +816,7 @@ Engine *engine_cuda(const Fusion *f, const MemPlan *m, uint64_t seed, char *err,
   drv.cuMemGetInfo(&free_bytes, &total);
   char compiled[64];
   if (cubin.cache_hit)
-    snprintf(compiled, sizeof compiled, "cubin from the cache");
+    snprintf(compiled, sizeof compiled, "cubin from the cache in %.3f s", tc);
   else
     snprintf(compiled, sizeof compiled, "NVRTC %.2f s", cubin.seconds);
   printf("cuda: %s (%s): %d kernels and %d GEMMs in one graph of %d launches; %s; arena %.1f MB; "

@@ -109,7 +109,7 @@ typedef struct {
 } NvrtcResult;
 
 // Compiles `src` for arch ("sm_80", "sm_90", ...) to a cubin, cached as
-// ($MDL_CACHE or ~/.cache/mdl)/cuda/<sha256 of (source, options, arch, NVRTC version, MDL_VERSION)>.cubin
+// ($MDL_CACHE or ~/.cache/mdl)/cuda/<sha256 of (source, arch, NVRTC version, MDL_VERSION, options)>.cubin
 // (written atomically). False with NVRTC's log (or why it could not run) in err.
 bool nvrtc_compile(const char *src, const char *arch, NvrtcResult *out, char *err, size_t n);
 // NVRTC can be loaded; else false with the reason.

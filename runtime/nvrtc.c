@@ -2,7 +2,7 @@
 // linked), so the program builds and runs on machines without the CUDA toolkit; NVRTC itself needs no
 // GPU, so the emitted modules are compiled (and tested) on any machine that has the toolkit.
 //
-// Cache: the key is the SHA-256 of (source, options, arch, NVRTC version, MDL_VERSION), each part
+// Cache: the key is the SHA-256 of (source, arch, NVRTC version, MDL_VERSION, options), each part
 // followed by a NUL; the cubin lives in ($MDL_CACHE or ~/.cache/mdl)/cuda/<key>.cubin and is written
 // through a temporary file and a rename, so a concurrent run never reads half a cubin.
 #include "emit_cuda.h"
@@ -222,8 +222,8 @@ bool nvrtc_compile(const char *src, const char *arch, NvrtcResult *out, char *er
   snprintf(archopt, sizeof archopt, "--gpu-architecture=%s", arch);
   snprintf(version, sizeof version, "%d.%d", nv.major, nv.minor);
   // --split-compile=0 (NVRTC 12.1 and later) optimises the kernels on as many threads as the machine
-  // has: GPT-2 124M's module took 3.5 s on one thread and 2.2 s on two, its longest kernel (attention
-  // backward's dk/dv) alone 0.7 s.
+  // has: GPT-2 124M's module took 3.5 s on one thread and 2.0-2.4 s on two, its longest kernel
+  // (attention backward's dk/dv) alone 0.7 s.
   const char *opts[4] = {archopt, "--std=c++17", "--fmad=true", "--split-compile=0"};
   int nopts = nv.major > 12 || (nv.major == 12 && nv.minor >= 1) ? 4 : 3;
 
