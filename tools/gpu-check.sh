@@ -23,7 +23,9 @@
 #      kernel table goes to $OUT/gpu-check-profile.txt, its 25 slowest lines and the time by kind of
 #      kernel (GEMMs, attention, LM head, optimizer, embedding backward, norm backward with its add
 #      and column sums, norm forward, sums with their producers, lone casts, lone sums, other
-#      elementwise and row kernels) to the results.
+#      elementwise and row kernels) to the results;
+#   5. twelve steps of it with --no-fuse: tokens/s without fusion, and what fusion is worth (the
+#      fused run's tokens/s over these).
 # A failing stage is reported and the next one still runs, so one run gives every figure it can.
 # MFU here = tokens/s x (model flops per step / tokens per step) / 989e12, where the model flops are the
 # count mdlc prints (3x the forward GEMM + attention flops: llm.c's 6N + 6LCT per token) and 989
@@ -223,6 +225,34 @@ if [ $rc -eq 0 ]; then
   else
     tail -5 "$tmp/prof.log" | tee -a "$res"
     say "mdlc run --profile failed"
+    status=1
+  fi
+fi
+# What fusion is worth here: the same model with --no-fuse (a kernel per IR node, the LM head not
+# chunked), its tokens/s beside the fused run's.
+fused=$(sed -n 's/^tokens\/s \([0-9][0-9]*\) (mean of steps.*/\1/p' "$res" | head -1)
+if [ $rc -eq 0 ] && [ -n "$fused" ]; then
+  say "== $model: 12 steps with --no-fuse, B=$B T=$T"
+  if timeout 240 "$mdlc" run models/gpt2.mdl --backend "$backend" --steps 12 $dims -D B="$B" -D T="$T" \
+    --val-every 0 --ckpt-every 0 --no-fuse --data "$tmp/shards" --out "$tmp/nofuse" >"$tmp/nofuse.log" 2>&1; then
+    grep -E '^cuda:' "$tmp/nofuse.log" | tee -a "$res"
+    awk -v fused="$fused" '
+      /^step .*tok\/s/ {
+        n = split($0, f, "|")
+        split(f[1], a, /[ \/]+/)
+        for (i = 1; i <= n; i++)
+          if (f[i] ~ /tok\/s/) { v = f[i]; gsub(/[^0-9.]/, "", v) }
+        if (a[2] + 0 > 3 && a[2] + 0 < a[3] + 0) { sum += v; k++ }
+      }
+      END {
+        if (k == 0) { print "no timed steps in the log"; exit 1 }
+        printf "tokens/s %.0f with --no-fuse (mean of steps 4 to %d); fusion is worth %.2fx here\n", sum / k, 3 + k,
+          fused / (sum / k)
+      }' "$tmp/nofuse.log" | tee -a "$res"
+    [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+  else
+    tail -5 "$tmp/nofuse.log" | tee -a "$res"
+    say "mdlc run --no-fuse failed"
     status=1
   fi
 fi
