@@ -110,11 +110,13 @@ static void run_free(const Graph *g, Run *r) {
   free(r->init);
 }
 
-// Per-tensor relative error: max |a - b| / max |b|.
+// Per-tensor relative error: max |a - b| / max |b|; a NaN on either side is an infinite error (fmax
+// alone would drop it).
 static double rel_err(const double *a, const double *b, int64_t n) {
   double d = 0, m = 1e-30;
   for (int64_t i = 0; i < n; i++) {
-    d = fmax(d, fabs(a[i] - b[i]));
+    double x = fabs(a[i] - b[i]);
+    d = fmax(d, isnan(x) ? INFINITY : x);
     m = fmax(m, fabs(b[i]));
   }
   return d / m;

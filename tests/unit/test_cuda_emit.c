@@ -808,13 +808,15 @@ static double rel_l2(const double *a, const double *b, int64_t n) {
   return isnan(d) ? INFINITY : sqrt(d / r);
 }
 
+// max |a - b| / max |b|; a NaN on either side is an infinite error (fmax alone would drop it).
 static double rel_err(const double *a, const double *b, int64_t n) {
   double d = 0, m = 1e-30;
   for (int64_t i = 0; i < n; i++) {
-    d = fmax(d, fabs(a[i] - b[i]));
+    double x = fabs(a[i] - b[i]);
+    d = fmax(d, isnan(x) ? INFINITY : x);
     m = fmax(m, fabs(b[i]));
   }
-  return isnan(d) ? INFINITY : d / m;
+  return d / m;
 }
 
 static double *from_float(const float *x, int64_t n) {
@@ -1215,6 +1217,76 @@ static void test_lmhead_chunks(const char *dir) {
   unsetenv("MDL_LMHEAD_LOGITS");
 }
 
+// Cross-entropy at the edges of its online maximum, emulated against the interpreter: a row whose
+// logits are -inf from 100 on, a row where every lane's first logit is -inf (but the target's), two
+// finite rows; the loss and the gradient of s agree within 1e-5. With a NaN logit in the last row,
+// the loss is NaN on both.
+static const char celimits[] = "model celimits\n"
+                               "dim R = 4\n"
+                               "dim V = 300\n"
+                               "input x: f32[R, V]\n"
+                               "input targets: i32[R]\n"
+                               "param s: [V] = normal(0.1)\n"
+                               "output loss = mean(cross_entropy(x + s, targets))\n";
+
+static void test_ce_limits(const char *dir) {
+  Arena *a = arena_new();
+  Graph *g = mdl_compile_text(a, "celimits.mdl", celimits, NULL, 0);
+  char why[2048] = "", err[256] = "";
+  bool ok = g && autodiff(g, true);
+  Fusion *f = ok ? fuse(g, (FuseOptions){.fuse = true, .chunk_lmhead = true}) : NULL;
+  MemPlan *m = f ? memplan(f) : NULL;
+  CudaPlan *p = m ? emit_cuda_plan(f, m, "celimits.mdl") : NULL;
+  Emu emu = {0};
+  ok = p && emu_load(p, dir, "celimits", &emu, why, sizeof why);
+  CHECK(ok, "cuda emu cross-entropy limits: the module compiles with the emulator", "%.1500s", why);
+  for (int nan = 0; ok && nan < 2; nan++) {
+    enum { R = 4, V = 300 };
+    static float x[R * V];
+    int32_t tg[R] = {1, 2, 0, 3};
+    for (int j = 0; j < R * V; j++)
+      x[j] = (float)(3 * sin(0.7 * j + 0.3));
+    for (int j = 100; j < V; j++)
+      x[j] = -INFINITY;
+    for (int j = 0; j < 64; j++)
+      if (j != tg[1])
+        x[V + j] = -INFINITY;
+    if (nan)
+      x[3 * V + 7] = NAN;
+    Interp *it = interp_new(g, INTERP_F32);
+    interp_init_params(it, 7);
+    interp_set_input(it, "x", NULL, x, R * V);
+    interp_set_input(it, "targets", tg, NULL, R);
+    interp_set_scalar(it, "lr", 2e-3);
+    interp_set_scalar(it, "step", 1);
+    bool iok = interp_run(it, g->n, err, sizeof err);
+    char *arena = arena_new_for(p);
+    cpu_init_params(g, m, arena, 7);
+    cpu_set_input(g, m, arena, "x", NULL, x, R * V);
+    cpu_set_input(g, m, arena, "targets", tg, NULL, R);
+    cpu_set_scalar(g, m, arena, "lr", 2e-3);
+    cpu_set_scalar(g, m, arena, "step", 1);
+    MdlStatus st = emu_step(p, &emu, arena);
+    double loss = *(float *)cpu_value(m, arena, g->loss), ref = interp_value(it, g->loss)[0];
+    if (nan) {
+      CHECK(iok && !st.set && isnan(loss) && isnan(ref), "cuda emu cross-entropy limits: a NaN logit gives a NaN loss",
+            "loss %g, interpreter %g (%s)", loss, ref, err);
+    } else {
+      int64_t n = shape_numel(g->nodes[g->params[0]]->shape);
+      double *gs = from_float(cpu_value(m, arena, g->grads[0]), n);
+      double e = rel_err(gs, interp_value(it, g->grads[0]), n);
+      CHECK(iok && !st.set && isfinite(loss) && fabs(loss - ref) <= 1e-5 * fabs(ref) && e <= 1e-5,
+            "cuda emu cross-entropy limits: rows of -inf logits give the interpreter's loss and gradient (1e-5)",
+            "loss %.8f vs %.8f, gradient %.2e (%s)", loss, ref, e, err);
+      free(gs);
+    }
+    free(arena);
+    interp_free(it);
+  }
+  emu_free(&emu);
+  arena_free(a);
+}
+
 int main(void) {
   char dir[] = "/tmp/mdl-cuda-XXXXXX";
   if (!mkdtemp(dir)) {
@@ -1246,6 +1318,7 @@ int main(void) {
           test_emulation(&models[i], fz, pr ? DT_BF16 : DT_F32, dir);
     test_attention_alone(dir);
     test_lmhead_chunks(dir);
+    test_ce_limits(dir);
   } else {
     printf("[skip] cuda emu: no g++\n");
   }
