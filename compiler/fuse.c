@@ -943,10 +943,13 @@ static void rule_copies(Fuser *F) {
 //
 // Views.
 //
-static bool is_copy(const Fuser *F, int id) {
-  const IrNode *n = node(F, id);
-  return n->op == OP_CAST && F->copy_of[n->in[0]] == id;
+// Is node id the copy of rule 11 in the table copy_of (per PARAM its copy, else -1)?
+static bool copy_in(const Graph *g, const int *copy_of, int id) {
+  const IrNode *n = g->nodes[id];
+  return n->op == OP_CAST && copy_of[n->in[0]] == id;
 }
+
+static bool is_copy(const Fuser *F, int id) { return copy_in(F->g, F->copy_of, id); }
 
 static int view_base(const Fuser *F, int id) {
   while (F->view[id])
@@ -1220,6 +1223,38 @@ static bool copies_written(Fuser *F, Fusion *f) {
   return true;
 }
 
+// Traffic of values a step never materialises but moves all the same, added to st.
+static void unmaterialised_traffic(const Fuser *F, int gi, Step *st) {
+  const Group *G = &F->groups[gi];
+  double root = dtype_size(node(F, G->root)->dtype) * (double)numel(F, G->root);
+  // A GEMM whose epilogue a reduction computes (rule 10) leaves its product in memory for the
+  // reduction's loop to read: the emitters cannot sum inside the library's GEMM.
+  bool reduces = false;
+  for (int j = 0; j < G->n; j++)
+    reduces |= is_reduction(op_of(F, G->m[j]));
+  if (G->kind == STEP_GEMM && reduces) {
+    st->bytes_read += root;
+    if (!is_out(F, gi, G->root))
+      st->bytes_written += root;
+  }
+  // The LM head's logits (its root) and their gradient cross memory chunk by chunk: the logits GEMM
+  // writes a chunk and the cross-entropy kernel reads it back; the kernel writes dlogits (its CAST
+  // when the GEMMs read bf16) and each backward GEMM reads them. (W and dW, read and updated once per
+  // chunk, are counted once: the chunk count is the target's.)
+  if (G->kind == STEP_LMHEAD) {
+    double dl = 0;
+    int readers = 0;
+    for (int j = 0; j < G->n; j++) {
+      const IrNode *n = node(F, G->m[j]);
+      if (n->op == OP_CAST || (n->op == OP_CROSS_ENTROPY_BWD && dl == 0))
+        dl = dtype_size(n->dtype) * (double)numel(F, n->id);
+      readers += n->op == OP_MATMUL && n->id != G->root;
+    }
+    st->bytes_written += root + dl;
+    st->bytes_read += root + readers * dl;
+  }
+}
+
 static Fusion *assemble(Fuser *F) {
   Graph *g = F->g;
   Arena *a = F->a;
@@ -1281,33 +1316,7 @@ static Fusion *assemble(Fuser *F) {
       }
       st->flops += node_flops(F, id);
     }
-    // A GEMM whose epilogue a reduction computes (rule 10) leaves its product in memory for the
-    // reduction's loop to read: the emitters cannot sum inside the library's GEMM.
-    bool reduces = false;
-    for (int j = 0; j < G->n; j++)
-      reduces |= is_reduction(op_of(F, G->m[j]));
-    if (G->kind == STEP_GEMM && reduces) {
-      double product = dtype_size(node(F, G->root)->dtype) * (double)numel(F, G->root);
-      st->bytes_read += product;
-      if (!is_out(F, gi, G->root))
-        st->bytes_written += product;
-    }
-    // The LM head's logits and their gradient are never materialised, but they cross memory chunk by
-    // chunk all the same: the logits GEMM writes a chunk and the cross-entropy kernel reads it back;
-    // the kernel writes dlogits (its CAST when the GEMMs read bf16) and each backward GEMM reads them.
-    // (W and dW, read and updated once per chunk, are counted once: the chunk count is the target's.)
-    if (G->kind == STEP_LMHEAD) {
-      double logits = dtype_size(node(F, G->root)->dtype) * (double)numel(F, G->root), dl = 0;
-      int readers = 0;
-      for (int j = 0; j < G->n; j++) {
-        const IrNode *n = node(F, G->m[j]);
-        if (n->op == OP_CAST || (n->op == OP_CROSS_ENTROPY_BWD && dl == 0))
-          dl = dtype_size(n->dtype) * (double)numel(F, n->id);
-        readers += n->op == OP_MATMUL && n->id != G->root;
-      }
-      st->bytes_written += logits + dl;
-      st->bytes_read += logits + readers * dl;
-    }
+    unmaterialised_traffic(F, gi, st);
     st->name = step_name(F, s, st);
   }
   if (!copies_written(F, f))
@@ -1414,10 +1423,7 @@ Fusion *fuse(Graph *g, FuseOptions opt) {
   return assemble(F);
 }
 
-bool fuse_is_copy(const Fusion *f, int node) {
-  const IrNode *n = f->g->nodes[node];
-  return n->op == OP_CAST && f->copy_of[n->in[0]] == node;
-}
+bool fuse_is_copy(const Fusion *f, int node) { return copy_in(f->g, f->copy_of, node); }
 
 void fuse_dump(const Fusion *f, FILE *out) {
   const Graph *g = f->g;
