@@ -283,17 +283,21 @@ static bool backward_rule(Ad *ad, int i, int dy) {
   case OP_CROSS_ENTROPY:
     accumulate(ad, x, add_node(ad, OP_CROSS_ENTROPY_BWD, (int[]){x, x1, dy}, 3, NULL, NULL));
     return true;
-  case OP_ATTENTION: {
-    int in[5];
+  case OP_ATTENTION: { // from the softmax statistics (lse) and the output, as FlashAttention does
+    if (!wants(ad, n->in[0]) && !wants(ad, n->in[1]) && !wants(ad, n->in[2]))
+      return true;
+    int in[7];
     memcpy(in, n->in, sizeof(int) * (size_t)n->nin);
-    in[n->nin] = dy;
+    in[n->nin] = i;
+    in[n->nin + 1] = add_node(ad, OP_ATTENTION_LSE, n->in, n->nin, n->ia, n->fa);
+    in[n->nin + 2] = dy;
     for (int k = 0; k < 3; k++) {
       if (!wants(ad, n->in[k]))
         continue;
       int64_t ia[8];
       memcpy(ia, n->ia, sizeof ia);
       ia[3] = k;
-      accumulate(ad, n->in[k], add_node(ad, OP_ATTENTION_BWD, in, n->nin + 1, ia, n->fa));
+      accumulate(ad, n->in[k], add_node(ad, OP_ATTENTION_BWD, in, n->nin + 3, ia, n->fa));
     }
     return true;
   }
@@ -306,7 +310,7 @@ static bool backward_rule(Ad *ad, int i, int dy) {
   }
   case OP_RELU_BWD: case OP_GELU_BWD: case OP_SILU_BWD: case OP_MAX_BWD: case OP_SLICE_BWD:
   case OP_EMBED_BWD: case OP_LAYERNORM_BWD: case OP_RMSNORM_BWD: case OP_SOFTMAX_BWD:
-  case OP_CROSS_ENTROPY_BWD: case OP_ATTENTION_BWD: case OP_GRAD_NORM: case OP_ADAMW: case OP_COUNT:
+  case OP_CROSS_ENTROPY_BWD: case OP_ATTENTION_LSE: case OP_ATTENTION_BWD: case OP_GRAD_NORM: case OP_ADAMW: case OP_COUNT:
     break;
   }
   snprintf(g->err, sizeof g->err, "autodiff: no gradient for %s: it is not a forward op", op_name(n->op));

@@ -1272,7 +1272,7 @@ static void emit_attn_sum(Emit *e, const char *var, const char *expr) {
 // found by scanning the ids when the id changes from the row before (so a key outside the range is
 // masked whatever the ids' order; inside, the mask is applied key by key).
 static void emit_attn_rows_open(Emit *e, const IrNode *nd, int doc) {
-  int64_t nt = nd->shape.d[1];
+  int64_t nt = ec_node(&e->core, nd->in[0])->shape.d[1];
   bool causal = nd->ia[1];
   ec_line(&e->core, "int64_t lo = 0, hi = %lld;", (long long)nt);
   if (doc >= 0)
@@ -1318,9 +1318,11 @@ static void emit_attn_dots(Emit *e, const char *out, const char *vec, const char
 
 // Row i of a task that owns (b, hd), with the keys of the head transposed into kt [D][T] (so score
 // loops run over keys, contiguous, each score summed over the head's columns in order): s[j] becomes
-// exp(scale q_i . k_j - max) for the allowed keys in [lo, hi) and 0 for the others, and l their sum.
-static void emit_attn_row(Emit *e, const IrNode *nd, Rows q, int doc) {
-  int64_t nt = nd->shape.d[1], d = nd->shape.d[2] / nd->ia[0];
+// exp(scale q_i . k_j - max) for the allowed keys in [lo, hi) and 0 for the others, and l their sum;
+// given the row's log-sum-exp `lse` (the backward), s[j] becomes the probability exp(S - lse).
+static void emit_attn_row(Emit *e, const IrNode *nd, Rows q, int doc, const char *lse) {
+  Shape qs = ec_node(&e->core, nd->in[0])->shape;
+  int64_t nt = qs.d[1], d = qs.d[2] / nd->ia[0];
   if (nd->ia[4] == DT_BF16) { // q_i rounded to bf16 (the keys were rounded when transposed)
     ec_line(&e->core, "float qr[%lld];", (long long)d);
     ec_line(&e->core, "for (int64_t c = 0; c < %lld; c++)", (long long)d);
@@ -1332,6 +1334,16 @@ static void emit_attn_row(Emit *e, const IrNode *nd, Rows q, int doc) {
             (long long)q.stride, (long long)d);
   }
   emit_attn_dots(e, "s", "qi", "kt", nt, d);
+  if (lse) {
+    ec_line(&e->core, "const float lse = %s;", lse);
+    ec_line(&e->core, "#pragma omp simd");
+    ec_line(&e->core, "for (int64_t j = lo; j < hi; j++)");
+    if (doc >= 0)
+      ec_line(&e->core, "  s[j] = dc[j] == di ? mdl_exp_shifted(s[j] * %s - lse) : 0.0f;", flit(e, nd->fa[0]));
+    else
+      ec_line(&e->core, "  s[j] = mdl_exp_shifted(s[j] * %s - lse);", flit(e, nd->fa[0]));
+    return;
+  }
   ec_line(&e->core, "float m = -INFINITY;");
   ec_line(&e->core, "#pragma omp simd reduction(max : m)");
   ec_enter(&e->core, "for (int64_t j = lo; j < hi; j++)");
@@ -1417,57 +1429,75 @@ static void emit_attn_pairs(Emit *e, const char *acc, const char *w, Rows x, int
 
 // ATTENTION forward: one task per (batch, head), which transposes the head's keys once and then, per
 // query row, computes the scores of the allowed keys, their softmax and the weighted sum of values;
-// never a T x T matrix.
+// never a T x T matrix. With its ATTENTION_LSE (rule 3 of fuse.c) each row's log-sum-exp is stored as
+// well; alone (no fusion), the ATTENTION_LSE computes the scores and their statistics only.
 static void emit_attention(Emit *e, int gi) {
-  int a = e->core.groups[gi].mem[0];
-  const IrNode *nd = ec_node(&e->core, a);
-  Shape s = nd->shape;
+  const Group *gr = &e->core.groups[gi];
+  int a = -1, lse = -1;
+  for (int i = 0; i < gr->nmem; i++) {
+    if (ec_node(&e->core, gr->mem[i])->op == OP_ATTENTION)
+      a = gr->mem[i];
+    else
+      lse = gr->mem[i];
+  }
+  const IrNode *nd = ec_node(&e->core, gr->mem[0]);
+  Shape s = ec_node(&e->core, nd->in[0])->shape;
   int64_t nb = s.d[0], nt = s.d[1], nc = s.d[2], heads = nd->ia[0], d = nc / heads;
   bool causal = nd->ia[1], has_doc = nd->ia[2];
-  Rows q = rows_of(e, nd->in[0]), k = rows_of(e, nd->in[1]), v = rows_of(e, nd->in[2]);
+  Rows q = rows_of(e, nd->in[0]), k = rows_of(e, nd->in[1]), v = a >= 0 ? rows_of(e, nd->in[2]) : (Rows){0};
   int doc = has_doc ? ec_need(&e->core, nd->in[3]) : -1;
   flush(e);
   // The bf16 roundings of the output that this step holds (rule 9) are stored here too; the f32
   // output only when something reads it.
-  int casts[4];
-  bool f32;
-  int ncast = ec_output_casts(&e->core, a, casts, 4, &f32);
+  int casts[4], ncast = 0;
+  bool f32 = false;
+  if (a >= 0)
+    ncast = ec_output_casts(&e->core, a, casts, 4, &f32);
   if (f32 && ec_offset(&e->core, a) < 0)
     e->core.scratch[a] = true;
+  if (lse >= 0 && ec_offset(&e->core, lse) < 0)
+    e->core.scratch[lse] = true;
   ec_phase_begin(&e->core);
-  note(e, "attention: B %lld, T %lld, %lld heads of %lld%s%s; one task per (batch, head)", (long long)nb,
+  note(e, "attention%s: B %lld, T %lld, %lld heads of %lld%s%s; one task per (batch, head)",
+       a < 0 ? " statistics (log-sum-exp per row)" : lse >= 0 ? " and its log-sum-exp per row" : "", (long long)nb,
        (long long)nt, (long long)heads, (long long)d, causal ? ", causal" : "", has_doc ? ", within documents" : "");
   Tmp tmp[2] = {{"kt", d * attn_padded(nt)}, {"s", attn_padded(nt)}};
   emit_attn_open(e, nb, heads, nb * nt * nt * nc >= PAR_MIN, tmp, 2);
   bool bf16 = nd->ia[4] == DT_BF16; // q, k, v and e = exp(s - max) read rounded (mdl.h)
   emit_attn_transpose(e, "kt", k, nt, d, bf16);
   emit_attn_rows_open(e, nd, doc);
-  emit_attn_row(e, nd, q, doc);
-  emit_attn_pairs(e, "acc", "s", v, nt, d, bf16, bf16);
-  const char *row = str(e, "(b * %lld + i) * %lld + hd * %lld", (long long)nt, (long long)nc, (long long)d);
-  if (f32)
-    ec_line(&e->core, "float *restrict oi = b%d + %s;", ptr(e, a), row);
-  for (int t = 0; t < ncast; t++)
-    ec_line(&e->core, "uint16_t *restrict o%d = b%d + %s;", t, ptr(e, casts[t]), row);
-  ec_enter(&e->core, "for (int64_t c = 0; c < %lld; c++)", (long long)d);
-  ec_line(&e->core, "const float y = (acc0[c] + acc1[c]) / l;");
-  if (f32)
-    ec_line(&e->core, "oi[c] = y;");
-  for (int t = 0; t < ncast; t++)
-    ec_line(&e->core, "o%d[c] = mdl_f32_to_bf16(y);", t);
-  ec_leave(&e->core);
+  emit_attn_row(e, nd, q, doc, NULL);
+  if (lse >= 0)
+    ec_line(&e->core, "b%d[(b * %lld + hd) * %lld + i] = m + logf(l);", ptr(e, lse), (long long)heads, (long long)nt);
+  if (a >= 0) {
+    emit_attn_pairs(e, "acc", "s", v, nt, d, bf16, bf16);
+    const char *row = str(e, "(b * %lld + i) * %lld + hd * %lld", (long long)nt, (long long)nc, (long long)d);
+    if (f32)
+      ec_line(&e->core, "float *restrict oi = b%d + %s;", ptr(e, a), row);
+    for (int t = 0; t < ncast; t++)
+      ec_line(&e->core, "uint16_t *restrict o%d = b%d + %s;", t, ptr(e, casts[t]), row);
+    ec_enter(&e->core, "for (int64_t c = 0; c < %lld; c++)", (long long)d);
+    ec_line(&e->core, "const float y = (acc0[c] + acc1[c]) / l;");
+    if (f32)
+      ec_line(&e->core, "oi[c] = y;");
+    for (int t = 0; t < ncast; t++)
+      ec_line(&e->core, "o%d[c] = mdl_f32_to_bf16(y);", t);
+    ec_leave(&e->core);
+  }
   ec_leave(&e->core);
   emit_attn_close(e, tmp, 2);
   if (f32)
     ec_phase_done(&e->core, a);
   for (int t = 0; t < ncast; t++)
     ec_phase_done(&e->core, casts[t]);
+  if (lse >= 0)
+    ec_phase_done(&e->core, lse);
   ec_phase_end(&e->core);
 }
 
 // ATTENTION_BWD siblings: one task per (batch, head), so its dq, dk and dv rows are written by that
 // task alone; dk and dv build up in per-thread [T][D] blocks copied out at the end of the task. The
-// probabilities of each query row are recomputed as in the forward.
+// probabilities of each query row are recomputed from its scores and the forward's log-sum-exp.
 static void emit_attention_bwd(Emit *e, int gi) {
   const Group *gr = &e->core.groups[gi];
   const IrNode *nd = ec_node(&e->core, gr->mem[0]);
@@ -1477,10 +1507,11 @@ static void emit_attention_bwd(Emit *e, int gi) {
   int out[3] = {-1, -1, -1};
   for (int i = 0; i < gr->nmem; i++)
     out[ec_node(&e->core, gr->mem[i])->ia[3]] = gr->mem[i];
-  bool ds = out[0] >= 0 || out[1] >= 0; // dq and dk need dS = P (dP - rowsum(P dP)); dv only P
+  bool ds = out[0] >= 0 || out[1] >= 0; // dq and dk need dS = P (dP - dout . out); dv only P
   Rows q = rows_of(e, nd->in[0]), k = rows_of(e, nd->in[1]), v = ds ? rows_of(e, nd->in[2]) : (Rows){0};
   int doc = has_doc ? ec_need(&e->core, nd->in[3]) : -1;
-  Rows dout = rows_of(e, nd->in[has_doc ? 4 : 3]);
+  Rows dout = rows_of(e, att_bwd_dout(nd)), o = ds ? rows_of(e, att_bwd_out(nd)) : (Rows){0};
+  int lse = ec_need(&e->core, att_bwd_lse(nd));
   flush(e);
   for (int i = 0; i < 3; i++)
     if (out[i] >= 0 && ec_offset(&e->core, out[i]) < 0)
@@ -1511,7 +1542,8 @@ static void emit_attention_bwd(Emit *e, int gi) {
     if (out[i] >= 0)
       ec_line(&e->core, "memset(%s, 0, %lld * sizeof(float));", i == 1 ? "dkh" : "dvh", (long long)(nt * d));
   emit_attn_rows_open(e, nd, doc);
-  emit_attn_row(e, nd, q, doc);
+  emit_attn_row(e, nd, q, doc,
+                str(e, "b%d[(b * %lld + hd) * %lld + i]", ptr(e, lse), (long long)heads, (long long)nt));
   if (bf16) { // dout_i rounded (mdl.h), or already a bf16 value (its CAST, precision.c)
     bool stored16 = ec_node(&e->core, dout.buf)->dtype == DT_BF16;
     const char *di = ec_str(&e->core, "%s[(b * %lld + i) * %lld + hd * %lld + c]", dout.base, (long long)nt,
@@ -1524,12 +1556,19 @@ static void emit_attention_bwd(Emit *e, int gi) {
     ec_line(&e->core, "const float *restrict doi = %s + (b * %lld + i) * %lld + hd * %lld;", dout.base,
             (long long)nt, (long long)dout.stride, (long long)d);
   }
-  ec_line(&e->core, "#pragma omp simd");
-  ec_line(&e->core, "for (int64_t j = lo; j < hi; j++)");
-  ec_line(&e->core, "  s[j] /= l;");
   if (ds) {
+    // D = dout_i . out_i (out_i read as stored: a bf16 one is its CAST, precision.c)
+    bool o16 = ec_node(&e->core, o.buf)->dtype == DT_BF16;
+    const char *oi = ec_str(&e->core, "%s[(b * %lld + i) * %lld + hd * %lld + c]", o.base, (long long)nt,
+                            (long long)o.stride, (long long)d);
+    if (o16)
+      oi = ec_str(&e->core, "mdl_bf16_to_f32(%s)", oi);
+    else if (bf16)
+      oi = ec_str(&e->core, "mdl_bf16_to_f32(mdl_f32_to_bf16(%s))", oi);
+    ec_line(&e->core, "float dsum = 0.0f;");
+    ec_line(&e->core, "for (int64_t c = 0; c < %lld; c++)", (long long)d);
+    ec_line(&e->core, "  dsum += doi[c] * %s;", oi);
     emit_attn_dots(e, "dp", "doi", "vt", nt, d);
-    emit_attn_sum(e, "dsum", "s[j] * dp[j]");
     ec_line(&e->core, "#pragma omp simd");
     ec_line(&e->core, "for (int64_t j = lo; j < hi; j++)");
     ec_line(&e->core, "  dp[j] = s[j] * (dp[j] - dsum);");
@@ -1844,6 +1883,7 @@ static void emit_group(Emit *e, int gi, const bool *emitted) {
   const Group *gr = &e->core.groups[gi];
   switch (gr->kind) {
   case G_NORM_BWD: emit_norm_bwd(e, gi, emitted); return;
+  case G_ATTN: emit_attention(e, gi); return;
   case G_ATTN_BWD: emit_attention_bwd(e, gi); return;
   case G_CE: emit_ce(e, gi); return;
   case G_LMHEAD: emit_lmhead(e, gi); return;
@@ -1856,7 +1896,6 @@ static void emit_group(Emit *e, int gi, const bool *emitted) {
   case OP_SUM: case OP_MEAN: case OP_MAX: emit_reduce(e, gi, emitted); return;
   case OP_LAYERNORM: case OP_RMSNORM: emit_norm_fwd(e, gi, emitted); return;
   case OP_SOFTMAX: case OP_SOFTMAX_BWD: emit_softmax(e, gi, emitted); return;
-  case OP_ATTENTION: emit_attention(e, gi); return;
   case OP_EMBED: emit_embed(e, gi); return;
   case OP_EMBED_BWD: emit_embed_bwd(e, gi); return;
   case OP_ROPE: emit_rope(e, gi); return;
@@ -2002,7 +2041,8 @@ char *emit_c(const Fusion *f, const MemPlan *m, const char *source_path) {
   bool bf16 = false;
   for (int i = 0; i < g->n; i++)
     bf16 |= g->nodes[i]->dtype == DT_BF16 ||
-            ((g->nodes[i]->op == OP_ATTENTION || g->nodes[i]->op == OP_ATTENTION_BWD) && g->nodes[i]->ia[4] == DT_BF16);
+            ((g->nodes[i]->op == OP_ATTENTION || g->nodes[i]->op == OP_ATTENTION_LSE ||
+              g->nodes[i]->op == OP_ATTENTION_BWD) && g->nodes[i]->ia[4] == DT_BF16);
   if (bf16)
     ec_bput(&e.out, "%s", prelude_bf16);
 

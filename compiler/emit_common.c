@@ -456,6 +456,7 @@ static bool groups_build(EmitCore *e, bool split_all) {
     GroupKind kind = G_SINGLE;
     switch (nd->op) {
     case OP_LAYERNORM_BWD: case OP_RMSNORM_BWD: kind = G_NORM_BWD; break;
+    case OP_ATTENTION: case OP_ATTENTION_LSE: kind = G_ATTN; break;
     case OP_ATTENTION_BWD: kind = G_ATTN_BWD; break;
     case OP_CROSS_ENTROPY: case OP_CROSS_ENTROPY_BWD: kind = G_CE; break;
     case OP_GRAD_NORM: case OP_ADAMW: kind = G_OPT; break;
@@ -475,6 +476,9 @@ static bool groups_build(EmitCore *e, bool split_all) {
       if (kind == G_NORM_BWD)
         join = (m->op == nd->op && same_inputs(e, nd, m) && m->fa[0] == nd->fa[0]) ||
                (column_sum(e, nd, m) && nsums < EC_MAX_COLSUMS);
+      else if (kind == G_ATTN)
+        join = m->op != nd->op && (m->op == OP_ATTENTION || m->op == OP_ATTENTION_LSE) && gr->nmem == 1 &&
+               same_inputs(e, nd, m) && m->fa[0] == nd->fa[0] && m->ia[0] == nd->ia[0] && m->ia[1] == nd->ia[1];
       else if (kind == G_ATTN_BWD)
         join = m->op == nd->op && same_inputs(e, nd, m) && m->fa[0] == nd->fa[0] && m->ia[0] == nd->ia[0] &&
                m->ia[1] == nd->ia[1];

@@ -27,8 +27,9 @@ void ec_grow(void *p, int n, int *cap, size_t size); // grows *p (*cap elements 
 //
 
 // G_NORM_BWD: the LAYERNORM_BWD / RMSNORM_BWD siblings and up to EC_MAX_COLSUMS SUMs over the rows of
-// values their row loop computes (rule 10 of fuse.c).
-typedef enum { G_SINGLE, G_NORM_BWD, G_ATTN_BWD, G_CE, G_LMHEAD, G_OPT } GroupKind;
+// values their row loop computes (rule 10 of fuse.c). G_ATTN: an ATTENTION, its ATTENTION_LSE, or both
+// (rule 3).
+typedef enum { G_SINGLE, G_NORM_BWD, G_ATTN, G_ATTN_BWD, G_CE, G_LMHEAD, G_OPT } GroupKind;
 enum { EC_MAX_COLSUMS = 4 };
 
 typedef struct {

@@ -1931,16 +1931,17 @@ typedef struct {
   bool causal, has_doc;
   bool bf16; // the products read q, k, v rounded to bf16, and P V reads e rounded (ia[4], mdl.h)
   double scale;
-  Rows q, k, v, dout;
+  Rows q, k, v, dout, o; // o: the forward's output, as the backward's D reads it
   int doc, dpl; // doc: node or -1; dpl: channels per lane
+  int lse;      // the ATTENTION_LSE node (the rows' log-sum-exp, [B, heads, T]), or -1
 } Att;
 
 typedef enum { ATT_FWD, ATT_STATS, ATT_DQ } AttMode;
 
-static Att att_of(const IrNode *nd) {
-  Shape s = nd->shape;
+static Att att_of(Emit *e, const IrNode *nd) {
+  Shape s = ec_node(&e->core, nd->in[0])->shape;
   Att A = {.nb = s.d[0], .nt = s.d[1], .nc = s.d[2], .heads = nd->ia[0], .causal = nd->ia[1], .has_doc = nd->ia[2],
-           .bf16 = nd->ia[4] == DT_BF16, .scale = nd->fa[0], .doc = -1};
+           .bf16 = nd->ia[4] == DT_BF16, .scale = nd->fa[0], .doc = -1, .lse = -1};
   A.d = A.nc / A.heads;
   A.dpl = (int)((A.d + 31) / 32);
   return A;
@@ -2003,36 +2004,43 @@ static int att_bq(Emit *e, const Att *A, int per_query) {
   return 4;
 }
 
-// The query-tile kernels: the forward (out), the backward's row statistics (lse, and dsum = dout . out
-// when dsum >= 0) and the backward's dq (out = dq). One block of 4 warps per (batch, head, tile of
-// queries), each warp owning every 4th query row of the tile; keys and values in shared tiles of 32,
-// a key per lane; online softmax (forward, statistics) or probabilities from the statistics (dq).
-// bf16: q, k, v and dout rounded as they are staged; the forward and the statistics (whose out is the
-// forward's) sum e rounded in P V and unrounded in l; the statistics' D = bf(dout) . out sums exact P;
-// dq reads dS rounded.
-static void att_query_kernel(Emit *e, const Att *A, AttMode mode, int out, int64_t lse, int64_t dsum) {
+// The query-tile kernels: the forward (out, and the rows' log-sum-exp A->lse when it is >= 0), the
+// statistics alone (ATT_STATS: an ATTENTION_LSE without its forward) and the backward's dq (out = dq,
+// from A->lse and dsum = D per row). One block of 4 warps per (batch, head, tile of queries), each
+// warp owning every 4th query row of the tile; keys and values in shared tiles of 32, a key per lane;
+// online softmax (forward, statistics) or probabilities from the statistics (dq). bf16: q, k, v and
+// dout rounded as they are staged; the forward sums e rounded in P V and unrounded in l; dq reads dS
+// rounded.
+static void att_query_kernel(Emit *e, const Att *A, AttMode mode, int out, int64_t dsum) {
   const char *ixt = e->core.ixt;
   int64_t d = A->d, t = A->nt;
   int bq = att_bq(e, A, (int)(d * 4 * (mode == ATT_DQ ? 2 : 1) + 4)), rw = bq / 4;
+  bool pv = mode == ATT_FWD; // the values are read (the statistics need the keys alone)
   int64_t nqt = (t + bq - 1) / bq;
   bool guard = d % 32 != 0;
   kbegin(e, mode == ATT_FWD ? "" : mode == ATT_STATS ? "stats" : "dq");
   note(e, "attention%s: B %lld, T %lld, %lld heads of %lld%s%s; a block per (batch, head, %d queries), "
           "keys in tiles of %d",
-       mode == ATT_FWD ? "" : mode == ATT_STATS ? " backward, row statistics" : " backward, dq",
+       mode == ATT_FWD ? (A->lse >= 0 ? " and its log-sum-exp per row" : "")
+       : mode == ATT_STATS ? " statistics (log-sum-exp per row)" : " backward, dq",
        (long long)A->nb, (long long)t, (long long)A->heads, (long long)d, A->causal ? ", causal" : "",
        A->has_doc ? ", within documents" : "", bq, ATT_BK);
-  e->shared = (int)(bq * d * 4 * (mode == ATT_DQ ? 2 : 1) + 2 * ATT_BK * (d + 1) * 4 + (A->has_doc ? ATT_BK * 4 : 0));
+  e->shared = (int)(bq * d * 4 * (mode == ATT_DQ ? 2 : 1) + (mode == ATT_STATS ? 1 : 2) * ATT_BK * (d + 1) * 4 +
+                    (A->has_doc ? ATT_BK * 4 : 0));
   ec_line(&e->core, "__shared__ float Qs[%d][%lld];", bq, (long long)d);
   if (mode == ATT_DQ)
     ec_line(&e->core, "__shared__ float Os[%d][%lld];", bq, (long long)d);
-  ec_line(&e->core, "__shared__ float Ks[%d][%lld], Vs[%d][%lld];", ATT_BK, (long long)d + 1, ATT_BK, (long long)d + 1);
+  if (mode == ATT_STATS)
+    ec_line(&e->core, "__shared__ float Ks[%d][%lld];", ATT_BK, (long long)d + 1);
+  else
+    ec_line(&e->core, "__shared__ float Ks[%d][%lld], Vs[%d][%lld];", ATT_BK, (long long)d + 1, ATT_BK,
+            (long long)d + 1);
   if (A->has_doc)
     ec_line(&e->core, "__shared__ int32_t Dk[%d];", ATT_BK);
   ec_line(&e->core, "const int w = threadIdx.x >> 5, lane = threadIdx.x & 31;");
   ec_line(&e->core, "const %s b = blockIdx.x / %lld, hd = blockIdx.x / %lld %% %lld, q0 = blockIdx.x %% %lld * %d;",
           ixt, (long long)(A->heads * nqt), (long long)nqt, (long long)A->heads, (long long)nqt, bq);
-  const char *lp = lse >= 0 ? raw_ptr(e, lse, "float", "log-sum-exp per row") : NULL;
+  const char *lp = A->lse >= 0 ? ptr(e, A->lse) : NULL;
   const char *sp = dsum >= 0 ? raw_ptr(e, dsum, "float", "dout . out per row") : NULL;
   ec_enter(&e->core, "for (int u = threadIdx.x; u < %lld; u += %d)", (long long)(bq * d), 128);
   ec_line(&e->core, "const int i = u / %lld, c = u %% %lld;", (long long)d, (long long)d);
@@ -2043,6 +2051,8 @@ static void att_query_kernel(Emit *e, const Att *A, AttMode mode, int out, int64
   ec_leave(&e->core);
   if (mode == ATT_DQ)
     ec_line(&e->core, "float acc[%d][%d], lr[%d], sr[%d];", rw, A->dpl, rw, rw);
+  else if (mode == ATT_STATS)
+    ec_line(&e->core, "float m[%d], l[%d];", rw, rw);
   else
     ec_line(&e->core, "float m[%d], l[%d], acc[%d][%d];", rw, rw, rw, A->dpl);
   if (A->has_doc)
@@ -2062,9 +2072,11 @@ static void att_query_kernel(Emit *e, const Att *A, AttMode mode, int out, int64
   }
   if (A->has_doc)
     ec_line(&e->core, "di[rr] = i < %lld ? %s[b * %lld + i] : 0;", (long long)t, ptr(e, A->doc), (long long)t);
-  ec_line(&e->core, "#pragma unroll");
-  ec_line(&e->core, "for (int t = 0; t < %d; t++)", A->dpl);
-  ec_line(&e->core, "  acc[rr][t] = 0.0f;");
+  if (mode != ATT_STATS) {
+    ec_line(&e->core, "#pragma unroll");
+    ec_line(&e->core, "for (int t = 0; t < %d; t++)", A->dpl);
+    ec_line(&e->core, "  acc[rr][t] = 0.0f;");
+  }
   ec_leave(&e->core);
   if (A->causal)
     ec_line(&e->core, "const %s kend = q0 + %d < %lld ? q0 + %d : %lld;", ixt, bq, (long long)t, bq, (long long)t);
@@ -2076,7 +2088,8 @@ static void att_query_kernel(Emit *e, const Att *A, AttMode mode, int out, int64
   ec_line(&e->core, "const int jj = u / %lld, c = u %% %lld;", (long long)d, (long long)d);
   ec_line(&e->core, "const bool in = k0 + jj < %lld;", (long long)t);
   ec_line(&e->core, "Ks[jj][c] = in ? %s : 0.0f;", att_in(e, A, at_row(e, A->k, A, "k0 + jj", "c")));
-  ec_line(&e->core, "Vs[jj][c] = in ? %s : 0.0f;", att_in(e, A, at_row(e, A->v, A, "k0 + jj", "c")));
+  if (mode != ATT_STATS)
+    ec_line(&e->core, "Vs[jj][c] = in ? %s : 0.0f;", att_in(e, A, at_row(e, A->v, A, "k0 + jj", "c")));
   ec_leave(&e->core);
   if (A->has_doc) {
     ec_line(&e->core, "if (threadIdx.x < %d)", ATT_BK);
@@ -2124,18 +2137,19 @@ static void att_query_kernel(Emit *e, const Att *A, AttMode mode, int out, int64
     ec_line(&e->core, "const float p = ok ? expf(s - mn) : 0.0f;");
     ec_line(&e->core, "l[rr] = l[rr] * corr + mdl_warp_sumf(p);");
     ec_line(&e->core, "m[rr] = mn;");
-    ec_line(&e->core, "#pragma unroll");
-    ec_line(&e->core, "for (int t = 0; t < %d; t++)", A->dpl);
-    ec_line(&e->core, "  acc[rr][t] *= corr;");
-    // The forward's P V reads e rounded (l does not); the backward's dout . out sums exact P (mdl.h).
-    bool round_e = A->bf16 && mode == ATT_FWD;
-    if (round_e)
-      ec_line(&e->core, "const float pr = mdl_bf16_to_f32(mdl_f32_to_bf16(p)); // P V reads e rounded, l does not");
-    ec_line(&e->core, "#pragma unroll 4");
-    ec_enter(&e->core, "for (int jj = 0; jj < %d; jj++)", ATT_BK);
-    ec_line(&e->core, "const float pj = __shfl_sync(MDL_FULL, %s, jj);", round_e ? "pr" : "p");
-    lanes_stmt(e, A, "acc[rr][t] += pj * Vs[jj][lane + 32 * t];");
-    ec_leave(&e->core);
+    if (pv) {
+      ec_line(&e->core, "#pragma unroll");
+      ec_line(&e->core, "for (int t = 0; t < %d; t++)", A->dpl);
+      ec_line(&e->core, "  acc[rr][t] *= corr;");
+      // P V reads e rounded (l does not; mdl.h)
+      if (A->bf16)
+        ec_line(&e->core, "const float pr = mdl_bf16_to_f32(mdl_f32_to_bf16(p)); // P V reads e rounded, l does not");
+      ec_line(&e->core, "#pragma unroll 4");
+      ec_enter(&e->core, "for (int jj = 0; jj < %d; jj++)", ATT_BK);
+      ec_line(&e->core, "const float pj = __shfl_sync(MDL_FULL, %s, jj);", A->bf16 ? "pr" : "p");
+      lanes_stmt(e, A, "acc[rr][t] += pj * Vs[jj][lane + 32 * t];");
+      ec_leave(&e->core);
+    }
   }
   ec_leave(&e->core);
   ec_leave(&e->core);
@@ -2145,24 +2159,11 @@ static void att_query_kernel(Emit *e, const Att *A, AttMode mode, int out, int64
   ec_line(&e->core, "if (i >= %lld)", (long long)t);
   ec_line(&e->core, "  continue;");
   const char *o = out >= 0 && (mode != ATT_FWD || e->out_f32) ? ptr(e, out) : NULL;
-  if (mode == ATT_STATS) {
-    if (sp) {
-      ec_line(&e->core, "float dd = 0.0f;");
-      ec_line(&e->core, "#pragma unroll");
-      ec_enter(&e->core, "for (int t = 0; t < %d; t++)", A->dpl);
-      ec_line(&e->core, "const int c = lane + 32 * t;");
-      if (guard)
-        ec_line(&e->core, "if (c < %lld)", (long long)d);
-      ec_line(&e->core, "%sdd += %s * (acc[rr][t] / l[rr]);", guard ? "  " : "", att_elem(e, A, A->dout, "i", "c"));
-      ec_leave(&e->core);
-      ec_line(&e->core, "dd = mdl_warp_sumf(dd);");
-    }
-    ec_enter(&e->core, "if (lane == 0)");
-    ec_line(&e->core, "%s[(b * %lld + hd) * %lld + i] = m[rr] + logf(l[rr]);", lp, (long long)A->heads, (long long)t);
-    if (sp)
-      ec_line(&e->core, "%s[(b * %lld + hd) * %lld + i] = dd;", sp, (long long)A->heads, (long long)t);
-    ec_leave(&e->core);
-  } else {
+  if (mode != ATT_DQ && lp)
+    ec_line(&e->core, "if (lane == 0)");
+  if (mode != ATT_DQ && lp)
+    ec_line(&e->core, "  %s[(b * %lld + hd) * %lld + i] = m[rr] + logf(l[rr]);", lp, (long long)A->heads, (long long)t);
+  if (mode != ATT_STATS) {
     ec_line(&e->core, "#pragma unroll");
     ec_enter(&e->core, "for (int t = 0; t < %d; t++)", A->dpl);
     ec_line(&e->core, "const int c = lane + 32 * t;");
@@ -2388,6 +2389,14 @@ static void att_mma_kernel(Emit *e, const Att *A, int out) {
   ec_line(&e->core, "l0 += __shfl_xor_sync(MDL_FULL, l0, 2);");
   ec_line(&e->core, "l1 += __shfl_xor_sync(MDL_FULL, l1, 1);");
   ec_line(&e->core, "l1 += __shfl_xor_sync(MDL_FULL, l1, 2);");
+  if (A->lse >= 0) {
+    ec_line(&e->core, "// The rows' log-sum-exp, which the backward reads (lane tq = 0 writes its rows').");
+    for (int r = 0; r < 2; r++) {
+      ec_line(&e->core, "if (tq == 0 && r%d < %lld)", r, (long long)t);
+      ec_line(&e->core, "  %s[(b * %lld + hd) * %lld + r%d] = m%d + logf(l%d);", ptr(e, A->lse), (long long)A->heads,
+              (long long)t, r, r, r);
+    }
+  }
   const char *o = e->out_f32 ? ptr(e, out) : NULL;
   ec_line(&e->core, "#pragma unroll");
   ec_enter(&e->core, "for (int n = 0; n < %d; n++)", ntiles);
@@ -2408,36 +2417,53 @@ static void att_mma_kernel(Emit *e, const Att *A, int out) {
   kend(e, A->nb * A->heads * nqt, 128);
 }
 
-// ATTENTION forward: on tensor cores where att_mma allows, else on CUDA cores (att_query_kernel).
+// ATTENTION forward: on tensor cores where att_mma allows, else on CUDA cores (att_query_kernel); with
+// its ATTENTION_LSE (rule 3 of fuse.c) it stores the rows' log-sum-exp as well. An ATTENTION_LSE alone
+// (no fusion) computes the scores and their statistics only.
 static void emit_attention(Emit *e, int gi) {
-  int a = e->core.groups[gi].mem[0];
-  const IrNode *nd = ec_node(&e->core, a);
-  Att A = att_of(nd);
+  const Group *gr = &e->core.groups[gi];
+  int a = -1, lse = -1;
+  for (int i = 0; i < gr->nmem; i++) {
+    if (ec_node(&e->core, gr->mem[i])->op == OP_ATTENTION)
+      a = gr->mem[i];
+    else
+      lse = gr->mem[i];
+  }
+  const IrNode *nd = ec_node(&e->core, gr->mem[0]);
+  Att A = att_of(e, nd);
   A.q = rows_of(e, nd->in[0]);
   A.k = rows_of(e, nd->in[1]);
   A.v = rows_of(e, nd->in[2]);
   A.doc = A.has_doc ? ec_need(&e->core, nd->in[3]) : -1;
+  A.lse = lse;
   flush(e);
-  e->nout_cast = ec_output_casts(&e->core, a, e->out_cast, 4, &e->out_f32);
-  if (e->out_f32 && ec_offset(&e->core, a) < 0)
+  e->nout_cast = a >= 0 ? ec_output_casts(&e->core, a, e->out_cast, 4, &e->out_f32) : 0;
+  if (a >= 0 && e->out_f32 && ec_offset(&e->core, a) < 0)
     e->core.scratch[a] = true;
+  if (lse >= 0 && ec_offset(&e->core, lse) < 0)
+    e->core.scratch[lse] = true;
   ec_phase_begin(&e->core);
-  if (att_mma(&A))
+  if (a < 0)
+    att_query_kernel(e, &A, ATT_STATS, -1, -1);
+  else if (att_mma(&A))
     att_mma_kernel(e, &A, a);
   else
-    att_query_kernel(e, &A, ATT_FWD, a, -1, -1);
-  if (e->out_f32)
+    att_query_kernel(e, &A, ATT_FWD, a, -1);
+  if (a >= 0 && e->out_f32)
     ec_phase_done(&e->core, a);
   for (int k = 0; k < e->nout_cast; k++)
     ec_phase_done(&e->core, e->out_cast[k]);
+  if (lse >= 0)
+    ec_phase_done(&e->core, lse);
   ec_phase_end(&e->core);
   e->nout_cast = 0;
+  e->out_f32 = false;
 }
 
 // dk and dv: one warp per (batch, head, tile of 32 keys), a key per lane, the query rows that may
 // see the tile taken in order through shared tiles; each key's sums are its lane's alone. bf16: q, k,
 // v and dout rounded as they are staged, dk reads dS rounded and dv reads P rounded.
-static void att_key_kernel(Emit *e, const Att *A, int dk, int dv, int64_t lse, int64_t dsum) {
+static void att_key_kernel(Emit *e, const Att *A, int dk, int dv, int64_t dsum) {
   const char *ixt = e->core.ixt;
   int64_t d = A->d, t = A->nt, nkt = (t + ATT_BK - 1) / ATT_BK;
   int64_t kv = 2 * ATT_BK * (d + 1) * 4 + ATT_BK * 4;
@@ -2459,7 +2485,7 @@ static void att_key_kernel(Emit *e, const Att *A, int dk, int dv, int64_t lse, i
     ec_line(&e->core, "__shared__ float Vs[%d][%lld], Ss[%d];", ATT_BK, (long long)d + 1, bq);
   if (A->has_doc)
     ec_line(&e->core, "__shared__ int32_t Dk[%d], Dq[%d];", ATT_BK, bq);
-  const char *lp = raw_ptr(e, lse, "float", "log-sum-exp per row");
+  const char *lp = ptr(e, A->lse);
   const char *sp = dk >= 0 ? raw_ptr(e, dsum, "float", "dout . out per row") : NULL;
   ec_line(&e->core, "const int lane = threadIdx.x;");
   ec_line(&e->core, "const %s b = blockIdx.x / %lld, hd = blockIdx.x / %lld %% %lld, k0 = blockIdx.x %% %lld * %d;",
@@ -2657,16 +2683,15 @@ static const char *att_mma_colb(Emit *e, const char *xs) {
                           "(%s[j + 8][c >> 1] >> sh & 0xffffu) | (%s[j + 9][c >> 1] >> sh) << 16}", xs, xs, xs, xs);
 }
 
-// The set-up of a block of the backward by query tile on tensor cores (the row statistics and dq): a
-// block of 4 warps per (batch, head, 64 queries), 16 query rows per warp, with Q (and dout when dout)
-// as mma A fragments in registers.
-static void att_mma_query_rows(Emit *e, const Att *A, bool dout) {
+// The set-up of a block of the backward by query tile on tensor cores (dq): a block of 4 warps per
+// (batch, head, 64 queries), 16 query rows per warp, with Q and dout as mma A fragments in registers.
+static void att_mma_query_rows(Emit *e, const Att *A) {
   const char *ixt = e->core.ixt;
   int64_t t = A->nt, nqt = (t + ATT_MMA_BQ - 1) / ATT_MMA_BQ;
   e->shared = (int)att_mma_bwd_shared(A, false);
   long long pairs = A->d / 2 + 4;
-  ec_line(&e->core, "__shared__ uint32_t Ks[%d][%lld]%s; // the tile's keys%s, bf16 pairs", ATT_MMA_BK, pairs,
-          dout ? ec_str(&e->core, ", Vs[%d][%lld]", ATT_MMA_BK, pairs) : "", dout ? " and values" : "");
+  ec_line(&e->core, "__shared__ uint32_t Ks[%d][%lld], Vs[%d][%lld]; // the tile's keys and values, bf16 pairs",
+          ATT_MMA_BK, pairs, ATT_MMA_BK, pairs);
   if (A->has_doc)
     ec_line(&e->core, "__shared__ int32_t Dk[%d];", ATT_MMA_BK);
   ec_line(&e->core, "const int w = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tq = lane & 3;");
@@ -2679,20 +2704,17 @@ static void att_mma_query_rows(Emit *e, const Att *A, bool dout) {
           ATT_MMA_BQ);
   ec_line(&e->core, "// The lane's query rows: r0 (accumulators 0 and 1 of a tile) and r1 (2 and 3).");
   ec_line(&e->core, "const %s r0 = q0 + 16 * w + g, r1 = r0 + 8;", ixt);
-  ec_line(&e->core, "// Q%s as the A fragments of the k16 steps over the channels, rounded once; 0 beyond T.",
-          dout ? " and dout" : "");
+  ec_line(&e->core, "// Q and dout as the A fragments of the k16 steps over the channels, rounded once; 0 beyond T.");
   att_mma_frags(e, A, A->q, "qa");
-  if (dout)
-    att_mma_frags(e, A, A->dout, "oa");
+  att_mma_frags(e, A, A->dout, "oa");
   if (A->has_doc)
     ec_line(&e->core, "const int32_t d0 = r0 < %lld ? %s[b * %lld + r0] : 0, d1 = r1 < %lld ? %s[b * %lld + r1] : 0;",
             (long long)t, ptr(e, A->doc), (long long)t, (long long)t, ptr(e, A->doc), (long long)t);
 }
 
 // Opens the loop over the key tiles of the block's queries (att_mma_query_rows): stages the tile, and
-// leaves S = Q K^T (scaled, -inf where the row may not see the key) in s and, when dout, dP = dout V^T
-// in dp.
-static void att_mma_query_tiles(Emit *e, const Att *A, bool dout) {
+// leaves S = Q K^T (scaled, -inf where the row may not see the key) in s and dP = dout V^T in dp.
+static void att_mma_query_tiles(Emit *e, const Att *A) {
   const char *ixt = e->core.ixt;
   int64_t t = A->nt;
   if (A->causal)
@@ -2702,16 +2724,15 @@ static void att_mma_query_tiles(Emit *e, const Att *A, bool dout) {
     ec_line(&e->core, "const %s kend = %lld;", ixt, (long long)t);
   ec_enter(&e->core, "for (%s k0 = 0; k0 < kend; k0 += %d)", ixt, ATT_MMA_BK);
   ec_line(&e->core, "__syncthreads();");
-  att_mma_stage(e, A, "k0", A->k, "Ks", A->v, dout ? "Vs" : NULL);
+  att_mma_stage(e, A, "k0", A->k, "Ks", A->v, "Vs");
   if (A->has_doc) {
     ec_line(&e->core, "if (threadIdx.x < %d)", ATT_MMA_BK);
     ec_line(&e->core, "  Dk[threadIdx.x] = k0 + threadIdx.x < %lld ? %s[b * %lld + k0 + threadIdx.x] : 0;",
             (long long)t, ptr(e, A->doc), (long long)t);
   }
   ec_line(&e->core, "__syncthreads();");
-  ec_line(&e->core, "// S = Q K^T (scaled)%s: tile n holds keys k0 + 8 n .. k0 + 8 n + 7.",
-          dout ? " and dP = dout V^T" : "");
-  att_mma_scores(e, A, "qa", "Ks", dout ? "oa" : NULL, "Vs");
+  ec_line(&e->core, "// S = Q K^T (scaled) and dP = dout V^T: tile n holds keys k0 + 8 n .. k0 + 8 n + 7.");
+  att_mma_scores(e, A, "qa", "Ks", "oa", "Vs");
   const char *edge = A->has_doc ? NULL
                      : A->causal ? ec_str(&e->core, "k0 + %d > %lld || k0 + %d > q0 + 16 * w", ATT_MMA_BK,
                                           (long long)t, ATT_MMA_BK - 1)
@@ -2723,60 +2744,31 @@ static void att_mma_query_tiles(Emit *e, const Att *A, bool dout) {
   att_mma_mask(e, A, edge, ij, "Dk[j - k0]", "(x < 2 ? d0 : d1)", false);
 }
 
-// The backward's row statistics on tensor cores (att_mma_bwd): the forward's log-sum-exp of each row
-// again and, when dsum >= 0, D = sum_j P dP (mdl.h) with dP = dout V^T; blocks as dq's. S and dP by
-// mma, the online softmax over the quad of lanes that holds a row as in the forward: e = exp(S - m)
-// unrounded into l and, times dP, into the lane's part of D; lse = m + log l, D = D / l. S here is
-// the S of the dq and dk, dv kernels to the bit (the same fragments, the same order of products).
-static void att_mma_stats_kernel(Emit *e, const Att *A, int64_t lse, int64_t dsum) {
-  int64_t t = A->nt, nqt = (t + ATT_MMA_BQ - 1) / ATT_MMA_BQ;
-  bool dd = dsum >= 0;
-  kbegin(e, "stats");
-  note(e, "attention backward, row statistics on tensor cores: B %lld, T %lld, %lld heads of %lld%s%s; a block of 4 "
-          "warps per (batch, head, %d queries), 16 query rows per warp, keys in tiles of %d; bf16 products (mma "
-          "m16n8k16), f32 softmax",
-       (long long)A->nb, (long long)t, (long long)A->heads, (long long)A->d, A->causal ? ", causal" : "",
-       A->has_doc ? ", within documents" : "", ATT_MMA_BQ, ATT_MMA_BK);
-  att_mma_query_rows(e, A, dd);
-  ec_line(&e->core, "// Per row: the running maximum m and this lane's parts of the sum l%s.", dd ? " and of D" : "");
-  ec_line(&e->core, "float m0 = -MDL_INF, m1 = -MDL_INF, l0 = 0.0f, l1 = 0.0f%s;", dd ? ", D0 = 0.0f, D1 = 0.0f" : "");
-  att_mma_query_tiles(e, A, dd);
-  att_mma_online_max(e);
-  if (dd) {
-    ec_line(&e->core, "D0 *= c0;");
-    ec_line(&e->core, "D1 *= c1;");
-  }
-  ec_line(&e->core, "#pragma unroll");
-  ec_enter(&e->core, "for (int n = 0; n < %d; n++)", ATT_MMA_BK / 8);
-  ec_line(&e->core, "const float e0 = expf(s[n][0] - z0), e1 = expf(s[n][1] - z0);");
-  ec_line(&e->core, "const float e2 = expf(s[n][2] - z1), e3 = expf(s[n][3] - z1);");
-  ec_line(&e->core, "l0 += e0 + e1;");
-  ec_line(&e->core, "l1 += e2 + e3;");
-  if (dd) {
-    ec_line(&e->core, "D0 += e0 * dp[n][0] + e1 * dp[n][1];");
-    ec_line(&e->core, "D1 += e2 * dp[n][2] + e3 * dp[n][3];");
-  }
-  ec_leave(&e->core);
-  ec_leave(&e->core);
-  ec_line(&e->core, "// The sums of the quad's four parts; lane tq = 0 writes its rows'.");
-  for (int r = 0; r < 2; r++)
-    for (int x = 1; x <= 2; x++) {
-      ec_line(&e->core, "l%d += __shfl_xor_sync(MDL_FULL, l%d, %d);", r, r, x);
-      if (dd)
-        ec_line(&e->core, "D%d += __shfl_xor_sync(MDL_FULL, D%d, %d);", r, r, x);
-    }
-  const char *lp = raw_ptr(e, lse, "float", "log-sum-exp per row");
-  const char *sp = dd ? raw_ptr(e, dsum, "float", "dout . out per row") : NULL;
-  for (int r = 0; r < 2; r++) {
-    ec_enter(&e->core, "if (tq == 0 && r%d < %lld)", r, (long long)t);
-    ec_line(&e->core, "%s[(b * %lld + hd) * %lld + r%d] = m%d + logf(l%d);", lp, (long long)A->heads, (long long)t, r,
-            r, r);
-    if (dd)
-      ec_line(&e->core, "%s[(b * %lld + hd) * %lld + r%d] = D%d / l%d;", sp, (long long)A->heads, (long long)t, r, r,
-              r);
-    ec_leave(&e->core);
-  }
-  kend(e, A->nb * A->heads * nqt, 128);
+// D = dout . out for each row of each head (mdl.h: both as the backward reads them, a bf16 CAST
+// widened or an f32 value rounded when the products are bf16), which dS = P (dP - D) subtracts in the
+// dq and dk kernels: a warp per (batch, row, head), a channel per lane.
+static void att_dsum_kernel(Emit *e, const Att *A, int64_t dsum) {
+  const char *ixt = e->core.ixt;
+  int64_t rows = A->nb * A->nt * A->heads;
+  kbegin(e, "dsum");
+  note(e, "attention backward, D = dout . out: B %lld, T %lld, %lld heads of %lld; a warp per row of a head",
+       (long long)A->nb, (long long)A->nt, (long long)A->heads, (long long)A->d);
+  const char *sp = raw_ptr(e, dsum, "float", "dout . out per row");
+  ec_line(&e->core, "const %s u = (%s)blockIdx.x * 8 + (threadIdx.x >> 5);", ixt, ixt);
+  ec_line(&e->core, "const int lane = threadIdx.x & 31;");
+  ec_line(&e->core, "if (u >= %lld)", (long long)rows);
+  ec_line(&e->core, "  return; // the whole warp");
+  ec_line(&e->core, "const %s b = u / %lld, i = u / %lld %% %lld, hd = u %% %lld;", ixt, (long long)(A->nt * A->heads),
+          (long long)A->heads, (long long)A->nt, (long long)A->heads);
+  ec_line(&e->core, "float dd = 0.0f;");
+  char stmt[512];
+  snprintf(stmt, sizeof stmt, "dd += %s * %s;", att_elem(e, A, A->dout, "i", "lane + 32 * t"),
+           att_elem(e, A, A->o, "i", "lane + 32 * t"));
+  lanes_stmt(e, A, stmt);
+  ec_line(&e->core, "dd = mdl_warp_sumf(dd);");
+  ec_line(&e->core, "if (lane == 0)");
+  ec_line(&e->core, "  %s[(b * %lld + hd) * %lld + i] = dd;", sp, (long long)A->heads, (long long)A->nt);
+  kend(e, (rows + 7) / 8, 256);
 }
 
 // dq on tensor cores (att_mma_bwd), FlashAttention-2's backward by query tile: a block of 4 warps per
@@ -2784,7 +2776,7 @@ static void att_mma_stats_kernel(Emit *e, const Att *A, int64_t lse, int64_t dsu
 // keys and values staged in shared tiles of 64 as bf16; S = Q K^T and dP = dout V^T by mma, P =
 // exp(S - lse), dS = P (dP - D) in f32; rounded, the dS accumulators of two adjacent n8 tiles are the
 // A fragment of one k16 step of dq += dS K; dq = scale dq.
-static void att_mma_dq_kernel(Emit *e, const Att *A, int out, int64_t lse, int64_t dsum) {
+static void att_mma_dq_kernel(Emit *e, const Att *A, int out, int64_t dsum) {
   int64_t d = A->d, t = A->nt, nqt = (t + ATT_MMA_BQ - 1) / ATT_MMA_BQ;
   int ntiles = (int)(d / 8);
   kbegin(e, "dq");
@@ -2792,8 +2784,8 @@ static void att_mma_dq_kernel(Emit *e, const Att *A, int out, int64_t lse, int64
           "(batch, head, %d queries), 16 query rows per warp, keys in tiles of %d; bf16 products (mma m16n8k16)",
        (long long)A->nb, (long long)t, (long long)A->heads, (long long)d, A->causal ? ", causal" : "",
        A->has_doc ? ", within documents" : "", ATT_MMA_BQ, ATT_MMA_BK);
-  att_mma_query_rows(e, A, true);
-  const char *lp = raw_ptr(e, lse, "float", "log-sum-exp per row");
+  att_mma_query_rows(e, A);
+  const char *lp = ptr(e, A->lse);
   const char *sp = raw_ptr(e, dsum, "float", "dout . out per row");
   for (int r = 0; r < 2; r++)
     ec_line(&e->core, "const float l%d = r%d < %lld ? %s[(b * %lld + hd) * %lld + r%d] : 0.0f, "
@@ -2804,7 +2796,7 @@ static void att_mma_dq_kernel(Emit *e, const Att *A, int out, int64_t lse, int64
   ec_line(&e->core, "#pragma unroll");
   ec_line(&e->core, "for (int n = 0; n < %d; n++)", ntiles);
   ec_line(&e->core, "  acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;");
-  att_mma_query_tiles(e, A, true);
+  att_mma_query_tiles(e, A);
   ec_line(&e->core, "// P = exp(S - lse), dS = P (dP - D); rounded, tiles 2 k and 2 k + 1 of dS are the A fragment");
   ec_line(&e->core, "// of step k of dq += dS K, whose B fragment is keys 16 k + 2 tq, + 1 and 8 further of");
   ec_line(&e->core, "// channel 8 n + g.");
@@ -2845,7 +2837,7 @@ static void att_mma_dq_kernel(Emit *e, const Att *A, int out, int64_t lse, int64
 // S^T = K Q^T and dP^T = V dout^T by mma, P^T = exp(S^T - lse), dS^T = P^T (dP^T - D) in f32; rounded,
 // the accumulators of two adjacent n8 tiles are the A fragments of one k16 step of dv += P^T dout and
 // dk += dS^T Q; dk = scale dk.
-static void att_mma_dkv_kernel(Emit *e, const Att *A, int dk, int dv, int64_t lse, int64_t dsum) {
+static void att_mma_dkv_kernel(Emit *e, const Att *A, int dk, int dv, int64_t dsum) {
   const char *ixt = e->core.ixt;
   int64_t d = A->d, t = A->nt, nkt = (t + ATT_MMA_BK - 1) / ATT_MMA_BK;
   int ntiles = (int)(d / 8);
@@ -2875,7 +2867,7 @@ static void att_mma_dkv_kernel(Emit *e, const Att *A, int dk, int dv, int64_t ls
   if (A->has_doc)
     ec_line(&e->core, "const int32_t d0 = r0 < %lld ? %s[b * %lld + r0] : 0, d1 = r1 < %lld ? %s[b * %lld + r1] : 0;",
             (long long)t, ptr(e, A->doc), (long long)t, (long long)t, ptr(e, A->doc), (long long)t);
-  const char *lp = raw_ptr(e, lse, "float", "log-sum-exp per row");
+  const char *lp = ptr(e, A->lse);
   const char *sp = dk >= 0 ? raw_ptr(e, dsum, "float", "dout . out per row") : NULL;
   ec_line(&e->core, "const int sh = (g & 1) * 16; // channel 8 n + g: the half of its pair");
   ec_line(&e->core, "float %s; // channels 8 n .. 8 n + 7",
@@ -2967,44 +2959,43 @@ static void att_mma_dkv_kernel(Emit *e, const Att *A, int dk, int dv, int64_t ls
   kend(e, A->nb * A->heads * nkt, 128);
 }
 
-// ATTENTION_BWD siblings: the row statistics (log-sum-exp, dout . out) by a forward pass, then dq per
-// query tile and dk, dv per key tile (on tensor cores where att_mma_bwd allows), each recomputing the
-// probabilities from the statistics. bf16:
-// every kernel reads q, k, v and dout rounded, dq and dk read dS rounded, dv reads P rounded; the
-// statistics' D = bf(dout) . out sums exact P (mdl.h).
+// ATTENTION_BWD siblings, from the forward's log-sum-exp per row (ATTENTION_LSE): D = dout . out per
+// row, then dq per query tile and dk, dv per key tile (on tensor cores where att_mma_bwd allows), each
+// recomputing the probabilities P = exp(S - lse). bf16: every kernel reads q, k, v and dout rounded,
+// dq and dk read dS rounded, dv reads P rounded, D reads dout and out rounded (mdl.h).
 static void emit_attention_bwd(Emit *e, int gi) {
   const Group *gr = &e->core.groups[gi];
   const IrNode *nd = ec_node(&e->core, gr->mem[0]);
   int out[3] = {-1, -1, -1};
   for (int i = 0; i < gr->nmem; i++)
     out[ec_node(&e->core, gr->mem[i])->ia[3]] = gr->mem[i];
-  Att A = att_of(nd);
+  Att A = att_of(e, nd);
   A.q = rows_of(e, nd->in[0]);
   A.k = rows_of(e, nd->in[1]);
   A.v = rows_of(e, nd->in[2]);
   A.doc = A.has_doc ? ec_need(&e->core, nd->in[3]) : -1;
-  A.dout = rows_of(e, nd->in[A.has_doc ? 4 : 3]);
+  A.dout = rows_of(e, att_bwd_dout(nd));
+  A.lse = ec_need(&e->core, att_bwd_lse(nd));
+  bool ds = out[0] >= 0 || out[1] >= 0; // dq and dk need dS = P (dP - D); dv only P
+  if (ds)
+    A.o = rows_of(e, att_bwd_out(nd));
   flush(e);
   for (int i = 0; i < 3; i++)
     if (out[i] >= 0 && ec_offset(&e->core, out[i]) < 0)
       e->core.scratch[out[i]] = true;
-  bool ds = out[0] >= 0 || out[1] >= 0; // dq and dk need dS = P (dP - dout . out); dv only P
-  int64_t rows = A.nb * A.heads * A.nt;
-  int64_t lse = scratch_alloc(e, rows * 4), dsum = ds ? scratch_alloc(e, rows * 4) : -1;
+  int64_t dsum = ds ? scratch_alloc(e, A.nb * A.heads * A.nt * 4) : -1;
   ec_phase_begin(&e->core);
   bool mma = att_mma_bwd(&A);
-  if (mma)
-    att_mma_stats_kernel(e, &A, lse, dsum);
-  else
-    att_query_kernel(e, &A, ATT_STATS, -1, lse, dsum);
+  if (ds)
+    att_dsum_kernel(e, &A, dsum);
   if (out[0] >= 0 && mma)
-    att_mma_dq_kernel(e, &A, out[0], lse, dsum);
+    att_mma_dq_kernel(e, &A, out[0], dsum);
   else if (out[0] >= 0)
-    att_query_kernel(e, &A, ATT_DQ, out[0], lse, dsum);
+    att_query_kernel(e, &A, ATT_DQ, out[0], dsum);
   if ((out[1] >= 0 || out[2] >= 0) && mma)
-    att_mma_dkv_kernel(e, &A, out[1], out[2], lse, dsum);
+    att_mma_dkv_kernel(e, &A, out[1], out[2], dsum);
   else if (out[1] >= 0 || out[2] >= 0)
-    att_key_kernel(e, &A, out[1], out[2], lse, dsum);
+    att_key_kernel(e, &A, out[1], out[2], dsum);
   for (int i = 0; i < 3; i++)
     if (out[i] >= 0)
       ec_phase_done(&e->core, out[i]);
@@ -3461,6 +3452,7 @@ static void emit_group(Emit *e, int gi, const bool *emitted) {
   const Group *gr = &e->core.groups[gi];
   switch (gr->kind) {
   case G_NORM_BWD: emit_norm_bwd(e, gi, emitted); return;
+  case G_ATTN: emit_attention(e, gi); return;
   case G_ATTN_BWD: emit_attention_bwd(e, gi); return;
   case G_CE: emit_ce(e, gi); return;
   case G_LMHEAD: emit_lmhead(e, gi); return;
@@ -3473,7 +3465,6 @@ static void emit_group(Emit *e, int gi, const bool *emitted) {
   case OP_SUM: case OP_MEAN: case OP_MAX: emit_reduce(e, gi, emitted); return;
   case OP_LAYERNORM: case OP_RMSNORM: emit_norm_fwd(e, gi, emitted); return;
   case OP_SOFTMAX: case OP_SOFTMAX_BWD: emit_softmax(e, gi, emitted); return;
-  case OP_ATTENTION: emit_attention(e, gi); return;
   case OP_EMBED: emit_embed(e, gi); return;
   case OP_EMBED_BWD: emit_embed_bwd(e, gi, emitted); return;
   case OP_ROPE: emit_rope(e, gi); return;

@@ -39,7 +39,10 @@
 //     with the same inputs and attributes form one step (row-wise STEP_KERNEL; STEP_ATTENTION),
 //     rooted at "which 0" when present. CROSS_ENTROPY and the CROSS_ENTROPY_BWD nodes on the same
 //     logits and targets form one row-wise STEP_KERNEL rooted at the forward op: the logits'
-//     gradient is produced by the kernel that computes the loss.
+//     gradient is produced by the kernel that computes the loss. An ATTENTION_LSE joins the
+//     ATTENTION with the same inputs and attributes: the forward has the softmax statistics the
+//     backward reads at hand, and stores them as it finishes a row (the one backward node a forward
+//     step holds; the forward-only graph for evaluation has no ATTENTION_LSE).
 //  4. STEP_GEMM: every other MATMUL, with an epilogue: a chain of consumers applied at the GEMM
 //     output's flat index, each reading the previous link at identity. A link may be RESHAPE, a
 //     unary elementwise op or a binary one (ADD SUB MUL DIV *_BWD) whose other operand comes from
@@ -209,7 +212,7 @@ static bool is_cheap(Op op) {
 static StepKind kind_of(Op op) {
   switch (op) {
   case OP_MATMUL: return STEP_GEMM;
-  case OP_ATTENTION: case OP_ATTENTION_BWD: return STEP_ATTENTION;
+  case OP_ATTENTION: case OP_ATTENTION_LSE: case OP_ATTENTION_BWD: return STEP_ATTENTION;
   case OP_GRAD_NORM: case OP_ADAMW: return STEP_OPTIMIZER;
   default: return STEP_KERNEL;
   }
@@ -524,6 +527,16 @@ static bool same_inputs(const IrNode *a, const IrNode *b) {
 
 static int which_of(const IrNode *n) { return (int)(n->op == OP_ATTENTION_BWD ? n->ia[3] : n->ia[0]); }
 
+// Is u the ATTENTION_LSE of attention node n (same inputs and attributes)?
+static bool lse_of(const IrNode *n, const IrNode *u) {
+  if (u->op != OP_ATTENTION_LSE || u->nin != n->nin || u->fa[0] != n->fa[0])
+    return false;
+  for (int k = 0; k < n->nin; k++)
+    if (u->in[k] != n->in[k])
+      return false;
+  return u->ia[0] == n->ia[0] && u->ia[1] == n->ia[1] && u->ia[2] == n->ia[2] && u->ia[4] == n->ia[4];
+}
+
 static void rule_siblings(Fuser *F) {
   Graph *g = F->g;
   for (int i = 0; i < g->n; i++) {
@@ -545,6 +558,13 @@ static void rule_siblings(Fuser *F) {
       for (int k = 0; k < ns; k++)
         if (sib[k] != root && !try_add(F, gi, sib[k]))
           reject(F, root, sib[k], "would make the steps cyclic");
+    } else if (n->op == OP_ATTENTION) {
+      int gi = new_group(F, STEP_ATTENTION, i), q = n->in[0];
+      for (int k = 0; k < F->nusers[q]; k++) {
+        IrNode *u = node(F, F->users[q][k]);
+        if (F->grp[u->id] < 0 && lse_of(n, u) && !try_add(F, gi, u->id))
+          reject(F, i, u->id, "would make the steps cyclic");
+      }
     } else if (n->op == OP_CROSS_ENTROPY) {
       int gi = new_group(F, STEP_KERNEL, i), lg = n->in[0];
       for (int k = 0; k < F->nusers[lg]; k++) {
@@ -978,7 +998,7 @@ static bool attention_slice(const Fuser *F, int r) {
     return false;
   for (int k = 0; k < F->nusers[r]; k++) {
     const IrNode *u = node(F, F->users[r][k]);
-    if (u->op != OP_ATTENTION && u->op != OP_ATTENTION_BWD)
+    if (u->op != OP_ATTENTION && u->op != OP_ATTENTION_LSE && u->op != OP_ATTENTION_BWD)
       return false;
     for (int i = 3; i < u->nin; i++)
       if (u->in[i] == r)
@@ -1051,11 +1071,13 @@ static double node_flops(const Fuser *F, int id) {
   case OP_RMSNORM_BWD: return (n->ia[0] == 0 ? 8 : 2) * x;
   case OP_SOFTMAX: return 4 * e;
   case OP_SOFTMAX_BWD: case OP_CROSS_ENTROPY: case OP_CROSS_ENTROPY_BWD: return 3 * x;
-  case OP_ATTENTION: case OP_ATTENTION_BWD: {
-    Shape q = n->shape;
+  case OP_ATTENTION: case OP_ATTENTION_LSE: case OP_ATTENTION_BWD: {
+    Shape q = node(F, n->in[0])->shape;
     double f = 4.0 * (double)q.d[0] * (double)q.d[1] * (double)q.d[1] * (double)q.d[2];
     if (n->ia[1])
       f /= 2;
+    if (n->op == OP_ATTENTION_LSE) // Q K^T alone; nothing more in the forward's step
+      return F->grp[id] >= 0 && op_of(F, F->groups[F->grp[id]].root) == OP_ATTENTION ? 0 : f / 2;
     return n->op == OP_ATTENTION ? f : 2 * f / 3;
   }
   case OP_ROPE: return 3 * e;
@@ -1141,6 +1163,8 @@ static const char *label(const Fuser *F, int id, bool root, StepKind kind) {
     return "lmhead";
   if (op == OP_MATMUL)
     return "gemm";
+  if (op == OP_ATTENTION_LSE && !root)
+    return "lse";
   if (root && (op == OP_LAYERNORM || op == OP_RMSNORM || op == OP_SOFTMAX || op == OP_CROSS_ENTROPY ||
                op == OP_ATTENTION))
     return arena_printf(F->a, "%s_fwd", op_name(op));
@@ -1178,7 +1202,7 @@ static const char *generic_reason(const Fuser *F, const Fusion *f, int p, int c)
   Op cop = op_of(F, c), pop = op_of(F, p), croot = op_of(F, sc->root);
   if (cop == OP_MATMUL)
     return "consumer is a GEMM (no prologue fusion)";
-  if (cop == OP_ATTENTION || cop == OP_ATTENTION_BWD)
+  if (cop == OP_ATTENTION || cop == OP_ATTENTION_LSE || cop == OP_ATTENTION_BWD)
     return "consumer is attention (its operands come from memory)";
   if (sc->kind == STEP_LMHEAD)
     return "consumer is in the LM-head step (its inputs come from memory)";

@@ -529,22 +529,27 @@ static bool run_cross_entropy(Ctx *c, bool bwd) {
   return ok;
 }
 
-// ATTENTION and ATTENTION_BWD. For each (batch b, head h) the scores s_ij = scale q_i . k_j over
-// the allowed j are turned into probabilities P by a softmax per row i; out_i = sum_j P_ij v_j.
-// The backward: dv_j = sum_i P_ij dout_i; dP_ij = dout_i . v_j; dS_ij = P_ij (dP_ij - sum_j P_ij
-// dP_ij); dq_i = scale sum_j dS_ij k_j; dk_j = scale sum_i dS_ij q_i.
-static void run_attention(Ctx *c, bool bwd) {
+// ATTENTION, ATTENTION_LSE and ATTENTION_BWD. For each (batch b, head h) the scores s_ij = scale
+// q_i . k_j over the allowed j are turned into probabilities P by a softmax per row i; out_i = sum_j
+// P_ij v_j and lse_i = log sum_j exp(s_ij). The backward takes P = exp(s - lse) from the forward's
+// lse: dv_j = sum_i P_ij dout_i; dP_ij = dout_i . v_j; dS_ij = P_ij (dP_ij - D_i) with D_i = dout_i .
+// out_i (the forward's output, = sum_j P_ij dP_ij); dq_i = scale sum_j dS_ij k_j; dk_j = scale
+// sum_i dS_ij q_i.
+typedef enum { ATT_OUT, ATT_LSE, ATT_BWD } AttWhat;
+
+static void run_attention(Ctx *c, AttWhat what) {
   Shape s = c->xn[0]->shape;
   int64_t nb = s.d[0], nt = s.d[1], nc = s.d[2], heads = c->nd->ia[0], d = nc / heads;
-  bool causal = c->nd->ia[1], has_doc = c->nd->ia[2];
-  int which = (int)c->nd->ia[3];
+  bool causal = c->nd->ia[1], has_doc = c->nd->ia[2], bwd = what == ATT_BWD;
+  int which = (int)c->nd->ia[3], nin = c->nd->nin;
   double scale = c->nd->fa[0];
   const double *q = c->x[0], *k = c->x[1], *v = c->x[2];
-  const double *doc = has_doc ? c->x[3] : NULL, *dout = bwd ? c->x[has_doc ? 4 : 3] : NULL;
+  const double *doc = has_doc ? c->x[3] : NULL, *out = bwd ? c->x[nin - 3] : NULL, *lse = bwd ? c->x[nin - 2] : NULL,
+               *dout = bwd ? c->x[nin - 1] : NULL;
   // bf16 (mdl.h): the products read q, k, v rounded; the forward's P V reads e rounded too, and
-  // the backward's read dout, P and dS rounded.
+  // the backward's read dout, P and dS rounded, and D reads dout and out rounded.
   bool bf16 = c->nd->ia[4] == DT_BF16;
-  double *rounded = NULL, *rounded_dout = NULL, *l = xcalloc((size_t)nt, sizeof(double));
+  double *rounded = NULL, *rounded_bwd = NULL, *l = xcalloc((size_t)nt, sizeof(double));
   if (bf16) {
     size_t n = (size_t)(nb * nt * nc);
     rounded = xcalloc(3 * n, sizeof(double));
@@ -555,20 +560,23 @@ static void run_attention(Ctx *c, bool bwd) {
     }
     q = rounded, k = rounded + n, v = rounded + 2 * n;
   }
-  if (bf16 && bwd) { // the backward's products read dout, dS and P rounded as well
+  if (bf16 && bwd) {
     size_t n = (size_t)(nb * nt * nc);
-    double *r = xcalloc(n, sizeof(double));
-    for (size_t i = 0; i < n; i++)
+    double *r = xcalloc(2 * n, sizeof(double));
+    for (size_t i = 0; i < n; i++) {
       r[i] = round_bf16(dout[i]);
-    dout = rounded_dout = r;
+      r[n + i] = round_bf16(out[i]);
+    }
+    dout = rounded_bwd = r, out = r + n;
   }
   double *p = xcalloc((size_t)(nt * nt), sizeof(double));
   double *ds = xcalloc((size_t)(nt * nt), sizeof(double));
   memset(c->y, 0, (size_t)c->n * sizeof(double));
   for (int64_t b = 0; b < nb; b++)
     for (int64_t h = 0; h < heads; h++) {
-      // Element (t, e) of head h in batch b of any [B,T,C] tensor.
+      // Element (t, e) of head h in batch b of any [B,T,C] tensor; row t of the [B,H,T] statistics.
 #define AT(t, e) (((b)*nt + (t)) * nc + h * d + (e))
+#define ROW(t) ((b * heads + h) * nt + (t))
       for (int64_t i = 0; i < nt; i++) {
         double m = -INFINITY, sum = 0;
         for (int64_t j = 0; j < nt; j++) {
@@ -583,13 +591,22 @@ static void run_attention(Ctx *c, bool bwd) {
           p[i * nt + j] = sc;
           m = fmax(m, sc);
         }
+        if (bwd) { // P from the forward's statistics
+          for (int64_t j = 0; j < nt; j++)
+            p[i * nt + j] = p[i * nt + j] == -INFINITY ? 0 : exp(p[i * nt + j] - lse[ROW(i)]);
+          continue;
+        }
         for (int64_t j = 0; j < nt; j++)
           sum += p[i * nt + j] = p[i * nt + j] == -INFINITY ? 0 : exp(p[i * nt + j] - m);
         l[i] = sum;
-        if (bwd || !bf16)
+        if (what == ATT_LSE)
+          c->y[ROW(i)] = m + log(sum);
+        else if (!bf16)
           for (int64_t j = 0; j < nt; j++)
             p[i * nt + j] /= sum;
       }
+      if (what == ATT_LSE)
+        continue;
       if (!bwd) { // bf16: p holds e = exp(S - max), rounded here, divided by l at the end
         for (int64_t i = 0; i < nt; i++) {
           for (int64_t j = 0; j < nt; j++) {
@@ -604,15 +621,14 @@ static void run_attention(Ctx *c, bool bwd) {
       }
       for (int64_t i = 0; i < nt; i++) {
         double dot = 0;
+        for (int64_t e = 0; e < d; e++)
+          dot += dout[AT(i, e)] * out[AT(i, e)];
         for (int64_t j = 0; j < nt; j++) {
           double dp = 0;
           for (int64_t e = 0; e < d; e++)
             dp += dout[AT(i, e)] * v[AT(j, e)];
-          ds[i * nt + j] = dp;
-          dot += p[i * nt + j] * dp;
+          ds[i * nt + j] = p[i * nt + j] * (dp - dot);
         }
-        for (int64_t j = 0; j < nt; j++)
-          ds[i * nt + j] = p[i * nt + j] * (ds[i * nt + j] - dot);
       }
       for (int64_t i = 0; i < nt; i++)
         for (int64_t j = 0; j < nt; j++) {
@@ -628,12 +644,13 @@ static void run_attention(Ctx *c, bool bwd) {
           }
         }
 #undef AT
+#undef ROW
     }
   free(p);
   free(ds);
   free(l);
   free(rounded);
-  free(rounded_dout);
+  free(rounded_bwd);
 }
 
 // ATTENTION in decode mode: q, k, v are the rows [1,1,C] of the token at position p. Its k and v
@@ -783,12 +800,12 @@ static bool run_node(Ctx *c) {
   case OP_ATTENTION:
     if (c->it->decode_len)
       return run_attention_decode(c);
-    run_attention(c, false);
+    run_attention(c, ATT_OUT);
     return true;
-  case OP_ATTENTION_BWD:
+  case OP_ATTENTION_LSE: case OP_ATTENTION_BWD:
     if (c->it->decode_len)
-      return fail(c, "attention_bwd: there is no backward in decode mode");
-    run_attention(c, true);
+      return fail(c, "%s: there is no backward in decode mode", op_name(nd->op));
+    run_attention(c, nd->op == OP_ATTENTION_LSE ? ATT_LSE : ATT_BWD);
     return true;
   case OP_ROPE: run_rope(c); return true;
   case OP_GRAD_NORM: run_grad_norm(c); return true;

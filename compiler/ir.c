@@ -146,8 +146,8 @@ static bool infer(Graph *g, IrNode *n) {
   case OP_SOFTMAX_BWD: case OP_CROSS_ENTROPY: case OP_ROPE: want = 2; break;
   case OP_MAX_BWD: case OP_LAYERNORM: case OP_LAYERNORM_BWD: case OP_RMSNORM_BWD:
   case OP_CROSS_ENTROPY_BWD: want = 3; break;
-  case OP_ATTENTION: want = 3 + (n->ia[2] != 0); break;
-  case OP_ATTENTION_BWD: want = 4 + (n->ia[2] != 0); break;
+  case OP_ATTENTION: case OP_ATTENTION_LSE: want = 3 + (n->ia[2] != 0); break;
+  case OP_ATTENTION_BWD: want = 6 + (n->ia[2] != 0); break;
   case OP_ADAMW: want = 7; break;
   case OP_CONCAT: case OP_GRAD_NORM:
     if (n->nin < 1)
@@ -164,18 +164,20 @@ static bool infer(Graph *g, IrNode *n) {
     bool ids = (n->op == OP_EMBED && i == 1) || (n->op == OP_EMBED_BWD && i == 0) ||
                ((n->op == OP_CROSS_ENTROPY || n->op == OP_CROSS_ENTROPY_BWD) && i == 1) ||
                (n->op == OP_ROPE && i == 1) ||
-               ((n->op == OP_ATTENTION || n->op == OP_ATTENTION_BWD) && n->ia[2] && i == 3);
+               ((n->op == OP_ATTENTION || n->op == OP_ATTENTION_LSE || n->op == OP_ATTENTION_BWD) && n->ia[2] &&
+                i == 3);
     DType dt = g->nodes[n->in[i]]->dtype;
     if (ids && dt != DT_I32)
       return fail(g, "%s: ids must be i32, got %s", name, dtype_name(dt));
     if (!ids && !is_float(dt))
       return fail(g, "%s: expected a float tensor, got %s", name, dtype_name(dt));
     // Rounded values feed GEMMs only (and the products of a bf16 attention backward, through its
-    // dout): every other op computes on f32 (and the back ends load f32).
-    bool dout16 = n->op == OP_ATTENTION_BWD && i == n->nin - 1 && n->ia[4] == DT_BF16 && dt == DT_BF16;
-    if (dt != DT_F32 && dt != DT_I32 && n->op != OP_MATMUL && n->op != OP_CAST && !dout16)
-      return fail(g, "%s: reads a %s value; only matmul, cast and a bf16 attention backward's dout read values "
-                  "narrower than f32", name, dtype_name(dt));
+    // out and dout): every other op computes on f32 (and the back ends load f32).
+    bool att16 = n->op == OP_ATTENTION_BWD && (i == n->nin - 1 || i == n->nin - 3) && n->ia[4] == DT_BF16 &&
+                 dt == DT_BF16;
+    if (dt != DT_F32 && dt != DT_I32 && n->op != OP_MATMUL && n->op != OP_CAST && !att16)
+      return fail(g, "%s: reads a %s value; only matmul, cast and a bf16 attention backward's out and dout read "
+                  "values narrower than f32", name, dtype_name(dt));
   }
   if (layout)
     n->dtype = in[0]->dtype;
@@ -355,7 +357,7 @@ static bool infer(Graph *g, IrNode *n) {
     n->shape = n->op == OP_CROSS_ENTROPY ? t : l;
     return true;
   }
-  case OP_ATTENTION: case OP_ATTENTION_BWD: {
+  case OP_ATTENTION: case OP_ATTENTION_LSE: case OP_ATTENTION_BWD: {
     Shape q = in[0]->shape;
     if (q.rank != 3)
       return fail(g, "attention: q must be [B,T,C], got %s", SHAPE(q));
@@ -370,9 +372,16 @@ static bool infer(Graph *g, IrNode *n) {
         return fail(g, "attention: doc ids %s must be [%lld,%lld]", SHAPE(d), (long long)q.d[0],
                     (long long)q.d[1]);
     }
-    if (n->op == OP_ATTENTION_BWD && !shape_eq(in[n->nin - 1]->shape, q))
-      return fail(g, "attention_bwd: gradient %s does not match %s", SHAPE(in[n->nin - 1]->shape), SHAPE(q));
-    n->shape = q;
+    Shape lse = shape_of(3, (int64_t[]){q.d[0], n->ia[0], q.d[1]});
+    if (n->op == OP_ATTENTION_BWD) {
+      if (!shape_eq(in[n->nin - 1]->shape, q))
+        return fail(g, "attention_bwd: gradient %s does not match %s", SHAPE(in[n->nin - 1]->shape), SHAPE(q));
+      if (!shape_eq(in[n->nin - 3]->shape, q))
+        return fail(g, "attention_bwd: output %s does not match %s", SHAPE(in[n->nin - 3]->shape), SHAPE(q));
+      if (!shape_eq(in[n->nin - 2]->shape, lse))
+        return fail(g, "attention_bwd: lse %s, not %s", SHAPE(in[n->nin - 2]->shape), SHAPE(lse));
+    }
+    n->shape = n->op == OP_ATTENTION_LSE ? lse : q;
     return true;
   }
   case OP_ROPE: {
@@ -589,7 +598,7 @@ void ir_dump(const Graph *g, FILE *f) {
     case OP_LAYERNORM_BWD: case OP_RMSNORM_BWD:
       fprintf(f, " eps=%g which=%lld", n->fa[0], (long long)n->ia[0]);
       break;
-    case OP_ATTENTION: case OP_ATTENTION_BWD:
+    case OP_ATTENTION: case OP_ATTENTION_LSE: case OP_ATTENTION_BWD:
       fprintf(f, " heads=%lld%s%s scale=%g", (long long)n->ia[0], n->ia[1] ? " causal" : "",
               n->ia[2] ? " doc" : "", n->fa[0]);
       if (n->op == OP_ATTENTION_BWD)

@@ -125,12 +125,17 @@ typedef struct {
      ia[4] = DT_BF16 (set by the precision pass): S = scale * bf(q) bf(k)^T summed in f32,         \
      e = exp(S - rowmax), out = sum_j bf(e_j) bf(v_j) / sum_j e_j (bf = round to bf16); the        \
      backward is softmax's with its products on bf16 operands: dP = bf(dout) bf(v)^T,             \
-     P = e / sum e (exact), D = sum_j P dP (so sum_j dS = 0: a bias on every key gets no gradient), \
-     dS = P (dP - D), dq = scale bf(dS) bf(k), dk = scale bf(dS)^T bf(q), dv = bf(P)^T bf(dout).     \
-     ia[4] = DT_F32: no rounding. */                                                               \
+     P = exp(S - lse) (exact; lse from ATTENTION_LSE), D = bf(dout) . bf(out) per row (the        \
+     forward's output: sum_j P dP up to the rounding of out), dS = P (dP - D), dq = scale bf(dS)   \
+     bf(k), dk = scale bf(dS)^T bf(q), dv = bf(P)^T bf(dout). ia[4] = DT_F32: no rounding. */      \
   X(ATTENTION, "attention")                                                                        \
-  X(ATTENTION_BWD, "attention_bwd") /* (q, k, v, [doc,] dout); ia[3] which: 0 dq, 1 dk, 2 dv;   \
-     a bf16 one may read dout as a bf16 value (the precision pass's CAST of it) */                 \
+  /* (q, k, v, [doc]) -> f32 [B, heads, T]: lse_i = log sum_j exp(S_ij) over the keys row i may   \
+     see, S as in the forward; attributes as ATTENTION's. The backward's softmax statistics: the  \
+     fusion pass gives it to the forward's step, which has them at hand. */                        \
+  X(ATTENTION_LSE, "attention_lse")                                                                \
+  /* (q, k, v, [doc,] out, lse, dout); ia[3] which: 0 dq, 1 dk, 2 dv; a bf16 one may read out and \
+     dout as bf16 values (the precision pass's CASTs of them) */                                   \
+  X(ATTENTION_BWD, "attention_bwd")                                                                \
   /* rotary embedding, half-split pairs (i, i + D/2) per head: (x [B,T,C], pos i32[B,T]);         \
      ia[0] = heads, ia[1] = inverse (rotate by -angle: the backward); fa[0] = base */              \
   X(ROPE, "rope")                                                                                  \
@@ -220,6 +225,10 @@ int ir_embed_bwd(Graph *g, int ids, int dy, int64_t vocab, SrcLoc loc);
 bool ir_validate(const Graph *g, char *why, size_t n); // false with a reason when broken
 void ir_dump(const Graph *g, FILE *f);
 const char *op_name(Op op);
+// The inputs of an ATTENTION_BWD after q, k, v and the doc ids: the forward's output, its lse, dout.
+static inline int att_bwd_out(const IrNode *n) { return n->in[n->nin - 3]; }
+static inline int att_bwd_lse(const IrNode *n) { return n->in[n->nin - 2]; }
+static inline int att_bwd_dout(const IrNode *n) { return n->in[n->nin - 1]; }
 const char *dtype_name(DType dt);
 int dtype_size(DType dt); // bytes per element in memory: 4 for f32 and i32, 2 for bf16, ...
 // x rounded to the nearest bf16 value, ties to even (NaN stays NaN, overflow goes to inf).

@@ -4,8 +4,8 @@
 // Attention's two products (Q K^T and P V) read bf16 operands as well: the pass marks the ATTENTION
 // and ATTENTION_BWD nodes (ia[4] = DT_BF16; the rounding points are written in mdl.h), so the GPU
 // runs them on tensor cores and every back end rounds at the same places. The attention backward
-// reads its dout only rounded, so it reads it through a CAST too (the value is the same, stored in
-// half the bytes). Nothing else narrows: parameters are f32 master weights updated by AdamW in f32,
+// reads its out and dout only rounded, so it reads them through CASTs too (the value is the same,
+// stored in half the bytes). Nothing else narrows: parameters are f32 master weights updated by AdamW in f32,
 // the moments and gradients are f32, and so are the residual stream, the norms, softmax and the loss.
 //
 // Design. The pass rebuilds the node array once, in order: before the first MATMUL that reads a
@@ -44,18 +44,40 @@ static IrNode *copy_node(Graph *g, const IrNode *o, int id, const int *map) {
 }
 
 // The inputs a node reads only rounded to bf16, and so through a CAST: both of a MATMUL's, and the
-// dout of a bf16 attention backward (mdl.h: each of its products reads bf(dout)). The GEMM that
-// computes dout then stores it rounded, in half the bytes, for the three kernels that read it.
+// out and dout of a bf16 attention backward (mdl.h: its products read bf(dout), D = bf(dout) .
+// bf(out)). The GEMM that computes dout then stores it rounded, in half the bytes, for the kernels
+// that read it; out shares the CAST the output projection's GEMM reads.
 static int rounded_inputs(const IrNode *o, int which[2]) {
   if (o->op == OP_MATMUL && o->nin == 2) {
     which[0] = 0, which[1] = 1;
     return 2;
   }
   if (o->op == OP_ATTENTION_BWD) {
-    which[0] = o->nin - 1;
-    return 1;
+    which[0] = o->nin - 3, which[1] = o->nin - 1;
+    return 2;
   }
   return 0;
+}
+
+// The attention backward's out is the ATTENTION node, while the output projection's GEMM rounds a
+// RESHAPE of it ([B*T, C]): the same values in the same order. Rather than round them a second time,
+// nodes[nn] becomes a RESHAPE of that CAST back to src's shape (a view), which the readers of src's
+// rounding share; false when no such CAST exists yet.
+static bool shared_view_cast(Graph *g, IrNode **nodes, int nn, int *cast, int src, SrcLoc loc) {
+  for (int r = src + 1; r < nn; r++) {
+    const IrNode *v = nodes[r];
+    if (v->op != OP_RESHAPE || v->in[0] != src || cast[r] < 0)
+      continue;
+    IrNode *c = arena_alloc(g->arena, sizeof *c);
+    *c = (IrNode){.id = nn, .op = OP_RESHAPE, .dtype = nodes[cast[r]]->dtype, .shape = nodes[src]->shape, .nin = 1,
+                  .loc = loc, .grad_of = -1, .param_of = -1};
+    c->in = arena_alloc(g->arena, sizeof(int));
+    c->in[0] = cast[r];
+    nodes[nn] = c;
+    cast[src] = nn;
+    return true;
+  }
+  return false;
 }
 
 static void remap_list(int *list, int n, const int *map) {
@@ -84,6 +106,10 @@ bool precision_assign(Graph *g, DType gemm, char *why, size_t n) {
       int src = map[o->in[which[r]]];
       if (cast[src] >= 0)
         continue;
+      if (shared_view_cast(g, nodes, nn, cast, src, o->loc)) {
+        nn++;
+        continue;
+      }
       if (nodes[src]->dtype != DT_F32) {
         snprintf(why, n, "node %d (%s) reads a %s operand", i, op_name(o->op), dtype_name(nodes[src]->dtype));
         return false;
@@ -99,7 +125,7 @@ bool precision_assign(Graph *g, DType gemm, char *why, size_t n) {
     }
     map[i] = nn;
     nodes[nn] = copy_node(g, o, nn, map);
-    if (o->op == OP_ATTENTION || o->op == OP_ATTENTION_BWD)
+    if (o->op == OP_ATTENTION || o->op == OP_ATTENTION_LSE || o->op == OP_ATTENTION_BWD)
       nodes[nn]->ia[4] = gemm; // its two products read bf16 operands too (mdl.h)
     for (int r = 0; r < nr; r++)
       nodes[nn]->in[which[r]] = cast[map[o->in[which[r]]]];

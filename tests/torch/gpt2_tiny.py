@@ -96,7 +96,8 @@ def round_bf16(t):
 class Bf16Attention(torch.autograd.Function):
     """mdl's bf16 attention (compiler/mdl.h) on heads [B, H, T, D]: every product reads bf16 operands
     (q, k and v; the numerators e = exp(s - max), divided by their unrounded sum; in the backward
-    dout, P and dS), sums are fp32; P stays exact in D = sum P dP and in dS."""
+    dout, P and dS), sums are fp32; P stays exact in dS = P (dP - D), where D = bf(dout) . bf(out)
+    per row, out being the forward's output."""
 
     @staticmethod
     def forward(ctx, q, k, v, allowed, scale):
@@ -104,16 +105,17 @@ class Bf16Attention(torch.autograd.Function):
         s = ((qr @ kr.transpose(-1, -2)) * scale).masked_fill(~allowed, float("-inf"))
         e = torch.exp(s - s.amax(dim=-1, keepdim=True))
         l = e.sum(dim=-1, keepdim=True)
-        ctx.save_for_backward(qr, kr, vr, e / l)
+        out = (round_bf16(e) @ vr) / l
+        ctx.save_for_backward(qr, kr, vr, e / l, out)
         ctx.scale = scale
-        return (round_bf16(e) @ vr) / l
+        return out
 
     @staticmethod
     def backward(ctx, dout):
-        qr, kr, vr, p = ctx.saved_tensors
+        qr, kr, vr, p, out = ctx.saved_tensors
         dor = round_bf16(dout)
         dp = dor @ vr.transpose(-1, -2)
-        ds = p * (dp - (p * dp).sum(dim=-1, keepdim=True))
+        ds = p * (dp - (dor * round_bf16(out)).sum(dim=-1, keepdim=True))
         dsr = round_bf16(ds)
         dq = ctx.scale * (dsr @ kr)
         dk = ctx.scale * (dsr.transpose(-1, -2) @ qr)

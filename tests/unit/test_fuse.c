@@ -76,7 +76,8 @@ static const char *check_cover(const Fusion *f, char *why, size_t n) {
     for (int u = 0; u < g->n && attn_slice; u++) {
       const IrNode *r = g->nodes[u];
       for (int k = 0; k < r->nin; k++)
-        if (r->in[k] == i && !((r->op == OP_ATTENTION || r->op == OP_ATTENTION_BWD) && k < 3))
+        if (r->in[k] == i &&
+            !((r->op == OP_ATTENTION || r->op == OP_ATTENTION_LSE || r->op == OP_ATTENTION_BWD) && k < 3))
           attn_slice = false;
     }
     int up = is_copy(f, i) ? update_step(f, nd->in[0]) : -1;
@@ -181,8 +182,10 @@ static const char *check_forward(const Fusion *f, char *why, size_t n) {
     const Step *st = &f->steps[s];
     if (st->kind == STEP_LMHEAD || f->g->nodes[st->root]->op == OP_CROSS_ENTROPY || st->root >= f->g->fwd_end)
       continue;
+    // (but for the softmax statistics of its attention, rule 3 of fuse.c)
     for (int i = 0; i < st->nnodes; i++)
-      if (st->nodes[i] >= f->g->fwd_end) {
+      if (st->nodes[i] >= f->g->fwd_end && !(f->g->nodes[st->nodes[i]]->op == OP_ATTENTION_LSE &&
+                                              f->g->nodes[st->root]->op == OP_ATTENTION)) {
         snprintf(why, n, "forward step %s holds backward node %%%d", st->name, st->nodes[i]);
         break;
       }
@@ -423,6 +426,20 @@ static void gpt2_rules(void) {
         "%d of %d layernorm backward steps hold their three siblings", ln_bwd_ok, ln_bwd);
   CHECK(att_bwd == 2 && att_bwd_ok == att_bwd, "rules: attention bwd dq/dk/dv in one step", "%d of %d", att_bwd_ok,
         att_bwd);
+  // The backward's softmax statistics are stored by the forward's step (rule 3), which writes them out.
+  int lse = 0, lse_ok = 0;
+  for (int i = 0; i < g->n; i++) {
+    const IrNode *n = g->nodes[i];
+    if (n->op != OP_ATTENTION_LSE)
+      continue;
+    lse++;
+    const Step *s = &f->steps[f->step_of[i]];
+    const IrNode *r = g->nodes[s->root];
+    lse_ok += s->kind == STEP_ATTENTION && r->op == OP_ATTENTION && !memcmp(r->in, n->in, sizeof(int) * 4) &&
+              contains(s->outs, s->nouts, i) && strstr(s->name, "_attention_fwd__") && strstr(s->name, "__lse");
+  }
+  CHECK(lse == 2 && lse_ok == lse, "rules: the attention forward stores its log-sum-exp (attention_lse joins it)",
+        "%d of %d", lse_ok, lse);
   CHECK(gelu_epilogue == 2, "rules: GEMM epilogue has bias add + gelu (pre-activation written)",
         "%d GEMM steps with it, want 2 (one per layer)", gelu_epilogue);
   // q, k and v are column slices of one qkv GEMM output: attention (forward and backward) reads them

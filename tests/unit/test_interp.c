@@ -327,18 +327,25 @@ static void test_attention(void) {
     int64_t causal = mode != 2, has_doc = mode != 0;
     int at = has_doc ? NODE(OP_ATTENTION, IA(2, causal, 1), FA(1), q, k, v, doc)
                      : NODE(OP_ATTENTION, IA(2, causal, 0), FA(1), q, k, v);
+    // lse [1, 2 heads, 3]: head 0 log sum (j + 1) over the allowed j, head 1 log(their count).
+    int lse = has_doc ? NODE(OP_ATTENTION_LSE, IA(2, causal, 1), FA(1), q, k, v, doc)
+                      : NODE(OP_ATTENTION_LSE, IA(2, causal, 0), FA(1), q, k, v);
     Interp *it = interp_new(g, INTERP_F64);
     set(it, q, (double[]){1, 0, 1, 0, 1, 0});
     set(it, k, (double[]){log(1), 5, log(2), -3, log(3), 7});
     set(it, v, (double[]){1, 3, 10, 6, 100, 9});
     interp_set_input(it, "doc", (int32_t[]){0, 0, 1}, NULL, 3);
     run(it);
-    if (mode == 0)
+    if (mode == 0) {
       EXPECT(it, at, 1e-13, "attention causal T=3", 1, 3, 7, 4.5, 53.5, 6);
-    else if (mode == 1)
+      EXPECT(it, lse, 1e-13, "attention_lse causal T=3", 0, log(3), log(6), 0, log(2), log(3));
+    } else if (mode == 1) {
       EXPECT(it, at, 1e-13, "attention causal within documents", 1, 3, 7, 4.5, 100, 9);
-    else
+      EXPECT(it, lse, 1e-13, "attention_lse causal within documents", 0, log(3), log(3), 0, log(2), 0);
+    } else {
       EXPECT(it, at, 1e-13, "attention non-causal within documents", 7, 4.5, 7, 4.5, 100, 9);
+      EXPECT(it, lse, 1e-13, "attention_lse non-causal within documents", log(3), log(3), log(3), log(2), log(2), 0);
+    }
     interp_free(it);
   }
 }
@@ -552,15 +559,17 @@ static void test_backward_ops(void) {
     fresh();
     int q = param("q", SH(2, 4, 4)), k = param("k", SH(2, 4, 4)), v = param("v", SH(2, 4, 4));
     int ra = param("r", SH(2, 4, 4)), doc = ids_input("doc", SH(2, 4));
-    int at, d[3];
+    int at, lse, d[3];
     if (has_doc) {
       at = NODE(OP_ATTENTION, IA(2, 1, 1), FA(0.7), q, k, v, doc);
+      lse = NODE(OP_ATTENTION_LSE, IA(2, 1, 1), FA(0.7), q, k, v, doc);
       for (int wh = 0; wh < 3; wh++)
-        d[wh] = NODE(OP_ATTENTION_BWD, IA(2, 1, 1, wh), FA(0.7), q, k, v, doc, ra);
+        d[wh] = NODE(OP_ATTENTION_BWD, IA(2, 1, 1, wh), FA(0.7), q, k, v, doc, at, lse, ra);
     } else {
       at = NODE(OP_ATTENTION, IA(2, 0, 0), FA(0.7), q, k, v);
+      lse = NODE(OP_ATTENTION_LSE, IA(2, 0, 0), FA(0.7), q, k, v);
       for (int wh = 0; wh < 3; wh++)
-        d[wh] = NODE(OP_ATTENTION_BWD, IA(2, 0, 0, wh), FA(0.7), q, k, v, ra);
+        d[wh] = NODE(OP_ATTENTION_BWD, IA(2, 0, 0, wh), FA(0.7), q, k, v, at, lse, ra);
     }
     int pos = ids_input("pos", SH(2, 4));
     int ro = NODE(OP_ROPE, IA(2, 0), FA(100), q, pos), rodx = NODE(OP_ROPE, IA(2, 1), FA(100), ra, pos);

@@ -101,8 +101,9 @@ static void test_structure(const char *path, const DimOverride *ov, int nov) {
   Arena *a = arena_new(), *b = arena_new();
   Graph *g = training_graph(a, path, ov, nov), *before = training_graph(b, path, ov, nov);
   char why[256], name[256];
-  // The distinct GEMM operands and attention backward douts before the pass.
-  int want_casts = 0, matmuls = 0, atts = 0;
+  // The distinct GEMM operands and attention backward douts before the pass, and the attention
+  // outputs the backward reads (rounded through the output projection's CAST, by a view of it).
+  int want_casts = 0, matmuls = 0, atts = 0, want_views = 0;
   bool *operand = calloc((size_t)before->n, 1);
   for (int i = 0; i < before->n; i++) {
     const IrNode *n = before->nodes[i];
@@ -114,6 +115,10 @@ static void test_structure(const char *path, const DimOverride *ov, int nov) {
           operand[n->in[k]] = true;
           want_casts++;
         }
+      if (n->op == OP_ATTENTION_BWD && !operand[att_bwd_out(n)]) {
+        operand[att_bwd_out(n)] = true;
+        want_views++;
+      }
     }
   }
   bool ok = precision_assign(g, DT_BF16, why, sizeof why);
@@ -133,9 +138,14 @@ static void test_structure(const char *path, const DimOverride *ov, int nov) {
       cast_of[n->in[0]] = i;
     }
     if (n->op == OP_ATTENTION_BWD) {
-      const IrNode *x = g->nodes[n->in[n->nin - 1]];
+      const IrNode *x = g->nodes[n->in[n->nin - 1]], *o = g->nodes[att_bwd_out(n)];
       got_atts++;
       bad_att += x->op != OP_CAST || x->dtype != DT_BF16 || n->ia[4] != DT_BF16;
+      // out: RESHAPE(CAST(RESHAPE(attention))), bf16
+      const IrNode *oc = o->op == OP_RESHAPE ? g->nodes[o->in[0]] : o;
+      const IrNode *ov = oc->op == OP_CAST ? g->nodes[oc->in[0]] : oc;
+      bad_att += o->op != OP_RESHAPE || o->dtype != DT_BF16 || oc->op != OP_CAST || ov->op != OP_RESHAPE ||
+                 g->nodes[ov->in[0]]->op != OP_ATTENTION;
     }
     if (n->op != OP_MATMUL)
       continue;
@@ -153,14 +163,15 @@ static void test_structure(const char *path, const DimOverride *ov, int nov) {
   snprintf(name, sizeof name, "precision: %s: every matmul reads two bf16 casts and yields f32", path);
   CHECK(bad_matmul == 0 && got_matmuls == matmuls, name, "%d bad operands, %d matmuls (had %d)", bad_matmul,
         got_matmuls, matmuls);
-  snprintf(name, sizeof name, "precision: %s: every attention backward (%d) reads its dout through a bf16 cast", path,
-           atts);
+  snprintf(name, sizeof name,
+           "precision: %s: every attention backward (%d) reads its dout through a bf16 cast, its out through the "
+           "output projection's", path, atts);
   CHECK(bad_att == 0 && got_atts == atts, name, "%d bad, %d attention backward nodes (had %d)", bad_att, got_atts,
         atts);
   snprintf(name, sizeof name, "precision: %s: one cast per GEMM operand and dout value (%d), none twice", path,
            want_casts);
-  CHECK(casts == want_casts && twice == 0 && g->n == before->n + casts, name, "%d casts (%d twice), %d nodes, had %d",
-        casts, twice, g->n, before->n);
+  CHECK(casts == want_casts && twice == 0 && g->n == before->n + casts + want_views, name,
+        "%d casts (%d twice), %d nodes, had %d, %d views", casts, twice, g->n, before->n, want_views);
   snprintf(name, sizeof name, "precision: %s: the forward's casts stay in the forward", path);
   CHECK(fwd_bad == 0, name, "%d forward matmuls read a cast after fwd_end", fwd_bad);
   int lists = 0;
@@ -262,21 +273,31 @@ static void test_ir_rules(void) {
   CHECK(mm >= 0 && g->nodes[mm]->dtype == DT_F32, "ir: matmul of two bf16 values yields f32", "%s", g->err);
   bad = ir_add(g, OP_CAST, &x, 1, (int64_t[8]){DT_I32}, NULL, l);
   CHECK(bad < 0 && strstr(g->err, "cast to i32"), "ir: cast to i32 is rejected", "got %d: %s", bad, g->err);
-  // Attention backward (q, k, v, dout) [1, 4, 8], 2 heads: a bf16 dout when its products read bf16
-  // (ia[4]), not when they read f32, and never a bf16 q.
+  // Attention backward (q, k, v, out, lse, dout) [1, 4, 8], 2 heads: a bf16 out and dout when its
+  // products read bf16 (ia[4]), not when they read f32, and never a bf16 q nor a bf16 lse.
   Shape qs = shape_of(3, (int64_t[]){1, 4, 8});
   int q = ir_leaf(g, OP_PARAM, "q", DT_F32, qs, l), dout = ir_leaf(g, OP_PARAM, "dout", DT_F32, qs, l);
   int qc = ir_add(g, OP_CAST, &q, 1, (int64_t[8]){DT_BF16}, NULL, l);
   int dc = ir_add(g, OP_CAST, &dout, 1, (int64_t[8]){DT_BF16}, NULL, l);
   double scale[8] = {0.5};
-  int ok16 = ir_add(g, OP_ATTENTION_BWD, (int[]){q, q, q, dc}, 4, (int64_t[8]){2, 1, 0, 0, DT_BF16}, scale, l);
-  CHECK(ok16 >= 0, "ir: a bf16 attention backward reads a bf16 dout", "%s", g->err);
-  bad = ir_add(g, OP_ATTENTION_BWD, (int[]){q, q, q, dc}, 4, (int64_t[8]){2, 1, 0, 0, DT_F32}, scale, l);
+  int lse = ir_add(g, OP_ATTENTION_LSE, (int[]){q, q, q}, 3, (int64_t[8]){2, 1, 0, 0, DT_BF16}, scale, l);
+  CHECK(lse >= 0 && shape_eq(g->nodes[lse]->shape, shape_of(3, (int64_t[]){1, 2, 4})),
+        "ir: attention_lse is [B, heads, T]", "%s", g->err);
+  int lc = ir_add(g, OP_CAST, &lse, 1, (int64_t[8]){DT_BF16}, NULL, l);
+  int ok16 = ir_add(g, OP_ATTENTION_BWD, (int[]){q, q, q, qc, lse, dc}, 6, (int64_t[8]){2, 1, 0, 0, DT_BF16}, scale, l);
+  CHECK(ok16 >= 0, "ir: a bf16 attention backward reads a bf16 out and dout", "%s", g->err);
+  bad = ir_add(g, OP_ATTENTION_BWD, (int[]){q, q, q, q, lse, dc}, 6, (int64_t[8]){2, 1, 0, 0, DT_F32}, scale, l);
   CHECK(bad < 0 && strstr(g->err, "reads a bf16 value"), "ir: an f32 attention backward rejects a bf16 dout",
         "got %d: %s", bad, g->err);
-  bad = ir_add(g, OP_ATTENTION_BWD, (int[]){qc, q, q, dout}, 4, (int64_t[8]){2, 1, 0, 0, DT_BF16}, scale, l);
+  bad = ir_add(g, OP_ATTENTION_BWD, (int[]){qc, q, q, q, lse, dout}, 6, (int64_t[8]){2, 1, 0, 0, DT_BF16}, scale, l);
   CHECK(bad < 0 && strstr(g->err, "reads a bf16 value"), "ir: attention backward rejects a bf16 q", "got %d: %s",
         bad, g->err);
+  bad = ir_add(g, OP_ATTENTION_BWD, (int[]){q, q, q, q, lc, dout}, 6, (int64_t[8]){2, 1, 0, 0, DT_BF16}, scale, l);
+  CHECK(bad < 0 && strstr(g->err, "reads a bf16 value"), "ir: attention backward rejects a bf16 lse", "got %d: %s",
+        bad, g->err);
+  bad = ir_add(g, OP_ATTENTION_BWD, (int[]){q, q, q, q, q, dout}, 6, (int64_t[8]){2, 1, 0, 0, DT_BF16}, scale, l);
+  CHECK(bad < 0 && strstr(g->err, "attention_bwd: lse [1,4,8], not [1,2,4]"),
+        "ir: attention backward rejects an lse of the wrong shape", "got %d: %s", bad, g->err);
   arena_free(a);
 }
 
@@ -358,8 +379,9 @@ static void test_interp(void) {
 }
 
 // Attention of a bf16 graph against the contract of mdl.h, computed here in double from the
-// interpreter's own q, k, v (and dout): S = scale bf(q) bf(k)^T, e = exp(S - max), out = sum bf(e) bf(v)
-// / sum e; dq, dk, dv softmax's backward with every product on bf16 operands (P exact in D and dS).
+// interpreter's own q, k, v (and dout and out): S = scale bf(q) bf(k)^T, e = exp(S - max), out = sum
+// bf(e) bf(v) / sum e; dq, dk, dv softmax's backward with every product on bf16 operands (P exact in
+// dS) and D = bf(dout) . bf(out), out the interpreter's forward value.
 // Also: the rounding moves the
 // output (the same formulas without bf differ by more than 1e-4).
 static void test_attention(void) {
@@ -398,7 +420,8 @@ static void test_attention(void) {
   int64_t nb = A->shape.d[0], nt = A->shape.d[1], nc = A->shape.d[2], hs = A->ia[0], d = nc / hs;
   double scale = A->fa[0];
   const double *q = interp_value(it, A->in[0]), *k = interp_value(it, A->in[1]), *v = interp_value(it, A->in[2]);
-  const double *doc = interp_value(it, A->in[3]), *dout = interp_value(it, g->nodes[bwd[0]]->in[4]);
+  const double *doc = interp_value(it, A->in[3]), *dout = interp_value(it, att_bwd_dout(g->nodes[bwd[0]]));
+  const double *out = interp_value(it, att);
   const double *got[4] = {interp_value(it, att), interp_value(it, bwd[0]), interp_value(it, bwd[1]),
                           interp_value(it, bwd[2])};
   size_t n = (size_t)(nb * nt * nc);
@@ -434,14 +457,15 @@ static void test_attention(void) {
             want[0][X(i, c)] += R(e[j]) * R(v[X(j, c)]) / l;
             want[4][X(i, c)] += e32[j] * v[X(j, c)] / l32;
           }
-        // backward: P = e / l; dP = bf(dout) . bf(v); dS = P (dP - sum P dP); products on bf16
+        // backward: P = e / l; dP = bf(dout) . bf(v); dS = P (dP - bf(dout) . bf(out)); products on bf16
         double dot = 0;
+        for (int64_t c = 0; c < d; c++)
+          dot += R(dout[X(i, c)]) * R(out[X(i, c)]);
         for (int64_t j = 0; j < nt; j++) {
           double dp = 0;
           for (int64_t c = 0; c < d; c++)
             dp += R(dout[X(i, c)]) * R(v[X(j, c)]);
           ds[j] = dp;
-          dot += e[j] / l * dp;
         }
         for (int64_t j = 0; j < nt; j++) {
           double p = e[j] / l, dsj = R(p * (ds[j] - dot));
