@@ -1110,7 +1110,8 @@ static void push_unique(Arena *a, int **list, int *n, int v) {
   (*list)[(*n)++] = v;
 }
 
-// Topological order of the live groups, preferring the one whose last node comes first. The
+// Topological order of the live groups, preferring the one whose last node comes first (an
+// ATTENTION_LSE in its forward's step, rule 3, does not count: the step is the forward's). The
 // optimizer's nodes come last in the graph, so every step that reads a parameter runs before the
 // step that updates it in place.
 static int *order_groups(Fuser *F, int *live, int nlive) {
@@ -1126,7 +1127,7 @@ static int *order_groups(Fuser *F, int *live, int nlive) {
     key[i] = -1;
     for (int j = 0; j < G->n; j++) {
       IrNode *n = node(F, G->m[j]);
-      if (n->id > key[i])
+      if (n->id > key[i] && (n->op != OP_ATTENTION_LSE || G->root == n->id))
         key[i] = n->id;
       for (int k = 0; k < n->nin; k++) {
         int b = view_base(F, n->in[k]);

@@ -284,31 +284,14 @@ static void k3_gemm__add(char *arena, const MdlHooks *h) {
   }
 }
 
-// k4_broadcast__mul: kernel, 3 ops
-//   %112   mul                                     line 46    f32[]
-//   %113   reshape                                 line 46    f32[1]
-//   %114   broadcast                               line 46    f32[512]
-// loops:
-//   elementwise over 512: %114
-static void k4_broadcast__mul(char *arena, const MdlHooks *h) {
-  (void)h;
-  float *const b114 = (float *)(arena + 5443712); // %114 broadcast f32[512]
-  for (int64_t i = 0; i < 512; i++) {
-    const float v112_0 = 1.0f * 0.001953125f;
-    const float v113_0 = v112_0;
-    const float v114_i = v113_0;
-    b114[i] = v114_i;
-  }
-}
-
-// k5_attention_fwd__cast__lse: attention, 4 ops
+// k4_attention_fwd__cast__lse: attention, 4 ops
 //   %31    attention                               line 39    f32[8,64,64]
 //   %32    reshape                                 line 39    f32[512,64]
 //   %33    cast                                    line 39    bf16[512,64]
 //   %192   attention_lse                           line 39    f32[8,4,64]
 // loops:
 //   attention and its log-sum-exp per row: B 8, T 64, 4 heads of 16, causal, within documents; one task per (batch, head)
-static void k5_attention_fwd__cast__lse(char *arena, const MdlHooks *h) {
+static void k4_attention_fwd__cast__lse(char *arena, const MdlHooks *h) {
   int32_t *const b3 = (int32_t *)(arena + 2230272); // %3 input doc i32[8,64]
   float *const b27 = (float *)(arena + 3281024); // %27 add f32[8,64,192]
   uint16_t *const b33 = (uint16_t *)(arena + 5574784); // %33 cast bf16[512,64]
@@ -402,7 +385,7 @@ static void k5_attention_fwd__cast__lse(char *arena, const MdlHooks *h) {
   }
 }
 
-// k6_gemm__add: GEMM, 4 ops
+// k5_gemm__add: GEMM, 4 ops
 //   %35    matmul                                  line 39    f32[512,64]
 //   %36    reshape                                 line 39    f32[8,64,64]
 //   %37    add                                     line 39    f32[8,64,64]
@@ -410,7 +393,7 @@ static void k5_attention_fwd__cast__lse(char *arena, const MdlHooks *h) {
 // loops:
 //   gemm %35: [512 x 64] = [512 x 64] [64 x 64], bf16 operands widened to f32, epilogue after
 //   elementwise over 32768: %38
-static void k6_gemm__add(char *arena, const MdlHooks *h) {
+static void k5_gemm__add(char *arena, const MdlHooks *h) {
   float *const b8 = (float *)(arena + 4591744); // %8 add x f32[8,64,64]
   float *const b14 = (float *)(arena + 165120); // %14 param h.0.proj_b f32[64]
   uint16_t *const b33 = (uint16_t *)(arena + 5574784); // %33 cast bf16[512,64]
@@ -437,13 +420,13 @@ static void k6_gemm__add(char *arena, const MdlHooks *h) {
   }
 }
 
-// k7_layernorm_fwd__cast: kernel, 3 ops
+// k6_layernorm_fwd__cast: kernel, 3 ops
 //   %39    layernorm                               line 40    f32[8,64,64]
 //   %40    reshape                                 line 40    f32[512,64]
 //   %41    cast                                    line 40    bf16[512,64]
 // loops:
 //   layernorm %39: 512 rows of 64
-static void k7_layernorm_fwd__cast(char *arena, const MdlHooks *h) {
+static void k6_layernorm_fwd__cast(char *arena, const MdlHooks *h) {
   float *const b15 = (float *)(arena + 165376); // %15 param h.0.ln2_w f32[64]
   float *const b16 = (float *)(arena + 165632); // %16 param h.0.ln2_b f32[64]
   float *const b38 = (float *)(arena + 4722816); // %38 add h.0.x f32[8,64,64]
@@ -477,7 +460,7 @@ static void k7_layernorm_fwd__cast(char *arena, const MdlHooks *h) {
   }
 }
 
-// k8_gemm__add__gelu__cast: GEMM, 6 ops
+// k7_gemm__add__gelu__cast: GEMM, 6 ops
 //   %43    matmul                                  line 40    f32[512,256]
 //   %44    reshape                                 line 40    f32[8,64,256]
 //   %45    add                                     line 40    f32[8,64,256]
@@ -487,7 +470,7 @@ static void k7_layernorm_fwd__cast(char *arena, const MdlHooks *h) {
 // loops:
 //   gemm %43: [512 x 256] = [512 x 64] [64 x 256], bf16 operands widened to f32, epilogue after
 //   elementwise over 131072: %45 %48
-static void k8_gemm__add__gelu__cast(char *arena, const MdlHooks *h) {
+static void k7_gemm__add__gelu__cast(char *arena, const MdlHooks *h) {
   float *const b18 = (float *)(arena + 231424); // %18 param h.0.fc_b f32[256]
   uint16_t *const b41 = (uint16_t *)(arena + 5640320); // %41 cast bf16[512,64]
   uint16_t *const b42 = (uint16_t *)(arena + 2060288); // %42 cast bf16[64,256]
@@ -516,7 +499,7 @@ static void k8_gemm__add__gelu__cast(char *arena, const MdlHooks *h) {
   }
 }
 
-// k9_gemm__add: GEMM, 4 ops
+// k8_gemm__add: GEMM, 4 ops
 //   %50    matmul                                  line 40    f32[512,64]
 //   %51    reshape                                 line 40    f32[8,64,64]
 //   %52    add                                     line 40    f32[8,64,64]
@@ -524,7 +507,7 @@ static void k8_gemm__add__gelu__cast(char *arena, const MdlHooks *h) {
 // loops:
 //   gemm %50: [512 x 64] = [512 x 256] [256 x 64], bf16 operands widened to f32, epilogue after
 //   elementwise over 32768: %53
-static void k9_gemm__add(char *arena, const MdlHooks *h) {
+static void k8_gemm__add(char *arena, const MdlHooks *h) {
   float *const b20 = (float *)(arena + 297984); // %20 param h.0.fcproj_b f32[64]
   float *const b38 = (float *)(arena + 4722816); // %38 add h.0.x f32[8,64,64]
   uint16_t *const b48 = (uint16_t *)(arena + 4067456); // %48 cast bf16[512,256]
@@ -551,13 +534,13 @@ static void k9_gemm__add(char *arena, const MdlHooks *h) {
   }
 }
 
-// k10_layernorm_fwd__cast: kernel, 3 ops
+// k9_layernorm_fwd__cast: kernel, 3 ops
 //   %66    layernorm                               line 38    f32[8,64,64]
 //   %67    reshape                                 line 38    f32[512,64]
 //   %68    cast                                    line 38    bf16[512,64]
 // loops:
 //   layernorm %66: 512 rows of 64
-static void k10_layernorm_fwd__cast(char *arena, const MdlHooks *h) {
+static void k9_layernorm_fwd__cast(char *arena, const MdlHooks *h) {
   float *const b53 = (float *)(arena + 4853888); // %53 add h.0.x f32[8,64,64]
   float *const b54 = (float *)(arena + 298240); // %54 param h.1.ln1_w f32[64]
   float *const b55 = (float *)(arena + 298496); // %55 param h.1.ln1_b f32[64]
@@ -591,14 +574,14 @@ static void k10_layernorm_fwd__cast(char *arena, const MdlHooks *h) {
   }
 }
 
-// k11_gemm__add: GEMM, 3 ops
+// k10_gemm__add: GEMM, 3 ops
 //   %70    matmul                                  line 38    f32[512,192]
 //   %71    reshape                                 line 38    f32[8,64,192]
 //   %72    add                                     line 38    f32[8,64,192]
 // loops:
 //   gemm %70: [512 x 192] = [512 x 64] [64 x 192], bf16 operands widened to f32, epilogue after
 //   elementwise over 98304: %72
-static void k11_gemm__add(char *arena, const MdlHooks *h) {
+static void k10_gemm__add(char *arena, const MdlHooks *h) {
   float *const b57 = (float *)(arena + 347904); // %57 param h.1.attn_b f32[192]
   uint16_t *const b68 = (uint16_t *)(arena + 5705856); // %68 cast bf16[512,64]
   uint16_t *const b69 = (uint16_t *)(arena + 2125824); // %69 cast bf16[64,192]
@@ -622,14 +605,14 @@ static void k11_gemm__add(char *arena, const MdlHooks *h) {
   }
 }
 
-// k12_attention_fwd__cast__lse: attention, 4 ops
+// k11_attention_fwd__cast__lse: attention, 4 ops
 //   %76    attention                               line 39    f32[8,64,64]
 //   %77    reshape                                 line 39    f32[512,64]
 //   %78    cast                                    line 39    bf16[512,64]
 //   %148   attention_lse                           line 39    f32[8,4,64]
 // loops:
 //   attention and its log-sum-exp per row: B 8, T 64, 4 heads of 16, causal, within documents; one task per (batch, head)
-static void k12_attention_fwd__cast__lse(char *arena, const MdlHooks *h) {
+static void k11_attention_fwd__cast__lse(char *arena, const MdlHooks *h) {
   int32_t *const b3 = (int32_t *)(arena + 2230272); // %3 input doc i32[8,64]
   float *const b72 = (float *)(arena + 3674240); // %72 add f32[8,64,192]
   uint16_t *const b78 = (uint16_t *)(arena + 5771392); // %78 cast bf16[512,64]
@@ -723,7 +706,7 @@ static void k12_attention_fwd__cast__lse(char *arena, const MdlHooks *h) {
   }
 }
 
-// k13_gemm__add: GEMM, 4 ops
+// k12_gemm__add: GEMM, 4 ops
 //   %80    matmul                                  line 39    f32[512,64]
 //   %81    reshape                                 line 39    f32[8,64,64]
 //   %82    add                                     line 39    f32[8,64,64]
@@ -731,7 +714,7 @@ static void k12_attention_fwd__cast__lse(char *arena, const MdlHooks *h) {
 // loops:
 //   gemm %80: [512 x 64] = [512 x 64] [64 x 64], bf16 operands widened to f32, epilogue after
 //   elementwise over 32768: %83
-static void k13_gemm__add(char *arena, const MdlHooks *h) {
+static void k12_gemm__add(char *arena, const MdlHooks *h) {
   float *const b53 = (float *)(arena + 4853888); // %53 add h.0.x f32[8,64,64]
   float *const b59 = (float *)(arena + 365056); // %59 param h.1.proj_b f32[64]
   uint16_t *const b78 = (uint16_t *)(arena + 5771392); // %78 cast bf16[512,64]
@@ -758,13 +741,13 @@ static void k13_gemm__add(char *arena, const MdlHooks *h) {
   }
 }
 
-// k14_layernorm_fwd__cast: kernel, 3 ops
+// k13_layernorm_fwd__cast: kernel, 3 ops
 //   %84    layernorm                               line 40    f32[8,64,64]
 //   %85    reshape                                 line 40    f32[512,64]
 //   %86    cast                                    line 40    bf16[512,64]
 // loops:
 //   layernorm %84: 512 rows of 64
-static void k14_layernorm_fwd__cast(char *arena, const MdlHooks *h) {
+static void k13_layernorm_fwd__cast(char *arena, const MdlHooks *h) {
   float *const b60 = (float *)(arena + 365312); // %60 param h.1.ln2_w f32[64]
   float *const b61 = (float *)(arena + 365568); // %61 param h.1.ln2_b f32[64]
   float *const b83 = (float *)(arena + 4984960); // %83 add h.1.x f32[8,64,64]
@@ -798,7 +781,7 @@ static void k14_layernorm_fwd__cast(char *arena, const MdlHooks *h) {
   }
 }
 
-// k15_gemm__add__gelu__cast: GEMM, 6 ops
+// k14_gemm__add__gelu__cast: GEMM, 6 ops
 //   %88    matmul                                  line 40    f32[512,256]
 //   %89    reshape                                 line 40    f32[8,64,256]
 //   %90    add                                     line 40    f32[8,64,256]
@@ -808,7 +791,7 @@ static void k14_layernorm_fwd__cast(char *arena, const MdlHooks *h) {
 // loops:
 //   gemm %88: [512 x 256] = [512 x 64] [64 x 256], bf16 operands widened to f32, epilogue after
 //   elementwise over 131072: %90 %93
-static void k15_gemm__add__gelu__cast(char *arena, const MdlHooks *h) {
+static void k14_gemm__add__gelu__cast(char *arena, const MdlHooks *h) {
   float *const b63 = (float *)(arena + 431360); // %63 param h.1.fc_b f32[256]
   uint16_t *const b86 = (uint16_t *)(arena + 5836928); // %86 cast bf16[512,64]
   uint16_t *const b87 = (uint16_t *)(arena + 2158592); // %87 cast bf16[64,256]
@@ -837,7 +820,7 @@ static void k15_gemm__add__gelu__cast(char *arena, const MdlHooks *h) {
   }
 }
 
-// k16_gemm__add: GEMM, 4 ops
+// k15_gemm__add: GEMM, 4 ops
 //   %95    matmul                                  line 40    f32[512,64]
 //   %96    reshape                                 line 40    f32[8,64,64]
 //   %97    add                                     line 40    f32[8,64,64]
@@ -845,7 +828,7 @@ static void k15_gemm__add__gelu__cast(char *arena, const MdlHooks *h) {
 // loops:
 //   gemm %95: [512 x 64] = [512 x 256] [256 x 64], bf16 operands widened to f32, epilogue after
 //   elementwise over 32768: %98
-static void k16_gemm__add(char *arena, const MdlHooks *h) {
+static void k15_gemm__add(char *arena, const MdlHooks *h) {
   float *const b65 = (float *)(arena + 497920); // %65 param h.1.fcproj_b f32[64]
   float *const b83 = (float *)(arena + 4984960); // %83 add h.1.x f32[8,64,64]
   uint16_t *const b93 = (uint16_t *)(arena + 4329600); // %93 cast bf16[512,256]
@@ -872,13 +855,13 @@ static void k16_gemm__add(char *arena, const MdlHooks *h) {
   }
 }
 
-// k17_layernorm_fwd__cast: kernel, 3 ops
+// k16_layernorm_fwd__cast: kernel, 3 ops
 //   %101   layernorm                               line 45    f32[8,64,64]
 //   %102   reshape                                 line 45    f32[512,64]
 //   %103   cast                                    line 45    bf16[512,64]
 // loops:
 //   layernorm %101: 512 rows of 64
-static void k17_layernorm_fwd__cast(char *arena, const MdlHooks *h) {
+static void k16_layernorm_fwd__cast(char *arena, const MdlHooks *h) {
   float *const b98 = (float *)(arena + 5116032); // %98 add h.1.x f32[8,64,64]
   float *const b99 = (float *)(arena + 498176); // %99 param lnf_w f32[64]
   float *const b100 = (float *)(arena + 498432); // %100 param lnf_b f32[64]
@@ -909,6 +892,23 @@ static void k17_layernorm_fwd__cast(char *arena, const MdlHooks *h) {
       }
     }
     free(yrow);
+  }
+}
+
+// k17_broadcast__mul: kernel, 3 ops
+//   %112   mul                                     line 46    f32[]
+//   %113   reshape                                 line 46    f32[1]
+//   %114   broadcast                               line 46    f32[512]
+// loops:
+//   elementwise over 512: %114
+static void k17_broadcast__mul(char *arena, const MdlHooks *h) {
+  (void)h;
+  float *const b114 = (float *)(arena + 5443712); // %114 broadcast f32[512]
+  for (int64_t i = 0; i < 512; i++) {
+    const float v112_0 = 1.0f * 0.001953125f;
+    const float v113_0 = v112_0;
+    const float v114_i = v113_0;
+    b114[i] = v114_i;
   }
 }
 
@@ -2404,20 +2404,20 @@ void mdl_step(char *arena, const MdlHooks *h) {
   k1_embed(arena, h);
   k2_layernorm_fwd__add__cast(arena, h);
   k3_gemm__add(arena, h);
-  k4_broadcast__mul(arena, h);
-  k5_attention_fwd__cast__lse(arena, h);
-  k6_gemm__add(arena, h);
-  k7_layernorm_fwd__cast(arena, h);
-  k8_gemm__add__gelu__cast(arena, h);
-  k9_gemm__add(arena, h);
-  k10_layernorm_fwd__cast(arena, h);
-  k11_gemm__add(arena, h);
-  k12_attention_fwd__cast__lse(arena, h);
-  k13_gemm__add(arena, h);
-  k14_layernorm_fwd__cast(arena, h);
-  k15_gemm__add__gelu__cast(arena, h);
-  k16_gemm__add(arena, h);
-  k17_layernorm_fwd__cast(arena, h);
+  k4_attention_fwd__cast__lse(arena, h);
+  k5_gemm__add(arena, h);
+  k6_layernorm_fwd__cast(arena, h);
+  k7_gemm__add__gelu__cast(arena, h);
+  k8_gemm__add(arena, h);
+  k9_layernorm_fwd__cast(arena, h);
+  k10_gemm__add(arena, h);
+  k11_attention_fwd__cast__lse(arena, h);
+  k12_gemm__add(arena, h);
+  k13_layernorm_fwd__cast(arena, h);
+  k14_gemm__add__gelu__cast(arena, h);
+  k15_gemm__add(arena, h);
+  k16_layernorm_fwd__cast(arena, h);
+  k17_broadcast__mul(arena, h);
   k18_lmhead__cross_entropy__cross_entropy_bwd__cast__gemm(arena, h);
   k19_mean(arena, h);
   k20_layernorm_bwd__sum__cast(arena, h);
@@ -2455,20 +2455,20 @@ const MdlKernel mdl_kernels[] = {
     {"k1_embed", k1_embed},
     {"k2_layernorm_fwd__add__cast", k2_layernorm_fwd__add__cast},
     {"k3_gemm__add", k3_gemm__add},
-    {"k4_broadcast__mul", k4_broadcast__mul},
-    {"k5_attention_fwd__cast__lse", k5_attention_fwd__cast__lse},
-    {"k6_gemm__add", k6_gemm__add},
-    {"k7_layernorm_fwd__cast", k7_layernorm_fwd__cast},
-    {"k8_gemm__add__gelu__cast", k8_gemm__add__gelu__cast},
-    {"k9_gemm__add", k9_gemm__add},
-    {"k10_layernorm_fwd__cast", k10_layernorm_fwd__cast},
-    {"k11_gemm__add", k11_gemm__add},
-    {"k12_attention_fwd__cast__lse", k12_attention_fwd__cast__lse},
-    {"k13_gemm__add", k13_gemm__add},
-    {"k14_layernorm_fwd__cast", k14_layernorm_fwd__cast},
-    {"k15_gemm__add__gelu__cast", k15_gemm__add__gelu__cast},
-    {"k16_gemm__add", k16_gemm__add},
-    {"k17_layernorm_fwd__cast", k17_layernorm_fwd__cast},
+    {"k4_attention_fwd__cast__lse", k4_attention_fwd__cast__lse},
+    {"k5_gemm__add", k5_gemm__add},
+    {"k6_layernorm_fwd__cast", k6_layernorm_fwd__cast},
+    {"k7_gemm__add__gelu__cast", k7_gemm__add__gelu__cast},
+    {"k8_gemm__add", k8_gemm__add},
+    {"k9_layernorm_fwd__cast", k9_layernorm_fwd__cast},
+    {"k10_gemm__add", k10_gemm__add},
+    {"k11_attention_fwd__cast__lse", k11_attention_fwd__cast__lse},
+    {"k12_gemm__add", k12_gemm__add},
+    {"k13_layernorm_fwd__cast", k13_layernorm_fwd__cast},
+    {"k14_gemm__add__gelu__cast", k14_gemm__add__gelu__cast},
+    {"k15_gemm__add", k15_gemm__add},
+    {"k16_layernorm_fwd__cast", k16_layernorm_fwd__cast},
+    {"k17_broadcast__mul", k17_broadcast__mul},
     {"k18_lmhead__cross_entropy__cross_entropy_bwd__cast__gemm", k18_lmhead__cross_entropy__cross_entropy_bwd__cast__gemm},
     {"k19_mean", k19_mean},
     {"k20_layernorm_bwd__sum__cast", k20_layernorm_bwd__sum__cast},

@@ -363,37 +363,16 @@ extern "C" __global__ void __launch_bounds__(256) k2_layernorm_fwd__add__cast(ch
 // runs:
 //   gemm 0: [512 x 192] = [512 x 64] [64 x 192], epilogue bias, bf16 A and B, f32 C
 
-// k4_broadcast__mul: kernel, 3 ops
-//   %112   mul                                     line 46    f32[]
-//   %113   reshape                                 line 46    f32[1]
-//   %114   broadcast                               line 46    f32[512]
-// runs:
-//   k4_broadcast__mul<<<1, 128>>>
-
-// elementwise over 512, 4 per thread: broadcast
-extern "C" __global__ void __launch_bounds__(128) k4_broadcast__mul(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
-  float *const b0 = (float *)(arena + o.b[0]); // broadcast f32[512]
-  for (int q = blockIdx.x * blockDim.x + threadIdx.x; q < 128; q += gridDim.x * blockDim.x) {
-    const float v3 = 1.0f * 0.001953125f;
-    const float v2 = v3;
-    const float v1 = v2;
-    const float v4 = v2;
-    const float v5 = v2;
-    const float v6 = v2;
-    reinterpret_cast<float4 *>(b0)[q] = make_float4(v1, v4, v5, v6);
-  }
-}
-
-// k5_attention_fwd__cast__lse: attention, 4 ops
+// k4_attention_fwd__cast__lse: attention, 4 ops
 //   %31    attention                               line 39    f32[8,64,64]
 //   %32    reshape                                 line 39    f32[512,64]
 //   %33    cast                                    line 39    bf16[512,64]
 //   %192   attention_lse                           line 39    f32[8,4,64]
 // runs:
-//   k5_attention_fwd__cast__lse<<<32, 128>>>
+//   k4_attention_fwd__cast__lse<<<32, 128>>>
 
 // attention on tensor cores: B 8, T 64, 4 heads of 16, causal, within documents; a block of 4 warps per (batch, head, 64 queries), 16 query rows per warp, keys in tiles of 64; bf16 products (mma m16n8k16), f32 softmax
-extern "C" __global__ void __launch_bounds__(128) k5_attention_fwd__cast__lse(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
+extern "C" __global__ void __launch_bounds__(128) k4_attention_fwd__cast__lse(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
   float *const b0 = (float *)(arena + o.b[0]); // add f32[8,64,192]
   int32_t *const b1 = (int32_t *)(arena + o.b[1]); // input i32[8,64]
   float *const b2 = (float *)(arena + o.b[2]); // attention_lse f32[8,4,64]
@@ -541,7 +520,7 @@ extern "C" __global__ void __launch_bounds__(128) k5_attention_fwd__cast__lse(ch
   }
 }
 
-// k6_gemm__add: GEMM, 4 ops
+// k5_gemm__add: GEMM, 4 ops
 //   %35    matmul                                  line 39    f32[512,64]
 //   %36    reshape                                 line 39    f32[8,64,64]
 //   %37    add                                     line 39    f32[8,64,64]
@@ -549,15 +528,15 @@ extern "C" __global__ void __launch_bounds__(128) k5_attention_fwd__cast__lse(ch
 // runs:
 //   gemm 1: [512 x 64] = [512 x 64] [64 x 64] + a residual C, epilogue bias, bf16 A and B, f32 C
 
-// k7_layernorm_fwd__cast: kernel, 3 ops
+// k6_layernorm_fwd__cast: kernel, 3 ops
 //   %39    layernorm                               line 40    f32[8,64,64]
 //   %40    reshape                                 line 40    f32[512,64]
 //   %41    cast                                    line 40    bf16[512,64]
 // runs:
-//   k7_layernorm_fwd__cast<<<64, 256>>>
+//   k6_layernorm_fwd__cast<<<64, 256>>>
 
 // layernorm: 512 rows of 64, a warp per row
-extern "C" __global__ void __launch_bounds__(256) k7_layernorm_fwd__cast(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
+extern "C" __global__ void __launch_bounds__(256) k6_layernorm_fwd__cast(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
   float *const b0 = (float *)(arena + o.b[0]); // add f32[8,64,64]
   float *const b1 = (float *)(arena + o.b[1]); // param f32[64]
   float *const b2 = (float *)(arena + o.b[2]); // param f32[64]
@@ -594,7 +573,7 @@ extern "C" __global__ void __launch_bounds__(256) k7_layernorm_fwd__cast(char *a
   }
 }
 
-// k8_gemm__add__gelu__cast: GEMM, 6 ops
+// k7_gemm__add__gelu__cast: GEMM, 6 ops
 //   %43    matmul                                  line 40    f32[512,256]
 //   %44    reshape                                 line 40    f32[8,64,256]
 //   %45    add                                     line 40    f32[8,64,256]
@@ -603,10 +582,10 @@ extern "C" __global__ void __launch_bounds__(256) k7_layernorm_fwd__cast(char *a
 //   %48    cast                                    line 40    bf16[512,256]
 // runs:
 //   gemm 2: [512 x 256] = [512 x 64] [64 x 256], epilogue bias, bf16 A and B, f32 C
-//   k8_gemm__add__gelu__cast_epilogue<<<128, 256>>>
+//   k7_gemm__add__gelu__cast_epilogue<<<128, 256>>>
 
 // elementwise over 131072, 4 per thread: cast
-extern "C" __global__ void __launch_bounds__(256) k8_gemm__add__gelu__cast_epilogue(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
+extern "C" __global__ void __launch_bounds__(256) k7_gemm__add__gelu__cast_epilogue(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
   float *const b0 = (float *)(arena + o.b[0]); // add f32[8,64,256]
   uint16_t *const b1 = (uint16_t *)(arena + o.b[1]); // cast bf16[512,256]
   for (int q = blockIdx.x * blockDim.x + threadIdx.x; q < 32768; q += gridDim.x * blockDim.x) {
@@ -623,7 +602,7 @@ extern "C" __global__ void __launch_bounds__(256) k8_gemm__add__gelu__cast_epilo
   }
 }
 
-// k9_gemm__add: GEMM, 4 ops
+// k8_gemm__add: GEMM, 4 ops
 //   %50    matmul                                  line 40    f32[512,64]
 //   %51    reshape                                 line 40    f32[8,64,64]
 //   %52    add                                     line 40    f32[8,64,64]
@@ -631,29 +610,29 @@ extern "C" __global__ void __launch_bounds__(256) k8_gemm__add__gelu__cast_epilo
 // runs:
 //   gemm 3: [512 x 64] = [512 x 256] [256 x 64] + a residual C, epilogue bias, bf16 A and B, f32 C
 
-// k10_layernorm_fwd__cast: kernel, 3 ops
+// k9_layernorm_fwd__cast: kernel, 3 ops
 //   %66    layernorm                               line 38    f32[8,64,64]
 //   %67    reshape                                 line 38    f32[512,64]
 //   %68    cast                                    line 38    bf16[512,64]
 // runs:
-//   k7_layernorm_fwd__cast<<<64, 256>>>
+//   k6_layernorm_fwd__cast<<<64, 256>>>
 
-// k11_gemm__add: GEMM, 3 ops
+// k10_gemm__add: GEMM, 3 ops
 //   %70    matmul                                  line 38    f32[512,192]
 //   %71    reshape                                 line 38    f32[8,64,192]
 //   %72    add                                     line 38    f32[8,64,192]
 // runs:
 //   gemm 4: [512 x 192] = [512 x 64] [64 x 192], epilogue bias, bf16 A and B, f32 C
 
-// k12_attention_fwd__cast__lse: attention, 4 ops
+// k11_attention_fwd__cast__lse: attention, 4 ops
 //   %76    attention                               line 39    f32[8,64,64]
 //   %77    reshape                                 line 39    f32[512,64]
 //   %78    cast                                    line 39    bf16[512,64]
 //   %148   attention_lse                           line 39    f32[8,4,64]
 // runs:
-//   k5_attention_fwd__cast__lse<<<32, 128>>>
+//   k4_attention_fwd__cast__lse<<<32, 128>>>
 
-// k13_gemm__add: GEMM, 4 ops
+// k12_gemm__add: GEMM, 4 ops
 //   %80    matmul                                  line 39    f32[512,64]
 //   %81    reshape                                 line 39    f32[8,64,64]
 //   %82    add                                     line 39    f32[8,64,64]
@@ -661,14 +640,14 @@ extern "C" __global__ void __launch_bounds__(256) k8_gemm__add__gelu__cast_epilo
 // runs:
 //   gemm 5: [512 x 64] = [512 x 64] [64 x 64] + a residual C, epilogue bias, bf16 A and B, f32 C
 
-// k14_layernorm_fwd__cast: kernel, 3 ops
+// k13_layernorm_fwd__cast: kernel, 3 ops
 //   %84    layernorm                               line 40    f32[8,64,64]
 //   %85    reshape                                 line 40    f32[512,64]
 //   %86    cast                                    line 40    bf16[512,64]
 // runs:
-//   k7_layernorm_fwd__cast<<<64, 256>>>
+//   k6_layernorm_fwd__cast<<<64, 256>>>
 
-// k15_gemm__add__gelu__cast: GEMM, 6 ops
+// k14_gemm__add__gelu__cast: GEMM, 6 ops
 //   %88    matmul                                  line 40    f32[512,256]
 //   %89    reshape                                 line 40    f32[8,64,256]
 //   %90    add                                     line 40    f32[8,64,256]
@@ -677,9 +656,9 @@ extern "C" __global__ void __launch_bounds__(256) k8_gemm__add__gelu__cast_epilo
 //   %93    cast                                    line 40    bf16[512,256]
 // runs:
 //   gemm 6: [512 x 256] = [512 x 64] [64 x 256], epilogue bias, bf16 A and B, f32 C
-//   k8_gemm__add__gelu__cast_epilogue<<<128, 256>>>
+//   k7_gemm__add__gelu__cast_epilogue<<<128, 256>>>
 
-// k16_gemm__add: GEMM, 4 ops
+// k15_gemm__add: GEMM, 4 ops
 //   %95    matmul                                  line 40    f32[512,64]
 //   %96    reshape                                 line 40    f32[8,64,64]
 //   %97    add                                     line 40    f32[8,64,64]
@@ -687,12 +666,33 @@ extern "C" __global__ void __launch_bounds__(256) k8_gemm__add__gelu__cast_epilo
 // runs:
 //   gemm 7: [512 x 64] = [512 x 256] [256 x 64] + a residual C, epilogue bias, bf16 A and B, f32 C
 
-// k17_layernorm_fwd__cast: kernel, 3 ops
+// k16_layernorm_fwd__cast: kernel, 3 ops
 //   %101   layernorm                               line 45    f32[8,64,64]
 //   %102   reshape                                 line 45    f32[512,64]
 //   %103   cast                                    line 45    bf16[512,64]
 // runs:
-//   k7_layernorm_fwd__cast<<<64, 256>>>
+//   k6_layernorm_fwd__cast<<<64, 256>>>
+
+// k17_broadcast__mul: kernel, 3 ops
+//   %112   mul                                     line 46    f32[]
+//   %113   reshape                                 line 46    f32[1]
+//   %114   broadcast                               line 46    f32[512]
+// runs:
+//   k17_broadcast__mul<<<1, 128>>>
+
+// elementwise over 512, 4 per thread: broadcast
+extern "C" __global__ void __launch_bounds__(128) k17_broadcast__mul(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
+  float *const b0 = (float *)(arena + o.b[0]); // broadcast f32[512]
+  for (int q = blockIdx.x * blockDim.x + threadIdx.x; q < 128; q += gridDim.x * blockDim.x) {
+    const float v3 = 1.0f * 0.001953125f;
+    const float v2 = v3;
+    const float v1 = v2;
+    const float v4 = v2;
+    const float v5 = v2;
+    const float v6 = v2;
+    reinterpret_cast<float4 *>(b0)[q] = make_float4(v1, v4, v5, v6);
+  }
+}
 
 // k18_lmhead__cross_entropy__cross_entropy_bwd__cast__gemm: LM head, 8 ops
 //   %105   matmul                                  line 45    f32[512,256]

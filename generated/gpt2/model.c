@@ -284,31 +284,14 @@ static void k3_gemm__add(char *arena, const MdlHooks *h) {
   }
 }
 
-// k4_broadcast__mul: kernel, 3 ops
-//   %562   mul                                     line 46    f32[]
-//   %563   reshape                                 line 46    f32[1]
-//   %564   broadcast                               line 46    f32[8192]
-// loops:
-//   elementwise over 8192: %564
-static void k4_broadcast__mul(char *arena, const MdlHooks *h) {
-  (void)h;
-  float *const b564 = (float *)(arena + 5777425024); // %564 broadcast f32[8192]
-  for (int64_t i = 0; i < 8192; i++) {
-    const float v562_0 = 1.0f * 0.00012207031f;
-    const float v563_0 = v562_0;
-    const float v564_i = v563_0;
-    b564[i] = v564_i;
-  }
-}
-
-// k5_attention_fwd__cast__lse: attention, 4 ops
+// k4_attention_fwd__cast__lse: attention, 4 ops
 //   %31    attention                               line 39    f32[8,1024,768]
 //   %32    reshape                                 line 39    f32[8192,768]
 //   %33    cast                                    line 39    bf16[8192,768]
 //   %1082  attention_lse                           line 39    f32[8,12,1024]
 // loops:
 //   attention and its log-sum-exp per row: B 8, T 1024, 12 heads of 64, causal, within documents; one task per (batch, head)
-static void k5_attention_fwd__cast__lse(char *arena, const MdlHooks *h) {
+static void k4_attention_fwd__cast__lse(char *arena, const MdlHooks *h) {
   int32_t *const b3 = (int32_t *)(arena + 2238199296); // %3 input doc i32[8,1024]
   float *const b27 = (float *)(arena + 3600581248); // %27 add f32[8,1024,2304]
   uint16_t *const b33 = (uint16_t *)(arena + 5802590848); // %33 cast bf16[8192,768]
@@ -402,7 +385,7 @@ static void k5_attention_fwd__cast__lse(char *arena, const MdlHooks *h) {
   }
 }
 
-// k6_gemm__add: GEMM, 4 ops
+// k5_gemm__add: GEMM, 4 ops
 //   %35    matmul                                  line 39    f32[8192,768]
 //   %36    reshape                                 line 39    f32[8,1024,768]
 //   %37    add                                     line 39    f32[8,1024,768]
@@ -410,7 +393,7 @@ static void k5_attention_fwd__cast__lse(char *arena, const MdlHooks *h) {
 // loops:
 //   gemm %35: [8192 x 768] = [8192 x 768] [768 x 768], bf16 operands widened to f32, epilogue after
 //   elementwise over 6291456: %38
-static void k6_gemm__add(char *arena, const MdlHooks *h) {
+static void k5_gemm__add(char *arena, const MdlHooks *h) {
   float *const b8 = (float *)(arena + 5110530688); // %8 add x f32[8,1024,768]
   float *const b14 = (float *)(arena + 166987776); // %14 param h.0.proj_b f32[768]
   uint16_t *const b33 = (uint16_t *)(arena + 5802590848); // %33 cast bf16[8192,768]
@@ -437,13 +420,13 @@ static void k6_gemm__add(char *arena, const MdlHooks *h) {
   }
 }
 
-// k7_layernorm_fwd__cast: kernel, 3 ops
+// k6_layernorm_fwd__cast: kernel, 3 ops
 //   %39    layernorm                               line 40    f32[8,1024,768]
 //   %40    reshape                                 line 40    f32[8192,768]
 //   %41    cast                                    line 40    bf16[8192,768]
 // loops:
 //   layernorm %39: 8192 rows of 768
-static void k7_layernorm_fwd__cast(char *arena, const MdlHooks *h) {
+static void k6_layernorm_fwd__cast(char *arena, const MdlHooks *h) {
   float *const b15 = (float *)(arena + 166990848); // %15 param h.0.ln2_w f32[768]
   float *const b16 = (float *)(arena + 166993920); // %16 param h.0.ln2_b f32[768]
   float *const b38 = (float *)(arena + 5135696512); // %38 add h.0.x f32[8,1024,768]
@@ -477,7 +460,7 @@ static void k7_layernorm_fwd__cast(char *arena, const MdlHooks *h) {
   }
 }
 
-// k8_gemm__add__gelu__cast: GEMM, 6 ops
+// k7_gemm__add__gelu__cast: GEMM, 6 ops
 //   %43    matmul                                  line 40    f32[8192,3072]
 //   %44    reshape                                 line 40    f32[8,1024,3072]
 //   %45    add                                     line 40    f32[8,1024,3072]
@@ -487,7 +470,7 @@ static void k7_layernorm_fwd__cast(char *arena, const MdlHooks *h) {
 // loops:
 //   gemm %43: [8192 x 3072] = [8192 x 768] [768 x 3072], bf16 operands widened to f32, epilogue after
 //   elementwise over 25165824: %45 %48
-static void k8_gemm__add__gelu__cast(char *arena, const MdlHooks *h) {
+static void k7_gemm__add__gelu__cast(char *arena, const MdlHooks *h) {
   float *const b18 = (float *)(arena + 176434176); // %18 param h.0.fc_b f32[3072]
   uint16_t *const b41 = (uint16_t *)(arena + 5815173760); // %41 cast bf16[8192,768]
   uint16_t *const b42 = (uint16_t *)(arena + 2072950272); // %42 cast bf16[768,3072]
@@ -516,7 +499,7 @@ static void k8_gemm__add__gelu__cast(char *arena, const MdlHooks *h) {
   }
 }
 
-// k9_gemm__add: GEMM, 4 ops
+// k8_gemm__add: GEMM, 4 ops
 //   %50    matmul                                  line 40    f32[8192,768]
 //   %51    reshape                                 line 40    f32[8,1024,768]
 //   %52    add                                     line 40    f32[8,1024,768]
@@ -524,7 +507,7 @@ static void k8_gemm__add__gelu__cast(char *arena, const MdlHooks *h) {
 // loops:
 //   gemm %50: [8192 x 768] = [8192 x 3072] [3072 x 768], bf16 operands widened to f32, epilogue after
 //   elementwise over 6291456: %53
-static void k9_gemm__add(char *arena, const MdlHooks *h) {
+static void k8_gemm__add(char *arena, const MdlHooks *h) {
   float *const b20 = (float *)(arena + 185883648); // %20 param h.0.fcproj_b f32[768]
   float *const b38 = (float *)(arena + 5135696512); // %38 add h.0.x f32[8,1024,768]
   uint16_t *const b48 = (uint16_t *)(arena + 4506550912); // %48 cast bf16[8192,3072]
@@ -551,13 +534,13 @@ static void k9_gemm__add(char *arena, const MdlHooks *h) {
   }
 }
 
-// k10_layernorm_fwd__cast: kernel, 3 ops
+// k9_layernorm_fwd__cast: kernel, 3 ops
 //   %66    layernorm                               line 38    f32[8,1024,768]
 //   %67    reshape                                 line 38    f32[8192,768]
 //   %68    cast                                    line 38    bf16[8192,768]
 // loops:
 //   layernorm %66: 8192 rows of 768
-static void k10_layernorm_fwd__cast(char *arena, const MdlHooks *h) {
+static void k9_layernorm_fwd__cast(char *arena, const MdlHooks *h) {
   float *const b53 = (float *)(arena + 5160862336); // %53 add h.0.x f32[8,1024,768]
   float *const b54 = (float *)(arena + 185886720); // %54 param h.1.ln1_w f32[768]
   float *const b55 = (float *)(arena + 185889792); // %55 param h.1.ln1_b f32[768]
@@ -591,14 +574,14 @@ static void k10_layernorm_fwd__cast(char *arena, const MdlHooks *h) {
   }
 }
 
-// k11_gemm__add: GEMM, 3 ops
+// k10_gemm__add: GEMM, 3 ops
 //   %70    matmul                                  line 38    f32[8192,2304]
 //   %71    reshape                                 line 38    f32[8,1024,2304]
 //   %72    add                                     line 38    f32[8,1024,2304]
 // loops:
 //   gemm %70: [8192 x 2304] = [8192 x 768] [768 x 2304], bf16 operands widened to f32, epilogue after
 //   elementwise over 18874368: %72
-static void k11_gemm__add(char *arena, const MdlHooks *h) {
+static void k10_gemm__add(char *arena, const MdlHooks *h) {
   float *const b57 = (float *)(arena + 192970752); // %57 param h.1.attn_b f32[2304]
   uint16_t *const b68 = (uint16_t *)(arena + 5827756672); // %68 cast bf16[8192,768]
   uint16_t *const b69 = (uint16_t *)(arena + 2082387456); // %69 cast bf16[768,2304]
@@ -622,14 +605,14 @@ static void k11_gemm__add(char *arena, const MdlHooks *h) {
   }
 }
 
-// k12_attention_fwd__cast__lse: attention, 4 ops
+// k11_attention_fwd__cast__lse: attention, 4 ops
 //   %76    attention                               line 39    f32[8,1024,768]
 //   %77    reshape                                 line 39    f32[8192,768]
 //   %78    cast                                    line 39    bf16[8192,768]
 //   %1038  attention_lse                           line 39    f32[8,12,1024]
 // loops:
 //   attention and its log-sum-exp per row: B 8, T 1024, 12 heads of 64, causal, within documents; one task per (batch, head)
-static void k12_attention_fwd__cast__lse(char *arena, const MdlHooks *h) {
+static void k11_attention_fwd__cast__lse(char *arena, const MdlHooks *h) {
   int32_t *const b3 = (int32_t *)(arena + 2238199296); // %3 input doc i32[8,1024]
   float *const b72 = (float *)(arena + 3676078720); // %72 add f32[8,1024,2304]
   uint16_t *const b78 = (uint16_t *)(arena + 5840339584); // %78 cast bf16[8192,768]
@@ -723,7 +706,7 @@ static void k12_attention_fwd__cast__lse(char *arena, const MdlHooks *h) {
   }
 }
 
-// k13_gemm__add: GEMM, 4 ops
+// k12_gemm__add: GEMM, 4 ops
 //   %80    matmul                                  line 39    f32[8192,768]
 //   %81    reshape                                 line 39    f32[8,1024,768]
 //   %82    add                                     line 39    f32[8,1024,768]
@@ -731,7 +714,7 @@ static void k12_attention_fwd__cast__lse(char *arena, const MdlHooks *h) {
 // loops:
 //   gemm %80: [8192 x 768] = [8192 x 768] [768 x 768], bf16 operands widened to f32, epilogue after
 //   elementwise over 6291456: %83
-static void k13_gemm__add(char *arena, const MdlHooks *h) {
+static void k12_gemm__add(char *arena, const MdlHooks *h) {
   float *const b53 = (float *)(arena + 5160862336); // %53 add h.0.x f32[8,1024,768]
   float *const b59 = (float *)(arena + 195339264); // %59 param h.1.proj_b f32[768]
   uint16_t *const b78 = (uint16_t *)(arena + 5840339584); // %78 cast bf16[8192,768]
@@ -758,13 +741,13 @@ static void k13_gemm__add(char *arena, const MdlHooks *h) {
   }
 }
 
-// k14_layernorm_fwd__cast: kernel, 3 ops
+// k13_layernorm_fwd__cast: kernel, 3 ops
 //   %84    layernorm                               line 40    f32[8,1024,768]
 //   %85    reshape                                 line 40    f32[8192,768]
 //   %86    cast                                    line 40    bf16[8192,768]
 // loops:
 //   layernorm %84: 8192 rows of 768
-static void k14_layernorm_fwd__cast(char *arena, const MdlHooks *h) {
+static void k13_layernorm_fwd__cast(char *arena, const MdlHooks *h) {
   float *const b60 = (float *)(arena + 195342336); // %60 param h.1.ln2_w f32[768]
   float *const b61 = (float *)(arena + 195345408); // %61 param h.1.ln2_b f32[768]
   float *const b83 = (float *)(arena + 5186028160); // %83 add h.1.x f32[8,1024,768]
@@ -798,7 +781,7 @@ static void k14_layernorm_fwd__cast(char *arena, const MdlHooks *h) {
   }
 }
 
-// k15_gemm__add__gelu__cast: GEMM, 6 ops
+// k14_gemm__add__gelu__cast: GEMM, 6 ops
 //   %88    matmul                                  line 40    f32[8192,3072]
 //   %89    reshape                                 line 40    f32[8,1024,3072]
 //   %90    add                                     line 40    f32[8,1024,3072]
@@ -808,7 +791,7 @@ static void k14_layernorm_fwd__cast(char *arena, const MdlHooks *h) {
 // loops:
 //   gemm %88: [8192 x 3072] = [8192 x 768] [768 x 3072], bf16 operands widened to f32, epilogue after
 //   elementwise over 25165824: %90 %93
-static void k15_gemm__add__gelu__cast(char *arena, const MdlHooks *h) {
+static void k14_gemm__add__gelu__cast(char *arena, const MdlHooks *h) {
   float *const b63 = (float *)(arena + 204785664); // %63 param h.1.fc_b f32[3072]
   uint16_t *const b86 = (uint16_t *)(arena + 5852922496); // %86 cast bf16[8192,768]
   uint16_t *const b87 = (uint16_t *)(arena + 2087106048); // %87 cast bf16[768,3072]
@@ -837,7 +820,7 @@ static void k15_gemm__add__gelu__cast(char *arena, const MdlHooks *h) {
   }
 }
 
-// k16_gemm__add: GEMM, 4 ops
+// k15_gemm__add: GEMM, 4 ops
 //   %95    matmul                                  line 40    f32[8192,768]
 //   %96    reshape                                 line 40    f32[8,1024,768]
 //   %97    add                                     line 40    f32[8,1024,768]
@@ -845,7 +828,7 @@ static void k15_gemm__add__gelu__cast(char *arena, const MdlHooks *h) {
 // loops:
 //   gemm %95: [8192 x 768] = [8192 x 3072] [3072 x 768], bf16 operands widened to f32, epilogue after
 //   elementwise over 6291456: %98
-static void k16_gemm__add(char *arena, const MdlHooks *h) {
+static void k15_gemm__add(char *arena, const MdlHooks *h) {
   float *const b65 = (float *)(arena + 214235136); // %65 param h.1.fcproj_b f32[768]
   float *const b83 = (float *)(arena + 5186028160); // %83 add h.1.x f32[8,1024,768]
   uint16_t *const b93 = (uint16_t *)(arena + 4556882560); // %93 cast bf16[8192,3072]
@@ -872,13 +855,13 @@ static void k16_gemm__add(char *arena, const MdlHooks *h) {
   }
 }
 
-// k17_layernorm_fwd__cast: kernel, 3 ops
+// k16_layernorm_fwd__cast: kernel, 3 ops
 //   %111   layernorm                               line 38    f32[8,1024,768]
 //   %112   reshape                                 line 38    f32[8192,768]
 //   %113   cast                                    line 38    bf16[8192,768]
 // loops:
 //   layernorm %111: 8192 rows of 768
-static void k17_layernorm_fwd__cast(char *arena, const MdlHooks *h) {
+static void k16_layernorm_fwd__cast(char *arena, const MdlHooks *h) {
   float *const b98 = (float *)(arena + 5211193984); // %98 add h.1.x f32[8,1024,768]
   float *const b99 = (float *)(arena + 214238208); // %99 param h.2.ln1_w f32[768]
   float *const b100 = (float *)(arena + 214241280); // %100 param h.2.ln1_b f32[768]
@@ -912,14 +895,14 @@ static void k17_layernorm_fwd__cast(char *arena, const MdlHooks *h) {
   }
 }
 
-// k18_gemm__add: GEMM, 3 ops
+// k17_gemm__add: GEMM, 3 ops
 //   %115   matmul                                  line 38    f32[8192,2304]
 //   %116   reshape                                 line 38    f32[8,1024,2304]
 //   %117   add                                     line 38    f32[8,1024,2304]
 // loops:
 //   gemm %115: [8192 x 2304] = [8192 x 768] [768 x 2304], bf16 operands widened to f32, epilogue after
 //   elementwise over 18874368: %117
-static void k18_gemm__add(char *arena, const MdlHooks *h) {
+static void k17_gemm__add(char *arena, const MdlHooks *h) {
   float *const b102 = (float *)(arena + 221322240); // %102 param h.2.attn_b f32[2304]
   uint16_t *const b113 = (uint16_t *)(arena + 5865505408); // %113 cast bf16[8192,768]
   uint16_t *const b114 = (uint16_t *)(arena + 2096543232); // %114 cast bf16[768,2304]
@@ -943,14 +926,14 @@ static void k18_gemm__add(char *arena, const MdlHooks *h) {
   }
 }
 
-// k19_attention_fwd__cast__lse: attention, 4 ops
+// k18_attention_fwd__cast__lse: attention, 4 ops
 //   %121   attention                               line 39    f32[8,1024,768]
 //   %122   reshape                                 line 39    f32[8192,768]
 //   %123   cast                                    line 39    bf16[8192,768]
 //   %994   attention_lse                           line 39    f32[8,12,1024]
 // loops:
 //   attention and its log-sum-exp per row: B 8, T 1024, 12 heads of 64, causal, within documents; one task per (batch, head)
-static void k19_attention_fwd__cast__lse(char *arena, const MdlHooks *h) {
+static void k18_attention_fwd__cast__lse(char *arena, const MdlHooks *h) {
   int32_t *const b3 = (int32_t *)(arena + 2238199296); // %3 input doc i32[8,1024]
   float *const b117 = (float *)(arena + 3751576192); // %117 add f32[8,1024,2304]
   uint16_t *const b123 = (uint16_t *)(arena + 5878088320); // %123 cast bf16[8192,768]
@@ -1044,7 +1027,7 @@ static void k19_attention_fwd__cast__lse(char *arena, const MdlHooks *h) {
   }
 }
 
-// k20_gemm__add: GEMM, 4 ops
+// k19_gemm__add: GEMM, 4 ops
 //   %125   matmul                                  line 39    f32[8192,768]
 //   %126   reshape                                 line 39    f32[8,1024,768]
 //   %127   add                                     line 39    f32[8,1024,768]
@@ -1052,7 +1035,7 @@ static void k19_attention_fwd__cast__lse(char *arena, const MdlHooks *h) {
 // loops:
 //   gemm %125: [8192 x 768] = [8192 x 768] [768 x 768], bf16 operands widened to f32, epilogue after
 //   elementwise over 6291456: %128
-static void k20_gemm__add(char *arena, const MdlHooks *h) {
+static void k19_gemm__add(char *arena, const MdlHooks *h) {
   float *const b98 = (float *)(arena + 5211193984); // %98 add h.1.x f32[8,1024,768]
   float *const b104 = (float *)(arena + 223690752); // %104 param h.2.proj_b f32[768]
   uint16_t *const b123 = (uint16_t *)(arena + 5878088320); // %123 cast bf16[8192,768]
@@ -1079,13 +1062,13 @@ static void k20_gemm__add(char *arena, const MdlHooks *h) {
   }
 }
 
-// k21_layernorm_fwd__cast: kernel, 3 ops
+// k20_layernorm_fwd__cast: kernel, 3 ops
 //   %129   layernorm                               line 40    f32[8,1024,768]
 //   %130   reshape                                 line 40    f32[8192,768]
 //   %131   cast                                    line 40    bf16[8192,768]
 // loops:
 //   layernorm %129: 8192 rows of 768
-static void k21_layernorm_fwd__cast(char *arena, const MdlHooks *h) {
+static void k20_layernorm_fwd__cast(char *arena, const MdlHooks *h) {
   float *const b105 = (float *)(arena + 223693824); // %105 param h.2.ln2_w f32[768]
   float *const b106 = (float *)(arena + 223696896); // %106 param h.2.ln2_b f32[768]
   float *const b128 = (float *)(arena + 5236359808); // %128 add h.2.x f32[8,1024,768]
@@ -1119,7 +1102,7 @@ static void k21_layernorm_fwd__cast(char *arena, const MdlHooks *h) {
   }
 }
 
-// k22_gemm__add__gelu__cast: GEMM, 6 ops
+// k21_gemm__add__gelu__cast: GEMM, 6 ops
 //   %133   matmul                                  line 40    f32[8192,3072]
 //   %134   reshape                                 line 40    f32[8,1024,3072]
 //   %135   add                                     line 40    f32[8,1024,3072]
@@ -1129,7 +1112,7 @@ static void k21_layernorm_fwd__cast(char *arena, const MdlHooks *h) {
 // loops:
 //   gemm %133: [8192 x 3072] = [8192 x 768] [768 x 3072], bf16 operands widened to f32, epilogue after
 //   elementwise over 25165824: %135 %138
-static void k22_gemm__add__gelu__cast(char *arena, const MdlHooks *h) {
+static void k21_gemm__add__gelu__cast(char *arena, const MdlHooks *h) {
   float *const b108 = (float *)(arena + 233137152); // %108 param h.2.fc_b f32[3072]
   uint16_t *const b131 = (uint16_t *)(arena + 5890671232); // %131 cast bf16[8192,768]
   uint16_t *const b132 = (uint16_t *)(arena + 2101261824); // %132 cast bf16[768,3072]
@@ -1158,7 +1141,7 @@ static void k22_gemm__add__gelu__cast(char *arena, const MdlHooks *h) {
   }
 }
 
-// k23_gemm__add: GEMM, 4 ops
+// k22_gemm__add: GEMM, 4 ops
 //   %140   matmul                                  line 40    f32[8192,768]
 //   %141   reshape                                 line 40    f32[8,1024,768]
 //   %142   add                                     line 40    f32[8,1024,768]
@@ -1166,7 +1149,7 @@ static void k22_gemm__add__gelu__cast(char *arena, const MdlHooks *h) {
 // loops:
 //   gemm %140: [8192 x 768] = [8192 x 3072] [3072 x 768], bf16 operands widened to f32, epilogue after
 //   elementwise over 6291456: %143
-static void k23_gemm__add(char *arena, const MdlHooks *h) {
+static void k22_gemm__add(char *arena, const MdlHooks *h) {
   float *const b110 = (float *)(arena + 242586624); // %110 param h.2.fcproj_b f32[768]
   float *const b128 = (float *)(arena + 5236359808); // %128 add h.2.x f32[8,1024,768]
   uint16_t *const b138 = (uint16_t *)(arena + 4607214208); // %138 cast bf16[8192,3072]
@@ -1193,13 +1176,13 @@ static void k23_gemm__add(char *arena, const MdlHooks *h) {
   }
 }
 
-// k24_layernorm_fwd__cast: kernel, 3 ops
+// k23_layernorm_fwd__cast: kernel, 3 ops
 //   %156   layernorm                               line 38    f32[8,1024,768]
 //   %157   reshape                                 line 38    f32[8192,768]
 //   %158   cast                                    line 38    bf16[8192,768]
 // loops:
 //   layernorm %156: 8192 rows of 768
-static void k24_layernorm_fwd__cast(char *arena, const MdlHooks *h) {
+static void k23_layernorm_fwd__cast(char *arena, const MdlHooks *h) {
   float *const b143 = (float *)(arena + 5261525632); // %143 add h.2.x f32[8,1024,768]
   float *const b144 = (float *)(arena + 242589696); // %144 param h.3.ln1_w f32[768]
   float *const b145 = (float *)(arena + 242592768); // %145 param h.3.ln1_b f32[768]
@@ -1233,14 +1216,14 @@ static void k24_layernorm_fwd__cast(char *arena, const MdlHooks *h) {
   }
 }
 
-// k25_gemm__add: GEMM, 3 ops
+// k24_gemm__add: GEMM, 3 ops
 //   %160   matmul                                  line 38    f32[8192,2304]
 //   %161   reshape                                 line 38    f32[8,1024,2304]
 //   %162   add                                     line 38    f32[8,1024,2304]
 // loops:
 //   gemm %160: [8192 x 2304] = [8192 x 768] [768 x 2304], bf16 operands widened to f32, epilogue after
 //   elementwise over 18874368: %162
-static void k25_gemm__add(char *arena, const MdlHooks *h) {
+static void k24_gemm__add(char *arena, const MdlHooks *h) {
   float *const b147 = (float *)(arena + 249673728); // %147 param h.3.attn_b f32[2304]
   uint16_t *const b158 = (uint16_t *)(arena + 5903254144); // %158 cast bf16[8192,768]
   uint16_t *const b159 = (uint16_t *)(arena + 2110699008); // %159 cast bf16[768,2304]
@@ -1264,14 +1247,14 @@ static void k25_gemm__add(char *arena, const MdlHooks *h) {
   }
 }
 
-// k26_attention_fwd__cast__lse: attention, 4 ops
+// k25_attention_fwd__cast__lse: attention, 4 ops
 //   %166   attention                               line 39    f32[8,1024,768]
 //   %167   reshape                                 line 39    f32[8192,768]
 //   %168   cast                                    line 39    bf16[8192,768]
 //   %950   attention_lse                           line 39    f32[8,12,1024]
 // loops:
 //   attention and its log-sum-exp per row: B 8, T 1024, 12 heads of 64, causal, within documents; one task per (batch, head)
-static void k26_attention_fwd__cast__lse(char *arena, const MdlHooks *h) {
+static void k25_attention_fwd__cast__lse(char *arena, const MdlHooks *h) {
   int32_t *const b3 = (int32_t *)(arena + 2238199296); // %3 input doc i32[8,1024]
   float *const b162 = (float *)(arena + 3827073664); // %162 add f32[8,1024,2304]
   uint16_t *const b168 = (uint16_t *)(arena + 5915837056); // %168 cast bf16[8192,768]
@@ -1365,7 +1348,7 @@ static void k26_attention_fwd__cast__lse(char *arena, const MdlHooks *h) {
   }
 }
 
-// k27_gemm__add: GEMM, 4 ops
+// k26_gemm__add: GEMM, 4 ops
 //   %170   matmul                                  line 39    f32[8192,768]
 //   %171   reshape                                 line 39    f32[8,1024,768]
 //   %172   add                                     line 39    f32[8,1024,768]
@@ -1373,7 +1356,7 @@ static void k26_attention_fwd__cast__lse(char *arena, const MdlHooks *h) {
 // loops:
 //   gemm %170: [8192 x 768] = [8192 x 768] [768 x 768], bf16 operands widened to f32, epilogue after
 //   elementwise over 6291456: %173
-static void k27_gemm__add(char *arena, const MdlHooks *h) {
+static void k26_gemm__add(char *arena, const MdlHooks *h) {
   float *const b143 = (float *)(arena + 5261525632); // %143 add h.2.x f32[8,1024,768]
   float *const b149 = (float *)(arena + 252042240); // %149 param h.3.proj_b f32[768]
   uint16_t *const b168 = (uint16_t *)(arena + 5915837056); // %168 cast bf16[8192,768]
@@ -1400,13 +1383,13 @@ static void k27_gemm__add(char *arena, const MdlHooks *h) {
   }
 }
 
-// k28_layernorm_fwd__cast: kernel, 3 ops
+// k27_layernorm_fwd__cast: kernel, 3 ops
 //   %174   layernorm                               line 40    f32[8,1024,768]
 //   %175   reshape                                 line 40    f32[8192,768]
 //   %176   cast                                    line 40    bf16[8192,768]
 // loops:
 //   layernorm %174: 8192 rows of 768
-static void k28_layernorm_fwd__cast(char *arena, const MdlHooks *h) {
+static void k27_layernorm_fwd__cast(char *arena, const MdlHooks *h) {
   float *const b150 = (float *)(arena + 252045312); // %150 param h.3.ln2_w f32[768]
   float *const b151 = (float *)(arena + 252048384); // %151 param h.3.ln2_b f32[768]
   float *const b173 = (float *)(arena + 5286691456); // %173 add h.3.x f32[8,1024,768]
@@ -1440,7 +1423,7 @@ static void k28_layernorm_fwd__cast(char *arena, const MdlHooks *h) {
   }
 }
 
-// k29_gemm__add__gelu__cast: GEMM, 6 ops
+// k28_gemm__add__gelu__cast: GEMM, 6 ops
 //   %178   matmul                                  line 40    f32[8192,3072]
 //   %179   reshape                                 line 40    f32[8,1024,3072]
 //   %180   add                                     line 40    f32[8,1024,3072]
@@ -1450,7 +1433,7 @@ static void k28_layernorm_fwd__cast(char *arena, const MdlHooks *h) {
 // loops:
 //   gemm %178: [8192 x 3072] = [8192 x 768] [768 x 3072], bf16 operands widened to f32, epilogue after
 //   elementwise over 25165824: %180 %183
-static void k29_gemm__add__gelu__cast(char *arena, const MdlHooks *h) {
+static void k28_gemm__add__gelu__cast(char *arena, const MdlHooks *h) {
   float *const b153 = (float *)(arena + 261488640); // %153 param h.3.fc_b f32[3072]
   uint16_t *const b176 = (uint16_t *)(arena + 5928419968); // %176 cast bf16[8192,768]
   uint16_t *const b177 = (uint16_t *)(arena + 2115417600); // %177 cast bf16[768,3072]
@@ -1479,7 +1462,7 @@ static void k29_gemm__add__gelu__cast(char *arena, const MdlHooks *h) {
   }
 }
 
-// k30_gemm__add: GEMM, 4 ops
+// k29_gemm__add: GEMM, 4 ops
 //   %185   matmul                                  line 40    f32[8192,768]
 //   %186   reshape                                 line 40    f32[8,1024,768]
 //   %187   add                                     line 40    f32[8,1024,768]
@@ -1487,7 +1470,7 @@ static void k29_gemm__add__gelu__cast(char *arena, const MdlHooks *h) {
 // loops:
 //   gemm %185: [8192 x 768] = [8192 x 3072] [3072 x 768], bf16 operands widened to f32, epilogue after
 //   elementwise over 6291456: %188
-static void k30_gemm__add(char *arena, const MdlHooks *h) {
+static void k29_gemm__add(char *arena, const MdlHooks *h) {
   float *const b155 = (float *)(arena + 270938112); // %155 param h.3.fcproj_b f32[768]
   float *const b173 = (float *)(arena + 5286691456); // %173 add h.3.x f32[8,1024,768]
   uint16_t *const b183 = (uint16_t *)(arena + 4657545856); // %183 cast bf16[8192,3072]
@@ -1514,13 +1497,13 @@ static void k30_gemm__add(char *arena, const MdlHooks *h) {
   }
 }
 
-// k31_layernorm_fwd__cast: kernel, 3 ops
+// k30_layernorm_fwd__cast: kernel, 3 ops
 //   %201   layernorm                               line 38    f32[8,1024,768]
 //   %202   reshape                                 line 38    f32[8192,768]
 //   %203   cast                                    line 38    bf16[8192,768]
 // loops:
 //   layernorm %201: 8192 rows of 768
-static void k31_layernorm_fwd__cast(char *arena, const MdlHooks *h) {
+static void k30_layernorm_fwd__cast(char *arena, const MdlHooks *h) {
   float *const b188 = (float *)(arena + 5311857280); // %188 add h.3.x f32[8,1024,768]
   float *const b189 = (float *)(arena + 270941184); // %189 param h.4.ln1_w f32[768]
   float *const b190 = (float *)(arena + 270944256); // %190 param h.4.ln1_b f32[768]
@@ -1554,14 +1537,14 @@ static void k31_layernorm_fwd__cast(char *arena, const MdlHooks *h) {
   }
 }
 
-// k32_gemm__add: GEMM, 3 ops
+// k31_gemm__add: GEMM, 3 ops
 //   %205   matmul                                  line 38    f32[8192,2304]
 //   %206   reshape                                 line 38    f32[8,1024,2304]
 //   %207   add                                     line 38    f32[8,1024,2304]
 // loops:
 //   gemm %205: [8192 x 2304] = [8192 x 768] [768 x 2304], bf16 operands widened to f32, epilogue after
 //   elementwise over 18874368: %207
-static void k32_gemm__add(char *arena, const MdlHooks *h) {
+static void k31_gemm__add(char *arena, const MdlHooks *h) {
   float *const b192 = (float *)(arena + 278025216); // %192 param h.4.attn_b f32[2304]
   uint16_t *const b203 = (uint16_t *)(arena + 5941002880); // %203 cast bf16[8192,768]
   uint16_t *const b204 = (uint16_t *)(arena + 2124854784); // %204 cast bf16[768,2304]
@@ -1585,14 +1568,14 @@ static void k32_gemm__add(char *arena, const MdlHooks *h) {
   }
 }
 
-// k33_attention_fwd__cast__lse: attention, 4 ops
+// k32_attention_fwd__cast__lse: attention, 4 ops
 //   %211   attention                               line 39    f32[8,1024,768]
 //   %212   reshape                                 line 39    f32[8192,768]
 //   %213   cast                                    line 39    bf16[8192,768]
 //   %906   attention_lse                           line 39    f32[8,12,1024]
 // loops:
 //   attention and its log-sum-exp per row: B 8, T 1024, 12 heads of 64, causal, within documents; one task per (batch, head)
-static void k33_attention_fwd__cast__lse(char *arena, const MdlHooks *h) {
+static void k32_attention_fwd__cast__lse(char *arena, const MdlHooks *h) {
   int32_t *const b3 = (int32_t *)(arena + 2238199296); // %3 input doc i32[8,1024]
   float *const b207 = (float *)(arena + 3902571136); // %207 add f32[8,1024,2304]
   uint16_t *const b213 = (uint16_t *)(arena + 5953585792); // %213 cast bf16[8192,768]
@@ -1686,7 +1669,7 @@ static void k33_attention_fwd__cast__lse(char *arena, const MdlHooks *h) {
   }
 }
 
-// k34_gemm__add: GEMM, 4 ops
+// k33_gemm__add: GEMM, 4 ops
 //   %215   matmul                                  line 39    f32[8192,768]
 //   %216   reshape                                 line 39    f32[8,1024,768]
 //   %217   add                                     line 39    f32[8,1024,768]
@@ -1694,7 +1677,7 @@ static void k33_attention_fwd__cast__lse(char *arena, const MdlHooks *h) {
 // loops:
 //   gemm %215: [8192 x 768] = [8192 x 768] [768 x 768], bf16 operands widened to f32, epilogue after
 //   elementwise over 6291456: %218
-static void k34_gemm__add(char *arena, const MdlHooks *h) {
+static void k33_gemm__add(char *arena, const MdlHooks *h) {
   float *const b188 = (float *)(arena + 5311857280); // %188 add h.3.x f32[8,1024,768]
   float *const b194 = (float *)(arena + 280393728); // %194 param h.4.proj_b f32[768]
   uint16_t *const b213 = (uint16_t *)(arena + 5953585792); // %213 cast bf16[8192,768]
@@ -1721,13 +1704,13 @@ static void k34_gemm__add(char *arena, const MdlHooks *h) {
   }
 }
 
-// k35_layernorm_fwd__cast: kernel, 3 ops
+// k34_layernorm_fwd__cast: kernel, 3 ops
 //   %219   layernorm                               line 40    f32[8,1024,768]
 //   %220   reshape                                 line 40    f32[8192,768]
 //   %221   cast                                    line 40    bf16[8192,768]
 // loops:
 //   layernorm %219: 8192 rows of 768
-static void k35_layernorm_fwd__cast(char *arena, const MdlHooks *h) {
+static void k34_layernorm_fwd__cast(char *arena, const MdlHooks *h) {
   float *const b195 = (float *)(arena + 280396800); // %195 param h.4.ln2_w f32[768]
   float *const b196 = (float *)(arena + 280399872); // %196 param h.4.ln2_b f32[768]
   float *const b218 = (float *)(arena + 5337023104); // %218 add h.4.x f32[8,1024,768]
@@ -1761,7 +1744,7 @@ static void k35_layernorm_fwd__cast(char *arena, const MdlHooks *h) {
   }
 }
 
-// k36_gemm__add__gelu__cast: GEMM, 6 ops
+// k35_gemm__add__gelu__cast: GEMM, 6 ops
 //   %223   matmul                                  line 40    f32[8192,3072]
 //   %224   reshape                                 line 40    f32[8,1024,3072]
 //   %225   add                                     line 40    f32[8,1024,3072]
@@ -1771,7 +1754,7 @@ static void k35_layernorm_fwd__cast(char *arena, const MdlHooks *h) {
 // loops:
 //   gemm %223: [8192 x 3072] = [8192 x 768] [768 x 3072], bf16 operands widened to f32, epilogue after
 //   elementwise over 25165824: %225 %228
-static void k36_gemm__add__gelu__cast(char *arena, const MdlHooks *h) {
+static void k35_gemm__add__gelu__cast(char *arena, const MdlHooks *h) {
   float *const b198 = (float *)(arena + 289840128); // %198 param h.4.fc_b f32[3072]
   uint16_t *const b221 = (uint16_t *)(arena + 5966168704); // %221 cast bf16[8192,768]
   uint16_t *const b222 = (uint16_t *)(arena + 2129573376); // %222 cast bf16[768,3072]
@@ -1800,7 +1783,7 @@ static void k36_gemm__add__gelu__cast(char *arena, const MdlHooks *h) {
   }
 }
 
-// k37_gemm__add: GEMM, 4 ops
+// k36_gemm__add: GEMM, 4 ops
 //   %230   matmul                                  line 40    f32[8192,768]
 //   %231   reshape                                 line 40    f32[8,1024,768]
 //   %232   add                                     line 40    f32[8,1024,768]
@@ -1808,7 +1791,7 @@ static void k36_gemm__add__gelu__cast(char *arena, const MdlHooks *h) {
 // loops:
 //   gemm %230: [8192 x 768] = [8192 x 3072] [3072 x 768], bf16 operands widened to f32, epilogue after
 //   elementwise over 6291456: %233
-static void k37_gemm__add(char *arena, const MdlHooks *h) {
+static void k36_gemm__add(char *arena, const MdlHooks *h) {
   float *const b200 = (float *)(arena + 299289600); // %200 param h.4.fcproj_b f32[768]
   float *const b218 = (float *)(arena + 5337023104); // %218 add h.4.x f32[8,1024,768]
   uint16_t *const b228 = (uint16_t *)(arena + 4707877504); // %228 cast bf16[8192,3072]
@@ -1835,13 +1818,13 @@ static void k37_gemm__add(char *arena, const MdlHooks *h) {
   }
 }
 
-// k38_layernorm_fwd__cast: kernel, 3 ops
+// k37_layernorm_fwd__cast: kernel, 3 ops
 //   %246   layernorm                               line 38    f32[8,1024,768]
 //   %247   reshape                                 line 38    f32[8192,768]
 //   %248   cast                                    line 38    bf16[8192,768]
 // loops:
 //   layernorm %246: 8192 rows of 768
-static void k38_layernorm_fwd__cast(char *arena, const MdlHooks *h) {
+static void k37_layernorm_fwd__cast(char *arena, const MdlHooks *h) {
   float *const b233 = (float *)(arena + 5362188928); // %233 add h.4.x f32[8,1024,768]
   float *const b234 = (float *)(arena + 299292672); // %234 param h.5.ln1_w f32[768]
   float *const b235 = (float *)(arena + 299295744); // %235 param h.5.ln1_b f32[768]
@@ -1875,14 +1858,14 @@ static void k38_layernorm_fwd__cast(char *arena, const MdlHooks *h) {
   }
 }
 
-// k39_gemm__add: GEMM, 3 ops
+// k38_gemm__add: GEMM, 3 ops
 //   %250   matmul                                  line 38    f32[8192,2304]
 //   %251   reshape                                 line 38    f32[8,1024,2304]
 //   %252   add                                     line 38    f32[8,1024,2304]
 // loops:
 //   gemm %250: [8192 x 2304] = [8192 x 768] [768 x 2304], bf16 operands widened to f32, epilogue after
 //   elementwise over 18874368: %252
-static void k39_gemm__add(char *arena, const MdlHooks *h) {
+static void k38_gemm__add(char *arena, const MdlHooks *h) {
   float *const b237 = (float *)(arena + 306376704); // %237 param h.5.attn_b f32[2304]
   uint16_t *const b248 = (uint16_t *)(arena + 5978751616); // %248 cast bf16[8192,768]
   uint16_t *const b249 = (uint16_t *)(arena + 2139010560); // %249 cast bf16[768,2304]
@@ -1906,14 +1889,14 @@ static void k39_gemm__add(char *arena, const MdlHooks *h) {
   }
 }
 
-// k40_attention_fwd__cast__lse: attention, 4 ops
+// k39_attention_fwd__cast__lse: attention, 4 ops
 //   %256   attention                               line 39    f32[8,1024,768]
 //   %257   reshape                                 line 39    f32[8192,768]
 //   %258   cast                                    line 39    bf16[8192,768]
 //   %862   attention_lse                           line 39    f32[8,12,1024]
 // loops:
 //   attention and its log-sum-exp per row: B 8, T 1024, 12 heads of 64, causal, within documents; one task per (batch, head)
-static void k40_attention_fwd__cast__lse(char *arena, const MdlHooks *h) {
+static void k39_attention_fwd__cast__lse(char *arena, const MdlHooks *h) {
   int32_t *const b3 = (int32_t *)(arena + 2238199296); // %3 input doc i32[8,1024]
   float *const b252 = (float *)(arena + 3978068608); // %252 add f32[8,1024,2304]
   uint16_t *const b258 = (uint16_t *)(arena + 5991334528); // %258 cast bf16[8192,768]
@@ -2007,7 +1990,7 @@ static void k40_attention_fwd__cast__lse(char *arena, const MdlHooks *h) {
   }
 }
 
-// k41_gemm__add: GEMM, 4 ops
+// k40_gemm__add: GEMM, 4 ops
 //   %260   matmul                                  line 39    f32[8192,768]
 //   %261   reshape                                 line 39    f32[8,1024,768]
 //   %262   add                                     line 39    f32[8,1024,768]
@@ -2015,7 +1998,7 @@ static void k40_attention_fwd__cast__lse(char *arena, const MdlHooks *h) {
 // loops:
 //   gemm %260: [8192 x 768] = [8192 x 768] [768 x 768], bf16 operands widened to f32, epilogue after
 //   elementwise over 6291456: %263
-static void k41_gemm__add(char *arena, const MdlHooks *h) {
+static void k40_gemm__add(char *arena, const MdlHooks *h) {
   float *const b233 = (float *)(arena + 5362188928); // %233 add h.4.x f32[8,1024,768]
   float *const b239 = (float *)(arena + 308745216); // %239 param h.5.proj_b f32[768]
   uint16_t *const b258 = (uint16_t *)(arena + 5991334528); // %258 cast bf16[8192,768]
@@ -2042,13 +2025,13 @@ static void k41_gemm__add(char *arena, const MdlHooks *h) {
   }
 }
 
-// k42_layernorm_fwd__cast: kernel, 3 ops
+// k41_layernorm_fwd__cast: kernel, 3 ops
 //   %264   layernorm                               line 40    f32[8,1024,768]
 //   %265   reshape                                 line 40    f32[8192,768]
 //   %266   cast                                    line 40    bf16[8192,768]
 // loops:
 //   layernorm %264: 8192 rows of 768
-static void k42_layernorm_fwd__cast(char *arena, const MdlHooks *h) {
+static void k41_layernorm_fwd__cast(char *arena, const MdlHooks *h) {
   float *const b240 = (float *)(arena + 308748288); // %240 param h.5.ln2_w f32[768]
   float *const b241 = (float *)(arena + 308751360); // %241 param h.5.ln2_b f32[768]
   float *const b263 = (float *)(arena + 5387354752); // %263 add h.5.x f32[8,1024,768]
@@ -2082,7 +2065,7 @@ static void k42_layernorm_fwd__cast(char *arena, const MdlHooks *h) {
   }
 }
 
-// k43_gemm__add__gelu__cast: GEMM, 6 ops
+// k42_gemm__add__gelu__cast: GEMM, 6 ops
 //   %268   matmul                                  line 40    f32[8192,3072]
 //   %269   reshape                                 line 40    f32[8,1024,3072]
 //   %270   add                                     line 40    f32[8,1024,3072]
@@ -2092,7 +2075,7 @@ static void k42_layernorm_fwd__cast(char *arena, const MdlHooks *h) {
 // loops:
 //   gemm %268: [8192 x 3072] = [8192 x 768] [768 x 3072], bf16 operands widened to f32, epilogue after
 //   elementwise over 25165824: %270 %273
-static void k43_gemm__add__gelu__cast(char *arena, const MdlHooks *h) {
+static void k42_gemm__add__gelu__cast(char *arena, const MdlHooks *h) {
   float *const b243 = (float *)(arena + 318191616); // %243 param h.5.fc_b f32[3072]
   uint16_t *const b266 = (uint16_t *)(arena + 6003917440); // %266 cast bf16[8192,768]
   uint16_t *const b267 = (uint16_t *)(arena + 2143729152); // %267 cast bf16[768,3072]
@@ -2121,7 +2104,7 @@ static void k43_gemm__add__gelu__cast(char *arena, const MdlHooks *h) {
   }
 }
 
-// k44_gemm__add: GEMM, 4 ops
+// k43_gemm__add: GEMM, 4 ops
 //   %275   matmul                                  line 40    f32[8192,768]
 //   %276   reshape                                 line 40    f32[8,1024,768]
 //   %277   add                                     line 40    f32[8,1024,768]
@@ -2129,7 +2112,7 @@ static void k43_gemm__add__gelu__cast(char *arena, const MdlHooks *h) {
 // loops:
 //   gemm %275: [8192 x 768] = [8192 x 3072] [3072 x 768], bf16 operands widened to f32, epilogue after
 //   elementwise over 6291456: %278
-static void k44_gemm__add(char *arena, const MdlHooks *h) {
+static void k43_gemm__add(char *arena, const MdlHooks *h) {
   float *const b245 = (float *)(arena + 327641088); // %245 param h.5.fcproj_b f32[768]
   float *const b263 = (float *)(arena + 5387354752); // %263 add h.5.x f32[8,1024,768]
   uint16_t *const b273 = (uint16_t *)(arena + 4758209152); // %273 cast bf16[8192,3072]
@@ -2156,13 +2139,13 @@ static void k44_gemm__add(char *arena, const MdlHooks *h) {
   }
 }
 
-// k45_layernorm_fwd__cast: kernel, 3 ops
+// k44_layernorm_fwd__cast: kernel, 3 ops
 //   %291   layernorm                               line 38    f32[8,1024,768]
 //   %292   reshape                                 line 38    f32[8192,768]
 //   %293   cast                                    line 38    bf16[8192,768]
 // loops:
 //   layernorm %291: 8192 rows of 768
-static void k45_layernorm_fwd__cast(char *arena, const MdlHooks *h) {
+static void k44_layernorm_fwd__cast(char *arena, const MdlHooks *h) {
   float *const b278 = (float *)(arena + 5412520576); // %278 add h.5.x f32[8,1024,768]
   float *const b279 = (float *)(arena + 327644160); // %279 param h.6.ln1_w f32[768]
   float *const b280 = (float *)(arena + 327647232); // %280 param h.6.ln1_b f32[768]
@@ -2196,14 +2179,14 @@ static void k45_layernorm_fwd__cast(char *arena, const MdlHooks *h) {
   }
 }
 
-// k46_gemm__add: GEMM, 3 ops
+// k45_gemm__add: GEMM, 3 ops
 //   %295   matmul                                  line 38    f32[8192,2304]
 //   %296   reshape                                 line 38    f32[8,1024,2304]
 //   %297   add                                     line 38    f32[8,1024,2304]
 // loops:
 //   gemm %295: [8192 x 2304] = [8192 x 768] [768 x 2304], bf16 operands widened to f32, epilogue after
 //   elementwise over 18874368: %297
-static void k46_gemm__add(char *arena, const MdlHooks *h) {
+static void k45_gemm__add(char *arena, const MdlHooks *h) {
   float *const b282 = (float *)(arena + 334728192); // %282 param h.6.attn_b f32[2304]
   uint16_t *const b293 = (uint16_t *)(arena + 6016500352); // %293 cast bf16[8192,768]
   uint16_t *const b294 = (uint16_t *)(arena + 2153166336); // %294 cast bf16[768,2304]
@@ -2227,14 +2210,14 @@ static void k46_gemm__add(char *arena, const MdlHooks *h) {
   }
 }
 
-// k47_attention_fwd__cast__lse: attention, 4 ops
+// k46_attention_fwd__cast__lse: attention, 4 ops
 //   %301   attention                               line 39    f32[8,1024,768]
 //   %302   reshape                                 line 39    f32[8192,768]
 //   %303   cast                                    line 39    bf16[8192,768]
 //   %818   attention_lse                           line 39    f32[8,12,1024]
 // loops:
 //   attention and its log-sum-exp per row: B 8, T 1024, 12 heads of 64, causal, within documents; one task per (batch, head)
-static void k47_attention_fwd__cast__lse(char *arena, const MdlHooks *h) {
+static void k46_attention_fwd__cast__lse(char *arena, const MdlHooks *h) {
   int32_t *const b3 = (int32_t *)(arena + 2238199296); // %3 input doc i32[8,1024]
   float *const b297 = (float *)(arena + 4053566080); // %297 add f32[8,1024,2304]
   uint16_t *const b303 = (uint16_t *)(arena + 6029083264); // %303 cast bf16[8192,768]
@@ -2328,7 +2311,7 @@ static void k47_attention_fwd__cast__lse(char *arena, const MdlHooks *h) {
   }
 }
 
-// k48_gemm__add: GEMM, 4 ops
+// k47_gemm__add: GEMM, 4 ops
 //   %305   matmul                                  line 39    f32[8192,768]
 //   %306   reshape                                 line 39    f32[8,1024,768]
 //   %307   add                                     line 39    f32[8,1024,768]
@@ -2336,7 +2319,7 @@ static void k47_attention_fwd__cast__lse(char *arena, const MdlHooks *h) {
 // loops:
 //   gemm %305: [8192 x 768] = [8192 x 768] [768 x 768], bf16 operands widened to f32, epilogue after
 //   elementwise over 6291456: %308
-static void k48_gemm__add(char *arena, const MdlHooks *h) {
+static void k47_gemm__add(char *arena, const MdlHooks *h) {
   float *const b278 = (float *)(arena + 5412520576); // %278 add h.5.x f32[8,1024,768]
   float *const b284 = (float *)(arena + 337096704); // %284 param h.6.proj_b f32[768]
   uint16_t *const b303 = (uint16_t *)(arena + 6029083264); // %303 cast bf16[8192,768]
@@ -2363,13 +2346,13 @@ static void k48_gemm__add(char *arena, const MdlHooks *h) {
   }
 }
 
-// k49_layernorm_fwd__cast: kernel, 3 ops
+// k48_layernorm_fwd__cast: kernel, 3 ops
 //   %309   layernorm                               line 40    f32[8,1024,768]
 //   %310   reshape                                 line 40    f32[8192,768]
 //   %311   cast                                    line 40    bf16[8192,768]
 // loops:
 //   layernorm %309: 8192 rows of 768
-static void k49_layernorm_fwd__cast(char *arena, const MdlHooks *h) {
+static void k48_layernorm_fwd__cast(char *arena, const MdlHooks *h) {
   float *const b285 = (float *)(arena + 337099776); // %285 param h.6.ln2_w f32[768]
   float *const b286 = (float *)(arena + 337102848); // %286 param h.6.ln2_b f32[768]
   float *const b308 = (float *)(arena + 5437686400); // %308 add h.6.x f32[8,1024,768]
@@ -2403,7 +2386,7 @@ static void k49_layernorm_fwd__cast(char *arena, const MdlHooks *h) {
   }
 }
 
-// k50_gemm__add__gelu__cast: GEMM, 6 ops
+// k49_gemm__add__gelu__cast: GEMM, 6 ops
 //   %313   matmul                                  line 40    f32[8192,3072]
 //   %314   reshape                                 line 40    f32[8,1024,3072]
 //   %315   add                                     line 40    f32[8,1024,3072]
@@ -2413,7 +2396,7 @@ static void k49_layernorm_fwd__cast(char *arena, const MdlHooks *h) {
 // loops:
 //   gemm %313: [8192 x 3072] = [8192 x 768] [768 x 3072], bf16 operands widened to f32, epilogue after
 //   elementwise over 25165824: %315 %318
-static void k50_gemm__add__gelu__cast(char *arena, const MdlHooks *h) {
+static void k49_gemm__add__gelu__cast(char *arena, const MdlHooks *h) {
   float *const b288 = (float *)(arena + 346543104); // %288 param h.6.fc_b f32[3072]
   uint16_t *const b311 = (uint16_t *)(arena + 6041666176); // %311 cast bf16[8192,768]
   uint16_t *const b312 = (uint16_t *)(arena + 2157884928); // %312 cast bf16[768,3072]
@@ -2442,7 +2425,7 @@ static void k50_gemm__add__gelu__cast(char *arena, const MdlHooks *h) {
   }
 }
 
-// k51_gemm__add: GEMM, 4 ops
+// k50_gemm__add: GEMM, 4 ops
 //   %320   matmul                                  line 40    f32[8192,768]
 //   %321   reshape                                 line 40    f32[8,1024,768]
 //   %322   add                                     line 40    f32[8,1024,768]
@@ -2450,7 +2433,7 @@ static void k50_gemm__add__gelu__cast(char *arena, const MdlHooks *h) {
 // loops:
 //   gemm %320: [8192 x 768] = [8192 x 3072] [3072 x 768], bf16 operands widened to f32, epilogue after
 //   elementwise over 6291456: %323
-static void k51_gemm__add(char *arena, const MdlHooks *h) {
+static void k50_gemm__add(char *arena, const MdlHooks *h) {
   float *const b290 = (float *)(arena + 355992576); // %290 param h.6.fcproj_b f32[768]
   float *const b308 = (float *)(arena + 5437686400); // %308 add h.6.x f32[8,1024,768]
   uint16_t *const b318 = (uint16_t *)(arena + 4808540800); // %318 cast bf16[8192,3072]
@@ -2477,13 +2460,13 @@ static void k51_gemm__add(char *arena, const MdlHooks *h) {
   }
 }
 
-// k52_layernorm_fwd__cast: kernel, 3 ops
+// k51_layernorm_fwd__cast: kernel, 3 ops
 //   %336   layernorm                               line 38    f32[8,1024,768]
 //   %337   reshape                                 line 38    f32[8192,768]
 //   %338   cast                                    line 38    bf16[8192,768]
 // loops:
 //   layernorm %336: 8192 rows of 768
-static void k52_layernorm_fwd__cast(char *arena, const MdlHooks *h) {
+static void k51_layernorm_fwd__cast(char *arena, const MdlHooks *h) {
   float *const b323 = (float *)(arena + 5462852224); // %323 add h.6.x f32[8,1024,768]
   float *const b324 = (float *)(arena + 355995648); // %324 param h.7.ln1_w f32[768]
   float *const b325 = (float *)(arena + 355998720); // %325 param h.7.ln1_b f32[768]
@@ -2517,14 +2500,14 @@ static void k52_layernorm_fwd__cast(char *arena, const MdlHooks *h) {
   }
 }
 
-// k53_gemm__add: GEMM, 3 ops
+// k52_gemm__add: GEMM, 3 ops
 //   %340   matmul                                  line 38    f32[8192,2304]
 //   %341   reshape                                 line 38    f32[8,1024,2304]
 //   %342   add                                     line 38    f32[8,1024,2304]
 // loops:
 //   gemm %340: [8192 x 2304] = [8192 x 768] [768 x 2304], bf16 operands widened to f32, epilogue after
 //   elementwise over 18874368: %342
-static void k53_gemm__add(char *arena, const MdlHooks *h) {
+static void k52_gemm__add(char *arena, const MdlHooks *h) {
   float *const b327 = (float *)(arena + 363079680); // %327 param h.7.attn_b f32[2304]
   uint16_t *const b338 = (uint16_t *)(arena + 6054249088); // %338 cast bf16[8192,768]
   uint16_t *const b339 = (uint16_t *)(arena + 2167322112); // %339 cast bf16[768,2304]
@@ -2548,14 +2531,14 @@ static void k53_gemm__add(char *arena, const MdlHooks *h) {
   }
 }
 
-// k54_attention_fwd__cast__lse: attention, 4 ops
+// k53_attention_fwd__cast__lse: attention, 4 ops
 //   %346   attention                               line 39    f32[8,1024,768]
 //   %347   reshape                                 line 39    f32[8192,768]
 //   %348   cast                                    line 39    bf16[8192,768]
 //   %774   attention_lse                           line 39    f32[8,12,1024]
 // loops:
 //   attention and its log-sum-exp per row: B 8, T 1024, 12 heads of 64, causal, within documents; one task per (batch, head)
-static void k54_attention_fwd__cast__lse(char *arena, const MdlHooks *h) {
+static void k53_attention_fwd__cast__lse(char *arena, const MdlHooks *h) {
   int32_t *const b3 = (int32_t *)(arena + 2238199296); // %3 input doc i32[8,1024]
   float *const b342 = (float *)(arena + 4129063552); // %342 add f32[8,1024,2304]
   uint16_t *const b348 = (uint16_t *)(arena + 6066832000); // %348 cast bf16[8192,768]
@@ -2649,7 +2632,7 @@ static void k54_attention_fwd__cast__lse(char *arena, const MdlHooks *h) {
   }
 }
 
-// k55_gemm__add: GEMM, 4 ops
+// k54_gemm__add: GEMM, 4 ops
 //   %350   matmul                                  line 39    f32[8192,768]
 //   %351   reshape                                 line 39    f32[8,1024,768]
 //   %352   add                                     line 39    f32[8,1024,768]
@@ -2657,7 +2640,7 @@ static void k54_attention_fwd__cast__lse(char *arena, const MdlHooks *h) {
 // loops:
 //   gemm %350: [8192 x 768] = [8192 x 768] [768 x 768], bf16 operands widened to f32, epilogue after
 //   elementwise over 6291456: %353
-static void k55_gemm__add(char *arena, const MdlHooks *h) {
+static void k54_gemm__add(char *arena, const MdlHooks *h) {
   float *const b323 = (float *)(arena + 5462852224); // %323 add h.6.x f32[8,1024,768]
   float *const b329 = (float *)(arena + 365448192); // %329 param h.7.proj_b f32[768]
   uint16_t *const b348 = (uint16_t *)(arena + 6066832000); // %348 cast bf16[8192,768]
@@ -2684,13 +2667,13 @@ static void k55_gemm__add(char *arena, const MdlHooks *h) {
   }
 }
 
-// k56_layernorm_fwd__cast: kernel, 3 ops
+// k55_layernorm_fwd__cast: kernel, 3 ops
 //   %354   layernorm                               line 40    f32[8,1024,768]
 //   %355   reshape                                 line 40    f32[8192,768]
 //   %356   cast                                    line 40    bf16[8192,768]
 // loops:
 //   layernorm %354: 8192 rows of 768
-static void k56_layernorm_fwd__cast(char *arena, const MdlHooks *h) {
+static void k55_layernorm_fwd__cast(char *arena, const MdlHooks *h) {
   float *const b330 = (float *)(arena + 365451264); // %330 param h.7.ln2_w f32[768]
   float *const b331 = (float *)(arena + 365454336); // %331 param h.7.ln2_b f32[768]
   float *const b353 = (float *)(arena + 5488018048); // %353 add h.7.x f32[8,1024,768]
@@ -2724,7 +2707,7 @@ static void k56_layernorm_fwd__cast(char *arena, const MdlHooks *h) {
   }
 }
 
-// k57_gemm__add__gelu__cast: GEMM, 6 ops
+// k56_gemm__add__gelu__cast: GEMM, 6 ops
 //   %358   matmul                                  line 40    f32[8192,3072]
 //   %359   reshape                                 line 40    f32[8,1024,3072]
 //   %360   add                                     line 40    f32[8,1024,3072]
@@ -2734,7 +2717,7 @@ static void k56_layernorm_fwd__cast(char *arena, const MdlHooks *h) {
 // loops:
 //   gemm %358: [8192 x 3072] = [8192 x 768] [768 x 3072], bf16 operands widened to f32, epilogue after
 //   elementwise over 25165824: %360 %363
-static void k57_gemm__add__gelu__cast(char *arena, const MdlHooks *h) {
+static void k56_gemm__add__gelu__cast(char *arena, const MdlHooks *h) {
   float *const b333 = (float *)(arena + 374894592); // %333 param h.7.fc_b f32[3072]
   uint16_t *const b356 = (uint16_t *)(arena + 6079414912); // %356 cast bf16[8192,768]
   uint16_t *const b357 = (uint16_t *)(arena + 2172040704); // %357 cast bf16[768,3072]
@@ -2763,7 +2746,7 @@ static void k57_gemm__add__gelu__cast(char *arena, const MdlHooks *h) {
   }
 }
 
-// k58_gemm__add: GEMM, 4 ops
+// k57_gemm__add: GEMM, 4 ops
 //   %365   matmul                                  line 40    f32[8192,768]
 //   %366   reshape                                 line 40    f32[8,1024,768]
 //   %367   add                                     line 40    f32[8,1024,768]
@@ -2771,7 +2754,7 @@ static void k57_gemm__add__gelu__cast(char *arena, const MdlHooks *h) {
 // loops:
 //   gemm %365: [8192 x 768] = [8192 x 3072] [3072 x 768], bf16 operands widened to f32, epilogue after
 //   elementwise over 6291456: %368
-static void k58_gemm__add(char *arena, const MdlHooks *h) {
+static void k57_gemm__add(char *arena, const MdlHooks *h) {
   float *const b335 = (float *)(arena + 384344064); // %335 param h.7.fcproj_b f32[768]
   float *const b353 = (float *)(arena + 5488018048); // %353 add h.7.x f32[8,1024,768]
   uint16_t *const b363 = (uint16_t *)(arena + 4858872448); // %363 cast bf16[8192,3072]
@@ -2798,13 +2781,13 @@ static void k58_gemm__add(char *arena, const MdlHooks *h) {
   }
 }
 
-// k59_layernorm_fwd__cast: kernel, 3 ops
+// k58_layernorm_fwd__cast: kernel, 3 ops
 //   %381   layernorm                               line 38    f32[8,1024,768]
 //   %382   reshape                                 line 38    f32[8192,768]
 //   %383   cast                                    line 38    bf16[8192,768]
 // loops:
 //   layernorm %381: 8192 rows of 768
-static void k59_layernorm_fwd__cast(char *arena, const MdlHooks *h) {
+static void k58_layernorm_fwd__cast(char *arena, const MdlHooks *h) {
   float *const b368 = (float *)(arena + 5513183872); // %368 add h.7.x f32[8,1024,768]
   float *const b369 = (float *)(arena + 384347136); // %369 param h.8.ln1_w f32[768]
   float *const b370 = (float *)(arena + 384350208); // %370 param h.8.ln1_b f32[768]
@@ -2838,14 +2821,14 @@ static void k59_layernorm_fwd__cast(char *arena, const MdlHooks *h) {
   }
 }
 
-// k60_gemm__add: GEMM, 3 ops
+// k59_gemm__add: GEMM, 3 ops
 //   %385   matmul                                  line 38    f32[8192,2304]
 //   %386   reshape                                 line 38    f32[8,1024,2304]
 //   %387   add                                     line 38    f32[8,1024,2304]
 // loops:
 //   gemm %385: [8192 x 2304] = [8192 x 768] [768 x 2304], bf16 operands widened to f32, epilogue after
 //   elementwise over 18874368: %387
-static void k60_gemm__add(char *arena, const MdlHooks *h) {
+static void k59_gemm__add(char *arena, const MdlHooks *h) {
   float *const b372 = (float *)(arena + 391431168); // %372 param h.8.attn_b f32[2304]
   uint16_t *const b383 = (uint16_t *)(arena + 6091997824); // %383 cast bf16[8192,768]
   uint16_t *const b384 = (uint16_t *)(arena + 2181477888); // %384 cast bf16[768,2304]
@@ -2869,14 +2852,14 @@ static void k60_gemm__add(char *arena, const MdlHooks *h) {
   }
 }
 
-// k61_attention_fwd__cast__lse: attention, 4 ops
+// k60_attention_fwd__cast__lse: attention, 4 ops
 //   %391   attention                               line 39    f32[8,1024,768]
 //   %392   reshape                                 line 39    f32[8192,768]
 //   %393   cast                                    line 39    bf16[8192,768]
 //   %730   attention_lse                           line 39    f32[8,12,1024]
 // loops:
 //   attention and its log-sum-exp per row: B 8, T 1024, 12 heads of 64, causal, within documents; one task per (batch, head)
-static void k61_attention_fwd__cast__lse(char *arena, const MdlHooks *h) {
+static void k60_attention_fwd__cast__lse(char *arena, const MdlHooks *h) {
   int32_t *const b3 = (int32_t *)(arena + 2238199296); // %3 input doc i32[8,1024]
   float *const b387 = (float *)(arena + 4204561024); // %387 add f32[8,1024,2304]
   uint16_t *const b393 = (uint16_t *)(arena + 6104580736); // %393 cast bf16[8192,768]
@@ -2970,7 +2953,7 @@ static void k61_attention_fwd__cast__lse(char *arena, const MdlHooks *h) {
   }
 }
 
-// k62_gemm__add: GEMM, 4 ops
+// k61_gemm__add: GEMM, 4 ops
 //   %395   matmul                                  line 39    f32[8192,768]
 //   %396   reshape                                 line 39    f32[8,1024,768]
 //   %397   add                                     line 39    f32[8,1024,768]
@@ -2978,7 +2961,7 @@ static void k61_attention_fwd__cast__lse(char *arena, const MdlHooks *h) {
 // loops:
 //   gemm %395: [8192 x 768] = [8192 x 768] [768 x 768], bf16 operands widened to f32, epilogue after
 //   elementwise over 6291456: %398
-static void k62_gemm__add(char *arena, const MdlHooks *h) {
+static void k61_gemm__add(char *arena, const MdlHooks *h) {
   float *const b368 = (float *)(arena + 5513183872); // %368 add h.7.x f32[8,1024,768]
   float *const b374 = (float *)(arena + 393799680); // %374 param h.8.proj_b f32[768]
   uint16_t *const b393 = (uint16_t *)(arena + 6104580736); // %393 cast bf16[8192,768]
@@ -3005,13 +2988,13 @@ static void k62_gemm__add(char *arena, const MdlHooks *h) {
   }
 }
 
-// k63_layernorm_fwd__cast: kernel, 3 ops
+// k62_layernorm_fwd__cast: kernel, 3 ops
 //   %399   layernorm                               line 40    f32[8,1024,768]
 //   %400   reshape                                 line 40    f32[8192,768]
 //   %401   cast                                    line 40    bf16[8192,768]
 // loops:
 //   layernorm %399: 8192 rows of 768
-static void k63_layernorm_fwd__cast(char *arena, const MdlHooks *h) {
+static void k62_layernorm_fwd__cast(char *arena, const MdlHooks *h) {
   float *const b375 = (float *)(arena + 393802752); // %375 param h.8.ln2_w f32[768]
   float *const b376 = (float *)(arena + 393805824); // %376 param h.8.ln2_b f32[768]
   float *const b398 = (float *)(arena + 5538349696); // %398 add h.8.x f32[8,1024,768]
@@ -3045,7 +3028,7 @@ static void k63_layernorm_fwd__cast(char *arena, const MdlHooks *h) {
   }
 }
 
-// k64_gemm__add__gelu__cast: GEMM, 6 ops
+// k63_gemm__add__gelu__cast: GEMM, 6 ops
 //   %403   matmul                                  line 40    f32[8192,3072]
 //   %404   reshape                                 line 40    f32[8,1024,3072]
 //   %405   add                                     line 40    f32[8,1024,3072]
@@ -3055,7 +3038,7 @@ static void k63_layernorm_fwd__cast(char *arena, const MdlHooks *h) {
 // loops:
 //   gemm %403: [8192 x 3072] = [8192 x 768] [768 x 3072], bf16 operands widened to f32, epilogue after
 //   elementwise over 25165824: %405 %408
-static void k64_gemm__add__gelu__cast(char *arena, const MdlHooks *h) {
+static void k63_gemm__add__gelu__cast(char *arena, const MdlHooks *h) {
   float *const b378 = (float *)(arena + 403246080); // %378 param h.8.fc_b f32[3072]
   uint16_t *const b401 = (uint16_t *)(arena + 6117163648); // %401 cast bf16[8192,768]
   uint16_t *const b402 = (uint16_t *)(arena + 2186196480); // %402 cast bf16[768,3072]
@@ -3084,7 +3067,7 @@ static void k64_gemm__add__gelu__cast(char *arena, const MdlHooks *h) {
   }
 }
 
-// k65_gemm__add: GEMM, 4 ops
+// k64_gemm__add: GEMM, 4 ops
 //   %410   matmul                                  line 40    f32[8192,768]
 //   %411   reshape                                 line 40    f32[8,1024,768]
 //   %412   add                                     line 40    f32[8,1024,768]
@@ -3092,7 +3075,7 @@ static void k64_gemm__add__gelu__cast(char *arena, const MdlHooks *h) {
 // loops:
 //   gemm %410: [8192 x 768] = [8192 x 3072] [3072 x 768], bf16 operands widened to f32, epilogue after
 //   elementwise over 6291456: %413
-static void k65_gemm__add(char *arena, const MdlHooks *h) {
+static void k64_gemm__add(char *arena, const MdlHooks *h) {
   float *const b380 = (float *)(arena + 412695552); // %380 param h.8.fcproj_b f32[768]
   float *const b398 = (float *)(arena + 5538349696); // %398 add h.8.x f32[8,1024,768]
   uint16_t *const b408 = (uint16_t *)(arena + 4909204096); // %408 cast bf16[8192,3072]
@@ -3119,13 +3102,13 @@ static void k65_gemm__add(char *arena, const MdlHooks *h) {
   }
 }
 
-// k66_layernorm_fwd__cast: kernel, 3 ops
+// k65_layernorm_fwd__cast: kernel, 3 ops
 //   %426   layernorm                               line 38    f32[8,1024,768]
 //   %427   reshape                                 line 38    f32[8192,768]
 //   %428   cast                                    line 38    bf16[8192,768]
 // loops:
 //   layernorm %426: 8192 rows of 768
-static void k66_layernorm_fwd__cast(char *arena, const MdlHooks *h) {
+static void k65_layernorm_fwd__cast(char *arena, const MdlHooks *h) {
   float *const b413 = (float *)(arena + 5563515520); // %413 add h.8.x f32[8,1024,768]
   float *const b414 = (float *)(arena + 412698624); // %414 param h.9.ln1_w f32[768]
   float *const b415 = (float *)(arena + 412701696); // %415 param h.9.ln1_b f32[768]
@@ -3159,14 +3142,14 @@ static void k66_layernorm_fwd__cast(char *arena, const MdlHooks *h) {
   }
 }
 
-// k67_gemm__add: GEMM, 3 ops
+// k66_gemm__add: GEMM, 3 ops
 //   %430   matmul                                  line 38    f32[8192,2304]
 //   %431   reshape                                 line 38    f32[8,1024,2304]
 //   %432   add                                     line 38    f32[8,1024,2304]
 // loops:
 //   gemm %430: [8192 x 2304] = [8192 x 768] [768 x 2304], bf16 operands widened to f32, epilogue after
 //   elementwise over 18874368: %432
-static void k67_gemm__add(char *arena, const MdlHooks *h) {
+static void k66_gemm__add(char *arena, const MdlHooks *h) {
   float *const b417 = (float *)(arena + 419782656); // %417 param h.9.attn_b f32[2304]
   uint16_t *const b428 = (uint16_t *)(arena + 6129746560); // %428 cast bf16[8192,768]
   uint16_t *const b429 = (uint16_t *)(arena + 2195633664); // %429 cast bf16[768,2304]
@@ -3190,14 +3173,14 @@ static void k67_gemm__add(char *arena, const MdlHooks *h) {
   }
 }
 
-// k68_attention_fwd__cast__lse: attention, 4 ops
+// k67_attention_fwd__cast__lse: attention, 4 ops
 //   %436   attention                               line 39    f32[8,1024,768]
 //   %437   reshape                                 line 39    f32[8192,768]
 //   %438   cast                                    line 39    bf16[8192,768]
 //   %686   attention_lse                           line 39    f32[8,12,1024]
 // loops:
 //   attention and its log-sum-exp per row: B 8, T 1024, 12 heads of 64, causal, within documents; one task per (batch, head)
-static void k68_attention_fwd__cast__lse(char *arena, const MdlHooks *h) {
+static void k67_attention_fwd__cast__lse(char *arena, const MdlHooks *h) {
   int32_t *const b3 = (int32_t *)(arena + 2238199296); // %3 input doc i32[8,1024]
   float *const b432 = (float *)(arena + 4280058496); // %432 add f32[8,1024,2304]
   uint16_t *const b438 = (uint16_t *)(arena + 6142329472); // %438 cast bf16[8192,768]
@@ -3291,7 +3274,7 @@ static void k68_attention_fwd__cast__lse(char *arena, const MdlHooks *h) {
   }
 }
 
-// k69_gemm__add: GEMM, 4 ops
+// k68_gemm__add: GEMM, 4 ops
 //   %440   matmul                                  line 39    f32[8192,768]
 //   %441   reshape                                 line 39    f32[8,1024,768]
 //   %442   add                                     line 39    f32[8,1024,768]
@@ -3299,7 +3282,7 @@ static void k68_attention_fwd__cast__lse(char *arena, const MdlHooks *h) {
 // loops:
 //   gemm %440: [8192 x 768] = [8192 x 768] [768 x 768], bf16 operands widened to f32, epilogue after
 //   elementwise over 6291456: %443
-static void k69_gemm__add(char *arena, const MdlHooks *h) {
+static void k68_gemm__add(char *arena, const MdlHooks *h) {
   float *const b413 = (float *)(arena + 5563515520); // %413 add h.8.x f32[8,1024,768]
   float *const b419 = (float *)(arena + 422151168); // %419 param h.9.proj_b f32[768]
   uint16_t *const b438 = (uint16_t *)(arena + 6142329472); // %438 cast bf16[8192,768]
@@ -3326,13 +3309,13 @@ static void k69_gemm__add(char *arena, const MdlHooks *h) {
   }
 }
 
-// k70_layernorm_fwd__cast: kernel, 3 ops
+// k69_layernorm_fwd__cast: kernel, 3 ops
 //   %444   layernorm                               line 40    f32[8,1024,768]
 //   %445   reshape                                 line 40    f32[8192,768]
 //   %446   cast                                    line 40    bf16[8192,768]
 // loops:
 //   layernorm %444: 8192 rows of 768
-static void k70_layernorm_fwd__cast(char *arena, const MdlHooks *h) {
+static void k69_layernorm_fwd__cast(char *arena, const MdlHooks *h) {
   float *const b420 = (float *)(arena + 422154240); // %420 param h.9.ln2_w f32[768]
   float *const b421 = (float *)(arena + 422157312); // %421 param h.9.ln2_b f32[768]
   float *const b443 = (float *)(arena + 5588681344); // %443 add h.9.x f32[8,1024,768]
@@ -3366,7 +3349,7 @@ static void k70_layernorm_fwd__cast(char *arena, const MdlHooks *h) {
   }
 }
 
-// k71_gemm__add__gelu__cast: GEMM, 6 ops
+// k70_gemm__add__gelu__cast: GEMM, 6 ops
 //   %448   matmul                                  line 40    f32[8192,3072]
 //   %449   reshape                                 line 40    f32[8,1024,3072]
 //   %450   add                                     line 40    f32[8,1024,3072]
@@ -3376,7 +3359,7 @@ static void k70_layernorm_fwd__cast(char *arena, const MdlHooks *h) {
 // loops:
 //   gemm %448: [8192 x 3072] = [8192 x 768] [768 x 3072], bf16 operands widened to f32, epilogue after
 //   elementwise over 25165824: %450 %453
-static void k71_gemm__add__gelu__cast(char *arena, const MdlHooks *h) {
+static void k70_gemm__add__gelu__cast(char *arena, const MdlHooks *h) {
   float *const b423 = (float *)(arena + 431597568); // %423 param h.9.fc_b f32[3072]
   uint16_t *const b446 = (uint16_t *)(arena + 6154912384); // %446 cast bf16[8192,768]
   uint16_t *const b447 = (uint16_t *)(arena + 2200352256); // %447 cast bf16[768,3072]
@@ -3405,7 +3388,7 @@ static void k71_gemm__add__gelu__cast(char *arena, const MdlHooks *h) {
   }
 }
 
-// k72_gemm__add: GEMM, 4 ops
+// k71_gemm__add: GEMM, 4 ops
 //   %455   matmul                                  line 40    f32[8192,768]
 //   %456   reshape                                 line 40    f32[8,1024,768]
 //   %457   add                                     line 40    f32[8,1024,768]
@@ -3413,7 +3396,7 @@ static void k71_gemm__add__gelu__cast(char *arena, const MdlHooks *h) {
 // loops:
 //   gemm %455: [8192 x 768] = [8192 x 3072] [3072 x 768], bf16 operands widened to f32, epilogue after
 //   elementwise over 6291456: %458
-static void k72_gemm__add(char *arena, const MdlHooks *h) {
+static void k71_gemm__add(char *arena, const MdlHooks *h) {
   float *const b425 = (float *)(arena + 441047040); // %425 param h.9.fcproj_b f32[768]
   float *const b443 = (float *)(arena + 5588681344); // %443 add h.9.x f32[8,1024,768]
   uint16_t *const b453 = (uint16_t *)(arena + 4959535744); // %453 cast bf16[8192,3072]
@@ -3440,13 +3423,13 @@ static void k72_gemm__add(char *arena, const MdlHooks *h) {
   }
 }
 
-// k73_layernorm_fwd__cast: kernel, 3 ops
+// k72_layernorm_fwd__cast: kernel, 3 ops
 //   %471   layernorm                               line 38    f32[8,1024,768]
 //   %472   reshape                                 line 38    f32[8192,768]
 //   %473   cast                                    line 38    bf16[8192,768]
 // loops:
 //   layernorm %471: 8192 rows of 768
-static void k73_layernorm_fwd__cast(char *arena, const MdlHooks *h) {
+static void k72_layernorm_fwd__cast(char *arena, const MdlHooks *h) {
   float *const b458 = (float *)(arena + 5613847168); // %458 add h.9.x f32[8,1024,768]
   float *const b459 = (float *)(arena + 441050112); // %459 param h.10.ln1_w f32[768]
   float *const b460 = (float *)(arena + 441053184); // %460 param h.10.ln1_b f32[768]
@@ -3480,14 +3463,14 @@ static void k73_layernorm_fwd__cast(char *arena, const MdlHooks *h) {
   }
 }
 
-// k74_gemm__add: GEMM, 3 ops
+// k73_gemm__add: GEMM, 3 ops
 //   %475   matmul                                  line 38    f32[8192,2304]
 //   %476   reshape                                 line 38    f32[8,1024,2304]
 //   %477   add                                     line 38    f32[8,1024,2304]
 // loops:
 //   gemm %475: [8192 x 2304] = [8192 x 768] [768 x 2304], bf16 operands widened to f32, epilogue after
 //   elementwise over 18874368: %477
-static void k74_gemm__add(char *arena, const MdlHooks *h) {
+static void k73_gemm__add(char *arena, const MdlHooks *h) {
   float *const b462 = (float *)(arena + 448134144); // %462 param h.10.attn_b f32[2304]
   uint16_t *const b473 = (uint16_t *)(arena + 6167495296); // %473 cast bf16[8192,768]
   uint16_t *const b474 = (uint16_t *)(arena + 2209789440); // %474 cast bf16[768,2304]
@@ -3511,14 +3494,14 @@ static void k74_gemm__add(char *arena, const MdlHooks *h) {
   }
 }
 
-// k75_attention_fwd__cast__lse: attention, 4 ops
+// k74_attention_fwd__cast__lse: attention, 4 ops
 //   %481   attention                               line 39    f32[8,1024,768]
 //   %482   reshape                                 line 39    f32[8192,768]
 //   %483   cast                                    line 39    bf16[8192,768]
 //   %642   attention_lse                           line 39    f32[8,12,1024]
 // loops:
 //   attention and its log-sum-exp per row: B 8, T 1024, 12 heads of 64, causal, within documents; one task per (batch, head)
-static void k75_attention_fwd__cast__lse(char *arena, const MdlHooks *h) {
+static void k74_attention_fwd__cast__lse(char *arena, const MdlHooks *h) {
   int32_t *const b3 = (int32_t *)(arena + 2238199296); // %3 input doc i32[8,1024]
   float *const b477 = (float *)(arena + 4355555968); // %477 add f32[8,1024,2304]
   uint16_t *const b483 = (uint16_t *)(arena + 6180078208); // %483 cast bf16[8192,768]
@@ -3612,7 +3595,7 @@ static void k75_attention_fwd__cast__lse(char *arena, const MdlHooks *h) {
   }
 }
 
-// k76_gemm__add: GEMM, 4 ops
+// k75_gemm__add: GEMM, 4 ops
 //   %485   matmul                                  line 39    f32[8192,768]
 //   %486   reshape                                 line 39    f32[8,1024,768]
 //   %487   add                                     line 39    f32[8,1024,768]
@@ -3620,7 +3603,7 @@ static void k75_attention_fwd__cast__lse(char *arena, const MdlHooks *h) {
 // loops:
 //   gemm %485: [8192 x 768] = [8192 x 768] [768 x 768], bf16 operands widened to f32, epilogue after
 //   elementwise over 6291456: %488
-static void k76_gemm__add(char *arena, const MdlHooks *h) {
+static void k75_gemm__add(char *arena, const MdlHooks *h) {
   float *const b458 = (float *)(arena + 5613847168); // %458 add h.9.x f32[8,1024,768]
   float *const b464 = (float *)(arena + 450502656); // %464 param h.10.proj_b f32[768]
   uint16_t *const b483 = (uint16_t *)(arena + 6180078208); // %483 cast bf16[8192,768]
@@ -3647,13 +3630,13 @@ static void k76_gemm__add(char *arena, const MdlHooks *h) {
   }
 }
 
-// k77_layernorm_fwd__cast: kernel, 3 ops
+// k76_layernorm_fwd__cast: kernel, 3 ops
 //   %489   layernorm                               line 40    f32[8,1024,768]
 //   %490   reshape                                 line 40    f32[8192,768]
 //   %491   cast                                    line 40    bf16[8192,768]
 // loops:
 //   layernorm %489: 8192 rows of 768
-static void k77_layernorm_fwd__cast(char *arena, const MdlHooks *h) {
+static void k76_layernorm_fwd__cast(char *arena, const MdlHooks *h) {
   float *const b465 = (float *)(arena + 450505728); // %465 param h.10.ln2_w f32[768]
   float *const b466 = (float *)(arena + 450508800); // %466 param h.10.ln2_b f32[768]
   float *const b488 = (float *)(arena + 5639012992); // %488 add h.10.x f32[8,1024,768]
@@ -3687,7 +3670,7 @@ static void k77_layernorm_fwd__cast(char *arena, const MdlHooks *h) {
   }
 }
 
-// k78_gemm__add__gelu__cast: GEMM, 6 ops
+// k77_gemm__add__gelu__cast: GEMM, 6 ops
 //   %493   matmul                                  line 40    f32[8192,3072]
 //   %494   reshape                                 line 40    f32[8,1024,3072]
 //   %495   add                                     line 40    f32[8,1024,3072]
@@ -3697,7 +3680,7 @@ static void k77_layernorm_fwd__cast(char *arena, const MdlHooks *h) {
 // loops:
 //   gemm %493: [8192 x 3072] = [8192 x 768] [768 x 3072], bf16 operands widened to f32, epilogue after
 //   elementwise over 25165824: %495 %498
-static void k78_gemm__add__gelu__cast(char *arena, const MdlHooks *h) {
+static void k77_gemm__add__gelu__cast(char *arena, const MdlHooks *h) {
   float *const b468 = (float *)(arena + 459949056); // %468 param h.10.fc_b f32[3072]
   uint16_t *const b491 = (uint16_t *)(arena + 6192661120); // %491 cast bf16[8192,768]
   uint16_t *const b492 = (uint16_t *)(arena + 2214508032); // %492 cast bf16[768,3072]
@@ -3726,7 +3709,7 @@ static void k78_gemm__add__gelu__cast(char *arena, const MdlHooks *h) {
   }
 }
 
-// k79_gemm__add: GEMM, 4 ops
+// k78_gemm__add: GEMM, 4 ops
 //   %500   matmul                                  line 40    f32[8192,768]
 //   %501   reshape                                 line 40    f32[8,1024,768]
 //   %502   add                                     line 40    f32[8,1024,768]
@@ -3734,7 +3717,7 @@ static void k78_gemm__add__gelu__cast(char *arena, const MdlHooks *h) {
 // loops:
 //   gemm %500: [8192 x 768] = [8192 x 3072] [3072 x 768], bf16 operands widened to f32, epilogue after
 //   elementwise over 6291456: %503
-static void k79_gemm__add(char *arena, const MdlHooks *h) {
+static void k78_gemm__add(char *arena, const MdlHooks *h) {
   float *const b470 = (float *)(arena + 469398528); // %470 param h.10.fcproj_b f32[768]
   float *const b488 = (float *)(arena + 5639012992); // %488 add h.10.x f32[8,1024,768]
   uint16_t *const b498 = (uint16_t *)(arena + 5009867392); // %498 cast bf16[8192,3072]
@@ -3761,13 +3744,13 @@ static void k79_gemm__add(char *arena, const MdlHooks *h) {
   }
 }
 
-// k80_layernorm_fwd__cast: kernel, 3 ops
+// k79_layernorm_fwd__cast: kernel, 3 ops
 //   %516   layernorm                               line 38    f32[8,1024,768]
 //   %517   reshape                                 line 38    f32[8192,768]
 //   %518   cast                                    line 38    bf16[8192,768]
 // loops:
 //   layernorm %516: 8192 rows of 768
-static void k80_layernorm_fwd__cast(char *arena, const MdlHooks *h) {
+static void k79_layernorm_fwd__cast(char *arena, const MdlHooks *h) {
   float *const b503 = (float *)(arena + 5664178816); // %503 add h.10.x f32[8,1024,768]
   float *const b504 = (float *)(arena + 469401600); // %504 param h.11.ln1_w f32[768]
   float *const b505 = (float *)(arena + 469404672); // %505 param h.11.ln1_b f32[768]
@@ -3801,14 +3784,14 @@ static void k80_layernorm_fwd__cast(char *arena, const MdlHooks *h) {
   }
 }
 
-// k81_gemm__add: GEMM, 3 ops
+// k80_gemm__add: GEMM, 3 ops
 //   %520   matmul                                  line 38    f32[8192,2304]
 //   %521   reshape                                 line 38    f32[8,1024,2304]
 //   %522   add                                     line 38    f32[8,1024,2304]
 // loops:
 //   gemm %520: [8192 x 2304] = [8192 x 768] [768 x 2304], bf16 operands widened to f32, epilogue after
 //   elementwise over 18874368: %522
-static void k81_gemm__add(char *arena, const MdlHooks *h) {
+static void k80_gemm__add(char *arena, const MdlHooks *h) {
   float *const b507 = (float *)(arena + 476485632); // %507 param h.11.attn_b f32[2304]
   uint16_t *const b518 = (uint16_t *)(arena + 6205244032); // %518 cast bf16[8192,768]
   uint16_t *const b519 = (uint16_t *)(arena + 2223945216); // %519 cast bf16[768,2304]
@@ -3832,14 +3815,14 @@ static void k81_gemm__add(char *arena, const MdlHooks *h) {
   }
 }
 
-// k82_attention_fwd__cast__lse: attention, 4 ops
+// k81_attention_fwd__cast__lse: attention, 4 ops
 //   %526   attention                               line 39    f32[8,1024,768]
 //   %527   reshape                                 line 39    f32[8192,768]
 //   %528   cast                                    line 39    bf16[8192,768]
 //   %598   attention_lse                           line 39    f32[8,12,1024]
 // loops:
 //   attention and its log-sum-exp per row: B 8, T 1024, 12 heads of 64, causal, within documents; one task per (batch, head)
-static void k82_attention_fwd__cast__lse(char *arena, const MdlHooks *h) {
+static void k81_attention_fwd__cast__lse(char *arena, const MdlHooks *h) {
   int32_t *const b3 = (int32_t *)(arena + 2238199296); // %3 input doc i32[8,1024]
   float *const b522 = (float *)(arena + 4431053440); // %522 add f32[8,1024,2304]
   uint16_t *const b528 = (uint16_t *)(arena + 6217826944); // %528 cast bf16[8192,768]
@@ -3933,7 +3916,7 @@ static void k82_attention_fwd__cast__lse(char *arena, const MdlHooks *h) {
   }
 }
 
-// k83_gemm__add: GEMM, 4 ops
+// k82_gemm__add: GEMM, 4 ops
 //   %530   matmul                                  line 39    f32[8192,768]
 //   %531   reshape                                 line 39    f32[8,1024,768]
 //   %532   add                                     line 39    f32[8,1024,768]
@@ -3941,7 +3924,7 @@ static void k82_attention_fwd__cast__lse(char *arena, const MdlHooks *h) {
 // loops:
 //   gemm %530: [8192 x 768] = [8192 x 768] [768 x 768], bf16 operands widened to f32, epilogue after
 //   elementwise over 6291456: %533
-static void k83_gemm__add(char *arena, const MdlHooks *h) {
+static void k82_gemm__add(char *arena, const MdlHooks *h) {
   float *const b503 = (float *)(arena + 5664178816); // %503 add h.10.x f32[8,1024,768]
   float *const b509 = (float *)(arena + 478854144); // %509 param h.11.proj_b f32[768]
   uint16_t *const b528 = (uint16_t *)(arena + 6217826944); // %528 cast bf16[8192,768]
@@ -3968,13 +3951,13 @@ static void k83_gemm__add(char *arena, const MdlHooks *h) {
   }
 }
 
-// k84_layernorm_fwd__cast: kernel, 3 ops
+// k83_layernorm_fwd__cast: kernel, 3 ops
 //   %534   layernorm                               line 40    f32[8,1024,768]
 //   %535   reshape                                 line 40    f32[8192,768]
 //   %536   cast                                    line 40    bf16[8192,768]
 // loops:
 //   layernorm %534: 8192 rows of 768
-static void k84_layernorm_fwd__cast(char *arena, const MdlHooks *h) {
+static void k83_layernorm_fwd__cast(char *arena, const MdlHooks *h) {
   float *const b510 = (float *)(arena + 478857216); // %510 param h.11.ln2_w f32[768]
   float *const b511 = (float *)(arena + 478860288); // %511 param h.11.ln2_b f32[768]
   float *const b533 = (float *)(arena + 5689344640); // %533 add h.11.x f32[8,1024,768]
@@ -4008,7 +3991,7 @@ static void k84_layernorm_fwd__cast(char *arena, const MdlHooks *h) {
   }
 }
 
-// k85_gemm__add__gelu__cast: GEMM, 6 ops
+// k84_gemm__add__gelu__cast: GEMM, 6 ops
 //   %538   matmul                                  line 40    f32[8192,3072]
 //   %539   reshape                                 line 40    f32[8,1024,3072]
 //   %540   add                                     line 40    f32[8,1024,3072]
@@ -4018,7 +4001,7 @@ static void k84_layernorm_fwd__cast(char *arena, const MdlHooks *h) {
 // loops:
 //   gemm %538: [8192 x 3072] = [8192 x 768] [768 x 3072], bf16 operands widened to f32, epilogue after
 //   elementwise over 25165824: %540 %543
-static void k85_gemm__add__gelu__cast(char *arena, const MdlHooks *h) {
+static void k84_gemm__add__gelu__cast(char *arena, const MdlHooks *h) {
   float *const b513 = (float *)(arena + 488300544); // %513 param h.11.fc_b f32[3072]
   uint16_t *const b536 = (uint16_t *)(arena + 6230409856); // %536 cast bf16[8192,768]
   uint16_t *const b537 = (uint16_t *)(arena + 2228663808); // %537 cast bf16[768,3072]
@@ -4047,7 +4030,7 @@ static void k85_gemm__add__gelu__cast(char *arena, const MdlHooks *h) {
   }
 }
 
-// k86_gemm__add: GEMM, 4 ops
+// k85_gemm__add: GEMM, 4 ops
 //   %545   matmul                                  line 40    f32[8192,768]
 //   %546   reshape                                 line 40    f32[8,1024,768]
 //   %547   add                                     line 40    f32[8,1024,768]
@@ -4055,7 +4038,7 @@ static void k85_gemm__add__gelu__cast(char *arena, const MdlHooks *h) {
 // loops:
 //   gemm %545: [8192 x 768] = [8192 x 3072] [3072 x 768], bf16 operands widened to f32, epilogue after
 //   elementwise over 6291456: %548
-static void k86_gemm__add(char *arena, const MdlHooks *h) {
+static void k85_gemm__add(char *arena, const MdlHooks *h) {
   float *const b515 = (float *)(arena + 497750016); // %515 param h.11.fcproj_b f32[768]
   float *const b533 = (float *)(arena + 5689344640); // %533 add h.11.x f32[8,1024,768]
   uint16_t *const b543 = (uint16_t *)(arena + 5060199040); // %543 cast bf16[8192,3072]
@@ -4082,13 +4065,13 @@ static void k86_gemm__add(char *arena, const MdlHooks *h) {
   }
 }
 
-// k87_layernorm_fwd__cast: kernel, 3 ops
+// k86_layernorm_fwd__cast: kernel, 3 ops
 //   %551   layernorm                               line 45    f32[8,1024,768]
 //   %552   reshape                                 line 45    f32[8192,768]
 //   %553   cast                                    line 45    bf16[8192,768]
 // loops:
 //   layernorm %551: 8192 rows of 768
-static void k87_layernorm_fwd__cast(char *arena, const MdlHooks *h) {
+static void k86_layernorm_fwd__cast(char *arena, const MdlHooks *h) {
   float *const b548 = (float *)(arena + 5714510464); // %548 add h.11.x f32[8,1024,768]
   float *const b549 = (float *)(arena + 497753088); // %549 param lnf_w f32[768]
   float *const b550 = (float *)(arena + 497756160); // %550 param lnf_b f32[768]
@@ -4119,6 +4102,23 @@ static void k87_layernorm_fwd__cast(char *arena, const MdlHooks *h) {
       }
     }
     free(yrow);
+  }
+}
+
+// k87_broadcast__mul: kernel, 3 ops
+//   %562   mul                                     line 46    f32[]
+//   %563   reshape                                 line 46    f32[1]
+//   %564   broadcast                               line 46    f32[8192]
+// loops:
+//   elementwise over 8192: %564
+static void k87_broadcast__mul(char *arena, const MdlHooks *h) {
+  (void)h;
+  float *const b564 = (float *)(arena + 5777425024); // %564 broadcast f32[8192]
+  for (int64_t i = 0; i < 8192; i++) {
+    const float v562_0 = 1.0f * 0.00012207031f;
+    const float v563_0 = v562_0;
+    const float v564_i = v563_0;
+    b564[i] = v564_i;
   }
 }
 
@@ -11755,90 +11755,90 @@ void mdl_step(char *arena, const MdlHooks *h) {
   k1_embed(arena, h);
   k2_layernorm_fwd__add__cast(arena, h);
   k3_gemm__add(arena, h);
-  k4_broadcast__mul(arena, h);
-  k5_attention_fwd__cast__lse(arena, h);
-  k6_gemm__add(arena, h);
-  k7_layernorm_fwd__cast(arena, h);
-  k8_gemm__add__gelu__cast(arena, h);
-  k9_gemm__add(arena, h);
-  k10_layernorm_fwd__cast(arena, h);
-  k11_gemm__add(arena, h);
-  k12_attention_fwd__cast__lse(arena, h);
-  k13_gemm__add(arena, h);
-  k14_layernorm_fwd__cast(arena, h);
-  k15_gemm__add__gelu__cast(arena, h);
-  k16_gemm__add(arena, h);
-  k17_layernorm_fwd__cast(arena, h);
-  k18_gemm__add(arena, h);
-  k19_attention_fwd__cast__lse(arena, h);
-  k20_gemm__add(arena, h);
-  k21_layernorm_fwd__cast(arena, h);
-  k22_gemm__add__gelu__cast(arena, h);
-  k23_gemm__add(arena, h);
-  k24_layernorm_fwd__cast(arena, h);
-  k25_gemm__add(arena, h);
-  k26_attention_fwd__cast__lse(arena, h);
-  k27_gemm__add(arena, h);
-  k28_layernorm_fwd__cast(arena, h);
-  k29_gemm__add__gelu__cast(arena, h);
-  k30_gemm__add(arena, h);
-  k31_layernorm_fwd__cast(arena, h);
-  k32_gemm__add(arena, h);
-  k33_attention_fwd__cast__lse(arena, h);
-  k34_gemm__add(arena, h);
-  k35_layernorm_fwd__cast(arena, h);
-  k36_gemm__add__gelu__cast(arena, h);
-  k37_gemm__add(arena, h);
-  k38_layernorm_fwd__cast(arena, h);
-  k39_gemm__add(arena, h);
-  k40_attention_fwd__cast__lse(arena, h);
-  k41_gemm__add(arena, h);
-  k42_layernorm_fwd__cast(arena, h);
-  k43_gemm__add__gelu__cast(arena, h);
-  k44_gemm__add(arena, h);
-  k45_layernorm_fwd__cast(arena, h);
-  k46_gemm__add(arena, h);
-  k47_attention_fwd__cast__lse(arena, h);
-  k48_gemm__add(arena, h);
-  k49_layernorm_fwd__cast(arena, h);
-  k50_gemm__add__gelu__cast(arena, h);
-  k51_gemm__add(arena, h);
-  k52_layernorm_fwd__cast(arena, h);
-  k53_gemm__add(arena, h);
-  k54_attention_fwd__cast__lse(arena, h);
-  k55_gemm__add(arena, h);
-  k56_layernorm_fwd__cast(arena, h);
-  k57_gemm__add__gelu__cast(arena, h);
-  k58_gemm__add(arena, h);
-  k59_layernorm_fwd__cast(arena, h);
-  k60_gemm__add(arena, h);
-  k61_attention_fwd__cast__lse(arena, h);
-  k62_gemm__add(arena, h);
-  k63_layernorm_fwd__cast(arena, h);
-  k64_gemm__add__gelu__cast(arena, h);
-  k65_gemm__add(arena, h);
-  k66_layernorm_fwd__cast(arena, h);
-  k67_gemm__add(arena, h);
-  k68_attention_fwd__cast__lse(arena, h);
-  k69_gemm__add(arena, h);
-  k70_layernorm_fwd__cast(arena, h);
-  k71_gemm__add__gelu__cast(arena, h);
-  k72_gemm__add(arena, h);
-  k73_layernorm_fwd__cast(arena, h);
-  k74_gemm__add(arena, h);
-  k75_attention_fwd__cast__lse(arena, h);
-  k76_gemm__add(arena, h);
-  k77_layernorm_fwd__cast(arena, h);
-  k78_gemm__add__gelu__cast(arena, h);
-  k79_gemm__add(arena, h);
-  k80_layernorm_fwd__cast(arena, h);
-  k81_gemm__add(arena, h);
-  k82_attention_fwd__cast__lse(arena, h);
-  k83_gemm__add(arena, h);
-  k84_layernorm_fwd__cast(arena, h);
-  k85_gemm__add__gelu__cast(arena, h);
-  k86_gemm__add(arena, h);
-  k87_layernorm_fwd__cast(arena, h);
+  k4_attention_fwd__cast__lse(arena, h);
+  k5_gemm__add(arena, h);
+  k6_layernorm_fwd__cast(arena, h);
+  k7_gemm__add__gelu__cast(arena, h);
+  k8_gemm__add(arena, h);
+  k9_layernorm_fwd__cast(arena, h);
+  k10_gemm__add(arena, h);
+  k11_attention_fwd__cast__lse(arena, h);
+  k12_gemm__add(arena, h);
+  k13_layernorm_fwd__cast(arena, h);
+  k14_gemm__add__gelu__cast(arena, h);
+  k15_gemm__add(arena, h);
+  k16_layernorm_fwd__cast(arena, h);
+  k17_gemm__add(arena, h);
+  k18_attention_fwd__cast__lse(arena, h);
+  k19_gemm__add(arena, h);
+  k20_layernorm_fwd__cast(arena, h);
+  k21_gemm__add__gelu__cast(arena, h);
+  k22_gemm__add(arena, h);
+  k23_layernorm_fwd__cast(arena, h);
+  k24_gemm__add(arena, h);
+  k25_attention_fwd__cast__lse(arena, h);
+  k26_gemm__add(arena, h);
+  k27_layernorm_fwd__cast(arena, h);
+  k28_gemm__add__gelu__cast(arena, h);
+  k29_gemm__add(arena, h);
+  k30_layernorm_fwd__cast(arena, h);
+  k31_gemm__add(arena, h);
+  k32_attention_fwd__cast__lse(arena, h);
+  k33_gemm__add(arena, h);
+  k34_layernorm_fwd__cast(arena, h);
+  k35_gemm__add__gelu__cast(arena, h);
+  k36_gemm__add(arena, h);
+  k37_layernorm_fwd__cast(arena, h);
+  k38_gemm__add(arena, h);
+  k39_attention_fwd__cast__lse(arena, h);
+  k40_gemm__add(arena, h);
+  k41_layernorm_fwd__cast(arena, h);
+  k42_gemm__add__gelu__cast(arena, h);
+  k43_gemm__add(arena, h);
+  k44_layernorm_fwd__cast(arena, h);
+  k45_gemm__add(arena, h);
+  k46_attention_fwd__cast__lse(arena, h);
+  k47_gemm__add(arena, h);
+  k48_layernorm_fwd__cast(arena, h);
+  k49_gemm__add__gelu__cast(arena, h);
+  k50_gemm__add(arena, h);
+  k51_layernorm_fwd__cast(arena, h);
+  k52_gemm__add(arena, h);
+  k53_attention_fwd__cast__lse(arena, h);
+  k54_gemm__add(arena, h);
+  k55_layernorm_fwd__cast(arena, h);
+  k56_gemm__add__gelu__cast(arena, h);
+  k57_gemm__add(arena, h);
+  k58_layernorm_fwd__cast(arena, h);
+  k59_gemm__add(arena, h);
+  k60_attention_fwd__cast__lse(arena, h);
+  k61_gemm__add(arena, h);
+  k62_layernorm_fwd__cast(arena, h);
+  k63_gemm__add__gelu__cast(arena, h);
+  k64_gemm__add(arena, h);
+  k65_layernorm_fwd__cast(arena, h);
+  k66_gemm__add(arena, h);
+  k67_attention_fwd__cast__lse(arena, h);
+  k68_gemm__add(arena, h);
+  k69_layernorm_fwd__cast(arena, h);
+  k70_gemm__add__gelu__cast(arena, h);
+  k71_gemm__add(arena, h);
+  k72_layernorm_fwd__cast(arena, h);
+  k73_gemm__add(arena, h);
+  k74_attention_fwd__cast__lse(arena, h);
+  k75_gemm__add(arena, h);
+  k76_layernorm_fwd__cast(arena, h);
+  k77_gemm__add__gelu__cast(arena, h);
+  k78_gemm__add(arena, h);
+  k79_layernorm_fwd__cast(arena, h);
+  k80_gemm__add(arena, h);
+  k81_attention_fwd__cast__lse(arena, h);
+  k82_gemm__add(arena, h);
+  k83_layernorm_fwd__cast(arena, h);
+  k84_gemm__add__gelu__cast(arena, h);
+  k85_gemm__add(arena, h);
+  k86_layernorm_fwd__cast(arena, h);
+  k87_broadcast__mul(arena, h);
   k88_lmhead__cross_entropy__cross_entropy_bwd__cast__gemm(arena, h);
   k89_mean(arena, h);
   k90_layernorm_bwd__sum__cast(arena, h);
@@ -11996,90 +11996,90 @@ const MdlKernel mdl_kernels[] = {
     {"k1_embed", k1_embed},
     {"k2_layernorm_fwd__add__cast", k2_layernorm_fwd__add__cast},
     {"k3_gemm__add", k3_gemm__add},
-    {"k4_broadcast__mul", k4_broadcast__mul},
-    {"k5_attention_fwd__cast__lse", k5_attention_fwd__cast__lse},
-    {"k6_gemm__add", k6_gemm__add},
-    {"k7_layernorm_fwd__cast", k7_layernorm_fwd__cast},
-    {"k8_gemm__add__gelu__cast", k8_gemm__add__gelu__cast},
-    {"k9_gemm__add", k9_gemm__add},
-    {"k10_layernorm_fwd__cast", k10_layernorm_fwd__cast},
-    {"k11_gemm__add", k11_gemm__add},
-    {"k12_attention_fwd__cast__lse", k12_attention_fwd__cast__lse},
-    {"k13_gemm__add", k13_gemm__add},
-    {"k14_layernorm_fwd__cast", k14_layernorm_fwd__cast},
-    {"k15_gemm__add__gelu__cast", k15_gemm__add__gelu__cast},
-    {"k16_gemm__add", k16_gemm__add},
-    {"k17_layernorm_fwd__cast", k17_layernorm_fwd__cast},
-    {"k18_gemm__add", k18_gemm__add},
-    {"k19_attention_fwd__cast__lse", k19_attention_fwd__cast__lse},
-    {"k20_gemm__add", k20_gemm__add},
-    {"k21_layernorm_fwd__cast", k21_layernorm_fwd__cast},
-    {"k22_gemm__add__gelu__cast", k22_gemm__add__gelu__cast},
-    {"k23_gemm__add", k23_gemm__add},
-    {"k24_layernorm_fwd__cast", k24_layernorm_fwd__cast},
-    {"k25_gemm__add", k25_gemm__add},
-    {"k26_attention_fwd__cast__lse", k26_attention_fwd__cast__lse},
-    {"k27_gemm__add", k27_gemm__add},
-    {"k28_layernorm_fwd__cast", k28_layernorm_fwd__cast},
-    {"k29_gemm__add__gelu__cast", k29_gemm__add__gelu__cast},
-    {"k30_gemm__add", k30_gemm__add},
-    {"k31_layernorm_fwd__cast", k31_layernorm_fwd__cast},
-    {"k32_gemm__add", k32_gemm__add},
-    {"k33_attention_fwd__cast__lse", k33_attention_fwd__cast__lse},
-    {"k34_gemm__add", k34_gemm__add},
-    {"k35_layernorm_fwd__cast", k35_layernorm_fwd__cast},
-    {"k36_gemm__add__gelu__cast", k36_gemm__add__gelu__cast},
-    {"k37_gemm__add", k37_gemm__add},
-    {"k38_layernorm_fwd__cast", k38_layernorm_fwd__cast},
-    {"k39_gemm__add", k39_gemm__add},
-    {"k40_attention_fwd__cast__lse", k40_attention_fwd__cast__lse},
-    {"k41_gemm__add", k41_gemm__add},
-    {"k42_layernorm_fwd__cast", k42_layernorm_fwd__cast},
-    {"k43_gemm__add__gelu__cast", k43_gemm__add__gelu__cast},
-    {"k44_gemm__add", k44_gemm__add},
-    {"k45_layernorm_fwd__cast", k45_layernorm_fwd__cast},
-    {"k46_gemm__add", k46_gemm__add},
-    {"k47_attention_fwd__cast__lse", k47_attention_fwd__cast__lse},
-    {"k48_gemm__add", k48_gemm__add},
-    {"k49_layernorm_fwd__cast", k49_layernorm_fwd__cast},
-    {"k50_gemm__add__gelu__cast", k50_gemm__add__gelu__cast},
-    {"k51_gemm__add", k51_gemm__add},
-    {"k52_layernorm_fwd__cast", k52_layernorm_fwd__cast},
-    {"k53_gemm__add", k53_gemm__add},
-    {"k54_attention_fwd__cast__lse", k54_attention_fwd__cast__lse},
-    {"k55_gemm__add", k55_gemm__add},
-    {"k56_layernorm_fwd__cast", k56_layernorm_fwd__cast},
-    {"k57_gemm__add__gelu__cast", k57_gemm__add__gelu__cast},
-    {"k58_gemm__add", k58_gemm__add},
-    {"k59_layernorm_fwd__cast", k59_layernorm_fwd__cast},
-    {"k60_gemm__add", k60_gemm__add},
-    {"k61_attention_fwd__cast__lse", k61_attention_fwd__cast__lse},
-    {"k62_gemm__add", k62_gemm__add},
-    {"k63_layernorm_fwd__cast", k63_layernorm_fwd__cast},
-    {"k64_gemm__add__gelu__cast", k64_gemm__add__gelu__cast},
-    {"k65_gemm__add", k65_gemm__add},
-    {"k66_layernorm_fwd__cast", k66_layernorm_fwd__cast},
-    {"k67_gemm__add", k67_gemm__add},
-    {"k68_attention_fwd__cast__lse", k68_attention_fwd__cast__lse},
-    {"k69_gemm__add", k69_gemm__add},
-    {"k70_layernorm_fwd__cast", k70_layernorm_fwd__cast},
-    {"k71_gemm__add__gelu__cast", k71_gemm__add__gelu__cast},
-    {"k72_gemm__add", k72_gemm__add},
-    {"k73_layernorm_fwd__cast", k73_layernorm_fwd__cast},
-    {"k74_gemm__add", k74_gemm__add},
-    {"k75_attention_fwd__cast__lse", k75_attention_fwd__cast__lse},
-    {"k76_gemm__add", k76_gemm__add},
-    {"k77_layernorm_fwd__cast", k77_layernorm_fwd__cast},
-    {"k78_gemm__add__gelu__cast", k78_gemm__add__gelu__cast},
-    {"k79_gemm__add", k79_gemm__add},
-    {"k80_layernorm_fwd__cast", k80_layernorm_fwd__cast},
-    {"k81_gemm__add", k81_gemm__add},
-    {"k82_attention_fwd__cast__lse", k82_attention_fwd__cast__lse},
-    {"k83_gemm__add", k83_gemm__add},
-    {"k84_layernorm_fwd__cast", k84_layernorm_fwd__cast},
-    {"k85_gemm__add__gelu__cast", k85_gemm__add__gelu__cast},
-    {"k86_gemm__add", k86_gemm__add},
-    {"k87_layernorm_fwd__cast", k87_layernorm_fwd__cast},
+    {"k4_attention_fwd__cast__lse", k4_attention_fwd__cast__lse},
+    {"k5_gemm__add", k5_gemm__add},
+    {"k6_layernorm_fwd__cast", k6_layernorm_fwd__cast},
+    {"k7_gemm__add__gelu__cast", k7_gemm__add__gelu__cast},
+    {"k8_gemm__add", k8_gemm__add},
+    {"k9_layernorm_fwd__cast", k9_layernorm_fwd__cast},
+    {"k10_gemm__add", k10_gemm__add},
+    {"k11_attention_fwd__cast__lse", k11_attention_fwd__cast__lse},
+    {"k12_gemm__add", k12_gemm__add},
+    {"k13_layernorm_fwd__cast", k13_layernorm_fwd__cast},
+    {"k14_gemm__add__gelu__cast", k14_gemm__add__gelu__cast},
+    {"k15_gemm__add", k15_gemm__add},
+    {"k16_layernorm_fwd__cast", k16_layernorm_fwd__cast},
+    {"k17_gemm__add", k17_gemm__add},
+    {"k18_attention_fwd__cast__lse", k18_attention_fwd__cast__lse},
+    {"k19_gemm__add", k19_gemm__add},
+    {"k20_layernorm_fwd__cast", k20_layernorm_fwd__cast},
+    {"k21_gemm__add__gelu__cast", k21_gemm__add__gelu__cast},
+    {"k22_gemm__add", k22_gemm__add},
+    {"k23_layernorm_fwd__cast", k23_layernorm_fwd__cast},
+    {"k24_gemm__add", k24_gemm__add},
+    {"k25_attention_fwd__cast__lse", k25_attention_fwd__cast__lse},
+    {"k26_gemm__add", k26_gemm__add},
+    {"k27_layernorm_fwd__cast", k27_layernorm_fwd__cast},
+    {"k28_gemm__add__gelu__cast", k28_gemm__add__gelu__cast},
+    {"k29_gemm__add", k29_gemm__add},
+    {"k30_layernorm_fwd__cast", k30_layernorm_fwd__cast},
+    {"k31_gemm__add", k31_gemm__add},
+    {"k32_attention_fwd__cast__lse", k32_attention_fwd__cast__lse},
+    {"k33_gemm__add", k33_gemm__add},
+    {"k34_layernorm_fwd__cast", k34_layernorm_fwd__cast},
+    {"k35_gemm__add__gelu__cast", k35_gemm__add__gelu__cast},
+    {"k36_gemm__add", k36_gemm__add},
+    {"k37_layernorm_fwd__cast", k37_layernorm_fwd__cast},
+    {"k38_gemm__add", k38_gemm__add},
+    {"k39_attention_fwd__cast__lse", k39_attention_fwd__cast__lse},
+    {"k40_gemm__add", k40_gemm__add},
+    {"k41_layernorm_fwd__cast", k41_layernorm_fwd__cast},
+    {"k42_gemm__add__gelu__cast", k42_gemm__add__gelu__cast},
+    {"k43_gemm__add", k43_gemm__add},
+    {"k44_layernorm_fwd__cast", k44_layernorm_fwd__cast},
+    {"k45_gemm__add", k45_gemm__add},
+    {"k46_attention_fwd__cast__lse", k46_attention_fwd__cast__lse},
+    {"k47_gemm__add", k47_gemm__add},
+    {"k48_layernorm_fwd__cast", k48_layernorm_fwd__cast},
+    {"k49_gemm__add__gelu__cast", k49_gemm__add__gelu__cast},
+    {"k50_gemm__add", k50_gemm__add},
+    {"k51_layernorm_fwd__cast", k51_layernorm_fwd__cast},
+    {"k52_gemm__add", k52_gemm__add},
+    {"k53_attention_fwd__cast__lse", k53_attention_fwd__cast__lse},
+    {"k54_gemm__add", k54_gemm__add},
+    {"k55_layernorm_fwd__cast", k55_layernorm_fwd__cast},
+    {"k56_gemm__add__gelu__cast", k56_gemm__add__gelu__cast},
+    {"k57_gemm__add", k57_gemm__add},
+    {"k58_layernorm_fwd__cast", k58_layernorm_fwd__cast},
+    {"k59_gemm__add", k59_gemm__add},
+    {"k60_attention_fwd__cast__lse", k60_attention_fwd__cast__lse},
+    {"k61_gemm__add", k61_gemm__add},
+    {"k62_layernorm_fwd__cast", k62_layernorm_fwd__cast},
+    {"k63_gemm__add__gelu__cast", k63_gemm__add__gelu__cast},
+    {"k64_gemm__add", k64_gemm__add},
+    {"k65_layernorm_fwd__cast", k65_layernorm_fwd__cast},
+    {"k66_gemm__add", k66_gemm__add},
+    {"k67_attention_fwd__cast__lse", k67_attention_fwd__cast__lse},
+    {"k68_gemm__add", k68_gemm__add},
+    {"k69_layernorm_fwd__cast", k69_layernorm_fwd__cast},
+    {"k70_gemm__add__gelu__cast", k70_gemm__add__gelu__cast},
+    {"k71_gemm__add", k71_gemm__add},
+    {"k72_layernorm_fwd__cast", k72_layernorm_fwd__cast},
+    {"k73_gemm__add", k73_gemm__add},
+    {"k74_attention_fwd__cast__lse", k74_attention_fwd__cast__lse},
+    {"k75_gemm__add", k75_gemm__add},
+    {"k76_layernorm_fwd__cast", k76_layernorm_fwd__cast},
+    {"k77_gemm__add__gelu__cast", k77_gemm__add__gelu__cast},
+    {"k78_gemm__add", k78_gemm__add},
+    {"k79_layernorm_fwd__cast", k79_layernorm_fwd__cast},
+    {"k80_gemm__add", k80_gemm__add},
+    {"k81_attention_fwd__cast__lse", k81_attention_fwd__cast__lse},
+    {"k82_gemm__add", k82_gemm__add},
+    {"k83_layernorm_fwd__cast", k83_layernorm_fwd__cast},
+    {"k84_gemm__add__gelu__cast", k84_gemm__add__gelu__cast},
+    {"k85_gemm__add", k85_gemm__add},
+    {"k86_layernorm_fwd__cast", k86_layernorm_fwd__cast},
+    {"k87_broadcast__mul", k87_broadcast__mul},
     {"k88_lmhead__cross_entropy__cross_entropy_bwd__cast__gemm", k88_lmhead__cross_entropy__cross_entropy_bwd__cast__gemm},
     {"k89_mean", k89_mean},
     {"k90_layernorm_bwd__sum__cast", k90_layernorm_bwd__sum__cast},

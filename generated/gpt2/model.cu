@@ -363,37 +363,16 @@ extern "C" __global__ void __launch_bounds__(256) k2_layernorm_fwd__add__cast(ch
 // runs:
 //   gemm 0: [8192 x 2304] = [8192 x 768] [768 x 2304], epilogue bias, bf16 A and B, f32 C
 
-// k4_broadcast__mul: kernel, 3 ops
-//   %562   mul                                     line 46    f32[]
-//   %563   reshape                                 line 46    f32[1]
-//   %564   broadcast                               line 46    f32[8192]
-// runs:
-//   k4_broadcast__mul<<<8, 256>>>
-
-// elementwise over 8192, 4 per thread: broadcast
-extern "C" __global__ void __launch_bounds__(256) k4_broadcast__mul(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
-  float *const b0 = (float *)(arena + o.b[0]); // broadcast f32[8192]
-  for (int q = blockIdx.x * blockDim.x + threadIdx.x; q < 2048; q += gridDim.x * blockDim.x) {
-    const float v3 = 1.0f * 0.00012207031f;
-    const float v2 = v3;
-    const float v1 = v2;
-    const float v4 = v2;
-    const float v5 = v2;
-    const float v6 = v2;
-    reinterpret_cast<float4 *>(b0)[q] = make_float4(v1, v4, v5, v6);
-  }
-}
-
-// k5_attention_fwd__cast__lse: attention, 4 ops
+// k4_attention_fwd__cast__lse: attention, 4 ops
 //   %31    attention                               line 39    f32[8,1024,768]
 //   %32    reshape                                 line 39    f32[8192,768]
 //   %33    cast                                    line 39    bf16[8192,768]
 //   %1082  attention_lse                           line 39    f32[8,12,1024]
 // runs:
-//   k5_attention_fwd__cast__lse<<<1536, 128>>>
+//   k4_attention_fwd__cast__lse<<<1536, 128>>>
 
 // attention on tensor cores: B 8, T 1024, 12 heads of 64, causal, within documents; a block of 4 warps per (batch, head, 64 queries), 16 query rows per warp, keys in tiles of 64; bf16 products (mma m16n8k16), f32 softmax
-extern "C" __global__ void __launch_bounds__(128) k5_attention_fwd__cast__lse(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
+extern "C" __global__ void __launch_bounds__(128) k4_attention_fwd__cast__lse(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
   float *const b0 = (float *)(arena + o.b[0]); // add f32[8,1024,2304]
   int32_t *const b1 = (int32_t *)(arena + o.b[1]); // input i32[8,1024]
   float *const b2 = (float *)(arena + o.b[2]); // attention_lse f32[8,12,1024]
@@ -542,7 +521,7 @@ extern "C" __global__ void __launch_bounds__(128) k5_attention_fwd__cast__lse(ch
   }
 }
 
-// k6_gemm__add: GEMM, 4 ops
+// k5_gemm__add: GEMM, 4 ops
 //   %35    matmul                                  line 39    f32[8192,768]
 //   %36    reshape                                 line 39    f32[8,1024,768]
 //   %37    add                                     line 39    f32[8,1024,768]
@@ -550,15 +529,15 @@ extern "C" __global__ void __launch_bounds__(128) k5_attention_fwd__cast__lse(ch
 // runs:
 //   gemm 1: [8192 x 768] = [8192 x 768] [768 x 768] + a residual C, epilogue bias, bf16 A and B, f32 C
 
-// k7_layernorm_fwd__cast: kernel, 3 ops
+// k6_layernorm_fwd__cast: kernel, 3 ops
 //   %39    layernorm                               line 40    f32[8,1024,768]
 //   %40    reshape                                 line 40    f32[8192,768]
 //   %41    cast                                    line 40    bf16[8192,768]
 // runs:
-//   k7_layernorm_fwd__cast<<<1024, 256>>>
+//   k6_layernorm_fwd__cast<<<1024, 256>>>
 
 // layernorm: 8192 rows of 768, a warp per row
-extern "C" __global__ void __launch_bounds__(256) k7_layernorm_fwd__cast(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
+extern "C" __global__ void __launch_bounds__(256) k6_layernorm_fwd__cast(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
   float *const b0 = (float *)(arena + o.b[0]); // add f32[8,1024,768]
   float *const b1 = (float *)(arena + o.b[1]); // param f32[768]
   float *const b2 = (float *)(arena + o.b[2]); // param f32[768]
@@ -595,7 +574,7 @@ extern "C" __global__ void __launch_bounds__(256) k7_layernorm_fwd__cast(char *a
   }
 }
 
-// k8_gemm__add__gelu__cast: GEMM, 6 ops
+// k7_gemm__add__gelu__cast: GEMM, 6 ops
 //   %43    matmul                                  line 40    f32[8192,3072]
 //   %44    reshape                                 line 40    f32[8,1024,3072]
 //   %45    add                                     line 40    f32[8,1024,3072]
@@ -604,10 +583,10 @@ extern "C" __global__ void __launch_bounds__(256) k7_layernorm_fwd__cast(char *a
 //   %48    cast                                    line 40    bf16[8192,3072]
 // runs:
 //   gemm 2: [8192 x 3072] = [8192 x 768] [768 x 3072], epilogue bias, bf16 A and B, f32 C
-//   k8_gemm__add__gelu__cast_epilogue<<<4096, 256>>>
+//   k7_gemm__add__gelu__cast_epilogue<<<4096, 256>>>
 
 // elementwise over 25165824, 4 per thread: cast
-extern "C" __global__ void __launch_bounds__(256) k8_gemm__add__gelu__cast_epilogue(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
+extern "C" __global__ void __launch_bounds__(256) k7_gemm__add__gelu__cast_epilogue(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
   float *const b0 = (float *)(arena + o.b[0]); // add f32[8,1024,3072]
   uint16_t *const b1 = (uint16_t *)(arena + o.b[1]); // cast bf16[8192,3072]
   for (int q = blockIdx.x * blockDim.x + threadIdx.x; q < 6291456; q += gridDim.x * blockDim.x) {
@@ -624,7 +603,7 @@ extern "C" __global__ void __launch_bounds__(256) k8_gemm__add__gelu__cast_epilo
   }
 }
 
-// k9_gemm__add: GEMM, 4 ops
+// k8_gemm__add: GEMM, 4 ops
 //   %50    matmul                                  line 40    f32[8192,768]
 //   %51    reshape                                 line 40    f32[8,1024,768]
 //   %52    add                                     line 40    f32[8,1024,768]
@@ -632,29 +611,29 @@ extern "C" __global__ void __launch_bounds__(256) k8_gemm__add__gelu__cast_epilo
 // runs:
 //   gemm 3: [8192 x 768] = [8192 x 3072] [3072 x 768] + a residual C, epilogue bias, bf16 A and B, f32 C
 
-// k10_layernorm_fwd__cast: kernel, 3 ops
+// k9_layernorm_fwd__cast: kernel, 3 ops
 //   %66    layernorm                               line 38    f32[8,1024,768]
 //   %67    reshape                                 line 38    f32[8192,768]
 //   %68    cast                                    line 38    bf16[8192,768]
 // runs:
-//   k7_layernorm_fwd__cast<<<1024, 256>>>
+//   k6_layernorm_fwd__cast<<<1024, 256>>>
 
-// k11_gemm__add: GEMM, 3 ops
+// k10_gemm__add: GEMM, 3 ops
 //   %70    matmul                                  line 38    f32[8192,2304]
 //   %71    reshape                                 line 38    f32[8,1024,2304]
 //   %72    add                                     line 38    f32[8,1024,2304]
 // runs:
 //   gemm 4: [8192 x 2304] = [8192 x 768] [768 x 2304], epilogue bias, bf16 A and B, f32 C
 
-// k12_attention_fwd__cast__lse: attention, 4 ops
+// k11_attention_fwd__cast__lse: attention, 4 ops
 //   %76    attention                               line 39    f32[8,1024,768]
 //   %77    reshape                                 line 39    f32[8192,768]
 //   %78    cast                                    line 39    bf16[8192,768]
 //   %1038  attention_lse                           line 39    f32[8,12,1024]
 // runs:
-//   k5_attention_fwd__cast__lse<<<1536, 128>>>
+//   k4_attention_fwd__cast__lse<<<1536, 128>>>
 
-// k13_gemm__add: GEMM, 4 ops
+// k12_gemm__add: GEMM, 4 ops
 //   %80    matmul                                  line 39    f32[8192,768]
 //   %81    reshape                                 line 39    f32[8,1024,768]
 //   %82    add                                     line 39    f32[8,1024,768]
@@ -662,14 +641,14 @@ extern "C" __global__ void __launch_bounds__(256) k8_gemm__add__gelu__cast_epilo
 // runs:
 //   gemm 5: [8192 x 768] = [8192 x 768] [768 x 768] + a residual C, epilogue bias, bf16 A and B, f32 C
 
-// k14_layernorm_fwd__cast: kernel, 3 ops
+// k13_layernorm_fwd__cast: kernel, 3 ops
 //   %84    layernorm                               line 40    f32[8,1024,768]
 //   %85    reshape                                 line 40    f32[8192,768]
 //   %86    cast                                    line 40    bf16[8192,768]
 // runs:
-//   k7_layernorm_fwd__cast<<<1024, 256>>>
+//   k6_layernorm_fwd__cast<<<1024, 256>>>
 
-// k15_gemm__add__gelu__cast: GEMM, 6 ops
+// k14_gemm__add__gelu__cast: GEMM, 6 ops
 //   %88    matmul                                  line 40    f32[8192,3072]
 //   %89    reshape                                 line 40    f32[8,1024,3072]
 //   %90    add                                     line 40    f32[8,1024,3072]
@@ -678,9 +657,9 @@ extern "C" __global__ void __launch_bounds__(256) k8_gemm__add__gelu__cast_epilo
 //   %93    cast                                    line 40    bf16[8192,3072]
 // runs:
 //   gemm 6: [8192 x 3072] = [8192 x 768] [768 x 3072], epilogue bias, bf16 A and B, f32 C
-//   k8_gemm__add__gelu__cast_epilogue<<<4096, 256>>>
+//   k7_gemm__add__gelu__cast_epilogue<<<4096, 256>>>
 
-// k16_gemm__add: GEMM, 4 ops
+// k15_gemm__add: GEMM, 4 ops
 //   %95    matmul                                  line 40    f32[8192,768]
 //   %96    reshape                                 line 40    f32[8,1024,768]
 //   %97    add                                     line 40    f32[8,1024,768]
@@ -688,29 +667,29 @@ extern "C" __global__ void __launch_bounds__(256) k8_gemm__add__gelu__cast_epilo
 // runs:
 //   gemm 7: [8192 x 768] = [8192 x 3072] [3072 x 768] + a residual C, epilogue bias, bf16 A and B, f32 C
 
-// k17_layernorm_fwd__cast: kernel, 3 ops
+// k16_layernorm_fwd__cast: kernel, 3 ops
 //   %111   layernorm                               line 38    f32[8,1024,768]
 //   %112   reshape                                 line 38    f32[8192,768]
 //   %113   cast                                    line 38    bf16[8192,768]
 // runs:
-//   k7_layernorm_fwd__cast<<<1024, 256>>>
+//   k6_layernorm_fwd__cast<<<1024, 256>>>
 
-// k18_gemm__add: GEMM, 3 ops
+// k17_gemm__add: GEMM, 3 ops
 //   %115   matmul                                  line 38    f32[8192,2304]
 //   %116   reshape                                 line 38    f32[8,1024,2304]
 //   %117   add                                     line 38    f32[8,1024,2304]
 // runs:
 //   gemm 8: [8192 x 2304] = [8192 x 768] [768 x 2304], epilogue bias, bf16 A and B, f32 C
 
-// k19_attention_fwd__cast__lse: attention, 4 ops
+// k18_attention_fwd__cast__lse: attention, 4 ops
 //   %121   attention                               line 39    f32[8,1024,768]
 //   %122   reshape                                 line 39    f32[8192,768]
 //   %123   cast                                    line 39    bf16[8192,768]
 //   %994   attention_lse                           line 39    f32[8,12,1024]
 // runs:
-//   k5_attention_fwd__cast__lse<<<1536, 128>>>
+//   k4_attention_fwd__cast__lse<<<1536, 128>>>
 
-// k20_gemm__add: GEMM, 4 ops
+// k19_gemm__add: GEMM, 4 ops
 //   %125   matmul                                  line 39    f32[8192,768]
 //   %126   reshape                                 line 39    f32[8,1024,768]
 //   %127   add                                     line 39    f32[8,1024,768]
@@ -718,14 +697,14 @@ extern "C" __global__ void __launch_bounds__(256) k8_gemm__add__gelu__cast_epilo
 // runs:
 //   gemm 9: [8192 x 768] = [8192 x 768] [768 x 768] + a residual C, epilogue bias, bf16 A and B, f32 C
 
-// k21_layernorm_fwd__cast: kernel, 3 ops
+// k20_layernorm_fwd__cast: kernel, 3 ops
 //   %129   layernorm                               line 40    f32[8,1024,768]
 //   %130   reshape                                 line 40    f32[8192,768]
 //   %131   cast                                    line 40    bf16[8192,768]
 // runs:
-//   k7_layernorm_fwd__cast<<<1024, 256>>>
+//   k6_layernorm_fwd__cast<<<1024, 256>>>
 
-// k22_gemm__add__gelu__cast: GEMM, 6 ops
+// k21_gemm__add__gelu__cast: GEMM, 6 ops
 //   %133   matmul                                  line 40    f32[8192,3072]
 //   %134   reshape                                 line 40    f32[8,1024,3072]
 //   %135   add                                     line 40    f32[8,1024,3072]
@@ -734,9 +713,9 @@ extern "C" __global__ void __launch_bounds__(256) k8_gemm__add__gelu__cast_epilo
 //   %138   cast                                    line 40    bf16[8192,3072]
 // runs:
 //   gemm 10: [8192 x 3072] = [8192 x 768] [768 x 3072], epilogue bias, bf16 A and B, f32 C
-//   k8_gemm__add__gelu__cast_epilogue<<<4096, 256>>>
+//   k7_gemm__add__gelu__cast_epilogue<<<4096, 256>>>
 
-// k23_gemm__add: GEMM, 4 ops
+// k22_gemm__add: GEMM, 4 ops
 //   %140   matmul                                  line 40    f32[8192,768]
 //   %141   reshape                                 line 40    f32[8,1024,768]
 //   %142   add                                     line 40    f32[8,1024,768]
@@ -744,29 +723,29 @@ extern "C" __global__ void __launch_bounds__(256) k8_gemm__add__gelu__cast_epilo
 // runs:
 //   gemm 11: [8192 x 768] = [8192 x 3072] [3072 x 768] + a residual C, epilogue bias, bf16 A and B, f32 C
 
-// k24_layernorm_fwd__cast: kernel, 3 ops
+// k23_layernorm_fwd__cast: kernel, 3 ops
 //   %156   layernorm                               line 38    f32[8,1024,768]
 //   %157   reshape                                 line 38    f32[8192,768]
 //   %158   cast                                    line 38    bf16[8192,768]
 // runs:
-//   k7_layernorm_fwd__cast<<<1024, 256>>>
+//   k6_layernorm_fwd__cast<<<1024, 256>>>
 
-// k25_gemm__add: GEMM, 3 ops
+// k24_gemm__add: GEMM, 3 ops
 //   %160   matmul                                  line 38    f32[8192,2304]
 //   %161   reshape                                 line 38    f32[8,1024,2304]
 //   %162   add                                     line 38    f32[8,1024,2304]
 // runs:
 //   gemm 12: [8192 x 2304] = [8192 x 768] [768 x 2304], epilogue bias, bf16 A and B, f32 C
 
-// k26_attention_fwd__cast__lse: attention, 4 ops
+// k25_attention_fwd__cast__lse: attention, 4 ops
 //   %166   attention                               line 39    f32[8,1024,768]
 //   %167   reshape                                 line 39    f32[8192,768]
 //   %168   cast                                    line 39    bf16[8192,768]
 //   %950   attention_lse                           line 39    f32[8,12,1024]
 // runs:
-//   k5_attention_fwd__cast__lse<<<1536, 128>>>
+//   k4_attention_fwd__cast__lse<<<1536, 128>>>
 
-// k27_gemm__add: GEMM, 4 ops
+// k26_gemm__add: GEMM, 4 ops
 //   %170   matmul                                  line 39    f32[8192,768]
 //   %171   reshape                                 line 39    f32[8,1024,768]
 //   %172   add                                     line 39    f32[8,1024,768]
@@ -774,14 +753,14 @@ extern "C" __global__ void __launch_bounds__(256) k8_gemm__add__gelu__cast_epilo
 // runs:
 //   gemm 13: [8192 x 768] = [8192 x 768] [768 x 768] + a residual C, epilogue bias, bf16 A and B, f32 C
 
-// k28_layernorm_fwd__cast: kernel, 3 ops
+// k27_layernorm_fwd__cast: kernel, 3 ops
 //   %174   layernorm                               line 40    f32[8,1024,768]
 //   %175   reshape                                 line 40    f32[8192,768]
 //   %176   cast                                    line 40    bf16[8192,768]
 // runs:
-//   k7_layernorm_fwd__cast<<<1024, 256>>>
+//   k6_layernorm_fwd__cast<<<1024, 256>>>
 
-// k29_gemm__add__gelu__cast: GEMM, 6 ops
+// k28_gemm__add__gelu__cast: GEMM, 6 ops
 //   %178   matmul                                  line 40    f32[8192,3072]
 //   %179   reshape                                 line 40    f32[8,1024,3072]
 //   %180   add                                     line 40    f32[8,1024,3072]
@@ -790,9 +769,9 @@ extern "C" __global__ void __launch_bounds__(256) k8_gemm__add__gelu__cast_epilo
 //   %183   cast                                    line 40    bf16[8192,3072]
 // runs:
 //   gemm 14: [8192 x 3072] = [8192 x 768] [768 x 3072], epilogue bias, bf16 A and B, f32 C
-//   k8_gemm__add__gelu__cast_epilogue<<<4096, 256>>>
+//   k7_gemm__add__gelu__cast_epilogue<<<4096, 256>>>
 
-// k30_gemm__add: GEMM, 4 ops
+// k29_gemm__add: GEMM, 4 ops
 //   %185   matmul                                  line 40    f32[8192,768]
 //   %186   reshape                                 line 40    f32[8,1024,768]
 //   %187   add                                     line 40    f32[8,1024,768]
@@ -800,29 +779,29 @@ extern "C" __global__ void __launch_bounds__(256) k8_gemm__add__gelu__cast_epilo
 // runs:
 //   gemm 15: [8192 x 768] = [8192 x 3072] [3072 x 768] + a residual C, epilogue bias, bf16 A and B, f32 C
 
-// k31_layernorm_fwd__cast: kernel, 3 ops
+// k30_layernorm_fwd__cast: kernel, 3 ops
 //   %201   layernorm                               line 38    f32[8,1024,768]
 //   %202   reshape                                 line 38    f32[8192,768]
 //   %203   cast                                    line 38    bf16[8192,768]
 // runs:
-//   k7_layernorm_fwd__cast<<<1024, 256>>>
+//   k6_layernorm_fwd__cast<<<1024, 256>>>
 
-// k32_gemm__add: GEMM, 3 ops
+// k31_gemm__add: GEMM, 3 ops
 //   %205   matmul                                  line 38    f32[8192,2304]
 //   %206   reshape                                 line 38    f32[8,1024,2304]
 //   %207   add                                     line 38    f32[8,1024,2304]
 // runs:
 //   gemm 16: [8192 x 2304] = [8192 x 768] [768 x 2304], epilogue bias, bf16 A and B, f32 C
 
-// k33_attention_fwd__cast__lse: attention, 4 ops
+// k32_attention_fwd__cast__lse: attention, 4 ops
 //   %211   attention                               line 39    f32[8,1024,768]
 //   %212   reshape                                 line 39    f32[8192,768]
 //   %213   cast                                    line 39    bf16[8192,768]
 //   %906   attention_lse                           line 39    f32[8,12,1024]
 // runs:
-//   k5_attention_fwd__cast__lse<<<1536, 128>>>
+//   k4_attention_fwd__cast__lse<<<1536, 128>>>
 
-// k34_gemm__add: GEMM, 4 ops
+// k33_gemm__add: GEMM, 4 ops
 //   %215   matmul                                  line 39    f32[8192,768]
 //   %216   reshape                                 line 39    f32[8,1024,768]
 //   %217   add                                     line 39    f32[8,1024,768]
@@ -830,14 +809,14 @@ extern "C" __global__ void __launch_bounds__(256) k8_gemm__add__gelu__cast_epilo
 // runs:
 //   gemm 17: [8192 x 768] = [8192 x 768] [768 x 768] + a residual C, epilogue bias, bf16 A and B, f32 C
 
-// k35_layernorm_fwd__cast: kernel, 3 ops
+// k34_layernorm_fwd__cast: kernel, 3 ops
 //   %219   layernorm                               line 40    f32[8,1024,768]
 //   %220   reshape                                 line 40    f32[8192,768]
 //   %221   cast                                    line 40    bf16[8192,768]
 // runs:
-//   k7_layernorm_fwd__cast<<<1024, 256>>>
+//   k6_layernorm_fwd__cast<<<1024, 256>>>
 
-// k36_gemm__add__gelu__cast: GEMM, 6 ops
+// k35_gemm__add__gelu__cast: GEMM, 6 ops
 //   %223   matmul                                  line 40    f32[8192,3072]
 //   %224   reshape                                 line 40    f32[8,1024,3072]
 //   %225   add                                     line 40    f32[8,1024,3072]
@@ -846,9 +825,9 @@ extern "C" __global__ void __launch_bounds__(256) k8_gemm__add__gelu__cast_epilo
 //   %228   cast                                    line 40    bf16[8192,3072]
 // runs:
 //   gemm 18: [8192 x 3072] = [8192 x 768] [768 x 3072], epilogue bias, bf16 A and B, f32 C
-//   k8_gemm__add__gelu__cast_epilogue<<<4096, 256>>>
+//   k7_gemm__add__gelu__cast_epilogue<<<4096, 256>>>
 
-// k37_gemm__add: GEMM, 4 ops
+// k36_gemm__add: GEMM, 4 ops
 //   %230   matmul                                  line 40    f32[8192,768]
 //   %231   reshape                                 line 40    f32[8,1024,768]
 //   %232   add                                     line 40    f32[8,1024,768]
@@ -856,29 +835,29 @@ extern "C" __global__ void __launch_bounds__(256) k8_gemm__add__gelu__cast_epilo
 // runs:
 //   gemm 19: [8192 x 768] = [8192 x 3072] [3072 x 768] + a residual C, epilogue bias, bf16 A and B, f32 C
 
-// k38_layernorm_fwd__cast: kernel, 3 ops
+// k37_layernorm_fwd__cast: kernel, 3 ops
 //   %246   layernorm                               line 38    f32[8,1024,768]
 //   %247   reshape                                 line 38    f32[8192,768]
 //   %248   cast                                    line 38    bf16[8192,768]
 // runs:
-//   k7_layernorm_fwd__cast<<<1024, 256>>>
+//   k6_layernorm_fwd__cast<<<1024, 256>>>
 
-// k39_gemm__add: GEMM, 3 ops
+// k38_gemm__add: GEMM, 3 ops
 //   %250   matmul                                  line 38    f32[8192,2304]
 //   %251   reshape                                 line 38    f32[8,1024,2304]
 //   %252   add                                     line 38    f32[8,1024,2304]
 // runs:
 //   gemm 20: [8192 x 2304] = [8192 x 768] [768 x 2304], epilogue bias, bf16 A and B, f32 C
 
-// k40_attention_fwd__cast__lse: attention, 4 ops
+// k39_attention_fwd__cast__lse: attention, 4 ops
 //   %256   attention                               line 39    f32[8,1024,768]
 //   %257   reshape                                 line 39    f32[8192,768]
 //   %258   cast                                    line 39    bf16[8192,768]
 //   %862   attention_lse                           line 39    f32[8,12,1024]
 // runs:
-//   k5_attention_fwd__cast__lse<<<1536, 128>>>
+//   k4_attention_fwd__cast__lse<<<1536, 128>>>
 
-// k41_gemm__add: GEMM, 4 ops
+// k40_gemm__add: GEMM, 4 ops
 //   %260   matmul                                  line 39    f32[8192,768]
 //   %261   reshape                                 line 39    f32[8,1024,768]
 //   %262   add                                     line 39    f32[8,1024,768]
@@ -886,14 +865,14 @@ extern "C" __global__ void __launch_bounds__(256) k8_gemm__add__gelu__cast_epilo
 // runs:
 //   gemm 21: [8192 x 768] = [8192 x 768] [768 x 768] + a residual C, epilogue bias, bf16 A and B, f32 C
 
-// k42_layernorm_fwd__cast: kernel, 3 ops
+// k41_layernorm_fwd__cast: kernel, 3 ops
 //   %264   layernorm                               line 40    f32[8,1024,768]
 //   %265   reshape                                 line 40    f32[8192,768]
 //   %266   cast                                    line 40    bf16[8192,768]
 // runs:
-//   k7_layernorm_fwd__cast<<<1024, 256>>>
+//   k6_layernorm_fwd__cast<<<1024, 256>>>
 
-// k43_gemm__add__gelu__cast: GEMM, 6 ops
+// k42_gemm__add__gelu__cast: GEMM, 6 ops
 //   %268   matmul                                  line 40    f32[8192,3072]
 //   %269   reshape                                 line 40    f32[8,1024,3072]
 //   %270   add                                     line 40    f32[8,1024,3072]
@@ -902,9 +881,9 @@ extern "C" __global__ void __launch_bounds__(256) k8_gemm__add__gelu__cast_epilo
 //   %273   cast                                    line 40    bf16[8192,3072]
 // runs:
 //   gemm 22: [8192 x 3072] = [8192 x 768] [768 x 3072], epilogue bias, bf16 A and B, f32 C
-//   k8_gemm__add__gelu__cast_epilogue<<<4096, 256>>>
+//   k7_gemm__add__gelu__cast_epilogue<<<4096, 256>>>
 
-// k44_gemm__add: GEMM, 4 ops
+// k43_gemm__add: GEMM, 4 ops
 //   %275   matmul                                  line 40    f32[8192,768]
 //   %276   reshape                                 line 40    f32[8,1024,768]
 //   %277   add                                     line 40    f32[8,1024,768]
@@ -912,29 +891,29 @@ extern "C" __global__ void __launch_bounds__(256) k8_gemm__add__gelu__cast_epilo
 // runs:
 //   gemm 23: [8192 x 768] = [8192 x 3072] [3072 x 768] + a residual C, epilogue bias, bf16 A and B, f32 C
 
-// k45_layernorm_fwd__cast: kernel, 3 ops
+// k44_layernorm_fwd__cast: kernel, 3 ops
 //   %291   layernorm                               line 38    f32[8,1024,768]
 //   %292   reshape                                 line 38    f32[8192,768]
 //   %293   cast                                    line 38    bf16[8192,768]
 // runs:
-//   k7_layernorm_fwd__cast<<<1024, 256>>>
+//   k6_layernorm_fwd__cast<<<1024, 256>>>
 
-// k46_gemm__add: GEMM, 3 ops
+// k45_gemm__add: GEMM, 3 ops
 //   %295   matmul                                  line 38    f32[8192,2304]
 //   %296   reshape                                 line 38    f32[8,1024,2304]
 //   %297   add                                     line 38    f32[8,1024,2304]
 // runs:
 //   gemm 24: [8192 x 2304] = [8192 x 768] [768 x 2304], epilogue bias, bf16 A and B, f32 C
 
-// k47_attention_fwd__cast__lse: attention, 4 ops
+// k46_attention_fwd__cast__lse: attention, 4 ops
 //   %301   attention                               line 39    f32[8,1024,768]
 //   %302   reshape                                 line 39    f32[8192,768]
 //   %303   cast                                    line 39    bf16[8192,768]
 //   %818   attention_lse                           line 39    f32[8,12,1024]
 // runs:
-//   k5_attention_fwd__cast__lse<<<1536, 128>>>
+//   k4_attention_fwd__cast__lse<<<1536, 128>>>
 
-// k48_gemm__add: GEMM, 4 ops
+// k47_gemm__add: GEMM, 4 ops
 //   %305   matmul                                  line 39    f32[8192,768]
 //   %306   reshape                                 line 39    f32[8,1024,768]
 //   %307   add                                     line 39    f32[8,1024,768]
@@ -942,14 +921,14 @@ extern "C" __global__ void __launch_bounds__(256) k8_gemm__add__gelu__cast_epilo
 // runs:
 //   gemm 25: [8192 x 768] = [8192 x 768] [768 x 768] + a residual C, epilogue bias, bf16 A and B, f32 C
 
-// k49_layernorm_fwd__cast: kernel, 3 ops
+// k48_layernorm_fwd__cast: kernel, 3 ops
 //   %309   layernorm                               line 40    f32[8,1024,768]
 //   %310   reshape                                 line 40    f32[8192,768]
 //   %311   cast                                    line 40    bf16[8192,768]
 // runs:
-//   k7_layernorm_fwd__cast<<<1024, 256>>>
+//   k6_layernorm_fwd__cast<<<1024, 256>>>
 
-// k50_gemm__add__gelu__cast: GEMM, 6 ops
+// k49_gemm__add__gelu__cast: GEMM, 6 ops
 //   %313   matmul                                  line 40    f32[8192,3072]
 //   %314   reshape                                 line 40    f32[8,1024,3072]
 //   %315   add                                     line 40    f32[8,1024,3072]
@@ -958,9 +937,9 @@ extern "C" __global__ void __launch_bounds__(256) k8_gemm__add__gelu__cast_epilo
 //   %318   cast                                    line 40    bf16[8192,3072]
 // runs:
 //   gemm 26: [8192 x 3072] = [8192 x 768] [768 x 3072], epilogue bias, bf16 A and B, f32 C
-//   k8_gemm__add__gelu__cast_epilogue<<<4096, 256>>>
+//   k7_gemm__add__gelu__cast_epilogue<<<4096, 256>>>
 
-// k51_gemm__add: GEMM, 4 ops
+// k50_gemm__add: GEMM, 4 ops
 //   %320   matmul                                  line 40    f32[8192,768]
 //   %321   reshape                                 line 40    f32[8,1024,768]
 //   %322   add                                     line 40    f32[8,1024,768]
@@ -968,29 +947,29 @@ extern "C" __global__ void __launch_bounds__(256) k8_gemm__add__gelu__cast_epilo
 // runs:
 //   gemm 27: [8192 x 768] = [8192 x 3072] [3072 x 768] + a residual C, epilogue bias, bf16 A and B, f32 C
 
-// k52_layernorm_fwd__cast: kernel, 3 ops
+// k51_layernorm_fwd__cast: kernel, 3 ops
 //   %336   layernorm                               line 38    f32[8,1024,768]
 //   %337   reshape                                 line 38    f32[8192,768]
 //   %338   cast                                    line 38    bf16[8192,768]
 // runs:
-//   k7_layernorm_fwd__cast<<<1024, 256>>>
+//   k6_layernorm_fwd__cast<<<1024, 256>>>
 
-// k53_gemm__add: GEMM, 3 ops
+// k52_gemm__add: GEMM, 3 ops
 //   %340   matmul                                  line 38    f32[8192,2304]
 //   %341   reshape                                 line 38    f32[8,1024,2304]
 //   %342   add                                     line 38    f32[8,1024,2304]
 // runs:
 //   gemm 28: [8192 x 2304] = [8192 x 768] [768 x 2304], epilogue bias, bf16 A and B, f32 C
 
-// k54_attention_fwd__cast__lse: attention, 4 ops
+// k53_attention_fwd__cast__lse: attention, 4 ops
 //   %346   attention                               line 39    f32[8,1024,768]
 //   %347   reshape                                 line 39    f32[8192,768]
 //   %348   cast                                    line 39    bf16[8192,768]
 //   %774   attention_lse                           line 39    f32[8,12,1024]
 // runs:
-//   k5_attention_fwd__cast__lse<<<1536, 128>>>
+//   k4_attention_fwd__cast__lse<<<1536, 128>>>
 
-// k55_gemm__add: GEMM, 4 ops
+// k54_gemm__add: GEMM, 4 ops
 //   %350   matmul                                  line 39    f32[8192,768]
 //   %351   reshape                                 line 39    f32[8,1024,768]
 //   %352   add                                     line 39    f32[8,1024,768]
@@ -998,14 +977,14 @@ extern "C" __global__ void __launch_bounds__(256) k8_gemm__add__gelu__cast_epilo
 // runs:
 //   gemm 29: [8192 x 768] = [8192 x 768] [768 x 768] + a residual C, epilogue bias, bf16 A and B, f32 C
 
-// k56_layernorm_fwd__cast: kernel, 3 ops
+// k55_layernorm_fwd__cast: kernel, 3 ops
 //   %354   layernorm                               line 40    f32[8,1024,768]
 //   %355   reshape                                 line 40    f32[8192,768]
 //   %356   cast                                    line 40    bf16[8192,768]
 // runs:
-//   k7_layernorm_fwd__cast<<<1024, 256>>>
+//   k6_layernorm_fwd__cast<<<1024, 256>>>
 
-// k57_gemm__add__gelu__cast: GEMM, 6 ops
+// k56_gemm__add__gelu__cast: GEMM, 6 ops
 //   %358   matmul                                  line 40    f32[8192,3072]
 //   %359   reshape                                 line 40    f32[8,1024,3072]
 //   %360   add                                     line 40    f32[8,1024,3072]
@@ -1014,9 +993,9 @@ extern "C" __global__ void __launch_bounds__(256) k8_gemm__add__gelu__cast_epilo
 //   %363   cast                                    line 40    bf16[8192,3072]
 // runs:
 //   gemm 30: [8192 x 3072] = [8192 x 768] [768 x 3072], epilogue bias, bf16 A and B, f32 C
-//   k8_gemm__add__gelu__cast_epilogue<<<4096, 256>>>
+//   k7_gemm__add__gelu__cast_epilogue<<<4096, 256>>>
 
-// k58_gemm__add: GEMM, 4 ops
+// k57_gemm__add: GEMM, 4 ops
 //   %365   matmul                                  line 40    f32[8192,768]
 //   %366   reshape                                 line 40    f32[8,1024,768]
 //   %367   add                                     line 40    f32[8,1024,768]
@@ -1024,29 +1003,29 @@ extern "C" __global__ void __launch_bounds__(256) k8_gemm__add__gelu__cast_epilo
 // runs:
 //   gemm 31: [8192 x 768] = [8192 x 3072] [3072 x 768] + a residual C, epilogue bias, bf16 A and B, f32 C
 
-// k59_layernorm_fwd__cast: kernel, 3 ops
+// k58_layernorm_fwd__cast: kernel, 3 ops
 //   %381   layernorm                               line 38    f32[8,1024,768]
 //   %382   reshape                                 line 38    f32[8192,768]
 //   %383   cast                                    line 38    bf16[8192,768]
 // runs:
-//   k7_layernorm_fwd__cast<<<1024, 256>>>
+//   k6_layernorm_fwd__cast<<<1024, 256>>>
 
-// k60_gemm__add: GEMM, 3 ops
+// k59_gemm__add: GEMM, 3 ops
 //   %385   matmul                                  line 38    f32[8192,2304]
 //   %386   reshape                                 line 38    f32[8,1024,2304]
 //   %387   add                                     line 38    f32[8,1024,2304]
 // runs:
 //   gemm 32: [8192 x 2304] = [8192 x 768] [768 x 2304], epilogue bias, bf16 A and B, f32 C
 
-// k61_attention_fwd__cast__lse: attention, 4 ops
+// k60_attention_fwd__cast__lse: attention, 4 ops
 //   %391   attention                               line 39    f32[8,1024,768]
 //   %392   reshape                                 line 39    f32[8192,768]
 //   %393   cast                                    line 39    bf16[8192,768]
 //   %730   attention_lse                           line 39    f32[8,12,1024]
 // runs:
-//   k5_attention_fwd__cast__lse<<<1536, 128>>>
+//   k4_attention_fwd__cast__lse<<<1536, 128>>>
 
-// k62_gemm__add: GEMM, 4 ops
+// k61_gemm__add: GEMM, 4 ops
 //   %395   matmul                                  line 39    f32[8192,768]
 //   %396   reshape                                 line 39    f32[8,1024,768]
 //   %397   add                                     line 39    f32[8,1024,768]
@@ -1054,14 +1033,14 @@ extern "C" __global__ void __launch_bounds__(256) k8_gemm__add__gelu__cast_epilo
 // runs:
 //   gemm 33: [8192 x 768] = [8192 x 768] [768 x 768] + a residual C, epilogue bias, bf16 A and B, f32 C
 
-// k63_layernorm_fwd__cast: kernel, 3 ops
+// k62_layernorm_fwd__cast: kernel, 3 ops
 //   %399   layernorm                               line 40    f32[8,1024,768]
 //   %400   reshape                                 line 40    f32[8192,768]
 //   %401   cast                                    line 40    bf16[8192,768]
 // runs:
-//   k7_layernorm_fwd__cast<<<1024, 256>>>
+//   k6_layernorm_fwd__cast<<<1024, 256>>>
 
-// k64_gemm__add__gelu__cast: GEMM, 6 ops
+// k63_gemm__add__gelu__cast: GEMM, 6 ops
 //   %403   matmul                                  line 40    f32[8192,3072]
 //   %404   reshape                                 line 40    f32[8,1024,3072]
 //   %405   add                                     line 40    f32[8,1024,3072]
@@ -1070,9 +1049,9 @@ extern "C" __global__ void __launch_bounds__(256) k8_gemm__add__gelu__cast_epilo
 //   %408   cast                                    line 40    bf16[8192,3072]
 // runs:
 //   gemm 34: [8192 x 3072] = [8192 x 768] [768 x 3072], epilogue bias, bf16 A and B, f32 C
-//   k8_gemm__add__gelu__cast_epilogue<<<4096, 256>>>
+//   k7_gemm__add__gelu__cast_epilogue<<<4096, 256>>>
 
-// k65_gemm__add: GEMM, 4 ops
+// k64_gemm__add: GEMM, 4 ops
 //   %410   matmul                                  line 40    f32[8192,768]
 //   %411   reshape                                 line 40    f32[8,1024,768]
 //   %412   add                                     line 40    f32[8,1024,768]
@@ -1080,29 +1059,29 @@ extern "C" __global__ void __launch_bounds__(256) k8_gemm__add__gelu__cast_epilo
 // runs:
 //   gemm 35: [8192 x 768] = [8192 x 3072] [3072 x 768] + a residual C, epilogue bias, bf16 A and B, f32 C
 
-// k66_layernorm_fwd__cast: kernel, 3 ops
+// k65_layernorm_fwd__cast: kernel, 3 ops
 //   %426   layernorm                               line 38    f32[8,1024,768]
 //   %427   reshape                                 line 38    f32[8192,768]
 //   %428   cast                                    line 38    bf16[8192,768]
 // runs:
-//   k7_layernorm_fwd__cast<<<1024, 256>>>
+//   k6_layernorm_fwd__cast<<<1024, 256>>>
 
-// k67_gemm__add: GEMM, 3 ops
+// k66_gemm__add: GEMM, 3 ops
 //   %430   matmul                                  line 38    f32[8192,2304]
 //   %431   reshape                                 line 38    f32[8,1024,2304]
 //   %432   add                                     line 38    f32[8,1024,2304]
 // runs:
 //   gemm 36: [8192 x 2304] = [8192 x 768] [768 x 2304], epilogue bias, bf16 A and B, f32 C
 
-// k68_attention_fwd__cast__lse: attention, 4 ops
+// k67_attention_fwd__cast__lse: attention, 4 ops
 //   %436   attention                               line 39    f32[8,1024,768]
 //   %437   reshape                                 line 39    f32[8192,768]
 //   %438   cast                                    line 39    bf16[8192,768]
 //   %686   attention_lse                           line 39    f32[8,12,1024]
 // runs:
-//   k5_attention_fwd__cast__lse<<<1536, 128>>>
+//   k4_attention_fwd__cast__lse<<<1536, 128>>>
 
-// k69_gemm__add: GEMM, 4 ops
+// k68_gemm__add: GEMM, 4 ops
 //   %440   matmul                                  line 39    f32[8192,768]
 //   %441   reshape                                 line 39    f32[8,1024,768]
 //   %442   add                                     line 39    f32[8,1024,768]
@@ -1110,14 +1089,14 @@ extern "C" __global__ void __launch_bounds__(256) k8_gemm__add__gelu__cast_epilo
 // runs:
 //   gemm 37: [8192 x 768] = [8192 x 768] [768 x 768] + a residual C, epilogue bias, bf16 A and B, f32 C
 
-// k70_layernorm_fwd__cast: kernel, 3 ops
+// k69_layernorm_fwd__cast: kernel, 3 ops
 //   %444   layernorm                               line 40    f32[8,1024,768]
 //   %445   reshape                                 line 40    f32[8192,768]
 //   %446   cast                                    line 40    bf16[8192,768]
 // runs:
-//   k7_layernorm_fwd__cast<<<1024, 256>>>
+//   k6_layernorm_fwd__cast<<<1024, 256>>>
 
-// k71_gemm__add__gelu__cast: GEMM, 6 ops
+// k70_gemm__add__gelu__cast: GEMM, 6 ops
 //   %448   matmul                                  line 40    f32[8192,3072]
 //   %449   reshape                                 line 40    f32[8,1024,3072]
 //   %450   add                                     line 40    f32[8,1024,3072]
@@ -1126,9 +1105,9 @@ extern "C" __global__ void __launch_bounds__(256) k8_gemm__add__gelu__cast_epilo
 //   %453   cast                                    line 40    bf16[8192,3072]
 // runs:
 //   gemm 38: [8192 x 3072] = [8192 x 768] [768 x 3072], epilogue bias, bf16 A and B, f32 C
-//   k8_gemm__add__gelu__cast_epilogue<<<4096, 256>>>
+//   k7_gemm__add__gelu__cast_epilogue<<<4096, 256>>>
 
-// k72_gemm__add: GEMM, 4 ops
+// k71_gemm__add: GEMM, 4 ops
 //   %455   matmul                                  line 40    f32[8192,768]
 //   %456   reshape                                 line 40    f32[8,1024,768]
 //   %457   add                                     line 40    f32[8,1024,768]
@@ -1136,29 +1115,29 @@ extern "C" __global__ void __launch_bounds__(256) k8_gemm__add__gelu__cast_epilo
 // runs:
 //   gemm 39: [8192 x 768] = [8192 x 3072] [3072 x 768] + a residual C, epilogue bias, bf16 A and B, f32 C
 
-// k73_layernorm_fwd__cast: kernel, 3 ops
+// k72_layernorm_fwd__cast: kernel, 3 ops
 //   %471   layernorm                               line 38    f32[8,1024,768]
 //   %472   reshape                                 line 38    f32[8192,768]
 //   %473   cast                                    line 38    bf16[8192,768]
 // runs:
-//   k7_layernorm_fwd__cast<<<1024, 256>>>
+//   k6_layernorm_fwd__cast<<<1024, 256>>>
 
-// k74_gemm__add: GEMM, 3 ops
+// k73_gemm__add: GEMM, 3 ops
 //   %475   matmul                                  line 38    f32[8192,2304]
 //   %476   reshape                                 line 38    f32[8,1024,2304]
 //   %477   add                                     line 38    f32[8,1024,2304]
 // runs:
 //   gemm 40: [8192 x 2304] = [8192 x 768] [768 x 2304], epilogue bias, bf16 A and B, f32 C
 
-// k75_attention_fwd__cast__lse: attention, 4 ops
+// k74_attention_fwd__cast__lse: attention, 4 ops
 //   %481   attention                               line 39    f32[8,1024,768]
 //   %482   reshape                                 line 39    f32[8192,768]
 //   %483   cast                                    line 39    bf16[8192,768]
 //   %642   attention_lse                           line 39    f32[8,12,1024]
 // runs:
-//   k5_attention_fwd__cast__lse<<<1536, 128>>>
+//   k4_attention_fwd__cast__lse<<<1536, 128>>>
 
-// k76_gemm__add: GEMM, 4 ops
+// k75_gemm__add: GEMM, 4 ops
 //   %485   matmul                                  line 39    f32[8192,768]
 //   %486   reshape                                 line 39    f32[8,1024,768]
 //   %487   add                                     line 39    f32[8,1024,768]
@@ -1166,14 +1145,14 @@ extern "C" __global__ void __launch_bounds__(256) k8_gemm__add__gelu__cast_epilo
 // runs:
 //   gemm 41: [8192 x 768] = [8192 x 768] [768 x 768] + a residual C, epilogue bias, bf16 A and B, f32 C
 
-// k77_layernorm_fwd__cast: kernel, 3 ops
+// k76_layernorm_fwd__cast: kernel, 3 ops
 //   %489   layernorm                               line 40    f32[8,1024,768]
 //   %490   reshape                                 line 40    f32[8192,768]
 //   %491   cast                                    line 40    bf16[8192,768]
 // runs:
-//   k7_layernorm_fwd__cast<<<1024, 256>>>
+//   k6_layernorm_fwd__cast<<<1024, 256>>>
 
-// k78_gemm__add__gelu__cast: GEMM, 6 ops
+// k77_gemm__add__gelu__cast: GEMM, 6 ops
 //   %493   matmul                                  line 40    f32[8192,3072]
 //   %494   reshape                                 line 40    f32[8,1024,3072]
 //   %495   add                                     line 40    f32[8,1024,3072]
@@ -1182,9 +1161,9 @@ extern "C" __global__ void __launch_bounds__(256) k8_gemm__add__gelu__cast_epilo
 //   %498   cast                                    line 40    bf16[8192,3072]
 // runs:
 //   gemm 42: [8192 x 3072] = [8192 x 768] [768 x 3072], epilogue bias, bf16 A and B, f32 C
-//   k8_gemm__add__gelu__cast_epilogue<<<4096, 256>>>
+//   k7_gemm__add__gelu__cast_epilogue<<<4096, 256>>>
 
-// k79_gemm__add: GEMM, 4 ops
+// k78_gemm__add: GEMM, 4 ops
 //   %500   matmul                                  line 40    f32[8192,768]
 //   %501   reshape                                 line 40    f32[8,1024,768]
 //   %502   add                                     line 40    f32[8,1024,768]
@@ -1192,29 +1171,29 @@ extern "C" __global__ void __launch_bounds__(256) k8_gemm__add__gelu__cast_epilo
 // runs:
 //   gemm 43: [8192 x 768] = [8192 x 3072] [3072 x 768] + a residual C, epilogue bias, bf16 A and B, f32 C
 
-// k80_layernorm_fwd__cast: kernel, 3 ops
+// k79_layernorm_fwd__cast: kernel, 3 ops
 //   %516   layernorm                               line 38    f32[8,1024,768]
 //   %517   reshape                                 line 38    f32[8192,768]
 //   %518   cast                                    line 38    bf16[8192,768]
 // runs:
-//   k7_layernorm_fwd__cast<<<1024, 256>>>
+//   k6_layernorm_fwd__cast<<<1024, 256>>>
 
-// k81_gemm__add: GEMM, 3 ops
+// k80_gemm__add: GEMM, 3 ops
 //   %520   matmul                                  line 38    f32[8192,2304]
 //   %521   reshape                                 line 38    f32[8,1024,2304]
 //   %522   add                                     line 38    f32[8,1024,2304]
 // runs:
 //   gemm 44: [8192 x 2304] = [8192 x 768] [768 x 2304], epilogue bias, bf16 A and B, f32 C
 
-// k82_attention_fwd__cast__lse: attention, 4 ops
+// k81_attention_fwd__cast__lse: attention, 4 ops
 //   %526   attention                               line 39    f32[8,1024,768]
 //   %527   reshape                                 line 39    f32[8192,768]
 //   %528   cast                                    line 39    bf16[8192,768]
 //   %598   attention_lse                           line 39    f32[8,12,1024]
 // runs:
-//   k5_attention_fwd__cast__lse<<<1536, 128>>>
+//   k4_attention_fwd__cast__lse<<<1536, 128>>>
 
-// k83_gemm__add: GEMM, 4 ops
+// k82_gemm__add: GEMM, 4 ops
 //   %530   matmul                                  line 39    f32[8192,768]
 //   %531   reshape                                 line 39    f32[8,1024,768]
 //   %532   add                                     line 39    f32[8,1024,768]
@@ -1222,14 +1201,14 @@ extern "C" __global__ void __launch_bounds__(256) k8_gemm__add__gelu__cast_epilo
 // runs:
 //   gemm 45: [8192 x 768] = [8192 x 768] [768 x 768] + a residual C, epilogue bias, bf16 A and B, f32 C
 
-// k84_layernorm_fwd__cast: kernel, 3 ops
+// k83_layernorm_fwd__cast: kernel, 3 ops
 //   %534   layernorm                               line 40    f32[8,1024,768]
 //   %535   reshape                                 line 40    f32[8192,768]
 //   %536   cast                                    line 40    bf16[8192,768]
 // runs:
-//   k7_layernorm_fwd__cast<<<1024, 256>>>
+//   k6_layernorm_fwd__cast<<<1024, 256>>>
 
-// k85_gemm__add__gelu__cast: GEMM, 6 ops
+// k84_gemm__add__gelu__cast: GEMM, 6 ops
 //   %538   matmul                                  line 40    f32[8192,3072]
 //   %539   reshape                                 line 40    f32[8,1024,3072]
 //   %540   add                                     line 40    f32[8,1024,3072]
@@ -1238,9 +1217,9 @@ extern "C" __global__ void __launch_bounds__(256) k8_gemm__add__gelu__cast_epilo
 //   %543   cast                                    line 40    bf16[8192,3072]
 // runs:
 //   gemm 46: [8192 x 3072] = [8192 x 768] [768 x 3072], epilogue bias, bf16 A and B, f32 C
-//   k8_gemm__add__gelu__cast_epilogue<<<4096, 256>>>
+//   k7_gemm__add__gelu__cast_epilogue<<<4096, 256>>>
 
-// k86_gemm__add: GEMM, 4 ops
+// k85_gemm__add: GEMM, 4 ops
 //   %545   matmul                                  line 40    f32[8192,768]
 //   %546   reshape                                 line 40    f32[8,1024,768]
 //   %547   add                                     line 40    f32[8,1024,768]
@@ -1248,12 +1227,33 @@ extern "C" __global__ void __launch_bounds__(256) k8_gemm__add__gelu__cast_epilo
 // runs:
 //   gemm 47: [8192 x 768] = [8192 x 3072] [3072 x 768] + a residual C, epilogue bias, bf16 A and B, f32 C
 
-// k87_layernorm_fwd__cast: kernel, 3 ops
+// k86_layernorm_fwd__cast: kernel, 3 ops
 //   %551   layernorm                               line 45    f32[8,1024,768]
 //   %552   reshape                                 line 45    f32[8192,768]
 //   %553   cast                                    line 45    bf16[8192,768]
 // runs:
-//   k7_layernorm_fwd__cast<<<1024, 256>>>
+//   k6_layernorm_fwd__cast<<<1024, 256>>>
+
+// k87_broadcast__mul: kernel, 3 ops
+//   %562   mul                                     line 46    f32[]
+//   %563   reshape                                 line 46    f32[1]
+//   %564   broadcast                               line 46    f32[8192]
+// runs:
+//   k87_broadcast__mul<<<8, 256>>>
+
+// elementwise over 8192, 4 per thread: broadcast
+extern "C" __global__ void __launch_bounds__(256) k87_broadcast__mul(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
+  float *const b0 = (float *)(arena + o.b[0]); // broadcast f32[8192]
+  for (int q = blockIdx.x * blockDim.x + threadIdx.x; q < 2048; q += gridDim.x * blockDim.x) {
+    const float v3 = 1.0f * 0.00012207031f;
+    const float v2 = v3;
+    const float v1 = v2;
+    const float v4 = v2;
+    const float v5 = v2;
+    const float v6 = v2;
+    reinterpret_cast<float4 *>(b0)[q] = make_float4(v1, v4, v5, v6);
+  }
+}
 
 // k88_lmhead__cross_entropy__cross_entropy_bwd__cast__gemm: LM head, 8 ops
 //   %555   matmul                                  line 45    f32[8192,50257]

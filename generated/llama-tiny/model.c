@@ -330,31 +330,14 @@ static void k6_gemm(char *arena, const MdlHooks *h) {
   }
 }
 
-// k7_broadcast__mul: kernel, 3 ops
-//   %125   mul                                     line 46    f32[]
-//   %126   reshape                                 line 46    f32[1]
-//   %127   broadcast                               line 46    f32[512]
-// loops:
-//   elementwise over 512: %127
-static void k7_broadcast__mul(char *arena, const MdlHooks *h) {
-  (void)h;
-  float *const b127 = (float *)(arena + 4769920); // %127 broadcast f32[512]
-  for (int64_t i = 0; i < 512; i++) {
-    const float v125_0 = 1.0f * 0.001953125f;
-    const float v126_0 = v125_0;
-    const float v127_i = v126_0;
-    b127[i] = v127_i;
-  }
-}
-
-// k8_attention_fwd__cast__lse: attention, 4 ops
+// k7_attention_fwd__cast__lse: attention, 4 ops
 //   %33    attention                               line 38    f32[8,64,64]
 //   %34    reshape                                 line 38    f32[512,64]
 //   %35    cast                                    line 38    bf16[512,64]
 //   %219   attention_lse                           line 38    f32[8,4,64]
 // loops:
 //   attention and its log-sum-exp per row: B 8, T 64, 4 heads of 16, causal, within documents; one task per (batch, head)
-static void k8_attention_fwd__cast__lse(char *arena, const MdlHooks *h) {
+static void k7_attention_fwd__cast__lse(char *arena, const MdlHooks *h) {
   int32_t *const b3 = (int32_t *)(arena + 2347008); // %3 input doc i32[8,64]
   float *const b21 = (float *)(arena + 5298304); // %21 rope layers.0.q f32[8,64,64]
   float *const b27 = (float *)(arena + 5429376); // %27 rope layers.0.k f32[8,64,64]
@@ -450,14 +433,14 @@ static void k8_attention_fwd__cast__lse(char *arena, const MdlHooks *h) {
   }
 }
 
-// k9_gemm__add: GEMM, 3 ops
+// k8_gemm__add: GEMM, 3 ops
 //   %37    matmul                                  line 38    f32[512,64]
 //   %38    reshape                                 line 38    f32[8,64,64]
 //   %39    add                layers.0.x           line 38    f32[8,64,64]
 // loops:
 //   gemm %37: [512 x 64] = [512 x 64] [64 x 64], bf16 operands widened to f32, epilogue after
 //   elementwise over 32768: %39
-static void k9_gemm__add(char *arena, const MdlHooks *h) {
+static void k8_gemm__add(char *arena, const MdlHooks *h) {
   float *const b5 = (float *)(arena + 5167232); // %5 embed x f32[8,64,64]
   uint16_t *const b35 = (uint16_t *)(arena + 6805632); // %35 cast bf16[512,64]
   uint16_t *const b36 = (uint16_t *)(arena + 2135040); // %36 cast bf16[64,64]
@@ -480,7 +463,7 @@ static void k9_gemm__add(char *arena, const MdlHooks *h) {
   }
 }
 
-// k10_rmsnorm_fwd__cast: kernel, 5 ops
+// k9_rmsnorm_fwd__cast: kernel, 5 ops
 //   %40    rmsnorm            layers.0.a           line 39    f32[8,64,64]
 //   %41    reshape                                 line 40    f32[512,64]
 //   %42    cast                                    line 40    bf16[512,64]
@@ -488,7 +471,7 @@ static void k9_gemm__add(char *arena, const MdlHooks *h) {
 //   %48    cast                                    line 40    bf16[512,64]
 // loops:
 //   rmsnorm %40: 512 rows of 64
-static void k10_rmsnorm_fwd__cast(char *arena, const MdlHooks *h) {
+static void k9_rmsnorm_fwd__cast(char *arena, const MdlHooks *h) {
   float *const b11 = (float *)(arena + 131328); // %11 param layers.0.mlp_norm f32[64]
   float *const b39 = (float *)(arena + 5691520); // %39 add layers.0.x f32[8,64,64]
   uint16_t *const b42 = (uint16_t *)(arena + 6871168); // %42 cast bf16[512,64]
@@ -521,11 +504,11 @@ static void k10_rmsnorm_fwd__cast(char *arena, const MdlHooks *h) {
   }
 }
 
-// k11_gemm: GEMM, 1 op
+// k10_gemm: GEMM, 1 op
 //   %50    matmul                                  line 40    f32[512,172]
 // loops:
 //   gemm %50: [512 x 172] = [512 x 64] [64 x 172], bf16 operands widened to f32
-static void k11_gemm(char *arena, const MdlHooks *h) {
+static void k10_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b48 = (uint16_t *)(arena + 6936704); // %48 cast bf16[512,64]
   uint16_t *const b49 = (uint16_t *)(arena + 2165248); // %49 cast bf16[64,172]
   float *const b50 = (float *)(arena + 2349184); // %50 matmul f32[512,172]
@@ -538,7 +521,7 @@ static void k11_gemm(char *arena, const MdlHooks *h) {
   }
 }
 
-// k12_gemm__silu__mul__cast: GEMM, 5 ops
+// k11_gemm__silu__mul__cast: GEMM, 5 ops
 //   %44    matmul                                  line 40    f32[512,172]
 //   %46    silu                                    line 40    f32[8,64,172]
 //   %52    mul                                     line 40    f32[8,64,172]
@@ -547,7 +530,7 @@ static void k11_gemm(char *arena, const MdlHooks *h) {
 // loops:
 //   gemm %44: [512 x 172] = [512 x 64] [64 x 172], bf16 operands widened to f32, epilogue after
 //   elementwise over 88064: %46 %54
-static void k12_gemm__silu__mul__cast(char *arena, const MdlHooks *h) {
+static void k11_gemm__silu__mul__cast(char *arena, const MdlHooks *h) {
   uint16_t *const b42 = (uint16_t *)(arena + 6871168); // %42 cast bf16[512,64]
   uint16_t *const b43 = (uint16_t *)(arena + 2143232); // %43 cast bf16[64,172]
   float *const b44 = (float *)(arena + 2701440); // %44 matmul f32[512,172]
@@ -574,14 +557,14 @@ static void k12_gemm__silu__mul__cast(char *arena, const MdlHooks *h) {
   }
 }
 
-// k13_gemm__add: GEMM, 3 ops
+// k12_gemm__add: GEMM, 3 ops
 //   %56    matmul                                  line 40    f32[512,64]
 //   %57    reshape                                 line 40    f32[8,64,64]
 //   %58    add                layers.0.x           line 40    f32[8,64,64]
 // loops:
 //   gemm %56: [512 x 64] = [512 x 172] [172 x 64], bf16 operands widened to f32, epilogue after
 //   elementwise over 32768: %58
-static void k13_gemm__add(char *arena, const MdlHooks *h) {
+static void k12_gemm__add(char *arena, const MdlHooks *h) {
   float *const b39 = (float *)(arena + 5691520); // %39 add layers.0.x f32[8,64,64]
   uint16_t *const b54 = (uint16_t *)(arena + 4814976); // %54 cast bf16[512,172]
   uint16_t *const b55 = (uint16_t *)(arena + 2187264); // %55 cast bf16[172,64]
@@ -604,7 +587,7 @@ static void k13_gemm__add(char *arena, const MdlHooks *h) {
   }
 }
 
-// k14_rmsnorm_fwd__cast: kernel, 7 ops
+// k13_rmsnorm_fwd__cast: kernel, 7 ops
 //   %68    rmsnorm            layers.1.a           line 35    f32[8,64,64]
 //   %69    reshape                                 line 36    f32[512,64]
 //   %70    cast                                    line 36    bf16[512,64]
@@ -614,7 +597,7 @@ static void k13_gemm__add(char *arena, const MdlHooks *h) {
 //   %82    cast                                    line 38    bf16[512,64]
 // loops:
 //   rmsnorm %68: 512 rows of 64
-static void k14_rmsnorm_fwd__cast(char *arena, const MdlHooks *h) {
+static void k13_rmsnorm_fwd__cast(char *arena, const MdlHooks *h) {
   float *const b58 = (float *)(arena + 5822592); // %58 add layers.0.x f32[8,64,64]
   float *const b59 = (float *)(arena + 263680); // %59 param layers.1.attn_norm f32[64]
   uint16_t *const b70 = (uint16_t *)(arena + 7002240); // %70 cast bf16[512,64]
@@ -651,11 +634,11 @@ static void k14_rmsnorm_fwd__cast(char *arena, const MdlHooks *h) {
   }
 }
 
-// k15_gemm: GEMM, 1 op
+// k14_gemm: GEMM, 1 op
 //   %72    matmul                                  line 36    f32[512,64]
 // loops:
 //   gemm %72: [512 x 64] = [512 x 64] [64 x 64], bf16 operands widened to f32
-static void k15_gemm(char *arena, const MdlHooks *h) {
+static void k14_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b70 = (uint16_t *)(arena + 7002240); // %70 cast bf16[512,64]
   uint16_t *const b71 = (uint16_t *)(arena + 2209280); // %71 cast bf16[64,64]
   float *const b72 = (float *)(arena + 3405952); // %72 matmul f32[512,64]
@@ -668,11 +651,11 @@ static void k15_gemm(char *arena, const MdlHooks *h) {
   }
 }
 
-// k16_rope: kernel, 1 op
+// k15_rope: kernel, 1 op
 //   %74    rope               layers.1.q           line 36    f32[8,64,64]
 // loops:
 //   rope: 512 rows, 4 heads of 16
-static void k16_rope(char *arena, const MdlHooks *h) {
+static void k15_rope(char *arena, const MdlHooks *h) {
   int32_t *const b2 = (int32_t *)(arena + 2344960); // %2 input pos i32[8,64]
   float *const b72 = (float *)(arena + 3405952); // %72 matmul f32[512,64]
   float *const b74 = (float *)(arena + 5953664); // %74 rope layers.1.q f32[8,64,64]
@@ -694,11 +677,11 @@ static void k16_rope(char *arena, const MdlHooks *h) {
   }
 }
 
-// k17_gemm: GEMM, 1 op
+// k16_gemm: GEMM, 1 op
 //   %78    matmul                                  line 37    f32[512,64]
 // loops:
 //   gemm %78: [512 x 64] = [512 x 64] [64 x 64], bf16 operands widened to f32
-static void k17_gemm(char *arena, const MdlHooks *h) {
+static void k16_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b76 = (uint16_t *)(arena + 7067776); // %76 cast bf16[512,64]
   uint16_t *const b77 = (uint16_t *)(arena + 2217472); // %77 cast bf16[64,64]
   float *const b78 = (float *)(arena + 3405952); // %78 matmul f32[512,64]
@@ -711,11 +694,11 @@ static void k17_gemm(char *arena, const MdlHooks *h) {
   }
 }
 
-// k18_rope: kernel, 1 op
+// k17_rope: kernel, 1 op
 //   %80    rope               layers.1.k           line 37    f32[8,64,64]
 // loops:
 //   rope: 512 rows, 4 heads of 16
-static void k18_rope(char *arena, const MdlHooks *h) {
+static void k17_rope(char *arena, const MdlHooks *h) {
   int32_t *const b2 = (int32_t *)(arena + 2344960); // %2 input pos i32[8,64]
   float *const b78 = (float *)(arena + 3405952); // %78 matmul f32[512,64]
   float *const b80 = (float *)(arena + 6084736); // %80 rope layers.1.k f32[8,64,64]
@@ -737,11 +720,11 @@ static void k18_rope(char *arena, const MdlHooks *h) {
   }
 }
 
-// k19_gemm: GEMM, 1 op
+// k18_gemm: GEMM, 1 op
 //   %84    matmul                                  line 38    f32[512,64]
 // loops:
 //   gemm %84: [512 x 64] = [512 x 64] [64 x 64], bf16 operands widened to f32
-static void k19_gemm(char *arena, const MdlHooks *h) {
+static void k18_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b82 = (uint16_t *)(arena + 7133312); // %82 cast bf16[512,64]
   uint16_t *const b83 = (uint16_t *)(arena + 2225664); // %83 cast bf16[64,64]
   float *const b84 = (float *)(arena + 6215808); // %84 matmul f32[512,64]
@@ -754,14 +737,14 @@ static void k19_gemm(char *arena, const MdlHooks *h) {
   }
 }
 
-// k20_attention_fwd__cast__lse: attention, 4 ops
+// k19_attention_fwd__cast__lse: attention, 4 ops
 //   %86    attention                               line 38    f32[8,64,64]
 //   %87    reshape                                 line 38    f32[512,64]
 //   %88    cast                                    line 38    bf16[512,64]
 //   %164   attention_lse                           line 38    f32[8,4,64]
 // loops:
 //   attention and its log-sum-exp per row: B 8, T 64, 4 heads of 16, causal, within documents; one task per (batch, head)
-static void k20_attention_fwd__cast__lse(char *arena, const MdlHooks *h) {
+static void k19_attention_fwd__cast__lse(char *arena, const MdlHooks *h) {
   int32_t *const b3 = (int32_t *)(arena + 2347008); // %3 input doc i32[8,64]
   float *const b74 = (float *)(arena + 5953664); // %74 rope layers.1.q f32[8,64,64]
   float *const b80 = (float *)(arena + 6084736); // %80 rope layers.1.k f32[8,64,64]
@@ -857,14 +840,14 @@ static void k20_attention_fwd__cast__lse(char *arena, const MdlHooks *h) {
   }
 }
 
-// k21_gemm__add: GEMM, 3 ops
+// k20_gemm__add: GEMM, 3 ops
 //   %90    matmul                                  line 38    f32[512,64]
 //   %91    reshape                                 line 38    f32[8,64,64]
 //   %92    add                layers.1.x           line 38    f32[8,64,64]
 // loops:
 //   gemm %90: [512 x 64] = [512 x 64] [64 x 64], bf16 operands widened to f32, epilogue after
 //   elementwise over 32768: %92
-static void k21_gemm__add(char *arena, const MdlHooks *h) {
+static void k20_gemm__add(char *arena, const MdlHooks *h) {
   float *const b58 = (float *)(arena + 5822592); // %58 add layers.0.x f32[8,64,64]
   uint16_t *const b88 = (uint16_t *)(arena + 7198848); // %88 cast bf16[512,64]
   uint16_t *const b89 = (uint16_t *)(arena + 2233856); // %89 cast bf16[64,64]
@@ -887,7 +870,7 @@ static void k21_gemm__add(char *arena, const MdlHooks *h) {
   }
 }
 
-// k22_rmsnorm_fwd__cast: kernel, 5 ops
+// k21_rmsnorm_fwd__cast: kernel, 5 ops
 //   %93    rmsnorm            layers.1.a           line 39    f32[8,64,64]
 //   %94    reshape                                 line 40    f32[512,64]
 //   %95    cast                                    line 40    bf16[512,64]
@@ -895,7 +878,7 @@ static void k21_gemm__add(char *arena, const MdlHooks *h) {
 //   %101   cast                                    line 40    bf16[512,64]
 // loops:
 //   rmsnorm %93: 512 rows of 64
-static void k22_rmsnorm_fwd__cast(char *arena, const MdlHooks *h) {
+static void k21_rmsnorm_fwd__cast(char *arena, const MdlHooks *h) {
   float *const b64 = (float *)(arena + 329472); // %64 param layers.1.mlp_norm f32[64]
   float *const b92 = (float *)(arena + 6346880); // %92 add layers.1.x f32[8,64,64]
   uint16_t *const b95 = (uint16_t *)(arena + 7264384); // %95 cast bf16[512,64]
@@ -928,11 +911,11 @@ static void k22_rmsnorm_fwd__cast(char *arena, const MdlHooks *h) {
   }
 }
 
-// k23_gemm: GEMM, 1 op
+// k22_gemm: GEMM, 1 op
 //   %103   matmul                                  line 40    f32[512,172]
 // loops:
 //   gemm %103: [512 x 172] = [512 x 64] [64 x 172], bf16 operands widened to f32
-static void k23_gemm(char *arena, const MdlHooks *h) {
+static void k22_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b101 = (uint16_t *)(arena + 7329920); // %101 cast bf16[512,64]
   uint16_t *const b102 = (uint16_t *)(arena + 2264064); // %102 cast bf16[64,172]
   float *const b103 = (float *)(arena + 3405952); // %103 matmul f32[512,172]
@@ -945,7 +928,7 @@ static void k23_gemm(char *arena, const MdlHooks *h) {
   }
 }
 
-// k24_gemm__silu__mul__cast: GEMM, 5 ops
+// k23_gemm__silu__mul__cast: GEMM, 5 ops
 //   %97    matmul                                  line 40    f32[512,172]
 //   %99    silu                                    line 40    f32[8,64,172]
 //   %105   mul                                     line 40    f32[8,64,172]
@@ -954,7 +937,7 @@ static void k23_gemm(char *arena, const MdlHooks *h) {
 // loops:
 //   gemm %97: [512 x 172] = [512 x 64] [64 x 172], bf16 operands widened to f32, epilogue after
 //   elementwise over 88064: %99 %107
-static void k24_gemm__silu__mul__cast(char *arena, const MdlHooks *h) {
+static void k23_gemm__silu__mul__cast(char *arena, const MdlHooks *h) {
   uint16_t *const b95 = (uint16_t *)(arena + 7264384); // %95 cast bf16[512,64]
   uint16_t *const b96 = (uint16_t *)(arena + 2242048); // %96 cast bf16[64,172]
   float *const b97 = (float *)(arena + 3758208); // %97 matmul f32[512,172]
@@ -981,14 +964,14 @@ static void k24_gemm__silu__mul__cast(char *arena, const MdlHooks *h) {
   }
 }
 
-// k25_gemm__add: GEMM, 3 ops
+// k24_gemm__add: GEMM, 3 ops
 //   %109   matmul                                  line 40    f32[512,64]
 //   %110   reshape                                 line 40    f32[8,64,64]
 //   %111   add                layers.1.x           line 40    f32[8,64,64]
 // loops:
 //   gemm %109: [512 x 64] = [512 x 172] [172 x 64], bf16 operands widened to f32, epilogue after
 //   elementwise over 32768: %111
-static void k25_gemm__add(char *arena, const MdlHooks *h) {
+static void k24_gemm__add(char *arena, const MdlHooks *h) {
   float *const b92 = (float *)(arena + 6346880); // %92 add layers.1.x f32[8,64,64]
   uint16_t *const b107 = (uint16_t *)(arena + 4462720); // %107 cast bf16[512,172]
   uint16_t *const b108 = (uint16_t *)(arena + 2286080); // %108 cast bf16[172,64]
@@ -1011,13 +994,13 @@ static void k25_gemm__add(char *arena, const MdlHooks *h) {
   }
 }
 
-// k26_rmsnorm_fwd__cast: kernel, 3 ops
+// k25_rmsnorm_fwd__cast: kernel, 3 ops
 //   %114   rmsnorm                                 line 45    f32[8,64,64]
 //   %115   reshape                                 line 45    f32[512,64]
 //   %116   cast                                    line 45    bf16[512,64]
 // loops:
 //   rmsnorm %114: 512 rows of 64
-static void k26_rmsnorm_fwd__cast(char *arena, const MdlHooks *h) {
+static void k25_rmsnorm_fwd__cast(char *arena, const MdlHooks *h) {
   float *const b111 = (float *)(arena + 4638848); // %111 add layers.1.x f32[8,64,64]
   float *const b112 = (float *)(arena + 461824); // %112 param norm f32[64]
   uint16_t *const b116 = (uint16_t *)(arena + 6477952); // %116 cast bf16[512,64]
@@ -1043,6 +1026,23 @@ static void k26_rmsnorm_fwd__cast(char *arena, const MdlHooks *h) {
       }
     }
     free(yrow);
+  }
+}
+
+// k26_broadcast__mul: kernel, 3 ops
+//   %125   mul                                     line 46    f32[]
+//   %126   reshape                                 line 46    f32[1]
+//   %127   broadcast                               line 46    f32[512]
+// loops:
+//   elementwise over 512: %127
+static void k26_broadcast__mul(char *arena, const MdlHooks *h) {
+  (void)h;
+  float *const b127 = (float *)(arena + 4769920); // %127 broadcast f32[512]
+  for (int64_t i = 0; i < 512; i++) {
+    const float v125_0 = 1.0f * 0.001953125f;
+    const float v126_0 = v125_0;
+    const float v127_i = v126_0;
+    b127[i] = v127_i;
   }
 }
 
@@ -2697,26 +2697,26 @@ void mdl_step(char *arena, const MdlHooks *h) {
   k4_gemm(arena, h);
   k5_rope(arena, h);
   k6_gemm(arena, h);
-  k7_broadcast__mul(arena, h);
-  k8_attention_fwd__cast__lse(arena, h);
-  k9_gemm__add(arena, h);
-  k10_rmsnorm_fwd__cast(arena, h);
-  k11_gemm(arena, h);
-  k12_gemm__silu__mul__cast(arena, h);
-  k13_gemm__add(arena, h);
-  k14_rmsnorm_fwd__cast(arena, h);
-  k15_gemm(arena, h);
-  k16_rope(arena, h);
-  k17_gemm(arena, h);
-  k18_rope(arena, h);
-  k19_gemm(arena, h);
-  k20_attention_fwd__cast__lse(arena, h);
-  k21_gemm__add(arena, h);
-  k22_rmsnorm_fwd__cast(arena, h);
-  k23_gemm(arena, h);
-  k24_gemm__silu__mul__cast(arena, h);
-  k25_gemm__add(arena, h);
-  k26_rmsnorm_fwd__cast(arena, h);
+  k7_attention_fwd__cast__lse(arena, h);
+  k8_gemm__add(arena, h);
+  k9_rmsnorm_fwd__cast(arena, h);
+  k10_gemm(arena, h);
+  k11_gemm__silu__mul__cast(arena, h);
+  k12_gemm__add(arena, h);
+  k13_rmsnorm_fwd__cast(arena, h);
+  k14_gemm(arena, h);
+  k15_rope(arena, h);
+  k16_gemm(arena, h);
+  k17_rope(arena, h);
+  k18_gemm(arena, h);
+  k19_attention_fwd__cast__lse(arena, h);
+  k20_gemm__add(arena, h);
+  k21_rmsnorm_fwd__cast(arena, h);
+  k22_gemm(arena, h);
+  k23_gemm__silu__mul__cast(arena, h);
+  k24_gemm__add(arena, h);
+  k25_rmsnorm_fwd__cast(arena, h);
+  k26_broadcast__mul(arena, h);
   k27_lmhead__cross_entropy__cross_entropy_bwd__cast__gemm(arena, h);
   k28_mean(arena, h);
   k29_rmsnorm_bwd__cast(arena, h);
@@ -2774,26 +2774,26 @@ const MdlKernel mdl_kernels[] = {
     {"k4_gemm", k4_gemm},
     {"k5_rope", k5_rope},
     {"k6_gemm", k6_gemm},
-    {"k7_broadcast__mul", k7_broadcast__mul},
-    {"k8_attention_fwd__cast__lse", k8_attention_fwd__cast__lse},
-    {"k9_gemm__add", k9_gemm__add},
-    {"k10_rmsnorm_fwd__cast", k10_rmsnorm_fwd__cast},
-    {"k11_gemm", k11_gemm},
-    {"k12_gemm__silu__mul__cast", k12_gemm__silu__mul__cast},
-    {"k13_gemm__add", k13_gemm__add},
-    {"k14_rmsnorm_fwd__cast", k14_rmsnorm_fwd__cast},
-    {"k15_gemm", k15_gemm},
-    {"k16_rope", k16_rope},
-    {"k17_gemm", k17_gemm},
-    {"k18_rope", k18_rope},
-    {"k19_gemm", k19_gemm},
-    {"k20_attention_fwd__cast__lse", k20_attention_fwd__cast__lse},
-    {"k21_gemm__add", k21_gemm__add},
-    {"k22_rmsnorm_fwd__cast", k22_rmsnorm_fwd__cast},
-    {"k23_gemm", k23_gemm},
-    {"k24_gemm__silu__mul__cast", k24_gemm__silu__mul__cast},
-    {"k25_gemm__add", k25_gemm__add},
-    {"k26_rmsnorm_fwd__cast", k26_rmsnorm_fwd__cast},
+    {"k7_attention_fwd__cast__lse", k7_attention_fwd__cast__lse},
+    {"k8_gemm__add", k8_gemm__add},
+    {"k9_rmsnorm_fwd__cast", k9_rmsnorm_fwd__cast},
+    {"k10_gemm", k10_gemm},
+    {"k11_gemm__silu__mul__cast", k11_gemm__silu__mul__cast},
+    {"k12_gemm__add", k12_gemm__add},
+    {"k13_rmsnorm_fwd__cast", k13_rmsnorm_fwd__cast},
+    {"k14_gemm", k14_gemm},
+    {"k15_rope", k15_rope},
+    {"k16_gemm", k16_gemm},
+    {"k17_rope", k17_rope},
+    {"k18_gemm", k18_gemm},
+    {"k19_attention_fwd__cast__lse", k19_attention_fwd__cast__lse},
+    {"k20_gemm__add", k20_gemm__add},
+    {"k21_rmsnorm_fwd__cast", k21_rmsnorm_fwd__cast},
+    {"k22_gemm", k22_gemm},
+    {"k23_gemm__silu__mul__cast", k23_gemm__silu__mul__cast},
+    {"k24_gemm__add", k24_gemm__add},
+    {"k25_rmsnorm_fwd__cast", k25_rmsnorm_fwd__cast},
+    {"k26_broadcast__mul", k26_broadcast__mul},
     {"k27_lmhead__cross_entropy__cross_entropy_bwd__cast__gemm", k27_lmhead__cross_entropy__cross_entropy_bwd__cast__gemm},
     {"k28_mean", k28_mean},
     {"k29_rmsnorm_bwd__cast", k29_rmsnorm_bwd__cast},

@@ -367,37 +367,16 @@ extern "C" __global__ void __launch_bounds__(256) k3_rope(char *arena, MdlStatus
 // runs:
 //   gemm 2: [512 x 64] = [512 x 64] [64 x 64], bf16 A and B, f32 C
 
-// k7_broadcast__mul: kernel, 3 ops
-//   %125   mul                                     line 46    f32[]
-//   %126   reshape                                 line 46    f32[1]
-//   %127   broadcast                               line 46    f32[512]
-// runs:
-//   k7_broadcast__mul<<<1, 128>>>
-
-// elementwise over 512, 4 per thread: broadcast
-extern "C" __global__ void __launch_bounds__(128) k7_broadcast__mul(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
-  float *const b0 = (float *)(arena + o.b[0]); // broadcast f32[512]
-  for (int q = blockIdx.x * blockDim.x + threadIdx.x; q < 128; q += gridDim.x * blockDim.x) {
-    const float v3 = 1.0f * 0.001953125f;
-    const float v2 = v3;
-    const float v1 = v2;
-    const float v4 = v2;
-    const float v5 = v2;
-    const float v6 = v2;
-    reinterpret_cast<float4 *>(b0)[q] = make_float4(v1, v4, v5, v6);
-  }
-}
-
-// k8_attention_fwd__cast__lse: attention, 4 ops
+// k7_attention_fwd__cast__lse: attention, 4 ops
 //   %33    attention                               line 38    f32[8,64,64]
 //   %34    reshape                                 line 38    f32[512,64]
 //   %35    cast                                    line 38    bf16[512,64]
 //   %219   attention_lse                           line 38    f32[8,4,64]
 // runs:
-//   k8_attention_fwd__cast__lse<<<32, 128>>>
+//   k7_attention_fwd__cast__lse<<<32, 128>>>
 
 // attention on tensor cores: B 8, T 64, 4 heads of 16, causal, within documents; a block of 4 warps per (batch, head, 64 queries), 16 query rows per warp, keys in tiles of 64; bf16 products (mma m16n8k16), f32 softmax
-extern "C" __global__ void __launch_bounds__(128) k8_attention_fwd__cast__lse(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
+extern "C" __global__ void __launch_bounds__(128) k7_attention_fwd__cast__lse(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
   float *const b0 = (float *)(arena + o.b[0]); // rope f32[8,64,64]
   int32_t *const b1 = (int32_t *)(arena + o.b[1]); // input i32[8,64]
   float *const b2 = (float *)(arena + o.b[2]); // rope f32[8,64,64]
@@ -547,24 +526,24 @@ extern "C" __global__ void __launch_bounds__(128) k8_attention_fwd__cast__lse(ch
   }
 }
 
-// k9_gemm__add: GEMM, 3 ops
+// k8_gemm__add: GEMM, 3 ops
 //   %37    matmul                                  line 38    f32[512,64]
 //   %38    reshape                                 line 38    f32[8,64,64]
 //   %39    add                layers.0.x           line 38    f32[8,64,64]
 // runs:
 //   gemm 3: [512 x 64] = [512 x 64] [64 x 64] + a residual C, bf16 A and B, f32 C
 
-// k10_rmsnorm_fwd__cast: kernel, 5 ops
+// k9_rmsnorm_fwd__cast: kernel, 5 ops
 //   %40    rmsnorm            layers.0.a           line 39    f32[8,64,64]
 //   %41    reshape                                 line 40    f32[512,64]
 //   %42    cast                                    line 40    bf16[512,64]
 //   %47    reshape                                 line 40    f32[512,64]
 //   %48    cast                                    line 40    bf16[512,64]
 // runs:
-//   k10_rmsnorm_fwd__cast<<<64, 256>>>
+//   k9_rmsnorm_fwd__cast<<<64, 256>>>
 
 // rmsnorm: 512 rows of 64, a warp per row
-extern "C" __global__ void __launch_bounds__(256) k10_rmsnorm_fwd__cast(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
+extern "C" __global__ void __launch_bounds__(256) k9_rmsnorm_fwd__cast(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
   float *const b0 = (float *)(arena + o.b[0]); // add f32[8,64,64]
   float *const b1 = (float *)(arena + o.b[1]); // param f32[64]
   uint16_t *const b2 = (uint16_t *)(arena + o.b[2]); // cast bf16[512,64]
@@ -598,12 +577,12 @@ extern "C" __global__ void __launch_bounds__(256) k10_rmsnorm_fwd__cast(char *ar
   }
 }
 
-// k11_gemm: GEMM, 1 op
+// k10_gemm: GEMM, 1 op
 //   %50    matmul                                  line 40    f32[512,172]
 // runs:
 //   gemm 4: [512 x 172] = [512 x 64] [64 x 172], bf16 A and B, f32 C
 
-// k12_gemm__silu__mul__cast: GEMM, 5 ops
+// k11_gemm__silu__mul__cast: GEMM, 5 ops
 //   %44    matmul                                  line 40    f32[512,172]
 //   %46    silu                                    line 40    f32[8,64,172]
 //   %52    mul                                     line 40    f32[8,64,172]
@@ -611,10 +590,10 @@ extern "C" __global__ void __launch_bounds__(256) k10_rmsnorm_fwd__cast(char *ar
 //   %54    cast                                    line 40    bf16[512,172]
 // runs:
 //   gemm 5: [512 x 172] = [512 x 64] [64 x 172], bf16 A and B, f32 C
-//   k12_gemm__silu__mul__cast_epilogue<<<86, 256>>>
+//   k11_gemm__silu__mul__cast_epilogue<<<86, 256>>>
 
 // elementwise over 88064, 4 per thread: silu, cast
-extern "C" __global__ void __launch_bounds__(256) k12_gemm__silu__mul__cast_epilogue(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
+extern "C" __global__ void __launch_bounds__(256) k11_gemm__silu__mul__cast_epilogue(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
   float *const b0 = (float *)(arena + o.b[0]); // matmul f32[512,172]
   float *const b1 = (float *)(arena + o.b[1]); // matmul f32[512,172]
   float *const b2 = (float *)(arena + o.b[2]); // silu f32[8,64,172]
@@ -639,14 +618,14 @@ extern "C" __global__ void __launch_bounds__(256) k12_gemm__silu__mul__cast_epil
   }
 }
 
-// k13_gemm__add: GEMM, 3 ops
+// k12_gemm__add: GEMM, 3 ops
 //   %56    matmul                                  line 40    f32[512,64]
 //   %57    reshape                                 line 40    f32[8,64,64]
 //   %58    add                layers.0.x           line 40    f32[8,64,64]
 // runs:
 //   gemm 6: [512 x 64] = [512 x 172] [172 x 64] + a residual C, bf16 A and B, f32 C
 
-// k14_rmsnorm_fwd__cast: kernel, 7 ops
+// k13_rmsnorm_fwd__cast: kernel, 7 ops
 //   %68    rmsnorm            layers.1.a           line 35    f32[8,64,64]
 //   %69    reshape                                 line 36    f32[512,64]
 //   %70    cast                                    line 36    bf16[512,64]
@@ -655,10 +634,10 @@ extern "C" __global__ void __launch_bounds__(256) k12_gemm__silu__mul__cast_epil
 //   %81    reshape                                 line 38    f32[512,64]
 //   %82    cast                                    line 38    bf16[512,64]
 // runs:
-//   k14_rmsnorm_fwd__cast<<<64, 256>>>
+//   k13_rmsnorm_fwd__cast<<<64, 256>>>
 
 // rmsnorm: 512 rows of 64, a warp per row
-extern "C" __global__ void __launch_bounds__(256) k14_rmsnorm_fwd__cast(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
+extern "C" __global__ void __launch_bounds__(256) k13_rmsnorm_fwd__cast(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
   float *const b0 = (float *)(arena + o.b[0]); // add f32[8,64,64]
   float *const b1 = (float *)(arena + o.b[1]); // param f32[64]
   uint16_t *const b2 = (uint16_t *)(arena + o.b[2]); // cast bf16[512,64]
@@ -695,61 +674,61 @@ extern "C" __global__ void __launch_bounds__(256) k14_rmsnorm_fwd__cast(char *ar
   }
 }
 
-// k15_gemm: GEMM, 1 op
+// k14_gemm: GEMM, 1 op
 //   %72    matmul                                  line 36    f32[512,64]
 // runs:
 //   gemm 7: [512 x 64] = [512 x 64] [64 x 64], bf16 A and B, f32 C
 
-// k16_rope: kernel, 1 op
+// k15_rope: kernel, 1 op
 //   %74    rope               layers.1.q           line 36    f32[8,64,64]
 // runs:
 //   k3_rope<<<64, 256>>>
 
-// k17_gemm: GEMM, 1 op
+// k16_gemm: GEMM, 1 op
 //   %78    matmul                                  line 37    f32[512,64]
 // runs:
 //   gemm 8: [512 x 64] = [512 x 64] [64 x 64], bf16 A and B, f32 C
 
-// k18_rope: kernel, 1 op
+// k17_rope: kernel, 1 op
 //   %80    rope               layers.1.k           line 37    f32[8,64,64]
 // runs:
 //   k3_rope<<<64, 256>>>
 
-// k19_gemm: GEMM, 1 op
+// k18_gemm: GEMM, 1 op
 //   %84    matmul                                  line 38    f32[512,64]
 // runs:
 //   gemm 9: [512 x 64] = [512 x 64] [64 x 64], bf16 A and B, f32 C
 
-// k20_attention_fwd__cast__lse: attention, 4 ops
+// k19_attention_fwd__cast__lse: attention, 4 ops
 //   %86    attention                               line 38    f32[8,64,64]
 //   %87    reshape                                 line 38    f32[512,64]
 //   %88    cast                                    line 38    bf16[512,64]
 //   %164   attention_lse                           line 38    f32[8,4,64]
 // runs:
-//   k8_attention_fwd__cast__lse<<<32, 128>>>
+//   k7_attention_fwd__cast__lse<<<32, 128>>>
 
-// k21_gemm__add: GEMM, 3 ops
+// k20_gemm__add: GEMM, 3 ops
 //   %90    matmul                                  line 38    f32[512,64]
 //   %91    reshape                                 line 38    f32[8,64,64]
 //   %92    add                layers.1.x           line 38    f32[8,64,64]
 // runs:
 //   gemm 10: [512 x 64] = [512 x 64] [64 x 64] + a residual C, bf16 A and B, f32 C
 
-// k22_rmsnorm_fwd__cast: kernel, 5 ops
+// k21_rmsnorm_fwd__cast: kernel, 5 ops
 //   %93    rmsnorm            layers.1.a           line 39    f32[8,64,64]
 //   %94    reshape                                 line 40    f32[512,64]
 //   %95    cast                                    line 40    bf16[512,64]
 //   %100   reshape                                 line 40    f32[512,64]
 //   %101   cast                                    line 40    bf16[512,64]
 // runs:
-//   k10_rmsnorm_fwd__cast<<<64, 256>>>
+//   k9_rmsnorm_fwd__cast<<<64, 256>>>
 
-// k23_gemm: GEMM, 1 op
+// k22_gemm: GEMM, 1 op
 //   %103   matmul                                  line 40    f32[512,172]
 // runs:
 //   gemm 11: [512 x 172] = [512 x 64] [64 x 172], bf16 A and B, f32 C
 
-// k24_gemm__silu__mul__cast: GEMM, 5 ops
+// k23_gemm__silu__mul__cast: GEMM, 5 ops
 //   %97    matmul                                  line 40    f32[512,172]
 //   %99    silu                                    line 40    f32[8,64,172]
 //   %105   mul                                     line 40    f32[8,64,172]
@@ -757,24 +736,24 @@ extern "C" __global__ void __launch_bounds__(256) k14_rmsnorm_fwd__cast(char *ar
 //   %107   cast                                    line 40    bf16[512,172]
 // runs:
 //   gemm 12: [512 x 172] = [512 x 64] [64 x 172], bf16 A and B, f32 C
-//   k12_gemm__silu__mul__cast_epilogue<<<86, 256>>>
+//   k11_gemm__silu__mul__cast_epilogue<<<86, 256>>>
 
-// k25_gemm__add: GEMM, 3 ops
+// k24_gemm__add: GEMM, 3 ops
 //   %109   matmul                                  line 40    f32[512,64]
 //   %110   reshape                                 line 40    f32[8,64,64]
 //   %111   add                layers.1.x           line 40    f32[8,64,64]
 // runs:
 //   gemm 13: [512 x 64] = [512 x 172] [172 x 64] + a residual C, bf16 A and B, f32 C
 
-// k26_rmsnorm_fwd__cast: kernel, 3 ops
+// k25_rmsnorm_fwd__cast: kernel, 3 ops
 //   %114   rmsnorm                                 line 45    f32[8,64,64]
 //   %115   reshape                                 line 45    f32[512,64]
 //   %116   cast                                    line 45    bf16[512,64]
 // runs:
-//   k26_rmsnorm_fwd__cast<<<64, 256>>>
+//   k25_rmsnorm_fwd__cast<<<64, 256>>>
 
 // rmsnorm: 512 rows of 64, a warp per row
-extern "C" __global__ void __launch_bounds__(256) k26_rmsnorm_fwd__cast(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
+extern "C" __global__ void __launch_bounds__(256) k25_rmsnorm_fwd__cast(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
   float *const b0 = (float *)(arena + o.b[0]); // add f32[8,64,64]
   float *const b1 = (float *)(arena + o.b[1]); // param f32[64]
   uint16_t *const b2 = (uint16_t *)(arena + o.b[2]); // cast bf16[512,64]
@@ -802,6 +781,27 @@ extern "C" __global__ void __launch_bounds__(256) k26_rmsnorm_fwd__cast(char *ar
         b2[ix] = mdl_f32_to_bf16(v2);
       }
     }
+  }
+}
+
+// k26_broadcast__mul: kernel, 3 ops
+//   %125   mul                                     line 46    f32[]
+//   %126   reshape                                 line 46    f32[1]
+//   %127   broadcast                               line 46    f32[512]
+// runs:
+//   k26_broadcast__mul<<<1, 128>>>
+
+// elementwise over 512, 4 per thread: broadcast
+extern "C" __global__ void __launch_bounds__(128) k26_broadcast__mul(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
+  float *const b0 = (float *)(arena + o.b[0]); // broadcast f32[512]
+  for (int q = blockIdx.x * blockDim.x + threadIdx.x; q < 128; q += gridDim.x * blockDim.x) {
+    const float v3 = 1.0f * 0.001953125f;
+    const float v2 = v3;
+    const float v1 = v2;
+    const float v4 = v2;
+    const float v5 = v2;
+    const float v6 = v2;
+    reinterpret_cast<float4 *>(b0)[q] = make_float4(v1, v4, v5, v6);
   }
 }
 
