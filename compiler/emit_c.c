@@ -28,7 +28,9 @@
 // in fixed blocks combined in a fixed order, and short dot products use `omp simd` reductions (an
 // order fixed by the compiled code), so results do not depend on the thread count. Attention keeps
 // one task per (batch, head) and sums its short rows of probabilities in fp32, in 8 lanes combined in
-// a fixed tree, with a vectorizable exp (mdl_exp_shifted) for the softmax. AdamW runs in
+// a fixed tree, with a vectorizable exp (mdl_exp_shifted) for the softmax; the softmax and
+// cross-entropy rows, gelu and silu use it too (mdl_exp_fast), and elementwise loops run over rows
+// of the last axis, so that a bias read along rows does not keep them from vectorizing. AdamW runs in
 // double per element, as the interpreter does. GEMMs go through mdl_gemm, which splits the rows of
 // C over the OpenMP threads and calls the runtime's single-threaded sgemm in each block, so one
 // pool of threads runs the whole step.
@@ -97,33 +99,12 @@ static const char prelude[] =
     "  return mdl_rng_uniform(seed, stream, (uint64_t)i) >= p ? (float)(x / (1.0 - p)) : 0.0f;\n"
     "}\n"
     "\n"
-    "// GELU, tanh approximation (GPT-2): 0.5 x (1 + tanh(u)), u = sqrt(2/pi) (x + 0.044715 x^3), and its\n"
-    "// derivative 0.5 (1 + t) + 0.5 x (1 - t^2) u'. With s = sigmoid(2u) = 0.5 (1 + tanh(u)) and\n"
-    "// 1 - t^2 = 4 s (1 - s) both take one expf, much cheaper than tanhf.\n"
-    "static inline float mdl_gelu(float x) {\n"
-    "  const float u = 0.797884561f * (x + 0.044715f * x * x * x);\n"
-    "  return x / (1.0f + expf(-2.0f * u));\n"
-    "}\n"
-    "\n"
-    "static inline float mdl_gelu_grad(float x) {\n"
-    "  const float u = 0.797884561f * (x + 0.044715f * x * x * x), s = 1.0f / (1.0f + expf(-2.0f * u));\n"
-    "  return s + 2.0f * x * s * (1.0f - s) * 0.797884561f * (1.0f + 3.0f * 0.044715f * x * x);\n"
-    "}\n"
-    "\n"
-    "static inline float mdl_sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }\n"
-    "static inline float mdl_silu(float x) { return x * mdl_sigmoid(x); }\n"
-    "\n"
-    "static inline float mdl_silu_grad(float x, float dy) {\n"
-    "  const float s = mdl_sigmoid(x);\n"
-    "  return dy * s * (1.0f + x * (1.0f - s));\n"
-    "}\n"
-    "\n"
-    "// exp(x) for x <= 0 (a softmax score less the row's maximum), 0 for -INFINITY: x = n ln 2 + r with\n"
-    "// n rounded to nearest by adding 1.5 * 2^23 (n then sits in the low bits of `big`), Cephes' expf\n"
+    "// exp(x), saturating outside [-87, 88] (at e^-87 and e^88; a NaN stays NaN): x = n ln 2 + r with n\n"
+    "// rounded to nearest by adding 1.5 * 2^23 (n then sits in the low bits of `big`), Cephes' expf\n"
     "// polynomial in r, and 2^n made from n's bits; within 2 ulp, and branch-free so that loops of it\n"
-    "// vectorize.\n"
-    "static inline float mdl_exp_shifted(float x) {\n"
-    "  const float xc = x > -87.0f ? x : -87.0f;\n"
+    "// vectorize (libm's expf does not: a scalar call per element).\n"
+    "static inline float mdl_exp_fast(float x) {\n"
+    "  const float xc = x < -87.0f ? -87.0f : x > 88.0f ? 88.0f : x;\n"
     "  const float big = xc * 1.44269504f + 12582912.0f, n = big - 12582912.0f;\n"
     "  const float r = xc - n * 0.693359375f + n * 2.12194440e-4f;\n"
     "  float p = 1.9875691500e-4f;\n"
@@ -132,14 +113,38 @@ static const char prelude[] =
     "  p = p * r + 4.1665795894e-2f;\n"
     "  p = p * r + 1.6666665459e-1f;\n"
     "  p = p * r + 5.0000001201e-1f;\n"
-    "  int32_t bits;\n"
+    "  uint32_t bits;\n"
     "  memcpy(&bits, &big, sizeof bits);\n"
-    "  bits = (bits - 0x4B400000 + 127) * 8388608;\n"
+    "  bits = (bits - 0x4B400000u + 127u) << 23;\n"
     "  float two_n;\n"
     "  memcpy(&two_n, &bits, sizeof two_n);\n"
-    "  return x == -INFINITY ? 0.0f : (p * r * r + r + 1.0f) * two_n;\n"
+    "  return (p * r * r + r + 1.0f) * two_n;\n"
     "}\n"
     "\n"
+    "// exp(x) for x <= 0 (a score less its row's maximum), 0 for -INFINITY.\n"
+    "static inline float mdl_exp_shifted(float x) { return x == -INFINITY ? 0.0f : mdl_exp_fast(x); }\n"
+    "\n"    "// GELU, tanh approximation (GPT-2): 0.5 x (1 + tanh(u)), u = sqrt(2/pi) (x + 0.044715 x^3), and its\n"
+    "// derivative 0.5 (1 + t) + 0.5 x (1 - t^2) u'. With s = sigmoid(2u) = 0.5 (1 + tanh(u)) and\n"
+    "// 1 - t^2 = 4 s (1 - s) both take one exp, much cheaper than tanhf.\n"
+    "static inline float mdl_gelu(float x) {\n"
+    "  const float u = 0.797884561f * (x + 0.044715f * x * x * x);\n"
+    "  return x / (1.0f + mdl_exp_fast(-2.0f * u));\n"
+    "}\n"
+    "\n"
+    "static inline float mdl_gelu_grad(float x) {\n"
+    "  const float u = 0.797884561f * (x + 0.044715f * x * x * x), s = 1.0f / (1.0f + mdl_exp_fast(-2.0f * u));\n"
+    "  return s + 2.0f * x * s * (1.0f - s) * 0.797884561f * (1.0f + 3.0f * 0.044715f * x * x);\n"
+    "}\n"
+    "\n"
+    "static inline float mdl_sigmoid(float x) { return 1.0f / (1.0f + mdl_exp_fast(-x)); }\n"
+    "static inline float mdl_silu(float x) { return x * mdl_sigmoid(x); }\n"
+    "\n"
+    "static inline float mdl_silu_grad(float x, float dy) {\n"
+    "  const float s = mdl_sigmoid(x);\n"
+    "  return dy * s * (1.0f + x * (1.0f - s));\n"
+    "}\n"
+    "\n"
+
     "static inline void *mdl_scratch(size_t bytes) {\n"
     "  void *p = malloc(bytes ? bytes : 1);\n"
     "  if (!p) {\n"
@@ -411,7 +416,11 @@ static const char *core_seed(EmitCore *core) {
 //
 
 // One elementwise loop over `numel` elements writing nodes[0..k) (all of that size). post_anchor
-// names the GEMM whose epilogue this is, or -1.
+// names the GEMM whose epilogue this is, or -1. Over rows of the nodes' last axis when there are
+// enough of them (ROW_MIN): a value broadcast along rows (a bias) is then read at the column c, so
+// the loop over a row vectorizes (as i % width, it would be a gather, and GCC leaves it scalar).
+enum { ROW_MIN = 16 };
+
 static void pw_loop(Emit *e, const int *nodes, int k, int64_t numel, int post_anchor) {
   ec_phase_begin(&e->core);
   Buf b = {0};
@@ -420,7 +429,16 @@ static void pw_loop(Emit *e, const int *nodes, int k, int64_t numel, int post_an
   note(e, "elementwise over %lld: %s", (long long)numel, b.s ? b.s : "");
   free(b.s);
   par_for(e, numel, "static");
-  ec_enter(&e->core, "for (int64_t i = 0; i < %lld; i++)", (long long)numel);
+  int64_t w = ec_last_dim(&e->core, nodes[0]);
+  if (w >= ROW_MIN && numel / w >= ROW_MIN && numel % w == 0) {
+    ec_enter(&e->core, "for (int64_t r = 0; r < %lld; r++)", (long long)(numel / w));
+    ec_enter(&e->core, "for (int64_t c = 0; c < %lld; c++)", (long long)w);
+    ec_line(&e->core, "const int64_t i = r * %lld + c;", (long long)w);
+    e->core.row_ix = "i";
+    e->core.row_w = w;
+  } else {
+    ec_enter(&e->core, "for (int64_t i = 0; i < %lld; i++)", (long long)numel);
+  }
   e->loop_ix = "i";
   e->loop_n = numel;
   e->post_anchor = post_anchor;
@@ -436,6 +454,9 @@ static void pw_loop(Emit *e, const int *nodes, int k, int64_t numel, int post_an
     }
   }
   ec_leave(&e->core);
+  if (e->core.row_ix)
+    ec_leave(&e->core);
+  e->core.row_ix = NULL;
   e->loop_ix = NULL;
   e->post_anchor = -1;
   e->cur_q = -1;
@@ -1087,8 +1108,9 @@ static void emit_softmax(Emit *e, int gi, const bool *emitted) {
     ec_line(&e->core, "for (int64_t j = 0; j < %lld; j++)", (long long)cols);
     ec_line(&e->core, "  m = fmaxf(m, x[j]);");
     ec_line(&e->core, "double sum = 0;");
+    ec_line(&e->core, "#pragma omp simd reduction(+ : sum)");
     ec_enter(&e->core, "for (int64_t j = 0; j < %lld; j++)", (long long)cols);
-    ec_line(&e->core, "out[j] = expf(x[j] - m);");
+    ec_line(&e->core, "out[j] = mdl_exp_shifted(x[j] - m);");
     ec_line(&e->core, "sum += out[j];");
     ec_leave(&e->core);
     ec_line(&e->core, "for (int64_t j = 0; j < %lld; j++)", (long long)cols);
@@ -1130,14 +1152,15 @@ static void ce_row(Emit *e, const char *what, int64_t v, const char *loss, const
   ec_line(&e->core, "for (int64_t j = 0; j < %lld; j++)", (long long)v);
   ec_line(&e->core, "  m = fmaxf(m, x[j]);");
   ec_line(&e->core, "double sum = 0;");
+  ec_line(&e->core, "#pragma omp simd reduction(+ : sum)");
   if (dx) {
     ec_enter(&e->core, "for (int64_t j = 0; j < %lld; j++)", (long long)v);
-    ec_line(&e->core, "%s[j] = expf(x[j] - m);", dx);
+    ec_line(&e->core, "%s[j] = mdl_exp_shifted(x[j] - m);", dx);
     ec_line(&e->core, "sum += %s[j];", dx);
     ec_leave(&e->core);
   } else {
     ec_line(&e->core, "for (int64_t j = 0; j < %lld; j++)", (long long)v);
-    ec_line(&e->core, "  sum += expf(x[j] - m);");
+    ec_line(&e->core, "  sum += mdl_exp_shifted(x[j] - m);");
   }
   if (loss)
     ec_line(&e->core, "%s = (float)(m + log(sum) - xt);", loss);

@@ -805,9 +805,17 @@ const char *ec_buf_str(EmitCore *e, Buf *b) {
   return s;
 }
 
-// "(ix / div % size)", leaving out what is 1 or redundant: the coordinate of one block of axes.
-static void coord(Buf *b, const char *ix, int64_t div, int64_t size, bool leftmost) {
-  if (div == 1 && leftmost)
+// "(ix / div % size)", leaving out what is 1 or redundant: the coordinate of one block of axes; in a
+// loop over rows (e->row_ix), c or r where that is what it comes to.
+static void coord(EmitCore *e, Buf *b, const char *ix, int64_t div, int64_t size, bool leftmost) {
+  bool rows = e->row_ix && !strcmp(ix, e->row_ix);
+  if (rows && div == 1 && size == e->row_w)
+    ec_bput(b, "c");
+  else if (rows && div == e->row_w && leftmost)
+    ec_bput(b, "r");
+  else if (rows && div == e->row_w)
+    ec_bput(b, "r %% %lld", (long long)size);
+  else if (div == 1 && leftmost)
     ec_bput(b, "%s", ix);
   else if (div == 1)
     ec_bput(b, "%s %% %lld", ix, (long long)size);
@@ -855,7 +863,7 @@ const char *ec_ix_bcast(EmitCore *e, Shape out, Shape in, const char *ix) {
         ec_bput(&b, " + ");
       bool paren = in_inner != 1 && (out_inner != 1 || t != 0);
       ec_bput(&b, "%s", paren ? "(" : "");
-      coord(&b, ix, out_inner, blk[t].size, t == 0);
+      coord(e, &b, ix, out_inner, blk[t].size, t == 0);
       ec_bput(&b, "%s", paren ? ")" : "");
       if (in_inner != 1)
         ec_bput(&b, " * %lld", (long long)in_inner);
@@ -883,7 +891,7 @@ const char *ec_ix_permute(EmitCore *e, const IrNode *nd, Shape in, const char *i
       ec_bput(&b, " + ");
     int64_t s = stride[nd->ia[k]];
     ec_bput(&b, "%s", s != 1 ? "(" : "");
-    coord(&b, ix, div, out.d[k], k == first);
+    coord(e, &b, ix, div, out.d[k], k == first);
     ec_bput(&b, "%s", s != 1 ? ")" : "");
     if (s != 1)
       ec_bput(&b, " * %lld", (long long)s);
@@ -906,7 +914,7 @@ const char *ec_ix_slice(EmitCore *e, const IrNode *nd, Shape full, const char *i
 // The coordinate along `ax` of element ix of a tensor of shape s.
 const char *ec_ix_axis(EmitCore *e, Shape s, int ax, const char *ix) {
   Buf b = {0};
-  coord(&b, ix, ec_span(s, ax + 1, s.rank), s.d[ax], ec_span(s, 0, ax) == 1);
+  coord(e, &b, ix, ec_span(s, ax + 1, s.rank), s.d[ax], ec_span(s, 0, ax) == 1);
   return ix_var(e, ec_buf_str(e, &b));
 }
 

@@ -42,33 +42,12 @@ static inline float mdl_dropout(uint64_t seed, uint64_t stream, int64_t i, doubl
   return mdl_rng_uniform(seed, stream, (uint64_t)i) >= p ? (float)(x / (1.0 - p)) : 0.0f;
 }
 
-// GELU, tanh approximation (GPT-2): 0.5 x (1 + tanh(u)), u = sqrt(2/pi) (x + 0.044715 x^3), and its
-// derivative 0.5 (1 + t) + 0.5 x (1 - t^2) u'. With s = sigmoid(2u) = 0.5 (1 + tanh(u)) and
-// 1 - t^2 = 4 s (1 - s) both take one expf, much cheaper than tanhf.
-static inline float mdl_gelu(float x) {
-  const float u = 0.797884561f * (x + 0.044715f * x * x * x);
-  return x / (1.0f + expf(-2.0f * u));
-}
-
-static inline float mdl_gelu_grad(float x) {
-  const float u = 0.797884561f * (x + 0.044715f * x * x * x), s = 1.0f / (1.0f + expf(-2.0f * u));
-  return s + 2.0f * x * s * (1.0f - s) * 0.797884561f * (1.0f + 3.0f * 0.044715f * x * x);
-}
-
-static inline float mdl_sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
-static inline float mdl_silu(float x) { return x * mdl_sigmoid(x); }
-
-static inline float mdl_silu_grad(float x, float dy) {
-  const float s = mdl_sigmoid(x);
-  return dy * s * (1.0f + x * (1.0f - s));
-}
-
-// exp(x) for x <= 0 (a softmax score less the row's maximum), 0 for -INFINITY: x = n ln 2 + r with
-// n rounded to nearest by adding 1.5 * 2^23 (n then sits in the low bits of `big`), Cephes' expf
+// exp(x), saturating outside [-87, 88] (at e^-87 and e^88; a NaN stays NaN): x = n ln 2 + r with n
+// rounded to nearest by adding 1.5 * 2^23 (n then sits in the low bits of `big`), Cephes' expf
 // polynomial in r, and 2^n made from n's bits; within 2 ulp, and branch-free so that loops of it
-// vectorize.
-static inline float mdl_exp_shifted(float x) {
-  const float xc = x > -87.0f ? x : -87.0f;
+// vectorize (libm's expf does not: a scalar call per element).
+static inline float mdl_exp_fast(float x) {
+  const float xc = x < -87.0f ? -87.0f : x > 88.0f ? 88.0f : x;
   const float big = xc * 1.44269504f + 12582912.0f, n = big - 12582912.0f;
   const float r = xc - n * 0.693359375f + n * 2.12194440e-4f;
   float p = 1.9875691500e-4f;
@@ -77,12 +56,36 @@ static inline float mdl_exp_shifted(float x) {
   p = p * r + 4.1665795894e-2f;
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
-  int32_t bits;
+  uint32_t bits;
   memcpy(&bits, &big, sizeof bits);
-  bits = (bits - 0x4B400000 + 127) * 8388608;
+  bits = (bits - 0x4B400000u + 127u) << 23;
   float two_n;
   memcpy(&two_n, &bits, sizeof two_n);
-  return x == -INFINITY ? 0.0f : (p * r * r + r + 1.0f) * two_n;
+  return (p * r * r + r + 1.0f) * two_n;
+}
+
+// exp(x) for x <= 0 (a score less its row's maximum), 0 for -INFINITY.
+static inline float mdl_exp_shifted(float x) { return x == -INFINITY ? 0.0f : mdl_exp_fast(x); }
+
+// GELU, tanh approximation (GPT-2): 0.5 x (1 + tanh(u)), u = sqrt(2/pi) (x + 0.044715 x^3), and its
+// derivative 0.5 (1 + t) + 0.5 x (1 - t^2) u'. With s = sigmoid(2u) = 0.5 (1 + tanh(u)) and
+// 1 - t^2 = 4 s (1 - s) both take one exp, much cheaper than tanhf.
+static inline float mdl_gelu(float x) {
+  const float u = 0.797884561f * (x + 0.044715f * x * x * x);
+  return x / (1.0f + mdl_exp_fast(-2.0f * u));
+}
+
+static inline float mdl_gelu_grad(float x) {
+  const float u = 0.797884561f * (x + 0.044715f * x * x * x), s = 1.0f / (1.0f + mdl_exp_fast(-2.0f * u));
+  return s + 2.0f * x * s * (1.0f - s) * 0.797884561f * (1.0f + 3.0f * 0.044715f * x * x);
+}
+
+static inline float mdl_sigmoid(float x) { return 1.0f / (1.0f + mdl_exp_fast(-x)); }
+static inline float mdl_silu(float x) { return x * mdl_sigmoid(x); }
+
+static inline float mdl_silu_grad(float x, float dy) {
+  const float s = mdl_sigmoid(x);
+  return dy * s * (1.0f + x * (1.0f - s));
 }
 
 static inline void *mdl_scratch(size_t bytes) {
@@ -274,13 +277,15 @@ static void k3_gemm__add(char *arena, const MdlHooks *h) {
     free(w24);
   }
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t i = 0; i < 98304; i++) {
-    const float v25_i = b25[i];
-    const float v26_i = v25_i;
-    const int64_t j1 = i % 192;
-    const float v12_j1 = b12[j1];
-    const float v27_i = v26_i + v12_j1;
-    b27[i] = v27_i;
+  for (int64_t r = 0; r < 512; r++) {
+    for (int64_t c = 0; c < 192; c++) {
+      const int64_t i = r * 192 + c;
+      const float v25_i = b25[i];
+      const float v26_i = v25_i;
+      const float v12_c = b12[c];
+      const float v27_i = v26_i + v12_c;
+      b27[i] = v27_i;
+    }
   }
 }
 
@@ -408,15 +413,17 @@ static void k5_gemm__add(char *arena, const MdlHooks *h) {
     free(w34);
   }
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t i = 0; i < 32768; i++) {
-    const float v8_i = b8[i];
-    const float v35_i = b35[i];
-    const float v36_i = v35_i;
-    const float v37_i = v8_i + v36_i;
-    const int64_t j1 = i % 64;
-    const float v14_j1 = b14[j1];
-    const float v38_i = v37_i + v14_j1;
-    b38[i] = v38_i;
+  for (int64_t r = 0; r < 512; r++) {
+    for (int64_t c = 0; c < 64; c++) {
+      const int64_t i = r * 64 + c;
+      const float v8_i = b8[i];
+      const float v35_i = b35[i];
+      const float v36_i = v35_i;
+      const float v37_i = v8_i + v36_i;
+      const float v14_c = b14[c];
+      const float v38_i = v37_i + v14_c;
+      b38[i] = v38_i;
+    }
   }
 }
 
@@ -485,17 +492,19 @@ static void k7_gemm__add__gelu__cast(char *arena, const MdlHooks *h) {
     free(w42);
   }
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t i = 0; i < 131072; i++) {
-    const float v43_i = b43[i];
-    const float v44_i = v43_i;
-    const int64_t j1 = i % 256;
-    const float v18_j1 = b18[j1];
-    const float v45_i = v44_i + v18_j1;
-    b45[i] = v45_i;
-    const float v46_i = mdl_gelu(v45_i);
-    const float v47_i = v46_i;
-    const float v48_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v47_i));
-    b48[i] = mdl_f32_to_bf16(v48_i);
+  for (int64_t r = 0; r < 512; r++) {
+    for (int64_t c = 0; c < 256; c++) {
+      const int64_t i = r * 256 + c;
+      const float v43_i = b43[i];
+      const float v44_i = v43_i;
+      const float v18_c = b18[c];
+      const float v45_i = v44_i + v18_c;
+      b45[i] = v45_i;
+      const float v46_i = mdl_gelu(v45_i);
+      const float v47_i = v46_i;
+      const float v48_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v47_i));
+      b48[i] = mdl_f32_to_bf16(v48_i);
+    }
   }
 }
 
@@ -522,15 +531,17 @@ static void k8_gemm__add(char *arena, const MdlHooks *h) {
     free(w49);
   }
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t i = 0; i < 32768; i++) {
-    const float v38_i = b38[i];
-    const float v50_i = b50[i];
-    const float v51_i = v50_i;
-    const float v52_i = v38_i + v51_i;
-    const int64_t j1 = i % 64;
-    const float v20_j1 = b20[j1];
-    const float v53_i = v52_i + v20_j1;
-    b53[i] = v53_i;
+  for (int64_t r = 0; r < 512; r++) {
+    for (int64_t c = 0; c < 64; c++) {
+      const int64_t i = r * 64 + c;
+      const float v38_i = b38[i];
+      const float v50_i = b50[i];
+      const float v51_i = v50_i;
+      const float v52_i = v38_i + v51_i;
+      const float v20_c = b20[c];
+      const float v53_i = v52_i + v20_c;
+      b53[i] = v53_i;
+    }
   }
 }
 
@@ -595,13 +606,15 @@ static void k10_gemm__add(char *arena, const MdlHooks *h) {
     free(w69);
   }
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t i = 0; i < 98304; i++) {
-    const float v70_i = b70[i];
-    const float v71_i = v70_i;
-    const int64_t j1 = i % 192;
-    const float v57_j1 = b57[j1];
-    const float v72_i = v71_i + v57_j1;
-    b72[i] = v72_i;
+  for (int64_t r = 0; r < 512; r++) {
+    for (int64_t c = 0; c < 192; c++) {
+      const int64_t i = r * 192 + c;
+      const float v70_i = b70[i];
+      const float v71_i = v70_i;
+      const float v57_c = b57[c];
+      const float v72_i = v71_i + v57_c;
+      b72[i] = v72_i;
+    }
   }
 }
 
@@ -729,15 +742,17 @@ static void k12_gemm__add(char *arena, const MdlHooks *h) {
     free(w79);
   }
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t i = 0; i < 32768; i++) {
-    const float v53_i = b53[i];
-    const float v80_i = b80[i];
-    const float v81_i = v80_i;
-    const float v82_i = v53_i + v81_i;
-    const int64_t j1 = i % 64;
-    const float v59_j1 = b59[j1];
-    const float v83_i = v82_i + v59_j1;
-    b83[i] = v83_i;
+  for (int64_t r = 0; r < 512; r++) {
+    for (int64_t c = 0; c < 64; c++) {
+      const int64_t i = r * 64 + c;
+      const float v53_i = b53[i];
+      const float v80_i = b80[i];
+      const float v81_i = v80_i;
+      const float v82_i = v53_i + v81_i;
+      const float v59_c = b59[c];
+      const float v83_i = v82_i + v59_c;
+      b83[i] = v83_i;
+    }
   }
 }
 
@@ -806,17 +821,19 @@ static void k14_gemm__add__gelu__cast(char *arena, const MdlHooks *h) {
     free(w87);
   }
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t i = 0; i < 131072; i++) {
-    const float v88_i = b88[i];
-    const float v89_i = v88_i;
-    const int64_t j1 = i % 256;
-    const float v63_j1 = b63[j1];
-    const float v90_i = v89_i + v63_j1;
-    b90[i] = v90_i;
-    const float v91_i = mdl_gelu(v90_i);
-    const float v92_i = v91_i;
-    const float v93_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v92_i));
-    b93[i] = mdl_f32_to_bf16(v93_i);
+  for (int64_t r = 0; r < 512; r++) {
+    for (int64_t c = 0; c < 256; c++) {
+      const int64_t i = r * 256 + c;
+      const float v88_i = b88[i];
+      const float v89_i = v88_i;
+      const float v63_c = b63[c];
+      const float v90_i = v89_i + v63_c;
+      b90[i] = v90_i;
+      const float v91_i = mdl_gelu(v90_i);
+      const float v92_i = v91_i;
+      const float v93_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v92_i));
+      b93[i] = mdl_f32_to_bf16(v93_i);
+    }
   }
 }
 
@@ -843,15 +860,17 @@ static void k15_gemm__add(char *arena, const MdlHooks *h) {
     free(w94);
   }
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t i = 0; i < 32768; i++) {
-    const float v83_i = b83[i];
-    const float v95_i = b95[i];
-    const float v96_i = v95_i;
-    const float v97_i = v83_i + v96_i;
-    const int64_t j1 = i % 64;
-    const float v65_j1 = b65[j1];
-    const float v98_i = v97_i + v65_j1;
-    b98[i] = v98_i;
+  for (int64_t r = 0; r < 512; r++) {
+    for (int64_t c = 0; c < 64; c++) {
+      const int64_t i = r * 64 + c;
+      const float v83_i = b83[i];
+      const float v95_i = b95[i];
+      const float v96_i = v95_i;
+      const float v97_i = v83_i + v96_i;
+      const float v65_c = b65[c];
+      const float v98_i = v97_i + v65_c;
+      b98[i] = v98_i;
+    }
   }
 }
 
@@ -955,8 +974,9 @@ static void k18_lmhead__cross_entropy__cross_entropy_bwd__cast__gemm(char *arena
       for (int64_t j = 0; j < 256; j++)
         m = fmaxf(m, x[j]);
       double sum = 0;
+      #pragma omp simd reduction(+ : sum)
       for (int64_t j = 0; j < 256; j++) {
-        dx[j] = expf(x[j] - m);
+        dx[j] = mdl_exp_shifted(x[j] - m);
         sum += dx[j];
       }
       b107[r] = (float)(m + log(sum) - xt);
@@ -1309,11 +1329,14 @@ static void k27_gemm__cast(char *arena, const MdlHooks *h) {
     free(w79);
   }
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t i = 0; i < 32768; i++) {
-    const float v145_i = b145[i];
-    const float v147_i = v145_i;
-    const float v150_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v147_i));
-    b150[i] = mdl_f32_to_bf16(v150_i);
+  for (int64_t r = 0; r < 512; r++) {
+    for (int64_t c = 0; c < 64; c++) {
+      const int64_t i = r * 64 + c;
+      const float v145_i = b145[i];
+      const float v147_i = v145_i;
+      const float v150_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v147_i));
+      b150[i] = mdl_f32_to_bf16(v150_i);
+    }
   }
   free(b145);
 }
@@ -1869,11 +1892,14 @@ static void k39_gemm__cast(char *arena, const MdlHooks *h) {
     free(w34);
   }
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t i = 0; i < 32768; i++) {
-    const float v189_i = b189[i];
-    const float v191_i = v189_i;
-    const float v194_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v191_i));
-    b194[i] = mdl_f32_to_bf16(v194_i);
+  for (int64_t r = 0; r < 512; r++) {
+    for (int64_t c = 0; c < 64; c++) {
+      const int64_t i = r * 64 + c;
+      const float v189_i = b189[i];
+      const float v191_i = v189_i;
+      const float v194_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v191_i));
+      b194[i] = mdl_f32_to_bf16(v194_i);
+    }
   }
   free(b189);
 }
@@ -2233,11 +2259,14 @@ static void k46_embed_bwd__add(char *arena, const MdlHooks *h) {
         b214[(int64_t)id * 64 + j] += b210[r * 64 + j];
     }
   }
-  for (int64_t i = 0; i < 16384; i++) {
-    const float v120_i = b120[i];
-    const float v214_i = b214[i];
-    const float v215_i = v120_i + v214_i;
-    b215[i] = v215_i;
+  for (int64_t r = 0; r < 256; r++) {
+    for (int64_t c = 0; c < 64; c++) {
+      const int64_t i = r * 64 + c;
+      const float v120_i = b120[i];
+      const float v214_i = b214[i];
+      const float v215_i = v120_i + v214_i;
+      b215[i] = v215_i;
+    }
   }
   free(b214);
 }

@@ -42,33 +42,12 @@ static inline float mdl_dropout(uint64_t seed, uint64_t stream, int64_t i, doubl
   return mdl_rng_uniform(seed, stream, (uint64_t)i) >= p ? (float)(x / (1.0 - p)) : 0.0f;
 }
 
-// GELU, tanh approximation (GPT-2): 0.5 x (1 + tanh(u)), u = sqrt(2/pi) (x + 0.044715 x^3), and its
-// derivative 0.5 (1 + t) + 0.5 x (1 - t^2) u'. With s = sigmoid(2u) = 0.5 (1 + tanh(u)) and
-// 1 - t^2 = 4 s (1 - s) both take one expf, much cheaper than tanhf.
-static inline float mdl_gelu(float x) {
-  const float u = 0.797884561f * (x + 0.044715f * x * x * x);
-  return x / (1.0f + expf(-2.0f * u));
-}
-
-static inline float mdl_gelu_grad(float x) {
-  const float u = 0.797884561f * (x + 0.044715f * x * x * x), s = 1.0f / (1.0f + expf(-2.0f * u));
-  return s + 2.0f * x * s * (1.0f - s) * 0.797884561f * (1.0f + 3.0f * 0.044715f * x * x);
-}
-
-static inline float mdl_sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
-static inline float mdl_silu(float x) { return x * mdl_sigmoid(x); }
-
-static inline float mdl_silu_grad(float x, float dy) {
-  const float s = mdl_sigmoid(x);
-  return dy * s * (1.0f + x * (1.0f - s));
-}
-
-// exp(x) for x <= 0 (a softmax score less the row's maximum), 0 for -INFINITY: x = n ln 2 + r with
-// n rounded to nearest by adding 1.5 * 2^23 (n then sits in the low bits of `big`), Cephes' expf
+// exp(x), saturating outside [-87, 88] (at e^-87 and e^88; a NaN stays NaN): x = n ln 2 + r with n
+// rounded to nearest by adding 1.5 * 2^23 (n then sits in the low bits of `big`), Cephes' expf
 // polynomial in r, and 2^n made from n's bits; within 2 ulp, and branch-free so that loops of it
-// vectorize.
-static inline float mdl_exp_shifted(float x) {
-  const float xc = x > -87.0f ? x : -87.0f;
+// vectorize (libm's expf does not: a scalar call per element).
+static inline float mdl_exp_fast(float x) {
+  const float xc = x < -87.0f ? -87.0f : x > 88.0f ? 88.0f : x;
   const float big = xc * 1.44269504f + 12582912.0f, n = big - 12582912.0f;
   const float r = xc - n * 0.693359375f + n * 2.12194440e-4f;
   float p = 1.9875691500e-4f;
@@ -77,12 +56,36 @@ static inline float mdl_exp_shifted(float x) {
   p = p * r + 4.1665795894e-2f;
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
-  int32_t bits;
+  uint32_t bits;
   memcpy(&bits, &big, sizeof bits);
-  bits = (bits - 0x4B400000 + 127) * 8388608;
+  bits = (bits - 0x4B400000u + 127u) << 23;
   float two_n;
   memcpy(&two_n, &bits, sizeof two_n);
-  return x == -INFINITY ? 0.0f : (p * r * r + r + 1.0f) * two_n;
+  return (p * r * r + r + 1.0f) * two_n;
+}
+
+// exp(x) for x <= 0 (a score less its row's maximum), 0 for -INFINITY.
+static inline float mdl_exp_shifted(float x) { return x == -INFINITY ? 0.0f : mdl_exp_fast(x); }
+
+// GELU, tanh approximation (GPT-2): 0.5 x (1 + tanh(u)), u = sqrt(2/pi) (x + 0.044715 x^3), and its
+// derivative 0.5 (1 + t) + 0.5 x (1 - t^2) u'. With s = sigmoid(2u) = 0.5 (1 + tanh(u)) and
+// 1 - t^2 = 4 s (1 - s) both take one exp, much cheaper than tanhf.
+static inline float mdl_gelu(float x) {
+  const float u = 0.797884561f * (x + 0.044715f * x * x * x);
+  return x / (1.0f + mdl_exp_fast(-2.0f * u));
+}
+
+static inline float mdl_gelu_grad(float x) {
+  const float u = 0.797884561f * (x + 0.044715f * x * x * x), s = 1.0f / (1.0f + mdl_exp_fast(-2.0f * u));
+  return s + 2.0f * x * s * (1.0f - s) * 0.797884561f * (1.0f + 3.0f * 0.044715f * x * x);
+}
+
+static inline float mdl_sigmoid(float x) { return 1.0f / (1.0f + mdl_exp_fast(-x)); }
+static inline float mdl_silu(float x) { return x * mdl_sigmoid(x); }
+
+static inline float mdl_silu_grad(float x, float dy) {
+  const float s = mdl_sigmoid(x);
+  return dy * s * (1.0f + x * (1.0f - s));
 }
 
 static inline void *mdl_scratch(size_t bytes) {
@@ -274,13 +277,15 @@ static void k3_gemm__add(char *arena, const MdlHooks *h) {
     free(w24);
   }
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t i = 0; i < 18874368; i++) {
-    const float v25_i = b25[i];
-    const float v26_i = v25_i;
-    const int64_t j1 = i % 2304;
-    const float v12_j1 = b12[j1];
-    const float v27_i = v26_i + v12_j1;
-    b27[i] = v27_i;
+  for (int64_t r = 0; r < 8192; r++) {
+    for (int64_t c = 0; c < 2304; c++) {
+      const int64_t i = r * 2304 + c;
+      const float v25_i = b25[i];
+      const float v26_i = v25_i;
+      const float v12_c = b12[c];
+      const float v27_i = v26_i + v12_c;
+      b27[i] = v27_i;
+    }
   }
 }
 
@@ -408,15 +413,17 @@ static void k5_gemm__add(char *arena, const MdlHooks *h) {
     free(w34);
   }
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t i = 0; i < 6291456; i++) {
-    const float v8_i = b8[i];
-    const float v35_i = b35[i];
-    const float v36_i = v35_i;
-    const float v37_i = v8_i + v36_i;
-    const int64_t j1 = i % 768;
-    const float v14_j1 = b14[j1];
-    const float v38_i = v37_i + v14_j1;
-    b38[i] = v38_i;
+  for (int64_t r = 0; r < 8192; r++) {
+    for (int64_t c = 0; c < 768; c++) {
+      const int64_t i = r * 768 + c;
+      const float v8_i = b8[i];
+      const float v35_i = b35[i];
+      const float v36_i = v35_i;
+      const float v37_i = v8_i + v36_i;
+      const float v14_c = b14[c];
+      const float v38_i = v37_i + v14_c;
+      b38[i] = v38_i;
+    }
   }
 }
 
@@ -485,17 +492,19 @@ static void k7_gemm__add__gelu__cast(char *arena, const MdlHooks *h) {
     free(w42);
   }
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t i = 0; i < 25165824; i++) {
-    const float v43_i = b43[i];
-    const float v44_i = v43_i;
-    const int64_t j1 = i % 3072;
-    const float v18_j1 = b18[j1];
-    const float v45_i = v44_i + v18_j1;
-    b45[i] = v45_i;
-    const float v46_i = mdl_gelu(v45_i);
-    const float v47_i = v46_i;
-    const float v48_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v47_i));
-    b48[i] = mdl_f32_to_bf16(v48_i);
+  for (int64_t r = 0; r < 8192; r++) {
+    for (int64_t c = 0; c < 3072; c++) {
+      const int64_t i = r * 3072 + c;
+      const float v43_i = b43[i];
+      const float v44_i = v43_i;
+      const float v18_c = b18[c];
+      const float v45_i = v44_i + v18_c;
+      b45[i] = v45_i;
+      const float v46_i = mdl_gelu(v45_i);
+      const float v47_i = v46_i;
+      const float v48_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v47_i));
+      b48[i] = mdl_f32_to_bf16(v48_i);
+    }
   }
 }
 
@@ -522,15 +531,17 @@ static void k8_gemm__add(char *arena, const MdlHooks *h) {
     free(w49);
   }
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t i = 0; i < 6291456; i++) {
-    const float v38_i = b38[i];
-    const float v50_i = b50[i];
-    const float v51_i = v50_i;
-    const float v52_i = v38_i + v51_i;
-    const int64_t j1 = i % 768;
-    const float v20_j1 = b20[j1];
-    const float v53_i = v52_i + v20_j1;
-    b53[i] = v53_i;
+  for (int64_t r = 0; r < 8192; r++) {
+    for (int64_t c = 0; c < 768; c++) {
+      const int64_t i = r * 768 + c;
+      const float v38_i = b38[i];
+      const float v50_i = b50[i];
+      const float v51_i = v50_i;
+      const float v52_i = v38_i + v51_i;
+      const float v20_c = b20[c];
+      const float v53_i = v52_i + v20_c;
+      b53[i] = v53_i;
+    }
   }
 }
 
@@ -595,13 +606,15 @@ static void k10_gemm__add(char *arena, const MdlHooks *h) {
     free(w69);
   }
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t i = 0; i < 18874368; i++) {
-    const float v70_i = b70[i];
-    const float v71_i = v70_i;
-    const int64_t j1 = i % 2304;
-    const float v57_j1 = b57[j1];
-    const float v72_i = v71_i + v57_j1;
-    b72[i] = v72_i;
+  for (int64_t r = 0; r < 8192; r++) {
+    for (int64_t c = 0; c < 2304; c++) {
+      const int64_t i = r * 2304 + c;
+      const float v70_i = b70[i];
+      const float v71_i = v70_i;
+      const float v57_c = b57[c];
+      const float v72_i = v71_i + v57_c;
+      b72[i] = v72_i;
+    }
   }
 }
 
@@ -729,15 +742,17 @@ static void k12_gemm__add(char *arena, const MdlHooks *h) {
     free(w79);
   }
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t i = 0; i < 6291456; i++) {
-    const float v53_i = b53[i];
-    const float v80_i = b80[i];
-    const float v81_i = v80_i;
-    const float v82_i = v53_i + v81_i;
-    const int64_t j1 = i % 768;
-    const float v59_j1 = b59[j1];
-    const float v83_i = v82_i + v59_j1;
-    b83[i] = v83_i;
+  for (int64_t r = 0; r < 8192; r++) {
+    for (int64_t c = 0; c < 768; c++) {
+      const int64_t i = r * 768 + c;
+      const float v53_i = b53[i];
+      const float v80_i = b80[i];
+      const float v81_i = v80_i;
+      const float v82_i = v53_i + v81_i;
+      const float v59_c = b59[c];
+      const float v83_i = v82_i + v59_c;
+      b83[i] = v83_i;
+    }
   }
 }
 
@@ -806,17 +821,19 @@ static void k14_gemm__add__gelu__cast(char *arena, const MdlHooks *h) {
     free(w87);
   }
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t i = 0; i < 25165824; i++) {
-    const float v88_i = b88[i];
-    const float v89_i = v88_i;
-    const int64_t j1 = i % 3072;
-    const float v63_j1 = b63[j1];
-    const float v90_i = v89_i + v63_j1;
-    b90[i] = v90_i;
-    const float v91_i = mdl_gelu(v90_i);
-    const float v92_i = v91_i;
-    const float v93_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v92_i));
-    b93[i] = mdl_f32_to_bf16(v93_i);
+  for (int64_t r = 0; r < 8192; r++) {
+    for (int64_t c = 0; c < 3072; c++) {
+      const int64_t i = r * 3072 + c;
+      const float v88_i = b88[i];
+      const float v89_i = v88_i;
+      const float v63_c = b63[c];
+      const float v90_i = v89_i + v63_c;
+      b90[i] = v90_i;
+      const float v91_i = mdl_gelu(v90_i);
+      const float v92_i = v91_i;
+      const float v93_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v92_i));
+      b93[i] = mdl_f32_to_bf16(v93_i);
+    }
   }
 }
 
@@ -843,15 +860,17 @@ static void k15_gemm__add(char *arena, const MdlHooks *h) {
     free(w94);
   }
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t i = 0; i < 6291456; i++) {
-    const float v83_i = b83[i];
-    const float v95_i = b95[i];
-    const float v96_i = v95_i;
-    const float v97_i = v83_i + v96_i;
-    const int64_t j1 = i % 768;
-    const float v65_j1 = b65[j1];
-    const float v98_i = v97_i + v65_j1;
-    b98[i] = v98_i;
+  for (int64_t r = 0; r < 8192; r++) {
+    for (int64_t c = 0; c < 768; c++) {
+      const int64_t i = r * 768 + c;
+      const float v83_i = b83[i];
+      const float v95_i = b95[i];
+      const float v96_i = v95_i;
+      const float v97_i = v83_i + v96_i;
+      const float v65_c = b65[c];
+      const float v98_i = v97_i + v65_c;
+      b98[i] = v98_i;
+    }
   }
 }
 
@@ -916,13 +935,15 @@ static void k17_gemm__add(char *arena, const MdlHooks *h) {
     free(w114);
   }
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t i = 0; i < 18874368; i++) {
-    const float v115_i = b115[i];
-    const float v116_i = v115_i;
-    const int64_t j1 = i % 2304;
-    const float v102_j1 = b102[j1];
-    const float v117_i = v116_i + v102_j1;
-    b117[i] = v117_i;
+  for (int64_t r = 0; r < 8192; r++) {
+    for (int64_t c = 0; c < 2304; c++) {
+      const int64_t i = r * 2304 + c;
+      const float v115_i = b115[i];
+      const float v116_i = v115_i;
+      const float v102_c = b102[c];
+      const float v117_i = v116_i + v102_c;
+      b117[i] = v117_i;
+    }
   }
 }
 
@@ -1050,15 +1071,17 @@ static void k19_gemm__add(char *arena, const MdlHooks *h) {
     free(w124);
   }
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t i = 0; i < 6291456; i++) {
-    const float v98_i = b98[i];
-    const float v125_i = b125[i];
-    const float v126_i = v125_i;
-    const float v127_i = v98_i + v126_i;
-    const int64_t j1 = i % 768;
-    const float v104_j1 = b104[j1];
-    const float v128_i = v127_i + v104_j1;
-    b128[i] = v128_i;
+  for (int64_t r = 0; r < 8192; r++) {
+    for (int64_t c = 0; c < 768; c++) {
+      const int64_t i = r * 768 + c;
+      const float v98_i = b98[i];
+      const float v125_i = b125[i];
+      const float v126_i = v125_i;
+      const float v127_i = v98_i + v126_i;
+      const float v104_c = b104[c];
+      const float v128_i = v127_i + v104_c;
+      b128[i] = v128_i;
+    }
   }
 }
 
@@ -1127,17 +1150,19 @@ static void k21_gemm__add__gelu__cast(char *arena, const MdlHooks *h) {
     free(w132);
   }
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t i = 0; i < 25165824; i++) {
-    const float v133_i = b133[i];
-    const float v134_i = v133_i;
-    const int64_t j1 = i % 3072;
-    const float v108_j1 = b108[j1];
-    const float v135_i = v134_i + v108_j1;
-    b135[i] = v135_i;
-    const float v136_i = mdl_gelu(v135_i);
-    const float v137_i = v136_i;
-    const float v138_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v137_i));
-    b138[i] = mdl_f32_to_bf16(v138_i);
+  for (int64_t r = 0; r < 8192; r++) {
+    for (int64_t c = 0; c < 3072; c++) {
+      const int64_t i = r * 3072 + c;
+      const float v133_i = b133[i];
+      const float v134_i = v133_i;
+      const float v108_c = b108[c];
+      const float v135_i = v134_i + v108_c;
+      b135[i] = v135_i;
+      const float v136_i = mdl_gelu(v135_i);
+      const float v137_i = v136_i;
+      const float v138_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v137_i));
+      b138[i] = mdl_f32_to_bf16(v138_i);
+    }
   }
 }
 
@@ -1164,15 +1189,17 @@ static void k22_gemm__add(char *arena, const MdlHooks *h) {
     free(w139);
   }
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t i = 0; i < 6291456; i++) {
-    const float v128_i = b128[i];
-    const float v140_i = b140[i];
-    const float v141_i = v140_i;
-    const float v142_i = v128_i + v141_i;
-    const int64_t j1 = i % 768;
-    const float v110_j1 = b110[j1];
-    const float v143_i = v142_i + v110_j1;
-    b143[i] = v143_i;
+  for (int64_t r = 0; r < 8192; r++) {
+    for (int64_t c = 0; c < 768; c++) {
+      const int64_t i = r * 768 + c;
+      const float v128_i = b128[i];
+      const float v140_i = b140[i];
+      const float v141_i = v140_i;
+      const float v142_i = v128_i + v141_i;
+      const float v110_c = b110[c];
+      const float v143_i = v142_i + v110_c;
+      b143[i] = v143_i;
+    }
   }
 }
 
@@ -1237,13 +1264,15 @@ static void k24_gemm__add(char *arena, const MdlHooks *h) {
     free(w159);
   }
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t i = 0; i < 18874368; i++) {
-    const float v160_i = b160[i];
-    const float v161_i = v160_i;
-    const int64_t j1 = i % 2304;
-    const float v147_j1 = b147[j1];
-    const float v162_i = v161_i + v147_j1;
-    b162[i] = v162_i;
+  for (int64_t r = 0; r < 8192; r++) {
+    for (int64_t c = 0; c < 2304; c++) {
+      const int64_t i = r * 2304 + c;
+      const float v160_i = b160[i];
+      const float v161_i = v160_i;
+      const float v147_c = b147[c];
+      const float v162_i = v161_i + v147_c;
+      b162[i] = v162_i;
+    }
   }
 }
 
@@ -1371,15 +1400,17 @@ static void k26_gemm__add(char *arena, const MdlHooks *h) {
     free(w169);
   }
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t i = 0; i < 6291456; i++) {
-    const float v143_i = b143[i];
-    const float v170_i = b170[i];
-    const float v171_i = v170_i;
-    const float v172_i = v143_i + v171_i;
-    const int64_t j1 = i % 768;
-    const float v149_j1 = b149[j1];
-    const float v173_i = v172_i + v149_j1;
-    b173[i] = v173_i;
+  for (int64_t r = 0; r < 8192; r++) {
+    for (int64_t c = 0; c < 768; c++) {
+      const int64_t i = r * 768 + c;
+      const float v143_i = b143[i];
+      const float v170_i = b170[i];
+      const float v171_i = v170_i;
+      const float v172_i = v143_i + v171_i;
+      const float v149_c = b149[c];
+      const float v173_i = v172_i + v149_c;
+      b173[i] = v173_i;
+    }
   }
 }
 
@@ -1448,17 +1479,19 @@ static void k28_gemm__add__gelu__cast(char *arena, const MdlHooks *h) {
     free(w177);
   }
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t i = 0; i < 25165824; i++) {
-    const float v178_i = b178[i];
-    const float v179_i = v178_i;
-    const int64_t j1 = i % 3072;
-    const float v153_j1 = b153[j1];
-    const float v180_i = v179_i + v153_j1;
-    b180[i] = v180_i;
-    const float v181_i = mdl_gelu(v180_i);
-    const float v182_i = v181_i;
-    const float v183_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v182_i));
-    b183[i] = mdl_f32_to_bf16(v183_i);
+  for (int64_t r = 0; r < 8192; r++) {
+    for (int64_t c = 0; c < 3072; c++) {
+      const int64_t i = r * 3072 + c;
+      const float v178_i = b178[i];
+      const float v179_i = v178_i;
+      const float v153_c = b153[c];
+      const float v180_i = v179_i + v153_c;
+      b180[i] = v180_i;
+      const float v181_i = mdl_gelu(v180_i);
+      const float v182_i = v181_i;
+      const float v183_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v182_i));
+      b183[i] = mdl_f32_to_bf16(v183_i);
+    }
   }
 }
 
@@ -1485,15 +1518,17 @@ static void k29_gemm__add(char *arena, const MdlHooks *h) {
     free(w184);
   }
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t i = 0; i < 6291456; i++) {
-    const float v173_i = b173[i];
-    const float v185_i = b185[i];
-    const float v186_i = v185_i;
-    const float v187_i = v173_i + v186_i;
-    const int64_t j1 = i % 768;
-    const float v155_j1 = b155[j1];
-    const float v188_i = v187_i + v155_j1;
-    b188[i] = v188_i;
+  for (int64_t r = 0; r < 8192; r++) {
+    for (int64_t c = 0; c < 768; c++) {
+      const int64_t i = r * 768 + c;
+      const float v173_i = b173[i];
+      const float v185_i = b185[i];
+      const float v186_i = v185_i;
+      const float v187_i = v173_i + v186_i;
+      const float v155_c = b155[c];
+      const float v188_i = v187_i + v155_c;
+      b188[i] = v188_i;
+    }
   }
 }
 
@@ -1558,13 +1593,15 @@ static void k31_gemm__add(char *arena, const MdlHooks *h) {
     free(w204);
   }
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t i = 0; i < 18874368; i++) {
-    const float v205_i = b205[i];
-    const float v206_i = v205_i;
-    const int64_t j1 = i % 2304;
-    const float v192_j1 = b192[j1];
-    const float v207_i = v206_i + v192_j1;
-    b207[i] = v207_i;
+  for (int64_t r = 0; r < 8192; r++) {
+    for (int64_t c = 0; c < 2304; c++) {
+      const int64_t i = r * 2304 + c;
+      const float v205_i = b205[i];
+      const float v206_i = v205_i;
+      const float v192_c = b192[c];
+      const float v207_i = v206_i + v192_c;
+      b207[i] = v207_i;
+    }
   }
 }
 
@@ -1692,15 +1729,17 @@ static void k33_gemm__add(char *arena, const MdlHooks *h) {
     free(w214);
   }
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t i = 0; i < 6291456; i++) {
-    const float v188_i = b188[i];
-    const float v215_i = b215[i];
-    const float v216_i = v215_i;
-    const float v217_i = v188_i + v216_i;
-    const int64_t j1 = i % 768;
-    const float v194_j1 = b194[j1];
-    const float v218_i = v217_i + v194_j1;
-    b218[i] = v218_i;
+  for (int64_t r = 0; r < 8192; r++) {
+    for (int64_t c = 0; c < 768; c++) {
+      const int64_t i = r * 768 + c;
+      const float v188_i = b188[i];
+      const float v215_i = b215[i];
+      const float v216_i = v215_i;
+      const float v217_i = v188_i + v216_i;
+      const float v194_c = b194[c];
+      const float v218_i = v217_i + v194_c;
+      b218[i] = v218_i;
+    }
   }
 }
 
@@ -1769,17 +1808,19 @@ static void k35_gemm__add__gelu__cast(char *arena, const MdlHooks *h) {
     free(w222);
   }
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t i = 0; i < 25165824; i++) {
-    const float v223_i = b223[i];
-    const float v224_i = v223_i;
-    const int64_t j1 = i % 3072;
-    const float v198_j1 = b198[j1];
-    const float v225_i = v224_i + v198_j1;
-    b225[i] = v225_i;
-    const float v226_i = mdl_gelu(v225_i);
-    const float v227_i = v226_i;
-    const float v228_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v227_i));
-    b228[i] = mdl_f32_to_bf16(v228_i);
+  for (int64_t r = 0; r < 8192; r++) {
+    for (int64_t c = 0; c < 3072; c++) {
+      const int64_t i = r * 3072 + c;
+      const float v223_i = b223[i];
+      const float v224_i = v223_i;
+      const float v198_c = b198[c];
+      const float v225_i = v224_i + v198_c;
+      b225[i] = v225_i;
+      const float v226_i = mdl_gelu(v225_i);
+      const float v227_i = v226_i;
+      const float v228_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v227_i));
+      b228[i] = mdl_f32_to_bf16(v228_i);
+    }
   }
 }
 
@@ -1806,15 +1847,17 @@ static void k36_gemm__add(char *arena, const MdlHooks *h) {
     free(w229);
   }
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t i = 0; i < 6291456; i++) {
-    const float v218_i = b218[i];
-    const float v230_i = b230[i];
-    const float v231_i = v230_i;
-    const float v232_i = v218_i + v231_i;
-    const int64_t j1 = i % 768;
-    const float v200_j1 = b200[j1];
-    const float v233_i = v232_i + v200_j1;
-    b233[i] = v233_i;
+  for (int64_t r = 0; r < 8192; r++) {
+    for (int64_t c = 0; c < 768; c++) {
+      const int64_t i = r * 768 + c;
+      const float v218_i = b218[i];
+      const float v230_i = b230[i];
+      const float v231_i = v230_i;
+      const float v232_i = v218_i + v231_i;
+      const float v200_c = b200[c];
+      const float v233_i = v232_i + v200_c;
+      b233[i] = v233_i;
+    }
   }
 }
 
@@ -1879,13 +1922,15 @@ static void k38_gemm__add(char *arena, const MdlHooks *h) {
     free(w249);
   }
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t i = 0; i < 18874368; i++) {
-    const float v250_i = b250[i];
-    const float v251_i = v250_i;
-    const int64_t j1 = i % 2304;
-    const float v237_j1 = b237[j1];
-    const float v252_i = v251_i + v237_j1;
-    b252[i] = v252_i;
+  for (int64_t r = 0; r < 8192; r++) {
+    for (int64_t c = 0; c < 2304; c++) {
+      const int64_t i = r * 2304 + c;
+      const float v250_i = b250[i];
+      const float v251_i = v250_i;
+      const float v237_c = b237[c];
+      const float v252_i = v251_i + v237_c;
+      b252[i] = v252_i;
+    }
   }
 }
 
@@ -2013,15 +2058,17 @@ static void k40_gemm__add(char *arena, const MdlHooks *h) {
     free(w259);
   }
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t i = 0; i < 6291456; i++) {
-    const float v233_i = b233[i];
-    const float v260_i = b260[i];
-    const float v261_i = v260_i;
-    const float v262_i = v233_i + v261_i;
-    const int64_t j1 = i % 768;
-    const float v239_j1 = b239[j1];
-    const float v263_i = v262_i + v239_j1;
-    b263[i] = v263_i;
+  for (int64_t r = 0; r < 8192; r++) {
+    for (int64_t c = 0; c < 768; c++) {
+      const int64_t i = r * 768 + c;
+      const float v233_i = b233[i];
+      const float v260_i = b260[i];
+      const float v261_i = v260_i;
+      const float v262_i = v233_i + v261_i;
+      const float v239_c = b239[c];
+      const float v263_i = v262_i + v239_c;
+      b263[i] = v263_i;
+    }
   }
 }
 
@@ -2090,17 +2137,19 @@ static void k42_gemm__add__gelu__cast(char *arena, const MdlHooks *h) {
     free(w267);
   }
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t i = 0; i < 25165824; i++) {
-    const float v268_i = b268[i];
-    const float v269_i = v268_i;
-    const int64_t j1 = i % 3072;
-    const float v243_j1 = b243[j1];
-    const float v270_i = v269_i + v243_j1;
-    b270[i] = v270_i;
-    const float v271_i = mdl_gelu(v270_i);
-    const float v272_i = v271_i;
-    const float v273_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v272_i));
-    b273[i] = mdl_f32_to_bf16(v273_i);
+  for (int64_t r = 0; r < 8192; r++) {
+    for (int64_t c = 0; c < 3072; c++) {
+      const int64_t i = r * 3072 + c;
+      const float v268_i = b268[i];
+      const float v269_i = v268_i;
+      const float v243_c = b243[c];
+      const float v270_i = v269_i + v243_c;
+      b270[i] = v270_i;
+      const float v271_i = mdl_gelu(v270_i);
+      const float v272_i = v271_i;
+      const float v273_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v272_i));
+      b273[i] = mdl_f32_to_bf16(v273_i);
+    }
   }
 }
 
@@ -2127,15 +2176,17 @@ static void k43_gemm__add(char *arena, const MdlHooks *h) {
     free(w274);
   }
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t i = 0; i < 6291456; i++) {
-    const float v263_i = b263[i];
-    const float v275_i = b275[i];
-    const float v276_i = v275_i;
-    const float v277_i = v263_i + v276_i;
-    const int64_t j1 = i % 768;
-    const float v245_j1 = b245[j1];
-    const float v278_i = v277_i + v245_j1;
-    b278[i] = v278_i;
+  for (int64_t r = 0; r < 8192; r++) {
+    for (int64_t c = 0; c < 768; c++) {
+      const int64_t i = r * 768 + c;
+      const float v263_i = b263[i];
+      const float v275_i = b275[i];
+      const float v276_i = v275_i;
+      const float v277_i = v263_i + v276_i;
+      const float v245_c = b245[c];
+      const float v278_i = v277_i + v245_c;
+      b278[i] = v278_i;
+    }
   }
 }
 
@@ -2200,13 +2251,15 @@ static void k45_gemm__add(char *arena, const MdlHooks *h) {
     free(w294);
   }
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t i = 0; i < 18874368; i++) {
-    const float v295_i = b295[i];
-    const float v296_i = v295_i;
-    const int64_t j1 = i % 2304;
-    const float v282_j1 = b282[j1];
-    const float v297_i = v296_i + v282_j1;
-    b297[i] = v297_i;
+  for (int64_t r = 0; r < 8192; r++) {
+    for (int64_t c = 0; c < 2304; c++) {
+      const int64_t i = r * 2304 + c;
+      const float v295_i = b295[i];
+      const float v296_i = v295_i;
+      const float v282_c = b282[c];
+      const float v297_i = v296_i + v282_c;
+      b297[i] = v297_i;
+    }
   }
 }
 
@@ -2334,15 +2387,17 @@ static void k47_gemm__add(char *arena, const MdlHooks *h) {
     free(w304);
   }
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t i = 0; i < 6291456; i++) {
-    const float v278_i = b278[i];
-    const float v305_i = b305[i];
-    const float v306_i = v305_i;
-    const float v307_i = v278_i + v306_i;
-    const int64_t j1 = i % 768;
-    const float v284_j1 = b284[j1];
-    const float v308_i = v307_i + v284_j1;
-    b308[i] = v308_i;
+  for (int64_t r = 0; r < 8192; r++) {
+    for (int64_t c = 0; c < 768; c++) {
+      const int64_t i = r * 768 + c;
+      const float v278_i = b278[i];
+      const float v305_i = b305[i];
+      const float v306_i = v305_i;
+      const float v307_i = v278_i + v306_i;
+      const float v284_c = b284[c];
+      const float v308_i = v307_i + v284_c;
+      b308[i] = v308_i;
+    }
   }
 }
 
@@ -2411,17 +2466,19 @@ static void k49_gemm__add__gelu__cast(char *arena, const MdlHooks *h) {
     free(w312);
   }
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t i = 0; i < 25165824; i++) {
-    const float v313_i = b313[i];
-    const float v314_i = v313_i;
-    const int64_t j1 = i % 3072;
-    const float v288_j1 = b288[j1];
-    const float v315_i = v314_i + v288_j1;
-    b315[i] = v315_i;
-    const float v316_i = mdl_gelu(v315_i);
-    const float v317_i = v316_i;
-    const float v318_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v317_i));
-    b318[i] = mdl_f32_to_bf16(v318_i);
+  for (int64_t r = 0; r < 8192; r++) {
+    for (int64_t c = 0; c < 3072; c++) {
+      const int64_t i = r * 3072 + c;
+      const float v313_i = b313[i];
+      const float v314_i = v313_i;
+      const float v288_c = b288[c];
+      const float v315_i = v314_i + v288_c;
+      b315[i] = v315_i;
+      const float v316_i = mdl_gelu(v315_i);
+      const float v317_i = v316_i;
+      const float v318_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v317_i));
+      b318[i] = mdl_f32_to_bf16(v318_i);
+    }
   }
 }
 
@@ -2448,15 +2505,17 @@ static void k50_gemm__add(char *arena, const MdlHooks *h) {
     free(w319);
   }
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t i = 0; i < 6291456; i++) {
-    const float v308_i = b308[i];
-    const float v320_i = b320[i];
-    const float v321_i = v320_i;
-    const float v322_i = v308_i + v321_i;
-    const int64_t j1 = i % 768;
-    const float v290_j1 = b290[j1];
-    const float v323_i = v322_i + v290_j1;
-    b323[i] = v323_i;
+  for (int64_t r = 0; r < 8192; r++) {
+    for (int64_t c = 0; c < 768; c++) {
+      const int64_t i = r * 768 + c;
+      const float v308_i = b308[i];
+      const float v320_i = b320[i];
+      const float v321_i = v320_i;
+      const float v322_i = v308_i + v321_i;
+      const float v290_c = b290[c];
+      const float v323_i = v322_i + v290_c;
+      b323[i] = v323_i;
+    }
   }
 }
 
@@ -2521,13 +2580,15 @@ static void k52_gemm__add(char *arena, const MdlHooks *h) {
     free(w339);
   }
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t i = 0; i < 18874368; i++) {
-    const float v340_i = b340[i];
-    const float v341_i = v340_i;
-    const int64_t j1 = i % 2304;
-    const float v327_j1 = b327[j1];
-    const float v342_i = v341_i + v327_j1;
-    b342[i] = v342_i;
+  for (int64_t r = 0; r < 8192; r++) {
+    for (int64_t c = 0; c < 2304; c++) {
+      const int64_t i = r * 2304 + c;
+      const float v340_i = b340[i];
+      const float v341_i = v340_i;
+      const float v327_c = b327[c];
+      const float v342_i = v341_i + v327_c;
+      b342[i] = v342_i;
+    }
   }
 }
 
@@ -2655,15 +2716,17 @@ static void k54_gemm__add(char *arena, const MdlHooks *h) {
     free(w349);
   }
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t i = 0; i < 6291456; i++) {
-    const float v323_i = b323[i];
-    const float v350_i = b350[i];
-    const float v351_i = v350_i;
-    const float v352_i = v323_i + v351_i;
-    const int64_t j1 = i % 768;
-    const float v329_j1 = b329[j1];
-    const float v353_i = v352_i + v329_j1;
-    b353[i] = v353_i;
+  for (int64_t r = 0; r < 8192; r++) {
+    for (int64_t c = 0; c < 768; c++) {
+      const int64_t i = r * 768 + c;
+      const float v323_i = b323[i];
+      const float v350_i = b350[i];
+      const float v351_i = v350_i;
+      const float v352_i = v323_i + v351_i;
+      const float v329_c = b329[c];
+      const float v353_i = v352_i + v329_c;
+      b353[i] = v353_i;
+    }
   }
 }
 
@@ -2732,17 +2795,19 @@ static void k56_gemm__add__gelu__cast(char *arena, const MdlHooks *h) {
     free(w357);
   }
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t i = 0; i < 25165824; i++) {
-    const float v358_i = b358[i];
-    const float v359_i = v358_i;
-    const int64_t j1 = i % 3072;
-    const float v333_j1 = b333[j1];
-    const float v360_i = v359_i + v333_j1;
-    b360[i] = v360_i;
-    const float v361_i = mdl_gelu(v360_i);
-    const float v362_i = v361_i;
-    const float v363_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v362_i));
-    b363[i] = mdl_f32_to_bf16(v363_i);
+  for (int64_t r = 0; r < 8192; r++) {
+    for (int64_t c = 0; c < 3072; c++) {
+      const int64_t i = r * 3072 + c;
+      const float v358_i = b358[i];
+      const float v359_i = v358_i;
+      const float v333_c = b333[c];
+      const float v360_i = v359_i + v333_c;
+      b360[i] = v360_i;
+      const float v361_i = mdl_gelu(v360_i);
+      const float v362_i = v361_i;
+      const float v363_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v362_i));
+      b363[i] = mdl_f32_to_bf16(v363_i);
+    }
   }
 }
 
@@ -2769,15 +2834,17 @@ static void k57_gemm__add(char *arena, const MdlHooks *h) {
     free(w364);
   }
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t i = 0; i < 6291456; i++) {
-    const float v353_i = b353[i];
-    const float v365_i = b365[i];
-    const float v366_i = v365_i;
-    const float v367_i = v353_i + v366_i;
-    const int64_t j1 = i % 768;
-    const float v335_j1 = b335[j1];
-    const float v368_i = v367_i + v335_j1;
-    b368[i] = v368_i;
+  for (int64_t r = 0; r < 8192; r++) {
+    for (int64_t c = 0; c < 768; c++) {
+      const int64_t i = r * 768 + c;
+      const float v353_i = b353[i];
+      const float v365_i = b365[i];
+      const float v366_i = v365_i;
+      const float v367_i = v353_i + v366_i;
+      const float v335_c = b335[c];
+      const float v368_i = v367_i + v335_c;
+      b368[i] = v368_i;
+    }
   }
 }
 
@@ -2842,13 +2909,15 @@ static void k59_gemm__add(char *arena, const MdlHooks *h) {
     free(w384);
   }
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t i = 0; i < 18874368; i++) {
-    const float v385_i = b385[i];
-    const float v386_i = v385_i;
-    const int64_t j1 = i % 2304;
-    const float v372_j1 = b372[j1];
-    const float v387_i = v386_i + v372_j1;
-    b387[i] = v387_i;
+  for (int64_t r = 0; r < 8192; r++) {
+    for (int64_t c = 0; c < 2304; c++) {
+      const int64_t i = r * 2304 + c;
+      const float v385_i = b385[i];
+      const float v386_i = v385_i;
+      const float v372_c = b372[c];
+      const float v387_i = v386_i + v372_c;
+      b387[i] = v387_i;
+    }
   }
 }
 
@@ -2976,15 +3045,17 @@ static void k61_gemm__add(char *arena, const MdlHooks *h) {
     free(w394);
   }
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t i = 0; i < 6291456; i++) {
-    const float v368_i = b368[i];
-    const float v395_i = b395[i];
-    const float v396_i = v395_i;
-    const float v397_i = v368_i + v396_i;
-    const int64_t j1 = i % 768;
-    const float v374_j1 = b374[j1];
-    const float v398_i = v397_i + v374_j1;
-    b398[i] = v398_i;
+  for (int64_t r = 0; r < 8192; r++) {
+    for (int64_t c = 0; c < 768; c++) {
+      const int64_t i = r * 768 + c;
+      const float v368_i = b368[i];
+      const float v395_i = b395[i];
+      const float v396_i = v395_i;
+      const float v397_i = v368_i + v396_i;
+      const float v374_c = b374[c];
+      const float v398_i = v397_i + v374_c;
+      b398[i] = v398_i;
+    }
   }
 }
 
@@ -3053,17 +3124,19 @@ static void k63_gemm__add__gelu__cast(char *arena, const MdlHooks *h) {
     free(w402);
   }
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t i = 0; i < 25165824; i++) {
-    const float v403_i = b403[i];
-    const float v404_i = v403_i;
-    const int64_t j1 = i % 3072;
-    const float v378_j1 = b378[j1];
-    const float v405_i = v404_i + v378_j1;
-    b405[i] = v405_i;
-    const float v406_i = mdl_gelu(v405_i);
-    const float v407_i = v406_i;
-    const float v408_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v407_i));
-    b408[i] = mdl_f32_to_bf16(v408_i);
+  for (int64_t r = 0; r < 8192; r++) {
+    for (int64_t c = 0; c < 3072; c++) {
+      const int64_t i = r * 3072 + c;
+      const float v403_i = b403[i];
+      const float v404_i = v403_i;
+      const float v378_c = b378[c];
+      const float v405_i = v404_i + v378_c;
+      b405[i] = v405_i;
+      const float v406_i = mdl_gelu(v405_i);
+      const float v407_i = v406_i;
+      const float v408_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v407_i));
+      b408[i] = mdl_f32_to_bf16(v408_i);
+    }
   }
 }
 
@@ -3090,15 +3163,17 @@ static void k64_gemm__add(char *arena, const MdlHooks *h) {
     free(w409);
   }
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t i = 0; i < 6291456; i++) {
-    const float v398_i = b398[i];
-    const float v410_i = b410[i];
-    const float v411_i = v410_i;
-    const float v412_i = v398_i + v411_i;
-    const int64_t j1 = i % 768;
-    const float v380_j1 = b380[j1];
-    const float v413_i = v412_i + v380_j1;
-    b413[i] = v413_i;
+  for (int64_t r = 0; r < 8192; r++) {
+    for (int64_t c = 0; c < 768; c++) {
+      const int64_t i = r * 768 + c;
+      const float v398_i = b398[i];
+      const float v410_i = b410[i];
+      const float v411_i = v410_i;
+      const float v412_i = v398_i + v411_i;
+      const float v380_c = b380[c];
+      const float v413_i = v412_i + v380_c;
+      b413[i] = v413_i;
+    }
   }
 }
 
@@ -3163,13 +3238,15 @@ static void k66_gemm__add(char *arena, const MdlHooks *h) {
     free(w429);
   }
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t i = 0; i < 18874368; i++) {
-    const float v430_i = b430[i];
-    const float v431_i = v430_i;
-    const int64_t j1 = i % 2304;
-    const float v417_j1 = b417[j1];
-    const float v432_i = v431_i + v417_j1;
-    b432[i] = v432_i;
+  for (int64_t r = 0; r < 8192; r++) {
+    for (int64_t c = 0; c < 2304; c++) {
+      const int64_t i = r * 2304 + c;
+      const float v430_i = b430[i];
+      const float v431_i = v430_i;
+      const float v417_c = b417[c];
+      const float v432_i = v431_i + v417_c;
+      b432[i] = v432_i;
+    }
   }
 }
 
@@ -3297,15 +3374,17 @@ static void k68_gemm__add(char *arena, const MdlHooks *h) {
     free(w439);
   }
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t i = 0; i < 6291456; i++) {
-    const float v413_i = b413[i];
-    const float v440_i = b440[i];
-    const float v441_i = v440_i;
-    const float v442_i = v413_i + v441_i;
-    const int64_t j1 = i % 768;
-    const float v419_j1 = b419[j1];
-    const float v443_i = v442_i + v419_j1;
-    b443[i] = v443_i;
+  for (int64_t r = 0; r < 8192; r++) {
+    for (int64_t c = 0; c < 768; c++) {
+      const int64_t i = r * 768 + c;
+      const float v413_i = b413[i];
+      const float v440_i = b440[i];
+      const float v441_i = v440_i;
+      const float v442_i = v413_i + v441_i;
+      const float v419_c = b419[c];
+      const float v443_i = v442_i + v419_c;
+      b443[i] = v443_i;
+    }
   }
 }
 
@@ -3374,17 +3453,19 @@ static void k70_gemm__add__gelu__cast(char *arena, const MdlHooks *h) {
     free(w447);
   }
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t i = 0; i < 25165824; i++) {
-    const float v448_i = b448[i];
-    const float v449_i = v448_i;
-    const int64_t j1 = i % 3072;
-    const float v423_j1 = b423[j1];
-    const float v450_i = v449_i + v423_j1;
-    b450[i] = v450_i;
-    const float v451_i = mdl_gelu(v450_i);
-    const float v452_i = v451_i;
-    const float v453_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v452_i));
-    b453[i] = mdl_f32_to_bf16(v453_i);
+  for (int64_t r = 0; r < 8192; r++) {
+    for (int64_t c = 0; c < 3072; c++) {
+      const int64_t i = r * 3072 + c;
+      const float v448_i = b448[i];
+      const float v449_i = v448_i;
+      const float v423_c = b423[c];
+      const float v450_i = v449_i + v423_c;
+      b450[i] = v450_i;
+      const float v451_i = mdl_gelu(v450_i);
+      const float v452_i = v451_i;
+      const float v453_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v452_i));
+      b453[i] = mdl_f32_to_bf16(v453_i);
+    }
   }
 }
 
@@ -3411,15 +3492,17 @@ static void k71_gemm__add(char *arena, const MdlHooks *h) {
     free(w454);
   }
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t i = 0; i < 6291456; i++) {
-    const float v443_i = b443[i];
-    const float v455_i = b455[i];
-    const float v456_i = v455_i;
-    const float v457_i = v443_i + v456_i;
-    const int64_t j1 = i % 768;
-    const float v425_j1 = b425[j1];
-    const float v458_i = v457_i + v425_j1;
-    b458[i] = v458_i;
+  for (int64_t r = 0; r < 8192; r++) {
+    for (int64_t c = 0; c < 768; c++) {
+      const int64_t i = r * 768 + c;
+      const float v443_i = b443[i];
+      const float v455_i = b455[i];
+      const float v456_i = v455_i;
+      const float v457_i = v443_i + v456_i;
+      const float v425_c = b425[c];
+      const float v458_i = v457_i + v425_c;
+      b458[i] = v458_i;
+    }
   }
 }
 
@@ -3484,13 +3567,15 @@ static void k73_gemm__add(char *arena, const MdlHooks *h) {
     free(w474);
   }
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t i = 0; i < 18874368; i++) {
-    const float v475_i = b475[i];
-    const float v476_i = v475_i;
-    const int64_t j1 = i % 2304;
-    const float v462_j1 = b462[j1];
-    const float v477_i = v476_i + v462_j1;
-    b477[i] = v477_i;
+  for (int64_t r = 0; r < 8192; r++) {
+    for (int64_t c = 0; c < 2304; c++) {
+      const int64_t i = r * 2304 + c;
+      const float v475_i = b475[i];
+      const float v476_i = v475_i;
+      const float v462_c = b462[c];
+      const float v477_i = v476_i + v462_c;
+      b477[i] = v477_i;
+    }
   }
 }
 
@@ -3618,15 +3703,17 @@ static void k75_gemm__add(char *arena, const MdlHooks *h) {
     free(w484);
   }
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t i = 0; i < 6291456; i++) {
-    const float v458_i = b458[i];
-    const float v485_i = b485[i];
-    const float v486_i = v485_i;
-    const float v487_i = v458_i + v486_i;
-    const int64_t j1 = i % 768;
-    const float v464_j1 = b464[j1];
-    const float v488_i = v487_i + v464_j1;
-    b488[i] = v488_i;
+  for (int64_t r = 0; r < 8192; r++) {
+    for (int64_t c = 0; c < 768; c++) {
+      const int64_t i = r * 768 + c;
+      const float v458_i = b458[i];
+      const float v485_i = b485[i];
+      const float v486_i = v485_i;
+      const float v487_i = v458_i + v486_i;
+      const float v464_c = b464[c];
+      const float v488_i = v487_i + v464_c;
+      b488[i] = v488_i;
+    }
   }
 }
 
@@ -3695,17 +3782,19 @@ static void k77_gemm__add__gelu__cast(char *arena, const MdlHooks *h) {
     free(w492);
   }
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t i = 0; i < 25165824; i++) {
-    const float v493_i = b493[i];
-    const float v494_i = v493_i;
-    const int64_t j1 = i % 3072;
-    const float v468_j1 = b468[j1];
-    const float v495_i = v494_i + v468_j1;
-    b495[i] = v495_i;
-    const float v496_i = mdl_gelu(v495_i);
-    const float v497_i = v496_i;
-    const float v498_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v497_i));
-    b498[i] = mdl_f32_to_bf16(v498_i);
+  for (int64_t r = 0; r < 8192; r++) {
+    for (int64_t c = 0; c < 3072; c++) {
+      const int64_t i = r * 3072 + c;
+      const float v493_i = b493[i];
+      const float v494_i = v493_i;
+      const float v468_c = b468[c];
+      const float v495_i = v494_i + v468_c;
+      b495[i] = v495_i;
+      const float v496_i = mdl_gelu(v495_i);
+      const float v497_i = v496_i;
+      const float v498_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v497_i));
+      b498[i] = mdl_f32_to_bf16(v498_i);
+    }
   }
 }
 
@@ -3732,15 +3821,17 @@ static void k78_gemm__add(char *arena, const MdlHooks *h) {
     free(w499);
   }
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t i = 0; i < 6291456; i++) {
-    const float v488_i = b488[i];
-    const float v500_i = b500[i];
-    const float v501_i = v500_i;
-    const float v502_i = v488_i + v501_i;
-    const int64_t j1 = i % 768;
-    const float v470_j1 = b470[j1];
-    const float v503_i = v502_i + v470_j1;
-    b503[i] = v503_i;
+  for (int64_t r = 0; r < 8192; r++) {
+    for (int64_t c = 0; c < 768; c++) {
+      const int64_t i = r * 768 + c;
+      const float v488_i = b488[i];
+      const float v500_i = b500[i];
+      const float v501_i = v500_i;
+      const float v502_i = v488_i + v501_i;
+      const float v470_c = b470[c];
+      const float v503_i = v502_i + v470_c;
+      b503[i] = v503_i;
+    }
   }
 }
 
@@ -3805,13 +3896,15 @@ static void k80_gemm__add(char *arena, const MdlHooks *h) {
     free(w519);
   }
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t i = 0; i < 18874368; i++) {
-    const float v520_i = b520[i];
-    const float v521_i = v520_i;
-    const int64_t j1 = i % 2304;
-    const float v507_j1 = b507[j1];
-    const float v522_i = v521_i + v507_j1;
-    b522[i] = v522_i;
+  for (int64_t r = 0; r < 8192; r++) {
+    for (int64_t c = 0; c < 2304; c++) {
+      const int64_t i = r * 2304 + c;
+      const float v520_i = b520[i];
+      const float v521_i = v520_i;
+      const float v507_c = b507[c];
+      const float v522_i = v521_i + v507_c;
+      b522[i] = v522_i;
+    }
   }
 }
 
@@ -3939,15 +4032,17 @@ static void k82_gemm__add(char *arena, const MdlHooks *h) {
     free(w529);
   }
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t i = 0; i < 6291456; i++) {
-    const float v503_i = b503[i];
-    const float v530_i = b530[i];
-    const float v531_i = v530_i;
-    const float v532_i = v503_i + v531_i;
-    const int64_t j1 = i % 768;
-    const float v509_j1 = b509[j1];
-    const float v533_i = v532_i + v509_j1;
-    b533[i] = v533_i;
+  for (int64_t r = 0; r < 8192; r++) {
+    for (int64_t c = 0; c < 768; c++) {
+      const int64_t i = r * 768 + c;
+      const float v503_i = b503[i];
+      const float v530_i = b530[i];
+      const float v531_i = v530_i;
+      const float v532_i = v503_i + v531_i;
+      const float v509_c = b509[c];
+      const float v533_i = v532_i + v509_c;
+      b533[i] = v533_i;
+    }
   }
 }
 
@@ -4016,17 +4111,19 @@ static void k84_gemm__add__gelu__cast(char *arena, const MdlHooks *h) {
     free(w537);
   }
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t i = 0; i < 25165824; i++) {
-    const float v538_i = b538[i];
-    const float v539_i = v538_i;
-    const int64_t j1 = i % 3072;
-    const float v513_j1 = b513[j1];
-    const float v540_i = v539_i + v513_j1;
-    b540[i] = v540_i;
-    const float v541_i = mdl_gelu(v540_i);
-    const float v542_i = v541_i;
-    const float v543_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v542_i));
-    b543[i] = mdl_f32_to_bf16(v543_i);
+  for (int64_t r = 0; r < 8192; r++) {
+    for (int64_t c = 0; c < 3072; c++) {
+      const int64_t i = r * 3072 + c;
+      const float v538_i = b538[i];
+      const float v539_i = v538_i;
+      const float v513_c = b513[c];
+      const float v540_i = v539_i + v513_c;
+      b540[i] = v540_i;
+      const float v541_i = mdl_gelu(v540_i);
+      const float v542_i = v541_i;
+      const float v543_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v542_i));
+      b543[i] = mdl_f32_to_bf16(v543_i);
+    }
   }
 }
 
@@ -4053,15 +4150,17 @@ static void k85_gemm__add(char *arena, const MdlHooks *h) {
     free(w544);
   }
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t i = 0; i < 6291456; i++) {
-    const float v533_i = b533[i];
-    const float v545_i = b545[i];
-    const float v546_i = v545_i;
-    const float v547_i = v533_i + v546_i;
-    const int64_t j1 = i % 768;
-    const float v515_j1 = b515[j1];
-    const float v548_i = v547_i + v515_j1;
-    b548[i] = v548_i;
+  for (int64_t r = 0; r < 8192; r++) {
+    for (int64_t c = 0; c < 768; c++) {
+      const int64_t i = r * 768 + c;
+      const float v533_i = b533[i];
+      const float v545_i = b545[i];
+      const float v546_i = v545_i;
+      const float v547_i = v533_i + v546_i;
+      const float v515_c = b515[c];
+      const float v548_i = v547_i + v515_c;
+      b548[i] = v548_i;
+    }
   }
 }
 
@@ -4165,8 +4264,9 @@ static void k88_lmhead__cross_entropy__cross_entropy_bwd__cast__gemm(char *arena
       for (int64_t j = 0; j < 50257; j++)
         m = fmaxf(m, x[j]);
       double sum = 0;
+      #pragma omp simd reduction(+ : sum)
       for (int64_t j = 0; j < 50257; j++) {
-        dx[j] = expf(x[j] - m);
+        dx[j] = mdl_exp_shifted(x[j] - m);
         sum += dx[j];
       }
       b557[r] = (float)(m + log(sum) - xt);
@@ -4533,11 +4633,14 @@ static void k97_gemm__cast(char *arena, const MdlHooks *h) {
     free(w529);
   }
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t i = 0; i < 6291456; i++) {
-    const float v595_i = b595[i];
-    const float v597_i = v595_i;
-    const float v600_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v597_i));
-    b600[i] = mdl_f32_to_bf16(v600_i);
+  for (int64_t r = 0; r < 8192; r++) {
+    for (int64_t c = 0; c < 768; c++) {
+      const int64_t i = r * 768 + c;
+      const float v595_i = b595[i];
+      const float v597_i = v595_i;
+      const float v600_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v597_i));
+      b600[i] = mdl_f32_to_bf16(v600_i);
+    }
   }
   free(b595);
 }
@@ -5097,11 +5200,14 @@ static void k109_gemm__cast(char *arena, const MdlHooks *h) {
     free(w484);
   }
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t i = 0; i < 6291456; i++) {
-    const float v639_i = b639[i];
-    const float v641_i = v639_i;
-    const float v644_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v641_i));
-    b644[i] = mdl_f32_to_bf16(v644_i);
+  for (int64_t r = 0; r < 8192; r++) {
+    for (int64_t c = 0; c < 768; c++) {
+      const int64_t i = r * 768 + c;
+      const float v639_i = b639[i];
+      const float v641_i = v639_i;
+      const float v644_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v641_i));
+      b644[i] = mdl_f32_to_bf16(v644_i);
+    }
   }
   free(b639);
 }
@@ -5661,11 +5767,14 @@ static void k121_gemm__cast(char *arena, const MdlHooks *h) {
     free(w439);
   }
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t i = 0; i < 6291456; i++) {
-    const float v683_i = b683[i];
-    const float v685_i = v683_i;
-    const float v688_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v685_i));
-    b688[i] = mdl_f32_to_bf16(v688_i);
+  for (int64_t r = 0; r < 8192; r++) {
+    for (int64_t c = 0; c < 768; c++) {
+      const int64_t i = r * 768 + c;
+      const float v683_i = b683[i];
+      const float v685_i = v683_i;
+      const float v688_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v685_i));
+      b688[i] = mdl_f32_to_bf16(v688_i);
+    }
   }
   free(b683);
 }
@@ -6225,11 +6334,14 @@ static void k133_gemm__cast(char *arena, const MdlHooks *h) {
     free(w394);
   }
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t i = 0; i < 6291456; i++) {
-    const float v727_i = b727[i];
-    const float v729_i = v727_i;
-    const float v732_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v729_i));
-    b732[i] = mdl_f32_to_bf16(v732_i);
+  for (int64_t r = 0; r < 8192; r++) {
+    for (int64_t c = 0; c < 768; c++) {
+      const int64_t i = r * 768 + c;
+      const float v727_i = b727[i];
+      const float v729_i = v727_i;
+      const float v732_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v729_i));
+      b732[i] = mdl_f32_to_bf16(v732_i);
+    }
   }
   free(b727);
 }
@@ -6789,11 +6901,14 @@ static void k145_gemm__cast(char *arena, const MdlHooks *h) {
     free(w349);
   }
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t i = 0; i < 6291456; i++) {
-    const float v771_i = b771[i];
-    const float v773_i = v771_i;
-    const float v776_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v773_i));
-    b776[i] = mdl_f32_to_bf16(v776_i);
+  for (int64_t r = 0; r < 8192; r++) {
+    for (int64_t c = 0; c < 768; c++) {
+      const int64_t i = r * 768 + c;
+      const float v771_i = b771[i];
+      const float v773_i = v771_i;
+      const float v776_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v773_i));
+      b776[i] = mdl_f32_to_bf16(v776_i);
+    }
   }
   free(b771);
 }
@@ -7353,11 +7468,14 @@ static void k157_gemm__cast(char *arena, const MdlHooks *h) {
     free(w304);
   }
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t i = 0; i < 6291456; i++) {
-    const float v815_i = b815[i];
-    const float v817_i = v815_i;
-    const float v820_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v817_i));
-    b820[i] = mdl_f32_to_bf16(v820_i);
+  for (int64_t r = 0; r < 8192; r++) {
+    for (int64_t c = 0; c < 768; c++) {
+      const int64_t i = r * 768 + c;
+      const float v815_i = b815[i];
+      const float v817_i = v815_i;
+      const float v820_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v817_i));
+      b820[i] = mdl_f32_to_bf16(v820_i);
+    }
   }
   free(b815);
 }
@@ -7917,11 +8035,14 @@ static void k169_gemm__cast(char *arena, const MdlHooks *h) {
     free(w259);
   }
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t i = 0; i < 6291456; i++) {
-    const float v859_i = b859[i];
-    const float v861_i = v859_i;
-    const float v864_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v861_i));
-    b864[i] = mdl_f32_to_bf16(v864_i);
+  for (int64_t r = 0; r < 8192; r++) {
+    for (int64_t c = 0; c < 768; c++) {
+      const int64_t i = r * 768 + c;
+      const float v859_i = b859[i];
+      const float v861_i = v859_i;
+      const float v864_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v861_i));
+      b864[i] = mdl_f32_to_bf16(v864_i);
+    }
   }
   free(b859);
 }
@@ -8481,11 +8602,14 @@ static void k181_gemm__cast(char *arena, const MdlHooks *h) {
     free(w214);
   }
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t i = 0; i < 6291456; i++) {
-    const float v903_i = b903[i];
-    const float v905_i = v903_i;
-    const float v908_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v905_i));
-    b908[i] = mdl_f32_to_bf16(v908_i);
+  for (int64_t r = 0; r < 8192; r++) {
+    for (int64_t c = 0; c < 768; c++) {
+      const int64_t i = r * 768 + c;
+      const float v903_i = b903[i];
+      const float v905_i = v903_i;
+      const float v908_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v905_i));
+      b908[i] = mdl_f32_to_bf16(v908_i);
+    }
   }
   free(b903);
 }
@@ -9045,11 +9169,14 @@ static void k193_gemm__cast(char *arena, const MdlHooks *h) {
     free(w169);
   }
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t i = 0; i < 6291456; i++) {
-    const float v947_i = b947[i];
-    const float v949_i = v947_i;
-    const float v952_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v949_i));
-    b952[i] = mdl_f32_to_bf16(v952_i);
+  for (int64_t r = 0; r < 8192; r++) {
+    for (int64_t c = 0; c < 768; c++) {
+      const int64_t i = r * 768 + c;
+      const float v947_i = b947[i];
+      const float v949_i = v947_i;
+      const float v952_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v949_i));
+      b952[i] = mdl_f32_to_bf16(v952_i);
+    }
   }
   free(b947);
 }
@@ -9609,11 +9736,14 @@ static void k205_gemm__cast(char *arena, const MdlHooks *h) {
     free(w124);
   }
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t i = 0; i < 6291456; i++) {
-    const float v991_i = b991[i];
-    const float v993_i = v991_i;
-    const float v996_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v993_i));
-    b996[i] = mdl_f32_to_bf16(v996_i);
+  for (int64_t r = 0; r < 8192; r++) {
+    for (int64_t c = 0; c < 768; c++) {
+      const int64_t i = r * 768 + c;
+      const float v991_i = b991[i];
+      const float v993_i = v991_i;
+      const float v996_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v993_i));
+      b996[i] = mdl_f32_to_bf16(v996_i);
+    }
   }
   free(b991);
 }
@@ -10173,11 +10303,14 @@ static void k217_gemm__cast(char *arena, const MdlHooks *h) {
     free(w79);
   }
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t i = 0; i < 6291456; i++) {
-    const float v1035_i = b1035[i];
-    const float v1037_i = v1035_i;
-    const float v1040_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v1037_i));
-    b1040[i] = mdl_f32_to_bf16(v1040_i);
+  for (int64_t r = 0; r < 8192; r++) {
+    for (int64_t c = 0; c < 768; c++) {
+      const int64_t i = r * 768 + c;
+      const float v1035_i = b1035[i];
+      const float v1037_i = v1035_i;
+      const float v1040_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v1037_i));
+      b1040[i] = mdl_f32_to_bf16(v1040_i);
+    }
   }
   free(b1035);
 }
@@ -10737,11 +10870,14 @@ static void k229_gemm__cast(char *arena, const MdlHooks *h) {
     free(w34);
   }
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t i = 0; i < 6291456; i++) {
-    const float v1079_i = b1079[i];
-    const float v1081_i = v1079_i;
-    const float v1084_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v1081_i));
-    b1084[i] = mdl_f32_to_bf16(v1084_i);
+  for (int64_t r = 0; r < 8192; r++) {
+    for (int64_t c = 0; c < 768; c++) {
+      const int64_t i = r * 768 + c;
+      const float v1079_i = b1079[i];
+      const float v1081_i = v1079_i;
+      const float v1084_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v1081_i));
+      b1084[i] = mdl_f32_to_bf16(v1084_i);
+    }
   }
   free(b1079);
 }
@@ -11104,11 +11240,14 @@ static void k236_embed_bwd__add(char *arena, const MdlHooks *h) {
     }
   }
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t i = 0; i < 38597376; i++) {
-    const float v570_i = b570[i];
-    const float v1104_i = b1104[i];
-    const float v1105_i = v570_i + v1104_i;
-    b1105[i] = v1105_i;
+  for (int64_t r = 0; r < 50257; r++) {
+    for (int64_t c = 0; c < 768; c++) {
+      const int64_t i = r * 768 + c;
+      const float v570_i = b570[i];
+      const float v1104_i = b1104[i];
+      const float v1105_i = v570_i + v1104_i;
+      b1105[i] = v1105_i;
+    }
   }
   free(b1104);
 }

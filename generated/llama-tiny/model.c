@@ -42,33 +42,12 @@ static inline float mdl_dropout(uint64_t seed, uint64_t stream, int64_t i, doubl
   return mdl_rng_uniform(seed, stream, (uint64_t)i) >= p ? (float)(x / (1.0 - p)) : 0.0f;
 }
 
-// GELU, tanh approximation (GPT-2): 0.5 x (1 + tanh(u)), u = sqrt(2/pi) (x + 0.044715 x^3), and its
-// derivative 0.5 (1 + t) + 0.5 x (1 - t^2) u'. With s = sigmoid(2u) = 0.5 (1 + tanh(u)) and
-// 1 - t^2 = 4 s (1 - s) both take one expf, much cheaper than tanhf.
-static inline float mdl_gelu(float x) {
-  const float u = 0.797884561f * (x + 0.044715f * x * x * x);
-  return x / (1.0f + expf(-2.0f * u));
-}
-
-static inline float mdl_gelu_grad(float x) {
-  const float u = 0.797884561f * (x + 0.044715f * x * x * x), s = 1.0f / (1.0f + expf(-2.0f * u));
-  return s + 2.0f * x * s * (1.0f - s) * 0.797884561f * (1.0f + 3.0f * 0.044715f * x * x);
-}
-
-static inline float mdl_sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
-static inline float mdl_silu(float x) { return x * mdl_sigmoid(x); }
-
-static inline float mdl_silu_grad(float x, float dy) {
-  const float s = mdl_sigmoid(x);
-  return dy * s * (1.0f + x * (1.0f - s));
-}
-
-// exp(x) for x <= 0 (a softmax score less the row's maximum), 0 for -INFINITY: x = n ln 2 + r with
-// n rounded to nearest by adding 1.5 * 2^23 (n then sits in the low bits of `big`), Cephes' expf
+// exp(x), saturating outside [-87, 88] (at e^-87 and e^88; a NaN stays NaN): x = n ln 2 + r with n
+// rounded to nearest by adding 1.5 * 2^23 (n then sits in the low bits of `big`), Cephes' expf
 // polynomial in r, and 2^n made from n's bits; within 2 ulp, and branch-free so that loops of it
-// vectorize.
-static inline float mdl_exp_shifted(float x) {
-  const float xc = x > -87.0f ? x : -87.0f;
+// vectorize (libm's expf does not: a scalar call per element).
+static inline float mdl_exp_fast(float x) {
+  const float xc = x < -87.0f ? -87.0f : x > 88.0f ? 88.0f : x;
   const float big = xc * 1.44269504f + 12582912.0f, n = big - 12582912.0f;
   const float r = xc - n * 0.693359375f + n * 2.12194440e-4f;
   float p = 1.9875691500e-4f;
@@ -77,12 +56,36 @@ static inline float mdl_exp_shifted(float x) {
   p = p * r + 4.1665795894e-2f;
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
-  int32_t bits;
+  uint32_t bits;
   memcpy(&bits, &big, sizeof bits);
-  bits = (bits - 0x4B400000 + 127) * 8388608;
+  bits = (bits - 0x4B400000u + 127u) << 23;
   float two_n;
   memcpy(&two_n, &bits, sizeof two_n);
-  return x == -INFINITY ? 0.0f : (p * r * r + r + 1.0f) * two_n;
+  return (p * r * r + r + 1.0f) * two_n;
+}
+
+// exp(x) for x <= 0 (a score less its row's maximum), 0 for -INFINITY.
+static inline float mdl_exp_shifted(float x) { return x == -INFINITY ? 0.0f : mdl_exp_fast(x); }
+
+// GELU, tanh approximation (GPT-2): 0.5 x (1 + tanh(u)), u = sqrt(2/pi) (x + 0.044715 x^3), and its
+// derivative 0.5 (1 + t) + 0.5 x (1 - t^2) u'. With s = sigmoid(2u) = 0.5 (1 + tanh(u)) and
+// 1 - t^2 = 4 s (1 - s) both take one exp, much cheaper than tanhf.
+static inline float mdl_gelu(float x) {
+  const float u = 0.797884561f * (x + 0.044715f * x * x * x);
+  return x / (1.0f + mdl_exp_fast(-2.0f * u));
+}
+
+static inline float mdl_gelu_grad(float x) {
+  const float u = 0.797884561f * (x + 0.044715f * x * x * x), s = 1.0f / (1.0f + mdl_exp_fast(-2.0f * u));
+  return s + 2.0f * x * s * (1.0f - s) * 0.797884561f * (1.0f + 3.0f * 0.044715f * x * x);
+}
+
+static inline float mdl_sigmoid(float x) { return 1.0f / (1.0f + mdl_exp_fast(-x)); }
+static inline float mdl_silu(float x) { return x * mdl_sigmoid(x); }
+
+static inline float mdl_silu_grad(float x, float dy) {
+  const float s = mdl_sigmoid(x);
+  return dy * s * (1.0f + x * (1.0f - s));
 }
 
 static inline void *mdl_scratch(size_t bytes) {
@@ -454,12 +457,15 @@ static void k8_gemm__add(char *arena, const MdlHooks *h) {
     free(w36);
   }
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t i = 0; i < 32768; i++) {
-    const float v5_i = b5[i];
-    const float v37_i = b37[i];
-    const float v38_i = v37_i;
-    const float v39_i = v5_i + v38_i;
-    b39[i] = v39_i;
+  for (int64_t r = 0; r < 512; r++) {
+    for (int64_t c = 0; c < 64; c++) {
+      const int64_t i = r * 64 + c;
+      const float v5_i = b5[i];
+      const float v37_i = b37[i];
+      const float v38_i = v37_i;
+      const float v39_i = v5_i + v38_i;
+      b39[i] = v39_i;
+    }
   }
 }
 
@@ -545,15 +551,18 @@ static void k11_gemm__silu__mul__cast(char *arena, const MdlHooks *h) {
     free(w43);
   }
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t i = 0; i < 88064; i++) {
-    const float v44_i = b44[i];
-    const float v46_i = mdl_silu(v44_i);
-    b46[i] = v46_i;
-    const float v50_i = b50[i];
-    const float v52_i = v46_i * v50_i;
-    const float v53_i = v52_i;
-    const float v54_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v53_i));
-    b54[i] = mdl_f32_to_bf16(v54_i);
+  for (int64_t r = 0; r < 512; r++) {
+    for (int64_t c = 0; c < 172; c++) {
+      const int64_t i = r * 172 + c;
+      const float v44_i = b44[i];
+      const float v46_i = mdl_silu(v44_i);
+      b46[i] = v46_i;
+      const float v50_i = b50[i];
+      const float v52_i = v46_i * v50_i;
+      const float v53_i = v52_i;
+      const float v54_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v53_i));
+      b54[i] = mdl_f32_to_bf16(v54_i);
+    }
   }
 }
 
@@ -578,12 +587,15 @@ static void k12_gemm__add(char *arena, const MdlHooks *h) {
     free(w55);
   }
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t i = 0; i < 32768; i++) {
-    const float v39_i = b39[i];
-    const float v56_i = b56[i];
-    const float v57_i = v56_i;
-    const float v58_i = v39_i + v57_i;
-    b58[i] = v58_i;
+  for (int64_t r = 0; r < 512; r++) {
+    for (int64_t c = 0; c < 64; c++) {
+      const int64_t i = r * 64 + c;
+      const float v39_i = b39[i];
+      const float v56_i = b56[i];
+      const float v57_i = v56_i;
+      const float v58_i = v39_i + v57_i;
+      b58[i] = v58_i;
+    }
   }
 }
 
@@ -861,12 +873,15 @@ static void k20_gemm__add(char *arena, const MdlHooks *h) {
     free(w89);
   }
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t i = 0; i < 32768; i++) {
-    const float v58_i = b58[i];
-    const float v90_i = b90[i];
-    const float v91_i = v90_i;
-    const float v92_i = v58_i + v91_i;
-    b92[i] = v92_i;
+  for (int64_t r = 0; r < 512; r++) {
+    for (int64_t c = 0; c < 64; c++) {
+      const int64_t i = r * 64 + c;
+      const float v58_i = b58[i];
+      const float v90_i = b90[i];
+      const float v91_i = v90_i;
+      const float v92_i = v58_i + v91_i;
+      b92[i] = v92_i;
+    }
   }
 }
 
@@ -952,15 +967,18 @@ static void k23_gemm__silu__mul__cast(char *arena, const MdlHooks *h) {
     free(w96);
   }
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t i = 0; i < 88064; i++) {
-    const float v97_i = b97[i];
-    const float v99_i = mdl_silu(v97_i);
-    b99[i] = v99_i;
-    const float v103_i = b103[i];
-    const float v105_i = v99_i * v103_i;
-    const float v106_i = v105_i;
-    const float v107_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v106_i));
-    b107[i] = mdl_f32_to_bf16(v107_i);
+  for (int64_t r = 0; r < 512; r++) {
+    for (int64_t c = 0; c < 172; c++) {
+      const int64_t i = r * 172 + c;
+      const float v97_i = b97[i];
+      const float v99_i = mdl_silu(v97_i);
+      b99[i] = v99_i;
+      const float v103_i = b103[i];
+      const float v105_i = v99_i * v103_i;
+      const float v106_i = v105_i;
+      const float v107_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v106_i));
+      b107[i] = mdl_f32_to_bf16(v107_i);
+    }
   }
 }
 
@@ -985,12 +1003,15 @@ static void k24_gemm__add(char *arena, const MdlHooks *h) {
     free(w108);
   }
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t i = 0; i < 32768; i++) {
-    const float v92_i = b92[i];
-    const float v109_i = b109[i];
-    const float v110_i = v109_i;
-    const float v111_i = v92_i + v110_i;
-    b111[i] = v111_i;
+  for (int64_t r = 0; r < 512; r++) {
+    for (int64_t c = 0; c < 64; c++) {
+      const int64_t i = r * 64 + c;
+      const float v92_i = b92[i];
+      const float v109_i = b109[i];
+      const float v110_i = v109_i;
+      const float v111_i = v92_i + v110_i;
+      b111[i] = v111_i;
+    }
   }
 }
 
@@ -1089,8 +1110,9 @@ static void k27_lmhead__cross_entropy__cross_entropy_bwd__cast__gemm(char *arena
       for (int64_t j = 0; j < 256; j++)
         m = fmaxf(m, x[j]);
       double sum = 0;
+      #pragma omp simd reduction(+ : sum)
       for (int64_t j = 0; j < 256; j++) {
-        dx[j] = expf(x[j] - m);
+        dx[j] = mdl_exp_shifted(x[j] - m);
         sum += dx[j];
       }
       b120[r] = (float)(m + log(sum) - xt);
@@ -1225,15 +1247,18 @@ static void k31_gemm__mul__silu_bwd__cast(char *arena, const MdlHooks *h) {
     free(w108);
   }
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t i = 0; i < 88064; i++) {
-    const float v97_i = b97[i];
-    const float v139_i = b139[i];
-    const float v103_i = b103[i];
-    const float v142_i = v139_i * v103_i;
-    const float v149_i = mdl_silu_grad(v97_i, v142_i);
-    const float v150_i = v149_i;
-    const float v151_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v150_i));
-    b151[i] = mdl_f32_to_bf16(v151_i);
+  for (int64_t r = 0; r < 512; r++) {
+    for (int64_t c = 0; c < 172; c++) {
+      const int64_t i = r * 172 + c;
+      const float v97_i = b97[i];
+      const float v139_i = b139[i];
+      const float v103_i = b103[i];
+      const float v142_i = v139_i * v103_i;
+      const float v149_i = mdl_silu_grad(v97_i, v142_i);
+      const float v150_i = v149_i;
+      const float v151_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v150_i));
+      b151[i] = mdl_f32_to_bf16(v151_i);
+    }
   }
 }
 
@@ -1248,13 +1273,16 @@ static void k32_cast__mul(char *arena, const MdlHooks *h) {
   float *const b139 = (float *)(arena + 4462720); // %139 matmul f32[512,172]
   uint16_t *const b145 = (uint16_t *)(arena + 3405952); // %145 cast bf16[512,172]
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t i = 0; i < 88064; i++) {
-    const float v139_i = b139[i];
-    const float v99_i = b99[i];
-    const float v143_i = v139_i * v99_i;
-    const float v144_i = v143_i;
-    const float v145_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v144_i));
-    b145[i] = mdl_f32_to_bf16(v145_i);
+  for (int64_t r = 0; r < 512; r++) {
+    for (int64_t c = 0; c < 172; c++) {
+      const int64_t i = r * 172 + c;
+      const float v139_i = b139[i];
+      const float v99_i = b99[i];
+      const float v143_i = v139_i * v99_i;
+      const float v144_i = v143_i;
+      const float v145_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v144_i));
+      b145[i] = mdl_f32_to_bf16(v145_i);
+    }
   }
 }
 
@@ -1330,12 +1358,15 @@ static void k36_gemm__add(char *arena, const MdlHooks *h) {
     free(w102);
   }
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t i = 0; i < 32768; i++) {
-    const float v146_i = b146[i];
-    const float v148_i = v146_i;
-    const float v152_i = b152[i];
-    const float v155_i = v148_i + v152_i;
-    b155[i] = v155_i;
+  for (int64_t r = 0; r < 512; r++) {
+    for (int64_t c = 0; c < 64; c++) {
+      const int64_t i = r * 64 + c;
+      const float v146_i = b146[i];
+      const float v148_i = v146_i;
+      const float v152_i = b152[i];
+      const float v155_i = v148_i + v152_i;
+      b155[i] = v155_i;
+    }
   }
 }
 
@@ -1442,11 +1473,14 @@ static void k39_gemm__cast(char *arena, const MdlHooks *h) {
     free(w89);
   }
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t i = 0; i < 32768; i++) {
-    const float v161_i = b161[i];
-    const float v163_i = v161_i;
-    const float v166_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v163_i));
-    b166[i] = mdl_f32_to_bf16(v166_i);
+  for (int64_t r = 0; r < 512; r++) {
+    for (int64_t c = 0; c < 64; c++) {
+      const int64_t i = r * 64 + c;
+      const float v161_i = b161[i];
+      const float v163_i = v161_i;
+      const float v166_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v163_i));
+      b166[i] = mdl_f32_to_bf16(v166_i);
+    }
   }
   free(b161);
 }
@@ -1594,10 +1628,13 @@ static void k41_cast(char *arena, const MdlHooks *h) {
   float *const b169 = (float *)(arena + 3799168); // %169 attention_bwd f32[8,64,64]
   uint16_t *const b171 = (uint16_t *)(arena + 3930240); // %171 cast bf16[512,64]
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t i = 0; i < 32768; i++) {
-    const float v169_i = b169[i];
-    const float v171_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v169_i));
-    b171[i] = mdl_f32_to_bf16(v171_i);
+  for (int64_t r = 0; r < 512; r++) {
+    for (int64_t c = 0; c < 64; c++) {
+      const int64_t i = r * 64 + c;
+      const float v169_i = b169[i];
+      const float v171_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v169_i));
+      b171[i] = mdl_f32_to_bf16(v171_i);
+    }
   }
 }
 
@@ -1647,11 +1684,14 @@ static void k43_rope__cast(char *arena, const MdlHooks *h) {
     }
   }
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t i = 0; i < 32768; i++) {
-    const float v175_i = b175[i];
-    const float v176_i = v175_i;
-    const float v177_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v176_i));
-    b177[i] = mdl_f32_to_bf16(v177_i);
+  for (int64_t r = 0; r < 512; r++) {
+    for (int64_t c = 0; c < 64; c++) {
+      const int64_t i = r * 64 + c;
+      const float v175_i = b175[i];
+      const float v176_i = v175_i;
+      const float v177_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v176_i));
+      b177[i] = mdl_f32_to_bf16(v177_i);
+    }
   }
   free(b175);
 }
@@ -1719,11 +1759,14 @@ static void k46_rope__cast(char *arena, const MdlHooks *h) {
     }
   }
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t i = 0; i < 32768; i++) {
-    const float v182_i = b182[i];
-    const float v183_i = v182_i;
-    const float v184_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v183_i));
-    b184[i] = mdl_f32_to_bf16(v184_i);
+  for (int64_t r = 0; r < 512; r++) {
+    for (int64_t c = 0; c < 64; c++) {
+      const int64_t i = r * 64 + c;
+      const float v182_i = b182[i];
+      const float v183_i = v182_i;
+      const float v184_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v183_i));
+      b184[i] = mdl_f32_to_bf16(v184_i);
+    }
   }
   free(b182);
 }
@@ -1785,14 +1828,17 @@ static void k49_gemm__add(char *arena, const MdlHooks *h) {
     free(w83);
   }
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t i = 0; i < 32768; i++) {
-    const float v172_i = b172[i];
-    const float v174_i = v172_i;
-    const float v178_i = b178[i];
-    const float v181_i = v174_i + v178_i;
-    const float v185_i = b185[i];
-    const float v188_i = v181_i + v185_i;
-    b188[i] = v188_i;
+  for (int64_t r = 0; r < 512; r++) {
+    for (int64_t c = 0; c < 64; c++) {
+      const int64_t i = r * 64 + c;
+      const float v172_i = b172[i];
+      const float v174_i = v172_i;
+      const float v178_i = b178[i];
+      const float v181_i = v174_i + v178_i;
+      const float v185_i = b185[i];
+      const float v188_i = v181_i + v185_i;
+      b188[i] = v188_i;
+    }
   }
 }
 
@@ -1903,15 +1949,18 @@ static void k52_gemm__mul__silu_bwd__cast(char *arena, const MdlHooks *h) {
     free(w55);
   }
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t i = 0; i < 88064; i++) {
-    const float v44_i = b44[i];
-    const float v194_i = b194[i];
-    const float v50_i = b50[i];
-    const float v197_i = v194_i * v50_i;
-    const float v204_i = mdl_silu_grad(v44_i, v197_i);
-    const float v205_i = v204_i;
-    const float v206_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v205_i));
-    b206[i] = mdl_f32_to_bf16(v206_i);
+  for (int64_t r = 0; r < 512; r++) {
+    for (int64_t c = 0; c < 172; c++) {
+      const int64_t i = r * 172 + c;
+      const float v44_i = b44[i];
+      const float v194_i = b194[i];
+      const float v50_i = b50[i];
+      const float v197_i = v194_i * v50_i;
+      const float v204_i = mdl_silu_grad(v44_i, v197_i);
+      const float v205_i = v204_i;
+      const float v206_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v205_i));
+      b206[i] = mdl_f32_to_bf16(v206_i);
+    }
   }
 }
 
@@ -1926,13 +1975,16 @@ static void k53_cast__mul(char *arena, const MdlHooks *h) {
   float *const b194 = (float *)(arena + 3405952); // %194 matmul f32[512,172]
   uint16_t *const b200 = (uint16_t *)(arena + 2349184); // %200 cast bf16[512,172]
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t i = 0; i < 88064; i++) {
-    const float v194_i = b194[i];
-    const float v46_i = b46[i];
-    const float v198_i = v194_i * v46_i;
-    const float v199_i = v198_i;
-    const float v200_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v199_i));
-    b200[i] = mdl_f32_to_bf16(v200_i);
+  for (int64_t r = 0; r < 512; r++) {
+    for (int64_t c = 0; c < 172; c++) {
+      const int64_t i = r * 172 + c;
+      const float v194_i = b194[i];
+      const float v46_i = b46[i];
+      const float v198_i = v194_i * v46_i;
+      const float v199_i = v198_i;
+      const float v200_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v199_i));
+      b200[i] = mdl_f32_to_bf16(v200_i);
+    }
   }
 }
 
@@ -2008,12 +2060,15 @@ static void k57_gemm__add(char *arena, const MdlHooks *h) {
     free(w49);
   }
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t i = 0; i < 32768; i++) {
-    const float v201_i = b201[i];
-    const float v203_i = v201_i;
-    const float v207_i = b207[i];
-    const float v210_i = v203_i + v207_i;
-    b210[i] = v210_i;
+  for (int64_t r = 0; r < 512; r++) {
+    for (int64_t c = 0; c < 64; c++) {
+      const int64_t i = r * 64 + c;
+      const float v201_i = b201[i];
+      const float v203_i = v201_i;
+      const float v207_i = b207[i];
+      const float v210_i = v203_i + v207_i;
+      b210[i] = v210_i;
+    }
   }
 }
 
@@ -2120,11 +2175,14 @@ static void k60_gemm__cast(char *arena, const MdlHooks *h) {
     free(w36);
   }
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t i = 0; i < 32768; i++) {
-    const float v216_i = b216[i];
-    const float v218_i = v216_i;
-    const float v221_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v218_i));
-    b221[i] = mdl_f32_to_bf16(v221_i);
+  for (int64_t r = 0; r < 512; r++) {
+    for (int64_t c = 0; c < 64; c++) {
+      const int64_t i = r * 64 + c;
+      const float v216_i = b216[i];
+      const float v218_i = v216_i;
+      const float v221_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v218_i));
+      b221[i] = mdl_f32_to_bf16(v221_i);
+    }
   }
   free(b216);
 }
@@ -2272,10 +2330,13 @@ static void k62_cast(char *arena, const MdlHooks *h) {
   float *const b224 = (float *)(arena + 2742400); // %224 attention_bwd f32[8,64,64]
   uint16_t *const b226 = (uint16_t *)(arena + 2873472); // %226 cast bf16[512,64]
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t i = 0; i < 32768; i++) {
-    const float v224_i = b224[i];
-    const float v226_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v224_i));
-    b226[i] = mdl_f32_to_bf16(v226_i);
+  for (int64_t r = 0; r < 512; r++) {
+    for (int64_t c = 0; c < 64; c++) {
+      const int64_t i = r * 64 + c;
+      const float v224_i = b224[i];
+      const float v226_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v224_i));
+      b226[i] = mdl_f32_to_bf16(v226_i);
+    }
   }
 }
 
@@ -2325,11 +2386,14 @@ static void k64_rope__cast(char *arena, const MdlHooks *h) {
     }
   }
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t i = 0; i < 32768; i++) {
-    const float v230_i = b230[i];
-    const float v231_i = v230_i;
-    const float v232_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v231_i));
-    b232[i] = mdl_f32_to_bf16(v232_i);
+  for (int64_t r = 0; r < 512; r++) {
+    for (int64_t c = 0; c < 64; c++) {
+      const int64_t i = r * 64 + c;
+      const float v230_i = b230[i];
+      const float v231_i = v230_i;
+      const float v232_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v231_i));
+      b232[i] = mdl_f32_to_bf16(v232_i);
+    }
   }
   free(b230);
 }
@@ -2397,11 +2461,14 @@ static void k67_rope__cast(char *arena, const MdlHooks *h) {
     }
   }
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t i = 0; i < 32768; i++) {
-    const float v237_i = b237[i];
-    const float v238_i = v237_i;
-    const float v239_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v238_i));
-    b239[i] = mdl_f32_to_bf16(v239_i);
+  for (int64_t r = 0; r < 512; r++) {
+    for (int64_t c = 0; c < 64; c++) {
+      const int64_t i = r * 64 + c;
+      const float v237_i = b237[i];
+      const float v238_i = v237_i;
+      const float v239_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v238_i));
+      b239[i] = mdl_f32_to_bf16(v239_i);
+    }
   }
   free(b237);
 }
@@ -2463,14 +2530,17 @@ static void k70_gemm__add(char *arena, const MdlHooks *h) {
     free(w30);
   }
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t i = 0; i < 32768; i++) {
-    const float v227_i = b227[i];
-    const float v229_i = v227_i;
-    const float v233_i = b233[i];
-    const float v236_i = v229_i + v233_i;
-    const float v240_i = b240[i];
-    const float v243_i = v236_i + v240_i;
-    b243[i] = v243_i;
+  for (int64_t r = 0; r < 512; r++) {
+    for (int64_t c = 0; c < 64; c++) {
+      const int64_t i = r * 64 + c;
+      const float v227_i = b227[i];
+      const float v229_i = v227_i;
+      const float v233_i = b233[i];
+      const float v236_i = v229_i + v233_i;
+      const float v240_i = b240[i];
+      const float v243_i = v236_i + v240_i;
+      b243[i] = v243_i;
+    }
   }
 }
 

@@ -42,33 +42,12 @@ static inline float mdl_dropout(uint64_t seed, uint64_t stream, int64_t i, doubl
   return mdl_rng_uniform(seed, stream, (uint64_t)i) >= p ? (float)(x / (1.0 - p)) : 0.0f;
 }
 
-// GELU, tanh approximation (GPT-2): 0.5 x (1 + tanh(u)), u = sqrt(2/pi) (x + 0.044715 x^3), and its
-// derivative 0.5 (1 + t) + 0.5 x (1 - t^2) u'. With s = sigmoid(2u) = 0.5 (1 + tanh(u)) and
-// 1 - t^2 = 4 s (1 - s) both take one expf, much cheaper than tanhf.
-static inline float mdl_gelu(float x) {
-  const float u = 0.797884561f * (x + 0.044715f * x * x * x);
-  return x / (1.0f + expf(-2.0f * u));
-}
-
-static inline float mdl_gelu_grad(float x) {
-  const float u = 0.797884561f * (x + 0.044715f * x * x * x), s = 1.0f / (1.0f + expf(-2.0f * u));
-  return s + 2.0f * x * s * (1.0f - s) * 0.797884561f * (1.0f + 3.0f * 0.044715f * x * x);
-}
-
-static inline float mdl_sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
-static inline float mdl_silu(float x) { return x * mdl_sigmoid(x); }
-
-static inline float mdl_silu_grad(float x, float dy) {
-  const float s = mdl_sigmoid(x);
-  return dy * s * (1.0f + x * (1.0f - s));
-}
-
-// exp(x) for x <= 0 (a softmax score less the row's maximum), 0 for -INFINITY: x = n ln 2 + r with
-// n rounded to nearest by adding 1.5 * 2^23 (n then sits in the low bits of `big`), Cephes' expf
+// exp(x), saturating outside [-87, 88] (at e^-87 and e^88; a NaN stays NaN): x = n ln 2 + r with n
+// rounded to nearest by adding 1.5 * 2^23 (n then sits in the low bits of `big`), Cephes' expf
 // polynomial in r, and 2^n made from n's bits; within 2 ulp, and branch-free so that loops of it
-// vectorize.
-static inline float mdl_exp_shifted(float x) {
-  const float xc = x > -87.0f ? x : -87.0f;
+// vectorize (libm's expf does not: a scalar call per element).
+static inline float mdl_exp_fast(float x) {
+  const float xc = x < -87.0f ? -87.0f : x > 88.0f ? 88.0f : x;
   const float big = xc * 1.44269504f + 12582912.0f, n = big - 12582912.0f;
   const float r = xc - n * 0.693359375f + n * 2.12194440e-4f;
   float p = 1.9875691500e-4f;
@@ -77,12 +56,36 @@ static inline float mdl_exp_shifted(float x) {
   p = p * r + 4.1665795894e-2f;
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
-  int32_t bits;
+  uint32_t bits;
   memcpy(&bits, &big, sizeof bits);
-  bits = (bits - 0x4B400000 + 127) * 8388608;
+  bits = (bits - 0x4B400000u + 127u) << 23;
   float two_n;
   memcpy(&two_n, &bits, sizeof two_n);
-  return x == -INFINITY ? 0.0f : (p * r * r + r + 1.0f) * two_n;
+  return (p * r * r + r + 1.0f) * two_n;
+}
+
+// exp(x) for x <= 0 (a score less its row's maximum), 0 for -INFINITY.
+static inline float mdl_exp_shifted(float x) { return x == -INFINITY ? 0.0f : mdl_exp_fast(x); }
+
+// GELU, tanh approximation (GPT-2): 0.5 x (1 + tanh(u)), u = sqrt(2/pi) (x + 0.044715 x^3), and its
+// derivative 0.5 (1 + t) + 0.5 x (1 - t^2) u'. With s = sigmoid(2u) = 0.5 (1 + tanh(u)) and
+// 1 - t^2 = 4 s (1 - s) both take one exp, much cheaper than tanhf.
+static inline float mdl_gelu(float x) {
+  const float u = 0.797884561f * (x + 0.044715f * x * x * x);
+  return x / (1.0f + mdl_exp_fast(-2.0f * u));
+}
+
+static inline float mdl_gelu_grad(float x) {
+  const float u = 0.797884561f * (x + 0.044715f * x * x * x), s = 1.0f / (1.0f + mdl_exp_fast(-2.0f * u));
+  return s + 2.0f * x * s * (1.0f - s) * 0.797884561f * (1.0f + 3.0f * 0.044715f * x * x);
+}
+
+static inline float mdl_sigmoid(float x) { return 1.0f / (1.0f + mdl_exp_fast(-x)); }
+static inline float mdl_silu(float x) { return x * mdl_sigmoid(x); }
+
+static inline float mdl_silu_grad(float x, float dy) {
+  const float s = mdl_sigmoid(x);
+  return dy * s * (1.0f + x * (1.0f - s));
 }
 
 static inline void *mdl_scratch(size_t bytes) {
@@ -147,14 +150,16 @@ static void k0_gemm__add__relu(char *arena, const MdlHooks *h) {
   float *const b10 = (float *)(arena + 34304); // %10 relu h f32[32,32]
   float *const b8 = b9; // %8 matmul f32[32,32]: the GEMM writes into its epilogue's output
   mdl_gemm(h, 0, 0, 32, 32, 16, b0, 16, b2, 32, 0.0f, b8, 32);
-  for (int64_t i = 0; i < 1024; i++) {
-    const float v8_i = b8[i];
-    const int64_t j1 = i % 32;
-    const float v3_j1 = b3[j1];
-    const float v9_i = v8_i + v3_j1;
-    b9[i] = v9_i;
-    const float v10_i = v9_i > 0.0f ? v9_i : 0.0f;
-    b10[i] = v10_i;
+  for (int64_t r = 0; r < 32; r++) {
+    for (int64_t c = 0; c < 32; c++) {
+      const int64_t i = r * 32 + c;
+      const float v8_i = b8[i];
+      const float v3_c = b3[c];
+      const float v9_i = v8_i + v3_c;
+      b9[i] = v9_i;
+      const float v10_i = v9_i > 0.0f ? v9_i : 0.0f;
+      b10[i] = v10_i;
+    }
   }
 }
 
@@ -173,14 +178,16 @@ static void k1_gemm__add__relu(char *arena, const MdlHooks *h) {
   float *const b13 = (float *)(arena + 42496); // %13 relu h f32[32,32]
   float *const b11 = b12; // %11 matmul f32[32,32]: the GEMM writes into its epilogue's output
   mdl_gemm(h, 0, 0, 32, 32, 32, b10, 32, b4, 32, 0.0f, b11, 32);
-  for (int64_t i = 0; i < 1024; i++) {
-    const float v11_i = b11[i];
-    const int64_t j1 = i % 32;
-    const float v5_j1 = b5[j1];
-    const float v12_i = v11_i + v5_j1;
-    b12[i] = v12_i;
-    const float v13_i = v12_i > 0.0f ? v12_i : 0.0f;
-    b13[i] = v13_i;
+  for (int64_t r = 0; r < 32; r++) {
+    for (int64_t c = 0; c < 32; c++) {
+      const int64_t i = r * 32 + c;
+      const float v11_i = b11[i];
+      const float v5_c = b5[c];
+      const float v12_i = v11_i + v5_c;
+      b12[i] = v12_i;
+      const float v13_i = v12_i > 0.0f ? v12_i : 0.0f;
+      b13[i] = v13_i;
+    }
   }
 }
 
@@ -250,8 +257,9 @@ static void k4_cross_entropy_fwd__cross_entropy_bwd(char *arena, const MdlHooks 
     for (int64_t j = 0; j < 4; j++)
       m = fmaxf(m, x[j]);
     double sum = 0;
+    #pragma omp simd reduction(+ : sum)
     for (int64_t j = 0; j < 4; j++) {
-      dx[j] = expf(x[j] - m);
+      dx[j] = mdl_exp_shifted(x[j] - m);
       sum += dx[j];
     }
     b16[r] = (float)(m + log(sum) - xt);

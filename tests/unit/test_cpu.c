@@ -743,6 +743,83 @@ static void test_cache_and_errors(void) {
 }
 
 // Removes the test's cache directory and everything in it.
+// Extreme values through the compiled C's exp (a polynomial that saturates outside [-87, 88] and
+// vectorizes, emit_c.c's prelude): cross-entropy over rows with -inf logits, and gelu and silu from
+// -1e4 to 1e4 (where exp(-2u) leaves the float range both ways), loss and gradient against the
+// interpreter's libm; a NaN logit or activation gives a NaN loss, as there.
+static const char limits[] = "model limits\n"
+                             "dim R = 4\n"
+                             "dim V = 300\n"
+                             "input x: f32[R, V]\n"
+                             "input z: f32[R, V]\n"
+                             "input targets: i32[R]\n"
+                             "param s: [V] = normal(0.1)\n"
+                             "output loss = mean(cross_entropy(x + s, targets)) + mean(gelu(z + s)) + "
+                             "mean(silu(z * s))\n";
+
+static void test_limits(void) {
+  Arena *a = arena_new();
+  Graph *g = mdl_compile_text(a, "limits.mdl", limits, NULL, 0);
+  bool ok = g && autodiff(g, true);
+  CHECK(ok, "cpu limits: compiles", "front end or autodiff failed");
+  Fusion *f = ok ? fuse(g, (FuseOptions){.fuse = true, .chunk_lmhead = true}) : NULL;
+  MemPlan *m = f ? memplan(f) : NULL;
+  char *src = m ? emit_c(f, m, "limits.mdl") : NULL, err[256] = "";
+  CpuModule *cm = src ? cpu_load(src, err, sizeof err) : NULL;
+  CHECK(cm != NULL, "cpu limits: module loads", "%s", err);
+  for (int nan = 0; cm && nan < 3; nan++) {
+    enum { R = 4, V = 300 };
+    static float x[R * V], z[R * V];
+    int32_t tg[R] = {1, 2, 0, 3};
+    for (int j = 0; j < R * V; j++) {
+      x[j] = (float)(3 * sin(0.7 * j + 0.3));
+      z[j] = (float)(j % 2 ? 1 : -1) * powf(10.0f, (float)(j % 100) / 25.0f); // +-1 .. +-1e4
+    }
+    for (int j = 100; j < V; j++)
+      x[j] = -INFINITY;
+    for (int j = 0; j < 64; j++)
+      if (j != tg[1])
+        x[V + j] = -INFINITY;
+    if (nan == 1)
+      x[3 * V + 7] = NAN;
+    if (nan == 2)
+      z[2 * V + 9] = NAN;
+    Interp *it = interp_new(g, INTERP_F32);
+    interp_init_params(it, 7);
+    interp_set_input(it, "x", NULL, x, R * V);
+    interp_set_input(it, "z", NULL, z, R * V);
+    interp_set_input(it, "targets", tg, NULL, R);
+    interp_set_scalar(it, "lr", 2e-3);
+    interp_set_scalar(it, "step", 1);
+    bool iok = interp_run(it, g->n, err, sizeof err);
+    char *arena = cpu_arena_new(m);
+    cpu_init_params(g, m, arena, 7);
+    cpu_set_input(g, m, arena, "x", NULL, x, R * V);
+    cpu_set_input(g, m, arena, "z", NULL, z, R * V);
+    cpu_set_input(g, m, arena, "targets", tg, NULL, R);
+    cpu_set_scalar(g, m, arena, "lr", 2e-3);
+    cpu_set_scalar(g, m, arena, "step", 1);
+    bool cok = cpu_step(cm, arena);
+    double loss = *(float *)cpu_value(m, arena, g->loss), ref = interp_value(it, g->loss)[0];
+    if (nan) {
+      CHECK(iok && cok && isnan(loss) && isnan(ref),
+            nan == 1 ? "cpu limits: a NaN logit gives a NaN loss" : "cpu limits: a NaN activation gives a NaN loss",
+            "loss %g, interpreter %g (%s)", loss, ref, err);
+    } else {
+      int64_t n = shape_numel(g->nodes[g->params[0]]->shape);
+      double *gs = dup_f(cpu_value(m, arena, g->grads[0]), n);
+      double e = rel_err(gs, interp_value(it, g->grads[0]), n);
+      CHECK(iok && cok && isfinite(loss) && fabs(loss - ref) <= 1e-5 * fabs(ref) && e <= 1e-5,
+            "cpu limits: -inf logits, gelu and silu at +-1e4 give the interpreter's loss and gradient (1e-5)",
+            "loss %.8f vs %.8f, gradient %.2e (%s)", loss, ref, e, err);
+      free(gs);
+    }
+    free(arena);
+    interp_free(it);
+  }
+  arena_free(a);
+}
+
 static void remove_dir(const char *dir) {
   DIR *d = opendir(dir);
   struct dirent *ent;
@@ -779,6 +856,7 @@ int main(void) {
   test_bf16_arena("models/gpt2-tiny.mdl");
   test_bf16_arena("models/llama-tiny.mdl");
   test_bf16_rounding();
+  test_limits();
   test_cache_and_errors();
   remove_dir(dir);
   TEST_EXIT();
