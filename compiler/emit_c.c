@@ -435,6 +435,7 @@ static void pw_loop(Emit *e, const int *nodes, int k, int64_t numel, int post_an
     ec_enter(&e->core, "for (int64_t c = 0; c < %lld; c++)", (long long)w);
     ec_line(&e->core, "const int64_t i = r * %lld + c;", (long long)w);
     e->core.row_ix = "i";
+    e->core.row_r = "r";
     e->core.row_w = w;
   } else {
     ec_enter(&e->core, "for (int64_t i = 0; i < %lld; i++)", (long long)numel);
@@ -789,7 +790,11 @@ static void emit_reduce(Emit *e, int gi, const bool *emitted) {
       ec_enter(&e->core, "for (int64_t l = k * %lld; l < end; l++)", (long long)bl);
       ec_enter(&e->core, "for (int64_t c = 0; c < %lld; c++)", (long long)inner);
       ec_line(&e->core, "const int64_t ix = l * %lld + c;", (long long)inner);
+      e->core.row_ix = "ix";
+      e->core.row_r = "l";
+      e->core.row_w = inner;
       ec_reduce_input(&e->core, x, side, nside);
+      e->core.row_ix = NULL;
       if (max) {
         ec_line(&e->core, "float acc = p[c];");
         accumulate(e, max);

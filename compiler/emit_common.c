@@ -812,9 +812,9 @@ static void coord(EmitCore *e, Buf *b, const char *ix, int64_t div, int64_t size
   if (rows && div == 1 && size == e->row_w)
     ec_bput(b, "c");
   else if (rows && div == e->row_w && leftmost)
-    ec_bput(b, "r");
+    ec_bput(b, "%s", e->row_r);
   else if (rows && div == e->row_w)
-    ec_bput(b, "r %% %lld", (long long)size);
+    ec_bput(b, "%s %% %lld", e->row_r, (long long)size);
   else if (div == 1 && leftmost)
     ec_bput(b, "%s", ix);
   else if (div == 1)
@@ -924,11 +924,15 @@ const char *ec_ix_part(EmitCore *e, Shape s, int ax, const char *ix, const char 
   int64_t inner = ec_span(s, ax + 1, s.rank), outer = ec_span(s, 0, ax), flen = s.d[ax];
   Buf b = {0};
   ec_bput(&b, "%s >= %lld && %s < %lld ? ", c, (long long)at, c, (long long)(at + len));
-  if (outer > 1)
-    ec_bput(&b, "%s / %lld * %lld + ", ix, (long long)(flen * inner), (long long)(len * inner));
+  if (outer > 1) {
+    coord(e, &b, ix, flen * inner, outer, true);
+    ec_bput(&b, " * %lld + ", (long long)(len * inner));
+  }
   ec_bput(&b, "(%s - %lld)", c, (long long)at);
-  if (inner > 1)
-    ec_bput(&b, " * %lld + %s %% %lld", (long long)inner, ix, (long long)inner);
+  if (inner > 1) {
+    ec_bput(&b, " * %lld + ", (long long)inner);
+    coord(e, &b, ix, 1, inner, false);
+  }
   ec_bput(&b, " : 0");
   return ix_var(e, ec_buf_str(e, &b));
 }

@@ -104,9 +104,10 @@ struct EmitCore {
   IxMemo *ixm;
   int nixm, capixm;
   const char *ixt;  // the type of index variables: "int64_t" (or "int" in a small CUDA kernel)
-  // A loop over rows of row_w elements whose flat index row_ix is r * row_w + c: an index of row_ix
-  // modulo row_w is c and its quotient r (so a bias read along rows is a contiguous load), or NULL.
-  const char *row_ix;
+  // A loop over rows of row_w elements whose flat index row_ix is row_r * row_w + c: an index of
+  // row_ix modulo row_w is c and its quotient row_r (so a bias read along rows is a contiguous load),
+  // or NULL.
+  const char *row_ix, *row_r;
   int64_t row_w;
 };
 

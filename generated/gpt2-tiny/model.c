@@ -1501,17 +1501,16 @@ static void k29_sum__slice_bwd__add__cast(char *arena, const MdlHooks *h) {
     for (int64_t l = k * 16; l < end; l++) {
       for (int64_t c = 0; c < 192; c++) {
         const int64_t ix = l * 192 + c;
-        const int64_t j1 = ix % 192;
-        const int64_t j2 = j1 >= 128 && j1 < 192 ? ix / 192 * 64 + (j1 - 128) : 0;
-        const float v153_j2 = b153[j2];
-        const float v154_ix = j1 >= 128 && j1 < 192 ? v153_j2 : 0.0f;
-        const int64_t j3 = j1 >= 64 && j1 < 128 ? ix / 192 * 64 + (j1 - 64) : 0;
-        const float v152_j3 = b152[j3];
-        const float v155_ix = j1 >= 64 && j1 < 128 ? v152_j3 : 0.0f;
+        const int64_t j1 = c >= 128 && c < 192 ? l * 64 + (c - 128) : 0;
+        const float v153_j1 = b153[j1];
+        const float v154_ix = c >= 128 && c < 192 ? v153_j1 : 0.0f;
+        const int64_t j2 = c >= 64 && c < 128 ? l * 64 + (c - 64) : 0;
+        const float v152_j2 = b152[j2];
+        const float v155_ix = c >= 64 && c < 128 ? v152_j2 : 0.0f;
         const float v156_ix = v154_ix + v155_ix;
-        const int64_t j4 = j1 >= 0 && j1 < 64 ? ix / 192 * 64 + (j1 - 0) : 0;
-        const float v151_j4 = b151[j4];
-        const float v157_ix = j1 >= 0 && j1 < 64 ? v151_j4 : 0.0f;
+        const int64_t j3 = c >= 0 && c < 64 ? l * 64 + (c - 0) : 0;
+        const float v151_j3 = b151[j3];
+        const float v157_ix = c >= 0 && c < 64 ? v151_j3 : 0.0f;
         const float v158_ix = v156_ix + v157_ix;
         const float v159_ix = v158_ix;
         const float v = v159_ix;
@@ -2064,17 +2063,16 @@ static void k41_sum__slice_bwd__add__cast(char *arena, const MdlHooks *h) {
     for (int64_t l = k * 16; l < end; l++) {
       for (int64_t c = 0; c < 192; c++) {
         const int64_t ix = l * 192 + c;
-        const int64_t j1 = ix % 192;
-        const int64_t j2 = j1 >= 128 && j1 < 192 ? ix / 192 * 64 + (j1 - 128) : 0;
-        const float v197_j2 = b197[j2];
-        const float v198_ix = j1 >= 128 && j1 < 192 ? v197_j2 : 0.0f;
-        const int64_t j3 = j1 >= 64 && j1 < 128 ? ix / 192 * 64 + (j1 - 64) : 0;
-        const float v196_j3 = b196[j3];
-        const float v199_ix = j1 >= 64 && j1 < 128 ? v196_j3 : 0.0f;
+        const int64_t j1 = c >= 128 && c < 192 ? l * 64 + (c - 128) : 0;
+        const float v197_j1 = b197[j1];
+        const float v198_ix = c >= 128 && c < 192 ? v197_j1 : 0.0f;
+        const int64_t j2 = c >= 64 && c < 128 ? l * 64 + (c - 64) : 0;
+        const float v196_j2 = b196[j2];
+        const float v199_ix = c >= 64 && c < 128 ? v196_j2 : 0.0f;
         const float v200_ix = v198_ix + v199_ix;
-        const int64_t j4 = j1 >= 0 && j1 < 64 ? ix / 192 * 64 + (j1 - 0) : 0;
-        const float v195_j4 = b195[j4];
-        const float v201_ix = j1 >= 0 && j1 < 64 ? v195_j4 : 0.0f;
+        const int64_t j3 = c >= 0 && c < 64 ? l * 64 + (c - 0) : 0;
+        const float v195_j3 = b195[j3];
+        const float v201_ix = c >= 0 && c < 64 ? v195_j3 : 0.0f;
         const float v202_ix = v200_ix + v201_ix;
         const float v203_ix = v202_ix;
         const float v = v203_ix;

@@ -4805,17 +4805,16 @@ static void k99_sum__slice_bwd__add__cast(char *arena, const MdlHooks *h) {
     for (int64_t l = k * 128; l < end; l++) {
       for (int64_t c = 0; c < 2304; c++) {
         const int64_t ix = l * 2304 + c;
-        const int64_t j1 = ix % 2304;
-        const int64_t j2 = j1 >= 1536 && j1 < 2304 ? ix / 2304 * 768 + (j1 - 1536) : 0;
-        const float v603_j2 = b603[j2];
-        const float v604_ix = j1 >= 1536 && j1 < 2304 ? v603_j2 : 0.0f;
-        const int64_t j3 = j1 >= 768 && j1 < 1536 ? ix / 2304 * 768 + (j1 - 768) : 0;
-        const float v602_j3 = b602[j3];
-        const float v605_ix = j1 >= 768 && j1 < 1536 ? v602_j3 : 0.0f;
+        const int64_t j1 = c >= 1536 && c < 2304 ? l * 768 + (c - 1536) : 0;
+        const float v603_j1 = b603[j1];
+        const float v604_ix = c >= 1536 && c < 2304 ? v603_j1 : 0.0f;
+        const int64_t j2 = c >= 768 && c < 1536 ? l * 768 + (c - 768) : 0;
+        const float v602_j2 = b602[j2];
+        const float v605_ix = c >= 768 && c < 1536 ? v602_j2 : 0.0f;
         const float v606_ix = v604_ix + v605_ix;
-        const int64_t j4 = j1 >= 0 && j1 < 768 ? ix / 2304 * 768 + (j1 - 0) : 0;
-        const float v601_j4 = b601[j4];
-        const float v607_ix = j1 >= 0 && j1 < 768 ? v601_j4 : 0.0f;
+        const int64_t j3 = c >= 0 && c < 768 ? l * 768 + (c - 0) : 0;
+        const float v601_j3 = b601[j3];
+        const float v607_ix = c >= 0 && c < 768 ? v601_j3 : 0.0f;
         const float v608_ix = v606_ix + v607_ix;
         const float v609_ix = v608_ix;
         const float v = v609_ix;
@@ -5372,17 +5371,16 @@ static void k111_sum__slice_bwd__add__cast(char *arena, const MdlHooks *h) {
     for (int64_t l = k * 128; l < end; l++) {
       for (int64_t c = 0; c < 2304; c++) {
         const int64_t ix = l * 2304 + c;
-        const int64_t j1 = ix % 2304;
-        const int64_t j2 = j1 >= 1536 && j1 < 2304 ? ix / 2304 * 768 + (j1 - 1536) : 0;
-        const float v647_j2 = b647[j2];
-        const float v648_ix = j1 >= 1536 && j1 < 2304 ? v647_j2 : 0.0f;
-        const int64_t j3 = j1 >= 768 && j1 < 1536 ? ix / 2304 * 768 + (j1 - 768) : 0;
-        const float v646_j3 = b646[j3];
-        const float v649_ix = j1 >= 768 && j1 < 1536 ? v646_j3 : 0.0f;
+        const int64_t j1 = c >= 1536 && c < 2304 ? l * 768 + (c - 1536) : 0;
+        const float v647_j1 = b647[j1];
+        const float v648_ix = c >= 1536 && c < 2304 ? v647_j1 : 0.0f;
+        const int64_t j2 = c >= 768 && c < 1536 ? l * 768 + (c - 768) : 0;
+        const float v646_j2 = b646[j2];
+        const float v649_ix = c >= 768 && c < 1536 ? v646_j2 : 0.0f;
         const float v650_ix = v648_ix + v649_ix;
-        const int64_t j4 = j1 >= 0 && j1 < 768 ? ix / 2304 * 768 + (j1 - 0) : 0;
-        const float v645_j4 = b645[j4];
-        const float v651_ix = j1 >= 0 && j1 < 768 ? v645_j4 : 0.0f;
+        const int64_t j3 = c >= 0 && c < 768 ? l * 768 + (c - 0) : 0;
+        const float v645_j3 = b645[j3];
+        const float v651_ix = c >= 0 && c < 768 ? v645_j3 : 0.0f;
         const float v652_ix = v650_ix + v651_ix;
         const float v653_ix = v652_ix;
         const float v = v653_ix;
@@ -5939,17 +5937,16 @@ static void k123_sum__slice_bwd__add__cast(char *arena, const MdlHooks *h) {
     for (int64_t l = k * 128; l < end; l++) {
       for (int64_t c = 0; c < 2304; c++) {
         const int64_t ix = l * 2304 + c;
-        const int64_t j1 = ix % 2304;
-        const int64_t j2 = j1 >= 1536 && j1 < 2304 ? ix / 2304 * 768 + (j1 - 1536) : 0;
-        const float v691_j2 = b691[j2];
-        const float v692_ix = j1 >= 1536 && j1 < 2304 ? v691_j2 : 0.0f;
-        const int64_t j3 = j1 >= 768 && j1 < 1536 ? ix / 2304 * 768 + (j1 - 768) : 0;
-        const float v690_j3 = b690[j3];
-        const float v693_ix = j1 >= 768 && j1 < 1536 ? v690_j3 : 0.0f;
+        const int64_t j1 = c >= 1536 && c < 2304 ? l * 768 + (c - 1536) : 0;
+        const float v691_j1 = b691[j1];
+        const float v692_ix = c >= 1536 && c < 2304 ? v691_j1 : 0.0f;
+        const int64_t j2 = c >= 768 && c < 1536 ? l * 768 + (c - 768) : 0;
+        const float v690_j2 = b690[j2];
+        const float v693_ix = c >= 768 && c < 1536 ? v690_j2 : 0.0f;
         const float v694_ix = v692_ix + v693_ix;
-        const int64_t j4 = j1 >= 0 && j1 < 768 ? ix / 2304 * 768 + (j1 - 0) : 0;
-        const float v689_j4 = b689[j4];
-        const float v695_ix = j1 >= 0 && j1 < 768 ? v689_j4 : 0.0f;
+        const int64_t j3 = c >= 0 && c < 768 ? l * 768 + (c - 0) : 0;
+        const float v689_j3 = b689[j3];
+        const float v695_ix = c >= 0 && c < 768 ? v689_j3 : 0.0f;
         const float v696_ix = v694_ix + v695_ix;
         const float v697_ix = v696_ix;
         const float v = v697_ix;
@@ -6506,17 +6503,16 @@ static void k135_sum__slice_bwd__add__cast(char *arena, const MdlHooks *h) {
     for (int64_t l = k * 128; l < end; l++) {
       for (int64_t c = 0; c < 2304; c++) {
         const int64_t ix = l * 2304 + c;
-        const int64_t j1 = ix % 2304;
-        const int64_t j2 = j1 >= 1536 && j1 < 2304 ? ix / 2304 * 768 + (j1 - 1536) : 0;
-        const float v735_j2 = b735[j2];
-        const float v736_ix = j1 >= 1536 && j1 < 2304 ? v735_j2 : 0.0f;
-        const int64_t j3 = j1 >= 768 && j1 < 1536 ? ix / 2304 * 768 + (j1 - 768) : 0;
-        const float v734_j3 = b734[j3];
-        const float v737_ix = j1 >= 768 && j1 < 1536 ? v734_j3 : 0.0f;
+        const int64_t j1 = c >= 1536 && c < 2304 ? l * 768 + (c - 1536) : 0;
+        const float v735_j1 = b735[j1];
+        const float v736_ix = c >= 1536 && c < 2304 ? v735_j1 : 0.0f;
+        const int64_t j2 = c >= 768 && c < 1536 ? l * 768 + (c - 768) : 0;
+        const float v734_j2 = b734[j2];
+        const float v737_ix = c >= 768 && c < 1536 ? v734_j2 : 0.0f;
         const float v738_ix = v736_ix + v737_ix;
-        const int64_t j4 = j1 >= 0 && j1 < 768 ? ix / 2304 * 768 + (j1 - 0) : 0;
-        const float v733_j4 = b733[j4];
-        const float v739_ix = j1 >= 0 && j1 < 768 ? v733_j4 : 0.0f;
+        const int64_t j3 = c >= 0 && c < 768 ? l * 768 + (c - 0) : 0;
+        const float v733_j3 = b733[j3];
+        const float v739_ix = c >= 0 && c < 768 ? v733_j3 : 0.0f;
         const float v740_ix = v738_ix + v739_ix;
         const float v741_ix = v740_ix;
         const float v = v741_ix;
@@ -7073,17 +7069,16 @@ static void k147_sum__slice_bwd__add__cast(char *arena, const MdlHooks *h) {
     for (int64_t l = k * 128; l < end; l++) {
       for (int64_t c = 0; c < 2304; c++) {
         const int64_t ix = l * 2304 + c;
-        const int64_t j1 = ix % 2304;
-        const int64_t j2 = j1 >= 1536 && j1 < 2304 ? ix / 2304 * 768 + (j1 - 1536) : 0;
-        const float v779_j2 = b779[j2];
-        const float v780_ix = j1 >= 1536 && j1 < 2304 ? v779_j2 : 0.0f;
-        const int64_t j3 = j1 >= 768 && j1 < 1536 ? ix / 2304 * 768 + (j1 - 768) : 0;
-        const float v778_j3 = b778[j3];
-        const float v781_ix = j1 >= 768 && j1 < 1536 ? v778_j3 : 0.0f;
+        const int64_t j1 = c >= 1536 && c < 2304 ? l * 768 + (c - 1536) : 0;
+        const float v779_j1 = b779[j1];
+        const float v780_ix = c >= 1536 && c < 2304 ? v779_j1 : 0.0f;
+        const int64_t j2 = c >= 768 && c < 1536 ? l * 768 + (c - 768) : 0;
+        const float v778_j2 = b778[j2];
+        const float v781_ix = c >= 768 && c < 1536 ? v778_j2 : 0.0f;
         const float v782_ix = v780_ix + v781_ix;
-        const int64_t j4 = j1 >= 0 && j1 < 768 ? ix / 2304 * 768 + (j1 - 0) : 0;
-        const float v777_j4 = b777[j4];
-        const float v783_ix = j1 >= 0 && j1 < 768 ? v777_j4 : 0.0f;
+        const int64_t j3 = c >= 0 && c < 768 ? l * 768 + (c - 0) : 0;
+        const float v777_j3 = b777[j3];
+        const float v783_ix = c >= 0 && c < 768 ? v777_j3 : 0.0f;
         const float v784_ix = v782_ix + v783_ix;
         const float v785_ix = v784_ix;
         const float v = v785_ix;
@@ -7640,17 +7635,16 @@ static void k159_sum__slice_bwd__add__cast(char *arena, const MdlHooks *h) {
     for (int64_t l = k * 128; l < end; l++) {
       for (int64_t c = 0; c < 2304; c++) {
         const int64_t ix = l * 2304 + c;
-        const int64_t j1 = ix % 2304;
-        const int64_t j2 = j1 >= 1536 && j1 < 2304 ? ix / 2304 * 768 + (j1 - 1536) : 0;
-        const float v823_j2 = b823[j2];
-        const float v824_ix = j1 >= 1536 && j1 < 2304 ? v823_j2 : 0.0f;
-        const int64_t j3 = j1 >= 768 && j1 < 1536 ? ix / 2304 * 768 + (j1 - 768) : 0;
-        const float v822_j3 = b822[j3];
-        const float v825_ix = j1 >= 768 && j1 < 1536 ? v822_j3 : 0.0f;
+        const int64_t j1 = c >= 1536 && c < 2304 ? l * 768 + (c - 1536) : 0;
+        const float v823_j1 = b823[j1];
+        const float v824_ix = c >= 1536 && c < 2304 ? v823_j1 : 0.0f;
+        const int64_t j2 = c >= 768 && c < 1536 ? l * 768 + (c - 768) : 0;
+        const float v822_j2 = b822[j2];
+        const float v825_ix = c >= 768 && c < 1536 ? v822_j2 : 0.0f;
         const float v826_ix = v824_ix + v825_ix;
-        const int64_t j4 = j1 >= 0 && j1 < 768 ? ix / 2304 * 768 + (j1 - 0) : 0;
-        const float v821_j4 = b821[j4];
-        const float v827_ix = j1 >= 0 && j1 < 768 ? v821_j4 : 0.0f;
+        const int64_t j3 = c >= 0 && c < 768 ? l * 768 + (c - 0) : 0;
+        const float v821_j3 = b821[j3];
+        const float v827_ix = c >= 0 && c < 768 ? v821_j3 : 0.0f;
         const float v828_ix = v826_ix + v827_ix;
         const float v829_ix = v828_ix;
         const float v = v829_ix;
@@ -8207,17 +8201,16 @@ static void k171_sum__slice_bwd__add__cast(char *arena, const MdlHooks *h) {
     for (int64_t l = k * 128; l < end; l++) {
       for (int64_t c = 0; c < 2304; c++) {
         const int64_t ix = l * 2304 + c;
-        const int64_t j1 = ix % 2304;
-        const int64_t j2 = j1 >= 1536 && j1 < 2304 ? ix / 2304 * 768 + (j1 - 1536) : 0;
-        const float v867_j2 = b867[j2];
-        const float v868_ix = j1 >= 1536 && j1 < 2304 ? v867_j2 : 0.0f;
-        const int64_t j3 = j1 >= 768 && j1 < 1536 ? ix / 2304 * 768 + (j1 - 768) : 0;
-        const float v866_j3 = b866[j3];
-        const float v869_ix = j1 >= 768 && j1 < 1536 ? v866_j3 : 0.0f;
+        const int64_t j1 = c >= 1536 && c < 2304 ? l * 768 + (c - 1536) : 0;
+        const float v867_j1 = b867[j1];
+        const float v868_ix = c >= 1536 && c < 2304 ? v867_j1 : 0.0f;
+        const int64_t j2 = c >= 768 && c < 1536 ? l * 768 + (c - 768) : 0;
+        const float v866_j2 = b866[j2];
+        const float v869_ix = c >= 768 && c < 1536 ? v866_j2 : 0.0f;
         const float v870_ix = v868_ix + v869_ix;
-        const int64_t j4 = j1 >= 0 && j1 < 768 ? ix / 2304 * 768 + (j1 - 0) : 0;
-        const float v865_j4 = b865[j4];
-        const float v871_ix = j1 >= 0 && j1 < 768 ? v865_j4 : 0.0f;
+        const int64_t j3 = c >= 0 && c < 768 ? l * 768 + (c - 0) : 0;
+        const float v865_j3 = b865[j3];
+        const float v871_ix = c >= 0 && c < 768 ? v865_j3 : 0.0f;
         const float v872_ix = v870_ix + v871_ix;
         const float v873_ix = v872_ix;
         const float v = v873_ix;
@@ -8774,17 +8767,16 @@ static void k183_sum__slice_bwd__add__cast(char *arena, const MdlHooks *h) {
     for (int64_t l = k * 128; l < end; l++) {
       for (int64_t c = 0; c < 2304; c++) {
         const int64_t ix = l * 2304 + c;
-        const int64_t j1 = ix % 2304;
-        const int64_t j2 = j1 >= 1536 && j1 < 2304 ? ix / 2304 * 768 + (j1 - 1536) : 0;
-        const float v911_j2 = b911[j2];
-        const float v912_ix = j1 >= 1536 && j1 < 2304 ? v911_j2 : 0.0f;
-        const int64_t j3 = j1 >= 768 && j1 < 1536 ? ix / 2304 * 768 + (j1 - 768) : 0;
-        const float v910_j3 = b910[j3];
-        const float v913_ix = j1 >= 768 && j1 < 1536 ? v910_j3 : 0.0f;
+        const int64_t j1 = c >= 1536 && c < 2304 ? l * 768 + (c - 1536) : 0;
+        const float v911_j1 = b911[j1];
+        const float v912_ix = c >= 1536 && c < 2304 ? v911_j1 : 0.0f;
+        const int64_t j2 = c >= 768 && c < 1536 ? l * 768 + (c - 768) : 0;
+        const float v910_j2 = b910[j2];
+        const float v913_ix = c >= 768 && c < 1536 ? v910_j2 : 0.0f;
         const float v914_ix = v912_ix + v913_ix;
-        const int64_t j4 = j1 >= 0 && j1 < 768 ? ix / 2304 * 768 + (j1 - 0) : 0;
-        const float v909_j4 = b909[j4];
-        const float v915_ix = j1 >= 0 && j1 < 768 ? v909_j4 : 0.0f;
+        const int64_t j3 = c >= 0 && c < 768 ? l * 768 + (c - 0) : 0;
+        const float v909_j3 = b909[j3];
+        const float v915_ix = c >= 0 && c < 768 ? v909_j3 : 0.0f;
         const float v916_ix = v914_ix + v915_ix;
         const float v917_ix = v916_ix;
         const float v = v917_ix;
@@ -9341,17 +9333,16 @@ static void k195_sum__slice_bwd__add__cast(char *arena, const MdlHooks *h) {
     for (int64_t l = k * 128; l < end; l++) {
       for (int64_t c = 0; c < 2304; c++) {
         const int64_t ix = l * 2304 + c;
-        const int64_t j1 = ix % 2304;
-        const int64_t j2 = j1 >= 1536 && j1 < 2304 ? ix / 2304 * 768 + (j1 - 1536) : 0;
-        const float v955_j2 = b955[j2];
-        const float v956_ix = j1 >= 1536 && j1 < 2304 ? v955_j2 : 0.0f;
-        const int64_t j3 = j1 >= 768 && j1 < 1536 ? ix / 2304 * 768 + (j1 - 768) : 0;
-        const float v954_j3 = b954[j3];
-        const float v957_ix = j1 >= 768 && j1 < 1536 ? v954_j3 : 0.0f;
+        const int64_t j1 = c >= 1536 && c < 2304 ? l * 768 + (c - 1536) : 0;
+        const float v955_j1 = b955[j1];
+        const float v956_ix = c >= 1536 && c < 2304 ? v955_j1 : 0.0f;
+        const int64_t j2 = c >= 768 && c < 1536 ? l * 768 + (c - 768) : 0;
+        const float v954_j2 = b954[j2];
+        const float v957_ix = c >= 768 && c < 1536 ? v954_j2 : 0.0f;
         const float v958_ix = v956_ix + v957_ix;
-        const int64_t j4 = j1 >= 0 && j1 < 768 ? ix / 2304 * 768 + (j1 - 0) : 0;
-        const float v953_j4 = b953[j4];
-        const float v959_ix = j1 >= 0 && j1 < 768 ? v953_j4 : 0.0f;
+        const int64_t j3 = c >= 0 && c < 768 ? l * 768 + (c - 0) : 0;
+        const float v953_j3 = b953[j3];
+        const float v959_ix = c >= 0 && c < 768 ? v953_j3 : 0.0f;
         const float v960_ix = v958_ix + v959_ix;
         const float v961_ix = v960_ix;
         const float v = v961_ix;
@@ -9908,17 +9899,16 @@ static void k207_sum__slice_bwd__add__cast(char *arena, const MdlHooks *h) {
     for (int64_t l = k * 128; l < end; l++) {
       for (int64_t c = 0; c < 2304; c++) {
         const int64_t ix = l * 2304 + c;
-        const int64_t j1 = ix % 2304;
-        const int64_t j2 = j1 >= 1536 && j1 < 2304 ? ix / 2304 * 768 + (j1 - 1536) : 0;
-        const float v999_j2 = b999[j2];
-        const float v1000_ix = j1 >= 1536 && j1 < 2304 ? v999_j2 : 0.0f;
-        const int64_t j3 = j1 >= 768 && j1 < 1536 ? ix / 2304 * 768 + (j1 - 768) : 0;
-        const float v998_j3 = b998[j3];
-        const float v1001_ix = j1 >= 768 && j1 < 1536 ? v998_j3 : 0.0f;
+        const int64_t j1 = c >= 1536 && c < 2304 ? l * 768 + (c - 1536) : 0;
+        const float v999_j1 = b999[j1];
+        const float v1000_ix = c >= 1536 && c < 2304 ? v999_j1 : 0.0f;
+        const int64_t j2 = c >= 768 && c < 1536 ? l * 768 + (c - 768) : 0;
+        const float v998_j2 = b998[j2];
+        const float v1001_ix = c >= 768 && c < 1536 ? v998_j2 : 0.0f;
         const float v1002_ix = v1000_ix + v1001_ix;
-        const int64_t j4 = j1 >= 0 && j1 < 768 ? ix / 2304 * 768 + (j1 - 0) : 0;
-        const float v997_j4 = b997[j4];
-        const float v1003_ix = j1 >= 0 && j1 < 768 ? v997_j4 : 0.0f;
+        const int64_t j3 = c >= 0 && c < 768 ? l * 768 + (c - 0) : 0;
+        const float v997_j3 = b997[j3];
+        const float v1003_ix = c >= 0 && c < 768 ? v997_j3 : 0.0f;
         const float v1004_ix = v1002_ix + v1003_ix;
         const float v1005_ix = v1004_ix;
         const float v = v1005_ix;
@@ -10475,17 +10465,16 @@ static void k219_sum__slice_bwd__add__cast(char *arena, const MdlHooks *h) {
     for (int64_t l = k * 128; l < end; l++) {
       for (int64_t c = 0; c < 2304; c++) {
         const int64_t ix = l * 2304 + c;
-        const int64_t j1 = ix % 2304;
-        const int64_t j2 = j1 >= 1536 && j1 < 2304 ? ix / 2304 * 768 + (j1 - 1536) : 0;
-        const float v1043_j2 = b1043[j2];
-        const float v1044_ix = j1 >= 1536 && j1 < 2304 ? v1043_j2 : 0.0f;
-        const int64_t j3 = j1 >= 768 && j1 < 1536 ? ix / 2304 * 768 + (j1 - 768) : 0;
-        const float v1042_j3 = b1042[j3];
-        const float v1045_ix = j1 >= 768 && j1 < 1536 ? v1042_j3 : 0.0f;
+        const int64_t j1 = c >= 1536 && c < 2304 ? l * 768 + (c - 1536) : 0;
+        const float v1043_j1 = b1043[j1];
+        const float v1044_ix = c >= 1536 && c < 2304 ? v1043_j1 : 0.0f;
+        const int64_t j2 = c >= 768 && c < 1536 ? l * 768 + (c - 768) : 0;
+        const float v1042_j2 = b1042[j2];
+        const float v1045_ix = c >= 768 && c < 1536 ? v1042_j2 : 0.0f;
         const float v1046_ix = v1044_ix + v1045_ix;
-        const int64_t j4 = j1 >= 0 && j1 < 768 ? ix / 2304 * 768 + (j1 - 0) : 0;
-        const float v1041_j4 = b1041[j4];
-        const float v1047_ix = j1 >= 0 && j1 < 768 ? v1041_j4 : 0.0f;
+        const int64_t j3 = c >= 0 && c < 768 ? l * 768 + (c - 0) : 0;
+        const float v1041_j3 = b1041[j3];
+        const float v1047_ix = c >= 0 && c < 768 ? v1041_j3 : 0.0f;
         const float v1048_ix = v1046_ix + v1047_ix;
         const float v1049_ix = v1048_ix;
         const float v = v1049_ix;
@@ -11042,17 +11031,16 @@ static void k231_sum__slice_bwd__add__cast(char *arena, const MdlHooks *h) {
     for (int64_t l = k * 128; l < end; l++) {
       for (int64_t c = 0; c < 2304; c++) {
         const int64_t ix = l * 2304 + c;
-        const int64_t j1 = ix % 2304;
-        const int64_t j2 = j1 >= 1536 && j1 < 2304 ? ix / 2304 * 768 + (j1 - 1536) : 0;
-        const float v1087_j2 = b1087[j2];
-        const float v1088_ix = j1 >= 1536 && j1 < 2304 ? v1087_j2 : 0.0f;
-        const int64_t j3 = j1 >= 768 && j1 < 1536 ? ix / 2304 * 768 + (j1 - 768) : 0;
-        const float v1086_j3 = b1086[j3];
-        const float v1089_ix = j1 >= 768 && j1 < 1536 ? v1086_j3 : 0.0f;
+        const int64_t j1 = c >= 1536 && c < 2304 ? l * 768 + (c - 1536) : 0;
+        const float v1087_j1 = b1087[j1];
+        const float v1088_ix = c >= 1536 && c < 2304 ? v1087_j1 : 0.0f;
+        const int64_t j2 = c >= 768 && c < 1536 ? l * 768 + (c - 768) : 0;
+        const float v1086_j2 = b1086[j2];
+        const float v1089_ix = c >= 768 && c < 1536 ? v1086_j2 : 0.0f;
         const float v1090_ix = v1088_ix + v1089_ix;
-        const int64_t j4 = j1 >= 0 && j1 < 768 ? ix / 2304 * 768 + (j1 - 0) : 0;
-        const float v1085_j4 = b1085[j4];
-        const float v1091_ix = j1 >= 0 && j1 < 768 ? v1085_j4 : 0.0f;
+        const int64_t j3 = c >= 0 && c < 768 ? l * 768 + (c - 0) : 0;
+        const float v1085_j3 = b1085[j3];
+        const float v1091_ix = c >= 0 && c < 768 ? v1085_j3 : 0.0f;
         const float v1092_ix = v1090_ix + v1091_ix;
         const float v1093_ix = v1092_ix;
         const float v = v1093_ix;
