@@ -2167,7 +2167,7 @@ static void att_query_kernel(Emit *e, const Att *A, AttMode mode, int out, int64
     ec_line(&e->core, "#pragma unroll");
     ec_enter(&e->core, "for (int t = 0; t < %d; t++)", A->dpl);
     ec_line(&e->core, "const int c = lane + 32 * t;");
-    if (guard)
+    if (guard && mode == ATT_DQ)
       ec_line(&e->core, "if (c < %lld)", (long long)d);
     const char *ix = ec_str(&e->core, "(b * %lld + i) * %lld + hd * %lld + c", (long long)t, (long long)A->nc,
                             (long long)d);
