@@ -310,7 +310,8 @@ static bool backward_rule(Ad *ad, int i, int dy) {
   }
   case OP_RELU_BWD: case OP_GELU_BWD: case OP_SILU_BWD: case OP_MAX_BWD: case OP_SLICE_BWD:
   case OP_EMBED_BWD: case OP_LAYERNORM_BWD: case OP_RMSNORM_BWD: case OP_SOFTMAX_BWD:
-  case OP_CROSS_ENTROPY_BWD: case OP_ATTENTION_LSE: case OP_ATTENTION_BWD: case OP_GRAD_NORM: case OP_ADAMW: case OP_COUNT:
+  case OP_CROSS_ENTROPY_BWD: case OP_ATTENTION_LSE: case OP_ATTENTION_BWD: case OP_GRAD_NORM: case OP_ADAMW:
+  case OP_COUNT:
     break;
   }
   snprintf(g->err, sizeof g->err, "autodiff: no gradient for %s: it is not a forward op", op_name(n->op));

@@ -5,8 +5,9 @@
 // and ATTENTION_BWD nodes (ia[4] = DT_BF16; the rounding points are written in mdl.h), so the GPU
 // runs them on tensor cores and every back end rounds at the same places. The attention backward
 // reads its out and dout only rounded, so it reads them through CASTs too (the value is the same,
-// stored in half the bytes). Nothing else narrows: parameters are f32 master weights updated by AdamW in f32,
-// the moments and gradients are f32, and so are the residual stream, the norms, softmax and the loss.
+// stored in half the bytes). Nothing else narrows: parameters are f32 master weights updated by
+// AdamW in f32, the moments and gradients are f32, and so are the residual stream, the norms,
+// softmax and the loss.
 //
 // Design. The pass rebuilds the node array once, in order: before the first MATMUL that reads a
 // value it inserts that value's CAST, and every later MATMUL reading the same value (the backward
