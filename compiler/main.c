@@ -622,6 +622,9 @@ static int cmd_run(const Options *o, Graph *g) {
                        .seed = o->seed, .val_every = o->val_every, .val_batches = o->val_batches,
                        .ckpt_every = o->ckpt_every};
     e->profile = o->profile && e->kernel_seconds;
+    if (o->profile && !e->profile)
+      printf("--profile: the %s back end runs op by op, with nothing to time by kernel; the compiled back ends "
+             "(--backend cpu or cuda) have a profile\n", backend_of(o));
     rc = train_run(e, eval, micro, &to) ? EXIT_USER : 0;
     if (rc == 0)
       engine_profile_report(e, stdout);

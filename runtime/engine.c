@@ -93,9 +93,11 @@ static bool ce_step(Engine *e, char *err, size_t n) {
   for (int i = 0; e->profile && ok && i < ce->cm->nkernels; i++) {
     double t0 = rt_now();
     ok = cpu_run_kernel(ce->cm, i, ce->arena);
-    e->kernel_seconds[i] += rt_now() - t0;
+    if (e->profile_warm)
+      e->kernel_seconds[i] += rt_now() - t0;
   }
-  e->profiled_steps += e->profile && ok;
+  e->profiled_steps += e->profile && e->profile_warm && ok;
+  e->profile_warm |= e->profile && ok;
   if (!ok)
     snprintf(err, n, "%s", ce->cm->error);
   return ok;
@@ -153,8 +155,12 @@ static int slowest_first(const void *a, const void *b) {
 
 void engine_profile_report(const Engine *e, FILE *out) {
   const Fusion *f = e->fusion;
-  if (!f || !e->kernel_seconds || e->profiled_steps == 0)
+  if (!f || !e->kernel_seconds)
     return;
+  if (e->profiled_steps == 0) {
+    fprintf(out, "profile: no step was timed (the first one warms up; run two or more)\n");
+    return;
+  }
   double total = 0;
   int *order = malloc(sizeof(int) * (size_t)f->nsteps);
   for (int i = 0; i < f->nsteps; i++) {
@@ -164,8 +170,8 @@ void engine_profile_report(const Engine *e, FILE *out) {
   by_time_of = e->kernel_seconds;
   qsort(order, (size_t)f->nsteps, sizeof *order, slowest_first);
   double steps = (double)e->profiled_steps;
-  fprintf(out, "profile: %d kernels, %.3f ms per step over %lld steps, run one by one\n", f->nsteps,
-          1e3 * total / steps, (long long)e->profiled_steps);
+  fprintf(out, "profile: %d kernels, %.3f ms per step over %lld steps after the first, run one by one\n",
+          f->nsteps, 1e3 * total / steps, (long long)e->profiled_steps);
   fprintf(out, "%-48s %9s %6s %9s %8s  ops (.mdl line)\n", "kernel", "ms/step", "share", "GFLOP/s", "GB/s");
   for (int k = 0; k < f->nsteps; k++) {
     const Step *st = &f->steps[order[k]];

@@ -51,8 +51,11 @@ struct Engine {
   double peak_flops;      // the peak MFU is measured against (0: this CPU's, rt_cpu_peak_flops)
   const char *peak_how;   // what that peak is
   // Profiling (compiled back ends): with `profile` set, a step runs kernel by kernel and adds each
-  // kernel's time to kernel_seconds[i] (the kernels are the plan's steps, in order).
+  // kernel's time to kernel_seconds[i] (the kernels are the plan's steps, in order), from the second
+  // step on: the first is a warm-up (its first touch of the arena's pages, its first launch of each
+  // kernel), left out as the tokens/s figures leave it out.
   bool profile;
+  bool profile_warm; // a profiled step has run
   const Fusion *fusion;
   double *kernel_seconds;
   int64_t profiled_steps;

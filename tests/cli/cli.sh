@@ -116,6 +116,15 @@ $m run models/gpt2-tiny.mdl -D B=2 -D T=16 --steps 3 --data "$tmp/shards" --out 
 nk=$($m build models/gpt2-tiny.mdl -D B=2 -D T=16 -o "$tmp/prof-build" | grep -o '[0-9]* kernels' | head -1)
 contains "--profile prints the kernel table (every kernel of the plan)" "$tmp/prof.out" "profile: $nk"
 contains "--profile names the fused kernels" "$tmp/prof.out" "k2_layernorm_fwd__add"
+contains "--profile times the steps after the first, a warm-up" "$tmp/prof.out" "over 2 steps after the first"
+rm -rf "$tmp/prof1"
+$m run models/gpt2-tiny.mdl -D B=2 -D T=16 --steps 1 --data "$tmp/shards" --out "$tmp/prof1" --val-every 0 --profile \
+  >"$tmp/prof1.out" 2>&1
+contains "--profile of one step says that nothing was timed" "$tmp/prof1.out" "profile: no step was timed"
+rm -rf "$tmp/profi"
+$m run models/gpt2-tiny.mdl -D B=2 -D T=16 --steps 1 --data "$tmp/shards" --out "$tmp/profi" --val-every 0 --profile \
+  --backend interp >"$tmp/profi.out" 2>&1
+contains "--profile on the interpreter says it has no profile" "$tmp/profi.out" "--profile: the interp back end runs op by op"
 sed -n 's/.*"loss":\([0-9.]*\).*/\1/p' "$tmp/prof/log.jsonl" >"$tmp/prof.losses"
 cmp -s "$tmp/prof.losses" "$tmp/p.losses" && echo "[ok] cli: --profile trains to the same losses" ||
   echo "[fail] cli: --profile changes the losses"

@@ -964,9 +964,10 @@ static bool build_fake_gpu(const CudaPlan *p, const char *name, char *so, size_t
   return true;
 }
 
-// --profile on two fresh engines from one seed and batch: the profiled one runs the plan launch by
-// launch outside the graph (no replay) and reaches the graph's loss and gradients bit for bit; every
-// plan step with a launch gets a time; its events are freed with the engine.
+// --profile on two fresh engines from one seed and batch, two steps: the profiled one runs the plan
+// launch by launch outside the graph (no replay) and reaches the graph's loss and gradients bit for
+// bit; the first step is a warm-up, left out; every plan step with a launch gets a time from the
+// second; its events are freed with the engine.
 static void profile_checks(const char *label, const Compiled *c, const Counters *k) {
   char why[1024], name[256];
   Engine *es[2] = {engine_cuda(c->f, c->m, 5, why, sizeof why), NULL};
@@ -982,12 +983,18 @@ static void profile_checks(const char *label, const Compiled *c, const Counters 
   set_batch(c->g, es, 2, 0);
   long replays = k->replays;
   bool ok = step_both(es, 1, why, sizeof why);
+  bool untimed = ok && es[0]->profiled_steps == 0;
+  for (int s = 0; untimed && s < c->f->nsteps; s++)
+    untimed = es[0]->kernel_seconds[s] == 0;
+  ok = ok && step_both(es, 2, why, sizeof why);
   double worst = ok ? rel_error(es[0], es[1], c->g->loss, false) : INFINITY;
   for (int i = 0; ok && i < c->g->nparams; i++)
     worst = fmax(worst, rel_error(es[0], es[1], c->g->grads[i], false));
-  CHECK(ok && worst == 0 && k->replays == replays + 1 && es[0]->profiled_steps == 1, name,
-        "%s; loss and gradients differ by up to %.3g; %ld replays for 2 steps (1 expected); %lld profiled",
+  CHECK(ok && worst == 0 && k->replays == replays + 2 && es[0]->profiled_steps == 1, name,
+        "%s; loss and gradients differ by up to %.3g; %ld replays for 4 steps (2 expected); %lld profiled",
         ok ? "ran" : why, worst, k->replays - replays, (long long)es[0]->profiled_steps);
+  snprintf(name, sizeof name, "cuda: %s: --profile leaves the first step, a warm-up, untimed", label);
+  CHECK(untimed, name, "%lld steps counted, or a kernel timed, after one step", (long long)es[0]->profiled_steps);
   const CudaPlan *p = emit_cuda_plan(c->f, c->m, c->g->model);
   int timed = 0, steps = 0;
   for (int s = 0; p && s < c->f->nsteps; s++) {
