@@ -19,9 +19,10 @@
 //     block per 32 columns adds them in groups of rows, in a fixed order (colsum_open):
 //     deterministic, no atomics;
 //   - attention: flash-style, one block per (batch, head, tile of queries), keys and values in
-//     tiles in shared memory, online softmax; the backward recomputes the probabilities from the
-//     row statistics of a first kernel, computes dq per query tile and dk, dv per key tile (each key
-//     tile owned by one block, summed in query order); in bf16 with heads of a multiple of 16
+//     tiles in shared memory, online softmax; the forward stores each row's log-sum-exp, from which
+//     the backward recomputes the probabilities: a first kernel takes D = dout . out per row, then
+//     dq per query tile and dk, dv per key tile (each key tile owned by one block, summed in query
+//     order); in bf16 with heads of a multiple of 16
 //     channels the forward and the backward's dq and dk, dv kernels run on tensor cores (mma.sync
 //     m16n8k16, FlashAttention-2's layout: a warp per 16 query rows, or 16 keys);
 //   - embedding backward: each block owns a range of vocabulary rows and columns and adds the rows of
@@ -35,8 +36,8 @@
 // Kernels address memory only through byte offsets passed at launch (MdlArgs), so the kernels of
 // identical layers are the same text: each distinct kernel is emitted once, named after the first
 // step that uses it, and launched by every step that does. Values a step keeps to itself (and
-// reduction partials, attention row statistics, the LM head's logits) live in scratch after the
-// memory plan's arena, reused by every step.
+// reduction partials, the attention backward's D per row, the LM head's logits) live in scratch
+// after the memory plan's arena, reused by every step.
 //
 // Numerics follow interp.c as emit_c does: fp32 elementwise math; sums over many elements in double
 // (norm statistics, column sums, reductions, softmax denominators, the gradient norm) in a fixed
