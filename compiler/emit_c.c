@@ -1460,15 +1460,9 @@ static void emit_attn_pairs(Emit *e, const char *acc, const char *w, Rows x, int
 // never a T x T matrix. With its ATTENTION_LSE (rule 3 of fuse.c) each row's log-sum-exp is stored as
 // well; alone (no fusion), the ATTENTION_LSE computes the scores and their statistics only.
 static void emit_attention(Emit *e, int gi) {
-  const Group *gr = &e->core.groups[gi];
-  int a = -1, lse = -1;
-  for (int i = 0; i < gr->nmem; i++) {
-    if (ec_node(&e->core, gr->mem[i])->op == OP_ATTENTION)
-      a = gr->mem[i];
-    else
-      lse = gr->mem[i];
-  }
-  const IrNode *nd = ec_node(&e->core, gr->mem[0]);
+  int a, lse;
+  ec_attention_members(&e->core, gi, &a, &lse);
+  const IrNode *nd = ec_node(&e->core, a >= 0 ? a : lse);
   Shape s = ec_node(&e->core, nd->in[0])->shape;
   int64_t nb = s.d[0], nt = s.d[1], nc = s.d[2], heads = nd->ia[0], d = nc / heads;
   bool causal = nd->ia[1], has_doc = nd->ia[2];
@@ -1523,6 +1517,16 @@ static void emit_attention(Emit *e, int gi) {
   ec_phase_end(&e->core);
 }
 
+// Channel c of row i of the head's part of rows r as the backward's products read it: a bf16 value
+// stored (a CAST, precision.c) widened, an f32 one rounded when they read bf16 (mdl.h), else as it is.
+static const char *attn_elem(Emit *e, Rows r, int64_t nt, int64_t d, bool bf16) {
+  const char *x = ec_str(&e->core, "%s[(b * %lld + i) * %lld + hd * %lld + c]", r.base, (long long)nt,
+                         (long long)r.stride, (long long)d);
+  if (ec_node(&e->core, r.buf)->dtype == DT_BF16)
+    return ec_str(&e->core, "mdl_bf16_to_f32(%s)", x);
+  return bf16 ? ec_str(&e->core, "mdl_bf16_to_f32(mdl_f32_to_bf16(%s))", x) : x;
+}
+
 // ATTENTION_BWD siblings: one task per (batch, head), so its dq, dk and dv rows are written by that
 // task alone; dk and dv build up in per-thread [T][D] blocks copied out at the end of the task. The
 // probabilities of each query row are recomputed from its scores and the forward's log-sum-exp.
@@ -1573,29 +1577,19 @@ static void emit_attention_bwd(Emit *e, int gi) {
   emit_attn_row(e, nd, q, doc,
                 str(e, "b%d[(b * %lld + hd) * %lld + i]", ptr(e, lse), (long long)heads, (long long)nt));
   if (bf16) { // dout_i rounded (mdl.h), or already a bf16 value (its CAST, precision.c)
-    bool stored16 = ec_node(&e->core, dout.buf)->dtype == DT_BF16;
-    const char *di = ec_str(&e->core, "%s[(b * %lld + i) * %lld + hd * %lld + c]", dout.base, (long long)nt,
-                            (long long)dout.stride, (long long)d);
     ec_line(&e->core, "float dor[%lld];", (long long)d);
     ec_line(&e->core, "for (int64_t c = 0; c < %lld; c++)", (long long)d);
-    ec_line(&e->core, "  dor[c] = mdl_bf16_to_f32(%s);", stored16 ? di : ec_str(&e->core, "mdl_f32_to_bf16(%s)", di));
+    ec_line(&e->core, "  dor[c] = %s;", attn_elem(e, dout, nt, d, bf16));
     ec_line(&e->core, "const float *restrict doi = dor;");
   } else {
     ec_line(&e->core, "const float *restrict doi = %s + (b * %lld + i) * %lld + hd * %lld;", dout.base,
             (long long)nt, (long long)dout.stride, (long long)d);
   }
   if (ds) {
-    // D = dout_i . out_i (out_i read as stored: a bf16 one is its CAST, precision.c)
-    bool o16 = ec_node(&e->core, o.buf)->dtype == DT_BF16;
-    const char *oi = ec_str(&e->core, "%s[(b * %lld + i) * %lld + hd * %lld + c]", o.base, (long long)nt,
-                            (long long)o.stride, (long long)d);
-    if (o16)
-      oi = ec_str(&e->core, "mdl_bf16_to_f32(%s)", oi);
-    else if (bf16)
-      oi = ec_str(&e->core, "mdl_bf16_to_f32(mdl_f32_to_bf16(%s))", oi);
+    // D = dout_i . out_i (out_i as dout_i is read: its CAST, precision.c)
     ec_line(&e->core, "float dsum = 0.0f;");
     ec_line(&e->core, "for (int64_t c = 0; c < %lld; c++)", (long long)d);
-    ec_line(&e->core, "  dsum += doi[c] * %s;", oi);
+    ec_line(&e->core, "  dsum += doi[c] * %s;", attn_elem(e, o, nt, d, bf16));
     emit_attn_dots(e, "dp", "doi", "vt", nt, d);
     ec_line(&e->core, "#pragma omp simd");
     ec_line(&e->core, "for (int64_t j = lo; j < hi; j++)");

@@ -652,6 +652,13 @@ bool ec_reduction_after(EmitCore *e, int gi, const bool *emitted, int64_t n) {
   return false;
 }
 
+void ec_attention_members(const EmitCore *e, int gi, int *a, int *lse) {
+  const Group *gr = &e->groups[gi];
+  *a = *lse = -1;
+  for (int i = 0; i < gr->nmem; i++)
+    *(ec_node(e, gr->mem[i])->op == OP_ATTENTION ? a : lse) = gr->mem[i];
+}
+
 // The bf16 CASTs of this step that round anchor a's output at its own flat index (rule 9 of fuse.c:
 // the attention forward's), at most `max`, into casts; the anchor's kernel stores them itself. *f32
 // says whether a's own value must still be stored: it has a slot, or something else of the step

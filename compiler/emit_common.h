@@ -182,6 +182,8 @@ int ec_post_set(EmitCore *e, int gi, int64_t n, const bool *emitted, int *q);
 int ec_side_set(EmitCore *e, int gi, int64_t n, const bool *emitted, int *q);
 void ec_reduce_input(EmitCore *e, int x, const int *side, int nside);
 bool ec_reduction_after(EmitCore *e, int gi, const bool *emitted, int64_t n);
+// The members of a G_ATTN group: its ATTENTION (*a) and its ATTENTION_LSE (*lse), -1 where absent.
+void ec_attention_members(const EmitCore *e, int gi, int *a, int *lse);
 int ec_output_casts(EmitCore *e, int a, int *casts, int max, bool *f32);
 int ec_unwritten(EmitCore *e, int *rest);
 void ec_check_written(EmitCore *e);

@@ -2016,7 +2016,7 @@ static void att_query_kernel(Emit *e, const Att *A, AttMode mode, int out, int64
   const char *ixt = e->core.ixt;
   int64_t d = A->d, t = A->nt;
   int bq = att_bq(e, A, (int)(d * 4 * (mode == ATT_DQ ? 2 : 1) + 4)), rw = bq / 4;
-  bool pv = mode == ATT_FWD; // the values are read (the statistics need the keys alone)
+  bool values = mode != ATT_STATS; // the statistics alone need the keys only
   int64_t nqt = (t + bq - 1) / bq;
   bool guard = d % 32 != 0;
   kbegin(e, mode == ATT_FWD ? "" : mode == ATT_STATS ? "stats" : "dq");
@@ -2026,16 +2026,16 @@ static void att_query_kernel(Emit *e, const Att *A, AttMode mode, int out, int64
        : mode == ATT_STATS ? " statistics (log-sum-exp per row)" : " backward, dq",
        (long long)A->nb, (long long)t, (long long)A->heads, (long long)d, A->causal ? ", causal" : "",
        A->has_doc ? ", within documents" : "", bq, ATT_BK);
-  e->shared = (int)(bq * d * 4 * (mode == ATT_DQ ? 2 : 1) + (mode == ATT_STATS ? 1 : 2) * ATT_BK * (d + 1) * 4 +
+  e->shared = (int)(bq * d * 4 * (mode == ATT_DQ ? 2 : 1) + (values ? 2 : 1) * ATT_BK * (d + 1) * 4 +
                     (A->has_doc ? ATT_BK * 4 : 0));
   ec_line(&e->core, "__shared__ float Qs[%d][%lld];", bq, (long long)d);
   if (mode == ATT_DQ)
     ec_line(&e->core, "__shared__ float Os[%d][%lld];", bq, (long long)d);
-  if (mode == ATT_STATS)
-    ec_line(&e->core, "__shared__ float Ks[%d][%lld];", ATT_BK, (long long)d + 1);
-  else
+  if (values)
     ec_line(&e->core, "__shared__ float Ks[%d][%lld], Vs[%d][%lld];", ATT_BK, (long long)d + 1, ATT_BK,
             (long long)d + 1);
+  else
+    ec_line(&e->core, "__shared__ float Ks[%d][%lld];", ATT_BK, (long long)d + 1);
   if (A->has_doc)
     ec_line(&e->core, "__shared__ int32_t Dk[%d];", ATT_BK);
   ec_line(&e->core, "const int w = threadIdx.x >> 5, lane = threadIdx.x & 31;");
@@ -2052,10 +2052,10 @@ static void att_query_kernel(Emit *e, const Att *A, AttMode mode, int out, int64
   ec_leave(&e->core);
   if (mode == ATT_DQ)
     ec_line(&e->core, "float acc[%d][%d], lr[%d], sr[%d];", rw, A->dpl, rw, rw);
-  else if (mode == ATT_STATS)
-    ec_line(&e->core, "float m[%d], l[%d];", rw, rw);
-  else
+  else if (values)
     ec_line(&e->core, "float m[%d], l[%d], acc[%d][%d];", rw, rw, rw, A->dpl);
+  else
+    ec_line(&e->core, "float m[%d], l[%d];", rw, rw);
   if (A->has_doc)
     ec_line(&e->core, "int32_t di[%d];", rw);
   ec_line(&e->core, "#pragma unroll");
@@ -2073,7 +2073,7 @@ static void att_query_kernel(Emit *e, const Att *A, AttMode mode, int out, int64
   }
   if (A->has_doc)
     ec_line(&e->core, "di[rr] = i < %lld ? %s[b * %lld + i] : 0;", (long long)t, ptr(e, A->doc), (long long)t);
-  if (mode != ATT_STATS) {
+  if (values) {
     ec_line(&e->core, "#pragma unroll");
     ec_line(&e->core, "for (int t = 0; t < %d; t++)", A->dpl);
     ec_line(&e->core, "  acc[rr][t] = 0.0f;");
@@ -2089,7 +2089,7 @@ static void att_query_kernel(Emit *e, const Att *A, AttMode mode, int out, int64
   ec_line(&e->core, "const int jj = u / %lld, c = u %% %lld;", (long long)d, (long long)d);
   ec_line(&e->core, "const bool in = k0 + jj < %lld;", (long long)t);
   ec_line(&e->core, "Ks[jj][c] = in ? %s : 0.0f;", att_in(e, A, at_row(e, A->k, A, "k0 + jj", "c")));
-  if (mode != ATT_STATS)
+  if (values)
     ec_line(&e->core, "Vs[jj][c] = in ? %s : 0.0f;", att_in(e, A, at_row(e, A->v, A, "k0 + jj", "c")));
   ec_leave(&e->core);
   if (A->has_doc) {
@@ -2138,7 +2138,7 @@ static void att_query_kernel(Emit *e, const Att *A, AttMode mode, int out, int64
     ec_line(&e->core, "const float p = ok ? expf(s - mn) : 0.0f;");
     ec_line(&e->core, "l[rr] = l[rr] * corr + mdl_warp_sumf(p);");
     ec_line(&e->core, "m[rr] = mn;");
-    if (pv) {
+    if (values) {
       ec_line(&e->core, "#pragma unroll");
       ec_line(&e->core, "for (int t = 0; t < %d; t++)", A->dpl);
       ec_line(&e->core, "  acc[rr][t] *= corr;");
@@ -2160,11 +2160,11 @@ static void att_query_kernel(Emit *e, const Att *A, AttMode mode, int out, int64
   ec_line(&e->core, "if (i >= %lld)", (long long)t);
   ec_line(&e->core, "  continue;");
   const char *o = out >= 0 && (mode != ATT_FWD || e->out_f32) ? ptr(e, out) : NULL;
-  if (mode != ATT_DQ && lp)
+  if (mode != ATT_DQ && lp) {
     ec_line(&e->core, "if (lane == 0)");
-  if (mode != ATT_DQ && lp)
     ec_line(&e->core, "  %s[(b * %lld + hd) * %lld + i] = m[rr] + logf(l[rr]);", lp, (long long)A->heads, (long long)t);
-  if (mode != ATT_STATS) {
+  }
+  if (values) {
     ec_line(&e->core, "#pragma unroll");
     ec_enter(&e->core, "for (int t = 0; t < %d; t++)", A->dpl);
     ec_line(&e->core, "const int c = lane + 32 * t;");
@@ -2422,15 +2422,9 @@ static void att_mma_kernel(Emit *e, const Att *A, int out) {
 // its ATTENTION_LSE (rule 3 of fuse.c) it stores the rows' log-sum-exp as well. An ATTENTION_LSE alone
 // (no fusion) computes the scores and their statistics only.
 static void emit_attention(Emit *e, int gi) {
-  const Group *gr = &e->core.groups[gi];
-  int a = -1, lse = -1;
-  for (int i = 0; i < gr->nmem; i++) {
-    if (ec_node(&e->core, gr->mem[i])->op == OP_ATTENTION)
-      a = gr->mem[i];
-    else
-      lse = gr->mem[i];
-  }
-  const IrNode *nd = ec_node(&e->core, gr->mem[0]);
+  int a, lse;
+  ec_attention_members(&e->core, gi, &a, &lse);
+  const IrNode *nd = ec_node(&e->core, a >= 0 ? a : lse);
   Att A = att_of(e, nd);
   A.q = rows_of(e, nd->in[0]);
   A.k = rows_of(e, nd->in[1]);

@@ -155,7 +155,7 @@ static int slowest_first(const void *a, const void *b) {
 
 void engine_profile_report(const Engine *e, FILE *out) {
   const Fusion *f = e->fusion;
-  if (!f || !e->kernel_seconds)
+  if (!e->profile || !f || !e->kernel_seconds)
     return;
   if (e->profiled_steps == 0) {
     fprintf(out, "profile: no step was timed (the first one warms up; run two or more)\n");

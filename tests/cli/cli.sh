@@ -121,6 +121,8 @@ rm -rf "$tmp/prof1"
 $m run models/gpt2-tiny.mdl -D B=2 -D T=16 --steps 1 --data "$tmp/shards" --out "$tmp/prof1" --val-every 0 --profile \
   >"$tmp/prof1.out" 2>&1
 contains "--profile of one step says that nothing was timed" "$tmp/prof1.out" "profile: no step was timed"
+grep -q "^profile:" "$tmp/p.out" && echo "[fail] cli: a run without --profile prints a profile line" ||
+  echo "[ok] cli: a run without --profile prints no profile"
 rm -rf "$tmp/profi"
 $m run models/gpt2-tiny.mdl -D B=2 -D T=16 --steps 1 --data "$tmp/shards" --out "$tmp/profi" --val-every 0 --profile \
   --backend interp >"$tmp/profi.out" 2>&1
