@@ -588,7 +588,7 @@ static int block_for(int64_t work) { return work >= BLOCK ? BLOCK : (int)align_u
 static int kend(Emit *e, int64_t grid, int block) {
   ec_drop_unused(&e->core);
   Buf code = {0};
-  ec_bput(&code, "(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {\n");
+  ec_bput(&code, "(char *arena, MdlStatus *status, const uint64_t *seed, int64_t chunk, MdlArgs o) {\n");
   for (int k = 0; k < e->nslots; k++)
     if (e->slots[k].decl)
       ec_bput(&code, "  %s *const b%d = (%s *)(arena + o.b[%d]); // %s\n", e->slots[k].type, k, e->slots[k].type, k,
@@ -745,9 +745,12 @@ static const char *val(Emit *e, int n, const char *ix) {
 // The evaluator hooks of EmitCore (core is the first member of Emit).
 static const char *core_val(EmitCore *core, int n, const char *ix) { return val((Emit *)core, n, ix); }
 
+// The step's seed is read from device memory, where the runtime writes it before each step: a
+// captured graph replays its launches' arguments as they were, so a seed passed by value would
+// repeat the first step's dropout masks in every step.
 static const char *core_seed(EmitCore *core) {
   (void)core;
-  return "seed";
+  return "(*seed)";
 }
 
 //

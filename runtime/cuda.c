@@ -479,6 +479,7 @@ typedef struct {
   CUmodule mod;
   CUstream stream;
   CUdeviceptr arena, status, workspace;
+  CUdeviceptr seed_dev; // the kernels' seed argument points here; written before each step
   cublasLtHandle_t lt;
   LtGemm *gemms;      // per CudaPlan.gemms
   CUfunction *fns;    // per CudaPlan.launches (NULL for a GEMM)
@@ -486,7 +487,7 @@ typedef struct {
   CUgraphExec exec;
   char *staging;      // host copy of the inputs and scalars, arena bytes [lo, hi)
   int64_t lo, hi;
-  uint64_t seed;      // the kernels' seed argument
+  uint64_t seed;      // the next step's seed (Engine.set_seed), copied to seed_dev before the step
   CUevent *marks;     // --profile: an event where each plan step's launches begin, and one at the end
   int *marked_step;   //   the plan step each of those events begins
   int nmarks;
@@ -510,6 +511,8 @@ static bool cu_set_input(Engine *e, const char *name, const int32_t *ids, const 
   return found;
 }
 
+static void cu_set_seed(Engine *e, uint64_t seed) { ((CudaEngine *)e)->seed = seed; }
+
 static void cu_set_scalar(Engine *e, const char *name, double v) {
   CudaEngine *ce = (CudaEngine *)e;
   for (int i = 0; i < e->g->n; i++) {
@@ -521,9 +524,12 @@ static void cu_set_scalar(Engine *e, const char *name, double v) {
 }
 
 // Copies between the host and the arena, on the engine's stream, waited for.
+static bool upload_to(CudaEngine *ce, CUdeviceptr dst, const void *src, size_t bytes, char *err, size_t n) {
+  return CU(err, n, cuMemcpyHtoDAsync, dst, src, bytes, ce->stream) && CU(err, n, cuStreamSynchronize, ce->stream);
+}
+
 static bool upload(CudaEngine *ce, int64_t offset, const void *src, size_t bytes, char *err, size_t n) {
-  return CU(err, n, cuMemcpyHtoDAsync, ce->arena + (CUdeviceptr)offset, src, bytes, ce->stream) &&
-         CU(err, n, cuStreamSynchronize, ce->stream);
+  return upload_to(ce, ce->arena + (CUdeviceptr)offset, src, bytes, err, n);
 }
 
 static bool download(CudaEngine *ce, void *dst, CUdeviceptr src, size_t bytes, char *err, size_t n) {
@@ -573,6 +579,7 @@ static bool cu_step(Engine *e, char *err, size_t n) {
   if ((ce->hi > ce->lo &&
        !CU(err, n, cuMemcpyHtoDAsync, ce->arena + (CUdeviceptr)ce->lo, ce->staging, (size_t)(ce->hi - ce->lo),
            ce->stream)) ||
+      !CU(err, n, cuMemcpyHtoDAsync, ce->seed_dev, &ce->seed, sizeof ce->seed, ce->stream) ||
       !(e->profile ? profile_step(ce, err, n) : CU(err, n, cuGraphLaunch, ce->exec, ce->stream)) ||
       !download(ce, &st, ce->status, sizeof st, err, n))
     return false;
@@ -645,7 +652,7 @@ static void cu_free(Engine *e) {
     lt.cublasLtDestroy(ce->lt);
   if (ce->stream)
     drv.cuStreamDestroy(ce->stream);
-  CUdeviceptr bufs[] = {ce->arena, ce->status, ce->workspace};
+  CUdeviceptr bufs[] = {ce->arena, ce->status, ce->workspace, ce->seed_dev};
   for (size_t i = 0; i < sizeof bufs / sizeof *bufs; i++)
     if (bufs[i])
       drv.cuMemFree(bufs[i]);
@@ -740,8 +747,7 @@ static bool enqueue(CudaEngine *ce, int i, char *err, size_t n) {
     return lt_gemm_run(&ce->gemms[l->gemm], ce->lt, ce->workspace, ce->stream, err, n);
   int64_t args[CUDA_MAX_ARGS] = {0};
   memcpy(args, l->args, sizeof(int64_t) * (size_t)l->nargs);
-  CUdeviceptr arena = ce->arena, status = ce->status;
-  uint64_t seed = ce->seed;
+  CUdeviceptr arena = ce->arena, status = ce->status, seed = ce->seed_dev;
   int64_t chunk = l->chunk;
   void *params[] = {&arena, &status, &seed, &chunk, args};
   return CU(err, n, cuLaunchKernel, ce->fns[i], l->grid[0], l->grid[1], l->grid[2], l->block[0], l->block[1],
@@ -778,7 +784,7 @@ Engine *engine_cuda(const Fusion *f, const MemPlan *m, uint64_t seed, char *err,
   }
   ce->m = m;
   ce->seed = seed;
-  ce->e = (Engine){.name = "cuda", .g = f->g, .fusion = f, .set_input = cu_set_input, .set_scalar = cu_set_scalar,
+  ce->e = (Engine){.name = "cuda", .g = f->g, .fusion = f, .set_input = cu_set_input, .set_scalar = cu_set_scalar, .set_seed = cu_set_seed,
                    .step = cu_step, .read = cu_read, .write = cu_write, .free = cu_free,
                    .kernel_seconds = calloc((size_t)f->nsteps + 1, sizeof(double))};
   if (!driver_device(&ce->dev, err, n) || !driver_complete(err, n) || !lt_open(err, n) ||
@@ -807,6 +813,8 @@ Engine *engine_cuda(const Fusion *f, const MemPlan *m, uint64_t seed, char *err,
             CU(err, n, cuStreamCreate, &ce->stream, CU_STREAM_NON_BLOCKING) &&
             CU(err, n, cuMemAlloc, &ce->arena, (size_t)ce->plan->arena_bytes) &&
             CU(err, n, cuMemAlloc, &ce->status, sizeof(MdlStatus)) &&
+            CU(err, n, cuMemAlloc, &ce->seed_dev, sizeof ce->seed) &&
+            upload_to(ce, ce->seed_dev, &ce->seed, sizeof ce->seed, err, n) &&
             CU(err, n, cuMemAlloc, &ce->workspace, LT_WORKSPACE_BYTES) && init_arena(ce, f->g, seed, err, n) &&
             init_staging(ce, f->g, err, n) && init_gemms(ce, f, err, n) && capture(ce, err, n);
   free(cubin.cubin);
@@ -814,6 +822,7 @@ Engine *engine_cuda(const Fusion *f, const MemPlan *m, uint64_t seed, char *err,
     cu_free(&ce->e);
     return NULL;
   }
+  ce->e.device_bytes = ce->plan->arena_bytes + LT_WORKSPACE_BYTES + (int64_t)(sizeof(MdlStatus) + sizeof ce->seed);
   size_t free_bytes = 0, total = 0;
   drv.cuMemGetInfo(&free_bytes, &total);
   char compiled[64];

@@ -6,11 +6,12 @@
 // The device arena is MemPlan's arena followed by step-local scratch (reduction partials, attention
 // row statistics, the LM head's logits chunk, values a step keeps to itself): CudaPlan.arena_bytes
 // in all. Every kernel has the same parameters:
-//   extern "C" __global__ void NAME(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o)
+//   extern "C" __global__ void NAME(char *arena, MdlStatus *status, const uint64_t *seed, int64_t chunk, MdlArgs o)
 //   - arena:  the device arena (256-byte aligned, as cuMemAlloc returns it);
 //   - status: a zeroed MdlStatus in device memory, set by the first kernel that meets a bad id or
 //             target (code CUDA_ERR_*, the value and the limit): read it back after the step;
-//   - seed:   the run's seed (dropout masks);
+//   - seed:   the step's seed (dropout masks), in device memory: the host writes it before each
+//             step, so a graph captured once replays with each step's seed;
 //   - chunk:  CudaLaunch.chunk (the LM head's first row of the chunk, else 0);
 //   - o:      MdlArgs by value, o.b[i] = CudaLaunch.args[i]: byte offsets in the arena of the buffers
 //             the kernel reads and writes. Kernels with the same code (the layers of a model) are

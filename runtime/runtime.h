@@ -48,6 +48,7 @@ struct Engine {
   bool cache_hit;         // compiled back ends: the module came from the cache
   double compile_seconds; // compiled back ends: time in the compiler
   int64_t arena_bytes;    // compiled back ends: the planned arena (0: not planned)
+  int64_t device_bytes;   // device back ends: the device memory the engine allocated (0: host memory)
   double peak_flops;      // the peak MFU is measured against (0: this CPU's, rt_cpu_peak_flops)
   const char *peak_how;   // what that peak is
   // Profiling (compiled back ends): with `profile` set, a step runs kernel by kernel and adds each

@@ -350,6 +350,12 @@ int train_run(Engine *e, Engine *eval, Engine *micro, const TrainOptions *o) {
   for (int i = 0; i < g->n; i++)
     if (g->nodes[i]->op == OP_GRAD_NORM)
       gnorm = i;
+  // Peak memory: the process's on the host, and what the engines hold on a device (allocated once,
+  // when each is built, so it is also their peak there).
+  int64_t device = e->device_bytes + (eval ? eval->device_bytes : 0) + (micro && micro != e ? micro->device_bytes : 0);
+  char device_s[48] = "";
+  if (device > 0)
+    snprintf(device_s, sizeof device_s, ", device %.0f MB", (double)device / 1e6);
   const char *peak_how = e->peak_how;
   double peak = e->peak_flops > 0 ? e->peak_flops : rt_cpu_peak_flops(&peak_how), flops = rt_step_flops(g);
   double unigram = unigram_entropy(o->data_dir, V);
@@ -423,9 +429,9 @@ int train_run(Engine *e, Engine *eval, Engine *micro, const TrainOptions *o) {
     eta(left, eta_s, sizeof eta_s);
     double tok_s = (double)real / dt, mfu = 100.0 * (double)k * flops / dt / peak;
     printf("step %5lld/%lld | loss %.4f | lr %.2e | norm %6.3f | %7.1f ms | %8.0f tok/s | MFU %5.2f%% | "
-           "peak %.0f MB | ETA %s\n",
+           "peak %.0f MB%s | ETA %s\n",
            (long long)step, (long long)last, loss, lr, norm, 1e3 * dt, tok_s, mfu,
-           (double)ru.ru_maxrss / 1024.0, eta_s);
+           (double)ru.ru_maxrss / 1024.0, device_s, eta_s);
     if (do_val)
       printf("step %5lld/%lld | val loss %.4f (unigram entropy %.4f)\n", (long long)step, (long long)last, last_val,
              unigram);

@@ -48,7 +48,8 @@
 # adds -D options to stage 3's model (a smaller GPT) and GPU_CHECK_T sets its T (1024).
 set -u
 cd "$(dirname "$0")/.."
-sources_hash() { cat Makefile grammar/* compiler/*.[ch] runtime/*.[ch] tools/gpucmp.c | sha256sum | cut -d' ' -f1; }
+# (in the C locale: the order of the files must not depend on the machine's collation)
+sources_hash() { (LC_ALL=C; cat Makefile grammar/* compiler/*.[ch] runtime/*.[ch] tools/gpucmp.c) | sha256sum | cut -d' ' -f1; }
 
 if [ "${1:-}" = "--bundle" ]; then
   dir="${2:-gpu-bundle}"
@@ -132,7 +133,7 @@ for shape in "2 16 fp32" "8 64 fp32" "2 16 bf16" "8 64 bf16"; do
     if ! timeout 120 "$mdlc" grad models/gpt2-tiny.mdl -D B="$b" -D T="$t" --weights "$tmp/W.safetensors" \
       --batch "$tmp/batch.safetensors" -o "$tmp/${side#*:}.safetensors" --backend "$be" --precision "$prec" \
       >"$tmp/grad.log" 2>&1; then
-      tail -5 "$tmp/grad.log" | tee -a "$res"
+      tail -12 "$tmp/grad.log" | tee -a "$res"
       say "mdlc grad --backend $be failed"
       status=1
       continue 2
@@ -159,7 +160,7 @@ for B in 8 4; do
     --data "$tmp/shards" --out "$tmp/run" >"$tmp/run.log" 2>&1
   rc=$?
   [ $rc -eq 0 ] && break
-  tail -5 "$tmp/run.log" | tee -a "$res"
+  tail -12 "$tmp/run.log" | tee -a "$res"
   grep -q OUT_OF_MEMORY "$tmp/run.log" || break
 done
 [ -n "$smi_pid" ] && kill "$smi_pid" 2>/dev/null
@@ -224,7 +225,7 @@ if [ $rc -eq 0 ]; then
       "$prof" | sort -nr | tee -a "$res"
     say "whole table: $prof"
   else
-    tail -5 "$tmp/prof.log" | tee -a "$res"
+    tail -12 "$tmp/prof.log" | tee -a "$res"
     say "mdlc run --profile failed"
     status=1
   fi
@@ -252,7 +253,7 @@ if [ $rc -eq 0 ] && [ -n "$fused" ]; then
       }' "$tmp/nofuse.log" | tee -a "$res"
     [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
   else
-    tail -5 "$tmp/nofuse.log" | tee -a "$res"
+    tail -12 "$tmp/nofuse.log" | tee -a "$res"
     say "mdlc run --no-fuse failed"
     status=1
   fi

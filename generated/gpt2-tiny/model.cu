@@ -260,7 +260,7 @@ __device__ __forceinline__ float mdl_block_max_nan(float v, float *sh) {
 //   k0_embed<<<32, 256>>>
 
 // embed: 512 rows of 64 from a table of 256, 4 per thread
-extern "C" __global__ void __launch_bounds__(256) k0_embed(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
+extern "C" __global__ void __launch_bounds__(256) k0_embed(char *arena, MdlStatus *status, const uint64_t *seed, int64_t chunk, MdlArgs o) {
   float *const b0 = (float *)(arena + o.b[0]); // param f32[256,64]
   int32_t *const b1 = (int32_t *)(arena + o.b[1]); // input i32[8,64]
   float *const b2 = (float *)(arena + o.b[2]); // embed f32[8,64,64]
@@ -283,7 +283,7 @@ extern "C" __global__ void __launch_bounds__(256) k0_embed(char *arena, MdlStatu
 //   k1_embed<<<32, 256>>>
 
 // embed: 512 rows of 64 from a table of 128, 4 per thread
-extern "C" __global__ void __launch_bounds__(256) k1_embed(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
+extern "C" __global__ void __launch_bounds__(256) k1_embed(char *arena, MdlStatus *status, const uint64_t *seed, int64_t chunk, MdlArgs o) {
   float *const b0 = (float *)(arena + o.b[0]); // param f32[128,64]
   int32_t *const b1 = (int32_t *)(arena + o.b[1]); // input i32[8,64]
   float *const b2 = (float *)(arena + o.b[2]); // embed f32[8,64,64]
@@ -309,7 +309,7 @@ extern "C" __global__ void __launch_bounds__(256) k1_embed(char *arena, MdlStatu
 //   k2_layernorm_fwd__add__cast<<<64, 256>>>
 
 // layernorm: 512 rows of 64, a warp per row
-extern "C" __global__ void __launch_bounds__(256) k2_layernorm_fwd__add__cast(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
+extern "C" __global__ void __launch_bounds__(256) k2_layernorm_fwd__add__cast(char *arena, MdlStatus *status, const uint64_t *seed, int64_t chunk, MdlArgs o) {
   float *const b0 = (float *)(arena + o.b[0]); // embed f32[8,64,64]
   float *const b1 = (float *)(arena + o.b[1]); // embed f32[8,64,64]
   float *const b2 = (float *)(arena + o.b[2]); // add f32[8,64,64]
@@ -372,7 +372,7 @@ extern "C" __global__ void __launch_bounds__(256) k2_layernorm_fwd__add__cast(ch
 //   k4_attention_fwd__cast__lse<<<32, 128>>>
 
 // attention on tensor cores: B 8, T 64, 4 heads of 16, causal, within documents; a block of 4 warps per (batch, head, 64 queries), 16 query rows per warp, keys in tiles of 64; bf16 products (mma m16n8k16), f32 softmax
-extern "C" __global__ void __launch_bounds__(128) k4_attention_fwd__cast__lse(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
+extern "C" __global__ void __launch_bounds__(128) k4_attention_fwd__cast__lse(char *arena, MdlStatus *status, const uint64_t *seed, int64_t chunk, MdlArgs o) {
   float *const b0 = (float *)(arena + o.b[0]); // add f32[8,64,192]
   int32_t *const b1 = (int32_t *)(arena + o.b[1]); // input i32[8,64]
   float *const b2 = (float *)(arena + o.b[2]); // attention_lse f32[8,4,64]
@@ -536,7 +536,7 @@ extern "C" __global__ void __launch_bounds__(128) k4_attention_fwd__cast__lse(ch
 //   k6_layernorm_fwd__cast<<<64, 256>>>
 
 // layernorm: 512 rows of 64, a warp per row
-extern "C" __global__ void __launch_bounds__(256) k6_layernorm_fwd__cast(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
+extern "C" __global__ void __launch_bounds__(256) k6_layernorm_fwd__cast(char *arena, MdlStatus *status, const uint64_t *seed, int64_t chunk, MdlArgs o) {
   float *const b0 = (float *)(arena + o.b[0]); // add f32[8,64,64]
   float *const b1 = (float *)(arena + o.b[1]); // param f32[64]
   float *const b2 = (float *)(arena + o.b[2]); // param f32[64]
@@ -585,7 +585,7 @@ extern "C" __global__ void __launch_bounds__(256) k6_layernorm_fwd__cast(char *a
 //   k7_gemm__add__gelu__cast_epilogue<<<128, 256>>>
 
 // elementwise over 131072, 4 per thread: cast
-extern "C" __global__ void __launch_bounds__(256) k7_gemm__add__gelu__cast_epilogue(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
+extern "C" __global__ void __launch_bounds__(256) k7_gemm__add__gelu__cast_epilogue(char *arena, MdlStatus *status, const uint64_t *seed, int64_t chunk, MdlArgs o) {
   float *const b0 = (float *)(arena + o.b[0]); // add f32[8,64,256]
   uint16_t *const b1 = (uint16_t *)(arena + o.b[1]); // cast bf16[512,256]
   for (int q = blockIdx.x * blockDim.x + threadIdx.x; q < 32768; q += gridDim.x * blockDim.x) {
@@ -681,7 +681,7 @@ extern "C" __global__ void __launch_bounds__(256) k7_gemm__add__gelu__cast_epilo
 //   k17_broadcast__mul<<<1, 128>>>
 
 // elementwise over 512, 4 per thread: broadcast
-extern "C" __global__ void __launch_bounds__(128) k17_broadcast__mul(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
+extern "C" __global__ void __launch_bounds__(128) k17_broadcast__mul(char *arena, MdlStatus *status, const uint64_t *seed, int64_t chunk, MdlArgs o) {
   float *const b0 = (float *)(arena + o.b[0]); // broadcast f32[512]
   for (int q = blockIdx.x * blockDim.x + threadIdx.x; q < 128; q += gridDim.x * blockDim.x) {
     const float v3 = 1.0f * 0.001953125f;
@@ -710,7 +710,7 @@ extern "C" __global__ void __launch_bounds__(128) k17_broadcast__mul(char *arena
 //   gemm 10: [256 x 64] = T[256 x 512] [512 x 64], bf16 A and B, f32 C
 
 // LM head: cross-entropy and its gradient of a chunk of at most 512 rows of 256 classes, the gradient rounded to bf16 into a chunk of its own; chunk = its first row; a warp per row
-extern "C" __global__ void __launch_bounds__(256) k18_lmhead__cross_entropy__cross_entropy_bwd__cast__gemm_ce(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
+extern "C" __global__ void __launch_bounds__(256) k18_lmhead__cross_entropy__cross_entropy_bwd__cast__gemm_ce(char *arena, MdlStatus *status, const uint64_t *seed, int64_t chunk, MdlArgs o) {
   float *const b0 = (float *)(arena + o.b[0]); // the chunk's logits
   uint16_t *const b1 = (uint16_t *)(arena + o.b[1]); // the chunk's dlogits, bf16
   float *const b2 = (float *)(arena + o.b[2]); // broadcast f32[512]
@@ -762,7 +762,7 @@ extern "C" __global__ void __launch_bounds__(256) k18_lmhead__cross_entropy__cro
 //   k19_mean<<<1, 256>>>
 
 // mean: 1 outputs over 512 elements, a warp per output
-extern "C" __global__ void __launch_bounds__(256) k19_mean(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
+extern "C" __global__ void __launch_bounds__(256) k19_mean(char *arena, MdlStatus *status, const uint64_t *seed, int64_t chunk, MdlArgs o) {
   float *const b0 = (float *)(arena + o.b[0]); // cross_entropy f32[8,64]
   float *const b1 = (float *)(arena + o.b[1]); // mean f32[]
   const int r = blockIdx.x * 8 + (threadIdx.x >> 5);
@@ -795,7 +795,7 @@ extern "C" __global__ void __launch_bounds__(256) k19_mean(char *arena, MdlStatu
 //   k20_layernorm_bwd__sum__cast_colsum<<<8, 1024>>>
 
 // layernorm_bwd: 512 rows of 64, a warp per row; column partials over 512 blocks of 1 rows
-extern "C" __global__ void __launch_bounds__(256) k20_layernorm_bwd__sum__cast(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
+extern "C" __global__ void __launch_bounds__(256) k20_layernorm_bwd__sum__cast(char *arena, MdlStatus *status, const uint64_t *seed, int64_t chunk, MdlArgs o) {
   float *const b0 = (float *)(arena + o.b[0]); // dw partials
   float *const b1 = (float *)(arena + o.b[1]); // db partials
   float *const b2 = (float *)(arena + o.b[2]); // column sum partials
@@ -873,7 +873,7 @@ extern "C" __global__ void __launch_bounds__(256) k20_layernorm_bwd__sum__cast(c
 }
 
 // layernorm_bwd: column sums of 512 blocks of rows, a block per 8 columns in 128 groups of rows
-extern "C" __global__ void __launch_bounds__(1024) k20_layernorm_bwd__sum__cast_colsum(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
+extern "C" __global__ void __launch_bounds__(1024) k20_layernorm_bwd__sum__cast_colsum(char *arena, MdlStatus *status, const uint64_t *seed, int64_t chunk, MdlArgs o) {
   float *const b0 = (float *)(arena + o.b[0]); // dw partials
   float *const b1 = (float *)(arena + o.b[1]); // db partials
   float *const b2 = (float *)(arena + o.b[2]); // column sum partials
@@ -931,7 +931,7 @@ extern "C" __global__ void __launch_bounds__(1024) k20_layernorm_bwd__sum__cast_
 //   k22_gemm__gelu_bwd__sum__cast<<<32, 256>>>
 
 // sum: 256 outputs over 512 elements, first partial results over 64 blocks of 8
-extern "C" __global__ void __launch_bounds__(256) k22_gemm__gelu_bwd__sum__cast_partial(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
+extern "C" __global__ void __launch_bounds__(256) k22_gemm__gelu_bwd__sum__cast_partial(char *arena, MdlStatus *status, const uint64_t *seed, int64_t chunk, MdlArgs o) {
   double *const b0 = (double *)(arena + o.b[0]); // partial results
   float *const b1 = (float *)(arena + o.b[1]); // add f32[8,64,256]
   float *const b2 = (float *)(arena + o.b[2]); // matmul f32[512,256]
@@ -957,7 +957,7 @@ extern "C" __global__ void __launch_bounds__(256) k22_gemm__gelu_bwd__sum__cast_
 }
 
 // sum: the 64 partial results of each output added, a block per 8 outputs in 32 groups of rows
-extern "C" __global__ void __launch_bounds__(256) k22_gemm__gelu_bwd__sum__cast(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
+extern "C" __global__ void __launch_bounds__(256) k22_gemm__gelu_bwd__sum__cast(char *arena, MdlStatus *status, const uint64_t *seed, int64_t chunk, MdlArgs o) {
   double *const b0 = (double *)(arena + o.b[0]); // partial results
   float *const b1 = (float *)(arena + o.b[1]); // sum f32[256]
   __shared__ double cs0[32][8];
@@ -1005,7 +1005,7 @@ extern "C" __global__ void __launch_bounds__(256) k22_gemm__gelu_bwd__sum__cast(
 //   k20_layernorm_bwd__sum__cast_colsum<<<8, 1024>>>
 
 // layernorm_bwd: 512 rows of 64, a warp per row; column partials over 512 blocks of 1 rows
-extern "C" __global__ void __launch_bounds__(256) k25_layernorm_bwd__add__sum__cast(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
+extern "C" __global__ void __launch_bounds__(256) k25_layernorm_bwd__add__sum__cast(char *arena, MdlStatus *status, const uint64_t *seed, int64_t chunk, MdlArgs o) {
   float *const b0 = (float *)(arena + o.b[0]); // dw partials
   float *const b1 = (float *)(arena + o.b[1]); // db partials
   float *const b2 = (float *)(arena + o.b[2]); // column sum partials
@@ -1107,7 +1107,7 @@ extern "C" __global__ void __launch_bounds__(256) k25_layernorm_bwd__add__sum__c
 //   k28_attention_bwd_dkv<<<32, 128>>>
 
 // attention backward, D = dout . out: B 8, T 64, 4 heads of 16; a warp per row of a head
-extern "C" __global__ void __launch_bounds__(256) k28_attention_bwd_dsum(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
+extern "C" __global__ void __launch_bounds__(256) k28_attention_bwd_dsum(char *arena, MdlStatus *status, const uint64_t *seed, int64_t chunk, MdlArgs o) {
   float *const b0 = (float *)(arena + o.b[0]); // dout . out per row
   uint16_t *const b1 = (uint16_t *)(arena + o.b[1]); // cast bf16[512,64]
   uint16_t *const b2 = (uint16_t *)(arena + o.b[2]); // cast bf16[8,64,64]
@@ -1127,7 +1127,7 @@ extern "C" __global__ void __launch_bounds__(256) k28_attention_bwd_dsum(char *a
 }
 
 // attention backward, dq on tensor cores: B 8, T 64, 4 heads of 16, causal, within documents; a block of 4 warps per (batch, head, 64 queries), 16 query rows per warp, keys in tiles of 64; bf16 products (mma m16n8k16)
-extern "C" __global__ void __launch_bounds__(128) k28_attention_bwd_dq(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
+extern "C" __global__ void __launch_bounds__(128) k28_attention_bwd_dq(char *arena, MdlStatus *status, const uint64_t *seed, int64_t chunk, MdlArgs o) {
   float *const b0 = (float *)(arena + o.b[0]); // add f32[8,64,192]
   uint16_t *const b1 = (uint16_t *)(arena + o.b[1]); // cast bf16[8,64,64]
   int32_t *const b2 = (int32_t *)(arena + o.b[2]); // input i32[8,64]
@@ -1241,7 +1241,7 @@ extern "C" __global__ void __launch_bounds__(128) k28_attention_bwd_dq(char *are
 }
 
 // attention backward, dk and dv on tensor cores: B 8, T 64, 4 heads of 16, causal, within documents; a block of 4 warps per (batch, head, 64 keys), 16 keys per warp, queries in tiles of 64; bf16 products (mma m16n8k16)
-extern "C" __global__ void __launch_bounds__(128) k28_attention_bwd_dkv(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
+extern "C" __global__ void __launch_bounds__(128) k28_attention_bwd_dkv(char *arena, MdlStatus *status, const uint64_t *seed, int64_t chunk, MdlArgs o) {
   float *const b0 = (float *)(arena + o.b[0]); // add f32[8,64,192]
   int32_t *const b1 = (int32_t *)(arena + o.b[1]); // input i32[8,64]
   float *const b2 = (float *)(arena + o.b[2]); // attention_lse f32[8,4,64]
@@ -1385,7 +1385,7 @@ extern "C" __global__ void __launch_bounds__(128) k28_attention_bwd_dkv(char *ar
 //   k29_sum__slice_bwd__add__cast<<<24, 256>>>
 
 // sum: 192 outputs over 512 elements, first partial results over 64 blocks of 8
-extern "C" __global__ void __launch_bounds__(256) k29_sum__slice_bwd__add__cast_partial(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
+extern "C" __global__ void __launch_bounds__(256) k29_sum__slice_bwd__add__cast_partial(char *arena, MdlStatus *status, const uint64_t *seed, int64_t chunk, MdlArgs o) {
   double *const b0 = (double *)(arena + o.b[0]); // partial results
   float *const b1 = (float *)(arena + o.b[1]); // attention_bwd f32[8,64,64]
   float *const b2 = (float *)(arena + o.b[2]); // attention_bwd f32[8,64,64]
@@ -1420,7 +1420,7 @@ extern "C" __global__ void __launch_bounds__(256) k29_sum__slice_bwd__add__cast_
 }
 
 // sum: the 64 partial results of each output added, a block per 8 outputs in 32 groups of rows
-extern "C" __global__ void __launch_bounds__(256) k29_sum__slice_bwd__add__cast(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
+extern "C" __global__ void __launch_bounds__(256) k29_sum__slice_bwd__add__cast(char *arena, MdlStatus *status, const uint64_t *seed, int64_t chunk, MdlArgs o) {
   double *const b0 = (double *)(arena + o.b[0]); // partial results
   float *const b1 = (float *)(arena + o.b[1]); // sum f32[192]
   __shared__ double cs0[32][8];
@@ -1468,7 +1468,7 @@ extern "C" __global__ void __launch_bounds__(256) k29_sum__slice_bwd__add__cast(
 //   k20_layernorm_bwd__sum__cast_colsum<<<8, 1024>>>
 
 // layernorm_bwd: 512 rows of 64, a warp per row; column partials over 512 blocks of 1 rows
-extern "C" __global__ void __launch_bounds__(256) k32_layernorm_bwd__add__sum__cast(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
+extern "C" __global__ void __launch_bounds__(256) k32_layernorm_bwd__add__sum__cast(char *arena, MdlStatus *status, const uint64_t *seed, int64_t chunk, MdlArgs o) {
   float *const b0 = (float *)(arena + o.b[0]); // dw partials
   float *const b1 = (float *)(arena + o.b[1]); // db partials
   float *const b2 = (float *)(arena + o.b[2]); // column sum partials
@@ -1641,7 +1641,7 @@ extern "C" __global__ void __launch_bounds__(256) k32_layernorm_bwd__add__sum__c
 //   k44_layernorm_bwd__add_colsum<<<8, 1024>>>
 
 // layernorm_bwd: 512 rows of 64, a warp per row; column partials over 512 blocks of 1 rows
-extern "C" __global__ void __launch_bounds__(256) k44_layernorm_bwd__add(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
+extern "C" __global__ void __launch_bounds__(256) k44_layernorm_bwd__add(char *arena, MdlStatus *status, const uint64_t *seed, int64_t chunk, MdlArgs o) {
   float *const b0 = (float *)(arena + o.b[0]); // dw partials
   float *const b1 = (float *)(arena + o.b[1]); // db partials
   float *const b2 = (float *)(arena + o.b[2]); // add f32[8,64,64]
@@ -1715,7 +1715,7 @@ extern "C" __global__ void __launch_bounds__(256) k44_layernorm_bwd__add(char *a
 }
 
 // layernorm_bwd: column sums of 512 blocks of rows, a block per 8 columns in 128 groups of rows
-extern "C" __global__ void __launch_bounds__(1024) k44_layernorm_bwd__add_colsum(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
+extern "C" __global__ void __launch_bounds__(1024) k44_layernorm_bwd__add_colsum(char *arena, MdlStatus *status, const uint64_t *seed, int64_t chunk, MdlArgs o) {
   float *const b0 = (float *)(arena + o.b[0]); // dw partials
   float *const b1 = (float *)(arena + o.b[1]); // db partials
   float *const b2 = (float *)(arena + o.b[2]); // layernorm_bwd f32[64]
@@ -1757,7 +1757,7 @@ extern "C" __global__ void __launch_bounds__(1024) k44_layernorm_bwd__add_colsum
 //   k45_embed_bwd<<<4, 64>>>
 
 // embed backward: the bucket counts and cursors set to zero
-extern "C" __global__ void __launch_bounds__(32) k45_embed_bwd_zero(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
+extern "C" __global__ void __launch_bounds__(32) k45_embed_bwd_zero(char *arena, MdlStatus *status, const uint64_t *seed, int64_t chunk, MdlArgs o) {
   int *const b0 = (int *)(arena + o.b[0]); // bucket counts
   int *const b1 = (int *)(arena + o.b[1]); // bucket cursors
   for (int u = blockIdx.x * blockDim.x + threadIdx.x; u < 4; u += gridDim.x * blockDim.x) {
@@ -1767,7 +1767,7 @@ extern "C" __global__ void __launch_bounds__(32) k45_embed_bwd_zero(char *arena,
 }
 
 // embed backward: 512 ids counted into buckets of 32 table rows
-extern "C" __global__ void __launch_bounds__(256) k45_embed_bwd_count(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
+extern "C" __global__ void __launch_bounds__(256) k45_embed_bwd_count(char *arena, MdlStatus *status, const uint64_t *seed, int64_t chunk, MdlArgs o) {
   int32_t *const b0 = (int32_t *)(arena + o.b[0]); // input i32[8,64]
   int *const b1 = (int *)(arena + o.b[1]); // bucket counts
   for (int r = blockIdx.x * blockDim.x + threadIdx.x; r < 512; r += gridDim.x * blockDim.x) {
@@ -1780,7 +1780,7 @@ extern "C" __global__ void __launch_bounds__(256) k45_embed_bwd_count(char *aren
 }
 
 // embed backward: where each of the 4 buckets starts (prefix sums of the counts), one block
-extern "C" __global__ void __launch_bounds__(256) k45_embed_bwd_offsets(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
+extern "C" __global__ void __launch_bounds__(256) k45_embed_bwd_offsets(char *arena, MdlStatus *status, const uint64_t *seed, int64_t chunk, MdlArgs o) {
   int *const b0 = (int *)(arena + o.b[0]); // bucket counts
   int *const b1 = (int *)(arena + o.b[1]); // bucket starts
   __shared__ int part[257];
@@ -1805,7 +1805,7 @@ extern "C" __global__ void __launch_bounds__(256) k45_embed_bwd_offsets(char *ar
 }
 
 // embed backward: each position into its bucket, in any order
-extern "C" __global__ void __launch_bounds__(256) k45_embed_bwd_place(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
+extern "C" __global__ void __launch_bounds__(256) k45_embed_bwd_place(char *arena, MdlStatus *status, const uint64_t *seed, int64_t chunk, MdlArgs o) {
   int32_t *const b0 = (int32_t *)(arena + o.b[0]); // input i32[8,64]
   int *const b1 = (int *)(arena + o.b[1]); // bucket cursors
   int *const b2 = (int *)(arena + o.b[2]); // bucket starts
@@ -1818,7 +1818,7 @@ extern "C" __global__ void __launch_bounds__(256) k45_embed_bwd_place(char *aren
 }
 
 // embed backward: 512 rows of 64 into a table of 128; a block per 32 table rows x 64 columns, its bucket's positions sorted (more than 1024: every id scanned)
-extern "C" __global__ void __launch_bounds__(64) k45_embed_bwd(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
+extern "C" __global__ void __launch_bounds__(64) k45_embed_bwd(char *arena, MdlStatus *status, const uint64_t *seed, int64_t chunk, MdlArgs o) {
   int32_t *const b0 = (int32_t *)(arena + o.b[0]); // input i32[8,64]
   float *const b1 = (float *)(arena + o.b[1]); // add f32[8,64,64]
   float *const b2 = (float *)(arena + o.b[2]); // embed_bwd f32[128,64]
@@ -1875,7 +1875,7 @@ extern "C" __global__ void __launch_bounds__(64) k45_embed_bwd(char *arena, MdlS
 //   k46_embed_bwd__add<<<8, 64>>>
 
 // embed backward: the bucket counts and cursors set to zero
-extern "C" __global__ void __launch_bounds__(32) k46_embed_bwd__add_zero(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
+extern "C" __global__ void __launch_bounds__(32) k46_embed_bwd__add_zero(char *arena, MdlStatus *status, const uint64_t *seed, int64_t chunk, MdlArgs o) {
   int *const b0 = (int *)(arena + o.b[0]); // bucket counts
   int *const b1 = (int *)(arena + o.b[1]); // bucket cursors
   for (int u = blockIdx.x * blockDim.x + threadIdx.x; u < 8; u += gridDim.x * blockDim.x) {
@@ -1885,7 +1885,7 @@ extern "C" __global__ void __launch_bounds__(32) k46_embed_bwd__add_zero(char *a
 }
 
 // embed backward: 512 ids counted into buckets of 32 table rows
-extern "C" __global__ void __launch_bounds__(256) k46_embed_bwd__add_count(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
+extern "C" __global__ void __launch_bounds__(256) k46_embed_bwd__add_count(char *arena, MdlStatus *status, const uint64_t *seed, int64_t chunk, MdlArgs o) {
   int32_t *const b0 = (int32_t *)(arena + o.b[0]); // input i32[8,64]
   int *const b1 = (int *)(arena + o.b[1]); // bucket counts
   for (int r = blockIdx.x * blockDim.x + threadIdx.x; r < 512; r += gridDim.x * blockDim.x) {
@@ -1898,7 +1898,7 @@ extern "C" __global__ void __launch_bounds__(256) k46_embed_bwd__add_count(char 
 }
 
 // embed backward: where each of the 8 buckets starts (prefix sums of the counts), one block
-extern "C" __global__ void __launch_bounds__(256) k46_embed_bwd__add_offsets(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
+extern "C" __global__ void __launch_bounds__(256) k46_embed_bwd__add_offsets(char *arena, MdlStatus *status, const uint64_t *seed, int64_t chunk, MdlArgs o) {
   int *const b0 = (int *)(arena + o.b[0]); // bucket counts
   int *const b1 = (int *)(arena + o.b[1]); // bucket starts
   __shared__ int part[257];
@@ -1923,7 +1923,7 @@ extern "C" __global__ void __launch_bounds__(256) k46_embed_bwd__add_offsets(cha
 }
 
 // embed backward: each position into its bucket, in any order
-extern "C" __global__ void __launch_bounds__(256) k46_embed_bwd__add_place(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
+extern "C" __global__ void __launch_bounds__(256) k46_embed_bwd__add_place(char *arena, MdlStatus *status, const uint64_t *seed, int64_t chunk, MdlArgs o) {
   int32_t *const b0 = (int32_t *)(arena + o.b[0]); // input i32[8,64]
   int *const b1 = (int *)(arena + o.b[1]); // bucket cursors
   int *const b2 = (int *)(arena + o.b[2]); // bucket starts
@@ -1936,7 +1936,7 @@ extern "C" __global__ void __launch_bounds__(256) k46_embed_bwd__add_place(char 
 }
 
 // embed backward: 512 rows of 64 into a table of 256; a block per 32 table rows x 64 columns, its bucket's positions sorted (more than 1024: every id scanned)
-extern "C" __global__ void __launch_bounds__(64) k46_embed_bwd__add(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
+extern "C" __global__ void __launch_bounds__(64) k46_embed_bwd__add(char *arena, MdlStatus *status, const uint64_t *seed, int64_t chunk, MdlArgs o) {
   int32_t *const b0 = (int32_t *)(arena + o.b[0]); // input i32[8,64]
   float *const b1 = (float *)(arena + o.b[1]); // add f32[8,64,64]
   int *const b2 = (int *)(arena + o.b[2]); // bucket counts
@@ -2052,7 +2052,7 @@ static __device__ const MdlSeg k47_grad_norm__adamw_grads[28] = {
 };
 
 // gradient norm: sums of squares of 28 tensors, 124672 values, in 16 chunks of 8192
-extern "C" __global__ void __launch_bounds__(256) k47_grad_norm__adamw_sumsq(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
+extern "C" __global__ void __launch_bounds__(256) k47_grad_norm__adamw_sumsq(char *arena, MdlStatus *status, const uint64_t *seed, int64_t chunk, MdlArgs o) {
   double *const b0 = (double *)(arena + o.b[0]); // sums of squares per chunk
   __shared__ double sh_d[32];
   const MdlSeg *const seg = k47_grad_norm__adamw_grads;
@@ -2073,7 +2073,7 @@ extern "C" __global__ void __launch_bounds__(256) k47_grad_norm__adamw_sumsq(cha
 }
 
 // gradient norm: the 16 chunks added in order by one block
-extern "C" __global__ void __launch_bounds__(256) k47_grad_norm__adamw_norm(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
+extern "C" __global__ void __launch_bounds__(256) k47_grad_norm__adamw_norm(char *arena, MdlStatus *status, const uint64_t *seed, int64_t chunk, MdlArgs o) {
   double *const b0 = (double *)(arena + o.b[0]); // sums of squares per chunk
   float *const b1 = (float *)(arena + o.b[1]); // grad_norm f32[]
   __shared__ double sh_d[32];
@@ -2117,7 +2117,7 @@ static __device__ const MdlSeg k47_grad_norm__adamw_seg[28] = {
 };
 
 // AdamW over 28 parameters, 124672 values (beta1 0.9, beta2 0.95, eps 1e-08, clip 1), chunks of 8192; 9 bf16 copies
-extern "C" __global__ void __launch_bounds__(256) k47_grad_norm__adamw(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
+extern "C" __global__ void __launch_bounds__(256) k47_grad_norm__adamw(char *arena, MdlStatus *status, const uint64_t *seed, int64_t chunk, MdlArgs o) {
   float *const b0 = (float *)(arena + o.b[0]); // grad_norm f32[]
   float *const b1 = (float *)(arena + o.b[1]); // scalar f32[]
   float *const b2 = (float *)(arena + o.b[2]); // scalar f32[]

@@ -260,7 +260,7 @@ __device__ __forceinline__ float mdl_block_max_nan(float v, float *sh) {
 //   k0_embed<<<4096, 256>>>
 
 // embed: 8192 rows of 768 from a table of 50257, 4 per thread
-extern "C" __global__ void __launch_bounds__(256) k0_embed(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
+extern "C" __global__ void __launch_bounds__(256) k0_embed(char *arena, MdlStatus *status, const uint64_t *seed, int64_t chunk, MdlArgs o) {
   float *const b0 = (float *)(arena + o.b[0]); // param f32[50257,768]
   int32_t *const b1 = (int32_t *)(arena + o.b[1]); // input i32[8,1024]
   float *const b2 = (float *)(arena + o.b[2]); // embed f32[8,1024,768]
@@ -283,7 +283,7 @@ extern "C" __global__ void __launch_bounds__(256) k0_embed(char *arena, MdlStatu
 //   k1_embed<<<4096, 256>>>
 
 // embed: 8192 rows of 768 from a table of 1024, 4 per thread
-extern "C" __global__ void __launch_bounds__(256) k1_embed(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
+extern "C" __global__ void __launch_bounds__(256) k1_embed(char *arena, MdlStatus *status, const uint64_t *seed, int64_t chunk, MdlArgs o) {
   float *const b0 = (float *)(arena + o.b[0]); // param f32[1024,768]
   int32_t *const b1 = (int32_t *)(arena + o.b[1]); // input i32[8,1024]
   float *const b2 = (float *)(arena + o.b[2]); // embed f32[8,1024,768]
@@ -309,7 +309,7 @@ extern "C" __global__ void __launch_bounds__(256) k1_embed(char *arena, MdlStatu
 //   k2_layernorm_fwd__add__cast<<<1024, 256>>>
 
 // layernorm: 8192 rows of 768, a warp per row
-extern "C" __global__ void __launch_bounds__(256) k2_layernorm_fwd__add__cast(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
+extern "C" __global__ void __launch_bounds__(256) k2_layernorm_fwd__add__cast(char *arena, MdlStatus *status, const uint64_t *seed, int64_t chunk, MdlArgs o) {
   float *const b0 = (float *)(arena + o.b[0]); // embed f32[8,1024,768]
   float *const b1 = (float *)(arena + o.b[1]); // embed f32[8,1024,768]
   float *const b2 = (float *)(arena + o.b[2]); // add f32[8,1024,768]
@@ -372,7 +372,7 @@ extern "C" __global__ void __launch_bounds__(256) k2_layernorm_fwd__add__cast(ch
 //   k4_attention_fwd__cast__lse<<<1536, 128>>>
 
 // attention on tensor cores: B 8, T 1024, 12 heads of 64, causal, within documents; a block of 4 warps per (batch, head, 64 queries), 16 query rows per warp, keys in tiles of 64; bf16 products (mma m16n8k16), f32 softmax
-extern "C" __global__ void __launch_bounds__(128) k4_attention_fwd__cast__lse(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
+extern "C" __global__ void __launch_bounds__(128) k4_attention_fwd__cast__lse(char *arena, MdlStatus *status, const uint64_t *seed, int64_t chunk, MdlArgs o) {
   float *const b0 = (float *)(arena + o.b[0]); // add f32[8,1024,2304]
   int32_t *const b1 = (int32_t *)(arena + o.b[1]); // input i32[8,1024]
   float *const b2 = (float *)(arena + o.b[2]); // attention_lse f32[8,12,1024]
@@ -537,7 +537,7 @@ extern "C" __global__ void __launch_bounds__(128) k4_attention_fwd__cast__lse(ch
 //   k6_layernorm_fwd__cast<<<1024, 256>>>
 
 // layernorm: 8192 rows of 768, a warp per row
-extern "C" __global__ void __launch_bounds__(256) k6_layernorm_fwd__cast(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
+extern "C" __global__ void __launch_bounds__(256) k6_layernorm_fwd__cast(char *arena, MdlStatus *status, const uint64_t *seed, int64_t chunk, MdlArgs o) {
   float *const b0 = (float *)(arena + o.b[0]); // add f32[8,1024,768]
   float *const b1 = (float *)(arena + o.b[1]); // param f32[768]
   float *const b2 = (float *)(arena + o.b[2]); // param f32[768]
@@ -586,7 +586,7 @@ extern "C" __global__ void __launch_bounds__(256) k6_layernorm_fwd__cast(char *a
 //   k7_gemm__add__gelu__cast_epilogue<<<4096, 256>>>
 
 // elementwise over 25165824, 4 per thread: cast
-extern "C" __global__ void __launch_bounds__(256) k7_gemm__add__gelu__cast_epilogue(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
+extern "C" __global__ void __launch_bounds__(256) k7_gemm__add__gelu__cast_epilogue(char *arena, MdlStatus *status, const uint64_t *seed, int64_t chunk, MdlArgs o) {
   float *const b0 = (float *)(arena + o.b[0]); // add f32[8,1024,3072]
   uint16_t *const b1 = (uint16_t *)(arena + o.b[1]); // cast bf16[8192,3072]
   for (int q = blockIdx.x * blockDim.x + threadIdx.x; q < 6291456; q += gridDim.x * blockDim.x) {
@@ -1242,7 +1242,7 @@ extern "C" __global__ void __launch_bounds__(256) k7_gemm__add__gelu__cast_epilo
 //   k87_broadcast__mul<<<8, 256>>>
 
 // elementwise over 8192, 4 per thread: broadcast
-extern "C" __global__ void __launch_bounds__(256) k87_broadcast__mul(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
+extern "C" __global__ void __launch_bounds__(256) k87_broadcast__mul(char *arena, MdlStatus *status, const uint64_t *seed, int64_t chunk, MdlArgs o) {
   float *const b0 = (float *)(arena + o.b[0]); // broadcast f32[8192]
   for (int q = blockIdx.x * blockDim.x + threadIdx.x; q < 2048; q += gridDim.x * blockDim.x) {
     const float v3 = 1.0f * 0.00012207031f;
@@ -1275,7 +1275,7 @@ extern "C" __global__ void __launch_bounds__(256) k87_broadcast__mul(char *arena
 //   gemm 53: [50257 x 768] = T[50257 x 4096] [4096 x 768] + C, bf16 A and B, f32 C
 
 // LM head: cross-entropy and its gradient of a chunk of at most 4096 rows of 50257 classes, the gradient rounded to bf16 into a chunk of its own; chunk = its first row; a block of 1024 threads per row
-extern "C" __global__ void __launch_bounds__(1024) k88_lmhead__cross_entropy__cross_entropy_bwd__cast__gemm_ce(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
+extern "C" __global__ void __launch_bounds__(1024) k88_lmhead__cross_entropy__cross_entropy_bwd__cast__gemm_ce(char *arena, MdlStatus *status, const uint64_t *seed, int64_t chunk, MdlArgs o) {
   float *const b0 = (float *)(arena + o.b[0]); // the chunk's logits
   uint16_t *const b1 = (uint16_t *)(arena + o.b[1]); // the chunk's dlogits, bf16
   float *const b2 = (float *)(arena + o.b[2]); // broadcast f32[8192]
@@ -1329,7 +1329,7 @@ extern "C" __global__ void __launch_bounds__(1024) k88_lmhead__cross_entropy__cr
 //   k89_mean<<<1, 256>>>
 
 // mean: 1 outputs over 8192 elements, a warp per output
-extern "C" __global__ void __launch_bounds__(256) k89_mean(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
+extern "C" __global__ void __launch_bounds__(256) k89_mean(char *arena, MdlStatus *status, const uint64_t *seed, int64_t chunk, MdlArgs o) {
   float *const b0 = (float *)(arena + o.b[0]); // cross_entropy f32[8,1024]
   float *const b1 = (float *)(arena + o.b[1]); // mean f32[]
   const int r = blockIdx.x * 8 + (threadIdx.x >> 5);
@@ -1362,7 +1362,7 @@ extern "C" __global__ void __launch_bounds__(256) k89_mean(char *arena, MdlStatu
 //   k90_layernorm_bwd__sum__cast_colsum<<<96, 1024>>>
 
 // layernorm_bwd: 8192 rows of 768, a block of 128 threads per row; column partials over 1024 blocks of 8 rows
-extern "C" __global__ void __launch_bounds__(128) k90_layernorm_bwd__sum__cast(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
+extern "C" __global__ void __launch_bounds__(128) k90_layernorm_bwd__sum__cast(char *arena, MdlStatus *status, const uint64_t *seed, int64_t chunk, MdlArgs o) {
   float *const b0 = (float *)(arena + o.b[0]); // dw partials
   float *const b1 = (float *)(arena + o.b[1]); // db partials
   float *const b2 = (float *)(arena + o.b[2]); // column sum partials
@@ -1441,7 +1441,7 @@ extern "C" __global__ void __launch_bounds__(128) k90_layernorm_bwd__sum__cast(c
 }
 
 // layernorm_bwd: column sums of 1024 blocks of rows, a block per 8 columns in 128 groups of rows
-extern "C" __global__ void __launch_bounds__(1024) k90_layernorm_bwd__sum__cast_colsum(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
+extern "C" __global__ void __launch_bounds__(1024) k90_layernorm_bwd__sum__cast_colsum(char *arena, MdlStatus *status, const uint64_t *seed, int64_t chunk, MdlArgs o) {
   float *const b0 = (float *)(arena + o.b[0]); // dw partials
   float *const b1 = (float *)(arena + o.b[1]); // db partials
   float *const b2 = (float *)(arena + o.b[2]); // column sum partials
@@ -1499,7 +1499,7 @@ extern "C" __global__ void __launch_bounds__(1024) k90_layernorm_bwd__sum__cast_
 //   k92_gemm__gelu_bwd__sum__cast<<<192, 256>>>
 
 // sum: 3072 outputs over 8192 elements, first partial results over 85 blocks of 97
-extern "C" __global__ void __launch_bounds__(256) k92_gemm__gelu_bwd__sum__cast_partial(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
+extern "C" __global__ void __launch_bounds__(256) k92_gemm__gelu_bwd__sum__cast_partial(char *arena, MdlStatus *status, const uint64_t *seed, int64_t chunk, MdlArgs o) {
   double *const b0 = (double *)(arena + o.b[0]); // partial results
   float *const b1 = (float *)(arena + o.b[1]); // add f32[8,1024,3072]
   float *const b2 = (float *)(arena + o.b[2]); // matmul f32[8192,3072]
@@ -1525,7 +1525,7 @@ extern "C" __global__ void __launch_bounds__(256) k92_gemm__gelu_bwd__sum__cast_
 }
 
 // sum: the 85 partial results of each output added, a block per 16 outputs in 16 groups of rows
-extern "C" __global__ void __launch_bounds__(256) k92_gemm__gelu_bwd__sum__cast(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
+extern "C" __global__ void __launch_bounds__(256) k92_gemm__gelu_bwd__sum__cast(char *arena, MdlStatus *status, const uint64_t *seed, int64_t chunk, MdlArgs o) {
   double *const b0 = (double *)(arena + o.b[0]); // partial results
   float *const b1 = (float *)(arena + o.b[1]); // sum f32[3072]
   __shared__ double cs0[16][16];
@@ -1573,7 +1573,7 @@ extern "C" __global__ void __launch_bounds__(256) k92_gemm__gelu_bwd__sum__cast(
 //   k90_layernorm_bwd__sum__cast_colsum<<<96, 1024>>>
 
 // layernorm_bwd: 8192 rows of 768, a block of 128 threads per row; column partials over 1024 blocks of 8 rows
-extern "C" __global__ void __launch_bounds__(128) k95_layernorm_bwd__add__sum__cast(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
+extern "C" __global__ void __launch_bounds__(128) k95_layernorm_bwd__add__sum__cast(char *arena, MdlStatus *status, const uint64_t *seed, int64_t chunk, MdlArgs o) {
   float *const b0 = (float *)(arena + o.b[0]); // dw partials
   float *const b1 = (float *)(arena + o.b[1]); // db partials
   float *const b2 = (float *)(arena + o.b[2]); // column sum partials
@@ -1676,7 +1676,7 @@ extern "C" __global__ void __launch_bounds__(128) k95_layernorm_bwd__add__sum__c
 //   k98_attention_bwd_dkv<<<1536, 128>>>
 
 // attention backward, D = dout . out: B 8, T 1024, 12 heads of 64; a warp per row of a head
-extern "C" __global__ void __launch_bounds__(256) k98_attention_bwd_dsum(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
+extern "C" __global__ void __launch_bounds__(256) k98_attention_bwd_dsum(char *arena, MdlStatus *status, const uint64_t *seed, int64_t chunk, MdlArgs o) {
   float *const b0 = (float *)(arena + o.b[0]); // dout . out per row
   uint16_t *const b1 = (uint16_t *)(arena + o.b[1]); // cast bf16[8192,768]
   uint16_t *const b2 = (uint16_t *)(arena + o.b[2]); // cast bf16[8,1024,768]
@@ -1695,7 +1695,7 @@ extern "C" __global__ void __launch_bounds__(256) k98_attention_bwd_dsum(char *a
 }
 
 // attention backward, dq on tensor cores: B 8, T 1024, 12 heads of 64, causal, within documents; a block of 4 warps per (batch, head, 64 queries), 16 query rows per warp, keys in tiles of 64; bf16 products (mma m16n8k16)
-extern "C" __global__ void __launch_bounds__(128) k98_attention_bwd_dq(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
+extern "C" __global__ void __launch_bounds__(128) k98_attention_bwd_dq(char *arena, MdlStatus *status, const uint64_t *seed, int64_t chunk, MdlArgs o) {
   float *const b0 = (float *)(arena + o.b[0]); // add f32[8,1024,2304]
   uint16_t *const b1 = (uint16_t *)(arena + o.b[1]); // cast bf16[8,1024,768]
   int32_t *const b2 = (int32_t *)(arena + o.b[2]); // input i32[8,1024]
@@ -1810,7 +1810,7 @@ extern "C" __global__ void __launch_bounds__(128) k98_attention_bwd_dq(char *are
 }
 
 // attention backward, dk and dv on tensor cores: B 8, T 1024, 12 heads of 64, causal, within documents; a block of 4 warps per (batch, head, 64 keys), 16 keys per warp, queries in tiles of 64; bf16 products (mma m16n8k16)
-extern "C" __global__ void __launch_bounds__(128) k98_attention_bwd_dkv(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
+extern "C" __global__ void __launch_bounds__(128) k98_attention_bwd_dkv(char *arena, MdlStatus *status, const uint64_t *seed, int64_t chunk, MdlArgs o) {
   float *const b0 = (float *)(arena + o.b[0]); // add f32[8,1024,2304]
   int32_t *const b1 = (int32_t *)(arena + o.b[1]); // input i32[8,1024]
   float *const b2 = (float *)(arena + o.b[2]); // attention_lse f32[8,12,1024]
@@ -1954,7 +1954,7 @@ extern "C" __global__ void __launch_bounds__(128) k98_attention_bwd_dkv(char *ar
 //   k99_sum__slice_bwd__add__cast<<<144, 256>>>
 
 // sum: 2304 outputs over 8192 elements, first partial results over 113 blocks of 73
-extern "C" __global__ void __launch_bounds__(256) k99_sum__slice_bwd__add__cast_partial(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
+extern "C" __global__ void __launch_bounds__(256) k99_sum__slice_bwd__add__cast_partial(char *arena, MdlStatus *status, const uint64_t *seed, int64_t chunk, MdlArgs o) {
   double *const b0 = (double *)(arena + o.b[0]); // partial results
   float *const b1 = (float *)(arena + o.b[1]); // attention_bwd f32[8,1024,768]
   float *const b2 = (float *)(arena + o.b[2]); // attention_bwd f32[8,1024,768]
@@ -1989,7 +1989,7 @@ extern "C" __global__ void __launch_bounds__(256) k99_sum__slice_bwd__add__cast_
 }
 
 // sum: the 113 partial results of each output added, a block per 16 outputs in 16 groups of rows
-extern "C" __global__ void __launch_bounds__(256) k99_sum__slice_bwd__add__cast(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
+extern "C" __global__ void __launch_bounds__(256) k99_sum__slice_bwd__add__cast(char *arena, MdlStatus *status, const uint64_t *seed, int64_t chunk, MdlArgs o) {
   double *const b0 = (double *)(arena + o.b[0]); // partial results
   float *const b1 = (float *)(arena + o.b[1]); // sum f32[2304]
   __shared__ double cs0[16][16];
@@ -2037,7 +2037,7 @@ extern "C" __global__ void __launch_bounds__(256) k99_sum__slice_bwd__add__cast(
 //   k90_layernorm_bwd__sum__cast_colsum<<<96, 1024>>>
 
 // layernorm_bwd: 8192 rows of 768, a block of 128 threads per row; column partials over 1024 blocks of 8 rows
-extern "C" __global__ void __launch_bounds__(128) k102_layernorm_bwd__add__sum__cast(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
+extern "C" __global__ void __launch_bounds__(128) k102_layernorm_bwd__add__sum__cast(char *arena, MdlStatus *status, const uint64_t *seed, int64_t chunk, MdlArgs o) {
   float *const b0 = (float *)(arena + o.b[0]); // dw partials
   float *const b1 = (float *)(arena + o.b[1]); // db partials
   float *const b2 = (float *)(arena + o.b[2]); // column sum partials
@@ -3161,7 +3161,7 @@ extern "C" __global__ void __launch_bounds__(128) k102_layernorm_bwd__add__sum__
 //   k234_layernorm_bwd__add_colsum<<<96, 1024>>>
 
 // layernorm_bwd: 8192 rows of 768, a block of 128 threads per row; column partials over 1024 blocks of 8 rows
-extern "C" __global__ void __launch_bounds__(128) k234_layernorm_bwd__add(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
+extern "C" __global__ void __launch_bounds__(128) k234_layernorm_bwd__add(char *arena, MdlStatus *status, const uint64_t *seed, int64_t chunk, MdlArgs o) {
   float *const b0 = (float *)(arena + o.b[0]); // dw partials
   float *const b1 = (float *)(arena + o.b[1]); // db partials
   float *const b2 = (float *)(arena + o.b[2]); // add f32[8,1024,768]
@@ -3236,7 +3236,7 @@ extern "C" __global__ void __launch_bounds__(128) k234_layernorm_bwd__add(char *
 }
 
 // layernorm_bwd: column sums of 1024 blocks of rows, a block per 8 columns in 128 groups of rows
-extern "C" __global__ void __launch_bounds__(1024) k234_layernorm_bwd__add_colsum(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
+extern "C" __global__ void __launch_bounds__(1024) k234_layernorm_bwd__add_colsum(char *arena, MdlStatus *status, const uint64_t *seed, int64_t chunk, MdlArgs o) {
   float *const b0 = (float *)(arena + o.b[0]); // dw partials
   float *const b1 = (float *)(arena + o.b[1]); // db partials
   float *const b2 = (float *)(arena + o.b[2]); // layernorm_bwd f32[768]
@@ -3278,7 +3278,7 @@ extern "C" __global__ void __launch_bounds__(1024) k234_layernorm_bwd__add_colsu
 //   k235_embed_bwd<<<96, 256>>>
 
 // embed backward: the bucket counts and cursors set to zero
-extern "C" __global__ void __launch_bounds__(32) k235_embed_bwd_zero(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
+extern "C" __global__ void __launch_bounds__(32) k235_embed_bwd_zero(char *arena, MdlStatus *status, const uint64_t *seed, int64_t chunk, MdlArgs o) {
   int *const b0 = (int *)(arena + o.b[0]); // bucket counts
   int *const b1 = (int *)(arena + o.b[1]); // bucket cursors
   for (int u = blockIdx.x * blockDim.x + threadIdx.x; u < 32; u += gridDim.x * blockDim.x) {
@@ -3288,7 +3288,7 @@ extern "C" __global__ void __launch_bounds__(32) k235_embed_bwd_zero(char *arena
 }
 
 // embed backward: 8192 ids counted into buckets of 32 table rows
-extern "C" __global__ void __launch_bounds__(256) k235_embed_bwd_count(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
+extern "C" __global__ void __launch_bounds__(256) k235_embed_bwd_count(char *arena, MdlStatus *status, const uint64_t *seed, int64_t chunk, MdlArgs o) {
   int32_t *const b0 = (int32_t *)(arena + o.b[0]); // input i32[8,1024]
   int *const b1 = (int *)(arena + o.b[1]); // bucket counts
   for (int r = blockIdx.x * blockDim.x + threadIdx.x; r < 8192; r += gridDim.x * blockDim.x) {
@@ -3301,7 +3301,7 @@ extern "C" __global__ void __launch_bounds__(256) k235_embed_bwd_count(char *are
 }
 
 // embed backward: where each of the 32 buckets starts (prefix sums of the counts), one block
-extern "C" __global__ void __launch_bounds__(256) k235_embed_bwd_offsets(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
+extern "C" __global__ void __launch_bounds__(256) k235_embed_bwd_offsets(char *arena, MdlStatus *status, const uint64_t *seed, int64_t chunk, MdlArgs o) {
   int *const b0 = (int *)(arena + o.b[0]); // bucket counts
   int *const b1 = (int *)(arena + o.b[1]); // bucket starts
   __shared__ int part[257];
@@ -3326,7 +3326,7 @@ extern "C" __global__ void __launch_bounds__(256) k235_embed_bwd_offsets(char *a
 }
 
 // embed backward: each position into its bucket, in any order
-extern "C" __global__ void __launch_bounds__(256) k235_embed_bwd_place(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
+extern "C" __global__ void __launch_bounds__(256) k235_embed_bwd_place(char *arena, MdlStatus *status, const uint64_t *seed, int64_t chunk, MdlArgs o) {
   int32_t *const b0 = (int32_t *)(arena + o.b[0]); // input i32[8,1024]
   int *const b1 = (int *)(arena + o.b[1]); // bucket cursors
   int *const b2 = (int *)(arena + o.b[2]); // bucket starts
@@ -3339,7 +3339,7 @@ extern "C" __global__ void __launch_bounds__(256) k235_embed_bwd_place(char *are
 }
 
 // embed backward: 8192 rows of 768 into a table of 1024; a block per 32 table rows x 256 columns, its bucket's positions sorted (more than 1024: every id scanned)
-extern "C" __global__ void __launch_bounds__(256) k235_embed_bwd(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
+extern "C" __global__ void __launch_bounds__(256) k235_embed_bwd(char *arena, MdlStatus *status, const uint64_t *seed, int64_t chunk, MdlArgs o) {
   int32_t *const b0 = (int32_t *)(arena + o.b[0]); // input i32[8,1024]
   float *const b1 = (float *)(arena + o.b[1]); // add f32[8,1024,768]
   float *const b2 = (float *)(arena + o.b[2]); // embed_bwd f32[1024,768]
@@ -3396,7 +3396,7 @@ extern "C" __global__ void __launch_bounds__(256) k235_embed_bwd(char *arena, Md
 //   k236_embed_bwd__add<<<4713, 256>>>
 
 // embed backward: the bucket counts and cursors set to zero
-extern "C" __global__ void __launch_bounds__(256) k236_embed_bwd__add_zero(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
+extern "C" __global__ void __launch_bounds__(256) k236_embed_bwd__add_zero(char *arena, MdlStatus *status, const uint64_t *seed, int64_t chunk, MdlArgs o) {
   int *const b0 = (int *)(arena + o.b[0]); // bucket counts
   int *const b1 = (int *)(arena + o.b[1]); // bucket cursors
   for (int u = blockIdx.x * blockDim.x + threadIdx.x; u < 1571; u += gridDim.x * blockDim.x) {
@@ -3406,7 +3406,7 @@ extern "C" __global__ void __launch_bounds__(256) k236_embed_bwd__add_zero(char 
 }
 
 // embed backward: 8192 ids counted into buckets of 32 table rows
-extern "C" __global__ void __launch_bounds__(256) k236_embed_bwd__add_count(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
+extern "C" __global__ void __launch_bounds__(256) k236_embed_bwd__add_count(char *arena, MdlStatus *status, const uint64_t *seed, int64_t chunk, MdlArgs o) {
   int32_t *const b0 = (int32_t *)(arena + o.b[0]); // input i32[8,1024]
   int *const b1 = (int *)(arena + o.b[1]); // bucket counts
   for (int r = blockIdx.x * blockDim.x + threadIdx.x; r < 8192; r += gridDim.x * blockDim.x) {
@@ -3419,7 +3419,7 @@ extern "C" __global__ void __launch_bounds__(256) k236_embed_bwd__add_count(char
 }
 
 // embed backward: where each of the 1571 buckets starts (prefix sums of the counts), one block
-extern "C" __global__ void __launch_bounds__(256) k236_embed_bwd__add_offsets(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
+extern "C" __global__ void __launch_bounds__(256) k236_embed_bwd__add_offsets(char *arena, MdlStatus *status, const uint64_t *seed, int64_t chunk, MdlArgs o) {
   int *const b0 = (int *)(arena + o.b[0]); // bucket counts
   int *const b1 = (int *)(arena + o.b[1]); // bucket starts
   __shared__ int part[257];
@@ -3444,7 +3444,7 @@ extern "C" __global__ void __launch_bounds__(256) k236_embed_bwd__add_offsets(ch
 }
 
 // embed backward: each position into its bucket, in any order
-extern "C" __global__ void __launch_bounds__(256) k236_embed_bwd__add_place(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
+extern "C" __global__ void __launch_bounds__(256) k236_embed_bwd__add_place(char *arena, MdlStatus *status, const uint64_t *seed, int64_t chunk, MdlArgs o) {
   int32_t *const b0 = (int32_t *)(arena + o.b[0]); // input i32[8,1024]
   int *const b1 = (int *)(arena + o.b[1]); // bucket cursors
   int *const b2 = (int *)(arena + o.b[2]); // bucket starts
@@ -3457,7 +3457,7 @@ extern "C" __global__ void __launch_bounds__(256) k236_embed_bwd__add_place(char
 }
 
 // embed backward: 8192 rows of 768 into a table of 50257; a block per 32 table rows x 256 columns, its bucket's positions sorted (more than 1024: every id scanned)
-extern "C" __global__ void __launch_bounds__(256) k236_embed_bwd__add(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
+extern "C" __global__ void __launch_bounds__(256) k236_embed_bwd__add(char *arena, MdlStatus *status, const uint64_t *seed, int64_t chunk, MdlArgs o) {
   int32_t *const b0 = (int32_t *)(arena + o.b[0]); // input i32[8,1024]
   float *const b1 = (float *)(arena + o.b[1]); // add f32[8,1024,768]
   int *const b2 = (int *)(arena + o.b[2]); // bucket counts
@@ -3813,7 +3813,7 @@ static __device__ const MdlSeg k237_grad_norm__adamw_grads[148] = {
 };
 
 // gradient norm: sums of squares of 148 tensors, 124439808 values, in 15191 chunks of 8192
-extern "C" __global__ void __launch_bounds__(256) k237_grad_norm__adamw_sumsq(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
+extern "C" __global__ void __launch_bounds__(256) k237_grad_norm__adamw_sumsq(char *arena, MdlStatus *status, const uint64_t *seed, int64_t chunk, MdlArgs o) {
   double *const b0 = (double *)(arena + o.b[0]); // sums of squares per chunk
   __shared__ double sh_d[32];
   const MdlSeg *const seg = k237_grad_norm__adamw_grads;
@@ -3834,7 +3834,7 @@ extern "C" __global__ void __launch_bounds__(256) k237_grad_norm__adamw_sumsq(ch
 }
 
 // gradient norm: the 15191 chunks added in order by one block
-extern "C" __global__ void __launch_bounds__(256) k237_grad_norm__adamw_norm(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
+extern "C" __global__ void __launch_bounds__(256) k237_grad_norm__adamw_norm(char *arena, MdlStatus *status, const uint64_t *seed, int64_t chunk, MdlArgs o) {
   double *const b0 = (double *)(arena + o.b[0]); // sums of squares per chunk
   float *const b1 = (float *)(arena + o.b[1]); // grad_norm f32[]
   __shared__ double sh_d[32];
@@ -3998,7 +3998,7 @@ static __device__ const MdlSeg k237_grad_norm__adamw_seg[148] = {
 };
 
 // AdamW over 148 parameters, 124439808 values (beta1 0.9, beta2 0.95, eps 1e-08, clip 1), chunks of 8192; 49 bf16 copies
-extern "C" __global__ void __launch_bounds__(256) k237_grad_norm__adamw(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
+extern "C" __global__ void __launch_bounds__(256) k237_grad_norm__adamw(char *arena, MdlStatus *status, const uint64_t *seed, int64_t chunk, MdlArgs o) {
   float *const b0 = (float *)(arena + o.b[0]); // grad_norm f32[]
   float *const b1 = (float *)(arena + o.b[1]); // scalar f32[]
   float *const b2 = (float *)(arena + o.b[2]); // scalar f32[]

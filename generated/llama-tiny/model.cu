@@ -260,7 +260,7 @@ __device__ __forceinline__ float mdl_block_max_nan(float v, float *sh) {
 //   k0_embed<<<32, 256>>>
 
 // embed: 512 rows of 64 from a table of 256, 4 per thread
-extern "C" __global__ void __launch_bounds__(256) k0_embed(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
+extern "C" __global__ void __launch_bounds__(256) k0_embed(char *arena, MdlStatus *status, const uint64_t *seed, int64_t chunk, MdlArgs o) {
   float *const b0 = (float *)(arena + o.b[0]); // param f32[256,64]
   int32_t *const b1 = (int32_t *)(arena + o.b[1]); // input i32[8,64]
   float *const b2 = (float *)(arena + o.b[2]); // embed f32[8,64,64]
@@ -289,7 +289,7 @@ extern "C" __global__ void __launch_bounds__(256) k0_embed(char *arena, MdlStatu
 //   k1_rmsnorm_fwd__cast<<<64, 256>>>
 
 // rmsnorm: 512 rows of 64, a warp per row
-extern "C" __global__ void __launch_bounds__(256) k1_rmsnorm_fwd__cast(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
+extern "C" __global__ void __launch_bounds__(256) k1_rmsnorm_fwd__cast(char *arena, MdlStatus *status, const uint64_t *seed, int64_t chunk, MdlArgs o) {
   float *const b0 = (float *)(arena + o.b[0]); // embed f32[8,64,64]
   float *const b1 = (float *)(arena + o.b[1]); // param f32[64]
   uint16_t *const b2 = (uint16_t *)(arena + o.b[2]); // cast bf16[512,64]
@@ -337,7 +337,7 @@ extern "C" __global__ void __launch_bounds__(256) k1_rmsnorm_fwd__cast(char *are
 //   k3_rope<<<64, 256>>>
 
 // rope: 512 rows, 4 heads of 16, a thread per pair
-extern "C" __global__ void __launch_bounds__(256) k3_rope(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
+extern "C" __global__ void __launch_bounds__(256) k3_rope(char *arena, MdlStatus *status, const uint64_t *seed, int64_t chunk, MdlArgs o) {
   float *const b0 = (float *)(arena + o.b[0]); // matmul f32[512,64]
   int32_t *const b1 = (int32_t *)(arena + o.b[1]); // input i32[8,64]
   float *const b2 = (float *)(arena + o.b[2]); // rope f32[8,64,64]
@@ -376,7 +376,7 @@ extern "C" __global__ void __launch_bounds__(256) k3_rope(char *arena, MdlStatus
 //   k7_attention_fwd__cast__lse<<<32, 128>>>
 
 // attention on tensor cores: B 8, T 64, 4 heads of 16, causal, within documents; a block of 4 warps per (batch, head, 64 queries), 16 query rows per warp, keys in tiles of 64; bf16 products (mma m16n8k16), f32 softmax
-extern "C" __global__ void __launch_bounds__(128) k7_attention_fwd__cast__lse(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
+extern "C" __global__ void __launch_bounds__(128) k7_attention_fwd__cast__lse(char *arena, MdlStatus *status, const uint64_t *seed, int64_t chunk, MdlArgs o) {
   float *const b0 = (float *)(arena + o.b[0]); // rope f32[8,64,64]
   int32_t *const b1 = (int32_t *)(arena + o.b[1]); // input i32[8,64]
   float *const b2 = (float *)(arena + o.b[2]); // rope f32[8,64,64]
@@ -543,7 +543,7 @@ extern "C" __global__ void __launch_bounds__(128) k7_attention_fwd__cast__lse(ch
 //   k9_rmsnorm_fwd__cast<<<64, 256>>>
 
 // rmsnorm: 512 rows of 64, a warp per row
-extern "C" __global__ void __launch_bounds__(256) k9_rmsnorm_fwd__cast(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
+extern "C" __global__ void __launch_bounds__(256) k9_rmsnorm_fwd__cast(char *arena, MdlStatus *status, const uint64_t *seed, int64_t chunk, MdlArgs o) {
   float *const b0 = (float *)(arena + o.b[0]); // add f32[8,64,64]
   float *const b1 = (float *)(arena + o.b[1]); // param f32[64]
   uint16_t *const b2 = (uint16_t *)(arena + o.b[2]); // cast bf16[512,64]
@@ -593,7 +593,7 @@ extern "C" __global__ void __launch_bounds__(256) k9_rmsnorm_fwd__cast(char *are
 //   k11_gemm__silu__mul__cast_epilogue<<<86, 256>>>
 
 // elementwise over 88064, 4 per thread: silu, cast
-extern "C" __global__ void __launch_bounds__(256) k11_gemm__silu__mul__cast_epilogue(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
+extern "C" __global__ void __launch_bounds__(256) k11_gemm__silu__mul__cast_epilogue(char *arena, MdlStatus *status, const uint64_t *seed, int64_t chunk, MdlArgs o) {
   float *const b0 = (float *)(arena + o.b[0]); // matmul f32[512,172]
   float *const b1 = (float *)(arena + o.b[1]); // matmul f32[512,172]
   float *const b2 = (float *)(arena + o.b[2]); // silu f32[8,64,172]
@@ -637,7 +637,7 @@ extern "C" __global__ void __launch_bounds__(256) k11_gemm__silu__mul__cast_epil
 //   k13_rmsnorm_fwd__cast<<<64, 256>>>
 
 // rmsnorm: 512 rows of 64, a warp per row
-extern "C" __global__ void __launch_bounds__(256) k13_rmsnorm_fwd__cast(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
+extern "C" __global__ void __launch_bounds__(256) k13_rmsnorm_fwd__cast(char *arena, MdlStatus *status, const uint64_t *seed, int64_t chunk, MdlArgs o) {
   float *const b0 = (float *)(arena + o.b[0]); // add f32[8,64,64]
   float *const b1 = (float *)(arena + o.b[1]); // param f32[64]
   uint16_t *const b2 = (uint16_t *)(arena + o.b[2]); // cast bf16[512,64]
@@ -753,7 +753,7 @@ extern "C" __global__ void __launch_bounds__(256) k13_rmsnorm_fwd__cast(char *ar
 //   k25_rmsnorm_fwd__cast<<<64, 256>>>
 
 // rmsnorm: 512 rows of 64, a warp per row
-extern "C" __global__ void __launch_bounds__(256) k25_rmsnorm_fwd__cast(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
+extern "C" __global__ void __launch_bounds__(256) k25_rmsnorm_fwd__cast(char *arena, MdlStatus *status, const uint64_t *seed, int64_t chunk, MdlArgs o) {
   float *const b0 = (float *)(arena + o.b[0]); // add f32[8,64,64]
   float *const b1 = (float *)(arena + o.b[1]); // param f32[64]
   uint16_t *const b2 = (uint16_t *)(arena + o.b[2]); // cast bf16[512,64]
@@ -792,7 +792,7 @@ extern "C" __global__ void __launch_bounds__(256) k25_rmsnorm_fwd__cast(char *ar
 //   k26_broadcast__mul<<<1, 128>>>
 
 // elementwise over 512, 4 per thread: broadcast
-extern "C" __global__ void __launch_bounds__(128) k26_broadcast__mul(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
+extern "C" __global__ void __launch_bounds__(128) k26_broadcast__mul(char *arena, MdlStatus *status, const uint64_t *seed, int64_t chunk, MdlArgs o) {
   float *const b0 = (float *)(arena + o.b[0]); // broadcast f32[512]
   for (int q = blockIdx.x * blockDim.x + threadIdx.x; q < 128; q += gridDim.x * blockDim.x) {
     const float v3 = 1.0f * 0.001953125f;
@@ -821,7 +821,7 @@ extern "C" __global__ void __launch_bounds__(128) k26_broadcast__mul(char *arena
 //   gemm 16: [64 x 256] = T[64 x 512] [512 x 256], bf16 A and B, f32 C
 
 // LM head: cross-entropy and its gradient of a chunk of at most 512 rows of 256 classes, the gradient rounded to bf16 into a chunk of its own; chunk = its first row; a warp per row
-extern "C" __global__ void __launch_bounds__(256) k27_lmhead__cross_entropy__cross_entropy_bwd__cast__gemm_ce(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
+extern "C" __global__ void __launch_bounds__(256) k27_lmhead__cross_entropy__cross_entropy_bwd__cast__gemm_ce(char *arena, MdlStatus *status, const uint64_t *seed, int64_t chunk, MdlArgs o) {
   float *const b0 = (float *)(arena + o.b[0]); // the chunk's logits
   uint16_t *const b1 = (uint16_t *)(arena + o.b[1]); // the chunk's dlogits, bf16
   float *const b2 = (float *)(arena + o.b[2]); // broadcast f32[512]
@@ -873,7 +873,7 @@ extern "C" __global__ void __launch_bounds__(256) k27_lmhead__cross_entropy__cro
 //   k28_mean<<<1, 256>>>
 
 // mean: 1 outputs over 512 elements, a warp per output
-extern "C" __global__ void __launch_bounds__(256) k28_mean(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
+extern "C" __global__ void __launch_bounds__(256) k28_mean(char *arena, MdlStatus *status, const uint64_t *seed, int64_t chunk, MdlArgs o) {
   float *const b0 = (float *)(arena + o.b[0]); // cross_entropy f32[8,64]
   float *const b1 = (float *)(arena + o.b[1]); // mean f32[]
   const int r = blockIdx.x * 8 + (threadIdx.x >> 5);
@@ -904,7 +904,7 @@ extern "C" __global__ void __launch_bounds__(256) k28_mean(char *arena, MdlStatu
 //   k29_rmsnorm_bwd__cast_colsum<<<8, 1024>>>
 
 // rmsnorm_bwd: 512 rows of 64, a warp per row; column partials over 512 blocks of 1 rows
-extern "C" __global__ void __launch_bounds__(256) k29_rmsnorm_bwd__cast(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
+extern "C" __global__ void __launch_bounds__(256) k29_rmsnorm_bwd__cast(char *arena, MdlStatus *status, const uint64_t *seed, int64_t chunk, MdlArgs o) {
   float *const b0 = (float *)(arena + o.b[0]); // dw partials
   float *const b1 = (float *)(arena + o.b[1]); // add f32[8,64,64]
   float *const b2 = (float *)(arena + o.b[2]); // matmul f32[512,64]
@@ -966,7 +966,7 @@ extern "C" __global__ void __launch_bounds__(256) k29_rmsnorm_bwd__cast(char *ar
 }
 
 // rmsnorm_bwd: column sums of 512 blocks of rows, a block per 8 columns in 128 groups of rows
-extern "C" __global__ void __launch_bounds__(1024) k29_rmsnorm_bwd__cast_colsum(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
+extern "C" __global__ void __launch_bounds__(1024) k29_rmsnorm_bwd__cast_colsum(char *arena, MdlStatus *status, const uint64_t *seed, int64_t chunk, MdlArgs o) {
   float *const b0 = (float *)(arena + o.b[0]); // dw partials
   float *const b1 = (float *)(arena + o.b[1]); // rmsnorm_bwd f32[64]
   __shared__ double cs0[128][8];
@@ -1006,7 +1006,7 @@ extern "C" __global__ void __launch_bounds__(1024) k29_rmsnorm_bwd__cast_colsum(
 //   k31_gemm__mul__silu_bwd__cast_epilogue<<<86, 256>>>
 
 // elementwise over 88064, 4 per thread: cast
-extern "C" __global__ void __launch_bounds__(256) k31_gemm__mul__silu_bwd__cast_epilogue(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
+extern "C" __global__ void __launch_bounds__(256) k31_gemm__mul__silu_bwd__cast_epilogue(char *arena, MdlStatus *status, const uint64_t *seed, int64_t chunk, MdlArgs o) {
   float *const b0 = (float *)(arena + o.b[0]); // matmul f32[512,172]
   float *const b1 = (float *)(arena + o.b[1]); // matmul f32[512,172]
   float *const b2 = (float *)(arena + o.b[2]); // matmul f32[512,172]
@@ -1039,7 +1039,7 @@ extern "C" __global__ void __launch_bounds__(256) k31_gemm__mul__silu_bwd__cast_
 //   k32_cast__mul<<<86, 256>>>
 
 // elementwise over 88064, 4 per thread: cast
-extern "C" __global__ void __launch_bounds__(256) k32_cast__mul(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
+extern "C" __global__ void __launch_bounds__(256) k32_cast__mul(char *arena, MdlStatus *status, const uint64_t *seed, int64_t chunk, MdlArgs o) {
   float *const b0 = (float *)(arena + o.b[0]); // matmul f32[512,172]
   float *const b1 = (float *)(arena + o.b[1]); // silu f32[8,64,172]
   uint16_t *const b2 = (uint16_t *)(arena + o.b[2]); // cast bf16[512,172]
@@ -1091,7 +1091,7 @@ extern "C" __global__ void __launch_bounds__(256) k32_cast__mul(char *arena, Mdl
 //   k29_rmsnorm_bwd__cast_colsum<<<8, 1024>>>
 
 // rmsnorm_bwd: 512 rows of 64, a warp per row; column partials over 512 blocks of 1 rows
-extern "C" __global__ void __launch_bounds__(256) k37_rmsnorm_bwd__add__cast(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
+extern "C" __global__ void __launch_bounds__(256) k37_rmsnorm_bwd__add__cast(char *arena, MdlStatus *status, const uint64_t *seed, int64_t chunk, MdlArgs o) {
   float *const b0 = (float *)(arena + o.b[0]); // dw partials
   float *const b1 = (float *)(arena + o.b[1]); // add f32[8,64,64]
   float *const b2 = (float *)(arena + o.b[2]); // add f32[8,64,64]
@@ -1177,7 +1177,7 @@ extern "C" __global__ void __launch_bounds__(256) k37_rmsnorm_bwd__add__cast(cha
 //   k40_attention_bwd_dkv<<<32, 128>>>
 
 // attention backward, D = dout . out: B 8, T 64, 4 heads of 16; a warp per row of a head
-extern "C" __global__ void __launch_bounds__(256) k40_attention_bwd_dsum(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
+extern "C" __global__ void __launch_bounds__(256) k40_attention_bwd_dsum(char *arena, MdlStatus *status, const uint64_t *seed, int64_t chunk, MdlArgs o) {
   float *const b0 = (float *)(arena + o.b[0]); // dout . out per row
   uint16_t *const b1 = (uint16_t *)(arena + o.b[1]); // cast bf16[512,64]
   uint16_t *const b2 = (uint16_t *)(arena + o.b[2]); // cast bf16[8,64,64]
@@ -1197,7 +1197,7 @@ extern "C" __global__ void __launch_bounds__(256) k40_attention_bwd_dsum(char *a
 }
 
 // attention backward, dq on tensor cores: B 8, T 64, 4 heads of 16, causal, within documents; a block of 4 warps per (batch, head, 64 queries), 16 query rows per warp, keys in tiles of 64; bf16 products (mma m16n8k16)
-extern "C" __global__ void __launch_bounds__(128) k40_attention_bwd_dq(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
+extern "C" __global__ void __launch_bounds__(128) k40_attention_bwd_dq(char *arena, MdlStatus *status, const uint64_t *seed, int64_t chunk, MdlArgs o) {
   float *const b0 = (float *)(arena + o.b[0]); // rope f32[8,64,64]
   uint16_t *const b1 = (uint16_t *)(arena + o.b[1]); // cast bf16[8,64,64]
   int32_t *const b2 = (int32_t *)(arena + o.b[2]); // input i32[8,64]
@@ -1313,7 +1313,7 @@ extern "C" __global__ void __launch_bounds__(128) k40_attention_bwd_dq(char *are
 }
 
 // attention backward, dk and dv on tensor cores: B 8, T 64, 4 heads of 16, causal, within documents; a block of 4 warps per (batch, head, 64 keys), 16 keys per warp, queries in tiles of 64; bf16 products (mma m16n8k16)
-extern "C" __global__ void __launch_bounds__(128) k40_attention_bwd_dkv(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
+extern "C" __global__ void __launch_bounds__(128) k40_attention_bwd_dkv(char *arena, MdlStatus *status, const uint64_t *seed, int64_t chunk, MdlArgs o) {
   float *const b0 = (float *)(arena + o.b[0]); // rope f32[8,64,64]
   float *const b1 = (float *)(arena + o.b[1]); // matmul f32[512,64]
   int32_t *const b2 = (int32_t *)(arena + o.b[2]); // input i32[8,64]
@@ -1451,7 +1451,7 @@ extern "C" __global__ void __launch_bounds__(128) k40_attention_bwd_dkv(char *ar
 //   k41_cast<<<32, 256>>>
 
 // elementwise over 32768, 4 per thread: cast
-extern "C" __global__ void __launch_bounds__(256) k41_cast(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
+extern "C" __global__ void __launch_bounds__(256) k41_cast(char *arena, MdlStatus *status, const uint64_t *seed, int64_t chunk, MdlArgs o) {
   float *const b0 = (float *)(arena + o.b[0]); // attention_bwd f32[8,64,64]
   uint16_t *const b1 = (uint16_t *)(arena + o.b[1]); // cast bf16[512,64]
   for (int q = blockIdx.x * blockDim.x + threadIdx.x; q < 8192; q += gridDim.x * blockDim.x) {
@@ -1474,7 +1474,7 @@ extern "C" __global__ void __launch_bounds__(256) k41_cast(char *arena, MdlStatu
 //   k43_rope__cast_rest<<<32, 256>>>
 
 // rope (inverse): 512 rows, 4 heads of 16, a thread per pair
-extern "C" __global__ void __launch_bounds__(256) k43_rope__cast(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
+extern "C" __global__ void __launch_bounds__(256) k43_rope__cast(char *arena, MdlStatus *status, const uint64_t *seed, int64_t chunk, MdlArgs o) {
   float *const b0 = (float *)(arena + o.b[0]); // attention_bwd f32[8,64,64]
   int32_t *const b1 = (int32_t *)(arena + o.b[1]); // input i32[8,64]
   float *const b2 = (float *)(arena + o.b[2]); // rope f32[8,64,64]
@@ -1490,7 +1490,7 @@ extern "C" __global__ void __launch_bounds__(256) k43_rope__cast(char *arena, Md
 }
 
 // elementwise over 32768, 4 per thread: cast
-extern "C" __global__ void __launch_bounds__(256) k43_rope__cast_rest(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
+extern "C" __global__ void __launch_bounds__(256) k43_rope__cast_rest(char *arena, MdlStatus *status, const uint64_t *seed, int64_t chunk, MdlArgs o) {
   float *const b0 = (float *)(arena + o.b[0]); // rope f32[8,64,64]
   uint16_t *const b1 = (uint16_t *)(arena + o.b[1]); // cast bf16[512,64]
   for (int q = blockIdx.x * blockDim.x + threadIdx.x; q < 8192; q += gridDim.x * blockDim.x) {
@@ -1541,7 +1541,7 @@ extern "C" __global__ void __launch_bounds__(256) k43_rope__cast_rest(char *aren
 //   k49_gemm__add_epilogue<<<32, 256>>>
 
 // elementwise over 32768, 4 per thread: add
-extern "C" __global__ void __launch_bounds__(256) k49_gemm__add_epilogue(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
+extern "C" __global__ void __launch_bounds__(256) k49_gemm__add_epilogue(char *arena, MdlStatus *status, const uint64_t *seed, int64_t chunk, MdlArgs o) {
   float *const b0 = (float *)(arena + o.b[0]); // matmul f32[512,64]
   float *const b1 = (float *)(arena + o.b[1]); // matmul f32[512,64]
   float *const b2 = (float *)(arena + o.b[2]); // matmul f32[512,64]
@@ -1577,7 +1577,7 @@ extern "C" __global__ void __launch_bounds__(256) k49_gemm__add_epilogue(char *a
 //   k29_rmsnorm_bwd__cast_colsum<<<8, 1024>>>
 
 // rmsnorm_bwd: 512 rows of 64, a warp per row; column partials over 512 blocks of 1 rows
-extern "C" __global__ void __launch_bounds__(256) k50_rmsnorm_bwd__add__cast(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
+extern "C" __global__ void __launch_bounds__(256) k50_rmsnorm_bwd__add__cast(char *arena, MdlStatus *status, const uint64_t *seed, int64_t chunk, MdlArgs o) {
   float *const b0 = (float *)(arena + o.b[0]); // dw partials
   float *const b1 = (float *)(arena + o.b[1]); // add f32[8,64,64]
   float *const b2 = (float *)(arena + o.b[2]); // add f32[8,64,64]
@@ -1780,7 +1780,7 @@ extern "C" __global__ void __launch_bounds__(256) k50_rmsnorm_bwd__add__cast(cha
 //   k29_rmsnorm_bwd__cast_colsum<<<8, 1024>>>
 
 // rmsnorm_bwd: 512 rows of 64, a warp per row; column partials over 512 blocks of 1 rows
-extern "C" __global__ void __launch_bounds__(256) k71_rmsnorm_bwd__add(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
+extern "C" __global__ void __launch_bounds__(256) k71_rmsnorm_bwd__add(char *arena, MdlStatus *status, const uint64_t *seed, int64_t chunk, MdlArgs o) {
   float *const b0 = (float *)(arena + o.b[0]); // dw partials
   float *const b1 = (float *)(arena + o.b[1]); // embed f32[8,64,64]
   float *const b2 = (float *)(arena + o.b[2]); // add f32[8,64,64]
@@ -1851,7 +1851,7 @@ extern "C" __global__ void __launch_bounds__(256) k71_rmsnorm_bwd__add(char *are
 //   k72_embed_bwd<<<8, 64>>>
 
 // embed backward: the bucket counts and cursors set to zero
-extern "C" __global__ void __launch_bounds__(32) k72_embed_bwd_zero(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
+extern "C" __global__ void __launch_bounds__(32) k72_embed_bwd_zero(char *arena, MdlStatus *status, const uint64_t *seed, int64_t chunk, MdlArgs o) {
   int *const b0 = (int *)(arena + o.b[0]); // bucket counts
   int *const b1 = (int *)(arena + o.b[1]); // bucket cursors
   for (int u = blockIdx.x * blockDim.x + threadIdx.x; u < 8; u += gridDim.x * blockDim.x) {
@@ -1861,7 +1861,7 @@ extern "C" __global__ void __launch_bounds__(32) k72_embed_bwd_zero(char *arena,
 }
 
 // embed backward: 512 ids counted into buckets of 32 table rows
-extern "C" __global__ void __launch_bounds__(256) k72_embed_bwd_count(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
+extern "C" __global__ void __launch_bounds__(256) k72_embed_bwd_count(char *arena, MdlStatus *status, const uint64_t *seed, int64_t chunk, MdlArgs o) {
   int32_t *const b0 = (int32_t *)(arena + o.b[0]); // input i32[8,64]
   int *const b1 = (int *)(arena + o.b[1]); // bucket counts
   for (int r = blockIdx.x * blockDim.x + threadIdx.x; r < 512; r += gridDim.x * blockDim.x) {
@@ -1874,7 +1874,7 @@ extern "C" __global__ void __launch_bounds__(256) k72_embed_bwd_count(char *aren
 }
 
 // embed backward: where each of the 8 buckets starts (prefix sums of the counts), one block
-extern "C" __global__ void __launch_bounds__(256) k72_embed_bwd_offsets(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
+extern "C" __global__ void __launch_bounds__(256) k72_embed_bwd_offsets(char *arena, MdlStatus *status, const uint64_t *seed, int64_t chunk, MdlArgs o) {
   int *const b0 = (int *)(arena + o.b[0]); // bucket counts
   int *const b1 = (int *)(arena + o.b[1]); // bucket starts
   __shared__ int part[257];
@@ -1899,7 +1899,7 @@ extern "C" __global__ void __launch_bounds__(256) k72_embed_bwd_offsets(char *ar
 }
 
 // embed backward: each position into its bucket, in any order
-extern "C" __global__ void __launch_bounds__(256) k72_embed_bwd_place(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
+extern "C" __global__ void __launch_bounds__(256) k72_embed_bwd_place(char *arena, MdlStatus *status, const uint64_t *seed, int64_t chunk, MdlArgs o) {
   int32_t *const b0 = (int32_t *)(arena + o.b[0]); // input i32[8,64]
   int *const b1 = (int *)(arena + o.b[1]); // bucket cursors
   int *const b2 = (int *)(arena + o.b[2]); // bucket starts
@@ -1912,7 +1912,7 @@ extern "C" __global__ void __launch_bounds__(256) k72_embed_bwd_place(char *aren
 }
 
 // embed backward: 512 rows of 64 into a table of 256; a block per 32 table rows x 64 columns, its bucket's positions sorted (more than 1024: every id scanned)
-extern "C" __global__ void __launch_bounds__(64) k72_embed_bwd(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
+extern "C" __global__ void __launch_bounds__(64) k72_embed_bwd(char *arena, MdlStatus *status, const uint64_t *seed, int64_t chunk, MdlArgs o) {
   int32_t *const b0 = (int32_t *)(arena + o.b[0]); // input i32[8,64]
   float *const b1 = (float *)(arena + o.b[1]); // add f32[8,64,64]
   float *const b2 = (float *)(arena + o.b[2]); // embed_bwd f32[256,64]
@@ -2011,7 +2011,7 @@ static __device__ const MdlSeg k73_grad_norm__adamw_grads[21] = {
 };
 
 // gradient norm: sums of squares of 21 tensors, 131904 values, in 17 chunks of 8192
-extern "C" __global__ void __launch_bounds__(256) k73_grad_norm__adamw_sumsq(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
+extern "C" __global__ void __launch_bounds__(256) k73_grad_norm__adamw_sumsq(char *arena, MdlStatus *status, const uint64_t *seed, int64_t chunk, MdlArgs o) {
   double *const b0 = (double *)(arena + o.b[0]); // sums of squares per chunk
   __shared__ double sh_d[32];
   const MdlSeg *const seg = k73_grad_norm__adamw_grads;
@@ -2032,7 +2032,7 @@ extern "C" __global__ void __launch_bounds__(256) k73_grad_norm__adamw_sumsq(cha
 }
 
 // gradient norm: the 17 chunks added in order by one block
-extern "C" __global__ void __launch_bounds__(256) k73_grad_norm__adamw_norm(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
+extern "C" __global__ void __launch_bounds__(256) k73_grad_norm__adamw_norm(char *arena, MdlStatus *status, const uint64_t *seed, int64_t chunk, MdlArgs o) {
   double *const b0 = (double *)(arena + o.b[0]); // sums of squares per chunk
   float *const b1 = (float *)(arena + o.b[1]); // grad_norm f32[]
   __shared__ double sh_d[32];
@@ -2069,7 +2069,7 @@ static __device__ const MdlSeg k73_grad_norm__adamw_seg[21] = {
 };
 
 // AdamW over 21 parameters, 131904 values (beta1 0.9, beta2 0.95, eps 1e-08, clip 1), chunks of 8192; 15 bf16 copies
-extern "C" __global__ void __launch_bounds__(256) k73_grad_norm__adamw(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
+extern "C" __global__ void __launch_bounds__(256) k73_grad_norm__adamw(char *arena, MdlStatus *status, const uint64_t *seed, int64_t chunk, MdlArgs o) {
   float *const b0 = (float *)(arena + o.b[0]); // grad_norm f32[]
   float *const b1 = (float *)(arena + o.b[1]); // scalar f32[]
   float *const b2 = (float *)(arena + o.b[2]); // scalar f32[]

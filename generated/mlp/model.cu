@@ -263,7 +263,7 @@ __device__ __forceinline__ float mdl_block_max_nan(float v, float *sh) {
 //   k0_gemm__add__relu_epilogue<<<1, 256>>>
 
 // elementwise over 1024, 4 per thread: relu
-extern "C" __global__ void __launch_bounds__(256) k0_gemm__add__relu_epilogue(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
+extern "C" __global__ void __launch_bounds__(256) k0_gemm__add__relu_epilogue(char *arena, MdlStatus *status, const uint64_t *seed, int64_t chunk, MdlArgs o) {
   float *const b0 = (float *)(arena + o.b[0]); // add f32[32,32]
   float *const b1 = (float *)(arena + o.b[1]); // relu f32[32,32]
   for (int q = blockIdx.x * blockDim.x + threadIdx.x; q < 256; q += gridDim.x * blockDim.x) {
@@ -298,7 +298,7 @@ extern "C" __global__ void __launch_bounds__(256) k0_gemm__add__relu_epilogue(ch
 //   k3_broadcast__mul<<<1, 32>>>
 
 // elementwise over 32, 4 per thread: broadcast
-extern "C" __global__ void __launch_bounds__(32) k3_broadcast__mul(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
+extern "C" __global__ void __launch_bounds__(32) k3_broadcast__mul(char *arena, MdlStatus *status, const uint64_t *seed, int64_t chunk, MdlArgs o) {
   float *const b0 = (float *)(arena + o.b[0]); // broadcast f32[32]
   for (int q = blockIdx.x * blockDim.x + threadIdx.x; q < 8; q += gridDim.x * blockDim.x) {
     const float v3 = 1.0f * 0.03125f;
@@ -318,7 +318,7 @@ extern "C" __global__ void __launch_bounds__(32) k3_broadcast__mul(char *arena, 
 //   k4_cross_entropy_fwd__cross_entropy_bwd<<<4, 256>>>
 
 // cross-entropy and its gradient: 32 rows of 4, a warp per row
-extern "C" __global__ void __launch_bounds__(256) k4_cross_entropy_fwd__cross_entropy_bwd(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
+extern "C" __global__ void __launch_bounds__(256) k4_cross_entropy_fwd__cross_entropy_bwd(char *arena, MdlStatus *status, const uint64_t *seed, int64_t chunk, MdlArgs o) {
   float *const b0 = (float *)(arena + o.b[0]); // broadcast f32[32]
   float *const b1 = (float *)(arena + o.b[1]); // cross_entropy_bwd f32[32,4]
   float *const b2 = (float *)(arena + o.b[2]); // cross_entropy f32[32]
@@ -368,7 +368,7 @@ extern "C" __global__ void __launch_bounds__(256) k4_cross_entropy_fwd__cross_en
 //   k5_mean<<<1, 32>>>
 
 // mean: 1 outputs over 32 elements, a thread per output
-extern "C" __global__ void __launch_bounds__(32) k5_mean(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
+extern "C" __global__ void __launch_bounds__(32) k5_mean(char *arena, MdlStatus *status, const uint64_t *seed, int64_t chunk, MdlArgs o) {
   float *const b0 = (float *)(arena + o.b[0]); // cross_entropy f32[32]
   float *const b1 = (float *)(arena + o.b[1]); // mean f32[]
   for (int r = blockIdx.x * blockDim.x + threadIdx.x; r < 1; r += gridDim.x * blockDim.x) {
@@ -391,7 +391,7 @@ extern "C" __global__ void __launch_bounds__(32) k5_mean(char *arena, MdlStatus 
 //   k6_sum<<<1, 32>>>
 
 // sum: 4 outputs over 32 elements, a thread per output
-extern "C" __global__ void __launch_bounds__(32) k6_sum(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
+extern "C" __global__ void __launch_bounds__(32) k6_sum(char *arena, MdlStatus *status, const uint64_t *seed, int64_t chunk, MdlArgs o) {
   float *const b0 = (float *)(arena + o.b[0]); // cross_entropy_bwd f32[32,4]
   float *const b1 = (float *)(arena + o.b[1]); // sum f32[4]
   for (int r = blockIdx.x * blockDim.x + threadIdx.x; r < 4; r += gridDim.x * blockDim.x) {
@@ -422,7 +422,7 @@ extern "C" __global__ void __launch_bounds__(32) k6_sum(char *arena, MdlStatus *
 //   k8_gemm__relu_bwd__sum<<<1, 32>>>
 
 // sum: 32 outputs over 32 elements, a thread per output
-extern "C" __global__ void __launch_bounds__(32) k8_gemm__relu_bwd__sum(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
+extern "C" __global__ void __launch_bounds__(32) k8_gemm__relu_bwd__sum(char *arena, MdlStatus *status, const uint64_t *seed, int64_t chunk, MdlArgs o) {
   float *const b0 = (float *)(arena + o.b[0]); // add f32[32,32]
   float *const b1 = (float *)(arena + o.b[1]); // matmul f32[32,32]
   float *const b2 = (float *)(arena + o.b[2]); // relu_bwd f32[32,32]
@@ -485,7 +485,7 @@ static __device__ const MdlSeg k12_grad_norm__adamw_grads[6] = {
 };
 
 // gradient norm: sums of squares of 6 tensors, 1732 values, in 1 chunks of 8192
-extern "C" __global__ void __launch_bounds__(256) k12_grad_norm__adamw_sumsq(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
+extern "C" __global__ void __launch_bounds__(256) k12_grad_norm__adamw_sumsq(char *arena, MdlStatus *status, const uint64_t *seed, int64_t chunk, MdlArgs o) {
   double *const b0 = (double *)(arena + o.b[0]); // sums of squares per chunk
   __shared__ double sh_d[32];
   const MdlSeg *const seg = k12_grad_norm__adamw_grads;
@@ -506,7 +506,7 @@ extern "C" __global__ void __launch_bounds__(256) k12_grad_norm__adamw_sumsq(cha
 }
 
 // gradient norm: the 1 chunks added in order by one block
-extern "C" __global__ void __launch_bounds__(256) k12_grad_norm__adamw_norm(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
+extern "C" __global__ void __launch_bounds__(256) k12_grad_norm__adamw_norm(char *arena, MdlStatus *status, const uint64_t *seed, int64_t chunk, MdlArgs o) {
   double *const b0 = (double *)(arena + o.b[0]); // sums of squares per chunk
   float *const b1 = (float *)(arena + o.b[1]); // grad_norm f32[]
   __shared__ double sh_d[32];
@@ -528,7 +528,7 @@ static __device__ const MdlSeg k12_grad_norm__adamw_seg[6] = {
 };
 
 // AdamW over 6 parameters, 1732 values (beta1 0.9, beta2 0.95, eps 1e-08, clip 0), chunks of 8192
-extern "C" __global__ void __launch_bounds__(256) k12_grad_norm__adamw(char *arena, MdlStatus *status, uint64_t seed, int64_t chunk, MdlArgs o) {
+extern "C" __global__ void __launch_bounds__(256) k12_grad_norm__adamw(char *arena, MdlStatus *status, const uint64_t *seed, int64_t chunk, MdlArgs o) {
   float *const b0 = (float *)(arena + o.b[0]); // grad_norm f32[]
   float *const b1 = (float *)(arena + o.b[1]); // scalar f32[]
   float *const b2 = (float *)(arena + o.b[2]); // scalar f32[]

@@ -8,7 +8,7 @@
 
 #include MDL_EMU_SOURCE
 
-typedef void (*mdl_kernel_fn)(char *, MdlStatus *, uint64_t, int64_t, MdlArgs);
+typedef void (*mdl_kernel_fn)(char *, MdlStatus *, const uint64_t *, int64_t, MdlArgs);
 
 struct MdlCall {
   mdl_kernel_fn fn;
@@ -21,7 +21,7 @@ struct MdlCall {
 
 static void mdl_call(void *p) {
   MdlCall *c = (MdlCall *)p;
-  c->fn(c->arena, c->status, c->seed, c->chunk, c->args);
+  c->fn(c->arena, c->status, &c->seed, c->chunk, c->args);
 }
 
 extern "C" void mdl_emu_launch(void *fn, const unsigned *grid, const unsigned *block, char *arena, void *status,

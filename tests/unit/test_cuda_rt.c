@@ -24,8 +24,11 @@
 //     freeing the engine frees every allocation and the module; an allocation that fails is
 //     reported as "cuMemAlloc: CUDA_ERROR_OUT_OF_MEMORY" and leaks nothing; with --profile a fresh
 //     engine runs the plan launch by launch (no replay) to the graph's loss and gradients bit for
-//     bit, every plan step that launches gets a time from the events, and the events are freed. Models: gpt2-tiny (B=2,
-//     T=16) and a small model of batched matmuls, one broadcasting its batch, each also with bf16
+//     bit, every plan step that launches gets a time from the events, and the events are freed. Both
+//     engines are given each step's seed (Engine.set_seed). Models: gpt2-tiny (B=2, T=16), a small
+//     model with dropout (its masks must follow the seed of each step through the one captured
+//     graph), and a small model of batched matmuls, one broadcasting its batch, the last and
+//     gpt2-tiny also with bf16
 //     GEMM operands (the precision pass): every GEMM is then described with CUDA_R_16BF A and B, the
 //     batched model's a @ a^T also with a bf16 D; the gradients agree within 1e-3 in L2 per tensor,
 //     the parameters after 4 steps within 2e-3, and the bf16 CASTs of the parameters read back
@@ -584,6 +587,20 @@ static const char batched_src[] =
     "wa = w @ transpose(a, 1, 2)\n"
     "output loss = mean(cross_entropy(u @ head, targets)) + mean(wa * wa)\n";
 
+// Dropout: its masks come from each step's seed (Engine.set_seed), which a graph captured once must
+// still see change from step to step.
+static const char dropout_src[] =
+    "model dropped\n"
+    "dim B = 2\n"
+    "dim T = 4\n"
+    "dim C = 16\n"
+    "input x: f32[B, T, C]\n"
+    "input targets: i32[B, T]\n"
+    "param w: [C, C] = normal(0.3)\n"
+    "param head: [C, C] = normal(0.3)\n"
+    "h = dropout(gelu(x @ w), p=0.5)\n"
+    "output loss = mean(cross_entropy(h @ head, targets))\n";
+
 typedef struct {
   Arena *a;
   Graph *g;
@@ -780,6 +797,7 @@ static void set_batch(const Graph *g, Engine **es, int ne, int64_t bad_target) {
 
 static bool step_both(Engine **es, int64_t step, char *err, size_t n) {
   for (int k = 0; k < 2; k++) {
+    es[k]->set_seed(es[k], 1000 + (uint64_t)step);
     es[k]->set_scalar(es[k], "lr", 2e-3);
     es[k]->set_scalar(es[k], "step", (double)step);
     if (!es[k]->step(es[k], err, n))
@@ -1191,6 +1209,7 @@ int main(void) {
     static const Model models[] = {
         {"gpt2-tiny", "models/gpt2-tiny.mdl", NULL, {{"B", 2}, {"T", 16}}, 2, DT_F32},
         {"batched matmuls", NULL, batched_src, {{0}}, 0, DT_F32},
+        {"dropout", NULL, dropout_src, {{0}}, 0, DT_F32},
         {"gpt2-tiny bf16", "models/gpt2-tiny.mdl", NULL, {{"B", 2}, {"T", 16}}, 2, DT_BF16},
         {"batched matmuls bf16", NULL, batched_src, {{0}}, 0, DT_BF16},
     };
