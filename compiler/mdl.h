@@ -411,6 +411,11 @@ typedef struct {
 } MemPlan;
 
 MemPlan *memplan(const Fusion *f);
+// A parameter's bf16 copy (Fusion.copy_of) that is a matrix has room for MEMPLAN_ROWS-aligned rows,
+// zero past its own: memplan_copy_rows of them, memplan_copy_bytes in all (any copy).
+enum { MEMPLAN_ROWS = 64 };
+int64_t memplan_copy_rows(const IrNode *copy);
+int64_t memplan_copy_bytes(const IrNode *copy);
 // With reuse off every activation gets memory of its own (--no-reuse: what liveness saves).
 MemPlan *memplan_with(const Fusion *f, bool reuse);
 void memplan_dump(const Fusion *f, const MemPlan *m, FILE *out);

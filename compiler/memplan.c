@@ -9,7 +9,10 @@
 // gradient buffer (when it is a view, the node it views is); the STATE nodes "<p>.m" and "<p>.v"
 // in m and v; an ADAMW node writes its parameter in place and so shares the PARAM's offset.
 // The parameters' bf16 copies (Fusion.copy_of, rule 11 of fuse.c) follow, in parameter order: they
-// persist from one step to the next like the parameters. INPUT and SCALAR nodes have fixed slots.
+// persist from one step to the next like the parameters. A matrix's copy has room for its rows
+// rounded up to a multiple of 64 (MEMPLAN_ROWS), zero beyond its own rows: a GEMM may then read it
+// as that many rows (the CUDA LM head reads GPT-2's 50257-row embedding as 50304, which keeps
+// cuBLASLt on its fast, aligned kernels). INPUT and SCALAR nodes have fixed slots.
 // Every other materialised node is an activation: it is live from the step that writes it to the
 // last step that reads it (directly or through a view; the loss, the gradient norm and every
 // materialised model output stay live to the end of the step so the runtime can read them), and
@@ -29,7 +32,17 @@ enum { ALIGN = 64 };
 
 static int64_t align_up(int64_t x) { return (x + ALIGN - 1) / ALIGN * ALIGN; }
 
+
 static int64_t bytes_of(const IrNode *n) { return dtype_size(n->dtype) * shape_numel(n->shape); }
+
+int64_t memplan_copy_rows(const IrNode *copy) {
+  return (copy->shape.d[0] + MEMPLAN_ROWS - 1) / MEMPLAN_ROWS * MEMPLAN_ROWS;
+}
+
+int64_t memplan_copy_bytes(const IrNode *copy) {
+  int64_t bytes = bytes_of(copy);
+  return copy->shape.rank == 2 ? bytes / copy->shape.d[0] * memplan_copy_rows(copy) : bytes;
+}
 
 static bool is_leaf(Op op) {
   return op == OP_INPUT || op == OP_PARAM || op == OP_STATE || op == OP_SCALAR || op == OP_CONST;
@@ -133,7 +146,7 @@ MemPlan *memplan_with(const Fusion *f, bool reuse) {
     int c = f->copy_of[g->params[i]];
     if (c >= 0) {
       mp->offset[c] = at;
-      at = align_up(at + bytes_of(g->nodes[c]));
+      at = align_up(at + memplan_copy_bytes(g->nodes[c]));
     }
   }
   mp->copy_bytes = at - mp->copies;

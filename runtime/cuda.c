@@ -488,9 +488,9 @@ typedef struct {
   char *staging;      // host copy of the inputs and scalars, arena bytes [lo, hi)
   int64_t lo, hi;
   uint64_t seed;      // the next step's seed (Engine.set_seed), copied to seed_dev before the step
-  CUevent *marks;     // --profile: an event where each plan step's launches begin, and one at the end
-  int *marked_step;   //   the plan step each of those events begins
+  CUevent *marks;         // --profile: an event before each launch, and one at the end
   int nmarks;
+  double *launch_seconds; //   each launch's time, summed over the steps after the first
 } CudaEngine;
 
 static bool staged(const IrNode *nd) { return nd->op == OP_INPUT || nd->op == OP_SCALAR; }
@@ -540,37 +540,75 @@ static bool download(CudaEngine *ce, void *dst, CUdeviceptr src, size_t bytes, c
 static bool enqueue(CudaEngine *ce, int i, char *err, size_t n);
 
 // A step outside the graph (--profile): the same launches in the same order on the stream, with an
-// event recorded where each plan step's launches begin; each step's time is what the device took
-// from its event to the next, launch gaps included (the CPU queues far ahead of short kernels).
+// event recorded before each; each launch's time is what the device took from its event to the
+// next, launch gaps included (the CPU queues far ahead of short kernels), and a plan step's time is
+// that of its launches.
 static bool profile_step(CudaEngine *ce, char *err, size_t n) {
   const CudaPlan *p = ce->plan;
   if (!ce->marks) {
     ce->marks = calloc((size_t)p->nlaunches + 1, sizeof *ce->marks);
-    ce->marked_step = calloc((size_t)p->nlaunches + 1, sizeof *ce->marked_step);
-    if (!ce->marks || !ce->marked_step)
+    ce->launch_seconds = calloc((size_t)p->nlaunches + 1, sizeof *ce->launch_seconds);
+    if (!ce->marks || !ce->launch_seconds)
       return rt_fail(err, n, "out of host memory");
     for (; ce->nmarks <= p->nlaunches; ce->nmarks++)
       if (!CU(err, n, cuEventCreate, &ce->marks[ce->nmarks], 0))
         return false;
   }
   bool ok = CU(err, n, cuMemsetD8Async, ce->status, 0, sizeof(MdlStatus), ce->stream);
-  int marked = 0;
+  for (int i = 0; ok && i < p->nlaunches; i++)
+    ok = CU(err, n, cuEventRecord, ce->marks[i], ce->stream) && enqueue(ce, i, err, n);
+  ok = ok && CU(err, n, cuEventRecord, ce->marks[p->nlaunches], ce->stream) &&
+       CU(err, n, cuEventSynchronize, ce->marks[p->nlaunches]);
   for (int i = 0; ok && i < p->nlaunches; i++) {
-    if (i == 0 || p->launches[i].step != p->launches[i - 1].step) {
-      ce->marked_step[marked] = p->launches[i].step;
-      ok = CU(err, n, cuEventRecord, ce->marks[marked++], ce->stream);
-    }
-    ok = ok && enqueue(ce, i, err, n);
-  }
-  ok = ok && CU(err, n, cuEventRecord, ce->marks[marked], ce->stream) &&
-       CU(err, n, cuEventSynchronize, ce->marks[marked]);
-  for (int k = 0; ok && k < marked; k++) {
     float ms = 0;
-    ok = CU(err, n, cuEventElapsedTime, &ms, ce->marks[k], ce->marks[k + 1]);
-    if (ce->e.profile_warm) // (the first step loads each kernel as it first launches)
-      ce->e.kernel_seconds[ce->marked_step[k]] += 1e-3 * ms;
+    ok = CU(err, n, cuEventElapsedTime, &ms, ce->marks[i], ce->marks[i + 1]);
+    if (ce->e.profile_warm) { // (the first step loads each kernel as it first launches)
+      ce->e.kernel_seconds[p->launches[i].step] += 1e-3 * ms;
+      ce->launch_seconds[i] += 1e-3 * ms;
+    }
   }
   return ok;
+}
+
+// The launches of each plan step that makes several and takes at least 1% of the step, in order:
+// a kernel by its name, a GEMM by its shape (M x N x K, the batch, the operands' type).
+static void cu_profile_launches(const Engine *e, double total, FILE *out) {
+  const CudaEngine *ce = (const CudaEngine *)e;
+  const CudaPlan *p = ce->plan;
+  if (!ce->launch_seconds || e->profiled_steps == 0)
+    return;
+  double steps = (double)e->profiled_steps;
+  bool header = false;
+  for (int i = 0; i < p->nlaunches;) {
+    int s = p->launches[i].step, j = i;
+    while (j < p->nlaunches && p->launches[j].step == s)
+      j++;
+    if (j - i > 1 && e->kernel_seconds[s] >= 0.01 * total) {
+      if (!header)
+        fprintf(out, "launches inside the kernels above that make several (ms/step):\n");
+      header = true;
+      fprintf(out, "  %s:", e->fusion->steps[s].name);
+      for (int k = i; k < j; k++) {
+        const CudaLaunch *l = &p->launches[k];
+        if (l->kernel) {
+          const char *name = l->kernel, *base = e->fusion->steps[s].name;
+          if (!strncmp(name, base, strlen(base)) && name[strlen(base)] == '_')
+            name += strlen(base) + 1; // k88_lmhead..._ce: ce
+          fprintf(out, " %s %.3f%s", *name ? name : l->kernel, 1e3 * ce->launch_seconds[k] / steps,
+                  k + 1 < j ? "," : "");
+        } else {
+          const CudaGemm *gm = &p->gemms[l->gemm];
+          char batch[32] = "";
+          if (gm->batch > 1)
+            snprintf(batch, sizeof batch, " x%lld", (long long)gm->batch);
+          fprintf(out, " gemm %lldx%lldx%lld%s %s %.3f%s", (long long)gm->m, (long long)gm->n, (long long)gm->k, batch,
+                  dtype_name(gm->ab), 1e3 * ce->launch_seconds[k] / steps, k + 1 < j ? "," : "");
+        }
+      }
+      fprintf(out, "\n");
+    }
+    i = j;
+  }
 }
 
 static bool cu_step(Engine *e, char *err, size_t n) {
@@ -664,7 +702,7 @@ static void cu_free(Engine *e) {
   free(ce->fns);
   free(ce->staging);
   free(ce->marks);
-  free(ce->marked_step);
+  free(ce->launch_seconds);
   free(ce->e.kernel_seconds);
   free(ce);
 }
@@ -784,7 +822,7 @@ Engine *engine_cuda(const Fusion *f, const MemPlan *m, uint64_t seed, char *err,
   }
   ce->m = m;
   ce->seed = seed;
-  ce->e = (Engine){.name = "cuda", .g = f->g, .fusion = f, .set_input = cu_set_input, .set_scalar = cu_set_scalar, .set_seed = cu_set_seed,
+  ce->e = (Engine){.name = "cuda", .g = f->g, .fusion = f, .set_input = cu_set_input, .set_scalar = cu_set_scalar, .set_seed = cu_set_seed, .profile_launches = cu_profile_launches,
                    .step = cu_step, .read = cu_read, .write = cu_write, .free = cu_free,
                    .kernel_seconds = calloc((size_t)f->nsteps + 1, sizeof(double))};
   if (!driver_device(&ce->dev, err, n) || !driver_complete(err, n) || !lt_open(err, n) ||

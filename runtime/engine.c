@@ -188,6 +188,8 @@ void engine_profile_report(const Engine *e, FILE *out) {
     fprintf(out, "\n");
   }
   free(order);
+  if (e->profile_launches)
+    e->profile_launches(e, total, out);
 }
 
 double engine_scalar(Engine *e, int node) {

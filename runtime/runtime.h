@@ -60,6 +60,9 @@ struct Engine {
   const Fusion *fusion;
   double *kernel_seconds;
   int64_t profiled_steps;
+  // Device back ends: prints the time of each launch inside the kernels that make several (a fused
+  // LM head's GEMMs and cross-entropy, the optimizer's passes), or NULL.
+  void (*profile_launches)(const Engine *e, double total_seconds, FILE *out);
 };
 
 // One line per kernel: name, ms per step, share of the step, GFLOP/s, GB/s, the .mdl ops inside;

@@ -21,10 +21,11 @@
 #   4. three more steps of it with --profile (launch by launch, timed by events from the second step
 #      on: the first loads each kernel as it first launches; its "cuda:" line gives the time to read
 #      the cubin from the cache, the warm compile: under 0.2 s): the whole
-#      kernel table goes to $OUT/gpu-check-profile.txt, its 25 slowest lines and the time by kind of
+#      kernel table goes to $OUT/gpu-check-profile.txt, its 25 slowest lines, the time by kind of
 #      kernel (GEMMs, attention, LM head, optimizer, embedding backward, norm backward with its add
 #      and column sums, norm forward, sums with their producers, lone casts, lone sums, other
-#      elementwise and row kernels) to the results;
+#      elementwise and row kernels) and the launches inside the kernels that make several (the LM
+#      head's GEMMs and cross-entropy, the attention backward's passes, the optimizer's) to the results;
 #   5. twelve steps of it with --no-fuse: tokens/s without fusion, and what fusion is worth (the
 #      fused run's tokens/s over these).
 # A failing stage is reported and the next one still runs, so one run gives every figure it can.
@@ -206,7 +207,8 @@ if [ $rc -eq 0 ]; then
     sed -n '/^profile:/,$p' "$tmp/prof.log" >"$prof"
     grep -q '^profile:' "$prof" || { say "mdlc run --profile printed no profile"; status=1; }
     head -27 "$prof" | tee -a "$res"
-    awk 'NR > 2 && NF >= 5 {
+    awk '/^launches inside/ { exit }
+         NR > 2 && NF >= 5 {
            k = $1; sub(/^k[0-9]+_/, "", k)
            kind = "elementwise and row kernels"
            if (k ~ /^gemm/) kind = "GEMMs"
@@ -223,6 +225,7 @@ if [ $rc -eq 0 ]; then
          }
          END { for (x in ms) printf "  %9.3f ms/step %5.1f%% %4d kernels: %s\n", ms[x], 100 * ms[x] / total, n[x], x }' \
       "$prof" | sort -nr | tee -a "$res"
+    sed -n '/^launches inside/,$p' "$prof" | tee -a "$res"
     say "whole table: $prof"
   else
     tail -12 "$tmp/prof.log" | tee -a "$res"

@@ -709,7 +709,7 @@ extern "C" __global__ void __launch_bounds__(128) k17_broadcast__mul(char *arena
 //   gemm 9: [512 x 64] = [512 x 256] [256 x 64], bf16 A and B, f32 C
 //   gemm 10: [256 x 64] = T[256 x 512] [512 x 64], bf16 A and B, f32 C
 
-// LM head: cross-entropy and its gradient of a chunk of at most 512 rows of 256 classes, the gradient rounded to bf16 into a chunk of its own; chunk = its first row; a warp per row
+// LM head: cross-entropy and its gradient of a chunk of at most 512 rows of 256 classes (rows 256 apart), the gradient rounded to bf16 into a chunk of its own; chunk = its first row; a warp per row
 extern "C" __global__ void __launch_bounds__(256) k18_lmhead__cross_entropy__cross_entropy_bwd__cast__gemm_ce(char *arena, MdlStatus *status, const uint64_t *seed, int64_t chunk, MdlArgs o) {
   float *const b0 = (float *)(arena + o.b[0]); // the chunk's logits
   uint16_t *const b1 = (uint16_t *)(arena + o.b[1]); // the chunk's dlogits, bf16
@@ -2058,7 +2058,12 @@ extern "C" __global__ void __launch_bounds__(256) k47_grad_norm__adamw_sumsq(cha
   const MdlSeg *const seg = k47_grad_norm__adamw_grads;
   double acc = 0;
   const int64_t c0 = (int64_t)blockIdx.x * 8192, c1 = c0 + 8192 < 124672 ? c0 + 8192 : 124672;
-  for (int s = 0; s < 28; s++) {
+  int s0 = 0;
+  for (int s1 = 27; s0 < s1;) { // the last segment starting at or before c0
+    const int mid = (s0 + s1 + 1) / 2;
+    if (seg[mid].start <= c0) s0 = mid; else s1 = mid - 1;
+  }
+  for (int s = s0; s < 28 && seg[s].start < c1; s++) {
     const int64_t lo = c0 > seg[s].start ? c0 : seg[s].start;
     const int64_t hi = c1 < seg[s].start + seg[s].n ? c1 : seg[s].start + seg[s].n;
     for (int64_t i = lo + threadIdx.x; i < hi; i += blockDim.x) {
@@ -2128,19 +2133,40 @@ extern "C" __global__ void __launch_bounds__(256) k47_grad_norm__adamw(char *are
   const double beta1 = 0.9, beta2 = 0.95, eps = 1e-08;
   const double k1 = 1.0 / (1.0 - pow(beta1, step)), k2 = 1.0 / (1.0 - pow(beta2, step));
   const int64_t c0 = (int64_t)blockIdx.x * 8192, c1 = c0 + 8192 < 124672 ? c0 + 8192 : 124672;
-  for (int s = 0; s < 28; s++) {
-    const int64_t lo = c0 > seg[s].start ? c0 : seg[s].start;
-    const int64_t hi = c1 < seg[s].start + seg[s].n ? c1 : seg[s].start + seg[s].n;
-    for (int64_t i = lo + threadIdx.x; i < hi; i += blockDim.x) {
-      const int64_t k = i - seg[s].start;
-      float *p = (float *)(arena + seg[s].p), *m = (float *)(arena + seg[s].m);
-      float *v = (float *)(arena + seg[s].v);
-      const double gi = sc * ((const float *)(arena + seg[s].g))[k];
-      m[k] = (float)(beta1 * m[k] + (1 - beta1) * gi);
-      v[k] = (float)(beta2 * v[k] + (1 - beta2) * gi * gi);
-      p[k] = (float)(p[k] - lr * (m[k] * k1 / (sqrt(v[k] * k2) + eps) + seg[s].wd * p[k]));
-      if (seg[s].c >= 0)
-        ((uint16_t *)(arena + seg[s].c))[k] = mdl_f32_to_bf16(p[k]);
+  int s0 = 0;
+  for (int s1 = 27; s0 < s1;) { // the last segment starting at or before c0
+    const int mid = (s0 + s1 + 1) / 2;
+    if (seg[mid].start <= c0) s0 = mid; else s1 = mid - 1;
+  }
+  for (int s = s0; s < 28 && seg[s].start < c1; s++) {
+    const int64_t lo = (c0 > seg[s].start ? c0 : seg[s].start) - seg[s].start;
+    const int64_t hi = (c1 < seg[s].start + seg[s].n ? c1 : seg[s].start + seg[s].n) - seg[s].start;
+    float *p = (float *)(arena + seg[s].p), *m = (float *)(arena + seg[s].m);
+    float *v = (float *)(arena + seg[s].v);
+    const float *g = (const float *)(arena + seg[s].g);
+    const double wd = seg[s].wd;
+    uint16_t *const cp = seg[s].c >= 0 ? (uint16_t *)(arena + seg[s].c) : NULL;
+    for (int64_t k0 = lo + threadIdx.x; k0 < hi; k0 += 4 * blockDim.x) {
+      float gv[4] = {0}, mv[4] = {0}, vv[4] = {0}, pv[4] = {0};
+      #pragma unroll
+      for (int u = 0; u < 4; u++) {
+        const int64_t k = k0 + u * blockDim.x;
+        if (k < hi)
+          gv[u] = g[k], mv[u] = m[k], vv[u] = v[k], pv[u] = p[k];
+      }
+      #pragma unroll
+      for (int u = 0; u < 4; u++) {
+        const int64_t k = k0 + u * blockDim.x;
+        if (k >= hi)
+          break;
+        const double gi = sc * gv[u];
+        const float mk = (float)(beta1 * mv[u] + (1 - beta1) * gi);
+        const float vk = (float)(beta2 * vv[u] + (1 - beta2) * gi * gi);
+        const float pk = (float)(pv[u] - lr * (mk * k1 / (sqrt(vk * k2) + eps) + wd * pv[u]));
+        m[k] = mk, v[k] = vk, p[k] = pk;
+        if (cp)
+          cp[k] = mdl_f32_to_bf16(pk);
+      }
     }
   }
 }

@@ -491,7 +491,12 @@ extern "C" __global__ void __launch_bounds__(256) k12_grad_norm__adamw_sumsq(cha
   const MdlSeg *const seg = k12_grad_norm__adamw_grads;
   double acc = 0;
   const int64_t c0 = (int64_t)blockIdx.x * 8192, c1 = c0 + 8192 < 1732 ? c0 + 8192 : 1732;
-  for (int s = 0; s < 6; s++) {
+  int s0 = 0;
+  for (int s1 = 5; s0 < s1;) { // the last segment starting at or before c0
+    const int mid = (s0 + s1 + 1) / 2;
+    if (seg[mid].start <= c0) s0 = mid; else s1 = mid - 1;
+  }
+  for (int s = s0; s < 6 && seg[s].start < c1; s++) {
     const int64_t lo = c0 > seg[s].start ? c0 : seg[s].start;
     const int64_t hi = c1 < seg[s].start + seg[s].n ? c1 : seg[s].start + seg[s].n;
     for (int64_t i = lo + threadIdx.x; i < hi; i += blockDim.x) {
@@ -539,17 +544,37 @@ extern "C" __global__ void __launch_bounds__(256) k12_grad_norm__adamw(char *are
   const double beta1 = 0.9, beta2 = 0.95, eps = 1e-08;
   const double k1 = 1.0 / (1.0 - pow(beta1, step)), k2 = 1.0 / (1.0 - pow(beta2, step));
   const int64_t c0 = (int64_t)blockIdx.x * 8192, c1 = c0 + 8192 < 1732 ? c0 + 8192 : 1732;
-  for (int s = 0; s < 6; s++) {
-    const int64_t lo = c0 > seg[s].start ? c0 : seg[s].start;
-    const int64_t hi = c1 < seg[s].start + seg[s].n ? c1 : seg[s].start + seg[s].n;
-    for (int64_t i = lo + threadIdx.x; i < hi; i += blockDim.x) {
-      const int64_t k = i - seg[s].start;
-      float *p = (float *)(arena + seg[s].p), *m = (float *)(arena + seg[s].m);
-      float *v = (float *)(arena + seg[s].v);
-      const double gi = sc * ((const float *)(arena + seg[s].g))[k];
-      m[k] = (float)(beta1 * m[k] + (1 - beta1) * gi);
-      v[k] = (float)(beta2 * v[k] + (1 - beta2) * gi * gi);
-      p[k] = (float)(p[k] - lr * (m[k] * k1 / (sqrt(v[k] * k2) + eps) + seg[s].wd * p[k]));
+  int s0 = 0;
+  for (int s1 = 5; s0 < s1;) { // the last segment starting at or before c0
+    const int mid = (s0 + s1 + 1) / 2;
+    if (seg[mid].start <= c0) s0 = mid; else s1 = mid - 1;
+  }
+  for (int s = s0; s < 6 && seg[s].start < c1; s++) {
+    const int64_t lo = (c0 > seg[s].start ? c0 : seg[s].start) - seg[s].start;
+    const int64_t hi = (c1 < seg[s].start + seg[s].n ? c1 : seg[s].start + seg[s].n) - seg[s].start;
+    float *p = (float *)(arena + seg[s].p), *m = (float *)(arena + seg[s].m);
+    float *v = (float *)(arena + seg[s].v);
+    const float *g = (const float *)(arena + seg[s].g);
+    const double wd = seg[s].wd;
+    for (int64_t k0 = lo + threadIdx.x; k0 < hi; k0 += 4 * blockDim.x) {
+      float gv[4] = {0}, mv[4] = {0}, vv[4] = {0}, pv[4] = {0};
+      #pragma unroll
+      for (int u = 0; u < 4; u++) {
+        const int64_t k = k0 + u * blockDim.x;
+        if (k < hi)
+          gv[u] = g[k], mv[u] = m[k], vv[u] = v[k], pv[u] = p[k];
+      }
+      #pragma unroll
+      for (int u = 0; u < 4; u++) {
+        const int64_t k = k0 + u * blockDim.x;
+        if (k >= hi)
+          break;
+        const double gi = sc * gv[u];
+        const float mk = (float)(beta1 * mv[u] + (1 - beta1) * gi);
+        const float vk = (float)(beta2 * vv[u] + (1 - beta2) * gi * gi);
+        const float pk = (float)(pv[u] - lr * (mk * k1 / (sqrt(vk * k2) + eps) + wd * pv[u]));
+        m[k] = mk, v[k] = vk, p[k] = pk;
+      }
     }
   }
 }

@@ -800,11 +800,15 @@ static MdlStatus emu_until(const CudaPlan *p, const Emu *emu, char *arena, int l
 
 static MdlStatus emu_step(const CudaPlan *p, const Emu *emu, char *arena) { return emu_until(p, emu, arena, -1); }
 
+// The arena zeroed, but for the kernels' scratch, all NaN (0xff bytes, in f32 and in bf16): a kernel
+// or GEMM that reads scratch it has not written (the LM head's padding classes, say) shows.
 static char *arena_new_for(const CudaPlan *p) {
   size_t bytes = (size_t)(p->arena_bytes + 255) / 256 * 256;
   char *a = aligned_alloc(256, bytes ? bytes : 256);
-  if (a)
+  if (a) {
     memset(a, 0, bytes);
+    memset(a + p->scratch, 0xff, (size_t)(p->arena_bytes - p->scratch));
+  }
   return a;
 }
 
@@ -1191,42 +1195,65 @@ static void test_attention_alone(const char *dir) {
   }
 }
 
-// The LM head in two chunks (64 rows, then 16), as GPT-2 124M runs it (2 of 4096): llama-tiny with
-// at most 16384 logits a chunk ($MDL_LMHEAD_LOGITS). The dW GEMM of the second chunk accumulates.
-static void test_lmhead_chunks(const char *dir) {
-  FILE *fp = fopen("models/llama-tiny.mdl", "rb");
+// The LM head in two chunks (64 rows, then 16), as GPT-2 124M runs it (2 of 4096): llama-tiny (an
+// untied head, x @ W with W [C, V]) and gpt2-tiny (tied, x @ wte^T with wte [V, C]) with at most
+// 16384 logits a chunk ($MDL_LMHEAD_LOGITS). The dW GEMM of the second chunk accumulates. Their
+// vocabulary cut to 250 classes, as GPT-2's 50257 is no multiple of 64: the chunks' rows are padded
+// to 256 (the logits GEMM writes them, the kernel and the dx and dW GEMMs read them so); where W is
+// the [V, C] embedding's bf16 copy (memplan pads its rows with zeros), the logits GEMM also computes
+// 256 columns and the dx GEMM sums over 256 classes. Emulated against the interpreter, f32 and bf16.
+static void test_lmhead_chunks(const char *dir, const char *path, bool tied) {
+  FILE *fp = fopen(path, "rb");
   static char text[1 << 16];
   size_t len = fp ? fread(text, 1, sizeof text - 1, fp) : 0;
   if (fp)
     fclose(fp);
   text[len] = 0;
-  CHECK(len > 0, "cuda lm head chunks: models/llama-tiny.mdl reads", "no model");
-  if (!len)
+  char *vdim = strstr(text, "dim V = 256");
+  char name[256];
+  snprintf(name, sizeof name, "cuda lm head chunks: %s reads, with 256 classes", path);
+  CHECK(vdim, name, "no model, or another V");
+  if (!vdim)
     return;
-  Model md = {"llama-tiny-chunked.mdl", {{"B", 1}, {"T", 80}}, 2, text};
+  memcpy(vdim, "dim V = 250", 11);
+  Model md = {tied ? "gpt2-tiny-chunked.mdl" : "llama-tiny-chunked.mdl", {{"B", 1}, {"T", 80}}, 2, text};
   setenv("MDL_LMHEAD_LOGITS", "16384", 1);
-  Arena *a = arena_new();
-  Graph *g = load(a, &md, DT_BF16);
-  Fusion *f = g ? fuse(g, (FuseOptions){.fuse = true, .chunk_lmhead = true}) : NULL;
-  CudaPlan *p = f ? emit_cuda_plan(f, memplan(f), md.path) : NULL;
-  int ce = 0, dw = 0, acc = 0, lm = -1;
-  for (int s = 0; f && s < f->nsteps; s++)
-    if (f->steps[s].kind == STEP_LMHEAD)
-      lm = s;
-  for (int i = 0; p && i < p->nlaunches; i++) {
-    const CudaLaunch *l = &p->launches[i];
-    ce += l->kernel && strstr(l->kernel, "lmhead") && strstr(l->kernel, "_ce");
-    const CudaGemm *gm = l->kernel ? NULL : &p->gemms[l->gemm];
-    bool w = gm && gm->step == lm && gm->m * gm->n == 256 * 64 && gm->ta;
-    dw += w; // dW = x^T dlogits: [C x V], K = the chunk's rows
-    acc += w && gm->beta == 1.0f;
+  for (int pr = 0; pr < 2; pr++) {
+    bool bf16 = pr == 1;
+    Arena *a = arena_new();
+    Graph *g = load(a, &md, bf16 ? DT_BF16 : DT_F32);
+    Fusion *f = g ? fuse(g, (FuseOptions){.fuse = true, .chunk_lmhead = true}) : NULL;
+    CudaPlan *p = f ? emit_cuda_plan(f, memplan(f), md.path) : NULL;
+    int ce = 0, dw = 0, acc = 0, lm = -1, padded = 0, wide = 0;
+    for (int s = 0; f && s < f->nsteps; s++)
+      if (f->steps[s].kind == STEP_LMHEAD)
+        lm = s;
+    int64_t vn = tied && bf16 ? 256 : 250; // the logits GEMM's N, the dx GEMM's K
+    for (int i = 0; p && i < p->nlaunches; i++) {
+      const CudaLaunch *l = &p->launches[i];
+      ce += l->kernel && strstr(l->kernel, "lmhead") && strstr(l->kernel, "_ce");
+      const CudaGemm *gm = l->kernel ? NULL : &p->gemms[l->gemm];
+      bool w = gm && gm->step == lm && gm->m * gm->n == 250 * 64 && gm->ta;
+      dw += w; // dW = x^T dlogits: [C x V], K = the chunk's rows
+      acc += w && gm->beta == 1.0f;
+      // logits (N = V, into rows of 256), dx (K = V, from them), dW = x^T dlogits (dlogits its B, or
+      // its A transposed where W is [V, C])
+      bool lg = gm && gm->step == lm && gm->n == vn && gm->ldc == 256, dx = gm && gm->step == lm && gm->k == vn &&
+                                                                                 gm->lda == 256;
+      padded += lg || dx || (w && (gm->lda == 256 || gm->ldb == 256));
+      wide += (lg || dx) && vn == 256;
+    }
+    const char *label = arena_printf(a, "cuda lm head chunks: %s %s", md.path, bf16 ? "bf16" : "f32");
+    CHECK(ce == 2 && dw == 2 && acc == 1, arena_printf(a, "%s: 80 rows of 250 logits in 2 chunks (a cross-entropy "
+          "kernel and a dW GEMM each, the second accumulating)", label), "%d cross-entropy launches, %d dW GEMMs (%d "
+          "accumulating)", ce, dw, acc);
+    CHECK(padded == 6, arena_printf(a, "%s: the chunks' rows of 250 logits are 256 apart in every GEMM", label),
+          "%d of 6 GEMMs", padded);
+    CHECK(wide == (vn == 256 ? 4 : 0), arena_printf(a, "%s: the logits and dx GEMMs %s", label, vn == 256 ?
+          "run over 256 classes, W's copy padded with zero rows" : "run over the 250 classes"), "%d of 4", wide);
+    arena_free(a);
+    test_emulation(&md, true, bf16 ? DT_BF16 : DT_F32, dir);
   }
-  CHECK(ce == 2 && dw == 2 && acc == 1, "cuda lm head chunks: 80 rows of 256 logits in 2 chunks (a cross-entropy "
-        "kernel and a dW GEMM each, the second accumulating)", "%d cross-entropy launches, %d dW GEMMs (%d "
-        "accumulating)", ce, dw, acc);
-  arena_free(a);
-  test_emulation(&md, true, DT_F32, dir);
-  test_emulation(&md, true, DT_BF16, dir);
   unsetenv("MDL_LMHEAD_LOGITS");
 }
 
@@ -1330,7 +1357,8 @@ int main(void) {
         for (int fz = 1; fz >= ((pr && i >= 3) || i >= 5 ? 1 : 0); fz--)
           test_emulation(&models[i], fz, pr ? DT_BF16 : DT_F32, dir);
     test_attention_alone(dir);
-    test_lmhead_chunks(dir);
+    test_lmhead_chunks(dir, "models/llama-tiny.mdl", false);
+    test_lmhead_chunks(dir, "models/gpt2-tiny.mdl", true);
     test_ce_limits(dir);
   } else {
     printf("[skip] cuda emu: no g++\n");

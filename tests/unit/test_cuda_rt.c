@@ -1024,6 +1024,53 @@ static void profile_checks(const char *label, const Compiled *c, const Counters 
   }
   snprintf(name, sizeof name, "cuda: %s: --profile times every plan step that launches (%d)", label, steps);
   CHECK(p && steps > 0 && timed == steps, name, "%d of %d timed", timed, steps);
+  // The report's last part: a line for each plan step of several launches and at least 1% of the
+  // time, its launches' times adding up to the step's (each printed to 1 us).
+  double total = 0;
+  for (int s = 0; s < c->f->nsteps; s++)
+    total += es[0]->kernel_seconds[s];
+  int want = 0, lines = 0, sums = 0;
+  for (int s = 0; p && s < c->f->nsteps; s++) {
+    int nl = 0;
+    for (int i = 0; i < p->nlaunches; i++)
+      nl += p->launches[i].step == s;
+    want += nl > 1 && es[0]->kernel_seconds[s] >= 0.01 * total;
+  }
+  char *text = NULL;
+  size_t len = 0;
+  FILE *mem = open_memstream(&text, &len);
+  if (mem) {
+    engine_profile_report(es[0], mem);
+    fclose(mem);
+  }
+  const char *part = text ? strstr(text, "launches inside the kernels above") : NULL;
+  for (const char *ln = part ? strchr(part, '\n') : NULL; ln && ln[1] == ' '; ln = strchr(ln + 1, '\n')) {
+    lines++;
+    char step[128] = "";
+    if (sscanf(ln + 1, " %127[^:]:", step) != 1)
+      continue;
+    int s = 0;
+    while (s < c->f->nsteps && strcmp(c->f->steps[s].name, step))
+      s++;
+    double sum = 0, ms = 0;
+    int nl = 0;
+    const char *end = strchr(ln + 1, '\n');
+    for (const char *q = strchr(ln + 1, ':'); q && q < end; q = strchr(q + 1, ',')) {
+      const char *comma = strchr(q + 1, ',');
+      const char *stop = comma && comma < end ? comma : end;
+      const char *num = stop;
+      while (num > q && num[-1] != ' ')
+        num--;
+      if (sscanf(num, "%lf", &ms) == 1)
+        sum += ms, nl++;
+    }
+    sums += s < c->f->nsteps && nl > 1 &&
+            fabs(sum - 1e3 * es[0]->kernel_seconds[s] / (double)es[0]->profiled_steps) <= 1e-3 * nl;
+  }
+  snprintf(name, sizeof name, "cuda: %s: --profile lists the launches of the kernels that make several (%d), "
+           "adding up to their times", label, want);
+  CHECK(want > 0 && lines == want && sums == want, name, "%d lines, %d add up", lines, sums);
+  free(text);
   es[0]->free(es[0]);
   es[1]->free(es[1]);
   snprintf(name, sizeof name, "cuda: %s: freeing a profiled engine frees its events and memory", label);
