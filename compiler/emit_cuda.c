@@ -24,12 +24,16 @@
 //     dq per query tile and dk, dv per key tile (each key tile owned by one block, summed in query
 //     order); in bf16 with heads of a multiple of 16
 //     channels the forward and the backward's dq and dk, dv kernels run on tensor cores (mma.sync
-//     m16n8k16, FlashAttention-2's layout: a warp per 16 query rows, or 16 keys);
+//     m16n8k16, FlashAttention-2's layout: a warp per 16 query rows, or 16 keys), the B fragments
+//     of the products over keys or queries read from shared tiles by transposing ldmatrix, the
+//     exponentials taken in base 2 (exp2f of scores scaled by log2(e));
 //   - embedding backward: each block owns a range of vocabulary rows and columns and adds the rows of
 //     its bucket of ids, sorted by position (emit_embed_bwd);
 //   - the optimizer: a sum of squares per fixed chunk, one block adding the chunks, then AdamW over
-//     the flat buffers through a table of segments, rounding each parameter that has a bf16 copy
-//     (fuse.c, rule 11) into it as it updates it.
+//     the flat buffers through a table of segments (each block bisects to the segments of its
+//     chunk), rounding each parameter that has a bf16 copy (fuse.c, rule 11) into it as it updates it;
+//   - the LM head, chunk by chunk: GEMMs into chunks whose rows are padded to 64-aligned classes, and
+//     a cross-entropy kernel between them (emit_lmhead).
 // GEMMs are not kernels: each is a CudaGemm (cuBLASLt, row-major description) whose epilogue covers
 // bias and GELU when the chain allows; the rest of the chain is the "<step>_epilogue" kernel.
 //
@@ -65,6 +69,8 @@
 #include <stdarg.h>
 #include <stdlib.h>
 #include <string.h>
+
+#define LOG2E 1.4426950408889634 // log2(e): the tensor-core attention kernels exponentiate in base 2
 
 enum {
   BLOCK = 256,          // threads per block of grid-stride and row kernels
@@ -197,6 +203,21 @@ static const char prelude[] =
     "               \"{%8, %9}, {%0, %1, %2, %3};\"\n"
     "               : \"+f\"(d[0]), \"+f\"(d[1]), \"+f\"(d[2]), \"+f\"(d[3])\n"
     "               : \"r\"(a[0]), \"r\"(a[1]), \"r\"(a[2]), \"r\"(a[3]), \"r\"(b[0]), \"r\"(b[1]));\n"
+    "}\n"
+    "#endif\n"
+    "\n"
+    "// Four 8 x 8 tiles of bf16 from shared memory, transposed, by the warp together (ldmatrix .trans):\n"
+    "// lanes 8 i .. 8 i + 7 each give the address of a row of tile i (8 values, 16-byte aligned), and\n"
+    "// r[i] of lane l holds that tile's rows 2 (l & 3) and 2 (l & 3) + 1 of column l >> 2 (the lower\n"
+    "// row in the low half). Of a tile whose rows are keys and columns channels, that is an mma B\n"
+    "// fragment register (b[0] or b[1] above) of the product over keys: one instruction for four\n"
+    "// registers that took four 16-bit loads and three shifts or ors each. The emulator has its own.\n"
+    "#if defined(__CUDA_ARCH__)\n"
+    "__device__ __forceinline__ void mdl_ldsm_x4_t(uint32_t r[4], const void *p) {\n"
+    "  uint32_t a;\n"
+    "  asm(\"{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }\" : \"=r\"(a) : \"l\"(p));\n"
+    "  asm volatile(\"ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\"\n"
+    "               : \"=r\"(r[0]), \"=r\"(r[1]), \"=r\"(r[2]), \"=r\"(r[3]) : \"r\"(a) : \"memory\");\n"
     "}\n"
     "#endif\n"
     "\n"
@@ -2224,6 +2245,16 @@ static bool att_mma(const Att *A) {
   return A->bf16 && A->d % 16 == 0 && att_mma_shared(A) <= 48 << 10 && att_rows16(A->k) && att_rows16(A->v);
 }
 
+// The B fragments of step k of a product over the rows of the shared tile xs (keys or queries,
+// bf16 values, rows 16-byte aligned) for output tiles n and n + 1 (channels 8 n .. 8 n + 15), by one
+// transposing ldmatrix: name[0], name[1] of tile n (rows 16 k + 2 tq, + 1 and 8 further of channel
+// 8 n + g), name[2], name[3] of tile n + 1.
+static void att_mma_ldsm(Emit *e, const char *xs, const char *name) {
+  ec_line(&e->core, "uint32_t %s[4];", name);
+  ec_line(&e->core, "mdl_ldsm_x4_t(%s, (const uint16_t *)%s[16 * k + (lane & 15)] + 8 * n + (lane >> 4) * 8);", name,
+          xs);
+}
+
 // One tile of the online softmax on tensor cores, rows r0 and r1 of the lane (s: the tile's scores
 // by n8 tile): the rows' maxima over the tile, then the new running maxima m0, m1; z0, z1 what e =
 // exp(s - z) subtracts, c0, c1 the factors exp(m - m_new) by which l0, l1 are rescaled here (and
@@ -2244,7 +2275,7 @@ static void att_mma_online_max(Emit *e) {
   ec_line(&e->core, "// What earlier tiles summed is rescaled by exp(m - m_new).");
   ec_line(&e->core, "const float mn0 = fmaxf(m0, x0), mn1 = fmaxf(m1, x1);");
   ec_line(&e->core, "const float z0 = mn0 == -MDL_INF ? 0.0f : mn0, z1 = mn1 == -MDL_INF ? 0.0f : mn1;");
-  ec_line(&e->core, "const float c0 = expf(m0 - z0), c1 = expf(m1 - z1);");
+  ec_line(&e->core, "const float c0 = exp2f(m0 - z0), c1 = exp2f(m1 - z1);");
   ec_line(&e->core, "m0 = mn0;");
   ec_line(&e->core, "m1 = mn1;");
   ec_line(&e->core, "l0 *= c0;");
@@ -2269,7 +2300,8 @@ static void att_mma_kernel(Emit *e, const Att *A, int out) {
   e->shared = (int)att_mma_shared(A);
   ec_line(&e->core, "__shared__ uint32_t Ks[%d][%lld]; // keys of the tile, channels in bf16 pairs", ATT_MMA_BK,
           (long long)(d / 2 + 4));
-  ec_line(&e->core, "__shared__ uint16_t Vs[%d][%lld]; // values of the tile, bf16", ATT_MMA_BK, (long long)(d + 8));
+  ec_line(&e->core, "__shared__ __align__(16) uint16_t Vs[%d][%lld]; // values of the tile, bf16", ATT_MMA_BK,
+          (long long)(d + 8));
   if (A->has_doc)
     ec_line(&e->core, "__shared__ int32_t Dk[%d];", ATT_MMA_BK);
   ec_line(&e->core, "const int w = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tq = lane & 3;");
@@ -2343,7 +2375,7 @@ static void att_mma_kernel(Emit *e, const Att *A, int out) {
   ec_leave(&e->core);
   ec_line(&e->core, "#pragma unroll");
   ec_line(&e->core, "for (int x = 0; x < 4; x++)");
-  ec_line(&e->core, "  s[n][x] *= %s;", flit(e, A->scale));
+  ec_line(&e->core, "  s[n][x] *= %s; // scale log2(e): exp2f of s less the maximum, cheaper than expf", flit(e, A->scale * LOG2E));
   ec_leave(&e->core);
   // Which tiles need the mask: with documents all; else those reaching past T or, causal, past the
   // warp's first row.
@@ -2385,19 +2417,18 @@ static void att_mma_kernel(Emit *e, const Att *A, int out) {
   ec_line(&e->core, "uint32_t pa[4];");
   ec_line(&e->core, "#pragma unroll");
   ec_enter(&e->core, "for (int h = 0; h < 2; h++)");
-  ec_line(&e->core, "const float e0 = expf(s[2 * k + h][0] - z0), e1 = expf(s[2 * k + h][1] - z0);");
-  ec_line(&e->core, "const float e2 = expf(s[2 * k + h][2] - z1), e3 = expf(s[2 * k + h][3] - z1);");
+  ec_line(&e->core, "const float e0 = exp2f(s[2 * k + h][0] - z0), e1 = exp2f(s[2 * k + h][1] - z0);");
+  ec_line(&e->core, "const float e2 = exp2f(s[2 * k + h][2] - z1), e3 = exp2f(s[2 * k + h][3] - z1);");
   ec_line(&e->core, "l0 += e0 + e1;");
   ec_line(&e->core, "l1 += e2 + e3;");
   ec_line(&e->core, "pa[2 * h] = mdl_bf16x2(e0, e1);");
   ec_line(&e->core, "pa[2 * h + 1] = mdl_bf16x2(e2, e3);");
   ec_leave(&e->core);
   ec_line(&e->core, "#pragma unroll");
-  ec_enter(&e->core, "for (int n = 0; n < %d; n++)", ntiles);
-  ec_line(&e->core, "const int j = 16 * k + 2 * tq, c = 8 * n + g;");
-  ec_line(&e->core, "const uint32_t vb[2] = {Vs[j][c] | (uint32_t)Vs[j + 1][c] << 16,");
-  ec_line(&e->core, "                        Vs[j + 8][c] | (uint32_t)Vs[j + 9][c] << 16};");
+  ec_enter(&e->core, "for (int n = 0; n < %d; n += 2)", ntiles);
+  att_mma_ldsm(e, "Vs", "vb");
   ec_line(&e->core, "mdl_mma_bf16_16816(acc[n], pa, vb);");
+  ec_line(&e->core, "mdl_mma_bf16_16816(acc[n + 1], pa, vb + 2);");
   ec_leave(&e->core);
   ec_leave(&e->core);
   ec_leave(&e->core);
@@ -2407,11 +2438,12 @@ static void att_mma_kernel(Emit *e, const Att *A, int out) {
   ec_line(&e->core, "l1 += __shfl_xor_sync(MDL_FULL, l1, 1);");
   ec_line(&e->core, "l1 += __shfl_xor_sync(MDL_FULL, l1, 2);");
   if (A->lse >= 0) {
-    ec_line(&e->core, "// The rows' log-sum-exp, which the backward reads (lane tq = 0 writes its rows').");
+    ec_line(&e->core, "// The rows' log-sum-exp, which the backward reads (lane tq = 0 writes its rows'), from base 2");
+    ec_line(&e->core, "// to e.");
     for (int r = 0; r < 2; r++) {
       ec_line(&e->core, "if (tq == 0 && r%d < %lld)", r, (long long)t);
-      ec_line(&e->core, "  %s[(b * %lld + hd) * %lld + r%d] = m%d + logf(l%d);", ptr(e, A->lse), (long long)A->heads,
-              (long long)t, r, r, r);
+      ec_line(&e->core, "  %s[(b * %lld + hd) * %lld + r%d] = (m%d + log2f(l%d)) * %s;", ptr(e, A->lse),
+              (long long)A->heads, (long long)t, r, r, r, flit(e, 1 / LOG2E));
     }
   }
   const char *o = e->out_f32 ? ptr(e, out) : NULL;
@@ -2636,8 +2668,9 @@ static void att_mma_frags(Emit *e, const Att *A, Rows x, const char *name) {
   ec_leave(&e->core);
 }
 
-// The two products of a tile with the warp's rows by mma: s = X Y^T (scaled) and dp = Z W^T (unless
-// za is NULL) over the channels, X, Z as A fragments xa, za; Y, W the shared tiles ys, ws; tile n of s,
+// The two products of a tile with the warp's rows by mma: s = X Y^T (scaled, in base 2: times scale
+// log2(e), so that the kernels take exp2f of s less a maximum or log-sum-exp in base 2, cheaper than
+// expf) and dp = Z W^T (unless za is NULL) over the channels, X, Z as A fragments xa, za; Y, W the shared tiles ys, ws; tile n of s,
 // dp: columns 8 n .. 8 n + 7 of the tile (B fragment: row 8 n + g of ys, channels 16 k + 2 tq, + 1 and
 // 8 further).
 static void att_mma_scores(Emit *e, const Att *A, const char *xa, const char *ys, const char *za, const char *ws) {
@@ -2662,7 +2695,7 @@ static void att_mma_scores(Emit *e, const Att *A, const char *xa, const char *ys
   ec_leave(&e->core);
   ec_line(&e->core, "#pragma unroll");
   ec_line(&e->core, "for (int x = 0; x < 4; x++)");
-  ec_line(&e->core, "  s[n][x] *= %s;", flit(e, A->scale));
+  ec_line(&e->core, "  s[n][x] *= %s;", flit(e, A->scale * LOG2E));
   ec_leave(&e->core);
 }
 
@@ -2687,13 +2720,6 @@ static void att_mma_mask(Emit *e, const Att *A, const char *edge, const char *ij
     ec_leave(&e->core);
 }
 
-// A B fragment of rows j, j + 1 and j + 8, j + 9 of the shared tile xs at channel c = 8 n + g: the
-// halves `sh` (16 for odd channels) of their channel pairs.
-static const char *att_mma_colb(Emit *e, const char *xs) {
-  return ec_str(&e->core, "{(%s[j][c >> 1] >> sh & 0xffffu) | (%s[j + 1][c >> 1] >> sh) << 16, "
-                          "(%s[j + 8][c >> 1] >> sh & 0xffffu) | (%s[j + 9][c >> 1] >> sh) << 16}", xs, xs, xs, xs);
-}
-
 // The set-up of a block of the backward by query tile on tensor cores (dq): a block of 4 warps per
 // (batch, head, 64 queries), 16 query rows per warp, with Q and dout as mma A fragments in registers.
 static void att_mma_query_rows(Emit *e, const Att *A) {
@@ -2701,8 +2727,8 @@ static void att_mma_query_rows(Emit *e, const Att *A) {
   int64_t t = A->nt, nqt = (t + ATT_MMA_BQ - 1) / ATT_MMA_BQ;
   e->shared = (int)att_mma_bwd_shared(A, false);
   long long pairs = A->d / 2 + 4;
-  ec_line(&e->core, "__shared__ uint32_t Ks[%d][%lld], Vs[%d][%lld]; // the tile's keys and values, bf16 pairs",
-          ATT_MMA_BK, pairs, ATT_MMA_BK, pairs);
+  ec_line(&e->core, "__shared__ __align__(16) uint32_t Ks[%d][%lld], Vs[%d][%lld]; // the tile's keys and values, "
+          "bf16 pairs", ATT_MMA_BK, pairs, ATT_MMA_BK, pairs);
   if (A->has_doc)
     ec_line(&e->core, "__shared__ int32_t Dk[%d];", ATT_MMA_BK);
   ec_line(&e->core, "const int w = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tq = lane & 3;");
@@ -2798,11 +2824,12 @@ static void att_mma_dq_kernel(Emit *e, const Att *A, int out, int64_t dsum) {
   att_mma_query_rows(e, A);
   const char *lp = ptr(e, A->lse);
   const char *sp = raw_ptr(e, dsum, "float", "dout . out per row");
+  ec_line(&e->core, "// The rows' log-sum-exp in base 2 (as s), and D.");
   for (int r = 0; r < 2; r++)
-    ec_line(&e->core, "const float l%d = r%d < %lld ? %s[(b * %lld + hd) * %lld + r%d] : 0.0f, "
+    ec_line(&e->core, "const float l%d = r%d < %lld ? %s[(b * %lld + hd) * %lld + r%d] * %s : 0.0f, "
             "s%d = r%d < %lld ? %s[(b * %lld + hd) * %lld + r%d] : 0.0f;", r, r, (long long)t, lp,
-            (long long)A->heads, (long long)t, r, r, r, (long long)t, sp, (long long)A->heads, (long long)t, r);
-  ec_line(&e->core, "const int sh = (g & 1) * 16; // channel 8 n + g: the half of its pair");
+            (long long)A->heads, (long long)t, r, flit(e, LOG2E), r, r, (long long)t, sp, (long long)A->heads,
+            (long long)t, r);
   ec_line(&e->core, "float acc[%d][4]; // dq's channels 8 n .. 8 n + 7", ntiles);
   ec_line(&e->core, "#pragma unroll");
   ec_line(&e->core, "for (int n = 0; n < %d; n++)", ntiles);
@@ -2817,14 +2844,14 @@ static void att_mma_dq_kernel(Emit *e, const Att *A, int out, int64_t dsum) {
   ec_line(&e->core, "#pragma unroll");
   ec_enter(&e->core, "for (int h = 0; h < 2; h++)");
   ec_line(&e->core, "const float (&sv)[4] = s[2 * k + h], (&pv)[4] = dp[2 * k + h];");
-  ec_line(&e->core, "da[2 * h] = mdl_bf16x2(expf(sv[0] - l0) * (pv[0] - s0), expf(sv[1] - l0) * (pv[1] - s0));");
-  ec_line(&e->core, "da[2 * h + 1] = mdl_bf16x2(expf(sv[2] - l1) * (pv[2] - s1), expf(sv[3] - l1) * (pv[3] - s1));");
+  ec_line(&e->core, "da[2 * h] = mdl_bf16x2(exp2f(sv[0] - l0) * (pv[0] - s0), exp2f(sv[1] - l0) * (pv[1] - s0));");
+  ec_line(&e->core, "da[2 * h + 1] = mdl_bf16x2(exp2f(sv[2] - l1) * (pv[2] - s1), exp2f(sv[3] - l1) * (pv[3] - s1));");
   ec_leave(&e->core);
   ec_line(&e->core, "#pragma unroll");
-  ec_enter(&e->core, "for (int n = 0; n < %d; n++)", ntiles);
-  ec_line(&e->core, "const int j = 16 * k + 2 * tq, c = 8 * n + g;");
-  ec_line(&e->core, "const uint32_t kb[2] = %s;", att_mma_colb(e, "Ks"));
+  ec_enter(&e->core, "for (int n = 0; n < %d; n += 2)", ntiles);
+  att_mma_ldsm(e, "Ks", "kb");
   ec_line(&e->core, "mdl_mma_bf16_16816(acc[n], da, kb);");
+  ec_line(&e->core, "mdl_mma_bf16_16816(acc[n + 1], da, kb + 2);");
   ec_leave(&e->core);
   ec_leave(&e->core);
   ec_leave(&e->core);
@@ -2858,8 +2885,8 @@ static void att_mma_dkv_kernel(Emit *e, const Att *A, int dk, int dv, int64_t ds
        dk >= 0 && dv >= 0 ? "dk and dv" : dk >= 0 ? "dk" : "dv", (long long)A->nb, (long long)t, (long long)A->heads,
        (long long)d, A->causal ? ", causal" : "", A->has_doc ? ", within documents" : "", ATT_MMA_BK, ATT_MMA_BQ);
   e->shared = (int)att_mma_bwd_shared(A, true);
-  ec_line(&e->core, "__shared__ uint32_t Qs[%d][%lld], Os[%d][%lld]; // the tile's queries and dout, bf16 pairs",
-          ATT_MMA_BQ, (long long)(d / 2 + 4), ATT_MMA_BQ, (long long)(d / 2 + 4));
+  ec_line(&e->core, "__shared__ __align__(16) uint32_t Qs[%d][%lld], Os[%d][%lld]; // the tile's queries and dout, "
+          "bf16 pairs", ATT_MMA_BQ, (long long)(d / 2 + 4), ATT_MMA_BQ, (long long)(d / 2 + 4));
   if (dk >= 0)
     ec_line(&e->core, "__shared__ float Ls[%d], Ss[%d]; // their log-sum-exp and D", ATT_MMA_BQ, ATT_MMA_BQ);
   else
@@ -2880,7 +2907,6 @@ static void att_mma_dkv_kernel(Emit *e, const Att *A, int dk, int dv, int64_t ds
             (long long)t, ptr(e, A->doc), (long long)t, (long long)t, ptr(e, A->doc), (long long)t);
   const char *lp = ptr(e, A->lse);
   const char *sp = dk >= 0 ? raw_ptr(e, dsum, "float", "dout . out per row") : NULL;
-  ec_line(&e->core, "const int sh = (g & 1) * 16; // channel 8 n + g: the half of its pair");
   ec_line(&e->core, "float %s; // channels 8 n .. 8 n + 7",
           dk >= 0 && dv >= 0 ? ec_str(&e->core, "dka[%d][4], dva[%d][4]", ntiles, ntiles)
                              : ec_str(&e->core, "%s[%d][4]", dk >= 0 ? "dka" : "dva", ntiles));
@@ -2898,8 +2924,8 @@ static void att_mma_dkv_kernel(Emit *e, const Att *A, int dk, int dv, int64_t ds
   att_mma_stage(e, A, "i0", A->q, "Qs", A->dout, "Os");
   ec_enter(&e->core, "if (threadIdx.x < %d)", ATT_MMA_BQ);
   ec_line(&e->core, "const %s i = i0 + threadIdx.x;", ixt);
-  ec_line(&e->core, "Ls[threadIdx.x] = i < %lld ? %s[(b * %lld + hd) * %lld + i] : 0.0f;", (long long)t, lp,
-          (long long)A->heads, (long long)t);
+  ec_line(&e->core, "Ls[threadIdx.x] = i < %lld ? %s[(b * %lld + hd) * %lld + i] * %s : 0.0f; // in base 2, as s",
+          (long long)t, lp, (long long)A->heads, (long long)t, flit(e, LOG2E));
   if (sp)
     ec_line(&e->core, "Ss[threadIdx.x] = i < %lld ? %s[(b * %lld + hd) * %lld + i] : 0.0f;", (long long)t, sp,
             (long long)A->heads, (long long)t);
@@ -2927,8 +2953,8 @@ static void att_mma_dkv_kernel(Emit *e, const Att *A, int dk, int dv, int64_t ds
   ec_enter(&e->core, "for (int h = 0; h < 2; h++)");
   ec_line(&e->core, "const int i = 16 * k + 8 * h + 2 * tq;");
   ec_line(&e->core, "const float (&sv)[4] = s[2 * k + h]%s;", dk >= 0 ? ", (&pv)[4] = dp[2 * k + h]" : "");
-  ec_line(&e->core, "const float p0 = expf(sv[0] - Ls[i]), p1 = expf(sv[1] - Ls[i + 1]);");
-  ec_line(&e->core, "const float p2 = expf(sv[2] - Ls[i]), p3 = expf(sv[3] - Ls[i + 1]);");
+  ec_line(&e->core, "const float p0 = exp2f(sv[0] - Ls[i]), p1 = exp2f(sv[1] - Ls[i + 1]);");
+  ec_line(&e->core, "const float p2 = exp2f(sv[2] - Ls[i]), p3 = exp2f(sv[3] - Ls[i + 1]);");
   if (dv >= 0) {
     ec_line(&e->core, "pa[2 * h] = mdl_bf16x2(p0, p1);");
     ec_line(&e->core, "pa[2 * h + 1] = mdl_bf16x2(p2, p3);");
@@ -2939,15 +2965,16 @@ static void att_mma_dkv_kernel(Emit *e, const Att *A, int dk, int dv, int64_t ds
   }
   ec_leave(&e->core);
   ec_line(&e->core, "#pragma unroll");
-  ec_enter(&e->core, "for (int n = 0; n < %d; n++)", ntiles);
-  ec_line(&e->core, "const int j = 16 * k + 2 * tq, c = 8 * n + g;");
+  ec_enter(&e->core, "for (int n = 0; n < %d; n += 2)", ntiles);
   if (dv >= 0) {
-    ec_line(&e->core, "const uint32_t ob[2] = %s;", att_mma_colb(e, "Os"));
+    att_mma_ldsm(e, "Os", "ob");
     ec_line(&e->core, "mdl_mma_bf16_16816(dva[n], pa, ob);");
+    ec_line(&e->core, "mdl_mma_bf16_16816(dva[n + 1], pa, ob + 2);");
   }
   if (dk >= 0) {
-    ec_line(&e->core, "const uint32_t qb[2] = %s;", att_mma_colb(e, "Qs"));
+    att_mma_ldsm(e, "Qs", "qb");
     ec_line(&e->core, "mdl_mma_bf16_16816(dka[n], da, qb);");
+    ec_line(&e->core, "mdl_mma_bf16_16816(dka[n + 1], da, qb + 2);");
   }
   ec_leave(&e->core);
   ec_leave(&e->core);
@@ -3058,7 +3085,7 @@ static void emit_embed(Emit *e, int gi) {
 // A block then sorts its bucket's positions in shared memory (a rank sort: they are distinct) and adds
 // those rows of dy in increasing position. A bucket of more than 1024 positions (a very frequent
 // token) is not sorted: its blocks scan every id in order.
-enum { EMBED_ROWS = 32, EMBED_SORT = 1024 };
+enum { EMBED_ROWS = 32, EMBED_SORT = 1024, EMBED_UNROLL = 8 };
 
 static void emit_embed_bwd(Emit *e, int gi, const bool *emitted) {
   int a = e->core.groups[gi].mem[0];
@@ -3174,17 +3201,38 @@ static void emit_embed_bwd(Emit *e, int gi, const bool *emitted) {
   ec_line(&e->core, "so[rank] = sp[i];");
   ec_leave(&e->core);
   ec_line(&e->core, "__syncthreads();");
+  // The rows are added one after another, but loaded EMBED_UNROLL at a time: a bucket of a frequent
+  // id has hundreds of rows, and one load in flight per thread left this kernel waiting on memory.
   ec_enter(&e->core, "if (c < %lld)", (long long)c);
-  ec_enter(&e->core, "for (int i = 0; i < n; i++)");
-  ec_line(&e->core, "const %s r = so[i];", ixt);
-  ec_line(&e->core, "acc[%s[r] - v0][threadIdx.x] += %s[r * %lld + c];", ip, dp, (long long)c);
+  ec_enter(&e->core, "for (int i0 = 0; i0 < n; i0 += %d)", EMBED_UNROLL);
+  ec_line(&e->core, "int kv[%d];", EMBED_UNROLL);
+  ec_line(&e->core, "float dv[%d];", EMBED_UNROLL);
+  ec_line(&e->core, "#pragma unroll");
+  ec_enter(&e->core, "for (int u = 0; u < %d; u++)", EMBED_UNROLL);
+  ec_line(&e->core, "const %s r = so[i0 + u < n ? i0 + u : i0];", ixt);
+  ec_line(&e->core, "kv[u] = %s[r] - v0;", ip);
+  ec_line(&e->core, "dv[u] = %s[r * %lld + c];", dp, (long long)c);
+  ec_leave(&e->core);
+  ec_line(&e->core, "#pragma unroll");
+  ec_line(&e->core, "for (int u = 0; u < %d && i0 + u < n; u++)", EMBED_UNROLL);
+  ec_line(&e->core, "  acc[kv[u]][threadIdx.x] += dv[u];");
   ec_leave(&e->core);
   ec_leave(&e->core);
   orelse(e);
-  ec_enter(&e->core, "for (%s r = 0; r < %lld; r++)", ixt, (long long)rows);
-  ec_line(&e->core, "const int32_t id = %s[r];", ip);
-  ec_line(&e->core, "if (id >= v0 && id < v0 + %d && c < %lld)", vr, (long long)c);
-  ec_line(&e->core, "  acc[id - v0][threadIdx.x] += %s[r * %lld + c];", dp, (long long)c);
+  ec_enter(&e->core, "for (%s r0 = 0; r0 < %lld; r0 += %d)", ixt, (long long)rows, EMBED_UNROLL);
+  ec_line(&e->core, "int32_t kv[%d];", EMBED_UNROLL);
+  ec_line(&e->core, "float dv[%d];", EMBED_UNROLL);
+  ec_line(&e->core, "#pragma unroll");
+  ec_enter(&e->core, "for (int u = 0; u < %d; u++)", EMBED_UNROLL);
+  ec_line(&e->core, "const %s r = r0 + u < %lld ? r0 + u : r0;", ixt, (long long)rows);
+  ec_line(&e->core, "kv[u] = r0 + u < %lld ? %s[r] - v0 : -1;", (long long)rows, ip);
+  ec_line(&e->core, "dv[u] = kv[u] >= 0 && kv[u] < %d && c < %lld ? %s[r * %lld + c] : 0.0f;", vr, (long long)c, dp,
+          (long long)c);
+  ec_leave(&e->core);
+  ec_line(&e->core, "#pragma unroll");
+  ec_line(&e->core, "for (int u = 0; u < %d; u++)", EMBED_UNROLL);
+  ec_line(&e->core, "  if (kv[u] >= 0 && kv[u] < %d && c < %lld)", vr, (long long)c);
+  ec_line(&e->core, "    acc[kv[u]][threadIdx.x] += dv[u];");
   ec_leave(&e->core);
   ec_leave(&e->core);
   ec_enter(&e->core, "if (c < %lld)", (long long)c);

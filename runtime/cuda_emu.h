@@ -32,6 +32,7 @@
 #define __host__
 #define __forceinline__ inline
 #define __shared__ static thread_local
+#define __align__(n) __attribute__((aligned(n)))
 #define __launch_bounds__(...)
 
 struct uint3 {
@@ -272,7 +273,39 @@ inline void mma_bf16_16816(float d[4], const uint32_t a[4], const uint32_t b[2])
   wait(B->warp[w]);
 }
 
+// ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16: lanes 8 i .. 8 i + 7 give the row addresses of 8 x 8
+// tile i (16-byte aligned); lane l gets in r[i] rows 2 (l % 4) and 2 (l % 4) + 1 (low half first) of
+// column l / 4 of tile i. Every lane of the warp must take part, as on the GPU.
+inline void ldsm_x4_t(uint32_t r[4], const void *p) {
+  Block *B = blk;
+  int t = B->cur, w = t / 32, base = w * 32, lane = t % 32;
+  if ((uintptr_t)p % 16) {
+    fprintf(stderr, "cuda_emu: ldmatrix row address %p of lane %d is not 16-byte aligned\n", p, lane);
+    abort();
+  }
+  uint64_t a = (uint64_t)(uintptr_t)p;
+  memcpy(&B->slot[t], &a, sizeof a);
+  wait(B->warp[w]);
+  if (B->warp[w].live != 32) {
+    fprintf(stderr, "cuda_emu: ldmatrix in warp %d of block (%u, %u, %u) with %d of its 32 threads\n", w, blockIdx.x,
+            blockIdx.y, blockIdx.z, B->warp[w].live);
+    abort();
+  }
+  for (int i = 0; i < 4; i++) {
+    uint16_t lo, hi;
+    const char *r0 = (const char *)(uintptr_t)B->slot[base + 8 * i + 2 * (lane % 4)];
+    const char *r1 = (const char *)(uintptr_t)B->slot[base + 8 * i + 2 * (lane % 4) + 1];
+    memcpy(&lo, r0 + 2 * (lane / 4), 2);
+    memcpy(&hi, r1 + 2 * (lane / 4), 2);
+    r[i] = (uint32_t)lo | (uint32_t)hi << 16;
+  }
+  wait(B->warp[w]);
+}
+
 } // namespace mdl_emu
+
+// The prelude defines mdl_ldsm_x4_t for the GPU only; this is the emulator's.
+inline void mdl_ldsm_x4_t(uint32_t r[4], const void *p) { mdl_emu::ldsm_x4_t(r, p); }
 
 // The prelude defines mdl_mma_bf16_16816 for the GPU only; this is the emulator's.
 inline void mdl_mma_bf16_16816(float d[4], const uint32_t a[4], const uint32_t b[2]) {

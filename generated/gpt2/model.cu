@@ -127,6 +127,21 @@ __device__ __forceinline__ void mdl_mma_bf16_16816(float d[4], const uint32_t a[
 }
 #endif
 
+// Four 8 x 8 tiles of bf16 from shared memory, transposed, by the warp together (ldmatrix .trans):
+// lanes 8 i .. 8 i + 7 each give the address of a row of tile i (8 values, 16-byte aligned), and
+// r[i] of lane l holds that tile's rows 2 (l & 3) and 2 (l & 3) + 1 of column l >> 2 (the lower
+// row in the low half). Of a tile whose rows are keys and columns channels, that is an mma B
+// fragment register (b[0] or b[1] above) of the product over keys: one instruction for four
+// registers that took four 16-bit loads and three shifts or ors each. The emulator has its own.
+#if defined(__CUDA_ARCH__)
+__device__ __forceinline__ void mdl_ldsm_x4_t(uint32_t r[4], const void *p) {
+  uint32_t a;
+  asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a) : "memory");
+}
+#endif
+
 // fp8 <-> f32 in the two OCP formats of Hopper's tensor cores: E4M3 (bias 7, no infinity, S.1111.111
 // is NaN, largest 448) and E5M2 (bias 15, IEEE-like, largest 57344). To fp8: round to nearest, ties
 // to even, subnormals exact, -0 kept; beyond the largest finite value (infinity too) saturate to it
@@ -378,7 +393,7 @@ extern "C" __global__ void __launch_bounds__(128) k4_attention_fwd__cast__lse(ch
   float *const b2 = (float *)(arena + o.b[2]); // attention_lse f32[8,12,1024]
   uint16_t *const b3 = (uint16_t *)(arena + o.b[3]); // cast bf16[8192,768]
   __shared__ uint32_t Ks[64][36]; // keys of the tile, channels in bf16 pairs
-  __shared__ uint16_t Vs[64][72]; // values of the tile, bf16
+  __shared__ __align__(16) uint16_t Vs[64][72]; // values of the tile, bf16
   __shared__ int32_t Dk[64];
   const int w = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tq = lane & 3;
   // (query tiles from the last: the ones with the most keys start first)
@@ -434,7 +449,7 @@ extern "C" __global__ void __launch_bounds__(128) k4_attention_fwd__cast__lse(ch
       }
       #pragma unroll
       for (int x = 0; x < 4; x++)
-        s[n][x] *= 0.125f;
+        s[n][x] *= 0.18033688f; // scale log2(e): exp2f of s less the maximum, cheaper than expf
     }
     // Keys the row may not see get -inf.
     #pragma unroll
@@ -461,7 +476,7 @@ extern "C" __global__ void __launch_bounds__(128) k4_attention_fwd__cast__lse(ch
     // What earlier tiles summed is rescaled by exp(m - m_new).
     const float mn0 = fmaxf(m0, x0), mn1 = fmaxf(m1, x1);
     const float z0 = mn0 == -MDL_INF ? 0.0f : mn0, z1 = mn1 == -MDL_INF ? 0.0f : mn1;
-    const float c0 = expf(m0 - z0), c1 = expf(m1 - z1);
+    const float c0 = exp2f(m0 - z0), c1 = exp2f(m1 - z1);
     m0 = mn0;
     m1 = mn1;
     l0 *= c0;
@@ -481,19 +496,19 @@ extern "C" __global__ void __launch_bounds__(128) k4_attention_fwd__cast__lse(ch
       uint32_t pa[4];
       #pragma unroll
       for (int h = 0; h < 2; h++) {
-        const float e0 = expf(s[2 * k + h][0] - z0), e1 = expf(s[2 * k + h][1] - z0);
-        const float e2 = expf(s[2 * k + h][2] - z1), e3 = expf(s[2 * k + h][3] - z1);
+        const float e0 = exp2f(s[2 * k + h][0] - z0), e1 = exp2f(s[2 * k + h][1] - z0);
+        const float e2 = exp2f(s[2 * k + h][2] - z1), e3 = exp2f(s[2 * k + h][3] - z1);
         l0 += e0 + e1;
         l1 += e2 + e3;
         pa[2 * h] = mdl_bf16x2(e0, e1);
         pa[2 * h + 1] = mdl_bf16x2(e2, e3);
       }
       #pragma unroll
-      for (int n = 0; n < 8; n++) {
-        const int j = 16 * k + 2 * tq, c = 8 * n + g;
-        const uint32_t vb[2] = {Vs[j][c] | (uint32_t)Vs[j + 1][c] << 16,
-                                Vs[j + 8][c] | (uint32_t)Vs[j + 9][c] << 16};
+      for (int n = 0; n < 8; n += 2) {
+        uint32_t vb[4];
+        mdl_ldsm_x4_t(vb, (const uint16_t *)Vs[16 * k + (lane & 15)] + 8 * n + (lane >> 4) * 8);
         mdl_mma_bf16_16816(acc[n], pa, vb);
+        mdl_mma_bf16_16816(acc[n + 1], pa, vb + 2);
       }
     }
   }
@@ -502,11 +517,12 @@ extern "C" __global__ void __launch_bounds__(128) k4_attention_fwd__cast__lse(ch
   l0 += __shfl_xor_sync(MDL_FULL, l0, 2);
   l1 += __shfl_xor_sync(MDL_FULL, l1, 1);
   l1 += __shfl_xor_sync(MDL_FULL, l1, 2);
-  // The rows' log-sum-exp, which the backward reads (lane tq = 0 writes its rows').
+  // The rows' log-sum-exp, which the backward reads (lane tq = 0 writes its rows'), from base 2
+  // to e.
   if (tq == 0 && r0 < 1024)
-    b2[(b * 12 + hd) * 1024 + r0] = m0 + logf(l0);
+    b2[(b * 12 + hd) * 1024 + r0] = (m0 + log2f(l0)) * 0.6931472f;
   if (tq == 0 && r1 < 1024)
-    b2[(b * 12 + hd) * 1024 + r1] = m1 + logf(l1);
+    b2[(b * 12 + hd) * 1024 + r1] = (m1 + log2f(l1)) * 0.6931472f;
   #pragma unroll
   for (int n = 0; n < 8; n++) {
     const int c = 8 * n + 2 * tq;
@@ -1703,7 +1719,7 @@ extern "C" __global__ void __launch_bounds__(128) k98_attention_bwd_dq(char *are
   float *const b3 = (float *)(arena + o.b[3]); // attention_lse f32[8,12,1024]
   float *const b4 = (float *)(arena + o.b[4]); // dout . out per row
   float *const b5 = (float *)(arena + o.b[5]); // attention_bwd f32[8,1024,768]
-  __shared__ uint32_t Ks[64][36], Vs[64][36]; // the tile's keys and values, bf16 pairs
+  __shared__ __align__(16) uint32_t Ks[64][36], Vs[64][36]; // the tile's keys and values, bf16 pairs
   __shared__ int32_t Dk[64];
   const int w = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tq = lane & 3;
   // (query tiles from the last: the ones with the most keys start first)
@@ -1730,9 +1746,9 @@ extern "C" __global__ void __launch_bounds__(128) k98_attention_bwd_dq(char *are
     oa[k][3] = r1 < 1024 ? ((uint32_t)b1[(b * 1024 + r1) * 768 + hd * 64 + c + 8] | (uint32_t)b1[(b * 1024 + r1) * 768 + hd * 64 + c + 9] << 16) : 0u;
   }
   const int32_t d0 = r0 < 1024 ? b2[b * 1024 + r0] : 0, d1 = r1 < 1024 ? b2[b * 1024 + r1] : 0;
-  const float l0 = r0 < 1024 ? b3[(b * 12 + hd) * 1024 + r0] : 0.0f, s0 = r0 < 1024 ? b4[(b * 12 + hd) * 1024 + r0] : 0.0f;
-  const float l1 = r1 < 1024 ? b3[(b * 12 + hd) * 1024 + r1] : 0.0f, s1 = r1 < 1024 ? b4[(b * 12 + hd) * 1024 + r1] : 0.0f;
-  const int sh = (g & 1) * 16; // channel 8 n + g: the half of its pair
+  // The rows' log-sum-exp in base 2 (as s), and D.
+  const float l0 = r0 < 1024 ? b3[(b * 12 + hd) * 1024 + r0] * 1.442695f : 0.0f, s0 = r0 < 1024 ? b4[(b * 12 + hd) * 1024 + r0] : 0.0f;
+  const float l1 = r1 < 1024 ? b3[(b * 12 + hd) * 1024 + r1] * 1.442695f : 0.0f, s1 = r1 < 1024 ? b4[(b * 12 + hd) * 1024 + r1] : 0.0f;
   float acc[8][4]; // dq's channels 8 n .. 8 n + 7
   #pragma unroll
   for (int n = 0; n < 8; n++)
@@ -1768,7 +1784,7 @@ extern "C" __global__ void __launch_bounds__(128) k98_attention_bwd_dq(char *are
       }
       #pragma unroll
       for (int x = 0; x < 4; x++)
-        s[n][x] *= 0.125f;
+        s[n][x] *= 0.18033688f;
     }
     // Keys the row may not see get -inf.
     #pragma unroll
@@ -1789,14 +1805,15 @@ extern "C" __global__ void __launch_bounds__(128) k98_attention_bwd_dq(char *are
       #pragma unroll
       for (int h = 0; h < 2; h++) {
         const float (&sv)[4] = s[2 * k + h], (&pv)[4] = dp[2 * k + h];
-        da[2 * h] = mdl_bf16x2(expf(sv[0] - l0) * (pv[0] - s0), expf(sv[1] - l0) * (pv[1] - s0));
-        da[2 * h + 1] = mdl_bf16x2(expf(sv[2] - l1) * (pv[2] - s1), expf(sv[3] - l1) * (pv[3] - s1));
+        da[2 * h] = mdl_bf16x2(exp2f(sv[0] - l0) * (pv[0] - s0), exp2f(sv[1] - l0) * (pv[1] - s0));
+        da[2 * h + 1] = mdl_bf16x2(exp2f(sv[2] - l1) * (pv[2] - s1), exp2f(sv[3] - l1) * (pv[3] - s1));
       }
       #pragma unroll
-      for (int n = 0; n < 8; n++) {
-        const int j = 16 * k + 2 * tq, c = 8 * n + g;
-        const uint32_t kb[2] = {(Ks[j][c >> 1] >> sh & 0xffffu) | (Ks[j + 1][c >> 1] >> sh) << 16, (Ks[j + 8][c >> 1] >> sh & 0xffffu) | (Ks[j + 9][c >> 1] >> sh) << 16};
+      for (int n = 0; n < 8; n += 2) {
+        uint32_t kb[4];
+        mdl_ldsm_x4_t(kb, (const uint16_t *)Ks[16 * k + (lane & 15)] + 8 * n + (lane >> 4) * 8);
         mdl_mma_bf16_16816(acc[n], da, kb);
+        mdl_mma_bf16_16816(acc[n + 1], da, kb + 2);
       }
     }
   }
@@ -1819,7 +1836,7 @@ extern "C" __global__ void __launch_bounds__(128) k98_attention_bwd_dkv(char *ar
   uint16_t *const b4 = (uint16_t *)(arena + o.b[4]); // cast bf16[8,1024,768]
   float *const b5 = (float *)(arena + o.b[5]); // attention_bwd f32[8,1024,768]
   float *const b6 = (float *)(arena + o.b[6]); // attention_bwd f32[8,1024,768]
-  __shared__ uint32_t Qs[64][36], Os[64][36]; // the tile's queries and dout, bf16 pairs
+  __shared__ __align__(16) uint32_t Qs[64][36], Os[64][36]; // the tile's queries and dout, bf16 pairs
   __shared__ float Ls[64], Ss[64]; // their log-sum-exp and D
   __shared__ int32_t Dq[64];
   const int w = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tq = lane & 3;
@@ -1846,7 +1863,6 @@ extern "C" __global__ void __launch_bounds__(128) k98_attention_bwd_dkv(char *ar
     va[k][3] = r1 < 1024 ? mdl_bf16x2((b0 + 1536)[(b * 1024 + r1) * 2304 + hd * 64 + c + 8], (b0 + 1536)[(b * 1024 + r1) * 2304 + hd * 64 + c + 9]) : 0u;
   }
   const int32_t d0 = r0 < 1024 ? b1[b * 1024 + r0] : 0, d1 = r1 < 1024 ? b1[b * 1024 + r1] : 0;
-  const int sh = (g & 1) * 16; // channel 8 n + g: the half of its pair
   float dka[8][4], dva[8][4]; // channels 8 n .. 8 n + 7
   #pragma unroll
   for (int n = 0; n < 8; n++) {
@@ -1868,7 +1884,7 @@ extern "C" __global__ void __launch_bounds__(128) k98_attention_bwd_dkv(char *ar
     }
     if (threadIdx.x < 64) {
       const int i = i0 + threadIdx.x;
-      Ls[threadIdx.x] = i < 1024 ? b2[(b * 12 + hd) * 1024 + i] : 0.0f;
+      Ls[threadIdx.x] = i < 1024 ? b2[(b * 12 + hd) * 1024 + i] * 1.442695f : 0.0f; // in base 2, as s
       Ss[threadIdx.x] = i < 1024 ? b3[(b * 12 + hd) * 1024 + i] : 0.0f;
       Dq[threadIdx.x] = i < 1024 ? b1[b * 1024 + i] : 0;
     }
@@ -1888,7 +1904,7 @@ extern "C" __global__ void __launch_bounds__(128) k98_attention_bwd_dkv(char *ar
       }
       #pragma unroll
       for (int x = 0; x < 4; x++)
-        s[n][x] *= 0.125f;
+        s[n][x] *= 0.18033688f;
     }
     // Queries that may not see the key get -inf.
     #pragma unroll
@@ -1910,20 +1926,23 @@ extern "C" __global__ void __launch_bounds__(128) k98_attention_bwd_dkv(char *ar
       for (int h = 0; h < 2; h++) {
         const int i = 16 * k + 8 * h + 2 * tq;
         const float (&sv)[4] = s[2 * k + h], (&pv)[4] = dp[2 * k + h];
-        const float p0 = expf(sv[0] - Ls[i]), p1 = expf(sv[1] - Ls[i + 1]);
-        const float p2 = expf(sv[2] - Ls[i]), p3 = expf(sv[3] - Ls[i + 1]);
+        const float p0 = exp2f(sv[0] - Ls[i]), p1 = exp2f(sv[1] - Ls[i + 1]);
+        const float p2 = exp2f(sv[2] - Ls[i]), p3 = exp2f(sv[3] - Ls[i + 1]);
         pa[2 * h] = mdl_bf16x2(p0, p1);
         pa[2 * h + 1] = mdl_bf16x2(p2, p3);
         da[2 * h] = mdl_bf16x2(p0 * (pv[0] - Ss[i]), p1 * (pv[1] - Ss[i + 1]));
         da[2 * h + 1] = mdl_bf16x2(p2 * (pv[2] - Ss[i]), p3 * (pv[3] - Ss[i + 1]));
       }
       #pragma unroll
-      for (int n = 0; n < 8; n++) {
-        const int j = 16 * k + 2 * tq, c = 8 * n + g;
-        const uint32_t ob[2] = {(Os[j][c >> 1] >> sh & 0xffffu) | (Os[j + 1][c >> 1] >> sh) << 16, (Os[j + 8][c >> 1] >> sh & 0xffffu) | (Os[j + 9][c >> 1] >> sh) << 16};
+      for (int n = 0; n < 8; n += 2) {
+        uint32_t ob[4];
+        mdl_ldsm_x4_t(ob, (const uint16_t *)Os[16 * k + (lane & 15)] + 8 * n + (lane >> 4) * 8);
         mdl_mma_bf16_16816(dva[n], pa, ob);
-        const uint32_t qb[2] = {(Qs[j][c >> 1] >> sh & 0xffffu) | (Qs[j + 1][c >> 1] >> sh) << 16, (Qs[j + 8][c >> 1] >> sh & 0xffffu) | (Qs[j + 9][c >> 1] >> sh) << 16};
+        mdl_mma_bf16_16816(dva[n + 1], pa, ob + 2);
+        uint32_t qb[4];
+        mdl_ldsm_x4_t(qb, (const uint16_t *)Qs[16 * k + (lane & 15)] + 8 * n + (lane >> 4) * 8);
         mdl_mma_bf16_16816(dka[n], da, qb);
+        mdl_mma_bf16_16816(dka[n + 1], da, qb + 2);
       }
     }
   }
@@ -3365,16 +3384,34 @@ extern "C" __global__ void __launch_bounds__(256) k235_embed_bwd(char *arena, Md
     }
     __syncthreads();
     if (c < 768) {
-      for (int i = 0; i < n; i++) {
-        const int r = so[i];
-        acc[b0[r] - v0][threadIdx.x] += b1[r * 768 + c];
+      for (int i0 = 0; i0 < n; i0 += 8) {
+        int kv[8];
+        float dv[8];
+        #pragma unroll
+        for (int u = 0; u < 8; u++) {
+          const int r = so[i0 + u < n ? i0 + u : i0];
+          kv[u] = b0[r] - v0;
+          dv[u] = b1[r * 768 + c];
+        }
+        #pragma unroll
+        for (int u = 0; u < 8 && i0 + u < n; u++)
+          acc[kv[u]][threadIdx.x] += dv[u];
       }
     }
   } else {
-    for (int r = 0; r < 8192; r++) {
-      const int32_t id = b0[r];
-      if (id >= v0 && id < v0 + 32 && c < 768)
-        acc[id - v0][threadIdx.x] += b1[r * 768 + c];
+    for (int r0 = 0; r0 < 8192; r0 += 8) {
+      int32_t kv[8];
+      float dv[8];
+      #pragma unroll
+      for (int u = 0; u < 8; u++) {
+        const int r = r0 + u < 8192 ? r0 + u : r0;
+        kv[u] = r0 + u < 8192 ? b0[r] - v0 : -1;
+        dv[u] = kv[u] >= 0 && kv[u] < 32 && c < 768 ? b1[r * 768 + c] : 0.0f;
+      }
+      #pragma unroll
+      for (int u = 0; u < 8; u++)
+        if (kv[u] >= 0 && kv[u] < 32 && c < 768)
+          acc[kv[u]][threadIdx.x] += dv[u];
     }
   }
   if (c < 768) {
@@ -3484,16 +3521,34 @@ extern "C" __global__ void __launch_bounds__(256) k236_embed_bwd__add(char *aren
     }
     __syncthreads();
     if (c < 768) {
-      for (int i = 0; i < n; i++) {
-        const int r = so[i];
-        acc[b0[r] - v0][threadIdx.x] += b1[r * 768 + c];
+      for (int i0 = 0; i0 < n; i0 += 8) {
+        int kv[8];
+        float dv[8];
+        #pragma unroll
+        for (int u = 0; u < 8; u++) {
+          const int r = so[i0 + u < n ? i0 + u : i0];
+          kv[u] = b0[r] - v0;
+          dv[u] = b1[r * 768 + c];
+        }
+        #pragma unroll
+        for (int u = 0; u < 8 && i0 + u < n; u++)
+          acc[kv[u]][threadIdx.x] += dv[u];
       }
     }
   } else {
-    for (int r = 0; r < 8192; r++) {
-      const int32_t id = b0[r];
-      if (id >= v0 && id < v0 + 32 && c < 768)
-        acc[id - v0][threadIdx.x] += b1[r * 768 + c];
+    for (int r0 = 0; r0 < 8192; r0 += 8) {
+      int32_t kv[8];
+      float dv[8];
+      #pragma unroll
+      for (int u = 0; u < 8; u++) {
+        const int r = r0 + u < 8192 ? r0 + u : r0;
+        kv[u] = r0 + u < 8192 ? b0[r] - v0 : -1;
+        dv[u] = kv[u] >= 0 && kv[u] < 32 && c < 768 ? b1[r * 768 + c] : 0.0f;
+      }
+      #pragma unroll
+      for (int u = 0; u < 8; u++)
+        if (kv[u] >= 0 && kv[u] < 32 && c < 768)
+          acc[kv[u]][threadIdx.x] += dv[u];
     }
   }
   if (c < 768) {

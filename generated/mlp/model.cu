@@ -127,6 +127,21 @@ __device__ __forceinline__ void mdl_mma_bf16_16816(float d[4], const uint32_t a[
 }
 #endif
 
+// Four 8 x 8 tiles of bf16 from shared memory, transposed, by the warp together (ldmatrix .trans):
+// lanes 8 i .. 8 i + 7 each give the address of a row of tile i (8 values, 16-byte aligned), and
+// r[i] of lane l holds that tile's rows 2 (l & 3) and 2 (l & 3) + 1 of column l >> 2 (the lower
+// row in the low half). Of a tile whose rows are keys and columns channels, that is an mma B
+// fragment register (b[0] or b[1] above) of the product over keys: one instruction for four
+// registers that took four 16-bit loads and three shifts or ors each. The emulator has its own.
+#if defined(__CUDA_ARCH__)
+__device__ __forceinline__ void mdl_ldsm_x4_t(uint32_t r[4], const void *p) {
+  uint32_t a;
+  asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a) : "memory");
+}
+#endif
+
 // fp8 <-> f32 in the two OCP formats of Hopper's tensor cores: E4M3 (bias 7, no infinity, S.1111.111
 // is NaN, largest 448) and E5M2 (bias 15, IEEE-like, largest 57344). To fp8: round to nearest, ties
 // to even, subnormals exact, -0 kept; beyond the largest finite value (infinity too) saturate to it

@@ -1103,10 +1103,11 @@ static void test_emulation(const Model *md, bool fused, DType prec, const char *
 // interpreter's, and only f32 sums differ: within 2e-5 (rounding q, k, v or e anywhere else, or not
 // at all, is off by 1e-4 or more). Over several tiles e is taken against the maximum so far and so
 // rounds at another scale, as the contract accepts: out within 1e-3. The backward's P = exp(S - lse)
-// is the interpreter's at any T, on tensor cores (heads of 32) or not (heads of 12): dv within 3e-5
-// (rows of up to 150 keys round a few products the other way, their f32 sums being off the
-// interpreter's double ones: 8e-6 on either kind of core; leaving dout and P unrounded is off by
-// 2e-3). dq and dk subtract D = dout . out, out being each side's own forward, so they are as close
+// is the interpreter's at any T on CUDA cores (heads of 12): dv within 3e-5 (rows of up to 150 keys
+// round a few products the other way, their f32 sums being off the interpreter's double ones: 8e-6;
+// leaving dout and P unrounded is off by 2e-3). On tensor cores (heads of 32) P is exp2f of S and
+// lse scaled by log2(e), an f32 value an ulp or so off expf's, so more of it rounds to the other bf16
+// neighbour: dv within 1e-4 (measured: 1.8e-5 within documents, 3.5e-5 without). dq and dk subtract D = dout . out, out being each side's own forward, so they are as close
 // as the outputs are: within 3e-5 over one tile (measured: 7e-8), within the output's 1e-3 over
 // several (measured: 1e-4 to 7e-4).
 static const char alone[] =
@@ -1124,7 +1125,6 @@ static const char alone[] =
     "output loss = mean(a * r)\n";
 
 static void test_attention_alone(const char *dir) {
-  const double tol_grad = 3e-5;
   static const struct {
     int64_t t, c;
     bool doc;
@@ -1184,6 +1184,7 @@ static void test_attention_alone(const char *dir) {
     snprintf(name, sizeof name, "cuda emu attention alone, bf16, %s: the output within %.0e in L2 of the "
              "interpreter's (%.1e)", cases[ci].what, cases[ci].tol, e_out);
     CHECK(e_out <= cases[ci].tol, name, "%s", iok ? "too far" : err);
+    double tol_grad = cases[ci].c == 64 ? 1e-4 : 3e-5; // dv: P's rounding (heads of 32: tensor cores)
     double tol_ds = cases[ci].tol > tol_grad ? cases[ci].tol : tol_grad; // dq, dk: as close as out (D)
     snprintf(name, sizeof name, "cuda emu attention alone, bf16, %s: dq, dk within %.0e and dv within %.0e in L2 of "
              "the interpreter's (%.1e, %.1e, %.1e)", cases[ci].what, tol_ds, tol_grad, e_grad[0], e_grad[1], e_grad[2]);

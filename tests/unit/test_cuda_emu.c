@@ -16,7 +16,8 @@
 //     random matrices (each lane building its fragments by the layout the prelude documents, two
 //     warps of a block and several blocks each with matrices of their own) against D = C + A B in
 //     double on the bf16 roundings, within 1e-6 of the sum of the magnitudes; an mma in a warp whose
-//     other lanes have returned aborts the run; the kernels also compile with NVRTC for sm_80 and
+//     other lanes have returned aborts the run; mdl_ldsm_x4_t (ldmatrix .x4 .trans) hands each lane
+//     the elements PTX's fragment layout names; the kernels also compile with NVRTC for sm_80 and
 //     sm_90 (the GPU's inline PTX), where NVRTC is installed.
 #include "mdl.h"
 #include "emit_cuda.h"
@@ -33,8 +34,22 @@
 // Kernels on tensor cores, compiled by g++ with the emulator and by NVRTC. k_mma: warp w of the grid
 // multiplies its own A (16 x 16, row-major), B (16 x 8, row-major: b[k * 8 + n]) and C, building the
 // fragments element by element from the layout of the prelude's comment, and stores D the same way.
-// k_mma_partial: half the warp returns before the other half's mma.
+// k_mma_partial: half the warp returns before the other half's mma. k_ldsm: each warp of the block
+// puts a 16 x 16 tile of bf16 (element (r, c) = 16 r + c, negated in warp 1: exact) in shared memory, lane l
+// gives the address of row l % 16 at column 8 (l / 16) to mdl_ldsm_x4_t and stores its four
+// registers.
 static const char mma_kernels[] =
+    "extern \"C\" __global__ void k_ldsm(uint32_t *out) {\n"
+    "  __shared__ __align__(16) uint16_t tile[2][16][24];\n"
+    "  const int w = threadIdx.x >> 5, lane = threadIdx.x & 31;\n"
+    "  for (int i = lane; i < 256; i += 32)\n"
+    "    tile[w][i / 16][i % 16] = mdl_f32_to_bf16((float)(w ? -i : i));\n"
+    "  __syncthreads();\n"
+    "  uint32_t r[4];\n"
+    "  mdl_ldsm_x4_t(r, &tile[w][lane & 15][(lane >> 4) * 8]);\n"
+    "  for (int i = 0; i < 4; i++)\n"
+    "    out[4 * threadIdx.x + i] = r[i];\n"
+    "}\n"
     "extern \"C\" __global__ void k_mma(const float *a, const float *b, const float *c, float *d) {\n"
     "  const int w = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5), lane = threadIdx.x & 31;\n"
     "  const int g = lane >> 2, t = lane & 3;\n"
@@ -168,6 +183,7 @@ static const char kernels[] =
     "static void b_bf16x2(void *) { k_bf16x2(A.bits, A.bout, A.n); }\n"
     "static void b_mma(void *) { k_mma(A.ma, A.mb, A.mc, A.md); }\n"
     "static void b_mma_partial(void *) { k_mma_partial(A.md); }\n"
+    "static void b_ldsm(void *) { k_ldsm(A.bout); }\n"
     "extern \"C\" void run_sync(double *out) {\n"
     "  A.out = out;\n"
     "  mdl_emu::run(dim3{3, 1, 1}, dim3{256, 1, 1}, b_sync, 0);\n"
@@ -211,6 +227,10 @@ static const char kernels[] =
     "extern \"C\" void run_mma(const float *a, const float *b, const float *c, float *d, int blocks) {\n"
     "  A.ma = a; A.mb = b; A.mc = c; A.md = d;\n"
     "  mdl_emu::run(dim3{(unsigned)blocks, 1, 1}, dim3{64, 1, 1}, b_mma, 0);\n"
+    "}\n"
+    "extern \"C\" void run_ldsm(uint32_t *out) {\n"
+    "  A.bout = out;\n"
+    "  mdl_emu::run(dim3{1, 1, 1}, dim3{64, 1, 1}, b_ldsm, 0);\n"
     "}\n"
     "extern \"C\" void run_mma_partial(float *d) {\n"
     "  A.md = d;\n"
@@ -481,6 +501,33 @@ static void test_mma(void *h) {
 }
 
 // The prelude and the tensor-core kernels compile with NVRTC: the inline PTX of mma.sync and cvt.
+// ldmatrix .x4 .trans as PTX defines it ("Warp-level matrix load instruction: ldmatrix"): lanes
+// 8 i .. 8 i + 7 address the rows of matrix i; with .trans lane l's register i holds rows 2 (l % 4)
+// and 2 (l % 4) + 1 of column l / 4 of matrix i, the lower row in the low half. With rows
+// l % 16 and columns 8 (l / 16) addressed, matrix i is rows 8 (i % 2) .. and columns 8 (i / 2) ..
+// of the tile.
+static void test_ldsm(void *h) {
+  uint32_t out[64 * 4];
+  void (*ldsm)(uint32_t *) = (void (*)(uint32_t *))dlsym(h, "run_ldsm");
+  ldsm(out);
+  int bad = 0, at = -1;
+  for (int t = 0; t < 64; t++) {
+    int w = t / 32, l = t % 32;
+    for (int i = 0; i < 4; i++) {
+      int r = 8 * (i % 2) + 2 * (l % 4), c = 8 * (i / 2) + l / 4;
+      int vl = 16 * r + c, vh = 16 * (r + 1) + c;
+      float lo = (float)(w ? -vl : vl), hi = (float)(w ? -vh : vh);
+      uint32_t ul, uh;
+      memcpy(&ul, &lo, 4);
+      memcpy(&uh, &hi, 4);
+      if (out[4 * t + i] != ((ul >> 16) | (uh & 0xffff0000u)) && !bad++)
+        at = 4 * t + i;
+    }
+  }
+  CHECK(bad == 0, "cuda emu: mdl_ldsm_x4_t gives each lane the transposed ldmatrix fragments PTX defines",
+        "%d of 256 registers differ, the first lane %d register %d", bad, at / 4, at % 4);
+}
+
 static void test_mma_nvrtc(void) {
   char why[256];
   if (!nvrtc_available(why, sizeof why)) {
@@ -497,8 +544,8 @@ static void test_mma_nvrtc(void) {
     NvrtcResult r = {0};
     char err[4096] = "", name[160];
     bool ok = nvrtc_compile(src, archs[i], &r, err, sizeof err);
-    snprintf(name, sizeof name, "cuda prelude nvrtc %s: kernels on mdl_mma_bf16_16816 and mdl_bf16x2 compile without "
-             "a warning", archs[i]);
+    snprintf(name, sizeof name, "cuda prelude nvrtc %s: kernels on mdl_mma_bf16_16816, mdl_ldsm_x4_t and mdl_bf16x2 "
+             "compile without a warning", archs[i]);
     CHECK(ok && r.size > 0 && !r.log, name, "%.1500s", ok ? r.log : err);
     free(r.cubin);
     free(r.log);
@@ -523,6 +570,7 @@ int main(void) {
     test_primitives(h);
     test_prelude(h);
     test_mma(h);
+    test_ldsm(h);
     dlclose(h);
   }
   test_mma_nvrtc();
