@@ -2375,7 +2375,8 @@ static void att_mma_kernel(Emit *e, const Att *A, int out) {
   ec_leave(&e->core);
   ec_line(&e->core, "#pragma unroll");
   ec_line(&e->core, "for (int x = 0; x < 4; x++)");
-  ec_line(&e->core, "  s[n][x] *= %s; // scale log2(e): exp2f of s less the maximum, cheaper than expf", flit(e, A->scale * LOG2E));
+  ec_line(&e->core, "  s[n][x] *= %s; // scale log2(e): exp2f of s less the maximum, cheaper than expf",
+          flit(e, A->scale * LOG2E));
   ec_leave(&e->core);
   // Which tiles need the mask: with documents all; else those reaching past T or, causal, past the
   // warp's first row.
@@ -2670,9 +2671,9 @@ static void att_mma_frags(Emit *e, const Att *A, Rows x, const char *name) {
 
 // The two products of a tile with the warp's rows by mma: s = X Y^T (scaled, in base 2: times scale
 // log2(e), so that the kernels take exp2f of s less a maximum or log-sum-exp in base 2, cheaper than
-// expf) and dp = Z W^T (unless za is NULL) over the channels, X, Z as A fragments xa, za; Y, W the shared tiles ys, ws; tile n of s,
-// dp: columns 8 n .. 8 n + 7 of the tile (B fragment: row 8 n + g of ys, channels 16 k + 2 tq, + 1 and
-// 8 further).
+// expf) and dp = Z W^T (unless za is NULL) over the channels, X, Z as A fragments xa, za; Y, W the
+// shared tiles ys, ws; tile n of s, dp: columns 8 n .. 8 n + 7 of the tile (B fragment: row 8 n + g
+// of ys, channels 16 k + 2 tq, + 1 and 8 further).
 static void att_mma_scores(Emit *e, const Att *A, const char *xa, const char *ys, const char *za, const char *ws) {
   int stiles = ATT_MMA_BK / 8;
   if (za)
@@ -3499,7 +3500,8 @@ static void emit_optimizer(Emit *e, int gi) {
     // a thread would keep a single element's loads in flight and the kernel would wait on memory.
     seg_open(e, ns, total);
     ec_line(&e->core, "const int64_t lo = (c0 > seg[s].start ? c0 : seg[s].start) - seg[s].start;");
-    ec_line(&e->core, "const int64_t hi = (c1 < seg[s].start + seg[s].n ? c1 : seg[s].start + seg[s].n) - seg[s].start;");
+    ec_line(&e->core, "const int64_t hi = (c1 < seg[s].start + seg[s].n ? c1 : seg[s].start + seg[s].n) - "
+                      "seg[s].start;");
     ec_line(&e->core, "float *p = (float *)(arena + seg[s].p), *m = (float *)(arena + seg[s].m);");
     ec_line(&e->core, "float *v = (float *)(arena + seg[s].v);");
     ec_line(&e->core, "const float *g = (const float *)(arena + seg[s].g);");

@@ -32,7 +32,6 @@ enum { ALIGN = 64 };
 
 static int64_t align_up(int64_t x) { return (x + ALIGN - 1) / ALIGN * ALIGN; }
 
-
 static int64_t bytes_of(const IrNode *n) { return dtype_size(n->dtype) * shape_numel(n->shape); }
 
 int64_t memplan_copy_rows(const IrNode *copy) {

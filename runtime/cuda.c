@@ -27,13 +27,16 @@
 //
 // The step. Parameters are initialised on the host exactly as the interpreter does and copied up
 // with their bf16 copies (fuse.c, rule 11); the AdamW moments start at zero. Inputs and the lr/step
-// scalars are staged on the host and copied into their arena slots before each replay. The launches
+// scalars are staged on the host and copied into their arena slots before each replay, and the
+// step's seed into the 8 bytes the kernels' seed argument points to (a graph replays its launches'
+// arguments as captured, so the seed cannot be one of them). The launches
 // of the plan (kernels, GEMMs) are captured once from one stream into a CUDA Graph, instantiated,
 // and replayed every step. Every transfer goes through that same (non-blocking) stream and is
 // waited for, so it is ordered with the steps without the legacy default stream; a step ends with a
 // stream synchronisation, then the kernels' status is read back. With --profile (Engine.profile)
-// the step runs the same launches outside the graph, with an event where each plan step's launches
-// begin, and each plan step's device time is added to Engine.kernel_seconds.
+// the step runs the same launches outside the graph, with an event before each: each launch's
+// device time is added to its plan step's Engine.kernel_seconds, and kept per launch for
+// Engine.profile_launches (the launches inside the plan steps that make several).
 #include "cuda.h"
 #include "backend.h"
 #include "emit_cuda.h"
@@ -822,8 +825,9 @@ Engine *engine_cuda(const Fusion *f, const MemPlan *m, uint64_t seed, char *err,
   }
   ce->m = m;
   ce->seed = seed;
-  ce->e = (Engine){.name = "cuda", .g = f->g, .fusion = f, .set_input = cu_set_input, .set_scalar = cu_set_scalar, .set_seed = cu_set_seed, .profile_launches = cu_profile_launches,
-                   .step = cu_step, .read = cu_read, .write = cu_write, .free = cu_free,
+  ce->e = (Engine){.name = "cuda", .g = f->g, .fusion = f, .set_input = cu_set_input, .set_scalar = cu_set_scalar,
+                   .set_seed = cu_set_seed, .step = cu_step, .read = cu_read, .write = cu_write, .free = cu_free,
+                   .profile_launches = cu_profile_launches,
                    .kernel_seconds = calloc((size_t)f->nsteps + 1, sizeof(double))};
   if (!driver_device(&ce->dev, err, n) || !driver_complete(err, n) || !lt_open(err, n) ||
       !nvrtc_available(err, n)) {

@@ -60,6 +60,12 @@ expect "run trains a few steps" 0 $m run models/gpt2-tiny.mdl -D B=2 -D T=16 --s
 contains "run prints tok/s" "$tmp/out" "tok/s"
 contains "run prints MFU" "$tmp/out" "MFU"
 contains "run prints the validation loss" "$tmp/out" "val loss"
+# The summary's rate over the steps alone is at least the whole run's (which also validates and
+# writes checkpoints).
+awk '/^trained / { whole = $0; sub(/.*\(/, "", whole); whole += 0; steps = $0; sub(/.*alone [0-9.]+ s, /, "", steps);
+     steps += 0; ok = whole > 0 && steps >= whole }
+     END { printf "[%s] cli: the summary gives the tokens/s of the whole run and of its steps\n", ok ? "ok" : "fail" }' \
+  "$tmp/out"
 for f in checkpoint.safetensors log.jsonl loss.svg; do
   [ -s "$tmp/run/$f" ] && echo "[ok] cli: run writes $f" || echo "[fail] cli: run writes $f: missing or empty"
 done

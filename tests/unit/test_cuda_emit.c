@@ -1107,9 +1107,10 @@ static void test_emulation(const Model *md, bool fused, DType prec, const char *
 // round a few products the other way, their f32 sums being off the interpreter's double ones: 8e-6;
 // leaving dout and P unrounded is off by 2e-3). On tensor cores (heads of 32) P is exp2f of S and
 // lse scaled by log2(e), an f32 value an ulp or so off expf's, so more of it rounds to the other bf16
-// neighbour: dv within 1e-4 (measured: 1.8e-5 within documents, 3.5e-5 without). dq and dk subtract D = dout . out, out being each side's own forward, so they are as close
-// as the outputs are: within 3e-5 over one tile (measured: 7e-8), within the output's 1e-3 over
-// several (measured: 1e-4 to 7e-4).
+// neighbour: dv within 1e-4 (measured: 1.8e-5 within documents, 3.5e-5 without). dq and dk
+// subtract D = dout . out, out being each side's own forward, so they are as close as the outputs
+// are: within 3e-5 over one tile (measured: 7e-8), within the output's 1e-3 over several (measured:
+// 1e-4 to 7e-4).
 static const char alone[] =
     "model alone\n"
     "dim B = 2\n"
@@ -1224,8 +1225,28 @@ static void test_lmhead_chunks(const char *dir, const char *path, bool tied) {
     Arena *a = arena_new();
     Graph *g = load(a, &md, bf16 ? DT_BF16 : DT_F32);
     Fusion *f = g ? fuse(g, (FuseOptions){.fuse = true, .chunk_lmhead = true}) : NULL;
-    CudaPlan *p = f ? emit_cuda_plan(f, memplan(f), md.path) : NULL;
+    MemPlan *mp = f ? memplan(f) : NULL;
+    CudaPlan *p = f ? emit_cuda_plan(f, mp, md.path) : NULL;
     int ce = 0, dw = 0, acc = 0, lm = -1, padded = 0, wide = 0;
+    // Every bf16 copy of a matrix has room for rows up to a multiple of 64 before the next buffer:
+    // the embedding's (250 rows) up to 256.
+    int copies = 0, roomy = 0;
+    for (int i = 0; mp && i < g->nparams; i++) {
+      int cp = mp->copy_of[g->params[i]];
+      if (cp < 0 || g->nodes[cp]->shape.rank != 2)
+        continue;
+      int64_t room = mp->copies + mp->copy_bytes - mp->offset[cp], rows = g->nodes[cp]->shape.d[0];
+      for (int j = 0; j < g->nparams; j++) {
+        int other = mp->copy_of[g->params[j]];
+        if (other >= 0 && mp->offset[other] > mp->offset[cp] && mp->offset[other] - mp->offset[cp] < room)
+          room = mp->offset[other] - mp->offset[cp];
+      }
+      copies++;
+      roomy += room >= (rows + 63) / 64 * 64 * g->nodes[cp]->shape.d[1] * 2;
+    }
+    if (bf16)
+      CHECK(copies > 0 && roomy == copies, arena_printf(a, "cuda lm head chunks: %s: memplan gives each bf16 copy of "
+            "a matrix room for rows up to a multiple of 64", md.path), "%d of %d", roomy, copies);
     for (int s = 0; f && s < f->nsteps; s++)
       if (f->steps[s].kind == STEP_LMHEAD)
         lm = s;
