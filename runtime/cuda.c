@@ -22,8 +22,9 @@
 // it. (No BGRAD epilogue: a bias gradient is summed by the fused kernels.) The element types of a
 // GEMM are the CudaGemm's, set by the emitter: A and B f32 or bf16, always summed in f32
 // (CUBLAS_COMPUTE_32F, f32 alpha and beta); D f32, or bf16 for a GEMM whose only reader rounds it (no
-// epilogue then: cuBLASLt's bias and aux would take D's type, ours are f32). The heuristic picks one
-// algorithm per GEMM when the engine is built, so capture and replay do no searching.
+// epilogue then: cuBLASLt's bias and aux would take D's type, ours are f32). When the engine is built
+// the heuristic offers up to 8 algorithms per GEMM and each is timed on the arena (three runs after
+// one), the fastest kept; capture and replay do no searching.
 //
 // The step. Parameters are initialised on the host exactly as the interpreter does and copied up
 // with their bf16 copies (fuse.c, rule 11); the AdamW moments start at zero. Inputs and the lr/step
@@ -289,6 +290,8 @@ enum {
   CUBLASLT_EPILOGUE_GELU_BIAS = 32 | 4,
   CUBLASLT_EPILOGUE_GELU_AUX_BIAS = 32 | 128 | 4,
   LT_WORKSPACE_BYTES = 32 << 20, // what cuBLASLt asks for on Hopper
+  LT_CANDIDATES = 8,             // algorithms the heuristic is asked for, timed when the engine is built
+  LT_TUNE_RUNS = 3,              // timed runs of each candidate (after one untimed)
 };
 
 #define LT_FUNCTIONS(X)                                                                                        \
@@ -366,12 +369,14 @@ static bool lt_open(char *err, size_t n) {
 
 static int lt_type(DType t) { return t == DT_BF16 ? CUDA_R_16BF : t == DT_F8E4M3 ? CUDA_R_8F_E4M3 : CUDA_R_32F; }
 
-// One GEMM ready to run: its element types, descriptors and the algorithm the heuristic chose, all
-// in cuBLASLt's column-major view (operands swapped, see the top of the file).
+// One GEMM ready to run: its element types, descriptors and algorithm, all in cuBLASLt's
+// column-major view (operands swapped, see the top of the file); cand: the heuristic's candidates,
+// best first, of which lt_gemm_tune keeps the fastest in algo.
 typedef struct {
   cublasLtMatmulDesc_t desc;
   cublasLtMatrixLayout_t la, lb, lc;
-  cublasLtMatmulAlgo_t algo;
+  cublasLtMatmulAlgo_t algo, cand[LT_CANDIDATES];
+  int ncand;
   CUdeviceptr a, b, c; // cuBLASLt's A (our B), B (our A), D
   CUdeviceptr cin;     // C: D itself, or the out-of-place C (CudaGemm.c_apart) of D's layout
   float beta;
@@ -445,12 +450,13 @@ static bool lt_gemm_new(LtGemm *q, cublasLtHandle_t h, const CudaGemm *gm, CUdev
   }
   cublasLtMatmulPreference_t pref = NULL;
   uint64_t ws = LT_WORKSPACE_BYTES;
-  cublasLtMatmulHeuristicResult_t res;
+  cublasLtMatmulHeuristicResult_t res[LT_CANDIDATES];
   int got = 0;
   ok = LT(err, n, cublasLtMatmulPreferenceCreate, &pref) &&
        LT(err, n, cublasLtMatmulPreferenceSetAttribute, pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws,
           sizeof ws) &&
-       LT(err, n, cublasLtMatmulAlgoGetHeuristic, h, q->desc, q->la, q->lb, q->lc, q->lc, pref, 1, &res, &got);
+       LT(err, n, cublasLtMatmulAlgoGetHeuristic, h, q->desc, q->la, q->lb, q->lc, q->lc, pref, LT_CANDIDATES, res,
+          &got);
   if (pref)
     lt.cublasLtMatmulPreferenceDestroy(pref);
   if (ok && got < 1)
@@ -459,7 +465,12 @@ static bool lt_gemm_new(LtGemm *q, cublasLtHandle_t h, const CudaGemm *gm, CUdev
     lt_gemm_free(q);
     return false;
   }
-  q->algo = res.algo;
+  for (int i = 0; i < got && i < LT_CANDIDATES; i++)
+    if (res[i].state == CUBLAS_STATUS_SUCCESS && res[i].workspaceSize <= LT_WORKSPACE_BYTES)
+      q->cand[q->ncand++] = res[i].algo;
+  if (q->ncand == 0)
+    q->cand[q->ncand++] = res[0].algo;
+  q->algo = q->cand[0];
   return true;
 }
 
@@ -485,6 +496,7 @@ typedef struct {
   CUdeviceptr seed_dev; // the kernels' seed argument points here; written before each step
   cublasLtHandle_t lt;
   LtGemm *gemms;      // per CudaPlan.gemms
+  int retuned;        // GEMMs whose fastest candidate was not the heuristic's first
   CUfunction *fns;    // per CudaPlan.launches (NULL for a GEMM)
   CUgraph graph;
   CUgraphExec exec;
@@ -759,8 +771,39 @@ static bool init_staging(CudaEngine *ce, const Graph *g, char *err, size_t n) {
   return ce->staging || rt_fail(err, n, "out of host memory");
 }
 
-// Descriptors and algorithms for every GEMM, each run once eagerly: this checks every call with a
-// precise message before capture, and loads cuBLASLt's kernels outside it.
+// Times each of the heuristic's candidates for GEMM q on the arena (one untimed run, then
+// LT_TUNE_RUNS between two events) and keeps the fastest in q->algo; a candidate that fails to run
+// is passed over (where none runs, the first is kept, for the eager run to report). Returns the index
+// of the one kept (0: the heuristic's first), -1 on a CUDA error. The runs write the GEMM's output,
+// and those that accumulate (beta 1) add to it: harmless before the first step, which computes
+// every activation and gradient afresh.
+static int lt_gemm_tune(CudaEngine *ce, LtGemm *q, CUevent ev[2], char *err, size_t n) {
+  int best = 0;
+  float best_ms = INFINITY;
+  for (int c = 0; c < q->ncand && q->ncand > 1; c++) {
+    char why[256];
+    q->algo = q->cand[c];
+    bool ran = lt_gemm_run(q, ce->lt, ce->workspace, ce->stream, why, sizeof why);
+    if (!ran)
+      continue;
+    if (!CU(err, n, cuEventRecord, ev[0], ce->stream))
+      return -1;
+    for (int r = 0; ran && r < LT_TUNE_RUNS; r++)
+      ran = lt_gemm_run(q, ce->lt, ce->workspace, ce->stream, why, sizeof why);
+    float ms = 0;
+    if (!CU(err, n, cuEventRecord, ev[1], ce->stream) || !CU(err, n, cuEventSynchronize, ev[1]) ||
+        !CU(err, n, cuEventElapsedTime, &ms, ev[0], ev[1]))
+      return -1;
+    if (ran && ms < best_ms)
+      best_ms = ms, best = c;
+  }
+  q->algo = q->cand[best];
+  return best;
+}
+
+// Descriptors and algorithms for every GEMM (the fastest of the heuristic's candidates, timed here),
+// each then run once eagerly: this checks every call with a precise message before capture, and
+// loads cuBLASLt's kernels outside it.
 static bool init_gemms(CudaEngine *ce, const Fusion *f, char *err, size_t n) {
   const CudaPlan *p = ce->plan;
   ce->gemms = calloc((size_t)p->ngemms + 1, sizeof *ce->gemms);
@@ -768,17 +811,27 @@ static bool init_gemms(CudaEngine *ce, const Fusion *f, char *err, size_t n) {
     return rt_fail(err, n, "out of host memory");
   if (!LT(err, n, cublasLtCreate, &ce->lt))
     return false;
-  for (int i = 0; i < p->ngemms; i++) {
+  CUevent ev[2] = {NULL, NULL};
+  bool ok = CU(err, n, cuEventCreate, &ev[0], 0) && CU(err, n, cuEventCreate, &ev[1], 0);
+  for (int i = 0; ok && i < p->ngemms; i++) {
     const CudaGemm *gm = &p->gemms[i];
-    char why[256];
-    if (!lt_gemm_new(&ce->gemms[i], ce->lt, gm, ce->arena, why, sizeof why) ||
-        !lt_gemm_run(&ce->gemms[i], ce->lt, ce->workspace, ce->stream, why, sizeof why))
-      return rt_fail(err, n, "GEMM %d of step %s (%s[%lld x %lld] = %s%s[%lld x %lld] %s[%lld x %lld]): %s", i,
-                  f->steps[gm->step].name, dtype_name(gm->c_type), (long long)gm->m, (long long)gm->n,
-                  dtype_name(gm->ab), gm->ta ? "T" : "", (long long)gm->m, (long long)gm->k, gm->tb ? "T" : "",
-                  (long long)gm->k, (long long)gm->n, why);
+    char why[256] = "";
+    int kept = lt_gemm_new(&ce->gemms[i], ce->lt, gm, ce->arena, why, sizeof why)
+                   ? lt_gemm_tune(ce, &ce->gemms[i], ev, err, n)
+                   : -2;
+    ce->retuned += kept > 0;
+    if (kept == -1)
+      ok = false;
+    else if (kept == -2 || !lt_gemm_run(&ce->gemms[i], ce->lt, ce->workspace, ce->stream, why, sizeof why))
+      ok = rt_fail(err, n, "GEMM %d of step %s (%s[%lld x %lld] = %s%s[%lld x %lld] %s[%lld x %lld]): %s", i,
+                   f->steps[gm->step].name, dtype_name(gm->c_type), (long long)gm->m, (long long)gm->n,
+                   dtype_name(gm->ab), gm->ta ? "T" : "", (long long)gm->m, (long long)gm->k, gm->tb ? "T" : "",
+                   (long long)gm->k, (long long)gm->n, why);
   }
-  return CU(err, n, cuStreamSynchronize, ce->stream);
+  for (int i = 0; i < 2; i++)
+    if (ev[i])
+      drv.cuEventDestroy(ev[i]);
+  return ok && CU(err, n, cuStreamSynchronize, ce->stream);
 }
 
 // Launch i of the plan (a kernel or a GEMM) on the stream.
@@ -872,9 +925,10 @@ Engine *engine_cuda(const Fusion *f, const MemPlan *m, uint64_t seed, char *err,
     snprintf(compiled, sizeof compiled, "cubin from the cache in %.3f s", tc);
   else
     snprintf(compiled, sizeof compiled, "NVRTC %.2f s", cubin.seconds);
-  printf("cuda: %s (%s): %d kernels and %d GEMMs in one graph of %d launches; %s; arena %.1f MB; "
-         "set up in %.2f s; device memory in use %.2f GiB of %.2f\n",
-         ce->dev.name, ce->dev.arch, ce->plan->nkernels, ce->plan->ngemms, ce->plan->nlaunches, compiled,
+  printf("cuda: %s (%s): %d kernels and %d GEMMs (%d timed faster on another algorithm than the heuristic's "
+         "first) in one graph of %d launches; %s; arena %.1f MB; set up in %.2f s; device memory in use %.2f GiB "
+         "of %.2f\n",
+         ce->dev.name, ce->dev.arch, ce->plan->nkernels, ce->plan->ngemms, ce->retuned, ce->plan->nlaunches, compiled,
          (double)ce->plan->arena_bytes / 1e6, rt_now() - t0,
          (double)(total - free_bytes) / (1 << 30), (double)total / (1 << 30));
   return &ce->e;

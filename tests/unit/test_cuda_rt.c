@@ -13,7 +13,9 @@
 //     stream captures and replays them as graphs, and computes GEMMs by cuBLASLt's documented
 //     column-major rules (transposes, leading dimensions, strided batches, bias and GELU epilogues
 //     with their aux output, f32 or bf16 A and B, f32 or bf16 D) independently of how cuda.c maps
-//     our row-major GEMMs onto them, and counts the element types each GEMM is described with.
+//     our row-major GEMMs onto them, and counts the element types each GEMM is described with. Its
+//     heuristic offers three candidates per GEMM, the first made slower than the others: the engine,
+//     which times them when it is built, must replay none of its GEMMs on that one.
 //     engine_cuda then trains on the CPU: it starts from exactly the interpreter's parameters;
 //     after one step the loss and every gradient agree with the interpreter within 1e-5
 //     (max |cuda - interp| / max |interp| per tensor), and the parameters after 4 steps within 5e-4
@@ -44,6 +46,7 @@
 // launches, memsets and GEMMs are recorded into the graph that cuGraphLaunch replays. It exports no
 // cuGetProcAddress, so the runtime finds its entry points under their versioned names.
 #include <chrono>
+#include <thread>
 #include <vector>
 
 #include MDL_MODULE
@@ -67,6 +70,7 @@ struct Desc {
 struct Gemm {
   Desc d;
   Layout a, b, c;
+  int algo; // the candidate of the heuristic's list it runs with (0: the first)
   float alpha, beta;
   const void *pa, *pb, *pcin; // pcin: C, read for the beta term (D itself when in place)
   void *pc;                    // D
@@ -124,11 +128,14 @@ struct Stream {
 };
 
 // What the test reads back (fake_counters); `described`: GEMMs the heuristic accepted, of which
-// ab16 with bf16 A and B, d16 with a bf16 D.
+// ab16 with bf16 A and B, d16 with a bf16 D; direct_gemms: GEMMs run at once (not replayed), of
+// gemms in all; slow_replayed: replayed GEMMs on the heuristic's first candidate, which the fake makes
+// slower than the others.
 struct Counters {
   long captures, replays, kernels, gemms, live_allocations, modules;
   long described, ab16, d16;
   long events; // live
+  long direct_gemms, slow_replayed;
 };
 static Counters counters;
 static size_t used;
@@ -314,8 +321,10 @@ CUresult cuGraphInstantiateWithFlags(std::vector<Rec> **exec, std::vector<Rec> *
 CUresult cuGraphLaunch(std::vector<Rec> *exec, Stream *s) {
   if (s->capturing)
     return 1;
-  for (const Rec &r : *exec)
+  for (const Rec &r : *exec) {
     run(&r);
+    counters.slow_replayed += r.kind == 2 && r.gemm.algo == 0;
+  }
   counters.replays++;
   return 0;
 }
@@ -495,9 +504,14 @@ int cublasLtMatmulAlgoGetHeuristic(void *, Desc *d, Layout *a, Layout *b, Layout
   *got = 0;
   if (want < 1 || !*pref || c != dl)
     return INVALID_VALUE;
+  // Up to three candidates (cublasLtMatmulHeuristicResult_t: the algorithm's 64 bytes, then the
+  // workspace size, the state and the waves, 96 bytes in all), their first byte their index.
   if (consistent(d, a, b, c)) {
-    memset(res, 0, 64);
-    *got = 1;
+    for (int i = 0; i < want && i < 3; i++) {
+      memset(res + 96 * i, 0, 96);
+      res[96 * i] = (unsigned char)i;
+      *got = i + 1;
+    }
     counters.described++;
     counters.ab16 += a->type == R_16BF;
     counters.d16 += c->type == R_16BF;
@@ -513,11 +527,15 @@ int cublasLtMatmul(void *, Desc *d, const float *alpha, const void *A, Layout *a
     return INVALID_VALUE;
   Rec r = {};
   r.kind = 2;
-  r.gemm = Gemm{*d, *a, *b, *c, *alpha, *beta, A, B, C, D};
-  if (s->capturing)
+  r.gemm = Gemm{*d, *a, *b, *c, *(const unsigned char *)algo, *alpha, *beta, A, B, C, D};
+  if (s->capturing) {
     s->graph->push_back(r);
-  else
+  } else {
+    if (r.gemm.algo == 0) // the heuristic's first candidate is the slow one here
+      std::this_thread::sleep_for(std::chrono::microseconds(500));
     run(&r);
+    counters.direct_gemms++;
+  }
   return OK;
 }
 } // extern "C"
@@ -947,6 +965,7 @@ typedef struct {
   long captures, replays, kernels, gemms, live_allocations, modules;
   long described, ab16, d16;
   long events;
+  long direct_gemms, slow_replayed;
 } Counters;
 
 // The emulated GPU for one plan: this file as C++ with the plan's module and kernel list.
@@ -1129,13 +1148,20 @@ static void emulated_checks(const Model *md) {
     const Counters *k = counters();
     snprintf(name, sizeof name, "cuda: %s: one capture, one replay per step, every launch in it", md->label);
     CHECK(k->captures == 1 && k->replays == STEPS && k->kernels == (long)STEPS * kernels &&
-              k->gemms == (long)STEPS * gemms + p->ngemms,
+              k->gemms - k->direct_gemms == (long)STEPS * gemms,
           name, "%ld captures, %ld replays, %ld kernels, %ld GEMMs (plan: %d kernels, %d GEMM launches, %d GEMMs)",
           k->captures, k->replays, k->kernels, k->gemms, kernels, gemms, p->ngemms);
     snprintf(name, sizeof name, "cuda: %s: cuBLASLt is told each GEMM's types (%d of %d with bf16 A and B, %d with "
              "a bf16 D)", md->label, ab16, p->ngemms, d16);
     CHECK(k->described == p->ngemms && k->ab16 == ab16 && k->d16 == d16 && (!bf16 || ab16 == p->ngemms),
           name, "the fake accepted %ld, %ld with bf16 A and B, %ld with a bf16 D", k->described, k->ab16, k->d16);
+    // Each GEMM's three candidates were run when the engine was built (at least once each, and once
+    // more to check the one kept), and the slow first is in no replay.
+    snprintf(name, sizeof name, "cuda: %s: each GEMM runs on the fastest of the heuristic's candidates, timed when "
+             "the engine is built", md->label);
+    CHECK(k->direct_gemms >= 4L * p->ngemms && k->slow_replayed == 0, name,
+          "%ld GEMMs run before the steps (%d GEMMs, 3 candidates each), %ld replayed on the slow candidate",
+          k->direct_gemms, p->ngemms, k->slow_replayed);
     Engine *es[] = {cuda};
     int64_t bad = 0;
     for (int i = 0; i < c.g->n; i++)
