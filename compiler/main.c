@@ -35,6 +35,7 @@ typedef struct {
   FuseOptions fuse;
   bool reuse; // the memory planner shares memory between activations whose lives do not overlap
   bool profile;
+  bool gemm_tuning; // the CUDA back end times cuBLASLt's candidates for each GEMM (--no-gemm-tuning)
   PrepOptions prep;
   bool resume, pack, shuffle;
   int64_t val_every, val_batches, ckpt_every;
@@ -82,6 +83,7 @@ static const char usage_text[] =
     "      --precision P      fp32 or bf16: the GEMMs' operands (default: the train section's, else bf16)\n"
     "      --no-fuse          one kernel per IR node (to measure what fusion is worth)\n"
     "      --no-chunk-lmhead  materialise the whole logits instead of running the LM head by chunks\n"
+    "      --no-gemm-tuning   CUDA: each GEMM on cuBLASLt's first choice, untimed (what tuning is worth)\n"
     "      --no-reuse         give every activation its own memory (what liveness-based reuse saves)\n"
     "      --profile          run each step kernel by kernel and print a table: time, GFLOP/s, GB/s\n"
     "  -h, --help             this text\n"
@@ -113,6 +115,7 @@ static int parse_options(int argc, char **argv, Options *o) {
       {"precision", required_argument, 0, 'Q'},
       {"no-fuse", no_argument, 0, 'N'},       {"no-chunk-lmhead", no_argument, 0, 'C'},
       {"no-reuse", no_argument, 0, 'U'},      {"profile", no_argument, 0, 'O'},
+      {"no-gemm-tuning", no_argument, 0, 'G'},
       {"vocab", required_argument, 0, 'v'},   {"doc-sep", required_argument, 0, 'e'},
       {"val-fraction", required_argument, 0, 'f'}, {"text-field", required_argument, 0, 't'},
       {"shard-tokens", required_argument, 0, 'n'}, {"force", no_argument, 0, 'r'},
@@ -124,7 +127,8 @@ static int parse_options(int argc, char **argv, Options *o) {
       {"top-k", required_argument, 0, 'q'},
       {"help", no_argument, 0, 'h'},          {"version", no_argument, 0, 'V'},
       {0, 0, 0, 0}};
-  *o = (Options){.seed = 1337, .backend = "auto", .steps = -1, .pack = true, .reuse = true, .val_every = 100, .val_batches = 4,
+  *o = (Options){.seed = 1337, .backend = "auto", .steps = -1, .pack = true, .reuse = true, .gemm_tuning = true,
+                 .val_every = 100, .val_batches = 4,
                  .ckpt_every = 100,
                  .fuse = {.fuse = true, .chunk_lmhead = true, .max_group = 64}};
   prep_defaults(&o->prep);
@@ -220,6 +224,7 @@ static int parse_options(int argc, char **argv, Options *o) {
     }
     case 'C': o->fuse.chunk_lmhead = false; break;
     case 'U': o->reuse = false; break;
+    case 'G': o->gemm_tuning = false; break;
     case 'O': o->profile = true; break;
     case 'h': fputs(usage_text, stdout); exit(0);
     case 'V': printf("mdlc %s\n", MDL_VERSION); exit(0);
@@ -386,7 +391,7 @@ static Engine *open_engine(const Options *o, Graph *g, bool report) {
   char err[512];
   Plan p = plan(o, g);
   if (!strcmp(backend, "cuda")) {
-    Engine *e = engine_cuda(p.f, p.m, o->seed, err, sizeof err);
+    Engine *e = engine_cuda(p.f, p.m, o->seed, o->gemm_tuning, err, sizeof err);
     CudaDevice d;
     if (!e)
       diag_file_error(o->file, "%s", err);

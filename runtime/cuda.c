@@ -496,6 +496,7 @@ typedef struct {
   CUdeviceptr seed_dev; // the kernels' seed argument points here; written before each step
   cublasLtHandle_t lt;
   LtGemm *gemms;      // per CudaPlan.gemms
+  bool tune;          // time the heuristic's candidates of each GEMM (engine_cuda's tune_gemms)
   int retuned;        // GEMMs whose fastest candidate was not the heuristic's first
   CUfunction *fns;    // per CudaPlan.launches (NULL for a GEMM)
   CUgraph graph;
@@ -816,9 +817,9 @@ static bool init_gemms(CudaEngine *ce, const Fusion *f, char *err, size_t n) {
   for (int i = 0; ok && i < p->ngemms; i++) {
     const CudaGemm *gm = &p->gemms[i];
     char why[256] = "";
-    int kept = lt_gemm_new(&ce->gemms[i], ce->lt, gm, ce->arena, why, sizeof why)
-                   ? lt_gemm_tune(ce, &ce->gemms[i], ev, err, n)
-                   : -2;
+    int kept = -2; // the index of the candidate kept, -1 on a CUDA error, -2 when there is none
+    if (lt_gemm_new(&ce->gemms[i], ce->lt, gm, ce->arena, why, sizeof why))
+      kept = ce->tune ? lt_gemm_tune(ce, &ce->gemms[i], ev, err, n) : 0;
     ce->retuned += kept > 0;
     if (kept == -1)
       ok = false;
@@ -870,7 +871,7 @@ static bool capture(CudaEngine *ce, char *err, size_t n) {
   return ok && CU(err, n, cuGraphInstantiateWithFlags, &ce->exec, ce->graph, 0);
 }
 
-Engine *engine_cuda(const Fusion *f, const MemPlan *m, uint64_t seed, char *err, size_t n) {
+Engine *engine_cuda(const Fusion *f, const MemPlan *m, uint64_t seed, bool tune_gemms, char *err, size_t n) {
   CudaEngine *ce = calloc(1, sizeof *ce);
   if (!ce) {
     rt_fail(err, n, "out of host memory");
@@ -878,6 +879,7 @@ Engine *engine_cuda(const Fusion *f, const MemPlan *m, uint64_t seed, char *err,
   }
   ce->m = m;
   ce->seed = seed;
+  ce->tune = tune_gemms;
   ce->e = (Engine){.name = "cuda", .g = f->g, .fusion = f, .set_input = cu_set_input, .set_scalar = cu_set_scalar,
                    .set_seed = cu_set_seed, .step = cu_step, .read = cu_read, .write = cu_write, .free = cu_free,
                    .profile_launches = cu_profile_launches,
@@ -925,10 +927,12 @@ Engine *engine_cuda(const Fusion *f, const MemPlan *m, uint64_t seed, char *err,
     snprintf(compiled, sizeof compiled, "cubin from the cache in %.3f s", tc);
   else
     snprintf(compiled, sizeof compiled, "NVRTC %.2f s", cubin.seconds);
-  printf("cuda: %s (%s): %d kernels and %d GEMMs (%d timed faster on another algorithm than the heuristic's "
-         "first) in one graph of %d launches; %s; arena %.1f MB; set up in %.2f s; device memory in use %.2f GiB "
-         "of %.2f\n",
-         ce->dev.name, ce->dev.arch, ce->plan->nkernels, ce->plan->ngemms, ce->retuned, ce->plan->nlaunches, compiled,
+  char tuning[96] = "on the heuristic's first algorithms, untimed";
+  if (ce->tune)
+    snprintf(tuning, sizeof tuning, "%d timed faster on another algorithm than the heuristic's first", ce->retuned);
+  printf("cuda: %s (%s): %d kernels and %d GEMMs (%s) in one graph of %d launches; %s; arena %.1f MB; set up in "
+         "%.2f s; device memory in use %.2f GiB of %.2f\n",
+         ce->dev.name, ce->dev.arch, ce->plan->nkernels, ce->plan->ngemms, tuning, ce->plan->nlaunches, compiled,
          (double)ce->plan->arena_bytes / 1e6, rt_now() - t0,
          (double)(total - free_bytes) / (1 << 30), (double)total / (1 << 30));
   return &ce->e;

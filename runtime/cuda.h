@@ -24,7 +24,9 @@ bool cuda_device(CudaDevice *d, char *why, size_t n);
 // cuda_probe and NVRTC both there: the CUDA back end can run. `why` as for cuda_probe.
 bool cuda_available(char *why, size_t n);
 
-// The CUDA back end for a step plan: parameters initialised from the seed as the interpreter does.
-// NULL with a one-line message in err when there is no GPU or the module does not compile or load.
-Engine *engine_cuda(const Fusion *f, const MemPlan *m, uint64_t seed, char *err, size_t n);
+// The CUDA back end for a step plan: parameters initialised from the seed as the interpreter does;
+// with tune_gemms, each GEMM on the fastest of cuBLASLt's candidates (timed when it is built), else
+// on the heuristic's first. NULL with a one-line message in err when there is no GPU or the module
+// does not compile or load.
+Engine *engine_cuda(const Fusion *f, const MemPlan *m, uint64_t seed, bool tune_gemms, char *err, size_t n);
 #endif

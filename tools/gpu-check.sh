@@ -26,8 +26,9 @@
 #      and column sums, norm forward, sums with their producers, lone casts, lone sums, other
 #      elementwise and row kernels) and the launches inside the kernels that make several (the LM
 #      head's GEMMs and cross-entropy, the attention backward's passes, the optimizer's) to the results;
-#   5. twelve steps of it with --no-fuse: tokens/s without fusion, and what fusion is worth (the
-#      fused run's tokens/s over these).
+#   5. twelve steps of it with --no-fuse, then twelve with --no-gemm-tuning: tokens/s without fusion,
+#      and without the timing of cuBLASLt's candidates, and what each is worth (the fused, tuned run's
+#      tokens/s over these).
 # A failing stage is reported and the next one still runs, so one run gives every figure it can.
 # MFU here = tokens/s x (model flops per step / tokens per step) / 989e12, where the model flops are the
 # count mdlc prints (3x the forward GEMM + attention flops: llm.c's 6N + 6LCT per token) and 989
@@ -235,15 +236,17 @@ if [ $rc -eq 0 ]; then
     status=1
   fi
 fi
-# What fusion is worth here: the same model with --no-fuse (a kernel per IR node, the LM head not
-# chunked), its tokens/s beside the fused run's.
+# What an optimisation is worth here: 12 steps of the same model with it switched off (FLAG), their
+# tokens/s beside the fused, tuned run's: --no-fuse (a kernel per IR node, the LM head not chunked),
+# then --no-gemm-tuning (each GEMM on cuBLASLt's first choice, untimed).
 fused=$(sed -n 's/^tokens\/s \([0-9][0-9]*\) (mean of steps.*/\1/p' "$res" | head -1)
-if [ $rc -eq 0 ] && [ -n "$fused" ]; then
-  say "== $model: 12 steps with --no-fuse, B=$B T=$T"
+worth() { # worth FLAG WHAT
+  local flag=$1 what=$2 log="$tmp/off.log"
+  say "== $model: 12 steps with $flag, B=$B T=$T"
   if timeout 240 "$mdlc" run models/gpt2.mdl --backend "$backend" --steps 12 $dims -D B="$B" -D T="$T" \
-    --val-every 0 --ckpt-every 0 --no-fuse --data "$tmp/shards" --out "$tmp/nofuse" >"$tmp/nofuse.log" 2>&1; then
-    grep -E '^cuda:' "$tmp/nofuse.log" | tee -a "$res"
-    awk -v fused="$fused" '
+    --val-every 0 --ckpt-every 0 "$flag" --data "$tmp/shards" --out "$tmp/off${flag}" >"$log" 2>&1; then
+    grep -E '^cuda:' "$log" | tee -a "$res"
+    awk -v fused="$fused" -v flag="$flag" -v what="$what" '
       /^step .*tok\/s/ {
         n = split($0, f, "|")
         split(f[1], a, /[ \/]+/)
@@ -253,15 +256,19 @@ if [ $rc -eq 0 ] && [ -n "$fused" ]; then
       }
       END {
         if (k == 0) { print "no timed steps in the log"; exit 1 }
-        printf "tokens/s %.0f with --no-fuse (mean of steps 4 to %d); fusion is worth %.2fx here\n", sum / k, 3 + k,
+        printf "tokens/s %.0f with %s (mean of steps 4 to %d); %s is worth %.2fx here\n", sum / k, flag, 3 + k, what,
           fused / (sum / k)
-      }' "$tmp/nofuse.log" | tee -a "$res"
+      }' "$log" | tee -a "$res"
     [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
   else
-    tail -12 "$tmp/nofuse.log" | tee -a "$res"
-    say "mdlc run --no-fuse failed"
+    tail -12 "$log" | tee -a "$res"
+    say "mdlc run $flag failed"
     status=1
   fi
+}
+if [ $rc -eq 0 ] && [ -n "$fused" ]; then
+  worth --no-fuse fusion
+  worth --no-gemm-tuning "GEMM tuning"
 fi
 say "== gpu-check $([ $status -eq 0 ] && echo passed || echo FAILED) in $(($(date +%s) - t0)) s; results in $res"
 exit $status

@@ -3,7 +3,7 @@
 # step until a GPU runs it: a rehearsal with the compiled C where the GPU's back end would be and the
 # interpreter as its reference (stage 2 compares two back ends that really differ, stage 3 trains a
 # small GPT and reads tokens/s and MFU from the run's lines, stage 4 sorts a profile into kinds,
-# stage 5 compares the run unfused); the same with tolerances no back end meets fails; `--bundle`
+# stage 5 compares the run unfused and untuned); the same with tolerances no back end meets fails; `--bundle`
 # makes an mdlc that needs no OpenBLAS library, and the helper; in a copy of the sources where the
 # build fails (no bison), the script takes the bundle, and refuses a bundle of other sources.
 set -u
@@ -42,6 +42,8 @@ check "stage 4 writes the profile and sorts its kernels into kinds" \
 
 check "stage 5 runs the model unfused and says what fusion is worth" \
   grep -qE '^tokens/s [1-9][0-9]* with --no-fuse \(mean of steps 4 to 11\); fusion is worth [0-9]+\.[0-9]{2}x here$' "$r"
+check "stage 5 runs the model with --no-gemm-tuning and says what GEMM tuning is worth" \
+  grep -qE '^tokens/s [1-9][0-9]* with --no-gemm-tuning \(mean of steps 4 to 11\); GEMM tuning is worth [0-9]+\.[0-9]{2}x here$' "$r"
 
 mkdir -p "$tmp/b"
 GPU_CHECK_BACKEND=cpu GPU_CHECK_REFERENCE=interp GPU_CHECK_TOL=1e-9 GPU_CHECK_TOL_BF16=1e-9 OUT="$tmp/b" \

@@ -741,12 +741,12 @@ static void probe_checks(void) {
   Model md = {"mlp", "models/mlp.mdl", NULL, {{0}}, 0, DT_F32};
   Compiled c;
   if (compile_model(&md, &c)) {
-    Engine *e = engine_cuda(c.f, c.m, 1, why, sizeof why);
+    Engine *e = engine_cuda(c.f, c.m, 1, true, why, sizeof why);
     CHECK(!e && contains(why, "lacks cuDevicePrimaryCtxRetain"),
           "cuda: the engine names the entry point a driver lacks", "%p: '%s'", (void *)e, why);
     fake_probe(&nodev, so, sizeof so);
     setenv("MDL_LIBCUDA", so, 1);
-    e = engine_cuda(c.f, c.m, 1, why, sizeof why);
+    e = engine_cuda(c.f, c.m, 1, true, why, sizeof why);
     CHECK(!e && !strcmp(why, "no CUDA device"), "cuda: the engine says 'no CUDA device'", "'%s'", why);
   } else {
     CHECK(false, "cuda: models/mlp.mdl compiles", "front end or autodiff failed");
@@ -950,7 +950,7 @@ static void no_driver_checks(void) {
   Model md = {"mlp", "models/mlp.mdl", NULL, {{0}}, 0, DT_F32};
   Compiled c;
   if (compile_model(&md, &c)) {
-    Engine *e = engine_cuda(c.f, c.m, 1, why, sizeof why);
+    Engine *e = engine_cuda(c.f, c.m, 1, true, why, sizeof why);
     CHECK(!e && !strcmp(why, no_driver), "cuda: the engine says 'no CUDA driver'", "%p: '%s'", (void *)e, why);
   } else {
     CHECK(false, "cuda: models/mlp.mdl compiles", "front end or autodiff failed");
@@ -1007,8 +1007,8 @@ static bool build_fake_gpu(const CudaPlan *p, const char *name, char *so, size_t
 // second; its events are freed with the engine.
 static void profile_checks(const char *label, const Compiled *c, const Counters *k) {
   char why[1024], name[256];
-  Engine *es[2] = {engine_cuda(c->f, c->m, 5, why, sizeof why), NULL};
-  es[1] = es[0] ? engine_cuda(c->f, c->m, 5, why, sizeof why) : NULL;
+  Engine *es[2] = {engine_cuda(c->f, c->m, 5, true, why, sizeof why), NULL};
+  es[1] = es[0] ? engine_cuda(c->f, c->m, 5, true, why, sizeof why) : NULL;
   snprintf(name, sizeof name, "cuda: %s: --profile runs the step launch by launch, to the graph's results", label);
   if (!es[0] || !es[1]) {
     CHECK(false, name, "%s", why);
@@ -1120,7 +1120,7 @@ static void emulated_checks(const Model *md) {
   setenv("MDL_LIBCUBLASLT", so, 1);
   void *h = dlopen(so, RTLD_NOW | RTLD_LOCAL);
   const Counters *(*counters)(void) = h ? (const Counters *(*)(void))dlsym(h, "fake_counters") : NULL;
-  Engine *cuda = engine_cuda(c.f, c.m, 5, why, sizeof why);
+  Engine *cuda = engine_cuda(c.f, c.m, 5, true, why, sizeof why);
   snprintf(name, sizeof name, "cuda: %s: the engine starts on the emulated GPU", md->label);
   CHECK(cuda && counters, name, "%s", cuda ? "no fake_counters" : why);
   if (cuda && counters) {
@@ -1203,13 +1203,29 @@ static void emulated_checks(const Model *md) {
           k->modules);
     profile_checks(md->label, &c, k);
     setenv("FAKE_GPU_MEMORY", "100000", 1);
-    cuda = engine_cuda(c.f, c.m, 5, why, sizeof why);
+    cuda = engine_cuda(c.f, c.m, 5, true, why, sizeof why);
     unsetenv("FAKE_GPU_MEMORY");
     snprintf(name, sizeof name, "cuda: %s: an allocation that fails is named and leaks nothing", md->label);
     CHECK(!cuda && !strcmp(why, "cuMemAlloc: CUDA_ERROR_OUT_OF_MEMORY") && k->live_allocations == 0, name,
           "%s; %ld allocations", cuda ? "the engine started" : why, k->live_allocations);
     if (cuda)
       cuda->free(cuda);
+    // Without tuning (--no-gemm-tuning) every GEMM runs on the heuristic's first candidate, untimed:
+    // one run each before the steps (the eager check), and every replayed GEMM on the slow one.
+    long direct = k->direct_gemms, slow = k->slow_replayed;
+    cuda = engine_cuda(c.f, c.m, 5, false, why, sizeof why);
+    ok = cuda != NULL;
+    if (cuda) {
+      Engine *one[] = {cuda};
+      set_batch(c.g, one, 1, 0);
+      ok = cuda->step(cuda, why, sizeof why);
+      cuda->free(cuda);
+    }
+    snprintf(name, sizeof name, "cuda: %s: with GEMM tuning off each GEMM replays on the heuristic's first "
+             "candidate, untimed", md->label);
+    CHECK(ok && k->direct_gemms - direct == p->ngemms && k->slow_replayed - slow == gemms, name,
+          "%s; %ld GEMMs run before the step (%d GEMMs), %ld of %d replayed on the first candidate", ok ? "ran" : why,
+          k->direct_gemms - direct, p->ngemms, k->slow_replayed - slow, gemms);
   }
   if (h)
     dlclose(h);
@@ -1237,7 +1253,7 @@ static void gpu_checks(void) {
       arena_free(c.a);
       continue;
     }
-    Engine *cuda = engine_cuda(c.f, c.m, 5, why, sizeof why);
+    Engine *cuda = engine_cuda(c.f, c.m, 5, true, why, sizeof why);
     snprintf(name, sizeof name, "cuda: %s: the engine starts", md->label);
     CHECK(cuda, name, "%s", why);
     if (cuda) {
