@@ -3086,7 +3086,7 @@ static void emit_embed(Emit *e, int gi) {
 // A block then sorts its bucket's positions in shared memory (a rank sort: they are distinct) and adds
 // those rows of dy in increasing position. A bucket of more than 1024 positions (a very frequent
 // token) is not sorted: its blocks scan every id in order.
-enum { EMBED_ROWS = 32, EMBED_SORT = 1024, EMBED_UNROLL = 8 };
+enum { EMBED_ROWS = 32, EMBED_SORT = 1024 };
 
 static void emit_embed_bwd(Emit *e, int gi, const bool *emitted) {
   int a = e->core.groups[gi].mem[0];
@@ -3202,38 +3202,17 @@ static void emit_embed_bwd(Emit *e, int gi, const bool *emitted) {
   ec_line(&e->core, "so[rank] = sp[i];");
   ec_leave(&e->core);
   ec_line(&e->core, "__syncthreads();");
-  // The rows are added one after another, but loaded EMBED_UNROLL at a time: a bucket of a frequent
-  // id has hundreds of rows, and one load in flight per thread left this kernel waiting on memory.
   ec_enter(&e->core, "if (c < %lld)", (long long)c);
-  ec_enter(&e->core, "for (int i0 = 0; i0 < n; i0 += %d)", EMBED_UNROLL);
-  ec_line(&e->core, "int kv[%d];", EMBED_UNROLL);
-  ec_line(&e->core, "float dv[%d];", EMBED_UNROLL);
-  ec_line(&e->core, "#pragma unroll");
-  ec_enter(&e->core, "for (int u = 0; u < %d; u++)", EMBED_UNROLL);
-  ec_line(&e->core, "const %s r = so[i0 + u < n ? i0 + u : i0];", ixt);
-  ec_line(&e->core, "kv[u] = %s[r] - v0;", ip);
-  ec_line(&e->core, "dv[u] = %s[r * %lld + c];", dp, (long long)c);
-  ec_leave(&e->core);
-  ec_line(&e->core, "#pragma unroll");
-  ec_line(&e->core, "for (int u = 0; u < %d && i0 + u < n; u++)", EMBED_UNROLL);
-  ec_line(&e->core, "  acc[kv[u]][threadIdx.x] += dv[u];");
+  ec_enter(&e->core, "for (int i = 0; i < n; i++)");
+  ec_line(&e->core, "const %s r = so[i];", ixt);
+  ec_line(&e->core, "acc[%s[r] - v0][threadIdx.x] += %s[r * %lld + c];", ip, dp, (long long)c);
   ec_leave(&e->core);
   ec_leave(&e->core);
   orelse(e);
-  ec_enter(&e->core, "for (%s r0 = 0; r0 < %lld; r0 += %d)", ixt, (long long)rows, EMBED_UNROLL);
-  ec_line(&e->core, "int32_t kv[%d];", EMBED_UNROLL);
-  ec_line(&e->core, "float dv[%d];", EMBED_UNROLL);
-  ec_line(&e->core, "#pragma unroll");
-  ec_enter(&e->core, "for (int u = 0; u < %d; u++)", EMBED_UNROLL);
-  ec_line(&e->core, "const %s r = r0 + u < %lld ? r0 + u : r0;", ixt, (long long)rows);
-  ec_line(&e->core, "kv[u] = r0 + u < %lld ? %s[r] - v0 : -1;", (long long)rows, ip);
-  ec_line(&e->core, "dv[u] = kv[u] >= 0 && kv[u] < %d && c < %lld ? %s[r * %lld + c] : 0.0f;", vr, (long long)c, dp,
-          (long long)c);
-  ec_leave(&e->core);
-  ec_line(&e->core, "#pragma unroll");
-  ec_line(&e->core, "for (int u = 0; u < %d; u++)", EMBED_UNROLL);
-  ec_line(&e->core, "  if (kv[u] >= 0 && kv[u] < %d && c < %lld)", vr, (long long)c);
-  ec_line(&e->core, "    acc[kv[u]][threadIdx.x] += dv[u];");
+  ec_enter(&e->core, "for (%s r = 0; r < %lld; r++)", ixt, (long long)rows);
+  ec_line(&e->core, "const int32_t id = %s[r];", ip);
+  ec_line(&e->core, "if (id >= v0 && id < v0 + %d && c < %lld)", vr, (long long)c);
+  ec_line(&e->core, "  acc[id - v0][threadIdx.x] += %s[r * %lld + c];", dp, (long long)c);
   ec_leave(&e->core);
   ec_leave(&e->core);
   ec_enter(&e->core, "if (c < %lld)", (long long)c);
@@ -3352,7 +3331,7 @@ static void seg_table(Emit *e, const char *name, int nseg, const int (*nodes)[5]
 
 // Opens the loop over the segments that meet this block's chunk [c0, c1) of the concatenated
 // segments: the first found by bisection over their starts, the loop ending at the first that starts
-// past the chunk. (A loop over every segment, in every thread, read GPT-2's 148-entry table a
+// past the chunk; [lo, hi): the chunk's elements of segment s, as indices into it. (A loop over every segment, in every thread, read GPT-2's 148-entry table a
 // thousand times per thread, for 32 elements: the optimizer took 3.6 ms a step on an H200.)
 static void seg_open(Emit *e, int nseg, int64_t total) {
   ec_line(&e->core, "const int64_t c0 = (int64_t)blockIdx.x * %d, c1 = c0 + %d < %lld ? c0 + %d : %lld;", OPT_CHUNK,
@@ -3363,16 +3342,16 @@ static void seg_open(Emit *e, int nseg, int64_t total) {
   ec_line(&e->core, "  if (seg[mid].start <= c0) s0 = mid; else s1 = mid - 1;");
   ec_line(&e->core, "}");
   ec_enter(&e->core, "for (int s = s0; s < %d && seg[s].start < c1; s++)", nseg);
+  ec_line(&e->core, "const int64_t lo = (c0 > seg[s].start ? c0 : seg[s].start) - seg[s].start;");
+  ec_line(&e->core, "const int64_t hi = (c1 < seg[s].start + seg[s].n ? c1 : seg[s].start + seg[s].n) - "
+                    "seg[s].start;");
 }
 
 // The loop over this block's chunk of the concatenated segments: opens the loop over segments
-// (seg_open) and the loop over the chunk's elements i of segment s (k = i - start).
+// (seg_open) and the loop over the chunk's elements k of segment s.
 static void seg_loop(Emit *e, int nseg, int64_t total) {
   seg_open(e, nseg, total);
-  ec_line(&e->core, "const int64_t lo = c0 > seg[s].start ? c0 : seg[s].start;");
-  ec_line(&e->core, "const int64_t hi = c1 < seg[s].start + seg[s].n ? c1 : seg[s].start + seg[s].n;");
-  ec_enter(&e->core, "for (int64_t i = lo + threadIdx.x; i < hi; i += blockDim.x)");
-  ec_line(&e->core, "const int64_t k = i - seg[s].start;");
+  ec_enter(&e->core, "for (int64_t k = lo + threadIdx.x; k < hi; k += blockDim.x)");
 }
 
 // GRAD_NORM (a sum of squares per fixed chunk of the concatenated gradients, then one block adding the
@@ -3499,9 +3478,6 @@ static void emit_optimizer(Emit *e, int gi) {
     // one element may alias the loads of the next as far as the compiler knows, so one at a time
     // a thread would keep a single element's loads in flight and the kernel would wait on memory.
     seg_open(e, ns, total);
-    ec_line(&e->core, "const int64_t lo = (c0 > seg[s].start ? c0 : seg[s].start) - seg[s].start;");
-    ec_line(&e->core, "const int64_t hi = (c1 < seg[s].start + seg[s].n ? c1 : seg[s].start + seg[s].n) - "
-                      "seg[s].start;");
     ec_line(&e->core, "float *p = (float *)(arena + seg[s].p), *m = (float *)(arena + seg[s].m);");
     ec_line(&e->core, "float *v = (float *)(arena + seg[s].v);");
     ec_line(&e->core, "const float *g = (const float *)(arena + seg[s].g);");

@@ -3384,34 +3384,16 @@ extern "C" __global__ void __launch_bounds__(256) k235_embed_bwd(char *arena, Md
     }
     __syncthreads();
     if (c < 768) {
-      for (int i0 = 0; i0 < n; i0 += 8) {
-        int kv[8];
-        float dv[8];
-        #pragma unroll
-        for (int u = 0; u < 8; u++) {
-          const int r = so[i0 + u < n ? i0 + u : i0];
-          kv[u] = b0[r] - v0;
-          dv[u] = b1[r * 768 + c];
-        }
-        #pragma unroll
-        for (int u = 0; u < 8 && i0 + u < n; u++)
-          acc[kv[u]][threadIdx.x] += dv[u];
+      for (int i = 0; i < n; i++) {
+        const int r = so[i];
+        acc[b0[r] - v0][threadIdx.x] += b1[r * 768 + c];
       }
     }
   } else {
-    for (int r0 = 0; r0 < 8192; r0 += 8) {
-      int32_t kv[8];
-      float dv[8];
-      #pragma unroll
-      for (int u = 0; u < 8; u++) {
-        const int r = r0 + u < 8192 ? r0 + u : r0;
-        kv[u] = r0 + u < 8192 ? b0[r] - v0 : -1;
-        dv[u] = kv[u] >= 0 && kv[u] < 32 && c < 768 ? b1[r * 768 + c] : 0.0f;
-      }
-      #pragma unroll
-      for (int u = 0; u < 8; u++)
-        if (kv[u] >= 0 && kv[u] < 32 && c < 768)
-          acc[kv[u]][threadIdx.x] += dv[u];
+    for (int r = 0; r < 8192; r++) {
+      const int32_t id = b0[r];
+      if (id >= v0 && id < v0 + 32 && c < 768)
+        acc[id - v0][threadIdx.x] += b1[r * 768 + c];
     }
   }
   if (c < 768) {
@@ -3521,34 +3503,16 @@ extern "C" __global__ void __launch_bounds__(256) k236_embed_bwd__add(char *aren
     }
     __syncthreads();
     if (c < 768) {
-      for (int i0 = 0; i0 < n; i0 += 8) {
-        int kv[8];
-        float dv[8];
-        #pragma unroll
-        for (int u = 0; u < 8; u++) {
-          const int r = so[i0 + u < n ? i0 + u : i0];
-          kv[u] = b0[r] - v0;
-          dv[u] = b1[r * 768 + c];
-        }
-        #pragma unroll
-        for (int u = 0; u < 8 && i0 + u < n; u++)
-          acc[kv[u]][threadIdx.x] += dv[u];
+      for (int i = 0; i < n; i++) {
+        const int r = so[i];
+        acc[b0[r] - v0][threadIdx.x] += b1[r * 768 + c];
       }
     }
   } else {
-    for (int r0 = 0; r0 < 8192; r0 += 8) {
-      int32_t kv[8];
-      float dv[8];
-      #pragma unroll
-      for (int u = 0; u < 8; u++) {
-        const int r = r0 + u < 8192 ? r0 + u : r0;
-        kv[u] = r0 + u < 8192 ? b0[r] - v0 : -1;
-        dv[u] = kv[u] >= 0 && kv[u] < 32 && c < 768 ? b1[r * 768 + c] : 0.0f;
-      }
-      #pragma unroll
-      for (int u = 0; u < 8; u++)
-        if (kv[u] >= 0 && kv[u] < 32 && c < 768)
-          acc[kv[u]][threadIdx.x] += dv[u];
+    for (int r = 0; r < 8192; r++) {
+      const int32_t id = b0[r];
+      if (id >= v0 && id < v0 + 32 && c < 768)
+        acc[id - v0][threadIdx.x] += b1[r * 768 + c];
     }
   }
   if (c < 768) {
@@ -3881,10 +3845,9 @@ extern "C" __global__ void __launch_bounds__(256) k237_grad_norm__adamw_sumsq(ch
     if (seg[mid].start <= c0) s0 = mid; else s1 = mid - 1;
   }
   for (int s = s0; s < 148 && seg[s].start < c1; s++) {
-    const int64_t lo = c0 > seg[s].start ? c0 : seg[s].start;
-    const int64_t hi = c1 < seg[s].start + seg[s].n ? c1 : seg[s].start + seg[s].n;
-    for (int64_t i = lo + threadIdx.x; i < hi; i += blockDim.x) {
-      const int64_t k = i - seg[s].start;
+    const int64_t lo = (c0 > seg[s].start ? c0 : seg[s].start) - seg[s].start;
+    const int64_t hi = (c1 < seg[s].start + seg[s].n ? c1 : seg[s].start + seg[s].n) - seg[s].start;
+    for (int64_t k = lo + threadIdx.x; k < hi; k += blockDim.x) {
       const float x = ((const float *)(arena + seg[s].p))[k];
       acc += (double)x * x;
     }

@@ -512,10 +512,9 @@ extern "C" __global__ void __launch_bounds__(256) k12_grad_norm__adamw_sumsq(cha
     if (seg[mid].start <= c0) s0 = mid; else s1 = mid - 1;
   }
   for (int s = s0; s < 6 && seg[s].start < c1; s++) {
-    const int64_t lo = c0 > seg[s].start ? c0 : seg[s].start;
-    const int64_t hi = c1 < seg[s].start + seg[s].n ? c1 : seg[s].start + seg[s].n;
-    for (int64_t i = lo + threadIdx.x; i < hi; i += blockDim.x) {
-      const int64_t k = i - seg[s].start;
+    const int64_t lo = (c0 > seg[s].start ? c0 : seg[s].start) - seg[s].start;
+    const int64_t hi = (c1 < seg[s].start + seg[s].n ? c1 : seg[s].start + seg[s].n) - seg[s].start;
+    for (int64_t k = lo + threadIdx.x; k < hi; k += blockDim.x) {
       const float x = ((const float *)(arena + seg[s].p))[k];
       acc += (double)x * x;
     }
