@@ -24,7 +24,8 @@
 //     dq per query tile and dk, dv per key tile (each key tile owned by one block, summed in query
 //     order); in bf16 with heads of a multiple of 16
 //     channels the forward and the backward's dq and dk, dv kernels run on tensor cores (mma.sync
-//     m16n8k16, FlashAttention-2's layout: a warp per 16 query rows, or 16 keys), the B fragments
+//     m16n8k16, FlashAttention-2's layout: a block of 8 warps per 128 queries or keys, a warp per 16
+//     of them, so that each staged tile of 64 keys or queries serves 128 rows), the B fragments
 //     of the products over keys or queries read from shared tiles by transposing ldmatrix, the
 //     exponentials taken in base 2 (exp2f of scores scaled by log2(e));
 //   - embedding backward: each block owns a range of vocabulary rows and columns and adds the rows of
@@ -81,8 +82,14 @@ enum {
   NORM_F32_ROWS = 16,   // norm backward: column partials of up to this many rows per lane summed in f32
   NORM_LANE_ELEMS = 8,  // norm backward with column sums: elements of a row per lane, at most
   ATT_BK = 32,          // attention: keys per tile
-  ATT_MMA_BQ = 64,      // attention on tensor cores: queries per block or tile (16 per warp)
-  ATT_MMA_BK = 64,      //   and keys per tile or block
+  ATT_MMA_WARPS = 8,    // attention on tensor cores: warps of a forward or dk, dv block, 16 rows each
+  ATT_MMA_DQ_WARPS = 4, //   and of a dq block (168 registers a thread on sm_90: 3 blocks of 4 warps an
+                        //   SM, 1 of 8; the forward's 128 allow 2 of 8, dk and dv's 232 one of either)
+  ATT_MMA_TILE = 64,    //   rows of the tiles a block stages in turn (keys and values, or queries and dout)
+  ATT_MMA_ROWS = 16 * ATT_MMA_WARPS, // a block's rows: queries of the forward, keys of dk and dv
+  ATT_MMA_THREADS = 32 * ATT_MMA_WARPS,
+  ATT_MMA_DQ_ROWS = 16 * ATT_MMA_DQ_WARPS,
+  ATT_MMA_DQ_THREADS = 32 * ATT_MMA_DQ_WARPS,
 };
 
 static const char prelude[] =
@@ -2228,10 +2235,20 @@ static void att_query_kernel(Emit *e, const Att *A, AttMode mode, int out, int64
   kend(e, A->nb * A->heads * nqt, 128);
 }
 
+// Causal, where a block holds more rows than a staged tile (the forward's and dk, dv's 128 in 8 warps,
+// tiles of 64), a tile can be wholly masked for some of the warps: those skip its products (its terms
+// would be exact zeros: the sums are the same) and wait at the next tile's barrier.
+static void att_mma_skip(Emit *e, const Att *A, int rows, const char *none, const char *why) {
+  if (!A->causal || rows <= ATT_MMA_TILE)
+    return;
+  ec_line(&e->core, "if (%s)", none);
+  ec_line(&e->core, "  continue; // %s", why);
+}
+
 // Shared memory of the tensor-core forward: the tile's keys and values as bf16, rows padded by 8
 // (no bank conflicts in the fragment loads), and the keys' documents.
 static int64_t att_mma_shared(const Att *A) {
-  return 2 * ATT_MMA_BK * (A->d + 8) * 2 + (A->has_doc ? ATT_MMA_BK * 4 : 0);
+  return 2 * ATT_MMA_TILE * (A->d + 8) * 2 + (A->has_doc ? ATT_MMA_TILE * 4 : 0);
 }
 
 // Whether rows of r can be read as float4 at channels that are multiples of 4: its stride and start
@@ -2263,7 +2280,7 @@ static void att_mma_online_max(Emit *e) {
   ec_line(&e->core, "// The rows' maxima over the tile: the lane's, then its quad's (lanes 4 g .. 4 g + 3 share r0).");
   ec_line(&e->core, "float x0 = -MDL_INF, x1 = -MDL_INF;");
   ec_line(&e->core, "#pragma unroll");
-  ec_enter(&e->core, "for (int n = 0; n < %d; n++)", ATT_MMA_BK / 8);
+  ec_enter(&e->core, "for (int n = 0; n < %d; n++)", ATT_MMA_TILE / 8);
   ec_line(&e->core, "x0 = fmaxf(x0, fmaxf(s[n][0], s[n][1]));");
   ec_line(&e->core, "x1 = fmaxf(x1, fmaxf(s[n][2], s[n][3]));");
   ec_leave(&e->core);
@@ -2282,28 +2299,31 @@ static void att_mma_online_max(Emit *e) {
   ec_line(&e->core, "l1 *= c1;");
 }
 
-// The forward on tensor cores (att_mma), FlashAttention-2 style: a block of 4 warps per (batch, head,
-// 64 queries), 16 query rows per warp with their Q in registers as mma A fragments (rounded to bf16
-// once); keys and values staged in shared tiles of 64, rounded to bf16; S = Q K^T by mma, scaled and
-// masked; the online softmax of each row over the quad of lanes that holds it; e = exp(S - m) summed
+// The forward on tensor cores (att_mma), FlashAttention-2 style: a block of 8 warps per (batch, head,
+// 128 queries), 16 query rows per warp with their Q in registers as mma A fragments (rounded to bf16
+// once); keys and values staged in shared tiles of 64, rounded to bf16, each read by the 8 warps (with
+// 4 warps per 64 queries, the staging took as long as the products: GPT-2's forward and dq, staging
+// the same bytes, ran in 0.26 and 0.25 ms a layer though dq does 1.5 times the products); S = Q K^T by
+// mma, scaled and masked; the online softmax of each row over the quad of lanes that holds it; e =
+// exp(S - m) summed
 // unrounded into l and, rounded, reused as the A fragments of O += P V (the accumulators of two
 // adjacent n8 tiles of S are one k16 step); out = O / l in f32.
 static void att_mma_kernel(Emit *e, const Att *A, int out) {
   const char *ixt = e->core.ixt;
-  int64_t d = A->d, t = A->nt, nqt = (t + ATT_MMA_BQ - 1) / ATT_MMA_BQ;
-  int ksteps = (int)(d / 16), ntiles = (int)(d / 8), stiles = ATT_MMA_BK / 8;
+  int64_t d = A->d, t = A->nt, nqt = (t + ATT_MMA_ROWS - 1) / ATT_MMA_ROWS;
+  int ksteps = (int)(d / 16), ntiles = (int)(d / 8), stiles = ATT_MMA_TILE / 8;
   kbegin(e, "");
-  note(e, "attention on tensor cores: B %lld, T %lld, %lld heads of %lld%s%s; a block of 4 warps per (batch, head, %d "
-          "queries), 16 query rows per warp, keys in tiles of %d; bf16 products (mma m16n8k16), f32 softmax",
+  note(e, "attention on tensor cores: B %lld, T %lld, %lld heads of %lld%s%s; a block of %d warps per (batch, head, "
+          "%d queries), 16 query rows per warp, keys in tiles of %d; bf16 products (mma m16n8k16), f32 softmax",
        (long long)A->nb, (long long)t, (long long)A->heads, (long long)d, A->causal ? ", causal" : "",
-       A->has_doc ? ", within documents" : "", ATT_MMA_BQ, ATT_MMA_BK);
+       A->has_doc ? ", within documents" : "", ATT_MMA_WARPS, ATT_MMA_ROWS, ATT_MMA_TILE);
   e->shared = (int)att_mma_shared(A);
-  ec_line(&e->core, "__shared__ uint32_t Ks[%d][%lld]; // keys of the tile, channels in bf16 pairs", ATT_MMA_BK,
+  ec_line(&e->core, "__shared__ uint32_t Ks[%d][%lld]; // keys of the tile, channels in bf16 pairs", ATT_MMA_TILE,
           (long long)(d / 2 + 4));
-  ec_line(&e->core, "__shared__ __align__(16) uint16_t Vs[%d][%lld]; // values of the tile, bf16", ATT_MMA_BK,
+  ec_line(&e->core, "__shared__ __align__(16) uint16_t Vs[%d][%lld]; // values of the tile, bf16", ATT_MMA_TILE,
           (long long)(d + 8));
   if (A->has_doc)
-    ec_line(&e->core, "__shared__ int32_t Dk[%d];", ATT_MMA_BK);
+    ec_line(&e->core, "__shared__ int32_t Dk[%d];", ATT_MMA_TILE);
   ec_line(&e->core, "const int w = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tq = lane & 3;");
   bool last_first = A->causal && nqt > 1;
   if (last_first)
@@ -2311,7 +2331,7 @@ static void att_mma_kernel(Emit *e, const Att *A, int out) {
   ec_line(&e->core, "const %s b = blockIdx.x / %lld, hd = blockIdx.x / %lld %% %lld, q0 = %sblockIdx.x %% %lld%s * %d;",
           ixt, (long long)(A->heads * nqt), (long long)nqt, (long long)A->heads,
           last_first ? ec_str(&e->core, "(%lld - ", (long long)(nqt - 1)) : "", (long long)nqt, last_first ? ")" : "",
-          ATT_MMA_BQ);
+          ATT_MMA_ROWS);
   ec_line(&e->core, "// The lane's query rows: r0 (accumulators 0 and 1 of a tile) and r1 (2 and 3).");
   ec_line(&e->core, "const %s r0 = q0 + 16 * w + g, r1 = r0 + 8;", ixt);
   ec_line(&e->core, "// Q as the A fragments of the k16 steps over the channels, rounded once; 0 beyond T.");
@@ -2336,13 +2356,14 @@ static void att_mma_kernel(Emit *e, const Att *A, int out) {
   ec_line(&e->core, "  acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;");
   if (A->causal)
     ec_line(&e->core, "const %s kend = q0 + %d < %lld ? q0 + %d : %lld; // later keys are masked for every row", ixt,
-            ATT_MMA_BQ, (long long)t, ATT_MMA_BQ, (long long)t);
+            ATT_MMA_ROWS, (long long)t, ATT_MMA_ROWS, (long long)t);
   else
     ec_line(&e->core, "const %s kend = %lld;", ixt, (long long)t);
-  ec_enter(&e->core, "for (%s k0 = 0; k0 < kend; k0 += %d)", ixt, ATT_MMA_BK);
+  ec_enter(&e->core, "for (%s k0 = 0; k0 < kend; k0 += %d)", ixt, ATT_MMA_TILE);
   ec_line(&e->core, "__syncthreads();");
   ec_line(&e->core, "// The tile's keys and values, rounded to bf16; 0 beyond T.");
-  ec_enter(&e->core, "for (int u = threadIdx.x; u < %lld; u += 128)", (long long)(ATT_MMA_BK * d / 4));
+  ec_enter(&e->core, "for (int u = threadIdx.x; u < %lld; u += %d)", (long long)(ATT_MMA_TILE * d / 4),
+          ATT_MMA_THREADS);
   ec_line(&e->core, "const int jj = u / %lld, c = u %% %lld * 4;", (long long)(d / 4), (long long)(d / 4));
   ec_line(&e->core, "const bool in = k0 + jj < %lld;", (long long)t);
   ec_line(&e->core, "const float4 kx = in ? *(const float4 *)&%s : make_float4(0.0f, 0.0f, 0.0f, 0.0f);",
@@ -2357,11 +2378,12 @@ static void att_mma_kernel(Emit *e, const Att *A, int out) {
   ec_line(&e->core, "Vs[jj][c + 3] = mdl_f32_to_bf16(vx.w);");
   ec_leave(&e->core);
   if (A->has_doc) {
-    ec_line(&e->core, "if (threadIdx.x < %d)", ATT_MMA_BK);
+    ec_line(&e->core, "if (threadIdx.x < %d)", ATT_MMA_TILE);
     ec_line(&e->core, "  Dk[threadIdx.x] = k0 + threadIdx.x < %lld ? %s[b * %lld + k0 + threadIdx.x] : 0;",
             (long long)t, ptr(e, A->doc), (long long)t);
   }
   ec_line(&e->core, "__syncthreads();");
+  att_mma_skip(e, A, ATT_MMA_ROWS, "k0 > q0 + 16 * w + 15", "the warp's rows see none of the tile's keys");
   ec_line(&e->core, "// S = Q K^T: s[n] holds keys k0 + 8 n .. k0 + 8 n + 7; the B fragment of step k is key 8 n + g,");
   ec_line(&e->core, "// channels 16 k + 2 tq, + 1 and 8 further.");
   ec_line(&e->core, "float s[%d][4];", stiles);
@@ -2381,9 +2403,9 @@ static void att_mma_kernel(Emit *e, const Att *A, int out) {
   // Which tiles need the mask: with documents all; else those reaching past T or, causal, past the
   // warp's first row.
   const char *edge = A->has_doc ? NULL
-                     : A->causal ? ec_str(&e->core, "k0 + %d > %lld || k0 + %d > q0 + 16 * w", ATT_MMA_BK,
-                                          (long long)t, ATT_MMA_BK - 1)
-                                 : ec_str(&e->core, "k0 + %d > %lld", ATT_MMA_BK, (long long)t);
+                     : A->causal ? ec_str(&e->core, "k0 + %d > %lld || k0 + %d > q0 + 16 * w", ATT_MMA_TILE,
+                                          (long long)t, ATT_MMA_TILE - 1)
+                                 : ec_str(&e->core, "k0 + %d > %lld", ATT_MMA_TILE, (long long)t);
   ec_line(&e->core, "// Keys the row may not see get -inf%s.",
           edge ? " (only tiles that reach past T or past one of the warp's rows have any)" : "");
   if (edge)
@@ -2414,7 +2436,7 @@ static void att_mma_kernel(Emit *e, const Att *A, int out) {
   ec_line(&e->core, "// fragment of step k of O += P V, whose B fragment is keys 16 k + 2 tq, + 1 and 8 further of");
   ec_line(&e->core, "// channel 8 n + g.");
   ec_line(&e->core, "#pragma unroll");
-  ec_enter(&e->core, "for (int k = 0; k < %d; k++)", ATT_MMA_BK / 16);
+  ec_enter(&e->core, "for (int k = 0; k < %d; k++)", ATT_MMA_TILE / 16);
   ec_line(&e->core, "uint32_t pa[4];");
   ec_line(&e->core, "#pragma unroll");
   ec_enter(&e->core, "for (int h = 0; h < 2; h++)");
@@ -2464,7 +2486,7 @@ static void att_mma_kernel(Emit *e, const Att *A, int out) {
     ec_leave(&e->core);
   }
   ec_leave(&e->core);
-  kend(e, A->nb * A->heads * nqt, 128);
+  kend(e, A->nb * A->heads * nqt, ATT_MMA_THREADS);
 }
 
 // ATTENTION forward: on tensor cores where att_mma allows, else on CUDA cores (att_query_kernel); with
@@ -2619,7 +2641,7 @@ static void att_key_kernel(Emit *e, const Att *A, int dk, int dv, int64_t dsum) 
 // padded by 8 channels (keys and values for dq; queries and dout, with their log-sum-exp and D, for dk
 // and dv), and the tile's documents.
 static int64_t att_mma_bwd_shared(const Att *A, bool keys) {
-  return 2 * ATT_MMA_BK * (A->d + 8) * 2 + (keys ? 2 * ATT_MMA_BQ * 4 : 0) + (A->has_doc ? ATT_MMA_BK * 4 : 0);
+  return 2 * ATT_MMA_TILE * (A->d + 8) * 2 + (keys ? 2 * ATT_MMA_TILE * 4 : 0) + (A->has_doc ? ATT_MMA_TILE * 4 : 0);
 }
 
 // Does the backward run its dq and dk, dv kernels on tensor cores: as the forward (att_mma), and
@@ -2629,10 +2651,12 @@ static bool att_mma_bwd(const Att *A) {
 }
 
 // Stages rows x0 + jj (jj < 64) of a and b (unless bs is NULL), rounded to bf16, into the shared tiles
-// as and bs (channel pairs); 0 beyond T.
-static void att_mma_stage(Emit *e, const Att *A, const char *x0, Rows a, const char *as, Rows b, const char *bs) {
+// as and bs (channel pairs), by the block's threads; 0 beyond T.
+static void att_mma_stage(Emit *e, const Att *A, int threads, const char *x0, Rows a, const char *as, Rows b,
+                          const char *bs) {
   int64_t d = A->d;
-  ec_enter(&e->core, "for (int u = threadIdx.x; u < %lld; u += 128)", (long long)(ATT_MMA_BK * d / 4));
+  ec_enter(&e->core, "for (int u = threadIdx.x; u < %lld; u += %d)", (long long)(ATT_MMA_TILE * d / 4),
+          threads);
   ec_line(&e->core, "const int jj = u / %lld, c = u %% %lld * 4;", (long long)(d / 4), (long long)(d / 4));
   ec_line(&e->core, "const bool in = %s + jj < %lld;", x0, (long long)A->nt);
   const char *jj = ec_str(&e->core, "%s + jj", x0);
@@ -2675,7 +2699,7 @@ static void att_mma_frags(Emit *e, const Att *A, Rows x, const char *name) {
 // shared tiles ys, ws; tile n of s, dp: columns 8 n .. 8 n + 7 of the tile (B fragment: row 8 n + g
 // of ys, channels 16 k + 2 tq, + 1 and 8 further).
 static void att_mma_scores(Emit *e, const Att *A, const char *xa, const char *ys, const char *za, const char *ws) {
-  int stiles = ATT_MMA_BK / 8;
+  int stiles = ATT_MMA_TILE / 8;
   if (za)
     ec_line(&e->core, "float s[%d][4], dp[%d][4];", stiles, stiles);
   else
@@ -2708,7 +2732,7 @@ static void att_mma_mask(Emit *e, const Att *A, const char *edge, const char *ij
   if (edge)
     ec_enter(&e->core, "if (%s)", edge);
   ec_line(&e->core, "#pragma unroll");
-  ec_enter(&e->core, "for (int n = 0; n < %d; n++)", ATT_MMA_BK / 8);
+  ec_enter(&e->core, "for (int n = 0; n < %d; n++)", ATT_MMA_TILE / 8);
   ec_line(&e->core, "#pragma unroll");
   ec_enter(&e->core, "for (int x = 0; x < 4; x++)");
   ec_line(&e->core, "const %s %s;", e->core.ixt, ij);
@@ -2725,13 +2749,13 @@ static void att_mma_mask(Emit *e, const Att *A, const char *edge, const char *ij
 // (batch, head, 64 queries), 16 query rows per warp, with Q and dout as mma A fragments in registers.
 static void att_mma_query_rows(Emit *e, const Att *A) {
   const char *ixt = e->core.ixt;
-  int64_t t = A->nt, nqt = (t + ATT_MMA_BQ - 1) / ATT_MMA_BQ;
+  int64_t t = A->nt, nqt = (t + ATT_MMA_DQ_ROWS - 1) / ATT_MMA_DQ_ROWS;
   e->shared = (int)att_mma_bwd_shared(A, false);
   long long pairs = A->d / 2 + 4;
   ec_line(&e->core, "__shared__ __align__(16) uint32_t Ks[%d][%lld], Vs[%d][%lld]; // the tile's keys and values, "
-          "bf16 pairs", ATT_MMA_BK, pairs, ATT_MMA_BK, pairs);
+          "bf16 pairs", ATT_MMA_TILE, pairs, ATT_MMA_TILE, pairs);
   if (A->has_doc)
-    ec_line(&e->core, "__shared__ int32_t Dk[%d];", ATT_MMA_BK);
+    ec_line(&e->core, "__shared__ int32_t Dk[%d];", ATT_MMA_TILE);
   ec_line(&e->core, "const int w = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tq = lane & 3;");
   bool last_first = A->causal && nqt > 1;
   if (last_first)
@@ -2739,7 +2763,7 @@ static void att_mma_query_rows(Emit *e, const Att *A) {
   ec_line(&e->core, "const %s b = blockIdx.x / %lld, hd = blockIdx.x / %lld %% %lld, q0 = %sblockIdx.x %% %lld%s * %d;",
           ixt, (long long)(A->heads * nqt), (long long)nqt, (long long)A->heads,
           last_first ? ec_str(&e->core, "(%lld - ", (long long)(nqt - 1)) : "", (long long)nqt, last_first ? ")" : "",
-          ATT_MMA_BQ);
+          ATT_MMA_DQ_ROWS);
   ec_line(&e->core, "// The lane's query rows: r0 (accumulators 0 and 1 of a tile) and r1 (2 and 3).");
   ec_line(&e->core, "const %s r0 = q0 + 16 * w + g, r1 = r0 + 8;", ixt);
   ec_line(&e->core, "// Q and dout as the A fragments of the k16 steps over the channels, rounded once; 0 beyond T.");
@@ -2757,24 +2781,25 @@ static void att_mma_query_tiles(Emit *e, const Att *A) {
   int64_t t = A->nt;
   if (A->causal)
     ec_line(&e->core, "const %s kend = q0 + %d < %lld ? q0 + %d : %lld; // later keys are masked for every row", ixt,
-            ATT_MMA_BQ, (long long)t, ATT_MMA_BQ, (long long)t);
+            ATT_MMA_DQ_ROWS, (long long)t, ATT_MMA_DQ_ROWS, (long long)t);
   else
     ec_line(&e->core, "const %s kend = %lld;", ixt, (long long)t);
-  ec_enter(&e->core, "for (%s k0 = 0; k0 < kend; k0 += %d)", ixt, ATT_MMA_BK);
+  ec_enter(&e->core, "for (%s k0 = 0; k0 < kend; k0 += %d)", ixt, ATT_MMA_TILE);
   ec_line(&e->core, "__syncthreads();");
-  att_mma_stage(e, A, "k0", A->k, "Ks", A->v, "Vs");
+  att_mma_stage(e, A, ATT_MMA_DQ_THREADS, "k0", A->k, "Ks", A->v, "Vs");
   if (A->has_doc) {
-    ec_line(&e->core, "if (threadIdx.x < %d)", ATT_MMA_BK);
+    ec_line(&e->core, "if (threadIdx.x < %d)", ATT_MMA_TILE);
     ec_line(&e->core, "  Dk[threadIdx.x] = k0 + threadIdx.x < %lld ? %s[b * %lld + k0 + threadIdx.x] : 0;",
             (long long)t, ptr(e, A->doc), (long long)t);
   }
   ec_line(&e->core, "__syncthreads();");
+  att_mma_skip(e, A, ATT_MMA_DQ_ROWS, "k0 > q0 + 16 * w + 15", "the warp's rows see none of the tile's keys");
   ec_line(&e->core, "// S = Q K^T (scaled) and dP = dout V^T: tile n holds keys k0 + 8 n .. k0 + 8 n + 7.");
   att_mma_scores(e, A, "qa", "Ks", "oa", "Vs");
   const char *edge = A->has_doc ? NULL
-                     : A->causal ? ec_str(&e->core, "k0 + %d > %lld || k0 + %d > q0 + 16 * w", ATT_MMA_BK,
-                                          (long long)t, ATT_MMA_BK - 1)
-                                 : ec_str(&e->core, "k0 + %d > %lld", ATT_MMA_BK, (long long)t);
+                     : A->causal ? ec_str(&e->core, "k0 + %d > %lld || k0 + %d > q0 + 16 * w", ATT_MMA_TILE,
+                                          (long long)t, ATT_MMA_TILE - 1)
+                                 : ec_str(&e->core, "k0 + %d > %lld", ATT_MMA_TILE, (long long)t);
   ec_line(&e->core, "// Keys the row may not see get -inf%s.",
           edge ? " (only tiles that reach past T or past one of the warp's rows have any)" : "");
   const char *ij = A->causal ? "i = x < 2 ? r0 : r1, j = k0 + 8 * n + 2 * tq + (x & 1)"
@@ -2815,13 +2840,13 @@ static void att_dsum_kernel(Emit *e, const Att *A, int64_t dsum) {
 // exp(S - lse), dS = P (dP - D) in f32; rounded, the dS accumulators of two adjacent n8 tiles are the
 // A fragment of one k16 step of dq += dS K; dq = scale dq.
 static void att_mma_dq_kernel(Emit *e, const Att *A, int out, int64_t dsum) {
-  int64_t d = A->d, t = A->nt, nqt = (t + ATT_MMA_BQ - 1) / ATT_MMA_BQ;
+  int64_t d = A->d, t = A->nt, nqt = (t + ATT_MMA_DQ_ROWS - 1) / ATT_MMA_DQ_ROWS;
   int ntiles = (int)(d / 8);
   kbegin(e, "dq");
-  note(e, "attention backward, dq on tensor cores: B %lld, T %lld, %lld heads of %lld%s%s; a block of 4 warps per "
+  note(e, "attention backward, dq on tensor cores: B %lld, T %lld, %lld heads of %lld%s%s; a block of %d warps per "
           "(batch, head, %d queries), 16 query rows per warp, keys in tiles of %d; bf16 products (mma m16n8k16)",
        (long long)A->nb, (long long)t, (long long)A->heads, (long long)d, A->causal ? ", causal" : "",
-       A->has_doc ? ", within documents" : "", ATT_MMA_BQ, ATT_MMA_BK);
+       A->has_doc ? ", within documents" : "", ATT_MMA_DQ_WARPS, ATT_MMA_DQ_ROWS, ATT_MMA_TILE);
   att_mma_query_rows(e, A);
   const char *lp = ptr(e, A->lse);
   const char *sp = raw_ptr(e, dsum, "float", "dout . out per row");
@@ -2840,7 +2865,7 @@ static void att_mma_dq_kernel(Emit *e, const Att *A, int out, int64_t dsum) {
   ec_line(&e->core, "// of step k of dq += dS K, whose B fragment is keys 16 k + 2 tq, + 1 and 8 further of");
   ec_line(&e->core, "// channel 8 n + g.");
   ec_line(&e->core, "#pragma unroll");
-  ec_enter(&e->core, "for (int k = 0; k < %d; k++)", ATT_MMA_BK / 16);
+  ec_enter(&e->core, "for (int k = 0; k < %d; k++)", ATT_MMA_TILE / 16);
   ec_line(&e->core, "uint32_t da[4];");
   ec_line(&e->core, "#pragma unroll");
   ec_enter(&e->core, "for (int h = 0; h < 2; h++)");
@@ -2867,36 +2892,37 @@ static void att_mma_dq_kernel(Emit *e, const Att *A, int out, int64_t dsum) {
             flit(e, A->scale), 2 * r + 1);
   }
   ec_leave(&e->core);
-  kend(e, A->nb * A->heads * nqt, 128);
+  kend(e, A->nb * A->heads * nqt, ATT_MMA_DQ_THREADS);
 }
 
-// dk and dv on tensor cores (att_mma_bwd), FlashAttention-2's backward by key tile: a block of 4 warps
-// per (batch, head, 64 keys), 16 keys per warp with K and V as mma A fragments (bf16); the queries that
+// dk and dv on tensor cores (att_mma_bwd), FlashAttention-2's backward by key tile: a block of 8 warps
+// per (batch, head, 128 keys), 16 keys per warp with K and V as mma A fragments (bf16); the queries that
 // may see the tile, and their dout, staged in shared tiles of 64 as bf16 with their log-sum-exp and D;
 // S^T = K Q^T and dP^T = V dout^T by mma, P^T = exp(S^T - lse), dS^T = P^T (dP^T - D) in f32; rounded,
 // the accumulators of two adjacent n8 tiles are the A fragments of one k16 step of dv += P^T dout and
 // dk += dS^T Q; dk = scale dk.
 static void att_mma_dkv_kernel(Emit *e, const Att *A, int dk, int dv, int64_t dsum) {
   const char *ixt = e->core.ixt;
-  int64_t d = A->d, t = A->nt, nkt = (t + ATT_MMA_BK - 1) / ATT_MMA_BK;
+  int64_t d = A->d, t = A->nt, nkt = (t + ATT_MMA_ROWS - 1) / ATT_MMA_ROWS;
   int ntiles = (int)(d / 8);
   kbegin(e, "dkv");
-  note(e, "attention backward, %s on tensor cores: B %lld, T %lld, %lld heads of %lld%s%s; a block of 4 warps per "
+  note(e, "attention backward, %s on tensor cores: B %lld, T %lld, %lld heads of %lld%s%s; a block of %d warps per "
           "(batch, head, %d keys), 16 keys per warp, queries in tiles of %d; bf16 products (mma m16n8k16)",
        dk >= 0 && dv >= 0 ? "dk and dv" : dk >= 0 ? "dk" : "dv", (long long)A->nb, (long long)t, (long long)A->heads,
-       (long long)d, A->causal ? ", causal" : "", A->has_doc ? ", within documents" : "", ATT_MMA_BK, ATT_MMA_BQ);
+       (long long)d, A->causal ? ", causal" : "", A->has_doc ? ", within documents" : "",
+       ATT_MMA_WARPS, ATT_MMA_ROWS, ATT_MMA_TILE);
   e->shared = (int)att_mma_bwd_shared(A, true);
   ec_line(&e->core, "__shared__ __align__(16) uint32_t Qs[%d][%lld], Os[%d][%lld]; // the tile's queries and dout, "
-          "bf16 pairs", ATT_MMA_BQ, (long long)(d / 2 + 4), ATT_MMA_BQ, (long long)(d / 2 + 4));
+          "bf16 pairs", ATT_MMA_TILE, (long long)(d / 2 + 4), ATT_MMA_TILE, (long long)(d / 2 + 4));
   if (dk >= 0)
-    ec_line(&e->core, "__shared__ float Ls[%d], Ss[%d]; // their log-sum-exp and D", ATT_MMA_BQ, ATT_MMA_BQ);
+    ec_line(&e->core, "__shared__ float Ls[%d], Ss[%d]; // their log-sum-exp and D", ATT_MMA_TILE, ATT_MMA_TILE);
   else
-    ec_line(&e->core, "__shared__ float Ls[%d]; // their log-sum-exp", ATT_MMA_BQ);
+    ec_line(&e->core, "__shared__ float Ls[%d]; // their log-sum-exp", ATT_MMA_TILE);
   if (A->has_doc)
-    ec_line(&e->core, "__shared__ int32_t Dq[%d];", ATT_MMA_BQ);
+    ec_line(&e->core, "__shared__ int32_t Dq[%d];", ATT_MMA_TILE);
   ec_line(&e->core, "const int w = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tq = lane & 3;");
   ec_line(&e->core, "const %s b = blockIdx.x / %lld, hd = blockIdx.x / %lld %% %lld, k0 = blockIdx.x %% %lld * %d;",
-          ixt, (long long)(A->heads * nkt), (long long)nkt, (long long)A->heads, (long long)nkt, ATT_MMA_BK);
+          ixt, (long long)(A->heads * nkt), (long long)nkt, (long long)A->heads, (long long)nkt, ATT_MMA_ROWS);
   ec_line(&e->core, "// The lane's keys: r0 (accumulators 0 and 1 of a tile) and r1 (2 and 3).");
   ec_line(&e->core, "const %s r0 = k0 + 16 * w + g, r1 = r0 + 8;", ixt);
   ec_line(&e->core, "// K and V as the A fragments of the k16 steps over the channels, rounded once; 0 beyond T.");
@@ -2920,10 +2946,10 @@ static void att_mma_dkv_kernel(Emit *e, const Att *A, int dk, int dv, int64_t ds
   ec_leave(&e->core);
   if (A->causal)
     ec_line(&e->core, "// (queries before k0 see none of the keys)");
-  ec_enter(&e->core, "for (%s i0 = %s; i0 < %lld; i0 += %d)", ixt, A->causal ? "k0" : "0", (long long)t, ATT_MMA_BQ);
+  ec_enter(&e->core, "for (%s i0 = %s; i0 < %lld; i0 += %d)", ixt, A->causal ? "k0" : "0", (long long)t, ATT_MMA_TILE);
   ec_line(&e->core, "__syncthreads();");
-  att_mma_stage(e, A, "i0", A->q, "Qs", A->dout, "Os");
-  ec_enter(&e->core, "if (threadIdx.x < %d)", ATT_MMA_BQ);
+  att_mma_stage(e, A, ATT_MMA_THREADS, "i0", A->q, "Qs", A->dout, "Os");
+  ec_enter(&e->core, "if (threadIdx.x < %d)", ATT_MMA_TILE);
   ec_line(&e->core, "const %s i = i0 + threadIdx.x;", ixt);
   ec_line(&e->core, "Ls[threadIdx.x] = i < %lld ? %s[(b * %lld + hd) * %lld + i] * %s : 0.0f; // in base 2, as s",
           (long long)t, lp, (long long)A->heads, (long long)t, flit(e, LOG2E));
@@ -2934,12 +2960,14 @@ static void att_mma_dkv_kernel(Emit *e, const Att *A, int dk, int dv, int64_t ds
     ec_line(&e->core, "Dq[threadIdx.x] = i < %lld ? %s[b * %lld + i] : 0;", (long long)t, ptr(e, A->doc), (long long)t);
   ec_leave(&e->core);
   ec_line(&e->core, "__syncthreads();");
+  att_mma_skip(e, A, ATT_MMA_ROWS, ec_str(&e->core, "i0 + %d < k0 + 16 * w", ATT_MMA_TILE - 1),
+               "none of the tile's queries sees the warp's keys");
   ec_line(&e->core, "// S^T = K Q^T (scaled)%s: tile n holds queries i0 + 8 n .. i0 + 8 n + 7.",
           dk >= 0 ? " and dP^T = V dout^T" : "");
   att_mma_scores(e, A, "ka", "Qs", dk >= 0 ? "va" : NULL, "Os");
   const char *edge = A->has_doc ? NULL
-                     : A->causal ? ec_str(&e->core, "i0 + %d > %lld || i0 < k0 + 16 * w + 15", ATT_MMA_BQ, (long long)t)
-                                 : ec_str(&e->core, "i0 + %d > %lld", ATT_MMA_BQ, (long long)t);
+                     : A->causal ? ec_str(&e->core, "i0 + %d > %lld || i0 < k0 + 16 * w + 15", ATT_MMA_TILE, (long long)t)
+                                 : ec_str(&e->core, "i0 + %d > %lld", ATT_MMA_TILE, (long long)t);
   ec_line(&e->core, "// Queries that may not see the key get -inf%s.",
           edge ? " (only tiles that reach past T or before one of the warp's keys have any)" : "");
   att_mma_mask(e, A, edge, "i = i0 + 8 * n + 2 * tq + (x & 1), j = x < 2 ? r0 : r1", "(x < 2 ? d0 : d1)",
@@ -2948,7 +2976,7 @@ static void att_mma_dkv_kernel(Emit *e, const Att *A, int dk, int dv, int64_t ds
   ec_line(&e->core, "// fragments of step k of dv += P^T dout and dk += dS^T Q, whose B fragments are queries");
   ec_line(&e->core, "// 16 k + 2 tq, + 1 and 8 further of channel 8 n + g.");
   ec_line(&e->core, "#pragma unroll");
-  ec_enter(&e->core, "for (int k = 0; k < %d; k++)", ATT_MMA_BQ / 16);
+  ec_enter(&e->core, "for (int k = 0; k < %d; k++)", ATT_MMA_TILE / 16);
   ec_line(&e->core, "uint32_t %s;", dk >= 0 && dv >= 0 ? "pa[4], da[4]" : dk >= 0 ? "da[4]" : "pa[4]");
   ec_line(&e->core, "#pragma unroll");
   ec_enter(&e->core, "for (int h = 0; h < 2; h++)");
@@ -2995,7 +3023,7 @@ static void att_mma_dkv_kernel(Emit *e, const Att *A, int dk, int dv, int64_t ds
     ec_leave(&e->core);
   }
   ec_leave(&e->core);
-  kend(e, A->nb * A->heads * nkt, 128);
+  kend(e, A->nb * A->heads * nkt, ATT_MMA_THREADS);
 }
 
 // ATTENTION_BWD siblings, from the forward's log-sum-exp per row (ATTENTION_LSE): D = dout . out per

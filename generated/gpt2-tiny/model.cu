@@ -384,10 +384,10 @@ extern "C" __global__ void __launch_bounds__(256) k2_layernorm_fwd__add__cast(ch
 //   %33    cast                                    line 39    bf16[512,64]
 //   %192   attention_lse                           line 39    f32[8,4,64]
 // runs:
-//   k4_attention_fwd__cast__lse<<<32, 128>>>
+//   k4_attention_fwd__cast__lse<<<32, 256>>>
 
-// attention on tensor cores: B 8, T 64, 4 heads of 16, causal, within documents; a block of 4 warps per (batch, head, 64 queries), 16 query rows per warp, keys in tiles of 64; bf16 products (mma m16n8k16), f32 softmax
-extern "C" __global__ void __launch_bounds__(128) k4_attention_fwd__cast__lse(char *arena, MdlStatus *status, const uint64_t *seed, int64_t chunk, MdlArgs o) {
+// attention on tensor cores: B 8, T 64, 4 heads of 16, causal, within documents; a block of 8 warps per (batch, head, 128 queries), 16 query rows per warp, keys in tiles of 64; bf16 products (mma m16n8k16), f32 softmax
+extern "C" __global__ void __launch_bounds__(256) k4_attention_fwd__cast__lse(char *arena, MdlStatus *status, const uint64_t *seed, int64_t chunk, MdlArgs o) {
   float *const b0 = (float *)(arena + o.b[0]); // add f32[8,64,192]
   int32_t *const b1 = (int32_t *)(arena + o.b[1]); // input i32[8,64]
   float *const b2 = (float *)(arena + o.b[2]); // attention_lse f32[8,4,64]
@@ -396,7 +396,7 @@ extern "C" __global__ void __launch_bounds__(128) k4_attention_fwd__cast__lse(ch
   __shared__ __align__(16) uint16_t Vs[64][24]; // values of the tile, bf16
   __shared__ int32_t Dk[64];
   const int w = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tq = lane & 3;
-  const int b = blockIdx.x / 4, hd = blockIdx.x / 1 % 4, q0 = blockIdx.x % 1 * 64;
+  const int b = blockIdx.x / 4, hd = blockIdx.x / 1 % 4, q0 = blockIdx.x % 1 * 128;
   // The lane's query rows: r0 (accumulators 0 and 1 of a tile) and r1 (2 and 3).
   const int r0 = q0 + 16 * w + g, r1 = r0 + 8;
   // Q as the A fragments of the k16 steps over the channels, rounded once; 0 beyond T.
@@ -416,11 +416,11 @@ extern "C" __global__ void __launch_bounds__(128) k4_attention_fwd__cast__lse(ch
   #pragma unroll
   for (int n = 0; n < 2; n++)
     acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
-  const int kend = q0 + 64 < 64 ? q0 + 64 : 64; // later keys are masked for every row
+  const int kend = q0 + 128 < 64 ? q0 + 128 : 64; // later keys are masked for every row
   for (int k0 = 0; k0 < kend; k0 += 64) {
     __syncthreads();
     // The tile's keys and values, rounded to bf16; 0 beyond T.
-    for (int u = threadIdx.x; u < 256; u += 128) {
+    for (int u = threadIdx.x; u < 256; u += 256) {
       const int jj = u / 4, c = u % 4 * 4;
       const bool in = k0 + jj < 64;
       const float4 kx = in ? *(const float4 *)&(b0 + 64)[(b * 64 + k0 + jj) * 192 + hd * 16 + c] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
@@ -435,6 +435,8 @@ extern "C" __global__ void __launch_bounds__(128) k4_attention_fwd__cast__lse(ch
     if (threadIdx.x < 64)
       Dk[threadIdx.x] = k0 + threadIdx.x < 64 ? b1[b * 64 + k0 + threadIdx.x] : 0;
     __syncthreads();
+    if (k0 > q0 + 16 * w + 15)
+      continue; // the warp's rows see none of the tile's keys
     // S = Q K^T: s[n] holds keys k0 + 8 n .. k0 + 8 n + 7; the B fragment of step k is key 8 n + g,
     // channels 16 k + 2 tq, + 1 and 8 further.
     float s[8][4];
@@ -646,7 +648,7 @@ extern "C" __global__ void __launch_bounds__(256) k7_gemm__add__gelu__cast_epilo
 //   %78    cast                                    line 39    bf16[512,64]
 //   %148   attention_lse                           line 39    f32[8,4,64]
 // runs:
-//   k4_attention_fwd__cast__lse<<<32, 128>>>
+//   k4_attention_fwd__cast__lse<<<32, 256>>>
 
 // k12_gemm__add: GEMM, 4 ops
 //   %80    matmul                                  line 39    f32[512,64]
@@ -1120,7 +1122,7 @@ extern "C" __global__ void __launch_bounds__(256) k25_layernorm_bwd__add__sum__c
 // runs:
 //   k28_attention_bwd_dsum<<<256, 256>>>
 //   k28_attention_bwd_dq<<<32, 128>>>
-//   k28_attention_bwd_dkv<<<32, 128>>>
+//   k28_attention_bwd_dkv<<<32, 256>>>
 
 // attention backward, D = dout . out: B 8, T 64, 4 heads of 16; a warp per row of a head
 extern "C" __global__ void __launch_bounds__(256) k28_attention_bwd_dsum(char *arena, MdlStatus *status, const uint64_t *seed, int64_t chunk, MdlArgs o) {
@@ -1257,8 +1259,8 @@ extern "C" __global__ void __launch_bounds__(128) k28_attention_bwd_dq(char *are
   }
 }
 
-// attention backward, dk and dv on tensor cores: B 8, T 64, 4 heads of 16, causal, within documents; a block of 4 warps per (batch, head, 64 keys), 16 keys per warp, queries in tiles of 64; bf16 products (mma m16n8k16)
-extern "C" __global__ void __launch_bounds__(128) k28_attention_bwd_dkv(char *arena, MdlStatus *status, const uint64_t *seed, int64_t chunk, MdlArgs o) {
+// attention backward, dk and dv on tensor cores: B 8, T 64, 4 heads of 16, causal, within documents; a block of 8 warps per (batch, head, 128 keys), 16 keys per warp, queries in tiles of 64; bf16 products (mma m16n8k16)
+extern "C" __global__ void __launch_bounds__(256) k28_attention_bwd_dkv(char *arena, MdlStatus *status, const uint64_t *seed, int64_t chunk, MdlArgs o) {
   float *const b0 = (float *)(arena + o.b[0]); // add f32[8,64,192]
   int32_t *const b1 = (int32_t *)(arena + o.b[1]); // input i32[8,64]
   float *const b2 = (float *)(arena + o.b[2]); // attention_lse f32[8,4,64]
@@ -1270,7 +1272,7 @@ extern "C" __global__ void __launch_bounds__(128) k28_attention_bwd_dkv(char *ar
   __shared__ float Ls[64], Ss[64]; // their log-sum-exp and D
   __shared__ int32_t Dq[64];
   const int w = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tq = lane & 3;
-  const int b = blockIdx.x / 4, hd = blockIdx.x / 1 % 4, k0 = blockIdx.x % 1 * 64;
+  const int b = blockIdx.x / 4, hd = blockIdx.x / 1 % 4, k0 = blockIdx.x % 1 * 128;
   // The lane's keys: r0 (accumulators 0 and 1 of a tile) and r1 (2 and 3).
   const int r0 = k0 + 16 * w + g, r1 = r0 + 8;
   // K and V as the A fragments of the k16 steps over the channels, rounded once; 0 beyond T.
@@ -1302,7 +1304,7 @@ extern "C" __global__ void __launch_bounds__(128) k28_attention_bwd_dkv(char *ar
   // (queries before k0 see none of the keys)
   for (int i0 = k0; i0 < 64; i0 += 64) {
     __syncthreads();
-    for (int u = threadIdx.x; u < 256; u += 128) {
+    for (int u = threadIdx.x; u < 256; u += 256) {
       const int jj = u / 4, c = u % 4 * 4;
       const bool in = i0 + jj < 64;
       const float4 ax = in ? *(const float4 *)&b0[(b * 64 + i0 + jj) * 192 + hd * 16 + c] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
@@ -1319,6 +1321,8 @@ extern "C" __global__ void __launch_bounds__(128) k28_attention_bwd_dkv(char *ar
       Dq[threadIdx.x] = i < 64 ? b1[b * 64 + i] : 0;
     }
     __syncthreads();
+    if (i0 + 63 < k0 + 16 * w)
+      continue; // none of the tile's queries sees the warp's keys
     // S^T = K Q^T (scaled) and dP^T = V dout^T: tile n holds queries i0 + 8 n .. i0 + 8 n + 7.
     float s[8][4], dp[8][4];
     #pragma unroll
@@ -1625,7 +1629,7 @@ extern "C" __global__ void __launch_bounds__(256) k32_layernorm_bwd__add__sum__c
 // runs:
 //   k28_attention_bwd_dsum<<<256, 256>>>
 //   k28_attention_bwd_dq<<<32, 128>>>
-//   k28_attention_bwd_dkv<<<32, 128>>>
+//   k28_attention_bwd_dkv<<<32, 256>>>
 
 // k41_sum__slice_bwd__add__cast: kernel, 8 ops
 //   %198   slice_bwd                               line 38    f32[8,64,192]

@@ -384,10 +384,10 @@ extern "C" __global__ void __launch_bounds__(256) k2_layernorm_fwd__add__cast(ch
 //   %33    cast                                    line 39    bf16[8192,768]
 //   %1082  attention_lse                           line 39    f32[8,12,1024]
 // runs:
-//   k4_attention_fwd__cast__lse<<<1536, 128>>>
+//   k4_attention_fwd__cast__lse<<<768, 256>>>
 
-// attention on tensor cores: B 8, T 1024, 12 heads of 64, causal, within documents; a block of 4 warps per (batch, head, 64 queries), 16 query rows per warp, keys in tiles of 64; bf16 products (mma m16n8k16), f32 softmax
-extern "C" __global__ void __launch_bounds__(128) k4_attention_fwd__cast__lse(char *arena, MdlStatus *status, const uint64_t *seed, int64_t chunk, MdlArgs o) {
+// attention on tensor cores: B 8, T 1024, 12 heads of 64, causal, within documents; a block of 8 warps per (batch, head, 128 queries), 16 query rows per warp, keys in tiles of 64; bf16 products (mma m16n8k16), f32 softmax
+extern "C" __global__ void __launch_bounds__(256) k4_attention_fwd__cast__lse(char *arena, MdlStatus *status, const uint64_t *seed, int64_t chunk, MdlArgs o) {
   float *const b0 = (float *)(arena + o.b[0]); // add f32[8,1024,2304]
   int32_t *const b1 = (int32_t *)(arena + o.b[1]); // input i32[8,1024]
   float *const b2 = (float *)(arena + o.b[2]); // attention_lse f32[8,12,1024]
@@ -397,7 +397,7 @@ extern "C" __global__ void __launch_bounds__(128) k4_attention_fwd__cast__lse(ch
   __shared__ int32_t Dk[64];
   const int w = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tq = lane & 3;
   // (query tiles from the last: the ones with the most keys start first)
-  const int b = blockIdx.x / 192, hd = blockIdx.x / 16 % 12, q0 = (15 - blockIdx.x % 16) * 64;
+  const int b = blockIdx.x / 96, hd = blockIdx.x / 8 % 12, q0 = (7 - blockIdx.x % 8) * 128;
   // The lane's query rows: r0 (accumulators 0 and 1 of a tile) and r1 (2 and 3).
   const int r0 = q0 + 16 * w + g, r1 = r0 + 8;
   // Q as the A fragments of the k16 steps over the channels, rounded once; 0 beyond T.
@@ -417,11 +417,11 @@ extern "C" __global__ void __launch_bounds__(128) k4_attention_fwd__cast__lse(ch
   #pragma unroll
   for (int n = 0; n < 8; n++)
     acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
-  const int kend = q0 + 64 < 1024 ? q0 + 64 : 1024; // later keys are masked for every row
+  const int kend = q0 + 128 < 1024 ? q0 + 128 : 1024; // later keys are masked for every row
   for (int k0 = 0; k0 < kend; k0 += 64) {
     __syncthreads();
     // The tile's keys and values, rounded to bf16; 0 beyond T.
-    for (int u = threadIdx.x; u < 1024; u += 128) {
+    for (int u = threadIdx.x; u < 1024; u += 256) {
       const int jj = u / 16, c = u % 16 * 4;
       const bool in = k0 + jj < 1024;
       const float4 kx = in ? *(const float4 *)&(b0 + 768)[(b * 1024 + k0 + jj) * 2304 + hd * 64 + c] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
@@ -436,6 +436,8 @@ extern "C" __global__ void __launch_bounds__(128) k4_attention_fwd__cast__lse(ch
     if (threadIdx.x < 64)
       Dk[threadIdx.x] = k0 + threadIdx.x < 1024 ? b1[b * 1024 + k0 + threadIdx.x] : 0;
     __syncthreads();
+    if (k0 > q0 + 16 * w + 15)
+      continue; // the warp's rows see none of the tile's keys
     // S = Q K^T: s[n] holds keys k0 + 8 n .. k0 + 8 n + 7; the B fragment of step k is key 8 n + g,
     // channels 16 k + 2 tq, + 1 and 8 further.
     float s[8][4];
@@ -647,7 +649,7 @@ extern "C" __global__ void __launch_bounds__(256) k7_gemm__add__gelu__cast_epilo
 //   %78    cast                                    line 39    bf16[8192,768]
 //   %1038  attention_lse                           line 39    f32[8,12,1024]
 // runs:
-//   k4_attention_fwd__cast__lse<<<1536, 128>>>
+//   k4_attention_fwd__cast__lse<<<768, 256>>>
 
 // k12_gemm__add: GEMM, 4 ops
 //   %80    matmul                                  line 39    f32[8192,768]
@@ -703,7 +705,7 @@ extern "C" __global__ void __launch_bounds__(256) k7_gemm__add__gelu__cast_epilo
 //   %123   cast                                    line 39    bf16[8192,768]
 //   %994   attention_lse                           line 39    f32[8,12,1024]
 // runs:
-//   k4_attention_fwd__cast__lse<<<1536, 128>>>
+//   k4_attention_fwd__cast__lse<<<768, 256>>>
 
 // k19_gemm__add: GEMM, 4 ops
 //   %125   matmul                                  line 39    f32[8192,768]
@@ -759,7 +761,7 @@ extern "C" __global__ void __launch_bounds__(256) k7_gemm__add__gelu__cast_epilo
 //   %168   cast                                    line 39    bf16[8192,768]
 //   %950   attention_lse                           line 39    f32[8,12,1024]
 // runs:
-//   k4_attention_fwd__cast__lse<<<1536, 128>>>
+//   k4_attention_fwd__cast__lse<<<768, 256>>>
 
 // k26_gemm__add: GEMM, 4 ops
 //   %170   matmul                                  line 39    f32[8192,768]
@@ -815,7 +817,7 @@ extern "C" __global__ void __launch_bounds__(256) k7_gemm__add__gelu__cast_epilo
 //   %213   cast                                    line 39    bf16[8192,768]
 //   %906   attention_lse                           line 39    f32[8,12,1024]
 // runs:
-//   k4_attention_fwd__cast__lse<<<1536, 128>>>
+//   k4_attention_fwd__cast__lse<<<768, 256>>>
 
 // k33_gemm__add: GEMM, 4 ops
 //   %215   matmul                                  line 39    f32[8192,768]
@@ -871,7 +873,7 @@ extern "C" __global__ void __launch_bounds__(256) k7_gemm__add__gelu__cast_epilo
 //   %258   cast                                    line 39    bf16[8192,768]
 //   %862   attention_lse                           line 39    f32[8,12,1024]
 // runs:
-//   k4_attention_fwd__cast__lse<<<1536, 128>>>
+//   k4_attention_fwd__cast__lse<<<768, 256>>>
 
 // k40_gemm__add: GEMM, 4 ops
 //   %260   matmul                                  line 39    f32[8192,768]
@@ -927,7 +929,7 @@ extern "C" __global__ void __launch_bounds__(256) k7_gemm__add__gelu__cast_epilo
 //   %303   cast                                    line 39    bf16[8192,768]
 //   %818   attention_lse                           line 39    f32[8,12,1024]
 // runs:
-//   k4_attention_fwd__cast__lse<<<1536, 128>>>
+//   k4_attention_fwd__cast__lse<<<768, 256>>>
 
 // k47_gemm__add: GEMM, 4 ops
 //   %305   matmul                                  line 39    f32[8192,768]
@@ -983,7 +985,7 @@ extern "C" __global__ void __launch_bounds__(256) k7_gemm__add__gelu__cast_epilo
 //   %348   cast                                    line 39    bf16[8192,768]
 //   %774   attention_lse                           line 39    f32[8,12,1024]
 // runs:
-//   k4_attention_fwd__cast__lse<<<1536, 128>>>
+//   k4_attention_fwd__cast__lse<<<768, 256>>>
 
 // k54_gemm__add: GEMM, 4 ops
 //   %350   matmul                                  line 39    f32[8192,768]
@@ -1039,7 +1041,7 @@ extern "C" __global__ void __launch_bounds__(256) k7_gemm__add__gelu__cast_epilo
 //   %393   cast                                    line 39    bf16[8192,768]
 //   %730   attention_lse                           line 39    f32[8,12,1024]
 // runs:
-//   k4_attention_fwd__cast__lse<<<1536, 128>>>
+//   k4_attention_fwd__cast__lse<<<768, 256>>>
 
 // k61_gemm__add: GEMM, 4 ops
 //   %395   matmul                                  line 39    f32[8192,768]
@@ -1095,7 +1097,7 @@ extern "C" __global__ void __launch_bounds__(256) k7_gemm__add__gelu__cast_epilo
 //   %438   cast                                    line 39    bf16[8192,768]
 //   %686   attention_lse                           line 39    f32[8,12,1024]
 // runs:
-//   k4_attention_fwd__cast__lse<<<1536, 128>>>
+//   k4_attention_fwd__cast__lse<<<768, 256>>>
 
 // k68_gemm__add: GEMM, 4 ops
 //   %440   matmul                                  line 39    f32[8192,768]
@@ -1151,7 +1153,7 @@ extern "C" __global__ void __launch_bounds__(256) k7_gemm__add__gelu__cast_epilo
 //   %483   cast                                    line 39    bf16[8192,768]
 //   %642   attention_lse                           line 39    f32[8,12,1024]
 // runs:
-//   k4_attention_fwd__cast__lse<<<1536, 128>>>
+//   k4_attention_fwd__cast__lse<<<768, 256>>>
 
 // k75_gemm__add: GEMM, 4 ops
 //   %485   matmul                                  line 39    f32[8192,768]
@@ -1207,7 +1209,7 @@ extern "C" __global__ void __launch_bounds__(256) k7_gemm__add__gelu__cast_epilo
 //   %528   cast                                    line 39    bf16[8192,768]
 //   %598   attention_lse                           line 39    f32[8,12,1024]
 // runs:
-//   k4_attention_fwd__cast__lse<<<1536, 128>>>
+//   k4_attention_fwd__cast__lse<<<768, 256>>>
 
 // k82_gemm__add: GEMM, 4 ops
 //   %530   matmul                                  line 39    f32[8192,768]
@@ -1690,7 +1692,7 @@ extern "C" __global__ void __launch_bounds__(128) k95_layernorm_bwd__add__sum__c
 // runs:
 //   k98_attention_bwd_dsum<<<12288, 256>>>
 //   k98_attention_bwd_dq<<<1536, 128>>>
-//   k98_attention_bwd_dkv<<<1536, 128>>>
+//   k98_attention_bwd_dkv<<<768, 256>>>
 
 // attention backward, D = dout . out: B 8, T 1024, 12 heads of 64; a warp per row of a head
 extern "C" __global__ void __launch_bounds__(256) k98_attention_bwd_dsum(char *arena, MdlStatus *status, const uint64_t *seed, int64_t chunk, MdlArgs o) {
@@ -1827,8 +1829,8 @@ extern "C" __global__ void __launch_bounds__(128) k98_attention_bwd_dq(char *are
   }
 }
 
-// attention backward, dk and dv on tensor cores: B 8, T 1024, 12 heads of 64, causal, within documents; a block of 4 warps per (batch, head, 64 keys), 16 keys per warp, queries in tiles of 64; bf16 products (mma m16n8k16)
-extern "C" __global__ void __launch_bounds__(128) k98_attention_bwd_dkv(char *arena, MdlStatus *status, const uint64_t *seed, int64_t chunk, MdlArgs o) {
+// attention backward, dk and dv on tensor cores: B 8, T 1024, 12 heads of 64, causal, within documents; a block of 8 warps per (batch, head, 128 keys), 16 keys per warp, queries in tiles of 64; bf16 products (mma m16n8k16)
+extern "C" __global__ void __launch_bounds__(256) k98_attention_bwd_dkv(char *arena, MdlStatus *status, const uint64_t *seed, int64_t chunk, MdlArgs o) {
   float *const b0 = (float *)(arena + o.b[0]); // add f32[8,1024,2304]
   int32_t *const b1 = (int32_t *)(arena + o.b[1]); // input i32[8,1024]
   float *const b2 = (float *)(arena + o.b[2]); // attention_lse f32[8,12,1024]
@@ -1840,7 +1842,7 @@ extern "C" __global__ void __launch_bounds__(128) k98_attention_bwd_dkv(char *ar
   __shared__ float Ls[64], Ss[64]; // their log-sum-exp and D
   __shared__ int32_t Dq[64];
   const int w = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tq = lane & 3;
-  const int b = blockIdx.x / 192, hd = blockIdx.x / 16 % 12, k0 = blockIdx.x % 16 * 64;
+  const int b = blockIdx.x / 96, hd = blockIdx.x / 8 % 12, k0 = blockIdx.x % 8 * 128;
   // The lane's keys: r0 (accumulators 0 and 1 of a tile) and r1 (2 and 3).
   const int r0 = k0 + 16 * w + g, r1 = r0 + 8;
   // K and V as the A fragments of the k16 steps over the channels, rounded once; 0 beyond T.
@@ -1872,7 +1874,7 @@ extern "C" __global__ void __launch_bounds__(128) k98_attention_bwd_dkv(char *ar
   // (queries before k0 see none of the keys)
   for (int i0 = k0; i0 < 1024; i0 += 64) {
     __syncthreads();
-    for (int u = threadIdx.x; u < 1024; u += 128) {
+    for (int u = threadIdx.x; u < 1024; u += 256) {
       const int jj = u / 16, c = u % 16 * 4;
       const bool in = i0 + jj < 1024;
       const float4 ax = in ? *(const float4 *)&b0[(b * 1024 + i0 + jj) * 2304 + hd * 64 + c] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
@@ -1889,6 +1891,8 @@ extern "C" __global__ void __launch_bounds__(128) k98_attention_bwd_dkv(char *ar
       Dq[threadIdx.x] = i < 1024 ? b1[b * 1024 + i] : 0;
     }
     __syncthreads();
+    if (i0 + 63 < k0 + 16 * w)
+      continue; // none of the tile's queries sees the warp's keys
     // S^T = K Q^T (scaled) and dP^T = V dout^T: tile n holds queries i0 + 8 n .. i0 + 8 n + 7.
     float s[8][4], dp[8][4];
     #pragma unroll
@@ -2196,7 +2200,7 @@ extern "C" __global__ void __launch_bounds__(128) k102_layernorm_bwd__add__sum__
 // runs:
 //   k98_attention_bwd_dsum<<<12288, 256>>>
 //   k98_attention_bwd_dq<<<1536, 128>>>
-//   k98_attention_bwd_dkv<<<1536, 128>>>
+//   k98_attention_bwd_dkv<<<768, 256>>>
 
 // k111_sum__slice_bwd__add__cast: kernel, 8 ops
 //   %648   slice_bwd                               line 38    f32[8,1024,2304]
@@ -2291,7 +2295,7 @@ extern "C" __global__ void __launch_bounds__(128) k102_layernorm_bwd__add__sum__
 // runs:
 //   k98_attention_bwd_dsum<<<12288, 256>>>
 //   k98_attention_bwd_dq<<<1536, 128>>>
-//   k98_attention_bwd_dkv<<<1536, 128>>>
+//   k98_attention_bwd_dkv<<<768, 256>>>
 
 // k123_sum__slice_bwd__add__cast: kernel, 8 ops
 //   %692   slice_bwd                               line 38    f32[8,1024,2304]
@@ -2386,7 +2390,7 @@ extern "C" __global__ void __launch_bounds__(128) k102_layernorm_bwd__add__sum__
 // runs:
 //   k98_attention_bwd_dsum<<<12288, 256>>>
 //   k98_attention_bwd_dq<<<1536, 128>>>
-//   k98_attention_bwd_dkv<<<1536, 128>>>
+//   k98_attention_bwd_dkv<<<768, 256>>>
 
 // k135_sum__slice_bwd__add__cast: kernel, 8 ops
 //   %736   slice_bwd                               line 38    f32[8,1024,2304]
@@ -2481,7 +2485,7 @@ extern "C" __global__ void __launch_bounds__(128) k102_layernorm_bwd__add__sum__
 // runs:
 //   k98_attention_bwd_dsum<<<12288, 256>>>
 //   k98_attention_bwd_dq<<<1536, 128>>>
-//   k98_attention_bwd_dkv<<<1536, 128>>>
+//   k98_attention_bwd_dkv<<<768, 256>>>
 
 // k147_sum__slice_bwd__add__cast: kernel, 8 ops
 //   %780   slice_bwd                               line 38    f32[8,1024,2304]
@@ -2576,7 +2580,7 @@ extern "C" __global__ void __launch_bounds__(128) k102_layernorm_bwd__add__sum__
 // runs:
 //   k98_attention_bwd_dsum<<<12288, 256>>>
 //   k98_attention_bwd_dq<<<1536, 128>>>
-//   k98_attention_bwd_dkv<<<1536, 128>>>
+//   k98_attention_bwd_dkv<<<768, 256>>>
 
 // k159_sum__slice_bwd__add__cast: kernel, 8 ops
 //   %824   slice_bwd                               line 38    f32[8,1024,2304]
@@ -2671,7 +2675,7 @@ extern "C" __global__ void __launch_bounds__(128) k102_layernorm_bwd__add__sum__
 // runs:
 //   k98_attention_bwd_dsum<<<12288, 256>>>
 //   k98_attention_bwd_dq<<<1536, 128>>>
-//   k98_attention_bwd_dkv<<<1536, 128>>>
+//   k98_attention_bwd_dkv<<<768, 256>>>
 
 // k171_sum__slice_bwd__add__cast: kernel, 8 ops
 //   %868   slice_bwd                               line 38    f32[8,1024,2304]
@@ -2766,7 +2770,7 @@ extern "C" __global__ void __launch_bounds__(128) k102_layernorm_bwd__add__sum__
 // runs:
 //   k98_attention_bwd_dsum<<<12288, 256>>>
 //   k98_attention_bwd_dq<<<1536, 128>>>
-//   k98_attention_bwd_dkv<<<1536, 128>>>
+//   k98_attention_bwd_dkv<<<768, 256>>>
 
 // k183_sum__slice_bwd__add__cast: kernel, 8 ops
 //   %912   slice_bwd                               line 38    f32[8,1024,2304]
@@ -2861,7 +2865,7 @@ extern "C" __global__ void __launch_bounds__(128) k102_layernorm_bwd__add__sum__
 // runs:
 //   k98_attention_bwd_dsum<<<12288, 256>>>
 //   k98_attention_bwd_dq<<<1536, 128>>>
-//   k98_attention_bwd_dkv<<<1536, 128>>>
+//   k98_attention_bwd_dkv<<<768, 256>>>
 
 // k195_sum__slice_bwd__add__cast: kernel, 8 ops
 //   %956   slice_bwd                               line 38    f32[8,1024,2304]
@@ -2956,7 +2960,7 @@ extern "C" __global__ void __launch_bounds__(128) k102_layernorm_bwd__add__sum__
 // runs:
 //   k98_attention_bwd_dsum<<<12288, 256>>>
 //   k98_attention_bwd_dq<<<1536, 128>>>
-//   k98_attention_bwd_dkv<<<1536, 128>>>
+//   k98_attention_bwd_dkv<<<768, 256>>>
 
 // k207_sum__slice_bwd__add__cast: kernel, 8 ops
 //   %1000  slice_bwd                               line 38    f32[8,1024,2304]
@@ -3051,7 +3055,7 @@ extern "C" __global__ void __launch_bounds__(128) k102_layernorm_bwd__add__sum__
 // runs:
 //   k98_attention_bwd_dsum<<<12288, 256>>>
 //   k98_attention_bwd_dq<<<1536, 128>>>
-//   k98_attention_bwd_dkv<<<1536, 128>>>
+//   k98_attention_bwd_dkv<<<768, 256>>>
 
 // k219_sum__slice_bwd__add__cast: kernel, 8 ops
 //   %1044  slice_bwd                               line 38    f32[8,1024,2304]
@@ -3146,7 +3150,7 @@ extern "C" __global__ void __launch_bounds__(128) k102_layernorm_bwd__add__sum__
 // runs:
 //   k98_attention_bwd_dsum<<<12288, 256>>>
 //   k98_attention_bwd_dq<<<1536, 128>>>
-//   k98_attention_bwd_dkv<<<1536, 128>>>
+//   k98_attention_bwd_dkv<<<768, 256>>>
 
 // k231_sum__slice_bwd__add__cast: kernel, 8 ops
 //   %1088  slice_bwd                               line 38    f32[8,1024,2304]

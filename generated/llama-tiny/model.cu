@@ -388,10 +388,10 @@ extern "C" __global__ void __launch_bounds__(256) k3_rope(char *arena, MdlStatus
 //   %35    cast                                    line 38    bf16[512,64]
 //   %219   attention_lse                           line 38    f32[8,4,64]
 // runs:
-//   k7_attention_fwd__cast__lse<<<32, 128>>>
+//   k7_attention_fwd__cast__lse<<<32, 256>>>
 
-// attention on tensor cores: B 8, T 64, 4 heads of 16, causal, within documents; a block of 4 warps per (batch, head, 64 queries), 16 query rows per warp, keys in tiles of 64; bf16 products (mma m16n8k16), f32 softmax
-extern "C" __global__ void __launch_bounds__(128) k7_attention_fwd__cast__lse(char *arena, MdlStatus *status, const uint64_t *seed, int64_t chunk, MdlArgs o) {
+// attention on tensor cores: B 8, T 64, 4 heads of 16, causal, within documents; a block of 8 warps per (batch, head, 128 queries), 16 query rows per warp, keys in tiles of 64; bf16 products (mma m16n8k16), f32 softmax
+extern "C" __global__ void __launch_bounds__(256) k7_attention_fwd__cast__lse(char *arena, MdlStatus *status, const uint64_t *seed, int64_t chunk, MdlArgs o) {
   float *const b0 = (float *)(arena + o.b[0]); // rope f32[8,64,64]
   int32_t *const b1 = (int32_t *)(arena + o.b[1]); // input i32[8,64]
   float *const b2 = (float *)(arena + o.b[2]); // rope f32[8,64,64]
@@ -402,7 +402,7 @@ extern "C" __global__ void __launch_bounds__(128) k7_attention_fwd__cast__lse(ch
   __shared__ __align__(16) uint16_t Vs[64][24]; // values of the tile, bf16
   __shared__ int32_t Dk[64];
   const int w = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tq = lane & 3;
-  const int b = blockIdx.x / 4, hd = blockIdx.x / 1 % 4, q0 = blockIdx.x % 1 * 64;
+  const int b = blockIdx.x / 4, hd = blockIdx.x / 1 % 4, q0 = blockIdx.x % 1 * 128;
   // The lane's query rows: r0 (accumulators 0 and 1 of a tile) and r1 (2 and 3).
   const int r0 = q0 + 16 * w + g, r1 = r0 + 8;
   // Q as the A fragments of the k16 steps over the channels, rounded once; 0 beyond T.
@@ -422,11 +422,11 @@ extern "C" __global__ void __launch_bounds__(128) k7_attention_fwd__cast__lse(ch
   #pragma unroll
   for (int n = 0; n < 2; n++)
     acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
-  const int kend = q0 + 64 < 64 ? q0 + 64 : 64; // later keys are masked for every row
+  const int kend = q0 + 128 < 64 ? q0 + 128 : 64; // later keys are masked for every row
   for (int k0 = 0; k0 < kend; k0 += 64) {
     __syncthreads();
     // The tile's keys and values, rounded to bf16; 0 beyond T.
-    for (int u = threadIdx.x; u < 256; u += 128) {
+    for (int u = threadIdx.x; u < 256; u += 256) {
       const int jj = u / 4, c = u % 4 * 4;
       const bool in = k0 + jj < 64;
       const float4 kx = in ? *(const float4 *)&b2[(b * 64 + k0 + jj) * 64 + hd * 16 + c] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
@@ -441,6 +441,8 @@ extern "C" __global__ void __launch_bounds__(128) k7_attention_fwd__cast__lse(ch
     if (threadIdx.x < 64)
       Dk[threadIdx.x] = k0 + threadIdx.x < 64 ? b1[b * 64 + k0 + threadIdx.x] : 0;
     __syncthreads();
+    if (k0 > q0 + 16 * w + 15)
+      continue; // the warp's rows see none of the tile's keys
     // S = Q K^T: s[n] holds keys k0 + 8 n .. k0 + 8 n + 7; the B fragment of step k is key 8 n + g,
     // channels 16 k + 2 tq, + 1 and 8 further.
     float s[8][4];
@@ -721,7 +723,7 @@ extern "C" __global__ void __launch_bounds__(256) k13_rmsnorm_fwd__cast(char *ar
 //   %88    cast                                    line 38    bf16[512,64]
 //   %164   attention_lse                           line 38    f32[8,4,64]
 // runs:
-//   k7_attention_fwd__cast__lse<<<32, 128>>>
+//   k7_attention_fwd__cast__lse<<<32, 256>>>
 
 // k20_gemm__add: GEMM, 3 ops
 //   %90    matmul                                  line 38    f32[512,64]
@@ -1190,7 +1192,7 @@ extern "C" __global__ void __launch_bounds__(256) k37_rmsnorm_bwd__add__cast(cha
 // runs:
 //   k40_attention_bwd_dsum<<<256, 256>>>
 //   k40_attention_bwd_dq<<<32, 128>>>
-//   k40_attention_bwd_dkv<<<32, 128>>>
+//   k40_attention_bwd_dkv<<<32, 256>>>
 
 // attention backward, D = dout . out: B 8, T 64, 4 heads of 16; a warp per row of a head
 extern "C" __global__ void __launch_bounds__(256) k40_attention_bwd_dsum(char *arena, MdlStatus *status, const uint64_t *seed, int64_t chunk, MdlArgs o) {
@@ -1329,8 +1331,8 @@ extern "C" __global__ void __launch_bounds__(128) k40_attention_bwd_dq(char *are
   }
 }
 
-// attention backward, dk and dv on tensor cores: B 8, T 64, 4 heads of 16, causal, within documents; a block of 4 warps per (batch, head, 64 keys), 16 keys per warp, queries in tiles of 64; bf16 products (mma m16n8k16)
-extern "C" __global__ void __launch_bounds__(128) k40_attention_bwd_dkv(char *arena, MdlStatus *status, const uint64_t *seed, int64_t chunk, MdlArgs o) {
+// attention backward, dk and dv on tensor cores: B 8, T 64, 4 heads of 16, causal, within documents; a block of 8 warps per (batch, head, 128 keys), 16 keys per warp, queries in tiles of 64; bf16 products (mma m16n8k16)
+extern "C" __global__ void __launch_bounds__(256) k40_attention_bwd_dkv(char *arena, MdlStatus *status, const uint64_t *seed, int64_t chunk, MdlArgs o) {
   float *const b0 = (float *)(arena + o.b[0]); // rope f32[8,64,64]
   float *const b1 = (float *)(arena + o.b[1]); // matmul f32[512,64]
   int32_t *const b2 = (int32_t *)(arena + o.b[2]); // input i32[8,64]
@@ -1344,7 +1346,7 @@ extern "C" __global__ void __launch_bounds__(128) k40_attention_bwd_dkv(char *ar
   __shared__ float Ls[64], Ss[64]; // their log-sum-exp and D
   __shared__ int32_t Dq[64];
   const int w = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tq = lane & 3;
-  const int b = blockIdx.x / 4, hd = blockIdx.x / 1 % 4, k0 = blockIdx.x % 1 * 64;
+  const int b = blockIdx.x / 4, hd = blockIdx.x / 1 % 4, k0 = blockIdx.x % 1 * 128;
   // The lane's keys: r0 (accumulators 0 and 1 of a tile) and r1 (2 and 3).
   const int r0 = k0 + 16 * w + g, r1 = r0 + 8;
   // K and V as the A fragments of the k16 steps over the channels, rounded once; 0 beyond T.
@@ -1376,7 +1378,7 @@ extern "C" __global__ void __launch_bounds__(128) k40_attention_bwd_dkv(char *ar
   // (queries before k0 see none of the keys)
   for (int i0 = k0; i0 < 64; i0 += 64) {
     __syncthreads();
-    for (int u = threadIdx.x; u < 256; u += 128) {
+    for (int u = threadIdx.x; u < 256; u += 256) {
       const int jj = u / 4, c = u % 4 * 4;
       const bool in = i0 + jj < 64;
       const float4 ax = in ? *(const float4 *)&b5[(b * 64 + i0 + jj) * 64 + hd * 16 + c] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
@@ -1393,6 +1395,8 @@ extern "C" __global__ void __launch_bounds__(128) k40_attention_bwd_dkv(char *ar
       Dq[threadIdx.x] = i < 64 ? b2[b * 64 + i] : 0;
     }
     __syncthreads();
+    if (i0 + 63 < k0 + 16 * w)
+      continue; // none of the tile's queries sees the warp's keys
     // S^T = K Q^T (scaled) and dP^T = V dout^T: tile n holds queries i0 + 8 n .. i0 + 8 n + 7.
     float s[8][4], dp[8][4];
     #pragma unroll
@@ -1733,7 +1737,7 @@ extern "C" __global__ void __launch_bounds__(256) k50_rmsnorm_bwd__add__cast(cha
 // runs:
 //   k40_attention_bwd_dsum<<<256, 256>>>
 //   k40_attention_bwd_dq<<<32, 128>>>
-//   k40_attention_bwd_dkv<<<32, 128>>>
+//   k40_attention_bwd_dkv<<<32, 256>>>
 
 // k62_cast: kernel, 1 op
 //   %226   cast                                    line 38    bf16[512,64]

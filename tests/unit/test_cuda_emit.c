@@ -1135,6 +1135,7 @@ static void test_attention_alone(const char *dir) {
       {32, 64, true, "tensor cores, heads of 32, one key tile", 2e-5},
       {150, 64, true, "tensor cores, heads of 32, several key tiles", 1e-3},
       {150, 64, false, "tensor cores, heads of 32, several key tiles, no documents", 1e-3},
+      {300, 64, true, "tensor cores, heads of 32, blocks of 128 rows with warps past the tile", 1e-3},
       {32, 24, true, "CUDA cores, heads of 12, one key tile", 2e-5},
       {80, 24, true, "CUDA cores, heads of 12, several key tiles", 1e-3},
       {150, 24, false, "CUDA cores, heads of 12, several key tiles, no documents", 1e-3},
