@@ -162,6 +162,23 @@ static const char prelude[] =
     "  return s + 2.0f * x * s * (1.0f - s) * 0.797884561f * (1.0f + 3.0f * 0.044715f * x * x);\n"
     "}\n"
     "\n"
+    "// A logit into a thread's part of an online softmax: its largest logit so far m and its sum of\n"
+    "// exp(x - m), rescaled when m grows (a logit of -inf adds 0, and no inf - inf while m is -inf).\n"
+    "__device__ __forceinline__ void mdl_softmax_add(float x, float &m, double &part) {\n"
+    "  if (x > m) {\n"
+    "    part = part * (double)expf(m - x) + 1.0;\n"
+    "    m = x;\n"
+    "  } else if (x != -MDL_INF) {\n"
+    "    part += expf(x - m);\n"
+    "  }\n"
+    "}\n"
+    "\n"
+    "// The cross-entropy gradient of a logit x: dloss g times its softmax (inv: 1 / the row's sum of\n"
+    "// exp(x - mx)) less 1 at the target.\n"
+    "__device__ __forceinline__ float mdl_ce_grad(float x, float mx, double g, double inv, bool target) {\n"
+    "  return (float)(g * (expf(x - mx) * inv - (target ? 1.0 : 0.0)));\n"
+    "}\n"
+    "\n"
     "__device__ __forceinline__ float mdl_sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }\n"
     "__device__ __forceinline__ float mdl_silu(float x) { return x * mdl_sigmoid(x); }\n"
     "\n"
@@ -1780,10 +1797,14 @@ static void emit_softmax(Emit *e, int gi, const bool *emitted) {
 // One row r of cross-entropy inside a row group, the logits row at x (in memory): the loss into
 // loss[r] (loss may be NULL) and dloss[r] * (softmax - onehot) into the row at dx (may be NULL, may
 // be x itself; of bf16 values when dx16, each the f32 value rounded); an ignored target (< 0) gives
-// zeros, one >= V a report.
+// zeros, one >= V a report. With vec the rows start 16-byte aligned (8 for bf16 ones): both passes
+// take four logits a load (float4), then the last v % 4 one by one. (The LM head's cross-entropy, a
+// block of 1024 threads a row reading one float each, moved GPT-2's logits at 2.2 TB/s on an H200:
+// a load in flight per thread is too few bytes to cover the memory's latency.)
 static void ce_row(Emit *e, const RowShape *rs, int64_t v, const char *x, const char *tg, const char *loss,
-                   const char *dx, bool dx16, const char *dloss) {
+                   const char *dx, bool dx16, const char *dloss, bool vec) {
   const char *ixt = e->core.ixt;
+  int64_t v4 = vec ? v / 4 : 0; // the float4 loads of a row
   ec_line(&e->core, "const float *x = %s;", x);
   if (dx) {
     ec_line(&e->core, "%s *dx = %s;", dx16 ? "uint16_t" : "float", dx);
@@ -1809,15 +1830,17 @@ static void ce_row(Emit *e, const RowShape *rs, int64_t v, const char *x, const 
   // then rescaled to the row's maximum and added. The gradient's pass reads the row a second time.
   ec_line(&e->core, "float m = -MDL_INF;");
   ec_line(&e->core, "double part = 0;");
-  ec_enter(&e->core, "for (%s j = tr; j < %lld; j += %d)", ixt, (long long)v, rs->tpr);
-  ec_line(&e->core, "const float xj = x[j];");
-  ec_enter(&e->core, "if (xj > m)");
-  ec_line(&e->core, "part = part * (double)expf(m - xj) + 1.0;");
-  ec_line(&e->core, "m = xj;");
-  orelse_if(e, "xj != -MDL_INF"); // (a term of 0; and no inf - inf while m is -inf)
-  ec_line(&e->core, "part += expf(xj - m);");
-  ec_leave(&e->core);
-  ec_leave(&e->core);
+  if (v4) {
+    ec_enter(&e->core, "for (%s j4 = tr; j4 < %lld; j4 += %d)", ixt, (long long)v4, rs->tpr);
+    ec_line(&e->core, "const float4 x4 = *(const float4 *)&x[4 * j4];");
+    for (int c = 0; c < 4; c++)
+      ec_line(&e->core, "mdl_softmax_add(x4.%c, m, part);", "xyzw"[c]);
+    ec_leave(&e->core);
+  }
+  if (4 * v4 < v) {
+    ec_line(&e->core, "for (%s j = %lld + tr; j < %lld; j += %d)", ixt, (long long)(4 * v4), (long long)v, rs->tpr);
+    ec_line(&e->core, "  mdl_softmax_add(x[j], m, part);");
+  }
   ec_line(&e->core, "const float mx = %s;", rfmax(e, rs, "m"));
   ec_line(&e->core, "double sum = m == -MDL_INF ? 0.0 : part * (double)expf(m - mx);");
   ec_line(&e->core, "sum = %s;", rsum(e, rs, "sum"));
@@ -1827,9 +1850,27 @@ static void ce_row(Emit *e, const RowShape *rs, int64_t v, const char *x, const 
   }
   if (dx) {
     ec_line(&e->core, "const double g = %s, inv = 1.0 / sum;", dloss);
-    ec_line(&e->core, "for (%s j = tr; j < %lld; j += %d)", ixt, (long long)v, rs->tpr);
-    const char *d = "(float)(g * (expf(x[j] - mx) * inv - (j == tg)))";
-    ec_line(&e->core, "  %s[j] = %s;", dx, dx16 ? ec_str(&e->core, "mdl_f32_to_bf16(%s)", d) : d);
+    if (v4) {
+      ec_enter(&e->core, "for (%s j4 = tr; j4 < %lld; j4 += %d)", ixt, (long long)v4, rs->tpr);
+      ec_line(&e->core, "const float4 x4 = *(const float4 *)&x[4 * j4];");
+      ec_line(&e->core, "const %s j = 4 * j4;", ixt);
+      const char *d[4];
+      for (int c = 0; c < 4; c++) {
+        d[c] = ec_str(&e->core, "mdl_ce_grad(x4.%c, mx, g, inv, j%s == tg)", "xyzw"[c],
+                      c ? ec_str(&e->core, " + %d", c) : "");
+        if (dx16)
+          d[c] = ec_str(&e->core, "mdl_f32_to_bf16(%s)", d[c]);
+      }
+      ec_line(&e->core, "*(%s *)&dx[j] = make_%s(", dx16 ? "ushort4" : "float4", dx16 ? "ushort4" : "float4");
+      for (int c = 0; c < 4; c++)
+        ec_line(&e->core, "    %s%s", d[c], c < 3 ? "," : ");");
+      ec_leave(&e->core);
+    }
+    if (4 * v4 < v) {
+      ec_line(&e->core, "for (%s j = %lld + tr; j < %lld; j += %d)", ixt, (long long)(4 * v4), (long long)v, rs->tpr);
+      const char *d = "mdl_ce_grad(x[j], mx, g, inv, j == tg)";
+      ec_line(&e->core, "  %s[j] = %s;", dx, dx16 ? ec_str(&e->core, "mdl_f32_to_bf16(%s)", d) : d);
+    }
   }
   ec_leave(&e->core);
 }
@@ -1860,7 +1901,7 @@ static void emit_ce(Emit *e, int gi) {
   ce_row(e, &rs, v, ec_str(&e->core, "%s + r * %lld", ptr(e, lg), (long long)v), ec_str(&e->core, "%s[r]", ptr(e, tg)),
          ce >= 0 ? ec_str(&e->core, "%s[r]", ptr(e, ce)) : NULL,
          ceb >= 0 ? ec_str(&e->core, "%s + r * %lld", ptr(e, ceb), (long long)v) : NULL, false,
-         dl >= 0 ? ec_str(&e->core, "%s[r]", ptr(e, dl)) : NULL);
+         dl >= 0 ? ec_str(&e->core, "%s[r]", ptr(e, dl)) : NULL, v % 4 == 0);
   ec_leave(&e->core);
   kend(e, rs.grid, rs.block);
   for (int i = 0; i < gr->nmem; i++)
@@ -1941,7 +1982,7 @@ static void emit_lmhead(Emit *e, int gi) {
       ec_line(&e->core, "const %s r = chunk + i;", e->core.ixt);
       ce_row(e, &rs, v, ec_str(&e->core, "%s + i * %lld", lp, (long long)vp), ec_str(&e->core, "%s[r]", ptr(e, tg)),
              ec_str(&e->core, "%s[r]", ptr(e, gr->ce)), ec_str(&e->core, "%s + i * %lld", gp, (long long)vp), d16,
-             ec_str(&e->core, "%s[r]", ptr(e, dl)));
+             ec_str(&e->core, "%s[r]", ptr(e, dl)), true); // rows vp apart, a multiple of 64
       if (vn > v)
         ec_line(&e->core, "for (int j = %lld + tr; j < %lld; j += %d) %s[i * %lld + j] = 0;", (long long)v,
                 (long long)vn, rs.tpr, gp, (long long)vp);

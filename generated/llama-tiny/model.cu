@@ -76,6 +76,23 @@ __device__ __forceinline__ float mdl_gelu_grad(float x) {
   return s + 2.0f * x * s * (1.0f - s) * 0.797884561f * (1.0f + 3.0f * 0.044715f * x * x);
 }
 
+// A logit into a thread's part of an online softmax: its largest logit so far m and its sum of
+// exp(x - m), rescaled when m grows (a logit of -inf adds 0, and no inf - inf while m is -inf).
+__device__ __forceinline__ void mdl_softmax_add(float x, float &m, double &part) {
+  if (x > m) {
+    part = part * (double)expf(m - x) + 1.0;
+    m = x;
+  } else if (x != -MDL_INF) {
+    part += expf(x - m);
+  }
+}
+
+// The cross-entropy gradient of a logit x: dloss g times its softmax (inv: 1 / the row's sum of
+// exp(x - mx)) less 1 at the target.
+__device__ __forceinline__ float mdl_ce_grad(float x, float mx, double g, double inv, bool target) {
+  return (float)(g * (expf(x - mx) * inv - (target ? 1.0 : 0.0)));
+}
+
 __device__ __forceinline__ float mdl_sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
 __device__ __forceinline__ float mdl_silu(float x) { return x * mdl_sigmoid(x); }
 
@@ -864,14 +881,12 @@ extern "C" __global__ void __launch_bounds__(256) k27_lmhead__cross_entropy__cro
       const float xt = x[tg];
       float m = -MDL_INF;
       double part = 0;
-      for (int j = tr; j < 256; j += 32) {
-        const float xj = x[j];
-        if (xj > m) {
-          part = part * (double)expf(m - xj) + 1.0;
-          m = xj;
-        } else if (xj != -MDL_INF) {
-          part += expf(xj - m);
-        }
+      for (int j4 = tr; j4 < 64; j4 += 32) {
+        const float4 x4 = *(const float4 *)&x[4 * j4];
+        mdl_softmax_add(x4.x, m, part);
+        mdl_softmax_add(x4.y, m, part);
+        mdl_softmax_add(x4.z, m, part);
+        mdl_softmax_add(x4.w, m, part);
       }
       const float mx = mdl_warp_fmax(m);
       double sum = m == -MDL_INF ? 0.0 : part * (double)expf(m - mx);
@@ -879,8 +894,15 @@ extern "C" __global__ void __launch_bounds__(256) k27_lmhead__cross_entropy__cro
       if (tr == 0)
         b3[r] = (float)(mx + log(sum) - xt);
       const double g = b2[r], inv = 1.0 / sum;
-      for (int j = tr; j < 256; j += 32)
-        dx[j] = mdl_f32_to_bf16((float)(g * (expf(x[j] - mx) * inv - (j == tg))));
+      for (int j4 = tr; j4 < 64; j4 += 32) {
+        const float4 x4 = *(const float4 *)&x[4 * j4];
+        const int j = 4 * j4;
+        *(ushort4 *)&dx[j] = make_ushort4(
+            mdl_f32_to_bf16(mdl_ce_grad(x4.x, mx, g, inv, j == tg)),
+            mdl_f32_to_bf16(mdl_ce_grad(x4.y, mx, g, inv, j + 1 == tg)),
+            mdl_f32_to_bf16(mdl_ce_grad(x4.z, mx, g, inv, j + 2 == tg)),
+            mdl_f32_to_bf16(mdl_ce_grad(x4.w, mx, g, inv, j + 3 == tg)));
+      }
     }
   }
 }
