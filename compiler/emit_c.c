@@ -1328,6 +1328,18 @@ static void emit_attn_rows_open(Emit *e, const IrNode *nd, int doc) {
 enum { ATT_BLK = 32 };
 static int64_t attn_padded(int64_t nt) { return (nt + ATT_BLK + 7) / 8 * 8; }
 
+static bool attn_stored16(Emit *e, Rows r) { return ec_node(&e->core, r.buf)->dtype == DT_BF16; }
+
+// Channel c of row i of the head's part of rows r as the backward's products read it: a bf16 value
+// stored (a CAST, precision.c) widened, an f32 one rounded when they read bf16 (mdl.h), else as it is.
+static const char *attn_elem(Emit *e, Rows r, int64_t nt, int64_t d, bool bf16) {
+  const char *x = ec_str(&e->core, "%s[(b * %lld + i) * %lld + hd * %lld + c]", r.base, (long long)nt,
+                         (long long)r.stride, (long long)d);
+  if (attn_stored16(e, r))
+    return ec_str(&e->core, "mdl_bf16_to_f32(%s)", x);
+  return bf16 ? ec_str(&e->core, "mdl_bf16_to_f32(mdl_f32_to_bf16(%s))", x) : x;
+}
+
 // out[j] = sum over c of vec[c] mat[c][j] (mat a transposed [D][padded T] block), in order over c, for
 // j in [lo, hi), a block of ATT_BLK keys at a time held in registers (ATT_BLK / 8 independent chains);
 // the block's tail past hi computes harmless values from the zeroed padding or later keys.
@@ -1351,11 +1363,10 @@ static void emit_attn_dots(Emit *e, const char *out, const char *vec, const char
 static void emit_attn_row(Emit *e, const IrNode *nd, Rows q, int doc, const char *lse) {
   Shape qs = ec_node(&e->core, nd->in[0])->shape;
   int64_t nt = qs.d[1], d = qs.d[2] / nd->ia[0];
-  if (nd->ia[4] == DT_BF16) { // q_i rounded to bf16 (the keys were rounded when transposed)
+  if (nd->ia[4] == DT_BF16) { // q_i rounded to bf16, or stored so (the keys were rounded when transposed)
     ec_line(&e->core, "float qr[%lld];", (long long)d);
     ec_line(&e->core, "for (int64_t c = 0; c < %lld; c++)", (long long)d);
-    ec_line(&e->core, "  qr[c] = mdl_bf16_to_f32(mdl_f32_to_bf16(%s[(b * %lld + i) * %lld + hd * %lld + c]));",
-            q.base, (long long)nt, (long long)q.stride, (long long)d);
+    ec_line(&e->core, "  qr[c] = %s;", attn_elem(e, q, nt, d, true));
     ec_line(&e->core, "const float *restrict qi = qr;");
   } else {
     ec_line(&e->core, "const float *restrict qi = %s + (b * %lld + i) * %lld + hd * %lld;", q.base, (long long)nt,
@@ -1387,14 +1398,16 @@ static void emit_attn_row(Emit *e, const IrNode *nd, Rows q, int doc, const char
   emit_attn_sum(e, "l", "s[j]");
 }
 
-// Copies the head's rows of a [B,T,C] matrix into a [D][T] block (rounded to bf16 with `round`).
+// Copies the head's rows of a [B,T,C] matrix into a [D][T] block (rounded to bf16 with `round`;
+// widened when stored as bf16, precision.c).
 static void emit_attn_transpose(Emit *e, const char *dst, Rows x, int64_t nt, int64_t d, bool round) {
+  bool x16 = attn_stored16(e, x);
   ec_enter(&e->core, "for (int64_t j = 0; j < %lld; j++)", (long long)nt);
-  ec_line(&e->core, "const float *xj = %s + (b * %lld + j) * %lld + hd * %lld;", x.base, (long long)nt,
-          (long long)x.stride, (long long)d);
+  ec_line(&e->core, "const %s *xj = %s + (b * %lld + j) * %lld + hd * %lld;", x16 ? "uint16_t" : "float", x.base,
+          (long long)nt, (long long)x.stride, (long long)d);
   ec_line(&e->core, "for (int64_t c = 0; c < %lld; c++)", (long long)d);
   ec_line(&e->core, "  %s[c * %lld + j] = %s;", dst, (long long)attn_padded(nt),
-          round ? "mdl_bf16_to_f32(mdl_f32_to_bf16(xj[c]))" : "xj[c]");
+          x16 ? "mdl_bf16_to_f32(xj[c])" : round ? "mdl_bf16_to_f32(mdl_f32_to_bf16(xj[c]))" : "xj[c]");
   ec_leave(&e->core);
 }
 
@@ -1426,7 +1439,8 @@ static void emit_attn_close(Emit *e, const Tmp *tmp, int ntmp) {
 // Declares acc0[D] and acc1[D] (for acc = "acc") whose sum is that over the keys j in [lo, hi) of
 // w[j] x_j (x_j the head's part of row j of x): keys taken in pairs, the even and odd keys of the
 // range in two accumulators, two chains of FMAs held in registers; the caller adds them.
-// With round_w / round_x (bf16 attention, mdl.h) the weights / the rows are read rounded to bf16.
+// With round_w / round_x (bf16 attention, mdl.h) the weights / the rows are read rounded to bf16
+// (rows stored as bf16, precision.c, are widened).
 static void emit_attn_pairs(Emit *e, const char *acc, const char *w, Rows x, int64_t nt, int64_t d, bool round_w,
                             bool round_x) {
   const char *row = str(e, "%s + (b * %lld + j) * %lld + hd * %lld", x.base, (long long)nt, (long long)x.stride,
@@ -1434,13 +1448,15 @@ static void emit_attn_pairs(Emit *e, const char *acc, const char *w, Rows x, int
   const char *w0 = str(e, "%s[j]", w), *w1 = str(e, "%s[j + 1]", w);
   if (round_w)
     w0 = str(e, "mdl_bf16_to_f32(mdl_f32_to_bf16(%s))", w0), w1 = str(e, "mdl_bf16_to_f32(mdl_f32_to_bf16(%s))", w1);
-  const char *x0 = round_x ? "mdl_bf16_to_f32(mdl_f32_to_bf16(x0[c]))" : "x0[c]";
-  const char *x1 = round_x ? "mdl_bf16_to_f32(mdl_f32_to_bf16(x1[c]))" : "x1[c]";
+  bool x16 = attn_stored16(e, x);
+  const char *x0 = x16 ? "mdl_bf16_to_f32(x0[c])" : round_x ? "mdl_bf16_to_f32(mdl_f32_to_bf16(x0[c]))" : "x0[c]";
+  const char *x1 = x16 ? "mdl_bf16_to_f32(x1[c])" : round_x ? "mdl_bf16_to_f32(mdl_f32_to_bf16(x1[c]))" : "x1[c]";
+  const char *xt = x16 ? "uint16_t" : "float";
   ec_line(&e->core, "float %s0[%lld] = {0}, %s1[%lld] = {0};", acc, (long long)d, acc, (long long)d);
   ec_line(&e->core, "int64_t j = lo;");
   ec_enter(&e->core, "for (; j + 1 < hi; j += 2)");
-  ec_line(&e->core, "const float w0 = %s, w1 = %s, *restrict x0 = %s, *restrict x1 = x0 + %lld;", w0, w1, row,
-          (long long)x.stride);
+  ec_line(&e->core, "const float w0 = %s, w1 = %s;", w0, w1);
+  ec_line(&e->core, "const %s *restrict x0 = %s, *restrict x1 = x0 + %lld;", xt, row, (long long)x.stride);
   ec_line(&e->core, "#pragma omp simd");
   ec_enter(&e->core, "for (int64_t c = 0; c < %lld; c++)", (long long)d);
   ec_line(&e->core, "%s0[c] += w0 * %s;", acc, x0);
@@ -1448,7 +1464,8 @@ static void emit_attn_pairs(Emit *e, const char *acc, const char *w, Rows x, int
   ec_leave(&e->core);
   ec_leave(&e->core);
   ec_enter(&e->core, "if (j < hi)");
-  ec_line(&e->core, "const float w0 = %s, *restrict x0 = %s;", w0, row);
+  ec_line(&e->core, "const float w0 = %s;", w0);
+  ec_line(&e->core, "const %s *restrict x0 = %s;", xt, row);
   ec_line(&e->core, "#pragma omp simd");
   ec_line(&e->core, "for (int64_t c = 0; c < %lld; c++)", (long long)d);
   ec_line(&e->core, "  %s0[c] += w0 * %s;", acc, x0);
@@ -1515,16 +1532,6 @@ static void emit_attention(Emit *e, int gi) {
   if (lse >= 0)
     ec_phase_done(&e->core, lse);
   ec_phase_end(&e->core);
-}
-
-// Channel c of row i of the head's part of rows r as the backward's products read it: a bf16 value
-// stored (a CAST, precision.c) widened, an f32 one rounded when they read bf16 (mdl.h), else as it is.
-static const char *attn_elem(Emit *e, Rows r, int64_t nt, int64_t d, bool bf16) {
-  const char *x = ec_str(&e->core, "%s[(b * %lld + i) * %lld + hd * %lld + c]", r.base, (long long)nt,
-                         (long long)r.stride, (long long)d);
-  if (ec_node(&e->core, r.buf)->dtype == DT_BF16)
-    return ec_str(&e->core, "mdl_bf16_to_f32(%s)", x);
-  return bf16 ? ec_str(&e->core, "mdl_bf16_to_f32(mdl_f32_to_bf16(%s))", x) : x;
 }
 
 // ATTENTION_BWD siblings: one task per (batch, head), so its dq, dk and dv rows are written by that

@@ -56,8 +56,10 @@
 // by cuBLASLt itself when a CAST is its only reader and no epilogue is needed (cuBLASLt's bias and
 // aux take D's type, and ours are f32), else it is f32 and the epilogue kernel rounds. The LM head's
 // cross-entropy kernel writes dlogits rounded to bf16 into a chunk of its own for the dx and dW GEMMs.
-// Attention marked bf16 (ia[4]) rounds where mdl.h says: q, k, v as every kernel loads them, and e in
-// the forward's P V (on tensor cores, or in the CUDA-core kernels where those do not apply).
+// Attention marked bf16 (ia[4]) rounds where mdl.h says: q, k, v as every kernel loads them (the
+// precision pass stores them as bf16 CASTs, which the kernels widen or pack into fragments as they
+// are), and e in the forward's P V (on tensor cores, or in the CUDA-core kernels where those do not
+// apply).
 //
 // What does not depend on the target (where values are, groups and their order, lines and scopes,
 // the index maps of the evaluator) is in emit_common.c, whose state EmitCore this emitter embeds as
@@ -2131,7 +2133,7 @@ static void att_query_kernel(Emit *e, const Att *A, AttMode mode, int out, int64
   ec_enter(&e->core, "for (int u = threadIdx.x; u < %lld; u += %d)", (long long)(bq * d), 128);
   ec_line(&e->core, "const int i = u / %lld, c = u %% %lld;", (long long)d, (long long)d);
   ec_line(&e->core, "const bool in = q0 + i < %lld;", (long long)t);
-  ec_line(&e->core, "Qs[i][c] = in ? %s : 0.0f;", att_in(e, A, at_row(e, A->q, A, "q0 + i", "c")));
+  ec_line(&e->core, "Qs[i][c] = in ? %s : 0.0f;", att_elem(e, A, A->q, "q0 + i", "c"));
   if (mode == ATT_DQ)
     ec_line(&e->core, "Os[i][c] = in ? %s : 0.0f;", att_elem(e, A, A->dout, "q0 + i", "c"));
   ec_leave(&e->core);
@@ -2173,9 +2175,9 @@ static void att_query_kernel(Emit *e, const Att *A, AttMode mode, int out, int64
   ec_enter(&e->core, "for (int u = threadIdx.x; u < %lld; u += %d)", (long long)(ATT_BK * d), 128);
   ec_line(&e->core, "const int jj = u / %lld, c = u %% %lld;", (long long)d, (long long)d);
   ec_line(&e->core, "const bool in = k0 + jj < %lld;", (long long)t);
-  ec_line(&e->core, "Ks[jj][c] = in ? %s : 0.0f;", att_in(e, A, at_row(e, A->k, A, "k0 + jj", "c")));
+  ec_line(&e->core, "Ks[jj][c] = in ? %s : 0.0f;", att_elem(e, A, A->k, "k0 + jj", "c"));
   if (values)
-    ec_line(&e->core, "Vs[jj][c] = in ? %s : 0.0f;", att_in(e, A, at_row(e, A->v, A, "k0 + jj", "c")));
+    ec_line(&e->core, "Vs[jj][c] = in ? %s : 0.0f;", att_elem(e, A, A->v, "k0 + jj", "c"));
   ec_leave(&e->core);
   if (A->has_doc) {
     ec_line(&e->core, "if (threadIdx.x < %d)", ATT_BK);
@@ -2382,8 +2384,7 @@ static void att_mma_kernel(Emit *e, const Att *A, int out) {
   ec_line(&e->core, "const int c = 16 * k + 2 * tq;");
   for (int r = 0; r < 4; r++) {
     const char *row = r & 1 ? "r1" : "r0", *c0 = r & 2 ? "c + 8" : "c", *c1 = r & 2 ? "c + 9" : "c + 1";
-    ec_line(&e->core, "qa[k][%d] = %s < %lld ? mdl_bf16x2(%s, %s) : 0u;", r, row, (long long)t,
-            at_row(e, A->q, A, row, c0), at_row(e, A->q, A, row, c1));
+    ec_line(&e->core, "qa[k][%d] = %s < %lld ? %s : 0u;", r, row, (long long)t, att_pair(e, A, A->q, row, c0, c1));
   }
   ec_leave(&e->core);
   if (A->has_doc)
@@ -2402,21 +2403,32 @@ static void att_mma_kernel(Emit *e, const Att *A, int out) {
     ec_line(&e->core, "const %s kend = %lld;", ixt, (long long)t);
   ec_enter(&e->core, "for (%s k0 = 0; k0 < kend; k0 += %d)", ixt, ATT_MMA_TILE);
   ec_line(&e->core, "__syncthreads();");
-  ec_line(&e->core, "// The tile's keys and values, rounded to bf16; 0 beyond T.");
+  bool k16 = att_stored16(e, A->k), v16 = att_stored16(e, A->v);
+  ec_line(&e->core, "// The tile's keys and values%s; 0 beyond T.", k16 && v16 ? " (bf16)" : ", rounded to bf16");
   ec_enter(&e->core, "for (int u = threadIdx.x; u < %lld; u += %d)", (long long)(ATT_MMA_TILE * d / 4),
           ATT_MMA_THREADS);
   ec_line(&e->core, "const int jj = u / %lld, c = u %% %lld * 4;", (long long)(d / 4), (long long)(d / 4));
   ec_line(&e->core, "const bool in = k0 + jj < %lld;", (long long)t);
-  ec_line(&e->core, "const float4 kx = in ? *(const float4 *)&%s : make_float4(0.0f, 0.0f, 0.0f, 0.0f);",
-          at_row(e, A->k, A, "k0 + jj", "c"));
-  ec_line(&e->core, "const float4 vx = in ? *(const float4 *)&%s : make_float4(0.0f, 0.0f, 0.0f, 0.0f);",
-          at_row(e, A->v, A, "k0 + jj", "c"));
-  ec_line(&e->core, "Ks[jj][c / 2] = mdl_bf16x2(kx.x, kx.y);");
-  ec_line(&e->core, "Ks[jj][c / 2 + 1] = mdl_bf16x2(kx.z, kx.w);");
-  ec_line(&e->core, "Vs[jj][c] = mdl_f32_to_bf16(vx.x);");
-  ec_line(&e->core, "Vs[jj][c + 1] = mdl_f32_to_bf16(vx.y);");
-  ec_line(&e->core, "Vs[jj][c + 2] = mdl_f32_to_bf16(vx.z);");
-  ec_line(&e->core, "Vs[jj][c + 3] = mdl_f32_to_bf16(vx.w);");
+  if (k16) {
+    ec_line(&e->core, "const ushort4 kx = in ? *(const ushort4 *)&%s : make_ushort4(0, 0, 0, 0);",
+            at_row(e, A->k, A, "k0 + jj", "c"));
+    ec_line(&e->core, "Ks[jj][c / 2] = (uint32_t)kx.x | (uint32_t)kx.y << 16;");
+    ec_line(&e->core, "Ks[jj][c / 2 + 1] = (uint32_t)kx.z | (uint32_t)kx.w << 16;");
+  } else {
+    ec_line(&e->core, "const float4 kx = in ? *(const float4 *)&%s : make_float4(0.0f, 0.0f, 0.0f, 0.0f);",
+            at_row(e, A->k, A, "k0 + jj", "c"));
+    ec_line(&e->core, "Ks[jj][c / 2] = mdl_bf16x2(kx.x, kx.y);");
+    ec_line(&e->core, "Ks[jj][c / 2 + 1] = mdl_bf16x2(kx.z, kx.w);");
+  }
+  if (v16) {
+    ec_line(&e->core, "*(ushort4 *)&Vs[jj][c] = in ? *(const ushort4 *)&%s : make_ushort4(0, 0, 0, 0);",
+            at_row(e, A->v, A, "k0 + jj", "c"));
+  } else {
+    ec_line(&e->core, "const float4 vx = in ? *(const float4 *)&%s : make_float4(0.0f, 0.0f, 0.0f, 0.0f);",
+            at_row(e, A->v, A, "k0 + jj", "c"));
+    ec_line(&e->core, "*(ushort4 *)&Vs[jj][c] = make_ushort4(mdl_f32_to_bf16(vx.x), mdl_f32_to_bf16(vx.y), "
+            "mdl_f32_to_bf16(vx.z), mdl_f32_to_bf16(vx.w));");
+  }
   ec_leave(&e->core);
   if (A->has_doc) {
     ec_line(&e->core, "if (threadIdx.x < %d)", ATT_MMA_TILE);
@@ -2601,9 +2613,9 @@ static void att_key_kernel(Emit *e, const Att *A, int dk, int dv, int64_t dsum) 
   ec_enter(&e->core, "for (int u = lane; u < %lld; u += 32)", (long long)(ATT_BK * d));
   ec_line(&e->core, "const int jj = u / %lld, c = u %% %lld;", (long long)d, (long long)d);
   ec_line(&e->core, "const bool in = k0 + jj < %lld;", (long long)t);
-  ec_line(&e->core, "Ks[jj][c] = in ? %s : 0.0f;", att_in(e, A, at_row(e, A->k, A, "k0 + jj", "c")));
+  ec_line(&e->core, "Ks[jj][c] = in ? %s : 0.0f;", att_elem(e, A, A->k, "k0 + jj", "c"));
   if (dk >= 0)
-    ec_line(&e->core, "Vs[jj][c] = in ? %s : 0.0f;", att_in(e, A, at_row(e, A->v, A, "k0 + jj", "c")));
+    ec_line(&e->core, "Vs[jj][c] = in ? %s : 0.0f;", att_elem(e, A, A->v, "k0 + jj", "c"));
   ec_leave(&e->core);
   if (A->has_doc)
     ec_line(&e->core, "Dk[lane] = j < %lld ? %s[b * %lld + j] : 0;", (long long)t, ptr(e, A->doc), (long long)t);
@@ -2619,7 +2631,7 @@ static void att_key_kernel(Emit *e, const Att *A, int dk, int dv, int64_t dsum) 
   ec_enter(&e->core, "for (int u = lane; u < %lld; u += 32)", (long long)(bq * d));
   ec_line(&e->core, "const int ii = u / %lld, c = u %% %lld;", (long long)d, (long long)d);
   ec_line(&e->core, "const bool in = i0 + ii < %lld;", (long long)t);
-  ec_line(&e->core, "Qs[ii][c] = in ? %s : 0.0f;", att_in(e, A, at_row(e, A->q, A, "i0 + ii", "c")));
+  ec_line(&e->core, "Qs[ii][c] = in ? %s : 0.0f;", att_elem(e, A, A->q, "i0 + ii", "c"));
   ec_line(&e->core, "Os[ii][c] = in ? %s : 0.0f;", att_elem(e, A, A->dout, "i0 + ii", "c"));
   ec_leave(&e->core);
   ec_enter(&e->core, "for (int u = lane; u < %d; u += 32)", bq);

@@ -133,8 +133,9 @@ typedef struct {
      see, S as in the forward; attributes as ATTENTION's. The backward's softmax statistics: the  \
      fusion pass gives it to the forward's step, which has them at hand. */                        \
   X(ATTENTION_LSE, "attention_lse")                                                                \
-  /* (q, k, v, [doc,] out, lse, dout); ia[3] which: 0 dq, 1 dk, 2 dv; a bf16 one may read out and \
-     dout as bf16 values (the precision pass's CASTs of them) */                                   \
+  /* (q, k, v, [doc,] out, lse, dout); ia[3] which: 0 dq, 1 dk, 2 dv; a bf16 one may read q, k, v, \
+     out and dout as bf16 values (the precision pass's CASTs of them), as a bf16 forward and its   \
+     ATTENTION_LSE may read q, k and v */                                                          \
   X(ATTENTION_BWD, "attention_bwd")                                                                \
   /* rotary embedding, half-split pairs (i, i + D/2) per head: (x [B,T,C], pos i32[B,T]);         \
      ia[0] = heads, ia[1] = inverse (rotate by -angle: the backward); fa[0] = base */              \
@@ -295,9 +296,10 @@ double interp_unary(Op op, double x);
 
 //
 // precision.c: the precision pass. Rewrites a training graph so that every MATMUL reads its
-// operands through CAST nodes to `gemm` (DT_BF16), one CAST per source value shared by all the
-// GEMMs that read it (forward and backward); everything else stays f32: the parameters (master
-// weights), optimizer state, gradients, reductions and the residual stream. DT_F32 leaves g as it is.
+// operands, and every attention its q, k, v (and the backward its out and dout), through CAST nodes to
+// `gemm` (DT_BF16), one CAST per source value shared by all the nodes that read it (forward and
+// backward); everything else stays f32: the parameters (master weights), optimizer state, gradients,
+// reductions and the residual stream. DT_F32 leaves g as it is.
 // False with a reason when the graph cannot be rebuilt.
 bool precision_assign(Graph *g, DType gemm, char *why, size_t n);
 // "fp32" -> DT_F32, "bf16" -> DT_BF16; false for a precision this build cannot run ("fp8").

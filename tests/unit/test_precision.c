@@ -101,12 +101,24 @@ static void test_structure(const char *path, const DimOverride *ov, int nov) {
   Arena *a = arena_new(), *b = arena_new();
   Graph *g = training_graph(a, path, ov, nov), *before = training_graph(b, path, ov, nov);
   char why[256], name[256];
-  // The distinct GEMM operands and attention backward douts before the pass, and the attention
-  // outputs the backward reads (rounded through the output projection's CAST, by a view of it).
-  int want_casts = 0, matmuls = 0, atts = 0, want_views = 0;
+  // The distinct GEMM operands, attention inputs (q, k, v; of a SLICE, what it slices: the whole qkv
+  // value is rounded once and the slice becomes a bf16 view of that) and attention backward douts
+  // before the pass, and the attention outputs the backward reads (rounded through the output
+  // projection's CAST, by a view of it).
+  int want_casts = 0, matmuls = 0, atts = 0, want_views = 0, fwd_atts = 0;
   bool *operand = calloc((size_t)before->n, 1);
   for (int i = 0; i < before->n; i++) {
     const IrNode *n = before->nodes[i];
+    if (n->op == OP_ATTENTION) {
+      fwd_atts++;
+      for (int k = 0; k < 3; k++) {
+        int x = before->nodes[n->in[k]]->op == OP_SLICE ? before->nodes[n->in[k]]->in[0] : n->in[k];
+        if (!operand[x]) {
+          operand[x] = true;
+          want_casts++;
+        }
+      }
+    }
     if (n->op == OP_MATMUL || n->op == OP_ATTENTION_BWD) {
       matmuls += n->op == OP_MATMUL;
       atts += n->op == OP_ATTENTION_BWD;
@@ -126,7 +138,7 @@ static void test_structure(const char *path, const DimOverride *ov, int nov) {
   CHECK(ok, name, "%s", why);
   if (!ok)
     return;
-  int casts = 0, got_matmuls = 0, bad_matmul = 0, twice = 0, fwd_bad = 0, got_atts = 0, bad_att = 0;
+  int casts = 0, got_matmuls = 0, bad_matmul = 0, twice = 0, fwd_bad = 0, got_atts = 0, bad_att = 0, bad_qkv = 0;
   int *cast_of = malloc(sizeof(int) * (size_t)g->n);
   memset(cast_of, -1, sizeof(int) * (size_t)g->n);
   for (int i = 0; i < g->n; i++) {
@@ -137,6 +149,12 @@ static void test_structure(const char *path, const DimOverride *ov, int nov) {
         twice++;
       cast_of[n->in[0]] = i;
     }
+    if (n->op == OP_ATTENTION || n->op == OP_ATTENTION_LSE || n->op == OP_ATTENTION_BWD)
+      for (int k = 0; k < 3; k++) { // q, k, v: a CAST, or a SLICE of one
+        const IrNode *x = g->nodes[n->in[k]];
+        const IrNode *c = x->op == OP_SLICE ? g->nodes[x->in[0]] : x;
+        bad_qkv += x->dtype != DT_BF16 || c->op != OP_CAST || n->ia[4] != DT_BF16;
+      }
     if (n->op == OP_ATTENTION_BWD) {
       const IrNode *x = g->nodes[n->in[n->nin - 1]], *o = g->nodes[att_bwd_out(n)];
       got_atts++;
@@ -168,8 +186,13 @@ static void test_structure(const char *path, const DimOverride *ov, int nov) {
            "output projection's", path, atts);
   CHECK(bad_att == 0 && got_atts == atts, name, "%d bad, %d attention backward nodes (had %d)", bad_att, got_atts,
         atts);
-  snprintf(name, sizeof name, "precision: %s: one cast per GEMM operand and dout value (%d), none twice", path,
-           want_casts);
+  if (fwd_atts) {
+    snprintf(name, sizeof name, "precision: %s: every attention (%d forward) reads q, k and v as bf16 casts or "
+             "slices of one", path, fwd_atts);
+    CHECK(bad_qkv == 0, name, "%d bad", bad_qkv);
+  }
+  snprintf(name, sizeof name, "precision: %s: one cast per GEMM operand, attention input and dout value (%d), none "
+           "twice", path, want_casts);
   CHECK(casts == want_casts && twice == 0 && g->n == before->n + casts + want_views, name,
         "%d casts (%d twice), %d nodes, had %d, %d views", casts, twice, g->n, before->n, want_views);
   snprintf(name, sizeof name, "precision: %s: the forward's casts stay in the forward", path);
@@ -273,8 +296,8 @@ static void test_ir_rules(void) {
   CHECK(mm >= 0 && g->nodes[mm]->dtype == DT_F32, "ir: matmul of two bf16 values yields f32", "%s", g->err);
   bad = ir_add(g, OP_CAST, &x, 1, (int64_t[8]){DT_I32}, NULL, l);
   CHECK(bad < 0 && strstr(g->err, "cast to i32"), "ir: cast to i32 is rejected", "got %d: %s", bad, g->err);
-  // Attention backward (q, k, v, out, lse, dout) [1, 4, 8], 2 heads: a bf16 out and dout when its
-  // products read bf16 (ia[4]), not when they read f32, and never a bf16 q nor a bf16 lse.
+  // Attention backward (q, k, v, out, lse, dout) [1, 4, 8], 2 heads: a bf16 q, k, v, out and dout when
+  // its products read bf16 (ia[4]), not when they read f32, and never a bf16 lse.
   Shape qs = shape_of(3, (int64_t[]){1, 4, 8});
   int q = ir_leaf(g, OP_PARAM, "q", DT_F32, qs, l), dout = ir_leaf(g, OP_PARAM, "dout", DT_F32, qs, l);
   int qc = ir_add(g, OP_CAST, &q, 1, (int64_t[8]){DT_BF16}, NULL, l);
@@ -289,8 +312,13 @@ static void test_ir_rules(void) {
   bad = ir_add(g, OP_ATTENTION_BWD, (int[]){q, q, q, q, lse, dc}, 6, (int64_t[8]){2, 1, 0, 0, DT_F32}, scale, l);
   CHECK(bad < 0 && strstr(g->err, "reads a bf16 value"), "ir: an f32 attention backward rejects a bf16 dout",
         "got %d: %s", bad, g->err);
-  bad = ir_add(g, OP_ATTENTION_BWD, (int[]){qc, q, q, q, lse, dout}, 6, (int64_t[8]){2, 1, 0, 0, DT_BF16}, scale, l);
-  CHECK(bad < 0 && strstr(g->err, "reads a bf16 value"), "ir: attention backward rejects a bf16 q", "got %d: %s",
+  ok16 = ir_add(g, OP_ATTENTION_BWD, (int[]){qc, qc, qc, q, lse, dout}, 6, (int64_t[8]){2, 1, 0, 0, DT_BF16}, scale, l);
+  CHECK(ok16 >= 0, "ir: a bf16 attention backward reads a bf16 q, k and v", "%s", g->err);
+  bad = ir_add(g, OP_ATTENTION_BWD, (int[]){qc, q, q, q, lse, dout}, 6, (int64_t[8]){2, 1, 0, 0, DT_F32}, scale, l);
+  CHECK(bad < 0 && strstr(g->err, "reads a bf16 value"), "ir: an f32 attention backward rejects a bf16 q",
+        "got %d: %s", bad, g->err);
+  bad = ir_add(g, OP_ATTENTION, (int[]){q, qc, q}, 3, (int64_t[8]){2, 1, 0, 0, DT_F32}, scale, l);
+  CHECK(bad < 0 && strstr(g->err, "reads a bf16 value"), "ir: an f32 attention rejects a bf16 k", "got %d: %s",
         bad, g->err);
   bad = ir_add(g, OP_ATTENTION_BWD, (int[]){q, q, q, q, lc, dout}, 6, (int64_t[8]){2, 1, 0, 0, DT_BF16}, scale, l);
   CHECK(bad < 0 && strstr(g->err, "reads a bf16 value"), "ir: attention backward rejects a bf16 lse", "got %d: %s",
@@ -511,7 +539,7 @@ int main(void) {
   test_structure("models/llama-tiny.mdl", ov, 2);
   test_structure("models/mlp.mdl", NULL, 0);
   test_fusion("models/gpt2-tiny.mdl", ov, 2, 11); // 5 norm outputs, 3 gradients a layer
-  test_fusion("models/llama-tiny.mdl", ov, 2, 21);
+  test_fusion("models/llama-tiny.mdl", ov, 2, 25); // and q, k: the rope kernels store their roundings
   test_ir_rules();
   test_attention();
   test_interp();
