@@ -416,7 +416,7 @@ extern "C" __global__ void __launch_bounds__(256) k3_gemm__add__cast_epilogue(ch
 //   k4_attention_fwd__cast__lse<<<32, 256>>>
 
 // attention on tensor cores: B 8, T 64, 4 heads of 16, causal, within documents; a block of 8 warps per (batch, head, 128 queries), 16 query rows per warp, keys in tiles of 64; bf16 products (mma m16n8k16), f32 softmax
-extern "C" __global__ void __launch_bounds__(256) k4_attention_fwd__cast__lse(char *arena, MdlStatus *status, const uint64_t *seed, int64_t chunk, MdlArgs o) {
+extern "C" __global__ void __launch_bounds__(256, 2) k4_attention_fwd__cast__lse(char *arena, MdlStatus *status, const uint64_t *seed, int64_t chunk, MdlArgs o) {
   uint16_t *const b0 = (uint16_t *)(arena + o.b[0]); // cast bf16[8,64,192]
   int32_t *const b1 = (int32_t *)(arena + o.b[1]); // input i32[8,64]
   float *const b2 = (float *)(arena + o.b[2]); // attention_lse f32[8,4,64]
