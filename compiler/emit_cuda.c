@@ -354,6 +354,23 @@ static const char prelude[] =
     "  return mdl_warp_sum(lane < (int)(blockDim.x >> 5) ? sh[lane] : 0.0);\n"
     "}\n"
     "\n"
+    "// Two block sums at once (sh: 32 doubles, blocks of up to 16 warps), each added by mdl_block_sum's\n"
+    "// tree, so each total is the one it gives alone, for one pair of barriers instead of two.\n"
+    "__device__ __forceinline__ void mdl_block_sum2(double &a, double &b, double *sh) {\n"
+    "  a = mdl_warp_sum(a);\n"
+    "  b = mdl_warp_sum(b);\n"
+    "  const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;\n"
+    "  __syncthreads();\n"
+    "  if (lane == 0) {\n"
+    "    sh[w] = a;\n"
+    "    sh[16 + w] = b;\n"
+    "  }\n"
+    "  __syncthreads();\n"
+    "  const bool in = lane < (int)(blockDim.x >> 5);\n"
+    "  a = mdl_warp_sum(in ? sh[lane] : 0.0);\n"
+    "  b = mdl_warp_sum(in ? sh[16 + lane] : 0.0);\n"
+    "}\n"
+    "\n"
     "__device__ __forceinline__ float mdl_block_fmax(float v, float *sh) {\n"
     "  v = mdl_warp_fmax(v);\n"
     "  const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;\n"
@@ -1612,6 +1629,11 @@ static void emit_norm_bwd(Emit *e, int gi, const bool *emitted) {
   const char *ixt = e->core.ixt;
   ec_phase_begin(&e->core);
   kbegin(e, "");
+  // Each block's rows are a chain of loads and block reductions, so the kernel takes as long as its
+  // waves of blocks: at most 64 registers a thread (32 warps an SM) puts GPT-2's 1024 blocks of 128
+  // threads in one wave on 132 SMs, where the 72 that ptxas chose (sm_90) fitted 7 blocks an SM, 924.
+  if (cols_sum)
+    e->min_blocks = 1024 / rs.block;
   note(e, "%s: %lld rows of %lld, %s per row%s", op_name(nd->op), (long long)rows, (long long)cols, rs_who(e, &rs),
        cols_sum ? ec_str(&e->core, "; column partials over %lld blocks of %lld rows", (long long)nb, (long long)bl)
                 : "");
@@ -1655,7 +1677,11 @@ static void emit_norm_bwd(Emit *e, int gi, const bool *emitted) {
     if (sb)
       ec_line(&e->core, "sb[t] += dyv[t];");
     row_each_end(e);
-    if (dx >= 0) {
+    if (dx >= 0 && rs.tpr > 32 && rs.tpr <= 512) { // (the pair's halves: 16 warps' sums each)
+      ec_line(&e->core, "mdl_block_sum2(mg, mgx, %s);", sh_double(e));
+      ec_line(&e->core, "mg /= %lld;", (long long)cols);
+      ec_line(&e->core, "mgx /= %lld;", (long long)cols);
+    } else if (dx >= 0) {
       ec_line(&e->core, "mg = %s / %lld;", rsum(e, &rs, "mg"), (long long)cols);
       ec_line(&e->core, "mgx = %s / %lld;", rsum(e, &rs, "mgx"), (long long)cols);
     }

@@ -266,6 +266,23 @@ __device__ __forceinline__ double mdl_block_sum(double v, double *sh) {
   return mdl_warp_sum(lane < (int)(blockDim.x >> 5) ? sh[lane] : 0.0);
 }
 
+// Two block sums at once (sh: 32 doubles, blocks of up to 16 warps), each added by mdl_block_sum's
+// tree, so each total is the one it gives alone, for one pair of barriers instead of two.
+__device__ __forceinline__ void mdl_block_sum2(double &a, double &b, double *sh) {
+  a = mdl_warp_sum(a);
+  b = mdl_warp_sum(b);
+  const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+  __syncthreads();
+  if (lane == 0) {
+    sh[w] = a;
+    sh[16 + w] = b;
+  }
+  __syncthreads();
+  const bool in = lane < (int)(blockDim.x >> 5);
+  a = mdl_warp_sum(in ? sh[lane] : 0.0);
+  b = mdl_warp_sum(in ? sh[16 + lane] : 0.0);
+}
+
 __device__ __forceinline__ float mdl_block_fmax(float v, float *sh) {
   v = mdl_warp_fmax(v);
   const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
@@ -1437,7 +1454,7 @@ extern "C" __global__ void __launch_bounds__(256) k89_mean(char *arena, MdlStatu
 //   k90_layernorm_bwd__sum__cast_colsum<<<96, 1024>>>
 
 // layernorm_bwd: 8192 rows of 768, a block of 128 threads per row; column partials over 1024 blocks of 8 rows
-extern "C" __global__ void __launch_bounds__(128) k90_layernorm_bwd__sum__cast(char *arena, MdlStatus *status, const uint64_t *seed, int64_t chunk, MdlArgs o) {
+extern "C" __global__ void __launch_bounds__(128, 8) k90_layernorm_bwd__sum__cast(char *arena, MdlStatus *status, const uint64_t *seed, int64_t chunk, MdlArgs o) {
   float *const b0 = (float *)(arena + o.b[0]); // dw partials
   float *const b1 = (float *)(arena + o.b[1]); // db partials
   float *const b2 = (float *)(arena + o.b[2]); // column sum partials
@@ -1488,8 +1505,9 @@ extern "C" __global__ void __launch_bounds__(128) k90_layernorm_bwd__sum__cast(c
           sb[t] += dyv[t];
         }
       }
-      mg = mdl_block_sum(mg, sh_d) / 768;
-      mgx = mdl_block_sum(mgx, sh_d) / 768;
+      mdl_block_sum2(mg, mgx, sh_d);
+      mg /= 768;
+      mgx /= 768;
       #pragma unroll
       for (int t = 0; t < 6; t++) {
         const int j = tr + t * 128;
@@ -1648,7 +1666,7 @@ extern "C" __global__ void __launch_bounds__(256) k92_gemm__gelu_bwd__sum__cast(
 //   k90_layernorm_bwd__sum__cast_colsum<<<96, 1024>>>
 
 // layernorm_bwd: 8192 rows of 768, a block of 128 threads per row; column partials over 1024 blocks of 8 rows
-extern "C" __global__ void __launch_bounds__(128) k95_layernorm_bwd__add__sum__cast(char *arena, MdlStatus *status, const uint64_t *seed, int64_t chunk, MdlArgs o) {
+extern "C" __global__ void __launch_bounds__(128, 8) k95_layernorm_bwd__add__sum__cast(char *arena, MdlStatus *status, const uint64_t *seed, int64_t chunk, MdlArgs o) {
   float *const b0 = (float *)(arena + o.b[0]); // dw partials
   float *const b1 = (float *)(arena + o.b[1]); // db partials
   float *const b2 = (float *)(arena + o.b[2]); // column sum partials
@@ -1700,8 +1718,9 @@ extern "C" __global__ void __launch_bounds__(128) k95_layernorm_bwd__add__sum__c
           sb[t] += dyv[t];
         }
       }
-      mg = mdl_block_sum(mg, sh_d) / 768;
-      mgx = mdl_block_sum(mgx, sh_d) / 768;
+      mdl_block_sum2(mg, mgx, sh_d);
+      mg /= 768;
+      mgx /= 768;
       #pragma unroll
       for (int t = 0; t < 6; t++) {
         const int j = tr + t * 128;
@@ -2117,7 +2136,7 @@ extern "C" __global__ void __launch_bounds__(256) k99_sum__slice_bwd__add__cast(
 //   k90_layernorm_bwd__sum__cast_colsum<<<96, 1024>>>
 
 // layernorm_bwd: 8192 rows of 768, a block of 128 threads per row; column partials over 1024 blocks of 8 rows
-extern "C" __global__ void __launch_bounds__(128) k102_layernorm_bwd__add__sum__cast(char *arena, MdlStatus *status, const uint64_t *seed, int64_t chunk, MdlArgs o) {
+extern "C" __global__ void __launch_bounds__(128, 8) k102_layernorm_bwd__add__sum__cast(char *arena, MdlStatus *status, const uint64_t *seed, int64_t chunk, MdlArgs o) {
   float *const b0 = (float *)(arena + o.b[0]); // dw partials
   float *const b1 = (float *)(arena + o.b[1]); // db partials
   float *const b2 = (float *)(arena + o.b[2]); // column sum partials
@@ -2169,8 +2188,9 @@ extern "C" __global__ void __launch_bounds__(128) k102_layernorm_bwd__add__sum__
           sb[t] += dyv[t];
         }
       }
-      mg = mdl_block_sum(mg, sh_d) / 768;
-      mgx = mdl_block_sum(mgx, sh_d) / 768;
+      mdl_block_sum2(mg, mgx, sh_d);
+      mg /= 768;
+      mgx /= 768;
       #pragma unroll
       for (int t = 0; t < 6; t++) {
         const int j = tr + t * 128;
@@ -3241,7 +3261,7 @@ extern "C" __global__ void __launch_bounds__(128) k102_layernorm_bwd__add__sum__
 //   k234_layernorm_bwd__add_colsum<<<96, 1024>>>
 
 // layernorm_bwd: 8192 rows of 768, a block of 128 threads per row; column partials over 1024 blocks of 8 rows
-extern "C" __global__ void __launch_bounds__(128) k234_layernorm_bwd__add(char *arena, MdlStatus *status, const uint64_t *seed, int64_t chunk, MdlArgs o) {
+extern "C" __global__ void __launch_bounds__(128, 8) k234_layernorm_bwd__add(char *arena, MdlStatus *status, const uint64_t *seed, int64_t chunk, MdlArgs o) {
   float *const b0 = (float *)(arena + o.b[0]); // dw partials
   float *const b1 = (float *)(arena + o.b[1]); // db partials
   float *const b2 = (float *)(arena + o.b[2]); // add f32[8,1024,768]
@@ -3290,8 +3310,9 @@ extern "C" __global__ void __launch_bounds__(128) k234_layernorm_bwd__add(char *
           sb[t] += dyv[t];
         }
       }
-      mg = mdl_block_sum(mg, sh_d) / 768;
-      mgx = mdl_block_sum(mgx, sh_d) / 768;
+      mdl_block_sum2(mg, mgx, sh_d);
+      mg /= 768;
+      mgx /= 768;
       #pragma unroll
       for (int t = 0; t < 6; t++) {
         const int j = tr + t * 128;

@@ -266,6 +266,23 @@ __device__ __forceinline__ double mdl_block_sum(double v, double *sh) {
   return mdl_warp_sum(lane < (int)(blockDim.x >> 5) ? sh[lane] : 0.0);
 }
 
+// Two block sums at once (sh: 32 doubles, blocks of up to 16 warps), each added by mdl_block_sum's
+// tree, so each total is the one it gives alone, for one pair of barriers instead of two.
+__device__ __forceinline__ void mdl_block_sum2(double &a, double &b, double *sh) {
+  a = mdl_warp_sum(a);
+  b = mdl_warp_sum(b);
+  const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+  __syncthreads();
+  if (lane == 0) {
+    sh[w] = a;
+    sh[16 + w] = b;
+  }
+  __syncthreads();
+  const bool in = lane < (int)(blockDim.x >> 5);
+  a = mdl_warp_sum(in ? sh[lane] : 0.0);
+  b = mdl_warp_sum(in ? sh[16 + lane] : 0.0);
+}
+
 __device__ __forceinline__ float mdl_block_fmax(float v, float *sh) {
   v = mdl_warp_fmax(v);
   const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
@@ -962,7 +979,7 @@ extern "C" __global__ void __launch_bounds__(256) k28_mean(char *arena, MdlStatu
 //   k29_rmsnorm_bwd__cast_colsum<<<8, 1024>>>
 
 // rmsnorm_bwd: 512 rows of 64, a warp per row; column partials over 512 blocks of 1 rows
-extern "C" __global__ void __launch_bounds__(256) k29_rmsnorm_bwd__cast(char *arena, MdlStatus *status, const uint64_t *seed, int64_t chunk, MdlArgs o) {
+extern "C" __global__ void __launch_bounds__(256, 4) k29_rmsnorm_bwd__cast(char *arena, MdlStatus *status, const uint64_t *seed, int64_t chunk, MdlArgs o) {
   float *const b0 = (float *)(arena + o.b[0]); // dw partials
   float *const b1 = (float *)(arena + o.b[1]); // add f32[8,64,64]
   float *const b2 = (float *)(arena + o.b[2]); // matmul f32[512,64]
@@ -1149,7 +1166,7 @@ extern "C" __global__ void __launch_bounds__(256) k32_cast__mul(char *arena, Mdl
 //   k29_rmsnorm_bwd__cast_colsum<<<8, 1024>>>
 
 // rmsnorm_bwd: 512 rows of 64, a warp per row; column partials over 512 blocks of 1 rows
-extern "C" __global__ void __launch_bounds__(256) k37_rmsnorm_bwd__add__cast(char *arena, MdlStatus *status, const uint64_t *seed, int64_t chunk, MdlArgs o) {
+extern "C" __global__ void __launch_bounds__(256, 4) k37_rmsnorm_bwd__add__cast(char *arena, MdlStatus *status, const uint64_t *seed, int64_t chunk, MdlArgs o) {
   float *const b0 = (float *)(arena + o.b[0]); // dw partials
   float *const b1 = (float *)(arena + o.b[1]); // add f32[8,64,64]
   float *const b2 = (float *)(arena + o.b[2]); // add f32[8,64,64]
@@ -1640,7 +1657,7 @@ extern "C" __global__ void __launch_bounds__(256) k49_gemm__add_epilogue(char *a
 //   k29_rmsnorm_bwd__cast_colsum<<<8, 1024>>>
 
 // rmsnorm_bwd: 512 rows of 64, a warp per row; column partials over 512 blocks of 1 rows
-extern "C" __global__ void __launch_bounds__(256) k50_rmsnorm_bwd__add__cast(char *arena, MdlStatus *status, const uint64_t *seed, int64_t chunk, MdlArgs o) {
+extern "C" __global__ void __launch_bounds__(256, 4) k50_rmsnorm_bwd__add__cast(char *arena, MdlStatus *status, const uint64_t *seed, int64_t chunk, MdlArgs o) {
   float *const b0 = (float *)(arena + o.b[0]); // dw partials
   float *const b1 = (float *)(arena + o.b[1]); // add f32[8,64,64]
   float *const b2 = (float *)(arena + o.b[2]); // add f32[8,64,64]
@@ -1843,7 +1860,7 @@ extern "C" __global__ void __launch_bounds__(256) k50_rmsnorm_bwd__add__cast(cha
 //   k29_rmsnorm_bwd__cast_colsum<<<8, 1024>>>
 
 // rmsnorm_bwd: 512 rows of 64, a warp per row; column partials over 512 blocks of 1 rows
-extern "C" __global__ void __launch_bounds__(256) k71_rmsnorm_bwd__add(char *arena, MdlStatus *status, const uint64_t *seed, int64_t chunk, MdlArgs o) {
+extern "C" __global__ void __launch_bounds__(256, 4) k71_rmsnorm_bwd__add(char *arena, MdlStatus *status, const uint64_t *seed, int64_t chunk, MdlArgs o) {
   float *const b0 = (float *)(arena + o.b[0]); // dw partials
   float *const b1 = (float *)(arena + o.b[1]); // embed f32[8,64,64]
   float *const b2 = (float *)(arena + o.b[2]); // add f32[8,64,64]

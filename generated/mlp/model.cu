@@ -266,6 +266,23 @@ __device__ __forceinline__ double mdl_block_sum(double v, double *sh) {
   return mdl_warp_sum(lane < (int)(blockDim.x >> 5) ? sh[lane] : 0.0);
 }
 
+// Two block sums at once (sh: 32 doubles, blocks of up to 16 warps), each added by mdl_block_sum's
+// tree, so each total is the one it gives alone, for one pair of barriers instead of two.
+__device__ __forceinline__ void mdl_block_sum2(double &a, double &b, double *sh) {
+  a = mdl_warp_sum(a);
+  b = mdl_warp_sum(b);
+  const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+  __syncthreads();
+  if (lane == 0) {
+    sh[w] = a;
+    sh[16 + w] = b;
+  }
+  __syncthreads();
+  const bool in = lane < (int)(blockDim.x >> 5);
+  a = mdl_warp_sum(in ? sh[lane] : 0.0);
+  b = mdl_warp_sum(in ? sh[16 + lane] : 0.0);
+}
+
 __device__ __forceinline__ float mdl_block_fmax(float v, float *sh) {
   v = mdl_warp_fmax(v);
   const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
