@@ -994,32 +994,47 @@ extern "C" __global__ void __launch_bounds__(1024) k20_layernorm_bwd__sum__cast_
 //   %136   cast                                    line 40    bf16[512,256]
 // runs:
 //   gemm 12: [512 x 256] = [512 x 64] T[64 x 256], bf16 A and B, f32 C
-//   k22_gemm__gelu_bwd__sum__cast_partial<<<64, 256>>>
+//   k22_gemm__gelu_bwd__sum__cast_partial<<<16, 256>>>
 //   k22_gemm__gelu_bwd__sum__cast<<<32, 256>>>
 
-// sum: 256 outputs over 512 elements, first partial results over 64 blocks of 8
-extern "C" __global__ void __launch_bounds__(256) k22_gemm__gelu_bwd__sum__cast_partial(char *arena, MdlStatus *status, const uint64_t *seed, int64_t chunk, MdlArgs o) {
+// sum: 256 outputs over 512 elements, first partial results over 64 blocks of 8, 4 outputs per thread
+extern "C" __global__ void __launch_bounds__(256, 8) k22_gemm__gelu_bwd__sum__cast_partial(char *arena, MdlStatus *status, const uint64_t *seed, int64_t chunk, MdlArgs o) {
   double *const b0 = (double *)(arena + o.b[0]); // partial results
   float *const b1 = (float *)(arena + o.b[1]); // add f32[8,64,256]
   float *const b2 = (float *)(arena + o.b[2]); // matmul f32[512,256]
   uint16_t *const b3 = (uint16_t *)(arena + o.b[3]); // cast bf16[512,256]
-  for (int u = blockIdx.x * blockDim.x + threadIdx.x; u < 16384; u += gridDim.x * blockDim.x) {
-    const int k = u / 256, r = u % 256;
+  for (int u = blockIdx.x * blockDim.x + threadIdx.x; u < 4096; u += gridDim.x * blockDim.x) {
+    const int k = u / 64, r = u % 64 * 4;
     const int base = r / 256 * 131072 + r % 256;
     const int end = k * 8 + 8 < 512 ? k * 8 + 8 : 512;
-    double acc = 0.0;
+    double acc0 = 0.0, acc1 = 0.0, acc2 = 0.0, acc3 = 0.0;
     for (int l = k * 8; l < end; l++) {
-      const int ix = base + l * 256;
-      const float v3 = b1[ix];
-      const float v5 = b2[ix];
-      const float v4 = v5;
-      const float v2 = mdl_gelu_grad(v3) * v4;
+      const int i0 = base + l * 256;
+      const int q = i0 / 4; // the four lanes' float4
+      const float4 f4 = reinterpret_cast<const float4 *>(b1)[q];
+      const float4 f7 = reinterpret_cast<const float4 *>(b2)[q];
+      const float v5 = f7.x;
+      const float v2 = mdl_gelu_grad(f4.x) * v5;
       const float v1 = v2;
-      const float v = v1;
-      b3[ix] = mdl_f32_to_bf16(v1);
-      acc += v;
+      acc0 += v1;
+      const float v12 = f7.y;
+      const float v10 = mdl_gelu_grad(f4.y) * v12;
+      const float v9 = v10;
+      acc1 += v9;
+      const float v18 = f7.z;
+      const float v16 = mdl_gelu_grad(f4.z) * v18;
+      const float v15 = v16;
+      acc2 += v15;
+      const float v24 = f7.w;
+      const float v22 = mdl_gelu_grad(f4.w) * v24;
+      const float v21 = v22;
+      acc3 += v21;
+      reinterpret_cast<ushort4 *>(b3)[q] = make_ushort4(mdl_f32_to_bf16(v1), mdl_f32_to_bf16(v9), mdl_f32_to_bf16(v15), mdl_f32_to_bf16(v21));
     }
-    b0[u] = acc;
+    b0[k * 256 + r] = acc0;
+    b0[k * 256 + r + 1] = acc1;
+    b0[k * 256 + r + 2] = acc2;
+    b0[k * 256 + r + 3] = acc3;
   }
 }
 
@@ -1453,41 +1468,89 @@ extern "C" __global__ void __launch_bounds__(256) k28_attention_bwd_dkv(char *ar
 //   %162   sum                d.h.1.attn_b         line 38    f32[192]
 //   %163   cast                                    line 38    bf16[512,192]
 // runs:
-//   k29_sum__slice_bwd__add__cast_partial<<<48, 256>>>
+//   k29_sum__slice_bwd__add__cast_partial<<<12, 256>>>
 //   k29_sum__slice_bwd__add__cast<<<24, 256>>>
 
-// sum: 192 outputs over 512 elements, first partial results over 64 blocks of 8
-extern "C" __global__ void __launch_bounds__(256) k29_sum__slice_bwd__add__cast_partial(char *arena, MdlStatus *status, const uint64_t *seed, int64_t chunk, MdlArgs o) {
+// sum: 192 outputs over 512 elements, first partial results over 64 blocks of 8, 4 outputs per thread
+extern "C" __global__ void __launch_bounds__(256, 8) k29_sum__slice_bwd__add__cast_partial(char *arena, MdlStatus *status, const uint64_t *seed, int64_t chunk, MdlArgs o) {
   double *const b0 = (double *)(arena + o.b[0]); // partial results
   float *const b1 = (float *)(arena + o.b[1]); // attention_bwd f32[8,64,64]
   float *const b2 = (float *)(arena + o.b[2]); // attention_bwd f32[8,64,64]
   float *const b3 = (float *)(arena + o.b[3]); // attention_bwd f32[8,64,64]
   uint16_t *const b4 = (uint16_t *)(arena + o.b[4]); // cast bf16[512,192]
-  for (int u = blockIdx.x * blockDim.x + threadIdx.x; u < 12288; u += gridDim.x * blockDim.x) {
-    const int k = u / 192, r = u % 192;
+  for (int u = blockIdx.x * blockDim.x + threadIdx.x; u < 3072; u += gridDim.x * blockDim.x) {
+    const int k = u / 48, r = u % 48 * 4;
     const int base = r / 192 * 98304 + r % 192;
     const int end = k * 8 + 8 < 512 ? k * 8 + 8 : 512;
-    double acc = 0.0;
+    double acc0 = 0.0, acc1 = 0.0, acc2 = 0.0, acc3 = 0.0;
     for (int l = k * 8; l < end; l++) {
-      const int ix = base + l * 192;
-      const int j5 = ix % 192;
-      const int j6 = j5 >= 128 && j5 < 192 ? ix / 192 * 64 + (j5 - 128) : 0;
+      const int i0 = base + l * 192;
+      const int i1 = i0 + 1;
+      const int i2 = i0 + 2;
+      const int i3 = i0 + 3;
+      const int q = i0 / 4; // the four lanes' float4
+      const int j5 = i0 % 192;
+      const int j6 = j5 >= 128 && j5 < 192 ? i0 / 192 * 64 + (j5 - 128) : 0;
       const float v7 = b1[j6];
       const float v4 = j5 >= 128 && j5 < 192 ? v7 : 0.0f;
-      const int j9 = j5 >= 64 && j5 < 128 ? ix / 192 * 64 + (j5 - 64) : 0;
+      const int j9 = j5 >= 64 && j5 < 128 ? i0 / 192 * 64 + (j5 - 64) : 0;
       const float v10 = b2[j9];
       const float v8 = j5 >= 64 && j5 < 128 ? v10 : 0.0f;
       const float v3 = v4 + v8;
-      const int j12 = j5 >= 0 && j5 < 64 ? ix / 192 * 64 + (j5 - 0) : 0;
+      const int j12 = j5 >= 0 && j5 < 64 ? i0 / 192 * 64 + (j5 - 0) : 0;
       const float v13 = b3[j12];
       const float v11 = j5 >= 0 && j5 < 64 ? v13 : 0.0f;
       const float v2 = v3 + v11;
       const float v1 = v2;
-      const float v = v1;
-      b4[ix] = mdl_f32_to_bf16(v1);
-      acc += v;
+      acc0 += v1;
+      const int j19 = i1 % 192;
+      const int j20 = j19 >= 128 && j19 < 192 ? i1 / 192 * 64 + (j19 - 128) : 0;
+      const float v21 = b1[j20];
+      const float v18 = j19 >= 128 && j19 < 192 ? v21 : 0.0f;
+      const int j23 = j19 >= 64 && j19 < 128 ? i1 / 192 * 64 + (j19 - 64) : 0;
+      const float v24 = b2[j23];
+      const float v22 = j19 >= 64 && j19 < 128 ? v24 : 0.0f;
+      const float v17 = v18 + v22;
+      const int j26 = j19 >= 0 && j19 < 64 ? i1 / 192 * 64 + (j19 - 0) : 0;
+      const float v27 = b3[j26];
+      const float v25 = j19 >= 0 && j19 < 64 ? v27 : 0.0f;
+      const float v16 = v17 + v25;
+      const float v15 = v16;
+      acc1 += v15;
+      const int j33 = i2 % 192;
+      const int j34 = j33 >= 128 && j33 < 192 ? i2 / 192 * 64 + (j33 - 128) : 0;
+      const float v35 = b1[j34];
+      const float v32 = j33 >= 128 && j33 < 192 ? v35 : 0.0f;
+      const int j37 = j33 >= 64 && j33 < 128 ? i2 / 192 * 64 + (j33 - 64) : 0;
+      const float v38 = b2[j37];
+      const float v36 = j33 >= 64 && j33 < 128 ? v38 : 0.0f;
+      const float v31 = v32 + v36;
+      const int j40 = j33 >= 0 && j33 < 64 ? i2 / 192 * 64 + (j33 - 0) : 0;
+      const float v41 = b3[j40];
+      const float v39 = j33 >= 0 && j33 < 64 ? v41 : 0.0f;
+      const float v30 = v31 + v39;
+      const float v29 = v30;
+      acc2 += v29;
+      const int j47 = i3 % 192;
+      const int j48 = j47 >= 128 && j47 < 192 ? i3 / 192 * 64 + (j47 - 128) : 0;
+      const float v49 = b1[j48];
+      const float v46 = j47 >= 128 && j47 < 192 ? v49 : 0.0f;
+      const int j51 = j47 >= 64 && j47 < 128 ? i3 / 192 * 64 + (j47 - 64) : 0;
+      const float v52 = b2[j51];
+      const float v50 = j47 >= 64 && j47 < 128 ? v52 : 0.0f;
+      const float v45 = v46 + v50;
+      const int j54 = j47 >= 0 && j47 < 64 ? i3 / 192 * 64 + (j47 - 0) : 0;
+      const float v55 = b3[j54];
+      const float v53 = j47 >= 0 && j47 < 64 ? v55 : 0.0f;
+      const float v44 = v45 + v53;
+      const float v43 = v44;
+      acc3 += v43;
+      reinterpret_cast<ushort4 *>(b4)[q] = make_ushort4(mdl_f32_to_bf16(v1), mdl_f32_to_bf16(v15), mdl_f32_to_bf16(v29), mdl_f32_to_bf16(v43));
     }
-    b0[u] = acc;
+    b0[k * 192 + r] = acc0;
+    b0[k * 192 + r + 1] = acc1;
+    b0[k * 192 + r + 2] = acc2;
+    b0[k * 192 + r + 3] = acc3;
   }
 }
 
@@ -1634,7 +1697,7 @@ extern "C" __global__ void __launch_bounds__(256, 4) k32_layernorm_bwd__add__sum
 //   %180   cast                                    line 40    bf16[512,256]
 // runs:
 //   gemm 20: [512 x 256] = [512 x 64] T[64 x 256], bf16 A and B, f32 C
-//   k22_gemm__gelu_bwd__sum__cast_partial<<<64, 256>>>
+//   k22_gemm__gelu_bwd__sum__cast_partial<<<16, 256>>>
 //   k22_gemm__gelu_bwd__sum__cast<<<32, 256>>>
 
 // k35_gemm: GEMM, 1 op
@@ -1690,7 +1753,7 @@ extern "C" __global__ void __launch_bounds__(256, 4) k32_layernorm_bwd__add__sum
 //   %206   sum                d.h.0.attn_b         line 38    f32[192]
 //   %207   cast                                    line 38    bf16[512,192]
 // runs:
-//   k29_sum__slice_bwd__add__cast_partial<<<48, 256>>>
+//   k29_sum__slice_bwd__add__cast_partial<<<12, 256>>>
 //   k29_sum__slice_bwd__add__cast<<<24, 256>>>
 
 // k42_gemm: GEMM, 1 op

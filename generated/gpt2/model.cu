@@ -1588,50 +1588,65 @@ extern "C" __global__ void __launch_bounds__(1024) k90_layernorm_bwd__sum__cast_
 //   %596   cast                                    line 40    bf16[8192,3072]
 // runs:
 //   gemm 55: [8192 x 3072] = [8192 x 768] T[768 x 3072], bf16 A and B, f32 C
-//   k92_gemm__gelu_bwd__sum__cast_partial<<<1020, 256>>>
-//   k92_gemm__gelu_bwd__sum__cast<<<192, 256>>>
+//   k92_gemm__gelu_bwd__sum__cast_partial<<<984, 256>>>
+//   k92_gemm__gelu_bwd__sum__cast<<<192, 1024>>>
 
-// sum: 3072 outputs over 8192 elements, first partial results over 85 blocks of 97
-extern "C" __global__ void __launch_bounds__(256) k92_gemm__gelu_bwd__sum__cast_partial(char *arena, MdlStatus *status, const uint64_t *seed, int64_t chunk, MdlArgs o) {
+// sum: 3072 outputs over 8192 elements, first partial results over 328 blocks of 25, 4 outputs per thread
+extern "C" __global__ void __launch_bounds__(256, 8) k92_gemm__gelu_bwd__sum__cast_partial(char *arena, MdlStatus *status, const uint64_t *seed, int64_t chunk, MdlArgs o) {
   double *const b0 = (double *)(arena + o.b[0]); // partial results
   float *const b1 = (float *)(arena + o.b[1]); // add f32[8,1024,3072]
   float *const b2 = (float *)(arena + o.b[2]); // matmul f32[8192,3072]
   uint16_t *const b3 = (uint16_t *)(arena + o.b[3]); // cast bf16[8192,3072]
-  for (int u = blockIdx.x * blockDim.x + threadIdx.x; u < 261120; u += gridDim.x * blockDim.x) {
-    const int k = u / 3072, r = u % 3072;
+  for (int u = blockIdx.x * blockDim.x + threadIdx.x; u < 251904; u += gridDim.x * blockDim.x) {
+    const int k = u / 768, r = u % 768 * 4;
     const int base = r / 3072 * 25165824 + r % 3072;
-    const int end = k * 97 + 97 < 8192 ? k * 97 + 97 : 8192;
-    double acc = 0.0;
-    for (int l = k * 97; l < end; l++) {
-      const int ix = base + l * 3072;
-      const float v3 = b1[ix];
-      const float v5 = b2[ix];
-      const float v4 = v5;
-      const float v2 = mdl_gelu_grad(v3) * v4;
+    const int end = k * 25 + 25 < 8192 ? k * 25 + 25 : 8192;
+    double acc0 = 0.0, acc1 = 0.0, acc2 = 0.0, acc3 = 0.0;
+    for (int l = k * 25; l < end; l++) {
+      const int i0 = base + l * 3072;
+      const int q = i0 / 4; // the four lanes' float4
+      const float4 f4 = reinterpret_cast<const float4 *>(b1)[q];
+      const float4 f7 = reinterpret_cast<const float4 *>(b2)[q];
+      const float v5 = f7.x;
+      const float v2 = mdl_gelu_grad(f4.x) * v5;
       const float v1 = v2;
-      const float v = v1;
-      b3[ix] = mdl_f32_to_bf16(v1);
-      acc += v;
+      acc0 += v1;
+      const float v12 = f7.y;
+      const float v10 = mdl_gelu_grad(f4.y) * v12;
+      const float v9 = v10;
+      acc1 += v9;
+      const float v18 = f7.z;
+      const float v16 = mdl_gelu_grad(f4.z) * v18;
+      const float v15 = v16;
+      acc2 += v15;
+      const float v24 = f7.w;
+      const float v22 = mdl_gelu_grad(f4.w) * v24;
+      const float v21 = v22;
+      acc3 += v21;
+      reinterpret_cast<ushort4 *>(b3)[q] = make_ushort4(mdl_f32_to_bf16(v1), mdl_f32_to_bf16(v9), mdl_f32_to_bf16(v15), mdl_f32_to_bf16(v21));
     }
-    b0[u] = acc;
+    b0[k * 3072 + r] = acc0;
+    b0[k * 3072 + r + 1] = acc1;
+    b0[k * 3072 + r + 2] = acc2;
+    b0[k * 3072 + r + 3] = acc3;
   }
 }
 
-// sum: the 85 partial results of each output added, a block per 16 outputs in 16 groups of rows
-extern "C" __global__ void __launch_bounds__(256) k92_gemm__gelu_bwd__sum__cast(char *arena, MdlStatus *status, const uint64_t *seed, int64_t chunk, MdlArgs o) {
+// sum: the 328 partial results of each output added, a block per 16 outputs in 64 groups of rows
+extern "C" __global__ void __launch_bounds__(1024) k92_gemm__gelu_bwd__sum__cast(char *arena, MdlStatus *status, const uint64_t *seed, int64_t chunk, MdlArgs o) {
   double *const b0 = (double *)(arena + o.b[0]); // partial results
   float *const b1 = (float *)(arena + o.b[1]); // sum f32[3072]
-  __shared__ double cs0[16][16];
+  __shared__ double cs0[64][16];
   const int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
   const int r = blockIdx.x * 16 + tx;
   double acc = 0.0;
   if (r < 3072) {
-    for (int k = ty; k < 85; k += 16) {
+    for (int k = ty; k < 328; k += 64) {
       acc += b0[k * 3072 + r];
     }
   }
   cs0[ty][tx] = acc;
-  for (int h = 8; h > 0; h >>= 1) {
+  for (int h = 32; h > 0; h >>= 1) {
     __syncthreads();
     if (ty < h) {
       cs0[ty][tx] = acc += cs0[ty + h][tx];
@@ -2049,59 +2064,107 @@ extern "C" __global__ void __launch_bounds__(256) k98_attention_bwd_dkv(char *ar
 //   %622   sum                d.h.11.attn_b        line 38    f32[2304]
 //   %623   cast                                    line 38    bf16[8192,2304]
 // runs:
-//   k99_sum__slice_bwd__add__cast_partial<<<1017, 256>>>
-//   k99_sum__slice_bwd__add__cast<<<144, 256>>>
+//   k99_sum__slice_bwd__add__cast_partial<<<972, 256>>>
+//   k99_sum__slice_bwd__add__cast<<<144, 1024>>>
 
-// sum: 2304 outputs over 8192 elements, first partial results over 113 blocks of 73
-extern "C" __global__ void __launch_bounds__(256) k99_sum__slice_bwd__add__cast_partial(char *arena, MdlStatus *status, const uint64_t *seed, int64_t chunk, MdlArgs o) {
+// sum: 2304 outputs over 8192 elements, first partial results over 432 blocks of 19, 4 outputs per thread
+extern "C" __global__ void __launch_bounds__(256, 8) k99_sum__slice_bwd__add__cast_partial(char *arena, MdlStatus *status, const uint64_t *seed, int64_t chunk, MdlArgs o) {
   double *const b0 = (double *)(arena + o.b[0]); // partial results
   float *const b1 = (float *)(arena + o.b[1]); // attention_bwd f32[8,1024,768]
   float *const b2 = (float *)(arena + o.b[2]); // attention_bwd f32[8,1024,768]
   float *const b3 = (float *)(arena + o.b[3]); // attention_bwd f32[8,1024,768]
   uint16_t *const b4 = (uint16_t *)(arena + o.b[4]); // cast bf16[8192,2304]
-  for (int u = blockIdx.x * blockDim.x + threadIdx.x; u < 260352; u += gridDim.x * blockDim.x) {
-    const int k = u / 2304, r = u % 2304;
+  for (int u = blockIdx.x * blockDim.x + threadIdx.x; u < 248832; u += gridDim.x * blockDim.x) {
+    const int k = u / 576, r = u % 576 * 4;
     const int base = r / 2304 * 18874368 + r % 2304;
-    const int end = k * 73 + 73 < 8192 ? k * 73 + 73 : 8192;
-    double acc = 0.0;
-    for (int l = k * 73; l < end; l++) {
-      const int ix = base + l * 2304;
-      const int j5 = ix % 2304;
-      const int j6 = j5 >= 1536 && j5 < 2304 ? ix / 2304 * 768 + (j5 - 1536) : 0;
+    const int end = k * 19 + 19 < 8192 ? k * 19 + 19 : 8192;
+    double acc0 = 0.0, acc1 = 0.0, acc2 = 0.0, acc3 = 0.0;
+    for (int l = k * 19; l < end; l++) {
+      const int i0 = base + l * 2304;
+      const int i1 = i0 + 1;
+      const int i2 = i0 + 2;
+      const int i3 = i0 + 3;
+      const int q = i0 / 4; // the four lanes' float4
+      const int j5 = i0 % 2304;
+      const int j6 = j5 >= 1536 && j5 < 2304 ? i0 / 2304 * 768 + (j5 - 1536) : 0;
       const float v7 = b1[j6];
       const float v4 = j5 >= 1536 && j5 < 2304 ? v7 : 0.0f;
-      const int j9 = j5 >= 768 && j5 < 1536 ? ix / 2304 * 768 + (j5 - 768) : 0;
+      const int j9 = j5 >= 768 && j5 < 1536 ? i0 / 2304 * 768 + (j5 - 768) : 0;
       const float v10 = b2[j9];
       const float v8 = j5 >= 768 && j5 < 1536 ? v10 : 0.0f;
       const float v3 = v4 + v8;
-      const int j12 = j5 >= 0 && j5 < 768 ? ix / 2304 * 768 + (j5 - 0) : 0;
+      const int j12 = j5 >= 0 && j5 < 768 ? i0 / 2304 * 768 + (j5 - 0) : 0;
       const float v13 = b3[j12];
       const float v11 = j5 >= 0 && j5 < 768 ? v13 : 0.0f;
       const float v2 = v3 + v11;
       const float v1 = v2;
-      const float v = v1;
-      b4[ix] = mdl_f32_to_bf16(v1);
-      acc += v;
+      acc0 += v1;
+      const int j19 = i1 % 2304;
+      const int j20 = j19 >= 1536 && j19 < 2304 ? i1 / 2304 * 768 + (j19 - 1536) : 0;
+      const float v21 = b1[j20];
+      const float v18 = j19 >= 1536 && j19 < 2304 ? v21 : 0.0f;
+      const int j23 = j19 >= 768 && j19 < 1536 ? i1 / 2304 * 768 + (j19 - 768) : 0;
+      const float v24 = b2[j23];
+      const float v22 = j19 >= 768 && j19 < 1536 ? v24 : 0.0f;
+      const float v17 = v18 + v22;
+      const int j26 = j19 >= 0 && j19 < 768 ? i1 / 2304 * 768 + (j19 - 0) : 0;
+      const float v27 = b3[j26];
+      const float v25 = j19 >= 0 && j19 < 768 ? v27 : 0.0f;
+      const float v16 = v17 + v25;
+      const float v15 = v16;
+      acc1 += v15;
+      const int j33 = i2 % 2304;
+      const int j34 = j33 >= 1536 && j33 < 2304 ? i2 / 2304 * 768 + (j33 - 1536) : 0;
+      const float v35 = b1[j34];
+      const float v32 = j33 >= 1536 && j33 < 2304 ? v35 : 0.0f;
+      const int j37 = j33 >= 768 && j33 < 1536 ? i2 / 2304 * 768 + (j33 - 768) : 0;
+      const float v38 = b2[j37];
+      const float v36 = j33 >= 768 && j33 < 1536 ? v38 : 0.0f;
+      const float v31 = v32 + v36;
+      const int j40 = j33 >= 0 && j33 < 768 ? i2 / 2304 * 768 + (j33 - 0) : 0;
+      const float v41 = b3[j40];
+      const float v39 = j33 >= 0 && j33 < 768 ? v41 : 0.0f;
+      const float v30 = v31 + v39;
+      const float v29 = v30;
+      acc2 += v29;
+      const int j47 = i3 % 2304;
+      const int j48 = j47 >= 1536 && j47 < 2304 ? i3 / 2304 * 768 + (j47 - 1536) : 0;
+      const float v49 = b1[j48];
+      const float v46 = j47 >= 1536 && j47 < 2304 ? v49 : 0.0f;
+      const int j51 = j47 >= 768 && j47 < 1536 ? i3 / 2304 * 768 + (j47 - 768) : 0;
+      const float v52 = b2[j51];
+      const float v50 = j47 >= 768 && j47 < 1536 ? v52 : 0.0f;
+      const float v45 = v46 + v50;
+      const int j54 = j47 >= 0 && j47 < 768 ? i3 / 2304 * 768 + (j47 - 0) : 0;
+      const float v55 = b3[j54];
+      const float v53 = j47 >= 0 && j47 < 768 ? v55 : 0.0f;
+      const float v44 = v45 + v53;
+      const float v43 = v44;
+      acc3 += v43;
+      reinterpret_cast<ushort4 *>(b4)[q] = make_ushort4(mdl_f32_to_bf16(v1), mdl_f32_to_bf16(v15), mdl_f32_to_bf16(v29), mdl_f32_to_bf16(v43));
     }
-    b0[u] = acc;
+    b0[k * 2304 + r] = acc0;
+    b0[k * 2304 + r + 1] = acc1;
+    b0[k * 2304 + r + 2] = acc2;
+    b0[k * 2304 + r + 3] = acc3;
   }
 }
 
-// sum: the 113 partial results of each output added, a block per 16 outputs in 16 groups of rows
-extern "C" __global__ void __launch_bounds__(256) k99_sum__slice_bwd__add__cast(char *arena, MdlStatus *status, const uint64_t *seed, int64_t chunk, MdlArgs o) {
+// sum: the 432 partial results of each output added, a block per 16 outputs in 64 groups of rows
+extern "C" __global__ void __launch_bounds__(1024) k99_sum__slice_bwd__add__cast(char *arena, MdlStatus *status, const uint64_t *seed, int64_t chunk, MdlArgs o) {
   double *const b0 = (double *)(arena + o.b[0]); // partial results
   float *const b1 = (float *)(arena + o.b[1]); // sum f32[2304]
-  __shared__ double cs0[16][16];
+  __shared__ double cs0[64][16];
   const int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
   const int r = blockIdx.x * 16 + tx;
   double acc = 0.0;
   if (r < 2304) {
-    for (int k = ty; k < 113; k += 16) {
+    for (int k = ty; k < 432; k += 64) {
       acc += b0[k * 2304 + r];
     }
   }
   cs0[ty][tx] = acc;
-  for (int h = 8; h > 0; h >>= 1) {
+  for (int h = 32; h > 0; h >>= 1) {
     __syncthreads();
     if (ty < h) {
       cs0[ty][tx] = acc += cs0[ty + h][tx];
@@ -2232,8 +2295,8 @@ extern "C" __global__ void __launch_bounds__(128, 8) k102_layernorm_bwd__add__su
 //   %640   cast                                    line 40    bf16[8192,3072]
 // runs:
 //   gemm 63: [8192 x 3072] = [8192 x 768] T[768 x 3072], bf16 A and B, f32 C
-//   k92_gemm__gelu_bwd__sum__cast_partial<<<1020, 256>>>
-//   k92_gemm__gelu_bwd__sum__cast<<<192, 256>>>
+//   k92_gemm__gelu_bwd__sum__cast_partial<<<984, 256>>>
+//   k92_gemm__gelu_bwd__sum__cast<<<192, 1024>>>
 
 // k105_gemm: GEMM, 1 op
 //   %641   matmul                                  line 40    f32[8192,768]
@@ -2288,8 +2351,8 @@ extern "C" __global__ void __launch_bounds__(128, 8) k102_layernorm_bwd__add__su
 //   %666   sum                d.h.10.attn_b        line 38    f32[2304]
 //   %667   cast                                    line 38    bf16[8192,2304]
 // runs:
-//   k99_sum__slice_bwd__add__cast_partial<<<1017, 256>>>
-//   k99_sum__slice_bwd__add__cast<<<144, 256>>>
+//   k99_sum__slice_bwd__add__cast_partial<<<972, 256>>>
+//   k99_sum__slice_bwd__add__cast<<<144, 1024>>>
 
 // k112_gemm: GEMM, 1 op
 //   %668   matmul                                  line 38    f32[8192,768]
@@ -2327,8 +2390,8 @@ extern "C" __global__ void __launch_bounds__(128, 8) k102_layernorm_bwd__add__su
 //   %684   cast                                    line 40    bf16[8192,3072]
 // runs:
 //   gemm 71: [8192 x 3072] = [8192 x 768] T[768 x 3072], bf16 A and B, f32 C
-//   k92_gemm__gelu_bwd__sum__cast_partial<<<1020, 256>>>
-//   k92_gemm__gelu_bwd__sum__cast<<<192, 256>>>
+//   k92_gemm__gelu_bwd__sum__cast_partial<<<984, 256>>>
+//   k92_gemm__gelu_bwd__sum__cast<<<192, 1024>>>
 
 // k117_gemm: GEMM, 1 op
 //   %685   matmul                                  line 40    f32[8192,768]
@@ -2383,8 +2446,8 @@ extern "C" __global__ void __launch_bounds__(128, 8) k102_layernorm_bwd__add__su
 //   %710   sum                d.h.9.attn_b         line 38    f32[2304]
 //   %711   cast                                    line 38    bf16[8192,2304]
 // runs:
-//   k99_sum__slice_bwd__add__cast_partial<<<1017, 256>>>
-//   k99_sum__slice_bwd__add__cast<<<144, 256>>>
+//   k99_sum__slice_bwd__add__cast_partial<<<972, 256>>>
+//   k99_sum__slice_bwd__add__cast<<<144, 1024>>>
 
 // k124_gemm: GEMM, 1 op
 //   %712   matmul                                  line 38    f32[8192,768]
@@ -2422,8 +2485,8 @@ extern "C" __global__ void __launch_bounds__(128, 8) k102_layernorm_bwd__add__su
 //   %728   cast                                    line 40    bf16[8192,3072]
 // runs:
 //   gemm 79: [8192 x 3072] = [8192 x 768] T[768 x 3072], bf16 A and B, f32 C
-//   k92_gemm__gelu_bwd__sum__cast_partial<<<1020, 256>>>
-//   k92_gemm__gelu_bwd__sum__cast<<<192, 256>>>
+//   k92_gemm__gelu_bwd__sum__cast_partial<<<984, 256>>>
+//   k92_gemm__gelu_bwd__sum__cast<<<192, 1024>>>
 
 // k129_gemm: GEMM, 1 op
 //   %729   matmul                                  line 40    f32[8192,768]
@@ -2478,8 +2541,8 @@ extern "C" __global__ void __launch_bounds__(128, 8) k102_layernorm_bwd__add__su
 //   %754   sum                d.h.8.attn_b         line 38    f32[2304]
 //   %755   cast                                    line 38    bf16[8192,2304]
 // runs:
-//   k99_sum__slice_bwd__add__cast_partial<<<1017, 256>>>
-//   k99_sum__slice_bwd__add__cast<<<144, 256>>>
+//   k99_sum__slice_bwd__add__cast_partial<<<972, 256>>>
+//   k99_sum__slice_bwd__add__cast<<<144, 1024>>>
 
 // k136_gemm: GEMM, 1 op
 //   %756   matmul                                  line 38    f32[8192,768]
@@ -2517,8 +2580,8 @@ extern "C" __global__ void __launch_bounds__(128, 8) k102_layernorm_bwd__add__su
 //   %772   cast                                    line 40    bf16[8192,3072]
 // runs:
 //   gemm 87: [8192 x 3072] = [8192 x 768] T[768 x 3072], bf16 A and B, f32 C
-//   k92_gemm__gelu_bwd__sum__cast_partial<<<1020, 256>>>
-//   k92_gemm__gelu_bwd__sum__cast<<<192, 256>>>
+//   k92_gemm__gelu_bwd__sum__cast_partial<<<984, 256>>>
+//   k92_gemm__gelu_bwd__sum__cast<<<192, 1024>>>
 
 // k141_gemm: GEMM, 1 op
 //   %773   matmul                                  line 40    f32[8192,768]
@@ -2573,8 +2636,8 @@ extern "C" __global__ void __launch_bounds__(128, 8) k102_layernorm_bwd__add__su
 //   %798   sum                d.h.7.attn_b         line 38    f32[2304]
 //   %799   cast                                    line 38    bf16[8192,2304]
 // runs:
-//   k99_sum__slice_bwd__add__cast_partial<<<1017, 256>>>
-//   k99_sum__slice_bwd__add__cast<<<144, 256>>>
+//   k99_sum__slice_bwd__add__cast_partial<<<972, 256>>>
+//   k99_sum__slice_bwd__add__cast<<<144, 1024>>>
 
 // k148_gemm: GEMM, 1 op
 //   %800   matmul                                  line 38    f32[8192,768]
@@ -2612,8 +2675,8 @@ extern "C" __global__ void __launch_bounds__(128, 8) k102_layernorm_bwd__add__su
 //   %816   cast                                    line 40    bf16[8192,3072]
 // runs:
 //   gemm 95: [8192 x 3072] = [8192 x 768] T[768 x 3072], bf16 A and B, f32 C
-//   k92_gemm__gelu_bwd__sum__cast_partial<<<1020, 256>>>
-//   k92_gemm__gelu_bwd__sum__cast<<<192, 256>>>
+//   k92_gemm__gelu_bwd__sum__cast_partial<<<984, 256>>>
+//   k92_gemm__gelu_bwd__sum__cast<<<192, 1024>>>
 
 // k153_gemm: GEMM, 1 op
 //   %817   matmul                                  line 40    f32[8192,768]
@@ -2668,8 +2731,8 @@ extern "C" __global__ void __launch_bounds__(128, 8) k102_layernorm_bwd__add__su
 //   %842   sum                d.h.6.attn_b         line 38    f32[2304]
 //   %843   cast                                    line 38    bf16[8192,2304]
 // runs:
-//   k99_sum__slice_bwd__add__cast_partial<<<1017, 256>>>
-//   k99_sum__slice_bwd__add__cast<<<144, 256>>>
+//   k99_sum__slice_bwd__add__cast_partial<<<972, 256>>>
+//   k99_sum__slice_bwd__add__cast<<<144, 1024>>>
 
 // k160_gemm: GEMM, 1 op
 //   %844   matmul                                  line 38    f32[8192,768]
@@ -2707,8 +2770,8 @@ extern "C" __global__ void __launch_bounds__(128, 8) k102_layernorm_bwd__add__su
 //   %860   cast                                    line 40    bf16[8192,3072]
 // runs:
 //   gemm 103: [8192 x 3072] = [8192 x 768] T[768 x 3072], bf16 A and B, f32 C
-//   k92_gemm__gelu_bwd__sum__cast_partial<<<1020, 256>>>
-//   k92_gemm__gelu_bwd__sum__cast<<<192, 256>>>
+//   k92_gemm__gelu_bwd__sum__cast_partial<<<984, 256>>>
+//   k92_gemm__gelu_bwd__sum__cast<<<192, 1024>>>
 
 // k165_gemm: GEMM, 1 op
 //   %861   matmul                                  line 40    f32[8192,768]
@@ -2763,8 +2826,8 @@ extern "C" __global__ void __launch_bounds__(128, 8) k102_layernorm_bwd__add__su
 //   %886   sum                d.h.5.attn_b         line 38    f32[2304]
 //   %887   cast                                    line 38    bf16[8192,2304]
 // runs:
-//   k99_sum__slice_bwd__add__cast_partial<<<1017, 256>>>
-//   k99_sum__slice_bwd__add__cast<<<144, 256>>>
+//   k99_sum__slice_bwd__add__cast_partial<<<972, 256>>>
+//   k99_sum__slice_bwd__add__cast<<<144, 1024>>>
 
 // k172_gemm: GEMM, 1 op
 //   %888   matmul                                  line 38    f32[8192,768]
@@ -2802,8 +2865,8 @@ extern "C" __global__ void __launch_bounds__(128, 8) k102_layernorm_bwd__add__su
 //   %904   cast                                    line 40    bf16[8192,3072]
 // runs:
 //   gemm 111: [8192 x 3072] = [8192 x 768] T[768 x 3072], bf16 A and B, f32 C
-//   k92_gemm__gelu_bwd__sum__cast_partial<<<1020, 256>>>
-//   k92_gemm__gelu_bwd__sum__cast<<<192, 256>>>
+//   k92_gemm__gelu_bwd__sum__cast_partial<<<984, 256>>>
+//   k92_gemm__gelu_bwd__sum__cast<<<192, 1024>>>
 
 // k177_gemm: GEMM, 1 op
 //   %905   matmul                                  line 40    f32[8192,768]
@@ -2858,8 +2921,8 @@ extern "C" __global__ void __launch_bounds__(128, 8) k102_layernorm_bwd__add__su
 //   %930   sum                d.h.4.attn_b         line 38    f32[2304]
 //   %931   cast                                    line 38    bf16[8192,2304]
 // runs:
-//   k99_sum__slice_bwd__add__cast_partial<<<1017, 256>>>
-//   k99_sum__slice_bwd__add__cast<<<144, 256>>>
+//   k99_sum__slice_bwd__add__cast_partial<<<972, 256>>>
+//   k99_sum__slice_bwd__add__cast<<<144, 1024>>>
 
 // k184_gemm: GEMM, 1 op
 //   %932   matmul                                  line 38    f32[8192,768]
@@ -2897,8 +2960,8 @@ extern "C" __global__ void __launch_bounds__(128, 8) k102_layernorm_bwd__add__su
 //   %948   cast                                    line 40    bf16[8192,3072]
 // runs:
 //   gemm 119: [8192 x 3072] = [8192 x 768] T[768 x 3072], bf16 A and B, f32 C
-//   k92_gemm__gelu_bwd__sum__cast_partial<<<1020, 256>>>
-//   k92_gemm__gelu_bwd__sum__cast<<<192, 256>>>
+//   k92_gemm__gelu_bwd__sum__cast_partial<<<984, 256>>>
+//   k92_gemm__gelu_bwd__sum__cast<<<192, 1024>>>
 
 // k189_gemm: GEMM, 1 op
 //   %949   matmul                                  line 40    f32[8192,768]
@@ -2953,8 +3016,8 @@ extern "C" __global__ void __launch_bounds__(128, 8) k102_layernorm_bwd__add__su
 //   %974   sum                d.h.3.attn_b         line 38    f32[2304]
 //   %975   cast                                    line 38    bf16[8192,2304]
 // runs:
-//   k99_sum__slice_bwd__add__cast_partial<<<1017, 256>>>
-//   k99_sum__slice_bwd__add__cast<<<144, 256>>>
+//   k99_sum__slice_bwd__add__cast_partial<<<972, 256>>>
+//   k99_sum__slice_bwd__add__cast<<<144, 1024>>>
 
 // k196_gemm: GEMM, 1 op
 //   %976   matmul                                  line 38    f32[8192,768]
@@ -2992,8 +3055,8 @@ extern "C" __global__ void __launch_bounds__(128, 8) k102_layernorm_bwd__add__su
 //   %992   cast                                    line 40    bf16[8192,3072]
 // runs:
 //   gemm 127: [8192 x 3072] = [8192 x 768] T[768 x 3072], bf16 A and B, f32 C
-//   k92_gemm__gelu_bwd__sum__cast_partial<<<1020, 256>>>
-//   k92_gemm__gelu_bwd__sum__cast<<<192, 256>>>
+//   k92_gemm__gelu_bwd__sum__cast_partial<<<984, 256>>>
+//   k92_gemm__gelu_bwd__sum__cast<<<192, 1024>>>
 
 // k201_gemm: GEMM, 1 op
 //   %993   matmul                                  line 40    f32[8192,768]
@@ -3048,8 +3111,8 @@ extern "C" __global__ void __launch_bounds__(128, 8) k102_layernorm_bwd__add__su
 //   %1018  sum                d.h.2.attn_b         line 38    f32[2304]
 //   %1019  cast                                    line 38    bf16[8192,2304]
 // runs:
-//   k99_sum__slice_bwd__add__cast_partial<<<1017, 256>>>
-//   k99_sum__slice_bwd__add__cast<<<144, 256>>>
+//   k99_sum__slice_bwd__add__cast_partial<<<972, 256>>>
+//   k99_sum__slice_bwd__add__cast<<<144, 1024>>>
 
 // k208_gemm: GEMM, 1 op
 //   %1020  matmul                                  line 38    f32[8192,768]
@@ -3087,8 +3150,8 @@ extern "C" __global__ void __launch_bounds__(128, 8) k102_layernorm_bwd__add__su
 //   %1036  cast                                    line 40    bf16[8192,3072]
 // runs:
 //   gemm 135: [8192 x 3072] = [8192 x 768] T[768 x 3072], bf16 A and B, f32 C
-//   k92_gemm__gelu_bwd__sum__cast_partial<<<1020, 256>>>
-//   k92_gemm__gelu_bwd__sum__cast<<<192, 256>>>
+//   k92_gemm__gelu_bwd__sum__cast_partial<<<984, 256>>>
+//   k92_gemm__gelu_bwd__sum__cast<<<192, 1024>>>
 
 // k213_gemm: GEMM, 1 op
 //   %1037  matmul                                  line 40    f32[8192,768]
@@ -3143,8 +3206,8 @@ extern "C" __global__ void __launch_bounds__(128, 8) k102_layernorm_bwd__add__su
 //   %1062  sum                d.h.1.attn_b         line 38    f32[2304]
 //   %1063  cast                                    line 38    bf16[8192,2304]
 // runs:
-//   k99_sum__slice_bwd__add__cast_partial<<<1017, 256>>>
-//   k99_sum__slice_bwd__add__cast<<<144, 256>>>
+//   k99_sum__slice_bwd__add__cast_partial<<<972, 256>>>
+//   k99_sum__slice_bwd__add__cast<<<144, 1024>>>
 
 // k220_gemm: GEMM, 1 op
 //   %1064  matmul                                  line 38    f32[8192,768]
@@ -3182,8 +3245,8 @@ extern "C" __global__ void __launch_bounds__(128, 8) k102_layernorm_bwd__add__su
 //   %1080  cast                                    line 40    bf16[8192,3072]
 // runs:
 //   gemm 143: [8192 x 3072] = [8192 x 768] T[768 x 3072], bf16 A and B, f32 C
-//   k92_gemm__gelu_bwd__sum__cast_partial<<<1020, 256>>>
-//   k92_gemm__gelu_bwd__sum__cast<<<192, 256>>>
+//   k92_gemm__gelu_bwd__sum__cast_partial<<<984, 256>>>
+//   k92_gemm__gelu_bwd__sum__cast<<<192, 1024>>>
 
 // k225_gemm: GEMM, 1 op
 //   %1081  matmul                                  line 40    f32[8192,768]
@@ -3238,8 +3301,8 @@ extern "C" __global__ void __launch_bounds__(128, 8) k102_layernorm_bwd__add__su
 //   %1106  sum                d.h.0.attn_b         line 38    f32[2304]
 //   %1107  cast                                    line 38    bf16[8192,2304]
 // runs:
-//   k99_sum__slice_bwd__add__cast_partial<<<1017, 256>>>
-//   k99_sum__slice_bwd__add__cast<<<144, 256>>>
+//   k99_sum__slice_bwd__add__cast_partial<<<972, 256>>>
+//   k99_sum__slice_bwd__add__cast<<<144, 1024>>>
 
 // k232_gemm: GEMM, 1 op
 //   %1108  matmul                                  line 38    f32[8192,768]
