@@ -90,14 +90,23 @@ static bool shared_view_cast(Graph *g, IrNode **nodes, int nn, int *cast, int sr
   return false;
 }
 
-// Appends the rounding of nodes[src] (a CAST to dt) at nodes[nn] and returns the new count.
+// Appends the rounding of nodes[src] at nodes[nn] and returns the new count: a CAST to dt, or, for a
+// SLICE of a value whose rounding exists, that SLICE of the rounding (a view: nothing to compute).
 static int add_cast(Graph *g, IrNode **nodes, int nn, int *cast, int src, DType dt, SrcLoc loc) {
+  const IrNode *s = nodes[src];
   IrNode *c = arena_alloc(g->arena, sizeof *c);
-  *c = (IrNode){.id = nn, .op = OP_CAST, .dtype = dt, .shape = nodes[src]->shape, .nin = 1, .loc = loc,
-                .grad_of = -1, .param_of = -1};
   c->in = arena_alloc(g->arena, sizeof(int));
-  c->in[0] = src;
-  c->ia[0] = dt;
+  if (s->op == OP_SLICE && cast[s->in[0]] >= 0) {
+    int *in = c->in;
+    *c = *s;
+    c->id = nn, c->dtype = dt, c->in = in, c->loc = loc, c->grad_of = -1, c->param_of = -1;
+    c->in[0] = cast[s->in[0]];
+  } else {
+    *c = (IrNode){.id = nn, .op = OP_CAST, .dtype = dt, .shape = s->shape, .nin = 1, .loc = loc, .grad_of = -1,
+                  .param_of = -1, .in = c->in};
+    c->in[0] = src;
+    c->ia[0] = dt;
+  }
   nodes[nn] = c;
   cast[src] = nn;
   return nn + 1;

@@ -18,6 +18,9 @@ typedef struct {
   void (*sgemm)(int ta, int tb, int64_t m, int64_t n, int64_t k, const float *a, int64_t lda,
                 const float *b, int64_t ldb, float beta, float *c, int64_t ldc);
   int nthreads;  // OpenMP threads per parallel loop and per GEMM
+  // Row blocks of a large GEMM: the default thread count when the module was loaded, kept when
+  // nthreads changes, so that no result depends on the thread count (see mdl_gemm in emit_c.c).
+  int gemm_blocks;
   uint64_t seed; // the run's seed: dropout masks
   void *ctx;     // passed back to error
   void (*error)(void *ctx, const char *what, int64_t value, int64_t limit); // an id or target out of range

@@ -154,7 +154,7 @@ CpuModule *cpu_load(const char *source, char *err, size_t n) {
   }
   cm->nkernels = *nk;
   cm->arena_bytes = *bytes;
-  cm->hooks = (MdlHooks){.sgemm = sgemm_hook, .ctx = cm, .error = error_hook};
+  cm->hooks = (MdlHooks){.sgemm = sgemm_hook, .gemm_blocks = default_threads(), .ctx = cm, .error = error_hook};
   cpu_set_threads(cm, default_threads());
   return cm;
 }
@@ -166,9 +166,9 @@ void cpu_unload(CpuModule *cm) {
   free(cm);
 }
 
-// The kernels' OpenMP loops use n threads; so do their GEMMs, which split the rows of C over them and
-// call OpenBLAS in each block: OpenBLAS itself stays single-threaded, so that one pool of threads
-// owns the cores.
+// The kernels' OpenMP loops use n threads; so do their GEMMs, which split the rows of C into
+// hooks.gemm_blocks blocks (fixed at load, so results do not depend on n) and call OpenBLAS in each:
+// OpenBLAS itself stays single-threaded, so that one pool of threads owns the cores.
 void cpu_set_threads(CpuModule *cm, int n) {
   cm->hooks.nthreads = n > 0 ? n : 1;
   openblas_set_num_threads(1);

@@ -15,6 +15,7 @@ typedef struct {
   void (*sgemm)(int ta, int tb, int64_t m, int64_t n, int64_t k, const float *a, int64_t lda,
                 const float *b, int64_t ldb, float beta, float *c, int64_t ldc);
   int nthreads;  // OpenMP threads per parallel loop
+  int gemm_blocks; // row blocks of a large GEMM, whatever nthreads is
   uint64_t seed; // the run's seed: dropout masks
   void *ctx;     // passed back to error
   void (*error)(void *ctx, const char *what, int64_t value, int64_t limit); // an id or target out of range
@@ -98,11 +99,14 @@ static inline void *mdl_scratch(size_t bytes) {
 }
 
 // C = op(A) op(B) + beta C through the runtime's sgemm, split into blocks of output rows over the
-// threads (the BLAS runs single-threaded in each): one pool of threads for the whole step, and
-// every element summed over k in the same order whatever the split.
+// threads (the BLAS runs single-threaded in each): one pool of threads for the whole step. The
+// blocks (h->gemm_blocks, 16 rows at least) do not follow the thread count: OpenBLAS sums a row in
+// another order when it is part of a smaller product (its small-matrix kernels: 48 rows of an
+// A B^T product with n 32, k 256 differ from the same rows as two calls of 24), so a split by
+// threads made results depend on them.
 static inline void mdl_gemm(const MdlHooks *h, int ta, int tb, int64_t m, int64_t n, int64_t k, const float *a,
                             int64_t lda, const float *b, int64_t ldb, float beta, float *c, int64_t ldc) {
-  int64_t nb = m * n * k >= (1 << 18) ? h->nthreads : 1;
+  int64_t nb = m * n * k >= (1 << 18) ? h->gemm_blocks : 1;
   if (nb > (m + 15) / 16)
     nb = (m + 15) / 16;
   if (nb <= 1) {

@@ -45,6 +45,24 @@ typedef struct {
 // blocked partial sums), max, softmax, permute and transpose, batched matmuls (one broadcasting its
 // batch), concat and split, layernorm without bias, rmsnorm, rope, attention neither causal nor
 // document-masked, dropout, and an untied LM head.
+// q, k, v split from one qkv GEMM, with v also read as it is (f32): in bf16, attention reads q and k
+// as slices of the GEMM output's one rounding, and v's rounding is a slice of it too.
+static const char qkv_split[] =
+    "model qkvsplit\n"
+    "dim B = 2\n"
+    "dim T = 24\n"
+    "dim C = 32\n"
+    "dim V = 256\n"
+    "input tokens: i32[B, T]\n"
+    "input targets: i32[B, T]\n"
+    "input doc: i32[B, T]\n"
+    "param wte: [V, C] = normal(0.5)\n"
+    "param wqkv: [C, 3*C] = normal(0.3)\n"
+    "param head: [C, V] = normal(0.3)\n"
+    "q, k, v = split(embed(wte, tokens) @ wqkv, 3, axis=-1)\n"
+    "a = attention(q, k, v, heads=2, causal=true, doc=doc) + v\n"
+    "output loss = mean(cross_entropy(a @ head, targets))\n";
+
 static const char allops[] =
     "model allops\n"
     "dim B = 2\n"
@@ -847,12 +865,14 @@ int main(void) {
       {"models/mlp.mdl", {{"B", 8}}, 1, NULL},
       {"allops.mdl", {{NULL, 0}}, 0, allops},
       {"tests/unit/sums.mdl", {{NULL, 0}}, 0, NULL},
+      {"qkvsplit.mdl", {{NULL, 0}}, 0, qkv_split},
   };
   for (size_t i = 0; i < sizeof models / sizeof *models; i++)
     test_model(&models[i]);
   for (size_t i = 0; i < 3; i++)
     test_bf16(&models[i]);
   test_bf16(&models[4]);
+  test_bf16(&models[5]);
   test_bf16_arena("models/gpt2-tiny.mdl");
   test_bf16_arena("models/llama-tiny.mdl");
   test_bf16_rounding();

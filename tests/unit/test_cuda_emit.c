@@ -117,7 +117,9 @@ static const char wide[] =
 // Attention with several query and key tiles (T = 80), causal without documents (whole tiles skip
 // the mask) and within documents without causality, after a qkv GEMM; with C = 64 its heads of 32
 // run on tensor cores in bf16, with C = 24 (heads of 12) they do not. The causal one feeds a GEMM:
-// in bf16 the attention kernel writes the operand's rounding itself.
+// in bf16 the attention kernel writes the operand's rounding itself. v is also read as it is (f32),
+// so in bf16 q and k are slices of the qkv GEMM's rounding and v's rounding is one too, beside the
+// f32 slice.
 static const char attn[] =
     "model attn\n"
     "dim B = 2\n"
@@ -133,7 +135,7 @@ static const char attn[] =
     "param head: [C, V] = normal(0.3)\n"
     "param wo: [C, C] = normal(0.3)\n"
     "q, k, v = split(embed(wte, tokens) @ wqkv, 3, axis=-1)\n"
-    "a = attention(q, k, v, heads=H, causal=true) @ wo + attention(q, k, v, heads=H, doc=doc)\n"
+    "a = attention(q, k, v, heads=H, causal=true) @ wo + attention(q, k, v, heads=H, doc=doc) + v\n"
     "output loss = mean(cross_entropy(a @ head, targets))\n";
 
 // An embedding whose backward has a bucket of table rows with more than 1024 positions (ids 0-31,
