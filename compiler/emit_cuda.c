@@ -22,11 +22,11 @@
 //     tiles in shared memory, online softmax; the forward stores each row's log-sum-exp, from which
 //     the backward recomputes the probabilities: a first kernel takes D = dout . out per row, then
 //     dq per query tile and dk, dv per key tile (each key tile owned by one block, summed in query
-//     order); in bf16 with heads of a multiple of 16
-//     channels the forward and the backward's dq and dk, dv kernels run on tensor cores (mma.sync
-//     m16n8k16, FlashAttention-2's layout: a block of 8 warps per 128 queries or keys, a warp per 16
-//     of them, so that each staged tile of 64 keys or queries serves 128 rows), the B fragments
-//     of the products over keys or queries read from shared tiles by transposing ldmatrix, the
+//     order); in bf16 with heads of a multiple of 16 channels the forward and the backward's dq and
+//     dk, dv kernels run on tensor cores (mma.sync m16n8k16, FlashAttention-2's layout: a warp per
+//     16 queries or keys, 8 warps a block in the forward and dk, dv, so that each staged tile of 64
+//     keys or queries serves 128 rows, 4 in dq, whose registers allow no more), the B fragments of
+//     the products over keys or queries read from shared tiles by transposing ldmatrix, the
 //     exponentials taken in base 2 (exp2f of scores scaled by log2(e));
 //   - embedding backward: each block owns a range of vocabulary rows and columns and adds the rows of
 //     its bucket of ids, sorted by position (emit_embed_bwd);
@@ -669,9 +669,8 @@ static int kend(Emit *e, int64_t grid, int block) {
   ec_grow(&e->kt, e->nkt, &e->capkt, sizeof *e->kt);
   KText *t = &e->kt[e->nkt];
   t->role = e->role;
-  t->pre = (char *)(e->min_blocks ? ec_str(&e->core, "extern \"C\" __global__ void __launch_bounds__(%d, %d) ", block,
-                                  e->min_blocks)
-                         : ec_str(&e->core, "extern \"C\" __global__ void __launch_bounds__(%d) ", block));
+  const char *bounds = e->min_blocks ? ec_str(&e->core, "%d, %d", block, e->min_blocks) : ec_str(&e->core, "%d", block);
+  t->pre = (char *)ec_str(&e->core, "extern \"C\" __global__ void __launch_bounds__(%s) ", bounds);
   t->code = arena_strdup(e->core.a, code.s);
   t->notes = arena_strdup(e->core.a, e->notes.s ? e->notes.s : "");
   t->table = e->table;
@@ -2366,8 +2365,9 @@ static int64_t att_mma_shared(const Att *A) {
   return 2 * ATT_MMA_TILE * (A->d + 8) * 2 + (A->has_doc ? ATT_MMA_TILE * 4 : 0);
 }
 
-// Whether rows of r can be read as float4 at channels that are multiples of 4: its stride and start
-// in floats are (buffers start 64-byte aligned).
+// Whether rows of r can be read four channels at a time (a float4 of f32 values, a ushort4 of bf16
+// ones) at channels that are multiples of 4: its stride and start in elements are (buffers start
+// 64-byte aligned).
 static bool att_rows16(Rows r) { return r.stride % 4 == 0 && r.at % 4 == 0; }
 
 // Does the forward run on tensor cores: bf16 products, heads of a multiple of 16 channels (the k16
@@ -2420,9 +2420,8 @@ static void att_mma_online_max(Emit *e) {
 // 4 warps per 64 queries, the staging took as long as the products: GPT-2's forward and dq, staging
 // the same bytes, ran in 0.26 and 0.25 ms a layer though dq does 1.5 times the products); S = Q K^T by
 // mma, scaled and masked; the online softmax of each row over the quad of lanes that holds it; e =
-// exp(S - m) summed
-// unrounded into l and, rounded, reused as the A fragments of O += P V (the accumulators of two
-// adjacent n8 tiles of S are one k16 step); out = O / l in f32.
+// exp(S - m) summed unrounded into l and, rounded, reused as the A fragments of O += P V (the
+// accumulators of two adjacent n8 tiles of S are one k16 step); out = O / l in f32.
 static void att_mma_kernel(Emit *e, const Att *A, int out) {
   const char *ixt = e->core.ixt;
   int64_t d = A->d, t = A->nt, nqt = (t + ATT_MMA_ROWS - 1) / ATT_MMA_ROWS;
