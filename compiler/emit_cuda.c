@@ -92,6 +92,7 @@ enum {
   ATT_MMA_THREADS = 32 * ATT_MMA_WARPS,
   ATT_MMA_DQ_ROWS = 16 * ATT_MMA_DQ_WARPS,
   ATT_MMA_DQ_THREADS = 32 * ATT_MMA_DQ_WARPS,
+  FILL_SM = -1,         // Emit.min_blocks: as many blocks as the SM's threads allow (MDL_SM_THREADS)
 };
 
 static const char prelude[] =
@@ -105,6 +106,13 @@ static const char prelude[] =
     "#define MDL_INF __int_as_float(0x7f800000)\n"
     "#define MDL_NAN __int_as_float(0x7fffffff)\n"
     "#define MDL_FULL 0xffffffffu\n"
+    "// Threads an SM holds (a kernel that asks for all of them in __launch_bounds__): 1536 on sm_86 and\n"
+    "// sm_89, 2048 on sm_80 and sm_90.\n"
+    "#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ == 860 || __CUDA_ARCH__ == 870 || __CUDA_ARCH__ == 890)\n"
+    "#define MDL_SM_THREADS 1536\n"
+    "#else\n"
+    "#define MDL_SM_THREADS 2048\n"
+    "#endif\n"
     "#define MDL_ERR_EMBED_ID 1 // MdlStatus.code: an id outside the embedding table\n"
     "#define MDL_ERR_TARGET 2   // a cross-entropy target >= the number of classes\n"
     "\n"
@@ -472,7 +480,8 @@ typedef struct {
   int *slot_of;    // per node: its slot in this kernel, or -1
   bool sh_d, sh_f; // the block reductions' shared arrays are declared
   int shared;
-  int min_blocks; // blocks an SM must hold (__launch_bounds__'s second value, which caps registers), or 0
+  int min_blocks; // blocks an SM must hold (__launch_bounds__'s second value, which caps registers), or
+                  // 0, or FILL_SM: as many as the SM's threads allow
   const char *loop_ix; // the current loop's own flat index (stores happen there)
   int64_t loop_n;      // and the number of elements it visits
   int post_anchor;     // inside the loop that follows (or is) this anchor's, else -1
@@ -669,7 +678,9 @@ static int kend(Emit *e, int64_t grid, int block) {
   ec_grow(&e->kt, e->nkt, &e->capkt, sizeof *e->kt);
   KText *t = &e->kt[e->nkt];
   t->role = e->role;
-  const char *bounds = e->min_blocks ? ec_str(&e->core, "%d, %d", block, e->min_blocks) : ec_str(&e->core, "%d", block);
+  const char *bounds = e->min_blocks == FILL_SM ? ec_str(&e->core, "%d, MDL_SM_THREADS / %d", block, block)
+                       : e->min_blocks      ? ec_str(&e->core, "%d, %d", block, e->min_blocks)
+                                            : ec_str(&e->core, "%d", block);
   t->pre = (char *)ec_str(&e->core, "extern \"C\" __global__ void __launch_bounds__(%s) ", bounds);
   t->code = arena_strdup(e->core.a, code.s);
   t->notes = arena_strdup(e->core.a, e->notes.s ? e->notes.s : "");
@@ -1505,7 +1516,7 @@ static void emit_reduce(Emit *e, int gi, const bool *emitted) {
     kbegin(e, "partial");
     // (sized for one wave of full SMs: 32 registers a thread, which ptxas meets with a 4-byte spill
     // where the four lanes' GELU backward took 37, 6 blocks of 256 an SM)
-    e->min_blocks = vec && block_for(work) == BLOCK ? 2048 / BLOCK : 0;
+    e->min_blocks = vec && block_for(work) == BLOCK ? FILL_SM : 0;
     note(e, "%s: %lld outputs over %lld elements, first partial results over %lld blocks of %lld%s", what,
          (long long)on, (long long)len, (long long)nb, (long long)bl, vec ? ", 4 outputs per thread" : "");
     const char *p = raw_ptr(e, part, acc_t, "partial results");

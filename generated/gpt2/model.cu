@@ -17,6 +17,13 @@ typedef unsigned short uint16_t;
 #define MDL_INF __int_as_float(0x7f800000)
 #define MDL_NAN __int_as_float(0x7fffffff)
 #define MDL_FULL 0xffffffffu
+// Threads an SM holds (a kernel that asks for all of them in __launch_bounds__): 1536 on sm_86 and
+// sm_89, 2048 on sm_80 and sm_90.
+#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ == 860 || __CUDA_ARCH__ == 870 || __CUDA_ARCH__ == 890)
+#define MDL_SM_THREADS 1536
+#else
+#define MDL_SM_THREADS 2048
+#endif
 #define MDL_ERR_EMBED_ID 1 // MdlStatus.code: an id outside the embedding table
 #define MDL_ERR_TARGET 2   // a cross-entropy target >= the number of classes
 
@@ -1592,7 +1599,7 @@ extern "C" __global__ void __launch_bounds__(1024) k90_layernorm_bwd__sum__cast_
 //   k92_gemm__gelu_bwd__sum__cast<<<192, 1024>>>
 
 // sum: 3072 outputs over 8192 elements, first partial results over 328 blocks of 25, 4 outputs per thread
-extern "C" __global__ void __launch_bounds__(256, 8) k92_gemm__gelu_bwd__sum__cast_partial(char *arena, MdlStatus *status, const uint64_t *seed, int64_t chunk, MdlArgs o) {
+extern "C" __global__ void __launch_bounds__(256, MDL_SM_THREADS / 256) k92_gemm__gelu_bwd__sum__cast_partial(char *arena, MdlStatus *status, const uint64_t *seed, int64_t chunk, MdlArgs o) {
   double *const b0 = (double *)(arena + o.b[0]); // partial results
   float *const b1 = (float *)(arena + o.b[1]); // add f32[8,1024,3072]
   float *const b2 = (float *)(arena + o.b[2]); // matmul f32[8192,3072]
@@ -2068,7 +2075,7 @@ extern "C" __global__ void __launch_bounds__(256) k98_attention_bwd_dkv(char *ar
 //   k99_sum__slice_bwd__add__cast<<<144, 1024>>>
 
 // sum: 2304 outputs over 8192 elements, first partial results over 432 blocks of 19, 4 outputs per thread
-extern "C" __global__ void __launch_bounds__(256, 8) k99_sum__slice_bwd__add__cast_partial(char *arena, MdlStatus *status, const uint64_t *seed, int64_t chunk, MdlArgs o) {
+extern "C" __global__ void __launch_bounds__(256, MDL_SM_THREADS / 256) k99_sum__slice_bwd__add__cast_partial(char *arena, MdlStatus *status, const uint64_t *seed, int64_t chunk, MdlArgs o) {
   double *const b0 = (double *)(arena + o.b[0]); // partial results
   float *const b1 = (float *)(arena + o.b[1]); // attention_bwd f32[8,1024,768]
   float *const b2 = (float *)(arena + o.b[2]); // attention_bwd f32[8,1024,768]
