@@ -2425,6 +2425,9 @@ static void att_mma_online_max(Emit *e) {
   ec_line(&e->core, "l1 *= c1;");
 }
 
+static void att_mma_query_rows(Emit *e, const Att *A, int rows, bool dout);
+static void att_mma_query_tiles(Emit *e, const Att *A, int rows, bool dp);
+
 // The forward on tensor cores (att_mma), FlashAttention-2 style: a block of 8 warps per (batch, head,
 // 128 queries), 16 query rows per warp with their Q in registers as mma A fragments (rounded to bf16
 // once); keys and values staged in shared tiles of 64, rounded to bf16, each read by the 8 warps (with
@@ -2434,134 +2437,24 @@ static void att_mma_online_max(Emit *e) {
 // exp(S - m) summed unrounded into l and, rounded, reused as the A fragments of O += P V (the
 // accumulators of two adjacent n8 tiles of S are one k16 step); out = O / l in f32.
 static void att_mma_kernel(Emit *e, const Att *A, int out) {
-  const char *ixt = e->core.ixt;
   int64_t d = A->d, t = A->nt, nqt = (t + ATT_MMA_ROWS - 1) / ATT_MMA_ROWS;
-  int ksteps = (int)(d / 16), ntiles = (int)(d / 8), stiles = ATT_MMA_TILE / 8;
+  int ntiles = (int)(d / 8);
   kbegin(e, "");
   note(e, "attention on tensor cores: B %lld, T %lld, %lld heads of %lld%s%s; a block of %d warps per (batch, head, "
           "%d queries), 16 query rows per warp, keys in tiles of %d; bf16 products (mma m16n8k16), f32 softmax",
        (long long)A->nb, (long long)t, (long long)A->heads, (long long)d, A->causal ? ", causal" : "",
        A->has_doc ? ", within documents" : "", ATT_MMA_WARPS, ATT_MMA_ROWS, ATT_MMA_TILE);
-  e->shared = (int)att_mma_shared(A);
   // Two blocks of 8 warps an SM, so at most 128 registers a thread: ptxas (sm_90) took 133 for GPT-2's
   // forward on bf16 q, k, v, which would leave one block, and fits 128 without spilling.
   e->min_blocks = 2;
-  ec_line(&e->core, "__shared__ uint32_t Ks[%d][%lld]; // keys of the tile, channels in bf16 pairs", ATT_MMA_TILE,
-          (long long)(d / 2 + 4));
-  ec_line(&e->core, "__shared__ __align__(16) uint16_t Vs[%d][%lld]; // values of the tile, bf16", ATT_MMA_TILE,
-          (long long)(d + 8));
-  if (A->has_doc)
-    ec_line(&e->core, "__shared__ int32_t Dk[%d];", ATT_MMA_TILE);
-  ec_line(&e->core, "const int w = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tq = lane & 3;");
-  bool last_first = A->causal && nqt > 1;
-  if (last_first)
-    ec_line(&e->core, "// (query tiles from the last: the ones with the most keys start first)");
-  ec_line(&e->core, "const %s b = blockIdx.x / %lld, hd = blockIdx.x / %lld %% %lld, q0 = %sblockIdx.x %% %lld%s * %d;",
-          ixt, (long long)(A->heads * nqt), (long long)nqt, (long long)A->heads,
-          last_first ? ec_str(&e->core, "(%lld - ", (long long)(nqt - 1)) : "", (long long)nqt, last_first ? ")" : "",
-          ATT_MMA_ROWS);
-  ec_line(&e->core, "// The lane's query rows: r0 (accumulators 0 and 1 of a tile) and r1 (2 and 3).");
-  ec_line(&e->core, "const %s r0 = q0 + 16 * w + g, r1 = r0 + 8;", ixt);
-  ec_line(&e->core, "// Q as the A fragments of the k16 steps over the channels, rounded once; 0 beyond T.");
-  ec_line(&e->core, "uint32_t qa[%d][4];", ksteps);
-  ec_line(&e->core, "#pragma unroll");
-  ec_enter(&e->core, "for (int k = 0; k < %d; k++)", ksteps);
-  ec_line(&e->core, "const int c = 16 * k + 2 * tq;");
-  for (int r = 0; r < 4; r++) {
-    const char *row = r & 1 ? "r1" : "r0", *c0 = r & 2 ? "c + 8" : "c", *c1 = r & 2 ? "c + 9" : "c + 1";
-    ec_line(&e->core, "qa[k][%d] = %s < %lld ? %s : 0u;", r, row, (long long)t, att_pair(e, A, A->q, row, c0, c1));
-  }
-  ec_leave(&e->core);
-  if (A->has_doc)
-    ec_line(&e->core, "const int32_t d0 = r0 < %lld ? %s[b * %lld + r0] : 0, d1 = r1 < %lld ? %s[b * %lld + r1] : 0;",
-            (long long)t, ptr(e, A->doc), (long long)t, (long long)t, ptr(e, A->doc), (long long)t);
+  att_mma_query_rows(e, A, ATT_MMA_ROWS, false);
   ec_line(&e->core, "// Per row: the running maximum m and this lane's part of the sum l; acc[n]: the output's");
   ec_line(&e->core, "// channels 8 n .. 8 n + 7 (accumulators).");
   ec_line(&e->core, "float m0 = -MDL_INF, m1 = -MDL_INF, l0 = 0.0f, l1 = 0.0f, acc[%d][4];", ntiles);
   ec_line(&e->core, "#pragma unroll");
   ec_line(&e->core, "for (int n = 0; n < %d; n++)", ntiles);
   ec_line(&e->core, "  acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;");
-  if (A->causal)
-    ec_line(&e->core, "const %s kend = q0 + %d < %lld ? q0 + %d : %lld; // later keys are masked for every row", ixt,
-            ATT_MMA_ROWS, (long long)t, ATT_MMA_ROWS, (long long)t);
-  else
-    ec_line(&e->core, "const %s kend = %lld;", ixt, (long long)t);
-  ec_enter(&e->core, "for (%s k0 = 0; k0 < kend; k0 += %d)", ixt, ATT_MMA_TILE);
-  ec_line(&e->core, "__syncthreads();");
-  bool k16 = att_stored16(e, A->k), v16 = att_stored16(e, A->v);
-  ec_line(&e->core, "// The tile's keys and values%s; 0 beyond T.", k16 && v16 ? " (bf16)" : ", rounded to bf16");
-  ec_enter(&e->core, "for (int u = threadIdx.x; u < %lld; u += %d)", (long long)(ATT_MMA_TILE * d / 4),
-          ATT_MMA_THREADS);
-  ec_line(&e->core, "const int jj = u / %lld, c = u %% %lld * 4;", (long long)(d / 4), (long long)(d / 4));
-  ec_line(&e->core, "const bool in = k0 + jj < %lld;", (long long)t);
-  if (k16) {
-    ec_line(&e->core, "const ushort4 kx = in ? *(const ushort4 *)&%s : make_ushort4(0, 0, 0, 0);",
-            at_row(e, A->k, A, "k0 + jj", "c"));
-    ec_line(&e->core, "Ks[jj][c / 2] = (uint32_t)kx.x | (uint32_t)kx.y << 16;");
-    ec_line(&e->core, "Ks[jj][c / 2 + 1] = (uint32_t)kx.z | (uint32_t)kx.w << 16;");
-  } else {
-    ec_line(&e->core, "const float4 kx = in ? *(const float4 *)&%s : make_float4(0.0f, 0.0f, 0.0f, 0.0f);",
-            at_row(e, A->k, A, "k0 + jj", "c"));
-    ec_line(&e->core, "Ks[jj][c / 2] = mdl_bf16x2(kx.x, kx.y);");
-    ec_line(&e->core, "Ks[jj][c / 2 + 1] = mdl_bf16x2(kx.z, kx.w);");
-  }
-  if (v16) {
-    ec_line(&e->core, "*(ushort4 *)&Vs[jj][c] = in ? *(const ushort4 *)&%s : make_ushort4(0, 0, 0, 0);",
-            at_row(e, A->v, A, "k0 + jj", "c"));
-  } else {
-    ec_line(&e->core, "const float4 vx = in ? *(const float4 *)&%s : make_float4(0.0f, 0.0f, 0.0f, 0.0f);",
-            at_row(e, A->v, A, "k0 + jj", "c"));
-    ec_line(&e->core, "*(ushort4 *)&Vs[jj][c] = make_ushort4(mdl_f32_to_bf16(vx.x), mdl_f32_to_bf16(vx.y), "
-            "mdl_f32_to_bf16(vx.z), mdl_f32_to_bf16(vx.w));");
-  }
-  ec_leave(&e->core);
-  if (A->has_doc) {
-    ec_line(&e->core, "if (threadIdx.x < %d)", ATT_MMA_TILE);
-    ec_line(&e->core, "  Dk[threadIdx.x] = k0 + threadIdx.x < %lld ? %s[b * %lld + k0 + threadIdx.x] : 0;",
-            (long long)t, ptr(e, A->doc), (long long)t);
-  }
-  ec_line(&e->core, "__syncthreads();");
-  att_mma_skip(e, A, ATT_MMA_ROWS, "k0 > q0 + 16 * w + 15", "the warp's rows see none of the tile's keys");
-  ec_line(&e->core, "// S = Q K^T: s[n] holds keys k0 + 8 n .. k0 + 8 n + 7; the B fragment of step k is key 8 n + g,");
-  ec_line(&e->core, "// channels 16 k + 2 tq, + 1 and 8 further.");
-  ec_line(&e->core, "float s[%d][4];", stiles);
-  ec_line(&e->core, "#pragma unroll");
-  ec_enter(&e->core, "for (int n = 0; n < %d; n++)", stiles);
-  ec_line(&e->core, "s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;");
-  ec_line(&e->core, "#pragma unroll");
-  ec_enter(&e->core, "for (int k = 0; k < %d; k++)", ksteps);
-  ec_line(&e->core, "const uint32_t kb[2] = {Ks[8 * n + g][8 * k + tq], Ks[8 * n + g][8 * k + tq + 4]};");
-  ec_line(&e->core, "mdl_mma_bf16_16816(s[n], qa[k], kb);");
-  ec_leave(&e->core);
-  ec_line(&e->core, "#pragma unroll");
-  ec_line(&e->core, "for (int x = 0; x < 4; x++)");
-  ec_line(&e->core, "  s[n][x] *= %s; // scale log2(e): exp2f of s less the maximum, cheaper than expf",
-          flit(e, A->scale * LOG2E));
-  ec_leave(&e->core);
-  // Which tiles need the mask: with documents all; else those reaching past T or, causal, past the
-  // warp's first row.
-  const char *edge = A->has_doc ? NULL
-                     : A->causal ? ec_str(&e->core, "k0 + %d > %lld || k0 + %d > q0 + 16 * w", ATT_MMA_TILE,
-                                          (long long)t, ATT_MMA_TILE - 1)
-                                 : ec_str(&e->core, "k0 + %d > %lld", ATT_MMA_TILE, (long long)t);
-  ec_line(&e->core, "// Keys the row may not see get -inf%s.",
-          edge ? " (only tiles that reach past T or past one of the warp's rows have any)" : "");
-  if (edge)
-    ec_enter(&e->core, "if (%s)", edge);
-  ec_line(&e->core, "#pragma unroll");
-  ec_enter(&e->core, "for (int n = 0; n < %d; n++)", stiles);
-  ec_line(&e->core, "#pragma unroll");
-  ec_enter(&e->core, "for (int x = 0; x < 4; x++)");
-  if (A->causal)
-    ec_line(&e->core, "const %s i = x < 2 ? r0 : r1, j = k0 + 8 * n + 2 * tq + (x & 1);", ixt);
-  else
-    ec_line(&e->core, "const %s j = k0 + 8 * n + 2 * tq + (x & 1);", ixt);
-  ec_line(&e->core, "if (!(%s))", att_allowed(e, A, "(x < 2 ? d0 : d1)", "Dk[j - k0]"));
-  ec_line(&e->core, "  s[n][x] = -MDL_INF;");
-  ec_leave(&e->core);
-  ec_leave(&e->core);
-  if (edge)
-    ec_leave(&e->core);
+  att_mma_query_tiles(e, A, ATT_MMA_ROWS, false);
   att_mma_online_max(e);
   ec_line(&e->core, "#pragma unroll");
   ec_enter(&e->core, "for (int n = 0; n < %d; n++)", ntiles);
@@ -2779,7 +2672,7 @@ static void att_key_kernel(Emit *e, const Att *A, int dk, int dv, int64_t dsum) 
 // padded by 8 channels (keys and values for dq; queries and dout, with their log-sum-exp and D, for dk
 // and dv), and the tile's documents.
 static int64_t att_mma_bwd_shared(const Att *A, bool keys) {
-  return 2 * ATT_MMA_TILE * (A->d + 8) * 2 + (keys ? 2 * ATT_MMA_TILE * 4 : 0) + (A->has_doc ? ATT_MMA_TILE * 4 : 0);
+  return att_mma_shared(A) + (keys ? 2 * ATT_MMA_TILE * 4 : 0);
 }
 
 // Does the backward run its dq and dk, dv kernels on tensor cores: as the forward (att_mma), and
@@ -2883,12 +2776,13 @@ static void att_mma_mask(Emit *e, const Att *A, const char *edge, const char *ij
     ec_leave(&e->core);
 }
 
-// The set-up of a block of the backward by query tile on tensor cores (dq): a block of 4 warps per
-// (batch, head, 64 queries), 16 query rows per warp, with Q and dout as mma A fragments in registers.
-static void att_mma_query_rows(Emit *e, const Att *A) {
+// The set-up of a block by query tile on tensor cores (the forward's and dq's): `rows` queries of a
+// (batch, head), 16 query rows per warp, with Q (and dout for dq) as mma A fragments in registers,
+// and the shared tiles of keys and values (bf16 pairs, rows 16-byte aligned for ldmatrix).
+static void att_mma_query_rows(Emit *e, const Att *A, int rows, bool dout) {
   const char *ixt = e->core.ixt;
-  int64_t t = A->nt, nqt = (t + ATT_MMA_DQ_ROWS - 1) / ATT_MMA_DQ_ROWS;
-  e->shared = (int)att_mma_bwd_shared(A, false);
+  int64_t t = A->nt, nqt = (t + rows - 1) / rows;
+  e->shared = (int)att_mma_shared(A);
   long long pairs = A->d / 2 + 4;
   ec_line(&e->core, "__shared__ __align__(16) uint32_t Ks[%d][%lld], Vs[%d][%lld]; // the tile's keys and values, "
           "bf16 pairs", ATT_MMA_TILE, pairs, ATT_MMA_TILE, pairs);
@@ -2901,39 +2795,43 @@ static void att_mma_query_rows(Emit *e, const Att *A) {
   ec_line(&e->core, "const %s b = blockIdx.x / %lld, hd = blockIdx.x / %lld %% %lld, q0 = %sblockIdx.x %% %lld%s * %d;",
           ixt, (long long)(A->heads * nqt), (long long)nqt, (long long)A->heads,
           last_first ? ec_str(&e->core, "(%lld - ", (long long)(nqt - 1)) : "", (long long)nqt, last_first ? ")" : "",
-          ATT_MMA_DQ_ROWS);
+          rows);
   ec_line(&e->core, "// The lane's query rows: r0 (accumulators 0 and 1 of a tile) and r1 (2 and 3).");
   ec_line(&e->core, "const %s r0 = q0 + 16 * w + g, r1 = r0 + 8;", ixt);
-  ec_line(&e->core, "// Q and dout as the A fragments of the k16 steps over the channels, rounded once; 0 beyond T.");
+  ec_line(&e->core, "// Q%s as the A fragments of the k16 steps over the channels, rounded once; 0 beyond T.",
+          dout ? " and dout" : "");
   att_mma_frags(e, A, A->q, "qa");
-  att_mma_frags(e, A, A->dout, "oa");
+  if (dout)
+    att_mma_frags(e, A, A->dout, "oa");
   if (A->has_doc)
     ec_line(&e->core, "const int32_t d0 = r0 < %lld ? %s[b * %lld + r0] : 0, d1 = r1 < %lld ? %s[b * %lld + r1] : 0;",
             (long long)t, ptr(e, A->doc), (long long)t, (long long)t, ptr(e, A->doc), (long long)t);
 }
 
-// Opens the loop over the key tiles of the block's queries (att_mma_query_rows): stages the tile, and
-// leaves S = Q K^T (scaled, -inf where the row may not see the key) in s and dP = dout V^T in dp.
-static void att_mma_query_tiles(Emit *e, const Att *A) {
+// Opens the loop over the key tiles of the block's `rows` queries (att_mma_query_rows): stages the
+// tile, and leaves S = Q K^T (scaled, -inf where the row may not see the key) in s and, with dp,
+// dP = dout V^T in dp.
+static void att_mma_query_tiles(Emit *e, const Att *A, int rows, bool dp) {
   const char *ixt = e->core.ixt;
   int64_t t = A->nt;
   if (A->causal)
     ec_line(&e->core, "const %s kend = q0 + %d < %lld ? q0 + %d : %lld; // later keys are masked for every row", ixt,
-            ATT_MMA_DQ_ROWS, (long long)t, ATT_MMA_DQ_ROWS, (long long)t);
+            rows, (long long)t, rows, (long long)t);
   else
     ec_line(&e->core, "const %s kend = %lld;", ixt, (long long)t);
   ec_enter(&e->core, "for (%s k0 = 0; k0 < kend; k0 += %d)", ixt, ATT_MMA_TILE);
   ec_line(&e->core, "__syncthreads();");
-  att_mma_stage(e, A, ATT_MMA_DQ_THREADS, "k0", A->k, "Ks", A->v, "Vs");
+  att_mma_stage(e, A, rows / 16 * 32, "k0", A->k, "Ks", A->v, "Vs"); // (a warp per 16 rows)
   if (A->has_doc) {
     ec_line(&e->core, "if (threadIdx.x < %d)", ATT_MMA_TILE);
     ec_line(&e->core, "  Dk[threadIdx.x] = k0 + threadIdx.x < %lld ? %s[b * %lld + k0 + threadIdx.x] : 0;",
             (long long)t, ptr(e, A->doc), (long long)t);
   }
   ec_line(&e->core, "__syncthreads();");
-  att_mma_skip(e, A, ATT_MMA_DQ_ROWS, "k0 > q0 + 16 * w + 15", "the warp's rows see none of the tile's keys");
-  ec_line(&e->core, "// S = Q K^T (scaled) and dP = dout V^T: tile n holds keys k0 + 8 n .. k0 + 8 n + 7.");
-  att_mma_scores(e, A, "qa", "Ks", "oa", "Vs");
+  att_mma_skip(e, A, rows, "k0 > q0 + 16 * w + 15", "the warp's rows see none of the tile's keys");
+  ec_line(&e->core, "// S = Q K^T (scaled)%s: tile n holds keys k0 + 8 n .. k0 + 8 n + 7.",
+          dp ? " and dP = dout V^T" : "");
+  att_mma_scores(e, A, "qa", "Ks", dp ? "oa" : NULL, "Vs");
   const char *edge = A->has_doc ? NULL
                      : A->causal ? ec_str(&e->core, "k0 + %d > %lld || k0 + %d > q0 + 16 * w", ATT_MMA_TILE,
                                           (long long)t, ATT_MMA_TILE - 1)
@@ -2985,7 +2883,7 @@ static void att_mma_dq_kernel(Emit *e, const Att *A, int out, int64_t dsum) {
           "(batch, head, %d queries), 16 query rows per warp, keys in tiles of %d; bf16 products (mma m16n8k16)",
        (long long)A->nb, (long long)t, (long long)A->heads, (long long)d, A->causal ? ", causal" : "",
        A->has_doc ? ", within documents" : "", ATT_MMA_DQ_WARPS, ATT_MMA_DQ_ROWS, ATT_MMA_TILE);
-  att_mma_query_rows(e, A);
+  att_mma_query_rows(e, A, ATT_MMA_DQ_ROWS, true);
   const char *lp = ptr(e, A->lse);
   const char *sp = raw_ptr(e, dsum, "float", "dout . out per row");
   ec_line(&e->core, "// The rows' log-sum-exp in base 2 (as s), and D.");
@@ -2998,7 +2896,7 @@ static void att_mma_dq_kernel(Emit *e, const Att *A, int out, int64_t dsum) {
   ec_line(&e->core, "#pragma unroll");
   ec_line(&e->core, "for (int n = 0; n < %d; n++)", ntiles);
   ec_line(&e->core, "  acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;");
-  att_mma_query_tiles(e, A);
+  att_mma_query_tiles(e, A, ATT_MMA_DQ_ROWS, true);
   ec_line(&e->core, "// P = exp(S - lse), dS = P (dP - D); rounded, tiles 2 k and 2 k + 1 of dS are the A fragment");
   ec_line(&e->core, "// of step k of dq += dS K, whose B fragment is keys 16 k + 2 tq, + 1 and 8 further of");
   ec_line(&e->core, "// channel 8 n + g.");

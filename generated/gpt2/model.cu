@@ -445,8 +445,7 @@ extern "C" __global__ void __launch_bounds__(256, 2) k4_attention_fwd__cast__lse
   int32_t *const b1 = (int32_t *)(arena + o.b[1]); // input i32[8,1024]
   float *const b2 = (float *)(arena + o.b[2]); // attention_lse f32[8,12,1024]
   uint16_t *const b3 = (uint16_t *)(arena + o.b[3]); // cast bf16[8192,768]
-  __shared__ uint32_t Ks[64][36]; // keys of the tile, channels in bf16 pairs
-  __shared__ __align__(16) uint16_t Vs[64][72]; // values of the tile, bf16
+  __shared__ __align__(16) uint32_t Ks[64][36], Vs[64][36]; // the tile's keys and values, bf16 pairs
   __shared__ int32_t Dk[64];
   const int w = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tq = lane & 3;
   // (query tiles from the last: the ones with the most keys start first)
@@ -473,34 +472,34 @@ extern "C" __global__ void __launch_bounds__(256, 2) k4_attention_fwd__cast__lse
   const int kend = q0 + 128 < 1024 ? q0 + 128 : 1024; // later keys are masked for every row
   for (int k0 = 0; k0 < kend; k0 += 64) {
     __syncthreads();
-    // The tile's keys and values (bf16); 0 beyond T.
     for (int u = threadIdx.x; u < 1024; u += 256) {
       const int jj = u / 16, c = u % 16 * 4;
       const bool in = k0 + jj < 1024;
-      const ushort4 kx = in ? *(const ushort4 *)&(b0 + 768)[(b * 1024 + k0 + jj) * 2304 + hd * 64 + c] : make_ushort4(0, 0, 0, 0);
-      Ks[jj][c / 2] = (uint32_t)kx.x | (uint32_t)kx.y << 16;
-      Ks[jj][c / 2 + 1] = (uint32_t)kx.z | (uint32_t)kx.w << 16;
-      *(ushort4 *)&Vs[jj][c] = in ? *(const ushort4 *)&(b0 + 1536)[(b * 1024 + k0 + jj) * 2304 + hd * 64 + c] : make_ushort4(0, 0, 0, 0);
+      const ushort4 ax = in ? *(const ushort4 *)&(b0 + 768)[(b * 1024 + k0 + jj) * 2304 + hd * 64 + c] : make_ushort4(0, 0, 0, 0);
+      Ks[jj][c / 2] = (uint32_t)ax.x | (uint32_t)ax.y << 16;
+      Ks[jj][c / 2 + 1] = (uint32_t)ax.z | (uint32_t)ax.w << 16;
+      const ushort4 bx = in ? *(const ushort4 *)&(b0 + 1536)[(b * 1024 + k0 + jj) * 2304 + hd * 64 + c] : make_ushort4(0, 0, 0, 0);
+      Vs[jj][c / 2] = (uint32_t)bx.x | (uint32_t)bx.y << 16;
+      Vs[jj][c / 2 + 1] = (uint32_t)bx.z | (uint32_t)bx.w << 16;
     }
     if (threadIdx.x < 64)
       Dk[threadIdx.x] = k0 + threadIdx.x < 1024 ? b1[b * 1024 + k0 + threadIdx.x] : 0;
     __syncthreads();
     if (k0 > q0 + 16 * w + 15)
       continue; // the warp's rows see none of the tile's keys
-    // S = Q K^T: s[n] holds keys k0 + 8 n .. k0 + 8 n + 7; the B fragment of step k is key 8 n + g,
-    // channels 16 k + 2 tq, + 1 and 8 further.
+    // S = Q K^T (scaled): tile n holds keys k0 + 8 n .. k0 + 8 n + 7.
     float s[8][4];
     #pragma unroll
     for (int n = 0; n < 8; n++) {
       s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
       #pragma unroll
       for (int k = 0; k < 4; k++) {
-        const uint32_t kb[2] = {Ks[8 * n + g][8 * k + tq], Ks[8 * n + g][8 * k + tq + 4]};
-        mdl_mma_bf16_16816(s[n], qa[k], kb);
+        const uint32_t yb[2] = {Ks[8 * n + g][8 * k + tq], Ks[8 * n + g][8 * k + tq + 4]};
+        mdl_mma_bf16_16816(s[n], qa[k], yb);
       }
       #pragma unroll
       for (int x = 0; x < 4; x++)
-        s[n][x] *= 0.18033688f; // scale log2(e): exp2f of s less the maximum, cheaper than expf
+        s[n][x] *= 0.18033688f;
     }
     // Keys the row may not see get -inf.
     #pragma unroll
