@@ -255,6 +255,18 @@ static const char prelude[] =
     "}\n"
     "#endif\n"
     "\n"
+    "// The same without .trans: r[i] of lane l holds columns 2 (l & 3) and 2 (l & 3) + 1 of row l >> 2 of\n"
+    "// tile i. Of a tile whose rows are keys and columns channels, that is a B fragment register of the\n"
+    "// product over channels (Q K^T): b[0] or b[1] of key g.\n"
+    "#if defined(__CUDA_ARCH__)\n"
+    "__device__ __forceinline__ void mdl_ldsm_x4(uint32_t r[4], const void *p) {\n"
+    "  uint32_t a;\n"
+    "  asm(\"{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }\" : \"=r\"(a) : \"l\"(p));\n"
+    "  asm volatile(\"ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\"\n"
+    "               : \"=r\"(r[0]), \"=r\"(r[1]), \"=r\"(r[2]), \"=r\"(r[3]) : \"r\"(a) : \"memory\");\n"
+    "}\n"
+    "#endif\n"
+    "\n"
     "// fp8 <-> f32 in the two OCP formats of Hopper's tensor cores: E4M3 (bias 7, no infinity, S.1111.111\n"
     "// is NaN, largest 448) and E5M2 (bias 15, IEEE-like, largest 57344). To fp8: round to nearest, ties\n"
     "// to even, subnormals exact, -0 kept; beyond the largest finite value (infinity too) saturate to it\n"
@@ -2361,12 +2373,15 @@ static void att_query_kernel(Emit *e, const Att *A, AttMode mode, int out, int64
 }
 
 // Causal, where a block holds more rows than a staged tile (the forward's and dk, dv's 128 in 8 warps,
-// tiles of 64), a tile can be wholly masked for some of the warps: those skip its products (its terms
-// would be exact zeros: the sums are the same) and wait at the next tile's barrier.
-static void att_mma_skip(Emit *e, const Att *A, int rows, const char *none, const char *why) {
-  if (!A->causal || rows <= ATT_MMA_TILE)
+// tiles of 64), a tile can be wholly masked for some of the warps (`before`), and within documents
+// for any warp (`none` of att_mma_docs): those skip its products (its terms would be exact zeros: the
+// sums are the same) and wait at the next tile's barrier. (One test for both: a second `continue`
+// cost the forward a 20-byte spill on sm_90.)
+static void att_mma_skip(Emit *e, const Att *A, int rows, const char *before, const char *why) {
+  bool causal = A->causal && rows > ATT_MMA_TILE;
+  if (!causal && !A->has_doc)
     return;
-  ec_line(&e->core, "if (%s)", none);
+  ec_line(&e->core, "if (%s%s%s)", causal ? before : "", causal && A->has_doc ? " || " : "", A->has_doc ? "none" : "");
   ec_line(&e->core, "  continue; // %s", why);
 }
 
@@ -2402,7 +2417,7 @@ static void att_mma_ldsm(Emit *e, const char *xs, const char *name) {
 // by n8 tile): the rows' maxima over the tile, then the new running maxima m0, m1; z0, z1 what e =
 // exp(s - z) subtracts, c0, c1 the factors exp(m - m_new) by which l0, l1 are rescaled here (and
 // whatever else the caller summed over earlier tiles, by the caller).
-static void att_mma_online_max(Emit *e) {
+static void att_mma_online_max(Emit *e, const Att *A) {
   ec_line(&e->core, "// The rows' maxima over the tile: the lane's, then its quad's (lanes 4 g .. 4 g + 3 share r0).");
   ec_line(&e->core, "float x0 = -MDL_INF, x1 = -MDL_INF;");
   ec_line(&e->core, "#pragma unroll");
@@ -2416,7 +2431,8 @@ static void att_mma_online_max(Emit *e) {
   ec_line(&e->core, "x1 = fmaxf(x1, __shfl_xor_sync(MDL_FULL, x1, 2));");
   ec_line(&e->core, "// The new maxima; a row that has seen no key yet subtracts 0, not -inf (its e are 0).");
   ec_line(&e->core, "// What earlier tiles summed is rescaled by exp(m - m_new).");
-  ec_line(&e->core, "const float mn0 = fmaxf(m0, x0), mn1 = fmaxf(m1, x1);");
+  ec_line(&e->core, "const float mn0 = fmaxf(m0, x0 * %s), mn1 = fmaxf(m1, x1 * %s); // (scaled: see s)",
+          flit(e, A->scale * LOG2E), flit(e, A->scale * LOG2E));
   ec_line(&e->core, "const float z0 = mn0 == -MDL_INF ? 0.0f : mn0, z1 = mn1 == -MDL_INF ? 0.0f : mn1;");
   ec_line(&e->core, "const float c0 = exp2f(m0 - z0), c1 = exp2f(m1 - z1);");
   ec_line(&e->core, "m0 = mn0;");
@@ -2426,6 +2442,7 @@ static void att_mma_online_max(Emit *e) {
 }
 
 static void att_mma_query_rows(Emit *e, const Att *A, int rows, bool dout);
+static const char *att_mma_exp(Emit *e, const Att *A, const char *s, const char *z);
 static void att_mma_query_tiles(Emit *e, const Att *A, int rows, bool dp);
 
 // The forward on tensor cores (att_mma), FlashAttention-2 style: a block of 8 warps per (batch, head,
@@ -2455,7 +2472,7 @@ static void att_mma_kernel(Emit *e, const Att *A, int out) {
   ec_line(&e->core, "for (int n = 0; n < %d; n++)", ntiles);
   ec_line(&e->core, "  acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;");
   att_mma_query_tiles(e, A, ATT_MMA_ROWS, false);
-  att_mma_online_max(e);
+  att_mma_online_max(e, A);
   ec_line(&e->core, "#pragma unroll");
   ec_enter(&e->core, "for (int n = 0; n < %d; n++)", ntiles);
   ec_line(&e->core, "acc[n][0] *= c0;");
@@ -2471,8 +2488,9 @@ static void att_mma_kernel(Emit *e, const Att *A, int out) {
   ec_line(&e->core, "uint32_t pa[4];");
   ec_line(&e->core, "#pragma unroll");
   ec_enter(&e->core, "for (int h = 0; h < 2; h++)");
-  ec_line(&e->core, "const float e0 = exp2f(s[2 * k + h][0] - z0), e1 = exp2f(s[2 * k + h][1] - z0);");
-  ec_line(&e->core, "const float e2 = exp2f(s[2 * k + h][2] - z1), e3 = exp2f(s[2 * k + h][3] - z1);");
+  ec_line(&e->core, "const float (&sv)[4] = s[2 * k + h];");
+  ec_line(&e->core, "const float e0 = %s, e1 = %s;", att_mma_exp(e, A, "sv[0]", "z0"), att_mma_exp(e, A, "sv[1]", "z0"));
+  ec_line(&e->core, "const float e2 = %s, e3 = %s;", att_mma_exp(e, A, "sv[2]", "z1"), att_mma_exp(e, A, "sv[3]", "z1"));
   ec_line(&e->core, "l0 += e0 + e1;");
   ec_line(&e->core, "l1 += e2 + e3;");
   ec_line(&e->core, "pa[2 * h] = mdl_bf16x2(e0, e1);");
@@ -2724,9 +2742,15 @@ static void att_mma_frags(Emit *e, const Att *A, Rows x, const char *name) {
   ec_leave(&e->core);
 }
 
-// The two products of a tile with the warp's rows by mma: s = X Y^T (scaled, in base 2: times scale
-// log2(e), so that the kernels take exp2f of s less a maximum or log-sum-exp in base 2, cheaper than
-// expf) and dp = Z W^T (unless za is NULL) over the channels, X, Z as A fragments xa, za; Y, W the
+// exp2(s scale log2(e) - z) for an unscaled score s of att_mma_scores and z (a maximum or log-sum-exp)
+// in base 2: e^(scale s) over e^z', the product and the difference in one FMA.
+static const char *att_mma_exp(Emit *e, const Att *A, const char *s, const char *z) {
+  return ec_str(&e->core, "exp2f(fmaf(%s, %s, -%s))", s, flit(e, A->scale * LOG2E), z);
+}
+
+// The two products of a tile with the warp's rows by mma: s = X Y^T (unscaled: the kernels take exp2f
+// of s times scale log2(e) less a maximum or log-sum-exp in base 2, one FMA, cheaper than expf of a
+// scaled s less the maximum; att_mma_exp) and dp = Z W^T (unless za is NULL) over the channels, X, Z as A fragments xa, za; Y, W the
 // shared tiles ys, ws; tile n of s, dp: columns 8 n .. 8 n + 7 of the tile (B fragment: row 8 n + g
 // of ys, channels 16 k + 2 tq, + 1 and 8 further).
 static void att_mma_scores(Emit *e, const Att *A, const char *xa, const char *ys, const char *za, const char *ws) {
@@ -2740,28 +2764,46 @@ static void att_mma_scores(Emit *e, const Att *A, const char *xa, const char *ys
   ec_line(&e->core, "s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;");
   if (za)
     ec_line(&e->core, "dp[n][0] = dp[n][1] = dp[n][2] = dp[n][3] = 0.0f;");
+  ec_leave(&e->core);
+  ec_line(&e->core, "// (the B fragments of step k of tiles n and n + 1 by one ldmatrix: lanes 0-7 give rows 8 n ..");
+  ec_line(&e->core, "// 8 n + 7 at channel 16 k, lanes 8-15 the same rows at 16 k + 8, lanes 16-31 rows 8 n + 8 ..)");
+  ec_line(&e->core, "#pragma unroll");
+  ec_enter(&e->core, "for (int n = 0; n < %d; n += 2)", stiles);
   ec_line(&e->core, "#pragma unroll");
   ec_enter(&e->core, "for (int k = 0; k < %lld; k++)", (long long)(A->d / 16));
-  ec_line(&e->core, "const uint32_t yb[2] = {%s[8 * n + g][8 * k + tq], %s[8 * n + g][8 * k + tq + 4]};", ys, ys);
-  ec_line(&e->core, "mdl_mma_bf16_16816(s[n], %s[k], yb);", xa);
-  if (za) {
-    ec_line(&e->core, "const uint32_t wb[2] = {%s[8 * n + g][8 * k + tq], %s[8 * n + g][8 * k + tq + 4]};", ws, ws);
-    ec_line(&e->core, "mdl_mma_bf16_16816(dp[n], %s[k], wb);", za);
+  for (int i = 0; i < (za ? 2 : 1); i++) {
+    const char *b = i ? "wb" : "yb", *x = i ? za : xa, *acc = i ? "dp" : "s";
+    ec_line(&e->core, "uint32_t %s[4];", b);
+    ec_line(&e->core, "mdl_ldsm_x4(%s, (const uint16_t *)%s[8 * n + (lane & 7) + (lane >> 4) * 8] + 16 * k + "
+            "(lane >> 3 & 1) * 8);", b, i ? ws : ys);
+    ec_line(&e->core, "mdl_mma_bf16_16816(%s[n], %s[k], %s);", acc, x, b);
+    ec_line(&e->core, "mdl_mma_bf16_16816(%s[n + 1], %s[k], %s + 2);", acc, x, b);
   }
   ec_leave(&e->core);
-  ec_line(&e->core, "#pragma unroll");
-  ec_line(&e->core, "for (int x = 0; x < 4; x++)");
-  ec_line(&e->core, "  s[n][x] *= %s;", flit(e, A->scale * LOG2E));
   ec_leave(&e->core);
 }
 
-// Masks s (-inf where the query may not see the key) when `edge` holds (always when it is NULL): ij
+// Within documents, the warp's 16 rows (documents d0, d1 of each lane) against the staged tile's 64
+// (documents tile_docs[]): when the rows are all of one document, a tile with none of its rows in it has
+// nothing for them (`none`: att_mma_skip) and one with all of them in it needs no document mask
+// (`one`), by three votes of the warp in place of a comparison per score. Any documents are allowed,
+// in any order; packed sequences make most tiles one or the other.
+static void att_mma_docs(Emit *e, const char *tile_docs) {
+  _Static_assert(ATT_MMA_TILE == 64, "a tile's documents are read two a lane");
+  ec_line(&e->core, "// Documents: the warp's rows all in dw's (rows1), and the tile's rows none or all of them in it.");
+  ec_line(&e->core, "const int32_t dw = __shfl_sync(MDL_FULL, d0, 0), dt0 = %s[lane], dt1 = %s[lane + 32];",
+          tile_docs, tile_docs);
+  ec_line(&e->core, "const bool rows1 = __all_sync(MDL_FULL, d0 == dw && d1 == dw);");
+  ec_line(&e->core, "const bool none = rows1 && __all_sync(MDL_FULL, dt0 != dw && dt1 != dw);");
+  ec_line(&e->core, "const bool one = rows1 && __all_sync(MDL_FULL, dt0 == dw && dt1 == dw);");
+}
+
+// Masks s (-inf where the query may not see the key) when `edge` holds: ij
 // declares i and j of accumulator x of tile n, di and dj are their documents; row_bound: the query
 // (a column) must be below T too.
 static void att_mma_mask(Emit *e, const Att *A, const char *edge, const char *ij, const char *dj, const char *di,
                          bool row_bound) {
-  if (edge)
-    ec_enter(&e->core, "if (%s)", edge);
+  ec_enter(&e->core, "if (%s)", edge);
   ec_line(&e->core, "#pragma unroll");
   ec_enter(&e->core, "for (int n = 0; n < %d; n++)", ATT_MMA_TILE / 8);
   ec_line(&e->core, "#pragma unroll");
@@ -2772,8 +2814,7 @@ static void att_mma_mask(Emit *e, const Att *A, const char *edge, const char *ij
   ec_line(&e->core, "  s[n][x] = -MDL_INF;");
   ec_leave(&e->core);
   ec_leave(&e->core);
-  if (edge)
-    ec_leave(&e->core);
+  ec_leave(&e->core);
 }
 
 // The set-up of a block by query tile on tensor cores (the forward's and dq's): `rows` queries of a
@@ -2828,16 +2869,16 @@ static void att_mma_query_tiles(Emit *e, const Att *A, int rows, bool dp) {
             (long long)t, ptr(e, A->doc), (long long)t);
   }
   ec_line(&e->core, "__syncthreads();");
+  if (A->has_doc)
+    att_mma_docs(e, "Dk");
   att_mma_skip(e, A, rows, "k0 > q0 + 16 * w + 15", "the warp's rows see none of the tile's keys");
-  ec_line(&e->core, "// S = Q K^T (scaled)%s: tile n holds keys k0 + 8 n .. k0 + 8 n + 7.",
+  ec_line(&e->core, "// S = Q K^T (unscaled)%s: tile n holds keys k0 + 8 n .. k0 + 8 n + 7.",
           dp ? " and dP = dout V^T" : "");
   att_mma_scores(e, A, "qa", "Ks", dp ? "oa" : NULL, "Vs");
-  const char *edge = A->has_doc ? NULL
-                     : A->causal ? ec_str(&e->core, "k0 + %d > %lld || k0 + %d > q0 + 16 * w", ATT_MMA_TILE,
-                                          (long long)t, ATT_MMA_TILE - 1)
-                                 : ec_str(&e->core, "k0 + %d > %lld", ATT_MMA_TILE, (long long)t);
-  ec_line(&e->core, "// Keys the row may not see get -inf%s.",
-          edge ? " (only tiles that reach past T or past one of the warp's rows have any)" : "");
+  const char *edge = ec_str(&e->core, "%sk0 + %d > %lld%s", A->has_doc ? "!one || " : "", ATT_MMA_TILE, (long long)t,
+                            A->causal ? ec_str(&e->core, " || k0 + %d > q0 + 16 * w", ATT_MMA_TILE - 1) : "");
+  ec_line(&e->core, "// Keys the row may not see get -inf (in tiles past T%s%s).",
+          A->causal ? ", past a row of the warp" : "", A->has_doc ? ", in other documents" : "");
   const char *ij = A->causal ? "i = x < 2 ? r0 : r1, j = k0 + 8 * n + 2 * tq + (x & 1)"
                              : "j = k0 + 8 * n + 2 * tq + (x & 1)";
   att_mma_mask(e, A, edge, ij, "Dk[j - k0]", "(x < 2 ? d0 : d1)", false);
@@ -2906,8 +2947,10 @@ static void att_mma_dq_kernel(Emit *e, const Att *A, int out, int64_t dsum) {
   ec_line(&e->core, "#pragma unroll");
   ec_enter(&e->core, "for (int h = 0; h < 2; h++)");
   ec_line(&e->core, "const float (&sv)[4] = s[2 * k + h], (&pv)[4] = dp[2 * k + h];");
-  ec_line(&e->core, "da[2 * h] = mdl_bf16x2(exp2f(sv[0] - l0) * (pv[0] - s0), exp2f(sv[1] - l0) * (pv[1] - s0));");
-  ec_line(&e->core, "da[2 * h + 1] = mdl_bf16x2(exp2f(sv[2] - l1) * (pv[2] - s1), exp2f(sv[3] - l1) * (pv[3] - s1));");
+  for (int r = 0; r < 2; r++)
+    ec_line(&e->core, "da[2 * h%s] = mdl_bf16x2(%s * (pv[%d] - s%d), %s * (pv[%d] - s%d));", r ? " + 1" : "",
+            att_mma_exp(e, A, r ? "sv[2]" : "sv[0]", r ? "l1" : "l0"), 2 * r, r,
+            att_mma_exp(e, A, r ? "sv[3]" : "sv[1]", r ? "l1" : "l0"), 2 * r + 1, r);
   ec_leave(&e->core);
   ec_line(&e->core, "#pragma unroll");
   ec_enter(&e->core, "for (int n = 0; n < %d; n += 2)", ntiles);
@@ -2996,16 +3039,17 @@ static void att_mma_dkv_kernel(Emit *e, const Att *A, int dk, int dv, int64_t ds
     ec_line(&e->core, "Dq[threadIdx.x] = i < %lld ? %s[b * %lld + i] : 0;", (long long)t, ptr(e, A->doc), (long long)t);
   ec_leave(&e->core);
   ec_line(&e->core, "__syncthreads();");
+  if (A->has_doc)
+    att_mma_docs(e, "Dq");
   att_mma_skip(e, A, ATT_MMA_ROWS, ec_str(&e->core, "i0 + %d < k0 + 16 * w", ATT_MMA_TILE - 1),
                "none of the tile's queries sees the warp's keys");
-  ec_line(&e->core, "// S^T = K Q^T (scaled)%s: tile n holds queries i0 + 8 n .. i0 + 8 n + 7.",
+  ec_line(&e->core, "// S^T = K Q^T (unscaled)%s: tile n holds queries i0 + 8 n .. i0 + 8 n + 7.",
           dk >= 0 ? " and dP^T = V dout^T" : "");
   att_mma_scores(e, A, "ka", "Qs", dk >= 0 ? "va" : NULL, "Os");
-  const char *edge = A->has_doc ? NULL
-                     : A->causal ? ec_str(&e->core, "i0 + %d > %lld || i0 < k0 + 16 * w + 15", ATT_MMA_TILE, (long long)t)
-                                 : ec_str(&e->core, "i0 + %d > %lld", ATT_MMA_TILE, (long long)t);
-  ec_line(&e->core, "// Queries that may not see the key get -inf%s.",
-          edge ? " (only tiles that reach past T or before one of the warp's keys have any)" : "");
+  const char *edge = ec_str(&e->core, "%si0 + %d > %lld%s", A->has_doc ? "!one || " : "", ATT_MMA_TILE, (long long)t,
+                            A->causal ? " || i0 < k0 + 16 * w + 15" : "");
+  ec_line(&e->core, "// Queries that may not see the key get -inf (in tiles past T%s%s).",
+          A->causal ? ", before a key of the warp" : "", A->has_doc ? ", in other documents" : "");
   att_mma_mask(e, A, edge, "i = i0 + 8 * n + 2 * tq + (x & 1), j = x < 2 ? r0 : r1", "(x < 2 ? d0 : d1)",
                "Dq[i - i0]", true);
   ec_line(&e->core, "// P^T = exp(S^T - lse), dS^T = P^T (dP^T - D); rounded, tiles 2 k and 2 k + 1 are the A");
@@ -3018,8 +3062,10 @@ static void att_mma_dkv_kernel(Emit *e, const Att *A, int dk, int dv, int64_t ds
   ec_enter(&e->core, "for (int h = 0; h < 2; h++)");
   ec_line(&e->core, "const int i = 16 * k + 8 * h + 2 * tq;");
   ec_line(&e->core, "const float (&sv)[4] = s[2 * k + h]%s;", dk >= 0 ? ", (&pv)[4] = dp[2 * k + h]" : "");
-  ec_line(&e->core, "const float p0 = exp2f(sv[0] - Ls[i]), p1 = exp2f(sv[1] - Ls[i + 1]);");
-  ec_line(&e->core, "const float p2 = exp2f(sv[2] - Ls[i]), p3 = exp2f(sv[3] - Ls[i + 1]);");
+  ec_line(&e->core, "const float p0 = %s, p1 = %s;", att_mma_exp(e, A, "sv[0]", "Ls[i]"),
+          att_mma_exp(e, A, "sv[1]", "Ls[i + 1]"));
+  ec_line(&e->core, "const float p2 = %s, p3 = %s;", att_mma_exp(e, A, "sv[2]", "Ls[i]"),
+          att_mma_exp(e, A, "sv[3]", "Ls[i + 1]"));
   if (dv >= 0) {
     ec_line(&e->core, "pa[2 * h] = mdl_bf16x2(p0, p1);");
     ec_line(&e->core, "pa[2 * h + 1] = mdl_bf16x2(p2, p3);");

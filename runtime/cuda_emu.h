@@ -273,10 +273,11 @@ inline void mma_bf16_16816(float d[4], const uint32_t a[4], const uint32_t b[2])
   wait(B->warp[w]);
 }
 
-// ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16: lanes 8 i .. 8 i + 7 give the row addresses of 8 x 8
-// tile i (16-byte aligned); lane l gets in r[i] rows 2 (l % 4) and 2 (l % 4) + 1 (low half first) of
-// column l / 4 of tile i. Every lane of the warp must take part, as on the GPU.
-inline void ldsm_x4_t(uint32_t r[4], const void *p) {
+// ldmatrix.sync.aligned.m8n8.x4.shared.b16, transposed (trans) or not: lanes 8 i .. 8 i + 7 give the
+// row addresses of 8 x 8 tile i (16-byte aligned); lane l gets in r[i] columns 2 (l % 4) and
+// 2 (l % 4) + 1 (low half first) of row l / 4 of tile i, or with trans rows 2 (l % 4) and 2 (l % 4) + 1
+// of column l / 4. Every lane of the warp must take part, as on the GPU.
+inline void ldsm_x4(uint32_t r[4], const void *p, bool trans) {
   Block *B = blk;
   int t = B->cur, w = t / 32, base = w * 32, lane = t % 32;
   if ((uintptr_t)p % 16) {
@@ -293,19 +294,39 @@ inline void ldsm_x4_t(uint32_t r[4], const void *p) {
   }
   for (int i = 0; i < 4; i++) {
     uint16_t lo, hi;
-    const char *r0 = (const char *)(uintptr_t)B->slot[base + 8 * i + 2 * (lane % 4)];
-    const char *r1 = (const char *)(uintptr_t)B->slot[base + 8 * i + 2 * (lane % 4) + 1];
-    memcpy(&lo, r0 + 2 * (lane / 4), 2);
-    memcpy(&hi, r1 + 2 * (lane / 4), 2);
+    if (trans) {
+      const char *r0 = (const char *)(uintptr_t)B->slot[base + 8 * i + 2 * (lane % 4)];
+      const char *r1 = (const char *)(uintptr_t)B->slot[base + 8 * i + 2 * (lane % 4) + 1];
+      memcpy(&lo, r0 + 2 * (lane / 4), 2);
+      memcpy(&hi, r1 + 2 * (lane / 4), 2);
+    } else {
+      const char *row = (const char *)(uintptr_t)B->slot[base + 8 * i + lane / 4];
+      memcpy(&lo, row + 4 * (lane % 4), 2);
+      memcpy(&hi, row + 4 * (lane % 4) + 2, 2);
+    }
     r[i] = (uint32_t)lo | (uint32_t)hi << 16;
   }
   wait(B->warp[w]);
 }
 
+// Whether pred holds in every live lane of the calling thread's warp (__all_sync with a full mask).
+inline bool warp_all(bool pred) {
+  Block *B = blk;
+  int t = B->cur, w = t / 32, base = w * 32;
+  B->slot[t] = pred;
+  wait(B->warp[w]);
+  bool all = true;
+  for (int u = base; u < base + 32 && u < B->nthreads; u++)
+    all = all && (B->fibers[u].done || B->slot[u]);
+  wait(B->warp[w]);
+  return all;
+}
+
 } // namespace mdl_emu
 
-// The prelude defines mdl_ldsm_x4_t for the GPU only; this is the emulator's.
-inline void mdl_ldsm_x4_t(uint32_t r[4], const void *p) { mdl_emu::ldsm_x4_t(r, p); }
+// The prelude defines mdl_ldsm_x4 and mdl_ldsm_x4_t for the GPU only; these are the emulator's.
+inline void mdl_ldsm_x4(uint32_t r[4], const void *p) { mdl_emu::ldsm_x4(r, p, false); }
+inline void mdl_ldsm_x4_t(uint32_t r[4], const void *p) { mdl_emu::ldsm_x4(r, p, true); }
 
 // The prelude defines mdl_mma_bf16_16816 for the GPU only; this is the emulator's.
 inline void mdl_mma_bf16_16816(float d[4], const uint32_t a[4], const uint32_t b[2]) {
@@ -320,6 +341,8 @@ template <class T> T __shfl_xor_sync(unsigned, T v, int mask, int width = 32) {
     src = lane;
   return mdl_emu::exchange(v, src);
 }
+
+inline bool __all_sync(unsigned, bool pred) { return mdl_emu::warp_all(pred); }
 
 template <class T> T __shfl_sync(unsigned, T v, int src, int width = 32) {
   unsigned lane = (unsigned)mdl_emu::blk->cur % 32;

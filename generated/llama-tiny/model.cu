@@ -166,6 +166,18 @@ __device__ __forceinline__ void mdl_ldsm_x4_t(uint32_t r[4], const void *p) {
 }
 #endif
 
+// The same without .trans: r[i] of lane l holds columns 2 (l & 3) and 2 (l & 3) + 1 of row l >> 2 of
+// tile i. Of a tile whose rows are keys and columns channels, that is a B fragment register of the
+// product over channels (Q K^T): b[0] or b[1] of key g.
+#if defined(__CUDA_ARCH__)
+__device__ __forceinline__ void mdl_ldsm_x4(uint32_t r[4], const void *p) {
+  uint32_t a;
+  asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a) : "memory");
+}
+#endif
+
 // fp8 <-> f32 in the two OCP formats of Hopper's tensor cores: E4M3 (bias 7, no infinity, S.1111.111
 // is NaN, largest 448) and E5M2 (bias 15, IEEE-like, largest 57344). To fp8: round to nearest, ties
 // to even, subnormals exact, -0 kept; beyond the largest finite value (infinity too) saturate to it
@@ -494,30 +506,41 @@ extern "C" __global__ void __launch_bounds__(256, 2) k7_attention_fwd__cast__lse
     if (threadIdx.x < 64)
       Dk[threadIdx.x] = k0 + threadIdx.x < 64 ? b1[b * 64 + k0 + threadIdx.x] : 0;
     __syncthreads();
-    if (k0 > q0 + 16 * w + 15)
+    // Documents: the warp's rows all in dw's (rows1), and the tile's rows none or all of them in it.
+    const int32_t dw = __shfl_sync(MDL_FULL, d0, 0), dt0 = Dk[lane], dt1 = Dk[lane + 32];
+    const bool rows1 = __all_sync(MDL_FULL, d0 == dw && d1 == dw);
+    const bool none = rows1 && __all_sync(MDL_FULL, dt0 != dw && dt1 != dw);
+    const bool one = rows1 && __all_sync(MDL_FULL, dt0 == dw && dt1 == dw);
+    if (k0 > q0 + 16 * w + 15 || none)
       continue; // the warp's rows see none of the tile's keys
-    // S = Q K^T (scaled): tile n holds keys k0 + 8 n .. k0 + 8 n + 7.
+    // S = Q K^T (unscaled): tile n holds keys k0 + 8 n .. k0 + 8 n + 7.
     float s[8][4];
     #pragma unroll
     for (int n = 0; n < 8; n++) {
       s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
+    }
+    // (the B fragments of step k of tiles n and n + 1 by one ldmatrix: lanes 0-7 give rows 8 n ..
+    // 8 n + 7 at channel 16 k, lanes 8-15 the same rows at 16 k + 8, lanes 16-31 rows 8 n + 8 ..)
+    #pragma unroll
+    for (int n = 0; n < 8; n += 2) {
       #pragma unroll
       for (int k = 0; k < 1; k++) {
-        const uint32_t yb[2] = {Ks[8 * n + g][8 * k + tq], Ks[8 * n + g][8 * k + tq + 4]};
+        uint32_t yb[4];
+        mdl_ldsm_x4(yb, (const uint16_t *)Ks[8 * n + (lane & 7) + (lane >> 4) * 8] + 16 * k + (lane >> 3 & 1) * 8);
         mdl_mma_bf16_16816(s[n], qa[k], yb);
+        mdl_mma_bf16_16816(s[n + 1], qa[k], yb + 2);
       }
-      #pragma unroll
-      for (int x = 0; x < 4; x++)
-        s[n][x] *= 0.36067376f;
     }
-    // Keys the row may not see get -inf.
-    #pragma unroll
-    for (int n = 0; n < 8; n++) {
+    // Keys the row may not see get -inf (in tiles past T, past a row of the warp, in other documents).
+    if (!one || k0 + 64 > 64 || k0 + 63 > q0 + 16 * w) {
       #pragma unroll
-      for (int x = 0; x < 4; x++) {
-        const int i = x < 2 ? r0 : r1, j = k0 + 8 * n + 2 * tq + (x & 1);
-        if (!(j < 64 && j <= i && Dk[j - k0] == (x < 2 ? d0 : d1)))
-          s[n][x] = -MDL_INF;
+      for (int n = 0; n < 8; n++) {
+        #pragma unroll
+        for (int x = 0; x < 4; x++) {
+          const int i = x < 2 ? r0 : r1, j = k0 + 8 * n + 2 * tq + (x & 1);
+          if (!(j < 64 && j <= i && Dk[j - k0] == (x < 2 ? d0 : d1)))
+            s[n][x] = -MDL_INF;
+        }
       }
     }
     // The rows' maxima over the tile: the lane's, then its quad's (lanes 4 g .. 4 g + 3 share r0).
@@ -533,7 +556,7 @@ extern "C" __global__ void __launch_bounds__(256, 2) k7_attention_fwd__cast__lse
     x1 = fmaxf(x1, __shfl_xor_sync(MDL_FULL, x1, 2));
     // The new maxima; a row that has seen no key yet subtracts 0, not -inf (its e are 0).
     // What earlier tiles summed is rescaled by exp(m - m_new).
-    const float mn0 = fmaxf(m0, x0), mn1 = fmaxf(m1, x1);
+    const float mn0 = fmaxf(m0, x0 * 0.36067376f), mn1 = fmaxf(m1, x1 * 0.36067376f); // (scaled: see s)
     const float z0 = mn0 == -MDL_INF ? 0.0f : mn0, z1 = mn1 == -MDL_INF ? 0.0f : mn1;
     const float c0 = exp2f(m0 - z0), c1 = exp2f(m1 - z1);
     m0 = mn0;
@@ -555,8 +578,9 @@ extern "C" __global__ void __launch_bounds__(256, 2) k7_attention_fwd__cast__lse
       uint32_t pa[4];
       #pragma unroll
       for (int h = 0; h < 2; h++) {
-        const float e0 = exp2f(s[2 * k + h][0] - z0), e1 = exp2f(s[2 * k + h][1] - z0);
-        const float e2 = exp2f(s[2 * k + h][2] - z1), e3 = exp2f(s[2 * k + h][3] - z1);
+        const float (&sv)[4] = s[2 * k + h];
+        const float e0 = exp2f(fmaf(sv[0], 0.36067376f, -z0)), e1 = exp2f(fmaf(sv[1], 0.36067376f, -z0));
+        const float e2 = exp2f(fmaf(sv[2], 0.36067376f, -z1)), e3 = exp2f(fmaf(sv[3], 0.36067376f, -z1));
         l0 += e0 + e1;
         l1 += e2 + e3;
         pa[2 * h] = mdl_bf16x2(e0, e1);
@@ -1336,31 +1360,46 @@ extern "C" __global__ void __launch_bounds__(128) k40_attention_bwd_dq(char *are
     if (threadIdx.x < 64)
       Dk[threadIdx.x] = k0 + threadIdx.x < 64 ? b2[b * 64 + k0 + threadIdx.x] : 0;
     __syncthreads();
-    // S = Q K^T (scaled) and dP = dout V^T: tile n holds keys k0 + 8 n .. k0 + 8 n + 7.
+    // Documents: the warp's rows all in dw's (rows1), and the tile's rows none or all of them in it.
+    const int32_t dw = __shfl_sync(MDL_FULL, d0, 0), dt0 = Dk[lane], dt1 = Dk[lane + 32];
+    const bool rows1 = __all_sync(MDL_FULL, d0 == dw && d1 == dw);
+    const bool none = rows1 && __all_sync(MDL_FULL, dt0 != dw && dt1 != dw);
+    const bool one = rows1 && __all_sync(MDL_FULL, dt0 == dw && dt1 == dw);
+    if (none)
+      continue; // the warp's rows see none of the tile's keys
+    // S = Q K^T (unscaled) and dP = dout V^T: tile n holds keys k0 + 8 n .. k0 + 8 n + 7.
     float s[8][4], dp[8][4];
     #pragma unroll
     for (int n = 0; n < 8; n++) {
       s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
       dp[n][0] = dp[n][1] = dp[n][2] = dp[n][3] = 0.0f;
+    }
+    // (the B fragments of step k of tiles n and n + 1 by one ldmatrix: lanes 0-7 give rows 8 n ..
+    // 8 n + 7 at channel 16 k, lanes 8-15 the same rows at 16 k + 8, lanes 16-31 rows 8 n + 8 ..)
+    #pragma unroll
+    for (int n = 0; n < 8; n += 2) {
       #pragma unroll
       for (int k = 0; k < 1; k++) {
-        const uint32_t yb[2] = {Ks[8 * n + g][8 * k + tq], Ks[8 * n + g][8 * k + tq + 4]};
+        uint32_t yb[4];
+        mdl_ldsm_x4(yb, (const uint16_t *)Ks[8 * n + (lane & 7) + (lane >> 4) * 8] + 16 * k + (lane >> 3 & 1) * 8);
         mdl_mma_bf16_16816(s[n], qa[k], yb);
-        const uint32_t wb[2] = {Vs[8 * n + g][8 * k + tq], Vs[8 * n + g][8 * k + tq + 4]};
+        mdl_mma_bf16_16816(s[n + 1], qa[k], yb + 2);
+        uint32_t wb[4];
+        mdl_ldsm_x4(wb, (const uint16_t *)Vs[8 * n + (lane & 7) + (lane >> 4) * 8] + 16 * k + (lane >> 3 & 1) * 8);
         mdl_mma_bf16_16816(dp[n], oa[k], wb);
+        mdl_mma_bf16_16816(dp[n + 1], oa[k], wb + 2);
       }
-      #pragma unroll
-      for (int x = 0; x < 4; x++)
-        s[n][x] *= 0.36067376f;
     }
-    // Keys the row may not see get -inf.
-    #pragma unroll
-    for (int n = 0; n < 8; n++) {
+    // Keys the row may not see get -inf (in tiles past T, past a row of the warp, in other documents).
+    if (!one || k0 + 64 > 64 || k0 + 63 > q0 + 16 * w) {
       #pragma unroll
-      for (int x = 0; x < 4; x++) {
-        const int i = x < 2 ? r0 : r1, j = k0 + 8 * n + 2 * tq + (x & 1);
-        if (!(j < 64 && j <= i && Dk[j - k0] == (x < 2 ? d0 : d1)))
-          s[n][x] = -MDL_INF;
+      for (int n = 0; n < 8; n++) {
+        #pragma unroll
+        for (int x = 0; x < 4; x++) {
+          const int i = x < 2 ? r0 : r1, j = k0 + 8 * n + 2 * tq + (x & 1);
+          if (!(j < 64 && j <= i && Dk[j - k0] == (x < 2 ? d0 : d1)))
+            s[n][x] = -MDL_INF;
+        }
       }
     }
     // P = exp(S - lse), dS = P (dP - D); rounded, tiles 2 k and 2 k + 1 of dS are the A fragment
@@ -1372,8 +1411,8 @@ extern "C" __global__ void __launch_bounds__(128) k40_attention_bwd_dq(char *are
       #pragma unroll
       for (int h = 0; h < 2; h++) {
         const float (&sv)[4] = s[2 * k + h], (&pv)[4] = dp[2 * k + h];
-        da[2 * h] = mdl_bf16x2(exp2f(sv[0] - l0) * (pv[0] - s0), exp2f(sv[1] - l0) * (pv[1] - s0));
-        da[2 * h + 1] = mdl_bf16x2(exp2f(sv[2] - l1) * (pv[2] - s1), exp2f(sv[3] - l1) * (pv[3] - s1));
+        da[2 * h] = mdl_bf16x2(exp2f(fmaf(sv[0], 0.36067376f, -l0)) * (pv[0] - s0), exp2f(fmaf(sv[1], 0.36067376f, -l0)) * (pv[1] - s0));
+        da[2 * h + 1] = mdl_bf16x2(exp2f(fmaf(sv[2], 0.36067376f, -l1)) * (pv[2] - s1), exp2f(fmaf(sv[3], 0.36067376f, -l1)) * (pv[3] - s1));
       }
       #pragma unroll
       for (int n = 0; n < 2; n += 2) {
@@ -1458,33 +1497,46 @@ extern "C" __global__ void __launch_bounds__(256) k40_attention_bwd_dkv(char *ar
       Dq[threadIdx.x] = i < 64 ? b2[b * 64 + i] : 0;
     }
     __syncthreads();
-    if (i0 + 63 < k0 + 16 * w)
+    // Documents: the warp's rows all in dw's (rows1), and the tile's rows none or all of them in it.
+    const int32_t dw = __shfl_sync(MDL_FULL, d0, 0), dt0 = Dq[lane], dt1 = Dq[lane + 32];
+    const bool rows1 = __all_sync(MDL_FULL, d0 == dw && d1 == dw);
+    const bool none = rows1 && __all_sync(MDL_FULL, dt0 != dw && dt1 != dw);
+    const bool one = rows1 && __all_sync(MDL_FULL, dt0 == dw && dt1 == dw);
+    if (i0 + 63 < k0 + 16 * w || none)
       continue; // none of the tile's queries sees the warp's keys
-    // S^T = K Q^T (scaled) and dP^T = V dout^T: tile n holds queries i0 + 8 n .. i0 + 8 n + 7.
+    // S^T = K Q^T (unscaled) and dP^T = V dout^T: tile n holds queries i0 + 8 n .. i0 + 8 n + 7.
     float s[8][4], dp[8][4];
     #pragma unroll
     for (int n = 0; n < 8; n++) {
       s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
       dp[n][0] = dp[n][1] = dp[n][2] = dp[n][3] = 0.0f;
+    }
+    // (the B fragments of step k of tiles n and n + 1 by one ldmatrix: lanes 0-7 give rows 8 n ..
+    // 8 n + 7 at channel 16 k, lanes 8-15 the same rows at 16 k + 8, lanes 16-31 rows 8 n + 8 ..)
+    #pragma unroll
+    for (int n = 0; n < 8; n += 2) {
       #pragma unroll
       for (int k = 0; k < 1; k++) {
-        const uint32_t yb[2] = {Qs[8 * n + g][8 * k + tq], Qs[8 * n + g][8 * k + tq + 4]};
+        uint32_t yb[4];
+        mdl_ldsm_x4(yb, (const uint16_t *)Qs[8 * n + (lane & 7) + (lane >> 4) * 8] + 16 * k + (lane >> 3 & 1) * 8);
         mdl_mma_bf16_16816(s[n], ka[k], yb);
-        const uint32_t wb[2] = {Os[8 * n + g][8 * k + tq], Os[8 * n + g][8 * k + tq + 4]};
+        mdl_mma_bf16_16816(s[n + 1], ka[k], yb + 2);
+        uint32_t wb[4];
+        mdl_ldsm_x4(wb, (const uint16_t *)Os[8 * n + (lane & 7) + (lane >> 4) * 8] + 16 * k + (lane >> 3 & 1) * 8);
         mdl_mma_bf16_16816(dp[n], va[k], wb);
+        mdl_mma_bf16_16816(dp[n + 1], va[k], wb + 2);
       }
-      #pragma unroll
-      for (int x = 0; x < 4; x++)
-        s[n][x] *= 0.36067376f;
     }
-    // Queries that may not see the key get -inf.
-    #pragma unroll
-    for (int n = 0; n < 8; n++) {
+    // Queries that may not see the key get -inf (in tiles past T, before a key of the warp, in other documents).
+    if (!one || i0 + 64 > 64 || i0 < k0 + 16 * w + 15) {
       #pragma unroll
-      for (int x = 0; x < 4; x++) {
-        const int i = i0 + 8 * n + 2 * tq + (x & 1), j = x < 2 ? r0 : r1;
-        if (!(i < 64 && j < 64 && j <= i && (x < 2 ? d0 : d1) == Dq[i - i0]))
-          s[n][x] = -MDL_INF;
+      for (int n = 0; n < 8; n++) {
+        #pragma unroll
+        for (int x = 0; x < 4; x++) {
+          const int i = i0 + 8 * n + 2 * tq + (x & 1), j = x < 2 ? r0 : r1;
+          if (!(i < 64 && j < 64 && j <= i && (x < 2 ? d0 : d1) == Dq[i - i0]))
+            s[n][x] = -MDL_INF;
+        }
       }
     }
     // P^T = exp(S^T - lse), dS^T = P^T (dP^T - D); rounded, tiles 2 k and 2 k + 1 are the A
@@ -1497,8 +1549,8 @@ extern "C" __global__ void __launch_bounds__(256) k40_attention_bwd_dkv(char *ar
       for (int h = 0; h < 2; h++) {
         const int i = 16 * k + 8 * h + 2 * tq;
         const float (&sv)[4] = s[2 * k + h], (&pv)[4] = dp[2 * k + h];
-        const float p0 = exp2f(sv[0] - Ls[i]), p1 = exp2f(sv[1] - Ls[i + 1]);
-        const float p2 = exp2f(sv[2] - Ls[i]), p3 = exp2f(sv[3] - Ls[i + 1]);
+        const float p0 = exp2f(fmaf(sv[0], 0.36067376f, -Ls[i])), p1 = exp2f(fmaf(sv[1], 0.36067376f, -Ls[i + 1]));
+        const float p2 = exp2f(fmaf(sv[2], 0.36067376f, -Ls[i])), p3 = exp2f(fmaf(sv[3], 0.36067376f, -Ls[i + 1]));
         pa[2 * h] = mdl_bf16x2(p0, p1);
         pa[2 * h + 1] = mdl_bf16x2(p2, p3);
         da[2 * h] = mdl_bf16x2(p0 * (pv[0] - Ss[i]), p1 * (pv[1] - Ss[i + 1]));

@@ -166,6 +166,18 @@ __device__ __forceinline__ void mdl_ldsm_x4_t(uint32_t r[4], const void *p) {
 }
 #endif
 
+// The same without .trans: r[i] of lane l holds columns 2 (l & 3) and 2 (l & 3) + 1 of row l >> 2 of
+// tile i. Of a tile whose rows are keys and columns channels, that is a B fragment register of the
+// product over channels (Q K^T): b[0] or b[1] of key g.
+#if defined(__CUDA_ARCH__)
+__device__ __forceinline__ void mdl_ldsm_x4(uint32_t r[4], const void *p) {
+  uint32_t a;
+  asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a) : "memory");
+}
+#endif
+
 // fp8 <-> f32 in the two OCP formats of Hopper's tensor cores: E4M3 (bias 7, no infinity, S.1111.111
 // is NaN, largest 448) and E5M2 (bias 15, IEEE-like, largest 57344). To fp8: round to nearest, ties
 // to even, subnormals exact, -0 kept; beyond the largest finite value (infinity too) saturate to it
