@@ -26,8 +26,11 @@
 //     dk, dv kernels run on tensor cores (mma.sync m16n8k16, FlashAttention-2's layout: a warp per
 //     16 queries or keys, 8 warps a block in the forward and dk, dv, so that each staged tile of 64
 //     keys or queries serves 128 rows, 4 in dq, whose registers allow no more), the B fragments of
-//     the products over keys or queries read from shared tiles by transposing ldmatrix, the
-//     exponentials taken in base 2 (exp2f of scores scaled by log2(e));
+//     the products read from shared tiles by ldmatrix (transposing for the products over keys or
+//     queries), the tiles staged by cp.async into two buffers so that the next tile's copies run
+//     while the warps compute on this one, the exponentials taken in base 2 (exp2f of the scores
+//     times scale log2(e) less a maximum, one FMA); within documents each warp votes per tile to
+//     skip tiles of other documents and to mask only tiles that cross one;
 //   - embedding backward: each block owns a range of vocabulary rows and columns and adds the rows of
 //     its bucket of ids, sorted by position (emit_embed_bwd);
 //   - the optimizer: a sum of squares per fixed chunk, one block adding the chunks, then AdamW over
@@ -240,30 +243,52 @@ static const char prelude[] =
     "}\n"
     "#endif\n"
     "\n"
+    "// The 32-bit shared-memory address of a generic pointer into shared memory (ldmatrix, cp.async).\n"
+    "#if defined(__CUDA_ARCH__)\n"
+    "__device__ __forceinline__ uint32_t mdl_smem(const void *p) {\n"
+    "  uint32_t a;\n"
+    "  asm(\"{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }\" : \"=r\"(a) : \"l\"(p));\n"
+    "  return a;\n"
+    "}\n"
+    "#endif\n"
+    "\n"
     "// Four 8 x 8 tiles of bf16 from shared memory, transposed, by the warp together (ldmatrix .trans):\n"
     "// lanes 8 i .. 8 i + 7 each give the address of a row of tile i (8 values, 16-byte aligned), and\n"
     "// r[i] of lane l holds that tile's rows 2 (l & 3) and 2 (l & 3) + 1 of column l >> 2 (the lower\n"
     "// row in the low half). Of a tile whose rows are keys and columns channels, that is an mma B\n"
     "// fragment register (b[0] or b[1] above) of the product over keys: one instruction for four\n"
-    "// registers that took four 16-bit loads and three shifts or ors each. The emulator has its own.\n"
+    "// registers that took four 16-bit loads and three shifts or ors each. mdl_ldsm_x4, the same without\n"
+    "// .trans: r[i] of lane l holds columns 2 (l & 3) and 2 (l & 3) + 1 of row l >> 2 of tile i; of the\n"
+    "// same tile, a B fragment register of the product over channels (Q K^T): b[0] or b[1] of key g.\n"
+    "// The emulator has its own.\n"
     "#if defined(__CUDA_ARCH__)\n"
     "__device__ __forceinline__ void mdl_ldsm_x4_t(uint32_t r[4], const void *p) {\n"
-    "  uint32_t a;\n"
-    "  asm(\"{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }\" : \"=r\"(a) : \"l\"(p));\n"
     "  asm volatile(\"ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\"\n"
-    "               : \"=r\"(r[0]), \"=r\"(r[1]), \"=r\"(r[2]), \"=r\"(r[3]) : \"r\"(a) : \"memory\");\n"
+    "               : \"=r\"(r[0]), \"=r\"(r[1]), \"=r\"(r[2]), \"=r\"(r[3]) : \"r\"(mdl_smem(p)) : \"memory\");\n"
+    "}\n"
+    "__device__ __forceinline__ void mdl_ldsm_x4(uint32_t r[4], const void *p) {\n"
+    "  asm volatile(\"ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\"\n"
+    "               : \"=r\"(r[0]), \"=r\"(r[1]), \"=r\"(r[2]), \"=r\"(r[3]) : \"r\"(mdl_smem(p)) : \"memory\");\n"
     "}\n"
     "#endif\n"
     "\n"
-    "// The same without .trans: r[i] of lane l holds columns 2 (l & 3) and 2 (l & 3) + 1 of row l >> 2 of\n"
-    "// tile i. Of a tile whose rows are keys and columns channels, that is a B fragment register of the\n"
-    "// product over channels (Q K^T): b[0] or b[1] of key g.\n"
+    "// Copies from global to shared memory that do not wait (cp.async, sm_80): 16 or 4 bytes from src to\n"
+    "// dst (both aligned to their size), or zeros unless in (src must still be a valid address). The\n"
+    "// thread's copies since the last mdl_cp_async_commit form a group; mdl_cp_async_wait<n> waits until\n"
+    "// at most the n latest groups are in flight. Other threads see the bytes after a barrier that\n"
+    "// follows the wait. The emulator has its own.\n"
     "#if defined(__CUDA_ARCH__)\n"
-    "__device__ __forceinline__ void mdl_ldsm_x4(uint32_t r[4], const void *p) {\n"
-    "  uint32_t a;\n"
-    "  asm(\"{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }\" : \"=r\"(a) : \"l\"(p));\n"
-    "  asm volatile(\"ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\"\n"
-    "               : \"=r\"(r[0]), \"=r\"(r[1]), \"=r\"(r[2]), \"=r\"(r[3]) : \"r\"(a) : \"memory\");\n"
+    "__device__ __forceinline__ void mdl_cp_async16(void *dst, const void *src, bool in) {\n"
+    "  asm volatile(\"cp.async.cg.shared.global [%0], [%1], 16, %2;\" :: \"r\"(mdl_smem(dst)), \"l\"(src), \"r\"(in ? 16 : 0)\n"
+    "               : \"memory\");\n"
+    "}\n"
+    "__device__ __forceinline__ void mdl_cp_async4(void *dst, const void *src, bool in) {\n"
+    "  asm volatile(\"cp.async.ca.shared.global [%0], [%1], 4, %2;\" :: \"r\"(mdl_smem(dst)), \"l\"(src), \"r\"(in ? 4 : 0)\n"
+    "               : \"memory\");\n"
+    "}\n"
+    "__device__ __forceinline__ void mdl_cp_async_commit() { asm volatile(\"cp.async.commit_group;\" ::: \"memory\"); }\n"
+    "template <int N> __device__ __forceinline__ void mdl_cp_async_wait() {\n"
+    "  asm volatile(\"cp.async.wait_group %0;\" :: \"n\"(N) : \"memory\");\n"
     "}\n"
     "#endif\n"
     "\n"
@@ -2462,8 +2487,9 @@ static void att_mma_kernel(Emit *e, const Att *A, int out) {
        (long long)A->nb, (long long)t, (long long)A->heads, (long long)d, A->causal ? ", causal" : "",
        A->has_doc ? ", within documents" : "", ATT_MMA_WARPS, ATT_MMA_ROWS, ATT_MMA_TILE);
   // Two blocks of 8 warps an SM, so at most 128 registers a thread: ptxas (sm_90) took 133 for GPT-2's
-  // forward on bf16 q, k, v, which would leave one block, and fits 128 without spilling.
-  e->min_blocks = 2;
+  // forward on bf16 q, k, v, which would leave one block, and fits 128 without spilling. Heads of 128
+  // hold twice the accumulators and Q: at 128 registers they spilled 344 bytes; left free, 211.
+  e->min_blocks = d <= 64 ? 2 : 0;
   att_mma_query_rows(e, A, ATT_MMA_ROWS, false);
   ec_line(&e->core, "// Per row: the running maximum m and this lane's part of the sum l; acc[n]: the output's");
   ec_line(&e->core, "// channels 8 n .. 8 n + 7 (accumulators).");
@@ -2498,7 +2524,7 @@ static void att_mma_kernel(Emit *e, const Att *A, int out) {
   ec_leave(&e->core);
   ec_line(&e->core, "#pragma unroll");
   ec_enter(&e->core, "for (int n = 0; n < %d; n += 2)", ntiles);
-  att_mma_ldsm(e, "Vs", "vb");
+  att_mma_ldsm(e, "Vs[cur]", "vb");
   ec_line(&e->core, "mdl_mma_bf16_16816(acc[n], pa, vb);");
   ec_line(&e->core, "mdl_mma_bf16_16816(acc[n + 1], pa, vb + 2);");
   ec_leave(&e->core);
@@ -2699,32 +2725,114 @@ static bool att_mma_bwd(const Att *A) {
   return att_mma(A) && att_mma_bwd_shared(A, true) <= 48 << 10 && att_rows16(A->q) && att_rows16(A->dout);
 }
 
-// Stages rows x0 + jj (jj < 64) of a and b (unless bs is NULL), rounded to bf16, into the shared tiles
-// as and bs (channel pairs), by the block's threads; 0 beyond T.
+// Whether rows of r can be copied to shared memory as they are, 16 bytes (8 channels) at a time by
+// cp.async: bf16, with stride and start multiples of 8 elements.
+static bool att_rows_async(Emit *e, Rows r) { return att_stored16(e, r) && r.stride % 8 == 0 && r.at % 8 == 0; }
+
+// Starts staging rows x0 + jj (jj < 64) of a and b (unless bs is NULL), as bf16, into buffer buf of
+// the shared tiles as and bs (channel pairs), by the block's threads; 0 beyond T. Rows that
+// att_rows_async allows go by cp.async (the caller commits and waits); others (f32 rows, which are
+// rounded here, or rows not 16-byte aligned) by loads and stores that are done when this returns.
+static void att_mma_stage_row(Emit *e, const Att *A, const char *x0, Rows r, const char *sh, const char *buf,
+                              const char *x) {
+  const char *jj = strcmp(x0, "0") ? ec_str(&e->core, "%s + jj", x0) : "jj";
+  if (att_rows_async(e, r)) { // (beyond T the copy reads nothing, from row x0, and fills zeros)
+    ec_line(&e->core, "mdl_cp_async16(&%s[%s][jj][c / 2], &%s, in);", sh, buf,
+            at_row(e, r, A, ec_str(&e->core, "(in ? %s : %s)", jj, x0), "c"));
+  } else if (att_stored16(e, r)) { // four bf16 values: the two pairs as they are
+    ec_line(&e->core, "const ushort4 %s = in ? *(const ushort4 *)&%s : make_ushort4(0, 0, 0, 0);", x,
+            at_row(e, r, A, jj, "c"));
+    ec_line(&e->core, "%s[%s][jj][c / 2] = (uint32_t)%s.x | (uint32_t)%s.y << 16;", sh, buf, x, x);
+    ec_line(&e->core, "%s[%s][jj][c / 2 + 1] = (uint32_t)%s.z | (uint32_t)%s.w << 16;", sh, buf, x, x);
+  } else {
+    ec_line(&e->core, "const float4 %s = in ? *(const float4 *)&%s : make_float4(0.0f, 0.0f, 0.0f, 0.0f);", x,
+            at_row(e, r, A, jj, "c"));
+    ec_line(&e->core, "%s[%s][jj][c / 2] = mdl_bf16x2(%s.x, %s.y);", sh, buf, x, x);
+    ec_line(&e->core, "%s[%s][jj][c / 2 + 1] = mdl_bf16x2(%s.z, %s.w);", sh, buf, x, x);
+  }
+}
+
 static void att_mma_stage(Emit *e, const Att *A, int threads, const char *x0, Rows a, const char *as, Rows b,
-                          const char *bs) {
+                          const char *bs, const char *buf) {
   int64_t d = A->d;
-  ec_enter(&e->core, "for (int u = threadIdx.x; u < %lld; u += %d)", (long long)(ATT_MMA_TILE * d / 4),
-          threads);
-  ec_line(&e->core, "const int jj = u / %lld, c = u %% %lld * 4;", (long long)(d / 4), (long long)(d / 4));
-  ec_line(&e->core, "const bool in = %s + jj < %lld;", x0, (long long)A->nt);
-  const char *jj = ec_str(&e->core, "%s + jj", x0);
+  int per_a = att_rows_async(e, a) ? 8 : 4, per_b = bs && att_rows_async(e, b) ? 8 : 4; // channels at a time
   for (int i = 0; i < (bs ? 2 : 1); i++) {
-    Rows r = i ? b : a;
-    const char *x = i ? "bx" : "ax", *sh = i ? bs : as;
-    if (att_stored16(e, r)) { // four bf16 values: the two pairs as they are
-      ec_line(&e->core, "const ushort4 %s = in ? *(const ushort4 *)&%s : make_ushort4(0, 0, 0, 0);", x,
-              at_row(e, r, A, jj, "c"));
-      ec_line(&e->core, "%s[jj][c / 2] = (uint32_t)%s.x | (uint32_t)%s.y << 16;", sh, x, x);
-      ec_line(&e->core, "%s[jj][c / 2 + 1] = (uint32_t)%s.z | (uint32_t)%s.w << 16;", sh, x, x);
-    } else {
-      ec_line(&e->core, "const float4 %s = in ? *(const float4 *)&%s : make_float4(0.0f, 0.0f, 0.0f, 0.0f);", x,
-              at_row(e, r, A, jj, "c"));
-      ec_line(&e->core, "%s[jj][c / 2] = mdl_bf16x2(%s.x, %s.y);", sh, x, x);
-      ec_line(&e->core, "%s[jj][c / 2 + 1] = mdl_bf16x2(%s.z, %s.w);", sh, x, x);
+    int per = i ? per_b : per_a;
+    if (i && per_b == per_a) { // one loop for both
+      att_mma_stage_row(e, A, x0, b, bs, buf, "bx");
+      break;
     }
+    if (i)
+      ec_leave(&e->core);
+    ec_enter(&e->core, "for (int u = threadIdx.x; u < %lld; u += %d)", (long long)(ATT_MMA_TILE * d / per), threads);
+    ec_line(&e->core, "const int jj = u / %lld, c = u %% %lld * %d;", (long long)(d / per), (long long)(d / per), per);
+    ec_line(&e->core, "const bool in = %s%s < %lld;", strcmp(x0, "0") ? ec_str(&e->core, "%s + ", x0) : "", "jj",
+            (long long)A->nt);
+    att_mma_stage_row(e, A, x0, i ? b : a, i ? bs : as, buf, i ? "bx" : "ax");
   }
   ec_leave(&e->core);
+}
+
+// Starts staging per-row values of the tile's rows x0 + jj by threads jj < 64 into buffer buf: what
+// names the destinations (shared arrays), from the element expressions src (each row jj of the
+// tile, by cp.async of 4 bytes, 0 beyond T).
+static void att_mma_stage_rows(Emit *e, const Att *A, const char *x0, const char *buf, int n, const char *const *dst,
+                               const char *const *src) {
+  ec_enter(&e->core, "if (threadIdx.x < %d)", ATT_MMA_TILE);
+  ec_line(&e->core, "const %s i = %sthreadIdx.x, at = i < %lld ? i : %s; // (beyond T: read nothing, from %s)",
+          e->core.ixt, strcmp(x0, "0") ? ec_str(&e->core, "%s + ", x0) : "", (long long)A->nt, x0, x0);
+  for (int k = 0; k < n; k++)
+    ec_line(&e->core, "mdl_cp_async4(&%s[%s][threadIdx.x], &%s, i < %lld);", dst[k], buf, src[k], (long long)A->nt);
+  ec_leave(&e->core);
+}
+
+// How many buffers of `bytes` a block's tiles take: two where they fit in 48 KB (the next tile's
+// copies then run while the warps compute on this one), else one.
+static int att_mma_stages(int64_t bytes) { return 2 * bytes <= 48 << 10 ? 2 : 1; }
+
+// What a block stages per tile: rows of a and b (unless bs is NULL) into the shared tiles as and bs,
+// and nrow per-row values (att_mma_stage_rows), by its `threads`.
+typedef struct {
+  int threads;
+  Rows a, b;
+  const char *as, *bs;
+  int nrow;
+  const char *rdst[3], *rsrc[3];
+} AttStage;
+
+static void att_mma_issue(Emit *e, const Att *A, const AttStage *st, const char *x0, const char *buf) {
+  att_mma_stage(e, A, st->threads, x0, st->a, st->as, st->b, st->bs, buf);
+  if (st->nrow)
+    att_mma_stage_rows(e, A, x0, buf, st->nrow, st->rdst, st->rsrc);
+}
+
+// Opens the loop over the tiles var = start, start + 64, .. < end, each staged into buffer `cur` of
+// `stages` (att_mma_stages) and in shared memory for every warp where the loop's body begins. With
+// two, tile 0's copies start before the loop and each tile starts the next one's into the other
+// buffer before it waits for its own: the copies run while the warps compute.
+static void att_mma_tile_loop(Emit *e, const Att *A, const AttStage *st, int stages, const char *var,
+                              const char *start, const char *end) {
+  const char *ixt = e->core.ixt;
+  if (stages == 2) {
+    att_mma_issue(e, A, st, start, "0");
+    ec_line(&e->core, "mdl_cp_async_commit();");
+    ec_enter(&e->core, "for (%s %s = %s, cur = 0; %s < %s; %s += %d, cur ^= 1)", ixt, var, start, var, end, var,
+             ATT_MMA_TILE);
+    ec_line(&e->core, "__syncthreads(); // (every warp is done with the other buffer: the tile before)");
+    ec_enter(&e->core, "if (%s + %d < %s)", var, ATT_MMA_TILE, end);
+    att_mma_issue(e, A, st, ec_str(&e->core, "%s + %d", var, ATT_MMA_TILE), "cur ^ 1");
+    ec_leave(&e->core);
+    ec_line(&e->core, "mdl_cp_async_commit();");
+    ec_line(&e->core, "mdl_cp_async_wait<1>(); // this tile's copies have landed; the next tile's may be in flight");
+  } else {
+    ec_line(&e->core, "// (one buffer: cur stays 0)");
+    ec_enter(&e->core, "for (%s %s = %s, cur = 0; %s < %s; %s += %d)", ixt, var, start, var, end, var, ATT_MMA_TILE);
+    ec_line(&e->core, "__syncthreads();");
+    att_mma_issue(e, A, st, var, "cur");
+    ec_line(&e->core, "mdl_cp_async_commit();");
+    ec_line(&e->core, "mdl_cp_async_wait<0>();");
+  }
+  ec_line(&e->core, "__syncthreads();");
 }
 
 // The A fragments of the k16 steps over the channels of rows r0 and r1 = r0 + 8 of x, as bf16; 0
@@ -2823,12 +2931,14 @@ static void att_mma_mask(Emit *e, const Att *A, const char *edge, const char *ij
 static void att_mma_query_rows(Emit *e, const Att *A, int rows, bool dout) {
   const char *ixt = e->core.ixt;
   int64_t t = A->nt, nqt = (t + rows - 1) / rows;
-  e->shared = (int)att_mma_shared(A);
+  int stages = att_mma_stages(att_mma_shared(A));
+  e->shared = (int)(stages * att_mma_shared(A));
   long long pairs = A->d / 2 + 4;
-  ec_line(&e->core, "__shared__ __align__(16) uint32_t Ks[%d][%lld], Vs[%d][%lld]; // the tile's keys and values, "
-          "bf16 pairs", ATT_MMA_TILE, pairs, ATT_MMA_TILE, pairs);
+  ec_line(&e->core, "// The tiles' keys and values as bf16 pairs%s.", stages == 2 ? ", in two buffers" : "");
+  ec_line(&e->core, "__shared__ __align__(16) uint32_t Ks[%d][%d][%lld], Vs[%d][%d][%lld];", stages, ATT_MMA_TILE, pairs,
+          stages, ATT_MMA_TILE, pairs);
   if (A->has_doc)
-    ec_line(&e->core, "__shared__ int32_t Dk[%d];", ATT_MMA_TILE);
+    ec_line(&e->core, "__shared__ int32_t Dk[%d][%d];", stages, ATT_MMA_TILE);
   ec_line(&e->core, "const int w = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tq = lane & 3;");
   bool last_first = A->causal && nqt > 1;
   if (last_first)
@@ -2860,28 +2970,25 @@ static void att_mma_query_tiles(Emit *e, const Att *A, int rows, bool dp) {
             rows, (long long)t, rows, (long long)t);
   else
     ec_line(&e->core, "const %s kend = %lld;", ixt, (long long)t);
-  ec_enter(&e->core, "for (%s k0 = 0; k0 < kend; k0 += %d)", ixt, ATT_MMA_TILE);
-  ec_line(&e->core, "__syncthreads();");
-  att_mma_stage(e, A, rows / 16 * 32, "k0", A->k, "Ks", A->v, "Vs"); // (a warp per 16 rows)
+  AttStage st = {.threads = rows / 16 * 32, .a = A->k, .b = A->v, .as = "Ks", .bs = "Vs"}; // (a warp per 16 rows)
   if (A->has_doc) {
-    ec_line(&e->core, "if (threadIdx.x < %d)", ATT_MMA_TILE);
-    ec_line(&e->core, "  Dk[threadIdx.x] = k0 + threadIdx.x < %lld ? %s[b * %lld + k0 + threadIdx.x] : 0;",
-            (long long)t, ptr(e, A->doc), (long long)t);
+    st.rdst[st.nrow] = "Dk";
+    st.rsrc[st.nrow++] = ec_str(&e->core, "%s[b * %lld + at]", ptr(e, A->doc), (long long)t);
   }
-  ec_line(&e->core, "__syncthreads();");
+  att_mma_tile_loop(e, A, &st, att_mma_stages(att_mma_shared(A)), "k0", "0", "kend");
   if (A->has_doc)
-    att_mma_docs(e, "Dk");
+    att_mma_docs(e, "Dk[cur]");
   att_mma_skip(e, A, rows, "k0 > q0 + 16 * w + 15", "the warp's rows see none of the tile's keys");
   ec_line(&e->core, "// S = Q K^T (unscaled)%s: tile n holds keys k0 + 8 n .. k0 + 8 n + 7.",
           dp ? " and dP = dout V^T" : "");
-  att_mma_scores(e, A, "qa", "Ks", dp ? "oa" : NULL, "Vs");
+  att_mma_scores(e, A, "qa", "Ks[cur]", dp ? "oa" : NULL, "Vs[cur]");
   const char *edge = ec_str(&e->core, "%sk0 + %d > %lld%s", A->has_doc ? "!one || " : "", ATT_MMA_TILE, (long long)t,
                             A->causal ? ec_str(&e->core, " || k0 + %d > q0 + 16 * w", ATT_MMA_TILE - 1) : "");
   ec_line(&e->core, "// Keys the row may not see get -inf (in tiles past T%s%s).",
           A->causal ? ", past a row of the warp" : "", A->has_doc ? ", in other documents" : "");
   const char *ij = A->causal ? "i = x < 2 ? r0 : r1, j = k0 + 8 * n + 2 * tq + (x & 1)"
                              : "j = k0 + 8 * n + 2 * tq + (x & 1)";
-  att_mma_mask(e, A, edge, ij, "Dk[j - k0]", "(x < 2 ? d0 : d1)", false);
+  att_mma_mask(e, A, edge, ij, "Dk[cur][j - k0]", "(x < 2 ? d0 : d1)", false);
 }
 
 // D = dout . out for each row of each head (mdl.h: both as the backward reads them, a bf16 CAST
@@ -2954,7 +3061,7 @@ static void att_mma_dq_kernel(Emit *e, const Att *A, int out, int64_t dsum) {
   ec_leave(&e->core);
   ec_line(&e->core, "#pragma unroll");
   ec_enter(&e->core, "for (int n = 0; n < %d; n += 2)", ntiles);
-  att_mma_ldsm(e, "Ks", "kb");
+  att_mma_ldsm(e, "Ks[cur]", "kb");
   ec_line(&e->core, "mdl_mma_bf16_16816(acc[n], da, kb);");
   ec_line(&e->core, "mdl_mma_bf16_16816(acc[n + 1], da, kb + 2);");
   ec_leave(&e->core);
@@ -2990,15 +3097,18 @@ static void att_mma_dkv_kernel(Emit *e, const Att *A, int dk, int dv, int64_t ds
        dk >= 0 && dv >= 0 ? "dk and dv" : dk >= 0 ? "dk" : "dv", (long long)A->nb, (long long)t, (long long)A->heads,
        (long long)d, A->causal ? ", causal" : "", A->has_doc ? ", within documents" : "",
        ATT_MMA_WARPS, ATT_MMA_ROWS, ATT_MMA_TILE);
-  e->shared = (int)att_mma_bwd_shared(A, true);
-  ec_line(&e->core, "__shared__ __align__(16) uint32_t Qs[%d][%lld], Os[%d][%lld]; // the tile's queries and dout, "
-          "bf16 pairs", ATT_MMA_TILE, (long long)(d / 2 + 4), ATT_MMA_TILE, (long long)(d / 2 + 4));
+  int stages = att_mma_stages(att_mma_bwd_shared(A, true));
+  e->shared = (int)(stages * att_mma_bwd_shared(A, true));
+  ec_line(&e->core, "// The tiles' queries and dout as bf16 pairs, their log-sum-exp%s%s.", dk >= 0 ? " and D" : "",
+          stages == 2 ? ", in two buffers" : "");
+  ec_line(&e->core, "__shared__ __align__(16) uint32_t Qs[%d][%d][%lld], Os[%d][%d][%lld];", stages, ATT_MMA_TILE,
+          (long long)(d / 2 + 4), stages, ATT_MMA_TILE, (long long)(d / 2 + 4));
   if (dk >= 0)
-    ec_line(&e->core, "__shared__ float Ls[%d], Ss[%d]; // their log-sum-exp and D", ATT_MMA_TILE, ATT_MMA_TILE);
+    ec_line(&e->core, "__shared__ float Ls[%d][%d], Ss[%d][%d];", stages, ATT_MMA_TILE, stages, ATT_MMA_TILE);
   else
-    ec_line(&e->core, "__shared__ float Ls[%d]; // their log-sum-exp", ATT_MMA_TILE);
+    ec_line(&e->core, "__shared__ float Ls[%d][%d];", stages, ATT_MMA_TILE);
   if (A->has_doc)
-    ec_line(&e->core, "__shared__ int32_t Dq[%d];", ATT_MMA_TILE);
+    ec_line(&e->core, "__shared__ int32_t Dq[%d][%d];", stages, ATT_MMA_TILE);
   ec_line(&e->core, "const int w = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tq = lane & 3;");
   ec_line(&e->core, "const %s b = blockIdx.x / %lld, hd = blockIdx.x / %lld %% %lld, k0 = blockIdx.x %% %lld * %d;",
           ixt, (long long)(A->heads * nkt), (long long)nkt, (long long)A->heads, (long long)nkt, ATT_MMA_ROWS);
@@ -3025,33 +3135,31 @@ static void att_mma_dkv_kernel(Emit *e, const Att *A, int dk, int dv, int64_t ds
   ec_leave(&e->core);
   if (A->causal)
     ec_line(&e->core, "// (queries before k0 see none of the keys)");
-  ec_enter(&e->core, "for (%s i0 = %s; i0 < %lld; i0 += %d)", ixt, A->causal ? "k0" : "0", (long long)t, ATT_MMA_TILE);
-  ec_line(&e->core, "__syncthreads();");
-  att_mma_stage(e, A, ATT_MMA_THREADS, "i0", A->q, "Qs", A->dout, "Os");
-  ec_enter(&e->core, "if (threadIdx.x < %d)", ATT_MMA_TILE);
-  ec_line(&e->core, "const %s i = i0 + threadIdx.x;", ixt);
-  ec_line(&e->core, "Ls[threadIdx.x] = i < %lld ? %s[(b * %lld + hd) * %lld + i] * %s : 0.0f; // in base 2, as s",
-          (long long)t, lp, (long long)A->heads, (long long)t, flit(e, LOG2E));
-  if (sp)
-    ec_line(&e->core, "Ss[threadIdx.x] = i < %lld ? %s[(b * %lld + hd) * %lld + i] : 0.0f;", (long long)t, sp,
-            (long long)A->heads, (long long)t);
+  AttStage st = {.threads = ATT_MMA_THREADS, .a = A->q, .b = A->dout, .as = "Qs", .bs = "Os", .nrow = 1,
+                 .rdst = {"Ls"}, .rsrc = {ec_str(&e->core, "%s[(b * %lld + hd) * %lld + at]", lp, (long long)A->heads,
+                                                  (long long)t)}};
+  if (sp) {
+    st.rdst[st.nrow] = "Ss";
+    st.rsrc[st.nrow++] = ec_str(&e->core, "%s[(b * %lld + hd) * %lld + at]", sp, (long long)A->heads, (long long)t);
+  }
+  if (A->has_doc) {
+    st.rdst[st.nrow] = "Dq";
+    st.rsrc[st.nrow++] = ec_str(&e->core, "%s[b * %lld + at]", ptr(e, A->doc), (long long)t);
+  }
+  att_mma_tile_loop(e, A, &st, stages, "i0", A->causal ? "k0" : "0", ec_str(&e->core, "%lld", (long long)t));
   if (A->has_doc)
-    ec_line(&e->core, "Dq[threadIdx.x] = i < %lld ? %s[b * %lld + i] : 0;", (long long)t, ptr(e, A->doc), (long long)t);
-  ec_leave(&e->core);
-  ec_line(&e->core, "__syncthreads();");
-  if (A->has_doc)
-    att_mma_docs(e, "Dq");
+    att_mma_docs(e, "Dq[cur]");
   att_mma_skip(e, A, ATT_MMA_ROWS, ec_str(&e->core, "i0 + %d < k0 + 16 * w", ATT_MMA_TILE - 1),
                "none of the tile's queries sees the warp's keys");
   ec_line(&e->core, "// S^T = K Q^T (unscaled)%s: tile n holds queries i0 + 8 n .. i0 + 8 n + 7.",
           dk >= 0 ? " and dP^T = V dout^T" : "");
-  att_mma_scores(e, A, "ka", "Qs", dk >= 0 ? "va" : NULL, "Os");
+  att_mma_scores(e, A, "ka", "Qs[cur]", dk >= 0 ? "va" : NULL, "Os[cur]");
   const char *edge = ec_str(&e->core, "%si0 + %d > %lld%s", A->has_doc ? "!one || " : "", ATT_MMA_TILE, (long long)t,
                             A->causal ? " || i0 < k0 + 16 * w + 15" : "");
   ec_line(&e->core, "// Queries that may not see the key get -inf (in tiles past T%s%s).",
           A->causal ? ", before a key of the warp" : "", A->has_doc ? ", in other documents" : "");
   att_mma_mask(e, A, edge, "i = i0 + 8 * n + 2 * tq + (x & 1), j = x < 2 ? r0 : r1", "(x < 2 ? d0 : d1)",
-               "Dq[i - i0]", true);
+               "Dq[cur][i - i0]", true);
   ec_line(&e->core, "// P^T = exp(S^T - lse), dS^T = P^T (dP^T - D); rounded, tiles 2 k and 2 k + 1 are the A");
   ec_line(&e->core, "// fragments of step k of dv += P^T dout and dk += dS^T Q, whose B fragments are queries");
   ec_line(&e->core, "// 16 k + 2 tq, + 1 and 8 further of channel 8 n + g.");
@@ -3062,28 +3170,29 @@ static void att_mma_dkv_kernel(Emit *e, const Att *A, int dk, int dv, int64_t ds
   ec_enter(&e->core, "for (int h = 0; h < 2; h++)");
   ec_line(&e->core, "const int i = 16 * k + 8 * h + 2 * tq;");
   ec_line(&e->core, "const float (&sv)[4] = s[2 * k + h]%s;", dk >= 0 ? ", (&pv)[4] = dp[2 * k + h]" : "");
-  ec_line(&e->core, "const float p0 = %s, p1 = %s;", att_mma_exp(e, A, "sv[0]", "Ls[i]"),
-          att_mma_exp(e, A, "sv[1]", "Ls[i + 1]"));
-  ec_line(&e->core, "const float p2 = %s, p3 = %s;", att_mma_exp(e, A, "sv[2]", "Ls[i]"),
-          att_mma_exp(e, A, "sv[3]", "Ls[i + 1]"));
+  ec_line(&e->core, "const float L0 = Ls[cur][i] * %s, L1 = Ls[cur][i + 1] * %s; // (in base 2, as s)",
+          flit(e, LOG2E), flit(e, LOG2E));
+  ec_line(&e->core, "const float p0 = %s, p1 = %s;", att_mma_exp(e, A, "sv[0]", "L0"), att_mma_exp(e, A, "sv[1]", "L1"));
+  ec_line(&e->core, "const float p2 = %s, p3 = %s;", att_mma_exp(e, A, "sv[2]", "L0"), att_mma_exp(e, A, "sv[3]", "L1"));
   if (dv >= 0) {
     ec_line(&e->core, "pa[2 * h] = mdl_bf16x2(p0, p1);");
     ec_line(&e->core, "pa[2 * h + 1] = mdl_bf16x2(p2, p3);");
   }
   if (dk >= 0) {
-    ec_line(&e->core, "da[2 * h] = mdl_bf16x2(p0 * (pv[0] - Ss[i]), p1 * (pv[1] - Ss[i + 1]));");
-    ec_line(&e->core, "da[2 * h + 1] = mdl_bf16x2(p2 * (pv[2] - Ss[i]), p3 * (pv[3] - Ss[i + 1]));");
+    ec_line(&e->core, "const float S0 = Ss[cur][i], S1 = Ss[cur][i + 1];");
+    ec_line(&e->core, "da[2 * h] = mdl_bf16x2(p0 * (pv[0] - S0), p1 * (pv[1] - S1));");
+    ec_line(&e->core, "da[2 * h + 1] = mdl_bf16x2(p2 * (pv[2] - S0), p3 * (pv[3] - S1));");
   }
   ec_leave(&e->core);
   ec_line(&e->core, "#pragma unroll");
   ec_enter(&e->core, "for (int n = 0; n < %d; n += 2)", ntiles);
   if (dv >= 0) {
-    att_mma_ldsm(e, "Os", "ob");
+    att_mma_ldsm(e, "Os[cur]", "ob");
     ec_line(&e->core, "mdl_mma_bf16_16816(dva[n], pa, ob);");
     ec_line(&e->core, "mdl_mma_bf16_16816(dva[n + 1], pa, ob + 2);");
   }
   if (dk >= 0) {
-    att_mma_ldsm(e, "Qs", "qb");
+    att_mma_ldsm(e, "Qs[cur]", "qb");
     ec_line(&e->core, "mdl_mma_bf16_16816(dka[n], da, qb);");
     ec_line(&e->core, "mdl_mma_bf16_16816(dka[n + 1], da, qb + 2);");
   }

@@ -107,6 +107,17 @@ struct Fiber {
   uint3 idx;
 };
 
+// An asynchronous copy (cp.async) not yet done: n bytes from src (zeros unless in) to dst, of the
+// issuing thread's commit group `group`.
+struct Copy {
+  void *dst;
+  const void *src;
+  int n;
+  bool in;
+  unsigned group;
+};
+enum { MAX_COPIES = 64 }; // pending a thread
+
 struct Barrier {
   unsigned gen;
   int count, live;
@@ -120,6 +131,10 @@ struct Block {
   Barrier warp[MAX_THREADS / 32];
   uint64_t slot[MAX_THREADS];
   uint32_t frag[MAX_THREADS][6]; // mma: a lane's A (4 registers) and B (2) fragments
+  Copy copies[MAX_THREADS][MAX_COPIES];
+  int ncopies[MAX_THREADS];
+  unsigned groups[MAX_THREADS]; // commit groups a thread has closed
+  bool eager;                   // copies land when issued (odd blocks), not at the wait (even ones)
   unsigned long events;
   void (*body)(void *);
   void *ctx;
@@ -155,10 +170,57 @@ inline void leave(Barrier &b) {
   }
 }
 
+// Copy c lands in shared memory.
+inline void land(const Copy &c) {
+  if (c.in)
+    memcpy(c.dst, c.src, (size_t)c.n);
+  else
+    memset(c.dst, 0, (size_t)c.n);
+}
+
+// cp.async of n bytes (zeros unless in) by the calling thread. The GPU lands it at some time before
+// the wait_group that covers it; the emulator at the two ends of that window: at once in blocks of
+// odd index (a buffer refilled while other warps still read it shows there), at the wait in even
+// ones (a read before the wait sees what was there before).
+inline void cp_async(void *dst, const void *src, int n, bool in) {
+  Block *B = blk;
+  int t = B->cur;
+  if ((uintptr_t)dst % (unsigned)n || (in && (uintptr_t)src % (unsigned)n)) {
+    fprintf(stderr, "cuda_emu: cp.async of %d bytes from %p to %p, not aligned\n", n, src, dst);
+    abort();
+  }
+  Copy c{dst, src, n, in, B->groups[t]};
+  if (B->eager)
+    return land(c);
+  if (B->ncopies[t] == MAX_COPIES) {
+    fprintf(stderr, "cuda_emu: thread %d has %d cp.async pending\n", t, MAX_COPIES);
+    abort();
+  }
+  B->copies[t][B->ncopies[t]++] = c;
+}
+
+inline void cp_async_commit() { blk->groups[blk->cur]++; }
+
+// cp.async.wait_group n: the copies of every commit group of the thread but its n latest land.
+inline void cp_async_wait(unsigned n) {
+  Block *B = blk;
+  int t = B->cur, kept = 0;
+  for (int i = 0; i < B->ncopies[t]; i++) {
+    const Copy c = B->copies[t][i];
+    if (c.group + n < B->groups[t])
+      land(c);
+    else
+      B->copies[t][kept++] = c;
+  }
+  B->ncopies[t] = kept;
+}
+
 inline void trampoline() {
   Block *B = blk;
   int t = B->cur;
   B->body(B->ctx);
+  for (int i = 0; i < B->ncopies[t]; i++) // (what a thread left in flight lands all the same)
+    land(B->copies[t][i]);
   B->fibers[t].done = true;
   B->events++;
   leave(B->block);
@@ -183,10 +245,13 @@ inline void run_block(Block *B, uint3 bidx, dim3 block) {
     f->ctx.uc_link = &B->sched;
     makecontext(&f->ctx, trampoline, 0);
     f->done = false;
+    B->ncopies[t] = 0;
+    B->groups[t] = 0;
     f->idx = uint3{(unsigned)t % block.x, (unsigned)t / block.x % block.y, (unsigned)t / (block.x * block.y)};
   }
   blockIdx = bidx;
   blockDim = block;
+  B->eager = (bidx.x + bidx.y + bidx.z) % 2;
   for (int live = n; live > 0;) {
     unsigned long before = B->events;
     live = 0;
@@ -332,6 +397,12 @@ inline void mdl_ldsm_x4_t(uint32_t r[4], const void *p) { mdl_emu::ldsm_x4(r, p,
 inline void mdl_mma_bf16_16816(float d[4], const uint32_t a[4], const uint32_t b[2]) {
   mdl_emu::mma_bf16_16816(d, a, b);
 }
+
+// The prelude defines the cp.async helpers for the GPU only; these are the emulator's.
+inline void mdl_cp_async16(void *dst, const void *src, bool in) { mdl_emu::cp_async(dst, src, 16, in); }
+inline void mdl_cp_async4(void *dst, const void *src, bool in) { mdl_emu::cp_async(dst, src, 4, in); }
+inline void mdl_cp_async_commit() { mdl_emu::cp_async_commit(); }
+template <int N> inline void mdl_cp_async_wait() { mdl_emu::cp_async_wait(N); }
 
 inline void __syncthreads() { mdl_emu::wait(mdl_emu::blk->block); }
 

@@ -151,30 +151,52 @@ __device__ __forceinline__ void mdl_mma_bf16_16816(float d[4], const uint32_t a[
 }
 #endif
 
+// The 32-bit shared-memory address of a generic pointer into shared memory (ldmatrix, cp.async).
+#if defined(__CUDA_ARCH__)
+__device__ __forceinline__ uint32_t mdl_smem(const void *p) {
+  uint32_t a;
+  asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
+  return a;
+}
+#endif
+
 // Four 8 x 8 tiles of bf16 from shared memory, transposed, by the warp together (ldmatrix .trans):
 // lanes 8 i .. 8 i + 7 each give the address of a row of tile i (8 values, 16-byte aligned), and
 // r[i] of lane l holds that tile's rows 2 (l & 3) and 2 (l & 3) + 1 of column l >> 2 (the lower
 // row in the low half). Of a tile whose rows are keys and columns channels, that is an mma B
 // fragment register (b[0] or b[1] above) of the product over keys: one instruction for four
-// registers that took four 16-bit loads and three shifts or ors each. The emulator has its own.
+// registers that took four 16-bit loads and three shifts or ors each. mdl_ldsm_x4, the same without
+// .trans: r[i] of lane l holds columns 2 (l & 3) and 2 (l & 3) + 1 of row l >> 2 of tile i; of the
+// same tile, a B fragment register of the product over channels (Q K^T): b[0] or b[1] of key g.
+// The emulator has its own.
 #if defined(__CUDA_ARCH__)
 __device__ __forceinline__ void mdl_ldsm_x4_t(uint32_t r[4], const void *p) {
-  uint32_t a;
-  asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a) : "memory");
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(mdl_smem(p)) : "memory");
+}
+__device__ __forceinline__ void mdl_ldsm_x4(uint32_t r[4], const void *p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(mdl_smem(p)) : "memory");
 }
 #endif
 
-// The same without .trans: r[i] of lane l holds columns 2 (l & 3) and 2 (l & 3) + 1 of row l >> 2 of
-// tile i. Of a tile whose rows are keys and columns channels, that is a B fragment register of the
-// product over channels (Q K^T): b[0] or b[1] of key g.
+// Copies from global to shared memory that do not wait (cp.async, sm_80): 16 or 4 bytes from src to
+// dst (both aligned to their size), or zeros unless in (src must still be a valid address). The
+// thread's copies since the last mdl_cp_async_commit form a group; mdl_cp_async_wait<n> waits until
+// at most the n latest groups are in flight. Other threads see the bytes after a barrier that
+// follows the wait. The emulator has its own.
 #if defined(__CUDA_ARCH__)
-__device__ __forceinline__ void mdl_ldsm_x4(uint32_t r[4], const void *p) {
-  uint32_t a;
-  asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a) : "memory");
+__device__ __forceinline__ void mdl_cp_async16(void *dst, const void *src, bool in) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" :: "r"(mdl_smem(dst)), "l"(src), "r"(in ? 16 : 0)
+               : "memory");
+}
+__device__ __forceinline__ void mdl_cp_async4(void *dst, const void *src, bool in) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" :: "r"(mdl_smem(dst)), "l"(src), "r"(in ? 4 : 0)
+               : "memory");
+}
+__device__ __forceinline__ void mdl_cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int N> __device__ __forceinline__ void mdl_cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;" :: "n"(N) : "memory");
 }
 #endif
 
@@ -457,8 +479,9 @@ extern "C" __global__ void __launch_bounds__(256, 2) k4_attention_fwd__cast__lse
   int32_t *const b1 = (int32_t *)(arena + o.b[1]); // input i32[8,64]
   float *const b2 = (float *)(arena + o.b[2]); // attention_lse f32[8,4,64]
   uint16_t *const b3 = (uint16_t *)(arena + o.b[3]); // cast bf16[512,64]
-  __shared__ __align__(16) uint32_t Ks[64][12], Vs[64][12]; // the tile's keys and values, bf16 pairs
-  __shared__ int32_t Dk[64];
+  // The tiles' keys and values as bf16 pairs, in two buffers.
+  __shared__ __align__(16) uint32_t Ks[2][64][12], Vs[2][64][12];
+  __shared__ int32_t Dk[2][64];
   const int w = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tq = lane & 3;
   const int b = blockIdx.x / 4, hd = blockIdx.x / 1 % 4, q0 = blockIdx.x % 1 * 128;
   // The lane's query rows: r0 (accumulators 0 and 1 of a tile) and r1 (2 and 3).
@@ -481,23 +504,36 @@ extern "C" __global__ void __launch_bounds__(256, 2) k4_attention_fwd__cast__lse
   for (int n = 0; n < 2; n++)
     acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
   const int kend = q0 + 128 < 64 ? q0 + 128 : 64; // later keys are masked for every row
-  for (int k0 = 0; k0 < kend; k0 += 64) {
-    __syncthreads();
-    for (int u = threadIdx.x; u < 256; u += 256) {
-      const int jj = u / 4, c = u % 4 * 4;
-      const bool in = k0 + jj < 64;
-      const ushort4 ax = in ? *(const ushort4 *)&(b0 + 64)[(b * 64 + k0 + jj) * 192 + hd * 16 + c] : make_ushort4(0, 0, 0, 0);
-      Ks[jj][c / 2] = (uint32_t)ax.x | (uint32_t)ax.y << 16;
-      Ks[jj][c / 2 + 1] = (uint32_t)ax.z | (uint32_t)ax.w << 16;
-      const ushort4 bx = in ? *(const ushort4 *)&(b0 + 128)[(b * 64 + k0 + jj) * 192 + hd * 16 + c] : make_ushort4(0, 0, 0, 0);
-      Vs[jj][c / 2] = (uint32_t)bx.x | (uint32_t)bx.y << 16;
-      Vs[jj][c / 2 + 1] = (uint32_t)bx.z | (uint32_t)bx.w << 16;
+  for (int u = threadIdx.x; u < 128; u += 256) {
+    const int jj = u / 2, c = u % 2 * 8;
+    const bool in = jj < 64;
+    mdl_cp_async16(&Ks[0][jj][c / 2], &(b0 + 64)[(b * 64 + (in ? jj : 0)) * 192 + hd * 16 + c], in);
+    mdl_cp_async16(&Vs[0][jj][c / 2], &(b0 + 128)[(b * 64 + (in ? jj : 0)) * 192 + hd * 16 + c], in);
+  }
+  if (threadIdx.x < 64) {
+    const int i = threadIdx.x, at = i < 64 ? i : 0; // (beyond T: read nothing, from 0)
+    mdl_cp_async4(&Dk[0][threadIdx.x], &b1[b * 64 + at], i < 64);
+  }
+  mdl_cp_async_commit();
+  for (int k0 = 0, cur = 0; k0 < kend; k0 += 64, cur ^= 1) {
+    __syncthreads(); // (every warp is done with the other buffer: the tile before)
+    if (k0 + 64 < kend) {
+      for (int u = threadIdx.x; u < 128; u += 256) {
+        const int jj = u / 2, c = u % 2 * 8;
+        const bool in = k0 + 64 + jj < 64;
+        mdl_cp_async16(&Ks[cur ^ 1][jj][c / 2], &(b0 + 64)[(b * 64 + (in ? k0 + 64 + jj : k0 + 64)) * 192 + hd * 16 + c], in);
+        mdl_cp_async16(&Vs[cur ^ 1][jj][c / 2], &(b0 + 128)[(b * 64 + (in ? k0 + 64 + jj : k0 + 64)) * 192 + hd * 16 + c], in);
+      }
+      if (threadIdx.x < 64) {
+        const int i = k0 + 64 + threadIdx.x, at = i < 64 ? i : k0 + 64; // (beyond T: read nothing, from k0 + 64)
+        mdl_cp_async4(&Dk[cur ^ 1][threadIdx.x], &b1[b * 64 + at], i < 64);
+      }
     }
-    if (threadIdx.x < 64)
-      Dk[threadIdx.x] = k0 + threadIdx.x < 64 ? b1[b * 64 + k0 + threadIdx.x] : 0;
+    mdl_cp_async_commit();
+    mdl_cp_async_wait<1>(); // this tile's copies have landed; the next tile's may be in flight
     __syncthreads();
     // Documents: the warp's rows all in dw's (rows1), and the tile's rows none or all of them in it.
-    const int32_t dw = __shfl_sync(MDL_FULL, d0, 0), dt0 = Dk[lane], dt1 = Dk[lane + 32];
+    const int32_t dw = __shfl_sync(MDL_FULL, d0, 0), dt0 = Dk[cur][lane], dt1 = Dk[cur][lane + 32];
     const bool rows1 = __all_sync(MDL_FULL, d0 == dw && d1 == dw);
     const bool none = rows1 && __all_sync(MDL_FULL, dt0 != dw && dt1 != dw);
     const bool one = rows1 && __all_sync(MDL_FULL, dt0 == dw && dt1 == dw);
@@ -516,7 +552,7 @@ extern "C" __global__ void __launch_bounds__(256, 2) k4_attention_fwd__cast__lse
       #pragma unroll
       for (int k = 0; k < 1; k++) {
         uint32_t yb[4];
-        mdl_ldsm_x4(yb, (const uint16_t *)Ks[8 * n + (lane & 7) + (lane >> 4) * 8] + 16 * k + (lane >> 3 & 1) * 8);
+        mdl_ldsm_x4(yb, (const uint16_t *)Ks[cur][8 * n + (lane & 7) + (lane >> 4) * 8] + 16 * k + (lane >> 3 & 1) * 8);
         mdl_mma_bf16_16816(s[n], qa[k], yb);
         mdl_mma_bf16_16816(s[n + 1], qa[k], yb + 2);
       }
@@ -528,7 +564,7 @@ extern "C" __global__ void __launch_bounds__(256, 2) k4_attention_fwd__cast__lse
         #pragma unroll
         for (int x = 0; x < 4; x++) {
           const int i = x < 2 ? r0 : r1, j = k0 + 8 * n + 2 * tq + (x & 1);
-          if (!(j < 64 && j <= i && Dk[j - k0] == (x < 2 ? d0 : d1)))
+          if (!(j < 64 && j <= i && Dk[cur][j - k0] == (x < 2 ? d0 : d1)))
             s[n][x] = -MDL_INF;
         }
       }
@@ -579,7 +615,7 @@ extern "C" __global__ void __launch_bounds__(256, 2) k4_attention_fwd__cast__lse
       #pragma unroll
       for (int n = 0; n < 2; n += 2) {
         uint32_t vb[4];
-        mdl_ldsm_x4_t(vb, (const uint16_t *)Vs[16 * k + (lane & 15)] + 8 * n + (lane >> 4) * 8);
+        mdl_ldsm_x4_t(vb, (const uint16_t *)Vs[cur][16 * k + (lane & 15)] + 8 * n + (lane >> 4) * 8);
         mdl_mma_bf16_16816(acc[n], pa, vb);
         mdl_mma_bf16_16816(acc[n + 1], pa, vb + 2);
       }
@@ -1246,8 +1282,9 @@ extern "C" __global__ void __launch_bounds__(128) k28_attention_bwd_dq(char *are
   float *const b3 = (float *)(arena + o.b[3]); // attention_lse f32[8,4,64]
   float *const b4 = (float *)(arena + o.b[4]); // dout . out per row
   float *const b5 = (float *)(arena + o.b[5]); // attention_bwd f32[8,64,64]
-  __shared__ __align__(16) uint32_t Ks[64][12], Vs[64][12]; // the tile's keys and values, bf16 pairs
-  __shared__ int32_t Dk[64];
+  // The tiles' keys and values as bf16 pairs, in two buffers.
+  __shared__ __align__(16) uint32_t Ks[2][64][12], Vs[2][64][12];
+  __shared__ int32_t Dk[2][64];
   const int w = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tq = lane & 3;
   const int b = blockIdx.x / 4, hd = blockIdx.x / 1 % 4, q0 = blockIdx.x % 1 * 64;
   // The lane's query rows: r0 (accumulators 0 and 1 of a tile) and r1 (2 and 3).
@@ -1280,23 +1317,36 @@ extern "C" __global__ void __launch_bounds__(128) k28_attention_bwd_dq(char *are
   for (int n = 0; n < 2; n++)
     acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
   const int kend = q0 + 64 < 64 ? q0 + 64 : 64; // later keys are masked for every row
-  for (int k0 = 0; k0 < kend; k0 += 64) {
-    __syncthreads();
-    for (int u = threadIdx.x; u < 256; u += 128) {
-      const int jj = u / 4, c = u % 4 * 4;
-      const bool in = k0 + jj < 64;
-      const ushort4 ax = in ? *(const ushort4 *)&(b0 + 64)[(b * 64 + k0 + jj) * 192 + hd * 16 + c] : make_ushort4(0, 0, 0, 0);
-      Ks[jj][c / 2] = (uint32_t)ax.x | (uint32_t)ax.y << 16;
-      Ks[jj][c / 2 + 1] = (uint32_t)ax.z | (uint32_t)ax.w << 16;
-      const ushort4 bx = in ? *(const ushort4 *)&(b0 + 128)[(b * 64 + k0 + jj) * 192 + hd * 16 + c] : make_ushort4(0, 0, 0, 0);
-      Vs[jj][c / 2] = (uint32_t)bx.x | (uint32_t)bx.y << 16;
-      Vs[jj][c / 2 + 1] = (uint32_t)bx.z | (uint32_t)bx.w << 16;
+  for (int u = threadIdx.x; u < 128; u += 128) {
+    const int jj = u / 2, c = u % 2 * 8;
+    const bool in = jj < 64;
+    mdl_cp_async16(&Ks[0][jj][c / 2], &(b0 + 64)[(b * 64 + (in ? jj : 0)) * 192 + hd * 16 + c], in);
+    mdl_cp_async16(&Vs[0][jj][c / 2], &(b0 + 128)[(b * 64 + (in ? jj : 0)) * 192 + hd * 16 + c], in);
+  }
+  if (threadIdx.x < 64) {
+    const int i = threadIdx.x, at = i < 64 ? i : 0; // (beyond T: read nothing, from 0)
+    mdl_cp_async4(&Dk[0][threadIdx.x], &b2[b * 64 + at], i < 64);
+  }
+  mdl_cp_async_commit();
+  for (int k0 = 0, cur = 0; k0 < kend; k0 += 64, cur ^= 1) {
+    __syncthreads(); // (every warp is done with the other buffer: the tile before)
+    if (k0 + 64 < kend) {
+      for (int u = threadIdx.x; u < 128; u += 128) {
+        const int jj = u / 2, c = u % 2 * 8;
+        const bool in = k0 + 64 + jj < 64;
+        mdl_cp_async16(&Ks[cur ^ 1][jj][c / 2], &(b0 + 64)[(b * 64 + (in ? k0 + 64 + jj : k0 + 64)) * 192 + hd * 16 + c], in);
+        mdl_cp_async16(&Vs[cur ^ 1][jj][c / 2], &(b0 + 128)[(b * 64 + (in ? k0 + 64 + jj : k0 + 64)) * 192 + hd * 16 + c], in);
+      }
+      if (threadIdx.x < 64) {
+        const int i = k0 + 64 + threadIdx.x, at = i < 64 ? i : k0 + 64; // (beyond T: read nothing, from k0 + 64)
+        mdl_cp_async4(&Dk[cur ^ 1][threadIdx.x], &b2[b * 64 + at], i < 64);
+      }
     }
-    if (threadIdx.x < 64)
-      Dk[threadIdx.x] = k0 + threadIdx.x < 64 ? b2[b * 64 + k0 + threadIdx.x] : 0;
+    mdl_cp_async_commit();
+    mdl_cp_async_wait<1>(); // this tile's copies have landed; the next tile's may be in flight
     __syncthreads();
     // Documents: the warp's rows all in dw's (rows1), and the tile's rows none or all of them in it.
-    const int32_t dw = __shfl_sync(MDL_FULL, d0, 0), dt0 = Dk[lane], dt1 = Dk[lane + 32];
+    const int32_t dw = __shfl_sync(MDL_FULL, d0, 0), dt0 = Dk[cur][lane], dt1 = Dk[cur][lane + 32];
     const bool rows1 = __all_sync(MDL_FULL, d0 == dw && d1 == dw);
     const bool none = rows1 && __all_sync(MDL_FULL, dt0 != dw && dt1 != dw);
     const bool one = rows1 && __all_sync(MDL_FULL, dt0 == dw && dt1 == dw);
@@ -1316,11 +1366,11 @@ extern "C" __global__ void __launch_bounds__(128) k28_attention_bwd_dq(char *are
       #pragma unroll
       for (int k = 0; k < 1; k++) {
         uint32_t yb[4];
-        mdl_ldsm_x4(yb, (const uint16_t *)Ks[8 * n + (lane & 7) + (lane >> 4) * 8] + 16 * k + (lane >> 3 & 1) * 8);
+        mdl_ldsm_x4(yb, (const uint16_t *)Ks[cur][8 * n + (lane & 7) + (lane >> 4) * 8] + 16 * k + (lane >> 3 & 1) * 8);
         mdl_mma_bf16_16816(s[n], qa[k], yb);
         mdl_mma_bf16_16816(s[n + 1], qa[k], yb + 2);
         uint32_t wb[4];
-        mdl_ldsm_x4(wb, (const uint16_t *)Vs[8 * n + (lane & 7) + (lane >> 4) * 8] + 16 * k + (lane >> 3 & 1) * 8);
+        mdl_ldsm_x4(wb, (const uint16_t *)Vs[cur][8 * n + (lane & 7) + (lane >> 4) * 8] + 16 * k + (lane >> 3 & 1) * 8);
         mdl_mma_bf16_16816(dp[n], oa[k], wb);
         mdl_mma_bf16_16816(dp[n + 1], oa[k], wb + 2);
       }
@@ -1332,7 +1382,7 @@ extern "C" __global__ void __launch_bounds__(128) k28_attention_bwd_dq(char *are
         #pragma unroll
         for (int x = 0; x < 4; x++) {
           const int i = x < 2 ? r0 : r1, j = k0 + 8 * n + 2 * tq + (x & 1);
-          if (!(j < 64 && j <= i && Dk[j - k0] == (x < 2 ? d0 : d1)))
+          if (!(j < 64 && j <= i && Dk[cur][j - k0] == (x < 2 ? d0 : d1)))
             s[n][x] = -MDL_INF;
         }
       }
@@ -1352,7 +1402,7 @@ extern "C" __global__ void __launch_bounds__(128) k28_attention_bwd_dq(char *are
       #pragma unroll
       for (int n = 0; n < 2; n += 2) {
         uint32_t kb[4];
-        mdl_ldsm_x4_t(kb, (const uint16_t *)Ks[16 * k + (lane & 15)] + 8 * n + (lane >> 4) * 8);
+        mdl_ldsm_x4_t(kb, (const uint16_t *)Ks[cur][16 * k + (lane & 15)] + 8 * n + (lane >> 4) * 8);
         mdl_mma_bf16_16816(acc[n], da, kb);
         mdl_mma_bf16_16816(acc[n + 1], da, kb + 2);
       }
@@ -1377,9 +1427,10 @@ extern "C" __global__ void __launch_bounds__(256) k28_attention_bwd_dkv(char *ar
   uint16_t *const b4 = (uint16_t *)(arena + o.b[4]); // cast bf16[8,64,64]
   float *const b5 = (float *)(arena + o.b[5]); // attention_bwd f32[8,64,64]
   float *const b6 = (float *)(arena + o.b[6]); // attention_bwd f32[8,64,64]
-  __shared__ __align__(16) uint32_t Qs[64][12], Os[64][12]; // the tile's queries and dout, bf16 pairs
-  __shared__ float Ls[64], Ss[64]; // their log-sum-exp and D
-  __shared__ int32_t Dq[64];
+  // The tiles' queries and dout as bf16 pairs, their log-sum-exp and D, in two buffers.
+  __shared__ __align__(16) uint32_t Qs[2][64][12], Os[2][64][12];
+  __shared__ float Ls[2][64], Ss[2][64];
+  __shared__ int32_t Dq[2][64];
   const int w = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tq = lane & 3;
   const int b = blockIdx.x / 4, hd = blockIdx.x / 1 % 4, k0 = blockIdx.x % 1 * 128;
   // The lane's keys: r0 (accumulators 0 and 1 of a tile) and r1 (2 and 3).
@@ -1411,27 +1462,40 @@ extern "C" __global__ void __launch_bounds__(256) k28_attention_bwd_dkv(char *ar
     dva[n][0] = dva[n][1] = dva[n][2] = dva[n][3] = 0.0f;
   }
   // (queries before k0 see none of the keys)
-  for (int i0 = k0; i0 < 64; i0 += 64) {
-    __syncthreads();
-    for (int u = threadIdx.x; u < 256; u += 256) {
-      const int jj = u / 4, c = u % 4 * 4;
-      const bool in = i0 + jj < 64;
-      const ushort4 ax = in ? *(const ushort4 *)&b0[(b * 64 + i0 + jj) * 192 + hd * 16 + c] : make_ushort4(0, 0, 0, 0);
-      Qs[jj][c / 2] = (uint32_t)ax.x | (uint32_t)ax.y << 16;
-      Qs[jj][c / 2 + 1] = (uint32_t)ax.z | (uint32_t)ax.w << 16;
-      const ushort4 bx = in ? *(const ushort4 *)&b4[(b * 64 + i0 + jj) * 64 + hd * 16 + c] : make_ushort4(0, 0, 0, 0);
-      Os[jj][c / 2] = (uint32_t)bx.x | (uint32_t)bx.y << 16;
-      Os[jj][c / 2 + 1] = (uint32_t)bx.z | (uint32_t)bx.w << 16;
+  for (int u = threadIdx.x; u < 128; u += 256) {
+    const int jj = u / 2, c = u % 2 * 8;
+    const bool in = k0 + jj < 64;
+    mdl_cp_async16(&Qs[0][jj][c / 2], &b0[(b * 64 + (in ? k0 + jj : k0)) * 192 + hd * 16 + c], in);
+    mdl_cp_async16(&Os[0][jj][c / 2], &b4[(b * 64 + (in ? k0 + jj : k0)) * 64 + hd * 16 + c], in);
+  }
+  if (threadIdx.x < 64) {
+    const int i = k0 + threadIdx.x, at = i < 64 ? i : k0; // (beyond T: read nothing, from k0)
+    mdl_cp_async4(&Ls[0][threadIdx.x], &b2[(b * 4 + hd) * 64 + at], i < 64);
+    mdl_cp_async4(&Ss[0][threadIdx.x], &b3[(b * 4 + hd) * 64 + at], i < 64);
+    mdl_cp_async4(&Dq[0][threadIdx.x], &b1[b * 64 + at], i < 64);
+  }
+  mdl_cp_async_commit();
+  for (int i0 = k0, cur = 0; i0 < 64; i0 += 64, cur ^= 1) {
+    __syncthreads(); // (every warp is done with the other buffer: the tile before)
+    if (i0 + 64 < 64) {
+      for (int u = threadIdx.x; u < 128; u += 256) {
+        const int jj = u / 2, c = u % 2 * 8;
+        const bool in = i0 + 64 + jj < 64;
+        mdl_cp_async16(&Qs[cur ^ 1][jj][c / 2], &b0[(b * 64 + (in ? i0 + 64 + jj : i0 + 64)) * 192 + hd * 16 + c], in);
+        mdl_cp_async16(&Os[cur ^ 1][jj][c / 2], &b4[(b * 64 + (in ? i0 + 64 + jj : i0 + 64)) * 64 + hd * 16 + c], in);
+      }
+      if (threadIdx.x < 64) {
+        const int i = i0 + 64 + threadIdx.x, at = i < 64 ? i : i0 + 64; // (beyond T: read nothing, from i0 + 64)
+        mdl_cp_async4(&Ls[cur ^ 1][threadIdx.x], &b2[(b * 4 + hd) * 64 + at], i < 64);
+        mdl_cp_async4(&Ss[cur ^ 1][threadIdx.x], &b3[(b * 4 + hd) * 64 + at], i < 64);
+        mdl_cp_async4(&Dq[cur ^ 1][threadIdx.x], &b1[b * 64 + at], i < 64);
+      }
     }
-    if (threadIdx.x < 64) {
-      const int i = i0 + threadIdx.x;
-      Ls[threadIdx.x] = i < 64 ? b2[(b * 4 + hd) * 64 + i] * 1.442695f : 0.0f; // in base 2, as s
-      Ss[threadIdx.x] = i < 64 ? b3[(b * 4 + hd) * 64 + i] : 0.0f;
-      Dq[threadIdx.x] = i < 64 ? b1[b * 64 + i] : 0;
-    }
+    mdl_cp_async_commit();
+    mdl_cp_async_wait<1>(); // this tile's copies have landed; the next tile's may be in flight
     __syncthreads();
     // Documents: the warp's rows all in dw's (rows1), and the tile's rows none or all of them in it.
-    const int32_t dw = __shfl_sync(MDL_FULL, d0, 0), dt0 = Dq[lane], dt1 = Dq[lane + 32];
+    const int32_t dw = __shfl_sync(MDL_FULL, d0, 0), dt0 = Dq[cur][lane], dt1 = Dq[cur][lane + 32];
     const bool rows1 = __all_sync(MDL_FULL, d0 == dw && d1 == dw);
     const bool none = rows1 && __all_sync(MDL_FULL, dt0 != dw && dt1 != dw);
     const bool one = rows1 && __all_sync(MDL_FULL, dt0 == dw && dt1 == dw);
@@ -1451,11 +1515,11 @@ extern "C" __global__ void __launch_bounds__(256) k28_attention_bwd_dkv(char *ar
       #pragma unroll
       for (int k = 0; k < 1; k++) {
         uint32_t yb[4];
-        mdl_ldsm_x4(yb, (const uint16_t *)Qs[8 * n + (lane & 7) + (lane >> 4) * 8] + 16 * k + (lane >> 3 & 1) * 8);
+        mdl_ldsm_x4(yb, (const uint16_t *)Qs[cur][8 * n + (lane & 7) + (lane >> 4) * 8] + 16 * k + (lane >> 3 & 1) * 8);
         mdl_mma_bf16_16816(s[n], ka[k], yb);
         mdl_mma_bf16_16816(s[n + 1], ka[k], yb + 2);
         uint32_t wb[4];
-        mdl_ldsm_x4(wb, (const uint16_t *)Os[8 * n + (lane & 7) + (lane >> 4) * 8] + 16 * k + (lane >> 3 & 1) * 8);
+        mdl_ldsm_x4(wb, (const uint16_t *)Os[cur][8 * n + (lane & 7) + (lane >> 4) * 8] + 16 * k + (lane >> 3 & 1) * 8);
         mdl_mma_bf16_16816(dp[n], va[k], wb);
         mdl_mma_bf16_16816(dp[n + 1], va[k], wb + 2);
       }
@@ -1467,7 +1531,7 @@ extern "C" __global__ void __launch_bounds__(256) k28_attention_bwd_dkv(char *ar
         #pragma unroll
         for (int x = 0; x < 4; x++) {
           const int i = i0 + 8 * n + 2 * tq + (x & 1), j = x < 2 ? r0 : r1;
-          if (!(i < 64 && j < 64 && j <= i && (x < 2 ? d0 : d1) == Dq[i - i0]))
+          if (!(i < 64 && j < 64 && j <= i && (x < 2 ? d0 : d1) == Dq[cur][i - i0]))
             s[n][x] = -MDL_INF;
         }
       }
@@ -1482,21 +1546,23 @@ extern "C" __global__ void __launch_bounds__(256) k28_attention_bwd_dkv(char *ar
       for (int h = 0; h < 2; h++) {
         const int i = 16 * k + 8 * h + 2 * tq;
         const float (&sv)[4] = s[2 * k + h], (&pv)[4] = dp[2 * k + h];
-        const float p0 = exp2f(fmaf(sv[0], 0.36067376f, -Ls[i])), p1 = exp2f(fmaf(sv[1], 0.36067376f, -Ls[i + 1]));
-        const float p2 = exp2f(fmaf(sv[2], 0.36067376f, -Ls[i])), p3 = exp2f(fmaf(sv[3], 0.36067376f, -Ls[i + 1]));
+        const float L0 = Ls[cur][i] * 1.442695f, L1 = Ls[cur][i + 1] * 1.442695f; // (in base 2, as s)
+        const float p0 = exp2f(fmaf(sv[0], 0.36067376f, -L0)), p1 = exp2f(fmaf(sv[1], 0.36067376f, -L1));
+        const float p2 = exp2f(fmaf(sv[2], 0.36067376f, -L0)), p3 = exp2f(fmaf(sv[3], 0.36067376f, -L1));
         pa[2 * h] = mdl_bf16x2(p0, p1);
         pa[2 * h + 1] = mdl_bf16x2(p2, p3);
-        da[2 * h] = mdl_bf16x2(p0 * (pv[0] - Ss[i]), p1 * (pv[1] - Ss[i + 1]));
-        da[2 * h + 1] = mdl_bf16x2(p2 * (pv[2] - Ss[i]), p3 * (pv[3] - Ss[i + 1]));
+        const float S0 = Ss[cur][i], S1 = Ss[cur][i + 1];
+        da[2 * h] = mdl_bf16x2(p0 * (pv[0] - S0), p1 * (pv[1] - S1));
+        da[2 * h + 1] = mdl_bf16x2(p2 * (pv[2] - S0), p3 * (pv[3] - S1));
       }
       #pragma unroll
       for (int n = 0; n < 2; n += 2) {
         uint32_t ob[4];
-        mdl_ldsm_x4_t(ob, (const uint16_t *)Os[16 * k + (lane & 15)] + 8 * n + (lane >> 4) * 8);
+        mdl_ldsm_x4_t(ob, (const uint16_t *)Os[cur][16 * k + (lane & 15)] + 8 * n + (lane >> 4) * 8);
         mdl_mma_bf16_16816(dva[n], pa, ob);
         mdl_mma_bf16_16816(dva[n + 1], pa, ob + 2);
         uint32_t qb[4];
-        mdl_ldsm_x4_t(qb, (const uint16_t *)Qs[16 * k + (lane & 15)] + 8 * n + (lane >> 4) * 8);
+        mdl_ldsm_x4_t(qb, (const uint16_t *)Qs[cur][16 * k + (lane & 15)] + 8 * n + (lane >> 4) * 8);
         mdl_mma_bf16_16816(dka[n], da, qb);
         mdl_mma_bf16_16816(dka[n + 1], da, qb + 2);
       }

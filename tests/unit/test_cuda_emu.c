@@ -16,9 +16,13 @@
 //     random matrices (each lane building its fragments by the layout the prelude documents, two
 //     warps of a block and several blocks each with matrices of their own) against D = C + A B in
 //     double on the bf16 roundings, within 1e-6 of the sum of the magnitudes; an mma in a warp whose
-//     other lanes have returned aborts the run; mdl_ldsm_x4_t (ldmatrix .x4 .trans) hands each lane
-//     the elements PTX's fragment layout names; the kernels also compile with NVRTC for sm_80 and
-//     sm_90 (the GPU's inline PTX), where NVRTC is installed.
+//     other lanes have returned aborts the run; mdl_ldsm_x4_t and mdl_ldsm_x4 (ldmatrix .x4, with
+//     .trans and without) hand each lane the elements PTX's fragment layout names; __all_sync;
+//   - cp.async: a double-buffered staging loop gets every tile whether copies land when issued or at
+//     the wait (the emulator's two ends of the GPU's window, by block), zero fills, and a read before
+//     the wait that sees the old value where copies land late;
+//   - the tensor-core and cp.async kernels also compile with NVRTC for sm_80 and sm_90 (the GPU's
+//     inline PTX), where NVRTC is installed.
 #include "mdl.h"
 #include "emit_cuda.h"
 #include "test.h"
@@ -36,8 +40,12 @@
 // fragments element by element from the layout of the prelude's comment, and stores D the same way.
 // k_mma_partial: half the warp returns before the other half's mma. k_ldsm: each warp of the block
 // puts a 16 x 16 tile of bf16 (element (r, c) = 16 r + c, negated in warp 1: exact) in shared memory, lane l
-// gives the address of row l % 16 at column 8 (l / 16) to mdl_ldsm_x4_t and stores its four
-// registers.
+// gives the address of row l % 16 at column 8 (l / 16) to mdl_ldsm_x4_t and mdl_ldsm_x4 and stores
+// their four registers each. k_cp_async: 4 tiles of 128 floats per block through two shared buffers
+// by cp.async (16 bytes a thread), the next tile's copies started before the wait for this one's,
+// as the attention kernels stage theirs; each thread stores what it reads of each tile, and lanes
+// 32-63 also fill 4 bytes each with zeros (in false). k_cp_early: thread 0 reads its copy's
+// destination before waiting.
 static const char mma_kernels[] =
     "extern \"C\" __global__ void k_ldsm(uint32_t *out) {\n"
     "  __shared__ __align__(16) uint16_t tile[2][16][24];\n"
@@ -48,7 +56,50 @@ static const char mma_kernels[] =
     "  uint32_t r[4];\n"
     "  mdl_ldsm_x4_t(r, &tile[w][lane & 15][(lane >> 4) * 8]);\n"
     "  for (int i = 0; i < 4; i++)\n"
-    "    out[4 * threadIdx.x + i] = r[i];\n"
+    "    out[8 * threadIdx.x + i] = r[i];\n"
+    "  mdl_ldsm_x4(r, &tile[w][lane & 15][(lane >> 4) * 8]);\n"
+    "  for (int i = 0; i < 4; i++)\n"
+    "    out[8 * threadIdx.x + 4 + i] = r[i];\n"
+    "}\n"
+    "extern \"C\" __global__ void k_cp_async(const float *src, float *out) {\n"
+    "  __shared__ __align__(16) float buf[2][128];\n"
+    "  __shared__ float z[32];\n"
+    "  const int t = threadIdx.x;\n"
+    "  const float *s = src + 512 * blockIdx.x;\n"
+    "  if (t >= 32 && t < 64)\n"
+    "    z[t - 32] = 7.0f;\n"
+    "  __syncthreads();\n"
+    "  if (t < 32)\n"
+    "    mdl_cp_async16(&buf[0][4 * t], &s[4 * t], true);\n"
+    "  else if (t < 64)\n"
+    "    mdl_cp_async4(&z[t - 32], s, false);\n"
+    "  mdl_cp_async_commit();\n"
+    "  for (int it = 0, cur = 0; it < 4; it++, cur ^= 1) {\n"
+    "    __syncthreads();\n"
+    "    if (it + 1 < 4 && t < 32)\n"
+    "      mdl_cp_async16(&buf[cur ^ 1][4 * t], &s[128 * (it + 1) + 4 * t], true);\n"
+    "    mdl_cp_async_commit();\n"
+    "    mdl_cp_async_wait<1>();\n"
+    "    __syncthreads();\n"
+    "    out[512 * blockIdx.x + 128 * it + t] = buf[cur][127 - t];\n"
+    "  }\n"
+    "  if (t < 32)\n"
+    "    out[1024 + 32 * blockIdx.x + t] = z[t];\n"
+    "}\n"
+    "extern \"C\" __global__ void k_cp_early(const float *src, float *out) {\n"
+    "  __shared__ __align__(16) float x[4];\n"
+    "  if (threadIdx.x)\n"
+    "    return;\n"
+    "  x[0] = -1.0f;\n"
+    "  mdl_cp_async16(x, src, true);\n"
+    "  out[blockIdx.x] = x[0];\n"
+    "  mdl_cp_async_commit();\n"
+    "  mdl_cp_async_wait<0>();\n"
+    "  out[2 + blockIdx.x] = x[0];\n"
+    "}\n"
+    "extern \"C\" __global__ void k_vote(float *out) {\n"
+    "  const int w = threadIdx.x >> 5, lane = threadIdx.x & 31;\n"
+    "  out[threadIdx.x] = __all_sync(MDL_FULL, w == 0 || lane != 17) ? 1.0f : 0.0f;\n"
     "}\n"
     "extern \"C\" __global__ void k_mma(const float *a, const float *b, const float *c, float *d) {\n"
     "  const int w = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5), lane = threadIdx.x & 31;\n"
@@ -184,6 +235,9 @@ static const char kernels[] =
     "static void b_mma(void *) { k_mma(A.ma, A.mb, A.mc, A.md); }\n"
     "static void b_mma_partial(void *) { k_mma_partial(A.md); }\n"
     "static void b_ldsm(void *) { k_ldsm(A.bout); }\n"
+    "static void b_cp_async(void *) { k_cp_async(A.ma, A.md); }\n"
+    "static void b_cp_early(void *) { k_cp_early(A.ma, A.md + 1100); }\n"
+    "static void b_vote(void *) { k_vote(A.md + 1200); }\n"
     "extern \"C\" void run_sync(double *out) {\n"
     "  A.out = out;\n"
     "  mdl_emu::run(dim3{3, 1, 1}, dim3{256, 1, 1}, b_sync, 0);\n"
@@ -231,6 +285,12 @@ static const char kernels[] =
     "extern \"C\" void run_ldsm(uint32_t *out) {\n"
     "  A.bout = out;\n"
     "  mdl_emu::run(dim3{1, 1, 1}, dim3{64, 1, 1}, b_ldsm, 0);\n"
+    "}\n"
+    "extern \"C\" void run_cp_async(const float *src, float *out) {\n"
+    "  A.ma = src; A.md = out;\n"
+    "  mdl_emu::run(dim3{2, 1, 1}, dim3{128, 1, 1}, b_cp_async, 0);\n"
+    "  mdl_emu::run(dim3{2, 1, 1}, dim3{32, 1, 1}, b_cp_early, 0);\n"
+    "  mdl_emu::run(dim3{1, 1, 1}, dim3{64, 1, 1}, b_vote, 0);\n"
     "}\n"
     "extern \"C\" void run_mma_partial(float *d) {\n"
     "  A.md = d;\n"
@@ -506,26 +566,67 @@ static void test_mma(void *h) {
 // and 2 (l % 4) + 1 of column l / 4 of matrix i, the lower row in the low half. With rows
 // l % 16 and columns 8 (l / 16) addressed, matrix i is rows 8 (i % 2) .. and columns 8 (i / 2) ..
 // of the tile.
+// Two bf16 values (exact: small integers) packed as a register holds them, lo in the low half.
+static uint32_t bf16_pair(int lo, int hi) {
+  float fl = (float)lo, fh = (float)hi;
+  uint32_t ul, uh;
+  memcpy(&ul, &fl, 4);
+  memcpy(&uh, &fh, 4);
+  return (ul >> 16) | (uh & 0xffff0000u);
+}
+
 static void test_ldsm(void *h) {
-  uint32_t out[64 * 4];
+  uint32_t out[64 * 8];
   void (*ldsm)(uint32_t *) = (void (*)(uint32_t *))dlsym(h, "run_ldsm");
   ldsm(out);
-  int bad = 0, at = -1;
+  int bad = 0, at = -1, bad_n = 0, at_n = -1;
   for (int t = 0; t < 64; t++) {
     int w = t / 32, l = t % 32;
     for (int i = 0; i < 4; i++) {
       int r = 8 * (i % 2) + 2 * (l % 4), c = 8 * (i / 2) + l / 4;
       int vl = 16 * r + c, vh = 16 * (r + 1) + c;
-      float lo = (float)(w ? -vl : vl), hi = (float)(w ? -vh : vh);
-      uint32_t ul, uh;
-      memcpy(&ul, &lo, 4);
-      memcpy(&uh, &hi, 4);
-      if (out[4 * t + i] != ((ul >> 16) | (uh & 0xffff0000u)) && !bad++)
-        at = 4 * t + i;
+      if (out[8 * t + i] != bf16_pair(w ? -vl : vl, w ? -vh : vh) && !bad++)
+        at = 8 * t + i;
+      r = 8 * (i % 2) + l / 4, c = 8 * (i / 2) + 2 * (l % 4);
+      vl = 16 * r + c, vh = vl + 1;
+      if (out[8 * t + 4 + i] != bf16_pair(w ? -vl : vl, w ? -vh : vh) && !bad_n++)
+        at_n = 8 * t + 4 + i;
     }
   }
   CHECK(bad == 0, "cuda emu: mdl_ldsm_x4_t gives each lane the transposed ldmatrix fragments PTX defines",
-        "%d of 256 registers differ, the first lane %d register %d", bad, at / 4, at % 4);
+        "%d of 256 registers differ, the first lane %d register %d", bad, at / 8, at % 8);
+  CHECK(bad_n == 0, "cuda emu: mdl_ldsm_x4 gives each lane the ldmatrix fragments PTX defines",
+        "%d of 256 registers differ, the first lane %d register %d", bad_n, at_n / 8, at_n % 8 - 4);
+}
+
+// The double-buffered cp.async loop of k_cp_async in a block where copies land when issued and in
+// one where they land at the wait: each tile as the source has it, in both; the zero-fill copies
+// write zeros; a read of a copy's destination before the wait sees the old value where copies land
+// at the wait (block 0) and the new one where they land at once (block 1), the new one in both after
+// it; __all_sync is false in the warp with one false lane only.
+static void test_cp_async(void *h) {
+  float src[1024], out[1264];
+  for (int i = 0; i < 1024; i++)
+    src[i] = (float)i * 0.5f + 1.0f;
+  void (*run)(const float *, float *) = (void (*)(const float *, float *))dlsym(h, "run_cp_async");
+  run(src, out);
+  int bad = 0, zeros = 0;
+  for (int b = 0; b < 2; b++)
+    for (int it = 0; it < 4; it++)
+      for (int t = 0; t < 128; t++)
+        bad += out[512 * b + 128 * it + t] != src[512 * b + 128 * it + 127 - t];
+  for (int i = 0; i < 64; i++)
+    zeros += out[1024 + i] == 0.0f;
+  CHECK(bad == 0 && zeros == 64, "cuda emu: cp.async in two buffers, landing at once and at the wait, stages every "
+        "tile; zero fills write zeros", "%d of 1024 values differ, %d of 64 zero fills", bad, zeros);
+  CHECK(out[1100] == -1.0f && out[1101] == src[0] && out[1102] == src[0] && out[1103] == src[0],
+        "cuda emu: a read before cp.async's wait sees the old value where copies land at the wait, the new where "
+        "they land at once", "before the wait %g and %g, after %g and %g", out[1100], out[1101], out[1102], out[1103]);
+  int ones = 0;
+  for (int t = 0; t < 64; t++)
+    ones += out[1200 + t] == 1.0f;
+  CHECK(ones == 32 && out[1200] == 1.0f && out[1232] == 0.0f, "cuda emu: __all_sync is false in a warp with one "
+        "false lane, true in one without", "%d of 64 lanes got true", ones);
 }
 
 static void test_mma_nvrtc(void) {
@@ -544,8 +645,8 @@ static void test_mma_nvrtc(void) {
     NvrtcResult r = {0};
     char err[4096] = "", name[160];
     bool ok = nvrtc_compile(src, archs[i], &r, err, sizeof err);
-    snprintf(name, sizeof name, "cuda prelude nvrtc %s: kernels on mdl_mma_bf16_16816, mdl_ldsm_x4_t and mdl_bf16x2 "
-             "compile without a warning", archs[i]);
+    snprintf(name, sizeof name, "cuda prelude nvrtc %s: kernels on mdl_mma_bf16_16816, mdl_ldsm_x4(_t), cp.async and "
+             "mdl_bf16x2 compile without a warning", archs[i]);
     CHECK(ok && r.size > 0 && !r.log, name, "%.1500s", ok ? r.log : err);
     free(r.cubin);
     free(r.log);
@@ -571,6 +672,7 @@ int main(void) {
     test_prelude(h);
     test_mma(h);
     test_ldsm(h);
+    test_cp_async(h);
     dlclose(h);
   }
   test_mma_nvrtc();
