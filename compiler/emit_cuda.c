@@ -399,21 +399,32 @@ static const char prelude[] =
     "  return mdl_warp_sum(lane < (int)(blockDim.x >> 5) ? sh[lane] : 0.0);\n"
     "}\n"
     "\n"
-    "// Two block sums at once (sh: 32 doubles, blocks of up to 16 warps), each added by mdl_block_sum's\n"
-    "// tree, so each total is the one it gives alone, for one pair of barriers instead of two.\n"
-    "__device__ __forceinline__ void mdl_block_sum2(double &a, double &b, double *sh) {\n"
+    "// Two or three block sums at once (sh: 48 doubles, blocks of up to 16 warps), each added by\n"
+    "// mdl_block_sum's tree, so each total is the one it gives alone, for one pair of barriers.\n"
+    "__device__ __forceinline__ void mdl_block_sum3(double &a, double &b, double &c, double *sh, bool three = true) {\n"
     "  a = mdl_warp_sum(a);\n"
     "  b = mdl_warp_sum(b);\n"
+    "  if (three)\n"
+    "    c = mdl_warp_sum(c);\n"
     "  const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;\n"
     "  __syncthreads();\n"
     "  if (lane == 0) {\n"
     "    sh[w] = a;\n"
     "    sh[16 + w] = b;\n"
+    "    if (three)\n"
+    "      sh[32 + w] = c;\n"
     "  }\n"
     "  __syncthreads();\n"
     "  const bool in = lane < (int)(blockDim.x >> 5);\n"
     "  a = mdl_warp_sum(in ? sh[lane] : 0.0);\n"
     "  b = mdl_warp_sum(in ? sh[16 + lane] : 0.0);\n"
+    "  if (three)\n"
+    "    c = mdl_warp_sum(in ? sh[32 + lane] : 0.0);\n"
+    "}\n"
+    "\n"
+    "__device__ __forceinline__ void mdl_block_sum2(double &a, double &b, double *sh) {\n"
+    "  double c = 0;\n"
+    "  mdl_block_sum3(a, b, c, sh, false);\n"
     "}\n"
     "\n"
     "__device__ __forceinline__ float mdl_block_fmax(float v, float *sh) {\n"
@@ -707,7 +718,7 @@ static int kend(Emit *e, int64_t grid, int block) {
       ec_bput(&code, "  %s *const b%d = (%s *)(arena + o.b[%d]); // %s\n", e->slots[k].type, k, e->slots[k].type, k,
               e->slots[k].what);
   if (e->sh_d)
-    ec_bput(&code, "  __shared__ double sh_d[32];\n");
+    ec_bput(&code, "  __shared__ double sh_d[48];\n");
   if (e->sh_f)
     ec_bput(&code, "  __shared__ float sh_f[32];\n");
   ec_bappend(&code, &e->core.body);
@@ -757,7 +768,7 @@ static void gemm_add(Emit *e, CudaGemm gm) {
 // The shared arrays of the block reductions, declared at the top of the kernel when used.
 static const char *sh_double(Emit *e) {
   if (!e->sh_d)
-    e->shared += 256;
+    e->shared += 384;
   e->sh_d = true;
   return "sh_d";
 }
@@ -1692,7 +1703,7 @@ static void emit_norm_bwd(Emit *e, int gi, const bool *emitted) {
   int64_t cols = ec_last_dim(&e->core, x), rows = ec_numel(&e->core, x) / cols;
   row_inline(e, x);
   row_inline(e, dy);
-  int w = ec_need(&e->core, nd->in[1]);
+  int w = dx >= 0 ? ec_need(&e->core, nd->in[1]) : -1; // (the weight scales dx only)
   flush(e);
   int *q = ec_xcalloc((size_t)e->core.g->n, sizeof *q);
   int nq = dx >= 0 ? ec_post_set(&e->core, gi, ec_numel(&e->core, dx), emitted, q) : 0;
@@ -1742,60 +1753,87 @@ static void emit_norm_bwd(Emit *e, int gi, const bool *emitted) {
             (long long)bl, (long long)rows, (long long)bl, (long long)bl, (long long)rows);
     ec_enter(&e->core, "for (%s r = k * %lld; r < end; r++)", ixt, (long long)bl);
   }
-  row_load(e, &rs, x, "xv", cols);
+  if (dx >= 0 || dw >= 0) // (db alone reads dy only)
+    row_load(e, &rs, x, "xv", cols);
   row_load(e, &rs, dy, "dyv", cols);
-  const char *wp = ptr(e, w);
-  if (ln) {
+  const char *wp = w >= 0 ? ptr(e, w) : NULL;
+  // One block reduction per row after the mean (layernorm) or none before it (rmsnorm): the sums
+  // that need the row's scale are taken without it and scaled after (mgx = rstd sum g (x - mean)).
+  bool pair = rs.tpr > 32 && rs.tpr <= 512; // (block sums of up to 16 warps' sums at once)
+  if (dx < 0 && dw < 0) { // db alone needs no statistics
+    if (sb) {
+      row_each(e, &rs, cols);
+      ec_line(&e->core, "sb[t] += dyv[t];");
+      row_each_end(e);
+    }
+  } else if (ln) {
     ec_line(&e->core, "double s = 0;");
     ec_line(&e->core, "#pragma unroll");
     ec_line(&e->core, "for (int t = 0; t < %d; t++)", rs.npl);
     ec_line(&e->core, "  s += xv[t];");
     ec_line(&e->core, "const double mean = %s / %lld;", rsum(e, &rs, "s"), (long long)cols);
-    ec_line(&e->core, "double var = 0, mg = 0, mgx = 0;");
-    ec_line(&e->core, "#pragma unroll");
-    ec_line(&e->core, "for (int t = 0; t < %d; t++)", rs.npl);
-    ec_line(&e->core, "  var += tr + t * %d < %lld ? (xv[t] - mean) * (xv[t] - mean) : 0.0;", rs.tpr, (long long)cols);
-    ec_line(&e->core, "const double rstd = 1.0 / sqrt(%s / %lld + %s);", rsum(e, &rs, "var"), (long long)cols,
-            ec_dlit(&e->core, nd->fa[0]));
+    ec_line(&e->core, "double var = 0%s;", dx >= 0 ? ", mg = 0, mgx = 0" : "");
     row_each(e, &rs, cols);
-    ec_line(&e->core, "const double xhat = (xv[t] - mean) * rstd, g = (double)dyv[t] * %s[j];", wp);
-    ec_line(&e->core, "mg += g;");
-    ec_line(&e->core, "mgx += g * xhat;");
-    if (sw)
-      ec_line(&e->core, "sw[t] += (%s)(dyv[t] * xhat);", at);
+    ec_line(&e->core, "const double xm = xv[t] - mean;");
+    ec_line(&e->core, "var += xm * xm;");
+    if (dx >= 0) {
+      ec_line(&e->core, "const double g = (double)dyv[t] * %s[j];", wp);
+      ec_line(&e->core, "mg += g;");
+      ec_line(&e->core, "mgx += g * xm;");
+    }
     if (sb)
       ec_line(&e->core, "sb[t] += dyv[t];");
     row_each_end(e);
-    if (dx >= 0 && rs.tpr > 32 && rs.tpr <= 512) { // (the pair's halves: 16 warps' sums each)
-      ec_line(&e->core, "mdl_block_sum2(mg, mgx, %s);", sh_double(e));
+    if (dx >= 0 && pair)
+      ec_line(&e->core, "mdl_block_sum3(var, mg, mgx, %s);", sh_double(e));
+    else if (dx >= 0)
+      ec_line(&e->core, "var = %s, mg = %s, mgx = %s;", rsum(e, &rs, "var"), rsum(e, &rs, "mg"), rsum(e, &rs, "mgx"));
+    else
+      ec_line(&e->core, "var = %s;", rsum(e, &rs, "var"));
+    ec_line(&e->core, "const double rstd = 1.0 / sqrt(var / %lld + %s);", (long long)cols, ec_dlit(&e->core, nd->fa[0]));
+    if (dx >= 0) {
       ec_line(&e->core, "mg /= %lld;", (long long)cols);
-      ec_line(&e->core, "mgx /= %lld;", (long long)cols);
-    } else if (dx >= 0) {
-      ec_line(&e->core, "mg = %s / %lld;", rsum(e, &rs, "mg"), (long long)cols);
-      ec_line(&e->core, "mgx = %s / %lld;", rsum(e, &rs, "mgx"), (long long)cols);
+      ec_line(&e->core, "mgx *= rstd / %lld; // the mean of g xhat", (long long)cols);
+    }
+    if (sw && dx < 0) {
+      row_each(e, &rs, cols);
+      ec_line(&e->core, "sw[t] += (%s)(dyv[t] * ((xv[t] - mean) * rstd));", at);
+      row_each_end(e);
     }
   } else {
-    ec_line(&e->core, "double s = 0, mgx = 0;");
-    ec_line(&e->core, "#pragma unroll");
-    ec_line(&e->core, "for (int t = 0; t < %d; t++)", rs.npl);
-    ec_line(&e->core, "  s += (double)xv[t] * xv[t];");
-    ec_line(&e->core, "const double sc = 1.0 / sqrt(%s / %lld + %s);", rsum(e, &rs, "s"), (long long)cols,
-            ec_dlit(&e->core, nd->fa[0]));
+    ec_line(&e->core, "double s = 0%s;", dx >= 0 ? ", mgx = 0" : "");
     row_each(e, &rs, cols);
-    ec_line(&e->core, "mgx += (double)dyv[t] * %s[j] * xv[t];", wp);
-    if (sw)
-      ec_line(&e->core, "sw[t] += (%s)((double)dyv[t] * xv[t] * sc);", at);
-    row_each_end(e);
+    ec_line(&e->core, "s += (double)xv[t] * xv[t];");
     if (dx >= 0)
-      ec_line(&e->core, "mgx = %s / %lld;", rsum(e, &rs, "mgx"), (long long)cols);
+      ec_line(&e->core, "mgx += (double)dyv[t] * %s[j] * xv[t];", wp);
+    row_each_end(e);
+    if (dx >= 0 && pair)
+      ec_line(&e->core, "mdl_block_sum2(s, mgx, %s);", sh_double(e));
+    else if (dx >= 0)
+      ec_line(&e->core, "s = %s, mgx = %s;", rsum(e, &rs, "s"), rsum(e, &rs, "mgx"));
+    else
+      ec_line(&e->core, "s = %s;", rsum(e, &rs, "s"));
+    ec_line(&e->core, "const double sc = 1.0 / sqrt(s / %lld + %s);", (long long)cols, ec_dlit(&e->core, nd->fa[0]));
+    if (dx >= 0)
+      ec_line(&e->core, "mgx /= %lld;", (long long)cols);
+    if (sw && dx < 0) {
+      row_each(e, &rs, cols);
+      ec_line(&e->core, "sw[t] += (%s)((double)dyv[t] * xv[t] * sc);", at);
+      row_each_end(e);
+    }
   }
   if (dx >= 0) {
     row_each(e, &rs, cols);
-    if (ln)
-      ec_line(&e->core, "const float d = (float)(rstd * ((double)dyv[t] * %s[j] - mg - (xv[t] - mean) * rstd * mgx));",
-              wp);
-    else
+    if (ln) {
+      ec_line(&e->core, "const double xhat = (xv[t] - mean) * rstd;");
+      if (sw)
+        ec_line(&e->core, "sw[t] += (%s)(dyv[t] * xhat);", at);
+      ec_line(&e->core, "const float d = (float)(rstd * ((double)dyv[t] * %s[j] - mg - xhat * mgx));", wp);
+    } else {
+      if (sw)
+        ec_line(&e->core, "sw[t] += (%s)((double)dyv[t] * xv[t] * sc);", at);
       ec_line(&e->core, "const float d = (float)(sc * dyv[t] * %s[j] - sc * sc * sc * xv[t] * mgx);", wp);
+    }
     if (dxbuf)
       ec_line(&e->core, "%s[ix] = d;", ptr(e, dx));
     post_inloop(e, dx, q, nq, "ix", ec_numel(&e->core, dx), "d");

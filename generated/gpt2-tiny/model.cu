@@ -307,21 +307,32 @@ __device__ __forceinline__ double mdl_block_sum(double v, double *sh) {
   return mdl_warp_sum(lane < (int)(blockDim.x >> 5) ? sh[lane] : 0.0);
 }
 
-// Two block sums at once (sh: 32 doubles, blocks of up to 16 warps), each added by mdl_block_sum's
-// tree, so each total is the one it gives alone, for one pair of barriers instead of two.
-__device__ __forceinline__ void mdl_block_sum2(double &a, double &b, double *sh) {
+// Two or three block sums at once (sh: 48 doubles, blocks of up to 16 warps), each added by
+// mdl_block_sum's tree, so each total is the one it gives alone, for one pair of barriers.
+__device__ __forceinline__ void mdl_block_sum3(double &a, double &b, double &c, double *sh, bool three = true) {
   a = mdl_warp_sum(a);
   b = mdl_warp_sum(b);
+  if (three)
+    c = mdl_warp_sum(c);
   const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
   __syncthreads();
   if (lane == 0) {
     sh[w] = a;
     sh[16 + w] = b;
+    if (three)
+      sh[32 + w] = c;
   }
   __syncthreads();
   const bool in = lane < (int)(blockDim.x >> 5);
   a = mdl_warp_sum(in ? sh[lane] : 0.0);
   b = mdl_warp_sum(in ? sh[16 + lane] : 0.0);
+  if (three)
+    c = mdl_warp_sum(in ? sh[32 + lane] : 0.0);
+}
+
+__device__ __forceinline__ void mdl_block_sum2(double &a, double &b, double *sh) {
+  double c = 0;
+  mdl_block_sum3(a, b, c, sh, false);
 }
 
 __device__ __forceinline__ float mdl_block_fmax(float v, float *sh) {
@@ -964,28 +975,29 @@ extern "C" __global__ void __launch_bounds__(256, 4) k20_layernorm_bwd__sum__cas
       const double mean = mdl_warp_sum(s) / 64;
       double var = 0, mg = 0, mgx = 0;
       #pragma unroll
-      for (int t = 0; t < 2; t++)
-        var += tr + t * 32 < 64 ? (xv[t] - mean) * (xv[t] - mean) : 0.0;
-      const double rstd = 1.0 / sqrt(mdl_warp_sum(var) / 64 + 1e-05);
-      #pragma unroll
       for (int t = 0; t < 2; t++) {
         const int j = tr + t * 32;
         if (j < 64) {
-          const double xhat = (xv[t] - mean) * rstd, g = (double)dyv[t] * b5[j];
+          const double xm = xv[t] - mean;
+          var += xm * xm;
+          const double g = (double)dyv[t] * b5[j];
           mg += g;
-          mgx += g * xhat;
-          sw[t] += (float)(dyv[t] * xhat);
+          mgx += g * xm;
           sb[t] += dyv[t];
         }
       }
-      mg = mdl_warp_sum(mg) / 64;
-      mgx = mdl_warp_sum(mgx) / 64;
+      var = mdl_warp_sum(var), mg = mdl_warp_sum(mg), mgx = mdl_warp_sum(mgx);
+      const double rstd = 1.0 / sqrt(var / 64 + 1e-05);
+      mg /= 64;
+      mgx *= rstd / 64; // the mean of g xhat
       #pragma unroll
       for (int t = 0; t < 2; t++) {
         const int j = tr + t * 32;
         if (j < 64) {
           const int ix = r * 64 + j;
-          const float d = (float)(rstd * ((double)dyv[t] * b5[j] - mg - (xv[t] - mean) * rstd * mgx));
+          const double xhat = (xv[t] - mean) * rstd;
+          sw[t] += (float)(dyv[t] * xhat);
+          const float d = (float)(rstd * ((double)dyv[t] * b5[j] - mg - xhat * mgx));
           b6[ix] = d;
           const float v2 = d;
           b7[ix] = mdl_f32_to_bf16(v2);
@@ -1190,28 +1202,29 @@ extern "C" __global__ void __launch_bounds__(256, 4) k25_layernorm_bwd__add__sum
       const double mean = mdl_warp_sum(s) / 64;
       double var = 0, mg = 0, mgx = 0;
       #pragma unroll
-      for (int t = 0; t < 2; t++)
-        var += tr + t * 32 < 64 ? (xv[t] - mean) * (xv[t] - mean) : 0.0;
-      const double rstd = 1.0 / sqrt(mdl_warp_sum(var) / 64 + 1e-05);
-      #pragma unroll
       for (int t = 0; t < 2; t++) {
         const int j = tr + t * 32;
         if (j < 64) {
-          const double xhat = (xv[t] - mean) * rstd, g = (double)dyv[t] * b5[j];
+          const double xm = xv[t] - mean;
+          var += xm * xm;
+          const double g = (double)dyv[t] * b5[j];
           mg += g;
-          mgx += g * xhat;
-          sw[t] += (float)(dyv[t] * xhat);
+          mgx += g * xm;
           sb[t] += dyv[t];
         }
       }
-      mg = mdl_warp_sum(mg) / 64;
-      mgx = mdl_warp_sum(mgx) / 64;
+      var = mdl_warp_sum(var), mg = mdl_warp_sum(mg), mgx = mdl_warp_sum(mgx);
+      const double rstd = 1.0 / sqrt(var / 64 + 1e-05);
+      mg /= 64;
+      mgx *= rstd / 64; // the mean of g xhat
       #pragma unroll
       for (int t = 0; t < 2; t++) {
         const int j = tr + t * 32;
         if (j < 64) {
           const int ix = r * 64 + j;
-          const float d = (float)(rstd * ((double)dyv[t] * b5[j] - mg - (xv[t] - mean) * rstd * mgx));
+          const double xhat = (xv[t] - mean) * rstd;
+          sw[t] += (float)(dyv[t] * xhat);
+          const float d = (float)(rstd * ((double)dyv[t] * b5[j] - mg - xhat * mgx));
           const float v2 = b6[ix];
           const float v1 = v2 + d;
           b7[ix] = v1;
@@ -1764,28 +1777,29 @@ extern "C" __global__ void __launch_bounds__(256, 4) k32_layernorm_bwd__add__sum
       const double mean = mdl_warp_sum(s) / 64;
       double var = 0, mg = 0, mgx = 0;
       #pragma unroll
-      for (int t = 0; t < 2; t++)
-        var += tr + t * 32 < 64 ? (xv[t] - mean) * (xv[t] - mean) : 0.0;
-      const double rstd = 1.0 / sqrt(mdl_warp_sum(var) / 64 + 1e-05);
-      #pragma unroll
       for (int t = 0; t < 2; t++) {
         const int j = tr + t * 32;
         if (j < 64) {
-          const double xhat = (xv[t] - mean) * rstd, g = (double)dyv[t] * b5[j];
+          const double xm = xv[t] - mean;
+          var += xm * xm;
+          const double g = (double)dyv[t] * b5[j];
           mg += g;
-          mgx += g * xhat;
-          sw[t] += (float)(dyv[t] * xhat);
+          mgx += g * xm;
           sb[t] += dyv[t];
         }
       }
-      mg = mdl_warp_sum(mg) / 64;
-      mgx = mdl_warp_sum(mgx) / 64;
+      var = mdl_warp_sum(var), mg = mdl_warp_sum(mg), mgx = mdl_warp_sum(mgx);
+      const double rstd = 1.0 / sqrt(var / 64 + 1e-05);
+      mg /= 64;
+      mgx *= rstd / 64; // the mean of g xhat
       #pragma unroll
       for (int t = 0; t < 2; t++) {
         const int j = tr + t * 32;
         if (j < 64) {
           const int ix = r * 64 + j;
-          const float d = (float)(rstd * ((double)dyv[t] * b5[j] - mg - (xv[t] - mean) * rstd * mgx));
+          const double xhat = (xv[t] - mean) * rstd;
+          sw[t] += (float)(dyv[t] * xhat);
+          const float d = (float)(rstd * ((double)dyv[t] * b5[j] - mg - xhat * mgx));
           const float v2 = b6[ix];
           const float v1 = v2 + d;
           b7[ix] = v1;
@@ -1934,28 +1948,29 @@ extern "C" __global__ void __launch_bounds__(256, 4) k44_layernorm_bwd__add(char
       const double mean = mdl_warp_sum(s) / 64;
       double var = 0, mg = 0, mgx = 0;
       #pragma unroll
-      for (int t = 0; t < 2; t++)
-        var += tr + t * 32 < 64 ? (xv[t] - mean) * (xv[t] - mean) : 0.0;
-      const double rstd = 1.0 / sqrt(mdl_warp_sum(var) / 64 + 1e-05);
-      #pragma unroll
       for (int t = 0; t < 2; t++) {
         const int j = tr + t * 32;
         if (j < 64) {
-          const double xhat = (xv[t] - mean) * rstd, g = (double)dyv[t] * b4[j];
+          const double xm = xv[t] - mean;
+          var += xm * xm;
+          const double g = (double)dyv[t] * b4[j];
           mg += g;
-          mgx += g * xhat;
-          sw[t] += (float)(dyv[t] * xhat);
+          mgx += g * xm;
           sb[t] += dyv[t];
         }
       }
-      mg = mdl_warp_sum(mg) / 64;
-      mgx = mdl_warp_sum(mgx) / 64;
+      var = mdl_warp_sum(var), mg = mdl_warp_sum(mg), mgx = mdl_warp_sum(mgx);
+      const double rstd = 1.0 / sqrt(var / 64 + 1e-05);
+      mg /= 64;
+      mgx *= rstd / 64; // the mean of g xhat
       #pragma unroll
       for (int t = 0; t < 2; t++) {
         const int j = tr + t * 32;
         if (j < 64) {
           const int ix = r * 64 + j;
-          const float d = (float)(rstd * ((double)dyv[t] * b4[j] - mg - (xv[t] - mean) * rstd * mgx));
+          const double xhat = (xv[t] - mean) * rstd;
+          sw[t] += (float)(dyv[t] * xhat);
+          const float d = (float)(rstd * ((double)dyv[t] * b4[j] - mg - xhat * mgx));
           const float v2 = b5[ix];
           const float v1 = v2 + d;
           b6[ix] = v1;
@@ -2313,7 +2328,7 @@ static __device__ const MdlSeg k47_grad_norm__adamw_grads[28] = {
 // gradient norm: sums of squares of 28 tensors, 124672 values, in 16 chunks of 8192
 extern "C" __global__ void __launch_bounds__(256) k47_grad_norm__adamw_sumsq(char *arena, MdlStatus *status, const uint64_t *seed, int64_t chunk, MdlArgs o) {
   double *const b0 = (double *)(arena + o.b[0]); // sums of squares per chunk
-  __shared__ double sh_d[32];
+  __shared__ double sh_d[48];
   const MdlSeg *const seg = k47_grad_norm__adamw_grads;
   double acc = 0;
   const int64_t c0 = (int64_t)blockIdx.x * 8192, c1 = c0 + 8192 < 124672 ? c0 + 8192 : 124672;
@@ -2339,7 +2354,7 @@ extern "C" __global__ void __launch_bounds__(256) k47_grad_norm__adamw_sumsq(cha
 extern "C" __global__ void __launch_bounds__(256) k47_grad_norm__adamw_norm(char *arena, MdlStatus *status, const uint64_t *seed, int64_t chunk, MdlArgs o) {
   double *const b0 = (double *)(arena + o.b[0]); // sums of squares per chunk
   float *const b1 = (float *)(arena + o.b[1]); // grad_norm f32[]
-  __shared__ double sh_d[32];
+  __shared__ double sh_d[48];
   double acc = 0;
   for (int64_t k = threadIdx.x; k < 16; k += blockDim.x)
     acc += b0[k];

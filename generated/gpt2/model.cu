@@ -307,21 +307,32 @@ __device__ __forceinline__ double mdl_block_sum(double v, double *sh) {
   return mdl_warp_sum(lane < (int)(blockDim.x >> 5) ? sh[lane] : 0.0);
 }
 
-// Two block sums at once (sh: 32 doubles, blocks of up to 16 warps), each added by mdl_block_sum's
-// tree, so each total is the one it gives alone, for one pair of barriers instead of two.
-__device__ __forceinline__ void mdl_block_sum2(double &a, double &b, double *sh) {
+// Two or three block sums at once (sh: 48 doubles, blocks of up to 16 warps), each added by
+// mdl_block_sum's tree, so each total is the one it gives alone, for one pair of barriers.
+__device__ __forceinline__ void mdl_block_sum3(double &a, double &b, double &c, double *sh, bool three = true) {
   a = mdl_warp_sum(a);
   b = mdl_warp_sum(b);
+  if (three)
+    c = mdl_warp_sum(c);
   const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
   __syncthreads();
   if (lane == 0) {
     sh[w] = a;
     sh[16 + w] = b;
+    if (three)
+      sh[32 + w] = c;
   }
   __syncthreads();
   const bool in = lane < (int)(blockDim.x >> 5);
   a = mdl_warp_sum(in ? sh[lane] : 0.0);
   b = mdl_warp_sum(in ? sh[16 + lane] : 0.0);
+  if (three)
+    c = mdl_warp_sum(in ? sh[32 + lane] : 0.0);
+}
+
+__device__ __forceinline__ void mdl_block_sum2(double &a, double &b, double *sh) {
+  double c = 0;
+  mdl_block_sum3(a, b, c, sh, false);
 }
 
 __device__ __forceinline__ float mdl_block_fmax(float v, float *sh) {
@@ -1429,7 +1440,7 @@ extern "C" __global__ void __launch_bounds__(1024) k88_lmhead__cross_entropy__cr
   float *const b2 = (float *)(arena + o.b[2]); // broadcast f32[8192]
   float *const b3 = (float *)(arena + o.b[3]); // cross_entropy f32[8,1024]
   int32_t *const b4 = (int32_t *)(arena + o.b[4]); // input i32[8,1024]
-  __shared__ double sh_d[32];
+  __shared__ double sh_d[48];
   __shared__ float sh_f[32];
   const int rn = 8192 - chunk < 4096 ? 8192 - chunk : 4096;
   const int i = blockIdx.x;
@@ -1529,7 +1540,7 @@ extern "C" __global__ void __launch_bounds__(128, 8) k90_layernorm_bwd__sum__cas
   float *const b5 = (float *)(arena + o.b[5]); // param f32[768]
   float *const b6 = (float *)(arena + o.b[6]); // layernorm_bwd f32[8,1024,768]
   uint16_t *const b7 = (uint16_t *)(arena + o.b[7]); // cast bf16[8192,768]
-  __shared__ double sh_d[32];
+  __shared__ double sh_d[48];
   const int k = blockIdx.x;
   const int tr = threadIdx.x;
   {
@@ -1557,29 +1568,29 @@ extern "C" __global__ void __launch_bounds__(128, 8) k90_layernorm_bwd__sum__cas
       const double mean = mdl_block_sum(s, sh_d) / 768;
       double var = 0, mg = 0, mgx = 0;
       #pragma unroll
-      for (int t = 0; t < 6; t++)
-        var += tr + t * 128 < 768 ? (xv[t] - mean) * (xv[t] - mean) : 0.0;
-      const double rstd = 1.0 / sqrt(mdl_block_sum(var, sh_d) / 768 + 1e-05);
-      #pragma unroll
       for (int t = 0; t < 6; t++) {
         const int j = tr + t * 128;
         if (j < 768) {
-          const double xhat = (xv[t] - mean) * rstd, g = (double)dyv[t] * b5[j];
+          const double xm = xv[t] - mean;
+          var += xm * xm;
+          const double g = (double)dyv[t] * b5[j];
           mg += g;
-          mgx += g * xhat;
-          sw[t] += (float)(dyv[t] * xhat);
+          mgx += g * xm;
           sb[t] += dyv[t];
         }
       }
-      mdl_block_sum2(mg, mgx, sh_d);
+      mdl_block_sum3(var, mg, mgx, sh_d);
+      const double rstd = 1.0 / sqrt(var / 768 + 1e-05);
       mg /= 768;
-      mgx /= 768;
+      mgx *= rstd / 768; // the mean of g xhat
       #pragma unroll
       for (int t = 0; t < 6; t++) {
         const int j = tr + t * 128;
         if (j < 768) {
           const int ix = r * 768 + j;
-          const float d = (float)(rstd * ((double)dyv[t] * b5[j] - mg - (xv[t] - mean) * rstd * mgx));
+          const double xhat = (xv[t] - mean) * rstd;
+          sw[t] += (float)(dyv[t] * xhat);
+          const float d = (float)(rstd * ((double)dyv[t] * b5[j] - mg - xhat * mgx));
           b6[ix] = d;
           const float v2 = d;
           b7[ix] = mdl_f32_to_bf16(v2);
@@ -1757,7 +1768,7 @@ extern "C" __global__ void __launch_bounds__(128, 8) k95_layernorm_bwd__add__sum
   float *const b6 = (float *)(arena + o.b[6]); // layernorm_bwd f32[8,1024,768]
   float *const b7 = (float *)(arena + o.b[7]); // add f32[8,1024,768]
   uint16_t *const b8 = (uint16_t *)(arena + o.b[8]); // cast bf16[8192,768]
-  __shared__ double sh_d[32];
+  __shared__ double sh_d[48];
   const int k = blockIdx.x;
   const int tr = threadIdx.x;
   {
@@ -1785,29 +1796,29 @@ extern "C" __global__ void __launch_bounds__(128, 8) k95_layernorm_bwd__add__sum
       const double mean = mdl_block_sum(s, sh_d) / 768;
       double var = 0, mg = 0, mgx = 0;
       #pragma unroll
-      for (int t = 0; t < 6; t++)
-        var += tr + t * 128 < 768 ? (xv[t] - mean) * (xv[t] - mean) : 0.0;
-      const double rstd = 1.0 / sqrt(mdl_block_sum(var, sh_d) / 768 + 1e-05);
-      #pragma unroll
       for (int t = 0; t < 6; t++) {
         const int j = tr + t * 128;
         if (j < 768) {
-          const double xhat = (xv[t] - mean) * rstd, g = (double)dyv[t] * b5[j];
+          const double xm = xv[t] - mean;
+          var += xm * xm;
+          const double g = (double)dyv[t] * b5[j];
           mg += g;
-          mgx += g * xhat;
-          sw[t] += (float)(dyv[t] * xhat);
+          mgx += g * xm;
           sb[t] += dyv[t];
         }
       }
-      mdl_block_sum2(mg, mgx, sh_d);
+      mdl_block_sum3(var, mg, mgx, sh_d);
+      const double rstd = 1.0 / sqrt(var / 768 + 1e-05);
       mg /= 768;
-      mgx /= 768;
+      mgx *= rstd / 768; // the mean of g xhat
       #pragma unroll
       for (int t = 0; t < 6; t++) {
         const int j = tr + t * 128;
         if (j < 768) {
           const int ix = r * 768 + j;
-          const float d = (float)(rstd * ((double)dyv[t] * b5[j] - mg - (xv[t] - mean) * rstd * mgx));
+          const double xhat = (xv[t] - mean) * rstd;
+          sw[t] += (float)(dyv[t] * xhat);
+          const float d = (float)(rstd * ((double)dyv[t] * b5[j] - mg - xhat * mgx));
           const float v2 = b6[ix];
           const float v1 = v2 + d;
           b7[ix] = v1;
@@ -2333,7 +2344,7 @@ extern "C" __global__ void __launch_bounds__(128, 8) k102_layernorm_bwd__add__su
   float *const b6 = (float *)(arena + o.b[6]); // add f32[8,1024,768]
   float *const b7 = (float *)(arena + o.b[7]); // add f32[8,1024,768]
   uint16_t *const b8 = (uint16_t *)(arena + o.b[8]); // cast bf16[8192,768]
-  __shared__ double sh_d[32];
+  __shared__ double sh_d[48];
   const int k = blockIdx.x;
   const int tr = threadIdx.x;
   {
@@ -2361,29 +2372,29 @@ extern "C" __global__ void __launch_bounds__(128, 8) k102_layernorm_bwd__add__su
       const double mean = mdl_block_sum(s, sh_d) / 768;
       double var = 0, mg = 0, mgx = 0;
       #pragma unroll
-      for (int t = 0; t < 6; t++)
-        var += tr + t * 128 < 768 ? (xv[t] - mean) * (xv[t] - mean) : 0.0;
-      const double rstd = 1.0 / sqrt(mdl_block_sum(var, sh_d) / 768 + 1e-05);
-      #pragma unroll
       for (int t = 0; t < 6; t++) {
         const int j = tr + t * 128;
         if (j < 768) {
-          const double xhat = (xv[t] - mean) * rstd, g = (double)dyv[t] * b5[j];
+          const double xm = xv[t] - mean;
+          var += xm * xm;
+          const double g = (double)dyv[t] * b5[j];
           mg += g;
-          mgx += g * xhat;
-          sw[t] += (float)(dyv[t] * xhat);
+          mgx += g * xm;
           sb[t] += dyv[t];
         }
       }
-      mdl_block_sum2(mg, mgx, sh_d);
+      mdl_block_sum3(var, mg, mgx, sh_d);
+      const double rstd = 1.0 / sqrt(var / 768 + 1e-05);
       mg /= 768;
-      mgx /= 768;
+      mgx *= rstd / 768; // the mean of g xhat
       #pragma unroll
       for (int t = 0; t < 6; t++) {
         const int j = tr + t * 128;
         if (j < 768) {
           const int ix = r * 768 + j;
-          const float d = (float)(rstd * ((double)dyv[t] * b5[j] - mg - (xv[t] - mean) * rstd * mgx));
+          const double xhat = (xv[t] - mean) * rstd;
+          sw[t] += (float)(dyv[t] * xhat);
+          const float d = (float)(rstd * ((double)dyv[t] * b5[j] - mg - xhat * mgx));
           const float v2 = b6[ix];
           const float v1 = v2 + d;
           b7[ix] = v1;
@@ -3456,7 +3467,7 @@ extern "C" __global__ void __launch_bounds__(128, 8) k234_layernorm_bwd__add(cha
   float *const b4 = (float *)(arena + o.b[4]); // param f32[768]
   float *const b5 = (float *)(arena + o.b[5]); // add f32[8,1024,768]
   float *const b6 = (float *)(arena + o.b[6]); // add f32[8,1024,768]
-  __shared__ double sh_d[32];
+  __shared__ double sh_d[48];
   const int k = blockIdx.x;
   const int tr = threadIdx.x;
   {
@@ -3483,29 +3494,29 @@ extern "C" __global__ void __launch_bounds__(128, 8) k234_layernorm_bwd__add(cha
       const double mean = mdl_block_sum(s, sh_d) / 768;
       double var = 0, mg = 0, mgx = 0;
       #pragma unroll
-      for (int t = 0; t < 6; t++)
-        var += tr + t * 128 < 768 ? (xv[t] - mean) * (xv[t] - mean) : 0.0;
-      const double rstd = 1.0 / sqrt(mdl_block_sum(var, sh_d) / 768 + 1e-05);
-      #pragma unroll
       for (int t = 0; t < 6; t++) {
         const int j = tr + t * 128;
         if (j < 768) {
-          const double xhat = (xv[t] - mean) * rstd, g = (double)dyv[t] * b4[j];
+          const double xm = xv[t] - mean;
+          var += xm * xm;
+          const double g = (double)dyv[t] * b4[j];
           mg += g;
-          mgx += g * xhat;
-          sw[t] += (float)(dyv[t] * xhat);
+          mgx += g * xm;
           sb[t] += dyv[t];
         }
       }
-      mdl_block_sum2(mg, mgx, sh_d);
+      mdl_block_sum3(var, mg, mgx, sh_d);
+      const double rstd = 1.0 / sqrt(var / 768 + 1e-05);
       mg /= 768;
-      mgx /= 768;
+      mgx *= rstd / 768; // the mean of g xhat
       #pragma unroll
       for (int t = 0; t < 6; t++) {
         const int j = tr + t * 128;
         if (j < 768) {
           const int ix = r * 768 + j;
-          const float d = (float)(rstd * ((double)dyv[t] * b4[j] - mg - (xv[t] - mean) * rstd * mgx));
+          const double xhat = (xv[t] - mean) * rstd;
+          sw[t] += (float)(dyv[t] * xhat);
+          const float d = (float)(rstd * ((double)dyv[t] * b4[j] - mg - xhat * mgx));
           const float v2 = b5[ix];
           const float v1 = v2 + d;
           b6[ix] = v1;
@@ -4103,7 +4114,7 @@ static __device__ const MdlSeg k237_grad_norm__adamw_grads[148] = {
 // gradient norm: sums of squares of 148 tensors, 124439808 values, in 15191 chunks of 8192
 extern "C" __global__ void __launch_bounds__(256) k237_grad_norm__adamw_sumsq(char *arena, MdlStatus *status, const uint64_t *seed, int64_t chunk, MdlArgs o) {
   double *const b0 = (double *)(arena + o.b[0]); // sums of squares per chunk
-  __shared__ double sh_d[32];
+  __shared__ double sh_d[48];
   const MdlSeg *const seg = k237_grad_norm__adamw_grads;
   double acc = 0;
   const int64_t c0 = (int64_t)blockIdx.x * 8192, c1 = c0 + 8192 < 124439808 ? c0 + 8192 : 124439808;
@@ -4129,7 +4140,7 @@ extern "C" __global__ void __launch_bounds__(256) k237_grad_norm__adamw_sumsq(ch
 extern "C" __global__ void __launch_bounds__(256) k237_grad_norm__adamw_norm(char *arena, MdlStatus *status, const uint64_t *seed, int64_t chunk, MdlArgs o) {
   double *const b0 = (double *)(arena + o.b[0]); // sums of squares per chunk
   float *const b1 = (float *)(arena + o.b[1]); // grad_norm f32[]
-  __shared__ double sh_d[32];
+  __shared__ double sh_d[48];
   double acc = 0;
   for (int64_t k = threadIdx.x; k < 15191; k += blockDim.x)
     acc += b0[k];

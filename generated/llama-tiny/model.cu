@@ -307,21 +307,32 @@ __device__ __forceinline__ double mdl_block_sum(double v, double *sh) {
   return mdl_warp_sum(lane < (int)(blockDim.x >> 5) ? sh[lane] : 0.0);
 }
 
-// Two block sums at once (sh: 32 doubles, blocks of up to 16 warps), each added by mdl_block_sum's
-// tree, so each total is the one it gives alone, for one pair of barriers instead of two.
-__device__ __forceinline__ void mdl_block_sum2(double &a, double &b, double *sh) {
+// Two or three block sums at once (sh: 48 doubles, blocks of up to 16 warps), each added by
+// mdl_block_sum's tree, so each total is the one it gives alone, for one pair of barriers.
+__device__ __forceinline__ void mdl_block_sum3(double &a, double &b, double &c, double *sh, bool three = true) {
   a = mdl_warp_sum(a);
   b = mdl_warp_sum(b);
+  if (three)
+    c = mdl_warp_sum(c);
   const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
   __syncthreads();
   if (lane == 0) {
     sh[w] = a;
     sh[16 + w] = b;
+    if (three)
+      sh[32 + w] = c;
   }
   __syncthreads();
   const bool in = lane < (int)(blockDim.x >> 5);
   a = mdl_warp_sum(in ? sh[lane] : 0.0);
   b = mdl_warp_sum(in ? sh[16 + lane] : 0.0);
+  if (three)
+    c = mdl_warp_sum(in ? sh[32 + lane] : 0.0);
+}
+
+__device__ __forceinline__ void mdl_block_sum2(double &a, double &b, double *sh) {
+  double c = 0;
+  mdl_block_sum3(a, b, c, sh, false);
 }
 
 __device__ __forceinline__ float mdl_block_fmax(float v, float *sh) {
@@ -1072,23 +1083,22 @@ extern "C" __global__ void __launch_bounds__(256, 4) k29_rmsnorm_bwd__cast(char 
       }
       double s = 0, mgx = 0;
       #pragma unroll
-      for (int t = 0; t < 2; t++)
-        s += (double)xv[t] * xv[t];
-      const double sc = 1.0 / sqrt(mdl_warp_sum(s) / 64 + 1e-06);
-      #pragma unroll
       for (int t = 0; t < 2; t++) {
         const int j = tr + t * 32;
         if (j < 64) {
+          s += (double)xv[t] * xv[t];
           mgx += (double)dyv[t] * b3[j] * xv[t];
-          sw[t] += (float)((double)dyv[t] * xv[t] * sc);
         }
       }
-      mgx = mdl_warp_sum(mgx) / 64;
+      s = mdl_warp_sum(s), mgx = mdl_warp_sum(mgx);
+      const double sc = 1.0 / sqrt(s / 64 + 1e-06);
+      mgx /= 64;
       #pragma unroll
       for (int t = 0; t < 2; t++) {
         const int j = tr + t * 32;
         if (j < 64) {
           const int ix = r * 64 + j;
+          sw[t] += (float)((double)dyv[t] * xv[t] * sc);
           const float d = (float)(sc * dyv[t] * b3[j] - sc * sc * sc * xv[t] * mgx);
           b4[ix] = d;
           const float v2 = d;
@@ -1260,23 +1270,22 @@ extern "C" __global__ void __launch_bounds__(256, 4) k37_rmsnorm_bwd__add__cast(
       }
       double s = 0, mgx = 0;
       #pragma unroll
-      for (int t = 0; t < 2; t++)
-        s += (double)xv[t] * xv[t];
-      const double sc = 1.0 / sqrt(mdl_warp_sum(s) / 64 + 1e-06);
-      #pragma unroll
       for (int t = 0; t < 2; t++) {
         const int j = tr + t * 32;
         if (j < 64) {
+          s += (double)xv[t] * xv[t];
           mgx += (double)dyv[t] * b3[j] * xv[t];
-          sw[t] += (float)((double)dyv[t] * xv[t] * sc);
         }
       }
-      mgx = mdl_warp_sum(mgx) / 64;
+      s = mdl_warp_sum(s), mgx = mdl_warp_sum(mgx);
+      const double sc = 1.0 / sqrt(s / 64 + 1e-06);
+      mgx /= 64;
       #pragma unroll
       for (int t = 0; t < 2; t++) {
         const int j = tr + t * 32;
         if (j < 64) {
           const int ix = r * 64 + j;
+          sw[t] += (float)((double)dyv[t] * xv[t] * sc);
           const float d = (float)(sc * dyv[t] * b3[j] - sc * sc * sc * xv[t] * mgx);
           const float v2 = b4[ix];
           const float v1 = v2 + d;
@@ -1809,23 +1818,22 @@ extern "C" __global__ void __launch_bounds__(256, 4) k50_rmsnorm_bwd__add__cast(
       }
       double s = 0, mgx = 0;
       #pragma unroll
-      for (int t = 0; t < 2; t++)
-        s += (double)xv[t] * xv[t];
-      const double sc = 1.0 / sqrt(mdl_warp_sum(s) / 64 + 1e-06);
-      #pragma unroll
       for (int t = 0; t < 2; t++) {
         const int j = tr + t * 32;
         if (j < 64) {
+          s += (double)xv[t] * xv[t];
           mgx += (double)dyv[t] * b3[j] * xv[t];
-          sw[t] += (float)((double)dyv[t] * xv[t] * sc);
         }
       }
-      mgx = mdl_warp_sum(mgx) / 64;
+      s = mdl_warp_sum(s), mgx = mdl_warp_sum(mgx);
+      const double sc = 1.0 / sqrt(s / 64 + 1e-06);
+      mgx /= 64;
       #pragma unroll
       for (int t = 0; t < 2; t++) {
         const int j = tr + t * 32;
         if (j < 64) {
           const int ix = r * 64 + j;
+          sw[t] += (float)((double)dyv[t] * xv[t] * sc);
           const float d = (float)(sc * dyv[t] * b3[j] - sc * sc * sc * xv[t] * mgx);
           const float v2 = b4[ix];
           const float v1 = v2 + d;
@@ -2011,23 +2019,22 @@ extern "C" __global__ void __launch_bounds__(256, 4) k71_rmsnorm_bwd__add(char *
       }
       double s = 0, mgx = 0;
       #pragma unroll
-      for (int t = 0; t < 2; t++)
-        s += (double)xv[t] * xv[t];
-      const double sc = 1.0 / sqrt(mdl_warp_sum(s) / 64 + 1e-06);
-      #pragma unroll
       for (int t = 0; t < 2; t++) {
         const int j = tr + t * 32;
         if (j < 64) {
+          s += (double)xv[t] * xv[t];
           mgx += (double)dyv[t] * b3[j] * xv[t];
-          sw[t] += (float)((double)dyv[t] * xv[t] * sc);
         }
       }
-      mgx = mdl_warp_sum(mgx) / 64;
+      s = mdl_warp_sum(s), mgx = mdl_warp_sum(mgx);
+      const double sc = 1.0 / sqrt(s / 64 + 1e-06);
+      mgx /= 64;
       #pragma unroll
       for (int t = 0; t < 2; t++) {
         const int j = tr + t * 32;
         if (j < 64) {
           const int ix = r * 64 + j;
+          sw[t] += (float)((double)dyv[t] * xv[t] * sc);
           const float d = (float)(sc * dyv[t] * b3[j] - sc * sc * sc * xv[t] * mgx);
           const float v2 = b4[ix];
           const float v1 = v2 + d;
@@ -2217,7 +2224,7 @@ static __device__ const MdlSeg k73_grad_norm__adamw_grads[21] = {
 // gradient norm: sums of squares of 21 tensors, 131904 values, in 17 chunks of 8192
 extern "C" __global__ void __launch_bounds__(256) k73_grad_norm__adamw_sumsq(char *arena, MdlStatus *status, const uint64_t *seed, int64_t chunk, MdlArgs o) {
   double *const b0 = (double *)(arena + o.b[0]); // sums of squares per chunk
-  __shared__ double sh_d[32];
+  __shared__ double sh_d[48];
   const MdlSeg *const seg = k73_grad_norm__adamw_grads;
   double acc = 0;
   const int64_t c0 = (int64_t)blockIdx.x * 8192, c1 = c0 + 8192 < 131904 ? c0 + 8192 : 131904;
@@ -2243,7 +2250,7 @@ extern "C" __global__ void __launch_bounds__(256) k73_grad_norm__adamw_sumsq(cha
 extern "C" __global__ void __launch_bounds__(256) k73_grad_norm__adamw_norm(char *arena, MdlStatus *status, const uint64_t *seed, int64_t chunk, MdlArgs o) {
   double *const b0 = (double *)(arena + o.b[0]); // sums of squares per chunk
   float *const b1 = (float *)(arena + o.b[1]); // grad_norm f32[]
-  __shared__ double sh_d[32];
+  __shared__ double sh_d[48];
   double acc = 0;
   for (int64_t k = threadIdx.x; k < 17; k += blockDim.x)
     acc += b0[k];

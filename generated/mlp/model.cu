@@ -307,21 +307,32 @@ __device__ __forceinline__ double mdl_block_sum(double v, double *sh) {
   return mdl_warp_sum(lane < (int)(blockDim.x >> 5) ? sh[lane] : 0.0);
 }
 
-// Two block sums at once (sh: 32 doubles, blocks of up to 16 warps), each added by mdl_block_sum's
-// tree, so each total is the one it gives alone, for one pair of barriers instead of two.
-__device__ __forceinline__ void mdl_block_sum2(double &a, double &b, double *sh) {
+// Two or three block sums at once (sh: 48 doubles, blocks of up to 16 warps), each added by
+// mdl_block_sum's tree, so each total is the one it gives alone, for one pair of barriers.
+__device__ __forceinline__ void mdl_block_sum3(double &a, double &b, double &c, double *sh, bool three = true) {
   a = mdl_warp_sum(a);
   b = mdl_warp_sum(b);
+  if (three)
+    c = mdl_warp_sum(c);
   const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
   __syncthreads();
   if (lane == 0) {
     sh[w] = a;
     sh[16 + w] = b;
+    if (three)
+      sh[32 + w] = c;
   }
   __syncthreads();
   const bool in = lane < (int)(blockDim.x >> 5);
   a = mdl_warp_sum(in ? sh[lane] : 0.0);
   b = mdl_warp_sum(in ? sh[16 + lane] : 0.0);
+  if (three)
+    c = mdl_warp_sum(in ? sh[32 + lane] : 0.0);
+}
+
+__device__ __forceinline__ void mdl_block_sum2(double &a, double &b, double *sh) {
+  double c = 0;
+  mdl_block_sum3(a, b, c, sh, false);
 }
 
 __device__ __forceinline__ float mdl_block_fmax(float v, float *sh) {
@@ -582,7 +593,7 @@ static __device__ const MdlSeg k12_grad_norm__adamw_grads[6] = {
 // gradient norm: sums of squares of 6 tensors, 1732 values, in 1 chunks of 8192
 extern "C" __global__ void __launch_bounds__(256) k12_grad_norm__adamw_sumsq(char *arena, MdlStatus *status, const uint64_t *seed, int64_t chunk, MdlArgs o) {
   double *const b0 = (double *)(arena + o.b[0]); // sums of squares per chunk
-  __shared__ double sh_d[32];
+  __shared__ double sh_d[48];
   const MdlSeg *const seg = k12_grad_norm__adamw_grads;
   double acc = 0;
   const int64_t c0 = (int64_t)blockIdx.x * 8192, c1 = c0 + 8192 < 1732 ? c0 + 8192 : 1732;
@@ -608,7 +619,7 @@ extern "C" __global__ void __launch_bounds__(256) k12_grad_norm__adamw_sumsq(cha
 extern "C" __global__ void __launch_bounds__(256) k12_grad_norm__adamw_norm(char *arena, MdlStatus *status, const uint64_t *seed, int64_t chunk, MdlArgs o) {
   double *const b0 = (double *)(arena + o.b[0]); // sums of squares per chunk
   float *const b1 = (float *)(arena + o.b[1]); // grad_norm f32[]
-  __shared__ double sh_d[32];
+  __shared__ double sh_d[48];
   double acc = 0;
   for (int64_t k = threadIdx.x; k < 1; k += blockDim.x)
     acc += b0[k];
