@@ -2,7 +2,8 @@
 # The check to run on a machine with a GPU (`make gpu-check`; under 8 minutes with the build):
 #   1. build mdlc; list the GPUs;
 #   2. gpt2-tiny on the GPU and on the CPU back end from the same weights and batch (`mdlc grad
-#      --backend cuda` vs `--backend cpu`, two shapes, --precision fp32 and bf16): the loss and every
+#      --backend cuda` vs `--backend cpu`, two shapes, --precision fp32 and bf16, and T=128 in bf16,
+#      where every attention kernel stages two tiles of 64 through its two buffers): the loss and every
 #      gradient, compared per tensor as ||gpu - cpu|| / ||cpu|| (L2; max |gpu - cpu| / max |cpu| is
 #      printed too). Both back ends run the same graph, so in bf16 they differ where an f32 value near
 #      a bf16 rounding midpoint rounds the other way after a different summation order: one such flip
@@ -126,7 +127,7 @@ fi
 
 # GPU vs CPU gradients on gpt2-tiny.
 "$mdlc" init models/gpt2-tiny.mdl -o "$tmp/W.safetensors" --seed 1 >/dev/null || die "mdlc init failed"
-for shape in "2 16 fp32" "8 64 fp32" "2 16 bf16" "8 64 bf16"; do
+for shape in "2 16 fp32" "8 64 fp32" "2 16 bf16" "8 64 bf16" "4 128 bf16"; do
   set -- $shape
   b=$1 t=$2 prec=$3
   tol=$([ "$prec" = bf16 ] && echo "$tol_bf16" || echo "$tol_fp32")
