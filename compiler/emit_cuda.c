@@ -83,7 +83,7 @@ enum {
   MAX_GRID = 4096,      // blocks of a grid-stride kernel
   SCRATCH_ALIGN = 256,  // scratch buffers start at multiples of this
   OPT_CHUNK = 8192,     // optimizer: elements per block
-  OPT_UNROLL = 4,       // optimizer: elements a thread loads before it updates them
+  OPT_UNROLL = 2,       // optimizer: float4s a thread loads before it updates them
   NORM_F32_ROWS = 16,   // norm backward: column partials of up to this many rows per lane summed in f32
   NORM_LANE_ELEMS = 8,  // norm backward with column sums: elements of a row per lane, at most
   ATT_BK = 32,          // attention: keys per tile
@@ -209,6 +209,18 @@ static const char prelude[] =
     "}\n"
     "\n"
     "__device__ __forceinline__ float mdl_bf16_to_f32(uint16_t h) { return __uint_as_float((uint32_t)h << 16); }\n"
+    "\n"
+    "// One AdamW update in double, as the interpreter does it: gradient g scaled by the clip factor sc,\n"
+    "// the moments m and v updated in place (rounded to f32), the new parameter returned.\n"
+    "struct MdlAdamW {\n"
+    "  double sc, lr, beta1, beta2, eps, k1, k2;\n"
+    "};\n"
+    "__device__ __forceinline__ float mdl_adamw(const MdlAdamW &h, double wd, float g, float &m, float &v, float p) {\n"
+    "  const double gi = h.sc * g;\n"
+    "  m = (float)(h.beta1 * m + (1 - h.beta1) * gi);\n"
+    "  v = (float)(h.beta2 * v + (1 - h.beta2) * gi * gi);\n"
+    "  return (float)(p - h.lr * (m * h.k1 / (sqrt(v * h.k2) + h.eps) + wd * p));\n"
+    "}\n"
     "\n"
     "// Two floats rounded to bf16 and packed into one register, lo in the low half (the order of the\n"
     "// elements of an mma fragment). On the GPU one cvt.rn.bf16x2.f32 (its second source is the low\n"
@@ -3730,10 +3742,13 @@ static void emit_optimizer(Emit *e, int gi) {
     ec_line(&e->core, "const double lr = %s[0], step = %s[0];", ptr(e, lr), ptr(e, step));
     ec_line(&e->core, "const double beta1 = %s, beta2 = %s, eps = %s;", ec_dlit(&e->core, a->fa[0]),
             ec_dlit(&e->core, a->fa[1]), ec_dlit(&e->core, a->fa[2]));
-    ec_line(&e->core, "const double k1 = 1.0 / (1.0 - pow(beta1, step)), k2 = 1.0 / (1.0 - pow(beta2, step));");
-    // Each thread loads g, m, v and p of OPT_UNROLL elements before it updates any: the stores of
-    // one element may alias the loads of the next as far as the compiler knows, so one at a time
-    // a thread would keep a single element's loads in flight and the kernel would wait on memory.
+    ec_line(&e->core, "const MdlAdamW h = {sc, lr, beta1, beta2, eps, 1.0 / (1.0 - pow(beta1, step)), "
+            "1.0 / (1.0 - pow(beta2, step))};");
+    // Four elements a float4, OPT_UNROLL float4s of g, m, v and p loaded before any is updated: the
+    // stores of one element may alias the loads of the next as far as the compiler knows, so one at
+    // a time a thread would keep a single element's loads in flight and the kernel would wait on
+    // memory. Buffers start 64-byte aligned; where a chunk or segment does not start or end at a
+    // multiple of 4, up to 3 elements at each end go one a thread.
     seg_open(e, ns, total);
     ec_line(&e->core, "float *p = (float *)(arena + seg[s].p), *m = (float *)(arena + seg[s].m);");
     ec_line(&e->core, "float *v = (float *)(arena + seg[s].v);");
@@ -3741,28 +3756,44 @@ static void emit_optimizer(Emit *e, int gi) {
     ec_line(&e->core, "const double wd = seg[s].wd;");
     if (ncopies)
       ec_line(&e->core, "uint16_t *const cp = seg[s].c >= 0 ? (uint16_t *)(arena + seg[s].c) : NULL;");
-    ec_enter(&e->core, "for (int64_t k0 = lo + threadIdx.x; k0 < hi; k0 += %d * blockDim.x)", OPT_UNROLL);
-    ec_line(&e->core, "float gv[%d] = {0}, mv[%d] = {0}, vv[%d] = {0}, pv[%d] = {0};", OPT_UNROLL, OPT_UNROLL,
-            OPT_UNROLL, OPT_UNROLL);
-    ec_line(&e->core, "#pragma unroll");
-    ec_enter(&e->core, "for (int u = 0; u < %d; u++)", OPT_UNROLL);
-    ec_line(&e->core, "const int64_t k = k0 + u * blockDim.x;");
-    ec_line(&e->core, "if (k < hi)");
-    ec_line(&e->core, "  gv[u] = g[k], mv[u] = m[k], vv[u] = v[k], pv[u] = p[k];");
-    ec_leave(&e->core);
-    ec_line(&e->core, "#pragma unroll");
-    ec_enter(&e->core, "for (int u = 0; u < %d; u++)", OPT_UNROLL);
-    ec_line(&e->core, "const int64_t k = k0 + u * blockDim.x;");
-    ec_line(&e->core, "if (k >= hi)");
-    ec_line(&e->core, "  break;");
-    ec_line(&e->core, "const double gi = sc * gv[u];");
-    ec_line(&e->core, "const float mk = (float)(beta1 * mv[u] + (1 - beta1) * gi);");
-    ec_line(&e->core, "const float vk = (float)(beta2 * vv[u] + (1 - beta2) * gi * gi);");
-    ec_line(&e->core, "const float pk = (float)(pv[u] - lr * (mk * k1 / (sqrt(vk * k2) + eps) + wd * pv[u]));");
+    ec_line(&e->core, "const int64_t lo4 = (lo + 3) / 4 * 4, hi4 = hi / 4 * 4 > lo4 ? hi / 4 * 4 : lo4;");
+    ec_enter(&e->core, "if (threadIdx.x < 8)");
+    ec_line(&e->core, "const int64_t k = threadIdx.x < 4 ? lo + threadIdx.x : hi4 + threadIdx.x - 4;");
+    ec_enter(&e->core, "if (k < hi && (threadIdx.x >= 4 || k < lo4))");
+    ec_line(&e->core, "float mk = m[k], vk = v[k];");
+    ec_line(&e->core, "const float pk = mdl_adamw(h, wd, g[k], mk, vk, p[k]);");
     ec_line(&e->core, "m[k] = mk, v[k] = vk, p[k] = pk;");
     if (ncopies) {
       ec_line(&e->core, "if (cp)");
       ec_line(&e->core, "  cp[k] = mdl_f32_to_bf16(pk);");
+    }
+    ec_leave(&e->core);
+    ec_leave(&e->core);
+    ec_enter(&e->core, "for (int64_t k0 = lo4 / 4 + threadIdx.x; k0 < hi4 / 4; k0 += %d * blockDim.x)", OPT_UNROLL);
+    ec_line(&e->core, "float4 gv[%d], mv[%d], vv[%d], pv[%d];", OPT_UNROLL, OPT_UNROLL, OPT_UNROLL, OPT_UNROLL);
+    ec_line(&e->core, "#pragma unroll");
+    ec_enter(&e->core, "for (int u = 0; u < %d; u++)", OPT_UNROLL);
+    ec_line(&e->core, "const int64_t q = k0 + u * blockDim.x;");
+    ec_line(&e->core, "gv[u] = mv[u] = vv[u] = pv[u] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);");
+    ec_line(&e->core, "if (q < hi4 / 4)");
+    ec_line(&e->core, "  gv[u] = ((const float4 *)g)[q], mv[u] = ((float4 *)m)[q], vv[u] = ((float4 *)v)[q], "
+                      "pv[u] = ((float4 *)p)[q];");
+    ec_leave(&e->core);
+    ec_line(&e->core, "#pragma unroll");
+    ec_enter(&e->core, "for (int u = 0; u < %d; u++)", OPT_UNROLL);
+    ec_line(&e->core, "const int64_t q = k0 + u * blockDim.x;");
+    ec_line(&e->core, "if (q >= hi4 / 4)");
+    ec_line(&e->core, "  break;");
+    ec_line(&e->core, "float4 &mq = mv[u], &vq = vv[u], &pq = pv[u];");
+    ec_line(&e->core, "pq.x = mdl_adamw(h, wd, gv[u].x, mq.x, vq.x, pq.x);");
+    ec_line(&e->core, "pq.y = mdl_adamw(h, wd, gv[u].y, mq.y, vq.y, pq.y);");
+    ec_line(&e->core, "pq.z = mdl_adamw(h, wd, gv[u].z, mq.z, vq.z, pq.z);");
+    ec_line(&e->core, "pq.w = mdl_adamw(h, wd, gv[u].w, mq.w, vq.w, pq.w);");
+    ec_line(&e->core, "((float4 *)m)[q] = mq, ((float4 *)v)[q] = vq, ((float4 *)p)[q] = pq;");
+    if (ncopies) {
+      ec_line(&e->core, "if (cp)");
+      ec_line(&e->core, "  ((ushort4 *)cp)[q] = make_ushort4(mdl_f32_to_bf16(pq.x), mdl_f32_to_bf16(pq.y), "
+                        "mdl_f32_to_bf16(pq.z), mdl_f32_to_bf16(pq.w));");
     }
     ec_leave(&e->core);
     ec_leave(&e->core);

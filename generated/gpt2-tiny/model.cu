@@ -118,6 +118,18 @@ __device__ __forceinline__ uint16_t mdl_f32_to_bf16(float x) {
 
 __device__ __forceinline__ float mdl_bf16_to_f32(uint16_t h) { return __uint_as_float((uint32_t)h << 16); }
 
+// One AdamW update in double, as the interpreter does it: gradient g scaled by the clip factor sc,
+// the moments m and v updated in place (rounded to f32), the new parameter returned.
+struct MdlAdamW {
+  double sc, lr, beta1, beta2, eps, k1, k2;
+};
+__device__ __forceinline__ float mdl_adamw(const MdlAdamW &h, double wd, float g, float &m, float &v, float p) {
+  const double gi = h.sc * g;
+  m = (float)(h.beta1 * m + (1 - h.beta1) * gi);
+  v = (float)(h.beta2 * v + (1 - h.beta2) * gi * gi);
+  return (float)(p - h.lr * (m * h.k1 / (sqrt(v * h.k2) + h.eps) + wd * p));
+}
+
 // Two floats rounded to bf16 and packed into one register, lo in the low half (the order of the
 // elements of an mma fragment). On the GPU one cvt.rn.bf16x2.f32 (its second source is the low
 // half), which rounds as mdl_f32_to_bf16 does but may give a NaN other bits.
@@ -2404,7 +2416,7 @@ extern "C" __global__ void __launch_bounds__(256) k47_grad_norm__adamw(char *are
   const double sc = clip > 0 ? fmin(1.0, clip / (gnorm + 1e-6)) : 1.0;
   const double lr = b2[0], step = b1[0];
   const double beta1 = 0.9, beta2 = 0.95, eps = 1e-08;
-  const double k1 = 1.0 / (1.0 - pow(beta1, step)), k2 = 1.0 / (1.0 - pow(beta2, step));
+  const MdlAdamW h = {sc, lr, beta1, beta2, eps, 1.0 / (1.0 - pow(beta1, step)), 1.0 / (1.0 - pow(beta2, step))};
   const int64_t c0 = (int64_t)blockIdx.x * 8192, c1 = c0 + 8192 < 124672 ? c0 + 8192 : 124672;
   int s0 = 0;
   for (int s1 = 27; s0 < s1;) { // the last segment starting at or before c0
@@ -2419,26 +2431,39 @@ extern "C" __global__ void __launch_bounds__(256) k47_grad_norm__adamw(char *are
     const float *g = (const float *)(arena + seg[s].g);
     const double wd = seg[s].wd;
     uint16_t *const cp = seg[s].c >= 0 ? (uint16_t *)(arena + seg[s].c) : NULL;
-    for (int64_t k0 = lo + threadIdx.x; k0 < hi; k0 += 4 * blockDim.x) {
-      float gv[4] = {0}, mv[4] = {0}, vv[4] = {0}, pv[4] = {0};
-      #pragma unroll
-      for (int u = 0; u < 4; u++) {
-        const int64_t k = k0 + u * blockDim.x;
-        if (k < hi)
-          gv[u] = g[k], mv[u] = m[k], vv[u] = v[k], pv[u] = p[k];
-      }
-      #pragma unroll
-      for (int u = 0; u < 4; u++) {
-        const int64_t k = k0 + u * blockDim.x;
-        if (k >= hi)
-          break;
-        const double gi = sc * gv[u];
-        const float mk = (float)(beta1 * mv[u] + (1 - beta1) * gi);
-        const float vk = (float)(beta2 * vv[u] + (1 - beta2) * gi * gi);
-        const float pk = (float)(pv[u] - lr * (mk * k1 / (sqrt(vk * k2) + eps) + wd * pv[u]));
+    const int64_t lo4 = (lo + 3) / 4 * 4, hi4 = hi / 4 * 4 > lo4 ? hi / 4 * 4 : lo4;
+    if (threadIdx.x < 8) {
+      const int64_t k = threadIdx.x < 4 ? lo + threadIdx.x : hi4 + threadIdx.x - 4;
+      if (k < hi && (threadIdx.x >= 4 || k < lo4)) {
+        float mk = m[k], vk = v[k];
+        const float pk = mdl_adamw(h, wd, g[k], mk, vk, p[k]);
         m[k] = mk, v[k] = vk, p[k] = pk;
         if (cp)
           cp[k] = mdl_f32_to_bf16(pk);
+      }
+    }
+    for (int64_t k0 = lo4 / 4 + threadIdx.x; k0 < hi4 / 4; k0 += 2 * blockDim.x) {
+      float4 gv[2], mv[2], vv[2], pv[2];
+      #pragma unroll
+      for (int u = 0; u < 2; u++) {
+        const int64_t q = k0 + u * blockDim.x;
+        gv[u] = mv[u] = vv[u] = pv[u] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        if (q < hi4 / 4)
+          gv[u] = ((const float4 *)g)[q], mv[u] = ((float4 *)m)[q], vv[u] = ((float4 *)v)[q], pv[u] = ((float4 *)p)[q];
+      }
+      #pragma unroll
+      for (int u = 0; u < 2; u++) {
+        const int64_t q = k0 + u * blockDim.x;
+        if (q >= hi4 / 4)
+          break;
+        float4 &mq = mv[u], &vq = vv[u], &pq = pv[u];
+        pq.x = mdl_adamw(h, wd, gv[u].x, mq.x, vq.x, pq.x);
+        pq.y = mdl_adamw(h, wd, gv[u].y, mq.y, vq.y, pq.y);
+        pq.z = mdl_adamw(h, wd, gv[u].z, mq.z, vq.z, pq.z);
+        pq.w = mdl_adamw(h, wd, gv[u].w, mq.w, vq.w, pq.w);
+        ((float4 *)m)[q] = mq, ((float4 *)v)[q] = vq, ((float4 *)p)[q] = pq;
+        if (cp)
+          ((ushort4 *)cp)[q] = make_ushort4(mdl_f32_to_bf16(pq.x), mdl_f32_to_bf16(pq.y), mdl_f32_to_bf16(pq.z), mdl_f32_to_bf16(pq.w));
       }
     }
   }
