@@ -5,8 +5,12 @@
 // gets one gradient node, appended to the same graph with the IR's own ops: simple derivatives are
 // spelled with elementwise ops on nodes that already exist (d tanh = dy * (1 - y * y)), the others
 // use the dedicated *_BWD ops, and a node used several times sums its contributions with ADD.
-// When a node's gradient is complete (its id is reached in the sweep, so every consumer has been
-// visited) it is named "d.NAME" after the forward value it differentiates.
+// Contributions are kept per node until its gradient is complete (its id is reached in the sweep,
+// so every consumer has been visited); then they are added in the order they came, and the sum is
+// named "d.NAME" after the forward value it differentiates. A SLICE contributes its output's
+// gradient zero-padded back to the input's shape (SLICE_BWD); when SLICEs of one axis that tile it
+// are all a node's contributions (GPT-2's q, k, v = split(qkv)), its gradient is the CONCAT of
+// theirs, read once per element instead of a sum of mostly zeros.
 //
 // Broadcasting in the forward graph (ADD/SUB/MUL/DIV operands, BROADCAST, MATMUL batch axes) is
 // undone on the way back by summing the gradient over the broadcast axes with keepdim and then
@@ -18,9 +22,18 @@
 
 #include <string.h>
 
+// A contribution to a node's gradient: node, or with axis >= 0 the gradient `node` of a SLICE of
+// [start, end) on axis.
+typedef struct {
+  int node, axis;
+  int64_t start, end;
+} Part;
+
 typedef struct {
   Graph *g;
-  int *grad;        // grad[i]: gradient node of forward node i, or -1
+  int *grad;        // grad[i]: gradient node of forward node i once complete (grad_of), or -1
+  Part **parts;     // parts[i][0 .. nparts[i]): its contributions until then, in order
+  int *nparts, *capparts;
   bool *active;     // forward node depends on a PARAM and leads to the loss
   SrcLoc loc;       // loc of the forward node being differentiated
   const char *what; // its op name, for error messages
@@ -127,13 +140,75 @@ static int unreduce(Ad *ad, int dy, int x, int axis) {
   return broadcast(ad, reshape(ad, dy, keep), shape(ad, x));
 }
 
+static void add_part(Ad *ad, int x, Part p) {
+  if (ad->nparts[x] == ad->capparts[x]) {
+    int cap = ad->capparts[x] ? 2 * ad->capparts[x] : 4;
+    Part *grown = arena_alloc(ad->g->arena, sizeof *grown * (size_t)cap);
+    if (ad->nparts[x])
+      memcpy(grown, ad->parts[x], sizeof *grown * (size_t)ad->nparts[x]);
+    ad->parts[x] = grown;
+    ad->capparts[x] = cap;
+  }
+  ad->parts[x][ad->nparts[x]++] = p;
+}
+
 // Adds contribution c to the gradient of forward node x.
 static void accumulate(Ad *ad, int x, int c) {
   if (c < 0) {
     ad->failed = true;
     return;
   }
-  ad->grad[x] = ad->grad[x] < 0 ? c : binary(ad, OP_ADD, ad->grad[x], c);
+  add_part(ad, x, (Part){c, -1, 0, 0});
+}
+
+// Do the contributions to x tile an axis of x with SLICE gradients, in order of start? Then
+// order[] lists them so.
+static bool tiled(Ad *ad, int x, int *order) {
+  int n = ad->nparts[x];
+  const Part *p = ad->parts[x];
+  if (n < 2 || n > 64 || p[0].axis < 0)
+    return false;
+  int64_t at = 0, len = ad->g->nodes[x]->shape.d[p[0].axis];
+  for (int k = 0; k < n; k++) { // the part starting at `at`, each in turn
+    int found = -1;
+    for (int j = 0; j < n; j++)
+      if (p[j].axis == p[0].axis && p[j].start == at)
+        found = j;
+    if (found < 0)
+      return false;
+    order[k] = found;
+    at = p[found].end;
+  }
+  return at == len;
+}
+
+// The gradient of forward node x, complete: its contributions added in the order they came (a
+// SLICE's as SLICE_BWD), or the CONCAT of SLICE gradients that tile an axis; -1 when it has none.
+static int grad_of(Ad *ad, int x) {
+  if (ad->grad[x] >= 0 || ad->nparts[x] == 0)
+    return ad->grad[x];
+  const Part *p = ad->parts[x];
+  int order[64];
+  if (tiled(ad, x, order)) {
+    int in[64];
+    for (int k = 0; k < ad->nparts[x]; k++)
+      in[k] = p[order[k]].node;
+    ad->grad[x] = add_node(ad, OP_CONCAT, in, ad->nparts[x], (int64_t[8]){p[0].axis}, NULL);
+  } else {
+    int sum = -1;
+    for (int k = 0; k < ad->nparts[x]; k++) {
+      int c = p[k].axis < 0 ? p[k].node
+                            : ir_slice_bwd(ad->g, p[k].node, shape(ad, x), p[k].axis, p[k].start, p[k].end, ad->loc);
+      sum = c < 0 || sum < 0 ? c : binary(ad, OP_ADD, sum, c);
+      if (c < 0)
+        break;
+    }
+    ad->grad[x] = sum;
+  }
+  if (ad->grad[x] < 0)
+    ad->failed = true;
+  ad->nparts[x] = 0;
+  return ad->grad[x];
 }
 
 // Does forward node x take a gradient?
@@ -241,13 +316,9 @@ static bool backward_rule(Ad *ad, int i, int dy) {
   case OP_BROADCAST:
     accumulate(ad, x, unbroadcast(ad, dy, shape(ad, x)));
     return true;
-  case OP_SLICE: {
-    int id = ir_slice_bwd(g, dy, shape(ad, x), (int)n->ia[0], n->ia[1], n->ia[2], ad->loc);
-    if (id < 0)
-      ad->failed = true;
-    accumulate(ad, x, id);
+  case OP_SLICE:
+    add_part(ad, x, (Part){dy, (int)n->ia[0], n->ia[1], n->ia[2]});
     return true;
-  }
   case OP_CONCAT: {
     int64_t axis = n->ia[0], start = 0;
     for (int k = 0; k < n->nin; k++) {
@@ -344,7 +415,7 @@ static int param_grad(Ad *ad, int p) {
   Graph *g = ad->g;
   IrNode *pn = g->nodes[p];
   ad->loc = pn->loc;
-  int d = ad->grad[p];
+  int d = grad_of(ad, p);
   if (d < 0) {
     d = constant(ad, 0);
     d = d >= 0 ? ir_broadcast(g, d, pn->shape, ad->loc) : -1;
@@ -426,9 +497,15 @@ bool autodiff(Graph *g, bool optimizer) {
   }
   Ad ad = {.g = g};
   ad.grad = arena_alloc(g->arena, sizeof(int) * (size_t)g->fwd_end);
+  ad.parts = arena_alloc(g->arena, sizeof(Part *) * (size_t)g->fwd_end);
+  ad.nparts = arena_alloc(g->arena, sizeof(int) * (size_t)g->fwd_end);
+  ad.capparts = arena_alloc(g->arena, sizeof(int) * (size_t)g->fwd_end);
   ad.active = arena_alloc(g->arena, sizeof(bool) * (size_t)g->fwd_end);
-  for (int i = 0; i < g->fwd_end; i++)
+  for (int i = 0; i < g->fwd_end; i++) {
     ad.grad[i] = -1;
+    ad.parts[i] = NULL;
+    ad.nparts[i] = ad.capparts[i] = 0;
+  }
   mark_active(g, ad.active);
 
   if (ad.active[g->loss]) {
@@ -436,8 +513,11 @@ bool autodiff(Graph *g, bool optimizer) {
     ad.grad[g->loss] = constant(&ad, 1);
   }
   for (int i = g->loss; i >= 0 && !ad.failed; i--) {
-    int dy = ad.grad[i];
-    if (!ad.active[i] || dy < 0)
+    if (!ad.active[i])
+      continue;
+    ad.loc = g->nodes[i]->loc; // (of the SLICE_BWDs and ADDs that complete the gradient)
+    int dy = grad_of(&ad, i);
+    if (dy < 0)
       continue;
     IrNode *n = g->nodes[i];
     if (dy >= g->fwd_end && !g->nodes[dy]->name && n->name && n->op != OP_PARAM)

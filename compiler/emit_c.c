@@ -409,6 +409,7 @@ static const char *val(Emit *e, int n, const char *ix) {
 
 // The evaluator hooks of EmitCore (core is the first member of Emit).
 static const char *core_val(EmitCore *core, int n, const char *ix) { return val((Emit *)core, n, ix); }
+static const char *core_base(EmitCore *core, int n) { return str((Emit *)core, "b%d", ptr((Emit *)core, n)); }
 
 static const char *core_seed(EmitCore *core) {
   ((Emit *)core)->uses_h = true;
@@ -2047,7 +2048,8 @@ static const char *kernel_name(Emit *e, const char *name, int si, const char **n
 char *emit_c(const Fusion *f, const MemPlan *m, const char *source_path) {
   const Graph *g = f->g;
   size_t n = (size_t)g->n;
-  Emit e = {.core = {.f = f, .m = m, .g = g, .a = arena_new(), .val = core_val, .seed = core_seed, .ixt = "int64_t"}};
+  Emit e = {.core = {.f = f, .m = m, .g = g, .a = arena_new(), .val = core_val, .seed = core_seed, .base = core_base,
+                     .ixt = "int64_t"}};
   e.core.in_step = ec_xcalloc(n, sizeof *e.core.in_step);
   e.core.grp = ec_xcalloc(n, sizeof *e.core.grp);
   e.core.spill = ec_xcalloc(n, sizeof *e.core.spill);

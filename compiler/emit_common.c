@@ -927,19 +927,25 @@ const char *ec_ix_axis(EmitCore *e, Shape s, int ax, const char *ix) {
 
 // Element (outer o, axis coordinate c - at, inner) of a part of length len along ax, for element ix
 // of the whole (shape s): the index into the part, or 0 when c is outside [at, at + len).
-const char *ec_ix_part(EmitCore *e, Shape s, int ax, const char *ix, const char *c, int64_t at, int64_t len) {
+// The index into a part of length len at `at` on axis ax of a tensor of shape s, at flat index ix
+// whose coordinate on the axis (c) lies in the part.
+static void part_index(EmitCore *e, Buf *b, Shape s, int ax, const char *ix, const char *c, int64_t at, int64_t len) {
   int64_t inner = ec_span(s, ax + 1, s.rank), outer = ec_span(s, 0, ax), flen = s.d[ax];
+  if (outer > 1) {
+    coord(e, b, ix, flen * inner, outer, true);
+    ec_bput(b, " * %lld + ", (long long)(len * inner));
+  }
+  ec_bput(b, "(%s - %lld)", c, (long long)at);
+  if (inner > 1) {
+    ec_bput(b, " * %lld + ", (long long)inner);
+    coord(e, b, ix, 1, inner, false);
+  }
+}
+
+const char *ec_ix_part(EmitCore *e, Shape s, int ax, const char *ix, const char *c, int64_t at, int64_t len) {
   Buf b = {0};
   ec_bput(&b, "%s >= %lld && %s < %lld ? ", c, (long long)at, c, (long long)(at + len));
-  if (outer > 1) {
-    coord(e, &b, ix, flen * inner, outer, true);
-    ec_bput(&b, " * %lld + ", (long long)(len * inner));
-  }
-  ec_bput(&b, "(%s - %lld)", c, (long long)at);
-  if (inner > 1) {
-    ec_bput(&b, " * %lld + ", (long long)inner);
-    coord(e, &b, ix, 1, inner, false);
-  }
+  part_index(e, &b, s, ax, ix, c, at, len);
   ec_bput(&b, " : 0");
   return ix_var(e, ec_buf_str(e, &b));
 }
@@ -1004,6 +1010,29 @@ const char *ec_pointwise_expr(EmitCore *e, int c, const char *ix) {
     if (nd->nin > 64) {
       ec_fail(e, "concat of %d inputs", nd->nin);
       return "0";
+    }
+    // Parts all in memory, of one type (the gradient of a split: dq, dk, dv): one load, through the
+    // pointer of the part the index falls in, rather than a load from each part.
+    int first = ec_canon(e, nd->in[0]);
+    bool direct = e->base != NULL;
+    for (int k = 0; k < nd->nin && direct; k++) {
+      int ck = ec_canon(e, nd->in[k]);
+      direct = ec_in_memory(e, ck) && ec_node(e, ck)->op != OP_CONST && ec_node(e, ck)->dtype == ec_node(e, first)->dtype;
+    }
+    if (direct) {
+      Buf b = {0};
+      ec_bput(&b, "(");
+      for (int k = 0; k < nd->nin; k++) {
+        int64_t len = ec_node(e, nd->in[k])->shape.d[ax];
+        if (k + 1 < nd->nin)
+          ec_bput(&b, "%s < %lld ? ", c, (long long)(at + len));
+        ec_bput(&b, "%s + (", e->base(e, ec_canon(e, nd->in[k])));
+        part_index(e, &b, nd->shape, ax, ix, c, at, len);
+        ec_bput(&b, ")%s", k + 1 < nd->nin ? " : " : "");
+        at += len;
+      }
+      ec_bput(&b, ")[0]");
+      return ec_load(e, first, ec_buf_str(e, &b));
     }
     for (int k = 0; k < nd->nin; k++) {
       int64_t len = ec_node(e, nd->in[k])->shape.d[ax];

@@ -66,6 +66,7 @@ struct EmitCore {
   // the target's part of the inline evaluator
   const char *(*val)(EmitCore *e, int n, const char *ix); // node n's value at flat index ix (emits what computes it)
   const char *(*seed)(EmitCore *e);                       // the run's seed, for a dropout mask
+  const char *(*base)(EmitCore *e, int n);                // the pointer to node n's memory (ec_in_memory)
 
   const Fusion *f;
   const MemPlan *m;

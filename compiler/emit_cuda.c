@@ -883,6 +883,7 @@ static const char *val(Emit *e, int n, const char *ix) {
 
 // The evaluator hooks of EmitCore (core is the first member of Emit).
 static const char *core_val(EmitCore *core, int n, const char *ix) { return val((Emit *)core, n, ix); }
+static const char *core_base(EmitCore *core, int n) { return ptr((Emit *)core, n); }
 
 // The step's seed is read from device memory, where the runtime writes it before each step: a
 // captured graph replays its launches' arguments as they were, so a seed passed by value would
@@ -4029,7 +4030,7 @@ static void build_users(Emit *e) {
 CudaPlan *emit_cuda_plan(const Fusion *f, const MemPlan *m, const char *source_path) {
   const Graph *g = f->g;
   size_t n = (size_t)g->n;
-  Emit e = {.core = {.f = f, .m = m, .g = g, .a = arena_new(), .val = core_val, .seed = core_seed}};
+  Emit e = {.core = {.f = f, .m = m, .g = g, .a = arena_new(), .val = core_val, .seed = core_seed, .base = core_base}};
   e.core.in_step = ec_xcalloc(n, sizeof *e.core.in_step);
   e.core.grp = ec_xcalloc(n, sizeof *e.core.grp);
   e.core.spill = ec_xcalloc(n, sizeof *e.core.spill);

@@ -300,14 +300,14 @@ static void k3_gemm__add__cast(char *arena, const MdlHooks *h) {
 //   %32    attention                               line 39    f32[8,64,64]
 //   %33    reshape                                 line 39    f32[512,64]
 //   %34    cast                                    line 39    bf16[512,64]
-//   %194   attention_lse                           line 39    f32[8,4,64]
+//   %190   attention_lse                           line 39    f32[8,4,64]
 // loops:
 //   attention and its log-sum-exp per row: B 8, T 64, 4 heads of 16, causal, within documents; one task per (batch, head)
 static void k4_attention_fwd__cast__lse(char *arena, const MdlHooks *h) {
   int32_t *const b3 = (int32_t *)(arena + 2230272); // %3 input doc i32[8,64]
   uint16_t *const b28 = (uint16_t *)(arena + 3805312); // %28 cast bf16[8,64,192]
   uint16_t *const b34 = (uint16_t *)(arena + 5181568); // %34 cast bf16[512,64]
-  float *const b194 = (float *)(arena + 5640320); // %194 attention_lse f32[8,4,64]
+  float *const b190 = (float *)(arena + 5640320); // %190 attention_lse f32[8,4,64]
   #pragma omp parallel num_threads(h->nthreads)
   {
     float *restrict kt = memset(mdl_scratch(1536 * sizeof(float)), 0, 1536 * sizeof(float));
@@ -368,7 +368,7 @@ static void k4_attention_fwd__cast__lse(char *arena, const MdlHooks *h) {
           }
           l = ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
         }
-        b194[(b * 4 + hd) * 64 + i] = m + logf(l);
+        b190[(b * 4 + hd) * 64 + i] = m + logf(l);
         float acc0[16] = {0}, acc1[16] = {0};
         int64_t j = lo;
         for (; j + 1 < hi; j += 2) {
@@ -1219,9 +1219,9 @@ static void k24_gemm(char *arena, const MdlHooks *h) {
 
 // k25_layernorm_bwd__add__sum__cast: kernel, 7 ops
 //   %140   layernorm_bwd                           line 40    f32[8,64,64]
-//   %141   add                d.h.1.x              line 40    f32[8,64,64]
-//   %142   layernorm_bwd      d.h.1.ln2_w          line 40    f32[64]
-//   %143   layernorm_bwd      d.h.1.ln2_b          line 40    f32[64]
+//   %141   layernorm_bwd      d.h.1.ln2_w          line 40    f32[64]
+//   %142   layernorm_bwd      d.h.1.ln2_b          line 40    f32[64]
+//   %143   add                d.h.1.x              line 39    f32[8,64,64]
 //   %144   reshape                                 line 39    f32[512,64]
 //   %145   sum                d.h.1.proj_b         line 39    f32[64]
 //   %146   cast                                    line 39    bf16[512,64]
@@ -1232,9 +1232,9 @@ static void k25_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
   float *const b85 = (float *)(arena + 4591744); // %85 add h.1.x f32[8,64,64]
   float *const b124 = (float *)(arena + 4984960); // %124 layernorm_bwd d.h.1.x f32[8,64,64]
   float *const b137 = (float *)(arena + 2756736); // %137 matmul f32[512,64]
-  float *const b141 = (float *)(arena + 2953344); // %141 add d.h.1.x f32[8,64,64]
-  float *const b142 = (float *)(arena + 864000); // %142 layernorm_bwd d.h.1.ln2_w f32[64]
-  float *const b143 = (float *)(arena + 864256); // %143 layernorm_bwd d.h.1.ln2_b f32[64]
+  float *const b141 = (float *)(arena + 864000); // %141 layernorm_bwd d.h.1.ln2_w f32[64]
+  float *const b142 = (float *)(arena + 864256); // %142 layernorm_bwd d.h.1.ln2_b f32[64]
+  float *const b143 = (float *)(arena + 2953344); // %143 add d.h.1.x f32[8,64,64]
   float *const b145 = (float *)(arena + 863744); // %145 sum d.h.1.proj_b f32[64]
   uint16_t *const b146 = (uint16_t *)(arena + 2887808); // %146 cast bf16[512,64]
   double *pdw = mdl_scratch(2048 * sizeof(double));
@@ -1279,9 +1279,9 @@ static void k25_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
         for (int64_t j = 0; j < 64; j++) {
           const int64_t ix = r * 64 + j;
           const float v124_ix = b124[ix];
-          const float v141_ix = v124_ix + dx[j];
-          b141[ix] = v141_ix;
-          const float v144_ix = v141_ix;
+          const float v143_ix = v124_ix + dx[j];
+          b143[ix] = v143_ix;
+          const float v144_ix = v143_ix;
           const float v146_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v144_ix));
           b146[ix] = mdl_f32_to_bf16(v146_ix);
           sa0[j] += v144_ix;
@@ -1297,8 +1297,8 @@ static void k25_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
       b += pdb[k * 64 + j];
       a0 += ps0[k * 64 + j];
     }
-    b142[j] = (float)w;
-    b143[j] = (float)b;
+    b141[j] = (float)w;
+    b142[j] = (float)b;
     b145[j] = (float)a0;
   }
   free(pdw);
@@ -1490,23 +1490,19 @@ static void k28_attention_bwd(char *arena, const MdlHooks *h) {
   }
 }
 
-// k29_sum__slice_bwd__add__cast: kernel, 8 ops
-//   %156   slice_bwd                               line 38    f32[8,64,192]
-//   %157   slice_bwd                               line 38    f32[8,64,192]
-//   %158   add                                     line 38    f32[8,64,192]
-//   %159   slice_bwd                               line 38    f32[8,64,192]
-//   %160   add                                     line 38    f32[8,64,192]
-//   %161   reshape                                 line 38    f32[512,192]
-//   %162   sum                d.h.1.attn_b         line 38    f32[192]
-//   %163   cast                                    line 38    bf16[512,192]
+// k29_sum__concat__cast: kernel, 4 ops
+//   %156   concat                                  line 38    f32[8,64,192]
+//   %157   reshape                                 line 38    f32[512,192]
+//   %158   sum                d.h.1.attn_b         line 38    f32[192]
+//   %159   cast                                    line 38    bf16[512,192]
 // loops:
-//   sum %162: 192 outputs over 512 elements, in 32 blocks of 16
-static void k29_sum__slice_bwd__add__cast(char *arena, const MdlHooks *h) {
+//   sum %158: 192 outputs over 512 elements, in 32 blocks of 16
+static void k29_sum__concat__cast(char *arena, const MdlHooks *h) {
   float *const b153 = (float *)(arena + 3084416); // %153 attention_bwd d.h.1.q f32[8,64,64]
   float *const b154 = (float *)(arena + 3543168); // %154 attention_bwd d.h.1.k f32[8,64,64]
   float *const b155 = (float *)(arena + 3674240); // %155 attention_bwd d.h.1.v f32[8,64,64]
-  float *const b162 = (float *)(arena + 846592); // %162 sum d.h.1.attn_b f32[192]
-  uint16_t *const b163 = (uint16_t *)(arena + 2756736); // %163 cast bf16[512,192]
+  float *const b158 = (float *)(arena + 846592); // %158 sum d.h.1.attn_b f32[192]
+  uint16_t *const b159 = (uint16_t *)(arena + 2756736); // %159 cast bf16[512,192]
   double *part = mdl_scratch(6144 * sizeof(double));
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
   for (int64_t k = 0; k < 32; k++) {
@@ -1517,21 +1513,11 @@ static void k29_sum__slice_bwd__add__cast(char *arena, const MdlHooks *h) {
     for (int64_t l = k * 16; l < end; l++) {
       for (int64_t c = 0; c < 192; c++) {
         const int64_t ix = l * 192 + c;
-        const int64_t j1 = c >= 128 && c < 192 ? l * 64 + (c - 128) : 0;
-        const float v155_j1 = b155[j1];
-        const float v156_ix = c >= 128 && c < 192 ? v155_j1 : 0.0f;
-        const int64_t j2 = c >= 64 && c < 128 ? l * 64 + (c - 64) : 0;
-        const float v154_j2 = b154[j2];
-        const float v157_ix = c >= 64 && c < 128 ? v154_j2 : 0.0f;
-        const float v158_ix = v156_ix + v157_ix;
-        const int64_t j3 = c >= 0 && c < 64 ? l * 64 + (c - 0) : 0;
-        const float v153_j3 = b153[j3];
-        const float v159_ix = c >= 0 && c < 64 ? v153_j3 : 0.0f;
-        const float v160_ix = v158_ix + v159_ix;
-        const float v161_ix = v160_ix;
-        const float v = v161_ix;
-        const float v163_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v161_ix));
-        b163[ix] = mdl_f32_to_bf16(v163_ix);
+        const float v156_ix = (c < 64 ? b153 + (l * 64 + (c - 0)) : c < 128 ? b154 + (l * 64 + (c - 64)) : b155 + (l * 64 + (c - 128)))[0];
+        const float v157_ix = v156_ix;
+        const float v = v157_ix;
+        const float v159_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v157_ix));
+        b159[ix] = mdl_f32_to_bf16(v159_ix);
         p[c] += v;
       }
     }
@@ -1543,68 +1529,68 @@ static void k29_sum__slice_bwd__add__cast(char *arena, const MdlHooks *h) {
       acc += v;
     }
     const float y = (float)acc;
-    b162[r] = y;
+    b158[r] = y;
   }
   free(part);
 }
 
 // k30_gemm: GEMM, 1 op
-//   %164   matmul                                  line 38    f32[512,64]
+//   %160   matmul                                  line 38    f32[512,64]
 // loops:
-//   gemm %164: [512 x 64] = [512 x 192] T[192 x 64], bf16 operands widened to f32
+//   gemm %160: [512 x 64] = [512 x 192] T[192 x 64], bf16 operands widened to f32
 static void k30_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b70 = (uint16_t *)(arena + 2125824); // %70 cast bf16[64,192]
-  uint16_t *const b163 = (uint16_t *)(arena + 2756736); // %163 cast bf16[512,192]
-  float *const b164 = (float *)(arena + 3084416); // %164 matmul f32[512,64]
+  uint16_t *const b159 = (uint16_t *)(arena + 2756736); // %159 cast bf16[512,192]
+  float *const b160 = (float *)(arena + 3084416); // %160 matmul f32[512,64]
   {
-    float *const w163 = mdl_widen_bf16(b163, 98304, h->nthreads);
+    float *const w159 = mdl_widen_bf16(b159, 98304, h->nthreads);
     float *const w70 = mdl_widen_bf16(b70, 12288, h->nthreads);
-    mdl_gemm(h, 0, 1, 512, 64, 192, w163, 192, w70, 192, 0.0f, b164, 64);
-    free(w163);
+    mdl_gemm(h, 0, 1, 512, 64, 192, w159, 192, w70, 192, 0.0f, b160, 64);
+    free(w159);
     free(w70);
   }
 }
 
 // k31_gemm: GEMM, 1 op
-//   %165   matmul             d.h.1.attn_w         line 38    f32[64,192]
+//   %161   matmul             d.h.1.attn_w         line 38    f32[64,192]
 // loops:
-//   gemm %165: [64 x 192] = T[64 x 512] [512 x 192], bf16 operands widened to f32
+//   gemm %161: [64 x 192] = T[64 x 512] [512 x 192], bf16 operands widened to f32
 static void k31_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b69 = (uint16_t *)(arena + 5312640); // %69 cast bf16[512,64]
-  uint16_t *const b163 = (uint16_t *)(arena + 2756736); // %163 cast bf16[512,192]
-  float *const b165 = (float *)(arena + 797440); // %165 matmul d.h.1.attn_w f32[64,192]
+  uint16_t *const b159 = (uint16_t *)(arena + 2756736); // %159 cast bf16[512,192]
+  float *const b161 = (float *)(arena + 797440); // %161 matmul d.h.1.attn_w f32[64,192]
   {
     float *const w69 = mdl_widen_bf16(b69, 32768, h->nthreads);
-    float *const w163 = mdl_widen_bf16(b163, 98304, h->nthreads);
-    mdl_gemm(h, 1, 0, 64, 192, 512, w69, 64, w163, 192, 0.0f, b165, 192);
+    float *const w159 = mdl_widen_bf16(b159, 98304, h->nthreads);
+    mdl_gemm(h, 1, 0, 64, 192, 512, w69, 64, w159, 192, 0.0f, b161, 192);
     free(w69);
-    free(w163);
+    free(w159);
   }
 }
 
 // k32_layernorm_bwd__add__sum__cast: kernel, 7 ops
-//   %167   layernorm_bwd                           line 38    f32[8,64,64]
-//   %168   add                d.h.0.x              line 38    f32[8,64,64]
-//   %169   layernorm_bwd      d.h.1.ln1_w          line 38    f32[64]
-//   %170   layernorm_bwd      d.h.1.ln1_b          line 38    f32[64]
-//   %171   reshape                                 line 40    f32[512,64]
-//   %172   sum                d.h.0.fcproj_b       line 40    f32[64]
-//   %173   cast                                    line 40    bf16[512,64]
+//   %163   layernorm_bwd                           line 38    f32[8,64,64]
+//   %164   layernorm_bwd      d.h.1.ln1_w          line 38    f32[64]
+//   %165   layernorm_bwd      d.h.1.ln1_b          line 38    f32[64]
+//   %166   add                d.h.0.x              line 40    f32[8,64,64]
+//   %167   reshape                                 line 40    f32[512,64]
+//   %168   sum                d.h.0.fcproj_b       line 40    f32[64]
+//   %169   cast                                    line 40    bf16[512,64]
 // loops:
 //   layernorm_bwd: 512 rows of 64, column sums over 32 blocks of 16 rows
 static void k32_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
   float *const b54 = (float *)(arena + 4460672); // %54 add h.0.x f32[8,64,64]
   float *const b55 = (float *)(arena + 298240); // %55 param h.1.ln1_w f32[64]
-  float *const b141 = (float *)(arena + 2953344); // %141 add d.h.1.x f32[8,64,64]
-  float *const b164 = (float *)(arena + 3084416); // %164 matmul f32[512,64]
-  float *const b168 = (float *)(arena + 3543168); // %168 add d.h.0.x f32[8,64,64]
-  float *const b169 = (float *)(arena + 796928); // %169 layernorm_bwd d.h.1.ln1_w f32[64]
-  float *const b170 = (float *)(arena + 797184); // %170 layernorm_bwd d.h.1.ln1_b f32[64]
-  float *const b172 = (float *)(arena + 796672); // %172 sum d.h.0.fcproj_b f32[64]
-  uint16_t *const b173 = (uint16_t *)(arena + 3215488); // %173 cast bf16[512,64]
+  float *const b143 = (float *)(arena + 2953344); // %143 add d.h.1.x f32[8,64,64]
+  float *const b160 = (float *)(arena + 3084416); // %160 matmul f32[512,64]
+  float *const b164 = (float *)(arena + 796928); // %164 layernorm_bwd d.h.1.ln1_w f32[64]
+  float *const b165 = (float *)(arena + 797184); // %165 layernorm_bwd d.h.1.ln1_b f32[64]
+  float *const b166 = (float *)(arena + 3543168); // %166 add d.h.0.x f32[8,64,64]
+  float *const b168 = (float *)(arena + 796672); // %168 sum d.h.0.fcproj_b f32[64]
+  uint16_t *const b169 = (uint16_t *)(arena + 3215488); // %169 cast bf16[512,64]
   double *pdw = mdl_scratch(2048 * sizeof(double));
   double *pdb = mdl_scratch(2048 * sizeof(double));
-  double *ps0 = mdl_scratch(2048 * sizeof(double)); // partials of the column sum %172
+  double *ps0 = mdl_scratch(2048 * sizeof(double)); // partials of the column sum %168
   #pragma omp parallel num_threads(h->nthreads)
   {
     float *dxrow = mdl_scratch(64 * sizeof(float));
@@ -1618,7 +1604,7 @@ static void k32_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
       const int64_t end = k * 16 + 16 < 512 ? k * 16 + 16 : 512;
       for (int64_t r = k * 16; r < end; r++) {
         const float *x = b54 + r * 64;
-        const float *dy = b164 + r * 64;
+        const float *dy = b160 + r * 64;
         double mean = 0, var = 0, mg = 0, mgx = 0;
         #pragma omp simd reduction(+ : mean)
         for (int64_t j = 0; j < 64; j++)
@@ -1643,13 +1629,13 @@ static void k32_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
           dx[j] = (float)(rstd * ((double)dy[j] * b55[j] - mg - (x[j] - mean) * rstd * mgx));
         for (int64_t j = 0; j < 64; j++) {
           const int64_t ix = r * 64 + j;
-          const float v141_ix = b141[ix];
-          const float v168_ix = v141_ix + dx[j];
-          b168[ix] = v168_ix;
-          const float v171_ix = v168_ix;
-          const float v173_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v171_ix));
-          b173[ix] = mdl_f32_to_bf16(v173_ix);
-          sa0[j] += v171_ix;
+          const float v143_ix = b143[ix];
+          const float v166_ix = v143_ix + dx[j];
+          b166[ix] = v166_ix;
+          const float v167_ix = v166_ix;
+          const float v169_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v167_ix));
+          b169[ix] = mdl_f32_to_bf16(v169_ix);
+          sa0[j] += v167_ix;
         }
       }
     }
@@ -1662,9 +1648,9 @@ static void k32_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
       b += pdb[k * 64 + j];
       a0 += ps0[k * 64 + j];
     }
-    b169[j] = (float)w;
-    b170[j] = (float)b;
-    b172[j] = (float)a0;
+    b164[j] = (float)w;
+    b165[j] = (float)b;
+    b168[j] = (float)a0;
   }
   free(pdw);
   free(pdb);
@@ -1672,44 +1658,44 @@ static void k32_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
 }
 
 // k33_gemm: GEMM, 1 op
-//   %175   matmul             d.h.0.fcproj_w       line 40    f32[256,64]
+//   %171   matmul             d.h.0.fcproj_w       line 40    f32[256,64]
 // loops:
-//   gemm %175: [256 x 64] = T[256 x 512] [512 x 64], bf16 operands widened to f32
+//   gemm %171: [256 x 64] = T[256 x 512] [512 x 64], bf16 operands widened to f32
 static void k33_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b49 = (uint16_t *)(arena + 3281024); // %49 cast bf16[512,256]
-  uint16_t *const b173 = (uint16_t *)(arena + 3215488); // %173 cast bf16[512,64]
-  float *const b175 = (float *)(arena + 731136); // %175 matmul d.h.0.fcproj_w f32[256,64]
+  uint16_t *const b169 = (uint16_t *)(arena + 3215488); // %169 cast bf16[512,64]
+  float *const b171 = (float *)(arena + 731136); // %171 matmul d.h.0.fcproj_w f32[256,64]
   {
     float *const w49 = mdl_widen_bf16(b49, 131072, h->nthreads);
-    float *const w173 = mdl_widen_bf16(b173, 32768, h->nthreads);
-    mdl_gemm(h, 1, 0, 256, 64, 512, w49, 256, w173, 64, 0.0f, b175, 64);
+    float *const w169 = mdl_widen_bf16(b169, 32768, h->nthreads);
+    mdl_gemm(h, 1, 0, 256, 64, 512, w49, 256, w169, 64, 0.0f, b171, 64);
     free(w49);
-    free(w173);
+    free(w169);
   }
 }
 
 // k34_gemm__gelu_bwd__sum__cast: GEMM, 6 ops
-//   %174   matmul                                  line 40    f32[512,256]
-//   %176   reshape                                 line 40    f32[8,64,256]
-//   %177   gelu_bwd                                line 40    f32[8,64,256]
-//   %178   reshape                                 line 40    f32[512,256]
-//   %179   sum                d.h.0.fc_b           line 40    f32[256]
-//   %180   cast                                    line 40    bf16[512,256]
+//   %170   matmul                                  line 40    f32[512,256]
+//   %172   reshape                                 line 40    f32[8,64,256]
+//   %173   gelu_bwd                                line 40    f32[8,64,256]
+//   %174   reshape                                 line 40    f32[512,256]
+//   %175   sum                d.h.0.fc_b           line 40    f32[256]
+//   %176   cast                                    line 40    bf16[512,256]
 // loops:
-//   gemm %174: [512 x 256] = [512 x 64] T[64 x 256], bf16 operands widened to f32, epilogue after
-//   sum %179: 256 outputs over 512 elements, in 32 blocks of 16
+//   gemm %170: [512 x 256] = [512 x 64] T[64 x 256], bf16 operands widened to f32, epilogue after
+//   sum %175: 256 outputs over 512 elements, in 32 blocks of 16
 static void k34_gemm__gelu_bwd__sum__cast(char *arena, const MdlHooks *h) {
   float *const b46 = (float *)(arena + 2232448); // %46 add f32[8,64,256]
   uint16_t *const b50 = (uint16_t *)(arena + 2093056); // %50 cast bf16[256,64]
-  uint16_t *const b173 = (uint16_t *)(arena + 3215488); // %173 cast bf16[512,64]
-  float *const b174 = mdl_scratch(524288); // %174 matmul f32[512,256], kept in this kernel
-  float *const b179 = (float *)(arena + 730112); // %179 sum d.h.0.fc_b f32[256]
-  uint16_t *const b180 = (uint16_t *)(arena + 2756736); // %180 cast bf16[512,256]
+  uint16_t *const b169 = (uint16_t *)(arena + 3215488); // %169 cast bf16[512,64]
+  float *const b170 = mdl_scratch(524288); // %170 matmul f32[512,256], kept in this kernel
+  float *const b175 = (float *)(arena + 730112); // %175 sum d.h.0.fc_b f32[256]
+  uint16_t *const b176 = (uint16_t *)(arena + 2756736); // %176 cast bf16[512,256]
   {
-    float *const w173 = mdl_widen_bf16(b173, 32768, h->nthreads);
+    float *const w169 = mdl_widen_bf16(b169, 32768, h->nthreads);
     float *const w50 = mdl_widen_bf16(b50, 16384, h->nthreads);
-    mdl_gemm(h, 0, 1, 512, 256, 64, w173, 64, w50, 64, 0.0f, b174, 256);
-    free(w173);
+    mdl_gemm(h, 0, 1, 512, 256, 64, w169, 64, w50, 64, 0.0f, b170, 256);
+    free(w169);
     free(w50);
   }
   double *part = mdl_scratch(8192 * sizeof(double));
@@ -1723,13 +1709,13 @@ static void k34_gemm__gelu_bwd__sum__cast(char *arena, const MdlHooks *h) {
       for (int64_t c = 0; c < 256; c++) {
         const int64_t ix = l * 256 + c;
         const float v46_ix = b46[ix];
-        const float v174_ix = b174[ix];
-        const float v176_ix = v174_ix;
-        const float v177_ix = mdl_gelu_grad(v46_ix) * v176_ix;
-        const float v178_ix = v177_ix;
-        const float v = v178_ix;
-        const float v180_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v178_ix));
-        b180[ix] = mdl_f32_to_bf16(v180_ix);
+        const float v170_ix = b170[ix];
+        const float v172_ix = v170_ix;
+        const float v173_ix = mdl_gelu_grad(v46_ix) * v172_ix;
+        const float v174_ix = v173_ix;
+        const float v = v174_ix;
+        const float v176_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v174_ix));
+        b176[ix] = mdl_f32_to_bf16(v176_ix);
         p[c] += v;
       }
     }
@@ -1741,69 +1727,69 @@ static void k34_gemm__gelu_bwd__sum__cast(char *arena, const MdlHooks *h) {
       acc += v;
     }
     const float y = (float)acc;
-    b179[r] = y;
+    b175[r] = y;
   }
   free(part);
-  free(b174);
+  free(b170);
 }
 
 // k35_gemm: GEMM, 1 op
-//   %181   matmul                                  line 40    f32[512,64]
+//   %177   matmul                                  line 40    f32[512,64]
 // loops:
-//   gemm %181: [512 x 64] = [512 x 256] T[256 x 64], bf16 operands widened to f32
+//   gemm %177: [512 x 64] = [512 x 256] T[256 x 64], bf16 operands widened to f32
 static void k35_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b43 = (uint16_t *)(arena + 2060288); // %43 cast bf16[64,256]
-  uint16_t *const b180 = (uint16_t *)(arena + 2756736); // %180 cast bf16[512,256]
-  float *const b181 = (float *)(arena + 2232448); // %181 matmul f32[512,64]
+  uint16_t *const b176 = (uint16_t *)(arena + 2756736); // %176 cast bf16[512,256]
+  float *const b177 = (float *)(arena + 2232448); // %177 matmul f32[512,64]
   {
-    float *const w180 = mdl_widen_bf16(b180, 131072, h->nthreads);
+    float *const w176 = mdl_widen_bf16(b176, 131072, h->nthreads);
     float *const w43 = mdl_widen_bf16(b43, 16384, h->nthreads);
-    mdl_gemm(h, 0, 1, 512, 64, 256, w180, 256, w43, 256, 0.0f, b181, 64);
-    free(w180);
+    mdl_gemm(h, 0, 1, 512, 64, 256, w176, 256, w43, 256, 0.0f, b177, 64);
+    free(w176);
     free(w43);
   }
 }
 
 // k36_gemm: GEMM, 1 op
-//   %182   matmul             d.h.0.fc_w           line 40    f32[64,256]
+//   %178   matmul             d.h.0.fc_w           line 40    f32[64,256]
 // loops:
-//   gemm %182: [64 x 256] = T[64 x 512] [512 x 256], bf16 operands widened to f32
+//   gemm %178: [64 x 256] = T[64 x 512] [512 x 256], bf16 operands widened to f32
 static void k36_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b42 = (uint16_t *)(arena + 5247104); // %42 cast bf16[512,64]
-  uint16_t *const b180 = (uint16_t *)(arena + 2756736); // %180 cast bf16[512,256]
-  float *const b182 = (float *)(arena + 664576); // %182 matmul d.h.0.fc_w f32[64,256]
+  uint16_t *const b176 = (uint16_t *)(arena + 2756736); // %176 cast bf16[512,256]
+  float *const b178 = (float *)(arena + 664576); // %178 matmul d.h.0.fc_w f32[64,256]
   {
     float *const w42 = mdl_widen_bf16(b42, 32768, h->nthreads);
-    float *const w180 = mdl_widen_bf16(b180, 131072, h->nthreads);
-    mdl_gemm(h, 1, 0, 64, 256, 512, w42, 64, w180, 256, 0.0f, b182, 256);
+    float *const w176 = mdl_widen_bf16(b176, 131072, h->nthreads);
+    mdl_gemm(h, 1, 0, 64, 256, 512, w42, 64, w176, 256, 0.0f, b178, 256);
     free(w42);
-    free(w180);
+    free(w176);
   }
 }
 
 // k37_layernorm_bwd__add__sum__cast: kernel, 7 ops
-//   %184   layernorm_bwd                           line 40    f32[8,64,64]
-//   %185   add                d.h.0.x              line 40    f32[8,64,64]
-//   %186   layernorm_bwd      d.h.0.ln2_w          line 40    f32[64]
-//   %187   layernorm_bwd      d.h.0.ln2_b          line 40    f32[64]
-//   %188   reshape                                 line 39    f32[512,64]
-//   %189   sum                d.h.0.proj_b         line 39    f32[64]
-//   %190   cast                                    line 39    bf16[512,64]
+//   %180   layernorm_bwd                           line 40    f32[8,64,64]
+//   %181   layernorm_bwd      d.h.0.ln2_w          line 40    f32[64]
+//   %182   layernorm_bwd      d.h.0.ln2_b          line 40    f32[64]
+//   %183   add                d.h.0.x              line 39    f32[8,64,64]
+//   %184   reshape                                 line 39    f32[512,64]
+//   %185   sum                d.h.0.proj_b         line 39    f32[64]
+//   %186   cast                                    line 39    bf16[512,64]
 // loops:
 //   layernorm_bwd: 512 rows of 64, column sums over 32 blocks of 16 rows
 static void k37_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
   float *const b15 = (float *)(arena + 165376); // %15 param h.0.ln2_w f32[64]
   float *const b39 = (float *)(arena + 4329600); // %39 add h.0.x f32[8,64,64]
-  float *const b168 = (float *)(arena + 3543168); // %168 add d.h.0.x f32[8,64,64]
-  float *const b181 = (float *)(arena + 2232448); // %181 matmul f32[512,64]
-  float *const b185 = (float *)(arena + 2429056); // %185 add d.h.0.x f32[8,64,64]
-  float *const b186 = (float *)(arena + 664064); // %186 layernorm_bwd d.h.0.ln2_w f32[64]
-  float *const b187 = (float *)(arena + 664320); // %187 layernorm_bwd d.h.0.ln2_b f32[64]
-  float *const b189 = (float *)(arena + 663808); // %189 sum d.h.0.proj_b f32[64]
-  uint16_t *const b190 = (uint16_t *)(arena + 2363520); // %190 cast bf16[512,64]
+  float *const b166 = (float *)(arena + 3543168); // %166 add d.h.0.x f32[8,64,64]
+  float *const b177 = (float *)(arena + 2232448); // %177 matmul f32[512,64]
+  float *const b181 = (float *)(arena + 664064); // %181 layernorm_bwd d.h.0.ln2_w f32[64]
+  float *const b182 = (float *)(arena + 664320); // %182 layernorm_bwd d.h.0.ln2_b f32[64]
+  float *const b183 = (float *)(arena + 2429056); // %183 add d.h.0.x f32[8,64,64]
+  float *const b185 = (float *)(arena + 663808); // %185 sum d.h.0.proj_b f32[64]
+  uint16_t *const b186 = (uint16_t *)(arena + 2363520); // %186 cast bf16[512,64]
   double *pdw = mdl_scratch(2048 * sizeof(double));
   double *pdb = mdl_scratch(2048 * sizeof(double));
-  double *ps0 = mdl_scratch(2048 * sizeof(double)); // partials of the column sum %189
+  double *ps0 = mdl_scratch(2048 * sizeof(double)); // partials of the column sum %185
   #pragma omp parallel num_threads(h->nthreads)
   {
     float *dxrow = mdl_scratch(64 * sizeof(float));
@@ -1817,7 +1803,7 @@ static void k37_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
       const int64_t end = k * 16 + 16 < 512 ? k * 16 + 16 : 512;
       for (int64_t r = k * 16; r < end; r++) {
         const float *x = b39 + r * 64;
-        const float *dy = b181 + r * 64;
+        const float *dy = b177 + r * 64;
         double mean = 0, var = 0, mg = 0, mgx = 0;
         #pragma omp simd reduction(+ : mean)
         for (int64_t j = 0; j < 64; j++)
@@ -1842,13 +1828,13 @@ static void k37_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
           dx[j] = (float)(rstd * ((double)dy[j] * b15[j] - mg - (x[j] - mean) * rstd * mgx));
         for (int64_t j = 0; j < 64; j++) {
           const int64_t ix = r * 64 + j;
-          const float v168_ix = b168[ix];
-          const float v185_ix = v168_ix + dx[j];
-          b185[ix] = v185_ix;
-          const float v188_ix = v185_ix;
-          const float v190_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v188_ix));
-          b190[ix] = mdl_f32_to_bf16(v190_ix);
-          sa0[j] += v188_ix;
+          const float v166_ix = b166[ix];
+          const float v183_ix = v166_ix + dx[j];
+          b183[ix] = v183_ix;
+          const float v184_ix = v183_ix;
+          const float v186_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v184_ix));
+          b186[ix] = mdl_f32_to_bf16(v186_ix);
+          sa0[j] += v184_ix;
         }
       }
     }
@@ -1861,9 +1847,9 @@ static void k37_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
       b += pdb[k * 64 + j];
       a0 += ps0[k * 64 + j];
     }
-    b186[j] = (float)w;
-    b187[j] = (float)b;
-    b189[j] = (float)a0;
+    b181[j] = (float)w;
+    b182[j] = (float)b;
+    b185[j] = (float)a0;
   }
   free(pdw);
   free(pdb);
@@ -1871,69 +1857,69 @@ static void k37_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
 }
 
 // k38_gemm: GEMM, 1 op
-//   %192   matmul             d.h.0.proj_w         line 39    f32[64,64]
+//   %188   matmul             d.h.0.proj_w         line 39    f32[64,64]
 // loops:
-//   gemm %192: [64 x 64] = T[64 x 512] [512 x 64], bf16 operands widened to f32
+//   gemm %188: [64 x 64] = T[64 x 512] [512 x 64], bf16 operands widened to f32
 static void k38_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b34 = (uint16_t *)(arena + 5181568); // %34 cast bf16[512,64]
-  uint16_t *const b190 = (uint16_t *)(arena + 2363520); // %190 cast bf16[512,64]
-  float *const b192 = (float *)(arena + 647424); // %192 matmul d.h.0.proj_w f32[64,64]
+  uint16_t *const b186 = (uint16_t *)(arena + 2363520); // %186 cast bf16[512,64]
+  float *const b188 = (float *)(arena + 647424); // %188 matmul d.h.0.proj_w f32[64,64]
   {
     float *const w34 = mdl_widen_bf16(b34, 32768, h->nthreads);
-    float *const w190 = mdl_widen_bf16(b190, 32768, h->nthreads);
-    mdl_gemm(h, 1, 0, 64, 64, 512, w34, 64, w190, 64, 0.0f, b192, 64);
+    float *const w186 = mdl_widen_bf16(b186, 32768, h->nthreads);
+    mdl_gemm(h, 1, 0, 64, 64, 512, w34, 64, w186, 64, 0.0f, b188, 64);
     free(w34);
-    free(w190);
+    free(w186);
   }
 }
 
 // k39_gemm__cast: GEMM, 3 ops
-//   %191   matmul                                  line 39    f32[512,64]
-//   %193   reshape                                 line 39    f32[8,64,64]
-//   %196   cast                                    line 39    bf16[8,64,64]
+//   %187   matmul                                  line 39    f32[512,64]
+//   %189   reshape                                 line 39    f32[8,64,64]
+//   %192   cast                                    line 39    bf16[8,64,64]
 // loops:
-//   gemm %191: [512 x 64] = [512 x 64] T[64 x 64], bf16 operands widened to f32, epilogue after
-//   elementwise over 32768: %196
+//   gemm %187: [512 x 64] = [512 x 64] T[64 x 64], bf16 operands widened to f32, epilogue after
+//   elementwise over 32768: %192
 static void k39_gemm__cast(char *arena, const MdlHooks *h) {
   uint16_t *const b35 = (uint16_t *)(arena + 2052096); // %35 cast bf16[64,64]
-  uint16_t *const b190 = (uint16_t *)(arena + 2363520); // %190 cast bf16[512,64]
-  float *const b191 = mdl_scratch(131072); // %191 matmul f32[512,64], kept in this kernel
-  uint16_t *const b196 = (uint16_t *)(arena + 2232448); // %196 cast bf16[8,64,64]
+  uint16_t *const b186 = (uint16_t *)(arena + 2363520); // %186 cast bf16[512,64]
+  float *const b187 = mdl_scratch(131072); // %187 matmul f32[512,64], kept in this kernel
+  uint16_t *const b192 = (uint16_t *)(arena + 2232448); // %192 cast bf16[8,64,64]
   {
-    float *const w190 = mdl_widen_bf16(b190, 32768, h->nthreads);
+    float *const w186 = mdl_widen_bf16(b186, 32768, h->nthreads);
     float *const w35 = mdl_widen_bf16(b35, 4096, h->nthreads);
-    mdl_gemm(h, 0, 1, 512, 64, 64, w190, 64, w35, 64, 0.0f, b191, 64);
-    free(w190);
+    mdl_gemm(h, 0, 1, 512, 64, 64, w186, 64, w35, 64, 0.0f, b187, 64);
+    free(w186);
     free(w35);
   }
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
   for (int64_t r = 0; r < 512; r++) {
     for (int64_t c = 0; c < 64; c++) {
       const int64_t i = r * 64 + c;
-      const float v191_i = b191[i];
-      const float v193_i = v191_i;
-      const float v196_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v193_i));
-      b196[i] = mdl_f32_to_bf16(v196_i);
+      const float v187_i = b187[i];
+      const float v189_i = v187_i;
+      const float v192_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v189_i));
+      b192[i] = mdl_f32_to_bf16(v192_i);
     }
   }
-  free(b191);
+  free(b187);
 }
 
 // k40_attention_bwd: attention, 3 ops
-//   %197   attention_bwd      d.h.0.q              line 39    f32[8,64,64]
-//   %198   attention_bwd      d.h.0.k              line 39    f32[8,64,64]
-//   %199   attention_bwd      d.h.0.v              line 39    f32[8,64,64]
+//   %193   attention_bwd      d.h.0.q              line 39    f32[8,64,64]
+//   %194   attention_bwd      d.h.0.k              line 39    f32[8,64,64]
+//   %195   attention_bwd      d.h.0.v              line 39    f32[8,64,64]
 // loops:
 //   attention backward (dq dk dv): B 8, T 64, 4 heads of 16, causal, within documents; one task per (batch, head)
 static void k40_attention_bwd(char *arena, const MdlHooks *h) {
   int32_t *const b3 = (int32_t *)(arena + 2230272); // %3 input doc i32[8,64]
   uint16_t *const b28 = (uint16_t *)(arena + 3805312); // %28 cast bf16[8,64,192]
   uint16_t *const b34 = (uint16_t *)(arena + 5181568); // %34 cast bf16[512,64]
-  float *const b194 = (float *)(arena + 5640320); // %194 attention_lse f32[8,4,64]
-  uint16_t *const b196 = (uint16_t *)(arena + 2232448); // %196 cast bf16[8,64,64]
-  float *const b197 = (float *)(arena + 2560128); // %197 attention_bwd d.h.0.q f32[8,64,64]
-  float *const b198 = (float *)(arena + 2691200); // %198 attention_bwd d.h.0.k f32[8,64,64]
-  float *const b199 = (float *)(arena + 2822272); // %199 attention_bwd d.h.0.v f32[8,64,64]
+  float *const b190 = (float *)(arena + 5640320); // %190 attention_lse f32[8,4,64]
+  uint16_t *const b192 = (uint16_t *)(arena + 2232448); // %192 cast bf16[8,64,64]
+  float *const b193 = (float *)(arena + 2560128); // %193 attention_bwd d.h.0.q f32[8,64,64]
+  float *const b194 = (float *)(arena + 2691200); // %194 attention_bwd d.h.0.k f32[8,64,64]
+  float *const b195 = (float *)(arena + 2822272); // %195 attention_bwd d.h.0.v f32[8,64,64]
   #pragma omp parallel num_threads(h->nthreads)
   {
     float *restrict kt = memset(mdl_scratch(1536 * sizeof(float)), 0, 1536 * sizeof(float));
@@ -1981,13 +1967,13 @@ static void k40_attention_bwd(char *arena, const MdlHooks *h) {
           }
           memcpy(s + j0, acc, sizeof acc);
         }
-        const float lse = b194[(b * 4 + hd) * 64 + i];
+        const float lse = b190[(b * 4 + hd) * 64 + i];
         #pragma omp simd
         for (int64_t j = lo; j < hi; j++)
           s[j] = dc[j] == di ? mdl_exp_shifted(s[j] * 0.25f - lse) : 0.0f;
         float dor[16];
         for (int64_t c = 0; c < 16; c++)
-          dor[c] = mdl_bf16_to_f32(b196[(b * 64 + i) * 64 + hd * 16 + c]);
+          dor[c] = mdl_bf16_to_f32(b192[(b * 64 + i) * 64 + hd * 16 + c]);
         const float *restrict doi = dor;
         float dsum = 0.0f;
         for (int64_t c = 0; c < 16; c++)
@@ -2036,14 +2022,14 @@ static void k40_attention_bwd(char *arena, const MdlHooks *h) {
           for (int64_t c = 0; c < 16; c++)
             dvj[c] += mdl_bf16_to_f32(mdl_f32_to_bf16(s[j])) * doi[c];
         }
-        float *restrict dq = b197 + (b * 64 + i) * 64 + hd * 16;
+        float *restrict dq = b193 + (b * 64 + i) * 64 + hd * 16;
         for (int64_t c = 0; c < 16; c++)
           dq[c] = 0.25f * (dqi0[c] + dqi1[c]);
       }
       for (int64_t t = 0; t < 64; t++)
-        memcpy(b198 + (b * 64 + t) * 64 + hd * 16, dkh + t * 16, 16 * sizeof(float));
+        memcpy(b194 + (b * 64 + t) * 64 + hd * 16, dkh + t * 16, 16 * sizeof(float));
       for (int64_t t = 0; t < 64; t++)
-        memcpy(b199 + (b * 64 + t) * 64 + hd * 16, dvh + t * 16, 16 * sizeof(float));
+        memcpy(b195 + (b * 64 + t) * 64 + hd * 16, dvh + t * 16, 16 * sizeof(float));
     }
     free(kt);
     free(s);
@@ -2054,23 +2040,19 @@ static void k40_attention_bwd(char *arena, const MdlHooks *h) {
   }
 }
 
-// k41_sum__slice_bwd__add__cast: kernel, 8 ops
-//   %200   slice_bwd                               line 38    f32[8,64,192]
-//   %201   slice_bwd                               line 38    f32[8,64,192]
-//   %202   add                                     line 38    f32[8,64,192]
-//   %203   slice_bwd                               line 38    f32[8,64,192]
-//   %204   add                                     line 38    f32[8,64,192]
-//   %205   reshape                                 line 38    f32[512,192]
-//   %206   sum                d.h.0.attn_b         line 38    f32[192]
-//   %207   cast                                    line 38    bf16[512,192]
+// k41_sum__concat__cast: kernel, 4 ops
+//   %196   concat                                  line 38    f32[8,64,192]
+//   %197   reshape                                 line 38    f32[512,192]
+//   %198   sum                d.h.0.attn_b         line 38    f32[192]
+//   %199   cast                                    line 38    bf16[512,192]
 // loops:
-//   sum %206: 192 outputs over 512 elements, in 32 blocks of 16
-static void k41_sum__slice_bwd__add__cast(char *arena, const MdlHooks *h) {
-  float *const b197 = (float *)(arena + 2560128); // %197 attention_bwd d.h.0.q f32[8,64,64]
-  float *const b198 = (float *)(arena + 2691200); // %198 attention_bwd d.h.0.k f32[8,64,64]
-  float *const b199 = (float *)(arena + 2822272); // %199 attention_bwd d.h.0.v f32[8,64,64]
-  float *const b206 = (float *)(arena + 646656); // %206 sum d.h.0.attn_b f32[192]
-  uint16_t *const b207 = (uint16_t *)(arena + 2232448); // %207 cast bf16[512,192]
+//   sum %198: 192 outputs over 512 elements, in 32 blocks of 16
+static void k41_sum__concat__cast(char *arena, const MdlHooks *h) {
+  float *const b193 = (float *)(arena + 2560128); // %193 attention_bwd d.h.0.q f32[8,64,64]
+  float *const b194 = (float *)(arena + 2691200); // %194 attention_bwd d.h.0.k f32[8,64,64]
+  float *const b195 = (float *)(arena + 2822272); // %195 attention_bwd d.h.0.v f32[8,64,64]
+  float *const b198 = (float *)(arena + 646656); // %198 sum d.h.0.attn_b f32[192]
+  uint16_t *const b199 = (uint16_t *)(arena + 2232448); // %199 cast bf16[512,192]
   double *part = mdl_scratch(6144 * sizeof(double));
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
   for (int64_t k = 0; k < 32; k++) {
@@ -2081,21 +2063,11 @@ static void k41_sum__slice_bwd__add__cast(char *arena, const MdlHooks *h) {
     for (int64_t l = k * 16; l < end; l++) {
       for (int64_t c = 0; c < 192; c++) {
         const int64_t ix = l * 192 + c;
-        const int64_t j1 = c >= 128 && c < 192 ? l * 64 + (c - 128) : 0;
-        const float v199_j1 = b199[j1];
-        const float v200_ix = c >= 128 && c < 192 ? v199_j1 : 0.0f;
-        const int64_t j2 = c >= 64 && c < 128 ? l * 64 + (c - 64) : 0;
-        const float v198_j2 = b198[j2];
-        const float v201_ix = c >= 64 && c < 128 ? v198_j2 : 0.0f;
-        const float v202_ix = v200_ix + v201_ix;
-        const int64_t j3 = c >= 0 && c < 64 ? l * 64 + (c - 0) : 0;
-        const float v197_j3 = b197[j3];
-        const float v203_ix = c >= 0 && c < 64 ? v197_j3 : 0.0f;
-        const float v204_ix = v202_ix + v203_ix;
-        const float v205_ix = v204_ix;
-        const float v = v205_ix;
-        const float v207_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v205_ix));
-        b207[ix] = mdl_f32_to_bf16(v207_ix);
+        const float v196_ix = (c < 64 ? b193 + (l * 64 + (c - 0)) : c < 128 ? b194 + (l * 64 + (c - 64)) : b195 + (l * 64 + (c - 128)))[0];
+        const float v197_ix = v196_ix;
+        const float v = v197_ix;
+        const float v199_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v197_ix));
+        b199[ix] = mdl_f32_to_bf16(v199_ix);
         p[c] += v;
       }
     }
@@ -2107,60 +2079,60 @@ static void k41_sum__slice_bwd__add__cast(char *arena, const MdlHooks *h) {
       acc += v;
     }
     const float y = (float)acc;
-    b206[r] = y;
+    b198[r] = y;
   }
   free(part);
 }
 
 // k42_gemm: GEMM, 1 op
-//   %208   matmul                                  line 38    f32[512,64]
+//   %200   matmul                                  line 38    f32[512,64]
 // loops:
-//   gemm %208: [512 x 64] = [512 x 192] T[192 x 64], bf16 operands widened to f32
+//   gemm %200: [512 x 64] = [512 x 192] T[192 x 64], bf16 operands widened to f32
 static void k42_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b24 = (uint16_t *)(arena + 2027520); // %24 cast bf16[64,192]
-  uint16_t *const b207 = (uint16_t *)(arena + 2232448); // %207 cast bf16[512,192]
-  float *const b208 = (float *)(arena + 2560128); // %208 matmul f32[512,64]
+  uint16_t *const b199 = (uint16_t *)(arena + 2232448); // %199 cast bf16[512,192]
+  float *const b200 = (float *)(arena + 2560128); // %200 matmul f32[512,64]
   {
-    float *const w207 = mdl_widen_bf16(b207, 98304, h->nthreads);
+    float *const w199 = mdl_widen_bf16(b199, 98304, h->nthreads);
     float *const w24 = mdl_widen_bf16(b24, 12288, h->nthreads);
-    mdl_gemm(h, 0, 1, 512, 64, 192, w207, 192, w24, 192, 0.0f, b208, 64);
-    free(w207);
+    mdl_gemm(h, 0, 1, 512, 64, 192, w199, 192, w24, 192, 0.0f, b200, 64);
+    free(w199);
     free(w24);
   }
 }
 
 // k43_gemm: GEMM, 1 op
-//   %209   matmul             d.h.0.attn_w         line 38    f32[64,192]
+//   %201   matmul             d.h.0.attn_w         line 38    f32[64,192]
 // loops:
-//   gemm %209: [64 x 192] = T[64 x 512] [512 x 192], bf16 operands widened to f32
+//   gemm %201: [64 x 192] = T[64 x 512] [512 x 192], bf16 operands widened to f32
 static void k43_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b23 = (uint16_t *)(arena + 5116032); // %23 cast bf16[512,64]
-  uint16_t *const b207 = (uint16_t *)(arena + 2232448); // %207 cast bf16[512,192]
-  float *const b209 = (float *)(arena + 597504); // %209 matmul d.h.0.attn_w f32[64,192]
+  uint16_t *const b199 = (uint16_t *)(arena + 2232448); // %199 cast bf16[512,192]
+  float *const b201 = (float *)(arena + 597504); // %201 matmul d.h.0.attn_w f32[64,192]
   {
     float *const w23 = mdl_widen_bf16(b23, 32768, h->nthreads);
-    float *const w207 = mdl_widen_bf16(b207, 98304, h->nthreads);
-    mdl_gemm(h, 1, 0, 64, 192, 512, w23, 64, w207, 192, 0.0f, b209, 192);
+    float *const w199 = mdl_widen_bf16(b199, 98304, h->nthreads);
+    mdl_gemm(h, 1, 0, 64, 192, 512, w23, 64, w199, 192, 0.0f, b201, 192);
     free(w23);
-    free(w207);
+    free(w199);
   }
 }
 
 // k44_layernorm_bwd__add: kernel, 4 ops
-//   %211   layernorm_bwd                           line 38    f32[8,64,64]
-//   %212   add                d.x                  line 38    f32[8,64,64]
-//   %213   layernorm_bwd      d.h.0.ln1_w          line 38    f32[64]
-//   %214   layernorm_bwd      d.h.0.ln1_b          line 38    f32[64]
+//   %203   layernorm_bwd                           line 38    f32[8,64,64]
+//   %204   layernorm_bwd      d.h.0.ln1_w          line 38    f32[64]
+//   %205   layernorm_bwd      d.h.0.ln1_b          line 38    f32[64]
+//   %206   add                d.x                  line 22    f32[8,64,64]
 // loops:
 //   layernorm_bwd: 512 rows of 64, column sums over 32 blocks of 16 rows
 static void k44_layernorm_bwd__add(char *arena, const MdlHooks *h) {
   float *const b8 = (float *)(arena + 4198528); // %8 add x f32[8,64,64]
   float *const b9 = (float *)(arena + 98304); // %9 param h.0.ln1_w f32[64]
-  float *const b185 = (float *)(arena + 2429056); // %185 add d.h.0.x f32[8,64,64]
-  float *const b208 = (float *)(arena + 2560128); // %208 matmul f32[512,64]
-  float *const b212 = (float *)(arena + 2232448); // %212 add d.x f32[8,64,64]
-  float *const b213 = (float *)(arena + 596992); // %213 layernorm_bwd d.h.0.ln1_w f32[64]
-  float *const b214 = (float *)(arena + 597248); // %214 layernorm_bwd d.h.0.ln1_b f32[64]
+  float *const b183 = (float *)(arena + 2429056); // %183 add d.h.0.x f32[8,64,64]
+  float *const b200 = (float *)(arena + 2560128); // %200 matmul f32[512,64]
+  float *const b204 = (float *)(arena + 596992); // %204 layernorm_bwd d.h.0.ln1_w f32[64]
+  float *const b205 = (float *)(arena + 597248); // %205 layernorm_bwd d.h.0.ln1_b f32[64]
+  float *const b206 = (float *)(arena + 2232448); // %206 add d.x f32[8,64,64]
   double *pdw = mdl_scratch(2048 * sizeof(double));
   double *pdb = mdl_scratch(2048 * sizeof(double));
   #pragma omp parallel num_threads(h->nthreads)
@@ -2175,7 +2147,7 @@ static void k44_layernorm_bwd__add(char *arena, const MdlHooks *h) {
       const int64_t end = k * 16 + 16 < 512 ? k * 16 + 16 : 512;
       for (int64_t r = k * 16; r < end; r++) {
         const float *x = b8 + r * 64;
-        const float *dy = b208 + r * 64;
+        const float *dy = b200 + r * 64;
         double mean = 0, var = 0, mg = 0, mgx = 0;
         #pragma omp simd reduction(+ : mean)
         for (int64_t j = 0; j < 64; j++)
@@ -2200,9 +2172,9 @@ static void k44_layernorm_bwd__add(char *arena, const MdlHooks *h) {
           dx[j] = (float)(rstd * ((double)dy[j] * b9[j] - mg - (x[j] - mean) * rstd * mgx));
         for (int64_t j = 0; j < 64; j++) {
           const int64_t ix = r * 64 + j;
-          const float v185_ix = b185[ix];
-          const float v212_ix = v185_ix + dx[j];
-          b212[ix] = v212_ix;
+          const float v183_ix = b183[ix];
+          const float v206_ix = v183_ix + dx[j];
+          b206[ix] = v206_ix;
         }
       }
     }
@@ -2214,26 +2186,26 @@ static void k44_layernorm_bwd__add(char *arena, const MdlHooks *h) {
       w += pdw[k * 64 + j];
       b += pdb[k * 64 + j];
     }
-    b213[j] = (float)w;
-    b214[j] = (float)b;
+    b204[j] = (float)w;
+    b205[j] = (float)b;
   }
   free(pdw);
   free(pdb);
 }
 
 // k45_embed_bwd: kernel, 1 op
-//   %215   embed_bwd          d.wpe                line 22    f32[128,64]
+//   %207   embed_bwd          d.wpe                line 22    f32[128,64]
 // loops:
 //   embed backward: 512 rows of 64 into a table of 128, 4 column blocks
 static void k45_embed_bwd(char *arena, const MdlHooks *h) {
   int32_t *const b2 = (int32_t *)(arena + 2228224); // %2 input pos i32[8,64]
-  float *const b212 = (float *)(arena + 2232448); // %212 add d.x f32[8,64,64]
-  float *const b215 = (float *)(arena + 564224); // %215 embed_bwd d.wpe f32[128,64]
+  float *const b206 = (float *)(arena + 2232448); // %206 add d.x f32[8,64,64]
+  float *const b207 = (float *)(arena + 564224); // %207 embed_bwd d.wpe f32[128,64]
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
   for (int64_t k = 0; k < 4; k++) {
     const int64_t c0 = k * 16, c1 = c0 + 16 < 64 ? c0 + 16 : 64;
     for (int64_t t = 0; t < 128; t++)
-      memset(b215 + t * 64 + c0, 0, (size_t)(c1 - c0) * sizeof(float));
+      memset(b207 + t * 64 + c0, 0, (size_t)(c1 - c0) * sizeof(float));
     for (int64_t r = 0; r < 512; r++) {
       const int32_t id = b2[r];
       if (id < 0 || id >= 128) {
@@ -2242,28 +2214,28 @@ static void k45_embed_bwd(char *arena, const MdlHooks *h) {
         continue;
       }
       for (int64_t j = c0; j < c1; j++)
-        b215[(int64_t)id * 64 + j] += b212[r * 64 + j];
+        b207[(int64_t)id * 64 + j] += b206[r * 64 + j];
     }
   }
 }
 
 // k46_embed_bwd__add: kernel, 2 ops
-//   %216   embed_bwd                               line 22    f32[256,64]
-//   %217   add                d.wte                line 22    f32[256,64]
+//   %208   embed_bwd                               line 22    f32[256,64]
+//   %209   add                d.wte                line 19    f32[256,64]
 // loops:
 //   embed backward: 512 rows of 64 into a table of 256, 4 column blocks
-//   elementwise over 16384: %217
+//   elementwise over 16384: %209
 static void k46_embed_bwd__add(char *arena, const MdlHooks *h) {
   int32_t *const b0 = (int32_t *)(arena + 2224128); // %0 input tokens i32[8,64]
   float *const b122 = (float *)(arena + 5509248); // %122 matmul f32[256,64]
-  float *const b212 = (float *)(arena + 2232448); // %212 add d.x f32[8,64,64]
-  float *const b216 = mdl_scratch(65536); // %216 embed_bwd f32[256,64], kept in this kernel
-  float *const b217 = (float *)(arena + 498688); // %217 add d.wte f32[256,64]
+  float *const b206 = (float *)(arena + 2232448); // %206 add d.x f32[8,64,64]
+  float *const b208 = mdl_scratch(65536); // %208 embed_bwd f32[256,64], kept in this kernel
+  float *const b209 = (float *)(arena + 498688); // %209 add d.wte f32[256,64]
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
   for (int64_t k = 0; k < 4; k++) {
     const int64_t c0 = k * 16, c1 = c0 + 16 < 64 ? c0 + 16 : 64;
     for (int64_t t = 0; t < 256; t++)
-      memset(b216 + t * 64 + c0, 0, (size_t)(c1 - c0) * sizeof(float));
+      memset(b208 + t * 64 + c0, 0, (size_t)(c1 - c0) * sizeof(float));
     for (int64_t r = 0; r < 512; r++) {
       const int32_t id = b0[r];
       if (id < 0 || id >= 256) {
@@ -2272,53 +2244,53 @@ static void k46_embed_bwd__add(char *arena, const MdlHooks *h) {
         continue;
       }
       for (int64_t j = c0; j < c1; j++)
-        b216[(int64_t)id * 64 + j] += b212[r * 64 + j];
+        b208[(int64_t)id * 64 + j] += b206[r * 64 + j];
     }
   }
   for (int64_t r = 0; r < 256; r++) {
     for (int64_t c = 0; c < 64; c++) {
       const int64_t i = r * 64 + c;
       const float v122_i = b122[i];
-      const float v216_i = b216[i];
-      const float v217_i = v122_i + v216_i;
-      b217[i] = v217_i;
+      const float v208_i = b208[i];
+      const float v209_i = v122_i + v208_i;
+      b209[i] = v209_i;
     }
   }
-  free(b216);
+  free(b208);
 }
 
 // k47_grad_norm__adamw: optimizer, 29 ops
-//   %220   grad_norm                                          f32[]
-//   %223   adamw              wte.new              line 19    f32[256,64]
-//   %226   adamw              wpe.new              line 20    f32[128,64]
-//   %229   adamw              h.0.ln1_w.new        line 25    f32[64]
-//   %232   adamw              h.0.ln1_b.new        line 26    f32[64]
-//   %235   adamw              h.0.attn_w.new       line 27    f32[64,192]
-//   %238   adamw              h.0.attn_b.new       line 28    f32[192]
-//   %241   adamw              h.0.proj_w.new       line 29    f32[64,64]
-//   %244   adamw              h.0.proj_b.new       line 30    f32[64]
-//   %247   adamw              h.0.ln2_w.new        line 31    f32[64]
-//   %250   adamw              h.0.ln2_b.new        line 32    f32[64]
-//   %253   adamw              h.0.fc_w.new         line 33    f32[64,256]
-//   %256   adamw              h.0.fc_b.new         line 34    f32[256]
-//   %259   adamw              h.0.fcproj_w.new     line 35    f32[256,64]
-//   %262   adamw              h.0.fcproj_b.new     line 36    f32[64]
-//   %265   adamw              h.1.ln1_w.new        line 25    f32[64]
-//   %268   adamw              h.1.ln1_b.new        line 26    f32[64]
-//   %271   adamw              h.1.attn_w.new       line 27    f32[64,192]
-//   %274   adamw              h.1.attn_b.new       line 28    f32[192]
-//   %277   adamw              h.1.proj_w.new       line 29    f32[64,64]
-//   %280   adamw              h.1.proj_b.new       line 30    f32[64]
-//   %283   adamw              h.1.ln2_w.new        line 31    f32[64]
-//   %286   adamw              h.1.ln2_b.new        line 32    f32[64]
-//   %289   adamw              h.1.fc_w.new         line 33    f32[64,256]
-//   %292   adamw              h.1.fc_b.new         line 34    f32[256]
-//   %295   adamw              h.1.fcproj_w.new     line 35    f32[256,64]
-//   %298   adamw              h.1.fcproj_b.new     line 36    f32[64]
-//   %301   adamw              lnf_w.new            line 43    f32[64]
-//   %304   adamw              lnf_b.new            line 44    f32[64]
+//   %212   grad_norm                                          f32[]
+//   %215   adamw              wte.new              line 19    f32[256,64]
+//   %218   adamw              wpe.new              line 20    f32[128,64]
+//   %221   adamw              h.0.ln1_w.new        line 25    f32[64]
+//   %224   adamw              h.0.ln1_b.new        line 26    f32[64]
+//   %227   adamw              h.0.attn_w.new       line 27    f32[64,192]
+//   %230   adamw              h.0.attn_b.new       line 28    f32[192]
+//   %233   adamw              h.0.proj_w.new       line 29    f32[64,64]
+//   %236   adamw              h.0.proj_b.new       line 30    f32[64]
+//   %239   adamw              h.0.ln2_w.new        line 31    f32[64]
+//   %242   adamw              h.0.ln2_b.new        line 32    f32[64]
+//   %245   adamw              h.0.fc_w.new         line 33    f32[64,256]
+//   %248   adamw              h.0.fc_b.new         line 34    f32[256]
+//   %251   adamw              h.0.fcproj_w.new     line 35    f32[256,64]
+//   %254   adamw              h.0.fcproj_b.new     line 36    f32[64]
+//   %257   adamw              h.1.ln1_w.new        line 25    f32[64]
+//   %260   adamw              h.1.ln1_b.new        line 26    f32[64]
+//   %263   adamw              h.1.attn_w.new       line 27    f32[64,192]
+//   %266   adamw              h.1.attn_b.new       line 28    f32[192]
+//   %269   adamw              h.1.proj_w.new       line 29    f32[64,64]
+//   %272   adamw              h.1.proj_b.new       line 30    f32[64]
+//   %275   adamw              h.1.ln2_w.new        line 31    f32[64]
+//   %278   adamw              h.1.ln2_b.new        line 32    f32[64]
+//   %281   adamw              h.1.fc_w.new         line 33    f32[64,256]
+//   %284   adamw              h.1.fc_b.new         line 34    f32[256]
+//   %287   adamw              h.1.fcproj_w.new     line 35    f32[256,64]
+//   %290   adamw              h.1.fcproj_b.new     line 36    f32[64]
+//   %293   adamw              lnf_w.new            line 43    f32[64]
+//   %296   adamw              lnf_b.new            line 44    f32[64]
 // loops:
-//   gradient norm %220 over 28 tensors, 124672 values
+//   gradient norm %212 over 28 tensors, 124672 values
 //   AdamW over 28 parameters, 124672 values (beta1 0.9, beta2 0.95, eps 1e-08, clip 1); 9 bf16 copies
 static void k47_grad_norm__adamw(char *arena, const MdlHooks *h) {
   float *const b125 = (float *)(arena + 996864); // %125 layernorm_bwd d.lnf_w f32[64]
@@ -2327,62 +2299,62 @@ static void k47_grad_norm__adamw(char *arena, const MdlHooks *h) {
   float *const b131 = (float *)(arena + 931072); // %131 matmul d.h.1.fcproj_w f32[256,64]
   float *const b135 = (float *)(arena + 930048); // %135 sum d.h.1.fc_b f32[256]
   float *const b138 = (float *)(arena + 864512); // %138 matmul d.h.1.fc_w f32[64,256]
-  float *const b142 = (float *)(arena + 864000); // %142 layernorm_bwd d.h.1.ln2_w f32[64]
-  float *const b143 = (float *)(arena + 864256); // %143 layernorm_bwd d.h.1.ln2_b f32[64]
+  float *const b141 = (float *)(arena + 864000); // %141 layernorm_bwd d.h.1.ln2_w f32[64]
+  float *const b142 = (float *)(arena + 864256); // %142 layernorm_bwd d.h.1.ln2_b f32[64]
   float *const b145 = (float *)(arena + 863744); // %145 sum d.h.1.proj_b f32[64]
   float *const b148 = (float *)(arena + 847360); // %148 matmul d.h.1.proj_w f32[64,64]
-  float *const b162 = (float *)(arena + 846592); // %162 sum d.h.1.attn_b f32[192]
-  float *const b165 = (float *)(arena + 797440); // %165 matmul d.h.1.attn_w f32[64,192]
-  float *const b169 = (float *)(arena + 796928); // %169 layernorm_bwd d.h.1.ln1_w f32[64]
-  float *const b170 = (float *)(arena + 797184); // %170 layernorm_bwd d.h.1.ln1_b f32[64]
-  float *const b172 = (float *)(arena + 796672); // %172 sum d.h.0.fcproj_b f32[64]
-  float *const b175 = (float *)(arena + 731136); // %175 matmul d.h.0.fcproj_w f32[256,64]
-  float *const b179 = (float *)(arena + 730112); // %179 sum d.h.0.fc_b f32[256]
-  float *const b182 = (float *)(arena + 664576); // %182 matmul d.h.0.fc_w f32[64,256]
-  float *const b186 = (float *)(arena + 664064); // %186 layernorm_bwd d.h.0.ln2_w f32[64]
-  float *const b187 = (float *)(arena + 664320); // %187 layernorm_bwd d.h.0.ln2_b f32[64]
-  float *const b189 = (float *)(arena + 663808); // %189 sum d.h.0.proj_b f32[64]
-  float *const b192 = (float *)(arena + 647424); // %192 matmul d.h.0.proj_w f32[64,64]
-  float *const b206 = (float *)(arena + 646656); // %206 sum d.h.0.attn_b f32[192]
-  float *const b209 = (float *)(arena + 597504); // %209 matmul d.h.0.attn_w f32[64,192]
-  float *const b213 = (float *)(arena + 596992); // %213 layernorm_bwd d.h.0.ln1_w f32[64]
-  float *const b214 = (float *)(arena + 597248); // %214 layernorm_bwd d.h.0.ln1_b f32[64]
-  float *const b215 = (float *)(arena + 564224); // %215 embed_bwd d.wpe f32[128,64]
-  float *const b217 = (float *)(arena + 498688); // %217 add d.wte f32[256,64]
-  float *const b218 = (float *)(arena + 2232320); // %218 scalar lr f32[]
-  float *const b219 = (float *)(arena + 2232384); // %219 scalar step f32[]
-  float *const b220 = (float *)(arena + 2232448); // %220 grad_norm f32[]
+  float *const b158 = (float *)(arena + 846592); // %158 sum d.h.1.attn_b f32[192]
+  float *const b161 = (float *)(arena + 797440); // %161 matmul d.h.1.attn_w f32[64,192]
+  float *const b164 = (float *)(arena + 796928); // %164 layernorm_bwd d.h.1.ln1_w f32[64]
+  float *const b165 = (float *)(arena + 797184); // %165 layernorm_bwd d.h.1.ln1_b f32[64]
+  float *const b168 = (float *)(arena + 796672); // %168 sum d.h.0.fcproj_b f32[64]
+  float *const b171 = (float *)(arena + 731136); // %171 matmul d.h.0.fcproj_w f32[256,64]
+  float *const b175 = (float *)(arena + 730112); // %175 sum d.h.0.fc_b f32[256]
+  float *const b178 = (float *)(arena + 664576); // %178 matmul d.h.0.fc_w f32[64,256]
+  float *const b181 = (float *)(arena + 664064); // %181 layernorm_bwd d.h.0.ln2_w f32[64]
+  float *const b182 = (float *)(arena + 664320); // %182 layernorm_bwd d.h.0.ln2_b f32[64]
+  float *const b185 = (float *)(arena + 663808); // %185 sum d.h.0.proj_b f32[64]
+  float *const b188 = (float *)(arena + 647424); // %188 matmul d.h.0.proj_w f32[64,64]
+  float *const b198 = (float *)(arena + 646656); // %198 sum d.h.0.attn_b f32[192]
+  float *const b201 = (float *)(arena + 597504); // %201 matmul d.h.0.attn_w f32[64,192]
+  float *const b204 = (float *)(arena + 596992); // %204 layernorm_bwd d.h.0.ln1_w f32[64]
+  float *const b205 = (float *)(arena + 597248); // %205 layernorm_bwd d.h.0.ln1_b f32[64]
+  float *const b207 = (float *)(arena + 564224); // %207 embed_bwd d.wpe f32[128,64]
+  float *const b209 = (float *)(arena + 498688); // %209 add d.wte f32[256,64]
+  float *const b210 = (float *)(arena + 2232320); // %210 scalar lr f32[]
+  float *const b211 = (float *)(arena + 2232384); // %211 scalar step f32[]
+  float *const b212 = (float *)(arena + 2232448); // %212 grad_norm f32[]
   {
     double ss = 0;
-    ss += mdl_sumsq(b217, 16384, h->nthreads); // d.wte
-    ss += mdl_sumsq(b215, 8192, h->nthreads); // d.wpe
-    ss += mdl_sumsq(b213, 64, h->nthreads); // d.h.0.ln1_w
-    ss += mdl_sumsq(b214, 64, h->nthreads); // d.h.0.ln1_b
-    ss += mdl_sumsq(b209, 12288, h->nthreads); // d.h.0.attn_w
-    ss += mdl_sumsq(b206, 192, h->nthreads); // d.h.0.attn_b
-    ss += mdl_sumsq(b192, 4096, h->nthreads); // d.h.0.proj_w
-    ss += mdl_sumsq(b189, 64, h->nthreads); // d.h.0.proj_b
-    ss += mdl_sumsq(b186, 64, h->nthreads); // d.h.0.ln2_w
-    ss += mdl_sumsq(b187, 64, h->nthreads); // d.h.0.ln2_b
-    ss += mdl_sumsq(b182, 16384, h->nthreads); // d.h.0.fc_w
-    ss += mdl_sumsq(b179, 256, h->nthreads); // d.h.0.fc_b
-    ss += mdl_sumsq(b175, 16384, h->nthreads); // d.h.0.fcproj_w
-    ss += mdl_sumsq(b172, 64, h->nthreads); // d.h.0.fcproj_b
-    ss += mdl_sumsq(b169, 64, h->nthreads); // d.h.1.ln1_w
-    ss += mdl_sumsq(b170, 64, h->nthreads); // d.h.1.ln1_b
-    ss += mdl_sumsq(b165, 12288, h->nthreads); // d.h.1.attn_w
-    ss += mdl_sumsq(b162, 192, h->nthreads); // d.h.1.attn_b
+    ss += mdl_sumsq(b209, 16384, h->nthreads); // d.wte
+    ss += mdl_sumsq(b207, 8192, h->nthreads); // d.wpe
+    ss += mdl_sumsq(b204, 64, h->nthreads); // d.h.0.ln1_w
+    ss += mdl_sumsq(b205, 64, h->nthreads); // d.h.0.ln1_b
+    ss += mdl_sumsq(b201, 12288, h->nthreads); // d.h.0.attn_w
+    ss += mdl_sumsq(b198, 192, h->nthreads); // d.h.0.attn_b
+    ss += mdl_sumsq(b188, 4096, h->nthreads); // d.h.0.proj_w
+    ss += mdl_sumsq(b185, 64, h->nthreads); // d.h.0.proj_b
+    ss += mdl_sumsq(b181, 64, h->nthreads); // d.h.0.ln2_w
+    ss += mdl_sumsq(b182, 64, h->nthreads); // d.h.0.ln2_b
+    ss += mdl_sumsq(b178, 16384, h->nthreads); // d.h.0.fc_w
+    ss += mdl_sumsq(b175, 256, h->nthreads); // d.h.0.fc_b
+    ss += mdl_sumsq(b171, 16384, h->nthreads); // d.h.0.fcproj_w
+    ss += mdl_sumsq(b168, 64, h->nthreads); // d.h.0.fcproj_b
+    ss += mdl_sumsq(b164, 64, h->nthreads); // d.h.1.ln1_w
+    ss += mdl_sumsq(b165, 64, h->nthreads); // d.h.1.ln1_b
+    ss += mdl_sumsq(b161, 12288, h->nthreads); // d.h.1.attn_w
+    ss += mdl_sumsq(b158, 192, h->nthreads); // d.h.1.attn_b
     ss += mdl_sumsq(b148, 4096, h->nthreads); // d.h.1.proj_w
     ss += mdl_sumsq(b145, 64, h->nthreads); // d.h.1.proj_b
-    ss += mdl_sumsq(b142, 64, h->nthreads); // d.h.1.ln2_w
-    ss += mdl_sumsq(b143, 64, h->nthreads); // d.h.1.ln2_b
+    ss += mdl_sumsq(b141, 64, h->nthreads); // d.h.1.ln2_w
+    ss += mdl_sumsq(b142, 64, h->nthreads); // d.h.1.ln2_b
     ss += mdl_sumsq(b138, 16384, h->nthreads); // d.h.1.fc_w
     ss += mdl_sumsq(b135, 256, h->nthreads); // d.h.1.fc_b
     ss += mdl_sumsq(b131, 16384, h->nthreads); // d.h.1.fcproj_w
     ss += mdl_sumsq(b128, 64, h->nthreads); // d.h.1.fcproj_b
     ss += mdl_sumsq(b125, 64, h->nthreads); // d.lnf_w
     ss += mdl_sumsq(b126, 64, h->nthreads); // d.lnf_b
-    b220[0] = (float)sqrt(ss);
+    b212[0] = (float)sqrt(ss);
   }
   {
     static const struct {
@@ -2418,9 +2390,9 @@ static void k47_grad_norm__adamw(char *arena, const MdlHooks *h) {
         {498176, 996864, 1495552, 1994240, -1, 64, 0.0}, // lnf_w
         {498432, 997120, 1495808, 1994496, -1, 64, 0.0}, // lnf_b
     };
-    const double clip = 1.0, gnorm = b220[0];
+    const double clip = 1.0, gnorm = b212[0];
     const double s = clip > 0 ? fmin(1.0, clip / (gnorm + 1e-6)) : 1.0;
-    const double lr = b218[0], step = b219[0];
+    const double lr = b210[0], step = b211[0];
     const double b1 = 0.9, b2 = 0.95, eps = 1e-08;
     const double c1 = 1.0 / (1.0 - pow(b1, step)), c2 = 1.0 / (1.0 - pow(b2, step));
     #pragma omp parallel num_threads(h->nthreads)
@@ -2474,7 +2446,7 @@ void mdl_step(char *arena, const MdlHooks *h) {
   k26_gemm(arena, h);
   k27_gemm__cast(arena, h);
   k28_attention_bwd(arena, h);
-  k29_sum__slice_bwd__add__cast(arena, h);
+  k29_sum__concat__cast(arena, h);
   k30_gemm(arena, h);
   k31_gemm(arena, h);
   k32_layernorm_bwd__add__sum__cast(arena, h);
@@ -2486,7 +2458,7 @@ void mdl_step(char *arena, const MdlHooks *h) {
   k38_gemm(arena, h);
   k39_gemm__cast(arena, h);
   k40_attention_bwd(arena, h);
-  k41_sum__slice_bwd__add__cast(arena, h);
+  k41_sum__concat__cast(arena, h);
   k42_gemm(arena, h);
   k43_gemm(arena, h);
   k44_layernorm_bwd__add(arena, h);
@@ -2525,7 +2497,7 @@ const MdlKernel mdl_kernels[] = {
     {"k26_gemm", k26_gemm},
     {"k27_gemm__cast", k27_gemm__cast},
     {"k28_attention_bwd", k28_attention_bwd},
-    {"k29_sum__slice_bwd__add__cast", k29_sum__slice_bwd__add__cast},
+    {"k29_sum__concat__cast", k29_sum__concat__cast},
     {"k30_gemm", k30_gemm},
     {"k31_gemm", k31_gemm},
     {"k32_layernorm_bwd__add__sum__cast", k32_layernorm_bwd__add__sum__cast},
@@ -2537,7 +2509,7 @@ const MdlKernel mdl_kernels[] = {
     {"k38_gemm", k38_gemm},
     {"k39_gemm__cast", k39_gemm__cast},
     {"k40_attention_bwd", k40_attention_bwd},
-    {"k41_sum__slice_bwd__add__cast", k41_sum__slice_bwd__add__cast},
+    {"k41_sum__concat__cast", k41_sum__concat__cast},
     {"k42_gemm", k42_gemm},
     {"k43_gemm", k43_gemm},
     {"k44_layernorm_bwd__add", k44_layernorm_bwd__add},

@@ -492,7 +492,7 @@ extern "C" __global__ void __launch_bounds__(256) k3_gemm__add__cast_epilogue(ch
 //   %32    attention                               line 39    f32[8,64,64]
 //   %33    reshape                                 line 39    f32[512,64]
 //   %34    cast                                    line 39    bf16[512,64]
-//   %194   attention_lse                           line 39    f32[8,4,64]
+//   %190   attention_lse                           line 39    f32[8,4,64]
 // runs:
 //   k4_attention_fwd__cast__lse<<<32, 256>>>
 
@@ -1166,9 +1166,9 @@ extern "C" __global__ void __launch_bounds__(256) k22_gemm__gelu_bwd__sum__cast(
 
 // k25_layernorm_bwd__add__sum__cast: kernel, 7 ops
 //   %140   layernorm_bwd                           line 40    f32[8,64,64]
-//   %141   add                d.h.1.x              line 40    f32[8,64,64]
-//   %142   layernorm_bwd      d.h.1.ln2_w          line 40    f32[64]
-//   %143   layernorm_bwd      d.h.1.ln2_b          line 40    f32[64]
+//   %141   layernorm_bwd      d.h.1.ln2_w          line 40    f32[64]
+//   %142   layernorm_bwd      d.h.1.ln2_b          line 40    f32[64]
+//   %143   add                d.h.1.x              line 39    f32[8,64,64]
 //   %144   reshape                                 line 39    f32[512,64]
 //   %145   sum                d.h.1.proj_b         line 39    f32[64]
 //   %146   cast                                    line 39    bf16[512,64]
@@ -1607,21 +1607,17 @@ extern "C" __global__ void __launch_bounds__(256) k28_attention_bwd_dkv(char *ar
   }
 }
 
-// k29_sum__slice_bwd__add__cast: kernel, 8 ops
-//   %156   slice_bwd                               line 38    f32[8,64,192]
-//   %157   slice_bwd                               line 38    f32[8,64,192]
-//   %158   add                                     line 38    f32[8,64,192]
-//   %159   slice_bwd                               line 38    f32[8,64,192]
-//   %160   add                                     line 38    f32[8,64,192]
-//   %161   reshape                                 line 38    f32[512,192]
-//   %162   sum                d.h.1.attn_b         line 38    f32[192]
-//   %163   cast                                    line 38    bf16[512,192]
+// k29_sum__concat__cast: kernel, 4 ops
+//   %156   concat                                  line 38    f32[8,64,192]
+//   %157   reshape                                 line 38    f32[512,192]
+//   %158   sum                d.h.1.attn_b         line 38    f32[192]
+//   %159   cast                                    line 38    bf16[512,192]
 // runs:
-//   k29_sum__slice_bwd__add__cast_partial<<<12, 256>>>
-//   k29_sum__slice_bwd__add__cast<<<24, 256>>>
+//   k29_sum__concat__cast_partial<<<12, 256>>>
+//   k29_sum__concat__cast<<<24, 256>>>
 
 // sum: 192 outputs over 512 elements, first partial results over 64 blocks of 8, 4 outputs per thread
-extern "C" __global__ void __launch_bounds__(256, MDL_SM_THREADS / 256) k29_sum__slice_bwd__add__cast_partial(char *arena, MdlStatus *status, const uint64_t *seed, int64_t chunk, MdlArgs o) {
+extern "C" __global__ void __launch_bounds__(256, MDL_SM_THREADS / 256) k29_sum__concat__cast_partial(char *arena, MdlStatus *status, const uint64_t *seed, int64_t chunk, MdlArgs o) {
   double *const b0 = (double *)(arena + o.b[0]); // partial results
   float *const b1 = (float *)(arena + o.b[1]); // attention_bwd f32[8,64,64]
   float *const b2 = (float *)(arena + o.b[2]); // attention_bwd f32[8,64,64]
@@ -1638,63 +1634,23 @@ extern "C" __global__ void __launch_bounds__(256, MDL_SM_THREADS / 256) k29_sum_
       const int i2 = i0 + 2;
       const int i3 = i0 + 3;
       const int q = i0 / 4; // the four lanes' float4
-      const int j5 = i0 % 192;
-      const int j6 = j5 >= 128 && j5 < 192 ? i0 / 192 * 64 + (j5 - 128) : 0;
-      const float v7 = b1[j6];
-      const float v4 = j5 >= 128 && j5 < 192 ? v7 : 0.0f;
-      const int j9 = j5 >= 64 && j5 < 128 ? i0 / 192 * 64 + (j5 - 64) : 0;
-      const float v10 = b2[j9];
-      const float v8 = j5 >= 64 && j5 < 128 ? v10 : 0.0f;
-      const float v3 = v4 + v8;
-      const int j12 = j5 >= 0 && j5 < 64 ? i0 / 192 * 64 + (j5 - 0) : 0;
-      const float v13 = b3[j12];
-      const float v11 = j5 >= 0 && j5 < 64 ? v13 : 0.0f;
-      const float v2 = v3 + v11;
+      const int j3 = i0 % 192;
+      const float v2 = (j3 < 64 ? b1 + (i0 / 192 * 64 + (j3 - 0)) : j3 < 128 ? b2 + (i0 / 192 * 64 + (j3 - 64)) : b3 + (i0 / 192 * 64 + (j3 - 128)))[0];
       const float v1 = v2;
       acc0 += v1;
-      const int j19 = i1 % 192;
-      const int j20 = j19 >= 128 && j19 < 192 ? i1 / 192 * 64 + (j19 - 128) : 0;
-      const float v21 = b1[j20];
-      const float v18 = j19 >= 128 && j19 < 192 ? v21 : 0.0f;
-      const int j23 = j19 >= 64 && j19 < 128 ? i1 / 192 * 64 + (j19 - 64) : 0;
-      const float v24 = b2[j23];
-      const float v22 = j19 >= 64 && j19 < 128 ? v24 : 0.0f;
-      const float v17 = v18 + v22;
-      const int j26 = j19 >= 0 && j19 < 64 ? i1 / 192 * 64 + (j19 - 0) : 0;
-      const float v27 = b3[j26];
-      const float v25 = j19 >= 0 && j19 < 64 ? v27 : 0.0f;
-      const float v16 = v17 + v25;
-      const float v15 = v16;
-      acc1 += v15;
-      const int j33 = i2 % 192;
-      const int j34 = j33 >= 128 && j33 < 192 ? i2 / 192 * 64 + (j33 - 128) : 0;
-      const float v35 = b1[j34];
-      const float v32 = j33 >= 128 && j33 < 192 ? v35 : 0.0f;
-      const int j37 = j33 >= 64 && j33 < 128 ? i2 / 192 * 64 + (j33 - 64) : 0;
-      const float v38 = b2[j37];
-      const float v36 = j33 >= 64 && j33 < 128 ? v38 : 0.0f;
-      const float v31 = v32 + v36;
-      const int j40 = j33 >= 0 && j33 < 64 ? i2 / 192 * 64 + (j33 - 0) : 0;
-      const float v41 = b3[j40];
-      const float v39 = j33 >= 0 && j33 < 64 ? v41 : 0.0f;
-      const float v30 = v31 + v39;
-      const float v29 = v30;
-      acc2 += v29;
-      const int j47 = i3 % 192;
-      const int j48 = j47 >= 128 && j47 < 192 ? i3 / 192 * 64 + (j47 - 128) : 0;
-      const float v49 = b1[j48];
-      const float v46 = j47 >= 128 && j47 < 192 ? v49 : 0.0f;
-      const int j51 = j47 >= 64 && j47 < 128 ? i3 / 192 * 64 + (j47 - 64) : 0;
-      const float v52 = b2[j51];
-      const float v50 = j47 >= 64 && j47 < 128 ? v52 : 0.0f;
-      const float v45 = v46 + v50;
-      const int j54 = j47 >= 0 && j47 < 64 ? i3 / 192 * 64 + (j47 - 0) : 0;
-      const float v55 = b3[j54];
-      const float v53 = j47 >= 0 && j47 < 64 ? v55 : 0.0f;
-      const float v44 = v45 + v53;
-      const float v43 = v44;
-      acc3 += v43;
-      reinterpret_cast<ushort4 *>(b4)[q] = make_ushort4(mdl_f32_to_bf16(v1), mdl_f32_to_bf16(v15), mdl_f32_to_bf16(v29), mdl_f32_to_bf16(v43));
+      const int j7 = i1 % 192;
+      const float v6 = (j7 < 64 ? b1 + (i1 / 192 * 64 + (j7 - 0)) : j7 < 128 ? b2 + (i1 / 192 * 64 + (j7 - 64)) : b3 + (i1 / 192 * 64 + (j7 - 128)))[0];
+      const float v5 = v6;
+      acc1 += v5;
+      const int j11 = i2 % 192;
+      const float v10 = (j11 < 64 ? b1 + (i2 / 192 * 64 + (j11 - 0)) : j11 < 128 ? b2 + (i2 / 192 * 64 + (j11 - 64)) : b3 + (i2 / 192 * 64 + (j11 - 128)))[0];
+      const float v9 = v10;
+      acc2 += v9;
+      const int j15 = i3 % 192;
+      const float v14 = (j15 < 64 ? b1 + (i3 / 192 * 64 + (j15 - 0)) : j15 < 128 ? b2 + (i3 / 192 * 64 + (j15 - 64)) : b3 + (i3 / 192 * 64 + (j15 - 128)))[0];
+      const float v13 = v14;
+      acc3 += v13;
+      reinterpret_cast<ushort4 *>(b4)[q] = make_ushort4(mdl_f32_to_bf16(v1), mdl_f32_to_bf16(v5), mdl_f32_to_bf16(v9), mdl_f32_to_bf16(v13));
     }
     b0[k * 192 + r] = acc0;
     b0[k * 192 + r + 1] = acc1;
@@ -1704,7 +1660,7 @@ extern "C" __global__ void __launch_bounds__(256, MDL_SM_THREADS / 256) k29_sum_
 }
 
 // sum: the 64 partial results of each output added, a block per 8 outputs in 32 groups of rows
-extern "C" __global__ void __launch_bounds__(256) k29_sum__slice_bwd__add__cast(char *arena, MdlStatus *status, const uint64_t *seed, int64_t chunk, MdlArgs o) {
+extern "C" __global__ void __launch_bounds__(256) k29_sum__concat__cast(char *arena, MdlStatus *status, const uint64_t *seed, int64_t chunk, MdlArgs o) {
   double *const b0 = (double *)(arena + o.b[0]); // partial results
   float *const b1 = (float *)(arena + o.b[1]); // sum f32[192]
   __shared__ double cs0[32][8];
@@ -1730,23 +1686,23 @@ extern "C" __global__ void __launch_bounds__(256) k29_sum__slice_bwd__add__cast(
 }
 
 // k30_gemm: GEMM, 1 op
-//   %164   matmul                                  line 38    f32[512,64]
+//   %160   matmul                                  line 38    f32[512,64]
 // runs:
 //   gemm 17: [512 x 64] = [512 x 192] T[192 x 64], bf16 A and B, f32 C
 
 // k31_gemm: GEMM, 1 op
-//   %165   matmul             d.h.1.attn_w         line 38    f32[64,192]
+//   %161   matmul             d.h.1.attn_w         line 38    f32[64,192]
 // runs:
 //   gemm 18: [64 x 192] = T[64 x 512] [512 x 192], bf16 A and B, f32 C
 
 // k32_layernorm_bwd__add__sum__cast: kernel, 7 ops
-//   %167   layernorm_bwd                           line 38    f32[8,64,64]
-//   %168   add                d.h.0.x              line 38    f32[8,64,64]
-//   %169   layernorm_bwd      d.h.1.ln1_w          line 38    f32[64]
-//   %170   layernorm_bwd      d.h.1.ln1_b          line 38    f32[64]
-//   %171   reshape                                 line 40    f32[512,64]
-//   %172   sum                d.h.0.fcproj_b       line 40    f32[64]
-//   %173   cast                                    line 40    bf16[512,64]
+//   %163   layernorm_bwd                           line 38    f32[8,64,64]
+//   %164   layernorm_bwd      d.h.1.ln1_w          line 38    f32[64]
+//   %165   layernorm_bwd      d.h.1.ln1_b          line 38    f32[64]
+//   %166   add                d.h.0.x              line 40    f32[8,64,64]
+//   %167   reshape                                 line 40    f32[512,64]
+//   %168   sum                d.h.0.fcproj_b       line 40    f32[64]
+//   %169   cast                                    line 40    bf16[512,64]
 // runs:
 //   k32_layernorm_bwd__add__sum__cast<<<64, 256>>>
 //   k20_layernorm_bwd__sum__cast_colsum<<<8, 1024>>>
@@ -1834,93 +1790,89 @@ extern "C" __global__ void __launch_bounds__(256, 4) k32_layernorm_bwd__add__sum
 }
 
 // k33_gemm: GEMM, 1 op
-//   %175   matmul             d.h.0.fcproj_w       line 40    f32[256,64]
+//   %171   matmul             d.h.0.fcproj_w       line 40    f32[256,64]
 // runs:
 //   gemm 19: [256 x 64] = T[256 x 512] [512 x 64], bf16 A and B, f32 C
 
 // k34_gemm__gelu_bwd__sum__cast: GEMM, 6 ops
-//   %174   matmul                                  line 40    f32[512,256]
-//   %176   reshape                                 line 40    f32[8,64,256]
-//   %177   gelu_bwd                                line 40    f32[8,64,256]
-//   %178   reshape                                 line 40    f32[512,256]
-//   %179   sum                d.h.0.fc_b           line 40    f32[256]
-//   %180   cast                                    line 40    bf16[512,256]
+//   %170   matmul                                  line 40    f32[512,256]
+//   %172   reshape                                 line 40    f32[8,64,256]
+//   %173   gelu_bwd                                line 40    f32[8,64,256]
+//   %174   reshape                                 line 40    f32[512,256]
+//   %175   sum                d.h.0.fc_b           line 40    f32[256]
+//   %176   cast                                    line 40    bf16[512,256]
 // runs:
 //   gemm 20: [512 x 256] = [512 x 64] T[64 x 256], bf16 A and B, f32 C
 //   k22_gemm__gelu_bwd__sum__cast_partial<<<16, 256>>>
 //   k22_gemm__gelu_bwd__sum__cast<<<32, 256>>>
 
 // k35_gemm: GEMM, 1 op
-//   %181   matmul                                  line 40    f32[512,64]
+//   %177   matmul                                  line 40    f32[512,64]
 // runs:
 //   gemm 21: [512 x 64] = [512 x 256] T[256 x 64], bf16 A and B, f32 C
 
 // k36_gemm: GEMM, 1 op
-//   %182   matmul             d.h.0.fc_w           line 40    f32[64,256]
+//   %178   matmul             d.h.0.fc_w           line 40    f32[64,256]
 // runs:
 //   gemm 22: [64 x 256] = T[64 x 512] [512 x 256], bf16 A and B, f32 C
 
 // k37_layernorm_bwd__add__sum__cast: kernel, 7 ops
-//   %184   layernorm_bwd                           line 40    f32[8,64,64]
-//   %185   add                d.h.0.x              line 40    f32[8,64,64]
-//   %186   layernorm_bwd      d.h.0.ln2_w          line 40    f32[64]
-//   %187   layernorm_bwd      d.h.0.ln2_b          line 40    f32[64]
-//   %188   reshape                                 line 39    f32[512,64]
-//   %189   sum                d.h.0.proj_b         line 39    f32[64]
-//   %190   cast                                    line 39    bf16[512,64]
+//   %180   layernorm_bwd                           line 40    f32[8,64,64]
+//   %181   layernorm_bwd      d.h.0.ln2_w          line 40    f32[64]
+//   %182   layernorm_bwd      d.h.0.ln2_b          line 40    f32[64]
+//   %183   add                d.h.0.x              line 39    f32[8,64,64]
+//   %184   reshape                                 line 39    f32[512,64]
+//   %185   sum                d.h.0.proj_b         line 39    f32[64]
+//   %186   cast                                    line 39    bf16[512,64]
 // runs:
 //   k32_layernorm_bwd__add__sum__cast<<<64, 256>>>
 //   k20_layernorm_bwd__sum__cast_colsum<<<8, 1024>>>
 
 // k38_gemm: GEMM, 1 op
-//   %192   matmul             d.h.0.proj_w         line 39    f32[64,64]
+//   %188   matmul             d.h.0.proj_w         line 39    f32[64,64]
 // runs:
 //   gemm 23: [64 x 64] = T[64 x 512] [512 x 64], bf16 A and B, f32 C
 
 // k39_gemm__cast: GEMM, 3 ops
-//   %191   matmul                                  line 39    f32[512,64]
-//   %193   reshape                                 line 39    f32[8,64,64]
-//   %196   cast                                    line 39    bf16[8,64,64]
+//   %187   matmul                                  line 39    f32[512,64]
+//   %189   reshape                                 line 39    f32[8,64,64]
+//   %192   cast                                    line 39    bf16[8,64,64]
 // runs:
 //   gemm 24: [512 x 64] = [512 x 64] T[64 x 64], bf16 A and B, bf16 C
 
 // k40_attention_bwd: attention, 3 ops
-//   %197   attention_bwd      d.h.0.q              line 39    f32[8,64,64]
-//   %198   attention_bwd      d.h.0.k              line 39    f32[8,64,64]
-//   %199   attention_bwd      d.h.0.v              line 39    f32[8,64,64]
+//   %193   attention_bwd      d.h.0.q              line 39    f32[8,64,64]
+//   %194   attention_bwd      d.h.0.k              line 39    f32[8,64,64]
+//   %195   attention_bwd      d.h.0.v              line 39    f32[8,64,64]
 // runs:
 //   k28_attention_bwd_dsum<<<256, 256>>>
 //   k28_attention_bwd_dq<<<32, 128>>>
 //   k28_attention_bwd_dkv<<<32, 256>>>
 
-// k41_sum__slice_bwd__add__cast: kernel, 8 ops
-//   %200   slice_bwd                               line 38    f32[8,64,192]
-//   %201   slice_bwd                               line 38    f32[8,64,192]
-//   %202   add                                     line 38    f32[8,64,192]
-//   %203   slice_bwd                               line 38    f32[8,64,192]
-//   %204   add                                     line 38    f32[8,64,192]
-//   %205   reshape                                 line 38    f32[512,192]
-//   %206   sum                d.h.0.attn_b         line 38    f32[192]
-//   %207   cast                                    line 38    bf16[512,192]
+// k41_sum__concat__cast: kernel, 4 ops
+//   %196   concat                                  line 38    f32[8,64,192]
+//   %197   reshape                                 line 38    f32[512,192]
+//   %198   sum                d.h.0.attn_b         line 38    f32[192]
+//   %199   cast                                    line 38    bf16[512,192]
 // runs:
-//   k29_sum__slice_bwd__add__cast_partial<<<12, 256>>>
-//   k29_sum__slice_bwd__add__cast<<<24, 256>>>
+//   k29_sum__concat__cast_partial<<<12, 256>>>
+//   k29_sum__concat__cast<<<24, 256>>>
 
 // k42_gemm: GEMM, 1 op
-//   %208   matmul                                  line 38    f32[512,64]
+//   %200   matmul                                  line 38    f32[512,64]
 // runs:
 //   gemm 25: [512 x 64] = [512 x 192] T[192 x 64], bf16 A and B, f32 C
 
 // k43_gemm: GEMM, 1 op
-//   %209   matmul             d.h.0.attn_w         line 38    f32[64,192]
+//   %201   matmul             d.h.0.attn_w         line 38    f32[64,192]
 // runs:
 //   gemm 26: [64 x 192] = T[64 x 512] [512 x 192], bf16 A and B, f32 C
 
 // k44_layernorm_bwd__add: kernel, 4 ops
-//   %211   layernorm_bwd                           line 38    f32[8,64,64]
-//   %212   add                d.x                  line 38    f32[8,64,64]
-//   %213   layernorm_bwd      d.h.0.ln1_w          line 38    f32[64]
-//   %214   layernorm_bwd      d.h.0.ln1_b          line 38    f32[64]
+//   %203   layernorm_bwd                           line 38    f32[8,64,64]
+//   %204   layernorm_bwd      d.h.0.ln1_w          line 38    f32[64]
+//   %205   layernorm_bwd      d.h.0.ln1_b          line 38    f32[64]
+//   %206   add                d.x                  line 22    f32[8,64,64]
 // runs:
 //   k44_layernorm_bwd__add<<<64, 256>>>
 //   k44_layernorm_bwd__add_colsum<<<8, 1024>>>
@@ -2034,7 +1986,7 @@ extern "C" __global__ void __launch_bounds__(1024) k44_layernorm_bwd__add_colsum
 }
 
 // k45_embed_bwd: kernel, 1 op
-//   %215   embed_bwd          d.wpe                line 22    f32[128,64]
+//   %207   embed_bwd          d.wpe                line 22    f32[128,64]
 // runs:
 //   k45_embed_bwd_zero<<<1, 32>>>
 //   k45_embed_bwd_count<<<2, 256>>>
@@ -2151,8 +2103,8 @@ extern "C" __global__ void __launch_bounds__(64) k45_embed_bwd(char *arena, MdlS
 }
 
 // k46_embed_bwd__add: kernel, 2 ops
-//   %216   embed_bwd                               line 22    f32[256,64]
-//   %217   add                d.wte                line 22    f32[256,64]
+//   %208   embed_bwd                               line 22    f32[256,64]
+//   %209   add                d.wte                line 19    f32[256,64]
 // runs:
 //   k46_embed_bwd__add_zero<<<1, 32>>>
 //   k46_embed_bwd__add_count<<<2, 256>>>
@@ -2272,35 +2224,35 @@ extern "C" __global__ void __launch_bounds__(64) k46_embed_bwd__add(char *arena,
 }
 
 // k47_grad_norm__adamw: optimizer, 29 ops
-//   %220   grad_norm                                          f32[]
-//   %223   adamw              wte.new              line 19    f32[256,64]
-//   %226   adamw              wpe.new              line 20    f32[128,64]
-//   %229   adamw              h.0.ln1_w.new        line 25    f32[64]
-//   %232   adamw              h.0.ln1_b.new        line 26    f32[64]
-//   %235   adamw              h.0.attn_w.new       line 27    f32[64,192]
-//   %238   adamw              h.0.attn_b.new       line 28    f32[192]
-//   %241   adamw              h.0.proj_w.new       line 29    f32[64,64]
-//   %244   adamw              h.0.proj_b.new       line 30    f32[64]
-//   %247   adamw              h.0.ln2_w.new        line 31    f32[64]
-//   %250   adamw              h.0.ln2_b.new        line 32    f32[64]
-//   %253   adamw              h.0.fc_w.new         line 33    f32[64,256]
-//   %256   adamw              h.0.fc_b.new         line 34    f32[256]
-//   %259   adamw              h.0.fcproj_w.new     line 35    f32[256,64]
-//   %262   adamw              h.0.fcproj_b.new     line 36    f32[64]
-//   %265   adamw              h.1.ln1_w.new        line 25    f32[64]
-//   %268   adamw              h.1.ln1_b.new        line 26    f32[64]
-//   %271   adamw              h.1.attn_w.new       line 27    f32[64,192]
-//   %274   adamw              h.1.attn_b.new       line 28    f32[192]
-//   %277   adamw              h.1.proj_w.new       line 29    f32[64,64]
-//   %280   adamw              h.1.proj_b.new       line 30    f32[64]
-//   %283   adamw              h.1.ln2_w.new        line 31    f32[64]
-//   %286   adamw              h.1.ln2_b.new        line 32    f32[64]
-//   %289   adamw              h.1.fc_w.new         line 33    f32[64,256]
-//   %292   adamw              h.1.fc_b.new         line 34    f32[256]
-//   %295   adamw              h.1.fcproj_w.new     line 35    f32[256,64]
-//   %298   adamw              h.1.fcproj_b.new     line 36    f32[64]
-//   %301   adamw              lnf_w.new            line 43    f32[64]
-//   %304   adamw              lnf_b.new            line 44    f32[64]
+//   %212   grad_norm                                          f32[]
+//   %215   adamw              wte.new              line 19    f32[256,64]
+//   %218   adamw              wpe.new              line 20    f32[128,64]
+//   %221   adamw              h.0.ln1_w.new        line 25    f32[64]
+//   %224   adamw              h.0.ln1_b.new        line 26    f32[64]
+//   %227   adamw              h.0.attn_w.new       line 27    f32[64,192]
+//   %230   adamw              h.0.attn_b.new       line 28    f32[192]
+//   %233   adamw              h.0.proj_w.new       line 29    f32[64,64]
+//   %236   adamw              h.0.proj_b.new       line 30    f32[64]
+//   %239   adamw              h.0.ln2_w.new        line 31    f32[64]
+//   %242   adamw              h.0.ln2_b.new        line 32    f32[64]
+//   %245   adamw              h.0.fc_w.new         line 33    f32[64,256]
+//   %248   adamw              h.0.fc_b.new         line 34    f32[256]
+//   %251   adamw              h.0.fcproj_w.new     line 35    f32[256,64]
+//   %254   adamw              h.0.fcproj_b.new     line 36    f32[64]
+//   %257   adamw              h.1.ln1_w.new        line 25    f32[64]
+//   %260   adamw              h.1.ln1_b.new        line 26    f32[64]
+//   %263   adamw              h.1.attn_w.new       line 27    f32[64,192]
+//   %266   adamw              h.1.attn_b.new       line 28    f32[192]
+//   %269   adamw              h.1.proj_w.new       line 29    f32[64,64]
+//   %272   adamw              h.1.proj_b.new       line 30    f32[64]
+//   %275   adamw              h.1.ln2_w.new        line 31    f32[64]
+//   %278   adamw              h.1.ln2_b.new        line 32    f32[64]
+//   %281   adamw              h.1.fc_w.new         line 33    f32[64,256]
+//   %284   adamw              h.1.fc_b.new         line 34    f32[256]
+//   %287   adamw              h.1.fcproj_w.new     line 35    f32[256,64]
+//   %290   adamw              h.1.fcproj_b.new     line 36    f32[64]
+//   %293   adamw              lnf_w.new            line 43    f32[64]
+//   %296   adamw              lnf_b.new            line 44    f32[64]
 // runs:
 //   k47_grad_norm__adamw_sumsq<<<16, 256>>>
 //   k47_grad_norm__adamw_norm<<<1, 256>>>

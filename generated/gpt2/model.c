@@ -300,14 +300,14 @@ static void k3_gemm__add__cast(char *arena, const MdlHooks *h) {
 //   %32    attention                               line 39    f32[8,1024,768]
 //   %33    reshape                                 line 39    f32[8192,768]
 //   %34    cast                                    line 39    bf16[8192,768]
-//   %1094  attention_lse                           line 39    f32[8,12,1024]
+//   %1050  attention_lse                           line 39    f32[8,12,1024]
 // loops:
 //   attention and its log-sum-exp per row: B 8, T 1024, 12 heads of 64, causal, within documents; one task per (batch, head)
 static void k4_attention_fwd__cast__lse(char *arena, const MdlHooks *h) {
   int32_t *const b3 = (int32_t *)(arena + 2238271488); // %3 input doc i32[8,1024]
   uint16_t *const b28 = (uint16_t *)(arena + 4204633216); // %28 cast bf16[8,1024,2304]
   uint16_t *const b34 = (uint16_t *)(arena + 5349678208); // %34 cast bf16[8192,768]
-  float *const b1094 = (float *)(arena + 5802663040); // %1094 attention_lse f32[8,12,1024]
+  float *const b1050 = (float *)(arena + 5802663040); // %1050 attention_lse f32[8,12,1024]
   #pragma omp parallel num_threads(h->nthreads)
   {
     float *restrict kt = memset(mdl_scratch(67584 * sizeof(float)), 0, 67584 * sizeof(float));
@@ -368,7 +368,7 @@ static void k4_attention_fwd__cast__lse(char *arena, const MdlHooks *h) {
           }
           l = ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
         }
-        b1094[(b * 12 + hd) * 1024 + i] = m + logf(l);
+        b1050[(b * 12 + hd) * 1024 + i] = m + logf(l);
         float acc0[64] = {0}, acc1[64] = {0};
         int64_t j = lo;
         for (; j + 1 < hi; j += 2) {
@@ -634,14 +634,14 @@ static void k10_gemm__add__cast(char *arena, const MdlHooks *h) {
 //   %78    attention                               line 39    f32[8,1024,768]
 //   %79    reshape                                 line 39    f32[8192,768]
 //   %80    cast                                    line 39    bf16[8192,768]
-//   %1050  attention_lse                           line 39    f32[8,12,1024]
+//   %1010  attention_lse                           line 39    f32[8,12,1024]
 // loops:
 //   attention and its log-sum-exp per row: B 8, T 1024, 12 heads of 64, causal, within documents; one task per (batch, head)
 static void k11_attention_fwd__cast__lse(char *arena, const MdlHooks *h) {
   int32_t *const b3 = (int32_t *)(arena + 2238271488); // %3 input doc i32[8,1024]
   uint16_t *const b74 = (uint16_t *)(arena + 4242381952); // %74 cast bf16[8,1024,2304]
   uint16_t *const b80 = (uint16_t *)(arena + 5387426944); // %80 cast bf16[8192,768]
-  float *const b1050 = (float *)(arena + 5803056256); // %1050 attention_lse f32[8,12,1024]
+  float *const b1010 = (float *)(arena + 5803056256); // %1010 attention_lse f32[8,12,1024]
   #pragma omp parallel num_threads(h->nthreads)
   {
     float *restrict kt = memset(mdl_scratch(67584 * sizeof(float)), 0, 67584 * sizeof(float));
@@ -702,7 +702,7 @@ static void k11_attention_fwd__cast__lse(char *arena, const MdlHooks *h) {
           }
           l = ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
         }
-        b1050[(b * 12 + hd) * 1024 + i] = m + logf(l);
+        b1010[(b * 12 + hd) * 1024 + i] = m + logf(l);
         float acc0[64] = {0}, acc1[64] = {0};
         int64_t j = lo;
         for (; j + 1 < hi; j += 2) {
@@ -968,14 +968,14 @@ static void k17_gemm__add__cast(char *arena, const MdlHooks *h) {
 //   %124   attention                               line 39    f32[8,1024,768]
 //   %125   reshape                                 line 39    f32[8192,768]
 //   %126   cast                                    line 39    bf16[8192,768]
-//   %1006  attention_lse                           line 39    f32[8,12,1024]
+//   %970   attention_lse                           line 39    f32[8,12,1024]
 // loops:
 //   attention and its log-sum-exp per row: B 8, T 1024, 12 heads of 64, causal, within documents; one task per (batch, head)
 static void k18_attention_fwd__cast__lse(char *arena, const MdlHooks *h) {
   int32_t *const b3 = (int32_t *)(arena + 2238271488); // %3 input doc i32[8,1024]
   uint16_t *const b120 = (uint16_t *)(arena + 4280130688); // %120 cast bf16[8,1024,2304]
   uint16_t *const b126 = (uint16_t *)(arena + 5425175680); // %126 cast bf16[8192,768]
-  float *const b1006 = (float *)(arena + 5803449472); // %1006 attention_lse f32[8,12,1024]
+  float *const b970 = (float *)(arena + 5803449472); // %970 attention_lse f32[8,12,1024]
   #pragma omp parallel num_threads(h->nthreads)
   {
     float *restrict kt = memset(mdl_scratch(67584 * sizeof(float)), 0, 67584 * sizeof(float));
@@ -1036,7 +1036,7 @@ static void k18_attention_fwd__cast__lse(char *arena, const MdlHooks *h) {
           }
           l = ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
         }
-        b1006[(b * 12 + hd) * 1024 + i] = m + logf(l);
+        b970[(b * 12 + hd) * 1024 + i] = m + logf(l);
         float acc0[64] = {0}, acc1[64] = {0};
         int64_t j = lo;
         for (; j + 1 < hi; j += 2) {
@@ -1302,14 +1302,14 @@ static void k24_gemm__add__cast(char *arena, const MdlHooks *h) {
 //   %170   attention                               line 39    f32[8,1024,768]
 //   %171   reshape                                 line 39    f32[8192,768]
 //   %172   cast                                    line 39    bf16[8192,768]
-//   %962   attention_lse                           line 39    f32[8,12,1024]
+//   %930   attention_lse                           line 39    f32[8,12,1024]
 // loops:
 //   attention and its log-sum-exp per row: B 8, T 1024, 12 heads of 64, causal, within documents; one task per (batch, head)
 static void k25_attention_fwd__cast__lse(char *arena, const MdlHooks *h) {
   int32_t *const b3 = (int32_t *)(arena + 2238271488); // %3 input doc i32[8,1024]
   uint16_t *const b166 = (uint16_t *)(arena + 4317879424); // %166 cast bf16[8,1024,2304]
   uint16_t *const b172 = (uint16_t *)(arena + 5462924416); // %172 cast bf16[8192,768]
-  float *const b962 = (float *)(arena + 5803842688); // %962 attention_lse f32[8,12,1024]
+  float *const b930 = (float *)(arena + 5803842688); // %930 attention_lse f32[8,12,1024]
   #pragma omp parallel num_threads(h->nthreads)
   {
     float *restrict kt = memset(mdl_scratch(67584 * sizeof(float)), 0, 67584 * sizeof(float));
@@ -1370,7 +1370,7 @@ static void k25_attention_fwd__cast__lse(char *arena, const MdlHooks *h) {
           }
           l = ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
         }
-        b962[(b * 12 + hd) * 1024 + i] = m + logf(l);
+        b930[(b * 12 + hd) * 1024 + i] = m + logf(l);
         float acc0[64] = {0}, acc1[64] = {0};
         int64_t j = lo;
         for (; j + 1 < hi; j += 2) {
@@ -1636,14 +1636,14 @@ static void k31_gemm__add__cast(char *arena, const MdlHooks *h) {
 //   %216   attention                               line 39    f32[8,1024,768]
 //   %217   reshape                                 line 39    f32[8192,768]
 //   %218   cast                                    line 39    bf16[8192,768]
-//   %918   attention_lse                           line 39    f32[8,12,1024]
+//   %890   attention_lse                           line 39    f32[8,12,1024]
 // loops:
 //   attention and its log-sum-exp per row: B 8, T 1024, 12 heads of 64, causal, within documents; one task per (batch, head)
 static void k32_attention_fwd__cast__lse(char *arena, const MdlHooks *h) {
   int32_t *const b3 = (int32_t *)(arena + 2238271488); // %3 input doc i32[8,1024]
   uint16_t *const b212 = (uint16_t *)(arena + 4355628160); // %212 cast bf16[8,1024,2304]
   uint16_t *const b218 = (uint16_t *)(arena + 5500673152); // %218 cast bf16[8192,768]
-  float *const b918 = (float *)(arena + 5804235904); // %918 attention_lse f32[8,12,1024]
+  float *const b890 = (float *)(arena + 5804235904); // %890 attention_lse f32[8,12,1024]
   #pragma omp parallel num_threads(h->nthreads)
   {
     float *restrict kt = memset(mdl_scratch(67584 * sizeof(float)), 0, 67584 * sizeof(float));
@@ -1704,7 +1704,7 @@ static void k32_attention_fwd__cast__lse(char *arena, const MdlHooks *h) {
           }
           l = ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
         }
-        b918[(b * 12 + hd) * 1024 + i] = m + logf(l);
+        b890[(b * 12 + hd) * 1024 + i] = m + logf(l);
         float acc0[64] = {0}, acc1[64] = {0};
         int64_t j = lo;
         for (; j + 1 < hi; j += 2) {
@@ -1970,14 +1970,14 @@ static void k38_gemm__add__cast(char *arena, const MdlHooks *h) {
 //   %262   attention                               line 39    f32[8,1024,768]
 //   %263   reshape                                 line 39    f32[8192,768]
 //   %264   cast                                    line 39    bf16[8192,768]
-//   %874   attention_lse                           line 39    f32[8,12,1024]
+//   %850   attention_lse                           line 39    f32[8,12,1024]
 // loops:
 //   attention and its log-sum-exp per row: B 8, T 1024, 12 heads of 64, causal, within documents; one task per (batch, head)
 static void k39_attention_fwd__cast__lse(char *arena, const MdlHooks *h) {
   int32_t *const b3 = (int32_t *)(arena + 2238271488); // %3 input doc i32[8,1024]
   uint16_t *const b258 = (uint16_t *)(arena + 4393376896); // %258 cast bf16[8,1024,2304]
   uint16_t *const b264 = (uint16_t *)(arena + 5538421888); // %264 cast bf16[8192,768]
-  float *const b874 = (float *)(arena + 5804629120); // %874 attention_lse f32[8,12,1024]
+  float *const b850 = (float *)(arena + 5804629120); // %850 attention_lse f32[8,12,1024]
   #pragma omp parallel num_threads(h->nthreads)
   {
     float *restrict kt = memset(mdl_scratch(67584 * sizeof(float)), 0, 67584 * sizeof(float));
@@ -2038,7 +2038,7 @@ static void k39_attention_fwd__cast__lse(char *arena, const MdlHooks *h) {
           }
           l = ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
         }
-        b874[(b * 12 + hd) * 1024 + i] = m + logf(l);
+        b850[(b * 12 + hd) * 1024 + i] = m + logf(l);
         float acc0[64] = {0}, acc1[64] = {0};
         int64_t j = lo;
         for (; j + 1 < hi; j += 2) {
@@ -2304,14 +2304,14 @@ static void k45_gemm__add__cast(char *arena, const MdlHooks *h) {
 //   %308   attention                               line 39    f32[8,1024,768]
 //   %309   reshape                                 line 39    f32[8192,768]
 //   %310   cast                                    line 39    bf16[8192,768]
-//   %830   attention_lse                           line 39    f32[8,12,1024]
+//   %810   attention_lse                           line 39    f32[8,12,1024]
 // loops:
 //   attention and its log-sum-exp per row: B 8, T 1024, 12 heads of 64, causal, within documents; one task per (batch, head)
 static void k46_attention_fwd__cast__lse(char *arena, const MdlHooks *h) {
   int32_t *const b3 = (int32_t *)(arena + 2238271488); // %3 input doc i32[8,1024]
   uint16_t *const b304 = (uint16_t *)(arena + 4431125632); // %304 cast bf16[8,1024,2304]
   uint16_t *const b310 = (uint16_t *)(arena + 5576170624); // %310 cast bf16[8192,768]
-  float *const b830 = (float *)(arena + 5805022336); // %830 attention_lse f32[8,12,1024]
+  float *const b810 = (float *)(arena + 5805022336); // %810 attention_lse f32[8,12,1024]
   #pragma omp parallel num_threads(h->nthreads)
   {
     float *restrict kt = memset(mdl_scratch(67584 * sizeof(float)), 0, 67584 * sizeof(float));
@@ -2372,7 +2372,7 @@ static void k46_attention_fwd__cast__lse(char *arena, const MdlHooks *h) {
           }
           l = ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
         }
-        b830[(b * 12 + hd) * 1024 + i] = m + logf(l);
+        b810[(b * 12 + hd) * 1024 + i] = m + logf(l);
         float acc0[64] = {0}, acc1[64] = {0};
         int64_t j = lo;
         for (; j + 1 < hi; j += 2) {
@@ -2638,14 +2638,14 @@ static void k52_gemm__add__cast(char *arena, const MdlHooks *h) {
 //   %354   attention                               line 39    f32[8,1024,768]
 //   %355   reshape                                 line 39    f32[8192,768]
 //   %356   cast                                    line 39    bf16[8192,768]
-//   %786   attention_lse                           line 39    f32[8,12,1024]
+//   %770   attention_lse                           line 39    f32[8,12,1024]
 // loops:
 //   attention and its log-sum-exp per row: B 8, T 1024, 12 heads of 64, causal, within documents; one task per (batch, head)
 static void k53_attention_fwd__cast__lse(char *arena, const MdlHooks *h) {
   int32_t *const b3 = (int32_t *)(arena + 2238271488); // %3 input doc i32[8,1024]
   uint16_t *const b350 = (uint16_t *)(arena + 4468874368); // %350 cast bf16[8,1024,2304]
   uint16_t *const b356 = (uint16_t *)(arena + 5613919360); // %356 cast bf16[8192,768]
-  float *const b786 = (float *)(arena + 5805415552); // %786 attention_lse f32[8,12,1024]
+  float *const b770 = (float *)(arena + 5805415552); // %770 attention_lse f32[8,12,1024]
   #pragma omp parallel num_threads(h->nthreads)
   {
     float *restrict kt = memset(mdl_scratch(67584 * sizeof(float)), 0, 67584 * sizeof(float));
@@ -2706,7 +2706,7 @@ static void k53_attention_fwd__cast__lse(char *arena, const MdlHooks *h) {
           }
           l = ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
         }
-        b786[(b * 12 + hd) * 1024 + i] = m + logf(l);
+        b770[(b * 12 + hd) * 1024 + i] = m + logf(l);
         float acc0[64] = {0}, acc1[64] = {0};
         int64_t j = lo;
         for (; j + 1 < hi; j += 2) {
@@ -2972,14 +2972,14 @@ static void k59_gemm__add__cast(char *arena, const MdlHooks *h) {
 //   %400   attention                               line 39    f32[8,1024,768]
 //   %401   reshape                                 line 39    f32[8192,768]
 //   %402   cast                                    line 39    bf16[8192,768]
-//   %742   attention_lse                           line 39    f32[8,12,1024]
+//   %730   attention_lse                           line 39    f32[8,12,1024]
 // loops:
 //   attention and its log-sum-exp per row: B 8, T 1024, 12 heads of 64, causal, within documents; one task per (batch, head)
 static void k60_attention_fwd__cast__lse(char *arena, const MdlHooks *h) {
   int32_t *const b3 = (int32_t *)(arena + 2238271488); // %3 input doc i32[8,1024]
   uint16_t *const b396 = (uint16_t *)(arena + 4506623104); // %396 cast bf16[8,1024,2304]
   uint16_t *const b402 = (uint16_t *)(arena + 5651668096); // %402 cast bf16[8192,768]
-  float *const b742 = (float *)(arena + 5805808768); // %742 attention_lse f32[8,12,1024]
+  float *const b730 = (float *)(arena + 5805808768); // %730 attention_lse f32[8,12,1024]
   #pragma omp parallel num_threads(h->nthreads)
   {
     float *restrict kt = memset(mdl_scratch(67584 * sizeof(float)), 0, 67584 * sizeof(float));
@@ -3040,7 +3040,7 @@ static void k60_attention_fwd__cast__lse(char *arena, const MdlHooks *h) {
           }
           l = ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
         }
-        b742[(b * 12 + hd) * 1024 + i] = m + logf(l);
+        b730[(b * 12 + hd) * 1024 + i] = m + logf(l);
         float acc0[64] = {0}, acc1[64] = {0};
         int64_t j = lo;
         for (; j + 1 < hi; j += 2) {
@@ -3306,14 +3306,14 @@ static void k66_gemm__add__cast(char *arena, const MdlHooks *h) {
 //   %446   attention                               line 39    f32[8,1024,768]
 //   %447   reshape                                 line 39    f32[8192,768]
 //   %448   cast                                    line 39    bf16[8192,768]
-//   %698   attention_lse                           line 39    f32[8,12,1024]
+//   %690   attention_lse                           line 39    f32[8,12,1024]
 // loops:
 //   attention and its log-sum-exp per row: B 8, T 1024, 12 heads of 64, causal, within documents; one task per (batch, head)
 static void k67_attention_fwd__cast__lse(char *arena, const MdlHooks *h) {
   int32_t *const b3 = (int32_t *)(arena + 2238271488); // %3 input doc i32[8,1024]
   uint16_t *const b442 = (uint16_t *)(arena + 4544371840); // %442 cast bf16[8,1024,2304]
   uint16_t *const b448 = (uint16_t *)(arena + 5689416832); // %448 cast bf16[8192,768]
-  float *const b698 = (float *)(arena + 5806201984); // %698 attention_lse f32[8,12,1024]
+  float *const b690 = (float *)(arena + 5806201984); // %690 attention_lse f32[8,12,1024]
   #pragma omp parallel num_threads(h->nthreads)
   {
     float *restrict kt = memset(mdl_scratch(67584 * sizeof(float)), 0, 67584 * sizeof(float));
@@ -3374,7 +3374,7 @@ static void k67_attention_fwd__cast__lse(char *arena, const MdlHooks *h) {
           }
           l = ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
         }
-        b698[(b * 12 + hd) * 1024 + i] = m + logf(l);
+        b690[(b * 12 + hd) * 1024 + i] = m + logf(l);
         float acc0[64] = {0}, acc1[64] = {0};
         int64_t j = lo;
         for (; j + 1 < hi; j += 2) {
@@ -3640,14 +3640,14 @@ static void k73_gemm__add__cast(char *arena, const MdlHooks *h) {
 //   %492   attention                               line 39    f32[8,1024,768]
 //   %493   reshape                                 line 39    f32[8192,768]
 //   %494   cast                                    line 39    bf16[8192,768]
-//   %654   attention_lse                           line 39    f32[8,12,1024]
+//   %650   attention_lse                           line 39    f32[8,12,1024]
 // loops:
 //   attention and its log-sum-exp per row: B 8, T 1024, 12 heads of 64, causal, within documents; one task per (batch, head)
 static void k74_attention_fwd__cast__lse(char *arena, const MdlHooks *h) {
   int32_t *const b3 = (int32_t *)(arena + 2238271488); // %3 input doc i32[8,1024]
   uint16_t *const b488 = (uint16_t *)(arena + 4582120576); // %488 cast bf16[8,1024,2304]
   uint16_t *const b494 = (uint16_t *)(arena + 5727165568); // %494 cast bf16[8192,768]
-  float *const b654 = (float *)(arena + 5806595200); // %654 attention_lse f32[8,12,1024]
+  float *const b650 = (float *)(arena + 5806595200); // %650 attention_lse f32[8,12,1024]
   #pragma omp parallel num_threads(h->nthreads)
   {
     float *restrict kt = memset(mdl_scratch(67584 * sizeof(float)), 0, 67584 * sizeof(float));
@@ -3708,7 +3708,7 @@ static void k74_attention_fwd__cast__lse(char *arena, const MdlHooks *h) {
           }
           l = ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
         }
-        b654[(b * 12 + hd) * 1024 + i] = m + logf(l);
+        b650[(b * 12 + hd) * 1024 + i] = m + logf(l);
         float acc0[64] = {0}, acc1[64] = {0};
         int64_t j = lo;
         for (; j + 1 < hi; j += 2) {
@@ -4572,9 +4572,9 @@ static void k94_gemm(char *arena, const MdlHooks *h) {
 
 // k95_layernorm_bwd__add__sum__cast: kernel, 7 ops
 //   %600   layernorm_bwd                           line 40    f32[8,1024,768]
-//   %601   add                d.h.11.x             line 40    f32[8,1024,768]
-//   %602   layernorm_bwd      d.h.11.ln2_w         line 40    f32[768]
-//   %603   layernorm_bwd      d.h.11.ln2_b         line 40    f32[768]
+//   %601   layernorm_bwd      d.h.11.ln2_w         line 40    f32[768]
+//   %602   layernorm_bwd      d.h.11.ln2_b         line 40    f32[768]
+//   %603   add                d.h.11.x             line 39    f32[8,1024,768]
 //   %604   reshape                                 line 39    f32[8192,768]
 //   %605   sum                d.h.11.proj_b        line 39    f32[768]
 //   %606   cast                                    line 39    bf16[8192,768]
@@ -4585,9 +4585,9 @@ static void k95_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
   float *const b545 = (float *)(arena + 5236432000); // %545 add h.11.x f32[8,1024,768]
   float *const b584 = (float *)(arena + 5311929472); // %584 layernorm_bwd d.h.11.x f32[8,1024,768]
   float *const b597 = (float *)(arena + 3499990144); // %597 matmul f32[8192,768]
-  float *const b601 = (float *)(arena + 3537738880); // %601 add d.h.11.x f32[8,1024,768]
-  float *const b602 = (float *)(arena + 976616448); // %602 layernorm_bwd d.h.11.ln2_w f32[768]
-  float *const b603 = (float *)(arena + 976619520); // %603 layernorm_bwd d.h.11.ln2_b f32[768]
+  float *const b601 = (float *)(arena + 976616448); // %601 layernorm_bwd d.h.11.ln2_w f32[768]
+  float *const b602 = (float *)(arena + 976619520); // %602 layernorm_bwd d.h.11.ln2_b f32[768]
+  float *const b603 = (float *)(arena + 3537738880); // %603 add d.h.11.x f32[8,1024,768]
   float *const b605 = (float *)(arena + 976613376); // %605 sum d.h.11.proj_b f32[768]
   uint16_t *const b606 = (uint16_t *)(arena + 3525155968); // %606 cast bf16[8192,768]
   double *pdw = mdl_scratch(49152 * sizeof(double));
@@ -4632,9 +4632,9 @@ static void k95_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
         for (int64_t j = 0; j < 768; j++) {
           const int64_t ix = r * 768 + j;
           const float v584_ix = b584[ix];
-          const float v601_ix = v584_ix + dx[j];
-          b601[ix] = v601_ix;
-          const float v604_ix = v601_ix;
+          const float v603_ix = v584_ix + dx[j];
+          b603[ix] = v603_ix;
+          const float v604_ix = v603_ix;
           const float v606_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v604_ix));
           b606[ix] = mdl_f32_to_bf16(v606_ix);
           sa0[j] += v604_ix;
@@ -4651,8 +4651,8 @@ static void k95_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
       b += pdb[k * 768 + j];
       a0 += ps0[k * 768 + j];
     }
-    b602[j] = (float)w;
-    b603[j] = (float)b;
+    b601[j] = (float)w;
+    b602[j] = (float)b;
     b605[j] = (float)a0;
   }
   free(pdw);
@@ -4844,23 +4844,19 @@ static void k98_attention_bwd(char *arena, const MdlHooks *h) {
   }
 }
 
-// k99_sum__slice_bwd__add__cast: kernel, 8 ops
-//   %616   slice_bwd                               line 38    f32[8,1024,2304]
-//   %617   slice_bwd                               line 38    f32[8,1024,2304]
-//   %618   add                                     line 38    f32[8,1024,2304]
-//   %619   slice_bwd                               line 38    f32[8,1024,2304]
-//   %620   add                                     line 38    f32[8,1024,2304]
-//   %621   reshape                                 line 38    f32[8192,2304]
-//   %622   sum                d.h.11.attn_b        line 38    f32[2304]
-//   %623   cast                                    line 38    bf16[8192,2304]
+// k99_sum__concat__cast: kernel, 4 ops
+//   %616   concat                                  line 38    f32[8,1024,2304]
+//   %617   reshape                                 line 38    f32[8192,2304]
+//   %618   sum                d.h.11.attn_b        line 38    f32[2304]
+//   %619   cast                                    line 38    bf16[8192,2304]
 // loops:
-//   sum %622: 2304 outputs over 8192 elements, in 64 blocks of 128
-static void k99_sum__slice_bwd__add__cast(char *arena, const MdlHooks *h) {
+//   sum %618: 2304 outputs over 8192 elements, in 64 blocks of 128
+static void k99_sum__concat__cast(char *arena, const MdlHooks *h) {
   float *const b613 = (float *)(arena + 3562904704); // %613 attention_bwd d.h.11.q f32[8,1024,768]
   float *const b614 = (float *)(arena + 4154301568); // %614 attention_bwd d.h.11.k f32[8,1024,768]
   float *const b615 = (float *)(arena + 4179467392); // %615 attention_bwd d.h.11.v f32[8,1024,768]
-  float *const b622 = (float *)(arena + 974244864); // %622 sum d.h.11.attn_b f32[2304]
-  uint16_t *const b623 = (uint16_t *)(arena + 3499990144); // %623 cast bf16[8192,2304]
+  float *const b618 = (float *)(arena + 974244864); // %618 sum d.h.11.attn_b f32[2304]
+  uint16_t *const b619 = (uint16_t *)(arena + 3499990144); // %619 cast bf16[8192,2304]
   double *part = mdl_scratch(147456 * sizeof(double));
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
   for (int64_t k = 0; k < 64; k++) {
@@ -4871,21 +4867,11 @@ static void k99_sum__slice_bwd__add__cast(char *arena, const MdlHooks *h) {
     for (int64_t l = k * 128; l < end; l++) {
       for (int64_t c = 0; c < 2304; c++) {
         const int64_t ix = l * 2304 + c;
-        const int64_t j1 = c >= 1536 && c < 2304 ? l * 768 + (c - 1536) : 0;
-        const float v615_j1 = b615[j1];
-        const float v616_ix = c >= 1536 && c < 2304 ? v615_j1 : 0.0f;
-        const int64_t j2 = c >= 768 && c < 1536 ? l * 768 + (c - 768) : 0;
-        const float v614_j2 = b614[j2];
-        const float v617_ix = c >= 768 && c < 1536 ? v614_j2 : 0.0f;
-        const float v618_ix = v616_ix + v617_ix;
-        const int64_t j3 = c >= 0 && c < 768 ? l * 768 + (c - 0) : 0;
-        const float v613_j3 = b613[j3];
-        const float v619_ix = c >= 0 && c < 768 ? v613_j3 : 0.0f;
-        const float v620_ix = v618_ix + v619_ix;
-        const float v621_ix = v620_ix;
-        const float v = v621_ix;
-        const float v623_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v621_ix));
-        b623[ix] = mdl_f32_to_bf16(v623_ix);
+        const float v616_ix = (c < 768 ? b613 + (l * 768 + (c - 0)) : c < 1536 ? b614 + (l * 768 + (c - 768)) : b615 + (l * 768 + (c - 1536)))[0];
+        const float v617_ix = v616_ix;
+        const float v = v617_ix;
+        const float v619_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v617_ix));
+        b619[ix] = mdl_f32_to_bf16(v619_ix);
         p[c] += v;
       }
     }
@@ -4898,68 +4884,68 @@ static void k99_sum__slice_bwd__add__cast(char *arena, const MdlHooks *h) {
       acc += v;
     }
     const float y = (float)acc;
-    b622[r] = y;
+    b618[r] = y;
   }
   free(part);
 }
 
 // k100_gemm: GEMM, 1 op
-//   %624   matmul                                  line 38    f32[8192,768]
+//   %620   matmul                                  line 38    f32[8192,768]
 // loops:
-//   gemm %624: [8192 x 768] = [8192 x 2304] T[2304 x 768], bf16 operands widened to f32
+//   gemm %620: [8192 x 768] = [8192 x 2304] T[2304 x 768], bf16 operands widened to f32
 static void k100_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b530 = (uint16_t *)(arena + 2224017408); // %530 cast bf16[768,2304]
-  uint16_t *const b623 = (uint16_t *)(arena + 3499990144); // %623 cast bf16[8192,2304]
-  float *const b624 = (float *)(arena + 3562904704); // %624 matmul f32[8192,768]
+  uint16_t *const b619 = (uint16_t *)(arena + 3499990144); // %619 cast bf16[8192,2304]
+  float *const b620 = (float *)(arena + 3562904704); // %620 matmul f32[8192,768]
   {
-    float *const w623 = mdl_widen_bf16(b623, 18874368, h->nthreads);
+    float *const w619 = mdl_widen_bf16(b619, 18874368, h->nthreads);
     float *const w530 = mdl_widen_bf16(b530, 1769472, h->nthreads);
-    mdl_gemm(h, 0, 1, 8192, 768, 2304, w623, 2304, w530, 2304, 0.0f, b624, 768);
-    free(w623);
+    mdl_gemm(h, 0, 1, 8192, 768, 2304, w619, 2304, w530, 2304, 0.0f, b620, 768);
+    free(w619);
     free(w530);
   }
 }
 
 // k101_gemm: GEMM, 1 op
-//   %625   matmul             d.h.11.attn_w        line 38    f32[768,2304]
+//   %621   matmul             d.h.11.attn_w        line 38    f32[768,2304]
 // loops:
-//   gemm %625: [768 x 2304] = T[768 x 8192] [8192 x 2304], bf16 operands widened to f32
+//   gemm %621: [768 x 2304] = T[768 x 8192] [8192 x 2304], bf16 operands widened to f32
 static void k101_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b529 = (uint16_t *)(arena + 5752331392); // %529 cast bf16[8192,768]
-  uint16_t *const b623 = (uint16_t *)(arena + 3499990144); // %623 cast bf16[8192,2304]
-  float *const b625 = (float *)(arena + 967166976); // %625 matmul d.h.11.attn_w f32[768,2304]
+  uint16_t *const b619 = (uint16_t *)(arena + 3499990144); // %619 cast bf16[8192,2304]
+  float *const b621 = (float *)(arena + 967166976); // %621 matmul d.h.11.attn_w f32[768,2304]
   {
     float *const w529 = mdl_widen_bf16(b529, 6291456, h->nthreads);
-    float *const w623 = mdl_widen_bf16(b623, 18874368, h->nthreads);
-    mdl_gemm(h, 1, 0, 768, 2304, 8192, w529, 768, w623, 2304, 0.0f, b625, 2304);
+    float *const w619 = mdl_widen_bf16(b619, 18874368, h->nthreads);
+    mdl_gemm(h, 1, 0, 768, 2304, 8192, w529, 768, w619, 2304, 0.0f, b621, 2304);
     free(w529);
-    free(w623);
+    free(w619);
   }
 }
 
 // k102_layernorm_bwd__add__sum__cast: kernel, 7 ops
-//   %627   layernorm_bwd                           line 38    f32[8,1024,768]
-//   %628   add                d.h.10.x             line 38    f32[8,1024,768]
-//   %629   layernorm_bwd      d.h.11.ln1_w         line 38    f32[768]
-//   %630   layernorm_bwd      d.h.11.ln1_b         line 38    f32[768]
-//   %631   reshape                                 line 40    f32[8192,768]
-//   %632   sum                d.h.10.fcproj_b      line 40    f32[768]
-//   %633   cast                                    line 40    bf16[8192,768]
+//   %623   layernorm_bwd                           line 38    f32[8,1024,768]
+//   %624   layernorm_bwd      d.h.11.ln1_w         line 38    f32[768]
+//   %625   layernorm_bwd      d.h.11.ln1_b         line 38    f32[768]
+//   %626   add                d.h.10.x             line 40    f32[8,1024,768]
+//   %627   reshape                                 line 40    f32[8192,768]
+//   %628   sum                d.h.10.fcproj_b      line 40    f32[768]
+//   %629   cast                                    line 40    bf16[8192,768]
 // loops:
 //   layernorm_bwd: 8192 rows of 768, column sums over 64 blocks of 128 rows
 static void k102_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
   float *const b514 = (float *)(arena + 5211266176); // %514 add h.10.x f32[8,1024,768]
   float *const b515 = (float *)(arena + 469401600); // %515 param h.11.ln1_w f32[768]
-  float *const b601 = (float *)(arena + 3537738880); // %601 add d.h.11.x f32[8,1024,768]
-  float *const b624 = (float *)(arena + 3562904704); // %624 matmul f32[8192,768]
-  float *const b628 = (float *)(arena + 4154301568); // %628 add d.h.10.x f32[8,1024,768]
-  float *const b629 = (float *)(arena + 967160832); // %629 layernorm_bwd d.h.11.ln1_w f32[768]
-  float *const b630 = (float *)(arena + 967163904); // %630 layernorm_bwd d.h.11.ln1_b f32[768]
-  float *const b632 = (float *)(arena + 967157760); // %632 sum d.h.10.fcproj_b f32[768]
-  uint16_t *const b633 = (uint16_t *)(arena + 3588070528); // %633 cast bf16[8192,768]
+  float *const b603 = (float *)(arena + 3537738880); // %603 add d.h.11.x f32[8,1024,768]
+  float *const b620 = (float *)(arena + 3562904704); // %620 matmul f32[8192,768]
+  float *const b624 = (float *)(arena + 967160832); // %624 layernorm_bwd d.h.11.ln1_w f32[768]
+  float *const b625 = (float *)(arena + 967163904); // %625 layernorm_bwd d.h.11.ln1_b f32[768]
+  float *const b626 = (float *)(arena + 4154301568); // %626 add d.h.10.x f32[8,1024,768]
+  float *const b628 = (float *)(arena + 967157760); // %628 sum d.h.10.fcproj_b f32[768]
+  uint16_t *const b629 = (uint16_t *)(arena + 3588070528); // %629 cast bf16[8192,768]
   double *pdw = mdl_scratch(49152 * sizeof(double));
   double *pdb = mdl_scratch(49152 * sizeof(double));
-  double *ps0 = mdl_scratch(49152 * sizeof(double)); // partials of the column sum %632
+  double *ps0 = mdl_scratch(49152 * sizeof(double)); // partials of the column sum %628
   #pragma omp parallel num_threads(h->nthreads)
   {
     float *dxrow = mdl_scratch(768 * sizeof(float));
@@ -4973,7 +4959,7 @@ static void k102_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
       const int64_t end = k * 128 + 128 < 8192 ? k * 128 + 128 : 8192;
       for (int64_t r = k * 128; r < end; r++) {
         const float *x = b514 + r * 768;
-        const float *dy = b624 + r * 768;
+        const float *dy = b620 + r * 768;
         double mean = 0, var = 0, mg = 0, mgx = 0;
         #pragma omp simd reduction(+ : mean)
         for (int64_t j = 0; j < 768; j++)
@@ -4998,13 +4984,13 @@ static void k102_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
           dx[j] = (float)(rstd * ((double)dy[j] * b515[j] - mg - (x[j] - mean) * rstd * mgx));
         for (int64_t j = 0; j < 768; j++) {
           const int64_t ix = r * 768 + j;
-          const float v601_ix = b601[ix];
-          const float v628_ix = v601_ix + dx[j];
-          b628[ix] = v628_ix;
-          const float v631_ix = v628_ix;
-          const float v633_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v631_ix));
-          b633[ix] = mdl_f32_to_bf16(v633_ix);
-          sa0[j] += v631_ix;
+          const float v603_ix = b603[ix];
+          const float v626_ix = v603_ix + dx[j];
+          b626[ix] = v626_ix;
+          const float v627_ix = v626_ix;
+          const float v629_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v627_ix));
+          b629[ix] = mdl_f32_to_bf16(v629_ix);
+          sa0[j] += v627_ix;
         }
       }
     }
@@ -5018,9 +5004,9 @@ static void k102_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
       b += pdb[k * 768 + j];
       a0 += ps0[k * 768 + j];
     }
-    b629[j] = (float)w;
-    b630[j] = (float)b;
-    b632[j] = (float)a0;
+    b624[j] = (float)w;
+    b625[j] = (float)b;
+    b628[j] = (float)a0;
   }
   free(pdw);
   free(pdb);
@@ -5028,44 +5014,44 @@ static void k102_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
 }
 
 // k103_gemm: GEMM, 1 op
-//   %635   matmul             d.h.10.fcproj_w      line 40    f32[3072,768]
+//   %631   matmul             d.h.10.fcproj_w      line 40    f32[3072,768]
 // loops:
-//   gemm %635: [3072 x 768] = T[3072 x 8192] [8192 x 768], bf16 operands widened to f32
+//   gemm %631: [3072 x 768] = T[3072 x 8192] [8192 x 768], bf16 operands widened to f32
 static void k103_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b509 = (uint16_t *)(arena + 4103969920); // %509 cast bf16[8192,3072]
-  uint16_t *const b633 = (uint16_t *)(arena + 3588070528); // %633 cast bf16[8192,768]
-  float *const b635 = (float *)(arena + 957720576); // %635 matmul d.h.10.fcproj_w f32[3072,768]
+  uint16_t *const b629 = (uint16_t *)(arena + 3588070528); // %629 cast bf16[8192,768]
+  float *const b631 = (float *)(arena + 957720576); // %631 matmul d.h.10.fcproj_w f32[3072,768]
   {
     float *const w509 = mdl_widen_bf16(b509, 25165824, h->nthreads);
-    float *const w633 = mdl_widen_bf16(b633, 6291456, h->nthreads);
-    mdl_gemm(h, 1, 0, 3072, 768, 8192, w509, 3072, w633, 768, 0.0f, b635, 768);
+    float *const w629 = mdl_widen_bf16(b629, 6291456, h->nthreads);
+    mdl_gemm(h, 1, 0, 3072, 768, 8192, w509, 3072, w629, 768, 0.0f, b631, 768);
     free(w509);
-    free(w633);
+    free(w629);
   }
 }
 
 // k104_gemm__gelu_bwd__sum__cast: GEMM, 6 ops
-//   %634   matmul                                  line 40    f32[8192,3072]
-//   %636   reshape                                 line 40    f32[8,1024,3072]
-//   %637   gelu_bwd                                line 40    f32[8,1024,3072]
-//   %638   reshape                                 line 40    f32[8192,3072]
-//   %639   sum                d.h.10.fc_b          line 40    f32[3072]
-//   %640   cast                                    line 40    bf16[8192,3072]
+//   %630   matmul                                  line 40    f32[8192,3072]
+//   %632   reshape                                 line 40    f32[8,1024,3072]
+//   %633   gelu_bwd                                line 40    f32[8,1024,3072]
+//   %634   reshape                                 line 40    f32[8192,3072]
+//   %635   sum                d.h.10.fc_b          line 40    f32[3072]
+//   %636   cast                                    line 40    bf16[8192,3072]
 // loops:
-//   gemm %634: [8192 x 3072] = [8192 x 768] T[768 x 3072], bf16 operands widened to f32, epilogue after
-//   sum %639: 3072 outputs over 8192 elements, in 64 blocks of 128
+//   gemm %630: [8192 x 3072] = [8192 x 768] T[768 x 3072], bf16 operands widened to f32, epilogue after
+//   sum %635: 3072 outputs over 8192 elements, in 64 blocks of 128
 static void k104_gemm__gelu_bwd__sum__cast(char *arena, const MdlHooks *h) {
   float *const b506 = (float *)(arena + 3399326848); // %506 add f32[8,1024,3072]
   uint16_t *const b510 = (uint16_t *)(arena + 2219298816); // %510 cast bf16[3072,768]
-  uint16_t *const b633 = (uint16_t *)(arena + 3588070528); // %633 cast bf16[8192,768]
-  float *const b634 = mdl_scratch(100663296); // %634 matmul f32[8192,3072], kept in this kernel
-  float *const b639 = (float *)(arena + 957708288); // %639 sum d.h.10.fc_b f32[3072]
-  uint16_t *const b640 = (uint16_t *)(arena + 3499990144); // %640 cast bf16[8192,3072]
+  uint16_t *const b629 = (uint16_t *)(arena + 3588070528); // %629 cast bf16[8192,768]
+  float *const b630 = mdl_scratch(100663296); // %630 matmul f32[8192,3072], kept in this kernel
+  float *const b635 = (float *)(arena + 957708288); // %635 sum d.h.10.fc_b f32[3072]
+  uint16_t *const b636 = (uint16_t *)(arena + 3499990144); // %636 cast bf16[8192,3072]
   {
-    float *const w633 = mdl_widen_bf16(b633, 6291456, h->nthreads);
+    float *const w629 = mdl_widen_bf16(b629, 6291456, h->nthreads);
     float *const w510 = mdl_widen_bf16(b510, 2359296, h->nthreads);
-    mdl_gemm(h, 0, 1, 8192, 3072, 768, w633, 768, w510, 768, 0.0f, b634, 3072);
-    free(w633);
+    mdl_gemm(h, 0, 1, 8192, 3072, 768, w629, 768, w510, 768, 0.0f, b630, 3072);
+    free(w629);
     free(w510);
   }
   double *part = mdl_scratch(196608 * sizeof(double));
@@ -5079,13 +5065,13 @@ static void k104_gemm__gelu_bwd__sum__cast(char *arena, const MdlHooks *h) {
       for (int64_t c = 0; c < 3072; c++) {
         const int64_t ix = l * 3072 + c;
         const float v506_ix = b506[ix];
-        const float v634_ix = b634[ix];
-        const float v636_ix = v634_ix;
-        const float v637_ix = mdl_gelu_grad(v506_ix) * v636_ix;
-        const float v638_ix = v637_ix;
-        const float v = v638_ix;
-        const float v640_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v638_ix));
-        b640[ix] = mdl_f32_to_bf16(v640_ix);
+        const float v630_ix = b630[ix];
+        const float v632_ix = v630_ix;
+        const float v633_ix = mdl_gelu_grad(v506_ix) * v632_ix;
+        const float v634_ix = v633_ix;
+        const float v = v634_ix;
+        const float v636_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v634_ix));
+        b636[ix] = mdl_f32_to_bf16(v636_ix);
         p[c] += v;
       }
     }
@@ -5098,69 +5084,69 @@ static void k104_gemm__gelu_bwd__sum__cast(char *arena, const MdlHooks *h) {
       acc += v;
     }
     const float y = (float)acc;
-    b639[r] = y;
+    b635[r] = y;
   }
   free(part);
-  free(b634);
+  free(b630);
 }
 
 // k105_gemm: GEMM, 1 op
-//   %641   matmul                                  line 40    f32[8192,768]
+//   %637   matmul                                  line 40    f32[8192,768]
 // loops:
-//   gemm %641: [8192 x 768] = [8192 x 3072] T[3072 x 768], bf16 operands widened to f32
+//   gemm %637: [8192 x 768] = [8192 x 3072] T[3072 x 768], bf16 operands widened to f32
 static void k105_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b503 = (uint16_t *)(arena + 2214580224); // %503 cast bf16[768,3072]
-  uint16_t *const b640 = (uint16_t *)(arena + 3499990144); // %640 cast bf16[8192,3072]
-  float *const b641 = (float *)(arena + 3399326848); // %641 matmul f32[8192,768]
+  uint16_t *const b636 = (uint16_t *)(arena + 3499990144); // %636 cast bf16[8192,3072]
+  float *const b637 = (float *)(arena + 3399326848); // %637 matmul f32[8192,768]
   {
-    float *const w640 = mdl_widen_bf16(b640, 25165824, h->nthreads);
+    float *const w636 = mdl_widen_bf16(b636, 25165824, h->nthreads);
     float *const w503 = mdl_widen_bf16(b503, 2359296, h->nthreads);
-    mdl_gemm(h, 0, 1, 8192, 768, 3072, w640, 3072, w503, 3072, 0.0f, b641, 768);
-    free(w640);
+    mdl_gemm(h, 0, 1, 8192, 768, 3072, w636, 3072, w503, 3072, 0.0f, b637, 768);
+    free(w636);
     free(w503);
   }
 }
 
 // k106_gemm: GEMM, 1 op
-//   %642   matmul             d.h.10.fc_w          line 40    f32[768,3072]
+//   %638   matmul             d.h.10.fc_w          line 40    f32[768,3072]
 // loops:
-//   gemm %642: [768 x 3072] = T[768 x 8192] [8192 x 3072], bf16 operands widened to f32
+//   gemm %638: [768 x 3072] = T[768 x 8192] [8192 x 3072], bf16 operands widened to f32
 static void k106_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b502 = (uint16_t *)(arena + 5739748480); // %502 cast bf16[8192,768]
-  uint16_t *const b640 = (uint16_t *)(arena + 3499990144); // %640 cast bf16[8192,3072]
-  float *const b642 = (float *)(arena + 948271104); // %642 matmul d.h.10.fc_w f32[768,3072]
+  uint16_t *const b636 = (uint16_t *)(arena + 3499990144); // %636 cast bf16[8192,3072]
+  float *const b638 = (float *)(arena + 948271104); // %638 matmul d.h.10.fc_w f32[768,3072]
   {
     float *const w502 = mdl_widen_bf16(b502, 6291456, h->nthreads);
-    float *const w640 = mdl_widen_bf16(b640, 25165824, h->nthreads);
-    mdl_gemm(h, 1, 0, 768, 3072, 8192, w502, 768, w640, 3072, 0.0f, b642, 3072);
+    float *const w636 = mdl_widen_bf16(b636, 25165824, h->nthreads);
+    mdl_gemm(h, 1, 0, 768, 3072, 8192, w502, 768, w636, 3072, 0.0f, b638, 3072);
     free(w502);
-    free(w640);
+    free(w636);
   }
 }
 
 // k107_layernorm_bwd__add__sum__cast: kernel, 7 ops
-//   %644   layernorm_bwd                           line 40    f32[8,1024,768]
-//   %645   add                d.h.10.x             line 40    f32[8,1024,768]
-//   %646   layernorm_bwd      d.h.10.ln2_w         line 40    f32[768]
-//   %647   layernorm_bwd      d.h.10.ln2_b         line 40    f32[768]
-//   %648   reshape                                 line 39    f32[8192,768]
-//   %649   sum                d.h.10.proj_b        line 39    f32[768]
-//   %650   cast                                    line 39    bf16[8192,768]
+//   %640   layernorm_bwd                           line 40    f32[8,1024,768]
+//   %641   layernorm_bwd      d.h.10.ln2_w         line 40    f32[768]
+//   %642   layernorm_bwd      d.h.10.ln2_b         line 40    f32[768]
+//   %643   add                d.h.10.x             line 39    f32[8,1024,768]
+//   %644   reshape                                 line 39    f32[8192,768]
+//   %645   sum                d.h.10.proj_b        line 39    f32[768]
+//   %646   cast                                    line 39    bf16[8192,768]
 // loops:
 //   layernorm_bwd: 8192 rows of 768, column sums over 64 blocks of 128 rows
 static void k107_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
   float *const b475 = (float *)(arena + 450505728); // %475 param h.10.ln2_w f32[768]
   float *const b499 = (float *)(arena + 5186100352); // %499 add h.10.x f32[8,1024,768]
-  float *const b628 = (float *)(arena + 4154301568); // %628 add d.h.10.x f32[8,1024,768]
-  float *const b641 = (float *)(arena + 3399326848); // %641 matmul f32[8192,768]
-  float *const b645 = (float *)(arena + 3437075584); // %645 add d.h.10.x f32[8,1024,768]
-  float *const b646 = (float *)(arena + 948264960); // %646 layernorm_bwd d.h.10.ln2_w f32[768]
-  float *const b647 = (float *)(arena + 948268032); // %647 layernorm_bwd d.h.10.ln2_b f32[768]
-  float *const b649 = (float *)(arena + 948261888); // %649 sum d.h.10.proj_b f32[768]
-  uint16_t *const b650 = (uint16_t *)(arena + 3424492672); // %650 cast bf16[8192,768]
+  float *const b626 = (float *)(arena + 4154301568); // %626 add d.h.10.x f32[8,1024,768]
+  float *const b637 = (float *)(arena + 3399326848); // %637 matmul f32[8192,768]
+  float *const b641 = (float *)(arena + 948264960); // %641 layernorm_bwd d.h.10.ln2_w f32[768]
+  float *const b642 = (float *)(arena + 948268032); // %642 layernorm_bwd d.h.10.ln2_b f32[768]
+  float *const b643 = (float *)(arena + 3437075584); // %643 add d.h.10.x f32[8,1024,768]
+  float *const b645 = (float *)(arena + 948261888); // %645 sum d.h.10.proj_b f32[768]
+  uint16_t *const b646 = (uint16_t *)(arena + 3424492672); // %646 cast bf16[8192,768]
   double *pdw = mdl_scratch(49152 * sizeof(double));
   double *pdb = mdl_scratch(49152 * sizeof(double));
-  double *ps0 = mdl_scratch(49152 * sizeof(double)); // partials of the column sum %649
+  double *ps0 = mdl_scratch(49152 * sizeof(double)); // partials of the column sum %645
   #pragma omp parallel num_threads(h->nthreads)
   {
     float *dxrow = mdl_scratch(768 * sizeof(float));
@@ -5174,7 +5160,7 @@ static void k107_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
       const int64_t end = k * 128 + 128 < 8192 ? k * 128 + 128 : 8192;
       for (int64_t r = k * 128; r < end; r++) {
         const float *x = b499 + r * 768;
-        const float *dy = b641 + r * 768;
+        const float *dy = b637 + r * 768;
         double mean = 0, var = 0, mg = 0, mgx = 0;
         #pragma omp simd reduction(+ : mean)
         for (int64_t j = 0; j < 768; j++)
@@ -5199,13 +5185,13 @@ static void k107_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
           dx[j] = (float)(rstd * ((double)dy[j] * b475[j] - mg - (x[j] - mean) * rstd * mgx));
         for (int64_t j = 0; j < 768; j++) {
           const int64_t ix = r * 768 + j;
-          const float v628_ix = b628[ix];
-          const float v645_ix = v628_ix + dx[j];
-          b645[ix] = v645_ix;
-          const float v648_ix = v645_ix;
-          const float v650_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v648_ix));
-          b650[ix] = mdl_f32_to_bf16(v650_ix);
-          sa0[j] += v648_ix;
+          const float v626_ix = b626[ix];
+          const float v643_ix = v626_ix + dx[j];
+          b643[ix] = v643_ix;
+          const float v644_ix = v643_ix;
+          const float v646_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v644_ix));
+          b646[ix] = mdl_f32_to_bf16(v646_ix);
+          sa0[j] += v644_ix;
         }
       }
     }
@@ -5219,9 +5205,9 @@ static void k107_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
       b += pdb[k * 768 + j];
       a0 += ps0[k * 768 + j];
     }
-    b646[j] = (float)w;
-    b647[j] = (float)b;
-    b649[j] = (float)a0;
+    b641[j] = (float)w;
+    b642[j] = (float)b;
+    b645[j] = (float)a0;
   }
   free(pdw);
   free(pdb);
@@ -5229,69 +5215,69 @@ static void k107_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
 }
 
 // k108_gemm: GEMM, 1 op
-//   %652   matmul             d.h.10.proj_w        line 39    f32[768,768]
+//   %648   matmul             d.h.10.proj_w        line 39    f32[768,768]
 // loops:
-//   gemm %652: [768 x 768] = T[768 x 8192] [8192 x 768], bf16 operands widened to f32
+//   gemm %648: [768 x 768] = T[768 x 8192] [8192 x 768], bf16 operands widened to f32
 static void k108_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b494 = (uint16_t *)(arena + 5727165568); // %494 cast bf16[8192,768]
-  uint16_t *const b650 = (uint16_t *)(arena + 3424492672); // %650 cast bf16[8192,768]
-  float *const b652 = (float *)(arena + 945902592); // %652 matmul d.h.10.proj_w f32[768,768]
+  uint16_t *const b646 = (uint16_t *)(arena + 3424492672); // %646 cast bf16[8192,768]
+  float *const b648 = (float *)(arena + 945902592); // %648 matmul d.h.10.proj_w f32[768,768]
   {
     float *const w494 = mdl_widen_bf16(b494, 6291456, h->nthreads);
-    float *const w650 = mdl_widen_bf16(b650, 6291456, h->nthreads);
-    mdl_gemm(h, 1, 0, 768, 768, 8192, w494, 768, w650, 768, 0.0f, b652, 768);
+    float *const w646 = mdl_widen_bf16(b646, 6291456, h->nthreads);
+    mdl_gemm(h, 1, 0, 768, 768, 8192, w494, 768, w646, 768, 0.0f, b648, 768);
     free(w494);
-    free(w650);
+    free(w646);
   }
 }
 
 // k109_gemm__cast: GEMM, 3 ops
-//   %651   matmul                                  line 39    f32[8192,768]
-//   %653   reshape                                 line 39    f32[8,1024,768]
-//   %656   cast                                    line 39    bf16[8,1024,768]
+//   %647   matmul                                  line 39    f32[8192,768]
+//   %649   reshape                                 line 39    f32[8,1024,768]
+//   %652   cast                                    line 39    bf16[8,1024,768]
 // loops:
-//   gemm %651: [8192 x 768] = [8192 x 768] T[768 x 768], bf16 operands widened to f32, epilogue after
-//   elementwise over 6291456: %656
+//   gemm %647: [8192 x 768] = [8192 x 768] T[768 x 768], bf16 operands widened to f32, epilogue after
+//   elementwise over 6291456: %652
 static void k109_gemm__cast(char *arena, const MdlHooks *h) {
   uint16_t *const b495 = (uint16_t *)(arena + 2213400576); // %495 cast bf16[768,768]
-  uint16_t *const b650 = (uint16_t *)(arena + 3424492672); // %650 cast bf16[8192,768]
-  float *const b651 = mdl_scratch(25165824); // %651 matmul f32[8192,768], kept in this kernel
-  uint16_t *const b656 = (uint16_t *)(arena + 3399326848); // %656 cast bf16[8,1024,768]
+  uint16_t *const b646 = (uint16_t *)(arena + 3424492672); // %646 cast bf16[8192,768]
+  float *const b647 = mdl_scratch(25165824); // %647 matmul f32[8192,768], kept in this kernel
+  uint16_t *const b652 = (uint16_t *)(arena + 3399326848); // %652 cast bf16[8,1024,768]
   {
-    float *const w650 = mdl_widen_bf16(b650, 6291456, h->nthreads);
+    float *const w646 = mdl_widen_bf16(b646, 6291456, h->nthreads);
     float *const w495 = mdl_widen_bf16(b495, 589824, h->nthreads);
-    mdl_gemm(h, 0, 1, 8192, 768, 768, w650, 768, w495, 768, 0.0f, b651, 768);
-    free(w650);
+    mdl_gemm(h, 0, 1, 8192, 768, 768, w646, 768, w495, 768, 0.0f, b647, 768);
+    free(w646);
     free(w495);
   }
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
   for (int64_t r = 0; r < 8192; r++) {
     for (int64_t c = 0; c < 768; c++) {
       const int64_t i = r * 768 + c;
-      const float v651_i = b651[i];
-      const float v653_i = v651_i;
-      const float v656_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v653_i));
-      b656[i] = mdl_f32_to_bf16(v656_i);
+      const float v647_i = b647[i];
+      const float v649_i = v647_i;
+      const float v652_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v649_i));
+      b652[i] = mdl_f32_to_bf16(v652_i);
     }
   }
-  free(b651);
+  free(b647);
 }
 
 // k110_attention_bwd: attention, 3 ops
-//   %657   attention_bwd      d.h.10.q             line 39    f32[8,1024,768]
-//   %658   attention_bwd      d.h.10.k             line 39    f32[8,1024,768]
-//   %659   attention_bwd      d.h.10.v             line 39    f32[8,1024,768]
+//   %653   attention_bwd      d.h.10.q             line 39    f32[8,1024,768]
+//   %654   attention_bwd      d.h.10.k             line 39    f32[8,1024,768]
+//   %655   attention_bwd      d.h.10.v             line 39    f32[8,1024,768]
 // loops:
 //   attention backward (dq dk dv): B 8, T 1024, 12 heads of 64, causal, within documents; one task per (batch, head)
 static void k110_attention_bwd(char *arena, const MdlHooks *h) {
   int32_t *const b3 = (int32_t *)(arena + 2238271488); // %3 input doc i32[8,1024]
   uint16_t *const b488 = (uint16_t *)(arena + 4582120576); // %488 cast bf16[8,1024,2304]
   uint16_t *const b494 = (uint16_t *)(arena + 5727165568); // %494 cast bf16[8192,768]
-  float *const b654 = (float *)(arena + 5806595200); // %654 attention_lse f32[8,12,1024]
-  uint16_t *const b656 = (uint16_t *)(arena + 3399326848); // %656 cast bf16[8,1024,768]
-  float *const b657 = (float *)(arena + 3462241408); // %657 attention_bwd d.h.10.q f32[8,1024,768]
-  float *const b658 = (float *)(arena + 3487407232); // %658 attention_bwd d.h.10.k f32[8,1024,768]
-  float *const b659 = (float *)(arena + 3512573056); // %659 attention_bwd d.h.10.v f32[8,1024,768]
+  float *const b650 = (float *)(arena + 5806595200); // %650 attention_lse f32[8,12,1024]
+  uint16_t *const b652 = (uint16_t *)(arena + 3399326848); // %652 cast bf16[8,1024,768]
+  float *const b653 = (float *)(arena + 3462241408); // %653 attention_bwd d.h.10.q f32[8,1024,768]
+  float *const b654 = (float *)(arena + 3487407232); // %654 attention_bwd d.h.10.k f32[8,1024,768]
+  float *const b655 = (float *)(arena + 3512573056); // %655 attention_bwd d.h.10.v f32[8,1024,768]
   #pragma omp parallel num_threads(h->nthreads)
   {
     float *restrict kt = memset(mdl_scratch(67584 * sizeof(float)), 0, 67584 * sizeof(float));
@@ -5339,13 +5325,13 @@ static void k110_attention_bwd(char *arena, const MdlHooks *h) {
           }
           memcpy(s + j0, acc, sizeof acc);
         }
-        const float lse = b654[(b * 12 + hd) * 1024 + i];
+        const float lse = b650[(b * 12 + hd) * 1024 + i];
         #pragma omp simd
         for (int64_t j = lo; j < hi; j++)
           s[j] = dc[j] == di ? mdl_exp_shifted(s[j] * 0.125f - lse) : 0.0f;
         float dor[64];
         for (int64_t c = 0; c < 64; c++)
-          dor[c] = mdl_bf16_to_f32(b656[(b * 1024 + i) * 768 + hd * 64 + c]);
+          dor[c] = mdl_bf16_to_f32(b652[(b * 1024 + i) * 768 + hd * 64 + c]);
         const float *restrict doi = dor;
         float dsum = 0.0f;
         for (int64_t c = 0; c < 64; c++)
@@ -5394,14 +5380,14 @@ static void k110_attention_bwd(char *arena, const MdlHooks *h) {
           for (int64_t c = 0; c < 64; c++)
             dvj[c] += mdl_bf16_to_f32(mdl_f32_to_bf16(s[j])) * doi[c];
         }
-        float *restrict dq = b657 + (b * 1024 + i) * 768 + hd * 64;
+        float *restrict dq = b653 + (b * 1024 + i) * 768 + hd * 64;
         for (int64_t c = 0; c < 64; c++)
           dq[c] = 0.125f * (dqi0[c] + dqi1[c]);
       }
       for (int64_t t = 0; t < 1024; t++)
-        memcpy(b658 + (b * 1024 + t) * 768 + hd * 64, dkh + t * 64, 64 * sizeof(float));
+        memcpy(b654 + (b * 1024 + t) * 768 + hd * 64, dkh + t * 64, 64 * sizeof(float));
       for (int64_t t = 0; t < 1024; t++)
-        memcpy(b659 + (b * 1024 + t) * 768 + hd * 64, dvh + t * 64, 64 * sizeof(float));
+        memcpy(b655 + (b * 1024 + t) * 768 + hd * 64, dvh + t * 64, 64 * sizeof(float));
     }
     free(kt);
     free(s);
@@ -5412,23 +5398,19 @@ static void k110_attention_bwd(char *arena, const MdlHooks *h) {
   }
 }
 
-// k111_sum__slice_bwd__add__cast: kernel, 8 ops
-//   %660   slice_bwd                               line 38    f32[8,1024,2304]
-//   %661   slice_bwd                               line 38    f32[8,1024,2304]
-//   %662   add                                     line 38    f32[8,1024,2304]
-//   %663   slice_bwd                               line 38    f32[8,1024,2304]
-//   %664   add                                     line 38    f32[8,1024,2304]
-//   %665   reshape                                 line 38    f32[8192,2304]
-//   %666   sum                d.h.10.attn_b        line 38    f32[2304]
-//   %667   cast                                    line 38    bf16[8192,2304]
+// k111_sum__concat__cast: kernel, 4 ops
+//   %656   concat                                  line 38    f32[8,1024,2304]
+//   %657   reshape                                 line 38    f32[8192,2304]
+//   %658   sum                d.h.10.attn_b        line 38    f32[2304]
+//   %659   cast                                    line 38    bf16[8192,2304]
 // loops:
-//   sum %666: 2304 outputs over 8192 elements, in 64 blocks of 128
-static void k111_sum__slice_bwd__add__cast(char *arena, const MdlHooks *h) {
-  float *const b657 = (float *)(arena + 3462241408); // %657 attention_bwd d.h.10.q f32[8,1024,768]
-  float *const b658 = (float *)(arena + 3487407232); // %658 attention_bwd d.h.10.k f32[8,1024,768]
-  float *const b659 = (float *)(arena + 3512573056); // %659 attention_bwd d.h.10.v f32[8,1024,768]
-  float *const b666 = (float *)(arena + 945893376); // %666 sum d.h.10.attn_b f32[2304]
-  uint16_t *const b667 = (uint16_t *)(arena + 3399326848); // %667 cast bf16[8192,2304]
+//   sum %658: 2304 outputs over 8192 elements, in 64 blocks of 128
+static void k111_sum__concat__cast(char *arena, const MdlHooks *h) {
+  float *const b653 = (float *)(arena + 3462241408); // %653 attention_bwd d.h.10.q f32[8,1024,768]
+  float *const b654 = (float *)(arena + 3487407232); // %654 attention_bwd d.h.10.k f32[8,1024,768]
+  float *const b655 = (float *)(arena + 3512573056); // %655 attention_bwd d.h.10.v f32[8,1024,768]
+  float *const b658 = (float *)(arena + 945893376); // %658 sum d.h.10.attn_b f32[2304]
+  uint16_t *const b659 = (uint16_t *)(arena + 3399326848); // %659 cast bf16[8192,2304]
   double *part = mdl_scratch(147456 * sizeof(double));
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
   for (int64_t k = 0; k < 64; k++) {
@@ -5439,21 +5421,11 @@ static void k111_sum__slice_bwd__add__cast(char *arena, const MdlHooks *h) {
     for (int64_t l = k * 128; l < end; l++) {
       for (int64_t c = 0; c < 2304; c++) {
         const int64_t ix = l * 2304 + c;
-        const int64_t j1 = c >= 1536 && c < 2304 ? l * 768 + (c - 1536) : 0;
-        const float v659_j1 = b659[j1];
-        const float v660_ix = c >= 1536 && c < 2304 ? v659_j1 : 0.0f;
-        const int64_t j2 = c >= 768 && c < 1536 ? l * 768 + (c - 768) : 0;
-        const float v658_j2 = b658[j2];
-        const float v661_ix = c >= 768 && c < 1536 ? v658_j2 : 0.0f;
-        const float v662_ix = v660_ix + v661_ix;
-        const int64_t j3 = c >= 0 && c < 768 ? l * 768 + (c - 0) : 0;
-        const float v657_j3 = b657[j3];
-        const float v663_ix = c >= 0 && c < 768 ? v657_j3 : 0.0f;
-        const float v664_ix = v662_ix + v663_ix;
-        const float v665_ix = v664_ix;
-        const float v = v665_ix;
-        const float v667_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v665_ix));
-        b667[ix] = mdl_f32_to_bf16(v667_ix);
+        const float v656_ix = (c < 768 ? b653 + (l * 768 + (c - 0)) : c < 1536 ? b654 + (l * 768 + (c - 768)) : b655 + (l * 768 + (c - 1536)))[0];
+        const float v657_ix = v656_ix;
+        const float v = v657_ix;
+        const float v659_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v657_ix));
+        b659[ix] = mdl_f32_to_bf16(v659_ix);
         p[c] += v;
       }
     }
@@ -5466,68 +5438,68 @@ static void k111_sum__slice_bwd__add__cast(char *arena, const MdlHooks *h) {
       acc += v;
     }
     const float y = (float)acc;
-    b666[r] = y;
+    b658[r] = y;
   }
   free(part);
 }
 
 // k112_gemm: GEMM, 1 op
-//   %668   matmul                                  line 38    f32[8192,768]
+//   %660   matmul                                  line 38    f32[8192,768]
 // loops:
-//   gemm %668: [8192 x 768] = [8192 x 2304] T[2304 x 768], bf16 operands widened to f32
+//   gemm %660: [8192 x 768] = [8192 x 2304] T[2304 x 768], bf16 operands widened to f32
 static void k112_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b484 = (uint16_t *)(arena + 2209861632); // %484 cast bf16[768,2304]
-  uint16_t *const b667 = (uint16_t *)(arena + 3399326848); // %667 cast bf16[8192,2304]
-  float *const b668 = (float *)(arena + 3462241408); // %668 matmul f32[8192,768]
+  uint16_t *const b659 = (uint16_t *)(arena + 3399326848); // %659 cast bf16[8192,2304]
+  float *const b660 = (float *)(arena + 3462241408); // %660 matmul f32[8192,768]
   {
-    float *const w667 = mdl_widen_bf16(b667, 18874368, h->nthreads);
+    float *const w659 = mdl_widen_bf16(b659, 18874368, h->nthreads);
     float *const w484 = mdl_widen_bf16(b484, 1769472, h->nthreads);
-    mdl_gemm(h, 0, 1, 8192, 768, 2304, w667, 2304, w484, 2304, 0.0f, b668, 768);
-    free(w667);
+    mdl_gemm(h, 0, 1, 8192, 768, 2304, w659, 2304, w484, 2304, 0.0f, b660, 768);
+    free(w659);
     free(w484);
   }
 }
 
 // k113_gemm: GEMM, 1 op
-//   %669   matmul             d.h.10.attn_w        line 38    f32[768,2304]
+//   %661   matmul             d.h.10.attn_w        line 38    f32[768,2304]
 // loops:
-//   gemm %669: [768 x 2304] = T[768 x 8192] [8192 x 2304], bf16 operands widened to f32
+//   gemm %661: [768 x 2304] = T[768 x 8192] [8192 x 2304], bf16 operands widened to f32
 static void k113_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b483 = (uint16_t *)(arena + 5714582656); // %483 cast bf16[8192,768]
-  uint16_t *const b667 = (uint16_t *)(arena + 3399326848); // %667 cast bf16[8192,2304]
-  float *const b669 = (float *)(arena + 938815488); // %669 matmul d.h.10.attn_w f32[768,2304]
+  uint16_t *const b659 = (uint16_t *)(arena + 3399326848); // %659 cast bf16[8192,2304]
+  float *const b661 = (float *)(arena + 938815488); // %661 matmul d.h.10.attn_w f32[768,2304]
   {
     float *const w483 = mdl_widen_bf16(b483, 6291456, h->nthreads);
-    float *const w667 = mdl_widen_bf16(b667, 18874368, h->nthreads);
-    mdl_gemm(h, 1, 0, 768, 2304, 8192, w483, 768, w667, 2304, 0.0f, b669, 2304);
+    float *const w659 = mdl_widen_bf16(b659, 18874368, h->nthreads);
+    mdl_gemm(h, 1, 0, 768, 2304, 8192, w483, 768, w659, 2304, 0.0f, b661, 2304);
     free(w483);
-    free(w667);
+    free(w659);
   }
 }
 
 // k114_layernorm_bwd__add__sum__cast: kernel, 7 ops
-//   %671   layernorm_bwd                           line 38    f32[8,1024,768]
-//   %672   add                d.h.9.x              line 38    f32[8,1024,768]
-//   %673   layernorm_bwd      d.h.10.ln1_w         line 38    f32[768]
-//   %674   layernorm_bwd      d.h.10.ln1_b         line 38    f32[768]
-//   %675   reshape                                 line 40    f32[8192,768]
-//   %676   sum                d.h.9.fcproj_b       line 40    f32[768]
-//   %677   cast                                    line 40    bf16[8192,768]
+//   %663   layernorm_bwd                           line 38    f32[8,1024,768]
+//   %664   layernorm_bwd      d.h.10.ln1_w         line 38    f32[768]
+//   %665   layernorm_bwd      d.h.10.ln1_b         line 38    f32[768]
+//   %666   add                d.h.9.x              line 40    f32[8,1024,768]
+//   %667   reshape                                 line 40    f32[8192,768]
+//   %668   sum                d.h.9.fcproj_b       line 40    f32[768]
+//   %669   cast                                    line 40    bf16[8192,768]
 // loops:
 //   layernorm_bwd: 8192 rows of 768, column sums over 64 blocks of 128 rows
 static void k114_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
   float *const b468 = (float *)(arena + 5160934528); // %468 add h.9.x f32[8,1024,768]
   float *const b469 = (float *)(arena + 441050112); // %469 param h.10.ln1_w f32[768]
-  float *const b645 = (float *)(arena + 3437075584); // %645 add d.h.10.x f32[8,1024,768]
-  float *const b668 = (float *)(arena + 3462241408); // %668 matmul f32[8192,768]
-  float *const b672 = (float *)(arena + 3487407232); // %672 add d.h.9.x f32[8,1024,768]
-  float *const b673 = (float *)(arena + 938809344); // %673 layernorm_bwd d.h.10.ln1_w f32[768]
-  float *const b674 = (float *)(arena + 938812416); // %674 layernorm_bwd d.h.10.ln1_b f32[768]
-  float *const b676 = (float *)(arena + 938806272); // %676 sum d.h.9.fcproj_b f32[768]
-  uint16_t *const b677 = (uint16_t *)(arena + 3512573056); // %677 cast bf16[8192,768]
+  float *const b643 = (float *)(arena + 3437075584); // %643 add d.h.10.x f32[8,1024,768]
+  float *const b660 = (float *)(arena + 3462241408); // %660 matmul f32[8192,768]
+  float *const b664 = (float *)(arena + 938809344); // %664 layernorm_bwd d.h.10.ln1_w f32[768]
+  float *const b665 = (float *)(arena + 938812416); // %665 layernorm_bwd d.h.10.ln1_b f32[768]
+  float *const b666 = (float *)(arena + 3487407232); // %666 add d.h.9.x f32[8,1024,768]
+  float *const b668 = (float *)(arena + 938806272); // %668 sum d.h.9.fcproj_b f32[768]
+  uint16_t *const b669 = (uint16_t *)(arena + 3512573056); // %669 cast bf16[8192,768]
   double *pdw = mdl_scratch(49152 * sizeof(double));
   double *pdb = mdl_scratch(49152 * sizeof(double));
-  double *ps0 = mdl_scratch(49152 * sizeof(double)); // partials of the column sum %676
+  double *ps0 = mdl_scratch(49152 * sizeof(double)); // partials of the column sum %668
   #pragma omp parallel num_threads(h->nthreads)
   {
     float *dxrow = mdl_scratch(768 * sizeof(float));
@@ -5541,7 +5513,7 @@ static void k114_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
       const int64_t end = k * 128 + 128 < 8192 ? k * 128 + 128 : 8192;
       for (int64_t r = k * 128; r < end; r++) {
         const float *x = b468 + r * 768;
-        const float *dy = b668 + r * 768;
+        const float *dy = b660 + r * 768;
         double mean = 0, var = 0, mg = 0, mgx = 0;
         #pragma omp simd reduction(+ : mean)
         for (int64_t j = 0; j < 768; j++)
@@ -5566,13 +5538,13 @@ static void k114_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
           dx[j] = (float)(rstd * ((double)dy[j] * b469[j] - mg - (x[j] - mean) * rstd * mgx));
         for (int64_t j = 0; j < 768; j++) {
           const int64_t ix = r * 768 + j;
-          const float v645_ix = b645[ix];
-          const float v672_ix = v645_ix + dx[j];
-          b672[ix] = v672_ix;
-          const float v675_ix = v672_ix;
-          const float v677_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v675_ix));
-          b677[ix] = mdl_f32_to_bf16(v677_ix);
-          sa0[j] += v675_ix;
+          const float v643_ix = b643[ix];
+          const float v666_ix = v643_ix + dx[j];
+          b666[ix] = v666_ix;
+          const float v667_ix = v666_ix;
+          const float v669_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v667_ix));
+          b669[ix] = mdl_f32_to_bf16(v669_ix);
+          sa0[j] += v667_ix;
         }
       }
     }
@@ -5586,9 +5558,9 @@ static void k114_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
       b += pdb[k * 768 + j];
       a0 += ps0[k * 768 + j];
     }
-    b673[j] = (float)w;
-    b674[j] = (float)b;
-    b676[j] = (float)a0;
+    b664[j] = (float)w;
+    b665[j] = (float)b;
+    b668[j] = (float)a0;
   }
   free(pdw);
   free(pdb);
@@ -5596,44 +5568,44 @@ static void k114_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
 }
 
 // k115_gemm: GEMM, 1 op
-//   %679   matmul             d.h.9.fcproj_w       line 40    f32[3072,768]
+//   %671   matmul             d.h.9.fcproj_w       line 40    f32[3072,768]
 // loops:
-//   gemm %679: [3072 x 768] = T[3072 x 8192] [8192 x 768], bf16 operands widened to f32
+//   gemm %671: [3072 x 768] = T[3072 x 8192] [8192 x 768], bf16 operands widened to f32
 static void k115_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b463 = (uint16_t *)(arena + 4053638272); // %463 cast bf16[8192,3072]
-  uint16_t *const b677 = (uint16_t *)(arena + 3512573056); // %677 cast bf16[8192,768]
-  float *const b679 = (float *)(arena + 929369088); // %679 matmul d.h.9.fcproj_w f32[3072,768]
+  uint16_t *const b669 = (uint16_t *)(arena + 3512573056); // %669 cast bf16[8192,768]
+  float *const b671 = (float *)(arena + 929369088); // %671 matmul d.h.9.fcproj_w f32[3072,768]
   {
     float *const w463 = mdl_widen_bf16(b463, 25165824, h->nthreads);
-    float *const w677 = mdl_widen_bf16(b677, 6291456, h->nthreads);
-    mdl_gemm(h, 1, 0, 3072, 768, 8192, w463, 3072, w677, 768, 0.0f, b679, 768);
+    float *const w669 = mdl_widen_bf16(b669, 6291456, h->nthreads);
+    mdl_gemm(h, 1, 0, 3072, 768, 8192, w463, 3072, w669, 768, 0.0f, b671, 768);
     free(w463);
-    free(w677);
+    free(w669);
   }
 }
 
 // k116_gemm__gelu_bwd__sum__cast: GEMM, 6 ops
-//   %678   matmul                                  line 40    f32[8192,3072]
-//   %680   reshape                                 line 40    f32[8,1024,3072]
-//   %681   gelu_bwd                                line 40    f32[8,1024,3072]
-//   %682   reshape                                 line 40    f32[8192,3072]
-//   %683   sum                d.h.9.fc_b           line 40    f32[3072]
-//   %684   cast                                    line 40    bf16[8192,3072]
+//   %670   matmul                                  line 40    f32[8192,3072]
+//   %672   reshape                                 line 40    f32[8,1024,3072]
+//   %673   gelu_bwd                                line 40    f32[8,1024,3072]
+//   %674   reshape                                 line 40    f32[8192,3072]
+//   %675   sum                d.h.9.fc_b           line 40    f32[3072]
+//   %676   cast                                    line 40    bf16[8192,3072]
 // loops:
-//   gemm %678: [8192 x 3072] = [8192 x 768] T[768 x 3072], bf16 operands widened to f32, epilogue after
-//   sum %683: 3072 outputs over 8192 elements, in 64 blocks of 128
+//   gemm %670: [8192 x 3072] = [8192 x 768] T[768 x 3072], bf16 operands widened to f32, epilogue after
+//   sum %675: 3072 outputs over 8192 elements, in 64 blocks of 128
 static void k116_gemm__gelu_bwd__sum__cast(char *arena, const MdlHooks *h) {
   float *const b460 = (float *)(arena + 3298663552); // %460 add f32[8,1024,3072]
   uint16_t *const b464 = (uint16_t *)(arena + 2205143040); // %464 cast bf16[3072,768]
-  uint16_t *const b677 = (uint16_t *)(arena + 3512573056); // %677 cast bf16[8192,768]
-  float *const b678 = mdl_scratch(100663296); // %678 matmul f32[8192,3072], kept in this kernel
-  float *const b683 = (float *)(arena + 929356800); // %683 sum d.h.9.fc_b f32[3072]
-  uint16_t *const b684 = (uint16_t *)(arena + 3399326848); // %684 cast bf16[8192,3072]
+  uint16_t *const b669 = (uint16_t *)(arena + 3512573056); // %669 cast bf16[8192,768]
+  float *const b670 = mdl_scratch(100663296); // %670 matmul f32[8192,3072], kept in this kernel
+  float *const b675 = (float *)(arena + 929356800); // %675 sum d.h.9.fc_b f32[3072]
+  uint16_t *const b676 = (uint16_t *)(arena + 3399326848); // %676 cast bf16[8192,3072]
   {
-    float *const w677 = mdl_widen_bf16(b677, 6291456, h->nthreads);
+    float *const w669 = mdl_widen_bf16(b669, 6291456, h->nthreads);
     float *const w464 = mdl_widen_bf16(b464, 2359296, h->nthreads);
-    mdl_gemm(h, 0, 1, 8192, 3072, 768, w677, 768, w464, 768, 0.0f, b678, 3072);
-    free(w677);
+    mdl_gemm(h, 0, 1, 8192, 3072, 768, w669, 768, w464, 768, 0.0f, b670, 3072);
+    free(w669);
     free(w464);
   }
   double *part = mdl_scratch(196608 * sizeof(double));
@@ -5647,13 +5619,13 @@ static void k116_gemm__gelu_bwd__sum__cast(char *arena, const MdlHooks *h) {
       for (int64_t c = 0; c < 3072; c++) {
         const int64_t ix = l * 3072 + c;
         const float v460_ix = b460[ix];
-        const float v678_ix = b678[ix];
-        const float v680_ix = v678_ix;
-        const float v681_ix = mdl_gelu_grad(v460_ix) * v680_ix;
-        const float v682_ix = v681_ix;
-        const float v = v682_ix;
-        const float v684_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v682_ix));
-        b684[ix] = mdl_f32_to_bf16(v684_ix);
+        const float v670_ix = b670[ix];
+        const float v672_ix = v670_ix;
+        const float v673_ix = mdl_gelu_grad(v460_ix) * v672_ix;
+        const float v674_ix = v673_ix;
+        const float v = v674_ix;
+        const float v676_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v674_ix));
+        b676[ix] = mdl_f32_to_bf16(v676_ix);
         p[c] += v;
       }
     }
@@ -5666,69 +5638,69 @@ static void k116_gemm__gelu_bwd__sum__cast(char *arena, const MdlHooks *h) {
       acc += v;
     }
     const float y = (float)acc;
-    b683[r] = y;
+    b675[r] = y;
   }
   free(part);
-  free(b678);
+  free(b670);
 }
 
 // k117_gemm: GEMM, 1 op
-//   %685   matmul                                  line 40    f32[8192,768]
+//   %677   matmul                                  line 40    f32[8192,768]
 // loops:
-//   gemm %685: [8192 x 768] = [8192 x 3072] T[3072 x 768], bf16 operands widened to f32
+//   gemm %677: [8192 x 768] = [8192 x 3072] T[3072 x 768], bf16 operands widened to f32
 static void k117_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b457 = (uint16_t *)(arena + 2200424448); // %457 cast bf16[768,3072]
-  uint16_t *const b684 = (uint16_t *)(arena + 3399326848); // %684 cast bf16[8192,3072]
-  float *const b685 = (float *)(arena + 3298663552); // %685 matmul f32[8192,768]
+  uint16_t *const b676 = (uint16_t *)(arena + 3399326848); // %676 cast bf16[8192,3072]
+  float *const b677 = (float *)(arena + 3298663552); // %677 matmul f32[8192,768]
   {
-    float *const w684 = mdl_widen_bf16(b684, 25165824, h->nthreads);
+    float *const w676 = mdl_widen_bf16(b676, 25165824, h->nthreads);
     float *const w457 = mdl_widen_bf16(b457, 2359296, h->nthreads);
-    mdl_gemm(h, 0, 1, 8192, 768, 3072, w684, 3072, w457, 3072, 0.0f, b685, 768);
-    free(w684);
+    mdl_gemm(h, 0, 1, 8192, 768, 3072, w676, 3072, w457, 3072, 0.0f, b677, 768);
+    free(w676);
     free(w457);
   }
 }
 
 // k118_gemm: GEMM, 1 op
-//   %686   matmul             d.h.9.fc_w           line 40    f32[768,3072]
+//   %678   matmul             d.h.9.fc_w           line 40    f32[768,3072]
 // loops:
-//   gemm %686: [768 x 3072] = T[768 x 8192] [8192 x 3072], bf16 operands widened to f32
+//   gemm %678: [768 x 3072] = T[768 x 8192] [8192 x 3072], bf16 operands widened to f32
 static void k118_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b456 = (uint16_t *)(arena + 5701999744); // %456 cast bf16[8192,768]
-  uint16_t *const b684 = (uint16_t *)(arena + 3399326848); // %684 cast bf16[8192,3072]
-  float *const b686 = (float *)(arena + 919919616); // %686 matmul d.h.9.fc_w f32[768,3072]
+  uint16_t *const b676 = (uint16_t *)(arena + 3399326848); // %676 cast bf16[8192,3072]
+  float *const b678 = (float *)(arena + 919919616); // %678 matmul d.h.9.fc_w f32[768,3072]
   {
     float *const w456 = mdl_widen_bf16(b456, 6291456, h->nthreads);
-    float *const w684 = mdl_widen_bf16(b684, 25165824, h->nthreads);
-    mdl_gemm(h, 1, 0, 768, 3072, 8192, w456, 768, w684, 3072, 0.0f, b686, 3072);
+    float *const w676 = mdl_widen_bf16(b676, 25165824, h->nthreads);
+    mdl_gemm(h, 1, 0, 768, 3072, 8192, w456, 768, w676, 3072, 0.0f, b678, 3072);
     free(w456);
-    free(w684);
+    free(w676);
   }
 }
 
 // k119_layernorm_bwd__add__sum__cast: kernel, 7 ops
-//   %688   layernorm_bwd                           line 40    f32[8,1024,768]
-//   %689   add                d.h.9.x              line 40    f32[8,1024,768]
-//   %690   layernorm_bwd      d.h.9.ln2_w          line 40    f32[768]
-//   %691   layernorm_bwd      d.h.9.ln2_b          line 40    f32[768]
-//   %692   reshape                                 line 39    f32[8192,768]
-//   %693   sum                d.h.9.proj_b         line 39    f32[768]
-//   %694   cast                                    line 39    bf16[8192,768]
+//   %680   layernorm_bwd                           line 40    f32[8,1024,768]
+//   %681   layernorm_bwd      d.h.9.ln2_w          line 40    f32[768]
+//   %682   layernorm_bwd      d.h.9.ln2_b          line 40    f32[768]
+//   %683   add                d.h.9.x              line 39    f32[8,1024,768]
+//   %684   reshape                                 line 39    f32[8192,768]
+//   %685   sum                d.h.9.proj_b         line 39    f32[768]
+//   %686   cast                                    line 39    bf16[8192,768]
 // loops:
 //   layernorm_bwd: 8192 rows of 768, column sums over 64 blocks of 128 rows
 static void k119_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
   float *const b429 = (float *)(arena + 422154240); // %429 param h.9.ln2_w f32[768]
   float *const b453 = (float *)(arena + 5135768704); // %453 add h.9.x f32[8,1024,768]
-  float *const b672 = (float *)(arena + 3487407232); // %672 add d.h.9.x f32[8,1024,768]
-  float *const b685 = (float *)(arena + 3298663552); // %685 matmul f32[8192,768]
-  float *const b689 = (float *)(arena + 3336412288); // %689 add d.h.9.x f32[8,1024,768]
-  float *const b690 = (float *)(arena + 919913472); // %690 layernorm_bwd d.h.9.ln2_w f32[768]
-  float *const b691 = (float *)(arena + 919916544); // %691 layernorm_bwd d.h.9.ln2_b f32[768]
-  float *const b693 = (float *)(arena + 919910400); // %693 sum d.h.9.proj_b f32[768]
-  uint16_t *const b694 = (uint16_t *)(arena + 3323829376); // %694 cast bf16[8192,768]
+  float *const b666 = (float *)(arena + 3487407232); // %666 add d.h.9.x f32[8,1024,768]
+  float *const b677 = (float *)(arena + 3298663552); // %677 matmul f32[8192,768]
+  float *const b681 = (float *)(arena + 919913472); // %681 layernorm_bwd d.h.9.ln2_w f32[768]
+  float *const b682 = (float *)(arena + 919916544); // %682 layernorm_bwd d.h.9.ln2_b f32[768]
+  float *const b683 = (float *)(arena + 3336412288); // %683 add d.h.9.x f32[8,1024,768]
+  float *const b685 = (float *)(arena + 919910400); // %685 sum d.h.9.proj_b f32[768]
+  uint16_t *const b686 = (uint16_t *)(arena + 3323829376); // %686 cast bf16[8192,768]
   double *pdw = mdl_scratch(49152 * sizeof(double));
   double *pdb = mdl_scratch(49152 * sizeof(double));
-  double *ps0 = mdl_scratch(49152 * sizeof(double)); // partials of the column sum %693
+  double *ps0 = mdl_scratch(49152 * sizeof(double)); // partials of the column sum %685
   #pragma omp parallel num_threads(h->nthreads)
   {
     float *dxrow = mdl_scratch(768 * sizeof(float));
@@ -5742,7 +5714,7 @@ static void k119_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
       const int64_t end = k * 128 + 128 < 8192 ? k * 128 + 128 : 8192;
       for (int64_t r = k * 128; r < end; r++) {
         const float *x = b453 + r * 768;
-        const float *dy = b685 + r * 768;
+        const float *dy = b677 + r * 768;
         double mean = 0, var = 0, mg = 0, mgx = 0;
         #pragma omp simd reduction(+ : mean)
         for (int64_t j = 0; j < 768; j++)
@@ -5767,13 +5739,13 @@ static void k119_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
           dx[j] = (float)(rstd * ((double)dy[j] * b429[j] - mg - (x[j] - mean) * rstd * mgx));
         for (int64_t j = 0; j < 768; j++) {
           const int64_t ix = r * 768 + j;
-          const float v672_ix = b672[ix];
-          const float v689_ix = v672_ix + dx[j];
-          b689[ix] = v689_ix;
-          const float v692_ix = v689_ix;
-          const float v694_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v692_ix));
-          b694[ix] = mdl_f32_to_bf16(v694_ix);
-          sa0[j] += v692_ix;
+          const float v666_ix = b666[ix];
+          const float v683_ix = v666_ix + dx[j];
+          b683[ix] = v683_ix;
+          const float v684_ix = v683_ix;
+          const float v686_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v684_ix));
+          b686[ix] = mdl_f32_to_bf16(v686_ix);
+          sa0[j] += v684_ix;
         }
       }
     }
@@ -5787,9 +5759,9 @@ static void k119_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
       b += pdb[k * 768 + j];
       a0 += ps0[k * 768 + j];
     }
-    b690[j] = (float)w;
-    b691[j] = (float)b;
-    b693[j] = (float)a0;
+    b681[j] = (float)w;
+    b682[j] = (float)b;
+    b685[j] = (float)a0;
   }
   free(pdw);
   free(pdb);
@@ -5797,69 +5769,69 @@ static void k119_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
 }
 
 // k120_gemm: GEMM, 1 op
-//   %696   matmul             d.h.9.proj_w         line 39    f32[768,768]
+//   %688   matmul             d.h.9.proj_w         line 39    f32[768,768]
 // loops:
-//   gemm %696: [768 x 768] = T[768 x 8192] [8192 x 768], bf16 operands widened to f32
+//   gemm %688: [768 x 768] = T[768 x 8192] [8192 x 768], bf16 operands widened to f32
 static void k120_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b448 = (uint16_t *)(arena + 5689416832); // %448 cast bf16[8192,768]
-  uint16_t *const b694 = (uint16_t *)(arena + 3323829376); // %694 cast bf16[8192,768]
-  float *const b696 = (float *)(arena + 917551104); // %696 matmul d.h.9.proj_w f32[768,768]
+  uint16_t *const b686 = (uint16_t *)(arena + 3323829376); // %686 cast bf16[8192,768]
+  float *const b688 = (float *)(arena + 917551104); // %688 matmul d.h.9.proj_w f32[768,768]
   {
     float *const w448 = mdl_widen_bf16(b448, 6291456, h->nthreads);
-    float *const w694 = mdl_widen_bf16(b694, 6291456, h->nthreads);
-    mdl_gemm(h, 1, 0, 768, 768, 8192, w448, 768, w694, 768, 0.0f, b696, 768);
+    float *const w686 = mdl_widen_bf16(b686, 6291456, h->nthreads);
+    mdl_gemm(h, 1, 0, 768, 768, 8192, w448, 768, w686, 768, 0.0f, b688, 768);
     free(w448);
-    free(w694);
+    free(w686);
   }
 }
 
 // k121_gemm__cast: GEMM, 3 ops
-//   %695   matmul                                  line 39    f32[8192,768]
-//   %697   reshape                                 line 39    f32[8,1024,768]
-//   %700   cast                                    line 39    bf16[8,1024,768]
+//   %687   matmul                                  line 39    f32[8192,768]
+//   %689   reshape                                 line 39    f32[8,1024,768]
+//   %692   cast                                    line 39    bf16[8,1024,768]
 // loops:
-//   gemm %695: [8192 x 768] = [8192 x 768] T[768 x 768], bf16 operands widened to f32, epilogue after
-//   elementwise over 6291456: %700
+//   gemm %687: [8192 x 768] = [8192 x 768] T[768 x 768], bf16 operands widened to f32, epilogue after
+//   elementwise over 6291456: %692
 static void k121_gemm__cast(char *arena, const MdlHooks *h) {
   uint16_t *const b449 = (uint16_t *)(arena + 2199244800); // %449 cast bf16[768,768]
-  uint16_t *const b694 = (uint16_t *)(arena + 3323829376); // %694 cast bf16[8192,768]
-  float *const b695 = mdl_scratch(25165824); // %695 matmul f32[8192,768], kept in this kernel
-  uint16_t *const b700 = (uint16_t *)(arena + 3298663552); // %700 cast bf16[8,1024,768]
+  uint16_t *const b686 = (uint16_t *)(arena + 3323829376); // %686 cast bf16[8192,768]
+  float *const b687 = mdl_scratch(25165824); // %687 matmul f32[8192,768], kept in this kernel
+  uint16_t *const b692 = (uint16_t *)(arena + 3298663552); // %692 cast bf16[8,1024,768]
   {
-    float *const w694 = mdl_widen_bf16(b694, 6291456, h->nthreads);
+    float *const w686 = mdl_widen_bf16(b686, 6291456, h->nthreads);
     float *const w449 = mdl_widen_bf16(b449, 589824, h->nthreads);
-    mdl_gemm(h, 0, 1, 8192, 768, 768, w694, 768, w449, 768, 0.0f, b695, 768);
-    free(w694);
+    mdl_gemm(h, 0, 1, 8192, 768, 768, w686, 768, w449, 768, 0.0f, b687, 768);
+    free(w686);
     free(w449);
   }
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
   for (int64_t r = 0; r < 8192; r++) {
     for (int64_t c = 0; c < 768; c++) {
       const int64_t i = r * 768 + c;
-      const float v695_i = b695[i];
-      const float v697_i = v695_i;
-      const float v700_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v697_i));
-      b700[i] = mdl_f32_to_bf16(v700_i);
+      const float v687_i = b687[i];
+      const float v689_i = v687_i;
+      const float v692_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v689_i));
+      b692[i] = mdl_f32_to_bf16(v692_i);
     }
   }
-  free(b695);
+  free(b687);
 }
 
 // k122_attention_bwd: attention, 3 ops
-//   %701   attention_bwd      d.h.9.q              line 39    f32[8,1024,768]
-//   %702   attention_bwd      d.h.9.k              line 39    f32[8,1024,768]
-//   %703   attention_bwd      d.h.9.v              line 39    f32[8,1024,768]
+//   %693   attention_bwd      d.h.9.q              line 39    f32[8,1024,768]
+//   %694   attention_bwd      d.h.9.k              line 39    f32[8,1024,768]
+//   %695   attention_bwd      d.h.9.v              line 39    f32[8,1024,768]
 // loops:
 //   attention backward (dq dk dv): B 8, T 1024, 12 heads of 64, causal, within documents; one task per (batch, head)
 static void k122_attention_bwd(char *arena, const MdlHooks *h) {
   int32_t *const b3 = (int32_t *)(arena + 2238271488); // %3 input doc i32[8,1024]
   uint16_t *const b442 = (uint16_t *)(arena + 4544371840); // %442 cast bf16[8,1024,2304]
   uint16_t *const b448 = (uint16_t *)(arena + 5689416832); // %448 cast bf16[8192,768]
-  float *const b698 = (float *)(arena + 5806201984); // %698 attention_lse f32[8,12,1024]
-  uint16_t *const b700 = (uint16_t *)(arena + 3298663552); // %700 cast bf16[8,1024,768]
-  float *const b701 = (float *)(arena + 3361578112); // %701 attention_bwd d.h.9.q f32[8,1024,768]
-  float *const b702 = (float *)(arena + 3386743936); // %702 attention_bwd d.h.9.k f32[8,1024,768]
-  float *const b703 = (float *)(arena + 3411909760); // %703 attention_bwd d.h.9.v f32[8,1024,768]
+  float *const b690 = (float *)(arena + 5806201984); // %690 attention_lse f32[8,12,1024]
+  uint16_t *const b692 = (uint16_t *)(arena + 3298663552); // %692 cast bf16[8,1024,768]
+  float *const b693 = (float *)(arena + 3361578112); // %693 attention_bwd d.h.9.q f32[8,1024,768]
+  float *const b694 = (float *)(arena + 3386743936); // %694 attention_bwd d.h.9.k f32[8,1024,768]
+  float *const b695 = (float *)(arena + 3411909760); // %695 attention_bwd d.h.9.v f32[8,1024,768]
   #pragma omp parallel num_threads(h->nthreads)
   {
     float *restrict kt = memset(mdl_scratch(67584 * sizeof(float)), 0, 67584 * sizeof(float));
@@ -5907,13 +5879,13 @@ static void k122_attention_bwd(char *arena, const MdlHooks *h) {
           }
           memcpy(s + j0, acc, sizeof acc);
         }
-        const float lse = b698[(b * 12 + hd) * 1024 + i];
+        const float lse = b690[(b * 12 + hd) * 1024 + i];
         #pragma omp simd
         for (int64_t j = lo; j < hi; j++)
           s[j] = dc[j] == di ? mdl_exp_shifted(s[j] * 0.125f - lse) : 0.0f;
         float dor[64];
         for (int64_t c = 0; c < 64; c++)
-          dor[c] = mdl_bf16_to_f32(b700[(b * 1024 + i) * 768 + hd * 64 + c]);
+          dor[c] = mdl_bf16_to_f32(b692[(b * 1024 + i) * 768 + hd * 64 + c]);
         const float *restrict doi = dor;
         float dsum = 0.0f;
         for (int64_t c = 0; c < 64; c++)
@@ -5962,14 +5934,14 @@ static void k122_attention_bwd(char *arena, const MdlHooks *h) {
           for (int64_t c = 0; c < 64; c++)
             dvj[c] += mdl_bf16_to_f32(mdl_f32_to_bf16(s[j])) * doi[c];
         }
-        float *restrict dq = b701 + (b * 1024 + i) * 768 + hd * 64;
+        float *restrict dq = b693 + (b * 1024 + i) * 768 + hd * 64;
         for (int64_t c = 0; c < 64; c++)
           dq[c] = 0.125f * (dqi0[c] + dqi1[c]);
       }
       for (int64_t t = 0; t < 1024; t++)
-        memcpy(b702 + (b * 1024 + t) * 768 + hd * 64, dkh + t * 64, 64 * sizeof(float));
+        memcpy(b694 + (b * 1024 + t) * 768 + hd * 64, dkh + t * 64, 64 * sizeof(float));
       for (int64_t t = 0; t < 1024; t++)
-        memcpy(b703 + (b * 1024 + t) * 768 + hd * 64, dvh + t * 64, 64 * sizeof(float));
+        memcpy(b695 + (b * 1024 + t) * 768 + hd * 64, dvh + t * 64, 64 * sizeof(float));
     }
     free(kt);
     free(s);
@@ -5980,23 +5952,19 @@ static void k122_attention_bwd(char *arena, const MdlHooks *h) {
   }
 }
 
-// k123_sum__slice_bwd__add__cast: kernel, 8 ops
-//   %704   slice_bwd                               line 38    f32[8,1024,2304]
-//   %705   slice_bwd                               line 38    f32[8,1024,2304]
-//   %706   add                                     line 38    f32[8,1024,2304]
-//   %707   slice_bwd                               line 38    f32[8,1024,2304]
-//   %708   add                                     line 38    f32[8,1024,2304]
-//   %709   reshape                                 line 38    f32[8192,2304]
-//   %710   sum                d.h.9.attn_b         line 38    f32[2304]
-//   %711   cast                                    line 38    bf16[8192,2304]
+// k123_sum__concat__cast: kernel, 4 ops
+//   %696   concat                                  line 38    f32[8,1024,2304]
+//   %697   reshape                                 line 38    f32[8192,2304]
+//   %698   sum                d.h.9.attn_b         line 38    f32[2304]
+//   %699   cast                                    line 38    bf16[8192,2304]
 // loops:
-//   sum %710: 2304 outputs over 8192 elements, in 64 blocks of 128
-static void k123_sum__slice_bwd__add__cast(char *arena, const MdlHooks *h) {
-  float *const b701 = (float *)(arena + 3361578112); // %701 attention_bwd d.h.9.q f32[8,1024,768]
-  float *const b702 = (float *)(arena + 3386743936); // %702 attention_bwd d.h.9.k f32[8,1024,768]
-  float *const b703 = (float *)(arena + 3411909760); // %703 attention_bwd d.h.9.v f32[8,1024,768]
-  float *const b710 = (float *)(arena + 917541888); // %710 sum d.h.9.attn_b f32[2304]
-  uint16_t *const b711 = (uint16_t *)(arena + 3298663552); // %711 cast bf16[8192,2304]
+//   sum %698: 2304 outputs over 8192 elements, in 64 blocks of 128
+static void k123_sum__concat__cast(char *arena, const MdlHooks *h) {
+  float *const b693 = (float *)(arena + 3361578112); // %693 attention_bwd d.h.9.q f32[8,1024,768]
+  float *const b694 = (float *)(arena + 3386743936); // %694 attention_bwd d.h.9.k f32[8,1024,768]
+  float *const b695 = (float *)(arena + 3411909760); // %695 attention_bwd d.h.9.v f32[8,1024,768]
+  float *const b698 = (float *)(arena + 917541888); // %698 sum d.h.9.attn_b f32[2304]
+  uint16_t *const b699 = (uint16_t *)(arena + 3298663552); // %699 cast bf16[8192,2304]
   double *part = mdl_scratch(147456 * sizeof(double));
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
   for (int64_t k = 0; k < 64; k++) {
@@ -6007,21 +5975,11 @@ static void k123_sum__slice_bwd__add__cast(char *arena, const MdlHooks *h) {
     for (int64_t l = k * 128; l < end; l++) {
       for (int64_t c = 0; c < 2304; c++) {
         const int64_t ix = l * 2304 + c;
-        const int64_t j1 = c >= 1536 && c < 2304 ? l * 768 + (c - 1536) : 0;
-        const float v703_j1 = b703[j1];
-        const float v704_ix = c >= 1536 && c < 2304 ? v703_j1 : 0.0f;
-        const int64_t j2 = c >= 768 && c < 1536 ? l * 768 + (c - 768) : 0;
-        const float v702_j2 = b702[j2];
-        const float v705_ix = c >= 768 && c < 1536 ? v702_j2 : 0.0f;
-        const float v706_ix = v704_ix + v705_ix;
-        const int64_t j3 = c >= 0 && c < 768 ? l * 768 + (c - 0) : 0;
-        const float v701_j3 = b701[j3];
-        const float v707_ix = c >= 0 && c < 768 ? v701_j3 : 0.0f;
-        const float v708_ix = v706_ix + v707_ix;
-        const float v709_ix = v708_ix;
-        const float v = v709_ix;
-        const float v711_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v709_ix));
-        b711[ix] = mdl_f32_to_bf16(v711_ix);
+        const float v696_ix = (c < 768 ? b693 + (l * 768 + (c - 0)) : c < 1536 ? b694 + (l * 768 + (c - 768)) : b695 + (l * 768 + (c - 1536)))[0];
+        const float v697_ix = v696_ix;
+        const float v = v697_ix;
+        const float v699_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v697_ix));
+        b699[ix] = mdl_f32_to_bf16(v699_ix);
         p[c] += v;
       }
     }
@@ -6034,68 +5992,68 @@ static void k123_sum__slice_bwd__add__cast(char *arena, const MdlHooks *h) {
       acc += v;
     }
     const float y = (float)acc;
-    b710[r] = y;
+    b698[r] = y;
   }
   free(part);
 }
 
 // k124_gemm: GEMM, 1 op
-//   %712   matmul                                  line 38    f32[8192,768]
+//   %700   matmul                                  line 38    f32[8192,768]
 // loops:
-//   gemm %712: [8192 x 768] = [8192 x 2304] T[2304 x 768], bf16 operands widened to f32
+//   gemm %700: [8192 x 768] = [8192 x 2304] T[2304 x 768], bf16 operands widened to f32
 static void k124_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b438 = (uint16_t *)(arena + 2195705856); // %438 cast bf16[768,2304]
-  uint16_t *const b711 = (uint16_t *)(arena + 3298663552); // %711 cast bf16[8192,2304]
-  float *const b712 = (float *)(arena + 3361578112); // %712 matmul f32[8192,768]
+  uint16_t *const b699 = (uint16_t *)(arena + 3298663552); // %699 cast bf16[8192,2304]
+  float *const b700 = (float *)(arena + 3361578112); // %700 matmul f32[8192,768]
   {
-    float *const w711 = mdl_widen_bf16(b711, 18874368, h->nthreads);
+    float *const w699 = mdl_widen_bf16(b699, 18874368, h->nthreads);
     float *const w438 = mdl_widen_bf16(b438, 1769472, h->nthreads);
-    mdl_gemm(h, 0, 1, 8192, 768, 2304, w711, 2304, w438, 2304, 0.0f, b712, 768);
-    free(w711);
+    mdl_gemm(h, 0, 1, 8192, 768, 2304, w699, 2304, w438, 2304, 0.0f, b700, 768);
+    free(w699);
     free(w438);
   }
 }
 
 // k125_gemm: GEMM, 1 op
-//   %713   matmul             d.h.9.attn_w         line 38    f32[768,2304]
+//   %701   matmul             d.h.9.attn_w         line 38    f32[768,2304]
 // loops:
-//   gemm %713: [768 x 2304] = T[768 x 8192] [8192 x 2304], bf16 operands widened to f32
+//   gemm %701: [768 x 2304] = T[768 x 8192] [8192 x 2304], bf16 operands widened to f32
 static void k125_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b437 = (uint16_t *)(arena + 5676833920); // %437 cast bf16[8192,768]
-  uint16_t *const b711 = (uint16_t *)(arena + 3298663552); // %711 cast bf16[8192,2304]
-  float *const b713 = (float *)(arena + 910464000); // %713 matmul d.h.9.attn_w f32[768,2304]
+  uint16_t *const b699 = (uint16_t *)(arena + 3298663552); // %699 cast bf16[8192,2304]
+  float *const b701 = (float *)(arena + 910464000); // %701 matmul d.h.9.attn_w f32[768,2304]
   {
     float *const w437 = mdl_widen_bf16(b437, 6291456, h->nthreads);
-    float *const w711 = mdl_widen_bf16(b711, 18874368, h->nthreads);
-    mdl_gemm(h, 1, 0, 768, 2304, 8192, w437, 768, w711, 2304, 0.0f, b713, 2304);
+    float *const w699 = mdl_widen_bf16(b699, 18874368, h->nthreads);
+    mdl_gemm(h, 1, 0, 768, 2304, 8192, w437, 768, w699, 2304, 0.0f, b701, 2304);
     free(w437);
-    free(w711);
+    free(w699);
   }
 }
 
 // k126_layernorm_bwd__add__sum__cast: kernel, 7 ops
-//   %715   layernorm_bwd                           line 38    f32[8,1024,768]
-//   %716   add                d.h.8.x              line 38    f32[8,1024,768]
-//   %717   layernorm_bwd      d.h.9.ln1_w          line 38    f32[768]
-//   %718   layernorm_bwd      d.h.9.ln1_b          line 38    f32[768]
-//   %719   reshape                                 line 40    f32[8192,768]
-//   %720   sum                d.h.8.fcproj_b       line 40    f32[768]
-//   %721   cast                                    line 40    bf16[8192,768]
+//   %703   layernorm_bwd                           line 38    f32[8,1024,768]
+//   %704   layernorm_bwd      d.h.9.ln1_w          line 38    f32[768]
+//   %705   layernorm_bwd      d.h.9.ln1_b          line 38    f32[768]
+//   %706   add                d.h.8.x              line 40    f32[8,1024,768]
+//   %707   reshape                                 line 40    f32[8192,768]
+//   %708   sum                d.h.8.fcproj_b       line 40    f32[768]
+//   %709   cast                                    line 40    bf16[8192,768]
 // loops:
 //   layernorm_bwd: 8192 rows of 768, column sums over 64 blocks of 128 rows
 static void k126_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
   float *const b422 = (float *)(arena + 5110602880); // %422 add h.8.x f32[8,1024,768]
   float *const b423 = (float *)(arena + 412698624); // %423 param h.9.ln1_w f32[768]
-  float *const b689 = (float *)(arena + 3336412288); // %689 add d.h.9.x f32[8,1024,768]
-  float *const b712 = (float *)(arena + 3361578112); // %712 matmul f32[8192,768]
-  float *const b716 = (float *)(arena + 3386743936); // %716 add d.h.8.x f32[8,1024,768]
-  float *const b717 = (float *)(arena + 910457856); // %717 layernorm_bwd d.h.9.ln1_w f32[768]
-  float *const b718 = (float *)(arena + 910460928); // %718 layernorm_bwd d.h.9.ln1_b f32[768]
-  float *const b720 = (float *)(arena + 910454784); // %720 sum d.h.8.fcproj_b f32[768]
-  uint16_t *const b721 = (uint16_t *)(arena + 3411909760); // %721 cast bf16[8192,768]
+  float *const b683 = (float *)(arena + 3336412288); // %683 add d.h.9.x f32[8,1024,768]
+  float *const b700 = (float *)(arena + 3361578112); // %700 matmul f32[8192,768]
+  float *const b704 = (float *)(arena + 910457856); // %704 layernorm_bwd d.h.9.ln1_w f32[768]
+  float *const b705 = (float *)(arena + 910460928); // %705 layernorm_bwd d.h.9.ln1_b f32[768]
+  float *const b706 = (float *)(arena + 3386743936); // %706 add d.h.8.x f32[8,1024,768]
+  float *const b708 = (float *)(arena + 910454784); // %708 sum d.h.8.fcproj_b f32[768]
+  uint16_t *const b709 = (uint16_t *)(arena + 3411909760); // %709 cast bf16[8192,768]
   double *pdw = mdl_scratch(49152 * sizeof(double));
   double *pdb = mdl_scratch(49152 * sizeof(double));
-  double *ps0 = mdl_scratch(49152 * sizeof(double)); // partials of the column sum %720
+  double *ps0 = mdl_scratch(49152 * sizeof(double)); // partials of the column sum %708
   #pragma omp parallel num_threads(h->nthreads)
   {
     float *dxrow = mdl_scratch(768 * sizeof(float));
@@ -6109,7 +6067,7 @@ static void k126_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
       const int64_t end = k * 128 + 128 < 8192 ? k * 128 + 128 : 8192;
       for (int64_t r = k * 128; r < end; r++) {
         const float *x = b422 + r * 768;
-        const float *dy = b712 + r * 768;
+        const float *dy = b700 + r * 768;
         double mean = 0, var = 0, mg = 0, mgx = 0;
         #pragma omp simd reduction(+ : mean)
         for (int64_t j = 0; j < 768; j++)
@@ -6134,13 +6092,13 @@ static void k126_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
           dx[j] = (float)(rstd * ((double)dy[j] * b423[j] - mg - (x[j] - mean) * rstd * mgx));
         for (int64_t j = 0; j < 768; j++) {
           const int64_t ix = r * 768 + j;
-          const float v689_ix = b689[ix];
-          const float v716_ix = v689_ix + dx[j];
-          b716[ix] = v716_ix;
-          const float v719_ix = v716_ix;
-          const float v721_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v719_ix));
-          b721[ix] = mdl_f32_to_bf16(v721_ix);
-          sa0[j] += v719_ix;
+          const float v683_ix = b683[ix];
+          const float v706_ix = v683_ix + dx[j];
+          b706[ix] = v706_ix;
+          const float v707_ix = v706_ix;
+          const float v709_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v707_ix));
+          b709[ix] = mdl_f32_to_bf16(v709_ix);
+          sa0[j] += v707_ix;
         }
       }
     }
@@ -6154,9 +6112,9 @@ static void k126_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
       b += pdb[k * 768 + j];
       a0 += ps0[k * 768 + j];
     }
-    b717[j] = (float)w;
-    b718[j] = (float)b;
-    b720[j] = (float)a0;
+    b704[j] = (float)w;
+    b705[j] = (float)b;
+    b708[j] = (float)a0;
   }
   free(pdw);
   free(pdb);
@@ -6164,44 +6122,44 @@ static void k126_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
 }
 
 // k127_gemm: GEMM, 1 op
-//   %723   matmul             d.h.8.fcproj_w       line 40    f32[3072,768]
+//   %711   matmul             d.h.8.fcproj_w       line 40    f32[3072,768]
 // loops:
-//   gemm %723: [3072 x 768] = T[3072 x 8192] [8192 x 768], bf16 operands widened to f32
+//   gemm %711: [3072 x 768] = T[3072 x 8192] [8192 x 768], bf16 operands widened to f32
 static void k127_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b417 = (uint16_t *)(arena + 4003306624); // %417 cast bf16[8192,3072]
-  uint16_t *const b721 = (uint16_t *)(arena + 3411909760); // %721 cast bf16[8192,768]
-  float *const b723 = (float *)(arena + 901017600); // %723 matmul d.h.8.fcproj_w f32[3072,768]
+  uint16_t *const b709 = (uint16_t *)(arena + 3411909760); // %709 cast bf16[8192,768]
+  float *const b711 = (float *)(arena + 901017600); // %711 matmul d.h.8.fcproj_w f32[3072,768]
   {
     float *const w417 = mdl_widen_bf16(b417, 25165824, h->nthreads);
-    float *const w721 = mdl_widen_bf16(b721, 6291456, h->nthreads);
-    mdl_gemm(h, 1, 0, 3072, 768, 8192, w417, 3072, w721, 768, 0.0f, b723, 768);
+    float *const w709 = mdl_widen_bf16(b709, 6291456, h->nthreads);
+    mdl_gemm(h, 1, 0, 3072, 768, 8192, w417, 3072, w709, 768, 0.0f, b711, 768);
     free(w417);
-    free(w721);
+    free(w709);
   }
 }
 
 // k128_gemm__gelu_bwd__sum__cast: GEMM, 6 ops
-//   %722   matmul                                  line 40    f32[8192,3072]
-//   %724   reshape                                 line 40    f32[8,1024,3072]
-//   %725   gelu_bwd                                line 40    f32[8,1024,3072]
-//   %726   reshape                                 line 40    f32[8192,3072]
-//   %727   sum                d.h.8.fc_b           line 40    f32[3072]
-//   %728   cast                                    line 40    bf16[8192,3072]
+//   %710   matmul                                  line 40    f32[8192,3072]
+//   %712   reshape                                 line 40    f32[8,1024,3072]
+//   %713   gelu_bwd                                line 40    f32[8,1024,3072]
+//   %714   reshape                                 line 40    f32[8192,3072]
+//   %715   sum                d.h.8.fc_b           line 40    f32[3072]
+//   %716   cast                                    line 40    bf16[8192,3072]
 // loops:
-//   gemm %722: [8192 x 3072] = [8192 x 768] T[768 x 3072], bf16 operands widened to f32, epilogue after
-//   sum %727: 3072 outputs over 8192 elements, in 64 blocks of 128
+//   gemm %710: [8192 x 3072] = [8192 x 768] T[768 x 3072], bf16 operands widened to f32, epilogue after
+//   sum %715: 3072 outputs over 8192 elements, in 64 blocks of 128
 static void k128_gemm__gelu_bwd__sum__cast(char *arena, const MdlHooks *h) {
   float *const b414 = (float *)(arena + 3198000256); // %414 add f32[8,1024,3072]
   uint16_t *const b418 = (uint16_t *)(arena + 2190987264); // %418 cast bf16[3072,768]
-  uint16_t *const b721 = (uint16_t *)(arena + 3411909760); // %721 cast bf16[8192,768]
-  float *const b722 = mdl_scratch(100663296); // %722 matmul f32[8192,3072], kept in this kernel
-  float *const b727 = (float *)(arena + 901005312); // %727 sum d.h.8.fc_b f32[3072]
-  uint16_t *const b728 = (uint16_t *)(arena + 3298663552); // %728 cast bf16[8192,3072]
+  uint16_t *const b709 = (uint16_t *)(arena + 3411909760); // %709 cast bf16[8192,768]
+  float *const b710 = mdl_scratch(100663296); // %710 matmul f32[8192,3072], kept in this kernel
+  float *const b715 = (float *)(arena + 901005312); // %715 sum d.h.8.fc_b f32[3072]
+  uint16_t *const b716 = (uint16_t *)(arena + 3298663552); // %716 cast bf16[8192,3072]
   {
-    float *const w721 = mdl_widen_bf16(b721, 6291456, h->nthreads);
+    float *const w709 = mdl_widen_bf16(b709, 6291456, h->nthreads);
     float *const w418 = mdl_widen_bf16(b418, 2359296, h->nthreads);
-    mdl_gemm(h, 0, 1, 8192, 3072, 768, w721, 768, w418, 768, 0.0f, b722, 3072);
-    free(w721);
+    mdl_gemm(h, 0, 1, 8192, 3072, 768, w709, 768, w418, 768, 0.0f, b710, 3072);
+    free(w709);
     free(w418);
   }
   double *part = mdl_scratch(196608 * sizeof(double));
@@ -6215,13 +6173,13 @@ static void k128_gemm__gelu_bwd__sum__cast(char *arena, const MdlHooks *h) {
       for (int64_t c = 0; c < 3072; c++) {
         const int64_t ix = l * 3072 + c;
         const float v414_ix = b414[ix];
-        const float v722_ix = b722[ix];
-        const float v724_ix = v722_ix;
-        const float v725_ix = mdl_gelu_grad(v414_ix) * v724_ix;
-        const float v726_ix = v725_ix;
-        const float v = v726_ix;
-        const float v728_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v726_ix));
-        b728[ix] = mdl_f32_to_bf16(v728_ix);
+        const float v710_ix = b710[ix];
+        const float v712_ix = v710_ix;
+        const float v713_ix = mdl_gelu_grad(v414_ix) * v712_ix;
+        const float v714_ix = v713_ix;
+        const float v = v714_ix;
+        const float v716_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v714_ix));
+        b716[ix] = mdl_f32_to_bf16(v716_ix);
         p[c] += v;
       }
     }
@@ -6234,69 +6192,69 @@ static void k128_gemm__gelu_bwd__sum__cast(char *arena, const MdlHooks *h) {
       acc += v;
     }
     const float y = (float)acc;
-    b727[r] = y;
+    b715[r] = y;
   }
   free(part);
-  free(b722);
+  free(b710);
 }
 
 // k129_gemm: GEMM, 1 op
-//   %729   matmul                                  line 40    f32[8192,768]
+//   %717   matmul                                  line 40    f32[8192,768]
 // loops:
-//   gemm %729: [8192 x 768] = [8192 x 3072] T[3072 x 768], bf16 operands widened to f32
+//   gemm %717: [8192 x 768] = [8192 x 3072] T[3072 x 768], bf16 operands widened to f32
 static void k129_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b411 = (uint16_t *)(arena + 2186268672); // %411 cast bf16[768,3072]
-  uint16_t *const b728 = (uint16_t *)(arena + 3298663552); // %728 cast bf16[8192,3072]
-  float *const b729 = (float *)(arena + 3198000256); // %729 matmul f32[8192,768]
+  uint16_t *const b716 = (uint16_t *)(arena + 3298663552); // %716 cast bf16[8192,3072]
+  float *const b717 = (float *)(arena + 3198000256); // %717 matmul f32[8192,768]
   {
-    float *const w728 = mdl_widen_bf16(b728, 25165824, h->nthreads);
+    float *const w716 = mdl_widen_bf16(b716, 25165824, h->nthreads);
     float *const w411 = mdl_widen_bf16(b411, 2359296, h->nthreads);
-    mdl_gemm(h, 0, 1, 8192, 768, 3072, w728, 3072, w411, 3072, 0.0f, b729, 768);
-    free(w728);
+    mdl_gemm(h, 0, 1, 8192, 768, 3072, w716, 3072, w411, 3072, 0.0f, b717, 768);
+    free(w716);
     free(w411);
   }
 }
 
 // k130_gemm: GEMM, 1 op
-//   %730   matmul             d.h.8.fc_w           line 40    f32[768,3072]
+//   %718   matmul             d.h.8.fc_w           line 40    f32[768,3072]
 // loops:
-//   gemm %730: [768 x 3072] = T[768 x 8192] [8192 x 3072], bf16 operands widened to f32
+//   gemm %718: [768 x 3072] = T[768 x 8192] [8192 x 3072], bf16 operands widened to f32
 static void k130_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b410 = (uint16_t *)(arena + 5664251008); // %410 cast bf16[8192,768]
-  uint16_t *const b728 = (uint16_t *)(arena + 3298663552); // %728 cast bf16[8192,3072]
-  float *const b730 = (float *)(arena + 891568128); // %730 matmul d.h.8.fc_w f32[768,3072]
+  uint16_t *const b716 = (uint16_t *)(arena + 3298663552); // %716 cast bf16[8192,3072]
+  float *const b718 = (float *)(arena + 891568128); // %718 matmul d.h.8.fc_w f32[768,3072]
   {
     float *const w410 = mdl_widen_bf16(b410, 6291456, h->nthreads);
-    float *const w728 = mdl_widen_bf16(b728, 25165824, h->nthreads);
-    mdl_gemm(h, 1, 0, 768, 3072, 8192, w410, 768, w728, 3072, 0.0f, b730, 3072);
+    float *const w716 = mdl_widen_bf16(b716, 25165824, h->nthreads);
+    mdl_gemm(h, 1, 0, 768, 3072, 8192, w410, 768, w716, 3072, 0.0f, b718, 3072);
     free(w410);
-    free(w728);
+    free(w716);
   }
 }
 
 // k131_layernorm_bwd__add__sum__cast: kernel, 7 ops
-//   %732   layernorm_bwd                           line 40    f32[8,1024,768]
-//   %733   add                d.h.8.x              line 40    f32[8,1024,768]
-//   %734   layernorm_bwd      d.h.8.ln2_w          line 40    f32[768]
-//   %735   layernorm_bwd      d.h.8.ln2_b          line 40    f32[768]
-//   %736   reshape                                 line 39    f32[8192,768]
-//   %737   sum                d.h.8.proj_b         line 39    f32[768]
-//   %738   cast                                    line 39    bf16[8192,768]
+//   %720   layernorm_bwd                           line 40    f32[8,1024,768]
+//   %721   layernorm_bwd      d.h.8.ln2_w          line 40    f32[768]
+//   %722   layernorm_bwd      d.h.8.ln2_b          line 40    f32[768]
+//   %723   add                d.h.8.x              line 39    f32[8,1024,768]
+//   %724   reshape                                 line 39    f32[8192,768]
+//   %725   sum                d.h.8.proj_b         line 39    f32[768]
+//   %726   cast                                    line 39    bf16[8192,768]
 // loops:
 //   layernorm_bwd: 8192 rows of 768, column sums over 64 blocks of 128 rows
 static void k131_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
   float *const b383 = (float *)(arena + 393802752); // %383 param h.8.ln2_w f32[768]
   float *const b407 = (float *)(arena + 5085437056); // %407 add h.8.x f32[8,1024,768]
-  float *const b716 = (float *)(arena + 3386743936); // %716 add d.h.8.x f32[8,1024,768]
-  float *const b729 = (float *)(arena + 3198000256); // %729 matmul f32[8192,768]
-  float *const b733 = (float *)(arena + 3235748992); // %733 add d.h.8.x f32[8,1024,768]
-  float *const b734 = (float *)(arena + 891561984); // %734 layernorm_bwd d.h.8.ln2_w f32[768]
-  float *const b735 = (float *)(arena + 891565056); // %735 layernorm_bwd d.h.8.ln2_b f32[768]
-  float *const b737 = (float *)(arena + 891558912); // %737 sum d.h.8.proj_b f32[768]
-  uint16_t *const b738 = (uint16_t *)(arena + 3223166080); // %738 cast bf16[8192,768]
+  float *const b706 = (float *)(arena + 3386743936); // %706 add d.h.8.x f32[8,1024,768]
+  float *const b717 = (float *)(arena + 3198000256); // %717 matmul f32[8192,768]
+  float *const b721 = (float *)(arena + 891561984); // %721 layernorm_bwd d.h.8.ln2_w f32[768]
+  float *const b722 = (float *)(arena + 891565056); // %722 layernorm_bwd d.h.8.ln2_b f32[768]
+  float *const b723 = (float *)(arena + 3235748992); // %723 add d.h.8.x f32[8,1024,768]
+  float *const b725 = (float *)(arena + 891558912); // %725 sum d.h.8.proj_b f32[768]
+  uint16_t *const b726 = (uint16_t *)(arena + 3223166080); // %726 cast bf16[8192,768]
   double *pdw = mdl_scratch(49152 * sizeof(double));
   double *pdb = mdl_scratch(49152 * sizeof(double));
-  double *ps0 = mdl_scratch(49152 * sizeof(double)); // partials of the column sum %737
+  double *ps0 = mdl_scratch(49152 * sizeof(double)); // partials of the column sum %725
   #pragma omp parallel num_threads(h->nthreads)
   {
     float *dxrow = mdl_scratch(768 * sizeof(float));
@@ -6310,7 +6268,7 @@ static void k131_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
       const int64_t end = k * 128 + 128 < 8192 ? k * 128 + 128 : 8192;
       for (int64_t r = k * 128; r < end; r++) {
         const float *x = b407 + r * 768;
-        const float *dy = b729 + r * 768;
+        const float *dy = b717 + r * 768;
         double mean = 0, var = 0, mg = 0, mgx = 0;
         #pragma omp simd reduction(+ : mean)
         for (int64_t j = 0; j < 768; j++)
@@ -6335,13 +6293,13 @@ static void k131_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
           dx[j] = (float)(rstd * ((double)dy[j] * b383[j] - mg - (x[j] - mean) * rstd * mgx));
         for (int64_t j = 0; j < 768; j++) {
           const int64_t ix = r * 768 + j;
-          const float v716_ix = b716[ix];
-          const float v733_ix = v716_ix + dx[j];
-          b733[ix] = v733_ix;
-          const float v736_ix = v733_ix;
-          const float v738_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v736_ix));
-          b738[ix] = mdl_f32_to_bf16(v738_ix);
-          sa0[j] += v736_ix;
+          const float v706_ix = b706[ix];
+          const float v723_ix = v706_ix + dx[j];
+          b723[ix] = v723_ix;
+          const float v724_ix = v723_ix;
+          const float v726_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v724_ix));
+          b726[ix] = mdl_f32_to_bf16(v726_ix);
+          sa0[j] += v724_ix;
         }
       }
     }
@@ -6355,9 +6313,9 @@ static void k131_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
       b += pdb[k * 768 + j];
       a0 += ps0[k * 768 + j];
     }
-    b734[j] = (float)w;
-    b735[j] = (float)b;
-    b737[j] = (float)a0;
+    b721[j] = (float)w;
+    b722[j] = (float)b;
+    b725[j] = (float)a0;
   }
   free(pdw);
   free(pdb);
@@ -6365,69 +6323,69 @@ static void k131_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
 }
 
 // k132_gemm: GEMM, 1 op
-//   %740   matmul             d.h.8.proj_w         line 39    f32[768,768]
+//   %728   matmul             d.h.8.proj_w         line 39    f32[768,768]
 // loops:
-//   gemm %740: [768 x 768] = T[768 x 8192] [8192 x 768], bf16 operands widened to f32
+//   gemm %728: [768 x 768] = T[768 x 8192] [8192 x 768], bf16 operands widened to f32
 static void k132_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b402 = (uint16_t *)(arena + 5651668096); // %402 cast bf16[8192,768]
-  uint16_t *const b738 = (uint16_t *)(arena + 3223166080); // %738 cast bf16[8192,768]
-  float *const b740 = (float *)(arena + 889199616); // %740 matmul d.h.8.proj_w f32[768,768]
+  uint16_t *const b726 = (uint16_t *)(arena + 3223166080); // %726 cast bf16[8192,768]
+  float *const b728 = (float *)(arena + 889199616); // %728 matmul d.h.8.proj_w f32[768,768]
   {
     float *const w402 = mdl_widen_bf16(b402, 6291456, h->nthreads);
-    float *const w738 = mdl_widen_bf16(b738, 6291456, h->nthreads);
-    mdl_gemm(h, 1, 0, 768, 768, 8192, w402, 768, w738, 768, 0.0f, b740, 768);
+    float *const w726 = mdl_widen_bf16(b726, 6291456, h->nthreads);
+    mdl_gemm(h, 1, 0, 768, 768, 8192, w402, 768, w726, 768, 0.0f, b728, 768);
     free(w402);
-    free(w738);
+    free(w726);
   }
 }
 
 // k133_gemm__cast: GEMM, 3 ops
-//   %739   matmul                                  line 39    f32[8192,768]
-//   %741   reshape                                 line 39    f32[8,1024,768]
-//   %744   cast                                    line 39    bf16[8,1024,768]
+//   %727   matmul                                  line 39    f32[8192,768]
+//   %729   reshape                                 line 39    f32[8,1024,768]
+//   %732   cast                                    line 39    bf16[8,1024,768]
 // loops:
-//   gemm %739: [8192 x 768] = [8192 x 768] T[768 x 768], bf16 operands widened to f32, epilogue after
-//   elementwise over 6291456: %744
+//   gemm %727: [8192 x 768] = [8192 x 768] T[768 x 768], bf16 operands widened to f32, epilogue after
+//   elementwise over 6291456: %732
 static void k133_gemm__cast(char *arena, const MdlHooks *h) {
   uint16_t *const b403 = (uint16_t *)(arena + 2185089024); // %403 cast bf16[768,768]
-  uint16_t *const b738 = (uint16_t *)(arena + 3223166080); // %738 cast bf16[8192,768]
-  float *const b739 = mdl_scratch(25165824); // %739 matmul f32[8192,768], kept in this kernel
-  uint16_t *const b744 = (uint16_t *)(arena + 3198000256); // %744 cast bf16[8,1024,768]
+  uint16_t *const b726 = (uint16_t *)(arena + 3223166080); // %726 cast bf16[8192,768]
+  float *const b727 = mdl_scratch(25165824); // %727 matmul f32[8192,768], kept in this kernel
+  uint16_t *const b732 = (uint16_t *)(arena + 3198000256); // %732 cast bf16[8,1024,768]
   {
-    float *const w738 = mdl_widen_bf16(b738, 6291456, h->nthreads);
+    float *const w726 = mdl_widen_bf16(b726, 6291456, h->nthreads);
     float *const w403 = mdl_widen_bf16(b403, 589824, h->nthreads);
-    mdl_gemm(h, 0, 1, 8192, 768, 768, w738, 768, w403, 768, 0.0f, b739, 768);
-    free(w738);
+    mdl_gemm(h, 0, 1, 8192, 768, 768, w726, 768, w403, 768, 0.0f, b727, 768);
+    free(w726);
     free(w403);
   }
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
   for (int64_t r = 0; r < 8192; r++) {
     for (int64_t c = 0; c < 768; c++) {
       const int64_t i = r * 768 + c;
-      const float v739_i = b739[i];
-      const float v741_i = v739_i;
-      const float v744_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v741_i));
-      b744[i] = mdl_f32_to_bf16(v744_i);
+      const float v727_i = b727[i];
+      const float v729_i = v727_i;
+      const float v732_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v729_i));
+      b732[i] = mdl_f32_to_bf16(v732_i);
     }
   }
-  free(b739);
+  free(b727);
 }
 
 // k134_attention_bwd: attention, 3 ops
-//   %745   attention_bwd      d.h.8.q              line 39    f32[8,1024,768]
-//   %746   attention_bwd      d.h.8.k              line 39    f32[8,1024,768]
-//   %747   attention_bwd      d.h.8.v              line 39    f32[8,1024,768]
+//   %733   attention_bwd      d.h.8.q              line 39    f32[8,1024,768]
+//   %734   attention_bwd      d.h.8.k              line 39    f32[8,1024,768]
+//   %735   attention_bwd      d.h.8.v              line 39    f32[8,1024,768]
 // loops:
 //   attention backward (dq dk dv): B 8, T 1024, 12 heads of 64, causal, within documents; one task per (batch, head)
 static void k134_attention_bwd(char *arena, const MdlHooks *h) {
   int32_t *const b3 = (int32_t *)(arena + 2238271488); // %3 input doc i32[8,1024]
   uint16_t *const b396 = (uint16_t *)(arena + 4506623104); // %396 cast bf16[8,1024,2304]
   uint16_t *const b402 = (uint16_t *)(arena + 5651668096); // %402 cast bf16[8192,768]
-  float *const b742 = (float *)(arena + 5805808768); // %742 attention_lse f32[8,12,1024]
-  uint16_t *const b744 = (uint16_t *)(arena + 3198000256); // %744 cast bf16[8,1024,768]
-  float *const b745 = (float *)(arena + 3260914816); // %745 attention_bwd d.h.8.q f32[8,1024,768]
-  float *const b746 = (float *)(arena + 3286080640); // %746 attention_bwd d.h.8.k f32[8,1024,768]
-  float *const b747 = (float *)(arena + 3311246464); // %747 attention_bwd d.h.8.v f32[8,1024,768]
+  float *const b730 = (float *)(arena + 5805808768); // %730 attention_lse f32[8,12,1024]
+  uint16_t *const b732 = (uint16_t *)(arena + 3198000256); // %732 cast bf16[8,1024,768]
+  float *const b733 = (float *)(arena + 3260914816); // %733 attention_bwd d.h.8.q f32[8,1024,768]
+  float *const b734 = (float *)(arena + 3286080640); // %734 attention_bwd d.h.8.k f32[8,1024,768]
+  float *const b735 = (float *)(arena + 3311246464); // %735 attention_bwd d.h.8.v f32[8,1024,768]
   #pragma omp parallel num_threads(h->nthreads)
   {
     float *restrict kt = memset(mdl_scratch(67584 * sizeof(float)), 0, 67584 * sizeof(float));
@@ -6475,13 +6433,13 @@ static void k134_attention_bwd(char *arena, const MdlHooks *h) {
           }
           memcpy(s + j0, acc, sizeof acc);
         }
-        const float lse = b742[(b * 12 + hd) * 1024 + i];
+        const float lse = b730[(b * 12 + hd) * 1024 + i];
         #pragma omp simd
         for (int64_t j = lo; j < hi; j++)
           s[j] = dc[j] == di ? mdl_exp_shifted(s[j] * 0.125f - lse) : 0.0f;
         float dor[64];
         for (int64_t c = 0; c < 64; c++)
-          dor[c] = mdl_bf16_to_f32(b744[(b * 1024 + i) * 768 + hd * 64 + c]);
+          dor[c] = mdl_bf16_to_f32(b732[(b * 1024 + i) * 768 + hd * 64 + c]);
         const float *restrict doi = dor;
         float dsum = 0.0f;
         for (int64_t c = 0; c < 64; c++)
@@ -6530,14 +6488,14 @@ static void k134_attention_bwd(char *arena, const MdlHooks *h) {
           for (int64_t c = 0; c < 64; c++)
             dvj[c] += mdl_bf16_to_f32(mdl_f32_to_bf16(s[j])) * doi[c];
         }
-        float *restrict dq = b745 + (b * 1024 + i) * 768 + hd * 64;
+        float *restrict dq = b733 + (b * 1024 + i) * 768 + hd * 64;
         for (int64_t c = 0; c < 64; c++)
           dq[c] = 0.125f * (dqi0[c] + dqi1[c]);
       }
       for (int64_t t = 0; t < 1024; t++)
-        memcpy(b746 + (b * 1024 + t) * 768 + hd * 64, dkh + t * 64, 64 * sizeof(float));
+        memcpy(b734 + (b * 1024 + t) * 768 + hd * 64, dkh + t * 64, 64 * sizeof(float));
       for (int64_t t = 0; t < 1024; t++)
-        memcpy(b747 + (b * 1024 + t) * 768 + hd * 64, dvh + t * 64, 64 * sizeof(float));
+        memcpy(b735 + (b * 1024 + t) * 768 + hd * 64, dvh + t * 64, 64 * sizeof(float));
     }
     free(kt);
     free(s);
@@ -6548,23 +6506,19 @@ static void k134_attention_bwd(char *arena, const MdlHooks *h) {
   }
 }
 
-// k135_sum__slice_bwd__add__cast: kernel, 8 ops
-//   %748   slice_bwd                               line 38    f32[8,1024,2304]
-//   %749   slice_bwd                               line 38    f32[8,1024,2304]
-//   %750   add                                     line 38    f32[8,1024,2304]
-//   %751   slice_bwd                               line 38    f32[8,1024,2304]
-//   %752   add                                     line 38    f32[8,1024,2304]
-//   %753   reshape                                 line 38    f32[8192,2304]
-//   %754   sum                d.h.8.attn_b         line 38    f32[2304]
-//   %755   cast                                    line 38    bf16[8192,2304]
+// k135_sum__concat__cast: kernel, 4 ops
+//   %736   concat                                  line 38    f32[8,1024,2304]
+//   %737   reshape                                 line 38    f32[8192,2304]
+//   %738   sum                d.h.8.attn_b         line 38    f32[2304]
+//   %739   cast                                    line 38    bf16[8192,2304]
 // loops:
-//   sum %754: 2304 outputs over 8192 elements, in 64 blocks of 128
-static void k135_sum__slice_bwd__add__cast(char *arena, const MdlHooks *h) {
-  float *const b745 = (float *)(arena + 3260914816); // %745 attention_bwd d.h.8.q f32[8,1024,768]
-  float *const b746 = (float *)(arena + 3286080640); // %746 attention_bwd d.h.8.k f32[8,1024,768]
-  float *const b747 = (float *)(arena + 3311246464); // %747 attention_bwd d.h.8.v f32[8,1024,768]
-  float *const b754 = (float *)(arena + 889190400); // %754 sum d.h.8.attn_b f32[2304]
-  uint16_t *const b755 = (uint16_t *)(arena + 3198000256); // %755 cast bf16[8192,2304]
+//   sum %738: 2304 outputs over 8192 elements, in 64 blocks of 128
+static void k135_sum__concat__cast(char *arena, const MdlHooks *h) {
+  float *const b733 = (float *)(arena + 3260914816); // %733 attention_bwd d.h.8.q f32[8,1024,768]
+  float *const b734 = (float *)(arena + 3286080640); // %734 attention_bwd d.h.8.k f32[8,1024,768]
+  float *const b735 = (float *)(arena + 3311246464); // %735 attention_bwd d.h.8.v f32[8,1024,768]
+  float *const b738 = (float *)(arena + 889190400); // %738 sum d.h.8.attn_b f32[2304]
+  uint16_t *const b739 = (uint16_t *)(arena + 3198000256); // %739 cast bf16[8192,2304]
   double *part = mdl_scratch(147456 * sizeof(double));
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
   for (int64_t k = 0; k < 64; k++) {
@@ -6575,21 +6529,11 @@ static void k135_sum__slice_bwd__add__cast(char *arena, const MdlHooks *h) {
     for (int64_t l = k * 128; l < end; l++) {
       for (int64_t c = 0; c < 2304; c++) {
         const int64_t ix = l * 2304 + c;
-        const int64_t j1 = c >= 1536 && c < 2304 ? l * 768 + (c - 1536) : 0;
-        const float v747_j1 = b747[j1];
-        const float v748_ix = c >= 1536 && c < 2304 ? v747_j1 : 0.0f;
-        const int64_t j2 = c >= 768 && c < 1536 ? l * 768 + (c - 768) : 0;
-        const float v746_j2 = b746[j2];
-        const float v749_ix = c >= 768 && c < 1536 ? v746_j2 : 0.0f;
-        const float v750_ix = v748_ix + v749_ix;
-        const int64_t j3 = c >= 0 && c < 768 ? l * 768 + (c - 0) : 0;
-        const float v745_j3 = b745[j3];
-        const float v751_ix = c >= 0 && c < 768 ? v745_j3 : 0.0f;
-        const float v752_ix = v750_ix + v751_ix;
-        const float v753_ix = v752_ix;
-        const float v = v753_ix;
-        const float v755_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v753_ix));
-        b755[ix] = mdl_f32_to_bf16(v755_ix);
+        const float v736_ix = (c < 768 ? b733 + (l * 768 + (c - 0)) : c < 1536 ? b734 + (l * 768 + (c - 768)) : b735 + (l * 768 + (c - 1536)))[0];
+        const float v737_ix = v736_ix;
+        const float v = v737_ix;
+        const float v739_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v737_ix));
+        b739[ix] = mdl_f32_to_bf16(v739_ix);
         p[c] += v;
       }
     }
@@ -6602,68 +6546,68 @@ static void k135_sum__slice_bwd__add__cast(char *arena, const MdlHooks *h) {
       acc += v;
     }
     const float y = (float)acc;
-    b754[r] = y;
+    b738[r] = y;
   }
   free(part);
 }
 
 // k136_gemm: GEMM, 1 op
-//   %756   matmul                                  line 38    f32[8192,768]
+//   %740   matmul                                  line 38    f32[8192,768]
 // loops:
-//   gemm %756: [8192 x 768] = [8192 x 2304] T[2304 x 768], bf16 operands widened to f32
+//   gemm %740: [8192 x 768] = [8192 x 2304] T[2304 x 768], bf16 operands widened to f32
 static void k136_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b392 = (uint16_t *)(arena + 2181550080); // %392 cast bf16[768,2304]
-  uint16_t *const b755 = (uint16_t *)(arena + 3198000256); // %755 cast bf16[8192,2304]
-  float *const b756 = (float *)(arena + 3260914816); // %756 matmul f32[8192,768]
+  uint16_t *const b739 = (uint16_t *)(arena + 3198000256); // %739 cast bf16[8192,2304]
+  float *const b740 = (float *)(arena + 3260914816); // %740 matmul f32[8192,768]
   {
-    float *const w755 = mdl_widen_bf16(b755, 18874368, h->nthreads);
+    float *const w739 = mdl_widen_bf16(b739, 18874368, h->nthreads);
     float *const w392 = mdl_widen_bf16(b392, 1769472, h->nthreads);
-    mdl_gemm(h, 0, 1, 8192, 768, 2304, w755, 2304, w392, 2304, 0.0f, b756, 768);
-    free(w755);
+    mdl_gemm(h, 0, 1, 8192, 768, 2304, w739, 2304, w392, 2304, 0.0f, b740, 768);
+    free(w739);
     free(w392);
   }
 }
 
 // k137_gemm: GEMM, 1 op
-//   %757   matmul             d.h.8.attn_w         line 38    f32[768,2304]
+//   %741   matmul             d.h.8.attn_w         line 38    f32[768,2304]
 // loops:
-//   gemm %757: [768 x 2304] = T[768 x 8192] [8192 x 2304], bf16 operands widened to f32
+//   gemm %741: [768 x 2304] = T[768 x 8192] [8192 x 2304], bf16 operands widened to f32
 static void k137_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b391 = (uint16_t *)(arena + 5639085184); // %391 cast bf16[8192,768]
-  uint16_t *const b755 = (uint16_t *)(arena + 3198000256); // %755 cast bf16[8192,2304]
-  float *const b757 = (float *)(arena + 882112512); // %757 matmul d.h.8.attn_w f32[768,2304]
+  uint16_t *const b739 = (uint16_t *)(arena + 3198000256); // %739 cast bf16[8192,2304]
+  float *const b741 = (float *)(arena + 882112512); // %741 matmul d.h.8.attn_w f32[768,2304]
   {
     float *const w391 = mdl_widen_bf16(b391, 6291456, h->nthreads);
-    float *const w755 = mdl_widen_bf16(b755, 18874368, h->nthreads);
-    mdl_gemm(h, 1, 0, 768, 2304, 8192, w391, 768, w755, 2304, 0.0f, b757, 2304);
+    float *const w739 = mdl_widen_bf16(b739, 18874368, h->nthreads);
+    mdl_gemm(h, 1, 0, 768, 2304, 8192, w391, 768, w739, 2304, 0.0f, b741, 2304);
     free(w391);
-    free(w755);
+    free(w739);
   }
 }
 
 // k138_layernorm_bwd__add__sum__cast: kernel, 7 ops
-//   %759   layernorm_bwd                           line 38    f32[8,1024,768]
-//   %760   add                d.h.7.x              line 38    f32[8,1024,768]
-//   %761   layernorm_bwd      d.h.8.ln1_w          line 38    f32[768]
-//   %762   layernorm_bwd      d.h.8.ln1_b          line 38    f32[768]
-//   %763   reshape                                 line 40    f32[8192,768]
-//   %764   sum                d.h.7.fcproj_b       line 40    f32[768]
-//   %765   cast                                    line 40    bf16[8192,768]
+//   %743   layernorm_bwd                           line 38    f32[8,1024,768]
+//   %744   layernorm_bwd      d.h.8.ln1_w          line 38    f32[768]
+//   %745   layernorm_bwd      d.h.8.ln1_b          line 38    f32[768]
+//   %746   add                d.h.7.x              line 40    f32[8,1024,768]
+//   %747   reshape                                 line 40    f32[8192,768]
+//   %748   sum                d.h.7.fcproj_b       line 40    f32[768]
+//   %749   cast                                    line 40    bf16[8192,768]
 // loops:
 //   layernorm_bwd: 8192 rows of 768, column sums over 64 blocks of 128 rows
 static void k138_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
   float *const b376 = (float *)(arena + 5060271232); // %376 add h.7.x f32[8,1024,768]
   float *const b377 = (float *)(arena + 384347136); // %377 param h.8.ln1_w f32[768]
-  float *const b733 = (float *)(arena + 3235748992); // %733 add d.h.8.x f32[8,1024,768]
-  float *const b756 = (float *)(arena + 3260914816); // %756 matmul f32[8192,768]
-  float *const b760 = (float *)(arena + 3286080640); // %760 add d.h.7.x f32[8,1024,768]
-  float *const b761 = (float *)(arena + 882106368); // %761 layernorm_bwd d.h.8.ln1_w f32[768]
-  float *const b762 = (float *)(arena + 882109440); // %762 layernorm_bwd d.h.8.ln1_b f32[768]
-  float *const b764 = (float *)(arena + 882103296); // %764 sum d.h.7.fcproj_b f32[768]
-  uint16_t *const b765 = (uint16_t *)(arena + 3311246464); // %765 cast bf16[8192,768]
+  float *const b723 = (float *)(arena + 3235748992); // %723 add d.h.8.x f32[8,1024,768]
+  float *const b740 = (float *)(arena + 3260914816); // %740 matmul f32[8192,768]
+  float *const b744 = (float *)(arena + 882106368); // %744 layernorm_bwd d.h.8.ln1_w f32[768]
+  float *const b745 = (float *)(arena + 882109440); // %745 layernorm_bwd d.h.8.ln1_b f32[768]
+  float *const b746 = (float *)(arena + 3286080640); // %746 add d.h.7.x f32[8,1024,768]
+  float *const b748 = (float *)(arena + 882103296); // %748 sum d.h.7.fcproj_b f32[768]
+  uint16_t *const b749 = (uint16_t *)(arena + 3311246464); // %749 cast bf16[8192,768]
   double *pdw = mdl_scratch(49152 * sizeof(double));
   double *pdb = mdl_scratch(49152 * sizeof(double));
-  double *ps0 = mdl_scratch(49152 * sizeof(double)); // partials of the column sum %764
+  double *ps0 = mdl_scratch(49152 * sizeof(double)); // partials of the column sum %748
   #pragma omp parallel num_threads(h->nthreads)
   {
     float *dxrow = mdl_scratch(768 * sizeof(float));
@@ -6677,7 +6621,7 @@ static void k138_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
       const int64_t end = k * 128 + 128 < 8192 ? k * 128 + 128 : 8192;
       for (int64_t r = k * 128; r < end; r++) {
         const float *x = b376 + r * 768;
-        const float *dy = b756 + r * 768;
+        const float *dy = b740 + r * 768;
         double mean = 0, var = 0, mg = 0, mgx = 0;
         #pragma omp simd reduction(+ : mean)
         for (int64_t j = 0; j < 768; j++)
@@ -6702,13 +6646,13 @@ static void k138_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
           dx[j] = (float)(rstd * ((double)dy[j] * b377[j] - mg - (x[j] - mean) * rstd * mgx));
         for (int64_t j = 0; j < 768; j++) {
           const int64_t ix = r * 768 + j;
-          const float v733_ix = b733[ix];
-          const float v760_ix = v733_ix + dx[j];
-          b760[ix] = v760_ix;
-          const float v763_ix = v760_ix;
-          const float v765_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v763_ix));
-          b765[ix] = mdl_f32_to_bf16(v765_ix);
-          sa0[j] += v763_ix;
+          const float v723_ix = b723[ix];
+          const float v746_ix = v723_ix + dx[j];
+          b746[ix] = v746_ix;
+          const float v747_ix = v746_ix;
+          const float v749_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v747_ix));
+          b749[ix] = mdl_f32_to_bf16(v749_ix);
+          sa0[j] += v747_ix;
         }
       }
     }
@@ -6722,9 +6666,9 @@ static void k138_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
       b += pdb[k * 768 + j];
       a0 += ps0[k * 768 + j];
     }
-    b761[j] = (float)w;
-    b762[j] = (float)b;
-    b764[j] = (float)a0;
+    b744[j] = (float)w;
+    b745[j] = (float)b;
+    b748[j] = (float)a0;
   }
   free(pdw);
   free(pdb);
@@ -6732,44 +6676,44 @@ static void k138_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
 }
 
 // k139_gemm: GEMM, 1 op
-//   %767   matmul             d.h.7.fcproj_w       line 40    f32[3072,768]
+//   %751   matmul             d.h.7.fcproj_w       line 40    f32[3072,768]
 // loops:
-//   gemm %767: [3072 x 768] = T[3072 x 8192] [8192 x 768], bf16 operands widened to f32
+//   gemm %751: [3072 x 768] = T[3072 x 8192] [8192 x 768], bf16 operands widened to f32
 static void k139_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b371 = (uint16_t *)(arena + 3952974976); // %371 cast bf16[8192,3072]
-  uint16_t *const b765 = (uint16_t *)(arena + 3311246464); // %765 cast bf16[8192,768]
-  float *const b767 = (float *)(arena + 872666112); // %767 matmul d.h.7.fcproj_w f32[3072,768]
+  uint16_t *const b749 = (uint16_t *)(arena + 3311246464); // %749 cast bf16[8192,768]
+  float *const b751 = (float *)(arena + 872666112); // %751 matmul d.h.7.fcproj_w f32[3072,768]
   {
     float *const w371 = mdl_widen_bf16(b371, 25165824, h->nthreads);
-    float *const w765 = mdl_widen_bf16(b765, 6291456, h->nthreads);
-    mdl_gemm(h, 1, 0, 3072, 768, 8192, w371, 3072, w765, 768, 0.0f, b767, 768);
+    float *const w749 = mdl_widen_bf16(b749, 6291456, h->nthreads);
+    mdl_gemm(h, 1, 0, 3072, 768, 8192, w371, 3072, w749, 768, 0.0f, b751, 768);
     free(w371);
-    free(w765);
+    free(w749);
   }
 }
 
 // k140_gemm__gelu_bwd__sum__cast: GEMM, 6 ops
-//   %766   matmul                                  line 40    f32[8192,3072]
-//   %768   reshape                                 line 40    f32[8,1024,3072]
-//   %769   gelu_bwd                                line 40    f32[8,1024,3072]
-//   %770   reshape                                 line 40    f32[8192,3072]
-//   %771   sum                d.h.7.fc_b           line 40    f32[3072]
-//   %772   cast                                    line 40    bf16[8192,3072]
+//   %750   matmul                                  line 40    f32[8192,3072]
+//   %752   reshape                                 line 40    f32[8,1024,3072]
+//   %753   gelu_bwd                                line 40    f32[8,1024,3072]
+//   %754   reshape                                 line 40    f32[8192,3072]
+//   %755   sum                d.h.7.fc_b           line 40    f32[3072]
+//   %756   cast                                    line 40    bf16[8192,3072]
 // loops:
-//   gemm %766: [8192 x 3072] = [8192 x 768] T[768 x 3072], bf16 operands widened to f32, epilogue after
-//   sum %771: 3072 outputs over 8192 elements, in 64 blocks of 128
+//   gemm %750: [8192 x 3072] = [8192 x 768] T[768 x 3072], bf16 operands widened to f32, epilogue after
+//   sum %755: 3072 outputs over 8192 elements, in 64 blocks of 128
 static void k140_gemm__gelu_bwd__sum__cast(char *arena, const MdlHooks *h) {
   float *const b368 = (float *)(arena + 3097336960); // %368 add f32[8,1024,3072]
   uint16_t *const b372 = (uint16_t *)(arena + 2176831488); // %372 cast bf16[3072,768]
-  uint16_t *const b765 = (uint16_t *)(arena + 3311246464); // %765 cast bf16[8192,768]
-  float *const b766 = mdl_scratch(100663296); // %766 matmul f32[8192,3072], kept in this kernel
-  float *const b771 = (float *)(arena + 872653824); // %771 sum d.h.7.fc_b f32[3072]
-  uint16_t *const b772 = (uint16_t *)(arena + 3198000256); // %772 cast bf16[8192,3072]
+  uint16_t *const b749 = (uint16_t *)(arena + 3311246464); // %749 cast bf16[8192,768]
+  float *const b750 = mdl_scratch(100663296); // %750 matmul f32[8192,3072], kept in this kernel
+  float *const b755 = (float *)(arena + 872653824); // %755 sum d.h.7.fc_b f32[3072]
+  uint16_t *const b756 = (uint16_t *)(arena + 3198000256); // %756 cast bf16[8192,3072]
   {
-    float *const w765 = mdl_widen_bf16(b765, 6291456, h->nthreads);
+    float *const w749 = mdl_widen_bf16(b749, 6291456, h->nthreads);
     float *const w372 = mdl_widen_bf16(b372, 2359296, h->nthreads);
-    mdl_gemm(h, 0, 1, 8192, 3072, 768, w765, 768, w372, 768, 0.0f, b766, 3072);
-    free(w765);
+    mdl_gemm(h, 0, 1, 8192, 3072, 768, w749, 768, w372, 768, 0.0f, b750, 3072);
+    free(w749);
     free(w372);
   }
   double *part = mdl_scratch(196608 * sizeof(double));
@@ -6783,13 +6727,13 @@ static void k140_gemm__gelu_bwd__sum__cast(char *arena, const MdlHooks *h) {
       for (int64_t c = 0; c < 3072; c++) {
         const int64_t ix = l * 3072 + c;
         const float v368_ix = b368[ix];
-        const float v766_ix = b766[ix];
-        const float v768_ix = v766_ix;
-        const float v769_ix = mdl_gelu_grad(v368_ix) * v768_ix;
-        const float v770_ix = v769_ix;
-        const float v = v770_ix;
-        const float v772_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v770_ix));
-        b772[ix] = mdl_f32_to_bf16(v772_ix);
+        const float v750_ix = b750[ix];
+        const float v752_ix = v750_ix;
+        const float v753_ix = mdl_gelu_grad(v368_ix) * v752_ix;
+        const float v754_ix = v753_ix;
+        const float v = v754_ix;
+        const float v756_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v754_ix));
+        b756[ix] = mdl_f32_to_bf16(v756_ix);
         p[c] += v;
       }
     }
@@ -6802,69 +6746,69 @@ static void k140_gemm__gelu_bwd__sum__cast(char *arena, const MdlHooks *h) {
       acc += v;
     }
     const float y = (float)acc;
-    b771[r] = y;
+    b755[r] = y;
   }
   free(part);
-  free(b766);
+  free(b750);
 }
 
 // k141_gemm: GEMM, 1 op
-//   %773   matmul                                  line 40    f32[8192,768]
+//   %757   matmul                                  line 40    f32[8192,768]
 // loops:
-//   gemm %773: [8192 x 768] = [8192 x 3072] T[3072 x 768], bf16 operands widened to f32
+//   gemm %757: [8192 x 768] = [8192 x 3072] T[3072 x 768], bf16 operands widened to f32
 static void k141_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b365 = (uint16_t *)(arena + 2172112896); // %365 cast bf16[768,3072]
-  uint16_t *const b772 = (uint16_t *)(arena + 3198000256); // %772 cast bf16[8192,3072]
-  float *const b773 = (float *)(arena + 3097336960); // %773 matmul f32[8192,768]
+  uint16_t *const b756 = (uint16_t *)(arena + 3198000256); // %756 cast bf16[8192,3072]
+  float *const b757 = (float *)(arena + 3097336960); // %757 matmul f32[8192,768]
   {
-    float *const w772 = mdl_widen_bf16(b772, 25165824, h->nthreads);
+    float *const w756 = mdl_widen_bf16(b756, 25165824, h->nthreads);
     float *const w365 = mdl_widen_bf16(b365, 2359296, h->nthreads);
-    mdl_gemm(h, 0, 1, 8192, 768, 3072, w772, 3072, w365, 3072, 0.0f, b773, 768);
-    free(w772);
+    mdl_gemm(h, 0, 1, 8192, 768, 3072, w756, 3072, w365, 3072, 0.0f, b757, 768);
+    free(w756);
     free(w365);
   }
 }
 
 // k142_gemm: GEMM, 1 op
-//   %774   matmul             d.h.7.fc_w           line 40    f32[768,3072]
+//   %758   matmul             d.h.7.fc_w           line 40    f32[768,3072]
 // loops:
-//   gemm %774: [768 x 3072] = T[768 x 8192] [8192 x 3072], bf16 operands widened to f32
+//   gemm %758: [768 x 3072] = T[768 x 8192] [8192 x 3072], bf16 operands widened to f32
 static void k142_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b364 = (uint16_t *)(arena + 5626502272); // %364 cast bf16[8192,768]
-  uint16_t *const b772 = (uint16_t *)(arena + 3198000256); // %772 cast bf16[8192,3072]
-  float *const b774 = (float *)(arena + 863216640); // %774 matmul d.h.7.fc_w f32[768,3072]
+  uint16_t *const b756 = (uint16_t *)(arena + 3198000256); // %756 cast bf16[8192,3072]
+  float *const b758 = (float *)(arena + 863216640); // %758 matmul d.h.7.fc_w f32[768,3072]
   {
     float *const w364 = mdl_widen_bf16(b364, 6291456, h->nthreads);
-    float *const w772 = mdl_widen_bf16(b772, 25165824, h->nthreads);
-    mdl_gemm(h, 1, 0, 768, 3072, 8192, w364, 768, w772, 3072, 0.0f, b774, 3072);
+    float *const w756 = mdl_widen_bf16(b756, 25165824, h->nthreads);
+    mdl_gemm(h, 1, 0, 768, 3072, 8192, w364, 768, w756, 3072, 0.0f, b758, 3072);
     free(w364);
-    free(w772);
+    free(w756);
   }
 }
 
 // k143_layernorm_bwd__add__sum__cast: kernel, 7 ops
-//   %776   layernorm_bwd                           line 40    f32[8,1024,768]
-//   %777   add                d.h.7.x              line 40    f32[8,1024,768]
-//   %778   layernorm_bwd      d.h.7.ln2_w          line 40    f32[768]
-//   %779   layernorm_bwd      d.h.7.ln2_b          line 40    f32[768]
-//   %780   reshape                                 line 39    f32[8192,768]
-//   %781   sum                d.h.7.proj_b         line 39    f32[768]
-//   %782   cast                                    line 39    bf16[8192,768]
+//   %760   layernorm_bwd                           line 40    f32[8,1024,768]
+//   %761   layernorm_bwd      d.h.7.ln2_w          line 40    f32[768]
+//   %762   layernorm_bwd      d.h.7.ln2_b          line 40    f32[768]
+//   %763   add                d.h.7.x              line 39    f32[8,1024,768]
+//   %764   reshape                                 line 39    f32[8192,768]
+//   %765   sum                d.h.7.proj_b         line 39    f32[768]
+//   %766   cast                                    line 39    bf16[8192,768]
 // loops:
 //   layernorm_bwd: 8192 rows of 768, column sums over 64 blocks of 128 rows
 static void k143_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
   float *const b337 = (float *)(arena + 365451264); // %337 param h.7.ln2_w f32[768]
   float *const b361 = (float *)(arena + 5035105408); // %361 add h.7.x f32[8,1024,768]
-  float *const b760 = (float *)(arena + 3286080640); // %760 add d.h.7.x f32[8,1024,768]
-  float *const b773 = (float *)(arena + 3097336960); // %773 matmul f32[8192,768]
-  float *const b777 = (float *)(arena + 3135085696); // %777 add d.h.7.x f32[8,1024,768]
-  float *const b778 = (float *)(arena + 863210496); // %778 layernorm_bwd d.h.7.ln2_w f32[768]
-  float *const b779 = (float *)(arena + 863213568); // %779 layernorm_bwd d.h.7.ln2_b f32[768]
-  float *const b781 = (float *)(arena + 863207424); // %781 sum d.h.7.proj_b f32[768]
-  uint16_t *const b782 = (uint16_t *)(arena + 3122502784); // %782 cast bf16[8192,768]
+  float *const b746 = (float *)(arena + 3286080640); // %746 add d.h.7.x f32[8,1024,768]
+  float *const b757 = (float *)(arena + 3097336960); // %757 matmul f32[8192,768]
+  float *const b761 = (float *)(arena + 863210496); // %761 layernorm_bwd d.h.7.ln2_w f32[768]
+  float *const b762 = (float *)(arena + 863213568); // %762 layernorm_bwd d.h.7.ln2_b f32[768]
+  float *const b763 = (float *)(arena + 3135085696); // %763 add d.h.7.x f32[8,1024,768]
+  float *const b765 = (float *)(arena + 863207424); // %765 sum d.h.7.proj_b f32[768]
+  uint16_t *const b766 = (uint16_t *)(arena + 3122502784); // %766 cast bf16[8192,768]
   double *pdw = mdl_scratch(49152 * sizeof(double));
   double *pdb = mdl_scratch(49152 * sizeof(double));
-  double *ps0 = mdl_scratch(49152 * sizeof(double)); // partials of the column sum %781
+  double *ps0 = mdl_scratch(49152 * sizeof(double)); // partials of the column sum %765
   #pragma omp parallel num_threads(h->nthreads)
   {
     float *dxrow = mdl_scratch(768 * sizeof(float));
@@ -6878,7 +6822,7 @@ static void k143_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
       const int64_t end = k * 128 + 128 < 8192 ? k * 128 + 128 : 8192;
       for (int64_t r = k * 128; r < end; r++) {
         const float *x = b361 + r * 768;
-        const float *dy = b773 + r * 768;
+        const float *dy = b757 + r * 768;
         double mean = 0, var = 0, mg = 0, mgx = 0;
         #pragma omp simd reduction(+ : mean)
         for (int64_t j = 0; j < 768; j++)
@@ -6903,13 +6847,13 @@ static void k143_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
           dx[j] = (float)(rstd * ((double)dy[j] * b337[j] - mg - (x[j] - mean) * rstd * mgx));
         for (int64_t j = 0; j < 768; j++) {
           const int64_t ix = r * 768 + j;
-          const float v760_ix = b760[ix];
-          const float v777_ix = v760_ix + dx[j];
-          b777[ix] = v777_ix;
-          const float v780_ix = v777_ix;
-          const float v782_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v780_ix));
-          b782[ix] = mdl_f32_to_bf16(v782_ix);
-          sa0[j] += v780_ix;
+          const float v746_ix = b746[ix];
+          const float v763_ix = v746_ix + dx[j];
+          b763[ix] = v763_ix;
+          const float v764_ix = v763_ix;
+          const float v766_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v764_ix));
+          b766[ix] = mdl_f32_to_bf16(v766_ix);
+          sa0[j] += v764_ix;
         }
       }
     }
@@ -6923,9 +6867,9 @@ static void k143_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
       b += pdb[k * 768 + j];
       a0 += ps0[k * 768 + j];
     }
-    b778[j] = (float)w;
-    b779[j] = (float)b;
-    b781[j] = (float)a0;
+    b761[j] = (float)w;
+    b762[j] = (float)b;
+    b765[j] = (float)a0;
   }
   free(pdw);
   free(pdb);
@@ -6933,69 +6877,69 @@ static void k143_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
 }
 
 // k144_gemm: GEMM, 1 op
-//   %784   matmul             d.h.7.proj_w         line 39    f32[768,768]
+//   %768   matmul             d.h.7.proj_w         line 39    f32[768,768]
 // loops:
-//   gemm %784: [768 x 768] = T[768 x 8192] [8192 x 768], bf16 operands widened to f32
+//   gemm %768: [768 x 768] = T[768 x 8192] [8192 x 768], bf16 operands widened to f32
 static void k144_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b356 = (uint16_t *)(arena + 5613919360); // %356 cast bf16[8192,768]
-  uint16_t *const b782 = (uint16_t *)(arena + 3122502784); // %782 cast bf16[8192,768]
-  float *const b784 = (float *)(arena + 860848128); // %784 matmul d.h.7.proj_w f32[768,768]
+  uint16_t *const b766 = (uint16_t *)(arena + 3122502784); // %766 cast bf16[8192,768]
+  float *const b768 = (float *)(arena + 860848128); // %768 matmul d.h.7.proj_w f32[768,768]
   {
     float *const w356 = mdl_widen_bf16(b356, 6291456, h->nthreads);
-    float *const w782 = mdl_widen_bf16(b782, 6291456, h->nthreads);
-    mdl_gemm(h, 1, 0, 768, 768, 8192, w356, 768, w782, 768, 0.0f, b784, 768);
+    float *const w766 = mdl_widen_bf16(b766, 6291456, h->nthreads);
+    mdl_gemm(h, 1, 0, 768, 768, 8192, w356, 768, w766, 768, 0.0f, b768, 768);
     free(w356);
-    free(w782);
+    free(w766);
   }
 }
 
 // k145_gemm__cast: GEMM, 3 ops
-//   %783   matmul                                  line 39    f32[8192,768]
-//   %785   reshape                                 line 39    f32[8,1024,768]
-//   %788   cast                                    line 39    bf16[8,1024,768]
+//   %767   matmul                                  line 39    f32[8192,768]
+//   %769   reshape                                 line 39    f32[8,1024,768]
+//   %772   cast                                    line 39    bf16[8,1024,768]
 // loops:
-//   gemm %783: [8192 x 768] = [8192 x 768] T[768 x 768], bf16 operands widened to f32, epilogue after
-//   elementwise over 6291456: %788
+//   gemm %767: [8192 x 768] = [8192 x 768] T[768 x 768], bf16 operands widened to f32, epilogue after
+//   elementwise over 6291456: %772
 static void k145_gemm__cast(char *arena, const MdlHooks *h) {
   uint16_t *const b357 = (uint16_t *)(arena + 2170933248); // %357 cast bf16[768,768]
-  uint16_t *const b782 = (uint16_t *)(arena + 3122502784); // %782 cast bf16[8192,768]
-  float *const b783 = mdl_scratch(25165824); // %783 matmul f32[8192,768], kept in this kernel
-  uint16_t *const b788 = (uint16_t *)(arena + 3097336960); // %788 cast bf16[8,1024,768]
+  uint16_t *const b766 = (uint16_t *)(arena + 3122502784); // %766 cast bf16[8192,768]
+  float *const b767 = mdl_scratch(25165824); // %767 matmul f32[8192,768], kept in this kernel
+  uint16_t *const b772 = (uint16_t *)(arena + 3097336960); // %772 cast bf16[8,1024,768]
   {
-    float *const w782 = mdl_widen_bf16(b782, 6291456, h->nthreads);
+    float *const w766 = mdl_widen_bf16(b766, 6291456, h->nthreads);
     float *const w357 = mdl_widen_bf16(b357, 589824, h->nthreads);
-    mdl_gemm(h, 0, 1, 8192, 768, 768, w782, 768, w357, 768, 0.0f, b783, 768);
-    free(w782);
+    mdl_gemm(h, 0, 1, 8192, 768, 768, w766, 768, w357, 768, 0.0f, b767, 768);
+    free(w766);
     free(w357);
   }
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
   for (int64_t r = 0; r < 8192; r++) {
     for (int64_t c = 0; c < 768; c++) {
       const int64_t i = r * 768 + c;
-      const float v783_i = b783[i];
-      const float v785_i = v783_i;
-      const float v788_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v785_i));
-      b788[i] = mdl_f32_to_bf16(v788_i);
+      const float v767_i = b767[i];
+      const float v769_i = v767_i;
+      const float v772_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v769_i));
+      b772[i] = mdl_f32_to_bf16(v772_i);
     }
   }
-  free(b783);
+  free(b767);
 }
 
 // k146_attention_bwd: attention, 3 ops
-//   %789   attention_bwd      d.h.7.q              line 39    f32[8,1024,768]
-//   %790   attention_bwd      d.h.7.k              line 39    f32[8,1024,768]
-//   %791   attention_bwd      d.h.7.v              line 39    f32[8,1024,768]
+//   %773   attention_bwd      d.h.7.q              line 39    f32[8,1024,768]
+//   %774   attention_bwd      d.h.7.k              line 39    f32[8,1024,768]
+//   %775   attention_bwd      d.h.7.v              line 39    f32[8,1024,768]
 // loops:
 //   attention backward (dq dk dv): B 8, T 1024, 12 heads of 64, causal, within documents; one task per (batch, head)
 static void k146_attention_bwd(char *arena, const MdlHooks *h) {
   int32_t *const b3 = (int32_t *)(arena + 2238271488); // %3 input doc i32[8,1024]
   uint16_t *const b350 = (uint16_t *)(arena + 4468874368); // %350 cast bf16[8,1024,2304]
   uint16_t *const b356 = (uint16_t *)(arena + 5613919360); // %356 cast bf16[8192,768]
-  float *const b786 = (float *)(arena + 5805415552); // %786 attention_lse f32[8,12,1024]
-  uint16_t *const b788 = (uint16_t *)(arena + 3097336960); // %788 cast bf16[8,1024,768]
-  float *const b789 = (float *)(arena + 3160251520); // %789 attention_bwd d.h.7.q f32[8,1024,768]
-  float *const b790 = (float *)(arena + 3185417344); // %790 attention_bwd d.h.7.k f32[8,1024,768]
-  float *const b791 = (float *)(arena + 3210583168); // %791 attention_bwd d.h.7.v f32[8,1024,768]
+  float *const b770 = (float *)(arena + 5805415552); // %770 attention_lse f32[8,12,1024]
+  uint16_t *const b772 = (uint16_t *)(arena + 3097336960); // %772 cast bf16[8,1024,768]
+  float *const b773 = (float *)(arena + 3160251520); // %773 attention_bwd d.h.7.q f32[8,1024,768]
+  float *const b774 = (float *)(arena + 3185417344); // %774 attention_bwd d.h.7.k f32[8,1024,768]
+  float *const b775 = (float *)(arena + 3210583168); // %775 attention_bwd d.h.7.v f32[8,1024,768]
   #pragma omp parallel num_threads(h->nthreads)
   {
     float *restrict kt = memset(mdl_scratch(67584 * sizeof(float)), 0, 67584 * sizeof(float));
@@ -7043,13 +6987,13 @@ static void k146_attention_bwd(char *arena, const MdlHooks *h) {
           }
           memcpy(s + j0, acc, sizeof acc);
         }
-        const float lse = b786[(b * 12 + hd) * 1024 + i];
+        const float lse = b770[(b * 12 + hd) * 1024 + i];
         #pragma omp simd
         for (int64_t j = lo; j < hi; j++)
           s[j] = dc[j] == di ? mdl_exp_shifted(s[j] * 0.125f - lse) : 0.0f;
         float dor[64];
         for (int64_t c = 0; c < 64; c++)
-          dor[c] = mdl_bf16_to_f32(b788[(b * 1024 + i) * 768 + hd * 64 + c]);
+          dor[c] = mdl_bf16_to_f32(b772[(b * 1024 + i) * 768 + hd * 64 + c]);
         const float *restrict doi = dor;
         float dsum = 0.0f;
         for (int64_t c = 0; c < 64; c++)
@@ -7098,14 +7042,14 @@ static void k146_attention_bwd(char *arena, const MdlHooks *h) {
           for (int64_t c = 0; c < 64; c++)
             dvj[c] += mdl_bf16_to_f32(mdl_f32_to_bf16(s[j])) * doi[c];
         }
-        float *restrict dq = b789 + (b * 1024 + i) * 768 + hd * 64;
+        float *restrict dq = b773 + (b * 1024 + i) * 768 + hd * 64;
         for (int64_t c = 0; c < 64; c++)
           dq[c] = 0.125f * (dqi0[c] + dqi1[c]);
       }
       for (int64_t t = 0; t < 1024; t++)
-        memcpy(b790 + (b * 1024 + t) * 768 + hd * 64, dkh + t * 64, 64 * sizeof(float));
+        memcpy(b774 + (b * 1024 + t) * 768 + hd * 64, dkh + t * 64, 64 * sizeof(float));
       for (int64_t t = 0; t < 1024; t++)
-        memcpy(b791 + (b * 1024 + t) * 768 + hd * 64, dvh + t * 64, 64 * sizeof(float));
+        memcpy(b775 + (b * 1024 + t) * 768 + hd * 64, dvh + t * 64, 64 * sizeof(float));
     }
     free(kt);
     free(s);
@@ -7116,23 +7060,19 @@ static void k146_attention_bwd(char *arena, const MdlHooks *h) {
   }
 }
 
-// k147_sum__slice_bwd__add__cast: kernel, 8 ops
-//   %792   slice_bwd                               line 38    f32[8,1024,2304]
-//   %793   slice_bwd                               line 38    f32[8,1024,2304]
-//   %794   add                                     line 38    f32[8,1024,2304]
-//   %795   slice_bwd                               line 38    f32[8,1024,2304]
-//   %796   add                                     line 38    f32[8,1024,2304]
-//   %797   reshape                                 line 38    f32[8192,2304]
-//   %798   sum                d.h.7.attn_b         line 38    f32[2304]
-//   %799   cast                                    line 38    bf16[8192,2304]
+// k147_sum__concat__cast: kernel, 4 ops
+//   %776   concat                                  line 38    f32[8,1024,2304]
+//   %777   reshape                                 line 38    f32[8192,2304]
+//   %778   sum                d.h.7.attn_b         line 38    f32[2304]
+//   %779   cast                                    line 38    bf16[8192,2304]
 // loops:
-//   sum %798: 2304 outputs over 8192 elements, in 64 blocks of 128
-static void k147_sum__slice_bwd__add__cast(char *arena, const MdlHooks *h) {
-  float *const b789 = (float *)(arena + 3160251520); // %789 attention_bwd d.h.7.q f32[8,1024,768]
-  float *const b790 = (float *)(arena + 3185417344); // %790 attention_bwd d.h.7.k f32[8,1024,768]
-  float *const b791 = (float *)(arena + 3210583168); // %791 attention_bwd d.h.7.v f32[8,1024,768]
-  float *const b798 = (float *)(arena + 860838912); // %798 sum d.h.7.attn_b f32[2304]
-  uint16_t *const b799 = (uint16_t *)(arena + 3097336960); // %799 cast bf16[8192,2304]
+//   sum %778: 2304 outputs over 8192 elements, in 64 blocks of 128
+static void k147_sum__concat__cast(char *arena, const MdlHooks *h) {
+  float *const b773 = (float *)(arena + 3160251520); // %773 attention_bwd d.h.7.q f32[8,1024,768]
+  float *const b774 = (float *)(arena + 3185417344); // %774 attention_bwd d.h.7.k f32[8,1024,768]
+  float *const b775 = (float *)(arena + 3210583168); // %775 attention_bwd d.h.7.v f32[8,1024,768]
+  float *const b778 = (float *)(arena + 860838912); // %778 sum d.h.7.attn_b f32[2304]
+  uint16_t *const b779 = (uint16_t *)(arena + 3097336960); // %779 cast bf16[8192,2304]
   double *part = mdl_scratch(147456 * sizeof(double));
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
   for (int64_t k = 0; k < 64; k++) {
@@ -7143,21 +7083,11 @@ static void k147_sum__slice_bwd__add__cast(char *arena, const MdlHooks *h) {
     for (int64_t l = k * 128; l < end; l++) {
       for (int64_t c = 0; c < 2304; c++) {
         const int64_t ix = l * 2304 + c;
-        const int64_t j1 = c >= 1536 && c < 2304 ? l * 768 + (c - 1536) : 0;
-        const float v791_j1 = b791[j1];
-        const float v792_ix = c >= 1536 && c < 2304 ? v791_j1 : 0.0f;
-        const int64_t j2 = c >= 768 && c < 1536 ? l * 768 + (c - 768) : 0;
-        const float v790_j2 = b790[j2];
-        const float v793_ix = c >= 768 && c < 1536 ? v790_j2 : 0.0f;
-        const float v794_ix = v792_ix + v793_ix;
-        const int64_t j3 = c >= 0 && c < 768 ? l * 768 + (c - 0) : 0;
-        const float v789_j3 = b789[j3];
-        const float v795_ix = c >= 0 && c < 768 ? v789_j3 : 0.0f;
-        const float v796_ix = v794_ix + v795_ix;
-        const float v797_ix = v796_ix;
-        const float v = v797_ix;
-        const float v799_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v797_ix));
-        b799[ix] = mdl_f32_to_bf16(v799_ix);
+        const float v776_ix = (c < 768 ? b773 + (l * 768 + (c - 0)) : c < 1536 ? b774 + (l * 768 + (c - 768)) : b775 + (l * 768 + (c - 1536)))[0];
+        const float v777_ix = v776_ix;
+        const float v = v777_ix;
+        const float v779_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v777_ix));
+        b779[ix] = mdl_f32_to_bf16(v779_ix);
         p[c] += v;
       }
     }
@@ -7170,68 +7100,68 @@ static void k147_sum__slice_bwd__add__cast(char *arena, const MdlHooks *h) {
       acc += v;
     }
     const float y = (float)acc;
-    b798[r] = y;
+    b778[r] = y;
   }
   free(part);
 }
 
 // k148_gemm: GEMM, 1 op
-//   %800   matmul                                  line 38    f32[8192,768]
+//   %780   matmul                                  line 38    f32[8192,768]
 // loops:
-//   gemm %800: [8192 x 768] = [8192 x 2304] T[2304 x 768], bf16 operands widened to f32
+//   gemm %780: [8192 x 768] = [8192 x 2304] T[2304 x 768], bf16 operands widened to f32
 static void k148_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b346 = (uint16_t *)(arena + 2167394304); // %346 cast bf16[768,2304]
-  uint16_t *const b799 = (uint16_t *)(arena + 3097336960); // %799 cast bf16[8192,2304]
-  float *const b800 = (float *)(arena + 3160251520); // %800 matmul f32[8192,768]
+  uint16_t *const b779 = (uint16_t *)(arena + 3097336960); // %779 cast bf16[8192,2304]
+  float *const b780 = (float *)(arena + 3160251520); // %780 matmul f32[8192,768]
   {
-    float *const w799 = mdl_widen_bf16(b799, 18874368, h->nthreads);
+    float *const w779 = mdl_widen_bf16(b779, 18874368, h->nthreads);
     float *const w346 = mdl_widen_bf16(b346, 1769472, h->nthreads);
-    mdl_gemm(h, 0, 1, 8192, 768, 2304, w799, 2304, w346, 2304, 0.0f, b800, 768);
-    free(w799);
+    mdl_gemm(h, 0, 1, 8192, 768, 2304, w779, 2304, w346, 2304, 0.0f, b780, 768);
+    free(w779);
     free(w346);
   }
 }
 
 // k149_gemm: GEMM, 1 op
-//   %801   matmul             d.h.7.attn_w         line 38    f32[768,2304]
+//   %781   matmul             d.h.7.attn_w         line 38    f32[768,2304]
 // loops:
-//   gemm %801: [768 x 2304] = T[768 x 8192] [8192 x 2304], bf16 operands widened to f32
+//   gemm %781: [768 x 2304] = T[768 x 8192] [8192 x 2304], bf16 operands widened to f32
 static void k149_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b345 = (uint16_t *)(arena + 5601336448); // %345 cast bf16[8192,768]
-  uint16_t *const b799 = (uint16_t *)(arena + 3097336960); // %799 cast bf16[8192,2304]
-  float *const b801 = (float *)(arena + 853761024); // %801 matmul d.h.7.attn_w f32[768,2304]
+  uint16_t *const b779 = (uint16_t *)(arena + 3097336960); // %779 cast bf16[8192,2304]
+  float *const b781 = (float *)(arena + 853761024); // %781 matmul d.h.7.attn_w f32[768,2304]
   {
     float *const w345 = mdl_widen_bf16(b345, 6291456, h->nthreads);
-    float *const w799 = mdl_widen_bf16(b799, 18874368, h->nthreads);
-    mdl_gemm(h, 1, 0, 768, 2304, 8192, w345, 768, w799, 2304, 0.0f, b801, 2304);
+    float *const w779 = mdl_widen_bf16(b779, 18874368, h->nthreads);
+    mdl_gemm(h, 1, 0, 768, 2304, 8192, w345, 768, w779, 2304, 0.0f, b781, 2304);
     free(w345);
-    free(w799);
+    free(w779);
   }
 }
 
 // k150_layernorm_bwd__add__sum__cast: kernel, 7 ops
-//   %803   layernorm_bwd                           line 38    f32[8,1024,768]
-//   %804   add                d.h.6.x              line 38    f32[8,1024,768]
-//   %805   layernorm_bwd      d.h.7.ln1_w          line 38    f32[768]
-//   %806   layernorm_bwd      d.h.7.ln1_b          line 38    f32[768]
-//   %807   reshape                                 line 40    f32[8192,768]
-//   %808   sum                d.h.6.fcproj_b       line 40    f32[768]
-//   %809   cast                                    line 40    bf16[8192,768]
+//   %783   layernorm_bwd                           line 38    f32[8,1024,768]
+//   %784   layernorm_bwd      d.h.7.ln1_w          line 38    f32[768]
+//   %785   layernorm_bwd      d.h.7.ln1_b          line 38    f32[768]
+//   %786   add                d.h.6.x              line 40    f32[8,1024,768]
+//   %787   reshape                                 line 40    f32[8192,768]
+//   %788   sum                d.h.6.fcproj_b       line 40    f32[768]
+//   %789   cast                                    line 40    bf16[8192,768]
 // loops:
 //   layernorm_bwd: 8192 rows of 768, column sums over 64 blocks of 128 rows
 static void k150_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
   float *const b330 = (float *)(arena + 5009939584); // %330 add h.6.x f32[8,1024,768]
   float *const b331 = (float *)(arena + 355995648); // %331 param h.7.ln1_w f32[768]
-  float *const b777 = (float *)(arena + 3135085696); // %777 add d.h.7.x f32[8,1024,768]
-  float *const b800 = (float *)(arena + 3160251520); // %800 matmul f32[8192,768]
-  float *const b804 = (float *)(arena + 3185417344); // %804 add d.h.6.x f32[8,1024,768]
-  float *const b805 = (float *)(arena + 853754880); // %805 layernorm_bwd d.h.7.ln1_w f32[768]
-  float *const b806 = (float *)(arena + 853757952); // %806 layernorm_bwd d.h.7.ln1_b f32[768]
-  float *const b808 = (float *)(arena + 853751808); // %808 sum d.h.6.fcproj_b f32[768]
-  uint16_t *const b809 = (uint16_t *)(arena + 3210583168); // %809 cast bf16[8192,768]
+  float *const b763 = (float *)(arena + 3135085696); // %763 add d.h.7.x f32[8,1024,768]
+  float *const b780 = (float *)(arena + 3160251520); // %780 matmul f32[8192,768]
+  float *const b784 = (float *)(arena + 853754880); // %784 layernorm_bwd d.h.7.ln1_w f32[768]
+  float *const b785 = (float *)(arena + 853757952); // %785 layernorm_bwd d.h.7.ln1_b f32[768]
+  float *const b786 = (float *)(arena + 3185417344); // %786 add d.h.6.x f32[8,1024,768]
+  float *const b788 = (float *)(arena + 853751808); // %788 sum d.h.6.fcproj_b f32[768]
+  uint16_t *const b789 = (uint16_t *)(arena + 3210583168); // %789 cast bf16[8192,768]
   double *pdw = mdl_scratch(49152 * sizeof(double));
   double *pdb = mdl_scratch(49152 * sizeof(double));
-  double *ps0 = mdl_scratch(49152 * sizeof(double)); // partials of the column sum %808
+  double *ps0 = mdl_scratch(49152 * sizeof(double)); // partials of the column sum %788
   #pragma omp parallel num_threads(h->nthreads)
   {
     float *dxrow = mdl_scratch(768 * sizeof(float));
@@ -7245,7 +7175,7 @@ static void k150_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
       const int64_t end = k * 128 + 128 < 8192 ? k * 128 + 128 : 8192;
       for (int64_t r = k * 128; r < end; r++) {
         const float *x = b330 + r * 768;
-        const float *dy = b800 + r * 768;
+        const float *dy = b780 + r * 768;
         double mean = 0, var = 0, mg = 0, mgx = 0;
         #pragma omp simd reduction(+ : mean)
         for (int64_t j = 0; j < 768; j++)
@@ -7270,13 +7200,13 @@ static void k150_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
           dx[j] = (float)(rstd * ((double)dy[j] * b331[j] - mg - (x[j] - mean) * rstd * mgx));
         for (int64_t j = 0; j < 768; j++) {
           const int64_t ix = r * 768 + j;
-          const float v777_ix = b777[ix];
-          const float v804_ix = v777_ix + dx[j];
-          b804[ix] = v804_ix;
-          const float v807_ix = v804_ix;
-          const float v809_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v807_ix));
-          b809[ix] = mdl_f32_to_bf16(v809_ix);
-          sa0[j] += v807_ix;
+          const float v763_ix = b763[ix];
+          const float v786_ix = v763_ix + dx[j];
+          b786[ix] = v786_ix;
+          const float v787_ix = v786_ix;
+          const float v789_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v787_ix));
+          b789[ix] = mdl_f32_to_bf16(v789_ix);
+          sa0[j] += v787_ix;
         }
       }
     }
@@ -7290,9 +7220,9 @@ static void k150_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
       b += pdb[k * 768 + j];
       a0 += ps0[k * 768 + j];
     }
-    b805[j] = (float)w;
-    b806[j] = (float)b;
-    b808[j] = (float)a0;
+    b784[j] = (float)w;
+    b785[j] = (float)b;
+    b788[j] = (float)a0;
   }
   free(pdw);
   free(pdb);
@@ -7300,44 +7230,44 @@ static void k150_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
 }
 
 // k151_gemm: GEMM, 1 op
-//   %811   matmul             d.h.6.fcproj_w       line 40    f32[3072,768]
+//   %791   matmul             d.h.6.fcproj_w       line 40    f32[3072,768]
 // loops:
-//   gemm %811: [3072 x 768] = T[3072 x 8192] [8192 x 768], bf16 operands widened to f32
+//   gemm %791: [3072 x 768] = T[3072 x 8192] [8192 x 768], bf16 operands widened to f32
 static void k151_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b325 = (uint16_t *)(arena + 3902643328); // %325 cast bf16[8192,3072]
-  uint16_t *const b809 = (uint16_t *)(arena + 3210583168); // %809 cast bf16[8192,768]
-  float *const b811 = (float *)(arena + 844314624); // %811 matmul d.h.6.fcproj_w f32[3072,768]
+  uint16_t *const b789 = (uint16_t *)(arena + 3210583168); // %789 cast bf16[8192,768]
+  float *const b791 = (float *)(arena + 844314624); // %791 matmul d.h.6.fcproj_w f32[3072,768]
   {
     float *const w325 = mdl_widen_bf16(b325, 25165824, h->nthreads);
-    float *const w809 = mdl_widen_bf16(b809, 6291456, h->nthreads);
-    mdl_gemm(h, 1, 0, 3072, 768, 8192, w325, 3072, w809, 768, 0.0f, b811, 768);
+    float *const w789 = mdl_widen_bf16(b789, 6291456, h->nthreads);
+    mdl_gemm(h, 1, 0, 3072, 768, 8192, w325, 3072, w789, 768, 0.0f, b791, 768);
     free(w325);
-    free(w809);
+    free(w789);
   }
 }
 
 // k152_gemm__gelu_bwd__sum__cast: GEMM, 6 ops
-//   %810   matmul                                  line 40    f32[8192,3072]
-//   %812   reshape                                 line 40    f32[8,1024,3072]
-//   %813   gelu_bwd                                line 40    f32[8,1024,3072]
-//   %814   reshape                                 line 40    f32[8192,3072]
-//   %815   sum                d.h.6.fc_b           line 40    f32[3072]
-//   %816   cast                                    line 40    bf16[8192,3072]
+//   %790   matmul                                  line 40    f32[8192,3072]
+//   %792   reshape                                 line 40    f32[8,1024,3072]
+//   %793   gelu_bwd                                line 40    f32[8,1024,3072]
+//   %794   reshape                                 line 40    f32[8192,3072]
+//   %795   sum                d.h.6.fc_b           line 40    f32[3072]
+//   %796   cast                                    line 40    bf16[8192,3072]
 // loops:
-//   gemm %810: [8192 x 3072] = [8192 x 768] T[768 x 3072], bf16 operands widened to f32, epilogue after
-//   sum %815: 3072 outputs over 8192 elements, in 64 blocks of 128
+//   gemm %790: [8192 x 3072] = [8192 x 768] T[768 x 3072], bf16 operands widened to f32, epilogue after
+//   sum %795: 3072 outputs over 8192 elements, in 64 blocks of 128
 static void k152_gemm__gelu_bwd__sum__cast(char *arena, const MdlHooks *h) {
   float *const b322 = (float *)(arena + 2996673664); // %322 add f32[8,1024,3072]
   uint16_t *const b326 = (uint16_t *)(arena + 2162675712); // %326 cast bf16[3072,768]
-  uint16_t *const b809 = (uint16_t *)(arena + 3210583168); // %809 cast bf16[8192,768]
-  float *const b810 = mdl_scratch(100663296); // %810 matmul f32[8192,3072], kept in this kernel
-  float *const b815 = (float *)(arena + 844302336); // %815 sum d.h.6.fc_b f32[3072]
-  uint16_t *const b816 = (uint16_t *)(arena + 3097336960); // %816 cast bf16[8192,3072]
+  uint16_t *const b789 = (uint16_t *)(arena + 3210583168); // %789 cast bf16[8192,768]
+  float *const b790 = mdl_scratch(100663296); // %790 matmul f32[8192,3072], kept in this kernel
+  float *const b795 = (float *)(arena + 844302336); // %795 sum d.h.6.fc_b f32[3072]
+  uint16_t *const b796 = (uint16_t *)(arena + 3097336960); // %796 cast bf16[8192,3072]
   {
-    float *const w809 = mdl_widen_bf16(b809, 6291456, h->nthreads);
+    float *const w789 = mdl_widen_bf16(b789, 6291456, h->nthreads);
     float *const w326 = mdl_widen_bf16(b326, 2359296, h->nthreads);
-    mdl_gemm(h, 0, 1, 8192, 3072, 768, w809, 768, w326, 768, 0.0f, b810, 3072);
-    free(w809);
+    mdl_gemm(h, 0, 1, 8192, 3072, 768, w789, 768, w326, 768, 0.0f, b790, 3072);
+    free(w789);
     free(w326);
   }
   double *part = mdl_scratch(196608 * sizeof(double));
@@ -7351,13 +7281,13 @@ static void k152_gemm__gelu_bwd__sum__cast(char *arena, const MdlHooks *h) {
       for (int64_t c = 0; c < 3072; c++) {
         const int64_t ix = l * 3072 + c;
         const float v322_ix = b322[ix];
-        const float v810_ix = b810[ix];
-        const float v812_ix = v810_ix;
-        const float v813_ix = mdl_gelu_grad(v322_ix) * v812_ix;
-        const float v814_ix = v813_ix;
-        const float v = v814_ix;
-        const float v816_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v814_ix));
-        b816[ix] = mdl_f32_to_bf16(v816_ix);
+        const float v790_ix = b790[ix];
+        const float v792_ix = v790_ix;
+        const float v793_ix = mdl_gelu_grad(v322_ix) * v792_ix;
+        const float v794_ix = v793_ix;
+        const float v = v794_ix;
+        const float v796_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v794_ix));
+        b796[ix] = mdl_f32_to_bf16(v796_ix);
         p[c] += v;
       }
     }
@@ -7370,69 +7300,69 @@ static void k152_gemm__gelu_bwd__sum__cast(char *arena, const MdlHooks *h) {
       acc += v;
     }
     const float y = (float)acc;
-    b815[r] = y;
+    b795[r] = y;
   }
   free(part);
-  free(b810);
+  free(b790);
 }
 
 // k153_gemm: GEMM, 1 op
-//   %817   matmul                                  line 40    f32[8192,768]
+//   %797   matmul                                  line 40    f32[8192,768]
 // loops:
-//   gemm %817: [8192 x 768] = [8192 x 3072] T[3072 x 768], bf16 operands widened to f32
+//   gemm %797: [8192 x 768] = [8192 x 3072] T[3072 x 768], bf16 operands widened to f32
 static void k153_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b319 = (uint16_t *)(arena + 2157957120); // %319 cast bf16[768,3072]
-  uint16_t *const b816 = (uint16_t *)(arena + 3097336960); // %816 cast bf16[8192,3072]
-  float *const b817 = (float *)(arena + 2996673664); // %817 matmul f32[8192,768]
+  uint16_t *const b796 = (uint16_t *)(arena + 3097336960); // %796 cast bf16[8192,3072]
+  float *const b797 = (float *)(arena + 2996673664); // %797 matmul f32[8192,768]
   {
-    float *const w816 = mdl_widen_bf16(b816, 25165824, h->nthreads);
+    float *const w796 = mdl_widen_bf16(b796, 25165824, h->nthreads);
     float *const w319 = mdl_widen_bf16(b319, 2359296, h->nthreads);
-    mdl_gemm(h, 0, 1, 8192, 768, 3072, w816, 3072, w319, 3072, 0.0f, b817, 768);
-    free(w816);
+    mdl_gemm(h, 0, 1, 8192, 768, 3072, w796, 3072, w319, 3072, 0.0f, b797, 768);
+    free(w796);
     free(w319);
   }
 }
 
 // k154_gemm: GEMM, 1 op
-//   %818   matmul             d.h.6.fc_w           line 40    f32[768,3072]
+//   %798   matmul             d.h.6.fc_w           line 40    f32[768,3072]
 // loops:
-//   gemm %818: [768 x 3072] = T[768 x 8192] [8192 x 3072], bf16 operands widened to f32
+//   gemm %798: [768 x 3072] = T[768 x 8192] [8192 x 3072], bf16 operands widened to f32
 static void k154_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b318 = (uint16_t *)(arena + 5588753536); // %318 cast bf16[8192,768]
-  uint16_t *const b816 = (uint16_t *)(arena + 3097336960); // %816 cast bf16[8192,3072]
-  float *const b818 = (float *)(arena + 834865152); // %818 matmul d.h.6.fc_w f32[768,3072]
+  uint16_t *const b796 = (uint16_t *)(arena + 3097336960); // %796 cast bf16[8192,3072]
+  float *const b798 = (float *)(arena + 834865152); // %798 matmul d.h.6.fc_w f32[768,3072]
   {
     float *const w318 = mdl_widen_bf16(b318, 6291456, h->nthreads);
-    float *const w816 = mdl_widen_bf16(b816, 25165824, h->nthreads);
-    mdl_gemm(h, 1, 0, 768, 3072, 8192, w318, 768, w816, 3072, 0.0f, b818, 3072);
+    float *const w796 = mdl_widen_bf16(b796, 25165824, h->nthreads);
+    mdl_gemm(h, 1, 0, 768, 3072, 8192, w318, 768, w796, 3072, 0.0f, b798, 3072);
     free(w318);
-    free(w816);
+    free(w796);
   }
 }
 
 // k155_layernorm_bwd__add__sum__cast: kernel, 7 ops
-//   %820   layernorm_bwd                           line 40    f32[8,1024,768]
-//   %821   add                d.h.6.x              line 40    f32[8,1024,768]
-//   %822   layernorm_bwd      d.h.6.ln2_w          line 40    f32[768]
-//   %823   layernorm_bwd      d.h.6.ln2_b          line 40    f32[768]
-//   %824   reshape                                 line 39    f32[8192,768]
-//   %825   sum                d.h.6.proj_b         line 39    f32[768]
-//   %826   cast                                    line 39    bf16[8192,768]
+//   %800   layernorm_bwd                           line 40    f32[8,1024,768]
+//   %801   layernorm_bwd      d.h.6.ln2_w          line 40    f32[768]
+//   %802   layernorm_bwd      d.h.6.ln2_b          line 40    f32[768]
+//   %803   add                d.h.6.x              line 39    f32[8,1024,768]
+//   %804   reshape                                 line 39    f32[8192,768]
+//   %805   sum                d.h.6.proj_b         line 39    f32[768]
+//   %806   cast                                    line 39    bf16[8192,768]
 // loops:
 //   layernorm_bwd: 8192 rows of 768, column sums over 64 blocks of 128 rows
 static void k155_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
   float *const b291 = (float *)(arena + 337099776); // %291 param h.6.ln2_w f32[768]
   float *const b315 = (float *)(arena + 4984773760); // %315 add h.6.x f32[8,1024,768]
-  float *const b804 = (float *)(arena + 3185417344); // %804 add d.h.6.x f32[8,1024,768]
-  float *const b817 = (float *)(arena + 2996673664); // %817 matmul f32[8192,768]
-  float *const b821 = (float *)(arena + 3034422400); // %821 add d.h.6.x f32[8,1024,768]
-  float *const b822 = (float *)(arena + 834859008); // %822 layernorm_bwd d.h.6.ln2_w f32[768]
-  float *const b823 = (float *)(arena + 834862080); // %823 layernorm_bwd d.h.6.ln2_b f32[768]
-  float *const b825 = (float *)(arena + 834855936); // %825 sum d.h.6.proj_b f32[768]
-  uint16_t *const b826 = (uint16_t *)(arena + 3021839488); // %826 cast bf16[8192,768]
+  float *const b786 = (float *)(arena + 3185417344); // %786 add d.h.6.x f32[8,1024,768]
+  float *const b797 = (float *)(arena + 2996673664); // %797 matmul f32[8192,768]
+  float *const b801 = (float *)(arena + 834859008); // %801 layernorm_bwd d.h.6.ln2_w f32[768]
+  float *const b802 = (float *)(arena + 834862080); // %802 layernorm_bwd d.h.6.ln2_b f32[768]
+  float *const b803 = (float *)(arena + 3034422400); // %803 add d.h.6.x f32[8,1024,768]
+  float *const b805 = (float *)(arena + 834855936); // %805 sum d.h.6.proj_b f32[768]
+  uint16_t *const b806 = (uint16_t *)(arena + 3021839488); // %806 cast bf16[8192,768]
   double *pdw = mdl_scratch(49152 * sizeof(double));
   double *pdb = mdl_scratch(49152 * sizeof(double));
-  double *ps0 = mdl_scratch(49152 * sizeof(double)); // partials of the column sum %825
+  double *ps0 = mdl_scratch(49152 * sizeof(double)); // partials of the column sum %805
   #pragma omp parallel num_threads(h->nthreads)
   {
     float *dxrow = mdl_scratch(768 * sizeof(float));
@@ -7446,7 +7376,7 @@ static void k155_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
       const int64_t end = k * 128 + 128 < 8192 ? k * 128 + 128 : 8192;
       for (int64_t r = k * 128; r < end; r++) {
         const float *x = b315 + r * 768;
-        const float *dy = b817 + r * 768;
+        const float *dy = b797 + r * 768;
         double mean = 0, var = 0, mg = 0, mgx = 0;
         #pragma omp simd reduction(+ : mean)
         for (int64_t j = 0; j < 768; j++)
@@ -7471,13 +7401,13 @@ static void k155_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
           dx[j] = (float)(rstd * ((double)dy[j] * b291[j] - mg - (x[j] - mean) * rstd * mgx));
         for (int64_t j = 0; j < 768; j++) {
           const int64_t ix = r * 768 + j;
-          const float v804_ix = b804[ix];
-          const float v821_ix = v804_ix + dx[j];
-          b821[ix] = v821_ix;
-          const float v824_ix = v821_ix;
-          const float v826_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v824_ix));
-          b826[ix] = mdl_f32_to_bf16(v826_ix);
-          sa0[j] += v824_ix;
+          const float v786_ix = b786[ix];
+          const float v803_ix = v786_ix + dx[j];
+          b803[ix] = v803_ix;
+          const float v804_ix = v803_ix;
+          const float v806_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v804_ix));
+          b806[ix] = mdl_f32_to_bf16(v806_ix);
+          sa0[j] += v804_ix;
         }
       }
     }
@@ -7491,9 +7421,9 @@ static void k155_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
       b += pdb[k * 768 + j];
       a0 += ps0[k * 768 + j];
     }
-    b822[j] = (float)w;
-    b823[j] = (float)b;
-    b825[j] = (float)a0;
+    b801[j] = (float)w;
+    b802[j] = (float)b;
+    b805[j] = (float)a0;
   }
   free(pdw);
   free(pdb);
@@ -7501,69 +7431,69 @@ static void k155_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
 }
 
 // k156_gemm: GEMM, 1 op
-//   %828   matmul             d.h.6.proj_w         line 39    f32[768,768]
+//   %808   matmul             d.h.6.proj_w         line 39    f32[768,768]
 // loops:
-//   gemm %828: [768 x 768] = T[768 x 8192] [8192 x 768], bf16 operands widened to f32
+//   gemm %808: [768 x 768] = T[768 x 8192] [8192 x 768], bf16 operands widened to f32
 static void k156_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b310 = (uint16_t *)(arena + 5576170624); // %310 cast bf16[8192,768]
-  uint16_t *const b826 = (uint16_t *)(arena + 3021839488); // %826 cast bf16[8192,768]
-  float *const b828 = (float *)(arena + 832496640); // %828 matmul d.h.6.proj_w f32[768,768]
+  uint16_t *const b806 = (uint16_t *)(arena + 3021839488); // %806 cast bf16[8192,768]
+  float *const b808 = (float *)(arena + 832496640); // %808 matmul d.h.6.proj_w f32[768,768]
   {
     float *const w310 = mdl_widen_bf16(b310, 6291456, h->nthreads);
-    float *const w826 = mdl_widen_bf16(b826, 6291456, h->nthreads);
-    mdl_gemm(h, 1, 0, 768, 768, 8192, w310, 768, w826, 768, 0.0f, b828, 768);
+    float *const w806 = mdl_widen_bf16(b806, 6291456, h->nthreads);
+    mdl_gemm(h, 1, 0, 768, 768, 8192, w310, 768, w806, 768, 0.0f, b808, 768);
     free(w310);
-    free(w826);
+    free(w806);
   }
 }
 
 // k157_gemm__cast: GEMM, 3 ops
-//   %827   matmul                                  line 39    f32[8192,768]
-//   %829   reshape                                 line 39    f32[8,1024,768]
-//   %832   cast                                    line 39    bf16[8,1024,768]
+//   %807   matmul                                  line 39    f32[8192,768]
+//   %809   reshape                                 line 39    f32[8,1024,768]
+//   %812   cast                                    line 39    bf16[8,1024,768]
 // loops:
-//   gemm %827: [8192 x 768] = [8192 x 768] T[768 x 768], bf16 operands widened to f32, epilogue after
-//   elementwise over 6291456: %832
+//   gemm %807: [8192 x 768] = [8192 x 768] T[768 x 768], bf16 operands widened to f32, epilogue after
+//   elementwise over 6291456: %812
 static void k157_gemm__cast(char *arena, const MdlHooks *h) {
   uint16_t *const b311 = (uint16_t *)(arena + 2156777472); // %311 cast bf16[768,768]
-  uint16_t *const b826 = (uint16_t *)(arena + 3021839488); // %826 cast bf16[8192,768]
-  float *const b827 = mdl_scratch(25165824); // %827 matmul f32[8192,768], kept in this kernel
-  uint16_t *const b832 = (uint16_t *)(arena + 2996673664); // %832 cast bf16[8,1024,768]
+  uint16_t *const b806 = (uint16_t *)(arena + 3021839488); // %806 cast bf16[8192,768]
+  float *const b807 = mdl_scratch(25165824); // %807 matmul f32[8192,768], kept in this kernel
+  uint16_t *const b812 = (uint16_t *)(arena + 2996673664); // %812 cast bf16[8,1024,768]
   {
-    float *const w826 = mdl_widen_bf16(b826, 6291456, h->nthreads);
+    float *const w806 = mdl_widen_bf16(b806, 6291456, h->nthreads);
     float *const w311 = mdl_widen_bf16(b311, 589824, h->nthreads);
-    mdl_gemm(h, 0, 1, 8192, 768, 768, w826, 768, w311, 768, 0.0f, b827, 768);
-    free(w826);
+    mdl_gemm(h, 0, 1, 8192, 768, 768, w806, 768, w311, 768, 0.0f, b807, 768);
+    free(w806);
     free(w311);
   }
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
   for (int64_t r = 0; r < 8192; r++) {
     for (int64_t c = 0; c < 768; c++) {
       const int64_t i = r * 768 + c;
-      const float v827_i = b827[i];
-      const float v829_i = v827_i;
-      const float v832_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v829_i));
-      b832[i] = mdl_f32_to_bf16(v832_i);
+      const float v807_i = b807[i];
+      const float v809_i = v807_i;
+      const float v812_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v809_i));
+      b812[i] = mdl_f32_to_bf16(v812_i);
     }
   }
-  free(b827);
+  free(b807);
 }
 
 // k158_attention_bwd: attention, 3 ops
-//   %833   attention_bwd      d.h.6.q              line 39    f32[8,1024,768]
-//   %834   attention_bwd      d.h.6.k              line 39    f32[8,1024,768]
-//   %835   attention_bwd      d.h.6.v              line 39    f32[8,1024,768]
+//   %813   attention_bwd      d.h.6.q              line 39    f32[8,1024,768]
+//   %814   attention_bwd      d.h.6.k              line 39    f32[8,1024,768]
+//   %815   attention_bwd      d.h.6.v              line 39    f32[8,1024,768]
 // loops:
 //   attention backward (dq dk dv): B 8, T 1024, 12 heads of 64, causal, within documents; one task per (batch, head)
 static void k158_attention_bwd(char *arena, const MdlHooks *h) {
   int32_t *const b3 = (int32_t *)(arena + 2238271488); // %3 input doc i32[8,1024]
   uint16_t *const b304 = (uint16_t *)(arena + 4431125632); // %304 cast bf16[8,1024,2304]
   uint16_t *const b310 = (uint16_t *)(arena + 5576170624); // %310 cast bf16[8192,768]
-  float *const b830 = (float *)(arena + 5805022336); // %830 attention_lse f32[8,12,1024]
-  uint16_t *const b832 = (uint16_t *)(arena + 2996673664); // %832 cast bf16[8,1024,768]
-  float *const b833 = (float *)(arena + 3059588224); // %833 attention_bwd d.h.6.q f32[8,1024,768]
-  float *const b834 = (float *)(arena + 3084754048); // %834 attention_bwd d.h.6.k f32[8,1024,768]
-  float *const b835 = (float *)(arena + 3109919872); // %835 attention_bwd d.h.6.v f32[8,1024,768]
+  float *const b810 = (float *)(arena + 5805022336); // %810 attention_lse f32[8,12,1024]
+  uint16_t *const b812 = (uint16_t *)(arena + 2996673664); // %812 cast bf16[8,1024,768]
+  float *const b813 = (float *)(arena + 3059588224); // %813 attention_bwd d.h.6.q f32[8,1024,768]
+  float *const b814 = (float *)(arena + 3084754048); // %814 attention_bwd d.h.6.k f32[8,1024,768]
+  float *const b815 = (float *)(arena + 3109919872); // %815 attention_bwd d.h.6.v f32[8,1024,768]
   #pragma omp parallel num_threads(h->nthreads)
   {
     float *restrict kt = memset(mdl_scratch(67584 * sizeof(float)), 0, 67584 * sizeof(float));
@@ -7611,13 +7541,13 @@ static void k158_attention_bwd(char *arena, const MdlHooks *h) {
           }
           memcpy(s + j0, acc, sizeof acc);
         }
-        const float lse = b830[(b * 12 + hd) * 1024 + i];
+        const float lse = b810[(b * 12 + hd) * 1024 + i];
         #pragma omp simd
         for (int64_t j = lo; j < hi; j++)
           s[j] = dc[j] == di ? mdl_exp_shifted(s[j] * 0.125f - lse) : 0.0f;
         float dor[64];
         for (int64_t c = 0; c < 64; c++)
-          dor[c] = mdl_bf16_to_f32(b832[(b * 1024 + i) * 768 + hd * 64 + c]);
+          dor[c] = mdl_bf16_to_f32(b812[(b * 1024 + i) * 768 + hd * 64 + c]);
         const float *restrict doi = dor;
         float dsum = 0.0f;
         for (int64_t c = 0; c < 64; c++)
@@ -7666,14 +7596,14 @@ static void k158_attention_bwd(char *arena, const MdlHooks *h) {
           for (int64_t c = 0; c < 64; c++)
             dvj[c] += mdl_bf16_to_f32(mdl_f32_to_bf16(s[j])) * doi[c];
         }
-        float *restrict dq = b833 + (b * 1024 + i) * 768 + hd * 64;
+        float *restrict dq = b813 + (b * 1024 + i) * 768 + hd * 64;
         for (int64_t c = 0; c < 64; c++)
           dq[c] = 0.125f * (dqi0[c] + dqi1[c]);
       }
       for (int64_t t = 0; t < 1024; t++)
-        memcpy(b834 + (b * 1024 + t) * 768 + hd * 64, dkh + t * 64, 64 * sizeof(float));
+        memcpy(b814 + (b * 1024 + t) * 768 + hd * 64, dkh + t * 64, 64 * sizeof(float));
       for (int64_t t = 0; t < 1024; t++)
-        memcpy(b835 + (b * 1024 + t) * 768 + hd * 64, dvh + t * 64, 64 * sizeof(float));
+        memcpy(b815 + (b * 1024 + t) * 768 + hd * 64, dvh + t * 64, 64 * sizeof(float));
     }
     free(kt);
     free(s);
@@ -7684,23 +7614,19 @@ static void k158_attention_bwd(char *arena, const MdlHooks *h) {
   }
 }
 
-// k159_sum__slice_bwd__add__cast: kernel, 8 ops
-//   %836   slice_bwd                               line 38    f32[8,1024,2304]
-//   %837   slice_bwd                               line 38    f32[8,1024,2304]
-//   %838   add                                     line 38    f32[8,1024,2304]
-//   %839   slice_bwd                               line 38    f32[8,1024,2304]
-//   %840   add                                     line 38    f32[8,1024,2304]
-//   %841   reshape                                 line 38    f32[8192,2304]
-//   %842   sum                d.h.6.attn_b         line 38    f32[2304]
-//   %843   cast                                    line 38    bf16[8192,2304]
+// k159_sum__concat__cast: kernel, 4 ops
+//   %816   concat                                  line 38    f32[8,1024,2304]
+//   %817   reshape                                 line 38    f32[8192,2304]
+//   %818   sum                d.h.6.attn_b         line 38    f32[2304]
+//   %819   cast                                    line 38    bf16[8192,2304]
 // loops:
-//   sum %842: 2304 outputs over 8192 elements, in 64 blocks of 128
-static void k159_sum__slice_bwd__add__cast(char *arena, const MdlHooks *h) {
-  float *const b833 = (float *)(arena + 3059588224); // %833 attention_bwd d.h.6.q f32[8,1024,768]
-  float *const b834 = (float *)(arena + 3084754048); // %834 attention_bwd d.h.6.k f32[8,1024,768]
-  float *const b835 = (float *)(arena + 3109919872); // %835 attention_bwd d.h.6.v f32[8,1024,768]
-  float *const b842 = (float *)(arena + 832487424); // %842 sum d.h.6.attn_b f32[2304]
-  uint16_t *const b843 = (uint16_t *)(arena + 2996673664); // %843 cast bf16[8192,2304]
+//   sum %818: 2304 outputs over 8192 elements, in 64 blocks of 128
+static void k159_sum__concat__cast(char *arena, const MdlHooks *h) {
+  float *const b813 = (float *)(arena + 3059588224); // %813 attention_bwd d.h.6.q f32[8,1024,768]
+  float *const b814 = (float *)(arena + 3084754048); // %814 attention_bwd d.h.6.k f32[8,1024,768]
+  float *const b815 = (float *)(arena + 3109919872); // %815 attention_bwd d.h.6.v f32[8,1024,768]
+  float *const b818 = (float *)(arena + 832487424); // %818 sum d.h.6.attn_b f32[2304]
+  uint16_t *const b819 = (uint16_t *)(arena + 2996673664); // %819 cast bf16[8192,2304]
   double *part = mdl_scratch(147456 * sizeof(double));
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
   for (int64_t k = 0; k < 64; k++) {
@@ -7711,21 +7637,11 @@ static void k159_sum__slice_bwd__add__cast(char *arena, const MdlHooks *h) {
     for (int64_t l = k * 128; l < end; l++) {
       for (int64_t c = 0; c < 2304; c++) {
         const int64_t ix = l * 2304 + c;
-        const int64_t j1 = c >= 1536 && c < 2304 ? l * 768 + (c - 1536) : 0;
-        const float v835_j1 = b835[j1];
-        const float v836_ix = c >= 1536 && c < 2304 ? v835_j1 : 0.0f;
-        const int64_t j2 = c >= 768 && c < 1536 ? l * 768 + (c - 768) : 0;
-        const float v834_j2 = b834[j2];
-        const float v837_ix = c >= 768 && c < 1536 ? v834_j2 : 0.0f;
-        const float v838_ix = v836_ix + v837_ix;
-        const int64_t j3 = c >= 0 && c < 768 ? l * 768 + (c - 0) : 0;
-        const float v833_j3 = b833[j3];
-        const float v839_ix = c >= 0 && c < 768 ? v833_j3 : 0.0f;
-        const float v840_ix = v838_ix + v839_ix;
-        const float v841_ix = v840_ix;
-        const float v = v841_ix;
-        const float v843_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v841_ix));
-        b843[ix] = mdl_f32_to_bf16(v843_ix);
+        const float v816_ix = (c < 768 ? b813 + (l * 768 + (c - 0)) : c < 1536 ? b814 + (l * 768 + (c - 768)) : b815 + (l * 768 + (c - 1536)))[0];
+        const float v817_ix = v816_ix;
+        const float v = v817_ix;
+        const float v819_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v817_ix));
+        b819[ix] = mdl_f32_to_bf16(v819_ix);
         p[c] += v;
       }
     }
@@ -7738,68 +7654,68 @@ static void k159_sum__slice_bwd__add__cast(char *arena, const MdlHooks *h) {
       acc += v;
     }
     const float y = (float)acc;
-    b842[r] = y;
+    b818[r] = y;
   }
   free(part);
 }
 
 // k160_gemm: GEMM, 1 op
-//   %844   matmul                                  line 38    f32[8192,768]
+//   %820   matmul                                  line 38    f32[8192,768]
 // loops:
-//   gemm %844: [8192 x 768] = [8192 x 2304] T[2304 x 768], bf16 operands widened to f32
+//   gemm %820: [8192 x 768] = [8192 x 2304] T[2304 x 768], bf16 operands widened to f32
 static void k160_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b300 = (uint16_t *)(arena + 2153238528); // %300 cast bf16[768,2304]
-  uint16_t *const b843 = (uint16_t *)(arena + 2996673664); // %843 cast bf16[8192,2304]
-  float *const b844 = (float *)(arena + 3059588224); // %844 matmul f32[8192,768]
+  uint16_t *const b819 = (uint16_t *)(arena + 2996673664); // %819 cast bf16[8192,2304]
+  float *const b820 = (float *)(arena + 3059588224); // %820 matmul f32[8192,768]
   {
-    float *const w843 = mdl_widen_bf16(b843, 18874368, h->nthreads);
+    float *const w819 = mdl_widen_bf16(b819, 18874368, h->nthreads);
     float *const w300 = mdl_widen_bf16(b300, 1769472, h->nthreads);
-    mdl_gemm(h, 0, 1, 8192, 768, 2304, w843, 2304, w300, 2304, 0.0f, b844, 768);
-    free(w843);
+    mdl_gemm(h, 0, 1, 8192, 768, 2304, w819, 2304, w300, 2304, 0.0f, b820, 768);
+    free(w819);
     free(w300);
   }
 }
 
 // k161_gemm: GEMM, 1 op
-//   %845   matmul             d.h.6.attn_w         line 38    f32[768,2304]
+//   %821   matmul             d.h.6.attn_w         line 38    f32[768,2304]
 // loops:
-//   gemm %845: [768 x 2304] = T[768 x 8192] [8192 x 2304], bf16 operands widened to f32
+//   gemm %821: [768 x 2304] = T[768 x 8192] [8192 x 2304], bf16 operands widened to f32
 static void k161_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b299 = (uint16_t *)(arena + 5563587712); // %299 cast bf16[8192,768]
-  uint16_t *const b843 = (uint16_t *)(arena + 2996673664); // %843 cast bf16[8192,2304]
-  float *const b845 = (float *)(arena + 825409536); // %845 matmul d.h.6.attn_w f32[768,2304]
+  uint16_t *const b819 = (uint16_t *)(arena + 2996673664); // %819 cast bf16[8192,2304]
+  float *const b821 = (float *)(arena + 825409536); // %821 matmul d.h.6.attn_w f32[768,2304]
   {
     float *const w299 = mdl_widen_bf16(b299, 6291456, h->nthreads);
-    float *const w843 = mdl_widen_bf16(b843, 18874368, h->nthreads);
-    mdl_gemm(h, 1, 0, 768, 2304, 8192, w299, 768, w843, 2304, 0.0f, b845, 2304);
+    float *const w819 = mdl_widen_bf16(b819, 18874368, h->nthreads);
+    mdl_gemm(h, 1, 0, 768, 2304, 8192, w299, 768, w819, 2304, 0.0f, b821, 2304);
     free(w299);
-    free(w843);
+    free(w819);
   }
 }
 
 // k162_layernorm_bwd__add__sum__cast: kernel, 7 ops
-//   %847   layernorm_bwd                           line 38    f32[8,1024,768]
-//   %848   add                d.h.5.x              line 38    f32[8,1024,768]
-//   %849   layernorm_bwd      d.h.6.ln1_w          line 38    f32[768]
-//   %850   layernorm_bwd      d.h.6.ln1_b          line 38    f32[768]
-//   %851   reshape                                 line 40    f32[8192,768]
-//   %852   sum                d.h.5.fcproj_b       line 40    f32[768]
-//   %853   cast                                    line 40    bf16[8192,768]
+//   %823   layernorm_bwd                           line 38    f32[8,1024,768]
+//   %824   layernorm_bwd      d.h.6.ln1_w          line 38    f32[768]
+//   %825   layernorm_bwd      d.h.6.ln1_b          line 38    f32[768]
+//   %826   add                d.h.5.x              line 40    f32[8,1024,768]
+//   %827   reshape                                 line 40    f32[8192,768]
+//   %828   sum                d.h.5.fcproj_b       line 40    f32[768]
+//   %829   cast                                    line 40    bf16[8192,768]
 // loops:
 //   layernorm_bwd: 8192 rows of 768, column sums over 64 blocks of 128 rows
 static void k162_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
   float *const b284 = (float *)(arena + 4959607936); // %284 add h.5.x f32[8,1024,768]
   float *const b285 = (float *)(arena + 327644160); // %285 param h.6.ln1_w f32[768]
-  float *const b821 = (float *)(arena + 3034422400); // %821 add d.h.6.x f32[8,1024,768]
-  float *const b844 = (float *)(arena + 3059588224); // %844 matmul f32[8192,768]
-  float *const b848 = (float *)(arena + 3084754048); // %848 add d.h.5.x f32[8,1024,768]
-  float *const b849 = (float *)(arena + 825403392); // %849 layernorm_bwd d.h.6.ln1_w f32[768]
-  float *const b850 = (float *)(arena + 825406464); // %850 layernorm_bwd d.h.6.ln1_b f32[768]
-  float *const b852 = (float *)(arena + 825400320); // %852 sum d.h.5.fcproj_b f32[768]
-  uint16_t *const b853 = (uint16_t *)(arena + 3109919872); // %853 cast bf16[8192,768]
+  float *const b803 = (float *)(arena + 3034422400); // %803 add d.h.6.x f32[8,1024,768]
+  float *const b820 = (float *)(arena + 3059588224); // %820 matmul f32[8192,768]
+  float *const b824 = (float *)(arena + 825403392); // %824 layernorm_bwd d.h.6.ln1_w f32[768]
+  float *const b825 = (float *)(arena + 825406464); // %825 layernorm_bwd d.h.6.ln1_b f32[768]
+  float *const b826 = (float *)(arena + 3084754048); // %826 add d.h.5.x f32[8,1024,768]
+  float *const b828 = (float *)(arena + 825400320); // %828 sum d.h.5.fcproj_b f32[768]
+  uint16_t *const b829 = (uint16_t *)(arena + 3109919872); // %829 cast bf16[8192,768]
   double *pdw = mdl_scratch(49152 * sizeof(double));
   double *pdb = mdl_scratch(49152 * sizeof(double));
-  double *ps0 = mdl_scratch(49152 * sizeof(double)); // partials of the column sum %852
+  double *ps0 = mdl_scratch(49152 * sizeof(double)); // partials of the column sum %828
   #pragma omp parallel num_threads(h->nthreads)
   {
     float *dxrow = mdl_scratch(768 * sizeof(float));
@@ -7813,7 +7729,7 @@ static void k162_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
       const int64_t end = k * 128 + 128 < 8192 ? k * 128 + 128 : 8192;
       for (int64_t r = k * 128; r < end; r++) {
         const float *x = b284 + r * 768;
-        const float *dy = b844 + r * 768;
+        const float *dy = b820 + r * 768;
         double mean = 0, var = 0, mg = 0, mgx = 0;
         #pragma omp simd reduction(+ : mean)
         for (int64_t j = 0; j < 768; j++)
@@ -7838,13 +7754,13 @@ static void k162_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
           dx[j] = (float)(rstd * ((double)dy[j] * b285[j] - mg - (x[j] - mean) * rstd * mgx));
         for (int64_t j = 0; j < 768; j++) {
           const int64_t ix = r * 768 + j;
-          const float v821_ix = b821[ix];
-          const float v848_ix = v821_ix + dx[j];
-          b848[ix] = v848_ix;
-          const float v851_ix = v848_ix;
-          const float v853_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v851_ix));
-          b853[ix] = mdl_f32_to_bf16(v853_ix);
-          sa0[j] += v851_ix;
+          const float v803_ix = b803[ix];
+          const float v826_ix = v803_ix + dx[j];
+          b826[ix] = v826_ix;
+          const float v827_ix = v826_ix;
+          const float v829_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v827_ix));
+          b829[ix] = mdl_f32_to_bf16(v829_ix);
+          sa0[j] += v827_ix;
         }
       }
     }
@@ -7858,9 +7774,9 @@ static void k162_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
       b += pdb[k * 768 + j];
       a0 += ps0[k * 768 + j];
     }
-    b849[j] = (float)w;
-    b850[j] = (float)b;
-    b852[j] = (float)a0;
+    b824[j] = (float)w;
+    b825[j] = (float)b;
+    b828[j] = (float)a0;
   }
   free(pdw);
   free(pdb);
@@ -7868,44 +7784,44 @@ static void k162_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
 }
 
 // k163_gemm: GEMM, 1 op
-//   %855   matmul             d.h.5.fcproj_w       line 40    f32[3072,768]
+//   %831   matmul             d.h.5.fcproj_w       line 40    f32[3072,768]
 // loops:
-//   gemm %855: [3072 x 768] = T[3072 x 8192] [8192 x 768], bf16 operands widened to f32
+//   gemm %831: [3072 x 768] = T[3072 x 8192] [8192 x 768], bf16 operands widened to f32
 static void k163_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b279 = (uint16_t *)(arena + 3852311680); // %279 cast bf16[8192,3072]
-  uint16_t *const b853 = (uint16_t *)(arena + 3109919872); // %853 cast bf16[8192,768]
-  float *const b855 = (float *)(arena + 815963136); // %855 matmul d.h.5.fcproj_w f32[3072,768]
+  uint16_t *const b829 = (uint16_t *)(arena + 3109919872); // %829 cast bf16[8192,768]
+  float *const b831 = (float *)(arena + 815963136); // %831 matmul d.h.5.fcproj_w f32[3072,768]
   {
     float *const w279 = mdl_widen_bf16(b279, 25165824, h->nthreads);
-    float *const w853 = mdl_widen_bf16(b853, 6291456, h->nthreads);
-    mdl_gemm(h, 1, 0, 3072, 768, 8192, w279, 3072, w853, 768, 0.0f, b855, 768);
+    float *const w829 = mdl_widen_bf16(b829, 6291456, h->nthreads);
+    mdl_gemm(h, 1, 0, 3072, 768, 8192, w279, 3072, w829, 768, 0.0f, b831, 768);
     free(w279);
-    free(w853);
+    free(w829);
   }
 }
 
 // k164_gemm__gelu_bwd__sum__cast: GEMM, 6 ops
-//   %854   matmul                                  line 40    f32[8192,3072]
-//   %856   reshape                                 line 40    f32[8,1024,3072]
-//   %857   gelu_bwd                                line 40    f32[8,1024,3072]
-//   %858   reshape                                 line 40    f32[8192,3072]
-//   %859   sum                d.h.5.fc_b           line 40    f32[3072]
-//   %860   cast                                    line 40    bf16[8192,3072]
+//   %830   matmul                                  line 40    f32[8192,3072]
+//   %832   reshape                                 line 40    f32[8,1024,3072]
+//   %833   gelu_bwd                                line 40    f32[8,1024,3072]
+//   %834   reshape                                 line 40    f32[8192,3072]
+//   %835   sum                d.h.5.fc_b           line 40    f32[3072]
+//   %836   cast                                    line 40    bf16[8192,3072]
 // loops:
-//   gemm %854: [8192 x 3072] = [8192 x 768] T[768 x 3072], bf16 operands widened to f32, epilogue after
-//   sum %859: 3072 outputs over 8192 elements, in 64 blocks of 128
+//   gemm %830: [8192 x 3072] = [8192 x 768] T[768 x 3072], bf16 operands widened to f32, epilogue after
+//   sum %835: 3072 outputs over 8192 elements, in 64 blocks of 128
 static void k164_gemm__gelu_bwd__sum__cast(char *arena, const MdlHooks *h) {
   float *const b276 = (float *)(arena + 2896010368); // %276 add f32[8,1024,3072]
   uint16_t *const b280 = (uint16_t *)(arena + 2148519936); // %280 cast bf16[3072,768]
-  uint16_t *const b853 = (uint16_t *)(arena + 3109919872); // %853 cast bf16[8192,768]
-  float *const b854 = mdl_scratch(100663296); // %854 matmul f32[8192,3072], kept in this kernel
-  float *const b859 = (float *)(arena + 815950848); // %859 sum d.h.5.fc_b f32[3072]
-  uint16_t *const b860 = (uint16_t *)(arena + 2996673664); // %860 cast bf16[8192,3072]
+  uint16_t *const b829 = (uint16_t *)(arena + 3109919872); // %829 cast bf16[8192,768]
+  float *const b830 = mdl_scratch(100663296); // %830 matmul f32[8192,3072], kept in this kernel
+  float *const b835 = (float *)(arena + 815950848); // %835 sum d.h.5.fc_b f32[3072]
+  uint16_t *const b836 = (uint16_t *)(arena + 2996673664); // %836 cast bf16[8192,3072]
   {
-    float *const w853 = mdl_widen_bf16(b853, 6291456, h->nthreads);
+    float *const w829 = mdl_widen_bf16(b829, 6291456, h->nthreads);
     float *const w280 = mdl_widen_bf16(b280, 2359296, h->nthreads);
-    mdl_gemm(h, 0, 1, 8192, 3072, 768, w853, 768, w280, 768, 0.0f, b854, 3072);
-    free(w853);
+    mdl_gemm(h, 0, 1, 8192, 3072, 768, w829, 768, w280, 768, 0.0f, b830, 3072);
+    free(w829);
     free(w280);
   }
   double *part = mdl_scratch(196608 * sizeof(double));
@@ -7919,13 +7835,13 @@ static void k164_gemm__gelu_bwd__sum__cast(char *arena, const MdlHooks *h) {
       for (int64_t c = 0; c < 3072; c++) {
         const int64_t ix = l * 3072 + c;
         const float v276_ix = b276[ix];
-        const float v854_ix = b854[ix];
-        const float v856_ix = v854_ix;
-        const float v857_ix = mdl_gelu_grad(v276_ix) * v856_ix;
-        const float v858_ix = v857_ix;
-        const float v = v858_ix;
-        const float v860_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v858_ix));
-        b860[ix] = mdl_f32_to_bf16(v860_ix);
+        const float v830_ix = b830[ix];
+        const float v832_ix = v830_ix;
+        const float v833_ix = mdl_gelu_grad(v276_ix) * v832_ix;
+        const float v834_ix = v833_ix;
+        const float v = v834_ix;
+        const float v836_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v834_ix));
+        b836[ix] = mdl_f32_to_bf16(v836_ix);
         p[c] += v;
       }
     }
@@ -7938,69 +7854,69 @@ static void k164_gemm__gelu_bwd__sum__cast(char *arena, const MdlHooks *h) {
       acc += v;
     }
     const float y = (float)acc;
-    b859[r] = y;
+    b835[r] = y;
   }
   free(part);
-  free(b854);
+  free(b830);
 }
 
 // k165_gemm: GEMM, 1 op
-//   %861   matmul                                  line 40    f32[8192,768]
+//   %837   matmul                                  line 40    f32[8192,768]
 // loops:
-//   gemm %861: [8192 x 768] = [8192 x 3072] T[3072 x 768], bf16 operands widened to f32
+//   gemm %837: [8192 x 768] = [8192 x 3072] T[3072 x 768], bf16 operands widened to f32
 static void k165_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b273 = (uint16_t *)(arena + 2143801344); // %273 cast bf16[768,3072]
-  uint16_t *const b860 = (uint16_t *)(arena + 2996673664); // %860 cast bf16[8192,3072]
-  float *const b861 = (float *)(arena + 2896010368); // %861 matmul f32[8192,768]
+  uint16_t *const b836 = (uint16_t *)(arena + 2996673664); // %836 cast bf16[8192,3072]
+  float *const b837 = (float *)(arena + 2896010368); // %837 matmul f32[8192,768]
   {
-    float *const w860 = mdl_widen_bf16(b860, 25165824, h->nthreads);
+    float *const w836 = mdl_widen_bf16(b836, 25165824, h->nthreads);
     float *const w273 = mdl_widen_bf16(b273, 2359296, h->nthreads);
-    mdl_gemm(h, 0, 1, 8192, 768, 3072, w860, 3072, w273, 3072, 0.0f, b861, 768);
-    free(w860);
+    mdl_gemm(h, 0, 1, 8192, 768, 3072, w836, 3072, w273, 3072, 0.0f, b837, 768);
+    free(w836);
     free(w273);
   }
 }
 
 // k166_gemm: GEMM, 1 op
-//   %862   matmul             d.h.5.fc_w           line 40    f32[768,3072]
+//   %838   matmul             d.h.5.fc_w           line 40    f32[768,3072]
 // loops:
-//   gemm %862: [768 x 3072] = T[768 x 8192] [8192 x 3072], bf16 operands widened to f32
+//   gemm %838: [768 x 3072] = T[768 x 8192] [8192 x 3072], bf16 operands widened to f32
 static void k166_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b272 = (uint16_t *)(arena + 5551004800); // %272 cast bf16[8192,768]
-  uint16_t *const b860 = (uint16_t *)(arena + 2996673664); // %860 cast bf16[8192,3072]
-  float *const b862 = (float *)(arena + 806513664); // %862 matmul d.h.5.fc_w f32[768,3072]
+  uint16_t *const b836 = (uint16_t *)(arena + 2996673664); // %836 cast bf16[8192,3072]
+  float *const b838 = (float *)(arena + 806513664); // %838 matmul d.h.5.fc_w f32[768,3072]
   {
     float *const w272 = mdl_widen_bf16(b272, 6291456, h->nthreads);
-    float *const w860 = mdl_widen_bf16(b860, 25165824, h->nthreads);
-    mdl_gemm(h, 1, 0, 768, 3072, 8192, w272, 768, w860, 3072, 0.0f, b862, 3072);
+    float *const w836 = mdl_widen_bf16(b836, 25165824, h->nthreads);
+    mdl_gemm(h, 1, 0, 768, 3072, 8192, w272, 768, w836, 3072, 0.0f, b838, 3072);
     free(w272);
-    free(w860);
+    free(w836);
   }
 }
 
 // k167_layernorm_bwd__add__sum__cast: kernel, 7 ops
-//   %864   layernorm_bwd                           line 40    f32[8,1024,768]
-//   %865   add                d.h.5.x              line 40    f32[8,1024,768]
-//   %866   layernorm_bwd      d.h.5.ln2_w          line 40    f32[768]
-//   %867   layernorm_bwd      d.h.5.ln2_b          line 40    f32[768]
-//   %868   reshape                                 line 39    f32[8192,768]
-//   %869   sum                d.h.5.proj_b         line 39    f32[768]
-//   %870   cast                                    line 39    bf16[8192,768]
+//   %840   layernorm_bwd                           line 40    f32[8,1024,768]
+//   %841   layernorm_bwd      d.h.5.ln2_w          line 40    f32[768]
+//   %842   layernorm_bwd      d.h.5.ln2_b          line 40    f32[768]
+//   %843   add                d.h.5.x              line 39    f32[8,1024,768]
+//   %844   reshape                                 line 39    f32[8192,768]
+//   %845   sum                d.h.5.proj_b         line 39    f32[768]
+//   %846   cast                                    line 39    bf16[8192,768]
 // loops:
 //   layernorm_bwd: 8192 rows of 768, column sums over 64 blocks of 128 rows
 static void k167_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
   float *const b245 = (float *)(arena + 308748288); // %245 param h.5.ln2_w f32[768]
   float *const b269 = (float *)(arena + 4934442112); // %269 add h.5.x f32[8,1024,768]
-  float *const b848 = (float *)(arena + 3084754048); // %848 add d.h.5.x f32[8,1024,768]
-  float *const b861 = (float *)(arena + 2896010368); // %861 matmul f32[8192,768]
-  float *const b865 = (float *)(arena + 2933759104); // %865 add d.h.5.x f32[8,1024,768]
-  float *const b866 = (float *)(arena + 806507520); // %866 layernorm_bwd d.h.5.ln2_w f32[768]
-  float *const b867 = (float *)(arena + 806510592); // %867 layernorm_bwd d.h.5.ln2_b f32[768]
-  float *const b869 = (float *)(arena + 806504448); // %869 sum d.h.5.proj_b f32[768]
-  uint16_t *const b870 = (uint16_t *)(arena + 2921176192); // %870 cast bf16[8192,768]
+  float *const b826 = (float *)(arena + 3084754048); // %826 add d.h.5.x f32[8,1024,768]
+  float *const b837 = (float *)(arena + 2896010368); // %837 matmul f32[8192,768]
+  float *const b841 = (float *)(arena + 806507520); // %841 layernorm_bwd d.h.5.ln2_w f32[768]
+  float *const b842 = (float *)(arena + 806510592); // %842 layernorm_bwd d.h.5.ln2_b f32[768]
+  float *const b843 = (float *)(arena + 2933759104); // %843 add d.h.5.x f32[8,1024,768]
+  float *const b845 = (float *)(arena + 806504448); // %845 sum d.h.5.proj_b f32[768]
+  uint16_t *const b846 = (uint16_t *)(arena + 2921176192); // %846 cast bf16[8192,768]
   double *pdw = mdl_scratch(49152 * sizeof(double));
   double *pdb = mdl_scratch(49152 * sizeof(double));
-  double *ps0 = mdl_scratch(49152 * sizeof(double)); // partials of the column sum %869
+  double *ps0 = mdl_scratch(49152 * sizeof(double)); // partials of the column sum %845
   #pragma omp parallel num_threads(h->nthreads)
   {
     float *dxrow = mdl_scratch(768 * sizeof(float));
@@ -8014,7 +7930,7 @@ static void k167_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
       const int64_t end = k * 128 + 128 < 8192 ? k * 128 + 128 : 8192;
       for (int64_t r = k * 128; r < end; r++) {
         const float *x = b269 + r * 768;
-        const float *dy = b861 + r * 768;
+        const float *dy = b837 + r * 768;
         double mean = 0, var = 0, mg = 0, mgx = 0;
         #pragma omp simd reduction(+ : mean)
         for (int64_t j = 0; j < 768; j++)
@@ -8039,13 +7955,13 @@ static void k167_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
           dx[j] = (float)(rstd * ((double)dy[j] * b245[j] - mg - (x[j] - mean) * rstd * mgx));
         for (int64_t j = 0; j < 768; j++) {
           const int64_t ix = r * 768 + j;
-          const float v848_ix = b848[ix];
-          const float v865_ix = v848_ix + dx[j];
-          b865[ix] = v865_ix;
-          const float v868_ix = v865_ix;
-          const float v870_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v868_ix));
-          b870[ix] = mdl_f32_to_bf16(v870_ix);
-          sa0[j] += v868_ix;
+          const float v826_ix = b826[ix];
+          const float v843_ix = v826_ix + dx[j];
+          b843[ix] = v843_ix;
+          const float v844_ix = v843_ix;
+          const float v846_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v844_ix));
+          b846[ix] = mdl_f32_to_bf16(v846_ix);
+          sa0[j] += v844_ix;
         }
       }
     }
@@ -8059,9 +7975,9 @@ static void k167_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
       b += pdb[k * 768 + j];
       a0 += ps0[k * 768 + j];
     }
-    b866[j] = (float)w;
-    b867[j] = (float)b;
-    b869[j] = (float)a0;
+    b841[j] = (float)w;
+    b842[j] = (float)b;
+    b845[j] = (float)a0;
   }
   free(pdw);
   free(pdb);
@@ -8069,69 +7985,69 @@ static void k167_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
 }
 
 // k168_gemm: GEMM, 1 op
-//   %872   matmul             d.h.5.proj_w         line 39    f32[768,768]
+//   %848   matmul             d.h.5.proj_w         line 39    f32[768,768]
 // loops:
-//   gemm %872: [768 x 768] = T[768 x 8192] [8192 x 768], bf16 operands widened to f32
+//   gemm %848: [768 x 768] = T[768 x 8192] [8192 x 768], bf16 operands widened to f32
 static void k168_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b264 = (uint16_t *)(arena + 5538421888); // %264 cast bf16[8192,768]
-  uint16_t *const b870 = (uint16_t *)(arena + 2921176192); // %870 cast bf16[8192,768]
-  float *const b872 = (float *)(arena + 804145152); // %872 matmul d.h.5.proj_w f32[768,768]
+  uint16_t *const b846 = (uint16_t *)(arena + 2921176192); // %846 cast bf16[8192,768]
+  float *const b848 = (float *)(arena + 804145152); // %848 matmul d.h.5.proj_w f32[768,768]
   {
     float *const w264 = mdl_widen_bf16(b264, 6291456, h->nthreads);
-    float *const w870 = mdl_widen_bf16(b870, 6291456, h->nthreads);
-    mdl_gemm(h, 1, 0, 768, 768, 8192, w264, 768, w870, 768, 0.0f, b872, 768);
+    float *const w846 = mdl_widen_bf16(b846, 6291456, h->nthreads);
+    mdl_gemm(h, 1, 0, 768, 768, 8192, w264, 768, w846, 768, 0.0f, b848, 768);
     free(w264);
-    free(w870);
+    free(w846);
   }
 }
 
 // k169_gemm__cast: GEMM, 3 ops
-//   %871   matmul                                  line 39    f32[8192,768]
-//   %873   reshape                                 line 39    f32[8,1024,768]
-//   %876   cast                                    line 39    bf16[8,1024,768]
+//   %847   matmul                                  line 39    f32[8192,768]
+//   %849   reshape                                 line 39    f32[8,1024,768]
+//   %852   cast                                    line 39    bf16[8,1024,768]
 // loops:
-//   gemm %871: [8192 x 768] = [8192 x 768] T[768 x 768], bf16 operands widened to f32, epilogue after
-//   elementwise over 6291456: %876
+//   gemm %847: [8192 x 768] = [8192 x 768] T[768 x 768], bf16 operands widened to f32, epilogue after
+//   elementwise over 6291456: %852
 static void k169_gemm__cast(char *arena, const MdlHooks *h) {
   uint16_t *const b265 = (uint16_t *)(arena + 2142621696); // %265 cast bf16[768,768]
-  uint16_t *const b870 = (uint16_t *)(arena + 2921176192); // %870 cast bf16[8192,768]
-  float *const b871 = mdl_scratch(25165824); // %871 matmul f32[8192,768], kept in this kernel
-  uint16_t *const b876 = (uint16_t *)(arena + 2896010368); // %876 cast bf16[8,1024,768]
+  uint16_t *const b846 = (uint16_t *)(arena + 2921176192); // %846 cast bf16[8192,768]
+  float *const b847 = mdl_scratch(25165824); // %847 matmul f32[8192,768], kept in this kernel
+  uint16_t *const b852 = (uint16_t *)(arena + 2896010368); // %852 cast bf16[8,1024,768]
   {
-    float *const w870 = mdl_widen_bf16(b870, 6291456, h->nthreads);
+    float *const w846 = mdl_widen_bf16(b846, 6291456, h->nthreads);
     float *const w265 = mdl_widen_bf16(b265, 589824, h->nthreads);
-    mdl_gemm(h, 0, 1, 8192, 768, 768, w870, 768, w265, 768, 0.0f, b871, 768);
-    free(w870);
+    mdl_gemm(h, 0, 1, 8192, 768, 768, w846, 768, w265, 768, 0.0f, b847, 768);
+    free(w846);
     free(w265);
   }
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
   for (int64_t r = 0; r < 8192; r++) {
     for (int64_t c = 0; c < 768; c++) {
       const int64_t i = r * 768 + c;
-      const float v871_i = b871[i];
-      const float v873_i = v871_i;
-      const float v876_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v873_i));
-      b876[i] = mdl_f32_to_bf16(v876_i);
+      const float v847_i = b847[i];
+      const float v849_i = v847_i;
+      const float v852_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v849_i));
+      b852[i] = mdl_f32_to_bf16(v852_i);
     }
   }
-  free(b871);
+  free(b847);
 }
 
 // k170_attention_bwd: attention, 3 ops
-//   %877   attention_bwd      d.h.5.q              line 39    f32[8,1024,768]
-//   %878   attention_bwd      d.h.5.k              line 39    f32[8,1024,768]
-//   %879   attention_bwd      d.h.5.v              line 39    f32[8,1024,768]
+//   %853   attention_bwd      d.h.5.q              line 39    f32[8,1024,768]
+//   %854   attention_bwd      d.h.5.k              line 39    f32[8,1024,768]
+//   %855   attention_bwd      d.h.5.v              line 39    f32[8,1024,768]
 // loops:
 //   attention backward (dq dk dv): B 8, T 1024, 12 heads of 64, causal, within documents; one task per (batch, head)
 static void k170_attention_bwd(char *arena, const MdlHooks *h) {
   int32_t *const b3 = (int32_t *)(arena + 2238271488); // %3 input doc i32[8,1024]
   uint16_t *const b258 = (uint16_t *)(arena + 4393376896); // %258 cast bf16[8,1024,2304]
   uint16_t *const b264 = (uint16_t *)(arena + 5538421888); // %264 cast bf16[8192,768]
-  float *const b874 = (float *)(arena + 5804629120); // %874 attention_lse f32[8,12,1024]
-  uint16_t *const b876 = (uint16_t *)(arena + 2896010368); // %876 cast bf16[8,1024,768]
-  float *const b877 = (float *)(arena + 2958924928); // %877 attention_bwd d.h.5.q f32[8,1024,768]
-  float *const b878 = (float *)(arena + 2984090752); // %878 attention_bwd d.h.5.k f32[8,1024,768]
-  float *const b879 = (float *)(arena + 3009256576); // %879 attention_bwd d.h.5.v f32[8,1024,768]
+  float *const b850 = (float *)(arena + 5804629120); // %850 attention_lse f32[8,12,1024]
+  uint16_t *const b852 = (uint16_t *)(arena + 2896010368); // %852 cast bf16[8,1024,768]
+  float *const b853 = (float *)(arena + 2958924928); // %853 attention_bwd d.h.5.q f32[8,1024,768]
+  float *const b854 = (float *)(arena + 2984090752); // %854 attention_bwd d.h.5.k f32[8,1024,768]
+  float *const b855 = (float *)(arena + 3009256576); // %855 attention_bwd d.h.5.v f32[8,1024,768]
   #pragma omp parallel num_threads(h->nthreads)
   {
     float *restrict kt = memset(mdl_scratch(67584 * sizeof(float)), 0, 67584 * sizeof(float));
@@ -8179,13 +8095,13 @@ static void k170_attention_bwd(char *arena, const MdlHooks *h) {
           }
           memcpy(s + j0, acc, sizeof acc);
         }
-        const float lse = b874[(b * 12 + hd) * 1024 + i];
+        const float lse = b850[(b * 12 + hd) * 1024 + i];
         #pragma omp simd
         for (int64_t j = lo; j < hi; j++)
           s[j] = dc[j] == di ? mdl_exp_shifted(s[j] * 0.125f - lse) : 0.0f;
         float dor[64];
         for (int64_t c = 0; c < 64; c++)
-          dor[c] = mdl_bf16_to_f32(b876[(b * 1024 + i) * 768 + hd * 64 + c]);
+          dor[c] = mdl_bf16_to_f32(b852[(b * 1024 + i) * 768 + hd * 64 + c]);
         const float *restrict doi = dor;
         float dsum = 0.0f;
         for (int64_t c = 0; c < 64; c++)
@@ -8234,14 +8150,14 @@ static void k170_attention_bwd(char *arena, const MdlHooks *h) {
           for (int64_t c = 0; c < 64; c++)
             dvj[c] += mdl_bf16_to_f32(mdl_f32_to_bf16(s[j])) * doi[c];
         }
-        float *restrict dq = b877 + (b * 1024 + i) * 768 + hd * 64;
+        float *restrict dq = b853 + (b * 1024 + i) * 768 + hd * 64;
         for (int64_t c = 0; c < 64; c++)
           dq[c] = 0.125f * (dqi0[c] + dqi1[c]);
       }
       for (int64_t t = 0; t < 1024; t++)
-        memcpy(b878 + (b * 1024 + t) * 768 + hd * 64, dkh + t * 64, 64 * sizeof(float));
+        memcpy(b854 + (b * 1024 + t) * 768 + hd * 64, dkh + t * 64, 64 * sizeof(float));
       for (int64_t t = 0; t < 1024; t++)
-        memcpy(b879 + (b * 1024 + t) * 768 + hd * 64, dvh + t * 64, 64 * sizeof(float));
+        memcpy(b855 + (b * 1024 + t) * 768 + hd * 64, dvh + t * 64, 64 * sizeof(float));
     }
     free(kt);
     free(s);
@@ -8252,23 +8168,19 @@ static void k170_attention_bwd(char *arena, const MdlHooks *h) {
   }
 }
 
-// k171_sum__slice_bwd__add__cast: kernel, 8 ops
-//   %880   slice_bwd                               line 38    f32[8,1024,2304]
-//   %881   slice_bwd                               line 38    f32[8,1024,2304]
-//   %882   add                                     line 38    f32[8,1024,2304]
-//   %883   slice_bwd                               line 38    f32[8,1024,2304]
-//   %884   add                                     line 38    f32[8,1024,2304]
-//   %885   reshape                                 line 38    f32[8192,2304]
-//   %886   sum                d.h.5.attn_b         line 38    f32[2304]
-//   %887   cast                                    line 38    bf16[8192,2304]
+// k171_sum__concat__cast: kernel, 4 ops
+//   %856   concat                                  line 38    f32[8,1024,2304]
+//   %857   reshape                                 line 38    f32[8192,2304]
+//   %858   sum                d.h.5.attn_b         line 38    f32[2304]
+//   %859   cast                                    line 38    bf16[8192,2304]
 // loops:
-//   sum %886: 2304 outputs over 8192 elements, in 64 blocks of 128
-static void k171_sum__slice_bwd__add__cast(char *arena, const MdlHooks *h) {
-  float *const b877 = (float *)(arena + 2958924928); // %877 attention_bwd d.h.5.q f32[8,1024,768]
-  float *const b878 = (float *)(arena + 2984090752); // %878 attention_bwd d.h.5.k f32[8,1024,768]
-  float *const b879 = (float *)(arena + 3009256576); // %879 attention_bwd d.h.5.v f32[8,1024,768]
-  float *const b886 = (float *)(arena + 804135936); // %886 sum d.h.5.attn_b f32[2304]
-  uint16_t *const b887 = (uint16_t *)(arena + 2896010368); // %887 cast bf16[8192,2304]
+//   sum %858: 2304 outputs over 8192 elements, in 64 blocks of 128
+static void k171_sum__concat__cast(char *arena, const MdlHooks *h) {
+  float *const b853 = (float *)(arena + 2958924928); // %853 attention_bwd d.h.5.q f32[8,1024,768]
+  float *const b854 = (float *)(arena + 2984090752); // %854 attention_bwd d.h.5.k f32[8,1024,768]
+  float *const b855 = (float *)(arena + 3009256576); // %855 attention_bwd d.h.5.v f32[8,1024,768]
+  float *const b858 = (float *)(arena + 804135936); // %858 sum d.h.5.attn_b f32[2304]
+  uint16_t *const b859 = (uint16_t *)(arena + 2896010368); // %859 cast bf16[8192,2304]
   double *part = mdl_scratch(147456 * sizeof(double));
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
   for (int64_t k = 0; k < 64; k++) {
@@ -8279,21 +8191,11 @@ static void k171_sum__slice_bwd__add__cast(char *arena, const MdlHooks *h) {
     for (int64_t l = k * 128; l < end; l++) {
       for (int64_t c = 0; c < 2304; c++) {
         const int64_t ix = l * 2304 + c;
-        const int64_t j1 = c >= 1536 && c < 2304 ? l * 768 + (c - 1536) : 0;
-        const float v879_j1 = b879[j1];
-        const float v880_ix = c >= 1536 && c < 2304 ? v879_j1 : 0.0f;
-        const int64_t j2 = c >= 768 && c < 1536 ? l * 768 + (c - 768) : 0;
-        const float v878_j2 = b878[j2];
-        const float v881_ix = c >= 768 && c < 1536 ? v878_j2 : 0.0f;
-        const float v882_ix = v880_ix + v881_ix;
-        const int64_t j3 = c >= 0 && c < 768 ? l * 768 + (c - 0) : 0;
-        const float v877_j3 = b877[j3];
-        const float v883_ix = c >= 0 && c < 768 ? v877_j3 : 0.0f;
-        const float v884_ix = v882_ix + v883_ix;
-        const float v885_ix = v884_ix;
-        const float v = v885_ix;
-        const float v887_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v885_ix));
-        b887[ix] = mdl_f32_to_bf16(v887_ix);
+        const float v856_ix = (c < 768 ? b853 + (l * 768 + (c - 0)) : c < 1536 ? b854 + (l * 768 + (c - 768)) : b855 + (l * 768 + (c - 1536)))[0];
+        const float v857_ix = v856_ix;
+        const float v = v857_ix;
+        const float v859_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v857_ix));
+        b859[ix] = mdl_f32_to_bf16(v859_ix);
         p[c] += v;
       }
     }
@@ -8306,68 +8208,68 @@ static void k171_sum__slice_bwd__add__cast(char *arena, const MdlHooks *h) {
       acc += v;
     }
     const float y = (float)acc;
-    b886[r] = y;
+    b858[r] = y;
   }
   free(part);
 }
 
 // k172_gemm: GEMM, 1 op
-//   %888   matmul                                  line 38    f32[8192,768]
+//   %860   matmul                                  line 38    f32[8192,768]
 // loops:
-//   gemm %888: [8192 x 768] = [8192 x 2304] T[2304 x 768], bf16 operands widened to f32
+//   gemm %860: [8192 x 768] = [8192 x 2304] T[2304 x 768], bf16 operands widened to f32
 static void k172_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b254 = (uint16_t *)(arena + 2139082752); // %254 cast bf16[768,2304]
-  uint16_t *const b887 = (uint16_t *)(arena + 2896010368); // %887 cast bf16[8192,2304]
-  float *const b888 = (float *)(arena + 2958924928); // %888 matmul f32[8192,768]
+  uint16_t *const b859 = (uint16_t *)(arena + 2896010368); // %859 cast bf16[8192,2304]
+  float *const b860 = (float *)(arena + 2958924928); // %860 matmul f32[8192,768]
   {
-    float *const w887 = mdl_widen_bf16(b887, 18874368, h->nthreads);
+    float *const w859 = mdl_widen_bf16(b859, 18874368, h->nthreads);
     float *const w254 = mdl_widen_bf16(b254, 1769472, h->nthreads);
-    mdl_gemm(h, 0, 1, 8192, 768, 2304, w887, 2304, w254, 2304, 0.0f, b888, 768);
-    free(w887);
+    mdl_gemm(h, 0, 1, 8192, 768, 2304, w859, 2304, w254, 2304, 0.0f, b860, 768);
+    free(w859);
     free(w254);
   }
 }
 
 // k173_gemm: GEMM, 1 op
-//   %889   matmul             d.h.5.attn_w         line 38    f32[768,2304]
+//   %861   matmul             d.h.5.attn_w         line 38    f32[768,2304]
 // loops:
-//   gemm %889: [768 x 2304] = T[768 x 8192] [8192 x 2304], bf16 operands widened to f32
+//   gemm %861: [768 x 2304] = T[768 x 8192] [8192 x 2304], bf16 operands widened to f32
 static void k173_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b253 = (uint16_t *)(arena + 5525838976); // %253 cast bf16[8192,768]
-  uint16_t *const b887 = (uint16_t *)(arena + 2896010368); // %887 cast bf16[8192,2304]
-  float *const b889 = (float *)(arena + 797058048); // %889 matmul d.h.5.attn_w f32[768,2304]
+  uint16_t *const b859 = (uint16_t *)(arena + 2896010368); // %859 cast bf16[8192,2304]
+  float *const b861 = (float *)(arena + 797058048); // %861 matmul d.h.5.attn_w f32[768,2304]
   {
     float *const w253 = mdl_widen_bf16(b253, 6291456, h->nthreads);
-    float *const w887 = mdl_widen_bf16(b887, 18874368, h->nthreads);
-    mdl_gemm(h, 1, 0, 768, 2304, 8192, w253, 768, w887, 2304, 0.0f, b889, 2304);
+    float *const w859 = mdl_widen_bf16(b859, 18874368, h->nthreads);
+    mdl_gemm(h, 1, 0, 768, 2304, 8192, w253, 768, w859, 2304, 0.0f, b861, 2304);
     free(w253);
-    free(w887);
+    free(w859);
   }
 }
 
 // k174_layernorm_bwd__add__sum__cast: kernel, 7 ops
-//   %891   layernorm_bwd                           line 38    f32[8,1024,768]
-//   %892   add                d.h.4.x              line 38    f32[8,1024,768]
-//   %893   layernorm_bwd      d.h.5.ln1_w          line 38    f32[768]
-//   %894   layernorm_bwd      d.h.5.ln1_b          line 38    f32[768]
-//   %895   reshape                                 line 40    f32[8192,768]
-//   %896   sum                d.h.4.fcproj_b       line 40    f32[768]
-//   %897   cast                                    line 40    bf16[8192,768]
+//   %863   layernorm_bwd                           line 38    f32[8,1024,768]
+//   %864   layernorm_bwd      d.h.5.ln1_w          line 38    f32[768]
+//   %865   layernorm_bwd      d.h.5.ln1_b          line 38    f32[768]
+//   %866   add                d.h.4.x              line 40    f32[8,1024,768]
+//   %867   reshape                                 line 40    f32[8192,768]
+//   %868   sum                d.h.4.fcproj_b       line 40    f32[768]
+//   %869   cast                                    line 40    bf16[8192,768]
 // loops:
 //   layernorm_bwd: 8192 rows of 768, column sums over 64 blocks of 128 rows
 static void k174_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
   float *const b238 = (float *)(arena + 4909276288); // %238 add h.4.x f32[8,1024,768]
   float *const b239 = (float *)(arena + 299292672); // %239 param h.5.ln1_w f32[768]
-  float *const b865 = (float *)(arena + 2933759104); // %865 add d.h.5.x f32[8,1024,768]
-  float *const b888 = (float *)(arena + 2958924928); // %888 matmul f32[8192,768]
-  float *const b892 = (float *)(arena + 2984090752); // %892 add d.h.4.x f32[8,1024,768]
-  float *const b893 = (float *)(arena + 797051904); // %893 layernorm_bwd d.h.5.ln1_w f32[768]
-  float *const b894 = (float *)(arena + 797054976); // %894 layernorm_bwd d.h.5.ln1_b f32[768]
-  float *const b896 = (float *)(arena + 797048832); // %896 sum d.h.4.fcproj_b f32[768]
-  uint16_t *const b897 = (uint16_t *)(arena + 3009256576); // %897 cast bf16[8192,768]
+  float *const b843 = (float *)(arena + 2933759104); // %843 add d.h.5.x f32[8,1024,768]
+  float *const b860 = (float *)(arena + 2958924928); // %860 matmul f32[8192,768]
+  float *const b864 = (float *)(arena + 797051904); // %864 layernorm_bwd d.h.5.ln1_w f32[768]
+  float *const b865 = (float *)(arena + 797054976); // %865 layernorm_bwd d.h.5.ln1_b f32[768]
+  float *const b866 = (float *)(arena + 2984090752); // %866 add d.h.4.x f32[8,1024,768]
+  float *const b868 = (float *)(arena + 797048832); // %868 sum d.h.4.fcproj_b f32[768]
+  uint16_t *const b869 = (uint16_t *)(arena + 3009256576); // %869 cast bf16[8192,768]
   double *pdw = mdl_scratch(49152 * sizeof(double));
   double *pdb = mdl_scratch(49152 * sizeof(double));
-  double *ps0 = mdl_scratch(49152 * sizeof(double)); // partials of the column sum %896
+  double *ps0 = mdl_scratch(49152 * sizeof(double)); // partials of the column sum %868
   #pragma omp parallel num_threads(h->nthreads)
   {
     float *dxrow = mdl_scratch(768 * sizeof(float));
@@ -8381,7 +8283,7 @@ static void k174_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
       const int64_t end = k * 128 + 128 < 8192 ? k * 128 + 128 : 8192;
       for (int64_t r = k * 128; r < end; r++) {
         const float *x = b238 + r * 768;
-        const float *dy = b888 + r * 768;
+        const float *dy = b860 + r * 768;
         double mean = 0, var = 0, mg = 0, mgx = 0;
         #pragma omp simd reduction(+ : mean)
         for (int64_t j = 0; j < 768; j++)
@@ -8406,13 +8308,13 @@ static void k174_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
           dx[j] = (float)(rstd * ((double)dy[j] * b239[j] - mg - (x[j] - mean) * rstd * mgx));
         for (int64_t j = 0; j < 768; j++) {
           const int64_t ix = r * 768 + j;
-          const float v865_ix = b865[ix];
-          const float v892_ix = v865_ix + dx[j];
-          b892[ix] = v892_ix;
-          const float v895_ix = v892_ix;
-          const float v897_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v895_ix));
-          b897[ix] = mdl_f32_to_bf16(v897_ix);
-          sa0[j] += v895_ix;
+          const float v843_ix = b843[ix];
+          const float v866_ix = v843_ix + dx[j];
+          b866[ix] = v866_ix;
+          const float v867_ix = v866_ix;
+          const float v869_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v867_ix));
+          b869[ix] = mdl_f32_to_bf16(v869_ix);
+          sa0[j] += v867_ix;
         }
       }
     }
@@ -8426,9 +8328,9 @@ static void k174_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
       b += pdb[k * 768 + j];
       a0 += ps0[k * 768 + j];
     }
-    b893[j] = (float)w;
-    b894[j] = (float)b;
-    b896[j] = (float)a0;
+    b864[j] = (float)w;
+    b865[j] = (float)b;
+    b868[j] = (float)a0;
   }
   free(pdw);
   free(pdb);
@@ -8436,44 +8338,44 @@ static void k174_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
 }
 
 // k175_gemm: GEMM, 1 op
-//   %899   matmul             d.h.4.fcproj_w       line 40    f32[3072,768]
+//   %871   matmul             d.h.4.fcproj_w       line 40    f32[3072,768]
 // loops:
-//   gemm %899: [3072 x 768] = T[3072 x 8192] [8192 x 768], bf16 operands widened to f32
+//   gemm %871: [3072 x 768] = T[3072 x 8192] [8192 x 768], bf16 operands widened to f32
 static void k175_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b233 = (uint16_t *)(arena + 3801980032); // %233 cast bf16[8192,3072]
-  uint16_t *const b897 = (uint16_t *)(arena + 3009256576); // %897 cast bf16[8192,768]
-  float *const b899 = (float *)(arena + 787611648); // %899 matmul d.h.4.fcproj_w f32[3072,768]
+  uint16_t *const b869 = (uint16_t *)(arena + 3009256576); // %869 cast bf16[8192,768]
+  float *const b871 = (float *)(arena + 787611648); // %871 matmul d.h.4.fcproj_w f32[3072,768]
   {
     float *const w233 = mdl_widen_bf16(b233, 25165824, h->nthreads);
-    float *const w897 = mdl_widen_bf16(b897, 6291456, h->nthreads);
-    mdl_gemm(h, 1, 0, 3072, 768, 8192, w233, 3072, w897, 768, 0.0f, b899, 768);
+    float *const w869 = mdl_widen_bf16(b869, 6291456, h->nthreads);
+    mdl_gemm(h, 1, 0, 3072, 768, 8192, w233, 3072, w869, 768, 0.0f, b871, 768);
     free(w233);
-    free(w897);
+    free(w869);
   }
 }
 
 // k176_gemm__gelu_bwd__sum__cast: GEMM, 6 ops
-//   %898   matmul                                  line 40    f32[8192,3072]
-//   %900   reshape                                 line 40    f32[8,1024,3072]
-//   %901   gelu_bwd                                line 40    f32[8,1024,3072]
-//   %902   reshape                                 line 40    f32[8192,3072]
-//   %903   sum                d.h.4.fc_b           line 40    f32[3072]
-//   %904   cast                                    line 40    bf16[8192,3072]
+//   %870   matmul                                  line 40    f32[8192,3072]
+//   %872   reshape                                 line 40    f32[8,1024,3072]
+//   %873   gelu_bwd                                line 40    f32[8,1024,3072]
+//   %874   reshape                                 line 40    f32[8192,3072]
+//   %875   sum                d.h.4.fc_b           line 40    f32[3072]
+//   %876   cast                                    line 40    bf16[8192,3072]
 // loops:
-//   gemm %898: [8192 x 3072] = [8192 x 768] T[768 x 3072], bf16 operands widened to f32, epilogue after
-//   sum %903: 3072 outputs over 8192 elements, in 64 blocks of 128
+//   gemm %870: [8192 x 3072] = [8192 x 768] T[768 x 3072], bf16 operands widened to f32, epilogue after
+//   sum %875: 3072 outputs over 8192 elements, in 64 blocks of 128
 static void k176_gemm__gelu_bwd__sum__cast(char *arena, const MdlHooks *h) {
   float *const b230 = (float *)(arena + 2795347072); // %230 add f32[8,1024,3072]
   uint16_t *const b234 = (uint16_t *)(arena + 2134364160); // %234 cast bf16[3072,768]
-  uint16_t *const b897 = (uint16_t *)(arena + 3009256576); // %897 cast bf16[8192,768]
-  float *const b898 = mdl_scratch(100663296); // %898 matmul f32[8192,3072], kept in this kernel
-  float *const b903 = (float *)(arena + 787599360); // %903 sum d.h.4.fc_b f32[3072]
-  uint16_t *const b904 = (uint16_t *)(arena + 2896010368); // %904 cast bf16[8192,3072]
+  uint16_t *const b869 = (uint16_t *)(arena + 3009256576); // %869 cast bf16[8192,768]
+  float *const b870 = mdl_scratch(100663296); // %870 matmul f32[8192,3072], kept in this kernel
+  float *const b875 = (float *)(arena + 787599360); // %875 sum d.h.4.fc_b f32[3072]
+  uint16_t *const b876 = (uint16_t *)(arena + 2896010368); // %876 cast bf16[8192,3072]
   {
-    float *const w897 = mdl_widen_bf16(b897, 6291456, h->nthreads);
+    float *const w869 = mdl_widen_bf16(b869, 6291456, h->nthreads);
     float *const w234 = mdl_widen_bf16(b234, 2359296, h->nthreads);
-    mdl_gemm(h, 0, 1, 8192, 3072, 768, w897, 768, w234, 768, 0.0f, b898, 3072);
-    free(w897);
+    mdl_gemm(h, 0, 1, 8192, 3072, 768, w869, 768, w234, 768, 0.0f, b870, 3072);
+    free(w869);
     free(w234);
   }
   double *part = mdl_scratch(196608 * sizeof(double));
@@ -8487,13 +8389,13 @@ static void k176_gemm__gelu_bwd__sum__cast(char *arena, const MdlHooks *h) {
       for (int64_t c = 0; c < 3072; c++) {
         const int64_t ix = l * 3072 + c;
         const float v230_ix = b230[ix];
-        const float v898_ix = b898[ix];
-        const float v900_ix = v898_ix;
-        const float v901_ix = mdl_gelu_grad(v230_ix) * v900_ix;
-        const float v902_ix = v901_ix;
-        const float v = v902_ix;
-        const float v904_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v902_ix));
-        b904[ix] = mdl_f32_to_bf16(v904_ix);
+        const float v870_ix = b870[ix];
+        const float v872_ix = v870_ix;
+        const float v873_ix = mdl_gelu_grad(v230_ix) * v872_ix;
+        const float v874_ix = v873_ix;
+        const float v = v874_ix;
+        const float v876_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v874_ix));
+        b876[ix] = mdl_f32_to_bf16(v876_ix);
         p[c] += v;
       }
     }
@@ -8506,69 +8408,69 @@ static void k176_gemm__gelu_bwd__sum__cast(char *arena, const MdlHooks *h) {
       acc += v;
     }
     const float y = (float)acc;
-    b903[r] = y;
+    b875[r] = y;
   }
   free(part);
-  free(b898);
+  free(b870);
 }
 
 // k177_gemm: GEMM, 1 op
-//   %905   matmul                                  line 40    f32[8192,768]
+//   %877   matmul                                  line 40    f32[8192,768]
 // loops:
-//   gemm %905: [8192 x 768] = [8192 x 3072] T[3072 x 768], bf16 operands widened to f32
+//   gemm %877: [8192 x 768] = [8192 x 3072] T[3072 x 768], bf16 operands widened to f32
 static void k177_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b227 = (uint16_t *)(arena + 2129645568); // %227 cast bf16[768,3072]
-  uint16_t *const b904 = (uint16_t *)(arena + 2896010368); // %904 cast bf16[8192,3072]
-  float *const b905 = (float *)(arena + 2795347072); // %905 matmul f32[8192,768]
+  uint16_t *const b876 = (uint16_t *)(arena + 2896010368); // %876 cast bf16[8192,3072]
+  float *const b877 = (float *)(arena + 2795347072); // %877 matmul f32[8192,768]
   {
-    float *const w904 = mdl_widen_bf16(b904, 25165824, h->nthreads);
+    float *const w876 = mdl_widen_bf16(b876, 25165824, h->nthreads);
     float *const w227 = mdl_widen_bf16(b227, 2359296, h->nthreads);
-    mdl_gemm(h, 0, 1, 8192, 768, 3072, w904, 3072, w227, 3072, 0.0f, b905, 768);
-    free(w904);
+    mdl_gemm(h, 0, 1, 8192, 768, 3072, w876, 3072, w227, 3072, 0.0f, b877, 768);
+    free(w876);
     free(w227);
   }
 }
 
 // k178_gemm: GEMM, 1 op
-//   %906   matmul             d.h.4.fc_w           line 40    f32[768,3072]
+//   %878   matmul             d.h.4.fc_w           line 40    f32[768,3072]
 // loops:
-//   gemm %906: [768 x 3072] = T[768 x 8192] [8192 x 3072], bf16 operands widened to f32
+//   gemm %878: [768 x 3072] = T[768 x 8192] [8192 x 3072], bf16 operands widened to f32
 static void k178_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b226 = (uint16_t *)(arena + 5513256064); // %226 cast bf16[8192,768]
-  uint16_t *const b904 = (uint16_t *)(arena + 2896010368); // %904 cast bf16[8192,3072]
-  float *const b906 = (float *)(arena + 778162176); // %906 matmul d.h.4.fc_w f32[768,3072]
+  uint16_t *const b876 = (uint16_t *)(arena + 2896010368); // %876 cast bf16[8192,3072]
+  float *const b878 = (float *)(arena + 778162176); // %878 matmul d.h.4.fc_w f32[768,3072]
   {
     float *const w226 = mdl_widen_bf16(b226, 6291456, h->nthreads);
-    float *const w904 = mdl_widen_bf16(b904, 25165824, h->nthreads);
-    mdl_gemm(h, 1, 0, 768, 3072, 8192, w226, 768, w904, 3072, 0.0f, b906, 3072);
+    float *const w876 = mdl_widen_bf16(b876, 25165824, h->nthreads);
+    mdl_gemm(h, 1, 0, 768, 3072, 8192, w226, 768, w876, 3072, 0.0f, b878, 3072);
     free(w226);
-    free(w904);
+    free(w876);
   }
 }
 
 // k179_layernorm_bwd__add__sum__cast: kernel, 7 ops
-//   %908   layernorm_bwd                           line 40    f32[8,1024,768]
-//   %909   add                d.h.4.x              line 40    f32[8,1024,768]
-//   %910   layernorm_bwd      d.h.4.ln2_w          line 40    f32[768]
-//   %911   layernorm_bwd      d.h.4.ln2_b          line 40    f32[768]
-//   %912   reshape                                 line 39    f32[8192,768]
-//   %913   sum                d.h.4.proj_b         line 39    f32[768]
-//   %914   cast                                    line 39    bf16[8192,768]
+//   %880   layernorm_bwd                           line 40    f32[8,1024,768]
+//   %881   layernorm_bwd      d.h.4.ln2_w          line 40    f32[768]
+//   %882   layernorm_bwd      d.h.4.ln2_b          line 40    f32[768]
+//   %883   add                d.h.4.x              line 39    f32[8,1024,768]
+//   %884   reshape                                 line 39    f32[8192,768]
+//   %885   sum                d.h.4.proj_b         line 39    f32[768]
+//   %886   cast                                    line 39    bf16[8192,768]
 // loops:
 //   layernorm_bwd: 8192 rows of 768, column sums over 64 blocks of 128 rows
 static void k179_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
   float *const b199 = (float *)(arena + 280396800); // %199 param h.4.ln2_w f32[768]
   float *const b223 = (float *)(arena + 4884110464); // %223 add h.4.x f32[8,1024,768]
-  float *const b892 = (float *)(arena + 2984090752); // %892 add d.h.4.x f32[8,1024,768]
-  float *const b905 = (float *)(arena + 2795347072); // %905 matmul f32[8192,768]
-  float *const b909 = (float *)(arena + 2833095808); // %909 add d.h.4.x f32[8,1024,768]
-  float *const b910 = (float *)(arena + 778156032); // %910 layernorm_bwd d.h.4.ln2_w f32[768]
-  float *const b911 = (float *)(arena + 778159104); // %911 layernorm_bwd d.h.4.ln2_b f32[768]
-  float *const b913 = (float *)(arena + 778152960); // %913 sum d.h.4.proj_b f32[768]
-  uint16_t *const b914 = (uint16_t *)(arena + 2820512896); // %914 cast bf16[8192,768]
+  float *const b866 = (float *)(arena + 2984090752); // %866 add d.h.4.x f32[8,1024,768]
+  float *const b877 = (float *)(arena + 2795347072); // %877 matmul f32[8192,768]
+  float *const b881 = (float *)(arena + 778156032); // %881 layernorm_bwd d.h.4.ln2_w f32[768]
+  float *const b882 = (float *)(arena + 778159104); // %882 layernorm_bwd d.h.4.ln2_b f32[768]
+  float *const b883 = (float *)(arena + 2833095808); // %883 add d.h.4.x f32[8,1024,768]
+  float *const b885 = (float *)(arena + 778152960); // %885 sum d.h.4.proj_b f32[768]
+  uint16_t *const b886 = (uint16_t *)(arena + 2820512896); // %886 cast bf16[8192,768]
   double *pdw = mdl_scratch(49152 * sizeof(double));
   double *pdb = mdl_scratch(49152 * sizeof(double));
-  double *ps0 = mdl_scratch(49152 * sizeof(double)); // partials of the column sum %913
+  double *ps0 = mdl_scratch(49152 * sizeof(double)); // partials of the column sum %885
   #pragma omp parallel num_threads(h->nthreads)
   {
     float *dxrow = mdl_scratch(768 * sizeof(float));
@@ -8582,7 +8484,7 @@ static void k179_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
       const int64_t end = k * 128 + 128 < 8192 ? k * 128 + 128 : 8192;
       for (int64_t r = k * 128; r < end; r++) {
         const float *x = b223 + r * 768;
-        const float *dy = b905 + r * 768;
+        const float *dy = b877 + r * 768;
         double mean = 0, var = 0, mg = 0, mgx = 0;
         #pragma omp simd reduction(+ : mean)
         for (int64_t j = 0; j < 768; j++)
@@ -8607,13 +8509,13 @@ static void k179_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
           dx[j] = (float)(rstd * ((double)dy[j] * b199[j] - mg - (x[j] - mean) * rstd * mgx));
         for (int64_t j = 0; j < 768; j++) {
           const int64_t ix = r * 768 + j;
-          const float v892_ix = b892[ix];
-          const float v909_ix = v892_ix + dx[j];
-          b909[ix] = v909_ix;
-          const float v912_ix = v909_ix;
-          const float v914_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v912_ix));
-          b914[ix] = mdl_f32_to_bf16(v914_ix);
-          sa0[j] += v912_ix;
+          const float v866_ix = b866[ix];
+          const float v883_ix = v866_ix + dx[j];
+          b883[ix] = v883_ix;
+          const float v884_ix = v883_ix;
+          const float v886_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v884_ix));
+          b886[ix] = mdl_f32_to_bf16(v886_ix);
+          sa0[j] += v884_ix;
         }
       }
     }
@@ -8627,9 +8529,9 @@ static void k179_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
       b += pdb[k * 768 + j];
       a0 += ps0[k * 768 + j];
     }
-    b910[j] = (float)w;
-    b911[j] = (float)b;
-    b913[j] = (float)a0;
+    b881[j] = (float)w;
+    b882[j] = (float)b;
+    b885[j] = (float)a0;
   }
   free(pdw);
   free(pdb);
@@ -8637,69 +8539,69 @@ static void k179_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
 }
 
 // k180_gemm: GEMM, 1 op
-//   %916   matmul             d.h.4.proj_w         line 39    f32[768,768]
+//   %888   matmul             d.h.4.proj_w         line 39    f32[768,768]
 // loops:
-//   gemm %916: [768 x 768] = T[768 x 8192] [8192 x 768], bf16 operands widened to f32
+//   gemm %888: [768 x 768] = T[768 x 8192] [8192 x 768], bf16 operands widened to f32
 static void k180_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b218 = (uint16_t *)(arena + 5500673152); // %218 cast bf16[8192,768]
-  uint16_t *const b914 = (uint16_t *)(arena + 2820512896); // %914 cast bf16[8192,768]
-  float *const b916 = (float *)(arena + 775793664); // %916 matmul d.h.4.proj_w f32[768,768]
+  uint16_t *const b886 = (uint16_t *)(arena + 2820512896); // %886 cast bf16[8192,768]
+  float *const b888 = (float *)(arena + 775793664); // %888 matmul d.h.4.proj_w f32[768,768]
   {
     float *const w218 = mdl_widen_bf16(b218, 6291456, h->nthreads);
-    float *const w914 = mdl_widen_bf16(b914, 6291456, h->nthreads);
-    mdl_gemm(h, 1, 0, 768, 768, 8192, w218, 768, w914, 768, 0.0f, b916, 768);
+    float *const w886 = mdl_widen_bf16(b886, 6291456, h->nthreads);
+    mdl_gemm(h, 1, 0, 768, 768, 8192, w218, 768, w886, 768, 0.0f, b888, 768);
     free(w218);
-    free(w914);
+    free(w886);
   }
 }
 
 // k181_gemm__cast: GEMM, 3 ops
-//   %915   matmul                                  line 39    f32[8192,768]
-//   %917   reshape                                 line 39    f32[8,1024,768]
-//   %920   cast                                    line 39    bf16[8,1024,768]
+//   %887   matmul                                  line 39    f32[8192,768]
+//   %889   reshape                                 line 39    f32[8,1024,768]
+//   %892   cast                                    line 39    bf16[8,1024,768]
 // loops:
-//   gemm %915: [8192 x 768] = [8192 x 768] T[768 x 768], bf16 operands widened to f32, epilogue after
-//   elementwise over 6291456: %920
+//   gemm %887: [8192 x 768] = [8192 x 768] T[768 x 768], bf16 operands widened to f32, epilogue after
+//   elementwise over 6291456: %892
 static void k181_gemm__cast(char *arena, const MdlHooks *h) {
   uint16_t *const b219 = (uint16_t *)(arena + 2128465920); // %219 cast bf16[768,768]
-  uint16_t *const b914 = (uint16_t *)(arena + 2820512896); // %914 cast bf16[8192,768]
-  float *const b915 = mdl_scratch(25165824); // %915 matmul f32[8192,768], kept in this kernel
-  uint16_t *const b920 = (uint16_t *)(arena + 2795347072); // %920 cast bf16[8,1024,768]
+  uint16_t *const b886 = (uint16_t *)(arena + 2820512896); // %886 cast bf16[8192,768]
+  float *const b887 = mdl_scratch(25165824); // %887 matmul f32[8192,768], kept in this kernel
+  uint16_t *const b892 = (uint16_t *)(arena + 2795347072); // %892 cast bf16[8,1024,768]
   {
-    float *const w914 = mdl_widen_bf16(b914, 6291456, h->nthreads);
+    float *const w886 = mdl_widen_bf16(b886, 6291456, h->nthreads);
     float *const w219 = mdl_widen_bf16(b219, 589824, h->nthreads);
-    mdl_gemm(h, 0, 1, 8192, 768, 768, w914, 768, w219, 768, 0.0f, b915, 768);
-    free(w914);
+    mdl_gemm(h, 0, 1, 8192, 768, 768, w886, 768, w219, 768, 0.0f, b887, 768);
+    free(w886);
     free(w219);
   }
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
   for (int64_t r = 0; r < 8192; r++) {
     for (int64_t c = 0; c < 768; c++) {
       const int64_t i = r * 768 + c;
-      const float v915_i = b915[i];
-      const float v917_i = v915_i;
-      const float v920_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v917_i));
-      b920[i] = mdl_f32_to_bf16(v920_i);
+      const float v887_i = b887[i];
+      const float v889_i = v887_i;
+      const float v892_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v889_i));
+      b892[i] = mdl_f32_to_bf16(v892_i);
     }
   }
-  free(b915);
+  free(b887);
 }
 
 // k182_attention_bwd: attention, 3 ops
-//   %921   attention_bwd      d.h.4.q              line 39    f32[8,1024,768]
-//   %922   attention_bwd      d.h.4.k              line 39    f32[8,1024,768]
-//   %923   attention_bwd      d.h.4.v              line 39    f32[8,1024,768]
+//   %893   attention_bwd      d.h.4.q              line 39    f32[8,1024,768]
+//   %894   attention_bwd      d.h.4.k              line 39    f32[8,1024,768]
+//   %895   attention_bwd      d.h.4.v              line 39    f32[8,1024,768]
 // loops:
 //   attention backward (dq dk dv): B 8, T 1024, 12 heads of 64, causal, within documents; one task per (batch, head)
 static void k182_attention_bwd(char *arena, const MdlHooks *h) {
   int32_t *const b3 = (int32_t *)(arena + 2238271488); // %3 input doc i32[8,1024]
   uint16_t *const b212 = (uint16_t *)(arena + 4355628160); // %212 cast bf16[8,1024,2304]
   uint16_t *const b218 = (uint16_t *)(arena + 5500673152); // %218 cast bf16[8192,768]
-  float *const b918 = (float *)(arena + 5804235904); // %918 attention_lse f32[8,12,1024]
-  uint16_t *const b920 = (uint16_t *)(arena + 2795347072); // %920 cast bf16[8,1024,768]
-  float *const b921 = (float *)(arena + 2858261632); // %921 attention_bwd d.h.4.q f32[8,1024,768]
-  float *const b922 = (float *)(arena + 2883427456); // %922 attention_bwd d.h.4.k f32[8,1024,768]
-  float *const b923 = (float *)(arena + 2908593280); // %923 attention_bwd d.h.4.v f32[8,1024,768]
+  float *const b890 = (float *)(arena + 5804235904); // %890 attention_lse f32[8,12,1024]
+  uint16_t *const b892 = (uint16_t *)(arena + 2795347072); // %892 cast bf16[8,1024,768]
+  float *const b893 = (float *)(arena + 2858261632); // %893 attention_bwd d.h.4.q f32[8,1024,768]
+  float *const b894 = (float *)(arena + 2883427456); // %894 attention_bwd d.h.4.k f32[8,1024,768]
+  float *const b895 = (float *)(arena + 2908593280); // %895 attention_bwd d.h.4.v f32[8,1024,768]
   #pragma omp parallel num_threads(h->nthreads)
   {
     float *restrict kt = memset(mdl_scratch(67584 * sizeof(float)), 0, 67584 * sizeof(float));
@@ -8747,13 +8649,13 @@ static void k182_attention_bwd(char *arena, const MdlHooks *h) {
           }
           memcpy(s + j0, acc, sizeof acc);
         }
-        const float lse = b918[(b * 12 + hd) * 1024 + i];
+        const float lse = b890[(b * 12 + hd) * 1024 + i];
         #pragma omp simd
         for (int64_t j = lo; j < hi; j++)
           s[j] = dc[j] == di ? mdl_exp_shifted(s[j] * 0.125f - lse) : 0.0f;
         float dor[64];
         for (int64_t c = 0; c < 64; c++)
-          dor[c] = mdl_bf16_to_f32(b920[(b * 1024 + i) * 768 + hd * 64 + c]);
+          dor[c] = mdl_bf16_to_f32(b892[(b * 1024 + i) * 768 + hd * 64 + c]);
         const float *restrict doi = dor;
         float dsum = 0.0f;
         for (int64_t c = 0; c < 64; c++)
@@ -8802,14 +8704,14 @@ static void k182_attention_bwd(char *arena, const MdlHooks *h) {
           for (int64_t c = 0; c < 64; c++)
             dvj[c] += mdl_bf16_to_f32(mdl_f32_to_bf16(s[j])) * doi[c];
         }
-        float *restrict dq = b921 + (b * 1024 + i) * 768 + hd * 64;
+        float *restrict dq = b893 + (b * 1024 + i) * 768 + hd * 64;
         for (int64_t c = 0; c < 64; c++)
           dq[c] = 0.125f * (dqi0[c] + dqi1[c]);
       }
       for (int64_t t = 0; t < 1024; t++)
-        memcpy(b922 + (b * 1024 + t) * 768 + hd * 64, dkh + t * 64, 64 * sizeof(float));
+        memcpy(b894 + (b * 1024 + t) * 768 + hd * 64, dkh + t * 64, 64 * sizeof(float));
       for (int64_t t = 0; t < 1024; t++)
-        memcpy(b923 + (b * 1024 + t) * 768 + hd * 64, dvh + t * 64, 64 * sizeof(float));
+        memcpy(b895 + (b * 1024 + t) * 768 + hd * 64, dvh + t * 64, 64 * sizeof(float));
     }
     free(kt);
     free(s);
@@ -8820,23 +8722,19 @@ static void k182_attention_bwd(char *arena, const MdlHooks *h) {
   }
 }
 
-// k183_sum__slice_bwd__add__cast: kernel, 8 ops
-//   %924   slice_bwd                               line 38    f32[8,1024,2304]
-//   %925   slice_bwd                               line 38    f32[8,1024,2304]
-//   %926   add                                     line 38    f32[8,1024,2304]
-//   %927   slice_bwd                               line 38    f32[8,1024,2304]
-//   %928   add                                     line 38    f32[8,1024,2304]
-//   %929   reshape                                 line 38    f32[8192,2304]
-//   %930   sum                d.h.4.attn_b         line 38    f32[2304]
-//   %931   cast                                    line 38    bf16[8192,2304]
+// k183_sum__concat__cast: kernel, 4 ops
+//   %896   concat                                  line 38    f32[8,1024,2304]
+//   %897   reshape                                 line 38    f32[8192,2304]
+//   %898   sum                d.h.4.attn_b         line 38    f32[2304]
+//   %899   cast                                    line 38    bf16[8192,2304]
 // loops:
-//   sum %930: 2304 outputs over 8192 elements, in 64 blocks of 128
-static void k183_sum__slice_bwd__add__cast(char *arena, const MdlHooks *h) {
-  float *const b921 = (float *)(arena + 2858261632); // %921 attention_bwd d.h.4.q f32[8,1024,768]
-  float *const b922 = (float *)(arena + 2883427456); // %922 attention_bwd d.h.4.k f32[8,1024,768]
-  float *const b923 = (float *)(arena + 2908593280); // %923 attention_bwd d.h.4.v f32[8,1024,768]
-  float *const b930 = (float *)(arena + 775784448); // %930 sum d.h.4.attn_b f32[2304]
-  uint16_t *const b931 = (uint16_t *)(arena + 2795347072); // %931 cast bf16[8192,2304]
+//   sum %898: 2304 outputs over 8192 elements, in 64 blocks of 128
+static void k183_sum__concat__cast(char *arena, const MdlHooks *h) {
+  float *const b893 = (float *)(arena + 2858261632); // %893 attention_bwd d.h.4.q f32[8,1024,768]
+  float *const b894 = (float *)(arena + 2883427456); // %894 attention_bwd d.h.4.k f32[8,1024,768]
+  float *const b895 = (float *)(arena + 2908593280); // %895 attention_bwd d.h.4.v f32[8,1024,768]
+  float *const b898 = (float *)(arena + 775784448); // %898 sum d.h.4.attn_b f32[2304]
+  uint16_t *const b899 = (uint16_t *)(arena + 2795347072); // %899 cast bf16[8192,2304]
   double *part = mdl_scratch(147456 * sizeof(double));
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
   for (int64_t k = 0; k < 64; k++) {
@@ -8847,21 +8745,11 @@ static void k183_sum__slice_bwd__add__cast(char *arena, const MdlHooks *h) {
     for (int64_t l = k * 128; l < end; l++) {
       for (int64_t c = 0; c < 2304; c++) {
         const int64_t ix = l * 2304 + c;
-        const int64_t j1 = c >= 1536 && c < 2304 ? l * 768 + (c - 1536) : 0;
-        const float v923_j1 = b923[j1];
-        const float v924_ix = c >= 1536 && c < 2304 ? v923_j1 : 0.0f;
-        const int64_t j2 = c >= 768 && c < 1536 ? l * 768 + (c - 768) : 0;
-        const float v922_j2 = b922[j2];
-        const float v925_ix = c >= 768 && c < 1536 ? v922_j2 : 0.0f;
-        const float v926_ix = v924_ix + v925_ix;
-        const int64_t j3 = c >= 0 && c < 768 ? l * 768 + (c - 0) : 0;
-        const float v921_j3 = b921[j3];
-        const float v927_ix = c >= 0 && c < 768 ? v921_j3 : 0.0f;
-        const float v928_ix = v926_ix + v927_ix;
-        const float v929_ix = v928_ix;
-        const float v = v929_ix;
-        const float v931_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v929_ix));
-        b931[ix] = mdl_f32_to_bf16(v931_ix);
+        const float v896_ix = (c < 768 ? b893 + (l * 768 + (c - 0)) : c < 1536 ? b894 + (l * 768 + (c - 768)) : b895 + (l * 768 + (c - 1536)))[0];
+        const float v897_ix = v896_ix;
+        const float v = v897_ix;
+        const float v899_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v897_ix));
+        b899[ix] = mdl_f32_to_bf16(v899_ix);
         p[c] += v;
       }
     }
@@ -8874,68 +8762,68 @@ static void k183_sum__slice_bwd__add__cast(char *arena, const MdlHooks *h) {
       acc += v;
     }
     const float y = (float)acc;
-    b930[r] = y;
+    b898[r] = y;
   }
   free(part);
 }
 
 // k184_gemm: GEMM, 1 op
-//   %932   matmul                                  line 38    f32[8192,768]
+//   %900   matmul                                  line 38    f32[8192,768]
 // loops:
-//   gemm %932: [8192 x 768] = [8192 x 2304] T[2304 x 768], bf16 operands widened to f32
+//   gemm %900: [8192 x 768] = [8192 x 2304] T[2304 x 768], bf16 operands widened to f32
 static void k184_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b208 = (uint16_t *)(arena + 2124926976); // %208 cast bf16[768,2304]
-  uint16_t *const b931 = (uint16_t *)(arena + 2795347072); // %931 cast bf16[8192,2304]
-  float *const b932 = (float *)(arena + 2858261632); // %932 matmul f32[8192,768]
+  uint16_t *const b899 = (uint16_t *)(arena + 2795347072); // %899 cast bf16[8192,2304]
+  float *const b900 = (float *)(arena + 2858261632); // %900 matmul f32[8192,768]
   {
-    float *const w931 = mdl_widen_bf16(b931, 18874368, h->nthreads);
+    float *const w899 = mdl_widen_bf16(b899, 18874368, h->nthreads);
     float *const w208 = mdl_widen_bf16(b208, 1769472, h->nthreads);
-    mdl_gemm(h, 0, 1, 8192, 768, 2304, w931, 2304, w208, 2304, 0.0f, b932, 768);
-    free(w931);
+    mdl_gemm(h, 0, 1, 8192, 768, 2304, w899, 2304, w208, 2304, 0.0f, b900, 768);
+    free(w899);
     free(w208);
   }
 }
 
 // k185_gemm: GEMM, 1 op
-//   %933   matmul             d.h.4.attn_w         line 38    f32[768,2304]
+//   %901   matmul             d.h.4.attn_w         line 38    f32[768,2304]
 // loops:
-//   gemm %933: [768 x 2304] = T[768 x 8192] [8192 x 2304], bf16 operands widened to f32
+//   gemm %901: [768 x 2304] = T[768 x 8192] [8192 x 2304], bf16 operands widened to f32
 static void k185_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b207 = (uint16_t *)(arena + 5488090240); // %207 cast bf16[8192,768]
-  uint16_t *const b931 = (uint16_t *)(arena + 2795347072); // %931 cast bf16[8192,2304]
-  float *const b933 = (float *)(arena + 768706560); // %933 matmul d.h.4.attn_w f32[768,2304]
+  uint16_t *const b899 = (uint16_t *)(arena + 2795347072); // %899 cast bf16[8192,2304]
+  float *const b901 = (float *)(arena + 768706560); // %901 matmul d.h.4.attn_w f32[768,2304]
   {
     float *const w207 = mdl_widen_bf16(b207, 6291456, h->nthreads);
-    float *const w931 = mdl_widen_bf16(b931, 18874368, h->nthreads);
-    mdl_gemm(h, 1, 0, 768, 2304, 8192, w207, 768, w931, 2304, 0.0f, b933, 2304);
+    float *const w899 = mdl_widen_bf16(b899, 18874368, h->nthreads);
+    mdl_gemm(h, 1, 0, 768, 2304, 8192, w207, 768, w899, 2304, 0.0f, b901, 2304);
     free(w207);
-    free(w931);
+    free(w899);
   }
 }
 
 // k186_layernorm_bwd__add__sum__cast: kernel, 7 ops
-//   %935   layernorm_bwd                           line 38    f32[8,1024,768]
-//   %936   add                d.h.3.x              line 38    f32[8,1024,768]
-//   %937   layernorm_bwd      d.h.4.ln1_w          line 38    f32[768]
-//   %938   layernorm_bwd      d.h.4.ln1_b          line 38    f32[768]
-//   %939   reshape                                 line 40    f32[8192,768]
-//   %940   sum                d.h.3.fcproj_b       line 40    f32[768]
-//   %941   cast                                    line 40    bf16[8192,768]
+//   %903   layernorm_bwd                           line 38    f32[8,1024,768]
+//   %904   layernorm_bwd      d.h.4.ln1_w          line 38    f32[768]
+//   %905   layernorm_bwd      d.h.4.ln1_b          line 38    f32[768]
+//   %906   add                d.h.3.x              line 40    f32[8,1024,768]
+//   %907   reshape                                 line 40    f32[8192,768]
+//   %908   sum                d.h.3.fcproj_b       line 40    f32[768]
+//   %909   cast                                    line 40    bf16[8192,768]
 // loops:
 //   layernorm_bwd: 8192 rows of 768, column sums over 64 blocks of 128 rows
 static void k186_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
   float *const b192 = (float *)(arena + 4858944640); // %192 add h.3.x f32[8,1024,768]
   float *const b193 = (float *)(arena + 270941184); // %193 param h.4.ln1_w f32[768]
-  float *const b909 = (float *)(arena + 2833095808); // %909 add d.h.4.x f32[8,1024,768]
-  float *const b932 = (float *)(arena + 2858261632); // %932 matmul f32[8192,768]
-  float *const b936 = (float *)(arena + 2883427456); // %936 add d.h.3.x f32[8,1024,768]
-  float *const b937 = (float *)(arena + 768700416); // %937 layernorm_bwd d.h.4.ln1_w f32[768]
-  float *const b938 = (float *)(arena + 768703488); // %938 layernorm_bwd d.h.4.ln1_b f32[768]
-  float *const b940 = (float *)(arena + 768697344); // %940 sum d.h.3.fcproj_b f32[768]
-  uint16_t *const b941 = (uint16_t *)(arena + 2908593280); // %941 cast bf16[8192,768]
+  float *const b883 = (float *)(arena + 2833095808); // %883 add d.h.4.x f32[8,1024,768]
+  float *const b900 = (float *)(arena + 2858261632); // %900 matmul f32[8192,768]
+  float *const b904 = (float *)(arena + 768700416); // %904 layernorm_bwd d.h.4.ln1_w f32[768]
+  float *const b905 = (float *)(arena + 768703488); // %905 layernorm_bwd d.h.4.ln1_b f32[768]
+  float *const b906 = (float *)(arena + 2883427456); // %906 add d.h.3.x f32[8,1024,768]
+  float *const b908 = (float *)(arena + 768697344); // %908 sum d.h.3.fcproj_b f32[768]
+  uint16_t *const b909 = (uint16_t *)(arena + 2908593280); // %909 cast bf16[8192,768]
   double *pdw = mdl_scratch(49152 * sizeof(double));
   double *pdb = mdl_scratch(49152 * sizeof(double));
-  double *ps0 = mdl_scratch(49152 * sizeof(double)); // partials of the column sum %940
+  double *ps0 = mdl_scratch(49152 * sizeof(double)); // partials of the column sum %908
   #pragma omp parallel num_threads(h->nthreads)
   {
     float *dxrow = mdl_scratch(768 * sizeof(float));
@@ -8949,7 +8837,7 @@ static void k186_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
       const int64_t end = k * 128 + 128 < 8192 ? k * 128 + 128 : 8192;
       for (int64_t r = k * 128; r < end; r++) {
         const float *x = b192 + r * 768;
-        const float *dy = b932 + r * 768;
+        const float *dy = b900 + r * 768;
         double mean = 0, var = 0, mg = 0, mgx = 0;
         #pragma omp simd reduction(+ : mean)
         for (int64_t j = 0; j < 768; j++)
@@ -8974,13 +8862,13 @@ static void k186_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
           dx[j] = (float)(rstd * ((double)dy[j] * b193[j] - mg - (x[j] - mean) * rstd * mgx));
         for (int64_t j = 0; j < 768; j++) {
           const int64_t ix = r * 768 + j;
-          const float v909_ix = b909[ix];
-          const float v936_ix = v909_ix + dx[j];
-          b936[ix] = v936_ix;
-          const float v939_ix = v936_ix;
-          const float v941_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v939_ix));
-          b941[ix] = mdl_f32_to_bf16(v941_ix);
-          sa0[j] += v939_ix;
+          const float v883_ix = b883[ix];
+          const float v906_ix = v883_ix + dx[j];
+          b906[ix] = v906_ix;
+          const float v907_ix = v906_ix;
+          const float v909_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v907_ix));
+          b909[ix] = mdl_f32_to_bf16(v909_ix);
+          sa0[j] += v907_ix;
         }
       }
     }
@@ -8994,9 +8882,9 @@ static void k186_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
       b += pdb[k * 768 + j];
       a0 += ps0[k * 768 + j];
     }
-    b937[j] = (float)w;
-    b938[j] = (float)b;
-    b940[j] = (float)a0;
+    b904[j] = (float)w;
+    b905[j] = (float)b;
+    b908[j] = (float)a0;
   }
   free(pdw);
   free(pdb);
@@ -9004,44 +8892,44 @@ static void k186_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
 }
 
 // k187_gemm: GEMM, 1 op
-//   %943   matmul             d.h.3.fcproj_w       line 40    f32[3072,768]
+//   %911   matmul             d.h.3.fcproj_w       line 40    f32[3072,768]
 // loops:
-//   gemm %943: [3072 x 768] = T[3072 x 8192] [8192 x 768], bf16 operands widened to f32
+//   gemm %911: [3072 x 768] = T[3072 x 8192] [8192 x 768], bf16 operands widened to f32
 static void k187_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b187 = (uint16_t *)(arena + 3751648384); // %187 cast bf16[8192,3072]
-  uint16_t *const b941 = (uint16_t *)(arena + 2908593280); // %941 cast bf16[8192,768]
-  float *const b943 = (float *)(arena + 759260160); // %943 matmul d.h.3.fcproj_w f32[3072,768]
+  uint16_t *const b909 = (uint16_t *)(arena + 2908593280); // %909 cast bf16[8192,768]
+  float *const b911 = (float *)(arena + 759260160); // %911 matmul d.h.3.fcproj_w f32[3072,768]
   {
     float *const w187 = mdl_widen_bf16(b187, 25165824, h->nthreads);
-    float *const w941 = mdl_widen_bf16(b941, 6291456, h->nthreads);
-    mdl_gemm(h, 1, 0, 3072, 768, 8192, w187, 3072, w941, 768, 0.0f, b943, 768);
+    float *const w909 = mdl_widen_bf16(b909, 6291456, h->nthreads);
+    mdl_gemm(h, 1, 0, 3072, 768, 8192, w187, 3072, w909, 768, 0.0f, b911, 768);
     free(w187);
-    free(w941);
+    free(w909);
   }
 }
 
 // k188_gemm__gelu_bwd__sum__cast: GEMM, 6 ops
-//   %942   matmul                                  line 40    f32[8192,3072]
-//   %944   reshape                                 line 40    f32[8,1024,3072]
-//   %945   gelu_bwd                                line 40    f32[8,1024,3072]
-//   %946   reshape                                 line 40    f32[8192,3072]
-//   %947   sum                d.h.3.fc_b           line 40    f32[3072]
-//   %948   cast                                    line 40    bf16[8192,3072]
+//   %910   matmul                                  line 40    f32[8192,3072]
+//   %912   reshape                                 line 40    f32[8,1024,3072]
+//   %913   gelu_bwd                                line 40    f32[8,1024,3072]
+//   %914   reshape                                 line 40    f32[8192,3072]
+//   %915   sum                d.h.3.fc_b           line 40    f32[3072]
+//   %916   cast                                    line 40    bf16[8192,3072]
 // loops:
-//   gemm %942: [8192 x 3072] = [8192 x 768] T[768 x 3072], bf16 operands widened to f32, epilogue after
-//   sum %947: 3072 outputs over 8192 elements, in 64 blocks of 128
+//   gemm %910: [8192 x 3072] = [8192 x 768] T[768 x 3072], bf16 operands widened to f32, epilogue after
+//   sum %915: 3072 outputs over 8192 elements, in 64 blocks of 128
 static void k188_gemm__gelu_bwd__sum__cast(char *arena, const MdlHooks *h) {
   float *const b184 = (float *)(arena + 2694683776); // %184 add f32[8,1024,3072]
   uint16_t *const b188 = (uint16_t *)(arena + 2120208384); // %188 cast bf16[3072,768]
-  uint16_t *const b941 = (uint16_t *)(arena + 2908593280); // %941 cast bf16[8192,768]
-  float *const b942 = mdl_scratch(100663296); // %942 matmul f32[8192,3072], kept in this kernel
-  float *const b947 = (float *)(arena + 759247872); // %947 sum d.h.3.fc_b f32[3072]
-  uint16_t *const b948 = (uint16_t *)(arena + 2795347072); // %948 cast bf16[8192,3072]
+  uint16_t *const b909 = (uint16_t *)(arena + 2908593280); // %909 cast bf16[8192,768]
+  float *const b910 = mdl_scratch(100663296); // %910 matmul f32[8192,3072], kept in this kernel
+  float *const b915 = (float *)(arena + 759247872); // %915 sum d.h.3.fc_b f32[3072]
+  uint16_t *const b916 = (uint16_t *)(arena + 2795347072); // %916 cast bf16[8192,3072]
   {
-    float *const w941 = mdl_widen_bf16(b941, 6291456, h->nthreads);
+    float *const w909 = mdl_widen_bf16(b909, 6291456, h->nthreads);
     float *const w188 = mdl_widen_bf16(b188, 2359296, h->nthreads);
-    mdl_gemm(h, 0, 1, 8192, 3072, 768, w941, 768, w188, 768, 0.0f, b942, 3072);
-    free(w941);
+    mdl_gemm(h, 0, 1, 8192, 3072, 768, w909, 768, w188, 768, 0.0f, b910, 3072);
+    free(w909);
     free(w188);
   }
   double *part = mdl_scratch(196608 * sizeof(double));
@@ -9055,13 +8943,13 @@ static void k188_gemm__gelu_bwd__sum__cast(char *arena, const MdlHooks *h) {
       for (int64_t c = 0; c < 3072; c++) {
         const int64_t ix = l * 3072 + c;
         const float v184_ix = b184[ix];
-        const float v942_ix = b942[ix];
-        const float v944_ix = v942_ix;
-        const float v945_ix = mdl_gelu_grad(v184_ix) * v944_ix;
-        const float v946_ix = v945_ix;
-        const float v = v946_ix;
-        const float v948_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v946_ix));
-        b948[ix] = mdl_f32_to_bf16(v948_ix);
+        const float v910_ix = b910[ix];
+        const float v912_ix = v910_ix;
+        const float v913_ix = mdl_gelu_grad(v184_ix) * v912_ix;
+        const float v914_ix = v913_ix;
+        const float v = v914_ix;
+        const float v916_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v914_ix));
+        b916[ix] = mdl_f32_to_bf16(v916_ix);
         p[c] += v;
       }
     }
@@ -9074,69 +8962,69 @@ static void k188_gemm__gelu_bwd__sum__cast(char *arena, const MdlHooks *h) {
       acc += v;
     }
     const float y = (float)acc;
-    b947[r] = y;
+    b915[r] = y;
   }
   free(part);
-  free(b942);
+  free(b910);
 }
 
 // k189_gemm: GEMM, 1 op
-//   %949   matmul                                  line 40    f32[8192,768]
+//   %917   matmul                                  line 40    f32[8192,768]
 // loops:
-//   gemm %949: [8192 x 768] = [8192 x 3072] T[3072 x 768], bf16 operands widened to f32
+//   gemm %917: [8192 x 768] = [8192 x 3072] T[3072 x 768], bf16 operands widened to f32
 static void k189_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b181 = (uint16_t *)(arena + 2115489792); // %181 cast bf16[768,3072]
-  uint16_t *const b948 = (uint16_t *)(arena + 2795347072); // %948 cast bf16[8192,3072]
-  float *const b949 = (float *)(arena + 2694683776); // %949 matmul f32[8192,768]
+  uint16_t *const b916 = (uint16_t *)(arena + 2795347072); // %916 cast bf16[8192,3072]
+  float *const b917 = (float *)(arena + 2694683776); // %917 matmul f32[8192,768]
   {
-    float *const w948 = mdl_widen_bf16(b948, 25165824, h->nthreads);
+    float *const w916 = mdl_widen_bf16(b916, 25165824, h->nthreads);
     float *const w181 = mdl_widen_bf16(b181, 2359296, h->nthreads);
-    mdl_gemm(h, 0, 1, 8192, 768, 3072, w948, 3072, w181, 3072, 0.0f, b949, 768);
-    free(w948);
+    mdl_gemm(h, 0, 1, 8192, 768, 3072, w916, 3072, w181, 3072, 0.0f, b917, 768);
+    free(w916);
     free(w181);
   }
 }
 
 // k190_gemm: GEMM, 1 op
-//   %950   matmul             d.h.3.fc_w           line 40    f32[768,3072]
+//   %918   matmul             d.h.3.fc_w           line 40    f32[768,3072]
 // loops:
-//   gemm %950: [768 x 3072] = T[768 x 8192] [8192 x 3072], bf16 operands widened to f32
+//   gemm %918: [768 x 3072] = T[768 x 8192] [8192 x 3072], bf16 operands widened to f32
 static void k190_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b180 = (uint16_t *)(arena + 5475507328); // %180 cast bf16[8192,768]
-  uint16_t *const b948 = (uint16_t *)(arena + 2795347072); // %948 cast bf16[8192,3072]
-  float *const b950 = (float *)(arena + 749810688); // %950 matmul d.h.3.fc_w f32[768,3072]
+  uint16_t *const b916 = (uint16_t *)(arena + 2795347072); // %916 cast bf16[8192,3072]
+  float *const b918 = (float *)(arena + 749810688); // %918 matmul d.h.3.fc_w f32[768,3072]
   {
     float *const w180 = mdl_widen_bf16(b180, 6291456, h->nthreads);
-    float *const w948 = mdl_widen_bf16(b948, 25165824, h->nthreads);
-    mdl_gemm(h, 1, 0, 768, 3072, 8192, w180, 768, w948, 3072, 0.0f, b950, 3072);
+    float *const w916 = mdl_widen_bf16(b916, 25165824, h->nthreads);
+    mdl_gemm(h, 1, 0, 768, 3072, 8192, w180, 768, w916, 3072, 0.0f, b918, 3072);
     free(w180);
-    free(w948);
+    free(w916);
   }
 }
 
 // k191_layernorm_bwd__add__sum__cast: kernel, 7 ops
-//   %952   layernorm_bwd                           line 40    f32[8,1024,768]
-//   %953   add                d.h.3.x              line 40    f32[8,1024,768]
-//   %954   layernorm_bwd      d.h.3.ln2_w          line 40    f32[768]
-//   %955   layernorm_bwd      d.h.3.ln2_b          line 40    f32[768]
-//   %956   reshape                                 line 39    f32[8192,768]
-//   %957   sum                d.h.3.proj_b         line 39    f32[768]
-//   %958   cast                                    line 39    bf16[8192,768]
+//   %920   layernorm_bwd                           line 40    f32[8,1024,768]
+//   %921   layernorm_bwd      d.h.3.ln2_w          line 40    f32[768]
+//   %922   layernorm_bwd      d.h.3.ln2_b          line 40    f32[768]
+//   %923   add                d.h.3.x              line 39    f32[8,1024,768]
+//   %924   reshape                                 line 39    f32[8192,768]
+//   %925   sum                d.h.3.proj_b         line 39    f32[768]
+//   %926   cast                                    line 39    bf16[8192,768]
 // loops:
 //   layernorm_bwd: 8192 rows of 768, column sums over 64 blocks of 128 rows
 static void k191_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
   float *const b153 = (float *)(arena + 252045312); // %153 param h.3.ln2_w f32[768]
   float *const b177 = (float *)(arena + 4833778816); // %177 add h.3.x f32[8,1024,768]
-  float *const b936 = (float *)(arena + 2883427456); // %936 add d.h.3.x f32[8,1024,768]
-  float *const b949 = (float *)(arena + 2694683776); // %949 matmul f32[8192,768]
-  float *const b953 = (float *)(arena + 2732432512); // %953 add d.h.3.x f32[8,1024,768]
-  float *const b954 = (float *)(arena + 749804544); // %954 layernorm_bwd d.h.3.ln2_w f32[768]
-  float *const b955 = (float *)(arena + 749807616); // %955 layernorm_bwd d.h.3.ln2_b f32[768]
-  float *const b957 = (float *)(arena + 749801472); // %957 sum d.h.3.proj_b f32[768]
-  uint16_t *const b958 = (uint16_t *)(arena + 2719849600); // %958 cast bf16[8192,768]
+  float *const b906 = (float *)(arena + 2883427456); // %906 add d.h.3.x f32[8,1024,768]
+  float *const b917 = (float *)(arena + 2694683776); // %917 matmul f32[8192,768]
+  float *const b921 = (float *)(arena + 749804544); // %921 layernorm_bwd d.h.3.ln2_w f32[768]
+  float *const b922 = (float *)(arena + 749807616); // %922 layernorm_bwd d.h.3.ln2_b f32[768]
+  float *const b923 = (float *)(arena + 2732432512); // %923 add d.h.3.x f32[8,1024,768]
+  float *const b925 = (float *)(arena + 749801472); // %925 sum d.h.3.proj_b f32[768]
+  uint16_t *const b926 = (uint16_t *)(arena + 2719849600); // %926 cast bf16[8192,768]
   double *pdw = mdl_scratch(49152 * sizeof(double));
   double *pdb = mdl_scratch(49152 * sizeof(double));
-  double *ps0 = mdl_scratch(49152 * sizeof(double)); // partials of the column sum %957
+  double *ps0 = mdl_scratch(49152 * sizeof(double)); // partials of the column sum %925
   #pragma omp parallel num_threads(h->nthreads)
   {
     float *dxrow = mdl_scratch(768 * sizeof(float));
@@ -9150,7 +9038,7 @@ static void k191_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
       const int64_t end = k * 128 + 128 < 8192 ? k * 128 + 128 : 8192;
       for (int64_t r = k * 128; r < end; r++) {
         const float *x = b177 + r * 768;
-        const float *dy = b949 + r * 768;
+        const float *dy = b917 + r * 768;
         double mean = 0, var = 0, mg = 0, mgx = 0;
         #pragma omp simd reduction(+ : mean)
         for (int64_t j = 0; j < 768; j++)
@@ -9175,13 +9063,13 @@ static void k191_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
           dx[j] = (float)(rstd * ((double)dy[j] * b153[j] - mg - (x[j] - mean) * rstd * mgx));
         for (int64_t j = 0; j < 768; j++) {
           const int64_t ix = r * 768 + j;
-          const float v936_ix = b936[ix];
-          const float v953_ix = v936_ix + dx[j];
-          b953[ix] = v953_ix;
-          const float v956_ix = v953_ix;
-          const float v958_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v956_ix));
-          b958[ix] = mdl_f32_to_bf16(v958_ix);
-          sa0[j] += v956_ix;
+          const float v906_ix = b906[ix];
+          const float v923_ix = v906_ix + dx[j];
+          b923[ix] = v923_ix;
+          const float v924_ix = v923_ix;
+          const float v926_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v924_ix));
+          b926[ix] = mdl_f32_to_bf16(v926_ix);
+          sa0[j] += v924_ix;
         }
       }
     }
@@ -9195,9 +9083,9 @@ static void k191_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
       b += pdb[k * 768 + j];
       a0 += ps0[k * 768 + j];
     }
-    b954[j] = (float)w;
-    b955[j] = (float)b;
-    b957[j] = (float)a0;
+    b921[j] = (float)w;
+    b922[j] = (float)b;
+    b925[j] = (float)a0;
   }
   free(pdw);
   free(pdb);
@@ -9205,69 +9093,69 @@ static void k191_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
 }
 
 // k192_gemm: GEMM, 1 op
-//   %960   matmul             d.h.3.proj_w         line 39    f32[768,768]
+//   %928   matmul             d.h.3.proj_w         line 39    f32[768,768]
 // loops:
-//   gemm %960: [768 x 768] = T[768 x 8192] [8192 x 768], bf16 operands widened to f32
+//   gemm %928: [768 x 768] = T[768 x 8192] [8192 x 768], bf16 operands widened to f32
 static void k192_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b172 = (uint16_t *)(arena + 5462924416); // %172 cast bf16[8192,768]
-  uint16_t *const b958 = (uint16_t *)(arena + 2719849600); // %958 cast bf16[8192,768]
-  float *const b960 = (float *)(arena + 747442176); // %960 matmul d.h.3.proj_w f32[768,768]
+  uint16_t *const b926 = (uint16_t *)(arena + 2719849600); // %926 cast bf16[8192,768]
+  float *const b928 = (float *)(arena + 747442176); // %928 matmul d.h.3.proj_w f32[768,768]
   {
     float *const w172 = mdl_widen_bf16(b172, 6291456, h->nthreads);
-    float *const w958 = mdl_widen_bf16(b958, 6291456, h->nthreads);
-    mdl_gemm(h, 1, 0, 768, 768, 8192, w172, 768, w958, 768, 0.0f, b960, 768);
+    float *const w926 = mdl_widen_bf16(b926, 6291456, h->nthreads);
+    mdl_gemm(h, 1, 0, 768, 768, 8192, w172, 768, w926, 768, 0.0f, b928, 768);
     free(w172);
-    free(w958);
+    free(w926);
   }
 }
 
 // k193_gemm__cast: GEMM, 3 ops
-//   %959   matmul                                  line 39    f32[8192,768]
-//   %961   reshape                                 line 39    f32[8,1024,768]
-//   %964   cast                                    line 39    bf16[8,1024,768]
+//   %927   matmul                                  line 39    f32[8192,768]
+//   %929   reshape                                 line 39    f32[8,1024,768]
+//   %932   cast                                    line 39    bf16[8,1024,768]
 // loops:
-//   gemm %959: [8192 x 768] = [8192 x 768] T[768 x 768], bf16 operands widened to f32, epilogue after
-//   elementwise over 6291456: %964
+//   gemm %927: [8192 x 768] = [8192 x 768] T[768 x 768], bf16 operands widened to f32, epilogue after
+//   elementwise over 6291456: %932
 static void k193_gemm__cast(char *arena, const MdlHooks *h) {
   uint16_t *const b173 = (uint16_t *)(arena + 2114310144); // %173 cast bf16[768,768]
-  uint16_t *const b958 = (uint16_t *)(arena + 2719849600); // %958 cast bf16[8192,768]
-  float *const b959 = mdl_scratch(25165824); // %959 matmul f32[8192,768], kept in this kernel
-  uint16_t *const b964 = (uint16_t *)(arena + 2694683776); // %964 cast bf16[8,1024,768]
+  uint16_t *const b926 = (uint16_t *)(arena + 2719849600); // %926 cast bf16[8192,768]
+  float *const b927 = mdl_scratch(25165824); // %927 matmul f32[8192,768], kept in this kernel
+  uint16_t *const b932 = (uint16_t *)(arena + 2694683776); // %932 cast bf16[8,1024,768]
   {
-    float *const w958 = mdl_widen_bf16(b958, 6291456, h->nthreads);
+    float *const w926 = mdl_widen_bf16(b926, 6291456, h->nthreads);
     float *const w173 = mdl_widen_bf16(b173, 589824, h->nthreads);
-    mdl_gemm(h, 0, 1, 8192, 768, 768, w958, 768, w173, 768, 0.0f, b959, 768);
-    free(w958);
+    mdl_gemm(h, 0, 1, 8192, 768, 768, w926, 768, w173, 768, 0.0f, b927, 768);
+    free(w926);
     free(w173);
   }
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
   for (int64_t r = 0; r < 8192; r++) {
     for (int64_t c = 0; c < 768; c++) {
       const int64_t i = r * 768 + c;
-      const float v959_i = b959[i];
-      const float v961_i = v959_i;
-      const float v964_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v961_i));
-      b964[i] = mdl_f32_to_bf16(v964_i);
+      const float v927_i = b927[i];
+      const float v929_i = v927_i;
+      const float v932_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v929_i));
+      b932[i] = mdl_f32_to_bf16(v932_i);
     }
   }
-  free(b959);
+  free(b927);
 }
 
 // k194_attention_bwd: attention, 3 ops
-//   %965   attention_bwd      d.h.3.q              line 39    f32[8,1024,768]
-//   %966   attention_bwd      d.h.3.k              line 39    f32[8,1024,768]
-//   %967   attention_bwd      d.h.3.v              line 39    f32[8,1024,768]
+//   %933   attention_bwd      d.h.3.q              line 39    f32[8,1024,768]
+//   %934   attention_bwd      d.h.3.k              line 39    f32[8,1024,768]
+//   %935   attention_bwd      d.h.3.v              line 39    f32[8,1024,768]
 // loops:
 //   attention backward (dq dk dv): B 8, T 1024, 12 heads of 64, causal, within documents; one task per (batch, head)
 static void k194_attention_bwd(char *arena, const MdlHooks *h) {
   int32_t *const b3 = (int32_t *)(arena + 2238271488); // %3 input doc i32[8,1024]
   uint16_t *const b166 = (uint16_t *)(arena + 4317879424); // %166 cast bf16[8,1024,2304]
   uint16_t *const b172 = (uint16_t *)(arena + 5462924416); // %172 cast bf16[8192,768]
-  float *const b962 = (float *)(arena + 5803842688); // %962 attention_lse f32[8,12,1024]
-  uint16_t *const b964 = (uint16_t *)(arena + 2694683776); // %964 cast bf16[8,1024,768]
-  float *const b965 = (float *)(arena + 2757598336); // %965 attention_bwd d.h.3.q f32[8,1024,768]
-  float *const b966 = (float *)(arena + 2782764160); // %966 attention_bwd d.h.3.k f32[8,1024,768]
-  float *const b967 = (float *)(arena + 2807929984); // %967 attention_bwd d.h.3.v f32[8,1024,768]
+  float *const b930 = (float *)(arena + 5803842688); // %930 attention_lse f32[8,12,1024]
+  uint16_t *const b932 = (uint16_t *)(arena + 2694683776); // %932 cast bf16[8,1024,768]
+  float *const b933 = (float *)(arena + 2757598336); // %933 attention_bwd d.h.3.q f32[8,1024,768]
+  float *const b934 = (float *)(arena + 2782764160); // %934 attention_bwd d.h.3.k f32[8,1024,768]
+  float *const b935 = (float *)(arena + 2807929984); // %935 attention_bwd d.h.3.v f32[8,1024,768]
   #pragma omp parallel num_threads(h->nthreads)
   {
     float *restrict kt = memset(mdl_scratch(67584 * sizeof(float)), 0, 67584 * sizeof(float));
@@ -9315,13 +9203,13 @@ static void k194_attention_bwd(char *arena, const MdlHooks *h) {
           }
           memcpy(s + j0, acc, sizeof acc);
         }
-        const float lse = b962[(b * 12 + hd) * 1024 + i];
+        const float lse = b930[(b * 12 + hd) * 1024 + i];
         #pragma omp simd
         for (int64_t j = lo; j < hi; j++)
           s[j] = dc[j] == di ? mdl_exp_shifted(s[j] * 0.125f - lse) : 0.0f;
         float dor[64];
         for (int64_t c = 0; c < 64; c++)
-          dor[c] = mdl_bf16_to_f32(b964[(b * 1024 + i) * 768 + hd * 64 + c]);
+          dor[c] = mdl_bf16_to_f32(b932[(b * 1024 + i) * 768 + hd * 64 + c]);
         const float *restrict doi = dor;
         float dsum = 0.0f;
         for (int64_t c = 0; c < 64; c++)
@@ -9370,14 +9258,14 @@ static void k194_attention_bwd(char *arena, const MdlHooks *h) {
           for (int64_t c = 0; c < 64; c++)
             dvj[c] += mdl_bf16_to_f32(mdl_f32_to_bf16(s[j])) * doi[c];
         }
-        float *restrict dq = b965 + (b * 1024 + i) * 768 + hd * 64;
+        float *restrict dq = b933 + (b * 1024 + i) * 768 + hd * 64;
         for (int64_t c = 0; c < 64; c++)
           dq[c] = 0.125f * (dqi0[c] + dqi1[c]);
       }
       for (int64_t t = 0; t < 1024; t++)
-        memcpy(b966 + (b * 1024 + t) * 768 + hd * 64, dkh + t * 64, 64 * sizeof(float));
+        memcpy(b934 + (b * 1024 + t) * 768 + hd * 64, dkh + t * 64, 64 * sizeof(float));
       for (int64_t t = 0; t < 1024; t++)
-        memcpy(b967 + (b * 1024 + t) * 768 + hd * 64, dvh + t * 64, 64 * sizeof(float));
+        memcpy(b935 + (b * 1024 + t) * 768 + hd * 64, dvh + t * 64, 64 * sizeof(float));
     }
     free(kt);
     free(s);
@@ -9388,23 +9276,19 @@ static void k194_attention_bwd(char *arena, const MdlHooks *h) {
   }
 }
 
-// k195_sum__slice_bwd__add__cast: kernel, 8 ops
-//   %968   slice_bwd                               line 38    f32[8,1024,2304]
-//   %969   slice_bwd                               line 38    f32[8,1024,2304]
-//   %970   add                                     line 38    f32[8,1024,2304]
-//   %971   slice_bwd                               line 38    f32[8,1024,2304]
-//   %972   add                                     line 38    f32[8,1024,2304]
-//   %973   reshape                                 line 38    f32[8192,2304]
-//   %974   sum                d.h.3.attn_b         line 38    f32[2304]
-//   %975   cast                                    line 38    bf16[8192,2304]
+// k195_sum__concat__cast: kernel, 4 ops
+//   %936   concat                                  line 38    f32[8,1024,2304]
+//   %937   reshape                                 line 38    f32[8192,2304]
+//   %938   sum                d.h.3.attn_b         line 38    f32[2304]
+//   %939   cast                                    line 38    bf16[8192,2304]
 // loops:
-//   sum %974: 2304 outputs over 8192 elements, in 64 blocks of 128
-static void k195_sum__slice_bwd__add__cast(char *arena, const MdlHooks *h) {
-  float *const b965 = (float *)(arena + 2757598336); // %965 attention_bwd d.h.3.q f32[8,1024,768]
-  float *const b966 = (float *)(arena + 2782764160); // %966 attention_bwd d.h.3.k f32[8,1024,768]
-  float *const b967 = (float *)(arena + 2807929984); // %967 attention_bwd d.h.3.v f32[8,1024,768]
-  float *const b974 = (float *)(arena + 747432960); // %974 sum d.h.3.attn_b f32[2304]
-  uint16_t *const b975 = (uint16_t *)(arena + 2694683776); // %975 cast bf16[8192,2304]
+//   sum %938: 2304 outputs over 8192 elements, in 64 blocks of 128
+static void k195_sum__concat__cast(char *arena, const MdlHooks *h) {
+  float *const b933 = (float *)(arena + 2757598336); // %933 attention_bwd d.h.3.q f32[8,1024,768]
+  float *const b934 = (float *)(arena + 2782764160); // %934 attention_bwd d.h.3.k f32[8,1024,768]
+  float *const b935 = (float *)(arena + 2807929984); // %935 attention_bwd d.h.3.v f32[8,1024,768]
+  float *const b938 = (float *)(arena + 747432960); // %938 sum d.h.3.attn_b f32[2304]
+  uint16_t *const b939 = (uint16_t *)(arena + 2694683776); // %939 cast bf16[8192,2304]
   double *part = mdl_scratch(147456 * sizeof(double));
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
   for (int64_t k = 0; k < 64; k++) {
@@ -9415,21 +9299,11 @@ static void k195_sum__slice_bwd__add__cast(char *arena, const MdlHooks *h) {
     for (int64_t l = k * 128; l < end; l++) {
       for (int64_t c = 0; c < 2304; c++) {
         const int64_t ix = l * 2304 + c;
-        const int64_t j1 = c >= 1536 && c < 2304 ? l * 768 + (c - 1536) : 0;
-        const float v967_j1 = b967[j1];
-        const float v968_ix = c >= 1536 && c < 2304 ? v967_j1 : 0.0f;
-        const int64_t j2 = c >= 768 && c < 1536 ? l * 768 + (c - 768) : 0;
-        const float v966_j2 = b966[j2];
-        const float v969_ix = c >= 768 && c < 1536 ? v966_j2 : 0.0f;
-        const float v970_ix = v968_ix + v969_ix;
-        const int64_t j3 = c >= 0 && c < 768 ? l * 768 + (c - 0) : 0;
-        const float v965_j3 = b965[j3];
-        const float v971_ix = c >= 0 && c < 768 ? v965_j3 : 0.0f;
-        const float v972_ix = v970_ix + v971_ix;
-        const float v973_ix = v972_ix;
-        const float v = v973_ix;
-        const float v975_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v973_ix));
-        b975[ix] = mdl_f32_to_bf16(v975_ix);
+        const float v936_ix = (c < 768 ? b933 + (l * 768 + (c - 0)) : c < 1536 ? b934 + (l * 768 + (c - 768)) : b935 + (l * 768 + (c - 1536)))[0];
+        const float v937_ix = v936_ix;
+        const float v = v937_ix;
+        const float v939_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v937_ix));
+        b939[ix] = mdl_f32_to_bf16(v939_ix);
         p[c] += v;
       }
     }
@@ -9442,68 +9316,68 @@ static void k195_sum__slice_bwd__add__cast(char *arena, const MdlHooks *h) {
       acc += v;
     }
     const float y = (float)acc;
-    b974[r] = y;
+    b938[r] = y;
   }
   free(part);
 }
 
 // k196_gemm: GEMM, 1 op
-//   %976   matmul                                  line 38    f32[8192,768]
+//   %940   matmul                                  line 38    f32[8192,768]
 // loops:
-//   gemm %976: [8192 x 768] = [8192 x 2304] T[2304 x 768], bf16 operands widened to f32
+//   gemm %940: [8192 x 768] = [8192 x 2304] T[2304 x 768], bf16 operands widened to f32
 static void k196_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b162 = (uint16_t *)(arena + 2110771200); // %162 cast bf16[768,2304]
-  uint16_t *const b975 = (uint16_t *)(arena + 2694683776); // %975 cast bf16[8192,2304]
-  float *const b976 = (float *)(arena + 2757598336); // %976 matmul f32[8192,768]
+  uint16_t *const b939 = (uint16_t *)(arena + 2694683776); // %939 cast bf16[8192,2304]
+  float *const b940 = (float *)(arena + 2757598336); // %940 matmul f32[8192,768]
   {
-    float *const w975 = mdl_widen_bf16(b975, 18874368, h->nthreads);
+    float *const w939 = mdl_widen_bf16(b939, 18874368, h->nthreads);
     float *const w162 = mdl_widen_bf16(b162, 1769472, h->nthreads);
-    mdl_gemm(h, 0, 1, 8192, 768, 2304, w975, 2304, w162, 2304, 0.0f, b976, 768);
-    free(w975);
+    mdl_gemm(h, 0, 1, 8192, 768, 2304, w939, 2304, w162, 2304, 0.0f, b940, 768);
+    free(w939);
     free(w162);
   }
 }
 
 // k197_gemm: GEMM, 1 op
-//   %977   matmul             d.h.3.attn_w         line 38    f32[768,2304]
+//   %941   matmul             d.h.3.attn_w         line 38    f32[768,2304]
 // loops:
-//   gemm %977: [768 x 2304] = T[768 x 8192] [8192 x 2304], bf16 operands widened to f32
+//   gemm %941: [768 x 2304] = T[768 x 8192] [8192 x 2304], bf16 operands widened to f32
 static void k197_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b161 = (uint16_t *)(arena + 5450341504); // %161 cast bf16[8192,768]
-  uint16_t *const b975 = (uint16_t *)(arena + 2694683776); // %975 cast bf16[8192,2304]
-  float *const b977 = (float *)(arena + 740355072); // %977 matmul d.h.3.attn_w f32[768,2304]
+  uint16_t *const b939 = (uint16_t *)(arena + 2694683776); // %939 cast bf16[8192,2304]
+  float *const b941 = (float *)(arena + 740355072); // %941 matmul d.h.3.attn_w f32[768,2304]
   {
     float *const w161 = mdl_widen_bf16(b161, 6291456, h->nthreads);
-    float *const w975 = mdl_widen_bf16(b975, 18874368, h->nthreads);
-    mdl_gemm(h, 1, 0, 768, 2304, 8192, w161, 768, w975, 2304, 0.0f, b977, 2304);
+    float *const w939 = mdl_widen_bf16(b939, 18874368, h->nthreads);
+    mdl_gemm(h, 1, 0, 768, 2304, 8192, w161, 768, w939, 2304, 0.0f, b941, 2304);
     free(w161);
-    free(w975);
+    free(w939);
   }
 }
 
 // k198_layernorm_bwd__add__sum__cast: kernel, 7 ops
-//   %979   layernorm_bwd                           line 38    f32[8,1024,768]
-//   %980   add                d.h.2.x              line 38    f32[8,1024,768]
-//   %981   layernorm_bwd      d.h.3.ln1_w          line 38    f32[768]
-//   %982   layernorm_bwd      d.h.3.ln1_b          line 38    f32[768]
-//   %983   reshape                                 line 40    f32[8192,768]
-//   %984   sum                d.h.2.fcproj_b       line 40    f32[768]
-//   %985   cast                                    line 40    bf16[8192,768]
+//   %943   layernorm_bwd                           line 38    f32[8,1024,768]
+//   %944   layernorm_bwd      d.h.3.ln1_w          line 38    f32[768]
+//   %945   layernorm_bwd      d.h.3.ln1_b          line 38    f32[768]
+//   %946   add                d.h.2.x              line 40    f32[8,1024,768]
+//   %947   reshape                                 line 40    f32[8192,768]
+//   %948   sum                d.h.2.fcproj_b       line 40    f32[768]
+//   %949   cast                                    line 40    bf16[8192,768]
 // loops:
 //   layernorm_bwd: 8192 rows of 768, column sums over 64 blocks of 128 rows
 static void k198_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
   float *const b146 = (float *)(arena + 4808612992); // %146 add h.2.x f32[8,1024,768]
   float *const b147 = (float *)(arena + 242589696); // %147 param h.3.ln1_w f32[768]
-  float *const b953 = (float *)(arena + 2732432512); // %953 add d.h.3.x f32[8,1024,768]
-  float *const b976 = (float *)(arena + 2757598336); // %976 matmul f32[8192,768]
-  float *const b980 = (float *)(arena + 2782764160); // %980 add d.h.2.x f32[8,1024,768]
-  float *const b981 = (float *)(arena + 740348928); // %981 layernorm_bwd d.h.3.ln1_w f32[768]
-  float *const b982 = (float *)(arena + 740352000); // %982 layernorm_bwd d.h.3.ln1_b f32[768]
-  float *const b984 = (float *)(arena + 740345856); // %984 sum d.h.2.fcproj_b f32[768]
-  uint16_t *const b985 = (uint16_t *)(arena + 2807929984); // %985 cast bf16[8192,768]
+  float *const b923 = (float *)(arena + 2732432512); // %923 add d.h.3.x f32[8,1024,768]
+  float *const b940 = (float *)(arena + 2757598336); // %940 matmul f32[8192,768]
+  float *const b944 = (float *)(arena + 740348928); // %944 layernorm_bwd d.h.3.ln1_w f32[768]
+  float *const b945 = (float *)(arena + 740352000); // %945 layernorm_bwd d.h.3.ln1_b f32[768]
+  float *const b946 = (float *)(arena + 2782764160); // %946 add d.h.2.x f32[8,1024,768]
+  float *const b948 = (float *)(arena + 740345856); // %948 sum d.h.2.fcproj_b f32[768]
+  uint16_t *const b949 = (uint16_t *)(arena + 2807929984); // %949 cast bf16[8192,768]
   double *pdw = mdl_scratch(49152 * sizeof(double));
   double *pdb = mdl_scratch(49152 * sizeof(double));
-  double *ps0 = mdl_scratch(49152 * sizeof(double)); // partials of the column sum %984
+  double *ps0 = mdl_scratch(49152 * sizeof(double)); // partials of the column sum %948
   #pragma omp parallel num_threads(h->nthreads)
   {
     float *dxrow = mdl_scratch(768 * sizeof(float));
@@ -9517,7 +9391,7 @@ static void k198_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
       const int64_t end = k * 128 + 128 < 8192 ? k * 128 + 128 : 8192;
       for (int64_t r = k * 128; r < end; r++) {
         const float *x = b146 + r * 768;
-        const float *dy = b976 + r * 768;
+        const float *dy = b940 + r * 768;
         double mean = 0, var = 0, mg = 0, mgx = 0;
         #pragma omp simd reduction(+ : mean)
         for (int64_t j = 0; j < 768; j++)
@@ -9542,13 +9416,13 @@ static void k198_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
           dx[j] = (float)(rstd * ((double)dy[j] * b147[j] - mg - (x[j] - mean) * rstd * mgx));
         for (int64_t j = 0; j < 768; j++) {
           const int64_t ix = r * 768 + j;
-          const float v953_ix = b953[ix];
-          const float v980_ix = v953_ix + dx[j];
-          b980[ix] = v980_ix;
-          const float v983_ix = v980_ix;
-          const float v985_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v983_ix));
-          b985[ix] = mdl_f32_to_bf16(v985_ix);
-          sa0[j] += v983_ix;
+          const float v923_ix = b923[ix];
+          const float v946_ix = v923_ix + dx[j];
+          b946[ix] = v946_ix;
+          const float v947_ix = v946_ix;
+          const float v949_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v947_ix));
+          b949[ix] = mdl_f32_to_bf16(v949_ix);
+          sa0[j] += v947_ix;
         }
       }
     }
@@ -9562,9 +9436,9 @@ static void k198_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
       b += pdb[k * 768 + j];
       a0 += ps0[k * 768 + j];
     }
-    b981[j] = (float)w;
-    b982[j] = (float)b;
-    b984[j] = (float)a0;
+    b944[j] = (float)w;
+    b945[j] = (float)b;
+    b948[j] = (float)a0;
   }
   free(pdw);
   free(pdb);
@@ -9572,44 +9446,44 @@ static void k198_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
 }
 
 // k199_gemm: GEMM, 1 op
-//   %987   matmul             d.h.2.fcproj_w       line 40    f32[3072,768]
+//   %951   matmul             d.h.2.fcproj_w       line 40    f32[3072,768]
 // loops:
-//   gemm %987: [3072 x 768] = T[3072 x 8192] [8192 x 768], bf16 operands widened to f32
+//   gemm %951: [3072 x 768] = T[3072 x 8192] [8192 x 768], bf16 operands widened to f32
 static void k199_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b141 = (uint16_t *)(arena + 3701316736); // %141 cast bf16[8192,3072]
-  uint16_t *const b985 = (uint16_t *)(arena + 2807929984); // %985 cast bf16[8192,768]
-  float *const b987 = (float *)(arena + 730908672); // %987 matmul d.h.2.fcproj_w f32[3072,768]
+  uint16_t *const b949 = (uint16_t *)(arena + 2807929984); // %949 cast bf16[8192,768]
+  float *const b951 = (float *)(arena + 730908672); // %951 matmul d.h.2.fcproj_w f32[3072,768]
   {
     float *const w141 = mdl_widen_bf16(b141, 25165824, h->nthreads);
-    float *const w985 = mdl_widen_bf16(b985, 6291456, h->nthreads);
-    mdl_gemm(h, 1, 0, 3072, 768, 8192, w141, 3072, w985, 768, 0.0f, b987, 768);
+    float *const w949 = mdl_widen_bf16(b949, 6291456, h->nthreads);
+    mdl_gemm(h, 1, 0, 3072, 768, 8192, w141, 3072, w949, 768, 0.0f, b951, 768);
     free(w141);
-    free(w985);
+    free(w949);
   }
 }
 
 // k200_gemm__gelu_bwd__sum__cast: GEMM, 6 ops
-//   %986   matmul                                  line 40    f32[8192,3072]
-//   %988   reshape                                 line 40    f32[8,1024,3072]
-//   %989   gelu_bwd                                line 40    f32[8,1024,3072]
-//   %990   reshape                                 line 40    f32[8192,3072]
-//   %991   sum                d.h.2.fc_b           line 40    f32[3072]
-//   %992   cast                                    line 40    bf16[8192,3072]
+//   %950   matmul                                  line 40    f32[8192,3072]
+//   %952   reshape                                 line 40    f32[8,1024,3072]
+//   %953   gelu_bwd                                line 40    f32[8,1024,3072]
+//   %954   reshape                                 line 40    f32[8192,3072]
+//   %955   sum                d.h.2.fc_b           line 40    f32[3072]
+//   %956   cast                                    line 40    bf16[8192,3072]
 // loops:
-//   gemm %986: [8192 x 3072] = [8192 x 768] T[768 x 3072], bf16 operands widened to f32, epilogue after
-//   sum %991: 3072 outputs over 8192 elements, in 64 blocks of 128
+//   gemm %950: [8192 x 3072] = [8192 x 768] T[768 x 3072], bf16 operands widened to f32, epilogue after
+//   sum %955: 3072 outputs over 8192 elements, in 64 blocks of 128
 static void k200_gemm__gelu_bwd__sum__cast(char *arena, const MdlHooks *h) {
   float *const b138 = (float *)(arena + 2594020480); // %138 add f32[8,1024,3072]
   uint16_t *const b142 = (uint16_t *)(arena + 2106052608); // %142 cast bf16[3072,768]
-  uint16_t *const b985 = (uint16_t *)(arena + 2807929984); // %985 cast bf16[8192,768]
-  float *const b986 = mdl_scratch(100663296); // %986 matmul f32[8192,3072], kept in this kernel
-  float *const b991 = (float *)(arena + 730896384); // %991 sum d.h.2.fc_b f32[3072]
-  uint16_t *const b992 = (uint16_t *)(arena + 2694683776); // %992 cast bf16[8192,3072]
+  uint16_t *const b949 = (uint16_t *)(arena + 2807929984); // %949 cast bf16[8192,768]
+  float *const b950 = mdl_scratch(100663296); // %950 matmul f32[8192,3072], kept in this kernel
+  float *const b955 = (float *)(arena + 730896384); // %955 sum d.h.2.fc_b f32[3072]
+  uint16_t *const b956 = (uint16_t *)(arena + 2694683776); // %956 cast bf16[8192,3072]
   {
-    float *const w985 = mdl_widen_bf16(b985, 6291456, h->nthreads);
+    float *const w949 = mdl_widen_bf16(b949, 6291456, h->nthreads);
     float *const w142 = mdl_widen_bf16(b142, 2359296, h->nthreads);
-    mdl_gemm(h, 0, 1, 8192, 3072, 768, w985, 768, w142, 768, 0.0f, b986, 3072);
-    free(w985);
+    mdl_gemm(h, 0, 1, 8192, 3072, 768, w949, 768, w142, 768, 0.0f, b950, 3072);
+    free(w949);
     free(w142);
   }
   double *part = mdl_scratch(196608 * sizeof(double));
@@ -9623,13 +9497,13 @@ static void k200_gemm__gelu_bwd__sum__cast(char *arena, const MdlHooks *h) {
       for (int64_t c = 0; c < 3072; c++) {
         const int64_t ix = l * 3072 + c;
         const float v138_ix = b138[ix];
-        const float v986_ix = b986[ix];
-        const float v988_ix = v986_ix;
-        const float v989_ix = mdl_gelu_grad(v138_ix) * v988_ix;
-        const float v990_ix = v989_ix;
-        const float v = v990_ix;
-        const float v992_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v990_ix));
-        b992[ix] = mdl_f32_to_bf16(v992_ix);
+        const float v950_ix = b950[ix];
+        const float v952_ix = v950_ix;
+        const float v953_ix = mdl_gelu_grad(v138_ix) * v952_ix;
+        const float v954_ix = v953_ix;
+        const float v = v954_ix;
+        const float v956_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v954_ix));
+        b956[ix] = mdl_f32_to_bf16(v956_ix);
         p[c] += v;
       }
     }
@@ -9642,69 +9516,69 @@ static void k200_gemm__gelu_bwd__sum__cast(char *arena, const MdlHooks *h) {
       acc += v;
     }
     const float y = (float)acc;
-    b991[r] = y;
+    b955[r] = y;
   }
   free(part);
-  free(b986);
+  free(b950);
 }
 
 // k201_gemm: GEMM, 1 op
-//   %993   matmul                                  line 40    f32[8192,768]
+//   %957   matmul                                  line 40    f32[8192,768]
 // loops:
-//   gemm %993: [8192 x 768] = [8192 x 3072] T[3072 x 768], bf16 operands widened to f32
+//   gemm %957: [8192 x 768] = [8192 x 3072] T[3072 x 768], bf16 operands widened to f32
 static void k201_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b135 = (uint16_t *)(arena + 2101334016); // %135 cast bf16[768,3072]
-  uint16_t *const b992 = (uint16_t *)(arena + 2694683776); // %992 cast bf16[8192,3072]
-  float *const b993 = (float *)(arena + 2594020480); // %993 matmul f32[8192,768]
+  uint16_t *const b956 = (uint16_t *)(arena + 2694683776); // %956 cast bf16[8192,3072]
+  float *const b957 = (float *)(arena + 2594020480); // %957 matmul f32[8192,768]
   {
-    float *const w992 = mdl_widen_bf16(b992, 25165824, h->nthreads);
+    float *const w956 = mdl_widen_bf16(b956, 25165824, h->nthreads);
     float *const w135 = mdl_widen_bf16(b135, 2359296, h->nthreads);
-    mdl_gemm(h, 0, 1, 8192, 768, 3072, w992, 3072, w135, 3072, 0.0f, b993, 768);
-    free(w992);
+    mdl_gemm(h, 0, 1, 8192, 768, 3072, w956, 3072, w135, 3072, 0.0f, b957, 768);
+    free(w956);
     free(w135);
   }
 }
 
 // k202_gemm: GEMM, 1 op
-//   %994   matmul             d.h.2.fc_w           line 40    f32[768,3072]
+//   %958   matmul             d.h.2.fc_w           line 40    f32[768,3072]
 // loops:
-//   gemm %994: [768 x 3072] = T[768 x 8192] [8192 x 3072], bf16 operands widened to f32
+//   gemm %958: [768 x 3072] = T[768 x 8192] [8192 x 3072], bf16 operands widened to f32
 static void k202_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b134 = (uint16_t *)(arena + 5437758592); // %134 cast bf16[8192,768]
-  uint16_t *const b992 = (uint16_t *)(arena + 2694683776); // %992 cast bf16[8192,3072]
-  float *const b994 = (float *)(arena + 721459200); // %994 matmul d.h.2.fc_w f32[768,3072]
+  uint16_t *const b956 = (uint16_t *)(arena + 2694683776); // %956 cast bf16[8192,3072]
+  float *const b958 = (float *)(arena + 721459200); // %958 matmul d.h.2.fc_w f32[768,3072]
   {
     float *const w134 = mdl_widen_bf16(b134, 6291456, h->nthreads);
-    float *const w992 = mdl_widen_bf16(b992, 25165824, h->nthreads);
-    mdl_gemm(h, 1, 0, 768, 3072, 8192, w134, 768, w992, 3072, 0.0f, b994, 3072);
+    float *const w956 = mdl_widen_bf16(b956, 25165824, h->nthreads);
+    mdl_gemm(h, 1, 0, 768, 3072, 8192, w134, 768, w956, 3072, 0.0f, b958, 3072);
     free(w134);
-    free(w992);
+    free(w956);
   }
 }
 
 // k203_layernorm_bwd__add__sum__cast: kernel, 7 ops
-//   %996   layernorm_bwd                           line 40    f32[8,1024,768]
-//   %997   add                d.h.2.x              line 40    f32[8,1024,768]
-//   %998   layernorm_bwd      d.h.2.ln2_w          line 40    f32[768]
-//   %999   layernorm_bwd      d.h.2.ln2_b          line 40    f32[768]
-//   %1000  reshape                                 line 39    f32[8192,768]
-//   %1001  sum                d.h.2.proj_b         line 39    f32[768]
-//   %1002  cast                                    line 39    bf16[8192,768]
+//   %960   layernorm_bwd                           line 40    f32[8,1024,768]
+//   %961   layernorm_bwd      d.h.2.ln2_w          line 40    f32[768]
+//   %962   layernorm_bwd      d.h.2.ln2_b          line 40    f32[768]
+//   %963   add                d.h.2.x              line 39    f32[8,1024,768]
+//   %964   reshape                                 line 39    f32[8192,768]
+//   %965   sum                d.h.2.proj_b         line 39    f32[768]
+//   %966   cast                                    line 39    bf16[8192,768]
 // loops:
 //   layernorm_bwd: 8192 rows of 768, column sums over 64 blocks of 128 rows
 static void k203_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
   float *const b107 = (float *)(arena + 223693824); // %107 param h.2.ln2_w f32[768]
   float *const b131 = (float *)(arena + 4783447168); // %131 add h.2.x f32[8,1024,768]
-  float *const b980 = (float *)(arena + 2782764160); // %980 add d.h.2.x f32[8,1024,768]
-  float *const b993 = (float *)(arena + 2594020480); // %993 matmul f32[8192,768]
-  float *const b997 = (float *)(arena + 2631769216); // %997 add d.h.2.x f32[8,1024,768]
-  float *const b998 = (float *)(arena + 721453056); // %998 layernorm_bwd d.h.2.ln2_w f32[768]
-  float *const b999 = (float *)(arena + 721456128); // %999 layernorm_bwd d.h.2.ln2_b f32[768]
-  float *const b1001 = (float *)(arena + 721449984); // %1001 sum d.h.2.proj_b f32[768]
-  uint16_t *const b1002 = (uint16_t *)(arena + 2619186304); // %1002 cast bf16[8192,768]
+  float *const b946 = (float *)(arena + 2782764160); // %946 add d.h.2.x f32[8,1024,768]
+  float *const b957 = (float *)(arena + 2594020480); // %957 matmul f32[8192,768]
+  float *const b961 = (float *)(arena + 721453056); // %961 layernorm_bwd d.h.2.ln2_w f32[768]
+  float *const b962 = (float *)(arena + 721456128); // %962 layernorm_bwd d.h.2.ln2_b f32[768]
+  float *const b963 = (float *)(arena + 2631769216); // %963 add d.h.2.x f32[8,1024,768]
+  float *const b965 = (float *)(arena + 721449984); // %965 sum d.h.2.proj_b f32[768]
+  uint16_t *const b966 = (uint16_t *)(arena + 2619186304); // %966 cast bf16[8192,768]
   double *pdw = mdl_scratch(49152 * sizeof(double));
   double *pdb = mdl_scratch(49152 * sizeof(double));
-  double *ps0 = mdl_scratch(49152 * sizeof(double)); // partials of the column sum %1001
+  double *ps0 = mdl_scratch(49152 * sizeof(double)); // partials of the column sum %965
   #pragma omp parallel num_threads(h->nthreads)
   {
     float *dxrow = mdl_scratch(768 * sizeof(float));
@@ -9718,7 +9592,7 @@ static void k203_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
       const int64_t end = k * 128 + 128 < 8192 ? k * 128 + 128 : 8192;
       for (int64_t r = k * 128; r < end; r++) {
         const float *x = b131 + r * 768;
-        const float *dy = b993 + r * 768;
+        const float *dy = b957 + r * 768;
         double mean = 0, var = 0, mg = 0, mgx = 0;
         #pragma omp simd reduction(+ : mean)
         for (int64_t j = 0; j < 768; j++)
@@ -9743,13 +9617,13 @@ static void k203_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
           dx[j] = (float)(rstd * ((double)dy[j] * b107[j] - mg - (x[j] - mean) * rstd * mgx));
         for (int64_t j = 0; j < 768; j++) {
           const int64_t ix = r * 768 + j;
-          const float v980_ix = b980[ix];
-          const float v997_ix = v980_ix + dx[j];
-          b997[ix] = v997_ix;
-          const float v1000_ix = v997_ix;
-          const float v1002_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v1000_ix));
-          b1002[ix] = mdl_f32_to_bf16(v1002_ix);
-          sa0[j] += v1000_ix;
+          const float v946_ix = b946[ix];
+          const float v963_ix = v946_ix + dx[j];
+          b963[ix] = v963_ix;
+          const float v964_ix = v963_ix;
+          const float v966_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v964_ix));
+          b966[ix] = mdl_f32_to_bf16(v966_ix);
+          sa0[j] += v964_ix;
         }
       }
     }
@@ -9763,9 +9637,9 @@ static void k203_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
       b += pdb[k * 768 + j];
       a0 += ps0[k * 768 + j];
     }
-    b998[j] = (float)w;
-    b999[j] = (float)b;
-    b1001[j] = (float)a0;
+    b961[j] = (float)w;
+    b962[j] = (float)b;
+    b965[j] = (float)a0;
   }
   free(pdw);
   free(pdb);
@@ -9773,69 +9647,69 @@ static void k203_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
 }
 
 // k204_gemm: GEMM, 1 op
-//   %1004  matmul             d.h.2.proj_w         line 39    f32[768,768]
+//   %968   matmul             d.h.2.proj_w         line 39    f32[768,768]
 // loops:
-//   gemm %1004: [768 x 768] = T[768 x 8192] [8192 x 768], bf16 operands widened to f32
+//   gemm %968: [768 x 768] = T[768 x 8192] [8192 x 768], bf16 operands widened to f32
 static void k204_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b126 = (uint16_t *)(arena + 5425175680); // %126 cast bf16[8192,768]
-  uint16_t *const b1002 = (uint16_t *)(arena + 2619186304); // %1002 cast bf16[8192,768]
-  float *const b1004 = (float *)(arena + 719090688); // %1004 matmul d.h.2.proj_w f32[768,768]
+  uint16_t *const b966 = (uint16_t *)(arena + 2619186304); // %966 cast bf16[8192,768]
+  float *const b968 = (float *)(arena + 719090688); // %968 matmul d.h.2.proj_w f32[768,768]
   {
     float *const w126 = mdl_widen_bf16(b126, 6291456, h->nthreads);
-    float *const w1002 = mdl_widen_bf16(b1002, 6291456, h->nthreads);
-    mdl_gemm(h, 1, 0, 768, 768, 8192, w126, 768, w1002, 768, 0.0f, b1004, 768);
+    float *const w966 = mdl_widen_bf16(b966, 6291456, h->nthreads);
+    mdl_gemm(h, 1, 0, 768, 768, 8192, w126, 768, w966, 768, 0.0f, b968, 768);
     free(w126);
-    free(w1002);
+    free(w966);
   }
 }
 
 // k205_gemm__cast: GEMM, 3 ops
-//   %1003  matmul                                  line 39    f32[8192,768]
-//   %1005  reshape                                 line 39    f32[8,1024,768]
-//   %1008  cast                                    line 39    bf16[8,1024,768]
+//   %967   matmul                                  line 39    f32[8192,768]
+//   %969   reshape                                 line 39    f32[8,1024,768]
+//   %972   cast                                    line 39    bf16[8,1024,768]
 // loops:
-//   gemm %1003: [8192 x 768] = [8192 x 768] T[768 x 768], bf16 operands widened to f32, epilogue after
-//   elementwise over 6291456: %1008
+//   gemm %967: [8192 x 768] = [8192 x 768] T[768 x 768], bf16 operands widened to f32, epilogue after
+//   elementwise over 6291456: %972
 static void k205_gemm__cast(char *arena, const MdlHooks *h) {
   uint16_t *const b127 = (uint16_t *)(arena + 2100154368); // %127 cast bf16[768,768]
-  uint16_t *const b1002 = (uint16_t *)(arena + 2619186304); // %1002 cast bf16[8192,768]
-  float *const b1003 = mdl_scratch(25165824); // %1003 matmul f32[8192,768], kept in this kernel
-  uint16_t *const b1008 = (uint16_t *)(arena + 2594020480); // %1008 cast bf16[8,1024,768]
+  uint16_t *const b966 = (uint16_t *)(arena + 2619186304); // %966 cast bf16[8192,768]
+  float *const b967 = mdl_scratch(25165824); // %967 matmul f32[8192,768], kept in this kernel
+  uint16_t *const b972 = (uint16_t *)(arena + 2594020480); // %972 cast bf16[8,1024,768]
   {
-    float *const w1002 = mdl_widen_bf16(b1002, 6291456, h->nthreads);
+    float *const w966 = mdl_widen_bf16(b966, 6291456, h->nthreads);
     float *const w127 = mdl_widen_bf16(b127, 589824, h->nthreads);
-    mdl_gemm(h, 0, 1, 8192, 768, 768, w1002, 768, w127, 768, 0.0f, b1003, 768);
-    free(w1002);
+    mdl_gemm(h, 0, 1, 8192, 768, 768, w966, 768, w127, 768, 0.0f, b967, 768);
+    free(w966);
     free(w127);
   }
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
   for (int64_t r = 0; r < 8192; r++) {
     for (int64_t c = 0; c < 768; c++) {
       const int64_t i = r * 768 + c;
-      const float v1003_i = b1003[i];
-      const float v1005_i = v1003_i;
-      const float v1008_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v1005_i));
-      b1008[i] = mdl_f32_to_bf16(v1008_i);
+      const float v967_i = b967[i];
+      const float v969_i = v967_i;
+      const float v972_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v969_i));
+      b972[i] = mdl_f32_to_bf16(v972_i);
     }
   }
-  free(b1003);
+  free(b967);
 }
 
 // k206_attention_bwd: attention, 3 ops
-//   %1009  attention_bwd      d.h.2.q              line 39    f32[8,1024,768]
-//   %1010  attention_bwd      d.h.2.k              line 39    f32[8,1024,768]
-//   %1011  attention_bwd      d.h.2.v              line 39    f32[8,1024,768]
+//   %973   attention_bwd      d.h.2.q              line 39    f32[8,1024,768]
+//   %974   attention_bwd      d.h.2.k              line 39    f32[8,1024,768]
+//   %975   attention_bwd      d.h.2.v              line 39    f32[8,1024,768]
 // loops:
 //   attention backward (dq dk dv): B 8, T 1024, 12 heads of 64, causal, within documents; one task per (batch, head)
 static void k206_attention_bwd(char *arena, const MdlHooks *h) {
   int32_t *const b3 = (int32_t *)(arena + 2238271488); // %3 input doc i32[8,1024]
   uint16_t *const b120 = (uint16_t *)(arena + 4280130688); // %120 cast bf16[8,1024,2304]
   uint16_t *const b126 = (uint16_t *)(arena + 5425175680); // %126 cast bf16[8192,768]
-  float *const b1006 = (float *)(arena + 5803449472); // %1006 attention_lse f32[8,12,1024]
-  uint16_t *const b1008 = (uint16_t *)(arena + 2594020480); // %1008 cast bf16[8,1024,768]
-  float *const b1009 = (float *)(arena + 2656935040); // %1009 attention_bwd d.h.2.q f32[8,1024,768]
-  float *const b1010 = (float *)(arena + 2682100864); // %1010 attention_bwd d.h.2.k f32[8,1024,768]
-  float *const b1011 = (float *)(arena + 2707266688); // %1011 attention_bwd d.h.2.v f32[8,1024,768]
+  float *const b970 = (float *)(arena + 5803449472); // %970 attention_lse f32[8,12,1024]
+  uint16_t *const b972 = (uint16_t *)(arena + 2594020480); // %972 cast bf16[8,1024,768]
+  float *const b973 = (float *)(arena + 2656935040); // %973 attention_bwd d.h.2.q f32[8,1024,768]
+  float *const b974 = (float *)(arena + 2682100864); // %974 attention_bwd d.h.2.k f32[8,1024,768]
+  float *const b975 = (float *)(arena + 2707266688); // %975 attention_bwd d.h.2.v f32[8,1024,768]
   #pragma omp parallel num_threads(h->nthreads)
   {
     float *restrict kt = memset(mdl_scratch(67584 * sizeof(float)), 0, 67584 * sizeof(float));
@@ -9883,13 +9757,13 @@ static void k206_attention_bwd(char *arena, const MdlHooks *h) {
           }
           memcpy(s + j0, acc, sizeof acc);
         }
-        const float lse = b1006[(b * 12 + hd) * 1024 + i];
+        const float lse = b970[(b * 12 + hd) * 1024 + i];
         #pragma omp simd
         for (int64_t j = lo; j < hi; j++)
           s[j] = dc[j] == di ? mdl_exp_shifted(s[j] * 0.125f - lse) : 0.0f;
         float dor[64];
         for (int64_t c = 0; c < 64; c++)
-          dor[c] = mdl_bf16_to_f32(b1008[(b * 1024 + i) * 768 + hd * 64 + c]);
+          dor[c] = mdl_bf16_to_f32(b972[(b * 1024 + i) * 768 + hd * 64 + c]);
         const float *restrict doi = dor;
         float dsum = 0.0f;
         for (int64_t c = 0; c < 64; c++)
@@ -9938,14 +9812,14 @@ static void k206_attention_bwd(char *arena, const MdlHooks *h) {
           for (int64_t c = 0; c < 64; c++)
             dvj[c] += mdl_bf16_to_f32(mdl_f32_to_bf16(s[j])) * doi[c];
         }
-        float *restrict dq = b1009 + (b * 1024 + i) * 768 + hd * 64;
+        float *restrict dq = b973 + (b * 1024 + i) * 768 + hd * 64;
         for (int64_t c = 0; c < 64; c++)
           dq[c] = 0.125f * (dqi0[c] + dqi1[c]);
       }
       for (int64_t t = 0; t < 1024; t++)
-        memcpy(b1010 + (b * 1024 + t) * 768 + hd * 64, dkh + t * 64, 64 * sizeof(float));
+        memcpy(b974 + (b * 1024 + t) * 768 + hd * 64, dkh + t * 64, 64 * sizeof(float));
       for (int64_t t = 0; t < 1024; t++)
-        memcpy(b1011 + (b * 1024 + t) * 768 + hd * 64, dvh + t * 64, 64 * sizeof(float));
+        memcpy(b975 + (b * 1024 + t) * 768 + hd * 64, dvh + t * 64, 64 * sizeof(float));
     }
     free(kt);
     free(s);
@@ -9956,23 +9830,19 @@ static void k206_attention_bwd(char *arena, const MdlHooks *h) {
   }
 }
 
-// k207_sum__slice_bwd__add__cast: kernel, 8 ops
-//   %1012  slice_bwd                               line 38    f32[8,1024,2304]
-//   %1013  slice_bwd                               line 38    f32[8,1024,2304]
-//   %1014  add                                     line 38    f32[8,1024,2304]
-//   %1015  slice_bwd                               line 38    f32[8,1024,2304]
-//   %1016  add                                     line 38    f32[8,1024,2304]
-//   %1017  reshape                                 line 38    f32[8192,2304]
-//   %1018  sum                d.h.2.attn_b         line 38    f32[2304]
-//   %1019  cast                                    line 38    bf16[8192,2304]
+// k207_sum__concat__cast: kernel, 4 ops
+//   %976   concat                                  line 38    f32[8,1024,2304]
+//   %977   reshape                                 line 38    f32[8192,2304]
+//   %978   sum                d.h.2.attn_b         line 38    f32[2304]
+//   %979   cast                                    line 38    bf16[8192,2304]
 // loops:
-//   sum %1018: 2304 outputs over 8192 elements, in 64 blocks of 128
-static void k207_sum__slice_bwd__add__cast(char *arena, const MdlHooks *h) {
-  float *const b1009 = (float *)(arena + 2656935040); // %1009 attention_bwd d.h.2.q f32[8,1024,768]
-  float *const b1010 = (float *)(arena + 2682100864); // %1010 attention_bwd d.h.2.k f32[8,1024,768]
-  float *const b1011 = (float *)(arena + 2707266688); // %1011 attention_bwd d.h.2.v f32[8,1024,768]
-  float *const b1018 = (float *)(arena + 719081472); // %1018 sum d.h.2.attn_b f32[2304]
-  uint16_t *const b1019 = (uint16_t *)(arena + 2594020480); // %1019 cast bf16[8192,2304]
+//   sum %978: 2304 outputs over 8192 elements, in 64 blocks of 128
+static void k207_sum__concat__cast(char *arena, const MdlHooks *h) {
+  float *const b973 = (float *)(arena + 2656935040); // %973 attention_bwd d.h.2.q f32[8,1024,768]
+  float *const b974 = (float *)(arena + 2682100864); // %974 attention_bwd d.h.2.k f32[8,1024,768]
+  float *const b975 = (float *)(arena + 2707266688); // %975 attention_bwd d.h.2.v f32[8,1024,768]
+  float *const b978 = (float *)(arena + 719081472); // %978 sum d.h.2.attn_b f32[2304]
+  uint16_t *const b979 = (uint16_t *)(arena + 2594020480); // %979 cast bf16[8192,2304]
   double *part = mdl_scratch(147456 * sizeof(double));
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
   for (int64_t k = 0; k < 64; k++) {
@@ -9983,21 +9853,11 @@ static void k207_sum__slice_bwd__add__cast(char *arena, const MdlHooks *h) {
     for (int64_t l = k * 128; l < end; l++) {
       for (int64_t c = 0; c < 2304; c++) {
         const int64_t ix = l * 2304 + c;
-        const int64_t j1 = c >= 1536 && c < 2304 ? l * 768 + (c - 1536) : 0;
-        const float v1011_j1 = b1011[j1];
-        const float v1012_ix = c >= 1536 && c < 2304 ? v1011_j1 : 0.0f;
-        const int64_t j2 = c >= 768 && c < 1536 ? l * 768 + (c - 768) : 0;
-        const float v1010_j2 = b1010[j2];
-        const float v1013_ix = c >= 768 && c < 1536 ? v1010_j2 : 0.0f;
-        const float v1014_ix = v1012_ix + v1013_ix;
-        const int64_t j3 = c >= 0 && c < 768 ? l * 768 + (c - 0) : 0;
-        const float v1009_j3 = b1009[j3];
-        const float v1015_ix = c >= 0 && c < 768 ? v1009_j3 : 0.0f;
-        const float v1016_ix = v1014_ix + v1015_ix;
-        const float v1017_ix = v1016_ix;
-        const float v = v1017_ix;
-        const float v1019_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v1017_ix));
-        b1019[ix] = mdl_f32_to_bf16(v1019_ix);
+        const float v976_ix = (c < 768 ? b973 + (l * 768 + (c - 0)) : c < 1536 ? b974 + (l * 768 + (c - 768)) : b975 + (l * 768 + (c - 1536)))[0];
+        const float v977_ix = v976_ix;
+        const float v = v977_ix;
+        const float v979_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v977_ix));
+        b979[ix] = mdl_f32_to_bf16(v979_ix);
         p[c] += v;
       }
     }
@@ -10010,68 +9870,68 @@ static void k207_sum__slice_bwd__add__cast(char *arena, const MdlHooks *h) {
       acc += v;
     }
     const float y = (float)acc;
-    b1018[r] = y;
+    b978[r] = y;
   }
   free(part);
 }
 
 // k208_gemm: GEMM, 1 op
-//   %1020  matmul                                  line 38    f32[8192,768]
+//   %980   matmul                                  line 38    f32[8192,768]
 // loops:
-//   gemm %1020: [8192 x 768] = [8192 x 2304] T[2304 x 768], bf16 operands widened to f32
+//   gemm %980: [8192 x 768] = [8192 x 2304] T[2304 x 768], bf16 operands widened to f32
 static void k208_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b116 = (uint16_t *)(arena + 2096615424); // %116 cast bf16[768,2304]
-  uint16_t *const b1019 = (uint16_t *)(arena + 2594020480); // %1019 cast bf16[8192,2304]
-  float *const b1020 = (float *)(arena + 2656935040); // %1020 matmul f32[8192,768]
+  uint16_t *const b979 = (uint16_t *)(arena + 2594020480); // %979 cast bf16[8192,2304]
+  float *const b980 = (float *)(arena + 2656935040); // %980 matmul f32[8192,768]
   {
-    float *const w1019 = mdl_widen_bf16(b1019, 18874368, h->nthreads);
+    float *const w979 = mdl_widen_bf16(b979, 18874368, h->nthreads);
     float *const w116 = mdl_widen_bf16(b116, 1769472, h->nthreads);
-    mdl_gemm(h, 0, 1, 8192, 768, 2304, w1019, 2304, w116, 2304, 0.0f, b1020, 768);
-    free(w1019);
+    mdl_gemm(h, 0, 1, 8192, 768, 2304, w979, 2304, w116, 2304, 0.0f, b980, 768);
+    free(w979);
     free(w116);
   }
 }
 
 // k209_gemm: GEMM, 1 op
-//   %1021  matmul             d.h.2.attn_w         line 38    f32[768,2304]
+//   %981   matmul             d.h.2.attn_w         line 38    f32[768,2304]
 // loops:
-//   gemm %1021: [768 x 2304] = T[768 x 8192] [8192 x 2304], bf16 operands widened to f32
+//   gemm %981: [768 x 2304] = T[768 x 8192] [8192 x 2304], bf16 operands widened to f32
 static void k209_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b115 = (uint16_t *)(arena + 5412592768); // %115 cast bf16[8192,768]
-  uint16_t *const b1019 = (uint16_t *)(arena + 2594020480); // %1019 cast bf16[8192,2304]
-  float *const b1021 = (float *)(arena + 712003584); // %1021 matmul d.h.2.attn_w f32[768,2304]
+  uint16_t *const b979 = (uint16_t *)(arena + 2594020480); // %979 cast bf16[8192,2304]
+  float *const b981 = (float *)(arena + 712003584); // %981 matmul d.h.2.attn_w f32[768,2304]
   {
     float *const w115 = mdl_widen_bf16(b115, 6291456, h->nthreads);
-    float *const w1019 = mdl_widen_bf16(b1019, 18874368, h->nthreads);
-    mdl_gemm(h, 1, 0, 768, 2304, 8192, w115, 768, w1019, 2304, 0.0f, b1021, 2304);
+    float *const w979 = mdl_widen_bf16(b979, 18874368, h->nthreads);
+    mdl_gemm(h, 1, 0, 768, 2304, 8192, w115, 768, w979, 2304, 0.0f, b981, 2304);
     free(w115);
-    free(w1019);
+    free(w979);
   }
 }
 
 // k210_layernorm_bwd__add__sum__cast: kernel, 7 ops
-//   %1023  layernorm_bwd                           line 38    f32[8,1024,768]
-//   %1024  add                d.h.1.x              line 38    f32[8,1024,768]
-//   %1025  layernorm_bwd      d.h.2.ln1_w          line 38    f32[768]
-//   %1026  layernorm_bwd      d.h.2.ln1_b          line 38    f32[768]
-//   %1027  reshape                                 line 40    f32[8192,768]
-//   %1028  sum                d.h.1.fcproj_b       line 40    f32[768]
-//   %1029  cast                                    line 40    bf16[8192,768]
+//   %983   layernorm_bwd                           line 38    f32[8,1024,768]
+//   %984   layernorm_bwd      d.h.2.ln1_w          line 38    f32[768]
+//   %985   layernorm_bwd      d.h.2.ln1_b          line 38    f32[768]
+//   %986   add                d.h.1.x              line 40    f32[8,1024,768]
+//   %987   reshape                                 line 40    f32[8192,768]
+//   %988   sum                d.h.1.fcproj_b       line 40    f32[768]
+//   %989   cast                                    line 40    bf16[8192,768]
 // loops:
 //   layernorm_bwd: 8192 rows of 768, column sums over 64 blocks of 128 rows
 static void k210_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
   float *const b100 = (float *)(arena + 4758281344); // %100 add h.1.x f32[8,1024,768]
   float *const b101 = (float *)(arena + 214238208); // %101 param h.2.ln1_w f32[768]
-  float *const b997 = (float *)(arena + 2631769216); // %997 add d.h.2.x f32[8,1024,768]
-  float *const b1020 = (float *)(arena + 2656935040); // %1020 matmul f32[8192,768]
-  float *const b1024 = (float *)(arena + 2682100864); // %1024 add d.h.1.x f32[8,1024,768]
-  float *const b1025 = (float *)(arena + 711997440); // %1025 layernorm_bwd d.h.2.ln1_w f32[768]
-  float *const b1026 = (float *)(arena + 712000512); // %1026 layernorm_bwd d.h.2.ln1_b f32[768]
-  float *const b1028 = (float *)(arena + 711994368); // %1028 sum d.h.1.fcproj_b f32[768]
-  uint16_t *const b1029 = (uint16_t *)(arena + 2707266688); // %1029 cast bf16[8192,768]
+  float *const b963 = (float *)(arena + 2631769216); // %963 add d.h.2.x f32[8,1024,768]
+  float *const b980 = (float *)(arena + 2656935040); // %980 matmul f32[8192,768]
+  float *const b984 = (float *)(arena + 711997440); // %984 layernorm_bwd d.h.2.ln1_w f32[768]
+  float *const b985 = (float *)(arena + 712000512); // %985 layernorm_bwd d.h.2.ln1_b f32[768]
+  float *const b986 = (float *)(arena + 2682100864); // %986 add d.h.1.x f32[8,1024,768]
+  float *const b988 = (float *)(arena + 711994368); // %988 sum d.h.1.fcproj_b f32[768]
+  uint16_t *const b989 = (uint16_t *)(arena + 2707266688); // %989 cast bf16[8192,768]
   double *pdw = mdl_scratch(49152 * sizeof(double));
   double *pdb = mdl_scratch(49152 * sizeof(double));
-  double *ps0 = mdl_scratch(49152 * sizeof(double)); // partials of the column sum %1028
+  double *ps0 = mdl_scratch(49152 * sizeof(double)); // partials of the column sum %988
   #pragma omp parallel num_threads(h->nthreads)
   {
     float *dxrow = mdl_scratch(768 * sizeof(float));
@@ -10085,7 +9945,7 @@ static void k210_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
       const int64_t end = k * 128 + 128 < 8192 ? k * 128 + 128 : 8192;
       for (int64_t r = k * 128; r < end; r++) {
         const float *x = b100 + r * 768;
-        const float *dy = b1020 + r * 768;
+        const float *dy = b980 + r * 768;
         double mean = 0, var = 0, mg = 0, mgx = 0;
         #pragma omp simd reduction(+ : mean)
         for (int64_t j = 0; j < 768; j++)
@@ -10110,13 +9970,13 @@ static void k210_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
           dx[j] = (float)(rstd * ((double)dy[j] * b101[j] - mg - (x[j] - mean) * rstd * mgx));
         for (int64_t j = 0; j < 768; j++) {
           const int64_t ix = r * 768 + j;
-          const float v997_ix = b997[ix];
-          const float v1024_ix = v997_ix + dx[j];
-          b1024[ix] = v1024_ix;
-          const float v1027_ix = v1024_ix;
-          const float v1029_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v1027_ix));
-          b1029[ix] = mdl_f32_to_bf16(v1029_ix);
-          sa0[j] += v1027_ix;
+          const float v963_ix = b963[ix];
+          const float v986_ix = v963_ix + dx[j];
+          b986[ix] = v986_ix;
+          const float v987_ix = v986_ix;
+          const float v989_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v987_ix));
+          b989[ix] = mdl_f32_to_bf16(v989_ix);
+          sa0[j] += v987_ix;
         }
       }
     }
@@ -10130,9 +9990,9 @@ static void k210_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
       b += pdb[k * 768 + j];
       a0 += ps0[k * 768 + j];
     }
-    b1025[j] = (float)w;
-    b1026[j] = (float)b;
-    b1028[j] = (float)a0;
+    b984[j] = (float)w;
+    b985[j] = (float)b;
+    b988[j] = (float)a0;
   }
   free(pdw);
   free(pdb);
@@ -10140,44 +10000,44 @@ static void k210_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
 }
 
 // k211_gemm: GEMM, 1 op
-//   %1031  matmul             d.h.1.fcproj_w       line 40    f32[3072,768]
+//   %991   matmul             d.h.1.fcproj_w       line 40    f32[3072,768]
 // loops:
-//   gemm %1031: [3072 x 768] = T[3072 x 8192] [8192 x 768], bf16 operands widened to f32
+//   gemm %991: [3072 x 768] = T[3072 x 8192] [8192 x 768], bf16 operands widened to f32
 static void k211_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b95 = (uint16_t *)(arena + 3650985088); // %95 cast bf16[8192,3072]
-  uint16_t *const b1029 = (uint16_t *)(arena + 2707266688); // %1029 cast bf16[8192,768]
-  float *const b1031 = (float *)(arena + 702557184); // %1031 matmul d.h.1.fcproj_w f32[3072,768]
+  uint16_t *const b989 = (uint16_t *)(arena + 2707266688); // %989 cast bf16[8192,768]
+  float *const b991 = (float *)(arena + 702557184); // %991 matmul d.h.1.fcproj_w f32[3072,768]
   {
     float *const w95 = mdl_widen_bf16(b95, 25165824, h->nthreads);
-    float *const w1029 = mdl_widen_bf16(b1029, 6291456, h->nthreads);
-    mdl_gemm(h, 1, 0, 3072, 768, 8192, w95, 3072, w1029, 768, 0.0f, b1031, 768);
+    float *const w989 = mdl_widen_bf16(b989, 6291456, h->nthreads);
+    mdl_gemm(h, 1, 0, 3072, 768, 8192, w95, 3072, w989, 768, 0.0f, b991, 768);
     free(w95);
-    free(w1029);
+    free(w989);
   }
 }
 
 // k212_gemm__gelu_bwd__sum__cast: GEMM, 6 ops
-//   %1030  matmul                                  line 40    f32[8192,3072]
-//   %1032  reshape                                 line 40    f32[8,1024,3072]
-//   %1033  gelu_bwd                                line 40    f32[8,1024,3072]
-//   %1034  reshape                                 line 40    f32[8192,3072]
-//   %1035  sum                d.h.1.fc_b           line 40    f32[3072]
-//   %1036  cast                                    line 40    bf16[8192,3072]
+//   %990   matmul                                  line 40    f32[8192,3072]
+//   %992   reshape                                 line 40    f32[8,1024,3072]
+//   %993   gelu_bwd                                line 40    f32[8,1024,3072]
+//   %994   reshape                                 line 40    f32[8192,3072]
+//   %995   sum                d.h.1.fc_b           line 40    f32[3072]
+//   %996   cast                                    line 40    bf16[8192,3072]
 // loops:
-//   gemm %1030: [8192 x 3072] = [8192 x 768] T[768 x 3072], bf16 operands widened to f32, epilogue after
-//   sum %1035: 3072 outputs over 8192 elements, in 64 blocks of 128
+//   gemm %990: [8192 x 3072] = [8192 x 768] T[768 x 3072], bf16 operands widened to f32, epilogue after
+//   sum %995: 3072 outputs over 8192 elements, in 64 blocks of 128
 static void k212_gemm__gelu_bwd__sum__cast(char *arena, const MdlHooks *h) {
   float *const b92 = (float *)(arena + 2493357184); // %92 add f32[8,1024,3072]
   uint16_t *const b96 = (uint16_t *)(arena + 2091896832); // %96 cast bf16[3072,768]
-  uint16_t *const b1029 = (uint16_t *)(arena + 2707266688); // %1029 cast bf16[8192,768]
-  float *const b1030 = mdl_scratch(100663296); // %1030 matmul f32[8192,3072], kept in this kernel
-  float *const b1035 = (float *)(arena + 702544896); // %1035 sum d.h.1.fc_b f32[3072]
-  uint16_t *const b1036 = (uint16_t *)(arena + 2594020480); // %1036 cast bf16[8192,3072]
+  uint16_t *const b989 = (uint16_t *)(arena + 2707266688); // %989 cast bf16[8192,768]
+  float *const b990 = mdl_scratch(100663296); // %990 matmul f32[8192,3072], kept in this kernel
+  float *const b995 = (float *)(arena + 702544896); // %995 sum d.h.1.fc_b f32[3072]
+  uint16_t *const b996 = (uint16_t *)(arena + 2594020480); // %996 cast bf16[8192,3072]
   {
-    float *const w1029 = mdl_widen_bf16(b1029, 6291456, h->nthreads);
+    float *const w989 = mdl_widen_bf16(b989, 6291456, h->nthreads);
     float *const w96 = mdl_widen_bf16(b96, 2359296, h->nthreads);
-    mdl_gemm(h, 0, 1, 8192, 3072, 768, w1029, 768, w96, 768, 0.0f, b1030, 3072);
-    free(w1029);
+    mdl_gemm(h, 0, 1, 8192, 3072, 768, w989, 768, w96, 768, 0.0f, b990, 3072);
+    free(w989);
     free(w96);
   }
   double *part = mdl_scratch(196608 * sizeof(double));
@@ -10191,13 +10051,13 @@ static void k212_gemm__gelu_bwd__sum__cast(char *arena, const MdlHooks *h) {
       for (int64_t c = 0; c < 3072; c++) {
         const int64_t ix = l * 3072 + c;
         const float v92_ix = b92[ix];
-        const float v1030_ix = b1030[ix];
-        const float v1032_ix = v1030_ix;
-        const float v1033_ix = mdl_gelu_grad(v92_ix) * v1032_ix;
-        const float v1034_ix = v1033_ix;
-        const float v = v1034_ix;
-        const float v1036_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v1034_ix));
-        b1036[ix] = mdl_f32_to_bf16(v1036_ix);
+        const float v990_ix = b990[ix];
+        const float v992_ix = v990_ix;
+        const float v993_ix = mdl_gelu_grad(v92_ix) * v992_ix;
+        const float v994_ix = v993_ix;
+        const float v = v994_ix;
+        const float v996_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v994_ix));
+        b996[ix] = mdl_f32_to_bf16(v996_ix);
         p[c] += v;
       }
     }
@@ -10210,69 +10070,69 @@ static void k212_gemm__gelu_bwd__sum__cast(char *arena, const MdlHooks *h) {
       acc += v;
     }
     const float y = (float)acc;
-    b1035[r] = y;
+    b995[r] = y;
   }
   free(part);
-  free(b1030);
+  free(b990);
 }
 
 // k213_gemm: GEMM, 1 op
-//   %1037  matmul                                  line 40    f32[8192,768]
+//   %997   matmul                                  line 40    f32[8192,768]
 // loops:
-//   gemm %1037: [8192 x 768] = [8192 x 3072] T[3072 x 768], bf16 operands widened to f32
+//   gemm %997: [8192 x 768] = [8192 x 3072] T[3072 x 768], bf16 operands widened to f32
 static void k213_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b89 = (uint16_t *)(arena + 2087178240); // %89 cast bf16[768,3072]
-  uint16_t *const b1036 = (uint16_t *)(arena + 2594020480); // %1036 cast bf16[8192,3072]
-  float *const b1037 = (float *)(arena + 2493357184); // %1037 matmul f32[8192,768]
+  uint16_t *const b996 = (uint16_t *)(arena + 2594020480); // %996 cast bf16[8192,3072]
+  float *const b997 = (float *)(arena + 2493357184); // %997 matmul f32[8192,768]
   {
-    float *const w1036 = mdl_widen_bf16(b1036, 25165824, h->nthreads);
+    float *const w996 = mdl_widen_bf16(b996, 25165824, h->nthreads);
     float *const w89 = mdl_widen_bf16(b89, 2359296, h->nthreads);
-    mdl_gemm(h, 0, 1, 8192, 768, 3072, w1036, 3072, w89, 3072, 0.0f, b1037, 768);
-    free(w1036);
+    mdl_gemm(h, 0, 1, 8192, 768, 3072, w996, 3072, w89, 3072, 0.0f, b997, 768);
+    free(w996);
     free(w89);
   }
 }
 
 // k214_gemm: GEMM, 1 op
-//   %1038  matmul             d.h.1.fc_w           line 40    f32[768,3072]
+//   %998   matmul             d.h.1.fc_w           line 40    f32[768,3072]
 // loops:
-//   gemm %1038: [768 x 3072] = T[768 x 8192] [8192 x 3072], bf16 operands widened to f32
+//   gemm %998: [768 x 3072] = T[768 x 8192] [8192 x 3072], bf16 operands widened to f32
 static void k214_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b88 = (uint16_t *)(arena + 5400009856); // %88 cast bf16[8192,768]
-  uint16_t *const b1036 = (uint16_t *)(arena + 2594020480); // %1036 cast bf16[8192,3072]
-  float *const b1038 = (float *)(arena + 693107712); // %1038 matmul d.h.1.fc_w f32[768,3072]
+  uint16_t *const b996 = (uint16_t *)(arena + 2594020480); // %996 cast bf16[8192,3072]
+  float *const b998 = (float *)(arena + 693107712); // %998 matmul d.h.1.fc_w f32[768,3072]
   {
     float *const w88 = mdl_widen_bf16(b88, 6291456, h->nthreads);
-    float *const w1036 = mdl_widen_bf16(b1036, 25165824, h->nthreads);
-    mdl_gemm(h, 1, 0, 768, 3072, 8192, w88, 768, w1036, 3072, 0.0f, b1038, 3072);
+    float *const w996 = mdl_widen_bf16(b996, 25165824, h->nthreads);
+    mdl_gemm(h, 1, 0, 768, 3072, 8192, w88, 768, w996, 3072, 0.0f, b998, 3072);
     free(w88);
-    free(w1036);
+    free(w996);
   }
 }
 
 // k215_layernorm_bwd__add__sum__cast: kernel, 7 ops
-//   %1040  layernorm_bwd                           line 40    f32[8,1024,768]
-//   %1041  add                d.h.1.x              line 40    f32[8,1024,768]
-//   %1042  layernorm_bwd      d.h.1.ln2_w          line 40    f32[768]
-//   %1043  layernorm_bwd      d.h.1.ln2_b          line 40    f32[768]
-//   %1044  reshape                                 line 39    f32[8192,768]
-//   %1045  sum                d.h.1.proj_b         line 39    f32[768]
-//   %1046  cast                                    line 39    bf16[8192,768]
+//   %1000  layernorm_bwd                           line 40    f32[8,1024,768]
+//   %1001  layernorm_bwd      d.h.1.ln2_w          line 40    f32[768]
+//   %1002  layernorm_bwd      d.h.1.ln2_b          line 40    f32[768]
+//   %1003  add                d.h.1.x              line 39    f32[8,1024,768]
+//   %1004  reshape                                 line 39    f32[8192,768]
+//   %1005  sum                d.h.1.proj_b         line 39    f32[768]
+//   %1006  cast                                    line 39    bf16[8192,768]
 // loops:
 //   layernorm_bwd: 8192 rows of 768, column sums over 64 blocks of 128 rows
 static void k215_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
   float *const b61 = (float *)(arena + 195342336); // %61 param h.1.ln2_w f32[768]
   float *const b85 = (float *)(arena + 4733115520); // %85 add h.1.x f32[8,1024,768]
-  float *const b1024 = (float *)(arena + 2682100864); // %1024 add d.h.1.x f32[8,1024,768]
-  float *const b1037 = (float *)(arena + 2493357184); // %1037 matmul f32[8192,768]
-  float *const b1041 = (float *)(arena + 2531105920); // %1041 add d.h.1.x f32[8,1024,768]
-  float *const b1042 = (float *)(arena + 693101568); // %1042 layernorm_bwd d.h.1.ln2_w f32[768]
-  float *const b1043 = (float *)(arena + 693104640); // %1043 layernorm_bwd d.h.1.ln2_b f32[768]
-  float *const b1045 = (float *)(arena + 693098496); // %1045 sum d.h.1.proj_b f32[768]
-  uint16_t *const b1046 = (uint16_t *)(arena + 2518523008); // %1046 cast bf16[8192,768]
+  float *const b986 = (float *)(arena + 2682100864); // %986 add d.h.1.x f32[8,1024,768]
+  float *const b997 = (float *)(arena + 2493357184); // %997 matmul f32[8192,768]
+  float *const b1001 = (float *)(arena + 693101568); // %1001 layernorm_bwd d.h.1.ln2_w f32[768]
+  float *const b1002 = (float *)(arena + 693104640); // %1002 layernorm_bwd d.h.1.ln2_b f32[768]
+  float *const b1003 = (float *)(arena + 2531105920); // %1003 add d.h.1.x f32[8,1024,768]
+  float *const b1005 = (float *)(arena + 693098496); // %1005 sum d.h.1.proj_b f32[768]
+  uint16_t *const b1006 = (uint16_t *)(arena + 2518523008); // %1006 cast bf16[8192,768]
   double *pdw = mdl_scratch(49152 * sizeof(double));
   double *pdb = mdl_scratch(49152 * sizeof(double));
-  double *ps0 = mdl_scratch(49152 * sizeof(double)); // partials of the column sum %1045
+  double *ps0 = mdl_scratch(49152 * sizeof(double)); // partials of the column sum %1005
   #pragma omp parallel num_threads(h->nthreads)
   {
     float *dxrow = mdl_scratch(768 * sizeof(float));
@@ -10286,7 +10146,7 @@ static void k215_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
       const int64_t end = k * 128 + 128 < 8192 ? k * 128 + 128 : 8192;
       for (int64_t r = k * 128; r < end; r++) {
         const float *x = b85 + r * 768;
-        const float *dy = b1037 + r * 768;
+        const float *dy = b997 + r * 768;
         double mean = 0, var = 0, mg = 0, mgx = 0;
         #pragma omp simd reduction(+ : mean)
         for (int64_t j = 0; j < 768; j++)
@@ -10311,13 +10171,13 @@ static void k215_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
           dx[j] = (float)(rstd * ((double)dy[j] * b61[j] - mg - (x[j] - mean) * rstd * mgx));
         for (int64_t j = 0; j < 768; j++) {
           const int64_t ix = r * 768 + j;
-          const float v1024_ix = b1024[ix];
-          const float v1041_ix = v1024_ix + dx[j];
-          b1041[ix] = v1041_ix;
-          const float v1044_ix = v1041_ix;
-          const float v1046_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v1044_ix));
-          b1046[ix] = mdl_f32_to_bf16(v1046_ix);
-          sa0[j] += v1044_ix;
+          const float v986_ix = b986[ix];
+          const float v1003_ix = v986_ix + dx[j];
+          b1003[ix] = v1003_ix;
+          const float v1004_ix = v1003_ix;
+          const float v1006_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v1004_ix));
+          b1006[ix] = mdl_f32_to_bf16(v1006_ix);
+          sa0[j] += v1004_ix;
         }
       }
     }
@@ -10331,9 +10191,9 @@ static void k215_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
       b += pdb[k * 768 + j];
       a0 += ps0[k * 768 + j];
     }
-    b1042[j] = (float)w;
-    b1043[j] = (float)b;
-    b1045[j] = (float)a0;
+    b1001[j] = (float)w;
+    b1002[j] = (float)b;
+    b1005[j] = (float)a0;
   }
   free(pdw);
   free(pdb);
@@ -10341,69 +10201,69 @@ static void k215_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
 }
 
 // k216_gemm: GEMM, 1 op
-//   %1048  matmul             d.h.1.proj_w         line 39    f32[768,768]
+//   %1008  matmul             d.h.1.proj_w         line 39    f32[768,768]
 // loops:
-//   gemm %1048: [768 x 768] = T[768 x 8192] [8192 x 768], bf16 operands widened to f32
+//   gemm %1008: [768 x 768] = T[768 x 8192] [8192 x 768], bf16 operands widened to f32
 static void k216_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b80 = (uint16_t *)(arena + 5387426944); // %80 cast bf16[8192,768]
-  uint16_t *const b1046 = (uint16_t *)(arena + 2518523008); // %1046 cast bf16[8192,768]
-  float *const b1048 = (float *)(arena + 690739200); // %1048 matmul d.h.1.proj_w f32[768,768]
+  uint16_t *const b1006 = (uint16_t *)(arena + 2518523008); // %1006 cast bf16[8192,768]
+  float *const b1008 = (float *)(arena + 690739200); // %1008 matmul d.h.1.proj_w f32[768,768]
   {
     float *const w80 = mdl_widen_bf16(b80, 6291456, h->nthreads);
-    float *const w1046 = mdl_widen_bf16(b1046, 6291456, h->nthreads);
-    mdl_gemm(h, 1, 0, 768, 768, 8192, w80, 768, w1046, 768, 0.0f, b1048, 768);
+    float *const w1006 = mdl_widen_bf16(b1006, 6291456, h->nthreads);
+    mdl_gemm(h, 1, 0, 768, 768, 8192, w80, 768, w1006, 768, 0.0f, b1008, 768);
     free(w80);
-    free(w1046);
+    free(w1006);
   }
 }
 
 // k217_gemm__cast: GEMM, 3 ops
-//   %1047  matmul                                  line 39    f32[8192,768]
-//   %1049  reshape                                 line 39    f32[8,1024,768]
-//   %1052  cast                                    line 39    bf16[8,1024,768]
+//   %1007  matmul                                  line 39    f32[8192,768]
+//   %1009  reshape                                 line 39    f32[8,1024,768]
+//   %1012  cast                                    line 39    bf16[8,1024,768]
 // loops:
-//   gemm %1047: [8192 x 768] = [8192 x 768] T[768 x 768], bf16 operands widened to f32, epilogue after
-//   elementwise over 6291456: %1052
+//   gemm %1007: [8192 x 768] = [8192 x 768] T[768 x 768], bf16 operands widened to f32, epilogue after
+//   elementwise over 6291456: %1012
 static void k217_gemm__cast(char *arena, const MdlHooks *h) {
   uint16_t *const b81 = (uint16_t *)(arena + 2085998592); // %81 cast bf16[768,768]
-  uint16_t *const b1046 = (uint16_t *)(arena + 2518523008); // %1046 cast bf16[8192,768]
-  float *const b1047 = mdl_scratch(25165824); // %1047 matmul f32[8192,768], kept in this kernel
-  uint16_t *const b1052 = (uint16_t *)(arena + 2493357184); // %1052 cast bf16[8,1024,768]
+  uint16_t *const b1006 = (uint16_t *)(arena + 2518523008); // %1006 cast bf16[8192,768]
+  float *const b1007 = mdl_scratch(25165824); // %1007 matmul f32[8192,768], kept in this kernel
+  uint16_t *const b1012 = (uint16_t *)(arena + 2493357184); // %1012 cast bf16[8,1024,768]
   {
-    float *const w1046 = mdl_widen_bf16(b1046, 6291456, h->nthreads);
+    float *const w1006 = mdl_widen_bf16(b1006, 6291456, h->nthreads);
     float *const w81 = mdl_widen_bf16(b81, 589824, h->nthreads);
-    mdl_gemm(h, 0, 1, 8192, 768, 768, w1046, 768, w81, 768, 0.0f, b1047, 768);
-    free(w1046);
+    mdl_gemm(h, 0, 1, 8192, 768, 768, w1006, 768, w81, 768, 0.0f, b1007, 768);
+    free(w1006);
     free(w81);
   }
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
   for (int64_t r = 0; r < 8192; r++) {
     for (int64_t c = 0; c < 768; c++) {
       const int64_t i = r * 768 + c;
-      const float v1047_i = b1047[i];
-      const float v1049_i = v1047_i;
-      const float v1052_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v1049_i));
-      b1052[i] = mdl_f32_to_bf16(v1052_i);
+      const float v1007_i = b1007[i];
+      const float v1009_i = v1007_i;
+      const float v1012_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v1009_i));
+      b1012[i] = mdl_f32_to_bf16(v1012_i);
     }
   }
-  free(b1047);
+  free(b1007);
 }
 
 // k218_attention_bwd: attention, 3 ops
-//   %1053  attention_bwd      d.h.1.q              line 39    f32[8,1024,768]
-//   %1054  attention_bwd      d.h.1.k              line 39    f32[8,1024,768]
-//   %1055  attention_bwd      d.h.1.v              line 39    f32[8,1024,768]
+//   %1013  attention_bwd      d.h.1.q              line 39    f32[8,1024,768]
+//   %1014  attention_bwd      d.h.1.k              line 39    f32[8,1024,768]
+//   %1015  attention_bwd      d.h.1.v              line 39    f32[8,1024,768]
 // loops:
 //   attention backward (dq dk dv): B 8, T 1024, 12 heads of 64, causal, within documents; one task per (batch, head)
 static void k218_attention_bwd(char *arena, const MdlHooks *h) {
   int32_t *const b3 = (int32_t *)(arena + 2238271488); // %3 input doc i32[8,1024]
   uint16_t *const b74 = (uint16_t *)(arena + 4242381952); // %74 cast bf16[8,1024,2304]
   uint16_t *const b80 = (uint16_t *)(arena + 5387426944); // %80 cast bf16[8192,768]
-  float *const b1050 = (float *)(arena + 5803056256); // %1050 attention_lse f32[8,12,1024]
-  uint16_t *const b1052 = (uint16_t *)(arena + 2493357184); // %1052 cast bf16[8,1024,768]
-  float *const b1053 = (float *)(arena + 2556271744); // %1053 attention_bwd d.h.1.q f32[8,1024,768]
-  float *const b1054 = (float *)(arena + 2581437568); // %1054 attention_bwd d.h.1.k f32[8,1024,768]
-  float *const b1055 = (float *)(arena + 2606603392); // %1055 attention_bwd d.h.1.v f32[8,1024,768]
+  float *const b1010 = (float *)(arena + 5803056256); // %1010 attention_lse f32[8,12,1024]
+  uint16_t *const b1012 = (uint16_t *)(arena + 2493357184); // %1012 cast bf16[8,1024,768]
+  float *const b1013 = (float *)(arena + 2556271744); // %1013 attention_bwd d.h.1.q f32[8,1024,768]
+  float *const b1014 = (float *)(arena + 2581437568); // %1014 attention_bwd d.h.1.k f32[8,1024,768]
+  float *const b1015 = (float *)(arena + 2606603392); // %1015 attention_bwd d.h.1.v f32[8,1024,768]
   #pragma omp parallel num_threads(h->nthreads)
   {
     float *restrict kt = memset(mdl_scratch(67584 * sizeof(float)), 0, 67584 * sizeof(float));
@@ -10451,13 +10311,13 @@ static void k218_attention_bwd(char *arena, const MdlHooks *h) {
           }
           memcpy(s + j0, acc, sizeof acc);
         }
-        const float lse = b1050[(b * 12 + hd) * 1024 + i];
+        const float lse = b1010[(b * 12 + hd) * 1024 + i];
         #pragma omp simd
         for (int64_t j = lo; j < hi; j++)
           s[j] = dc[j] == di ? mdl_exp_shifted(s[j] * 0.125f - lse) : 0.0f;
         float dor[64];
         for (int64_t c = 0; c < 64; c++)
-          dor[c] = mdl_bf16_to_f32(b1052[(b * 1024 + i) * 768 + hd * 64 + c]);
+          dor[c] = mdl_bf16_to_f32(b1012[(b * 1024 + i) * 768 + hd * 64 + c]);
         const float *restrict doi = dor;
         float dsum = 0.0f;
         for (int64_t c = 0; c < 64; c++)
@@ -10506,14 +10366,14 @@ static void k218_attention_bwd(char *arena, const MdlHooks *h) {
           for (int64_t c = 0; c < 64; c++)
             dvj[c] += mdl_bf16_to_f32(mdl_f32_to_bf16(s[j])) * doi[c];
         }
-        float *restrict dq = b1053 + (b * 1024 + i) * 768 + hd * 64;
+        float *restrict dq = b1013 + (b * 1024 + i) * 768 + hd * 64;
         for (int64_t c = 0; c < 64; c++)
           dq[c] = 0.125f * (dqi0[c] + dqi1[c]);
       }
       for (int64_t t = 0; t < 1024; t++)
-        memcpy(b1054 + (b * 1024 + t) * 768 + hd * 64, dkh + t * 64, 64 * sizeof(float));
+        memcpy(b1014 + (b * 1024 + t) * 768 + hd * 64, dkh + t * 64, 64 * sizeof(float));
       for (int64_t t = 0; t < 1024; t++)
-        memcpy(b1055 + (b * 1024 + t) * 768 + hd * 64, dvh + t * 64, 64 * sizeof(float));
+        memcpy(b1015 + (b * 1024 + t) * 768 + hd * 64, dvh + t * 64, 64 * sizeof(float));
     }
     free(kt);
     free(s);
@@ -10524,23 +10384,19 @@ static void k218_attention_bwd(char *arena, const MdlHooks *h) {
   }
 }
 
-// k219_sum__slice_bwd__add__cast: kernel, 8 ops
-//   %1056  slice_bwd                               line 38    f32[8,1024,2304]
-//   %1057  slice_bwd                               line 38    f32[8,1024,2304]
-//   %1058  add                                     line 38    f32[8,1024,2304]
-//   %1059  slice_bwd                               line 38    f32[8,1024,2304]
-//   %1060  add                                     line 38    f32[8,1024,2304]
-//   %1061  reshape                                 line 38    f32[8192,2304]
-//   %1062  sum                d.h.1.attn_b         line 38    f32[2304]
-//   %1063  cast                                    line 38    bf16[8192,2304]
+// k219_sum__concat__cast: kernel, 4 ops
+//   %1016  concat                                  line 38    f32[8,1024,2304]
+//   %1017  reshape                                 line 38    f32[8192,2304]
+//   %1018  sum                d.h.1.attn_b         line 38    f32[2304]
+//   %1019  cast                                    line 38    bf16[8192,2304]
 // loops:
-//   sum %1062: 2304 outputs over 8192 elements, in 64 blocks of 128
-static void k219_sum__slice_bwd__add__cast(char *arena, const MdlHooks *h) {
-  float *const b1053 = (float *)(arena + 2556271744); // %1053 attention_bwd d.h.1.q f32[8,1024,768]
-  float *const b1054 = (float *)(arena + 2581437568); // %1054 attention_bwd d.h.1.k f32[8,1024,768]
-  float *const b1055 = (float *)(arena + 2606603392); // %1055 attention_bwd d.h.1.v f32[8,1024,768]
-  float *const b1062 = (float *)(arena + 690729984); // %1062 sum d.h.1.attn_b f32[2304]
-  uint16_t *const b1063 = (uint16_t *)(arena + 2493357184); // %1063 cast bf16[8192,2304]
+//   sum %1018: 2304 outputs over 8192 elements, in 64 blocks of 128
+static void k219_sum__concat__cast(char *arena, const MdlHooks *h) {
+  float *const b1013 = (float *)(arena + 2556271744); // %1013 attention_bwd d.h.1.q f32[8,1024,768]
+  float *const b1014 = (float *)(arena + 2581437568); // %1014 attention_bwd d.h.1.k f32[8,1024,768]
+  float *const b1015 = (float *)(arena + 2606603392); // %1015 attention_bwd d.h.1.v f32[8,1024,768]
+  float *const b1018 = (float *)(arena + 690729984); // %1018 sum d.h.1.attn_b f32[2304]
+  uint16_t *const b1019 = (uint16_t *)(arena + 2493357184); // %1019 cast bf16[8192,2304]
   double *part = mdl_scratch(147456 * sizeof(double));
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
   for (int64_t k = 0; k < 64; k++) {
@@ -10551,21 +10407,11 @@ static void k219_sum__slice_bwd__add__cast(char *arena, const MdlHooks *h) {
     for (int64_t l = k * 128; l < end; l++) {
       for (int64_t c = 0; c < 2304; c++) {
         const int64_t ix = l * 2304 + c;
-        const int64_t j1 = c >= 1536 && c < 2304 ? l * 768 + (c - 1536) : 0;
-        const float v1055_j1 = b1055[j1];
-        const float v1056_ix = c >= 1536 && c < 2304 ? v1055_j1 : 0.0f;
-        const int64_t j2 = c >= 768 && c < 1536 ? l * 768 + (c - 768) : 0;
-        const float v1054_j2 = b1054[j2];
-        const float v1057_ix = c >= 768 && c < 1536 ? v1054_j2 : 0.0f;
-        const float v1058_ix = v1056_ix + v1057_ix;
-        const int64_t j3 = c >= 0 && c < 768 ? l * 768 + (c - 0) : 0;
-        const float v1053_j3 = b1053[j3];
-        const float v1059_ix = c >= 0 && c < 768 ? v1053_j3 : 0.0f;
-        const float v1060_ix = v1058_ix + v1059_ix;
-        const float v1061_ix = v1060_ix;
-        const float v = v1061_ix;
-        const float v1063_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v1061_ix));
-        b1063[ix] = mdl_f32_to_bf16(v1063_ix);
+        const float v1016_ix = (c < 768 ? b1013 + (l * 768 + (c - 0)) : c < 1536 ? b1014 + (l * 768 + (c - 768)) : b1015 + (l * 768 + (c - 1536)))[0];
+        const float v1017_ix = v1016_ix;
+        const float v = v1017_ix;
+        const float v1019_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v1017_ix));
+        b1019[ix] = mdl_f32_to_bf16(v1019_ix);
         p[c] += v;
       }
     }
@@ -10578,68 +10424,68 @@ static void k219_sum__slice_bwd__add__cast(char *arena, const MdlHooks *h) {
       acc += v;
     }
     const float y = (float)acc;
-    b1062[r] = y;
+    b1018[r] = y;
   }
   free(part);
 }
 
 // k220_gemm: GEMM, 1 op
-//   %1064  matmul                                  line 38    f32[8192,768]
+//   %1020  matmul                                  line 38    f32[8192,768]
 // loops:
-//   gemm %1064: [8192 x 768] = [8192 x 2304] T[2304 x 768], bf16 operands widened to f32
+//   gemm %1020: [8192 x 768] = [8192 x 2304] T[2304 x 768], bf16 operands widened to f32
 static void k220_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b70 = (uint16_t *)(arena + 2082459648); // %70 cast bf16[768,2304]
-  uint16_t *const b1063 = (uint16_t *)(arena + 2493357184); // %1063 cast bf16[8192,2304]
-  float *const b1064 = (float *)(arena + 2556271744); // %1064 matmul f32[8192,768]
+  uint16_t *const b1019 = (uint16_t *)(arena + 2493357184); // %1019 cast bf16[8192,2304]
+  float *const b1020 = (float *)(arena + 2556271744); // %1020 matmul f32[8192,768]
   {
-    float *const w1063 = mdl_widen_bf16(b1063, 18874368, h->nthreads);
+    float *const w1019 = mdl_widen_bf16(b1019, 18874368, h->nthreads);
     float *const w70 = mdl_widen_bf16(b70, 1769472, h->nthreads);
-    mdl_gemm(h, 0, 1, 8192, 768, 2304, w1063, 2304, w70, 2304, 0.0f, b1064, 768);
-    free(w1063);
+    mdl_gemm(h, 0, 1, 8192, 768, 2304, w1019, 2304, w70, 2304, 0.0f, b1020, 768);
+    free(w1019);
     free(w70);
   }
 }
 
 // k221_gemm: GEMM, 1 op
-//   %1065  matmul             d.h.1.attn_w         line 38    f32[768,2304]
+//   %1021  matmul             d.h.1.attn_w         line 38    f32[768,2304]
 // loops:
-//   gemm %1065: [768 x 2304] = T[768 x 8192] [8192 x 2304], bf16 operands widened to f32
+//   gemm %1021: [768 x 2304] = T[768 x 8192] [8192 x 2304], bf16 operands widened to f32
 static void k221_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b69 = (uint16_t *)(arena + 5374844032); // %69 cast bf16[8192,768]
-  uint16_t *const b1063 = (uint16_t *)(arena + 2493357184); // %1063 cast bf16[8192,2304]
-  float *const b1065 = (float *)(arena + 683652096); // %1065 matmul d.h.1.attn_w f32[768,2304]
+  uint16_t *const b1019 = (uint16_t *)(arena + 2493357184); // %1019 cast bf16[8192,2304]
+  float *const b1021 = (float *)(arena + 683652096); // %1021 matmul d.h.1.attn_w f32[768,2304]
   {
     float *const w69 = mdl_widen_bf16(b69, 6291456, h->nthreads);
-    float *const w1063 = mdl_widen_bf16(b1063, 18874368, h->nthreads);
-    mdl_gemm(h, 1, 0, 768, 2304, 8192, w69, 768, w1063, 2304, 0.0f, b1065, 2304);
+    float *const w1019 = mdl_widen_bf16(b1019, 18874368, h->nthreads);
+    mdl_gemm(h, 1, 0, 768, 2304, 8192, w69, 768, w1019, 2304, 0.0f, b1021, 2304);
     free(w69);
-    free(w1063);
+    free(w1019);
   }
 }
 
 // k222_layernorm_bwd__add__sum__cast: kernel, 7 ops
-//   %1067  layernorm_bwd                           line 38    f32[8,1024,768]
-//   %1068  add                d.h.0.x              line 38    f32[8,1024,768]
-//   %1069  layernorm_bwd      d.h.1.ln1_w          line 38    f32[768]
-//   %1070  layernorm_bwd      d.h.1.ln1_b          line 38    f32[768]
-//   %1071  reshape                                 line 40    f32[8192,768]
-//   %1072  sum                d.h.0.fcproj_b       line 40    f32[768]
-//   %1073  cast                                    line 40    bf16[8192,768]
+//   %1023  layernorm_bwd                           line 38    f32[8,1024,768]
+//   %1024  layernorm_bwd      d.h.1.ln1_w          line 38    f32[768]
+//   %1025  layernorm_bwd      d.h.1.ln1_b          line 38    f32[768]
+//   %1026  add                d.h.0.x              line 40    f32[8,1024,768]
+//   %1027  reshape                                 line 40    f32[8192,768]
+//   %1028  sum                d.h.0.fcproj_b       line 40    f32[768]
+//   %1029  cast                                    line 40    bf16[8192,768]
 // loops:
 //   layernorm_bwd: 8192 rows of 768, column sums over 64 blocks of 128 rows
 static void k222_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
   float *const b54 = (float *)(arena + 4707949696); // %54 add h.0.x f32[8,1024,768]
   float *const b55 = (float *)(arena + 185886720); // %55 param h.1.ln1_w f32[768]
-  float *const b1041 = (float *)(arena + 2531105920); // %1041 add d.h.1.x f32[8,1024,768]
-  float *const b1064 = (float *)(arena + 2556271744); // %1064 matmul f32[8192,768]
-  float *const b1068 = (float *)(arena + 2581437568); // %1068 add d.h.0.x f32[8,1024,768]
-  float *const b1069 = (float *)(arena + 683645952); // %1069 layernorm_bwd d.h.1.ln1_w f32[768]
-  float *const b1070 = (float *)(arena + 683649024); // %1070 layernorm_bwd d.h.1.ln1_b f32[768]
-  float *const b1072 = (float *)(arena + 683642880); // %1072 sum d.h.0.fcproj_b f32[768]
-  uint16_t *const b1073 = (uint16_t *)(arena + 2606603392); // %1073 cast bf16[8192,768]
+  float *const b1003 = (float *)(arena + 2531105920); // %1003 add d.h.1.x f32[8,1024,768]
+  float *const b1020 = (float *)(arena + 2556271744); // %1020 matmul f32[8192,768]
+  float *const b1024 = (float *)(arena + 683645952); // %1024 layernorm_bwd d.h.1.ln1_w f32[768]
+  float *const b1025 = (float *)(arena + 683649024); // %1025 layernorm_bwd d.h.1.ln1_b f32[768]
+  float *const b1026 = (float *)(arena + 2581437568); // %1026 add d.h.0.x f32[8,1024,768]
+  float *const b1028 = (float *)(arena + 683642880); // %1028 sum d.h.0.fcproj_b f32[768]
+  uint16_t *const b1029 = (uint16_t *)(arena + 2606603392); // %1029 cast bf16[8192,768]
   double *pdw = mdl_scratch(49152 * sizeof(double));
   double *pdb = mdl_scratch(49152 * sizeof(double));
-  double *ps0 = mdl_scratch(49152 * sizeof(double)); // partials of the column sum %1072
+  double *ps0 = mdl_scratch(49152 * sizeof(double)); // partials of the column sum %1028
   #pragma omp parallel num_threads(h->nthreads)
   {
     float *dxrow = mdl_scratch(768 * sizeof(float));
@@ -10653,7 +10499,7 @@ static void k222_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
       const int64_t end = k * 128 + 128 < 8192 ? k * 128 + 128 : 8192;
       for (int64_t r = k * 128; r < end; r++) {
         const float *x = b54 + r * 768;
-        const float *dy = b1064 + r * 768;
+        const float *dy = b1020 + r * 768;
         double mean = 0, var = 0, mg = 0, mgx = 0;
         #pragma omp simd reduction(+ : mean)
         for (int64_t j = 0; j < 768; j++)
@@ -10678,13 +10524,13 @@ static void k222_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
           dx[j] = (float)(rstd * ((double)dy[j] * b55[j] - mg - (x[j] - mean) * rstd * mgx));
         for (int64_t j = 0; j < 768; j++) {
           const int64_t ix = r * 768 + j;
-          const float v1041_ix = b1041[ix];
-          const float v1068_ix = v1041_ix + dx[j];
-          b1068[ix] = v1068_ix;
-          const float v1071_ix = v1068_ix;
-          const float v1073_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v1071_ix));
-          b1073[ix] = mdl_f32_to_bf16(v1073_ix);
-          sa0[j] += v1071_ix;
+          const float v1003_ix = b1003[ix];
+          const float v1026_ix = v1003_ix + dx[j];
+          b1026[ix] = v1026_ix;
+          const float v1027_ix = v1026_ix;
+          const float v1029_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v1027_ix));
+          b1029[ix] = mdl_f32_to_bf16(v1029_ix);
+          sa0[j] += v1027_ix;
         }
       }
     }
@@ -10698,9 +10544,9 @@ static void k222_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
       b += pdb[k * 768 + j];
       a0 += ps0[k * 768 + j];
     }
-    b1069[j] = (float)w;
-    b1070[j] = (float)b;
-    b1072[j] = (float)a0;
+    b1024[j] = (float)w;
+    b1025[j] = (float)b;
+    b1028[j] = (float)a0;
   }
   free(pdw);
   free(pdb);
@@ -10708,44 +10554,44 @@ static void k222_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
 }
 
 // k223_gemm: GEMM, 1 op
-//   %1075  matmul             d.h.0.fcproj_w       line 40    f32[3072,768]
+//   %1031  matmul             d.h.0.fcproj_w       line 40    f32[3072,768]
 // loops:
-//   gemm %1075: [3072 x 768] = T[3072 x 8192] [8192 x 768], bf16 operands widened to f32
+//   gemm %1031: [3072 x 768] = T[3072 x 8192] [8192 x 768], bf16 operands widened to f32
 static void k223_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b49 = (uint16_t *)(arena + 3600653440); // %49 cast bf16[8192,3072]
-  uint16_t *const b1073 = (uint16_t *)(arena + 2606603392); // %1073 cast bf16[8192,768]
-  float *const b1075 = (float *)(arena + 674205696); // %1075 matmul d.h.0.fcproj_w f32[3072,768]
+  uint16_t *const b1029 = (uint16_t *)(arena + 2606603392); // %1029 cast bf16[8192,768]
+  float *const b1031 = (float *)(arena + 674205696); // %1031 matmul d.h.0.fcproj_w f32[3072,768]
   {
     float *const w49 = mdl_widen_bf16(b49, 25165824, h->nthreads);
-    float *const w1073 = mdl_widen_bf16(b1073, 6291456, h->nthreads);
-    mdl_gemm(h, 1, 0, 3072, 768, 8192, w49, 3072, w1073, 768, 0.0f, b1075, 768);
+    float *const w1029 = mdl_widen_bf16(b1029, 6291456, h->nthreads);
+    mdl_gemm(h, 1, 0, 3072, 768, 8192, w49, 3072, w1029, 768, 0.0f, b1031, 768);
     free(w49);
-    free(w1073);
+    free(w1029);
   }
 }
 
 // k224_gemm__gelu_bwd__sum__cast: GEMM, 6 ops
-//   %1074  matmul                                  line 40    f32[8192,3072]
-//   %1076  reshape                                 line 40    f32[8,1024,3072]
-//   %1077  gelu_bwd                                line 40    f32[8,1024,3072]
-//   %1078  reshape                                 line 40    f32[8192,3072]
-//   %1079  sum                d.h.0.fc_b           line 40    f32[3072]
-//   %1080  cast                                    line 40    bf16[8192,3072]
+//   %1030  matmul                                  line 40    f32[8192,3072]
+//   %1032  reshape                                 line 40    f32[8,1024,3072]
+//   %1033  gelu_bwd                                line 40    f32[8,1024,3072]
+//   %1034  reshape                                 line 40    f32[8192,3072]
+//   %1035  sum                d.h.0.fc_b           line 40    f32[3072]
+//   %1036  cast                                    line 40    bf16[8192,3072]
 // loops:
-//   gemm %1074: [8192 x 3072] = [8192 x 768] T[768 x 3072], bf16 operands widened to f32, epilogue after
-//   sum %1079: 3072 outputs over 8192 elements, in 64 blocks of 128
+//   gemm %1030: [8192 x 3072] = [8192 x 768] T[768 x 3072], bf16 operands widened to f32, epilogue after
+//   sum %1035: 3072 outputs over 8192 elements, in 64 blocks of 128
 static void k224_gemm__gelu_bwd__sum__cast(char *arena, const MdlHooks *h) {
   float *const b46 = (float *)(arena + 2392693888); // %46 add f32[8,1024,3072]
   uint16_t *const b50 = (uint16_t *)(arena + 2077741056); // %50 cast bf16[3072,768]
-  uint16_t *const b1073 = (uint16_t *)(arena + 2606603392); // %1073 cast bf16[8192,768]
-  float *const b1074 = mdl_scratch(100663296); // %1074 matmul f32[8192,3072], kept in this kernel
-  float *const b1079 = (float *)(arena + 674193408); // %1079 sum d.h.0.fc_b f32[3072]
-  uint16_t *const b1080 = (uint16_t *)(arena + 2493357184); // %1080 cast bf16[8192,3072]
+  uint16_t *const b1029 = (uint16_t *)(arena + 2606603392); // %1029 cast bf16[8192,768]
+  float *const b1030 = mdl_scratch(100663296); // %1030 matmul f32[8192,3072], kept in this kernel
+  float *const b1035 = (float *)(arena + 674193408); // %1035 sum d.h.0.fc_b f32[3072]
+  uint16_t *const b1036 = (uint16_t *)(arena + 2493357184); // %1036 cast bf16[8192,3072]
   {
-    float *const w1073 = mdl_widen_bf16(b1073, 6291456, h->nthreads);
+    float *const w1029 = mdl_widen_bf16(b1029, 6291456, h->nthreads);
     float *const w50 = mdl_widen_bf16(b50, 2359296, h->nthreads);
-    mdl_gemm(h, 0, 1, 8192, 3072, 768, w1073, 768, w50, 768, 0.0f, b1074, 3072);
-    free(w1073);
+    mdl_gemm(h, 0, 1, 8192, 3072, 768, w1029, 768, w50, 768, 0.0f, b1030, 3072);
+    free(w1029);
     free(w50);
   }
   double *part = mdl_scratch(196608 * sizeof(double));
@@ -10759,13 +10605,13 @@ static void k224_gemm__gelu_bwd__sum__cast(char *arena, const MdlHooks *h) {
       for (int64_t c = 0; c < 3072; c++) {
         const int64_t ix = l * 3072 + c;
         const float v46_ix = b46[ix];
-        const float v1074_ix = b1074[ix];
-        const float v1076_ix = v1074_ix;
-        const float v1077_ix = mdl_gelu_grad(v46_ix) * v1076_ix;
-        const float v1078_ix = v1077_ix;
-        const float v = v1078_ix;
-        const float v1080_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v1078_ix));
-        b1080[ix] = mdl_f32_to_bf16(v1080_ix);
+        const float v1030_ix = b1030[ix];
+        const float v1032_ix = v1030_ix;
+        const float v1033_ix = mdl_gelu_grad(v46_ix) * v1032_ix;
+        const float v1034_ix = v1033_ix;
+        const float v = v1034_ix;
+        const float v1036_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v1034_ix));
+        b1036[ix] = mdl_f32_to_bf16(v1036_ix);
         p[c] += v;
       }
     }
@@ -10778,69 +10624,69 @@ static void k224_gemm__gelu_bwd__sum__cast(char *arena, const MdlHooks *h) {
       acc += v;
     }
     const float y = (float)acc;
-    b1079[r] = y;
+    b1035[r] = y;
   }
   free(part);
-  free(b1074);
+  free(b1030);
 }
 
 // k225_gemm: GEMM, 1 op
-//   %1081  matmul                                  line 40    f32[8192,768]
+//   %1037  matmul                                  line 40    f32[8192,768]
 // loops:
-//   gemm %1081: [8192 x 768] = [8192 x 3072] T[3072 x 768], bf16 operands widened to f32
+//   gemm %1037: [8192 x 768] = [8192 x 3072] T[3072 x 768], bf16 operands widened to f32
 static void k225_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b43 = (uint16_t *)(arena + 2073022464); // %43 cast bf16[768,3072]
-  uint16_t *const b1080 = (uint16_t *)(arena + 2493357184); // %1080 cast bf16[8192,3072]
-  float *const b1081 = (float *)(arena + 2392693888); // %1081 matmul f32[8192,768]
+  uint16_t *const b1036 = (uint16_t *)(arena + 2493357184); // %1036 cast bf16[8192,3072]
+  float *const b1037 = (float *)(arena + 2392693888); // %1037 matmul f32[8192,768]
   {
-    float *const w1080 = mdl_widen_bf16(b1080, 25165824, h->nthreads);
+    float *const w1036 = mdl_widen_bf16(b1036, 25165824, h->nthreads);
     float *const w43 = mdl_widen_bf16(b43, 2359296, h->nthreads);
-    mdl_gemm(h, 0, 1, 8192, 768, 3072, w1080, 3072, w43, 3072, 0.0f, b1081, 768);
-    free(w1080);
+    mdl_gemm(h, 0, 1, 8192, 768, 3072, w1036, 3072, w43, 3072, 0.0f, b1037, 768);
+    free(w1036);
     free(w43);
   }
 }
 
 // k226_gemm: GEMM, 1 op
-//   %1082  matmul             d.h.0.fc_w           line 40    f32[768,3072]
+//   %1038  matmul             d.h.0.fc_w           line 40    f32[768,3072]
 // loops:
-//   gemm %1082: [768 x 3072] = T[768 x 8192] [8192 x 3072], bf16 operands widened to f32
+//   gemm %1038: [768 x 3072] = T[768 x 8192] [8192 x 3072], bf16 operands widened to f32
 static void k226_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b42 = (uint16_t *)(arena + 5362261120); // %42 cast bf16[8192,768]
-  uint16_t *const b1080 = (uint16_t *)(arena + 2493357184); // %1080 cast bf16[8192,3072]
-  float *const b1082 = (float *)(arena + 664756224); // %1082 matmul d.h.0.fc_w f32[768,3072]
+  uint16_t *const b1036 = (uint16_t *)(arena + 2493357184); // %1036 cast bf16[8192,3072]
+  float *const b1038 = (float *)(arena + 664756224); // %1038 matmul d.h.0.fc_w f32[768,3072]
   {
     float *const w42 = mdl_widen_bf16(b42, 6291456, h->nthreads);
-    float *const w1080 = mdl_widen_bf16(b1080, 25165824, h->nthreads);
-    mdl_gemm(h, 1, 0, 768, 3072, 8192, w42, 768, w1080, 3072, 0.0f, b1082, 3072);
+    float *const w1036 = mdl_widen_bf16(b1036, 25165824, h->nthreads);
+    mdl_gemm(h, 1, 0, 768, 3072, 8192, w42, 768, w1036, 3072, 0.0f, b1038, 3072);
     free(w42);
-    free(w1080);
+    free(w1036);
   }
 }
 
 // k227_layernorm_bwd__add__sum__cast: kernel, 7 ops
-//   %1084  layernorm_bwd                           line 40    f32[8,1024,768]
-//   %1085  add                d.h.0.x              line 40    f32[8,1024,768]
-//   %1086  layernorm_bwd      d.h.0.ln2_w          line 40    f32[768]
-//   %1087  layernorm_bwd      d.h.0.ln2_b          line 40    f32[768]
-//   %1088  reshape                                 line 39    f32[8192,768]
-//   %1089  sum                d.h.0.proj_b         line 39    f32[768]
-//   %1090  cast                                    line 39    bf16[8192,768]
+//   %1040  layernorm_bwd                           line 40    f32[8,1024,768]
+//   %1041  layernorm_bwd      d.h.0.ln2_w          line 40    f32[768]
+//   %1042  layernorm_bwd      d.h.0.ln2_b          line 40    f32[768]
+//   %1043  add                d.h.0.x              line 39    f32[8,1024,768]
+//   %1044  reshape                                 line 39    f32[8192,768]
+//   %1045  sum                d.h.0.proj_b         line 39    f32[768]
+//   %1046  cast                                    line 39    bf16[8192,768]
 // loops:
 //   layernorm_bwd: 8192 rows of 768, column sums over 64 blocks of 128 rows
 static void k227_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
   float *const b15 = (float *)(arena + 166990848); // %15 param h.0.ln2_w f32[768]
   float *const b39 = (float *)(arena + 4682783872); // %39 add h.0.x f32[8,1024,768]
-  float *const b1068 = (float *)(arena + 2581437568); // %1068 add d.h.0.x f32[8,1024,768]
-  float *const b1081 = (float *)(arena + 2392693888); // %1081 matmul f32[8192,768]
-  float *const b1085 = (float *)(arena + 2430442624); // %1085 add d.h.0.x f32[8,1024,768]
-  float *const b1086 = (float *)(arena + 664750080); // %1086 layernorm_bwd d.h.0.ln2_w f32[768]
-  float *const b1087 = (float *)(arena + 664753152); // %1087 layernorm_bwd d.h.0.ln2_b f32[768]
-  float *const b1089 = (float *)(arena + 664747008); // %1089 sum d.h.0.proj_b f32[768]
-  uint16_t *const b1090 = (uint16_t *)(arena + 2417859712); // %1090 cast bf16[8192,768]
+  float *const b1026 = (float *)(arena + 2581437568); // %1026 add d.h.0.x f32[8,1024,768]
+  float *const b1037 = (float *)(arena + 2392693888); // %1037 matmul f32[8192,768]
+  float *const b1041 = (float *)(arena + 664750080); // %1041 layernorm_bwd d.h.0.ln2_w f32[768]
+  float *const b1042 = (float *)(arena + 664753152); // %1042 layernorm_bwd d.h.0.ln2_b f32[768]
+  float *const b1043 = (float *)(arena + 2430442624); // %1043 add d.h.0.x f32[8,1024,768]
+  float *const b1045 = (float *)(arena + 664747008); // %1045 sum d.h.0.proj_b f32[768]
+  uint16_t *const b1046 = (uint16_t *)(arena + 2417859712); // %1046 cast bf16[8192,768]
   double *pdw = mdl_scratch(49152 * sizeof(double));
   double *pdb = mdl_scratch(49152 * sizeof(double));
-  double *ps0 = mdl_scratch(49152 * sizeof(double)); // partials of the column sum %1089
+  double *ps0 = mdl_scratch(49152 * sizeof(double)); // partials of the column sum %1045
   #pragma omp parallel num_threads(h->nthreads)
   {
     float *dxrow = mdl_scratch(768 * sizeof(float));
@@ -10854,7 +10700,7 @@ static void k227_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
       const int64_t end = k * 128 + 128 < 8192 ? k * 128 + 128 : 8192;
       for (int64_t r = k * 128; r < end; r++) {
         const float *x = b39 + r * 768;
-        const float *dy = b1081 + r * 768;
+        const float *dy = b1037 + r * 768;
         double mean = 0, var = 0, mg = 0, mgx = 0;
         #pragma omp simd reduction(+ : mean)
         for (int64_t j = 0; j < 768; j++)
@@ -10879,13 +10725,13 @@ static void k227_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
           dx[j] = (float)(rstd * ((double)dy[j] * b15[j] - mg - (x[j] - mean) * rstd * mgx));
         for (int64_t j = 0; j < 768; j++) {
           const int64_t ix = r * 768 + j;
-          const float v1068_ix = b1068[ix];
-          const float v1085_ix = v1068_ix + dx[j];
-          b1085[ix] = v1085_ix;
-          const float v1088_ix = v1085_ix;
-          const float v1090_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v1088_ix));
-          b1090[ix] = mdl_f32_to_bf16(v1090_ix);
-          sa0[j] += v1088_ix;
+          const float v1026_ix = b1026[ix];
+          const float v1043_ix = v1026_ix + dx[j];
+          b1043[ix] = v1043_ix;
+          const float v1044_ix = v1043_ix;
+          const float v1046_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v1044_ix));
+          b1046[ix] = mdl_f32_to_bf16(v1046_ix);
+          sa0[j] += v1044_ix;
         }
       }
     }
@@ -10899,9 +10745,9 @@ static void k227_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
       b += pdb[k * 768 + j];
       a0 += ps0[k * 768 + j];
     }
-    b1086[j] = (float)w;
-    b1087[j] = (float)b;
-    b1089[j] = (float)a0;
+    b1041[j] = (float)w;
+    b1042[j] = (float)b;
+    b1045[j] = (float)a0;
   }
   free(pdw);
   free(pdb);
@@ -10909,69 +10755,69 @@ static void k227_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
 }
 
 // k228_gemm: GEMM, 1 op
-//   %1092  matmul             d.h.0.proj_w         line 39    f32[768,768]
+//   %1048  matmul             d.h.0.proj_w         line 39    f32[768,768]
 // loops:
-//   gemm %1092: [768 x 768] = T[768 x 8192] [8192 x 768], bf16 operands widened to f32
+//   gemm %1048: [768 x 768] = T[768 x 8192] [8192 x 768], bf16 operands widened to f32
 static void k228_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b34 = (uint16_t *)(arena + 5349678208); // %34 cast bf16[8192,768]
-  uint16_t *const b1090 = (uint16_t *)(arena + 2417859712); // %1090 cast bf16[8192,768]
-  float *const b1092 = (float *)(arena + 662387712); // %1092 matmul d.h.0.proj_w f32[768,768]
+  uint16_t *const b1046 = (uint16_t *)(arena + 2417859712); // %1046 cast bf16[8192,768]
+  float *const b1048 = (float *)(arena + 662387712); // %1048 matmul d.h.0.proj_w f32[768,768]
   {
     float *const w34 = mdl_widen_bf16(b34, 6291456, h->nthreads);
-    float *const w1090 = mdl_widen_bf16(b1090, 6291456, h->nthreads);
-    mdl_gemm(h, 1, 0, 768, 768, 8192, w34, 768, w1090, 768, 0.0f, b1092, 768);
+    float *const w1046 = mdl_widen_bf16(b1046, 6291456, h->nthreads);
+    mdl_gemm(h, 1, 0, 768, 768, 8192, w34, 768, w1046, 768, 0.0f, b1048, 768);
     free(w34);
-    free(w1090);
+    free(w1046);
   }
 }
 
 // k229_gemm__cast: GEMM, 3 ops
-//   %1091  matmul                                  line 39    f32[8192,768]
-//   %1093  reshape                                 line 39    f32[8,1024,768]
-//   %1096  cast                                    line 39    bf16[8,1024,768]
+//   %1047  matmul                                  line 39    f32[8192,768]
+//   %1049  reshape                                 line 39    f32[8,1024,768]
+//   %1052  cast                                    line 39    bf16[8,1024,768]
 // loops:
-//   gemm %1091: [8192 x 768] = [8192 x 768] T[768 x 768], bf16 operands widened to f32, epilogue after
-//   elementwise over 6291456: %1096
+//   gemm %1047: [8192 x 768] = [8192 x 768] T[768 x 768], bf16 operands widened to f32, epilogue after
+//   elementwise over 6291456: %1052
 static void k229_gemm__cast(char *arena, const MdlHooks *h) {
   uint16_t *const b35 = (uint16_t *)(arena + 2071842816); // %35 cast bf16[768,768]
-  uint16_t *const b1090 = (uint16_t *)(arena + 2417859712); // %1090 cast bf16[8192,768]
-  float *const b1091 = mdl_scratch(25165824); // %1091 matmul f32[8192,768], kept in this kernel
-  uint16_t *const b1096 = (uint16_t *)(arena + 2392693888); // %1096 cast bf16[8,1024,768]
+  uint16_t *const b1046 = (uint16_t *)(arena + 2417859712); // %1046 cast bf16[8192,768]
+  float *const b1047 = mdl_scratch(25165824); // %1047 matmul f32[8192,768], kept in this kernel
+  uint16_t *const b1052 = (uint16_t *)(arena + 2392693888); // %1052 cast bf16[8,1024,768]
   {
-    float *const w1090 = mdl_widen_bf16(b1090, 6291456, h->nthreads);
+    float *const w1046 = mdl_widen_bf16(b1046, 6291456, h->nthreads);
     float *const w35 = mdl_widen_bf16(b35, 589824, h->nthreads);
-    mdl_gemm(h, 0, 1, 8192, 768, 768, w1090, 768, w35, 768, 0.0f, b1091, 768);
-    free(w1090);
+    mdl_gemm(h, 0, 1, 8192, 768, 768, w1046, 768, w35, 768, 0.0f, b1047, 768);
+    free(w1046);
     free(w35);
   }
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
   for (int64_t r = 0; r < 8192; r++) {
     for (int64_t c = 0; c < 768; c++) {
       const int64_t i = r * 768 + c;
-      const float v1091_i = b1091[i];
-      const float v1093_i = v1091_i;
-      const float v1096_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v1093_i));
-      b1096[i] = mdl_f32_to_bf16(v1096_i);
+      const float v1047_i = b1047[i];
+      const float v1049_i = v1047_i;
+      const float v1052_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v1049_i));
+      b1052[i] = mdl_f32_to_bf16(v1052_i);
     }
   }
-  free(b1091);
+  free(b1047);
 }
 
 // k230_attention_bwd: attention, 3 ops
-//   %1097  attention_bwd      d.h.0.q              line 39    f32[8,1024,768]
-//   %1098  attention_bwd      d.h.0.k              line 39    f32[8,1024,768]
-//   %1099  attention_bwd      d.h.0.v              line 39    f32[8,1024,768]
+//   %1053  attention_bwd      d.h.0.q              line 39    f32[8,1024,768]
+//   %1054  attention_bwd      d.h.0.k              line 39    f32[8,1024,768]
+//   %1055  attention_bwd      d.h.0.v              line 39    f32[8,1024,768]
 // loops:
 //   attention backward (dq dk dv): B 8, T 1024, 12 heads of 64, causal, within documents; one task per (batch, head)
 static void k230_attention_bwd(char *arena, const MdlHooks *h) {
   int32_t *const b3 = (int32_t *)(arena + 2238271488); // %3 input doc i32[8,1024]
   uint16_t *const b28 = (uint16_t *)(arena + 4204633216); // %28 cast bf16[8,1024,2304]
   uint16_t *const b34 = (uint16_t *)(arena + 5349678208); // %34 cast bf16[8192,768]
-  float *const b1094 = (float *)(arena + 5802663040); // %1094 attention_lse f32[8,12,1024]
-  uint16_t *const b1096 = (uint16_t *)(arena + 2392693888); // %1096 cast bf16[8,1024,768]
-  float *const b1097 = (float *)(arena + 2455608448); // %1097 attention_bwd d.h.0.q f32[8,1024,768]
-  float *const b1098 = (float *)(arena + 2480774272); // %1098 attention_bwd d.h.0.k f32[8,1024,768]
-  float *const b1099 = (float *)(arena + 2505940096); // %1099 attention_bwd d.h.0.v f32[8,1024,768]
+  float *const b1050 = (float *)(arena + 5802663040); // %1050 attention_lse f32[8,12,1024]
+  uint16_t *const b1052 = (uint16_t *)(arena + 2392693888); // %1052 cast bf16[8,1024,768]
+  float *const b1053 = (float *)(arena + 2455608448); // %1053 attention_bwd d.h.0.q f32[8,1024,768]
+  float *const b1054 = (float *)(arena + 2480774272); // %1054 attention_bwd d.h.0.k f32[8,1024,768]
+  float *const b1055 = (float *)(arena + 2505940096); // %1055 attention_bwd d.h.0.v f32[8,1024,768]
   #pragma omp parallel num_threads(h->nthreads)
   {
     float *restrict kt = memset(mdl_scratch(67584 * sizeof(float)), 0, 67584 * sizeof(float));
@@ -11019,13 +10865,13 @@ static void k230_attention_bwd(char *arena, const MdlHooks *h) {
           }
           memcpy(s + j0, acc, sizeof acc);
         }
-        const float lse = b1094[(b * 12 + hd) * 1024 + i];
+        const float lse = b1050[(b * 12 + hd) * 1024 + i];
         #pragma omp simd
         for (int64_t j = lo; j < hi; j++)
           s[j] = dc[j] == di ? mdl_exp_shifted(s[j] * 0.125f - lse) : 0.0f;
         float dor[64];
         for (int64_t c = 0; c < 64; c++)
-          dor[c] = mdl_bf16_to_f32(b1096[(b * 1024 + i) * 768 + hd * 64 + c]);
+          dor[c] = mdl_bf16_to_f32(b1052[(b * 1024 + i) * 768 + hd * 64 + c]);
         const float *restrict doi = dor;
         float dsum = 0.0f;
         for (int64_t c = 0; c < 64; c++)
@@ -11074,14 +10920,14 @@ static void k230_attention_bwd(char *arena, const MdlHooks *h) {
           for (int64_t c = 0; c < 64; c++)
             dvj[c] += mdl_bf16_to_f32(mdl_f32_to_bf16(s[j])) * doi[c];
         }
-        float *restrict dq = b1097 + (b * 1024 + i) * 768 + hd * 64;
+        float *restrict dq = b1053 + (b * 1024 + i) * 768 + hd * 64;
         for (int64_t c = 0; c < 64; c++)
           dq[c] = 0.125f * (dqi0[c] + dqi1[c]);
       }
       for (int64_t t = 0; t < 1024; t++)
-        memcpy(b1098 + (b * 1024 + t) * 768 + hd * 64, dkh + t * 64, 64 * sizeof(float));
+        memcpy(b1054 + (b * 1024 + t) * 768 + hd * 64, dkh + t * 64, 64 * sizeof(float));
       for (int64_t t = 0; t < 1024; t++)
-        memcpy(b1099 + (b * 1024 + t) * 768 + hd * 64, dvh + t * 64, 64 * sizeof(float));
+        memcpy(b1055 + (b * 1024 + t) * 768 + hd * 64, dvh + t * 64, 64 * sizeof(float));
     }
     free(kt);
     free(s);
@@ -11092,23 +10938,19 @@ static void k230_attention_bwd(char *arena, const MdlHooks *h) {
   }
 }
 
-// k231_sum__slice_bwd__add__cast: kernel, 8 ops
-//   %1100  slice_bwd                               line 38    f32[8,1024,2304]
-//   %1101  slice_bwd                               line 38    f32[8,1024,2304]
-//   %1102  add                                     line 38    f32[8,1024,2304]
-//   %1103  slice_bwd                               line 38    f32[8,1024,2304]
-//   %1104  add                                     line 38    f32[8,1024,2304]
-//   %1105  reshape                                 line 38    f32[8192,2304]
-//   %1106  sum                d.h.0.attn_b         line 38    f32[2304]
-//   %1107  cast                                    line 38    bf16[8192,2304]
+// k231_sum__concat__cast: kernel, 4 ops
+//   %1056  concat                                  line 38    f32[8,1024,2304]
+//   %1057  reshape                                 line 38    f32[8192,2304]
+//   %1058  sum                d.h.0.attn_b         line 38    f32[2304]
+//   %1059  cast                                    line 38    bf16[8192,2304]
 // loops:
-//   sum %1106: 2304 outputs over 8192 elements, in 64 blocks of 128
-static void k231_sum__slice_bwd__add__cast(char *arena, const MdlHooks *h) {
-  float *const b1097 = (float *)(arena + 2455608448); // %1097 attention_bwd d.h.0.q f32[8,1024,768]
-  float *const b1098 = (float *)(arena + 2480774272); // %1098 attention_bwd d.h.0.k f32[8,1024,768]
-  float *const b1099 = (float *)(arena + 2505940096); // %1099 attention_bwd d.h.0.v f32[8,1024,768]
-  float *const b1106 = (float *)(arena + 662378496); // %1106 sum d.h.0.attn_b f32[2304]
-  uint16_t *const b1107 = (uint16_t *)(arena + 2392693888); // %1107 cast bf16[8192,2304]
+//   sum %1058: 2304 outputs over 8192 elements, in 64 blocks of 128
+static void k231_sum__concat__cast(char *arena, const MdlHooks *h) {
+  float *const b1053 = (float *)(arena + 2455608448); // %1053 attention_bwd d.h.0.q f32[8,1024,768]
+  float *const b1054 = (float *)(arena + 2480774272); // %1054 attention_bwd d.h.0.k f32[8,1024,768]
+  float *const b1055 = (float *)(arena + 2505940096); // %1055 attention_bwd d.h.0.v f32[8,1024,768]
+  float *const b1058 = (float *)(arena + 662378496); // %1058 sum d.h.0.attn_b f32[2304]
+  uint16_t *const b1059 = (uint16_t *)(arena + 2392693888); // %1059 cast bf16[8192,2304]
   double *part = mdl_scratch(147456 * sizeof(double));
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
   for (int64_t k = 0; k < 64; k++) {
@@ -11119,21 +10961,11 @@ static void k231_sum__slice_bwd__add__cast(char *arena, const MdlHooks *h) {
     for (int64_t l = k * 128; l < end; l++) {
       for (int64_t c = 0; c < 2304; c++) {
         const int64_t ix = l * 2304 + c;
-        const int64_t j1 = c >= 1536 && c < 2304 ? l * 768 + (c - 1536) : 0;
-        const float v1099_j1 = b1099[j1];
-        const float v1100_ix = c >= 1536 && c < 2304 ? v1099_j1 : 0.0f;
-        const int64_t j2 = c >= 768 && c < 1536 ? l * 768 + (c - 768) : 0;
-        const float v1098_j2 = b1098[j2];
-        const float v1101_ix = c >= 768 && c < 1536 ? v1098_j2 : 0.0f;
-        const float v1102_ix = v1100_ix + v1101_ix;
-        const int64_t j3 = c >= 0 && c < 768 ? l * 768 + (c - 0) : 0;
-        const float v1097_j3 = b1097[j3];
-        const float v1103_ix = c >= 0 && c < 768 ? v1097_j3 : 0.0f;
-        const float v1104_ix = v1102_ix + v1103_ix;
-        const float v1105_ix = v1104_ix;
-        const float v = v1105_ix;
-        const float v1107_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v1105_ix));
-        b1107[ix] = mdl_f32_to_bf16(v1107_ix);
+        const float v1056_ix = (c < 768 ? b1053 + (l * 768 + (c - 0)) : c < 1536 ? b1054 + (l * 768 + (c - 768)) : b1055 + (l * 768 + (c - 1536)))[0];
+        const float v1057_ix = v1056_ix;
+        const float v = v1057_ix;
+        const float v1059_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v1057_ix));
+        b1059[ix] = mdl_f32_to_bf16(v1059_ix);
         p[c] += v;
       }
     }
@@ -11146,60 +10978,60 @@ static void k231_sum__slice_bwd__add__cast(char *arena, const MdlHooks *h) {
       acc += v;
     }
     const float y = (float)acc;
-    b1106[r] = y;
+    b1058[r] = y;
   }
   free(part);
 }
 
 // k232_gemm: GEMM, 1 op
-//   %1108  matmul                                  line 38    f32[8192,768]
+//   %1060  matmul                                  line 38    f32[8192,768]
 // loops:
-//   gemm %1108: [8192 x 768] = [8192 x 2304] T[2304 x 768], bf16 operands widened to f32
+//   gemm %1060: [8192 x 768] = [8192 x 2304] T[2304 x 768], bf16 operands widened to f32
 static void k232_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b24 = (uint16_t *)(arena + 2068303872); // %24 cast bf16[768,2304]
-  uint16_t *const b1107 = (uint16_t *)(arena + 2392693888); // %1107 cast bf16[8192,2304]
-  float *const b1108 = (float *)(arena + 2455608448); // %1108 matmul f32[8192,768]
+  uint16_t *const b1059 = (uint16_t *)(arena + 2392693888); // %1059 cast bf16[8192,2304]
+  float *const b1060 = (float *)(arena + 2455608448); // %1060 matmul f32[8192,768]
   {
-    float *const w1107 = mdl_widen_bf16(b1107, 18874368, h->nthreads);
+    float *const w1059 = mdl_widen_bf16(b1059, 18874368, h->nthreads);
     float *const w24 = mdl_widen_bf16(b24, 1769472, h->nthreads);
-    mdl_gemm(h, 0, 1, 8192, 768, 2304, w1107, 2304, w24, 2304, 0.0f, b1108, 768);
-    free(w1107);
+    mdl_gemm(h, 0, 1, 8192, 768, 2304, w1059, 2304, w24, 2304, 0.0f, b1060, 768);
+    free(w1059);
     free(w24);
   }
 }
 
 // k233_gemm: GEMM, 1 op
-//   %1109  matmul             d.h.0.attn_w         line 38    f32[768,2304]
+//   %1061  matmul             d.h.0.attn_w         line 38    f32[768,2304]
 // loops:
-//   gemm %1109: [768 x 2304] = T[768 x 8192] [8192 x 2304], bf16 operands widened to f32
+//   gemm %1061: [768 x 2304] = T[768 x 8192] [8192 x 2304], bf16 operands widened to f32
 static void k233_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b23 = (uint16_t *)(arena + 5337095296); // %23 cast bf16[8192,768]
-  uint16_t *const b1107 = (uint16_t *)(arena + 2392693888); // %1107 cast bf16[8192,2304]
-  float *const b1109 = (float *)(arena + 655300608); // %1109 matmul d.h.0.attn_w f32[768,2304]
+  uint16_t *const b1059 = (uint16_t *)(arena + 2392693888); // %1059 cast bf16[8192,2304]
+  float *const b1061 = (float *)(arena + 655300608); // %1061 matmul d.h.0.attn_w f32[768,2304]
   {
     float *const w23 = mdl_widen_bf16(b23, 6291456, h->nthreads);
-    float *const w1107 = mdl_widen_bf16(b1107, 18874368, h->nthreads);
-    mdl_gemm(h, 1, 0, 768, 2304, 8192, w23, 768, w1107, 2304, 0.0f, b1109, 2304);
+    float *const w1059 = mdl_widen_bf16(b1059, 18874368, h->nthreads);
+    mdl_gemm(h, 1, 0, 768, 2304, 8192, w23, 768, w1059, 2304, 0.0f, b1061, 2304);
     free(w23);
-    free(w1107);
+    free(w1059);
   }
 }
 
 // k234_layernorm_bwd__add: kernel, 4 ops
-//   %1111  layernorm_bwd                           line 38    f32[8,1024,768]
-//   %1112  add                d.x                  line 38    f32[8,1024,768]
-//   %1113  layernorm_bwd      d.h.0.ln1_w          line 38    f32[768]
-//   %1114  layernorm_bwd      d.h.0.ln1_b          line 38    f32[768]
+//   %1063  layernorm_bwd                           line 38    f32[8,1024,768]
+//   %1064  layernorm_bwd      d.h.0.ln1_w          line 38    f32[768]
+//   %1065  layernorm_bwd      d.h.0.ln1_b          line 38    f32[768]
+//   %1066  add                d.x                  line 22    f32[8,1024,768]
 // loops:
 //   layernorm_bwd: 8192 rows of 768, column sums over 64 blocks of 128 rows
 static void k234_layernorm_bwd__add(char *arena, const MdlHooks *h) {
   float *const b8 = (float *)(arena + 4657618048); // %8 add x f32[8,1024,768]
   float *const b9 = (float *)(arena + 157535232); // %9 param h.0.ln1_w f32[768]
-  float *const b1085 = (float *)(arena + 2430442624); // %1085 add d.h.0.x f32[8,1024,768]
-  float *const b1108 = (float *)(arena + 2455608448); // %1108 matmul f32[8192,768]
-  float *const b1112 = (float *)(arena + 2392693888); // %1112 add d.x f32[8,1024,768]
-  float *const b1113 = (float *)(arena + 655294464); // %1113 layernorm_bwd d.h.0.ln1_w f32[768]
-  float *const b1114 = (float *)(arena + 655297536); // %1114 layernorm_bwd d.h.0.ln1_b f32[768]
+  float *const b1043 = (float *)(arena + 2430442624); // %1043 add d.h.0.x f32[8,1024,768]
+  float *const b1060 = (float *)(arena + 2455608448); // %1060 matmul f32[8192,768]
+  float *const b1064 = (float *)(arena + 655294464); // %1064 layernorm_bwd d.h.0.ln1_w f32[768]
+  float *const b1065 = (float *)(arena + 655297536); // %1065 layernorm_bwd d.h.0.ln1_b f32[768]
+  float *const b1066 = (float *)(arena + 2392693888); // %1066 add d.x f32[8,1024,768]
   double *pdw = mdl_scratch(49152 * sizeof(double));
   double *pdb = mdl_scratch(49152 * sizeof(double));
   #pragma omp parallel num_threads(h->nthreads)
@@ -11214,7 +11046,7 @@ static void k234_layernorm_bwd__add(char *arena, const MdlHooks *h) {
       const int64_t end = k * 128 + 128 < 8192 ? k * 128 + 128 : 8192;
       for (int64_t r = k * 128; r < end; r++) {
         const float *x = b8 + r * 768;
-        const float *dy = b1108 + r * 768;
+        const float *dy = b1060 + r * 768;
         double mean = 0, var = 0, mg = 0, mgx = 0;
         #pragma omp simd reduction(+ : mean)
         for (int64_t j = 0; j < 768; j++)
@@ -11239,9 +11071,9 @@ static void k234_layernorm_bwd__add(char *arena, const MdlHooks *h) {
           dx[j] = (float)(rstd * ((double)dy[j] * b9[j] - mg - (x[j] - mean) * rstd * mgx));
         for (int64_t j = 0; j < 768; j++) {
           const int64_t ix = r * 768 + j;
-          const float v1085_ix = b1085[ix];
-          const float v1112_ix = v1085_ix + dx[j];
-          b1112[ix] = v1112_ix;
+          const float v1043_ix = b1043[ix];
+          const float v1066_ix = v1043_ix + dx[j];
+          b1066[ix] = v1066_ix;
         }
       }
     }
@@ -11254,26 +11086,26 @@ static void k234_layernorm_bwd__add(char *arena, const MdlHooks *h) {
       w += pdw[k * 768 + j];
       b += pdb[k * 768 + j];
     }
-    b1113[j] = (float)w;
-    b1114[j] = (float)b;
+    b1064[j] = (float)w;
+    b1065[j] = (float)b;
   }
   free(pdw);
   free(pdb);
 }
 
 // k235_embed_bwd: kernel, 1 op
-//   %1115  embed_bwd          d.wpe                line 22    f32[1024,768]
+//   %1067  embed_bwd          d.wpe                line 22    f32[1024,768]
 // loops:
 //   embed backward: 8192 rows of 768 into a table of 1024, 48 column blocks
 static void k235_embed_bwd(char *arena, const MdlHooks *h) {
   int32_t *const b2 = (int32_t *)(arena + 2238238720); // %2 input pos i32[8,1024]
-  float *const b1112 = (float *)(arena + 2392693888); // %1112 add d.x f32[8,1024,768]
-  float *const b1115 = (float *)(arena + 652148736); // %1115 embed_bwd d.wpe f32[1024,768]
+  float *const b1066 = (float *)(arena + 2392693888); // %1066 add d.x f32[8,1024,768]
+  float *const b1067 = (float *)(arena + 652148736); // %1067 embed_bwd d.wpe f32[1024,768]
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
   for (int64_t k = 0; k < 48; k++) {
     const int64_t c0 = k * 16, c1 = c0 + 16 < 768 ? c0 + 16 : 768;
     for (int64_t t = 0; t < 1024; t++)
-      memset(b1115 + t * 768 + c0, 0, (size_t)(c1 - c0) * sizeof(float));
+      memset(b1067 + t * 768 + c0, 0, (size_t)(c1 - c0) * sizeof(float));
     for (int64_t r = 0; r < 8192; r++) {
       const int32_t id = b2[r];
       if (id < 0 || id >= 1024) {
@@ -11282,28 +11114,28 @@ static void k235_embed_bwd(char *arena, const MdlHooks *h) {
         continue;
       }
       for (int64_t j = c0; j < c1; j++)
-        b1115[(int64_t)id * 768 + j] += b1112[r * 768 + j];
+        b1067[(int64_t)id * 768 + j] += b1066[r * 768 + j];
     }
   }
 }
 
 // k236_embed_bwd__add: kernel, 2 ops
-//   %1116  embed_bwd                               line 22    f32[50257,768]
-//   %1117  add                d.wte                line 22    f32[50257,768]
+//   %1068  embed_bwd                               line 22    f32[50257,768]
+//   %1069  add                d.wte                line 19    f32[50257,768]
 // loops:
 //   embed backward: 8192 rows of 768 into a table of 50257, 48 column blocks
-//   elementwise over 38597376: %1117
+//   elementwise over 38597376: %1069
 static void k236_embed_bwd__add(char *arena, const MdlHooks *h) {
   int32_t *const b0 = (int32_t *)(arena + 2238173184); // %0 input tokens i32[8,1024]
   float *const b582 = (float *)(arena + 2238304384); // %582 matmul f32[50257,768]
-  float *const b1112 = (float *)(arena + 2392693888); // %1112 add d.x f32[8,1024,768]
-  float *const b1116 = mdl_scratch(154389504); // %1116 embed_bwd f32[50257,768], kept in this kernel
-  float *const b1117 = (float *)(arena + 497759232); // %1117 add d.wte f32[50257,768]
+  float *const b1066 = (float *)(arena + 2392693888); // %1066 add d.x f32[8,1024,768]
+  float *const b1068 = mdl_scratch(154389504); // %1068 embed_bwd f32[50257,768], kept in this kernel
+  float *const b1069 = (float *)(arena + 497759232); // %1069 add d.wte f32[50257,768]
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
   for (int64_t k = 0; k < 48; k++) {
     const int64_t c0 = k * 16, c1 = c0 + 16 < 768 ? c0 + 16 : 768;
     for (int64_t t = 0; t < 50257; t++)
-      memset(b1116 + t * 768 + c0, 0, (size_t)(c1 - c0) * sizeof(float));
+      memset(b1068 + t * 768 + c0, 0, (size_t)(c1 - c0) * sizeof(float));
     for (int64_t r = 0; r < 8192; r++) {
       const int32_t id = b0[r];
       if (id < 0 || id >= 50257) {
@@ -11312,7 +11144,7 @@ static void k236_embed_bwd__add(char *arena, const MdlHooks *h) {
         continue;
       }
       for (int64_t j = c0; j < c1; j++)
-        b1116[(int64_t)id * 768 + j] += b1112[r * 768 + j];
+        b1068[(int64_t)id * 768 + j] += b1066[r * 768 + j];
     }
   }
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
@@ -11320,166 +11152,166 @@ static void k236_embed_bwd__add(char *arena, const MdlHooks *h) {
     for (int64_t c = 0; c < 768; c++) {
       const int64_t i = r * 768 + c;
       const float v582_i = b582[i];
-      const float v1116_i = b1116[i];
-      const float v1117_i = v582_i + v1116_i;
-      b1117[i] = v1117_i;
+      const float v1068_i = b1068[i];
+      const float v1069_i = v582_i + v1068_i;
+      b1069[i] = v1069_i;
     }
   }
-  free(b1116);
+  free(b1068);
 }
 
 // k237_grad_norm__adamw: optimizer, 149 ops
-//   %1120  grad_norm                                          f32[]
-//   %1123  adamw              wte.new              line 19    f32[50257,768]
-//   %1126  adamw              wpe.new              line 20    f32[1024,768]
-//   %1129  adamw              h.0.ln1_w.new        line 25    f32[768]
-//   %1132  adamw              h.0.ln1_b.new        line 26    f32[768]
-//   %1135  adamw              h.0.attn_w.new       line 27    f32[768,2304]
-//   %1138  adamw              h.0.attn_b.new       line 28    f32[2304]
-//   %1141  adamw              h.0.proj_w.new       line 29    f32[768,768]
-//   %1144  adamw              h.0.proj_b.new       line 30    f32[768]
-//   %1147  adamw              h.0.ln2_w.new        line 31    f32[768]
-//   %1150  adamw              h.0.ln2_b.new        line 32    f32[768]
-//   %1153  adamw              h.0.fc_w.new         line 33    f32[768,3072]
-//   %1156  adamw              h.0.fc_b.new         line 34    f32[3072]
-//   %1159  adamw              h.0.fcproj_w.new     line 35    f32[3072,768]
-//   %1162  adamw              h.0.fcproj_b.new     line 36    f32[768]
-//   %1165  adamw              h.1.ln1_w.new        line 25    f32[768]
-//   %1168  adamw              h.1.ln1_b.new        line 26    f32[768]
-//   %1171  adamw              h.1.attn_w.new       line 27    f32[768,2304]
-//   %1174  adamw              h.1.attn_b.new       line 28    f32[2304]
-//   %1177  adamw              h.1.proj_w.new       line 29    f32[768,768]
-//   %1180  adamw              h.1.proj_b.new       line 30    f32[768]
-//   %1183  adamw              h.1.ln2_w.new        line 31    f32[768]
-//   %1186  adamw              h.1.ln2_b.new        line 32    f32[768]
-//   %1189  adamw              h.1.fc_w.new         line 33    f32[768,3072]
-//   %1192  adamw              h.1.fc_b.new         line 34    f32[3072]
-//   %1195  adamw              h.1.fcproj_w.new     line 35    f32[3072,768]
-//   %1198  adamw              h.1.fcproj_b.new     line 36    f32[768]
-//   %1201  adamw              h.2.ln1_w.new        line 25    f32[768]
-//   %1204  adamw              h.2.ln1_b.new        line 26    f32[768]
-//   %1207  adamw              h.2.attn_w.new       line 27    f32[768,2304]
-//   %1210  adamw              h.2.attn_b.new       line 28    f32[2304]
-//   %1213  adamw              h.2.proj_w.new       line 29    f32[768,768]
-//   %1216  adamw              h.2.proj_b.new       line 30    f32[768]
-//   %1219  adamw              h.2.ln2_w.new        line 31    f32[768]
-//   %1222  adamw              h.2.ln2_b.new        line 32    f32[768]
-//   %1225  adamw              h.2.fc_w.new         line 33    f32[768,3072]
-//   %1228  adamw              h.2.fc_b.new         line 34    f32[3072]
-//   %1231  adamw              h.2.fcproj_w.new     line 35    f32[3072,768]
-//   %1234  adamw              h.2.fcproj_b.new     line 36    f32[768]
-//   %1237  adamw              h.3.ln1_w.new        line 25    f32[768]
-//   %1240  adamw              h.3.ln1_b.new        line 26    f32[768]
-//   %1243  adamw              h.3.attn_w.new       line 27    f32[768,2304]
-//   %1246  adamw              h.3.attn_b.new       line 28    f32[2304]
-//   %1249  adamw              h.3.proj_w.new       line 29    f32[768,768]
-//   %1252  adamw              h.3.proj_b.new       line 30    f32[768]
-//   %1255  adamw              h.3.ln2_w.new        line 31    f32[768]
-//   %1258  adamw              h.3.ln2_b.new        line 32    f32[768]
-//   %1261  adamw              h.3.fc_w.new         line 33    f32[768,3072]
-//   %1264  adamw              h.3.fc_b.new         line 34    f32[3072]
-//   %1267  adamw              h.3.fcproj_w.new     line 35    f32[3072,768]
-//   %1270  adamw              h.3.fcproj_b.new     line 36    f32[768]
-//   %1273  adamw              h.4.ln1_w.new        line 25    f32[768]
-//   %1276  adamw              h.4.ln1_b.new        line 26    f32[768]
-//   %1279  adamw              h.4.attn_w.new       line 27    f32[768,2304]
-//   %1282  adamw              h.4.attn_b.new       line 28    f32[2304]
-//   %1285  adamw              h.4.proj_w.new       line 29    f32[768,768]
-//   %1288  adamw              h.4.proj_b.new       line 30    f32[768]
-//   %1291  adamw              h.4.ln2_w.new        line 31    f32[768]
-//   %1294  adamw              h.4.ln2_b.new        line 32    f32[768]
-//   %1297  adamw              h.4.fc_w.new         line 33    f32[768,3072]
-//   %1300  adamw              h.4.fc_b.new         line 34    f32[3072]
-//   %1303  adamw              h.4.fcproj_w.new     line 35    f32[3072,768]
-//   %1306  adamw              h.4.fcproj_b.new     line 36    f32[768]
-//   %1309  adamw              h.5.ln1_w.new        line 25    f32[768]
-//   %1312  adamw              h.5.ln1_b.new        line 26    f32[768]
-//   %1315  adamw              h.5.attn_w.new       line 27    f32[768,2304]
-//   %1318  adamw              h.5.attn_b.new       line 28    f32[2304]
-//   %1321  adamw              h.5.proj_w.new       line 29    f32[768,768]
-//   %1324  adamw              h.5.proj_b.new       line 30    f32[768]
-//   %1327  adamw              h.5.ln2_w.new        line 31    f32[768]
-//   %1330  adamw              h.5.ln2_b.new        line 32    f32[768]
-//   %1333  adamw              h.5.fc_w.new         line 33    f32[768,3072]
-//   %1336  adamw              h.5.fc_b.new         line 34    f32[3072]
-//   %1339  adamw              h.5.fcproj_w.new     line 35    f32[3072,768]
-//   %1342  adamw              h.5.fcproj_b.new     line 36    f32[768]
-//   %1345  adamw              h.6.ln1_w.new        line 25    f32[768]
-//   %1348  adamw              h.6.ln1_b.new        line 26    f32[768]
-//   %1351  adamw              h.6.attn_w.new       line 27    f32[768,2304]
-//   %1354  adamw              h.6.attn_b.new       line 28    f32[2304]
-//   %1357  adamw              h.6.proj_w.new       line 29    f32[768,768]
-//   %1360  adamw              h.6.proj_b.new       line 30    f32[768]
-//   %1363  adamw              h.6.ln2_w.new        line 31    f32[768]
-//   %1366  adamw              h.6.ln2_b.new        line 32    f32[768]
-//   %1369  adamw              h.6.fc_w.new         line 33    f32[768,3072]
-//   %1372  adamw              h.6.fc_b.new         line 34    f32[3072]
-//   %1375  adamw              h.6.fcproj_w.new     line 35    f32[3072,768]
-//   %1378  adamw              h.6.fcproj_b.new     line 36    f32[768]
-//   %1381  adamw              h.7.ln1_w.new        line 25    f32[768]
-//   %1384  adamw              h.7.ln1_b.new        line 26    f32[768]
-//   %1387  adamw              h.7.attn_w.new       line 27    f32[768,2304]
-//   %1390  adamw              h.7.attn_b.new       line 28    f32[2304]
-//   %1393  adamw              h.7.proj_w.new       line 29    f32[768,768]
-//   %1396  adamw              h.7.proj_b.new       line 30    f32[768]
-//   %1399  adamw              h.7.ln2_w.new        line 31    f32[768]
-//   %1402  adamw              h.7.ln2_b.new        line 32    f32[768]
-//   %1405  adamw              h.7.fc_w.new         line 33    f32[768,3072]
-//   %1408  adamw              h.7.fc_b.new         line 34    f32[3072]
-//   %1411  adamw              h.7.fcproj_w.new     line 35    f32[3072,768]
-//   %1414  adamw              h.7.fcproj_b.new     line 36    f32[768]
-//   %1417  adamw              h.8.ln1_w.new        line 25    f32[768]
-//   %1420  adamw              h.8.ln1_b.new        line 26    f32[768]
-//   %1423  adamw              h.8.attn_w.new       line 27    f32[768,2304]
-//   %1426  adamw              h.8.attn_b.new       line 28    f32[2304]
-//   %1429  adamw              h.8.proj_w.new       line 29    f32[768,768]
-//   %1432  adamw              h.8.proj_b.new       line 30    f32[768]
-//   %1435  adamw              h.8.ln2_w.new        line 31    f32[768]
-//   %1438  adamw              h.8.ln2_b.new        line 32    f32[768]
-//   %1441  adamw              h.8.fc_w.new         line 33    f32[768,3072]
-//   %1444  adamw              h.8.fc_b.new         line 34    f32[3072]
-//   %1447  adamw              h.8.fcproj_w.new     line 35    f32[3072,768]
-//   %1450  adamw              h.8.fcproj_b.new     line 36    f32[768]
-//   %1453  adamw              h.9.ln1_w.new        line 25    f32[768]
-//   %1456  adamw              h.9.ln1_b.new        line 26    f32[768]
-//   %1459  adamw              h.9.attn_w.new       line 27    f32[768,2304]
-//   %1462  adamw              h.9.attn_b.new       line 28    f32[2304]
-//   %1465  adamw              h.9.proj_w.new       line 29    f32[768,768]
-//   %1468  adamw              h.9.proj_b.new       line 30    f32[768]
-//   %1471  adamw              h.9.ln2_w.new        line 31    f32[768]
-//   %1474  adamw              h.9.ln2_b.new        line 32    f32[768]
-//   %1477  adamw              h.9.fc_w.new         line 33    f32[768,3072]
-//   %1480  adamw              h.9.fc_b.new         line 34    f32[3072]
-//   %1483  adamw              h.9.fcproj_w.new     line 35    f32[3072,768]
-//   %1486  adamw              h.9.fcproj_b.new     line 36    f32[768]
-//   %1489  adamw              h.10.ln1_w.new       line 25    f32[768]
-//   %1492  adamw              h.10.ln1_b.new       line 26    f32[768]
-//   %1495  adamw              h.10.attn_w.new      line 27    f32[768,2304]
-//   %1498  adamw              h.10.attn_b.new      line 28    f32[2304]
-//   %1501  adamw              h.10.proj_w.new      line 29    f32[768,768]
-//   %1504  adamw              h.10.proj_b.new      line 30    f32[768]
-//   %1507  adamw              h.10.ln2_w.new       line 31    f32[768]
-//   %1510  adamw              h.10.ln2_b.new       line 32    f32[768]
-//   %1513  adamw              h.10.fc_w.new        line 33    f32[768,3072]
-//   %1516  adamw              h.10.fc_b.new        line 34    f32[3072]
-//   %1519  adamw              h.10.fcproj_w.new    line 35    f32[3072,768]
-//   %1522  adamw              h.10.fcproj_b.new    line 36    f32[768]
-//   %1525  adamw              h.11.ln1_w.new       line 25    f32[768]
-//   %1528  adamw              h.11.ln1_b.new       line 26    f32[768]
-//   %1531  adamw              h.11.attn_w.new      line 27    f32[768,2304]
-//   %1534  adamw              h.11.attn_b.new      line 28    f32[2304]
-//   %1537  adamw              h.11.proj_w.new      line 29    f32[768,768]
-//   %1540  adamw              h.11.proj_b.new      line 30    f32[768]
-//   %1543  adamw              h.11.ln2_w.new       line 31    f32[768]
-//   %1546  adamw              h.11.ln2_b.new       line 32    f32[768]
-//   %1549  adamw              h.11.fc_w.new        line 33    f32[768,3072]
-//   %1552  adamw              h.11.fc_b.new        line 34    f32[3072]
-//   %1555  adamw              h.11.fcproj_w.new    line 35    f32[3072,768]
-//   %1558  adamw              h.11.fcproj_b.new    line 36    f32[768]
-//   %1561  adamw              lnf_w.new            line 43    f32[768]
-//   %1564  adamw              lnf_b.new            line 44    f32[768]
+//   %1072  grad_norm                                          f32[]
+//   %1075  adamw              wte.new              line 19    f32[50257,768]
+//   %1078  adamw              wpe.new              line 20    f32[1024,768]
+//   %1081  adamw              h.0.ln1_w.new        line 25    f32[768]
+//   %1084  adamw              h.0.ln1_b.new        line 26    f32[768]
+//   %1087  adamw              h.0.attn_w.new       line 27    f32[768,2304]
+//   %1090  adamw              h.0.attn_b.new       line 28    f32[2304]
+//   %1093  adamw              h.0.proj_w.new       line 29    f32[768,768]
+//   %1096  adamw              h.0.proj_b.new       line 30    f32[768]
+//   %1099  adamw              h.0.ln2_w.new        line 31    f32[768]
+//   %1102  adamw              h.0.ln2_b.new        line 32    f32[768]
+//   %1105  adamw              h.0.fc_w.new         line 33    f32[768,3072]
+//   %1108  adamw              h.0.fc_b.new         line 34    f32[3072]
+//   %1111  adamw              h.0.fcproj_w.new     line 35    f32[3072,768]
+//   %1114  adamw              h.0.fcproj_b.new     line 36    f32[768]
+//   %1117  adamw              h.1.ln1_w.new        line 25    f32[768]
+//   %1120  adamw              h.1.ln1_b.new        line 26    f32[768]
+//   %1123  adamw              h.1.attn_w.new       line 27    f32[768,2304]
+//   %1126  adamw              h.1.attn_b.new       line 28    f32[2304]
+//   %1129  adamw              h.1.proj_w.new       line 29    f32[768,768]
+//   %1132  adamw              h.1.proj_b.new       line 30    f32[768]
+//   %1135  adamw              h.1.ln2_w.new        line 31    f32[768]
+//   %1138  adamw              h.1.ln2_b.new        line 32    f32[768]
+//   %1141  adamw              h.1.fc_w.new         line 33    f32[768,3072]
+//   %1144  adamw              h.1.fc_b.new         line 34    f32[3072]
+//   %1147  adamw              h.1.fcproj_w.new     line 35    f32[3072,768]
+//   %1150  adamw              h.1.fcproj_b.new     line 36    f32[768]
+//   %1153  adamw              h.2.ln1_w.new        line 25    f32[768]
+//   %1156  adamw              h.2.ln1_b.new        line 26    f32[768]
+//   %1159  adamw              h.2.attn_w.new       line 27    f32[768,2304]
+//   %1162  adamw              h.2.attn_b.new       line 28    f32[2304]
+//   %1165  adamw              h.2.proj_w.new       line 29    f32[768,768]
+//   %1168  adamw              h.2.proj_b.new       line 30    f32[768]
+//   %1171  adamw              h.2.ln2_w.new        line 31    f32[768]
+//   %1174  adamw              h.2.ln2_b.new        line 32    f32[768]
+//   %1177  adamw              h.2.fc_w.new         line 33    f32[768,3072]
+//   %1180  adamw              h.2.fc_b.new         line 34    f32[3072]
+//   %1183  adamw              h.2.fcproj_w.new     line 35    f32[3072,768]
+//   %1186  adamw              h.2.fcproj_b.new     line 36    f32[768]
+//   %1189  adamw              h.3.ln1_w.new        line 25    f32[768]
+//   %1192  adamw              h.3.ln1_b.new        line 26    f32[768]
+//   %1195  adamw              h.3.attn_w.new       line 27    f32[768,2304]
+//   %1198  adamw              h.3.attn_b.new       line 28    f32[2304]
+//   %1201  adamw              h.3.proj_w.new       line 29    f32[768,768]
+//   %1204  adamw              h.3.proj_b.new       line 30    f32[768]
+//   %1207  adamw              h.3.ln2_w.new        line 31    f32[768]
+//   %1210  adamw              h.3.ln2_b.new        line 32    f32[768]
+//   %1213  adamw              h.3.fc_w.new         line 33    f32[768,3072]
+//   %1216  adamw              h.3.fc_b.new         line 34    f32[3072]
+//   %1219  adamw              h.3.fcproj_w.new     line 35    f32[3072,768]
+//   %1222  adamw              h.3.fcproj_b.new     line 36    f32[768]
+//   %1225  adamw              h.4.ln1_w.new        line 25    f32[768]
+//   %1228  adamw              h.4.ln1_b.new        line 26    f32[768]
+//   %1231  adamw              h.4.attn_w.new       line 27    f32[768,2304]
+//   %1234  adamw              h.4.attn_b.new       line 28    f32[2304]
+//   %1237  adamw              h.4.proj_w.new       line 29    f32[768,768]
+//   %1240  adamw              h.4.proj_b.new       line 30    f32[768]
+//   %1243  adamw              h.4.ln2_w.new        line 31    f32[768]
+//   %1246  adamw              h.4.ln2_b.new        line 32    f32[768]
+//   %1249  adamw              h.4.fc_w.new         line 33    f32[768,3072]
+//   %1252  adamw              h.4.fc_b.new         line 34    f32[3072]
+//   %1255  adamw              h.4.fcproj_w.new     line 35    f32[3072,768]
+//   %1258  adamw              h.4.fcproj_b.new     line 36    f32[768]
+//   %1261  adamw              h.5.ln1_w.new        line 25    f32[768]
+//   %1264  adamw              h.5.ln1_b.new        line 26    f32[768]
+//   %1267  adamw              h.5.attn_w.new       line 27    f32[768,2304]
+//   %1270  adamw              h.5.attn_b.new       line 28    f32[2304]
+//   %1273  adamw              h.5.proj_w.new       line 29    f32[768,768]
+//   %1276  adamw              h.5.proj_b.new       line 30    f32[768]
+//   %1279  adamw              h.5.ln2_w.new        line 31    f32[768]
+//   %1282  adamw              h.5.ln2_b.new        line 32    f32[768]
+//   %1285  adamw              h.5.fc_w.new         line 33    f32[768,3072]
+//   %1288  adamw              h.5.fc_b.new         line 34    f32[3072]
+//   %1291  adamw              h.5.fcproj_w.new     line 35    f32[3072,768]
+//   %1294  adamw              h.5.fcproj_b.new     line 36    f32[768]
+//   %1297  adamw              h.6.ln1_w.new        line 25    f32[768]
+//   %1300  adamw              h.6.ln1_b.new        line 26    f32[768]
+//   %1303  adamw              h.6.attn_w.new       line 27    f32[768,2304]
+//   %1306  adamw              h.6.attn_b.new       line 28    f32[2304]
+//   %1309  adamw              h.6.proj_w.new       line 29    f32[768,768]
+//   %1312  adamw              h.6.proj_b.new       line 30    f32[768]
+//   %1315  adamw              h.6.ln2_w.new        line 31    f32[768]
+//   %1318  adamw              h.6.ln2_b.new        line 32    f32[768]
+//   %1321  adamw              h.6.fc_w.new         line 33    f32[768,3072]
+//   %1324  adamw              h.6.fc_b.new         line 34    f32[3072]
+//   %1327  adamw              h.6.fcproj_w.new     line 35    f32[3072,768]
+//   %1330  adamw              h.6.fcproj_b.new     line 36    f32[768]
+//   %1333  adamw              h.7.ln1_w.new        line 25    f32[768]
+//   %1336  adamw              h.7.ln1_b.new        line 26    f32[768]
+//   %1339  adamw              h.7.attn_w.new       line 27    f32[768,2304]
+//   %1342  adamw              h.7.attn_b.new       line 28    f32[2304]
+//   %1345  adamw              h.7.proj_w.new       line 29    f32[768,768]
+//   %1348  adamw              h.7.proj_b.new       line 30    f32[768]
+//   %1351  adamw              h.7.ln2_w.new        line 31    f32[768]
+//   %1354  adamw              h.7.ln2_b.new        line 32    f32[768]
+//   %1357  adamw              h.7.fc_w.new         line 33    f32[768,3072]
+//   %1360  adamw              h.7.fc_b.new         line 34    f32[3072]
+//   %1363  adamw              h.7.fcproj_w.new     line 35    f32[3072,768]
+//   %1366  adamw              h.7.fcproj_b.new     line 36    f32[768]
+//   %1369  adamw              h.8.ln1_w.new        line 25    f32[768]
+//   %1372  adamw              h.8.ln1_b.new        line 26    f32[768]
+//   %1375  adamw              h.8.attn_w.new       line 27    f32[768,2304]
+//   %1378  adamw              h.8.attn_b.new       line 28    f32[2304]
+//   %1381  adamw              h.8.proj_w.new       line 29    f32[768,768]
+//   %1384  adamw              h.8.proj_b.new       line 30    f32[768]
+//   %1387  adamw              h.8.ln2_w.new        line 31    f32[768]
+//   %1390  adamw              h.8.ln2_b.new        line 32    f32[768]
+//   %1393  adamw              h.8.fc_w.new         line 33    f32[768,3072]
+//   %1396  adamw              h.8.fc_b.new         line 34    f32[3072]
+//   %1399  adamw              h.8.fcproj_w.new     line 35    f32[3072,768]
+//   %1402  adamw              h.8.fcproj_b.new     line 36    f32[768]
+//   %1405  adamw              h.9.ln1_w.new        line 25    f32[768]
+//   %1408  adamw              h.9.ln1_b.new        line 26    f32[768]
+//   %1411  adamw              h.9.attn_w.new       line 27    f32[768,2304]
+//   %1414  adamw              h.9.attn_b.new       line 28    f32[2304]
+//   %1417  adamw              h.9.proj_w.new       line 29    f32[768,768]
+//   %1420  adamw              h.9.proj_b.new       line 30    f32[768]
+//   %1423  adamw              h.9.ln2_w.new        line 31    f32[768]
+//   %1426  adamw              h.9.ln2_b.new        line 32    f32[768]
+//   %1429  adamw              h.9.fc_w.new         line 33    f32[768,3072]
+//   %1432  adamw              h.9.fc_b.new         line 34    f32[3072]
+//   %1435  adamw              h.9.fcproj_w.new     line 35    f32[3072,768]
+//   %1438  adamw              h.9.fcproj_b.new     line 36    f32[768]
+//   %1441  adamw              h.10.ln1_w.new       line 25    f32[768]
+//   %1444  adamw              h.10.ln1_b.new       line 26    f32[768]
+//   %1447  adamw              h.10.attn_w.new      line 27    f32[768,2304]
+//   %1450  adamw              h.10.attn_b.new      line 28    f32[2304]
+//   %1453  adamw              h.10.proj_w.new      line 29    f32[768,768]
+//   %1456  adamw              h.10.proj_b.new      line 30    f32[768]
+//   %1459  adamw              h.10.ln2_w.new       line 31    f32[768]
+//   %1462  adamw              h.10.ln2_b.new       line 32    f32[768]
+//   %1465  adamw              h.10.fc_w.new        line 33    f32[768,3072]
+//   %1468  adamw              h.10.fc_b.new        line 34    f32[3072]
+//   %1471  adamw              h.10.fcproj_w.new    line 35    f32[3072,768]
+//   %1474  adamw              h.10.fcproj_b.new    line 36    f32[768]
+//   %1477  adamw              h.11.ln1_w.new       line 25    f32[768]
+//   %1480  adamw              h.11.ln1_b.new       line 26    f32[768]
+//   %1483  adamw              h.11.attn_w.new      line 27    f32[768,2304]
+//   %1486  adamw              h.11.attn_b.new      line 28    f32[2304]
+//   %1489  adamw              h.11.proj_w.new      line 29    f32[768,768]
+//   %1492  adamw              h.11.proj_b.new      line 30    f32[768]
+//   %1495  adamw              h.11.ln2_w.new       line 31    f32[768]
+//   %1498  adamw              h.11.ln2_b.new       line 32    f32[768]
+//   %1501  adamw              h.11.fc_w.new        line 33    f32[768,3072]
+//   %1504  adamw              h.11.fc_b.new        line 34    f32[3072]
+//   %1507  adamw              h.11.fcproj_w.new    line 35    f32[3072,768]
+//   %1510  adamw              h.11.fcproj_b.new    line 36    f32[768]
+//   %1513  adamw              lnf_w.new            line 43    f32[768]
+//   %1516  adamw              lnf_b.new            line 44    f32[768]
 // loops:
-//   gradient norm %1120 over 148 tensors, 124439808 values
+//   gradient norm %1072 over 148 tensors, 124439808 values
 //   AdamW over 148 parameters, 124439808 values (beta1 0.9, beta2 0.95, eps 1e-08, clip 1); 49 bf16 copies
 static void k237_grad_norm__adamw(char *arena, const MdlHooks *h) {
   float *const b585 = (float *)(arena + 995512320); // %585 layernorm_bwd d.lnf_w f32[768]
@@ -11488,302 +11320,302 @@ static void k237_grad_norm__adamw(char *arena, const MdlHooks *h) {
   float *const b591 = (float *)(arena + 986072064); // %591 matmul d.h.11.fcproj_w f32[3072,768]
   float *const b595 = (float *)(arena + 986059776); // %595 sum d.h.11.fc_b f32[3072]
   float *const b598 = (float *)(arena + 976622592); // %598 matmul d.h.11.fc_w f32[768,3072]
-  float *const b602 = (float *)(arena + 976616448); // %602 layernorm_bwd d.h.11.ln2_w f32[768]
-  float *const b603 = (float *)(arena + 976619520); // %603 layernorm_bwd d.h.11.ln2_b f32[768]
+  float *const b601 = (float *)(arena + 976616448); // %601 layernorm_bwd d.h.11.ln2_w f32[768]
+  float *const b602 = (float *)(arena + 976619520); // %602 layernorm_bwd d.h.11.ln2_b f32[768]
   float *const b605 = (float *)(arena + 976613376); // %605 sum d.h.11.proj_b f32[768]
   float *const b608 = (float *)(arena + 974254080); // %608 matmul d.h.11.proj_w f32[768,768]
-  float *const b622 = (float *)(arena + 974244864); // %622 sum d.h.11.attn_b f32[2304]
-  float *const b625 = (float *)(arena + 967166976); // %625 matmul d.h.11.attn_w f32[768,2304]
-  float *const b629 = (float *)(arena + 967160832); // %629 layernorm_bwd d.h.11.ln1_w f32[768]
-  float *const b630 = (float *)(arena + 967163904); // %630 layernorm_bwd d.h.11.ln1_b f32[768]
-  float *const b632 = (float *)(arena + 967157760); // %632 sum d.h.10.fcproj_b f32[768]
-  float *const b635 = (float *)(arena + 957720576); // %635 matmul d.h.10.fcproj_w f32[3072,768]
-  float *const b639 = (float *)(arena + 957708288); // %639 sum d.h.10.fc_b f32[3072]
-  float *const b642 = (float *)(arena + 948271104); // %642 matmul d.h.10.fc_w f32[768,3072]
-  float *const b646 = (float *)(arena + 948264960); // %646 layernorm_bwd d.h.10.ln2_w f32[768]
-  float *const b647 = (float *)(arena + 948268032); // %647 layernorm_bwd d.h.10.ln2_b f32[768]
-  float *const b649 = (float *)(arena + 948261888); // %649 sum d.h.10.proj_b f32[768]
-  float *const b652 = (float *)(arena + 945902592); // %652 matmul d.h.10.proj_w f32[768,768]
-  float *const b666 = (float *)(arena + 945893376); // %666 sum d.h.10.attn_b f32[2304]
-  float *const b669 = (float *)(arena + 938815488); // %669 matmul d.h.10.attn_w f32[768,2304]
-  float *const b673 = (float *)(arena + 938809344); // %673 layernorm_bwd d.h.10.ln1_w f32[768]
-  float *const b674 = (float *)(arena + 938812416); // %674 layernorm_bwd d.h.10.ln1_b f32[768]
-  float *const b676 = (float *)(arena + 938806272); // %676 sum d.h.9.fcproj_b f32[768]
-  float *const b679 = (float *)(arena + 929369088); // %679 matmul d.h.9.fcproj_w f32[3072,768]
-  float *const b683 = (float *)(arena + 929356800); // %683 sum d.h.9.fc_b f32[3072]
-  float *const b686 = (float *)(arena + 919919616); // %686 matmul d.h.9.fc_w f32[768,3072]
-  float *const b690 = (float *)(arena + 919913472); // %690 layernorm_bwd d.h.9.ln2_w f32[768]
-  float *const b691 = (float *)(arena + 919916544); // %691 layernorm_bwd d.h.9.ln2_b f32[768]
-  float *const b693 = (float *)(arena + 919910400); // %693 sum d.h.9.proj_b f32[768]
-  float *const b696 = (float *)(arena + 917551104); // %696 matmul d.h.9.proj_w f32[768,768]
-  float *const b710 = (float *)(arena + 917541888); // %710 sum d.h.9.attn_b f32[2304]
-  float *const b713 = (float *)(arena + 910464000); // %713 matmul d.h.9.attn_w f32[768,2304]
-  float *const b717 = (float *)(arena + 910457856); // %717 layernorm_bwd d.h.9.ln1_w f32[768]
-  float *const b718 = (float *)(arena + 910460928); // %718 layernorm_bwd d.h.9.ln1_b f32[768]
-  float *const b720 = (float *)(arena + 910454784); // %720 sum d.h.8.fcproj_b f32[768]
-  float *const b723 = (float *)(arena + 901017600); // %723 matmul d.h.8.fcproj_w f32[3072,768]
-  float *const b727 = (float *)(arena + 901005312); // %727 sum d.h.8.fc_b f32[3072]
-  float *const b730 = (float *)(arena + 891568128); // %730 matmul d.h.8.fc_w f32[768,3072]
-  float *const b734 = (float *)(arena + 891561984); // %734 layernorm_bwd d.h.8.ln2_w f32[768]
-  float *const b735 = (float *)(arena + 891565056); // %735 layernorm_bwd d.h.8.ln2_b f32[768]
-  float *const b737 = (float *)(arena + 891558912); // %737 sum d.h.8.proj_b f32[768]
-  float *const b740 = (float *)(arena + 889199616); // %740 matmul d.h.8.proj_w f32[768,768]
-  float *const b754 = (float *)(arena + 889190400); // %754 sum d.h.8.attn_b f32[2304]
-  float *const b757 = (float *)(arena + 882112512); // %757 matmul d.h.8.attn_w f32[768,2304]
-  float *const b761 = (float *)(arena + 882106368); // %761 layernorm_bwd d.h.8.ln1_w f32[768]
-  float *const b762 = (float *)(arena + 882109440); // %762 layernorm_bwd d.h.8.ln1_b f32[768]
-  float *const b764 = (float *)(arena + 882103296); // %764 sum d.h.7.fcproj_b f32[768]
-  float *const b767 = (float *)(arena + 872666112); // %767 matmul d.h.7.fcproj_w f32[3072,768]
-  float *const b771 = (float *)(arena + 872653824); // %771 sum d.h.7.fc_b f32[3072]
-  float *const b774 = (float *)(arena + 863216640); // %774 matmul d.h.7.fc_w f32[768,3072]
-  float *const b778 = (float *)(arena + 863210496); // %778 layernorm_bwd d.h.7.ln2_w f32[768]
-  float *const b779 = (float *)(arena + 863213568); // %779 layernorm_bwd d.h.7.ln2_b f32[768]
-  float *const b781 = (float *)(arena + 863207424); // %781 sum d.h.7.proj_b f32[768]
-  float *const b784 = (float *)(arena + 860848128); // %784 matmul d.h.7.proj_w f32[768,768]
-  float *const b798 = (float *)(arena + 860838912); // %798 sum d.h.7.attn_b f32[2304]
-  float *const b801 = (float *)(arena + 853761024); // %801 matmul d.h.7.attn_w f32[768,2304]
-  float *const b805 = (float *)(arena + 853754880); // %805 layernorm_bwd d.h.7.ln1_w f32[768]
-  float *const b806 = (float *)(arena + 853757952); // %806 layernorm_bwd d.h.7.ln1_b f32[768]
-  float *const b808 = (float *)(arena + 853751808); // %808 sum d.h.6.fcproj_b f32[768]
-  float *const b811 = (float *)(arena + 844314624); // %811 matmul d.h.6.fcproj_w f32[3072,768]
-  float *const b815 = (float *)(arena + 844302336); // %815 sum d.h.6.fc_b f32[3072]
-  float *const b818 = (float *)(arena + 834865152); // %818 matmul d.h.6.fc_w f32[768,3072]
-  float *const b822 = (float *)(arena + 834859008); // %822 layernorm_bwd d.h.6.ln2_w f32[768]
-  float *const b823 = (float *)(arena + 834862080); // %823 layernorm_bwd d.h.6.ln2_b f32[768]
-  float *const b825 = (float *)(arena + 834855936); // %825 sum d.h.6.proj_b f32[768]
-  float *const b828 = (float *)(arena + 832496640); // %828 matmul d.h.6.proj_w f32[768,768]
-  float *const b842 = (float *)(arena + 832487424); // %842 sum d.h.6.attn_b f32[2304]
-  float *const b845 = (float *)(arena + 825409536); // %845 matmul d.h.6.attn_w f32[768,2304]
-  float *const b849 = (float *)(arena + 825403392); // %849 layernorm_bwd d.h.6.ln1_w f32[768]
-  float *const b850 = (float *)(arena + 825406464); // %850 layernorm_bwd d.h.6.ln1_b f32[768]
-  float *const b852 = (float *)(arena + 825400320); // %852 sum d.h.5.fcproj_b f32[768]
-  float *const b855 = (float *)(arena + 815963136); // %855 matmul d.h.5.fcproj_w f32[3072,768]
-  float *const b859 = (float *)(arena + 815950848); // %859 sum d.h.5.fc_b f32[3072]
-  float *const b862 = (float *)(arena + 806513664); // %862 matmul d.h.5.fc_w f32[768,3072]
-  float *const b866 = (float *)(arena + 806507520); // %866 layernorm_bwd d.h.5.ln2_w f32[768]
-  float *const b867 = (float *)(arena + 806510592); // %867 layernorm_bwd d.h.5.ln2_b f32[768]
-  float *const b869 = (float *)(arena + 806504448); // %869 sum d.h.5.proj_b f32[768]
-  float *const b872 = (float *)(arena + 804145152); // %872 matmul d.h.5.proj_w f32[768,768]
-  float *const b886 = (float *)(arena + 804135936); // %886 sum d.h.5.attn_b f32[2304]
-  float *const b889 = (float *)(arena + 797058048); // %889 matmul d.h.5.attn_w f32[768,2304]
-  float *const b893 = (float *)(arena + 797051904); // %893 layernorm_bwd d.h.5.ln1_w f32[768]
-  float *const b894 = (float *)(arena + 797054976); // %894 layernorm_bwd d.h.5.ln1_b f32[768]
-  float *const b896 = (float *)(arena + 797048832); // %896 sum d.h.4.fcproj_b f32[768]
-  float *const b899 = (float *)(arena + 787611648); // %899 matmul d.h.4.fcproj_w f32[3072,768]
-  float *const b903 = (float *)(arena + 787599360); // %903 sum d.h.4.fc_b f32[3072]
-  float *const b906 = (float *)(arena + 778162176); // %906 matmul d.h.4.fc_w f32[768,3072]
-  float *const b910 = (float *)(arena + 778156032); // %910 layernorm_bwd d.h.4.ln2_w f32[768]
-  float *const b911 = (float *)(arena + 778159104); // %911 layernorm_bwd d.h.4.ln2_b f32[768]
-  float *const b913 = (float *)(arena + 778152960); // %913 sum d.h.4.proj_b f32[768]
-  float *const b916 = (float *)(arena + 775793664); // %916 matmul d.h.4.proj_w f32[768,768]
-  float *const b930 = (float *)(arena + 775784448); // %930 sum d.h.4.attn_b f32[2304]
-  float *const b933 = (float *)(arena + 768706560); // %933 matmul d.h.4.attn_w f32[768,2304]
-  float *const b937 = (float *)(arena + 768700416); // %937 layernorm_bwd d.h.4.ln1_w f32[768]
-  float *const b938 = (float *)(arena + 768703488); // %938 layernorm_bwd d.h.4.ln1_b f32[768]
-  float *const b940 = (float *)(arena + 768697344); // %940 sum d.h.3.fcproj_b f32[768]
-  float *const b943 = (float *)(arena + 759260160); // %943 matmul d.h.3.fcproj_w f32[3072,768]
-  float *const b947 = (float *)(arena + 759247872); // %947 sum d.h.3.fc_b f32[3072]
-  float *const b950 = (float *)(arena + 749810688); // %950 matmul d.h.3.fc_w f32[768,3072]
-  float *const b954 = (float *)(arena + 749804544); // %954 layernorm_bwd d.h.3.ln2_w f32[768]
-  float *const b955 = (float *)(arena + 749807616); // %955 layernorm_bwd d.h.3.ln2_b f32[768]
-  float *const b957 = (float *)(arena + 749801472); // %957 sum d.h.3.proj_b f32[768]
-  float *const b960 = (float *)(arena + 747442176); // %960 matmul d.h.3.proj_w f32[768,768]
-  float *const b974 = (float *)(arena + 747432960); // %974 sum d.h.3.attn_b f32[2304]
-  float *const b977 = (float *)(arena + 740355072); // %977 matmul d.h.3.attn_w f32[768,2304]
-  float *const b981 = (float *)(arena + 740348928); // %981 layernorm_bwd d.h.3.ln1_w f32[768]
-  float *const b982 = (float *)(arena + 740352000); // %982 layernorm_bwd d.h.3.ln1_b f32[768]
-  float *const b984 = (float *)(arena + 740345856); // %984 sum d.h.2.fcproj_b f32[768]
-  float *const b987 = (float *)(arena + 730908672); // %987 matmul d.h.2.fcproj_w f32[3072,768]
-  float *const b991 = (float *)(arena + 730896384); // %991 sum d.h.2.fc_b f32[3072]
-  float *const b994 = (float *)(arena + 721459200); // %994 matmul d.h.2.fc_w f32[768,3072]
-  float *const b998 = (float *)(arena + 721453056); // %998 layernorm_bwd d.h.2.ln2_w f32[768]
-  float *const b999 = (float *)(arena + 721456128); // %999 layernorm_bwd d.h.2.ln2_b f32[768]
-  float *const b1001 = (float *)(arena + 721449984); // %1001 sum d.h.2.proj_b f32[768]
-  float *const b1004 = (float *)(arena + 719090688); // %1004 matmul d.h.2.proj_w f32[768,768]
-  float *const b1018 = (float *)(arena + 719081472); // %1018 sum d.h.2.attn_b f32[2304]
-  float *const b1021 = (float *)(arena + 712003584); // %1021 matmul d.h.2.attn_w f32[768,2304]
-  float *const b1025 = (float *)(arena + 711997440); // %1025 layernorm_bwd d.h.2.ln1_w f32[768]
-  float *const b1026 = (float *)(arena + 712000512); // %1026 layernorm_bwd d.h.2.ln1_b f32[768]
-  float *const b1028 = (float *)(arena + 711994368); // %1028 sum d.h.1.fcproj_b f32[768]
-  float *const b1031 = (float *)(arena + 702557184); // %1031 matmul d.h.1.fcproj_w f32[3072,768]
-  float *const b1035 = (float *)(arena + 702544896); // %1035 sum d.h.1.fc_b f32[3072]
-  float *const b1038 = (float *)(arena + 693107712); // %1038 matmul d.h.1.fc_w f32[768,3072]
-  float *const b1042 = (float *)(arena + 693101568); // %1042 layernorm_bwd d.h.1.ln2_w f32[768]
-  float *const b1043 = (float *)(arena + 693104640); // %1043 layernorm_bwd d.h.1.ln2_b f32[768]
-  float *const b1045 = (float *)(arena + 693098496); // %1045 sum d.h.1.proj_b f32[768]
-  float *const b1048 = (float *)(arena + 690739200); // %1048 matmul d.h.1.proj_w f32[768,768]
-  float *const b1062 = (float *)(arena + 690729984); // %1062 sum d.h.1.attn_b f32[2304]
-  float *const b1065 = (float *)(arena + 683652096); // %1065 matmul d.h.1.attn_w f32[768,2304]
-  float *const b1069 = (float *)(arena + 683645952); // %1069 layernorm_bwd d.h.1.ln1_w f32[768]
-  float *const b1070 = (float *)(arena + 683649024); // %1070 layernorm_bwd d.h.1.ln1_b f32[768]
-  float *const b1072 = (float *)(arena + 683642880); // %1072 sum d.h.0.fcproj_b f32[768]
-  float *const b1075 = (float *)(arena + 674205696); // %1075 matmul d.h.0.fcproj_w f32[3072,768]
-  float *const b1079 = (float *)(arena + 674193408); // %1079 sum d.h.0.fc_b f32[3072]
-  float *const b1082 = (float *)(arena + 664756224); // %1082 matmul d.h.0.fc_w f32[768,3072]
-  float *const b1086 = (float *)(arena + 664750080); // %1086 layernorm_bwd d.h.0.ln2_w f32[768]
-  float *const b1087 = (float *)(arena + 664753152); // %1087 layernorm_bwd d.h.0.ln2_b f32[768]
-  float *const b1089 = (float *)(arena + 664747008); // %1089 sum d.h.0.proj_b f32[768]
-  float *const b1092 = (float *)(arena + 662387712); // %1092 matmul d.h.0.proj_w f32[768,768]
-  float *const b1106 = (float *)(arena + 662378496); // %1106 sum d.h.0.attn_b f32[2304]
-  float *const b1109 = (float *)(arena + 655300608); // %1109 matmul d.h.0.attn_w f32[768,2304]
-  float *const b1113 = (float *)(arena + 655294464); // %1113 layernorm_bwd d.h.0.ln1_w f32[768]
-  float *const b1114 = (float *)(arena + 655297536); // %1114 layernorm_bwd d.h.0.ln1_b f32[768]
-  float *const b1115 = (float *)(arena + 652148736); // %1115 embed_bwd d.wpe f32[1024,768]
-  float *const b1117 = (float *)(arena + 497759232); // %1117 add d.wte f32[50257,768]
-  float *const b1118 = (float *)(arena + 2238304256); // %1118 scalar lr f32[]
-  float *const b1119 = (float *)(arena + 2238304320); // %1119 scalar step f32[]
-  float *const b1120 = (float *)(arena + 2238304384); // %1120 grad_norm f32[]
+  float *const b618 = (float *)(arena + 974244864); // %618 sum d.h.11.attn_b f32[2304]
+  float *const b621 = (float *)(arena + 967166976); // %621 matmul d.h.11.attn_w f32[768,2304]
+  float *const b624 = (float *)(arena + 967160832); // %624 layernorm_bwd d.h.11.ln1_w f32[768]
+  float *const b625 = (float *)(arena + 967163904); // %625 layernorm_bwd d.h.11.ln1_b f32[768]
+  float *const b628 = (float *)(arena + 967157760); // %628 sum d.h.10.fcproj_b f32[768]
+  float *const b631 = (float *)(arena + 957720576); // %631 matmul d.h.10.fcproj_w f32[3072,768]
+  float *const b635 = (float *)(arena + 957708288); // %635 sum d.h.10.fc_b f32[3072]
+  float *const b638 = (float *)(arena + 948271104); // %638 matmul d.h.10.fc_w f32[768,3072]
+  float *const b641 = (float *)(arena + 948264960); // %641 layernorm_bwd d.h.10.ln2_w f32[768]
+  float *const b642 = (float *)(arena + 948268032); // %642 layernorm_bwd d.h.10.ln2_b f32[768]
+  float *const b645 = (float *)(arena + 948261888); // %645 sum d.h.10.proj_b f32[768]
+  float *const b648 = (float *)(arena + 945902592); // %648 matmul d.h.10.proj_w f32[768,768]
+  float *const b658 = (float *)(arena + 945893376); // %658 sum d.h.10.attn_b f32[2304]
+  float *const b661 = (float *)(arena + 938815488); // %661 matmul d.h.10.attn_w f32[768,2304]
+  float *const b664 = (float *)(arena + 938809344); // %664 layernorm_bwd d.h.10.ln1_w f32[768]
+  float *const b665 = (float *)(arena + 938812416); // %665 layernorm_bwd d.h.10.ln1_b f32[768]
+  float *const b668 = (float *)(arena + 938806272); // %668 sum d.h.9.fcproj_b f32[768]
+  float *const b671 = (float *)(arena + 929369088); // %671 matmul d.h.9.fcproj_w f32[3072,768]
+  float *const b675 = (float *)(arena + 929356800); // %675 sum d.h.9.fc_b f32[3072]
+  float *const b678 = (float *)(arena + 919919616); // %678 matmul d.h.9.fc_w f32[768,3072]
+  float *const b681 = (float *)(arena + 919913472); // %681 layernorm_bwd d.h.9.ln2_w f32[768]
+  float *const b682 = (float *)(arena + 919916544); // %682 layernorm_bwd d.h.9.ln2_b f32[768]
+  float *const b685 = (float *)(arena + 919910400); // %685 sum d.h.9.proj_b f32[768]
+  float *const b688 = (float *)(arena + 917551104); // %688 matmul d.h.9.proj_w f32[768,768]
+  float *const b698 = (float *)(arena + 917541888); // %698 sum d.h.9.attn_b f32[2304]
+  float *const b701 = (float *)(arena + 910464000); // %701 matmul d.h.9.attn_w f32[768,2304]
+  float *const b704 = (float *)(arena + 910457856); // %704 layernorm_bwd d.h.9.ln1_w f32[768]
+  float *const b705 = (float *)(arena + 910460928); // %705 layernorm_bwd d.h.9.ln1_b f32[768]
+  float *const b708 = (float *)(arena + 910454784); // %708 sum d.h.8.fcproj_b f32[768]
+  float *const b711 = (float *)(arena + 901017600); // %711 matmul d.h.8.fcproj_w f32[3072,768]
+  float *const b715 = (float *)(arena + 901005312); // %715 sum d.h.8.fc_b f32[3072]
+  float *const b718 = (float *)(arena + 891568128); // %718 matmul d.h.8.fc_w f32[768,3072]
+  float *const b721 = (float *)(arena + 891561984); // %721 layernorm_bwd d.h.8.ln2_w f32[768]
+  float *const b722 = (float *)(arena + 891565056); // %722 layernorm_bwd d.h.8.ln2_b f32[768]
+  float *const b725 = (float *)(arena + 891558912); // %725 sum d.h.8.proj_b f32[768]
+  float *const b728 = (float *)(arena + 889199616); // %728 matmul d.h.8.proj_w f32[768,768]
+  float *const b738 = (float *)(arena + 889190400); // %738 sum d.h.8.attn_b f32[2304]
+  float *const b741 = (float *)(arena + 882112512); // %741 matmul d.h.8.attn_w f32[768,2304]
+  float *const b744 = (float *)(arena + 882106368); // %744 layernorm_bwd d.h.8.ln1_w f32[768]
+  float *const b745 = (float *)(arena + 882109440); // %745 layernorm_bwd d.h.8.ln1_b f32[768]
+  float *const b748 = (float *)(arena + 882103296); // %748 sum d.h.7.fcproj_b f32[768]
+  float *const b751 = (float *)(arena + 872666112); // %751 matmul d.h.7.fcproj_w f32[3072,768]
+  float *const b755 = (float *)(arena + 872653824); // %755 sum d.h.7.fc_b f32[3072]
+  float *const b758 = (float *)(arena + 863216640); // %758 matmul d.h.7.fc_w f32[768,3072]
+  float *const b761 = (float *)(arena + 863210496); // %761 layernorm_bwd d.h.7.ln2_w f32[768]
+  float *const b762 = (float *)(arena + 863213568); // %762 layernorm_bwd d.h.7.ln2_b f32[768]
+  float *const b765 = (float *)(arena + 863207424); // %765 sum d.h.7.proj_b f32[768]
+  float *const b768 = (float *)(arena + 860848128); // %768 matmul d.h.7.proj_w f32[768,768]
+  float *const b778 = (float *)(arena + 860838912); // %778 sum d.h.7.attn_b f32[2304]
+  float *const b781 = (float *)(arena + 853761024); // %781 matmul d.h.7.attn_w f32[768,2304]
+  float *const b784 = (float *)(arena + 853754880); // %784 layernorm_bwd d.h.7.ln1_w f32[768]
+  float *const b785 = (float *)(arena + 853757952); // %785 layernorm_bwd d.h.7.ln1_b f32[768]
+  float *const b788 = (float *)(arena + 853751808); // %788 sum d.h.6.fcproj_b f32[768]
+  float *const b791 = (float *)(arena + 844314624); // %791 matmul d.h.6.fcproj_w f32[3072,768]
+  float *const b795 = (float *)(arena + 844302336); // %795 sum d.h.6.fc_b f32[3072]
+  float *const b798 = (float *)(arena + 834865152); // %798 matmul d.h.6.fc_w f32[768,3072]
+  float *const b801 = (float *)(arena + 834859008); // %801 layernorm_bwd d.h.6.ln2_w f32[768]
+  float *const b802 = (float *)(arena + 834862080); // %802 layernorm_bwd d.h.6.ln2_b f32[768]
+  float *const b805 = (float *)(arena + 834855936); // %805 sum d.h.6.proj_b f32[768]
+  float *const b808 = (float *)(arena + 832496640); // %808 matmul d.h.6.proj_w f32[768,768]
+  float *const b818 = (float *)(arena + 832487424); // %818 sum d.h.6.attn_b f32[2304]
+  float *const b821 = (float *)(arena + 825409536); // %821 matmul d.h.6.attn_w f32[768,2304]
+  float *const b824 = (float *)(arena + 825403392); // %824 layernorm_bwd d.h.6.ln1_w f32[768]
+  float *const b825 = (float *)(arena + 825406464); // %825 layernorm_bwd d.h.6.ln1_b f32[768]
+  float *const b828 = (float *)(arena + 825400320); // %828 sum d.h.5.fcproj_b f32[768]
+  float *const b831 = (float *)(arena + 815963136); // %831 matmul d.h.5.fcproj_w f32[3072,768]
+  float *const b835 = (float *)(arena + 815950848); // %835 sum d.h.5.fc_b f32[3072]
+  float *const b838 = (float *)(arena + 806513664); // %838 matmul d.h.5.fc_w f32[768,3072]
+  float *const b841 = (float *)(arena + 806507520); // %841 layernorm_bwd d.h.5.ln2_w f32[768]
+  float *const b842 = (float *)(arena + 806510592); // %842 layernorm_bwd d.h.5.ln2_b f32[768]
+  float *const b845 = (float *)(arena + 806504448); // %845 sum d.h.5.proj_b f32[768]
+  float *const b848 = (float *)(arena + 804145152); // %848 matmul d.h.5.proj_w f32[768,768]
+  float *const b858 = (float *)(arena + 804135936); // %858 sum d.h.5.attn_b f32[2304]
+  float *const b861 = (float *)(arena + 797058048); // %861 matmul d.h.5.attn_w f32[768,2304]
+  float *const b864 = (float *)(arena + 797051904); // %864 layernorm_bwd d.h.5.ln1_w f32[768]
+  float *const b865 = (float *)(arena + 797054976); // %865 layernorm_bwd d.h.5.ln1_b f32[768]
+  float *const b868 = (float *)(arena + 797048832); // %868 sum d.h.4.fcproj_b f32[768]
+  float *const b871 = (float *)(arena + 787611648); // %871 matmul d.h.4.fcproj_w f32[3072,768]
+  float *const b875 = (float *)(arena + 787599360); // %875 sum d.h.4.fc_b f32[3072]
+  float *const b878 = (float *)(arena + 778162176); // %878 matmul d.h.4.fc_w f32[768,3072]
+  float *const b881 = (float *)(arena + 778156032); // %881 layernorm_bwd d.h.4.ln2_w f32[768]
+  float *const b882 = (float *)(arena + 778159104); // %882 layernorm_bwd d.h.4.ln2_b f32[768]
+  float *const b885 = (float *)(arena + 778152960); // %885 sum d.h.4.proj_b f32[768]
+  float *const b888 = (float *)(arena + 775793664); // %888 matmul d.h.4.proj_w f32[768,768]
+  float *const b898 = (float *)(arena + 775784448); // %898 sum d.h.4.attn_b f32[2304]
+  float *const b901 = (float *)(arena + 768706560); // %901 matmul d.h.4.attn_w f32[768,2304]
+  float *const b904 = (float *)(arena + 768700416); // %904 layernorm_bwd d.h.4.ln1_w f32[768]
+  float *const b905 = (float *)(arena + 768703488); // %905 layernorm_bwd d.h.4.ln1_b f32[768]
+  float *const b908 = (float *)(arena + 768697344); // %908 sum d.h.3.fcproj_b f32[768]
+  float *const b911 = (float *)(arena + 759260160); // %911 matmul d.h.3.fcproj_w f32[3072,768]
+  float *const b915 = (float *)(arena + 759247872); // %915 sum d.h.3.fc_b f32[3072]
+  float *const b918 = (float *)(arena + 749810688); // %918 matmul d.h.3.fc_w f32[768,3072]
+  float *const b921 = (float *)(arena + 749804544); // %921 layernorm_bwd d.h.3.ln2_w f32[768]
+  float *const b922 = (float *)(arena + 749807616); // %922 layernorm_bwd d.h.3.ln2_b f32[768]
+  float *const b925 = (float *)(arena + 749801472); // %925 sum d.h.3.proj_b f32[768]
+  float *const b928 = (float *)(arena + 747442176); // %928 matmul d.h.3.proj_w f32[768,768]
+  float *const b938 = (float *)(arena + 747432960); // %938 sum d.h.3.attn_b f32[2304]
+  float *const b941 = (float *)(arena + 740355072); // %941 matmul d.h.3.attn_w f32[768,2304]
+  float *const b944 = (float *)(arena + 740348928); // %944 layernorm_bwd d.h.3.ln1_w f32[768]
+  float *const b945 = (float *)(arena + 740352000); // %945 layernorm_bwd d.h.3.ln1_b f32[768]
+  float *const b948 = (float *)(arena + 740345856); // %948 sum d.h.2.fcproj_b f32[768]
+  float *const b951 = (float *)(arena + 730908672); // %951 matmul d.h.2.fcproj_w f32[3072,768]
+  float *const b955 = (float *)(arena + 730896384); // %955 sum d.h.2.fc_b f32[3072]
+  float *const b958 = (float *)(arena + 721459200); // %958 matmul d.h.2.fc_w f32[768,3072]
+  float *const b961 = (float *)(arena + 721453056); // %961 layernorm_bwd d.h.2.ln2_w f32[768]
+  float *const b962 = (float *)(arena + 721456128); // %962 layernorm_bwd d.h.2.ln2_b f32[768]
+  float *const b965 = (float *)(arena + 721449984); // %965 sum d.h.2.proj_b f32[768]
+  float *const b968 = (float *)(arena + 719090688); // %968 matmul d.h.2.proj_w f32[768,768]
+  float *const b978 = (float *)(arena + 719081472); // %978 sum d.h.2.attn_b f32[2304]
+  float *const b981 = (float *)(arena + 712003584); // %981 matmul d.h.2.attn_w f32[768,2304]
+  float *const b984 = (float *)(arena + 711997440); // %984 layernorm_bwd d.h.2.ln1_w f32[768]
+  float *const b985 = (float *)(arena + 712000512); // %985 layernorm_bwd d.h.2.ln1_b f32[768]
+  float *const b988 = (float *)(arena + 711994368); // %988 sum d.h.1.fcproj_b f32[768]
+  float *const b991 = (float *)(arena + 702557184); // %991 matmul d.h.1.fcproj_w f32[3072,768]
+  float *const b995 = (float *)(arena + 702544896); // %995 sum d.h.1.fc_b f32[3072]
+  float *const b998 = (float *)(arena + 693107712); // %998 matmul d.h.1.fc_w f32[768,3072]
+  float *const b1001 = (float *)(arena + 693101568); // %1001 layernorm_bwd d.h.1.ln2_w f32[768]
+  float *const b1002 = (float *)(arena + 693104640); // %1002 layernorm_bwd d.h.1.ln2_b f32[768]
+  float *const b1005 = (float *)(arena + 693098496); // %1005 sum d.h.1.proj_b f32[768]
+  float *const b1008 = (float *)(arena + 690739200); // %1008 matmul d.h.1.proj_w f32[768,768]
+  float *const b1018 = (float *)(arena + 690729984); // %1018 sum d.h.1.attn_b f32[2304]
+  float *const b1021 = (float *)(arena + 683652096); // %1021 matmul d.h.1.attn_w f32[768,2304]
+  float *const b1024 = (float *)(arena + 683645952); // %1024 layernorm_bwd d.h.1.ln1_w f32[768]
+  float *const b1025 = (float *)(arena + 683649024); // %1025 layernorm_bwd d.h.1.ln1_b f32[768]
+  float *const b1028 = (float *)(arena + 683642880); // %1028 sum d.h.0.fcproj_b f32[768]
+  float *const b1031 = (float *)(arena + 674205696); // %1031 matmul d.h.0.fcproj_w f32[3072,768]
+  float *const b1035 = (float *)(arena + 674193408); // %1035 sum d.h.0.fc_b f32[3072]
+  float *const b1038 = (float *)(arena + 664756224); // %1038 matmul d.h.0.fc_w f32[768,3072]
+  float *const b1041 = (float *)(arena + 664750080); // %1041 layernorm_bwd d.h.0.ln2_w f32[768]
+  float *const b1042 = (float *)(arena + 664753152); // %1042 layernorm_bwd d.h.0.ln2_b f32[768]
+  float *const b1045 = (float *)(arena + 664747008); // %1045 sum d.h.0.proj_b f32[768]
+  float *const b1048 = (float *)(arena + 662387712); // %1048 matmul d.h.0.proj_w f32[768,768]
+  float *const b1058 = (float *)(arena + 662378496); // %1058 sum d.h.0.attn_b f32[2304]
+  float *const b1061 = (float *)(arena + 655300608); // %1061 matmul d.h.0.attn_w f32[768,2304]
+  float *const b1064 = (float *)(arena + 655294464); // %1064 layernorm_bwd d.h.0.ln1_w f32[768]
+  float *const b1065 = (float *)(arena + 655297536); // %1065 layernorm_bwd d.h.0.ln1_b f32[768]
+  float *const b1067 = (float *)(arena + 652148736); // %1067 embed_bwd d.wpe f32[1024,768]
+  float *const b1069 = (float *)(arena + 497759232); // %1069 add d.wte f32[50257,768]
+  float *const b1070 = (float *)(arena + 2238304256); // %1070 scalar lr f32[]
+  float *const b1071 = (float *)(arena + 2238304320); // %1071 scalar step f32[]
+  float *const b1072 = (float *)(arena + 2238304384); // %1072 grad_norm f32[]
   {
     double ss = 0;
-    ss += mdl_sumsq(b1117, 38597376, h->nthreads); // d.wte
-    ss += mdl_sumsq(b1115, 786432, h->nthreads); // d.wpe
-    ss += mdl_sumsq(b1113, 768, h->nthreads); // d.h.0.ln1_w
-    ss += mdl_sumsq(b1114, 768, h->nthreads); // d.h.0.ln1_b
-    ss += mdl_sumsq(b1109, 1769472, h->nthreads); // d.h.0.attn_w
-    ss += mdl_sumsq(b1106, 2304, h->nthreads); // d.h.0.attn_b
-    ss += mdl_sumsq(b1092, 589824, h->nthreads); // d.h.0.proj_w
-    ss += mdl_sumsq(b1089, 768, h->nthreads); // d.h.0.proj_b
-    ss += mdl_sumsq(b1086, 768, h->nthreads); // d.h.0.ln2_w
-    ss += mdl_sumsq(b1087, 768, h->nthreads); // d.h.0.ln2_b
-    ss += mdl_sumsq(b1082, 2359296, h->nthreads); // d.h.0.fc_w
-    ss += mdl_sumsq(b1079, 3072, h->nthreads); // d.h.0.fc_b
-    ss += mdl_sumsq(b1075, 2359296, h->nthreads); // d.h.0.fcproj_w
-    ss += mdl_sumsq(b1072, 768, h->nthreads); // d.h.0.fcproj_b
-    ss += mdl_sumsq(b1069, 768, h->nthreads); // d.h.1.ln1_w
-    ss += mdl_sumsq(b1070, 768, h->nthreads); // d.h.1.ln1_b
-    ss += mdl_sumsq(b1065, 1769472, h->nthreads); // d.h.1.attn_w
-    ss += mdl_sumsq(b1062, 2304, h->nthreads); // d.h.1.attn_b
-    ss += mdl_sumsq(b1048, 589824, h->nthreads); // d.h.1.proj_w
-    ss += mdl_sumsq(b1045, 768, h->nthreads); // d.h.1.proj_b
-    ss += mdl_sumsq(b1042, 768, h->nthreads); // d.h.1.ln2_w
-    ss += mdl_sumsq(b1043, 768, h->nthreads); // d.h.1.ln2_b
-    ss += mdl_sumsq(b1038, 2359296, h->nthreads); // d.h.1.fc_w
-    ss += mdl_sumsq(b1035, 3072, h->nthreads); // d.h.1.fc_b
-    ss += mdl_sumsq(b1031, 2359296, h->nthreads); // d.h.1.fcproj_w
-    ss += mdl_sumsq(b1028, 768, h->nthreads); // d.h.1.fcproj_b
-    ss += mdl_sumsq(b1025, 768, h->nthreads); // d.h.2.ln1_w
-    ss += mdl_sumsq(b1026, 768, h->nthreads); // d.h.2.ln1_b
-    ss += mdl_sumsq(b1021, 1769472, h->nthreads); // d.h.2.attn_w
-    ss += mdl_sumsq(b1018, 2304, h->nthreads); // d.h.2.attn_b
-    ss += mdl_sumsq(b1004, 589824, h->nthreads); // d.h.2.proj_w
-    ss += mdl_sumsq(b1001, 768, h->nthreads); // d.h.2.proj_b
-    ss += mdl_sumsq(b998, 768, h->nthreads); // d.h.2.ln2_w
-    ss += mdl_sumsq(b999, 768, h->nthreads); // d.h.2.ln2_b
-    ss += mdl_sumsq(b994, 2359296, h->nthreads); // d.h.2.fc_w
-    ss += mdl_sumsq(b991, 3072, h->nthreads); // d.h.2.fc_b
-    ss += mdl_sumsq(b987, 2359296, h->nthreads); // d.h.2.fcproj_w
-    ss += mdl_sumsq(b984, 768, h->nthreads); // d.h.2.fcproj_b
-    ss += mdl_sumsq(b981, 768, h->nthreads); // d.h.3.ln1_w
-    ss += mdl_sumsq(b982, 768, h->nthreads); // d.h.3.ln1_b
-    ss += mdl_sumsq(b977, 1769472, h->nthreads); // d.h.3.attn_w
-    ss += mdl_sumsq(b974, 2304, h->nthreads); // d.h.3.attn_b
-    ss += mdl_sumsq(b960, 589824, h->nthreads); // d.h.3.proj_w
-    ss += mdl_sumsq(b957, 768, h->nthreads); // d.h.3.proj_b
-    ss += mdl_sumsq(b954, 768, h->nthreads); // d.h.3.ln2_w
-    ss += mdl_sumsq(b955, 768, h->nthreads); // d.h.3.ln2_b
-    ss += mdl_sumsq(b950, 2359296, h->nthreads); // d.h.3.fc_w
-    ss += mdl_sumsq(b947, 3072, h->nthreads); // d.h.3.fc_b
-    ss += mdl_sumsq(b943, 2359296, h->nthreads); // d.h.3.fcproj_w
-    ss += mdl_sumsq(b940, 768, h->nthreads); // d.h.3.fcproj_b
-    ss += mdl_sumsq(b937, 768, h->nthreads); // d.h.4.ln1_w
-    ss += mdl_sumsq(b938, 768, h->nthreads); // d.h.4.ln1_b
-    ss += mdl_sumsq(b933, 1769472, h->nthreads); // d.h.4.attn_w
-    ss += mdl_sumsq(b930, 2304, h->nthreads); // d.h.4.attn_b
-    ss += mdl_sumsq(b916, 589824, h->nthreads); // d.h.4.proj_w
-    ss += mdl_sumsq(b913, 768, h->nthreads); // d.h.4.proj_b
-    ss += mdl_sumsq(b910, 768, h->nthreads); // d.h.4.ln2_w
-    ss += mdl_sumsq(b911, 768, h->nthreads); // d.h.4.ln2_b
-    ss += mdl_sumsq(b906, 2359296, h->nthreads); // d.h.4.fc_w
-    ss += mdl_sumsq(b903, 3072, h->nthreads); // d.h.4.fc_b
-    ss += mdl_sumsq(b899, 2359296, h->nthreads); // d.h.4.fcproj_w
-    ss += mdl_sumsq(b896, 768, h->nthreads); // d.h.4.fcproj_b
-    ss += mdl_sumsq(b893, 768, h->nthreads); // d.h.5.ln1_w
-    ss += mdl_sumsq(b894, 768, h->nthreads); // d.h.5.ln1_b
-    ss += mdl_sumsq(b889, 1769472, h->nthreads); // d.h.5.attn_w
-    ss += mdl_sumsq(b886, 2304, h->nthreads); // d.h.5.attn_b
-    ss += mdl_sumsq(b872, 589824, h->nthreads); // d.h.5.proj_w
-    ss += mdl_sumsq(b869, 768, h->nthreads); // d.h.5.proj_b
-    ss += mdl_sumsq(b866, 768, h->nthreads); // d.h.5.ln2_w
-    ss += mdl_sumsq(b867, 768, h->nthreads); // d.h.5.ln2_b
-    ss += mdl_sumsq(b862, 2359296, h->nthreads); // d.h.5.fc_w
-    ss += mdl_sumsq(b859, 3072, h->nthreads); // d.h.5.fc_b
-    ss += mdl_sumsq(b855, 2359296, h->nthreads); // d.h.5.fcproj_w
-    ss += mdl_sumsq(b852, 768, h->nthreads); // d.h.5.fcproj_b
-    ss += mdl_sumsq(b849, 768, h->nthreads); // d.h.6.ln1_w
-    ss += mdl_sumsq(b850, 768, h->nthreads); // d.h.6.ln1_b
-    ss += mdl_sumsq(b845, 1769472, h->nthreads); // d.h.6.attn_w
-    ss += mdl_sumsq(b842, 2304, h->nthreads); // d.h.6.attn_b
-    ss += mdl_sumsq(b828, 589824, h->nthreads); // d.h.6.proj_w
-    ss += mdl_sumsq(b825, 768, h->nthreads); // d.h.6.proj_b
-    ss += mdl_sumsq(b822, 768, h->nthreads); // d.h.6.ln2_w
-    ss += mdl_sumsq(b823, 768, h->nthreads); // d.h.6.ln2_b
-    ss += mdl_sumsq(b818, 2359296, h->nthreads); // d.h.6.fc_w
-    ss += mdl_sumsq(b815, 3072, h->nthreads); // d.h.6.fc_b
-    ss += mdl_sumsq(b811, 2359296, h->nthreads); // d.h.6.fcproj_w
-    ss += mdl_sumsq(b808, 768, h->nthreads); // d.h.6.fcproj_b
-    ss += mdl_sumsq(b805, 768, h->nthreads); // d.h.7.ln1_w
-    ss += mdl_sumsq(b806, 768, h->nthreads); // d.h.7.ln1_b
-    ss += mdl_sumsq(b801, 1769472, h->nthreads); // d.h.7.attn_w
-    ss += mdl_sumsq(b798, 2304, h->nthreads); // d.h.7.attn_b
-    ss += mdl_sumsq(b784, 589824, h->nthreads); // d.h.7.proj_w
-    ss += mdl_sumsq(b781, 768, h->nthreads); // d.h.7.proj_b
-    ss += mdl_sumsq(b778, 768, h->nthreads); // d.h.7.ln2_w
-    ss += mdl_sumsq(b779, 768, h->nthreads); // d.h.7.ln2_b
-    ss += mdl_sumsq(b774, 2359296, h->nthreads); // d.h.7.fc_w
-    ss += mdl_sumsq(b771, 3072, h->nthreads); // d.h.7.fc_b
-    ss += mdl_sumsq(b767, 2359296, h->nthreads); // d.h.7.fcproj_w
-    ss += mdl_sumsq(b764, 768, h->nthreads); // d.h.7.fcproj_b
-    ss += mdl_sumsq(b761, 768, h->nthreads); // d.h.8.ln1_w
-    ss += mdl_sumsq(b762, 768, h->nthreads); // d.h.8.ln1_b
-    ss += mdl_sumsq(b757, 1769472, h->nthreads); // d.h.8.attn_w
-    ss += mdl_sumsq(b754, 2304, h->nthreads); // d.h.8.attn_b
-    ss += mdl_sumsq(b740, 589824, h->nthreads); // d.h.8.proj_w
-    ss += mdl_sumsq(b737, 768, h->nthreads); // d.h.8.proj_b
-    ss += mdl_sumsq(b734, 768, h->nthreads); // d.h.8.ln2_w
-    ss += mdl_sumsq(b735, 768, h->nthreads); // d.h.8.ln2_b
-    ss += mdl_sumsq(b730, 2359296, h->nthreads); // d.h.8.fc_w
-    ss += mdl_sumsq(b727, 3072, h->nthreads); // d.h.8.fc_b
-    ss += mdl_sumsq(b723, 2359296, h->nthreads); // d.h.8.fcproj_w
-    ss += mdl_sumsq(b720, 768, h->nthreads); // d.h.8.fcproj_b
-    ss += mdl_sumsq(b717, 768, h->nthreads); // d.h.9.ln1_w
-    ss += mdl_sumsq(b718, 768, h->nthreads); // d.h.9.ln1_b
-    ss += mdl_sumsq(b713, 1769472, h->nthreads); // d.h.9.attn_w
-    ss += mdl_sumsq(b710, 2304, h->nthreads); // d.h.9.attn_b
-    ss += mdl_sumsq(b696, 589824, h->nthreads); // d.h.9.proj_w
-    ss += mdl_sumsq(b693, 768, h->nthreads); // d.h.9.proj_b
-    ss += mdl_sumsq(b690, 768, h->nthreads); // d.h.9.ln2_w
-    ss += mdl_sumsq(b691, 768, h->nthreads); // d.h.9.ln2_b
-    ss += mdl_sumsq(b686, 2359296, h->nthreads); // d.h.9.fc_w
-    ss += mdl_sumsq(b683, 3072, h->nthreads); // d.h.9.fc_b
-    ss += mdl_sumsq(b679, 2359296, h->nthreads); // d.h.9.fcproj_w
-    ss += mdl_sumsq(b676, 768, h->nthreads); // d.h.9.fcproj_b
-    ss += mdl_sumsq(b673, 768, h->nthreads); // d.h.10.ln1_w
-    ss += mdl_sumsq(b674, 768, h->nthreads); // d.h.10.ln1_b
-    ss += mdl_sumsq(b669, 1769472, h->nthreads); // d.h.10.attn_w
-    ss += mdl_sumsq(b666, 2304, h->nthreads); // d.h.10.attn_b
-    ss += mdl_sumsq(b652, 589824, h->nthreads); // d.h.10.proj_w
-    ss += mdl_sumsq(b649, 768, h->nthreads); // d.h.10.proj_b
-    ss += mdl_sumsq(b646, 768, h->nthreads); // d.h.10.ln2_w
-    ss += mdl_sumsq(b647, 768, h->nthreads); // d.h.10.ln2_b
-    ss += mdl_sumsq(b642, 2359296, h->nthreads); // d.h.10.fc_w
-    ss += mdl_sumsq(b639, 3072, h->nthreads); // d.h.10.fc_b
-    ss += mdl_sumsq(b635, 2359296, h->nthreads); // d.h.10.fcproj_w
-    ss += mdl_sumsq(b632, 768, h->nthreads); // d.h.10.fcproj_b
-    ss += mdl_sumsq(b629, 768, h->nthreads); // d.h.11.ln1_w
-    ss += mdl_sumsq(b630, 768, h->nthreads); // d.h.11.ln1_b
-    ss += mdl_sumsq(b625, 1769472, h->nthreads); // d.h.11.attn_w
-    ss += mdl_sumsq(b622, 2304, h->nthreads); // d.h.11.attn_b
+    ss += mdl_sumsq(b1069, 38597376, h->nthreads); // d.wte
+    ss += mdl_sumsq(b1067, 786432, h->nthreads); // d.wpe
+    ss += mdl_sumsq(b1064, 768, h->nthreads); // d.h.0.ln1_w
+    ss += mdl_sumsq(b1065, 768, h->nthreads); // d.h.0.ln1_b
+    ss += mdl_sumsq(b1061, 1769472, h->nthreads); // d.h.0.attn_w
+    ss += mdl_sumsq(b1058, 2304, h->nthreads); // d.h.0.attn_b
+    ss += mdl_sumsq(b1048, 589824, h->nthreads); // d.h.0.proj_w
+    ss += mdl_sumsq(b1045, 768, h->nthreads); // d.h.0.proj_b
+    ss += mdl_sumsq(b1041, 768, h->nthreads); // d.h.0.ln2_w
+    ss += mdl_sumsq(b1042, 768, h->nthreads); // d.h.0.ln2_b
+    ss += mdl_sumsq(b1038, 2359296, h->nthreads); // d.h.0.fc_w
+    ss += mdl_sumsq(b1035, 3072, h->nthreads); // d.h.0.fc_b
+    ss += mdl_sumsq(b1031, 2359296, h->nthreads); // d.h.0.fcproj_w
+    ss += mdl_sumsq(b1028, 768, h->nthreads); // d.h.0.fcproj_b
+    ss += mdl_sumsq(b1024, 768, h->nthreads); // d.h.1.ln1_w
+    ss += mdl_sumsq(b1025, 768, h->nthreads); // d.h.1.ln1_b
+    ss += mdl_sumsq(b1021, 1769472, h->nthreads); // d.h.1.attn_w
+    ss += mdl_sumsq(b1018, 2304, h->nthreads); // d.h.1.attn_b
+    ss += mdl_sumsq(b1008, 589824, h->nthreads); // d.h.1.proj_w
+    ss += mdl_sumsq(b1005, 768, h->nthreads); // d.h.1.proj_b
+    ss += mdl_sumsq(b1001, 768, h->nthreads); // d.h.1.ln2_w
+    ss += mdl_sumsq(b1002, 768, h->nthreads); // d.h.1.ln2_b
+    ss += mdl_sumsq(b998, 2359296, h->nthreads); // d.h.1.fc_w
+    ss += mdl_sumsq(b995, 3072, h->nthreads); // d.h.1.fc_b
+    ss += mdl_sumsq(b991, 2359296, h->nthreads); // d.h.1.fcproj_w
+    ss += mdl_sumsq(b988, 768, h->nthreads); // d.h.1.fcproj_b
+    ss += mdl_sumsq(b984, 768, h->nthreads); // d.h.2.ln1_w
+    ss += mdl_sumsq(b985, 768, h->nthreads); // d.h.2.ln1_b
+    ss += mdl_sumsq(b981, 1769472, h->nthreads); // d.h.2.attn_w
+    ss += mdl_sumsq(b978, 2304, h->nthreads); // d.h.2.attn_b
+    ss += mdl_sumsq(b968, 589824, h->nthreads); // d.h.2.proj_w
+    ss += mdl_sumsq(b965, 768, h->nthreads); // d.h.2.proj_b
+    ss += mdl_sumsq(b961, 768, h->nthreads); // d.h.2.ln2_w
+    ss += mdl_sumsq(b962, 768, h->nthreads); // d.h.2.ln2_b
+    ss += mdl_sumsq(b958, 2359296, h->nthreads); // d.h.2.fc_w
+    ss += mdl_sumsq(b955, 3072, h->nthreads); // d.h.2.fc_b
+    ss += mdl_sumsq(b951, 2359296, h->nthreads); // d.h.2.fcproj_w
+    ss += mdl_sumsq(b948, 768, h->nthreads); // d.h.2.fcproj_b
+    ss += mdl_sumsq(b944, 768, h->nthreads); // d.h.3.ln1_w
+    ss += mdl_sumsq(b945, 768, h->nthreads); // d.h.3.ln1_b
+    ss += mdl_sumsq(b941, 1769472, h->nthreads); // d.h.3.attn_w
+    ss += mdl_sumsq(b938, 2304, h->nthreads); // d.h.3.attn_b
+    ss += mdl_sumsq(b928, 589824, h->nthreads); // d.h.3.proj_w
+    ss += mdl_sumsq(b925, 768, h->nthreads); // d.h.3.proj_b
+    ss += mdl_sumsq(b921, 768, h->nthreads); // d.h.3.ln2_w
+    ss += mdl_sumsq(b922, 768, h->nthreads); // d.h.3.ln2_b
+    ss += mdl_sumsq(b918, 2359296, h->nthreads); // d.h.3.fc_w
+    ss += mdl_sumsq(b915, 3072, h->nthreads); // d.h.3.fc_b
+    ss += mdl_sumsq(b911, 2359296, h->nthreads); // d.h.3.fcproj_w
+    ss += mdl_sumsq(b908, 768, h->nthreads); // d.h.3.fcproj_b
+    ss += mdl_sumsq(b904, 768, h->nthreads); // d.h.4.ln1_w
+    ss += mdl_sumsq(b905, 768, h->nthreads); // d.h.4.ln1_b
+    ss += mdl_sumsq(b901, 1769472, h->nthreads); // d.h.4.attn_w
+    ss += mdl_sumsq(b898, 2304, h->nthreads); // d.h.4.attn_b
+    ss += mdl_sumsq(b888, 589824, h->nthreads); // d.h.4.proj_w
+    ss += mdl_sumsq(b885, 768, h->nthreads); // d.h.4.proj_b
+    ss += mdl_sumsq(b881, 768, h->nthreads); // d.h.4.ln2_w
+    ss += mdl_sumsq(b882, 768, h->nthreads); // d.h.4.ln2_b
+    ss += mdl_sumsq(b878, 2359296, h->nthreads); // d.h.4.fc_w
+    ss += mdl_sumsq(b875, 3072, h->nthreads); // d.h.4.fc_b
+    ss += mdl_sumsq(b871, 2359296, h->nthreads); // d.h.4.fcproj_w
+    ss += mdl_sumsq(b868, 768, h->nthreads); // d.h.4.fcproj_b
+    ss += mdl_sumsq(b864, 768, h->nthreads); // d.h.5.ln1_w
+    ss += mdl_sumsq(b865, 768, h->nthreads); // d.h.5.ln1_b
+    ss += mdl_sumsq(b861, 1769472, h->nthreads); // d.h.5.attn_w
+    ss += mdl_sumsq(b858, 2304, h->nthreads); // d.h.5.attn_b
+    ss += mdl_sumsq(b848, 589824, h->nthreads); // d.h.5.proj_w
+    ss += mdl_sumsq(b845, 768, h->nthreads); // d.h.5.proj_b
+    ss += mdl_sumsq(b841, 768, h->nthreads); // d.h.5.ln2_w
+    ss += mdl_sumsq(b842, 768, h->nthreads); // d.h.5.ln2_b
+    ss += mdl_sumsq(b838, 2359296, h->nthreads); // d.h.5.fc_w
+    ss += mdl_sumsq(b835, 3072, h->nthreads); // d.h.5.fc_b
+    ss += mdl_sumsq(b831, 2359296, h->nthreads); // d.h.5.fcproj_w
+    ss += mdl_sumsq(b828, 768, h->nthreads); // d.h.5.fcproj_b
+    ss += mdl_sumsq(b824, 768, h->nthreads); // d.h.6.ln1_w
+    ss += mdl_sumsq(b825, 768, h->nthreads); // d.h.6.ln1_b
+    ss += mdl_sumsq(b821, 1769472, h->nthreads); // d.h.6.attn_w
+    ss += mdl_sumsq(b818, 2304, h->nthreads); // d.h.6.attn_b
+    ss += mdl_sumsq(b808, 589824, h->nthreads); // d.h.6.proj_w
+    ss += mdl_sumsq(b805, 768, h->nthreads); // d.h.6.proj_b
+    ss += mdl_sumsq(b801, 768, h->nthreads); // d.h.6.ln2_w
+    ss += mdl_sumsq(b802, 768, h->nthreads); // d.h.6.ln2_b
+    ss += mdl_sumsq(b798, 2359296, h->nthreads); // d.h.6.fc_w
+    ss += mdl_sumsq(b795, 3072, h->nthreads); // d.h.6.fc_b
+    ss += mdl_sumsq(b791, 2359296, h->nthreads); // d.h.6.fcproj_w
+    ss += mdl_sumsq(b788, 768, h->nthreads); // d.h.6.fcproj_b
+    ss += mdl_sumsq(b784, 768, h->nthreads); // d.h.7.ln1_w
+    ss += mdl_sumsq(b785, 768, h->nthreads); // d.h.7.ln1_b
+    ss += mdl_sumsq(b781, 1769472, h->nthreads); // d.h.7.attn_w
+    ss += mdl_sumsq(b778, 2304, h->nthreads); // d.h.7.attn_b
+    ss += mdl_sumsq(b768, 589824, h->nthreads); // d.h.7.proj_w
+    ss += mdl_sumsq(b765, 768, h->nthreads); // d.h.7.proj_b
+    ss += mdl_sumsq(b761, 768, h->nthreads); // d.h.7.ln2_w
+    ss += mdl_sumsq(b762, 768, h->nthreads); // d.h.7.ln2_b
+    ss += mdl_sumsq(b758, 2359296, h->nthreads); // d.h.7.fc_w
+    ss += mdl_sumsq(b755, 3072, h->nthreads); // d.h.7.fc_b
+    ss += mdl_sumsq(b751, 2359296, h->nthreads); // d.h.7.fcproj_w
+    ss += mdl_sumsq(b748, 768, h->nthreads); // d.h.7.fcproj_b
+    ss += mdl_sumsq(b744, 768, h->nthreads); // d.h.8.ln1_w
+    ss += mdl_sumsq(b745, 768, h->nthreads); // d.h.8.ln1_b
+    ss += mdl_sumsq(b741, 1769472, h->nthreads); // d.h.8.attn_w
+    ss += mdl_sumsq(b738, 2304, h->nthreads); // d.h.8.attn_b
+    ss += mdl_sumsq(b728, 589824, h->nthreads); // d.h.8.proj_w
+    ss += mdl_sumsq(b725, 768, h->nthreads); // d.h.8.proj_b
+    ss += mdl_sumsq(b721, 768, h->nthreads); // d.h.8.ln2_w
+    ss += mdl_sumsq(b722, 768, h->nthreads); // d.h.8.ln2_b
+    ss += mdl_sumsq(b718, 2359296, h->nthreads); // d.h.8.fc_w
+    ss += mdl_sumsq(b715, 3072, h->nthreads); // d.h.8.fc_b
+    ss += mdl_sumsq(b711, 2359296, h->nthreads); // d.h.8.fcproj_w
+    ss += mdl_sumsq(b708, 768, h->nthreads); // d.h.8.fcproj_b
+    ss += mdl_sumsq(b704, 768, h->nthreads); // d.h.9.ln1_w
+    ss += mdl_sumsq(b705, 768, h->nthreads); // d.h.9.ln1_b
+    ss += mdl_sumsq(b701, 1769472, h->nthreads); // d.h.9.attn_w
+    ss += mdl_sumsq(b698, 2304, h->nthreads); // d.h.9.attn_b
+    ss += mdl_sumsq(b688, 589824, h->nthreads); // d.h.9.proj_w
+    ss += mdl_sumsq(b685, 768, h->nthreads); // d.h.9.proj_b
+    ss += mdl_sumsq(b681, 768, h->nthreads); // d.h.9.ln2_w
+    ss += mdl_sumsq(b682, 768, h->nthreads); // d.h.9.ln2_b
+    ss += mdl_sumsq(b678, 2359296, h->nthreads); // d.h.9.fc_w
+    ss += mdl_sumsq(b675, 3072, h->nthreads); // d.h.9.fc_b
+    ss += mdl_sumsq(b671, 2359296, h->nthreads); // d.h.9.fcproj_w
+    ss += mdl_sumsq(b668, 768, h->nthreads); // d.h.9.fcproj_b
+    ss += mdl_sumsq(b664, 768, h->nthreads); // d.h.10.ln1_w
+    ss += mdl_sumsq(b665, 768, h->nthreads); // d.h.10.ln1_b
+    ss += mdl_sumsq(b661, 1769472, h->nthreads); // d.h.10.attn_w
+    ss += mdl_sumsq(b658, 2304, h->nthreads); // d.h.10.attn_b
+    ss += mdl_sumsq(b648, 589824, h->nthreads); // d.h.10.proj_w
+    ss += mdl_sumsq(b645, 768, h->nthreads); // d.h.10.proj_b
+    ss += mdl_sumsq(b641, 768, h->nthreads); // d.h.10.ln2_w
+    ss += mdl_sumsq(b642, 768, h->nthreads); // d.h.10.ln2_b
+    ss += mdl_sumsq(b638, 2359296, h->nthreads); // d.h.10.fc_w
+    ss += mdl_sumsq(b635, 3072, h->nthreads); // d.h.10.fc_b
+    ss += mdl_sumsq(b631, 2359296, h->nthreads); // d.h.10.fcproj_w
+    ss += mdl_sumsq(b628, 768, h->nthreads); // d.h.10.fcproj_b
+    ss += mdl_sumsq(b624, 768, h->nthreads); // d.h.11.ln1_w
+    ss += mdl_sumsq(b625, 768, h->nthreads); // d.h.11.ln1_b
+    ss += mdl_sumsq(b621, 1769472, h->nthreads); // d.h.11.attn_w
+    ss += mdl_sumsq(b618, 2304, h->nthreads); // d.h.11.attn_b
     ss += mdl_sumsq(b608, 589824, h->nthreads); // d.h.11.proj_w
     ss += mdl_sumsq(b605, 768, h->nthreads); // d.h.11.proj_b
-    ss += mdl_sumsq(b602, 768, h->nthreads); // d.h.11.ln2_w
-    ss += mdl_sumsq(b603, 768, h->nthreads); // d.h.11.ln2_b
+    ss += mdl_sumsq(b601, 768, h->nthreads); // d.h.11.ln2_w
+    ss += mdl_sumsq(b602, 768, h->nthreads); // d.h.11.ln2_b
     ss += mdl_sumsq(b598, 2359296, h->nthreads); // d.h.11.fc_w
     ss += mdl_sumsq(b595, 3072, h->nthreads); // d.h.11.fc_b
     ss += mdl_sumsq(b591, 2359296, h->nthreads); // d.h.11.fcproj_w
     ss += mdl_sumsq(b588, 768, h->nthreads); // d.h.11.fcproj_b
     ss += mdl_sumsq(b585, 768, h->nthreads); // d.lnf_w
     ss += mdl_sumsq(b586, 768, h->nthreads); // d.lnf_b
-    b1120[0] = (float)sqrt(ss);
+    b1072[0] = (float)sqrt(ss);
   }
   {
     static const struct {
@@ -11939,9 +11771,9 @@ static void k237_grad_norm__adamw(char *arena, const MdlHooks *h) {
         {497753088, 995512320, 1493271552, 1991030784, -1, 768, 0.0}, // lnf_w
         {497756160, 995515392, 1493274624, 1991033856, -1, 768, 0.0}, // lnf_b
     };
-    const double clip = 1.0, gnorm = b1120[0];
+    const double clip = 1.0, gnorm = b1072[0];
     const double s = clip > 0 ? fmin(1.0, clip / (gnorm + 1e-6)) : 1.0;
-    const double lr = b1118[0], step = b1119[0];
+    const double lr = b1070[0], step = b1071[0];
     const double b1 = 0.9, b2 = 0.95, eps = 1e-08;
     const double c1 = 1.0 / (1.0 - pow(b1, step)), c2 = 1.0 / (1.0 - pow(b2, step));
     #pragma omp parallel num_threads(h->nthreads)
@@ -12065,7 +11897,7 @@ void mdl_step(char *arena, const MdlHooks *h) {
   k96_gemm(arena, h);
   k97_gemm__cast(arena, h);
   k98_attention_bwd(arena, h);
-  k99_sum__slice_bwd__add__cast(arena, h);
+  k99_sum__concat__cast(arena, h);
   k100_gemm(arena, h);
   k101_gemm(arena, h);
   k102_layernorm_bwd__add__sum__cast(arena, h);
@@ -12077,7 +11909,7 @@ void mdl_step(char *arena, const MdlHooks *h) {
   k108_gemm(arena, h);
   k109_gemm__cast(arena, h);
   k110_attention_bwd(arena, h);
-  k111_sum__slice_bwd__add__cast(arena, h);
+  k111_sum__concat__cast(arena, h);
   k112_gemm(arena, h);
   k113_gemm(arena, h);
   k114_layernorm_bwd__add__sum__cast(arena, h);
@@ -12089,7 +11921,7 @@ void mdl_step(char *arena, const MdlHooks *h) {
   k120_gemm(arena, h);
   k121_gemm__cast(arena, h);
   k122_attention_bwd(arena, h);
-  k123_sum__slice_bwd__add__cast(arena, h);
+  k123_sum__concat__cast(arena, h);
   k124_gemm(arena, h);
   k125_gemm(arena, h);
   k126_layernorm_bwd__add__sum__cast(arena, h);
@@ -12101,7 +11933,7 @@ void mdl_step(char *arena, const MdlHooks *h) {
   k132_gemm(arena, h);
   k133_gemm__cast(arena, h);
   k134_attention_bwd(arena, h);
-  k135_sum__slice_bwd__add__cast(arena, h);
+  k135_sum__concat__cast(arena, h);
   k136_gemm(arena, h);
   k137_gemm(arena, h);
   k138_layernorm_bwd__add__sum__cast(arena, h);
@@ -12113,7 +11945,7 @@ void mdl_step(char *arena, const MdlHooks *h) {
   k144_gemm(arena, h);
   k145_gemm__cast(arena, h);
   k146_attention_bwd(arena, h);
-  k147_sum__slice_bwd__add__cast(arena, h);
+  k147_sum__concat__cast(arena, h);
   k148_gemm(arena, h);
   k149_gemm(arena, h);
   k150_layernorm_bwd__add__sum__cast(arena, h);
@@ -12125,7 +11957,7 @@ void mdl_step(char *arena, const MdlHooks *h) {
   k156_gemm(arena, h);
   k157_gemm__cast(arena, h);
   k158_attention_bwd(arena, h);
-  k159_sum__slice_bwd__add__cast(arena, h);
+  k159_sum__concat__cast(arena, h);
   k160_gemm(arena, h);
   k161_gemm(arena, h);
   k162_layernorm_bwd__add__sum__cast(arena, h);
@@ -12137,7 +11969,7 @@ void mdl_step(char *arena, const MdlHooks *h) {
   k168_gemm(arena, h);
   k169_gemm__cast(arena, h);
   k170_attention_bwd(arena, h);
-  k171_sum__slice_bwd__add__cast(arena, h);
+  k171_sum__concat__cast(arena, h);
   k172_gemm(arena, h);
   k173_gemm(arena, h);
   k174_layernorm_bwd__add__sum__cast(arena, h);
@@ -12149,7 +11981,7 @@ void mdl_step(char *arena, const MdlHooks *h) {
   k180_gemm(arena, h);
   k181_gemm__cast(arena, h);
   k182_attention_bwd(arena, h);
-  k183_sum__slice_bwd__add__cast(arena, h);
+  k183_sum__concat__cast(arena, h);
   k184_gemm(arena, h);
   k185_gemm(arena, h);
   k186_layernorm_bwd__add__sum__cast(arena, h);
@@ -12161,7 +11993,7 @@ void mdl_step(char *arena, const MdlHooks *h) {
   k192_gemm(arena, h);
   k193_gemm__cast(arena, h);
   k194_attention_bwd(arena, h);
-  k195_sum__slice_bwd__add__cast(arena, h);
+  k195_sum__concat__cast(arena, h);
   k196_gemm(arena, h);
   k197_gemm(arena, h);
   k198_layernorm_bwd__add__sum__cast(arena, h);
@@ -12173,7 +12005,7 @@ void mdl_step(char *arena, const MdlHooks *h) {
   k204_gemm(arena, h);
   k205_gemm__cast(arena, h);
   k206_attention_bwd(arena, h);
-  k207_sum__slice_bwd__add__cast(arena, h);
+  k207_sum__concat__cast(arena, h);
   k208_gemm(arena, h);
   k209_gemm(arena, h);
   k210_layernorm_bwd__add__sum__cast(arena, h);
@@ -12185,7 +12017,7 @@ void mdl_step(char *arena, const MdlHooks *h) {
   k216_gemm(arena, h);
   k217_gemm__cast(arena, h);
   k218_attention_bwd(arena, h);
-  k219_sum__slice_bwd__add__cast(arena, h);
+  k219_sum__concat__cast(arena, h);
   k220_gemm(arena, h);
   k221_gemm(arena, h);
   k222_layernorm_bwd__add__sum__cast(arena, h);
@@ -12197,7 +12029,7 @@ void mdl_step(char *arena, const MdlHooks *h) {
   k228_gemm(arena, h);
   k229_gemm__cast(arena, h);
   k230_attention_bwd(arena, h);
-  k231_sum__slice_bwd__add__cast(arena, h);
+  k231_sum__concat__cast(arena, h);
   k232_gemm(arena, h);
   k233_gemm(arena, h);
   k234_layernorm_bwd__add(arena, h);
@@ -12306,7 +12138,7 @@ const MdlKernel mdl_kernels[] = {
     {"k96_gemm", k96_gemm},
     {"k97_gemm__cast", k97_gemm__cast},
     {"k98_attention_bwd", k98_attention_bwd},
-    {"k99_sum__slice_bwd__add__cast", k99_sum__slice_bwd__add__cast},
+    {"k99_sum__concat__cast", k99_sum__concat__cast},
     {"k100_gemm", k100_gemm},
     {"k101_gemm", k101_gemm},
     {"k102_layernorm_bwd__add__sum__cast", k102_layernorm_bwd__add__sum__cast},
@@ -12318,7 +12150,7 @@ const MdlKernel mdl_kernels[] = {
     {"k108_gemm", k108_gemm},
     {"k109_gemm__cast", k109_gemm__cast},
     {"k110_attention_bwd", k110_attention_bwd},
-    {"k111_sum__slice_bwd__add__cast", k111_sum__slice_bwd__add__cast},
+    {"k111_sum__concat__cast", k111_sum__concat__cast},
     {"k112_gemm", k112_gemm},
     {"k113_gemm", k113_gemm},
     {"k114_layernorm_bwd__add__sum__cast", k114_layernorm_bwd__add__sum__cast},
@@ -12330,7 +12162,7 @@ const MdlKernel mdl_kernels[] = {
     {"k120_gemm", k120_gemm},
     {"k121_gemm__cast", k121_gemm__cast},
     {"k122_attention_bwd", k122_attention_bwd},
-    {"k123_sum__slice_bwd__add__cast", k123_sum__slice_bwd__add__cast},
+    {"k123_sum__concat__cast", k123_sum__concat__cast},
     {"k124_gemm", k124_gemm},
     {"k125_gemm", k125_gemm},
     {"k126_layernorm_bwd__add__sum__cast", k126_layernorm_bwd__add__sum__cast},
@@ -12342,7 +12174,7 @@ const MdlKernel mdl_kernels[] = {
     {"k132_gemm", k132_gemm},
     {"k133_gemm__cast", k133_gemm__cast},
     {"k134_attention_bwd", k134_attention_bwd},
-    {"k135_sum__slice_bwd__add__cast", k135_sum__slice_bwd__add__cast},
+    {"k135_sum__concat__cast", k135_sum__concat__cast},
     {"k136_gemm", k136_gemm},
     {"k137_gemm", k137_gemm},
     {"k138_layernorm_bwd__add__sum__cast", k138_layernorm_bwd__add__sum__cast},
@@ -12354,7 +12186,7 @@ const MdlKernel mdl_kernels[] = {
     {"k144_gemm", k144_gemm},
     {"k145_gemm__cast", k145_gemm__cast},
     {"k146_attention_bwd", k146_attention_bwd},
-    {"k147_sum__slice_bwd__add__cast", k147_sum__slice_bwd__add__cast},
+    {"k147_sum__concat__cast", k147_sum__concat__cast},
     {"k148_gemm", k148_gemm},
     {"k149_gemm", k149_gemm},
     {"k150_layernorm_bwd__add__sum__cast", k150_layernorm_bwd__add__sum__cast},
@@ -12366,7 +12198,7 @@ const MdlKernel mdl_kernels[] = {
     {"k156_gemm", k156_gemm},
     {"k157_gemm__cast", k157_gemm__cast},
     {"k158_attention_bwd", k158_attention_bwd},
-    {"k159_sum__slice_bwd__add__cast", k159_sum__slice_bwd__add__cast},
+    {"k159_sum__concat__cast", k159_sum__concat__cast},
     {"k160_gemm", k160_gemm},
     {"k161_gemm", k161_gemm},
     {"k162_layernorm_bwd__add__sum__cast", k162_layernorm_bwd__add__sum__cast},
@@ -12378,7 +12210,7 @@ const MdlKernel mdl_kernels[] = {
     {"k168_gemm", k168_gemm},
     {"k169_gemm__cast", k169_gemm__cast},
     {"k170_attention_bwd", k170_attention_bwd},
-    {"k171_sum__slice_bwd__add__cast", k171_sum__slice_bwd__add__cast},
+    {"k171_sum__concat__cast", k171_sum__concat__cast},
     {"k172_gemm", k172_gemm},
     {"k173_gemm", k173_gemm},
     {"k174_layernorm_bwd__add__sum__cast", k174_layernorm_bwd__add__sum__cast},
@@ -12390,7 +12222,7 @@ const MdlKernel mdl_kernels[] = {
     {"k180_gemm", k180_gemm},
     {"k181_gemm__cast", k181_gemm__cast},
     {"k182_attention_bwd", k182_attention_bwd},
-    {"k183_sum__slice_bwd__add__cast", k183_sum__slice_bwd__add__cast},
+    {"k183_sum__concat__cast", k183_sum__concat__cast},
     {"k184_gemm", k184_gemm},
     {"k185_gemm", k185_gemm},
     {"k186_layernorm_bwd__add__sum__cast", k186_layernorm_bwd__add__sum__cast},
@@ -12402,7 +12234,7 @@ const MdlKernel mdl_kernels[] = {
     {"k192_gemm", k192_gemm},
     {"k193_gemm__cast", k193_gemm__cast},
     {"k194_attention_bwd", k194_attention_bwd},
-    {"k195_sum__slice_bwd__add__cast", k195_sum__slice_bwd__add__cast},
+    {"k195_sum__concat__cast", k195_sum__concat__cast},
     {"k196_gemm", k196_gemm},
     {"k197_gemm", k197_gemm},
     {"k198_layernorm_bwd__add__sum__cast", k198_layernorm_bwd__add__sum__cast},
@@ -12414,7 +12246,7 @@ const MdlKernel mdl_kernels[] = {
     {"k204_gemm", k204_gemm},
     {"k205_gemm__cast", k205_gemm__cast},
     {"k206_attention_bwd", k206_attention_bwd},
-    {"k207_sum__slice_bwd__add__cast", k207_sum__slice_bwd__add__cast},
+    {"k207_sum__concat__cast", k207_sum__concat__cast},
     {"k208_gemm", k208_gemm},
     {"k209_gemm", k209_gemm},
     {"k210_layernorm_bwd__add__sum__cast", k210_layernorm_bwd__add__sum__cast},
@@ -12426,7 +12258,7 @@ const MdlKernel mdl_kernels[] = {
     {"k216_gemm", k216_gemm},
     {"k217_gemm__cast", k217_gemm__cast},
     {"k218_attention_bwd", k218_attention_bwd},
-    {"k219_sum__slice_bwd__add__cast", k219_sum__slice_bwd__add__cast},
+    {"k219_sum__concat__cast", k219_sum__concat__cast},
     {"k220_gemm", k220_gemm},
     {"k221_gemm", k221_gemm},
     {"k222_layernorm_bwd__add__sum__cast", k222_layernorm_bwd__add__sum__cast},
@@ -12438,7 +12270,7 @@ const MdlKernel mdl_kernels[] = {
     {"k228_gemm", k228_gemm},
     {"k229_gemm__cast", k229_gemm__cast},
     {"k230_attention_bwd", k230_attention_bwd},
-    {"k231_sum__slice_bwd__add__cast", k231_sum__slice_bwd__add__cast},
+    {"k231_sum__concat__cast", k231_sum__concat__cast},
     {"k232_gemm", k232_gemm},
     {"k233_gemm", k233_gemm},
     {"k234_layernorm_bwd__add", k234_layernorm_bwd__add},

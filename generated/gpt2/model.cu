@@ -492,7 +492,7 @@ extern "C" __global__ void __launch_bounds__(256) k3_gemm__add__cast_epilogue(ch
 //   %32    attention                               line 39    f32[8,1024,768]
 //   %33    reshape                                 line 39    f32[8192,768]
 //   %34    cast                                    line 39    bf16[8192,768]
-//   %1094  attention_lse                           line 39    f32[8,12,1024]
+//   %1050  attention_lse                           line 39    f32[8,12,1024]
 // runs:
 //   k4_attention_fwd__cast__lse<<<768, 256>>>
 
@@ -780,7 +780,7 @@ extern "C" __global__ void __launch_bounds__(256) k7_gemm__add__gelu__cast_epilo
 //   %78    attention                               line 39    f32[8,1024,768]
 //   %79    reshape                                 line 39    f32[8192,768]
 //   %80    cast                                    line 39    bf16[8192,768]
-//   %1050  attention_lse                           line 39    f32[8,12,1024]
+//   %1010  attention_lse                           line 39    f32[8,12,1024]
 // runs:
 //   k4_attention_fwd__cast__lse<<<768, 256>>>
 
@@ -838,7 +838,7 @@ extern "C" __global__ void __launch_bounds__(256) k7_gemm__add__gelu__cast_epilo
 //   %124   attention                               line 39    f32[8,1024,768]
 //   %125   reshape                                 line 39    f32[8192,768]
 //   %126   cast                                    line 39    bf16[8192,768]
-//   %1006  attention_lse                           line 39    f32[8,12,1024]
+//   %970   attention_lse                           line 39    f32[8,12,1024]
 // runs:
 //   k4_attention_fwd__cast__lse<<<768, 256>>>
 
@@ -896,7 +896,7 @@ extern "C" __global__ void __launch_bounds__(256) k7_gemm__add__gelu__cast_epilo
 //   %170   attention                               line 39    f32[8,1024,768]
 //   %171   reshape                                 line 39    f32[8192,768]
 //   %172   cast                                    line 39    bf16[8192,768]
-//   %962   attention_lse                           line 39    f32[8,12,1024]
+//   %930   attention_lse                           line 39    f32[8,12,1024]
 // runs:
 //   k4_attention_fwd__cast__lse<<<768, 256>>>
 
@@ -954,7 +954,7 @@ extern "C" __global__ void __launch_bounds__(256) k7_gemm__add__gelu__cast_epilo
 //   %216   attention                               line 39    f32[8,1024,768]
 //   %217   reshape                                 line 39    f32[8192,768]
 //   %218   cast                                    line 39    bf16[8192,768]
-//   %918   attention_lse                           line 39    f32[8,12,1024]
+//   %890   attention_lse                           line 39    f32[8,12,1024]
 // runs:
 //   k4_attention_fwd__cast__lse<<<768, 256>>>
 
@@ -1012,7 +1012,7 @@ extern "C" __global__ void __launch_bounds__(256) k7_gemm__add__gelu__cast_epilo
 //   %262   attention                               line 39    f32[8,1024,768]
 //   %263   reshape                                 line 39    f32[8192,768]
 //   %264   cast                                    line 39    bf16[8192,768]
-//   %874   attention_lse                           line 39    f32[8,12,1024]
+//   %850   attention_lse                           line 39    f32[8,12,1024]
 // runs:
 //   k4_attention_fwd__cast__lse<<<768, 256>>>
 
@@ -1070,7 +1070,7 @@ extern "C" __global__ void __launch_bounds__(256) k7_gemm__add__gelu__cast_epilo
 //   %308   attention                               line 39    f32[8,1024,768]
 //   %309   reshape                                 line 39    f32[8192,768]
 //   %310   cast                                    line 39    bf16[8192,768]
-//   %830   attention_lse                           line 39    f32[8,12,1024]
+//   %810   attention_lse                           line 39    f32[8,12,1024]
 // runs:
 //   k4_attention_fwd__cast__lse<<<768, 256>>>
 
@@ -1128,7 +1128,7 @@ extern "C" __global__ void __launch_bounds__(256) k7_gemm__add__gelu__cast_epilo
 //   %354   attention                               line 39    f32[8,1024,768]
 //   %355   reshape                                 line 39    f32[8192,768]
 //   %356   cast                                    line 39    bf16[8192,768]
-//   %786   attention_lse                           line 39    f32[8,12,1024]
+//   %770   attention_lse                           line 39    f32[8,12,1024]
 // runs:
 //   k4_attention_fwd__cast__lse<<<768, 256>>>
 
@@ -1186,7 +1186,7 @@ extern "C" __global__ void __launch_bounds__(256) k7_gemm__add__gelu__cast_epilo
 //   %400   attention                               line 39    f32[8,1024,768]
 //   %401   reshape                                 line 39    f32[8192,768]
 //   %402   cast                                    line 39    bf16[8192,768]
-//   %742   attention_lse                           line 39    f32[8,12,1024]
+//   %730   attention_lse                           line 39    f32[8,12,1024]
 // runs:
 //   k4_attention_fwd__cast__lse<<<768, 256>>>
 
@@ -1244,7 +1244,7 @@ extern "C" __global__ void __launch_bounds__(256) k7_gemm__add__gelu__cast_epilo
 //   %446   attention                               line 39    f32[8,1024,768]
 //   %447   reshape                                 line 39    f32[8192,768]
 //   %448   cast                                    line 39    bf16[8192,768]
-//   %698   attention_lse                           line 39    f32[8,12,1024]
+//   %690   attention_lse                           line 39    f32[8,12,1024]
 // runs:
 //   k4_attention_fwd__cast__lse<<<768, 256>>>
 
@@ -1302,7 +1302,7 @@ extern "C" __global__ void __launch_bounds__(256) k7_gemm__add__gelu__cast_epilo
 //   %492   attention                               line 39    f32[8,1024,768]
 //   %493   reshape                                 line 39    f32[8192,768]
 //   %494   cast                                    line 39    bf16[8192,768]
-//   %654   attention_lse                           line 39    f32[8,12,1024]
+//   %650   attention_lse                           line 39    f32[8,12,1024]
 // runs:
 //   k4_attention_fwd__cast__lse<<<768, 256>>>
 
@@ -1759,9 +1759,9 @@ extern "C" __global__ void __launch_bounds__(1024) k92_gemm__gelu_bwd__sum__cast
 
 // k95_layernorm_bwd__add__sum__cast: kernel, 7 ops
 //   %600   layernorm_bwd                           line 40    f32[8,1024,768]
-//   %601   add                d.h.11.x             line 40    f32[8,1024,768]
-//   %602   layernorm_bwd      d.h.11.ln2_w         line 40    f32[768]
-//   %603   layernorm_bwd      d.h.11.ln2_b         line 40    f32[768]
+//   %601   layernorm_bwd      d.h.11.ln2_w         line 40    f32[768]
+//   %602   layernorm_bwd      d.h.11.ln2_b         line 40    f32[768]
+//   %603   add                d.h.11.x             line 39    f32[8,1024,768]
 //   %604   reshape                                 line 39    f32[8192,768]
 //   %605   sum                d.h.11.proj_b        line 39    f32[768]
 //   %606   cast                                    line 39    bf16[8192,768]
@@ -2201,21 +2201,17 @@ extern "C" __global__ void __launch_bounds__(256) k98_attention_bwd_dkv(char *ar
   }
 }
 
-// k99_sum__slice_bwd__add__cast: kernel, 8 ops
-//   %616   slice_bwd                               line 38    f32[8,1024,2304]
-//   %617   slice_bwd                               line 38    f32[8,1024,2304]
-//   %618   add                                     line 38    f32[8,1024,2304]
-//   %619   slice_bwd                               line 38    f32[8,1024,2304]
-//   %620   add                                     line 38    f32[8,1024,2304]
-//   %621   reshape                                 line 38    f32[8192,2304]
-//   %622   sum                d.h.11.attn_b        line 38    f32[2304]
-//   %623   cast                                    line 38    bf16[8192,2304]
+// k99_sum__concat__cast: kernel, 4 ops
+//   %616   concat                                  line 38    f32[8,1024,2304]
+//   %617   reshape                                 line 38    f32[8192,2304]
+//   %618   sum                d.h.11.attn_b        line 38    f32[2304]
+//   %619   cast                                    line 38    bf16[8192,2304]
 // runs:
-//   k99_sum__slice_bwd__add__cast_partial<<<972, 256>>>
-//   k99_sum__slice_bwd__add__cast<<<144, 1024>>>
+//   k99_sum__concat__cast_partial<<<972, 256>>>
+//   k99_sum__concat__cast<<<144, 1024>>>
 
 // sum: 2304 outputs over 8192 elements, first partial results over 432 blocks of 19, 4 outputs per thread
-extern "C" __global__ void __launch_bounds__(256, MDL_SM_THREADS / 256) k99_sum__slice_bwd__add__cast_partial(char *arena, MdlStatus *status, const uint64_t *seed, int64_t chunk, MdlArgs o) {
+extern "C" __global__ void __launch_bounds__(256, MDL_SM_THREADS / 256) k99_sum__concat__cast_partial(char *arena, MdlStatus *status, const uint64_t *seed, int64_t chunk, MdlArgs o) {
   double *const b0 = (double *)(arena + o.b[0]); // partial results
   float *const b1 = (float *)(arena + o.b[1]); // attention_bwd f32[8,1024,768]
   float *const b2 = (float *)(arena + o.b[2]); // attention_bwd f32[8,1024,768]
@@ -2232,63 +2228,23 @@ extern "C" __global__ void __launch_bounds__(256, MDL_SM_THREADS / 256) k99_sum_
       const int i2 = i0 + 2;
       const int i3 = i0 + 3;
       const int q = i0 / 4; // the four lanes' float4
-      const int j5 = i0 % 2304;
-      const int j6 = j5 >= 1536 && j5 < 2304 ? i0 / 2304 * 768 + (j5 - 1536) : 0;
-      const float v7 = b1[j6];
-      const float v4 = j5 >= 1536 && j5 < 2304 ? v7 : 0.0f;
-      const int j9 = j5 >= 768 && j5 < 1536 ? i0 / 2304 * 768 + (j5 - 768) : 0;
-      const float v10 = b2[j9];
-      const float v8 = j5 >= 768 && j5 < 1536 ? v10 : 0.0f;
-      const float v3 = v4 + v8;
-      const int j12 = j5 >= 0 && j5 < 768 ? i0 / 2304 * 768 + (j5 - 0) : 0;
-      const float v13 = b3[j12];
-      const float v11 = j5 >= 0 && j5 < 768 ? v13 : 0.0f;
-      const float v2 = v3 + v11;
+      const int j3 = i0 % 2304;
+      const float v2 = (j3 < 768 ? b1 + (i0 / 2304 * 768 + (j3 - 0)) : j3 < 1536 ? b2 + (i0 / 2304 * 768 + (j3 - 768)) : b3 + (i0 / 2304 * 768 + (j3 - 1536)))[0];
       const float v1 = v2;
       acc0 += v1;
-      const int j19 = i1 % 2304;
-      const int j20 = j19 >= 1536 && j19 < 2304 ? i1 / 2304 * 768 + (j19 - 1536) : 0;
-      const float v21 = b1[j20];
-      const float v18 = j19 >= 1536 && j19 < 2304 ? v21 : 0.0f;
-      const int j23 = j19 >= 768 && j19 < 1536 ? i1 / 2304 * 768 + (j19 - 768) : 0;
-      const float v24 = b2[j23];
-      const float v22 = j19 >= 768 && j19 < 1536 ? v24 : 0.0f;
-      const float v17 = v18 + v22;
-      const int j26 = j19 >= 0 && j19 < 768 ? i1 / 2304 * 768 + (j19 - 0) : 0;
-      const float v27 = b3[j26];
-      const float v25 = j19 >= 0 && j19 < 768 ? v27 : 0.0f;
-      const float v16 = v17 + v25;
-      const float v15 = v16;
-      acc1 += v15;
-      const int j33 = i2 % 2304;
-      const int j34 = j33 >= 1536 && j33 < 2304 ? i2 / 2304 * 768 + (j33 - 1536) : 0;
-      const float v35 = b1[j34];
-      const float v32 = j33 >= 1536 && j33 < 2304 ? v35 : 0.0f;
-      const int j37 = j33 >= 768 && j33 < 1536 ? i2 / 2304 * 768 + (j33 - 768) : 0;
-      const float v38 = b2[j37];
-      const float v36 = j33 >= 768 && j33 < 1536 ? v38 : 0.0f;
-      const float v31 = v32 + v36;
-      const int j40 = j33 >= 0 && j33 < 768 ? i2 / 2304 * 768 + (j33 - 0) : 0;
-      const float v41 = b3[j40];
-      const float v39 = j33 >= 0 && j33 < 768 ? v41 : 0.0f;
-      const float v30 = v31 + v39;
-      const float v29 = v30;
-      acc2 += v29;
-      const int j47 = i3 % 2304;
-      const int j48 = j47 >= 1536 && j47 < 2304 ? i3 / 2304 * 768 + (j47 - 1536) : 0;
-      const float v49 = b1[j48];
-      const float v46 = j47 >= 1536 && j47 < 2304 ? v49 : 0.0f;
-      const int j51 = j47 >= 768 && j47 < 1536 ? i3 / 2304 * 768 + (j47 - 768) : 0;
-      const float v52 = b2[j51];
-      const float v50 = j47 >= 768 && j47 < 1536 ? v52 : 0.0f;
-      const float v45 = v46 + v50;
-      const int j54 = j47 >= 0 && j47 < 768 ? i3 / 2304 * 768 + (j47 - 0) : 0;
-      const float v55 = b3[j54];
-      const float v53 = j47 >= 0 && j47 < 768 ? v55 : 0.0f;
-      const float v44 = v45 + v53;
-      const float v43 = v44;
-      acc3 += v43;
-      reinterpret_cast<ushort4 *>(b4)[q] = make_ushort4(mdl_f32_to_bf16(v1), mdl_f32_to_bf16(v15), mdl_f32_to_bf16(v29), mdl_f32_to_bf16(v43));
+      const int j7 = i1 % 2304;
+      const float v6 = (j7 < 768 ? b1 + (i1 / 2304 * 768 + (j7 - 0)) : j7 < 1536 ? b2 + (i1 / 2304 * 768 + (j7 - 768)) : b3 + (i1 / 2304 * 768 + (j7 - 1536)))[0];
+      const float v5 = v6;
+      acc1 += v5;
+      const int j11 = i2 % 2304;
+      const float v10 = (j11 < 768 ? b1 + (i2 / 2304 * 768 + (j11 - 0)) : j11 < 1536 ? b2 + (i2 / 2304 * 768 + (j11 - 768)) : b3 + (i2 / 2304 * 768 + (j11 - 1536)))[0];
+      const float v9 = v10;
+      acc2 += v9;
+      const int j15 = i3 % 2304;
+      const float v14 = (j15 < 768 ? b1 + (i3 / 2304 * 768 + (j15 - 0)) : j15 < 1536 ? b2 + (i3 / 2304 * 768 + (j15 - 768)) : b3 + (i3 / 2304 * 768 + (j15 - 1536)))[0];
+      const float v13 = v14;
+      acc3 += v13;
+      reinterpret_cast<ushort4 *>(b4)[q] = make_ushort4(mdl_f32_to_bf16(v1), mdl_f32_to_bf16(v5), mdl_f32_to_bf16(v9), mdl_f32_to_bf16(v13));
     }
     b0[k * 2304 + r] = acc0;
     b0[k * 2304 + r + 1] = acc1;
@@ -2298,7 +2254,7 @@ extern "C" __global__ void __launch_bounds__(256, MDL_SM_THREADS / 256) k99_sum_
 }
 
 // sum: the 432 partial results of each output added, a block per 16 outputs in 64 groups of rows
-extern "C" __global__ void __launch_bounds__(1024) k99_sum__slice_bwd__add__cast(char *arena, MdlStatus *status, const uint64_t *seed, int64_t chunk, MdlArgs o) {
+extern "C" __global__ void __launch_bounds__(1024) k99_sum__concat__cast(char *arena, MdlStatus *status, const uint64_t *seed, int64_t chunk, MdlArgs o) {
   double *const b0 = (double *)(arena + o.b[0]); // partial results
   float *const b1 = (float *)(arena + o.b[1]); // sum f32[2304]
   __shared__ double cs0[64][16];
@@ -2324,23 +2280,23 @@ extern "C" __global__ void __launch_bounds__(1024) k99_sum__slice_bwd__add__cast
 }
 
 // k100_gemm: GEMM, 1 op
-//   %624   matmul                                  line 38    f32[8192,768]
+//   %620   matmul                                  line 38    f32[8192,768]
 // runs:
 //   gemm 60: [8192 x 768] = [8192 x 2304] T[2304 x 768], bf16 A and B, f32 C
 
 // k101_gemm: GEMM, 1 op
-//   %625   matmul             d.h.11.attn_w        line 38    f32[768,2304]
+//   %621   matmul             d.h.11.attn_w        line 38    f32[768,2304]
 // runs:
 //   gemm 61: [768 x 2304] = T[768 x 8192] [8192 x 2304], bf16 A and B, f32 C
 
 // k102_layernorm_bwd__add__sum__cast: kernel, 7 ops
-//   %627   layernorm_bwd                           line 38    f32[8,1024,768]
-//   %628   add                d.h.10.x             line 38    f32[8,1024,768]
-//   %629   layernorm_bwd      d.h.11.ln1_w         line 38    f32[768]
-//   %630   layernorm_bwd      d.h.11.ln1_b         line 38    f32[768]
-//   %631   reshape                                 line 40    f32[8192,768]
-//   %632   sum                d.h.10.fcproj_b      line 40    f32[768]
-//   %633   cast                                    line 40    bf16[8192,768]
+//   %623   layernorm_bwd                           line 38    f32[8,1024,768]
+//   %624   layernorm_bwd      d.h.11.ln1_w         line 38    f32[768]
+//   %625   layernorm_bwd      d.h.11.ln1_b         line 38    f32[768]
+//   %626   add                d.h.10.x             line 40    f32[8,1024,768]
+//   %627   reshape                                 line 40    f32[8192,768]
+//   %628   sum                d.h.10.fcproj_b      line 40    f32[768]
+//   %629   cast                                    line 40    bf16[8192,768]
 // runs:
 //   k102_layernorm_bwd__add__sum__cast<<<1024, 128>>>
 //   k90_layernorm_bwd__sum__cast_colsum<<<96, 1024>>>
@@ -2429,1043 +2385,999 @@ extern "C" __global__ void __launch_bounds__(128, 8) k102_layernorm_bwd__add__su
 }
 
 // k103_gemm: GEMM, 1 op
-//   %635   matmul             d.h.10.fcproj_w      line 40    f32[3072,768]
+//   %631   matmul             d.h.10.fcproj_w      line 40    f32[3072,768]
 // runs:
 //   gemm 62: [3072 x 768] = T[3072 x 8192] [8192 x 768], bf16 A and B, f32 C
 
 // k104_gemm__gelu_bwd__sum__cast: GEMM, 6 ops
-//   %634   matmul                                  line 40    f32[8192,3072]
-//   %636   reshape                                 line 40    f32[8,1024,3072]
-//   %637   gelu_bwd                                line 40    f32[8,1024,3072]
-//   %638   reshape                                 line 40    f32[8192,3072]
-//   %639   sum                d.h.10.fc_b          line 40    f32[3072]
-//   %640   cast                                    line 40    bf16[8192,3072]
+//   %630   matmul                                  line 40    f32[8192,3072]
+//   %632   reshape                                 line 40    f32[8,1024,3072]
+//   %633   gelu_bwd                                line 40    f32[8,1024,3072]
+//   %634   reshape                                 line 40    f32[8192,3072]
+//   %635   sum                d.h.10.fc_b          line 40    f32[3072]
+//   %636   cast                                    line 40    bf16[8192,3072]
 // runs:
 //   gemm 63: [8192 x 3072] = [8192 x 768] T[768 x 3072], bf16 A and B, f32 C
 //   k92_gemm__gelu_bwd__sum__cast_partial<<<984, 256>>>
 //   k92_gemm__gelu_bwd__sum__cast<<<192, 1024>>>
 
 // k105_gemm: GEMM, 1 op
-//   %641   matmul                                  line 40    f32[8192,768]
+//   %637   matmul                                  line 40    f32[8192,768]
 // runs:
 //   gemm 64: [8192 x 768] = [8192 x 3072] T[3072 x 768], bf16 A and B, f32 C
 
 // k106_gemm: GEMM, 1 op
-//   %642   matmul             d.h.10.fc_w          line 40    f32[768,3072]
+//   %638   matmul             d.h.10.fc_w          line 40    f32[768,3072]
 // runs:
 //   gemm 65: [768 x 3072] = T[768 x 8192] [8192 x 3072], bf16 A and B, f32 C
 
 // k107_layernorm_bwd__add__sum__cast: kernel, 7 ops
-//   %644   layernorm_bwd                           line 40    f32[8,1024,768]
-//   %645   add                d.h.10.x             line 40    f32[8,1024,768]
-//   %646   layernorm_bwd      d.h.10.ln2_w         line 40    f32[768]
-//   %647   layernorm_bwd      d.h.10.ln2_b         line 40    f32[768]
-//   %648   reshape                                 line 39    f32[8192,768]
-//   %649   sum                d.h.10.proj_b        line 39    f32[768]
-//   %650   cast                                    line 39    bf16[8192,768]
+//   %640   layernorm_bwd                           line 40    f32[8,1024,768]
+//   %641   layernorm_bwd      d.h.10.ln2_w         line 40    f32[768]
+//   %642   layernorm_bwd      d.h.10.ln2_b         line 40    f32[768]
+//   %643   add                d.h.10.x             line 39    f32[8,1024,768]
+//   %644   reshape                                 line 39    f32[8192,768]
+//   %645   sum                d.h.10.proj_b        line 39    f32[768]
+//   %646   cast                                    line 39    bf16[8192,768]
 // runs:
 //   k102_layernorm_bwd__add__sum__cast<<<1024, 128>>>
 //   k90_layernorm_bwd__sum__cast_colsum<<<96, 1024>>>
 
 // k108_gemm: GEMM, 1 op
-//   %652   matmul             d.h.10.proj_w        line 39    f32[768,768]
+//   %648   matmul             d.h.10.proj_w        line 39    f32[768,768]
 // runs:
 //   gemm 66: [768 x 768] = T[768 x 8192] [8192 x 768], bf16 A and B, f32 C
 
 // k109_gemm__cast: GEMM, 3 ops
-//   %651   matmul                                  line 39    f32[8192,768]
-//   %653   reshape                                 line 39    f32[8,1024,768]
-//   %656   cast                                    line 39    bf16[8,1024,768]
+//   %647   matmul                                  line 39    f32[8192,768]
+//   %649   reshape                                 line 39    f32[8,1024,768]
+//   %652   cast                                    line 39    bf16[8,1024,768]
 // runs:
 //   gemm 67: [8192 x 768] = [8192 x 768] T[768 x 768], bf16 A and B, bf16 C
 
 // k110_attention_bwd: attention, 3 ops
-//   %657   attention_bwd      d.h.10.q             line 39    f32[8,1024,768]
-//   %658   attention_bwd      d.h.10.k             line 39    f32[8,1024,768]
-//   %659   attention_bwd      d.h.10.v             line 39    f32[8,1024,768]
+//   %653   attention_bwd      d.h.10.q             line 39    f32[8,1024,768]
+//   %654   attention_bwd      d.h.10.k             line 39    f32[8,1024,768]
+//   %655   attention_bwd      d.h.10.v             line 39    f32[8,1024,768]
 // runs:
 //   k98_attention_bwd_dsum<<<12288, 256>>>
 //   k98_attention_bwd_dq<<<1536, 128>>>
 //   k98_attention_bwd_dkv<<<768, 256>>>
 
-// k111_sum__slice_bwd__add__cast: kernel, 8 ops
-//   %660   slice_bwd                               line 38    f32[8,1024,2304]
-//   %661   slice_bwd                               line 38    f32[8,1024,2304]
-//   %662   add                                     line 38    f32[8,1024,2304]
-//   %663   slice_bwd                               line 38    f32[8,1024,2304]
-//   %664   add                                     line 38    f32[8,1024,2304]
-//   %665   reshape                                 line 38    f32[8192,2304]
-//   %666   sum                d.h.10.attn_b        line 38    f32[2304]
-//   %667   cast                                    line 38    bf16[8192,2304]
+// k111_sum__concat__cast: kernel, 4 ops
+//   %656   concat                                  line 38    f32[8,1024,2304]
+//   %657   reshape                                 line 38    f32[8192,2304]
+//   %658   sum                d.h.10.attn_b        line 38    f32[2304]
+//   %659   cast                                    line 38    bf16[8192,2304]
 // runs:
-//   k99_sum__slice_bwd__add__cast_partial<<<972, 256>>>
-//   k99_sum__slice_bwd__add__cast<<<144, 1024>>>
+//   k99_sum__concat__cast_partial<<<972, 256>>>
+//   k99_sum__concat__cast<<<144, 1024>>>
 
 // k112_gemm: GEMM, 1 op
-//   %668   matmul                                  line 38    f32[8192,768]
+//   %660   matmul                                  line 38    f32[8192,768]
 // runs:
 //   gemm 68: [8192 x 768] = [8192 x 2304] T[2304 x 768], bf16 A and B, f32 C
 
 // k113_gemm: GEMM, 1 op
-//   %669   matmul             d.h.10.attn_w        line 38    f32[768,2304]
+//   %661   matmul             d.h.10.attn_w        line 38    f32[768,2304]
 // runs:
 //   gemm 69: [768 x 2304] = T[768 x 8192] [8192 x 2304], bf16 A and B, f32 C
 
 // k114_layernorm_bwd__add__sum__cast: kernel, 7 ops
-//   %671   layernorm_bwd                           line 38    f32[8,1024,768]
-//   %672   add                d.h.9.x              line 38    f32[8,1024,768]
-//   %673   layernorm_bwd      d.h.10.ln1_w         line 38    f32[768]
-//   %674   layernorm_bwd      d.h.10.ln1_b         line 38    f32[768]
-//   %675   reshape                                 line 40    f32[8192,768]
-//   %676   sum                d.h.9.fcproj_b       line 40    f32[768]
-//   %677   cast                                    line 40    bf16[8192,768]
+//   %663   layernorm_bwd                           line 38    f32[8,1024,768]
+//   %664   layernorm_bwd      d.h.10.ln1_w         line 38    f32[768]
+//   %665   layernorm_bwd      d.h.10.ln1_b         line 38    f32[768]
+//   %666   add                d.h.9.x              line 40    f32[8,1024,768]
+//   %667   reshape                                 line 40    f32[8192,768]
+//   %668   sum                d.h.9.fcproj_b       line 40    f32[768]
+//   %669   cast                                    line 40    bf16[8192,768]
 // runs:
 //   k102_layernorm_bwd__add__sum__cast<<<1024, 128>>>
 //   k90_layernorm_bwd__sum__cast_colsum<<<96, 1024>>>
 
 // k115_gemm: GEMM, 1 op
-//   %679   matmul             d.h.9.fcproj_w       line 40    f32[3072,768]
+//   %671   matmul             d.h.9.fcproj_w       line 40    f32[3072,768]
 // runs:
 //   gemm 70: [3072 x 768] = T[3072 x 8192] [8192 x 768], bf16 A and B, f32 C
 
 // k116_gemm__gelu_bwd__sum__cast: GEMM, 6 ops
-//   %678   matmul                                  line 40    f32[8192,3072]
-//   %680   reshape                                 line 40    f32[8,1024,3072]
-//   %681   gelu_bwd                                line 40    f32[8,1024,3072]
-//   %682   reshape                                 line 40    f32[8192,3072]
-//   %683   sum                d.h.9.fc_b           line 40    f32[3072]
-//   %684   cast                                    line 40    bf16[8192,3072]
+//   %670   matmul                                  line 40    f32[8192,3072]
+//   %672   reshape                                 line 40    f32[8,1024,3072]
+//   %673   gelu_bwd                                line 40    f32[8,1024,3072]
+//   %674   reshape                                 line 40    f32[8192,3072]
+//   %675   sum                d.h.9.fc_b           line 40    f32[3072]
+//   %676   cast                                    line 40    bf16[8192,3072]
 // runs:
 //   gemm 71: [8192 x 3072] = [8192 x 768] T[768 x 3072], bf16 A and B, f32 C
 //   k92_gemm__gelu_bwd__sum__cast_partial<<<984, 256>>>
 //   k92_gemm__gelu_bwd__sum__cast<<<192, 1024>>>
 
 // k117_gemm: GEMM, 1 op
-//   %685   matmul                                  line 40    f32[8192,768]
+//   %677   matmul                                  line 40    f32[8192,768]
 // runs:
 //   gemm 72: [8192 x 768] = [8192 x 3072] T[3072 x 768], bf16 A and B, f32 C
 
 // k118_gemm: GEMM, 1 op
-//   %686   matmul             d.h.9.fc_w           line 40    f32[768,3072]
+//   %678   matmul             d.h.9.fc_w           line 40    f32[768,3072]
 // runs:
 //   gemm 73: [768 x 3072] = T[768 x 8192] [8192 x 3072], bf16 A and B, f32 C
 
 // k119_layernorm_bwd__add__sum__cast: kernel, 7 ops
-//   %688   layernorm_bwd                           line 40    f32[8,1024,768]
-//   %689   add                d.h.9.x              line 40    f32[8,1024,768]
-//   %690   layernorm_bwd      d.h.9.ln2_w          line 40    f32[768]
-//   %691   layernorm_bwd      d.h.9.ln2_b          line 40    f32[768]
-//   %692   reshape                                 line 39    f32[8192,768]
-//   %693   sum                d.h.9.proj_b         line 39    f32[768]
-//   %694   cast                                    line 39    bf16[8192,768]
+//   %680   layernorm_bwd                           line 40    f32[8,1024,768]
+//   %681   layernorm_bwd      d.h.9.ln2_w          line 40    f32[768]
+//   %682   layernorm_bwd      d.h.9.ln2_b          line 40    f32[768]
+//   %683   add                d.h.9.x              line 39    f32[8,1024,768]
+//   %684   reshape                                 line 39    f32[8192,768]
+//   %685   sum                d.h.9.proj_b         line 39    f32[768]
+//   %686   cast                                    line 39    bf16[8192,768]
 // runs:
 //   k102_layernorm_bwd__add__sum__cast<<<1024, 128>>>
 //   k90_layernorm_bwd__sum__cast_colsum<<<96, 1024>>>
 
 // k120_gemm: GEMM, 1 op
-//   %696   matmul             d.h.9.proj_w         line 39    f32[768,768]
+//   %688   matmul             d.h.9.proj_w         line 39    f32[768,768]
 // runs:
 //   gemm 74: [768 x 768] = T[768 x 8192] [8192 x 768], bf16 A and B, f32 C
 
 // k121_gemm__cast: GEMM, 3 ops
-//   %695   matmul                                  line 39    f32[8192,768]
-//   %697   reshape                                 line 39    f32[8,1024,768]
-//   %700   cast                                    line 39    bf16[8,1024,768]
+//   %687   matmul                                  line 39    f32[8192,768]
+//   %689   reshape                                 line 39    f32[8,1024,768]
+//   %692   cast                                    line 39    bf16[8,1024,768]
 // runs:
 //   gemm 75: [8192 x 768] = [8192 x 768] T[768 x 768], bf16 A and B, bf16 C
 
 // k122_attention_bwd: attention, 3 ops
-//   %701   attention_bwd      d.h.9.q              line 39    f32[8,1024,768]
-//   %702   attention_bwd      d.h.9.k              line 39    f32[8,1024,768]
-//   %703   attention_bwd      d.h.9.v              line 39    f32[8,1024,768]
+//   %693   attention_bwd      d.h.9.q              line 39    f32[8,1024,768]
+//   %694   attention_bwd      d.h.9.k              line 39    f32[8,1024,768]
+//   %695   attention_bwd      d.h.9.v              line 39    f32[8,1024,768]
 // runs:
 //   k98_attention_bwd_dsum<<<12288, 256>>>
 //   k98_attention_bwd_dq<<<1536, 128>>>
 //   k98_attention_bwd_dkv<<<768, 256>>>
 
-// k123_sum__slice_bwd__add__cast: kernel, 8 ops
-//   %704   slice_bwd                               line 38    f32[8,1024,2304]
-//   %705   slice_bwd                               line 38    f32[8,1024,2304]
-//   %706   add                                     line 38    f32[8,1024,2304]
-//   %707   slice_bwd                               line 38    f32[8,1024,2304]
-//   %708   add                                     line 38    f32[8,1024,2304]
-//   %709   reshape                                 line 38    f32[8192,2304]
-//   %710   sum                d.h.9.attn_b         line 38    f32[2304]
-//   %711   cast                                    line 38    bf16[8192,2304]
+// k123_sum__concat__cast: kernel, 4 ops
+//   %696   concat                                  line 38    f32[8,1024,2304]
+//   %697   reshape                                 line 38    f32[8192,2304]
+//   %698   sum                d.h.9.attn_b         line 38    f32[2304]
+//   %699   cast                                    line 38    bf16[8192,2304]
 // runs:
-//   k99_sum__slice_bwd__add__cast_partial<<<972, 256>>>
-//   k99_sum__slice_bwd__add__cast<<<144, 1024>>>
+//   k99_sum__concat__cast_partial<<<972, 256>>>
+//   k99_sum__concat__cast<<<144, 1024>>>
 
 // k124_gemm: GEMM, 1 op
-//   %712   matmul                                  line 38    f32[8192,768]
+//   %700   matmul                                  line 38    f32[8192,768]
 // runs:
 //   gemm 76: [8192 x 768] = [8192 x 2304] T[2304 x 768], bf16 A and B, f32 C
 
 // k125_gemm: GEMM, 1 op
-//   %713   matmul             d.h.9.attn_w         line 38    f32[768,2304]
+//   %701   matmul             d.h.9.attn_w         line 38    f32[768,2304]
 // runs:
 //   gemm 77: [768 x 2304] = T[768 x 8192] [8192 x 2304], bf16 A and B, f32 C
 
 // k126_layernorm_bwd__add__sum__cast: kernel, 7 ops
-//   %715   layernorm_bwd                           line 38    f32[8,1024,768]
-//   %716   add                d.h.8.x              line 38    f32[8,1024,768]
-//   %717   layernorm_bwd      d.h.9.ln1_w          line 38    f32[768]
-//   %718   layernorm_bwd      d.h.9.ln1_b          line 38    f32[768]
-//   %719   reshape                                 line 40    f32[8192,768]
-//   %720   sum                d.h.8.fcproj_b       line 40    f32[768]
-//   %721   cast                                    line 40    bf16[8192,768]
+//   %703   layernorm_bwd                           line 38    f32[8,1024,768]
+//   %704   layernorm_bwd      d.h.9.ln1_w          line 38    f32[768]
+//   %705   layernorm_bwd      d.h.9.ln1_b          line 38    f32[768]
+//   %706   add                d.h.8.x              line 40    f32[8,1024,768]
+//   %707   reshape                                 line 40    f32[8192,768]
+//   %708   sum                d.h.8.fcproj_b       line 40    f32[768]
+//   %709   cast                                    line 40    bf16[8192,768]
 // runs:
 //   k102_layernorm_bwd__add__sum__cast<<<1024, 128>>>
 //   k90_layernorm_bwd__sum__cast_colsum<<<96, 1024>>>
 
 // k127_gemm: GEMM, 1 op
-//   %723   matmul             d.h.8.fcproj_w       line 40    f32[3072,768]
+//   %711   matmul             d.h.8.fcproj_w       line 40    f32[3072,768]
 // runs:
 //   gemm 78: [3072 x 768] = T[3072 x 8192] [8192 x 768], bf16 A and B, f32 C
 
 // k128_gemm__gelu_bwd__sum__cast: GEMM, 6 ops
-//   %722   matmul                                  line 40    f32[8192,3072]
-//   %724   reshape                                 line 40    f32[8,1024,3072]
-//   %725   gelu_bwd                                line 40    f32[8,1024,3072]
-//   %726   reshape                                 line 40    f32[8192,3072]
-//   %727   sum                d.h.8.fc_b           line 40    f32[3072]
-//   %728   cast                                    line 40    bf16[8192,3072]
+//   %710   matmul                                  line 40    f32[8192,3072]
+//   %712   reshape                                 line 40    f32[8,1024,3072]
+//   %713   gelu_bwd                                line 40    f32[8,1024,3072]
+//   %714   reshape                                 line 40    f32[8192,3072]
+//   %715   sum                d.h.8.fc_b           line 40    f32[3072]
+//   %716   cast                                    line 40    bf16[8192,3072]
 // runs:
 //   gemm 79: [8192 x 3072] = [8192 x 768] T[768 x 3072], bf16 A and B, f32 C
 //   k92_gemm__gelu_bwd__sum__cast_partial<<<984, 256>>>
 //   k92_gemm__gelu_bwd__sum__cast<<<192, 1024>>>
 
 // k129_gemm: GEMM, 1 op
-//   %729   matmul                                  line 40    f32[8192,768]
+//   %717   matmul                                  line 40    f32[8192,768]
 // runs:
 //   gemm 80: [8192 x 768] = [8192 x 3072] T[3072 x 768], bf16 A and B, f32 C
 
 // k130_gemm: GEMM, 1 op
-//   %730   matmul             d.h.8.fc_w           line 40    f32[768,3072]
+//   %718   matmul             d.h.8.fc_w           line 40    f32[768,3072]
 // runs:
 //   gemm 81: [768 x 3072] = T[768 x 8192] [8192 x 3072], bf16 A and B, f32 C
 
 // k131_layernorm_bwd__add__sum__cast: kernel, 7 ops
-//   %732   layernorm_bwd                           line 40    f32[8,1024,768]
-//   %733   add                d.h.8.x              line 40    f32[8,1024,768]
-//   %734   layernorm_bwd      d.h.8.ln2_w          line 40    f32[768]
-//   %735   layernorm_bwd      d.h.8.ln2_b          line 40    f32[768]
-//   %736   reshape                                 line 39    f32[8192,768]
-//   %737   sum                d.h.8.proj_b         line 39    f32[768]
-//   %738   cast                                    line 39    bf16[8192,768]
+//   %720   layernorm_bwd                           line 40    f32[8,1024,768]
+//   %721   layernorm_bwd      d.h.8.ln2_w          line 40    f32[768]
+//   %722   layernorm_bwd      d.h.8.ln2_b          line 40    f32[768]
+//   %723   add                d.h.8.x              line 39    f32[8,1024,768]
+//   %724   reshape                                 line 39    f32[8192,768]
+//   %725   sum                d.h.8.proj_b         line 39    f32[768]
+//   %726   cast                                    line 39    bf16[8192,768]
 // runs:
 //   k102_layernorm_bwd__add__sum__cast<<<1024, 128>>>
 //   k90_layernorm_bwd__sum__cast_colsum<<<96, 1024>>>
 
 // k132_gemm: GEMM, 1 op
-//   %740   matmul             d.h.8.proj_w         line 39    f32[768,768]
+//   %728   matmul             d.h.8.proj_w         line 39    f32[768,768]
 // runs:
 //   gemm 82: [768 x 768] = T[768 x 8192] [8192 x 768], bf16 A and B, f32 C
 
 // k133_gemm__cast: GEMM, 3 ops
-//   %739   matmul                                  line 39    f32[8192,768]
-//   %741   reshape                                 line 39    f32[8,1024,768]
-//   %744   cast                                    line 39    bf16[8,1024,768]
+//   %727   matmul                                  line 39    f32[8192,768]
+//   %729   reshape                                 line 39    f32[8,1024,768]
+//   %732   cast                                    line 39    bf16[8,1024,768]
 // runs:
 //   gemm 83: [8192 x 768] = [8192 x 768] T[768 x 768], bf16 A and B, bf16 C
 
 // k134_attention_bwd: attention, 3 ops
-//   %745   attention_bwd      d.h.8.q              line 39    f32[8,1024,768]
-//   %746   attention_bwd      d.h.8.k              line 39    f32[8,1024,768]
-//   %747   attention_bwd      d.h.8.v              line 39    f32[8,1024,768]
+//   %733   attention_bwd      d.h.8.q              line 39    f32[8,1024,768]
+//   %734   attention_bwd      d.h.8.k              line 39    f32[8,1024,768]
+//   %735   attention_bwd      d.h.8.v              line 39    f32[8,1024,768]
 // runs:
 //   k98_attention_bwd_dsum<<<12288, 256>>>
 //   k98_attention_bwd_dq<<<1536, 128>>>
 //   k98_attention_bwd_dkv<<<768, 256>>>
 
-// k135_sum__slice_bwd__add__cast: kernel, 8 ops
-//   %748   slice_bwd                               line 38    f32[8,1024,2304]
-//   %749   slice_bwd                               line 38    f32[8,1024,2304]
-//   %750   add                                     line 38    f32[8,1024,2304]
-//   %751   slice_bwd                               line 38    f32[8,1024,2304]
-//   %752   add                                     line 38    f32[8,1024,2304]
-//   %753   reshape                                 line 38    f32[8192,2304]
-//   %754   sum                d.h.8.attn_b         line 38    f32[2304]
-//   %755   cast                                    line 38    bf16[8192,2304]
+// k135_sum__concat__cast: kernel, 4 ops
+//   %736   concat                                  line 38    f32[8,1024,2304]
+//   %737   reshape                                 line 38    f32[8192,2304]
+//   %738   sum                d.h.8.attn_b         line 38    f32[2304]
+//   %739   cast                                    line 38    bf16[8192,2304]
 // runs:
-//   k99_sum__slice_bwd__add__cast_partial<<<972, 256>>>
-//   k99_sum__slice_bwd__add__cast<<<144, 1024>>>
+//   k99_sum__concat__cast_partial<<<972, 256>>>
+//   k99_sum__concat__cast<<<144, 1024>>>
 
 // k136_gemm: GEMM, 1 op
-//   %756   matmul                                  line 38    f32[8192,768]
+//   %740   matmul                                  line 38    f32[8192,768]
 // runs:
 //   gemm 84: [8192 x 768] = [8192 x 2304] T[2304 x 768], bf16 A and B, f32 C
 
 // k137_gemm: GEMM, 1 op
-//   %757   matmul             d.h.8.attn_w         line 38    f32[768,2304]
+//   %741   matmul             d.h.8.attn_w         line 38    f32[768,2304]
 // runs:
 //   gemm 85: [768 x 2304] = T[768 x 8192] [8192 x 2304], bf16 A and B, f32 C
 
 // k138_layernorm_bwd__add__sum__cast: kernel, 7 ops
-//   %759   layernorm_bwd                           line 38    f32[8,1024,768]
-//   %760   add                d.h.7.x              line 38    f32[8,1024,768]
-//   %761   layernorm_bwd      d.h.8.ln1_w          line 38    f32[768]
-//   %762   layernorm_bwd      d.h.8.ln1_b          line 38    f32[768]
-//   %763   reshape                                 line 40    f32[8192,768]
-//   %764   sum                d.h.7.fcproj_b       line 40    f32[768]
-//   %765   cast                                    line 40    bf16[8192,768]
+//   %743   layernorm_bwd                           line 38    f32[8,1024,768]
+//   %744   layernorm_bwd      d.h.8.ln1_w          line 38    f32[768]
+//   %745   layernorm_bwd      d.h.8.ln1_b          line 38    f32[768]
+//   %746   add                d.h.7.x              line 40    f32[8,1024,768]
+//   %747   reshape                                 line 40    f32[8192,768]
+//   %748   sum                d.h.7.fcproj_b       line 40    f32[768]
+//   %749   cast                                    line 40    bf16[8192,768]
 // runs:
 //   k102_layernorm_bwd__add__sum__cast<<<1024, 128>>>
 //   k90_layernorm_bwd__sum__cast_colsum<<<96, 1024>>>
 
 // k139_gemm: GEMM, 1 op
-//   %767   matmul             d.h.7.fcproj_w       line 40    f32[3072,768]
+//   %751   matmul             d.h.7.fcproj_w       line 40    f32[3072,768]
 // runs:
 //   gemm 86: [3072 x 768] = T[3072 x 8192] [8192 x 768], bf16 A and B, f32 C
 
 // k140_gemm__gelu_bwd__sum__cast: GEMM, 6 ops
-//   %766   matmul                                  line 40    f32[8192,3072]
-//   %768   reshape                                 line 40    f32[8,1024,3072]
-//   %769   gelu_bwd                                line 40    f32[8,1024,3072]
-//   %770   reshape                                 line 40    f32[8192,3072]
-//   %771   sum                d.h.7.fc_b           line 40    f32[3072]
-//   %772   cast                                    line 40    bf16[8192,3072]
+//   %750   matmul                                  line 40    f32[8192,3072]
+//   %752   reshape                                 line 40    f32[8,1024,3072]
+//   %753   gelu_bwd                                line 40    f32[8,1024,3072]
+//   %754   reshape                                 line 40    f32[8192,3072]
+//   %755   sum                d.h.7.fc_b           line 40    f32[3072]
+//   %756   cast                                    line 40    bf16[8192,3072]
 // runs:
 //   gemm 87: [8192 x 3072] = [8192 x 768] T[768 x 3072], bf16 A and B, f32 C
 //   k92_gemm__gelu_bwd__sum__cast_partial<<<984, 256>>>
 //   k92_gemm__gelu_bwd__sum__cast<<<192, 1024>>>
 
 // k141_gemm: GEMM, 1 op
-//   %773   matmul                                  line 40    f32[8192,768]
+//   %757   matmul                                  line 40    f32[8192,768]
 // runs:
 //   gemm 88: [8192 x 768] = [8192 x 3072] T[3072 x 768], bf16 A and B, f32 C
 
 // k142_gemm: GEMM, 1 op
-//   %774   matmul             d.h.7.fc_w           line 40    f32[768,3072]
+//   %758   matmul             d.h.7.fc_w           line 40    f32[768,3072]
 // runs:
 //   gemm 89: [768 x 3072] = T[768 x 8192] [8192 x 3072], bf16 A and B, f32 C
 
 // k143_layernorm_bwd__add__sum__cast: kernel, 7 ops
-//   %776   layernorm_bwd                           line 40    f32[8,1024,768]
-//   %777   add                d.h.7.x              line 40    f32[8,1024,768]
-//   %778   layernorm_bwd      d.h.7.ln2_w          line 40    f32[768]
-//   %779   layernorm_bwd      d.h.7.ln2_b          line 40    f32[768]
-//   %780   reshape                                 line 39    f32[8192,768]
-//   %781   sum                d.h.7.proj_b         line 39    f32[768]
-//   %782   cast                                    line 39    bf16[8192,768]
+//   %760   layernorm_bwd                           line 40    f32[8,1024,768]
+//   %761   layernorm_bwd      d.h.7.ln2_w          line 40    f32[768]
+//   %762   layernorm_bwd      d.h.7.ln2_b          line 40    f32[768]
+//   %763   add                d.h.7.x              line 39    f32[8,1024,768]
+//   %764   reshape                                 line 39    f32[8192,768]
+//   %765   sum                d.h.7.proj_b         line 39    f32[768]
+//   %766   cast                                    line 39    bf16[8192,768]
 // runs:
 //   k102_layernorm_bwd__add__sum__cast<<<1024, 128>>>
 //   k90_layernorm_bwd__sum__cast_colsum<<<96, 1024>>>
 
 // k144_gemm: GEMM, 1 op
-//   %784   matmul             d.h.7.proj_w         line 39    f32[768,768]
+//   %768   matmul             d.h.7.proj_w         line 39    f32[768,768]
 // runs:
 //   gemm 90: [768 x 768] = T[768 x 8192] [8192 x 768], bf16 A and B, f32 C
 
 // k145_gemm__cast: GEMM, 3 ops
-//   %783   matmul                                  line 39    f32[8192,768]
-//   %785   reshape                                 line 39    f32[8,1024,768]
-//   %788   cast                                    line 39    bf16[8,1024,768]
+//   %767   matmul                                  line 39    f32[8192,768]
+//   %769   reshape                                 line 39    f32[8,1024,768]
+//   %772   cast                                    line 39    bf16[8,1024,768]
 // runs:
 //   gemm 91: [8192 x 768] = [8192 x 768] T[768 x 768], bf16 A and B, bf16 C
 
 // k146_attention_bwd: attention, 3 ops
-//   %789   attention_bwd      d.h.7.q              line 39    f32[8,1024,768]
-//   %790   attention_bwd      d.h.7.k              line 39    f32[8,1024,768]
-//   %791   attention_bwd      d.h.7.v              line 39    f32[8,1024,768]
+//   %773   attention_bwd      d.h.7.q              line 39    f32[8,1024,768]
+//   %774   attention_bwd      d.h.7.k              line 39    f32[8,1024,768]
+//   %775   attention_bwd      d.h.7.v              line 39    f32[8,1024,768]
 // runs:
 //   k98_attention_bwd_dsum<<<12288, 256>>>
 //   k98_attention_bwd_dq<<<1536, 128>>>
 //   k98_attention_bwd_dkv<<<768, 256>>>
 
-// k147_sum__slice_bwd__add__cast: kernel, 8 ops
-//   %792   slice_bwd                               line 38    f32[8,1024,2304]
-//   %793   slice_bwd                               line 38    f32[8,1024,2304]
-//   %794   add                                     line 38    f32[8,1024,2304]
-//   %795   slice_bwd                               line 38    f32[8,1024,2304]
-//   %796   add                                     line 38    f32[8,1024,2304]
-//   %797   reshape                                 line 38    f32[8192,2304]
-//   %798   sum                d.h.7.attn_b         line 38    f32[2304]
-//   %799   cast                                    line 38    bf16[8192,2304]
+// k147_sum__concat__cast: kernel, 4 ops
+//   %776   concat                                  line 38    f32[8,1024,2304]
+//   %777   reshape                                 line 38    f32[8192,2304]
+//   %778   sum                d.h.7.attn_b         line 38    f32[2304]
+//   %779   cast                                    line 38    bf16[8192,2304]
 // runs:
-//   k99_sum__slice_bwd__add__cast_partial<<<972, 256>>>
-//   k99_sum__slice_bwd__add__cast<<<144, 1024>>>
+//   k99_sum__concat__cast_partial<<<972, 256>>>
+//   k99_sum__concat__cast<<<144, 1024>>>
 
 // k148_gemm: GEMM, 1 op
-//   %800   matmul                                  line 38    f32[8192,768]
+//   %780   matmul                                  line 38    f32[8192,768]
 // runs:
 //   gemm 92: [8192 x 768] = [8192 x 2304] T[2304 x 768], bf16 A and B, f32 C
 
 // k149_gemm: GEMM, 1 op
-//   %801   matmul             d.h.7.attn_w         line 38    f32[768,2304]
+//   %781   matmul             d.h.7.attn_w         line 38    f32[768,2304]
 // runs:
 //   gemm 93: [768 x 2304] = T[768 x 8192] [8192 x 2304], bf16 A and B, f32 C
 
 // k150_layernorm_bwd__add__sum__cast: kernel, 7 ops
-//   %803   layernorm_bwd                           line 38    f32[8,1024,768]
-//   %804   add                d.h.6.x              line 38    f32[8,1024,768]
-//   %805   layernorm_bwd      d.h.7.ln1_w          line 38    f32[768]
-//   %806   layernorm_bwd      d.h.7.ln1_b          line 38    f32[768]
-//   %807   reshape                                 line 40    f32[8192,768]
-//   %808   sum                d.h.6.fcproj_b       line 40    f32[768]
-//   %809   cast                                    line 40    bf16[8192,768]
+//   %783   layernorm_bwd                           line 38    f32[8,1024,768]
+//   %784   layernorm_bwd      d.h.7.ln1_w          line 38    f32[768]
+//   %785   layernorm_bwd      d.h.7.ln1_b          line 38    f32[768]
+//   %786   add                d.h.6.x              line 40    f32[8,1024,768]
+//   %787   reshape                                 line 40    f32[8192,768]
+//   %788   sum                d.h.6.fcproj_b       line 40    f32[768]
+//   %789   cast                                    line 40    bf16[8192,768]
 // runs:
 //   k102_layernorm_bwd__add__sum__cast<<<1024, 128>>>
 //   k90_layernorm_bwd__sum__cast_colsum<<<96, 1024>>>
 
 // k151_gemm: GEMM, 1 op
-//   %811   matmul             d.h.6.fcproj_w       line 40    f32[3072,768]
+//   %791   matmul             d.h.6.fcproj_w       line 40    f32[3072,768]
 // runs:
 //   gemm 94: [3072 x 768] = T[3072 x 8192] [8192 x 768], bf16 A and B, f32 C
 
 // k152_gemm__gelu_bwd__sum__cast: GEMM, 6 ops
-//   %810   matmul                                  line 40    f32[8192,3072]
-//   %812   reshape                                 line 40    f32[8,1024,3072]
-//   %813   gelu_bwd                                line 40    f32[8,1024,3072]
-//   %814   reshape                                 line 40    f32[8192,3072]
-//   %815   sum                d.h.6.fc_b           line 40    f32[3072]
-//   %816   cast                                    line 40    bf16[8192,3072]
+//   %790   matmul                                  line 40    f32[8192,3072]
+//   %792   reshape                                 line 40    f32[8,1024,3072]
+//   %793   gelu_bwd                                line 40    f32[8,1024,3072]
+//   %794   reshape                                 line 40    f32[8192,3072]
+//   %795   sum                d.h.6.fc_b           line 40    f32[3072]
+//   %796   cast                                    line 40    bf16[8192,3072]
 // runs:
 //   gemm 95: [8192 x 3072] = [8192 x 768] T[768 x 3072], bf16 A and B, f32 C
 //   k92_gemm__gelu_bwd__sum__cast_partial<<<984, 256>>>
 //   k92_gemm__gelu_bwd__sum__cast<<<192, 1024>>>
 
 // k153_gemm: GEMM, 1 op
-//   %817   matmul                                  line 40    f32[8192,768]
+//   %797   matmul                                  line 40    f32[8192,768]
 // runs:
 //   gemm 96: [8192 x 768] = [8192 x 3072] T[3072 x 768], bf16 A and B, f32 C
 
 // k154_gemm: GEMM, 1 op
-//   %818   matmul             d.h.6.fc_w           line 40    f32[768,3072]
+//   %798   matmul             d.h.6.fc_w           line 40    f32[768,3072]
 // runs:
 //   gemm 97: [768 x 3072] = T[768 x 8192] [8192 x 3072], bf16 A and B, f32 C
 
 // k155_layernorm_bwd__add__sum__cast: kernel, 7 ops
-//   %820   layernorm_bwd                           line 40    f32[8,1024,768]
-//   %821   add                d.h.6.x              line 40    f32[8,1024,768]
-//   %822   layernorm_bwd      d.h.6.ln2_w          line 40    f32[768]
-//   %823   layernorm_bwd      d.h.6.ln2_b          line 40    f32[768]
-//   %824   reshape                                 line 39    f32[8192,768]
-//   %825   sum                d.h.6.proj_b         line 39    f32[768]
-//   %826   cast                                    line 39    bf16[8192,768]
+//   %800   layernorm_bwd                           line 40    f32[8,1024,768]
+//   %801   layernorm_bwd      d.h.6.ln2_w          line 40    f32[768]
+//   %802   layernorm_bwd      d.h.6.ln2_b          line 40    f32[768]
+//   %803   add                d.h.6.x              line 39    f32[8,1024,768]
+//   %804   reshape                                 line 39    f32[8192,768]
+//   %805   sum                d.h.6.proj_b         line 39    f32[768]
+//   %806   cast                                    line 39    bf16[8192,768]
 // runs:
 //   k102_layernorm_bwd__add__sum__cast<<<1024, 128>>>
 //   k90_layernorm_bwd__sum__cast_colsum<<<96, 1024>>>
 
 // k156_gemm: GEMM, 1 op
-//   %828   matmul             d.h.6.proj_w         line 39    f32[768,768]
+//   %808   matmul             d.h.6.proj_w         line 39    f32[768,768]
 // runs:
 //   gemm 98: [768 x 768] = T[768 x 8192] [8192 x 768], bf16 A and B, f32 C
 
 // k157_gemm__cast: GEMM, 3 ops
-//   %827   matmul                                  line 39    f32[8192,768]
-//   %829   reshape                                 line 39    f32[8,1024,768]
-//   %832   cast                                    line 39    bf16[8,1024,768]
+//   %807   matmul                                  line 39    f32[8192,768]
+//   %809   reshape                                 line 39    f32[8,1024,768]
+//   %812   cast                                    line 39    bf16[8,1024,768]
 // runs:
 //   gemm 99: [8192 x 768] = [8192 x 768] T[768 x 768], bf16 A and B, bf16 C
 
 // k158_attention_bwd: attention, 3 ops
-//   %833   attention_bwd      d.h.6.q              line 39    f32[8,1024,768]
-//   %834   attention_bwd      d.h.6.k              line 39    f32[8,1024,768]
-//   %835   attention_bwd      d.h.6.v              line 39    f32[8,1024,768]
+//   %813   attention_bwd      d.h.6.q              line 39    f32[8,1024,768]
+//   %814   attention_bwd      d.h.6.k              line 39    f32[8,1024,768]
+//   %815   attention_bwd      d.h.6.v              line 39    f32[8,1024,768]
 // runs:
 //   k98_attention_bwd_dsum<<<12288, 256>>>
 //   k98_attention_bwd_dq<<<1536, 128>>>
 //   k98_attention_bwd_dkv<<<768, 256>>>
 
-// k159_sum__slice_bwd__add__cast: kernel, 8 ops
-//   %836   slice_bwd                               line 38    f32[8,1024,2304]
-//   %837   slice_bwd                               line 38    f32[8,1024,2304]
-//   %838   add                                     line 38    f32[8,1024,2304]
-//   %839   slice_bwd                               line 38    f32[8,1024,2304]
-//   %840   add                                     line 38    f32[8,1024,2304]
-//   %841   reshape                                 line 38    f32[8192,2304]
-//   %842   sum                d.h.6.attn_b         line 38    f32[2304]
-//   %843   cast                                    line 38    bf16[8192,2304]
+// k159_sum__concat__cast: kernel, 4 ops
+//   %816   concat                                  line 38    f32[8,1024,2304]
+//   %817   reshape                                 line 38    f32[8192,2304]
+//   %818   sum                d.h.6.attn_b         line 38    f32[2304]
+//   %819   cast                                    line 38    bf16[8192,2304]
 // runs:
-//   k99_sum__slice_bwd__add__cast_partial<<<972, 256>>>
-//   k99_sum__slice_bwd__add__cast<<<144, 1024>>>
+//   k99_sum__concat__cast_partial<<<972, 256>>>
+//   k99_sum__concat__cast<<<144, 1024>>>
 
 // k160_gemm: GEMM, 1 op
-//   %844   matmul                                  line 38    f32[8192,768]
+//   %820   matmul                                  line 38    f32[8192,768]
 // runs:
 //   gemm 100: [8192 x 768] = [8192 x 2304] T[2304 x 768], bf16 A and B, f32 C
 
 // k161_gemm: GEMM, 1 op
-//   %845   matmul             d.h.6.attn_w         line 38    f32[768,2304]
+//   %821   matmul             d.h.6.attn_w         line 38    f32[768,2304]
 // runs:
 //   gemm 101: [768 x 2304] = T[768 x 8192] [8192 x 2304], bf16 A and B, f32 C
 
 // k162_layernorm_bwd__add__sum__cast: kernel, 7 ops
-//   %847   layernorm_bwd                           line 38    f32[8,1024,768]
-//   %848   add                d.h.5.x              line 38    f32[8,1024,768]
-//   %849   layernorm_bwd      d.h.6.ln1_w          line 38    f32[768]
-//   %850   layernorm_bwd      d.h.6.ln1_b          line 38    f32[768]
-//   %851   reshape                                 line 40    f32[8192,768]
-//   %852   sum                d.h.5.fcproj_b       line 40    f32[768]
-//   %853   cast                                    line 40    bf16[8192,768]
+//   %823   layernorm_bwd                           line 38    f32[8,1024,768]
+//   %824   layernorm_bwd      d.h.6.ln1_w          line 38    f32[768]
+//   %825   layernorm_bwd      d.h.6.ln1_b          line 38    f32[768]
+//   %826   add                d.h.5.x              line 40    f32[8,1024,768]
+//   %827   reshape                                 line 40    f32[8192,768]
+//   %828   sum                d.h.5.fcproj_b       line 40    f32[768]
+//   %829   cast                                    line 40    bf16[8192,768]
 // runs:
 //   k102_layernorm_bwd__add__sum__cast<<<1024, 128>>>
 //   k90_layernorm_bwd__sum__cast_colsum<<<96, 1024>>>
 
 // k163_gemm: GEMM, 1 op
-//   %855   matmul             d.h.5.fcproj_w       line 40    f32[3072,768]
+//   %831   matmul             d.h.5.fcproj_w       line 40    f32[3072,768]
 // runs:
 //   gemm 102: [3072 x 768] = T[3072 x 8192] [8192 x 768], bf16 A and B, f32 C
 
 // k164_gemm__gelu_bwd__sum__cast: GEMM, 6 ops
-//   %854   matmul                                  line 40    f32[8192,3072]
-//   %856   reshape                                 line 40    f32[8,1024,3072]
-//   %857   gelu_bwd                                line 40    f32[8,1024,3072]
-//   %858   reshape                                 line 40    f32[8192,3072]
-//   %859   sum                d.h.5.fc_b           line 40    f32[3072]
-//   %860   cast                                    line 40    bf16[8192,3072]
+//   %830   matmul                                  line 40    f32[8192,3072]
+//   %832   reshape                                 line 40    f32[8,1024,3072]
+//   %833   gelu_bwd                                line 40    f32[8,1024,3072]
+//   %834   reshape                                 line 40    f32[8192,3072]
+//   %835   sum                d.h.5.fc_b           line 40    f32[3072]
+//   %836   cast                                    line 40    bf16[8192,3072]
 // runs:
 //   gemm 103: [8192 x 3072] = [8192 x 768] T[768 x 3072], bf16 A and B, f32 C
 //   k92_gemm__gelu_bwd__sum__cast_partial<<<984, 256>>>
 //   k92_gemm__gelu_bwd__sum__cast<<<192, 1024>>>
 
 // k165_gemm: GEMM, 1 op
-//   %861   matmul                                  line 40    f32[8192,768]
+//   %837   matmul                                  line 40    f32[8192,768]
 // runs:
 //   gemm 104: [8192 x 768] = [8192 x 3072] T[3072 x 768], bf16 A and B, f32 C
 
 // k166_gemm: GEMM, 1 op
-//   %862   matmul             d.h.5.fc_w           line 40    f32[768,3072]
+//   %838   matmul             d.h.5.fc_w           line 40    f32[768,3072]
 // runs:
 //   gemm 105: [768 x 3072] = T[768 x 8192] [8192 x 3072], bf16 A and B, f32 C
 
 // k167_layernorm_bwd__add__sum__cast: kernel, 7 ops
-//   %864   layernorm_bwd                           line 40    f32[8,1024,768]
-//   %865   add                d.h.5.x              line 40    f32[8,1024,768]
-//   %866   layernorm_bwd      d.h.5.ln2_w          line 40    f32[768]
-//   %867   layernorm_bwd      d.h.5.ln2_b          line 40    f32[768]
-//   %868   reshape                                 line 39    f32[8192,768]
-//   %869   sum                d.h.5.proj_b         line 39    f32[768]
-//   %870   cast                                    line 39    bf16[8192,768]
+//   %840   layernorm_bwd                           line 40    f32[8,1024,768]
+//   %841   layernorm_bwd      d.h.5.ln2_w          line 40    f32[768]
+//   %842   layernorm_bwd      d.h.5.ln2_b          line 40    f32[768]
+//   %843   add                d.h.5.x              line 39    f32[8,1024,768]
+//   %844   reshape                                 line 39    f32[8192,768]
+//   %845   sum                d.h.5.proj_b         line 39    f32[768]
+//   %846   cast                                    line 39    bf16[8192,768]
 // runs:
 //   k102_layernorm_bwd__add__sum__cast<<<1024, 128>>>
 //   k90_layernorm_bwd__sum__cast_colsum<<<96, 1024>>>
 
 // k168_gemm: GEMM, 1 op
-//   %872   matmul             d.h.5.proj_w         line 39    f32[768,768]
+//   %848   matmul             d.h.5.proj_w         line 39    f32[768,768]
 // runs:
 //   gemm 106: [768 x 768] = T[768 x 8192] [8192 x 768], bf16 A and B, f32 C
 
 // k169_gemm__cast: GEMM, 3 ops
-//   %871   matmul                                  line 39    f32[8192,768]
-//   %873   reshape                                 line 39    f32[8,1024,768]
-//   %876   cast                                    line 39    bf16[8,1024,768]
+//   %847   matmul                                  line 39    f32[8192,768]
+//   %849   reshape                                 line 39    f32[8,1024,768]
+//   %852   cast                                    line 39    bf16[8,1024,768]
 // runs:
 //   gemm 107: [8192 x 768] = [8192 x 768] T[768 x 768], bf16 A and B, bf16 C
 
 // k170_attention_bwd: attention, 3 ops
-//   %877   attention_bwd      d.h.5.q              line 39    f32[8,1024,768]
-//   %878   attention_bwd      d.h.5.k              line 39    f32[8,1024,768]
-//   %879   attention_bwd      d.h.5.v              line 39    f32[8,1024,768]
+//   %853   attention_bwd      d.h.5.q              line 39    f32[8,1024,768]
+//   %854   attention_bwd      d.h.5.k              line 39    f32[8,1024,768]
+//   %855   attention_bwd      d.h.5.v              line 39    f32[8,1024,768]
 // runs:
 //   k98_attention_bwd_dsum<<<12288, 256>>>
 //   k98_attention_bwd_dq<<<1536, 128>>>
 //   k98_attention_bwd_dkv<<<768, 256>>>
 
-// k171_sum__slice_bwd__add__cast: kernel, 8 ops
-//   %880   slice_bwd                               line 38    f32[8,1024,2304]
-//   %881   slice_bwd                               line 38    f32[8,1024,2304]
-//   %882   add                                     line 38    f32[8,1024,2304]
-//   %883   slice_bwd                               line 38    f32[8,1024,2304]
-//   %884   add                                     line 38    f32[8,1024,2304]
-//   %885   reshape                                 line 38    f32[8192,2304]
-//   %886   sum                d.h.5.attn_b         line 38    f32[2304]
-//   %887   cast                                    line 38    bf16[8192,2304]
+// k171_sum__concat__cast: kernel, 4 ops
+//   %856   concat                                  line 38    f32[8,1024,2304]
+//   %857   reshape                                 line 38    f32[8192,2304]
+//   %858   sum                d.h.5.attn_b         line 38    f32[2304]
+//   %859   cast                                    line 38    bf16[8192,2304]
 // runs:
-//   k99_sum__slice_bwd__add__cast_partial<<<972, 256>>>
-//   k99_sum__slice_bwd__add__cast<<<144, 1024>>>
+//   k99_sum__concat__cast_partial<<<972, 256>>>
+//   k99_sum__concat__cast<<<144, 1024>>>
 
 // k172_gemm: GEMM, 1 op
-//   %888   matmul                                  line 38    f32[8192,768]
+//   %860   matmul                                  line 38    f32[8192,768]
 // runs:
 //   gemm 108: [8192 x 768] = [8192 x 2304] T[2304 x 768], bf16 A and B, f32 C
 
 // k173_gemm: GEMM, 1 op
-//   %889   matmul             d.h.5.attn_w         line 38    f32[768,2304]
+//   %861   matmul             d.h.5.attn_w         line 38    f32[768,2304]
 // runs:
 //   gemm 109: [768 x 2304] = T[768 x 8192] [8192 x 2304], bf16 A and B, f32 C
 
 // k174_layernorm_bwd__add__sum__cast: kernel, 7 ops
-//   %891   layernorm_bwd                           line 38    f32[8,1024,768]
-//   %892   add                d.h.4.x              line 38    f32[8,1024,768]
-//   %893   layernorm_bwd      d.h.5.ln1_w          line 38    f32[768]
-//   %894   layernorm_bwd      d.h.5.ln1_b          line 38    f32[768]
-//   %895   reshape                                 line 40    f32[8192,768]
-//   %896   sum                d.h.4.fcproj_b       line 40    f32[768]
-//   %897   cast                                    line 40    bf16[8192,768]
+//   %863   layernorm_bwd                           line 38    f32[8,1024,768]
+//   %864   layernorm_bwd      d.h.5.ln1_w          line 38    f32[768]
+//   %865   layernorm_bwd      d.h.5.ln1_b          line 38    f32[768]
+//   %866   add                d.h.4.x              line 40    f32[8,1024,768]
+//   %867   reshape                                 line 40    f32[8192,768]
+//   %868   sum                d.h.4.fcproj_b       line 40    f32[768]
+//   %869   cast                                    line 40    bf16[8192,768]
 // runs:
 //   k102_layernorm_bwd__add__sum__cast<<<1024, 128>>>
 //   k90_layernorm_bwd__sum__cast_colsum<<<96, 1024>>>
 
 // k175_gemm: GEMM, 1 op
-//   %899   matmul             d.h.4.fcproj_w       line 40    f32[3072,768]
+//   %871   matmul             d.h.4.fcproj_w       line 40    f32[3072,768]
 // runs:
 //   gemm 110: [3072 x 768] = T[3072 x 8192] [8192 x 768], bf16 A and B, f32 C
 
 // k176_gemm__gelu_bwd__sum__cast: GEMM, 6 ops
-//   %898   matmul                                  line 40    f32[8192,3072]
-//   %900   reshape                                 line 40    f32[8,1024,3072]
-//   %901   gelu_bwd                                line 40    f32[8,1024,3072]
-//   %902   reshape                                 line 40    f32[8192,3072]
-//   %903   sum                d.h.4.fc_b           line 40    f32[3072]
-//   %904   cast                                    line 40    bf16[8192,3072]
+//   %870   matmul                                  line 40    f32[8192,3072]
+//   %872   reshape                                 line 40    f32[8,1024,3072]
+//   %873   gelu_bwd                                line 40    f32[8,1024,3072]
+//   %874   reshape                                 line 40    f32[8192,3072]
+//   %875   sum                d.h.4.fc_b           line 40    f32[3072]
+//   %876   cast                                    line 40    bf16[8192,3072]
 // runs:
 //   gemm 111: [8192 x 3072] = [8192 x 768] T[768 x 3072], bf16 A and B, f32 C
 //   k92_gemm__gelu_bwd__sum__cast_partial<<<984, 256>>>
 //   k92_gemm__gelu_bwd__sum__cast<<<192, 1024>>>
 
 // k177_gemm: GEMM, 1 op
-//   %905   matmul                                  line 40    f32[8192,768]
+//   %877   matmul                                  line 40    f32[8192,768]
 // runs:
 //   gemm 112: [8192 x 768] = [8192 x 3072] T[3072 x 768], bf16 A and B, f32 C
 
 // k178_gemm: GEMM, 1 op
-//   %906   matmul             d.h.4.fc_w           line 40    f32[768,3072]
+//   %878   matmul             d.h.4.fc_w           line 40    f32[768,3072]
 // runs:
 //   gemm 113: [768 x 3072] = T[768 x 8192] [8192 x 3072], bf16 A and B, f32 C
 
 // k179_layernorm_bwd__add__sum__cast: kernel, 7 ops
-//   %908   layernorm_bwd                           line 40    f32[8,1024,768]
-//   %909   add                d.h.4.x              line 40    f32[8,1024,768]
-//   %910   layernorm_bwd      d.h.4.ln2_w          line 40    f32[768]
-//   %911   layernorm_bwd      d.h.4.ln2_b          line 40    f32[768]
-//   %912   reshape                                 line 39    f32[8192,768]
-//   %913   sum                d.h.4.proj_b         line 39    f32[768]
-//   %914   cast                                    line 39    bf16[8192,768]
+//   %880   layernorm_bwd                           line 40    f32[8,1024,768]
+//   %881   layernorm_bwd      d.h.4.ln2_w          line 40    f32[768]
+//   %882   layernorm_bwd      d.h.4.ln2_b          line 40    f32[768]
+//   %883   add                d.h.4.x              line 39    f32[8,1024,768]
+//   %884   reshape                                 line 39    f32[8192,768]
+//   %885   sum                d.h.4.proj_b         line 39    f32[768]
+//   %886   cast                                    line 39    bf16[8192,768]
 // runs:
 //   k102_layernorm_bwd__add__sum__cast<<<1024, 128>>>
 //   k90_layernorm_bwd__sum__cast_colsum<<<96, 1024>>>
 
 // k180_gemm: GEMM, 1 op
-//   %916   matmul             d.h.4.proj_w         line 39    f32[768,768]
+//   %888   matmul             d.h.4.proj_w         line 39    f32[768,768]
 // runs:
 //   gemm 114: [768 x 768] = T[768 x 8192] [8192 x 768], bf16 A and B, f32 C
 
 // k181_gemm__cast: GEMM, 3 ops
-//   %915   matmul                                  line 39    f32[8192,768]
-//   %917   reshape                                 line 39    f32[8,1024,768]
-//   %920   cast                                    line 39    bf16[8,1024,768]
+//   %887   matmul                                  line 39    f32[8192,768]
+//   %889   reshape                                 line 39    f32[8,1024,768]
+//   %892   cast                                    line 39    bf16[8,1024,768]
 // runs:
 //   gemm 115: [8192 x 768] = [8192 x 768] T[768 x 768], bf16 A and B, bf16 C
 
 // k182_attention_bwd: attention, 3 ops
-//   %921   attention_bwd      d.h.4.q              line 39    f32[8,1024,768]
-//   %922   attention_bwd      d.h.4.k              line 39    f32[8,1024,768]
-//   %923   attention_bwd      d.h.4.v              line 39    f32[8,1024,768]
+//   %893   attention_bwd      d.h.4.q              line 39    f32[8,1024,768]
+//   %894   attention_bwd      d.h.4.k              line 39    f32[8,1024,768]
+//   %895   attention_bwd      d.h.4.v              line 39    f32[8,1024,768]
 // runs:
 //   k98_attention_bwd_dsum<<<12288, 256>>>
 //   k98_attention_bwd_dq<<<1536, 128>>>
 //   k98_attention_bwd_dkv<<<768, 256>>>
 
-// k183_sum__slice_bwd__add__cast: kernel, 8 ops
-//   %924   slice_bwd                               line 38    f32[8,1024,2304]
-//   %925   slice_bwd                               line 38    f32[8,1024,2304]
-//   %926   add                                     line 38    f32[8,1024,2304]
-//   %927   slice_bwd                               line 38    f32[8,1024,2304]
-//   %928   add                                     line 38    f32[8,1024,2304]
-//   %929   reshape                                 line 38    f32[8192,2304]
-//   %930   sum                d.h.4.attn_b         line 38    f32[2304]
-//   %931   cast                                    line 38    bf16[8192,2304]
+// k183_sum__concat__cast: kernel, 4 ops
+//   %896   concat                                  line 38    f32[8,1024,2304]
+//   %897   reshape                                 line 38    f32[8192,2304]
+//   %898   sum                d.h.4.attn_b         line 38    f32[2304]
+//   %899   cast                                    line 38    bf16[8192,2304]
 // runs:
-//   k99_sum__slice_bwd__add__cast_partial<<<972, 256>>>
-//   k99_sum__slice_bwd__add__cast<<<144, 1024>>>
+//   k99_sum__concat__cast_partial<<<972, 256>>>
+//   k99_sum__concat__cast<<<144, 1024>>>
 
 // k184_gemm: GEMM, 1 op
-//   %932   matmul                                  line 38    f32[8192,768]
+//   %900   matmul                                  line 38    f32[8192,768]
 // runs:
 //   gemm 116: [8192 x 768] = [8192 x 2304] T[2304 x 768], bf16 A and B, f32 C
 
 // k185_gemm: GEMM, 1 op
-//   %933   matmul             d.h.4.attn_w         line 38    f32[768,2304]
+//   %901   matmul             d.h.4.attn_w         line 38    f32[768,2304]
 // runs:
 //   gemm 117: [768 x 2304] = T[768 x 8192] [8192 x 2304], bf16 A and B, f32 C
 
 // k186_layernorm_bwd__add__sum__cast: kernel, 7 ops
-//   %935   layernorm_bwd                           line 38    f32[8,1024,768]
-//   %936   add                d.h.3.x              line 38    f32[8,1024,768]
-//   %937   layernorm_bwd      d.h.4.ln1_w          line 38    f32[768]
-//   %938   layernorm_bwd      d.h.4.ln1_b          line 38    f32[768]
-//   %939   reshape                                 line 40    f32[8192,768]
-//   %940   sum                d.h.3.fcproj_b       line 40    f32[768]
-//   %941   cast                                    line 40    bf16[8192,768]
+//   %903   layernorm_bwd                           line 38    f32[8,1024,768]
+//   %904   layernorm_bwd      d.h.4.ln1_w          line 38    f32[768]
+//   %905   layernorm_bwd      d.h.4.ln1_b          line 38    f32[768]
+//   %906   add                d.h.3.x              line 40    f32[8,1024,768]
+//   %907   reshape                                 line 40    f32[8192,768]
+//   %908   sum                d.h.3.fcproj_b       line 40    f32[768]
+//   %909   cast                                    line 40    bf16[8192,768]
 // runs:
 //   k102_layernorm_bwd__add__sum__cast<<<1024, 128>>>
 //   k90_layernorm_bwd__sum__cast_colsum<<<96, 1024>>>
 
 // k187_gemm: GEMM, 1 op
-//   %943   matmul             d.h.3.fcproj_w       line 40    f32[3072,768]
+//   %911   matmul             d.h.3.fcproj_w       line 40    f32[3072,768]
 // runs:
 //   gemm 118: [3072 x 768] = T[3072 x 8192] [8192 x 768], bf16 A and B, f32 C
 
 // k188_gemm__gelu_bwd__sum__cast: GEMM, 6 ops
-//   %942   matmul                                  line 40    f32[8192,3072]
-//   %944   reshape                                 line 40    f32[8,1024,3072]
-//   %945   gelu_bwd                                line 40    f32[8,1024,3072]
-//   %946   reshape                                 line 40    f32[8192,3072]
-//   %947   sum                d.h.3.fc_b           line 40    f32[3072]
-//   %948   cast                                    line 40    bf16[8192,3072]
+//   %910   matmul                                  line 40    f32[8192,3072]
+//   %912   reshape                                 line 40    f32[8,1024,3072]
+//   %913   gelu_bwd                                line 40    f32[8,1024,3072]
+//   %914   reshape                                 line 40    f32[8192,3072]
+//   %915   sum                d.h.3.fc_b           line 40    f32[3072]
+//   %916   cast                                    line 40    bf16[8192,3072]
 // runs:
 //   gemm 119: [8192 x 3072] = [8192 x 768] T[768 x 3072], bf16 A and B, f32 C
 //   k92_gemm__gelu_bwd__sum__cast_partial<<<984, 256>>>
 //   k92_gemm__gelu_bwd__sum__cast<<<192, 1024>>>
 
 // k189_gemm: GEMM, 1 op
-//   %949   matmul                                  line 40    f32[8192,768]
+//   %917   matmul                                  line 40    f32[8192,768]
 // runs:
 //   gemm 120: [8192 x 768] = [8192 x 3072] T[3072 x 768], bf16 A and B, f32 C
 
 // k190_gemm: GEMM, 1 op
-//   %950   matmul             d.h.3.fc_w           line 40    f32[768,3072]
+//   %918   matmul             d.h.3.fc_w           line 40    f32[768,3072]
 // runs:
 //   gemm 121: [768 x 3072] = T[768 x 8192] [8192 x 3072], bf16 A and B, f32 C
 
 // k191_layernorm_bwd__add__sum__cast: kernel, 7 ops
-//   %952   layernorm_bwd                           line 40    f32[8,1024,768]
-//   %953   add                d.h.3.x              line 40    f32[8,1024,768]
-//   %954   layernorm_bwd      d.h.3.ln2_w          line 40    f32[768]
-//   %955   layernorm_bwd      d.h.3.ln2_b          line 40    f32[768]
-//   %956   reshape                                 line 39    f32[8192,768]
-//   %957   sum                d.h.3.proj_b         line 39    f32[768]
-//   %958   cast                                    line 39    bf16[8192,768]
+//   %920   layernorm_bwd                           line 40    f32[8,1024,768]
+//   %921   layernorm_bwd      d.h.3.ln2_w          line 40    f32[768]
+//   %922   layernorm_bwd      d.h.3.ln2_b          line 40    f32[768]
+//   %923   add                d.h.3.x              line 39    f32[8,1024,768]
+//   %924   reshape                                 line 39    f32[8192,768]
+//   %925   sum                d.h.3.proj_b         line 39    f32[768]
+//   %926   cast                                    line 39    bf16[8192,768]
 // runs:
 //   k102_layernorm_bwd__add__sum__cast<<<1024, 128>>>
 //   k90_layernorm_bwd__sum__cast_colsum<<<96, 1024>>>
 
 // k192_gemm: GEMM, 1 op
-//   %960   matmul             d.h.3.proj_w         line 39    f32[768,768]
+//   %928   matmul             d.h.3.proj_w         line 39    f32[768,768]
 // runs:
 //   gemm 122: [768 x 768] = T[768 x 8192] [8192 x 768], bf16 A and B, f32 C
 
 // k193_gemm__cast: GEMM, 3 ops
-//   %959   matmul                                  line 39    f32[8192,768]
-//   %961   reshape                                 line 39    f32[8,1024,768]
-//   %964   cast                                    line 39    bf16[8,1024,768]
+//   %927   matmul                                  line 39    f32[8192,768]
+//   %929   reshape                                 line 39    f32[8,1024,768]
+//   %932   cast                                    line 39    bf16[8,1024,768]
 // runs:
 //   gemm 123: [8192 x 768] = [8192 x 768] T[768 x 768], bf16 A and B, bf16 C
 
 // k194_attention_bwd: attention, 3 ops
-//   %965   attention_bwd      d.h.3.q              line 39    f32[8,1024,768]
-//   %966   attention_bwd      d.h.3.k              line 39    f32[8,1024,768]
-//   %967   attention_bwd      d.h.3.v              line 39    f32[8,1024,768]
+//   %933   attention_bwd      d.h.3.q              line 39    f32[8,1024,768]
+//   %934   attention_bwd      d.h.3.k              line 39    f32[8,1024,768]
+//   %935   attention_bwd      d.h.3.v              line 39    f32[8,1024,768]
 // runs:
 //   k98_attention_bwd_dsum<<<12288, 256>>>
 //   k98_attention_bwd_dq<<<1536, 128>>>
 //   k98_attention_bwd_dkv<<<768, 256>>>
 
-// k195_sum__slice_bwd__add__cast: kernel, 8 ops
-//   %968   slice_bwd                               line 38    f32[8,1024,2304]
-//   %969   slice_bwd                               line 38    f32[8,1024,2304]
-//   %970   add                                     line 38    f32[8,1024,2304]
-//   %971   slice_bwd                               line 38    f32[8,1024,2304]
-//   %972   add                                     line 38    f32[8,1024,2304]
-//   %973   reshape                                 line 38    f32[8192,2304]
-//   %974   sum                d.h.3.attn_b         line 38    f32[2304]
-//   %975   cast                                    line 38    bf16[8192,2304]
+// k195_sum__concat__cast: kernel, 4 ops
+//   %936   concat                                  line 38    f32[8,1024,2304]
+//   %937   reshape                                 line 38    f32[8192,2304]
+//   %938   sum                d.h.3.attn_b         line 38    f32[2304]
+//   %939   cast                                    line 38    bf16[8192,2304]
 // runs:
-//   k99_sum__slice_bwd__add__cast_partial<<<972, 256>>>
-//   k99_sum__slice_bwd__add__cast<<<144, 1024>>>
+//   k99_sum__concat__cast_partial<<<972, 256>>>
+//   k99_sum__concat__cast<<<144, 1024>>>
 
 // k196_gemm: GEMM, 1 op
-//   %976   matmul                                  line 38    f32[8192,768]
+//   %940   matmul                                  line 38    f32[8192,768]
 // runs:
 //   gemm 124: [8192 x 768] = [8192 x 2304] T[2304 x 768], bf16 A and B, f32 C
 
 // k197_gemm: GEMM, 1 op
-//   %977   matmul             d.h.3.attn_w         line 38    f32[768,2304]
+//   %941   matmul             d.h.3.attn_w         line 38    f32[768,2304]
 // runs:
 //   gemm 125: [768 x 2304] = T[768 x 8192] [8192 x 2304], bf16 A and B, f32 C
 
 // k198_layernorm_bwd__add__sum__cast: kernel, 7 ops
-//   %979   layernorm_bwd                           line 38    f32[8,1024,768]
-//   %980   add                d.h.2.x              line 38    f32[8,1024,768]
-//   %981   layernorm_bwd      d.h.3.ln1_w          line 38    f32[768]
-//   %982   layernorm_bwd      d.h.3.ln1_b          line 38    f32[768]
-//   %983   reshape                                 line 40    f32[8192,768]
-//   %984   sum                d.h.2.fcproj_b       line 40    f32[768]
-//   %985   cast                                    line 40    bf16[8192,768]
+//   %943   layernorm_bwd                           line 38    f32[8,1024,768]
+//   %944   layernorm_bwd      d.h.3.ln1_w          line 38    f32[768]
+//   %945   layernorm_bwd      d.h.3.ln1_b          line 38    f32[768]
+//   %946   add                d.h.2.x              line 40    f32[8,1024,768]
+//   %947   reshape                                 line 40    f32[8192,768]
+//   %948   sum                d.h.2.fcproj_b       line 40    f32[768]
+//   %949   cast                                    line 40    bf16[8192,768]
 // runs:
 //   k102_layernorm_bwd__add__sum__cast<<<1024, 128>>>
 //   k90_layernorm_bwd__sum__cast_colsum<<<96, 1024>>>
 
 // k199_gemm: GEMM, 1 op
-//   %987   matmul             d.h.2.fcproj_w       line 40    f32[3072,768]
+//   %951   matmul             d.h.2.fcproj_w       line 40    f32[3072,768]
 // runs:
 //   gemm 126: [3072 x 768] = T[3072 x 8192] [8192 x 768], bf16 A and B, f32 C
 
 // k200_gemm__gelu_bwd__sum__cast: GEMM, 6 ops
-//   %986   matmul                                  line 40    f32[8192,3072]
-//   %988   reshape                                 line 40    f32[8,1024,3072]
-//   %989   gelu_bwd                                line 40    f32[8,1024,3072]
-//   %990   reshape                                 line 40    f32[8192,3072]
-//   %991   sum                d.h.2.fc_b           line 40    f32[3072]
-//   %992   cast                                    line 40    bf16[8192,3072]
+//   %950   matmul                                  line 40    f32[8192,3072]
+//   %952   reshape                                 line 40    f32[8,1024,3072]
+//   %953   gelu_bwd                                line 40    f32[8,1024,3072]
+//   %954   reshape                                 line 40    f32[8192,3072]
+//   %955   sum                d.h.2.fc_b           line 40    f32[3072]
+//   %956   cast                                    line 40    bf16[8192,3072]
 // runs:
 //   gemm 127: [8192 x 3072] = [8192 x 768] T[768 x 3072], bf16 A and B, f32 C
 //   k92_gemm__gelu_bwd__sum__cast_partial<<<984, 256>>>
 //   k92_gemm__gelu_bwd__sum__cast<<<192, 1024>>>
 
 // k201_gemm: GEMM, 1 op
-//   %993   matmul                                  line 40    f32[8192,768]
+//   %957   matmul                                  line 40    f32[8192,768]
 // runs:
 //   gemm 128: [8192 x 768] = [8192 x 3072] T[3072 x 768], bf16 A and B, f32 C
 
 // k202_gemm: GEMM, 1 op
-//   %994   matmul             d.h.2.fc_w           line 40    f32[768,3072]
+//   %958   matmul             d.h.2.fc_w           line 40    f32[768,3072]
 // runs:
 //   gemm 129: [768 x 3072] = T[768 x 8192] [8192 x 3072], bf16 A and B, f32 C
 
 // k203_layernorm_bwd__add__sum__cast: kernel, 7 ops
-//   %996   layernorm_bwd                           line 40    f32[8,1024,768]
-//   %997   add                d.h.2.x              line 40    f32[8,1024,768]
-//   %998   layernorm_bwd      d.h.2.ln2_w          line 40    f32[768]
-//   %999   layernorm_bwd      d.h.2.ln2_b          line 40    f32[768]
-//   %1000  reshape                                 line 39    f32[8192,768]
-//   %1001  sum                d.h.2.proj_b         line 39    f32[768]
-//   %1002  cast                                    line 39    bf16[8192,768]
+//   %960   layernorm_bwd                           line 40    f32[8,1024,768]
+//   %961   layernorm_bwd      d.h.2.ln2_w          line 40    f32[768]
+//   %962   layernorm_bwd      d.h.2.ln2_b          line 40    f32[768]
+//   %963   add                d.h.2.x              line 39    f32[8,1024,768]
+//   %964   reshape                                 line 39    f32[8192,768]
+//   %965   sum                d.h.2.proj_b         line 39    f32[768]
+//   %966   cast                                    line 39    bf16[8192,768]
 // runs:
 //   k102_layernorm_bwd__add__sum__cast<<<1024, 128>>>
 //   k90_layernorm_bwd__sum__cast_colsum<<<96, 1024>>>
 
 // k204_gemm: GEMM, 1 op
-//   %1004  matmul             d.h.2.proj_w         line 39    f32[768,768]
+//   %968   matmul             d.h.2.proj_w         line 39    f32[768,768]
 // runs:
 //   gemm 130: [768 x 768] = T[768 x 8192] [8192 x 768], bf16 A and B, f32 C
 
 // k205_gemm__cast: GEMM, 3 ops
-//   %1003  matmul                                  line 39    f32[8192,768]
-//   %1005  reshape                                 line 39    f32[8,1024,768]
-//   %1008  cast                                    line 39    bf16[8,1024,768]
+//   %967   matmul                                  line 39    f32[8192,768]
+//   %969   reshape                                 line 39    f32[8,1024,768]
+//   %972   cast                                    line 39    bf16[8,1024,768]
 // runs:
 //   gemm 131: [8192 x 768] = [8192 x 768] T[768 x 768], bf16 A and B, bf16 C
 
 // k206_attention_bwd: attention, 3 ops
-//   %1009  attention_bwd      d.h.2.q              line 39    f32[8,1024,768]
-//   %1010  attention_bwd      d.h.2.k              line 39    f32[8,1024,768]
-//   %1011  attention_bwd      d.h.2.v              line 39    f32[8,1024,768]
+//   %973   attention_bwd      d.h.2.q              line 39    f32[8,1024,768]
+//   %974   attention_bwd      d.h.2.k              line 39    f32[8,1024,768]
+//   %975   attention_bwd      d.h.2.v              line 39    f32[8,1024,768]
 // runs:
 //   k98_attention_bwd_dsum<<<12288, 256>>>
 //   k98_attention_bwd_dq<<<1536, 128>>>
 //   k98_attention_bwd_dkv<<<768, 256>>>
 
-// k207_sum__slice_bwd__add__cast: kernel, 8 ops
-//   %1012  slice_bwd                               line 38    f32[8,1024,2304]
-//   %1013  slice_bwd                               line 38    f32[8,1024,2304]
-//   %1014  add                                     line 38    f32[8,1024,2304]
-//   %1015  slice_bwd                               line 38    f32[8,1024,2304]
-//   %1016  add                                     line 38    f32[8,1024,2304]
-//   %1017  reshape                                 line 38    f32[8192,2304]
-//   %1018  sum                d.h.2.attn_b         line 38    f32[2304]
-//   %1019  cast                                    line 38    bf16[8192,2304]
+// k207_sum__concat__cast: kernel, 4 ops
+//   %976   concat                                  line 38    f32[8,1024,2304]
+//   %977   reshape                                 line 38    f32[8192,2304]
+//   %978   sum                d.h.2.attn_b         line 38    f32[2304]
+//   %979   cast                                    line 38    bf16[8192,2304]
 // runs:
-//   k99_sum__slice_bwd__add__cast_partial<<<972, 256>>>
-//   k99_sum__slice_bwd__add__cast<<<144, 1024>>>
+//   k99_sum__concat__cast_partial<<<972, 256>>>
+//   k99_sum__concat__cast<<<144, 1024>>>
 
 // k208_gemm: GEMM, 1 op
-//   %1020  matmul                                  line 38    f32[8192,768]
+//   %980   matmul                                  line 38    f32[8192,768]
 // runs:
 //   gemm 132: [8192 x 768] = [8192 x 2304] T[2304 x 768], bf16 A and B, f32 C
 
 // k209_gemm: GEMM, 1 op
-//   %1021  matmul             d.h.2.attn_w         line 38    f32[768,2304]
+//   %981   matmul             d.h.2.attn_w         line 38    f32[768,2304]
 // runs:
 //   gemm 133: [768 x 2304] = T[768 x 8192] [8192 x 2304], bf16 A and B, f32 C
 
 // k210_layernorm_bwd__add__sum__cast: kernel, 7 ops
-//   %1023  layernorm_bwd                           line 38    f32[8,1024,768]
-//   %1024  add                d.h.1.x              line 38    f32[8,1024,768]
-//   %1025  layernorm_bwd      d.h.2.ln1_w          line 38    f32[768]
-//   %1026  layernorm_bwd      d.h.2.ln1_b          line 38    f32[768]
-//   %1027  reshape                                 line 40    f32[8192,768]
-//   %1028  sum                d.h.1.fcproj_b       line 40    f32[768]
-//   %1029  cast                                    line 40    bf16[8192,768]
+//   %983   layernorm_bwd                           line 38    f32[8,1024,768]
+//   %984   layernorm_bwd      d.h.2.ln1_w          line 38    f32[768]
+//   %985   layernorm_bwd      d.h.2.ln1_b          line 38    f32[768]
+//   %986   add                d.h.1.x              line 40    f32[8,1024,768]
+//   %987   reshape                                 line 40    f32[8192,768]
+//   %988   sum                d.h.1.fcproj_b       line 40    f32[768]
+//   %989   cast                                    line 40    bf16[8192,768]
 // runs:
 //   k102_layernorm_bwd__add__sum__cast<<<1024, 128>>>
 //   k90_layernorm_bwd__sum__cast_colsum<<<96, 1024>>>
 
 // k211_gemm: GEMM, 1 op
-//   %1031  matmul             d.h.1.fcproj_w       line 40    f32[3072,768]
+//   %991   matmul             d.h.1.fcproj_w       line 40    f32[3072,768]
 // runs:
 //   gemm 134: [3072 x 768] = T[3072 x 8192] [8192 x 768], bf16 A and B, f32 C
 
 // k212_gemm__gelu_bwd__sum__cast: GEMM, 6 ops
-//   %1030  matmul                                  line 40    f32[8192,3072]
-//   %1032  reshape                                 line 40    f32[8,1024,3072]
-//   %1033  gelu_bwd                                line 40    f32[8,1024,3072]
-//   %1034  reshape                                 line 40    f32[8192,3072]
-//   %1035  sum                d.h.1.fc_b           line 40    f32[3072]
-//   %1036  cast                                    line 40    bf16[8192,3072]
+//   %990   matmul                                  line 40    f32[8192,3072]
+//   %992   reshape                                 line 40    f32[8,1024,3072]
+//   %993   gelu_bwd                                line 40    f32[8,1024,3072]
+//   %994   reshape                                 line 40    f32[8192,3072]
+//   %995   sum                d.h.1.fc_b           line 40    f32[3072]
+//   %996   cast                                    line 40    bf16[8192,3072]
 // runs:
 //   gemm 135: [8192 x 3072] = [8192 x 768] T[768 x 3072], bf16 A and B, f32 C
 //   k92_gemm__gelu_bwd__sum__cast_partial<<<984, 256>>>
 //   k92_gemm__gelu_bwd__sum__cast<<<192, 1024>>>
 
 // k213_gemm: GEMM, 1 op
-//   %1037  matmul                                  line 40    f32[8192,768]
+//   %997   matmul                                  line 40    f32[8192,768]
 // runs:
 //   gemm 136: [8192 x 768] = [8192 x 3072] T[3072 x 768], bf16 A and B, f32 C
 
 // k214_gemm: GEMM, 1 op
-//   %1038  matmul             d.h.1.fc_w           line 40    f32[768,3072]
+//   %998   matmul             d.h.1.fc_w           line 40    f32[768,3072]
 // runs:
 //   gemm 137: [768 x 3072] = T[768 x 8192] [8192 x 3072], bf16 A and B, f32 C
 
 // k215_layernorm_bwd__add__sum__cast: kernel, 7 ops
-//   %1040  layernorm_bwd                           line 40    f32[8,1024,768]
-//   %1041  add                d.h.1.x              line 40    f32[8,1024,768]
-//   %1042  layernorm_bwd      d.h.1.ln2_w          line 40    f32[768]
-//   %1043  layernorm_bwd      d.h.1.ln2_b          line 40    f32[768]
-//   %1044  reshape                                 line 39    f32[8192,768]
-//   %1045  sum                d.h.1.proj_b         line 39    f32[768]
-//   %1046  cast                                    line 39    bf16[8192,768]
+//   %1000  layernorm_bwd                           line 40    f32[8,1024,768]
+//   %1001  layernorm_bwd      d.h.1.ln2_w          line 40    f32[768]
+//   %1002  layernorm_bwd      d.h.1.ln2_b          line 40    f32[768]
+//   %1003  add                d.h.1.x              line 39    f32[8,1024,768]
+//   %1004  reshape                                 line 39    f32[8192,768]
+//   %1005  sum                d.h.1.proj_b         line 39    f32[768]
+//   %1006  cast                                    line 39    bf16[8192,768]
 // runs:
 //   k102_layernorm_bwd__add__sum__cast<<<1024, 128>>>
 //   k90_layernorm_bwd__sum__cast_colsum<<<96, 1024>>>
 
 // k216_gemm: GEMM, 1 op
-//   %1048  matmul             d.h.1.proj_w         line 39    f32[768,768]
+//   %1008  matmul             d.h.1.proj_w         line 39    f32[768,768]
 // runs:
 //   gemm 138: [768 x 768] = T[768 x 8192] [8192 x 768], bf16 A and B, f32 C
 
 // k217_gemm__cast: GEMM, 3 ops
-//   %1047  matmul                                  line 39    f32[8192,768]
-//   %1049  reshape                                 line 39    f32[8,1024,768]
-//   %1052  cast                                    line 39    bf16[8,1024,768]
+//   %1007  matmul                                  line 39    f32[8192,768]
+//   %1009  reshape                                 line 39    f32[8,1024,768]
+//   %1012  cast                                    line 39    bf16[8,1024,768]
 // runs:
 //   gemm 139: [8192 x 768] = [8192 x 768] T[768 x 768], bf16 A and B, bf16 C
 
 // k218_attention_bwd: attention, 3 ops
-//   %1053  attention_bwd      d.h.1.q              line 39    f32[8,1024,768]
-//   %1054  attention_bwd      d.h.1.k              line 39    f32[8,1024,768]
-//   %1055  attention_bwd      d.h.1.v              line 39    f32[8,1024,768]
+//   %1013  attention_bwd      d.h.1.q              line 39    f32[8,1024,768]
+//   %1014  attention_bwd      d.h.1.k              line 39    f32[8,1024,768]
+//   %1015  attention_bwd      d.h.1.v              line 39    f32[8,1024,768]
 // runs:
 //   k98_attention_bwd_dsum<<<12288, 256>>>
 //   k98_attention_bwd_dq<<<1536, 128>>>
 //   k98_attention_bwd_dkv<<<768, 256>>>
 
-// k219_sum__slice_bwd__add__cast: kernel, 8 ops
-//   %1056  slice_bwd                               line 38    f32[8,1024,2304]
-//   %1057  slice_bwd                               line 38    f32[8,1024,2304]
-//   %1058  add                                     line 38    f32[8,1024,2304]
-//   %1059  slice_bwd                               line 38    f32[8,1024,2304]
-//   %1060  add                                     line 38    f32[8,1024,2304]
-//   %1061  reshape                                 line 38    f32[8192,2304]
-//   %1062  sum                d.h.1.attn_b         line 38    f32[2304]
-//   %1063  cast                                    line 38    bf16[8192,2304]
+// k219_sum__concat__cast: kernel, 4 ops
+//   %1016  concat                                  line 38    f32[8,1024,2304]
+//   %1017  reshape                                 line 38    f32[8192,2304]
+//   %1018  sum                d.h.1.attn_b         line 38    f32[2304]
+//   %1019  cast                                    line 38    bf16[8192,2304]
 // runs:
-//   k99_sum__slice_bwd__add__cast_partial<<<972, 256>>>
-//   k99_sum__slice_bwd__add__cast<<<144, 1024>>>
+//   k99_sum__concat__cast_partial<<<972, 256>>>
+//   k99_sum__concat__cast<<<144, 1024>>>
 
 // k220_gemm: GEMM, 1 op
-//   %1064  matmul                                  line 38    f32[8192,768]
+//   %1020  matmul                                  line 38    f32[8192,768]
 // runs:
 //   gemm 140: [8192 x 768] = [8192 x 2304] T[2304 x 768], bf16 A and B, f32 C
 
 // k221_gemm: GEMM, 1 op
-//   %1065  matmul             d.h.1.attn_w         line 38    f32[768,2304]
+//   %1021  matmul             d.h.1.attn_w         line 38    f32[768,2304]
 // runs:
 //   gemm 141: [768 x 2304] = T[768 x 8192] [8192 x 2304], bf16 A and B, f32 C
 
 // k222_layernorm_bwd__add__sum__cast: kernel, 7 ops
-//   %1067  layernorm_bwd                           line 38    f32[8,1024,768]
-//   %1068  add                d.h.0.x              line 38    f32[8,1024,768]
-//   %1069  layernorm_bwd      d.h.1.ln1_w          line 38    f32[768]
-//   %1070  layernorm_bwd      d.h.1.ln1_b          line 38    f32[768]
-//   %1071  reshape                                 line 40    f32[8192,768]
-//   %1072  sum                d.h.0.fcproj_b       line 40    f32[768]
-//   %1073  cast                                    line 40    bf16[8192,768]
+//   %1023  layernorm_bwd                           line 38    f32[8,1024,768]
+//   %1024  layernorm_bwd      d.h.1.ln1_w          line 38    f32[768]
+//   %1025  layernorm_bwd      d.h.1.ln1_b          line 38    f32[768]
+//   %1026  add                d.h.0.x              line 40    f32[8,1024,768]
+//   %1027  reshape                                 line 40    f32[8192,768]
+//   %1028  sum                d.h.0.fcproj_b       line 40    f32[768]
+//   %1029  cast                                    line 40    bf16[8192,768]
 // runs:
 //   k102_layernorm_bwd__add__sum__cast<<<1024, 128>>>
 //   k90_layernorm_bwd__sum__cast_colsum<<<96, 1024>>>
 
 // k223_gemm: GEMM, 1 op
-//   %1075  matmul             d.h.0.fcproj_w       line 40    f32[3072,768]
+//   %1031  matmul             d.h.0.fcproj_w       line 40    f32[3072,768]
 // runs:
 //   gemm 142: [3072 x 768] = T[3072 x 8192] [8192 x 768], bf16 A and B, f32 C
 
 // k224_gemm__gelu_bwd__sum__cast: GEMM, 6 ops
-//   %1074  matmul                                  line 40    f32[8192,3072]
-//   %1076  reshape                                 line 40    f32[8,1024,3072]
-//   %1077  gelu_bwd                                line 40    f32[8,1024,3072]
-//   %1078  reshape                                 line 40    f32[8192,3072]
-//   %1079  sum                d.h.0.fc_b           line 40    f32[3072]
-//   %1080  cast                                    line 40    bf16[8192,3072]
+//   %1030  matmul                                  line 40    f32[8192,3072]
+//   %1032  reshape                                 line 40    f32[8,1024,3072]
+//   %1033  gelu_bwd                                line 40    f32[8,1024,3072]
+//   %1034  reshape                                 line 40    f32[8192,3072]
+//   %1035  sum                d.h.0.fc_b           line 40    f32[3072]
+//   %1036  cast                                    line 40    bf16[8192,3072]
 // runs:
 //   gemm 143: [8192 x 3072] = [8192 x 768] T[768 x 3072], bf16 A and B, f32 C
 //   k92_gemm__gelu_bwd__sum__cast_partial<<<984, 256>>>
 //   k92_gemm__gelu_bwd__sum__cast<<<192, 1024>>>
 
 // k225_gemm: GEMM, 1 op
-//   %1081  matmul                                  line 40    f32[8192,768]
+//   %1037  matmul                                  line 40    f32[8192,768]
 // runs:
 //   gemm 144: [8192 x 768] = [8192 x 3072] T[3072 x 768], bf16 A and B, f32 C
 
 // k226_gemm: GEMM, 1 op
-//   %1082  matmul             d.h.0.fc_w           line 40    f32[768,3072]
+//   %1038  matmul             d.h.0.fc_w           line 40    f32[768,3072]
 // runs:
 //   gemm 145: [768 x 3072] = T[768 x 8192] [8192 x 3072], bf16 A and B, f32 C
 
 // k227_layernorm_bwd__add__sum__cast: kernel, 7 ops
-//   %1084  layernorm_bwd                           line 40    f32[8,1024,768]
-//   %1085  add                d.h.0.x              line 40    f32[8,1024,768]
-//   %1086  layernorm_bwd      d.h.0.ln2_w          line 40    f32[768]
-//   %1087  layernorm_bwd      d.h.0.ln2_b          line 40    f32[768]
-//   %1088  reshape                                 line 39    f32[8192,768]
-//   %1089  sum                d.h.0.proj_b         line 39    f32[768]
-//   %1090  cast                                    line 39    bf16[8192,768]
+//   %1040  layernorm_bwd                           line 40    f32[8,1024,768]
+//   %1041  layernorm_bwd      d.h.0.ln2_w          line 40    f32[768]
+//   %1042  layernorm_bwd      d.h.0.ln2_b          line 40    f32[768]
+//   %1043  add                d.h.0.x              line 39    f32[8,1024,768]
+//   %1044  reshape                                 line 39    f32[8192,768]
+//   %1045  sum                d.h.0.proj_b         line 39    f32[768]
+//   %1046  cast                                    line 39    bf16[8192,768]
 // runs:
 //   k102_layernorm_bwd__add__sum__cast<<<1024, 128>>>
 //   k90_layernorm_bwd__sum__cast_colsum<<<96, 1024>>>
 
 // k228_gemm: GEMM, 1 op
-//   %1092  matmul             d.h.0.proj_w         line 39    f32[768,768]
+//   %1048  matmul             d.h.0.proj_w         line 39    f32[768,768]
 // runs:
 //   gemm 146: [768 x 768] = T[768 x 8192] [8192 x 768], bf16 A and B, f32 C
 
 // k229_gemm__cast: GEMM, 3 ops
-//   %1091  matmul                                  line 39    f32[8192,768]
-//   %1093  reshape                                 line 39    f32[8,1024,768]
-//   %1096  cast                                    line 39    bf16[8,1024,768]
+//   %1047  matmul                                  line 39    f32[8192,768]
+//   %1049  reshape                                 line 39    f32[8,1024,768]
+//   %1052  cast                                    line 39    bf16[8,1024,768]
 // runs:
 //   gemm 147: [8192 x 768] = [8192 x 768] T[768 x 768], bf16 A and B, bf16 C
 
 // k230_attention_bwd: attention, 3 ops
-//   %1097  attention_bwd      d.h.0.q              line 39    f32[8,1024,768]
-//   %1098  attention_bwd      d.h.0.k              line 39    f32[8,1024,768]
-//   %1099  attention_bwd      d.h.0.v              line 39    f32[8,1024,768]
+//   %1053  attention_bwd      d.h.0.q              line 39    f32[8,1024,768]
+//   %1054  attention_bwd      d.h.0.k              line 39    f32[8,1024,768]
+//   %1055  attention_bwd      d.h.0.v              line 39    f32[8,1024,768]
 // runs:
 //   k98_attention_bwd_dsum<<<12288, 256>>>
 //   k98_attention_bwd_dq<<<1536, 128>>>
 //   k98_attention_bwd_dkv<<<768, 256>>>
 
-// k231_sum__slice_bwd__add__cast: kernel, 8 ops
-//   %1100  slice_bwd                               line 38    f32[8,1024,2304]
-//   %1101  slice_bwd                               line 38    f32[8,1024,2304]
-//   %1102  add                                     line 38    f32[8,1024,2304]
-//   %1103  slice_bwd                               line 38    f32[8,1024,2304]
-//   %1104  add                                     line 38    f32[8,1024,2304]
-//   %1105  reshape                                 line 38    f32[8192,2304]
-//   %1106  sum                d.h.0.attn_b         line 38    f32[2304]
-//   %1107  cast                                    line 38    bf16[8192,2304]
+// k231_sum__concat__cast: kernel, 4 ops
+//   %1056  concat                                  line 38    f32[8,1024,2304]
+//   %1057  reshape                                 line 38    f32[8192,2304]
+//   %1058  sum                d.h.0.attn_b         line 38    f32[2304]
+//   %1059  cast                                    line 38    bf16[8192,2304]
 // runs:
-//   k99_sum__slice_bwd__add__cast_partial<<<972, 256>>>
-//   k99_sum__slice_bwd__add__cast<<<144, 1024>>>
+//   k99_sum__concat__cast_partial<<<972, 256>>>
+//   k99_sum__concat__cast<<<144, 1024>>>
 
 // k232_gemm: GEMM, 1 op
-//   %1108  matmul                                  line 38    f32[8192,768]
+//   %1060  matmul                                  line 38    f32[8192,768]
 // runs:
 //   gemm 148: [8192 x 768] = [8192 x 2304] T[2304 x 768], bf16 A and B, f32 C
 
 // k233_gemm: GEMM, 1 op
-//   %1109  matmul             d.h.0.attn_w         line 38    f32[768,2304]
+//   %1061  matmul             d.h.0.attn_w         line 38    f32[768,2304]
 // runs:
 //   gemm 149: [768 x 2304] = T[768 x 8192] [8192 x 2304], bf16 A and B, f32 C
 
 // k234_layernorm_bwd__add: kernel, 4 ops
-//   %1111  layernorm_bwd                           line 38    f32[8,1024,768]
-//   %1112  add                d.x                  line 38    f32[8,1024,768]
-//   %1113  layernorm_bwd      d.h.0.ln1_w          line 38    f32[768]
-//   %1114  layernorm_bwd      d.h.0.ln1_b          line 38    f32[768]
+//   %1063  layernorm_bwd                           line 38    f32[8,1024,768]
+//   %1064  layernorm_bwd      d.h.0.ln1_w          line 38    f32[768]
+//   %1065  layernorm_bwd      d.h.0.ln1_b          line 38    f32[768]
+//   %1066  add                d.x                  line 22    f32[8,1024,768]
 // runs:
 //   k234_layernorm_bwd__add<<<1024, 128>>>
 //   k234_layernorm_bwd__add_colsum<<<96, 1024>>>
@@ -3580,7 +3492,7 @@ extern "C" __global__ void __launch_bounds__(1024) k234_layernorm_bwd__add_colsu
 }
 
 // k235_embed_bwd: kernel, 1 op
-//   %1115  embed_bwd          d.wpe                line 22    f32[1024,768]
+//   %1067  embed_bwd          d.wpe                line 22    f32[1024,768]
 // runs:
 //   k235_embed_bwd_zero<<<1, 32>>>
 //   k235_embed_bwd_count<<<32, 256>>>
@@ -3697,8 +3609,8 @@ extern "C" __global__ void __launch_bounds__(256) k235_embed_bwd(char *arena, Md
 }
 
 // k236_embed_bwd__add: kernel, 2 ops
-//   %1116  embed_bwd                               line 22    f32[50257,768]
-//   %1117  add                d.wte                line 22    f32[50257,768]
+//   %1068  embed_bwd                               line 22    f32[50257,768]
+//   %1069  add                d.wte                line 19    f32[50257,768]
 // runs:
 //   k236_embed_bwd__add_zero<<<7, 256>>>
 //   k236_embed_bwd__add_count<<<32, 256>>>
@@ -3818,155 +3730,155 @@ extern "C" __global__ void __launch_bounds__(256) k236_embed_bwd__add(char *aren
 }
 
 // k237_grad_norm__adamw: optimizer, 149 ops
-//   %1120  grad_norm                                          f32[]
-//   %1123  adamw              wte.new              line 19    f32[50257,768]
-//   %1126  adamw              wpe.new              line 20    f32[1024,768]
-//   %1129  adamw              h.0.ln1_w.new        line 25    f32[768]
-//   %1132  adamw              h.0.ln1_b.new        line 26    f32[768]
-//   %1135  adamw              h.0.attn_w.new       line 27    f32[768,2304]
-//   %1138  adamw              h.0.attn_b.new       line 28    f32[2304]
-//   %1141  adamw              h.0.proj_w.new       line 29    f32[768,768]
-//   %1144  adamw              h.0.proj_b.new       line 30    f32[768]
-//   %1147  adamw              h.0.ln2_w.new        line 31    f32[768]
-//   %1150  adamw              h.0.ln2_b.new        line 32    f32[768]
-//   %1153  adamw              h.0.fc_w.new         line 33    f32[768,3072]
-//   %1156  adamw              h.0.fc_b.new         line 34    f32[3072]
-//   %1159  adamw              h.0.fcproj_w.new     line 35    f32[3072,768]
-//   %1162  adamw              h.0.fcproj_b.new     line 36    f32[768]
-//   %1165  adamw              h.1.ln1_w.new        line 25    f32[768]
-//   %1168  adamw              h.1.ln1_b.new        line 26    f32[768]
-//   %1171  adamw              h.1.attn_w.new       line 27    f32[768,2304]
-//   %1174  adamw              h.1.attn_b.new       line 28    f32[2304]
-//   %1177  adamw              h.1.proj_w.new       line 29    f32[768,768]
-//   %1180  adamw              h.1.proj_b.new       line 30    f32[768]
-//   %1183  adamw              h.1.ln2_w.new        line 31    f32[768]
-//   %1186  adamw              h.1.ln2_b.new        line 32    f32[768]
-//   %1189  adamw              h.1.fc_w.new         line 33    f32[768,3072]
-//   %1192  adamw              h.1.fc_b.new         line 34    f32[3072]
-//   %1195  adamw              h.1.fcproj_w.new     line 35    f32[3072,768]
-//   %1198  adamw              h.1.fcproj_b.new     line 36    f32[768]
-//   %1201  adamw              h.2.ln1_w.new        line 25    f32[768]
-//   %1204  adamw              h.2.ln1_b.new        line 26    f32[768]
-//   %1207  adamw              h.2.attn_w.new       line 27    f32[768,2304]
-//   %1210  adamw              h.2.attn_b.new       line 28    f32[2304]
-//   %1213  adamw              h.2.proj_w.new       line 29    f32[768,768]
-//   %1216  adamw              h.2.proj_b.new       line 30    f32[768]
-//   %1219  adamw              h.2.ln2_w.new        line 31    f32[768]
-//   %1222  adamw              h.2.ln2_b.new        line 32    f32[768]
-//   %1225  adamw              h.2.fc_w.new         line 33    f32[768,3072]
-//   %1228  adamw              h.2.fc_b.new         line 34    f32[3072]
-//   %1231  adamw              h.2.fcproj_w.new     line 35    f32[3072,768]
-//   %1234  adamw              h.2.fcproj_b.new     line 36    f32[768]
-//   %1237  adamw              h.3.ln1_w.new        line 25    f32[768]
-//   %1240  adamw              h.3.ln1_b.new        line 26    f32[768]
-//   %1243  adamw              h.3.attn_w.new       line 27    f32[768,2304]
-//   %1246  adamw              h.3.attn_b.new       line 28    f32[2304]
-//   %1249  adamw              h.3.proj_w.new       line 29    f32[768,768]
-//   %1252  adamw              h.3.proj_b.new       line 30    f32[768]
-//   %1255  adamw              h.3.ln2_w.new        line 31    f32[768]
-//   %1258  adamw              h.3.ln2_b.new        line 32    f32[768]
-//   %1261  adamw              h.3.fc_w.new         line 33    f32[768,3072]
-//   %1264  adamw              h.3.fc_b.new         line 34    f32[3072]
-//   %1267  adamw              h.3.fcproj_w.new     line 35    f32[3072,768]
-//   %1270  adamw              h.3.fcproj_b.new     line 36    f32[768]
-//   %1273  adamw              h.4.ln1_w.new        line 25    f32[768]
-//   %1276  adamw              h.4.ln1_b.new        line 26    f32[768]
-//   %1279  adamw              h.4.attn_w.new       line 27    f32[768,2304]
-//   %1282  adamw              h.4.attn_b.new       line 28    f32[2304]
-//   %1285  adamw              h.4.proj_w.new       line 29    f32[768,768]
-//   %1288  adamw              h.4.proj_b.new       line 30    f32[768]
-//   %1291  adamw              h.4.ln2_w.new        line 31    f32[768]
-//   %1294  adamw              h.4.ln2_b.new        line 32    f32[768]
-//   %1297  adamw              h.4.fc_w.new         line 33    f32[768,3072]
-//   %1300  adamw              h.4.fc_b.new         line 34    f32[3072]
-//   %1303  adamw              h.4.fcproj_w.new     line 35    f32[3072,768]
-//   %1306  adamw              h.4.fcproj_b.new     line 36    f32[768]
-//   %1309  adamw              h.5.ln1_w.new        line 25    f32[768]
-//   %1312  adamw              h.5.ln1_b.new        line 26    f32[768]
-//   %1315  adamw              h.5.attn_w.new       line 27    f32[768,2304]
-//   %1318  adamw              h.5.attn_b.new       line 28    f32[2304]
-//   %1321  adamw              h.5.proj_w.new       line 29    f32[768,768]
-//   %1324  adamw              h.5.proj_b.new       line 30    f32[768]
-//   %1327  adamw              h.5.ln2_w.new        line 31    f32[768]
-//   %1330  adamw              h.5.ln2_b.new        line 32    f32[768]
-//   %1333  adamw              h.5.fc_w.new         line 33    f32[768,3072]
-//   %1336  adamw              h.5.fc_b.new         line 34    f32[3072]
-//   %1339  adamw              h.5.fcproj_w.new     line 35    f32[3072,768]
-//   %1342  adamw              h.5.fcproj_b.new     line 36    f32[768]
-//   %1345  adamw              h.6.ln1_w.new        line 25    f32[768]
-//   %1348  adamw              h.6.ln1_b.new        line 26    f32[768]
-//   %1351  adamw              h.6.attn_w.new       line 27    f32[768,2304]
-//   %1354  adamw              h.6.attn_b.new       line 28    f32[2304]
-//   %1357  adamw              h.6.proj_w.new       line 29    f32[768,768]
-//   %1360  adamw              h.6.proj_b.new       line 30    f32[768]
-//   %1363  adamw              h.6.ln2_w.new        line 31    f32[768]
-//   %1366  adamw              h.6.ln2_b.new        line 32    f32[768]
-//   %1369  adamw              h.6.fc_w.new         line 33    f32[768,3072]
-//   %1372  adamw              h.6.fc_b.new         line 34    f32[3072]
-//   %1375  adamw              h.6.fcproj_w.new     line 35    f32[3072,768]
-//   %1378  adamw              h.6.fcproj_b.new     line 36    f32[768]
-//   %1381  adamw              h.7.ln1_w.new        line 25    f32[768]
-//   %1384  adamw              h.7.ln1_b.new        line 26    f32[768]
-//   %1387  adamw              h.7.attn_w.new       line 27    f32[768,2304]
-//   %1390  adamw              h.7.attn_b.new       line 28    f32[2304]
-//   %1393  adamw              h.7.proj_w.new       line 29    f32[768,768]
-//   %1396  adamw              h.7.proj_b.new       line 30    f32[768]
-//   %1399  adamw              h.7.ln2_w.new        line 31    f32[768]
-//   %1402  adamw              h.7.ln2_b.new        line 32    f32[768]
-//   %1405  adamw              h.7.fc_w.new         line 33    f32[768,3072]
-//   %1408  adamw              h.7.fc_b.new         line 34    f32[3072]
-//   %1411  adamw              h.7.fcproj_w.new     line 35    f32[3072,768]
-//   %1414  adamw              h.7.fcproj_b.new     line 36    f32[768]
-//   %1417  adamw              h.8.ln1_w.new        line 25    f32[768]
-//   %1420  adamw              h.8.ln1_b.new        line 26    f32[768]
-//   %1423  adamw              h.8.attn_w.new       line 27    f32[768,2304]
-//   %1426  adamw              h.8.attn_b.new       line 28    f32[2304]
-//   %1429  adamw              h.8.proj_w.new       line 29    f32[768,768]
-//   %1432  adamw              h.8.proj_b.new       line 30    f32[768]
-//   %1435  adamw              h.8.ln2_w.new        line 31    f32[768]
-//   %1438  adamw              h.8.ln2_b.new        line 32    f32[768]
-//   %1441  adamw              h.8.fc_w.new         line 33    f32[768,3072]
-//   %1444  adamw              h.8.fc_b.new         line 34    f32[3072]
-//   %1447  adamw              h.8.fcproj_w.new     line 35    f32[3072,768]
-//   %1450  adamw              h.8.fcproj_b.new     line 36    f32[768]
-//   %1453  adamw              h.9.ln1_w.new        line 25    f32[768]
-//   %1456  adamw              h.9.ln1_b.new        line 26    f32[768]
-//   %1459  adamw              h.9.attn_w.new       line 27    f32[768,2304]
-//   %1462  adamw              h.9.attn_b.new       line 28    f32[2304]
-//   %1465  adamw              h.9.proj_w.new       line 29    f32[768,768]
-//   %1468  adamw              h.9.proj_b.new       line 30    f32[768]
-//   %1471  adamw              h.9.ln2_w.new        line 31    f32[768]
-//   %1474  adamw              h.9.ln2_b.new        line 32    f32[768]
-//   %1477  adamw              h.9.fc_w.new         line 33    f32[768,3072]
-//   %1480  adamw              h.9.fc_b.new         line 34    f32[3072]
-//   %1483  adamw              h.9.fcproj_w.new     line 35    f32[3072,768]
-//   %1486  adamw              h.9.fcproj_b.new     line 36    f32[768]
-//   %1489  adamw              h.10.ln1_w.new       line 25    f32[768]
-//   %1492  adamw              h.10.ln1_b.new       line 26    f32[768]
-//   %1495  adamw              h.10.attn_w.new      line 27    f32[768,2304]
-//   %1498  adamw              h.10.attn_b.new      line 28    f32[2304]
-//   %1501  adamw              h.10.proj_w.new      line 29    f32[768,768]
-//   %1504  adamw              h.10.proj_b.new      line 30    f32[768]
-//   %1507  adamw              h.10.ln2_w.new       line 31    f32[768]
-//   %1510  adamw              h.10.ln2_b.new       line 32    f32[768]
-//   %1513  adamw              h.10.fc_w.new        line 33    f32[768,3072]
-//   %1516  adamw              h.10.fc_b.new        line 34    f32[3072]
-//   %1519  adamw              h.10.fcproj_w.new    line 35    f32[3072,768]
-//   %1522  adamw              h.10.fcproj_b.new    line 36    f32[768]
-//   %1525  adamw              h.11.ln1_w.new       line 25    f32[768]
-//   %1528  adamw              h.11.ln1_b.new       line 26    f32[768]
-//   %1531  adamw              h.11.attn_w.new      line 27    f32[768,2304]
-//   %1534  adamw              h.11.attn_b.new      line 28    f32[2304]
-//   %1537  adamw              h.11.proj_w.new      line 29    f32[768,768]
-//   %1540  adamw              h.11.proj_b.new      line 30    f32[768]
-//   %1543  adamw              h.11.ln2_w.new       line 31    f32[768]
-//   %1546  adamw              h.11.ln2_b.new       line 32    f32[768]
-//   %1549  adamw              h.11.fc_w.new        line 33    f32[768,3072]
-//   %1552  adamw              h.11.fc_b.new        line 34    f32[3072]
-//   %1555  adamw              h.11.fcproj_w.new    line 35    f32[3072,768]
-//   %1558  adamw              h.11.fcproj_b.new    line 36    f32[768]
-//   %1561  adamw              lnf_w.new            line 43    f32[768]
-//   %1564  adamw              lnf_b.new            line 44    f32[768]
+//   %1072  grad_norm                                          f32[]
+//   %1075  adamw              wte.new              line 19    f32[50257,768]
+//   %1078  adamw              wpe.new              line 20    f32[1024,768]
+//   %1081  adamw              h.0.ln1_w.new        line 25    f32[768]
+//   %1084  adamw              h.0.ln1_b.new        line 26    f32[768]
+//   %1087  adamw              h.0.attn_w.new       line 27    f32[768,2304]
+//   %1090  adamw              h.0.attn_b.new       line 28    f32[2304]
+//   %1093  adamw              h.0.proj_w.new       line 29    f32[768,768]
+//   %1096  adamw              h.0.proj_b.new       line 30    f32[768]
+//   %1099  adamw              h.0.ln2_w.new        line 31    f32[768]
+//   %1102  adamw              h.0.ln2_b.new        line 32    f32[768]
+//   %1105  adamw              h.0.fc_w.new         line 33    f32[768,3072]
+//   %1108  adamw              h.0.fc_b.new         line 34    f32[3072]
+//   %1111  adamw              h.0.fcproj_w.new     line 35    f32[3072,768]
+//   %1114  adamw              h.0.fcproj_b.new     line 36    f32[768]
+//   %1117  adamw              h.1.ln1_w.new        line 25    f32[768]
+//   %1120  adamw              h.1.ln1_b.new        line 26    f32[768]
+//   %1123  adamw              h.1.attn_w.new       line 27    f32[768,2304]
+//   %1126  adamw              h.1.attn_b.new       line 28    f32[2304]
+//   %1129  adamw              h.1.proj_w.new       line 29    f32[768,768]
+//   %1132  adamw              h.1.proj_b.new       line 30    f32[768]
+//   %1135  adamw              h.1.ln2_w.new        line 31    f32[768]
+//   %1138  adamw              h.1.ln2_b.new        line 32    f32[768]
+//   %1141  adamw              h.1.fc_w.new         line 33    f32[768,3072]
+//   %1144  adamw              h.1.fc_b.new         line 34    f32[3072]
+//   %1147  adamw              h.1.fcproj_w.new     line 35    f32[3072,768]
+//   %1150  adamw              h.1.fcproj_b.new     line 36    f32[768]
+//   %1153  adamw              h.2.ln1_w.new        line 25    f32[768]
+//   %1156  adamw              h.2.ln1_b.new        line 26    f32[768]
+//   %1159  adamw              h.2.attn_w.new       line 27    f32[768,2304]
+//   %1162  adamw              h.2.attn_b.new       line 28    f32[2304]
+//   %1165  adamw              h.2.proj_w.new       line 29    f32[768,768]
+//   %1168  adamw              h.2.proj_b.new       line 30    f32[768]
+//   %1171  adamw              h.2.ln2_w.new        line 31    f32[768]
+//   %1174  adamw              h.2.ln2_b.new        line 32    f32[768]
+//   %1177  adamw              h.2.fc_w.new         line 33    f32[768,3072]
+//   %1180  adamw              h.2.fc_b.new         line 34    f32[3072]
+//   %1183  adamw              h.2.fcproj_w.new     line 35    f32[3072,768]
+//   %1186  adamw              h.2.fcproj_b.new     line 36    f32[768]
+//   %1189  adamw              h.3.ln1_w.new        line 25    f32[768]
+//   %1192  adamw              h.3.ln1_b.new        line 26    f32[768]
+//   %1195  adamw              h.3.attn_w.new       line 27    f32[768,2304]
+//   %1198  adamw              h.3.attn_b.new       line 28    f32[2304]
+//   %1201  adamw              h.3.proj_w.new       line 29    f32[768,768]
+//   %1204  adamw              h.3.proj_b.new       line 30    f32[768]
+//   %1207  adamw              h.3.ln2_w.new        line 31    f32[768]
+//   %1210  adamw              h.3.ln2_b.new        line 32    f32[768]
+//   %1213  adamw              h.3.fc_w.new         line 33    f32[768,3072]
+//   %1216  adamw              h.3.fc_b.new         line 34    f32[3072]
+//   %1219  adamw              h.3.fcproj_w.new     line 35    f32[3072,768]
+//   %1222  adamw              h.3.fcproj_b.new     line 36    f32[768]
+//   %1225  adamw              h.4.ln1_w.new        line 25    f32[768]
+//   %1228  adamw              h.4.ln1_b.new        line 26    f32[768]
+//   %1231  adamw              h.4.attn_w.new       line 27    f32[768,2304]
+//   %1234  adamw              h.4.attn_b.new       line 28    f32[2304]
+//   %1237  adamw              h.4.proj_w.new       line 29    f32[768,768]
+//   %1240  adamw              h.4.proj_b.new       line 30    f32[768]
+//   %1243  adamw              h.4.ln2_w.new        line 31    f32[768]
+//   %1246  adamw              h.4.ln2_b.new        line 32    f32[768]
+//   %1249  adamw              h.4.fc_w.new         line 33    f32[768,3072]
+//   %1252  adamw              h.4.fc_b.new         line 34    f32[3072]
+//   %1255  adamw              h.4.fcproj_w.new     line 35    f32[3072,768]
+//   %1258  adamw              h.4.fcproj_b.new     line 36    f32[768]
+//   %1261  adamw              h.5.ln1_w.new        line 25    f32[768]
+//   %1264  adamw              h.5.ln1_b.new        line 26    f32[768]
+//   %1267  adamw              h.5.attn_w.new       line 27    f32[768,2304]
+//   %1270  adamw              h.5.attn_b.new       line 28    f32[2304]
+//   %1273  adamw              h.5.proj_w.new       line 29    f32[768,768]
+//   %1276  adamw              h.5.proj_b.new       line 30    f32[768]
+//   %1279  adamw              h.5.ln2_w.new        line 31    f32[768]
+//   %1282  adamw              h.5.ln2_b.new        line 32    f32[768]
+//   %1285  adamw              h.5.fc_w.new         line 33    f32[768,3072]
+//   %1288  adamw              h.5.fc_b.new         line 34    f32[3072]
+//   %1291  adamw              h.5.fcproj_w.new     line 35    f32[3072,768]
+//   %1294  adamw              h.5.fcproj_b.new     line 36    f32[768]
+//   %1297  adamw              h.6.ln1_w.new        line 25    f32[768]
+//   %1300  adamw              h.6.ln1_b.new        line 26    f32[768]
+//   %1303  adamw              h.6.attn_w.new       line 27    f32[768,2304]
+//   %1306  adamw              h.6.attn_b.new       line 28    f32[2304]
+//   %1309  adamw              h.6.proj_w.new       line 29    f32[768,768]
+//   %1312  adamw              h.6.proj_b.new       line 30    f32[768]
+//   %1315  adamw              h.6.ln2_w.new        line 31    f32[768]
+//   %1318  adamw              h.6.ln2_b.new        line 32    f32[768]
+//   %1321  adamw              h.6.fc_w.new         line 33    f32[768,3072]
+//   %1324  adamw              h.6.fc_b.new         line 34    f32[3072]
+//   %1327  adamw              h.6.fcproj_w.new     line 35    f32[3072,768]
+//   %1330  adamw              h.6.fcproj_b.new     line 36    f32[768]
+//   %1333  adamw              h.7.ln1_w.new        line 25    f32[768]
+//   %1336  adamw              h.7.ln1_b.new        line 26    f32[768]
+//   %1339  adamw              h.7.attn_w.new       line 27    f32[768,2304]
+//   %1342  adamw              h.7.attn_b.new       line 28    f32[2304]
+//   %1345  adamw              h.7.proj_w.new       line 29    f32[768,768]
+//   %1348  adamw              h.7.proj_b.new       line 30    f32[768]
+//   %1351  adamw              h.7.ln2_w.new        line 31    f32[768]
+//   %1354  adamw              h.7.ln2_b.new        line 32    f32[768]
+//   %1357  adamw              h.7.fc_w.new         line 33    f32[768,3072]
+//   %1360  adamw              h.7.fc_b.new         line 34    f32[3072]
+//   %1363  adamw              h.7.fcproj_w.new     line 35    f32[3072,768]
+//   %1366  adamw              h.7.fcproj_b.new     line 36    f32[768]
+//   %1369  adamw              h.8.ln1_w.new        line 25    f32[768]
+//   %1372  adamw              h.8.ln1_b.new        line 26    f32[768]
+//   %1375  adamw              h.8.attn_w.new       line 27    f32[768,2304]
+//   %1378  adamw              h.8.attn_b.new       line 28    f32[2304]
+//   %1381  adamw              h.8.proj_w.new       line 29    f32[768,768]
+//   %1384  adamw              h.8.proj_b.new       line 30    f32[768]
+//   %1387  adamw              h.8.ln2_w.new        line 31    f32[768]
+//   %1390  adamw              h.8.ln2_b.new        line 32    f32[768]
+//   %1393  adamw              h.8.fc_w.new         line 33    f32[768,3072]
+//   %1396  adamw              h.8.fc_b.new         line 34    f32[3072]
+//   %1399  adamw              h.8.fcproj_w.new     line 35    f32[3072,768]
+//   %1402  adamw              h.8.fcproj_b.new     line 36    f32[768]
+//   %1405  adamw              h.9.ln1_w.new        line 25    f32[768]
+//   %1408  adamw              h.9.ln1_b.new        line 26    f32[768]
+//   %1411  adamw              h.9.attn_w.new       line 27    f32[768,2304]
+//   %1414  adamw              h.9.attn_b.new       line 28    f32[2304]
+//   %1417  adamw              h.9.proj_w.new       line 29    f32[768,768]
+//   %1420  adamw              h.9.proj_b.new       line 30    f32[768]
+//   %1423  adamw              h.9.ln2_w.new        line 31    f32[768]
+//   %1426  adamw              h.9.ln2_b.new        line 32    f32[768]
+//   %1429  adamw              h.9.fc_w.new         line 33    f32[768,3072]
+//   %1432  adamw              h.9.fc_b.new         line 34    f32[3072]
+//   %1435  adamw              h.9.fcproj_w.new     line 35    f32[3072,768]
+//   %1438  adamw              h.9.fcproj_b.new     line 36    f32[768]
+//   %1441  adamw              h.10.ln1_w.new       line 25    f32[768]
+//   %1444  adamw              h.10.ln1_b.new       line 26    f32[768]
+//   %1447  adamw              h.10.attn_w.new      line 27    f32[768,2304]
+//   %1450  adamw              h.10.attn_b.new      line 28    f32[2304]
+//   %1453  adamw              h.10.proj_w.new      line 29    f32[768,768]
+//   %1456  adamw              h.10.proj_b.new      line 30    f32[768]
+//   %1459  adamw              h.10.ln2_w.new       line 31    f32[768]
+//   %1462  adamw              h.10.ln2_b.new       line 32    f32[768]
+//   %1465  adamw              h.10.fc_w.new        line 33    f32[768,3072]
+//   %1468  adamw              h.10.fc_b.new        line 34    f32[3072]
+//   %1471  adamw              h.10.fcproj_w.new    line 35    f32[3072,768]
+//   %1474  adamw              h.10.fcproj_b.new    line 36    f32[768]
+//   %1477  adamw              h.11.ln1_w.new       line 25    f32[768]
+//   %1480  adamw              h.11.ln1_b.new       line 26    f32[768]
+//   %1483  adamw              h.11.attn_w.new      line 27    f32[768,2304]
+//   %1486  adamw              h.11.attn_b.new      line 28    f32[2304]
+//   %1489  adamw              h.11.proj_w.new      line 29    f32[768,768]
+//   %1492  adamw              h.11.proj_b.new      line 30    f32[768]
+//   %1495  adamw              h.11.ln2_w.new       line 31    f32[768]
+//   %1498  adamw              h.11.ln2_b.new       line 32    f32[768]
+//   %1501  adamw              h.11.fc_w.new        line 33    f32[768,3072]
+//   %1504  adamw              h.11.fc_b.new        line 34    f32[3072]
+//   %1507  adamw              h.11.fcproj_w.new    line 35    f32[3072,768]
+//   %1510  adamw              h.11.fcproj_b.new    line 36    f32[768]
+//   %1513  adamw              lnf_w.new            line 43    f32[768]
+//   %1516  adamw              lnf_b.new            line 44    f32[768]
 // runs:
 //   k237_grad_norm__adamw_sumsq<<<15191, 256>>>
 //   k237_grad_norm__adamw_norm<<<1, 256>>>

@@ -1430,7 +1430,7 @@ static void k35_gemm(char *arena, const MdlHooks *h) {
 // k36_gemm__add: GEMM, 3 ops
 //   %152   matmul                                  line 40    f32[512,64]
 //   %154   reshape                                 line 40    f32[8,64,64]
-//   %161   add                d.layers.1.a         line 40    f32[8,64,64]
+//   %161   add                d.layers.1.a         line 39    f32[8,64,64]
 // loops:
 //   gemm %152: [512 x 64] = [512 x 172] T[172 x 64], bf16 operands widened to f32, epilogue after
 //   elementwise over 32768: %161
@@ -1462,8 +1462,8 @@ static void k36_gemm__add(char *arena, const MdlHooks *h) {
 
 // k37_rmsnorm_bwd__add__cast: kernel, 5 ops
 //   %162   rmsnorm_bwd                             line 39    f32[8,64,64]
-//   %163   add                d.layers.1.x         line 39    f32[8,64,64]
-//   %164   rmsnorm_bwd        d.layers.1.mlp_norm  line 39    f32[64]
+//   %163   rmsnorm_bwd        d.layers.1.mlp_norm  line 39    f32[64]
+//   %164   add                d.layers.1.x         line 38    f32[8,64,64]
 //   %165   reshape                                 line 38    f32[512,64]
 //   %166   cast                                    line 38    bf16[512,64]
 // loops:
@@ -1473,8 +1473,8 @@ static void k37_rmsnorm_bwd__add__cast(char *arena, const MdlHooks *h) {
   float *const b98 = (float *)(arena + 5565568); // %98 add layers.1.x f32[8,64,64]
   float *const b141 = (float *)(arena + 5696640); // %141 rmsnorm_bwd d.layers.1.x f32[8,64,64]
   float *const b161 = (float *)(arena + 3718272); // %161 add d.layers.1.a f32[8,64,64]
-  float *const b163 = (float *)(arena + 3411072); // %163 add d.layers.1.x f32[8,64,64]
-  float *const b164 = (float *)(arena + 857088); // %164 rmsnorm_bwd d.layers.1.mlp_norm f32[64]
+  float *const b163 = (float *)(arena + 857088); // %163 rmsnorm_bwd d.layers.1.mlp_norm f32[64]
+  float *const b164 = (float *)(arena + 3411072); // %164 add d.layers.1.x f32[8,64,64]
   uint16_t *const b166 = (uint16_t *)(arena + 3542144); // %166 cast bf16[512,64]
   double *pdw = mdl_scratch(2048 * sizeof(double));
   #pragma omp parallel num_threads(h->nthreads)
@@ -1506,9 +1506,9 @@ static void k37_rmsnorm_bwd__add__cast(char *arena, const MdlHooks *h) {
         for (int64_t j = 0; j < 64; j++) {
           const int64_t ix = r * 64 + j;
           const float v141_ix = b141[ix];
-          const float v163_ix = v141_ix + dx[j];
-          b163[ix] = v163_ix;
-          const float v165_ix = v163_ix;
+          const float v164_ix = v141_ix + dx[j];
+          b164[ix] = v164_ix;
+          const float v165_ix = v164_ix;
           const float v166_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v165_ix));
           b166[ix] = mdl_f32_to_bf16(v166_ix);
         }
@@ -1521,7 +1521,7 @@ static void k37_rmsnorm_bwd__add__cast(char *arena, const MdlHooks *h) {
     for (int64_t k = 0; k < 32; k++) {
       w += pdw[k * 64 + j];
     }
-    b164[j] = (float)w;
+    b163[j] = (float)w;
   }
   free(pdw);
 }
@@ -1823,22 +1823,22 @@ static void k45_gemm(char *arena, const MdlHooks *h) {
 }
 
 // k46_rope__cast: kernel, 3 ops
-//   %188   rope                                    line 36    f32[8,64,64]
-//   %189   reshape                                 line 36    f32[512,64]
-//   %190   cast                                    line 36    bf16[512,64]
+//   %187   rope                                    line 36    f32[8,64,64]
+//   %188   reshape                                 line 36    f32[512,64]
+//   %189   cast                                    line 36    bf16[512,64]
 // loops:
 //   rope (inverse): 512 rows, 4 heads of 16
-//   elementwise over 32768: %190
+//   elementwise over 32768: %189
 static void k46_rope__cast(char *arena, const MdlHooks *h) {
   int32_t *const b2 = (int32_t *)(arena + 2350080); // %2 input pos i32[8,64]
   float *const b173 = (float *)(arena + 3542144); // %173 attention_bwd d.layers.1.q f32[8,64,64]
-  float *const b188 = mdl_scratch(131072); // %188 rope f32[8,64,64], kept in this kernel
-  uint16_t *const b190 = (uint16_t *)(arena + 3804288); // %190 cast bf16[512,64]
+  float *const b187 = mdl_scratch(131072); // %187 rope f32[8,64,64], kept in this kernel
+  uint16_t *const b189 = (uint16_t *)(arena + 3804288); // %189 cast bf16[512,64]
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
   for (int64_t r = 0; r < 512; r++) {
     const double p = -1.0 * b2[r];
     const float *x = b173 + r * 64;
-    float *y = b188 + r * 64;
+    float *y = b187 + r * 64;
     for (int64_t i = 0; i < 8; i++) {
       const double th = p * pow(1e+04, -2.0 * (double)i / 16);
       const float cs = (float)cos(th), sn = (float)sin(th);
@@ -1854,54 +1854,54 @@ static void k46_rope__cast(char *arena, const MdlHooks *h) {
   for (int64_t r = 0; r < 512; r++) {
     for (int64_t c = 0; c < 64; c++) {
       const int64_t i = r * 64 + c;
-      const float v188_i = b188[i];
-      const float v189_i = v188_i;
-      const float v190_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v189_i));
-      b190[i] = mdl_f32_to_bf16(v190_i);
+      const float v187_i = b187[i];
+      const float v188_i = v187_i;
+      const float v189_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v188_i));
+      b189[i] = mdl_f32_to_bf16(v189_i);
     }
   }
-  free(b188);
+  free(b187);
 }
 
 // k47_gemm: GEMM, 1 op
-//   %191   matmul                                  line 36    f32[512,64]
+//   %190   matmul                                  line 36    f32[512,64]
 // loops:
-//   gemm %191: [512 x 64] = [512 x 64] T[64 x 64], bf16 operands widened to f32
+//   gemm %190: [512 x 64] = [512 x 64] T[64 x 64], bf16 operands widened to f32
 static void k47_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b74 = (uint16_t *)(arena + 2211840); // %74 cast bf16[64,64]
-  uint16_t *const b190 = (uint16_t *)(arena + 3804288); // %190 cast bf16[512,64]
-  float *const b191 = (float *)(arena + 3542144); // %191 matmul f32[512,64]
+  uint16_t *const b189 = (uint16_t *)(arena + 3804288); // %189 cast bf16[512,64]
+  float *const b190 = (float *)(arena + 3542144); // %190 matmul f32[512,64]
   {
-    float *const w190 = mdl_widen_bf16(b190, 32768, h->nthreads);
+    float *const w189 = mdl_widen_bf16(b189, 32768, h->nthreads);
     float *const w74 = mdl_widen_bf16(b74, 4096, h->nthreads);
-    mdl_gemm(h, 0, 1, 512, 64, 64, w190, 64, w74, 64, 0.0f, b191, 64);
-    free(w190);
+    mdl_gemm(h, 0, 1, 512, 64, 64, w189, 64, w74, 64, 0.0f, b190, 64);
+    free(w189);
     free(w74);
   }
 }
 
 // k48_gemm: GEMM, 1 op
-//   %192   matmul             d.layers.1.wq        line 36    f32[64,64]
+//   %191   matmul             d.layers.1.wq        line 36    f32[64,64]
 // loops:
-//   gemm %192: [64 x 64] = T[64 x 512] [512 x 64], bf16 operands widened to f32
+//   gemm %191: [64 x 64] = T[64 x 512] [512 x 64], bf16 operands widened to f32
 static void k48_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b73 = (uint16_t *)(arena + 6417536); // %73 cast bf16[512,64]
-  uint16_t *const b190 = (uint16_t *)(arena + 3804288); // %190 cast bf16[512,64]
-  float *const b192 = (float *)(arena + 791552); // %192 matmul d.layers.1.wq f32[64,64]
+  uint16_t *const b189 = (uint16_t *)(arena + 3804288); // %189 cast bf16[512,64]
+  float *const b191 = (float *)(arena + 791552); // %191 matmul d.layers.1.wq f32[64,64]
   {
     float *const w73 = mdl_widen_bf16(b73, 32768, h->nthreads);
-    float *const w190 = mdl_widen_bf16(b190, 32768, h->nthreads);
-    mdl_gemm(h, 1, 0, 64, 64, 512, w73, 64, w190, 64, 0.0f, b192, 64);
+    float *const w189 = mdl_widen_bf16(b189, 32768, h->nthreads);
+    mdl_gemm(h, 1, 0, 64, 64, 512, w73, 64, w189, 64, 0.0f, b191, 64);
     free(w73);
-    free(w190);
+    free(w189);
   }
 }
 
 // k49_gemm__add: GEMM, 4 ops
 //   %178   matmul                                  line 38    f32[512,64]
 //   %180   reshape                                 line 38    f32[8,64,64]
-//   %187   add                                     line 37    f32[8,64,64]
-//   %194   add                d.layers.1.a         line 36    f32[8,64,64]
+//   %193   add                                     line 35    f32[8,64,64]
+//   %194   add                d.layers.1.a         line 35    f32[8,64,64]
 // loops:
 //   gemm %178: [512 x 64] = [512 x 64] T[64 x 64], bf16 operands widened to f32, epilogue after
 //   elementwise over 32768: %194
@@ -1909,7 +1909,7 @@ static void k49_gemm__add(char *arena, const MdlHooks *h) {
   uint16_t *const b86 = (uint16_t *)(arena + 2228224); // %86 cast bf16[64,64]
   uint16_t *const b177 = (uint16_t *)(arena + 3935360); // %177 cast bf16[512,64]
   float *const b184 = (float *)(arena + 3673216); // %184 matmul f32[512,64]
-  float *const b191 = (float *)(arena + 3542144); // %191 matmul f32[512,64]
+  float *const b190 = (float *)(arena + 3542144); // %190 matmul f32[512,64]
   float *const b194 = (float *)(arena + 3804288); // %194 add d.layers.1.a f32[8,64,64]
   float *const b178 = b194; // %178 matmul f32[512,64]: the GEMM writes into its epilogue's output
   {
@@ -1926,9 +1926,9 @@ static void k49_gemm__add(char *arena, const MdlHooks *h) {
       const float v178_i = b178[i];
       const float v180_i = v178_i;
       const float v184_i = b184[i];
-      const float v187_i = v180_i + v184_i;
-      const float v191_i = b191[i];
-      const float v194_i = v187_i + v191_i;
+      const float v193_i = v180_i + v184_i;
+      const float v190_i = b190[i];
+      const float v194_i = v193_i + v190_i;
       b194[i] = v194_i;
     }
   }
@@ -1936,8 +1936,8 @@ static void k49_gemm__add(char *arena, const MdlHooks *h) {
 
 // k50_rmsnorm_bwd__add__cast: kernel, 5 ops
 //   %195   rmsnorm_bwd                             line 35    f32[8,64,64]
-//   %196   add                d.layers.0.x         line 35    f32[8,64,64]
-//   %197   rmsnorm_bwd        d.layers.1.attn_norm line 35    f32[64]
+//   %196   rmsnorm_bwd        d.layers.1.attn_norm line 35    f32[64]
+//   %197   add                d.layers.0.x         line 40    f32[8,64,64]
 //   %198   reshape                                 line 40    f32[512,64]
 //   %199   cast                                    line 40    bf16[512,64]
 // loops:
@@ -1945,10 +1945,10 @@ static void k49_gemm__add(char *arena, const MdlHooks *h) {
 static void k50_rmsnorm_bwd__add__cast(char *arena, const MdlHooks *h) {
   float *const b61 = (float *)(arena + 5434496); // %61 add layers.0.x f32[8,64,64]
   float *const b62 = (float *)(arena + 263680); // %62 param layers.1.attn_norm f32[64]
-  float *const b163 = (float *)(arena + 3411072); // %163 add d.layers.1.x f32[8,64,64]
+  float *const b164 = (float *)(arena + 3411072); // %164 add d.layers.1.x f32[8,64,64]
   float *const b194 = (float *)(arena + 3804288); // %194 add d.layers.1.a f32[8,64,64]
-  float *const b196 = (float *)(arena + 3939456); // %196 add d.layers.0.x f32[8,64,64]
-  float *const b197 = (float *)(arena + 791296); // %197 rmsnorm_bwd d.layers.1.attn_norm f32[64]
+  float *const b196 = (float *)(arena + 791296); // %196 rmsnorm_bwd d.layers.1.attn_norm f32[64]
+  float *const b197 = (float *)(arena + 3939456); // %197 add d.layers.0.x f32[8,64,64]
   uint16_t *const b199 = (uint16_t *)(arena + 4070528); // %199 cast bf16[512,64]
   double *pdw = mdl_scratch(2048 * sizeof(double));
   #pragma omp parallel num_threads(h->nthreads)
@@ -1979,10 +1979,10 @@ static void k50_rmsnorm_bwd__add__cast(char *arena, const MdlHooks *h) {
           dx[j] = (float)(s * dy[j] * b62[j] - s * s * s * x[j] * mgx);
         for (int64_t j = 0; j < 64; j++) {
           const int64_t ix = r * 64 + j;
-          const float v163_ix = b163[ix];
-          const float v196_ix = v163_ix + dx[j];
-          b196[ix] = v196_ix;
-          const float v198_ix = v196_ix;
+          const float v164_ix = b164[ix];
+          const float v197_ix = v164_ix + dx[j];
+          b197[ix] = v197_ix;
+          const float v198_ix = v197_ix;
           const float v199_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v198_ix));
           b199[ix] = mdl_f32_to_bf16(v199_ix);
         }
@@ -1995,7 +1995,7 @@ static void k50_rmsnorm_bwd__add__cast(char *arena, const MdlHooks *h) {
     for (int64_t k = 0; k < 32; k++) {
       w += pdw[k * 64 + j];
     }
-    b197[j] = (float)w;
+    b196[j] = (float)w;
   }
   free(pdw);
 }
@@ -2134,7 +2134,7 @@ static void k56_gemm(char *arena, const MdlHooks *h) {
 // k57_gemm__add: GEMM, 3 ops
 //   %207   matmul                                  line 40    f32[512,64]
 //   %209   reshape                                 line 40    f32[8,64,64]
-//   %216   add                d.layers.0.a         line 40    f32[8,64,64]
+//   %216   add                d.layers.0.a         line 39    f32[8,64,64]
 // loops:
 //   gemm %207: [512 x 64] = [512 x 172] T[172 x 64], bf16 operands widened to f32, epilogue after
 //   elementwise over 32768: %216
@@ -2166,8 +2166,8 @@ static void k57_gemm__add(char *arena, const MdlHooks *h) {
 
 // k58_rmsnorm_bwd__add__cast: kernel, 5 ops
 //   %217   rmsnorm_bwd                             line 39    f32[8,64,64]
-//   %218   add                d.layers.0.x         line 39    f32[8,64,64]
-//   %219   rmsnorm_bwd        d.layers.0.mlp_norm  line 39    f32[64]
+//   %218   rmsnorm_bwd        d.layers.0.mlp_norm  line 39    f32[64]
+//   %219   add                d.layers.0.x         line 38    f32[8,64,64]
 //   %220   reshape                                 line 38    f32[512,64]
 //   %221   cast                                    line 38    bf16[512,64]
 // loops:
@@ -2175,10 +2175,10 @@ static void k57_gemm__add(char *arena, const MdlHooks *h) {
 static void k58_rmsnorm_bwd__add__cast(char *arena, const MdlHooks *h) {
   float *const b11 = (float *)(arena + 131328); // %11 param layers.0.mlp_norm f32[64]
   float *const b42 = (float *)(arena + 5303424); // %42 add layers.0.x f32[8,64,64]
-  float *const b196 = (float *)(arena + 3939456); // %196 add d.layers.0.x f32[8,64,64]
+  float *const b197 = (float *)(arena + 3939456); // %197 add d.layers.0.x f32[8,64,64]
   float *const b216 = (float *)(arena + 2661504); // %216 add d.layers.0.a f32[8,64,64]
-  float *const b218 = (float *)(arena + 2354304); // %218 add d.layers.0.x f32[8,64,64]
-  float *const b219 = (float *)(arena + 658944); // %219 rmsnorm_bwd d.layers.0.mlp_norm f32[64]
+  float *const b218 = (float *)(arena + 658944); // %218 rmsnorm_bwd d.layers.0.mlp_norm f32[64]
+  float *const b219 = (float *)(arena + 2354304); // %219 add d.layers.0.x f32[8,64,64]
   uint16_t *const b221 = (uint16_t *)(arena + 2485376); // %221 cast bf16[512,64]
   double *pdw = mdl_scratch(2048 * sizeof(double));
   #pragma omp parallel num_threads(h->nthreads)
@@ -2209,10 +2209,10 @@ static void k58_rmsnorm_bwd__add__cast(char *arena, const MdlHooks *h) {
           dx[j] = (float)(s * dy[j] * b11[j] - s * s * s * x[j] * mgx);
         for (int64_t j = 0; j < 64; j++) {
           const int64_t ix = r * 64 + j;
-          const float v196_ix = b196[ix];
-          const float v218_ix = v196_ix + dx[j];
-          b218[ix] = v218_ix;
-          const float v220_ix = v218_ix;
+          const float v197_ix = b197[ix];
+          const float v219_ix = v197_ix + dx[j];
+          b219[ix] = v219_ix;
+          const float v220_ix = v219_ix;
           const float v221_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v220_ix));
           b221[ix] = mdl_f32_to_bf16(v221_ix);
         }
@@ -2225,7 +2225,7 @@ static void k58_rmsnorm_bwd__add__cast(char *arena, const MdlHooks *h) {
     for (int64_t k = 0; k < 32; k++) {
       w += pdw[k * 64 + j];
     }
-    b219[j] = (float)w;
+    b218[j] = (float)w;
   }
   free(pdw);
 }
@@ -2527,22 +2527,22 @@ static void k66_gemm(char *arena, const MdlHooks *h) {
 }
 
 // k67_rope__cast: kernel, 3 ops
-//   %243   rope                                    line 36    f32[8,64,64]
-//   %244   reshape                                 line 36    f32[512,64]
-//   %245   cast                                    line 36    bf16[512,64]
+//   %242   rope                                    line 36    f32[8,64,64]
+//   %243   reshape                                 line 36    f32[512,64]
+//   %244   cast                                    line 36    bf16[512,64]
 // loops:
 //   rope (inverse): 512 rows, 4 heads of 16
-//   elementwise over 32768: %245
+//   elementwise over 32768: %244
 static void k67_rope__cast(char *arena, const MdlHooks *h) {
   int32_t *const b2 = (int32_t *)(arena + 2350080); // %2 input pos i32[8,64]
   float *const b228 = (float *)(arena + 2485376); // %228 attention_bwd d.layers.0.q f32[8,64,64]
-  float *const b243 = mdl_scratch(131072); // %243 rope f32[8,64,64], kept in this kernel
-  uint16_t *const b245 = (uint16_t *)(arena + 2747520); // %245 cast bf16[512,64]
+  float *const b242 = mdl_scratch(131072); // %242 rope f32[8,64,64], kept in this kernel
+  uint16_t *const b244 = (uint16_t *)(arena + 2747520); // %244 cast bf16[512,64]
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
   for (int64_t r = 0; r < 512; r++) {
     const double p = -1.0 * b2[r];
     const float *x = b228 + r * 64;
-    float *y = b243 + r * 64;
+    float *y = b242 + r * 64;
     for (int64_t i = 0; i < 8; i++) {
       const double th = p * pow(1e+04, -2.0 * (double)i / 16);
       const float cs = (float)cos(th), sn = (float)sin(th);
@@ -2558,54 +2558,54 @@ static void k67_rope__cast(char *arena, const MdlHooks *h) {
   for (int64_t r = 0; r < 512; r++) {
     for (int64_t c = 0; c < 64; c++) {
       const int64_t i = r * 64 + c;
-      const float v243_i = b243[i];
-      const float v244_i = v243_i;
-      const float v245_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v244_i));
-      b245[i] = mdl_f32_to_bf16(v245_i);
+      const float v242_i = b242[i];
+      const float v243_i = v242_i;
+      const float v244_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v243_i));
+      b244[i] = mdl_f32_to_bf16(v244_i);
     }
   }
-  free(b243);
+  free(b242);
 }
 
 // k68_gemm: GEMM, 1 op
-//   %246   matmul                                  line 36    f32[512,64]
+//   %245   matmul                                  line 36    f32[512,64]
 // loops:
-//   gemm %246: [512 x 64] = [512 x 64] T[64 x 64], bf16 operands widened to f32
+//   gemm %245: [512 x 64] = [512 x 64] T[64 x 64], bf16 operands widened to f32
 static void k68_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b18 = (uint16_t *)(arena + 2110464); // %18 cast bf16[64,64]
-  uint16_t *const b245 = (uint16_t *)(arena + 2747520); // %245 cast bf16[512,64]
-  float *const b246 = (float *)(arena + 2485376); // %246 matmul f32[512,64]
+  uint16_t *const b244 = (uint16_t *)(arena + 2747520); // %244 cast bf16[512,64]
+  float *const b245 = (float *)(arena + 2485376); // %245 matmul f32[512,64]
   {
-    float *const w245 = mdl_widen_bf16(b245, 32768, h->nthreads);
+    float *const w244 = mdl_widen_bf16(b244, 32768, h->nthreads);
     float *const w18 = mdl_widen_bf16(b18, 4096, h->nthreads);
-    mdl_gemm(h, 0, 1, 512, 64, 64, w245, 64, w18, 64, 0.0f, b246, 64);
-    free(w245);
+    mdl_gemm(h, 0, 1, 512, 64, 64, w244, 64, w18, 64, 0.0f, b245, 64);
+    free(w244);
     free(w18);
   }
 }
 
 // k69_gemm: GEMM, 1 op
-//   %247   matmul             d.layers.0.wq        line 36    f32[64,64]
+//   %246   matmul             d.layers.0.wq        line 36    f32[64,64]
 // loops:
-//   gemm %247: [64 x 64] = T[64 x 512] [512 x 64], bf16 operands widened to f32
+//   gemm %246: [64 x 64] = T[64 x 512] [512 x 64], bf16 operands widened to f32
 static void k69_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b17 = (uint16_t *)(arena + 5827712); // %17 cast bf16[512,64]
-  uint16_t *const b245 = (uint16_t *)(arena + 2747520); // %245 cast bf16[512,64]
-  float *const b247 = (float *)(arena + 593408); // %247 matmul d.layers.0.wq f32[64,64]
+  uint16_t *const b244 = (uint16_t *)(arena + 2747520); // %244 cast bf16[512,64]
+  float *const b246 = (float *)(arena + 593408); // %246 matmul d.layers.0.wq f32[64,64]
   {
     float *const w17 = mdl_widen_bf16(b17, 32768, h->nthreads);
-    float *const w245 = mdl_widen_bf16(b245, 32768, h->nthreads);
-    mdl_gemm(h, 1, 0, 64, 64, 512, w17, 64, w245, 64, 0.0f, b247, 64);
+    float *const w244 = mdl_widen_bf16(b244, 32768, h->nthreads);
+    mdl_gemm(h, 1, 0, 64, 64, 512, w17, 64, w244, 64, 0.0f, b246, 64);
     free(w17);
-    free(w245);
+    free(w244);
   }
 }
 
 // k70_gemm__add: GEMM, 4 ops
 //   %233   matmul                                  line 38    f32[512,64]
 //   %235   reshape                                 line 38    f32[8,64,64]
-//   %242   add                                     line 37    f32[8,64,64]
-//   %249   add                d.layers.0.a         line 36    f32[8,64,64]
+//   %248   add                                     line 35    f32[8,64,64]
+//   %249   add                d.layers.0.a         line 35    f32[8,64,64]
 // loops:
 //   gemm %233: [512 x 64] = [512 x 64] T[64 x 64], bf16 operands widened to f32, epilogue after
 //   elementwise over 32768: %249
@@ -2613,7 +2613,7 @@ static void k70_gemm__add(char *arena, const MdlHooks *h) {
   uint16_t *const b30 = (uint16_t *)(arena + 2126848); // %30 cast bf16[64,64]
   uint16_t *const b232 = (uint16_t *)(arena + 2878592); // %232 cast bf16[512,64]
   float *const b239 = (float *)(arena + 2616448); // %239 matmul f32[512,64]
-  float *const b246 = (float *)(arena + 2485376); // %246 matmul f32[512,64]
+  float *const b245 = (float *)(arena + 2485376); // %245 matmul f32[512,64]
   float *const b249 = (float *)(arena + 2747520); // %249 add d.layers.0.a f32[8,64,64]
   float *const b233 = b249; // %233 matmul f32[512,64]: the GEMM writes into its epilogue's output
   {
@@ -2630,9 +2630,9 @@ static void k70_gemm__add(char *arena, const MdlHooks *h) {
       const float v233_i = b233[i];
       const float v235_i = v233_i;
       const float v239_i = b239[i];
-      const float v242_i = v235_i + v239_i;
-      const float v246_i = b246[i];
-      const float v249_i = v242_i + v246_i;
+      const float v248_i = v235_i + v239_i;
+      const float v245_i = b245[i];
+      const float v249_i = v248_i + v245_i;
       b249[i] = v249_i;
     }
   }
@@ -2640,17 +2640,17 @@ static void k70_gemm__add(char *arena, const MdlHooks *h) {
 
 // k71_rmsnorm_bwd__add: kernel, 3 ops
 //   %250   rmsnorm_bwd                             line 35    f32[8,64,64]
-//   %251   add                d.x                  line 35    f32[8,64,64]
-//   %252   rmsnorm_bwd        d.layers.0.attn_norm line 35    f32[64]
+//   %251   rmsnorm_bwd        d.layers.0.attn_norm line 35    f32[64]
+//   %252   add                d.x                  line 22    f32[8,64,64]
 // loops:
 //   rmsnorm_bwd: 512 rows of 64, column sums over 32 blocks of 16 rows
 static void k71_rmsnorm_bwd__add(char *arena, const MdlHooks *h) {
   float *const b5 = (float *)(arena + 5172352); // %5 embed x f32[8,64,64]
   float *const b6 = (float *)(arena + 65536); // %6 param layers.0.attn_norm f32[64]
-  float *const b218 = (float *)(arena + 2354304); // %218 add d.layers.0.x f32[8,64,64]
+  float *const b219 = (float *)(arena + 2354304); // %219 add d.layers.0.x f32[8,64,64]
   float *const b249 = (float *)(arena + 2747520); // %249 add d.layers.0.a f32[8,64,64]
-  float *const b251 = (float *)(arena + 2485376); // %251 add d.x f32[8,64,64]
-  float *const b252 = (float *)(arena + 593152); // %252 rmsnorm_bwd d.layers.0.attn_norm f32[64]
+  float *const b251 = (float *)(arena + 593152); // %251 rmsnorm_bwd d.layers.0.attn_norm f32[64]
+  float *const b252 = (float *)(arena + 2485376); // %252 add d.x f32[8,64,64]
   double *pdw = mdl_scratch(2048 * sizeof(double));
   #pragma omp parallel num_threads(h->nthreads)
   {
@@ -2680,9 +2680,9 @@ static void k71_rmsnorm_bwd__add(char *arena, const MdlHooks *h) {
           dx[j] = (float)(s * dy[j] * b6[j] - s * s * s * x[j] * mgx);
         for (int64_t j = 0; j < 64; j++) {
           const int64_t ix = r * 64 + j;
-          const float v218_ix = b218[ix];
-          const float v251_ix = v218_ix + dx[j];
-          b251[ix] = v251_ix;
+          const float v219_ix = b219[ix];
+          const float v252_ix = v219_ix + dx[j];
+          b252[ix] = v252_ix;
         }
       }
     }
@@ -2693,7 +2693,7 @@ static void k71_rmsnorm_bwd__add(char *arena, const MdlHooks *h) {
     for (int64_t k = 0; k < 32; k++) {
       w += pdw[k * 64 + j];
     }
-    b252[j] = (float)w;
+    b251[j] = (float)w;
   }
   free(pdw);
 }
@@ -2704,7 +2704,7 @@ static void k71_rmsnorm_bwd__add(char *arena, const MdlHooks *h) {
 //   embed backward: 512 rows of 64 into a table of 256, 4 column blocks
 static void k72_embed_bwd(char *arena, const MdlHooks *h) {
   int32_t *const b0 = (int32_t *)(arena + 2345984); // %0 input tokens i32[8,64]
-  float *const b251 = (float *)(arena + 2485376); // %251 add d.x f32[8,64,64]
+  float *const b252 = (float *)(arena + 2485376); // %252 add d.x f32[8,64,64]
   float *const b253 = (float *)(arena + 527616); // %253 embed_bwd d.tok_emb f32[256,64]
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
   for (int64_t k = 0; k < 4; k++) {
@@ -2719,7 +2719,7 @@ static void k72_embed_bwd(char *arena, const MdlHooks *h) {
         continue;
       }
       for (int64_t j = c0; j < c1; j++)
-        b253[(int64_t)id * 64 + j] += b251[r * 64 + j];
+        b253[(int64_t)id * 64 + j] += b252[r * 64 + j];
     }
   }
 }
@@ -2756,21 +2756,21 @@ static void k73_grad_norm__adamw(char *arena, const MdlHooks *h) {
   float *const b146 = (float *)(arena + 945408); // %146 matmul d.layers.1.w2 f32[172,64]
   float *const b153 = (float *)(arena + 901376); // %153 matmul d.layers.1.w3 f32[64,172]
   float *const b159 = (float *)(arena + 857344); // %159 matmul d.layers.1.w1 f32[64,172]
-  float *const b164 = (float *)(arena + 857088); // %164 rmsnorm_bwd d.layers.1.mlp_norm f32[64]
+  float *const b163 = (float *)(arena + 857088); // %163 rmsnorm_bwd d.layers.1.mlp_norm f32[64]
   float *const b168 = (float *)(arena + 840704); // %168 matmul d.layers.1.wo f32[64,64]
   float *const b179 = (float *)(arena + 824320); // %179 matmul d.layers.1.wv f32[64,64]
   float *const b185 = (float *)(arena + 807936); // %185 matmul d.layers.1.wk f32[64,64]
-  float *const b192 = (float *)(arena + 791552); // %192 matmul d.layers.1.wq f32[64,64]
-  float *const b197 = (float *)(arena + 791296); // %197 rmsnorm_bwd d.layers.1.attn_norm f32[64]
+  float *const b191 = (float *)(arena + 791552); // %191 matmul d.layers.1.wq f32[64,64]
+  float *const b196 = (float *)(arena + 791296); // %196 rmsnorm_bwd d.layers.1.attn_norm f32[64]
   float *const b201 = (float *)(arena + 747264); // %201 matmul d.layers.0.w2 f32[172,64]
   float *const b208 = (float *)(arena + 703232); // %208 matmul d.layers.0.w3 f32[64,172]
   float *const b214 = (float *)(arena + 659200); // %214 matmul d.layers.0.w1 f32[64,172]
-  float *const b219 = (float *)(arena + 658944); // %219 rmsnorm_bwd d.layers.0.mlp_norm f32[64]
+  float *const b218 = (float *)(arena + 658944); // %218 rmsnorm_bwd d.layers.0.mlp_norm f32[64]
   float *const b223 = (float *)(arena + 642560); // %223 matmul d.layers.0.wo f32[64,64]
   float *const b234 = (float *)(arena + 626176); // %234 matmul d.layers.0.wv f32[64,64]
   float *const b240 = (float *)(arena + 609792); // %240 matmul d.layers.0.wk f32[64,64]
-  float *const b247 = (float *)(arena + 593408); // %247 matmul d.layers.0.wq f32[64,64]
-  float *const b252 = (float *)(arena + 593152); // %252 rmsnorm_bwd d.layers.0.attn_norm f32[64]
+  float *const b246 = (float *)(arena + 593408); // %246 matmul d.layers.0.wq f32[64,64]
+  float *const b251 = (float *)(arena + 593152); // %251 rmsnorm_bwd d.layers.0.attn_norm f32[64]
   float *const b253 = (float *)(arena + 527616); // %253 embed_bwd d.tok_emb f32[256,64]
   float *const b254 = (float *)(arena + 2354176); // %254 scalar lr f32[]
   float *const b255 = (float *)(arena + 2354240); // %255 scalar step f32[]
@@ -2778,21 +2778,21 @@ static void k73_grad_norm__adamw(char *arena, const MdlHooks *h) {
   {
     double ss = 0;
     ss += mdl_sumsq(b253, 16384, h->nthreads); // d.tok_emb
-    ss += mdl_sumsq(b252, 64, h->nthreads); // d.layers.0.attn_norm
-    ss += mdl_sumsq(b247, 4096, h->nthreads); // d.layers.0.wq
+    ss += mdl_sumsq(b251, 64, h->nthreads); // d.layers.0.attn_norm
+    ss += mdl_sumsq(b246, 4096, h->nthreads); // d.layers.0.wq
     ss += mdl_sumsq(b240, 4096, h->nthreads); // d.layers.0.wk
     ss += mdl_sumsq(b234, 4096, h->nthreads); // d.layers.0.wv
     ss += mdl_sumsq(b223, 4096, h->nthreads); // d.layers.0.wo
-    ss += mdl_sumsq(b219, 64, h->nthreads); // d.layers.0.mlp_norm
+    ss += mdl_sumsq(b218, 64, h->nthreads); // d.layers.0.mlp_norm
     ss += mdl_sumsq(b214, 11008, h->nthreads); // d.layers.0.w1
     ss += mdl_sumsq(b208, 11008, h->nthreads); // d.layers.0.w3
     ss += mdl_sumsq(b201, 11008, h->nthreads); // d.layers.0.w2
-    ss += mdl_sumsq(b197, 64, h->nthreads); // d.layers.1.attn_norm
-    ss += mdl_sumsq(b192, 4096, h->nthreads); // d.layers.1.wq
+    ss += mdl_sumsq(b196, 64, h->nthreads); // d.layers.1.attn_norm
+    ss += mdl_sumsq(b191, 4096, h->nthreads); // d.layers.1.wq
     ss += mdl_sumsq(b185, 4096, h->nthreads); // d.layers.1.wk
     ss += mdl_sumsq(b179, 4096, h->nthreads); // d.layers.1.wv
     ss += mdl_sumsq(b168, 4096, h->nthreads); // d.layers.1.wo
-    ss += mdl_sumsq(b164, 64, h->nthreads); // d.layers.1.mlp_norm
+    ss += mdl_sumsq(b163, 64, h->nthreads); // d.layers.1.mlp_norm
     ss += mdl_sumsq(b159, 11008, h->nthreads); // d.layers.1.w1
     ss += mdl_sumsq(b153, 11008, h->nthreads); // d.layers.1.w3
     ss += mdl_sumsq(b146, 11008, h->nthreads); // d.layers.1.w2

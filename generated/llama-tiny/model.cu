@@ -1239,14 +1239,14 @@ extern "C" __global__ void __launch_bounds__(256) k32_cast__mul(char *arena, Mdl
 // k36_gemm__add: GEMM, 3 ops
 //   %152   matmul                                  line 40    f32[512,64]
 //   %154   reshape                                 line 40    f32[8,64,64]
-//   %161   add                d.layers.1.a         line 40    f32[8,64,64]
+//   %161   add                d.layers.1.a         line 39    f32[8,64,64]
 // runs:
 //   gemm 22: [512 x 64] = [512 x 172] T[172 x 64] + a residual C, bf16 A and B, f32 C
 
 // k37_rmsnorm_bwd__add__cast: kernel, 5 ops
 //   %162   rmsnorm_bwd                             line 39    f32[8,64,64]
-//   %163   add                d.layers.1.x         line 39    f32[8,64,64]
-//   %164   rmsnorm_bwd        d.layers.1.mlp_norm  line 39    f32[64]
+//   %163   rmsnorm_bwd        d.layers.1.mlp_norm  line 39    f32[64]
+//   %164   add                d.layers.1.x         line 38    f32[8,64,64]
 //   %165   reshape                                 line 38    f32[512,64]
 //   %166   cast                                    line 38    bf16[512,64]
 // runs:
@@ -1739,28 +1739,28 @@ extern "C" __global__ void __launch_bounds__(256) k43_rope__cast_rest(char *aren
 //   gemm 27: [64 x 64] = T[64 x 512] [512 x 64], bf16 A and B, f32 C
 
 // k46_rope__cast: kernel, 3 ops
-//   %188   rope                                    line 36    f32[8,64,64]
-//   %189   reshape                                 line 36    f32[512,64]
-//   %190   cast                                    line 36    bf16[512,64]
+//   %187   rope                                    line 36    f32[8,64,64]
+//   %188   reshape                                 line 36    f32[512,64]
+//   %189   cast                                    line 36    bf16[512,64]
 // runs:
 //   k43_rope__cast<<<64, 256>>>
 //   k43_rope__cast_rest<<<32, 256>>>
 
 // k47_gemm: GEMM, 1 op
-//   %191   matmul                                  line 36    f32[512,64]
+//   %190   matmul                                  line 36    f32[512,64]
 // runs:
 //   gemm 28: [512 x 64] = [512 x 64] T[64 x 64], bf16 A and B, f32 C
 
 // k48_gemm: GEMM, 1 op
-//   %192   matmul             d.layers.1.wq        line 36    f32[64,64]
+//   %191   matmul             d.layers.1.wq        line 36    f32[64,64]
 // runs:
 //   gemm 29: [64 x 64] = T[64 x 512] [512 x 64], bf16 A and B, f32 C
 
 // k49_gemm__add: GEMM, 4 ops
 //   %178   matmul                                  line 38    f32[512,64]
 //   %180   reshape                                 line 38    f32[8,64,64]
-//   %187   add                                     line 37    f32[8,64,64]
-//   %194   add                d.layers.1.a         line 36    f32[8,64,64]
+//   %193   add                                     line 35    f32[8,64,64]
+//   %194   add                d.layers.1.a         line 35    f32[8,64,64]
 // runs:
 //   gemm 30: [512 x 64] = [512 x 64] T[64 x 64], bf16 A and B, f32 C
 //   k49_gemm__add_epilogue<<<32, 256>>>
@@ -1793,8 +1793,8 @@ extern "C" __global__ void __launch_bounds__(256) k49_gemm__add_epilogue(char *a
 
 // k50_rmsnorm_bwd__add__cast: kernel, 5 ops
 //   %195   rmsnorm_bwd                             line 35    f32[8,64,64]
-//   %196   add                d.layers.0.x         line 35    f32[8,64,64]
-//   %197   rmsnorm_bwd        d.layers.1.attn_norm line 35    f32[64]
+//   %196   rmsnorm_bwd        d.layers.1.attn_norm line 35    f32[64]
+//   %197   add                d.layers.0.x         line 40    f32[8,64,64]
 //   %198   reshape                                 line 40    f32[512,64]
 //   %199   cast                                    line 40    bf16[512,64]
 // runs:
@@ -1905,14 +1905,14 @@ extern "C" __global__ void __launch_bounds__(256, 4) k50_rmsnorm_bwd__add__cast(
 // k57_gemm__add: GEMM, 3 ops
 //   %207   matmul                                  line 40    f32[512,64]
 //   %209   reshape                                 line 40    f32[8,64,64]
-//   %216   add                d.layers.0.a         line 40    f32[8,64,64]
+//   %216   add                d.layers.0.a         line 39    f32[8,64,64]
 // runs:
 //   gemm 36: [512 x 64] = [512 x 172] T[172 x 64] + a residual C, bf16 A and B, f32 C
 
 // k58_rmsnorm_bwd__add__cast: kernel, 5 ops
 //   %217   rmsnorm_bwd                             line 39    f32[8,64,64]
-//   %218   add                d.layers.0.x         line 39    f32[8,64,64]
-//   %219   rmsnorm_bwd        d.layers.0.mlp_norm  line 39    f32[64]
+//   %218   rmsnorm_bwd        d.layers.0.mlp_norm  line 39    f32[64]
+//   %219   add                d.layers.0.x         line 38    f32[8,64,64]
 //   %220   reshape                                 line 38    f32[512,64]
 //   %221   cast                                    line 38    bf16[512,64]
 // runs:
@@ -1969,36 +1969,36 @@ extern "C" __global__ void __launch_bounds__(256, 4) k50_rmsnorm_bwd__add__cast(
 //   gemm 41: [64 x 64] = T[64 x 512] [512 x 64], bf16 A and B, f32 C
 
 // k67_rope__cast: kernel, 3 ops
-//   %243   rope                                    line 36    f32[8,64,64]
-//   %244   reshape                                 line 36    f32[512,64]
-//   %245   cast                                    line 36    bf16[512,64]
+//   %242   rope                                    line 36    f32[8,64,64]
+//   %243   reshape                                 line 36    f32[512,64]
+//   %244   cast                                    line 36    bf16[512,64]
 // runs:
 //   k43_rope__cast<<<64, 256>>>
 //   k43_rope__cast_rest<<<32, 256>>>
 
 // k68_gemm: GEMM, 1 op
-//   %246   matmul                                  line 36    f32[512,64]
+//   %245   matmul                                  line 36    f32[512,64]
 // runs:
 //   gemm 42: [512 x 64] = [512 x 64] T[64 x 64], bf16 A and B, f32 C
 
 // k69_gemm: GEMM, 1 op
-//   %247   matmul             d.layers.0.wq        line 36    f32[64,64]
+//   %246   matmul             d.layers.0.wq        line 36    f32[64,64]
 // runs:
 //   gemm 43: [64 x 64] = T[64 x 512] [512 x 64], bf16 A and B, f32 C
 
 // k70_gemm__add: GEMM, 4 ops
 //   %233   matmul                                  line 38    f32[512,64]
 //   %235   reshape                                 line 38    f32[8,64,64]
-//   %242   add                                     line 37    f32[8,64,64]
-//   %249   add                d.layers.0.a         line 36    f32[8,64,64]
+//   %248   add                                     line 35    f32[8,64,64]
+//   %249   add                d.layers.0.a         line 35    f32[8,64,64]
 // runs:
 //   gemm 44: [512 x 64] = [512 x 64] T[64 x 64], bf16 A and B, f32 C
 //   k49_gemm__add_epilogue<<<32, 256>>>
 
 // k71_rmsnorm_bwd__add: kernel, 3 ops
 //   %250   rmsnorm_bwd                             line 35    f32[8,64,64]
-//   %251   add                d.x                  line 35    f32[8,64,64]
-//   %252   rmsnorm_bwd        d.layers.0.attn_norm line 35    f32[64]
+//   %251   rmsnorm_bwd        d.layers.0.attn_norm line 35    f32[64]
+//   %252   add                d.x                  line 22    f32[8,64,64]
 // runs:
 //   k71_rmsnorm_bwd__add<<<64, 256>>>
 //   k29_rmsnorm_bwd__cast_colsum<<<8, 1024>>>

@@ -199,7 +199,12 @@ static void compare_with_fd(const char *label, const Graph *g, Interp *it, int s
 }
 
 // Differentiates the case's graph with `out` projected to the loss and checks every gradient.
-static void gradcheck(const char *label, Case *c, int out) {
+// gradcheck, and with concats >= 0 a count of the backward's CONCAT and SLICE_BWD nodes.
+static void gradcheck_ops(const char *label, Case *c, int out, int concats, int slice_bwds);
+
+static void gradcheck(const char *label, Case *c, int out) { gradcheck_ops(label, c, out, -1, -1); }
+
+static void gradcheck_ops(const char *label, Case *c, int out, int concats, int slice_bwds) {
   Graph *g = c->g;
   g->loss = projected_loss(c, out);
   if (c->broken) {
@@ -214,6 +219,16 @@ static void gradcheck(const char *label, Case *c, int out) {
   } else if (!ir_validate(g, why, sizeof why)) {
     CHECK(false, label, "invalid graph after autodiff: %s", why);
   } else {
+    if (concats >= 0) {
+      int nc = 0, ns = 0;
+      for (int i = g->fwd_end; i < g->n; i++) {
+        nc += g->nodes[i]->op == OP_CONCAT;
+        ns += g->nodes[i]->op == OP_SLICE_BWD;
+      }
+      char name[200];
+      snprintf(name, sizeof name, "%s: the backward has %d CONCAT and %d SLICE_BWD nodes", label, concats, slice_bwds);
+      CHECK(nc == concats && ns == slice_bwds, name, "%d CONCAT, %d SLICE_BWD", nc, ns);
+    }
     Interp *it = interp_new(g, INTERP_F64);
     for (int pi = 0; pi < g->nparams; pi++) {
       int64_t n = shape_numel(g->nodes[g->params[pi]]->shape);
@@ -344,7 +359,24 @@ static void layout_cases(void) {
   x = param(c, "x", SH(4, 2, 3), DOM_ANY);
   int lo = node(c, OP_SLICE, IN(x), IA(0, 0, 3), NULL);
   int hi = node(c, OP_SLICE, IN(x), IA(0, 1, 4), NULL);
-  gradcheck("grad overlapping slices", c, node(c, OP_MUL, IN(lo, hi), NULL, NULL));
+  gradcheck_ops("grad overlapping slices", c, node(c, OP_MUL, IN(lo, hi), NULL, NULL), 0, 2);
+
+  // Slices that tile an axis (a split, as GPT-2's q, k, v): the gradient is the CONCAT of theirs; with
+  // x also read otherwise (through tanh), their zero-padded gradients are added to that one.
+  for (int whole = 0; whole < 2; whole++) {
+    c = case_new();
+    x = param(c, "x", SH(2, 6, 3), DOM_ANY);
+    int s0 = node(c, OP_SLICE, IN(x), IA(1, 0, 2), NULL);
+    int s1 = node(c, OP_SLICE, IN(x), IA(1, 2, 4), NULL);
+    int s2 = node(c, OP_SLICE, IN(x), IA(1, 4, 6), NULL);
+    int y = node(c, OP_ADD, IN(node(c, OP_MUL, IN(s0, s1), NULL, NULL), node(c, OP_TANH, IN(s2), NULL, NULL)), NULL,
+                 NULL);
+    if (whole)
+      y = node(c, OP_MUL, IN(y, node(c, OP_SLICE, IN(node(c, OP_TANH, IN(x), NULL, NULL)), IA(1, 1, 3), NULL)), NULL,
+               NULL);
+    gradcheck_ops(whole ? "grad split, x also read whole" : "grad split into three slices", c, y, whole ? 0 : 1,
+                  whole ? 4 : 0); // (whole: x's three and that of the slice of tanh x)
+  }
 
   c = case_new();
   int a = param(c, "a", SH(2, 1, 3), DOM_ANY);
