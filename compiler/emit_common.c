@@ -1017,7 +1017,8 @@ const char *ec_pointwise_expr(EmitCore *e, int c, const char *ix) {
     bool direct = e->base != NULL;
     for (int k = 0; k < nd->nin && direct; k++) {
       int ck = ec_canon(e, nd->in[k]);
-      direct = ec_in_memory(e, ck) && ec_node(e, ck)->op != OP_CONST && ec_node(e, ck)->dtype == ec_node(e, first)->dtype;
+      direct = ec_in_memory(e, ck) && ec_node(e, ck)->op != OP_CONST &&
+               ec_node(e, ck)->dtype == ec_node(e, first)->dtype;
     }
     if (direct) {
       Buf b = {0};

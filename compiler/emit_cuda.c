@@ -291,14 +291,16 @@ static const char prelude[] =
     "// follows the wait. The emulator has its own.\n"
     "#if defined(__CUDA_ARCH__)\n"
     "__device__ __forceinline__ void mdl_cp_async16(void *dst, const void *src, bool in) {\n"
-    "  asm volatile(\"cp.async.cg.shared.global [%0], [%1], 16, %2;\" :: \"r\"(mdl_smem(dst)), \"l\"(src), \"r\"(in ? 16 : 0)\n"
-    "               : \"memory\");\n"
+    "  asm volatile(\"cp.async.cg.shared.global [%0], [%1], 16, %2;\"\n"
+    "               :: \"r\"(mdl_smem(dst)), \"l\"(src), \"r\"(in ? 16 : 0) : \"memory\");\n"
     "}\n"
     "__device__ __forceinline__ void mdl_cp_async4(void *dst, const void *src, bool in) {\n"
-    "  asm volatile(\"cp.async.ca.shared.global [%0], [%1], 4, %2;\" :: \"r\"(mdl_smem(dst)), \"l\"(src), \"r\"(in ? 4 : 0)\n"
-    "               : \"memory\");\n"
+    "  asm volatile(\"cp.async.ca.shared.global [%0], [%1], 4, %2;\"\n"
+    "               :: \"r\"(mdl_smem(dst)), \"l\"(src), \"r\"(in ? 4 : 0) : \"memory\");\n"
     "}\n"
-    "__device__ __forceinline__ void mdl_cp_async_commit() { asm volatile(\"cp.async.commit_group;\" ::: \"memory\"); }\n"
+    "__device__ __forceinline__ void mdl_cp_async_commit() {\n"
+    "  asm volatile(\"cp.async.commit_group;\" ::: \"memory\");\n"
+    "}\n"
     "template <int N> __device__ __forceinline__ void mdl_cp_async_wait() {\n"
     "  asm volatile(\"cp.async.wait_group %0;\" :: \"n\"(N) : \"memory\");\n"
     "}\n"
@@ -1770,8 +1772,9 @@ static void emit_norm_bwd(Emit *e, int gi, const bool *emitted) {
     row_load(e, &rs, x, "xv", cols);
   row_load(e, &rs, dy, "dyv", cols);
   const char *wp = w >= 0 ? ptr(e, w) : NULL;
-  // One block reduction per row after the mean (layernorm) or none before it (rmsnorm): the sums
-  // that need the row's scale are taken without it and scaled after (mgx = rstd sum g (x - mean)).
+  // Layernorm: the mean, then one block reduction for the variance, mg and mgx together; rmsnorm:
+  // one for its sum of squares and mgx. The sums that need the row's scale are taken without it and
+  // scaled after (mgx = rstd sum g (x - mean)).
   bool pair = rs.tpr > 32 && rs.tpr <= 512; // (block sums of up to 16 warps' sums at once)
   if (dx < 0 && dw < 0) { // db alone needs no statistics
     if (sb) {
@@ -1803,7 +1806,8 @@ static void emit_norm_bwd(Emit *e, int gi, const bool *emitted) {
       ec_line(&e->core, "var = %s, mg = %s, mgx = %s;", rsum(e, &rs, "var"), rsum(e, &rs, "mg"), rsum(e, &rs, "mgx"));
     else
       ec_line(&e->core, "var = %s;", rsum(e, &rs, "var"));
-    ec_line(&e->core, "const double rstd = 1.0 / sqrt(var / %lld + %s);", (long long)cols, ec_dlit(&e->core, nd->fa[0]));
+    ec_line(&e->core, "const double rstd = 1.0 / sqrt(var / %lld + %s);", (long long)cols,
+            ec_dlit(&e->core, nd->fa[0]));
     if (dx >= 0) {
       ec_line(&e->core, "mg /= %lld;", (long long)cols);
       ec_line(&e->core, "mgx *= rstd / %lld; // the mean of g xhat", (long long)cols);
@@ -2566,8 +2570,10 @@ static void att_mma_kernel(Emit *e, const Att *A, int out) {
   ec_line(&e->core, "#pragma unroll");
   ec_enter(&e->core, "for (int h = 0; h < 2; h++)");
   ec_line(&e->core, "const float (&sv)[4] = s[2 * k + h];");
-  ec_line(&e->core, "const float e0 = %s, e1 = %s;", att_mma_exp(e, A, "sv[0]", "z0"), att_mma_exp(e, A, "sv[1]", "z0"));
-  ec_line(&e->core, "const float e2 = %s, e3 = %s;", att_mma_exp(e, A, "sv[2]", "z1"), att_mma_exp(e, A, "sv[3]", "z1"));
+  for (int r = 0; r < 2; r++)
+    ec_line(&e->core, "const float e%d = %s, e%d = %s;", 2 * r,
+            att_mma_exp(e, A, r ? "sv[2]" : "sv[0]", r ? "z1" : "z0"), 2 * r + 1,
+            att_mma_exp(e, A, r ? "sv[3]" : "sv[1]", r ? "z1" : "z0"));
   ec_line(&e->core, "l0 += e0 + e1;");
   ec_line(&e->core, "l1 += e2 + e3;");
   ec_line(&e->core, "pa[2 * h] = mdl_bf16x2(e0, e1);");
@@ -2780,10 +2786,8 @@ static bool att_mma_bwd(const Att *A) {
 // cp.async: bf16, with stride and start multiples of 8 elements.
 static bool att_rows_async(Emit *e, Rows r) { return att_stored16(e, r) && r.stride % 8 == 0 && r.at % 8 == 0; }
 
-// Starts staging rows x0 + jj (jj < 64) of a and b (unless bs is NULL), as bf16, into buffer buf of
-// the shared tiles as and bs (channel pairs), by the block's threads; 0 beyond T. Rows that
-// att_rows_async allows go by cp.async (the caller commits and waits); others (f32 rows, which are
-// rounded here, or rows not 16-byte aligned) by loads and stores that are done when this returns.
+// One row's share of att_mma_stage for the thread's (jj, c): the 8 channels from c by cp.async, or 4
+// by a load and a store (x: the local for them).
 static void att_mma_stage_row(Emit *e, const Att *A, const char *x0, Rows r, const char *sh, const char *buf,
                               const char *x) {
   const char *jj = strcmp(x0, "0") ? ec_str(&e->core, "%s + jj", x0) : "jj";
@@ -2803,6 +2807,10 @@ static void att_mma_stage_row(Emit *e, const Att *A, const char *x0, Rows r, con
   }
 }
 
+// Starts staging rows x0 + jj (jj < 64) of a and b (unless bs is NULL), as bf16, into buffer buf of
+// the shared tiles as and bs (channel pairs), by the block's threads; 0 beyond T. Rows that
+// att_rows_async allows go by cp.async (the caller commits and waits); others (f32 rows, which are
+// rounded here, or rows not 16-byte aligned) by loads and stores that are done when this returns.
 static void att_mma_stage(Emit *e, const Att *A, int threads, const char *x0, Rows a, const char *as, Rows b,
                           const char *bs, const char *buf) {
   int64_t d = A->d;
@@ -2909,9 +2917,9 @@ static const char *att_mma_exp(Emit *e, const Att *A, const char *s, const char 
 
 // The two products of a tile with the warp's rows by mma: s = X Y^T (unscaled: the kernels take exp2f
 // of s times scale log2(e) less a maximum or log-sum-exp in base 2, one FMA, cheaper than expf of a
-// scaled s less the maximum; att_mma_exp) and dp = Z W^T (unless za is NULL) over the channels, X, Z as A fragments xa, za; Y, W the
-// shared tiles ys, ws; tile n of s, dp: columns 8 n .. 8 n + 7 of the tile (B fragment: row 8 n + g
-// of ys, channels 16 k + 2 tq, + 1 and 8 further).
+// scaled s less the maximum; att_mma_exp) and dp = Z W^T (unless za is NULL) over the channels, X, Z
+// as A fragments xa, za; Y, W the shared tiles ys, ws; tile n of s, dp: columns 8 n .. 8 n + 7 of the
+// tile (B fragment: row 8 n + g of ys, channels 16 k + 2 tq, + 1 and 8 further).
 static void att_mma_scores(Emit *e, const Att *A, const char *xa, const char *ys, const char *za, const char *ws) {
   int stiles = ATT_MMA_TILE / 8;
   if (za)
@@ -2949,7 +2957,7 @@ static void att_mma_scores(Emit *e, const Att *A, const char *xa, const char *ys
 // in any order; packed sequences make most tiles one or the other.
 static void att_mma_docs(Emit *e, const char *tile_docs) {
   _Static_assert(ATT_MMA_TILE == 64, "a tile's documents are read two a lane");
-  ec_line(&e->core, "// Documents: the warp's rows all in dw's (rows1), and the tile's rows none or all of them in it.");
+  ec_line(&e->core, "// Documents: the warp's rows all in dw's (rows1); the tile's rows none or all in it.");
   ec_line(&e->core, "const int32_t dw = __shfl_sync(MDL_FULL, d0, 0), dt0 = %s[lane], dt1 = %s[lane + 32];",
           tile_docs, tile_docs);
   ec_line(&e->core, "const bool rows1 = __all_sync(MDL_FULL, d0 == dw && d1 == dw);");
@@ -2986,8 +2994,8 @@ static void att_mma_query_rows(Emit *e, const Att *A, int rows, bool dout) {
   e->shared = (int)(stages * att_mma_shared(A));
   long long pairs = A->d / 2 + 4;
   ec_line(&e->core, "// The tiles' keys and values as bf16 pairs%s.", stages == 2 ? ", in two buffers" : "");
-  ec_line(&e->core, "__shared__ __align__(16) uint32_t Ks[%d][%d][%lld], Vs[%d][%d][%lld];", stages, ATT_MMA_TILE, pairs,
-          stages, ATT_MMA_TILE, pairs);
+  ec_line(&e->core, "__shared__ __align__(16) uint32_t Ks[%d][%d][%lld], Vs[%d][%d][%lld];", stages, ATT_MMA_TILE,
+          pairs, stages, ATT_MMA_TILE, pairs);
   if (A->has_doc)
     ec_line(&e->core, "__shared__ int32_t Dk[%d][%d];", stages, ATT_MMA_TILE);
   ec_line(&e->core, "const int w = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tq = lane & 3;");
@@ -3223,8 +3231,9 @@ static void att_mma_dkv_kernel(Emit *e, const Att *A, int dk, int dv, int64_t ds
   ec_line(&e->core, "const float (&sv)[4] = s[2 * k + h]%s;", dk >= 0 ? ", (&pv)[4] = dp[2 * k + h]" : "");
   ec_line(&e->core, "const float L0 = Ls[cur][i] * %s, L1 = Ls[cur][i + 1] * %s; // (in base 2, as s)",
           flit(e, LOG2E), flit(e, LOG2E));
-  ec_line(&e->core, "const float p0 = %s, p1 = %s;", att_mma_exp(e, A, "sv[0]", "L0"), att_mma_exp(e, A, "sv[1]", "L1"));
-  ec_line(&e->core, "const float p2 = %s, p3 = %s;", att_mma_exp(e, A, "sv[2]", "L0"), att_mma_exp(e, A, "sv[3]", "L1"));
+  for (int r = 0; r < 2; r++)
+    ec_line(&e->core, "const float p%d = %s, p%d = %s;", 2 * r, att_mma_exp(e, A, r ? "sv[2]" : "sv[0]", "L0"),
+            2 * r + 1, att_mma_exp(e, A, r ? "sv[3]" : "sv[1]", "L1"));
   if (dv >= 0) {
     ec_line(&e->core, "pa[2 * h] = mdl_bf16x2(p0, p1);");
     ec_line(&e->core, "pa[2 * h + 1] = mdl_bf16x2(p2, p3);");

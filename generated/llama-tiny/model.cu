@@ -199,14 +199,16 @@ __device__ __forceinline__ void mdl_ldsm_x4(uint32_t r[4], const void *p) {
 // follows the wait. The emulator has its own.
 #if defined(__CUDA_ARCH__)
 __device__ __forceinline__ void mdl_cp_async16(void *dst, const void *src, bool in) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" :: "r"(mdl_smem(dst)), "l"(src), "r"(in ? 16 : 0)
-               : "memory");
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;"
+               :: "r"(mdl_smem(dst)), "l"(src), "r"(in ? 16 : 0) : "memory");
 }
 __device__ __forceinline__ void mdl_cp_async4(void *dst, const void *src, bool in) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" :: "r"(mdl_smem(dst)), "l"(src), "r"(in ? 4 : 0)
-               : "memory");
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;"
+               :: "r"(mdl_smem(dst)), "l"(src), "r"(in ? 4 : 0) : "memory");
 }
-__device__ __forceinline__ void mdl_cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+__device__ __forceinline__ void mdl_cp_async_commit() {
+  asm volatile("cp.async.commit_group;" ::: "memory");
+}
 template <int N> __device__ __forceinline__ void mdl_cp_async_wait() {
   asm volatile("cp.async.wait_group %0;" :: "n"(N) : "memory");
 }
@@ -565,7 +567,7 @@ extern "C" __global__ void __launch_bounds__(256, 2) k7_attention_fwd__cast__lse
     mdl_cp_async_commit();
     mdl_cp_async_wait<1>(); // this tile's copies have landed; the next tile's may be in flight
     __syncthreads();
-    // Documents: the warp's rows all in dw's (rows1), and the tile's rows none or all of them in it.
+    // Documents: the warp's rows all in dw's (rows1); the tile's rows none or all in it.
     const int32_t dw = __shfl_sync(MDL_FULL, d0, 0), dt0 = Dk[cur][lane], dt1 = Dk[cur][lane + 32];
     const bool rows1 = __all_sync(MDL_FULL, d0 == dw && d1 == dw);
     const bool none = rows1 && __all_sync(MDL_FULL, dt0 != dw && dt1 != dw);
@@ -1431,7 +1433,7 @@ extern "C" __global__ void __launch_bounds__(128) k40_attention_bwd_dq(char *are
     mdl_cp_async_commit();
     mdl_cp_async_wait<1>(); // this tile's copies have landed; the next tile's may be in flight
     __syncthreads();
-    // Documents: the warp's rows all in dw's (rows1), and the tile's rows none or all of them in it.
+    // Documents: the warp's rows all in dw's (rows1); the tile's rows none or all in it.
     const int32_t dw = __shfl_sync(MDL_FULL, d0, 0), dt0 = Dk[cur][lane], dt1 = Dk[cur][lane + 32];
     const bool rows1 = __all_sync(MDL_FULL, d0 == dw && d1 == dw);
     const bool none = rows1 && __all_sync(MDL_FULL, dt0 != dw && dt1 != dw);
@@ -1582,7 +1584,7 @@ extern "C" __global__ void __launch_bounds__(256) k40_attention_bwd_dkv(char *ar
     mdl_cp_async_commit();
     mdl_cp_async_wait<1>(); // this tile's copies have landed; the next tile's may be in flight
     __syncthreads();
-    // Documents: the warp's rows all in dw's (rows1), and the tile's rows none or all of them in it.
+    // Documents: the warp's rows all in dw's (rows1); the tile's rows none or all in it.
     const int32_t dw = __shfl_sync(MDL_FULL, d0, 0), dt0 = Dq[cur][lane], dt1 = Dq[cur][lane + 32];
     const bool rows1 = __all_sync(MDL_FULL, d0 == dw && d1 == dw);
     const bool none = rows1 && __all_sync(MDL_FULL, dt0 != dw && dt1 != dw);

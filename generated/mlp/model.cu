@@ -199,14 +199,16 @@ __device__ __forceinline__ void mdl_ldsm_x4(uint32_t r[4], const void *p) {
 // follows the wait. The emulator has its own.
 #if defined(__CUDA_ARCH__)
 __device__ __forceinline__ void mdl_cp_async16(void *dst, const void *src, bool in) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" :: "r"(mdl_smem(dst)), "l"(src), "r"(in ? 16 : 0)
-               : "memory");
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;"
+               :: "r"(mdl_smem(dst)), "l"(src), "r"(in ? 16 : 0) : "memory");
 }
 __device__ __forceinline__ void mdl_cp_async4(void *dst, const void *src, bool in) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" :: "r"(mdl_smem(dst)), "l"(src), "r"(in ? 4 : 0)
-               : "memory");
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;"
+               :: "r"(mdl_smem(dst)), "l"(src), "r"(in ? 4 : 0) : "memory");
 }
-__device__ __forceinline__ void mdl_cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+__device__ __forceinline__ void mdl_cp_async_commit() {
+  asm volatile("cp.async.commit_group;" ::: "memory");
+}
 template <int N> __device__ __forceinline__ void mdl_cp_async_wait() {
   asm volatile("cp.async.wait_group %0;" :: "n"(N) : "memory");
 }
