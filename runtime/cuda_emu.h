@@ -14,9 +14,11 @@
 // the warp's exchange slots (then reads its partner's, and waits once more so that no slot is
 // overwritten before it is read). The tensor cores' mma.sync is warp-collective the same way: the
 // lanes put their fragments in the warp's slots, wait, each computes its own part of D from the whole
-// A and B, and wait again. A thread that returns stops counting for the barriers; a whole pass over
-// the fibers without any arrival, release or exit is a deadlock and aborts. Blocks are independent,
-// so OpenMP runs them in parallel, each OS thread with its own fibers.
+// A and B, and wait again; so are ldmatrix and __all_sync. A cp.async copy lands at one end or the
+// other of the window the GPU allows it, by block (cp_async): a missing wait or barrier around a
+// double-buffered tile then shows as wrong values. A thread that returns stops counting for the
+// barriers; a whole pass over the fibers without any arrival, release or exit is a deadlock and
+// aborts. Blocks are independent, so OpenMP runs them in parallel, each OS thread with its own fibers.
 #ifndef MDL_CUDA_EMU_H
 #define MDL_CUDA_EMU_H
 
