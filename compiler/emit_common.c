@@ -935,7 +935,10 @@ static void part_index(EmitCore *e, Buf *b, Shape s, int ax, const char *ix, con
     coord(e, b, ix, flen * inner, outer, true);
     ec_bput(b, " * %lld + ", (long long)(len * inner));
   }
-  ec_bput(b, "(%s - %lld)", c, (long long)at);
+  if (at)
+    ec_bput(b, "(%s - %lld)", c, (long long)at);
+  else
+    ec_bput(b, "%s", c);
   if (inner > 1) {
     ec_bput(b, " * %lld + ", (long long)inner);
     coord(e, b, ix, 1, inner, false);
@@ -954,6 +957,37 @@ const char *ec_ix_part(EmitCore *e, Shape s, int ax, const char *ix, const char 
 // The pointwise ops of the inline evaluator: each emitter's `val` (EmitCore.val) holds a node's
 // value in a local or reads it from memory, and computes a pointwise node through this.
 //
+
+// A CONCAT whose parts are all in memory, of one type (the gradient of a split: dq, dk, dv): a pointer
+// to its element at ix, in the part the index falls in, so that one load reads it instead of one from
+// each part; NULL otherwise (or where the emitter has no `base` hook).
+const char *ec_concat_ptr(EmitCore *e, int n, const char *ix) {
+  const IrNode *nd = ec_node(e, n);
+  int first = ec_canon(e, nd->in[0]), ax = (int)nd->ia[0];
+  bool direct = e->base != NULL && nd->op == OP_CONCAT && nd->nin <= 64;
+  for (int k = 0; k < nd->nin && direct; k++) {
+    int ck = ec_canon(e, nd->in[k]);
+    direct = ec_in_memory(e, ck) && ec_node(e, ck)->op != OP_CONST &&
+             ec_node(e, ck)->dtype == ec_node(e, first)->dtype;
+  }
+  if (!direct)
+    return NULL;
+  const char *c = ec_ix_axis(e, nd->shape, ax, ix);
+  Buf b = {0};
+  ec_bput(&b, "(");
+  int64_t at = 0;
+  for (int k = 0; k < nd->nin; k++) {
+    int64_t len = ec_node(e, nd->in[k])->shape.d[ax];
+    if (k + 1 < nd->nin)
+      ec_bput(&b, "%s < %lld ? ", c, (long long)(at + len));
+    ec_bput(&b, "%s + (", e->base(e, ec_canon(e, nd->in[k])));
+    part_index(e, &b, nd->shape, ax, ix, c, at, len);
+    ec_bput(&b, ")%s", k + 1 < nd->nin ? " : " : "");
+    at += len;
+  }
+  ec_bput(&b, ")");
+  return ec_buf_str(e, &b);
+}
 
 const char *ec_pointwise_expr(EmitCore *e, int c, const char *ix) {
   const IrNode *nd = ec_node(e, c);
@@ -1003,6 +1037,9 @@ const char *ec_pointwise_expr(EmitCore *e, int c, const char *ix) {
                   e->val(e, nd->in[0], j), nd->dtype == DT_I32 ? "0" : "0.0f");
   }
   case OP_CONCAT: {
+    const char *p = ec_concat_ptr(e, c, ix);
+    if (p) // (one load, through the pointer of the part the index falls in)
+      return ec_load(e, ec_canon(e, nd->in[0]), ec_str(e, "%s[0]", p));
     int ax = (int)nd->ia[0];
     const char *c = ec_ix_axis(e, nd->shape, ax, ix);
     const char *v[64];
@@ -1010,30 +1047,6 @@ const char *ec_pointwise_expr(EmitCore *e, int c, const char *ix) {
     if (nd->nin > 64) {
       ec_fail(e, "concat of %d inputs", nd->nin);
       return "0";
-    }
-    // Parts all in memory, of one type (the gradient of a split: dq, dk, dv): one load, through the
-    // pointer of the part the index falls in, rather than a load from each part.
-    int first = ec_canon(e, nd->in[0]);
-    bool direct = e->base != NULL;
-    for (int k = 0; k < nd->nin && direct; k++) {
-      int ck = ec_canon(e, nd->in[k]);
-      direct = ec_in_memory(e, ck) && ec_node(e, ck)->op != OP_CONST &&
-               ec_node(e, ck)->dtype == ec_node(e, first)->dtype;
-    }
-    if (direct) {
-      Buf b = {0};
-      ec_bput(&b, "(");
-      for (int k = 0; k < nd->nin; k++) {
-        int64_t len = ec_node(e, nd->in[k])->shape.d[ax];
-        if (k + 1 < nd->nin)
-          ec_bput(&b, "%s < %lld ? ", c, (long long)(at + len));
-        ec_bput(&b, "%s + (", e->base(e, ec_canon(e, nd->in[k])));
-        part_index(e, &b, nd->shape, ax, ix, c, at, len);
-        ec_bput(&b, ")%s", k + 1 < nd->nin ? " : " : "");
-        at += len;
-      }
-      ec_bput(&b, ")[0]");
-      return ec_load(e, first, ec_buf_str(e, &b));
     }
     for (int k = 0; k < nd->nin; k++) {
       int64_t len = ec_node(e, nd->in[k])->shape.d[ax];

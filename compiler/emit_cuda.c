@@ -829,9 +829,29 @@ static void store(Emit *e, int c, const char *ix, const char *v) {
   ec_line(&e->core, "%s[%s] = %s;", ptr(e, c), ix, ec_store(&e->core, c, v));
 }
 
+// A CONCAT read at the lane's own index in a four-lane body, whose four lanes' values lie side by
+// side in one f32 part (ec_concat_ptr), 16-byte aligned: the axis is followed by a multiple of 4
+// elements, or is the last and every part's length a multiple of 4 (lane 0's index, i0 in both
+// four-lane bodies, is a multiple of 4). GPT-2's qkv gradient: dq, dk, dv.
+static bool concat_lanes(Emit *e, int c, const char *ix) {
+  const IrNode *nd = ec_node(&e->core, c);
+  if (nd->op != OP_CONCAT || e->lane < 0 || !e->loop_ix || strcmp(ix, e->loop_ix) ||
+      ec_numel(&e->core, c) != e->loop_n || ec_has_target(&e->core, c) || !ec_concat_ptr(&e->core, c, ix))
+    return false;
+  int ax = (int)nd->ia[0];
+  int64_t inner = ec_span(nd->shape, ax + 1, nd->shape.rank);
+  bool fours = inner % 4 == 0 || inner == 1;
+  for (int k = 0; k < nd->nin; k++) {
+    const IrNode *in = ec_node(&e->core, ec_canon(&e->core, nd->in[k]));
+    fours = fours && in->dtype == DT_F32 && (inner % 4 == 0 || in->shape.d[ax] % 4 == 0);
+  }
+  return fours;
+}
+
 // The value of node n at flat index ix, as an expression; emits what computes it. A step output met
 // at the current loop's own index is stored on the way. In a four-lane body, a value in memory read
-// at the lane's own index comes from one float4 load shared by the four lanes.
+// at the lane's own index comes from one float4 load shared by the four lanes (so do a CONCAT's
+// parts, concat_lanes).
 static const char *val(Emit *e, int n, const char *ix) {
   int c = ec_canon(&e->core, n);
   const IrNode *nd = ec_node(&e->core, c);
@@ -857,6 +877,14 @@ static const char *val(Emit *e, int n, const char *ix) {
       ec_line(&e->core, "const %s %s = %s;", ec_ctype(&e->core, c), name,
               ec_load(&e->core, c, ec_str(&e->core, "%s[%s]", ptr(e, c), ix)));
     }
+  } else if (e->core.in_step[c] && concat_lanes(e, c, ix)) {
+    const char *q = ec_memo_get(&e->core, c, "float4");
+    if (!q) {
+      q = ec_str(&e->core, "f%d", ++e->core.fresh);
+      ec_line(&e->core, "const float4 %s = *(const float4 *)%s;", q, ec_concat_ptr(&e->core, c, "i0"));
+      ec_memo_put(&e->core, c, "float4", q);
+    }
+    name = ec_str(&e->core, "%s.%c", q, "xyzw"[e->lane]);
   } else if (e->core.in_step[c] && ec_is_pointwise(nd->op)) {
     const char *expr = ec_pointwise_expr(&e->core, c, ix);
     ec_line(&e->core, "const %s %s = %s;", ec_ctype(&e->core, c), name, expr);

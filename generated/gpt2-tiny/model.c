@@ -1513,7 +1513,7 @@ static void k29_sum__concat__cast(char *arena, const MdlHooks *h) {
     for (int64_t l = k * 16; l < end; l++) {
       for (int64_t c = 0; c < 192; c++) {
         const int64_t ix = l * 192 + c;
-        const float v156_ix = (c < 64 ? b153 + (l * 64 + (c - 0)) : c < 128 ? b154 + (l * 64 + (c - 64)) : b155 + (l * 64 + (c - 128)))[0];
+        const float v156_ix = (c < 64 ? b153 + (l * 64 + c) : c < 128 ? b154 + (l * 64 + (c - 64)) : b155 + (l * 64 + (c - 128)))[0];
         const float v157_ix = v156_ix;
         const float v = v157_ix;
         const float v159_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v157_ix));
@@ -2063,7 +2063,7 @@ static void k41_sum__concat__cast(char *arena, const MdlHooks *h) {
     for (int64_t l = k * 16; l < end; l++) {
       for (int64_t c = 0; c < 192; c++) {
         const int64_t ix = l * 192 + c;
-        const float v196_ix = (c < 64 ? b193 + (l * 64 + (c - 0)) : c < 128 ? b194 + (l * 64 + (c - 64)) : b195 + (l * 64 + (c - 128)))[0];
+        const float v196_ix = (c < 64 ? b193 + (l * 64 + c) : c < 128 ? b194 + (l * 64 + (c - 64)) : b195 + (l * 64 + (c - 128)))[0];
         const float v197_ix = v196_ix;
         const float v = v197_ix;
         const float v199_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v197_ix));

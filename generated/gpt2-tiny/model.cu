@@ -1632,27 +1632,18 @@ extern "C" __global__ void __launch_bounds__(256, MDL_SM_THREADS / 256) k29_sum_
     double acc0 = 0.0, acc1 = 0.0, acc2 = 0.0, acc3 = 0.0;
     for (int l = k * 8; l < end; l++) {
       const int i0 = base + l * 192;
-      const int i1 = i0 + 1;
-      const int i2 = i0 + 2;
-      const int i3 = i0 + 3;
       const int q = i0 / 4; // the four lanes' float4
       const int j3 = i0 % 192;
-      const float v2 = (j3 < 64 ? b1 + (i0 / 192 * 64 + (j3 - 0)) : j3 < 128 ? b2 + (i0 / 192 * 64 + (j3 - 64)) : b3 + (i0 / 192 * 64 + (j3 - 128)))[0];
-      const float v1 = v2;
+      const float4 f4 = *(const float4 *)(j3 < 64 ? b1 + (i0 / 192 * 64 + j3) : j3 < 128 ? b2 + (i0 / 192 * 64 + (j3 - 64)) : b3 + (i0 / 192 * 64 + (j3 - 128)));
+      const float v1 = f4.x;
       acc0 += v1;
-      const int j7 = i1 % 192;
-      const float v6 = (j7 < 64 ? b1 + (i1 / 192 * 64 + (j7 - 0)) : j7 < 128 ? b2 + (i1 / 192 * 64 + (j7 - 64)) : b3 + (i1 / 192 * 64 + (j7 - 128)))[0];
-      const float v5 = v6;
-      acc1 += v5;
-      const int j11 = i2 % 192;
-      const float v10 = (j11 < 64 ? b1 + (i2 / 192 * 64 + (j11 - 0)) : j11 < 128 ? b2 + (i2 / 192 * 64 + (j11 - 64)) : b3 + (i2 / 192 * 64 + (j11 - 128)))[0];
-      const float v9 = v10;
-      acc2 += v9;
-      const int j15 = i3 % 192;
-      const float v14 = (j15 < 64 ? b1 + (i3 / 192 * 64 + (j15 - 0)) : j15 < 128 ? b2 + (i3 / 192 * 64 + (j15 - 64)) : b3 + (i3 / 192 * 64 + (j15 - 128)))[0];
-      const float v13 = v14;
-      acc3 += v13;
-      reinterpret_cast<ushort4 *>(b4)[q] = make_ushort4(mdl_f32_to_bf16(v1), mdl_f32_to_bf16(v5), mdl_f32_to_bf16(v9), mdl_f32_to_bf16(v13));
+      const float v6 = f4.y;
+      acc1 += v6;
+      const float v10 = f4.z;
+      acc2 += v10;
+      const float v14 = f4.w;
+      acc3 += v14;
+      reinterpret_cast<ushort4 *>(b4)[q] = make_ushort4(mdl_f32_to_bf16(v1), mdl_f32_to_bf16(v6), mdl_f32_to_bf16(v10), mdl_f32_to_bf16(v14));
     }
     b0[k * 192 + r] = acc0;
     b0[k * 192 + r + 1] = acc1;

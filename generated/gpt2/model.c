@@ -4867,7 +4867,7 @@ static void k99_sum__concat__cast(char *arena, const MdlHooks *h) {
     for (int64_t l = k * 128; l < end; l++) {
       for (int64_t c = 0; c < 2304; c++) {
         const int64_t ix = l * 2304 + c;
-        const float v616_ix = (c < 768 ? b613 + (l * 768 + (c - 0)) : c < 1536 ? b614 + (l * 768 + (c - 768)) : b615 + (l * 768 + (c - 1536)))[0];
+        const float v616_ix = (c < 768 ? b613 + (l * 768 + c) : c < 1536 ? b614 + (l * 768 + (c - 768)) : b615 + (l * 768 + (c - 1536)))[0];
         const float v617_ix = v616_ix;
         const float v = v617_ix;
         const float v619_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v617_ix));
@@ -5421,7 +5421,7 @@ static void k111_sum__concat__cast(char *arena, const MdlHooks *h) {
     for (int64_t l = k * 128; l < end; l++) {
       for (int64_t c = 0; c < 2304; c++) {
         const int64_t ix = l * 2304 + c;
-        const float v656_ix = (c < 768 ? b653 + (l * 768 + (c - 0)) : c < 1536 ? b654 + (l * 768 + (c - 768)) : b655 + (l * 768 + (c - 1536)))[0];
+        const float v656_ix = (c < 768 ? b653 + (l * 768 + c) : c < 1536 ? b654 + (l * 768 + (c - 768)) : b655 + (l * 768 + (c - 1536)))[0];
         const float v657_ix = v656_ix;
         const float v = v657_ix;
         const float v659_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v657_ix));
@@ -5975,7 +5975,7 @@ static void k123_sum__concat__cast(char *arena, const MdlHooks *h) {
     for (int64_t l = k * 128; l < end; l++) {
       for (int64_t c = 0; c < 2304; c++) {
         const int64_t ix = l * 2304 + c;
-        const float v696_ix = (c < 768 ? b693 + (l * 768 + (c - 0)) : c < 1536 ? b694 + (l * 768 + (c - 768)) : b695 + (l * 768 + (c - 1536)))[0];
+        const float v696_ix = (c < 768 ? b693 + (l * 768 + c) : c < 1536 ? b694 + (l * 768 + (c - 768)) : b695 + (l * 768 + (c - 1536)))[0];
         const float v697_ix = v696_ix;
         const float v = v697_ix;
         const float v699_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v697_ix));
@@ -6529,7 +6529,7 @@ static void k135_sum__concat__cast(char *arena, const MdlHooks *h) {
     for (int64_t l = k * 128; l < end; l++) {
       for (int64_t c = 0; c < 2304; c++) {
         const int64_t ix = l * 2304 + c;
-        const float v736_ix = (c < 768 ? b733 + (l * 768 + (c - 0)) : c < 1536 ? b734 + (l * 768 + (c - 768)) : b735 + (l * 768 + (c - 1536)))[0];
+        const float v736_ix = (c < 768 ? b733 + (l * 768 + c) : c < 1536 ? b734 + (l * 768 + (c - 768)) : b735 + (l * 768 + (c - 1536)))[0];
         const float v737_ix = v736_ix;
         const float v = v737_ix;
         const float v739_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v737_ix));
@@ -7083,7 +7083,7 @@ static void k147_sum__concat__cast(char *arena, const MdlHooks *h) {
     for (int64_t l = k * 128; l < end; l++) {
       for (int64_t c = 0; c < 2304; c++) {
         const int64_t ix = l * 2304 + c;
-        const float v776_ix = (c < 768 ? b773 + (l * 768 + (c - 0)) : c < 1536 ? b774 + (l * 768 + (c - 768)) : b775 + (l * 768 + (c - 1536)))[0];
+        const float v776_ix = (c < 768 ? b773 + (l * 768 + c) : c < 1536 ? b774 + (l * 768 + (c - 768)) : b775 + (l * 768 + (c - 1536)))[0];
         const float v777_ix = v776_ix;
         const float v = v777_ix;
         const float v779_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v777_ix));
@@ -7637,7 +7637,7 @@ static void k159_sum__concat__cast(char *arena, const MdlHooks *h) {
     for (int64_t l = k * 128; l < end; l++) {
       for (int64_t c = 0; c < 2304; c++) {
         const int64_t ix = l * 2304 + c;
-        const float v816_ix = (c < 768 ? b813 + (l * 768 + (c - 0)) : c < 1536 ? b814 + (l * 768 + (c - 768)) : b815 + (l * 768 + (c - 1536)))[0];
+        const float v816_ix = (c < 768 ? b813 + (l * 768 + c) : c < 1536 ? b814 + (l * 768 + (c - 768)) : b815 + (l * 768 + (c - 1536)))[0];
         const float v817_ix = v816_ix;
         const float v = v817_ix;
         const float v819_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v817_ix));
@@ -8191,7 +8191,7 @@ static void k171_sum__concat__cast(char *arena, const MdlHooks *h) {
     for (int64_t l = k * 128; l < end; l++) {
       for (int64_t c = 0; c < 2304; c++) {
         const int64_t ix = l * 2304 + c;
-        const float v856_ix = (c < 768 ? b853 + (l * 768 + (c - 0)) : c < 1536 ? b854 + (l * 768 + (c - 768)) : b855 + (l * 768 + (c - 1536)))[0];
+        const float v856_ix = (c < 768 ? b853 + (l * 768 + c) : c < 1536 ? b854 + (l * 768 + (c - 768)) : b855 + (l * 768 + (c - 1536)))[0];
         const float v857_ix = v856_ix;
         const float v = v857_ix;
         const float v859_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v857_ix));
@@ -8745,7 +8745,7 @@ static void k183_sum__concat__cast(char *arena, const MdlHooks *h) {
     for (int64_t l = k * 128; l < end; l++) {
       for (int64_t c = 0; c < 2304; c++) {
         const int64_t ix = l * 2304 + c;
-        const float v896_ix = (c < 768 ? b893 + (l * 768 + (c - 0)) : c < 1536 ? b894 + (l * 768 + (c - 768)) : b895 + (l * 768 + (c - 1536)))[0];
+        const float v896_ix = (c < 768 ? b893 + (l * 768 + c) : c < 1536 ? b894 + (l * 768 + (c - 768)) : b895 + (l * 768 + (c - 1536)))[0];
         const float v897_ix = v896_ix;
         const float v = v897_ix;
         const float v899_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v897_ix));
@@ -9299,7 +9299,7 @@ static void k195_sum__concat__cast(char *arena, const MdlHooks *h) {
     for (int64_t l = k * 128; l < end; l++) {
       for (int64_t c = 0; c < 2304; c++) {
         const int64_t ix = l * 2304 + c;
-        const float v936_ix = (c < 768 ? b933 + (l * 768 + (c - 0)) : c < 1536 ? b934 + (l * 768 + (c - 768)) : b935 + (l * 768 + (c - 1536)))[0];
+        const float v936_ix = (c < 768 ? b933 + (l * 768 + c) : c < 1536 ? b934 + (l * 768 + (c - 768)) : b935 + (l * 768 + (c - 1536)))[0];
         const float v937_ix = v936_ix;
         const float v = v937_ix;
         const float v939_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v937_ix));
@@ -9853,7 +9853,7 @@ static void k207_sum__concat__cast(char *arena, const MdlHooks *h) {
     for (int64_t l = k * 128; l < end; l++) {
       for (int64_t c = 0; c < 2304; c++) {
         const int64_t ix = l * 2304 + c;
-        const float v976_ix = (c < 768 ? b973 + (l * 768 + (c - 0)) : c < 1536 ? b974 + (l * 768 + (c - 768)) : b975 + (l * 768 + (c - 1536)))[0];
+        const float v976_ix = (c < 768 ? b973 + (l * 768 + c) : c < 1536 ? b974 + (l * 768 + (c - 768)) : b975 + (l * 768 + (c - 1536)))[0];
         const float v977_ix = v976_ix;
         const float v = v977_ix;
         const float v979_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v977_ix));
@@ -10407,7 +10407,7 @@ static void k219_sum__concat__cast(char *arena, const MdlHooks *h) {
     for (int64_t l = k * 128; l < end; l++) {
       for (int64_t c = 0; c < 2304; c++) {
         const int64_t ix = l * 2304 + c;
-        const float v1016_ix = (c < 768 ? b1013 + (l * 768 + (c - 0)) : c < 1536 ? b1014 + (l * 768 + (c - 768)) : b1015 + (l * 768 + (c - 1536)))[0];
+        const float v1016_ix = (c < 768 ? b1013 + (l * 768 + c) : c < 1536 ? b1014 + (l * 768 + (c - 768)) : b1015 + (l * 768 + (c - 1536)))[0];
         const float v1017_ix = v1016_ix;
         const float v = v1017_ix;
         const float v1019_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v1017_ix));
@@ -10961,7 +10961,7 @@ static void k231_sum__concat__cast(char *arena, const MdlHooks *h) {
     for (int64_t l = k * 128; l < end; l++) {
       for (int64_t c = 0; c < 2304; c++) {
         const int64_t ix = l * 2304 + c;
-        const float v1056_ix = (c < 768 ? b1053 + (l * 768 + (c - 0)) : c < 1536 ? b1054 + (l * 768 + (c - 768)) : b1055 + (l * 768 + (c - 1536)))[0];
+        const float v1056_ix = (c < 768 ? b1053 + (l * 768 + c) : c < 1536 ? b1054 + (l * 768 + (c - 768)) : b1055 + (l * 768 + (c - 1536)))[0];
         const float v1057_ix = v1056_ix;
         const float v = v1057_ix;
         const float v1059_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v1057_ix));
