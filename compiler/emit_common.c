@@ -925,8 +925,6 @@ const char *ec_ix_axis(EmitCore *e, Shape s, int ax, const char *ix) {
   return ix_var(e, ec_buf_str(e, &b));
 }
 
-// Element (outer o, axis coordinate c - at, inner) of a part of length len along ax, for element ix
-// of the whole (shape s): the index into the part, or 0 when c is outside [at, at + len).
 // The index into a part of length len at `at` on axis ax of a tensor of shape s, at flat index ix
 // whose coordinate on the axis (c) lies in the part.
 static void part_index(EmitCore *e, Buf *b, Shape s, int ax, const char *ix, const char *c, int64_t at, int64_t len) {
@@ -945,6 +943,8 @@ static void part_index(EmitCore *e, Buf *b, Shape s, int ax, const char *ix, con
   }
 }
 
+// Element (outer o, axis coordinate c - at, inner) of a part of length len along ax, for element ix
+// of the whole (shape s): the index into the part, or 0 when c is outside [at, at + len).
 const char *ec_ix_part(EmitCore *e, Shape s, int ax, const char *ix, const char *c, int64_t at, int64_t len) {
   Buf b = {0};
   ec_bput(&b, "%s >= %lld && %s < %lld ? ", c, (long long)at, c, (long long)(at + len));
@@ -958,20 +958,27 @@ const char *ec_ix_part(EmitCore *e, Shape s, int ax, const char *ix, const char 
 // value in a local or reads it from memory, and computes a pointwise node through this.
 //
 
-// A CONCAT whose parts are all in memory, of one type (the gradient of a split: dq, dk, dv): a pointer
-// to its element at ix, in the part the index falls in, so that one load reads it instead of one from
-// each part; NULL otherwise (or where the emitter has no `base` hook).
-const char *ec_concat_ptr(EmitCore *e, int n, const char *ix) {
+// Is node n a CONCAT whose parts are all in memory, of one type (the gradient of a split: dq, dk,
+// dv), with an emitter that can name their pointers (`base`)?
+bool ec_concat_direct(EmitCore *e, int n) {
   const IrNode *nd = ec_node(e, n);
-  int first = ec_canon(e, nd->in[0]), ax = (int)nd->ia[0];
+  int first = ec_canon(e, nd->in[0]);
   bool direct = e->base != NULL && nd->op == OP_CONCAT && nd->nin <= 64;
   for (int k = 0; k < nd->nin && direct; k++) {
     int ck = ec_canon(e, nd->in[k]);
     direct = ec_in_memory(e, ck) && ec_node(e, ck)->op != OP_CONST &&
              ec_node(e, ck)->dtype == ec_node(e, first)->dtype;
   }
-  if (!direct)
+  return direct;
+}
+
+// Of such a CONCAT (ec_concat_direct), a pointer to its element at ix, in the part the index falls in,
+// so that one load reads it instead of one from each part; NULL for any other node.
+const char *ec_concat_ptr(EmitCore *e, int n, const char *ix) {
+  if (!ec_concat_direct(e, n))
     return NULL;
+  const IrNode *nd = ec_node(e, n);
+  int ax = (int)nd->ia[0];
   const char *c = ec_ix_axis(e, nd->shape, ax, ix);
   Buf b = {0};
   ec_bput(&b, "(");

@@ -168,6 +168,7 @@ const char *ec_ix_part(EmitCore *e, Shape s, int ax, const char *ix, const char 
 
 // The expression of pointwise node c at flat index ix, its inputs read through e->val.
 const char *ec_pointwise_expr(EmitCore *e, int c, const char *ix);
+bool ec_concat_direct(EmitCore *e, int n);
 const char *ec_concat_ptr(EmitCore *e, int n, const char *ix);
 
 //

@@ -836,7 +836,7 @@ static void store(Emit *e, int c, const char *ix, const char *v) {
 static bool concat_lanes(Emit *e, int c, const char *ix) {
   const IrNode *nd = ec_node(&e->core, c);
   if (nd->op != OP_CONCAT || e->lane < 0 || !e->loop_ix || strcmp(ix, e->loop_ix) ||
-      ec_numel(&e->core, c) != e->loop_n || ec_has_target(&e->core, c) || !ec_concat_ptr(&e->core, c, ix))
+      ec_numel(&e->core, c) != e->loop_n || ec_has_target(&e->core, c) || !ec_concat_direct(&e->core, c))
     return false;
   int ax = (int)nd->ia[0];
   int64_t inner = ec_span(nd->shape, ax + 1, nd->shape.rank);

@@ -1633,17 +1633,17 @@ extern "C" __global__ void __launch_bounds__(256, MDL_SM_THREADS / 256) k29_sum_
     for (int l = k * 8; l < end; l++) {
       const int i0 = base + l * 192;
       const int q = i0 / 4; // the four lanes' float4
-      const int j3 = i0 % 192;
-      const float4 f4 = *(const float4 *)(j3 < 64 ? b1 + (i0 / 192 * 64 + j3) : j3 < 128 ? b2 + (i0 / 192 * 64 + (j3 - 64)) : b3 + (i0 / 192 * 64 + (j3 - 128)));
-      const float v1 = f4.x;
+      const int j4 = i0 % 192;
+      const float4 f3 = *(const float4 *)(j4 < 64 ? b1 + (i0 / 192 * 64 + j4) : j4 < 128 ? b2 + (i0 / 192 * 64 + (j4 - 64)) : b3 + (i0 / 192 * 64 + (j4 - 128)));
+      const float v1 = f3.x;
       acc0 += v1;
-      const float v6 = f4.y;
+      const float v6 = f3.y;
       acc1 += v6;
-      const float v10 = f4.z;
-      acc2 += v10;
-      const float v14 = f4.w;
-      acc3 += v14;
-      reinterpret_cast<ushort4 *>(b4)[q] = make_ushort4(mdl_f32_to_bf16(v1), mdl_f32_to_bf16(v6), mdl_f32_to_bf16(v10), mdl_f32_to_bf16(v14));
+      const float v9 = f3.z;
+      acc2 += v9;
+      const float v12 = f3.w;
+      acc3 += v12;
+      reinterpret_cast<ushort4 *>(b4)[q] = make_ushort4(mdl_f32_to_bf16(v1), mdl_f32_to_bf16(v6), mdl_f32_to_bf16(v9), mdl_f32_to_bf16(v12));
     }
     b0[k * 192 + r] = acc0;
     b0[k * 192 + r + 1] = acc1;

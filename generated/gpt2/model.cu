@@ -2227,17 +2227,17 @@ extern "C" __global__ void __launch_bounds__(256, MDL_SM_THREADS / 256) k99_sum_
     for (int l = k * 19; l < end; l++) {
       const int i0 = base + l * 2304;
       const int q = i0 / 4; // the four lanes' float4
-      const int j3 = i0 % 2304;
-      const float4 f4 = *(const float4 *)(j3 < 768 ? b1 + (i0 / 2304 * 768 + j3) : j3 < 1536 ? b2 + (i0 / 2304 * 768 + (j3 - 768)) : b3 + (i0 / 2304 * 768 + (j3 - 1536)));
-      const float v1 = f4.x;
+      const int j4 = i0 % 2304;
+      const float4 f3 = *(const float4 *)(j4 < 768 ? b1 + (i0 / 2304 * 768 + j4) : j4 < 1536 ? b2 + (i0 / 2304 * 768 + (j4 - 768)) : b3 + (i0 / 2304 * 768 + (j4 - 1536)));
+      const float v1 = f3.x;
       acc0 += v1;
-      const float v6 = f4.y;
+      const float v6 = f3.y;
       acc1 += v6;
-      const float v10 = f4.z;
-      acc2 += v10;
-      const float v14 = f4.w;
-      acc3 += v14;
-      reinterpret_cast<ushort4 *>(b4)[q] = make_ushort4(mdl_f32_to_bf16(v1), mdl_f32_to_bf16(v6), mdl_f32_to_bf16(v10), mdl_f32_to_bf16(v14));
+      const float v9 = f3.z;
+      acc2 += v9;
+      const float v12 = f3.w;
+      acc3 += v12;
+      reinterpret_cast<ushort4 *>(b4)[q] = make_ushort4(mdl_f32_to_bf16(v1), mdl_f32_to_bf16(v6), mdl_f32_to_bf16(v9), mdl_f32_to_bf16(v12));
     }
     b0[k * 2304 + r] = acc0;
     b0[k * 2304 + r + 1] = acc1;
