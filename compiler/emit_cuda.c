@@ -2582,12 +2582,15 @@ static void att_mma_kernel(Emit *e, const Att *A, int out) {
   ec_line(&e->core, "  acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;");
   att_mma_query_tiles(e, A, ATT_MMA_ROWS, false);
   att_mma_online_max(e, A);
+  ec_line(&e->core, "// (where no row of the warp has a new maximum every factor is exactly 1)");
+  ec_enter(&e->core, "if (__any_sync(MDL_FULL, c0 != 1.0f || c1 != 1.0f))");
   ec_line(&e->core, "#pragma unroll");
   ec_enter(&e->core, "for (int n = 0; n < %d; n++)", ntiles);
   ec_line(&e->core, "acc[n][0] *= c0;");
   ec_line(&e->core, "acc[n][1] *= c0;");
   ec_line(&e->core, "acc[n][2] *= c1;");
   ec_line(&e->core, "acc[n][3] *= c1;");
+  ec_leave(&e->core);
   ec_leave(&e->core);
   ec_line(&e->core, "// e = exp(S - m) goes into l as it is; rounded to bf16, tiles 2 k and 2 k + 1 of S are the A");
   ec_line(&e->core, "// fragment of step k of O += P V, whose B fragment is keys 16 k + 2 tq, + 1 and 8 further of");

@@ -14,7 +14,7 @@
 // the warp's exchange slots (then reads its partner's, and waits once more so that no slot is
 // overwritten before it is read). The tensor cores' mma.sync is warp-collective the same way: the
 // lanes put their fragments in the warp's slots, wait, each computes its own part of D from the whole
-// A and B, and wait again; so are ldmatrix and __all_sync. A cp.async copy lands at one end or the
+// A and B, and wait again; so are ldmatrix, __all_sync and __any_sync. A cp.async copy lands at one end or the
 // other of the window the GPU allows it, by block (cp_async): a missing wait or barrier around a
 // double-buffered tile then shows as wrong values. A thread that returns stops counting for the
 // barriers; a whole pass over the fibers without any arrival, release or exit is a deadlock and
@@ -416,6 +416,7 @@ template <class T> T __shfl_xor_sync(unsigned, T v, int mask, int width = 32) {
 }
 
 inline bool __all_sync(unsigned, bool pred) { return mdl_emu::warp_all(pred); }
+inline bool __any_sync(unsigned, bool pred) { return !mdl_emu::warp_all(!pred); }
 
 template <class T> T __shfl_sync(unsigned, T v, int src, int width = 32) {
   unsigned lane = (unsigned)mdl_emu::blk->cur % 32;

@@ -614,12 +614,15 @@ extern "C" __global__ void __launch_bounds__(256, 2) k4_attention_fwd__cast__lse
     m1 = mn1;
     l0 *= c0;
     l1 *= c1;
-    #pragma unroll
-    for (int n = 0; n < 2; n++) {
-      acc[n][0] *= c0;
-      acc[n][1] *= c0;
-      acc[n][2] *= c1;
-      acc[n][3] *= c1;
+    // (where no row of the warp has a new maximum every factor is exactly 1)
+    if (__any_sync(MDL_FULL, c0 != 1.0f || c1 != 1.0f)) {
+      #pragma unroll
+      for (int n = 0; n < 2; n++) {
+        acc[n][0] *= c0;
+        acc[n][1] *= c0;
+        acc[n][2] *= c1;
+        acc[n][3] *= c1;
+      }
     }
     // e = exp(S - m) goes into l as it is; rounded to bf16, tiles 2 k and 2 k + 1 of S are the A
     // fragment of step k of O += P V, whose B fragment is keys 16 k + 2 tq, + 1 and 8 further of

@@ -17,7 +17,7 @@
 //     warps of a block and several blocks each with matrices of their own) against D = C + A B in
 //     double on the bf16 roundings, within 1e-6 of the sum of the magnitudes; an mma in a warp whose
 //     other lanes have returned aborts the run; mdl_ldsm_x4_t and mdl_ldsm_x4 (ldmatrix .x4, with
-//     .trans and without) hand each lane the elements PTX's fragment layout names; __all_sync;
+//     .trans and without) hand each lane the elements PTX's fragment layout names; the warp votes;
 //   - cp.async: a double-buffered staging loop gets every tile whether copies land when issued or at
 //     the wait (the emulator's two ends of the GPU's window, by block), zero fills, and a read before
 //     the wait that sees the old value where copies land late;
@@ -100,6 +100,7 @@ static const char mma_kernels[] =
     "extern \"C\" __global__ void k_vote(float *out) {\n"
     "  const int w = threadIdx.x >> 5, lane = threadIdx.x & 31;\n"
     "  out[threadIdx.x] = __all_sync(MDL_FULL, w == 0 || lane != 17) ? 1.0f : 0.0f;\n"
+    "  out[64 + threadIdx.x] = __any_sync(MDL_FULL, w == 1 && lane == 17) ? 1.0f : 0.0f;\n"
     "}\n"
     "extern \"C\" __global__ void k_mma(const float *a, const float *b, const float *c, float *d) {\n"
     "  const int w = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5), lane = threadIdx.x & 31;\n"
@@ -603,9 +604,10 @@ static void test_ldsm(void *h) {
 // one where they land at the wait: each tile as the source has it, in both; the zero-fill copies
 // write zeros; a read of a copy's destination before the wait sees the old value where copies land
 // at the wait (block 0) and the new one where they land at once (block 1), the new one in both after
-// it; __all_sync is false in the warp with one false lane only.
+// it; __all_sync is false in the warp with one false lane only, __any_sync true in the one with one
+// true lane only.
 static void test_cp_async(void *h) {
-  float src[1024], out[1264];
+  float src[1024], out[1328];
   for (int i = 0; i < 1024; i++)
     src[i] = (float)i * 0.5f + 1.0f;
   void (*run)(const float *, float *) = (void (*)(const float *, float *))dlsym(h, "run_cp_async");
@@ -622,11 +624,15 @@ static void test_cp_async(void *h) {
   CHECK(out[1100] == -1.0f && out[1101] == src[0] && out[1102] == src[0] && out[1103] == src[0],
         "cuda emu: a read before cp.async's wait sees the old value where copies land at the wait, the new where "
         "they land at once", "before the wait %g and %g, after %g and %g", out[1100], out[1101], out[1102], out[1103]);
-  int ones = 0;
-  for (int t = 0; t < 64; t++)
+  int ones = 0, anys = 0;
+  for (int t = 0; t < 64; t++) {
     ones += out[1200 + t] == 1.0f;
+    anys += out[1264 + t] == 1.0f;
+  }
   CHECK(ones == 32 && out[1200] == 1.0f && out[1232] == 0.0f, "cuda emu: __all_sync is false in a warp with one "
         "false lane, true in one without", "%d of 64 lanes got true", ones);
+  CHECK(anys == 32 && out[1264] == 0.0f && out[1296] == 1.0f, "cuda emu: __any_sync is true in a warp with one "
+        "true lane, false in one without", "%d of 64 lanes got true", anys);
 }
 
 static void test_mma_nvrtc(void) {
