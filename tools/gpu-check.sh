@@ -25,7 +25,8 @@
 #      kernel table goes to $OUT/gpu-check-profile.txt, its 25 slowest lines, the time by kind of
 #      kernel (GEMMs, attention, LM head, optimizer, embedding backward, norm backward with its add
 #      and column sums, norm forward, sums with their producers, lone casts, lone sums, other
-#      elementwise and row kernels) and the launches inside the kernels that make several (the LM
+#      elementwise and row kernels), each beside what it took in the profile committed at the top of
+#      the repository (the last GPU run's: "was"), and the launches inside the kernels that make several (the LM
 #      head's GEMMs and cross-entropy, the attention backward's passes, the optimizer's) to the results;
 #   5. twelve steps of it with --no-fuse, then twelve with --no-gemm-tuning: tokens/s without fusion,
 #      and without the timing of cuBLASLt's candidates, and what each is worth (the fused, tuned run's
@@ -90,6 +91,8 @@ model="gpt2 124M"
 [ -n "$dims" ] && model="gpt2 $dims"
 tmp=$(mktemp -d)
 smi_pid=""
+before=/dev/null # the profile of the last run, committed at the top of the repository
+[ -f gpu-check-profile.txt ] && cp gpu-check-profile.txt "$tmp/before-profile.txt" && before="$tmp/before-profile.txt"
 trap '[ -n "$smi_pid" ] && kill "$smi_pid" 2>/dev/null; rm -rf "$tmp"' EXIT
 : >"$res" || { echo "gpu-check: cannot write $res"; exit 1; }
 status=0
@@ -211,8 +214,10 @@ if [ $rc -eq 0 ]; then
     sed -n '/^profile:/,$p' "$tmp/prof.log" >"$prof"
     grep -q '^profile:' "$prof" || { say "mdlc run --profile printed no profile"; status=1; }
     head -27 "$prof" | tee -a "$res"
-    awk '/^launches inside/ { exit }
-         NR > 2 && NF >= 5 {
+    awk -v before="$before" '
+         FNR == 1 { table = 1 }
+         /^launches inside/ { table = 0 }
+         table && FNR > 2 && NF >= 5 {
            k = $1; sub(/^k[0-9]+_/, "", k)
            kind = "elementwise and row kernels"
            if (k ~ /^gemm/) kind = "GEMMs"
@@ -225,10 +230,14 @@ if [ $rc -eq 0 ]; then
            else if (k ~ /^sum__/) kind = "sums with the kernel that produces their input"
            else if (k ~ /^sum$/) kind = "lone sums (bias gradients)"
            else if (k ~ /^cast$/) kind = "lone casts to bf16"
+           if (FILENAME == before) { was[kind] += $2; next }
            ms[kind] += $2; n[kind]++; total += $2
          }
-         END { for (x in ms) printf "  %9.3f ms/step %5.1f%% %4d kernels: %s\n", ms[x], 100 * ms[x] / total, n[x], x }' \
-      "$prof" | sort -nr | tee -a "$res"
+         END {
+           for (x in ms)
+             printf "  %9.3f ms/step %5.1f%% (was %s) %4d kernels: %s\n", ms[x], 100 * ms[x] / total,
+               x in was ? sprintf("%7.3f", was[x]) : "      -", n[x], x
+         }' "$before" "$prof" | sort -nr | tee -a "$res"
     sed -n '/^launches inside/,$p' "$prof" | tee -a "$res"
     say "whole table: $prof"
   else
