@@ -1335,14 +1335,18 @@ static int64_t attn_padded(int64_t nt) { return (nt + ATT_BLK + 7) / 8 * 8; }
 
 static bool attn_stored16(Emit *e, Rows r) { return ec_node(&e->core, r.buf)->dtype == DT_BF16; }
 
-// Channel c of row i of the head's part of rows r as the backward's products read it: a bf16 value
-// stored (a CAST, precision.c) widened, an f32 one rounded when they read bf16 (mdl.h), else as it is.
-static const char *attn_elem(Emit *e, Rows r, int64_t nt, int64_t d, bool bf16) {
-  const char *x = ec_str(&e->core, "%s[(b * %lld + i) * %lld + hd * %lld + c]", r.base, (long long)nt,
-                         (long long)r.stride, (long long)d);
+// Element x of rows r as the products read it: a bf16 value stored (a CAST, precision.c) widened, an
+// f32 one rounded when they read bf16 (mdl.h), else as it is.
+static const char *attn_read(Emit *e, Rows r, const char *x, bool round) {
   if (attn_stored16(e, r))
     return ec_str(&e->core, "mdl_bf16_to_f32(%s)", x);
-  return bf16 ? ec_str(&e->core, "mdl_bf16_to_f32(mdl_f32_to_bf16(%s))", x) : x;
+  return round ? ec_str(&e->core, "mdl_bf16_to_f32(mdl_f32_to_bf16(%s))", x) : x;
+}
+
+// Channel c of row i of the head's part of rows r as the products read it (attn_read).
+static const char *attn_elem(Emit *e, Rows r, int64_t nt, int64_t d, bool bf16) {
+  return attn_read(e, r, ec_str(&e->core, "%s[(b * %lld + i) * %lld + hd * %lld + c]", r.base, (long long)nt,
+                                (long long)r.stride, (long long)d), bf16);
 }
 
 // out[j] = sum over c of vec[c] mat[c][j] (mat a transposed [D][padded T] block), in order over c, for
@@ -1411,8 +1415,7 @@ static void emit_attn_transpose(Emit *e, const char *dst, Rows x, int64_t nt, in
   ec_line(&e->core, "const %s *xj = %s + (b * %lld + j) * %lld + hd * %lld;", x16 ? "uint16_t" : "float", x.base,
           (long long)nt, (long long)x.stride, (long long)d);
   ec_line(&e->core, "for (int64_t c = 0; c < %lld; c++)", (long long)d);
-  ec_line(&e->core, "  %s[c * %lld + j] = %s;", dst, (long long)attn_padded(nt),
-          x16 ? "mdl_bf16_to_f32(xj[c])" : round ? "mdl_bf16_to_f32(mdl_f32_to_bf16(xj[c]))" : "xj[c]");
+  ec_line(&e->core, "  %s[c * %lld + j] = %s;", dst, (long long)attn_padded(nt), attn_read(e, x, "xj[c]", round));
   ec_leave(&e->core);
 }
 
@@ -1453,10 +1456,8 @@ static void emit_attn_pairs(Emit *e, const char *acc, const char *w, Rows x, int
   const char *w0 = str(e, "%s[j]", w), *w1 = str(e, "%s[j + 1]", w);
   if (round_w)
     w0 = str(e, "mdl_bf16_to_f32(mdl_f32_to_bf16(%s))", w0), w1 = str(e, "mdl_bf16_to_f32(mdl_f32_to_bf16(%s))", w1);
-  bool x16 = attn_stored16(e, x);
-  const char *x0 = x16 ? "mdl_bf16_to_f32(x0[c])" : round_x ? "mdl_bf16_to_f32(mdl_f32_to_bf16(x0[c]))" : "x0[c]";
-  const char *x1 = x16 ? "mdl_bf16_to_f32(x1[c])" : round_x ? "mdl_bf16_to_f32(mdl_f32_to_bf16(x1[c]))" : "x1[c]";
-  const char *xt = x16 ? "uint16_t" : "float";
+  const char *x0 = attn_read(e, x, "x0[c]", round_x), *x1 = attn_read(e, x, "x1[c]", round_x);
+  const char *xt = attn_stored16(e, x) ? "uint16_t" : "float";
   ec_line(&e->core, "float %s0[%lld] = {0}, %s1[%lld] = {0};", acc, (long long)d, acc, (long long)d);
   ec_line(&e->core, "int64_t j = lo;");
   ec_enter(&e->core, "for (; j + 1 < hi; j += 2)");
