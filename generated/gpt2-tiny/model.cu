@@ -1990,26 +1990,31 @@ extern "C" __global__ void __launch_bounds__(1024) k44_layernorm_bwd__add_colsum
 //   k45_embed_bwd_place<<<2, 256>>>
 //   k45_embed_bwd<<<4, 64>>>
 
-// embed backward: the bucket counts and cursors set to zero
+// embed backward: the counts of 4 buckets and of each in 2 chunks set to zero
 extern "C" __global__ void __launch_bounds__(32) k45_embed_bwd_zero(char *arena, MdlStatus *status, const uint64_t *seed, int64_t chunk, MdlArgs o) {
   int *const b0 = (int *)(arena + o.b[0]); // bucket counts
-  int *const b1 = (int *)(arena + o.b[1]); // bucket cursors
-  for (int u = blockIdx.x * blockDim.x + threadIdx.x; u < 4; u += gridDim.x * blockDim.x) {
-    b0[u] = 0;
+  int *const b1 = (int *)(arena + o.b[1]); // counts by bucket and chunk
+  for (int u = blockIdx.x * blockDim.x + threadIdx.x; u < 8; u += gridDim.x * blockDim.x) {
     b1[u] = 0;
+    if (u < 4)
+      b0[u] = 0;
   }
 }
 
-// embed backward: 512 ids counted into buckets of 32 table rows
+// embed backward: 512 ids counted by bucket of 32 table rows, and by bucket and chunk of 256 positions, a block per chunk
 extern "C" __global__ void __launch_bounds__(256) k45_embed_bwd_count(char *arena, MdlStatus *status, const uint64_t *seed, int64_t chunk, MdlArgs o) {
   int32_t *const b0 = (int32_t *)(arena + o.b[0]); // input i32[8,64]
   int *const b1 = (int *)(arena + o.b[1]); // bucket counts
-  for (int r = blockIdx.x * blockDim.x + threadIdx.x; r < 512; r += gridDim.x * blockDim.x) {
-    const int32_t id = b0[r];
+  int *const b2 = (int *)(arena + o.b[2]); // counts by bucket and chunk
+  for (int k = blockIdx.x; k < 2; k += gridDim.x) {
+    const int r = k * 256 + threadIdx.x;
+    const int32_t id = r < 512 ? b0[r] : 0;
     if (id < 0 || id >= 128)
       mdl_report(status, MDL_ERR_EMBED_ID, id, 128);
-    else
+    else if (r < 512) {
       atomicAdd(&b1[id / 32], 1);
+      atomicAdd(&b2[id / 32 * 2 + k], 1);
+    }
   }
 }
 
@@ -2038,61 +2043,67 @@ extern "C" __global__ void __launch_bounds__(256) k45_embed_bwd_offsets(char *ar
   }
 }
 
-// embed backward: each position into its bucket, in any order
+// embed backward: each position into its bucket's list, after the earlier ones of its bucket, a block per chunk
 extern "C" __global__ void __launch_bounds__(256) k45_embed_bwd_place(char *arena, MdlStatus *status, const uint64_t *seed, int64_t chunk, MdlArgs o) {
   int32_t *const b0 = (int32_t *)(arena + o.b[0]); // input i32[8,64]
-  int *const b1 = (int *)(arena + o.b[1]); // bucket cursors
+  int *const b1 = (int *)(arena + o.b[1]); // counts by bucket and chunk
   int *const b2 = (int *)(arena + o.b[2]); // bucket starts
   int *const b3 = (int *)(arena + o.b[3]); // positions by bucket
-  for (int r = blockIdx.x * blockDim.x + threadIdx.x; r < 512; r += gridDim.x * blockDim.x) {
-    const int32_t id = b0[r];
-    if (id >= 0 && id < 128)
-      b3[b2[id / 32] + atomicAdd(&b1[id / 32], 1)] = (int)r;
+  __shared__ int bk[256];
+  for (int k = blockIdx.x; k < 2; k += gridDim.x) {
+    const int r = k * 256 + threadIdx.x;
+    const int32_t id = r < 512 ? b0[r] : -1;
+    const int b = id >= 0 && id < 128 ? id / 32 : -1;
+    __syncthreads();
+    bk[threadIdx.x] = b;
+    __syncthreads();
+    if (b >= 0) {
+      int at = b2[b];
+      for (int g = 0; g < k; g++)
+        at += b1[b * 2 + g];
+      for (int t = 0; t < (int)threadIdx.x; t++)
+        at += bk[t] == b;
+      b3[at] = (int)r;
+    }
   }
 }
 
-// embed backward: 512 rows of 64 into a table of 128; a block per 32 table rows x 64 columns, its bucket's positions sorted (more than 1024: every id scanned)
+// embed backward: 512 rows of 64 into a table of 128; a warp per 32 table rows x 32 columns, walking its bucket's positions in order, 32 at a time
 extern "C" __global__ void __launch_bounds__(64) k45_embed_bwd(char *arena, MdlStatus *status, const uint64_t *seed, int64_t chunk, MdlArgs o) {
   int32_t *const b0 = (int32_t *)(arena + o.b[0]); // input i32[8,64]
   float *const b1 = (float *)(arena + o.b[1]); // add f32[8,64,64]
   float *const b2 = (float *)(arena + o.b[2]); // embed_bwd f32[128,64]
-  int *const b3 = (int *)(arena + o.b[3]); // bucket counts
-  int *const b4 = (int *)(arena + o.b[4]); // bucket starts
-  int *const b5 = (int *)(arena + o.b[5]); // positions by bucket
-  __shared__ float acc[32][64];
-  __shared__ int sp[1024], so[1024];
+  int *const b3 = (int *)(arena + o.b[3]); // bucket starts
+  int *const b4 = (int *)(arena + o.b[4]); // positions by bucket
+  __shared__ float acc[2][32][32];
+  const int w = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int bk = blockIdx.x / 1, v0 = bk * 32, c = blockIdx.x % 1 * 64 + threadIdx.x;
   for (int k = 0; k < 32; k++)
-    acc[k][threadIdx.x] = 0.0f;
-  const int n = b3[bk], at = b4[bk];
-  if (n <= 1024) {
-    for (int i = threadIdx.x; i < n; i += blockDim.x)
-      sp[i] = b5[at + i];
-    __syncthreads();
-    for (int i = threadIdx.x; i < n; i += blockDim.x) {
-      int rank = 0;
-      for (int j = 0; j < n; j++)
-        rank += sp[j] < sp[i];
-      so[rank] = sp[i];
+    acc[w][k][lane] = 0.0f;
+  const int at = b3[bk], n = b3[bk + 1] - at;
+  for (int i0 = 0; i0 < n; i0 += 32) {
+    int p = 0, k = 0;
+    if (i0 + lane < n) {
+      p = b4[at + i0 + lane];
+      k = b0[p] - (int)v0;
     }
-    __syncthreads();
-    if (c < 64) {
-      for (int i = 0; i < n; i++) {
-        const int r = so[i];
-        acc[b0[r] - v0][threadIdx.x] += b1[r * 64 + c];
-      }
+    float d[32];
+    #pragma unroll
+    for (int u = 0; u < 32; u++) {
+      const int pu = __shfl_sync(0xffffffffu, p, u);
+      d[u] = i0 + u < n && c < 64 ? b1[pu * 64 + c] : 0.0f;
     }
-  } else {
-    for (int r = 0; r < 512; r++) {
-      const int32_t id = b0[r];
-      if (id >= v0 && id < v0 + 32 && c < 64)
-        acc[id - v0][threadIdx.x] += b1[r * 64 + c];
+    #pragma unroll
+    for (int u = 0; u < 32; u++) {
+      const int ku = __shfl_sync(0xffffffffu, k, u);
+      if (i0 + u < n)
+        acc[w][ku][lane] += d[u];
     }
   }
   if (c < 64) {
     for (int k = 0; k < 32 && v0 + k < 128; k++) {
       const int ix = (v0 + k) * 64 + c;
-      const float y = acc[k][threadIdx.x];
+      const float y = acc[w][k][lane];
       b2[ix] = y;
     }
   }
@@ -2108,26 +2119,31 @@ extern "C" __global__ void __launch_bounds__(64) k45_embed_bwd(char *arena, MdlS
 //   k46_embed_bwd__add_place<<<2, 256>>>
 //   k46_embed_bwd__add<<<8, 64>>>
 
-// embed backward: the bucket counts and cursors set to zero
+// embed backward: the counts of 8 buckets and of each in 2 chunks set to zero
 extern "C" __global__ void __launch_bounds__(32) k46_embed_bwd__add_zero(char *arena, MdlStatus *status, const uint64_t *seed, int64_t chunk, MdlArgs o) {
   int *const b0 = (int *)(arena + o.b[0]); // bucket counts
-  int *const b1 = (int *)(arena + o.b[1]); // bucket cursors
-  for (int u = blockIdx.x * blockDim.x + threadIdx.x; u < 8; u += gridDim.x * blockDim.x) {
-    b0[u] = 0;
+  int *const b1 = (int *)(arena + o.b[1]); // counts by bucket and chunk
+  for (int u = blockIdx.x * blockDim.x + threadIdx.x; u < 16; u += gridDim.x * blockDim.x) {
     b1[u] = 0;
+    if (u < 8)
+      b0[u] = 0;
   }
 }
 
-// embed backward: 512 ids counted into buckets of 32 table rows
+// embed backward: 512 ids counted by bucket of 32 table rows, and by bucket and chunk of 256 positions, a block per chunk
 extern "C" __global__ void __launch_bounds__(256) k46_embed_bwd__add_count(char *arena, MdlStatus *status, const uint64_t *seed, int64_t chunk, MdlArgs o) {
   int32_t *const b0 = (int32_t *)(arena + o.b[0]); // input i32[8,64]
   int *const b1 = (int *)(arena + o.b[1]); // bucket counts
-  for (int r = blockIdx.x * blockDim.x + threadIdx.x; r < 512; r += gridDim.x * blockDim.x) {
-    const int32_t id = b0[r];
+  int *const b2 = (int *)(arena + o.b[2]); // counts by bucket and chunk
+  for (int k = blockIdx.x; k < 2; k += gridDim.x) {
+    const int r = k * 256 + threadIdx.x;
+    const int32_t id = r < 512 ? b0[r] : 0;
     if (id < 0 || id >= 256)
       mdl_report(status, MDL_ERR_EMBED_ID, id, 256);
-    else
+    else if (r < 512) {
       atomicAdd(&b1[id / 32], 1);
+      atomicAdd(&b2[id / 32 * 2 + k], 1);
+    }
   }
 }
 
@@ -2156,65 +2172,71 @@ extern "C" __global__ void __launch_bounds__(256) k46_embed_bwd__add_offsets(cha
   }
 }
 
-// embed backward: each position into its bucket, in any order
+// embed backward: each position into its bucket's list, after the earlier ones of its bucket, a block per chunk
 extern "C" __global__ void __launch_bounds__(256) k46_embed_bwd__add_place(char *arena, MdlStatus *status, const uint64_t *seed, int64_t chunk, MdlArgs o) {
   int32_t *const b0 = (int32_t *)(arena + o.b[0]); // input i32[8,64]
-  int *const b1 = (int *)(arena + o.b[1]); // bucket cursors
+  int *const b1 = (int *)(arena + o.b[1]); // counts by bucket and chunk
   int *const b2 = (int *)(arena + o.b[2]); // bucket starts
   int *const b3 = (int *)(arena + o.b[3]); // positions by bucket
-  for (int r = blockIdx.x * blockDim.x + threadIdx.x; r < 512; r += gridDim.x * blockDim.x) {
-    const int32_t id = b0[r];
-    if (id >= 0 && id < 256)
-      b3[b2[id / 32] + atomicAdd(&b1[id / 32], 1)] = (int)r;
+  __shared__ int bk[256];
+  for (int k = blockIdx.x; k < 2; k += gridDim.x) {
+    const int r = k * 256 + threadIdx.x;
+    const int32_t id = r < 512 ? b0[r] : -1;
+    const int b = id >= 0 && id < 256 ? id / 32 : -1;
+    __syncthreads();
+    bk[threadIdx.x] = b;
+    __syncthreads();
+    if (b >= 0) {
+      int at = b2[b];
+      for (int g = 0; g < k; g++)
+        at += b1[b * 2 + g];
+      for (int t = 0; t < (int)threadIdx.x; t++)
+        at += bk[t] == b;
+      b3[at] = (int)r;
+    }
   }
 }
 
-// embed backward: 512 rows of 64 into a table of 256; a block per 32 table rows x 64 columns, its bucket's positions sorted (more than 1024: every id scanned)
+// embed backward: 512 rows of 64 into a table of 256; a warp per 32 table rows x 32 columns, walking its bucket's positions in order, 32 at a time
 extern "C" __global__ void __launch_bounds__(64) k46_embed_bwd__add(char *arena, MdlStatus *status, const uint64_t *seed, int64_t chunk, MdlArgs o) {
   int32_t *const b0 = (int32_t *)(arena + o.b[0]); // input i32[8,64]
   float *const b1 = (float *)(arena + o.b[1]); // add f32[8,64,64]
-  int *const b2 = (int *)(arena + o.b[2]); // bucket counts
-  int *const b3 = (int *)(arena + o.b[3]); // bucket starts
-  int *const b4 = (int *)(arena + o.b[4]); // positions by bucket
-  float *const b5 = (float *)(arena + o.b[5]); // matmul f32[256,64]
-  float *const b6 = (float *)(arena + o.b[6]); // add f32[256,64]
-  __shared__ float acc[32][64];
-  __shared__ int sp[1024], so[1024];
+  int *const b2 = (int *)(arena + o.b[2]); // bucket starts
+  int *const b3 = (int *)(arena + o.b[3]); // positions by bucket
+  float *const b4 = (float *)(arena + o.b[4]); // matmul f32[256,64]
+  float *const b5 = (float *)(arena + o.b[5]); // add f32[256,64]
+  __shared__ float acc[2][32][32];
+  const int w = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int bk = blockIdx.x / 1, v0 = bk * 32, c = blockIdx.x % 1 * 64 + threadIdx.x;
   for (int k = 0; k < 32; k++)
-    acc[k][threadIdx.x] = 0.0f;
-  const int n = b2[bk], at = b3[bk];
-  if (n <= 1024) {
-    for (int i = threadIdx.x; i < n; i += blockDim.x)
-      sp[i] = b4[at + i];
-    __syncthreads();
-    for (int i = threadIdx.x; i < n; i += blockDim.x) {
-      int rank = 0;
-      for (int j = 0; j < n; j++)
-        rank += sp[j] < sp[i];
-      so[rank] = sp[i];
+    acc[w][k][lane] = 0.0f;
+  const int at = b2[bk], n = b2[bk + 1] - at;
+  for (int i0 = 0; i0 < n; i0 += 32) {
+    int p = 0, k = 0;
+    if (i0 + lane < n) {
+      p = b3[at + i0 + lane];
+      k = b0[p] - (int)v0;
     }
-    __syncthreads();
-    if (c < 64) {
-      for (int i = 0; i < n; i++) {
-        const int r = so[i];
-        acc[b0[r] - v0][threadIdx.x] += b1[r * 64 + c];
-      }
+    float d[32];
+    #pragma unroll
+    for (int u = 0; u < 32; u++) {
+      const int pu = __shfl_sync(0xffffffffu, p, u);
+      d[u] = i0 + u < n && c < 64 ? b1[pu * 64 + c] : 0.0f;
     }
-  } else {
-    for (int r = 0; r < 512; r++) {
-      const int32_t id = b0[r];
-      if (id >= v0 && id < v0 + 32 && c < 64)
-        acc[id - v0][threadIdx.x] += b1[r * 64 + c];
+    #pragma unroll
+    for (int u = 0; u < 32; u++) {
+      const int ku = __shfl_sync(0xffffffffu, k, u);
+      if (i0 + u < n)
+        acc[w][ku][lane] += d[u];
     }
   }
   if (c < 64) {
     for (int k = 0; k < 32 && v0 + k < 256; k++) {
       const int ix = (v0 + k) * 64 + c;
-      const float y = acc[k][threadIdx.x];
-      const float v2 = b5[ix];
+      const float y = acc[w][k][lane];
+      const float v2 = b4[ix];
       const float v1 = v2 + y;
-      b6[ix] = v1;
+      b5[ix] = v1;
     }
   }
 }

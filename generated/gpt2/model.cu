@@ -3490,32 +3490,37 @@ extern "C" __global__ void __launch_bounds__(1024) k234_layernorm_bwd__add_colsu
 // k235_embed_bwd: kernel, 1 op
 //   %1067  embed_bwd          d.wpe                line 22    f32[1024,768]
 // runs:
-//   k235_embed_bwd_zero<<<1, 32>>>
+//   k235_embed_bwd_zero<<<4, 256>>>
 //   k235_embed_bwd_count<<<32, 256>>>
 //   k235_embed_bwd_offsets<<<1, 256>>>
 //   k235_embed_bwd_place<<<32, 256>>>
 //   k235_embed_bwd<<<96, 256>>>
 
-// embed backward: the bucket counts and cursors set to zero
-extern "C" __global__ void __launch_bounds__(32) k235_embed_bwd_zero(char *arena, MdlStatus *status, const uint64_t *seed, int64_t chunk, MdlArgs o) {
+// embed backward: the counts of 32 buckets and of each in 32 chunks set to zero
+extern "C" __global__ void __launch_bounds__(256) k235_embed_bwd_zero(char *arena, MdlStatus *status, const uint64_t *seed, int64_t chunk, MdlArgs o) {
   int *const b0 = (int *)(arena + o.b[0]); // bucket counts
-  int *const b1 = (int *)(arena + o.b[1]); // bucket cursors
-  for (int u = blockIdx.x * blockDim.x + threadIdx.x; u < 32; u += gridDim.x * blockDim.x) {
-    b0[u] = 0;
+  int *const b1 = (int *)(arena + o.b[1]); // counts by bucket and chunk
+  for (int u = blockIdx.x * blockDim.x + threadIdx.x; u < 1024; u += gridDim.x * blockDim.x) {
     b1[u] = 0;
+    if (u < 32)
+      b0[u] = 0;
   }
 }
 
-// embed backward: 8192 ids counted into buckets of 32 table rows
+// embed backward: 8192 ids counted by bucket of 32 table rows, and by bucket and chunk of 256 positions, a block per chunk
 extern "C" __global__ void __launch_bounds__(256) k235_embed_bwd_count(char *arena, MdlStatus *status, const uint64_t *seed, int64_t chunk, MdlArgs o) {
   int32_t *const b0 = (int32_t *)(arena + o.b[0]); // input i32[8,1024]
   int *const b1 = (int *)(arena + o.b[1]); // bucket counts
-  for (int r = blockIdx.x * blockDim.x + threadIdx.x; r < 8192; r += gridDim.x * blockDim.x) {
-    const int32_t id = b0[r];
+  int *const b2 = (int *)(arena + o.b[2]); // counts by bucket and chunk
+  for (int k = blockIdx.x; k < 32; k += gridDim.x) {
+    const int r = k * 256 + threadIdx.x;
+    const int32_t id = r < 8192 ? b0[r] : 0;
     if (id < 0 || id >= 1024)
       mdl_report(status, MDL_ERR_EMBED_ID, id, 1024);
-    else
+    else if (r < 8192) {
       atomicAdd(&b1[id / 32], 1);
+      atomicAdd(&b2[id / 32 * 32 + k], 1);
+    }
   }
 }
 
@@ -3544,61 +3549,67 @@ extern "C" __global__ void __launch_bounds__(256) k235_embed_bwd_offsets(char *a
   }
 }
 
-// embed backward: each position into its bucket, in any order
+// embed backward: each position into its bucket's list, after the earlier ones of its bucket, a block per chunk
 extern "C" __global__ void __launch_bounds__(256) k235_embed_bwd_place(char *arena, MdlStatus *status, const uint64_t *seed, int64_t chunk, MdlArgs o) {
   int32_t *const b0 = (int32_t *)(arena + o.b[0]); // input i32[8,1024]
-  int *const b1 = (int *)(arena + o.b[1]); // bucket cursors
+  int *const b1 = (int *)(arena + o.b[1]); // counts by bucket and chunk
   int *const b2 = (int *)(arena + o.b[2]); // bucket starts
   int *const b3 = (int *)(arena + o.b[3]); // positions by bucket
-  for (int r = blockIdx.x * blockDim.x + threadIdx.x; r < 8192; r += gridDim.x * blockDim.x) {
-    const int32_t id = b0[r];
-    if (id >= 0 && id < 1024)
-      b3[b2[id / 32] + atomicAdd(&b1[id / 32], 1)] = (int)r;
+  __shared__ int bk[256];
+  for (int k = blockIdx.x; k < 32; k += gridDim.x) {
+    const int r = k * 256 + threadIdx.x;
+    const int32_t id = r < 8192 ? b0[r] : -1;
+    const int b = id >= 0 && id < 1024 ? id / 32 : -1;
+    __syncthreads();
+    bk[threadIdx.x] = b;
+    __syncthreads();
+    if (b >= 0) {
+      int at = b2[b];
+      for (int g = 0; g < k; g++)
+        at += b1[b * 32 + g];
+      for (int t = 0; t < (int)threadIdx.x; t++)
+        at += bk[t] == b;
+      b3[at] = (int)r;
+    }
   }
 }
 
-// embed backward: 8192 rows of 768 into a table of 1024; a block per 32 table rows x 256 columns, its bucket's positions sorted (more than 1024: every id scanned)
+// embed backward: 8192 rows of 768 into a table of 1024; a warp per 32 table rows x 32 columns, walking its bucket's positions in order, 32 at a time
 extern "C" __global__ void __launch_bounds__(256) k235_embed_bwd(char *arena, MdlStatus *status, const uint64_t *seed, int64_t chunk, MdlArgs o) {
   int32_t *const b0 = (int32_t *)(arena + o.b[0]); // input i32[8,1024]
   float *const b1 = (float *)(arena + o.b[1]); // add f32[8,1024,768]
   float *const b2 = (float *)(arena + o.b[2]); // embed_bwd f32[1024,768]
-  int *const b3 = (int *)(arena + o.b[3]); // bucket counts
-  int *const b4 = (int *)(arena + o.b[4]); // bucket starts
-  int *const b5 = (int *)(arena + o.b[5]); // positions by bucket
-  __shared__ float acc[32][256];
-  __shared__ int sp[1024], so[1024];
+  int *const b3 = (int *)(arena + o.b[3]); // bucket starts
+  int *const b4 = (int *)(arena + o.b[4]); // positions by bucket
+  __shared__ float acc[8][32][32];
+  const int w = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int bk = blockIdx.x / 3, v0 = bk * 32, c = blockIdx.x % 3 * 256 + threadIdx.x;
   for (int k = 0; k < 32; k++)
-    acc[k][threadIdx.x] = 0.0f;
-  const int n = b3[bk], at = b4[bk];
-  if (n <= 1024) {
-    for (int i = threadIdx.x; i < n; i += blockDim.x)
-      sp[i] = b5[at + i];
-    __syncthreads();
-    for (int i = threadIdx.x; i < n; i += blockDim.x) {
-      int rank = 0;
-      for (int j = 0; j < n; j++)
-        rank += sp[j] < sp[i];
-      so[rank] = sp[i];
+    acc[w][k][lane] = 0.0f;
+  const int at = b3[bk], n = b3[bk + 1] - at;
+  for (int i0 = 0; i0 < n; i0 += 32) {
+    int p = 0, k = 0;
+    if (i0 + lane < n) {
+      p = b4[at + i0 + lane];
+      k = b0[p] - (int)v0;
     }
-    __syncthreads();
-    if (c < 768) {
-      for (int i = 0; i < n; i++) {
-        const int r = so[i];
-        acc[b0[r] - v0][threadIdx.x] += b1[r * 768 + c];
-      }
+    float d[32];
+    #pragma unroll
+    for (int u = 0; u < 32; u++) {
+      const int pu = __shfl_sync(0xffffffffu, p, u);
+      d[u] = i0 + u < n && c < 768 ? b1[pu * 768 + c] : 0.0f;
     }
-  } else {
-    for (int r = 0; r < 8192; r++) {
-      const int32_t id = b0[r];
-      if (id >= v0 && id < v0 + 32 && c < 768)
-        acc[id - v0][threadIdx.x] += b1[r * 768 + c];
+    #pragma unroll
+    for (int u = 0; u < 32; u++) {
+      const int ku = __shfl_sync(0xffffffffu, k, u);
+      if (i0 + u < n)
+        acc[w][ku][lane] += d[u];
     }
   }
   if (c < 768) {
     for (int k = 0; k < 32 && v0 + k < 1024; k++) {
       const int ix = (v0 + k) * 768 + c;
-      const float y = acc[k][threadIdx.x];
+      const float y = acc[w][k][lane];
       b2[ix] = y;
     }
   }
@@ -3608,32 +3619,37 @@ extern "C" __global__ void __launch_bounds__(256) k235_embed_bwd(char *arena, Md
 //   %1068  embed_bwd                               line 22    f32[50257,768]
 //   %1069  add                d.wte                line 19    f32[50257,768]
 // runs:
-//   k236_embed_bwd__add_zero<<<7, 256>>>
+//   k236_embed_bwd__add_zero<<<197, 256>>>
 //   k236_embed_bwd__add_count<<<32, 256>>>
 //   k236_embed_bwd__add_offsets<<<1, 256>>>
 //   k236_embed_bwd__add_place<<<32, 256>>>
 //   k236_embed_bwd__add<<<4713, 256>>>
 
-// embed backward: the bucket counts and cursors set to zero
+// embed backward: the counts of 1571 buckets and of each in 32 chunks set to zero
 extern "C" __global__ void __launch_bounds__(256) k236_embed_bwd__add_zero(char *arena, MdlStatus *status, const uint64_t *seed, int64_t chunk, MdlArgs o) {
   int *const b0 = (int *)(arena + o.b[0]); // bucket counts
-  int *const b1 = (int *)(arena + o.b[1]); // bucket cursors
-  for (int u = blockIdx.x * blockDim.x + threadIdx.x; u < 1571; u += gridDim.x * blockDim.x) {
-    b0[u] = 0;
+  int *const b1 = (int *)(arena + o.b[1]); // counts by bucket and chunk
+  for (int u = blockIdx.x * blockDim.x + threadIdx.x; u < 50272; u += gridDim.x * blockDim.x) {
     b1[u] = 0;
+    if (u < 1571)
+      b0[u] = 0;
   }
 }
 
-// embed backward: 8192 ids counted into buckets of 32 table rows
+// embed backward: 8192 ids counted by bucket of 32 table rows, and by bucket and chunk of 256 positions, a block per chunk
 extern "C" __global__ void __launch_bounds__(256) k236_embed_bwd__add_count(char *arena, MdlStatus *status, const uint64_t *seed, int64_t chunk, MdlArgs o) {
   int32_t *const b0 = (int32_t *)(arena + o.b[0]); // input i32[8,1024]
   int *const b1 = (int *)(arena + o.b[1]); // bucket counts
-  for (int r = blockIdx.x * blockDim.x + threadIdx.x; r < 8192; r += gridDim.x * blockDim.x) {
-    const int32_t id = b0[r];
+  int *const b2 = (int *)(arena + o.b[2]); // counts by bucket and chunk
+  for (int k = blockIdx.x; k < 32; k += gridDim.x) {
+    const int r = k * 256 + threadIdx.x;
+    const int32_t id = r < 8192 ? b0[r] : 0;
     if (id < 0 || id >= 50257)
       mdl_report(status, MDL_ERR_EMBED_ID, id, 50257);
-    else
+    else if (r < 8192) {
       atomicAdd(&b1[id / 32], 1);
+      atomicAdd(&b2[id / 32 * 32 + k], 1);
+    }
   }
 }
 
@@ -3662,65 +3678,71 @@ extern "C" __global__ void __launch_bounds__(256) k236_embed_bwd__add_offsets(ch
   }
 }
 
-// embed backward: each position into its bucket, in any order
+// embed backward: each position into its bucket's list, after the earlier ones of its bucket, a block per chunk
 extern "C" __global__ void __launch_bounds__(256) k236_embed_bwd__add_place(char *arena, MdlStatus *status, const uint64_t *seed, int64_t chunk, MdlArgs o) {
   int32_t *const b0 = (int32_t *)(arena + o.b[0]); // input i32[8,1024]
-  int *const b1 = (int *)(arena + o.b[1]); // bucket cursors
+  int *const b1 = (int *)(arena + o.b[1]); // counts by bucket and chunk
   int *const b2 = (int *)(arena + o.b[2]); // bucket starts
   int *const b3 = (int *)(arena + o.b[3]); // positions by bucket
-  for (int r = blockIdx.x * blockDim.x + threadIdx.x; r < 8192; r += gridDim.x * blockDim.x) {
-    const int32_t id = b0[r];
-    if (id >= 0 && id < 50257)
-      b3[b2[id / 32] + atomicAdd(&b1[id / 32], 1)] = (int)r;
+  __shared__ int bk[256];
+  for (int k = blockIdx.x; k < 32; k += gridDim.x) {
+    const int r = k * 256 + threadIdx.x;
+    const int32_t id = r < 8192 ? b0[r] : -1;
+    const int b = id >= 0 && id < 50257 ? id / 32 : -1;
+    __syncthreads();
+    bk[threadIdx.x] = b;
+    __syncthreads();
+    if (b >= 0) {
+      int at = b2[b];
+      for (int g = 0; g < k; g++)
+        at += b1[b * 32 + g];
+      for (int t = 0; t < (int)threadIdx.x; t++)
+        at += bk[t] == b;
+      b3[at] = (int)r;
+    }
   }
 }
 
-// embed backward: 8192 rows of 768 into a table of 50257; a block per 32 table rows x 256 columns, its bucket's positions sorted (more than 1024: every id scanned)
+// embed backward: 8192 rows of 768 into a table of 50257; a warp per 32 table rows x 32 columns, walking its bucket's positions in order, 32 at a time
 extern "C" __global__ void __launch_bounds__(256) k236_embed_bwd__add(char *arena, MdlStatus *status, const uint64_t *seed, int64_t chunk, MdlArgs o) {
   int32_t *const b0 = (int32_t *)(arena + o.b[0]); // input i32[8,1024]
   float *const b1 = (float *)(arena + o.b[1]); // add f32[8,1024,768]
-  int *const b2 = (int *)(arena + o.b[2]); // bucket counts
-  int *const b3 = (int *)(arena + o.b[3]); // bucket starts
-  int *const b4 = (int *)(arena + o.b[4]); // positions by bucket
-  float *const b5 = (float *)(arena + o.b[5]); // matmul f32[50257,768]
-  float *const b6 = (float *)(arena + o.b[6]); // add f32[50257,768]
-  __shared__ float acc[32][256];
-  __shared__ int sp[1024], so[1024];
+  int *const b2 = (int *)(arena + o.b[2]); // bucket starts
+  int *const b3 = (int *)(arena + o.b[3]); // positions by bucket
+  float *const b4 = (float *)(arena + o.b[4]); // matmul f32[50257,768]
+  float *const b5 = (float *)(arena + o.b[5]); // add f32[50257,768]
+  __shared__ float acc[8][32][32];
+  const int w = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int bk = blockIdx.x / 3, v0 = bk * 32, c = blockIdx.x % 3 * 256 + threadIdx.x;
   for (int k = 0; k < 32; k++)
-    acc[k][threadIdx.x] = 0.0f;
-  const int n = b2[bk], at = b3[bk];
-  if (n <= 1024) {
-    for (int i = threadIdx.x; i < n; i += blockDim.x)
-      sp[i] = b4[at + i];
-    __syncthreads();
-    for (int i = threadIdx.x; i < n; i += blockDim.x) {
-      int rank = 0;
-      for (int j = 0; j < n; j++)
-        rank += sp[j] < sp[i];
-      so[rank] = sp[i];
+    acc[w][k][lane] = 0.0f;
+  const int at = b2[bk], n = b2[bk + 1] - at;
+  for (int i0 = 0; i0 < n; i0 += 32) {
+    int p = 0, k = 0;
+    if (i0 + lane < n) {
+      p = b3[at + i0 + lane];
+      k = b0[p] - (int)v0;
     }
-    __syncthreads();
-    if (c < 768) {
-      for (int i = 0; i < n; i++) {
-        const int r = so[i];
-        acc[b0[r] - v0][threadIdx.x] += b1[r * 768 + c];
-      }
+    float d[32];
+    #pragma unroll
+    for (int u = 0; u < 32; u++) {
+      const int pu = __shfl_sync(0xffffffffu, p, u);
+      d[u] = i0 + u < n && c < 768 ? b1[pu * 768 + c] : 0.0f;
     }
-  } else {
-    for (int r = 0; r < 8192; r++) {
-      const int32_t id = b0[r];
-      if (id >= v0 && id < v0 + 32 && c < 768)
-        acc[id - v0][threadIdx.x] += b1[r * 768 + c];
+    #pragma unroll
+    for (int u = 0; u < 32; u++) {
+      const int ku = __shfl_sync(0xffffffffu, k, u);
+      if (i0 + u < n)
+        acc[w][ku][lane] += d[u];
     }
   }
   if (c < 768) {
     for (int k = 0; k < 32 && v0 + k < 50257; k++) {
       const int ix = (v0 + k) * 768 + c;
-      const float y = acc[k][threadIdx.x];
-      const float v2 = b5[ix];
+      const float y = acc[w][k][lane];
+      const float v2 = b4[ix];
       const float v1 = v2 + y;
-      b6[ix] = v1;
+      b5[ix] = v1;
     }
   }
 }

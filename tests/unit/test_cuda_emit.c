@@ -139,13 +139,15 @@ static const char attn[] =
     "a = attention(q, k, v, heads=H, causal=true) @ wo + attention(q, k, v, heads=H, doc=doc) + v\n"
     "output loss = mean(cross_entropy(a @ head, targets))\n";
 
-// An embedding whose backward has a bucket of table rows with more than 1024 positions (ids 0-31,
-// 1280 of 1600), whose blocks scan every id, and one with fewer (ids 32-63), sorted.
+// An embedding whose backward has a bucket of table rows with most positions (ids 0-31, 1280 of 1600:
+// 40 steps of 32 over 7 chunks of 256 positions, the last partial) and one with the rest (ids 40-63);
+// rows of 300 columns: two blocks of 8 warps per bucket, the second's warp 1 partly past the row, its
+// last six wholly.
 static const char hot[] =
     "model hot\n"
     "dim B = 4\n"
     "dim T = 400\n"
-    "dim C = 24\n"
+    "dim C = 300\n"
     "dim V = 64\n"
     "input hot: i32[B, T]\n"
     "input targets: i32[B, T]\n"
