@@ -28,9 +28,13 @@
 //
 // The step. Parameters are initialised on the host exactly as the interpreter does and copied up
 // with their bf16 copies (fuse.c, rule 11); the AdamW moments start at zero. Inputs and the lr/step
-// scalars are staged on the host and copied into their arena slots before each replay, and the
-// step's seed into the 8 bytes the kernels' seed argument points to (a graph replays its launches'
-// arguments as captured, so the seed cannot be one of them). The launches
+// scalars are staged on the host and copied into their arena slots before each replay (but for inputs
+// set on the device: gradient accumulation's sums, Engine.input_from, which copies the first
+// micro-batch's gradients from the other engine's arena and adds the others' with the prelude's
+// mdl_accumulate), and the step's seed into the 8 bytes the kernels' seed argument points to (a graph
+// replays its launches' arguments as captured, so the seed cannot be one of them). Two engines share
+// the primary context, so parameters go from one arena to another by device copies
+// (Engine.take_params: training to validation). The launches
 // of the plan (kernels, GEMMs) are captured once from one stream into a CUDA Graph, instantiated,
 // and replayed every step. Every transfer goes through that same (non-blocking) stream and is
 // waited for, so it is ordered with the steps without the legacy default stream; a step ends with a
@@ -97,6 +101,7 @@ enum {
   X(cuMemsetD8Async, "cuMemsetD8Async", (CUdeviceptr dst, unsigned char value, size_t n, CUstream s))       \
   X(cuMemcpyDtoHAsync, "cuMemcpyDtoHAsync_v2", (void *dst, CUdeviceptr src, size_t bytes, CUstream s))   \
   X(cuMemcpyHtoDAsync, "cuMemcpyHtoDAsync_v2", (CUdeviceptr dst, const void *src, size_t bytes, CUstream s)) \
+  X(cuMemcpyDtoDAsync, "cuMemcpyDtoDAsync_v2", (CUdeviceptr dst, CUdeviceptr src, size_t bytes, CUstream s)) \
   X(cuStreamCreate, "cuStreamCreate", (CUstream * s, unsigned int flags))                                   \
   X(cuStreamDestroy, "cuStreamDestroy_v2", (CUstream s))                                                    \
   X(cuStreamSynchronize, "cuStreamSynchronize", (CUstream s))                                               \
@@ -503,6 +508,9 @@ typedef struct {
   CUgraphExec exec;
   char *staging;      // host copy of the inputs and scalars, arena bytes [lo, hi)
   int64_t lo, hi;
+  bool *on_device;    // per node: an input set on the device (Engine.input_from), not from staging
+  int ndevice;        // how many
+  CUfunction accumulate; // the prelude's mdl_accumulate (y += x), for input_from
   uint64_t seed;      // the next step's seed (Engine.set_seed), copied to seed_dev before the step
   CUevent *marks;         // --profile: an event before each launch, and one at the end
   int nmarks;
@@ -522,6 +530,8 @@ static bool cu_set_input(Engine *e, const char *name, const int32_t *ids, const 
     if (n != shape_numel(nd->shape) || (i32 ? !ids : !f))
       return false;
     memcpy(ce->staging + (ce->m->offset[i] - ce->lo), i32 ? (const void *)ids : (const void *)f, (size_t)n * 4);
+    ce->ndevice -= ce->on_device[i];
+    ce->on_device[i] = false;
     found = true;
   }
   return found;
@@ -627,12 +637,30 @@ static void cu_profile_launches(const Engine *e, double total, FILE *out) {
   }
 }
 
+// The staged inputs and scalars up: in one copy, or, where inputs were set on the device, each of the
+// others in its own.
+static bool send_staged(CudaEngine *ce, char *err, size_t n) {
+  if (ce->hi <= ce->lo)
+    return true;
+  if (!ce->ndevice)
+    return CU(err, n, cuMemcpyHtoDAsync, ce->arena + (CUdeviceptr)ce->lo, ce->staging, (size_t)(ce->hi - ce->lo),
+              ce->stream);
+  const Graph *g = ce->e.g;
+  for (int i = 0; i < g->n; i++) {
+    int64_t at = ce->m->offset[i];
+    if (!staged(g->nodes[i]) || at < 0 || ce->on_device[i])
+      continue;
+    size_t bytes = (size_t)shape_numel(g->nodes[i]->shape) * dtype_size(g->nodes[i]->dtype);
+    if (!CU(err, n, cuMemcpyHtoDAsync, ce->arena + (CUdeviceptr)at, ce->staging + (at - ce->lo), bytes, ce->stream))
+      return false;
+  }
+  return true;
+}
+
 static bool cu_step(Engine *e, char *err, size_t n) {
   CudaEngine *ce = (CudaEngine *)e;
   MdlStatus st;
-  if ((ce->hi > ce->lo &&
-       !CU(err, n, cuMemcpyHtoDAsync, ce->arena + (CUdeviceptr)ce->lo, ce->staging, (size_t)(ce->hi - ce->lo),
-           ce->stream)) ||
+  if (!send_staged(ce, err, n) ||
       !CU(err, n, cuMemcpyHtoDAsync, ce->seed_dev, &ce->seed, sizeof ce->seed, ce->stream) ||
       !(e->profile ? profile_step(ce, err, n) : CU(err, n, cuGraphLaunch, ce->exec, ce->stream)) ||
       !download(ce, &st, ce->status, sizeof st, err, n))
@@ -690,6 +718,75 @@ static void cu_write(Engine *e, int node, const float *src) {
     fprintf(stderr, "mdlc: cuda: %s\n", err);
 }
 
+static void cu_free(Engine *e);
+
+// Engine.take_params: both CUDA engines (one primary context, so one address space), every
+// parameter in both arenas, and a bf16 copy in `from`'s wherever e keeps one (the same rounding of
+// the same values: AdamW rounds into it as cu_write does), else nothing is copied.
+static bool cu_take_params(Engine *e, Engine *from) {
+  CudaEngine *ce = (CudaEngine *)e, *cf = (CudaEngine *)from;
+  if (from->free != cu_free || cf->dev.ordinal != ce->dev.ordinal || from->g->nparams != e->g->nparams)
+    return false;
+  for (int i = 0; i < e->g->nparams; i++) {
+    int p = e->g->params[i], q = from->g->params[i], c = ce->m->copy_of[p], cq = cf->m->copy_of[q];
+    if (ce->m->offset[p] < 0 || cf->m->offset[q] < 0 ||
+        shape_numel(e->g->nodes[p]->shape) != shape_numel(from->g->nodes[q]->shape) ||
+        (c >= 0 && (ce->m->offset[c] < 0 || cq < 0 || cf->m->offset[cq] < 0)))
+      return false;
+  }
+  char err[256];
+  bool ok = true;
+  for (int i = 0; ok && i < e->g->nparams; i++) {
+    int p = e->g->params[i], q = from->g->params[i], c = ce->m->copy_of[p];
+    size_t count = (size_t)shape_numel(e->g->nodes[p]->shape);
+    ok = CU(err, sizeof err, cuMemcpyDtoDAsync, ce->arena + (CUdeviceptr)ce->m->offset[p],
+            cf->arena + (CUdeviceptr)cf->m->offset[q], 4 * count, ce->stream) &&
+         (c < 0 || CU(err, sizeof err, cuMemcpyDtoDAsync, ce->arena + (CUdeviceptr)ce->m->offset[c],
+                      cf->arena + (CUdeviceptr)cf->m->offset[cf->m->copy_of[q]], 2 * count, ce->stream));
+  }
+  ok = ok && CU(err, sizeof err, cuStreamSynchronize, ce->stream);
+  if (!ok)
+    fprintf(stderr, "mdlc: cuda: %s\n", err);
+  return ok;
+}
+
+// Engine.input_from: an f32 input of e and an f32 node of `from` in memory, of one size, both CUDA
+// engines; the copy or the add runs on e's stream, waited for (from's next step may overwrite x).
+static bool cu_input_from(Engine *e, const char *name, Engine *from, int node, bool first) {
+  CudaEngine *ce = (CudaEngine *)e, *cf = (CudaEngine *)from;
+  if (from->free != cu_free || cf->dev.ordinal != ce->dev.ordinal || !ce->accumulate || cf->m->offset[node] < 0 ||
+      from->g->nodes[node]->dtype != DT_F32)
+    return false;
+  int64_t count = shape_numel(from->g->nodes[node]->shape);
+  int in = -1;
+  for (int i = 0; i < e->g->n && in < 0; i++) {
+    const IrNode *nd = e->g->nodes[i];
+    if (nd->op == OP_INPUT && nd->name && !strcmp(nd->name, name) && ce->m->offset[i] >= 0)
+      in = i;
+  }
+  if (in < 0 || e->g->nodes[in]->dtype != DT_F32 || shape_numel(e->g->nodes[in]->shape) != count)
+    return false;
+  CUdeviceptr y = ce->arena + (CUdeviceptr)ce->m->offset[in], x = cf->arena + (CUdeviceptr)cf->m->offset[node];
+  char err[256];
+  bool ok;
+  if (first) {
+    ok = CU(err, sizeof err, cuMemcpyDtoDAsync, y, x, 4 * (size_t)count, ce->stream);
+  } else {
+    int64_t blocks = (count + 255) / 256;
+    void *args[] = {&y, &x, &count};
+    ok = CU(err, sizeof err, cuLaunchKernel, ce->accumulate, (unsigned)(blocks < 65535 ? blocks : 65535), 1, 1, 256,
+            1, 1, 0, ce->stream, args, NULL);
+  }
+  ok = ok && CU(err, sizeof err, cuStreamSynchronize, ce->stream);
+  if (!ok) {
+    fprintf(stderr, "mdlc: cuda: %s\n", err);
+    return false;
+  }
+  ce->ndevice += !ce->on_device[in];
+  ce->on_device[in] = true;
+  return true;
+}
+
 static void cu_free(Engine *e) {
   CudaEngine *ce = (CudaEngine *)e;
   if (ce->stream)
@@ -717,6 +814,7 @@ static void cu_free(Engine *e) {
   free(ce->gemms);
   free(ce->fns);
   free(ce->staging);
+  free(ce->on_device);
   free(ce->marks);
   free(ce->launch_seconds);
   free(ce->e.kernel_seconds);
@@ -769,7 +867,8 @@ static bool init_staging(CudaEngine *ce, const Graph *g, char *err, size_t n) {
   if (ce->hi <= ce->lo)
     ce->lo = ce->hi = 0;
   ce->staging = calloc((size_t)(ce->hi - ce->lo) + 1, 1);
-  return ce->staging || rt_fail(err, n, "out of host memory");
+  ce->on_device = calloc((size_t)g->n, sizeof *ce->on_device);
+  return (ce->staging && ce->on_device) || rt_fail(err, n, "out of host memory");
 }
 
 // Times each of the heuristic's candidates for GEMM q on the arena (one untimed run, then
@@ -882,7 +981,7 @@ Engine *engine_cuda(const Fusion *f, const MemPlan *m, uint64_t seed, bool tune_
   ce->tune = tune_gemms;
   ce->e = (Engine){.name = "cuda", .g = f->g, .fusion = f, .set_input = cu_set_input, .set_scalar = cu_set_scalar,
                    .set_seed = cu_set_seed, .step = cu_step, .read = cu_read, .write = cu_write, .free = cu_free,
-                   .profile_launches = cu_profile_launches,
+                   .take_params = cu_take_params, .input_from = cu_input_from, .profile_launches = cu_profile_launches,
                    .kernel_seconds = calloc((size_t)f->nsteps + 1, sizeof(double))};
   if (!driver_device(&ce->dev, err, n) || !driver_complete(err, n) || !lt_open(err, n) ||
       !nvrtc_available(err, n)) {
@@ -919,6 +1018,8 @@ Engine *engine_cuda(const Fusion *f, const MemPlan *m, uint64_t seed, bool tune_
     cu_free(&ce->e);
     return NULL;
   }
+  if (drv.cuModuleGetFunction(&ce->accumulate, ce->mod, "mdl_accumulate") != CUDA_SUCCESS)
+    ce->accumulate = NULL; // (a module without it: input_from declines and the host adds)
   ce->e.device_bytes = ce->plan->arena_bytes + LT_WORKSPACE_BYTES + (int64_t)(sizeof(MdlStatus) + sizeof ce->seed);
   size_t free_bytes = 0, total = 0;
   drv.cuMemGetInfo(&free_bytes, &total);

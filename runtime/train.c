@@ -128,7 +128,12 @@ static bool read_checkpoint(const char *path, Engine *e, int64_t *step, LoaderSt
 }
 
 // Copies every parameter of `from` into `to` (engines of two graphs of one model).
+// Parameters from one engine to another: device to device where both engines can (Engine.take_params:
+// GPT-2's 500 MB no longer go down to the host and back up for each validation), else through host
+// memory.
 static void copy_params(Engine *from, Engine *to) {
+  if (to->take_params && to->take_params(to, from))
+    return;
   float *buf = NULL;
   for (int i = 0; i < from->g->nparams; i++) {
     buf = realloc(buf, sizeof(float) * (size_t)shape_numel(from->g->nodes[from->g->params[i]]->shape));
@@ -244,7 +249,9 @@ static void eta(double seconds, char *buf, size_t n) {
 }
 
 // Gradient accumulation: the first k - 1 micro-batches run on the gradients-only engine, their
-// gradients summed here; the summed gradients go to the step engine as the inputs "acc.<param>".
+// gradients summed into the step engine's inputs "acc.<param>": on the device where the two engines
+// can (Engine.input_from; the first micro-batch's gradients copied, the others' added in order), else
+// here, in the same order, and sent with the step's other inputs.
 typedef struct {
   Engine *micro;
   float **sum;   // per parameter
@@ -255,8 +262,7 @@ static bool accumulate_micro(Accum *ac, Engine *e, Loader *train, int64_t k, int
                              int64_t step, double *loss_sum, int64_t *real, char *err, size_t n) {
   const Graph *mg = ac->micro->g;
   copy_params(e, ac->micro);
-  for (int i = 0; i < mg->nparams; i++)
-    memset(ac->sum[i], 0, sizeof(float) * (size_t)shape_numel(mg->nodes[mg->params[i]]->shape));
+  bool device = e->input_from != NULL;
   for (int64_t j = 0; j + 1 < k; j++) {
     Batch batch;
     loader_next(train, &batch);
@@ -265,14 +271,29 @@ static bool accumulate_micro(Accum *ac, Engine *e, Loader *train, int64_t k, int
       return false;
     *loss_sum += engine_scalar(ac->micro, mg->loss);
     *real += batch.real_tokens;
-    for (int i = 0; i < mg->nparams; i++) {
+    // A device that declines the first micro-batch's gradients (it has checked before copying any)
+    // leaves them all to the host; one that fails later has met an error.
+    for (int i = 0; device && i < mg->nparams; i++) {
+      char name[512];
+      snprintf(name, sizeof name, "acc.%s", mg->nodes[mg->params[i]]->name);
+      if (!e->input_from(e, name, ac->micro, mg->grads[i], j == 0)) {
+        if (j > 0) {
+          snprintf(err, n, "gradient accumulation on the device failed at %.400s", name);
+          return false;
+        }
+        device = false;
+      }
+    }
+    for (int i = 0; !device && i < mg->nparams; i++) {
       int64_t numel = shape_numel(mg->nodes[mg->params[i]]->shape);
+      if (j == 0)
+        memset(ac->sum[i], 0, sizeof(float) * (size_t)numel);
       ac->micro->read(ac->micro, mg->grads[i], ac->tmp);
       for (int64_t x = 0; x < numel; x++)
         ac->sum[i][x] += ac->tmp[x];
     }
   }
-  for (int i = 0; i < mg->nparams; i++) {
+  for (int i = 0; !device && i < mg->nparams; i++) {
     const IrNode *p = mg->nodes[mg->params[i]];
     char name[512];
     snprintf(name, sizeof name, "acc.%s", p->name);

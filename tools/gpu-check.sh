@@ -14,12 +14,15 @@
 #      by up to 2.1e-3 per tensor at B=2 T=16 and 1.3e-3 at B=8 T=64 in bf16 (4e-7 in fp32), and the
 #      GPU's attention also rounds against a running maximum tile by tile; an error of layout or
 #      indexing in a kernel shows at order 1;
-#   3. GPT-2 124M trained for 30 steps with `mdlc run --backend cuda` (bf16, the model's precision;
+#   3. gradient accumulation: gpt2-tiny, 6 steps of 2 micro-batches of B=2 against 6 of B=4 (fp32,
+#      validating every 3 steps): the same losses within 1e-4 (on the GPU the gradients are summed
+#      and the parameters reach the validation engine by device copies);
+#   4. GPT-2 124M trained for 30 steps with `mdlc run --backend cuda` (bf16, the model's precision;
 #      B=8, T=1024; B=4 if that does not fit) on this repository's sources as byte tokens (`mdlc
 #      prep`): tokens/s (mean over steps 6-29: the last one also validates and writes a checkpoint),
 #      MFU and peak device memory; its "cuda:" line gives the module's cold NVRTC compile time (the
 #      issue's target: under 2 s);
-#   4. three more steps of it with --profile (launch by launch, timed by events from the second step
+#   5. three more steps of it with --profile (launch by launch, timed by events from the second step
 #      on: the first loads each kernel as it first launches; its "cuda:" line gives the time to read
 #      the cubin from the cache, the warm compile: under 0.2 s): the whole
 #      kernel table goes to $OUT/gpu-check-profile.txt, its 25 slowest lines, the time by kind of
@@ -28,7 +31,7 @@
 #      elementwise and row kernels), each beside what it took in the profile committed at the top of
 #      the repository (the last GPU run's: "was"), and the launches inside the kernels that make several (the LM
 #      head's GEMMs and cross-entropy, the attention backward's passes, the optimizer's) to the results;
-#   5. twelve steps of it with --no-fuse, then twelve with --no-gemm-tuning: tokens/s without fusion,
+#   6. twelve steps of it with --no-fuse, then twelve with --no-gemm-tuning: tokens/s without fusion,
 #      and without the timing of cuBLASLt's candidates, and what each is worth (the fused, tuned run's
 #      tokens/s over these).
 # A failing stage is reported and the next one still runs, so one run gives every figure it can.
@@ -49,7 +52,7 @@
 # A rehearsal without a GPU (tests/cli/gpu_check.sh runs one, so that the script and the output it
 # reads stay in step): GPU_CHECK_BACKEND=cpu puts the CPU back end where the GPU's was, with
 # GPU_CHECK_REFERENCE=interp the reference interpreter where the CPU's was in stage 2, GPU_CHECK_DIMS
-# adds -D options to stage 3's model (a smaller GPT) and GPU_CHECK_T sets its T (1024).
+# adds -D options to stage 4's model (a smaller GPT) and GPU_CHECK_T sets its T (1024).
 set -u
 cd "$(dirname "$0")/.."
 # (in the C locale: the order of the files must not depend on the machine's collation)
@@ -155,6 +158,40 @@ done
 # GPT-2 124M: 30 training steps on the GPU, on this repository's sources as byte tokens.
 cat compiler/*.c runtime/*.c >"$tmp/text.txt"
 "$mdlc" prep "$tmp/text.txt" -o "$tmp/shards" >"$tmp/prep.log" 2>&1 || { cat "$tmp/prep.log"; die "mdlc prep failed"; }
+
+# Gradient accumulation: on the GPU the micro-batches' gradients are summed on the device and the
+# parameters reach the validation engine by device copies. gpt2-tiny in fp32, 6 steps of 2
+# micro-batches of B=2 against 6 steps of B=4 (validating every 3 steps): the same losses, within 1e-4.
+say "== gpt2-tiny: 6 steps of 2 micro-batches of B=2 vs 6 of B=4, fp32, T=32, mdlc run --backend $backend"
+acc_ok=1
+for run in "acc2 2 --accumulate 2" "acc1 4"; do
+  set -- $run
+  name=$1 b=$2
+  shift 2
+  if ! timeout 120 "$mdlc" run models/gpt2-tiny.mdl --backend "$backend" --precision fp32 -D B="$b" -D T=32 --steps 6 \
+    --val-every 3 --ckpt-every 0 "$@" --data "$tmp/shards" --out "$tmp/$name" >"$tmp/$name.log" 2>&1; then
+    tail -12 "$tmp/$name.log" | tee -a "$res"
+    acc_ok=0
+  fi
+done
+if [ $acc_ok -eq 1 ]; then
+  losses() { sed -n 's/^step *\([0-9]*\)\/6 | loss \([0-9.]*\) .*/\1 \2/p' "$1"; }
+  awk 'NR == FNR { want[$1] = $2; next }
+       $1 in want {
+         n++; d = $2 - want[$1]; if (d < 0) d = -d
+         if (d > worst) worst = d
+         if (d > 1e-4 * want[$1]) bad++
+       }
+       END {
+         printf "  %d steps compared, worst difference %.2g, tolerance 1e-4 relative: %s\n", n, worst,
+           n == 6 && !bad ? "ok" : "FAIL"
+         exit !(n == 6 && !bad)
+       }' <(losses "$tmp/acc1.log") <(losses "$tmp/acc2.log") | tee -a "$res"
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+else
+  say "mdlc run with --accumulate failed"
+  status=1
+fi
 : >"$tmp/mem.log"
 if [ "$backend" = cuda ]; then
   nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 250 >"$tmp/mem.log" 2>/dev/null &

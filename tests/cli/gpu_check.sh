@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # tools/gpu-check.sh without a GPU, so that the script, and the output of mdlc that it reads, stay in
 # step until a GPU runs it: a rehearsal with the compiled C where the GPU's back end would be and the
-# interpreter as its reference (stage 2 compares two back ends that really differ, stage 3 trains a
-# small GPT and reads tokens/s and MFU from the run's lines, stage 4 sorts a profile into kinds,
-# stage 5 compares the run unfused and untuned); the same with tolerances no back end meets fails; `--bundle`
-# makes an mdlc that needs no OpenBLAS library, and the helper; in a copy of the sources where the
+# interpreter as its reference (stage 2 compares two back ends that really differ, stage 3 trains with
+# gradient accumulation and without, stage 4 trains a small GPT and reads tokens/s and MFU from the
+# run's lines, stage 5 sorts a profile into kinds, stage 6 compares the run unfused and untuned); the
+# same with tolerances no back end meets fails; `--bundle` makes an mdlc that needs no OpenBLAS
+# library, and the helper; in a copy of the sources where the
 # build fails (no bison), the script takes the bundle, and refuses a bundle of other sources.
 set -u
 cd "$(dirname "$0")/../.."
@@ -31,18 +32,20 @@ worst() { grep 'worst L2 rel' "$r" | sed -n "${1}p" | sed 's/.*worst L2 rel \([^
 check "fp32 differs by under 1e-5, bf16 by 1e-4 to 5e-3 ($(worst 1) $(worst 3) $(worst 5))" \
   awk -v a="$(worst 1)" -v b="$(worst 2)" -v c="$(worst 3)" -v d="$(worst 4)" -v e="$(worst 5)" \
   'BEGIN { exit !(a < 1e-5 && b < 1e-5 && c > 1e-4 && c < 5e-3 && d > 1e-4 && d < 5e-3 && e > 1e-4 && e < 5e-3) }'
-check "stage 3 reads tokens/s and MFU from the run" \
+check "stage 3 trains with gradient accumulation as with the whole batch" \
+  grep -qE '^  6 steps compared, worst difference [0-9.e+-]+, tolerance 1e-4 relative: ok$' "$r"
+check "stage 4 reads tokens/s and MFU from the run" \
   grep -qE '^tokens/s [1-9][0-9]* \(mean of steps 6 to 29, B=8 T=64\)$' "$r"
-check "stage 3 reads the model's flops and mdlc's MFU" \
+check "stage 4 reads the model's flops and mdlc's MFU" \
   grep -qE '^MFU [0-9.]+% of 989 TFLOP/s \([0-9.]+e\+[0-9]+ model flops per step.*mdlc printed [0-9.]+%$' "$r"
-check "stage 3 reads the first and the last loss" grep -qE '^loss [0-9]\.[0-9]{4} at step 1, [0-9]\.[0-9]{4} at' "$r"
-check "stage 4 writes the profile and sorts its kernels into kinds" \
+check "stage 4 reads the first and the last loss" grep -qE '^loss [0-9]\.[0-9]{4} at step 1, [0-9]\.[0-9]{4} at' "$r"
+check "stage 5 writes the profile and sorts its kernels into kinds" \
   eval 'grep -q "^profile: " "$tmp/a/gpu-check-profile.txt" && grep -qE "ms/step .* kernels: GEMMs$" "$r" &&
     grep -qE "kernels: attention$" "$r" && grep -qE "kernels: optimizer$" "$r" && grep -qE "kernels: LM head$" "$r"'
 
-check "stage 5 runs the model unfused and says what fusion is worth" \
+check "stage 6 runs the model unfused and says what fusion is worth" \
   grep -qE '^tokens/s [1-9][0-9]* with --no-fuse \(mean of steps 4 to 11\); fusion is worth [0-9]+\.[0-9]{2}x here$' "$r"
-check "stage 5 runs the model with --no-gemm-tuning and says what GEMM tuning is worth" \
+check "stage 6 runs the model with --no-gemm-tuning and says what GEMM tuning is worth" \
   grep -qE '^tokens/s [1-9][0-9]* with --no-gemm-tuning \(mean of steps 4 to 11\); GEMM tuning is worth [0-9]+\.[0-9]{2}x here$' "$r"
 
 mkdir -p "$tmp/b"

@@ -110,6 +110,23 @@ template <class A, class S, class U, class C, class O> void call(void (*f)(A, S,
   f(a, s, u, c, o);
 }
 
+// The prelude's mdl_accumulate, the one kernel of another signature (the runtime's, not the plan's).
+template <class Y, class X, class N> void store(void (*)(Y, X, N), void **p, Rec *r) {
+  memcpy(r->args[0], p[0], sizeof(Y));
+  memcpy(r->args[1], p[1], sizeof(X));
+  memcpy(r->args[2], p[2], sizeof(N));
+}
+
+template <class Y, class X, class N> void call(void (*f)(Y, X, N), const Rec *r) {
+  Y y;
+  X x;
+  N n;
+  memcpy(&y, r->args[0], sizeof y);
+  memcpy(&x, r->args[1], sizeof x);
+  memcpy(&n, r->args[2], sizeof n);
+  f(y, x, n);
+}
+
 struct Kernel {
   const char *name;
   void (*store)(void **, Rec *);
@@ -136,6 +153,7 @@ struct Counters {
   long described, ab16, d16;
   long events; // live
   long direct_gemms, slow_replayed;
+  long device_copies; // cuMemcpyDtoDAsync calls
 };
 static Counters counters;
 static size_t used;
@@ -270,6 +288,13 @@ CUresult cuMemcpyDtoHAsync_v2(void *dst, CUdeviceptr src, size_t n, Stream *s) {
   if (s->capturing)
     return 1;
   memcpy(dst, (const void *)(uintptr_t)src, n);
+  return 0;
+}
+CUresult cuMemcpyDtoDAsync_v2(CUdeviceptr dst, CUdeviceptr src, size_t n, Stream *s) {
+  if (s->capturing)
+    return 1;
+  memcpy((void *)(uintptr_t)dst, (const void *)(uintptr_t)src, n);
+  counters.device_copies++;
   return 0;
 }
 CUresult cuStreamCreate(Stream **s, unsigned) {
@@ -966,6 +991,7 @@ typedef struct {
   long described, ab16, d16;
   long events;
   long direct_gemms, slow_replayed;
+  long device_copies;
 } Counters;
 
 // The emulated GPU for one plan: this file as C++ with the plan's module and kernel list.
@@ -989,6 +1015,7 @@ static bool build_fake_gpu(const CudaPlan *p, const char *name, char *so, size_t
     if (k && !seen)
       fprintf(f, "K(%s)\n", k);
   }
+  fprintf(f, "K(mdl_accumulate)\n");
   fclose(f);
   snprintf(cmd, sizeof cmd,
            "g++ -std=c++17 -O1 -shared -fPIC -DMDL_FAKE_GPU '-DMDL_MODULE=\"%s\"' '-DMDL_KERNELS=\"%s\"' "
@@ -1095,6 +1122,101 @@ static void profile_checks(const char *label, const Compiled *c, const Counters 
   snprintf(name, sizeof name, "cuda: %s: freeing a profiled engine frees its events and memory", label);
   CHECK(k->events == 0 && k->live_allocations == 0, name, "%ld events, %ld allocations", k->events,
         k->live_allocations);
+}
+
+// Engine.take_params and Engine.input_from between two engines of one plan (the emulated GPU knows one
+// module's kernels), from seeds 5 and 6. take_params: after a step of the first, the second's
+// parameters and bf16 copies are the first's bit for bit, by device copies; from the interpreter it
+// declines. input_from, where the graph has an f32 input and a gradient of its size: the first
+// engine's gradient after one batch, then added after another, is the host's sum of the two bit for
+// bit; a step of the second keeps it (its staged inputs no longer cover it); set_input replaces it.
+static void device_copy_checks(const char *label, const Compiled *c, const Counters *k) {
+  char why[1024], name[256];
+  Engine *a = engine_cuda(c->f, c->m, 5, true, why, sizeof why), *b = engine_cuda(c->f, c->m, 6, true, why, sizeof why);
+  snprintf(name, sizeof name, "cuda: %s: two engines of one plan start", label);
+  CHECK(a && b, name, "%s", why);
+  if (!a || !b) {
+    if (a)
+      a->free(a);
+    if (b)
+      b->free(b);
+    return;
+  }
+  Engine *both[] = {a, b};
+  set_batch(c->g, both, 2, 0);
+  bool ok = step_both(both, 1, why, sizeof why);
+  const Graph *g = c->g;
+  long copies = k->device_copies;
+  bool took = ok && b->take_params(b, a);
+  int64_t differ = 0, nc = 0;
+  for (int i = 0; took && i < g->nparams; i++) {
+    int nodes[2] = {g->params[i], c->m->copy_of[g->params[i]]};
+    for (int j = 0; j < 2 && nodes[j] >= 0; j++) {
+      int64_t n = shape_numel(g->nodes[nodes[j]]->shape);
+      float *x = calloc((size_t)n, sizeof *x), *y = calloc((size_t)n, sizeof *y);
+      a->read(a, nodes[j], x);
+      b->read(b, nodes[j], y);
+      differ += memcmp(x, y, sizeof *x * (size_t)n) != 0;
+      nc += j;
+      free(x);
+      free(y);
+    }
+  }
+  snprintf(name, sizeof name, "cuda: %s: take_params copies every parameter and its bf16 copy on the device (%lld "
+           "copies)", label, (long long)nc);
+  CHECK(took && differ == 0 && k->device_copies - copies == g->nparams + nc, name,
+        "%s; %lld differ; %ld device copies", ok ? (took ? "taken" : "declined") : why, (long long)differ,
+        k->device_copies - copies);
+  Engine *ref = engine_interp(g, INTERP_F32, 5);
+  snprintf(name, sizeof name, "cuda: %s: take_params from the interpreter declines", label);
+  CHECK(!b->take_params(b, ref), name, "it took them");
+  ref->free(ref);
+  int x = -1, d = -1;
+  for (int i = 0; i < g->fwd_end && x < 0; i++)
+    if (g->nodes[i]->op == OP_INPUT && g->nodes[i]->dtype == DT_F32 && c->m->offset[i] >= 0)
+      x = i;
+  for (int i = 0; x >= 0 && i < g->nparams && d < 0; i++)
+    if (g->grads[i] >= 0 && c->m->offset[g->grads[i]] >= 0 && g->nodes[g->grads[i]]->dtype == DT_F32 &&
+        shape_numel(g->nodes[g->grads[i]]->shape) == shape_numel(g->nodes[x]->shape))
+      d = g->grads[i];
+  if (d >= 0) {
+    int64_t n = shape_numel(g->nodes[x]->shape);
+    float *g1 = calloc((size_t)n, sizeof *g1), *g2 = calloc((size_t)n, sizeof *g2), *got = calloc((size_t)n, 4);
+    a->read(a, d, g1);
+    bool in = b->input_from(b, g->nodes[x]->name, a, d, true);
+    float *other = calloc((size_t)n, sizeof *other);
+    for (int64_t j = 0; j < n; j++)
+      other[j] = 0.25f * (float)(j % 7) - 0.5f;
+    Engine *one[] = {a};
+    set_batch(g, one, 1, 0);
+    a->set_input(a, g->nodes[x]->name, NULL, other, n); // another batch
+    ok = a->step(a, why, sizeof why);
+    a->read(a, d, g2);
+    in = in && ok && b->input_from(b, g->nodes[x]->name, a, d, false);
+    b->read(b, x, got);
+    int64_t bad = 0;
+    for (int64_t j = 0; j < n; j++)
+      bad += got[j] != g1[j] + g2[j];
+    snprintf(name, sizeof name, "cuda: %s: input_from copies a gradient into an input, then adds another, as the "
+             "host adds (%s)", label, g->nodes[x]->name);
+    CHECK(in && bad == 0 && memcmp(g1, g2, sizeof *g1 * (size_t)n), name, "%s; %lld of %lld differ",
+          in ? "set" : why, (long long)bad, (long long)n);
+    ok = b->step(b, why, sizeof why);
+    b->read(b, x, g2);
+    snprintf(name, sizeof name, "cuda: %s: a step keeps the input set on the device", label);
+    CHECK(ok && !memcmp(got, g2, sizeof *got * (size_t)n), name, "%s", ok ? "it changed" : why);
+    b->set_input(b, g->nodes[x]->name, NULL, other, n);
+    ok = b->step(b, why, sizeof why);
+    b->read(b, x, got);
+    snprintf(name, sizeof name, "cuda: %s: set_input then replaces it", label);
+    CHECK(ok && !memcmp(got, other, sizeof *got * (size_t)n), name, "%s", ok ? "it did not" : why);
+    free(g1);
+    free(g2);
+    free(got);
+    free(other);
+  }
+  a->free(a);
+  b->free(b);
 }
 
 static void emulated_checks(const Model *md) {
@@ -1226,6 +1348,7 @@ static void emulated_checks(const Model *md) {
     CHECK(ok && k->direct_gemms - direct == p->ngemms && k->slow_replayed - slow == gemms, name,
           "%s; %ld GEMMs run before the step (%d GEMMs), %ld of %d replayed on the first candidate", ok ? "ran" : why,
           k->direct_gemms - direct, p->ngemms, k->slow_replayed - slow, gemms);
+    device_copy_checks(md->label, &c, k);
   }
   if (h)
     dlclose(h);
