@@ -14,7 +14,9 @@
 //   - elementwise: grid-stride loops, four elements per thread through float4 loads and stores
 //     when the count is a multiple of 4 (arena offsets are 64-byte aligned);
 //   - row-wise ops (layernorm / rmsnorm forward and backward, softmax, cross-entropy): a warp per
-//     row, or a block for rows longer than 1024, the row in registers, shuffle reductions;
+//     row, or a block for rows longer than 1024, the row in registers, shuffle reductions; a norm
+//     backward whose blocks take several rows stages them in shared memory by cp.async, the next
+//     row's copies in flight while the block works on this one (norm_stage);
 //   - column sums (norm dw / db, reductions over an outer axis): per-block partial sums, then a
 //     block per 32 columns adds them in groups of rows, in a fixed order (colsum_open):
 //     deterministic, no atomics;
@@ -1743,6 +1745,81 @@ static void emit_norm_fwd(Emit *e, int gi, const bool *emitted) {
   free(q);
 }
 
+// Norm backward rows staged in shared memory (NormStage): x, dy and up to NORM_STAGED_MORE f32 inputs
+// of the chain after dx read at dx's own index, each row copied by cp.async into one of two buffers
+// while the block works on the row before. A block of GPT-2's norm backward takes 8 rows of 768 one
+// after the other, and its only wave of blocks took as long as that chain of loads: the rows' loads,
+// two block reductions, then the residual gradient's loads, about 94 us a call on an H200 where the
+// bytes alone need under 40.
+enum { NORM_STAGED_MORE = 2, NORM_STAGE_BYTES = 32 << 10 };
+
+typedef struct {
+  int n;                             // arrays staged (0: none), x and dy first
+  int node[2 + NORM_STAGED_MORE];    // the nodes they hold
+} NormStage;
+
+// What the norm backward (rows of `cols` f32, a block per group of rows) can stage: x and dy when both
+// are in memory as f32, written by earlier steps, with rows of whole 16-byte chunks; then the chain's
+// inputs of that kind at dx's index (same shape as their reader).
+static NormStage norm_stage(Emit *e, int x, int dy, const int *q, int nq, int64_t cols) {
+  NormStage st = {0};
+  int ax = ec_mem_alias(&e->core, x), ady = ec_mem_alias(&e->core, dy);
+  if (ax < 0 || ady < 0 || cols % 4 || e->core.in_step[ax] || e->core.in_step[ady] ||
+      ec_node(&e->core, ax)->dtype != DT_F32 || ec_node(&e->core, ady)->dtype != DT_F32 ||
+      2 * 2 * cols * 4 > NORM_STAGE_BYTES)
+    return st;
+  st.node[st.n++] = ax;
+  st.node[st.n++] = ady;
+  for (int t = 0; t < nq; t++) {
+    const IrNode *u = ec_node(&e->core, q[t]);
+    if (!ec_is_pointwise(u->op))
+      continue;
+    for (int i = 0; i < u->nin && st.n < 2 + NORM_STAGED_MORE; i++) {
+      int c = ec_canon(&e->core, u->in[i]);
+      bool have = false;
+      for (int k = 0; k < st.n; k++)
+        have |= st.node[k] == c;
+      const IrNode *cn = ec_node(&e->core, c);
+      if (!have && ec_in_memory(&e->core, c) && !e->core.in_step[c] && cn->dtype == DT_F32 &&
+          shape_eq(cn->shape, u->shape) && 2 * (st.n + 1) * cols * 4 <= NORM_STAGE_BYTES)
+        st.node[st.n++] = c;
+    }
+  }
+  return st;
+}
+
+// Copies row `row` of each staged array into buffer `buf` (cp.async, one group).
+static void norm_stage_row(Emit *e, const NormStage *st, const RowShape *rs, int64_t cols, const char *buf,
+                           const char *row) {
+  for (int k = 0; k < st->n; k++)
+    ec_line(&e->core, "for (int u = tr; u < %lld; u += %d) mdl_cp_async16(&st[%s][%d][4 * u], &%s[%s * %lld + 4 * u], "
+            "true);", (long long)(cols / 4), rs->tpr, buf, k, ptr(e, st->node[k]), row, (long long)cols);
+  ec_line(&e->core, "mdl_cp_async_commit();");
+}
+
+// A line of the norm backward's loops over a thread's elements, whose x and dy are xv[t] and dyv[t]
+// (registers) or, staged, xs[j] and dys[j] (this row's buffers: no registers).
+static void norm_line(Emit *e, const NormStage *st, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
+static void norm_line(Emit *e, const NormStage *st, const char *fmt, ...) {
+  char in[512], out[640];
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(in, sizeof in, fmt, ap);
+  va_end(ap);
+  size_t o = 0;
+  for (const char *p = in; *p && o + 8 < sizeof out;) {
+    const char *with = !st->n ? NULL : !strncmp(p, "dyv[t]", 6) ? "dys[j]" : !strncmp(p, "xv[t]", 5) ? "xs[j]" : NULL;
+    if (with) {
+      o += (size_t)snprintf(out + o, sizeof out - o, "%s", with);
+      p += with[0] == 'd' ? 6 : 5;
+    } else {
+      out[o++] = *p++;
+    }
+  }
+  out[o] = 0;
+  ec_line(&e->core, "%s", out);
+}
+
 // LAYERNORM_BWD / RMSNORM_BWD siblings: dx per row; dw (and db) as column sums: each row group
 // adds a fixed block of rows into per-column partials, then the column sums add the blocks in a fixed
 // order (colsum_open).
@@ -1779,6 +1856,9 @@ static void emit_norm_bwd(Emit *e, int gi, const bool *emitted) {
   // 132 SMs) of 24 at 244 registers.
   RowShape rs = row_shape(e, cols, nb, cols_sum ? NORM_LANE_ELEMS : 32);
   const char *ixt = e->core.ixt;
+  NormStage st = {0};
+  if (cols_sum && rs.tpr > 32 && bl > 1 && (dx >= 0 || dw >= 0))
+    st = norm_stage(e, x, dy, q, nq, cols);
   ec_phase_begin(&e->core);
   kbegin(e, "");
   // Each block's rows are a chain of loads and block reductions, so the kernel takes as long as its
@@ -1803,11 +1883,30 @@ static void emit_norm_bwd(Emit *e, int gi, const bool *emitted) {
       ec_line(&e->core, "%s sa%d[%d] = {0};", at, i, rs.npl);
     ec_line(&e->core, "const %s end = k * %lld + %lld < %lld ? k * %lld + %lld : %lld;", ixt, (long long)bl,
             (long long)bl, (long long)rows, (long long)bl, (long long)bl, (long long)rows);
+    if (st.n) {
+      ec_line(&e->core, "// Rows by cp.async, two buffers: x, dy%s.", st.n > 2 ? ", then what the chain after dx reads" : "");
+      ec_line(&e->core, "__shared__ __align__(16) float st[2][%d][%lld];", st.n, (long long)cols);
+      e->shared += (int)(2 * st.n * cols * 4);
+      norm_stage_row(e, &st, &rs, cols, "0", ec_str(&e->core, "k * %lld", (long long)bl));
+    }
     ec_enter(&e->core, "for (%s r = k * %lld; r < end; r++)", ixt, (long long)bl);
   }
-  if (dx >= 0 || dw >= 0) // (db alone reads dy only)
-    row_load(e, &rs, x, "xv", cols);
-  row_load(e, &rs, dy, "dyv", cols);
+  if (st.n) {
+    ec_line(&e->core, "const int cur = (int)(r - k * %lld) & 1;", (long long)bl);
+    ec_line(&e->core, "__syncthreads(); // (every thread is done with the other buffer: the row before)");
+    ec_enter(&e->core, "if (r + 1 < end)");
+    norm_stage_row(e, &st, &rs, cols, "cur ^ 1", "(r + 1)");
+    orelse(e);
+    ec_line(&e->core, "mdl_cp_async_commit(); // (an empty group: the wait below is the same)");
+    ec_leave(&e->core);
+    ec_line(&e->core, "mdl_cp_async_wait<1>(); // this row's copies have landed");
+    ec_line(&e->core, "__syncthreads();");
+    ec_line(&e->core, "const float *const xs = st[cur][0], *const dys = st[cur][1]; // (this row's)");
+  } else {
+    if (dx >= 0 || dw >= 0) // (db alone reads dy only)
+      row_load(e, &rs, x, "xv", cols);
+    row_load(e, &rs, dy, "dyv", cols);
+  }
   const char *wp = w >= 0 ? ptr(e, w) : NULL;
   // Layernorm: the mean, then one block reduction for the variance, mg and mgx together; rmsnorm:
   // one for its sum of squares and mgx. The sums that need the row's scale are taken without it and
@@ -1816,26 +1915,31 @@ static void emit_norm_bwd(Emit *e, int gi, const bool *emitted) {
   if (dx < 0 && dw < 0) { // db alone needs no statistics
     if (sb) {
       row_each(e, &rs, cols);
-      ec_line(&e->core, "sb[t] += dyv[t];");
+      norm_line(e, &st, "sb[t] += dyv[t];");
       row_each_end(e);
     }
   } else if (ln) {
     ec_line(&e->core, "double s = 0;");
     ec_line(&e->core, "#pragma unroll");
     ec_line(&e->core, "for (int t = 0; t < %d; t++)", rs.npl);
-    ec_line(&e->core, "  s += xv[t];");
+    if (st.n && cols % rs.tpr)
+      ec_line(&e->core, "  s += tr + t * %d < %lld ? xs[tr + t * %d] : 0.0f;", rs.tpr, (long long)cols, rs.tpr);
+    else if (st.n)
+      ec_line(&e->core, "  s += xs[tr + t * %d];", rs.tpr);
+    else
+      ec_line(&e->core, "  s += xv[t];");
     ec_line(&e->core, "const double mean = %s / %lld;", rsum(e, &rs, "s"), (long long)cols);
     ec_line(&e->core, "double var = 0%s;", dx >= 0 ? ", mg = 0, mgx = 0" : "");
     row_each(e, &rs, cols);
-    ec_line(&e->core, "const double xm = xv[t] - mean;");
+    norm_line(e, &st, "const double xm = xv[t] - mean;");
     ec_line(&e->core, "var += xm * xm;");
     if (dx >= 0) {
-      ec_line(&e->core, "const double g = (double)dyv[t] * %s[j];", wp);
+      norm_line(e, &st, "const double g = (double)dyv[t] * %s[j];", wp);
       ec_line(&e->core, "mg += g;");
       ec_line(&e->core, "mgx += g * xm;");
     }
     if (sb)
-      ec_line(&e->core, "sb[t] += dyv[t];");
+      norm_line(e, &st, "sb[t] += dyv[t];");
     row_each_end(e);
     if (dx >= 0 && pair)
       ec_line(&e->core, "mdl_block_sum3(var, mg, mgx, %s);", sh_double(e));
@@ -1851,15 +1955,15 @@ static void emit_norm_bwd(Emit *e, int gi, const bool *emitted) {
     }
     if (sw && dx < 0) {
       row_each(e, &rs, cols);
-      ec_line(&e->core, "sw[t] += (%s)(dyv[t] * ((xv[t] - mean) * rstd));", at);
+      norm_line(e, &st, "sw[t] += (%s)(dyv[t] * ((xv[t] - mean) * rstd));", at);
       row_each_end(e);
     }
   } else {
     ec_line(&e->core, "double s = 0%s;", dx >= 0 ? ", mgx = 0" : "");
     row_each(e, &rs, cols);
-    ec_line(&e->core, "s += (double)xv[t] * xv[t];");
+    norm_line(e, &st, "s += (double)xv[t] * xv[t];");
     if (dx >= 0)
-      ec_line(&e->core, "mgx += (double)dyv[t] * %s[j] * xv[t];", wp);
+      norm_line(e, &st, "mgx += (double)dyv[t] * %s[j] * xv[t];", wp);
     row_each_end(e);
     if (dx >= 0 && pair)
       ec_line(&e->core, "mdl_block_sum2(s, mgx, %s);", sh_double(e));
@@ -1872,21 +1976,23 @@ static void emit_norm_bwd(Emit *e, int gi, const bool *emitted) {
       ec_line(&e->core, "mgx /= %lld;", (long long)cols);
     if (sw && dx < 0) {
       row_each(e, &rs, cols);
-      ec_line(&e->core, "sw[t] += (%s)((double)dyv[t] * xv[t] * sc);", at);
+      norm_line(e, &st, "sw[t] += (%s)((double)dyv[t] * xv[t] * sc);", at);
       row_each_end(e);
     }
   }
   if (dx >= 0) {
     row_each(e, &rs, cols);
+    for (int k = 2; k < st.n; k++) // (the chain reads these from their rows in shared memory)
+      ec_memo_put(&e->core, st.node[k], "ix", ec_str(&e->core, "st[cur][%d][j]", k));
     if (ln) {
-      ec_line(&e->core, "const double xhat = (xv[t] - mean) * rstd;");
+      norm_line(e, &st, "const double xhat = (xv[t] - mean) * rstd;");
       if (sw)
-        ec_line(&e->core, "sw[t] += (%s)(dyv[t] * xhat);", at);
-      ec_line(&e->core, "const float d = (float)(rstd * ((double)dyv[t] * %s[j] - mg - xhat * mgx));", wp);
+        norm_line(e, &st, "sw[t] += (%s)(dyv[t] * xhat);", at);
+      norm_line(e, &st, "const float d = (float)(rstd * ((double)dyv[t] * %s[j] - mg - xhat * mgx));", wp);
     } else {
       if (sw)
-        ec_line(&e->core, "sw[t] += (%s)((double)dyv[t] * xv[t] * sc);", at);
-      ec_line(&e->core, "const float d = (float)(sc * dyv[t] * %s[j] - sc * sc * sc * xv[t] * mgx);", wp);
+        norm_line(e, &st, "sw[t] += (%s)((double)dyv[t] * xv[t] * sc);", at);
+      norm_line(e, &st, "const float d = (float)(sc * dyv[t] * %s[j] - sc * sc * sc * xv[t] * mgx);", wp);
     }
     if (dxbuf)
       ec_line(&e->core, "%s[ix] = d;", ptr(e, dx));
@@ -3435,7 +3541,8 @@ static void emit_embed_bwd(Emit *e, int gi, const bool *emitted) {
   kbegin(e, "zero");
   note(e, "embed backward: the counts of %lld buckets and of each in %lld chunks set to zero", (long long)nvb,
        (long long)nch);
-  const char *cp = raw_ptr(e, cnt, "int", "bucket counts"), *hp = raw_ptr(e, hist, "int", "counts by bucket and chunk");
+  const char *cp = raw_ptr(e, cnt, "int", "bucket counts");
+  const char *hp = raw_ptr(e, hist, "int", "counts by bucket and chunk");
   ec_enter(&e->core, "for (%s u = blockIdx.x * blockDim.x + threadIdx.x; u < %lld; u += gridDim.x * blockDim.x)", ixt,
            (long long)nh);
   ec_line(&e->core, "%s[u] = 0;", hp);
@@ -3463,7 +3570,8 @@ static void emit_embed_bwd(Emit *e, int gi, const bool *emitted) {
   kend(e, grid_for(nch, 1), ch);
 
   kbegin(e, "offsets");
-  note(e, "embed backward: where each of the %lld buckets starts (prefix sums of the counts), one block", (long long)nvb);
+  note(e, "embed backward: where each of the %lld buckets starts (prefix sums of the counts), one block",
+       (long long)nvb);
   cp = raw_ptr(e, cnt, "int", "bucket counts");
   const char *sp = raw_ptr(e, start, "int", "bucket starts");
   int64_t per = (nvb + BLOCK - 1) / BLOCK;

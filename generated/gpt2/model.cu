@@ -1573,35 +1573,40 @@ extern "C" __global__ void __launch_bounds__(128, 8) k90_layernorm_bwd__sum__cas
     float sb[6] = {0};
     float sa0[6] = {0};
     const int end = k * 8 + 8 < 8192 ? k * 8 + 8 : 8192;
+    // Rows by cp.async, two buffers: x, dy.
+    __shared__ __align__(16) float st[2][2][768];
+    for (int u = tr; u < 192; u += 128) mdl_cp_async16(&st[0][0][4 * u], &b3[k * 8 * 768 + 4 * u], true);
+    for (int u = tr; u < 192; u += 128) mdl_cp_async16(&st[0][1][4 * u], &b4[k * 8 * 768 + 4 * u], true);
+    mdl_cp_async_commit();
     for (int r = k * 8; r < end; r++) {
-      float xv[6];
-      #pragma unroll
-      for (int t = 0; t < 6; t++) {
-        const int j = tr + t * 128;
-        xv[t] = j < 768 ? b3[r * 768 + j] : 0.0f;
+      const int cur = (int)(r - k * 8) & 1;
+      __syncthreads(); // (every thread is done with the other buffer: the row before)
+      if (r + 1 < end) {
+        for (int u = tr; u < 192; u += 128) mdl_cp_async16(&st[cur ^ 1][0][4 * u], &b3[(r + 1) * 768 + 4 * u], true);
+        for (int u = tr; u < 192; u += 128) mdl_cp_async16(&st[cur ^ 1][1][4 * u], &b4[(r + 1) * 768 + 4 * u], true);
+        mdl_cp_async_commit();
+      } else {
+        mdl_cp_async_commit(); // (an empty group: the wait below is the same)
       }
-      float dyv[6];
-      #pragma unroll
-      for (int t = 0; t < 6; t++) {
-        const int j = tr + t * 128;
-        dyv[t] = j < 768 ? b4[r * 768 + j] : 0.0f;
-      }
+      mdl_cp_async_wait<1>(); // this row's copies have landed
+      __syncthreads();
+      const float *const xs = st[cur][0], *const dys = st[cur][1]; // (this row's)
       double s = 0;
       #pragma unroll
       for (int t = 0; t < 6; t++)
-        s += xv[t];
+        s += xs[tr + t * 128];
       const double mean = mdl_block_sum(s, sh_d) / 768;
       double var = 0, mg = 0, mgx = 0;
       #pragma unroll
       for (int t = 0; t < 6; t++) {
         const int j = tr + t * 128;
         if (j < 768) {
-          const double xm = xv[t] - mean;
+          const double xm = xs[j] - mean;
           var += xm * xm;
-          const double g = (double)dyv[t] * b5[j];
+          const double g = (double)dys[j] * b5[j];
           mg += g;
           mgx += g * xm;
-          sb[t] += dyv[t];
+          sb[t] += dys[j];
         }
       }
       mdl_block_sum3(var, mg, mgx, sh_d);
@@ -1613,9 +1618,9 @@ extern "C" __global__ void __launch_bounds__(128, 8) k90_layernorm_bwd__sum__cas
         const int j = tr + t * 128;
         if (j < 768) {
           const int ix = r * 768 + j;
-          const double xhat = (xv[t] - mean) * rstd;
-          sw[t] += (float)(dyv[t] * xhat);
-          const float d = (float)(rstd * ((double)dyv[t] * b5[j] - mg - xhat * mgx));
+          const double xhat = (xs[j] - mean) * rstd;
+          sw[t] += (float)(dys[j] * xhat);
+          const float d = (float)(rstd * ((double)dys[j] * b5[j] - mg - xhat * mgx));
           b6[ix] = d;
           const float v2 = d;
           b7[ix] = mdl_f32_to_bf16(v2);
@@ -1789,8 +1794,8 @@ extern "C" __global__ void __launch_bounds__(128, 8) k95_layernorm_bwd__add__sum
   float *const b2 = (float *)(arena + o.b[2]); // column sum partials
   float *const b3 = (float *)(arena + o.b[3]); // add f32[8,1024,768]
   float *const b4 = (float *)(arena + o.b[4]); // matmul f32[8192,768]
-  float *const b5 = (float *)(arena + o.b[5]); // param f32[768]
-  float *const b6 = (float *)(arena + o.b[6]); // layernorm_bwd f32[8,1024,768]
+  float *const b5 = (float *)(arena + o.b[5]); // layernorm_bwd f32[8,1024,768]
+  float *const b6 = (float *)(arena + o.b[6]); // param f32[768]
   float *const b7 = (float *)(arena + o.b[7]); // add f32[8,1024,768]
   uint16_t *const b8 = (uint16_t *)(arena + o.b[8]); // cast bf16[8192,768]
   __shared__ double sh_d[48];
@@ -1801,35 +1806,42 @@ extern "C" __global__ void __launch_bounds__(128, 8) k95_layernorm_bwd__add__sum
     float sb[6] = {0};
     float sa0[6] = {0};
     const int end = k * 8 + 8 < 8192 ? k * 8 + 8 : 8192;
+    // Rows by cp.async, two buffers: x, dy, then what the chain after dx reads.
+    __shared__ __align__(16) float st[2][3][768];
+    for (int u = tr; u < 192; u += 128) mdl_cp_async16(&st[0][0][4 * u], &b3[k * 8 * 768 + 4 * u], true);
+    for (int u = tr; u < 192; u += 128) mdl_cp_async16(&st[0][1][4 * u], &b4[k * 8 * 768 + 4 * u], true);
+    for (int u = tr; u < 192; u += 128) mdl_cp_async16(&st[0][2][4 * u], &b5[k * 8 * 768 + 4 * u], true);
+    mdl_cp_async_commit();
     for (int r = k * 8; r < end; r++) {
-      float xv[6];
-      #pragma unroll
-      for (int t = 0; t < 6; t++) {
-        const int j = tr + t * 128;
-        xv[t] = j < 768 ? b3[r * 768 + j] : 0.0f;
+      const int cur = (int)(r - k * 8) & 1;
+      __syncthreads(); // (every thread is done with the other buffer: the row before)
+      if (r + 1 < end) {
+        for (int u = tr; u < 192; u += 128) mdl_cp_async16(&st[cur ^ 1][0][4 * u], &b3[(r + 1) * 768 + 4 * u], true);
+        for (int u = tr; u < 192; u += 128) mdl_cp_async16(&st[cur ^ 1][1][4 * u], &b4[(r + 1) * 768 + 4 * u], true);
+        for (int u = tr; u < 192; u += 128) mdl_cp_async16(&st[cur ^ 1][2][4 * u], &b5[(r + 1) * 768 + 4 * u], true);
+        mdl_cp_async_commit();
+      } else {
+        mdl_cp_async_commit(); // (an empty group: the wait below is the same)
       }
-      float dyv[6];
-      #pragma unroll
-      for (int t = 0; t < 6; t++) {
-        const int j = tr + t * 128;
-        dyv[t] = j < 768 ? b4[r * 768 + j] : 0.0f;
-      }
+      mdl_cp_async_wait<1>(); // this row's copies have landed
+      __syncthreads();
+      const float *const xs = st[cur][0], *const dys = st[cur][1]; // (this row's)
       double s = 0;
       #pragma unroll
       for (int t = 0; t < 6; t++)
-        s += xv[t];
+        s += xs[tr + t * 128];
       const double mean = mdl_block_sum(s, sh_d) / 768;
       double var = 0, mg = 0, mgx = 0;
       #pragma unroll
       for (int t = 0; t < 6; t++) {
         const int j = tr + t * 128;
         if (j < 768) {
-          const double xm = xv[t] - mean;
+          const double xm = xs[j] - mean;
           var += xm * xm;
-          const double g = (double)dyv[t] * b5[j];
+          const double g = (double)dys[j] * b6[j];
           mg += g;
           mgx += g * xm;
-          sb[t] += dyv[t];
+          sb[t] += dys[j];
         }
       }
       mdl_block_sum3(var, mg, mgx, sh_d);
@@ -1841,15 +1853,14 @@ extern "C" __global__ void __launch_bounds__(128, 8) k95_layernorm_bwd__add__sum
         const int j = tr + t * 128;
         if (j < 768) {
           const int ix = r * 768 + j;
-          const double xhat = (xv[t] - mean) * rstd;
-          sw[t] += (float)(dyv[t] * xhat);
-          const float d = (float)(rstd * ((double)dyv[t] * b5[j] - mg - xhat * mgx));
-          const float v2 = b6[ix];
-          const float v1 = v2 + d;
+          const double xhat = (xs[j] - mean) * rstd;
+          sw[t] += (float)(dys[j] * xhat);
+          const float d = (float)(rstd * ((double)dys[j] * b6[j] - mg - xhat * mgx));
+          const float v1 = st[cur][2][j] + d;
           b7[ix] = v1;
-          const float v4 = v1;
-          b8[ix] = mdl_f32_to_bf16(v4);
-          sa0[t] += v4;
+          const float v3 = v1;
+          b8[ix] = mdl_f32_to_bf16(v3);
+          sa0[t] += v3;
         }
       }
     }
@@ -2312,8 +2323,8 @@ extern "C" __global__ void __launch_bounds__(128, 8) k102_layernorm_bwd__add__su
   float *const b2 = (float *)(arena + o.b[2]); // column sum partials
   float *const b3 = (float *)(arena + o.b[3]); // add f32[8,1024,768]
   float *const b4 = (float *)(arena + o.b[4]); // matmul f32[8192,768]
-  float *const b5 = (float *)(arena + o.b[5]); // param f32[768]
-  float *const b6 = (float *)(arena + o.b[6]); // add f32[8,1024,768]
+  float *const b5 = (float *)(arena + o.b[5]); // add f32[8,1024,768]
+  float *const b6 = (float *)(arena + o.b[6]); // param f32[768]
   float *const b7 = (float *)(arena + o.b[7]); // add f32[8,1024,768]
   uint16_t *const b8 = (uint16_t *)(arena + o.b[8]); // cast bf16[8192,768]
   __shared__ double sh_d[48];
@@ -2324,35 +2335,42 @@ extern "C" __global__ void __launch_bounds__(128, 8) k102_layernorm_bwd__add__su
     float sb[6] = {0};
     float sa0[6] = {0};
     const int end = k * 8 + 8 < 8192 ? k * 8 + 8 : 8192;
+    // Rows by cp.async, two buffers: x, dy, then what the chain after dx reads.
+    __shared__ __align__(16) float st[2][3][768];
+    for (int u = tr; u < 192; u += 128) mdl_cp_async16(&st[0][0][4 * u], &b3[k * 8 * 768 + 4 * u], true);
+    for (int u = tr; u < 192; u += 128) mdl_cp_async16(&st[0][1][4 * u], &b4[k * 8 * 768 + 4 * u], true);
+    for (int u = tr; u < 192; u += 128) mdl_cp_async16(&st[0][2][4 * u], &b5[k * 8 * 768 + 4 * u], true);
+    mdl_cp_async_commit();
     for (int r = k * 8; r < end; r++) {
-      float xv[6];
-      #pragma unroll
-      for (int t = 0; t < 6; t++) {
-        const int j = tr + t * 128;
-        xv[t] = j < 768 ? b3[r * 768 + j] : 0.0f;
+      const int cur = (int)(r - k * 8) & 1;
+      __syncthreads(); // (every thread is done with the other buffer: the row before)
+      if (r + 1 < end) {
+        for (int u = tr; u < 192; u += 128) mdl_cp_async16(&st[cur ^ 1][0][4 * u], &b3[(r + 1) * 768 + 4 * u], true);
+        for (int u = tr; u < 192; u += 128) mdl_cp_async16(&st[cur ^ 1][1][4 * u], &b4[(r + 1) * 768 + 4 * u], true);
+        for (int u = tr; u < 192; u += 128) mdl_cp_async16(&st[cur ^ 1][2][4 * u], &b5[(r + 1) * 768 + 4 * u], true);
+        mdl_cp_async_commit();
+      } else {
+        mdl_cp_async_commit(); // (an empty group: the wait below is the same)
       }
-      float dyv[6];
-      #pragma unroll
-      for (int t = 0; t < 6; t++) {
-        const int j = tr + t * 128;
-        dyv[t] = j < 768 ? b4[r * 768 + j] : 0.0f;
-      }
+      mdl_cp_async_wait<1>(); // this row's copies have landed
+      __syncthreads();
+      const float *const xs = st[cur][0], *const dys = st[cur][1]; // (this row's)
       double s = 0;
       #pragma unroll
       for (int t = 0; t < 6; t++)
-        s += xv[t];
+        s += xs[tr + t * 128];
       const double mean = mdl_block_sum(s, sh_d) / 768;
       double var = 0, mg = 0, mgx = 0;
       #pragma unroll
       for (int t = 0; t < 6; t++) {
         const int j = tr + t * 128;
         if (j < 768) {
-          const double xm = xv[t] - mean;
+          const double xm = xs[j] - mean;
           var += xm * xm;
-          const double g = (double)dyv[t] * b5[j];
+          const double g = (double)dys[j] * b6[j];
           mg += g;
           mgx += g * xm;
-          sb[t] += dyv[t];
+          sb[t] += dys[j];
         }
       }
       mdl_block_sum3(var, mg, mgx, sh_d);
@@ -2364,15 +2382,14 @@ extern "C" __global__ void __launch_bounds__(128, 8) k102_layernorm_bwd__add__su
         const int j = tr + t * 128;
         if (j < 768) {
           const int ix = r * 768 + j;
-          const double xhat = (xv[t] - mean) * rstd;
-          sw[t] += (float)(dyv[t] * xhat);
-          const float d = (float)(rstd * ((double)dyv[t] * b5[j] - mg - xhat * mgx));
-          const float v2 = b6[ix];
-          const float v1 = v2 + d;
+          const double xhat = (xs[j] - mean) * rstd;
+          sw[t] += (float)(dys[j] * xhat);
+          const float d = (float)(rstd * ((double)dys[j] * b6[j] - mg - xhat * mgx));
+          const float v1 = st[cur][2][j] + d;
           b7[ix] = v1;
-          const float v4 = v1;
-          b8[ix] = mdl_f32_to_bf16(v4);
-          sa0[t] += v4;
+          const float v3 = v1;
+          b8[ix] = mdl_f32_to_bf16(v3);
+          sa0[t] += v3;
         }
       }
     }
@@ -3392,8 +3409,8 @@ extern "C" __global__ void __launch_bounds__(128, 8) k234_layernorm_bwd__add(cha
   float *const b1 = (float *)(arena + o.b[1]); // db partials
   float *const b2 = (float *)(arena + o.b[2]); // add f32[8,1024,768]
   float *const b3 = (float *)(arena + o.b[3]); // matmul f32[8192,768]
-  float *const b4 = (float *)(arena + o.b[4]); // param f32[768]
-  float *const b5 = (float *)(arena + o.b[5]); // add f32[8,1024,768]
+  float *const b4 = (float *)(arena + o.b[4]); // add f32[8,1024,768]
+  float *const b5 = (float *)(arena + o.b[5]); // param f32[768]
   float *const b6 = (float *)(arena + o.b[6]); // add f32[8,1024,768]
   __shared__ double sh_d[48];
   const int k = blockIdx.x;
@@ -3402,35 +3419,42 @@ extern "C" __global__ void __launch_bounds__(128, 8) k234_layernorm_bwd__add(cha
     float sw[6] = {0};
     float sb[6] = {0};
     const int end = k * 8 + 8 < 8192 ? k * 8 + 8 : 8192;
+    // Rows by cp.async, two buffers: x, dy, then what the chain after dx reads.
+    __shared__ __align__(16) float st[2][3][768];
+    for (int u = tr; u < 192; u += 128) mdl_cp_async16(&st[0][0][4 * u], &b2[k * 8 * 768 + 4 * u], true);
+    for (int u = tr; u < 192; u += 128) mdl_cp_async16(&st[0][1][4 * u], &b3[k * 8 * 768 + 4 * u], true);
+    for (int u = tr; u < 192; u += 128) mdl_cp_async16(&st[0][2][4 * u], &b4[k * 8 * 768 + 4 * u], true);
+    mdl_cp_async_commit();
     for (int r = k * 8; r < end; r++) {
-      float xv[6];
-      #pragma unroll
-      for (int t = 0; t < 6; t++) {
-        const int j = tr + t * 128;
-        xv[t] = j < 768 ? b2[r * 768 + j] : 0.0f;
+      const int cur = (int)(r - k * 8) & 1;
+      __syncthreads(); // (every thread is done with the other buffer: the row before)
+      if (r + 1 < end) {
+        for (int u = tr; u < 192; u += 128) mdl_cp_async16(&st[cur ^ 1][0][4 * u], &b2[(r + 1) * 768 + 4 * u], true);
+        for (int u = tr; u < 192; u += 128) mdl_cp_async16(&st[cur ^ 1][1][4 * u], &b3[(r + 1) * 768 + 4 * u], true);
+        for (int u = tr; u < 192; u += 128) mdl_cp_async16(&st[cur ^ 1][2][4 * u], &b4[(r + 1) * 768 + 4 * u], true);
+        mdl_cp_async_commit();
+      } else {
+        mdl_cp_async_commit(); // (an empty group: the wait below is the same)
       }
-      float dyv[6];
-      #pragma unroll
-      for (int t = 0; t < 6; t++) {
-        const int j = tr + t * 128;
-        dyv[t] = j < 768 ? b3[r * 768 + j] : 0.0f;
-      }
+      mdl_cp_async_wait<1>(); // this row's copies have landed
+      __syncthreads();
+      const float *const xs = st[cur][0], *const dys = st[cur][1]; // (this row's)
       double s = 0;
       #pragma unroll
       for (int t = 0; t < 6; t++)
-        s += xv[t];
+        s += xs[tr + t * 128];
       const double mean = mdl_block_sum(s, sh_d) / 768;
       double var = 0, mg = 0, mgx = 0;
       #pragma unroll
       for (int t = 0; t < 6; t++) {
         const int j = tr + t * 128;
         if (j < 768) {
-          const double xm = xv[t] - mean;
+          const double xm = xs[j] - mean;
           var += xm * xm;
-          const double g = (double)dyv[t] * b4[j];
+          const double g = (double)dys[j] * b5[j];
           mg += g;
           mgx += g * xm;
-          sb[t] += dyv[t];
+          sb[t] += dys[j];
         }
       }
       mdl_block_sum3(var, mg, mgx, sh_d);
@@ -3442,11 +3466,10 @@ extern "C" __global__ void __launch_bounds__(128, 8) k234_layernorm_bwd__add(cha
         const int j = tr + t * 128;
         if (j < 768) {
           const int ix = r * 768 + j;
-          const double xhat = (xv[t] - mean) * rstd;
-          sw[t] += (float)(dyv[t] * xhat);
-          const float d = (float)(rstd * ((double)dyv[t] * b4[j] - mg - xhat * mgx));
-          const float v2 = b5[ix];
-          const float v1 = v2 + d;
+          const double xhat = (xs[j] - mean) * rstd;
+          sw[t] += (float)(dys[j] * xhat);
+          const float d = (float)(rstd * ((double)dys[j] * b5[j] - mg - xhat * mgx));
+          const float v1 = st[cur][2][j] + d;
           b6[ix] = v1;
         }
       }

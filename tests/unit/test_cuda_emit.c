@@ -21,8 +21,9 @@
 //     schedule run on the CPU, the GEMMs by a reference GEMM in double (f32 or bf16 operands and
 //     result, as the plan says) with the same epilogues. On gpt2-tiny (B=2, T=16), llama-tiny (B=1,
 //     T=80: keys in several tiles), the MLP, a model of every other op family, one of wide rows and
-//     two of attention (heads of 32 and of 12: on tensor cores in bf16 or not), fp32 and bf16, fused
-//     and unfused (bf16 unfused: the first three; the attention models fused only), after one step
+//     two of attention (heads of 32 and of 12: on tensor cores in bf16 or not), one of norm backwards
+//     whose rows are staged in shared memory (more rows than groups of rows), fp32 and bf16, fused
+//     and unfused (bf16 unfused: the first three; the models after the wide one fused only), after one step
 //     against the interpreter (INTERP_F32) on the same graph: the loss, every gradient and the AdamW
 //     moments within 1e-5 relative per tensor (max |cuda - interp| / max |interp|) in fp32, and in
 //     bf16 the loss within 1e-4, the gradients within 3e-3 and the moments within 4e-3 in L2 per
@@ -155,6 +156,29 @@ static const char hot[] =
     "param head: [C, V] = normal(0.3)\n"
     "output loss = mean(cross_entropy(embed(tab, hot) @ head, targets))\n";
 
+// Norm backwards over more rows than their 1024 groups of rows (1125 rows: groups of 2, the last of
+// 1), with rows of 264 (a block of 64 threads a row, 5 elements a thread, the last partly past the
+// row): the rows are staged in shared memory by cp.async, x, dy and the residual gradient the chain
+// after dx adds.
+static const char normrows[] =
+    "model normrows\n"
+    "dim B = 3\n"
+    "dim T = 375\n"
+    "dim C = 264\n"
+    "dim V = 64\n"
+    "input tokens: i32[B, T]\n"
+    "input targets: i32[B, T]\n"
+    "param tab: [V, C] = normal(0.5)\n"
+    "param g: [C] = ones\n"
+    "param bb: [C] = zeros\n"
+    "param g2: [C] = ones\n"
+    "param w: [C, C] = normal(0.05)\n"
+    "param head: [C, V] = normal(0.05)\n"
+    "e = embed(tab, tokens)\n"
+    "x = e + layernorm(e, g, bb) @ w\n"
+    "y = x + rmsnorm(x, g2) @ w\n"
+    "output loss = mean(cross_entropy(y @ head, targets))\n";
+
 static const Model models[] = {
     {"models/gpt2-tiny.mdl", {{"B", 2}, {"T", 16}}, 2, NULL},
     {"models/llama-tiny.mdl", {{"B", 1}, {"T", 80}}, 2, NULL}, // keys in several tiles, the last partial
@@ -165,6 +189,7 @@ static const Model models[] = {
     {"attn-d12.mdl", {{"C", 24}}, 1, attn},
     {"tests/unit/sums.mdl", {{NULL, 0}}, 0, NULL},
     {"hot.mdl", {{NULL, 0}}, 0, hot},
+    {"normrows.mdl", {{NULL, 0}}, 0, normrows},
 };
 
 // The training graph of md, its GEMMs' operands rounded to bf16 when prec is DT_BF16.
