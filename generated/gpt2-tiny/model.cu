@@ -516,7 +516,8 @@ extern "C" __global__ void __launch_bounds__(256, 2) k4_attention_fwd__cast__lse
   __shared__ __align__(16) uint32_t Ks[2][64][12], Vs[2][64][12];
   __shared__ int32_t Dk[2][64];
   const int w = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tq = lane & 3;
-  const int b = blockIdx.x / 4, hd = blockIdx.x / 1 % 4, q0 = blockIdx.x % 1 * 128;
+  const int bh = blockIdx.x % 32, b = bh / 4, hd = bh % 4;
+  const int q0 = blockIdx.x / 32 * 128;
   // The lane's query rows: r0 (accumulators 0 and 1 of a tile) and r1 (2 and 3).
   const int r0 = q0 + 16 * w + g, r1 = r0 + 8;
   // Q as the A fragments of the k16 steps over the channels, rounded once; 0 beyond T.
@@ -1324,7 +1325,8 @@ extern "C" __global__ void __launch_bounds__(128) k28_attention_bwd_dq(char *are
   __shared__ __align__(16) uint32_t Ks[2][64][12], Vs[2][64][12];
   __shared__ int32_t Dk[2][64];
   const int w = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tq = lane & 3;
-  const int b = blockIdx.x / 4, hd = blockIdx.x / 1 % 4, q0 = blockIdx.x % 1 * 64;
+  const int bh = blockIdx.x % 32, b = bh / 4, hd = bh % 4;
+  const int q0 = blockIdx.x / 32 * 64;
   // The lane's query rows: r0 (accumulators 0 and 1 of a tile) and r1 (2 and 3).
   const int r0 = q0 + 16 * w + g, r1 = r0 + 8;
   // Q and dout as the A fragments of the k16 steps over the channels, rounded once; 0 beyond T.
@@ -1470,7 +1472,8 @@ extern "C" __global__ void __launch_bounds__(256) k28_attention_bwd_dkv(char *ar
   __shared__ float Ls[2][64], Ss[2][64];
   __shared__ int32_t Dq[2][64];
   const int w = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tq = lane & 3;
-  const int b = blockIdx.x / 4, hd = blockIdx.x / 1 % 4, k0 = blockIdx.x % 1 * 128;
+  const int bh = blockIdx.x % 32, b = bh / 4, hd = bh % 4;
+  const int k0 = blockIdx.x / 32 * 128;
   // The lane's keys: r0 (accumulators 0 and 1 of a tile) and r1 (2 and 3).
   const int r0 = k0 + 16 * w + g, r1 = r0 + 8;
   // K and V as the A fragments of the k16 steps over the channels, rounded once; 0 beyond T.

@@ -516,8 +516,8 @@ extern "C" __global__ void __launch_bounds__(256, 2) k4_attention_fwd__cast__lse
   __shared__ __align__(16) uint32_t Ks[2][64][36], Vs[2][64][36];
   __shared__ int32_t Dk[2][64];
   const int w = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tq = lane & 3;
-  // (query tiles from the last: the ones with the most keys start first)
-  const int b = blockIdx.x / 96, hd = blockIdx.x / 8 % 12, q0 = (7 - blockIdx.x % 8) * 128;
+  const int bh = blockIdx.x % 96, b = bh / 12, hd = bh % 12;
+  const int q0 = (7 - blockIdx.x / 96) * 128; // (the last tiles, seeing the most keys, first)
   // The lane's query rows: r0 (accumulators 0 and 1 of a tile) and r1 (2 and 3).
   const int r0 = q0 + 16 * w + g, r1 = r0 + 8;
   // Q as the A fragments of the k16 steps over the channels, rounded once; 0 beyond T.
@@ -1928,8 +1928,8 @@ extern "C" __global__ void __launch_bounds__(128) k98_attention_bwd_dq(char *are
   __shared__ __align__(16) uint32_t Ks[2][64][36], Vs[2][64][36];
   __shared__ int32_t Dk[2][64];
   const int w = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tq = lane & 3;
-  // (query tiles from the last: the ones with the most keys start first)
-  const int b = blockIdx.x / 192, hd = blockIdx.x / 16 % 12, q0 = (15 - blockIdx.x % 16) * 64;
+  const int bh = blockIdx.x % 96, b = bh / 12, hd = bh % 12;
+  const int q0 = (15 - blockIdx.x / 96) * 64; // (the last tiles, seeing the most keys, first)
   // The lane's query rows: r0 (accumulators 0 and 1 of a tile) and r1 (2 and 3).
   const int r0 = q0 + 16 * w + g, r1 = r0 + 8;
   // Q and dout as the A fragments of the k16 steps over the channels, rounded once; 0 beyond T.
@@ -2075,7 +2075,8 @@ extern "C" __global__ void __launch_bounds__(256) k98_attention_bwd_dkv(char *ar
   __shared__ float Ls[2][64], Ss[2][64];
   __shared__ int32_t Dq[2][64];
   const int w = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tq = lane & 3;
-  const int b = blockIdx.x / 96, hd = blockIdx.x / 8 % 12, k0 = blockIdx.x % 8 * 128;
+  const int bh = blockIdx.x % 96, b = bh / 12, hd = bh % 12;
+  const int k0 = blockIdx.x / 96 * 128; // (the first tiles, seen by the most queries, first)
   // The lane's keys: r0 (accumulators 0 and 1 of a tile) and r1 (2 and 3).
   const int r0 = k0 + 16 * w + g, r1 = r0 + 8;
   // K and V as the A fragments of the k16 steps over the channels, rounded once; 0 beyond T.
