@@ -121,6 +121,49 @@ static void ce_write(Engine *e, int node, const float *src) {
   cpu_round_copy(e->g, ce->m, ce->arena, node);
 }
 
+static void ce_free(Engine *e);
+
+// Engine.take_params between two compiled CPU engines: arena to arena, each bf16 copy rounded as
+// ce_write rounds it.
+static bool ce_take_params(Engine *e, Engine *from) {
+  CpuEngine *ce = (CpuEngine *)e, *cf = (CpuEngine *)from;
+  if (from->free != ce_free || from->g->nparams != e->g->nparams)
+    return false;
+  for (int i = 0; i < e->g->nparams; i++) {
+    int p = e->g->params[i], q = from->g->params[i];
+    if (!cpu_value(ce->m, ce->arena, p) || !cpu_value(cf->m, cf->arena, q) ||
+        shape_numel(e->g->nodes[p]->shape) != shape_numel(from->g->nodes[q]->shape))
+      return false;
+  }
+  for (int i = 0; i < e->g->nparams; i++) {
+    int p = e->g->params[i], q = from->g->params[i];
+    memcpy(cpu_value(ce->m, ce->arena, p), cpu_value(cf->m, cf->arena, q),
+           sizeof(float) * (size_t)shape_numel(e->g->nodes[p]->shape));
+    cpu_round_copy(e->g, ce->m, ce->arena, p);
+  }
+  return true;
+}
+
+// Engine.input_from between two compiled CPU engines: into the input's slot of e's arena.
+static bool ce_input_from(Engine *e, const char *name, Engine *from, int node, bool first) {
+  CpuEngine *ce = (CpuEngine *)e, *cf = (CpuEngine *)from;
+  const float *x = from->free == ce_free && from->g->nodes[node]->dtype == DT_F32 ? cpu_value(cf->m, cf->arena, node)
+                                                                                   : NULL;
+  int64_t n = shape_numel(from->g->nodes[node]->shape);
+  float *y = NULL;
+  for (int i = 0; x && i < e->g->n && !y; i++) {
+    const IrNode *nd = e->g->nodes[i];
+    if (nd->op == OP_INPUT && nd->name && !strcmp(nd->name, name) && nd->dtype == DT_F32 &&
+        shape_numel(nd->shape) == n)
+      y = cpu_value(ce->m, ce->arena, i);
+  }
+  if (!y)
+    return false;
+  for (int64_t k = 0; k < n; k++)
+    y[k] = first ? x[k] : y[k] + x[k];
+  return true;
+}
+
 static void ce_free(Engine *e) {
   CpuEngine *ce = (CpuEngine *)e;
   cpu_unload(ce->cm);
@@ -143,6 +186,7 @@ Engine *engine_cpu(const Fusion *f, const MemPlan *m, const char *source, uint64
                    .set_seed = ce_set_seed, .arena_bytes = m->arena_bytes, .fusion = f,
                    .kernel_seconds = calloc((size_t)cm->nkernels, sizeof(double)),
                    .step = ce_step, .read = ce_read, .write = ce_write, .free = ce_free,
+                   .take_params = ce_take_params, .input_from = ce_input_from,
                    .cache_hit = cm->cache_hit, .compile_seconds = cm->compile_seconds};
   return &ce->e;
 }

@@ -44,12 +44,12 @@ struct Engine {
   // end keeps in memory (the loss, gradients, the grad norm).
   void (*read)(Engine *e, int node, float *dst);
   void (*write)(Engine *e, int node, const float *src); // params and moments only
-  // Device back ends, for two engines on one device (NULL, or false with nothing changed, where they
-  // cannot: the caller then goes through host memory). take_params: every parameter of `from` (the
-  // same graph's parameters, in order) copied into e's on the device, with their bf16 copies.
-  // input_from: e's f32 input `name` becomes node `node` of `from` (first) or has it added (f32 adds,
-  // in call order, as a host sum would), on the device; the steps keep that value until set_input
-  // names the input again.
+  // Between two engines of one compiled back end, memory to memory (one GPU's arenas, or the CPU's;
+  // NULL, or false with nothing changed, where they cannot: the caller then goes through host
+  // memory and read / write). take_params: every parameter of `from` (the same graph's parameters,
+  // in order) copied into e's, with their bf16 copies. input_from: e's f32 input `name` becomes node
+  // `node` of `from` (first) or has it added (f32 adds, in call order, as a host sum would); the
+  // steps keep that value until set_input names the input again.
   bool (*take_params)(Engine *e, Engine *from);
   bool (*input_from)(Engine *e, const char *name, Engine *from, int node, bool first);
   void (*free)(Engine *e);

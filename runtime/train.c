@@ -286,11 +286,9 @@ static bool accumulate_micro(Accum *ac, Engine *e, Loader *train, int64_t k, int
     }
     for (int i = 0; !device && i < mg->nparams; i++) {
       int64_t numel = shape_numel(mg->nodes[mg->params[i]]->shape);
-      if (j == 0)
-        memset(ac->sum[i], 0, sizeof(float) * (size_t)numel);
       ac->micro->read(ac->micro, mg->grads[i], ac->tmp);
       for (int64_t x = 0; x < numel; x++)
-        ac->sum[i][x] += ac->tmp[x];
+        ac->sum[i][x] = j == 0 ? ac->tmp[x] : ac->sum[i][x] + ac->tmp[x];
     }
   }
   for (int i = 0; !device && i < mg->nparams; i++) {

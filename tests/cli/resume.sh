@@ -65,14 +65,19 @@ else fail "a checkpoint of another model was accepted"; fi
 cmp -s "$tmp/good" "$tmp/a-cpu/checkpoint.safetensors" && ok "the other model's run left the checkpoint untouched" ||
   fail "the checkpoint changed"
 
-# Gradient accumulation: 2 micro-batches of 2 rows train exactly like one batch of 4 rows.
-acc=(--data "$tmp/data" --val-every 0 --steps 6 --backend cpu)
-$m run models/gpt2-tiny.mdl -D B=2 -D T=32 --accumulate 2 "${acc[@]}" --out "$tmp/acc2" >/dev/null 2>"$tmp/e" ||
-  fail "accumulate run: $(head -c 300 "$tmp/e")"
-$m run models/gpt2-tiny.mdl -D B=4 -D T=32 "${acc[@]}" --out "$tmp/acc1" >/dev/null 2>&1
-if paste <(losses "$tmp/acc2") <(losses "$tmp/acc1") | awk 'NF == 4 {n++; d = $2 - $4; if (d < 0) d = -d; if (d > 1e-5 * $4) bad++}
-    END {exit !(n == 6 && !bad)}'; then
-  ok "6 steps accumulating 2 micro-batches of 2 rows = 6 steps of 4 rows (losses within 1e-5)"
-else
-  fail "accumulated losses differ: $(paste <(losses "$tmp/acc2") <(losses "$tmp/acc1") | head -3 | tr '\n' ';')"
-fi
+# Gradient accumulation: k micro-batches of 2 rows train exactly like one batch of 2k rows (the
+# first k - 1 micro-batches' gradients summed engine to engine, Engine.input_from: with k = 3 one
+# copied and one added), validating every 3 steps (parameters to the validation engine by
+# Engine.take_params).
+acc=(--data "$tmp/data" --val-every 3 --steps 6 --backend cpu)
+for k in 2 3; do
+  $m run models/gpt2-tiny.mdl -D B=2 -D T=32 --accumulate $k "${acc[@]}" --out "$tmp/acc$k" >/dev/null 2>"$tmp/e" ||
+    fail "accumulate run: $(head -c 300 "$tmp/e")"
+  $m run models/gpt2-tiny.mdl -D B=$((2 * k)) -D T=32 "${acc[@]}" --out "$tmp/whole$k" >/dev/null 2>&1
+  if paste <(losses "$tmp/acc$k") <(losses "$tmp/whole$k") |
+    awk 'NF == 4 {n++; d = $2 - $4; if (d < 0) d = -d; if (d > 1e-5 * $4) bad++} END {exit !(n == 6 && !bad)}'; then
+    ok "6 steps accumulating $k micro-batches of 2 rows = 6 steps of $((2 * k)) rows (losses within 1e-5)"
+  else
+    fail "accumulated losses differ ($k): $(paste <(losses "$tmp/acc$k") <(losses "$tmp/whole$k") | head -3 | tr '\n' ';')"
+  fi
+done
