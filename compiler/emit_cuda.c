@@ -464,7 +464,7 @@ static const char prelude[] =
     "  return mdl_warp_max_nan(lane < (int)(blockDim.x >> 5) ? sh[lane] : -MDL_INF);\n"
     "}\n"
     "\n"
-    "// Not of the plan: the runtime's sum of gradients over micro-batches (Engine.input_from), y += x in\n"
+    "// Not of the plan: the runtime's sum of gradients over micro-batches (Engine.inputs_from), y += x in\n"
     "// f32, element by element, as the host would add them.\n"
     "extern \"C\" __global__ void mdl_accumulate(float *y, const float *x, int64_t n) {\n"
     "  const int64_t stride = (int64_t)gridDim.x * blockDim.x;\n"

@@ -29,7 +29,7 @@
 // The step. Parameters are initialised on the host exactly as the interpreter does and copied up
 // with their bf16 copies (fuse.c, rule 11); the AdamW moments start at zero. Inputs and the lr/step
 // scalars are staged on the host and copied into their arena slots before each replay (but for inputs
-// set on the device: gradient accumulation's sums, Engine.input_from, which copies the first
+// set on the device: gradient accumulation's sums, Engine.inputs_from, which copies the first
 // micro-batch's gradients from the other engine's arena and adds the others' with the prelude's
 // mdl_accumulate), and the step's seed into the 8 bytes the kernels' seed argument points to (a graph
 // replays its launches' arguments as captured, so the seed cannot be one of them). Two engines share
@@ -508,9 +508,9 @@ typedef struct {
   CUgraphExec exec;
   char *staging;      // host copy of the inputs and scalars, arena bytes [lo, hi)
   int64_t lo, hi;
-  bool *on_device;    // per node: an input set on the device (Engine.input_from), not from staging
+  bool *on_device;    // per node: an input set on the device (Engine.inputs_from), not from staging
   int ndevice;        // how many
-  CUfunction accumulate; // the prelude's mdl_accumulate (y += x), for input_from
+  CUfunction accumulate; // the prelude's mdl_accumulate (y += x), for inputs_from
   uint64_t seed;      // the next step's seed (Engine.set_seed), copied to seed_dev before the step
   CUevent *marks;         // --profile: an event before each launch, and one at the end
   int nmarks;
@@ -750,41 +750,41 @@ static bool cu_take_params(Engine *e, Engine *from) {
   return ok;
 }
 
-// Engine.input_from: an f32 input of e and an f32 node of `from` in memory, of one size, both CUDA
-// engines; the copy or the add runs on e's stream, waited for (from's next step may overwrite x).
-static bool cu_input_from(Engine *e, const char *name, Engine *from, int node, bool first) {
+// Engine.inputs_from: f32 inputs of e and f32 nodes of `from` in memory, of one size each, both CUDA
+// engines, all checked before anything runs; the copies or adds run on e's stream, waited for once
+// (from's next step overwrites what they read).
+static bool cu_inputs_from(Engine *e, int n, const char *const *names, Engine *from, const int *nodes, bool first) {
   CudaEngine *ce = (CudaEngine *)e, *cf = (CudaEngine *)from;
-  if (from->free != cu_free || cf->dev.ordinal != ce->dev.ordinal || !ce->accumulate || cf->m->offset[node] < 0 ||
-      from->g->nodes[node]->dtype != DT_F32)
+  if (from->free != cu_free || cf->dev.ordinal != ce->dev.ordinal || !ce->accumulate)
     return false;
-  int64_t count = shape_numel(from->g->nodes[node]->shape);
-  int in = -1;
-  for (int i = 0; i < e->g->n && in < 0; i++) {
-    const IrNode *nd = e->g->nodes[i];
-    if (nd->op == OP_INPUT && nd->name && !strcmp(nd->name, name) && ce->m->offset[i] >= 0)
-      in = i;
+  int *in = malloc(sizeof *in * (size_t)(n ? n : 1));
+  bool ok = in != NULL;
+  for (int i = 0; ok && i < n; i++) {
+    in[i] = rt_input_node(e->g, names[i]);
+    ok = in[i] >= 0 && ce->m->offset[in[i]] >= 0 && e->g->nodes[in[i]]->dtype == DT_F32 &&
+         cf->m->offset[nodes[i]] >= 0 && from->g->nodes[nodes[i]]->dtype == DT_F32 &&
+         shape_numel(e->g->nodes[in[i]]->shape) == shape_numel(from->g->nodes[nodes[i]]->shape);
   }
-  if (in < 0 || e->g->nodes[in]->dtype != DT_F32 || shape_numel(e->g->nodes[in]->shape) != count)
+  if (!ok) {
+    free(in);
     return false;
-  CUdeviceptr y = ce->arena + (CUdeviceptr)ce->m->offset[in], x = cf->arena + (CUdeviceptr)cf->m->offset[node];
+  }
   char err[256];
-  bool ok;
-  if (first) {
-    ok = CU(err, sizeof err, cuMemcpyDtoDAsync, y, x, 4 * (size_t)count, ce->stream);
-  } else {
-    int64_t blocks = (count + 255) / 256;
+  for (int i = 0; ok && i < n; i++) {
+    int64_t count = shape_numel(from->g->nodes[nodes[i]]->shape), blocks = (count + 255) / 256;
+    CUdeviceptr y = ce->arena + (CUdeviceptr)ce->m->offset[in[i]], x = cf->arena + (CUdeviceptr)cf->m->offset[nodes[i]];
     void *args[] = {&y, &x, &count};
-    ok = CU(err, sizeof err, cuLaunchKernel, ce->accumulate, (unsigned)(blocks < 65535 ? blocks : 65535), 1, 1, 256,
-            1, 1, 0, ce->stream, args, NULL);
+    ok = first ? CU(err, sizeof err, cuMemcpyDtoDAsync, y, x, 4 * (size_t)count, ce->stream)
+               : CU(err, sizeof err, cuLaunchKernel, ce->accumulate, (unsigned)(blocks < 65535 ? blocks : 65535), 1,
+                    1, 256, 1, 1, 0, ce->stream, args, NULL);
+    ce->ndevice += !ce->on_device[in[i]];
+    ce->on_device[in[i]] = true;
   }
   ok = ok && CU(err, sizeof err, cuStreamSynchronize, ce->stream);
-  if (!ok) {
+  if (!ok)
     fprintf(stderr, "mdlc: cuda: %s\n", err);
-    return false;
-  }
-  ce->ndevice += !ce->on_device[in];
-  ce->on_device[in] = true;
-  return true;
+  free(in);
+  return ok;
 }
 
 static void cu_free(Engine *e) {
@@ -981,7 +981,8 @@ Engine *engine_cuda(const Fusion *f, const MemPlan *m, uint64_t seed, bool tune_
   ce->tune = tune_gemms;
   ce->e = (Engine){.name = "cuda", .g = f->g, .fusion = f, .set_input = cu_set_input, .set_scalar = cu_set_scalar,
                    .set_seed = cu_set_seed, .step = cu_step, .read = cu_read, .write = cu_write, .free = cu_free,
-                   .take_params = cu_take_params, .input_from = cu_input_from, .profile_launches = cu_profile_launches,
+                   .take_params = cu_take_params, .inputs_from = cu_inputs_from,
+                   .profile_launches = cu_profile_launches,
                    .kernel_seconds = calloc((size_t)f->nsteps + 1, sizeof(double))};
   if (!driver_device(&ce->dev, err, n) || !driver_complete(err, n) || !lt_open(err, n) ||
       !nvrtc_available(err, n)) {
@@ -1019,7 +1020,7 @@ Engine *engine_cuda(const Fusion *f, const MemPlan *m, uint64_t seed, bool tune_
     return NULL;
   }
   if (drv.cuModuleGetFunction(&ce->accumulate, ce->mod, "mdl_accumulate") != CUDA_SUCCESS)
-    ce->accumulate = NULL; // (a module without it: input_from declines and the host adds)
+    ce->accumulate = NULL; // (a module without it: inputs_from declines and the host adds)
   ce->e.device_bytes = ce->plan->arena_bytes + LT_WORKSPACE_BYTES + (int64_t)(sizeof(MdlStatus) + sizeof ce->seed);
   size_t free_bytes = 0, total = 0;
   drv.cuMemGetInfo(&free_bytes, &total);

@@ -144,23 +144,24 @@ static bool ce_take_params(Engine *e, Engine *from) {
   return true;
 }
 
-// Engine.input_from between two compiled CPU engines: into the input's slot of e's arena.
-static bool ce_input_from(Engine *e, const char *name, Engine *from, int node, bool first) {
+// Engine.inputs_from between two compiled CPU engines: into the inputs' slots of e's arena.
+static bool ce_inputs_from(Engine *e, int n, const char *const *names, Engine *from, const int *nodes, bool first) {
   CpuEngine *ce = (CpuEngine *)e, *cf = (CpuEngine *)from;
-  const float *x = from->free == ce_free && from->g->nodes[node]->dtype == DT_F32 ? cpu_value(cf->m, cf->arena, node)
-                                                                                   : NULL;
-  int64_t n = shape_numel(from->g->nodes[node]->shape);
-  float *y = NULL;
-  for (int i = 0; x && i < e->g->n && !y; i++) {
-    const IrNode *nd = e->g->nodes[i];
-    if (nd->op == OP_INPUT && nd->name && !strcmp(nd->name, name) && nd->dtype == DT_F32 &&
-        shape_numel(nd->shape) == n)
-      y = cpu_value(ce->m, ce->arena, i);
-  }
-  if (!y)
+  if (from->free != ce_free)
     return false;
-  for (int64_t k = 0; k < n; k++)
-    y[k] = first ? x[k] : y[k] + x[k];
+  for (int i = 0; i < n; i++) {
+    int in = rt_input_node(e->g, names[i]);
+    if (in < 0 || e->g->nodes[in]->dtype != DT_F32 || from->g->nodes[nodes[i]]->dtype != DT_F32 ||
+        !cpu_value(ce->m, ce->arena, in) || !cpu_value(cf->m, cf->arena, nodes[i]) ||
+        shape_numel(e->g->nodes[in]->shape) != shape_numel(from->g->nodes[nodes[i]]->shape))
+      return false;
+  }
+  for (int i = 0; i < n; i++) {
+    float *y = cpu_value(ce->m, ce->arena, rt_input_node(e->g, names[i]));
+    const float *x = cpu_value(cf->m, cf->arena, nodes[i]);
+    for (int64_t k = 0, count = shape_numel(from->g->nodes[nodes[i]]->shape); k < count; k++)
+      y[k] = first ? x[k] : y[k] + x[k];
+  }
   return true;
 }
 
@@ -186,7 +187,7 @@ Engine *engine_cpu(const Fusion *f, const MemPlan *m, const char *source, uint64
                    .set_seed = ce_set_seed, .arena_bytes = m->arena_bytes, .fusion = f,
                    .kernel_seconds = calloc((size_t)cm->nkernels, sizeof(double)),
                    .step = ce_step, .read = ce_read, .write = ce_write, .free = ce_free,
-                   .take_params = ce_take_params, .input_from = ce_input_from,
+                   .take_params = ce_take_params, .inputs_from = ce_inputs_from,
                    .cache_hit = cm->cache_hit, .compile_seconds = cm->compile_seconds};
   return &ce->e;
 }

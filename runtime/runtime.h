@@ -9,6 +9,7 @@
 // Formats a message into err (when err is not NULL) and returns false.
 bool rt_fail(char *err, size_t n, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
 double rt_now(void); // seconds, monotonic
+int rt_input_node(const Graph *g, const char *name); // the INPUT node of that name, or -1
 // The compiled-module cache, $MDL_CACHE or ~/.cache/mdl, with `sub` appended ("" for none), created.
 bool rt_cache_dir(const char *sub, char *dir, size_t n, char *err, size_t errn);
 // Writes path through a temporary file, fsync and rename; a failure leaves path as it was.
@@ -47,11 +48,11 @@ struct Engine {
   // Between two engines of one compiled back end, memory to memory (one GPU's arenas, or the CPU's;
   // NULL, or false with nothing changed, where they cannot: the caller then goes through host
   // memory and read / write). take_params: every parameter of `from` (the same graph's parameters,
-  // in order) copied into e's, with their bf16 copies. input_from: e's f32 input `name` becomes node
-  // `node` of `from` (first) or has it added (f32 adds, in call order, as a host sum would); the
-  // steps keep that value until set_input names the input again.
+  // in order) copied into e's, with their bf16 copies. inputs_from: each f32 input names[i] of e
+  // becomes node nodes[i] of `from` (first) or has it added (f32 adds, in call order, as a host sum
+  // would), all of them or none; the steps keep those values until set_input names them again.
   bool (*take_params)(Engine *e, Engine *from);
-  bool (*input_from)(Engine *e, const char *name, Engine *from, int node, bool first);
+  bool (*inputs_from)(Engine *e, int n, const char *const *names, Engine *from, const int *nodes, bool first);
   void (*free)(Engine *e);
   bool cache_hit;         // compiled back ends: the module came from the cache
   double compile_seconds; // compiled back ends: time in the compiler

@@ -249,20 +249,35 @@ static void eta(double seconds, char *buf, size_t n) {
 }
 
 // Gradient accumulation: the first k - 1 micro-batches run on the gradients-only engine, their
-// gradients summed into the step engine's inputs "acc.<param>": on the device where the two engines
-// can (Engine.input_from; the first micro-batch's gradients copied, the others' added in order), else
-// here, in the same order, and sent with the step's other inputs.
+// gradients summed into the step engine's inputs "acc.<param>": engine to engine where the two
+// engines can (Engine.inputs_from; the first micro-batch's gradients copied, the others' added in
+// order), else here, in the same order, and sent with the step's other inputs.
 typedef struct {
   Engine *micro;
-  float **sum;   // per parameter
+  const char **names; // "acc.<param>", per parameter
+  float **sum;  // per parameter; the host's sums, allocated when first needed
   float *tmp;
 } Accum;
+
+static bool host_sums(Accum *ac, char *err, size_t n) {
+  const Graph *mg = ac->micro->g;
+  int64_t most = 1;
+  for (int i = 0; !ac->tmp && i < mg->nparams; i++) {
+    int64_t numel = shape_numel(mg->nodes[mg->params[i]]->shape);
+    if (!(ac->sum[i] = malloc(sizeof(float) * (size_t)numel)))
+      return rt_fail(err, n, "out of host memory for the gradient sums");
+    most = numel > most ? numel : most;
+  }
+  if (!ac->tmp && !(ac->tmp = malloc(sizeof(float) * (size_t)most)))
+    return rt_fail(err, n, "out of host memory for the gradient sums");
+  return true;
+}
 
 static bool accumulate_micro(Accum *ac, Engine *e, Loader *train, int64_t k, int64_t BT, uint64_t seed,
                              int64_t step, double *loss_sum, int64_t *real, char *err, size_t n) {
   const Graph *mg = ac->micro->g;
   copy_params(e, ac->micro);
-  bool device = e->input_from != NULL;
+  bool direct = e->inputs_from != NULL;
   for (int64_t j = 0; j + 1 < k; j++) {
     Batch batch;
     loader_next(train, &batch);
@@ -271,31 +286,25 @@ static bool accumulate_micro(Accum *ac, Engine *e, Loader *train, int64_t k, int
       return false;
     *loss_sum += engine_scalar(ac->micro, mg->loss);
     *real += batch.real_tokens;
-    // A device that declines the first micro-batch's gradients (it has checked before copying any)
-    // leaves them all to the host; one that fails later has met an error.
-    for (int i = 0; device && i < mg->nparams; i++) {
-      char name[512];
-      snprintf(name, sizeof name, "acc.%s", mg->nodes[mg->params[i]]->name);
-      if (!e->input_from(e, name, ac->micro, mg->grads[i], j == 0)) {
-        if (j > 0) {
-          snprintf(err, n, "gradient accumulation on the device failed at %.400s", name);
-          return false;
-        }
-        device = false;
-      }
+    // Engines that decline the first micro-batch's gradients (all or none) leave the sums to the
+    // host; a failure after that is an error of the device.
+    if (direct && !e->inputs_from(e, mg->nparams, ac->names, ac->micro, mg->grads, j == 0)) {
+      if (j > 0)
+        return rt_fail(err, n, "gradient accumulation failed adding micro-batch %lld's gradients", (long long)j + 1);
+      direct = false;
     }
-    for (int i = 0; !device && i < mg->nparams; i++) {
+    if (!direct && !host_sums(ac, err, n))
+      return false;
+    for (int i = 0; !direct && i < mg->nparams; i++) {
       int64_t numel = shape_numel(mg->nodes[mg->params[i]]->shape);
       ac->micro->read(ac->micro, mg->grads[i], ac->tmp);
       for (int64_t x = 0; x < numel; x++)
         ac->sum[i][x] = j == 0 ? ac->tmp[x] : ac->sum[i][x] + ac->tmp[x];
     }
   }
-  for (int i = 0; !device && i < mg->nparams; i++) {
+  for (int i = 0; !direct && i < mg->nparams; i++) {
     const IrNode *p = mg->nodes[mg->params[i]];
-    char name[512];
-    snprintf(name, sizeof name, "acc.%s", p->name);
-    if (!e->set_input(e, name, NULL, ac->sum[i], shape_numel(p->shape))) {
+    if (!e->set_input(e, ac->names[i], NULL, ac->sum[i], shape_numel(p->shape))) {
       snprintf(err, n, "the step graph has no input for gradient accumulation of %s", p->name);
       return false;
     }
@@ -385,14 +394,10 @@ int train_run(Engine *e, Engine *eval, Engine *micro, const TrainOptions *o) {
   int64_t k = g->train.accumulate > 1 ? g->train.accumulate : 1;
   Accum ac = {.micro = micro};
   if (k > 1) {
-    int64_t most = 1;
     ac.sum = calloc((size_t)g->nparams, sizeof *ac.sum);
-    for (int i = 0; i < g->nparams; i++) {
-      int64_t numel = shape_numel(g->nodes[g->params[i]]->shape);
-      ac.sum[i] = malloc(sizeof(float) * (size_t)numel);
-      most = numel > most ? numel : most;
-    }
-    ac.tmp = malloc(sizeof(float) * (size_t)most);
+    ac.names = arena_alloc(g->arena, sizeof *ac.names * (size_t)g->nparams);
+    for (int i = 0; i < g->nparams; i++)
+      ac.names[i] = arena_printf(g->arena, "acc.%s", g->nodes[g->params[i]]->name);
     printf("gradient accumulation: %lld micro-batches of %lldx%lld per step\n", (long long)k, (long long)B,
            (long long)T);
   }

@@ -69,3 +69,10 @@ bool rt_write_atomic(const char *path, const void *data, size_t size, char *err,
   }
   return true;
 }
+
+int rt_input_node(const Graph *g, const char *name) {
+  for (int i = 0; i < g->n; i++)
+    if (g->nodes[i]->op == OP_INPUT && g->nodes[i]->name && !strcmp(g->nodes[i]->name, name))
+      return i;
+  return -1;
+}

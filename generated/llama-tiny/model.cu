@@ -369,7 +369,7 @@ __device__ __forceinline__ float mdl_block_max_nan(float v, float *sh) {
   return mdl_warp_max_nan(lane < (int)(blockDim.x >> 5) ? sh[lane] : -MDL_INF);
 }
 
-// Not of the plan: the runtime's sum of gradients over micro-batches (Engine.input_from), y += x in
+// Not of the plan: the runtime's sum of gradients over micro-batches (Engine.inputs_from), y += x in
 // f32, element by element, as the host would add them.
 extern "C" __global__ void mdl_accumulate(float *y, const float *x, int64_t n) {
   const int64_t stride = (int64_t)gridDim.x * blockDim.x;

@@ -66,7 +66,7 @@ cmp -s "$tmp/good" "$tmp/a-cpu/checkpoint.safetensors" && ok "the other model's 
   fail "the checkpoint changed"
 
 # Gradient accumulation: k micro-batches of 2 rows train exactly like one batch of 2k rows (the
-# first k - 1 micro-batches' gradients summed engine to engine, Engine.input_from: with k = 3 one
+# first k - 1 micro-batches' gradients summed engine to engine, Engine.inputs_from: with k = 3 one
 # copied and one added), validating every 3 steps (parameters to the validation engine by
 # Engine.take_params).
 acc=(--data "$tmp/data" --val-every 3 --steps 6 --backend cpu)
@@ -78,6 +78,7 @@ for k in 2 3; do
     awk 'NF == 4 {n++; d = $2 - $4; if (d < 0) d = -d; if (d > 1e-5 * $4) bad++} END {exit !(n == 6 && !bad)}'; then
     ok "6 steps accumulating $k micro-batches of 2 rows = 6 steps of $((2 * k)) rows (losses within 1e-5)"
   else
-    fail "accumulated losses differ ($k): $(paste <(losses "$tmp/acc$k") <(losses "$tmp/whole$k") | head -3 | tr '\n' ';')"
+    fail "accumulated losses differ ($k):" \
+      "$(paste <(losses "$tmp/acc$k") <(losses "$tmp/whole$k") | head -3 | tr '\n' ';')"
   fi
 done

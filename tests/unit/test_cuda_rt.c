@@ -1124,10 +1124,10 @@ static void profile_checks(const char *label, const Compiled *c, const Counters 
         k->live_allocations);
 }
 
-// Engine.take_params and Engine.input_from between two engines of one plan (the emulated GPU knows one
+// Engine.take_params and Engine.inputs_from between two engines of one plan (the emulated GPU knows one
 // module's kernels), from seeds 5 and 6. take_params: after a step of the first, the second's
 // parameters and bf16 copies are the first's bit for bit, by device copies; from the interpreter it
-// declines. input_from, where the graph has an f32 input and a gradient of its size: the first
+// declines. inputs_from, where the graph has an f32 input and a gradient of its size: the first
 // engine's gradient after one batch, then added after another, is the host's sum of the two bit for
 // bit; a step of the second keeps it (its staged inputs no longer cover it); set_input replaces it.
 static void device_copy_checks(const char *label, const Compiled *c, const Counters *k) {
@@ -1183,7 +1183,8 @@ static void device_copy_checks(const char *label, const Compiled *c, const Count
     int64_t n = shape_numel(g->nodes[x]->shape);
     float *g1 = calloc((size_t)n, sizeof *g1), *g2 = calloc((size_t)n, sizeof *g2), *got = calloc((size_t)n, 4);
     a->read(a, d, g1);
-    bool in = b->input_from(b, g->nodes[x]->name, a, d, true);
+    const char *xn = g->nodes[x]->name;
+    bool in = b->inputs_from(b, 1, &xn, a, &d, true);
     float *other = calloc((size_t)n, sizeof *other);
     for (int64_t j = 0; j < n; j++)
       other[j] = 0.25f * (float)(j % 7) - 0.5f;
@@ -1192,12 +1193,12 @@ static void device_copy_checks(const char *label, const Compiled *c, const Count
     a->set_input(a, g->nodes[x]->name, NULL, other, n); // another batch
     ok = a->step(a, why, sizeof why);
     a->read(a, d, g2);
-    in = in && ok && b->input_from(b, g->nodes[x]->name, a, d, false);
+    in = in && ok && b->inputs_from(b, 1, &xn, a, &d, false);
     b->read(b, x, got);
     int64_t bad = 0;
     for (int64_t j = 0; j < n; j++)
       bad += got[j] != g1[j] + g2[j];
-    snprintf(name, sizeof name, "cuda: %s: input_from copies a gradient into an input, then adds another, as the "
+    snprintf(name, sizeof name, "cuda: %s: inputs_from copies a gradient into an input, then adds another, as the "
              "host adds (%s)", label, g->nodes[x]->name);
     CHECK(in && bad == 0 && memcmp(g1, g2, sizeof *g1 * (size_t)n), name, "%s; %lld of %lld differ",
           in ? "set" : why, (long long)bad, (long long)n);
