@@ -127,10 +127,9 @@ static bool read_checkpoint(const char *path, Engine *e, int64_t *step, LoaderSt
   return ok;
 }
 
-// Copies every parameter of `from` into `to` (engines of two graphs of one model).
-// Parameters from one engine to another: device to device where both engines can (Engine.take_params:
-// GPT-2's 500 MB no longer go down to the host and back up for each validation), else through host
-// memory.
+// Copies every parameter of `from` into `to` (engines of two graphs of one model): memory to memory
+// where both engines can (Engine.take_params: on a GPU, GPT-2's 500 MB no longer go down to the host
+// and back up for each validation), else through host memory.
 static void copy_params(Engine *from, Engine *to) {
   if (to->take_params && to->take_params(to, from))
     return;
