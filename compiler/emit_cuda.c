@@ -2120,7 +2120,9 @@ static void emit_softmax(Emit *e, int gi, const bool *emitted) {
 // zeros, one >= V a report. With vec the rows start 16-byte aligned (8 for bf16 ones): both passes
 // take four logits a load (float4), then the last v % 4 one by one. (The LM head's cross-entropy, a
 // block of 1024 threads a row reading one float each, moved GPT-2's logits at 2.2 TB/s on an H200:
-// a load in flight per thread is too few bytes to cover the memory's latency.)
+// a load in flight per thread is too few bytes to cover the memory's latency. The float4 loops were
+// not unrolled either, one load of 16 bytes in a pass's loop in the PTX: they now take two float4 a
+// thread at once.)
 static void ce_row(Emit *e, const RowShape *rs, int64_t v, const char *x, const char *tg, const char *loss,
                    const char *dx, bool dx16, const char *dloss, bool vec) {
   const char *ixt = e->core.ixt;
@@ -2150,11 +2152,15 @@ static void ce_row(Emit *e, const RowShape *rs, int64_t v, const char *x, const 
   // then rescaled to the row's maximum and added. The gradient's pass reads the row a second time.
   ec_line(&e->core, "float m = -MDL_INF;");
   ec_line(&e->core, "double part = 0;");
+  // (Two float4 loads of a thread in flight at once, the second's logits taken after the first's as
+  // a loop of one would: the order of the sums is the same.)
   if (v4) {
-    ec_enter(&e->core, "for (%s j4 = tr; j4 < %lld; j4 += %d)", ixt, (long long)v4, rs->tpr);
+    ec_enter(&e->core, "for (%s j4 = tr; j4 < %lld; j4 += %d)", ixt, (long long)v4, 2 * rs->tpr);
     ec_line(&e->core, "const float4 x4 = *(const float4 *)&x[4 * j4];");
-    for (int c = 0; c < 4; c++)
-      ec_line(&e->core, "mdl_softmax_add(x4.%c, m, part);", "xyzw"[c]);
+    ec_line(&e->core, "const float4 y4 = j4 + %d < %lld ? *(const float4 *)&x[4 * (j4 + %d)] : "
+            "make_float4(-MDL_INF, -MDL_INF, -MDL_INF, -MDL_INF);", rs->tpr, (long long)v4, rs->tpr);
+    for (int c = 0; c < 8; c++)
+      ec_line(&e->core, "mdl_softmax_add(%c4.%c, m, part);", c < 4 ? 'x' : 'y', "xyzw"[c % 4]);
     ec_leave(&e->core);
   }
   if (4 * v4 < v) {
@@ -2171,19 +2177,31 @@ static void ce_row(Emit *e, const RowShape *rs, int64_t v, const char *x, const 
   if (dx) {
     ec_line(&e->core, "const double g = %s, inv = 1.0 / sum;", dloss);
     if (v4) {
-      ec_enter(&e->core, "for (%s j4 = tr; j4 < %lld; j4 += %d)", ixt, (long long)v4, rs->tpr);
+      ec_enter(&e->core, "for (%s j4 = tr; j4 < %lld; j4 += %d)", ixt, (long long)v4, 2 * rs->tpr);
+      ec_line(&e->core, "const bool two = j4 + %d < %lld;", rs->tpr, (long long)v4);
       ec_line(&e->core, "const float4 x4 = *(const float4 *)&x[4 * j4];");
-      ec_line(&e->core, "const %s j = 4 * j4;", ixt);
-      const char *d[4];
-      for (int c = 0; c < 4; c++) {
-        d[c] = ec_str(&e->core, "mdl_ce_grad(x4.%c, mx, g, inv, j%s == tg)", "xyzw"[c],
-                      c ? ec_str(&e->core, " + %d", c) : "");
-        if (dx16)
-          d[c] = ec_str(&e->core, "mdl_f32_to_bf16(%s)", d[c]);
+      ec_line(&e->core, "const float4 y4 = two ? *(const float4 *)&x[4 * (j4 + %d)] : x4;", rs->tpr);
+      for (int h = 0; h < 2; h++) {
+        if (h)
+          ec_enter(&e->core, "if (two)");
+        if (h)
+          ec_line(&e->core, "const %s jy = 4 * (j4 + %d);", ixt, rs->tpr);
+        else
+          ec_line(&e->core, "const %s j = 4 * j4;", ixt);
+        const char *d[4];
+        for (int c = 0; c < 4; c++) {
+          d[c] = ec_str(&e->core, "mdl_ce_grad(%c4.%c, mx, g, inv, j%s%s == tg)", h ? 'y' : 'x', "xyzw"[c],
+                        h ? "y" : "", c ? ec_str(&e->core, " + %d", c) : "");
+          if (dx16)
+            d[c] = ec_str(&e->core, "mdl_f32_to_bf16(%s)", d[c]);
+        }
+        ec_line(&e->core, "*(%s *)&dx[j%s] = make_%s(", dx16 ? "ushort4" : "float4", h ? "y" : "",
+                dx16 ? "ushort4" : "float4");
+        for (int c = 0; c < 4; c++)
+          ec_line(&e->core, "    %s%s", d[c], c < 3 ? "," : ");");
+        if (h)
+          ec_leave(&e->core);
       }
-      ec_line(&e->core, "*(%s *)&dx[j] = make_%s(", dx16 ? "ushort4" : "float4", dx16 ? "ushort4" : "float4");
-      for (int c = 0; c < 4; c++)
-        ec_line(&e->core, "    %s%s", d[c], c < 3 ? "," : ");");
       ec_leave(&e->core);
     }
     if (4 * v4 < v) {

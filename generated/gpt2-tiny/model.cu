@@ -900,12 +900,17 @@ extern "C" __global__ void __launch_bounds__(256) k18_lmhead__cross_entropy__cro
       const float xt = x[tg];
       float m = -MDL_INF;
       double part = 0;
-      for (int j4 = tr; j4 < 64; j4 += 32) {
+      for (int j4 = tr; j4 < 64; j4 += 64) {
         const float4 x4 = *(const float4 *)&x[4 * j4];
+        const float4 y4 = j4 + 32 < 64 ? *(const float4 *)&x[4 * (j4 + 32)] : make_float4(-MDL_INF, -MDL_INF, -MDL_INF, -MDL_INF);
         mdl_softmax_add(x4.x, m, part);
         mdl_softmax_add(x4.y, m, part);
         mdl_softmax_add(x4.z, m, part);
         mdl_softmax_add(x4.w, m, part);
+        mdl_softmax_add(y4.x, m, part);
+        mdl_softmax_add(y4.y, m, part);
+        mdl_softmax_add(y4.z, m, part);
+        mdl_softmax_add(y4.w, m, part);
       }
       const float mx = mdl_warp_fmax(m);
       double sum = m == -MDL_INF ? 0.0 : part * (double)expf(m - mx);
@@ -913,14 +918,24 @@ extern "C" __global__ void __launch_bounds__(256) k18_lmhead__cross_entropy__cro
       if (tr == 0)
         b3[r] = (float)(mx + log(sum) - xt);
       const double g = b2[r], inv = 1.0 / sum;
-      for (int j4 = tr; j4 < 64; j4 += 32) {
+      for (int j4 = tr; j4 < 64; j4 += 64) {
+        const bool two = j4 + 32 < 64;
         const float4 x4 = *(const float4 *)&x[4 * j4];
+        const float4 y4 = two ? *(const float4 *)&x[4 * (j4 + 32)] : x4;
         const int j = 4 * j4;
         *(ushort4 *)&dx[j] = make_ushort4(
             mdl_f32_to_bf16(mdl_ce_grad(x4.x, mx, g, inv, j == tg)),
             mdl_f32_to_bf16(mdl_ce_grad(x4.y, mx, g, inv, j + 1 == tg)),
             mdl_f32_to_bf16(mdl_ce_grad(x4.z, mx, g, inv, j + 2 == tg)),
             mdl_f32_to_bf16(mdl_ce_grad(x4.w, mx, g, inv, j + 3 == tg)));
+        if (two) {
+          const int jy = 4 * (j4 + 32);
+          *(ushort4 *)&dx[jy] = make_ushort4(
+              mdl_f32_to_bf16(mdl_ce_grad(y4.x, mx, g, inv, jy == tg)),
+              mdl_f32_to_bf16(mdl_ce_grad(y4.y, mx, g, inv, jy + 1 == tg)),
+              mdl_f32_to_bf16(mdl_ce_grad(y4.z, mx, g, inv, jy + 2 == tg)),
+              mdl_f32_to_bf16(mdl_ce_grad(y4.w, mx, g, inv, jy + 3 == tg)));
+        }
       }
     }
   }

@@ -1486,12 +1486,17 @@ extern "C" __global__ void __launch_bounds__(1024) k88_lmhead__cross_entropy__cr
       const float xt = x[tg];
       float m = -MDL_INF;
       double part = 0;
-      for (int j4 = tr; j4 < 12564; j4 += 1024) {
+      for (int j4 = tr; j4 < 12564; j4 += 2048) {
         const float4 x4 = *(const float4 *)&x[4 * j4];
+        const float4 y4 = j4 + 1024 < 12564 ? *(const float4 *)&x[4 * (j4 + 1024)] : make_float4(-MDL_INF, -MDL_INF, -MDL_INF, -MDL_INF);
         mdl_softmax_add(x4.x, m, part);
         mdl_softmax_add(x4.y, m, part);
         mdl_softmax_add(x4.z, m, part);
         mdl_softmax_add(x4.w, m, part);
+        mdl_softmax_add(y4.x, m, part);
+        mdl_softmax_add(y4.y, m, part);
+        mdl_softmax_add(y4.z, m, part);
+        mdl_softmax_add(y4.w, m, part);
       }
       for (int j = 50256 + tr; j < 50257; j += 1024)
         mdl_softmax_add(x[j], m, part);
@@ -1501,14 +1506,24 @@ extern "C" __global__ void __launch_bounds__(1024) k88_lmhead__cross_entropy__cr
       if (tr == 0)
         b3[r] = (float)(mx + log(sum) - xt);
       const double g = b2[r], inv = 1.0 / sum;
-      for (int j4 = tr; j4 < 12564; j4 += 1024) {
+      for (int j4 = tr; j4 < 12564; j4 += 2048) {
+        const bool two = j4 + 1024 < 12564;
         const float4 x4 = *(const float4 *)&x[4 * j4];
+        const float4 y4 = two ? *(const float4 *)&x[4 * (j4 + 1024)] : x4;
         const int j = 4 * j4;
         *(ushort4 *)&dx[j] = make_ushort4(
             mdl_f32_to_bf16(mdl_ce_grad(x4.x, mx, g, inv, j == tg)),
             mdl_f32_to_bf16(mdl_ce_grad(x4.y, mx, g, inv, j + 1 == tg)),
             mdl_f32_to_bf16(mdl_ce_grad(x4.z, mx, g, inv, j + 2 == tg)),
             mdl_f32_to_bf16(mdl_ce_grad(x4.w, mx, g, inv, j + 3 == tg)));
+        if (two) {
+          const int jy = 4 * (j4 + 1024);
+          *(ushort4 *)&dx[jy] = make_ushort4(
+              mdl_f32_to_bf16(mdl_ce_grad(y4.x, mx, g, inv, jy == tg)),
+              mdl_f32_to_bf16(mdl_ce_grad(y4.y, mx, g, inv, jy + 1 == tg)),
+              mdl_f32_to_bf16(mdl_ce_grad(y4.z, mx, g, inv, jy + 2 == tg)),
+              mdl_f32_to_bf16(mdl_ce_grad(y4.w, mx, g, inv, jy + 3 == tg)));
+        }
       }
       for (int j = 50256 + tr; j < 50257; j += 1024)
         dx[j] = mdl_f32_to_bf16(mdl_ce_grad(x[j], mx, g, inv, j == tg));
