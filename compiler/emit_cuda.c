@@ -87,6 +87,7 @@ enum {
   SCRATCH_ALIGN = 256,  // scratch buffers start at multiples of this
   OPT_CHUNK = 8192,     // optimizer: elements per block
   OPT_UNROLL = 2,       // optimizer: float4s a thread loads before it updates them
+  OPT_SUMSQ_LOADS = 4,  // gradient norm: values a thread loads before it adds their squares
   NORM_F32_ROWS = 16,   // norm backward: column partials of up to this many rows per lane summed in f32
   NORM_LANE_ELEMS = 8,  // norm backward with column sums: elements of a row per lane, at most
   ATT_BK = 32,          // attention: keys per tile
@@ -3826,10 +3827,10 @@ static void seg_open(Emit *e, int nseg, int64_t total) {
 }
 
 // The loop over this block's chunk of the concatenated segments: opens the loop over segments
-// (seg_open) and the loop over the chunk's elements k of segment s.
+// (seg_open) and the loop over the chunk's elements of segment s, OPT_SUMSQ_LOADS of a thread's from k.
 static void seg_loop(Emit *e, int nseg, int64_t total) {
   seg_open(e, nseg, total);
-  ec_enter(&e->core, "for (int64_t k = lo + threadIdx.x; k < hi; k += blockDim.x)");
+  ec_enter(&e->core, "for (int64_t k = lo + threadIdx.x; k < hi; k += %d * blockDim.x)", OPT_SUMSQ_LOADS);
 }
 
 // GRAD_NORM (a sum of squares per fixed chunk of the concatenated gradients, then one block adding the
@@ -3877,8 +3878,16 @@ static void emit_optimizer(Emit *e, int gi) {
     const char *pp = raw_ptr(e, part, "double", "sums of squares per chunk");
     ec_line(&e->core, "double acc = 0;");
     seg_loop(e, nd->nin, total);
-    ec_line(&e->core, "const float x = ((const float *)(arena + seg[s].p))[k];");
-    ec_line(&e->core, "acc += (double)x * x;");
+    // (four loads a thread in flight, each value added in the order of a loop of one: the compiler had
+    // left the loop of one load as it was)
+    ec_line(&e->core, "const float *const gs = (const float *)(arena + seg[s].p);");
+    ec_line(&e->core, "float x[%d];", OPT_SUMSQ_LOADS);
+    ec_line(&e->core, "#pragma unroll");
+    ec_line(&e->core, "for (int u = 0; u < %d; u++)", OPT_SUMSQ_LOADS);
+    ec_line(&e->core, "  x[u] = k + u * blockDim.x < hi ? gs[k + u * blockDim.x] : 0.0f;");
+    ec_line(&e->core, "#pragma unroll");
+    ec_line(&e->core, "for (int u = 0; u < %d; u++)", OPT_SUMSQ_LOADS);
+    ec_line(&e->core, "  acc += (double)x[u] * x[u];");
     ec_leave(&e->core);
     ec_leave(&e->core);
     ec_line(&e->core, "acc = mdl_block_sum(acc, %s);", sh_double(e));

@@ -4115,9 +4115,15 @@ extern "C" __global__ void __launch_bounds__(256) k237_grad_norm__adamw_sumsq(ch
   for (int s = s0; s < 148 && seg[s].start < c1; s++) {
     const int64_t lo = (c0 > seg[s].start ? c0 : seg[s].start) - seg[s].start;
     const int64_t hi = (c1 < seg[s].start + seg[s].n ? c1 : seg[s].start + seg[s].n) - seg[s].start;
-    for (int64_t k = lo + threadIdx.x; k < hi; k += blockDim.x) {
-      const float x = ((const float *)(arena + seg[s].p))[k];
-      acc += (double)x * x;
+    for (int64_t k = lo + threadIdx.x; k < hi; k += 4 * blockDim.x) {
+      const float *const gs = (const float *)(arena + seg[s].p);
+      float x[4];
+      #pragma unroll
+      for (int u = 0; u < 4; u++)
+        x[u] = k + u * blockDim.x < hi ? gs[k + u * blockDim.x] : 0.0f;
+      #pragma unroll
+      for (int u = 0; u < 4; u++)
+        acc += (double)x[u] * x[u];
     }
   }
   acc = mdl_block_sum(acc, sh_d);
