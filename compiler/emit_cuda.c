@@ -2183,12 +2183,12 @@ static void ce_row(Emit *e, const RowShape *rs, int64_t v, const char *x, const 
       ec_line(&e->core, "const float4 x4 = *(const float4 *)&x[4 * j4];");
       ec_line(&e->core, "const float4 y4 = two ? *(const float4 *)&x[4 * (j4 + %d)] : x4;", rs->tpr);
       for (int h = 0; h < 2; h++) {
-        if (h)
+        if (h) {
           ec_enter(&e->core, "if (two)");
-        if (h)
           ec_line(&e->core, "const %s jy = 4 * (j4 + %d);", ixt, rs->tpr);
-        else
+        } else {
           ec_line(&e->core, "const %s j = 4 * j4;", ixt);
+        }
         const char *d[4];
         for (int c = 0; c < 4; c++) {
           d[c] = ec_str(&e->core, "mdl_ce_grad(%c4.%c, mx, g, inv, j%s%s == tg)", h ? 'y' : 'x', "xyzw"[c],
@@ -3878,8 +3878,8 @@ static void emit_optimizer(Emit *e, int gi) {
     const char *pp = raw_ptr(e, part, "double", "sums of squares per chunk");
     ec_line(&e->core, "double acc = 0;");
     seg_loop(e, nd->nin, total);
-    // (four loads a thread in flight, each value added in the order of a loop of one: the compiler had
-    // left the loop of one load as it was)
+    // (OPT_SUMSQ_LOADS loads a thread in flight, the values added in the order of a loop of one load,
+    // which the compiler had left as it was)
     ec_line(&e->core, "const float *const gs = (const float *)(arena + seg[s].p);");
     ec_line(&e->core, "float x[%d];", OPT_SUMSQ_LOADS);
     ec_line(&e->core, "#pragma unroll");
