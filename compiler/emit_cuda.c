@@ -1798,29 +1798,6 @@ static void norm_stage_row(Emit *e, const NormStage *st, const RowShape *rs, int
   ec_line(&e->core, "mdl_cp_async_commit();");
 }
 
-// A line of the norm backward's loops over a thread's elements, whose x and dy are xv[t] and dyv[t]
-// (registers) or, staged, xs[j] and dys[j] (this row's buffers: no registers).
-static void norm_line(Emit *e, const NormStage *st, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
-static void norm_line(Emit *e, const NormStage *st, const char *fmt, ...) {
-  char in[512], out[640];
-  va_list ap;
-  va_start(ap, fmt);
-  vsnprintf(in, sizeof in, fmt, ap);
-  va_end(ap);
-  size_t o = 0;
-  for (const char *p = in; *p && o + 8 < sizeof out;) {
-    const char *with = !st->n ? NULL : !strncmp(p, "dyv[t]", 6) ? "dys[j]" : !strncmp(p, "xv[t]", 5) ? "xs[j]" : NULL;
-    if (with) {
-      o += (size_t)snprintf(out + o, sizeof out - o, "%s", with);
-      p += with[0] == 'd' ? 6 : 5;
-    } else {
-      out[o++] = *p++;
-    }
-  }
-  out[o] = 0;
-  ec_line(&e->core, "%s", out);
-}
-
 // LAYERNORM_BWD / RMSNORM_BWD siblings: dx per row; dw (and db) as column sums: each row group
 // adds a fixed block of rows into per-column partials, then the column sums add the blocks in a fixed
 // order (colsum_open).
@@ -1860,6 +1837,8 @@ static void emit_norm_bwd(Emit *e, int gi, const bool *emitted) {
   NormStage st = {0};
   if (cols_sum && rs.tpr > 32 && bl > 1 && (dx >= 0 || dw >= 0))
     st = norm_stage(e, x, dy, q, nq, cols);
+  // A thread's x and dy at element t (j): in registers, or staged, in this row's buffers.
+  const char *xv = st.n ? "xs[j]" : "xv[t]", *dyv = st.n ? "dys[j]" : "dyv[t]";
   ec_phase_begin(&e->core);
   kbegin(e, "");
   // Each block's rows are a chain of loads and block reductions, so the kernel takes as long as its
@@ -1917,7 +1896,7 @@ static void emit_norm_bwd(Emit *e, int gi, const bool *emitted) {
   if (dx < 0 && dw < 0) { // db alone needs no statistics
     if (sb) {
       row_each(e, &rs, cols);
-      norm_line(e, &st, "sb[t] += dyv[t];");
+      ec_line(&e->core, "sb[t] += %s;", dyv);
       row_each_end(e);
     }
   } else if (ln) {
@@ -1933,15 +1912,15 @@ static void emit_norm_bwd(Emit *e, int gi, const bool *emitted) {
     ec_line(&e->core, "const double mean = %s / %lld;", rsum(e, &rs, "s"), (long long)cols);
     ec_line(&e->core, "double var = 0%s;", dx >= 0 ? ", mg = 0, mgx = 0" : "");
     row_each(e, &rs, cols);
-    norm_line(e, &st, "const double xm = xv[t] - mean;");
+    ec_line(&e->core, "const double xm = %s - mean;", xv);
     ec_line(&e->core, "var += xm * xm;");
     if (dx >= 0) {
-      norm_line(e, &st, "const double g = (double)dyv[t] * %s[j];", wp);
+      ec_line(&e->core, "const double g = (double)%s * %s[j];", dyv, wp);
       ec_line(&e->core, "mg += g;");
       ec_line(&e->core, "mgx += g * xm;");
     }
     if (sb)
-      norm_line(e, &st, "sb[t] += dyv[t];");
+      ec_line(&e->core, "sb[t] += %s;", dyv);
     row_each_end(e);
     if (dx >= 0 && pair)
       ec_line(&e->core, "mdl_block_sum3(var, mg, mgx, %s);", sh_double(e));
@@ -1957,15 +1936,15 @@ static void emit_norm_bwd(Emit *e, int gi, const bool *emitted) {
     }
     if (sw && dx < 0) {
       row_each(e, &rs, cols);
-      norm_line(e, &st, "sw[t] += (%s)(dyv[t] * ((xv[t] - mean) * rstd));", at);
+      ec_line(&e->core, "sw[t] += (%s)(%s * ((%s - mean) * rstd));", at, dyv, xv);
       row_each_end(e);
     }
   } else {
     ec_line(&e->core, "double s = 0%s;", dx >= 0 ? ", mgx = 0" : "");
     row_each(e, &rs, cols);
-    norm_line(e, &st, "s += (double)xv[t] * xv[t];");
+    ec_line(&e->core, "s += (double)%s * %s;", xv, xv);
     if (dx >= 0)
-      norm_line(e, &st, "mgx += (double)dyv[t] * %s[j] * xv[t];", wp);
+      ec_line(&e->core, "mgx += (double)%s * %s[j] * %s;", dyv, wp, xv);
     row_each_end(e);
     if (dx >= 0 && pair)
       ec_line(&e->core, "mdl_block_sum2(s, mgx, %s);", sh_double(e));
@@ -1978,7 +1957,7 @@ static void emit_norm_bwd(Emit *e, int gi, const bool *emitted) {
       ec_line(&e->core, "mgx /= %lld;", (long long)cols);
     if (sw && dx < 0) {
       row_each(e, &rs, cols);
-      norm_line(e, &st, "sw[t] += (%s)((double)dyv[t] * xv[t] * sc);", at);
+      ec_line(&e->core, "sw[t] += (%s)((double)%s * %s * sc);", at, dyv, xv);
       row_each_end(e);
     }
   }
@@ -1987,14 +1966,14 @@ static void emit_norm_bwd(Emit *e, int gi, const bool *emitted) {
     for (int k = 2; k < st.n; k++) // (the chain reads these from their rows in shared memory)
       ec_memo_put(&e->core, st.node[k], "ix", ec_str(&e->core, "st[cur][%d][j]", k));
     if (ln) {
-      norm_line(e, &st, "const double xhat = (xv[t] - mean) * rstd;");
+      ec_line(&e->core, "const double xhat = (%s - mean) * rstd;", xv);
       if (sw)
-        norm_line(e, &st, "sw[t] += (%s)(dyv[t] * xhat);", at);
-      norm_line(e, &st, "const float d = (float)(rstd * ((double)dyv[t] * %s[j] - mg - xhat * mgx));", wp);
+        ec_line(&e->core, "sw[t] += (%s)(%s * xhat);", at, dyv);
+      ec_line(&e->core, "const float d = (float)(rstd * ((double)%s * %s[j] - mg - xhat * mgx));", dyv, wp);
     } else {
       if (sw)
-        norm_line(e, &st, "sw[t] += (%s)((double)dyv[t] * xv[t] * sc);", at);
-      norm_line(e, &st, "const float d = (float)(sc * dyv[t] * %s[j] - sc * sc * sc * xv[t] * mgx);", wp);
+        ec_line(&e->core, "sw[t] += (%s)((double)%s * %s * sc);", at, dyv, xv);
+      ec_line(&e->core, "const float d = (float)(sc * %s * %s[j] - sc * sc * sc * %s * mgx);", dyv, wp, xv);
     }
     if (dxbuf)
       ec_line(&e->core, "%s[ix] = d;", ptr(e, dx));

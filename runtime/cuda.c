@@ -737,12 +737,12 @@ static bool cu_take_params(Engine *e, Engine *from) {
   char err[256];
   bool ok = true;
   for (int i = 0; ok && i < e->g->nparams; i++) {
-    int p = e->g->params[i], q = from->g->params[i], c = ce->m->copy_of[p];
+    int p = e->g->params[i], q = from->g->params[i], c = ce->m->copy_of[p], cq = cf->m->copy_of[q];
     size_t count = (size_t)shape_numel(e->g->nodes[p]->shape);
     ok = CU(err, sizeof err, cuMemcpyDtoDAsync, ce->arena + (CUdeviceptr)ce->m->offset[p],
             cf->arena + (CUdeviceptr)cf->m->offset[q], 4 * count, ce->stream) &&
          (c < 0 || CU(err, sizeof err, cuMemcpyDtoDAsync, ce->arena + (CUdeviceptr)ce->m->offset[c],
-                      cf->arena + (CUdeviceptr)cf->m->offset[cf->m->copy_of[q]], 2 * count, ce->stream));
+                      cf->arena + (CUdeviceptr)cf->m->offset[cq], 2 * count, ce->stream));
   }
   ok = ok && CU(err, sizeof err, cuStreamSynchronize, ce->stream);
   if (!ok)

@@ -149,20 +149,21 @@ static bool ce_inputs_from(Engine *e, int n, const char *const *names, Engine *f
   CpuEngine *ce = (CpuEngine *)e, *cf = (CpuEngine *)from;
   if (from->free != ce_free)
     return false;
-  for (int i = 0; i < n; i++) {
+  float **y = malloc(sizeof *y * (size_t)(n ? n : 1));
+  bool ok = y != NULL;
+  for (int i = 0; ok && i < n; i++) {
     int in = rt_input_node(e->g, names[i]);
-    if (in < 0 || e->g->nodes[in]->dtype != DT_F32 || from->g->nodes[nodes[i]]->dtype != DT_F32 ||
-        !cpu_value(ce->m, ce->arena, in) || !cpu_value(cf->m, cf->arena, nodes[i]) ||
-        shape_numel(e->g->nodes[in]->shape) != shape_numel(from->g->nodes[nodes[i]]->shape))
-      return false;
+    y[i] = in >= 0 && e->g->nodes[in]->dtype == DT_F32 ? cpu_value(ce->m, ce->arena, in) : NULL;
+    ok = y[i] && from->g->nodes[nodes[i]]->dtype == DT_F32 && cpu_value(cf->m, cf->arena, nodes[i]) &&
+         shape_numel(e->g->nodes[in]->shape) == shape_numel(from->g->nodes[nodes[i]]->shape);
   }
-  for (int i = 0; i < n; i++) {
-    float *y = cpu_value(ce->m, ce->arena, rt_input_node(e->g, names[i]));
+  for (int i = 0; ok && i < n; i++) {
     const float *x = cpu_value(cf->m, cf->arena, nodes[i]);
     for (int64_t k = 0, count = shape_numel(from->g->nodes[nodes[i]]->shape); k < count; k++)
-      y[k] = first ? x[k] : y[k] + x[k];
+      y[i][k] = first ? x[k] : y[i][k] + x[k];
   }
-  return true;
+  free(y);
+  return ok;
 }
 
 static void ce_free(Engine *e) {
