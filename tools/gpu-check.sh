@@ -3,7 +3,8 @@
 #   1. build mdlc; list the GPUs;
 #   2. gpt2-tiny on the GPU and on the CPU back end from the same weights and batch (`mdlc grad
 #      --backend cuda` vs `--backend cpu`, two shapes, --precision fp32 and bf16, and T=128 in bf16,
-#      where every attention kernel stages two tiles of 64 through its two buffers): the loss and every
+#      where every attention kernel stages two tiles of 64 through its two buffers), then llama-tiny
+#      (rmsnorm, rotary embeddings, SwiGLU, an untied head; fp32 and bf16): the loss and every
 #      gradient, compared per tensor as ||gpu - cpu|| / ||cpu|| (L2; max |gpu - cpu| / max |cpu| is
 #      printed too). Both back ends run the same graph, so in bf16 they differ where an f32 value near
 #      a bf16 rounding midpoint rounds the other way after a different summation order: one such flip
@@ -33,7 +34,10 @@
 #      head's GEMMs and cross-entropy, the attention backward's passes, the optimizer's) to the results;
 #   6. twelve steps of it with --no-fuse, then twelve with --no-gemm-tuning: tokens/s without fusion,
 #      and without the timing of cuBLASLt's candidates, and what each is worth (the fused, tuned run's
-#      tokens/s over these).
+#      tokens/s over these);
+#   7. twelve steps of it at B=16, 32 and 64 (llm.c's batch for this model): tokens/s, MFU and peak
+#      memory at each, where the GEMMs are larger and the optimizer's fixed cost is spread over more
+#      tokens.
 # A failing stage is reported and the next one still runs, so one run gives every figure it can.
 # MFU here = tokens/s x (model flops per step / tokens per step) / 989e12, where the model flops are the
 # count mdlc prints (3x the forward GEMM + attention flops: llm.c's 6N + 6LCT per token) and 989
@@ -131,17 +135,20 @@ fi
 [ "$backend" = cuda ] && nvidia-smi -L 2>&1 | tee -a "$res"
 
 
-# GPU vs CPU gradients on gpt2-tiny.
-"$mdlc" init models/gpt2-tiny.mdl -o "$tmp/W.safetensors" --seed 1 >/dev/null || die "mdlc init failed"
-for shape in "2 16 fp32" "8 64 fp32" "2 16 bf16" "8 64 bf16" "4 128 bf16"; do
+# GPU vs CPU gradients on gpt2-tiny, then on llama-tiny (rmsnorm, rotary embeddings, SwiGLU, no biases).
+for net in gpt2-tiny llama-tiny; do
+  "$mdlc" init "models/$net.mdl" -o "$tmp/$net.safetensors" --seed 1 >/dev/null || die "mdlc init $net failed"
+done
+for shape in "gpt2-tiny 2 16 fp32" "gpt2-tiny 8 64 fp32" "gpt2-tiny 2 16 bf16" "gpt2-tiny 8 64 bf16" \
+  "gpt2-tiny 4 128 bf16" "llama-tiny 4 64 fp32" "llama-tiny 4 64 bf16"; do
   set -- $shape
-  b=$1 t=$2 prec=$3
+  net=$1 b=$2 t=$3 prec=$4
   tol=$([ "$prec" = bf16 ] && echo "$tol_bf16" || echo "$tol_fp32")
-  say "== gpt2-tiny B=$b T=$t $prec: loss and gradients, $backend vs $reference"
+  say "== $net B=$b T=$t $prec: loss and gradients, $backend vs $reference"
   "$gpucmp" batch "$tmp/batch.safetensors" "$b" "$t" 256 7 || die "cannot write the batch"
   for side in "$reference:reference" "$backend:tested"; do
     be=${side%%:*}
-    if ! timeout 120 "$mdlc" grad models/gpt2-tiny.mdl -D B="$b" -D T="$t" --weights "$tmp/W.safetensors" \
+    if ! timeout 120 "$mdlc" grad "models/$net.mdl" -D B="$b" -D T="$t" --weights "$tmp/$net.safetensors" \
       --batch "$tmp/batch.safetensors" -o "$tmp/${side#*:}.safetensors" --backend "$be" --precision "$prec" \
       >"$tmp/grad.log" 2>&1; then
       tail -12 "$tmp/grad.log" | tee -a "$res"
@@ -316,6 +323,42 @@ worth() { # worth FLAG WHAT
 if [ $rc -eq 0 ] && [ -n "$fused" ]; then
   worth --no-fuse fusion
   worth --no-gemm-tuning "GEMM tuning"
+fi
+# Larger batches (llm.c trains GPT-2 124M at B=64): 12 steps at each, tokens/s and MFU as in stage 4
+# (the mean of steps 4 to 11), and the peak device memory mdlc printed. One that does not fit in
+# device memory is reported as such and is not a failure.
+if [ $rc -eq 0 ]; then
+  for big in 16 32 64; do
+    say "== $model: 12 steps at B=$big T=$T"
+    log="$tmp/big.log"
+    if timeout 240 "$mdlc" run models/gpt2.mdl --backend "$backend" --steps 12 $dims -D B="$big" -D T="$T" \
+      --val-every 0 --ckpt-every 0 --data "$tmp/shards" --out "$tmp/big$big" >"$log" 2>&1; then
+      awk -v B="$big" -v T="$T" '
+        /^MFU = model flops/ && match($0, /[0-9.]+e[+-][0-9]+ per step/) { flops = substr($0, RSTART, RLENGTH) + 0 }
+        /^step .*tok\/s/ {
+          n = split($0, f, "|")
+          split(f[1], a, /[ \/]+/)
+          for (i = 1; i <= n; i++) {
+            if (f[i] ~ /tok\/s/) { v = f[i]; gsub(/[^0-9.]/, "", v); tps = v + 0 }
+            if (f[i] ~ /peak/) { v = f[i]; sub(/^ *peak */, "", v); sub(/ *$/, "", v); peak = v }
+          }
+          if (a[2] + 0 > 3 && a[2] + 0 < a[3] + 0) { sum += tps; k++ }
+        }
+        END {
+          if (k == 0 || flops == 0) { print "no timed steps in the log"; exit 1 }
+          printf "tokens/s %.0f at B=%d T=%d (mean of steps 4 to %d), MFU %.2f%% of 989 TFLOP/s; peak %s\n", \
+            sum / k, B, T, 3 + k, 100 * sum / k * flops / (B * T) / 989e12, peak
+        }' "$log" | tee -a "$res"
+      [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+    elif grep -q OUT_OF_MEMORY "$log"; then
+      say "B=$big does not fit in device memory"
+      break
+    else
+      tail -12 "$log" | tee -a "$res"
+      say "mdlc run at B=$big failed"
+      status=1
+    fi
+  done
 fi
 say "== gpu-check $([ $status -eq 0 ] && echo passed || echo FAILED) in $(($(date +%s) - t0)) s; results in $res"
 exit $status

@@ -3,7 +3,8 @@
 # step until a GPU runs it: a rehearsal with the compiled C where the GPU's back end would be and the
 # interpreter as its reference (stage 2 compares two back ends that really differ, stage 3 trains with
 # gradient accumulation and without, stage 4 trains a small GPT and reads tokens/s and MFU from the
-# run's lines, stage 5 sorts a profile into kinds, stage 6 compares the run unfused and untuned); the
+# run's lines, stage 5 sorts a profile into kinds, stage 6 compares the run unfused and untuned, stage 7
+# trains it at larger batches); the
 # same with tolerances no back end meets fails; `--bundle` makes an mdlc that needs no OpenBLAS
 # library, and the helper; in a copy of the sources where the
 # build fails (no bison), the script takes the bundle, and refuses a bundle of other sources.
@@ -25,13 +26,17 @@ rc=$?
 r="$tmp/a/gpu-check-results.txt"
 check "a rehearsal (interpreter vs compiled C) passes" [ $rc -eq 0 ]
 [ $rc -eq 0 ] || tail -20 "$tmp/a.log"
-check "stage 2 compares 5 shapes and precisions, all within tolerance" \
+check "stage 2 compares gpt2-tiny in 5 shapes and precisions, all within tolerance" \
   [ "$(grep -cE '^  29 tensors, worst L2 rel [0-9.e+-]+, tolerance [0-9.e-]+: ok$' "$r")" -eq 5 ]
+check "stage 2 compares llama-tiny in fp32 and bf16, within tolerance" \
+  eval '[ "$(grep -cE "^  22 tensors, worst L2 rel [0-9.e+-]+, tolerance [0-9.e-]+: ok$" "$r")" -eq 2 ] &&
+    grep -q "^== llama-tiny B=4 T=64 bf16: loss and gradients" "$r"'
 # fp32 agrees to rounding; bf16 shows the rounding the two back ends do in other orders.
 worst() { grep 'worst L2 rel' "$r" | sed -n "${1}p" | sed 's/.*worst L2 rel \([^,]*\),.*/\1/'; }
-check "fp32 differs by under 1e-5, bf16 by 1e-4 to 5e-3 ($(worst 1) $(worst 3) $(worst 5))" \
+check "fp32 differs by under 1e-5, bf16 by 1e-4 to 5e-3 ($(worst 1) $(worst 3) $(worst 5) $(worst 6) $(worst 7))" \
   awk -v a="$(worst 1)" -v b="$(worst 2)" -v c="$(worst 3)" -v d="$(worst 4)" -v e="$(worst 5)" \
-  'BEGIN { exit !(a < 1e-5 && b < 1e-5 && c > 1e-4 && c < 5e-3 && d > 1e-4 && d < 5e-3 && e > 1e-4 && e < 5e-3) }'
+  -v f="$(worst 6)" -v g="$(worst 7)" 'BEGIN { exit !(a < 1e-5 && b < 1e-5 && c > 1e-4 && c < 5e-3 && d > 1e-4 &&
+    d < 5e-3 && e > 1e-4 && e < 5e-3 && f < 1e-5 && g > 1e-4 && g < 5e-3) }'
 check "stage 3 trains with gradient accumulation as with the whole batch" \
   grep -qE '^  6 steps compared, worst difference [0-9.e+-]+, tolerance 1e-4 relative: ok$' "$r"
 check "stage 4 reads tokens/s and MFU from the run" \
@@ -47,13 +52,15 @@ check "stage 6 runs the model unfused and says what fusion is worth" \
   grep -qE '^tokens/s [1-9][0-9]* with --no-fuse \(mean of steps 4 to 11\); fusion is worth [0-9]+\.[0-9]{2}x here$' "$r"
 check "stage 6 runs the model with --no-gemm-tuning and says what GEMM tuning is worth" \
   grep -qE '^tokens/s [1-9][0-9]* with --no-gemm-tuning \(mean of steps 4 to 11\); GEMM tuning is worth [0-9]+\.[0-9]{2}x here$' "$r"
+check "stage 7 trains at B=16, 32 and 64 and reads tokens/s, MFU and the peak from each" \
+  [ "$(grep -cE '^tokens/s [1-9][0-9]* at B=(16|32|64) T=64 \(mean of steps 4 to 11\), MFU [0-9.]+% of 989 TFLOP/s; peak [0-9]+ MB' "$r")" -eq 3 ]
 
 mkdir -p "$tmp/b"
 GPU_CHECK_BACKEND=cpu GPU_CHECK_REFERENCE=interp GPU_CHECK_TOL=1e-9 GPU_CHECK_TOL_BF16=1e-9 OUT="$tmp/b" \
   tools/gpu-check.sh >"$tmp/b.log" 2>&1
 rc=$?
 check "tolerances no back end meets fail the check" \
-  eval '[ $rc -ne 0 ] && [ "$(grep -c ": FAIL$" "$tmp/b/gpu-check-results.txt")" -eq 5 ] &&
+  eval '[ $rc -ne 0 ] && [ "$(grep -c ": FAIL$" "$tmp/b/gpu-check-results.txt")" -eq 7 ] &&
     grep -q "> tolerance" "$tmp/b/gpu-check-results.txt" && grep -q "^== gpu-check FAILED" "$tmp/b.log"'
 
 tools/gpu-check.sh --bundle "$tmp/bundle" >"$tmp/bundle.log" 2>&1
