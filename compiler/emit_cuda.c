@@ -93,12 +93,10 @@ enum {
   ATT_BK = 32,          // attention: keys per tile
   ATT_MMA_WARPS = 8,    // attention on tensor cores: warps of a forward or dk, dv block, 16 rows each
   ATT_MMA_DQ_WARPS = 4, //   and of a dq block (168 registers a thread on sm_90: 3 blocks of 4 warps an
-                        //   SM, 1 of 8; the forward's 128 allow 2 of 8, dk and dv's 232 one of either)
+                        //   SM, 1 of 8; the forward's 128 allow 2 of 8, dk and dv's 232 one of either);
+                        //   each kernel also has a variant of the other size (4 <-> 8), which the
+                        //   runtime times against it on the device (see "Kernel variants")
   ATT_MMA_TILE = 64,    //   rows of the tiles a block stages in turn (keys and values, or queries and dout)
-  ATT_MMA_ROWS = 16 * ATT_MMA_WARPS, // a block's rows: queries of the forward, keys of dk and dv
-  ATT_MMA_THREADS = 32 * ATT_MMA_WARPS,
-  ATT_MMA_DQ_ROWS = 16 * ATT_MMA_DQ_WARPS,
-  ATT_MMA_DQ_THREADS = 32 * ATT_MMA_DQ_WARPS,
   FILL_SM = -1,         // Emit.min_blocks: as many blocks as the SM's threads allow (MDL_SM_THREADS)
 };
 
@@ -512,6 +510,9 @@ typedef struct {
   int64_t grid, chunk;
   int block, nargs;
   int64_t *args;
+  int alt_kt;              // a variant of kernel kt on the same arguments (the runtime times both), or -1
+  int64_t alt_grid;
+  int alt_block;
 } SLaunch;
 
 // A store deferred to the end of a four-lane loop body.
@@ -556,6 +557,7 @@ typedef struct {
   int shared;
   int min_blocks; // blocks an SM must hold (__launch_bounds__'s second value, which caps registers), or
                   // 0, or FILL_SM: as many as the SM's threads allow
+  int variant_of; // the launch (index in sl) of which the kernel being built is a variant, or -1
   const char *loop_ix; // the current loop's own flat index (stores happen there)
   int64_t loop_n;      // and the number of elements it visits
   int post_anchor;     // inside the loop that follows (or is) this anchor's, else -1
@@ -724,6 +726,7 @@ static void kbegin(Emit *e, const char *role) {
   e->post_inloop = false;
   e->lane = -1;
   e->nlst = 0;
+  e->variant_of = -1;
 }
 
 static int64_t grid_for(int64_t work, int block) {
@@ -761,9 +764,21 @@ static int kend(Emit *e, int64_t grid, int block) {
   t->table = e->table;
   t->shared = e->shared;
   free(code.s);
+  if (e->variant_of >= 0) {
+    // A variant runs on its launch's arguments: the same buffers in the same order.
+    SLaunch *l = &e->sl[e->variant_of];
+    bool same = l->nargs == e->nslots;
+    for (int k = 0; same && k < e->nslots; k++)
+      same = l->args[k] == e->slots[k].off;
+    if (!same)
+      ec_fail(&e->core, "step %s: a kernel variant addresses other buffers than its kernel",
+              e->core.f->steps[e->core.si].name);
+    l->alt_kt = e->nkt, l->alt_grid = grid, l->alt_block = block;
+    return e->nkt++;
+  }
   ec_grow(&e->sl, e->nsl, &e->capsl, sizeof *e->sl);
   SLaunch *l = &e->sl[e->nsl++];
-  *l = (SLaunch){.kt = e->nkt, .gemm = -1, .grid = grid, .block = block, .nargs = e->nslots};
+  *l = (SLaunch){.kt = e->nkt, .gemm = -1, .grid = grid, .block = block, .nargs = e->nslots, .alt_kt = -1};
   l->args = arena_alloc(e->core.a, sizeof(int64_t) * (size_t)(e->nslots + 1));
   for (int k = 0; k < e->nslots; k++)
     l->args[k] = e->slots[k].off;
@@ -788,7 +803,7 @@ static void gemm_add(Emit *e, CudaGemm gm) {
   ec_grow(&e->sg, e->nsg, &e->capsg, sizeof *e->sg);
   e->sg[e->nsg] = gm;
   ec_grow(&e->sl, e->nsl, &e->capsl, sizeof *e->sl);
-  e->sl[e->nsl++] = (SLaunch){.kt = -1, .gemm = e->nsg++};
+  e->sl[e->nsl++] = (SLaunch){.kt = -1, .gemm = e->nsg++, .alt_kt = -1};
 }
 
 // The shared arrays of the block reductions, declared at the top of the kernel when used.
@@ -2686,6 +2701,25 @@ static void att_mma_query_rows(Emit *e, const Att *A, int rows, bool dout);
 static const char *att_mma_exp(Emit *e, const Att *A, const char *s, const char *z);
 static void att_mma_query_tiles(Emit *e, const Att *A, int rows, bool dp);
 
+// Kernel variants. How many warps a tensor-core attention block should have (8 warps staging a tile
+// for 128 rows, or 4 for 64: more blocks, finer causal balance, half the rows to amortize each staged
+// tile over, other register limits) is a question of the device, and of the kernel: each of the
+// three kernels is emitted at its first size (ATT_MMA_WARPS, ATT_MMA_DQ_WARPS) and at the other, as a
+// variant of the same launch on the same arguments, and the runtime times the two on the device
+// before it captures the step (--no-kernel-tuning: the first). Both compute every row's sums in the
+// same order over the same tiles, so they give the same values to the bit. On GPT-2 (sm_90) the
+// forward takes 128 registers at either size, dk, dv 240 and dq 168 at 4 warps, 225 at 8; the
+// forward at 4 warps spills 12 bytes on sm_80. NVRTC's cold compile of GPT-2's module grows from
+// about 1.5 to 2.0 s here.
+static int att_other_warps(int warps) { return warps == 8 ? 4 : 8; }
+
+// Begins an attention kernel of `warps` warps: the kernel of role `role`, or, where variant_of >= 0,
+// its variant (role + "_w4", "_w8") for launch variant_of.
+static void att_kbegin(Emit *e, const char *role, int warps, int variant_of) {
+  kbegin(e, variant_of < 0 ? role : ec_str(&e->core, "%s%sw%d", role, *role ? "_" : "", warps));
+  e->variant_of = variant_of;
+}
+
 // The forward on tensor cores (att_mma), FlashAttention-2 style: a block of 8 warps per (batch, head,
 // 128 queries), 16 query rows per warp with their Q in registers as mma A fragments (rounded to bf16
 // once); keys and values staged in shared tiles of 64, rounded to bf16, each read by the 8 warps (with
@@ -2694,26 +2728,28 @@ static void att_mma_query_tiles(Emit *e, const Att *A, int rows, bool dp);
 // mma, scaled and masked; the online softmax of each row over the quad of lanes that holds it; e =
 // exp(S - m) summed unrounded into l and, rounded, reused as the A fragments of O += P V (the
 // accumulators of two adjacent n8 tiles of S are one k16 step); out = O / l in f32.
-static void att_mma_kernel(Emit *e, const Att *A, int out) {
-  int64_t d = A->d, t = A->nt, nqt = (t + ATT_MMA_ROWS - 1) / ATT_MMA_ROWS;
+static void att_mma_kernel(Emit *e, const Att *A, int out, int warps, int variant_of) {
+  int rows = 16 * warps;
+  int64_t d = A->d, t = A->nt, nqt = (t + rows - 1) / rows;
   int ntiles = (int)(d / 8);
-  kbegin(e, "");
+  att_kbegin(e, "", warps, variant_of);
   note(e, "attention on tensor cores: B %lld, T %lld, %lld heads of %lld%s%s; a block of %d warps per (batch, head, "
           "%d queries), 16 query rows per warp, keys in tiles of %d; bf16 products (mma m16n8k16), f32 softmax",
        (long long)A->nb, (long long)t, (long long)A->heads, (long long)d, A->causal ? ", causal" : "",
-       A->has_doc ? ", within documents" : "", ATT_MMA_WARPS, ATT_MMA_ROWS, ATT_MMA_TILE);
-  // Two blocks of 8 warps an SM, so at most 128 registers a thread: ptxas (sm_90) took 133 for GPT-2's
-  // forward on bf16 q, k, v, which would leave one block, and fits 128 without spilling. Heads of 128
-  // hold twice the accumulators and Q: at 128 registers they spilled 344 bytes; left free, 211.
-  e->min_blocks = d <= 64 ? 2 : 0;
-  att_mma_query_rows(e, A, ATT_MMA_ROWS, false);
+       A->has_doc ? ", within documents" : "", warps, rows, ATT_MMA_TILE);
+  // Two blocks of 8 warps an SM (four of 4), so at most 128 registers a thread: ptxas (sm_90) took 133
+  // for GPT-2's forward on bf16 q, k, v, which would leave one block, and fits 128 without spilling.
+  // Heads of 128 hold twice the accumulators and Q: at 128 registers they spilled 344 bytes; left
+  // free, 211.
+  e->min_blocks = d <= 64 ? 16 / warps : 0;
+  att_mma_query_rows(e, A, rows, false);
   ec_line(&e->core, "// Per row: the running maximum m and this lane's part of the sum l; acc[n]: the output's");
   ec_line(&e->core, "// channels 8 n .. 8 n + 7 (accumulators).");
   ec_line(&e->core, "float m0 = -MDL_INF, m1 = -MDL_INF, l0 = 0.0f, l1 = 0.0f, acc[%d][4];", ntiles);
   ec_line(&e->core, "#pragma unroll");
   ec_line(&e->core, "for (int n = 0; n < %d; n++)", ntiles);
   ec_line(&e->core, "  acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;");
-  att_mma_query_tiles(e, A, ATT_MMA_ROWS, false);
+  att_mma_query_tiles(e, A, rows, false);
   att_mma_online_max(e, A);
   ec_line(&e->core, "// (where no row of the warp has a new maximum every factor is exactly 1)");
   ec_enter(&e->core, "if (__any_sync(MDL_FULL, c0 != 1.0f || c1 != 1.0f))");
@@ -2782,7 +2818,7 @@ static void att_mma_kernel(Emit *e, const Att *A, int out) {
     ec_leave(&e->core);
   }
   ec_leave(&e->core);
-  kend(e, A->nb * A->heads * nqt, ATT_MMA_THREADS);
+  kend(e, A->nb * A->heads * nqt, 32 * warps);
 }
 
 // ATTENTION forward: on tensor cores where att_mma allows, else on CUDA cores (att_query_kernel); with
@@ -2807,9 +2843,11 @@ static void emit_attention(Emit *e, int gi) {
   ec_phase_begin(&e->core);
   if (a < 0)
     att_query_kernel(e, &A, ATT_STATS, -1, -1);
-  else if (att_mma(&A))
-    att_mma_kernel(e, &A, a);
-  else
+  else if (att_mma(&A)) {
+    int l = e->nsl;
+    att_mma_kernel(e, &A, a, ATT_MMA_WARPS, -1);
+    att_mma_kernel(e, &A, a, att_other_warps(ATT_MMA_WARPS), l);
+  } else
     att_query_kernel(e, &A, ATT_FWD, a, -1);
   if (a >= 0 && e->out_f32)
     ec_phase_done(&e->core, a);
@@ -3239,15 +3277,16 @@ static void att_dsum_kernel(Emit *e, const Att *A, int64_t dsum) {
 // keys and values staged in shared tiles of 64 as bf16; S = Q K^T and dP = dout V^T by mma, P =
 // exp(S - lse), dS = P (dP - D) in f32; rounded, the dS accumulators of two adjacent n8 tiles are the
 // A fragment of one k16 step of dq += dS K; dq = scale dq.
-static void att_mma_dq_kernel(Emit *e, const Att *A, int out, int64_t dsum) {
-  int64_t d = A->d, t = A->nt, nqt = (t + ATT_MMA_DQ_ROWS - 1) / ATT_MMA_DQ_ROWS;
+static void att_mma_dq_kernel(Emit *e, const Att *A, int out, int64_t dsum, int warps, int variant_of) {
+  int rows = 16 * warps;
+  int64_t d = A->d, t = A->nt, nqt = (t + rows - 1) / rows;
   int ntiles = (int)(d / 8);
-  kbegin(e, "dq");
+  att_kbegin(e, "dq", warps, variant_of);
   note(e, "attention backward, dq on tensor cores: B %lld, T %lld, %lld heads of %lld%s%s; a block of %d warps per "
           "(batch, head, %d queries), 16 query rows per warp, keys in tiles of %d; bf16 products (mma m16n8k16)",
        (long long)A->nb, (long long)t, (long long)A->heads, (long long)d, A->causal ? ", causal" : "",
-       A->has_doc ? ", within documents" : "", ATT_MMA_DQ_WARPS, ATT_MMA_DQ_ROWS, ATT_MMA_TILE);
-  att_mma_query_rows(e, A, ATT_MMA_DQ_ROWS, true);
+       A->has_doc ? ", within documents" : "", warps, rows, ATT_MMA_TILE);
+  att_mma_query_rows(e, A, rows, true);
   const char *lp = ptr(e, A->lse);
   const char *sp = raw_ptr(e, dsum, "float", "dout . out per row");
   ec_line(&e->core, "// The rows' log-sum-exp in base 2 (as s), and D.");
@@ -3260,7 +3299,7 @@ static void att_mma_dq_kernel(Emit *e, const Att *A, int out, int64_t dsum) {
   ec_line(&e->core, "#pragma unroll");
   ec_line(&e->core, "for (int n = 0; n < %d; n++)", ntiles);
   ec_line(&e->core, "  acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;");
-  att_mma_query_tiles(e, A, ATT_MMA_DQ_ROWS, true);
+  att_mma_query_tiles(e, A, rows, true);
   ec_line(&e->core, "// P = exp(S - lse), dS = P (dP - D); rounded, tiles 2 k and 2 k + 1 of dS are the A fragment");
   ec_line(&e->core, "// of step k of dq += dS K, whose B fragment is keys 16 k + 2 tq, + 1 and 8 further of");
   ec_line(&e->core, "// channel 8 n + g.");
@@ -3294,7 +3333,7 @@ static void att_mma_dq_kernel(Emit *e, const Att *A, int out, int64_t dsum) {
             flit(e, A->scale), 2 * r + 1);
   }
   ec_leave(&e->core);
-  kend(e, A->nb * A->heads * nqt, ATT_MMA_DQ_THREADS);
+  kend(e, A->nb * A->heads * nqt, 32 * warps);
 }
 
 // dk and dv on tensor cores (att_mma_bwd), FlashAttention-2's backward by key tile: a block of 8 warps
@@ -3303,16 +3342,17 @@ static void att_mma_dq_kernel(Emit *e, const Att *A, int out, int64_t dsum) {
 // S^T = K Q^T and dP^T = V dout^T by mma, P^T = exp(S^T - lse), dS^T = P^T (dP^T - D) in f32; rounded,
 // the accumulators of two adjacent n8 tiles are the A fragments of one k16 step of dv += P^T dout and
 // dk += dS^T Q; dk = scale dk.
-static void att_mma_dkv_kernel(Emit *e, const Att *A, int dk, int dv, int64_t dsum) {
+static void att_mma_dkv_kernel(Emit *e, const Att *A, int dk, int dv, int64_t dsum, int warps, int variant_of) {
   const char *ixt = e->core.ixt;
-  int64_t d = A->d, t = A->nt, nkt = (t + ATT_MMA_ROWS - 1) / ATT_MMA_ROWS;
+  int rows = 16 * warps;
+  int64_t d = A->d, t = A->nt, nkt = (t + rows - 1) / rows;
   int ntiles = (int)(d / 8);
-  kbegin(e, "dkv");
+  att_kbegin(e, "dkv", warps, variant_of);
   note(e, "attention backward, %s on tensor cores: B %lld, T %lld, %lld heads of %lld%s%s; a block of %d warps per "
           "(batch, head, %d keys), 16 keys per warp, queries in tiles of %d; bf16 products (mma m16n8k16)",
        dk >= 0 && dv >= 0 ? "dk and dv" : dk >= 0 ? "dk" : "dv", (long long)A->nb, (long long)t, (long long)A->heads,
        (long long)d, A->causal ? ", causal" : "", A->has_doc ? ", within documents" : "",
-       ATT_MMA_WARPS, ATT_MMA_ROWS, ATT_MMA_TILE);
+       warps, rows, ATT_MMA_TILE);
   int stages = att_mma_stages(att_mma_bwd_shared(A, true));
   e->shared = (int)(stages * att_mma_bwd_shared(A, true));
   ec_line(&e->core, "// The tiles' queries and dout as bf16 pairs, their log-sum-exp%s%s.", dk >= 0 ? " and D" : "",
@@ -3326,7 +3366,7 @@ static void att_mma_dkv_kernel(Emit *e, const Att *A, int dk, int dv, int64_t ds
   if (A->has_doc)
     ec_line(&e->core, "__shared__ int32_t Dq[%d][%d];", stages, ATT_MMA_TILE);
   ec_line(&e->core, "const int w = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tq = lane & 3;");
-  att_block(e, A, nkt, ATT_MMA_ROWS, "k0", false);
+  att_block(e, A, nkt, rows, "k0", false);
   ec_line(&e->core, "// The lane's keys: r0 (accumulators 0 and 1 of a tile) and r1 (2 and 3).");
   ec_line(&e->core, "const %s r0 = k0 + 16 * w + g, r1 = r0 + 8;", ixt);
   ec_line(&e->core, "// K and V as the A fragments of the k16 steps over the channels, rounded once; 0 beyond T.");
@@ -3350,7 +3390,7 @@ static void att_mma_dkv_kernel(Emit *e, const Att *A, int dk, int dv, int64_t ds
   ec_leave(&e->core);
   if (A->causal)
     ec_line(&e->core, "// (queries before k0 see none of the keys)");
-  AttStage st = {.threads = ATT_MMA_THREADS, .a = A->q, .b = A->dout, .as = "Qs", .bs = "Os", .nrow = 1,
+  AttStage st = {.threads = 32 * warps, .a = A->q, .b = A->dout, .as = "Qs", .bs = "Os", .nrow = 1,
                  .rdst = {"Ls"}, .rsrc = {ec_str(&e->core, "%s[(b * %lld + hd) * %lld + at]", lp, (long long)A->heads,
                                                   (long long)t)}};
   if (sp) {
@@ -3364,7 +3404,7 @@ static void att_mma_dkv_kernel(Emit *e, const Att *A, int dk, int dv, int64_t ds
   att_mma_tile_loop(e, A, &st, stages, "i0", A->causal ? "k0" : "0", ec_str(&e->core, "%lld", (long long)t));
   if (A->has_doc)
     att_mma_docs(e, "Dq[cur]");
-  att_mma_skip(e, A, ATT_MMA_ROWS, ec_str(&e->core, "i0 + %d < k0 + 16 * w", ATT_MMA_TILE - 1),
+  att_mma_skip(e, A, rows, ec_str(&e->core, "i0 + %d < k0 + 16 * w", ATT_MMA_TILE - 1),
                "none of the tile's queries sees the warp's keys");
   ec_line(&e->core, "// S^T = K Q^T (unscaled)%s: tile n holds queries i0 + 8 n .. i0 + 8 n + 7.",
           dk >= 0 ? " and dP^T = V dout^T" : "");
@@ -3430,7 +3470,7 @@ static void att_mma_dkv_kernel(Emit *e, const Att *A, int dk, int dv, int64_t ds
     ec_leave(&e->core);
   }
   ec_leave(&e->core);
-  kend(e, A->nb * A->heads * nkt, ATT_MMA_THREADS);
+  kend(e, A->nb * A->heads * nkt, 32 * warps);
 }
 
 // ATTENTION_BWD siblings, from the forward's log-sum-exp per row (ATTENTION_LSE): D = dout . out per
@@ -3462,13 +3502,17 @@ static void emit_attention_bwd(Emit *e, int gi) {
   bool mma = att_mma_bwd(&A);
   if (ds)
     att_dsum_kernel(e, &A, dsum);
-  if (out[0] >= 0 && mma)
-    att_mma_dq_kernel(e, &A, out[0], dsum);
-  else if (out[0] >= 0)
+  if (out[0] >= 0 && mma) {
+    int l = e->nsl;
+    att_mma_dq_kernel(e, &A, out[0], dsum, ATT_MMA_DQ_WARPS, -1);
+    att_mma_dq_kernel(e, &A, out[0], dsum, att_other_warps(ATT_MMA_DQ_WARPS), l);
+  } else if (out[0] >= 0)
     att_query_kernel(e, &A, ATT_DQ, out[0], dsum);
-  if ((out[1] >= 0 || out[2] >= 0) && mma)
-    att_mma_dkv_kernel(e, &A, out[1], out[2], dsum);
-  else if (out[1] >= 0 || out[2] >= 0)
+  if ((out[1] >= 0 || out[2] >= 0) && mma) {
+    int l = e->nsl;
+    att_mma_dkv_kernel(e, &A, out[1], out[2], dsum, ATT_MMA_WARPS, -1);
+    att_mma_dkv_kernel(e, &A, out[1], out[2], dsum, att_other_warps(ATT_MMA_WARPS), l);
+  } else if (out[1] >= 0 || out[2] >= 0)
     att_key_kernel(e, &A, out[1], out[2], dsum);
   for (int i = 0; i < 3; i++)
     if (out[i] >= 0)
@@ -4159,8 +4203,19 @@ static void commit_step(Emit *e) {
     cl->chunk = l->chunk;
     cl->nargs = l->nargs;
     memcpy(cl->args, l->args, sizeof(int64_t) * (size_t)l->nargs);
-    ec_bput(&e->out, "//   %s<<<%lld, %d>>>%s\n", cl->kernel, (long long)l->grid, l->block,
-            l->chunk ? ec_str(&e->core, " chunk %lld", (long long)l->chunk) : "");
+    if (l->alt_kt >= 0) {
+      if (!names[l->alt_kt])
+        names[l->alt_kt] = kernel_of(e, &e->kt[l->alt_kt], &text);
+      cl->alt = names[l->alt_kt];
+      cl->alt_grid[0] = (unsigned)l->alt_grid, cl->alt_grid[1] = cl->alt_grid[2] = 1;
+      cl->alt_block[0] = (unsigned)l->alt_block, cl->alt_block[1] = cl->alt_block[2] = 1;
+      cl->alt_shared = e->kt[l->alt_kt].shared;
+    }
+    ec_bput(&e->out, "//   %s<<<%lld, %d>>>%s%s\n", cl->kernel, (long long)l->grid, l->block,
+            l->chunk ? ec_str(&e->core, " chunk %lld", (long long)l->chunk) : "",
+            cl->alt ? ec_str(&e->core, " or %s<<<%lld, %d>>>, the faster on the device", cl->alt,
+                             (long long)l->alt_grid, l->alt_block)
+                    : "");
   }
   ec_bappend(&e->out, &text);
   free(text.s);
@@ -4289,6 +4344,8 @@ CudaPlan *emit_cuda_plan(const Fusion *f, const MemPlan *m, const char *source_p
       plan->launches[i] = e.launches[i];
       if (e.launches[i].kernel)
         plan->launches[i].kernel = arena_strdup(g->arena, e.launches[i].kernel);
+      if (e.launches[i].alt)
+        plan->launches[i].alt = arena_strdup(g->arena, e.launches[i].alt);
     }
     plan->nkernels = e.nknown;
     plan->scratch = scratch;

@@ -36,6 +36,7 @@ typedef struct {
   bool reuse; // the memory planner shares memory between activations whose lives do not overlap
   bool profile;
   bool gemm_tuning; // the CUDA back end times cuBLASLt's candidates for each GEMM (--no-gemm-tuning)
+  bool kernel_tuning; // and each kernel that has a variant against it (--no-kernel-tuning)
   PrepOptions prep;
   bool resume, pack, shuffle;
   int64_t val_every, val_batches, ckpt_every;
@@ -84,6 +85,8 @@ static const char usage_text[] =
     "      --no-fuse          one kernel per IR node (to measure what fusion is worth)\n"
     "      --no-chunk-lmhead  materialise the whole logits instead of running the LM head by chunks\n"
     "      --no-gemm-tuning   CUDA: each GEMM on cuBLASLt's first choice, untimed (what tuning is worth)\n"
+    "      --no-kernel-tuning CUDA: each kernel that has a variant (attention's block sizes) as first\n"
+    "                         emitted, not timed against it\n"
     "      --no-reuse         give every activation its own memory (what liveness-based reuse saves)\n"
     "      --profile          run each step kernel by kernel and print a table: time, GFLOP/s, GB/s\n"
     "  -h, --help             this text\n"
@@ -115,7 +118,7 @@ static int parse_options(int argc, char **argv, Options *o) {
       {"precision", required_argument, 0, 'Q'},
       {"no-fuse", no_argument, 0, 'N'},       {"no-chunk-lmhead", no_argument, 0, 'C'},
       {"no-reuse", no_argument, 0, 'U'},      {"profile", no_argument, 0, 'O'},
-      {"no-gemm-tuning", no_argument, 0, 'G'},
+      {"no-gemm-tuning", no_argument, 0, 'G'}, {"no-kernel-tuning", no_argument, 0, 'J'},
       {"vocab", required_argument, 0, 'v'},   {"doc-sep", required_argument, 0, 'e'},
       {"val-fraction", required_argument, 0, 'f'}, {"text-field", required_argument, 0, 't'},
       {"shard-tokens", required_argument, 0, 'n'}, {"force", no_argument, 0, 'r'},
@@ -128,6 +131,7 @@ static int parse_options(int argc, char **argv, Options *o) {
       {"help", no_argument, 0, 'h'},          {"version", no_argument, 0, 'V'},
       {0, 0, 0, 0}};
   *o = (Options){.seed = 1337, .backend = "auto", .steps = -1, .pack = true, .reuse = true, .gemm_tuning = true,
+                 .kernel_tuning = true,
                  .val_every = 100, .val_batches = 4,
                  .ckpt_every = 100,
                  .fuse = {.fuse = true, .chunk_lmhead = true, .max_group = 64}};
@@ -225,6 +229,7 @@ static int parse_options(int argc, char **argv, Options *o) {
     case 'C': o->fuse.chunk_lmhead = false; break;
     case 'U': o->reuse = false; break;
     case 'G': o->gemm_tuning = false; break;
+    case 'J': o->kernel_tuning = false; break;
     case 'O': o->profile = true; break;
     case 'h': fputs(usage_text, stdout); exit(0);
     case 'V': printf("mdlc %s\n", MDL_VERSION); exit(0);
@@ -391,7 +396,7 @@ static Engine *open_engine(const Options *o, Graph *g, bool report) {
   char err[512];
   Plan p = plan(o, g);
   if (!strcmp(backend, "cuda")) {
-    Engine *e = engine_cuda(p.f, p.m, o->seed, o->gemm_tuning, err, sizeof err);
+    Engine *e = engine_cuda(p.f, p.m, o->seed, o->gemm_tuning, o->kernel_tuning, err, sizeof err);
     CudaDevice d;
     if (!e)
       diag_file_error(o->file, "%s", err);

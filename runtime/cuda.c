@@ -503,6 +503,9 @@ typedef struct {
   LtGemm *gemms;      // per CudaPlan.gemms
   bool tune;          // time the heuristic's candidates of each GEMM (engine_cuda's tune_gemms)
   int retuned;        // GEMMs whose fastest candidate was not the heuristic's first
+  bool tune_kernels;  // time the kernels that have a variant against it (engine_cuda's tune_kernels)
+  bool *alt;          // per CudaPlan.launches: runs the kernel's variant (CudaLaunch.alt)
+  int variants, on_alt; // distinct kernels with a variant, and how many of them run it
   CUfunction *fns;    // per CudaPlan.launches (NULL for a GEMM)
   CUgraph graph;
   CUgraphExec exec;
@@ -564,6 +567,7 @@ static bool download(CudaEngine *ce, void *dst, CUdeviceptr src, size_t bytes, c
 
 // Inputs and scalars up, the graph replayed, the stream drained, then the kernels' status checked.
 static bool enqueue(CudaEngine *ce, int i, char *err, size_t n);
+static const char *launch_kernel(const CudaEngine *ce, int i);
 
 // A step outside the graph (--profile): the same launches in the same order on the stream, with an
 // event recorded before each; each launch's time is what the device took from its event to the
@@ -617,10 +621,10 @@ static void cu_profile_launches(const Engine *e, double total, FILE *out) {
       for (int k = i; k < j; k++) {
         const CudaLaunch *l = &p->launches[k];
         if (l->kernel) {
-          const char *name = l->kernel, *base = e->fusion->steps[s].name;
+          const char *name = launch_kernel(ce, k), *base = e->fusion->steps[s].name;
           if (!strncmp(name, base, strlen(base)) && name[strlen(base)] == '_')
             name += strlen(base) + 1; // k88_lmhead..._ce: ce
-          fprintf(out, " %s %.3f%s", *name ? name : l->kernel, 1e3 * ce->launch_seconds[k] / steps,
+          fprintf(out, " %s %.3f%s", *name ? name : launch_kernel(ce, k), 1e3 * ce->launch_seconds[k] / steps,
                   k + 1 < j ? "," : "");
         } else {
           const CudaGemm *gm = &p->gemms[l->gemm];
@@ -813,6 +817,7 @@ static void cu_free(Engine *e) {
     drv.cuDevicePrimaryCtxRelease(ce->dev.ordinal);
   free(ce->gemms);
   free(ce->fns);
+  free(ce->alt);
   free(ce->staging);
   free(ce->on_device);
   free(ce->marks);
@@ -935,18 +940,83 @@ static bool init_gemms(CudaEngine *ce, const Fusion *f, char *err, size_t n) {
 }
 
 // Launch i of the plan (a kernel or a GEMM) on the stream.
-static bool enqueue(CudaEngine *ce, int i, char *err, size_t n) {
+// The kernel that launch i runs: the plan's, or its variant where that was timed faster.
+static const char *launch_kernel(const CudaEngine *ce, int i) {
   const CudaLaunch *l = &ce->plan->launches[i];
-  if (!l->kernel)
-    return lt_gemm_run(&ce->gemms[l->gemm], ce->lt, ce->workspace, ce->stream, err, n);
+  return ce->alt && ce->alt[i] ? l->alt : l->kernel;
+}
+
+// Kernel launch i of the plan with function fn (the launch's kernel, or its variant when alt).
+static bool launch(CudaEngine *ce, int i, CUfunction fn, bool alt, char *err, size_t n) {
+  const CudaLaunch *l = &ce->plan->launches[i];
   int64_t args[CUDA_MAX_ARGS] = {0};
   memcpy(args, l->args, sizeof(int64_t) * (size_t)l->nargs);
   CUdeviceptr arena = ce->arena, status = ce->status, seed = ce->seed_dev;
   int64_t chunk = l->chunk;
   void *params[] = {&arena, &status, &seed, &chunk, args};
-  return CU(err, n, cuLaunchKernel, ce->fns[i], l->grid[0], l->grid[1], l->grid[2], l->block[0], l->block[1],
-            l->block[2], 0, ce->stream, params, NULL) ||
-         rt_fail(err + strlen(err), n - strlen(err), " (kernel %s)", l->kernel);
+  const unsigned *grid = alt ? l->alt_grid : l->grid, *block = alt ? l->alt_block : l->block;
+  return CU(err, n, cuLaunchKernel, fn, grid[0], grid[1], grid[2], block[0], block[1], block[2], 0, ce->stream, params,
+            NULL) ||
+         rt_fail(err + strlen(err), n - strlen(err), " (kernel %s)", alt ? l->alt : l->kernel);
+}
+
+// Launch i of the plan (a kernel or a GEMM) on the stream.
+static bool enqueue(CudaEngine *ce, int i, char *err, size_t n) {
+  const CudaLaunch *l = &ce->plan->launches[i];
+  if (!l->kernel)
+    return lt_gemm_run(&ce->gemms[l->gemm], ce->lt, ce->workspace, ce->stream, err, n);
+  return launch(ce, i, ce->fns[i], ce->alt && ce->alt[i], err, n);
+}
+
+// Times kernel launch i (its variant when alt) on the arena: one untimed run, then LT_TUNE_RUNS
+// between two events; the milliseconds in *ms.
+static bool time_launch(CudaEngine *ce, int i, bool alt, CUevent ev[2], float *ms, char *err, size_t n) {
+  const CudaLaunch *l = &ce->plan->launches[i];
+  CUfunction fn;
+  if (!CU(err, n, cuModuleGetFunction, &fn, ce->mod, alt ? l->alt : l->kernel))
+    return rt_fail(err + strlen(err), n - strlen(err), " (kernel %s)", alt ? l->alt : l->kernel);
+  bool ok = launch(ce, i, fn, alt, err, n) && CU(err, n, cuEventRecord, ev[0], ce->stream);
+  for (int r = 0; ok && r < LT_TUNE_RUNS; r++)
+    ok = launch(ce, i, fn, alt, err, n);
+  return ok && CU(err, n, cuEventRecord, ev[1], ce->stream) && CU(err, n, cuEventSynchronize, ev[1]) &&
+         CU(err, n, cuEventElapsedTime, ms, ev[0], ev[1]);
+}
+
+// Which launches run their kernel's variant: with tune_kernels, each kernel that has one is timed
+// against it, once (its first launch; the layers' launches of it follow), and the faster runs;
+// without, the plan's own kernel. The runs write the kernels' outputs, all of which the first step
+// computes afresh (as the GEMMs' tuning runs do). Before the first step the inputs are zeros: one
+// document, the whole causal triangle of attention's work, as unpacked data has it.
+static bool tune_variants(CudaEngine *ce, char *err, size_t n) {
+  const CudaPlan *p = ce->plan;
+  ce->alt = calloc((size_t)p->nlaunches + 1, sizeof *ce->alt);
+  if (!ce->alt)
+    return rt_fail(err, n, "out of host memory");
+  CUevent ev[2] = {NULL, NULL};
+  bool ok = !ce->tune_kernels || (CU(err, n, cuEventCreate, &ev[0], 0) && CU(err, n, cuEventCreate, &ev[1], 0));
+  for (int i = 0; ok && i < p->nlaunches; i++) {
+    const CudaLaunch *l = &p->launches[i];
+    if (!l->kernel || !l->alt)
+      continue;
+    int first = i;
+    for (int j = 0; j < i && first == i; j++)
+      if (p->launches[j].alt && !strcmp(p->launches[j].kernel, l->kernel) && !strcmp(p->launches[j].alt, l->alt))
+        first = j;
+    if (first < i) {
+      ce->alt[i] = ce->alt[first];
+      continue;
+    }
+    ce->variants++;
+    float own = 0, other = 0;
+    if (ce->tune_kernels && (ok = time_launch(ce, i, false, ev, &own, err, n) &&
+                                  time_launch(ce, i, true, ev, &other, err, n)))
+      ce->alt[i] = other < own;
+    ce->on_alt += ce->alt[i];
+  }
+  for (int i = 0; i < 2; i++)
+    if (ev[i])
+      drv.cuEventDestroy(ev[i]);
+  return ok && CU(err, n, cuStreamSynchronize, ce->stream);
 }
 
 // The whole step, launch by launch, captured from the stream into one graph and instantiated.
@@ -956,8 +1026,8 @@ static bool capture(CudaEngine *ce, char *err, size_t n) {
   if (!ce->fns)
     return rt_fail(err, n, "out of host memory");
   for (int i = 0; i < p->nlaunches; i++)
-    if (p->launches[i].kernel && !CU(err, n, cuModuleGetFunction, &ce->fns[i], ce->mod, p->launches[i].kernel))
-      return rt_fail(err + strlen(err), n - strlen(err), " (kernel %s)", p->launches[i].kernel);
+    if (p->launches[i].kernel && !CU(err, n, cuModuleGetFunction, &ce->fns[i], ce->mod, launch_kernel(ce, i)))
+      return rt_fail(err + strlen(err), n - strlen(err), " (kernel %s)", launch_kernel(ce, i));
   if (!CU(err, n, cuStreamBeginCapture, ce->stream, CU_STREAM_CAPTURE_MODE_THREAD_LOCAL))
     return false;
   bool ok = CU(err, n, cuMemsetD8Async, ce->status, 0, sizeof(MdlStatus), ce->stream);
@@ -970,7 +1040,8 @@ static bool capture(CudaEngine *ce, char *err, size_t n) {
   return ok && CU(err, n, cuGraphInstantiateWithFlags, &ce->exec, ce->graph, 0);
 }
 
-Engine *engine_cuda(const Fusion *f, const MemPlan *m, uint64_t seed, bool tune_gemms, char *err, size_t n) {
+Engine *engine_cuda(const Fusion *f, const MemPlan *m, uint64_t seed, bool tune_gemms, bool tune_kernels, char *err,
+                    size_t n) {
   CudaEngine *ce = calloc(1, sizeof *ce);
   if (!ce) {
     rt_fail(err, n, "out of host memory");
@@ -979,6 +1050,7 @@ Engine *engine_cuda(const Fusion *f, const MemPlan *m, uint64_t seed, bool tune_
   ce->m = m;
   ce->seed = seed;
   ce->tune = tune_gemms;
+  ce->tune_kernels = tune_kernels;
   ce->e = (Engine){.name = "cuda", .g = f->g, .fusion = f, .set_input = cu_set_input, .set_scalar = cu_set_scalar,
                    .set_seed = cu_set_seed, .step = cu_step, .read = cu_read, .write = cu_write, .free = cu_free,
                    .take_params = cu_take_params, .inputs_from = cu_inputs_from,
@@ -1013,7 +1085,8 @@ Engine *engine_cuda(const Fusion *f, const MemPlan *m, uint64_t seed, bool tune_
             CU(err, n, cuMemAlloc, &ce->seed_dev, sizeof ce->seed) &&
             upload_to(ce, ce->seed_dev, &ce->seed, sizeof ce->seed, err, n) &&
             CU(err, n, cuMemAlloc, &ce->workspace, LT_WORKSPACE_BYTES) && init_arena(ce, f->g, seed, err, n) &&
-            init_staging(ce, f->g, err, n) && init_gemms(ce, f, err, n) && capture(ce, err, n);
+            init_staging(ce, f->g, err, n) && init_gemms(ce, f, err, n) && tune_variants(ce, err, n) &&
+            capture(ce, err, n);
   free(cubin.cubin);
   if (!ok) {
     cu_free(&ce->e);
@@ -1032,9 +1105,16 @@ Engine *engine_cuda(const Fusion *f, const MemPlan *m, uint64_t seed, bool tune_
   char tuning[96] = "on the heuristic's first algorithms, untimed";
   if (ce->tune)
     snprintf(tuning, sizeof tuning, "%d timed faster on another algorithm than the heuristic's first", ce->retuned);
-  printf("cuda: %s (%s): %d kernels and %d GEMMs (%s) in one graph of %d launches; %s; arena %.1f MB; set up in "
+  char variants[96] = "";
+  if (ce->variants && ce->tune_kernels)
+    snprintf(variants, sizeof variants, ", %d of the %d with a variant on it (timed faster)", ce->on_alt,
+             ce->variants);
+  else if (ce->variants)
+    snprintf(variants, sizeof variants, ", %d with a variant, untimed", ce->variants);
+  printf("cuda: %s (%s): %d kernels%s and %d GEMMs (%s) in one graph of %d launches; %s; arena %.1f MB; set up in "
          "%.2f s; device memory in use %.2f GiB of %.2f\n",
-         ce->dev.name, ce->dev.arch, ce->plan->nkernels, ce->plan->ngemms, tuning, ce->plan->nlaunches, compiled,
+         ce->dev.name, ce->dev.arch, ce->plan->nkernels, variants, ce->plan->ngemms, tuning, ce->plan->nlaunches,
+         compiled,
          (double)ce->plan->arena_bytes / 1e6, rt_now() - t0,
          (double)(total - free_bytes) / (1 << 30), (double)total / (1 << 30));
   return &ce->e;

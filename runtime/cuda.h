@@ -26,7 +26,9 @@ bool cuda_available(char *why, size_t n);
 
 // The CUDA back end for a step plan: parameters initialised from the seed as the interpreter does;
 // with tune_gemms, each GEMM on the fastest of cuBLASLt's candidates (timed when it is built), else
-// on the heuristic's first. NULL with a one-line message in err when there is no GPU or the module
-// does not compile or load.
-Engine *engine_cuda(const Fusion *f, const MemPlan *m, uint64_t seed, bool tune_gemms, char *err, size_t n);
+// on the heuristic's first; with tune_kernels, each kernel that has a variant (CudaLaunch.alt) timed
+// against it and the faster run, else the plan's own. NULL with a one-line message in err when there
+// is no GPU or the module does not compile or load.
+Engine *engine_cuda(const Fusion *f, const MemPlan *m, uint64_t seed, bool tune_gemms, bool tune_kernels, char *err,
+                    size_t n);
 #endif

@@ -71,6 +71,11 @@ typedef struct {
   int64_t chunk;             // the kernel's chunk argument
   int nargs;
   int64_t args[CUDA_MAX_ARGS]; // MdlArgs.b[0..nargs)
+  // A variant of the kernel (another block size: emit_cuda.c's att_mma_variants), or NULL: the same
+  // arguments, the same results to the bit; the runtime times both on the device and runs the faster.
+  const char *alt;
+  unsigned alt_grid[3], alt_block[3];
+  int alt_shared;
 } CudaLaunch;
 
 typedef struct {

@@ -32,9 +32,11 @@
 #      elementwise and row kernels), each beside what it took in the profile committed at the top of
 #      the repository (the last GPU run's: "was"), and the launches inside the kernels that make several (the LM
 #      head's GEMMs and cross-entropy, the attention backward's passes, the optimizer's) to the results;
-#   6. twelve steps of it with --no-fuse, then twelve with --no-gemm-tuning: tokens/s without fusion,
-#      and without the timing of cuBLASLt's candidates, and what each is worth (the fused, tuned run's
-#      tokens/s over these);
+#   6. twelve steps of it with --no-fuse, then twelve with --no-gemm-tuning, then twelve with
+#      --no-kernel-tuning: tokens/s without fusion, without the timing of cuBLASLt's candidates, and
+#      without the timing of the attention kernels' variants (their other block size), and what each
+#      is worth (the fused, tuned run's tokens/s over these); the "cuda:" lines say how many kernels
+#      run their variant;
 #   7. twelve steps of it at B=16, 32 and 64 (llm.c's batch for this model): tokens/s, MFU and peak
 #      memory at each, where the GEMMs are larger and the optimizer's fixed cost is spread over more
 #      tokens.
@@ -292,7 +294,8 @@ if [ $rc -eq 0 ]; then
 fi
 # What an optimisation is worth here: 12 steps of the same model with it switched off (FLAG), their
 # tokens/s beside the fused, tuned run's: --no-fuse (a kernel per IR node, the LM head not chunked),
-# then --no-gemm-tuning (each GEMM on cuBLASLt's first choice, untimed).
+# then --no-gemm-tuning (each GEMM on cuBLASLt's first choice, untimed), then --no-kernel-tuning (each
+# attention kernel at its first block size, untimed).
 fused=$(sed -n 's/^tokens\/s \([0-9][0-9]*\) (mean of steps.*/\1/p' "$res" | head -1)
 worth() { # worth FLAG WHAT
   local flag=$1 what=$2 log="$tmp/off.log"
@@ -323,6 +326,7 @@ worth() { # worth FLAG WHAT
 if [ $rc -eq 0 ] && [ -n "$fused" ]; then
   worth --no-fuse fusion
   worth --no-gemm-tuning "GEMM tuning"
+  worth --no-kernel-tuning "kernel tuning"
 fi
 # Larger batches (llm.c trains GPT-2 124M at B=64): 12 steps at each, tokens/s and MFU as in stage 4
 # (the mean of steps 4 to 11), and the peak device memory mdlc printed. One that does not fit in

@@ -504,7 +504,7 @@ extern "C" __global__ void __launch_bounds__(256) k3_gemm__add__cast_epilogue(ch
 //   %34    cast                                    line 39    bf16[512,64]
 //   %190   attention_lse                           line 39    f32[8,4,64]
 // runs:
-//   k4_attention_fwd__cast__lse<<<32, 256>>>
+//   k4_attention_fwd__cast__lse<<<32, 256>>> or k4_attention_fwd__cast__lse_w4<<<32, 128>>>, the faster on the device
 
 // attention on tensor cores: B 8, T 64, 4 heads of 16, causal, within documents; a block of 8 warps per (batch, head, 128 queries), 16 query rows per warp, keys in tiles of 64; bf16 products (mma m16n8k16), f32 softmax
 extern "C" __global__ void __launch_bounds__(256, 2) k4_attention_fwd__cast__lse(char *arena, MdlStatus *status, const uint64_t *seed, int64_t chunk, MdlArgs o) {
@@ -572,6 +572,183 @@ extern "C" __global__ void __launch_bounds__(256, 2) k4_attention_fwd__cast__lse
     const bool none = rows1 && __all_sync(MDL_FULL, dt0 != dw && dt1 != dw);
     const bool one = rows1 && __all_sync(MDL_FULL, dt0 == dw && dt1 == dw);
     if (k0 > q0 + 16 * w + 15 || none)
+      continue; // the warp's rows see none of the tile's keys
+    // S = Q K^T (unscaled): tile n holds keys k0 + 8 n .. k0 + 8 n + 7.
+    float s[8][4];
+    #pragma unroll
+    for (int n = 0; n < 8; n++) {
+      s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
+    }
+    // (the B fragments of step k of tiles n and n + 1 by one ldmatrix: lanes 0-7 give rows 8 n ..
+    // 8 n + 7 at channel 16 k, lanes 8-15 the same rows at 16 k + 8, lanes 16-31 rows 8 n + 8 ..)
+    #pragma unroll
+    for (int n = 0; n < 8; n += 2) {
+      #pragma unroll
+      for (int k = 0; k < 1; k++) {
+        uint32_t yb[4];
+        mdl_ldsm_x4(yb, (const uint16_t *)Ks[cur][8 * n + (lane & 7) + (lane >> 4) * 8] + 16 * k + (lane >> 3 & 1) * 8);
+        mdl_mma_bf16_16816(s[n], qa[k], yb);
+        mdl_mma_bf16_16816(s[n + 1], qa[k], yb + 2);
+      }
+    }
+    // Keys the row may not see get -inf (in tiles past T, past a row of the warp, in other documents).
+    if (!one || k0 + 64 > 64 || k0 + 63 > q0 + 16 * w) {
+      #pragma unroll
+      for (int n = 0; n < 8; n++) {
+        #pragma unroll
+        for (int x = 0; x < 4; x++) {
+          const int i = x < 2 ? r0 : r1, j = k0 + 8 * n + 2 * tq + (x & 1);
+          if (!(j < 64 && j <= i && Dk[cur][j - k0] == (x < 2 ? d0 : d1)))
+            s[n][x] = -MDL_INF;
+        }
+      }
+    }
+    // The rows' maxima over the tile: the lane's, then its quad's (lanes 4 g .. 4 g + 3 share r0).
+    float x0 = -MDL_INF, x1 = -MDL_INF;
+    #pragma unroll
+    for (int n = 0; n < 8; n++) {
+      x0 = fmaxf(x0, fmaxf(s[n][0], s[n][1]));
+      x1 = fmaxf(x1, fmaxf(s[n][2], s[n][3]));
+    }
+    x0 = fmaxf(x0, __shfl_xor_sync(MDL_FULL, x0, 1));
+    x0 = fmaxf(x0, __shfl_xor_sync(MDL_FULL, x0, 2));
+    x1 = fmaxf(x1, __shfl_xor_sync(MDL_FULL, x1, 1));
+    x1 = fmaxf(x1, __shfl_xor_sync(MDL_FULL, x1, 2));
+    // The new maxima; a row that has seen no key yet subtracts 0, not -inf (its e are 0).
+    // What earlier tiles summed is rescaled by exp(m - m_new).
+    const float mn0 = fmaxf(m0, x0 * 0.36067376f), mn1 = fmaxf(m1, x1 * 0.36067376f); // (scaled: see s)
+    const float z0 = mn0 == -MDL_INF ? 0.0f : mn0, z1 = mn1 == -MDL_INF ? 0.0f : mn1;
+    const float c0 = exp2f(m0 - z0), c1 = exp2f(m1 - z1);
+    m0 = mn0;
+    m1 = mn1;
+    l0 *= c0;
+    l1 *= c1;
+    // (where no row of the warp has a new maximum every factor is exactly 1)
+    if (__any_sync(MDL_FULL, c0 != 1.0f || c1 != 1.0f)) {
+      #pragma unroll
+      for (int n = 0; n < 2; n++) {
+        acc[n][0] *= c0;
+        acc[n][1] *= c0;
+        acc[n][2] *= c1;
+        acc[n][3] *= c1;
+      }
+    }
+    // e = exp(S - m) goes into l as it is; rounded to bf16, tiles 2 k and 2 k + 1 of S are the A
+    // fragment of step k of O += P V, whose B fragment is keys 16 k + 2 tq, + 1 and 8 further of
+    // channel 8 n + g.
+    #pragma unroll
+    for (int k = 0; k < 4; k++) {
+      uint32_t pa[4];
+      #pragma unroll
+      for (int h = 0; h < 2; h++) {
+        const float (&sv)[4] = s[2 * k + h];
+        const float e0 = exp2f(fmaf(sv[0], 0.36067376f, -z0)), e1 = exp2f(fmaf(sv[1], 0.36067376f, -z0));
+        const float e2 = exp2f(fmaf(sv[2], 0.36067376f, -z1)), e3 = exp2f(fmaf(sv[3], 0.36067376f, -z1));
+        l0 += e0 + e1;
+        l1 += e2 + e3;
+        pa[2 * h] = mdl_bf16x2(e0, e1);
+        pa[2 * h + 1] = mdl_bf16x2(e2, e3);
+      }
+      #pragma unroll
+      for (int n = 0; n < 2; n += 2) {
+        uint32_t vb[4];
+        mdl_ldsm_x4_t(vb, (const uint16_t *)Vs[cur][16 * k + (lane & 15)] + 8 * n + (lane >> 4) * 8);
+        mdl_mma_bf16_16816(acc[n], pa, vb);
+        mdl_mma_bf16_16816(acc[n + 1], pa, vb + 2);
+      }
+    }
+  }
+  // l: the sum of the quad's four parts; out = O / l (O: acc).
+  l0 += __shfl_xor_sync(MDL_FULL, l0, 1);
+  l0 += __shfl_xor_sync(MDL_FULL, l0, 2);
+  l1 += __shfl_xor_sync(MDL_FULL, l1, 1);
+  l1 += __shfl_xor_sync(MDL_FULL, l1, 2);
+  // The rows' log-sum-exp, which the backward reads (lane tq = 0 writes its rows'), from base 2
+  // to e.
+  if (tq == 0 && r0 < 64)
+    b2[(b * 4 + hd) * 64 + r0] = (m0 + log2f(l0)) * 0.6931472f;
+  if (tq == 0 && r1 < 64)
+    b2[(b * 4 + hd) * 64 + r1] = (m1 + log2f(l1)) * 0.6931472f;
+  #pragma unroll
+  for (int n = 0; n < 2; n++) {
+    const int c = 8 * n + 2 * tq;
+    if (r0 < 64) {
+      const float y0 = acc[n][0] / l0, y1 = acc[n][1] / l0;
+      *(ushort2 *)&b3[(b * 64 + r0) * 64 + hd * 16 + c] = make_ushort2(mdl_f32_to_bf16(y0), mdl_f32_to_bf16(y1));
+    }
+    if (r1 < 64) {
+      const float y0 = acc[n][2] / l1, y1 = acc[n][3] / l1;
+      *(ushort2 *)&b3[(b * 64 + r1) * 64 + hd * 16 + c] = make_ushort2(mdl_f32_to_bf16(y0), mdl_f32_to_bf16(y1));
+    }
+  }
+}
+
+// attention on tensor cores: B 8, T 64, 4 heads of 16, causal, within documents; a block of 4 warps per (batch, head, 64 queries), 16 query rows per warp, keys in tiles of 64; bf16 products (mma m16n8k16), f32 softmax
+extern "C" __global__ void __launch_bounds__(128, 4) k4_attention_fwd__cast__lse_w4(char *arena, MdlStatus *status, const uint64_t *seed, int64_t chunk, MdlArgs o) {
+  uint16_t *const b0 = (uint16_t *)(arena + o.b[0]); // cast bf16[8,64,192]
+  int32_t *const b1 = (int32_t *)(arena + o.b[1]); // input i32[8,64]
+  float *const b2 = (float *)(arena + o.b[2]); // attention_lse f32[8,4,64]
+  uint16_t *const b3 = (uint16_t *)(arena + o.b[3]); // cast bf16[512,64]
+  // The tiles' keys and values as bf16 pairs, in two buffers.
+  __shared__ __align__(16) uint32_t Ks[2][64][12], Vs[2][64][12];
+  __shared__ int32_t Dk[2][64];
+  const int w = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tq = lane & 3;
+  const int bh = blockIdx.x % 32, b = bh / 4, hd = bh % 4;
+  const int q0 = blockIdx.x / 32 * 64;
+  // The lane's query rows: r0 (accumulators 0 and 1 of a tile) and r1 (2 and 3).
+  const int r0 = q0 + 16 * w + g, r1 = r0 + 8;
+  // Q as the A fragments of the k16 steps over the channels, rounded once; 0 beyond T.
+  uint32_t qa[1][4];
+  #pragma unroll
+  for (int k = 0; k < 1; k++) {
+    const int c = 16 * k + 2 * tq;
+    qa[k][0] = r0 < 64 ? ((uint32_t)b0[(b * 64 + r0) * 192 + hd * 16 + c] | (uint32_t)b0[(b * 64 + r0) * 192 + hd * 16 + c + 1] << 16) : 0u;
+    qa[k][1] = r1 < 64 ? ((uint32_t)b0[(b * 64 + r1) * 192 + hd * 16 + c] | (uint32_t)b0[(b * 64 + r1) * 192 + hd * 16 + c + 1] << 16) : 0u;
+    qa[k][2] = r0 < 64 ? ((uint32_t)b0[(b * 64 + r0) * 192 + hd * 16 + c + 8] | (uint32_t)b0[(b * 64 + r0) * 192 + hd * 16 + c + 9] << 16) : 0u;
+    qa[k][3] = r1 < 64 ? ((uint32_t)b0[(b * 64 + r1) * 192 + hd * 16 + c + 8] | (uint32_t)b0[(b * 64 + r1) * 192 + hd * 16 + c + 9] << 16) : 0u;
+  }
+  const int32_t d0 = r0 < 64 ? b1[b * 64 + r0] : 0, d1 = r1 < 64 ? b1[b * 64 + r1] : 0;
+  // Per row: the running maximum m and this lane's part of the sum l; acc[n]: the output's
+  // channels 8 n .. 8 n + 7 (accumulators).
+  float m0 = -MDL_INF, m1 = -MDL_INF, l0 = 0.0f, l1 = 0.0f, acc[2][4];
+  #pragma unroll
+  for (int n = 0; n < 2; n++)
+    acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
+  const int kend = q0 + 64 < 64 ? q0 + 64 : 64; // later keys are masked for every row
+  for (int u = threadIdx.x; u < 128; u += 128) {
+    const int jj = u / 2, c = u % 2 * 8;
+    const bool in = jj < 64;
+    mdl_cp_async16(&Ks[0][jj][c / 2], &(b0 + 64)[(b * 64 + (in ? jj : 0)) * 192 + hd * 16 + c], in);
+    mdl_cp_async16(&Vs[0][jj][c / 2], &(b0 + 128)[(b * 64 + (in ? jj : 0)) * 192 + hd * 16 + c], in);
+  }
+  if (threadIdx.x < 64) {
+    const int i = threadIdx.x, at = i < 64 ? i : 0; // (beyond T: read nothing, from 0)
+    mdl_cp_async4(&Dk[0][threadIdx.x], &b1[b * 64 + at], i < 64);
+  }
+  mdl_cp_async_commit();
+  for (int k0 = 0, cur = 0; k0 < kend; k0 += 64, cur ^= 1) {
+    __syncthreads(); // (every warp is done with the other buffer: the tile before)
+    if (k0 + 64 < kend) {
+      for (int u = threadIdx.x; u < 128; u += 128) {
+        const int jj = u / 2, c = u % 2 * 8;
+        const bool in = k0 + 64 + jj < 64;
+        mdl_cp_async16(&Ks[cur ^ 1][jj][c / 2], &(b0 + 64)[(b * 64 + (in ? k0 + 64 + jj : k0 + 64)) * 192 + hd * 16 + c], in);
+        mdl_cp_async16(&Vs[cur ^ 1][jj][c / 2], &(b0 + 128)[(b * 64 + (in ? k0 + 64 + jj : k0 + 64)) * 192 + hd * 16 + c], in);
+      }
+      if (threadIdx.x < 64) {
+        const int i = k0 + 64 + threadIdx.x, at = i < 64 ? i : k0 + 64; // (beyond T: read nothing, from k0 + 64)
+        mdl_cp_async4(&Dk[cur ^ 1][threadIdx.x], &b1[b * 64 + at], i < 64);
+      }
+    }
+    mdl_cp_async_commit();
+    mdl_cp_async_wait<1>(); // this tile's copies have landed; the next tile's may be in flight
+    __syncthreads();
+    // Documents: the warp's rows all in dw's (rows1); the tile's rows none or all in it.
+    const int32_t dw = __shfl_sync(MDL_FULL, d0, 0), dt0 = Dk[cur][lane], dt1 = Dk[cur][lane + 32];
+    const bool rows1 = __all_sync(MDL_FULL, d0 == dw && d1 == dw);
+    const bool none = rows1 && __all_sync(MDL_FULL, dt0 != dw && dt1 != dw);
+    const bool one = rows1 && __all_sync(MDL_FULL, dt0 == dw && dt1 == dw);
+    if (none)
       continue; // the warp's rows see none of the tile's keys
     // S = Q K^T (unscaled): tile n holds keys k0 + 8 n .. k0 + 8 n + 7.
     float s[8][4];
@@ -795,7 +972,7 @@ extern "C" __global__ void __launch_bounds__(256) k7_gemm__add__gelu__cast_epilo
 //   %80    cast                                    line 39    bf16[512,64]
 //   %150   attention_lse                           line 39    f32[8,4,64]
 // runs:
-//   k4_attention_fwd__cast__lse<<<32, 256>>>
+//   k4_attention_fwd__cast__lse<<<32, 256>>> or k4_attention_fwd__cast__lse_w4<<<32, 128>>>, the faster on the device
 
 // k12_gemm__add: GEMM, 4 ops
 //   %82    matmul                                  line 39    f32[512,64]
@@ -1305,8 +1482,8 @@ extern "C" __global__ void __launch_bounds__(256, 4) k25_layernorm_bwd__add__sum
 //   %155   attention_bwd      d.h.1.v              line 39    f32[8,64,64]
 // runs:
 //   k28_attention_bwd_dsum<<<256, 256>>>
-//   k28_attention_bwd_dq<<<32, 128>>>
-//   k28_attention_bwd_dkv<<<32, 256>>>
+//   k28_attention_bwd_dq<<<32, 128>>> or k28_attention_bwd_dq_w8<<<32, 256>>>, the faster on the device
+//   k28_attention_bwd_dkv<<<32, 256>>> or k28_attention_bwd_dkv_w4<<<32, 128>>>, the faster on the device
 
 // attention backward, D = dout . out: B 8, T 64, 4 heads of 16; a warp per row of a head
 extern "C" __global__ void __launch_bounds__(256) k28_attention_bwd_dsum(char *arena, MdlStatus *status, const uint64_t *seed, int64_t chunk, MdlArgs o) {
@@ -1473,6 +1650,151 @@ extern "C" __global__ void __launch_bounds__(128) k28_attention_bwd_dq(char *are
   }
 }
 
+// attention backward, dq on tensor cores: B 8, T 64, 4 heads of 16, causal, within documents; a block of 8 warps per (batch, head, 128 queries), 16 query rows per warp, keys in tiles of 64; bf16 products (mma m16n8k16)
+extern "C" __global__ void __launch_bounds__(256) k28_attention_bwd_dq_w8(char *arena, MdlStatus *status, const uint64_t *seed, int64_t chunk, MdlArgs o) {
+  uint16_t *const b0 = (uint16_t *)(arena + o.b[0]); // cast bf16[8,64,192]
+  uint16_t *const b1 = (uint16_t *)(arena + o.b[1]); // cast bf16[8,64,64]
+  int32_t *const b2 = (int32_t *)(arena + o.b[2]); // input i32[8,64]
+  float *const b3 = (float *)(arena + o.b[3]); // attention_lse f32[8,4,64]
+  float *const b4 = (float *)(arena + o.b[4]); // dout . out per row
+  float *const b5 = (float *)(arena + o.b[5]); // attention_bwd f32[8,64,64]
+  // The tiles' keys and values as bf16 pairs, in two buffers.
+  __shared__ __align__(16) uint32_t Ks[2][64][12], Vs[2][64][12];
+  __shared__ int32_t Dk[2][64];
+  const int w = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tq = lane & 3;
+  const int bh = blockIdx.x % 32, b = bh / 4, hd = bh % 4;
+  const int q0 = blockIdx.x / 32 * 128;
+  // The lane's query rows: r0 (accumulators 0 and 1 of a tile) and r1 (2 and 3).
+  const int r0 = q0 + 16 * w + g, r1 = r0 + 8;
+  // Q and dout as the A fragments of the k16 steps over the channels, rounded once; 0 beyond T.
+  uint32_t qa[1][4];
+  #pragma unroll
+  for (int k = 0; k < 1; k++) {
+    const int c = 16 * k + 2 * tq;
+    qa[k][0] = r0 < 64 ? ((uint32_t)b0[(b * 64 + r0) * 192 + hd * 16 + c] | (uint32_t)b0[(b * 64 + r0) * 192 + hd * 16 + c + 1] << 16) : 0u;
+    qa[k][1] = r1 < 64 ? ((uint32_t)b0[(b * 64 + r1) * 192 + hd * 16 + c] | (uint32_t)b0[(b * 64 + r1) * 192 + hd * 16 + c + 1] << 16) : 0u;
+    qa[k][2] = r0 < 64 ? ((uint32_t)b0[(b * 64 + r0) * 192 + hd * 16 + c + 8] | (uint32_t)b0[(b * 64 + r0) * 192 + hd * 16 + c + 9] << 16) : 0u;
+    qa[k][3] = r1 < 64 ? ((uint32_t)b0[(b * 64 + r1) * 192 + hd * 16 + c + 8] | (uint32_t)b0[(b * 64 + r1) * 192 + hd * 16 + c + 9] << 16) : 0u;
+  }
+  uint32_t oa[1][4];
+  #pragma unroll
+  for (int k = 0; k < 1; k++) {
+    const int c = 16 * k + 2 * tq;
+    oa[k][0] = r0 < 64 ? ((uint32_t)b1[(b * 64 + r0) * 64 + hd * 16 + c] | (uint32_t)b1[(b * 64 + r0) * 64 + hd * 16 + c + 1] << 16) : 0u;
+    oa[k][1] = r1 < 64 ? ((uint32_t)b1[(b * 64 + r1) * 64 + hd * 16 + c] | (uint32_t)b1[(b * 64 + r1) * 64 + hd * 16 + c + 1] << 16) : 0u;
+    oa[k][2] = r0 < 64 ? ((uint32_t)b1[(b * 64 + r0) * 64 + hd * 16 + c + 8] | (uint32_t)b1[(b * 64 + r0) * 64 + hd * 16 + c + 9] << 16) : 0u;
+    oa[k][3] = r1 < 64 ? ((uint32_t)b1[(b * 64 + r1) * 64 + hd * 16 + c + 8] | (uint32_t)b1[(b * 64 + r1) * 64 + hd * 16 + c + 9] << 16) : 0u;
+  }
+  const int32_t d0 = r0 < 64 ? b2[b * 64 + r0] : 0, d1 = r1 < 64 ? b2[b * 64 + r1] : 0;
+  // The rows' log-sum-exp in base 2 (as s), and D.
+  const float l0 = r0 < 64 ? b3[(b * 4 + hd) * 64 + r0] * 1.442695f : 0.0f, s0 = r0 < 64 ? b4[(b * 4 + hd) * 64 + r0] : 0.0f;
+  const float l1 = r1 < 64 ? b3[(b * 4 + hd) * 64 + r1] * 1.442695f : 0.0f, s1 = r1 < 64 ? b4[(b * 4 + hd) * 64 + r1] : 0.0f;
+  float acc[2][4]; // dq's channels 8 n .. 8 n + 7
+  #pragma unroll
+  for (int n = 0; n < 2; n++)
+    acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
+  const int kend = q0 + 128 < 64 ? q0 + 128 : 64; // later keys are masked for every row
+  for (int u = threadIdx.x; u < 128; u += 256) {
+    const int jj = u / 2, c = u % 2 * 8;
+    const bool in = jj < 64;
+    mdl_cp_async16(&Ks[0][jj][c / 2], &(b0 + 64)[(b * 64 + (in ? jj : 0)) * 192 + hd * 16 + c], in);
+    mdl_cp_async16(&Vs[0][jj][c / 2], &(b0 + 128)[(b * 64 + (in ? jj : 0)) * 192 + hd * 16 + c], in);
+  }
+  if (threadIdx.x < 64) {
+    const int i = threadIdx.x, at = i < 64 ? i : 0; // (beyond T: read nothing, from 0)
+    mdl_cp_async4(&Dk[0][threadIdx.x], &b2[b * 64 + at], i < 64);
+  }
+  mdl_cp_async_commit();
+  for (int k0 = 0, cur = 0; k0 < kend; k0 += 64, cur ^= 1) {
+    __syncthreads(); // (every warp is done with the other buffer: the tile before)
+    if (k0 + 64 < kend) {
+      for (int u = threadIdx.x; u < 128; u += 256) {
+        const int jj = u / 2, c = u % 2 * 8;
+        const bool in = k0 + 64 + jj < 64;
+        mdl_cp_async16(&Ks[cur ^ 1][jj][c / 2], &(b0 + 64)[(b * 64 + (in ? k0 + 64 + jj : k0 + 64)) * 192 + hd * 16 + c], in);
+        mdl_cp_async16(&Vs[cur ^ 1][jj][c / 2], &(b0 + 128)[(b * 64 + (in ? k0 + 64 + jj : k0 + 64)) * 192 + hd * 16 + c], in);
+      }
+      if (threadIdx.x < 64) {
+        const int i = k0 + 64 + threadIdx.x, at = i < 64 ? i : k0 + 64; // (beyond T: read nothing, from k0 + 64)
+        mdl_cp_async4(&Dk[cur ^ 1][threadIdx.x], &b2[b * 64 + at], i < 64);
+      }
+    }
+    mdl_cp_async_commit();
+    mdl_cp_async_wait<1>(); // this tile's copies have landed; the next tile's may be in flight
+    __syncthreads();
+    // Documents: the warp's rows all in dw's (rows1); the tile's rows none or all in it.
+    const int32_t dw = __shfl_sync(MDL_FULL, d0, 0), dt0 = Dk[cur][lane], dt1 = Dk[cur][lane + 32];
+    const bool rows1 = __all_sync(MDL_FULL, d0 == dw && d1 == dw);
+    const bool none = rows1 && __all_sync(MDL_FULL, dt0 != dw && dt1 != dw);
+    const bool one = rows1 && __all_sync(MDL_FULL, dt0 == dw && dt1 == dw);
+    if (k0 > q0 + 16 * w + 15 || none)
+      continue; // the warp's rows see none of the tile's keys
+    // S = Q K^T (unscaled) and dP = dout V^T: tile n holds keys k0 + 8 n .. k0 + 8 n + 7.
+    float s[8][4], dp[8][4];
+    #pragma unroll
+    for (int n = 0; n < 8; n++) {
+      s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
+      dp[n][0] = dp[n][1] = dp[n][2] = dp[n][3] = 0.0f;
+    }
+    // (the B fragments of step k of tiles n and n + 1 by one ldmatrix: lanes 0-7 give rows 8 n ..
+    // 8 n + 7 at channel 16 k, lanes 8-15 the same rows at 16 k + 8, lanes 16-31 rows 8 n + 8 ..)
+    #pragma unroll
+    for (int n = 0; n < 8; n += 2) {
+      #pragma unroll
+      for (int k = 0; k < 1; k++) {
+        uint32_t yb[4];
+        mdl_ldsm_x4(yb, (const uint16_t *)Ks[cur][8 * n + (lane & 7) + (lane >> 4) * 8] + 16 * k + (lane >> 3 & 1) * 8);
+        mdl_mma_bf16_16816(s[n], qa[k], yb);
+        mdl_mma_bf16_16816(s[n + 1], qa[k], yb + 2);
+        uint32_t wb[4];
+        mdl_ldsm_x4(wb, (const uint16_t *)Vs[cur][8 * n + (lane & 7) + (lane >> 4) * 8] + 16 * k + (lane >> 3 & 1) * 8);
+        mdl_mma_bf16_16816(dp[n], oa[k], wb);
+        mdl_mma_bf16_16816(dp[n + 1], oa[k], wb + 2);
+      }
+    }
+    // Keys the row may not see get -inf (in tiles past T, past a row of the warp, in other documents).
+    if (!one || k0 + 64 > 64 || k0 + 63 > q0 + 16 * w) {
+      #pragma unroll
+      for (int n = 0; n < 8; n++) {
+        #pragma unroll
+        for (int x = 0; x < 4; x++) {
+          const int i = x < 2 ? r0 : r1, j = k0 + 8 * n + 2 * tq + (x & 1);
+          if (!(j < 64 && j <= i && Dk[cur][j - k0] == (x < 2 ? d0 : d1)))
+            s[n][x] = -MDL_INF;
+        }
+      }
+    }
+    // P = exp(S - lse), dS = P (dP - D); rounded, tiles 2 k and 2 k + 1 of dS are the A fragment
+    // of step k of dq += dS K, whose B fragment is keys 16 k + 2 tq, + 1 and 8 further of
+    // channel 8 n + g.
+    #pragma unroll
+    for (int k = 0; k < 4; k++) {
+      uint32_t da[4];
+      #pragma unroll
+      for (int h = 0; h < 2; h++) {
+        const float (&sv)[4] = s[2 * k + h], (&pv)[4] = dp[2 * k + h];
+        da[2 * h] = mdl_bf16x2(exp2f(fmaf(sv[0], 0.36067376f, -l0)) * (pv[0] - s0), exp2f(fmaf(sv[1], 0.36067376f, -l0)) * (pv[1] - s0));
+        da[2 * h + 1] = mdl_bf16x2(exp2f(fmaf(sv[2], 0.36067376f, -l1)) * (pv[2] - s1), exp2f(fmaf(sv[3], 0.36067376f, -l1)) * (pv[3] - s1));
+      }
+      #pragma unroll
+      for (int n = 0; n < 2; n += 2) {
+        uint32_t kb[4];
+        mdl_ldsm_x4_t(kb, (const uint16_t *)Ks[cur][16 * k + (lane & 15)] + 8 * n + (lane >> 4) * 8);
+        mdl_mma_bf16_16816(acc[n], da, kb);
+        mdl_mma_bf16_16816(acc[n + 1], da, kb + 2);
+      }
+    }
+  }
+  #pragma unroll
+  for (int n = 0; n < 2; n++) {
+    const int c = 8 * n + 2 * tq;
+    if (r0 < 64)
+      *(float2 *)&b5[(b * 64 + r0) * 64 + hd * 16 + c] = make_float2(0.25f * acc[n][0], 0.25f * acc[n][1]);
+    if (r1 < 64)
+      *(float2 *)&b5[(b * 64 + r1) * 64 + hd * 16 + c] = make_float2(0.25f * acc[n][2], 0.25f * acc[n][3]);
+  }
+}
+
 // attention backward, dk and dv on tensor cores: B 8, T 64, 4 heads of 16, causal, within documents; a block of 8 warps per (batch, head, 128 keys), 16 keys per warp, queries in tiles of 64; bf16 products (mma m16n8k16)
 extern "C" __global__ void __launch_bounds__(256) k28_attention_bwd_dkv(char *arena, MdlStatus *status, const uint64_t *seed, int64_t chunk, MdlArgs o) {
   uint16_t *const b0 = (uint16_t *)(arena + o.b[0]); // cast bf16[8,64,192]
@@ -1556,6 +1878,171 @@ extern "C" __global__ void __launch_bounds__(256) k28_attention_bwd_dkv(char *ar
     const bool none = rows1 && __all_sync(MDL_FULL, dt0 != dw && dt1 != dw);
     const bool one = rows1 && __all_sync(MDL_FULL, dt0 == dw && dt1 == dw);
     if (i0 + 63 < k0 + 16 * w || none)
+      continue; // none of the tile's queries sees the warp's keys
+    // S^T = K Q^T (unscaled) and dP^T = V dout^T: tile n holds queries i0 + 8 n .. i0 + 8 n + 7.
+    float s[8][4], dp[8][4];
+    #pragma unroll
+    for (int n = 0; n < 8; n++) {
+      s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
+      dp[n][0] = dp[n][1] = dp[n][2] = dp[n][3] = 0.0f;
+    }
+    // (the B fragments of step k of tiles n and n + 1 by one ldmatrix: lanes 0-7 give rows 8 n ..
+    // 8 n + 7 at channel 16 k, lanes 8-15 the same rows at 16 k + 8, lanes 16-31 rows 8 n + 8 ..)
+    #pragma unroll
+    for (int n = 0; n < 8; n += 2) {
+      #pragma unroll
+      for (int k = 0; k < 1; k++) {
+        uint32_t yb[4];
+        mdl_ldsm_x4(yb, (const uint16_t *)Qs[cur][8 * n + (lane & 7) + (lane >> 4) * 8] + 16 * k + (lane >> 3 & 1) * 8);
+        mdl_mma_bf16_16816(s[n], ka[k], yb);
+        mdl_mma_bf16_16816(s[n + 1], ka[k], yb + 2);
+        uint32_t wb[4];
+        mdl_ldsm_x4(wb, (const uint16_t *)Os[cur][8 * n + (lane & 7) + (lane >> 4) * 8] + 16 * k + (lane >> 3 & 1) * 8);
+        mdl_mma_bf16_16816(dp[n], va[k], wb);
+        mdl_mma_bf16_16816(dp[n + 1], va[k], wb + 2);
+      }
+    }
+    // Queries that may not see the key get -inf (in tiles past T, before a key of the warp, in other documents).
+    if (!one || i0 + 64 > 64 || i0 < k0 + 16 * w + 15) {
+      #pragma unroll
+      for (int n = 0; n < 8; n++) {
+        #pragma unroll
+        for (int x = 0; x < 4; x++) {
+          const int i = i0 + 8 * n + 2 * tq + (x & 1), j = x < 2 ? r0 : r1;
+          if (!(i < 64 && j < 64 && j <= i && (x < 2 ? d0 : d1) == Dq[cur][i - i0]))
+            s[n][x] = -MDL_INF;
+        }
+      }
+    }
+    // P^T = exp(S^T - lse), dS^T = P^T (dP^T - D); rounded, tiles 2 k and 2 k + 1 are the A
+    // fragments of step k of dv += P^T dout and dk += dS^T Q, whose B fragments are queries
+    // 16 k + 2 tq, + 1 and 8 further of channel 8 n + g.
+    #pragma unroll
+    for (int k = 0; k < 4; k++) {
+      uint32_t pa[4], da[4];
+      #pragma unroll
+      for (int h = 0; h < 2; h++) {
+        const int i = 16 * k + 8 * h + 2 * tq;
+        const float (&sv)[4] = s[2 * k + h], (&pv)[4] = dp[2 * k + h];
+        const float L0 = Ls[cur][i] * 1.442695f, L1 = Ls[cur][i + 1] * 1.442695f; // (in base 2, as s)
+        const float p0 = exp2f(fmaf(sv[0], 0.36067376f, -L0)), p1 = exp2f(fmaf(sv[1], 0.36067376f, -L1));
+        const float p2 = exp2f(fmaf(sv[2], 0.36067376f, -L0)), p3 = exp2f(fmaf(sv[3], 0.36067376f, -L1));
+        pa[2 * h] = mdl_bf16x2(p0, p1);
+        pa[2 * h + 1] = mdl_bf16x2(p2, p3);
+        const float S0 = Ss[cur][i], S1 = Ss[cur][i + 1];
+        da[2 * h] = mdl_bf16x2(p0 * (pv[0] - S0), p1 * (pv[1] - S1));
+        da[2 * h + 1] = mdl_bf16x2(p2 * (pv[2] - S0), p3 * (pv[3] - S1));
+      }
+      #pragma unroll
+      for (int n = 0; n < 2; n += 2) {
+        uint32_t ob[4];
+        mdl_ldsm_x4_t(ob, (const uint16_t *)Os[cur][16 * k + (lane & 15)] + 8 * n + (lane >> 4) * 8);
+        mdl_mma_bf16_16816(dva[n], pa, ob);
+        mdl_mma_bf16_16816(dva[n + 1], pa, ob + 2);
+        uint32_t qb[4];
+        mdl_ldsm_x4_t(qb, (const uint16_t *)Qs[cur][16 * k + (lane & 15)] + 8 * n + (lane >> 4) * 8);
+        mdl_mma_bf16_16816(dka[n], da, qb);
+        mdl_mma_bf16_16816(dka[n + 1], da, qb + 2);
+      }
+    }
+  }
+  #pragma unroll
+  for (int n = 0; n < 2; n++) {
+    const int c = 8 * n + 2 * tq;
+    if (r0 < 64) {
+      *(float2 *)&b5[(b * 64 + r0) * 64 + hd * 16 + c] = make_float2(0.25f * dka[n][0], 0.25f * dka[n][1]);
+      *(float2 *)&b6[(b * 64 + r0) * 64 + hd * 16 + c] = make_float2(dva[n][0], dva[n][1]);
+    }
+    if (r1 < 64) {
+      *(float2 *)&b5[(b * 64 + r1) * 64 + hd * 16 + c] = make_float2(0.25f * dka[n][2], 0.25f * dka[n][3]);
+      *(float2 *)&b6[(b * 64 + r1) * 64 + hd * 16 + c] = make_float2(dva[n][2], dva[n][3]);
+    }
+  }
+}
+
+// attention backward, dk and dv on tensor cores: B 8, T 64, 4 heads of 16, causal, within documents; a block of 4 warps per (batch, head, 64 keys), 16 keys per warp, queries in tiles of 64; bf16 products (mma m16n8k16)
+extern "C" __global__ void __launch_bounds__(128) k28_attention_bwd_dkv_w4(char *arena, MdlStatus *status, const uint64_t *seed, int64_t chunk, MdlArgs o) {
+  uint16_t *const b0 = (uint16_t *)(arena + o.b[0]); // cast bf16[8,64,192]
+  int32_t *const b1 = (int32_t *)(arena + o.b[1]); // input i32[8,64]
+  float *const b2 = (float *)(arena + o.b[2]); // attention_lse f32[8,4,64]
+  float *const b3 = (float *)(arena + o.b[3]); // dout . out per row
+  uint16_t *const b4 = (uint16_t *)(arena + o.b[4]); // cast bf16[8,64,64]
+  float *const b5 = (float *)(arena + o.b[5]); // attention_bwd f32[8,64,64]
+  float *const b6 = (float *)(arena + o.b[6]); // attention_bwd f32[8,64,64]
+  // The tiles' queries and dout as bf16 pairs, their log-sum-exp and D, in two buffers.
+  __shared__ __align__(16) uint32_t Qs[2][64][12], Os[2][64][12];
+  __shared__ float Ls[2][64], Ss[2][64];
+  __shared__ int32_t Dq[2][64];
+  const int w = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tq = lane & 3;
+  const int bh = blockIdx.x % 32, b = bh / 4, hd = bh % 4;
+  const int k0 = blockIdx.x / 32 * 64;
+  // The lane's keys: r0 (accumulators 0 and 1 of a tile) and r1 (2 and 3).
+  const int r0 = k0 + 16 * w + g, r1 = r0 + 8;
+  // K and V as the A fragments of the k16 steps over the channels, rounded once; 0 beyond T.
+  uint32_t ka[1][4];
+  #pragma unroll
+  for (int k = 0; k < 1; k++) {
+    const int c = 16 * k + 2 * tq;
+    ka[k][0] = r0 < 64 ? ((uint32_t)(b0 + 64)[(b * 64 + r0) * 192 + hd * 16 + c] | (uint32_t)(b0 + 64)[(b * 64 + r0) * 192 + hd * 16 + c + 1] << 16) : 0u;
+    ka[k][1] = r1 < 64 ? ((uint32_t)(b0 + 64)[(b * 64 + r1) * 192 + hd * 16 + c] | (uint32_t)(b0 + 64)[(b * 64 + r1) * 192 + hd * 16 + c + 1] << 16) : 0u;
+    ka[k][2] = r0 < 64 ? ((uint32_t)(b0 + 64)[(b * 64 + r0) * 192 + hd * 16 + c + 8] | (uint32_t)(b0 + 64)[(b * 64 + r0) * 192 + hd * 16 + c + 9] << 16) : 0u;
+    ka[k][3] = r1 < 64 ? ((uint32_t)(b0 + 64)[(b * 64 + r1) * 192 + hd * 16 + c + 8] | (uint32_t)(b0 + 64)[(b * 64 + r1) * 192 + hd * 16 + c + 9] << 16) : 0u;
+  }
+  uint32_t va[1][4];
+  #pragma unroll
+  for (int k = 0; k < 1; k++) {
+    const int c = 16 * k + 2 * tq;
+    va[k][0] = r0 < 64 ? ((uint32_t)(b0 + 128)[(b * 64 + r0) * 192 + hd * 16 + c] | (uint32_t)(b0 + 128)[(b * 64 + r0) * 192 + hd * 16 + c + 1] << 16) : 0u;
+    va[k][1] = r1 < 64 ? ((uint32_t)(b0 + 128)[(b * 64 + r1) * 192 + hd * 16 + c] | (uint32_t)(b0 + 128)[(b * 64 + r1) * 192 + hd * 16 + c + 1] << 16) : 0u;
+    va[k][2] = r0 < 64 ? ((uint32_t)(b0 + 128)[(b * 64 + r0) * 192 + hd * 16 + c + 8] | (uint32_t)(b0 + 128)[(b * 64 + r0) * 192 + hd * 16 + c + 9] << 16) : 0u;
+    va[k][3] = r1 < 64 ? ((uint32_t)(b0 + 128)[(b * 64 + r1) * 192 + hd * 16 + c + 8] | (uint32_t)(b0 + 128)[(b * 64 + r1) * 192 + hd * 16 + c + 9] << 16) : 0u;
+  }
+  const int32_t d0 = r0 < 64 ? b1[b * 64 + r0] : 0, d1 = r1 < 64 ? b1[b * 64 + r1] : 0;
+  float dka[2][4], dva[2][4]; // channels 8 n .. 8 n + 7
+  #pragma unroll
+  for (int n = 0; n < 2; n++) {
+    dka[n][0] = dka[n][1] = dka[n][2] = dka[n][3] = 0.0f;
+    dva[n][0] = dva[n][1] = dva[n][2] = dva[n][3] = 0.0f;
+  }
+  // (queries before k0 see none of the keys)
+  for (int u = threadIdx.x; u < 128; u += 128) {
+    const int jj = u / 2, c = u % 2 * 8;
+    const bool in = k0 + jj < 64;
+    mdl_cp_async16(&Qs[0][jj][c / 2], &b0[(b * 64 + (in ? k0 + jj : k0)) * 192 + hd * 16 + c], in);
+    mdl_cp_async16(&Os[0][jj][c / 2], &b4[(b * 64 + (in ? k0 + jj : k0)) * 64 + hd * 16 + c], in);
+  }
+  if (threadIdx.x < 64) {
+    const int i = k0 + threadIdx.x, at = i < 64 ? i : k0; // (beyond T: read nothing, from k0)
+    mdl_cp_async4(&Ls[0][threadIdx.x], &b2[(b * 4 + hd) * 64 + at], i < 64);
+    mdl_cp_async4(&Ss[0][threadIdx.x], &b3[(b * 4 + hd) * 64 + at], i < 64);
+    mdl_cp_async4(&Dq[0][threadIdx.x], &b1[b * 64 + at], i < 64);
+  }
+  mdl_cp_async_commit();
+  for (int i0 = k0, cur = 0; i0 < 64; i0 += 64, cur ^= 1) {
+    __syncthreads(); // (every warp is done with the other buffer: the tile before)
+    if (i0 + 64 < 64) {
+      for (int u = threadIdx.x; u < 128; u += 128) {
+        const int jj = u / 2, c = u % 2 * 8;
+        const bool in = i0 + 64 + jj < 64;
+        mdl_cp_async16(&Qs[cur ^ 1][jj][c / 2], &b0[(b * 64 + (in ? i0 + 64 + jj : i0 + 64)) * 192 + hd * 16 + c], in);
+        mdl_cp_async16(&Os[cur ^ 1][jj][c / 2], &b4[(b * 64 + (in ? i0 + 64 + jj : i0 + 64)) * 64 + hd * 16 + c], in);
+      }
+      if (threadIdx.x < 64) {
+        const int i = i0 + 64 + threadIdx.x, at = i < 64 ? i : i0 + 64; // (beyond T: read nothing, from i0 + 64)
+        mdl_cp_async4(&Ls[cur ^ 1][threadIdx.x], &b2[(b * 4 + hd) * 64 + at], i < 64);
+        mdl_cp_async4(&Ss[cur ^ 1][threadIdx.x], &b3[(b * 4 + hd) * 64 + at], i < 64);
+        mdl_cp_async4(&Dq[cur ^ 1][threadIdx.x], &b1[b * 64 + at], i < 64);
+      }
+    }
+    mdl_cp_async_commit();
+    mdl_cp_async_wait<1>(); // this tile's copies have landed; the next tile's may be in flight
+    __syncthreads();
+    // Documents: the warp's rows all in dw's (rows1); the tile's rows none or all in it.
+    const int32_t dw = __shfl_sync(MDL_FULL, d0, 0), dt0 = Dq[cur][lane], dt1 = Dq[cur][lane + 32];
+    const bool rows1 = __all_sync(MDL_FULL, d0 == dw && d1 == dw);
+    const bool none = rows1 && __all_sync(MDL_FULL, dt0 != dw && dt1 != dw);
+    const bool one = rows1 && __all_sync(MDL_FULL, dt0 == dw && dt1 == dw);
+    if (none)
       continue; // none of the tile's queries sees the warp's keys
     // S^T = K Q^T (unscaled) and dP^T = V dout^T: tile n holds queries i0 + 8 n .. i0 + 8 n + 7.
     float s[8][4], dp[8][4];
@@ -1868,8 +2355,8 @@ extern "C" __global__ void __launch_bounds__(256, 4) k32_layernorm_bwd__add__sum
 //   %195   attention_bwd      d.h.0.v              line 39    f32[8,64,64]
 // runs:
 //   k28_attention_bwd_dsum<<<256, 256>>>
-//   k28_attention_bwd_dq<<<32, 128>>>
-//   k28_attention_bwd_dkv<<<32, 256>>>
+//   k28_attention_bwd_dq<<<32, 128>>> or k28_attention_bwd_dq_w8<<<32, 256>>>, the faster on the device
+//   k28_attention_bwd_dkv<<<32, 256>>> or k28_attention_bwd_dkv_w4<<<32, 128>>>, the faster on the device
 
 // k41_sum__concat__cast: kernel, 4 ops
 //   %196   concat                                  line 38    f32[8,64,192]
@@ -2471,4 +2958,4 @@ extern "C" __global__ void __launch_bounds__(256) k47_grad_norm__adamw(char *are
   }
 }
 
-// Schedule: 80 launches per step, 53 kernels (36 distinct) and 27 GEMMs; device arena 6443264 bytes.
+// Schedule: 80 launches per step, 53 kernels (39 distinct) and 27 GEMMs; device arena 6443264 bytes.

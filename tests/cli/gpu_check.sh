@@ -52,6 +52,9 @@ check "stage 6 runs the model unfused and says what fusion is worth" \
   grep -qE '^tokens/s [1-9][0-9]* with --no-fuse \(mean of steps 4 to 11\); fusion is worth [0-9]+\.[0-9]{2}x here$' "$r"
 check "stage 6 runs the model with --no-gemm-tuning and says what GEMM tuning is worth" \
   grep -qE '^tokens/s [1-9][0-9]* with --no-gemm-tuning \(mean of steps 4 to 11\); GEMM tuning is worth [0-9]+\.[0-9]{2}x here$' "$r"
+check "stage 6 runs the model with --no-kernel-tuning and says what kernel tuning is worth" \
+  grep -qE '^tokens/s [1-9][0-9]* with --no-kernel-tuning \(mean of steps 4 to 11\); kernel tuning is worth '\
+'[0-9]+\.[0-9]{2}x here$' "$r"
 check "stage 7 trains at B=16, 32 and 64 and reads tokens/s, MFU and the peak from each" \
   [ "$(grep -cE '^tokens/s [1-9][0-9]* at B=(16|32|64) T=64 \(mean of steps 4 to 11\), MFU [0-9.]+% of 989 TFLOP/s; peak [0-9]+ MB' "$r")" -eq 3 ]
 

@@ -781,7 +781,8 @@ static void ref_gemm(char *arena, const CudaGemm *gm) {
 typedef struct {
   void *so;
   launch_fn launch;
-  void **fn; // per launch: its kernel
+  void **fn;  // per launch: its kernel
+  void **alt; // per launch: its kernel's variant (CudaLaunch.alt), or NULL
 } Emu;
 
 // Compiles the module with the emulator into dir/<tag>.so and loads it; false with the reason.
@@ -815,11 +816,17 @@ static bool emu_load(const CudaPlan *p, const char *dir, const char *tag, Emu *e
   }
   *(void **)&emu->launch = dlsym(emu->so, "mdl_emu_launch");
   emu->fn = calloc((size_t)p->nlaunches + 1, sizeof *emu->fn);
-  for (int i = 0; i < p->nlaunches; i++)
-    if (p->launches[i].kernel && !(emu->fn[i] = dlsym(emu->so, p->launches[i].kernel))) {
-      snprintf(why, n, "no kernel %s in the module", p->launches[i].kernel);
+  emu->alt = calloc((size_t)p->nlaunches + 1, sizeof *emu->alt);
+  for (int i = 0; i < p->nlaunches; i++) {
+    const CudaLaunch *l = &p->launches[i];
+    const char *missing = l->kernel && !(emu->fn[i] = dlsym(emu->so, l->kernel))  ? l->kernel
+                          : l->alt && !(emu->alt[i] = dlsym(emu->so, l->alt)) ? l->alt
+                                                                                : NULL;
+    if (missing) {
+      snprintf(why, n, "no kernel %s in the module", missing);
       return false;
     }
+  }
   return emu->launch != NULL;
 }
 
@@ -827,17 +834,21 @@ static void emu_free(Emu *emu) {
   if (emu->so)
     dlclose(emu->so);
   free(emu->fn);
+  free(emu->alt);
 }
 
 // One training step of the plan on arena; the status of the step.
-// Runs the plan's launches of steps [0, last] (last = -1: the whole step).
-static MdlStatus emu_until(const CudaPlan *p, const Emu *emu, char *arena, int last) {
+// Runs the plan's launches of steps [0, last] (last = -1: the whole step); with alt, every kernel
+// that has a variant runs the variant.
+static MdlStatus emu_until(const CudaPlan *p, const Emu *emu, char *arena, int last, bool alt) {
   MdlStatus st = {0};
   for (int i = 0; i < p->nlaunches; i++) {
     const CudaLaunch *l = &p->launches[i];
     if (last >= 0 && l->step > last)
       break;
-    if (l->kernel)
+    if (l->kernel && alt && l->alt)
+      emu->launch(emu->alt[i], l->alt_grid, l->alt_block, arena, &st, 7, l->chunk, l->args, l->nargs);
+    else if (l->kernel)
       emu->launch(emu->fn[i], l->grid, l->block, arena, &st, 7, l->chunk, l->args, l->nargs);
     else
       ref_gemm(arena, &p->gemms[l->gemm]);
@@ -845,7 +856,9 @@ static MdlStatus emu_until(const CudaPlan *p, const Emu *emu, char *arena, int l
   return st;
 }
 
-static MdlStatus emu_step(const CudaPlan *p, const Emu *emu, char *arena) { return emu_until(p, emu, arena, -1); }
+static MdlStatus emu_step(const CudaPlan *p, const Emu *emu, char *arena) {
+  return emu_until(p, emu, arena, -1, false);
+}
 
 // The arena zeroed, but for the kernels' scratch, all NaN (0xff bytes, in f32 and in bf16): a kernel
 // or GEMM that reads scratch it has not written (the LM head's padding classes, say) shows.
@@ -857,6 +870,24 @@ static char *arena_new_for(const CudaPlan *p) {
     memset(a + p->scratch, 0xff, (size_t)(p->arena_bytes - p->scratch));
   }
   return a;
+}
+
+// Kernel variants: the step again from `start` (a copy of the arena before it) with every kernel
+// that has a variant running the variant, checked against `after`, the arena the plan's own
+// kernels left: the whole arena the same to the bit (the variants sum every row in the same order).
+// The number of launches with a variant in *n; true when there are none.
+static bool variants_agree(const CudaPlan *p, const Emu *emu, const char *start, const char *after, int *n) {
+  *n = 0;
+  for (int i = 0; i < p->nlaunches; i++)
+    *n += p->launches[i].alt != NULL;
+  if (!*n)
+    return true;
+  char *arena = arena_new_for(p);
+  memcpy(arena, start, (size_t)p->arena_bytes);
+  MdlStatus st = emu_until(p, emu, arena, -1, true);
+  bool same = !st.set && !memcmp(arena, after, (size_t)p->arena_bytes);
+  free(arena);
+  return same;
 }
 
 // The error of a against the reference b: bf16 in L2 (||a - b|| / ||b||), else max |a - b| / max |b|.
@@ -956,12 +987,22 @@ static void test_emulation(const Model *md, bool fused, DType prec, const char *
   double **p0 = calloc((size_t)g->nparams, sizeof *p0);
   for (int k = 0; k < g->nparams; k++)
     p0[k] = from_float(cpu_value(m, arena, g->params[k]), shape_numel(g->nodes[g->params[k]]->shape));
+  char *start = malloc((size_t)p->arena_bytes);
+  memcpy(start, arena, (size_t)p->arena_bytes);
   t0 = now();
   MdlStatus st = emu_step(p, &emu, arena);
   double t_step = now() - t0;
   snprintf(name, sizeof name, "cuda emu %s %s: one step runs (%d launches, %.1f s)", md->path, mode, p->nlaunches,
            t_step);
   CHECK(iok && !st.set, name, "%s", iok ? cuda_error_what(st.code) : err);
+  int nalt;
+  bool agree = variants_agree(p, &emu, start, arena, &nalt);
+  free(start);
+  if (nalt) {
+    snprintf(name, sizeof name, "cuda emu %s %s: the kernels' variants leave the same arena to the bit (%d launches "
+             "with one)", md->path, mode, nalt);
+    CHECK(agree, name, "the arenas differ");
+  }
 
   double loss = *(float *)cpu_value(m, arena, g->loss), ref = interp_value(it, g->loss)[0];
   snprintf(name, sizeof name, "cuda emu %s %s: loss matches the interpreter within %.0e (%.6f)", md->path, mode,
@@ -1070,7 +1111,7 @@ static void test_emulation(const Model *md, bool fused, DType prec, const char *
       continue;
     cpu_init_params(g, m, arena, 7);
     memset(arena + m->m, 0, (size_t)(2 * m->param_bytes));
-    emu_until(p, &emu, arena, s);
+    emu_until(p, &emu, arena, s, false);
     const IrNode *nd = g->nodes[eb];
     int64_t v = nd->shape.d[0], c = nd->shape.d[1], rows = shape_numel(g->nodes[nd->in[0]]->shape);
     const int32_t *id = cpu_value(m, arena, nd->in[0]);
@@ -1221,7 +1262,17 @@ static void test_attention_alone(const char *dir) {
     set_inputs(g, NULL, m, arena);
     cpu_set_scalar(g, m, arena, "lr", 2e-3);
     cpu_set_scalar(g, m, arena, "step", 1);
+    char *start = malloc((size_t)p->arena_bytes);
+    memcpy(start, arena, (size_t)p->arena_bytes);
     MdlStatus st = emu_step(p, &emu, arena);
+    int nalt;
+    bool agree = variants_agree(p, &emu, start, arena, &nalt);
+    free(start);
+    if (cases[ci].c / 2 % 16 == 0) { // (heads of a multiple of 16 channels run on tensor cores)
+      snprintf(name, sizeof name, "cuda emu attention alone, bf16, %s: the kernels' variants (the other block "
+               "sizes) leave the same arena to the bit (%d launches with one)", cases[ci].what, nalt);
+      CHECK(agree && nalt == 3, name, "%s", nalt == 3 ? "the arenas differ" : "not 3 launches with a variant");
+    }
     int out = g->outputs[0];
     int64_t n = shape_numel(g->nodes[out]->shape);
     double *got = from_float(cpu_value(m, arena, out), n);

@@ -147,13 +147,16 @@ struct Stream {
 // What the test reads back (fake_counters); `described`: GEMMs the heuristic accepted, of which
 // ab16 with bf16 A and B, d16 with a bf16 D; direct_gemms: GEMMs run at once (not replayed), of
 // gemms in all; slow_replayed: replayed GEMMs on the heuristic's first candidate, which the fake makes
-// slower than the others.
+// slower than the others; slow_kernels_replayed: replayed launches of the kernels named in
+// $FAKE_SLOW_KERNELS, which the fake makes slower when they run at once.
 struct Counters {
   long captures, replays, kernels, gemms, live_allocations, modules;
   long described, ab16, d16;
   long events; // live
   long direct_gemms, slow_replayed;
   long device_copies; // cuMemcpyDtoDAsync calls
+  long slow_kernels_replayed;
+  long direct_kernels; // kernel launches run at once (not replayed), of `kernels` in all
 };
 static Counters counters;
 static size_t used;
@@ -306,6 +309,18 @@ CUresult cuStreamDestroy_v2(Stream *s) {
   return 0;
 }
 CUresult cuStreamSynchronize(Stream *s) { return s->capturing ? 1 : 0; }
+// Is kernel `name` in $FAKE_SLOW_KERNELS (names separated by commas)?
+static bool slow_kernel(const char *name) {
+  size_t n = strlen(name);
+  for (const char *p = getenv("FAKE_SLOW_KERNELS"); p && *p;) {
+    const char *end = strchr(p, ',');
+    size_t len = end ? (size_t)(end - p) : strlen(p);
+    if (len == n && !strncmp(p, name, n))
+      return true;
+    p += len + (end != NULL);
+  }
+  return false;
+}
 CUresult cuLaunchKernel(void *fn, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz,
                         unsigned shared, Stream *s, void **params, void **extra) {
   size_t k = (size_t)fn - 1;
@@ -318,10 +333,14 @@ CUresult cuLaunchKernel(void *fn, unsigned gx, unsigned gy, unsigned gz, unsigne
   r.grid = dim3{gx, gy, gz};
   r.block = dim3{bx, by, bz};
   kernels[k].store(params, &r);
-  if (s->capturing)
+  if (s->capturing) {
     s->graph->push_back(r);
-  else
+  } else {
+    if (slow_kernel(kernels[k].name)) // (well beyond what emulating another block size costs)
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
     run(&r);
+    counters.direct_kernels++;
+  }
   return 0;
 }
 CUresult cuStreamBeginCapture_v2(Stream *s, int) {
@@ -349,6 +368,7 @@ CUresult cuGraphLaunch(std::vector<Rec> *exec, Stream *s) {
   for (const Rec &r : *exec) {
     run(&r);
     counters.slow_replayed += r.kind == 2 && r.gemm.algo == 0;
+    counters.slow_kernels_replayed += r.kind == 0 && slow_kernel(kernels[r.kernel].name);
   }
   counters.replays++;
   return 0;
@@ -766,12 +786,12 @@ static void probe_checks(void) {
   Model md = {"mlp", "models/mlp.mdl", NULL, {{0}}, 0, DT_F32};
   Compiled c;
   if (compile_model(&md, &c)) {
-    Engine *e = engine_cuda(c.f, c.m, 1, true, why, sizeof why);
+    Engine *e = engine_cuda(c.f, c.m, 1, true, true, why, sizeof why);
     CHECK(!e && contains(why, "lacks cuDevicePrimaryCtxRetain"),
           "cuda: the engine names the entry point a driver lacks", "%p: '%s'", (void *)e, why);
     fake_probe(&nodev, so, sizeof so);
     setenv("MDL_LIBCUDA", so, 1);
-    e = engine_cuda(c.f, c.m, 1, true, why, sizeof why);
+    e = engine_cuda(c.f, c.m, 1, true, true, why, sizeof why);
     CHECK(!e && !strcmp(why, "no CUDA device"), "cuda: the engine says 'no CUDA device'", "'%s'", why);
   } else {
     CHECK(false, "cuda: models/mlp.mdl compiles", "front end or autodiff failed");
@@ -975,7 +995,7 @@ static void no_driver_checks(void) {
   Model md = {"mlp", "models/mlp.mdl", NULL, {{0}}, 0, DT_F32};
   Compiled c;
   if (compile_model(&md, &c)) {
-    Engine *e = engine_cuda(c.f, c.m, 1, true, why, sizeof why);
+    Engine *e = engine_cuda(c.f, c.m, 1, true, true, why, sizeof why);
     CHECK(!e && !strcmp(why, no_driver), "cuda: the engine says 'no CUDA driver'", "%p: '%s'", (void *)e, why);
   } else {
     CHECK(false, "cuda: models/mlp.mdl compiles", "front end or autodiff failed");
@@ -992,6 +1012,8 @@ typedef struct {
   long events;
   long direct_gemms, slow_replayed;
   long device_copies;
+  long slow_kernels_replayed;
+  long direct_kernels;
 } Counters;
 
 // The emulated GPU for one plan: this file as C++ with the plan's module and kernel list.
@@ -1007,11 +1029,13 @@ static bool build_fake_gpu(const CudaPlan *p, const char *name, char *so, size_t
       fclose(f);
     return false;
   }
-  for (int i = 0; i < p->nlaunches; i++) {
-    const char *k = p->launches[i].kernel;
+  for (int i = 0; i < 2 * p->nlaunches; i++) { // the kernels, then their variants
+    const char *k = i < p->nlaunches ? p->launches[i].kernel : p->launches[i - p->nlaunches].alt;
     bool seen = false;
-    for (int j = 0; k && j < i && !seen; j++)
-      seen = p->launches[j].kernel && !strcmp(p->launches[j].kernel, k);
+    for (int j = 0; k && j < i && !seen; j++) {
+      const char *o = j < p->nlaunches ? p->launches[j].kernel : p->launches[j - p->nlaunches].alt;
+      seen = o && !strcmp(o, k);
+    }
     if (k && !seen)
       fprintf(f, "K(%s)\n", k);
   }
@@ -1034,8 +1058,8 @@ static bool build_fake_gpu(const CudaPlan *p, const char *name, char *so, size_t
 // second; its events are freed with the engine.
 static void profile_checks(const char *label, const Compiled *c, const Counters *k) {
   char why[1024], name[256];
-  Engine *es[2] = {engine_cuda(c->f, c->m, 5, true, why, sizeof why), NULL};
-  es[1] = es[0] ? engine_cuda(c->f, c->m, 5, true, why, sizeof why) : NULL;
+  Engine *es[2] = {engine_cuda(c->f, c->m, 5, true, true, why, sizeof why), NULL};
+  es[1] = es[0] ? engine_cuda(c->f, c->m, 5, true, true, why, sizeof why) : NULL;
   snprintf(name, sizeof name, "cuda: %s: --profile runs the step launch by launch, to the graph's results", label);
   if (!es[0] || !es[1]) {
     CHECK(false, name, "%s", why);
@@ -1130,9 +1154,63 @@ static void profile_checks(const char *label, const Compiled *c, const Counters 
 // declines. inputs_from, where the graph has an f32 input and a gradient of its size: the first
 // engine's gradient after one batch, then added after another, is the host's sum of the two bit for
 // bit; a step of the second keeps it (its staged inputs no longer cover it); set_input replaces it.
+// One step of a fresh engine (tune_kernels as given) with the kernels named in `slow` made slower
+// by the fake when they run at once; the replayed launches of those kernels in *replayed.
+static bool slow_step(const Compiled *c, const Counters *k, const char *slow, bool tune, long *replayed, char *why,
+                      size_t n) {
+  setenv("FAKE_SLOW_KERNELS", slow, 1);
+  long before = k->slow_kernels_replayed;
+  Engine *e = engine_cuda(c->f, c->m, 5, true, tune, why, n);
+  bool ok = e != NULL;
+  if (e) {
+    Engine *one[] = {e};
+    set_batch(c->g, one, 1, 0);
+    ok = e->step(e, why, n);
+    e->free(e);
+  }
+  unsetenv("FAKE_SLOW_KERNELS");
+  *replayed = k->slow_kernels_replayed - before;
+  return ok;
+}
+
+// Kernel variants (attention's other block sizes): the engine times each kernel that has one against
+// it and replays the faster, whichever that is here: the fake makes the plan's own kernels slower,
+// then the variants; with kernel tuning off, the plan's own kernels replay, untimed.
+static void variant_checks(const char *label, const Compiled *c, const Counters *k) {
+  const CudaPlan *p = emit_cuda_plan(c->f, c->m, "variants");
+  char own[2048] = "", alt[2048] = "", why[512], name[256];
+  int with = 0;
+  for (int i = 0; p && i < p->nlaunches; i++) {
+    const CudaLaunch *l = &p->launches[i];
+    if (!l->alt)
+      continue;
+    with++;
+    if (!strstr(own, l->kernel)) {
+      snprintf(own + strlen(own), sizeof own - strlen(own), "%s%s", *own ? "," : "", l->kernel);
+      snprintf(alt + strlen(alt), sizeof alt - strlen(alt), "%s%s", *alt ? "," : "", l->alt);
+    }
+  }
+  snprintf(name, sizeof name, "cuda: %s: attention's kernels have variants (%d launches: %s)", label, with, alt);
+  CHECK(with > 0, name, "none");
+  if (!with)
+    return;
+  long replayed = -1;
+  bool ok = slow_step(c, k, own, true, &replayed, why, sizeof why);
+  snprintf(name, sizeof name, "cuda: %s: each kernel slower than its variant here replays as the variant", label);
+  CHECK(ok && replayed == 0, name, "%s; %ld slow launches replayed", ok ? "ran" : why, replayed);
+  ok = slow_step(c, k, alt, true, &replayed, why, sizeof why);
+  snprintf(name, sizeof name, "cuda: %s: each variant slower than its kernel here is left out", label);
+  CHECK(ok && replayed == 0, name, "%s; %ld slow launches replayed", ok ? "ran" : why, replayed);
+  ok = slow_step(c, k, own, false, &replayed, why, sizeof why);
+  snprintf(name, sizeof name, "cuda: %s: with kernel tuning off the plan's own kernels replay, untimed", label);
+  CHECK(ok && replayed == with, name, "%s; %ld of %d launches with a variant replayed as the plan's own",
+        ok ? "ran" : why, replayed, with);
+}
+
 static void device_copy_checks(const char *label, const Compiled *c, const Counters *k) {
   char why[1024], name[256];
-  Engine *a = engine_cuda(c->f, c->m, 5, true, why, sizeof why), *b = engine_cuda(c->f, c->m, 6, true, why, sizeof why);
+  Engine *a = engine_cuda(c->f, c->m, 5, true, true, why, sizeof why);
+  Engine *b = engine_cuda(c->f, c->m, 6, true, true, why, sizeof why);
   snprintf(name, sizeof name, "cuda: %s: two engines of one plan start", label);
   CHECK(a && b, name, "%s", why);
   if (!a || !b) {
@@ -1243,7 +1321,7 @@ static void emulated_checks(const Model *md) {
   setenv("MDL_LIBCUBLASLT", so, 1);
   void *h = dlopen(so, RTLD_NOW | RTLD_LOCAL);
   const Counters *(*counters)(void) = h ? (const Counters *(*)(void))dlsym(h, "fake_counters") : NULL;
-  Engine *cuda = engine_cuda(c.f, c.m, 5, true, why, sizeof why);
+  Engine *cuda = engine_cuda(c.f, c.m, 5, true, true, why, sizeof why);
   snprintf(name, sizeof name, "cuda: %s: the engine starts on the emulated GPU", md->label);
   CHECK(cuda && counters, name, "%s", cuda ? "no fake_counters" : why);
   if (cuda && counters) {
@@ -1270,10 +1348,10 @@ static void emulated_checks(const Model *md) {
     }
     const Counters *k = counters();
     snprintf(name, sizeof name, "cuda: %s: one capture, one replay per step, every launch in it", md->label);
-    CHECK(k->captures == 1 && k->replays == STEPS && k->kernels == (long)STEPS * kernels &&
+    CHECK(k->captures == 1 && k->replays == STEPS && k->kernels - k->direct_kernels == (long)STEPS * kernels &&
               k->gemms - k->direct_gemms == (long)STEPS * gemms,
           name, "%ld captures, %ld replays, %ld kernels, %ld GEMMs (plan: %d kernels, %d GEMM launches, %d GEMMs)",
-          k->captures, k->replays, k->kernels, k->gemms, kernels, gemms, p->ngemms);
+          k->captures, k->replays, k->kernels - k->direct_kernels, k->gemms, kernels, gemms, p->ngemms);
     snprintf(name, sizeof name, "cuda: %s: cuBLASLt is told each GEMM's types (%d of %d with bf16 A and B, %d with "
              "a bf16 D)", md->label, ab16, p->ngemms, d16);
     CHECK(k->described == p->ngemms && k->ab16 == ab16 && k->d16 == d16 && (!bf16 || ab16 == p->ngemms),
@@ -1326,7 +1404,7 @@ static void emulated_checks(const Model *md) {
           k->modules);
     profile_checks(md->label, &c, k);
     setenv("FAKE_GPU_MEMORY", "100000", 1);
-    cuda = engine_cuda(c.f, c.m, 5, true, why, sizeof why);
+    cuda = engine_cuda(c.f, c.m, 5, true, true, why, sizeof why);
     unsetenv("FAKE_GPU_MEMORY");
     snprintf(name, sizeof name, "cuda: %s: an allocation that fails is named and leaks nothing", md->label);
     CHECK(!cuda && !strcmp(why, "cuMemAlloc: CUDA_ERROR_OUT_OF_MEMORY") && k->live_allocations == 0, name,
@@ -1336,7 +1414,7 @@ static void emulated_checks(const Model *md) {
     // Without tuning (--no-gemm-tuning) every GEMM runs on the heuristic's first candidate, untimed:
     // one run each before the steps (the eager check), and every replayed GEMM on the slow one.
     long direct = k->direct_gemms, slow = k->slow_replayed;
-    cuda = engine_cuda(c.f, c.m, 5, false, why, sizeof why);
+    cuda = engine_cuda(c.f, c.m, 5, false, true, why, sizeof why);
     ok = cuda != NULL;
     if (cuda) {
       Engine *one[] = {cuda};
@@ -1350,6 +1428,8 @@ static void emulated_checks(const Model *md) {
           "%s; %ld GEMMs run before the step (%d GEMMs), %ld of %d replayed on the first candidate", ok ? "ran" : why,
           k->direct_gemms - direct, p->ngemms, k->slow_replayed - slow, gemms);
     device_copy_checks(md->label, &c, k);
+    if (bf16 && md->path && strstr(md->path, "gpt2")) // (attention on tensor cores)
+      variant_checks(md->label, &c, k);
   }
   if (h)
     dlclose(h);
@@ -1377,7 +1457,7 @@ static void gpu_checks(void) {
       arena_free(c.a);
       continue;
     }
-    Engine *cuda = engine_cuda(c.f, c.m, 5, true, why, sizeof why);
+    Engine *cuda = engine_cuda(c.f, c.m, 5, true, true, why, sizeof why);
     snprintf(name, sizeof name, "cuda: %s: the engine starts", md->label);
     CHECK(cuda, name, "%s", why);
     if (cuda) {
