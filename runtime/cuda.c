@@ -1008,9 +1008,11 @@ static bool tune_variants(CudaEngine *ce, char *err, size_t n) {
     }
     ce->variants++;
     float own = 0, other = 0;
-    if (ce->tune_kernels && (ok = time_launch(ce, i, false, ev, &own, err, n) &&
-                                  time_launch(ce, i, true, ev, &other, err, n)))
-      ce->alt[i] = other < own;
+    char why[256];
+    // (a variant that does not launch here, for want of registers or shared memory on this device,
+    // is passed over, as a GEMM candidate that fails to run is)
+    if (ce->tune_kernels && (ok = time_launch(ce, i, false, ev, &own, err, n)))
+      ce->alt[i] = time_launch(ce, i, true, ev, &other, why, sizeof why) && other < own;
     ce->on_alt += ce->alt[i];
   }
   for (int i = 0; i < 2; i++)

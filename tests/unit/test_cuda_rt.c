@@ -148,7 +148,8 @@ struct Stream {
 // ab16 with bf16 A and B, d16 with a bf16 D; direct_gemms: GEMMs run at once (not replayed), of
 // gemms in all; slow_replayed: replayed GEMMs on the heuristic's first candidate, which the fake makes
 // slower than the others; slow_kernels_replayed: replayed launches of the kernels named in
-// $FAKE_SLOW_KERNELS, which the fake makes slower when they run at once.
+// $FAKE_SLOW_KERNELS, which the fake makes slower when they run at once (those in $FAKE_FAILING_KERNELS
+// fail to launch then, as for want of registers).
 struct Counters {
   long captures, replays, kernels, gemms, live_allocations, modules;
   long described, ab16, d16;
@@ -309,10 +310,10 @@ CUresult cuStreamDestroy_v2(Stream *s) {
   return 0;
 }
 CUresult cuStreamSynchronize(Stream *s) { return s->capturing ? 1 : 0; }
-// Is kernel `name` in $FAKE_SLOW_KERNELS (names separated by commas)?
-static bool slow_kernel(const char *name) {
+// Is kernel `name` in the list of environment variable `var` (names separated by commas)?
+static bool listed(const char *var, const char *name) {
   size_t n = strlen(name);
-  for (const char *p = getenv("FAKE_SLOW_KERNELS"); p && *p;) {
+  for (const char *p = getenv(var); p && *p;) {
     const char *end = strchr(p, ',');
     size_t len = end ? (size_t)(end - p) : strlen(p);
     if (len == n && !strncmp(p, name, n))
@@ -332,11 +333,13 @@ CUresult cuLaunchKernel(void *fn, unsigned gx, unsigned gy, unsigned gz, unsigne
   r.kernel = (int)k;
   r.grid = dim3{gx, gy, gz};
   r.block = dim3{bx, by, bz};
+  if (!s->capturing && listed("FAKE_FAILING_KERNELS", kernels[k].name))
+    return 701; // CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES
   kernels[k].store(params, &r);
   if (s->capturing) {
     s->graph->push_back(r);
   } else {
-    if (slow_kernel(kernels[k].name)) // (well beyond what emulating another block size costs)
+    if (listed("FAKE_SLOW_KERNELS", kernels[k].name)) // (well beyond what emulating another block size costs)
       std::this_thread::sleep_for(std::chrono::milliseconds(100));
     run(&r);
     counters.direct_kernels++;
@@ -368,7 +371,7 @@ CUresult cuGraphLaunch(std::vector<Rec> *exec, Stream *s) {
   for (const Rec &r : *exec) {
     run(&r);
     counters.slow_replayed += r.kind == 2 && r.gemm.algo == 0;
-    counters.slow_kernels_replayed += r.kind == 0 && slow_kernel(kernels[r.kernel].name);
+    counters.slow_kernels_replayed += r.kind == 0 && listed("FAKE_SLOW_KERNELS", kernels[r.kernel].name);
   }
   counters.replays++;
   return 0;
@@ -1203,6 +1206,13 @@ static void variant_checks(const char *label, const Compiled *c, const Counters 
   CHECK(ok && replayed == 0, name, "%s; %ld slow launches replayed", ok ? "ran" : why, replayed);
   ok = slow_step(c, k, own, false, &replayed, why, sizeof why);
   snprintf(name, sizeof name, "cuda: %s: with kernel tuning off the plan's own kernels replay, untimed", label);
+  CHECK(ok && replayed == with, name, "%s; %ld of %d launches with a variant replayed as the plan's own",
+        ok ? "ran" : why, replayed, with);
+  setenv("FAKE_FAILING_KERNELS", alt, 1);
+  ok = slow_step(c, k, own, true, &replayed, why, sizeof why);
+  unsetenv("FAKE_FAILING_KERNELS");
+  snprintf(name, sizeof name, "cuda: %s: a variant that fails to launch is passed over, however slow its kernel",
+           label);
   CHECK(ok && replayed == with, name, "%s; %ld of %d launches with a variant replayed as the plan's own",
         ok ? "ran" : why, replayed, with);
 }
