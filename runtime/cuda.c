@@ -506,6 +506,7 @@ typedef struct {
   bool tune_kernels;  // time the kernels that have a variant against it (engine_cuda's tune_kernels)
   bool *alt;          // per CudaPlan.launches: runs the kernel's variant (CudaLaunch.alt)
   int variants, on_alt; // distinct kernels with a variant, and how many of them run it
+  char timed[1024];     // each such kernel's time and its variant's, when timed ("name 0.262 / 0.231 ms")
   CUfunction *fns;    // per CudaPlan.launches (NULL for a GEMM)
   CUgraph graph;
   CUgraphExec exec;
@@ -1011,8 +1012,17 @@ static bool tune_variants(CudaEngine *ce, char *err, size_t n) {
     char why[256];
     // (a variant that does not launch here, for want of registers or shared memory on this device,
     // is passed over, as a GEMM candidate that fails to run is)
-    if (ce->tune_kernels && (ok = time_launch(ce, i, false, ev, &own, err, n)))
-      ce->alt[i] = time_launch(ce, i, true, ev, &other, why, sizeof why) && other < own;
+    if (ce->tune_kernels && (ok = time_launch(ce, i, false, ev, &own, err, n))) {
+      bool ran = time_launch(ce, i, true, ev, &other, why, sizeof why);
+      ce->alt[i] = ran && other < own;
+      size_t at = strlen(ce->timed);
+      char alt_ms[32] = "(did not launch)";
+      if (ran)
+        snprintf(alt_ms, sizeof alt_ms, "%.3f", other / LT_TUNE_RUNS);
+      snprintf(ce->timed + at, sizeof ce->timed - at, "%s%s %.3f, %s %s ms", at ? "; " : "", l->kernel,
+               own / LT_TUNE_RUNS, l->alt + (strncmp(l->alt, l->kernel, strlen(l->kernel)) ? 0 : strlen(l->kernel)),
+               alt_ms);
+    }
     ce->on_alt += ce->alt[i];
   }
   for (int i = 0; i < 2; i++)
@@ -1119,5 +1129,7 @@ Engine *engine_cuda(const Fusion *f, const MemPlan *m, uint64_t seed, bool tune_
          compiled,
          (double)ce->plan->arena_bytes / 1e6, rt_now() - t0,
          (double)(total - free_bytes) / (1 << 30), (double)total / (1 << 30));
+  if (*ce->timed)
+    printf("cuda: kernels and their variants, a launch each: %s\n", ce->timed);
   return &ce->e;
 }
