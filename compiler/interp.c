@@ -84,17 +84,8 @@ void interp_init_params(Interp *it, uint64_t seed) {
     int id = g->params[k];
     const ParamInit *pi = &g->nodes[id]->init;
     double *p = it->val[id];
-    for (int64_t i = 0; i < it->numel[id]; i++) {
-      double v = 0;
-      if (pi->kind == INIT_ONES) {
-        v = 1;
-      } else if (pi->kind == INIT_NORMAL) {
-        double u1 = mdl_rng_uniform(seed, (uint64_t)k + 1000, 2 * (uint64_t)i);
-        double u2 = mdl_rng_uniform(seed, (uint64_t)k + 1000, 2 * (uint64_t)i + 1);
-        v = pi->std * sqrt(-2 * log(1 - u1)) * cos(2 * M_PI * u2);
-      }
-      p[i] = rnd(it, v);
-    }
+    for (int64_t i = 0; i < it->numel[id]; i++)
+      p[i] = rnd(it, mdl_param_init(pi, seed, k, i));
   }
 }
 

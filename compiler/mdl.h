@@ -3,6 +3,7 @@
 #ifndef MDL_H
 #define MDL_H
 
+#include <math.h>
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -160,6 +161,18 @@ typedef struct {
   double std;  // INIT_NORMAL
   bool decay;  // weight decay applies (train section's no_decay patterns)
 } ParamInit;
+
+// Element i of parameter k (the k-th of Graph.params) initialised from the seed: every back end's
+// initial values (the normal draws by Box-Muller from two uniforms of the parameter's stream).
+static inline double mdl_param_init(const ParamInit *pi, uint64_t seed, int k, int64_t i) {
+  if (pi->kind == INIT_ONES)
+    return 1;
+  if (pi->kind != INIT_NORMAL)
+    return 0;
+  double u1 = mdl_rng_uniform(seed, (uint64_t)k + 1000, 2 * (uint64_t)i);
+  double u2 = mdl_rng_uniform(seed, (uint64_t)k + 1000, 2 * (uint64_t)i + 1);
+  return pi->std * sqrt(-2 * log(1 - u1)) * cos(2 * M_PI * u2);
+}
 
 typedef struct {
   int id;

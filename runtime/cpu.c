@@ -219,21 +219,26 @@ void cpu_round_copy(const Graph *g, const MemPlan *m, char *arena, int param) {
                     shape_numel(g->nodes[param]->shape));
 }
 
+// Parameter k's initial values x[lo, hi): each element a function of (seed, k, its index) alone.
+typedef struct {
+  const IrNode *p;
+  int k;
+  uint64_t seed;
+  float *x;
+} InitRange;
+
+static void init_range(void *ctx, int64_t lo, int64_t hi) {
+  const InitRange *r = ctx;
+  for (int64_t i = lo; i < hi; i++)
+    r->x[i] = (float)mdl_param_init(&r->p->init, r->seed, r->k, i);
+}
+
+// (on every CPU: GPT-2 124M's 124M normal draws took 3.75 s on one thread)
 void cpu_init_params(const Graph *g, const MemPlan *m, char *arena, uint64_t seed) {
   for (int k = 0; k < g->nparams; k++) {
     const IrNode *p = g->nodes[g->params[k]];
-    float *x = cpu_value(m, arena, p->id);
-    for (int64_t i = 0; i < shape_numel(p->shape); i++) {
-      double v = 0;
-      if (p->init.kind == INIT_ONES) {
-        v = 1;
-      } else if (p->init.kind == INIT_NORMAL) {
-        double u1 = mdl_rng_uniform(seed, (uint64_t)k + 1000, 2 * (uint64_t)i);
-        double u2 = mdl_rng_uniform(seed, (uint64_t)k + 1000, 2 * (uint64_t)i + 1);
-        v = p->init.std * sqrt(-2 * log(1 - u1)) * cos(2 * M_PI * u2);
-      }
-      x[i] = (float)v;
-    }
+    InitRange r = {p, k, seed, cpu_value(m, arena, p->id)};
+    rt_parallel_for(shape_numel(p->shape), 1 << 16, init_range, &r);
     cpu_round_copy(g, m, arena, p->id);
   }
 }

@@ -9,6 +9,10 @@
 // Formats a message into err (when err is not NULL) and returns false.
 bool rt_fail(char *err, size_t n, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
 double rt_now(void); // seconds, monotonic
+// fn(ctx, lo, hi) over [0, n) in contiguous ranges, on up to one thread per online CPU (a range at
+// least `grain` long; the calling thread takes the first); returns when all are done. For work whose
+// every element is independent of the others: the result is the same on any number of threads.
+void rt_parallel_for(int64_t n, int64_t grain, void (*fn)(void *ctx, int64_t lo, int64_t hi), void *ctx);
 int rt_input_node(const Graph *g, const char *name); // the INPUT node of that name, or -1
 // The compiled-module cache, $MDL_CACHE or ~/.cache/mdl, with `sub` appended ("" for none), created.
 bool rt_cache_dir(const char *sub, char *dir, size_t n, char *err, size_t errn);

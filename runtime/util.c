@@ -1,8 +1,9 @@
 // util.c: the small pieces the runtime's files share: error messages into a caller's buffer, a
-// monotonic clock, the module cache's folder, and files written atomically.
+// monotonic clock, a parallel loop, the module cache's folder, and files written atomically.
 #include "runtime.h"
 
 #include <errno.h>
+#include <pthread.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -25,6 +26,46 @@ double rt_now(void) {
   struct timespec t;
   clock_gettime(CLOCK_MONOTONIC, &t);
   return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
+}
+
+enum { RT_MAX_THREADS = 64 };
+
+typedef struct {
+  void (*fn)(void *, int64_t, int64_t);
+  void *ctx;
+  int64_t lo, hi;
+} Range;
+
+static void *run_range(void *p) {
+  Range *r = p;
+  r->fn(r->ctx, r->lo, r->hi);
+  return NULL;
+}
+
+void rt_parallel_for(int64_t n, int64_t grain, void (*fn)(void *ctx, int64_t lo, int64_t hi), void *ctx) {
+  long cpus = sysconf(_SC_NPROCESSORS_ONLN);
+  int64_t k = grain > 0 ? n / grain : n;
+  k = k < cpus ? k : cpus;
+  k = k < RT_MAX_THREADS ? k : RT_MAX_THREADS;
+  if (k <= 1) {
+    if (n > 0)
+      fn(ctx, 0, n);
+    return;
+  }
+  Range r[RT_MAX_THREADS];
+  pthread_t th[RT_MAX_THREADS];
+  bool started[RT_MAX_THREADS] = {false};
+  for (int64_t i = 0; i < k; i++)
+    r[i] = (Range){fn, ctx, n * i / k, n * (i + 1) / k};
+  for (int64_t i = 1; i < k; i++)
+    started[i] = pthread_create(&th[i], NULL, run_range, &r[i]) == 0;
+  run_range(&r[0]);
+  for (int64_t i = 1; i < k; i++) {
+    if (started[i])
+      pthread_join(th[i], NULL);
+    else
+      run_range(&r[i]); // (no thread to be had: this one takes the range)
+  }
 }
 
 // mkdir -p.
