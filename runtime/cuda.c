@@ -1052,6 +1052,18 @@ static bool capture(CudaEngine *ce, char *err, size_t n) {
   return ok && CU(err, n, cuGraphInstantiateWithFlags, &ce->exec, ce->graph, 0);
 }
 
+// Where the engine's device memory does not fit (an allocation failed as out of memory), what it
+// takes, what was free when it started, and how to take less, after the driver's message.
+static void explain_oom(const CudaEngine *ce, size_t free_bytes, size_t total, char *err, size_t n) {
+  if (!strstr(err, "OUT_OF_MEMORY"))
+    return;
+  double takes = (double)(ce->plan->arena_bytes + LT_WORKSPACE_BYTES);
+  rt_fail(err + strlen(err), n - strlen(err), ": the engine takes %.2f GB of device memory (the step's arena %.2f "
+          "GB) and %.2f GB of the device's %.2f were free; a smaller batch (-D B=...) takes less, and --accumulate K "
+          "trains on K of them a step", takes / 1e9, (double)ce->plan->arena_bytes / 1e9, (double)free_bytes / 1e9,
+          (double)total / 1e9);
+}
+
 Engine *engine_cuda(const Fusion *f, const MemPlan *m, uint64_t seed, bool tune_gemms, bool tune_kernels, char *err,
                     size_t n) {
   CudaEngine *ce = calloc(1, sizeof *ce);
@@ -1089,9 +1101,11 @@ Engine *engine_cuda(const Fusion *f, const MemPlan *m, uint64_t seed, bool tune_
   ce->e.cache_hit = cubin.cache_hit;
   ce->e.compile_seconds = cubin.seconds;
   double t0 = rt_now();
+  size_t free0 = 0, total0 = 0;
   bool ok = CU(err, n, cuDevicePrimaryCtxRetain, &ce->ctx, ce->dev.ordinal) && CU(err, n, cuCtxSetCurrent, ce->ctx) &&
             CU(err, n, cuModuleLoadData, &ce->mod, cubin.cubin) &&
             CU(err, n, cuStreamCreate, &ce->stream, CU_STREAM_NON_BLOCKING) &&
+            CU(err, n, cuMemGetInfo, &free0, &total0) &&
             CU(err, n, cuMemAlloc, &ce->arena, (size_t)ce->plan->arena_bytes) &&
             CU(err, n, cuMemAlloc, &ce->status, sizeof(MdlStatus)) &&
             CU(err, n, cuMemAlloc, &ce->seed_dev, sizeof ce->seed) &&
@@ -1101,6 +1115,7 @@ Engine *engine_cuda(const Fusion *f, const MemPlan *m, uint64_t seed, bool tune_
             capture(ce, err, n);
   free(cubin.cubin);
   if (!ok) {
+    explain_oom(ce, free0, total0, err, n);
     cu_free(&ce->e);
     return NULL;
   }
