@@ -1,8 +1,8 @@
 // test_cuda_emit.c: the CUDA emitter, on a machine without a GPU. Every model is emitted as the fp32
 // graph and as the bf16 one (precision_assign: GEMM operands through CASTs to bf16).
 //  1. NVRTC: every model in models/ (gpt2-tiny, gpt2 124M, llama-tiny, mlp), fp32 and bf16, fused and
-//     unfused, emits a module that NVRTC compiles for sm_80, sm_86, sm_89 and sm_90 without an error or
-//     a warning;
+//     unfused, emits a module that NVRTC compiles for sm_80, sm_86, sm_89 and sm_90 (bf16 fused also for
+//     sm_100 and sm_120, with NVRTC 12.8 or later) without an error or a warning;
 //     GPT-2 124M's module compiles cold and a second compile is a cache hit (times printed, not
 //     asserted); a changed source or another arch misses the cache; a module that does not compile
 //     comes back with NVRTC's error; SHA-256 against FIPS 180-2 vectors.
@@ -260,8 +260,9 @@ static void *compile_job(void *p) {
   return NULL;
 }
 
-// The module compiles for sm_80, sm_86, sm_89 and sm_90 (two at a time) without an error or a warning
-// (ptxas's too: a kernel asking for more threads an SM than sm_86 and sm_89 hold is one).
+// The module compiles for sm_80, sm_86, sm_89 and sm_90, and bf16 fused for sm_100 and sm_120 too (two
+// at a time) without an error or a warning (ptxas's too: a kernel asking for more threads an SM than
+// sm_86, sm_89 or sm_120 hold is one).
 static void test_nvrtc_model(const char *path, const char *label, bool fused, DType prec) {
   Arena *a = arena_new();
   Model md = {.path = path};
@@ -281,9 +282,15 @@ static void test_nvrtc_model(const char *path, const char *label, bool fused, DT
     arena_free(a);
     return;
   }
-  Job jobs[4] = {{.src = p->source, .arch = "sm_80"}, {.src = p->source, .arch = "sm_90"},
-                 {.src = p->source, .arch = "sm_86"}, {.src = p->source, .arch = "sm_89"}};
-  for (int i = 0; i < 4; i += 2) {
+  // (the Blackwell archs, sm_100 with 2048 threads an SM and sm_120 with 1536, for the models as they
+  // train by default: bf16 and fused)
+  Job jobs[6] = {{.src = p->source, .arch = "sm_80"},  {.src = p->source, .arch = "sm_90"},
+                 {.src = p->source, .arch = "sm_86"},  {.src = p->source, .arch = "sm_89"},
+                 {.src = p->source, .arch = "sm_100"}, {.src = p->source, .arch = "sm_120"}};
+  int major = 0, minor = 0;
+  bool blackwell = nvrtc_version(&major, &minor) && (major > 12 || (major == 12 && minor >= 8)); // (NVRTC 12.8+)
+  int njobs = fused && prec == DT_BF16 && blackwell ? 6 : 4;
+  for (int i = 0; i < njobs; i += 2) {
     pthread_t th;
     bool threaded = pthread_create(&th, NULL, compile_job, &jobs[i]) == 0;
     if (!threaded)
@@ -292,7 +299,7 @@ static void test_nvrtc_model(const char *path, const char *label, bool fused, DT
     if (threaded)
       pthread_join(th, NULL);
   }
-  for (int i = 0; i < 4; i++) {
+  for (int i = 0; i < njobs; i++) {
     NvrtcResult *r = &jobs[i].r;
     snprintf(name, sizeof name, "nvrtc %s %s %s %s compiles (%d kernels, %s)", label, prec_name(prec),
              fused ? "fused" : "unfused", jobs[i].arch, p->nkernels,
