@@ -506,7 +506,7 @@ typedef struct {
   bool tune_kernels;  // time the kernels that have a variant against it (engine_cuda's tune_kernels)
   bool *alt;          // per CudaPlan.launches: runs the kernel's variant (CudaLaunch.alt)
   int variants, on_alt; // distinct kernels with a variant, and how many of them run it
-  char timed[1024];     // each such kernel's time and its variant's, when timed ("name 0.262 / 0.231 ms")
+  char timed[1024];     // each such kernel's time and its variant's, when timed ("kN_x 0.262, _w4 0.231 ms")
   CUfunction *fns;    // per CudaPlan.launches (NULL for a GEMM)
   CUgraph graph;
   CUgraphExec exec;
@@ -940,7 +940,6 @@ static bool init_gemms(CudaEngine *ce, const Fusion *f, char *err, size_t n) {
   return ok && CU(err, n, cuStreamSynchronize, ce->stream);
 }
 
-// Launch i of the plan (a kernel or a GEMM) on the stream.
 // The kernel that launch i runs: the plan's, or its variant where that was timed faster.
 static const char *launch_kernel(const CudaEngine *ce, int i) {
   const CudaLaunch *l = &ce->plan->launches[i];
