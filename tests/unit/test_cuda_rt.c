@@ -15,7 +15,11 @@
 //     with their aux output, f32 or bf16 A and B, f32 or bf16 D) independently of how cuda.c maps
 //     our row-major GEMMs onto them, and counts the element types each GEMM is described with. Its
 //     heuristic offers three candidates per GEMM, the first made slower than the others: the engine,
-//     which times them when it is built, must replay none of its GEMMs on that one.
+//     which times them when it is built, must replay none of its GEMMs on that one. Its events read a
+//     device clock that each operation advances (a slow one more), so timings do not depend on the
+//     host's load. Kernel variants (attention's two block sizes, gpt2-tiny bf16): with the plan's
+//     kernels made slow the engine replays the variants, with the variants slow the plan's own; with
+//     kernel tuning off, or a variant that fails to launch, the plan's own.
 //     engine_cuda then trains on the CPU: it starts from exactly the interpreter's parameters;
 //     after one step the loss and every gradient agree with the interpreter within 1e-5
 //     (max |cuda - interp| / max |interp| per tensor), and the parameters after 4 steps within 5e-4
@@ -1161,6 +1165,18 @@ static void profile_checks(const char *label, const Compiled *c, const Counters 
 // declines. inputs_from, where the graph has an f32 input and a gradient of its size: the first
 // engine's gradient after one batch, then added after another, is the host's sum of the two bit for
 // bit; a step of the second keeps it (its staged inputs no longer cover it); set_input replaces it.
+// Is `name` one of the comma-separated names of `list`?
+static bool in_list(const char *list, const char *name) {
+  size_t n = strlen(name);
+  for (const char *p = list; *p;) {
+    size_t len = strcspn(p, ",");
+    if (len == n && !strncmp(p, name, n))
+      return true;
+    p += len + (p[len] == ',');
+  }
+  return false;
+}
+
 // One step of a fresh engine (tune_kernels as given) with the kernels named in `slow` made slower
 // by the fake when they run at once; the replayed launches of those kernels in *replayed.
 static bool slow_step(const Compiled *c, const Counters *k, const char *slow, bool tune, long *replayed, char *why,
@@ -1192,7 +1208,7 @@ static void variant_checks(const char *label, const Compiled *c, const Counters 
     if (!l->alt)
       continue;
     with++;
-    if (!strstr(own, l->kernel)) {
+    if (!in_list(own, l->kernel)) { // (the layers launch one kernel each: listed once)
       snprintf(own + strlen(own), sizeof own - strlen(own), "%s%s", *own ? "," : "", l->kernel);
       snprintf(alt + strlen(alt), sizeof alt - strlen(alt), "%s%s", *alt ? "," : "", l->alt);
     }
