@@ -42,6 +42,21 @@
 //   - With a real driver and device: the no-driver checks are skipped, and gpt2-tiny (B=2, T=16) runs
 //     one step on the GPU and on the interpreter from the same parameters and batch: the loss and
 //     every gradient agree within 1e-4 relative; with bf16 GEMM operands, within 2e-3 in L2.
+#include <stdbool.h>
+#include <string.h>
+
+// (both halves) Is `name` one of the comma-separated names of `list`?
+static bool in_list(const char *list, const char *name) {
+  size_t n = strlen(name);
+  for (const char *p = list; *p;) {
+    size_t len = strcspn(p, ",");
+    if (len == n && !strncmp(p, name, n))
+      return true;
+    p += len + (p[len] == ',');
+  }
+  return false;
+}
+
 #ifdef MDL_FAKE_GPU
 // The emulated GPU: this half of the file is C++, compiled by the test (g++ -DMDL_FAKE_GPU -include
 // runtime/cuda_emu.h) with an emitted module (MDL_MODULE) and the list of its kernels (MDL_KERNELS,
@@ -319,17 +334,7 @@ CUresult cuStreamDestroy_v2(Stream *s) {
 }
 CUresult cuStreamSynchronize(Stream *s) { return s->capturing ? 1 : 0; }
 // Is kernel `name` in the list of environment variable `var` (names separated by commas)?
-static bool listed(const char *var, const char *name) {
-  size_t n = strlen(name);
-  for (const char *p = getenv(var); p && *p;) {
-    const char *end = strchr(p, ',');
-    size_t len = end ? (size_t)(end - p) : strlen(p);
-    if (len == n && !strncmp(p, name, n))
-      return true;
-    p += len + (end != NULL);
-  }
-  return false;
-}
+static bool listed(const char *var, const char *name) { return getenv(var) && in_list(getenv(var), name); }
 CUresult cuLaunchKernel(void *fn, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz,
                         unsigned shared, Stream *s, void **params, void **extra) {
   size_t k = (size_t)fn - 1;
@@ -1165,18 +1170,6 @@ static void profile_checks(const char *label, const Compiled *c, const Counters 
 // declines. inputs_from, where the graph has an f32 input and a gradient of its size: the first
 // engine's gradient after one batch, then added after another, is the host's sum of the two bit for
 // bit; a step of the second keeps it (its staged inputs no longer cover it); set_input replaces it.
-// Is `name` one of the comma-separated names of `list`?
-static bool in_list(const char *list, const char *name) {
-  size_t n = strlen(name);
-  for (const char *p = list; *p;) {
-    size_t len = strcspn(p, ",");
-    if (len == n && !strncmp(p, name, n))
-      return true;
-    p += len + (p[len] == ',');
-  }
-  return false;
-}
-
 // One step of a fresh engine (tune_kernels as given) with the kernels named in `slow` made slower
 // by the fake when they run at once; the replayed launches of those kernels in *replayed.
 static bool slow_step(const Compiled *c, const Counters *k, const char *slow, bool tune, long *replayed, char *why,
