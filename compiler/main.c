@@ -373,19 +373,11 @@ static const char *backend_of(const Options *o) {
   return chosen;
 }
 
-// The dense bf16 peak of the GPU MFU is measured against (the published figures of the SXM parts),
-// or its fp32 peak when it is not one we know, from the SM count (128 fp32 FMA lanes per SM at 1.7 GHz).
+// The dense bf16 peak of the GPU MFU is measured against (cuda_bf16_peak).
 static void gpu_peak(const CudaDevice *d, Engine *e) {
-  if (!strcmp(d->arch, "sm_90")) {
-    e->peak_flops = 989e12;
-    e->peak_how = "989 TFLOP/s: H100/H200 SXM bf16 dense peak";
-  } else if (!strcmp(d->arch, "sm_80")) {
-    e->peak_flops = 312e12;
-    e->peak_how = "312 TFLOP/s: A100 SXM bf16 dense peak";
-  } else {
-    e->peak_flops = (double)d->sm_count * 128 * 2 * 1.7e9;
-    e->peak_how = "fp32 peak estimated as SMs x 128 lanes x 2 x 1.7 GHz";
-  }
+  char how[160];
+  e->peak_flops = cuda_bf16_peak(d, how, sizeof how);
+  e->peak_how = arena_strdup(e->g->arena, how);
 }
 
 // With `report`, one line on what was compiled.

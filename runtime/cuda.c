@@ -250,6 +250,45 @@ bool cuda_available(char *why, size_t n) {
   return true;
 }
 
+// The bf16 dense tensor-core peaks of devices by name (NVIDIA's figures, without sparsity), most
+// specific names first: a name matches where it ends at the end of the device's or before a space.
+static const struct {
+  const char *name;
+  double tflops;
+  const char *what;
+} device_peaks[] = {
+    {"H100 PCIe", 756, "H100 PCIe"}, {"H100 NVL", 835, "H100 NVL"},   {"GH200", 989, "GH200"},
+    {"H200", 989, "H200"},           {"H100", 989, "H100 SXM"},       {"H800", 989, "H800"},
+    {"H20", 148, "H20"},             {"B200", 2250, "B200"},          {"B100", 1750, "B100"},
+    {"A100", 312, "A100"},           {"A800", 312, "A800"},           {"A10", 125, "A10"},
+    {"L40S", 362, "L40S"},           {"L40", 181, "L40"},             {"L4", 121, "L4"},
+    {"RTX 4090", 165, "RTX 4090"},
+};
+
+// Does `name` appear in `device` as a whole word ("H20" not in "H200")?
+static bool names(const char *device, const char *name) {
+  size_t n = strlen(name);
+  for (const char *p = strstr(device, name); p; p = strstr(p + 1, name))
+    if ((p == device || p[-1] == ' ') && (p[n] == 0 || p[n] == ' ' || p[n] == '-'))
+      return true;
+  return false;
+}
+
+double cuda_bf16_peak(const CudaDevice *d, char *how, size_t n) {
+  for (size_t i = 0; i < sizeof device_peaks / sizeof *device_peaks; i++)
+    if (names(d->name, device_peaks[i].name)) {
+      snprintf(how, n, "%.0f TFLOP/s: %s bf16 dense peak", device_peaks[i].tflops, device_peaks[i].what);
+      return device_peaks[i].tflops * 1e12;
+    }
+  // Otherwise the arch's bf16 tensor-core flops per SM and clock (with f32 accumulation: the consumer
+  // parts of sm_86, sm_89 and sm_120 at half their datacenter siblings' rate), at 1.7 GHz.
+  int cc = atoi(d->arch + 3), major = cc / 10, minor = cc % 10; // ("sm_90": 9.0, "sm_120": 12.0)
+  int per_sm = major >= 10 && major < 11 ? 8192 : major == 9 ? 4096 : major == 8 && minor == 0 ? 2048 : 512;
+  snprintf(how, n, "%.0f TFLOP/s: bf16 dense peak estimated as %d SMs x %d flops a clock x 1.7 GHz (%s)",
+           d->sm_count * per_sm * 1.7e9 / 1e12, d->sm_count, per_sm, d->arch);
+  return d->sm_count * per_sm * 1.7e9;
+}
+
 //
 // cuBLASLt: the few types and functions we use (from cublasLt.h).
 //

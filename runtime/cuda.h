@@ -23,6 +23,10 @@ bool cuda_probe(char *why, size_t n);
 bool cuda_device(CudaDevice *d, char *why, size_t n);
 // cuda_probe and NVRTC both there: the CUDA back end can run. `why` as for cuda_probe.
 bool cuda_available(char *why, size_t n);
+// The bf16 dense tensor-core peak (flop/s) MFU is measured against on device d: NVIDIA's figure for the
+// devices it knows by name (H100, H200, A100, B200, L40S, ...), else an estimate from the arch and the
+// SMs; what it is in `how`.
+double cuda_bf16_peak(const CudaDevice *d, char *how, size_t n);
 
 // The CUDA back end for a step plan: parameters initialised from the seed as the interpreter does;
 // with tune_gemms, each GEMM on the fastest of cuBLASLt's candidates (timed when it is built), else

@@ -1498,6 +1498,36 @@ static void gpu_checks(void) {
   }
 }
 
+// MFU's peak by device: NVIDIA's bf16 dense figure for the names it knows, as whole words (an H20 is
+// no H200, an A10 no A100), else an estimate from the arch and the SMs that says it is one.
+static void peak_checks(void) {
+  static const struct {
+    const char *name, *arch;
+    int sms;
+    double tflops;
+    const char *says;
+  } cases[] = {
+      {"NVIDIA H100 80GB HBM3", "sm_90", 132, 989, "H100 SXM"}, {"NVIDIA H100 PCIe", "sm_90", 114, 756, "H100 PCIe"},
+      {"NVIDIA H200", "sm_90", 132, 989, "H200"},               {"NVIDIA H20", "sm_90", 78, 148, "H20 bf16"},
+      {"NVIDIA A100-SXM4-80GB", "sm_80", 108, 312, "A100"},     {"NVIDIA A10", "sm_86", 72, 125, "A10 bf16"},
+      {"NVIDIA L4", "sm_89", 58, 121, "L4 bf16"},               {"NVIDIA L40S", "sm_89", 142, 362, "L40S"},
+      {"NVIDIA B200", "sm_100", 148, 2250, "B200"},
+      {"NVIDIA RTX PRO 6000 Blackwell", "sm_120", 188, 188 * 512 * 1.7e-3, "estimated as 188 SMs x 512 flops"},
+      {"Some Future GPU", "sm_100", 100, 100 * 8192 * 1.7e-3, "estimated as 100 SMs x 8192 flops"},
+  };
+  for (size_t i = 0; i < sizeof cases / sizeof *cases; i++) {
+    CudaDevice d = {.sm_count = cases[i].sms};
+    snprintf(d.name, sizeof d.name, "%s", cases[i].name);
+    snprintf(d.arch, sizeof d.arch, "%s", cases[i].arch);
+    char how[160], name[256];
+    double peak = cuda_bf16_peak(&d, how, sizeof how);
+    snprintf(name, sizeof name, "cuda: MFU's peak on %s (%s): %.0f TFLOP/s", cases[i].name,
+             cases[i].arch, cases[i].tflops);
+    CHECK(fabs(peak - cases[i].tflops * 1e12) < 1e9 && contains(how, cases[i].says), name, "%.0f TFLOP/s, \"%s\"",
+          peak / 1e12, how);
+  }
+}
+
 int main(void) {
   unsetenv("MDL_LIBCUDA");
   unsetenv("MDL_LIBCUBLASLT");
@@ -1521,6 +1551,7 @@ int main(void) {
     no_driver_checks();
   }
   probe_checks();
+  peak_checks();
   if (!nvrtc_available(why, sizeof why)) {
     printf("[skip] cuda: the emulated GPU: %s\n", why);
   } else if (system("g++ --version >/dev/null 2>&1") != 0) {
