@@ -56,7 +56,8 @@ check "stage 6 runs the model with --no-kernel-tuning and says what kernel tunin
   grep -qE '^tokens/s [1-9][0-9]* with --no-kernel-tuning \(mean of steps 4 to 11\); kernel tuning is worth '\
 '[0-9]+\.[0-9]{2}x here$' "$r"
 check "stage 7 trains at B=16, 32 and 64 and reads tokens/s, MFU and the peak from each" \
-  [ "$(grep -cE '^tokens/s [1-9][0-9]* at B=(16|32|64) T=64 \(mean of steps 4 to 11\), MFU [0-9.]+% of 989 TFLOP/s; peak [0-9]+ MB' "$r")" -eq 3 ]
+  [ "$(grep -cE '^tokens/s [1-9][0-9]* at B=(16|32|64) T=64 \(mean of steps 4 to 11\), MFU [0-9.]+% of 989 '\
+'TFLOP/s; peak [0-9]+ MB' "$r")" -eq 3 ]
 
 mkdir -p "$tmp/b"
 GPU_CHECK_BACKEND=cpu GPU_CHECK_REFERENCE=interp GPU_CHECK_TOL=1e-9 GPU_CHECK_TOL_BF16=1e-9 OUT="$tmp/b" \
