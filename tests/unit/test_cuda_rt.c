@@ -64,6 +64,7 @@ static bool in_list(const char *list, const char *name) {
 // Device memory is host memory; every call runs at once except on a capturing stream, where kernel
 // launches, memsets and GEMMs are recorded into the graph that cuGraphLaunch replays. It exports no
 // cuGetProcAddress, so the runtime finds its entry points under their versioned names.
+#include <utility>
 #include <vector>
 
 #include MDL_MODULE
@@ -104,45 +105,27 @@ struct Rec {
   Gemm gemm;
 };
 
-template <class A, class S, class U, class C, class O> void store(void (*)(A, S, U, C, O), void **p, Rec *r) {
-  static_assert(sizeof(O) <= sizeof r->args[4], "kernel arguments too large");
-  memcpy(r->args[0], p[0], sizeof(A));
-  memcpy(r->args[1], p[1], sizeof(S));
-  memcpy(r->args[2], p[2], sizeof(U));
-  memcpy(r->args[3], p[3], sizeof(C));
-  memcpy(r->args[4], p[4], sizeof(O));
+// A kernel's parameters, copied into the record at launch (cuLaunchKernel's params: one pointer a
+// parameter) and passed back when it runs: the plan's kernels (arena, status, seed, chunk, args) and
+// the prelude's mdl_accumulate (y, x, n) alike.
+template <class... P> void store(void (*)(P...), void **p, Rec *r) {
+  static_assert(sizeof...(P) <= sizeof r->args / sizeof *r->args, "too many kernel parameters");
+  static_assert(((sizeof(P) <= sizeof *r->args) && ...), "a kernel argument too large");
+  size_t i = 0;
+  ((memcpy(r->args[i], p[i], sizeof(P)), i++), ...);
 }
 
-template <class A, class S, class U, class C, class O> void call(void (*f)(A, S, U, C, O), const Rec *r) {
-  A a;
-  S s;
-  U u;
-  C c;
-  O o;
-  memcpy(&a, r->args[0], sizeof a);
-  memcpy(&s, r->args[1], sizeof s);
-  memcpy(&u, r->args[2], sizeof u);
-  memcpy(&c, r->args[3], sizeof c);
-  memcpy(&o, r->args[4], sizeof o);
-  f(a, s, u, c, o);
+template <class T> T arg(const unsigned char *at) {
+  T v;
+  memcpy(&v, at, sizeof v);
+  return v;
 }
 
-// The prelude's mdl_accumulate, the one kernel of another signature (the runtime's, not the plan's).
-template <class Y, class X, class N> void store(void (*)(Y, X, N), void **p, Rec *r) {
-  memcpy(r->args[0], p[0], sizeof(Y));
-  memcpy(r->args[1], p[1], sizeof(X));
-  memcpy(r->args[2], p[2], sizeof(N));
+template <class... P, size_t... I> void call(void (*f)(P...), const Rec *r, std::index_sequence<I...>) {
+  f(arg<P>(r->args[I])...);
 }
 
-template <class Y, class X, class N> void call(void (*f)(Y, X, N), const Rec *r) {
-  Y y;
-  X x;
-  N n;
-  memcpy(&y, r->args[0], sizeof y);
-  memcpy(&x, r->args[1], sizeof x);
-  memcpy(&n, r->args[2], sizeof n);
-  f(y, x, n);
-}
+template <class... P> void call(void (*f)(P...), const Rec *r) { call(f, r, std::index_sequence_for<P...>{}); }
 
 struct Kernel {
   const char *name;
