@@ -266,7 +266,7 @@ static const struct {
 };
 
 // Does `name` appear in `device` as a whole word ("H20" not in "H200")?
-static bool names(const char *device, const char *name) {
+static bool device_is(const char *device, const char *name) {
   size_t n = strlen(name);
   for (const char *p = strstr(device, name); p; p = strstr(p + 1, name))
     if ((p == device || p[-1] == ' ') && (p[n] == 0 || p[n] == ' ' || p[n] == '-'))
@@ -276,7 +276,7 @@ static bool names(const char *device, const char *name) {
 
 double cuda_bf16_peak(const CudaDevice *d, char *how, size_t n) {
   for (size_t i = 0; i < sizeof device_peaks / sizeof *device_peaks; i++)
-    if (names(d->name, device_peaks[i].name)) {
+    if (device_is(d->name, device_peaks[i].name)) {
       snprintf(how, n, "%.0f TFLOP/s: %s bf16 dense peak", device_peaks[i].tflops, device_peaks[i].what);
       return device_peaks[i].tflops * 1e12;
     }
