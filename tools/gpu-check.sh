@@ -292,34 +292,54 @@ if [ $rc -eq 0 ]; then
     status=1
   fi
 fi
+# Twelve steps of the model at batch B, with FLAG if one is given, into LOG (no validation, no checkpoint).
+twelve() { # twelve B LOG [FLAG]
+  local b=$1 log=$2
+  shift 2
+  rm -rf "$tmp/twelve" # (its checkpoint: a run would take a folder that has one for another's to resume)
+  timeout 240 "$mdlc" run models/gpt2.mdl --backend "$backend" --steps 12 $dims -D B="$b" -D T="$T" \
+    --val-every 0 --ckpt-every 0 "$@" --data "$tmp/shards" --out "$tmp/twelve" >"$log" 2>&1
+}
+# From a run's LOG, tab-separated: the mean tokens/s of steps 4 to 11, how many steps that is, the model
+# flops of a step and mdlc's peak memory; a failure when no step was timed.
+steps_mean() {
+  awk '
+    /^MFU = model flops/ && match($0, /[0-9.]+e[+-][0-9]+ per step/) { flops = substr($0, RSTART, RLENGTH) + 0 }
+    /^step .*tok\/s/ {
+      n = split($0, f, "|")
+      split(f[1], a, /[ \/]+/)
+      for (i = 1; i <= n; i++) {
+        if (f[i] ~ /tok\/s/) { v = f[i]; gsub(/[^0-9.]/, "", v); tps = v + 0 }
+        if (f[i] ~ /peak/) { v = f[i]; sub(/^ *peak */, "", v); sub(/ *$/, "", v); peak = v }
+      }
+      if (a[2] + 0 > 3 && a[2] + 0 < a[3] + 0) { sum += tps; k++ }
+    }
+    END {
+      if (k == 0) exit 1
+      printf "%.0f\t%d\t%g\t%s\n", sum / k, k, flops, peak
+    }' "$1"
+}
+
 # What an optimisation is worth here: 12 steps of the same model with it switched off (FLAG), their
 # tokens/s beside the fused, tuned run's: --no-fuse (a kernel per IR node, the LM head not chunked),
 # then --no-gemm-tuning (each GEMM on cuBLASLt's first choice, untimed), then --no-kernel-tuning (each
 # attention kernel at its first block size, untimed).
 fused=$(sed -n 's/^tokens\/s \([0-9][0-9]*\) (mean of steps.*/\1/p' "$res" | head -1)
 worth() { # worth FLAG WHAT
-  local flag=$1 what=$2 log="$tmp/off.log"
+  local flag=$1 what=$2 log="$tmp/off.log" tps k flops peak
   say "== $model: 12 steps with $flag, B=$B T=$T"
-  if timeout 240 "$mdlc" run models/gpt2.mdl --backend "$backend" --steps 12 $dims -D B="$B" -D T="$T" \
-    --val-every 0 --ckpt-every 0 "$flag" --data "$tmp/shards" --out "$tmp/off${flag}" >"$log" 2>&1; then
-    grep -E '^cuda:' "$log" | tee -a "$res"
-    awk -v fused="$fused" -v flag="$flag" -v what="$what" '
-      /^step .*tok\/s/ {
-        n = split($0, f, "|")
-        split(f[1], a, /[ \/]+/)
-        for (i = 1; i <= n; i++)
-          if (f[i] ~ /tok\/s/) { v = f[i]; gsub(/[^0-9.]/, "", v) }
-        if (a[2] + 0 > 3 && a[2] + 0 < a[3] + 0) { sum += v; k++ }
-      }
-      END {
-        if (k == 0) { print "no timed steps in the log"; exit 1 }
-        printf "tokens/s %.0f with %s (mean of steps 4 to %d); %s is worth %.2fx here\n", sum / k, flag, 3 + k, what,
-          fused / (sum / k)
-      }' "$log" | tee -a "$res"
-    [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
-  else
+  if ! twelve "$B" "$log" "$flag"; then
     tail -12 "$log" | tee -a "$res"
     say "mdlc run $flag failed"
+    status=1
+    return
+  fi
+  grep -E '^cuda:' "$log" | tee -a "$res"
+  if IFS=$'\t' read -r tps k flops peak < <(steps_mean "$log"); then
+    say "$(awk -v t="$tps" -v k="$k" -v fused="$fused" -v flag="$flag" -v what="$what" 'BEGIN {
+      printf "tokens/s %.0f with %s (mean of steps 4 to %d); %s is worth %.2fx here", t, flag, 3 + k, what, fused / t }')"
+  else
+    say "no timed steps in the log"
     status=1
   fi
 }
@@ -335,25 +355,15 @@ if [ $rc -eq 0 ]; then
   for big in 16 32 64; do
     say "== $model: 12 steps at B=$big T=$T"
     log="$tmp/big.log"
-    if timeout 240 "$mdlc" run models/gpt2.mdl --backend "$backend" --steps 12 $dims -D B="$big" -D T="$T" \
-      --val-every 0 --ckpt-every 0 --data "$tmp/shards" --out "$tmp/big$big" >"$log" 2>&1; then
-      awk -v B="$big" -v T="$T" '
-        /^MFU = model flops/ && match($0, /[0-9.]+e[+-][0-9]+ per step/) { flops = substr($0, RSTART, RLENGTH) + 0 }
-        /^step .*tok\/s/ {
-          n = split($0, f, "|")
-          split(f[1], a, /[ \/]+/)
-          for (i = 1; i <= n; i++) {
-            if (f[i] ~ /tok\/s/) { v = f[i]; gsub(/[^0-9.]/, "", v); tps = v + 0 }
-            if (f[i] ~ /peak/) { v = f[i]; sub(/^ *peak */, "", v); sub(/ *$/, "", v); peak = v }
-          }
-          if (a[2] + 0 > 3 && a[2] + 0 < a[3] + 0) { sum += tps; k++ }
-        }
-        END {
-          if (k == 0 || flops == 0) { print "no timed steps in the log"; exit 1 }
-          printf "tokens/s %.0f at B=%d T=%d (mean of steps 4 to %d), MFU %.2f%% of 989 TFLOP/s; peak %s\n", \
-            sum / k, B, T, 3 + k, 100 * sum / k * flops / (B * T) / 989e12, peak
-        }' "$log" | tee -a "$res"
-      [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+    if twelve "$big" "$log"; then
+      if IFS=$'\t' read -r tps k flops peak < <(steps_mean "$log") && [ "$flops" != 0 ]; then
+        say "$(awk -v t="$tps" -v k="$k" -v f="$flops" -v B="$big" -v T="$T" -v peak="$peak" 'BEGIN {
+          printf "tokens/s %.0f at B=%d T=%d (mean of steps 4 to %d), MFU %.2f%% of 989 TFLOP/s; peak %s", t, B, T,
+            3 + k, 100 * t * f / (B * T) / 989e12, peak }')"
+      else
+        say "no timed steps in the log"
+        status=1
+      fi
     elif grep -q OUT_OF_MEMORY "$log"; then
       say "B=$big does not fit in device memory"
       break
