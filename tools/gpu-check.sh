@@ -337,7 +337,8 @@ worth() { # worth FLAG WHAT
   grep -E '^cuda:' "$log" | tee -a "$res"
   if IFS=$'\t' read -r tps k flops peak < <(steps_mean "$log"); then
     say "$(awk -v t="$tps" -v k="$k" -v fused="$fused" -v flag="$flag" -v what="$what" 'BEGIN {
-      printf "tokens/s %.0f with %s (mean of steps 4 to %d); %s is worth %.2fx here", t, flag, 3 + k, what, fused / t }')"
+      printf "tokens/s %.0f with %s (mean of steps 4 to %d); %s is worth %.2fx here", t, flag, 3 + k, what,
+        fused / t }')"
   else
     say "no timed steps in the log"
     status=1

@@ -49,9 +49,11 @@ check "stage 5 writes the profile and sorts its kernels into kinds" \
     grep -qE "kernels: attention$" "$r" && grep -qE "kernels: optimizer$" "$r" && grep -qE "kernels: LM head$" "$r"'
 
 check "stage 6 runs the model unfused and says what fusion is worth" \
-  grep -qE '^tokens/s [1-9][0-9]* with --no-fuse \(mean of steps 4 to 11\); fusion is worth [0-9]+\.[0-9]{2}x here$' "$r"
+  grep -qE '^tokens/s [1-9][0-9]* with --no-fuse \(mean of steps 4 to 11\); fusion is worth '\
+'[0-9]+\.[0-9]{2}x here$' "$r"
 check "stage 6 runs the model with --no-gemm-tuning and says what GEMM tuning is worth" \
-  grep -qE '^tokens/s [1-9][0-9]* with --no-gemm-tuning \(mean of steps 4 to 11\); GEMM tuning is worth [0-9]+\.[0-9]{2}x here$' "$r"
+  grep -qE '^tokens/s [1-9][0-9]* with --no-gemm-tuning \(mean of steps 4 to 11\); GEMM tuning is worth '\
+'[0-9]+\.[0-9]{2}x here$' "$r"
 check "stage 6 runs the model with --no-kernel-tuning and says what kernel tuning is worth" \
   grep -qE '^tokens/s [1-9][0-9]* with --no-kernel-tuning \(mean of steps 4 to 11\); kernel tuning is worth '\
 '[0-9]+\.[0-9]{2}x here$' "$r"
