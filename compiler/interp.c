@@ -78,15 +78,17 @@ static double rnd(const Interp *it, double v) { return it->prec == INTERP_F32 ? 
 
 double *interp_param(Interp *it, int param_node) { return it->val[param_node]; }
 
+void interp_init_param(Interp *it, uint64_t seed, int k) {
+  int id = it->g->params[k];
+  const ParamInit *pi = &it->g->nodes[id]->init;
+  double *p = it->val[id];
+  for (int64_t i = 0; i < it->numel[id]; i++)
+    p[i] = rnd(it, mdl_param_init(pi, seed, k, i));
+}
+
 void interp_init_params(Interp *it, uint64_t seed) {
-  const Graph *g = it->g;
-  for (int k = 0; k < g->nparams; k++) {
-    int id = g->params[k];
-    const ParamInit *pi = &g->nodes[id]->init;
-    double *p = it->val[id];
-    for (int64_t i = 0; i < it->numel[id]; i++)
-      p[i] = rnd(it, mdl_param_init(pi, seed, k, i));
-  }
+  for (int k = 0; k < it->g->nparams; k++)
+    interp_init_param(it, seed, k);
 }
 
 bool interp_set_input(Interp *it, const char *name, const int32_t *ids, const float *f, int64_t n) {

@@ -290,6 +290,7 @@ void interp_free(Interp *it);
 // Values live as doubles; in INTERP_F32 each op's result is rounded to float.
 double *interp_param(Interp *it, int param_node);   // the parameter's values (read/write)
 void interp_init_params(Interp *it, uint64_t seed); // from each ParamInit
+void interp_init_param(Interp *it, uint64_t seed, int k); // parameter k (g->params[k]) alone
 bool interp_set_input(Interp *it, const char *name, const int32_t *ids, const float *f, int64_t n);
 void interp_set_scalar(Interp *it, const char *name, double v); // "lr", "step"
 void interp_set_seed(Interp *it, uint64_t seed);                 // dropout masks

@@ -81,6 +81,8 @@ void cpu_bf16_from_f32(const float *x, uint16_t *y, int64_t n);
 void cpu_round_copy(const Graph *g, const MemPlan *m, char *arena, int param);
 // Parameters initialised exactly as interp_init_params does, with their copies.
 void cpu_init_params(const Graph *g, const MemPlan *m, char *arena, uint64_t seed);
+void cpu_init_param(const Graph *g, const MemPlan *m, char *arena, uint64_t seed, int k); // g->params[k] alone
+void cpu_draw_param(const Graph *g, uint64_t seed, int k, float *x); // its values into x, no copy
 // Parameters and AdamW moments between the interpreter and the arena (rounded to float on the way in;
 // the copies follow).
 void cpu_params_from_interp(const Graph *g, const MemPlan *m, char *arena, Interp *it);

@@ -555,6 +555,7 @@ typedef struct {
   int ndevice;        // how many
   CUfunction accumulate; // the prelude's mdl_accumulate (y += x), for inputs_from
   uint64_t seed;      // the next step's seed (Engine.set_seed), copied to seed_dev before the step
+  ParamDraw draw;     // the initial parameters still to be drawn (on the host) and sent up
   CUevent *marks;         // --profile: an event before each launch, and one at the end
   int nmarks;
   double *launch_seconds; //   each launch's time, summed over the steps after the first
@@ -701,10 +702,56 @@ static bool send_staged(CudaEngine *ce, char *err, size_t n) {
   return true;
 }
 
+// A node's values sent up; a parameter's bf16 copy (MemPlan.copy_of) rounded here, as cpu_round_copy
+// does, and sent along.
+static bool write_node(CudaEngine *ce, int node, const float *src, char *err, size_t n) {
+  int64_t count = shape_numel(ce->e.g->nodes[node]->shape);
+  int c = ce->e.g->nodes[node]->op == OP_PARAM ? ce->m->copy_of[node] : -1;
+  if (ce->m->offset[node] >= 0 && !upload(ce, ce->m->offset[node], src, sizeof(float) * (size_t)count, err, n))
+    return false;
+  if (c < 0)
+    return true;
+  uint16_t *y = malloc(sizeof *y * (size_t)(count ? count : 1));
+  if (!y)
+    return rt_fail(err, n, "out of host memory");
+  cpu_bf16_from_f32(src, y, count);
+  bool ok = upload(ce, ce->m->offset[c], y, sizeof *y * (size_t)count, err, n);
+  free(y);
+  return ok;
+}
+
+// The parameters still to be drawn (ParamDraw), each drawn on the host as the interpreter draws it
+// and sent up as a write sends it.
+typedef struct {
+  CudaEngine *ce;
+  char *err;
+  size_t n;
+} CuDraw;
+
+static bool cu_draw(void *ctx, int k) {
+  CuDraw *d = ctx;
+  const Graph *g = d->ce->e.g;
+  int64_t count = shape_numel(g->nodes[g->params[k]]->shape);
+  float *x = malloc(sizeof *x * (size_t)(count ? count : 1));
+  if (!x)
+    return rt_fail(d->err, d->n, "out of host memory for the initial parameters");
+  cpu_draw_param(g, d->ce->draw.seed, k, x);
+  bool ok = write_node(d->ce, g->params[k], x, d->err, d->n);
+  free(x);
+  return ok;
+}
+
+static bool cu_params(CudaEngine *ce, char *err, size_t n) {
+  CuDraw d = {ce, err, n};
+  return param_draw_now(&ce->draw, cu_draw, &d);
+}
+
+static bool cu_draw_params(Engine *e, char *err, size_t n) { return cu_params((CudaEngine *)e, err, n); }
+
 static bool cu_step(Engine *e, char *err, size_t n) {
   CudaEngine *ce = (CudaEngine *)e;
   MdlStatus st;
-  if (!send_staged(ce, err, n) ||
+  if (!cu_params(ce, err, n) || !send_staged(ce, err, n) ||
       !CU(err, n, cuMemcpyHtoDAsync, ce->seed_dev, &ce->seed, sizeof ce->seed, ce->stream) ||
       !(e->profile ? profile_step(ce, err, n) : CU(err, n, cuGraphLaunch, ce->exec, ce->stream)) ||
       !download(ce, &st, ce->status, sizeof st, err, n))
@@ -723,7 +770,9 @@ static void cu_read(Engine *e, int node, float *dst) {
   int64_t count = shape_numel(e->g->nodes[node]->shape);
   bool bf16 = e->g->nodes[node]->dtype == DT_BF16;
   char err[256];
-  if (ce->m->offset[node] >= 0) {
+  if (!cu_params(ce, err, sizeof err))
+    fprintf(stderr, "mdlc: cuda: %s\n", err);
+  else if (ce->m->offset[node] >= 0) {
     if (download(ce, dst, ce->arena + (CUdeviceptr)ce->m->offset[node], (bf16 ? 2 : 4) * (size_t)count, err,
                  sizeof err)) {
       for (int64_t i = count - 1; bf16 && i >= 0; i--) {
@@ -740,25 +789,12 @@ static void cu_read(Engine *e, int node, float *dst) {
     dst[i] = NAN;
 }
 
-// A parameter's bf16 copy (MemPlan.copy_of) is rounded here, as cpu_round_copy does, and sent along.
 static void cu_write(Engine *e, int node, const float *src) {
   CudaEngine *ce = (CudaEngine *)e;
   char err[256];
-  int64_t n = shape_numel(e->g->nodes[node]->shape);
-  int c = e->g->nodes[node]->op == OP_PARAM ? ce->m->copy_of[node] : -1;
-  bool ok = ce->m->offset[node] < 0 ||
-            upload(ce, ce->m->offset[node], src, sizeof(float) * (size_t)n, err, sizeof err);
-  if (ok && c >= 0) {
-    uint16_t *y = malloc(sizeof *y * (size_t)(n ? n : 1));
-    if (!y) {
-      ok = rt_fail(err, sizeof err, "out of host memory");
-    } else {
-      cpu_bf16_from_f32(src, y, n);
-      ok = upload(ce, ce->m->offset[c], y, sizeof *y * (size_t)n, err, sizeof err);
-      free(y);
-    }
-  }
-  if (!ok)
+  if (write_node(ce, node, src, err, sizeof err))
+    param_draw_written(&ce->draw, e->g, node);
+  else
     fprintf(stderr, "mdlc: cuda: %s\n", err);
 }
 
@@ -779,7 +815,7 @@ static bool cu_take_params(Engine *e, Engine *from) {
       return false;
   }
   char err[256];
-  bool ok = true;
+  bool ok = cu_params(cf, err, sizeof err);
   for (int i = 0; ok && i < e->g->nparams; i++) {
     int p = e->g->params[i], q = from->g->params[i], c = ce->m->copy_of[p], cq = cf->m->copy_of[q];
     size_t count = (size_t)shape_numel(e->g->nodes[p]->shape);
@@ -789,7 +825,9 @@ static bool cu_take_params(Engine *e, Engine *from) {
                       cf->arena + (CUdeviceptr)cf->m->offset[cq], 2 * count, ce->stream));
   }
   ok = ok && CU(err, sizeof err, cuStreamSynchronize, ce->stream);
-  if (!ok)
+  if (ok)
+    param_draw_all_written(&ce->draw);
+  else
     fprintf(stderr, "mdlc: cuda: %s\n", err);
   return ok;
 }
@@ -863,6 +901,7 @@ static void cu_free(Engine *e) {
   free(ce->marks);
   free(ce->launch_seconds);
   free(ce->e.kernel_seconds);
+  param_draw_free(&ce->draw);
   free(ce);
 }
 
@@ -882,21 +921,9 @@ static bool driver_complete(char *err, size_t n) {
   return true;
 }
 
-// Parameters as the interpreter initialises them, and their bf16 copies, copied up; the rest of the
-// arena is zero.
-static bool init_arena(CudaEngine *ce, const Graph *g, uint64_t seed, char *err, size_t n) {
-  if (!CU(err, n, cuMemsetD8Async, ce->arena, 0, (size_t)ce->plan->arena_bytes, ce->stream))
-    return false;
-  size_t bytes = (size_t)(ce->m->copies + ce->m->copy_bytes);
-  char *host = calloc(bytes ? bytes : 1, 1);
-  if (!host)
-    return rt_fail(err, n, "out of host memory for the initial parameters (%zu bytes)", bytes);
-  cpu_init_params(g, ce->m, host, seed);
-  const MemPlan *m = ce->m;
-  bool ok = upload(ce, m->params, host + m->params, (size_t)m->param_bytes, err, n) &&
-            (!m->copy_bytes || upload(ce, m->copies, host + m->copies, (size_t)m->copy_bytes, err, n));
-  free(host);
-  return ok;
+// The arena zeroed; the parameters come when first needed (cu_params).
+static bool init_arena(CudaEngine *ce, char *err, size_t n) {
+  return CU(err, n, cuMemsetD8Async, ce->arena, 0, (size_t)ce->plan->arena_bytes, ce->stream);
 }
 
 // The staging area: the arena bytes from the first input or scalar to the end of the last.
@@ -1115,7 +1142,7 @@ Engine *engine_cuda(const Fusion *f, const MemPlan *m, uint64_t seed, bool tune_
   ce->tune_kernels = tune_kernels;
   ce->e = (Engine){.name = "cuda", .g = f->g, .fusion = f, .set_input = cu_set_input, .set_scalar = cu_set_scalar,
                    .set_seed = cu_set_seed, .step = cu_step, .read = cu_read, .write = cu_write, .free = cu_free,
-                   .take_params = cu_take_params, .inputs_from = cu_inputs_from,
+                   .take_params = cu_take_params, .draw_params = cu_draw_params, .inputs_from = cu_inputs_from,
                    .profile_launches = cu_profile_launches,
                    .kernel_seconds = calloc((size_t)f->nsteps + 1, sizeof(double))};
   if (!driver_device(&ce->dev, err, n) || !driver_complete(err, n) || !lt_open(err, n) ||
@@ -1140,6 +1167,7 @@ Engine *engine_cuda(const Fusion *f, const MemPlan *m, uint64_t seed, bool tune_
   ce->e.compile_seconds = cubin.seconds;
   double t0 = rt_now();
   size_t free0 = 0, total0 = 0;
+  param_draw_init(&ce->draw, f->g, seed);
   bool ok = CU(err, n, cuDevicePrimaryCtxRetain, &ce->ctx, ce->dev.ordinal) && CU(err, n, cuCtxSetCurrent, ce->ctx) &&
             CU(err, n, cuModuleLoadData, &ce->mod, cubin.cubin) &&
             CU(err, n, cuStreamCreate, &ce->stream, CU_STREAM_NON_BLOCKING) &&
@@ -1148,7 +1176,7 @@ Engine *engine_cuda(const Fusion *f, const MemPlan *m, uint64_t seed, bool tune_
             CU(err, n, cuMemAlloc, &ce->status, sizeof(MdlStatus)) &&
             CU(err, n, cuMemAlloc, &ce->seed_dev, sizeof ce->seed) &&
             upload_to(ce, ce->seed_dev, &ce->seed, sizeof ce->seed, err, n) &&
-            CU(err, n, cuMemAlloc, &ce->workspace, LT_WORKSPACE_BYTES) && init_arena(ce, f->g, seed, err, n) &&
+            CU(err, n, cuMemAlloc, &ce->workspace, LT_WORKSPACE_BYTES) && init_arena(ce, err, n) &&
             init_staging(ce, f->g, err, n) && init_gemms(ce, f, err, n) && tune_variants(ce, err, n) &&
             capture(ce, err, n);
   free(cubin.cubin);

@@ -10,12 +10,62 @@
 #include <string.h>
 
 //
+// Initial parameters, drawn when first needed.
+//
+void param_draw_init(ParamDraw *d, const Graph *g, uint64_t seed) {
+  *d = (ParamDraw){.seed = seed, .pending = malloc((size_t)(g->nparams ? g->nparams : 1)), .left = g->nparams};
+  if (!d->pending) {
+    fprintf(stderr, "mdlc: out of host memory\n");
+    exit(1);
+  }
+  memset(d->pending, 1, (size_t)g->nparams);
+}
+
+void param_draw_written(ParamDraw *d, const Graph *g, int node) {
+  for (int k = 0; d->left && k < g->nparams; k++)
+    if (g->params[k] == node && d->pending[k]) {
+      d->pending[k] = false;
+      d->left--;
+    }
+}
+
+void param_draw_all_written(ParamDraw *d) { d->left = 0; } // (pending is read only while left > 0)
+
+bool param_draw_now(ParamDraw *d, bool (*draw)(void *ctx, int k), void *ctx) {
+  for (int k = 0; d->left; k++)
+    if (d->pending[k]) {
+      if (!draw(ctx, k))
+        return false;
+      d->pending[k] = false;
+      d->left--;
+    }
+  return true;
+}
+
+void param_draw_free(ParamDraw *d) { free(d->pending); }
+
+//
 // The reference interpreter.
 //
 typedef struct {
   Engine e;
   Interp *it;
+  ParamDraw draw;
 } InterpEngine;
+
+static bool ie_draw(void *ctx, int k) {
+  InterpEngine *ie = ctx;
+  interp_init_param(ie->it, ie->draw.seed, k);
+  return true;
+}
+
+static void ie_params(InterpEngine *ie) { param_draw_now(&ie->draw, ie_draw, ie); }
+
+static bool ie_draw_params(Engine *e, char *err, size_t n) {
+  (void)err, (void)n;
+  ie_params((InterpEngine *)e);
+  return true;
+}
 
 static bool ie_set_input(Engine *e, const char *name, const int32_t *ids, const float *f, int64_t n) {
   return interp_set_input(((InterpEngine *)e)->it, name, ids, f, n);
@@ -25,7 +75,10 @@ static void ie_set_scalar(Engine *e, const char *name, double v) { interp_set_sc
 
 static void ie_set_seed(Engine *e, uint64_t seed) { interp_set_seed(((InterpEngine *)e)->it, seed); }
 
-static bool ie_step(Engine *e, char *err, size_t n) { return interp_run(((InterpEngine *)e)->it, e->g->n, err, n); }
+static bool ie_step(Engine *e, char *err, size_t n) {
+  ie_params((InterpEngine *)e);
+  return interp_run(((InterpEngine *)e)->it, e->g->n, err, n);
+}
 
 // PARAM and STATE nodes live in the interpreter's persistent storage; others are step values.
 static const double *ie_values(InterpEngine *ie, int node) {
@@ -34,6 +87,7 @@ static const double *ie_values(InterpEngine *ie, int node) {
 }
 
 static void ie_read(Engine *e, int node, float *dst) {
+  ie_params((InterpEngine *)e);
   const double *v = ie_values((InterpEngine *)e, node);
   int64_t n = shape_numel(e->g->nodes[node]->shape);
   for (int64_t i = 0; i < n; i++)
@@ -45,10 +99,12 @@ static void ie_write(Engine *e, int node, const float *src) {
   int64_t n = shape_numel(e->g->nodes[node]->shape);
   for (int64_t i = 0; i < n; i++)
     v[i] = src[i];
+  param_draw_written(&((InterpEngine *)e)->draw, e->g, node);
 }
 
 static void ie_free(Engine *e) {
   interp_free(((InterpEngine *)e)->it);
+  param_draw_free(&((InterpEngine *)e)->draw);
   free(e);
 }
 
@@ -56,10 +112,10 @@ Engine *engine_interp(const Graph *g, InterpPrecision prec, uint64_t seed) {
   InterpEngine *ie = calloc(1, sizeof *ie);
   ie->it = interp_new(g, prec);
   interp_set_seed(ie->it, seed);
-  interp_init_params(ie->it, seed);
+  param_draw_init(&ie->draw, g, seed);
   ie->e = (Engine){.name = prec == INTERP_F64 ? "interp (fp64)" : "interp (fp32)", .g = g,
                    .set_input = ie_set_input, .set_scalar = ie_set_scalar, .set_seed = ie_set_seed, .step = ie_step,
-                   .read = ie_read, .write = ie_write, .free = ie_free};
+                   .read = ie_read, .write = ie_write, .draw_params = ie_draw_params, .free = ie_free};
   return &ie->e;
 }
 
@@ -71,7 +127,22 @@ typedef struct {
   const MemPlan *m;
   CpuModule *cm;
   char *arena;
+  ParamDraw draw;
 } CpuEngine;
+
+static bool cpe_draw(void *ctx, int k) {
+  CpuEngine *ce = ctx;
+  cpu_init_param(ce->e.g, ce->m, ce->arena, ce->draw.seed, k);
+  return true;
+}
+
+static void cpe_params(CpuEngine *ce) { param_draw_now(&ce->draw, cpe_draw, ce); }
+
+static bool cpe_draw_params(Engine *e, char *err, size_t n) {
+  (void)err, (void)n;
+  cpe_params((CpuEngine *)e);
+  return true;
+}
 
 static bool ce_set_input(Engine *e, const char *name, const int32_t *ids, const float *f, int64_t n) {
   CpuEngine *ce = (CpuEngine *)e;
@@ -87,6 +158,7 @@ static void ce_set_seed(Engine *e, uint64_t seed) { ((CpuEngine *)e)->cm->hooks.
 
 static bool ce_step(Engine *e, char *err, size_t n) {
   CpuEngine *ce = (CpuEngine *)e;
+  cpe_params(ce);
   bool ok = true;
   if (!e->profile)
     ok = cpu_step(ce->cm, ce->arena);
@@ -106,6 +178,7 @@ static bool ce_step(Engine *e, char *err, size_t n) {
 // A value the plan keeps inside a kernel (never written to memory) reads as NaN.
 static void ce_read(Engine *e, int node, float *dst) {
   CpuEngine *ce = (CpuEngine *)e;
+  cpe_params(ce);
   const void *src = cpu_value(ce->m, ce->arena, node);
   int64_t n = shape_numel(e->g->nodes[node]->shape);
   if (src)
@@ -119,6 +192,7 @@ static void ce_write(Engine *e, int node, const float *src) {
   CpuEngine *ce = (CpuEngine *)e;
   memcpy(cpu_value(ce->m, ce->arena, node), src, sizeof(float) * (size_t)shape_numel(e->g->nodes[node]->shape));
   cpu_round_copy(e->g, ce->m, ce->arena, node);
+  param_draw_written(&ce->draw, e->g, node);
 }
 
 static void ce_free(Engine *e);
@@ -135,6 +209,8 @@ static bool ce_take_params(Engine *e, Engine *from) {
         shape_numel(e->g->nodes[p]->shape) != shape_numel(from->g->nodes[q]->shape))
       return false;
   }
+  cpe_params(cf);
+  param_draw_all_written(&ce->draw);
   for (int i = 0; i < e->g->nparams; i++) {
     int p = e->g->params[i], q = from->g->params[i];
     memcpy(cpu_value(ce->m, ce->arena, p), cpu_value(cf->m, cf->arena, q),
@@ -169,6 +245,7 @@ static bool ce_inputs_from(Engine *e, int n, const char *const *names, Engine *f
 static void ce_free(Engine *e) {
   CpuEngine *ce = (CpuEngine *)e;
   cpu_unload(ce->cm);
+  param_draw_free(&ce->draw);
   free(e->kernel_seconds);
   free(ce->arena);
   free(ce);
@@ -183,12 +260,12 @@ Engine *engine_cpu(const Fusion *f, const MemPlan *m, const char *source, uint64
   ce->cm = cm;
   ce->arena = cpu_arena_new(m);
   cm->hooks.seed = seed;
-  cpu_init_params(f->g, m, ce->arena, seed);
+  param_draw_init(&ce->draw, f->g, seed);
   ce->e = (Engine){.name = "cpu", .g = f->g, .set_input = ce_set_input, .set_scalar = ce_set_scalar,
                    .set_seed = ce_set_seed, .arena_bytes = m->arena_bytes, .fusion = f,
                    .kernel_seconds = calloc((size_t)cm->nkernels, sizeof(double)),
                    .step = ce_step, .read = ce_read, .write = ce_write, .free = ce_free,
-                   .take_params = ce_take_params, .inputs_from = ce_inputs_from,
+                   .take_params = ce_take_params, .draw_params = cpe_draw_params, .inputs_from = ce_inputs_from,
                    .cache_hit = cm->cache_hit, .compile_seconds = cm->compile_seconds};
   return &ce->e;
 }

@@ -56,6 +56,10 @@ struct Engine {
   // becomes node nodes[i] of `from` (first) or has it added (f32 adds, in call order, as a host sum
   // would), all of them or none; the steps keep those values until set_input names them again.
   bool (*take_params)(Engine *e, Engine *from);
+  // Draws now the initial parameters still to be drawn (ParamDraw, below), which a step, a read or a
+  // take_params from e would otherwise draw: the training loop calls it before its first step, so
+  // that no step's time includes the draw.
+  bool (*draw_params)(Engine *e, char *err, size_t n);
   bool (*inputs_from)(Engine *e, int n, const char *const *names, Engine *from, const int *nodes, bool first);
   void (*free)(Engine *e);
   bool cache_hit;         // compiled back ends: the module came from the cache
@@ -81,6 +85,23 @@ struct Engine {
 // One line per kernel: name, ms per step, share of the step, GFLOP/s, GB/s, the .mdl ops inside;
 // slowest first.
 void engine_profile_report(const Engine *e, FILE *out);
+
+// Every back end draws its initial parameters from the seed when they are first needed (a step, a
+// read, a take_params from it), not when it is made, and never draws a parameter written before
+// then (Engine.write, take_params into it): an engine whose parameters all come from elsewhere (the
+// validation and micro-batch engines, a resumed run, --weights) draws none, where GPT-2 124M's draw
+// takes 2 s on two cores. ParamDraw keeps which parameters are still to be drawn.
+typedef struct {
+  uint64_t seed;
+  bool *pending; // pending[k]: parameter g->params[k] is still to be drawn
+  int left;      // how many are
+} ParamDraw;
+void param_draw_init(ParamDraw *d, const Graph *g, uint64_t seed);
+void param_draw_written(ParamDraw *d, const Graph *g, int node); // node (any node) now holds its values
+void param_draw_all_written(ParamDraw *d);
+// draw(ctx, k) for every pending parameter k, in order; false (the rest still pending) when one fails.
+bool param_draw_now(ParamDraw *d, bool (*draw)(void *ctx, int k), void *ctx);
+void param_draw_free(ParamDraw *d);
 
 // The reference interpreter; parameters initialised from the seed.
 Engine *engine_interp(const Graph *g, InterpPrecision prec, uint64_t seed);

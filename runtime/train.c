@@ -359,6 +359,16 @@ int train_run(Engine *e, Engine *eval, Engine *micro, const TrainOptions *o) {
     }
     printf("resumed from %s at step %lld\n", ckpt, (long long)start);
   }
+  // The initial parameters a checkpoint or --weights did not write (all of them, or none), drawn
+  // before the first step so that its time leaves the draw out.
+  char draw_err[256];
+  if (e->draw_params && !e->draw_params(e, draw_err, sizeof draw_err)) {
+    diag_file_error(o->model_path, "the initial parameters: %s", draw_err);
+    loader_close(train);
+    if (val)
+      loader_close(val);
+    return 1;
+  }
   FILE *log = fopen(log_path, o->resume ? "a" : "w");
   if (!log) {
     diag_file_error(log_path, "cannot write: %s", strerror(errno));

@@ -19,10 +19,13 @@
 // With GEMM operands in bf16 (precision_assign) on the first three models, fusion off and on, the
 // compiled step is compared with the interpreter on the same graph kernel by kernel and as a whole
 // (test_bf16 says how and within what); CAST's rounding is checked bit by bit on chosen values; and a
-// bf16 plan needs a smaller arena than the fp32 one.
+// bf16 plan needs a smaller arena than the fp32 one. The interpreter's and the CPU back end's
+// engines draw their initial parameters when first needed, never over ones written before
+// (draw_checks.h).
 #include "mdl.h"
 #include "backend.h"
 #include "test.h"
+#include "draw_checks.h"
 
 #include <dirent.h>
 #include <math.h>
@@ -838,6 +841,35 @@ static void test_limits(void) {
   arena_free(a);
 }
 
+typedef struct {
+  const Fusion *f;
+  const MemPlan *m;
+  const char *src;
+} CpuMake;
+
+static Engine *make_cpu(const void *ctx, uint64_t seed) {
+  const CpuMake *c = ctx;
+  char err[256];
+  return engine_cpu(c->f, c->m, c->src, seed, err, sizeof err);
+}
+
+static Engine *make_interp(const void *ctx, uint64_t seed) { return engine_interp(ctx, INTERP_F32, seed); }
+
+// draw_checks.h on gpt2-tiny, bf16 (parameters with copies), fused: the interpreter and the CPU back end.
+static void test_param_draw(void) {
+  Arena *a = arena_new();
+  Graph *g = training_graph(a, &(Model){"models/gpt2-tiny.mdl", {{"B", 2}, {"T", 16}}, 2, NULL}, true);
+  if (g) {
+    param_draw_unit_checks(g);
+    draw_checks("interp gpt2-tiny", g, make_interp, g);
+    Fusion *f = fuse(g, (FuseOptions){.fuse = true, .chunk_lmhead = true});
+    MemPlan *m = memplan(f);
+    CpuMake c = {f, m, emit_c(f, m, "gpt2-tiny")};
+    draw_checks("cpu gpt2-tiny bf16 fused", g, make_cpu, &c);
+  }
+  arena_free(a);
+}
+
 static void remove_dir(const char *dir) {
   DIR *d = opendir(dir);
   struct dirent *ent;
@@ -878,6 +910,7 @@ int main(void) {
   test_bf16_rounding();
   test_limits();
   test_cache_and_errors();
+  test_param_draw();
   remove_dir(dir);
   TEST_EXIT();
 }

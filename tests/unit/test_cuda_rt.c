@@ -26,7 +26,9 @@
 //     in L2 per tensor (AdamW's first steps, as in test_cpu.c); the graph is captured once and
 //     replayed once per step, every launch of the plan running in it; cuBLASLt is told each GEMM's
 //     element types as the plan has them; a target out of range ends the step with the kernels'
-//     message and the next good step runs; a parameter written through the Engine reads back;
+//     message and the next good step runs; a parameter written through the Engine reads back; the
+//     initial parameters are drawn when first needed, never over ones written or taken before
+//     (draw_checks.h), and an engine given all of another's by take_params sends none of its own up;
 //     freeing the engine frees every allocation and the module; an allocation that fails is
 //     reported as "cuMemAlloc: CUDA_ERROR_OUT_OF_MEMORY" and leaks nothing; with --profile a fresh
 //     engine runs the plan launch by launch (no replay) to the graph's loss and gradients bit for
@@ -158,6 +160,7 @@ struct Counters {
   long device_copies; // cuMemcpyDtoDAsync calls
   long slow_kernels_replayed;
   long direct_kernels; // kernel launches run at once (not replayed), of `kernels` in all
+  long uploads;        // cuMemcpyHtoDAsync calls
 };
 static Counters counters;
 static size_t used;
@@ -292,6 +295,7 @@ CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr dst, const void *src, size_t n, Stream
   if (s->capturing)
     return 1;
   memcpy((void *)(uintptr_t)dst, src, n);
+  counters.uploads++;
   return 0;
 }
 CUresult cuMemcpyDtoHAsync_v2(void *dst, CUdeviceptr src, size_t n, Stream *s) {
@@ -591,6 +595,7 @@ int cublasLtMatmul(void *, Desc *d, const float *alpha, const void *A, Layout *a
 #include "emit_cuda.h"
 #include "runtime.h"
 #include "test.h"
+#include "draw_checks.h"
 
 #include <dlfcn.h>
 #include <math.h>
@@ -1013,6 +1018,7 @@ typedef struct {
   long device_copies;
   long slow_kernels_replayed;
   long direct_kernels;
+  long uploads;
 } Counters;
 
 // The emulated GPU for one plan: this file as C++ with the plan's module and kernel list.
@@ -1211,6 +1217,39 @@ static void variant_checks(const char *label, const Compiled *c, const Counters 
            label);
   CHECK(ok && replayed == with, name, "%s; %ld of %d launches with a variant replayed as the plan's own",
         ok ? "ran" : why, replayed, with);
+}
+
+static Engine *make_cuda(const void *ctx, uint64_t seed) {
+  const Compiled *c = ctx;
+  char why[512];
+  return engine_cuda(c->f, c->m, seed, true, true, why, sizeof why);
+}
+
+// The initial parameters on the device (draw_checks.h), and an engine given all of another's by
+// take_params (the validation engine) sends none of its own up; the other draws and sends each
+// parameter and each bf16 copy once, when take_params first needs them.
+static void device_draw_checks(const char *label, const Compiled *c, const Counters *k) {
+  char name[256], why[512] = "", on[128];
+  snprintf(on, sizeof on, "cuda: %s", label);
+  draw_checks(on, c->g, make_cuda, c);
+  Engine *a = make_cuda(c, 5), *b = make_cuda(c, 6);
+  long copies = 0;
+  for (int i = 0; i < c->g->nparams; i++)
+    copies += c->m->copy_of[c->g->params[i]] >= 0;
+  long up = k->uploads;
+  bool took = a && b && b->take_params(b, a);
+  long by_take = k->uploads - up;
+  up = k->uploads;
+  bool drew = took && b->draw_params(b, why, sizeof why);
+  snprintf(name, sizeof name, "cuda: %s: an engine whose parameters all come by take_params sends none up; the "
+           "source sends its own when first needed (%d parameters, %ld bf16 copies)", label, c->g->nparams, copies);
+  CHECK(took && drew && by_take == c->g->nparams + copies && k->uploads == up, name,
+        "%s; %ld uploads in take_params, %ld in the draw after it", took ? (drew ? "drawn" : why) : "not taken",
+        by_take, k->uploads - up);
+  if (a)
+    a->free(a);
+  if (b)
+    b->free(b);
 }
 
 static void device_copy_checks(const char *label, const Compiled *c, const Counters *k) {
@@ -1439,6 +1478,7 @@ static void emulated_checks(const Model *md) {
           "%s; %ld GEMMs run before the step (%d GEMMs), %ld of %d replayed on the first candidate", ok ? "ran" : why,
           k->direct_gemms - direct, p->ngemms, k->slow_replayed - slow, gemms);
     device_copy_checks(md->label, &c, k);
+    device_draw_checks(md->label, &c, k);
     if (bf16 && md->path && strstr(md->path, "gpt2")) // (attention on tensor cores)
       variant_checks(md->label, &c, k);
   }
