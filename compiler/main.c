@@ -627,7 +627,7 @@ static int cmd_run(const Options *o, Graph *g) {
     if (o->profile && !e->profile)
       printf("--profile: the %s back end runs op by op, with nothing to time by kernel; the compiled back ends "
              "(--backend cpu or cuda) have a profile\n", backend_of(o));
-    rc = train_run(e, eval, micro, &to) ? EXIT_USER : 0;
+    rc = train_run(e, eval, micro, &to);
     if (rc == 0)
       engine_profile_report(e, stdout);
   }

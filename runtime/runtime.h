@@ -126,6 +126,7 @@ typedef struct {
 
 // Trains e's graph; eval (forward-only, may be NULL) computes the validation loss; micro (the
 // gradients-only graph) runs the first k - 1 micro-batches when the train section accumulates
-// gradients over k (NULL otherwise). Returns the exit status.
+// gradients over k (NULL otherwise). Returns the exit status: 0, 1 after an error it reported, or
+// 128 + the signal when a SIGINT or SIGTERM stopped it (after writing the checkpoint of its last step).
 int train_run(Engine *e, Engine *eval, Engine *micro, const TrainOptions *o);
 #endif

@@ -3,7 +3,9 @@
 // OUT/log.jsonl; validation loss every val_every steps on a forward-only engine; a checkpoint every
 // ckpt_every steps and at the end, written atomically, so a kill -9 loses at most the steps since the
 // last one; --resume continues exactly (same parameters, moments, data position and dropout seeds,
-// so the losses equal those of an uninterrupted run); OUT/loss.svg is drawn at the end.
+// so the losses equal those of an uninterrupted run); OUT/loss.svg is drawn at the end. Ctrl-C
+// (SIGINT) or SIGTERM lets the step under way finish, writes its checkpoint and stops (exit status
+// 128 + the signal); a second one stops at once, as kill -9 would.
 //
 // The checkpoint is a safetensors file: every parameter under its .mdl name, the AdamW moments as
 // "<param>.m" / "<param>.v", and __metadata__ strings: mdl.format, mdl.source (the .mdl path),
@@ -16,6 +18,7 @@
 #include <glob.h>
 #include <limits.h>
 #include <math.h>
+#include <signal.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/resource.h>
@@ -311,6 +314,33 @@ static bool accumulate_micro(Accum *ac, Engine *e, Loader *train, int64_t k, int
   return true;
 }
 
+// The first SIGINT or SIGTERM while training: the loop stops after the step under way, once its
+// checkpoint is written. SA_RESETHAND: a second stops the process, as the signal always did. A
+// signal ignored when the run began (a background job of a script, nohup) stays ignored.
+static volatile sig_atomic_t stop_signal;
+static void on_stop(int sig) { stop_signal = sig; }
+
+typedef struct {
+  struct sigaction old[2];
+  bool set[2];
+} StopSignals;
+static const int stop_signals[2] = {SIGINT, SIGTERM};
+
+static void catch_stop(StopSignals *s) {
+  stop_signal = 0;
+  struct sigaction sa = {.sa_handler = on_stop, .sa_flags = SA_RESETHAND | SA_RESTART};
+  sigemptyset(&sa.sa_mask);
+  for (int i = 0; i < 2; i++)
+    s->set[i] = sigaction(stop_signals[i], NULL, &s->old[i]) == 0 && s->old[i].sa_handler != SIG_IGN &&
+                sigaction(stop_signals[i], &sa, NULL) == 0;
+}
+
+static void release_stop(StopSignals *s) {
+  for (int i = 0; i < 2; i++)
+    if (s->set[i])
+      sigaction(stop_signals[i], &s->old[i], NULL);
+}
+
 int train_run(Engine *e, Engine *eval, Engine *micro, const TrainOptions *o) {
   const Graph *g = e->g;
   int64_t B = ir_dim(g, "B"), T = ir_dim(g, "T"), V = ir_dim(g, "V");
@@ -412,7 +442,9 @@ int train_run(Engine *e, Engine *eval, Engine *micro, const TrainOptions *o) {
   }
   Curve c = {0};
   char err[512] = "";
-  int rc = 0;
+  int rc = 0, stopped = 0; // stopped: the signal that stopped the run
+  StopSignals stops;
+  catch_stop(&stops);
   double t_start = rt_now(), last_val = NAN, step_secs = 0;
   int64_t real_total = 0;
   for (int64_t step = start + 1; step <= last; step++) {
@@ -482,12 +514,20 @@ int train_run(Engine *e, Engine *eval, Engine *micro, const TrainOptions *o) {
       rc = 1;
       break;
     }
-    if ((o->ckpt_every > 0 && step % o->ckpt_every == 0) || step == last)
+    int stop = stop_signal;
+    if ((o->ckpt_every > 0 && step % o->ckpt_every == 0) || step == last || stop)
       if (!write_checkpoint(ckpt, e, o, step, loader_state(train))) {
         rc = 1;
         break;
       }
+    if (stop) {
+      printf("%s at step %lld: wrote %s; continue with --resume\n",
+             stop == SIGINT ? "interrupted (SIGINT)" : "terminated (SIGTERM)", (long long)step, ckpt);
+      stopped = stop;
+      break;
+    }
   }
+  release_stop(&stops);
   fclose(log);
   if (rc == 0 && c.n > 0) {
     // The whole run's rate, and the steps' alone: on a GPU a 30-step run spends most of its time
@@ -511,5 +551,5 @@ int train_run(Engine *e, Engine *eval, Engine *micro, const TrainOptions *o) {
   loader_close(train);
   if (val)
     loader_close(val);
-  return rc;
+  return rc ? rc : stopped ? 128 + stopped : 0;
 }

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Checkpoints: a run stopped and resumed gives the same losses as an uninterrupted one (same
 # parameters, moments, data position and dropout seeds); a kill -9 at any moment leaves the last
-# checkpoint readable and resumable; bad checkpoints are refused with the file named.
+# checkpoint readable and resumable; SIGTERM and Ctrl-C (SIGINT) write the checkpoint of the step
+# under way and stop; bad checkpoints are refused with the file named.
 set -u
 cd "$(dirname "$0")/../.."
 m=bin/mdlc
@@ -46,6 +47,44 @@ if $m run models/gpt2-tiny.mdl "${common[@]}" --steps $((step + 2)) --out "$tmp/
     ok "the resumed run removed what the killed write left"
 else
   fail "resume after kill -9: $(tail -c 300 "$tmp/k2")"
+fi
+
+# SIGTERM, then SIGINT (a background job of a script starts with SIGINT ignored, which mdlc leaves
+# so; python restores its default for the run): each stops the run after the step under way, with
+# that step's checkpoint, exit status 128 + the signal and a line that says so; the run resumed from
+# each reaches the losses of an uninterrupted run.
+ckpt_step() { grep -ao '"mdl.step":"[0-9]*"' "$1/checkpoint.safetensors" | grep -o '[0-9]*'; }
+logged() { cat "$tmp/s/log.jsonl" 2>/dev/null | wc -l; }
+with_sigint='import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); os.execvp(sys.argv[1], sys.argv[1:])'
+sig_run() { # sig_run SIGNAL [--resume]: a run stopped by SIGNAL once 3 more steps are logged
+  local before rc
+  before=$(logged)
+  python3 -c "$with_sigint" $m run models/gpt2-tiny.mdl "${common[@]}" --backend cpu --steps 100000 \
+    --ckpt-every 100000 --out "$tmp/s" "${@:2}" >"$tmp/s.out" 2>&1 &
+  pid=$!
+  for _ in $(seq 1 300); do [ "$(logged)" -ge $((before + 3)) ] && break; sleep 0.1; done
+  kill -"$1" $pid
+  wait $pid
+  rc=$?
+  local step logged
+  step=$(ckpt_step "$tmp/s")
+  logged=$(losses "$tmp/s" | tail -1 | cut -d' ' -f1)
+  if [ "$rc" -eq $((128 + $(kill -l "$1"))) ] && [ -n "$step" ] && [ "$step" = "$logged" ] &&
+    grep -q "(SIG$1) at step $step: wrote .*checkpoint.safetensors; continue with --resume" "$tmp/s.out"; then
+    ok "SIG$1 stops the run with the checkpoint of its last step ($step), exit status $rc"
+  else
+    fail "SIG$1: exit status $rc, checkpoint at step '$step', last step logged '$logged': $(tail -c 300 "$tmp/s.out")"
+  fi
+}
+sig_run TERM
+sig_run INT --resume
+step=$(ckpt_step "$tmp/s")
+$m run models/gpt2-tiny.mdl "${common[@]}" --backend cpu --steps $((step + 2)) --out "$tmp/s" --resume >/dev/null 2>&1
+$m run models/gpt2-tiny.mdl "${common[@]}" --backend cpu --steps $((step + 2)) --out "$tmp/u" >/dev/null 2>&1
+if [ "$(losses "$tmp/s" | wc -l)" -eq $((step + 2)) ] && diff <(losses "$tmp/s") <(losses "$tmp/u") >"$tmp/d"; then
+  ok "stopped by SIGTERM and SIGINT and resumed, $((step + 2)) steps give the losses of an uninterrupted run"
+else
+  fail "the losses after stops and resumes differ: $(head -c 400 "$tmp/d")"
 fi
 
 # bad checkpoints: truncated, or from another model; nothing is overwritten.
