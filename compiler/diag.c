@@ -53,5 +53,5 @@ void diag_file_error(const char *path, const char *fmt, ...) {
   vfprintf(stderr, fmt, ap);
   fputc('\n', stderr);
   va_end(ap);
-  diag_errors++;
+  __atomic_add_fetch(&diag_errors, 1, __ATOMIC_RELAXED); // (the checkpoint writer's thread reports too)
 }

@@ -87,6 +87,27 @@ else
   fail "the losses after stops and resumes differ: $(head -c 400 "$tmp/d")"
 fi
 
+# A checkpoint that cannot be written (its path taken by a folder once the first is there; each is
+# written in the background while the next steps run): the run stops by itself, saying why, at the
+# step that finds the write failed, not 300 steps later at the next checkpoint.
+$m run models/gpt2-tiny.mdl "${common[@]}" --backend cpu --steps 100000 --ckpt-every 300 --out "$tmp/f" \
+  >"$tmp/f.out" 2>&1 &
+pid=$!
+for _ in $(seq 1 300); do [ -f "$tmp/f/checkpoint.safetensors" ] && break; sleep 0.1; done
+until mkdir "$tmp/f/checkpoint.safetensors" 2>/dev/null; do rm -f "$tmp/f/checkpoint.safetensors"; done
+for _ in $(seq 1 100); do kill -0 $pid 2>/dev/null || break; sleep 0.1; done
+if kill -0 $pid 2>/dev/null; then
+  kill -9 $pid
+  fail "a run whose checkpoint cannot be written goes on"
+else
+  wait $pid
+  rc=$?
+  last=$(losses "$tmp/f" | tail -1 | cut -d' ' -f1)
+  [ $rc -eq 1 ] && grep -q "checkpoint.safetensors: error: cannot write" "$tmp/f.out" && [ $((last % 300)) -ne 0 ] &&
+    ok "a checkpoint that cannot be written stops the run at step $last, saying why" ||
+    fail "unwritable checkpoint: status $rc, last step $last, $(tail -c 300 "$tmp/f.out")"
+fi
+
 # bad checkpoints: truncated, or from another model; nothing is overwritten.
 cp "$tmp/a-cpu/checkpoint.safetensors" "$tmp/good"
 head -c 5000 "$tmp/good" >"$tmp/a-cpu/checkpoint.safetensors"
