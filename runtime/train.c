@@ -598,10 +598,13 @@ int train_run(Engine *e, Engine *eval, Engine *micro, const TrainOptions *o) {
     // The whole run's rate, and the steps' alone: on a GPU a 30-step run spends most of its time
     // validating and writing checkpoints (GPT-2 124M on an H200: 0.9 s of steps in 4.2 s).
     double secs = rt_now() - t_start;
+    char val_s[48] = "no validation"; // (a run stopped before its last step, with --val-every 0)
+    if (!isnan(last_val))
+      snprintf(val_s, sizeof val_s, "val loss %.4f", last_val);
     printf("trained %lld steps in %.1f s (%.0f tok/s; in the steps alone %.1f s, %.0f tok/s, the rest validation "
-           "and checkpoints); final loss %.4f, val loss %.4f, unigram entropy %.4f\n",
+           "and checkpoints); final loss %.4f, %s, unigram entropy %.4f\n",
            (long long)c.n, secs, (double)real_total / secs, step_secs, (double)real_total / step_secs,
-           c.loss[c.n - 1], last_val, unigram);
+           c.loss[c.n - 1], val_s, unigram);
     if (!write_svg(svg, &c, unigram))
       diag_file_error(svg, "cannot write the loss curve: %s", strerror(errno));
     printf("wrote %s, %s and %s\n", ckpt, log_path, svg);

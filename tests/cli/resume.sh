@@ -51,8 +51,8 @@ fi
 
 # SIGTERM, then SIGINT (a background job of a script starts with SIGINT ignored, which mdlc leaves
 # so; python restores its default for the run): each stops the run after the step under way, with
-# that step's checkpoint, exit status 128 + the signal and a line that says so; the run resumed from
-# each reaches the losses of an uninterrupted run.
+# that step's checkpoint, exit status 128 + the signal, a line that says so and the run's summary
+# ("no validation": none ran); the run resumed from each reaches the losses of an uninterrupted run.
 ckpt_step() { grep -ao '"mdl.step":"[0-9]*"' "$1/checkpoint.safetensors" | grep -o '[0-9]*'; }
 logged() { cat "$tmp/s/log.jsonl" 2>/dev/null | wc -l; }
 with_sigint='import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); os.execvp(sys.argv[1], sys.argv[1:])'
@@ -70,8 +70,9 @@ sig_run() { # sig_run SIGNAL [--resume]: a run stopped by SIGNAL once 3 more ste
   step=$(ckpt_step "$tmp/s")
   logged=$(losses "$tmp/s" | tail -1 | cut -d' ' -f1)
   if [ "$rc" -eq $((128 + $(kill -l "$1"))) ] && [ -n "$step" ] && [ "$step" = "$logged" ] &&
-    grep -q "(SIG$1) at step $step: wrote .*checkpoint.safetensors; continue with --resume" "$tmp/s.out"; then
-    ok "SIG$1 stops the run with the checkpoint of its last step ($step), exit status $rc"
+    grep -q "(SIG$1) at step $step: wrote .*checkpoint.safetensors; continue with --resume" "$tmp/s.out" &&
+    grep -q "final loss [0-9.]*, no validation," "$tmp/s.out"; then
+    ok "SIG$1 stops the run with the checkpoint of its last step ($step), exit status $rc, and its summary"
   else
     fail "SIG$1: exit status $rc, checkpoint at step '$step', last step logged '$logged': $(tail -c 300 "$tmp/s.out")"
   fi
