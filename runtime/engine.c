@@ -59,12 +59,9 @@ static bool ie_draw(void *ctx, int k) {
   return true;
 }
 
-static void ie_params(InterpEngine *ie) { param_draw_now(&ie->draw, ie_draw, ie); }
-
 static bool ie_draw_params(Engine *e, char *err, size_t n) {
-  (void)err, (void)n;
-  ie_params((InterpEngine *)e);
-  return true;
+  (void)err, (void)n; // (the draw cannot fail)
+  return param_draw_now(&((InterpEngine *)e)->draw, ie_draw, e);
 }
 
 static bool ie_set_input(Engine *e, const char *name, const int32_t *ids, const float *f, int64_t n) {
@@ -76,7 +73,7 @@ static void ie_set_scalar(Engine *e, const char *name, double v) { interp_set_sc
 static void ie_set_seed(Engine *e, uint64_t seed) { interp_set_seed(((InterpEngine *)e)->it, seed); }
 
 static bool ie_step(Engine *e, char *err, size_t n) {
-  ie_params((InterpEngine *)e);
+  ie_draw_params(e, err, n);
   return interp_run(((InterpEngine *)e)->it, e->g->n, err, n);
 }
 
@@ -87,7 +84,7 @@ static const double *ie_values(InterpEngine *ie, int node) {
 }
 
 static void ie_read(Engine *e, int node, float *dst) {
-  ie_params((InterpEngine *)e);
+  ie_draw_params(e, NULL, 0);
   const double *v = ie_values((InterpEngine *)e, node);
   int64_t n = shape_numel(e->g->nodes[node]->shape);
   for (int64_t i = 0; i < n; i++)
@@ -136,12 +133,9 @@ static bool cpe_draw(void *ctx, int k) {
   return true;
 }
 
-static void cpe_params(CpuEngine *ce) { param_draw_now(&ce->draw, cpe_draw, ce); }
-
 static bool cpe_draw_params(Engine *e, char *err, size_t n) {
-  (void)err, (void)n;
-  cpe_params((CpuEngine *)e);
-  return true;
+  (void)err, (void)n; // (the draw cannot fail)
+  return param_draw_now(&((CpuEngine *)e)->draw, cpe_draw, e);
 }
 
 static bool ce_set_input(Engine *e, const char *name, const int32_t *ids, const float *f, int64_t n) {
@@ -158,7 +152,7 @@ static void ce_set_seed(Engine *e, uint64_t seed) { ((CpuEngine *)e)->cm->hooks.
 
 static bool ce_step(Engine *e, char *err, size_t n) {
   CpuEngine *ce = (CpuEngine *)e;
-  cpe_params(ce);
+  cpe_draw_params(e, err, n);
   bool ok = true;
   if (!e->profile)
     ok = cpu_step(ce->cm, ce->arena);
@@ -178,7 +172,7 @@ static bool ce_step(Engine *e, char *err, size_t n) {
 // A value the plan keeps inside a kernel (never written to memory) reads as NaN.
 static void ce_read(Engine *e, int node, float *dst) {
   CpuEngine *ce = (CpuEngine *)e;
-  cpe_params(ce);
+  cpe_draw_params(e, NULL, 0);
   const void *src = cpu_value(ce->m, ce->arena, node);
   int64_t n = shape_numel(e->g->nodes[node]->shape);
   if (src)
@@ -209,7 +203,7 @@ static bool ce_take_params(Engine *e, Engine *from) {
         shape_numel(e->g->nodes[p]->shape) != shape_numel(from->g->nodes[q]->shape))
       return false;
   }
-  cpe_params(cf);
+  cpe_draw_params(from, NULL, 0);
   param_draw_all_written(&ce->draw);
   for (int i = 0; i < e->g->nparams; i++) {
     int p = e->g->params[i], q = from->g->params[i];
