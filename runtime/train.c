@@ -80,6 +80,13 @@ typedef struct {
 
 static void *ckpt_write(void *arg) {
   CkptWriter *w = arg;
+  if (w->threaded) { // (SIGINT and SIGTERM go to the training loop's thread)
+    sigset_t stops;
+    sigemptyset(&stops);
+    sigaddset(&stops, SIGINT);
+    sigaddset(&stops, SIGTERM);
+    pthread_sigmask(SIG_BLOCK, &stops, NULL);
+  }
   w->ok = st_write_meta(w->path, w->t, w->n, w->meta, CKPT_META);
   __atomic_store_n(&w->done, true, __ATOMIC_RELEASE);
   return NULL;
@@ -131,11 +138,12 @@ static bool ckpt_start(CkptWriter *w, const char *path, Engine *e, const TrainOp
                             {"mdl.tokenizer", o->tokenizer_path}};
   memcpy(w->meta, meta, sizeof meta);
   w->path = path;
-  w->running = true;
+  w->running = w->threaded = true;
   w->done = false;
-  w->threaded = pthread_create(&w->thread, NULL, ckpt_write, w) == 0;
-  if (!w->threaded)
+  if (pthread_create(&w->thread, NULL, ckpt_write, w) != 0) {
+    w->threaded = false;
     ckpt_write(w); // (no thread to be had: written here)
+  }
   return true;
 }
 
