@@ -62,9 +62,10 @@ static int checkpoint_nodes(const Graph *g, int *nodes) {
 // Checkpoints are written in the background: the parameters and moments are read from the engine
 // between two steps, then a thread writes them (atomically, as st_write_meta writes) while the next
 // steps run. One write at a time: the next checkpoint, and the end of the run, wait for the last; a
-// write that failed stops the run at the end of the step that notices it (ckpt_poll).
-// (GPT-2 124M's 1.5 GB took 3.1-5.4 s to write here and 0.7-0.9 s to read, the steps 0.8 s each
-// at B=1, T=32; on a GPU a step takes 30 ms.)
+// write that failed stops the run at the end of the step that notices it (ckpt_poll). The buffers
+// the values are read into are kept from one checkpoint to the next (ckpt_free at the end): GPT-2
+// 124M's 1.5 GB took 0.74-1.03 s to read into fresh ones here, most of it the first touch of their
+// pages, and 3.1-5.4 s to write, against 0.8 s a step at B=1, T=32 (30 ms on an H200).
 enum { CKPT_META = 9 };
 typedef struct {
   pthread_t thread;
@@ -72,7 +73,8 @@ typedef struct {
   bool ok;                // the last write's result
   bool done;              // the thread has set ok (atomic)
   const char *path;
-  StTensor *t;
+  StTensor *t; // the parameters and moments, in buffers kept for the next checkpoint
+  int *nodes;  // their nodes
   int n;
   StMeta meta[CKPT_META];
   char step_s[32], seed_s[32], loader_s[64], *dims;
@@ -98,12 +100,20 @@ static bool ckpt_wait(CkptWriter *w) {
     return w->ok;
   if (w->threaded)
     pthread_join(w->thread, NULL);
-  for (int i = 0; i < w->n; i++)
-    free(w->t[i].data);
-  free(w->t);
-  free(w->dims);
   w->running = false;
   return w->ok;
+}
+
+// Waits as ckpt_wait does, then frees the buffers.
+static bool ckpt_free(CkptWriter *w) {
+  bool ok = ckpt_wait(w);
+  for (int i = 0; w->t && i < w->n; i++)
+    free(w->t[i].data);
+  free(w->t);
+  free(w->nodes);
+  free(w->dims);
+  *w = (CkptWriter){.ok = ok};
+  return ok;
 }
 
 // False when the last write has ended and failed; a write still under way is left to run.
@@ -118,16 +128,19 @@ static bool ckpt_start(CkptWriter *w, const char *path, Engine *e, const TrainOp
   if (!ckpt_wait(w))
     return false;
   const Graph *g = e->g;
-  int *nodes = malloc(sizeof(int) * (size_t)g->n);
-  w->n = checkpoint_nodes(g, nodes);
-  w->t = calloc((size_t)w->n, sizeof *w->t);
-  for (int i = 0; i < w->n; i++) {
-    const IrNode *x = g->nodes[nodes[i]];
-    w->t[i] = (StTensor){.name = x->name, .dtype = DT_F32, .shape = x->shape,
-                         .data = malloc(sizeof(float) * (size_t)(shape_numel(x->shape) + 1))};
-    e->read(e, x->id, w->t[i].data);
+  if (!w->t) { // (the first checkpoint of the run: the same nodes every time)
+    w->nodes = malloc(sizeof(int) * (size_t)g->n);
+    w->n = checkpoint_nodes(g, w->nodes);
+    w->t = calloc((size_t)w->n, sizeof *w->t);
+    for (int i = 0; i < w->n; i++) {
+      const IrNode *x = g->nodes[w->nodes[i]];
+      w->t[i] = (StTensor){.name = x->name, .dtype = DT_F32, .shape = x->shape,
+                           .data = malloc(sizeof(float) * (size_t)(shape_numel(x->shape) + 1))};
+    }
+    w->dims = dims_string(g);
   }
-  free(nodes);
+  for (int i = 0; i < w->n; i++)
+    e->read(e, w->nodes[i], w->t[i].data);
   snprintf(w->step_s, sizeof w->step_s, "%lld", (long long)step);
   snprintf(w->seed_s, sizeof w->seed_s, "%llu", (unsigned long long)o->seed);
   snprintf(w->loader_s, sizeof w->loader_s, "%lld,%lld", (long long)ls.epoch, (long long)ls.position);
@@ -598,7 +611,7 @@ int train_run(Engine *e, Engine *eval, Engine *micro, const TrainOptions *o) {
       break;
     }
   }
-  if (!ckpt_wait(&writer))
+  if (!ckpt_free(&writer))
     rc = 1;
   release_stop(&stops);
   fclose(log);
