@@ -663,11 +663,10 @@ static void cu_profile_launches(const Engine *e, double total, FILE *out) {
       for (int k = i; k < j; k++) {
         const CudaLaunch *l = &p->launches[k];
         if (l->kernel) {
-          const char *name = launch_kernel(ce, k), *base = e->fusion->steps[s].name;
+          const char *kernel = launch_kernel(ce, k), *name = kernel, *base = e->fusion->steps[s].name;
           if (!strncmp(name, base, strlen(base)) && name[strlen(base)] == '_')
             name += strlen(base) + 1; // k88_lmhead..._ce: ce
-          fprintf(out, " %s %.3f%s", *name ? name : launch_kernel(ce, k), 1e3 * ce->launch_seconds[k] / steps,
-                  k + 1 < j ? "," : "");
+          fprintf(out, " %s %.3f%s", *name ? name : kernel, 1e3 * ce->launch_seconds[k] / steps, k + 1 < j ? "," : "");
         } else {
           const CudaGemm *gm = &p->gemms[l->gemm];
           char batch[32] = "";
