@@ -463,7 +463,10 @@ static const char prelude[] =
     "    sh[w] = v;\n"
     "  __syncthreads();\n"
     "  return mdl_warp_max_nan(lane < (int)(blockDim.x >> 5) ? sh[lane] : -MDL_INF);\n"
-    "}\n"
+    "}\n";
+
+// The module's first kernel, after the prelude (a unit of its own, as every kernel: CudaUnit).
+static const char accumulate_kernel[] =
     "\n"
     "// Not of the plan: the runtime's sum of gradients over micro-batches (Engine.inputs_from), y += x in\n"
     "// f32, element by element, as the host would add them.\n"
@@ -576,6 +579,8 @@ typedef struct {
   // the module
   Known *known;
   int nknown, capknown;
+  CudaUnit *units;     // where each kernel's text begins in out (its comment, tables and code)
+  int nunits, capunits;
   CudaLaunch *launches;
   int nlaunches, caplaunches;
   CudaGemm *gemms;
@@ -4156,6 +4161,9 @@ static const char *kernel_of(Emit *e, const KText *t, Buf *text) {
     }
   ec_grow(&e->known, e->nknown, &e->capknown, sizeof *e->known);
   e->known[e->nknown++] = (Known){ec_str(&e->core, "%s%s%s", t->table, t->pre, t->code), name, h};
+  // (a unit at this kernel's place in text: commit_step moves it to the module's)
+  ec_grow(&e->units, e->nunits, &e->capunits, sizeof *e->units);
+  e->units[e->nunits++] = (CudaUnit){text->len, strlen(t->pre) + strlen(name) + strlen(t->code)};
   ec_bput(text, "\n%s%s%s%s%s", t->table, t->notes, t->pre, name, t->code);
   return name;
 }
@@ -4174,6 +4182,7 @@ static void commit_step(Emit *e) {
   ec_bput(&e->out, "// runs:\n");
   Buf text = {0};
   const char **names = ec_xcalloc((size_t)e->nkt + 1, sizeof *names);
+  int first_unit = e->nunits;
   for (int i = 0; i < e->nsl; i++) {
     const SLaunch *l = &e->sl[i];
     ec_grow(&e->launches, e->nlaunches, &e->caplaunches, sizeof *e->launches);
@@ -4219,6 +4228,8 @@ static void commit_step(Emit *e) {
                              (long long)l->alt_grid, l->alt_block)
                     : "");
   }
+  for (int u = first_unit; u < e->nunits; u++)
+    e->units[u].at += e->out.len;
   ec_bappend(&e->out, &text);
   free(text.s);
   free(names);
@@ -4314,6 +4325,9 @@ CudaPlan *emit_cuda_plan(const Fusion *f, const MemPlan *m, const char *source_p
           "// and GEMMs through cuBLASLt), every kernel with (arena, status, seed, chunk, the byte offsets of\n");
   ec_bput(&e.out, "// its buffers).\n\n");
   ec_bput(&e.out, "%s", prelude);
+  ec_grow(&e.units, e.nunits, &e.capunits, sizeof *e.units);
+  e.units[e.nunits++] = (CudaUnit){e.out.len, strlen(accumulate_kernel)};
+  ec_bput(&e.out, "%s", accumulate_kernel);
 
   const char **names = ec_xcalloc((size_t)f->nsteps + 1, sizeof *names);
   for (int si = 0; si < f->nsteps; si++) {
@@ -4350,6 +4364,9 @@ CudaPlan *emit_cuda_plan(const Fusion *f, const MemPlan *m, const char *source_p
         plan->launches[i].alt = arena_strdup(g->arena, e.launches[i].alt);
     }
     plan->nkernels = e.nknown;
+    plan->nunits = e.nunits;
+    plan->units = arena_alloc(g->arena, sizeof *plan->units * (size_t)e.nunits);
+    memcpy(plan->units, e.units, sizeof *plan->units * (size_t)e.nunits);
     plan->scratch = scratch;
     plan->arena_bytes = scratch + e.scratch_max;
   }
@@ -4364,6 +4381,7 @@ CudaPlan *emit_cuda_plan(const Fusion *f, const MemPlan *m, const char *source_p
   free(e.sl);
   free(e.sg);
   free(e.known);
+  free(e.units);
   free(e.launches);
   free(e.gemms);
   for (size_t i = 0; i < n; i++)

@@ -53,6 +53,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <unistd.h>
 
 //
 // The driver API: the few types and functions we use (from cuda.h, CUDA 12.0 ABI).
@@ -534,7 +535,8 @@ typedef struct {
   const CudaPlan *plan;
   CudaDevice dev;
   CUcontext ctx;
-  CUmodule mod;
+  CUmodule *mods;     // one per cubin of the module (nvrtc_compile_units); each kernel is in one of them
+  int nmods;
   CUstream stream;
   CUdeviceptr arena, status, workspace;
   CUdeviceptr seed_dev; // the kernels' seed argument points here; written before each step
@@ -889,8 +891,10 @@ static void cu_free(Engine *e) {
   for (size_t i = 0; i < sizeof bufs / sizeof *bufs; i++)
     if (bufs[i])
       drv.cuMemFree(bufs[i]);
-  if (ce->mod)
-    drv.cuModuleUnload(ce->mod);
+  for (int i = 0; i < ce->nmods; i++)
+    if (ce->mods[i])
+      drv.cuModuleUnload(ce->mods[i]);
+  free(ce->mods);
   if (ce->ctx)
     drv.cuDevicePrimaryCtxRelease(ce->dev.ordinal);
   free(ce->gemms);
@@ -1077,6 +1081,31 @@ static bool launch(CudaEngine *ce, int i, CUfunction fn, bool alt, char *err, si
          rt_fail(err + strlen(err), n - strlen(err), " (kernel %s)", alt ? l->alt : l->kernel);
 }
 
+// Kernel `name` from the module that has it.
+static bool get_function(CudaEngine *ce, const char *name, CUfunction *fn, char *err, size_t n) {
+  for (int i = 0; i < ce->nmods; i++)
+    if (drv.cuModuleGetFunction(fn, ce->mods[i], name) == CUDA_SUCCESS)
+      return true;
+  return rt_fail(err, n, "cuModuleGetFunction: no kernel %s in the module's %d cubin%s", name, ce->nmods,
+                 ce->nmods == 1 ? "" : "s");
+}
+
+// The threads (and programs) NVRTC compiles the module on: $MDL_NVRTC_THREADS, else every online CPU.
+static int nvrtc_threads(void) {
+  const char *env = getenv("MDL_NVRTC_THREADS");
+  long k = env && atoi(env) > 0 ? atoi(env) : sysconf(_SC_NPROCESSORS_ONLN);
+  return k < 1 ? 1 : k > 64 ? 64 : (int)k;
+}
+
+static bool load_modules(CudaEngine *ce, const NvrtcModule *cubins, char *err, size_t n) {
+  if (!(ce->mods = calloc((size_t)cubins->n, sizeof *ce->mods)))
+    return rt_fail(err, n, "out of host memory");
+  for (ce->nmods = 0; ce->nmods < cubins->n; ce->nmods++)
+    if (!CU(err, n, cuModuleLoadData, &ce->mods[ce->nmods], cubins->parts[ce->nmods].cubin))
+      return false;
+  return true;
+}
+
 // Launch i of the plan (a kernel or a GEMM) on the stream.
 static bool enqueue(CudaEngine *ce, int i, char *err, size_t n) {
   const CudaLaunch *l = &ce->plan->launches[i];
@@ -1090,8 +1119,8 @@ static bool enqueue(CudaEngine *ce, int i, char *err, size_t n) {
 static bool time_launch(CudaEngine *ce, int i, bool alt, CUevent ev[2], float *ms, char *err, size_t n) {
   const CudaLaunch *l = &ce->plan->launches[i];
   CUfunction fn;
-  if (!CU(err, n, cuModuleGetFunction, &fn, ce->mod, alt ? l->alt : l->kernel))
-    return rt_fail(err + strlen(err), n - strlen(err), " (kernel %s)", alt ? l->alt : l->kernel);
+  if (!get_function(ce, alt ? l->alt : l->kernel, &fn, err, n))
+    return false;
   bool ok = launch(ce, i, fn, alt, err, n) && CU(err, n, cuEventRecord, ev[0], ce->stream);
   for (int r = 0; ok && r < LT_TUNE_RUNS; r++)
     ok = launch(ce, i, fn, alt, err, n);
@@ -1154,8 +1183,8 @@ static bool capture(CudaEngine *ce, char *err, size_t n) {
   if (!ce->fns)
     return rt_fail(err, n, "out of host memory");
   for (int i = 0; i < p->nlaunches; i++)
-    if (p->launches[i].kernel && !CU(err, n, cuModuleGetFunction, &ce->fns[i], ce->mod, launch_kernel(ce, i)))
-      return rt_fail(err + strlen(err), n - strlen(err), " (kernel %s)", launch_kernel(ce, i));
+    if (p->launches[i].kernel && !get_function(ce, launch_kernel(ce, i), &ce->fns[i], err, n))
+      return false;
   if (!CU(err, n, cuStreamBeginCapture, ce->stream, CU_STREAM_CAPTURE_MODE_THREAD_LOCAL))
     return false;
   bool ok = CU(err, n, cuMemsetD8Async, ce->status, 0, sizeof(MdlStatus), ce->stream);
@@ -1207,20 +1236,20 @@ Engine *engine_cuda(const Fusion *f, const MemPlan *m, uint64_t seed, bool tune_
     free(ce);
     return NULL;
   }
-  NvrtcResult cubin = {0};
+  NvrtcModule cubins = {0};
   double tc = rt_now();
-  if (!nvrtc_compile(ce->plan->source, ce->dev.arch, &cubin, err, n)) {
+  if (!nvrtc_compile_units(ce->plan, ce->dev.arch, nvrtc_threads(), &cubins, err, n)) {
     free(ce);
     return NULL;
   }
   tc = rt_now() - tc;
-  ce->e.cache_hit = cubin.cache_hit;
-  ce->e.compile_seconds = cubin.seconds;
+  ce->e.cache_hit = cubins.cache_hit;
+  ce->e.compile_seconds = cubins.seconds;
   double t0 = rt_now();
   size_t free0 = 0, total0 = 0;
   param_draw_init(&ce->draw, f->g, seed);
   bool ok = CU(err, n, cuDevicePrimaryCtxRetain, &ce->ctx, ce->dev.ordinal) && CU(err, n, cuCtxSetCurrent, ce->ctx) &&
-            CU(err, n, cuModuleLoadData, &ce->mod, cubin.cubin) &&
+            load_modules(ce, &cubins, err, n) &&
             CU(err, n, cuStreamCreate, &ce->stream, CU_STREAM_NON_BLOCKING) &&
             CU(err, n, cuMemGetInfo, &free0, &total0) &&
             CU(err, n, cuMemAlloc, &ce->arena, (size_t)ce->plan->arena_bytes) &&
@@ -1238,22 +1267,26 @@ Engine *engine_cuda(const Fusion *f, const MemPlan *m, uint64_t seed, bool tune_
   double t_variants = rt_now();
   ok = ok && capture(ce, err, n);
   double t_capture = rt_now();
-  free(cubin.cubin);
+  int programs = cubins.n;
+  nvrtc_module_free(&cubins);
   if (!ok) {
     explain_oom(ce, free0, total0, err, n);
     cu_free(&ce->e);
     return NULL;
   }
-  if (drv.cuModuleGetFunction(&ce->accumulate, ce->mod, "mdl_accumulate") != CUDA_SUCCESS)
+  char ignored[256];
+  if (!get_function(ce, "mdl_accumulate", &ce->accumulate, ignored, sizeof ignored))
     ce->accumulate = NULL; // (a module without it: inputs_from declines and the host adds)
   ce->e.device_bytes = ce->plan->arena_bytes + LT_WORKSPACE_BYTES + (int64_t)(sizeof(MdlStatus) + sizeof ce->seed);
   size_t free_bytes = 0, total = 0;
   drv.cuMemGetInfo(&free_bytes, &total);
-  char compiled[64];
-  if (cubin.cache_hit)
-    snprintf(compiled, sizeof compiled, "cubin from the cache in %.3f s", tc);
+  char compiled[96];
+  if (ce->e.cache_hit)
+    snprintf(compiled, sizeof compiled, "%d cubin%s from the cache in %.3f s", programs, programs == 1 ? "" : "s", tc);
+  else if (programs == 1)
+    snprintf(compiled, sizeof compiled, "NVRTC %.2f s", ce->e.compile_seconds);
   else
-    snprintf(compiled, sizeof compiled, "NVRTC %.2f s", cubin.seconds);
+    snprintf(compiled, sizeof compiled, "NVRTC %.2f s (%d programs at once)", ce->e.compile_seconds, programs);
   char tuning[96] = "on the heuristic's first algorithms, untimed";
   if (ce->tune)
     snprintf(tuning, sizeof tuning, "%d kinds timed; %d run faster on another algorithm than the heuristic's first",

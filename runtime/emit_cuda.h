@@ -78,8 +78,19 @@ typedef struct {
   int alt_shared;
 } CudaLaunch;
 
+// A part of the module that NVRTC can compile apart from the others: a kernel with its comment and its
+// tables, source[at, the next unit's at) (the last to the end), which needs only the module's head,
+// source[0, the first unit's at) (types and helpers). NVRTC's time on a unit is about proportional
+// to the length of its code.
+typedef struct {
+  size_t at;
+  size_t cost;               // the length of the kernel's code (its comment and tables apart), bytes
+} CudaUnit;
+
 typedef struct {
   const char *source;        // the translation unit (also what emit_cuda returns)
+  CudaUnit *units;           // in the order of source, one per kernel (the first at the head's end)
+  int nunits;
   CudaGemm *gemms;
   int ngemms;
   CudaLaunch *launches;
@@ -118,6 +129,22 @@ typedef struct {
 // ($MDL_CACHE or ~/.cache/mdl)/cuda/<sha256 of (source, arch, NVRTC version, MDL_VERSION, options)>.cubin
 // (written atomically). False with NVRTC's log (or why it could not run) in err.
 bool nvrtc_compile(const char *src, const char *arch, NvrtcResult *out, char *err, size_t n);
+
+// A module compiled as several NVRTC programs at once, one cubin each.
+typedef struct {
+  int n;                 // programs
+  NvrtcResult *parts;    // their cubins (seconds: each program's own time in NVRTC)
+  bool cache_hit;        // every cubin came from the cache
+  double seconds;        // wall time of the compiles (0 when every cubin came from the cache)
+} NvrtcModule;
+
+// Compiles plan's source as up to `threads` programs on as many threads, each the module's head and a
+// share of its units (CudaUnit) of about equal cost; each program is cached as nvrtc_compile caches
+// one (NVRTC optimising it on its one thread). With threads <= 1, or one unit, a single program of the
+// whole source (nvrtc_compile). A kernel is in exactly one of the cubins. False with the first failing
+// program's log in err.
+bool nvrtc_compile_units(const CudaPlan *plan, const char *arch, int threads, NvrtcModule *out, char *err, size_t n);
+void nvrtc_module_free(NvrtcModule *m);
 // NVRTC can be loaded; else false with the reason.
 bool nvrtc_available(char *why, size_t n);
 // The NVRTC version, e.g. 13.0, or false when NVRTC cannot be loaded.

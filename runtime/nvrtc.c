@@ -4,12 +4,14 @@
 //
 // Cache: the key is the SHA-256 of (source, arch, NVRTC version, MDL_VERSION, options), each part
 // followed by a NUL; the cubin lives in ($MDL_CACHE or ~/.cache/mdl)/cuda/<key>.cubin and is written
-// through a temporary file and a rename, so a concurrent run never reads half a cubin.
+// through a temporary file and a rename, so a concurrent run never reads half a cubin. A module
+// compiled as several programs at once (nvrtc_compile_units) caches each program's cubin so.
 #include "emit_cuda.h"
 #include "runtime.h"
 
 #include <dlfcn.h>
 #include <errno.h>
+#include <pthread.h>
 #include <stdarg.h>
 #include <stdlib.h>
 #include <string.h>
@@ -214,18 +216,18 @@ static void *run_nvrtc(const char *src, const char *const *opts, int nopts, size
   return cubin;
 }
 
-bool nvrtc_compile(const char *src, const char *arch, NvrtcResult *out, char *err, size_t n) {
+// One program, through the cache. With split, --split-compile=0 (NVRTC 12.1 and later) optimises its
+// kernels on as many threads as the machine has: GPT-2 124M's module took 3.5 s on one thread and
+// 2.0-2.4 s on two, its longest kernel (attention backward's dk/dv) alone 0.7 s.
+static bool compile_cached(const char *src, const char *arch, bool split, NvrtcResult *out, char *err, size_t n) {
   *out = (NvrtcResult){0};
   if (!load())
     return rt_fail(err, n, "%s", nv.why);
   char archopt[64], version[32];
   snprintf(archopt, sizeof archopt, "--gpu-architecture=%s", arch);
   snprintf(version, sizeof version, "%d.%d", nv.major, nv.minor);
-  // --split-compile=0 (NVRTC 12.1 and later) optimises the kernels on as many threads as the machine
-  // has: GPT-2 124M's module took 3.5 s on one thread and 2.0-2.4 s on two, its longest kernel
-  // (attention backward's dk/dv) alone 0.7 s.
   const char *opts[4] = {archopt, "--std=c++17", "--fmad=true", "--split-compile=0"};
-  int nopts = nv.major > 12 || (nv.major == 12 && nv.minor >= 1) ? 4 : 3;
+  int nopts = split && (nv.major > 12 || (nv.major == 12 && nv.minor >= 1)) ? 4 : 3;
 
   // The key: every part followed by a NUL, so that ("ab", "c") and ("a", "bc") differ.
   const char *parts[8] = {src, arch, version, MDL_VERSION};
@@ -268,4 +270,134 @@ bool nvrtc_compile(const char *src, const char *arch, NvrtcResult *out, char *er
   }
   *out = (NvrtcResult){cubin, size, false, seconds, log};
   return true;
+}
+
+bool nvrtc_compile(const char *src, const char *arch, NvrtcResult *out, char *err, size_t n) {
+  return compile_cached(src, arch, true, out, err, n);
+}
+
+//
+// A module as several programs, compiled at once. Every program is the module's head followed by some
+// of its units in the order of the source; the units go to programs by cost, the costliest first,
+// each to the program with the least so far. On two cores GPT-2 124M's module took 2.34 s as one
+// program (--split-compile=0) and 1.86 s as two, each on its own thread.
+//
+typedef struct {
+  char *src;                // the head and this program's units
+  const char *arch;
+  NvrtcResult r;
+  bool ok;
+  char err[4096];
+} Program;
+
+static void *compile_program(void *p) {
+  Program *pr = p;
+  pr->ok = compile_cached(pr->src, pr->arch, false, &pr->r, pr->err, sizeof pr->err);
+  return NULL;
+}
+
+void nvrtc_module_free(NvrtcModule *m) {
+  for (int i = 0; i < m->n; i++) {
+    free(m->parts[i].cubin);
+    free(m->parts[i].log);
+  }
+  free(m->parts);
+  *m = (NvrtcModule){0};
+}
+
+static size_t unit_end(const CudaPlan *plan, size_t len, int u) {
+  return u + 1 < plan->nunits ? plan->units[u + 1].at : len;
+}
+
+bool nvrtc_compile_units(const CudaPlan *plan, const char *arch, int threads, NvrtcModule *out, char *err, size_t n) {
+  *out = (NvrtcModule){0};
+  if (!load()) // (before the threads: load() is not thread-safe)
+    return rt_fail(err, n, "%s", nv.why);
+  int np = threads < plan->nunits ? threads : plan->nunits;
+  if (np < 1)
+    np = 1;
+  out->parts = calloc((size_t)np, sizeof *out->parts);
+  Program *pr = calloc((size_t)np, sizeof *pr);
+  int *of = calloc((size_t)plan->nunits + 1, sizeof *of), *order = calloc((size_t)plan->nunits + 1, sizeof *order);
+  size_t *load_of = calloc((size_t)np, sizeof *load_of), *len_of = calloc((size_t)np, sizeof *len_of);
+  pthread_t *th = calloc((size_t)np, sizeof *th);
+  bool *started = calloc((size_t)np, sizeof *started);
+  bool ok = out->parts && pr && of && order && load_of && len_of && th && started;
+  if (!ok)
+    rt_fail(err, n, "out of memory");
+  size_t len = strlen(plan->source), head = plan->nunits ? plan->units[0].at : len;
+  double t0 = rt_now();
+  if (ok && np == 1) {
+    out->n = 1;
+    ok = compile_cached(plan->source, arch, true, &out->parts[0], err, n);
+  } else if (ok) {
+    // (the costliest unit first, each to the lightest program; ties by place in the source)
+    for (int u = 0; u < plan->nunits; u++) {
+      int at = u;
+      while (at > 0 && plan->units[order[at - 1]].cost < plan->units[u].cost) {
+        order[at] = order[at - 1];
+        at--;
+      }
+      order[at] = u;
+    }
+    for (int k = 0; k < plan->nunits; k++) {
+      int best = 0;
+      for (int p = 1; p < np; p++)
+        best = load_of[p] < load_of[best] ? p : best;
+      of[order[k]] = best;
+      load_of[best] += plan->units[order[k]].cost;
+    }
+    for (int u = 0; u < plan->nunits; u++)
+      len_of[of[u]] += unit_end(plan, len, u) - plan->units[u].at;
+    for (int p = 0; ok && p < np; p++) {
+      if (!(pr[p].src = malloc(head + len_of[p] + 1))) {
+        ok = rt_fail(err, n, "out of memory");
+        break;
+      }
+      memcpy(pr[p].src, plan->source, head);
+      size_t at = head;
+      for (int u = 0; u < plan->nunits; u++)
+        if (of[u] == p) {
+          size_t ulen = unit_end(plan, len, u) - plan->units[u].at;
+          memcpy(pr[p].src + at, plan->source + plan->units[u].at, ulen);
+          at += ulen;
+        }
+      pr[p].src[at] = 0;
+      pr[p].arch = arch;
+    }
+    // (the last program on this thread; the others each on one of their own, or here when none starts)
+    for (int p = 0; ok && p < np - 1; p++)
+      started[p] = pthread_create(&th[p], NULL, compile_program, &pr[p]) == 0;
+    if (ok) {
+      compile_program(&pr[np - 1]);
+      for (int p = 0; p < np - 1; p++)
+        if (started[p])
+          pthread_join(th[p], NULL);
+        else
+          compile_program(&pr[p]);
+    }
+    out->n = np;
+    for (int p = 0; p < np; p++) {
+      out->parts[p] = pr[p].r;
+      if (ok && !pr[p].ok)
+        ok = rt_fail(err, n, "%s", pr[p].err);
+      free(pr[p].src);
+    }
+  }
+  if (out->parts) {
+    out->cache_hit = true;
+    for (int p = 0; p < out->n; p++)
+      out->cache_hit = out->cache_hit && out->parts[p].cache_hit;
+    out->seconds = out->cache_hit ? 0 : rt_now() - t0;
+  }
+  free(pr);
+  free(of);
+  free(order);
+  free(load_of);
+  free(len_of);
+  free(th);
+  free(started);
+  if (!ok)
+    nvrtc_module_free(out);
+  return ok;
 }

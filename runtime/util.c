@@ -96,8 +96,10 @@ bool rt_cache_dir(const char *sub, char *dir, size_t n, char *err, size_t errn) 
 }
 
 bool rt_write_atomic(const char *path, const void *data, size_t size, char *err, size_t n) {
+  // (a name of this process and call, so that threads writing one path never share a temporary)
+  static unsigned calls;
   char tmp[1100];
-  snprintf(tmp, sizeof tmp, "%s.tmp.%ld", path, (long)getpid());
+  snprintf(tmp, sizeof tmp, "%s.tmp.%ld.%u", path, (long)getpid(), __atomic_fetch_add(&calls, 1, __ATOMIC_RELAXED));
   FILE *f = fopen(tmp, "wb");
   if (!f)
     return rt_fail(err, n, "%s: %s", tmp, strerror(errno));

@@ -25,7 +25,7 @@
 #      issue's target: under 2 s);
 #   5. three more steps of it with --profile (launch by launch, timed by events from the second step
 #      on: the first loads each kernel as it first launches; its "cuda:" line gives the time to read
-#      the cubin from the cache, the warm compile: under 0.2 s): the whole
+#      the cubins from the cache, the warm compile: under 0.2 s): the whole
 #      kernel table goes to $OUT/gpu-check-profile.txt, its 25 slowest lines, the time by kind of
 #      kernel (GEMMs, attention, LM head, optimizer, embedding backward, norm backward with its add
 #      and column sums, norm forward, sums with their producers, lone casts, lone sums, other

@@ -5,8 +5,11 @@
 //     sm_100 and sm_120, with NVRTC 12.8 or later) without an error or a warning;
 //     GPT-2 124M's module compiles cold and a second compile is a cache hit (times printed, not
 //     asserted); a changed source or another arch misses the cache; a module that does not compile
-//     comes back with NVRTC's error; SHA-256 against FIPS 180-2 vectors.
-//  2. The plan: emitting twice gives the same text; every launch names a kernel of the source, every
+//     comes back with NVRTC's error; SHA-256 against FIPS 180-2 vectors. As the engine compiles it,
+//     several programs at once (GPT-2 124M as 3, gpt2-tiny a program per kernel): a cubin each, every
+//     kernel in exactly one, all from the cache the second time (see test_nvrtc_units).
+//  2. The plan: emitting twice gives the same text; a unit per kernel (CudaUnit), each holding its one
+//     kernel's definition, none in the head before them; every launch names a kernel of the source, every
 //     GEMM and kernel argument lies inside the device arena (GEMM extents by their element types), a
 //     bf16 GEMM result has no epilogue and beta 0; GPT-2 124M's twelve layers share their kernels (fp32
 //     and bf16); the GEMM epilogues of gpt2-tiny (bias on qkv, bias + GELU on the MLP, with the
@@ -37,6 +40,7 @@
 #include "backend.h"
 #include "emit_cuda.h"
 #include "test.h"
+#include "cubin_syms.h"
 
 #include <dirent.h>
 #include <dlfcn.h>
@@ -367,6 +371,72 @@ static void test_nvrtc_cache(void) {
 //
 
 // Every launch names a kernel defined in the source; GEMM operands and kernel arguments lie in the arena.
+// The module compiled as several programs at once, as the CUDA engine compiles it
+// (nvrtc_compile_units): GPT-2 124M as it trains by default (bf16, fused) as 3 programs, and gpt2-tiny
+// (bf16, fused) as a program per unit (every kernel with the head alone): a cubin per program, no
+// warning, every kernel of the plan (variants and mdl_accumulate too) defined in exactly one cubin;
+// compiled again, every cubin comes from the cache, the same bytes. Times printed.
+static void test_nvrtc_units(void) {
+  static const struct {
+    const char *path;
+    int threads;
+  } cases[] = {{"models/gpt2.mdl", 3}, {"models/gpt2-tiny.mdl", 1 << 20}};
+  for (size_t c = 0; c < sizeof cases / sizeof *cases; c++) {
+    Arena *a = arena_new();
+    Model md = {.path = cases[c].path};
+    Graph *g = load(a, &md, DT_BF16);
+    Fusion *f = g ? fuse(g, (FuseOptions){.fuse = true, .chunk_lmhead = true}) : NULL;
+    CudaPlan *p = f ? emit_cuda_plan(f, memplan(f), md.path) : NULL;
+    char name[300], err[4096] = "";
+    if (!p) {
+      snprintf(name, sizeof name, "nvrtc %s as several programs: emits", md.path);
+      CHECK(false, name, "front end, precision or emitter failed");
+      arena_free(a);
+      continue;
+    }
+    int want = cases[c].threads < p->nunits ? cases[c].threads : p->nunits;
+    NvrtcModule cold = {0}, warm = {0};
+    double t0 = now();
+    bool ok = nvrtc_compile_units(p, "sm_90", cases[c].threads, &cold, err, sizeof err);
+    double tc = now() - t0;
+    bool clean = ok && cold.n == want && !cold.cache_hit;
+    for (int i = 0; clean && i < cold.n; i++)
+      clean = cold.parts[i].size > 0 && !cold.parts[i].log;
+    snprintf(name, sizeof name, "nvrtc %s bf16 sm_90 as %d programs at once: a cubin each, no warning (%.2f s)",
+             md.path, want, tc);
+    CHECK(clean, name, "%.600s", !ok ? err : cold.n != want ? "another number of cubins" : "a warning or a cache hit");
+    const char *missing = NULL;
+    int defined = 0;
+    for (int i = 0; ok && i <= 2 * p->nlaunches && !missing; i++) {
+      const char *k = i == 2 * p->nlaunches ? "mdl_accumulate"
+                      : i < p->nlaunches    ? p->launches[i].kernel
+                                            : p->launches[i - p->nlaunches].alt;
+      int in = 0;
+      for (int j = 0; k && j < cold.n; j++)
+        in += cubin_has_function(cold.parts[j].cubin, k);
+      if (k && in != 1)
+        missing = k;
+      defined += k != NULL;
+    }
+    snprintf(name, sizeof name, "nvrtc %s bf16 as %d programs: each of the plan's kernels is in exactly one cubin",
+             md.path, want);
+    CHECK(ok && !missing && defined > 0, name, "%s", missing ? missing : "no cubins");
+    t0 = now();
+    ok = ok && nvrtc_compile_units(p, "sm_90", cases[c].threads, &warm, err, sizeof err);
+    double tw = now() - t0;
+    bool same = ok && warm.cache_hit && warm.n == cold.n && warm.seconds == 0;
+    for (int i = 0; same && i < warm.n; i++)
+      same = warm.parts[i].size == cold.parts[i].size &&
+             !memcmp(warm.parts[i].cubin, cold.parts[i].cubin, cold.parts[i].size);
+    snprintf(name, sizeof name, "nvrtc %s bf16 as %d programs, again: every cubin from the cache, the same (%.3f s)",
+             md.path, want, tw);
+    CHECK(same, name, "%s", ok ? "a miss or other bytes" : err);
+    nvrtc_module_free(&cold);
+    nvrtc_module_free(&warm);
+    arena_free(a);
+  }
+}
+
 static const char *check_plan(const CudaPlan *p, const Fusion *f, char *why, size_t n) {
   int last_step = 0;
   for (int i = 0; i < p->nlaunches; i++) {
@@ -400,6 +470,26 @@ static const char *check_plan(const CudaPlan *p, const Fusion *f, char *why, siz
                         dtype_name(gm->ab), dtype_name(gm->ab), dtype_name(gm->c_type), gm->epilogue, gm->beta), why;
     }
   }
+  // The units: one per kernel (mdl_accumulate's the first), in the order of the source, each holding
+  // exactly one kernel's definition; the head before them holds none.
+  size_t len = strlen(p->source);
+  if (p->nunits != p->nkernels + 1 || p->units[0].at == 0 || p->units[p->nunits - 1].at >= len)
+    return snprintf(why, n, "%d units of %d kernels", p->nunits, p->nkernels), why;
+  char *head = strndup(p->source, p->units[0].at);
+  bool bare = !strstr(head, "__global__");
+  free(head);
+  if (!bare || strncmp(p->source + p->units[0].at, "\n// Not of the plan:", 20))
+    return snprintf(why, n, "the head holds a kernel, or mdl_accumulate is not the first unit"), why;
+  for (int u = 0; u < p->nunits; u++) {
+    size_t end = u + 1 < p->nunits ? p->units[u + 1].at : len;
+    if (end <= p->units[u].at || p->units[u].cost == 0 || p->units[u].cost > end - p->units[u].at)
+      return snprintf(why, n, "unit %d: [%zu, %zu), cost %zu", u, p->units[u].at, end, p->units[u].cost), why;
+    int defs = 0;
+    for (const char *k = p->source + p->units[u].at; (k = strstr(k, "__global__")) && (size_t)(k - p->source) < end; k++)
+      defs++;
+    if (defs != 1)
+      return snprintf(why, n, "unit %d defines %d kernels", u, defs), why;
+  }
   return NULL;
 }
 
@@ -424,8 +514,8 @@ static void test_plans(void) {
         CHECK(p && q && !strcmp(p->source, q->source), name, "%s", p && q ? "texts differ" : "emit failed");
         why[0] = 0;
         const char *bad = p ? check_plan(p, f, why, sizeof why) : "emit failed";
-        snprintf(name, sizeof name, "cuda plan %s: %d launches name kernels of the source, in the arena", label,
-                 p ? p->nlaunches : 0);
+        snprintf(name, sizeof name, "cuda plan %s: %d launches name kernels of the source, in the arena; a unit "
+                 "for each kernel", label, p ? p->nlaunches : 0);
         CHECK(!bad, name, "%s", bad);
         // A reduction step computes the elementwise values it holds (rule 10) in its own loop: one
         // kernel, or partial results and the kernel that adds them, and no kernel of their own. So
@@ -1473,6 +1563,7 @@ int main(void) {
   char why[256];
   if (nvrtc_available(why, sizeof why)) {
     test_nvrtc_cache();
+    test_nvrtc_units();
     static const char *const paths[] = {"models/gpt2-tiny.mdl", "models/gpt2.mdl", "models/llama-tiny.mdl",
                                         "models/mlp.mdl"};
     for (int pr = 0; pr < 2; pr++)

@@ -21,7 +21,10 @@
 //     host's load. Kernel variants (attention's two block sizes, gpt2-tiny bf16): with the plan's
 //     kernels made slow the engine replays the variants, with the variants slow the plan's own; with
 //     kernel tuning off, or a variant that fails to launch, the plan's own.
-//     engine_cuda then trains on the CPU: it starts from exactly the interpreter's parameters;
+//     The module is compiled as three programs ($MDL_NVRTC_THREADS), a cubin each, and the fake's
+//     module of a cubin holds only the kernels its symbol table defines (cubin_syms.h): every kernel
+//     must be looked up in its own. engine_cuda then trains on the CPU: it starts from exactly the
+//     interpreter's parameters;
 //     after one step the loss and every gradient agree with the interpreter within 1e-5
 //     (max |cuda - interp| / max |interp| per tensor), and the parameters after 4 steps within 5e-4
 //     in L2 per tensor (AdamW's first steps, as in test_cpu.c); the graph is captured once and
@@ -69,6 +72,8 @@ static bool in_list(const char *list, const char *name) {
 // cuGetProcAddress, so the runtime finds its entry points under their versioned names.
 #include <utility>
 #include <vector>
+
+#include "cubin_syms.h"
 
 #include MDL_MODULE
 
@@ -231,21 +236,29 @@ CUresult cuDevicePrimaryCtxRetain(void **ctx, int) {
 CUresult cuDevicePrimaryCtxRelease_v2(int) { return 0; }
 CUresult cuCtxSetCurrent(void *) { return 0; }
 
-// A module is accepted when it is an ELF image (a cubin); its kernels are the ones compiled in here.
+// A module is accepted when it is an ELF image (a cubin); its kernels are those compiled in here that
+// the cubin defines (a module compiled as several programs has some of them in each cubin).
+struct Module {
+  std::vector<bool> has; // per kernels[]
+};
 CUresult cuModuleLoadData(void **mod, const void *image) {
   if (memcmp(image, "\177ELF", 4))
     return 200;
+  Module *m = new Module;
+  for (size_t i = 0; i < sizeof kernels / sizeof *kernels; i++)
+    m->has.push_back(cubin_has_function(image, kernels[i].name));
   counters.modules++;
-  *mod = &counters;
+  *mod = m;
   return 0;
 }
-CUresult cuModuleUnload(void *) {
+CUresult cuModuleUnload(void *mod) {
+  delete (Module *)mod;
   counters.modules--;
   return 0;
 }
-CUresult cuModuleGetFunction(void **fn, void *, const char *name) {
+CUresult cuModuleGetFunction(void **fn, void *mod, const char *name) {
   for (size_t i = 0; i < sizeof kernels / sizeof *kernels; i++)
-    if (!strcmp(kernels[i].name, name)) {
+    if (((Module *)mod)->has[i] && !strcmp(kernels[i].name, name)) {
       *fn = (void *)(i + 1);
       return 0;
     }
@@ -1398,10 +1411,17 @@ static void emulated_checks(const Model *md) {
   setenv("MDL_LIBCUBLASLT", so, 1);
   void *h = dlopen(so, RTLD_NOW | RTLD_LOCAL);
   const Counters *(*counters)(void) = h ? (const Counters *(*)(void))dlsym(h, "fake_counters") : NULL;
+  setenv("MDL_NVRTC_THREADS", "3", 1); // (the module as three programs, whatever the machine's cores)
   Engine *cuda = engine_cuda(c.f, c.m, 5, true, true, why, sizeof why);
+  unsetenv("MDL_NVRTC_THREADS");
   snprintf(name, sizeof name, "cuda: %s: the engine starts on the emulated GPU", md->label);
   CHECK(cuda && counters, name, "%s", cuda ? "no fake_counters" : why);
   if (cuda && counters) {
+    // (each kernel is found in the one cubin that defines it: the fake's modules hold only those)
+    snprintf(name, sizeof name, "cuda: %s: the module is compiled as three programs, a cubin each, and every "
+             "kernel is found in its own", md->label);
+    CHECK(counters()->modules == 3 && p->nunits >= 3, name, "%ld modules loaded, %d units", counters()->modules,
+          p->nunits);
     Engine *ref = engine_interp(c.g, INTERP_F32, 5);
     double init = 0;
     for (int i = 0; i < c.g->nparams; i++)
