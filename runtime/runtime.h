@@ -61,6 +61,13 @@ struct Engine {
   // that no step's time includes the draw.
   bool (*draw_params)(Engine *e, char *err, size_t n);
   bool (*inputs_from)(Engine *e, int n, const char *const *names, Engine *from, const int *nodes, bool first);
+  // Checkpoints that do not stop the steps (device back ends; NULL elsewhere): snapshot copies every
+  // parameter and AdamW moment as the last step left it, within the engine's memory; read_snapshot
+  // then reads one of them (f32) into host memory as read would have, from any thread, while steps
+  // run, until the next snapshot. snapshot is false, with nothing kept, where it cannot copy them
+  // (memory); read_snapshot false with the reason in err.
+  bool (*snapshot)(Engine *e);
+  bool (*read_snapshot)(Engine *e, int node, float *dst, char *err, size_t n);
   void (*free)(Engine *e);
   bool cache_hit;         // compiled back ends: the module came from the cache
   double compile_seconds; // compiled back ends: time in the compiler

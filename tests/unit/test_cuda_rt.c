@@ -33,6 +33,11 @@
 //     message and the next good step runs; a parameter written through the Engine reads back; the
 //     initial parameters are drawn when first needed, never over ones written or taken before
 //     (draw_checks.h), and an engine given all of another's by take_params sends none of its own up;
+//     a snapshot of the parameters and moments (Engine.snapshot: three device copies, its memory
+//     counted), read on another thread while two more steps run and after them, holds their values
+//     at the snapshot bit for bit, a node that is neither is refused, and with the device too full
+//     for it snapshot declines, allocating nothing; train_run (4 steps, a checkpoint every 2) takes
+//     each checkpoint by a snapshot and its last holds the engine's parameters and moments;
 //     freeing the engine frees every allocation and the module; an allocation that fails is
 //     reported as "cuMemAlloc: CUDA_ERROR_OUT_OF_MEMORY" and leaks nothing; with --profile a fresh
 //     engine runs the plan launch by launch (no replay) to the graph's loss and gradients bit for
@@ -610,9 +615,11 @@ int cublasLtMatmul(void *, Desc *d, const float *alpha, const void *A, Layout *a
 #include "runtime.h"
 #include "test.h"
 #include "draw_checks.h"
+#include "data.h"
 
 #include <dlfcn.h>
 #include <math.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -1071,6 +1078,168 @@ static bool build_fake_gpu(const CudaPlan *p, const char *name, char *so, size_t
   return true;
 }
 
+// A reader of an engine's snapshot on a thread of its own (as the checkpoint writer reads it).
+typedef struct {
+  Engine *e;
+  const int *nodes;
+  int n;
+  float **dst;
+  bool ok;
+  char why[256];
+} SnapReader;
+
+static void *read_snapshot_job(void *arg) {
+  SnapReader *r = arg;
+  r->ok = true;
+  for (int i = 0; r->ok && i < r->n; i++)
+    r->ok = r->e->read_snapshot(r->e, r->nodes[i], r->dst[i], r->why, sizeof r->why);
+  return NULL;
+}
+
+// Engine.snapshot on the emulated GPU (the checkpoints' copy of the parameters and moments on the
+// device): read back on another thread while two more steps run on this one, it holds every
+// parameter and moment as they were at the snapshot, bit for bit, though the steps changed them;
+// a node that is neither is refused; the copy is three device copies (params, m, v), its memory
+// counted in the engine's device bytes. With the device too full for it, snapshot declines.
+static void snapshot_checks(const char *label, const Compiled *c, Engine *cuda, const Counters *k, void *fake) {
+  const Graph *g = c->g;
+  char name[300], why[256];
+  int *nodes = calloc((size_t)g->n, sizeof *nodes), n = 0;
+  for (int i = 0; i < g->nparams; i++)
+    nodes[n++] = g->params[i];
+  for (int i = 0; i < g->n; i++)
+    if (g->nodes[i]->op == OP_STATE)
+      nodes[n++] = i;
+  float **before = calloc((size_t)n, sizeof *before), **snap = calloc((size_t)n, sizeof *snap),
+        **after = calloc((size_t)n, sizeof *after);
+  for (int i = 0; i < n; i++) {
+    size_t count = (size_t)shape_numel(g->nodes[nodes[i]]->shape);
+    before[i] = calloc(count, sizeof(float));
+    snap[i] = calloc(count, sizeof(float));
+    after[i] = calloc(count, sizeof(float));
+    cuda->read(cuda, nodes[i], before[i]);
+  }
+  long copies = k->device_copies;
+  int64_t bytes = cuda->device_bytes;
+  bool ok = cuda->snapshot && cuda->snapshot(cuda);
+  snprintf(name, sizeof name, "cuda: %s: a snapshot of the parameters and moments is three device copies, its "
+           "memory counted", label);
+  CHECK(ok && k->device_copies == copies + 3 && cuda->device_bytes == bytes + 3 * c->m->param_bytes, name,
+        "snapshot %d, %ld copies, %lld more device bytes", ok, k->device_copies - copies,
+        (long long)(cuda->device_bytes - bytes));
+  SnapReader r = {cuda, nodes, n, snap, false, ""};
+  pthread_t th;
+  bool threaded = ok && pthread_create(&th, NULL, read_snapshot_job, &r) == 0;
+  Engine *es[] = {cuda};
+  for (int s = 0; ok && s < 2; s++) {
+    set_batch(g, es, 1, 0);
+    ok = cuda->step(cuda, why, sizeof why);
+  }
+  if (threaded)
+    pthread_join(th, NULL);
+  int64_t differ = 0, moved = 0;
+  for (int i = 0; ok && r.ok && i < n; i++) {
+    int64_t count = shape_numel(g->nodes[nodes[i]]->shape);
+    differ += memcmp(snap[i], before[i], sizeof(float) * (size_t)count) != 0;
+    // (and once more after the steps, on this thread)
+    r.ok = cuda->read_snapshot(cuda, nodes[i], snap[i], r.why, sizeof r.why);
+    differ += r.ok && memcmp(snap[i], before[i], sizeof(float) * (size_t)count) != 0;
+    cuda->read(cuda, nodes[i], after[i]);
+    moved += memcmp(after[i], before[i], sizeof(float) * (size_t)count) != 0;
+  }
+  snprintf(name, sizeof name, "cuda: %s: read on another thread while two steps run, and after them, the snapshot "
+           "holds the %d parameters and moments as they were", label, n);
+  CHECK(threaded && ok && r.ok && differ == 0 && moved > 0, name, "%s; %lld differ, %lld moved by the steps",
+        !threaded ? "no thread" : !ok ? why : !r.ok ? r.why : "", (long long)differ, (long long)moved);
+  ok = cuda->read_snapshot && !cuda->read_snapshot(cuda, g->loss, snap[0], why, sizeof why);
+  snprintf(name, sizeof name, "cuda: %s: the snapshot has no loss", label);
+  CHECK(ok && contains(why, "not in the snapshot"), name, "'%s'", ok ? why : "read");
+  for (int i = 0; i < n; i++) {
+    free(before[i]);
+    free(snap[i]);
+    free(after[i]);
+  }
+  free(before);
+  free(snap);
+  free(after);
+  free(nodes);
+
+  // (a fresh engine on a device with room for less than the snapshot)
+  int (*meminfo)(size_t *, size_t *) = (int (*)(size_t *, size_t *))dlsym(fake, "cuMemGetInfo_v2");
+  Engine *full = engine_cuda(c->f, c->m, 5, true, true, why, sizeof why);
+  size_t free_bytes = 0, total = 0;
+  if (full && meminfo && meminfo(&free_bytes, &total) == 0) {
+    char cap[32];
+    snprintf(cap, sizeof cap, "%zu", total - free_bytes + (size_t)c->m->param_bytes);
+    setenv("FAKE_GPU_MEMORY", cap, 1);
+    long live = k->live_allocations;
+    ok = full->snapshot(full);
+    unsetenv("FAKE_GPU_MEMORY");
+    snprintf(name, sizeof name, "cuda: %s: without the device memory for it, snapshot declines and allocates "
+             "nothing", label);
+    CHECK(!ok && k->live_allocations == live, name, "snapshot %d, %ld allocations more", ok,
+          k->live_allocations - live);
+  } else {
+    CHECK(false, "cuda: a fresh engine for the snapshot's memory check", "%s", full ? "no cuMemGetInfo" : why);
+  }
+  if (full)
+    full->free(full);
+}
+
+// The training loop on the emulated GPU (train_run, no validation): 4 steps with a checkpoint every 2,
+// each a snapshot, read from it by the checkpoint writer's thread while the next steps run;
+// the checkpoint left at the end holds every parameter and moment as the engine has them, bit for bit.
+static void train_checks(const char *label, const Compiled *c, const Counters *k) {
+  char name[300], text[1200], data[1200], out[1200], ckpt[1300];
+  snprintf(text, sizeof text, "%s/corpus.txt", tmp);
+  snprintf(data, sizeof data, "%s/corpus-data", tmp);
+  snprintf(out, sizeof out, "%s/train-out", tmp);
+  snprintf(ckpt, sizeof ckpt, "%s/checkpoint.safetensors", out);
+  FILE *f = fopen(text, "w");
+  for (int i = 0; f && i < 400; i++)
+    fprintf(f, "Line %d of a small corpus: the %s fox jumps over %d lazy dogs.\n", i, i % 3 ? "quick" : "brown",
+            i % 7);
+  bool ok = f && fclose(f) == 0;
+  PrepOptions po;
+  prep_defaults(&po);
+  po.input = text;
+  po.out_dir = data;
+  ok = ok && prep_run(&po) == 0;
+  char why[256];
+  Engine *e = ok ? engine_cuda(c->f, c->m, 7, true, true, why, sizeof why) : NULL;
+  TrainOptions to = {.model_path = "models/gpt2-tiny.mdl", .data_dir = data, .tokenizer_path = "tokenizer.bin",
+                     .out_dir = out, .steps = 4, .seed = 7, .val_every = 0, .val_batches = 1, .ckpt_every = 2};
+  long copies = k->device_copies;
+  int rc = e ? train_run(e, NULL, NULL, &to) : -1;
+  snprintf(name, sizeof name, "cuda: %s: trains 4 steps with a checkpoint every 2, each taken by a snapshot (3 "
+           "device copies)", label);
+  CHECK(rc == 0 && k->device_copies - copies == 6, name, "%s; %ld device copies",
+        !ok ? "no data" : !e ? why : rc ? "train_run failed" : "", k->device_copies - copies);
+  Arena *a = arena_new();
+  StFile st;
+  ok = rc == 0 && st_read(a, ckpt, &st);
+  int checked = 0, differ = 0;
+  const Graph *g = c->g;
+  for (int i = 0; ok && i < g->n; i++) {
+    const IrNode *x = g->nodes[i];
+    if (x->op != OP_PARAM && x->op != OP_STATE)
+      continue;
+    const StTensor *t = st_find(&st, x->name);
+    int64_t count = shape_numel(x->shape);
+    float *v = calloc((size_t)count, sizeof *v);
+    e->read(e, i, v);
+    differ += !t || t->dtype != DT_F32 || memcmp(t->data, v, sizeof(float) * (size_t)count) != 0;
+    checked++;
+    free(v);
+  }
+  snprintf(name, sizeof name, "cuda: %s: the last checkpoint holds the engine's %d parameters and moments", label,
+           checked);
+  CHECK(ok && checked > 0 && differ == 0, name, "%s; %d of %d differ", ok ? "" : "no checkpoint", differ, checked);
+  arena_free(a);
+  if (e)
+    e->free(e);
+}
+
 // --profile on two fresh engines from one seed and batch, two steps: the profiled one runs the plan
 // launch by launch outside the graph (no replay) and reaches the graph's loss and gradients bit for
 // bit; the first step is a warm-up, left out; every plan step with a launch gets a time from the
@@ -1498,6 +1667,9 @@ static void emulated_checks(const Model *md) {
     }
     free(vals);
     free(back);
+    snapshot_checks(md->label, &c, cuda, k, h);
+    if (!bf16 && md->path && !strcmp(md->path, "models/gpt2-tiny.mdl"))
+      train_checks(md->label, &c, k);
     ref->free(ref);
     cuda->free(cuda);
     snprintf(name, sizeof name, "cuda: %s: freeing the engine frees the device memory and the module", md->label);
