@@ -21,8 +21,9 @@
 #   4. GPT-2 124M trained for 30 steps with `mdlc run --backend cuda` (bf16, the model's precision;
 #      B=8, T=1024; B=4 if that does not fit) on this repository's sources as byte tokens (`mdlc
 #      prep`): tokens/s (mean over steps 6-29: the last one also validates and writes a checkpoint),
-#      MFU and peak device memory; its "cuda:" line gives the module's cold NVRTC compile time (the
-#      issue's target: under 2 s);
+#      MFU and peak device memory; its "cuda:" line gives the module's cold NVRTC compile time, one
+#      program per CPU at once (the issue's target: under 2 s), and one step more compiles it cold as
+#      a single program (MDL_NVRTC_THREADS=1, a fresh cache) for comparison;
 #   5. three more steps of it with --profile (launch by launch, timed by events from the second step
 #      on: the first loads each kernel as it first launches; its "cuda:" line gives the time to read
 #      the cubins from the cache, the warm compile: under 0.2 s): the whole
@@ -250,6 +251,19 @@ else
       printf "peak device memory %s MiB (nvidia-smi memory.used); mdlc printed peak %s\n", mem == "" ? "?" : mem, peak
     }' "$tmp/run.log" | tee -a "$res"
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+fi
+# The module compiled cold as one program, beside the run above's one program per CPU.
+if [ $rc -eq 0 ] && [ "$backend" = cuda ]; then
+  say "== $model: one step, the module compiled cold as one program (MDL_NVRTC_THREADS=1), B=$B T=$T"
+  if MDL_CACHE="$tmp/cache-one" MDL_NVRTC_THREADS=1 timeout 120 "$mdlc" run models/gpt2.mdl --backend cuda --steps 1 \
+    $dims -D B="$B" -D T="$T" --val-every 0 --ckpt-every 0 --data "$tmp/shards" --out "$tmp/one" >"$tmp/one.log" 2>&1
+  then
+    grep -m1 -E '^cuda:' "$tmp/one.log" | tee -a "$res"
+  else
+    tail -12 "$tmp/one.log" | tee -a "$res"
+    say "mdlc run with MDL_NVRTC_THREADS=1 failed"
+    status=1
+  fi
 fi
 # Where the step's time goes: GPT-2 124M kernel by kernel, at the B that trained.
 if [ $rc -eq 0 ]; then
