@@ -9,7 +9,10 @@
 // function-local `static thread_local`, which every thread of a block shares because a block runs on
 // one OS thread). The threads of a block are fibers (ucontext), one per CUDA thread, run round-robin
 // on one OS thread; threadIdx, blockIdx, blockDim and gridDim are thread-locals the scheduler sets
-// before it resumes a fiber. A fiber runs until it waits: __syncthreads waits until every live thread
+// before it resumes a fiber, in increasing order of threadIdx in some blocks and decreasing in the
+// others (a thread that reads what another wrote, with no barrier between them, then sees the old
+// value in one or the other, whichever of the two the GPU would run first). A fiber runs until it
+// waits: __syncthreads waits until every live thread
 // of the block has arrived, a warp shuffle until every live thread of its warp has put its value in
 // the warp's exchange slots (then reads its partner's, and waits once more so that no slot is
 // overwritten before it is read). The tensor cores' mma.sync is warp-collective the same way: the
@@ -137,6 +140,7 @@ struct Block {
   int ncopies[MAX_THREADS];
   unsigned groups[MAX_THREADS]; // commit groups a thread has closed
   bool eager;                   // copies land when issued (odd blocks), not at the wait (even ones)
+  bool reverse;                 // the fibers run from the last thread to the first (blocks 2, 3 mod 4)
   unsigned long events;
   void (*body)(void *);
   void *ctx;
@@ -254,10 +258,12 @@ inline void run_block(Block *B, uint3 bidx, dim3 block) {
   blockIdx = bidx;
   blockDim = block;
   B->eager = (bidx.x + bidx.y + bidx.z) % 2;
+  B->reverse = (bidx.x + bidx.y + bidx.z) / 2 % 2; // (both orders with both ends of cp.async's window)
   for (int live = n; live > 0;) {
     unsigned long before = B->events;
     live = 0;
-    for (int t = 0; t < n; t++) {
+    for (int i = 0; i < n; i++) {
+      int t = B->reverse ? n - 1 - i : i;
       if (B->fibers[t].done)
         continue;
       B->cur = t;

@@ -1,7 +1,9 @@
 // test_cuda_emu.c: the CUDA emulator (runtime/cuda_emu.h) and the helpers of the emitted prelude,
 // run on the CPU. A C++ file made of the emulator, the prelude and the small kernels below is compiled
 // with g++ and loaded; each check compares what the kernels wrote with values computed here:
-//   - __syncthreads orders the threads of a block (each reads what another wrote before the barrier),
+//   - __syncthreads orders the threads of a block (each reads what another wrote before the barrier);
+//     without one, a read sees another thread's write in one of the two orders the emulator runs the
+//     threads of a block in, and the old value in the other;
 //     warp shuffles exchange floats and doubles (xor and broadcast), blockIdx / threadIdx cover the
 //     grid, atomicAdd adds from every thread of several blocks, the first mdl_report of a step wins;
 //   - threads that wait at barriers that can never fill end the run with a deadlock message;
@@ -139,6 +141,12 @@ static const char kernels[] =
     "  __syncthreads();\n"
     "  out[blockIdx.x * 256 + t] = sh[255 - t];\n"
     "}\n"
+    "extern \"C\" __global__ void k_race(double *out) {\n"
+    "  double *const slot = out + blockIdx.x * 64, *const seen = out + 256 + blockIdx.x * 64;\n"
+    "  const int t = threadIdx.x;\n"
+    "  slot[t] = t;\n"
+    "  seen[t] = slot[t ^ 1];\n"
+    "}\n"
     "extern \"C\" __global__ void k_shfl(double *out) {\n"
     "  const int lane = threadIdx.x & 31;\n"
     "  const float f = __shfl_xor_sync(MDL_FULL, (float)threadIdx.x, 5);\n"
@@ -225,6 +233,7 @@ static const char kernels[] =
     "static Args A;\n"
     "static void b_sync(void *) { k_sync(A.out); }\n"
     "static void b_shfl(void *) { k_shfl(A.out); }\n"
+    "static void b_race(void *) { k_race(A.out); }\n"
     "static void b_atomic(void *) { k_atomic(A.out); }\n"
     "static void b_report(void *) { k_report(A.st); }\n"
     "static void b_deadlock(void *) { k_deadlock(A.out); }\n"
@@ -242,6 +251,10 @@ static const char kernels[] =
     "extern \"C\" void run_sync(double *out) {\n"
     "  A.out = out;\n"
     "  mdl_emu::run(dim3{3, 1, 1}, dim3{256, 1, 1}, b_sync, 0);\n"
+    "}\n"
+    "extern \"C\" void run_race(double *out) {\n"
+    "  A.out = out;\n"
+    "  mdl_emu::run(dim3{4, 1, 1}, dim3{64, 1, 1}, b_race, 0);\n"
     "}\n"
     "extern \"C\" void run_shfl(double *out) {\n"
     "  A.out = out;\n"
@@ -366,6 +379,21 @@ static void test_primitives(void *h) {
     for (int t = 0; t < 256; t++)
       ok &= out[b * 256 + t] == (255 - t) * 3 + b;
   CHECK(ok, "cuda emu: __syncthreads orders the writes and reads of a block (3 blocks of 256)", "wrong value");
+
+  // Each thread writes its slot and reads its neighbour's with no barrier between: the threads run
+  // in increasing order in blocks 0 and 1, where the odd threads see their even neighbour's write and
+  // the even ones the old value, and in decreasing order in blocks 2 and 3, where it is the other way.
+  for (int i = 0; i < 512; i++)
+    out[i] = -1;
+  run = (void (*)(double *))dlsym(h, "run_race");
+  run(out);
+  int wrong = 0;
+  for (int b = 0; b < 4; b++)
+    for (int t = 0; t < 64; t++)
+      wrong += out[256 + b * 64 + t] != (((t % 2) != (b / 2)) ? (double)(t ^ 1) : -1.0);
+  CHECK(wrong == 0, "cuda emu: a read of another thread's write with no barrier between sees the old value in one "
+        "order of the threads and the new in the other (blocks 0, 1 increasing, 2, 3 decreasing)", "%d of 256 "
+        "reads differ", wrong);
 
   memset(out, 0, 1024 * sizeof *out);
   run = (void (*)(double *))dlsym(h, "run_shfl");
