@@ -859,7 +859,8 @@ static bool cu_read_snapshot(Engine *e, int node, float *dst, char *err, size_t 
   if (!ce->snap || at < 0 || r == 3 || x->dtype != DT_F32)
     return rt_fail(err, n, "%s is not in the snapshot of the parameters and moments", x->name ? x->name : "a node");
   CUdeviceptr src = ce->snap + (CUdeviceptr)(r * m->param_bytes + at - from[r]);
-  return CU(err, n, cuCtxSetCurrent, ce->ctx) && CU(err, n, cuMemcpyDtoHAsync, dst, src, (size_t)bytes, ce->snap_stream) &&
+  return CU(err, n, cuCtxSetCurrent, ce->ctx) &&
+         CU(err, n, cuMemcpyDtoHAsync, dst, src, (size_t)bytes, ce->snap_stream) &&
          CU(err, n, cuStreamSynchronize, ce->snap_stream);
 }
 

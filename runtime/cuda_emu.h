@@ -346,10 +346,29 @@ inline void mma_bf16_16816(float d[4], const uint32_t a[4], const uint32_t b[2])
   wait(B->warp[w]);
 }
 
+// Shared-memory bank conflicts of ldmatrix, over every block this object has run so far (static: one
+// count per shared object, where an inline variable would be one for all those loaded): the 8 x 8
+// tiles read, and the extra passes they took. A tile's 8 rows of 16 bytes go to the 32 banks in one
+// pass when they lie in 8 different 16-byte groups of banks (address / 16 mod 8); rows in one group
+// take a pass each. Counted from the rows' addresses relative to the tile's first row, which the
+// emulator's shared arrays lay out as the GPU's do (one array per tile).
+static unsigned long long ldsm_tiles, ldsm_extra_passes;
+
+inline void count_ldsm_passes(const uint64_t *rows) {
+  int in_group[8] = {0}, passes = 1;
+  for (int j = 0; j < 8; j++) {
+    int g = (int)(((rows[j] - rows[0]) / 16) % 8);
+    passes = ++in_group[g] > passes ? in_group[g] : passes;
+  }
+  __atomic_fetch_add(&ldsm_tiles, 1ull, __ATOMIC_RELAXED);
+  __atomic_fetch_add(&ldsm_extra_passes, (unsigned long long)(passes - 1), __ATOMIC_RELAXED);
+}
+
 // ldmatrix.sync.aligned.m8n8.x4.shared.b16, transposed (trans) or not: lanes 8 i .. 8 i + 7 give the
 // row addresses of 8 x 8 tile i (16-byte aligned); lane l gets in r[i] columns 2 (l % 4) and
 // 2 (l % 4) + 1 (low half first) of row l / 4 of tile i, or with trans rows 2 (l % 4) and 2 (l % 4) + 1
-// of column l / 4. Every lane of the warp must take part, as on the GPU.
+// of column l / 4. Every lane of the warp must take part, as on the GPU; lane 0 counts the tiles'
+// bank conflicts.
 inline void ldsm_x4(uint32_t r[4], const void *p, bool trans) {
   Block *B = blk;
   int t = B->cur, w = t / 32, base = w * 32, lane = t % 32;
@@ -365,6 +384,8 @@ inline void ldsm_x4(uint32_t r[4], const void *p, bool trans) {
             blockIdx.y, blockIdx.z, B->warp[w].live);
     abort();
   }
+  for (int i = 0; lane == 0 && i < 4; i++)
+    count_ldsm_passes(&B->slot[base + 8 * i]);
   for (int i = 0; i < 4; i++) {
     uint16_t lo, hi;
     if (trans) {

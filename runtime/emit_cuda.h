@@ -1,7 +1,8 @@
 // emit_cuda.h: the CUDA back end's compiler side. emit_cuda (compiler/emit_cuda.c) turns a step plan
-// into one CUDA C++ translation unit plus a launch schedule; nvrtc.c compiles that text into a cubin
-// (NVRTC loaded at run time, never linked) and caches it on disk. runtime/cuda.c reads a CudaPlan and
-// runs it: it needs no parsing of the generated text.
+// into one CUDA C++ translation unit plus a launch schedule; nvrtc.c compiles that text into cubins,
+// several programs at once each holding a share of its kernels (NVRTC loaded at run time, never
+// linked), and caches them on disk. runtime/cuda.c reads a CudaPlan and runs it: it needs no parsing
+// of the generated text.
 //
 // The device arena is MemPlan's arena followed by step-local scratch (reduction partials, attention
 // row statistics, the LM head's logits chunk, values a step keeps to itself): CudaPlan.arena_bytes

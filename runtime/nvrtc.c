@@ -309,94 +309,118 @@ static size_t unit_end(const CudaPlan *plan, size_t len, int u) {
   return u + 1 < plan->nunits ? plan->units[u + 1].at : len;
 }
 
+// of[u]: the program of unit u, the costliest unit first, each to the program with the least cost so
+// far (ties to the lower program, and among units of one cost the earlier in the source).
+static bool assign_units(const CudaPlan *plan, int np, int *of) {
+  int *order = calloc((size_t)plan->nunits + 1, sizeof *order);
+  size_t *load_of = calloc((size_t)np, sizeof *load_of);
+  if (!order || !load_of) {
+    free(order);
+    free(load_of);
+    return false;
+  }
+  for (int u = 0; u < plan->nunits; u++) {
+    int at = u;
+    for (; at > 0 && plan->units[order[at - 1]].cost < plan->units[u].cost; at--)
+      order[at] = order[at - 1];
+    order[at] = u;
+  }
+  for (int k = 0; k < plan->nunits; k++) {
+    int best = 0;
+    for (int p = 1; p < np; p++)
+      best = load_of[p] < load_of[best] ? p : best;
+    of[order[k]] = best;
+    load_of[best] += plan->units[order[k]].cost;
+  }
+  free(order);
+  free(load_of);
+  return true;
+}
+
+// Program p's source (malloc'd): the module's head, then its units in the order of the source.
+static char *program_source(const CudaPlan *plan, const int *of, int p) {
+  size_t len = strlen(plan->source), head = plan->units[0].at, total = head;
+  for (int u = 0; u < plan->nunits; u++)
+    total += of[u] == p ? unit_end(plan, len, u) - plan->units[u].at : 0;
+  char *src = malloc(total + 1);
+  if (!src)
+    return NULL;
+  memcpy(src, plan->source, head);
+  size_t at = head;
+  for (int u = 0; u < plan->nunits; u++)
+    if (of[u] == p) {
+      size_t ulen = unit_end(plan, len, u) - plan->units[u].at;
+      memcpy(src + at, plan->source + plan->units[u].at, ulen);
+      at += ulen;
+    }
+  src[at] = 0;
+  return src;
+}
+
+// Compiles the np programs of `of`, each on a thread of its own (the last on this one, and any whose
+// thread does not start); their cubins into out->parts. False with the first failure's log in err.
+static bool compile_programs(const CudaPlan *plan, const char *arch, const int *of, int np, NvrtcModule *out,
+                             char *err, size_t n) {
+  Program *pr = calloc((size_t)np, sizeof *pr);
+  pthread_t *th = calloc((size_t)np, sizeof *th);
+  bool *started = calloc((size_t)np, sizeof *started);
+  bool ok = pr && th && started;
+  for (int p = 0; ok && p < np; p++) {
+    pr[p].arch = arch;
+    ok = (pr[p].src = program_source(plan, of, p)) != NULL;
+  }
+  for (int p = 0; ok && p < np - 1; p++)
+    started[p] = pthread_create(&th[p], NULL, compile_program, &pr[p]) == 0;
+  if (ok) {
+    compile_program(&pr[np - 1]);
+    for (int p = 0; p < np - 1; p++)
+      if (started[p])
+        pthread_join(th[p], NULL);
+      else
+        compile_program(&pr[p]);
+  } else {
+    rt_fail(err, n, "out of memory");
+  }
+  out->n = np;
+  for (int p = 0; pr && p < np; p++) {
+    out->parts[p] = pr[p].r;
+    if (ok && !pr[p].ok)
+      ok = rt_fail(err, n, "%s", pr[p].err);
+    free(pr[p].src);
+  }
+  free(pr);
+  free(th);
+  free(started);
+  return ok;
+}
+
 bool nvrtc_compile_units(const CudaPlan *plan, const char *arch, int threads, NvrtcModule *out, char *err, size_t n) {
   *out = (NvrtcModule){0};
   if (!load()) // (before the threads: load() is not thread-safe)
     return rt_fail(err, n, "%s", nv.why);
   int np = threads < plan->nunits ? threads : plan->nunits;
-  if (np < 1)
-    np = 1;
-  out->parts = calloc((size_t)np, sizeof *out->parts);
-  Program *pr = calloc((size_t)np, sizeof *pr);
-  int *of = calloc((size_t)plan->nunits + 1, sizeof *of), *order = calloc((size_t)plan->nunits + 1, sizeof *order);
-  size_t *load_of = calloc((size_t)np, sizeof *load_of), *len_of = calloc((size_t)np, sizeof *len_of);
-  pthread_t *th = calloc((size_t)np, sizeof *th);
-  bool *started = calloc((size_t)np, sizeof *started);
-  bool ok = out->parts && pr && of && order && load_of && len_of && th && started;
-  if (!ok)
-    rt_fail(err, n, "out of memory");
-  size_t len = strlen(plan->source), head = plan->nunits ? plan->units[0].at : len;
+  np = np < 1 ? 1 : np;
+  int *of = calloc((size_t)plan->nunits + 1, sizeof *of);
+  if (!(out->parts = calloc((size_t)np, sizeof *out->parts)) || !of) {
+    free(of);
+    free(out->parts);
+    out->parts = NULL;
+    return rt_fail(err, n, "out of memory");
+  }
   double t0 = rt_now();
-  if (ok && np == 1) {
+  bool ok;
+  if (np == 1) {
     out->n = 1;
     ok = compile_cached(plan->source, arch, true, &out->parts[0], err, n);
-  } else if (ok) {
-    // (the costliest unit first, each to the lightest program; ties by place in the source)
-    for (int u = 0; u < plan->nunits; u++) {
-      int at = u;
-      while (at > 0 && plan->units[order[at - 1]].cost < plan->units[u].cost) {
-        order[at] = order[at - 1];
-        at--;
-      }
-      order[at] = u;
-    }
-    for (int k = 0; k < plan->nunits; k++) {
-      int best = 0;
-      for (int p = 1; p < np; p++)
-        best = load_of[p] < load_of[best] ? p : best;
-      of[order[k]] = best;
-      load_of[best] += plan->units[order[k]].cost;
-    }
-    for (int u = 0; u < plan->nunits; u++)
-      len_of[of[u]] += unit_end(plan, len, u) - plan->units[u].at;
-    for (int p = 0; ok && p < np; p++) {
-      if (!(pr[p].src = malloc(head + len_of[p] + 1))) {
-        ok = rt_fail(err, n, "out of memory");
-        break;
-      }
-      memcpy(pr[p].src, plan->source, head);
-      size_t at = head;
-      for (int u = 0; u < plan->nunits; u++)
-        if (of[u] == p) {
-          size_t ulen = unit_end(plan, len, u) - plan->units[u].at;
-          memcpy(pr[p].src + at, plan->source + plan->units[u].at, ulen);
-          at += ulen;
-        }
-      pr[p].src[at] = 0;
-      pr[p].arch = arch;
-    }
-    // (the last program on this thread; the others each on one of their own, or here when none starts)
-    for (int p = 0; ok && p < np - 1; p++)
-      started[p] = pthread_create(&th[p], NULL, compile_program, &pr[p]) == 0;
-    if (ok) {
-      compile_program(&pr[np - 1]);
-      for (int p = 0; p < np - 1; p++)
-        if (started[p])
-          pthread_join(th[p], NULL);
-        else
-          compile_program(&pr[p]);
-    }
-    out->n = np;
-    for (int p = 0; p < np; p++) {
-      out->parts[p] = pr[p].r;
-      if (ok && !pr[p].ok)
-        ok = rt_fail(err, n, "%s", pr[p].err);
-      free(pr[p].src);
-    }
+  } else {
+    ok = assign_units(plan, np, of) ? compile_programs(plan, arch, of, np, out, err, n)
+                                    : rt_fail(err, n, "out of memory");
   }
-  if (out->parts) {
-    out->cache_hit = true;
-    for (int p = 0; p < out->n; p++)
-      out->cache_hit = out->cache_hit && out->parts[p].cache_hit;
-    out->seconds = out->cache_hit ? 0 : rt_now() - t0;
-  }
-  free(pr);
   free(of);
-  free(order);
-  free(load_of);
-  free(len_of);
-  free(th);
-  free(started);
+  out->cache_hit = true;
+  for (int p = 0; p < out->n; p++)
+    out->cache_hit = out->cache_hit && out->parts[p].cache_hit;
+  out->seconds = out->cache_hit ? 0 : rt_now() - t0;
   if (!ok)
     nvrtc_module_free(out);
   return ok;

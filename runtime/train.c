@@ -62,11 +62,12 @@ static int checkpoint_nodes(const Graph *g, int *nodes) {
 // Checkpoints are written in the background: the parameters and moments are read from the engine
 // between two steps, then a thread writes them (atomically, as st_write_meta writes) while the next
 // steps run. An engine that can copy them within its own memory (Engine.snapshot: a GPU's, in about
-// a millisecond) is read by the thread instead, from that copy. One write at a time: the next checkpoint, and the end of the run, wait for the last; a
-// write that failed stops the run at the end of the step that notices it (ckpt_poll). The buffers
-// the values are read into are kept from one checkpoint to the next (ckpt_free at the end): GPT-2
-// 124M's 1.5 GB took 0.74-1.03 s to read into fresh ones here, most of it the first touch of their
-// pages, and 3.1-5.4 s to write, against 0.8 s a step at B=1, T=32 (30 ms on an H200).
+// a millisecond) is read by the thread instead, from that copy. One write at a time: the next
+// checkpoint, and the end of the run, wait for the last; a write that failed stops the run at the end
+// of the step that notices it (ckpt_poll). The buffers the values are read into are kept from one
+// checkpoint to the next (ckpt_free at the end): GPT-2 124M's 1.5 GB took 0.74-1.03 s to read into
+// fresh ones here, most of it the first touch of their pages, and 3.1-5.4 s to write, against 0.8 s a
+// step at B=1, T=32 (30 ms on an H200).
 enum { CKPT_META = 9 };
 typedef struct {
   pthread_t thread;
@@ -571,7 +572,8 @@ int train_run(Engine *e, Engine *eval, Engine *micro, const TrainOptions *o) {
     // so also their peak there).
     struct rusage ru;
     getrusage(RUSAGE_SELF, &ru);
-    int64_t device = e->device_bytes + (eval ? eval->device_bytes : 0) + (micro && micro != e ? micro->device_bytes : 0);
+    int64_t device =
+        e->device_bytes + (eval ? eval->device_bytes : 0) + (micro && micro != e ? micro->device_bytes : 0);
     char device_s[48] = "";
     if (device > 0)
       snprintf(device_s, sizeof device_s, ", device %.0f MB", (double)device / 1e6);

@@ -24,6 +24,12 @@ static void mdl_call(void *p) {
   c->fn(c->arena, c->status, &c->seed, c->chunk, c->args);
 }
 
+// ldmatrix's 8 x 8 tiles read so far and the extra passes their bank conflicts took (cuda_emu.h).
+extern "C" void mdl_emu_ldsm_stats(unsigned long long *tiles, unsigned long long *extra_passes) {
+  *tiles = mdl_emu::ldsm_tiles;
+  *extra_passes = mdl_emu::ldsm_extra_passes;
+}
+
 extern "C" void mdl_emu_launch(void *fn, const unsigned *grid, const unsigned *block, char *arena, void *status,
                                uint64_t seed, int64_t chunk, const int64_t *args, int nargs) {
   MdlCall c;

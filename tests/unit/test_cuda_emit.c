@@ -33,7 +33,8 @@
 //     tensor, with some gradient off the fp32 graph's by over 4e-3 (see test_emulation); the
 //     parameters agree within 1e-6 with AdamW computed here from the emulated gradients; a second step
 //     gives bit-identical values; a target >= V and a token id >= V are reported through the status
-//     argument. Attention alone (q, k, v parameters) in bf16, on tensor cores and not, against the
+//     argument; where the kernels use ldmatrix (the tensor-core attention), every 8 x 8 tile it reads
+//     takes one pass of shared memory's banks (the emulator counts the conflicts). Attention alone (q, k, v parameters) in bf16, on tensor cores and not, against the
 //     interpreter: the output within 2e-5 where keys fit one tile, 1e-3 over several, dq, dk and dv
 //     within 3e-5 (see test_attention_alone).
 #include "mdl.h"
@@ -485,7 +486,8 @@ static const char *check_plan(const CudaPlan *p, const Fusion *f, char *why, siz
     if (end <= p->units[u].at || p->units[u].cost == 0 || p->units[u].cost > end - p->units[u].at)
       return snprintf(why, n, "unit %d: [%zu, %zu), cost %zu", u, p->units[u].at, end, p->units[u].cost), why;
     int defs = 0;
-    for (const char *k = p->source + p->units[u].at; (k = strstr(k, "__global__")) && (size_t)(k - p->source) < end; k++)
+    const char *k = p->source + p->units[u].at;
+    for (; (k = strstr(k, "__global__")) && (size_t)(k - p->source) < end; k++)
       defs++;
     if (defs != 1)
       return snprintf(why, n, "unit %d defines %d kernels", u, defs), why;
@@ -1099,6 +1101,17 @@ static void test_emulation(const Model *md, bool fused, DType prec, const char *
     snprintf(name, sizeof name, "cuda emu %s %s: the kernels' variants leave the same arena to the bit (%d launches "
              "with one)", md->path, mode, nalt);
     CHECK(agree, name, "the arenas differ");
+  }
+  // (the tensor-core kernels' ldmatrix reads, kernels and variants: every 8 x 8 tile in one pass)
+  void (*ldsm_stats)(unsigned long long *, unsigned long long *) =
+      (void (*)(unsigned long long *, unsigned long long *))dlsym(emu.so, "mdl_emu_ldsm_stats");
+  unsigned long long tiles = 0, extra = 0;
+  if (ldsm_stats)
+    ldsm_stats(&tiles, &extra);
+  if (tiles) {
+    snprintf(name, sizeof name, "cuda emu %s %s: ldmatrix reads its %llu 8 x 8 tiles from shared memory without a "
+             "bank conflict", md->path, mode, tiles);
+    CHECK(extra == 0, name, "%llu extra passes", extra);
   }
 
   double loss = *(float *)cpu_value(m, arena, g->loss), ref = interp_value(it, g->loss)[0];

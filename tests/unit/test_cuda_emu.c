@@ -19,7 +19,9 @@
 //     warps of a block and several blocks each with matrices of their own) against D = C + A B in
 //     double on the bf16 roundings, within 1e-6 of the sum of the magnitudes; an mma in a warp whose
 //     other lanes have returned aborts the run; mdl_ldsm_x4_t and mdl_ldsm_x4 (ldmatrix .x4, with
-//     .trans and without) hand each lane the elements PTX's fragment layout names; the warp votes;
+//     .trans and without) hand each lane the elements PTX's fragment layout names, and their shared-
+//     memory bank conflicts are counted (none for rows 48 bytes apart, 7 extra passes a tile for rows
+//     128 bytes apart); the warp votes;
 //   - cp.async: a double-buffered staging loop gets every tile whether copies land when issued or at
 //     the wait (the emulator's two ends of the GPU's window, by block), zero fills, and a read before
 //     the wait that sees the old value where copies land late;
@@ -62,6 +64,16 @@ static const char mma_kernels[] =
     "  mdl_ldsm_x4(r, &tile[w][lane & 15][(lane >> 4) * 8]);\n"
     "  for (int i = 0; i < 4; i++)\n"
     "    out[8 * threadIdx.x + 4 + i] = r[i];\n"
+    "}\n"
+    "extern \"C\" __global__ void k_ldsm_wide(uint32_t *out) {\n"
+    "  __shared__ __align__(16) uint16_t tile[16][64];\n"
+    "  const int lane = threadIdx.x & 31;\n"
+    "  for (int i = lane; i < 1024; i += 32)\n"
+    "    tile[i / 64][i % 64] = (uint16_t)i;\n"
+    "  __syncthreads();\n"
+    "  uint32_t r[4];\n"
+    "  mdl_ldsm_x4(r, &tile[lane & 15][(lane >> 4) * 8]);\n"
+    "  out[lane] = r[0] ^ r[1] ^ r[2] ^ r[3];\n"
     "}\n"
     "extern \"C\" __global__ void k_cp_async(const float *src, float *out) {\n"
     "  __shared__ __align__(16) float buf[2][128];\n"
@@ -245,6 +257,7 @@ static const char kernels[] =
     "static void b_mma(void *) { k_mma(A.ma, A.mb, A.mc, A.md); }\n"
     "static void b_mma_partial(void *) { k_mma_partial(A.md); }\n"
     "static void b_ldsm(void *) { k_ldsm(A.bout); }\n"
+    "static void b_ldsm_wide(void *) { k_ldsm_wide(A.bout); }\n"
     "static void b_cp_async(void *) { k_cp_async(A.ma, A.md); }\n"
     "static void b_cp_early(void *) { k_cp_early(A.ma, A.md + 1100); }\n"
     "static void b_vote(void *) { k_vote(A.md + 1200); }\n"
@@ -295,6 +308,14 @@ static const char kernels[] =
     "extern \"C\" void run_mma(const float *a, const float *b, const float *c, float *d, int blocks) {\n"
     "  A.ma = a; A.mb = b; A.mc = c; A.md = d;\n"
     "  mdl_emu::run(dim3{(unsigned)blocks, 1, 1}, dim3{64, 1, 1}, b_mma, 0);\n"
+    "}\n"
+    "extern \"C\" void run_ldsm_wide(uint32_t *out) {\n"
+    "  A.bout = out;\n"
+    "  mdl_emu::run(dim3{1, 1, 1}, dim3{32, 1, 1}, b_ldsm_wide, 0);\n"
+    "}\n"
+    "extern \"C\" void ldsm_stats(unsigned long long *tiles, unsigned long long *extra) {\n"
+    "  *tiles = mdl_emu::ldsm_tiles;\n"
+    "  *extra = mdl_emu::ldsm_extra_passes;\n"
     "}\n"
     "extern \"C\" void run_ldsm(uint32_t *out) {\n"
     "  A.bout = out;\n"
@@ -605,9 +626,21 @@ static uint32_t bf16_pair(int lo, int hi) {
 }
 
 static void test_ldsm(void *h) {
-  uint32_t out[64 * 8];
+  uint32_t out[64 * 8], wide[32];
   void (*ldsm)(uint32_t *) = (void (*)(uint32_t *))dlsym(h, "run_ldsm");
+  void (*stats)(unsigned long long *, unsigned long long *) =
+      (void (*)(unsigned long long *, unsigned long long *))dlsym(h, "ldsm_stats");
+  unsigned long long tiles0 = 0, extra0 = 0, tiles = 0, extra = 0, tiles2 = 0, extra2 = 0;
+  stats(&tiles0, &extra0);
   ldsm(out);
+  stats(&tiles, &extra);
+  // (rows of 48 bytes fall in 8 different 16-byte groups of banks; rows of 128 bytes all in one)
+  ((void (*)(uint32_t *))dlsym(h, "run_ldsm_wide"))(wide);
+  stats(&tiles2, &extra2);
+  CHECK(tiles - tiles0 == 16 && extra == extra0 && tiles2 - tiles == 4 && extra2 - extra == 4 * 7,
+        "cuda emu: ldmatrix's bank conflicts are counted: none for tiles of 48-byte rows, 7 extra passes a tile "
+        "of 128-byte rows", "%llu tiles with %llu extra passes, then %llu with %llu", tiles - tiles0, extra - extra0,
+        tiles2 - tiles, extra2 - extra);
   int bad = 0, at = -1, bad_n = 0, at_n = -1;
   for (int t = 0; t < 64; t++) {
     int w = t / 32, l = t % 32;
