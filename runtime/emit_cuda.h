@@ -146,6 +146,10 @@ typedef struct {
 // program's log in err.
 bool nvrtc_compile_units(const CudaPlan *plan, const char *arch, int threads, NvrtcModule *out, char *err, size_t n);
 void nvrtc_module_free(NvrtcModule *m);
+// ptxas's report on src compiled for arch (--ptxas-options=-v, no cache): per kernel the registers,
+// the stack and spill bytes and the shared memory, as lines of text (malloc'd) in *report; false with
+// NVRTC's log in err.
+bool nvrtc_resource_report(const char *src, const char *arch, char **report, char *err, size_t n);
 // NVRTC can be loaded; else false with the reason.
 bool nvrtc_available(char *why, size_t n);
 // The NVRTC version, e.g. 13.0, or false when NVRTC cannot be loaded.

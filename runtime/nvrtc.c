@@ -425,3 +425,17 @@ bool nvrtc_compile_units(const CudaPlan *plan, const char *arch, int threads, Nv
     nvrtc_module_free(out);
   return ok;
 }
+
+bool nvrtc_resource_report(const char *src, const char *arch, char **report, char *err, size_t n) {
+  *report = NULL;
+  if (!load())
+    return rt_fail(err, n, "%s", nv.why);
+  char archopt[64];
+  snprintf(archopt, sizeof archopt, "--gpu-architecture=%s", arch);
+  const char *opts[5] = {archopt, "--std=c++17", "--fmad=true", "--ptxas-options=-v", "--split-compile=0"};
+  int nopts = nv.major > 12 || (nv.major == 12 && nv.minor >= 1) ? 5 : 4;
+  size_t size = 0;
+  void *cubin = run_nvrtc(src, opts, nopts, &size, report, err, n);
+  free(cubin);
+  return cubin != NULL && (*report || rt_fail(err, n, "ptxas printed no report"));
+}

@@ -7,7 +7,8 @@
 //     asserted); a changed source or another arch misses the cache; a module that does not compile
 //     comes back with NVRTC's error; SHA-256 against FIPS 180-2 vectors. As the engine compiles it,
 //     several programs at once (GPT-2 124M as 3, gpt2-tiny a program per kernel): a cubin each, every
-//     kernel in exactly one, all from the cache the second time (see test_nvrtc_units).
+//     kernel in exactly one, all from the cache the second time (see test_nvrtc_units). ptxas's
+//     report on GPT-2's bf16 module for sm_90 names every kernel and no attention kernel spills.
 //  2. The plan: emitting twice gives the same text; a unit per kernel (CudaUnit), each holding its one
 //     kernel's definition, none in the head before them; every launch names a kernel of the source, every
 //     GEMM and kernel argument lies inside the device arena (GEMM extents by their element types), a
@@ -436,6 +437,53 @@ static void test_nvrtc_units(void) {
     nvrtc_module_free(&warm);
     arena_free(a);
   }
+}
+
+// ptxas's report on GPT-2 124M's module as it trains by default (bf16, fused) for sm_90: every kernel
+// of the plan is in it, and the tensor-core attention kernels (both block sizes) spill no register
+// to local memory (a spill in their inner loops would cost far more than it shows in a test). The
+// largest register count is printed.
+static void test_nvrtc_resources(void) {
+  Arena *a = arena_new();
+  Model md = {.path = "models/gpt2.mdl"};
+  Graph *g = load(a, &md, DT_BF16);
+  Fusion *f = g ? fuse(g, (FuseOptions){.fuse = true, .chunk_lmhead = true}) : NULL;
+  CudaPlan *p = f ? emit_cuda_plan(f, memplan(f), md.path) : NULL;
+  char err[4096] = "", *report = NULL, name[300];
+  bool ok = p && nvrtc_resource_report(p->source, "sm_90", &report, err, sizeof err);
+  CHECK(ok, "nvrtc gpt2 bf16 sm_90: ptxas reports each kernel's registers and spills", "%.600s",
+        p ? err : "emit failed");
+  // (per kernel of the report: its spill bytes, stored and loaded, and its registers)
+  const char *missing = NULL, *spilled = NULL;
+  int attention = 0, most = 0;
+  for (int i = 0; ok && i < 2 * p->nlaunches && !missing; i++) {
+    const char *k = i < p->nlaunches ? p->launches[i].kernel : p->launches[i - p->nlaunches].alt;
+    if (!k)
+      continue;
+    char key[256];
+    snprintf(key, sizeof key, "Function properties for %s\n", k);
+    const char *at = strstr(report, key);
+    long stores = -1, loads = -1, regs = -1;
+    if (at) {
+      const char *props = strchr(at, '\n') + 1, *used = strstr(props, "Used ");
+      sscanf(strstr(props, "bytes stack frame, ") ? strstr(props, "bytes stack frame, ") : "", "bytes stack frame, %ld "
+             "bytes spill stores, %ld bytes spill loads", &stores, &loads);
+      if (used)
+        sscanf(used, "Used %ld registers", &regs);
+    }
+    if (!at || stores < 0 || loads < 0 || regs < 0)
+      missing = k;
+    else if (strstr(k, "attention") && (stores || loads) && !spilled)
+      spilled = k;
+    attention += strstr(k, "attention") != NULL;
+    most = regs > most ? (int)regs : most;
+  }
+  snprintf(name, sizeof name, "nvrtc gpt2 bf16 sm_90: every kernel in ptxas's report; the attention kernels' %d "
+           "launches and variants spill nothing (at most %d registers a thread)", attention, most);
+  CHECK(ok && !missing && !spilled && attention > 0, name, "%s %s", missing ? "not in the report:" : "spills:",
+        missing ? missing : spilled ? spilled : "none");
+  free(report);
+  arena_free(a);
 }
 
 static const char *check_plan(const CudaPlan *p, const Fusion *f, char *why, size_t n) {
@@ -1577,6 +1625,7 @@ int main(void) {
   if (nvrtc_available(why, sizeof why)) {
     test_nvrtc_cache();
     test_nvrtc_units();
+    test_nvrtc_resources();
     static const char *const paths[] = {"models/gpt2-tiny.mdl", "models/gpt2.mdl", "models/llama-tiny.mdl",
                                         "models/mlp.mdl"};
     for (int pr = 0; pr < 2; pr++)
