@@ -216,18 +216,32 @@ static void *run_nvrtc(const char *src, const char *const *opts, int nopts, size
   return cubin;
 }
 
-// One program, through the cache. With split, --split-compile=0 (NVRTC 12.1 and later) optimises its
-// kernels on as many threads as the machine has: GPT-2 124M's module took 3.5 s on one thread and
-// 2.0-2.4 s on two, its longest kernel (attention backward's dk/dv) alone 0.7 s.
+// Every compile's options into opts (archopt holds the arch's), then `extra` if not NULL, then with
+// split --split-compile=0 (NVRTC 12.1 and later), which optimises the kernels on as many threads as
+// the machine has: GPT-2 124M's module took 3.5 s on one thread and 2.0-2.4 s on two, its longest
+// kernel (attention backward's dk/dv) alone 0.7 s. Returns how many (at most 5).
+static int compile_options(const char *arch, char archopt[64], const char *extra, bool split, const char *opts[5]) {
+  snprintf(archopt, 64, "--gpu-architecture=%s", arch);
+  int k = 0;
+  opts[k++] = archopt;
+  opts[k++] = "--std=c++17";
+  opts[k++] = "--fmad=true";
+  if (extra)
+    opts[k++] = extra;
+  if (split && (nv.major > 12 || (nv.major == 12 && nv.minor >= 1)))
+    opts[k++] = "--split-compile=0";
+  return k;
+}
+
+// One program, through the cache; split as compile_options says.
 static bool compile_cached(const char *src, const char *arch, bool split, NvrtcResult *out, char *err, size_t n) {
   *out = (NvrtcResult){0};
   if (!load())
     return rt_fail(err, n, "%s", nv.why);
   char archopt[64], version[32];
-  snprintf(archopt, sizeof archopt, "--gpu-architecture=%s", arch);
   snprintf(version, sizeof version, "%d.%d", nv.major, nv.minor);
-  const char *opts[4] = {archopt, "--std=c++17", "--fmad=true", "--split-compile=0"};
-  int nopts = split && (nv.major > 12 || (nv.major == 12 && nv.minor >= 1)) ? 4 : 3;
+  const char *opts[5];
+  int nopts = compile_options(arch, archopt, NULL, split, opts);
 
   // The key: every part followed by a NUL, so that ("ab", "c") and ("a", "bc") differ.
   const char *parts[8] = {src, arch, version, MDL_VERSION};
@@ -431,9 +445,8 @@ bool nvrtc_resource_report(const char *src, const char *arch, char **report, cha
   if (!load())
     return rt_fail(err, n, "%s", nv.why);
   char archopt[64];
-  snprintf(archopt, sizeof archopt, "--gpu-architecture=%s", arch);
-  const char *opts[5] = {archopt, "--std=c++17", "--fmad=true", "--ptxas-options=-v", "--split-compile=0"};
-  int nopts = nv.major > 12 || (nv.major == 12 && nv.minor >= 1) ? 5 : 4;
+  const char *opts[5];
+  int nopts = compile_options(arch, archopt, "--ptxas-options=-v", true, opts);
   size_t size = 0;
   void *cubin = run_nvrtc(src, opts, nopts, &size, report, err, n);
   free(cubin);

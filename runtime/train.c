@@ -153,7 +153,6 @@ static bool ckpt_start(CkptWriter *w, const char *path, Engine *e, const TrainOp
   snprintf(w->step_s, sizeof w->step_s, "%lld", (long long)step);
   snprintf(w->seed_s, sizeof w->seed_s, "%llu", (unsigned long long)o->seed);
   snprintf(w->loader_s, sizeof w->loader_s, "%lld,%lld", (long long)ls.epoch, (long long)ls.position);
-  w->dims = dims_string(g);
   StMeta meta[CKPT_META] = {{"mdl.format", CKPT_FORMAT}, {"mdl.source", o->model_path}, {"mdl.model", g->model},
                             {"mdl.dims", w->dims}, {"mdl.step", w->step_s}, {"mdl.seed", w->seed_s},
                             {"mdl.loader", w->loader_s}, {"mdl.data", o->data_dir},
