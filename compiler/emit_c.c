@@ -1141,11 +1141,12 @@ static void emit_softmax(Emit *e, int gi, const bool *emitted) {
 }
 
 // One row of cross-entropy: the loss into `loss` (an lvalue, or NULL) and dloss * (softmax - onehot)
-// into the row `dx` (or NULL), for logits row x and target t; an ignored target (< 0) gives zeros,
-// one >= V an error. With bf16, dx holds the gradient rounded to bf16 values (the CAST that the
-// LM head's backward GEMMs read).
-static void ce_row(Emit *e, const char *what, int64_t v, const char *loss, const char *dx, const char *dloss,
-                   bool bf16) {
+// into the row `dx` (or NULL), for logits row x (bf16 values when x16, widened as they are read) and
+// target t; an ignored target (< 0) gives zeros, one >= V an error. With bf16, dx holds the gradient
+// rounded to bf16 values (the CAST that the LM head's backward GEMMs read).
+static void ce_row(Emit *e, const char *what, int64_t v, bool x16, const char *loss, const char *dx,
+                   const char *dloss, bool bf16) {
+  const char *xj = x16 ? "mdl_bf16_to_f32(x[j])" : "x[j]";
   e->uses_h = true;
   ec_enter(&e->core, "if (t < 0 || t >= %lld)", (long long)v);
   ec_line(&e->core, "if (t >= %lld)", (long long)v);
@@ -1157,20 +1158,21 @@ static void ce_row(Emit *e, const char *what, int64_t v, const char *loss, const
   ec_line(&e->core, "continue;");
   ec_leave(&e->core);
   if (loss)
-    ec_line(&e->core, "const float xt = x[t]; // before dx, which may be x itself, is written");
+    ec_line(&e->core, "const float xt = %s; // before dx, which may be x itself, is written",
+            x16 ? "mdl_bf16_to_f32(x[t])" : "x[t]");
   ec_line(&e->core, "float m = -INFINITY;");
   ec_line(&e->core, "for (int64_t j = 0; j < %lld; j++)", (long long)v);
-  ec_line(&e->core, "  m = fmaxf(m, x[j]);");
+  ec_line(&e->core, "  m = fmaxf(m, %s);", xj);
   ec_line(&e->core, "double sum = 0;");
   ec_line(&e->core, "#pragma omp simd reduction(+ : sum)");
   if (dx) {
     ec_enter(&e->core, "for (int64_t j = 0; j < %lld; j++)", (long long)v);
-    ec_line(&e->core, "%s[j] = mdl_exp_shifted(x[j] - m);", dx);
+    ec_line(&e->core, "%s[j] = mdl_exp_shifted(%s - m);", dx, xj);
     ec_line(&e->core, "sum += %s[j];", dx);
     ec_leave(&e->core);
   } else {
     ec_line(&e->core, "for (int64_t j = 0; j < %lld; j++)", (long long)v);
-    ec_line(&e->core, "  sum += mdl_exp_shifted(x[j] - m);");
+    ec_line(&e->core, "  sum += mdl_exp_shifted(%s - m);", xj);
   }
   if (loss)
     ec_line(&e->core, "%s = (float)(m + log(sum) - xt);", loss);
@@ -1203,11 +1205,12 @@ static void emit_ce(Emit *e, int gi) {
        (long long)rows, (long long)v);
   par_for(e, rows * v, "static");
   ec_enter(&e->core, "for (int64_t r = 0; r < %lld; r++)", (long long)rows);
-  ec_line(&e->core, "const float *x = b%d + r * %lld;", ptr(e, lg), (long long)v);
+  bool x16 = ec_node(&e->core, lg)->dtype == DT_BF16;
+  ec_line(&e->core, "const %s *x = b%d + r * %lld;", x16 ? "uint16_t" : "float", ptr(e, lg), (long long)v);
   ec_line(&e->core, "const int32_t t = b%d[r];", ptr(e, tg));
   if (ceb >= 0)
     ec_line(&e->core, "float *dx = b%d + r * %lld;", ptr(e, ceb), (long long)v);
-  ce_row(e, "cross_entropy", v, ce >= 0 ? str(e, "b%d[r]", ptr(e, ce)) : NULL, ceb >= 0 ? "dx" : NULL,
+  ce_row(e, "cross_entropy", v, x16, ce >= 0 ? str(e, "b%d[r]", ptr(e, ce)) : NULL, ceb >= 0 ? "dx" : NULL,
          dl >= 0 ? str(e, "b%d[r]", ptr(e, dl)) : NULL, false);
   ec_leave(&e->core);
   for (int i = 0; i < gr->nmem; i++)
@@ -1217,7 +1220,8 @@ static void emit_ce(Emit *e, int gi) {
 
 // The LM head chunk by chunk: logits rows = x W^T (or x W) into a chunk buffer, cross-entropy and its
 // gradient in place, then dx rows = dlogits W (W^T) and dW += dlogits^T x (x^T dlogits). With bf16
-// operands, x and W are widened to f32 once for all the chunks, and dlogits rounded to bf16 values.
+// operands, x and W are widened to f32 once for all the chunks, the logits rounded to bf16 values
+// before the loss reads them (their CAST, lc), and dlogits rounded to bf16 values.
 static void emit_lmhead(Emit *e, int gi) {
   const Group *gr = &e->core.groups[gi];
   const IrNode *xm = ec_node(&e->core, gr->x);
@@ -1254,10 +1258,15 @@ static void emit_lmhead(Emit *e, int gi) {
   par_for(e, rc * v, "static");
   ec_enter(&e->core, "for (int64_t i = 0; i < rn; i++)");
   ec_line(&e->core, "const int64_t r = r0 + i;");
-  ec_line(&e->core, "const float *x = logits + i * %lld;", (long long)v);
+  ec_line(&e->core, "%sfloat *x = logits + i * %lld;", gr->lc >= 0 ? "" : "const ", (long long)v);
   ec_line(&e->core, "float *dx = logits + i * %lld;", (long long)v);
   ec_line(&e->core, "const int32_t t = b%d[r];", ptr(e, tg));
-  ce_row(e, "cross_entropy", v, str(e, "b%d[r]", ptr(e, gr->ce)), "dx", str(e, "b%d[r]", ptr(e, dl)), gr->dlc >= 0);
+  if (gr->lc >= 0) { // the loss reads the logits rounded to bf16 (their CAST), in place
+    ec_line(&e->core, "for (int64_t j = 0; j < %lld; j++)", (long long)v);
+    ec_line(&e->core, "  x[j] = mdl_bf16_to_f32(mdl_f32_to_bf16(x[j]));");
+  }
+  ce_row(e, "cross_entropy", v, false, str(e, "b%d[r]", ptr(e, gr->ce)), "dx", str(e, "b%d[r]", ptr(e, dl)),
+         gr->dlc >= 0);
   ec_leave(&e->core);
   ec_line(&e->core, "mdl_gemm(h, 0, %d, rn, %lld, %lld, logits, %lld, %s, %lld, 0.0f, b%d + r0 * %lld, %lld);",
           !gr->tb, (long long)c, (long long)v, (long long)v, ws, (long long)ldw, ptr(e, gr->dx), (long long)c,

@@ -354,7 +354,8 @@ static bool same_inputs(const EmitCore *e, const IrNode *a, const IrNode *b) {
 
 static void group_add(Group *gr, int n) { gr->mem[gr->nmem++] = n; }
 
-// The value n reads through in-step RESHAPEs and the in-step CAST of the gradient (bf16 GEMMs).
+// The value n reads through in-step RESHAPEs and CASTs (with bf16, the LM head's loss reads the
+// logits through one, and its backward GEMMs the gradient).
 static int through_cast(EmitCore *e, int n) {
   n = ec_through_reshapes(e, n);
   while (ec_node(e, n)->op == OP_CAST && e->in_step[n])
@@ -368,7 +369,9 @@ static int through_cast(EmitCore *e, int n) {
 
 static bool match_lmhead(EmitCore *e, int ceb, Group *gr) {
   const IrNode *b = ec_node(e, ceb);
-  int mm = ec_through_reshapes(e, b->in[0]);
+  int mm = through_cast(e, b->in[0]), lc = ec_through_reshapes(e, b->in[0]);
+  if (lc == mm)
+    lc = -1;
   if (!e->in_step[mm] || ec_node(e, mm)->op != OP_MATMUL)
     return false;
   const IrNode *m = ec_node(e, mm);
@@ -380,7 +383,7 @@ static bool match_lmhead(EmitCore *e, int ceb, Group *gr) {
   for (int k = 0; k < e->f->steps[e->si].nnodes; k++) {
     int n = e->f->steps[e->si].nodes[k];
     const IrNode *nd = ec_node(e, n);
-    if (nd->op == OP_CROSS_ENTROPY && ec_through_reshapes(e, nd->in[0]) == mm &&
+    if (nd->op == OP_CROSS_ENTROPY && ec_through_reshapes(e, nd->in[0]) == (lc >= 0 ? lc : mm) &&
         ec_canon(e, nd->in[1]) == ec_canon(e, b->in[1]))
       ce = n;
     if (nd->op != OP_MATMUL || n == mm)
@@ -403,7 +406,8 @@ static bool match_lmhead(EmitCore *e, int ceb, Group *gr) {
     const IrNode *nd = ec_node(e, n);
     for (int k = 0; k < nd->nin; k++) {
       int src = ec_through_reshapes(e, nd->in[k]);
-      if ((src != mm && src != ceb && src != dlc) || n == ce || n == ceb || n == dx || n == dw || n == dlc)
+      if ((src != mm && src != lc && src != ceb && src != dlc) || n == lc || n == ce || n == ceb || n == dx ||
+          n == dw || n == dlc)
         continue;
       if (nd->op == OP_RESHAPE && (e->in_step[n] || e->f->step_of[n] < 0) && ec_offset(e, n) < 0 &&
           (e->in_step[n] || ec_canon(e, n) != n))
@@ -411,10 +415,11 @@ static bool match_lmhead(EmitCore *e, int ceb, Group *gr) {
       return false;
     }
   }
-  if (ec_offset(e, mm) >= 0 || ec_offset(e, ceb) >= 0 || (dlc >= 0 && ec_offset(e, dlc) >= 0))
+  if (ec_offset(e, mm) >= 0 || ec_offset(e, ceb) >= 0 || (dlc >= 0 && ec_offset(e, dlc) >= 0) ||
+      (lc >= 0 && (ec_offset(e, lc) >= 0 || ec_node(e, lc)->dtype != DT_BF16)))
     return false;
   *gr = (Group){.kind = G_LMHEAD, .mm = mm, .ce = ce, .ceb = ceb, .dx = dx, .dw = dw, .x = m->in[0], .w = m->in[1],
-                .tgt = b->in[1], .dloss = b->in[2], .tb = tb, .dlc = dlc};
+                .tgt = b->in[1], .dloss = b->in[2], .tb = tb, .dlc = dlc, .lc = lc};
   return true;
 }
 
@@ -436,9 +441,11 @@ static bool groups_build(EmitCore *e, bool split_all) {
     int n = st->nodes[k];
     Group lm;
     if (e->in_step[n] && e->grp[n] < 0 && ec_node(e, n)->op == OP_CROSS_ENTROPY_BWD && match_lmhead(e, n, &lm)) {
-      lm.mem = arena_alloc(e->a, sizeof(int) * 6);
-      int mem[6] = {lm.mm, lm.ce, lm.ceb, lm.dx, lm.dw, lm.dlc};
-      for (int i = 0; i < 5 + (lm.dlc >= 0); i++) {
+      lm.mem = arena_alloc(e->a, sizeof(int) * 7);
+      int mem[7] = {lm.mm, lm.ce, lm.ceb, lm.dx, lm.dw, lm.dlc, lm.lc};
+      for (int i = 0; i < 7; i++) {
+        if (mem[i] < 0)
+          continue;
         group_add(&lm, mem[i]);
         e->grp[mem[i]] = e->ngroups;
       }

@@ -41,6 +41,7 @@ typedef struct {
   // G_LMHEAD: the pattern's nodes
   int mm, ce, ceb, dx, dw, x, w, tgt, dloss;
   int dlc; // the CAST of dlogits the backward GEMMs read (bf16 operands), or -1 (x and w are CASTs then too)
+  int lc;  // the CAST of the logits the loss reads (bf16: rounded, precision.c), or -1
   bool tb;
 } Group;
 

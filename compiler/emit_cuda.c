@@ -214,6 +214,12 @@ static const char prelude[] =
     "\n"
     "__device__ __forceinline__ float mdl_bf16_to_f32(uint16_t h) { return __uint_as_float((uint32_t)h << 16); }\n"
     "\n"
+    "// Four bf16 values at p (8-byte aligned), widened.\n"
+    "__device__ __forceinline__ float4 mdl_bf16x4_load(const uint16_t *p) {\n"
+    "  const ushort4 u = *(const ushort4 *)p;\n"
+    "  return make_float4(mdl_bf16_to_f32(u.x), mdl_bf16_to_f32(u.y), mdl_bf16_to_f32(u.z), mdl_bf16_to_f32(u.w));\n"
+    "}\n"
+    "\n"
     "// One AdamW update in double, as the interpreter does it: gradient g scaled by the clip factor sc,\n"
     "// the moments m and v updated in place (rounded to f32), the new parameter returned.\n"
     "struct MdlAdamW {\n"
@@ -2116,20 +2122,24 @@ static void emit_softmax(Emit *e, int gi, const bool *emitted) {
   free(q);
 }
 
-// One row r of cross-entropy inside a row group, the logits row at x (in memory): the loss into
-// loss[r] (loss may be NULL) and dloss[r] * (softmax - onehot) into the row at dx (may be NULL, may
-// be x itself; of bf16 values when dx16, each the f32 value rounded); an ignored target (< 0) gives
-// zeros, one >= V a report. With vec the rows start 16-byte aligned (8 for bf16 ones): both passes
-// take four logits a load (float4), then the last v % 4 one by one. (The LM head's cross-entropy, a
+// One row r of cross-entropy inside a row group, the logits row at x (in memory; bf16 values when
+// x16, widened as they are loaded): the loss into loss[r] (loss may be NULL) and dloss[r] * (softmax -
+// onehot) into the row at dx (may be NULL, may be x itself; of bf16 values when dx16, each the f32
+// value rounded); an ignored target (< 0) gives zeros, one >= V a report. With vec the rows start
+// 16-byte aligned (8 for bf16 ones): both passes take four logits a load (float4, or four bf16 values
+// widened), then the last v % 4 one by one. (The LM head's cross-entropy, a
 // block of 1024 threads a row reading one float each, moved GPT-2's logits at 2.2 TB/s on an H200:
 // a load in flight per thread is too few bytes to cover the memory's latency. The float4 loops were
 // not unrolled either, one load of 16 bytes in a pass's loop in the PTX: they now take two float4 a
 // thread at once.)
-static void ce_row(Emit *e, const RowShape *rs, int64_t v, const char *x, const char *tg, const char *loss,
-                   const char *dx, bool dx16, const char *dloss, bool vec) {
+static void ce_row(Emit *e, const RowShape *rs, int64_t v, const char *x, bool x16, const char *tg,
+                   const char *loss, const char *dx, bool dx16, const char *dloss, bool vec) {
   const char *ixt = e->core.ixt;
   int64_t v4 = vec ? v / 4 : 0; // the float4 loads of a row
-  ec_line(&e->core, "const float *x = %s;", x);
+  ec_line(&e->core, "const %s *x = %s;", x16 ? "uint16_t" : "float", x);
+  // x[j] and the four at x + 4 j4 as f32
+  const char *xj = x16 ? "mdl_bf16_to_f32(x[j])" : "x[j]";
+  const char *ld4 = x16 ? "mdl_bf16x4_load(&x[%s])" : "*(const float4 *)&x[%s]";
   if (dx) {
     ec_line(&e->core, "%s *dx = %s;", dx16 ? "uint16_t" : "float", dx);
     dx = "dx";
@@ -2148,7 +2158,7 @@ static void ce_row(Emit *e, const RowShape *rs, int64_t v, const char *x, const 
   }
   orelse(e);
   if (loss)
-    ec_line(&e->core, "const float xt = x[tg];");
+    ec_line(&e->core, "const float xt = %s;", x16 ? "mdl_bf16_to_f32(x[tg])" : "x[tg]");
   // One pass for the maximum and the sum (online softmax): each thread keeps the largest logit it
   // has seen and its sum of exp(x - that), rescaled when the maximum grows; the threads' sums are
   // then rescaled to the row's maximum and added. The gradient's pass reads the row a second time.
@@ -2158,16 +2168,16 @@ static void ce_row(Emit *e, const RowShape *rs, int64_t v, const char *x, const 
   // a loop of one would: the order of the sums is the same.)
   if (v4) {
     ec_enter(&e->core, "for (%s j4 = tr; j4 < %lld; j4 += %d)", ixt, (long long)v4, 2 * rs->tpr);
-    ec_line(&e->core, "const float4 x4 = *(const float4 *)&x[4 * j4];");
-    ec_line(&e->core, "const float4 y4 = j4 + %d < %lld ? *(const float4 *)&x[4 * (j4 + %d)] : "
-            "make_float4(-MDL_INF, -MDL_INF, -MDL_INF, -MDL_INF);", rs->tpr, (long long)v4, rs->tpr);
+    ec_line(&e->core, "const float4 x4 = %s;", ec_str(&e->core, ld4, "4 * j4"));
+    ec_line(&e->core, "const float4 y4 = j4 + %d < %lld ? %s : make_float4(-MDL_INF, -MDL_INF, -MDL_INF, -MDL_INF);",
+            rs->tpr, (long long)v4, ec_str(&e->core, ld4, ec_str(&e->core, "4 * (j4 + %d)", rs->tpr)));
     for (int c = 0; c < 8; c++)
       ec_line(&e->core, "mdl_softmax_add(%c4.%c, m, part);", c < 4 ? 'x' : 'y', "xyzw"[c % 4]);
     ec_leave(&e->core);
   }
   if (4 * v4 < v) {
     ec_line(&e->core, "for (%s j = %lld + tr; j < %lld; j += %d)", ixt, (long long)(4 * v4), (long long)v, rs->tpr);
-    ec_line(&e->core, "  mdl_softmax_add(x[j], m, part);");
+    ec_line(&e->core, "  mdl_softmax_add(%s, m, part);", xj);
   }
   ec_line(&e->core, "const float mx = %s;", rfmax(e, rs, "m"));
   ec_line(&e->core, "double sum = m == -MDL_INF ? 0.0 : part * (double)expf(m - mx);");
@@ -2181,8 +2191,9 @@ static void ce_row(Emit *e, const RowShape *rs, int64_t v, const char *x, const 
     if (v4) {
       ec_enter(&e->core, "for (%s j4 = tr; j4 < %lld; j4 += %d)", ixt, (long long)v4, 2 * rs->tpr);
       ec_line(&e->core, "const bool two = j4 + %d < %lld;", rs->tpr, (long long)v4);
-      ec_line(&e->core, "const float4 x4 = *(const float4 *)&x[4 * j4];");
-      ec_line(&e->core, "const float4 y4 = two ? *(const float4 *)&x[4 * (j4 + %d)] : x4;", rs->tpr);
+      ec_line(&e->core, "const float4 x4 = %s;", ec_str(&e->core, ld4, "4 * j4"));
+      ec_line(&e->core, "const float4 y4 = two ? %s : x4;",
+              ec_str(&e->core, ld4, ec_str(&e->core, "4 * (j4 + %d)", rs->tpr)));
       for (int h = 0; h < 2; h++) {
         if (h) {
           ec_enter(&e->core, "if (two)");
@@ -2208,7 +2219,7 @@ static void ce_row(Emit *e, const RowShape *rs, int64_t v, const char *x, const 
     }
     if (4 * v4 < v) {
       ec_line(&e->core, "for (%s j = %lld + tr; j < %lld; j += %d)", ixt, (long long)(4 * v4), (long long)v, rs->tpr);
-      const char *d = "mdl_ce_grad(x[j], mx, g, inv, j == tg)";
+      const char *d = ec_str(&e->core, "mdl_ce_grad(%s, mx, g, inv, j == tg)", xj);
       ec_line(&e->core, "  %s[j] = %s;", dx, dx16 ? ec_str(&e->core, "mdl_f32_to_bf16(%s)", d) : d);
     }
   }
@@ -2238,7 +2249,8 @@ static void emit_ce(Emit *e, int gi) {
   note(e, "cross-entropy%s: %lld rows of %lld, %s per row",
        ceb >= 0 ? (ce >= 0 ? " and its gradient" : " gradient") : "", (long long)rows, (long long)v, rs_who(e, &rs));
   rows_open(e, &rs, "r");
-  ce_row(e, &rs, v, ec_str(&e->core, "%s + r * %lld", ptr(e, lg), (long long)v), ec_str(&e->core, "%s[r]", ptr(e, tg)),
+  ce_row(e, &rs, v, ec_str(&e->core, "%s + r * %lld", ptr(e, lg), (long long)v),
+         ec_node(&e->core, lg)->dtype == DT_BF16, ec_str(&e->core, "%s[r]", ptr(e, tg)),
          ce >= 0 ? ec_str(&e->core, "%s[r]", ptr(e, ce)) : NULL,
          ceb >= 0 ? ec_str(&e->core, "%s + r * %lld", ptr(e, ceb), (long long)v) : NULL, false,
          dl >= 0 ? ec_str(&e->core, "%s[r]", ptr(e, dl)) : NULL, v % 4 == 0);
@@ -2254,8 +2266,12 @@ enum { LMHEAD_LOGITS = 256 << 20 }; // the most logits of one chunk of the LM he
 // The LM head chunk by chunk: logits rows = x W^T (or x W) into a scratch chunk (a GEMM),
 // cross-entropy and its gradient in place (a kernel), then dx rows = dlogits W (W^T) and
 // dW += dlogits^T x (x^T dlogits) (two GEMMs, the second accumulating from the second chunk on).
-// With bf16 operands (x and W are CASTs, dlogits read through the CAST dlc) the logits stay f32 and
-// the kernel writes dlogits rounded to bf16 into a chunk of their own, which the two GEMMs read.
+// With bf16 operands (x and W are CASTs, dlogits read through the CAST dlc) the loss reads the logits
+// rounded to bf16 too (their CAST lc): the GEMM stores them so, and the kernel overwrites them with
+// dlogits rounded to bf16, which the two GEMMs read. (Where the logits stayed f32, a chunk of GPT-2's
+// 4096 rows held 824 MB of logits, which the kernel reads twice, and 412 MB of bf16 dlogits apart:
+// 412 MB in all now.) A graph whose loss reads f32 logits beside bf16 GEMM operands has dlogits
+// written into a chunk of their own.
 // The chunks' rows are padded to vp, a multiple of 64 classes: cuBLASLt runs its fast kernels only
 // where rows start 16-byte aligned. Where W is [V, C] and the parameter's bf16 copy, whose rows
 // memplan pads with zeros to a multiple of 64 too, the logits GEMM also computes vp columns (the
@@ -2270,18 +2286,18 @@ static void emit_lmhead(Emit *e, int gi) {
       dl = ec_need(&e->core, gr->dloss);
   flush(e);
   DType ab = ec_node(&e->core, x)->dtype;
-  bool d16 = gr->dlc >= 0;
-  if (ec_node(&e->core, w)->dtype != ab || d16 != (ab == DT_BF16))
+  bool d16 = gr->dlc >= 0, l16 = gr->lc >= 0;
+  if (ec_node(&e->core, w)->dtype != ab || d16 != (ab == DT_BF16) || (l16 && !d16))
     ec_fail(&e->core, "step %s: the LM head's x, W and dlogits are not all f32 or all bf16",
             e->core.f->steps[e->core.si].name);
   int outs[3] = {gr->ce, gr->dx, gr->dw};
   for (int i = 0; i < 3; i++)
     if (ec_offset(&e->core, outs[i]) < 0)
       e->core.scratch[outs[i]] = true;
-  // As few chunks as hold at most 256M logits (1 GiB in f32), of equal multiples of 64 rows. Each
-  // chunk reads W for two GEMMs and reads and writes all of dW once (a GEMM with K = its rows): GPT-2
-  // 124M at B=8, T=1024 takes 2 chunks of 4096 rows, moving 0.8 GB of W and dW where chunks of 640
-  // rows (13) moved 5.9 GB, in GEMMs of a K too small to keep the tensor cores busy.
+  // As few chunks as hold at most 256M logits (1 GiB in f32, half that in bf16), of equal multiples of
+  // 64 rows. Each chunk reads W for two GEMMs and reads and writes all of dW once (a GEMM with K = its
+  // rows): GPT-2 124M at B=8, T=1024 takes 2 chunks of 4096 rows, moving 0.8 GB of W and dW where
+  // chunks of 640 rows (13) moved 5.9 GB, in GEMMs of a K too small to keep the tensor cores busy.
   int64_t most = LMHEAD_LOGITS;
   const char *env = getenv("MDL_LMHEAD_LOGITS"); // fewer, on a GPU short of memory
   if (env && atoll(env) > 0)
@@ -2295,24 +2311,27 @@ static void emit_lmhead(Emit *e, int gi) {
   int64_t vp = (v + MEMPLAN_ROWS - 1) / MEMPLAN_ROWS * MEMPLAN_ROWS;
   bool padw = gr->tb && d16 && fuse_is_copy(e->core.f, w) && memplan_copy_rows(ec_node(&e->core, w)) >= vp;
   int64_t vn = padw ? vp : v; // the logits GEMM's N and the dx GEMM's K
-  int64_t ldw = gr->tb ? c : v, logits = scratch_alloc(e, rc * vp * 4);
-  int64_t grads = d16 ? scratch_alloc(e, rc * vp * 2) : logits, sab = dtype_size(ab);
+  int64_t ldw = gr->tb ? c : v, logits = scratch_alloc(e, rc * vp * (l16 ? 2 : 4));
+  int64_t grads = d16 && !l16 ? scratch_alloc(e, rc * vp * 2) : logits, sab = dtype_size(ab);
   int64_t ox = buf_off(e, x), ow = buf_off(e, w), odx = buf_off(e, gr->dx), odw = buf_off(e, gr->dw);
   RowShape rs = ce_shape(e, v, rc);
   ec_phase_begin(&e->core);
   int kt = -1;
   for (int64_t r0 = 0; r0 < n; r0 += rc) {
     int64_t rn = n - r0 < rc ? n - r0 : rc;
-    gemm_add(e, (CudaGemm){.ab = ab, .ta = 0, .tb = gr->tb, .m = rn, .n = vn, .k = c, .lda = c, .ldb = ldw, .ldc = vp,
-                           .batch = 1, .a = ox + sab * r0 * c, .b = ow, .c = logits, .bias = -1, .aux = -1});
+    gemm_add(e, (CudaGemm){.ab = ab, .c_type = l16 ? DT_BF16 : DT_F32, .ta = 0, .tb = gr->tb, .m = rn, .n = vn, .k = c,
+                           .lda = c, .ldb = ldw, .ldc = vp, .batch = 1, .a = ox + sab * r0 * c, .b = ow, .c = logits,
+                           .bias = -1, .aux = -1});
     int64_t grid = (rn + rs.rpb - 1) / rs.rpb;
     if (kt < 0) {
       kbegin(e, "ce");
       note(e, "LM head: cross-entropy and its gradient of a chunk of at most %lld rows of %lld classes (rows %lld "
               "apart), %s; chunk = its first row; %s per row", (long long)rc, (long long)v, (long long)vp,
-           d16 ? "the gradient rounded to bf16 into a chunk of its own" : "in place", rs_who(e, &rs));
-      const char *lp = raw_ptr(e, logits, "float", "the chunk's logits");
-      const char *gp = d16 ? raw_ptr(e, grads, "uint16_t", "the chunk's dlogits, bf16") : lp;
+           l16 ? "bf16 logits, the gradient rounded to bf16 in place"
+               : d16 ? "the gradient rounded to bf16 into a chunk of its own" : "in place", rs_who(e, &rs));
+      const char *lp = raw_ptr(e, logits, l16 ? "uint16_t" : "float",
+                               l16 ? "the chunk's logits, bf16" : "the chunk's logits");
+      const char *gp = d16 && !l16 ? raw_ptr(e, grads, "uint16_t", "the chunk's dlogits, bf16") : lp;
       ec_line(&e->core, "const %s rn = %lld - chunk < %lld ? %lld - chunk : %lld;", e->core.ixt, (long long)n,
               (long long)rc, (long long)n, (long long)rc);
       const char *row = rs.tpr == 32 ? ec_str(&e->core, "blockIdx.x * %d + (threadIdx.x >> 5)", rs.rpb) : "blockIdx.x";
@@ -2320,7 +2339,8 @@ static void emit_lmhead(Emit *e, int gi) {
       ec_line(&e->core, "const int tr = threadIdx.x%s;", rs.tpr == 32 ? " & 31" : "");
       ec_enter(&e->core, "if (i < rn)");
       ec_line(&e->core, "const %s r = chunk + i;", e->core.ixt);
-      ce_row(e, &rs, v, ec_str(&e->core, "%s + i * %lld", lp, (long long)vp), ec_str(&e->core, "%s[r]", ptr(e, tg)),
+      ce_row(e, &rs, v, ec_str(&e->core, "%s + i * %lld", lp, (long long)vp), l16,
+             ec_str(&e->core, "%s[r]", ptr(e, tg)),
              ec_str(&e->core, "%s[r]", ptr(e, gr->ce)), ec_str(&e->core, "%s + i * %lld", gp, (long long)vp), d16,
              ec_str(&e->core, "%s[r]", ptr(e, dl)), true); // rows vp apart, a multiple of 64
       if (vn > v)

@@ -439,6 +439,12 @@ static const char *match_lmhead(Fuser *F, int mm, int *list, int *n, int *ce_out
   *ce_out = -1;
   list[(*n)++] = mm;
   int lg = follow_reshapes(F, mm, list, n);
+  // With bf16 the loss reads the logits rounded, through their CAST (precision.c).
+  if (only_user(F, lg) >= 0 && op_of(F, only_user(F, lg)) == OP_CAST) {
+    lg = only_user(F, lg);
+    list[(*n)++] = lg;
+    lg = follow_reshapes(F, lg, list, n);
+  }
   int ce = -1, cb = -1;
   for (int k = 0; k < F->nusers[lg]; k++) {
     IrNode *u = node(F, F->users[lg][k]);
@@ -1262,21 +1268,28 @@ static void unmaterialised_traffic(const Fuser *F, int gi, Step *st) {
     if (!is_out(F, gi, G->root))
       st->bytes_written += root;
   }
-  // The LM head's logits (its root) and their gradient cross memory chunk by chunk: the logits GEMM
-  // writes a chunk and the cross-entropy kernel reads it back; the kernel writes dlogits (its CAST
-  // when the GEMMs read bf16) and each backward GEMM reads them. (W and dW, read and updated once per
-  // chunk, are counted once: the chunk count is the target's.)
+  // The LM head's logits (its root, or the root's CAST that the loss reads with bf16) and their
+  // gradient cross memory chunk by chunk: the logits GEMM writes a chunk and the cross-entropy kernel
+  // reads it back; the kernel writes dlogits (their CAST when the GEMMs read bf16) and each backward
+  // GEMM reads them. (W and dW, read and updated once per chunk, are counted once: the chunk count is
+  // the target's.)
   if (G->kind == STEP_LMHEAD) {
-    double dl = 0;
+    double dl = 0, lg = root;
     int readers = 0;
     for (int j = 0; j < G->n; j++) {
       const IrNode *n = node(F, G->m[j]);
-      if (n->op == OP_CAST || (n->op == OP_CROSS_ENTROPY_BWD && dl == 0))
-        dl = dtype_size(n->dtype) * (double)numel(F, n->id);
+      double bytes = dtype_size(n->dtype) * (double)numel(F, n->id);
+      int src = n->op == OP_CAST ? n->in[0] : -1;
+      while (src >= 0 && op_of(F, src) == OP_RESHAPE)
+        src = node(F, src)->in[0];
+      if (n->op == OP_CAST && src == G->root)
+        lg = bytes;
+      else if (n->op == OP_CAST || (n->op == OP_CROSS_ENTROPY_BWD && dl == 0))
+        dl = bytes;
       readers += n->op == OP_MATMUL && n->id != G->root;
     }
-    st->bytes_written += root + dl;
-    st->bytes_read += root + readers * dl;
+    st->bytes_written += lg + dl;
+    st->bytes_read += lg + readers * dl;
   }
 }
 

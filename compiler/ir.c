@@ -171,14 +171,17 @@ static bool infer(Graph *g, IrNode *n) {
       return fail(g, "%s: ids must be i32, got %s", name, dtype_name(dt));
     if (!ids && !is_float(dt))
       return fail(g, "%s: expected a float tensor, got %s", name, dtype_name(dt));
-    // Rounded values feed GEMMs only, and the products of bf16 attention (its q, k, v, and the
-    // backward's out and dout): every other op computes on f32 (and the back ends load f32).
+    // Rounded values feed GEMMs only, the products of bf16 attention (its q, k, v, and the
+    // backward's out and dout) and the logits of a cross-entropy: every other op computes on f32
+    // (and the back ends load f32).
+    bool ce16 = (n->op == OP_CROSS_ENTROPY || n->op == OP_CROSS_ENTROPY_BWD) && i == 0 && dt == DT_BF16;
     bool attn = n->op == OP_ATTENTION || n->op == OP_ATTENTION_LSE || n->op == OP_ATTENTION_BWD;
     bool att16 = attn && n->ia[4] == DT_BF16 && dt == DT_BF16 &&
                  (i < 3 || (n->op == OP_ATTENTION_BWD && (i == n->nin - 1 || i == n->nin - 3)));
-    if (dt != DT_F32 && dt != DT_I32 && n->op != OP_MATMUL && n->op != OP_CAST && !att16)
-      return fail(g, "%s: reads a %s value; only matmul, cast and the products of a bf16 attention (q, k, v, and "
-                  "the backward's out and dout) read values narrower than f32", name, dtype_name(dt));
+    if (dt != DT_F32 && dt != DT_I32 && n->op != OP_MATMUL && n->op != OP_CAST && !att16 && !ce16)
+      return fail(g, "%s: reads a %s value; only matmul, cast, a cross-entropy's logits and the products of a bf16 "
+                  "attention (q, k, v, and the backward's out and dout) read values narrower than f32", name,
+                  dtype_name(dt));
   }
   if (layout)
     n->dtype = in[0]->dtype;

@@ -310,10 +310,10 @@ double interp_unary(Op op, double x);
 
 //
 // precision.c: the precision pass. Rewrites a training graph so that every MATMUL reads its
-// operands, and every attention its q, k, v (and the backward its out and dout), through CAST nodes to
-// `gemm` (DT_BF16), one CAST per source value shared by all the nodes that read it (forward and
-// backward); everything else stays f32: the parameters (master weights), optimizer state, gradients,
-// reductions and the residual stream. DT_F32 leaves g as it is.
+// operands, every attention its q, k, v (and the backward its out and dout) and every cross-entropy
+// its logits through CAST nodes to `gemm` (DT_BF16), one CAST per source value shared by all the
+// nodes that read it (forward and backward); everything else stays f32: the parameters (master
+// weights), optimizer state, gradients, reductions and the residual stream. DT_F32 leaves g as it is.
 // False with a reason when the graph cannot be rebuilt.
 bool precision_assign(Graph *g, DType gemm, char *why, size_t n);
 // "fp32" -> DT_F32, "bf16" -> DT_BF16; false for a precision this build cannot run ("fp8").

@@ -300,14 +300,14 @@ static void k3_gemm__add__cast(char *arena, const MdlHooks *h) {
 //   %32    attention                               line 39    f32[8,64,64]
 //   %33    reshape                                 line 39    f32[512,64]
 //   %34    cast                                    line 39    bf16[512,64]
-//   %190   attention_lse                           line 39    f32[8,4,64]
+//   %191   attention_lse                           line 39    f32[8,4,64]
 // loops:
 //   attention and its log-sum-exp per row: B 8, T 64, 4 heads of 16, causal, within documents; one task per (batch, head)
 static void k4_attention_fwd__cast__lse(char *arena, const MdlHooks *h) {
   int32_t *const b3 = (int32_t *)(arena + 2230272); // %3 input doc i32[8,64]
   uint16_t *const b28 = (uint16_t *)(arena + 3805312); // %28 cast bf16[8,64,192]
   uint16_t *const b34 = (uint16_t *)(arena + 5181568); // %34 cast bf16[512,64]
-  float *const b190 = (float *)(arena + 5640320); // %190 attention_lse f32[8,4,64]
+  float *const b191 = (float *)(arena + 5640320); // %191 attention_lse f32[8,4,64]
   #pragma omp parallel num_threads(h->nthreads)
   {
     float *restrict kt = memset(mdl_scratch(1536 * sizeof(float)), 0, 1536 * sizeof(float));
@@ -368,7 +368,7 @@ static void k4_attention_fwd__cast__lse(char *arena, const MdlHooks *h) {
           }
           l = ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
         }
-        b190[(b * 4 + hd) * 64 + i] = m + logf(l);
+        b191[(b * 4 + hd) * 64 + i] = m + logf(l);
         float acc0[16] = {0}, acc1[16] = {0};
         int64_t j = lo;
         for (; j + 1 < hi; j += 2) {
@@ -634,14 +634,14 @@ static void k10_gemm__add__cast(char *arena, const MdlHooks *h) {
 //   %78    attention                               line 39    f32[8,64,64]
 //   %79    reshape                                 line 39    f32[512,64]
 //   %80    cast                                    line 39    bf16[512,64]
-//   %150   attention_lse                           line 39    f32[8,4,64]
+//   %151   attention_lse                           line 39    f32[8,4,64]
 // loops:
 //   attention and its log-sum-exp per row: B 8, T 64, 4 heads of 16, causal, within documents; one task per (batch, head)
 static void k11_attention_fwd__cast__lse(char *arena, const MdlHooks *h) {
   int32_t *const b3 = (int32_t *)(arena + 2230272); // %3 input doc i32[8,64]
   uint16_t *const b74 = (uint16_t *)(arena + 4001920); // %74 cast bf16[8,64,192]
   uint16_t *const b80 = (uint16_t *)(arena + 5378176); // %80 cast bf16[512,64]
-  float *const b150 = (float *)(arena + 5648512); // %150 attention_lse f32[8,4,64]
+  float *const b151 = (float *)(arena + 5648512); // %151 attention_lse f32[8,4,64]
   #pragma omp parallel num_threads(h->nthreads)
   {
     float *restrict kt = memset(mdl_scratch(1536 * sizeof(float)), 0, 1536 * sizeof(float));
@@ -702,7 +702,7 @@ static void k11_attention_fwd__cast__lse(char *arena, const MdlHooks *h) {
           }
           l = ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
         }
-        b150[(b * 4 + hd) * 64 + i] = m + logf(l);
+        b151[(b * 4 + hd) * 64 + i] = m + logf(l);
         float acc0[16] = {0}, acc1[16] = {0};
         int64_t j = lo;
         for (; j + 1 < hi; j += 2) {
@@ -929,41 +929,42 @@ static void k16_layernorm_fwd__cast(char *arena, const MdlHooks *h) {
 }
 
 // k17_broadcast__mul: kernel, 3 ops
-//   %114   mul                                     line 46    f32[]
-//   %115   reshape                                 line 46    f32[1]
-//   %116   broadcast                               line 46    f32[512]
+//   %115   mul                                     line 46    f32[]
+//   %116   reshape                                 line 46    f32[1]
+//   %117   broadcast                               line 46    f32[512]
 // loops:
-//   elementwise over 512: %116
+//   elementwise over 512: %117
 static void k17_broadcast__mul(char *arena, const MdlHooks *h) {
   (void)h;
-  float *const b116 = (float *)(arena + 5050496); // %116 broadcast f32[512]
+  float *const b117 = (float *)(arena + 5050496); // %117 broadcast f32[512]
   for (int64_t i = 0; i < 512; i++) {
-    const float v114_0 = 1.0f * 0.001953125f;
-    const float v115_0 = v114_0;
-    const float v116_i = v115_0;
-    b116[i] = v116_i;
+    const float v115_0 = 1.0f * 0.001953125f;
+    const float v116_0 = v115_0;
+    const float v117_i = v116_0;
+    b117[i] = v117_i;
   }
 }
 
-// k18_lmhead__cross_entropy__cross_entropy_bwd__cast__gemm: LM head, 8 ops
+// k18_lmhead__cast__cross_entropy__cross_entropy_bwd__gemm: LM head, 9 ops
 //   %107   matmul                                  line 45    f32[512,256]
 //   %108   reshape            logits               line 45    f32[8,64,256]
-//   %109   cross_entropy                           line 46    f32[8,64]
-//   %118   cross_entropy_bwd  d.logits             line 46    f32[8,64,256]
-//   %119   reshape                                 line 45    f32[512,256]
-//   %120   cast                                    line 45    bf16[512,256]
-//   %121   matmul                                  line 45    f32[512,64]
-//   %122   matmul                                  line 45    f32[256,64]
+//   %109   cast                                    line 46    bf16[8,64,256]
+//   %110   cross_entropy                           line 46    f32[8,64]
+//   %119   cross_entropy_bwd  d.logits             line 46    f32[8,64,256]
+//   %120   reshape                                 line 45    f32[512,256]
+//   %121   cast                                    line 45    bf16[512,256]
+//   %122   matmul                                  line 45    f32[512,64]
+//   %123   matmul                                  line 45    f32[256,64]
 // loops:
 //   LM head: 512 rows x 256 classes from width 64, in chunks of 128 rows
-static void k18_lmhead__cross_entropy__cross_entropy_bwd__cast__gemm(char *arena, const MdlHooks *h) {
+static void k18_lmhead__cast__cross_entropy__cross_entropy_bwd__gemm(char *arena, const MdlHooks *h) {
   int32_t *const b1 = (int32_t *)(arena + 2226176); // %1 input targets i32[8,64]
   uint16_t *const b105 = (uint16_t *)(arena + 4984960); // %105 cast bf16[512,64]
   uint16_t *const b106 = (uint16_t *)(arena + 1994752); // %106 cast bf16[256,64]
-  float *const b109 = (float *)(arena + 5052544); // %109 cross_entropy f32[8,64]
-  float *const b116 = (float *)(arena + 5050496); // %116 broadcast f32[512]
-  float *const b121 = (float *)(arena + 4853888); // %121 matmul f32[512,64]
-  float *const b122 = (float *)(arena + 5509248); // %122 matmul f32[256,64]
+  float *const b110 = (float *)(arena + 5052544); // %110 cross_entropy f32[8,64]
+  float *const b117 = (float *)(arena + 5050496); // %117 broadcast f32[512]
+  float *const b122 = (float *)(arena + 4853888); // %122 matmul f32[512,64]
+  float *const b123 = (float *)(arena + 5509248); // %123 matmul f32[256,64]
   float *const w105 = mdl_widen_bf16(b105, 32768, h->nthreads);
   float *const w106 = mdl_widen_bf16(b106, 16384, h->nthreads);
   float *logits = mdl_scratch(32768 * sizeof(float));
@@ -973,13 +974,15 @@ static void k18_lmhead__cross_entropy__cross_entropy_bwd__cast__gemm(char *arena
     #pragma omp parallel for num_threads(h->nthreads) schedule(static)
     for (int64_t i = 0; i < rn; i++) {
       const int64_t r = r0 + i;
-      const float *x = logits + i * 256;
+      float *x = logits + i * 256;
       float *dx = logits + i * 256;
       const int32_t t = b1[r];
+      for (int64_t j = 0; j < 256; j++)
+        x[j] = mdl_bf16_to_f32(mdl_f32_to_bf16(x[j]));
       if (t < 0 || t >= 256) {
         if (t >= 256)
           h->error(h->ctx, "cross_entropy: target", t, 256);
-        b109[r] = 0.0f;
+        b110[r] = 0.0f;
         memset(dx, 0, 256 * sizeof(float));
         continue;
       }
@@ -993,13 +996,13 @@ static void k18_lmhead__cross_entropy__cross_entropy_bwd__cast__gemm(char *arena
         dx[j] = mdl_exp_shifted(x[j] - m);
         sum += dx[j];
       }
-      b109[r] = (float)(m + log(sum) - xt);
-      const double g = b116[r], inv = 1.0 / sum;
+      b110[r] = (float)(m + log(sum) - xt);
+      const double g = b117[r], inv = 1.0 / sum;
       for (int64_t j = 0; j < 256; j++)
         dx[j] = mdl_bf16_to_f32(mdl_f32_to_bf16((float)(g * (dx[j] * inv - (j == t)))));
     }
-    mdl_gemm(h, 0, 0, rn, 64, 256, logits, 256, w106, 64, 0.0f, b121 + r0 * 64, 64);
-    mdl_gemm(h, 1, 0, 256, 64, rn, logits, 256, w105 + r0 * 64, 64, r0 ? 1.0f : 0.0f, b122, 64);
+    mdl_gemm(h, 0, 0, rn, 64, 256, logits, 256, w106, 64, 0.0f, b122 + r0 * 64, 64);
+    mdl_gemm(h, 1, 0, 256, 64, rn, logits, 256, w105 + r0 * 64, 64, r0 ? 1.0f : 0.0f, b123, 64);
   }
   free(logits);
   free(w105);
@@ -1007,48 +1010,48 @@ static void k18_lmhead__cross_entropy__cross_entropy_bwd__cast__gemm(char *arena
 }
 
 // k19_mean: kernel, 1 op
-//   %111   mean               loss                 line 46    f32[]
+//   %112   mean               loss                 line 46    f32[]
 // loops:
-//   mean %111: 1 outputs, each over 512 elements
+//   mean %112: 1 outputs, each over 512 elements
 static void k19_mean(char *arena, const MdlHooks *h) {
   (void)h;
-  float *const b109 = (float *)(arena + 5052544); // %109 cross_entropy f32[8,64]
-  float *const b111 = (float *)(arena + 5656704); // %111 mean loss f32[]
+  float *const b110 = (float *)(arena + 5052544); // %110 cross_entropy f32[8,64]
+  float *const b112 = (float *)(arena + 5656704); // %112 mean loss f32[]
   for (int64_t r = 0; r < 1; r++) {
     const int64_t base = r * 512;
     double acc = 0.0;
     for (int64_t l = 0; l < 512; l++) {
       const int64_t ix = base + l;
-      const float v109_ix = b109[ix];
-      const float v = v109_ix;
+      const float v110_ix = b110[ix];
+      const float v = v110_ix;
       acc += v;
     }
     const float y = (float)(acc / 512);
-    b111[r] = y;
+    b112[r] = y;
   }
 }
 
 // k20_layernorm_bwd__sum__cast: kernel, 6 ops
-//   %124   layernorm_bwd      d.h.1.x              line 45    f32[8,64,64]
-//   %125   layernorm_bwd      d.lnf_w              line 45    f32[64]
-//   %126   layernorm_bwd      d.lnf_b              line 45    f32[64]
-//   %127   reshape                                 line 40    f32[512,64]
-//   %128   sum                d.h.1.fcproj_b       line 40    f32[64]
-//   %129   cast                                    line 40    bf16[512,64]
+//   %125   layernorm_bwd      d.h.1.x              line 45    f32[8,64,64]
+//   %126   layernorm_bwd      d.lnf_w              line 45    f32[64]
+//   %127   layernorm_bwd      d.lnf_b              line 45    f32[64]
+//   %128   reshape                                 line 40    f32[512,64]
+//   %129   sum                d.h.1.fcproj_b       line 40    f32[64]
+//   %130   cast                                    line 40    bf16[512,64]
 // loops:
 //   layernorm_bwd: 512 rows of 64, column sums over 32 blocks of 16 rows
 static void k20_layernorm_bwd__sum__cast(char *arena, const MdlHooks *h) {
   float *const b100 = (float *)(arena + 4722816); // %100 add h.1.x f32[8,64,64]
   float *const b101 = (float *)(arena + 498176); // %101 param lnf_w f32[64]
-  float *const b121 = (float *)(arena + 4853888); // %121 matmul f32[512,64]
-  float *const b124 = (float *)(arena + 4984960); // %124 layernorm_bwd d.h.1.x f32[8,64,64]
-  float *const b125 = (float *)(arena + 996864); // %125 layernorm_bwd d.lnf_w f32[64]
-  float *const b126 = (float *)(arena + 997120); // %126 layernorm_bwd d.lnf_b f32[64]
-  float *const b128 = (float *)(arena + 996608); // %128 sum d.h.1.fcproj_b f32[64]
-  uint16_t *const b129 = (uint16_t *)(arena + 5574784); // %129 cast bf16[512,64]
+  float *const b122 = (float *)(arena + 4853888); // %122 matmul f32[512,64]
+  float *const b125 = (float *)(arena + 4984960); // %125 layernorm_bwd d.h.1.x f32[8,64,64]
+  float *const b126 = (float *)(arena + 996864); // %126 layernorm_bwd d.lnf_w f32[64]
+  float *const b127 = (float *)(arena + 997120); // %127 layernorm_bwd d.lnf_b f32[64]
+  float *const b129 = (float *)(arena + 996608); // %129 sum d.h.1.fcproj_b f32[64]
+  uint16_t *const b130 = (uint16_t *)(arena + 5574784); // %130 cast bf16[512,64]
   double *pdw = mdl_scratch(2048 * sizeof(double));
   double *pdb = mdl_scratch(2048 * sizeof(double));
-  double *ps0 = mdl_scratch(2048 * sizeof(double)); // partials of the column sum %128
+  double *ps0 = mdl_scratch(2048 * sizeof(double)); // partials of the column sum %129
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
   for (int64_t k = 0; k < 32; k++) {
     double *sw = pdw + k * 64;
@@ -1059,7 +1062,7 @@ static void k20_layernorm_bwd__sum__cast(char *arena, const MdlHooks *h) {
     const int64_t end = k * 16 + 16 < 512 ? k * 16 + 16 : 512;
     for (int64_t r = k * 16; r < end; r++) {
       const float *x = b100 + r * 64;
-      const float *dy = b121 + r * 64;
+      const float *dy = b122 + r * 64;
       double mean = 0, var = 0, mg = 0, mgx = 0;
       #pragma omp simd reduction(+ : mean)
       for (int64_t j = 0; j < 64; j++)
@@ -1077,17 +1080,17 @@ static void k20_layernorm_bwd__sum__cast(char *arena, const MdlHooks *h) {
         sw[j] += dy[j] * xhat;
         sb[j] += dy[j];
       }
-      float *dx = b124 + r * 64;
+      float *dx = b125 + r * 64;
       mg /= 64;
       mgx /= 64;
       for (int64_t j = 0; j < 64; j++)
         dx[j] = (float)(rstd * ((double)dy[j] * b101[j] - mg - (x[j] - mean) * rstd * mgx));
       for (int64_t j = 0; j < 64; j++) {
         const int64_t ix = r * 64 + j;
-        const float v127_ix = dx[j];
-        const float v129_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v127_ix));
-        b129[ix] = mdl_f32_to_bf16(v129_ix);
-        sa0[j] += v127_ix;
+        const float v128_ix = dx[j];
+        const float v130_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v128_ix));
+        b130[ix] = mdl_f32_to_bf16(v130_ix);
+        sa0[j] += v128_ix;
       }
     }
   }
@@ -1098,9 +1101,9 @@ static void k20_layernorm_bwd__sum__cast(char *arena, const MdlHooks *h) {
       b += pdb[k * 64 + j];
       a0 += ps0[k * 64 + j];
     }
-    b125[j] = (float)w;
-    b126[j] = (float)b;
-    b128[j] = (float)a0;
+    b126[j] = (float)w;
+    b127[j] = (float)b;
+    b129[j] = (float)a0;
   }
   free(pdw);
   free(pdb);
@@ -1108,44 +1111,44 @@ static void k20_layernorm_bwd__sum__cast(char *arena, const MdlHooks *h) {
 }
 
 // k21_gemm: GEMM, 1 op
-//   %131   matmul             d.h.1.fcproj_w       line 40    f32[256,64]
+//   %132   matmul             d.h.1.fcproj_w       line 40    f32[256,64]
 // loops:
-//   gemm %131: [256 x 64] = T[256 x 512] [512 x 64], bf16 operands widened to f32
+//   gemm %132: [256 x 64] = T[256 x 512] [512 x 64], bf16 operands widened to f32
 static void k21_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b95 = (uint16_t *)(arena + 3543168); // %95 cast bf16[512,256]
-  uint16_t *const b129 = (uint16_t *)(arena + 5574784); // %129 cast bf16[512,64]
-  float *const b131 = (float *)(arena + 931072); // %131 matmul d.h.1.fcproj_w f32[256,64]
+  uint16_t *const b130 = (uint16_t *)(arena + 5574784); // %130 cast bf16[512,64]
+  float *const b132 = (float *)(arena + 931072); // %132 matmul d.h.1.fcproj_w f32[256,64]
   {
     float *const w95 = mdl_widen_bf16(b95, 131072, h->nthreads);
-    float *const w129 = mdl_widen_bf16(b129, 32768, h->nthreads);
-    mdl_gemm(h, 1, 0, 256, 64, 512, w95, 256, w129, 64, 0.0f, b131, 64);
+    float *const w130 = mdl_widen_bf16(b130, 32768, h->nthreads);
+    mdl_gemm(h, 1, 0, 256, 64, 512, w95, 256, w130, 64, 0.0f, b132, 64);
     free(w95);
-    free(w129);
+    free(w130);
   }
 }
 
 // k22_gemm__gelu_bwd__sum__cast: GEMM, 6 ops
-//   %130   matmul                                  line 40    f32[512,256]
-//   %132   reshape                                 line 40    f32[8,64,256]
-//   %133   gelu_bwd                                line 40    f32[8,64,256]
-//   %134   reshape                                 line 40    f32[512,256]
-//   %135   sum                d.h.1.fc_b           line 40    f32[256]
-//   %136   cast                                    line 40    bf16[512,256]
+//   %131   matmul                                  line 40    f32[512,256]
+//   %133   reshape                                 line 40    f32[8,64,256]
+//   %134   gelu_bwd                                line 40    f32[8,64,256]
+//   %135   reshape                                 line 40    f32[512,256]
+//   %136   sum                d.h.1.fc_b           line 40    f32[256]
+//   %137   cast                                    line 40    bf16[512,256]
 // loops:
-//   gemm %130: [512 x 256] = [512 x 64] T[64 x 256], bf16 operands widened to f32, epilogue after
-//   sum %135: 256 outputs over 512 elements, in 32 blocks of 16
+//   gemm %131: [512 x 256] = [512 x 64] T[64 x 256], bf16 operands widened to f32, epilogue after
+//   sum %136: 256 outputs over 512 elements, in 32 blocks of 16
 static void k22_gemm__gelu_bwd__sum__cast(char *arena, const MdlHooks *h) {
   float *const b92 = (float *)(arena + 2756736); // %92 add f32[8,64,256]
   uint16_t *const b96 = (uint16_t *)(arena + 2191360); // %96 cast bf16[256,64]
-  uint16_t *const b129 = (uint16_t *)(arena + 5574784); // %129 cast bf16[512,64]
-  float *const b130 = mdl_scratch(524288); // %130 matmul f32[512,256], kept in this kernel
-  float *const b135 = (float *)(arena + 930048); // %135 sum d.h.1.fc_b f32[256]
-  uint16_t *const b136 = (uint16_t *)(arena + 3543168); // %136 cast bf16[512,256]
+  uint16_t *const b130 = (uint16_t *)(arena + 5574784); // %130 cast bf16[512,64]
+  float *const b131 = mdl_scratch(524288); // %131 matmul f32[512,256], kept in this kernel
+  float *const b136 = (float *)(arena + 930048); // %136 sum d.h.1.fc_b f32[256]
+  uint16_t *const b137 = (uint16_t *)(arena + 3543168); // %137 cast bf16[512,256]
   {
-    float *const w129 = mdl_widen_bf16(b129, 32768, h->nthreads);
+    float *const w130 = mdl_widen_bf16(b130, 32768, h->nthreads);
     float *const w96 = mdl_widen_bf16(b96, 16384, h->nthreads);
-    mdl_gemm(h, 0, 1, 512, 256, 64, w129, 64, w96, 64, 0.0f, b130, 256);
-    free(w129);
+    mdl_gemm(h, 0, 1, 512, 256, 64, w130, 64, w96, 64, 0.0f, b131, 256);
+    free(w130);
     free(w96);
   }
   double *part = mdl_scratch(8192 * sizeof(double));
@@ -1159,13 +1162,13 @@ static void k22_gemm__gelu_bwd__sum__cast(char *arena, const MdlHooks *h) {
       for (int64_t c = 0; c < 256; c++) {
         const int64_t ix = l * 256 + c;
         const float v92_ix = b92[ix];
-        const float v130_ix = b130[ix];
-        const float v132_ix = v130_ix;
-        const float v133_ix = mdl_gelu_grad(v92_ix) * v132_ix;
-        const float v134_ix = v133_ix;
-        const float v = v134_ix;
-        const float v136_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v134_ix));
-        b136[ix] = mdl_f32_to_bf16(v136_ix);
+        const float v131_ix = b131[ix];
+        const float v133_ix = v131_ix;
+        const float v134_ix = mdl_gelu_grad(v92_ix) * v133_ix;
+        const float v135_ix = v134_ix;
+        const float v = v135_ix;
+        const float v137_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v135_ix));
+        b137[ix] = mdl_f32_to_bf16(v137_ix);
         p[c] += v;
       }
     }
@@ -1177,69 +1180,69 @@ static void k22_gemm__gelu_bwd__sum__cast(char *arena, const MdlHooks *h) {
       acc += v;
     }
     const float y = (float)acc;
-    b135[r] = y;
+    b136[r] = y;
   }
   free(part);
-  free(b130);
+  free(b131);
 }
 
 // k23_gemm: GEMM, 1 op
-//   %137   matmul                                  line 40    f32[512,64]
+//   %138   matmul                                  line 40    f32[512,64]
 // loops:
-//   gemm %137: [512 x 64] = [512 x 256] T[256 x 64], bf16 operands widened to f32
+//   gemm %138: [512 x 64] = [512 x 256] T[256 x 64], bf16 operands widened to f32
 static void k23_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b89 = (uint16_t *)(arena + 2158592); // %89 cast bf16[64,256]
-  uint16_t *const b136 = (uint16_t *)(arena + 3543168); // %136 cast bf16[512,256]
-  float *const b137 = (float *)(arena + 2756736); // %137 matmul f32[512,64]
+  uint16_t *const b137 = (uint16_t *)(arena + 3543168); // %137 cast bf16[512,256]
+  float *const b138 = (float *)(arena + 2756736); // %138 matmul f32[512,64]
   {
-    float *const w136 = mdl_widen_bf16(b136, 131072, h->nthreads);
+    float *const w137 = mdl_widen_bf16(b137, 131072, h->nthreads);
     float *const w89 = mdl_widen_bf16(b89, 16384, h->nthreads);
-    mdl_gemm(h, 0, 1, 512, 64, 256, w136, 256, w89, 256, 0.0f, b137, 64);
-    free(w136);
+    mdl_gemm(h, 0, 1, 512, 64, 256, w137, 256, w89, 256, 0.0f, b138, 64);
+    free(w137);
     free(w89);
   }
 }
 
 // k24_gemm: GEMM, 1 op
-//   %138   matmul             d.h.1.fc_w           line 40    f32[64,256]
+//   %139   matmul             d.h.1.fc_w           line 40    f32[64,256]
 // loops:
-//   gemm %138: [64 x 256] = T[64 x 512] [512 x 256], bf16 operands widened to f32
+//   gemm %139: [64 x 256] = T[64 x 512] [512 x 256], bf16 operands widened to f32
 static void k24_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b88 = (uint16_t *)(arena + 5443712); // %88 cast bf16[512,64]
-  uint16_t *const b136 = (uint16_t *)(arena + 3543168); // %136 cast bf16[512,256]
-  float *const b138 = (float *)(arena + 864512); // %138 matmul d.h.1.fc_w f32[64,256]
+  uint16_t *const b137 = (uint16_t *)(arena + 3543168); // %137 cast bf16[512,256]
+  float *const b139 = (float *)(arena + 864512); // %139 matmul d.h.1.fc_w f32[64,256]
   {
     float *const w88 = mdl_widen_bf16(b88, 32768, h->nthreads);
-    float *const w136 = mdl_widen_bf16(b136, 131072, h->nthreads);
-    mdl_gemm(h, 1, 0, 64, 256, 512, w88, 64, w136, 256, 0.0f, b138, 256);
+    float *const w137 = mdl_widen_bf16(b137, 131072, h->nthreads);
+    mdl_gemm(h, 1, 0, 64, 256, 512, w88, 64, w137, 256, 0.0f, b139, 256);
     free(w88);
-    free(w136);
+    free(w137);
   }
 }
 
 // k25_layernorm_bwd__add__sum__cast: kernel, 7 ops
-//   %140   layernorm_bwd                           line 40    f32[8,64,64]
-//   %141   layernorm_bwd      d.h.1.ln2_w          line 40    f32[64]
-//   %142   layernorm_bwd      d.h.1.ln2_b          line 40    f32[64]
-//   %143   add                d.h.1.x              line 39    f32[8,64,64]
-//   %144   reshape                                 line 39    f32[512,64]
-//   %145   sum                d.h.1.proj_b         line 39    f32[64]
-//   %146   cast                                    line 39    bf16[512,64]
+//   %141   layernorm_bwd                           line 40    f32[8,64,64]
+//   %142   layernorm_bwd      d.h.1.ln2_w          line 40    f32[64]
+//   %143   layernorm_bwd      d.h.1.ln2_b          line 40    f32[64]
+//   %144   add                d.h.1.x              line 39    f32[8,64,64]
+//   %145   reshape                                 line 39    f32[512,64]
+//   %146   sum                d.h.1.proj_b         line 39    f32[64]
+//   %147   cast                                    line 39    bf16[512,64]
 // loops:
 //   layernorm_bwd: 512 rows of 64, column sums over 32 blocks of 16 rows
 static void k25_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
   float *const b61 = (float *)(arena + 365312); // %61 param h.1.ln2_w f32[64]
   float *const b85 = (float *)(arena + 4591744); // %85 add h.1.x f32[8,64,64]
-  float *const b124 = (float *)(arena + 4984960); // %124 layernorm_bwd d.h.1.x f32[8,64,64]
-  float *const b137 = (float *)(arena + 2756736); // %137 matmul f32[512,64]
-  float *const b141 = (float *)(arena + 864000); // %141 layernorm_bwd d.h.1.ln2_w f32[64]
-  float *const b142 = (float *)(arena + 864256); // %142 layernorm_bwd d.h.1.ln2_b f32[64]
-  float *const b143 = (float *)(arena + 2953344); // %143 add d.h.1.x f32[8,64,64]
-  float *const b145 = (float *)(arena + 863744); // %145 sum d.h.1.proj_b f32[64]
-  uint16_t *const b146 = (uint16_t *)(arena + 2887808); // %146 cast bf16[512,64]
+  float *const b125 = (float *)(arena + 4984960); // %125 layernorm_bwd d.h.1.x f32[8,64,64]
+  float *const b138 = (float *)(arena + 2756736); // %138 matmul f32[512,64]
+  float *const b142 = (float *)(arena + 864000); // %142 layernorm_bwd d.h.1.ln2_w f32[64]
+  float *const b143 = (float *)(arena + 864256); // %143 layernorm_bwd d.h.1.ln2_b f32[64]
+  float *const b144 = (float *)(arena + 2953344); // %144 add d.h.1.x f32[8,64,64]
+  float *const b146 = (float *)(arena + 863744); // %146 sum d.h.1.proj_b f32[64]
+  uint16_t *const b147 = (uint16_t *)(arena + 2887808); // %147 cast bf16[512,64]
   double *pdw = mdl_scratch(2048 * sizeof(double));
   double *pdb = mdl_scratch(2048 * sizeof(double));
-  double *ps0 = mdl_scratch(2048 * sizeof(double)); // partials of the column sum %145
+  double *ps0 = mdl_scratch(2048 * sizeof(double)); // partials of the column sum %146
   #pragma omp parallel num_threads(h->nthreads)
   {
     float *dxrow = mdl_scratch(64 * sizeof(float));
@@ -1253,7 +1256,7 @@ static void k25_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
       const int64_t end = k * 16 + 16 < 512 ? k * 16 + 16 : 512;
       for (int64_t r = k * 16; r < end; r++) {
         const float *x = b85 + r * 64;
-        const float *dy = b137 + r * 64;
+        const float *dy = b138 + r * 64;
         double mean = 0, var = 0, mg = 0, mgx = 0;
         #pragma omp simd reduction(+ : mean)
         for (int64_t j = 0; j < 64; j++)
@@ -1278,13 +1281,13 @@ static void k25_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
           dx[j] = (float)(rstd * ((double)dy[j] * b61[j] - mg - (x[j] - mean) * rstd * mgx));
         for (int64_t j = 0; j < 64; j++) {
           const int64_t ix = r * 64 + j;
-          const float v124_ix = b124[ix];
-          const float v143_ix = v124_ix + dx[j];
-          b143[ix] = v143_ix;
-          const float v144_ix = v143_ix;
-          const float v146_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v144_ix));
-          b146[ix] = mdl_f32_to_bf16(v146_ix);
-          sa0[j] += v144_ix;
+          const float v125_ix = b125[ix];
+          const float v144_ix = v125_ix + dx[j];
+          b144[ix] = v144_ix;
+          const float v145_ix = v144_ix;
+          const float v147_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v145_ix));
+          b147[ix] = mdl_f32_to_bf16(v147_ix);
+          sa0[j] += v145_ix;
         }
       }
     }
@@ -1297,9 +1300,9 @@ static void k25_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
       b += pdb[k * 64 + j];
       a0 += ps0[k * 64 + j];
     }
-    b141[j] = (float)w;
-    b142[j] = (float)b;
-    b145[j] = (float)a0;
+    b142[j] = (float)w;
+    b143[j] = (float)b;
+    b146[j] = (float)a0;
   }
   free(pdw);
   free(pdb);
@@ -1307,69 +1310,69 @@ static void k25_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
 }
 
 // k26_gemm: GEMM, 1 op
-//   %148   matmul             d.h.1.proj_w         line 39    f32[64,64]
+//   %149   matmul             d.h.1.proj_w         line 39    f32[64,64]
 // loops:
-//   gemm %148: [64 x 64] = T[64 x 512] [512 x 64], bf16 operands widened to f32
+//   gemm %149: [64 x 64] = T[64 x 512] [512 x 64], bf16 operands widened to f32
 static void k26_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b80 = (uint16_t *)(arena + 5378176); // %80 cast bf16[512,64]
-  uint16_t *const b146 = (uint16_t *)(arena + 2887808); // %146 cast bf16[512,64]
-  float *const b148 = (float *)(arena + 847360); // %148 matmul d.h.1.proj_w f32[64,64]
+  uint16_t *const b147 = (uint16_t *)(arena + 2887808); // %147 cast bf16[512,64]
+  float *const b149 = (float *)(arena + 847360); // %149 matmul d.h.1.proj_w f32[64,64]
   {
     float *const w80 = mdl_widen_bf16(b80, 32768, h->nthreads);
-    float *const w146 = mdl_widen_bf16(b146, 32768, h->nthreads);
-    mdl_gemm(h, 1, 0, 64, 64, 512, w80, 64, w146, 64, 0.0f, b148, 64);
+    float *const w147 = mdl_widen_bf16(b147, 32768, h->nthreads);
+    mdl_gemm(h, 1, 0, 64, 64, 512, w80, 64, w147, 64, 0.0f, b149, 64);
     free(w80);
-    free(w146);
+    free(w147);
   }
 }
 
 // k27_gemm__cast: GEMM, 3 ops
-//   %147   matmul                                  line 39    f32[512,64]
-//   %149   reshape                                 line 39    f32[8,64,64]
-//   %152   cast                                    line 39    bf16[8,64,64]
+//   %148   matmul                                  line 39    f32[512,64]
+//   %150   reshape                                 line 39    f32[8,64,64]
+//   %153   cast                                    line 39    bf16[8,64,64]
 // loops:
-//   gemm %147: [512 x 64] = [512 x 64] T[64 x 64], bf16 operands widened to f32, epilogue after
-//   elementwise over 32768: %152
+//   gemm %148: [512 x 64] = [512 x 64] T[64 x 64], bf16 operands widened to f32, epilogue after
+//   elementwise over 32768: %153
 static void k27_gemm__cast(char *arena, const MdlHooks *h) {
   uint16_t *const b81 = (uint16_t *)(arena + 2150400); // %81 cast bf16[64,64]
-  uint16_t *const b146 = (uint16_t *)(arena + 2887808); // %146 cast bf16[512,64]
-  float *const b147 = mdl_scratch(131072); // %147 matmul f32[512,64], kept in this kernel
-  uint16_t *const b152 = (uint16_t *)(arena + 2756736); // %152 cast bf16[8,64,64]
+  uint16_t *const b147 = (uint16_t *)(arena + 2887808); // %147 cast bf16[512,64]
+  float *const b148 = mdl_scratch(131072); // %148 matmul f32[512,64], kept in this kernel
+  uint16_t *const b153 = (uint16_t *)(arena + 2756736); // %153 cast bf16[8,64,64]
   {
-    float *const w146 = mdl_widen_bf16(b146, 32768, h->nthreads);
+    float *const w147 = mdl_widen_bf16(b147, 32768, h->nthreads);
     float *const w81 = mdl_widen_bf16(b81, 4096, h->nthreads);
-    mdl_gemm(h, 0, 1, 512, 64, 64, w146, 64, w81, 64, 0.0f, b147, 64);
-    free(w146);
+    mdl_gemm(h, 0, 1, 512, 64, 64, w147, 64, w81, 64, 0.0f, b148, 64);
+    free(w147);
     free(w81);
   }
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
   for (int64_t r = 0; r < 512; r++) {
     for (int64_t c = 0; c < 64; c++) {
       const int64_t i = r * 64 + c;
-      const float v147_i = b147[i];
-      const float v149_i = v147_i;
-      const float v152_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v149_i));
-      b152[i] = mdl_f32_to_bf16(v152_i);
+      const float v148_i = b148[i];
+      const float v150_i = v148_i;
+      const float v153_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v150_i));
+      b153[i] = mdl_f32_to_bf16(v153_i);
     }
   }
-  free(b147);
+  free(b148);
 }
 
 // k28_attention_bwd: attention, 3 ops
-//   %153   attention_bwd      d.h.1.q              line 39    f32[8,64,64]
-//   %154   attention_bwd      d.h.1.k              line 39    f32[8,64,64]
-//   %155   attention_bwd      d.h.1.v              line 39    f32[8,64,64]
+//   %154   attention_bwd      d.h.1.q              line 39    f32[8,64,64]
+//   %155   attention_bwd      d.h.1.k              line 39    f32[8,64,64]
+//   %156   attention_bwd      d.h.1.v              line 39    f32[8,64,64]
 // loops:
 //   attention backward (dq dk dv): B 8, T 64, 4 heads of 16, causal, within documents; one task per (batch, head)
 static void k28_attention_bwd(char *arena, const MdlHooks *h) {
   int32_t *const b3 = (int32_t *)(arena + 2230272); // %3 input doc i32[8,64]
   uint16_t *const b74 = (uint16_t *)(arena + 4001920); // %74 cast bf16[8,64,192]
   uint16_t *const b80 = (uint16_t *)(arena + 5378176); // %80 cast bf16[512,64]
-  float *const b150 = (float *)(arena + 5648512); // %150 attention_lse f32[8,4,64]
-  uint16_t *const b152 = (uint16_t *)(arena + 2756736); // %152 cast bf16[8,64,64]
-  float *const b153 = (float *)(arena + 3084416); // %153 attention_bwd d.h.1.q f32[8,64,64]
-  float *const b154 = (float *)(arena + 3543168); // %154 attention_bwd d.h.1.k f32[8,64,64]
-  float *const b155 = (float *)(arena + 3674240); // %155 attention_bwd d.h.1.v f32[8,64,64]
+  float *const b151 = (float *)(arena + 5648512); // %151 attention_lse f32[8,4,64]
+  uint16_t *const b153 = (uint16_t *)(arena + 2756736); // %153 cast bf16[8,64,64]
+  float *const b154 = (float *)(arena + 3084416); // %154 attention_bwd d.h.1.q f32[8,64,64]
+  float *const b155 = (float *)(arena + 3543168); // %155 attention_bwd d.h.1.k f32[8,64,64]
+  float *const b156 = (float *)(arena + 3674240); // %156 attention_bwd d.h.1.v f32[8,64,64]
   #pragma omp parallel num_threads(h->nthreads)
   {
     float *restrict kt = memset(mdl_scratch(1536 * sizeof(float)), 0, 1536 * sizeof(float));
@@ -1417,13 +1420,13 @@ static void k28_attention_bwd(char *arena, const MdlHooks *h) {
           }
           memcpy(s + j0, acc, sizeof acc);
         }
-        const float lse = b150[(b * 4 + hd) * 64 + i];
+        const float lse = b151[(b * 4 + hd) * 64 + i];
         #pragma omp simd
         for (int64_t j = lo; j < hi; j++)
           s[j] = dc[j] == di ? mdl_exp_shifted(s[j] * 0.25f - lse) : 0.0f;
         float dor[16];
         for (int64_t c = 0; c < 16; c++)
-          dor[c] = mdl_bf16_to_f32(b152[(b * 64 + i) * 64 + hd * 16 + c]);
+          dor[c] = mdl_bf16_to_f32(b153[(b * 64 + i) * 64 + hd * 16 + c]);
         const float *restrict doi = dor;
         float dsum = 0.0f;
         for (int64_t c = 0; c < 16; c++)
@@ -1472,14 +1475,14 @@ static void k28_attention_bwd(char *arena, const MdlHooks *h) {
           for (int64_t c = 0; c < 16; c++)
             dvj[c] += mdl_bf16_to_f32(mdl_f32_to_bf16(s[j])) * doi[c];
         }
-        float *restrict dq = b153 + (b * 64 + i) * 64 + hd * 16;
+        float *restrict dq = b154 + (b * 64 + i) * 64 + hd * 16;
         for (int64_t c = 0; c < 16; c++)
           dq[c] = 0.25f * (dqi0[c] + dqi1[c]);
       }
       for (int64_t t = 0; t < 64; t++)
-        memcpy(b154 + (b * 64 + t) * 64 + hd * 16, dkh + t * 16, 16 * sizeof(float));
+        memcpy(b155 + (b * 64 + t) * 64 + hd * 16, dkh + t * 16, 16 * sizeof(float));
       for (int64_t t = 0; t < 64; t++)
-        memcpy(b155 + (b * 64 + t) * 64 + hd * 16, dvh + t * 16, 16 * sizeof(float));
+        memcpy(b156 + (b * 64 + t) * 64 + hd * 16, dvh + t * 16, 16 * sizeof(float));
     }
     free(kt);
     free(s);
@@ -1491,18 +1494,18 @@ static void k28_attention_bwd(char *arena, const MdlHooks *h) {
 }
 
 // k29_sum__concat__cast: kernel, 4 ops
-//   %156   concat                                  line 38    f32[8,64,192]
-//   %157   reshape                                 line 38    f32[512,192]
-//   %158   sum                d.h.1.attn_b         line 38    f32[192]
-//   %159   cast                                    line 38    bf16[512,192]
+//   %157   concat                                  line 38    f32[8,64,192]
+//   %158   reshape                                 line 38    f32[512,192]
+//   %159   sum                d.h.1.attn_b         line 38    f32[192]
+//   %160   cast                                    line 38    bf16[512,192]
 // loops:
-//   sum %158: 192 outputs over 512 elements, in 32 blocks of 16
+//   sum %159: 192 outputs over 512 elements, in 32 blocks of 16
 static void k29_sum__concat__cast(char *arena, const MdlHooks *h) {
-  float *const b153 = (float *)(arena + 3084416); // %153 attention_bwd d.h.1.q f32[8,64,64]
-  float *const b154 = (float *)(arena + 3543168); // %154 attention_bwd d.h.1.k f32[8,64,64]
-  float *const b155 = (float *)(arena + 3674240); // %155 attention_bwd d.h.1.v f32[8,64,64]
-  float *const b158 = (float *)(arena + 846592); // %158 sum d.h.1.attn_b f32[192]
-  uint16_t *const b159 = (uint16_t *)(arena + 2756736); // %159 cast bf16[512,192]
+  float *const b154 = (float *)(arena + 3084416); // %154 attention_bwd d.h.1.q f32[8,64,64]
+  float *const b155 = (float *)(arena + 3543168); // %155 attention_bwd d.h.1.k f32[8,64,64]
+  float *const b156 = (float *)(arena + 3674240); // %156 attention_bwd d.h.1.v f32[8,64,64]
+  float *const b159 = (float *)(arena + 846592); // %159 sum d.h.1.attn_b f32[192]
+  uint16_t *const b160 = (uint16_t *)(arena + 2756736); // %160 cast bf16[512,192]
   double *part = mdl_scratch(6144 * sizeof(double));
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
   for (int64_t k = 0; k < 32; k++) {
@@ -1513,11 +1516,11 @@ static void k29_sum__concat__cast(char *arena, const MdlHooks *h) {
     for (int64_t l = k * 16; l < end; l++) {
       for (int64_t c = 0; c < 192; c++) {
         const int64_t ix = l * 192 + c;
-        const float v156_ix = (c < 64 ? b153 + (l * 64 + c) : c < 128 ? b154 + (l * 64 + (c - 64)) : b155 + (l * 64 + (c - 128)))[0];
-        const float v157_ix = v156_ix;
-        const float v = v157_ix;
-        const float v159_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v157_ix));
-        b159[ix] = mdl_f32_to_bf16(v159_ix);
+        const float v157_ix = (c < 64 ? b154 + (l * 64 + c) : c < 128 ? b155 + (l * 64 + (c - 64)) : b156 + (l * 64 + (c - 128)))[0];
+        const float v158_ix = v157_ix;
+        const float v = v158_ix;
+        const float v160_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v158_ix));
+        b160[ix] = mdl_f32_to_bf16(v160_ix);
         p[c] += v;
       }
     }
@@ -1529,68 +1532,68 @@ static void k29_sum__concat__cast(char *arena, const MdlHooks *h) {
       acc += v;
     }
     const float y = (float)acc;
-    b158[r] = y;
+    b159[r] = y;
   }
   free(part);
 }
 
 // k30_gemm: GEMM, 1 op
-//   %160   matmul                                  line 38    f32[512,64]
+//   %161   matmul                                  line 38    f32[512,64]
 // loops:
-//   gemm %160: [512 x 64] = [512 x 192] T[192 x 64], bf16 operands widened to f32
+//   gemm %161: [512 x 64] = [512 x 192] T[192 x 64], bf16 operands widened to f32
 static void k30_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b70 = (uint16_t *)(arena + 2125824); // %70 cast bf16[64,192]
-  uint16_t *const b159 = (uint16_t *)(arena + 2756736); // %159 cast bf16[512,192]
-  float *const b160 = (float *)(arena + 3084416); // %160 matmul f32[512,64]
+  uint16_t *const b160 = (uint16_t *)(arena + 2756736); // %160 cast bf16[512,192]
+  float *const b161 = (float *)(arena + 3084416); // %161 matmul f32[512,64]
   {
-    float *const w159 = mdl_widen_bf16(b159, 98304, h->nthreads);
+    float *const w160 = mdl_widen_bf16(b160, 98304, h->nthreads);
     float *const w70 = mdl_widen_bf16(b70, 12288, h->nthreads);
-    mdl_gemm(h, 0, 1, 512, 64, 192, w159, 192, w70, 192, 0.0f, b160, 64);
-    free(w159);
+    mdl_gemm(h, 0, 1, 512, 64, 192, w160, 192, w70, 192, 0.0f, b161, 64);
+    free(w160);
     free(w70);
   }
 }
 
 // k31_gemm: GEMM, 1 op
-//   %161   matmul             d.h.1.attn_w         line 38    f32[64,192]
+//   %162   matmul             d.h.1.attn_w         line 38    f32[64,192]
 // loops:
-//   gemm %161: [64 x 192] = T[64 x 512] [512 x 192], bf16 operands widened to f32
+//   gemm %162: [64 x 192] = T[64 x 512] [512 x 192], bf16 operands widened to f32
 static void k31_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b69 = (uint16_t *)(arena + 5312640); // %69 cast bf16[512,64]
-  uint16_t *const b159 = (uint16_t *)(arena + 2756736); // %159 cast bf16[512,192]
-  float *const b161 = (float *)(arena + 797440); // %161 matmul d.h.1.attn_w f32[64,192]
+  uint16_t *const b160 = (uint16_t *)(arena + 2756736); // %160 cast bf16[512,192]
+  float *const b162 = (float *)(arena + 797440); // %162 matmul d.h.1.attn_w f32[64,192]
   {
     float *const w69 = mdl_widen_bf16(b69, 32768, h->nthreads);
-    float *const w159 = mdl_widen_bf16(b159, 98304, h->nthreads);
-    mdl_gemm(h, 1, 0, 64, 192, 512, w69, 64, w159, 192, 0.0f, b161, 192);
+    float *const w160 = mdl_widen_bf16(b160, 98304, h->nthreads);
+    mdl_gemm(h, 1, 0, 64, 192, 512, w69, 64, w160, 192, 0.0f, b162, 192);
     free(w69);
-    free(w159);
+    free(w160);
   }
 }
 
 // k32_layernorm_bwd__add__sum__cast: kernel, 7 ops
-//   %163   layernorm_bwd                           line 38    f32[8,64,64]
-//   %164   layernorm_bwd      d.h.1.ln1_w          line 38    f32[64]
-//   %165   layernorm_bwd      d.h.1.ln1_b          line 38    f32[64]
-//   %166   add                d.h.0.x              line 40    f32[8,64,64]
-//   %167   reshape                                 line 40    f32[512,64]
-//   %168   sum                d.h.0.fcproj_b       line 40    f32[64]
-//   %169   cast                                    line 40    bf16[512,64]
+//   %164   layernorm_bwd                           line 38    f32[8,64,64]
+//   %165   layernorm_bwd      d.h.1.ln1_w          line 38    f32[64]
+//   %166   layernorm_bwd      d.h.1.ln1_b          line 38    f32[64]
+//   %167   add                d.h.0.x              line 40    f32[8,64,64]
+//   %168   reshape                                 line 40    f32[512,64]
+//   %169   sum                d.h.0.fcproj_b       line 40    f32[64]
+//   %170   cast                                    line 40    bf16[512,64]
 // loops:
 //   layernorm_bwd: 512 rows of 64, column sums over 32 blocks of 16 rows
 static void k32_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
   float *const b54 = (float *)(arena + 4460672); // %54 add h.0.x f32[8,64,64]
   float *const b55 = (float *)(arena + 298240); // %55 param h.1.ln1_w f32[64]
-  float *const b143 = (float *)(arena + 2953344); // %143 add d.h.1.x f32[8,64,64]
-  float *const b160 = (float *)(arena + 3084416); // %160 matmul f32[512,64]
-  float *const b164 = (float *)(arena + 796928); // %164 layernorm_bwd d.h.1.ln1_w f32[64]
-  float *const b165 = (float *)(arena + 797184); // %165 layernorm_bwd d.h.1.ln1_b f32[64]
-  float *const b166 = (float *)(arena + 3543168); // %166 add d.h.0.x f32[8,64,64]
-  float *const b168 = (float *)(arena + 796672); // %168 sum d.h.0.fcproj_b f32[64]
-  uint16_t *const b169 = (uint16_t *)(arena + 3215488); // %169 cast bf16[512,64]
+  float *const b144 = (float *)(arena + 2953344); // %144 add d.h.1.x f32[8,64,64]
+  float *const b161 = (float *)(arena + 3084416); // %161 matmul f32[512,64]
+  float *const b165 = (float *)(arena + 796928); // %165 layernorm_bwd d.h.1.ln1_w f32[64]
+  float *const b166 = (float *)(arena + 797184); // %166 layernorm_bwd d.h.1.ln1_b f32[64]
+  float *const b167 = (float *)(arena + 3543168); // %167 add d.h.0.x f32[8,64,64]
+  float *const b169 = (float *)(arena + 796672); // %169 sum d.h.0.fcproj_b f32[64]
+  uint16_t *const b170 = (uint16_t *)(arena + 3215488); // %170 cast bf16[512,64]
   double *pdw = mdl_scratch(2048 * sizeof(double));
   double *pdb = mdl_scratch(2048 * sizeof(double));
-  double *ps0 = mdl_scratch(2048 * sizeof(double)); // partials of the column sum %168
+  double *ps0 = mdl_scratch(2048 * sizeof(double)); // partials of the column sum %169
   #pragma omp parallel num_threads(h->nthreads)
   {
     float *dxrow = mdl_scratch(64 * sizeof(float));
@@ -1604,7 +1607,7 @@ static void k32_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
       const int64_t end = k * 16 + 16 < 512 ? k * 16 + 16 : 512;
       for (int64_t r = k * 16; r < end; r++) {
         const float *x = b54 + r * 64;
-        const float *dy = b160 + r * 64;
+        const float *dy = b161 + r * 64;
         double mean = 0, var = 0, mg = 0, mgx = 0;
         #pragma omp simd reduction(+ : mean)
         for (int64_t j = 0; j < 64; j++)
@@ -1629,13 +1632,13 @@ static void k32_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
           dx[j] = (float)(rstd * ((double)dy[j] * b55[j] - mg - (x[j] - mean) * rstd * mgx));
         for (int64_t j = 0; j < 64; j++) {
           const int64_t ix = r * 64 + j;
-          const float v143_ix = b143[ix];
-          const float v166_ix = v143_ix + dx[j];
-          b166[ix] = v166_ix;
-          const float v167_ix = v166_ix;
-          const float v169_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v167_ix));
-          b169[ix] = mdl_f32_to_bf16(v169_ix);
-          sa0[j] += v167_ix;
+          const float v144_ix = b144[ix];
+          const float v167_ix = v144_ix + dx[j];
+          b167[ix] = v167_ix;
+          const float v168_ix = v167_ix;
+          const float v170_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v168_ix));
+          b170[ix] = mdl_f32_to_bf16(v170_ix);
+          sa0[j] += v168_ix;
         }
       }
     }
@@ -1648,9 +1651,9 @@ static void k32_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
       b += pdb[k * 64 + j];
       a0 += ps0[k * 64 + j];
     }
-    b164[j] = (float)w;
-    b165[j] = (float)b;
-    b168[j] = (float)a0;
+    b165[j] = (float)w;
+    b166[j] = (float)b;
+    b169[j] = (float)a0;
   }
   free(pdw);
   free(pdb);
@@ -1658,44 +1661,44 @@ static void k32_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
 }
 
 // k33_gemm: GEMM, 1 op
-//   %171   matmul             d.h.0.fcproj_w       line 40    f32[256,64]
+//   %172   matmul             d.h.0.fcproj_w       line 40    f32[256,64]
 // loops:
-//   gemm %171: [256 x 64] = T[256 x 512] [512 x 64], bf16 operands widened to f32
+//   gemm %172: [256 x 64] = T[256 x 512] [512 x 64], bf16 operands widened to f32
 static void k33_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b49 = (uint16_t *)(arena + 3281024); // %49 cast bf16[512,256]
-  uint16_t *const b169 = (uint16_t *)(arena + 3215488); // %169 cast bf16[512,64]
-  float *const b171 = (float *)(arena + 731136); // %171 matmul d.h.0.fcproj_w f32[256,64]
+  uint16_t *const b170 = (uint16_t *)(arena + 3215488); // %170 cast bf16[512,64]
+  float *const b172 = (float *)(arena + 731136); // %172 matmul d.h.0.fcproj_w f32[256,64]
   {
     float *const w49 = mdl_widen_bf16(b49, 131072, h->nthreads);
-    float *const w169 = mdl_widen_bf16(b169, 32768, h->nthreads);
-    mdl_gemm(h, 1, 0, 256, 64, 512, w49, 256, w169, 64, 0.0f, b171, 64);
+    float *const w170 = mdl_widen_bf16(b170, 32768, h->nthreads);
+    mdl_gemm(h, 1, 0, 256, 64, 512, w49, 256, w170, 64, 0.0f, b172, 64);
     free(w49);
-    free(w169);
+    free(w170);
   }
 }
 
 // k34_gemm__gelu_bwd__sum__cast: GEMM, 6 ops
-//   %170   matmul                                  line 40    f32[512,256]
-//   %172   reshape                                 line 40    f32[8,64,256]
-//   %173   gelu_bwd                                line 40    f32[8,64,256]
-//   %174   reshape                                 line 40    f32[512,256]
-//   %175   sum                d.h.0.fc_b           line 40    f32[256]
-//   %176   cast                                    line 40    bf16[512,256]
+//   %171   matmul                                  line 40    f32[512,256]
+//   %173   reshape                                 line 40    f32[8,64,256]
+//   %174   gelu_bwd                                line 40    f32[8,64,256]
+//   %175   reshape                                 line 40    f32[512,256]
+//   %176   sum                d.h.0.fc_b           line 40    f32[256]
+//   %177   cast                                    line 40    bf16[512,256]
 // loops:
-//   gemm %170: [512 x 256] = [512 x 64] T[64 x 256], bf16 operands widened to f32, epilogue after
-//   sum %175: 256 outputs over 512 elements, in 32 blocks of 16
+//   gemm %171: [512 x 256] = [512 x 64] T[64 x 256], bf16 operands widened to f32, epilogue after
+//   sum %176: 256 outputs over 512 elements, in 32 blocks of 16
 static void k34_gemm__gelu_bwd__sum__cast(char *arena, const MdlHooks *h) {
   float *const b46 = (float *)(arena + 2232448); // %46 add f32[8,64,256]
   uint16_t *const b50 = (uint16_t *)(arena + 2093056); // %50 cast bf16[256,64]
-  uint16_t *const b169 = (uint16_t *)(arena + 3215488); // %169 cast bf16[512,64]
-  float *const b170 = mdl_scratch(524288); // %170 matmul f32[512,256], kept in this kernel
-  float *const b175 = (float *)(arena + 730112); // %175 sum d.h.0.fc_b f32[256]
-  uint16_t *const b176 = (uint16_t *)(arena + 2756736); // %176 cast bf16[512,256]
+  uint16_t *const b170 = (uint16_t *)(arena + 3215488); // %170 cast bf16[512,64]
+  float *const b171 = mdl_scratch(524288); // %171 matmul f32[512,256], kept in this kernel
+  float *const b176 = (float *)(arena + 730112); // %176 sum d.h.0.fc_b f32[256]
+  uint16_t *const b177 = (uint16_t *)(arena + 2756736); // %177 cast bf16[512,256]
   {
-    float *const w169 = mdl_widen_bf16(b169, 32768, h->nthreads);
+    float *const w170 = mdl_widen_bf16(b170, 32768, h->nthreads);
     float *const w50 = mdl_widen_bf16(b50, 16384, h->nthreads);
-    mdl_gemm(h, 0, 1, 512, 256, 64, w169, 64, w50, 64, 0.0f, b170, 256);
-    free(w169);
+    mdl_gemm(h, 0, 1, 512, 256, 64, w170, 64, w50, 64, 0.0f, b171, 256);
+    free(w170);
     free(w50);
   }
   double *part = mdl_scratch(8192 * sizeof(double));
@@ -1709,13 +1712,13 @@ static void k34_gemm__gelu_bwd__sum__cast(char *arena, const MdlHooks *h) {
       for (int64_t c = 0; c < 256; c++) {
         const int64_t ix = l * 256 + c;
         const float v46_ix = b46[ix];
-        const float v170_ix = b170[ix];
-        const float v172_ix = v170_ix;
-        const float v173_ix = mdl_gelu_grad(v46_ix) * v172_ix;
-        const float v174_ix = v173_ix;
-        const float v = v174_ix;
-        const float v176_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v174_ix));
-        b176[ix] = mdl_f32_to_bf16(v176_ix);
+        const float v171_ix = b171[ix];
+        const float v173_ix = v171_ix;
+        const float v174_ix = mdl_gelu_grad(v46_ix) * v173_ix;
+        const float v175_ix = v174_ix;
+        const float v = v175_ix;
+        const float v177_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v175_ix));
+        b177[ix] = mdl_f32_to_bf16(v177_ix);
         p[c] += v;
       }
     }
@@ -1727,69 +1730,69 @@ static void k34_gemm__gelu_bwd__sum__cast(char *arena, const MdlHooks *h) {
       acc += v;
     }
     const float y = (float)acc;
-    b175[r] = y;
+    b176[r] = y;
   }
   free(part);
-  free(b170);
+  free(b171);
 }
 
 // k35_gemm: GEMM, 1 op
-//   %177   matmul                                  line 40    f32[512,64]
+//   %178   matmul                                  line 40    f32[512,64]
 // loops:
-//   gemm %177: [512 x 64] = [512 x 256] T[256 x 64], bf16 operands widened to f32
+//   gemm %178: [512 x 64] = [512 x 256] T[256 x 64], bf16 operands widened to f32
 static void k35_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b43 = (uint16_t *)(arena + 2060288); // %43 cast bf16[64,256]
-  uint16_t *const b176 = (uint16_t *)(arena + 2756736); // %176 cast bf16[512,256]
-  float *const b177 = (float *)(arena + 2232448); // %177 matmul f32[512,64]
+  uint16_t *const b177 = (uint16_t *)(arena + 2756736); // %177 cast bf16[512,256]
+  float *const b178 = (float *)(arena + 2232448); // %178 matmul f32[512,64]
   {
-    float *const w176 = mdl_widen_bf16(b176, 131072, h->nthreads);
+    float *const w177 = mdl_widen_bf16(b177, 131072, h->nthreads);
     float *const w43 = mdl_widen_bf16(b43, 16384, h->nthreads);
-    mdl_gemm(h, 0, 1, 512, 64, 256, w176, 256, w43, 256, 0.0f, b177, 64);
-    free(w176);
+    mdl_gemm(h, 0, 1, 512, 64, 256, w177, 256, w43, 256, 0.0f, b178, 64);
+    free(w177);
     free(w43);
   }
 }
 
 // k36_gemm: GEMM, 1 op
-//   %178   matmul             d.h.0.fc_w           line 40    f32[64,256]
+//   %179   matmul             d.h.0.fc_w           line 40    f32[64,256]
 // loops:
-//   gemm %178: [64 x 256] = T[64 x 512] [512 x 256], bf16 operands widened to f32
+//   gemm %179: [64 x 256] = T[64 x 512] [512 x 256], bf16 operands widened to f32
 static void k36_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b42 = (uint16_t *)(arena + 5247104); // %42 cast bf16[512,64]
-  uint16_t *const b176 = (uint16_t *)(arena + 2756736); // %176 cast bf16[512,256]
-  float *const b178 = (float *)(arena + 664576); // %178 matmul d.h.0.fc_w f32[64,256]
+  uint16_t *const b177 = (uint16_t *)(arena + 2756736); // %177 cast bf16[512,256]
+  float *const b179 = (float *)(arena + 664576); // %179 matmul d.h.0.fc_w f32[64,256]
   {
     float *const w42 = mdl_widen_bf16(b42, 32768, h->nthreads);
-    float *const w176 = mdl_widen_bf16(b176, 131072, h->nthreads);
-    mdl_gemm(h, 1, 0, 64, 256, 512, w42, 64, w176, 256, 0.0f, b178, 256);
+    float *const w177 = mdl_widen_bf16(b177, 131072, h->nthreads);
+    mdl_gemm(h, 1, 0, 64, 256, 512, w42, 64, w177, 256, 0.0f, b179, 256);
     free(w42);
-    free(w176);
+    free(w177);
   }
 }
 
 // k37_layernorm_bwd__add__sum__cast: kernel, 7 ops
-//   %180   layernorm_bwd                           line 40    f32[8,64,64]
-//   %181   layernorm_bwd      d.h.0.ln2_w          line 40    f32[64]
-//   %182   layernorm_bwd      d.h.0.ln2_b          line 40    f32[64]
-//   %183   add                d.h.0.x              line 39    f32[8,64,64]
-//   %184   reshape                                 line 39    f32[512,64]
-//   %185   sum                d.h.0.proj_b         line 39    f32[64]
-//   %186   cast                                    line 39    bf16[512,64]
+//   %181   layernorm_bwd                           line 40    f32[8,64,64]
+//   %182   layernorm_bwd      d.h.0.ln2_w          line 40    f32[64]
+//   %183   layernorm_bwd      d.h.0.ln2_b          line 40    f32[64]
+//   %184   add                d.h.0.x              line 39    f32[8,64,64]
+//   %185   reshape                                 line 39    f32[512,64]
+//   %186   sum                d.h.0.proj_b         line 39    f32[64]
+//   %187   cast                                    line 39    bf16[512,64]
 // loops:
 //   layernorm_bwd: 512 rows of 64, column sums over 32 blocks of 16 rows
 static void k37_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
   float *const b15 = (float *)(arena + 165376); // %15 param h.0.ln2_w f32[64]
   float *const b39 = (float *)(arena + 4329600); // %39 add h.0.x f32[8,64,64]
-  float *const b166 = (float *)(arena + 3543168); // %166 add d.h.0.x f32[8,64,64]
-  float *const b177 = (float *)(arena + 2232448); // %177 matmul f32[512,64]
-  float *const b181 = (float *)(arena + 664064); // %181 layernorm_bwd d.h.0.ln2_w f32[64]
-  float *const b182 = (float *)(arena + 664320); // %182 layernorm_bwd d.h.0.ln2_b f32[64]
-  float *const b183 = (float *)(arena + 2429056); // %183 add d.h.0.x f32[8,64,64]
-  float *const b185 = (float *)(arena + 663808); // %185 sum d.h.0.proj_b f32[64]
-  uint16_t *const b186 = (uint16_t *)(arena + 2363520); // %186 cast bf16[512,64]
+  float *const b167 = (float *)(arena + 3543168); // %167 add d.h.0.x f32[8,64,64]
+  float *const b178 = (float *)(arena + 2232448); // %178 matmul f32[512,64]
+  float *const b182 = (float *)(arena + 664064); // %182 layernorm_bwd d.h.0.ln2_w f32[64]
+  float *const b183 = (float *)(arena + 664320); // %183 layernorm_bwd d.h.0.ln2_b f32[64]
+  float *const b184 = (float *)(arena + 2429056); // %184 add d.h.0.x f32[8,64,64]
+  float *const b186 = (float *)(arena + 663808); // %186 sum d.h.0.proj_b f32[64]
+  uint16_t *const b187 = (uint16_t *)(arena + 2363520); // %187 cast bf16[512,64]
   double *pdw = mdl_scratch(2048 * sizeof(double));
   double *pdb = mdl_scratch(2048 * sizeof(double));
-  double *ps0 = mdl_scratch(2048 * sizeof(double)); // partials of the column sum %185
+  double *ps0 = mdl_scratch(2048 * sizeof(double)); // partials of the column sum %186
   #pragma omp parallel num_threads(h->nthreads)
   {
     float *dxrow = mdl_scratch(64 * sizeof(float));
@@ -1803,7 +1806,7 @@ static void k37_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
       const int64_t end = k * 16 + 16 < 512 ? k * 16 + 16 : 512;
       for (int64_t r = k * 16; r < end; r++) {
         const float *x = b39 + r * 64;
-        const float *dy = b177 + r * 64;
+        const float *dy = b178 + r * 64;
         double mean = 0, var = 0, mg = 0, mgx = 0;
         #pragma omp simd reduction(+ : mean)
         for (int64_t j = 0; j < 64; j++)
@@ -1828,13 +1831,13 @@ static void k37_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
           dx[j] = (float)(rstd * ((double)dy[j] * b15[j] - mg - (x[j] - mean) * rstd * mgx));
         for (int64_t j = 0; j < 64; j++) {
           const int64_t ix = r * 64 + j;
-          const float v166_ix = b166[ix];
-          const float v183_ix = v166_ix + dx[j];
-          b183[ix] = v183_ix;
-          const float v184_ix = v183_ix;
-          const float v186_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v184_ix));
-          b186[ix] = mdl_f32_to_bf16(v186_ix);
-          sa0[j] += v184_ix;
+          const float v167_ix = b167[ix];
+          const float v184_ix = v167_ix + dx[j];
+          b184[ix] = v184_ix;
+          const float v185_ix = v184_ix;
+          const float v187_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v185_ix));
+          b187[ix] = mdl_f32_to_bf16(v187_ix);
+          sa0[j] += v185_ix;
         }
       }
     }
@@ -1847,9 +1850,9 @@ static void k37_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
       b += pdb[k * 64 + j];
       a0 += ps0[k * 64 + j];
     }
-    b181[j] = (float)w;
-    b182[j] = (float)b;
-    b185[j] = (float)a0;
+    b182[j] = (float)w;
+    b183[j] = (float)b;
+    b186[j] = (float)a0;
   }
   free(pdw);
   free(pdb);
@@ -1857,69 +1860,69 @@ static void k37_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
 }
 
 // k38_gemm: GEMM, 1 op
-//   %188   matmul             d.h.0.proj_w         line 39    f32[64,64]
+//   %189   matmul             d.h.0.proj_w         line 39    f32[64,64]
 // loops:
-//   gemm %188: [64 x 64] = T[64 x 512] [512 x 64], bf16 operands widened to f32
+//   gemm %189: [64 x 64] = T[64 x 512] [512 x 64], bf16 operands widened to f32
 static void k38_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b34 = (uint16_t *)(arena + 5181568); // %34 cast bf16[512,64]
-  uint16_t *const b186 = (uint16_t *)(arena + 2363520); // %186 cast bf16[512,64]
-  float *const b188 = (float *)(arena + 647424); // %188 matmul d.h.0.proj_w f32[64,64]
+  uint16_t *const b187 = (uint16_t *)(arena + 2363520); // %187 cast bf16[512,64]
+  float *const b189 = (float *)(arena + 647424); // %189 matmul d.h.0.proj_w f32[64,64]
   {
     float *const w34 = mdl_widen_bf16(b34, 32768, h->nthreads);
-    float *const w186 = mdl_widen_bf16(b186, 32768, h->nthreads);
-    mdl_gemm(h, 1, 0, 64, 64, 512, w34, 64, w186, 64, 0.0f, b188, 64);
+    float *const w187 = mdl_widen_bf16(b187, 32768, h->nthreads);
+    mdl_gemm(h, 1, 0, 64, 64, 512, w34, 64, w187, 64, 0.0f, b189, 64);
     free(w34);
-    free(w186);
+    free(w187);
   }
 }
 
 // k39_gemm__cast: GEMM, 3 ops
-//   %187   matmul                                  line 39    f32[512,64]
-//   %189   reshape                                 line 39    f32[8,64,64]
-//   %192   cast                                    line 39    bf16[8,64,64]
+//   %188   matmul                                  line 39    f32[512,64]
+//   %190   reshape                                 line 39    f32[8,64,64]
+//   %193   cast                                    line 39    bf16[8,64,64]
 // loops:
-//   gemm %187: [512 x 64] = [512 x 64] T[64 x 64], bf16 operands widened to f32, epilogue after
-//   elementwise over 32768: %192
+//   gemm %188: [512 x 64] = [512 x 64] T[64 x 64], bf16 operands widened to f32, epilogue after
+//   elementwise over 32768: %193
 static void k39_gemm__cast(char *arena, const MdlHooks *h) {
   uint16_t *const b35 = (uint16_t *)(arena + 2052096); // %35 cast bf16[64,64]
-  uint16_t *const b186 = (uint16_t *)(arena + 2363520); // %186 cast bf16[512,64]
-  float *const b187 = mdl_scratch(131072); // %187 matmul f32[512,64], kept in this kernel
-  uint16_t *const b192 = (uint16_t *)(arena + 2232448); // %192 cast bf16[8,64,64]
+  uint16_t *const b187 = (uint16_t *)(arena + 2363520); // %187 cast bf16[512,64]
+  float *const b188 = mdl_scratch(131072); // %188 matmul f32[512,64], kept in this kernel
+  uint16_t *const b193 = (uint16_t *)(arena + 2232448); // %193 cast bf16[8,64,64]
   {
-    float *const w186 = mdl_widen_bf16(b186, 32768, h->nthreads);
+    float *const w187 = mdl_widen_bf16(b187, 32768, h->nthreads);
     float *const w35 = mdl_widen_bf16(b35, 4096, h->nthreads);
-    mdl_gemm(h, 0, 1, 512, 64, 64, w186, 64, w35, 64, 0.0f, b187, 64);
-    free(w186);
+    mdl_gemm(h, 0, 1, 512, 64, 64, w187, 64, w35, 64, 0.0f, b188, 64);
+    free(w187);
     free(w35);
   }
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
   for (int64_t r = 0; r < 512; r++) {
     for (int64_t c = 0; c < 64; c++) {
       const int64_t i = r * 64 + c;
-      const float v187_i = b187[i];
-      const float v189_i = v187_i;
-      const float v192_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v189_i));
-      b192[i] = mdl_f32_to_bf16(v192_i);
+      const float v188_i = b188[i];
+      const float v190_i = v188_i;
+      const float v193_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v190_i));
+      b193[i] = mdl_f32_to_bf16(v193_i);
     }
   }
-  free(b187);
+  free(b188);
 }
 
 // k40_attention_bwd: attention, 3 ops
-//   %193   attention_bwd      d.h.0.q              line 39    f32[8,64,64]
-//   %194   attention_bwd      d.h.0.k              line 39    f32[8,64,64]
-//   %195   attention_bwd      d.h.0.v              line 39    f32[8,64,64]
+//   %194   attention_bwd      d.h.0.q              line 39    f32[8,64,64]
+//   %195   attention_bwd      d.h.0.k              line 39    f32[8,64,64]
+//   %196   attention_bwd      d.h.0.v              line 39    f32[8,64,64]
 // loops:
 //   attention backward (dq dk dv): B 8, T 64, 4 heads of 16, causal, within documents; one task per (batch, head)
 static void k40_attention_bwd(char *arena, const MdlHooks *h) {
   int32_t *const b3 = (int32_t *)(arena + 2230272); // %3 input doc i32[8,64]
   uint16_t *const b28 = (uint16_t *)(arena + 3805312); // %28 cast bf16[8,64,192]
   uint16_t *const b34 = (uint16_t *)(arena + 5181568); // %34 cast bf16[512,64]
-  float *const b190 = (float *)(arena + 5640320); // %190 attention_lse f32[8,4,64]
-  uint16_t *const b192 = (uint16_t *)(arena + 2232448); // %192 cast bf16[8,64,64]
-  float *const b193 = (float *)(arena + 2560128); // %193 attention_bwd d.h.0.q f32[8,64,64]
-  float *const b194 = (float *)(arena + 2691200); // %194 attention_bwd d.h.0.k f32[8,64,64]
-  float *const b195 = (float *)(arena + 2822272); // %195 attention_bwd d.h.0.v f32[8,64,64]
+  float *const b191 = (float *)(arena + 5640320); // %191 attention_lse f32[8,4,64]
+  uint16_t *const b193 = (uint16_t *)(arena + 2232448); // %193 cast bf16[8,64,64]
+  float *const b194 = (float *)(arena + 2560128); // %194 attention_bwd d.h.0.q f32[8,64,64]
+  float *const b195 = (float *)(arena + 2691200); // %195 attention_bwd d.h.0.k f32[8,64,64]
+  float *const b196 = (float *)(arena + 2822272); // %196 attention_bwd d.h.0.v f32[8,64,64]
   #pragma omp parallel num_threads(h->nthreads)
   {
     float *restrict kt = memset(mdl_scratch(1536 * sizeof(float)), 0, 1536 * sizeof(float));
@@ -1967,13 +1970,13 @@ static void k40_attention_bwd(char *arena, const MdlHooks *h) {
           }
           memcpy(s + j0, acc, sizeof acc);
         }
-        const float lse = b190[(b * 4 + hd) * 64 + i];
+        const float lse = b191[(b * 4 + hd) * 64 + i];
         #pragma omp simd
         for (int64_t j = lo; j < hi; j++)
           s[j] = dc[j] == di ? mdl_exp_shifted(s[j] * 0.25f - lse) : 0.0f;
         float dor[16];
         for (int64_t c = 0; c < 16; c++)
-          dor[c] = mdl_bf16_to_f32(b192[(b * 64 + i) * 64 + hd * 16 + c]);
+          dor[c] = mdl_bf16_to_f32(b193[(b * 64 + i) * 64 + hd * 16 + c]);
         const float *restrict doi = dor;
         float dsum = 0.0f;
         for (int64_t c = 0; c < 16; c++)
@@ -2022,14 +2025,14 @@ static void k40_attention_bwd(char *arena, const MdlHooks *h) {
           for (int64_t c = 0; c < 16; c++)
             dvj[c] += mdl_bf16_to_f32(mdl_f32_to_bf16(s[j])) * doi[c];
         }
-        float *restrict dq = b193 + (b * 64 + i) * 64 + hd * 16;
+        float *restrict dq = b194 + (b * 64 + i) * 64 + hd * 16;
         for (int64_t c = 0; c < 16; c++)
           dq[c] = 0.25f * (dqi0[c] + dqi1[c]);
       }
       for (int64_t t = 0; t < 64; t++)
-        memcpy(b194 + (b * 64 + t) * 64 + hd * 16, dkh + t * 16, 16 * sizeof(float));
+        memcpy(b195 + (b * 64 + t) * 64 + hd * 16, dkh + t * 16, 16 * sizeof(float));
       for (int64_t t = 0; t < 64; t++)
-        memcpy(b195 + (b * 64 + t) * 64 + hd * 16, dvh + t * 16, 16 * sizeof(float));
+        memcpy(b196 + (b * 64 + t) * 64 + hd * 16, dvh + t * 16, 16 * sizeof(float));
     }
     free(kt);
     free(s);
@@ -2041,18 +2044,18 @@ static void k40_attention_bwd(char *arena, const MdlHooks *h) {
 }
 
 // k41_sum__concat__cast: kernel, 4 ops
-//   %196   concat                                  line 38    f32[8,64,192]
-//   %197   reshape                                 line 38    f32[512,192]
-//   %198   sum                d.h.0.attn_b         line 38    f32[192]
-//   %199   cast                                    line 38    bf16[512,192]
+//   %197   concat                                  line 38    f32[8,64,192]
+//   %198   reshape                                 line 38    f32[512,192]
+//   %199   sum                d.h.0.attn_b         line 38    f32[192]
+//   %200   cast                                    line 38    bf16[512,192]
 // loops:
-//   sum %198: 192 outputs over 512 elements, in 32 blocks of 16
+//   sum %199: 192 outputs over 512 elements, in 32 blocks of 16
 static void k41_sum__concat__cast(char *arena, const MdlHooks *h) {
-  float *const b193 = (float *)(arena + 2560128); // %193 attention_bwd d.h.0.q f32[8,64,64]
-  float *const b194 = (float *)(arena + 2691200); // %194 attention_bwd d.h.0.k f32[8,64,64]
-  float *const b195 = (float *)(arena + 2822272); // %195 attention_bwd d.h.0.v f32[8,64,64]
-  float *const b198 = (float *)(arena + 646656); // %198 sum d.h.0.attn_b f32[192]
-  uint16_t *const b199 = (uint16_t *)(arena + 2232448); // %199 cast bf16[512,192]
+  float *const b194 = (float *)(arena + 2560128); // %194 attention_bwd d.h.0.q f32[8,64,64]
+  float *const b195 = (float *)(arena + 2691200); // %195 attention_bwd d.h.0.k f32[8,64,64]
+  float *const b196 = (float *)(arena + 2822272); // %196 attention_bwd d.h.0.v f32[8,64,64]
+  float *const b199 = (float *)(arena + 646656); // %199 sum d.h.0.attn_b f32[192]
+  uint16_t *const b200 = (uint16_t *)(arena + 2232448); // %200 cast bf16[512,192]
   double *part = mdl_scratch(6144 * sizeof(double));
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
   for (int64_t k = 0; k < 32; k++) {
@@ -2063,11 +2066,11 @@ static void k41_sum__concat__cast(char *arena, const MdlHooks *h) {
     for (int64_t l = k * 16; l < end; l++) {
       for (int64_t c = 0; c < 192; c++) {
         const int64_t ix = l * 192 + c;
-        const float v196_ix = (c < 64 ? b193 + (l * 64 + c) : c < 128 ? b194 + (l * 64 + (c - 64)) : b195 + (l * 64 + (c - 128)))[0];
-        const float v197_ix = v196_ix;
-        const float v = v197_ix;
-        const float v199_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v197_ix));
-        b199[ix] = mdl_f32_to_bf16(v199_ix);
+        const float v197_ix = (c < 64 ? b194 + (l * 64 + c) : c < 128 ? b195 + (l * 64 + (c - 64)) : b196 + (l * 64 + (c - 128)))[0];
+        const float v198_ix = v197_ix;
+        const float v = v198_ix;
+        const float v200_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v198_ix));
+        b200[ix] = mdl_f32_to_bf16(v200_ix);
         p[c] += v;
       }
     }
@@ -2079,60 +2082,60 @@ static void k41_sum__concat__cast(char *arena, const MdlHooks *h) {
       acc += v;
     }
     const float y = (float)acc;
-    b198[r] = y;
+    b199[r] = y;
   }
   free(part);
 }
 
 // k42_gemm: GEMM, 1 op
-//   %200   matmul                                  line 38    f32[512,64]
+//   %201   matmul                                  line 38    f32[512,64]
 // loops:
-//   gemm %200: [512 x 64] = [512 x 192] T[192 x 64], bf16 operands widened to f32
+//   gemm %201: [512 x 64] = [512 x 192] T[192 x 64], bf16 operands widened to f32
 static void k42_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b24 = (uint16_t *)(arena + 2027520); // %24 cast bf16[64,192]
-  uint16_t *const b199 = (uint16_t *)(arena + 2232448); // %199 cast bf16[512,192]
-  float *const b200 = (float *)(arena + 2560128); // %200 matmul f32[512,64]
+  uint16_t *const b200 = (uint16_t *)(arena + 2232448); // %200 cast bf16[512,192]
+  float *const b201 = (float *)(arena + 2560128); // %201 matmul f32[512,64]
   {
-    float *const w199 = mdl_widen_bf16(b199, 98304, h->nthreads);
+    float *const w200 = mdl_widen_bf16(b200, 98304, h->nthreads);
     float *const w24 = mdl_widen_bf16(b24, 12288, h->nthreads);
-    mdl_gemm(h, 0, 1, 512, 64, 192, w199, 192, w24, 192, 0.0f, b200, 64);
-    free(w199);
+    mdl_gemm(h, 0, 1, 512, 64, 192, w200, 192, w24, 192, 0.0f, b201, 64);
+    free(w200);
     free(w24);
   }
 }
 
 // k43_gemm: GEMM, 1 op
-//   %201   matmul             d.h.0.attn_w         line 38    f32[64,192]
+//   %202   matmul             d.h.0.attn_w         line 38    f32[64,192]
 // loops:
-//   gemm %201: [64 x 192] = T[64 x 512] [512 x 192], bf16 operands widened to f32
+//   gemm %202: [64 x 192] = T[64 x 512] [512 x 192], bf16 operands widened to f32
 static void k43_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b23 = (uint16_t *)(arena + 5116032); // %23 cast bf16[512,64]
-  uint16_t *const b199 = (uint16_t *)(arena + 2232448); // %199 cast bf16[512,192]
-  float *const b201 = (float *)(arena + 597504); // %201 matmul d.h.0.attn_w f32[64,192]
+  uint16_t *const b200 = (uint16_t *)(arena + 2232448); // %200 cast bf16[512,192]
+  float *const b202 = (float *)(arena + 597504); // %202 matmul d.h.0.attn_w f32[64,192]
   {
     float *const w23 = mdl_widen_bf16(b23, 32768, h->nthreads);
-    float *const w199 = mdl_widen_bf16(b199, 98304, h->nthreads);
-    mdl_gemm(h, 1, 0, 64, 192, 512, w23, 64, w199, 192, 0.0f, b201, 192);
+    float *const w200 = mdl_widen_bf16(b200, 98304, h->nthreads);
+    mdl_gemm(h, 1, 0, 64, 192, 512, w23, 64, w200, 192, 0.0f, b202, 192);
     free(w23);
-    free(w199);
+    free(w200);
   }
 }
 
 // k44_layernorm_bwd__add: kernel, 4 ops
-//   %203   layernorm_bwd                           line 38    f32[8,64,64]
-//   %204   layernorm_bwd      d.h.0.ln1_w          line 38    f32[64]
-//   %205   layernorm_bwd      d.h.0.ln1_b          line 38    f32[64]
-//   %206   add                d.x                  line 22    f32[8,64,64]
+//   %204   layernorm_bwd                           line 38    f32[8,64,64]
+//   %205   layernorm_bwd      d.h.0.ln1_w          line 38    f32[64]
+//   %206   layernorm_bwd      d.h.0.ln1_b          line 38    f32[64]
+//   %207   add                d.x                  line 22    f32[8,64,64]
 // loops:
 //   layernorm_bwd: 512 rows of 64, column sums over 32 blocks of 16 rows
 static void k44_layernorm_bwd__add(char *arena, const MdlHooks *h) {
   float *const b8 = (float *)(arena + 4198528); // %8 add x f32[8,64,64]
   float *const b9 = (float *)(arena + 98304); // %9 param h.0.ln1_w f32[64]
-  float *const b183 = (float *)(arena + 2429056); // %183 add d.h.0.x f32[8,64,64]
-  float *const b200 = (float *)(arena + 2560128); // %200 matmul f32[512,64]
-  float *const b204 = (float *)(arena + 596992); // %204 layernorm_bwd d.h.0.ln1_w f32[64]
-  float *const b205 = (float *)(arena + 597248); // %205 layernorm_bwd d.h.0.ln1_b f32[64]
-  float *const b206 = (float *)(arena + 2232448); // %206 add d.x f32[8,64,64]
+  float *const b184 = (float *)(arena + 2429056); // %184 add d.h.0.x f32[8,64,64]
+  float *const b201 = (float *)(arena + 2560128); // %201 matmul f32[512,64]
+  float *const b205 = (float *)(arena + 596992); // %205 layernorm_bwd d.h.0.ln1_w f32[64]
+  float *const b206 = (float *)(arena + 597248); // %206 layernorm_bwd d.h.0.ln1_b f32[64]
+  float *const b207 = (float *)(arena + 2232448); // %207 add d.x f32[8,64,64]
   double *pdw = mdl_scratch(2048 * sizeof(double));
   double *pdb = mdl_scratch(2048 * sizeof(double));
   #pragma omp parallel num_threads(h->nthreads)
@@ -2147,7 +2150,7 @@ static void k44_layernorm_bwd__add(char *arena, const MdlHooks *h) {
       const int64_t end = k * 16 + 16 < 512 ? k * 16 + 16 : 512;
       for (int64_t r = k * 16; r < end; r++) {
         const float *x = b8 + r * 64;
-        const float *dy = b200 + r * 64;
+        const float *dy = b201 + r * 64;
         double mean = 0, var = 0, mg = 0, mgx = 0;
         #pragma omp simd reduction(+ : mean)
         for (int64_t j = 0; j < 64; j++)
@@ -2172,9 +2175,9 @@ static void k44_layernorm_bwd__add(char *arena, const MdlHooks *h) {
           dx[j] = (float)(rstd * ((double)dy[j] * b9[j] - mg - (x[j] - mean) * rstd * mgx));
         for (int64_t j = 0; j < 64; j++) {
           const int64_t ix = r * 64 + j;
-          const float v183_ix = b183[ix];
-          const float v206_ix = v183_ix + dx[j];
-          b206[ix] = v206_ix;
+          const float v184_ix = b184[ix];
+          const float v207_ix = v184_ix + dx[j];
+          b207[ix] = v207_ix;
         }
       }
     }
@@ -2186,26 +2189,26 @@ static void k44_layernorm_bwd__add(char *arena, const MdlHooks *h) {
       w += pdw[k * 64 + j];
       b += pdb[k * 64 + j];
     }
-    b204[j] = (float)w;
-    b205[j] = (float)b;
+    b205[j] = (float)w;
+    b206[j] = (float)b;
   }
   free(pdw);
   free(pdb);
 }
 
 // k45_embed_bwd: kernel, 1 op
-//   %207   embed_bwd          d.wpe                line 22    f32[128,64]
+//   %208   embed_bwd          d.wpe                line 22    f32[128,64]
 // loops:
 //   embed backward: 512 rows of 64 into a table of 128, 4 column blocks
 static void k45_embed_bwd(char *arena, const MdlHooks *h) {
   int32_t *const b2 = (int32_t *)(arena + 2228224); // %2 input pos i32[8,64]
-  float *const b206 = (float *)(arena + 2232448); // %206 add d.x f32[8,64,64]
-  float *const b207 = (float *)(arena + 564224); // %207 embed_bwd d.wpe f32[128,64]
+  float *const b207 = (float *)(arena + 2232448); // %207 add d.x f32[8,64,64]
+  float *const b208 = (float *)(arena + 564224); // %208 embed_bwd d.wpe f32[128,64]
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
   for (int64_t k = 0; k < 4; k++) {
     const int64_t c0 = k * 16, c1 = c0 + 16 < 64 ? c0 + 16 : 64;
     for (int64_t t = 0; t < 128; t++)
-      memset(b207 + t * 64 + c0, 0, (size_t)(c1 - c0) * sizeof(float));
+      memset(b208 + t * 64 + c0, 0, (size_t)(c1 - c0) * sizeof(float));
     for (int64_t r = 0; r < 512; r++) {
       const int32_t id = b2[r];
       if (id < 0 || id >= 128) {
@@ -2214,28 +2217,28 @@ static void k45_embed_bwd(char *arena, const MdlHooks *h) {
         continue;
       }
       for (int64_t j = c0; j < c1; j++)
-        b207[(int64_t)id * 64 + j] += b206[r * 64 + j];
+        b208[(int64_t)id * 64 + j] += b207[r * 64 + j];
     }
   }
 }
 
 // k46_embed_bwd__add: kernel, 2 ops
-//   %208   embed_bwd                               line 22    f32[256,64]
-//   %209   add                d.wte                line 19    f32[256,64]
+//   %209   embed_bwd                               line 22    f32[256,64]
+//   %210   add                d.wte                line 19    f32[256,64]
 // loops:
 //   embed backward: 512 rows of 64 into a table of 256, 4 column blocks
-//   elementwise over 16384: %209
+//   elementwise over 16384: %210
 static void k46_embed_bwd__add(char *arena, const MdlHooks *h) {
   int32_t *const b0 = (int32_t *)(arena + 2224128); // %0 input tokens i32[8,64]
-  float *const b122 = (float *)(arena + 5509248); // %122 matmul f32[256,64]
-  float *const b206 = (float *)(arena + 2232448); // %206 add d.x f32[8,64,64]
-  float *const b208 = mdl_scratch(65536); // %208 embed_bwd f32[256,64], kept in this kernel
-  float *const b209 = (float *)(arena + 498688); // %209 add d.wte f32[256,64]
+  float *const b123 = (float *)(arena + 5509248); // %123 matmul f32[256,64]
+  float *const b207 = (float *)(arena + 2232448); // %207 add d.x f32[8,64,64]
+  float *const b209 = mdl_scratch(65536); // %209 embed_bwd f32[256,64], kept in this kernel
+  float *const b210 = (float *)(arena + 498688); // %210 add d.wte f32[256,64]
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
   for (int64_t k = 0; k < 4; k++) {
     const int64_t c0 = k * 16, c1 = c0 + 16 < 64 ? c0 + 16 : 64;
     for (int64_t t = 0; t < 256; t++)
-      memset(b208 + t * 64 + c0, 0, (size_t)(c1 - c0) * sizeof(float));
+      memset(b209 + t * 64 + c0, 0, (size_t)(c1 - c0) * sizeof(float));
     for (int64_t r = 0; r < 512; r++) {
       const int32_t id = b0[r];
       if (id < 0 || id >= 256) {
@@ -2244,117 +2247,117 @@ static void k46_embed_bwd__add(char *arena, const MdlHooks *h) {
         continue;
       }
       for (int64_t j = c0; j < c1; j++)
-        b208[(int64_t)id * 64 + j] += b206[r * 64 + j];
+        b209[(int64_t)id * 64 + j] += b207[r * 64 + j];
     }
   }
   for (int64_t r = 0; r < 256; r++) {
     for (int64_t c = 0; c < 64; c++) {
       const int64_t i = r * 64 + c;
-      const float v122_i = b122[i];
-      const float v208_i = b208[i];
-      const float v209_i = v122_i + v208_i;
-      b209[i] = v209_i;
+      const float v123_i = b123[i];
+      const float v209_i = b209[i];
+      const float v210_i = v123_i + v209_i;
+      b210[i] = v210_i;
     }
   }
-  free(b208);
+  free(b209);
 }
 
 // k47_grad_norm__adamw: optimizer, 29 ops
-//   %212   grad_norm                                          f32[]
-//   %215   adamw              wte.new              line 19    f32[256,64]
-//   %218   adamw              wpe.new              line 20    f32[128,64]
-//   %221   adamw              h.0.ln1_w.new        line 25    f32[64]
-//   %224   adamw              h.0.ln1_b.new        line 26    f32[64]
-//   %227   adamw              h.0.attn_w.new       line 27    f32[64,192]
-//   %230   adamw              h.0.attn_b.new       line 28    f32[192]
-//   %233   adamw              h.0.proj_w.new       line 29    f32[64,64]
-//   %236   adamw              h.0.proj_b.new       line 30    f32[64]
-//   %239   adamw              h.0.ln2_w.new        line 31    f32[64]
-//   %242   adamw              h.0.ln2_b.new        line 32    f32[64]
-//   %245   adamw              h.0.fc_w.new         line 33    f32[64,256]
-//   %248   adamw              h.0.fc_b.new         line 34    f32[256]
-//   %251   adamw              h.0.fcproj_w.new     line 35    f32[256,64]
-//   %254   adamw              h.0.fcproj_b.new     line 36    f32[64]
-//   %257   adamw              h.1.ln1_w.new        line 25    f32[64]
-//   %260   adamw              h.1.ln1_b.new        line 26    f32[64]
-//   %263   adamw              h.1.attn_w.new       line 27    f32[64,192]
-//   %266   adamw              h.1.attn_b.new       line 28    f32[192]
-//   %269   adamw              h.1.proj_w.new       line 29    f32[64,64]
-//   %272   adamw              h.1.proj_b.new       line 30    f32[64]
-//   %275   adamw              h.1.ln2_w.new        line 31    f32[64]
-//   %278   adamw              h.1.ln2_b.new        line 32    f32[64]
-//   %281   adamw              h.1.fc_w.new         line 33    f32[64,256]
-//   %284   adamw              h.1.fc_b.new         line 34    f32[256]
-//   %287   adamw              h.1.fcproj_w.new     line 35    f32[256,64]
-//   %290   adamw              h.1.fcproj_b.new     line 36    f32[64]
-//   %293   adamw              lnf_w.new            line 43    f32[64]
-//   %296   adamw              lnf_b.new            line 44    f32[64]
+//   %213   grad_norm                                          f32[]
+//   %216   adamw              wte.new              line 19    f32[256,64]
+//   %219   adamw              wpe.new              line 20    f32[128,64]
+//   %222   adamw              h.0.ln1_w.new        line 25    f32[64]
+//   %225   adamw              h.0.ln1_b.new        line 26    f32[64]
+//   %228   adamw              h.0.attn_w.new       line 27    f32[64,192]
+//   %231   adamw              h.0.attn_b.new       line 28    f32[192]
+//   %234   adamw              h.0.proj_w.new       line 29    f32[64,64]
+//   %237   adamw              h.0.proj_b.new       line 30    f32[64]
+//   %240   adamw              h.0.ln2_w.new        line 31    f32[64]
+//   %243   adamw              h.0.ln2_b.new        line 32    f32[64]
+//   %246   adamw              h.0.fc_w.new         line 33    f32[64,256]
+//   %249   adamw              h.0.fc_b.new         line 34    f32[256]
+//   %252   adamw              h.0.fcproj_w.new     line 35    f32[256,64]
+//   %255   adamw              h.0.fcproj_b.new     line 36    f32[64]
+//   %258   adamw              h.1.ln1_w.new        line 25    f32[64]
+//   %261   adamw              h.1.ln1_b.new        line 26    f32[64]
+//   %264   adamw              h.1.attn_w.new       line 27    f32[64,192]
+//   %267   adamw              h.1.attn_b.new       line 28    f32[192]
+//   %270   adamw              h.1.proj_w.new       line 29    f32[64,64]
+//   %273   adamw              h.1.proj_b.new       line 30    f32[64]
+//   %276   adamw              h.1.ln2_w.new        line 31    f32[64]
+//   %279   adamw              h.1.ln2_b.new        line 32    f32[64]
+//   %282   adamw              h.1.fc_w.new         line 33    f32[64,256]
+//   %285   adamw              h.1.fc_b.new         line 34    f32[256]
+//   %288   adamw              h.1.fcproj_w.new     line 35    f32[256,64]
+//   %291   adamw              h.1.fcproj_b.new     line 36    f32[64]
+//   %294   adamw              lnf_w.new            line 43    f32[64]
+//   %297   adamw              lnf_b.new            line 44    f32[64]
 // loops:
-//   gradient norm %212 over 28 tensors, 124672 values
+//   gradient norm %213 over 28 tensors, 124672 values
 //   AdamW over 28 parameters, 124672 values (beta1 0.9, beta2 0.95, eps 1e-08, clip 1); 9 bf16 copies
 static void k47_grad_norm__adamw(char *arena, const MdlHooks *h) {
-  float *const b125 = (float *)(arena + 996864); // %125 layernorm_bwd d.lnf_w f32[64]
-  float *const b126 = (float *)(arena + 997120); // %126 layernorm_bwd d.lnf_b f32[64]
-  float *const b128 = (float *)(arena + 996608); // %128 sum d.h.1.fcproj_b f32[64]
-  float *const b131 = (float *)(arena + 931072); // %131 matmul d.h.1.fcproj_w f32[256,64]
-  float *const b135 = (float *)(arena + 930048); // %135 sum d.h.1.fc_b f32[256]
-  float *const b138 = (float *)(arena + 864512); // %138 matmul d.h.1.fc_w f32[64,256]
-  float *const b141 = (float *)(arena + 864000); // %141 layernorm_bwd d.h.1.ln2_w f32[64]
-  float *const b142 = (float *)(arena + 864256); // %142 layernorm_bwd d.h.1.ln2_b f32[64]
-  float *const b145 = (float *)(arena + 863744); // %145 sum d.h.1.proj_b f32[64]
-  float *const b148 = (float *)(arena + 847360); // %148 matmul d.h.1.proj_w f32[64,64]
-  float *const b158 = (float *)(arena + 846592); // %158 sum d.h.1.attn_b f32[192]
-  float *const b161 = (float *)(arena + 797440); // %161 matmul d.h.1.attn_w f32[64,192]
-  float *const b164 = (float *)(arena + 796928); // %164 layernorm_bwd d.h.1.ln1_w f32[64]
-  float *const b165 = (float *)(arena + 797184); // %165 layernorm_bwd d.h.1.ln1_b f32[64]
-  float *const b168 = (float *)(arena + 796672); // %168 sum d.h.0.fcproj_b f32[64]
-  float *const b171 = (float *)(arena + 731136); // %171 matmul d.h.0.fcproj_w f32[256,64]
-  float *const b175 = (float *)(arena + 730112); // %175 sum d.h.0.fc_b f32[256]
-  float *const b178 = (float *)(arena + 664576); // %178 matmul d.h.0.fc_w f32[64,256]
-  float *const b181 = (float *)(arena + 664064); // %181 layernorm_bwd d.h.0.ln2_w f32[64]
-  float *const b182 = (float *)(arena + 664320); // %182 layernorm_bwd d.h.0.ln2_b f32[64]
-  float *const b185 = (float *)(arena + 663808); // %185 sum d.h.0.proj_b f32[64]
-  float *const b188 = (float *)(arena + 647424); // %188 matmul d.h.0.proj_w f32[64,64]
-  float *const b198 = (float *)(arena + 646656); // %198 sum d.h.0.attn_b f32[192]
-  float *const b201 = (float *)(arena + 597504); // %201 matmul d.h.0.attn_w f32[64,192]
-  float *const b204 = (float *)(arena + 596992); // %204 layernorm_bwd d.h.0.ln1_w f32[64]
-  float *const b205 = (float *)(arena + 597248); // %205 layernorm_bwd d.h.0.ln1_b f32[64]
-  float *const b207 = (float *)(arena + 564224); // %207 embed_bwd d.wpe f32[128,64]
-  float *const b209 = (float *)(arena + 498688); // %209 add d.wte f32[256,64]
-  float *const b210 = (float *)(arena + 2232320); // %210 scalar lr f32[]
-  float *const b211 = (float *)(arena + 2232384); // %211 scalar step f32[]
-  float *const b212 = (float *)(arena + 2232448); // %212 grad_norm f32[]
+  float *const b126 = (float *)(arena + 996864); // %126 layernorm_bwd d.lnf_w f32[64]
+  float *const b127 = (float *)(arena + 997120); // %127 layernorm_bwd d.lnf_b f32[64]
+  float *const b129 = (float *)(arena + 996608); // %129 sum d.h.1.fcproj_b f32[64]
+  float *const b132 = (float *)(arena + 931072); // %132 matmul d.h.1.fcproj_w f32[256,64]
+  float *const b136 = (float *)(arena + 930048); // %136 sum d.h.1.fc_b f32[256]
+  float *const b139 = (float *)(arena + 864512); // %139 matmul d.h.1.fc_w f32[64,256]
+  float *const b142 = (float *)(arena + 864000); // %142 layernorm_bwd d.h.1.ln2_w f32[64]
+  float *const b143 = (float *)(arena + 864256); // %143 layernorm_bwd d.h.1.ln2_b f32[64]
+  float *const b146 = (float *)(arena + 863744); // %146 sum d.h.1.proj_b f32[64]
+  float *const b149 = (float *)(arena + 847360); // %149 matmul d.h.1.proj_w f32[64,64]
+  float *const b159 = (float *)(arena + 846592); // %159 sum d.h.1.attn_b f32[192]
+  float *const b162 = (float *)(arena + 797440); // %162 matmul d.h.1.attn_w f32[64,192]
+  float *const b165 = (float *)(arena + 796928); // %165 layernorm_bwd d.h.1.ln1_w f32[64]
+  float *const b166 = (float *)(arena + 797184); // %166 layernorm_bwd d.h.1.ln1_b f32[64]
+  float *const b169 = (float *)(arena + 796672); // %169 sum d.h.0.fcproj_b f32[64]
+  float *const b172 = (float *)(arena + 731136); // %172 matmul d.h.0.fcproj_w f32[256,64]
+  float *const b176 = (float *)(arena + 730112); // %176 sum d.h.0.fc_b f32[256]
+  float *const b179 = (float *)(arena + 664576); // %179 matmul d.h.0.fc_w f32[64,256]
+  float *const b182 = (float *)(arena + 664064); // %182 layernorm_bwd d.h.0.ln2_w f32[64]
+  float *const b183 = (float *)(arena + 664320); // %183 layernorm_bwd d.h.0.ln2_b f32[64]
+  float *const b186 = (float *)(arena + 663808); // %186 sum d.h.0.proj_b f32[64]
+  float *const b189 = (float *)(arena + 647424); // %189 matmul d.h.0.proj_w f32[64,64]
+  float *const b199 = (float *)(arena + 646656); // %199 sum d.h.0.attn_b f32[192]
+  float *const b202 = (float *)(arena + 597504); // %202 matmul d.h.0.attn_w f32[64,192]
+  float *const b205 = (float *)(arena + 596992); // %205 layernorm_bwd d.h.0.ln1_w f32[64]
+  float *const b206 = (float *)(arena + 597248); // %206 layernorm_bwd d.h.0.ln1_b f32[64]
+  float *const b208 = (float *)(arena + 564224); // %208 embed_bwd d.wpe f32[128,64]
+  float *const b210 = (float *)(arena + 498688); // %210 add d.wte f32[256,64]
+  float *const b211 = (float *)(arena + 2232320); // %211 scalar lr f32[]
+  float *const b212 = (float *)(arena + 2232384); // %212 scalar step f32[]
+  float *const b213 = (float *)(arena + 2232448); // %213 grad_norm f32[]
   {
     double ss = 0;
-    ss += mdl_sumsq(b209, 16384, h->nthreads); // d.wte
-    ss += mdl_sumsq(b207, 8192, h->nthreads); // d.wpe
-    ss += mdl_sumsq(b204, 64, h->nthreads); // d.h.0.ln1_w
-    ss += mdl_sumsq(b205, 64, h->nthreads); // d.h.0.ln1_b
-    ss += mdl_sumsq(b201, 12288, h->nthreads); // d.h.0.attn_w
-    ss += mdl_sumsq(b198, 192, h->nthreads); // d.h.0.attn_b
-    ss += mdl_sumsq(b188, 4096, h->nthreads); // d.h.0.proj_w
-    ss += mdl_sumsq(b185, 64, h->nthreads); // d.h.0.proj_b
-    ss += mdl_sumsq(b181, 64, h->nthreads); // d.h.0.ln2_w
-    ss += mdl_sumsq(b182, 64, h->nthreads); // d.h.0.ln2_b
-    ss += mdl_sumsq(b178, 16384, h->nthreads); // d.h.0.fc_w
-    ss += mdl_sumsq(b175, 256, h->nthreads); // d.h.0.fc_b
-    ss += mdl_sumsq(b171, 16384, h->nthreads); // d.h.0.fcproj_w
-    ss += mdl_sumsq(b168, 64, h->nthreads); // d.h.0.fcproj_b
-    ss += mdl_sumsq(b164, 64, h->nthreads); // d.h.1.ln1_w
-    ss += mdl_sumsq(b165, 64, h->nthreads); // d.h.1.ln1_b
-    ss += mdl_sumsq(b161, 12288, h->nthreads); // d.h.1.attn_w
-    ss += mdl_sumsq(b158, 192, h->nthreads); // d.h.1.attn_b
-    ss += mdl_sumsq(b148, 4096, h->nthreads); // d.h.1.proj_w
-    ss += mdl_sumsq(b145, 64, h->nthreads); // d.h.1.proj_b
-    ss += mdl_sumsq(b141, 64, h->nthreads); // d.h.1.ln2_w
-    ss += mdl_sumsq(b142, 64, h->nthreads); // d.h.1.ln2_b
-    ss += mdl_sumsq(b138, 16384, h->nthreads); // d.h.1.fc_w
-    ss += mdl_sumsq(b135, 256, h->nthreads); // d.h.1.fc_b
-    ss += mdl_sumsq(b131, 16384, h->nthreads); // d.h.1.fcproj_w
-    ss += mdl_sumsq(b128, 64, h->nthreads); // d.h.1.fcproj_b
-    ss += mdl_sumsq(b125, 64, h->nthreads); // d.lnf_w
-    ss += mdl_sumsq(b126, 64, h->nthreads); // d.lnf_b
-    b212[0] = (float)sqrt(ss);
+    ss += mdl_sumsq(b210, 16384, h->nthreads); // d.wte
+    ss += mdl_sumsq(b208, 8192, h->nthreads); // d.wpe
+    ss += mdl_sumsq(b205, 64, h->nthreads); // d.h.0.ln1_w
+    ss += mdl_sumsq(b206, 64, h->nthreads); // d.h.0.ln1_b
+    ss += mdl_sumsq(b202, 12288, h->nthreads); // d.h.0.attn_w
+    ss += mdl_sumsq(b199, 192, h->nthreads); // d.h.0.attn_b
+    ss += mdl_sumsq(b189, 4096, h->nthreads); // d.h.0.proj_w
+    ss += mdl_sumsq(b186, 64, h->nthreads); // d.h.0.proj_b
+    ss += mdl_sumsq(b182, 64, h->nthreads); // d.h.0.ln2_w
+    ss += mdl_sumsq(b183, 64, h->nthreads); // d.h.0.ln2_b
+    ss += mdl_sumsq(b179, 16384, h->nthreads); // d.h.0.fc_w
+    ss += mdl_sumsq(b176, 256, h->nthreads); // d.h.0.fc_b
+    ss += mdl_sumsq(b172, 16384, h->nthreads); // d.h.0.fcproj_w
+    ss += mdl_sumsq(b169, 64, h->nthreads); // d.h.0.fcproj_b
+    ss += mdl_sumsq(b165, 64, h->nthreads); // d.h.1.ln1_w
+    ss += mdl_sumsq(b166, 64, h->nthreads); // d.h.1.ln1_b
+    ss += mdl_sumsq(b162, 12288, h->nthreads); // d.h.1.attn_w
+    ss += mdl_sumsq(b159, 192, h->nthreads); // d.h.1.attn_b
+    ss += mdl_sumsq(b149, 4096, h->nthreads); // d.h.1.proj_w
+    ss += mdl_sumsq(b146, 64, h->nthreads); // d.h.1.proj_b
+    ss += mdl_sumsq(b142, 64, h->nthreads); // d.h.1.ln2_w
+    ss += mdl_sumsq(b143, 64, h->nthreads); // d.h.1.ln2_b
+    ss += mdl_sumsq(b139, 16384, h->nthreads); // d.h.1.fc_w
+    ss += mdl_sumsq(b136, 256, h->nthreads); // d.h.1.fc_b
+    ss += mdl_sumsq(b132, 16384, h->nthreads); // d.h.1.fcproj_w
+    ss += mdl_sumsq(b129, 64, h->nthreads); // d.h.1.fcproj_b
+    ss += mdl_sumsq(b126, 64, h->nthreads); // d.lnf_w
+    ss += mdl_sumsq(b127, 64, h->nthreads); // d.lnf_b
+    b213[0] = (float)sqrt(ss);
   }
   {
     static const struct {
@@ -2390,9 +2393,9 @@ static void k47_grad_norm__adamw(char *arena, const MdlHooks *h) {
         {498176, 996864, 1495552, 1994240, -1, 64, 0.0}, // lnf_w
         {498432, 997120, 1495808, 1994496, -1, 64, 0.0}, // lnf_b
     };
-    const double clip = 1.0, gnorm = b212[0];
+    const double clip = 1.0, gnorm = b213[0];
     const double s = clip > 0 ? fmin(1.0, clip / (gnorm + 1e-6)) : 1.0;
-    const double lr = b210[0], step = b211[0];
+    const double lr = b211[0], step = b212[0];
     const double b1 = 0.9, b2 = 0.95, eps = 1e-08;
     const double c1 = 1.0 / (1.0 - pow(b1, step)), c2 = 1.0 / (1.0 - pow(b2, step));
     #pragma omp parallel num_threads(h->nthreads)
@@ -2435,7 +2438,7 @@ void mdl_step(char *arena, const MdlHooks *h) {
   k15_gemm__add(arena, h);
   k16_layernorm_fwd__cast(arena, h);
   k17_broadcast__mul(arena, h);
-  k18_lmhead__cross_entropy__cross_entropy_bwd__cast__gemm(arena, h);
+  k18_lmhead__cast__cross_entropy__cross_entropy_bwd__gemm(arena, h);
   k19_mean(arena, h);
   k20_layernorm_bwd__sum__cast(arena, h);
   k21_gemm(arena, h);
@@ -2486,7 +2489,7 @@ const MdlKernel mdl_kernels[] = {
     {"k15_gemm__add", k15_gemm__add},
     {"k16_layernorm_fwd__cast", k16_layernorm_fwd__cast},
     {"k17_broadcast__mul", k17_broadcast__mul},
-    {"k18_lmhead__cross_entropy__cross_entropy_bwd__cast__gemm", k18_lmhead__cross_entropy__cross_entropy_bwd__cast__gemm},
+    {"k18_lmhead__cast__cross_entropy__cross_entropy_bwd__gemm", k18_lmhead__cast__cross_entropy__cross_entropy_bwd__gemm},
     {"k19_mean", k19_mean},
     {"k20_layernorm_bwd__sum__cast", k20_layernorm_bwd__sum__cast},
     {"k21_gemm", k21_gemm},

@@ -120,6 +120,12 @@ __device__ __forceinline__ uint16_t mdl_f32_to_bf16(float x) {
 
 __device__ __forceinline__ float mdl_bf16_to_f32(uint16_t h) { return __uint_as_float((uint32_t)h << 16); }
 
+// Four bf16 values at p (8-byte aligned), widened.
+__device__ __forceinline__ float4 mdl_bf16x4_load(const uint16_t *p) {
+  const ushort4 u = *(const ushort4 *)p;
+  return make_float4(mdl_bf16_to_f32(u.x), mdl_bf16_to_f32(u.y), mdl_bf16_to_f32(u.z), mdl_bf16_to_f32(u.w));
+}
+
 // One AdamW update in double, as the interpreter does it: gradient g scaled by the clip factor sc,
 // the moments m and v updated in place (rounded to f32), the new parameter returned.
 struct MdlAdamW {
@@ -504,7 +510,7 @@ extern "C" __global__ void __launch_bounds__(256) k3_gemm__add__cast_epilogue(ch
 //   %32    attention                               line 39    f32[8,64,64]
 //   %33    reshape                                 line 39    f32[512,64]
 //   %34    cast                                    line 39    bf16[512,64]
-//   %190   attention_lse                           line 39    f32[8,4,64]
+//   %191   attention_lse                           line 39    f32[8,4,64]
 // runs:
 //   k4_attention_fwd__cast__lse<<<32, 256>>> or k4_attention_fwd__cast__lse_w4<<<32, 128>>>, the faster on the device
 
@@ -972,7 +978,7 @@ extern "C" __global__ void __launch_bounds__(256) k7_gemm__add__gelu__cast_epilo
 //   %78    attention                               line 39    f32[8,64,64]
 //   %79    reshape                                 line 39    f32[512,64]
 //   %80    cast                                    line 39    bf16[512,64]
-//   %150   attention_lse                           line 39    f32[8,4,64]
+//   %151   attention_lse                           line 39    f32[8,4,64]
 // runs:
 //   k4_attention_fwd__cast__lse<<<32, 256>>> or k4_attention_fwd__cast__lse_w4<<<32, 128>>>, the faster on the device
 
@@ -1018,9 +1024,9 @@ extern "C" __global__ void __launch_bounds__(256) k7_gemm__add__gelu__cast_epilo
 //   k6_layernorm_fwd__cast<<<64, 256>>>
 
 // k17_broadcast__mul: kernel, 3 ops
-//   %114   mul                                     line 46    f32[]
-//   %115   reshape                                 line 46    f32[1]
-//   %116   broadcast                               line 46    f32[512]
+//   %115   mul                                     line 46    f32[]
+//   %116   reshape                                 line 46    f32[1]
+//   %117   broadcast                               line 46    f32[512]
 // runs:
 //   k17_broadcast__mul<<<1, 128>>>
 
@@ -1038,50 +1044,50 @@ extern "C" __global__ void __launch_bounds__(128) k17_broadcast__mul(char *arena
   }
 }
 
-// k18_lmhead__cross_entropy__cross_entropy_bwd__cast__gemm: LM head, 8 ops
+// k18_lmhead__cast__cross_entropy__cross_entropy_bwd__gemm: LM head, 9 ops
 //   %107   matmul                                  line 45    f32[512,256]
 //   %108   reshape            logits               line 45    f32[8,64,256]
-//   %109   cross_entropy                           line 46    f32[8,64]
-//   %118   cross_entropy_bwd  d.logits             line 46    f32[8,64,256]
-//   %119   reshape                                 line 45    f32[512,256]
-//   %120   cast                                    line 45    bf16[512,256]
-//   %121   matmul                                  line 45    f32[512,64]
-//   %122   matmul                                  line 45    f32[256,64]
+//   %109   cast                                    line 46    bf16[8,64,256]
+//   %110   cross_entropy                           line 46    f32[8,64]
+//   %119   cross_entropy_bwd  d.logits             line 46    f32[8,64,256]
+//   %120   reshape                                 line 45    f32[512,256]
+//   %121   cast                                    line 45    bf16[512,256]
+//   %122   matmul                                  line 45    f32[512,64]
+//   %123   matmul                                  line 45    f32[256,64]
 // runs:
-//   gemm 8: [512 x 256] = [512 x 64] T[64 x 256], bf16 A and B, f32 C
-//   k18_lmhead__cross_entropy__cross_entropy_bwd__cast__gemm_ce<<<64, 256>>>
+//   gemm 8: [512 x 256] = [512 x 64] T[64 x 256], bf16 A and B, bf16 C
+//   k18_lmhead__cast__cross_entropy__cross_entropy_bwd__gemm_ce<<<64, 256>>>
 //   gemm 9: [512 x 64] = [512 x 256] [256 x 64], bf16 A and B, f32 C
 //   gemm 10: [256 x 64] = T[256 x 512] [512 x 64], bf16 A and B, f32 C
 
-// LM head: cross-entropy and its gradient of a chunk of at most 512 rows of 256 classes (rows 256 apart), the gradient rounded to bf16 into a chunk of its own; chunk = its first row; a warp per row
-extern "C" __global__ void __launch_bounds__(256) k18_lmhead__cross_entropy__cross_entropy_bwd__cast__gemm_ce(char *arena, MdlStatus *status, const uint64_t *seed, int64_t chunk, MdlArgs o) {
-  float *const b0 = (float *)(arena + o.b[0]); // the chunk's logits
-  uint16_t *const b1 = (uint16_t *)(arena + o.b[1]); // the chunk's dlogits, bf16
-  float *const b2 = (float *)(arena + o.b[2]); // broadcast f32[512]
-  float *const b3 = (float *)(arena + o.b[3]); // cross_entropy f32[8,64]
-  int32_t *const b4 = (int32_t *)(arena + o.b[4]); // input i32[8,64]
+// LM head: cross-entropy and its gradient of a chunk of at most 512 rows of 256 classes (rows 256 apart), bf16 logits, the gradient rounded to bf16 in place; chunk = its first row; a warp per row
+extern "C" __global__ void __launch_bounds__(256) k18_lmhead__cast__cross_entropy__cross_entropy_bwd__gemm_ce(char *arena, MdlStatus *status, const uint64_t *seed, int64_t chunk, MdlArgs o) {
+  uint16_t *const b0 = (uint16_t *)(arena + o.b[0]); // the chunk's logits, bf16
+  float *const b1 = (float *)(arena + o.b[1]); // broadcast f32[512]
+  float *const b2 = (float *)(arena + o.b[2]); // cross_entropy f32[8,64]
+  int32_t *const b3 = (int32_t *)(arena + o.b[3]); // input i32[8,64]
   const int rn = 512 - chunk < 512 ? 512 - chunk : 512;
   const int i = blockIdx.x * 8 + (threadIdx.x >> 5);
   const int tr = threadIdx.x & 31;
   if (i < rn) {
     const int r = chunk + i;
-    const float *x = b0 + i * 256;
-    uint16_t *dx = b1 + i * 256;
-    const int32_t tg = b4[r];
+    const uint16_t *x = b0 + i * 256;
+    uint16_t *dx = b0 + i * 256;
+    const int32_t tg = b3[r];
     if (tg < 0 || tg >= 256) {
       if (tg >= 256 && tr == 0)
         mdl_report(status, MDL_ERR_TARGET, tg, 256);
       if (tr == 0)
-        b3[r] = 0.0f;
+        b2[r] = 0.0f;
       for (int j = tr; j < 256; j += 32)
         dx[j] = 0;
     } else {
-      const float xt = x[tg];
+      const float xt = mdl_bf16_to_f32(x[tg]);
       float m = -MDL_INF;
       double part = 0;
       for (int j4 = tr; j4 < 64; j4 += 64) {
-        const float4 x4 = *(const float4 *)&x[4 * j4];
-        const float4 y4 = j4 + 32 < 64 ? *(const float4 *)&x[4 * (j4 + 32)] : make_float4(-MDL_INF, -MDL_INF, -MDL_INF, -MDL_INF);
+        const float4 x4 = mdl_bf16x4_load(&x[4 * j4]);
+        const float4 y4 = j4 + 32 < 64 ? mdl_bf16x4_load(&x[4 * (j4 + 32)]) : make_float4(-MDL_INF, -MDL_INF, -MDL_INF, -MDL_INF);
         mdl_softmax_add(x4.x, m, part);
         mdl_softmax_add(x4.y, m, part);
         mdl_softmax_add(x4.z, m, part);
@@ -1095,12 +1101,12 @@ extern "C" __global__ void __launch_bounds__(256) k18_lmhead__cross_entropy__cro
       double sum = m == -MDL_INF ? 0.0 : part * (double)expf(m - mx);
       sum = mdl_warp_sum(sum);
       if (tr == 0)
-        b3[r] = (float)(mx + log(sum) - xt);
-      const double g = b2[r], inv = 1.0 / sum;
+        b2[r] = (float)(mx + log(sum) - xt);
+      const double g = b1[r], inv = 1.0 / sum;
       for (int j4 = tr; j4 < 64; j4 += 64) {
         const bool two = j4 + 32 < 64;
-        const float4 x4 = *(const float4 *)&x[4 * j4];
-        const float4 y4 = two ? *(const float4 *)&x[4 * (j4 + 32)] : x4;
+        const float4 x4 = mdl_bf16x4_load(&x[4 * j4]);
+        const float4 y4 = two ? mdl_bf16x4_load(&x[4 * (j4 + 32)]) : x4;
         const int j = 4 * j4;
         *(ushort4 *)&dx[j] = make_ushort4(
             mdl_f32_to_bf16(mdl_ce_grad(x4.x, mx, g, inv, j == tg)),
@@ -1121,7 +1127,7 @@ extern "C" __global__ void __launch_bounds__(256) k18_lmhead__cross_entropy__cro
 }
 
 // k19_mean: kernel, 1 op
-//   %111   mean               loss                 line 46    f32[]
+//   %112   mean               loss                 line 46    f32[]
 // runs:
 //   k19_mean<<<1, 256>>>
 
@@ -1148,12 +1154,12 @@ extern "C" __global__ void __launch_bounds__(256) k19_mean(char *arena, MdlStatu
 }
 
 // k20_layernorm_bwd__sum__cast: kernel, 6 ops
-//   %124   layernorm_bwd      d.h.1.x              line 45    f32[8,64,64]
-//   %125   layernorm_bwd      d.lnf_w              line 45    f32[64]
-//   %126   layernorm_bwd      d.lnf_b              line 45    f32[64]
-//   %127   reshape                                 line 40    f32[512,64]
-//   %128   sum                d.h.1.fcproj_b       line 40    f32[64]
-//   %129   cast                                    line 40    bf16[512,64]
+//   %125   layernorm_bwd      d.h.1.x              line 45    f32[8,64,64]
+//   %126   layernorm_bwd      d.lnf_w              line 45    f32[64]
+//   %127   layernorm_bwd      d.lnf_b              line 45    f32[64]
+//   %128   reshape                                 line 40    f32[512,64]
+//   %129   sum                d.h.1.fcproj_b       line 40    f32[64]
+//   %130   cast                                    line 40    bf16[512,64]
 // runs:
 //   k20_layernorm_bwd__sum__cast<<<64, 256>>>
 //   k20_layernorm_bwd__sum__cast_colsum<<<8, 1024>>>
@@ -1279,17 +1285,17 @@ extern "C" __global__ void __launch_bounds__(1024) k20_layernorm_bwd__sum__cast_
 }
 
 // k21_gemm: GEMM, 1 op
-//   %131   matmul             d.h.1.fcproj_w       line 40    f32[256,64]
+//   %132   matmul             d.h.1.fcproj_w       line 40    f32[256,64]
 // runs:
 //   gemm 11: [256 x 64] = T[256 x 512] [512 x 64], bf16 A and B, f32 C
 
 // k22_gemm__gelu_bwd__sum__cast: GEMM, 6 ops
-//   %130   matmul                                  line 40    f32[512,256]
-//   %132   reshape                                 line 40    f32[8,64,256]
-//   %133   gelu_bwd                                line 40    f32[8,64,256]
-//   %134   reshape                                 line 40    f32[512,256]
-//   %135   sum                d.h.1.fc_b           line 40    f32[256]
-//   %136   cast                                    line 40    bf16[512,256]
+//   %131   matmul                                  line 40    f32[512,256]
+//   %133   reshape                                 line 40    f32[8,64,256]
+//   %134   gelu_bwd                                line 40    f32[8,64,256]
+//   %135   reshape                                 line 40    f32[512,256]
+//   %136   sum                d.h.1.fc_b           line 40    f32[256]
+//   %137   cast                                    line 40    bf16[512,256]
 // runs:
 //   gemm 12: [512 x 256] = [512 x 64] T[64 x 256], bf16 A and B, f32 C
 //   k22_gemm__gelu_bwd__sum__cast_partial<<<16, 256>>>
@@ -1363,23 +1369,23 @@ extern "C" __global__ void __launch_bounds__(256) k22_gemm__gelu_bwd__sum__cast(
 }
 
 // k23_gemm: GEMM, 1 op
-//   %137   matmul                                  line 40    f32[512,64]
+//   %138   matmul                                  line 40    f32[512,64]
 // runs:
 //   gemm 13: [512 x 64] = [512 x 256] T[256 x 64], bf16 A and B, f32 C
 
 // k24_gemm: GEMM, 1 op
-//   %138   matmul             d.h.1.fc_w           line 40    f32[64,256]
+//   %139   matmul             d.h.1.fc_w           line 40    f32[64,256]
 // runs:
 //   gemm 14: [64 x 256] = T[64 x 512] [512 x 256], bf16 A and B, f32 C
 
 // k25_layernorm_bwd__add__sum__cast: kernel, 7 ops
-//   %140   layernorm_bwd                           line 40    f32[8,64,64]
-//   %141   layernorm_bwd      d.h.1.ln2_w          line 40    f32[64]
-//   %142   layernorm_bwd      d.h.1.ln2_b          line 40    f32[64]
-//   %143   add                d.h.1.x              line 39    f32[8,64,64]
-//   %144   reshape                                 line 39    f32[512,64]
-//   %145   sum                d.h.1.proj_b         line 39    f32[64]
-//   %146   cast                                    line 39    bf16[512,64]
+//   %141   layernorm_bwd                           line 40    f32[8,64,64]
+//   %142   layernorm_bwd      d.h.1.ln2_w          line 40    f32[64]
+//   %143   layernorm_bwd      d.h.1.ln2_b          line 40    f32[64]
+//   %144   add                d.h.1.x              line 39    f32[8,64,64]
+//   %145   reshape                                 line 39    f32[512,64]
+//   %146   sum                d.h.1.proj_b         line 39    f32[64]
+//   %147   cast                                    line 39    bf16[512,64]
 // runs:
 //   k25_layernorm_bwd__add__sum__cast<<<64, 256>>>
 //   k20_layernorm_bwd__sum__cast_colsum<<<8, 1024>>>
@@ -1467,21 +1473,21 @@ extern "C" __global__ void __launch_bounds__(256, 4) k25_layernorm_bwd__add__sum
 }
 
 // k26_gemm: GEMM, 1 op
-//   %148   matmul             d.h.1.proj_w         line 39    f32[64,64]
+//   %149   matmul             d.h.1.proj_w         line 39    f32[64,64]
 // runs:
 //   gemm 15: [64 x 64] = T[64 x 512] [512 x 64], bf16 A and B, f32 C
 
 // k27_gemm__cast: GEMM, 3 ops
-//   %147   matmul                                  line 39    f32[512,64]
-//   %149   reshape                                 line 39    f32[8,64,64]
-//   %152   cast                                    line 39    bf16[8,64,64]
+//   %148   matmul                                  line 39    f32[512,64]
+//   %150   reshape                                 line 39    f32[8,64,64]
+//   %153   cast                                    line 39    bf16[8,64,64]
 // runs:
 //   gemm 16: [512 x 64] = [512 x 64] T[64 x 64], bf16 A and B, bf16 C
 
 // k28_attention_bwd: attention, 3 ops
-//   %153   attention_bwd      d.h.1.q              line 39    f32[8,64,64]
-//   %154   attention_bwd      d.h.1.k              line 39    f32[8,64,64]
-//   %155   attention_bwd      d.h.1.v              line 39    f32[8,64,64]
+//   %154   attention_bwd      d.h.1.q              line 39    f32[8,64,64]
+//   %155   attention_bwd      d.h.1.k              line 39    f32[8,64,64]
+//   %156   attention_bwd      d.h.1.v              line 39    f32[8,64,64]
 // runs:
 //   k28_attention_bwd_dsum<<<256, 256>>>
 //   k28_attention_bwd_dq<<<32, 128>>> or k28_attention_bwd_dq_w8<<<32, 256>>>, the faster on the device
@@ -2128,10 +2134,10 @@ extern "C" __global__ void __launch_bounds__(128) k28_attention_bwd_dkv_w4(char 
 }
 
 // k29_sum__concat__cast: kernel, 4 ops
-//   %156   concat                                  line 38    f32[8,64,192]
-//   %157   reshape                                 line 38    f32[512,192]
-//   %158   sum                d.h.1.attn_b         line 38    f32[192]
-//   %159   cast                                    line 38    bf16[512,192]
+//   %157   concat                                  line 38    f32[8,64,192]
+//   %158   reshape                                 line 38    f32[512,192]
+//   %159   sum                d.h.1.attn_b         line 38    f32[192]
+//   %160   cast                                    line 38    bf16[512,192]
 // runs:
 //   k29_sum__concat__cast_partial<<<12, 256>>>
 //   k29_sum__concat__cast<<<24, 256>>>
@@ -2197,23 +2203,23 @@ extern "C" __global__ void __launch_bounds__(256) k29_sum__concat__cast(char *ar
 }
 
 // k30_gemm: GEMM, 1 op
-//   %160   matmul                                  line 38    f32[512,64]
+//   %161   matmul                                  line 38    f32[512,64]
 // runs:
 //   gemm 17: [512 x 64] = [512 x 192] T[192 x 64], bf16 A and B, f32 C
 
 // k31_gemm: GEMM, 1 op
-//   %161   matmul             d.h.1.attn_w         line 38    f32[64,192]
+//   %162   matmul             d.h.1.attn_w         line 38    f32[64,192]
 // runs:
 //   gemm 18: [64 x 192] = T[64 x 512] [512 x 192], bf16 A and B, f32 C
 
 // k32_layernorm_bwd__add__sum__cast: kernel, 7 ops
-//   %163   layernorm_bwd                           line 38    f32[8,64,64]
-//   %164   layernorm_bwd      d.h.1.ln1_w          line 38    f32[64]
-//   %165   layernorm_bwd      d.h.1.ln1_b          line 38    f32[64]
-//   %166   add                d.h.0.x              line 40    f32[8,64,64]
-//   %167   reshape                                 line 40    f32[512,64]
-//   %168   sum                d.h.0.fcproj_b       line 40    f32[64]
-//   %169   cast                                    line 40    bf16[512,64]
+//   %164   layernorm_bwd                           line 38    f32[8,64,64]
+//   %165   layernorm_bwd      d.h.1.ln1_w          line 38    f32[64]
+//   %166   layernorm_bwd      d.h.1.ln1_b          line 38    f32[64]
+//   %167   add                d.h.0.x              line 40    f32[8,64,64]
+//   %168   reshape                                 line 40    f32[512,64]
+//   %169   sum                d.h.0.fcproj_b       line 40    f32[64]
+//   %170   cast                                    line 40    bf16[512,64]
 // runs:
 //   k32_layernorm_bwd__add__sum__cast<<<64, 256>>>
 //   k20_layernorm_bwd__sum__cast_colsum<<<8, 1024>>>
@@ -2301,89 +2307,89 @@ extern "C" __global__ void __launch_bounds__(256, 4) k32_layernorm_bwd__add__sum
 }
 
 // k33_gemm: GEMM, 1 op
-//   %171   matmul             d.h.0.fcproj_w       line 40    f32[256,64]
+//   %172   matmul             d.h.0.fcproj_w       line 40    f32[256,64]
 // runs:
 //   gemm 19: [256 x 64] = T[256 x 512] [512 x 64], bf16 A and B, f32 C
 
 // k34_gemm__gelu_bwd__sum__cast: GEMM, 6 ops
-//   %170   matmul                                  line 40    f32[512,256]
-//   %172   reshape                                 line 40    f32[8,64,256]
-//   %173   gelu_bwd                                line 40    f32[8,64,256]
-//   %174   reshape                                 line 40    f32[512,256]
-//   %175   sum                d.h.0.fc_b           line 40    f32[256]
-//   %176   cast                                    line 40    bf16[512,256]
+//   %171   matmul                                  line 40    f32[512,256]
+//   %173   reshape                                 line 40    f32[8,64,256]
+//   %174   gelu_bwd                                line 40    f32[8,64,256]
+//   %175   reshape                                 line 40    f32[512,256]
+//   %176   sum                d.h.0.fc_b           line 40    f32[256]
+//   %177   cast                                    line 40    bf16[512,256]
 // runs:
 //   gemm 20: [512 x 256] = [512 x 64] T[64 x 256], bf16 A and B, f32 C
 //   k22_gemm__gelu_bwd__sum__cast_partial<<<16, 256>>>
 //   k22_gemm__gelu_bwd__sum__cast<<<32, 256>>>
 
 // k35_gemm: GEMM, 1 op
-//   %177   matmul                                  line 40    f32[512,64]
+//   %178   matmul                                  line 40    f32[512,64]
 // runs:
 //   gemm 21: [512 x 64] = [512 x 256] T[256 x 64], bf16 A and B, f32 C
 
 // k36_gemm: GEMM, 1 op
-//   %178   matmul             d.h.0.fc_w           line 40    f32[64,256]
+//   %179   matmul             d.h.0.fc_w           line 40    f32[64,256]
 // runs:
 //   gemm 22: [64 x 256] = T[64 x 512] [512 x 256], bf16 A and B, f32 C
 
 // k37_layernorm_bwd__add__sum__cast: kernel, 7 ops
-//   %180   layernorm_bwd                           line 40    f32[8,64,64]
-//   %181   layernorm_bwd      d.h.0.ln2_w          line 40    f32[64]
-//   %182   layernorm_bwd      d.h.0.ln2_b          line 40    f32[64]
-//   %183   add                d.h.0.x              line 39    f32[8,64,64]
-//   %184   reshape                                 line 39    f32[512,64]
-//   %185   sum                d.h.0.proj_b         line 39    f32[64]
-//   %186   cast                                    line 39    bf16[512,64]
+//   %181   layernorm_bwd                           line 40    f32[8,64,64]
+//   %182   layernorm_bwd      d.h.0.ln2_w          line 40    f32[64]
+//   %183   layernorm_bwd      d.h.0.ln2_b          line 40    f32[64]
+//   %184   add                d.h.0.x              line 39    f32[8,64,64]
+//   %185   reshape                                 line 39    f32[512,64]
+//   %186   sum                d.h.0.proj_b         line 39    f32[64]
+//   %187   cast                                    line 39    bf16[512,64]
 // runs:
 //   k32_layernorm_bwd__add__sum__cast<<<64, 256>>>
 //   k20_layernorm_bwd__sum__cast_colsum<<<8, 1024>>>
 
 // k38_gemm: GEMM, 1 op
-//   %188   matmul             d.h.0.proj_w         line 39    f32[64,64]
+//   %189   matmul             d.h.0.proj_w         line 39    f32[64,64]
 // runs:
 //   gemm 23: [64 x 64] = T[64 x 512] [512 x 64], bf16 A and B, f32 C
 
 // k39_gemm__cast: GEMM, 3 ops
-//   %187   matmul                                  line 39    f32[512,64]
-//   %189   reshape                                 line 39    f32[8,64,64]
-//   %192   cast                                    line 39    bf16[8,64,64]
+//   %188   matmul                                  line 39    f32[512,64]
+//   %190   reshape                                 line 39    f32[8,64,64]
+//   %193   cast                                    line 39    bf16[8,64,64]
 // runs:
 //   gemm 24: [512 x 64] = [512 x 64] T[64 x 64], bf16 A and B, bf16 C
 
 // k40_attention_bwd: attention, 3 ops
-//   %193   attention_bwd      d.h.0.q              line 39    f32[8,64,64]
-//   %194   attention_bwd      d.h.0.k              line 39    f32[8,64,64]
-//   %195   attention_bwd      d.h.0.v              line 39    f32[8,64,64]
+//   %194   attention_bwd      d.h.0.q              line 39    f32[8,64,64]
+//   %195   attention_bwd      d.h.0.k              line 39    f32[8,64,64]
+//   %196   attention_bwd      d.h.0.v              line 39    f32[8,64,64]
 // runs:
 //   k28_attention_bwd_dsum<<<256, 256>>>
 //   k28_attention_bwd_dq<<<32, 128>>> or k28_attention_bwd_dq_w8<<<32, 256>>>, the faster on the device
 //   k28_attention_bwd_dkv<<<32, 256>>> or k28_attention_bwd_dkv_w4<<<32, 128>>>, the faster on the device
 
 // k41_sum__concat__cast: kernel, 4 ops
-//   %196   concat                                  line 38    f32[8,64,192]
-//   %197   reshape                                 line 38    f32[512,192]
-//   %198   sum                d.h.0.attn_b         line 38    f32[192]
-//   %199   cast                                    line 38    bf16[512,192]
+//   %197   concat                                  line 38    f32[8,64,192]
+//   %198   reshape                                 line 38    f32[512,192]
+//   %199   sum                d.h.0.attn_b         line 38    f32[192]
+//   %200   cast                                    line 38    bf16[512,192]
 // runs:
 //   k29_sum__concat__cast_partial<<<12, 256>>>
 //   k29_sum__concat__cast<<<24, 256>>>
 
 // k42_gemm: GEMM, 1 op
-//   %200   matmul                                  line 38    f32[512,64]
+//   %201   matmul                                  line 38    f32[512,64]
 // runs:
 //   gemm 25: [512 x 64] = [512 x 192] T[192 x 64], bf16 A and B, f32 C
 
 // k43_gemm: GEMM, 1 op
-//   %201   matmul             d.h.0.attn_w         line 38    f32[64,192]
+//   %202   matmul             d.h.0.attn_w         line 38    f32[64,192]
 // runs:
 //   gemm 26: [64 x 192] = T[64 x 512] [512 x 192], bf16 A and B, f32 C
 
 // k44_layernorm_bwd__add: kernel, 4 ops
-//   %203   layernorm_bwd                           line 38    f32[8,64,64]
-//   %204   layernorm_bwd      d.h.0.ln1_w          line 38    f32[64]
-//   %205   layernorm_bwd      d.h.0.ln1_b          line 38    f32[64]
-//   %206   add                d.x                  line 22    f32[8,64,64]
+//   %204   layernorm_bwd                           line 38    f32[8,64,64]
+//   %205   layernorm_bwd      d.h.0.ln1_w          line 38    f32[64]
+//   %206   layernorm_bwd      d.h.0.ln1_b          line 38    f32[64]
+//   %207   add                d.x                  line 22    f32[8,64,64]
 // runs:
 //   k44_layernorm_bwd__add<<<64, 256>>>
 //   k44_layernorm_bwd__add_colsum<<<8, 1024>>>
@@ -2497,7 +2503,7 @@ extern "C" __global__ void __launch_bounds__(1024) k44_layernorm_bwd__add_colsum
 }
 
 // k45_embed_bwd: kernel, 1 op
-//   %207   embed_bwd          d.wpe                line 22    f32[128,64]
+//   %208   embed_bwd          d.wpe                line 22    f32[128,64]
 // runs:
 //   k45_embed_bwd_zero<<<1, 32>>>
 //   k45_embed_bwd_count<<<2, 256>>>
@@ -2625,8 +2631,8 @@ extern "C" __global__ void __launch_bounds__(64) k45_embed_bwd(char *arena, MdlS
 }
 
 // k46_embed_bwd__add: kernel, 2 ops
-//   %208   embed_bwd                               line 22    f32[256,64]
-//   %209   add                d.wte                line 19    f32[256,64]
+//   %209   embed_bwd                               line 22    f32[256,64]
+//   %210   add                d.wte                line 19    f32[256,64]
 // runs:
 //   k46_embed_bwd__add_zero<<<1, 32>>>
 //   k46_embed_bwd__add_count<<<2, 256>>>
@@ -2757,35 +2763,35 @@ extern "C" __global__ void __launch_bounds__(64) k46_embed_bwd__add(char *arena,
 }
 
 // k47_grad_norm__adamw: optimizer, 29 ops
-//   %212   grad_norm                                          f32[]
-//   %215   adamw              wte.new              line 19    f32[256,64]
-//   %218   adamw              wpe.new              line 20    f32[128,64]
-//   %221   adamw              h.0.ln1_w.new        line 25    f32[64]
-//   %224   adamw              h.0.ln1_b.new        line 26    f32[64]
-//   %227   adamw              h.0.attn_w.new       line 27    f32[64,192]
-//   %230   adamw              h.0.attn_b.new       line 28    f32[192]
-//   %233   adamw              h.0.proj_w.new       line 29    f32[64,64]
-//   %236   adamw              h.0.proj_b.new       line 30    f32[64]
-//   %239   adamw              h.0.ln2_w.new        line 31    f32[64]
-//   %242   adamw              h.0.ln2_b.new        line 32    f32[64]
-//   %245   adamw              h.0.fc_w.new         line 33    f32[64,256]
-//   %248   adamw              h.0.fc_b.new         line 34    f32[256]
-//   %251   adamw              h.0.fcproj_w.new     line 35    f32[256,64]
-//   %254   adamw              h.0.fcproj_b.new     line 36    f32[64]
-//   %257   adamw              h.1.ln1_w.new        line 25    f32[64]
-//   %260   adamw              h.1.ln1_b.new        line 26    f32[64]
-//   %263   adamw              h.1.attn_w.new       line 27    f32[64,192]
-//   %266   adamw              h.1.attn_b.new       line 28    f32[192]
-//   %269   adamw              h.1.proj_w.new       line 29    f32[64,64]
-//   %272   adamw              h.1.proj_b.new       line 30    f32[64]
-//   %275   adamw              h.1.ln2_w.new        line 31    f32[64]
-//   %278   adamw              h.1.ln2_b.new        line 32    f32[64]
-//   %281   adamw              h.1.fc_w.new         line 33    f32[64,256]
-//   %284   adamw              h.1.fc_b.new         line 34    f32[256]
-//   %287   adamw              h.1.fcproj_w.new     line 35    f32[256,64]
-//   %290   adamw              h.1.fcproj_b.new     line 36    f32[64]
-//   %293   adamw              lnf_w.new            line 43    f32[64]
-//   %296   adamw              lnf_b.new            line 44    f32[64]
+//   %213   grad_norm                                          f32[]
+//   %216   adamw              wte.new              line 19    f32[256,64]
+//   %219   adamw              wpe.new              line 20    f32[128,64]
+//   %222   adamw              h.0.ln1_w.new        line 25    f32[64]
+//   %225   adamw              h.0.ln1_b.new        line 26    f32[64]
+//   %228   adamw              h.0.attn_w.new       line 27    f32[64,192]
+//   %231   adamw              h.0.attn_b.new       line 28    f32[192]
+//   %234   adamw              h.0.proj_w.new       line 29    f32[64,64]
+//   %237   adamw              h.0.proj_b.new       line 30    f32[64]
+//   %240   adamw              h.0.ln2_w.new        line 31    f32[64]
+//   %243   adamw              h.0.ln2_b.new        line 32    f32[64]
+//   %246   adamw              h.0.fc_w.new         line 33    f32[64,256]
+//   %249   adamw              h.0.fc_b.new         line 34    f32[256]
+//   %252   adamw              h.0.fcproj_w.new     line 35    f32[256,64]
+//   %255   adamw              h.0.fcproj_b.new     line 36    f32[64]
+//   %258   adamw              h.1.ln1_w.new        line 25    f32[64]
+//   %261   adamw              h.1.ln1_b.new        line 26    f32[64]
+//   %264   adamw              h.1.attn_w.new       line 27    f32[64,192]
+//   %267   adamw              h.1.attn_b.new       line 28    f32[192]
+//   %270   adamw              h.1.proj_w.new       line 29    f32[64,64]
+//   %273   adamw              h.1.proj_b.new       line 30    f32[64]
+//   %276   adamw              h.1.ln2_w.new        line 31    f32[64]
+//   %279   adamw              h.1.ln2_b.new        line 32    f32[64]
+//   %282   adamw              h.1.fc_w.new         line 33    f32[64,256]
+//   %285   adamw              h.1.fc_b.new         line 34    f32[256]
+//   %288   adamw              h.1.fcproj_w.new     line 35    f32[256,64]
+//   %291   adamw              h.1.fcproj_b.new     line 36    f32[64]
+//   %294   adamw              lnf_w.new            line 43    f32[64]
+//   %297   adamw              lnf_b.new            line 44    f32[64]
 // runs:
 //   k47_grad_norm__adamw_sumsq<<<16, 256>>>
 //   k47_grad_norm__adamw_norm<<<1, 256>>>
@@ -2960,4 +2966,4 @@ extern "C" __global__ void __launch_bounds__(256) k47_grad_norm__adamw(char *are
   }
 }
 
-// Schedule: 80 launches per step, 53 kernels (39 distinct) and 27 GEMMs; device arena 6443264 bytes.
+// Schedule: 80 launches per step, 53 kernels (39 distinct) and 27 GEMMs; device arena 6312192 bytes.

@@ -300,14 +300,14 @@ static void k3_gemm__add__cast(char *arena, const MdlHooks *h) {
 //   %32    attention                               line 39    f32[8,1024,768]
 //   %33    reshape                                 line 39    f32[8192,768]
 //   %34    cast                                    line 39    bf16[8192,768]
-//   %1050  attention_lse                           line 39    f32[8,12,1024]
+//   %1051  attention_lse                           line 39    f32[8,12,1024]
 // loops:
 //   attention and its log-sum-exp per row: B 8, T 1024, 12 heads of 64, causal, within documents; one task per (batch, head)
 static void k4_attention_fwd__cast__lse(char *arena, const MdlHooks *h) {
   int32_t *const b3 = (int32_t *)(arena + 2238271488); // %3 input doc i32[8,1024]
   uint16_t *const b28 = (uint16_t *)(arena + 4204633216); // %28 cast bf16[8,1024,2304]
   uint16_t *const b34 = (uint16_t *)(arena + 5349678208); // %34 cast bf16[8192,768]
-  float *const b1050 = (float *)(arena + 5802663040); // %1050 attention_lse f32[8,12,1024]
+  float *const b1051 = (float *)(arena + 5802663040); // %1051 attention_lse f32[8,12,1024]
   #pragma omp parallel num_threads(h->nthreads)
   {
     float *restrict kt = memset(mdl_scratch(67584 * sizeof(float)), 0, 67584 * sizeof(float));
@@ -368,7 +368,7 @@ static void k4_attention_fwd__cast__lse(char *arena, const MdlHooks *h) {
           }
           l = ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
         }
-        b1050[(b * 12 + hd) * 1024 + i] = m + logf(l);
+        b1051[(b * 12 + hd) * 1024 + i] = m + logf(l);
         float acc0[64] = {0}, acc1[64] = {0};
         int64_t j = lo;
         for (; j + 1 < hi; j += 2) {
@@ -634,14 +634,14 @@ static void k10_gemm__add__cast(char *arena, const MdlHooks *h) {
 //   %78    attention                               line 39    f32[8,1024,768]
 //   %79    reshape                                 line 39    f32[8192,768]
 //   %80    cast                                    line 39    bf16[8192,768]
-//   %1010  attention_lse                           line 39    f32[8,12,1024]
+//   %1011  attention_lse                           line 39    f32[8,12,1024]
 // loops:
 //   attention and its log-sum-exp per row: B 8, T 1024, 12 heads of 64, causal, within documents; one task per (batch, head)
 static void k11_attention_fwd__cast__lse(char *arena, const MdlHooks *h) {
   int32_t *const b3 = (int32_t *)(arena + 2238271488); // %3 input doc i32[8,1024]
   uint16_t *const b74 = (uint16_t *)(arena + 4242381952); // %74 cast bf16[8,1024,2304]
   uint16_t *const b80 = (uint16_t *)(arena + 5387426944); // %80 cast bf16[8192,768]
-  float *const b1010 = (float *)(arena + 5803056256); // %1010 attention_lse f32[8,12,1024]
+  float *const b1011 = (float *)(arena + 5803056256); // %1011 attention_lse f32[8,12,1024]
   #pragma omp parallel num_threads(h->nthreads)
   {
     float *restrict kt = memset(mdl_scratch(67584 * sizeof(float)), 0, 67584 * sizeof(float));
@@ -702,7 +702,7 @@ static void k11_attention_fwd__cast__lse(char *arena, const MdlHooks *h) {
           }
           l = ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
         }
-        b1010[(b * 12 + hd) * 1024 + i] = m + logf(l);
+        b1011[(b * 12 + hd) * 1024 + i] = m + logf(l);
         float acc0[64] = {0}, acc1[64] = {0};
         int64_t j = lo;
         for (; j + 1 < hi; j += 2) {
@@ -968,14 +968,14 @@ static void k17_gemm__add__cast(char *arena, const MdlHooks *h) {
 //   %124   attention                               line 39    f32[8,1024,768]
 //   %125   reshape                                 line 39    f32[8192,768]
 //   %126   cast                                    line 39    bf16[8192,768]
-//   %970   attention_lse                           line 39    f32[8,12,1024]
+//   %971   attention_lse                           line 39    f32[8,12,1024]
 // loops:
 //   attention and its log-sum-exp per row: B 8, T 1024, 12 heads of 64, causal, within documents; one task per (batch, head)
 static void k18_attention_fwd__cast__lse(char *arena, const MdlHooks *h) {
   int32_t *const b3 = (int32_t *)(arena + 2238271488); // %3 input doc i32[8,1024]
   uint16_t *const b120 = (uint16_t *)(arena + 4280130688); // %120 cast bf16[8,1024,2304]
   uint16_t *const b126 = (uint16_t *)(arena + 5425175680); // %126 cast bf16[8192,768]
-  float *const b970 = (float *)(arena + 5803449472); // %970 attention_lse f32[8,12,1024]
+  float *const b971 = (float *)(arena + 5803449472); // %971 attention_lse f32[8,12,1024]
   #pragma omp parallel num_threads(h->nthreads)
   {
     float *restrict kt = memset(mdl_scratch(67584 * sizeof(float)), 0, 67584 * sizeof(float));
@@ -1036,7 +1036,7 @@ static void k18_attention_fwd__cast__lse(char *arena, const MdlHooks *h) {
           }
           l = ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
         }
-        b970[(b * 12 + hd) * 1024 + i] = m + logf(l);
+        b971[(b * 12 + hd) * 1024 + i] = m + logf(l);
         float acc0[64] = {0}, acc1[64] = {0};
         int64_t j = lo;
         for (; j + 1 < hi; j += 2) {
@@ -1302,14 +1302,14 @@ static void k24_gemm__add__cast(char *arena, const MdlHooks *h) {
 //   %170   attention                               line 39    f32[8,1024,768]
 //   %171   reshape                                 line 39    f32[8192,768]
 //   %172   cast                                    line 39    bf16[8192,768]
-//   %930   attention_lse                           line 39    f32[8,12,1024]
+//   %931   attention_lse                           line 39    f32[8,12,1024]
 // loops:
 //   attention and its log-sum-exp per row: B 8, T 1024, 12 heads of 64, causal, within documents; one task per (batch, head)
 static void k25_attention_fwd__cast__lse(char *arena, const MdlHooks *h) {
   int32_t *const b3 = (int32_t *)(arena + 2238271488); // %3 input doc i32[8,1024]
   uint16_t *const b166 = (uint16_t *)(arena + 4317879424); // %166 cast bf16[8,1024,2304]
   uint16_t *const b172 = (uint16_t *)(arena + 5462924416); // %172 cast bf16[8192,768]
-  float *const b930 = (float *)(arena + 5803842688); // %930 attention_lse f32[8,12,1024]
+  float *const b931 = (float *)(arena + 5803842688); // %931 attention_lse f32[8,12,1024]
   #pragma omp parallel num_threads(h->nthreads)
   {
     float *restrict kt = memset(mdl_scratch(67584 * sizeof(float)), 0, 67584 * sizeof(float));
@@ -1370,7 +1370,7 @@ static void k25_attention_fwd__cast__lse(char *arena, const MdlHooks *h) {
           }
           l = ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
         }
-        b930[(b * 12 + hd) * 1024 + i] = m + logf(l);
+        b931[(b * 12 + hd) * 1024 + i] = m + logf(l);
         float acc0[64] = {0}, acc1[64] = {0};
         int64_t j = lo;
         for (; j + 1 < hi; j += 2) {
@@ -1636,14 +1636,14 @@ static void k31_gemm__add__cast(char *arena, const MdlHooks *h) {
 //   %216   attention                               line 39    f32[8,1024,768]
 //   %217   reshape                                 line 39    f32[8192,768]
 //   %218   cast                                    line 39    bf16[8192,768]
-//   %890   attention_lse                           line 39    f32[8,12,1024]
+//   %891   attention_lse                           line 39    f32[8,12,1024]
 // loops:
 //   attention and its log-sum-exp per row: B 8, T 1024, 12 heads of 64, causal, within documents; one task per (batch, head)
 static void k32_attention_fwd__cast__lse(char *arena, const MdlHooks *h) {
   int32_t *const b3 = (int32_t *)(arena + 2238271488); // %3 input doc i32[8,1024]
   uint16_t *const b212 = (uint16_t *)(arena + 4355628160); // %212 cast bf16[8,1024,2304]
   uint16_t *const b218 = (uint16_t *)(arena + 5500673152); // %218 cast bf16[8192,768]
-  float *const b890 = (float *)(arena + 5804235904); // %890 attention_lse f32[8,12,1024]
+  float *const b891 = (float *)(arena + 5804235904); // %891 attention_lse f32[8,12,1024]
   #pragma omp parallel num_threads(h->nthreads)
   {
     float *restrict kt = memset(mdl_scratch(67584 * sizeof(float)), 0, 67584 * sizeof(float));
@@ -1704,7 +1704,7 @@ static void k32_attention_fwd__cast__lse(char *arena, const MdlHooks *h) {
           }
           l = ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
         }
-        b890[(b * 12 + hd) * 1024 + i] = m + logf(l);
+        b891[(b * 12 + hd) * 1024 + i] = m + logf(l);
         float acc0[64] = {0}, acc1[64] = {0};
         int64_t j = lo;
         for (; j + 1 < hi; j += 2) {
@@ -1970,14 +1970,14 @@ static void k38_gemm__add__cast(char *arena, const MdlHooks *h) {
 //   %262   attention                               line 39    f32[8,1024,768]
 //   %263   reshape                                 line 39    f32[8192,768]
 //   %264   cast                                    line 39    bf16[8192,768]
-//   %850   attention_lse                           line 39    f32[8,12,1024]
+//   %851   attention_lse                           line 39    f32[8,12,1024]
 // loops:
 //   attention and its log-sum-exp per row: B 8, T 1024, 12 heads of 64, causal, within documents; one task per (batch, head)
 static void k39_attention_fwd__cast__lse(char *arena, const MdlHooks *h) {
   int32_t *const b3 = (int32_t *)(arena + 2238271488); // %3 input doc i32[8,1024]
   uint16_t *const b258 = (uint16_t *)(arena + 4393376896); // %258 cast bf16[8,1024,2304]
   uint16_t *const b264 = (uint16_t *)(arena + 5538421888); // %264 cast bf16[8192,768]
-  float *const b850 = (float *)(arena + 5804629120); // %850 attention_lse f32[8,12,1024]
+  float *const b851 = (float *)(arena + 5804629120); // %851 attention_lse f32[8,12,1024]
   #pragma omp parallel num_threads(h->nthreads)
   {
     float *restrict kt = memset(mdl_scratch(67584 * sizeof(float)), 0, 67584 * sizeof(float));
@@ -2038,7 +2038,7 @@ static void k39_attention_fwd__cast__lse(char *arena, const MdlHooks *h) {
           }
           l = ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
         }
-        b850[(b * 12 + hd) * 1024 + i] = m + logf(l);
+        b851[(b * 12 + hd) * 1024 + i] = m + logf(l);
         float acc0[64] = {0}, acc1[64] = {0};
         int64_t j = lo;
         for (; j + 1 < hi; j += 2) {
@@ -2304,14 +2304,14 @@ static void k45_gemm__add__cast(char *arena, const MdlHooks *h) {
 //   %308   attention                               line 39    f32[8,1024,768]
 //   %309   reshape                                 line 39    f32[8192,768]
 //   %310   cast                                    line 39    bf16[8192,768]
-//   %810   attention_lse                           line 39    f32[8,12,1024]
+//   %811   attention_lse                           line 39    f32[8,12,1024]
 // loops:
 //   attention and its log-sum-exp per row: B 8, T 1024, 12 heads of 64, causal, within documents; one task per (batch, head)
 static void k46_attention_fwd__cast__lse(char *arena, const MdlHooks *h) {
   int32_t *const b3 = (int32_t *)(arena + 2238271488); // %3 input doc i32[8,1024]
   uint16_t *const b304 = (uint16_t *)(arena + 4431125632); // %304 cast bf16[8,1024,2304]
   uint16_t *const b310 = (uint16_t *)(arena + 5576170624); // %310 cast bf16[8192,768]
-  float *const b810 = (float *)(arena + 5805022336); // %810 attention_lse f32[8,12,1024]
+  float *const b811 = (float *)(arena + 5805022336); // %811 attention_lse f32[8,12,1024]
   #pragma omp parallel num_threads(h->nthreads)
   {
     float *restrict kt = memset(mdl_scratch(67584 * sizeof(float)), 0, 67584 * sizeof(float));
@@ -2372,7 +2372,7 @@ static void k46_attention_fwd__cast__lse(char *arena, const MdlHooks *h) {
           }
           l = ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
         }
-        b810[(b * 12 + hd) * 1024 + i] = m + logf(l);
+        b811[(b * 12 + hd) * 1024 + i] = m + logf(l);
         float acc0[64] = {0}, acc1[64] = {0};
         int64_t j = lo;
         for (; j + 1 < hi; j += 2) {
@@ -2638,14 +2638,14 @@ static void k52_gemm__add__cast(char *arena, const MdlHooks *h) {
 //   %354   attention                               line 39    f32[8,1024,768]
 //   %355   reshape                                 line 39    f32[8192,768]
 //   %356   cast                                    line 39    bf16[8192,768]
-//   %770   attention_lse                           line 39    f32[8,12,1024]
+//   %771   attention_lse                           line 39    f32[8,12,1024]
 // loops:
 //   attention and its log-sum-exp per row: B 8, T 1024, 12 heads of 64, causal, within documents; one task per (batch, head)
 static void k53_attention_fwd__cast__lse(char *arena, const MdlHooks *h) {
   int32_t *const b3 = (int32_t *)(arena + 2238271488); // %3 input doc i32[8,1024]
   uint16_t *const b350 = (uint16_t *)(arena + 4468874368); // %350 cast bf16[8,1024,2304]
   uint16_t *const b356 = (uint16_t *)(arena + 5613919360); // %356 cast bf16[8192,768]
-  float *const b770 = (float *)(arena + 5805415552); // %770 attention_lse f32[8,12,1024]
+  float *const b771 = (float *)(arena + 5805415552); // %771 attention_lse f32[8,12,1024]
   #pragma omp parallel num_threads(h->nthreads)
   {
     float *restrict kt = memset(mdl_scratch(67584 * sizeof(float)), 0, 67584 * sizeof(float));
@@ -2706,7 +2706,7 @@ static void k53_attention_fwd__cast__lse(char *arena, const MdlHooks *h) {
           }
           l = ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
         }
-        b770[(b * 12 + hd) * 1024 + i] = m + logf(l);
+        b771[(b * 12 + hd) * 1024 + i] = m + logf(l);
         float acc0[64] = {0}, acc1[64] = {0};
         int64_t j = lo;
         for (; j + 1 < hi; j += 2) {
@@ -2972,14 +2972,14 @@ static void k59_gemm__add__cast(char *arena, const MdlHooks *h) {
 //   %400   attention                               line 39    f32[8,1024,768]
 //   %401   reshape                                 line 39    f32[8192,768]
 //   %402   cast                                    line 39    bf16[8192,768]
-//   %730   attention_lse                           line 39    f32[8,12,1024]
+//   %731   attention_lse                           line 39    f32[8,12,1024]
 // loops:
 //   attention and its log-sum-exp per row: B 8, T 1024, 12 heads of 64, causal, within documents; one task per (batch, head)
 static void k60_attention_fwd__cast__lse(char *arena, const MdlHooks *h) {
   int32_t *const b3 = (int32_t *)(arena + 2238271488); // %3 input doc i32[8,1024]
   uint16_t *const b396 = (uint16_t *)(arena + 4506623104); // %396 cast bf16[8,1024,2304]
   uint16_t *const b402 = (uint16_t *)(arena + 5651668096); // %402 cast bf16[8192,768]
-  float *const b730 = (float *)(arena + 5805808768); // %730 attention_lse f32[8,12,1024]
+  float *const b731 = (float *)(arena + 5805808768); // %731 attention_lse f32[8,12,1024]
   #pragma omp parallel num_threads(h->nthreads)
   {
     float *restrict kt = memset(mdl_scratch(67584 * sizeof(float)), 0, 67584 * sizeof(float));
@@ -3040,7 +3040,7 @@ static void k60_attention_fwd__cast__lse(char *arena, const MdlHooks *h) {
           }
           l = ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
         }
-        b730[(b * 12 + hd) * 1024 + i] = m + logf(l);
+        b731[(b * 12 + hd) * 1024 + i] = m + logf(l);
         float acc0[64] = {0}, acc1[64] = {0};
         int64_t j = lo;
         for (; j + 1 < hi; j += 2) {
@@ -3306,14 +3306,14 @@ static void k66_gemm__add__cast(char *arena, const MdlHooks *h) {
 //   %446   attention                               line 39    f32[8,1024,768]
 //   %447   reshape                                 line 39    f32[8192,768]
 //   %448   cast                                    line 39    bf16[8192,768]
-//   %690   attention_lse                           line 39    f32[8,12,1024]
+//   %691   attention_lse                           line 39    f32[8,12,1024]
 // loops:
 //   attention and its log-sum-exp per row: B 8, T 1024, 12 heads of 64, causal, within documents; one task per (batch, head)
 static void k67_attention_fwd__cast__lse(char *arena, const MdlHooks *h) {
   int32_t *const b3 = (int32_t *)(arena + 2238271488); // %3 input doc i32[8,1024]
   uint16_t *const b442 = (uint16_t *)(arena + 4544371840); // %442 cast bf16[8,1024,2304]
   uint16_t *const b448 = (uint16_t *)(arena + 5689416832); // %448 cast bf16[8192,768]
-  float *const b690 = (float *)(arena + 5806201984); // %690 attention_lse f32[8,12,1024]
+  float *const b691 = (float *)(arena + 5806201984); // %691 attention_lse f32[8,12,1024]
   #pragma omp parallel num_threads(h->nthreads)
   {
     float *restrict kt = memset(mdl_scratch(67584 * sizeof(float)), 0, 67584 * sizeof(float));
@@ -3374,7 +3374,7 @@ static void k67_attention_fwd__cast__lse(char *arena, const MdlHooks *h) {
           }
           l = ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
         }
-        b690[(b * 12 + hd) * 1024 + i] = m + logf(l);
+        b691[(b * 12 + hd) * 1024 + i] = m + logf(l);
         float acc0[64] = {0}, acc1[64] = {0};
         int64_t j = lo;
         for (; j + 1 < hi; j += 2) {
@@ -3640,14 +3640,14 @@ static void k73_gemm__add__cast(char *arena, const MdlHooks *h) {
 //   %492   attention                               line 39    f32[8,1024,768]
 //   %493   reshape                                 line 39    f32[8192,768]
 //   %494   cast                                    line 39    bf16[8192,768]
-//   %650   attention_lse                           line 39    f32[8,12,1024]
+//   %651   attention_lse                           line 39    f32[8,12,1024]
 // loops:
 //   attention and its log-sum-exp per row: B 8, T 1024, 12 heads of 64, causal, within documents; one task per (batch, head)
 static void k74_attention_fwd__cast__lse(char *arena, const MdlHooks *h) {
   int32_t *const b3 = (int32_t *)(arena + 2238271488); // %3 input doc i32[8,1024]
   uint16_t *const b488 = (uint16_t *)(arena + 4582120576); // %488 cast bf16[8,1024,2304]
   uint16_t *const b494 = (uint16_t *)(arena + 5727165568); // %494 cast bf16[8192,768]
-  float *const b650 = (float *)(arena + 5806595200); // %650 attention_lse f32[8,12,1024]
+  float *const b651 = (float *)(arena + 5806595200); // %651 attention_lse f32[8,12,1024]
   #pragma omp parallel num_threads(h->nthreads)
   {
     float *restrict kt = memset(mdl_scratch(67584 * sizeof(float)), 0, 67584 * sizeof(float));
@@ -3708,7 +3708,7 @@ static void k74_attention_fwd__cast__lse(char *arena, const MdlHooks *h) {
           }
           l = ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
         }
-        b650[(b * 12 + hd) * 1024 + i] = m + logf(l);
+        b651[(b * 12 + hd) * 1024 + i] = m + logf(l);
         float acc0[64] = {0}, acc1[64] = {0};
         int64_t j = lo;
         for (; j + 1 < hi; j += 2) {
@@ -3974,14 +3974,14 @@ static void k80_gemm__add__cast(char *arena, const MdlHooks *h) {
 //   %538   attention                               line 39    f32[8,1024,768]
 //   %539   reshape                                 line 39    f32[8192,768]
 //   %540   cast                                    line 39    bf16[8192,768]
-//   %610   attention_lse                           line 39    f32[8,12,1024]
+//   %611   attention_lse                           line 39    f32[8,12,1024]
 // loops:
 //   attention and its log-sum-exp per row: B 8, T 1024, 12 heads of 64, causal, within documents; one task per (batch, head)
 static void k81_attention_fwd__cast__lse(char *arena, const MdlHooks *h) {
   int32_t *const b3 = (int32_t *)(arena + 2238271488); // %3 input doc i32[8,1024]
   uint16_t *const b534 = (uint16_t *)(arena + 4619869312); // %534 cast bf16[8,1024,2304]
   uint16_t *const b540 = (uint16_t *)(arena + 5764914304); // %540 cast bf16[8192,768]
-  float *const b610 = (float *)(arena + 5806988416); // %610 attention_lse f32[8,12,1024]
+  float *const b611 = (float *)(arena + 5806988416); // %611 attention_lse f32[8,12,1024]
   #pragma omp parallel num_threads(h->nthreads)
   {
     float *restrict kt = memset(mdl_scratch(67584 * sizeof(float)), 0, 67584 * sizeof(float));
@@ -4042,7 +4042,7 @@ static void k81_attention_fwd__cast__lse(char *arena, const MdlHooks *h) {
           }
           l = ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
         }
-        b610[(b * 12 + hd) * 1024 + i] = m + logf(l);
+        b611[(b * 12 + hd) * 1024 + i] = m + logf(l);
         float acc0[64] = {0}, acc1[64] = {0};
         int64_t j = lo;
         for (; j + 1 < hi; j += 2) {
@@ -4269,41 +4269,42 @@ static void k86_layernorm_fwd__cast(char *arena, const MdlHooks *h) {
 }
 
 // k87_broadcast__mul: kernel, 3 ops
-//   %574   mul                                     line 46    f32[]
-//   %575   reshape                                 line 46    f32[1]
-//   %576   broadcast                               line 46    f32[8192]
+//   %575   mul                                     line 46    f32[]
+//   %576   reshape                                 line 46    f32[1]
+//   %577   broadcast                               line 46    f32[8192]
 // loops:
-//   elementwise over 8192: %576
+//   elementwise over 8192: %577
 static void k87_broadcast__mul(char *arena, const MdlHooks *h) {
   (void)h;
-  float *const b576 = (float *)(arena + 5324512384); // %576 broadcast f32[8192]
+  float *const b577 = (float *)(arena + 5324512384); // %577 broadcast f32[8192]
   for (int64_t i = 0; i < 8192; i++) {
-    const float v574_0 = 1.0f * 0.00012207031f;
-    const float v575_0 = v574_0;
-    const float v576_i = v575_0;
-    b576[i] = v576_i;
+    const float v575_0 = 1.0f * 0.00012207031f;
+    const float v576_0 = v575_0;
+    const float v577_i = v576_0;
+    b577[i] = v577_i;
   }
 }
 
-// k88_lmhead__cross_entropy__cross_entropy_bwd__cast__gemm: LM head, 8 ops
+// k88_lmhead__cast__cross_entropy__cross_entropy_bwd__gemm: LM head, 9 ops
 //   %567   matmul                                  line 45    f32[8192,50257]
 //   %568   reshape            logits               line 45    f32[8,1024,50257]
-//   %569   cross_entropy                           line 46    f32[8,1024]
-//   %578   cross_entropy_bwd  d.logits             line 46    f32[8,1024,50257]
-//   %579   reshape                                 line 45    f32[8192,50257]
-//   %580   cast                                    line 45    bf16[8192,50257]
-//   %581   matmul                                  line 45    f32[8192,768]
-//   %582   matmul                                  line 45    f32[50257,768]
+//   %569   cast                                    line 46    bf16[8,1024,50257]
+//   %570   cross_entropy                           line 46    f32[8,1024]
+//   %579   cross_entropy_bwd  d.logits             line 46    f32[8,1024,50257]
+//   %580   reshape                                 line 45    f32[8192,50257]
+//   %581   cast                                    line 45    bf16[8192,50257]
+//   %582   matmul                                  line 45    f32[8192,768]
+//   %583   matmul                                  line 45    f32[50257,768]
 // loops:
 //   LM head: 8192 rows x 50257 classes from width 768, in chunks of 320 rows
-static void k88_lmhead__cross_entropy__cross_entropy_bwd__cast__gemm(char *arena, const MdlHooks *h) {
+static void k88_lmhead__cast__cross_entropy__cross_entropy_bwd__gemm(char *arena, const MdlHooks *h) {
   int32_t *const b1 = (int32_t *)(arena + 2238205952); // %1 input targets i32[8,1024]
   uint16_t *const b565 = (uint16_t *)(arena + 5311929472); // %565 cast bf16[8192,768]
   uint16_t *const b566 = (uint16_t *)(arena + 1991036928); // %566 cast bf16[50257,768]
-  float *const b569 = (float *)(arena + 5324545152); // %569 cross_entropy f32[8,1024]
-  float *const b576 = (float *)(arena + 5324512384); // %576 broadcast f32[8192]
-  float *const b581 = (float *)(arena + 5286763648); // %581 matmul f32[8192,768]
-  float *const b582 = (float *)(arena + 2238304384); // %582 matmul f32[50257,768]
+  float *const b570 = (float *)(arena + 5324545152); // %570 cross_entropy f32[8,1024]
+  float *const b577 = (float *)(arena + 5324512384); // %577 broadcast f32[8192]
+  float *const b582 = (float *)(arena + 5286763648); // %582 matmul f32[8192,768]
+  float *const b583 = (float *)(arena + 2238304384); // %583 matmul f32[50257,768]
   float *const w565 = mdl_widen_bf16(b565, 6291456, h->nthreads);
   float *const w566 = mdl_widen_bf16(b566, 38597376, h->nthreads);
   float *logits = mdl_scratch(16082240 * sizeof(float));
@@ -4313,13 +4314,15 @@ static void k88_lmhead__cross_entropy__cross_entropy_bwd__cast__gemm(char *arena
     #pragma omp parallel for num_threads(h->nthreads) schedule(static)
     for (int64_t i = 0; i < rn; i++) {
       const int64_t r = r0 + i;
-      const float *x = logits + i * 50257;
+      float *x = logits + i * 50257;
       float *dx = logits + i * 50257;
       const int32_t t = b1[r];
+      for (int64_t j = 0; j < 50257; j++)
+        x[j] = mdl_bf16_to_f32(mdl_f32_to_bf16(x[j]));
       if (t < 0 || t >= 50257) {
         if (t >= 50257)
           h->error(h->ctx, "cross_entropy: target", t, 50257);
-        b569[r] = 0.0f;
+        b570[r] = 0.0f;
         memset(dx, 0, 50257 * sizeof(float));
         continue;
       }
@@ -4333,13 +4336,13 @@ static void k88_lmhead__cross_entropy__cross_entropy_bwd__cast__gemm(char *arena
         dx[j] = mdl_exp_shifted(x[j] - m);
         sum += dx[j];
       }
-      b569[r] = (float)(m + log(sum) - xt);
-      const double g = b576[r], inv = 1.0 / sum;
+      b570[r] = (float)(m + log(sum) - xt);
+      const double g = b577[r], inv = 1.0 / sum;
       for (int64_t j = 0; j < 50257; j++)
         dx[j] = mdl_bf16_to_f32(mdl_f32_to_bf16((float)(g * (dx[j] * inv - (j == t)))));
     }
-    mdl_gemm(h, 0, 0, rn, 768, 50257, logits, 50257, w566, 768, 0.0f, b581 + r0 * 768, 768);
-    mdl_gemm(h, 1, 0, 50257, 768, rn, logits, 50257, w565 + r0 * 768, 768, r0 ? 1.0f : 0.0f, b582, 768);
+    mdl_gemm(h, 0, 0, rn, 768, 50257, logits, 50257, w566, 768, 0.0f, b582 + r0 * 768, 768);
+    mdl_gemm(h, 1, 0, 50257, 768, rn, logits, 50257, w565 + r0 * 768, 768, r0 ? 1.0f : 0.0f, b583, 768);
   }
   free(logits);
   free(w565);
@@ -4347,13 +4350,13 @@ static void k88_lmhead__cross_entropy__cross_entropy_bwd__cast__gemm(char *arena
 }
 
 // k89_mean: kernel, 1 op
-//   %571   mean               loss                 line 46    f32[]
+//   %572   mean               loss                 line 46    f32[]
 // loops:
-//   mean %571: 1 outputs over 8192 elements, in 8 blocks of 1024
+//   mean %572: 1 outputs over 8192 elements, in 8 blocks of 1024
 static void k89_mean(char *arena, const MdlHooks *h) {
   (void)h;
-  float *const b569 = (float *)(arena + 5324545152); // %569 cross_entropy f32[8,1024]
-  float *const b571 = (float *)(arena + 5807381632); // %571 mean loss f32[]
+  float *const b570 = (float *)(arena + 5324545152); // %570 cross_entropy f32[8,1024]
+  float *const b572 = (float *)(arena + 5807381632); // %572 mean loss f32[]
   double *part = mdl_scratch(8 * sizeof(double));
   for (int64_t t = 0; t < 8; t++) {
     const int64_t r = t / 8, l0 = t % 8 * 1024;
@@ -4361,8 +4364,8 @@ static void k89_mean(char *arena, const MdlHooks *h) {
     double acc = 0.0;
     for (int64_t l = l0; l < end; l++) {
       const int64_t ix = r * 8192 + l;
-      const float v569_ix = b569[ix];
-      const float v = v569_ix;
+      const float v570_ix = b570[ix];
+      const float v = v570_ix;
       acc += v;
     }
     part[t] = acc;
@@ -4374,32 +4377,32 @@ static void k89_mean(char *arena, const MdlHooks *h) {
       acc += v;
     }
     const float y = (float)(acc / 8192);
-    b571[r] = y;
+    b572[r] = y;
   }
   free(part);
 }
 
 // k90_layernorm_bwd__sum__cast: kernel, 6 ops
-//   %584   layernorm_bwd      d.h.11.x             line 45    f32[8,1024,768]
-//   %585   layernorm_bwd      d.lnf_w              line 45    f32[768]
-//   %586   layernorm_bwd      d.lnf_b              line 45    f32[768]
-//   %587   reshape                                 line 40    f32[8192,768]
-//   %588   sum                d.h.11.fcproj_b      line 40    f32[768]
-//   %589   cast                                    line 40    bf16[8192,768]
+//   %585   layernorm_bwd      d.h.11.x             line 45    f32[8,1024,768]
+//   %586   layernorm_bwd      d.lnf_w              line 45    f32[768]
+//   %587   layernorm_bwd      d.lnf_b              line 45    f32[768]
+//   %588   reshape                                 line 40    f32[8192,768]
+//   %589   sum                d.h.11.fcproj_b      line 40    f32[768]
+//   %590   cast                                    line 40    bf16[8192,768]
 // loops:
 //   layernorm_bwd: 8192 rows of 768, column sums over 64 blocks of 128 rows
 static void k90_layernorm_bwd__sum__cast(char *arena, const MdlHooks *h) {
   float *const b560 = (float *)(arena + 5261597824); // %560 add h.11.x f32[8,1024,768]
   float *const b561 = (float *)(arena + 497753088); // %561 param lnf_w f32[768]
-  float *const b581 = (float *)(arena + 5286763648); // %581 matmul f32[8192,768]
-  float *const b584 = (float *)(arena + 5311929472); // %584 layernorm_bwd d.h.11.x f32[8,1024,768]
-  float *const b585 = (float *)(arena + 995512320); // %585 layernorm_bwd d.lnf_w f32[768]
-  float *const b586 = (float *)(arena + 995515392); // %586 layernorm_bwd d.lnf_b f32[768]
-  float *const b588 = (float *)(arena + 995509248); // %588 sum d.h.11.fcproj_b f32[768]
-  uint16_t *const b589 = (uint16_t *)(arena + 5790080128); // %589 cast bf16[8192,768]
+  float *const b582 = (float *)(arena + 5286763648); // %582 matmul f32[8192,768]
+  float *const b585 = (float *)(arena + 5311929472); // %585 layernorm_bwd d.h.11.x f32[8,1024,768]
+  float *const b586 = (float *)(arena + 995512320); // %586 layernorm_bwd d.lnf_w f32[768]
+  float *const b587 = (float *)(arena + 995515392); // %587 layernorm_bwd d.lnf_b f32[768]
+  float *const b589 = (float *)(arena + 995509248); // %589 sum d.h.11.fcproj_b f32[768]
+  uint16_t *const b590 = (uint16_t *)(arena + 5790080128); // %590 cast bf16[8192,768]
   double *pdw = mdl_scratch(49152 * sizeof(double));
   double *pdb = mdl_scratch(49152 * sizeof(double));
-  double *ps0 = mdl_scratch(49152 * sizeof(double)); // partials of the column sum %588
+  double *ps0 = mdl_scratch(49152 * sizeof(double)); // partials of the column sum %589
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
   for (int64_t k = 0; k < 64; k++) {
     double *sw = pdw + k * 768;
@@ -4410,7 +4413,7 @@ static void k90_layernorm_bwd__sum__cast(char *arena, const MdlHooks *h) {
     const int64_t end = k * 128 + 128 < 8192 ? k * 128 + 128 : 8192;
     for (int64_t r = k * 128; r < end; r++) {
       const float *x = b560 + r * 768;
-      const float *dy = b581 + r * 768;
+      const float *dy = b582 + r * 768;
       double mean = 0, var = 0, mg = 0, mgx = 0;
       #pragma omp simd reduction(+ : mean)
       for (int64_t j = 0; j < 768; j++)
@@ -4428,17 +4431,17 @@ static void k90_layernorm_bwd__sum__cast(char *arena, const MdlHooks *h) {
         sw[j] += dy[j] * xhat;
         sb[j] += dy[j];
       }
-      float *dx = b584 + r * 768;
+      float *dx = b585 + r * 768;
       mg /= 768;
       mgx /= 768;
       for (int64_t j = 0; j < 768; j++)
         dx[j] = (float)(rstd * ((double)dy[j] * b561[j] - mg - (x[j] - mean) * rstd * mgx));
       for (int64_t j = 0; j < 768; j++) {
         const int64_t ix = r * 768 + j;
-        const float v587_ix = dx[j];
-        const float v589_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v587_ix));
-        b589[ix] = mdl_f32_to_bf16(v589_ix);
-        sa0[j] += v587_ix;
+        const float v588_ix = dx[j];
+        const float v590_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v588_ix));
+        b590[ix] = mdl_f32_to_bf16(v590_ix);
+        sa0[j] += v588_ix;
       }
     }
   }
@@ -4450,9 +4453,9 @@ static void k90_layernorm_bwd__sum__cast(char *arena, const MdlHooks *h) {
       b += pdb[k * 768 + j];
       a0 += ps0[k * 768 + j];
     }
-    b585[j] = (float)w;
-    b586[j] = (float)b;
-    b588[j] = (float)a0;
+    b586[j] = (float)w;
+    b587[j] = (float)b;
+    b589[j] = (float)a0;
   }
   free(pdw);
   free(pdb);
@@ -4460,44 +4463,44 @@ static void k90_layernorm_bwd__sum__cast(char *arena, const MdlHooks *h) {
 }
 
 // k91_gemm: GEMM, 1 op
-//   %591   matmul             d.h.11.fcproj_w      line 40    f32[3072,768]
+//   %592   matmul             d.h.11.fcproj_w      line 40    f32[3072,768]
 // loops:
-//   gemm %591: [3072 x 768] = T[3072 x 8192] [8192 x 768], bf16 operands widened to f32
+//   gemm %592: [3072 x 768] = T[3072 x 8192] [8192 x 768], bf16 operands widened to f32
 static void k91_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b555 = (uint16_t *)(arena + 4154301568); // %555 cast bf16[8192,3072]
-  uint16_t *const b589 = (uint16_t *)(arena + 5790080128); // %589 cast bf16[8192,768]
-  float *const b591 = (float *)(arena + 986072064); // %591 matmul d.h.11.fcproj_w f32[3072,768]
+  uint16_t *const b590 = (uint16_t *)(arena + 5790080128); // %590 cast bf16[8192,768]
+  float *const b592 = (float *)(arena + 986072064); // %592 matmul d.h.11.fcproj_w f32[3072,768]
   {
     float *const w555 = mdl_widen_bf16(b555, 25165824, h->nthreads);
-    float *const w589 = mdl_widen_bf16(b589, 6291456, h->nthreads);
-    mdl_gemm(h, 1, 0, 3072, 768, 8192, w555, 3072, w589, 768, 0.0f, b591, 768);
+    float *const w590 = mdl_widen_bf16(b590, 6291456, h->nthreads);
+    mdl_gemm(h, 1, 0, 3072, 768, 8192, w555, 3072, w590, 768, 0.0f, b592, 768);
     free(w555);
-    free(w589);
+    free(w590);
   }
 }
 
 // k92_gemm__gelu_bwd__sum__cast: GEMM, 6 ops
-//   %590   matmul                                  line 40    f32[8192,3072]
-//   %592   reshape                                 line 40    f32[8,1024,3072]
-//   %593   gelu_bwd                                line 40    f32[8,1024,3072]
-//   %594   reshape                                 line 40    f32[8192,3072]
-//   %595   sum                d.h.11.fc_b          line 40    f32[3072]
-//   %596   cast                                    line 40    bf16[8192,3072]
+//   %591   matmul                                  line 40    f32[8192,3072]
+//   %593   reshape                                 line 40    f32[8,1024,3072]
+//   %594   gelu_bwd                                line 40    f32[8,1024,3072]
+//   %595   reshape                                 line 40    f32[8192,3072]
+//   %596   sum                d.h.11.fc_b          line 40    f32[3072]
+//   %597   cast                                    line 40    bf16[8192,3072]
 // loops:
-//   gemm %590: [8192 x 3072] = [8192 x 768] T[768 x 3072], bf16 operands widened to f32, epilogue after
-//   sum %595: 3072 outputs over 8192 elements, in 64 blocks of 128
+//   gemm %591: [8192 x 3072] = [8192 x 768] T[768 x 3072], bf16 operands widened to f32, epilogue after
+//   sum %596: 3072 outputs over 8192 elements, in 64 blocks of 128
 static void k92_gemm__gelu_bwd__sum__cast(char *arena, const MdlHooks *h) {
   float *const b552 = (float *)(arena + 3499990144); // %552 add f32[8,1024,3072]
   uint16_t *const b556 = (uint16_t *)(arena + 2233454592); // %556 cast bf16[3072,768]
-  uint16_t *const b589 = (uint16_t *)(arena + 5790080128); // %589 cast bf16[8192,768]
-  float *const b590 = mdl_scratch(100663296); // %590 matmul f32[8192,3072], kept in this kernel
-  float *const b595 = (float *)(arena + 986059776); // %595 sum d.h.11.fc_b f32[3072]
-  uint16_t *const b596 = (uint16_t *)(arena + 4154301568); // %596 cast bf16[8192,3072]
+  uint16_t *const b590 = (uint16_t *)(arena + 5790080128); // %590 cast bf16[8192,768]
+  float *const b591 = mdl_scratch(100663296); // %591 matmul f32[8192,3072], kept in this kernel
+  float *const b596 = (float *)(arena + 986059776); // %596 sum d.h.11.fc_b f32[3072]
+  uint16_t *const b597 = (uint16_t *)(arena + 4154301568); // %597 cast bf16[8192,3072]
   {
-    float *const w589 = mdl_widen_bf16(b589, 6291456, h->nthreads);
+    float *const w590 = mdl_widen_bf16(b590, 6291456, h->nthreads);
     float *const w556 = mdl_widen_bf16(b556, 2359296, h->nthreads);
-    mdl_gemm(h, 0, 1, 8192, 3072, 768, w589, 768, w556, 768, 0.0f, b590, 3072);
-    free(w589);
+    mdl_gemm(h, 0, 1, 8192, 3072, 768, w590, 768, w556, 768, 0.0f, b591, 3072);
+    free(w590);
     free(w556);
   }
   double *part = mdl_scratch(196608 * sizeof(double));
@@ -4511,13 +4514,13 @@ static void k92_gemm__gelu_bwd__sum__cast(char *arena, const MdlHooks *h) {
       for (int64_t c = 0; c < 3072; c++) {
         const int64_t ix = l * 3072 + c;
         const float v552_ix = b552[ix];
-        const float v590_ix = b590[ix];
-        const float v592_ix = v590_ix;
-        const float v593_ix = mdl_gelu_grad(v552_ix) * v592_ix;
-        const float v594_ix = v593_ix;
-        const float v = v594_ix;
-        const float v596_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v594_ix));
-        b596[ix] = mdl_f32_to_bf16(v596_ix);
+        const float v591_ix = b591[ix];
+        const float v593_ix = v591_ix;
+        const float v594_ix = mdl_gelu_grad(v552_ix) * v593_ix;
+        const float v595_ix = v594_ix;
+        const float v = v595_ix;
+        const float v597_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v595_ix));
+        b597[ix] = mdl_f32_to_bf16(v597_ix);
         p[c] += v;
       }
     }
@@ -4530,69 +4533,69 @@ static void k92_gemm__gelu_bwd__sum__cast(char *arena, const MdlHooks *h) {
       acc += v;
     }
     const float y = (float)acc;
-    b595[r] = y;
+    b596[r] = y;
   }
   free(part);
-  free(b590);
+  free(b591);
 }
 
 // k93_gemm: GEMM, 1 op
-//   %597   matmul                                  line 40    f32[8192,768]
+//   %598   matmul                                  line 40    f32[8192,768]
 // loops:
-//   gemm %597: [8192 x 768] = [8192 x 3072] T[3072 x 768], bf16 operands widened to f32
+//   gemm %598: [8192 x 768] = [8192 x 3072] T[3072 x 768], bf16 operands widened to f32
 static void k93_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b549 = (uint16_t *)(arena + 2228736000); // %549 cast bf16[768,3072]
-  uint16_t *const b596 = (uint16_t *)(arena + 4154301568); // %596 cast bf16[8192,3072]
-  float *const b597 = (float *)(arena + 3499990144); // %597 matmul f32[8192,768]
+  uint16_t *const b597 = (uint16_t *)(arena + 4154301568); // %597 cast bf16[8192,3072]
+  float *const b598 = (float *)(arena + 3499990144); // %598 matmul f32[8192,768]
   {
-    float *const w596 = mdl_widen_bf16(b596, 25165824, h->nthreads);
+    float *const w597 = mdl_widen_bf16(b597, 25165824, h->nthreads);
     float *const w549 = mdl_widen_bf16(b549, 2359296, h->nthreads);
-    mdl_gemm(h, 0, 1, 8192, 768, 3072, w596, 3072, w549, 3072, 0.0f, b597, 768);
-    free(w596);
+    mdl_gemm(h, 0, 1, 8192, 768, 3072, w597, 3072, w549, 3072, 0.0f, b598, 768);
+    free(w597);
     free(w549);
   }
 }
 
 // k94_gemm: GEMM, 1 op
-//   %598   matmul             d.h.11.fc_w          line 40    f32[768,3072]
+//   %599   matmul             d.h.11.fc_w          line 40    f32[768,3072]
 // loops:
-//   gemm %598: [768 x 3072] = T[768 x 8192] [8192 x 3072], bf16 operands widened to f32
+//   gemm %599: [768 x 3072] = T[768 x 8192] [8192 x 3072], bf16 operands widened to f32
 static void k94_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b548 = (uint16_t *)(arena + 5777497216); // %548 cast bf16[8192,768]
-  uint16_t *const b596 = (uint16_t *)(arena + 4154301568); // %596 cast bf16[8192,3072]
-  float *const b598 = (float *)(arena + 976622592); // %598 matmul d.h.11.fc_w f32[768,3072]
+  uint16_t *const b597 = (uint16_t *)(arena + 4154301568); // %597 cast bf16[8192,3072]
+  float *const b599 = (float *)(arena + 976622592); // %599 matmul d.h.11.fc_w f32[768,3072]
   {
     float *const w548 = mdl_widen_bf16(b548, 6291456, h->nthreads);
-    float *const w596 = mdl_widen_bf16(b596, 25165824, h->nthreads);
-    mdl_gemm(h, 1, 0, 768, 3072, 8192, w548, 768, w596, 3072, 0.0f, b598, 3072);
+    float *const w597 = mdl_widen_bf16(b597, 25165824, h->nthreads);
+    mdl_gemm(h, 1, 0, 768, 3072, 8192, w548, 768, w597, 3072, 0.0f, b599, 3072);
     free(w548);
-    free(w596);
+    free(w597);
   }
 }
 
 // k95_layernorm_bwd__add__sum__cast: kernel, 7 ops
-//   %600   layernorm_bwd                           line 40    f32[8,1024,768]
-//   %601   layernorm_bwd      d.h.11.ln2_w         line 40    f32[768]
-//   %602   layernorm_bwd      d.h.11.ln2_b         line 40    f32[768]
-//   %603   add                d.h.11.x             line 39    f32[8,1024,768]
-//   %604   reshape                                 line 39    f32[8192,768]
-//   %605   sum                d.h.11.proj_b        line 39    f32[768]
-//   %606   cast                                    line 39    bf16[8192,768]
+//   %601   layernorm_bwd                           line 40    f32[8,1024,768]
+//   %602   layernorm_bwd      d.h.11.ln2_w         line 40    f32[768]
+//   %603   layernorm_bwd      d.h.11.ln2_b         line 40    f32[768]
+//   %604   add                d.h.11.x             line 39    f32[8,1024,768]
+//   %605   reshape                                 line 39    f32[8192,768]
+//   %606   sum                d.h.11.proj_b        line 39    f32[768]
+//   %607   cast                                    line 39    bf16[8192,768]
 // loops:
 //   layernorm_bwd: 8192 rows of 768, column sums over 64 blocks of 128 rows
 static void k95_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
   float *const b521 = (float *)(arena + 478857216); // %521 param h.11.ln2_w f32[768]
   float *const b545 = (float *)(arena + 5236432000); // %545 add h.11.x f32[8,1024,768]
-  float *const b584 = (float *)(arena + 5311929472); // %584 layernorm_bwd d.h.11.x f32[8,1024,768]
-  float *const b597 = (float *)(arena + 3499990144); // %597 matmul f32[8192,768]
-  float *const b601 = (float *)(arena + 976616448); // %601 layernorm_bwd d.h.11.ln2_w f32[768]
-  float *const b602 = (float *)(arena + 976619520); // %602 layernorm_bwd d.h.11.ln2_b f32[768]
-  float *const b603 = (float *)(arena + 3537738880); // %603 add d.h.11.x f32[8,1024,768]
-  float *const b605 = (float *)(arena + 976613376); // %605 sum d.h.11.proj_b f32[768]
-  uint16_t *const b606 = (uint16_t *)(arena + 3525155968); // %606 cast bf16[8192,768]
+  float *const b585 = (float *)(arena + 5311929472); // %585 layernorm_bwd d.h.11.x f32[8,1024,768]
+  float *const b598 = (float *)(arena + 3499990144); // %598 matmul f32[8192,768]
+  float *const b602 = (float *)(arena + 976616448); // %602 layernorm_bwd d.h.11.ln2_w f32[768]
+  float *const b603 = (float *)(arena + 976619520); // %603 layernorm_bwd d.h.11.ln2_b f32[768]
+  float *const b604 = (float *)(arena + 3537738880); // %604 add d.h.11.x f32[8,1024,768]
+  float *const b606 = (float *)(arena + 976613376); // %606 sum d.h.11.proj_b f32[768]
+  uint16_t *const b607 = (uint16_t *)(arena + 3525155968); // %607 cast bf16[8192,768]
   double *pdw = mdl_scratch(49152 * sizeof(double));
   double *pdb = mdl_scratch(49152 * sizeof(double));
-  double *ps0 = mdl_scratch(49152 * sizeof(double)); // partials of the column sum %605
+  double *ps0 = mdl_scratch(49152 * sizeof(double)); // partials of the column sum %606
   #pragma omp parallel num_threads(h->nthreads)
   {
     float *dxrow = mdl_scratch(768 * sizeof(float));
@@ -4606,7 +4609,7 @@ static void k95_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
       const int64_t end = k * 128 + 128 < 8192 ? k * 128 + 128 : 8192;
       for (int64_t r = k * 128; r < end; r++) {
         const float *x = b545 + r * 768;
-        const float *dy = b597 + r * 768;
+        const float *dy = b598 + r * 768;
         double mean = 0, var = 0, mg = 0, mgx = 0;
         #pragma omp simd reduction(+ : mean)
         for (int64_t j = 0; j < 768; j++)
@@ -4631,13 +4634,13 @@ static void k95_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
           dx[j] = (float)(rstd * ((double)dy[j] * b521[j] - mg - (x[j] - mean) * rstd * mgx));
         for (int64_t j = 0; j < 768; j++) {
           const int64_t ix = r * 768 + j;
-          const float v584_ix = b584[ix];
-          const float v603_ix = v584_ix + dx[j];
-          b603[ix] = v603_ix;
-          const float v604_ix = v603_ix;
-          const float v606_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v604_ix));
-          b606[ix] = mdl_f32_to_bf16(v606_ix);
-          sa0[j] += v604_ix;
+          const float v585_ix = b585[ix];
+          const float v604_ix = v585_ix + dx[j];
+          b604[ix] = v604_ix;
+          const float v605_ix = v604_ix;
+          const float v607_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v605_ix));
+          b607[ix] = mdl_f32_to_bf16(v607_ix);
+          sa0[j] += v605_ix;
         }
       }
     }
@@ -4651,9 +4654,9 @@ static void k95_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
       b += pdb[k * 768 + j];
       a0 += ps0[k * 768 + j];
     }
-    b601[j] = (float)w;
-    b602[j] = (float)b;
-    b605[j] = (float)a0;
+    b602[j] = (float)w;
+    b603[j] = (float)b;
+    b606[j] = (float)a0;
   }
   free(pdw);
   free(pdb);
@@ -4661,69 +4664,69 @@ static void k95_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
 }
 
 // k96_gemm: GEMM, 1 op
-//   %608   matmul             d.h.11.proj_w        line 39    f32[768,768]
+//   %609   matmul             d.h.11.proj_w        line 39    f32[768,768]
 // loops:
-//   gemm %608: [768 x 768] = T[768 x 8192] [8192 x 768], bf16 operands widened to f32
+//   gemm %609: [768 x 768] = T[768 x 8192] [8192 x 768], bf16 operands widened to f32
 static void k96_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b540 = (uint16_t *)(arena + 5764914304); // %540 cast bf16[8192,768]
-  uint16_t *const b606 = (uint16_t *)(arena + 3525155968); // %606 cast bf16[8192,768]
-  float *const b608 = (float *)(arena + 974254080); // %608 matmul d.h.11.proj_w f32[768,768]
+  uint16_t *const b607 = (uint16_t *)(arena + 3525155968); // %607 cast bf16[8192,768]
+  float *const b609 = (float *)(arena + 974254080); // %609 matmul d.h.11.proj_w f32[768,768]
   {
     float *const w540 = mdl_widen_bf16(b540, 6291456, h->nthreads);
-    float *const w606 = mdl_widen_bf16(b606, 6291456, h->nthreads);
-    mdl_gemm(h, 1, 0, 768, 768, 8192, w540, 768, w606, 768, 0.0f, b608, 768);
+    float *const w607 = mdl_widen_bf16(b607, 6291456, h->nthreads);
+    mdl_gemm(h, 1, 0, 768, 768, 8192, w540, 768, w607, 768, 0.0f, b609, 768);
     free(w540);
-    free(w606);
+    free(w607);
   }
 }
 
 // k97_gemm__cast: GEMM, 3 ops
-//   %607   matmul                                  line 39    f32[8192,768]
-//   %609   reshape                                 line 39    f32[8,1024,768]
-//   %612   cast                                    line 39    bf16[8,1024,768]
+//   %608   matmul                                  line 39    f32[8192,768]
+//   %610   reshape                                 line 39    f32[8,1024,768]
+//   %613   cast                                    line 39    bf16[8,1024,768]
 // loops:
-//   gemm %607: [8192 x 768] = [8192 x 768] T[768 x 768], bf16 operands widened to f32, epilogue after
-//   elementwise over 6291456: %612
+//   gemm %608: [8192 x 768] = [8192 x 768] T[768 x 768], bf16 operands widened to f32, epilogue after
+//   elementwise over 6291456: %613
 static void k97_gemm__cast(char *arena, const MdlHooks *h) {
   uint16_t *const b541 = (uint16_t *)(arena + 2227556352); // %541 cast bf16[768,768]
-  uint16_t *const b606 = (uint16_t *)(arena + 3525155968); // %606 cast bf16[8192,768]
-  float *const b607 = mdl_scratch(25165824); // %607 matmul f32[8192,768], kept in this kernel
-  uint16_t *const b612 = (uint16_t *)(arena + 3499990144); // %612 cast bf16[8,1024,768]
+  uint16_t *const b607 = (uint16_t *)(arena + 3525155968); // %607 cast bf16[8192,768]
+  float *const b608 = mdl_scratch(25165824); // %608 matmul f32[8192,768], kept in this kernel
+  uint16_t *const b613 = (uint16_t *)(arena + 3499990144); // %613 cast bf16[8,1024,768]
   {
-    float *const w606 = mdl_widen_bf16(b606, 6291456, h->nthreads);
+    float *const w607 = mdl_widen_bf16(b607, 6291456, h->nthreads);
     float *const w541 = mdl_widen_bf16(b541, 589824, h->nthreads);
-    mdl_gemm(h, 0, 1, 8192, 768, 768, w606, 768, w541, 768, 0.0f, b607, 768);
-    free(w606);
+    mdl_gemm(h, 0, 1, 8192, 768, 768, w607, 768, w541, 768, 0.0f, b608, 768);
+    free(w607);
     free(w541);
   }
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
   for (int64_t r = 0; r < 8192; r++) {
     for (int64_t c = 0; c < 768; c++) {
       const int64_t i = r * 768 + c;
-      const float v607_i = b607[i];
-      const float v609_i = v607_i;
-      const float v612_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v609_i));
-      b612[i] = mdl_f32_to_bf16(v612_i);
+      const float v608_i = b608[i];
+      const float v610_i = v608_i;
+      const float v613_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v610_i));
+      b613[i] = mdl_f32_to_bf16(v613_i);
     }
   }
-  free(b607);
+  free(b608);
 }
 
 // k98_attention_bwd: attention, 3 ops
-//   %613   attention_bwd      d.h.11.q             line 39    f32[8,1024,768]
-//   %614   attention_bwd      d.h.11.k             line 39    f32[8,1024,768]
-//   %615   attention_bwd      d.h.11.v             line 39    f32[8,1024,768]
+//   %614   attention_bwd      d.h.11.q             line 39    f32[8,1024,768]
+//   %615   attention_bwd      d.h.11.k             line 39    f32[8,1024,768]
+//   %616   attention_bwd      d.h.11.v             line 39    f32[8,1024,768]
 // loops:
 //   attention backward (dq dk dv): B 8, T 1024, 12 heads of 64, causal, within documents; one task per (batch, head)
 static void k98_attention_bwd(char *arena, const MdlHooks *h) {
   int32_t *const b3 = (int32_t *)(arena + 2238271488); // %3 input doc i32[8,1024]
   uint16_t *const b534 = (uint16_t *)(arena + 4619869312); // %534 cast bf16[8,1024,2304]
   uint16_t *const b540 = (uint16_t *)(arena + 5764914304); // %540 cast bf16[8192,768]
-  float *const b610 = (float *)(arena + 5806988416); // %610 attention_lse f32[8,12,1024]
-  uint16_t *const b612 = (uint16_t *)(arena + 3499990144); // %612 cast bf16[8,1024,768]
-  float *const b613 = (float *)(arena + 3562904704); // %613 attention_bwd d.h.11.q f32[8,1024,768]
-  float *const b614 = (float *)(arena + 4154301568); // %614 attention_bwd d.h.11.k f32[8,1024,768]
-  float *const b615 = (float *)(arena + 4179467392); // %615 attention_bwd d.h.11.v f32[8,1024,768]
+  float *const b611 = (float *)(arena + 5806988416); // %611 attention_lse f32[8,12,1024]
+  uint16_t *const b613 = (uint16_t *)(arena + 3499990144); // %613 cast bf16[8,1024,768]
+  float *const b614 = (float *)(arena + 3562904704); // %614 attention_bwd d.h.11.q f32[8,1024,768]
+  float *const b615 = (float *)(arena + 4154301568); // %615 attention_bwd d.h.11.k f32[8,1024,768]
+  float *const b616 = (float *)(arena + 4179467392); // %616 attention_bwd d.h.11.v f32[8,1024,768]
   #pragma omp parallel num_threads(h->nthreads)
   {
     float *restrict kt = memset(mdl_scratch(67584 * sizeof(float)), 0, 67584 * sizeof(float));
@@ -4771,13 +4774,13 @@ static void k98_attention_bwd(char *arena, const MdlHooks *h) {
           }
           memcpy(s + j0, acc, sizeof acc);
         }
-        const float lse = b610[(b * 12 + hd) * 1024 + i];
+        const float lse = b611[(b * 12 + hd) * 1024 + i];
         #pragma omp simd
         for (int64_t j = lo; j < hi; j++)
           s[j] = dc[j] == di ? mdl_exp_shifted(s[j] * 0.125f - lse) : 0.0f;
         float dor[64];
         for (int64_t c = 0; c < 64; c++)
-          dor[c] = mdl_bf16_to_f32(b612[(b * 1024 + i) * 768 + hd * 64 + c]);
+          dor[c] = mdl_bf16_to_f32(b613[(b * 1024 + i) * 768 + hd * 64 + c]);
         const float *restrict doi = dor;
         float dsum = 0.0f;
         for (int64_t c = 0; c < 64; c++)
@@ -4826,14 +4829,14 @@ static void k98_attention_bwd(char *arena, const MdlHooks *h) {
           for (int64_t c = 0; c < 64; c++)
             dvj[c] += mdl_bf16_to_f32(mdl_f32_to_bf16(s[j])) * doi[c];
         }
-        float *restrict dq = b613 + (b * 1024 + i) * 768 + hd * 64;
+        float *restrict dq = b614 + (b * 1024 + i) * 768 + hd * 64;
         for (int64_t c = 0; c < 64; c++)
           dq[c] = 0.125f * (dqi0[c] + dqi1[c]);
       }
       for (int64_t t = 0; t < 1024; t++)
-        memcpy(b614 + (b * 1024 + t) * 768 + hd * 64, dkh + t * 64, 64 * sizeof(float));
+        memcpy(b615 + (b * 1024 + t) * 768 + hd * 64, dkh + t * 64, 64 * sizeof(float));
       for (int64_t t = 0; t < 1024; t++)
-        memcpy(b615 + (b * 1024 + t) * 768 + hd * 64, dvh + t * 64, 64 * sizeof(float));
+        memcpy(b616 + (b * 1024 + t) * 768 + hd * 64, dvh + t * 64, 64 * sizeof(float));
     }
     free(kt);
     free(s);
@@ -4845,18 +4848,18 @@ static void k98_attention_bwd(char *arena, const MdlHooks *h) {
 }
 
 // k99_sum__concat__cast: kernel, 4 ops
-//   %616   concat                                  line 38    f32[8,1024,2304]
-//   %617   reshape                                 line 38    f32[8192,2304]
-//   %618   sum                d.h.11.attn_b        line 38    f32[2304]
-//   %619   cast                                    line 38    bf16[8192,2304]
+//   %617   concat                                  line 38    f32[8,1024,2304]
+//   %618   reshape                                 line 38    f32[8192,2304]
+//   %619   sum                d.h.11.attn_b        line 38    f32[2304]
+//   %620   cast                                    line 38    bf16[8192,2304]
 // loops:
-//   sum %618: 2304 outputs over 8192 elements, in 64 blocks of 128
+//   sum %619: 2304 outputs over 8192 elements, in 64 blocks of 128
 static void k99_sum__concat__cast(char *arena, const MdlHooks *h) {
-  float *const b613 = (float *)(arena + 3562904704); // %613 attention_bwd d.h.11.q f32[8,1024,768]
-  float *const b614 = (float *)(arena + 4154301568); // %614 attention_bwd d.h.11.k f32[8,1024,768]
-  float *const b615 = (float *)(arena + 4179467392); // %615 attention_bwd d.h.11.v f32[8,1024,768]
-  float *const b618 = (float *)(arena + 974244864); // %618 sum d.h.11.attn_b f32[2304]
-  uint16_t *const b619 = (uint16_t *)(arena + 3499990144); // %619 cast bf16[8192,2304]
+  float *const b614 = (float *)(arena + 3562904704); // %614 attention_bwd d.h.11.q f32[8,1024,768]
+  float *const b615 = (float *)(arena + 4154301568); // %615 attention_bwd d.h.11.k f32[8,1024,768]
+  float *const b616 = (float *)(arena + 4179467392); // %616 attention_bwd d.h.11.v f32[8,1024,768]
+  float *const b619 = (float *)(arena + 974244864); // %619 sum d.h.11.attn_b f32[2304]
+  uint16_t *const b620 = (uint16_t *)(arena + 3499990144); // %620 cast bf16[8192,2304]
   double *part = mdl_scratch(147456 * sizeof(double));
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
   for (int64_t k = 0; k < 64; k++) {
@@ -4867,11 +4870,11 @@ static void k99_sum__concat__cast(char *arena, const MdlHooks *h) {
     for (int64_t l = k * 128; l < end; l++) {
       for (int64_t c = 0; c < 2304; c++) {
         const int64_t ix = l * 2304 + c;
-        const float v616_ix = (c < 768 ? b613 + (l * 768 + c) : c < 1536 ? b614 + (l * 768 + (c - 768)) : b615 + (l * 768 + (c - 1536)))[0];
-        const float v617_ix = v616_ix;
-        const float v = v617_ix;
-        const float v619_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v617_ix));
-        b619[ix] = mdl_f32_to_bf16(v619_ix);
+        const float v617_ix = (c < 768 ? b614 + (l * 768 + c) : c < 1536 ? b615 + (l * 768 + (c - 768)) : b616 + (l * 768 + (c - 1536)))[0];
+        const float v618_ix = v617_ix;
+        const float v = v618_ix;
+        const float v620_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v618_ix));
+        b620[ix] = mdl_f32_to_bf16(v620_ix);
         p[c] += v;
       }
     }
@@ -4884,68 +4887,68 @@ static void k99_sum__concat__cast(char *arena, const MdlHooks *h) {
       acc += v;
     }
     const float y = (float)acc;
-    b618[r] = y;
+    b619[r] = y;
   }
   free(part);
 }
 
 // k100_gemm: GEMM, 1 op
-//   %620   matmul                                  line 38    f32[8192,768]
+//   %621   matmul                                  line 38    f32[8192,768]
 // loops:
-//   gemm %620: [8192 x 768] = [8192 x 2304] T[2304 x 768], bf16 operands widened to f32
+//   gemm %621: [8192 x 768] = [8192 x 2304] T[2304 x 768], bf16 operands widened to f32
 static void k100_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b530 = (uint16_t *)(arena + 2224017408); // %530 cast bf16[768,2304]
-  uint16_t *const b619 = (uint16_t *)(arena + 3499990144); // %619 cast bf16[8192,2304]
-  float *const b620 = (float *)(arena + 3562904704); // %620 matmul f32[8192,768]
+  uint16_t *const b620 = (uint16_t *)(arena + 3499990144); // %620 cast bf16[8192,2304]
+  float *const b621 = (float *)(arena + 3562904704); // %621 matmul f32[8192,768]
   {
-    float *const w619 = mdl_widen_bf16(b619, 18874368, h->nthreads);
+    float *const w620 = mdl_widen_bf16(b620, 18874368, h->nthreads);
     float *const w530 = mdl_widen_bf16(b530, 1769472, h->nthreads);
-    mdl_gemm(h, 0, 1, 8192, 768, 2304, w619, 2304, w530, 2304, 0.0f, b620, 768);
-    free(w619);
+    mdl_gemm(h, 0, 1, 8192, 768, 2304, w620, 2304, w530, 2304, 0.0f, b621, 768);
+    free(w620);
     free(w530);
   }
 }
 
 // k101_gemm: GEMM, 1 op
-//   %621   matmul             d.h.11.attn_w        line 38    f32[768,2304]
+//   %622   matmul             d.h.11.attn_w        line 38    f32[768,2304]
 // loops:
-//   gemm %621: [768 x 2304] = T[768 x 8192] [8192 x 2304], bf16 operands widened to f32
+//   gemm %622: [768 x 2304] = T[768 x 8192] [8192 x 2304], bf16 operands widened to f32
 static void k101_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b529 = (uint16_t *)(arena + 5752331392); // %529 cast bf16[8192,768]
-  uint16_t *const b619 = (uint16_t *)(arena + 3499990144); // %619 cast bf16[8192,2304]
-  float *const b621 = (float *)(arena + 967166976); // %621 matmul d.h.11.attn_w f32[768,2304]
+  uint16_t *const b620 = (uint16_t *)(arena + 3499990144); // %620 cast bf16[8192,2304]
+  float *const b622 = (float *)(arena + 967166976); // %622 matmul d.h.11.attn_w f32[768,2304]
   {
     float *const w529 = mdl_widen_bf16(b529, 6291456, h->nthreads);
-    float *const w619 = mdl_widen_bf16(b619, 18874368, h->nthreads);
-    mdl_gemm(h, 1, 0, 768, 2304, 8192, w529, 768, w619, 2304, 0.0f, b621, 2304);
+    float *const w620 = mdl_widen_bf16(b620, 18874368, h->nthreads);
+    mdl_gemm(h, 1, 0, 768, 2304, 8192, w529, 768, w620, 2304, 0.0f, b622, 2304);
     free(w529);
-    free(w619);
+    free(w620);
   }
 }
 
 // k102_layernorm_bwd__add__sum__cast: kernel, 7 ops
-//   %623   layernorm_bwd                           line 38    f32[8,1024,768]
-//   %624   layernorm_bwd      d.h.11.ln1_w         line 38    f32[768]
-//   %625   layernorm_bwd      d.h.11.ln1_b         line 38    f32[768]
-//   %626   add                d.h.10.x             line 40    f32[8,1024,768]
-//   %627   reshape                                 line 40    f32[8192,768]
-//   %628   sum                d.h.10.fcproj_b      line 40    f32[768]
-//   %629   cast                                    line 40    bf16[8192,768]
+//   %624   layernorm_bwd                           line 38    f32[8,1024,768]
+//   %625   layernorm_bwd      d.h.11.ln1_w         line 38    f32[768]
+//   %626   layernorm_bwd      d.h.11.ln1_b         line 38    f32[768]
+//   %627   add                d.h.10.x             line 40    f32[8,1024,768]
+//   %628   reshape                                 line 40    f32[8192,768]
+//   %629   sum                d.h.10.fcproj_b      line 40    f32[768]
+//   %630   cast                                    line 40    bf16[8192,768]
 // loops:
 //   layernorm_bwd: 8192 rows of 768, column sums over 64 blocks of 128 rows
 static void k102_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
   float *const b514 = (float *)(arena + 5211266176); // %514 add h.10.x f32[8,1024,768]
   float *const b515 = (float *)(arena + 469401600); // %515 param h.11.ln1_w f32[768]
-  float *const b603 = (float *)(arena + 3537738880); // %603 add d.h.11.x f32[8,1024,768]
-  float *const b620 = (float *)(arena + 3562904704); // %620 matmul f32[8192,768]
-  float *const b624 = (float *)(arena + 967160832); // %624 layernorm_bwd d.h.11.ln1_w f32[768]
-  float *const b625 = (float *)(arena + 967163904); // %625 layernorm_bwd d.h.11.ln1_b f32[768]
-  float *const b626 = (float *)(arena + 4154301568); // %626 add d.h.10.x f32[8,1024,768]
-  float *const b628 = (float *)(arena + 967157760); // %628 sum d.h.10.fcproj_b f32[768]
-  uint16_t *const b629 = (uint16_t *)(arena + 3588070528); // %629 cast bf16[8192,768]
+  float *const b604 = (float *)(arena + 3537738880); // %604 add d.h.11.x f32[8,1024,768]
+  float *const b621 = (float *)(arena + 3562904704); // %621 matmul f32[8192,768]
+  float *const b625 = (float *)(arena + 967160832); // %625 layernorm_bwd d.h.11.ln1_w f32[768]
+  float *const b626 = (float *)(arena + 967163904); // %626 layernorm_bwd d.h.11.ln1_b f32[768]
+  float *const b627 = (float *)(arena + 4154301568); // %627 add d.h.10.x f32[8,1024,768]
+  float *const b629 = (float *)(arena + 967157760); // %629 sum d.h.10.fcproj_b f32[768]
+  uint16_t *const b630 = (uint16_t *)(arena + 3588070528); // %630 cast bf16[8192,768]
   double *pdw = mdl_scratch(49152 * sizeof(double));
   double *pdb = mdl_scratch(49152 * sizeof(double));
-  double *ps0 = mdl_scratch(49152 * sizeof(double)); // partials of the column sum %628
+  double *ps0 = mdl_scratch(49152 * sizeof(double)); // partials of the column sum %629
   #pragma omp parallel num_threads(h->nthreads)
   {
     float *dxrow = mdl_scratch(768 * sizeof(float));
@@ -4959,7 +4962,7 @@ static void k102_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
       const int64_t end = k * 128 + 128 < 8192 ? k * 128 + 128 : 8192;
       for (int64_t r = k * 128; r < end; r++) {
         const float *x = b514 + r * 768;
-        const float *dy = b620 + r * 768;
+        const float *dy = b621 + r * 768;
         double mean = 0, var = 0, mg = 0, mgx = 0;
         #pragma omp simd reduction(+ : mean)
         for (int64_t j = 0; j < 768; j++)
@@ -4984,13 +4987,13 @@ static void k102_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
           dx[j] = (float)(rstd * ((double)dy[j] * b515[j] - mg - (x[j] - mean) * rstd * mgx));
         for (int64_t j = 0; j < 768; j++) {
           const int64_t ix = r * 768 + j;
-          const float v603_ix = b603[ix];
-          const float v626_ix = v603_ix + dx[j];
-          b626[ix] = v626_ix;
-          const float v627_ix = v626_ix;
-          const float v629_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v627_ix));
-          b629[ix] = mdl_f32_to_bf16(v629_ix);
-          sa0[j] += v627_ix;
+          const float v604_ix = b604[ix];
+          const float v627_ix = v604_ix + dx[j];
+          b627[ix] = v627_ix;
+          const float v628_ix = v627_ix;
+          const float v630_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v628_ix));
+          b630[ix] = mdl_f32_to_bf16(v630_ix);
+          sa0[j] += v628_ix;
         }
       }
     }
@@ -5004,9 +5007,9 @@ static void k102_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
       b += pdb[k * 768 + j];
       a0 += ps0[k * 768 + j];
     }
-    b624[j] = (float)w;
-    b625[j] = (float)b;
-    b628[j] = (float)a0;
+    b625[j] = (float)w;
+    b626[j] = (float)b;
+    b629[j] = (float)a0;
   }
   free(pdw);
   free(pdb);
@@ -5014,44 +5017,44 @@ static void k102_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
 }
 
 // k103_gemm: GEMM, 1 op
-//   %631   matmul             d.h.10.fcproj_w      line 40    f32[3072,768]
+//   %632   matmul             d.h.10.fcproj_w      line 40    f32[3072,768]
 // loops:
-//   gemm %631: [3072 x 768] = T[3072 x 8192] [8192 x 768], bf16 operands widened to f32
+//   gemm %632: [3072 x 768] = T[3072 x 8192] [8192 x 768], bf16 operands widened to f32
 static void k103_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b509 = (uint16_t *)(arena + 4103969920); // %509 cast bf16[8192,3072]
-  uint16_t *const b629 = (uint16_t *)(arena + 3588070528); // %629 cast bf16[8192,768]
-  float *const b631 = (float *)(arena + 957720576); // %631 matmul d.h.10.fcproj_w f32[3072,768]
+  uint16_t *const b630 = (uint16_t *)(arena + 3588070528); // %630 cast bf16[8192,768]
+  float *const b632 = (float *)(arena + 957720576); // %632 matmul d.h.10.fcproj_w f32[3072,768]
   {
     float *const w509 = mdl_widen_bf16(b509, 25165824, h->nthreads);
-    float *const w629 = mdl_widen_bf16(b629, 6291456, h->nthreads);
-    mdl_gemm(h, 1, 0, 3072, 768, 8192, w509, 3072, w629, 768, 0.0f, b631, 768);
+    float *const w630 = mdl_widen_bf16(b630, 6291456, h->nthreads);
+    mdl_gemm(h, 1, 0, 3072, 768, 8192, w509, 3072, w630, 768, 0.0f, b632, 768);
     free(w509);
-    free(w629);
+    free(w630);
   }
 }
 
 // k104_gemm__gelu_bwd__sum__cast: GEMM, 6 ops
-//   %630   matmul                                  line 40    f32[8192,3072]
-//   %632   reshape                                 line 40    f32[8,1024,3072]
-//   %633   gelu_bwd                                line 40    f32[8,1024,3072]
-//   %634   reshape                                 line 40    f32[8192,3072]
-//   %635   sum                d.h.10.fc_b          line 40    f32[3072]
-//   %636   cast                                    line 40    bf16[8192,3072]
+//   %631   matmul                                  line 40    f32[8192,3072]
+//   %633   reshape                                 line 40    f32[8,1024,3072]
+//   %634   gelu_bwd                                line 40    f32[8,1024,3072]
+//   %635   reshape                                 line 40    f32[8192,3072]
+//   %636   sum                d.h.10.fc_b          line 40    f32[3072]
+//   %637   cast                                    line 40    bf16[8192,3072]
 // loops:
-//   gemm %630: [8192 x 3072] = [8192 x 768] T[768 x 3072], bf16 operands widened to f32, epilogue after
-//   sum %635: 3072 outputs over 8192 elements, in 64 blocks of 128
+//   gemm %631: [8192 x 3072] = [8192 x 768] T[768 x 3072], bf16 operands widened to f32, epilogue after
+//   sum %636: 3072 outputs over 8192 elements, in 64 blocks of 128
 static void k104_gemm__gelu_bwd__sum__cast(char *arena, const MdlHooks *h) {
   float *const b506 = (float *)(arena + 3399326848); // %506 add f32[8,1024,3072]
   uint16_t *const b510 = (uint16_t *)(arena + 2219298816); // %510 cast bf16[3072,768]
-  uint16_t *const b629 = (uint16_t *)(arena + 3588070528); // %629 cast bf16[8192,768]
-  float *const b630 = mdl_scratch(100663296); // %630 matmul f32[8192,3072], kept in this kernel
-  float *const b635 = (float *)(arena + 957708288); // %635 sum d.h.10.fc_b f32[3072]
-  uint16_t *const b636 = (uint16_t *)(arena + 3499990144); // %636 cast bf16[8192,3072]
+  uint16_t *const b630 = (uint16_t *)(arena + 3588070528); // %630 cast bf16[8192,768]
+  float *const b631 = mdl_scratch(100663296); // %631 matmul f32[8192,3072], kept in this kernel
+  float *const b636 = (float *)(arena + 957708288); // %636 sum d.h.10.fc_b f32[3072]
+  uint16_t *const b637 = (uint16_t *)(arena + 3499990144); // %637 cast bf16[8192,3072]
   {
-    float *const w629 = mdl_widen_bf16(b629, 6291456, h->nthreads);
+    float *const w630 = mdl_widen_bf16(b630, 6291456, h->nthreads);
     float *const w510 = mdl_widen_bf16(b510, 2359296, h->nthreads);
-    mdl_gemm(h, 0, 1, 8192, 3072, 768, w629, 768, w510, 768, 0.0f, b630, 3072);
-    free(w629);
+    mdl_gemm(h, 0, 1, 8192, 3072, 768, w630, 768, w510, 768, 0.0f, b631, 3072);
+    free(w630);
     free(w510);
   }
   double *part = mdl_scratch(196608 * sizeof(double));
@@ -5065,13 +5068,13 @@ static void k104_gemm__gelu_bwd__sum__cast(char *arena, const MdlHooks *h) {
       for (int64_t c = 0; c < 3072; c++) {
         const int64_t ix = l * 3072 + c;
         const float v506_ix = b506[ix];
-        const float v630_ix = b630[ix];
-        const float v632_ix = v630_ix;
-        const float v633_ix = mdl_gelu_grad(v506_ix) * v632_ix;
-        const float v634_ix = v633_ix;
-        const float v = v634_ix;
-        const float v636_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v634_ix));
-        b636[ix] = mdl_f32_to_bf16(v636_ix);
+        const float v631_ix = b631[ix];
+        const float v633_ix = v631_ix;
+        const float v634_ix = mdl_gelu_grad(v506_ix) * v633_ix;
+        const float v635_ix = v634_ix;
+        const float v = v635_ix;
+        const float v637_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v635_ix));
+        b637[ix] = mdl_f32_to_bf16(v637_ix);
         p[c] += v;
       }
     }
@@ -5084,69 +5087,69 @@ static void k104_gemm__gelu_bwd__sum__cast(char *arena, const MdlHooks *h) {
       acc += v;
     }
     const float y = (float)acc;
-    b635[r] = y;
+    b636[r] = y;
   }
   free(part);
-  free(b630);
+  free(b631);
 }
 
 // k105_gemm: GEMM, 1 op
-//   %637   matmul                                  line 40    f32[8192,768]
+//   %638   matmul                                  line 40    f32[8192,768]
 // loops:
-//   gemm %637: [8192 x 768] = [8192 x 3072] T[3072 x 768], bf16 operands widened to f32
+//   gemm %638: [8192 x 768] = [8192 x 3072] T[3072 x 768], bf16 operands widened to f32
 static void k105_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b503 = (uint16_t *)(arena + 2214580224); // %503 cast bf16[768,3072]
-  uint16_t *const b636 = (uint16_t *)(arena + 3499990144); // %636 cast bf16[8192,3072]
-  float *const b637 = (float *)(arena + 3399326848); // %637 matmul f32[8192,768]
+  uint16_t *const b637 = (uint16_t *)(arena + 3499990144); // %637 cast bf16[8192,3072]
+  float *const b638 = (float *)(arena + 3399326848); // %638 matmul f32[8192,768]
   {
-    float *const w636 = mdl_widen_bf16(b636, 25165824, h->nthreads);
+    float *const w637 = mdl_widen_bf16(b637, 25165824, h->nthreads);
     float *const w503 = mdl_widen_bf16(b503, 2359296, h->nthreads);
-    mdl_gemm(h, 0, 1, 8192, 768, 3072, w636, 3072, w503, 3072, 0.0f, b637, 768);
-    free(w636);
+    mdl_gemm(h, 0, 1, 8192, 768, 3072, w637, 3072, w503, 3072, 0.0f, b638, 768);
+    free(w637);
     free(w503);
   }
 }
 
 // k106_gemm: GEMM, 1 op
-//   %638   matmul             d.h.10.fc_w          line 40    f32[768,3072]
+//   %639   matmul             d.h.10.fc_w          line 40    f32[768,3072]
 // loops:
-//   gemm %638: [768 x 3072] = T[768 x 8192] [8192 x 3072], bf16 operands widened to f32
+//   gemm %639: [768 x 3072] = T[768 x 8192] [8192 x 3072], bf16 operands widened to f32
 static void k106_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b502 = (uint16_t *)(arena + 5739748480); // %502 cast bf16[8192,768]
-  uint16_t *const b636 = (uint16_t *)(arena + 3499990144); // %636 cast bf16[8192,3072]
-  float *const b638 = (float *)(arena + 948271104); // %638 matmul d.h.10.fc_w f32[768,3072]
+  uint16_t *const b637 = (uint16_t *)(arena + 3499990144); // %637 cast bf16[8192,3072]
+  float *const b639 = (float *)(arena + 948271104); // %639 matmul d.h.10.fc_w f32[768,3072]
   {
     float *const w502 = mdl_widen_bf16(b502, 6291456, h->nthreads);
-    float *const w636 = mdl_widen_bf16(b636, 25165824, h->nthreads);
-    mdl_gemm(h, 1, 0, 768, 3072, 8192, w502, 768, w636, 3072, 0.0f, b638, 3072);
+    float *const w637 = mdl_widen_bf16(b637, 25165824, h->nthreads);
+    mdl_gemm(h, 1, 0, 768, 3072, 8192, w502, 768, w637, 3072, 0.0f, b639, 3072);
     free(w502);
-    free(w636);
+    free(w637);
   }
 }
 
 // k107_layernorm_bwd__add__sum__cast: kernel, 7 ops
-//   %640   layernorm_bwd                           line 40    f32[8,1024,768]
-//   %641   layernorm_bwd      d.h.10.ln2_w         line 40    f32[768]
-//   %642   layernorm_bwd      d.h.10.ln2_b         line 40    f32[768]
-//   %643   add                d.h.10.x             line 39    f32[8,1024,768]
-//   %644   reshape                                 line 39    f32[8192,768]
-//   %645   sum                d.h.10.proj_b        line 39    f32[768]
-//   %646   cast                                    line 39    bf16[8192,768]
+//   %641   layernorm_bwd                           line 40    f32[8,1024,768]
+//   %642   layernorm_bwd      d.h.10.ln2_w         line 40    f32[768]
+//   %643   layernorm_bwd      d.h.10.ln2_b         line 40    f32[768]
+//   %644   add                d.h.10.x             line 39    f32[8,1024,768]
+//   %645   reshape                                 line 39    f32[8192,768]
+//   %646   sum                d.h.10.proj_b        line 39    f32[768]
+//   %647   cast                                    line 39    bf16[8192,768]
 // loops:
 //   layernorm_bwd: 8192 rows of 768, column sums over 64 blocks of 128 rows
 static void k107_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
   float *const b475 = (float *)(arena + 450505728); // %475 param h.10.ln2_w f32[768]
   float *const b499 = (float *)(arena + 5186100352); // %499 add h.10.x f32[8,1024,768]
-  float *const b626 = (float *)(arena + 4154301568); // %626 add d.h.10.x f32[8,1024,768]
-  float *const b637 = (float *)(arena + 3399326848); // %637 matmul f32[8192,768]
-  float *const b641 = (float *)(arena + 948264960); // %641 layernorm_bwd d.h.10.ln2_w f32[768]
-  float *const b642 = (float *)(arena + 948268032); // %642 layernorm_bwd d.h.10.ln2_b f32[768]
-  float *const b643 = (float *)(arena + 3437075584); // %643 add d.h.10.x f32[8,1024,768]
-  float *const b645 = (float *)(arena + 948261888); // %645 sum d.h.10.proj_b f32[768]
-  uint16_t *const b646 = (uint16_t *)(arena + 3424492672); // %646 cast bf16[8192,768]
+  float *const b627 = (float *)(arena + 4154301568); // %627 add d.h.10.x f32[8,1024,768]
+  float *const b638 = (float *)(arena + 3399326848); // %638 matmul f32[8192,768]
+  float *const b642 = (float *)(arena + 948264960); // %642 layernorm_bwd d.h.10.ln2_w f32[768]
+  float *const b643 = (float *)(arena + 948268032); // %643 layernorm_bwd d.h.10.ln2_b f32[768]
+  float *const b644 = (float *)(arena + 3437075584); // %644 add d.h.10.x f32[8,1024,768]
+  float *const b646 = (float *)(arena + 948261888); // %646 sum d.h.10.proj_b f32[768]
+  uint16_t *const b647 = (uint16_t *)(arena + 3424492672); // %647 cast bf16[8192,768]
   double *pdw = mdl_scratch(49152 * sizeof(double));
   double *pdb = mdl_scratch(49152 * sizeof(double));
-  double *ps0 = mdl_scratch(49152 * sizeof(double)); // partials of the column sum %645
+  double *ps0 = mdl_scratch(49152 * sizeof(double)); // partials of the column sum %646
   #pragma omp parallel num_threads(h->nthreads)
   {
     float *dxrow = mdl_scratch(768 * sizeof(float));
@@ -5160,7 +5163,7 @@ static void k107_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
       const int64_t end = k * 128 + 128 < 8192 ? k * 128 + 128 : 8192;
       for (int64_t r = k * 128; r < end; r++) {
         const float *x = b499 + r * 768;
-        const float *dy = b637 + r * 768;
+        const float *dy = b638 + r * 768;
         double mean = 0, var = 0, mg = 0, mgx = 0;
         #pragma omp simd reduction(+ : mean)
         for (int64_t j = 0; j < 768; j++)
@@ -5185,13 +5188,13 @@ static void k107_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
           dx[j] = (float)(rstd * ((double)dy[j] * b475[j] - mg - (x[j] - mean) * rstd * mgx));
         for (int64_t j = 0; j < 768; j++) {
           const int64_t ix = r * 768 + j;
-          const float v626_ix = b626[ix];
-          const float v643_ix = v626_ix + dx[j];
-          b643[ix] = v643_ix;
-          const float v644_ix = v643_ix;
-          const float v646_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v644_ix));
-          b646[ix] = mdl_f32_to_bf16(v646_ix);
-          sa0[j] += v644_ix;
+          const float v627_ix = b627[ix];
+          const float v644_ix = v627_ix + dx[j];
+          b644[ix] = v644_ix;
+          const float v645_ix = v644_ix;
+          const float v647_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v645_ix));
+          b647[ix] = mdl_f32_to_bf16(v647_ix);
+          sa0[j] += v645_ix;
         }
       }
     }
@@ -5205,9 +5208,9 @@ static void k107_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
       b += pdb[k * 768 + j];
       a0 += ps0[k * 768 + j];
     }
-    b641[j] = (float)w;
-    b642[j] = (float)b;
-    b645[j] = (float)a0;
+    b642[j] = (float)w;
+    b643[j] = (float)b;
+    b646[j] = (float)a0;
   }
   free(pdw);
   free(pdb);
@@ -5215,69 +5218,69 @@ static void k107_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
 }
 
 // k108_gemm: GEMM, 1 op
-//   %648   matmul             d.h.10.proj_w        line 39    f32[768,768]
+//   %649   matmul             d.h.10.proj_w        line 39    f32[768,768]
 // loops:
-//   gemm %648: [768 x 768] = T[768 x 8192] [8192 x 768], bf16 operands widened to f32
+//   gemm %649: [768 x 768] = T[768 x 8192] [8192 x 768], bf16 operands widened to f32
 static void k108_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b494 = (uint16_t *)(arena + 5727165568); // %494 cast bf16[8192,768]
-  uint16_t *const b646 = (uint16_t *)(arena + 3424492672); // %646 cast bf16[8192,768]
-  float *const b648 = (float *)(arena + 945902592); // %648 matmul d.h.10.proj_w f32[768,768]
+  uint16_t *const b647 = (uint16_t *)(arena + 3424492672); // %647 cast bf16[8192,768]
+  float *const b649 = (float *)(arena + 945902592); // %649 matmul d.h.10.proj_w f32[768,768]
   {
     float *const w494 = mdl_widen_bf16(b494, 6291456, h->nthreads);
-    float *const w646 = mdl_widen_bf16(b646, 6291456, h->nthreads);
-    mdl_gemm(h, 1, 0, 768, 768, 8192, w494, 768, w646, 768, 0.0f, b648, 768);
+    float *const w647 = mdl_widen_bf16(b647, 6291456, h->nthreads);
+    mdl_gemm(h, 1, 0, 768, 768, 8192, w494, 768, w647, 768, 0.0f, b649, 768);
     free(w494);
-    free(w646);
+    free(w647);
   }
 }
 
 // k109_gemm__cast: GEMM, 3 ops
-//   %647   matmul                                  line 39    f32[8192,768]
-//   %649   reshape                                 line 39    f32[8,1024,768]
-//   %652   cast                                    line 39    bf16[8,1024,768]
+//   %648   matmul                                  line 39    f32[8192,768]
+//   %650   reshape                                 line 39    f32[8,1024,768]
+//   %653   cast                                    line 39    bf16[8,1024,768]
 // loops:
-//   gemm %647: [8192 x 768] = [8192 x 768] T[768 x 768], bf16 operands widened to f32, epilogue after
-//   elementwise over 6291456: %652
+//   gemm %648: [8192 x 768] = [8192 x 768] T[768 x 768], bf16 operands widened to f32, epilogue after
+//   elementwise over 6291456: %653
 static void k109_gemm__cast(char *arena, const MdlHooks *h) {
   uint16_t *const b495 = (uint16_t *)(arena + 2213400576); // %495 cast bf16[768,768]
-  uint16_t *const b646 = (uint16_t *)(arena + 3424492672); // %646 cast bf16[8192,768]
-  float *const b647 = mdl_scratch(25165824); // %647 matmul f32[8192,768], kept in this kernel
-  uint16_t *const b652 = (uint16_t *)(arena + 3399326848); // %652 cast bf16[8,1024,768]
+  uint16_t *const b647 = (uint16_t *)(arena + 3424492672); // %647 cast bf16[8192,768]
+  float *const b648 = mdl_scratch(25165824); // %648 matmul f32[8192,768], kept in this kernel
+  uint16_t *const b653 = (uint16_t *)(arena + 3399326848); // %653 cast bf16[8,1024,768]
   {
-    float *const w646 = mdl_widen_bf16(b646, 6291456, h->nthreads);
+    float *const w647 = mdl_widen_bf16(b647, 6291456, h->nthreads);
     float *const w495 = mdl_widen_bf16(b495, 589824, h->nthreads);
-    mdl_gemm(h, 0, 1, 8192, 768, 768, w646, 768, w495, 768, 0.0f, b647, 768);
-    free(w646);
+    mdl_gemm(h, 0, 1, 8192, 768, 768, w647, 768, w495, 768, 0.0f, b648, 768);
+    free(w647);
     free(w495);
   }
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
   for (int64_t r = 0; r < 8192; r++) {
     for (int64_t c = 0; c < 768; c++) {
       const int64_t i = r * 768 + c;
-      const float v647_i = b647[i];
-      const float v649_i = v647_i;
-      const float v652_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v649_i));
-      b652[i] = mdl_f32_to_bf16(v652_i);
+      const float v648_i = b648[i];
+      const float v650_i = v648_i;
+      const float v653_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v650_i));
+      b653[i] = mdl_f32_to_bf16(v653_i);
     }
   }
-  free(b647);
+  free(b648);
 }
 
 // k110_attention_bwd: attention, 3 ops
-//   %653   attention_bwd      d.h.10.q             line 39    f32[8,1024,768]
-//   %654   attention_bwd      d.h.10.k             line 39    f32[8,1024,768]
-//   %655   attention_bwd      d.h.10.v             line 39    f32[8,1024,768]
+//   %654   attention_bwd      d.h.10.q             line 39    f32[8,1024,768]
+//   %655   attention_bwd      d.h.10.k             line 39    f32[8,1024,768]
+//   %656   attention_bwd      d.h.10.v             line 39    f32[8,1024,768]
 // loops:
 //   attention backward (dq dk dv): B 8, T 1024, 12 heads of 64, causal, within documents; one task per (batch, head)
 static void k110_attention_bwd(char *arena, const MdlHooks *h) {
   int32_t *const b3 = (int32_t *)(arena + 2238271488); // %3 input doc i32[8,1024]
   uint16_t *const b488 = (uint16_t *)(arena + 4582120576); // %488 cast bf16[8,1024,2304]
   uint16_t *const b494 = (uint16_t *)(arena + 5727165568); // %494 cast bf16[8192,768]
-  float *const b650 = (float *)(arena + 5806595200); // %650 attention_lse f32[8,12,1024]
-  uint16_t *const b652 = (uint16_t *)(arena + 3399326848); // %652 cast bf16[8,1024,768]
-  float *const b653 = (float *)(arena + 3462241408); // %653 attention_bwd d.h.10.q f32[8,1024,768]
-  float *const b654 = (float *)(arena + 3487407232); // %654 attention_bwd d.h.10.k f32[8,1024,768]
-  float *const b655 = (float *)(arena + 3512573056); // %655 attention_bwd d.h.10.v f32[8,1024,768]
+  float *const b651 = (float *)(arena + 5806595200); // %651 attention_lse f32[8,12,1024]
+  uint16_t *const b653 = (uint16_t *)(arena + 3399326848); // %653 cast bf16[8,1024,768]
+  float *const b654 = (float *)(arena + 3462241408); // %654 attention_bwd d.h.10.q f32[8,1024,768]
+  float *const b655 = (float *)(arena + 3487407232); // %655 attention_bwd d.h.10.k f32[8,1024,768]
+  float *const b656 = (float *)(arena + 3512573056); // %656 attention_bwd d.h.10.v f32[8,1024,768]
   #pragma omp parallel num_threads(h->nthreads)
   {
     float *restrict kt = memset(mdl_scratch(67584 * sizeof(float)), 0, 67584 * sizeof(float));
@@ -5325,13 +5328,13 @@ static void k110_attention_bwd(char *arena, const MdlHooks *h) {
           }
           memcpy(s + j0, acc, sizeof acc);
         }
-        const float lse = b650[(b * 12 + hd) * 1024 + i];
+        const float lse = b651[(b * 12 + hd) * 1024 + i];
         #pragma omp simd
         for (int64_t j = lo; j < hi; j++)
           s[j] = dc[j] == di ? mdl_exp_shifted(s[j] * 0.125f - lse) : 0.0f;
         float dor[64];
         for (int64_t c = 0; c < 64; c++)
-          dor[c] = mdl_bf16_to_f32(b652[(b * 1024 + i) * 768 + hd * 64 + c]);
+          dor[c] = mdl_bf16_to_f32(b653[(b * 1024 + i) * 768 + hd * 64 + c]);
         const float *restrict doi = dor;
         float dsum = 0.0f;
         for (int64_t c = 0; c < 64; c++)
@@ -5380,14 +5383,14 @@ static void k110_attention_bwd(char *arena, const MdlHooks *h) {
           for (int64_t c = 0; c < 64; c++)
             dvj[c] += mdl_bf16_to_f32(mdl_f32_to_bf16(s[j])) * doi[c];
         }
-        float *restrict dq = b653 + (b * 1024 + i) * 768 + hd * 64;
+        float *restrict dq = b654 + (b * 1024 + i) * 768 + hd * 64;
         for (int64_t c = 0; c < 64; c++)
           dq[c] = 0.125f * (dqi0[c] + dqi1[c]);
       }
       for (int64_t t = 0; t < 1024; t++)
-        memcpy(b654 + (b * 1024 + t) * 768 + hd * 64, dkh + t * 64, 64 * sizeof(float));
+        memcpy(b655 + (b * 1024 + t) * 768 + hd * 64, dkh + t * 64, 64 * sizeof(float));
       for (int64_t t = 0; t < 1024; t++)
-        memcpy(b655 + (b * 1024 + t) * 768 + hd * 64, dvh + t * 64, 64 * sizeof(float));
+        memcpy(b656 + (b * 1024 + t) * 768 + hd * 64, dvh + t * 64, 64 * sizeof(float));
     }
     free(kt);
     free(s);
@@ -5399,18 +5402,18 @@ static void k110_attention_bwd(char *arena, const MdlHooks *h) {
 }
 
 // k111_sum__concat__cast: kernel, 4 ops
-//   %656   concat                                  line 38    f32[8,1024,2304]
-//   %657   reshape                                 line 38    f32[8192,2304]
-//   %658   sum                d.h.10.attn_b        line 38    f32[2304]
-//   %659   cast                                    line 38    bf16[8192,2304]
+//   %657   concat                                  line 38    f32[8,1024,2304]
+//   %658   reshape                                 line 38    f32[8192,2304]
+//   %659   sum                d.h.10.attn_b        line 38    f32[2304]
+//   %660   cast                                    line 38    bf16[8192,2304]
 // loops:
-//   sum %658: 2304 outputs over 8192 elements, in 64 blocks of 128
+//   sum %659: 2304 outputs over 8192 elements, in 64 blocks of 128
 static void k111_sum__concat__cast(char *arena, const MdlHooks *h) {
-  float *const b653 = (float *)(arena + 3462241408); // %653 attention_bwd d.h.10.q f32[8,1024,768]
-  float *const b654 = (float *)(arena + 3487407232); // %654 attention_bwd d.h.10.k f32[8,1024,768]
-  float *const b655 = (float *)(arena + 3512573056); // %655 attention_bwd d.h.10.v f32[8,1024,768]
-  float *const b658 = (float *)(arena + 945893376); // %658 sum d.h.10.attn_b f32[2304]
-  uint16_t *const b659 = (uint16_t *)(arena + 3399326848); // %659 cast bf16[8192,2304]
+  float *const b654 = (float *)(arena + 3462241408); // %654 attention_bwd d.h.10.q f32[8,1024,768]
+  float *const b655 = (float *)(arena + 3487407232); // %655 attention_bwd d.h.10.k f32[8,1024,768]
+  float *const b656 = (float *)(arena + 3512573056); // %656 attention_bwd d.h.10.v f32[8,1024,768]
+  float *const b659 = (float *)(arena + 945893376); // %659 sum d.h.10.attn_b f32[2304]
+  uint16_t *const b660 = (uint16_t *)(arena + 3399326848); // %660 cast bf16[8192,2304]
   double *part = mdl_scratch(147456 * sizeof(double));
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
   for (int64_t k = 0; k < 64; k++) {
@@ -5421,11 +5424,11 @@ static void k111_sum__concat__cast(char *arena, const MdlHooks *h) {
     for (int64_t l = k * 128; l < end; l++) {
       for (int64_t c = 0; c < 2304; c++) {
         const int64_t ix = l * 2304 + c;
-        const float v656_ix = (c < 768 ? b653 + (l * 768 + c) : c < 1536 ? b654 + (l * 768 + (c - 768)) : b655 + (l * 768 + (c - 1536)))[0];
-        const float v657_ix = v656_ix;
-        const float v = v657_ix;
-        const float v659_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v657_ix));
-        b659[ix] = mdl_f32_to_bf16(v659_ix);
+        const float v657_ix = (c < 768 ? b654 + (l * 768 + c) : c < 1536 ? b655 + (l * 768 + (c - 768)) : b656 + (l * 768 + (c - 1536)))[0];
+        const float v658_ix = v657_ix;
+        const float v = v658_ix;
+        const float v660_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v658_ix));
+        b660[ix] = mdl_f32_to_bf16(v660_ix);
         p[c] += v;
       }
     }
@@ -5438,68 +5441,68 @@ static void k111_sum__concat__cast(char *arena, const MdlHooks *h) {
       acc += v;
     }
     const float y = (float)acc;
-    b658[r] = y;
+    b659[r] = y;
   }
   free(part);
 }
 
 // k112_gemm: GEMM, 1 op
-//   %660   matmul                                  line 38    f32[8192,768]
+//   %661   matmul                                  line 38    f32[8192,768]
 // loops:
-//   gemm %660: [8192 x 768] = [8192 x 2304] T[2304 x 768], bf16 operands widened to f32
+//   gemm %661: [8192 x 768] = [8192 x 2304] T[2304 x 768], bf16 operands widened to f32
 static void k112_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b484 = (uint16_t *)(arena + 2209861632); // %484 cast bf16[768,2304]
-  uint16_t *const b659 = (uint16_t *)(arena + 3399326848); // %659 cast bf16[8192,2304]
-  float *const b660 = (float *)(arena + 3462241408); // %660 matmul f32[8192,768]
+  uint16_t *const b660 = (uint16_t *)(arena + 3399326848); // %660 cast bf16[8192,2304]
+  float *const b661 = (float *)(arena + 3462241408); // %661 matmul f32[8192,768]
   {
-    float *const w659 = mdl_widen_bf16(b659, 18874368, h->nthreads);
+    float *const w660 = mdl_widen_bf16(b660, 18874368, h->nthreads);
     float *const w484 = mdl_widen_bf16(b484, 1769472, h->nthreads);
-    mdl_gemm(h, 0, 1, 8192, 768, 2304, w659, 2304, w484, 2304, 0.0f, b660, 768);
-    free(w659);
+    mdl_gemm(h, 0, 1, 8192, 768, 2304, w660, 2304, w484, 2304, 0.0f, b661, 768);
+    free(w660);
     free(w484);
   }
 }
 
 // k113_gemm: GEMM, 1 op
-//   %661   matmul             d.h.10.attn_w        line 38    f32[768,2304]
+//   %662   matmul             d.h.10.attn_w        line 38    f32[768,2304]
 // loops:
-//   gemm %661: [768 x 2304] = T[768 x 8192] [8192 x 2304], bf16 operands widened to f32
+//   gemm %662: [768 x 2304] = T[768 x 8192] [8192 x 2304], bf16 operands widened to f32
 static void k113_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b483 = (uint16_t *)(arena + 5714582656); // %483 cast bf16[8192,768]
-  uint16_t *const b659 = (uint16_t *)(arena + 3399326848); // %659 cast bf16[8192,2304]
-  float *const b661 = (float *)(arena + 938815488); // %661 matmul d.h.10.attn_w f32[768,2304]
+  uint16_t *const b660 = (uint16_t *)(arena + 3399326848); // %660 cast bf16[8192,2304]
+  float *const b662 = (float *)(arena + 938815488); // %662 matmul d.h.10.attn_w f32[768,2304]
   {
     float *const w483 = mdl_widen_bf16(b483, 6291456, h->nthreads);
-    float *const w659 = mdl_widen_bf16(b659, 18874368, h->nthreads);
-    mdl_gemm(h, 1, 0, 768, 2304, 8192, w483, 768, w659, 2304, 0.0f, b661, 2304);
+    float *const w660 = mdl_widen_bf16(b660, 18874368, h->nthreads);
+    mdl_gemm(h, 1, 0, 768, 2304, 8192, w483, 768, w660, 2304, 0.0f, b662, 2304);
     free(w483);
-    free(w659);
+    free(w660);
   }
 }
 
 // k114_layernorm_bwd__add__sum__cast: kernel, 7 ops
-//   %663   layernorm_bwd                           line 38    f32[8,1024,768]
-//   %664   layernorm_bwd      d.h.10.ln1_w         line 38    f32[768]
-//   %665   layernorm_bwd      d.h.10.ln1_b         line 38    f32[768]
-//   %666   add                d.h.9.x              line 40    f32[8,1024,768]
-//   %667   reshape                                 line 40    f32[8192,768]
-//   %668   sum                d.h.9.fcproj_b       line 40    f32[768]
-//   %669   cast                                    line 40    bf16[8192,768]
+//   %664   layernorm_bwd                           line 38    f32[8,1024,768]
+//   %665   layernorm_bwd      d.h.10.ln1_w         line 38    f32[768]
+//   %666   layernorm_bwd      d.h.10.ln1_b         line 38    f32[768]
+//   %667   add                d.h.9.x              line 40    f32[8,1024,768]
+//   %668   reshape                                 line 40    f32[8192,768]
+//   %669   sum                d.h.9.fcproj_b       line 40    f32[768]
+//   %670   cast                                    line 40    bf16[8192,768]
 // loops:
 //   layernorm_bwd: 8192 rows of 768, column sums over 64 blocks of 128 rows
 static void k114_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
   float *const b468 = (float *)(arena + 5160934528); // %468 add h.9.x f32[8,1024,768]
   float *const b469 = (float *)(arena + 441050112); // %469 param h.10.ln1_w f32[768]
-  float *const b643 = (float *)(arena + 3437075584); // %643 add d.h.10.x f32[8,1024,768]
-  float *const b660 = (float *)(arena + 3462241408); // %660 matmul f32[8192,768]
-  float *const b664 = (float *)(arena + 938809344); // %664 layernorm_bwd d.h.10.ln1_w f32[768]
-  float *const b665 = (float *)(arena + 938812416); // %665 layernorm_bwd d.h.10.ln1_b f32[768]
-  float *const b666 = (float *)(arena + 3487407232); // %666 add d.h.9.x f32[8,1024,768]
-  float *const b668 = (float *)(arena + 938806272); // %668 sum d.h.9.fcproj_b f32[768]
-  uint16_t *const b669 = (uint16_t *)(arena + 3512573056); // %669 cast bf16[8192,768]
+  float *const b644 = (float *)(arena + 3437075584); // %644 add d.h.10.x f32[8,1024,768]
+  float *const b661 = (float *)(arena + 3462241408); // %661 matmul f32[8192,768]
+  float *const b665 = (float *)(arena + 938809344); // %665 layernorm_bwd d.h.10.ln1_w f32[768]
+  float *const b666 = (float *)(arena + 938812416); // %666 layernorm_bwd d.h.10.ln1_b f32[768]
+  float *const b667 = (float *)(arena + 3487407232); // %667 add d.h.9.x f32[8,1024,768]
+  float *const b669 = (float *)(arena + 938806272); // %669 sum d.h.9.fcproj_b f32[768]
+  uint16_t *const b670 = (uint16_t *)(arena + 3512573056); // %670 cast bf16[8192,768]
   double *pdw = mdl_scratch(49152 * sizeof(double));
   double *pdb = mdl_scratch(49152 * sizeof(double));
-  double *ps0 = mdl_scratch(49152 * sizeof(double)); // partials of the column sum %668
+  double *ps0 = mdl_scratch(49152 * sizeof(double)); // partials of the column sum %669
   #pragma omp parallel num_threads(h->nthreads)
   {
     float *dxrow = mdl_scratch(768 * sizeof(float));
@@ -5513,7 +5516,7 @@ static void k114_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
       const int64_t end = k * 128 + 128 < 8192 ? k * 128 + 128 : 8192;
       for (int64_t r = k * 128; r < end; r++) {
         const float *x = b468 + r * 768;
-        const float *dy = b660 + r * 768;
+        const float *dy = b661 + r * 768;
         double mean = 0, var = 0, mg = 0, mgx = 0;
         #pragma omp simd reduction(+ : mean)
         for (int64_t j = 0; j < 768; j++)
@@ -5538,13 +5541,13 @@ static void k114_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
           dx[j] = (float)(rstd * ((double)dy[j] * b469[j] - mg - (x[j] - mean) * rstd * mgx));
         for (int64_t j = 0; j < 768; j++) {
           const int64_t ix = r * 768 + j;
-          const float v643_ix = b643[ix];
-          const float v666_ix = v643_ix + dx[j];
-          b666[ix] = v666_ix;
-          const float v667_ix = v666_ix;
-          const float v669_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v667_ix));
-          b669[ix] = mdl_f32_to_bf16(v669_ix);
-          sa0[j] += v667_ix;
+          const float v644_ix = b644[ix];
+          const float v667_ix = v644_ix + dx[j];
+          b667[ix] = v667_ix;
+          const float v668_ix = v667_ix;
+          const float v670_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v668_ix));
+          b670[ix] = mdl_f32_to_bf16(v670_ix);
+          sa0[j] += v668_ix;
         }
       }
     }
@@ -5558,9 +5561,9 @@ static void k114_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
       b += pdb[k * 768 + j];
       a0 += ps0[k * 768 + j];
     }
-    b664[j] = (float)w;
-    b665[j] = (float)b;
-    b668[j] = (float)a0;
+    b665[j] = (float)w;
+    b666[j] = (float)b;
+    b669[j] = (float)a0;
   }
   free(pdw);
   free(pdb);
@@ -5568,44 +5571,44 @@ static void k114_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
 }
 
 // k115_gemm: GEMM, 1 op
-//   %671   matmul             d.h.9.fcproj_w       line 40    f32[3072,768]
+//   %672   matmul             d.h.9.fcproj_w       line 40    f32[3072,768]
 // loops:
-//   gemm %671: [3072 x 768] = T[3072 x 8192] [8192 x 768], bf16 operands widened to f32
+//   gemm %672: [3072 x 768] = T[3072 x 8192] [8192 x 768], bf16 operands widened to f32
 static void k115_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b463 = (uint16_t *)(arena + 4053638272); // %463 cast bf16[8192,3072]
-  uint16_t *const b669 = (uint16_t *)(arena + 3512573056); // %669 cast bf16[8192,768]
-  float *const b671 = (float *)(arena + 929369088); // %671 matmul d.h.9.fcproj_w f32[3072,768]
+  uint16_t *const b670 = (uint16_t *)(arena + 3512573056); // %670 cast bf16[8192,768]
+  float *const b672 = (float *)(arena + 929369088); // %672 matmul d.h.9.fcproj_w f32[3072,768]
   {
     float *const w463 = mdl_widen_bf16(b463, 25165824, h->nthreads);
-    float *const w669 = mdl_widen_bf16(b669, 6291456, h->nthreads);
-    mdl_gemm(h, 1, 0, 3072, 768, 8192, w463, 3072, w669, 768, 0.0f, b671, 768);
+    float *const w670 = mdl_widen_bf16(b670, 6291456, h->nthreads);
+    mdl_gemm(h, 1, 0, 3072, 768, 8192, w463, 3072, w670, 768, 0.0f, b672, 768);
     free(w463);
-    free(w669);
+    free(w670);
   }
 }
 
 // k116_gemm__gelu_bwd__sum__cast: GEMM, 6 ops
-//   %670   matmul                                  line 40    f32[8192,3072]
-//   %672   reshape                                 line 40    f32[8,1024,3072]
-//   %673   gelu_bwd                                line 40    f32[8,1024,3072]
-//   %674   reshape                                 line 40    f32[8192,3072]
-//   %675   sum                d.h.9.fc_b           line 40    f32[3072]
-//   %676   cast                                    line 40    bf16[8192,3072]
+//   %671   matmul                                  line 40    f32[8192,3072]
+//   %673   reshape                                 line 40    f32[8,1024,3072]
+//   %674   gelu_bwd                                line 40    f32[8,1024,3072]
+//   %675   reshape                                 line 40    f32[8192,3072]
+//   %676   sum                d.h.9.fc_b           line 40    f32[3072]
+//   %677   cast                                    line 40    bf16[8192,3072]
 // loops:
-//   gemm %670: [8192 x 3072] = [8192 x 768] T[768 x 3072], bf16 operands widened to f32, epilogue after
-//   sum %675: 3072 outputs over 8192 elements, in 64 blocks of 128
+//   gemm %671: [8192 x 3072] = [8192 x 768] T[768 x 3072], bf16 operands widened to f32, epilogue after
+//   sum %676: 3072 outputs over 8192 elements, in 64 blocks of 128
 static void k116_gemm__gelu_bwd__sum__cast(char *arena, const MdlHooks *h) {
   float *const b460 = (float *)(arena + 3298663552); // %460 add f32[8,1024,3072]
   uint16_t *const b464 = (uint16_t *)(arena + 2205143040); // %464 cast bf16[3072,768]
-  uint16_t *const b669 = (uint16_t *)(arena + 3512573056); // %669 cast bf16[8192,768]
-  float *const b670 = mdl_scratch(100663296); // %670 matmul f32[8192,3072], kept in this kernel
-  float *const b675 = (float *)(arena + 929356800); // %675 sum d.h.9.fc_b f32[3072]
-  uint16_t *const b676 = (uint16_t *)(arena + 3399326848); // %676 cast bf16[8192,3072]
+  uint16_t *const b670 = (uint16_t *)(arena + 3512573056); // %670 cast bf16[8192,768]
+  float *const b671 = mdl_scratch(100663296); // %671 matmul f32[8192,3072], kept in this kernel
+  float *const b676 = (float *)(arena + 929356800); // %676 sum d.h.9.fc_b f32[3072]
+  uint16_t *const b677 = (uint16_t *)(arena + 3399326848); // %677 cast bf16[8192,3072]
   {
-    float *const w669 = mdl_widen_bf16(b669, 6291456, h->nthreads);
+    float *const w670 = mdl_widen_bf16(b670, 6291456, h->nthreads);
     float *const w464 = mdl_widen_bf16(b464, 2359296, h->nthreads);
-    mdl_gemm(h, 0, 1, 8192, 3072, 768, w669, 768, w464, 768, 0.0f, b670, 3072);
-    free(w669);
+    mdl_gemm(h, 0, 1, 8192, 3072, 768, w670, 768, w464, 768, 0.0f, b671, 3072);
+    free(w670);
     free(w464);
   }
   double *part = mdl_scratch(196608 * sizeof(double));
@@ -5619,13 +5622,13 @@ static void k116_gemm__gelu_bwd__sum__cast(char *arena, const MdlHooks *h) {
       for (int64_t c = 0; c < 3072; c++) {
         const int64_t ix = l * 3072 + c;
         const float v460_ix = b460[ix];
-        const float v670_ix = b670[ix];
-        const float v672_ix = v670_ix;
-        const float v673_ix = mdl_gelu_grad(v460_ix) * v672_ix;
-        const float v674_ix = v673_ix;
-        const float v = v674_ix;
-        const float v676_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v674_ix));
-        b676[ix] = mdl_f32_to_bf16(v676_ix);
+        const float v671_ix = b671[ix];
+        const float v673_ix = v671_ix;
+        const float v674_ix = mdl_gelu_grad(v460_ix) * v673_ix;
+        const float v675_ix = v674_ix;
+        const float v = v675_ix;
+        const float v677_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v675_ix));
+        b677[ix] = mdl_f32_to_bf16(v677_ix);
         p[c] += v;
       }
     }
@@ -5638,69 +5641,69 @@ static void k116_gemm__gelu_bwd__sum__cast(char *arena, const MdlHooks *h) {
       acc += v;
     }
     const float y = (float)acc;
-    b675[r] = y;
+    b676[r] = y;
   }
   free(part);
-  free(b670);
+  free(b671);
 }
 
 // k117_gemm: GEMM, 1 op
-//   %677   matmul                                  line 40    f32[8192,768]
+//   %678   matmul                                  line 40    f32[8192,768]
 // loops:
-//   gemm %677: [8192 x 768] = [8192 x 3072] T[3072 x 768], bf16 operands widened to f32
+//   gemm %678: [8192 x 768] = [8192 x 3072] T[3072 x 768], bf16 operands widened to f32
 static void k117_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b457 = (uint16_t *)(arena + 2200424448); // %457 cast bf16[768,3072]
-  uint16_t *const b676 = (uint16_t *)(arena + 3399326848); // %676 cast bf16[8192,3072]
-  float *const b677 = (float *)(arena + 3298663552); // %677 matmul f32[8192,768]
+  uint16_t *const b677 = (uint16_t *)(arena + 3399326848); // %677 cast bf16[8192,3072]
+  float *const b678 = (float *)(arena + 3298663552); // %678 matmul f32[8192,768]
   {
-    float *const w676 = mdl_widen_bf16(b676, 25165824, h->nthreads);
+    float *const w677 = mdl_widen_bf16(b677, 25165824, h->nthreads);
     float *const w457 = mdl_widen_bf16(b457, 2359296, h->nthreads);
-    mdl_gemm(h, 0, 1, 8192, 768, 3072, w676, 3072, w457, 3072, 0.0f, b677, 768);
-    free(w676);
+    mdl_gemm(h, 0, 1, 8192, 768, 3072, w677, 3072, w457, 3072, 0.0f, b678, 768);
+    free(w677);
     free(w457);
   }
 }
 
 // k118_gemm: GEMM, 1 op
-//   %678   matmul             d.h.9.fc_w           line 40    f32[768,3072]
+//   %679   matmul             d.h.9.fc_w           line 40    f32[768,3072]
 // loops:
-//   gemm %678: [768 x 3072] = T[768 x 8192] [8192 x 3072], bf16 operands widened to f32
+//   gemm %679: [768 x 3072] = T[768 x 8192] [8192 x 3072], bf16 operands widened to f32
 static void k118_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b456 = (uint16_t *)(arena + 5701999744); // %456 cast bf16[8192,768]
-  uint16_t *const b676 = (uint16_t *)(arena + 3399326848); // %676 cast bf16[8192,3072]
-  float *const b678 = (float *)(arena + 919919616); // %678 matmul d.h.9.fc_w f32[768,3072]
+  uint16_t *const b677 = (uint16_t *)(arena + 3399326848); // %677 cast bf16[8192,3072]
+  float *const b679 = (float *)(arena + 919919616); // %679 matmul d.h.9.fc_w f32[768,3072]
   {
     float *const w456 = mdl_widen_bf16(b456, 6291456, h->nthreads);
-    float *const w676 = mdl_widen_bf16(b676, 25165824, h->nthreads);
-    mdl_gemm(h, 1, 0, 768, 3072, 8192, w456, 768, w676, 3072, 0.0f, b678, 3072);
+    float *const w677 = mdl_widen_bf16(b677, 25165824, h->nthreads);
+    mdl_gemm(h, 1, 0, 768, 3072, 8192, w456, 768, w677, 3072, 0.0f, b679, 3072);
     free(w456);
-    free(w676);
+    free(w677);
   }
 }
 
 // k119_layernorm_bwd__add__sum__cast: kernel, 7 ops
-//   %680   layernorm_bwd                           line 40    f32[8,1024,768]
-//   %681   layernorm_bwd      d.h.9.ln2_w          line 40    f32[768]
-//   %682   layernorm_bwd      d.h.9.ln2_b          line 40    f32[768]
-//   %683   add                d.h.9.x              line 39    f32[8,1024,768]
-//   %684   reshape                                 line 39    f32[8192,768]
-//   %685   sum                d.h.9.proj_b         line 39    f32[768]
-//   %686   cast                                    line 39    bf16[8192,768]
+//   %681   layernorm_bwd                           line 40    f32[8,1024,768]
+//   %682   layernorm_bwd      d.h.9.ln2_w          line 40    f32[768]
+//   %683   layernorm_bwd      d.h.9.ln2_b          line 40    f32[768]
+//   %684   add                d.h.9.x              line 39    f32[8,1024,768]
+//   %685   reshape                                 line 39    f32[8192,768]
+//   %686   sum                d.h.9.proj_b         line 39    f32[768]
+//   %687   cast                                    line 39    bf16[8192,768]
 // loops:
 //   layernorm_bwd: 8192 rows of 768, column sums over 64 blocks of 128 rows
 static void k119_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
   float *const b429 = (float *)(arena + 422154240); // %429 param h.9.ln2_w f32[768]
   float *const b453 = (float *)(arena + 5135768704); // %453 add h.9.x f32[8,1024,768]
-  float *const b666 = (float *)(arena + 3487407232); // %666 add d.h.9.x f32[8,1024,768]
-  float *const b677 = (float *)(arena + 3298663552); // %677 matmul f32[8192,768]
-  float *const b681 = (float *)(arena + 919913472); // %681 layernorm_bwd d.h.9.ln2_w f32[768]
-  float *const b682 = (float *)(arena + 919916544); // %682 layernorm_bwd d.h.9.ln2_b f32[768]
-  float *const b683 = (float *)(arena + 3336412288); // %683 add d.h.9.x f32[8,1024,768]
-  float *const b685 = (float *)(arena + 919910400); // %685 sum d.h.9.proj_b f32[768]
-  uint16_t *const b686 = (uint16_t *)(arena + 3323829376); // %686 cast bf16[8192,768]
+  float *const b667 = (float *)(arena + 3487407232); // %667 add d.h.9.x f32[8,1024,768]
+  float *const b678 = (float *)(arena + 3298663552); // %678 matmul f32[8192,768]
+  float *const b682 = (float *)(arena + 919913472); // %682 layernorm_bwd d.h.9.ln2_w f32[768]
+  float *const b683 = (float *)(arena + 919916544); // %683 layernorm_bwd d.h.9.ln2_b f32[768]
+  float *const b684 = (float *)(arena + 3336412288); // %684 add d.h.9.x f32[8,1024,768]
+  float *const b686 = (float *)(arena + 919910400); // %686 sum d.h.9.proj_b f32[768]
+  uint16_t *const b687 = (uint16_t *)(arena + 3323829376); // %687 cast bf16[8192,768]
   double *pdw = mdl_scratch(49152 * sizeof(double));
   double *pdb = mdl_scratch(49152 * sizeof(double));
-  double *ps0 = mdl_scratch(49152 * sizeof(double)); // partials of the column sum %685
+  double *ps0 = mdl_scratch(49152 * sizeof(double)); // partials of the column sum %686
   #pragma omp parallel num_threads(h->nthreads)
   {
     float *dxrow = mdl_scratch(768 * sizeof(float));
@@ -5714,7 +5717,7 @@ static void k119_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
       const int64_t end = k * 128 + 128 < 8192 ? k * 128 + 128 : 8192;
       for (int64_t r = k * 128; r < end; r++) {
         const float *x = b453 + r * 768;
-        const float *dy = b677 + r * 768;
+        const float *dy = b678 + r * 768;
         double mean = 0, var = 0, mg = 0, mgx = 0;
         #pragma omp simd reduction(+ : mean)
         for (int64_t j = 0; j < 768; j++)
@@ -5739,13 +5742,13 @@ static void k119_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
           dx[j] = (float)(rstd * ((double)dy[j] * b429[j] - mg - (x[j] - mean) * rstd * mgx));
         for (int64_t j = 0; j < 768; j++) {
           const int64_t ix = r * 768 + j;
-          const float v666_ix = b666[ix];
-          const float v683_ix = v666_ix + dx[j];
-          b683[ix] = v683_ix;
-          const float v684_ix = v683_ix;
-          const float v686_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v684_ix));
-          b686[ix] = mdl_f32_to_bf16(v686_ix);
-          sa0[j] += v684_ix;
+          const float v667_ix = b667[ix];
+          const float v684_ix = v667_ix + dx[j];
+          b684[ix] = v684_ix;
+          const float v685_ix = v684_ix;
+          const float v687_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v685_ix));
+          b687[ix] = mdl_f32_to_bf16(v687_ix);
+          sa0[j] += v685_ix;
         }
       }
     }
@@ -5759,9 +5762,9 @@ static void k119_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
       b += pdb[k * 768 + j];
       a0 += ps0[k * 768 + j];
     }
-    b681[j] = (float)w;
-    b682[j] = (float)b;
-    b685[j] = (float)a0;
+    b682[j] = (float)w;
+    b683[j] = (float)b;
+    b686[j] = (float)a0;
   }
   free(pdw);
   free(pdb);
@@ -5769,69 +5772,69 @@ static void k119_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
 }
 
 // k120_gemm: GEMM, 1 op
-//   %688   matmul             d.h.9.proj_w         line 39    f32[768,768]
+//   %689   matmul             d.h.9.proj_w         line 39    f32[768,768]
 // loops:
-//   gemm %688: [768 x 768] = T[768 x 8192] [8192 x 768], bf16 operands widened to f32
+//   gemm %689: [768 x 768] = T[768 x 8192] [8192 x 768], bf16 operands widened to f32
 static void k120_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b448 = (uint16_t *)(arena + 5689416832); // %448 cast bf16[8192,768]
-  uint16_t *const b686 = (uint16_t *)(arena + 3323829376); // %686 cast bf16[8192,768]
-  float *const b688 = (float *)(arena + 917551104); // %688 matmul d.h.9.proj_w f32[768,768]
+  uint16_t *const b687 = (uint16_t *)(arena + 3323829376); // %687 cast bf16[8192,768]
+  float *const b689 = (float *)(arena + 917551104); // %689 matmul d.h.9.proj_w f32[768,768]
   {
     float *const w448 = mdl_widen_bf16(b448, 6291456, h->nthreads);
-    float *const w686 = mdl_widen_bf16(b686, 6291456, h->nthreads);
-    mdl_gemm(h, 1, 0, 768, 768, 8192, w448, 768, w686, 768, 0.0f, b688, 768);
+    float *const w687 = mdl_widen_bf16(b687, 6291456, h->nthreads);
+    mdl_gemm(h, 1, 0, 768, 768, 8192, w448, 768, w687, 768, 0.0f, b689, 768);
     free(w448);
-    free(w686);
+    free(w687);
   }
 }
 
 // k121_gemm__cast: GEMM, 3 ops
-//   %687   matmul                                  line 39    f32[8192,768]
-//   %689   reshape                                 line 39    f32[8,1024,768]
-//   %692   cast                                    line 39    bf16[8,1024,768]
+//   %688   matmul                                  line 39    f32[8192,768]
+//   %690   reshape                                 line 39    f32[8,1024,768]
+//   %693   cast                                    line 39    bf16[8,1024,768]
 // loops:
-//   gemm %687: [8192 x 768] = [8192 x 768] T[768 x 768], bf16 operands widened to f32, epilogue after
-//   elementwise over 6291456: %692
+//   gemm %688: [8192 x 768] = [8192 x 768] T[768 x 768], bf16 operands widened to f32, epilogue after
+//   elementwise over 6291456: %693
 static void k121_gemm__cast(char *arena, const MdlHooks *h) {
   uint16_t *const b449 = (uint16_t *)(arena + 2199244800); // %449 cast bf16[768,768]
-  uint16_t *const b686 = (uint16_t *)(arena + 3323829376); // %686 cast bf16[8192,768]
-  float *const b687 = mdl_scratch(25165824); // %687 matmul f32[8192,768], kept in this kernel
-  uint16_t *const b692 = (uint16_t *)(arena + 3298663552); // %692 cast bf16[8,1024,768]
+  uint16_t *const b687 = (uint16_t *)(arena + 3323829376); // %687 cast bf16[8192,768]
+  float *const b688 = mdl_scratch(25165824); // %688 matmul f32[8192,768], kept in this kernel
+  uint16_t *const b693 = (uint16_t *)(arena + 3298663552); // %693 cast bf16[8,1024,768]
   {
-    float *const w686 = mdl_widen_bf16(b686, 6291456, h->nthreads);
+    float *const w687 = mdl_widen_bf16(b687, 6291456, h->nthreads);
     float *const w449 = mdl_widen_bf16(b449, 589824, h->nthreads);
-    mdl_gemm(h, 0, 1, 8192, 768, 768, w686, 768, w449, 768, 0.0f, b687, 768);
-    free(w686);
+    mdl_gemm(h, 0, 1, 8192, 768, 768, w687, 768, w449, 768, 0.0f, b688, 768);
+    free(w687);
     free(w449);
   }
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
   for (int64_t r = 0; r < 8192; r++) {
     for (int64_t c = 0; c < 768; c++) {
       const int64_t i = r * 768 + c;
-      const float v687_i = b687[i];
-      const float v689_i = v687_i;
-      const float v692_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v689_i));
-      b692[i] = mdl_f32_to_bf16(v692_i);
+      const float v688_i = b688[i];
+      const float v690_i = v688_i;
+      const float v693_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v690_i));
+      b693[i] = mdl_f32_to_bf16(v693_i);
     }
   }
-  free(b687);
+  free(b688);
 }
 
 // k122_attention_bwd: attention, 3 ops
-//   %693   attention_bwd      d.h.9.q              line 39    f32[8,1024,768]
-//   %694   attention_bwd      d.h.9.k              line 39    f32[8,1024,768]
-//   %695   attention_bwd      d.h.9.v              line 39    f32[8,1024,768]
+//   %694   attention_bwd      d.h.9.q              line 39    f32[8,1024,768]
+//   %695   attention_bwd      d.h.9.k              line 39    f32[8,1024,768]
+//   %696   attention_bwd      d.h.9.v              line 39    f32[8,1024,768]
 // loops:
 //   attention backward (dq dk dv): B 8, T 1024, 12 heads of 64, causal, within documents; one task per (batch, head)
 static void k122_attention_bwd(char *arena, const MdlHooks *h) {
   int32_t *const b3 = (int32_t *)(arena + 2238271488); // %3 input doc i32[8,1024]
   uint16_t *const b442 = (uint16_t *)(arena + 4544371840); // %442 cast bf16[8,1024,2304]
   uint16_t *const b448 = (uint16_t *)(arena + 5689416832); // %448 cast bf16[8192,768]
-  float *const b690 = (float *)(arena + 5806201984); // %690 attention_lse f32[8,12,1024]
-  uint16_t *const b692 = (uint16_t *)(arena + 3298663552); // %692 cast bf16[8,1024,768]
-  float *const b693 = (float *)(arena + 3361578112); // %693 attention_bwd d.h.9.q f32[8,1024,768]
-  float *const b694 = (float *)(arena + 3386743936); // %694 attention_bwd d.h.9.k f32[8,1024,768]
-  float *const b695 = (float *)(arena + 3411909760); // %695 attention_bwd d.h.9.v f32[8,1024,768]
+  float *const b691 = (float *)(arena + 5806201984); // %691 attention_lse f32[8,12,1024]
+  uint16_t *const b693 = (uint16_t *)(arena + 3298663552); // %693 cast bf16[8,1024,768]
+  float *const b694 = (float *)(arena + 3361578112); // %694 attention_bwd d.h.9.q f32[8,1024,768]
+  float *const b695 = (float *)(arena + 3386743936); // %695 attention_bwd d.h.9.k f32[8,1024,768]
+  float *const b696 = (float *)(arena + 3411909760); // %696 attention_bwd d.h.9.v f32[8,1024,768]
   #pragma omp parallel num_threads(h->nthreads)
   {
     float *restrict kt = memset(mdl_scratch(67584 * sizeof(float)), 0, 67584 * sizeof(float));
@@ -5879,13 +5882,13 @@ static void k122_attention_bwd(char *arena, const MdlHooks *h) {
           }
           memcpy(s + j0, acc, sizeof acc);
         }
-        const float lse = b690[(b * 12 + hd) * 1024 + i];
+        const float lse = b691[(b * 12 + hd) * 1024 + i];
         #pragma omp simd
         for (int64_t j = lo; j < hi; j++)
           s[j] = dc[j] == di ? mdl_exp_shifted(s[j] * 0.125f - lse) : 0.0f;
         float dor[64];
         for (int64_t c = 0; c < 64; c++)
-          dor[c] = mdl_bf16_to_f32(b692[(b * 1024 + i) * 768 + hd * 64 + c]);
+          dor[c] = mdl_bf16_to_f32(b693[(b * 1024 + i) * 768 + hd * 64 + c]);
         const float *restrict doi = dor;
         float dsum = 0.0f;
         for (int64_t c = 0; c < 64; c++)
@@ -5934,14 +5937,14 @@ static void k122_attention_bwd(char *arena, const MdlHooks *h) {
           for (int64_t c = 0; c < 64; c++)
             dvj[c] += mdl_bf16_to_f32(mdl_f32_to_bf16(s[j])) * doi[c];
         }
-        float *restrict dq = b693 + (b * 1024 + i) * 768 + hd * 64;
+        float *restrict dq = b694 + (b * 1024 + i) * 768 + hd * 64;
         for (int64_t c = 0; c < 64; c++)
           dq[c] = 0.125f * (dqi0[c] + dqi1[c]);
       }
       for (int64_t t = 0; t < 1024; t++)
-        memcpy(b694 + (b * 1024 + t) * 768 + hd * 64, dkh + t * 64, 64 * sizeof(float));
+        memcpy(b695 + (b * 1024 + t) * 768 + hd * 64, dkh + t * 64, 64 * sizeof(float));
       for (int64_t t = 0; t < 1024; t++)
-        memcpy(b695 + (b * 1024 + t) * 768 + hd * 64, dvh + t * 64, 64 * sizeof(float));
+        memcpy(b696 + (b * 1024 + t) * 768 + hd * 64, dvh + t * 64, 64 * sizeof(float));
     }
     free(kt);
     free(s);
@@ -5953,18 +5956,18 @@ static void k122_attention_bwd(char *arena, const MdlHooks *h) {
 }
 
 // k123_sum__concat__cast: kernel, 4 ops
-//   %696   concat                                  line 38    f32[8,1024,2304]
-//   %697   reshape                                 line 38    f32[8192,2304]
-//   %698   sum                d.h.9.attn_b         line 38    f32[2304]
-//   %699   cast                                    line 38    bf16[8192,2304]
+//   %697   concat                                  line 38    f32[8,1024,2304]
+//   %698   reshape                                 line 38    f32[8192,2304]
+//   %699   sum                d.h.9.attn_b         line 38    f32[2304]
+//   %700   cast                                    line 38    bf16[8192,2304]
 // loops:
-//   sum %698: 2304 outputs over 8192 elements, in 64 blocks of 128
+//   sum %699: 2304 outputs over 8192 elements, in 64 blocks of 128
 static void k123_sum__concat__cast(char *arena, const MdlHooks *h) {
-  float *const b693 = (float *)(arena + 3361578112); // %693 attention_bwd d.h.9.q f32[8,1024,768]
-  float *const b694 = (float *)(arena + 3386743936); // %694 attention_bwd d.h.9.k f32[8,1024,768]
-  float *const b695 = (float *)(arena + 3411909760); // %695 attention_bwd d.h.9.v f32[8,1024,768]
-  float *const b698 = (float *)(arena + 917541888); // %698 sum d.h.9.attn_b f32[2304]
-  uint16_t *const b699 = (uint16_t *)(arena + 3298663552); // %699 cast bf16[8192,2304]
+  float *const b694 = (float *)(arena + 3361578112); // %694 attention_bwd d.h.9.q f32[8,1024,768]
+  float *const b695 = (float *)(arena + 3386743936); // %695 attention_bwd d.h.9.k f32[8,1024,768]
+  float *const b696 = (float *)(arena + 3411909760); // %696 attention_bwd d.h.9.v f32[8,1024,768]
+  float *const b699 = (float *)(arena + 917541888); // %699 sum d.h.9.attn_b f32[2304]
+  uint16_t *const b700 = (uint16_t *)(arena + 3298663552); // %700 cast bf16[8192,2304]
   double *part = mdl_scratch(147456 * sizeof(double));
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
   for (int64_t k = 0; k < 64; k++) {
@@ -5975,11 +5978,11 @@ static void k123_sum__concat__cast(char *arena, const MdlHooks *h) {
     for (int64_t l = k * 128; l < end; l++) {
       for (int64_t c = 0; c < 2304; c++) {
         const int64_t ix = l * 2304 + c;
-        const float v696_ix = (c < 768 ? b693 + (l * 768 + c) : c < 1536 ? b694 + (l * 768 + (c - 768)) : b695 + (l * 768 + (c - 1536)))[0];
-        const float v697_ix = v696_ix;
-        const float v = v697_ix;
-        const float v699_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v697_ix));
-        b699[ix] = mdl_f32_to_bf16(v699_ix);
+        const float v697_ix = (c < 768 ? b694 + (l * 768 + c) : c < 1536 ? b695 + (l * 768 + (c - 768)) : b696 + (l * 768 + (c - 1536)))[0];
+        const float v698_ix = v697_ix;
+        const float v = v698_ix;
+        const float v700_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v698_ix));
+        b700[ix] = mdl_f32_to_bf16(v700_ix);
         p[c] += v;
       }
     }
@@ -5992,68 +5995,68 @@ static void k123_sum__concat__cast(char *arena, const MdlHooks *h) {
       acc += v;
     }
     const float y = (float)acc;
-    b698[r] = y;
+    b699[r] = y;
   }
   free(part);
 }
 
 // k124_gemm: GEMM, 1 op
-//   %700   matmul                                  line 38    f32[8192,768]
+//   %701   matmul                                  line 38    f32[8192,768]
 // loops:
-//   gemm %700: [8192 x 768] = [8192 x 2304] T[2304 x 768], bf16 operands widened to f32
+//   gemm %701: [8192 x 768] = [8192 x 2304] T[2304 x 768], bf16 operands widened to f32
 static void k124_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b438 = (uint16_t *)(arena + 2195705856); // %438 cast bf16[768,2304]
-  uint16_t *const b699 = (uint16_t *)(arena + 3298663552); // %699 cast bf16[8192,2304]
-  float *const b700 = (float *)(arena + 3361578112); // %700 matmul f32[8192,768]
+  uint16_t *const b700 = (uint16_t *)(arena + 3298663552); // %700 cast bf16[8192,2304]
+  float *const b701 = (float *)(arena + 3361578112); // %701 matmul f32[8192,768]
   {
-    float *const w699 = mdl_widen_bf16(b699, 18874368, h->nthreads);
+    float *const w700 = mdl_widen_bf16(b700, 18874368, h->nthreads);
     float *const w438 = mdl_widen_bf16(b438, 1769472, h->nthreads);
-    mdl_gemm(h, 0, 1, 8192, 768, 2304, w699, 2304, w438, 2304, 0.0f, b700, 768);
-    free(w699);
+    mdl_gemm(h, 0, 1, 8192, 768, 2304, w700, 2304, w438, 2304, 0.0f, b701, 768);
+    free(w700);
     free(w438);
   }
 }
 
 // k125_gemm: GEMM, 1 op
-//   %701   matmul             d.h.9.attn_w         line 38    f32[768,2304]
+//   %702   matmul             d.h.9.attn_w         line 38    f32[768,2304]
 // loops:
-//   gemm %701: [768 x 2304] = T[768 x 8192] [8192 x 2304], bf16 operands widened to f32
+//   gemm %702: [768 x 2304] = T[768 x 8192] [8192 x 2304], bf16 operands widened to f32
 static void k125_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b437 = (uint16_t *)(arena + 5676833920); // %437 cast bf16[8192,768]
-  uint16_t *const b699 = (uint16_t *)(arena + 3298663552); // %699 cast bf16[8192,2304]
-  float *const b701 = (float *)(arena + 910464000); // %701 matmul d.h.9.attn_w f32[768,2304]
+  uint16_t *const b700 = (uint16_t *)(arena + 3298663552); // %700 cast bf16[8192,2304]
+  float *const b702 = (float *)(arena + 910464000); // %702 matmul d.h.9.attn_w f32[768,2304]
   {
     float *const w437 = mdl_widen_bf16(b437, 6291456, h->nthreads);
-    float *const w699 = mdl_widen_bf16(b699, 18874368, h->nthreads);
-    mdl_gemm(h, 1, 0, 768, 2304, 8192, w437, 768, w699, 2304, 0.0f, b701, 2304);
+    float *const w700 = mdl_widen_bf16(b700, 18874368, h->nthreads);
+    mdl_gemm(h, 1, 0, 768, 2304, 8192, w437, 768, w700, 2304, 0.0f, b702, 2304);
     free(w437);
-    free(w699);
+    free(w700);
   }
 }
 
 // k126_layernorm_bwd__add__sum__cast: kernel, 7 ops
-//   %703   layernorm_bwd                           line 38    f32[8,1024,768]
-//   %704   layernorm_bwd      d.h.9.ln1_w          line 38    f32[768]
-//   %705   layernorm_bwd      d.h.9.ln1_b          line 38    f32[768]
-//   %706   add                d.h.8.x              line 40    f32[8,1024,768]
-//   %707   reshape                                 line 40    f32[8192,768]
-//   %708   sum                d.h.8.fcproj_b       line 40    f32[768]
-//   %709   cast                                    line 40    bf16[8192,768]
+//   %704   layernorm_bwd                           line 38    f32[8,1024,768]
+//   %705   layernorm_bwd      d.h.9.ln1_w          line 38    f32[768]
+//   %706   layernorm_bwd      d.h.9.ln1_b          line 38    f32[768]
+//   %707   add                d.h.8.x              line 40    f32[8,1024,768]
+//   %708   reshape                                 line 40    f32[8192,768]
+//   %709   sum                d.h.8.fcproj_b       line 40    f32[768]
+//   %710   cast                                    line 40    bf16[8192,768]
 // loops:
 //   layernorm_bwd: 8192 rows of 768, column sums over 64 blocks of 128 rows
 static void k126_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
   float *const b422 = (float *)(arena + 5110602880); // %422 add h.8.x f32[8,1024,768]
   float *const b423 = (float *)(arena + 412698624); // %423 param h.9.ln1_w f32[768]
-  float *const b683 = (float *)(arena + 3336412288); // %683 add d.h.9.x f32[8,1024,768]
-  float *const b700 = (float *)(arena + 3361578112); // %700 matmul f32[8192,768]
-  float *const b704 = (float *)(arena + 910457856); // %704 layernorm_bwd d.h.9.ln1_w f32[768]
-  float *const b705 = (float *)(arena + 910460928); // %705 layernorm_bwd d.h.9.ln1_b f32[768]
-  float *const b706 = (float *)(arena + 3386743936); // %706 add d.h.8.x f32[8,1024,768]
-  float *const b708 = (float *)(arena + 910454784); // %708 sum d.h.8.fcproj_b f32[768]
-  uint16_t *const b709 = (uint16_t *)(arena + 3411909760); // %709 cast bf16[8192,768]
+  float *const b684 = (float *)(arena + 3336412288); // %684 add d.h.9.x f32[8,1024,768]
+  float *const b701 = (float *)(arena + 3361578112); // %701 matmul f32[8192,768]
+  float *const b705 = (float *)(arena + 910457856); // %705 layernorm_bwd d.h.9.ln1_w f32[768]
+  float *const b706 = (float *)(arena + 910460928); // %706 layernorm_bwd d.h.9.ln1_b f32[768]
+  float *const b707 = (float *)(arena + 3386743936); // %707 add d.h.8.x f32[8,1024,768]
+  float *const b709 = (float *)(arena + 910454784); // %709 sum d.h.8.fcproj_b f32[768]
+  uint16_t *const b710 = (uint16_t *)(arena + 3411909760); // %710 cast bf16[8192,768]
   double *pdw = mdl_scratch(49152 * sizeof(double));
   double *pdb = mdl_scratch(49152 * sizeof(double));
-  double *ps0 = mdl_scratch(49152 * sizeof(double)); // partials of the column sum %708
+  double *ps0 = mdl_scratch(49152 * sizeof(double)); // partials of the column sum %709
   #pragma omp parallel num_threads(h->nthreads)
   {
     float *dxrow = mdl_scratch(768 * sizeof(float));
@@ -6067,7 +6070,7 @@ static void k126_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
       const int64_t end = k * 128 + 128 < 8192 ? k * 128 + 128 : 8192;
       for (int64_t r = k * 128; r < end; r++) {
         const float *x = b422 + r * 768;
-        const float *dy = b700 + r * 768;
+        const float *dy = b701 + r * 768;
         double mean = 0, var = 0, mg = 0, mgx = 0;
         #pragma omp simd reduction(+ : mean)
         for (int64_t j = 0; j < 768; j++)
@@ -6092,13 +6095,13 @@ static void k126_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
           dx[j] = (float)(rstd * ((double)dy[j] * b423[j] - mg - (x[j] - mean) * rstd * mgx));
         for (int64_t j = 0; j < 768; j++) {
           const int64_t ix = r * 768 + j;
-          const float v683_ix = b683[ix];
-          const float v706_ix = v683_ix + dx[j];
-          b706[ix] = v706_ix;
-          const float v707_ix = v706_ix;
-          const float v709_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v707_ix));
-          b709[ix] = mdl_f32_to_bf16(v709_ix);
-          sa0[j] += v707_ix;
+          const float v684_ix = b684[ix];
+          const float v707_ix = v684_ix + dx[j];
+          b707[ix] = v707_ix;
+          const float v708_ix = v707_ix;
+          const float v710_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v708_ix));
+          b710[ix] = mdl_f32_to_bf16(v710_ix);
+          sa0[j] += v708_ix;
         }
       }
     }
@@ -6112,9 +6115,9 @@ static void k126_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
       b += pdb[k * 768 + j];
       a0 += ps0[k * 768 + j];
     }
-    b704[j] = (float)w;
-    b705[j] = (float)b;
-    b708[j] = (float)a0;
+    b705[j] = (float)w;
+    b706[j] = (float)b;
+    b709[j] = (float)a0;
   }
   free(pdw);
   free(pdb);
@@ -6122,44 +6125,44 @@ static void k126_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
 }
 
 // k127_gemm: GEMM, 1 op
-//   %711   matmul             d.h.8.fcproj_w       line 40    f32[3072,768]
+//   %712   matmul             d.h.8.fcproj_w       line 40    f32[3072,768]
 // loops:
-//   gemm %711: [3072 x 768] = T[3072 x 8192] [8192 x 768], bf16 operands widened to f32
+//   gemm %712: [3072 x 768] = T[3072 x 8192] [8192 x 768], bf16 operands widened to f32
 static void k127_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b417 = (uint16_t *)(arena + 4003306624); // %417 cast bf16[8192,3072]
-  uint16_t *const b709 = (uint16_t *)(arena + 3411909760); // %709 cast bf16[8192,768]
-  float *const b711 = (float *)(arena + 901017600); // %711 matmul d.h.8.fcproj_w f32[3072,768]
+  uint16_t *const b710 = (uint16_t *)(arena + 3411909760); // %710 cast bf16[8192,768]
+  float *const b712 = (float *)(arena + 901017600); // %712 matmul d.h.8.fcproj_w f32[3072,768]
   {
     float *const w417 = mdl_widen_bf16(b417, 25165824, h->nthreads);
-    float *const w709 = mdl_widen_bf16(b709, 6291456, h->nthreads);
-    mdl_gemm(h, 1, 0, 3072, 768, 8192, w417, 3072, w709, 768, 0.0f, b711, 768);
+    float *const w710 = mdl_widen_bf16(b710, 6291456, h->nthreads);
+    mdl_gemm(h, 1, 0, 3072, 768, 8192, w417, 3072, w710, 768, 0.0f, b712, 768);
     free(w417);
-    free(w709);
+    free(w710);
   }
 }
 
 // k128_gemm__gelu_bwd__sum__cast: GEMM, 6 ops
-//   %710   matmul                                  line 40    f32[8192,3072]
-//   %712   reshape                                 line 40    f32[8,1024,3072]
-//   %713   gelu_bwd                                line 40    f32[8,1024,3072]
-//   %714   reshape                                 line 40    f32[8192,3072]
-//   %715   sum                d.h.8.fc_b           line 40    f32[3072]
-//   %716   cast                                    line 40    bf16[8192,3072]
+//   %711   matmul                                  line 40    f32[8192,3072]
+//   %713   reshape                                 line 40    f32[8,1024,3072]
+//   %714   gelu_bwd                                line 40    f32[8,1024,3072]
+//   %715   reshape                                 line 40    f32[8192,3072]
+//   %716   sum                d.h.8.fc_b           line 40    f32[3072]
+//   %717   cast                                    line 40    bf16[8192,3072]
 // loops:
-//   gemm %710: [8192 x 3072] = [8192 x 768] T[768 x 3072], bf16 operands widened to f32, epilogue after
-//   sum %715: 3072 outputs over 8192 elements, in 64 blocks of 128
+//   gemm %711: [8192 x 3072] = [8192 x 768] T[768 x 3072], bf16 operands widened to f32, epilogue after
+//   sum %716: 3072 outputs over 8192 elements, in 64 blocks of 128
 static void k128_gemm__gelu_bwd__sum__cast(char *arena, const MdlHooks *h) {
   float *const b414 = (float *)(arena + 3198000256); // %414 add f32[8,1024,3072]
   uint16_t *const b418 = (uint16_t *)(arena + 2190987264); // %418 cast bf16[3072,768]
-  uint16_t *const b709 = (uint16_t *)(arena + 3411909760); // %709 cast bf16[8192,768]
-  float *const b710 = mdl_scratch(100663296); // %710 matmul f32[8192,3072], kept in this kernel
-  float *const b715 = (float *)(arena + 901005312); // %715 sum d.h.8.fc_b f32[3072]
-  uint16_t *const b716 = (uint16_t *)(arena + 3298663552); // %716 cast bf16[8192,3072]
+  uint16_t *const b710 = (uint16_t *)(arena + 3411909760); // %710 cast bf16[8192,768]
+  float *const b711 = mdl_scratch(100663296); // %711 matmul f32[8192,3072], kept in this kernel
+  float *const b716 = (float *)(arena + 901005312); // %716 sum d.h.8.fc_b f32[3072]
+  uint16_t *const b717 = (uint16_t *)(arena + 3298663552); // %717 cast bf16[8192,3072]
   {
-    float *const w709 = mdl_widen_bf16(b709, 6291456, h->nthreads);
+    float *const w710 = mdl_widen_bf16(b710, 6291456, h->nthreads);
     float *const w418 = mdl_widen_bf16(b418, 2359296, h->nthreads);
-    mdl_gemm(h, 0, 1, 8192, 3072, 768, w709, 768, w418, 768, 0.0f, b710, 3072);
-    free(w709);
+    mdl_gemm(h, 0, 1, 8192, 3072, 768, w710, 768, w418, 768, 0.0f, b711, 3072);
+    free(w710);
     free(w418);
   }
   double *part = mdl_scratch(196608 * sizeof(double));
@@ -6173,13 +6176,13 @@ static void k128_gemm__gelu_bwd__sum__cast(char *arena, const MdlHooks *h) {
       for (int64_t c = 0; c < 3072; c++) {
         const int64_t ix = l * 3072 + c;
         const float v414_ix = b414[ix];
-        const float v710_ix = b710[ix];
-        const float v712_ix = v710_ix;
-        const float v713_ix = mdl_gelu_grad(v414_ix) * v712_ix;
-        const float v714_ix = v713_ix;
-        const float v = v714_ix;
-        const float v716_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v714_ix));
-        b716[ix] = mdl_f32_to_bf16(v716_ix);
+        const float v711_ix = b711[ix];
+        const float v713_ix = v711_ix;
+        const float v714_ix = mdl_gelu_grad(v414_ix) * v713_ix;
+        const float v715_ix = v714_ix;
+        const float v = v715_ix;
+        const float v717_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v715_ix));
+        b717[ix] = mdl_f32_to_bf16(v717_ix);
         p[c] += v;
       }
     }
@@ -6192,69 +6195,69 @@ static void k128_gemm__gelu_bwd__sum__cast(char *arena, const MdlHooks *h) {
       acc += v;
     }
     const float y = (float)acc;
-    b715[r] = y;
+    b716[r] = y;
   }
   free(part);
-  free(b710);
+  free(b711);
 }
 
 // k129_gemm: GEMM, 1 op
-//   %717   matmul                                  line 40    f32[8192,768]
+//   %718   matmul                                  line 40    f32[8192,768]
 // loops:
-//   gemm %717: [8192 x 768] = [8192 x 3072] T[3072 x 768], bf16 operands widened to f32
+//   gemm %718: [8192 x 768] = [8192 x 3072] T[3072 x 768], bf16 operands widened to f32
 static void k129_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b411 = (uint16_t *)(arena + 2186268672); // %411 cast bf16[768,3072]
-  uint16_t *const b716 = (uint16_t *)(arena + 3298663552); // %716 cast bf16[8192,3072]
-  float *const b717 = (float *)(arena + 3198000256); // %717 matmul f32[8192,768]
+  uint16_t *const b717 = (uint16_t *)(arena + 3298663552); // %717 cast bf16[8192,3072]
+  float *const b718 = (float *)(arena + 3198000256); // %718 matmul f32[8192,768]
   {
-    float *const w716 = mdl_widen_bf16(b716, 25165824, h->nthreads);
+    float *const w717 = mdl_widen_bf16(b717, 25165824, h->nthreads);
     float *const w411 = mdl_widen_bf16(b411, 2359296, h->nthreads);
-    mdl_gemm(h, 0, 1, 8192, 768, 3072, w716, 3072, w411, 3072, 0.0f, b717, 768);
-    free(w716);
+    mdl_gemm(h, 0, 1, 8192, 768, 3072, w717, 3072, w411, 3072, 0.0f, b718, 768);
+    free(w717);
     free(w411);
   }
 }
 
 // k130_gemm: GEMM, 1 op
-//   %718   matmul             d.h.8.fc_w           line 40    f32[768,3072]
+//   %719   matmul             d.h.8.fc_w           line 40    f32[768,3072]
 // loops:
-//   gemm %718: [768 x 3072] = T[768 x 8192] [8192 x 3072], bf16 operands widened to f32
+//   gemm %719: [768 x 3072] = T[768 x 8192] [8192 x 3072], bf16 operands widened to f32
 static void k130_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b410 = (uint16_t *)(arena + 5664251008); // %410 cast bf16[8192,768]
-  uint16_t *const b716 = (uint16_t *)(arena + 3298663552); // %716 cast bf16[8192,3072]
-  float *const b718 = (float *)(arena + 891568128); // %718 matmul d.h.8.fc_w f32[768,3072]
+  uint16_t *const b717 = (uint16_t *)(arena + 3298663552); // %717 cast bf16[8192,3072]
+  float *const b719 = (float *)(arena + 891568128); // %719 matmul d.h.8.fc_w f32[768,3072]
   {
     float *const w410 = mdl_widen_bf16(b410, 6291456, h->nthreads);
-    float *const w716 = mdl_widen_bf16(b716, 25165824, h->nthreads);
-    mdl_gemm(h, 1, 0, 768, 3072, 8192, w410, 768, w716, 3072, 0.0f, b718, 3072);
+    float *const w717 = mdl_widen_bf16(b717, 25165824, h->nthreads);
+    mdl_gemm(h, 1, 0, 768, 3072, 8192, w410, 768, w717, 3072, 0.0f, b719, 3072);
     free(w410);
-    free(w716);
+    free(w717);
   }
 }
 
 // k131_layernorm_bwd__add__sum__cast: kernel, 7 ops
-//   %720   layernorm_bwd                           line 40    f32[8,1024,768]
-//   %721   layernorm_bwd      d.h.8.ln2_w          line 40    f32[768]
-//   %722   layernorm_bwd      d.h.8.ln2_b          line 40    f32[768]
-//   %723   add                d.h.8.x              line 39    f32[8,1024,768]
-//   %724   reshape                                 line 39    f32[8192,768]
-//   %725   sum                d.h.8.proj_b         line 39    f32[768]
-//   %726   cast                                    line 39    bf16[8192,768]
+//   %721   layernorm_bwd                           line 40    f32[8,1024,768]
+//   %722   layernorm_bwd      d.h.8.ln2_w          line 40    f32[768]
+//   %723   layernorm_bwd      d.h.8.ln2_b          line 40    f32[768]
+//   %724   add                d.h.8.x              line 39    f32[8,1024,768]
+//   %725   reshape                                 line 39    f32[8192,768]
+//   %726   sum                d.h.8.proj_b         line 39    f32[768]
+//   %727   cast                                    line 39    bf16[8192,768]
 // loops:
 //   layernorm_bwd: 8192 rows of 768, column sums over 64 blocks of 128 rows
 static void k131_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
   float *const b383 = (float *)(arena + 393802752); // %383 param h.8.ln2_w f32[768]
   float *const b407 = (float *)(arena + 5085437056); // %407 add h.8.x f32[8,1024,768]
-  float *const b706 = (float *)(arena + 3386743936); // %706 add d.h.8.x f32[8,1024,768]
-  float *const b717 = (float *)(arena + 3198000256); // %717 matmul f32[8192,768]
-  float *const b721 = (float *)(arena + 891561984); // %721 layernorm_bwd d.h.8.ln2_w f32[768]
-  float *const b722 = (float *)(arena + 891565056); // %722 layernorm_bwd d.h.8.ln2_b f32[768]
-  float *const b723 = (float *)(arena + 3235748992); // %723 add d.h.8.x f32[8,1024,768]
-  float *const b725 = (float *)(arena + 891558912); // %725 sum d.h.8.proj_b f32[768]
-  uint16_t *const b726 = (uint16_t *)(arena + 3223166080); // %726 cast bf16[8192,768]
+  float *const b707 = (float *)(arena + 3386743936); // %707 add d.h.8.x f32[8,1024,768]
+  float *const b718 = (float *)(arena + 3198000256); // %718 matmul f32[8192,768]
+  float *const b722 = (float *)(arena + 891561984); // %722 layernorm_bwd d.h.8.ln2_w f32[768]
+  float *const b723 = (float *)(arena + 891565056); // %723 layernorm_bwd d.h.8.ln2_b f32[768]
+  float *const b724 = (float *)(arena + 3235748992); // %724 add d.h.8.x f32[8,1024,768]
+  float *const b726 = (float *)(arena + 891558912); // %726 sum d.h.8.proj_b f32[768]
+  uint16_t *const b727 = (uint16_t *)(arena + 3223166080); // %727 cast bf16[8192,768]
   double *pdw = mdl_scratch(49152 * sizeof(double));
   double *pdb = mdl_scratch(49152 * sizeof(double));
-  double *ps0 = mdl_scratch(49152 * sizeof(double)); // partials of the column sum %725
+  double *ps0 = mdl_scratch(49152 * sizeof(double)); // partials of the column sum %726
   #pragma omp parallel num_threads(h->nthreads)
   {
     float *dxrow = mdl_scratch(768 * sizeof(float));
@@ -6268,7 +6271,7 @@ static void k131_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
       const int64_t end = k * 128 + 128 < 8192 ? k * 128 + 128 : 8192;
       for (int64_t r = k * 128; r < end; r++) {
         const float *x = b407 + r * 768;
-        const float *dy = b717 + r * 768;
+        const float *dy = b718 + r * 768;
         double mean = 0, var = 0, mg = 0, mgx = 0;
         #pragma omp simd reduction(+ : mean)
         for (int64_t j = 0; j < 768; j++)
@@ -6293,13 +6296,13 @@ static void k131_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
           dx[j] = (float)(rstd * ((double)dy[j] * b383[j] - mg - (x[j] - mean) * rstd * mgx));
         for (int64_t j = 0; j < 768; j++) {
           const int64_t ix = r * 768 + j;
-          const float v706_ix = b706[ix];
-          const float v723_ix = v706_ix + dx[j];
-          b723[ix] = v723_ix;
-          const float v724_ix = v723_ix;
-          const float v726_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v724_ix));
-          b726[ix] = mdl_f32_to_bf16(v726_ix);
-          sa0[j] += v724_ix;
+          const float v707_ix = b707[ix];
+          const float v724_ix = v707_ix + dx[j];
+          b724[ix] = v724_ix;
+          const float v725_ix = v724_ix;
+          const float v727_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v725_ix));
+          b727[ix] = mdl_f32_to_bf16(v727_ix);
+          sa0[j] += v725_ix;
         }
       }
     }
@@ -6313,9 +6316,9 @@ static void k131_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
       b += pdb[k * 768 + j];
       a0 += ps0[k * 768 + j];
     }
-    b721[j] = (float)w;
-    b722[j] = (float)b;
-    b725[j] = (float)a0;
+    b722[j] = (float)w;
+    b723[j] = (float)b;
+    b726[j] = (float)a0;
   }
   free(pdw);
   free(pdb);
@@ -6323,69 +6326,69 @@ static void k131_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
 }
 
 // k132_gemm: GEMM, 1 op
-//   %728   matmul             d.h.8.proj_w         line 39    f32[768,768]
+//   %729   matmul             d.h.8.proj_w         line 39    f32[768,768]
 // loops:
-//   gemm %728: [768 x 768] = T[768 x 8192] [8192 x 768], bf16 operands widened to f32
+//   gemm %729: [768 x 768] = T[768 x 8192] [8192 x 768], bf16 operands widened to f32
 static void k132_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b402 = (uint16_t *)(arena + 5651668096); // %402 cast bf16[8192,768]
-  uint16_t *const b726 = (uint16_t *)(arena + 3223166080); // %726 cast bf16[8192,768]
-  float *const b728 = (float *)(arena + 889199616); // %728 matmul d.h.8.proj_w f32[768,768]
+  uint16_t *const b727 = (uint16_t *)(arena + 3223166080); // %727 cast bf16[8192,768]
+  float *const b729 = (float *)(arena + 889199616); // %729 matmul d.h.8.proj_w f32[768,768]
   {
     float *const w402 = mdl_widen_bf16(b402, 6291456, h->nthreads);
-    float *const w726 = mdl_widen_bf16(b726, 6291456, h->nthreads);
-    mdl_gemm(h, 1, 0, 768, 768, 8192, w402, 768, w726, 768, 0.0f, b728, 768);
+    float *const w727 = mdl_widen_bf16(b727, 6291456, h->nthreads);
+    mdl_gemm(h, 1, 0, 768, 768, 8192, w402, 768, w727, 768, 0.0f, b729, 768);
     free(w402);
-    free(w726);
+    free(w727);
   }
 }
 
 // k133_gemm__cast: GEMM, 3 ops
-//   %727   matmul                                  line 39    f32[8192,768]
-//   %729   reshape                                 line 39    f32[8,1024,768]
-//   %732   cast                                    line 39    bf16[8,1024,768]
+//   %728   matmul                                  line 39    f32[8192,768]
+//   %730   reshape                                 line 39    f32[8,1024,768]
+//   %733   cast                                    line 39    bf16[8,1024,768]
 // loops:
-//   gemm %727: [8192 x 768] = [8192 x 768] T[768 x 768], bf16 operands widened to f32, epilogue after
-//   elementwise over 6291456: %732
+//   gemm %728: [8192 x 768] = [8192 x 768] T[768 x 768], bf16 operands widened to f32, epilogue after
+//   elementwise over 6291456: %733
 static void k133_gemm__cast(char *arena, const MdlHooks *h) {
   uint16_t *const b403 = (uint16_t *)(arena + 2185089024); // %403 cast bf16[768,768]
-  uint16_t *const b726 = (uint16_t *)(arena + 3223166080); // %726 cast bf16[8192,768]
-  float *const b727 = mdl_scratch(25165824); // %727 matmul f32[8192,768], kept in this kernel
-  uint16_t *const b732 = (uint16_t *)(arena + 3198000256); // %732 cast bf16[8,1024,768]
+  uint16_t *const b727 = (uint16_t *)(arena + 3223166080); // %727 cast bf16[8192,768]
+  float *const b728 = mdl_scratch(25165824); // %728 matmul f32[8192,768], kept in this kernel
+  uint16_t *const b733 = (uint16_t *)(arena + 3198000256); // %733 cast bf16[8,1024,768]
   {
-    float *const w726 = mdl_widen_bf16(b726, 6291456, h->nthreads);
+    float *const w727 = mdl_widen_bf16(b727, 6291456, h->nthreads);
     float *const w403 = mdl_widen_bf16(b403, 589824, h->nthreads);
-    mdl_gemm(h, 0, 1, 8192, 768, 768, w726, 768, w403, 768, 0.0f, b727, 768);
-    free(w726);
+    mdl_gemm(h, 0, 1, 8192, 768, 768, w727, 768, w403, 768, 0.0f, b728, 768);
+    free(w727);
     free(w403);
   }
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
   for (int64_t r = 0; r < 8192; r++) {
     for (int64_t c = 0; c < 768; c++) {
       const int64_t i = r * 768 + c;
-      const float v727_i = b727[i];
-      const float v729_i = v727_i;
-      const float v732_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v729_i));
-      b732[i] = mdl_f32_to_bf16(v732_i);
+      const float v728_i = b728[i];
+      const float v730_i = v728_i;
+      const float v733_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v730_i));
+      b733[i] = mdl_f32_to_bf16(v733_i);
     }
   }
-  free(b727);
+  free(b728);
 }
 
 // k134_attention_bwd: attention, 3 ops
-//   %733   attention_bwd      d.h.8.q              line 39    f32[8,1024,768]
-//   %734   attention_bwd      d.h.8.k              line 39    f32[8,1024,768]
-//   %735   attention_bwd      d.h.8.v              line 39    f32[8,1024,768]
+//   %734   attention_bwd      d.h.8.q              line 39    f32[8,1024,768]
+//   %735   attention_bwd      d.h.8.k              line 39    f32[8,1024,768]
+//   %736   attention_bwd      d.h.8.v              line 39    f32[8,1024,768]
 // loops:
 //   attention backward (dq dk dv): B 8, T 1024, 12 heads of 64, causal, within documents; one task per (batch, head)
 static void k134_attention_bwd(char *arena, const MdlHooks *h) {
   int32_t *const b3 = (int32_t *)(arena + 2238271488); // %3 input doc i32[8,1024]
   uint16_t *const b396 = (uint16_t *)(arena + 4506623104); // %396 cast bf16[8,1024,2304]
   uint16_t *const b402 = (uint16_t *)(arena + 5651668096); // %402 cast bf16[8192,768]
-  float *const b730 = (float *)(arena + 5805808768); // %730 attention_lse f32[8,12,1024]
-  uint16_t *const b732 = (uint16_t *)(arena + 3198000256); // %732 cast bf16[8,1024,768]
-  float *const b733 = (float *)(arena + 3260914816); // %733 attention_bwd d.h.8.q f32[8,1024,768]
-  float *const b734 = (float *)(arena + 3286080640); // %734 attention_bwd d.h.8.k f32[8,1024,768]
-  float *const b735 = (float *)(arena + 3311246464); // %735 attention_bwd d.h.8.v f32[8,1024,768]
+  float *const b731 = (float *)(arena + 5805808768); // %731 attention_lse f32[8,12,1024]
+  uint16_t *const b733 = (uint16_t *)(arena + 3198000256); // %733 cast bf16[8,1024,768]
+  float *const b734 = (float *)(arena + 3260914816); // %734 attention_bwd d.h.8.q f32[8,1024,768]
+  float *const b735 = (float *)(arena + 3286080640); // %735 attention_bwd d.h.8.k f32[8,1024,768]
+  float *const b736 = (float *)(arena + 3311246464); // %736 attention_bwd d.h.8.v f32[8,1024,768]
   #pragma omp parallel num_threads(h->nthreads)
   {
     float *restrict kt = memset(mdl_scratch(67584 * sizeof(float)), 0, 67584 * sizeof(float));
@@ -6433,13 +6436,13 @@ static void k134_attention_bwd(char *arena, const MdlHooks *h) {
           }
           memcpy(s + j0, acc, sizeof acc);
         }
-        const float lse = b730[(b * 12 + hd) * 1024 + i];
+        const float lse = b731[(b * 12 + hd) * 1024 + i];
         #pragma omp simd
         for (int64_t j = lo; j < hi; j++)
           s[j] = dc[j] == di ? mdl_exp_shifted(s[j] * 0.125f - lse) : 0.0f;
         float dor[64];
         for (int64_t c = 0; c < 64; c++)
-          dor[c] = mdl_bf16_to_f32(b732[(b * 1024 + i) * 768 + hd * 64 + c]);
+          dor[c] = mdl_bf16_to_f32(b733[(b * 1024 + i) * 768 + hd * 64 + c]);
         const float *restrict doi = dor;
         float dsum = 0.0f;
         for (int64_t c = 0; c < 64; c++)
@@ -6488,14 +6491,14 @@ static void k134_attention_bwd(char *arena, const MdlHooks *h) {
           for (int64_t c = 0; c < 64; c++)
             dvj[c] += mdl_bf16_to_f32(mdl_f32_to_bf16(s[j])) * doi[c];
         }
-        float *restrict dq = b733 + (b * 1024 + i) * 768 + hd * 64;
+        float *restrict dq = b734 + (b * 1024 + i) * 768 + hd * 64;
         for (int64_t c = 0; c < 64; c++)
           dq[c] = 0.125f * (dqi0[c] + dqi1[c]);
       }
       for (int64_t t = 0; t < 1024; t++)
-        memcpy(b734 + (b * 1024 + t) * 768 + hd * 64, dkh + t * 64, 64 * sizeof(float));
+        memcpy(b735 + (b * 1024 + t) * 768 + hd * 64, dkh + t * 64, 64 * sizeof(float));
       for (int64_t t = 0; t < 1024; t++)
-        memcpy(b735 + (b * 1024 + t) * 768 + hd * 64, dvh + t * 64, 64 * sizeof(float));
+        memcpy(b736 + (b * 1024 + t) * 768 + hd * 64, dvh + t * 64, 64 * sizeof(float));
     }
     free(kt);
     free(s);
@@ -6507,18 +6510,18 @@ static void k134_attention_bwd(char *arena, const MdlHooks *h) {
 }
 
 // k135_sum__concat__cast: kernel, 4 ops
-//   %736   concat                                  line 38    f32[8,1024,2304]
-//   %737   reshape                                 line 38    f32[8192,2304]
-//   %738   sum                d.h.8.attn_b         line 38    f32[2304]
-//   %739   cast                                    line 38    bf16[8192,2304]
+//   %737   concat                                  line 38    f32[8,1024,2304]
+//   %738   reshape                                 line 38    f32[8192,2304]
+//   %739   sum                d.h.8.attn_b         line 38    f32[2304]
+//   %740   cast                                    line 38    bf16[8192,2304]
 // loops:
-//   sum %738: 2304 outputs over 8192 elements, in 64 blocks of 128
+//   sum %739: 2304 outputs over 8192 elements, in 64 blocks of 128
 static void k135_sum__concat__cast(char *arena, const MdlHooks *h) {
-  float *const b733 = (float *)(arena + 3260914816); // %733 attention_bwd d.h.8.q f32[8,1024,768]
-  float *const b734 = (float *)(arena + 3286080640); // %734 attention_bwd d.h.8.k f32[8,1024,768]
-  float *const b735 = (float *)(arena + 3311246464); // %735 attention_bwd d.h.8.v f32[8,1024,768]
-  float *const b738 = (float *)(arena + 889190400); // %738 sum d.h.8.attn_b f32[2304]
-  uint16_t *const b739 = (uint16_t *)(arena + 3198000256); // %739 cast bf16[8192,2304]
+  float *const b734 = (float *)(arena + 3260914816); // %734 attention_bwd d.h.8.q f32[8,1024,768]
+  float *const b735 = (float *)(arena + 3286080640); // %735 attention_bwd d.h.8.k f32[8,1024,768]
+  float *const b736 = (float *)(arena + 3311246464); // %736 attention_bwd d.h.8.v f32[8,1024,768]
+  float *const b739 = (float *)(arena + 889190400); // %739 sum d.h.8.attn_b f32[2304]
+  uint16_t *const b740 = (uint16_t *)(arena + 3198000256); // %740 cast bf16[8192,2304]
   double *part = mdl_scratch(147456 * sizeof(double));
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
   for (int64_t k = 0; k < 64; k++) {
@@ -6529,11 +6532,11 @@ static void k135_sum__concat__cast(char *arena, const MdlHooks *h) {
     for (int64_t l = k * 128; l < end; l++) {
       for (int64_t c = 0; c < 2304; c++) {
         const int64_t ix = l * 2304 + c;
-        const float v736_ix = (c < 768 ? b733 + (l * 768 + c) : c < 1536 ? b734 + (l * 768 + (c - 768)) : b735 + (l * 768 + (c - 1536)))[0];
-        const float v737_ix = v736_ix;
-        const float v = v737_ix;
-        const float v739_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v737_ix));
-        b739[ix] = mdl_f32_to_bf16(v739_ix);
+        const float v737_ix = (c < 768 ? b734 + (l * 768 + c) : c < 1536 ? b735 + (l * 768 + (c - 768)) : b736 + (l * 768 + (c - 1536)))[0];
+        const float v738_ix = v737_ix;
+        const float v = v738_ix;
+        const float v740_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v738_ix));
+        b740[ix] = mdl_f32_to_bf16(v740_ix);
         p[c] += v;
       }
     }
@@ -6546,68 +6549,68 @@ static void k135_sum__concat__cast(char *arena, const MdlHooks *h) {
       acc += v;
     }
     const float y = (float)acc;
-    b738[r] = y;
+    b739[r] = y;
   }
   free(part);
 }
 
 // k136_gemm: GEMM, 1 op
-//   %740   matmul                                  line 38    f32[8192,768]
+//   %741   matmul                                  line 38    f32[8192,768]
 // loops:
-//   gemm %740: [8192 x 768] = [8192 x 2304] T[2304 x 768], bf16 operands widened to f32
+//   gemm %741: [8192 x 768] = [8192 x 2304] T[2304 x 768], bf16 operands widened to f32
 static void k136_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b392 = (uint16_t *)(arena + 2181550080); // %392 cast bf16[768,2304]
-  uint16_t *const b739 = (uint16_t *)(arena + 3198000256); // %739 cast bf16[8192,2304]
-  float *const b740 = (float *)(arena + 3260914816); // %740 matmul f32[8192,768]
+  uint16_t *const b740 = (uint16_t *)(arena + 3198000256); // %740 cast bf16[8192,2304]
+  float *const b741 = (float *)(arena + 3260914816); // %741 matmul f32[8192,768]
   {
-    float *const w739 = mdl_widen_bf16(b739, 18874368, h->nthreads);
+    float *const w740 = mdl_widen_bf16(b740, 18874368, h->nthreads);
     float *const w392 = mdl_widen_bf16(b392, 1769472, h->nthreads);
-    mdl_gemm(h, 0, 1, 8192, 768, 2304, w739, 2304, w392, 2304, 0.0f, b740, 768);
-    free(w739);
+    mdl_gemm(h, 0, 1, 8192, 768, 2304, w740, 2304, w392, 2304, 0.0f, b741, 768);
+    free(w740);
     free(w392);
   }
 }
 
 // k137_gemm: GEMM, 1 op
-//   %741   matmul             d.h.8.attn_w         line 38    f32[768,2304]
+//   %742   matmul             d.h.8.attn_w         line 38    f32[768,2304]
 // loops:
-//   gemm %741: [768 x 2304] = T[768 x 8192] [8192 x 2304], bf16 operands widened to f32
+//   gemm %742: [768 x 2304] = T[768 x 8192] [8192 x 2304], bf16 operands widened to f32
 static void k137_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b391 = (uint16_t *)(arena + 5639085184); // %391 cast bf16[8192,768]
-  uint16_t *const b739 = (uint16_t *)(arena + 3198000256); // %739 cast bf16[8192,2304]
-  float *const b741 = (float *)(arena + 882112512); // %741 matmul d.h.8.attn_w f32[768,2304]
+  uint16_t *const b740 = (uint16_t *)(arena + 3198000256); // %740 cast bf16[8192,2304]
+  float *const b742 = (float *)(arena + 882112512); // %742 matmul d.h.8.attn_w f32[768,2304]
   {
     float *const w391 = mdl_widen_bf16(b391, 6291456, h->nthreads);
-    float *const w739 = mdl_widen_bf16(b739, 18874368, h->nthreads);
-    mdl_gemm(h, 1, 0, 768, 2304, 8192, w391, 768, w739, 2304, 0.0f, b741, 2304);
+    float *const w740 = mdl_widen_bf16(b740, 18874368, h->nthreads);
+    mdl_gemm(h, 1, 0, 768, 2304, 8192, w391, 768, w740, 2304, 0.0f, b742, 2304);
     free(w391);
-    free(w739);
+    free(w740);
   }
 }
 
 // k138_layernorm_bwd__add__sum__cast: kernel, 7 ops
-//   %743   layernorm_bwd                           line 38    f32[8,1024,768]
-//   %744   layernorm_bwd      d.h.8.ln1_w          line 38    f32[768]
-//   %745   layernorm_bwd      d.h.8.ln1_b          line 38    f32[768]
-//   %746   add                d.h.7.x              line 40    f32[8,1024,768]
-//   %747   reshape                                 line 40    f32[8192,768]
-//   %748   sum                d.h.7.fcproj_b       line 40    f32[768]
-//   %749   cast                                    line 40    bf16[8192,768]
+//   %744   layernorm_bwd                           line 38    f32[8,1024,768]
+//   %745   layernorm_bwd      d.h.8.ln1_w          line 38    f32[768]
+//   %746   layernorm_bwd      d.h.8.ln1_b          line 38    f32[768]
+//   %747   add                d.h.7.x              line 40    f32[8,1024,768]
+//   %748   reshape                                 line 40    f32[8192,768]
+//   %749   sum                d.h.7.fcproj_b       line 40    f32[768]
+//   %750   cast                                    line 40    bf16[8192,768]
 // loops:
 //   layernorm_bwd: 8192 rows of 768, column sums over 64 blocks of 128 rows
 static void k138_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
   float *const b376 = (float *)(arena + 5060271232); // %376 add h.7.x f32[8,1024,768]
   float *const b377 = (float *)(arena + 384347136); // %377 param h.8.ln1_w f32[768]
-  float *const b723 = (float *)(arena + 3235748992); // %723 add d.h.8.x f32[8,1024,768]
-  float *const b740 = (float *)(arena + 3260914816); // %740 matmul f32[8192,768]
-  float *const b744 = (float *)(arena + 882106368); // %744 layernorm_bwd d.h.8.ln1_w f32[768]
-  float *const b745 = (float *)(arena + 882109440); // %745 layernorm_bwd d.h.8.ln1_b f32[768]
-  float *const b746 = (float *)(arena + 3286080640); // %746 add d.h.7.x f32[8,1024,768]
-  float *const b748 = (float *)(arena + 882103296); // %748 sum d.h.7.fcproj_b f32[768]
-  uint16_t *const b749 = (uint16_t *)(arena + 3311246464); // %749 cast bf16[8192,768]
+  float *const b724 = (float *)(arena + 3235748992); // %724 add d.h.8.x f32[8,1024,768]
+  float *const b741 = (float *)(arena + 3260914816); // %741 matmul f32[8192,768]
+  float *const b745 = (float *)(arena + 882106368); // %745 layernorm_bwd d.h.8.ln1_w f32[768]
+  float *const b746 = (float *)(arena + 882109440); // %746 layernorm_bwd d.h.8.ln1_b f32[768]
+  float *const b747 = (float *)(arena + 3286080640); // %747 add d.h.7.x f32[8,1024,768]
+  float *const b749 = (float *)(arena + 882103296); // %749 sum d.h.7.fcproj_b f32[768]
+  uint16_t *const b750 = (uint16_t *)(arena + 3311246464); // %750 cast bf16[8192,768]
   double *pdw = mdl_scratch(49152 * sizeof(double));
   double *pdb = mdl_scratch(49152 * sizeof(double));
-  double *ps0 = mdl_scratch(49152 * sizeof(double)); // partials of the column sum %748
+  double *ps0 = mdl_scratch(49152 * sizeof(double)); // partials of the column sum %749
   #pragma omp parallel num_threads(h->nthreads)
   {
     float *dxrow = mdl_scratch(768 * sizeof(float));
@@ -6621,7 +6624,7 @@ static void k138_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
       const int64_t end = k * 128 + 128 < 8192 ? k * 128 + 128 : 8192;
       for (int64_t r = k * 128; r < end; r++) {
         const float *x = b376 + r * 768;
-        const float *dy = b740 + r * 768;
+        const float *dy = b741 + r * 768;
         double mean = 0, var = 0, mg = 0, mgx = 0;
         #pragma omp simd reduction(+ : mean)
         for (int64_t j = 0; j < 768; j++)
@@ -6646,13 +6649,13 @@ static void k138_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
           dx[j] = (float)(rstd * ((double)dy[j] * b377[j] - mg - (x[j] - mean) * rstd * mgx));
         for (int64_t j = 0; j < 768; j++) {
           const int64_t ix = r * 768 + j;
-          const float v723_ix = b723[ix];
-          const float v746_ix = v723_ix + dx[j];
-          b746[ix] = v746_ix;
-          const float v747_ix = v746_ix;
-          const float v749_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v747_ix));
-          b749[ix] = mdl_f32_to_bf16(v749_ix);
-          sa0[j] += v747_ix;
+          const float v724_ix = b724[ix];
+          const float v747_ix = v724_ix + dx[j];
+          b747[ix] = v747_ix;
+          const float v748_ix = v747_ix;
+          const float v750_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v748_ix));
+          b750[ix] = mdl_f32_to_bf16(v750_ix);
+          sa0[j] += v748_ix;
         }
       }
     }
@@ -6666,9 +6669,9 @@ static void k138_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
       b += pdb[k * 768 + j];
       a0 += ps0[k * 768 + j];
     }
-    b744[j] = (float)w;
-    b745[j] = (float)b;
-    b748[j] = (float)a0;
+    b745[j] = (float)w;
+    b746[j] = (float)b;
+    b749[j] = (float)a0;
   }
   free(pdw);
   free(pdb);
@@ -6676,44 +6679,44 @@ static void k138_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
 }
 
 // k139_gemm: GEMM, 1 op
-//   %751   matmul             d.h.7.fcproj_w       line 40    f32[3072,768]
+//   %752   matmul             d.h.7.fcproj_w       line 40    f32[3072,768]
 // loops:
-//   gemm %751: [3072 x 768] = T[3072 x 8192] [8192 x 768], bf16 operands widened to f32
+//   gemm %752: [3072 x 768] = T[3072 x 8192] [8192 x 768], bf16 operands widened to f32
 static void k139_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b371 = (uint16_t *)(arena + 3952974976); // %371 cast bf16[8192,3072]
-  uint16_t *const b749 = (uint16_t *)(arena + 3311246464); // %749 cast bf16[8192,768]
-  float *const b751 = (float *)(arena + 872666112); // %751 matmul d.h.7.fcproj_w f32[3072,768]
+  uint16_t *const b750 = (uint16_t *)(arena + 3311246464); // %750 cast bf16[8192,768]
+  float *const b752 = (float *)(arena + 872666112); // %752 matmul d.h.7.fcproj_w f32[3072,768]
   {
     float *const w371 = mdl_widen_bf16(b371, 25165824, h->nthreads);
-    float *const w749 = mdl_widen_bf16(b749, 6291456, h->nthreads);
-    mdl_gemm(h, 1, 0, 3072, 768, 8192, w371, 3072, w749, 768, 0.0f, b751, 768);
+    float *const w750 = mdl_widen_bf16(b750, 6291456, h->nthreads);
+    mdl_gemm(h, 1, 0, 3072, 768, 8192, w371, 3072, w750, 768, 0.0f, b752, 768);
     free(w371);
-    free(w749);
+    free(w750);
   }
 }
 
 // k140_gemm__gelu_bwd__sum__cast: GEMM, 6 ops
-//   %750   matmul                                  line 40    f32[8192,3072]
-//   %752   reshape                                 line 40    f32[8,1024,3072]
-//   %753   gelu_bwd                                line 40    f32[8,1024,3072]
-//   %754   reshape                                 line 40    f32[8192,3072]
-//   %755   sum                d.h.7.fc_b           line 40    f32[3072]
-//   %756   cast                                    line 40    bf16[8192,3072]
+//   %751   matmul                                  line 40    f32[8192,3072]
+//   %753   reshape                                 line 40    f32[8,1024,3072]
+//   %754   gelu_bwd                                line 40    f32[8,1024,3072]
+//   %755   reshape                                 line 40    f32[8192,3072]
+//   %756   sum                d.h.7.fc_b           line 40    f32[3072]
+//   %757   cast                                    line 40    bf16[8192,3072]
 // loops:
-//   gemm %750: [8192 x 3072] = [8192 x 768] T[768 x 3072], bf16 operands widened to f32, epilogue after
-//   sum %755: 3072 outputs over 8192 elements, in 64 blocks of 128
+//   gemm %751: [8192 x 3072] = [8192 x 768] T[768 x 3072], bf16 operands widened to f32, epilogue after
+//   sum %756: 3072 outputs over 8192 elements, in 64 blocks of 128
 static void k140_gemm__gelu_bwd__sum__cast(char *arena, const MdlHooks *h) {
   float *const b368 = (float *)(arena + 3097336960); // %368 add f32[8,1024,3072]
   uint16_t *const b372 = (uint16_t *)(arena + 2176831488); // %372 cast bf16[3072,768]
-  uint16_t *const b749 = (uint16_t *)(arena + 3311246464); // %749 cast bf16[8192,768]
-  float *const b750 = mdl_scratch(100663296); // %750 matmul f32[8192,3072], kept in this kernel
-  float *const b755 = (float *)(arena + 872653824); // %755 sum d.h.7.fc_b f32[3072]
-  uint16_t *const b756 = (uint16_t *)(arena + 3198000256); // %756 cast bf16[8192,3072]
+  uint16_t *const b750 = (uint16_t *)(arena + 3311246464); // %750 cast bf16[8192,768]
+  float *const b751 = mdl_scratch(100663296); // %751 matmul f32[8192,3072], kept in this kernel
+  float *const b756 = (float *)(arena + 872653824); // %756 sum d.h.7.fc_b f32[3072]
+  uint16_t *const b757 = (uint16_t *)(arena + 3198000256); // %757 cast bf16[8192,3072]
   {
-    float *const w749 = mdl_widen_bf16(b749, 6291456, h->nthreads);
+    float *const w750 = mdl_widen_bf16(b750, 6291456, h->nthreads);
     float *const w372 = mdl_widen_bf16(b372, 2359296, h->nthreads);
-    mdl_gemm(h, 0, 1, 8192, 3072, 768, w749, 768, w372, 768, 0.0f, b750, 3072);
-    free(w749);
+    mdl_gemm(h, 0, 1, 8192, 3072, 768, w750, 768, w372, 768, 0.0f, b751, 3072);
+    free(w750);
     free(w372);
   }
   double *part = mdl_scratch(196608 * sizeof(double));
@@ -6727,13 +6730,13 @@ static void k140_gemm__gelu_bwd__sum__cast(char *arena, const MdlHooks *h) {
       for (int64_t c = 0; c < 3072; c++) {
         const int64_t ix = l * 3072 + c;
         const float v368_ix = b368[ix];
-        const float v750_ix = b750[ix];
-        const float v752_ix = v750_ix;
-        const float v753_ix = mdl_gelu_grad(v368_ix) * v752_ix;
-        const float v754_ix = v753_ix;
-        const float v = v754_ix;
-        const float v756_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v754_ix));
-        b756[ix] = mdl_f32_to_bf16(v756_ix);
+        const float v751_ix = b751[ix];
+        const float v753_ix = v751_ix;
+        const float v754_ix = mdl_gelu_grad(v368_ix) * v753_ix;
+        const float v755_ix = v754_ix;
+        const float v = v755_ix;
+        const float v757_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v755_ix));
+        b757[ix] = mdl_f32_to_bf16(v757_ix);
         p[c] += v;
       }
     }
@@ -6746,69 +6749,69 @@ static void k140_gemm__gelu_bwd__sum__cast(char *arena, const MdlHooks *h) {
       acc += v;
     }
     const float y = (float)acc;
-    b755[r] = y;
+    b756[r] = y;
   }
   free(part);
-  free(b750);
+  free(b751);
 }
 
 // k141_gemm: GEMM, 1 op
-//   %757   matmul                                  line 40    f32[8192,768]
+//   %758   matmul                                  line 40    f32[8192,768]
 // loops:
-//   gemm %757: [8192 x 768] = [8192 x 3072] T[3072 x 768], bf16 operands widened to f32
+//   gemm %758: [8192 x 768] = [8192 x 3072] T[3072 x 768], bf16 operands widened to f32
 static void k141_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b365 = (uint16_t *)(arena + 2172112896); // %365 cast bf16[768,3072]
-  uint16_t *const b756 = (uint16_t *)(arena + 3198000256); // %756 cast bf16[8192,3072]
-  float *const b757 = (float *)(arena + 3097336960); // %757 matmul f32[8192,768]
+  uint16_t *const b757 = (uint16_t *)(arena + 3198000256); // %757 cast bf16[8192,3072]
+  float *const b758 = (float *)(arena + 3097336960); // %758 matmul f32[8192,768]
   {
-    float *const w756 = mdl_widen_bf16(b756, 25165824, h->nthreads);
+    float *const w757 = mdl_widen_bf16(b757, 25165824, h->nthreads);
     float *const w365 = mdl_widen_bf16(b365, 2359296, h->nthreads);
-    mdl_gemm(h, 0, 1, 8192, 768, 3072, w756, 3072, w365, 3072, 0.0f, b757, 768);
-    free(w756);
+    mdl_gemm(h, 0, 1, 8192, 768, 3072, w757, 3072, w365, 3072, 0.0f, b758, 768);
+    free(w757);
     free(w365);
   }
 }
 
 // k142_gemm: GEMM, 1 op
-//   %758   matmul             d.h.7.fc_w           line 40    f32[768,3072]
+//   %759   matmul             d.h.7.fc_w           line 40    f32[768,3072]
 // loops:
-//   gemm %758: [768 x 3072] = T[768 x 8192] [8192 x 3072], bf16 operands widened to f32
+//   gemm %759: [768 x 3072] = T[768 x 8192] [8192 x 3072], bf16 operands widened to f32
 static void k142_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b364 = (uint16_t *)(arena + 5626502272); // %364 cast bf16[8192,768]
-  uint16_t *const b756 = (uint16_t *)(arena + 3198000256); // %756 cast bf16[8192,3072]
-  float *const b758 = (float *)(arena + 863216640); // %758 matmul d.h.7.fc_w f32[768,3072]
+  uint16_t *const b757 = (uint16_t *)(arena + 3198000256); // %757 cast bf16[8192,3072]
+  float *const b759 = (float *)(arena + 863216640); // %759 matmul d.h.7.fc_w f32[768,3072]
   {
     float *const w364 = mdl_widen_bf16(b364, 6291456, h->nthreads);
-    float *const w756 = mdl_widen_bf16(b756, 25165824, h->nthreads);
-    mdl_gemm(h, 1, 0, 768, 3072, 8192, w364, 768, w756, 3072, 0.0f, b758, 3072);
+    float *const w757 = mdl_widen_bf16(b757, 25165824, h->nthreads);
+    mdl_gemm(h, 1, 0, 768, 3072, 8192, w364, 768, w757, 3072, 0.0f, b759, 3072);
     free(w364);
-    free(w756);
+    free(w757);
   }
 }
 
 // k143_layernorm_bwd__add__sum__cast: kernel, 7 ops
-//   %760   layernorm_bwd                           line 40    f32[8,1024,768]
-//   %761   layernorm_bwd      d.h.7.ln2_w          line 40    f32[768]
-//   %762   layernorm_bwd      d.h.7.ln2_b          line 40    f32[768]
-//   %763   add                d.h.7.x              line 39    f32[8,1024,768]
-//   %764   reshape                                 line 39    f32[8192,768]
-//   %765   sum                d.h.7.proj_b         line 39    f32[768]
-//   %766   cast                                    line 39    bf16[8192,768]
+//   %761   layernorm_bwd                           line 40    f32[8,1024,768]
+//   %762   layernorm_bwd      d.h.7.ln2_w          line 40    f32[768]
+//   %763   layernorm_bwd      d.h.7.ln2_b          line 40    f32[768]
+//   %764   add                d.h.7.x              line 39    f32[8,1024,768]
+//   %765   reshape                                 line 39    f32[8192,768]
+//   %766   sum                d.h.7.proj_b         line 39    f32[768]
+//   %767   cast                                    line 39    bf16[8192,768]
 // loops:
 //   layernorm_bwd: 8192 rows of 768, column sums over 64 blocks of 128 rows
 static void k143_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
   float *const b337 = (float *)(arena + 365451264); // %337 param h.7.ln2_w f32[768]
   float *const b361 = (float *)(arena + 5035105408); // %361 add h.7.x f32[8,1024,768]
-  float *const b746 = (float *)(arena + 3286080640); // %746 add d.h.7.x f32[8,1024,768]
-  float *const b757 = (float *)(arena + 3097336960); // %757 matmul f32[8192,768]
-  float *const b761 = (float *)(arena + 863210496); // %761 layernorm_bwd d.h.7.ln2_w f32[768]
-  float *const b762 = (float *)(arena + 863213568); // %762 layernorm_bwd d.h.7.ln2_b f32[768]
-  float *const b763 = (float *)(arena + 3135085696); // %763 add d.h.7.x f32[8,1024,768]
-  float *const b765 = (float *)(arena + 863207424); // %765 sum d.h.7.proj_b f32[768]
-  uint16_t *const b766 = (uint16_t *)(arena + 3122502784); // %766 cast bf16[8192,768]
+  float *const b747 = (float *)(arena + 3286080640); // %747 add d.h.7.x f32[8,1024,768]
+  float *const b758 = (float *)(arena + 3097336960); // %758 matmul f32[8192,768]
+  float *const b762 = (float *)(arena + 863210496); // %762 layernorm_bwd d.h.7.ln2_w f32[768]
+  float *const b763 = (float *)(arena + 863213568); // %763 layernorm_bwd d.h.7.ln2_b f32[768]
+  float *const b764 = (float *)(arena + 3135085696); // %764 add d.h.7.x f32[8,1024,768]
+  float *const b766 = (float *)(arena + 863207424); // %766 sum d.h.7.proj_b f32[768]
+  uint16_t *const b767 = (uint16_t *)(arena + 3122502784); // %767 cast bf16[8192,768]
   double *pdw = mdl_scratch(49152 * sizeof(double));
   double *pdb = mdl_scratch(49152 * sizeof(double));
-  double *ps0 = mdl_scratch(49152 * sizeof(double)); // partials of the column sum %765
+  double *ps0 = mdl_scratch(49152 * sizeof(double)); // partials of the column sum %766
   #pragma omp parallel num_threads(h->nthreads)
   {
     float *dxrow = mdl_scratch(768 * sizeof(float));
@@ -6822,7 +6825,7 @@ static void k143_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
       const int64_t end = k * 128 + 128 < 8192 ? k * 128 + 128 : 8192;
       for (int64_t r = k * 128; r < end; r++) {
         const float *x = b361 + r * 768;
-        const float *dy = b757 + r * 768;
+        const float *dy = b758 + r * 768;
         double mean = 0, var = 0, mg = 0, mgx = 0;
         #pragma omp simd reduction(+ : mean)
         for (int64_t j = 0; j < 768; j++)
@@ -6847,13 +6850,13 @@ static void k143_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
           dx[j] = (float)(rstd * ((double)dy[j] * b337[j] - mg - (x[j] - mean) * rstd * mgx));
         for (int64_t j = 0; j < 768; j++) {
           const int64_t ix = r * 768 + j;
-          const float v746_ix = b746[ix];
-          const float v763_ix = v746_ix + dx[j];
-          b763[ix] = v763_ix;
-          const float v764_ix = v763_ix;
-          const float v766_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v764_ix));
-          b766[ix] = mdl_f32_to_bf16(v766_ix);
-          sa0[j] += v764_ix;
+          const float v747_ix = b747[ix];
+          const float v764_ix = v747_ix + dx[j];
+          b764[ix] = v764_ix;
+          const float v765_ix = v764_ix;
+          const float v767_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v765_ix));
+          b767[ix] = mdl_f32_to_bf16(v767_ix);
+          sa0[j] += v765_ix;
         }
       }
     }
@@ -6867,9 +6870,9 @@ static void k143_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
       b += pdb[k * 768 + j];
       a0 += ps0[k * 768 + j];
     }
-    b761[j] = (float)w;
-    b762[j] = (float)b;
-    b765[j] = (float)a0;
+    b762[j] = (float)w;
+    b763[j] = (float)b;
+    b766[j] = (float)a0;
   }
   free(pdw);
   free(pdb);
@@ -6877,69 +6880,69 @@ static void k143_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
 }
 
 // k144_gemm: GEMM, 1 op
-//   %768   matmul             d.h.7.proj_w         line 39    f32[768,768]
+//   %769   matmul             d.h.7.proj_w         line 39    f32[768,768]
 // loops:
-//   gemm %768: [768 x 768] = T[768 x 8192] [8192 x 768], bf16 operands widened to f32
+//   gemm %769: [768 x 768] = T[768 x 8192] [8192 x 768], bf16 operands widened to f32
 static void k144_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b356 = (uint16_t *)(arena + 5613919360); // %356 cast bf16[8192,768]
-  uint16_t *const b766 = (uint16_t *)(arena + 3122502784); // %766 cast bf16[8192,768]
-  float *const b768 = (float *)(arena + 860848128); // %768 matmul d.h.7.proj_w f32[768,768]
+  uint16_t *const b767 = (uint16_t *)(arena + 3122502784); // %767 cast bf16[8192,768]
+  float *const b769 = (float *)(arena + 860848128); // %769 matmul d.h.7.proj_w f32[768,768]
   {
     float *const w356 = mdl_widen_bf16(b356, 6291456, h->nthreads);
-    float *const w766 = mdl_widen_bf16(b766, 6291456, h->nthreads);
-    mdl_gemm(h, 1, 0, 768, 768, 8192, w356, 768, w766, 768, 0.0f, b768, 768);
+    float *const w767 = mdl_widen_bf16(b767, 6291456, h->nthreads);
+    mdl_gemm(h, 1, 0, 768, 768, 8192, w356, 768, w767, 768, 0.0f, b769, 768);
     free(w356);
-    free(w766);
+    free(w767);
   }
 }
 
 // k145_gemm__cast: GEMM, 3 ops
-//   %767   matmul                                  line 39    f32[8192,768]
-//   %769   reshape                                 line 39    f32[8,1024,768]
-//   %772   cast                                    line 39    bf16[8,1024,768]
+//   %768   matmul                                  line 39    f32[8192,768]
+//   %770   reshape                                 line 39    f32[8,1024,768]
+//   %773   cast                                    line 39    bf16[8,1024,768]
 // loops:
-//   gemm %767: [8192 x 768] = [8192 x 768] T[768 x 768], bf16 operands widened to f32, epilogue after
-//   elementwise over 6291456: %772
+//   gemm %768: [8192 x 768] = [8192 x 768] T[768 x 768], bf16 operands widened to f32, epilogue after
+//   elementwise over 6291456: %773
 static void k145_gemm__cast(char *arena, const MdlHooks *h) {
   uint16_t *const b357 = (uint16_t *)(arena + 2170933248); // %357 cast bf16[768,768]
-  uint16_t *const b766 = (uint16_t *)(arena + 3122502784); // %766 cast bf16[8192,768]
-  float *const b767 = mdl_scratch(25165824); // %767 matmul f32[8192,768], kept in this kernel
-  uint16_t *const b772 = (uint16_t *)(arena + 3097336960); // %772 cast bf16[8,1024,768]
+  uint16_t *const b767 = (uint16_t *)(arena + 3122502784); // %767 cast bf16[8192,768]
+  float *const b768 = mdl_scratch(25165824); // %768 matmul f32[8192,768], kept in this kernel
+  uint16_t *const b773 = (uint16_t *)(arena + 3097336960); // %773 cast bf16[8,1024,768]
   {
-    float *const w766 = mdl_widen_bf16(b766, 6291456, h->nthreads);
+    float *const w767 = mdl_widen_bf16(b767, 6291456, h->nthreads);
     float *const w357 = mdl_widen_bf16(b357, 589824, h->nthreads);
-    mdl_gemm(h, 0, 1, 8192, 768, 768, w766, 768, w357, 768, 0.0f, b767, 768);
-    free(w766);
+    mdl_gemm(h, 0, 1, 8192, 768, 768, w767, 768, w357, 768, 0.0f, b768, 768);
+    free(w767);
     free(w357);
   }
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
   for (int64_t r = 0; r < 8192; r++) {
     for (int64_t c = 0; c < 768; c++) {
       const int64_t i = r * 768 + c;
-      const float v767_i = b767[i];
-      const float v769_i = v767_i;
-      const float v772_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v769_i));
-      b772[i] = mdl_f32_to_bf16(v772_i);
+      const float v768_i = b768[i];
+      const float v770_i = v768_i;
+      const float v773_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v770_i));
+      b773[i] = mdl_f32_to_bf16(v773_i);
     }
   }
-  free(b767);
+  free(b768);
 }
 
 // k146_attention_bwd: attention, 3 ops
-//   %773   attention_bwd      d.h.7.q              line 39    f32[8,1024,768]
-//   %774   attention_bwd      d.h.7.k              line 39    f32[8,1024,768]
-//   %775   attention_bwd      d.h.7.v              line 39    f32[8,1024,768]
+//   %774   attention_bwd      d.h.7.q              line 39    f32[8,1024,768]
+//   %775   attention_bwd      d.h.7.k              line 39    f32[8,1024,768]
+//   %776   attention_bwd      d.h.7.v              line 39    f32[8,1024,768]
 // loops:
 //   attention backward (dq dk dv): B 8, T 1024, 12 heads of 64, causal, within documents; one task per (batch, head)
 static void k146_attention_bwd(char *arena, const MdlHooks *h) {
   int32_t *const b3 = (int32_t *)(arena + 2238271488); // %3 input doc i32[8,1024]
   uint16_t *const b350 = (uint16_t *)(arena + 4468874368); // %350 cast bf16[8,1024,2304]
   uint16_t *const b356 = (uint16_t *)(arena + 5613919360); // %356 cast bf16[8192,768]
-  float *const b770 = (float *)(arena + 5805415552); // %770 attention_lse f32[8,12,1024]
-  uint16_t *const b772 = (uint16_t *)(arena + 3097336960); // %772 cast bf16[8,1024,768]
-  float *const b773 = (float *)(arena + 3160251520); // %773 attention_bwd d.h.7.q f32[8,1024,768]
-  float *const b774 = (float *)(arena + 3185417344); // %774 attention_bwd d.h.7.k f32[8,1024,768]
-  float *const b775 = (float *)(arena + 3210583168); // %775 attention_bwd d.h.7.v f32[8,1024,768]
+  float *const b771 = (float *)(arena + 5805415552); // %771 attention_lse f32[8,12,1024]
+  uint16_t *const b773 = (uint16_t *)(arena + 3097336960); // %773 cast bf16[8,1024,768]
+  float *const b774 = (float *)(arena + 3160251520); // %774 attention_bwd d.h.7.q f32[8,1024,768]
+  float *const b775 = (float *)(arena + 3185417344); // %775 attention_bwd d.h.7.k f32[8,1024,768]
+  float *const b776 = (float *)(arena + 3210583168); // %776 attention_bwd d.h.7.v f32[8,1024,768]
   #pragma omp parallel num_threads(h->nthreads)
   {
     float *restrict kt = memset(mdl_scratch(67584 * sizeof(float)), 0, 67584 * sizeof(float));
@@ -6987,13 +6990,13 @@ static void k146_attention_bwd(char *arena, const MdlHooks *h) {
           }
           memcpy(s + j0, acc, sizeof acc);
         }
-        const float lse = b770[(b * 12 + hd) * 1024 + i];
+        const float lse = b771[(b * 12 + hd) * 1024 + i];
         #pragma omp simd
         for (int64_t j = lo; j < hi; j++)
           s[j] = dc[j] == di ? mdl_exp_shifted(s[j] * 0.125f - lse) : 0.0f;
         float dor[64];
         for (int64_t c = 0; c < 64; c++)
-          dor[c] = mdl_bf16_to_f32(b772[(b * 1024 + i) * 768 + hd * 64 + c]);
+          dor[c] = mdl_bf16_to_f32(b773[(b * 1024 + i) * 768 + hd * 64 + c]);
         const float *restrict doi = dor;
         float dsum = 0.0f;
         for (int64_t c = 0; c < 64; c++)
@@ -7042,14 +7045,14 @@ static void k146_attention_bwd(char *arena, const MdlHooks *h) {
           for (int64_t c = 0; c < 64; c++)
             dvj[c] += mdl_bf16_to_f32(mdl_f32_to_bf16(s[j])) * doi[c];
         }
-        float *restrict dq = b773 + (b * 1024 + i) * 768 + hd * 64;
+        float *restrict dq = b774 + (b * 1024 + i) * 768 + hd * 64;
         for (int64_t c = 0; c < 64; c++)
           dq[c] = 0.125f * (dqi0[c] + dqi1[c]);
       }
       for (int64_t t = 0; t < 1024; t++)
-        memcpy(b774 + (b * 1024 + t) * 768 + hd * 64, dkh + t * 64, 64 * sizeof(float));
+        memcpy(b775 + (b * 1024 + t) * 768 + hd * 64, dkh + t * 64, 64 * sizeof(float));
       for (int64_t t = 0; t < 1024; t++)
-        memcpy(b775 + (b * 1024 + t) * 768 + hd * 64, dvh + t * 64, 64 * sizeof(float));
+        memcpy(b776 + (b * 1024 + t) * 768 + hd * 64, dvh + t * 64, 64 * sizeof(float));
     }
     free(kt);
     free(s);
@@ -7061,18 +7064,18 @@ static void k146_attention_bwd(char *arena, const MdlHooks *h) {
 }
 
 // k147_sum__concat__cast: kernel, 4 ops
-//   %776   concat                                  line 38    f32[8,1024,2304]
-//   %777   reshape                                 line 38    f32[8192,2304]
-//   %778   sum                d.h.7.attn_b         line 38    f32[2304]
-//   %779   cast                                    line 38    bf16[8192,2304]
+//   %777   concat                                  line 38    f32[8,1024,2304]
+//   %778   reshape                                 line 38    f32[8192,2304]
+//   %779   sum                d.h.7.attn_b         line 38    f32[2304]
+//   %780   cast                                    line 38    bf16[8192,2304]
 // loops:
-//   sum %778: 2304 outputs over 8192 elements, in 64 blocks of 128
+//   sum %779: 2304 outputs over 8192 elements, in 64 blocks of 128
 static void k147_sum__concat__cast(char *arena, const MdlHooks *h) {
-  float *const b773 = (float *)(arena + 3160251520); // %773 attention_bwd d.h.7.q f32[8,1024,768]
-  float *const b774 = (float *)(arena + 3185417344); // %774 attention_bwd d.h.7.k f32[8,1024,768]
-  float *const b775 = (float *)(arena + 3210583168); // %775 attention_bwd d.h.7.v f32[8,1024,768]
-  float *const b778 = (float *)(arena + 860838912); // %778 sum d.h.7.attn_b f32[2304]
-  uint16_t *const b779 = (uint16_t *)(arena + 3097336960); // %779 cast bf16[8192,2304]
+  float *const b774 = (float *)(arena + 3160251520); // %774 attention_bwd d.h.7.q f32[8,1024,768]
+  float *const b775 = (float *)(arena + 3185417344); // %775 attention_bwd d.h.7.k f32[8,1024,768]
+  float *const b776 = (float *)(arena + 3210583168); // %776 attention_bwd d.h.7.v f32[8,1024,768]
+  float *const b779 = (float *)(arena + 860838912); // %779 sum d.h.7.attn_b f32[2304]
+  uint16_t *const b780 = (uint16_t *)(arena + 3097336960); // %780 cast bf16[8192,2304]
   double *part = mdl_scratch(147456 * sizeof(double));
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
   for (int64_t k = 0; k < 64; k++) {
@@ -7083,11 +7086,11 @@ static void k147_sum__concat__cast(char *arena, const MdlHooks *h) {
     for (int64_t l = k * 128; l < end; l++) {
       for (int64_t c = 0; c < 2304; c++) {
         const int64_t ix = l * 2304 + c;
-        const float v776_ix = (c < 768 ? b773 + (l * 768 + c) : c < 1536 ? b774 + (l * 768 + (c - 768)) : b775 + (l * 768 + (c - 1536)))[0];
-        const float v777_ix = v776_ix;
-        const float v = v777_ix;
-        const float v779_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v777_ix));
-        b779[ix] = mdl_f32_to_bf16(v779_ix);
+        const float v777_ix = (c < 768 ? b774 + (l * 768 + c) : c < 1536 ? b775 + (l * 768 + (c - 768)) : b776 + (l * 768 + (c - 1536)))[0];
+        const float v778_ix = v777_ix;
+        const float v = v778_ix;
+        const float v780_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v778_ix));
+        b780[ix] = mdl_f32_to_bf16(v780_ix);
         p[c] += v;
       }
     }
@@ -7100,68 +7103,68 @@ static void k147_sum__concat__cast(char *arena, const MdlHooks *h) {
       acc += v;
     }
     const float y = (float)acc;
-    b778[r] = y;
+    b779[r] = y;
   }
   free(part);
 }
 
 // k148_gemm: GEMM, 1 op
-//   %780   matmul                                  line 38    f32[8192,768]
+//   %781   matmul                                  line 38    f32[8192,768]
 // loops:
-//   gemm %780: [8192 x 768] = [8192 x 2304] T[2304 x 768], bf16 operands widened to f32
+//   gemm %781: [8192 x 768] = [8192 x 2304] T[2304 x 768], bf16 operands widened to f32
 static void k148_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b346 = (uint16_t *)(arena + 2167394304); // %346 cast bf16[768,2304]
-  uint16_t *const b779 = (uint16_t *)(arena + 3097336960); // %779 cast bf16[8192,2304]
-  float *const b780 = (float *)(arena + 3160251520); // %780 matmul f32[8192,768]
+  uint16_t *const b780 = (uint16_t *)(arena + 3097336960); // %780 cast bf16[8192,2304]
+  float *const b781 = (float *)(arena + 3160251520); // %781 matmul f32[8192,768]
   {
-    float *const w779 = mdl_widen_bf16(b779, 18874368, h->nthreads);
+    float *const w780 = mdl_widen_bf16(b780, 18874368, h->nthreads);
     float *const w346 = mdl_widen_bf16(b346, 1769472, h->nthreads);
-    mdl_gemm(h, 0, 1, 8192, 768, 2304, w779, 2304, w346, 2304, 0.0f, b780, 768);
-    free(w779);
+    mdl_gemm(h, 0, 1, 8192, 768, 2304, w780, 2304, w346, 2304, 0.0f, b781, 768);
+    free(w780);
     free(w346);
   }
 }
 
 // k149_gemm: GEMM, 1 op
-//   %781   matmul             d.h.7.attn_w         line 38    f32[768,2304]
+//   %782   matmul             d.h.7.attn_w         line 38    f32[768,2304]
 // loops:
-//   gemm %781: [768 x 2304] = T[768 x 8192] [8192 x 2304], bf16 operands widened to f32
+//   gemm %782: [768 x 2304] = T[768 x 8192] [8192 x 2304], bf16 operands widened to f32
 static void k149_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b345 = (uint16_t *)(arena + 5601336448); // %345 cast bf16[8192,768]
-  uint16_t *const b779 = (uint16_t *)(arena + 3097336960); // %779 cast bf16[8192,2304]
-  float *const b781 = (float *)(arena + 853761024); // %781 matmul d.h.7.attn_w f32[768,2304]
+  uint16_t *const b780 = (uint16_t *)(arena + 3097336960); // %780 cast bf16[8192,2304]
+  float *const b782 = (float *)(arena + 853761024); // %782 matmul d.h.7.attn_w f32[768,2304]
   {
     float *const w345 = mdl_widen_bf16(b345, 6291456, h->nthreads);
-    float *const w779 = mdl_widen_bf16(b779, 18874368, h->nthreads);
-    mdl_gemm(h, 1, 0, 768, 2304, 8192, w345, 768, w779, 2304, 0.0f, b781, 2304);
+    float *const w780 = mdl_widen_bf16(b780, 18874368, h->nthreads);
+    mdl_gemm(h, 1, 0, 768, 2304, 8192, w345, 768, w780, 2304, 0.0f, b782, 2304);
     free(w345);
-    free(w779);
+    free(w780);
   }
 }
 
 // k150_layernorm_bwd__add__sum__cast: kernel, 7 ops
-//   %783   layernorm_bwd                           line 38    f32[8,1024,768]
-//   %784   layernorm_bwd      d.h.7.ln1_w          line 38    f32[768]
-//   %785   layernorm_bwd      d.h.7.ln1_b          line 38    f32[768]
-//   %786   add                d.h.6.x              line 40    f32[8,1024,768]
-//   %787   reshape                                 line 40    f32[8192,768]
-//   %788   sum                d.h.6.fcproj_b       line 40    f32[768]
-//   %789   cast                                    line 40    bf16[8192,768]
+//   %784   layernorm_bwd                           line 38    f32[8,1024,768]
+//   %785   layernorm_bwd      d.h.7.ln1_w          line 38    f32[768]
+//   %786   layernorm_bwd      d.h.7.ln1_b          line 38    f32[768]
+//   %787   add                d.h.6.x              line 40    f32[8,1024,768]
+//   %788   reshape                                 line 40    f32[8192,768]
+//   %789   sum                d.h.6.fcproj_b       line 40    f32[768]
+//   %790   cast                                    line 40    bf16[8192,768]
 // loops:
 //   layernorm_bwd: 8192 rows of 768, column sums over 64 blocks of 128 rows
 static void k150_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
   float *const b330 = (float *)(arena + 5009939584); // %330 add h.6.x f32[8,1024,768]
   float *const b331 = (float *)(arena + 355995648); // %331 param h.7.ln1_w f32[768]
-  float *const b763 = (float *)(arena + 3135085696); // %763 add d.h.7.x f32[8,1024,768]
-  float *const b780 = (float *)(arena + 3160251520); // %780 matmul f32[8192,768]
-  float *const b784 = (float *)(arena + 853754880); // %784 layernorm_bwd d.h.7.ln1_w f32[768]
-  float *const b785 = (float *)(arena + 853757952); // %785 layernorm_bwd d.h.7.ln1_b f32[768]
-  float *const b786 = (float *)(arena + 3185417344); // %786 add d.h.6.x f32[8,1024,768]
-  float *const b788 = (float *)(arena + 853751808); // %788 sum d.h.6.fcproj_b f32[768]
-  uint16_t *const b789 = (uint16_t *)(arena + 3210583168); // %789 cast bf16[8192,768]
+  float *const b764 = (float *)(arena + 3135085696); // %764 add d.h.7.x f32[8,1024,768]
+  float *const b781 = (float *)(arena + 3160251520); // %781 matmul f32[8192,768]
+  float *const b785 = (float *)(arena + 853754880); // %785 layernorm_bwd d.h.7.ln1_w f32[768]
+  float *const b786 = (float *)(arena + 853757952); // %786 layernorm_bwd d.h.7.ln1_b f32[768]
+  float *const b787 = (float *)(arena + 3185417344); // %787 add d.h.6.x f32[8,1024,768]
+  float *const b789 = (float *)(arena + 853751808); // %789 sum d.h.6.fcproj_b f32[768]
+  uint16_t *const b790 = (uint16_t *)(arena + 3210583168); // %790 cast bf16[8192,768]
   double *pdw = mdl_scratch(49152 * sizeof(double));
   double *pdb = mdl_scratch(49152 * sizeof(double));
-  double *ps0 = mdl_scratch(49152 * sizeof(double)); // partials of the column sum %788
+  double *ps0 = mdl_scratch(49152 * sizeof(double)); // partials of the column sum %789
   #pragma omp parallel num_threads(h->nthreads)
   {
     float *dxrow = mdl_scratch(768 * sizeof(float));
@@ -7175,7 +7178,7 @@ static void k150_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
       const int64_t end = k * 128 + 128 < 8192 ? k * 128 + 128 : 8192;
       for (int64_t r = k * 128; r < end; r++) {
         const float *x = b330 + r * 768;
-        const float *dy = b780 + r * 768;
+        const float *dy = b781 + r * 768;
         double mean = 0, var = 0, mg = 0, mgx = 0;
         #pragma omp simd reduction(+ : mean)
         for (int64_t j = 0; j < 768; j++)
@@ -7200,13 +7203,13 @@ static void k150_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
           dx[j] = (float)(rstd * ((double)dy[j] * b331[j] - mg - (x[j] - mean) * rstd * mgx));
         for (int64_t j = 0; j < 768; j++) {
           const int64_t ix = r * 768 + j;
-          const float v763_ix = b763[ix];
-          const float v786_ix = v763_ix + dx[j];
-          b786[ix] = v786_ix;
-          const float v787_ix = v786_ix;
-          const float v789_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v787_ix));
-          b789[ix] = mdl_f32_to_bf16(v789_ix);
-          sa0[j] += v787_ix;
+          const float v764_ix = b764[ix];
+          const float v787_ix = v764_ix + dx[j];
+          b787[ix] = v787_ix;
+          const float v788_ix = v787_ix;
+          const float v790_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v788_ix));
+          b790[ix] = mdl_f32_to_bf16(v790_ix);
+          sa0[j] += v788_ix;
         }
       }
     }
@@ -7220,9 +7223,9 @@ static void k150_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
       b += pdb[k * 768 + j];
       a0 += ps0[k * 768 + j];
     }
-    b784[j] = (float)w;
-    b785[j] = (float)b;
-    b788[j] = (float)a0;
+    b785[j] = (float)w;
+    b786[j] = (float)b;
+    b789[j] = (float)a0;
   }
   free(pdw);
   free(pdb);
@@ -7230,44 +7233,44 @@ static void k150_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
 }
 
 // k151_gemm: GEMM, 1 op
-//   %791   matmul             d.h.6.fcproj_w       line 40    f32[3072,768]
+//   %792   matmul             d.h.6.fcproj_w       line 40    f32[3072,768]
 // loops:
-//   gemm %791: [3072 x 768] = T[3072 x 8192] [8192 x 768], bf16 operands widened to f32
+//   gemm %792: [3072 x 768] = T[3072 x 8192] [8192 x 768], bf16 operands widened to f32
 static void k151_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b325 = (uint16_t *)(arena + 3902643328); // %325 cast bf16[8192,3072]
-  uint16_t *const b789 = (uint16_t *)(arena + 3210583168); // %789 cast bf16[8192,768]
-  float *const b791 = (float *)(arena + 844314624); // %791 matmul d.h.6.fcproj_w f32[3072,768]
+  uint16_t *const b790 = (uint16_t *)(arena + 3210583168); // %790 cast bf16[8192,768]
+  float *const b792 = (float *)(arena + 844314624); // %792 matmul d.h.6.fcproj_w f32[3072,768]
   {
     float *const w325 = mdl_widen_bf16(b325, 25165824, h->nthreads);
-    float *const w789 = mdl_widen_bf16(b789, 6291456, h->nthreads);
-    mdl_gemm(h, 1, 0, 3072, 768, 8192, w325, 3072, w789, 768, 0.0f, b791, 768);
+    float *const w790 = mdl_widen_bf16(b790, 6291456, h->nthreads);
+    mdl_gemm(h, 1, 0, 3072, 768, 8192, w325, 3072, w790, 768, 0.0f, b792, 768);
     free(w325);
-    free(w789);
+    free(w790);
   }
 }
 
 // k152_gemm__gelu_bwd__sum__cast: GEMM, 6 ops
-//   %790   matmul                                  line 40    f32[8192,3072]
-//   %792   reshape                                 line 40    f32[8,1024,3072]
-//   %793   gelu_bwd                                line 40    f32[8,1024,3072]
-//   %794   reshape                                 line 40    f32[8192,3072]
-//   %795   sum                d.h.6.fc_b           line 40    f32[3072]
-//   %796   cast                                    line 40    bf16[8192,3072]
+//   %791   matmul                                  line 40    f32[8192,3072]
+//   %793   reshape                                 line 40    f32[8,1024,3072]
+//   %794   gelu_bwd                                line 40    f32[8,1024,3072]
+//   %795   reshape                                 line 40    f32[8192,3072]
+//   %796   sum                d.h.6.fc_b           line 40    f32[3072]
+//   %797   cast                                    line 40    bf16[8192,3072]
 // loops:
-//   gemm %790: [8192 x 3072] = [8192 x 768] T[768 x 3072], bf16 operands widened to f32, epilogue after
-//   sum %795: 3072 outputs over 8192 elements, in 64 blocks of 128
+//   gemm %791: [8192 x 3072] = [8192 x 768] T[768 x 3072], bf16 operands widened to f32, epilogue after
+//   sum %796: 3072 outputs over 8192 elements, in 64 blocks of 128
 static void k152_gemm__gelu_bwd__sum__cast(char *arena, const MdlHooks *h) {
   float *const b322 = (float *)(arena + 2996673664); // %322 add f32[8,1024,3072]
   uint16_t *const b326 = (uint16_t *)(arena + 2162675712); // %326 cast bf16[3072,768]
-  uint16_t *const b789 = (uint16_t *)(arena + 3210583168); // %789 cast bf16[8192,768]
-  float *const b790 = mdl_scratch(100663296); // %790 matmul f32[8192,3072], kept in this kernel
-  float *const b795 = (float *)(arena + 844302336); // %795 sum d.h.6.fc_b f32[3072]
-  uint16_t *const b796 = (uint16_t *)(arena + 3097336960); // %796 cast bf16[8192,3072]
+  uint16_t *const b790 = (uint16_t *)(arena + 3210583168); // %790 cast bf16[8192,768]
+  float *const b791 = mdl_scratch(100663296); // %791 matmul f32[8192,3072], kept in this kernel
+  float *const b796 = (float *)(arena + 844302336); // %796 sum d.h.6.fc_b f32[3072]
+  uint16_t *const b797 = (uint16_t *)(arena + 3097336960); // %797 cast bf16[8192,3072]
   {
-    float *const w789 = mdl_widen_bf16(b789, 6291456, h->nthreads);
+    float *const w790 = mdl_widen_bf16(b790, 6291456, h->nthreads);
     float *const w326 = mdl_widen_bf16(b326, 2359296, h->nthreads);
-    mdl_gemm(h, 0, 1, 8192, 3072, 768, w789, 768, w326, 768, 0.0f, b790, 3072);
-    free(w789);
+    mdl_gemm(h, 0, 1, 8192, 3072, 768, w790, 768, w326, 768, 0.0f, b791, 3072);
+    free(w790);
     free(w326);
   }
   double *part = mdl_scratch(196608 * sizeof(double));
@@ -7281,13 +7284,13 @@ static void k152_gemm__gelu_bwd__sum__cast(char *arena, const MdlHooks *h) {
       for (int64_t c = 0; c < 3072; c++) {
         const int64_t ix = l * 3072 + c;
         const float v322_ix = b322[ix];
-        const float v790_ix = b790[ix];
-        const float v792_ix = v790_ix;
-        const float v793_ix = mdl_gelu_grad(v322_ix) * v792_ix;
-        const float v794_ix = v793_ix;
-        const float v = v794_ix;
-        const float v796_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v794_ix));
-        b796[ix] = mdl_f32_to_bf16(v796_ix);
+        const float v791_ix = b791[ix];
+        const float v793_ix = v791_ix;
+        const float v794_ix = mdl_gelu_grad(v322_ix) * v793_ix;
+        const float v795_ix = v794_ix;
+        const float v = v795_ix;
+        const float v797_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v795_ix));
+        b797[ix] = mdl_f32_to_bf16(v797_ix);
         p[c] += v;
       }
     }
@@ -7300,69 +7303,69 @@ static void k152_gemm__gelu_bwd__sum__cast(char *arena, const MdlHooks *h) {
       acc += v;
     }
     const float y = (float)acc;
-    b795[r] = y;
+    b796[r] = y;
   }
   free(part);
-  free(b790);
+  free(b791);
 }
 
 // k153_gemm: GEMM, 1 op
-//   %797   matmul                                  line 40    f32[8192,768]
+//   %798   matmul                                  line 40    f32[8192,768]
 // loops:
-//   gemm %797: [8192 x 768] = [8192 x 3072] T[3072 x 768], bf16 operands widened to f32
+//   gemm %798: [8192 x 768] = [8192 x 3072] T[3072 x 768], bf16 operands widened to f32
 static void k153_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b319 = (uint16_t *)(arena + 2157957120); // %319 cast bf16[768,3072]
-  uint16_t *const b796 = (uint16_t *)(arena + 3097336960); // %796 cast bf16[8192,3072]
-  float *const b797 = (float *)(arena + 2996673664); // %797 matmul f32[8192,768]
+  uint16_t *const b797 = (uint16_t *)(arena + 3097336960); // %797 cast bf16[8192,3072]
+  float *const b798 = (float *)(arena + 2996673664); // %798 matmul f32[8192,768]
   {
-    float *const w796 = mdl_widen_bf16(b796, 25165824, h->nthreads);
+    float *const w797 = mdl_widen_bf16(b797, 25165824, h->nthreads);
     float *const w319 = mdl_widen_bf16(b319, 2359296, h->nthreads);
-    mdl_gemm(h, 0, 1, 8192, 768, 3072, w796, 3072, w319, 3072, 0.0f, b797, 768);
-    free(w796);
+    mdl_gemm(h, 0, 1, 8192, 768, 3072, w797, 3072, w319, 3072, 0.0f, b798, 768);
+    free(w797);
     free(w319);
   }
 }
 
 // k154_gemm: GEMM, 1 op
-//   %798   matmul             d.h.6.fc_w           line 40    f32[768,3072]
+//   %799   matmul             d.h.6.fc_w           line 40    f32[768,3072]
 // loops:
-//   gemm %798: [768 x 3072] = T[768 x 8192] [8192 x 3072], bf16 operands widened to f32
+//   gemm %799: [768 x 3072] = T[768 x 8192] [8192 x 3072], bf16 operands widened to f32
 static void k154_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b318 = (uint16_t *)(arena + 5588753536); // %318 cast bf16[8192,768]
-  uint16_t *const b796 = (uint16_t *)(arena + 3097336960); // %796 cast bf16[8192,3072]
-  float *const b798 = (float *)(arena + 834865152); // %798 matmul d.h.6.fc_w f32[768,3072]
+  uint16_t *const b797 = (uint16_t *)(arena + 3097336960); // %797 cast bf16[8192,3072]
+  float *const b799 = (float *)(arena + 834865152); // %799 matmul d.h.6.fc_w f32[768,3072]
   {
     float *const w318 = mdl_widen_bf16(b318, 6291456, h->nthreads);
-    float *const w796 = mdl_widen_bf16(b796, 25165824, h->nthreads);
-    mdl_gemm(h, 1, 0, 768, 3072, 8192, w318, 768, w796, 3072, 0.0f, b798, 3072);
+    float *const w797 = mdl_widen_bf16(b797, 25165824, h->nthreads);
+    mdl_gemm(h, 1, 0, 768, 3072, 8192, w318, 768, w797, 3072, 0.0f, b799, 3072);
     free(w318);
-    free(w796);
+    free(w797);
   }
 }
 
 // k155_layernorm_bwd__add__sum__cast: kernel, 7 ops
-//   %800   layernorm_bwd                           line 40    f32[8,1024,768]
-//   %801   layernorm_bwd      d.h.6.ln2_w          line 40    f32[768]
-//   %802   layernorm_bwd      d.h.6.ln2_b          line 40    f32[768]
-//   %803   add                d.h.6.x              line 39    f32[8,1024,768]
-//   %804   reshape                                 line 39    f32[8192,768]
-//   %805   sum                d.h.6.proj_b         line 39    f32[768]
-//   %806   cast                                    line 39    bf16[8192,768]
+//   %801   layernorm_bwd                           line 40    f32[8,1024,768]
+//   %802   layernorm_bwd      d.h.6.ln2_w          line 40    f32[768]
+//   %803   layernorm_bwd      d.h.6.ln2_b          line 40    f32[768]
+//   %804   add                d.h.6.x              line 39    f32[8,1024,768]
+//   %805   reshape                                 line 39    f32[8192,768]
+//   %806   sum                d.h.6.proj_b         line 39    f32[768]
+//   %807   cast                                    line 39    bf16[8192,768]
 // loops:
 //   layernorm_bwd: 8192 rows of 768, column sums over 64 blocks of 128 rows
 static void k155_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
   float *const b291 = (float *)(arena + 337099776); // %291 param h.6.ln2_w f32[768]
   float *const b315 = (float *)(arena + 4984773760); // %315 add h.6.x f32[8,1024,768]
-  float *const b786 = (float *)(arena + 3185417344); // %786 add d.h.6.x f32[8,1024,768]
-  float *const b797 = (float *)(arena + 2996673664); // %797 matmul f32[8192,768]
-  float *const b801 = (float *)(arena + 834859008); // %801 layernorm_bwd d.h.6.ln2_w f32[768]
-  float *const b802 = (float *)(arena + 834862080); // %802 layernorm_bwd d.h.6.ln2_b f32[768]
-  float *const b803 = (float *)(arena + 3034422400); // %803 add d.h.6.x f32[8,1024,768]
-  float *const b805 = (float *)(arena + 834855936); // %805 sum d.h.6.proj_b f32[768]
-  uint16_t *const b806 = (uint16_t *)(arena + 3021839488); // %806 cast bf16[8192,768]
+  float *const b787 = (float *)(arena + 3185417344); // %787 add d.h.6.x f32[8,1024,768]
+  float *const b798 = (float *)(arena + 2996673664); // %798 matmul f32[8192,768]
+  float *const b802 = (float *)(arena + 834859008); // %802 layernorm_bwd d.h.6.ln2_w f32[768]
+  float *const b803 = (float *)(arena + 834862080); // %803 layernorm_bwd d.h.6.ln2_b f32[768]
+  float *const b804 = (float *)(arena + 3034422400); // %804 add d.h.6.x f32[8,1024,768]
+  float *const b806 = (float *)(arena + 834855936); // %806 sum d.h.6.proj_b f32[768]
+  uint16_t *const b807 = (uint16_t *)(arena + 3021839488); // %807 cast bf16[8192,768]
   double *pdw = mdl_scratch(49152 * sizeof(double));
   double *pdb = mdl_scratch(49152 * sizeof(double));
-  double *ps0 = mdl_scratch(49152 * sizeof(double)); // partials of the column sum %805
+  double *ps0 = mdl_scratch(49152 * sizeof(double)); // partials of the column sum %806
   #pragma omp parallel num_threads(h->nthreads)
   {
     float *dxrow = mdl_scratch(768 * sizeof(float));
@@ -7376,7 +7379,7 @@ static void k155_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
       const int64_t end = k * 128 + 128 < 8192 ? k * 128 + 128 : 8192;
       for (int64_t r = k * 128; r < end; r++) {
         const float *x = b315 + r * 768;
-        const float *dy = b797 + r * 768;
+        const float *dy = b798 + r * 768;
         double mean = 0, var = 0, mg = 0, mgx = 0;
         #pragma omp simd reduction(+ : mean)
         for (int64_t j = 0; j < 768; j++)
@@ -7401,13 +7404,13 @@ static void k155_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
           dx[j] = (float)(rstd * ((double)dy[j] * b291[j] - mg - (x[j] - mean) * rstd * mgx));
         for (int64_t j = 0; j < 768; j++) {
           const int64_t ix = r * 768 + j;
-          const float v786_ix = b786[ix];
-          const float v803_ix = v786_ix + dx[j];
-          b803[ix] = v803_ix;
-          const float v804_ix = v803_ix;
-          const float v806_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v804_ix));
-          b806[ix] = mdl_f32_to_bf16(v806_ix);
-          sa0[j] += v804_ix;
+          const float v787_ix = b787[ix];
+          const float v804_ix = v787_ix + dx[j];
+          b804[ix] = v804_ix;
+          const float v805_ix = v804_ix;
+          const float v807_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v805_ix));
+          b807[ix] = mdl_f32_to_bf16(v807_ix);
+          sa0[j] += v805_ix;
         }
       }
     }
@@ -7421,9 +7424,9 @@ static void k155_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
       b += pdb[k * 768 + j];
       a0 += ps0[k * 768 + j];
     }
-    b801[j] = (float)w;
-    b802[j] = (float)b;
-    b805[j] = (float)a0;
+    b802[j] = (float)w;
+    b803[j] = (float)b;
+    b806[j] = (float)a0;
   }
   free(pdw);
   free(pdb);
@@ -7431,69 +7434,69 @@ static void k155_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
 }
 
 // k156_gemm: GEMM, 1 op
-//   %808   matmul             d.h.6.proj_w         line 39    f32[768,768]
+//   %809   matmul             d.h.6.proj_w         line 39    f32[768,768]
 // loops:
-//   gemm %808: [768 x 768] = T[768 x 8192] [8192 x 768], bf16 operands widened to f32
+//   gemm %809: [768 x 768] = T[768 x 8192] [8192 x 768], bf16 operands widened to f32
 static void k156_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b310 = (uint16_t *)(arena + 5576170624); // %310 cast bf16[8192,768]
-  uint16_t *const b806 = (uint16_t *)(arena + 3021839488); // %806 cast bf16[8192,768]
-  float *const b808 = (float *)(arena + 832496640); // %808 matmul d.h.6.proj_w f32[768,768]
+  uint16_t *const b807 = (uint16_t *)(arena + 3021839488); // %807 cast bf16[8192,768]
+  float *const b809 = (float *)(arena + 832496640); // %809 matmul d.h.6.proj_w f32[768,768]
   {
     float *const w310 = mdl_widen_bf16(b310, 6291456, h->nthreads);
-    float *const w806 = mdl_widen_bf16(b806, 6291456, h->nthreads);
-    mdl_gemm(h, 1, 0, 768, 768, 8192, w310, 768, w806, 768, 0.0f, b808, 768);
+    float *const w807 = mdl_widen_bf16(b807, 6291456, h->nthreads);
+    mdl_gemm(h, 1, 0, 768, 768, 8192, w310, 768, w807, 768, 0.0f, b809, 768);
     free(w310);
-    free(w806);
+    free(w807);
   }
 }
 
 // k157_gemm__cast: GEMM, 3 ops
-//   %807   matmul                                  line 39    f32[8192,768]
-//   %809   reshape                                 line 39    f32[8,1024,768]
-//   %812   cast                                    line 39    bf16[8,1024,768]
+//   %808   matmul                                  line 39    f32[8192,768]
+//   %810   reshape                                 line 39    f32[8,1024,768]
+//   %813   cast                                    line 39    bf16[8,1024,768]
 // loops:
-//   gemm %807: [8192 x 768] = [8192 x 768] T[768 x 768], bf16 operands widened to f32, epilogue after
-//   elementwise over 6291456: %812
+//   gemm %808: [8192 x 768] = [8192 x 768] T[768 x 768], bf16 operands widened to f32, epilogue after
+//   elementwise over 6291456: %813
 static void k157_gemm__cast(char *arena, const MdlHooks *h) {
   uint16_t *const b311 = (uint16_t *)(arena + 2156777472); // %311 cast bf16[768,768]
-  uint16_t *const b806 = (uint16_t *)(arena + 3021839488); // %806 cast bf16[8192,768]
-  float *const b807 = mdl_scratch(25165824); // %807 matmul f32[8192,768], kept in this kernel
-  uint16_t *const b812 = (uint16_t *)(arena + 2996673664); // %812 cast bf16[8,1024,768]
+  uint16_t *const b807 = (uint16_t *)(arena + 3021839488); // %807 cast bf16[8192,768]
+  float *const b808 = mdl_scratch(25165824); // %808 matmul f32[8192,768], kept in this kernel
+  uint16_t *const b813 = (uint16_t *)(arena + 2996673664); // %813 cast bf16[8,1024,768]
   {
-    float *const w806 = mdl_widen_bf16(b806, 6291456, h->nthreads);
+    float *const w807 = mdl_widen_bf16(b807, 6291456, h->nthreads);
     float *const w311 = mdl_widen_bf16(b311, 589824, h->nthreads);
-    mdl_gemm(h, 0, 1, 8192, 768, 768, w806, 768, w311, 768, 0.0f, b807, 768);
-    free(w806);
+    mdl_gemm(h, 0, 1, 8192, 768, 768, w807, 768, w311, 768, 0.0f, b808, 768);
+    free(w807);
     free(w311);
   }
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
   for (int64_t r = 0; r < 8192; r++) {
     for (int64_t c = 0; c < 768; c++) {
       const int64_t i = r * 768 + c;
-      const float v807_i = b807[i];
-      const float v809_i = v807_i;
-      const float v812_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v809_i));
-      b812[i] = mdl_f32_to_bf16(v812_i);
+      const float v808_i = b808[i];
+      const float v810_i = v808_i;
+      const float v813_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v810_i));
+      b813[i] = mdl_f32_to_bf16(v813_i);
     }
   }
-  free(b807);
+  free(b808);
 }
 
 // k158_attention_bwd: attention, 3 ops
-//   %813   attention_bwd      d.h.6.q              line 39    f32[8,1024,768]
-//   %814   attention_bwd      d.h.6.k              line 39    f32[8,1024,768]
-//   %815   attention_bwd      d.h.6.v              line 39    f32[8,1024,768]
+//   %814   attention_bwd      d.h.6.q              line 39    f32[8,1024,768]
+//   %815   attention_bwd      d.h.6.k              line 39    f32[8,1024,768]
+//   %816   attention_bwd      d.h.6.v              line 39    f32[8,1024,768]
 // loops:
 //   attention backward (dq dk dv): B 8, T 1024, 12 heads of 64, causal, within documents; one task per (batch, head)
 static void k158_attention_bwd(char *arena, const MdlHooks *h) {
   int32_t *const b3 = (int32_t *)(arena + 2238271488); // %3 input doc i32[8,1024]
   uint16_t *const b304 = (uint16_t *)(arena + 4431125632); // %304 cast bf16[8,1024,2304]
   uint16_t *const b310 = (uint16_t *)(arena + 5576170624); // %310 cast bf16[8192,768]
-  float *const b810 = (float *)(arena + 5805022336); // %810 attention_lse f32[8,12,1024]
-  uint16_t *const b812 = (uint16_t *)(arena + 2996673664); // %812 cast bf16[8,1024,768]
-  float *const b813 = (float *)(arena + 3059588224); // %813 attention_bwd d.h.6.q f32[8,1024,768]
-  float *const b814 = (float *)(arena + 3084754048); // %814 attention_bwd d.h.6.k f32[8,1024,768]
-  float *const b815 = (float *)(arena + 3109919872); // %815 attention_bwd d.h.6.v f32[8,1024,768]
+  float *const b811 = (float *)(arena + 5805022336); // %811 attention_lse f32[8,12,1024]
+  uint16_t *const b813 = (uint16_t *)(arena + 2996673664); // %813 cast bf16[8,1024,768]
+  float *const b814 = (float *)(arena + 3059588224); // %814 attention_bwd d.h.6.q f32[8,1024,768]
+  float *const b815 = (float *)(arena + 3084754048); // %815 attention_bwd d.h.6.k f32[8,1024,768]
+  float *const b816 = (float *)(arena + 3109919872); // %816 attention_bwd d.h.6.v f32[8,1024,768]
   #pragma omp parallel num_threads(h->nthreads)
   {
     float *restrict kt = memset(mdl_scratch(67584 * sizeof(float)), 0, 67584 * sizeof(float));
@@ -7541,13 +7544,13 @@ static void k158_attention_bwd(char *arena, const MdlHooks *h) {
           }
           memcpy(s + j0, acc, sizeof acc);
         }
-        const float lse = b810[(b * 12 + hd) * 1024 + i];
+        const float lse = b811[(b * 12 + hd) * 1024 + i];
         #pragma omp simd
         for (int64_t j = lo; j < hi; j++)
           s[j] = dc[j] == di ? mdl_exp_shifted(s[j] * 0.125f - lse) : 0.0f;
         float dor[64];
         for (int64_t c = 0; c < 64; c++)
-          dor[c] = mdl_bf16_to_f32(b812[(b * 1024 + i) * 768 + hd * 64 + c]);
+          dor[c] = mdl_bf16_to_f32(b813[(b * 1024 + i) * 768 + hd * 64 + c]);
         const float *restrict doi = dor;
         float dsum = 0.0f;
         for (int64_t c = 0; c < 64; c++)
@@ -7596,14 +7599,14 @@ static void k158_attention_bwd(char *arena, const MdlHooks *h) {
           for (int64_t c = 0; c < 64; c++)
             dvj[c] += mdl_bf16_to_f32(mdl_f32_to_bf16(s[j])) * doi[c];
         }
-        float *restrict dq = b813 + (b * 1024 + i) * 768 + hd * 64;
+        float *restrict dq = b814 + (b * 1024 + i) * 768 + hd * 64;
         for (int64_t c = 0; c < 64; c++)
           dq[c] = 0.125f * (dqi0[c] + dqi1[c]);
       }
       for (int64_t t = 0; t < 1024; t++)
-        memcpy(b814 + (b * 1024 + t) * 768 + hd * 64, dkh + t * 64, 64 * sizeof(float));
+        memcpy(b815 + (b * 1024 + t) * 768 + hd * 64, dkh + t * 64, 64 * sizeof(float));
       for (int64_t t = 0; t < 1024; t++)
-        memcpy(b815 + (b * 1024 + t) * 768 + hd * 64, dvh + t * 64, 64 * sizeof(float));
+        memcpy(b816 + (b * 1024 + t) * 768 + hd * 64, dvh + t * 64, 64 * sizeof(float));
     }
     free(kt);
     free(s);
@@ -7615,18 +7618,18 @@ static void k158_attention_bwd(char *arena, const MdlHooks *h) {
 }
 
 // k159_sum__concat__cast: kernel, 4 ops
-//   %816   concat                                  line 38    f32[8,1024,2304]
-//   %817   reshape                                 line 38    f32[8192,2304]
-//   %818   sum                d.h.6.attn_b         line 38    f32[2304]
-//   %819   cast                                    line 38    bf16[8192,2304]
+//   %817   concat                                  line 38    f32[8,1024,2304]
+//   %818   reshape                                 line 38    f32[8192,2304]
+//   %819   sum                d.h.6.attn_b         line 38    f32[2304]
+//   %820   cast                                    line 38    bf16[8192,2304]
 // loops:
-//   sum %818: 2304 outputs over 8192 elements, in 64 blocks of 128
+//   sum %819: 2304 outputs over 8192 elements, in 64 blocks of 128
 static void k159_sum__concat__cast(char *arena, const MdlHooks *h) {
-  float *const b813 = (float *)(arena + 3059588224); // %813 attention_bwd d.h.6.q f32[8,1024,768]
-  float *const b814 = (float *)(arena + 3084754048); // %814 attention_bwd d.h.6.k f32[8,1024,768]
-  float *const b815 = (float *)(arena + 3109919872); // %815 attention_bwd d.h.6.v f32[8,1024,768]
-  float *const b818 = (float *)(arena + 832487424); // %818 sum d.h.6.attn_b f32[2304]
-  uint16_t *const b819 = (uint16_t *)(arena + 2996673664); // %819 cast bf16[8192,2304]
+  float *const b814 = (float *)(arena + 3059588224); // %814 attention_bwd d.h.6.q f32[8,1024,768]
+  float *const b815 = (float *)(arena + 3084754048); // %815 attention_bwd d.h.6.k f32[8,1024,768]
+  float *const b816 = (float *)(arena + 3109919872); // %816 attention_bwd d.h.6.v f32[8,1024,768]
+  float *const b819 = (float *)(arena + 832487424); // %819 sum d.h.6.attn_b f32[2304]
+  uint16_t *const b820 = (uint16_t *)(arena + 2996673664); // %820 cast bf16[8192,2304]
   double *part = mdl_scratch(147456 * sizeof(double));
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
   for (int64_t k = 0; k < 64; k++) {
@@ -7637,11 +7640,11 @@ static void k159_sum__concat__cast(char *arena, const MdlHooks *h) {
     for (int64_t l = k * 128; l < end; l++) {
       for (int64_t c = 0; c < 2304; c++) {
         const int64_t ix = l * 2304 + c;
-        const float v816_ix = (c < 768 ? b813 + (l * 768 + c) : c < 1536 ? b814 + (l * 768 + (c - 768)) : b815 + (l * 768 + (c - 1536)))[0];
-        const float v817_ix = v816_ix;
-        const float v = v817_ix;
-        const float v819_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v817_ix));
-        b819[ix] = mdl_f32_to_bf16(v819_ix);
+        const float v817_ix = (c < 768 ? b814 + (l * 768 + c) : c < 1536 ? b815 + (l * 768 + (c - 768)) : b816 + (l * 768 + (c - 1536)))[0];
+        const float v818_ix = v817_ix;
+        const float v = v818_ix;
+        const float v820_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v818_ix));
+        b820[ix] = mdl_f32_to_bf16(v820_ix);
         p[c] += v;
       }
     }
@@ -7654,68 +7657,68 @@ static void k159_sum__concat__cast(char *arena, const MdlHooks *h) {
       acc += v;
     }
     const float y = (float)acc;
-    b818[r] = y;
+    b819[r] = y;
   }
   free(part);
 }
 
 // k160_gemm: GEMM, 1 op
-//   %820   matmul                                  line 38    f32[8192,768]
+//   %821   matmul                                  line 38    f32[8192,768]
 // loops:
-//   gemm %820: [8192 x 768] = [8192 x 2304] T[2304 x 768], bf16 operands widened to f32
+//   gemm %821: [8192 x 768] = [8192 x 2304] T[2304 x 768], bf16 operands widened to f32
 static void k160_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b300 = (uint16_t *)(arena + 2153238528); // %300 cast bf16[768,2304]
-  uint16_t *const b819 = (uint16_t *)(arena + 2996673664); // %819 cast bf16[8192,2304]
-  float *const b820 = (float *)(arena + 3059588224); // %820 matmul f32[8192,768]
+  uint16_t *const b820 = (uint16_t *)(arena + 2996673664); // %820 cast bf16[8192,2304]
+  float *const b821 = (float *)(arena + 3059588224); // %821 matmul f32[8192,768]
   {
-    float *const w819 = mdl_widen_bf16(b819, 18874368, h->nthreads);
+    float *const w820 = mdl_widen_bf16(b820, 18874368, h->nthreads);
     float *const w300 = mdl_widen_bf16(b300, 1769472, h->nthreads);
-    mdl_gemm(h, 0, 1, 8192, 768, 2304, w819, 2304, w300, 2304, 0.0f, b820, 768);
-    free(w819);
+    mdl_gemm(h, 0, 1, 8192, 768, 2304, w820, 2304, w300, 2304, 0.0f, b821, 768);
+    free(w820);
     free(w300);
   }
 }
 
 // k161_gemm: GEMM, 1 op
-//   %821   matmul             d.h.6.attn_w         line 38    f32[768,2304]
+//   %822   matmul             d.h.6.attn_w         line 38    f32[768,2304]
 // loops:
-//   gemm %821: [768 x 2304] = T[768 x 8192] [8192 x 2304], bf16 operands widened to f32
+//   gemm %822: [768 x 2304] = T[768 x 8192] [8192 x 2304], bf16 operands widened to f32
 static void k161_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b299 = (uint16_t *)(arena + 5563587712); // %299 cast bf16[8192,768]
-  uint16_t *const b819 = (uint16_t *)(arena + 2996673664); // %819 cast bf16[8192,2304]
-  float *const b821 = (float *)(arena + 825409536); // %821 matmul d.h.6.attn_w f32[768,2304]
+  uint16_t *const b820 = (uint16_t *)(arena + 2996673664); // %820 cast bf16[8192,2304]
+  float *const b822 = (float *)(arena + 825409536); // %822 matmul d.h.6.attn_w f32[768,2304]
   {
     float *const w299 = mdl_widen_bf16(b299, 6291456, h->nthreads);
-    float *const w819 = mdl_widen_bf16(b819, 18874368, h->nthreads);
-    mdl_gemm(h, 1, 0, 768, 2304, 8192, w299, 768, w819, 2304, 0.0f, b821, 2304);
+    float *const w820 = mdl_widen_bf16(b820, 18874368, h->nthreads);
+    mdl_gemm(h, 1, 0, 768, 2304, 8192, w299, 768, w820, 2304, 0.0f, b822, 2304);
     free(w299);
-    free(w819);
+    free(w820);
   }
 }
 
 // k162_layernorm_bwd__add__sum__cast: kernel, 7 ops
-//   %823   layernorm_bwd                           line 38    f32[8,1024,768]
-//   %824   layernorm_bwd      d.h.6.ln1_w          line 38    f32[768]
-//   %825   layernorm_bwd      d.h.6.ln1_b          line 38    f32[768]
-//   %826   add                d.h.5.x              line 40    f32[8,1024,768]
-//   %827   reshape                                 line 40    f32[8192,768]
-//   %828   sum                d.h.5.fcproj_b       line 40    f32[768]
-//   %829   cast                                    line 40    bf16[8192,768]
+//   %824   layernorm_bwd                           line 38    f32[8,1024,768]
+//   %825   layernorm_bwd      d.h.6.ln1_w          line 38    f32[768]
+//   %826   layernorm_bwd      d.h.6.ln1_b          line 38    f32[768]
+//   %827   add                d.h.5.x              line 40    f32[8,1024,768]
+//   %828   reshape                                 line 40    f32[8192,768]
+//   %829   sum                d.h.5.fcproj_b       line 40    f32[768]
+//   %830   cast                                    line 40    bf16[8192,768]
 // loops:
 //   layernorm_bwd: 8192 rows of 768, column sums over 64 blocks of 128 rows
 static void k162_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
   float *const b284 = (float *)(arena + 4959607936); // %284 add h.5.x f32[8,1024,768]
   float *const b285 = (float *)(arena + 327644160); // %285 param h.6.ln1_w f32[768]
-  float *const b803 = (float *)(arena + 3034422400); // %803 add d.h.6.x f32[8,1024,768]
-  float *const b820 = (float *)(arena + 3059588224); // %820 matmul f32[8192,768]
-  float *const b824 = (float *)(arena + 825403392); // %824 layernorm_bwd d.h.6.ln1_w f32[768]
-  float *const b825 = (float *)(arena + 825406464); // %825 layernorm_bwd d.h.6.ln1_b f32[768]
-  float *const b826 = (float *)(arena + 3084754048); // %826 add d.h.5.x f32[8,1024,768]
-  float *const b828 = (float *)(arena + 825400320); // %828 sum d.h.5.fcproj_b f32[768]
-  uint16_t *const b829 = (uint16_t *)(arena + 3109919872); // %829 cast bf16[8192,768]
+  float *const b804 = (float *)(arena + 3034422400); // %804 add d.h.6.x f32[8,1024,768]
+  float *const b821 = (float *)(arena + 3059588224); // %821 matmul f32[8192,768]
+  float *const b825 = (float *)(arena + 825403392); // %825 layernorm_bwd d.h.6.ln1_w f32[768]
+  float *const b826 = (float *)(arena + 825406464); // %826 layernorm_bwd d.h.6.ln1_b f32[768]
+  float *const b827 = (float *)(arena + 3084754048); // %827 add d.h.5.x f32[8,1024,768]
+  float *const b829 = (float *)(arena + 825400320); // %829 sum d.h.5.fcproj_b f32[768]
+  uint16_t *const b830 = (uint16_t *)(arena + 3109919872); // %830 cast bf16[8192,768]
   double *pdw = mdl_scratch(49152 * sizeof(double));
   double *pdb = mdl_scratch(49152 * sizeof(double));
-  double *ps0 = mdl_scratch(49152 * sizeof(double)); // partials of the column sum %828
+  double *ps0 = mdl_scratch(49152 * sizeof(double)); // partials of the column sum %829
   #pragma omp parallel num_threads(h->nthreads)
   {
     float *dxrow = mdl_scratch(768 * sizeof(float));
@@ -7729,7 +7732,7 @@ static void k162_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
       const int64_t end = k * 128 + 128 < 8192 ? k * 128 + 128 : 8192;
       for (int64_t r = k * 128; r < end; r++) {
         const float *x = b284 + r * 768;
-        const float *dy = b820 + r * 768;
+        const float *dy = b821 + r * 768;
         double mean = 0, var = 0, mg = 0, mgx = 0;
         #pragma omp simd reduction(+ : mean)
         for (int64_t j = 0; j < 768; j++)
@@ -7754,13 +7757,13 @@ static void k162_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
           dx[j] = (float)(rstd * ((double)dy[j] * b285[j] - mg - (x[j] - mean) * rstd * mgx));
         for (int64_t j = 0; j < 768; j++) {
           const int64_t ix = r * 768 + j;
-          const float v803_ix = b803[ix];
-          const float v826_ix = v803_ix + dx[j];
-          b826[ix] = v826_ix;
-          const float v827_ix = v826_ix;
-          const float v829_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v827_ix));
-          b829[ix] = mdl_f32_to_bf16(v829_ix);
-          sa0[j] += v827_ix;
+          const float v804_ix = b804[ix];
+          const float v827_ix = v804_ix + dx[j];
+          b827[ix] = v827_ix;
+          const float v828_ix = v827_ix;
+          const float v830_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v828_ix));
+          b830[ix] = mdl_f32_to_bf16(v830_ix);
+          sa0[j] += v828_ix;
         }
       }
     }
@@ -7774,9 +7777,9 @@ static void k162_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
       b += pdb[k * 768 + j];
       a0 += ps0[k * 768 + j];
     }
-    b824[j] = (float)w;
-    b825[j] = (float)b;
-    b828[j] = (float)a0;
+    b825[j] = (float)w;
+    b826[j] = (float)b;
+    b829[j] = (float)a0;
   }
   free(pdw);
   free(pdb);
@@ -7784,44 +7787,44 @@ static void k162_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
 }
 
 // k163_gemm: GEMM, 1 op
-//   %831   matmul             d.h.5.fcproj_w       line 40    f32[3072,768]
+//   %832   matmul             d.h.5.fcproj_w       line 40    f32[3072,768]
 // loops:
-//   gemm %831: [3072 x 768] = T[3072 x 8192] [8192 x 768], bf16 operands widened to f32
+//   gemm %832: [3072 x 768] = T[3072 x 8192] [8192 x 768], bf16 operands widened to f32
 static void k163_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b279 = (uint16_t *)(arena + 3852311680); // %279 cast bf16[8192,3072]
-  uint16_t *const b829 = (uint16_t *)(arena + 3109919872); // %829 cast bf16[8192,768]
-  float *const b831 = (float *)(arena + 815963136); // %831 matmul d.h.5.fcproj_w f32[3072,768]
+  uint16_t *const b830 = (uint16_t *)(arena + 3109919872); // %830 cast bf16[8192,768]
+  float *const b832 = (float *)(arena + 815963136); // %832 matmul d.h.5.fcproj_w f32[3072,768]
   {
     float *const w279 = mdl_widen_bf16(b279, 25165824, h->nthreads);
-    float *const w829 = mdl_widen_bf16(b829, 6291456, h->nthreads);
-    mdl_gemm(h, 1, 0, 3072, 768, 8192, w279, 3072, w829, 768, 0.0f, b831, 768);
+    float *const w830 = mdl_widen_bf16(b830, 6291456, h->nthreads);
+    mdl_gemm(h, 1, 0, 3072, 768, 8192, w279, 3072, w830, 768, 0.0f, b832, 768);
     free(w279);
-    free(w829);
+    free(w830);
   }
 }
 
 // k164_gemm__gelu_bwd__sum__cast: GEMM, 6 ops
-//   %830   matmul                                  line 40    f32[8192,3072]
-//   %832   reshape                                 line 40    f32[8,1024,3072]
-//   %833   gelu_bwd                                line 40    f32[8,1024,3072]
-//   %834   reshape                                 line 40    f32[8192,3072]
-//   %835   sum                d.h.5.fc_b           line 40    f32[3072]
-//   %836   cast                                    line 40    bf16[8192,3072]
+//   %831   matmul                                  line 40    f32[8192,3072]
+//   %833   reshape                                 line 40    f32[8,1024,3072]
+//   %834   gelu_bwd                                line 40    f32[8,1024,3072]
+//   %835   reshape                                 line 40    f32[8192,3072]
+//   %836   sum                d.h.5.fc_b           line 40    f32[3072]
+//   %837   cast                                    line 40    bf16[8192,3072]
 // loops:
-//   gemm %830: [8192 x 3072] = [8192 x 768] T[768 x 3072], bf16 operands widened to f32, epilogue after
-//   sum %835: 3072 outputs over 8192 elements, in 64 blocks of 128
+//   gemm %831: [8192 x 3072] = [8192 x 768] T[768 x 3072], bf16 operands widened to f32, epilogue after
+//   sum %836: 3072 outputs over 8192 elements, in 64 blocks of 128
 static void k164_gemm__gelu_bwd__sum__cast(char *arena, const MdlHooks *h) {
   float *const b276 = (float *)(arena + 2896010368); // %276 add f32[8,1024,3072]
   uint16_t *const b280 = (uint16_t *)(arena + 2148519936); // %280 cast bf16[3072,768]
-  uint16_t *const b829 = (uint16_t *)(arena + 3109919872); // %829 cast bf16[8192,768]
-  float *const b830 = mdl_scratch(100663296); // %830 matmul f32[8192,3072], kept in this kernel
-  float *const b835 = (float *)(arena + 815950848); // %835 sum d.h.5.fc_b f32[3072]
-  uint16_t *const b836 = (uint16_t *)(arena + 2996673664); // %836 cast bf16[8192,3072]
+  uint16_t *const b830 = (uint16_t *)(arena + 3109919872); // %830 cast bf16[8192,768]
+  float *const b831 = mdl_scratch(100663296); // %831 matmul f32[8192,3072], kept in this kernel
+  float *const b836 = (float *)(arena + 815950848); // %836 sum d.h.5.fc_b f32[3072]
+  uint16_t *const b837 = (uint16_t *)(arena + 2996673664); // %837 cast bf16[8192,3072]
   {
-    float *const w829 = mdl_widen_bf16(b829, 6291456, h->nthreads);
+    float *const w830 = mdl_widen_bf16(b830, 6291456, h->nthreads);
     float *const w280 = mdl_widen_bf16(b280, 2359296, h->nthreads);
-    mdl_gemm(h, 0, 1, 8192, 3072, 768, w829, 768, w280, 768, 0.0f, b830, 3072);
-    free(w829);
+    mdl_gemm(h, 0, 1, 8192, 3072, 768, w830, 768, w280, 768, 0.0f, b831, 3072);
+    free(w830);
     free(w280);
   }
   double *part = mdl_scratch(196608 * sizeof(double));
@@ -7835,13 +7838,13 @@ static void k164_gemm__gelu_bwd__sum__cast(char *arena, const MdlHooks *h) {
       for (int64_t c = 0; c < 3072; c++) {
         const int64_t ix = l * 3072 + c;
         const float v276_ix = b276[ix];
-        const float v830_ix = b830[ix];
-        const float v832_ix = v830_ix;
-        const float v833_ix = mdl_gelu_grad(v276_ix) * v832_ix;
-        const float v834_ix = v833_ix;
-        const float v = v834_ix;
-        const float v836_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v834_ix));
-        b836[ix] = mdl_f32_to_bf16(v836_ix);
+        const float v831_ix = b831[ix];
+        const float v833_ix = v831_ix;
+        const float v834_ix = mdl_gelu_grad(v276_ix) * v833_ix;
+        const float v835_ix = v834_ix;
+        const float v = v835_ix;
+        const float v837_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v835_ix));
+        b837[ix] = mdl_f32_to_bf16(v837_ix);
         p[c] += v;
       }
     }
@@ -7854,69 +7857,69 @@ static void k164_gemm__gelu_bwd__sum__cast(char *arena, const MdlHooks *h) {
       acc += v;
     }
     const float y = (float)acc;
-    b835[r] = y;
+    b836[r] = y;
   }
   free(part);
-  free(b830);
+  free(b831);
 }
 
 // k165_gemm: GEMM, 1 op
-//   %837   matmul                                  line 40    f32[8192,768]
+//   %838   matmul                                  line 40    f32[8192,768]
 // loops:
-//   gemm %837: [8192 x 768] = [8192 x 3072] T[3072 x 768], bf16 operands widened to f32
+//   gemm %838: [8192 x 768] = [8192 x 3072] T[3072 x 768], bf16 operands widened to f32
 static void k165_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b273 = (uint16_t *)(arena + 2143801344); // %273 cast bf16[768,3072]
-  uint16_t *const b836 = (uint16_t *)(arena + 2996673664); // %836 cast bf16[8192,3072]
-  float *const b837 = (float *)(arena + 2896010368); // %837 matmul f32[8192,768]
+  uint16_t *const b837 = (uint16_t *)(arena + 2996673664); // %837 cast bf16[8192,3072]
+  float *const b838 = (float *)(arena + 2896010368); // %838 matmul f32[8192,768]
   {
-    float *const w836 = mdl_widen_bf16(b836, 25165824, h->nthreads);
+    float *const w837 = mdl_widen_bf16(b837, 25165824, h->nthreads);
     float *const w273 = mdl_widen_bf16(b273, 2359296, h->nthreads);
-    mdl_gemm(h, 0, 1, 8192, 768, 3072, w836, 3072, w273, 3072, 0.0f, b837, 768);
-    free(w836);
+    mdl_gemm(h, 0, 1, 8192, 768, 3072, w837, 3072, w273, 3072, 0.0f, b838, 768);
+    free(w837);
     free(w273);
   }
 }
 
 // k166_gemm: GEMM, 1 op
-//   %838   matmul             d.h.5.fc_w           line 40    f32[768,3072]
+//   %839   matmul             d.h.5.fc_w           line 40    f32[768,3072]
 // loops:
-//   gemm %838: [768 x 3072] = T[768 x 8192] [8192 x 3072], bf16 operands widened to f32
+//   gemm %839: [768 x 3072] = T[768 x 8192] [8192 x 3072], bf16 operands widened to f32
 static void k166_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b272 = (uint16_t *)(arena + 5551004800); // %272 cast bf16[8192,768]
-  uint16_t *const b836 = (uint16_t *)(arena + 2996673664); // %836 cast bf16[8192,3072]
-  float *const b838 = (float *)(arena + 806513664); // %838 matmul d.h.5.fc_w f32[768,3072]
+  uint16_t *const b837 = (uint16_t *)(arena + 2996673664); // %837 cast bf16[8192,3072]
+  float *const b839 = (float *)(arena + 806513664); // %839 matmul d.h.5.fc_w f32[768,3072]
   {
     float *const w272 = mdl_widen_bf16(b272, 6291456, h->nthreads);
-    float *const w836 = mdl_widen_bf16(b836, 25165824, h->nthreads);
-    mdl_gemm(h, 1, 0, 768, 3072, 8192, w272, 768, w836, 3072, 0.0f, b838, 3072);
+    float *const w837 = mdl_widen_bf16(b837, 25165824, h->nthreads);
+    mdl_gemm(h, 1, 0, 768, 3072, 8192, w272, 768, w837, 3072, 0.0f, b839, 3072);
     free(w272);
-    free(w836);
+    free(w837);
   }
 }
 
 // k167_layernorm_bwd__add__sum__cast: kernel, 7 ops
-//   %840   layernorm_bwd                           line 40    f32[8,1024,768]
-//   %841   layernorm_bwd      d.h.5.ln2_w          line 40    f32[768]
-//   %842   layernorm_bwd      d.h.5.ln2_b          line 40    f32[768]
-//   %843   add                d.h.5.x              line 39    f32[8,1024,768]
-//   %844   reshape                                 line 39    f32[8192,768]
-//   %845   sum                d.h.5.proj_b         line 39    f32[768]
-//   %846   cast                                    line 39    bf16[8192,768]
+//   %841   layernorm_bwd                           line 40    f32[8,1024,768]
+//   %842   layernorm_bwd      d.h.5.ln2_w          line 40    f32[768]
+//   %843   layernorm_bwd      d.h.5.ln2_b          line 40    f32[768]
+//   %844   add                d.h.5.x              line 39    f32[8,1024,768]
+//   %845   reshape                                 line 39    f32[8192,768]
+//   %846   sum                d.h.5.proj_b         line 39    f32[768]
+//   %847   cast                                    line 39    bf16[8192,768]
 // loops:
 //   layernorm_bwd: 8192 rows of 768, column sums over 64 blocks of 128 rows
 static void k167_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
   float *const b245 = (float *)(arena + 308748288); // %245 param h.5.ln2_w f32[768]
   float *const b269 = (float *)(arena + 4934442112); // %269 add h.5.x f32[8,1024,768]
-  float *const b826 = (float *)(arena + 3084754048); // %826 add d.h.5.x f32[8,1024,768]
-  float *const b837 = (float *)(arena + 2896010368); // %837 matmul f32[8192,768]
-  float *const b841 = (float *)(arena + 806507520); // %841 layernorm_bwd d.h.5.ln2_w f32[768]
-  float *const b842 = (float *)(arena + 806510592); // %842 layernorm_bwd d.h.5.ln2_b f32[768]
-  float *const b843 = (float *)(arena + 2933759104); // %843 add d.h.5.x f32[8,1024,768]
-  float *const b845 = (float *)(arena + 806504448); // %845 sum d.h.5.proj_b f32[768]
-  uint16_t *const b846 = (uint16_t *)(arena + 2921176192); // %846 cast bf16[8192,768]
+  float *const b827 = (float *)(arena + 3084754048); // %827 add d.h.5.x f32[8,1024,768]
+  float *const b838 = (float *)(arena + 2896010368); // %838 matmul f32[8192,768]
+  float *const b842 = (float *)(arena + 806507520); // %842 layernorm_bwd d.h.5.ln2_w f32[768]
+  float *const b843 = (float *)(arena + 806510592); // %843 layernorm_bwd d.h.5.ln2_b f32[768]
+  float *const b844 = (float *)(arena + 2933759104); // %844 add d.h.5.x f32[8,1024,768]
+  float *const b846 = (float *)(arena + 806504448); // %846 sum d.h.5.proj_b f32[768]
+  uint16_t *const b847 = (uint16_t *)(arena + 2921176192); // %847 cast bf16[8192,768]
   double *pdw = mdl_scratch(49152 * sizeof(double));
   double *pdb = mdl_scratch(49152 * sizeof(double));
-  double *ps0 = mdl_scratch(49152 * sizeof(double)); // partials of the column sum %845
+  double *ps0 = mdl_scratch(49152 * sizeof(double)); // partials of the column sum %846
   #pragma omp parallel num_threads(h->nthreads)
   {
     float *dxrow = mdl_scratch(768 * sizeof(float));
@@ -7930,7 +7933,7 @@ static void k167_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
       const int64_t end = k * 128 + 128 < 8192 ? k * 128 + 128 : 8192;
       for (int64_t r = k * 128; r < end; r++) {
         const float *x = b269 + r * 768;
-        const float *dy = b837 + r * 768;
+        const float *dy = b838 + r * 768;
         double mean = 0, var = 0, mg = 0, mgx = 0;
         #pragma omp simd reduction(+ : mean)
         for (int64_t j = 0; j < 768; j++)
@@ -7955,13 +7958,13 @@ static void k167_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
           dx[j] = (float)(rstd * ((double)dy[j] * b245[j] - mg - (x[j] - mean) * rstd * mgx));
         for (int64_t j = 0; j < 768; j++) {
           const int64_t ix = r * 768 + j;
-          const float v826_ix = b826[ix];
-          const float v843_ix = v826_ix + dx[j];
-          b843[ix] = v843_ix;
-          const float v844_ix = v843_ix;
-          const float v846_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v844_ix));
-          b846[ix] = mdl_f32_to_bf16(v846_ix);
-          sa0[j] += v844_ix;
+          const float v827_ix = b827[ix];
+          const float v844_ix = v827_ix + dx[j];
+          b844[ix] = v844_ix;
+          const float v845_ix = v844_ix;
+          const float v847_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v845_ix));
+          b847[ix] = mdl_f32_to_bf16(v847_ix);
+          sa0[j] += v845_ix;
         }
       }
     }
@@ -7975,9 +7978,9 @@ static void k167_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
       b += pdb[k * 768 + j];
       a0 += ps0[k * 768 + j];
     }
-    b841[j] = (float)w;
-    b842[j] = (float)b;
-    b845[j] = (float)a0;
+    b842[j] = (float)w;
+    b843[j] = (float)b;
+    b846[j] = (float)a0;
   }
   free(pdw);
   free(pdb);
@@ -7985,69 +7988,69 @@ static void k167_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
 }
 
 // k168_gemm: GEMM, 1 op
-//   %848   matmul             d.h.5.proj_w         line 39    f32[768,768]
+//   %849   matmul             d.h.5.proj_w         line 39    f32[768,768]
 // loops:
-//   gemm %848: [768 x 768] = T[768 x 8192] [8192 x 768], bf16 operands widened to f32
+//   gemm %849: [768 x 768] = T[768 x 8192] [8192 x 768], bf16 operands widened to f32
 static void k168_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b264 = (uint16_t *)(arena + 5538421888); // %264 cast bf16[8192,768]
-  uint16_t *const b846 = (uint16_t *)(arena + 2921176192); // %846 cast bf16[8192,768]
-  float *const b848 = (float *)(arena + 804145152); // %848 matmul d.h.5.proj_w f32[768,768]
+  uint16_t *const b847 = (uint16_t *)(arena + 2921176192); // %847 cast bf16[8192,768]
+  float *const b849 = (float *)(arena + 804145152); // %849 matmul d.h.5.proj_w f32[768,768]
   {
     float *const w264 = mdl_widen_bf16(b264, 6291456, h->nthreads);
-    float *const w846 = mdl_widen_bf16(b846, 6291456, h->nthreads);
-    mdl_gemm(h, 1, 0, 768, 768, 8192, w264, 768, w846, 768, 0.0f, b848, 768);
+    float *const w847 = mdl_widen_bf16(b847, 6291456, h->nthreads);
+    mdl_gemm(h, 1, 0, 768, 768, 8192, w264, 768, w847, 768, 0.0f, b849, 768);
     free(w264);
-    free(w846);
+    free(w847);
   }
 }
 
 // k169_gemm__cast: GEMM, 3 ops
-//   %847   matmul                                  line 39    f32[8192,768]
-//   %849   reshape                                 line 39    f32[8,1024,768]
-//   %852   cast                                    line 39    bf16[8,1024,768]
+//   %848   matmul                                  line 39    f32[8192,768]
+//   %850   reshape                                 line 39    f32[8,1024,768]
+//   %853   cast                                    line 39    bf16[8,1024,768]
 // loops:
-//   gemm %847: [8192 x 768] = [8192 x 768] T[768 x 768], bf16 operands widened to f32, epilogue after
-//   elementwise over 6291456: %852
+//   gemm %848: [8192 x 768] = [8192 x 768] T[768 x 768], bf16 operands widened to f32, epilogue after
+//   elementwise over 6291456: %853
 static void k169_gemm__cast(char *arena, const MdlHooks *h) {
   uint16_t *const b265 = (uint16_t *)(arena + 2142621696); // %265 cast bf16[768,768]
-  uint16_t *const b846 = (uint16_t *)(arena + 2921176192); // %846 cast bf16[8192,768]
-  float *const b847 = mdl_scratch(25165824); // %847 matmul f32[8192,768], kept in this kernel
-  uint16_t *const b852 = (uint16_t *)(arena + 2896010368); // %852 cast bf16[8,1024,768]
+  uint16_t *const b847 = (uint16_t *)(arena + 2921176192); // %847 cast bf16[8192,768]
+  float *const b848 = mdl_scratch(25165824); // %848 matmul f32[8192,768], kept in this kernel
+  uint16_t *const b853 = (uint16_t *)(arena + 2896010368); // %853 cast bf16[8,1024,768]
   {
-    float *const w846 = mdl_widen_bf16(b846, 6291456, h->nthreads);
+    float *const w847 = mdl_widen_bf16(b847, 6291456, h->nthreads);
     float *const w265 = mdl_widen_bf16(b265, 589824, h->nthreads);
-    mdl_gemm(h, 0, 1, 8192, 768, 768, w846, 768, w265, 768, 0.0f, b847, 768);
-    free(w846);
+    mdl_gemm(h, 0, 1, 8192, 768, 768, w847, 768, w265, 768, 0.0f, b848, 768);
+    free(w847);
     free(w265);
   }
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
   for (int64_t r = 0; r < 8192; r++) {
     for (int64_t c = 0; c < 768; c++) {
       const int64_t i = r * 768 + c;
-      const float v847_i = b847[i];
-      const float v849_i = v847_i;
-      const float v852_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v849_i));
-      b852[i] = mdl_f32_to_bf16(v852_i);
+      const float v848_i = b848[i];
+      const float v850_i = v848_i;
+      const float v853_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v850_i));
+      b853[i] = mdl_f32_to_bf16(v853_i);
     }
   }
-  free(b847);
+  free(b848);
 }
 
 // k170_attention_bwd: attention, 3 ops
-//   %853   attention_bwd      d.h.5.q              line 39    f32[8,1024,768]
-//   %854   attention_bwd      d.h.5.k              line 39    f32[8,1024,768]
-//   %855   attention_bwd      d.h.5.v              line 39    f32[8,1024,768]
+//   %854   attention_bwd      d.h.5.q              line 39    f32[8,1024,768]
+//   %855   attention_bwd      d.h.5.k              line 39    f32[8,1024,768]
+//   %856   attention_bwd      d.h.5.v              line 39    f32[8,1024,768]
 // loops:
 //   attention backward (dq dk dv): B 8, T 1024, 12 heads of 64, causal, within documents; one task per (batch, head)
 static void k170_attention_bwd(char *arena, const MdlHooks *h) {
   int32_t *const b3 = (int32_t *)(arena + 2238271488); // %3 input doc i32[8,1024]
   uint16_t *const b258 = (uint16_t *)(arena + 4393376896); // %258 cast bf16[8,1024,2304]
   uint16_t *const b264 = (uint16_t *)(arena + 5538421888); // %264 cast bf16[8192,768]
-  float *const b850 = (float *)(arena + 5804629120); // %850 attention_lse f32[8,12,1024]
-  uint16_t *const b852 = (uint16_t *)(arena + 2896010368); // %852 cast bf16[8,1024,768]
-  float *const b853 = (float *)(arena + 2958924928); // %853 attention_bwd d.h.5.q f32[8,1024,768]
-  float *const b854 = (float *)(arena + 2984090752); // %854 attention_bwd d.h.5.k f32[8,1024,768]
-  float *const b855 = (float *)(arena + 3009256576); // %855 attention_bwd d.h.5.v f32[8,1024,768]
+  float *const b851 = (float *)(arena + 5804629120); // %851 attention_lse f32[8,12,1024]
+  uint16_t *const b853 = (uint16_t *)(arena + 2896010368); // %853 cast bf16[8,1024,768]
+  float *const b854 = (float *)(arena + 2958924928); // %854 attention_bwd d.h.5.q f32[8,1024,768]
+  float *const b855 = (float *)(arena + 2984090752); // %855 attention_bwd d.h.5.k f32[8,1024,768]
+  float *const b856 = (float *)(arena + 3009256576); // %856 attention_bwd d.h.5.v f32[8,1024,768]
   #pragma omp parallel num_threads(h->nthreads)
   {
     float *restrict kt = memset(mdl_scratch(67584 * sizeof(float)), 0, 67584 * sizeof(float));
@@ -8095,13 +8098,13 @@ static void k170_attention_bwd(char *arena, const MdlHooks *h) {
           }
           memcpy(s + j0, acc, sizeof acc);
         }
-        const float lse = b850[(b * 12 + hd) * 1024 + i];
+        const float lse = b851[(b * 12 + hd) * 1024 + i];
         #pragma omp simd
         for (int64_t j = lo; j < hi; j++)
           s[j] = dc[j] == di ? mdl_exp_shifted(s[j] * 0.125f - lse) : 0.0f;
         float dor[64];
         for (int64_t c = 0; c < 64; c++)
-          dor[c] = mdl_bf16_to_f32(b852[(b * 1024 + i) * 768 + hd * 64 + c]);
+          dor[c] = mdl_bf16_to_f32(b853[(b * 1024 + i) * 768 + hd * 64 + c]);
         const float *restrict doi = dor;
         float dsum = 0.0f;
         for (int64_t c = 0; c < 64; c++)
@@ -8150,14 +8153,14 @@ static void k170_attention_bwd(char *arena, const MdlHooks *h) {
           for (int64_t c = 0; c < 64; c++)
             dvj[c] += mdl_bf16_to_f32(mdl_f32_to_bf16(s[j])) * doi[c];
         }
-        float *restrict dq = b853 + (b * 1024 + i) * 768 + hd * 64;
+        float *restrict dq = b854 + (b * 1024 + i) * 768 + hd * 64;
         for (int64_t c = 0; c < 64; c++)
           dq[c] = 0.125f * (dqi0[c] + dqi1[c]);
       }
       for (int64_t t = 0; t < 1024; t++)
-        memcpy(b854 + (b * 1024 + t) * 768 + hd * 64, dkh + t * 64, 64 * sizeof(float));
+        memcpy(b855 + (b * 1024 + t) * 768 + hd * 64, dkh + t * 64, 64 * sizeof(float));
       for (int64_t t = 0; t < 1024; t++)
-        memcpy(b855 + (b * 1024 + t) * 768 + hd * 64, dvh + t * 64, 64 * sizeof(float));
+        memcpy(b856 + (b * 1024 + t) * 768 + hd * 64, dvh + t * 64, 64 * sizeof(float));
     }
     free(kt);
     free(s);
@@ -8169,18 +8172,18 @@ static void k170_attention_bwd(char *arena, const MdlHooks *h) {
 }
 
 // k171_sum__concat__cast: kernel, 4 ops
-//   %856   concat                                  line 38    f32[8,1024,2304]
-//   %857   reshape                                 line 38    f32[8192,2304]
-//   %858   sum                d.h.5.attn_b         line 38    f32[2304]
-//   %859   cast                                    line 38    bf16[8192,2304]
+//   %857   concat                                  line 38    f32[8,1024,2304]
+//   %858   reshape                                 line 38    f32[8192,2304]
+//   %859   sum                d.h.5.attn_b         line 38    f32[2304]
+//   %860   cast                                    line 38    bf16[8192,2304]
 // loops:
-//   sum %858: 2304 outputs over 8192 elements, in 64 blocks of 128
+//   sum %859: 2304 outputs over 8192 elements, in 64 blocks of 128
 static void k171_sum__concat__cast(char *arena, const MdlHooks *h) {
-  float *const b853 = (float *)(arena + 2958924928); // %853 attention_bwd d.h.5.q f32[8,1024,768]
-  float *const b854 = (float *)(arena + 2984090752); // %854 attention_bwd d.h.5.k f32[8,1024,768]
-  float *const b855 = (float *)(arena + 3009256576); // %855 attention_bwd d.h.5.v f32[8,1024,768]
-  float *const b858 = (float *)(arena + 804135936); // %858 sum d.h.5.attn_b f32[2304]
-  uint16_t *const b859 = (uint16_t *)(arena + 2896010368); // %859 cast bf16[8192,2304]
+  float *const b854 = (float *)(arena + 2958924928); // %854 attention_bwd d.h.5.q f32[8,1024,768]
+  float *const b855 = (float *)(arena + 2984090752); // %855 attention_bwd d.h.5.k f32[8,1024,768]
+  float *const b856 = (float *)(arena + 3009256576); // %856 attention_bwd d.h.5.v f32[8,1024,768]
+  float *const b859 = (float *)(arena + 804135936); // %859 sum d.h.5.attn_b f32[2304]
+  uint16_t *const b860 = (uint16_t *)(arena + 2896010368); // %860 cast bf16[8192,2304]
   double *part = mdl_scratch(147456 * sizeof(double));
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
   for (int64_t k = 0; k < 64; k++) {
@@ -8191,11 +8194,11 @@ static void k171_sum__concat__cast(char *arena, const MdlHooks *h) {
     for (int64_t l = k * 128; l < end; l++) {
       for (int64_t c = 0; c < 2304; c++) {
         const int64_t ix = l * 2304 + c;
-        const float v856_ix = (c < 768 ? b853 + (l * 768 + c) : c < 1536 ? b854 + (l * 768 + (c - 768)) : b855 + (l * 768 + (c - 1536)))[0];
-        const float v857_ix = v856_ix;
-        const float v = v857_ix;
-        const float v859_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v857_ix));
-        b859[ix] = mdl_f32_to_bf16(v859_ix);
+        const float v857_ix = (c < 768 ? b854 + (l * 768 + c) : c < 1536 ? b855 + (l * 768 + (c - 768)) : b856 + (l * 768 + (c - 1536)))[0];
+        const float v858_ix = v857_ix;
+        const float v = v858_ix;
+        const float v860_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v858_ix));
+        b860[ix] = mdl_f32_to_bf16(v860_ix);
         p[c] += v;
       }
     }
@@ -8208,68 +8211,68 @@ static void k171_sum__concat__cast(char *arena, const MdlHooks *h) {
       acc += v;
     }
     const float y = (float)acc;
-    b858[r] = y;
+    b859[r] = y;
   }
   free(part);
 }
 
 // k172_gemm: GEMM, 1 op
-//   %860   matmul                                  line 38    f32[8192,768]
+//   %861   matmul                                  line 38    f32[8192,768]
 // loops:
-//   gemm %860: [8192 x 768] = [8192 x 2304] T[2304 x 768], bf16 operands widened to f32
+//   gemm %861: [8192 x 768] = [8192 x 2304] T[2304 x 768], bf16 operands widened to f32
 static void k172_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b254 = (uint16_t *)(arena + 2139082752); // %254 cast bf16[768,2304]
-  uint16_t *const b859 = (uint16_t *)(arena + 2896010368); // %859 cast bf16[8192,2304]
-  float *const b860 = (float *)(arena + 2958924928); // %860 matmul f32[8192,768]
+  uint16_t *const b860 = (uint16_t *)(arena + 2896010368); // %860 cast bf16[8192,2304]
+  float *const b861 = (float *)(arena + 2958924928); // %861 matmul f32[8192,768]
   {
-    float *const w859 = mdl_widen_bf16(b859, 18874368, h->nthreads);
+    float *const w860 = mdl_widen_bf16(b860, 18874368, h->nthreads);
     float *const w254 = mdl_widen_bf16(b254, 1769472, h->nthreads);
-    mdl_gemm(h, 0, 1, 8192, 768, 2304, w859, 2304, w254, 2304, 0.0f, b860, 768);
-    free(w859);
+    mdl_gemm(h, 0, 1, 8192, 768, 2304, w860, 2304, w254, 2304, 0.0f, b861, 768);
+    free(w860);
     free(w254);
   }
 }
 
 // k173_gemm: GEMM, 1 op
-//   %861   matmul             d.h.5.attn_w         line 38    f32[768,2304]
+//   %862   matmul             d.h.5.attn_w         line 38    f32[768,2304]
 // loops:
-//   gemm %861: [768 x 2304] = T[768 x 8192] [8192 x 2304], bf16 operands widened to f32
+//   gemm %862: [768 x 2304] = T[768 x 8192] [8192 x 2304], bf16 operands widened to f32
 static void k173_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b253 = (uint16_t *)(arena + 5525838976); // %253 cast bf16[8192,768]
-  uint16_t *const b859 = (uint16_t *)(arena + 2896010368); // %859 cast bf16[8192,2304]
-  float *const b861 = (float *)(arena + 797058048); // %861 matmul d.h.5.attn_w f32[768,2304]
+  uint16_t *const b860 = (uint16_t *)(arena + 2896010368); // %860 cast bf16[8192,2304]
+  float *const b862 = (float *)(arena + 797058048); // %862 matmul d.h.5.attn_w f32[768,2304]
   {
     float *const w253 = mdl_widen_bf16(b253, 6291456, h->nthreads);
-    float *const w859 = mdl_widen_bf16(b859, 18874368, h->nthreads);
-    mdl_gemm(h, 1, 0, 768, 2304, 8192, w253, 768, w859, 2304, 0.0f, b861, 2304);
+    float *const w860 = mdl_widen_bf16(b860, 18874368, h->nthreads);
+    mdl_gemm(h, 1, 0, 768, 2304, 8192, w253, 768, w860, 2304, 0.0f, b862, 2304);
     free(w253);
-    free(w859);
+    free(w860);
   }
 }
 
 // k174_layernorm_bwd__add__sum__cast: kernel, 7 ops
-//   %863   layernorm_bwd                           line 38    f32[8,1024,768]
-//   %864   layernorm_bwd      d.h.5.ln1_w          line 38    f32[768]
-//   %865   layernorm_bwd      d.h.5.ln1_b          line 38    f32[768]
-//   %866   add                d.h.4.x              line 40    f32[8,1024,768]
-//   %867   reshape                                 line 40    f32[8192,768]
-//   %868   sum                d.h.4.fcproj_b       line 40    f32[768]
-//   %869   cast                                    line 40    bf16[8192,768]
+//   %864   layernorm_bwd                           line 38    f32[8,1024,768]
+//   %865   layernorm_bwd      d.h.5.ln1_w          line 38    f32[768]
+//   %866   layernorm_bwd      d.h.5.ln1_b          line 38    f32[768]
+//   %867   add                d.h.4.x              line 40    f32[8,1024,768]
+//   %868   reshape                                 line 40    f32[8192,768]
+//   %869   sum                d.h.4.fcproj_b       line 40    f32[768]
+//   %870   cast                                    line 40    bf16[8192,768]
 // loops:
 //   layernorm_bwd: 8192 rows of 768, column sums over 64 blocks of 128 rows
 static void k174_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
   float *const b238 = (float *)(arena + 4909276288); // %238 add h.4.x f32[8,1024,768]
   float *const b239 = (float *)(arena + 299292672); // %239 param h.5.ln1_w f32[768]
-  float *const b843 = (float *)(arena + 2933759104); // %843 add d.h.5.x f32[8,1024,768]
-  float *const b860 = (float *)(arena + 2958924928); // %860 matmul f32[8192,768]
-  float *const b864 = (float *)(arena + 797051904); // %864 layernorm_bwd d.h.5.ln1_w f32[768]
-  float *const b865 = (float *)(arena + 797054976); // %865 layernorm_bwd d.h.5.ln1_b f32[768]
-  float *const b866 = (float *)(arena + 2984090752); // %866 add d.h.4.x f32[8,1024,768]
-  float *const b868 = (float *)(arena + 797048832); // %868 sum d.h.4.fcproj_b f32[768]
-  uint16_t *const b869 = (uint16_t *)(arena + 3009256576); // %869 cast bf16[8192,768]
+  float *const b844 = (float *)(arena + 2933759104); // %844 add d.h.5.x f32[8,1024,768]
+  float *const b861 = (float *)(arena + 2958924928); // %861 matmul f32[8192,768]
+  float *const b865 = (float *)(arena + 797051904); // %865 layernorm_bwd d.h.5.ln1_w f32[768]
+  float *const b866 = (float *)(arena + 797054976); // %866 layernorm_bwd d.h.5.ln1_b f32[768]
+  float *const b867 = (float *)(arena + 2984090752); // %867 add d.h.4.x f32[8,1024,768]
+  float *const b869 = (float *)(arena + 797048832); // %869 sum d.h.4.fcproj_b f32[768]
+  uint16_t *const b870 = (uint16_t *)(arena + 3009256576); // %870 cast bf16[8192,768]
   double *pdw = mdl_scratch(49152 * sizeof(double));
   double *pdb = mdl_scratch(49152 * sizeof(double));
-  double *ps0 = mdl_scratch(49152 * sizeof(double)); // partials of the column sum %868
+  double *ps0 = mdl_scratch(49152 * sizeof(double)); // partials of the column sum %869
   #pragma omp parallel num_threads(h->nthreads)
   {
     float *dxrow = mdl_scratch(768 * sizeof(float));
@@ -8283,7 +8286,7 @@ static void k174_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
       const int64_t end = k * 128 + 128 < 8192 ? k * 128 + 128 : 8192;
       for (int64_t r = k * 128; r < end; r++) {
         const float *x = b238 + r * 768;
-        const float *dy = b860 + r * 768;
+        const float *dy = b861 + r * 768;
         double mean = 0, var = 0, mg = 0, mgx = 0;
         #pragma omp simd reduction(+ : mean)
         for (int64_t j = 0; j < 768; j++)
@@ -8308,13 +8311,13 @@ static void k174_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
           dx[j] = (float)(rstd * ((double)dy[j] * b239[j] - mg - (x[j] - mean) * rstd * mgx));
         for (int64_t j = 0; j < 768; j++) {
           const int64_t ix = r * 768 + j;
-          const float v843_ix = b843[ix];
-          const float v866_ix = v843_ix + dx[j];
-          b866[ix] = v866_ix;
-          const float v867_ix = v866_ix;
-          const float v869_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v867_ix));
-          b869[ix] = mdl_f32_to_bf16(v869_ix);
-          sa0[j] += v867_ix;
+          const float v844_ix = b844[ix];
+          const float v867_ix = v844_ix + dx[j];
+          b867[ix] = v867_ix;
+          const float v868_ix = v867_ix;
+          const float v870_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v868_ix));
+          b870[ix] = mdl_f32_to_bf16(v870_ix);
+          sa0[j] += v868_ix;
         }
       }
     }
@@ -8328,9 +8331,9 @@ static void k174_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
       b += pdb[k * 768 + j];
       a0 += ps0[k * 768 + j];
     }
-    b864[j] = (float)w;
-    b865[j] = (float)b;
-    b868[j] = (float)a0;
+    b865[j] = (float)w;
+    b866[j] = (float)b;
+    b869[j] = (float)a0;
   }
   free(pdw);
   free(pdb);
@@ -8338,44 +8341,44 @@ static void k174_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
 }
 
 // k175_gemm: GEMM, 1 op
-//   %871   matmul             d.h.4.fcproj_w       line 40    f32[3072,768]
+//   %872   matmul             d.h.4.fcproj_w       line 40    f32[3072,768]
 // loops:
-//   gemm %871: [3072 x 768] = T[3072 x 8192] [8192 x 768], bf16 operands widened to f32
+//   gemm %872: [3072 x 768] = T[3072 x 8192] [8192 x 768], bf16 operands widened to f32
 static void k175_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b233 = (uint16_t *)(arena + 3801980032); // %233 cast bf16[8192,3072]
-  uint16_t *const b869 = (uint16_t *)(arena + 3009256576); // %869 cast bf16[8192,768]
-  float *const b871 = (float *)(arena + 787611648); // %871 matmul d.h.4.fcproj_w f32[3072,768]
+  uint16_t *const b870 = (uint16_t *)(arena + 3009256576); // %870 cast bf16[8192,768]
+  float *const b872 = (float *)(arena + 787611648); // %872 matmul d.h.4.fcproj_w f32[3072,768]
   {
     float *const w233 = mdl_widen_bf16(b233, 25165824, h->nthreads);
-    float *const w869 = mdl_widen_bf16(b869, 6291456, h->nthreads);
-    mdl_gemm(h, 1, 0, 3072, 768, 8192, w233, 3072, w869, 768, 0.0f, b871, 768);
+    float *const w870 = mdl_widen_bf16(b870, 6291456, h->nthreads);
+    mdl_gemm(h, 1, 0, 3072, 768, 8192, w233, 3072, w870, 768, 0.0f, b872, 768);
     free(w233);
-    free(w869);
+    free(w870);
   }
 }
 
 // k176_gemm__gelu_bwd__sum__cast: GEMM, 6 ops
-//   %870   matmul                                  line 40    f32[8192,3072]
-//   %872   reshape                                 line 40    f32[8,1024,3072]
-//   %873   gelu_bwd                                line 40    f32[8,1024,3072]
-//   %874   reshape                                 line 40    f32[8192,3072]
-//   %875   sum                d.h.4.fc_b           line 40    f32[3072]
-//   %876   cast                                    line 40    bf16[8192,3072]
+//   %871   matmul                                  line 40    f32[8192,3072]
+//   %873   reshape                                 line 40    f32[8,1024,3072]
+//   %874   gelu_bwd                                line 40    f32[8,1024,3072]
+//   %875   reshape                                 line 40    f32[8192,3072]
+//   %876   sum                d.h.4.fc_b           line 40    f32[3072]
+//   %877   cast                                    line 40    bf16[8192,3072]
 // loops:
-//   gemm %870: [8192 x 3072] = [8192 x 768] T[768 x 3072], bf16 operands widened to f32, epilogue after
-//   sum %875: 3072 outputs over 8192 elements, in 64 blocks of 128
+//   gemm %871: [8192 x 3072] = [8192 x 768] T[768 x 3072], bf16 operands widened to f32, epilogue after
+//   sum %876: 3072 outputs over 8192 elements, in 64 blocks of 128
 static void k176_gemm__gelu_bwd__sum__cast(char *arena, const MdlHooks *h) {
   float *const b230 = (float *)(arena + 2795347072); // %230 add f32[8,1024,3072]
   uint16_t *const b234 = (uint16_t *)(arena + 2134364160); // %234 cast bf16[3072,768]
-  uint16_t *const b869 = (uint16_t *)(arena + 3009256576); // %869 cast bf16[8192,768]
-  float *const b870 = mdl_scratch(100663296); // %870 matmul f32[8192,3072], kept in this kernel
-  float *const b875 = (float *)(arena + 787599360); // %875 sum d.h.4.fc_b f32[3072]
-  uint16_t *const b876 = (uint16_t *)(arena + 2896010368); // %876 cast bf16[8192,3072]
+  uint16_t *const b870 = (uint16_t *)(arena + 3009256576); // %870 cast bf16[8192,768]
+  float *const b871 = mdl_scratch(100663296); // %871 matmul f32[8192,3072], kept in this kernel
+  float *const b876 = (float *)(arena + 787599360); // %876 sum d.h.4.fc_b f32[3072]
+  uint16_t *const b877 = (uint16_t *)(arena + 2896010368); // %877 cast bf16[8192,3072]
   {
-    float *const w869 = mdl_widen_bf16(b869, 6291456, h->nthreads);
+    float *const w870 = mdl_widen_bf16(b870, 6291456, h->nthreads);
     float *const w234 = mdl_widen_bf16(b234, 2359296, h->nthreads);
-    mdl_gemm(h, 0, 1, 8192, 3072, 768, w869, 768, w234, 768, 0.0f, b870, 3072);
-    free(w869);
+    mdl_gemm(h, 0, 1, 8192, 3072, 768, w870, 768, w234, 768, 0.0f, b871, 3072);
+    free(w870);
     free(w234);
   }
   double *part = mdl_scratch(196608 * sizeof(double));
@@ -8389,13 +8392,13 @@ static void k176_gemm__gelu_bwd__sum__cast(char *arena, const MdlHooks *h) {
       for (int64_t c = 0; c < 3072; c++) {
         const int64_t ix = l * 3072 + c;
         const float v230_ix = b230[ix];
-        const float v870_ix = b870[ix];
-        const float v872_ix = v870_ix;
-        const float v873_ix = mdl_gelu_grad(v230_ix) * v872_ix;
-        const float v874_ix = v873_ix;
-        const float v = v874_ix;
-        const float v876_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v874_ix));
-        b876[ix] = mdl_f32_to_bf16(v876_ix);
+        const float v871_ix = b871[ix];
+        const float v873_ix = v871_ix;
+        const float v874_ix = mdl_gelu_grad(v230_ix) * v873_ix;
+        const float v875_ix = v874_ix;
+        const float v = v875_ix;
+        const float v877_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v875_ix));
+        b877[ix] = mdl_f32_to_bf16(v877_ix);
         p[c] += v;
       }
     }
@@ -8408,69 +8411,69 @@ static void k176_gemm__gelu_bwd__sum__cast(char *arena, const MdlHooks *h) {
       acc += v;
     }
     const float y = (float)acc;
-    b875[r] = y;
+    b876[r] = y;
   }
   free(part);
-  free(b870);
+  free(b871);
 }
 
 // k177_gemm: GEMM, 1 op
-//   %877   matmul                                  line 40    f32[8192,768]
+//   %878   matmul                                  line 40    f32[8192,768]
 // loops:
-//   gemm %877: [8192 x 768] = [8192 x 3072] T[3072 x 768], bf16 operands widened to f32
+//   gemm %878: [8192 x 768] = [8192 x 3072] T[3072 x 768], bf16 operands widened to f32
 static void k177_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b227 = (uint16_t *)(arena + 2129645568); // %227 cast bf16[768,3072]
-  uint16_t *const b876 = (uint16_t *)(arena + 2896010368); // %876 cast bf16[8192,3072]
-  float *const b877 = (float *)(arena + 2795347072); // %877 matmul f32[8192,768]
+  uint16_t *const b877 = (uint16_t *)(arena + 2896010368); // %877 cast bf16[8192,3072]
+  float *const b878 = (float *)(arena + 2795347072); // %878 matmul f32[8192,768]
   {
-    float *const w876 = mdl_widen_bf16(b876, 25165824, h->nthreads);
+    float *const w877 = mdl_widen_bf16(b877, 25165824, h->nthreads);
     float *const w227 = mdl_widen_bf16(b227, 2359296, h->nthreads);
-    mdl_gemm(h, 0, 1, 8192, 768, 3072, w876, 3072, w227, 3072, 0.0f, b877, 768);
-    free(w876);
+    mdl_gemm(h, 0, 1, 8192, 768, 3072, w877, 3072, w227, 3072, 0.0f, b878, 768);
+    free(w877);
     free(w227);
   }
 }
 
 // k178_gemm: GEMM, 1 op
-//   %878   matmul             d.h.4.fc_w           line 40    f32[768,3072]
+//   %879   matmul             d.h.4.fc_w           line 40    f32[768,3072]
 // loops:
-//   gemm %878: [768 x 3072] = T[768 x 8192] [8192 x 3072], bf16 operands widened to f32
+//   gemm %879: [768 x 3072] = T[768 x 8192] [8192 x 3072], bf16 operands widened to f32
 static void k178_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b226 = (uint16_t *)(arena + 5513256064); // %226 cast bf16[8192,768]
-  uint16_t *const b876 = (uint16_t *)(arena + 2896010368); // %876 cast bf16[8192,3072]
-  float *const b878 = (float *)(arena + 778162176); // %878 matmul d.h.4.fc_w f32[768,3072]
+  uint16_t *const b877 = (uint16_t *)(arena + 2896010368); // %877 cast bf16[8192,3072]
+  float *const b879 = (float *)(arena + 778162176); // %879 matmul d.h.4.fc_w f32[768,3072]
   {
     float *const w226 = mdl_widen_bf16(b226, 6291456, h->nthreads);
-    float *const w876 = mdl_widen_bf16(b876, 25165824, h->nthreads);
-    mdl_gemm(h, 1, 0, 768, 3072, 8192, w226, 768, w876, 3072, 0.0f, b878, 3072);
+    float *const w877 = mdl_widen_bf16(b877, 25165824, h->nthreads);
+    mdl_gemm(h, 1, 0, 768, 3072, 8192, w226, 768, w877, 3072, 0.0f, b879, 3072);
     free(w226);
-    free(w876);
+    free(w877);
   }
 }
 
 // k179_layernorm_bwd__add__sum__cast: kernel, 7 ops
-//   %880   layernorm_bwd                           line 40    f32[8,1024,768]
-//   %881   layernorm_bwd      d.h.4.ln2_w          line 40    f32[768]
-//   %882   layernorm_bwd      d.h.4.ln2_b          line 40    f32[768]
-//   %883   add                d.h.4.x              line 39    f32[8,1024,768]
-//   %884   reshape                                 line 39    f32[8192,768]
-//   %885   sum                d.h.4.proj_b         line 39    f32[768]
-//   %886   cast                                    line 39    bf16[8192,768]
+//   %881   layernorm_bwd                           line 40    f32[8,1024,768]
+//   %882   layernorm_bwd      d.h.4.ln2_w          line 40    f32[768]
+//   %883   layernorm_bwd      d.h.4.ln2_b          line 40    f32[768]
+//   %884   add                d.h.4.x              line 39    f32[8,1024,768]
+//   %885   reshape                                 line 39    f32[8192,768]
+//   %886   sum                d.h.4.proj_b         line 39    f32[768]
+//   %887   cast                                    line 39    bf16[8192,768]
 // loops:
 //   layernorm_bwd: 8192 rows of 768, column sums over 64 blocks of 128 rows
 static void k179_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
   float *const b199 = (float *)(arena + 280396800); // %199 param h.4.ln2_w f32[768]
   float *const b223 = (float *)(arena + 4884110464); // %223 add h.4.x f32[8,1024,768]
-  float *const b866 = (float *)(arena + 2984090752); // %866 add d.h.4.x f32[8,1024,768]
-  float *const b877 = (float *)(arena + 2795347072); // %877 matmul f32[8192,768]
-  float *const b881 = (float *)(arena + 778156032); // %881 layernorm_bwd d.h.4.ln2_w f32[768]
-  float *const b882 = (float *)(arena + 778159104); // %882 layernorm_bwd d.h.4.ln2_b f32[768]
-  float *const b883 = (float *)(arena + 2833095808); // %883 add d.h.4.x f32[8,1024,768]
-  float *const b885 = (float *)(arena + 778152960); // %885 sum d.h.4.proj_b f32[768]
-  uint16_t *const b886 = (uint16_t *)(arena + 2820512896); // %886 cast bf16[8192,768]
+  float *const b867 = (float *)(arena + 2984090752); // %867 add d.h.4.x f32[8,1024,768]
+  float *const b878 = (float *)(arena + 2795347072); // %878 matmul f32[8192,768]
+  float *const b882 = (float *)(arena + 778156032); // %882 layernorm_bwd d.h.4.ln2_w f32[768]
+  float *const b883 = (float *)(arena + 778159104); // %883 layernorm_bwd d.h.4.ln2_b f32[768]
+  float *const b884 = (float *)(arena + 2833095808); // %884 add d.h.4.x f32[8,1024,768]
+  float *const b886 = (float *)(arena + 778152960); // %886 sum d.h.4.proj_b f32[768]
+  uint16_t *const b887 = (uint16_t *)(arena + 2820512896); // %887 cast bf16[8192,768]
   double *pdw = mdl_scratch(49152 * sizeof(double));
   double *pdb = mdl_scratch(49152 * sizeof(double));
-  double *ps0 = mdl_scratch(49152 * sizeof(double)); // partials of the column sum %885
+  double *ps0 = mdl_scratch(49152 * sizeof(double)); // partials of the column sum %886
   #pragma omp parallel num_threads(h->nthreads)
   {
     float *dxrow = mdl_scratch(768 * sizeof(float));
@@ -8484,7 +8487,7 @@ static void k179_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
       const int64_t end = k * 128 + 128 < 8192 ? k * 128 + 128 : 8192;
       for (int64_t r = k * 128; r < end; r++) {
         const float *x = b223 + r * 768;
-        const float *dy = b877 + r * 768;
+        const float *dy = b878 + r * 768;
         double mean = 0, var = 0, mg = 0, mgx = 0;
         #pragma omp simd reduction(+ : mean)
         for (int64_t j = 0; j < 768; j++)
@@ -8509,13 +8512,13 @@ static void k179_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
           dx[j] = (float)(rstd * ((double)dy[j] * b199[j] - mg - (x[j] - mean) * rstd * mgx));
         for (int64_t j = 0; j < 768; j++) {
           const int64_t ix = r * 768 + j;
-          const float v866_ix = b866[ix];
-          const float v883_ix = v866_ix + dx[j];
-          b883[ix] = v883_ix;
-          const float v884_ix = v883_ix;
-          const float v886_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v884_ix));
-          b886[ix] = mdl_f32_to_bf16(v886_ix);
-          sa0[j] += v884_ix;
+          const float v867_ix = b867[ix];
+          const float v884_ix = v867_ix + dx[j];
+          b884[ix] = v884_ix;
+          const float v885_ix = v884_ix;
+          const float v887_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v885_ix));
+          b887[ix] = mdl_f32_to_bf16(v887_ix);
+          sa0[j] += v885_ix;
         }
       }
     }
@@ -8529,9 +8532,9 @@ static void k179_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
       b += pdb[k * 768 + j];
       a0 += ps0[k * 768 + j];
     }
-    b881[j] = (float)w;
-    b882[j] = (float)b;
-    b885[j] = (float)a0;
+    b882[j] = (float)w;
+    b883[j] = (float)b;
+    b886[j] = (float)a0;
   }
   free(pdw);
   free(pdb);
@@ -8539,69 +8542,69 @@ static void k179_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
 }
 
 // k180_gemm: GEMM, 1 op
-//   %888   matmul             d.h.4.proj_w         line 39    f32[768,768]
+//   %889   matmul             d.h.4.proj_w         line 39    f32[768,768]
 // loops:
-//   gemm %888: [768 x 768] = T[768 x 8192] [8192 x 768], bf16 operands widened to f32
+//   gemm %889: [768 x 768] = T[768 x 8192] [8192 x 768], bf16 operands widened to f32
 static void k180_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b218 = (uint16_t *)(arena + 5500673152); // %218 cast bf16[8192,768]
-  uint16_t *const b886 = (uint16_t *)(arena + 2820512896); // %886 cast bf16[8192,768]
-  float *const b888 = (float *)(arena + 775793664); // %888 matmul d.h.4.proj_w f32[768,768]
+  uint16_t *const b887 = (uint16_t *)(arena + 2820512896); // %887 cast bf16[8192,768]
+  float *const b889 = (float *)(arena + 775793664); // %889 matmul d.h.4.proj_w f32[768,768]
   {
     float *const w218 = mdl_widen_bf16(b218, 6291456, h->nthreads);
-    float *const w886 = mdl_widen_bf16(b886, 6291456, h->nthreads);
-    mdl_gemm(h, 1, 0, 768, 768, 8192, w218, 768, w886, 768, 0.0f, b888, 768);
+    float *const w887 = mdl_widen_bf16(b887, 6291456, h->nthreads);
+    mdl_gemm(h, 1, 0, 768, 768, 8192, w218, 768, w887, 768, 0.0f, b889, 768);
     free(w218);
-    free(w886);
+    free(w887);
   }
 }
 
 // k181_gemm__cast: GEMM, 3 ops
-//   %887   matmul                                  line 39    f32[8192,768]
-//   %889   reshape                                 line 39    f32[8,1024,768]
-//   %892   cast                                    line 39    bf16[8,1024,768]
+//   %888   matmul                                  line 39    f32[8192,768]
+//   %890   reshape                                 line 39    f32[8,1024,768]
+//   %893   cast                                    line 39    bf16[8,1024,768]
 // loops:
-//   gemm %887: [8192 x 768] = [8192 x 768] T[768 x 768], bf16 operands widened to f32, epilogue after
-//   elementwise over 6291456: %892
+//   gemm %888: [8192 x 768] = [8192 x 768] T[768 x 768], bf16 operands widened to f32, epilogue after
+//   elementwise over 6291456: %893
 static void k181_gemm__cast(char *arena, const MdlHooks *h) {
   uint16_t *const b219 = (uint16_t *)(arena + 2128465920); // %219 cast bf16[768,768]
-  uint16_t *const b886 = (uint16_t *)(arena + 2820512896); // %886 cast bf16[8192,768]
-  float *const b887 = mdl_scratch(25165824); // %887 matmul f32[8192,768], kept in this kernel
-  uint16_t *const b892 = (uint16_t *)(arena + 2795347072); // %892 cast bf16[8,1024,768]
+  uint16_t *const b887 = (uint16_t *)(arena + 2820512896); // %887 cast bf16[8192,768]
+  float *const b888 = mdl_scratch(25165824); // %888 matmul f32[8192,768], kept in this kernel
+  uint16_t *const b893 = (uint16_t *)(arena + 2795347072); // %893 cast bf16[8,1024,768]
   {
-    float *const w886 = mdl_widen_bf16(b886, 6291456, h->nthreads);
+    float *const w887 = mdl_widen_bf16(b887, 6291456, h->nthreads);
     float *const w219 = mdl_widen_bf16(b219, 589824, h->nthreads);
-    mdl_gemm(h, 0, 1, 8192, 768, 768, w886, 768, w219, 768, 0.0f, b887, 768);
-    free(w886);
+    mdl_gemm(h, 0, 1, 8192, 768, 768, w887, 768, w219, 768, 0.0f, b888, 768);
+    free(w887);
     free(w219);
   }
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
   for (int64_t r = 0; r < 8192; r++) {
     for (int64_t c = 0; c < 768; c++) {
       const int64_t i = r * 768 + c;
-      const float v887_i = b887[i];
-      const float v889_i = v887_i;
-      const float v892_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v889_i));
-      b892[i] = mdl_f32_to_bf16(v892_i);
+      const float v888_i = b888[i];
+      const float v890_i = v888_i;
+      const float v893_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v890_i));
+      b893[i] = mdl_f32_to_bf16(v893_i);
     }
   }
-  free(b887);
+  free(b888);
 }
 
 // k182_attention_bwd: attention, 3 ops
-//   %893   attention_bwd      d.h.4.q              line 39    f32[8,1024,768]
-//   %894   attention_bwd      d.h.4.k              line 39    f32[8,1024,768]
-//   %895   attention_bwd      d.h.4.v              line 39    f32[8,1024,768]
+//   %894   attention_bwd      d.h.4.q              line 39    f32[8,1024,768]
+//   %895   attention_bwd      d.h.4.k              line 39    f32[8,1024,768]
+//   %896   attention_bwd      d.h.4.v              line 39    f32[8,1024,768]
 // loops:
 //   attention backward (dq dk dv): B 8, T 1024, 12 heads of 64, causal, within documents; one task per (batch, head)
 static void k182_attention_bwd(char *arena, const MdlHooks *h) {
   int32_t *const b3 = (int32_t *)(arena + 2238271488); // %3 input doc i32[8,1024]
   uint16_t *const b212 = (uint16_t *)(arena + 4355628160); // %212 cast bf16[8,1024,2304]
   uint16_t *const b218 = (uint16_t *)(arena + 5500673152); // %218 cast bf16[8192,768]
-  float *const b890 = (float *)(arena + 5804235904); // %890 attention_lse f32[8,12,1024]
-  uint16_t *const b892 = (uint16_t *)(arena + 2795347072); // %892 cast bf16[8,1024,768]
-  float *const b893 = (float *)(arena + 2858261632); // %893 attention_bwd d.h.4.q f32[8,1024,768]
-  float *const b894 = (float *)(arena + 2883427456); // %894 attention_bwd d.h.4.k f32[8,1024,768]
-  float *const b895 = (float *)(arena + 2908593280); // %895 attention_bwd d.h.4.v f32[8,1024,768]
+  float *const b891 = (float *)(arena + 5804235904); // %891 attention_lse f32[8,12,1024]
+  uint16_t *const b893 = (uint16_t *)(arena + 2795347072); // %893 cast bf16[8,1024,768]
+  float *const b894 = (float *)(arena + 2858261632); // %894 attention_bwd d.h.4.q f32[8,1024,768]
+  float *const b895 = (float *)(arena + 2883427456); // %895 attention_bwd d.h.4.k f32[8,1024,768]
+  float *const b896 = (float *)(arena + 2908593280); // %896 attention_bwd d.h.4.v f32[8,1024,768]
   #pragma omp parallel num_threads(h->nthreads)
   {
     float *restrict kt = memset(mdl_scratch(67584 * sizeof(float)), 0, 67584 * sizeof(float));
@@ -8649,13 +8652,13 @@ static void k182_attention_bwd(char *arena, const MdlHooks *h) {
           }
           memcpy(s + j0, acc, sizeof acc);
         }
-        const float lse = b890[(b * 12 + hd) * 1024 + i];
+        const float lse = b891[(b * 12 + hd) * 1024 + i];
         #pragma omp simd
         for (int64_t j = lo; j < hi; j++)
           s[j] = dc[j] == di ? mdl_exp_shifted(s[j] * 0.125f - lse) : 0.0f;
         float dor[64];
         for (int64_t c = 0; c < 64; c++)
-          dor[c] = mdl_bf16_to_f32(b892[(b * 1024 + i) * 768 + hd * 64 + c]);
+          dor[c] = mdl_bf16_to_f32(b893[(b * 1024 + i) * 768 + hd * 64 + c]);
         const float *restrict doi = dor;
         float dsum = 0.0f;
         for (int64_t c = 0; c < 64; c++)
@@ -8704,14 +8707,14 @@ static void k182_attention_bwd(char *arena, const MdlHooks *h) {
           for (int64_t c = 0; c < 64; c++)
             dvj[c] += mdl_bf16_to_f32(mdl_f32_to_bf16(s[j])) * doi[c];
         }
-        float *restrict dq = b893 + (b * 1024 + i) * 768 + hd * 64;
+        float *restrict dq = b894 + (b * 1024 + i) * 768 + hd * 64;
         for (int64_t c = 0; c < 64; c++)
           dq[c] = 0.125f * (dqi0[c] + dqi1[c]);
       }
       for (int64_t t = 0; t < 1024; t++)
-        memcpy(b894 + (b * 1024 + t) * 768 + hd * 64, dkh + t * 64, 64 * sizeof(float));
+        memcpy(b895 + (b * 1024 + t) * 768 + hd * 64, dkh + t * 64, 64 * sizeof(float));
       for (int64_t t = 0; t < 1024; t++)
-        memcpy(b895 + (b * 1024 + t) * 768 + hd * 64, dvh + t * 64, 64 * sizeof(float));
+        memcpy(b896 + (b * 1024 + t) * 768 + hd * 64, dvh + t * 64, 64 * sizeof(float));
     }
     free(kt);
     free(s);
@@ -8723,18 +8726,18 @@ static void k182_attention_bwd(char *arena, const MdlHooks *h) {
 }
 
 // k183_sum__concat__cast: kernel, 4 ops
-//   %896   concat                                  line 38    f32[8,1024,2304]
-//   %897   reshape                                 line 38    f32[8192,2304]
-//   %898   sum                d.h.4.attn_b         line 38    f32[2304]
-//   %899   cast                                    line 38    bf16[8192,2304]
+//   %897   concat                                  line 38    f32[8,1024,2304]
+//   %898   reshape                                 line 38    f32[8192,2304]
+//   %899   sum                d.h.4.attn_b         line 38    f32[2304]
+//   %900   cast                                    line 38    bf16[8192,2304]
 // loops:
-//   sum %898: 2304 outputs over 8192 elements, in 64 blocks of 128
+//   sum %899: 2304 outputs over 8192 elements, in 64 blocks of 128
 static void k183_sum__concat__cast(char *arena, const MdlHooks *h) {
-  float *const b893 = (float *)(arena + 2858261632); // %893 attention_bwd d.h.4.q f32[8,1024,768]
-  float *const b894 = (float *)(arena + 2883427456); // %894 attention_bwd d.h.4.k f32[8,1024,768]
-  float *const b895 = (float *)(arena + 2908593280); // %895 attention_bwd d.h.4.v f32[8,1024,768]
-  float *const b898 = (float *)(arena + 775784448); // %898 sum d.h.4.attn_b f32[2304]
-  uint16_t *const b899 = (uint16_t *)(arena + 2795347072); // %899 cast bf16[8192,2304]
+  float *const b894 = (float *)(arena + 2858261632); // %894 attention_bwd d.h.4.q f32[8,1024,768]
+  float *const b895 = (float *)(arena + 2883427456); // %895 attention_bwd d.h.4.k f32[8,1024,768]
+  float *const b896 = (float *)(arena + 2908593280); // %896 attention_bwd d.h.4.v f32[8,1024,768]
+  float *const b899 = (float *)(arena + 775784448); // %899 sum d.h.4.attn_b f32[2304]
+  uint16_t *const b900 = (uint16_t *)(arena + 2795347072); // %900 cast bf16[8192,2304]
   double *part = mdl_scratch(147456 * sizeof(double));
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
   for (int64_t k = 0; k < 64; k++) {
@@ -8745,11 +8748,11 @@ static void k183_sum__concat__cast(char *arena, const MdlHooks *h) {
     for (int64_t l = k * 128; l < end; l++) {
       for (int64_t c = 0; c < 2304; c++) {
         const int64_t ix = l * 2304 + c;
-        const float v896_ix = (c < 768 ? b893 + (l * 768 + c) : c < 1536 ? b894 + (l * 768 + (c - 768)) : b895 + (l * 768 + (c - 1536)))[0];
-        const float v897_ix = v896_ix;
-        const float v = v897_ix;
-        const float v899_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v897_ix));
-        b899[ix] = mdl_f32_to_bf16(v899_ix);
+        const float v897_ix = (c < 768 ? b894 + (l * 768 + c) : c < 1536 ? b895 + (l * 768 + (c - 768)) : b896 + (l * 768 + (c - 1536)))[0];
+        const float v898_ix = v897_ix;
+        const float v = v898_ix;
+        const float v900_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v898_ix));
+        b900[ix] = mdl_f32_to_bf16(v900_ix);
         p[c] += v;
       }
     }
@@ -8762,68 +8765,68 @@ static void k183_sum__concat__cast(char *arena, const MdlHooks *h) {
       acc += v;
     }
     const float y = (float)acc;
-    b898[r] = y;
+    b899[r] = y;
   }
   free(part);
 }
 
 // k184_gemm: GEMM, 1 op
-//   %900   matmul                                  line 38    f32[8192,768]
+//   %901   matmul                                  line 38    f32[8192,768]
 // loops:
-//   gemm %900: [8192 x 768] = [8192 x 2304] T[2304 x 768], bf16 operands widened to f32
+//   gemm %901: [8192 x 768] = [8192 x 2304] T[2304 x 768], bf16 operands widened to f32
 static void k184_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b208 = (uint16_t *)(arena + 2124926976); // %208 cast bf16[768,2304]
-  uint16_t *const b899 = (uint16_t *)(arena + 2795347072); // %899 cast bf16[8192,2304]
-  float *const b900 = (float *)(arena + 2858261632); // %900 matmul f32[8192,768]
+  uint16_t *const b900 = (uint16_t *)(arena + 2795347072); // %900 cast bf16[8192,2304]
+  float *const b901 = (float *)(arena + 2858261632); // %901 matmul f32[8192,768]
   {
-    float *const w899 = mdl_widen_bf16(b899, 18874368, h->nthreads);
+    float *const w900 = mdl_widen_bf16(b900, 18874368, h->nthreads);
     float *const w208 = mdl_widen_bf16(b208, 1769472, h->nthreads);
-    mdl_gemm(h, 0, 1, 8192, 768, 2304, w899, 2304, w208, 2304, 0.0f, b900, 768);
-    free(w899);
+    mdl_gemm(h, 0, 1, 8192, 768, 2304, w900, 2304, w208, 2304, 0.0f, b901, 768);
+    free(w900);
     free(w208);
   }
 }
 
 // k185_gemm: GEMM, 1 op
-//   %901   matmul             d.h.4.attn_w         line 38    f32[768,2304]
+//   %902   matmul             d.h.4.attn_w         line 38    f32[768,2304]
 // loops:
-//   gemm %901: [768 x 2304] = T[768 x 8192] [8192 x 2304], bf16 operands widened to f32
+//   gemm %902: [768 x 2304] = T[768 x 8192] [8192 x 2304], bf16 operands widened to f32
 static void k185_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b207 = (uint16_t *)(arena + 5488090240); // %207 cast bf16[8192,768]
-  uint16_t *const b899 = (uint16_t *)(arena + 2795347072); // %899 cast bf16[8192,2304]
-  float *const b901 = (float *)(arena + 768706560); // %901 matmul d.h.4.attn_w f32[768,2304]
+  uint16_t *const b900 = (uint16_t *)(arena + 2795347072); // %900 cast bf16[8192,2304]
+  float *const b902 = (float *)(arena + 768706560); // %902 matmul d.h.4.attn_w f32[768,2304]
   {
     float *const w207 = mdl_widen_bf16(b207, 6291456, h->nthreads);
-    float *const w899 = mdl_widen_bf16(b899, 18874368, h->nthreads);
-    mdl_gemm(h, 1, 0, 768, 2304, 8192, w207, 768, w899, 2304, 0.0f, b901, 2304);
+    float *const w900 = mdl_widen_bf16(b900, 18874368, h->nthreads);
+    mdl_gemm(h, 1, 0, 768, 2304, 8192, w207, 768, w900, 2304, 0.0f, b902, 2304);
     free(w207);
-    free(w899);
+    free(w900);
   }
 }
 
 // k186_layernorm_bwd__add__sum__cast: kernel, 7 ops
-//   %903   layernorm_bwd                           line 38    f32[8,1024,768]
-//   %904   layernorm_bwd      d.h.4.ln1_w          line 38    f32[768]
-//   %905   layernorm_bwd      d.h.4.ln1_b          line 38    f32[768]
-//   %906   add                d.h.3.x              line 40    f32[8,1024,768]
-//   %907   reshape                                 line 40    f32[8192,768]
-//   %908   sum                d.h.3.fcproj_b       line 40    f32[768]
-//   %909   cast                                    line 40    bf16[8192,768]
+//   %904   layernorm_bwd                           line 38    f32[8,1024,768]
+//   %905   layernorm_bwd      d.h.4.ln1_w          line 38    f32[768]
+//   %906   layernorm_bwd      d.h.4.ln1_b          line 38    f32[768]
+//   %907   add                d.h.3.x              line 40    f32[8,1024,768]
+//   %908   reshape                                 line 40    f32[8192,768]
+//   %909   sum                d.h.3.fcproj_b       line 40    f32[768]
+//   %910   cast                                    line 40    bf16[8192,768]
 // loops:
 //   layernorm_bwd: 8192 rows of 768, column sums over 64 blocks of 128 rows
 static void k186_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
   float *const b192 = (float *)(arena + 4858944640); // %192 add h.3.x f32[8,1024,768]
   float *const b193 = (float *)(arena + 270941184); // %193 param h.4.ln1_w f32[768]
-  float *const b883 = (float *)(arena + 2833095808); // %883 add d.h.4.x f32[8,1024,768]
-  float *const b900 = (float *)(arena + 2858261632); // %900 matmul f32[8192,768]
-  float *const b904 = (float *)(arena + 768700416); // %904 layernorm_bwd d.h.4.ln1_w f32[768]
-  float *const b905 = (float *)(arena + 768703488); // %905 layernorm_bwd d.h.4.ln1_b f32[768]
-  float *const b906 = (float *)(arena + 2883427456); // %906 add d.h.3.x f32[8,1024,768]
-  float *const b908 = (float *)(arena + 768697344); // %908 sum d.h.3.fcproj_b f32[768]
-  uint16_t *const b909 = (uint16_t *)(arena + 2908593280); // %909 cast bf16[8192,768]
+  float *const b884 = (float *)(arena + 2833095808); // %884 add d.h.4.x f32[8,1024,768]
+  float *const b901 = (float *)(arena + 2858261632); // %901 matmul f32[8192,768]
+  float *const b905 = (float *)(arena + 768700416); // %905 layernorm_bwd d.h.4.ln1_w f32[768]
+  float *const b906 = (float *)(arena + 768703488); // %906 layernorm_bwd d.h.4.ln1_b f32[768]
+  float *const b907 = (float *)(arena + 2883427456); // %907 add d.h.3.x f32[8,1024,768]
+  float *const b909 = (float *)(arena + 768697344); // %909 sum d.h.3.fcproj_b f32[768]
+  uint16_t *const b910 = (uint16_t *)(arena + 2908593280); // %910 cast bf16[8192,768]
   double *pdw = mdl_scratch(49152 * sizeof(double));
   double *pdb = mdl_scratch(49152 * sizeof(double));
-  double *ps0 = mdl_scratch(49152 * sizeof(double)); // partials of the column sum %908
+  double *ps0 = mdl_scratch(49152 * sizeof(double)); // partials of the column sum %909
   #pragma omp parallel num_threads(h->nthreads)
   {
     float *dxrow = mdl_scratch(768 * sizeof(float));
@@ -8837,7 +8840,7 @@ static void k186_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
       const int64_t end = k * 128 + 128 < 8192 ? k * 128 + 128 : 8192;
       for (int64_t r = k * 128; r < end; r++) {
         const float *x = b192 + r * 768;
-        const float *dy = b900 + r * 768;
+        const float *dy = b901 + r * 768;
         double mean = 0, var = 0, mg = 0, mgx = 0;
         #pragma omp simd reduction(+ : mean)
         for (int64_t j = 0; j < 768; j++)
@@ -8862,13 +8865,13 @@ static void k186_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
           dx[j] = (float)(rstd * ((double)dy[j] * b193[j] - mg - (x[j] - mean) * rstd * mgx));
         for (int64_t j = 0; j < 768; j++) {
           const int64_t ix = r * 768 + j;
-          const float v883_ix = b883[ix];
-          const float v906_ix = v883_ix + dx[j];
-          b906[ix] = v906_ix;
-          const float v907_ix = v906_ix;
-          const float v909_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v907_ix));
-          b909[ix] = mdl_f32_to_bf16(v909_ix);
-          sa0[j] += v907_ix;
+          const float v884_ix = b884[ix];
+          const float v907_ix = v884_ix + dx[j];
+          b907[ix] = v907_ix;
+          const float v908_ix = v907_ix;
+          const float v910_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v908_ix));
+          b910[ix] = mdl_f32_to_bf16(v910_ix);
+          sa0[j] += v908_ix;
         }
       }
     }
@@ -8882,9 +8885,9 @@ static void k186_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
       b += pdb[k * 768 + j];
       a0 += ps0[k * 768 + j];
     }
-    b904[j] = (float)w;
-    b905[j] = (float)b;
-    b908[j] = (float)a0;
+    b905[j] = (float)w;
+    b906[j] = (float)b;
+    b909[j] = (float)a0;
   }
   free(pdw);
   free(pdb);
@@ -8892,44 +8895,44 @@ static void k186_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
 }
 
 // k187_gemm: GEMM, 1 op
-//   %911   matmul             d.h.3.fcproj_w       line 40    f32[3072,768]
+//   %912   matmul             d.h.3.fcproj_w       line 40    f32[3072,768]
 // loops:
-//   gemm %911: [3072 x 768] = T[3072 x 8192] [8192 x 768], bf16 operands widened to f32
+//   gemm %912: [3072 x 768] = T[3072 x 8192] [8192 x 768], bf16 operands widened to f32
 static void k187_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b187 = (uint16_t *)(arena + 3751648384); // %187 cast bf16[8192,3072]
-  uint16_t *const b909 = (uint16_t *)(arena + 2908593280); // %909 cast bf16[8192,768]
-  float *const b911 = (float *)(arena + 759260160); // %911 matmul d.h.3.fcproj_w f32[3072,768]
+  uint16_t *const b910 = (uint16_t *)(arena + 2908593280); // %910 cast bf16[8192,768]
+  float *const b912 = (float *)(arena + 759260160); // %912 matmul d.h.3.fcproj_w f32[3072,768]
   {
     float *const w187 = mdl_widen_bf16(b187, 25165824, h->nthreads);
-    float *const w909 = mdl_widen_bf16(b909, 6291456, h->nthreads);
-    mdl_gemm(h, 1, 0, 3072, 768, 8192, w187, 3072, w909, 768, 0.0f, b911, 768);
+    float *const w910 = mdl_widen_bf16(b910, 6291456, h->nthreads);
+    mdl_gemm(h, 1, 0, 3072, 768, 8192, w187, 3072, w910, 768, 0.0f, b912, 768);
     free(w187);
-    free(w909);
+    free(w910);
   }
 }
 
 // k188_gemm__gelu_bwd__sum__cast: GEMM, 6 ops
-//   %910   matmul                                  line 40    f32[8192,3072]
-//   %912   reshape                                 line 40    f32[8,1024,3072]
-//   %913   gelu_bwd                                line 40    f32[8,1024,3072]
-//   %914   reshape                                 line 40    f32[8192,3072]
-//   %915   sum                d.h.3.fc_b           line 40    f32[3072]
-//   %916   cast                                    line 40    bf16[8192,3072]
+//   %911   matmul                                  line 40    f32[8192,3072]
+//   %913   reshape                                 line 40    f32[8,1024,3072]
+//   %914   gelu_bwd                                line 40    f32[8,1024,3072]
+//   %915   reshape                                 line 40    f32[8192,3072]
+//   %916   sum                d.h.3.fc_b           line 40    f32[3072]
+//   %917   cast                                    line 40    bf16[8192,3072]
 // loops:
-//   gemm %910: [8192 x 3072] = [8192 x 768] T[768 x 3072], bf16 operands widened to f32, epilogue after
-//   sum %915: 3072 outputs over 8192 elements, in 64 blocks of 128
+//   gemm %911: [8192 x 3072] = [8192 x 768] T[768 x 3072], bf16 operands widened to f32, epilogue after
+//   sum %916: 3072 outputs over 8192 elements, in 64 blocks of 128
 static void k188_gemm__gelu_bwd__sum__cast(char *arena, const MdlHooks *h) {
   float *const b184 = (float *)(arena + 2694683776); // %184 add f32[8,1024,3072]
   uint16_t *const b188 = (uint16_t *)(arena + 2120208384); // %188 cast bf16[3072,768]
-  uint16_t *const b909 = (uint16_t *)(arena + 2908593280); // %909 cast bf16[8192,768]
-  float *const b910 = mdl_scratch(100663296); // %910 matmul f32[8192,3072], kept in this kernel
-  float *const b915 = (float *)(arena + 759247872); // %915 sum d.h.3.fc_b f32[3072]
-  uint16_t *const b916 = (uint16_t *)(arena + 2795347072); // %916 cast bf16[8192,3072]
+  uint16_t *const b910 = (uint16_t *)(arena + 2908593280); // %910 cast bf16[8192,768]
+  float *const b911 = mdl_scratch(100663296); // %911 matmul f32[8192,3072], kept in this kernel
+  float *const b916 = (float *)(arena + 759247872); // %916 sum d.h.3.fc_b f32[3072]
+  uint16_t *const b917 = (uint16_t *)(arena + 2795347072); // %917 cast bf16[8192,3072]
   {
-    float *const w909 = mdl_widen_bf16(b909, 6291456, h->nthreads);
+    float *const w910 = mdl_widen_bf16(b910, 6291456, h->nthreads);
     float *const w188 = mdl_widen_bf16(b188, 2359296, h->nthreads);
-    mdl_gemm(h, 0, 1, 8192, 3072, 768, w909, 768, w188, 768, 0.0f, b910, 3072);
-    free(w909);
+    mdl_gemm(h, 0, 1, 8192, 3072, 768, w910, 768, w188, 768, 0.0f, b911, 3072);
+    free(w910);
     free(w188);
   }
   double *part = mdl_scratch(196608 * sizeof(double));
@@ -8943,13 +8946,13 @@ static void k188_gemm__gelu_bwd__sum__cast(char *arena, const MdlHooks *h) {
       for (int64_t c = 0; c < 3072; c++) {
         const int64_t ix = l * 3072 + c;
         const float v184_ix = b184[ix];
-        const float v910_ix = b910[ix];
-        const float v912_ix = v910_ix;
-        const float v913_ix = mdl_gelu_grad(v184_ix) * v912_ix;
-        const float v914_ix = v913_ix;
-        const float v = v914_ix;
-        const float v916_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v914_ix));
-        b916[ix] = mdl_f32_to_bf16(v916_ix);
+        const float v911_ix = b911[ix];
+        const float v913_ix = v911_ix;
+        const float v914_ix = mdl_gelu_grad(v184_ix) * v913_ix;
+        const float v915_ix = v914_ix;
+        const float v = v915_ix;
+        const float v917_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v915_ix));
+        b917[ix] = mdl_f32_to_bf16(v917_ix);
         p[c] += v;
       }
     }
@@ -8962,69 +8965,69 @@ static void k188_gemm__gelu_bwd__sum__cast(char *arena, const MdlHooks *h) {
       acc += v;
     }
     const float y = (float)acc;
-    b915[r] = y;
+    b916[r] = y;
   }
   free(part);
-  free(b910);
+  free(b911);
 }
 
 // k189_gemm: GEMM, 1 op
-//   %917   matmul                                  line 40    f32[8192,768]
+//   %918   matmul                                  line 40    f32[8192,768]
 // loops:
-//   gemm %917: [8192 x 768] = [8192 x 3072] T[3072 x 768], bf16 operands widened to f32
+//   gemm %918: [8192 x 768] = [8192 x 3072] T[3072 x 768], bf16 operands widened to f32
 static void k189_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b181 = (uint16_t *)(arena + 2115489792); // %181 cast bf16[768,3072]
-  uint16_t *const b916 = (uint16_t *)(arena + 2795347072); // %916 cast bf16[8192,3072]
-  float *const b917 = (float *)(arena + 2694683776); // %917 matmul f32[8192,768]
+  uint16_t *const b917 = (uint16_t *)(arena + 2795347072); // %917 cast bf16[8192,3072]
+  float *const b918 = (float *)(arena + 2694683776); // %918 matmul f32[8192,768]
   {
-    float *const w916 = mdl_widen_bf16(b916, 25165824, h->nthreads);
+    float *const w917 = mdl_widen_bf16(b917, 25165824, h->nthreads);
     float *const w181 = mdl_widen_bf16(b181, 2359296, h->nthreads);
-    mdl_gemm(h, 0, 1, 8192, 768, 3072, w916, 3072, w181, 3072, 0.0f, b917, 768);
-    free(w916);
+    mdl_gemm(h, 0, 1, 8192, 768, 3072, w917, 3072, w181, 3072, 0.0f, b918, 768);
+    free(w917);
     free(w181);
   }
 }
 
 // k190_gemm: GEMM, 1 op
-//   %918   matmul             d.h.3.fc_w           line 40    f32[768,3072]
+//   %919   matmul             d.h.3.fc_w           line 40    f32[768,3072]
 // loops:
-//   gemm %918: [768 x 3072] = T[768 x 8192] [8192 x 3072], bf16 operands widened to f32
+//   gemm %919: [768 x 3072] = T[768 x 8192] [8192 x 3072], bf16 operands widened to f32
 static void k190_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b180 = (uint16_t *)(arena + 5475507328); // %180 cast bf16[8192,768]
-  uint16_t *const b916 = (uint16_t *)(arena + 2795347072); // %916 cast bf16[8192,3072]
-  float *const b918 = (float *)(arena + 749810688); // %918 matmul d.h.3.fc_w f32[768,3072]
+  uint16_t *const b917 = (uint16_t *)(arena + 2795347072); // %917 cast bf16[8192,3072]
+  float *const b919 = (float *)(arena + 749810688); // %919 matmul d.h.3.fc_w f32[768,3072]
   {
     float *const w180 = mdl_widen_bf16(b180, 6291456, h->nthreads);
-    float *const w916 = mdl_widen_bf16(b916, 25165824, h->nthreads);
-    mdl_gemm(h, 1, 0, 768, 3072, 8192, w180, 768, w916, 3072, 0.0f, b918, 3072);
+    float *const w917 = mdl_widen_bf16(b917, 25165824, h->nthreads);
+    mdl_gemm(h, 1, 0, 768, 3072, 8192, w180, 768, w917, 3072, 0.0f, b919, 3072);
     free(w180);
-    free(w916);
+    free(w917);
   }
 }
 
 // k191_layernorm_bwd__add__sum__cast: kernel, 7 ops
-//   %920   layernorm_bwd                           line 40    f32[8,1024,768]
-//   %921   layernorm_bwd      d.h.3.ln2_w          line 40    f32[768]
-//   %922   layernorm_bwd      d.h.3.ln2_b          line 40    f32[768]
-//   %923   add                d.h.3.x              line 39    f32[8,1024,768]
-//   %924   reshape                                 line 39    f32[8192,768]
-//   %925   sum                d.h.3.proj_b         line 39    f32[768]
-//   %926   cast                                    line 39    bf16[8192,768]
+//   %921   layernorm_bwd                           line 40    f32[8,1024,768]
+//   %922   layernorm_bwd      d.h.3.ln2_w          line 40    f32[768]
+//   %923   layernorm_bwd      d.h.3.ln2_b          line 40    f32[768]
+//   %924   add                d.h.3.x              line 39    f32[8,1024,768]
+//   %925   reshape                                 line 39    f32[8192,768]
+//   %926   sum                d.h.3.proj_b         line 39    f32[768]
+//   %927   cast                                    line 39    bf16[8192,768]
 // loops:
 //   layernorm_bwd: 8192 rows of 768, column sums over 64 blocks of 128 rows
 static void k191_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
   float *const b153 = (float *)(arena + 252045312); // %153 param h.3.ln2_w f32[768]
   float *const b177 = (float *)(arena + 4833778816); // %177 add h.3.x f32[8,1024,768]
-  float *const b906 = (float *)(arena + 2883427456); // %906 add d.h.3.x f32[8,1024,768]
-  float *const b917 = (float *)(arena + 2694683776); // %917 matmul f32[8192,768]
-  float *const b921 = (float *)(arena + 749804544); // %921 layernorm_bwd d.h.3.ln2_w f32[768]
-  float *const b922 = (float *)(arena + 749807616); // %922 layernorm_bwd d.h.3.ln2_b f32[768]
-  float *const b923 = (float *)(arena + 2732432512); // %923 add d.h.3.x f32[8,1024,768]
-  float *const b925 = (float *)(arena + 749801472); // %925 sum d.h.3.proj_b f32[768]
-  uint16_t *const b926 = (uint16_t *)(arena + 2719849600); // %926 cast bf16[8192,768]
+  float *const b907 = (float *)(arena + 2883427456); // %907 add d.h.3.x f32[8,1024,768]
+  float *const b918 = (float *)(arena + 2694683776); // %918 matmul f32[8192,768]
+  float *const b922 = (float *)(arena + 749804544); // %922 layernorm_bwd d.h.3.ln2_w f32[768]
+  float *const b923 = (float *)(arena + 749807616); // %923 layernorm_bwd d.h.3.ln2_b f32[768]
+  float *const b924 = (float *)(arena + 2732432512); // %924 add d.h.3.x f32[8,1024,768]
+  float *const b926 = (float *)(arena + 749801472); // %926 sum d.h.3.proj_b f32[768]
+  uint16_t *const b927 = (uint16_t *)(arena + 2719849600); // %927 cast bf16[8192,768]
   double *pdw = mdl_scratch(49152 * sizeof(double));
   double *pdb = mdl_scratch(49152 * sizeof(double));
-  double *ps0 = mdl_scratch(49152 * sizeof(double)); // partials of the column sum %925
+  double *ps0 = mdl_scratch(49152 * sizeof(double)); // partials of the column sum %926
   #pragma omp parallel num_threads(h->nthreads)
   {
     float *dxrow = mdl_scratch(768 * sizeof(float));
@@ -9038,7 +9041,7 @@ static void k191_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
       const int64_t end = k * 128 + 128 < 8192 ? k * 128 + 128 : 8192;
       for (int64_t r = k * 128; r < end; r++) {
         const float *x = b177 + r * 768;
-        const float *dy = b917 + r * 768;
+        const float *dy = b918 + r * 768;
         double mean = 0, var = 0, mg = 0, mgx = 0;
         #pragma omp simd reduction(+ : mean)
         for (int64_t j = 0; j < 768; j++)
@@ -9063,13 +9066,13 @@ static void k191_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
           dx[j] = (float)(rstd * ((double)dy[j] * b153[j] - mg - (x[j] - mean) * rstd * mgx));
         for (int64_t j = 0; j < 768; j++) {
           const int64_t ix = r * 768 + j;
-          const float v906_ix = b906[ix];
-          const float v923_ix = v906_ix + dx[j];
-          b923[ix] = v923_ix;
-          const float v924_ix = v923_ix;
-          const float v926_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v924_ix));
-          b926[ix] = mdl_f32_to_bf16(v926_ix);
-          sa0[j] += v924_ix;
+          const float v907_ix = b907[ix];
+          const float v924_ix = v907_ix + dx[j];
+          b924[ix] = v924_ix;
+          const float v925_ix = v924_ix;
+          const float v927_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v925_ix));
+          b927[ix] = mdl_f32_to_bf16(v927_ix);
+          sa0[j] += v925_ix;
         }
       }
     }
@@ -9083,9 +9086,9 @@ static void k191_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
       b += pdb[k * 768 + j];
       a0 += ps0[k * 768 + j];
     }
-    b921[j] = (float)w;
-    b922[j] = (float)b;
-    b925[j] = (float)a0;
+    b922[j] = (float)w;
+    b923[j] = (float)b;
+    b926[j] = (float)a0;
   }
   free(pdw);
   free(pdb);
@@ -9093,69 +9096,69 @@ static void k191_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
 }
 
 // k192_gemm: GEMM, 1 op
-//   %928   matmul             d.h.3.proj_w         line 39    f32[768,768]
+//   %929   matmul             d.h.3.proj_w         line 39    f32[768,768]
 // loops:
-//   gemm %928: [768 x 768] = T[768 x 8192] [8192 x 768], bf16 operands widened to f32
+//   gemm %929: [768 x 768] = T[768 x 8192] [8192 x 768], bf16 operands widened to f32
 static void k192_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b172 = (uint16_t *)(arena + 5462924416); // %172 cast bf16[8192,768]
-  uint16_t *const b926 = (uint16_t *)(arena + 2719849600); // %926 cast bf16[8192,768]
-  float *const b928 = (float *)(arena + 747442176); // %928 matmul d.h.3.proj_w f32[768,768]
+  uint16_t *const b927 = (uint16_t *)(arena + 2719849600); // %927 cast bf16[8192,768]
+  float *const b929 = (float *)(arena + 747442176); // %929 matmul d.h.3.proj_w f32[768,768]
   {
     float *const w172 = mdl_widen_bf16(b172, 6291456, h->nthreads);
-    float *const w926 = mdl_widen_bf16(b926, 6291456, h->nthreads);
-    mdl_gemm(h, 1, 0, 768, 768, 8192, w172, 768, w926, 768, 0.0f, b928, 768);
+    float *const w927 = mdl_widen_bf16(b927, 6291456, h->nthreads);
+    mdl_gemm(h, 1, 0, 768, 768, 8192, w172, 768, w927, 768, 0.0f, b929, 768);
     free(w172);
-    free(w926);
+    free(w927);
   }
 }
 
 // k193_gemm__cast: GEMM, 3 ops
-//   %927   matmul                                  line 39    f32[8192,768]
-//   %929   reshape                                 line 39    f32[8,1024,768]
-//   %932   cast                                    line 39    bf16[8,1024,768]
+//   %928   matmul                                  line 39    f32[8192,768]
+//   %930   reshape                                 line 39    f32[8,1024,768]
+//   %933   cast                                    line 39    bf16[8,1024,768]
 // loops:
-//   gemm %927: [8192 x 768] = [8192 x 768] T[768 x 768], bf16 operands widened to f32, epilogue after
-//   elementwise over 6291456: %932
+//   gemm %928: [8192 x 768] = [8192 x 768] T[768 x 768], bf16 operands widened to f32, epilogue after
+//   elementwise over 6291456: %933
 static void k193_gemm__cast(char *arena, const MdlHooks *h) {
   uint16_t *const b173 = (uint16_t *)(arena + 2114310144); // %173 cast bf16[768,768]
-  uint16_t *const b926 = (uint16_t *)(arena + 2719849600); // %926 cast bf16[8192,768]
-  float *const b927 = mdl_scratch(25165824); // %927 matmul f32[8192,768], kept in this kernel
-  uint16_t *const b932 = (uint16_t *)(arena + 2694683776); // %932 cast bf16[8,1024,768]
+  uint16_t *const b927 = (uint16_t *)(arena + 2719849600); // %927 cast bf16[8192,768]
+  float *const b928 = mdl_scratch(25165824); // %928 matmul f32[8192,768], kept in this kernel
+  uint16_t *const b933 = (uint16_t *)(arena + 2694683776); // %933 cast bf16[8,1024,768]
   {
-    float *const w926 = mdl_widen_bf16(b926, 6291456, h->nthreads);
+    float *const w927 = mdl_widen_bf16(b927, 6291456, h->nthreads);
     float *const w173 = mdl_widen_bf16(b173, 589824, h->nthreads);
-    mdl_gemm(h, 0, 1, 8192, 768, 768, w926, 768, w173, 768, 0.0f, b927, 768);
-    free(w926);
+    mdl_gemm(h, 0, 1, 8192, 768, 768, w927, 768, w173, 768, 0.0f, b928, 768);
+    free(w927);
     free(w173);
   }
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
   for (int64_t r = 0; r < 8192; r++) {
     for (int64_t c = 0; c < 768; c++) {
       const int64_t i = r * 768 + c;
-      const float v927_i = b927[i];
-      const float v929_i = v927_i;
-      const float v932_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v929_i));
-      b932[i] = mdl_f32_to_bf16(v932_i);
+      const float v928_i = b928[i];
+      const float v930_i = v928_i;
+      const float v933_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v930_i));
+      b933[i] = mdl_f32_to_bf16(v933_i);
     }
   }
-  free(b927);
+  free(b928);
 }
 
 // k194_attention_bwd: attention, 3 ops
-//   %933   attention_bwd      d.h.3.q              line 39    f32[8,1024,768]
-//   %934   attention_bwd      d.h.3.k              line 39    f32[8,1024,768]
-//   %935   attention_bwd      d.h.3.v              line 39    f32[8,1024,768]
+//   %934   attention_bwd      d.h.3.q              line 39    f32[8,1024,768]
+//   %935   attention_bwd      d.h.3.k              line 39    f32[8,1024,768]
+//   %936   attention_bwd      d.h.3.v              line 39    f32[8,1024,768]
 // loops:
 //   attention backward (dq dk dv): B 8, T 1024, 12 heads of 64, causal, within documents; one task per (batch, head)
 static void k194_attention_bwd(char *arena, const MdlHooks *h) {
   int32_t *const b3 = (int32_t *)(arena + 2238271488); // %3 input doc i32[8,1024]
   uint16_t *const b166 = (uint16_t *)(arena + 4317879424); // %166 cast bf16[8,1024,2304]
   uint16_t *const b172 = (uint16_t *)(arena + 5462924416); // %172 cast bf16[8192,768]
-  float *const b930 = (float *)(arena + 5803842688); // %930 attention_lse f32[8,12,1024]
-  uint16_t *const b932 = (uint16_t *)(arena + 2694683776); // %932 cast bf16[8,1024,768]
-  float *const b933 = (float *)(arena + 2757598336); // %933 attention_bwd d.h.3.q f32[8,1024,768]
-  float *const b934 = (float *)(arena + 2782764160); // %934 attention_bwd d.h.3.k f32[8,1024,768]
-  float *const b935 = (float *)(arena + 2807929984); // %935 attention_bwd d.h.3.v f32[8,1024,768]
+  float *const b931 = (float *)(arena + 5803842688); // %931 attention_lse f32[8,12,1024]
+  uint16_t *const b933 = (uint16_t *)(arena + 2694683776); // %933 cast bf16[8,1024,768]
+  float *const b934 = (float *)(arena + 2757598336); // %934 attention_bwd d.h.3.q f32[8,1024,768]
+  float *const b935 = (float *)(arena + 2782764160); // %935 attention_bwd d.h.3.k f32[8,1024,768]
+  float *const b936 = (float *)(arena + 2807929984); // %936 attention_bwd d.h.3.v f32[8,1024,768]
   #pragma omp parallel num_threads(h->nthreads)
   {
     float *restrict kt = memset(mdl_scratch(67584 * sizeof(float)), 0, 67584 * sizeof(float));
@@ -9203,13 +9206,13 @@ static void k194_attention_bwd(char *arena, const MdlHooks *h) {
           }
           memcpy(s + j0, acc, sizeof acc);
         }
-        const float lse = b930[(b * 12 + hd) * 1024 + i];
+        const float lse = b931[(b * 12 + hd) * 1024 + i];
         #pragma omp simd
         for (int64_t j = lo; j < hi; j++)
           s[j] = dc[j] == di ? mdl_exp_shifted(s[j] * 0.125f - lse) : 0.0f;
         float dor[64];
         for (int64_t c = 0; c < 64; c++)
-          dor[c] = mdl_bf16_to_f32(b932[(b * 1024 + i) * 768 + hd * 64 + c]);
+          dor[c] = mdl_bf16_to_f32(b933[(b * 1024 + i) * 768 + hd * 64 + c]);
         const float *restrict doi = dor;
         float dsum = 0.0f;
         for (int64_t c = 0; c < 64; c++)
@@ -9258,14 +9261,14 @@ static void k194_attention_bwd(char *arena, const MdlHooks *h) {
           for (int64_t c = 0; c < 64; c++)
             dvj[c] += mdl_bf16_to_f32(mdl_f32_to_bf16(s[j])) * doi[c];
         }
-        float *restrict dq = b933 + (b * 1024 + i) * 768 + hd * 64;
+        float *restrict dq = b934 + (b * 1024 + i) * 768 + hd * 64;
         for (int64_t c = 0; c < 64; c++)
           dq[c] = 0.125f * (dqi0[c] + dqi1[c]);
       }
       for (int64_t t = 0; t < 1024; t++)
-        memcpy(b934 + (b * 1024 + t) * 768 + hd * 64, dkh + t * 64, 64 * sizeof(float));
+        memcpy(b935 + (b * 1024 + t) * 768 + hd * 64, dkh + t * 64, 64 * sizeof(float));
       for (int64_t t = 0; t < 1024; t++)
-        memcpy(b935 + (b * 1024 + t) * 768 + hd * 64, dvh + t * 64, 64 * sizeof(float));
+        memcpy(b936 + (b * 1024 + t) * 768 + hd * 64, dvh + t * 64, 64 * sizeof(float));
     }
     free(kt);
     free(s);
@@ -9277,18 +9280,18 @@ static void k194_attention_bwd(char *arena, const MdlHooks *h) {
 }
 
 // k195_sum__concat__cast: kernel, 4 ops
-//   %936   concat                                  line 38    f32[8,1024,2304]
-//   %937   reshape                                 line 38    f32[8192,2304]
-//   %938   sum                d.h.3.attn_b         line 38    f32[2304]
-//   %939   cast                                    line 38    bf16[8192,2304]
+//   %937   concat                                  line 38    f32[8,1024,2304]
+//   %938   reshape                                 line 38    f32[8192,2304]
+//   %939   sum                d.h.3.attn_b         line 38    f32[2304]
+//   %940   cast                                    line 38    bf16[8192,2304]
 // loops:
-//   sum %938: 2304 outputs over 8192 elements, in 64 blocks of 128
+//   sum %939: 2304 outputs over 8192 elements, in 64 blocks of 128
 static void k195_sum__concat__cast(char *arena, const MdlHooks *h) {
-  float *const b933 = (float *)(arena + 2757598336); // %933 attention_bwd d.h.3.q f32[8,1024,768]
-  float *const b934 = (float *)(arena + 2782764160); // %934 attention_bwd d.h.3.k f32[8,1024,768]
-  float *const b935 = (float *)(arena + 2807929984); // %935 attention_bwd d.h.3.v f32[8,1024,768]
-  float *const b938 = (float *)(arena + 747432960); // %938 sum d.h.3.attn_b f32[2304]
-  uint16_t *const b939 = (uint16_t *)(arena + 2694683776); // %939 cast bf16[8192,2304]
+  float *const b934 = (float *)(arena + 2757598336); // %934 attention_bwd d.h.3.q f32[8,1024,768]
+  float *const b935 = (float *)(arena + 2782764160); // %935 attention_bwd d.h.3.k f32[8,1024,768]
+  float *const b936 = (float *)(arena + 2807929984); // %936 attention_bwd d.h.3.v f32[8,1024,768]
+  float *const b939 = (float *)(arena + 747432960); // %939 sum d.h.3.attn_b f32[2304]
+  uint16_t *const b940 = (uint16_t *)(arena + 2694683776); // %940 cast bf16[8192,2304]
   double *part = mdl_scratch(147456 * sizeof(double));
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
   for (int64_t k = 0; k < 64; k++) {
@@ -9299,11 +9302,11 @@ static void k195_sum__concat__cast(char *arena, const MdlHooks *h) {
     for (int64_t l = k * 128; l < end; l++) {
       for (int64_t c = 0; c < 2304; c++) {
         const int64_t ix = l * 2304 + c;
-        const float v936_ix = (c < 768 ? b933 + (l * 768 + c) : c < 1536 ? b934 + (l * 768 + (c - 768)) : b935 + (l * 768 + (c - 1536)))[0];
-        const float v937_ix = v936_ix;
-        const float v = v937_ix;
-        const float v939_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v937_ix));
-        b939[ix] = mdl_f32_to_bf16(v939_ix);
+        const float v937_ix = (c < 768 ? b934 + (l * 768 + c) : c < 1536 ? b935 + (l * 768 + (c - 768)) : b936 + (l * 768 + (c - 1536)))[0];
+        const float v938_ix = v937_ix;
+        const float v = v938_ix;
+        const float v940_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v938_ix));
+        b940[ix] = mdl_f32_to_bf16(v940_ix);
         p[c] += v;
       }
     }
@@ -9316,68 +9319,68 @@ static void k195_sum__concat__cast(char *arena, const MdlHooks *h) {
       acc += v;
     }
     const float y = (float)acc;
-    b938[r] = y;
+    b939[r] = y;
   }
   free(part);
 }
 
 // k196_gemm: GEMM, 1 op
-//   %940   matmul                                  line 38    f32[8192,768]
+//   %941   matmul                                  line 38    f32[8192,768]
 // loops:
-//   gemm %940: [8192 x 768] = [8192 x 2304] T[2304 x 768], bf16 operands widened to f32
+//   gemm %941: [8192 x 768] = [8192 x 2304] T[2304 x 768], bf16 operands widened to f32
 static void k196_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b162 = (uint16_t *)(arena + 2110771200); // %162 cast bf16[768,2304]
-  uint16_t *const b939 = (uint16_t *)(arena + 2694683776); // %939 cast bf16[8192,2304]
-  float *const b940 = (float *)(arena + 2757598336); // %940 matmul f32[8192,768]
+  uint16_t *const b940 = (uint16_t *)(arena + 2694683776); // %940 cast bf16[8192,2304]
+  float *const b941 = (float *)(arena + 2757598336); // %941 matmul f32[8192,768]
   {
-    float *const w939 = mdl_widen_bf16(b939, 18874368, h->nthreads);
+    float *const w940 = mdl_widen_bf16(b940, 18874368, h->nthreads);
     float *const w162 = mdl_widen_bf16(b162, 1769472, h->nthreads);
-    mdl_gemm(h, 0, 1, 8192, 768, 2304, w939, 2304, w162, 2304, 0.0f, b940, 768);
-    free(w939);
+    mdl_gemm(h, 0, 1, 8192, 768, 2304, w940, 2304, w162, 2304, 0.0f, b941, 768);
+    free(w940);
     free(w162);
   }
 }
 
 // k197_gemm: GEMM, 1 op
-//   %941   matmul             d.h.3.attn_w         line 38    f32[768,2304]
+//   %942   matmul             d.h.3.attn_w         line 38    f32[768,2304]
 // loops:
-//   gemm %941: [768 x 2304] = T[768 x 8192] [8192 x 2304], bf16 operands widened to f32
+//   gemm %942: [768 x 2304] = T[768 x 8192] [8192 x 2304], bf16 operands widened to f32
 static void k197_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b161 = (uint16_t *)(arena + 5450341504); // %161 cast bf16[8192,768]
-  uint16_t *const b939 = (uint16_t *)(arena + 2694683776); // %939 cast bf16[8192,2304]
-  float *const b941 = (float *)(arena + 740355072); // %941 matmul d.h.3.attn_w f32[768,2304]
+  uint16_t *const b940 = (uint16_t *)(arena + 2694683776); // %940 cast bf16[8192,2304]
+  float *const b942 = (float *)(arena + 740355072); // %942 matmul d.h.3.attn_w f32[768,2304]
   {
     float *const w161 = mdl_widen_bf16(b161, 6291456, h->nthreads);
-    float *const w939 = mdl_widen_bf16(b939, 18874368, h->nthreads);
-    mdl_gemm(h, 1, 0, 768, 2304, 8192, w161, 768, w939, 2304, 0.0f, b941, 2304);
+    float *const w940 = mdl_widen_bf16(b940, 18874368, h->nthreads);
+    mdl_gemm(h, 1, 0, 768, 2304, 8192, w161, 768, w940, 2304, 0.0f, b942, 2304);
     free(w161);
-    free(w939);
+    free(w940);
   }
 }
 
 // k198_layernorm_bwd__add__sum__cast: kernel, 7 ops
-//   %943   layernorm_bwd                           line 38    f32[8,1024,768]
-//   %944   layernorm_bwd      d.h.3.ln1_w          line 38    f32[768]
-//   %945   layernorm_bwd      d.h.3.ln1_b          line 38    f32[768]
-//   %946   add                d.h.2.x              line 40    f32[8,1024,768]
-//   %947   reshape                                 line 40    f32[8192,768]
-//   %948   sum                d.h.2.fcproj_b       line 40    f32[768]
-//   %949   cast                                    line 40    bf16[8192,768]
+//   %944   layernorm_bwd                           line 38    f32[8,1024,768]
+//   %945   layernorm_bwd      d.h.3.ln1_w          line 38    f32[768]
+//   %946   layernorm_bwd      d.h.3.ln1_b          line 38    f32[768]
+//   %947   add                d.h.2.x              line 40    f32[8,1024,768]
+//   %948   reshape                                 line 40    f32[8192,768]
+//   %949   sum                d.h.2.fcproj_b       line 40    f32[768]
+//   %950   cast                                    line 40    bf16[8192,768]
 // loops:
 //   layernorm_bwd: 8192 rows of 768, column sums over 64 blocks of 128 rows
 static void k198_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
   float *const b146 = (float *)(arena + 4808612992); // %146 add h.2.x f32[8,1024,768]
   float *const b147 = (float *)(arena + 242589696); // %147 param h.3.ln1_w f32[768]
-  float *const b923 = (float *)(arena + 2732432512); // %923 add d.h.3.x f32[8,1024,768]
-  float *const b940 = (float *)(arena + 2757598336); // %940 matmul f32[8192,768]
-  float *const b944 = (float *)(arena + 740348928); // %944 layernorm_bwd d.h.3.ln1_w f32[768]
-  float *const b945 = (float *)(arena + 740352000); // %945 layernorm_bwd d.h.3.ln1_b f32[768]
-  float *const b946 = (float *)(arena + 2782764160); // %946 add d.h.2.x f32[8,1024,768]
-  float *const b948 = (float *)(arena + 740345856); // %948 sum d.h.2.fcproj_b f32[768]
-  uint16_t *const b949 = (uint16_t *)(arena + 2807929984); // %949 cast bf16[8192,768]
+  float *const b924 = (float *)(arena + 2732432512); // %924 add d.h.3.x f32[8,1024,768]
+  float *const b941 = (float *)(arena + 2757598336); // %941 matmul f32[8192,768]
+  float *const b945 = (float *)(arena + 740348928); // %945 layernorm_bwd d.h.3.ln1_w f32[768]
+  float *const b946 = (float *)(arena + 740352000); // %946 layernorm_bwd d.h.3.ln1_b f32[768]
+  float *const b947 = (float *)(arena + 2782764160); // %947 add d.h.2.x f32[8,1024,768]
+  float *const b949 = (float *)(arena + 740345856); // %949 sum d.h.2.fcproj_b f32[768]
+  uint16_t *const b950 = (uint16_t *)(arena + 2807929984); // %950 cast bf16[8192,768]
   double *pdw = mdl_scratch(49152 * sizeof(double));
   double *pdb = mdl_scratch(49152 * sizeof(double));
-  double *ps0 = mdl_scratch(49152 * sizeof(double)); // partials of the column sum %948
+  double *ps0 = mdl_scratch(49152 * sizeof(double)); // partials of the column sum %949
   #pragma omp parallel num_threads(h->nthreads)
   {
     float *dxrow = mdl_scratch(768 * sizeof(float));
@@ -9391,7 +9394,7 @@ static void k198_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
       const int64_t end = k * 128 + 128 < 8192 ? k * 128 + 128 : 8192;
       for (int64_t r = k * 128; r < end; r++) {
         const float *x = b146 + r * 768;
-        const float *dy = b940 + r * 768;
+        const float *dy = b941 + r * 768;
         double mean = 0, var = 0, mg = 0, mgx = 0;
         #pragma omp simd reduction(+ : mean)
         for (int64_t j = 0; j < 768; j++)
@@ -9416,13 +9419,13 @@ static void k198_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
           dx[j] = (float)(rstd * ((double)dy[j] * b147[j] - mg - (x[j] - mean) * rstd * mgx));
         for (int64_t j = 0; j < 768; j++) {
           const int64_t ix = r * 768 + j;
-          const float v923_ix = b923[ix];
-          const float v946_ix = v923_ix + dx[j];
-          b946[ix] = v946_ix;
-          const float v947_ix = v946_ix;
-          const float v949_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v947_ix));
-          b949[ix] = mdl_f32_to_bf16(v949_ix);
-          sa0[j] += v947_ix;
+          const float v924_ix = b924[ix];
+          const float v947_ix = v924_ix + dx[j];
+          b947[ix] = v947_ix;
+          const float v948_ix = v947_ix;
+          const float v950_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v948_ix));
+          b950[ix] = mdl_f32_to_bf16(v950_ix);
+          sa0[j] += v948_ix;
         }
       }
     }
@@ -9436,9 +9439,9 @@ static void k198_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
       b += pdb[k * 768 + j];
       a0 += ps0[k * 768 + j];
     }
-    b944[j] = (float)w;
-    b945[j] = (float)b;
-    b948[j] = (float)a0;
+    b945[j] = (float)w;
+    b946[j] = (float)b;
+    b949[j] = (float)a0;
   }
   free(pdw);
   free(pdb);
@@ -9446,44 +9449,44 @@ static void k198_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
 }
 
 // k199_gemm: GEMM, 1 op
-//   %951   matmul             d.h.2.fcproj_w       line 40    f32[3072,768]
+//   %952   matmul             d.h.2.fcproj_w       line 40    f32[3072,768]
 // loops:
-//   gemm %951: [3072 x 768] = T[3072 x 8192] [8192 x 768], bf16 operands widened to f32
+//   gemm %952: [3072 x 768] = T[3072 x 8192] [8192 x 768], bf16 operands widened to f32
 static void k199_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b141 = (uint16_t *)(arena + 3701316736); // %141 cast bf16[8192,3072]
-  uint16_t *const b949 = (uint16_t *)(arena + 2807929984); // %949 cast bf16[8192,768]
-  float *const b951 = (float *)(arena + 730908672); // %951 matmul d.h.2.fcproj_w f32[3072,768]
+  uint16_t *const b950 = (uint16_t *)(arena + 2807929984); // %950 cast bf16[8192,768]
+  float *const b952 = (float *)(arena + 730908672); // %952 matmul d.h.2.fcproj_w f32[3072,768]
   {
     float *const w141 = mdl_widen_bf16(b141, 25165824, h->nthreads);
-    float *const w949 = mdl_widen_bf16(b949, 6291456, h->nthreads);
-    mdl_gemm(h, 1, 0, 3072, 768, 8192, w141, 3072, w949, 768, 0.0f, b951, 768);
+    float *const w950 = mdl_widen_bf16(b950, 6291456, h->nthreads);
+    mdl_gemm(h, 1, 0, 3072, 768, 8192, w141, 3072, w950, 768, 0.0f, b952, 768);
     free(w141);
-    free(w949);
+    free(w950);
   }
 }
 
 // k200_gemm__gelu_bwd__sum__cast: GEMM, 6 ops
-//   %950   matmul                                  line 40    f32[8192,3072]
-//   %952   reshape                                 line 40    f32[8,1024,3072]
-//   %953   gelu_bwd                                line 40    f32[8,1024,3072]
-//   %954   reshape                                 line 40    f32[8192,3072]
-//   %955   sum                d.h.2.fc_b           line 40    f32[3072]
-//   %956   cast                                    line 40    bf16[8192,3072]
+//   %951   matmul                                  line 40    f32[8192,3072]
+//   %953   reshape                                 line 40    f32[8,1024,3072]
+//   %954   gelu_bwd                                line 40    f32[8,1024,3072]
+//   %955   reshape                                 line 40    f32[8192,3072]
+//   %956   sum                d.h.2.fc_b           line 40    f32[3072]
+//   %957   cast                                    line 40    bf16[8192,3072]
 // loops:
-//   gemm %950: [8192 x 3072] = [8192 x 768] T[768 x 3072], bf16 operands widened to f32, epilogue after
-//   sum %955: 3072 outputs over 8192 elements, in 64 blocks of 128
+//   gemm %951: [8192 x 3072] = [8192 x 768] T[768 x 3072], bf16 operands widened to f32, epilogue after
+//   sum %956: 3072 outputs over 8192 elements, in 64 blocks of 128
 static void k200_gemm__gelu_bwd__sum__cast(char *arena, const MdlHooks *h) {
   float *const b138 = (float *)(arena + 2594020480); // %138 add f32[8,1024,3072]
   uint16_t *const b142 = (uint16_t *)(arena + 2106052608); // %142 cast bf16[3072,768]
-  uint16_t *const b949 = (uint16_t *)(arena + 2807929984); // %949 cast bf16[8192,768]
-  float *const b950 = mdl_scratch(100663296); // %950 matmul f32[8192,3072], kept in this kernel
-  float *const b955 = (float *)(arena + 730896384); // %955 sum d.h.2.fc_b f32[3072]
-  uint16_t *const b956 = (uint16_t *)(arena + 2694683776); // %956 cast bf16[8192,3072]
+  uint16_t *const b950 = (uint16_t *)(arena + 2807929984); // %950 cast bf16[8192,768]
+  float *const b951 = mdl_scratch(100663296); // %951 matmul f32[8192,3072], kept in this kernel
+  float *const b956 = (float *)(arena + 730896384); // %956 sum d.h.2.fc_b f32[3072]
+  uint16_t *const b957 = (uint16_t *)(arena + 2694683776); // %957 cast bf16[8192,3072]
   {
-    float *const w949 = mdl_widen_bf16(b949, 6291456, h->nthreads);
+    float *const w950 = mdl_widen_bf16(b950, 6291456, h->nthreads);
     float *const w142 = mdl_widen_bf16(b142, 2359296, h->nthreads);
-    mdl_gemm(h, 0, 1, 8192, 3072, 768, w949, 768, w142, 768, 0.0f, b950, 3072);
-    free(w949);
+    mdl_gemm(h, 0, 1, 8192, 3072, 768, w950, 768, w142, 768, 0.0f, b951, 3072);
+    free(w950);
     free(w142);
   }
   double *part = mdl_scratch(196608 * sizeof(double));
@@ -9497,13 +9500,13 @@ static void k200_gemm__gelu_bwd__sum__cast(char *arena, const MdlHooks *h) {
       for (int64_t c = 0; c < 3072; c++) {
         const int64_t ix = l * 3072 + c;
         const float v138_ix = b138[ix];
-        const float v950_ix = b950[ix];
-        const float v952_ix = v950_ix;
-        const float v953_ix = mdl_gelu_grad(v138_ix) * v952_ix;
-        const float v954_ix = v953_ix;
-        const float v = v954_ix;
-        const float v956_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v954_ix));
-        b956[ix] = mdl_f32_to_bf16(v956_ix);
+        const float v951_ix = b951[ix];
+        const float v953_ix = v951_ix;
+        const float v954_ix = mdl_gelu_grad(v138_ix) * v953_ix;
+        const float v955_ix = v954_ix;
+        const float v = v955_ix;
+        const float v957_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v955_ix));
+        b957[ix] = mdl_f32_to_bf16(v957_ix);
         p[c] += v;
       }
     }
@@ -9516,69 +9519,69 @@ static void k200_gemm__gelu_bwd__sum__cast(char *arena, const MdlHooks *h) {
       acc += v;
     }
     const float y = (float)acc;
-    b955[r] = y;
+    b956[r] = y;
   }
   free(part);
-  free(b950);
+  free(b951);
 }
 
 // k201_gemm: GEMM, 1 op
-//   %957   matmul                                  line 40    f32[8192,768]
+//   %958   matmul                                  line 40    f32[8192,768]
 // loops:
-//   gemm %957: [8192 x 768] = [8192 x 3072] T[3072 x 768], bf16 operands widened to f32
+//   gemm %958: [8192 x 768] = [8192 x 3072] T[3072 x 768], bf16 operands widened to f32
 static void k201_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b135 = (uint16_t *)(arena + 2101334016); // %135 cast bf16[768,3072]
-  uint16_t *const b956 = (uint16_t *)(arena + 2694683776); // %956 cast bf16[8192,3072]
-  float *const b957 = (float *)(arena + 2594020480); // %957 matmul f32[8192,768]
+  uint16_t *const b957 = (uint16_t *)(arena + 2694683776); // %957 cast bf16[8192,3072]
+  float *const b958 = (float *)(arena + 2594020480); // %958 matmul f32[8192,768]
   {
-    float *const w956 = mdl_widen_bf16(b956, 25165824, h->nthreads);
+    float *const w957 = mdl_widen_bf16(b957, 25165824, h->nthreads);
     float *const w135 = mdl_widen_bf16(b135, 2359296, h->nthreads);
-    mdl_gemm(h, 0, 1, 8192, 768, 3072, w956, 3072, w135, 3072, 0.0f, b957, 768);
-    free(w956);
+    mdl_gemm(h, 0, 1, 8192, 768, 3072, w957, 3072, w135, 3072, 0.0f, b958, 768);
+    free(w957);
     free(w135);
   }
 }
 
 // k202_gemm: GEMM, 1 op
-//   %958   matmul             d.h.2.fc_w           line 40    f32[768,3072]
+//   %959   matmul             d.h.2.fc_w           line 40    f32[768,3072]
 // loops:
-//   gemm %958: [768 x 3072] = T[768 x 8192] [8192 x 3072], bf16 operands widened to f32
+//   gemm %959: [768 x 3072] = T[768 x 8192] [8192 x 3072], bf16 operands widened to f32
 static void k202_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b134 = (uint16_t *)(arena + 5437758592); // %134 cast bf16[8192,768]
-  uint16_t *const b956 = (uint16_t *)(arena + 2694683776); // %956 cast bf16[8192,3072]
-  float *const b958 = (float *)(arena + 721459200); // %958 matmul d.h.2.fc_w f32[768,3072]
+  uint16_t *const b957 = (uint16_t *)(arena + 2694683776); // %957 cast bf16[8192,3072]
+  float *const b959 = (float *)(arena + 721459200); // %959 matmul d.h.2.fc_w f32[768,3072]
   {
     float *const w134 = mdl_widen_bf16(b134, 6291456, h->nthreads);
-    float *const w956 = mdl_widen_bf16(b956, 25165824, h->nthreads);
-    mdl_gemm(h, 1, 0, 768, 3072, 8192, w134, 768, w956, 3072, 0.0f, b958, 3072);
+    float *const w957 = mdl_widen_bf16(b957, 25165824, h->nthreads);
+    mdl_gemm(h, 1, 0, 768, 3072, 8192, w134, 768, w957, 3072, 0.0f, b959, 3072);
     free(w134);
-    free(w956);
+    free(w957);
   }
 }
 
 // k203_layernorm_bwd__add__sum__cast: kernel, 7 ops
-//   %960   layernorm_bwd                           line 40    f32[8,1024,768]
-//   %961   layernorm_bwd      d.h.2.ln2_w          line 40    f32[768]
-//   %962   layernorm_bwd      d.h.2.ln2_b          line 40    f32[768]
-//   %963   add                d.h.2.x              line 39    f32[8,1024,768]
-//   %964   reshape                                 line 39    f32[8192,768]
-//   %965   sum                d.h.2.proj_b         line 39    f32[768]
-//   %966   cast                                    line 39    bf16[8192,768]
+//   %961   layernorm_bwd                           line 40    f32[8,1024,768]
+//   %962   layernorm_bwd      d.h.2.ln2_w          line 40    f32[768]
+//   %963   layernorm_bwd      d.h.2.ln2_b          line 40    f32[768]
+//   %964   add                d.h.2.x              line 39    f32[8,1024,768]
+//   %965   reshape                                 line 39    f32[8192,768]
+//   %966   sum                d.h.2.proj_b         line 39    f32[768]
+//   %967   cast                                    line 39    bf16[8192,768]
 // loops:
 //   layernorm_bwd: 8192 rows of 768, column sums over 64 blocks of 128 rows
 static void k203_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
   float *const b107 = (float *)(arena + 223693824); // %107 param h.2.ln2_w f32[768]
   float *const b131 = (float *)(arena + 4783447168); // %131 add h.2.x f32[8,1024,768]
-  float *const b946 = (float *)(arena + 2782764160); // %946 add d.h.2.x f32[8,1024,768]
-  float *const b957 = (float *)(arena + 2594020480); // %957 matmul f32[8192,768]
-  float *const b961 = (float *)(arena + 721453056); // %961 layernorm_bwd d.h.2.ln2_w f32[768]
-  float *const b962 = (float *)(arena + 721456128); // %962 layernorm_bwd d.h.2.ln2_b f32[768]
-  float *const b963 = (float *)(arena + 2631769216); // %963 add d.h.2.x f32[8,1024,768]
-  float *const b965 = (float *)(arena + 721449984); // %965 sum d.h.2.proj_b f32[768]
-  uint16_t *const b966 = (uint16_t *)(arena + 2619186304); // %966 cast bf16[8192,768]
+  float *const b947 = (float *)(arena + 2782764160); // %947 add d.h.2.x f32[8,1024,768]
+  float *const b958 = (float *)(arena + 2594020480); // %958 matmul f32[8192,768]
+  float *const b962 = (float *)(arena + 721453056); // %962 layernorm_bwd d.h.2.ln2_w f32[768]
+  float *const b963 = (float *)(arena + 721456128); // %963 layernorm_bwd d.h.2.ln2_b f32[768]
+  float *const b964 = (float *)(arena + 2631769216); // %964 add d.h.2.x f32[8,1024,768]
+  float *const b966 = (float *)(arena + 721449984); // %966 sum d.h.2.proj_b f32[768]
+  uint16_t *const b967 = (uint16_t *)(arena + 2619186304); // %967 cast bf16[8192,768]
   double *pdw = mdl_scratch(49152 * sizeof(double));
   double *pdb = mdl_scratch(49152 * sizeof(double));
-  double *ps0 = mdl_scratch(49152 * sizeof(double)); // partials of the column sum %965
+  double *ps0 = mdl_scratch(49152 * sizeof(double)); // partials of the column sum %966
   #pragma omp parallel num_threads(h->nthreads)
   {
     float *dxrow = mdl_scratch(768 * sizeof(float));
@@ -9592,7 +9595,7 @@ static void k203_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
       const int64_t end = k * 128 + 128 < 8192 ? k * 128 + 128 : 8192;
       for (int64_t r = k * 128; r < end; r++) {
         const float *x = b131 + r * 768;
-        const float *dy = b957 + r * 768;
+        const float *dy = b958 + r * 768;
         double mean = 0, var = 0, mg = 0, mgx = 0;
         #pragma omp simd reduction(+ : mean)
         for (int64_t j = 0; j < 768; j++)
@@ -9617,13 +9620,13 @@ static void k203_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
           dx[j] = (float)(rstd * ((double)dy[j] * b107[j] - mg - (x[j] - mean) * rstd * mgx));
         for (int64_t j = 0; j < 768; j++) {
           const int64_t ix = r * 768 + j;
-          const float v946_ix = b946[ix];
-          const float v963_ix = v946_ix + dx[j];
-          b963[ix] = v963_ix;
-          const float v964_ix = v963_ix;
-          const float v966_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v964_ix));
-          b966[ix] = mdl_f32_to_bf16(v966_ix);
-          sa0[j] += v964_ix;
+          const float v947_ix = b947[ix];
+          const float v964_ix = v947_ix + dx[j];
+          b964[ix] = v964_ix;
+          const float v965_ix = v964_ix;
+          const float v967_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v965_ix));
+          b967[ix] = mdl_f32_to_bf16(v967_ix);
+          sa0[j] += v965_ix;
         }
       }
     }
@@ -9637,9 +9640,9 @@ static void k203_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
       b += pdb[k * 768 + j];
       a0 += ps0[k * 768 + j];
     }
-    b961[j] = (float)w;
-    b962[j] = (float)b;
-    b965[j] = (float)a0;
+    b962[j] = (float)w;
+    b963[j] = (float)b;
+    b966[j] = (float)a0;
   }
   free(pdw);
   free(pdb);
@@ -9647,69 +9650,69 @@ static void k203_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
 }
 
 // k204_gemm: GEMM, 1 op
-//   %968   matmul             d.h.2.proj_w         line 39    f32[768,768]
+//   %969   matmul             d.h.2.proj_w         line 39    f32[768,768]
 // loops:
-//   gemm %968: [768 x 768] = T[768 x 8192] [8192 x 768], bf16 operands widened to f32
+//   gemm %969: [768 x 768] = T[768 x 8192] [8192 x 768], bf16 operands widened to f32
 static void k204_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b126 = (uint16_t *)(arena + 5425175680); // %126 cast bf16[8192,768]
-  uint16_t *const b966 = (uint16_t *)(arena + 2619186304); // %966 cast bf16[8192,768]
-  float *const b968 = (float *)(arena + 719090688); // %968 matmul d.h.2.proj_w f32[768,768]
+  uint16_t *const b967 = (uint16_t *)(arena + 2619186304); // %967 cast bf16[8192,768]
+  float *const b969 = (float *)(arena + 719090688); // %969 matmul d.h.2.proj_w f32[768,768]
   {
     float *const w126 = mdl_widen_bf16(b126, 6291456, h->nthreads);
-    float *const w966 = mdl_widen_bf16(b966, 6291456, h->nthreads);
-    mdl_gemm(h, 1, 0, 768, 768, 8192, w126, 768, w966, 768, 0.0f, b968, 768);
+    float *const w967 = mdl_widen_bf16(b967, 6291456, h->nthreads);
+    mdl_gemm(h, 1, 0, 768, 768, 8192, w126, 768, w967, 768, 0.0f, b969, 768);
     free(w126);
-    free(w966);
+    free(w967);
   }
 }
 
 // k205_gemm__cast: GEMM, 3 ops
-//   %967   matmul                                  line 39    f32[8192,768]
-//   %969   reshape                                 line 39    f32[8,1024,768]
-//   %972   cast                                    line 39    bf16[8,1024,768]
+//   %968   matmul                                  line 39    f32[8192,768]
+//   %970   reshape                                 line 39    f32[8,1024,768]
+//   %973   cast                                    line 39    bf16[8,1024,768]
 // loops:
-//   gemm %967: [8192 x 768] = [8192 x 768] T[768 x 768], bf16 operands widened to f32, epilogue after
-//   elementwise over 6291456: %972
+//   gemm %968: [8192 x 768] = [8192 x 768] T[768 x 768], bf16 operands widened to f32, epilogue after
+//   elementwise over 6291456: %973
 static void k205_gemm__cast(char *arena, const MdlHooks *h) {
   uint16_t *const b127 = (uint16_t *)(arena + 2100154368); // %127 cast bf16[768,768]
-  uint16_t *const b966 = (uint16_t *)(arena + 2619186304); // %966 cast bf16[8192,768]
-  float *const b967 = mdl_scratch(25165824); // %967 matmul f32[8192,768], kept in this kernel
-  uint16_t *const b972 = (uint16_t *)(arena + 2594020480); // %972 cast bf16[8,1024,768]
+  uint16_t *const b967 = (uint16_t *)(arena + 2619186304); // %967 cast bf16[8192,768]
+  float *const b968 = mdl_scratch(25165824); // %968 matmul f32[8192,768], kept in this kernel
+  uint16_t *const b973 = (uint16_t *)(arena + 2594020480); // %973 cast bf16[8,1024,768]
   {
-    float *const w966 = mdl_widen_bf16(b966, 6291456, h->nthreads);
+    float *const w967 = mdl_widen_bf16(b967, 6291456, h->nthreads);
     float *const w127 = mdl_widen_bf16(b127, 589824, h->nthreads);
-    mdl_gemm(h, 0, 1, 8192, 768, 768, w966, 768, w127, 768, 0.0f, b967, 768);
-    free(w966);
+    mdl_gemm(h, 0, 1, 8192, 768, 768, w967, 768, w127, 768, 0.0f, b968, 768);
+    free(w967);
     free(w127);
   }
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
   for (int64_t r = 0; r < 8192; r++) {
     for (int64_t c = 0; c < 768; c++) {
       const int64_t i = r * 768 + c;
-      const float v967_i = b967[i];
-      const float v969_i = v967_i;
-      const float v972_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v969_i));
-      b972[i] = mdl_f32_to_bf16(v972_i);
+      const float v968_i = b968[i];
+      const float v970_i = v968_i;
+      const float v973_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v970_i));
+      b973[i] = mdl_f32_to_bf16(v973_i);
     }
   }
-  free(b967);
+  free(b968);
 }
 
 // k206_attention_bwd: attention, 3 ops
-//   %973   attention_bwd      d.h.2.q              line 39    f32[8,1024,768]
-//   %974   attention_bwd      d.h.2.k              line 39    f32[8,1024,768]
-//   %975   attention_bwd      d.h.2.v              line 39    f32[8,1024,768]
+//   %974   attention_bwd      d.h.2.q              line 39    f32[8,1024,768]
+//   %975   attention_bwd      d.h.2.k              line 39    f32[8,1024,768]
+//   %976   attention_bwd      d.h.2.v              line 39    f32[8,1024,768]
 // loops:
 //   attention backward (dq dk dv): B 8, T 1024, 12 heads of 64, causal, within documents; one task per (batch, head)
 static void k206_attention_bwd(char *arena, const MdlHooks *h) {
   int32_t *const b3 = (int32_t *)(arena + 2238271488); // %3 input doc i32[8,1024]
   uint16_t *const b120 = (uint16_t *)(arena + 4280130688); // %120 cast bf16[8,1024,2304]
   uint16_t *const b126 = (uint16_t *)(arena + 5425175680); // %126 cast bf16[8192,768]
-  float *const b970 = (float *)(arena + 5803449472); // %970 attention_lse f32[8,12,1024]
-  uint16_t *const b972 = (uint16_t *)(arena + 2594020480); // %972 cast bf16[8,1024,768]
-  float *const b973 = (float *)(arena + 2656935040); // %973 attention_bwd d.h.2.q f32[8,1024,768]
-  float *const b974 = (float *)(arena + 2682100864); // %974 attention_bwd d.h.2.k f32[8,1024,768]
-  float *const b975 = (float *)(arena + 2707266688); // %975 attention_bwd d.h.2.v f32[8,1024,768]
+  float *const b971 = (float *)(arena + 5803449472); // %971 attention_lse f32[8,12,1024]
+  uint16_t *const b973 = (uint16_t *)(arena + 2594020480); // %973 cast bf16[8,1024,768]
+  float *const b974 = (float *)(arena + 2656935040); // %974 attention_bwd d.h.2.q f32[8,1024,768]
+  float *const b975 = (float *)(arena + 2682100864); // %975 attention_bwd d.h.2.k f32[8,1024,768]
+  float *const b976 = (float *)(arena + 2707266688); // %976 attention_bwd d.h.2.v f32[8,1024,768]
   #pragma omp parallel num_threads(h->nthreads)
   {
     float *restrict kt = memset(mdl_scratch(67584 * sizeof(float)), 0, 67584 * sizeof(float));
@@ -9757,13 +9760,13 @@ static void k206_attention_bwd(char *arena, const MdlHooks *h) {
           }
           memcpy(s + j0, acc, sizeof acc);
         }
-        const float lse = b970[(b * 12 + hd) * 1024 + i];
+        const float lse = b971[(b * 12 + hd) * 1024 + i];
         #pragma omp simd
         for (int64_t j = lo; j < hi; j++)
           s[j] = dc[j] == di ? mdl_exp_shifted(s[j] * 0.125f - lse) : 0.0f;
         float dor[64];
         for (int64_t c = 0; c < 64; c++)
-          dor[c] = mdl_bf16_to_f32(b972[(b * 1024 + i) * 768 + hd * 64 + c]);
+          dor[c] = mdl_bf16_to_f32(b973[(b * 1024 + i) * 768 + hd * 64 + c]);
         const float *restrict doi = dor;
         float dsum = 0.0f;
         for (int64_t c = 0; c < 64; c++)
@@ -9812,14 +9815,14 @@ static void k206_attention_bwd(char *arena, const MdlHooks *h) {
           for (int64_t c = 0; c < 64; c++)
             dvj[c] += mdl_bf16_to_f32(mdl_f32_to_bf16(s[j])) * doi[c];
         }
-        float *restrict dq = b973 + (b * 1024 + i) * 768 + hd * 64;
+        float *restrict dq = b974 + (b * 1024 + i) * 768 + hd * 64;
         for (int64_t c = 0; c < 64; c++)
           dq[c] = 0.125f * (dqi0[c] + dqi1[c]);
       }
       for (int64_t t = 0; t < 1024; t++)
-        memcpy(b974 + (b * 1024 + t) * 768 + hd * 64, dkh + t * 64, 64 * sizeof(float));
+        memcpy(b975 + (b * 1024 + t) * 768 + hd * 64, dkh + t * 64, 64 * sizeof(float));
       for (int64_t t = 0; t < 1024; t++)
-        memcpy(b975 + (b * 1024 + t) * 768 + hd * 64, dvh + t * 64, 64 * sizeof(float));
+        memcpy(b976 + (b * 1024 + t) * 768 + hd * 64, dvh + t * 64, 64 * sizeof(float));
     }
     free(kt);
     free(s);
@@ -9831,18 +9834,18 @@ static void k206_attention_bwd(char *arena, const MdlHooks *h) {
 }
 
 // k207_sum__concat__cast: kernel, 4 ops
-//   %976   concat                                  line 38    f32[8,1024,2304]
-//   %977   reshape                                 line 38    f32[8192,2304]
-//   %978   sum                d.h.2.attn_b         line 38    f32[2304]
-//   %979   cast                                    line 38    bf16[8192,2304]
+//   %977   concat                                  line 38    f32[8,1024,2304]
+//   %978   reshape                                 line 38    f32[8192,2304]
+//   %979   sum                d.h.2.attn_b         line 38    f32[2304]
+//   %980   cast                                    line 38    bf16[8192,2304]
 // loops:
-//   sum %978: 2304 outputs over 8192 elements, in 64 blocks of 128
+//   sum %979: 2304 outputs over 8192 elements, in 64 blocks of 128
 static void k207_sum__concat__cast(char *arena, const MdlHooks *h) {
-  float *const b973 = (float *)(arena + 2656935040); // %973 attention_bwd d.h.2.q f32[8,1024,768]
-  float *const b974 = (float *)(arena + 2682100864); // %974 attention_bwd d.h.2.k f32[8,1024,768]
-  float *const b975 = (float *)(arena + 2707266688); // %975 attention_bwd d.h.2.v f32[8,1024,768]
-  float *const b978 = (float *)(arena + 719081472); // %978 sum d.h.2.attn_b f32[2304]
-  uint16_t *const b979 = (uint16_t *)(arena + 2594020480); // %979 cast bf16[8192,2304]
+  float *const b974 = (float *)(arena + 2656935040); // %974 attention_bwd d.h.2.q f32[8,1024,768]
+  float *const b975 = (float *)(arena + 2682100864); // %975 attention_bwd d.h.2.k f32[8,1024,768]
+  float *const b976 = (float *)(arena + 2707266688); // %976 attention_bwd d.h.2.v f32[8,1024,768]
+  float *const b979 = (float *)(arena + 719081472); // %979 sum d.h.2.attn_b f32[2304]
+  uint16_t *const b980 = (uint16_t *)(arena + 2594020480); // %980 cast bf16[8192,2304]
   double *part = mdl_scratch(147456 * sizeof(double));
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
   for (int64_t k = 0; k < 64; k++) {
@@ -9853,11 +9856,11 @@ static void k207_sum__concat__cast(char *arena, const MdlHooks *h) {
     for (int64_t l = k * 128; l < end; l++) {
       for (int64_t c = 0; c < 2304; c++) {
         const int64_t ix = l * 2304 + c;
-        const float v976_ix = (c < 768 ? b973 + (l * 768 + c) : c < 1536 ? b974 + (l * 768 + (c - 768)) : b975 + (l * 768 + (c - 1536)))[0];
-        const float v977_ix = v976_ix;
-        const float v = v977_ix;
-        const float v979_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v977_ix));
-        b979[ix] = mdl_f32_to_bf16(v979_ix);
+        const float v977_ix = (c < 768 ? b974 + (l * 768 + c) : c < 1536 ? b975 + (l * 768 + (c - 768)) : b976 + (l * 768 + (c - 1536)))[0];
+        const float v978_ix = v977_ix;
+        const float v = v978_ix;
+        const float v980_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v978_ix));
+        b980[ix] = mdl_f32_to_bf16(v980_ix);
         p[c] += v;
       }
     }
@@ -9870,68 +9873,68 @@ static void k207_sum__concat__cast(char *arena, const MdlHooks *h) {
       acc += v;
     }
     const float y = (float)acc;
-    b978[r] = y;
+    b979[r] = y;
   }
   free(part);
 }
 
 // k208_gemm: GEMM, 1 op
-//   %980   matmul                                  line 38    f32[8192,768]
+//   %981   matmul                                  line 38    f32[8192,768]
 // loops:
-//   gemm %980: [8192 x 768] = [8192 x 2304] T[2304 x 768], bf16 operands widened to f32
+//   gemm %981: [8192 x 768] = [8192 x 2304] T[2304 x 768], bf16 operands widened to f32
 static void k208_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b116 = (uint16_t *)(arena + 2096615424); // %116 cast bf16[768,2304]
-  uint16_t *const b979 = (uint16_t *)(arena + 2594020480); // %979 cast bf16[8192,2304]
-  float *const b980 = (float *)(arena + 2656935040); // %980 matmul f32[8192,768]
+  uint16_t *const b980 = (uint16_t *)(arena + 2594020480); // %980 cast bf16[8192,2304]
+  float *const b981 = (float *)(arena + 2656935040); // %981 matmul f32[8192,768]
   {
-    float *const w979 = mdl_widen_bf16(b979, 18874368, h->nthreads);
+    float *const w980 = mdl_widen_bf16(b980, 18874368, h->nthreads);
     float *const w116 = mdl_widen_bf16(b116, 1769472, h->nthreads);
-    mdl_gemm(h, 0, 1, 8192, 768, 2304, w979, 2304, w116, 2304, 0.0f, b980, 768);
-    free(w979);
+    mdl_gemm(h, 0, 1, 8192, 768, 2304, w980, 2304, w116, 2304, 0.0f, b981, 768);
+    free(w980);
     free(w116);
   }
 }
 
 // k209_gemm: GEMM, 1 op
-//   %981   matmul             d.h.2.attn_w         line 38    f32[768,2304]
+//   %982   matmul             d.h.2.attn_w         line 38    f32[768,2304]
 // loops:
-//   gemm %981: [768 x 2304] = T[768 x 8192] [8192 x 2304], bf16 operands widened to f32
+//   gemm %982: [768 x 2304] = T[768 x 8192] [8192 x 2304], bf16 operands widened to f32
 static void k209_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b115 = (uint16_t *)(arena + 5412592768); // %115 cast bf16[8192,768]
-  uint16_t *const b979 = (uint16_t *)(arena + 2594020480); // %979 cast bf16[8192,2304]
-  float *const b981 = (float *)(arena + 712003584); // %981 matmul d.h.2.attn_w f32[768,2304]
+  uint16_t *const b980 = (uint16_t *)(arena + 2594020480); // %980 cast bf16[8192,2304]
+  float *const b982 = (float *)(arena + 712003584); // %982 matmul d.h.2.attn_w f32[768,2304]
   {
     float *const w115 = mdl_widen_bf16(b115, 6291456, h->nthreads);
-    float *const w979 = mdl_widen_bf16(b979, 18874368, h->nthreads);
-    mdl_gemm(h, 1, 0, 768, 2304, 8192, w115, 768, w979, 2304, 0.0f, b981, 2304);
+    float *const w980 = mdl_widen_bf16(b980, 18874368, h->nthreads);
+    mdl_gemm(h, 1, 0, 768, 2304, 8192, w115, 768, w980, 2304, 0.0f, b982, 2304);
     free(w115);
-    free(w979);
+    free(w980);
   }
 }
 
 // k210_layernorm_bwd__add__sum__cast: kernel, 7 ops
-//   %983   layernorm_bwd                           line 38    f32[8,1024,768]
-//   %984   layernorm_bwd      d.h.2.ln1_w          line 38    f32[768]
-//   %985   layernorm_bwd      d.h.2.ln1_b          line 38    f32[768]
-//   %986   add                d.h.1.x              line 40    f32[8,1024,768]
-//   %987   reshape                                 line 40    f32[8192,768]
-//   %988   sum                d.h.1.fcproj_b       line 40    f32[768]
-//   %989   cast                                    line 40    bf16[8192,768]
+//   %984   layernorm_bwd                           line 38    f32[8,1024,768]
+//   %985   layernorm_bwd      d.h.2.ln1_w          line 38    f32[768]
+//   %986   layernorm_bwd      d.h.2.ln1_b          line 38    f32[768]
+//   %987   add                d.h.1.x              line 40    f32[8,1024,768]
+//   %988   reshape                                 line 40    f32[8192,768]
+//   %989   sum                d.h.1.fcproj_b       line 40    f32[768]
+//   %990   cast                                    line 40    bf16[8192,768]
 // loops:
 //   layernorm_bwd: 8192 rows of 768, column sums over 64 blocks of 128 rows
 static void k210_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
   float *const b100 = (float *)(arena + 4758281344); // %100 add h.1.x f32[8,1024,768]
   float *const b101 = (float *)(arena + 214238208); // %101 param h.2.ln1_w f32[768]
-  float *const b963 = (float *)(arena + 2631769216); // %963 add d.h.2.x f32[8,1024,768]
-  float *const b980 = (float *)(arena + 2656935040); // %980 matmul f32[8192,768]
-  float *const b984 = (float *)(arena + 711997440); // %984 layernorm_bwd d.h.2.ln1_w f32[768]
-  float *const b985 = (float *)(arena + 712000512); // %985 layernorm_bwd d.h.2.ln1_b f32[768]
-  float *const b986 = (float *)(arena + 2682100864); // %986 add d.h.1.x f32[8,1024,768]
-  float *const b988 = (float *)(arena + 711994368); // %988 sum d.h.1.fcproj_b f32[768]
-  uint16_t *const b989 = (uint16_t *)(arena + 2707266688); // %989 cast bf16[8192,768]
+  float *const b964 = (float *)(arena + 2631769216); // %964 add d.h.2.x f32[8,1024,768]
+  float *const b981 = (float *)(arena + 2656935040); // %981 matmul f32[8192,768]
+  float *const b985 = (float *)(arena + 711997440); // %985 layernorm_bwd d.h.2.ln1_w f32[768]
+  float *const b986 = (float *)(arena + 712000512); // %986 layernorm_bwd d.h.2.ln1_b f32[768]
+  float *const b987 = (float *)(arena + 2682100864); // %987 add d.h.1.x f32[8,1024,768]
+  float *const b989 = (float *)(arena + 711994368); // %989 sum d.h.1.fcproj_b f32[768]
+  uint16_t *const b990 = (uint16_t *)(arena + 2707266688); // %990 cast bf16[8192,768]
   double *pdw = mdl_scratch(49152 * sizeof(double));
   double *pdb = mdl_scratch(49152 * sizeof(double));
-  double *ps0 = mdl_scratch(49152 * sizeof(double)); // partials of the column sum %988
+  double *ps0 = mdl_scratch(49152 * sizeof(double)); // partials of the column sum %989
   #pragma omp parallel num_threads(h->nthreads)
   {
     float *dxrow = mdl_scratch(768 * sizeof(float));
@@ -9945,7 +9948,7 @@ static void k210_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
       const int64_t end = k * 128 + 128 < 8192 ? k * 128 + 128 : 8192;
       for (int64_t r = k * 128; r < end; r++) {
         const float *x = b100 + r * 768;
-        const float *dy = b980 + r * 768;
+        const float *dy = b981 + r * 768;
         double mean = 0, var = 0, mg = 0, mgx = 0;
         #pragma omp simd reduction(+ : mean)
         for (int64_t j = 0; j < 768; j++)
@@ -9970,13 +9973,13 @@ static void k210_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
           dx[j] = (float)(rstd * ((double)dy[j] * b101[j] - mg - (x[j] - mean) * rstd * mgx));
         for (int64_t j = 0; j < 768; j++) {
           const int64_t ix = r * 768 + j;
-          const float v963_ix = b963[ix];
-          const float v986_ix = v963_ix + dx[j];
-          b986[ix] = v986_ix;
-          const float v987_ix = v986_ix;
-          const float v989_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v987_ix));
-          b989[ix] = mdl_f32_to_bf16(v989_ix);
-          sa0[j] += v987_ix;
+          const float v964_ix = b964[ix];
+          const float v987_ix = v964_ix + dx[j];
+          b987[ix] = v987_ix;
+          const float v988_ix = v987_ix;
+          const float v990_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v988_ix));
+          b990[ix] = mdl_f32_to_bf16(v990_ix);
+          sa0[j] += v988_ix;
         }
       }
     }
@@ -9990,9 +9993,9 @@ static void k210_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
       b += pdb[k * 768 + j];
       a0 += ps0[k * 768 + j];
     }
-    b984[j] = (float)w;
-    b985[j] = (float)b;
-    b988[j] = (float)a0;
+    b985[j] = (float)w;
+    b986[j] = (float)b;
+    b989[j] = (float)a0;
   }
   free(pdw);
   free(pdb);
@@ -10000,44 +10003,44 @@ static void k210_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
 }
 
 // k211_gemm: GEMM, 1 op
-//   %991   matmul             d.h.1.fcproj_w       line 40    f32[3072,768]
+//   %992   matmul             d.h.1.fcproj_w       line 40    f32[3072,768]
 // loops:
-//   gemm %991: [3072 x 768] = T[3072 x 8192] [8192 x 768], bf16 operands widened to f32
+//   gemm %992: [3072 x 768] = T[3072 x 8192] [8192 x 768], bf16 operands widened to f32
 static void k211_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b95 = (uint16_t *)(arena + 3650985088); // %95 cast bf16[8192,3072]
-  uint16_t *const b989 = (uint16_t *)(arena + 2707266688); // %989 cast bf16[8192,768]
-  float *const b991 = (float *)(arena + 702557184); // %991 matmul d.h.1.fcproj_w f32[3072,768]
+  uint16_t *const b990 = (uint16_t *)(arena + 2707266688); // %990 cast bf16[8192,768]
+  float *const b992 = (float *)(arena + 702557184); // %992 matmul d.h.1.fcproj_w f32[3072,768]
   {
     float *const w95 = mdl_widen_bf16(b95, 25165824, h->nthreads);
-    float *const w989 = mdl_widen_bf16(b989, 6291456, h->nthreads);
-    mdl_gemm(h, 1, 0, 3072, 768, 8192, w95, 3072, w989, 768, 0.0f, b991, 768);
+    float *const w990 = mdl_widen_bf16(b990, 6291456, h->nthreads);
+    mdl_gemm(h, 1, 0, 3072, 768, 8192, w95, 3072, w990, 768, 0.0f, b992, 768);
     free(w95);
-    free(w989);
+    free(w990);
   }
 }
 
 // k212_gemm__gelu_bwd__sum__cast: GEMM, 6 ops
-//   %990   matmul                                  line 40    f32[8192,3072]
-//   %992   reshape                                 line 40    f32[8,1024,3072]
-//   %993   gelu_bwd                                line 40    f32[8,1024,3072]
-//   %994   reshape                                 line 40    f32[8192,3072]
-//   %995   sum                d.h.1.fc_b           line 40    f32[3072]
-//   %996   cast                                    line 40    bf16[8192,3072]
+//   %991   matmul                                  line 40    f32[8192,3072]
+//   %993   reshape                                 line 40    f32[8,1024,3072]
+//   %994   gelu_bwd                                line 40    f32[8,1024,3072]
+//   %995   reshape                                 line 40    f32[8192,3072]
+//   %996   sum                d.h.1.fc_b           line 40    f32[3072]
+//   %997   cast                                    line 40    bf16[8192,3072]
 // loops:
-//   gemm %990: [8192 x 3072] = [8192 x 768] T[768 x 3072], bf16 operands widened to f32, epilogue after
-//   sum %995: 3072 outputs over 8192 elements, in 64 blocks of 128
+//   gemm %991: [8192 x 3072] = [8192 x 768] T[768 x 3072], bf16 operands widened to f32, epilogue after
+//   sum %996: 3072 outputs over 8192 elements, in 64 blocks of 128
 static void k212_gemm__gelu_bwd__sum__cast(char *arena, const MdlHooks *h) {
   float *const b92 = (float *)(arena + 2493357184); // %92 add f32[8,1024,3072]
   uint16_t *const b96 = (uint16_t *)(arena + 2091896832); // %96 cast bf16[3072,768]
-  uint16_t *const b989 = (uint16_t *)(arena + 2707266688); // %989 cast bf16[8192,768]
-  float *const b990 = mdl_scratch(100663296); // %990 matmul f32[8192,3072], kept in this kernel
-  float *const b995 = (float *)(arena + 702544896); // %995 sum d.h.1.fc_b f32[3072]
-  uint16_t *const b996 = (uint16_t *)(arena + 2594020480); // %996 cast bf16[8192,3072]
+  uint16_t *const b990 = (uint16_t *)(arena + 2707266688); // %990 cast bf16[8192,768]
+  float *const b991 = mdl_scratch(100663296); // %991 matmul f32[8192,3072], kept in this kernel
+  float *const b996 = (float *)(arena + 702544896); // %996 sum d.h.1.fc_b f32[3072]
+  uint16_t *const b997 = (uint16_t *)(arena + 2594020480); // %997 cast bf16[8192,3072]
   {
-    float *const w989 = mdl_widen_bf16(b989, 6291456, h->nthreads);
+    float *const w990 = mdl_widen_bf16(b990, 6291456, h->nthreads);
     float *const w96 = mdl_widen_bf16(b96, 2359296, h->nthreads);
-    mdl_gemm(h, 0, 1, 8192, 3072, 768, w989, 768, w96, 768, 0.0f, b990, 3072);
-    free(w989);
+    mdl_gemm(h, 0, 1, 8192, 3072, 768, w990, 768, w96, 768, 0.0f, b991, 3072);
+    free(w990);
     free(w96);
   }
   double *part = mdl_scratch(196608 * sizeof(double));
@@ -10051,13 +10054,13 @@ static void k212_gemm__gelu_bwd__sum__cast(char *arena, const MdlHooks *h) {
       for (int64_t c = 0; c < 3072; c++) {
         const int64_t ix = l * 3072 + c;
         const float v92_ix = b92[ix];
-        const float v990_ix = b990[ix];
-        const float v992_ix = v990_ix;
-        const float v993_ix = mdl_gelu_grad(v92_ix) * v992_ix;
-        const float v994_ix = v993_ix;
-        const float v = v994_ix;
-        const float v996_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v994_ix));
-        b996[ix] = mdl_f32_to_bf16(v996_ix);
+        const float v991_ix = b991[ix];
+        const float v993_ix = v991_ix;
+        const float v994_ix = mdl_gelu_grad(v92_ix) * v993_ix;
+        const float v995_ix = v994_ix;
+        const float v = v995_ix;
+        const float v997_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v995_ix));
+        b997[ix] = mdl_f32_to_bf16(v997_ix);
         p[c] += v;
       }
     }
@@ -10070,69 +10073,69 @@ static void k212_gemm__gelu_bwd__sum__cast(char *arena, const MdlHooks *h) {
       acc += v;
     }
     const float y = (float)acc;
-    b995[r] = y;
+    b996[r] = y;
   }
   free(part);
-  free(b990);
+  free(b991);
 }
 
 // k213_gemm: GEMM, 1 op
-//   %997   matmul                                  line 40    f32[8192,768]
+//   %998   matmul                                  line 40    f32[8192,768]
 // loops:
-//   gemm %997: [8192 x 768] = [8192 x 3072] T[3072 x 768], bf16 operands widened to f32
+//   gemm %998: [8192 x 768] = [8192 x 3072] T[3072 x 768], bf16 operands widened to f32
 static void k213_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b89 = (uint16_t *)(arena + 2087178240); // %89 cast bf16[768,3072]
-  uint16_t *const b996 = (uint16_t *)(arena + 2594020480); // %996 cast bf16[8192,3072]
-  float *const b997 = (float *)(arena + 2493357184); // %997 matmul f32[8192,768]
+  uint16_t *const b997 = (uint16_t *)(arena + 2594020480); // %997 cast bf16[8192,3072]
+  float *const b998 = (float *)(arena + 2493357184); // %998 matmul f32[8192,768]
   {
-    float *const w996 = mdl_widen_bf16(b996, 25165824, h->nthreads);
+    float *const w997 = mdl_widen_bf16(b997, 25165824, h->nthreads);
     float *const w89 = mdl_widen_bf16(b89, 2359296, h->nthreads);
-    mdl_gemm(h, 0, 1, 8192, 768, 3072, w996, 3072, w89, 3072, 0.0f, b997, 768);
-    free(w996);
+    mdl_gemm(h, 0, 1, 8192, 768, 3072, w997, 3072, w89, 3072, 0.0f, b998, 768);
+    free(w997);
     free(w89);
   }
 }
 
 // k214_gemm: GEMM, 1 op
-//   %998   matmul             d.h.1.fc_w           line 40    f32[768,3072]
+//   %999   matmul             d.h.1.fc_w           line 40    f32[768,3072]
 // loops:
-//   gemm %998: [768 x 3072] = T[768 x 8192] [8192 x 3072], bf16 operands widened to f32
+//   gemm %999: [768 x 3072] = T[768 x 8192] [8192 x 3072], bf16 operands widened to f32
 static void k214_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b88 = (uint16_t *)(arena + 5400009856); // %88 cast bf16[8192,768]
-  uint16_t *const b996 = (uint16_t *)(arena + 2594020480); // %996 cast bf16[8192,3072]
-  float *const b998 = (float *)(arena + 693107712); // %998 matmul d.h.1.fc_w f32[768,3072]
+  uint16_t *const b997 = (uint16_t *)(arena + 2594020480); // %997 cast bf16[8192,3072]
+  float *const b999 = (float *)(arena + 693107712); // %999 matmul d.h.1.fc_w f32[768,3072]
   {
     float *const w88 = mdl_widen_bf16(b88, 6291456, h->nthreads);
-    float *const w996 = mdl_widen_bf16(b996, 25165824, h->nthreads);
-    mdl_gemm(h, 1, 0, 768, 3072, 8192, w88, 768, w996, 3072, 0.0f, b998, 3072);
+    float *const w997 = mdl_widen_bf16(b997, 25165824, h->nthreads);
+    mdl_gemm(h, 1, 0, 768, 3072, 8192, w88, 768, w997, 3072, 0.0f, b999, 3072);
     free(w88);
-    free(w996);
+    free(w997);
   }
 }
 
 // k215_layernorm_bwd__add__sum__cast: kernel, 7 ops
-//   %1000  layernorm_bwd                           line 40    f32[8,1024,768]
-//   %1001  layernorm_bwd      d.h.1.ln2_w          line 40    f32[768]
-//   %1002  layernorm_bwd      d.h.1.ln2_b          line 40    f32[768]
-//   %1003  add                d.h.1.x              line 39    f32[8,1024,768]
-//   %1004  reshape                                 line 39    f32[8192,768]
-//   %1005  sum                d.h.1.proj_b         line 39    f32[768]
-//   %1006  cast                                    line 39    bf16[8192,768]
+//   %1001  layernorm_bwd                           line 40    f32[8,1024,768]
+//   %1002  layernorm_bwd      d.h.1.ln2_w          line 40    f32[768]
+//   %1003  layernorm_bwd      d.h.1.ln2_b          line 40    f32[768]
+//   %1004  add                d.h.1.x              line 39    f32[8,1024,768]
+//   %1005  reshape                                 line 39    f32[8192,768]
+//   %1006  sum                d.h.1.proj_b         line 39    f32[768]
+//   %1007  cast                                    line 39    bf16[8192,768]
 // loops:
 //   layernorm_bwd: 8192 rows of 768, column sums over 64 blocks of 128 rows
 static void k215_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
   float *const b61 = (float *)(arena + 195342336); // %61 param h.1.ln2_w f32[768]
   float *const b85 = (float *)(arena + 4733115520); // %85 add h.1.x f32[8,1024,768]
-  float *const b986 = (float *)(arena + 2682100864); // %986 add d.h.1.x f32[8,1024,768]
-  float *const b997 = (float *)(arena + 2493357184); // %997 matmul f32[8192,768]
-  float *const b1001 = (float *)(arena + 693101568); // %1001 layernorm_bwd d.h.1.ln2_w f32[768]
-  float *const b1002 = (float *)(arena + 693104640); // %1002 layernorm_bwd d.h.1.ln2_b f32[768]
-  float *const b1003 = (float *)(arena + 2531105920); // %1003 add d.h.1.x f32[8,1024,768]
-  float *const b1005 = (float *)(arena + 693098496); // %1005 sum d.h.1.proj_b f32[768]
-  uint16_t *const b1006 = (uint16_t *)(arena + 2518523008); // %1006 cast bf16[8192,768]
+  float *const b987 = (float *)(arena + 2682100864); // %987 add d.h.1.x f32[8,1024,768]
+  float *const b998 = (float *)(arena + 2493357184); // %998 matmul f32[8192,768]
+  float *const b1002 = (float *)(arena + 693101568); // %1002 layernorm_bwd d.h.1.ln2_w f32[768]
+  float *const b1003 = (float *)(arena + 693104640); // %1003 layernorm_bwd d.h.1.ln2_b f32[768]
+  float *const b1004 = (float *)(arena + 2531105920); // %1004 add d.h.1.x f32[8,1024,768]
+  float *const b1006 = (float *)(arena + 693098496); // %1006 sum d.h.1.proj_b f32[768]
+  uint16_t *const b1007 = (uint16_t *)(arena + 2518523008); // %1007 cast bf16[8192,768]
   double *pdw = mdl_scratch(49152 * sizeof(double));
   double *pdb = mdl_scratch(49152 * sizeof(double));
-  double *ps0 = mdl_scratch(49152 * sizeof(double)); // partials of the column sum %1005
+  double *ps0 = mdl_scratch(49152 * sizeof(double)); // partials of the column sum %1006
   #pragma omp parallel num_threads(h->nthreads)
   {
     float *dxrow = mdl_scratch(768 * sizeof(float));
@@ -10146,7 +10149,7 @@ static void k215_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
       const int64_t end = k * 128 + 128 < 8192 ? k * 128 + 128 : 8192;
       for (int64_t r = k * 128; r < end; r++) {
         const float *x = b85 + r * 768;
-        const float *dy = b997 + r * 768;
+        const float *dy = b998 + r * 768;
         double mean = 0, var = 0, mg = 0, mgx = 0;
         #pragma omp simd reduction(+ : mean)
         for (int64_t j = 0; j < 768; j++)
@@ -10171,13 +10174,13 @@ static void k215_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
           dx[j] = (float)(rstd * ((double)dy[j] * b61[j] - mg - (x[j] - mean) * rstd * mgx));
         for (int64_t j = 0; j < 768; j++) {
           const int64_t ix = r * 768 + j;
-          const float v986_ix = b986[ix];
-          const float v1003_ix = v986_ix + dx[j];
-          b1003[ix] = v1003_ix;
-          const float v1004_ix = v1003_ix;
-          const float v1006_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v1004_ix));
-          b1006[ix] = mdl_f32_to_bf16(v1006_ix);
-          sa0[j] += v1004_ix;
+          const float v987_ix = b987[ix];
+          const float v1004_ix = v987_ix + dx[j];
+          b1004[ix] = v1004_ix;
+          const float v1005_ix = v1004_ix;
+          const float v1007_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v1005_ix));
+          b1007[ix] = mdl_f32_to_bf16(v1007_ix);
+          sa0[j] += v1005_ix;
         }
       }
     }
@@ -10191,9 +10194,9 @@ static void k215_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
       b += pdb[k * 768 + j];
       a0 += ps0[k * 768 + j];
     }
-    b1001[j] = (float)w;
-    b1002[j] = (float)b;
-    b1005[j] = (float)a0;
+    b1002[j] = (float)w;
+    b1003[j] = (float)b;
+    b1006[j] = (float)a0;
   }
   free(pdw);
   free(pdb);
@@ -10201,69 +10204,69 @@ static void k215_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
 }
 
 // k216_gemm: GEMM, 1 op
-//   %1008  matmul             d.h.1.proj_w         line 39    f32[768,768]
+//   %1009  matmul             d.h.1.proj_w         line 39    f32[768,768]
 // loops:
-//   gemm %1008: [768 x 768] = T[768 x 8192] [8192 x 768], bf16 operands widened to f32
+//   gemm %1009: [768 x 768] = T[768 x 8192] [8192 x 768], bf16 operands widened to f32
 static void k216_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b80 = (uint16_t *)(arena + 5387426944); // %80 cast bf16[8192,768]
-  uint16_t *const b1006 = (uint16_t *)(arena + 2518523008); // %1006 cast bf16[8192,768]
-  float *const b1008 = (float *)(arena + 690739200); // %1008 matmul d.h.1.proj_w f32[768,768]
+  uint16_t *const b1007 = (uint16_t *)(arena + 2518523008); // %1007 cast bf16[8192,768]
+  float *const b1009 = (float *)(arena + 690739200); // %1009 matmul d.h.1.proj_w f32[768,768]
   {
     float *const w80 = mdl_widen_bf16(b80, 6291456, h->nthreads);
-    float *const w1006 = mdl_widen_bf16(b1006, 6291456, h->nthreads);
-    mdl_gemm(h, 1, 0, 768, 768, 8192, w80, 768, w1006, 768, 0.0f, b1008, 768);
+    float *const w1007 = mdl_widen_bf16(b1007, 6291456, h->nthreads);
+    mdl_gemm(h, 1, 0, 768, 768, 8192, w80, 768, w1007, 768, 0.0f, b1009, 768);
     free(w80);
-    free(w1006);
+    free(w1007);
   }
 }
 
 // k217_gemm__cast: GEMM, 3 ops
-//   %1007  matmul                                  line 39    f32[8192,768]
-//   %1009  reshape                                 line 39    f32[8,1024,768]
-//   %1012  cast                                    line 39    bf16[8,1024,768]
+//   %1008  matmul                                  line 39    f32[8192,768]
+//   %1010  reshape                                 line 39    f32[8,1024,768]
+//   %1013  cast                                    line 39    bf16[8,1024,768]
 // loops:
-//   gemm %1007: [8192 x 768] = [8192 x 768] T[768 x 768], bf16 operands widened to f32, epilogue after
-//   elementwise over 6291456: %1012
+//   gemm %1008: [8192 x 768] = [8192 x 768] T[768 x 768], bf16 operands widened to f32, epilogue after
+//   elementwise over 6291456: %1013
 static void k217_gemm__cast(char *arena, const MdlHooks *h) {
   uint16_t *const b81 = (uint16_t *)(arena + 2085998592); // %81 cast bf16[768,768]
-  uint16_t *const b1006 = (uint16_t *)(arena + 2518523008); // %1006 cast bf16[8192,768]
-  float *const b1007 = mdl_scratch(25165824); // %1007 matmul f32[8192,768], kept in this kernel
-  uint16_t *const b1012 = (uint16_t *)(arena + 2493357184); // %1012 cast bf16[8,1024,768]
+  uint16_t *const b1007 = (uint16_t *)(arena + 2518523008); // %1007 cast bf16[8192,768]
+  float *const b1008 = mdl_scratch(25165824); // %1008 matmul f32[8192,768], kept in this kernel
+  uint16_t *const b1013 = (uint16_t *)(arena + 2493357184); // %1013 cast bf16[8,1024,768]
   {
-    float *const w1006 = mdl_widen_bf16(b1006, 6291456, h->nthreads);
+    float *const w1007 = mdl_widen_bf16(b1007, 6291456, h->nthreads);
     float *const w81 = mdl_widen_bf16(b81, 589824, h->nthreads);
-    mdl_gemm(h, 0, 1, 8192, 768, 768, w1006, 768, w81, 768, 0.0f, b1007, 768);
-    free(w1006);
+    mdl_gemm(h, 0, 1, 8192, 768, 768, w1007, 768, w81, 768, 0.0f, b1008, 768);
+    free(w1007);
     free(w81);
   }
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
   for (int64_t r = 0; r < 8192; r++) {
     for (int64_t c = 0; c < 768; c++) {
       const int64_t i = r * 768 + c;
-      const float v1007_i = b1007[i];
-      const float v1009_i = v1007_i;
-      const float v1012_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v1009_i));
-      b1012[i] = mdl_f32_to_bf16(v1012_i);
+      const float v1008_i = b1008[i];
+      const float v1010_i = v1008_i;
+      const float v1013_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v1010_i));
+      b1013[i] = mdl_f32_to_bf16(v1013_i);
     }
   }
-  free(b1007);
+  free(b1008);
 }
 
 // k218_attention_bwd: attention, 3 ops
-//   %1013  attention_bwd      d.h.1.q              line 39    f32[8,1024,768]
-//   %1014  attention_bwd      d.h.1.k              line 39    f32[8,1024,768]
-//   %1015  attention_bwd      d.h.1.v              line 39    f32[8,1024,768]
+//   %1014  attention_bwd      d.h.1.q              line 39    f32[8,1024,768]
+//   %1015  attention_bwd      d.h.1.k              line 39    f32[8,1024,768]
+//   %1016  attention_bwd      d.h.1.v              line 39    f32[8,1024,768]
 // loops:
 //   attention backward (dq dk dv): B 8, T 1024, 12 heads of 64, causal, within documents; one task per (batch, head)
 static void k218_attention_bwd(char *arena, const MdlHooks *h) {
   int32_t *const b3 = (int32_t *)(arena + 2238271488); // %3 input doc i32[8,1024]
   uint16_t *const b74 = (uint16_t *)(arena + 4242381952); // %74 cast bf16[8,1024,2304]
   uint16_t *const b80 = (uint16_t *)(arena + 5387426944); // %80 cast bf16[8192,768]
-  float *const b1010 = (float *)(arena + 5803056256); // %1010 attention_lse f32[8,12,1024]
-  uint16_t *const b1012 = (uint16_t *)(arena + 2493357184); // %1012 cast bf16[8,1024,768]
-  float *const b1013 = (float *)(arena + 2556271744); // %1013 attention_bwd d.h.1.q f32[8,1024,768]
-  float *const b1014 = (float *)(arena + 2581437568); // %1014 attention_bwd d.h.1.k f32[8,1024,768]
-  float *const b1015 = (float *)(arena + 2606603392); // %1015 attention_bwd d.h.1.v f32[8,1024,768]
+  float *const b1011 = (float *)(arena + 5803056256); // %1011 attention_lse f32[8,12,1024]
+  uint16_t *const b1013 = (uint16_t *)(arena + 2493357184); // %1013 cast bf16[8,1024,768]
+  float *const b1014 = (float *)(arena + 2556271744); // %1014 attention_bwd d.h.1.q f32[8,1024,768]
+  float *const b1015 = (float *)(arena + 2581437568); // %1015 attention_bwd d.h.1.k f32[8,1024,768]
+  float *const b1016 = (float *)(arena + 2606603392); // %1016 attention_bwd d.h.1.v f32[8,1024,768]
   #pragma omp parallel num_threads(h->nthreads)
   {
     float *restrict kt = memset(mdl_scratch(67584 * sizeof(float)), 0, 67584 * sizeof(float));
@@ -10311,13 +10314,13 @@ static void k218_attention_bwd(char *arena, const MdlHooks *h) {
           }
           memcpy(s + j0, acc, sizeof acc);
         }
-        const float lse = b1010[(b * 12 + hd) * 1024 + i];
+        const float lse = b1011[(b * 12 + hd) * 1024 + i];
         #pragma omp simd
         for (int64_t j = lo; j < hi; j++)
           s[j] = dc[j] == di ? mdl_exp_shifted(s[j] * 0.125f - lse) : 0.0f;
         float dor[64];
         for (int64_t c = 0; c < 64; c++)
-          dor[c] = mdl_bf16_to_f32(b1012[(b * 1024 + i) * 768 + hd * 64 + c]);
+          dor[c] = mdl_bf16_to_f32(b1013[(b * 1024 + i) * 768 + hd * 64 + c]);
         const float *restrict doi = dor;
         float dsum = 0.0f;
         for (int64_t c = 0; c < 64; c++)
@@ -10366,14 +10369,14 @@ static void k218_attention_bwd(char *arena, const MdlHooks *h) {
           for (int64_t c = 0; c < 64; c++)
             dvj[c] += mdl_bf16_to_f32(mdl_f32_to_bf16(s[j])) * doi[c];
         }
-        float *restrict dq = b1013 + (b * 1024 + i) * 768 + hd * 64;
+        float *restrict dq = b1014 + (b * 1024 + i) * 768 + hd * 64;
         for (int64_t c = 0; c < 64; c++)
           dq[c] = 0.125f * (dqi0[c] + dqi1[c]);
       }
       for (int64_t t = 0; t < 1024; t++)
-        memcpy(b1014 + (b * 1024 + t) * 768 + hd * 64, dkh + t * 64, 64 * sizeof(float));
+        memcpy(b1015 + (b * 1024 + t) * 768 + hd * 64, dkh + t * 64, 64 * sizeof(float));
       for (int64_t t = 0; t < 1024; t++)
-        memcpy(b1015 + (b * 1024 + t) * 768 + hd * 64, dvh + t * 64, 64 * sizeof(float));
+        memcpy(b1016 + (b * 1024 + t) * 768 + hd * 64, dvh + t * 64, 64 * sizeof(float));
     }
     free(kt);
     free(s);
@@ -10385,18 +10388,18 @@ static void k218_attention_bwd(char *arena, const MdlHooks *h) {
 }
 
 // k219_sum__concat__cast: kernel, 4 ops
-//   %1016  concat                                  line 38    f32[8,1024,2304]
-//   %1017  reshape                                 line 38    f32[8192,2304]
-//   %1018  sum                d.h.1.attn_b         line 38    f32[2304]
-//   %1019  cast                                    line 38    bf16[8192,2304]
+//   %1017  concat                                  line 38    f32[8,1024,2304]
+//   %1018  reshape                                 line 38    f32[8192,2304]
+//   %1019  sum                d.h.1.attn_b         line 38    f32[2304]
+//   %1020  cast                                    line 38    bf16[8192,2304]
 // loops:
-//   sum %1018: 2304 outputs over 8192 elements, in 64 blocks of 128
+//   sum %1019: 2304 outputs over 8192 elements, in 64 blocks of 128
 static void k219_sum__concat__cast(char *arena, const MdlHooks *h) {
-  float *const b1013 = (float *)(arena + 2556271744); // %1013 attention_bwd d.h.1.q f32[8,1024,768]
-  float *const b1014 = (float *)(arena + 2581437568); // %1014 attention_bwd d.h.1.k f32[8,1024,768]
-  float *const b1015 = (float *)(arena + 2606603392); // %1015 attention_bwd d.h.1.v f32[8,1024,768]
-  float *const b1018 = (float *)(arena + 690729984); // %1018 sum d.h.1.attn_b f32[2304]
-  uint16_t *const b1019 = (uint16_t *)(arena + 2493357184); // %1019 cast bf16[8192,2304]
+  float *const b1014 = (float *)(arena + 2556271744); // %1014 attention_bwd d.h.1.q f32[8,1024,768]
+  float *const b1015 = (float *)(arena + 2581437568); // %1015 attention_bwd d.h.1.k f32[8,1024,768]
+  float *const b1016 = (float *)(arena + 2606603392); // %1016 attention_bwd d.h.1.v f32[8,1024,768]
+  float *const b1019 = (float *)(arena + 690729984); // %1019 sum d.h.1.attn_b f32[2304]
+  uint16_t *const b1020 = (uint16_t *)(arena + 2493357184); // %1020 cast bf16[8192,2304]
   double *part = mdl_scratch(147456 * sizeof(double));
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
   for (int64_t k = 0; k < 64; k++) {
@@ -10407,11 +10410,11 @@ static void k219_sum__concat__cast(char *arena, const MdlHooks *h) {
     for (int64_t l = k * 128; l < end; l++) {
       for (int64_t c = 0; c < 2304; c++) {
         const int64_t ix = l * 2304 + c;
-        const float v1016_ix = (c < 768 ? b1013 + (l * 768 + c) : c < 1536 ? b1014 + (l * 768 + (c - 768)) : b1015 + (l * 768 + (c - 1536)))[0];
-        const float v1017_ix = v1016_ix;
-        const float v = v1017_ix;
-        const float v1019_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v1017_ix));
-        b1019[ix] = mdl_f32_to_bf16(v1019_ix);
+        const float v1017_ix = (c < 768 ? b1014 + (l * 768 + c) : c < 1536 ? b1015 + (l * 768 + (c - 768)) : b1016 + (l * 768 + (c - 1536)))[0];
+        const float v1018_ix = v1017_ix;
+        const float v = v1018_ix;
+        const float v1020_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v1018_ix));
+        b1020[ix] = mdl_f32_to_bf16(v1020_ix);
         p[c] += v;
       }
     }
@@ -10424,68 +10427,68 @@ static void k219_sum__concat__cast(char *arena, const MdlHooks *h) {
       acc += v;
     }
     const float y = (float)acc;
-    b1018[r] = y;
+    b1019[r] = y;
   }
   free(part);
 }
 
 // k220_gemm: GEMM, 1 op
-//   %1020  matmul                                  line 38    f32[8192,768]
+//   %1021  matmul                                  line 38    f32[8192,768]
 // loops:
-//   gemm %1020: [8192 x 768] = [8192 x 2304] T[2304 x 768], bf16 operands widened to f32
+//   gemm %1021: [8192 x 768] = [8192 x 2304] T[2304 x 768], bf16 operands widened to f32
 static void k220_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b70 = (uint16_t *)(arena + 2082459648); // %70 cast bf16[768,2304]
-  uint16_t *const b1019 = (uint16_t *)(arena + 2493357184); // %1019 cast bf16[8192,2304]
-  float *const b1020 = (float *)(arena + 2556271744); // %1020 matmul f32[8192,768]
+  uint16_t *const b1020 = (uint16_t *)(arena + 2493357184); // %1020 cast bf16[8192,2304]
+  float *const b1021 = (float *)(arena + 2556271744); // %1021 matmul f32[8192,768]
   {
-    float *const w1019 = mdl_widen_bf16(b1019, 18874368, h->nthreads);
+    float *const w1020 = mdl_widen_bf16(b1020, 18874368, h->nthreads);
     float *const w70 = mdl_widen_bf16(b70, 1769472, h->nthreads);
-    mdl_gemm(h, 0, 1, 8192, 768, 2304, w1019, 2304, w70, 2304, 0.0f, b1020, 768);
-    free(w1019);
+    mdl_gemm(h, 0, 1, 8192, 768, 2304, w1020, 2304, w70, 2304, 0.0f, b1021, 768);
+    free(w1020);
     free(w70);
   }
 }
 
 // k221_gemm: GEMM, 1 op
-//   %1021  matmul             d.h.1.attn_w         line 38    f32[768,2304]
+//   %1022  matmul             d.h.1.attn_w         line 38    f32[768,2304]
 // loops:
-//   gemm %1021: [768 x 2304] = T[768 x 8192] [8192 x 2304], bf16 operands widened to f32
+//   gemm %1022: [768 x 2304] = T[768 x 8192] [8192 x 2304], bf16 operands widened to f32
 static void k221_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b69 = (uint16_t *)(arena + 5374844032); // %69 cast bf16[8192,768]
-  uint16_t *const b1019 = (uint16_t *)(arena + 2493357184); // %1019 cast bf16[8192,2304]
-  float *const b1021 = (float *)(arena + 683652096); // %1021 matmul d.h.1.attn_w f32[768,2304]
+  uint16_t *const b1020 = (uint16_t *)(arena + 2493357184); // %1020 cast bf16[8192,2304]
+  float *const b1022 = (float *)(arena + 683652096); // %1022 matmul d.h.1.attn_w f32[768,2304]
   {
     float *const w69 = mdl_widen_bf16(b69, 6291456, h->nthreads);
-    float *const w1019 = mdl_widen_bf16(b1019, 18874368, h->nthreads);
-    mdl_gemm(h, 1, 0, 768, 2304, 8192, w69, 768, w1019, 2304, 0.0f, b1021, 2304);
+    float *const w1020 = mdl_widen_bf16(b1020, 18874368, h->nthreads);
+    mdl_gemm(h, 1, 0, 768, 2304, 8192, w69, 768, w1020, 2304, 0.0f, b1022, 2304);
     free(w69);
-    free(w1019);
+    free(w1020);
   }
 }
 
 // k222_layernorm_bwd__add__sum__cast: kernel, 7 ops
-//   %1023  layernorm_bwd                           line 38    f32[8,1024,768]
-//   %1024  layernorm_bwd      d.h.1.ln1_w          line 38    f32[768]
-//   %1025  layernorm_bwd      d.h.1.ln1_b          line 38    f32[768]
-//   %1026  add                d.h.0.x              line 40    f32[8,1024,768]
-//   %1027  reshape                                 line 40    f32[8192,768]
-//   %1028  sum                d.h.0.fcproj_b       line 40    f32[768]
-//   %1029  cast                                    line 40    bf16[8192,768]
+//   %1024  layernorm_bwd                           line 38    f32[8,1024,768]
+//   %1025  layernorm_bwd      d.h.1.ln1_w          line 38    f32[768]
+//   %1026  layernorm_bwd      d.h.1.ln1_b          line 38    f32[768]
+//   %1027  add                d.h.0.x              line 40    f32[8,1024,768]
+//   %1028  reshape                                 line 40    f32[8192,768]
+//   %1029  sum                d.h.0.fcproj_b       line 40    f32[768]
+//   %1030  cast                                    line 40    bf16[8192,768]
 // loops:
 //   layernorm_bwd: 8192 rows of 768, column sums over 64 blocks of 128 rows
 static void k222_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
   float *const b54 = (float *)(arena + 4707949696); // %54 add h.0.x f32[8,1024,768]
   float *const b55 = (float *)(arena + 185886720); // %55 param h.1.ln1_w f32[768]
-  float *const b1003 = (float *)(arena + 2531105920); // %1003 add d.h.1.x f32[8,1024,768]
-  float *const b1020 = (float *)(arena + 2556271744); // %1020 matmul f32[8192,768]
-  float *const b1024 = (float *)(arena + 683645952); // %1024 layernorm_bwd d.h.1.ln1_w f32[768]
-  float *const b1025 = (float *)(arena + 683649024); // %1025 layernorm_bwd d.h.1.ln1_b f32[768]
-  float *const b1026 = (float *)(arena + 2581437568); // %1026 add d.h.0.x f32[8,1024,768]
-  float *const b1028 = (float *)(arena + 683642880); // %1028 sum d.h.0.fcproj_b f32[768]
-  uint16_t *const b1029 = (uint16_t *)(arena + 2606603392); // %1029 cast bf16[8192,768]
+  float *const b1004 = (float *)(arena + 2531105920); // %1004 add d.h.1.x f32[8,1024,768]
+  float *const b1021 = (float *)(arena + 2556271744); // %1021 matmul f32[8192,768]
+  float *const b1025 = (float *)(arena + 683645952); // %1025 layernorm_bwd d.h.1.ln1_w f32[768]
+  float *const b1026 = (float *)(arena + 683649024); // %1026 layernorm_bwd d.h.1.ln1_b f32[768]
+  float *const b1027 = (float *)(arena + 2581437568); // %1027 add d.h.0.x f32[8,1024,768]
+  float *const b1029 = (float *)(arena + 683642880); // %1029 sum d.h.0.fcproj_b f32[768]
+  uint16_t *const b1030 = (uint16_t *)(arena + 2606603392); // %1030 cast bf16[8192,768]
   double *pdw = mdl_scratch(49152 * sizeof(double));
   double *pdb = mdl_scratch(49152 * sizeof(double));
-  double *ps0 = mdl_scratch(49152 * sizeof(double)); // partials of the column sum %1028
+  double *ps0 = mdl_scratch(49152 * sizeof(double)); // partials of the column sum %1029
   #pragma omp parallel num_threads(h->nthreads)
   {
     float *dxrow = mdl_scratch(768 * sizeof(float));
@@ -10499,7 +10502,7 @@ static void k222_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
       const int64_t end = k * 128 + 128 < 8192 ? k * 128 + 128 : 8192;
       for (int64_t r = k * 128; r < end; r++) {
         const float *x = b54 + r * 768;
-        const float *dy = b1020 + r * 768;
+        const float *dy = b1021 + r * 768;
         double mean = 0, var = 0, mg = 0, mgx = 0;
         #pragma omp simd reduction(+ : mean)
         for (int64_t j = 0; j < 768; j++)
@@ -10524,13 +10527,13 @@ static void k222_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
           dx[j] = (float)(rstd * ((double)dy[j] * b55[j] - mg - (x[j] - mean) * rstd * mgx));
         for (int64_t j = 0; j < 768; j++) {
           const int64_t ix = r * 768 + j;
-          const float v1003_ix = b1003[ix];
-          const float v1026_ix = v1003_ix + dx[j];
-          b1026[ix] = v1026_ix;
-          const float v1027_ix = v1026_ix;
-          const float v1029_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v1027_ix));
-          b1029[ix] = mdl_f32_to_bf16(v1029_ix);
-          sa0[j] += v1027_ix;
+          const float v1004_ix = b1004[ix];
+          const float v1027_ix = v1004_ix + dx[j];
+          b1027[ix] = v1027_ix;
+          const float v1028_ix = v1027_ix;
+          const float v1030_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v1028_ix));
+          b1030[ix] = mdl_f32_to_bf16(v1030_ix);
+          sa0[j] += v1028_ix;
         }
       }
     }
@@ -10544,9 +10547,9 @@ static void k222_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
       b += pdb[k * 768 + j];
       a0 += ps0[k * 768 + j];
     }
-    b1024[j] = (float)w;
-    b1025[j] = (float)b;
-    b1028[j] = (float)a0;
+    b1025[j] = (float)w;
+    b1026[j] = (float)b;
+    b1029[j] = (float)a0;
   }
   free(pdw);
   free(pdb);
@@ -10554,44 +10557,44 @@ static void k222_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
 }
 
 // k223_gemm: GEMM, 1 op
-//   %1031  matmul             d.h.0.fcproj_w       line 40    f32[3072,768]
+//   %1032  matmul             d.h.0.fcproj_w       line 40    f32[3072,768]
 // loops:
-//   gemm %1031: [3072 x 768] = T[3072 x 8192] [8192 x 768], bf16 operands widened to f32
+//   gemm %1032: [3072 x 768] = T[3072 x 8192] [8192 x 768], bf16 operands widened to f32
 static void k223_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b49 = (uint16_t *)(arena + 3600653440); // %49 cast bf16[8192,3072]
-  uint16_t *const b1029 = (uint16_t *)(arena + 2606603392); // %1029 cast bf16[8192,768]
-  float *const b1031 = (float *)(arena + 674205696); // %1031 matmul d.h.0.fcproj_w f32[3072,768]
+  uint16_t *const b1030 = (uint16_t *)(arena + 2606603392); // %1030 cast bf16[8192,768]
+  float *const b1032 = (float *)(arena + 674205696); // %1032 matmul d.h.0.fcproj_w f32[3072,768]
   {
     float *const w49 = mdl_widen_bf16(b49, 25165824, h->nthreads);
-    float *const w1029 = mdl_widen_bf16(b1029, 6291456, h->nthreads);
-    mdl_gemm(h, 1, 0, 3072, 768, 8192, w49, 3072, w1029, 768, 0.0f, b1031, 768);
+    float *const w1030 = mdl_widen_bf16(b1030, 6291456, h->nthreads);
+    mdl_gemm(h, 1, 0, 3072, 768, 8192, w49, 3072, w1030, 768, 0.0f, b1032, 768);
     free(w49);
-    free(w1029);
+    free(w1030);
   }
 }
 
 // k224_gemm__gelu_bwd__sum__cast: GEMM, 6 ops
-//   %1030  matmul                                  line 40    f32[8192,3072]
-//   %1032  reshape                                 line 40    f32[8,1024,3072]
-//   %1033  gelu_bwd                                line 40    f32[8,1024,3072]
-//   %1034  reshape                                 line 40    f32[8192,3072]
-//   %1035  sum                d.h.0.fc_b           line 40    f32[3072]
-//   %1036  cast                                    line 40    bf16[8192,3072]
+//   %1031  matmul                                  line 40    f32[8192,3072]
+//   %1033  reshape                                 line 40    f32[8,1024,3072]
+//   %1034  gelu_bwd                                line 40    f32[8,1024,3072]
+//   %1035  reshape                                 line 40    f32[8192,3072]
+//   %1036  sum                d.h.0.fc_b           line 40    f32[3072]
+//   %1037  cast                                    line 40    bf16[8192,3072]
 // loops:
-//   gemm %1030: [8192 x 3072] = [8192 x 768] T[768 x 3072], bf16 operands widened to f32, epilogue after
-//   sum %1035: 3072 outputs over 8192 elements, in 64 blocks of 128
+//   gemm %1031: [8192 x 3072] = [8192 x 768] T[768 x 3072], bf16 operands widened to f32, epilogue after
+//   sum %1036: 3072 outputs over 8192 elements, in 64 blocks of 128
 static void k224_gemm__gelu_bwd__sum__cast(char *arena, const MdlHooks *h) {
   float *const b46 = (float *)(arena + 2392693888); // %46 add f32[8,1024,3072]
   uint16_t *const b50 = (uint16_t *)(arena + 2077741056); // %50 cast bf16[3072,768]
-  uint16_t *const b1029 = (uint16_t *)(arena + 2606603392); // %1029 cast bf16[8192,768]
-  float *const b1030 = mdl_scratch(100663296); // %1030 matmul f32[8192,3072], kept in this kernel
-  float *const b1035 = (float *)(arena + 674193408); // %1035 sum d.h.0.fc_b f32[3072]
-  uint16_t *const b1036 = (uint16_t *)(arena + 2493357184); // %1036 cast bf16[8192,3072]
+  uint16_t *const b1030 = (uint16_t *)(arena + 2606603392); // %1030 cast bf16[8192,768]
+  float *const b1031 = mdl_scratch(100663296); // %1031 matmul f32[8192,3072], kept in this kernel
+  float *const b1036 = (float *)(arena + 674193408); // %1036 sum d.h.0.fc_b f32[3072]
+  uint16_t *const b1037 = (uint16_t *)(arena + 2493357184); // %1037 cast bf16[8192,3072]
   {
-    float *const w1029 = mdl_widen_bf16(b1029, 6291456, h->nthreads);
+    float *const w1030 = mdl_widen_bf16(b1030, 6291456, h->nthreads);
     float *const w50 = mdl_widen_bf16(b50, 2359296, h->nthreads);
-    mdl_gemm(h, 0, 1, 8192, 3072, 768, w1029, 768, w50, 768, 0.0f, b1030, 3072);
-    free(w1029);
+    mdl_gemm(h, 0, 1, 8192, 3072, 768, w1030, 768, w50, 768, 0.0f, b1031, 3072);
+    free(w1030);
     free(w50);
   }
   double *part = mdl_scratch(196608 * sizeof(double));
@@ -10605,13 +10608,13 @@ static void k224_gemm__gelu_bwd__sum__cast(char *arena, const MdlHooks *h) {
       for (int64_t c = 0; c < 3072; c++) {
         const int64_t ix = l * 3072 + c;
         const float v46_ix = b46[ix];
-        const float v1030_ix = b1030[ix];
-        const float v1032_ix = v1030_ix;
-        const float v1033_ix = mdl_gelu_grad(v46_ix) * v1032_ix;
-        const float v1034_ix = v1033_ix;
-        const float v = v1034_ix;
-        const float v1036_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v1034_ix));
-        b1036[ix] = mdl_f32_to_bf16(v1036_ix);
+        const float v1031_ix = b1031[ix];
+        const float v1033_ix = v1031_ix;
+        const float v1034_ix = mdl_gelu_grad(v46_ix) * v1033_ix;
+        const float v1035_ix = v1034_ix;
+        const float v = v1035_ix;
+        const float v1037_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v1035_ix));
+        b1037[ix] = mdl_f32_to_bf16(v1037_ix);
         p[c] += v;
       }
     }
@@ -10624,69 +10627,69 @@ static void k224_gemm__gelu_bwd__sum__cast(char *arena, const MdlHooks *h) {
       acc += v;
     }
     const float y = (float)acc;
-    b1035[r] = y;
+    b1036[r] = y;
   }
   free(part);
-  free(b1030);
+  free(b1031);
 }
 
 // k225_gemm: GEMM, 1 op
-//   %1037  matmul                                  line 40    f32[8192,768]
+//   %1038  matmul                                  line 40    f32[8192,768]
 // loops:
-//   gemm %1037: [8192 x 768] = [8192 x 3072] T[3072 x 768], bf16 operands widened to f32
+//   gemm %1038: [8192 x 768] = [8192 x 3072] T[3072 x 768], bf16 operands widened to f32
 static void k225_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b43 = (uint16_t *)(arena + 2073022464); // %43 cast bf16[768,3072]
-  uint16_t *const b1036 = (uint16_t *)(arena + 2493357184); // %1036 cast bf16[8192,3072]
-  float *const b1037 = (float *)(arena + 2392693888); // %1037 matmul f32[8192,768]
+  uint16_t *const b1037 = (uint16_t *)(arena + 2493357184); // %1037 cast bf16[8192,3072]
+  float *const b1038 = (float *)(arena + 2392693888); // %1038 matmul f32[8192,768]
   {
-    float *const w1036 = mdl_widen_bf16(b1036, 25165824, h->nthreads);
+    float *const w1037 = mdl_widen_bf16(b1037, 25165824, h->nthreads);
     float *const w43 = mdl_widen_bf16(b43, 2359296, h->nthreads);
-    mdl_gemm(h, 0, 1, 8192, 768, 3072, w1036, 3072, w43, 3072, 0.0f, b1037, 768);
-    free(w1036);
+    mdl_gemm(h, 0, 1, 8192, 768, 3072, w1037, 3072, w43, 3072, 0.0f, b1038, 768);
+    free(w1037);
     free(w43);
   }
 }
 
 // k226_gemm: GEMM, 1 op
-//   %1038  matmul             d.h.0.fc_w           line 40    f32[768,3072]
+//   %1039  matmul             d.h.0.fc_w           line 40    f32[768,3072]
 // loops:
-//   gemm %1038: [768 x 3072] = T[768 x 8192] [8192 x 3072], bf16 operands widened to f32
+//   gemm %1039: [768 x 3072] = T[768 x 8192] [8192 x 3072], bf16 operands widened to f32
 static void k226_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b42 = (uint16_t *)(arena + 5362261120); // %42 cast bf16[8192,768]
-  uint16_t *const b1036 = (uint16_t *)(arena + 2493357184); // %1036 cast bf16[8192,3072]
-  float *const b1038 = (float *)(arena + 664756224); // %1038 matmul d.h.0.fc_w f32[768,3072]
+  uint16_t *const b1037 = (uint16_t *)(arena + 2493357184); // %1037 cast bf16[8192,3072]
+  float *const b1039 = (float *)(arena + 664756224); // %1039 matmul d.h.0.fc_w f32[768,3072]
   {
     float *const w42 = mdl_widen_bf16(b42, 6291456, h->nthreads);
-    float *const w1036 = mdl_widen_bf16(b1036, 25165824, h->nthreads);
-    mdl_gemm(h, 1, 0, 768, 3072, 8192, w42, 768, w1036, 3072, 0.0f, b1038, 3072);
+    float *const w1037 = mdl_widen_bf16(b1037, 25165824, h->nthreads);
+    mdl_gemm(h, 1, 0, 768, 3072, 8192, w42, 768, w1037, 3072, 0.0f, b1039, 3072);
     free(w42);
-    free(w1036);
+    free(w1037);
   }
 }
 
 // k227_layernorm_bwd__add__sum__cast: kernel, 7 ops
-//   %1040  layernorm_bwd                           line 40    f32[8,1024,768]
-//   %1041  layernorm_bwd      d.h.0.ln2_w          line 40    f32[768]
-//   %1042  layernorm_bwd      d.h.0.ln2_b          line 40    f32[768]
-//   %1043  add                d.h.0.x              line 39    f32[8,1024,768]
-//   %1044  reshape                                 line 39    f32[8192,768]
-//   %1045  sum                d.h.0.proj_b         line 39    f32[768]
-//   %1046  cast                                    line 39    bf16[8192,768]
+//   %1041  layernorm_bwd                           line 40    f32[8,1024,768]
+//   %1042  layernorm_bwd      d.h.0.ln2_w          line 40    f32[768]
+//   %1043  layernorm_bwd      d.h.0.ln2_b          line 40    f32[768]
+//   %1044  add                d.h.0.x              line 39    f32[8,1024,768]
+//   %1045  reshape                                 line 39    f32[8192,768]
+//   %1046  sum                d.h.0.proj_b         line 39    f32[768]
+//   %1047  cast                                    line 39    bf16[8192,768]
 // loops:
 //   layernorm_bwd: 8192 rows of 768, column sums over 64 blocks of 128 rows
 static void k227_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
   float *const b15 = (float *)(arena + 166990848); // %15 param h.0.ln2_w f32[768]
   float *const b39 = (float *)(arena + 4682783872); // %39 add h.0.x f32[8,1024,768]
-  float *const b1026 = (float *)(arena + 2581437568); // %1026 add d.h.0.x f32[8,1024,768]
-  float *const b1037 = (float *)(arena + 2392693888); // %1037 matmul f32[8192,768]
-  float *const b1041 = (float *)(arena + 664750080); // %1041 layernorm_bwd d.h.0.ln2_w f32[768]
-  float *const b1042 = (float *)(arena + 664753152); // %1042 layernorm_bwd d.h.0.ln2_b f32[768]
-  float *const b1043 = (float *)(arena + 2430442624); // %1043 add d.h.0.x f32[8,1024,768]
-  float *const b1045 = (float *)(arena + 664747008); // %1045 sum d.h.0.proj_b f32[768]
-  uint16_t *const b1046 = (uint16_t *)(arena + 2417859712); // %1046 cast bf16[8192,768]
+  float *const b1027 = (float *)(arena + 2581437568); // %1027 add d.h.0.x f32[8,1024,768]
+  float *const b1038 = (float *)(arena + 2392693888); // %1038 matmul f32[8192,768]
+  float *const b1042 = (float *)(arena + 664750080); // %1042 layernorm_bwd d.h.0.ln2_w f32[768]
+  float *const b1043 = (float *)(arena + 664753152); // %1043 layernorm_bwd d.h.0.ln2_b f32[768]
+  float *const b1044 = (float *)(arena + 2430442624); // %1044 add d.h.0.x f32[8,1024,768]
+  float *const b1046 = (float *)(arena + 664747008); // %1046 sum d.h.0.proj_b f32[768]
+  uint16_t *const b1047 = (uint16_t *)(arena + 2417859712); // %1047 cast bf16[8192,768]
   double *pdw = mdl_scratch(49152 * sizeof(double));
   double *pdb = mdl_scratch(49152 * sizeof(double));
-  double *ps0 = mdl_scratch(49152 * sizeof(double)); // partials of the column sum %1045
+  double *ps0 = mdl_scratch(49152 * sizeof(double)); // partials of the column sum %1046
   #pragma omp parallel num_threads(h->nthreads)
   {
     float *dxrow = mdl_scratch(768 * sizeof(float));
@@ -10700,7 +10703,7 @@ static void k227_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
       const int64_t end = k * 128 + 128 < 8192 ? k * 128 + 128 : 8192;
       for (int64_t r = k * 128; r < end; r++) {
         const float *x = b39 + r * 768;
-        const float *dy = b1037 + r * 768;
+        const float *dy = b1038 + r * 768;
         double mean = 0, var = 0, mg = 0, mgx = 0;
         #pragma omp simd reduction(+ : mean)
         for (int64_t j = 0; j < 768; j++)
@@ -10725,13 +10728,13 @@ static void k227_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
           dx[j] = (float)(rstd * ((double)dy[j] * b15[j] - mg - (x[j] - mean) * rstd * mgx));
         for (int64_t j = 0; j < 768; j++) {
           const int64_t ix = r * 768 + j;
-          const float v1026_ix = b1026[ix];
-          const float v1043_ix = v1026_ix + dx[j];
-          b1043[ix] = v1043_ix;
-          const float v1044_ix = v1043_ix;
-          const float v1046_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v1044_ix));
-          b1046[ix] = mdl_f32_to_bf16(v1046_ix);
-          sa0[j] += v1044_ix;
+          const float v1027_ix = b1027[ix];
+          const float v1044_ix = v1027_ix + dx[j];
+          b1044[ix] = v1044_ix;
+          const float v1045_ix = v1044_ix;
+          const float v1047_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v1045_ix));
+          b1047[ix] = mdl_f32_to_bf16(v1047_ix);
+          sa0[j] += v1045_ix;
         }
       }
     }
@@ -10745,9 +10748,9 @@ static void k227_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
       b += pdb[k * 768 + j];
       a0 += ps0[k * 768 + j];
     }
-    b1041[j] = (float)w;
-    b1042[j] = (float)b;
-    b1045[j] = (float)a0;
+    b1042[j] = (float)w;
+    b1043[j] = (float)b;
+    b1046[j] = (float)a0;
   }
   free(pdw);
   free(pdb);
@@ -10755,69 +10758,69 @@ static void k227_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
 }
 
 // k228_gemm: GEMM, 1 op
-//   %1048  matmul             d.h.0.proj_w         line 39    f32[768,768]
+//   %1049  matmul             d.h.0.proj_w         line 39    f32[768,768]
 // loops:
-//   gemm %1048: [768 x 768] = T[768 x 8192] [8192 x 768], bf16 operands widened to f32
+//   gemm %1049: [768 x 768] = T[768 x 8192] [8192 x 768], bf16 operands widened to f32
 static void k228_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b34 = (uint16_t *)(arena + 5349678208); // %34 cast bf16[8192,768]
-  uint16_t *const b1046 = (uint16_t *)(arena + 2417859712); // %1046 cast bf16[8192,768]
-  float *const b1048 = (float *)(arena + 662387712); // %1048 matmul d.h.0.proj_w f32[768,768]
+  uint16_t *const b1047 = (uint16_t *)(arena + 2417859712); // %1047 cast bf16[8192,768]
+  float *const b1049 = (float *)(arena + 662387712); // %1049 matmul d.h.0.proj_w f32[768,768]
   {
     float *const w34 = mdl_widen_bf16(b34, 6291456, h->nthreads);
-    float *const w1046 = mdl_widen_bf16(b1046, 6291456, h->nthreads);
-    mdl_gemm(h, 1, 0, 768, 768, 8192, w34, 768, w1046, 768, 0.0f, b1048, 768);
+    float *const w1047 = mdl_widen_bf16(b1047, 6291456, h->nthreads);
+    mdl_gemm(h, 1, 0, 768, 768, 8192, w34, 768, w1047, 768, 0.0f, b1049, 768);
     free(w34);
-    free(w1046);
+    free(w1047);
   }
 }
 
 // k229_gemm__cast: GEMM, 3 ops
-//   %1047  matmul                                  line 39    f32[8192,768]
-//   %1049  reshape                                 line 39    f32[8,1024,768]
-//   %1052  cast                                    line 39    bf16[8,1024,768]
+//   %1048  matmul                                  line 39    f32[8192,768]
+//   %1050  reshape                                 line 39    f32[8,1024,768]
+//   %1053  cast                                    line 39    bf16[8,1024,768]
 // loops:
-//   gemm %1047: [8192 x 768] = [8192 x 768] T[768 x 768], bf16 operands widened to f32, epilogue after
-//   elementwise over 6291456: %1052
+//   gemm %1048: [8192 x 768] = [8192 x 768] T[768 x 768], bf16 operands widened to f32, epilogue after
+//   elementwise over 6291456: %1053
 static void k229_gemm__cast(char *arena, const MdlHooks *h) {
   uint16_t *const b35 = (uint16_t *)(arena + 2071842816); // %35 cast bf16[768,768]
-  uint16_t *const b1046 = (uint16_t *)(arena + 2417859712); // %1046 cast bf16[8192,768]
-  float *const b1047 = mdl_scratch(25165824); // %1047 matmul f32[8192,768], kept in this kernel
-  uint16_t *const b1052 = (uint16_t *)(arena + 2392693888); // %1052 cast bf16[8,1024,768]
+  uint16_t *const b1047 = (uint16_t *)(arena + 2417859712); // %1047 cast bf16[8192,768]
+  float *const b1048 = mdl_scratch(25165824); // %1048 matmul f32[8192,768], kept in this kernel
+  uint16_t *const b1053 = (uint16_t *)(arena + 2392693888); // %1053 cast bf16[8,1024,768]
   {
-    float *const w1046 = mdl_widen_bf16(b1046, 6291456, h->nthreads);
+    float *const w1047 = mdl_widen_bf16(b1047, 6291456, h->nthreads);
     float *const w35 = mdl_widen_bf16(b35, 589824, h->nthreads);
-    mdl_gemm(h, 0, 1, 8192, 768, 768, w1046, 768, w35, 768, 0.0f, b1047, 768);
-    free(w1046);
+    mdl_gemm(h, 0, 1, 8192, 768, 768, w1047, 768, w35, 768, 0.0f, b1048, 768);
+    free(w1047);
     free(w35);
   }
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
   for (int64_t r = 0; r < 8192; r++) {
     for (int64_t c = 0; c < 768; c++) {
       const int64_t i = r * 768 + c;
-      const float v1047_i = b1047[i];
-      const float v1049_i = v1047_i;
-      const float v1052_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v1049_i));
-      b1052[i] = mdl_f32_to_bf16(v1052_i);
+      const float v1048_i = b1048[i];
+      const float v1050_i = v1048_i;
+      const float v1053_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v1050_i));
+      b1053[i] = mdl_f32_to_bf16(v1053_i);
     }
   }
-  free(b1047);
+  free(b1048);
 }
 
 // k230_attention_bwd: attention, 3 ops
-//   %1053  attention_bwd      d.h.0.q              line 39    f32[8,1024,768]
-//   %1054  attention_bwd      d.h.0.k              line 39    f32[8,1024,768]
-//   %1055  attention_bwd      d.h.0.v              line 39    f32[8,1024,768]
+//   %1054  attention_bwd      d.h.0.q              line 39    f32[8,1024,768]
+//   %1055  attention_bwd      d.h.0.k              line 39    f32[8,1024,768]
+//   %1056  attention_bwd      d.h.0.v              line 39    f32[8,1024,768]
 // loops:
 //   attention backward (dq dk dv): B 8, T 1024, 12 heads of 64, causal, within documents; one task per (batch, head)
 static void k230_attention_bwd(char *arena, const MdlHooks *h) {
   int32_t *const b3 = (int32_t *)(arena + 2238271488); // %3 input doc i32[8,1024]
   uint16_t *const b28 = (uint16_t *)(arena + 4204633216); // %28 cast bf16[8,1024,2304]
   uint16_t *const b34 = (uint16_t *)(arena + 5349678208); // %34 cast bf16[8192,768]
-  float *const b1050 = (float *)(arena + 5802663040); // %1050 attention_lse f32[8,12,1024]
-  uint16_t *const b1052 = (uint16_t *)(arena + 2392693888); // %1052 cast bf16[8,1024,768]
-  float *const b1053 = (float *)(arena + 2455608448); // %1053 attention_bwd d.h.0.q f32[8,1024,768]
-  float *const b1054 = (float *)(arena + 2480774272); // %1054 attention_bwd d.h.0.k f32[8,1024,768]
-  float *const b1055 = (float *)(arena + 2505940096); // %1055 attention_bwd d.h.0.v f32[8,1024,768]
+  float *const b1051 = (float *)(arena + 5802663040); // %1051 attention_lse f32[8,12,1024]
+  uint16_t *const b1053 = (uint16_t *)(arena + 2392693888); // %1053 cast bf16[8,1024,768]
+  float *const b1054 = (float *)(arena + 2455608448); // %1054 attention_bwd d.h.0.q f32[8,1024,768]
+  float *const b1055 = (float *)(arena + 2480774272); // %1055 attention_bwd d.h.0.k f32[8,1024,768]
+  float *const b1056 = (float *)(arena + 2505940096); // %1056 attention_bwd d.h.0.v f32[8,1024,768]
   #pragma omp parallel num_threads(h->nthreads)
   {
     float *restrict kt = memset(mdl_scratch(67584 * sizeof(float)), 0, 67584 * sizeof(float));
@@ -10865,13 +10868,13 @@ static void k230_attention_bwd(char *arena, const MdlHooks *h) {
           }
           memcpy(s + j0, acc, sizeof acc);
         }
-        const float lse = b1050[(b * 12 + hd) * 1024 + i];
+        const float lse = b1051[(b * 12 + hd) * 1024 + i];
         #pragma omp simd
         for (int64_t j = lo; j < hi; j++)
           s[j] = dc[j] == di ? mdl_exp_shifted(s[j] * 0.125f - lse) : 0.0f;
         float dor[64];
         for (int64_t c = 0; c < 64; c++)
-          dor[c] = mdl_bf16_to_f32(b1052[(b * 1024 + i) * 768 + hd * 64 + c]);
+          dor[c] = mdl_bf16_to_f32(b1053[(b * 1024 + i) * 768 + hd * 64 + c]);
         const float *restrict doi = dor;
         float dsum = 0.0f;
         for (int64_t c = 0; c < 64; c++)
@@ -10920,14 +10923,14 @@ static void k230_attention_bwd(char *arena, const MdlHooks *h) {
           for (int64_t c = 0; c < 64; c++)
             dvj[c] += mdl_bf16_to_f32(mdl_f32_to_bf16(s[j])) * doi[c];
         }
-        float *restrict dq = b1053 + (b * 1024 + i) * 768 + hd * 64;
+        float *restrict dq = b1054 + (b * 1024 + i) * 768 + hd * 64;
         for (int64_t c = 0; c < 64; c++)
           dq[c] = 0.125f * (dqi0[c] + dqi1[c]);
       }
       for (int64_t t = 0; t < 1024; t++)
-        memcpy(b1054 + (b * 1024 + t) * 768 + hd * 64, dkh + t * 64, 64 * sizeof(float));
+        memcpy(b1055 + (b * 1024 + t) * 768 + hd * 64, dkh + t * 64, 64 * sizeof(float));
       for (int64_t t = 0; t < 1024; t++)
-        memcpy(b1055 + (b * 1024 + t) * 768 + hd * 64, dvh + t * 64, 64 * sizeof(float));
+        memcpy(b1056 + (b * 1024 + t) * 768 + hd * 64, dvh + t * 64, 64 * sizeof(float));
     }
     free(kt);
     free(s);
@@ -10939,18 +10942,18 @@ static void k230_attention_bwd(char *arena, const MdlHooks *h) {
 }
 
 // k231_sum__concat__cast: kernel, 4 ops
-//   %1056  concat                                  line 38    f32[8,1024,2304]
-//   %1057  reshape                                 line 38    f32[8192,2304]
-//   %1058  sum                d.h.0.attn_b         line 38    f32[2304]
-//   %1059  cast                                    line 38    bf16[8192,2304]
+//   %1057  concat                                  line 38    f32[8,1024,2304]
+//   %1058  reshape                                 line 38    f32[8192,2304]
+//   %1059  sum                d.h.0.attn_b         line 38    f32[2304]
+//   %1060  cast                                    line 38    bf16[8192,2304]
 // loops:
-//   sum %1058: 2304 outputs over 8192 elements, in 64 blocks of 128
+//   sum %1059: 2304 outputs over 8192 elements, in 64 blocks of 128
 static void k231_sum__concat__cast(char *arena, const MdlHooks *h) {
-  float *const b1053 = (float *)(arena + 2455608448); // %1053 attention_bwd d.h.0.q f32[8,1024,768]
-  float *const b1054 = (float *)(arena + 2480774272); // %1054 attention_bwd d.h.0.k f32[8,1024,768]
-  float *const b1055 = (float *)(arena + 2505940096); // %1055 attention_bwd d.h.0.v f32[8,1024,768]
-  float *const b1058 = (float *)(arena + 662378496); // %1058 sum d.h.0.attn_b f32[2304]
-  uint16_t *const b1059 = (uint16_t *)(arena + 2392693888); // %1059 cast bf16[8192,2304]
+  float *const b1054 = (float *)(arena + 2455608448); // %1054 attention_bwd d.h.0.q f32[8,1024,768]
+  float *const b1055 = (float *)(arena + 2480774272); // %1055 attention_bwd d.h.0.k f32[8,1024,768]
+  float *const b1056 = (float *)(arena + 2505940096); // %1056 attention_bwd d.h.0.v f32[8,1024,768]
+  float *const b1059 = (float *)(arena + 662378496); // %1059 sum d.h.0.attn_b f32[2304]
+  uint16_t *const b1060 = (uint16_t *)(arena + 2392693888); // %1060 cast bf16[8192,2304]
   double *part = mdl_scratch(147456 * sizeof(double));
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
   for (int64_t k = 0; k < 64; k++) {
@@ -10961,11 +10964,11 @@ static void k231_sum__concat__cast(char *arena, const MdlHooks *h) {
     for (int64_t l = k * 128; l < end; l++) {
       for (int64_t c = 0; c < 2304; c++) {
         const int64_t ix = l * 2304 + c;
-        const float v1056_ix = (c < 768 ? b1053 + (l * 768 + c) : c < 1536 ? b1054 + (l * 768 + (c - 768)) : b1055 + (l * 768 + (c - 1536)))[0];
-        const float v1057_ix = v1056_ix;
-        const float v = v1057_ix;
-        const float v1059_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v1057_ix));
-        b1059[ix] = mdl_f32_to_bf16(v1059_ix);
+        const float v1057_ix = (c < 768 ? b1054 + (l * 768 + c) : c < 1536 ? b1055 + (l * 768 + (c - 768)) : b1056 + (l * 768 + (c - 1536)))[0];
+        const float v1058_ix = v1057_ix;
+        const float v = v1058_ix;
+        const float v1060_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v1058_ix));
+        b1060[ix] = mdl_f32_to_bf16(v1060_ix);
         p[c] += v;
       }
     }
@@ -10978,60 +10981,60 @@ static void k231_sum__concat__cast(char *arena, const MdlHooks *h) {
       acc += v;
     }
     const float y = (float)acc;
-    b1058[r] = y;
+    b1059[r] = y;
   }
   free(part);
 }
 
 // k232_gemm: GEMM, 1 op
-//   %1060  matmul                                  line 38    f32[8192,768]
+//   %1061  matmul                                  line 38    f32[8192,768]
 // loops:
-//   gemm %1060: [8192 x 768] = [8192 x 2304] T[2304 x 768], bf16 operands widened to f32
+//   gemm %1061: [8192 x 768] = [8192 x 2304] T[2304 x 768], bf16 operands widened to f32
 static void k232_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b24 = (uint16_t *)(arena + 2068303872); // %24 cast bf16[768,2304]
-  uint16_t *const b1059 = (uint16_t *)(arena + 2392693888); // %1059 cast bf16[8192,2304]
-  float *const b1060 = (float *)(arena + 2455608448); // %1060 matmul f32[8192,768]
+  uint16_t *const b1060 = (uint16_t *)(arena + 2392693888); // %1060 cast bf16[8192,2304]
+  float *const b1061 = (float *)(arena + 2455608448); // %1061 matmul f32[8192,768]
   {
-    float *const w1059 = mdl_widen_bf16(b1059, 18874368, h->nthreads);
+    float *const w1060 = mdl_widen_bf16(b1060, 18874368, h->nthreads);
     float *const w24 = mdl_widen_bf16(b24, 1769472, h->nthreads);
-    mdl_gemm(h, 0, 1, 8192, 768, 2304, w1059, 2304, w24, 2304, 0.0f, b1060, 768);
-    free(w1059);
+    mdl_gemm(h, 0, 1, 8192, 768, 2304, w1060, 2304, w24, 2304, 0.0f, b1061, 768);
+    free(w1060);
     free(w24);
   }
 }
 
 // k233_gemm: GEMM, 1 op
-//   %1061  matmul             d.h.0.attn_w         line 38    f32[768,2304]
+//   %1062  matmul             d.h.0.attn_w         line 38    f32[768,2304]
 // loops:
-//   gemm %1061: [768 x 2304] = T[768 x 8192] [8192 x 2304], bf16 operands widened to f32
+//   gemm %1062: [768 x 2304] = T[768 x 8192] [8192 x 2304], bf16 operands widened to f32
 static void k233_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b23 = (uint16_t *)(arena + 5337095296); // %23 cast bf16[8192,768]
-  uint16_t *const b1059 = (uint16_t *)(arena + 2392693888); // %1059 cast bf16[8192,2304]
-  float *const b1061 = (float *)(arena + 655300608); // %1061 matmul d.h.0.attn_w f32[768,2304]
+  uint16_t *const b1060 = (uint16_t *)(arena + 2392693888); // %1060 cast bf16[8192,2304]
+  float *const b1062 = (float *)(arena + 655300608); // %1062 matmul d.h.0.attn_w f32[768,2304]
   {
     float *const w23 = mdl_widen_bf16(b23, 6291456, h->nthreads);
-    float *const w1059 = mdl_widen_bf16(b1059, 18874368, h->nthreads);
-    mdl_gemm(h, 1, 0, 768, 2304, 8192, w23, 768, w1059, 2304, 0.0f, b1061, 2304);
+    float *const w1060 = mdl_widen_bf16(b1060, 18874368, h->nthreads);
+    mdl_gemm(h, 1, 0, 768, 2304, 8192, w23, 768, w1060, 2304, 0.0f, b1062, 2304);
     free(w23);
-    free(w1059);
+    free(w1060);
   }
 }
 
 // k234_layernorm_bwd__add: kernel, 4 ops
-//   %1063  layernorm_bwd                           line 38    f32[8,1024,768]
-//   %1064  layernorm_bwd      d.h.0.ln1_w          line 38    f32[768]
-//   %1065  layernorm_bwd      d.h.0.ln1_b          line 38    f32[768]
-//   %1066  add                d.x                  line 22    f32[8,1024,768]
+//   %1064  layernorm_bwd                           line 38    f32[8,1024,768]
+//   %1065  layernorm_bwd      d.h.0.ln1_w          line 38    f32[768]
+//   %1066  layernorm_bwd      d.h.0.ln1_b          line 38    f32[768]
+//   %1067  add                d.x                  line 22    f32[8,1024,768]
 // loops:
 //   layernorm_bwd: 8192 rows of 768, column sums over 64 blocks of 128 rows
 static void k234_layernorm_bwd__add(char *arena, const MdlHooks *h) {
   float *const b8 = (float *)(arena + 4657618048); // %8 add x f32[8,1024,768]
   float *const b9 = (float *)(arena + 157535232); // %9 param h.0.ln1_w f32[768]
-  float *const b1043 = (float *)(arena + 2430442624); // %1043 add d.h.0.x f32[8,1024,768]
-  float *const b1060 = (float *)(arena + 2455608448); // %1060 matmul f32[8192,768]
-  float *const b1064 = (float *)(arena + 655294464); // %1064 layernorm_bwd d.h.0.ln1_w f32[768]
-  float *const b1065 = (float *)(arena + 655297536); // %1065 layernorm_bwd d.h.0.ln1_b f32[768]
-  float *const b1066 = (float *)(arena + 2392693888); // %1066 add d.x f32[8,1024,768]
+  float *const b1044 = (float *)(arena + 2430442624); // %1044 add d.h.0.x f32[8,1024,768]
+  float *const b1061 = (float *)(arena + 2455608448); // %1061 matmul f32[8192,768]
+  float *const b1065 = (float *)(arena + 655294464); // %1065 layernorm_bwd d.h.0.ln1_w f32[768]
+  float *const b1066 = (float *)(arena + 655297536); // %1066 layernorm_bwd d.h.0.ln1_b f32[768]
+  float *const b1067 = (float *)(arena + 2392693888); // %1067 add d.x f32[8,1024,768]
   double *pdw = mdl_scratch(49152 * sizeof(double));
   double *pdb = mdl_scratch(49152 * sizeof(double));
   #pragma omp parallel num_threads(h->nthreads)
@@ -11046,7 +11049,7 @@ static void k234_layernorm_bwd__add(char *arena, const MdlHooks *h) {
       const int64_t end = k * 128 + 128 < 8192 ? k * 128 + 128 : 8192;
       for (int64_t r = k * 128; r < end; r++) {
         const float *x = b8 + r * 768;
-        const float *dy = b1060 + r * 768;
+        const float *dy = b1061 + r * 768;
         double mean = 0, var = 0, mg = 0, mgx = 0;
         #pragma omp simd reduction(+ : mean)
         for (int64_t j = 0; j < 768; j++)
@@ -11071,9 +11074,9 @@ static void k234_layernorm_bwd__add(char *arena, const MdlHooks *h) {
           dx[j] = (float)(rstd * ((double)dy[j] * b9[j] - mg - (x[j] - mean) * rstd * mgx));
         for (int64_t j = 0; j < 768; j++) {
           const int64_t ix = r * 768 + j;
-          const float v1043_ix = b1043[ix];
-          const float v1066_ix = v1043_ix + dx[j];
-          b1066[ix] = v1066_ix;
+          const float v1044_ix = b1044[ix];
+          const float v1067_ix = v1044_ix + dx[j];
+          b1067[ix] = v1067_ix;
         }
       }
     }
@@ -11086,26 +11089,26 @@ static void k234_layernorm_bwd__add(char *arena, const MdlHooks *h) {
       w += pdw[k * 768 + j];
       b += pdb[k * 768 + j];
     }
-    b1064[j] = (float)w;
-    b1065[j] = (float)b;
+    b1065[j] = (float)w;
+    b1066[j] = (float)b;
   }
   free(pdw);
   free(pdb);
 }
 
 // k235_embed_bwd: kernel, 1 op
-//   %1067  embed_bwd          d.wpe                line 22    f32[1024,768]
+//   %1068  embed_bwd          d.wpe                line 22    f32[1024,768]
 // loops:
 //   embed backward: 8192 rows of 768 into a table of 1024, 48 column blocks
 static void k235_embed_bwd(char *arena, const MdlHooks *h) {
   int32_t *const b2 = (int32_t *)(arena + 2238238720); // %2 input pos i32[8,1024]
-  float *const b1066 = (float *)(arena + 2392693888); // %1066 add d.x f32[8,1024,768]
-  float *const b1067 = (float *)(arena + 652148736); // %1067 embed_bwd d.wpe f32[1024,768]
+  float *const b1067 = (float *)(arena + 2392693888); // %1067 add d.x f32[8,1024,768]
+  float *const b1068 = (float *)(arena + 652148736); // %1068 embed_bwd d.wpe f32[1024,768]
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
   for (int64_t k = 0; k < 48; k++) {
     const int64_t c0 = k * 16, c1 = c0 + 16 < 768 ? c0 + 16 : 768;
     for (int64_t t = 0; t < 1024; t++)
-      memset(b1067 + t * 768 + c0, 0, (size_t)(c1 - c0) * sizeof(float));
+      memset(b1068 + t * 768 + c0, 0, (size_t)(c1 - c0) * sizeof(float));
     for (int64_t r = 0; r < 8192; r++) {
       const int32_t id = b2[r];
       if (id < 0 || id >= 1024) {
@@ -11114,28 +11117,28 @@ static void k235_embed_bwd(char *arena, const MdlHooks *h) {
         continue;
       }
       for (int64_t j = c0; j < c1; j++)
-        b1067[(int64_t)id * 768 + j] += b1066[r * 768 + j];
+        b1068[(int64_t)id * 768 + j] += b1067[r * 768 + j];
     }
   }
 }
 
 // k236_embed_bwd__add: kernel, 2 ops
-//   %1068  embed_bwd                               line 22    f32[50257,768]
-//   %1069  add                d.wte                line 19    f32[50257,768]
+//   %1069  embed_bwd                               line 22    f32[50257,768]
+//   %1070  add                d.wte                line 19    f32[50257,768]
 // loops:
 //   embed backward: 8192 rows of 768 into a table of 50257, 48 column blocks
-//   elementwise over 38597376: %1069
+//   elementwise over 38597376: %1070
 static void k236_embed_bwd__add(char *arena, const MdlHooks *h) {
   int32_t *const b0 = (int32_t *)(arena + 2238173184); // %0 input tokens i32[8,1024]
-  float *const b582 = (float *)(arena + 2238304384); // %582 matmul f32[50257,768]
-  float *const b1066 = (float *)(arena + 2392693888); // %1066 add d.x f32[8,1024,768]
-  float *const b1068 = mdl_scratch(154389504); // %1068 embed_bwd f32[50257,768], kept in this kernel
-  float *const b1069 = (float *)(arena + 497759232); // %1069 add d.wte f32[50257,768]
+  float *const b583 = (float *)(arena + 2238304384); // %583 matmul f32[50257,768]
+  float *const b1067 = (float *)(arena + 2392693888); // %1067 add d.x f32[8,1024,768]
+  float *const b1069 = mdl_scratch(154389504); // %1069 embed_bwd f32[50257,768], kept in this kernel
+  float *const b1070 = (float *)(arena + 497759232); // %1070 add d.wte f32[50257,768]
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
   for (int64_t k = 0; k < 48; k++) {
     const int64_t c0 = k * 16, c1 = c0 + 16 < 768 ? c0 + 16 : 768;
     for (int64_t t = 0; t < 50257; t++)
-      memset(b1068 + t * 768 + c0, 0, (size_t)(c1 - c0) * sizeof(float));
+      memset(b1069 + t * 768 + c0, 0, (size_t)(c1 - c0) * sizeof(float));
     for (int64_t r = 0; r < 8192; r++) {
       const int32_t id = b0[r];
       if (id < 0 || id >= 50257) {
@@ -11144,478 +11147,478 @@ static void k236_embed_bwd__add(char *arena, const MdlHooks *h) {
         continue;
       }
       for (int64_t j = c0; j < c1; j++)
-        b1068[(int64_t)id * 768 + j] += b1066[r * 768 + j];
+        b1069[(int64_t)id * 768 + j] += b1067[r * 768 + j];
     }
   }
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
   for (int64_t r = 0; r < 50257; r++) {
     for (int64_t c = 0; c < 768; c++) {
       const int64_t i = r * 768 + c;
-      const float v582_i = b582[i];
-      const float v1068_i = b1068[i];
-      const float v1069_i = v582_i + v1068_i;
-      b1069[i] = v1069_i;
+      const float v583_i = b583[i];
+      const float v1069_i = b1069[i];
+      const float v1070_i = v583_i + v1069_i;
+      b1070[i] = v1070_i;
     }
   }
-  free(b1068);
+  free(b1069);
 }
 
 // k237_grad_norm__adamw: optimizer, 149 ops
-//   %1072  grad_norm                                          f32[]
-//   %1075  adamw              wte.new              line 19    f32[50257,768]
-//   %1078  adamw              wpe.new              line 20    f32[1024,768]
-//   %1081  adamw              h.0.ln1_w.new        line 25    f32[768]
-//   %1084  adamw              h.0.ln1_b.new        line 26    f32[768]
-//   %1087  adamw              h.0.attn_w.new       line 27    f32[768,2304]
-//   %1090  adamw              h.0.attn_b.new       line 28    f32[2304]
-//   %1093  adamw              h.0.proj_w.new       line 29    f32[768,768]
-//   %1096  adamw              h.0.proj_b.new       line 30    f32[768]
-//   %1099  adamw              h.0.ln2_w.new        line 31    f32[768]
-//   %1102  adamw              h.0.ln2_b.new        line 32    f32[768]
-//   %1105  adamw              h.0.fc_w.new         line 33    f32[768,3072]
-//   %1108  adamw              h.0.fc_b.new         line 34    f32[3072]
-//   %1111  adamw              h.0.fcproj_w.new     line 35    f32[3072,768]
-//   %1114  adamw              h.0.fcproj_b.new     line 36    f32[768]
-//   %1117  adamw              h.1.ln1_w.new        line 25    f32[768]
-//   %1120  adamw              h.1.ln1_b.new        line 26    f32[768]
-//   %1123  adamw              h.1.attn_w.new       line 27    f32[768,2304]
-//   %1126  adamw              h.1.attn_b.new       line 28    f32[2304]
-//   %1129  adamw              h.1.proj_w.new       line 29    f32[768,768]
-//   %1132  adamw              h.1.proj_b.new       line 30    f32[768]
-//   %1135  adamw              h.1.ln2_w.new        line 31    f32[768]
-//   %1138  adamw              h.1.ln2_b.new        line 32    f32[768]
-//   %1141  adamw              h.1.fc_w.new         line 33    f32[768,3072]
-//   %1144  adamw              h.1.fc_b.new         line 34    f32[3072]
-//   %1147  adamw              h.1.fcproj_w.new     line 35    f32[3072,768]
-//   %1150  adamw              h.1.fcproj_b.new     line 36    f32[768]
-//   %1153  adamw              h.2.ln1_w.new        line 25    f32[768]
-//   %1156  adamw              h.2.ln1_b.new        line 26    f32[768]
-//   %1159  adamw              h.2.attn_w.new       line 27    f32[768,2304]
-//   %1162  adamw              h.2.attn_b.new       line 28    f32[2304]
-//   %1165  adamw              h.2.proj_w.new       line 29    f32[768,768]
-//   %1168  adamw              h.2.proj_b.new       line 30    f32[768]
-//   %1171  adamw              h.2.ln2_w.new        line 31    f32[768]
-//   %1174  adamw              h.2.ln2_b.new        line 32    f32[768]
-//   %1177  adamw              h.2.fc_w.new         line 33    f32[768,3072]
-//   %1180  adamw              h.2.fc_b.new         line 34    f32[3072]
-//   %1183  adamw              h.2.fcproj_w.new     line 35    f32[3072,768]
-//   %1186  adamw              h.2.fcproj_b.new     line 36    f32[768]
-//   %1189  adamw              h.3.ln1_w.new        line 25    f32[768]
-//   %1192  adamw              h.3.ln1_b.new        line 26    f32[768]
-//   %1195  adamw              h.3.attn_w.new       line 27    f32[768,2304]
-//   %1198  adamw              h.3.attn_b.new       line 28    f32[2304]
-//   %1201  adamw              h.3.proj_w.new       line 29    f32[768,768]
-//   %1204  adamw              h.3.proj_b.new       line 30    f32[768]
-//   %1207  adamw              h.3.ln2_w.new        line 31    f32[768]
-//   %1210  adamw              h.3.ln2_b.new        line 32    f32[768]
-//   %1213  adamw              h.3.fc_w.new         line 33    f32[768,3072]
-//   %1216  adamw              h.3.fc_b.new         line 34    f32[3072]
-//   %1219  adamw              h.3.fcproj_w.new     line 35    f32[3072,768]
-//   %1222  adamw              h.3.fcproj_b.new     line 36    f32[768]
-//   %1225  adamw              h.4.ln1_w.new        line 25    f32[768]
-//   %1228  adamw              h.4.ln1_b.new        line 26    f32[768]
-//   %1231  adamw              h.4.attn_w.new       line 27    f32[768,2304]
-//   %1234  adamw              h.4.attn_b.new       line 28    f32[2304]
-//   %1237  adamw              h.4.proj_w.new       line 29    f32[768,768]
-//   %1240  adamw              h.4.proj_b.new       line 30    f32[768]
-//   %1243  adamw              h.4.ln2_w.new        line 31    f32[768]
-//   %1246  adamw              h.4.ln2_b.new        line 32    f32[768]
-//   %1249  adamw              h.4.fc_w.new         line 33    f32[768,3072]
-//   %1252  adamw              h.4.fc_b.new         line 34    f32[3072]
-//   %1255  adamw              h.4.fcproj_w.new     line 35    f32[3072,768]
-//   %1258  adamw              h.4.fcproj_b.new     line 36    f32[768]
-//   %1261  adamw              h.5.ln1_w.new        line 25    f32[768]
-//   %1264  adamw              h.5.ln1_b.new        line 26    f32[768]
-//   %1267  adamw              h.5.attn_w.new       line 27    f32[768,2304]
-//   %1270  adamw              h.5.attn_b.new       line 28    f32[2304]
-//   %1273  adamw              h.5.proj_w.new       line 29    f32[768,768]
-//   %1276  adamw              h.5.proj_b.new       line 30    f32[768]
-//   %1279  adamw              h.5.ln2_w.new        line 31    f32[768]
-//   %1282  adamw              h.5.ln2_b.new        line 32    f32[768]
-//   %1285  adamw              h.5.fc_w.new         line 33    f32[768,3072]
-//   %1288  adamw              h.5.fc_b.new         line 34    f32[3072]
-//   %1291  adamw              h.5.fcproj_w.new     line 35    f32[3072,768]
-//   %1294  adamw              h.5.fcproj_b.new     line 36    f32[768]
-//   %1297  adamw              h.6.ln1_w.new        line 25    f32[768]
-//   %1300  adamw              h.6.ln1_b.new        line 26    f32[768]
-//   %1303  adamw              h.6.attn_w.new       line 27    f32[768,2304]
-//   %1306  adamw              h.6.attn_b.new       line 28    f32[2304]
-//   %1309  adamw              h.6.proj_w.new       line 29    f32[768,768]
-//   %1312  adamw              h.6.proj_b.new       line 30    f32[768]
-//   %1315  adamw              h.6.ln2_w.new        line 31    f32[768]
-//   %1318  adamw              h.6.ln2_b.new        line 32    f32[768]
-//   %1321  adamw              h.6.fc_w.new         line 33    f32[768,3072]
-//   %1324  adamw              h.6.fc_b.new         line 34    f32[3072]
-//   %1327  adamw              h.6.fcproj_w.new     line 35    f32[3072,768]
-//   %1330  adamw              h.6.fcproj_b.new     line 36    f32[768]
-//   %1333  adamw              h.7.ln1_w.new        line 25    f32[768]
-//   %1336  adamw              h.7.ln1_b.new        line 26    f32[768]
-//   %1339  adamw              h.7.attn_w.new       line 27    f32[768,2304]
-//   %1342  adamw              h.7.attn_b.new       line 28    f32[2304]
-//   %1345  adamw              h.7.proj_w.new       line 29    f32[768,768]
-//   %1348  adamw              h.7.proj_b.new       line 30    f32[768]
-//   %1351  adamw              h.7.ln2_w.new        line 31    f32[768]
-//   %1354  adamw              h.7.ln2_b.new        line 32    f32[768]
-//   %1357  adamw              h.7.fc_w.new         line 33    f32[768,3072]
-//   %1360  adamw              h.7.fc_b.new         line 34    f32[3072]
-//   %1363  adamw              h.7.fcproj_w.new     line 35    f32[3072,768]
-//   %1366  adamw              h.7.fcproj_b.new     line 36    f32[768]
-//   %1369  adamw              h.8.ln1_w.new        line 25    f32[768]
-//   %1372  adamw              h.8.ln1_b.new        line 26    f32[768]
-//   %1375  adamw              h.8.attn_w.new       line 27    f32[768,2304]
-//   %1378  adamw              h.8.attn_b.new       line 28    f32[2304]
-//   %1381  adamw              h.8.proj_w.new       line 29    f32[768,768]
-//   %1384  adamw              h.8.proj_b.new       line 30    f32[768]
-//   %1387  adamw              h.8.ln2_w.new        line 31    f32[768]
-//   %1390  adamw              h.8.ln2_b.new        line 32    f32[768]
-//   %1393  adamw              h.8.fc_w.new         line 33    f32[768,3072]
-//   %1396  adamw              h.8.fc_b.new         line 34    f32[3072]
-//   %1399  adamw              h.8.fcproj_w.new     line 35    f32[3072,768]
-//   %1402  adamw              h.8.fcproj_b.new     line 36    f32[768]
-//   %1405  adamw              h.9.ln1_w.new        line 25    f32[768]
-//   %1408  adamw              h.9.ln1_b.new        line 26    f32[768]
-//   %1411  adamw              h.9.attn_w.new       line 27    f32[768,2304]
-//   %1414  adamw              h.9.attn_b.new       line 28    f32[2304]
-//   %1417  adamw              h.9.proj_w.new       line 29    f32[768,768]
-//   %1420  adamw              h.9.proj_b.new       line 30    f32[768]
-//   %1423  adamw              h.9.ln2_w.new        line 31    f32[768]
-//   %1426  adamw              h.9.ln2_b.new        line 32    f32[768]
-//   %1429  adamw              h.9.fc_w.new         line 33    f32[768,3072]
-//   %1432  adamw              h.9.fc_b.new         line 34    f32[3072]
-//   %1435  adamw              h.9.fcproj_w.new     line 35    f32[3072,768]
-//   %1438  adamw              h.9.fcproj_b.new     line 36    f32[768]
-//   %1441  adamw              h.10.ln1_w.new       line 25    f32[768]
-//   %1444  adamw              h.10.ln1_b.new       line 26    f32[768]
-//   %1447  adamw              h.10.attn_w.new      line 27    f32[768,2304]
-//   %1450  adamw              h.10.attn_b.new      line 28    f32[2304]
-//   %1453  adamw              h.10.proj_w.new      line 29    f32[768,768]
-//   %1456  adamw              h.10.proj_b.new      line 30    f32[768]
-//   %1459  adamw              h.10.ln2_w.new       line 31    f32[768]
-//   %1462  adamw              h.10.ln2_b.new       line 32    f32[768]
-//   %1465  adamw              h.10.fc_w.new        line 33    f32[768,3072]
-//   %1468  adamw              h.10.fc_b.new        line 34    f32[3072]
-//   %1471  adamw              h.10.fcproj_w.new    line 35    f32[3072,768]
-//   %1474  adamw              h.10.fcproj_b.new    line 36    f32[768]
-//   %1477  adamw              h.11.ln1_w.new       line 25    f32[768]
-//   %1480  adamw              h.11.ln1_b.new       line 26    f32[768]
-//   %1483  adamw              h.11.attn_w.new      line 27    f32[768,2304]
-//   %1486  adamw              h.11.attn_b.new      line 28    f32[2304]
-//   %1489  adamw              h.11.proj_w.new      line 29    f32[768,768]
-//   %1492  adamw              h.11.proj_b.new      line 30    f32[768]
-//   %1495  adamw              h.11.ln2_w.new       line 31    f32[768]
-//   %1498  adamw              h.11.ln2_b.new       line 32    f32[768]
-//   %1501  adamw              h.11.fc_w.new        line 33    f32[768,3072]
-//   %1504  adamw              h.11.fc_b.new        line 34    f32[3072]
-//   %1507  adamw              h.11.fcproj_w.new    line 35    f32[3072,768]
-//   %1510  adamw              h.11.fcproj_b.new    line 36    f32[768]
-//   %1513  adamw              lnf_w.new            line 43    f32[768]
-//   %1516  adamw              lnf_b.new            line 44    f32[768]
+//   %1073  grad_norm                                          f32[]
+//   %1076  adamw              wte.new              line 19    f32[50257,768]
+//   %1079  adamw              wpe.new              line 20    f32[1024,768]
+//   %1082  adamw              h.0.ln1_w.new        line 25    f32[768]
+//   %1085  adamw              h.0.ln1_b.new        line 26    f32[768]
+//   %1088  adamw              h.0.attn_w.new       line 27    f32[768,2304]
+//   %1091  adamw              h.0.attn_b.new       line 28    f32[2304]
+//   %1094  adamw              h.0.proj_w.new       line 29    f32[768,768]
+//   %1097  adamw              h.0.proj_b.new       line 30    f32[768]
+//   %1100  adamw              h.0.ln2_w.new        line 31    f32[768]
+//   %1103  adamw              h.0.ln2_b.new        line 32    f32[768]
+//   %1106  adamw              h.0.fc_w.new         line 33    f32[768,3072]
+//   %1109  adamw              h.0.fc_b.new         line 34    f32[3072]
+//   %1112  adamw              h.0.fcproj_w.new     line 35    f32[3072,768]
+//   %1115  adamw              h.0.fcproj_b.new     line 36    f32[768]
+//   %1118  adamw              h.1.ln1_w.new        line 25    f32[768]
+//   %1121  adamw              h.1.ln1_b.new        line 26    f32[768]
+//   %1124  adamw              h.1.attn_w.new       line 27    f32[768,2304]
+//   %1127  adamw              h.1.attn_b.new       line 28    f32[2304]
+//   %1130  adamw              h.1.proj_w.new       line 29    f32[768,768]
+//   %1133  adamw              h.1.proj_b.new       line 30    f32[768]
+//   %1136  adamw              h.1.ln2_w.new        line 31    f32[768]
+//   %1139  adamw              h.1.ln2_b.new        line 32    f32[768]
+//   %1142  adamw              h.1.fc_w.new         line 33    f32[768,3072]
+//   %1145  adamw              h.1.fc_b.new         line 34    f32[3072]
+//   %1148  adamw              h.1.fcproj_w.new     line 35    f32[3072,768]
+//   %1151  adamw              h.1.fcproj_b.new     line 36    f32[768]
+//   %1154  adamw              h.2.ln1_w.new        line 25    f32[768]
+//   %1157  adamw              h.2.ln1_b.new        line 26    f32[768]
+//   %1160  adamw              h.2.attn_w.new       line 27    f32[768,2304]
+//   %1163  adamw              h.2.attn_b.new       line 28    f32[2304]
+//   %1166  adamw              h.2.proj_w.new       line 29    f32[768,768]
+//   %1169  adamw              h.2.proj_b.new       line 30    f32[768]
+//   %1172  adamw              h.2.ln2_w.new        line 31    f32[768]
+//   %1175  adamw              h.2.ln2_b.new        line 32    f32[768]
+//   %1178  adamw              h.2.fc_w.new         line 33    f32[768,3072]
+//   %1181  adamw              h.2.fc_b.new         line 34    f32[3072]
+//   %1184  adamw              h.2.fcproj_w.new     line 35    f32[3072,768]
+//   %1187  adamw              h.2.fcproj_b.new     line 36    f32[768]
+//   %1190  adamw              h.3.ln1_w.new        line 25    f32[768]
+//   %1193  adamw              h.3.ln1_b.new        line 26    f32[768]
+//   %1196  adamw              h.3.attn_w.new       line 27    f32[768,2304]
+//   %1199  adamw              h.3.attn_b.new       line 28    f32[2304]
+//   %1202  adamw              h.3.proj_w.new       line 29    f32[768,768]
+//   %1205  adamw              h.3.proj_b.new       line 30    f32[768]
+//   %1208  adamw              h.3.ln2_w.new        line 31    f32[768]
+//   %1211  adamw              h.3.ln2_b.new        line 32    f32[768]
+//   %1214  adamw              h.3.fc_w.new         line 33    f32[768,3072]
+//   %1217  adamw              h.3.fc_b.new         line 34    f32[3072]
+//   %1220  adamw              h.3.fcproj_w.new     line 35    f32[3072,768]
+//   %1223  adamw              h.3.fcproj_b.new     line 36    f32[768]
+//   %1226  adamw              h.4.ln1_w.new        line 25    f32[768]
+//   %1229  adamw              h.4.ln1_b.new        line 26    f32[768]
+//   %1232  adamw              h.4.attn_w.new       line 27    f32[768,2304]
+//   %1235  adamw              h.4.attn_b.new       line 28    f32[2304]
+//   %1238  adamw              h.4.proj_w.new       line 29    f32[768,768]
+//   %1241  adamw              h.4.proj_b.new       line 30    f32[768]
+//   %1244  adamw              h.4.ln2_w.new        line 31    f32[768]
+//   %1247  adamw              h.4.ln2_b.new        line 32    f32[768]
+//   %1250  adamw              h.4.fc_w.new         line 33    f32[768,3072]
+//   %1253  adamw              h.4.fc_b.new         line 34    f32[3072]
+//   %1256  adamw              h.4.fcproj_w.new     line 35    f32[3072,768]
+//   %1259  adamw              h.4.fcproj_b.new     line 36    f32[768]
+//   %1262  adamw              h.5.ln1_w.new        line 25    f32[768]
+//   %1265  adamw              h.5.ln1_b.new        line 26    f32[768]
+//   %1268  adamw              h.5.attn_w.new       line 27    f32[768,2304]
+//   %1271  adamw              h.5.attn_b.new       line 28    f32[2304]
+//   %1274  adamw              h.5.proj_w.new       line 29    f32[768,768]
+//   %1277  adamw              h.5.proj_b.new       line 30    f32[768]
+//   %1280  adamw              h.5.ln2_w.new        line 31    f32[768]
+//   %1283  adamw              h.5.ln2_b.new        line 32    f32[768]
+//   %1286  adamw              h.5.fc_w.new         line 33    f32[768,3072]
+//   %1289  adamw              h.5.fc_b.new         line 34    f32[3072]
+//   %1292  adamw              h.5.fcproj_w.new     line 35    f32[3072,768]
+//   %1295  adamw              h.5.fcproj_b.new     line 36    f32[768]
+//   %1298  adamw              h.6.ln1_w.new        line 25    f32[768]
+//   %1301  adamw              h.6.ln1_b.new        line 26    f32[768]
+//   %1304  adamw              h.6.attn_w.new       line 27    f32[768,2304]
+//   %1307  adamw              h.6.attn_b.new       line 28    f32[2304]
+//   %1310  adamw              h.6.proj_w.new       line 29    f32[768,768]
+//   %1313  adamw              h.6.proj_b.new       line 30    f32[768]
+//   %1316  adamw              h.6.ln2_w.new        line 31    f32[768]
+//   %1319  adamw              h.6.ln2_b.new        line 32    f32[768]
+//   %1322  adamw              h.6.fc_w.new         line 33    f32[768,3072]
+//   %1325  adamw              h.6.fc_b.new         line 34    f32[3072]
+//   %1328  adamw              h.6.fcproj_w.new     line 35    f32[3072,768]
+//   %1331  adamw              h.6.fcproj_b.new     line 36    f32[768]
+//   %1334  adamw              h.7.ln1_w.new        line 25    f32[768]
+//   %1337  adamw              h.7.ln1_b.new        line 26    f32[768]
+//   %1340  adamw              h.7.attn_w.new       line 27    f32[768,2304]
+//   %1343  adamw              h.7.attn_b.new       line 28    f32[2304]
+//   %1346  adamw              h.7.proj_w.new       line 29    f32[768,768]
+//   %1349  adamw              h.7.proj_b.new       line 30    f32[768]
+//   %1352  adamw              h.7.ln2_w.new        line 31    f32[768]
+//   %1355  adamw              h.7.ln2_b.new        line 32    f32[768]
+//   %1358  adamw              h.7.fc_w.new         line 33    f32[768,3072]
+//   %1361  adamw              h.7.fc_b.new         line 34    f32[3072]
+//   %1364  adamw              h.7.fcproj_w.new     line 35    f32[3072,768]
+//   %1367  adamw              h.7.fcproj_b.new     line 36    f32[768]
+//   %1370  adamw              h.8.ln1_w.new        line 25    f32[768]
+//   %1373  adamw              h.8.ln1_b.new        line 26    f32[768]
+//   %1376  adamw              h.8.attn_w.new       line 27    f32[768,2304]
+//   %1379  adamw              h.8.attn_b.new       line 28    f32[2304]
+//   %1382  adamw              h.8.proj_w.new       line 29    f32[768,768]
+//   %1385  adamw              h.8.proj_b.new       line 30    f32[768]
+//   %1388  adamw              h.8.ln2_w.new        line 31    f32[768]
+//   %1391  adamw              h.8.ln2_b.new        line 32    f32[768]
+//   %1394  adamw              h.8.fc_w.new         line 33    f32[768,3072]
+//   %1397  adamw              h.8.fc_b.new         line 34    f32[3072]
+//   %1400  adamw              h.8.fcproj_w.new     line 35    f32[3072,768]
+//   %1403  adamw              h.8.fcproj_b.new     line 36    f32[768]
+//   %1406  adamw              h.9.ln1_w.new        line 25    f32[768]
+//   %1409  adamw              h.9.ln1_b.new        line 26    f32[768]
+//   %1412  adamw              h.9.attn_w.new       line 27    f32[768,2304]
+//   %1415  adamw              h.9.attn_b.new       line 28    f32[2304]
+//   %1418  adamw              h.9.proj_w.new       line 29    f32[768,768]
+//   %1421  adamw              h.9.proj_b.new       line 30    f32[768]
+//   %1424  adamw              h.9.ln2_w.new        line 31    f32[768]
+//   %1427  adamw              h.9.ln2_b.new        line 32    f32[768]
+//   %1430  adamw              h.9.fc_w.new         line 33    f32[768,3072]
+//   %1433  adamw              h.9.fc_b.new         line 34    f32[3072]
+//   %1436  adamw              h.9.fcproj_w.new     line 35    f32[3072,768]
+//   %1439  adamw              h.9.fcproj_b.new     line 36    f32[768]
+//   %1442  adamw              h.10.ln1_w.new       line 25    f32[768]
+//   %1445  adamw              h.10.ln1_b.new       line 26    f32[768]
+//   %1448  adamw              h.10.attn_w.new      line 27    f32[768,2304]
+//   %1451  adamw              h.10.attn_b.new      line 28    f32[2304]
+//   %1454  adamw              h.10.proj_w.new      line 29    f32[768,768]
+//   %1457  adamw              h.10.proj_b.new      line 30    f32[768]
+//   %1460  adamw              h.10.ln2_w.new       line 31    f32[768]
+//   %1463  adamw              h.10.ln2_b.new       line 32    f32[768]
+//   %1466  adamw              h.10.fc_w.new        line 33    f32[768,3072]
+//   %1469  adamw              h.10.fc_b.new        line 34    f32[3072]
+//   %1472  adamw              h.10.fcproj_w.new    line 35    f32[3072,768]
+//   %1475  adamw              h.10.fcproj_b.new    line 36    f32[768]
+//   %1478  adamw              h.11.ln1_w.new       line 25    f32[768]
+//   %1481  adamw              h.11.ln1_b.new       line 26    f32[768]
+//   %1484  adamw              h.11.attn_w.new      line 27    f32[768,2304]
+//   %1487  adamw              h.11.attn_b.new      line 28    f32[2304]
+//   %1490  adamw              h.11.proj_w.new      line 29    f32[768,768]
+//   %1493  adamw              h.11.proj_b.new      line 30    f32[768]
+//   %1496  adamw              h.11.ln2_w.new       line 31    f32[768]
+//   %1499  adamw              h.11.ln2_b.new       line 32    f32[768]
+//   %1502  adamw              h.11.fc_w.new        line 33    f32[768,3072]
+//   %1505  adamw              h.11.fc_b.new        line 34    f32[3072]
+//   %1508  adamw              h.11.fcproj_w.new    line 35    f32[3072,768]
+//   %1511  adamw              h.11.fcproj_b.new    line 36    f32[768]
+//   %1514  adamw              lnf_w.new            line 43    f32[768]
+//   %1517  adamw              lnf_b.new            line 44    f32[768]
 // loops:
-//   gradient norm %1072 over 148 tensors, 124439808 values
+//   gradient norm %1073 over 148 tensors, 124439808 values
 //   AdamW over 148 parameters, 124439808 values (beta1 0.9, beta2 0.95, eps 1e-08, clip 1); 49 bf16 copies
 static void k237_grad_norm__adamw(char *arena, const MdlHooks *h) {
-  float *const b585 = (float *)(arena + 995512320); // %585 layernorm_bwd d.lnf_w f32[768]
-  float *const b586 = (float *)(arena + 995515392); // %586 layernorm_bwd d.lnf_b f32[768]
-  float *const b588 = (float *)(arena + 995509248); // %588 sum d.h.11.fcproj_b f32[768]
-  float *const b591 = (float *)(arena + 986072064); // %591 matmul d.h.11.fcproj_w f32[3072,768]
-  float *const b595 = (float *)(arena + 986059776); // %595 sum d.h.11.fc_b f32[3072]
-  float *const b598 = (float *)(arena + 976622592); // %598 matmul d.h.11.fc_w f32[768,3072]
-  float *const b601 = (float *)(arena + 976616448); // %601 layernorm_bwd d.h.11.ln2_w f32[768]
-  float *const b602 = (float *)(arena + 976619520); // %602 layernorm_bwd d.h.11.ln2_b f32[768]
-  float *const b605 = (float *)(arena + 976613376); // %605 sum d.h.11.proj_b f32[768]
-  float *const b608 = (float *)(arena + 974254080); // %608 matmul d.h.11.proj_w f32[768,768]
-  float *const b618 = (float *)(arena + 974244864); // %618 sum d.h.11.attn_b f32[2304]
-  float *const b621 = (float *)(arena + 967166976); // %621 matmul d.h.11.attn_w f32[768,2304]
-  float *const b624 = (float *)(arena + 967160832); // %624 layernorm_bwd d.h.11.ln1_w f32[768]
-  float *const b625 = (float *)(arena + 967163904); // %625 layernorm_bwd d.h.11.ln1_b f32[768]
-  float *const b628 = (float *)(arena + 967157760); // %628 sum d.h.10.fcproj_b f32[768]
-  float *const b631 = (float *)(arena + 957720576); // %631 matmul d.h.10.fcproj_w f32[3072,768]
-  float *const b635 = (float *)(arena + 957708288); // %635 sum d.h.10.fc_b f32[3072]
-  float *const b638 = (float *)(arena + 948271104); // %638 matmul d.h.10.fc_w f32[768,3072]
-  float *const b641 = (float *)(arena + 948264960); // %641 layernorm_bwd d.h.10.ln2_w f32[768]
-  float *const b642 = (float *)(arena + 948268032); // %642 layernorm_bwd d.h.10.ln2_b f32[768]
-  float *const b645 = (float *)(arena + 948261888); // %645 sum d.h.10.proj_b f32[768]
-  float *const b648 = (float *)(arena + 945902592); // %648 matmul d.h.10.proj_w f32[768,768]
-  float *const b658 = (float *)(arena + 945893376); // %658 sum d.h.10.attn_b f32[2304]
-  float *const b661 = (float *)(arena + 938815488); // %661 matmul d.h.10.attn_w f32[768,2304]
-  float *const b664 = (float *)(arena + 938809344); // %664 layernorm_bwd d.h.10.ln1_w f32[768]
-  float *const b665 = (float *)(arena + 938812416); // %665 layernorm_bwd d.h.10.ln1_b f32[768]
-  float *const b668 = (float *)(arena + 938806272); // %668 sum d.h.9.fcproj_b f32[768]
-  float *const b671 = (float *)(arena + 929369088); // %671 matmul d.h.9.fcproj_w f32[3072,768]
-  float *const b675 = (float *)(arena + 929356800); // %675 sum d.h.9.fc_b f32[3072]
-  float *const b678 = (float *)(arena + 919919616); // %678 matmul d.h.9.fc_w f32[768,3072]
-  float *const b681 = (float *)(arena + 919913472); // %681 layernorm_bwd d.h.9.ln2_w f32[768]
-  float *const b682 = (float *)(arena + 919916544); // %682 layernorm_bwd d.h.9.ln2_b f32[768]
-  float *const b685 = (float *)(arena + 919910400); // %685 sum d.h.9.proj_b f32[768]
-  float *const b688 = (float *)(arena + 917551104); // %688 matmul d.h.9.proj_w f32[768,768]
-  float *const b698 = (float *)(arena + 917541888); // %698 sum d.h.9.attn_b f32[2304]
-  float *const b701 = (float *)(arena + 910464000); // %701 matmul d.h.9.attn_w f32[768,2304]
-  float *const b704 = (float *)(arena + 910457856); // %704 layernorm_bwd d.h.9.ln1_w f32[768]
-  float *const b705 = (float *)(arena + 910460928); // %705 layernorm_bwd d.h.9.ln1_b f32[768]
-  float *const b708 = (float *)(arena + 910454784); // %708 sum d.h.8.fcproj_b f32[768]
-  float *const b711 = (float *)(arena + 901017600); // %711 matmul d.h.8.fcproj_w f32[3072,768]
-  float *const b715 = (float *)(arena + 901005312); // %715 sum d.h.8.fc_b f32[3072]
-  float *const b718 = (float *)(arena + 891568128); // %718 matmul d.h.8.fc_w f32[768,3072]
-  float *const b721 = (float *)(arena + 891561984); // %721 layernorm_bwd d.h.8.ln2_w f32[768]
-  float *const b722 = (float *)(arena + 891565056); // %722 layernorm_bwd d.h.8.ln2_b f32[768]
-  float *const b725 = (float *)(arena + 891558912); // %725 sum d.h.8.proj_b f32[768]
-  float *const b728 = (float *)(arena + 889199616); // %728 matmul d.h.8.proj_w f32[768,768]
-  float *const b738 = (float *)(arena + 889190400); // %738 sum d.h.8.attn_b f32[2304]
-  float *const b741 = (float *)(arena + 882112512); // %741 matmul d.h.8.attn_w f32[768,2304]
-  float *const b744 = (float *)(arena + 882106368); // %744 layernorm_bwd d.h.8.ln1_w f32[768]
-  float *const b745 = (float *)(arena + 882109440); // %745 layernorm_bwd d.h.8.ln1_b f32[768]
-  float *const b748 = (float *)(arena + 882103296); // %748 sum d.h.7.fcproj_b f32[768]
-  float *const b751 = (float *)(arena + 872666112); // %751 matmul d.h.7.fcproj_w f32[3072,768]
-  float *const b755 = (float *)(arena + 872653824); // %755 sum d.h.7.fc_b f32[3072]
-  float *const b758 = (float *)(arena + 863216640); // %758 matmul d.h.7.fc_w f32[768,3072]
-  float *const b761 = (float *)(arena + 863210496); // %761 layernorm_bwd d.h.7.ln2_w f32[768]
-  float *const b762 = (float *)(arena + 863213568); // %762 layernorm_bwd d.h.7.ln2_b f32[768]
-  float *const b765 = (float *)(arena + 863207424); // %765 sum d.h.7.proj_b f32[768]
-  float *const b768 = (float *)(arena + 860848128); // %768 matmul d.h.7.proj_w f32[768,768]
-  float *const b778 = (float *)(arena + 860838912); // %778 sum d.h.7.attn_b f32[2304]
-  float *const b781 = (float *)(arena + 853761024); // %781 matmul d.h.7.attn_w f32[768,2304]
-  float *const b784 = (float *)(arena + 853754880); // %784 layernorm_bwd d.h.7.ln1_w f32[768]
-  float *const b785 = (float *)(arena + 853757952); // %785 layernorm_bwd d.h.7.ln1_b f32[768]
-  float *const b788 = (float *)(arena + 853751808); // %788 sum d.h.6.fcproj_b f32[768]
-  float *const b791 = (float *)(arena + 844314624); // %791 matmul d.h.6.fcproj_w f32[3072,768]
-  float *const b795 = (float *)(arena + 844302336); // %795 sum d.h.6.fc_b f32[3072]
-  float *const b798 = (float *)(arena + 834865152); // %798 matmul d.h.6.fc_w f32[768,3072]
-  float *const b801 = (float *)(arena + 834859008); // %801 layernorm_bwd d.h.6.ln2_w f32[768]
-  float *const b802 = (float *)(arena + 834862080); // %802 layernorm_bwd d.h.6.ln2_b f32[768]
-  float *const b805 = (float *)(arena + 834855936); // %805 sum d.h.6.proj_b f32[768]
-  float *const b808 = (float *)(arena + 832496640); // %808 matmul d.h.6.proj_w f32[768,768]
-  float *const b818 = (float *)(arena + 832487424); // %818 sum d.h.6.attn_b f32[2304]
-  float *const b821 = (float *)(arena + 825409536); // %821 matmul d.h.6.attn_w f32[768,2304]
-  float *const b824 = (float *)(arena + 825403392); // %824 layernorm_bwd d.h.6.ln1_w f32[768]
-  float *const b825 = (float *)(arena + 825406464); // %825 layernorm_bwd d.h.6.ln1_b f32[768]
-  float *const b828 = (float *)(arena + 825400320); // %828 sum d.h.5.fcproj_b f32[768]
-  float *const b831 = (float *)(arena + 815963136); // %831 matmul d.h.5.fcproj_w f32[3072,768]
-  float *const b835 = (float *)(arena + 815950848); // %835 sum d.h.5.fc_b f32[3072]
-  float *const b838 = (float *)(arena + 806513664); // %838 matmul d.h.5.fc_w f32[768,3072]
-  float *const b841 = (float *)(arena + 806507520); // %841 layernorm_bwd d.h.5.ln2_w f32[768]
-  float *const b842 = (float *)(arena + 806510592); // %842 layernorm_bwd d.h.5.ln2_b f32[768]
-  float *const b845 = (float *)(arena + 806504448); // %845 sum d.h.5.proj_b f32[768]
-  float *const b848 = (float *)(arena + 804145152); // %848 matmul d.h.5.proj_w f32[768,768]
-  float *const b858 = (float *)(arena + 804135936); // %858 sum d.h.5.attn_b f32[2304]
-  float *const b861 = (float *)(arena + 797058048); // %861 matmul d.h.5.attn_w f32[768,2304]
-  float *const b864 = (float *)(arena + 797051904); // %864 layernorm_bwd d.h.5.ln1_w f32[768]
-  float *const b865 = (float *)(arena + 797054976); // %865 layernorm_bwd d.h.5.ln1_b f32[768]
-  float *const b868 = (float *)(arena + 797048832); // %868 sum d.h.4.fcproj_b f32[768]
-  float *const b871 = (float *)(arena + 787611648); // %871 matmul d.h.4.fcproj_w f32[3072,768]
-  float *const b875 = (float *)(arena + 787599360); // %875 sum d.h.4.fc_b f32[3072]
-  float *const b878 = (float *)(arena + 778162176); // %878 matmul d.h.4.fc_w f32[768,3072]
-  float *const b881 = (float *)(arena + 778156032); // %881 layernorm_bwd d.h.4.ln2_w f32[768]
-  float *const b882 = (float *)(arena + 778159104); // %882 layernorm_bwd d.h.4.ln2_b f32[768]
-  float *const b885 = (float *)(arena + 778152960); // %885 sum d.h.4.proj_b f32[768]
-  float *const b888 = (float *)(arena + 775793664); // %888 matmul d.h.4.proj_w f32[768,768]
-  float *const b898 = (float *)(arena + 775784448); // %898 sum d.h.4.attn_b f32[2304]
-  float *const b901 = (float *)(arena + 768706560); // %901 matmul d.h.4.attn_w f32[768,2304]
-  float *const b904 = (float *)(arena + 768700416); // %904 layernorm_bwd d.h.4.ln1_w f32[768]
-  float *const b905 = (float *)(arena + 768703488); // %905 layernorm_bwd d.h.4.ln1_b f32[768]
-  float *const b908 = (float *)(arena + 768697344); // %908 sum d.h.3.fcproj_b f32[768]
-  float *const b911 = (float *)(arena + 759260160); // %911 matmul d.h.3.fcproj_w f32[3072,768]
-  float *const b915 = (float *)(arena + 759247872); // %915 sum d.h.3.fc_b f32[3072]
-  float *const b918 = (float *)(arena + 749810688); // %918 matmul d.h.3.fc_w f32[768,3072]
-  float *const b921 = (float *)(arena + 749804544); // %921 layernorm_bwd d.h.3.ln2_w f32[768]
-  float *const b922 = (float *)(arena + 749807616); // %922 layernorm_bwd d.h.3.ln2_b f32[768]
-  float *const b925 = (float *)(arena + 749801472); // %925 sum d.h.3.proj_b f32[768]
-  float *const b928 = (float *)(arena + 747442176); // %928 matmul d.h.3.proj_w f32[768,768]
-  float *const b938 = (float *)(arena + 747432960); // %938 sum d.h.3.attn_b f32[2304]
-  float *const b941 = (float *)(arena + 740355072); // %941 matmul d.h.3.attn_w f32[768,2304]
-  float *const b944 = (float *)(arena + 740348928); // %944 layernorm_bwd d.h.3.ln1_w f32[768]
-  float *const b945 = (float *)(arena + 740352000); // %945 layernorm_bwd d.h.3.ln1_b f32[768]
-  float *const b948 = (float *)(arena + 740345856); // %948 sum d.h.2.fcproj_b f32[768]
-  float *const b951 = (float *)(arena + 730908672); // %951 matmul d.h.2.fcproj_w f32[3072,768]
-  float *const b955 = (float *)(arena + 730896384); // %955 sum d.h.2.fc_b f32[3072]
-  float *const b958 = (float *)(arena + 721459200); // %958 matmul d.h.2.fc_w f32[768,3072]
-  float *const b961 = (float *)(arena + 721453056); // %961 layernorm_bwd d.h.2.ln2_w f32[768]
-  float *const b962 = (float *)(arena + 721456128); // %962 layernorm_bwd d.h.2.ln2_b f32[768]
-  float *const b965 = (float *)(arena + 721449984); // %965 sum d.h.2.proj_b f32[768]
-  float *const b968 = (float *)(arena + 719090688); // %968 matmul d.h.2.proj_w f32[768,768]
-  float *const b978 = (float *)(arena + 719081472); // %978 sum d.h.2.attn_b f32[2304]
-  float *const b981 = (float *)(arena + 712003584); // %981 matmul d.h.2.attn_w f32[768,2304]
-  float *const b984 = (float *)(arena + 711997440); // %984 layernorm_bwd d.h.2.ln1_w f32[768]
-  float *const b985 = (float *)(arena + 712000512); // %985 layernorm_bwd d.h.2.ln1_b f32[768]
-  float *const b988 = (float *)(arena + 711994368); // %988 sum d.h.1.fcproj_b f32[768]
-  float *const b991 = (float *)(arena + 702557184); // %991 matmul d.h.1.fcproj_w f32[3072,768]
-  float *const b995 = (float *)(arena + 702544896); // %995 sum d.h.1.fc_b f32[3072]
-  float *const b998 = (float *)(arena + 693107712); // %998 matmul d.h.1.fc_w f32[768,3072]
-  float *const b1001 = (float *)(arena + 693101568); // %1001 layernorm_bwd d.h.1.ln2_w f32[768]
-  float *const b1002 = (float *)(arena + 693104640); // %1002 layernorm_bwd d.h.1.ln2_b f32[768]
-  float *const b1005 = (float *)(arena + 693098496); // %1005 sum d.h.1.proj_b f32[768]
-  float *const b1008 = (float *)(arena + 690739200); // %1008 matmul d.h.1.proj_w f32[768,768]
-  float *const b1018 = (float *)(arena + 690729984); // %1018 sum d.h.1.attn_b f32[2304]
-  float *const b1021 = (float *)(arena + 683652096); // %1021 matmul d.h.1.attn_w f32[768,2304]
-  float *const b1024 = (float *)(arena + 683645952); // %1024 layernorm_bwd d.h.1.ln1_w f32[768]
-  float *const b1025 = (float *)(arena + 683649024); // %1025 layernorm_bwd d.h.1.ln1_b f32[768]
-  float *const b1028 = (float *)(arena + 683642880); // %1028 sum d.h.0.fcproj_b f32[768]
-  float *const b1031 = (float *)(arena + 674205696); // %1031 matmul d.h.0.fcproj_w f32[3072,768]
-  float *const b1035 = (float *)(arena + 674193408); // %1035 sum d.h.0.fc_b f32[3072]
-  float *const b1038 = (float *)(arena + 664756224); // %1038 matmul d.h.0.fc_w f32[768,3072]
-  float *const b1041 = (float *)(arena + 664750080); // %1041 layernorm_bwd d.h.0.ln2_w f32[768]
-  float *const b1042 = (float *)(arena + 664753152); // %1042 layernorm_bwd d.h.0.ln2_b f32[768]
-  float *const b1045 = (float *)(arena + 664747008); // %1045 sum d.h.0.proj_b f32[768]
-  float *const b1048 = (float *)(arena + 662387712); // %1048 matmul d.h.0.proj_w f32[768,768]
-  float *const b1058 = (float *)(arena + 662378496); // %1058 sum d.h.0.attn_b f32[2304]
-  float *const b1061 = (float *)(arena + 655300608); // %1061 matmul d.h.0.attn_w f32[768,2304]
-  float *const b1064 = (float *)(arena + 655294464); // %1064 layernorm_bwd d.h.0.ln1_w f32[768]
-  float *const b1065 = (float *)(arena + 655297536); // %1065 layernorm_bwd d.h.0.ln1_b f32[768]
-  float *const b1067 = (float *)(arena + 652148736); // %1067 embed_bwd d.wpe f32[1024,768]
-  float *const b1069 = (float *)(arena + 497759232); // %1069 add d.wte f32[50257,768]
-  float *const b1070 = (float *)(arena + 2238304256); // %1070 scalar lr f32[]
-  float *const b1071 = (float *)(arena + 2238304320); // %1071 scalar step f32[]
-  float *const b1072 = (float *)(arena + 2238304384); // %1072 grad_norm f32[]
+  float *const b586 = (float *)(arena + 995512320); // %586 layernorm_bwd d.lnf_w f32[768]
+  float *const b587 = (float *)(arena + 995515392); // %587 layernorm_bwd d.lnf_b f32[768]
+  float *const b589 = (float *)(arena + 995509248); // %589 sum d.h.11.fcproj_b f32[768]
+  float *const b592 = (float *)(arena + 986072064); // %592 matmul d.h.11.fcproj_w f32[3072,768]
+  float *const b596 = (float *)(arena + 986059776); // %596 sum d.h.11.fc_b f32[3072]
+  float *const b599 = (float *)(arena + 976622592); // %599 matmul d.h.11.fc_w f32[768,3072]
+  float *const b602 = (float *)(arena + 976616448); // %602 layernorm_bwd d.h.11.ln2_w f32[768]
+  float *const b603 = (float *)(arena + 976619520); // %603 layernorm_bwd d.h.11.ln2_b f32[768]
+  float *const b606 = (float *)(arena + 976613376); // %606 sum d.h.11.proj_b f32[768]
+  float *const b609 = (float *)(arena + 974254080); // %609 matmul d.h.11.proj_w f32[768,768]
+  float *const b619 = (float *)(arena + 974244864); // %619 sum d.h.11.attn_b f32[2304]
+  float *const b622 = (float *)(arena + 967166976); // %622 matmul d.h.11.attn_w f32[768,2304]
+  float *const b625 = (float *)(arena + 967160832); // %625 layernorm_bwd d.h.11.ln1_w f32[768]
+  float *const b626 = (float *)(arena + 967163904); // %626 layernorm_bwd d.h.11.ln1_b f32[768]
+  float *const b629 = (float *)(arena + 967157760); // %629 sum d.h.10.fcproj_b f32[768]
+  float *const b632 = (float *)(arena + 957720576); // %632 matmul d.h.10.fcproj_w f32[3072,768]
+  float *const b636 = (float *)(arena + 957708288); // %636 sum d.h.10.fc_b f32[3072]
+  float *const b639 = (float *)(arena + 948271104); // %639 matmul d.h.10.fc_w f32[768,3072]
+  float *const b642 = (float *)(arena + 948264960); // %642 layernorm_bwd d.h.10.ln2_w f32[768]
+  float *const b643 = (float *)(arena + 948268032); // %643 layernorm_bwd d.h.10.ln2_b f32[768]
+  float *const b646 = (float *)(arena + 948261888); // %646 sum d.h.10.proj_b f32[768]
+  float *const b649 = (float *)(arena + 945902592); // %649 matmul d.h.10.proj_w f32[768,768]
+  float *const b659 = (float *)(arena + 945893376); // %659 sum d.h.10.attn_b f32[2304]
+  float *const b662 = (float *)(arena + 938815488); // %662 matmul d.h.10.attn_w f32[768,2304]
+  float *const b665 = (float *)(arena + 938809344); // %665 layernorm_bwd d.h.10.ln1_w f32[768]
+  float *const b666 = (float *)(arena + 938812416); // %666 layernorm_bwd d.h.10.ln1_b f32[768]
+  float *const b669 = (float *)(arena + 938806272); // %669 sum d.h.9.fcproj_b f32[768]
+  float *const b672 = (float *)(arena + 929369088); // %672 matmul d.h.9.fcproj_w f32[3072,768]
+  float *const b676 = (float *)(arena + 929356800); // %676 sum d.h.9.fc_b f32[3072]
+  float *const b679 = (float *)(arena + 919919616); // %679 matmul d.h.9.fc_w f32[768,3072]
+  float *const b682 = (float *)(arena + 919913472); // %682 layernorm_bwd d.h.9.ln2_w f32[768]
+  float *const b683 = (float *)(arena + 919916544); // %683 layernorm_bwd d.h.9.ln2_b f32[768]
+  float *const b686 = (float *)(arena + 919910400); // %686 sum d.h.9.proj_b f32[768]
+  float *const b689 = (float *)(arena + 917551104); // %689 matmul d.h.9.proj_w f32[768,768]
+  float *const b699 = (float *)(arena + 917541888); // %699 sum d.h.9.attn_b f32[2304]
+  float *const b702 = (float *)(arena + 910464000); // %702 matmul d.h.9.attn_w f32[768,2304]
+  float *const b705 = (float *)(arena + 910457856); // %705 layernorm_bwd d.h.9.ln1_w f32[768]
+  float *const b706 = (float *)(arena + 910460928); // %706 layernorm_bwd d.h.9.ln1_b f32[768]
+  float *const b709 = (float *)(arena + 910454784); // %709 sum d.h.8.fcproj_b f32[768]
+  float *const b712 = (float *)(arena + 901017600); // %712 matmul d.h.8.fcproj_w f32[3072,768]
+  float *const b716 = (float *)(arena + 901005312); // %716 sum d.h.8.fc_b f32[3072]
+  float *const b719 = (float *)(arena + 891568128); // %719 matmul d.h.8.fc_w f32[768,3072]
+  float *const b722 = (float *)(arena + 891561984); // %722 layernorm_bwd d.h.8.ln2_w f32[768]
+  float *const b723 = (float *)(arena + 891565056); // %723 layernorm_bwd d.h.8.ln2_b f32[768]
+  float *const b726 = (float *)(arena + 891558912); // %726 sum d.h.8.proj_b f32[768]
+  float *const b729 = (float *)(arena + 889199616); // %729 matmul d.h.8.proj_w f32[768,768]
+  float *const b739 = (float *)(arena + 889190400); // %739 sum d.h.8.attn_b f32[2304]
+  float *const b742 = (float *)(arena + 882112512); // %742 matmul d.h.8.attn_w f32[768,2304]
+  float *const b745 = (float *)(arena + 882106368); // %745 layernorm_bwd d.h.8.ln1_w f32[768]
+  float *const b746 = (float *)(arena + 882109440); // %746 layernorm_bwd d.h.8.ln1_b f32[768]
+  float *const b749 = (float *)(arena + 882103296); // %749 sum d.h.7.fcproj_b f32[768]
+  float *const b752 = (float *)(arena + 872666112); // %752 matmul d.h.7.fcproj_w f32[3072,768]
+  float *const b756 = (float *)(arena + 872653824); // %756 sum d.h.7.fc_b f32[3072]
+  float *const b759 = (float *)(arena + 863216640); // %759 matmul d.h.7.fc_w f32[768,3072]
+  float *const b762 = (float *)(arena + 863210496); // %762 layernorm_bwd d.h.7.ln2_w f32[768]
+  float *const b763 = (float *)(arena + 863213568); // %763 layernorm_bwd d.h.7.ln2_b f32[768]
+  float *const b766 = (float *)(arena + 863207424); // %766 sum d.h.7.proj_b f32[768]
+  float *const b769 = (float *)(arena + 860848128); // %769 matmul d.h.7.proj_w f32[768,768]
+  float *const b779 = (float *)(arena + 860838912); // %779 sum d.h.7.attn_b f32[2304]
+  float *const b782 = (float *)(arena + 853761024); // %782 matmul d.h.7.attn_w f32[768,2304]
+  float *const b785 = (float *)(arena + 853754880); // %785 layernorm_bwd d.h.7.ln1_w f32[768]
+  float *const b786 = (float *)(arena + 853757952); // %786 layernorm_bwd d.h.7.ln1_b f32[768]
+  float *const b789 = (float *)(arena + 853751808); // %789 sum d.h.6.fcproj_b f32[768]
+  float *const b792 = (float *)(arena + 844314624); // %792 matmul d.h.6.fcproj_w f32[3072,768]
+  float *const b796 = (float *)(arena + 844302336); // %796 sum d.h.6.fc_b f32[3072]
+  float *const b799 = (float *)(arena + 834865152); // %799 matmul d.h.6.fc_w f32[768,3072]
+  float *const b802 = (float *)(arena + 834859008); // %802 layernorm_bwd d.h.6.ln2_w f32[768]
+  float *const b803 = (float *)(arena + 834862080); // %803 layernorm_bwd d.h.6.ln2_b f32[768]
+  float *const b806 = (float *)(arena + 834855936); // %806 sum d.h.6.proj_b f32[768]
+  float *const b809 = (float *)(arena + 832496640); // %809 matmul d.h.6.proj_w f32[768,768]
+  float *const b819 = (float *)(arena + 832487424); // %819 sum d.h.6.attn_b f32[2304]
+  float *const b822 = (float *)(arena + 825409536); // %822 matmul d.h.6.attn_w f32[768,2304]
+  float *const b825 = (float *)(arena + 825403392); // %825 layernorm_bwd d.h.6.ln1_w f32[768]
+  float *const b826 = (float *)(arena + 825406464); // %826 layernorm_bwd d.h.6.ln1_b f32[768]
+  float *const b829 = (float *)(arena + 825400320); // %829 sum d.h.5.fcproj_b f32[768]
+  float *const b832 = (float *)(arena + 815963136); // %832 matmul d.h.5.fcproj_w f32[3072,768]
+  float *const b836 = (float *)(arena + 815950848); // %836 sum d.h.5.fc_b f32[3072]
+  float *const b839 = (float *)(arena + 806513664); // %839 matmul d.h.5.fc_w f32[768,3072]
+  float *const b842 = (float *)(arena + 806507520); // %842 layernorm_bwd d.h.5.ln2_w f32[768]
+  float *const b843 = (float *)(arena + 806510592); // %843 layernorm_bwd d.h.5.ln2_b f32[768]
+  float *const b846 = (float *)(arena + 806504448); // %846 sum d.h.5.proj_b f32[768]
+  float *const b849 = (float *)(arena + 804145152); // %849 matmul d.h.5.proj_w f32[768,768]
+  float *const b859 = (float *)(arena + 804135936); // %859 sum d.h.5.attn_b f32[2304]
+  float *const b862 = (float *)(arena + 797058048); // %862 matmul d.h.5.attn_w f32[768,2304]
+  float *const b865 = (float *)(arena + 797051904); // %865 layernorm_bwd d.h.5.ln1_w f32[768]
+  float *const b866 = (float *)(arena + 797054976); // %866 layernorm_bwd d.h.5.ln1_b f32[768]
+  float *const b869 = (float *)(arena + 797048832); // %869 sum d.h.4.fcproj_b f32[768]
+  float *const b872 = (float *)(arena + 787611648); // %872 matmul d.h.4.fcproj_w f32[3072,768]
+  float *const b876 = (float *)(arena + 787599360); // %876 sum d.h.4.fc_b f32[3072]
+  float *const b879 = (float *)(arena + 778162176); // %879 matmul d.h.4.fc_w f32[768,3072]
+  float *const b882 = (float *)(arena + 778156032); // %882 layernorm_bwd d.h.4.ln2_w f32[768]
+  float *const b883 = (float *)(arena + 778159104); // %883 layernorm_bwd d.h.4.ln2_b f32[768]
+  float *const b886 = (float *)(arena + 778152960); // %886 sum d.h.4.proj_b f32[768]
+  float *const b889 = (float *)(arena + 775793664); // %889 matmul d.h.4.proj_w f32[768,768]
+  float *const b899 = (float *)(arena + 775784448); // %899 sum d.h.4.attn_b f32[2304]
+  float *const b902 = (float *)(arena + 768706560); // %902 matmul d.h.4.attn_w f32[768,2304]
+  float *const b905 = (float *)(arena + 768700416); // %905 layernorm_bwd d.h.4.ln1_w f32[768]
+  float *const b906 = (float *)(arena + 768703488); // %906 layernorm_bwd d.h.4.ln1_b f32[768]
+  float *const b909 = (float *)(arena + 768697344); // %909 sum d.h.3.fcproj_b f32[768]
+  float *const b912 = (float *)(arena + 759260160); // %912 matmul d.h.3.fcproj_w f32[3072,768]
+  float *const b916 = (float *)(arena + 759247872); // %916 sum d.h.3.fc_b f32[3072]
+  float *const b919 = (float *)(arena + 749810688); // %919 matmul d.h.3.fc_w f32[768,3072]
+  float *const b922 = (float *)(arena + 749804544); // %922 layernorm_bwd d.h.3.ln2_w f32[768]
+  float *const b923 = (float *)(arena + 749807616); // %923 layernorm_bwd d.h.3.ln2_b f32[768]
+  float *const b926 = (float *)(arena + 749801472); // %926 sum d.h.3.proj_b f32[768]
+  float *const b929 = (float *)(arena + 747442176); // %929 matmul d.h.3.proj_w f32[768,768]
+  float *const b939 = (float *)(arena + 747432960); // %939 sum d.h.3.attn_b f32[2304]
+  float *const b942 = (float *)(arena + 740355072); // %942 matmul d.h.3.attn_w f32[768,2304]
+  float *const b945 = (float *)(arena + 740348928); // %945 layernorm_bwd d.h.3.ln1_w f32[768]
+  float *const b946 = (float *)(arena + 740352000); // %946 layernorm_bwd d.h.3.ln1_b f32[768]
+  float *const b949 = (float *)(arena + 740345856); // %949 sum d.h.2.fcproj_b f32[768]
+  float *const b952 = (float *)(arena + 730908672); // %952 matmul d.h.2.fcproj_w f32[3072,768]
+  float *const b956 = (float *)(arena + 730896384); // %956 sum d.h.2.fc_b f32[3072]
+  float *const b959 = (float *)(arena + 721459200); // %959 matmul d.h.2.fc_w f32[768,3072]
+  float *const b962 = (float *)(arena + 721453056); // %962 layernorm_bwd d.h.2.ln2_w f32[768]
+  float *const b963 = (float *)(arena + 721456128); // %963 layernorm_bwd d.h.2.ln2_b f32[768]
+  float *const b966 = (float *)(arena + 721449984); // %966 sum d.h.2.proj_b f32[768]
+  float *const b969 = (float *)(arena + 719090688); // %969 matmul d.h.2.proj_w f32[768,768]
+  float *const b979 = (float *)(arena + 719081472); // %979 sum d.h.2.attn_b f32[2304]
+  float *const b982 = (float *)(arena + 712003584); // %982 matmul d.h.2.attn_w f32[768,2304]
+  float *const b985 = (float *)(arena + 711997440); // %985 layernorm_bwd d.h.2.ln1_w f32[768]
+  float *const b986 = (float *)(arena + 712000512); // %986 layernorm_bwd d.h.2.ln1_b f32[768]
+  float *const b989 = (float *)(arena + 711994368); // %989 sum d.h.1.fcproj_b f32[768]
+  float *const b992 = (float *)(arena + 702557184); // %992 matmul d.h.1.fcproj_w f32[3072,768]
+  float *const b996 = (float *)(arena + 702544896); // %996 sum d.h.1.fc_b f32[3072]
+  float *const b999 = (float *)(arena + 693107712); // %999 matmul d.h.1.fc_w f32[768,3072]
+  float *const b1002 = (float *)(arena + 693101568); // %1002 layernorm_bwd d.h.1.ln2_w f32[768]
+  float *const b1003 = (float *)(arena + 693104640); // %1003 layernorm_bwd d.h.1.ln2_b f32[768]
+  float *const b1006 = (float *)(arena + 693098496); // %1006 sum d.h.1.proj_b f32[768]
+  float *const b1009 = (float *)(arena + 690739200); // %1009 matmul d.h.1.proj_w f32[768,768]
+  float *const b1019 = (float *)(arena + 690729984); // %1019 sum d.h.1.attn_b f32[2304]
+  float *const b1022 = (float *)(arena + 683652096); // %1022 matmul d.h.1.attn_w f32[768,2304]
+  float *const b1025 = (float *)(arena + 683645952); // %1025 layernorm_bwd d.h.1.ln1_w f32[768]
+  float *const b1026 = (float *)(arena + 683649024); // %1026 layernorm_bwd d.h.1.ln1_b f32[768]
+  float *const b1029 = (float *)(arena + 683642880); // %1029 sum d.h.0.fcproj_b f32[768]
+  float *const b1032 = (float *)(arena + 674205696); // %1032 matmul d.h.0.fcproj_w f32[3072,768]
+  float *const b1036 = (float *)(arena + 674193408); // %1036 sum d.h.0.fc_b f32[3072]
+  float *const b1039 = (float *)(arena + 664756224); // %1039 matmul d.h.0.fc_w f32[768,3072]
+  float *const b1042 = (float *)(arena + 664750080); // %1042 layernorm_bwd d.h.0.ln2_w f32[768]
+  float *const b1043 = (float *)(arena + 664753152); // %1043 layernorm_bwd d.h.0.ln2_b f32[768]
+  float *const b1046 = (float *)(arena + 664747008); // %1046 sum d.h.0.proj_b f32[768]
+  float *const b1049 = (float *)(arena + 662387712); // %1049 matmul d.h.0.proj_w f32[768,768]
+  float *const b1059 = (float *)(arena + 662378496); // %1059 sum d.h.0.attn_b f32[2304]
+  float *const b1062 = (float *)(arena + 655300608); // %1062 matmul d.h.0.attn_w f32[768,2304]
+  float *const b1065 = (float *)(arena + 655294464); // %1065 layernorm_bwd d.h.0.ln1_w f32[768]
+  float *const b1066 = (float *)(arena + 655297536); // %1066 layernorm_bwd d.h.0.ln1_b f32[768]
+  float *const b1068 = (float *)(arena + 652148736); // %1068 embed_bwd d.wpe f32[1024,768]
+  float *const b1070 = (float *)(arena + 497759232); // %1070 add d.wte f32[50257,768]
+  float *const b1071 = (float *)(arena + 2238304256); // %1071 scalar lr f32[]
+  float *const b1072 = (float *)(arena + 2238304320); // %1072 scalar step f32[]
+  float *const b1073 = (float *)(arena + 2238304384); // %1073 grad_norm f32[]
   {
     double ss = 0;
-    ss += mdl_sumsq(b1069, 38597376, h->nthreads); // d.wte
-    ss += mdl_sumsq(b1067, 786432, h->nthreads); // d.wpe
-    ss += mdl_sumsq(b1064, 768, h->nthreads); // d.h.0.ln1_w
-    ss += mdl_sumsq(b1065, 768, h->nthreads); // d.h.0.ln1_b
-    ss += mdl_sumsq(b1061, 1769472, h->nthreads); // d.h.0.attn_w
-    ss += mdl_sumsq(b1058, 2304, h->nthreads); // d.h.0.attn_b
-    ss += mdl_sumsq(b1048, 589824, h->nthreads); // d.h.0.proj_w
-    ss += mdl_sumsq(b1045, 768, h->nthreads); // d.h.0.proj_b
-    ss += mdl_sumsq(b1041, 768, h->nthreads); // d.h.0.ln2_w
-    ss += mdl_sumsq(b1042, 768, h->nthreads); // d.h.0.ln2_b
-    ss += mdl_sumsq(b1038, 2359296, h->nthreads); // d.h.0.fc_w
-    ss += mdl_sumsq(b1035, 3072, h->nthreads); // d.h.0.fc_b
-    ss += mdl_sumsq(b1031, 2359296, h->nthreads); // d.h.0.fcproj_w
-    ss += mdl_sumsq(b1028, 768, h->nthreads); // d.h.0.fcproj_b
-    ss += mdl_sumsq(b1024, 768, h->nthreads); // d.h.1.ln1_w
-    ss += mdl_sumsq(b1025, 768, h->nthreads); // d.h.1.ln1_b
-    ss += mdl_sumsq(b1021, 1769472, h->nthreads); // d.h.1.attn_w
-    ss += mdl_sumsq(b1018, 2304, h->nthreads); // d.h.1.attn_b
-    ss += mdl_sumsq(b1008, 589824, h->nthreads); // d.h.1.proj_w
-    ss += mdl_sumsq(b1005, 768, h->nthreads); // d.h.1.proj_b
-    ss += mdl_sumsq(b1001, 768, h->nthreads); // d.h.1.ln2_w
-    ss += mdl_sumsq(b1002, 768, h->nthreads); // d.h.1.ln2_b
-    ss += mdl_sumsq(b998, 2359296, h->nthreads); // d.h.1.fc_w
-    ss += mdl_sumsq(b995, 3072, h->nthreads); // d.h.1.fc_b
-    ss += mdl_sumsq(b991, 2359296, h->nthreads); // d.h.1.fcproj_w
-    ss += mdl_sumsq(b988, 768, h->nthreads); // d.h.1.fcproj_b
-    ss += mdl_sumsq(b984, 768, h->nthreads); // d.h.2.ln1_w
-    ss += mdl_sumsq(b985, 768, h->nthreads); // d.h.2.ln1_b
-    ss += mdl_sumsq(b981, 1769472, h->nthreads); // d.h.2.attn_w
-    ss += mdl_sumsq(b978, 2304, h->nthreads); // d.h.2.attn_b
-    ss += mdl_sumsq(b968, 589824, h->nthreads); // d.h.2.proj_w
-    ss += mdl_sumsq(b965, 768, h->nthreads); // d.h.2.proj_b
-    ss += mdl_sumsq(b961, 768, h->nthreads); // d.h.2.ln2_w
-    ss += mdl_sumsq(b962, 768, h->nthreads); // d.h.2.ln2_b
-    ss += mdl_sumsq(b958, 2359296, h->nthreads); // d.h.2.fc_w
-    ss += mdl_sumsq(b955, 3072, h->nthreads); // d.h.2.fc_b
-    ss += mdl_sumsq(b951, 2359296, h->nthreads); // d.h.2.fcproj_w
-    ss += mdl_sumsq(b948, 768, h->nthreads); // d.h.2.fcproj_b
-    ss += mdl_sumsq(b944, 768, h->nthreads); // d.h.3.ln1_w
-    ss += mdl_sumsq(b945, 768, h->nthreads); // d.h.3.ln1_b
-    ss += mdl_sumsq(b941, 1769472, h->nthreads); // d.h.3.attn_w
-    ss += mdl_sumsq(b938, 2304, h->nthreads); // d.h.3.attn_b
-    ss += mdl_sumsq(b928, 589824, h->nthreads); // d.h.3.proj_w
-    ss += mdl_sumsq(b925, 768, h->nthreads); // d.h.3.proj_b
-    ss += mdl_sumsq(b921, 768, h->nthreads); // d.h.3.ln2_w
-    ss += mdl_sumsq(b922, 768, h->nthreads); // d.h.3.ln2_b
-    ss += mdl_sumsq(b918, 2359296, h->nthreads); // d.h.3.fc_w
-    ss += mdl_sumsq(b915, 3072, h->nthreads); // d.h.3.fc_b
-    ss += mdl_sumsq(b911, 2359296, h->nthreads); // d.h.3.fcproj_w
-    ss += mdl_sumsq(b908, 768, h->nthreads); // d.h.3.fcproj_b
-    ss += mdl_sumsq(b904, 768, h->nthreads); // d.h.4.ln1_w
-    ss += mdl_sumsq(b905, 768, h->nthreads); // d.h.4.ln1_b
-    ss += mdl_sumsq(b901, 1769472, h->nthreads); // d.h.4.attn_w
-    ss += mdl_sumsq(b898, 2304, h->nthreads); // d.h.4.attn_b
-    ss += mdl_sumsq(b888, 589824, h->nthreads); // d.h.4.proj_w
-    ss += mdl_sumsq(b885, 768, h->nthreads); // d.h.4.proj_b
-    ss += mdl_sumsq(b881, 768, h->nthreads); // d.h.4.ln2_w
-    ss += mdl_sumsq(b882, 768, h->nthreads); // d.h.4.ln2_b
-    ss += mdl_sumsq(b878, 2359296, h->nthreads); // d.h.4.fc_w
-    ss += mdl_sumsq(b875, 3072, h->nthreads); // d.h.4.fc_b
-    ss += mdl_sumsq(b871, 2359296, h->nthreads); // d.h.4.fcproj_w
-    ss += mdl_sumsq(b868, 768, h->nthreads); // d.h.4.fcproj_b
-    ss += mdl_sumsq(b864, 768, h->nthreads); // d.h.5.ln1_w
-    ss += mdl_sumsq(b865, 768, h->nthreads); // d.h.5.ln1_b
-    ss += mdl_sumsq(b861, 1769472, h->nthreads); // d.h.5.attn_w
-    ss += mdl_sumsq(b858, 2304, h->nthreads); // d.h.5.attn_b
-    ss += mdl_sumsq(b848, 589824, h->nthreads); // d.h.5.proj_w
-    ss += mdl_sumsq(b845, 768, h->nthreads); // d.h.5.proj_b
-    ss += mdl_sumsq(b841, 768, h->nthreads); // d.h.5.ln2_w
-    ss += mdl_sumsq(b842, 768, h->nthreads); // d.h.5.ln2_b
-    ss += mdl_sumsq(b838, 2359296, h->nthreads); // d.h.5.fc_w
-    ss += mdl_sumsq(b835, 3072, h->nthreads); // d.h.5.fc_b
-    ss += mdl_sumsq(b831, 2359296, h->nthreads); // d.h.5.fcproj_w
-    ss += mdl_sumsq(b828, 768, h->nthreads); // d.h.5.fcproj_b
-    ss += mdl_sumsq(b824, 768, h->nthreads); // d.h.6.ln1_w
-    ss += mdl_sumsq(b825, 768, h->nthreads); // d.h.6.ln1_b
-    ss += mdl_sumsq(b821, 1769472, h->nthreads); // d.h.6.attn_w
-    ss += mdl_sumsq(b818, 2304, h->nthreads); // d.h.6.attn_b
-    ss += mdl_sumsq(b808, 589824, h->nthreads); // d.h.6.proj_w
-    ss += mdl_sumsq(b805, 768, h->nthreads); // d.h.6.proj_b
-    ss += mdl_sumsq(b801, 768, h->nthreads); // d.h.6.ln2_w
-    ss += mdl_sumsq(b802, 768, h->nthreads); // d.h.6.ln2_b
-    ss += mdl_sumsq(b798, 2359296, h->nthreads); // d.h.6.fc_w
-    ss += mdl_sumsq(b795, 3072, h->nthreads); // d.h.6.fc_b
-    ss += mdl_sumsq(b791, 2359296, h->nthreads); // d.h.6.fcproj_w
-    ss += mdl_sumsq(b788, 768, h->nthreads); // d.h.6.fcproj_b
-    ss += mdl_sumsq(b784, 768, h->nthreads); // d.h.7.ln1_w
-    ss += mdl_sumsq(b785, 768, h->nthreads); // d.h.7.ln1_b
-    ss += mdl_sumsq(b781, 1769472, h->nthreads); // d.h.7.attn_w
-    ss += mdl_sumsq(b778, 2304, h->nthreads); // d.h.7.attn_b
-    ss += mdl_sumsq(b768, 589824, h->nthreads); // d.h.7.proj_w
-    ss += mdl_sumsq(b765, 768, h->nthreads); // d.h.7.proj_b
-    ss += mdl_sumsq(b761, 768, h->nthreads); // d.h.7.ln2_w
-    ss += mdl_sumsq(b762, 768, h->nthreads); // d.h.7.ln2_b
-    ss += mdl_sumsq(b758, 2359296, h->nthreads); // d.h.7.fc_w
-    ss += mdl_sumsq(b755, 3072, h->nthreads); // d.h.7.fc_b
-    ss += mdl_sumsq(b751, 2359296, h->nthreads); // d.h.7.fcproj_w
-    ss += mdl_sumsq(b748, 768, h->nthreads); // d.h.7.fcproj_b
-    ss += mdl_sumsq(b744, 768, h->nthreads); // d.h.8.ln1_w
-    ss += mdl_sumsq(b745, 768, h->nthreads); // d.h.8.ln1_b
-    ss += mdl_sumsq(b741, 1769472, h->nthreads); // d.h.8.attn_w
-    ss += mdl_sumsq(b738, 2304, h->nthreads); // d.h.8.attn_b
-    ss += mdl_sumsq(b728, 589824, h->nthreads); // d.h.8.proj_w
-    ss += mdl_sumsq(b725, 768, h->nthreads); // d.h.8.proj_b
-    ss += mdl_sumsq(b721, 768, h->nthreads); // d.h.8.ln2_w
-    ss += mdl_sumsq(b722, 768, h->nthreads); // d.h.8.ln2_b
-    ss += mdl_sumsq(b718, 2359296, h->nthreads); // d.h.8.fc_w
-    ss += mdl_sumsq(b715, 3072, h->nthreads); // d.h.8.fc_b
-    ss += mdl_sumsq(b711, 2359296, h->nthreads); // d.h.8.fcproj_w
-    ss += mdl_sumsq(b708, 768, h->nthreads); // d.h.8.fcproj_b
-    ss += mdl_sumsq(b704, 768, h->nthreads); // d.h.9.ln1_w
-    ss += mdl_sumsq(b705, 768, h->nthreads); // d.h.9.ln1_b
-    ss += mdl_sumsq(b701, 1769472, h->nthreads); // d.h.9.attn_w
-    ss += mdl_sumsq(b698, 2304, h->nthreads); // d.h.9.attn_b
-    ss += mdl_sumsq(b688, 589824, h->nthreads); // d.h.9.proj_w
-    ss += mdl_sumsq(b685, 768, h->nthreads); // d.h.9.proj_b
-    ss += mdl_sumsq(b681, 768, h->nthreads); // d.h.9.ln2_w
-    ss += mdl_sumsq(b682, 768, h->nthreads); // d.h.9.ln2_b
-    ss += mdl_sumsq(b678, 2359296, h->nthreads); // d.h.9.fc_w
-    ss += mdl_sumsq(b675, 3072, h->nthreads); // d.h.9.fc_b
-    ss += mdl_sumsq(b671, 2359296, h->nthreads); // d.h.9.fcproj_w
-    ss += mdl_sumsq(b668, 768, h->nthreads); // d.h.9.fcproj_b
-    ss += mdl_sumsq(b664, 768, h->nthreads); // d.h.10.ln1_w
-    ss += mdl_sumsq(b665, 768, h->nthreads); // d.h.10.ln1_b
-    ss += mdl_sumsq(b661, 1769472, h->nthreads); // d.h.10.attn_w
-    ss += mdl_sumsq(b658, 2304, h->nthreads); // d.h.10.attn_b
-    ss += mdl_sumsq(b648, 589824, h->nthreads); // d.h.10.proj_w
-    ss += mdl_sumsq(b645, 768, h->nthreads); // d.h.10.proj_b
-    ss += mdl_sumsq(b641, 768, h->nthreads); // d.h.10.ln2_w
-    ss += mdl_sumsq(b642, 768, h->nthreads); // d.h.10.ln2_b
-    ss += mdl_sumsq(b638, 2359296, h->nthreads); // d.h.10.fc_w
-    ss += mdl_sumsq(b635, 3072, h->nthreads); // d.h.10.fc_b
-    ss += mdl_sumsq(b631, 2359296, h->nthreads); // d.h.10.fcproj_w
-    ss += mdl_sumsq(b628, 768, h->nthreads); // d.h.10.fcproj_b
-    ss += mdl_sumsq(b624, 768, h->nthreads); // d.h.11.ln1_w
-    ss += mdl_sumsq(b625, 768, h->nthreads); // d.h.11.ln1_b
-    ss += mdl_sumsq(b621, 1769472, h->nthreads); // d.h.11.attn_w
-    ss += mdl_sumsq(b618, 2304, h->nthreads); // d.h.11.attn_b
-    ss += mdl_sumsq(b608, 589824, h->nthreads); // d.h.11.proj_w
-    ss += mdl_sumsq(b605, 768, h->nthreads); // d.h.11.proj_b
-    ss += mdl_sumsq(b601, 768, h->nthreads); // d.h.11.ln2_w
-    ss += mdl_sumsq(b602, 768, h->nthreads); // d.h.11.ln2_b
-    ss += mdl_sumsq(b598, 2359296, h->nthreads); // d.h.11.fc_w
-    ss += mdl_sumsq(b595, 3072, h->nthreads); // d.h.11.fc_b
-    ss += mdl_sumsq(b591, 2359296, h->nthreads); // d.h.11.fcproj_w
-    ss += mdl_sumsq(b588, 768, h->nthreads); // d.h.11.fcproj_b
-    ss += mdl_sumsq(b585, 768, h->nthreads); // d.lnf_w
-    ss += mdl_sumsq(b586, 768, h->nthreads); // d.lnf_b
-    b1072[0] = (float)sqrt(ss);
+    ss += mdl_sumsq(b1070, 38597376, h->nthreads); // d.wte
+    ss += mdl_sumsq(b1068, 786432, h->nthreads); // d.wpe
+    ss += mdl_sumsq(b1065, 768, h->nthreads); // d.h.0.ln1_w
+    ss += mdl_sumsq(b1066, 768, h->nthreads); // d.h.0.ln1_b
+    ss += mdl_sumsq(b1062, 1769472, h->nthreads); // d.h.0.attn_w
+    ss += mdl_sumsq(b1059, 2304, h->nthreads); // d.h.0.attn_b
+    ss += mdl_sumsq(b1049, 589824, h->nthreads); // d.h.0.proj_w
+    ss += mdl_sumsq(b1046, 768, h->nthreads); // d.h.0.proj_b
+    ss += mdl_sumsq(b1042, 768, h->nthreads); // d.h.0.ln2_w
+    ss += mdl_sumsq(b1043, 768, h->nthreads); // d.h.0.ln2_b
+    ss += mdl_sumsq(b1039, 2359296, h->nthreads); // d.h.0.fc_w
+    ss += mdl_sumsq(b1036, 3072, h->nthreads); // d.h.0.fc_b
+    ss += mdl_sumsq(b1032, 2359296, h->nthreads); // d.h.0.fcproj_w
+    ss += mdl_sumsq(b1029, 768, h->nthreads); // d.h.0.fcproj_b
+    ss += mdl_sumsq(b1025, 768, h->nthreads); // d.h.1.ln1_w
+    ss += mdl_sumsq(b1026, 768, h->nthreads); // d.h.1.ln1_b
+    ss += mdl_sumsq(b1022, 1769472, h->nthreads); // d.h.1.attn_w
+    ss += mdl_sumsq(b1019, 2304, h->nthreads); // d.h.1.attn_b
+    ss += mdl_sumsq(b1009, 589824, h->nthreads); // d.h.1.proj_w
+    ss += mdl_sumsq(b1006, 768, h->nthreads); // d.h.1.proj_b
+    ss += mdl_sumsq(b1002, 768, h->nthreads); // d.h.1.ln2_w
+    ss += mdl_sumsq(b1003, 768, h->nthreads); // d.h.1.ln2_b
+    ss += mdl_sumsq(b999, 2359296, h->nthreads); // d.h.1.fc_w
+    ss += mdl_sumsq(b996, 3072, h->nthreads); // d.h.1.fc_b
+    ss += mdl_sumsq(b992, 2359296, h->nthreads); // d.h.1.fcproj_w
+    ss += mdl_sumsq(b989, 768, h->nthreads); // d.h.1.fcproj_b
+    ss += mdl_sumsq(b985, 768, h->nthreads); // d.h.2.ln1_w
+    ss += mdl_sumsq(b986, 768, h->nthreads); // d.h.2.ln1_b
+    ss += mdl_sumsq(b982, 1769472, h->nthreads); // d.h.2.attn_w
+    ss += mdl_sumsq(b979, 2304, h->nthreads); // d.h.2.attn_b
+    ss += mdl_sumsq(b969, 589824, h->nthreads); // d.h.2.proj_w
+    ss += mdl_sumsq(b966, 768, h->nthreads); // d.h.2.proj_b
+    ss += mdl_sumsq(b962, 768, h->nthreads); // d.h.2.ln2_w
+    ss += mdl_sumsq(b963, 768, h->nthreads); // d.h.2.ln2_b
+    ss += mdl_sumsq(b959, 2359296, h->nthreads); // d.h.2.fc_w
+    ss += mdl_sumsq(b956, 3072, h->nthreads); // d.h.2.fc_b
+    ss += mdl_sumsq(b952, 2359296, h->nthreads); // d.h.2.fcproj_w
+    ss += mdl_sumsq(b949, 768, h->nthreads); // d.h.2.fcproj_b
+    ss += mdl_sumsq(b945, 768, h->nthreads); // d.h.3.ln1_w
+    ss += mdl_sumsq(b946, 768, h->nthreads); // d.h.3.ln1_b
+    ss += mdl_sumsq(b942, 1769472, h->nthreads); // d.h.3.attn_w
+    ss += mdl_sumsq(b939, 2304, h->nthreads); // d.h.3.attn_b
+    ss += mdl_sumsq(b929, 589824, h->nthreads); // d.h.3.proj_w
+    ss += mdl_sumsq(b926, 768, h->nthreads); // d.h.3.proj_b
+    ss += mdl_sumsq(b922, 768, h->nthreads); // d.h.3.ln2_w
+    ss += mdl_sumsq(b923, 768, h->nthreads); // d.h.3.ln2_b
+    ss += mdl_sumsq(b919, 2359296, h->nthreads); // d.h.3.fc_w
+    ss += mdl_sumsq(b916, 3072, h->nthreads); // d.h.3.fc_b
+    ss += mdl_sumsq(b912, 2359296, h->nthreads); // d.h.3.fcproj_w
+    ss += mdl_sumsq(b909, 768, h->nthreads); // d.h.3.fcproj_b
+    ss += mdl_sumsq(b905, 768, h->nthreads); // d.h.4.ln1_w
+    ss += mdl_sumsq(b906, 768, h->nthreads); // d.h.4.ln1_b
+    ss += mdl_sumsq(b902, 1769472, h->nthreads); // d.h.4.attn_w
+    ss += mdl_sumsq(b899, 2304, h->nthreads); // d.h.4.attn_b
+    ss += mdl_sumsq(b889, 589824, h->nthreads); // d.h.4.proj_w
+    ss += mdl_sumsq(b886, 768, h->nthreads); // d.h.4.proj_b
+    ss += mdl_sumsq(b882, 768, h->nthreads); // d.h.4.ln2_w
+    ss += mdl_sumsq(b883, 768, h->nthreads); // d.h.4.ln2_b
+    ss += mdl_sumsq(b879, 2359296, h->nthreads); // d.h.4.fc_w
+    ss += mdl_sumsq(b876, 3072, h->nthreads); // d.h.4.fc_b
+    ss += mdl_sumsq(b872, 2359296, h->nthreads); // d.h.4.fcproj_w
+    ss += mdl_sumsq(b869, 768, h->nthreads); // d.h.4.fcproj_b
+    ss += mdl_sumsq(b865, 768, h->nthreads); // d.h.5.ln1_w
+    ss += mdl_sumsq(b866, 768, h->nthreads); // d.h.5.ln1_b
+    ss += mdl_sumsq(b862, 1769472, h->nthreads); // d.h.5.attn_w
+    ss += mdl_sumsq(b859, 2304, h->nthreads); // d.h.5.attn_b
+    ss += mdl_sumsq(b849, 589824, h->nthreads); // d.h.5.proj_w
+    ss += mdl_sumsq(b846, 768, h->nthreads); // d.h.5.proj_b
+    ss += mdl_sumsq(b842, 768, h->nthreads); // d.h.5.ln2_w
+    ss += mdl_sumsq(b843, 768, h->nthreads); // d.h.5.ln2_b
+    ss += mdl_sumsq(b839, 2359296, h->nthreads); // d.h.5.fc_w
+    ss += mdl_sumsq(b836, 3072, h->nthreads); // d.h.5.fc_b
+    ss += mdl_sumsq(b832, 2359296, h->nthreads); // d.h.5.fcproj_w
+    ss += mdl_sumsq(b829, 768, h->nthreads); // d.h.5.fcproj_b
+    ss += mdl_sumsq(b825, 768, h->nthreads); // d.h.6.ln1_w
+    ss += mdl_sumsq(b826, 768, h->nthreads); // d.h.6.ln1_b
+    ss += mdl_sumsq(b822, 1769472, h->nthreads); // d.h.6.attn_w
+    ss += mdl_sumsq(b819, 2304, h->nthreads); // d.h.6.attn_b
+    ss += mdl_sumsq(b809, 589824, h->nthreads); // d.h.6.proj_w
+    ss += mdl_sumsq(b806, 768, h->nthreads); // d.h.6.proj_b
+    ss += mdl_sumsq(b802, 768, h->nthreads); // d.h.6.ln2_w
+    ss += mdl_sumsq(b803, 768, h->nthreads); // d.h.6.ln2_b
+    ss += mdl_sumsq(b799, 2359296, h->nthreads); // d.h.6.fc_w
+    ss += mdl_sumsq(b796, 3072, h->nthreads); // d.h.6.fc_b
+    ss += mdl_sumsq(b792, 2359296, h->nthreads); // d.h.6.fcproj_w
+    ss += mdl_sumsq(b789, 768, h->nthreads); // d.h.6.fcproj_b
+    ss += mdl_sumsq(b785, 768, h->nthreads); // d.h.7.ln1_w
+    ss += mdl_sumsq(b786, 768, h->nthreads); // d.h.7.ln1_b
+    ss += mdl_sumsq(b782, 1769472, h->nthreads); // d.h.7.attn_w
+    ss += mdl_sumsq(b779, 2304, h->nthreads); // d.h.7.attn_b
+    ss += mdl_sumsq(b769, 589824, h->nthreads); // d.h.7.proj_w
+    ss += mdl_sumsq(b766, 768, h->nthreads); // d.h.7.proj_b
+    ss += mdl_sumsq(b762, 768, h->nthreads); // d.h.7.ln2_w
+    ss += mdl_sumsq(b763, 768, h->nthreads); // d.h.7.ln2_b
+    ss += mdl_sumsq(b759, 2359296, h->nthreads); // d.h.7.fc_w
+    ss += mdl_sumsq(b756, 3072, h->nthreads); // d.h.7.fc_b
+    ss += mdl_sumsq(b752, 2359296, h->nthreads); // d.h.7.fcproj_w
+    ss += mdl_sumsq(b749, 768, h->nthreads); // d.h.7.fcproj_b
+    ss += mdl_sumsq(b745, 768, h->nthreads); // d.h.8.ln1_w
+    ss += mdl_sumsq(b746, 768, h->nthreads); // d.h.8.ln1_b
+    ss += mdl_sumsq(b742, 1769472, h->nthreads); // d.h.8.attn_w
+    ss += mdl_sumsq(b739, 2304, h->nthreads); // d.h.8.attn_b
+    ss += mdl_sumsq(b729, 589824, h->nthreads); // d.h.8.proj_w
+    ss += mdl_sumsq(b726, 768, h->nthreads); // d.h.8.proj_b
+    ss += mdl_sumsq(b722, 768, h->nthreads); // d.h.8.ln2_w
+    ss += mdl_sumsq(b723, 768, h->nthreads); // d.h.8.ln2_b
+    ss += mdl_sumsq(b719, 2359296, h->nthreads); // d.h.8.fc_w
+    ss += mdl_sumsq(b716, 3072, h->nthreads); // d.h.8.fc_b
+    ss += mdl_sumsq(b712, 2359296, h->nthreads); // d.h.8.fcproj_w
+    ss += mdl_sumsq(b709, 768, h->nthreads); // d.h.8.fcproj_b
+    ss += mdl_sumsq(b705, 768, h->nthreads); // d.h.9.ln1_w
+    ss += mdl_sumsq(b706, 768, h->nthreads); // d.h.9.ln1_b
+    ss += mdl_sumsq(b702, 1769472, h->nthreads); // d.h.9.attn_w
+    ss += mdl_sumsq(b699, 2304, h->nthreads); // d.h.9.attn_b
+    ss += mdl_sumsq(b689, 589824, h->nthreads); // d.h.9.proj_w
+    ss += mdl_sumsq(b686, 768, h->nthreads); // d.h.9.proj_b
+    ss += mdl_sumsq(b682, 768, h->nthreads); // d.h.9.ln2_w
+    ss += mdl_sumsq(b683, 768, h->nthreads); // d.h.9.ln2_b
+    ss += mdl_sumsq(b679, 2359296, h->nthreads); // d.h.9.fc_w
+    ss += mdl_sumsq(b676, 3072, h->nthreads); // d.h.9.fc_b
+    ss += mdl_sumsq(b672, 2359296, h->nthreads); // d.h.9.fcproj_w
+    ss += mdl_sumsq(b669, 768, h->nthreads); // d.h.9.fcproj_b
+    ss += mdl_sumsq(b665, 768, h->nthreads); // d.h.10.ln1_w
+    ss += mdl_sumsq(b666, 768, h->nthreads); // d.h.10.ln1_b
+    ss += mdl_sumsq(b662, 1769472, h->nthreads); // d.h.10.attn_w
+    ss += mdl_sumsq(b659, 2304, h->nthreads); // d.h.10.attn_b
+    ss += mdl_sumsq(b649, 589824, h->nthreads); // d.h.10.proj_w
+    ss += mdl_sumsq(b646, 768, h->nthreads); // d.h.10.proj_b
+    ss += mdl_sumsq(b642, 768, h->nthreads); // d.h.10.ln2_w
+    ss += mdl_sumsq(b643, 768, h->nthreads); // d.h.10.ln2_b
+    ss += mdl_sumsq(b639, 2359296, h->nthreads); // d.h.10.fc_w
+    ss += mdl_sumsq(b636, 3072, h->nthreads); // d.h.10.fc_b
+    ss += mdl_sumsq(b632, 2359296, h->nthreads); // d.h.10.fcproj_w
+    ss += mdl_sumsq(b629, 768, h->nthreads); // d.h.10.fcproj_b
+    ss += mdl_sumsq(b625, 768, h->nthreads); // d.h.11.ln1_w
+    ss += mdl_sumsq(b626, 768, h->nthreads); // d.h.11.ln1_b
+    ss += mdl_sumsq(b622, 1769472, h->nthreads); // d.h.11.attn_w
+    ss += mdl_sumsq(b619, 2304, h->nthreads); // d.h.11.attn_b
+    ss += mdl_sumsq(b609, 589824, h->nthreads); // d.h.11.proj_w
+    ss += mdl_sumsq(b606, 768, h->nthreads); // d.h.11.proj_b
+    ss += mdl_sumsq(b602, 768, h->nthreads); // d.h.11.ln2_w
+    ss += mdl_sumsq(b603, 768, h->nthreads); // d.h.11.ln2_b
+    ss += mdl_sumsq(b599, 2359296, h->nthreads); // d.h.11.fc_w
+    ss += mdl_sumsq(b596, 3072, h->nthreads); // d.h.11.fc_b
+    ss += mdl_sumsq(b592, 2359296, h->nthreads); // d.h.11.fcproj_w
+    ss += mdl_sumsq(b589, 768, h->nthreads); // d.h.11.fcproj_b
+    ss += mdl_sumsq(b586, 768, h->nthreads); // d.lnf_w
+    ss += mdl_sumsq(b587, 768, h->nthreads); // d.lnf_b
+    b1073[0] = (float)sqrt(ss);
   }
   {
     static const struct {
@@ -11771,9 +11774,9 @@ static void k237_grad_norm__adamw(char *arena, const MdlHooks *h) {
         {497753088, 995512320, 1493271552, 1991030784, -1, 768, 0.0}, // lnf_w
         {497756160, 995515392, 1493274624, 1991033856, -1, 768, 0.0}, // lnf_b
     };
-    const double clip = 1.0, gnorm = b1072[0];
+    const double clip = 1.0, gnorm = b1073[0];
     const double s = clip > 0 ? fmin(1.0, clip / (gnorm + 1e-6)) : 1.0;
-    const double lr = b1070[0], step = b1071[0];
+    const double lr = b1071[0], step = b1072[0];
     const double b1 = 0.9, b2 = 0.95, eps = 1e-08;
     const double c1 = 1.0 / (1.0 - pow(b1, step)), c2 = 1.0 / (1.0 - pow(b2, step));
     #pragma omp parallel num_threads(h->nthreads)
@@ -11886,7 +11889,7 @@ void mdl_step(char *arena, const MdlHooks *h) {
   k85_gemm__add(arena, h);
   k86_layernorm_fwd__cast(arena, h);
   k87_broadcast__mul(arena, h);
-  k88_lmhead__cross_entropy__cross_entropy_bwd__cast__gemm(arena, h);
+  k88_lmhead__cast__cross_entropy__cross_entropy_bwd__gemm(arena, h);
   k89_mean(arena, h);
   k90_layernorm_bwd__sum__cast(arena, h);
   k91_gemm(arena, h);
@@ -12127,7 +12130,7 @@ const MdlKernel mdl_kernels[] = {
     {"k85_gemm__add", k85_gemm__add},
     {"k86_layernorm_fwd__cast", k86_layernorm_fwd__cast},
     {"k87_broadcast__mul", k87_broadcast__mul},
-    {"k88_lmhead__cross_entropy__cross_entropy_bwd__cast__gemm", k88_lmhead__cross_entropy__cross_entropy_bwd__cast__gemm},
+    {"k88_lmhead__cast__cross_entropy__cross_entropy_bwd__gemm", k88_lmhead__cast__cross_entropy__cross_entropy_bwd__gemm},
     {"k89_mean", k89_mean},
     {"k90_layernorm_bwd__sum__cast", k90_layernorm_bwd__sum__cast},
     {"k91_gemm", k91_gemm},

@@ -120,6 +120,12 @@ __device__ __forceinline__ uint16_t mdl_f32_to_bf16(float x) {
 
 __device__ __forceinline__ float mdl_bf16_to_f32(uint16_t h) { return __uint_as_float((uint32_t)h << 16); }
 
+// Four bf16 values at p (8-byte aligned), widened.
+__device__ __forceinline__ float4 mdl_bf16x4_load(const uint16_t *p) {
+  const ushort4 u = *(const ushort4 *)p;
+  return make_float4(mdl_bf16_to_f32(u.x), mdl_bf16_to_f32(u.y), mdl_bf16_to_f32(u.z), mdl_bf16_to_f32(u.w));
+}
+
 // One AdamW update in double, as the interpreter does it: gradient g scaled by the clip factor sc,
 // the moments m and v updated in place (rounded to f32), the new parameter returned.
 struct MdlAdamW {
@@ -504,7 +510,7 @@ extern "C" __global__ void __launch_bounds__(256) k3_gemm__add__cast_epilogue(ch
 //   %32    attention                               line 39    f32[8,1024,768]
 //   %33    reshape                                 line 39    f32[8192,768]
 //   %34    cast                                    line 39    bf16[8192,768]
-//   %1050  attention_lse                           line 39    f32[8,12,1024]
+//   %1051  attention_lse                           line 39    f32[8,12,1024]
 // runs:
 //   k4_attention_fwd__cast__lse<<<768, 256>>> or k4_attention_fwd__cast__lse_w4<<<1536, 128>>>, the faster on the device
 
@@ -972,7 +978,7 @@ extern "C" __global__ void __launch_bounds__(256) k7_gemm__add__gelu__cast_epilo
 //   %78    attention                               line 39    f32[8,1024,768]
 //   %79    reshape                                 line 39    f32[8192,768]
 //   %80    cast                                    line 39    bf16[8192,768]
-//   %1010  attention_lse                           line 39    f32[8,12,1024]
+//   %1011  attention_lse                           line 39    f32[8,12,1024]
 // runs:
 //   k4_attention_fwd__cast__lse<<<768, 256>>> or k4_attention_fwd__cast__lse_w4<<<1536, 128>>>, the faster on the device
 
@@ -1030,7 +1036,7 @@ extern "C" __global__ void __launch_bounds__(256) k7_gemm__add__gelu__cast_epilo
 //   %124   attention                               line 39    f32[8,1024,768]
 //   %125   reshape                                 line 39    f32[8192,768]
 //   %126   cast                                    line 39    bf16[8192,768]
-//   %970   attention_lse                           line 39    f32[8,12,1024]
+//   %971   attention_lse                           line 39    f32[8,12,1024]
 // runs:
 //   k4_attention_fwd__cast__lse<<<768, 256>>> or k4_attention_fwd__cast__lse_w4<<<1536, 128>>>, the faster on the device
 
@@ -1088,7 +1094,7 @@ extern "C" __global__ void __launch_bounds__(256) k7_gemm__add__gelu__cast_epilo
 //   %170   attention                               line 39    f32[8,1024,768]
 //   %171   reshape                                 line 39    f32[8192,768]
 //   %172   cast                                    line 39    bf16[8192,768]
-//   %930   attention_lse                           line 39    f32[8,12,1024]
+//   %931   attention_lse                           line 39    f32[8,12,1024]
 // runs:
 //   k4_attention_fwd__cast__lse<<<768, 256>>> or k4_attention_fwd__cast__lse_w4<<<1536, 128>>>, the faster on the device
 
@@ -1146,7 +1152,7 @@ extern "C" __global__ void __launch_bounds__(256) k7_gemm__add__gelu__cast_epilo
 //   %216   attention                               line 39    f32[8,1024,768]
 //   %217   reshape                                 line 39    f32[8192,768]
 //   %218   cast                                    line 39    bf16[8192,768]
-//   %890   attention_lse                           line 39    f32[8,12,1024]
+//   %891   attention_lse                           line 39    f32[8,12,1024]
 // runs:
 //   k4_attention_fwd__cast__lse<<<768, 256>>> or k4_attention_fwd__cast__lse_w4<<<1536, 128>>>, the faster on the device
 
@@ -1204,7 +1210,7 @@ extern "C" __global__ void __launch_bounds__(256) k7_gemm__add__gelu__cast_epilo
 //   %262   attention                               line 39    f32[8,1024,768]
 //   %263   reshape                                 line 39    f32[8192,768]
 //   %264   cast                                    line 39    bf16[8192,768]
-//   %850   attention_lse                           line 39    f32[8,12,1024]
+//   %851   attention_lse                           line 39    f32[8,12,1024]
 // runs:
 //   k4_attention_fwd__cast__lse<<<768, 256>>> or k4_attention_fwd__cast__lse_w4<<<1536, 128>>>, the faster on the device
 
@@ -1262,7 +1268,7 @@ extern "C" __global__ void __launch_bounds__(256) k7_gemm__add__gelu__cast_epilo
 //   %308   attention                               line 39    f32[8,1024,768]
 //   %309   reshape                                 line 39    f32[8192,768]
 //   %310   cast                                    line 39    bf16[8192,768]
-//   %810   attention_lse                           line 39    f32[8,12,1024]
+//   %811   attention_lse                           line 39    f32[8,12,1024]
 // runs:
 //   k4_attention_fwd__cast__lse<<<768, 256>>> or k4_attention_fwd__cast__lse_w4<<<1536, 128>>>, the faster on the device
 
@@ -1320,7 +1326,7 @@ extern "C" __global__ void __launch_bounds__(256) k7_gemm__add__gelu__cast_epilo
 //   %354   attention                               line 39    f32[8,1024,768]
 //   %355   reshape                                 line 39    f32[8192,768]
 //   %356   cast                                    line 39    bf16[8192,768]
-//   %770   attention_lse                           line 39    f32[8,12,1024]
+//   %771   attention_lse                           line 39    f32[8,12,1024]
 // runs:
 //   k4_attention_fwd__cast__lse<<<768, 256>>> or k4_attention_fwd__cast__lse_w4<<<1536, 128>>>, the faster on the device
 
@@ -1378,7 +1384,7 @@ extern "C" __global__ void __launch_bounds__(256) k7_gemm__add__gelu__cast_epilo
 //   %400   attention                               line 39    f32[8,1024,768]
 //   %401   reshape                                 line 39    f32[8192,768]
 //   %402   cast                                    line 39    bf16[8192,768]
-//   %730   attention_lse                           line 39    f32[8,12,1024]
+//   %731   attention_lse                           line 39    f32[8,12,1024]
 // runs:
 //   k4_attention_fwd__cast__lse<<<768, 256>>> or k4_attention_fwd__cast__lse_w4<<<1536, 128>>>, the faster on the device
 
@@ -1436,7 +1442,7 @@ extern "C" __global__ void __launch_bounds__(256) k7_gemm__add__gelu__cast_epilo
 //   %446   attention                               line 39    f32[8,1024,768]
 //   %447   reshape                                 line 39    f32[8192,768]
 //   %448   cast                                    line 39    bf16[8192,768]
-//   %690   attention_lse                           line 39    f32[8,12,1024]
+//   %691   attention_lse                           line 39    f32[8,12,1024]
 // runs:
 //   k4_attention_fwd__cast__lse<<<768, 256>>> or k4_attention_fwd__cast__lse_w4<<<1536, 128>>>, the faster on the device
 
@@ -1494,7 +1500,7 @@ extern "C" __global__ void __launch_bounds__(256) k7_gemm__add__gelu__cast_epilo
 //   %492   attention                               line 39    f32[8,1024,768]
 //   %493   reshape                                 line 39    f32[8192,768]
 //   %494   cast                                    line 39    bf16[8192,768]
-//   %650   attention_lse                           line 39    f32[8,12,1024]
+//   %651   attention_lse                           line 39    f32[8,12,1024]
 // runs:
 //   k4_attention_fwd__cast__lse<<<768, 256>>> or k4_attention_fwd__cast__lse_w4<<<1536, 128>>>, the faster on the device
 
@@ -1552,7 +1558,7 @@ extern "C" __global__ void __launch_bounds__(256) k7_gemm__add__gelu__cast_epilo
 //   %538   attention                               line 39    f32[8,1024,768]
 //   %539   reshape                                 line 39    f32[8192,768]
 //   %540   cast                                    line 39    bf16[8192,768]
-//   %610   attention_lse                           line 39    f32[8,12,1024]
+//   %611   attention_lse                           line 39    f32[8,12,1024]
 // runs:
 //   k4_attention_fwd__cast__lse<<<768, 256>>> or k4_attention_fwd__cast__lse_w4<<<1536, 128>>>, the faster on the device
 
@@ -1598,9 +1604,9 @@ extern "C" __global__ void __launch_bounds__(256) k7_gemm__add__gelu__cast_epilo
 //   k6_layernorm_fwd__cast<<<1024, 256>>>
 
 // k87_broadcast__mul: kernel, 3 ops
-//   %574   mul                                     line 46    f32[]
-//   %575   reshape                                 line 46    f32[1]
-//   %576   broadcast                               line 46    f32[8192]
+//   %575   mul                                     line 46    f32[]
+//   %576   reshape                                 line 46    f32[1]
+//   %577   broadcast                               line 46    f32[8192]
 // runs:
 //   k87_broadcast__mul<<<8, 256>>>
 
@@ -1618,32 +1624,32 @@ extern "C" __global__ void __launch_bounds__(256) k87_broadcast__mul(char *arena
   }
 }
 
-// k88_lmhead__cross_entropy__cross_entropy_bwd__cast__gemm: LM head, 8 ops
+// k88_lmhead__cast__cross_entropy__cross_entropy_bwd__gemm: LM head, 9 ops
 //   %567   matmul                                  line 45    f32[8192,50257]
 //   %568   reshape            logits               line 45    f32[8,1024,50257]
-//   %569   cross_entropy                           line 46    f32[8,1024]
-//   %578   cross_entropy_bwd  d.logits             line 46    f32[8,1024,50257]
-//   %579   reshape                                 line 45    f32[8192,50257]
-//   %580   cast                                    line 45    bf16[8192,50257]
-//   %581   matmul                                  line 45    f32[8192,768]
-//   %582   matmul                                  line 45    f32[50257,768]
+//   %569   cast                                    line 46    bf16[8,1024,50257]
+//   %570   cross_entropy                           line 46    f32[8,1024]
+//   %579   cross_entropy_bwd  d.logits             line 46    f32[8,1024,50257]
+//   %580   reshape                                 line 45    f32[8192,50257]
+//   %581   cast                                    line 45    bf16[8192,50257]
+//   %582   matmul                                  line 45    f32[8192,768]
+//   %583   matmul                                  line 45    f32[50257,768]
 // runs:
-//   gemm 48: [4096 x 50304] = [4096 x 768] T[768 x 50304], bf16 A and B, f32 C
-//   k88_lmhead__cross_entropy__cross_entropy_bwd__cast__gemm_ce<<<4096, 1024>>>
+//   gemm 48: [4096 x 50304] = [4096 x 768] T[768 x 50304], bf16 A and B, bf16 C
+//   k88_lmhead__cast__cross_entropy__cross_entropy_bwd__gemm_ce<<<4096, 1024>>>
 //   gemm 49: [4096 x 768] = [4096 x 50304] [50304 x 768], bf16 A and B, f32 C
 //   gemm 50: [50257 x 768] = T[50257 x 4096] [4096 x 768], bf16 A and B, f32 C
-//   gemm 51: [4096 x 50304] = [4096 x 768] T[768 x 50304], bf16 A and B, f32 C
-//   k88_lmhead__cross_entropy__cross_entropy_bwd__cast__gemm_ce<<<4096, 1024>>> chunk 4096
+//   gemm 51: [4096 x 50304] = [4096 x 768] T[768 x 50304], bf16 A and B, bf16 C
+//   k88_lmhead__cast__cross_entropy__cross_entropy_bwd__gemm_ce<<<4096, 1024>>> chunk 4096
 //   gemm 52: [4096 x 768] = [4096 x 50304] [50304 x 768], bf16 A and B, f32 C
 //   gemm 53: [50257 x 768] = T[50257 x 4096] [4096 x 768] + C, bf16 A and B, f32 C
 
-// LM head: cross-entropy and its gradient of a chunk of at most 4096 rows of 50257 classes (rows 50304 apart), the gradient rounded to bf16 into a chunk of its own; chunk = its first row; a block of 1024 threads per row
-extern "C" __global__ void __launch_bounds__(1024) k88_lmhead__cross_entropy__cross_entropy_bwd__cast__gemm_ce(char *arena, MdlStatus *status, const uint64_t *seed, int64_t chunk, MdlArgs o) {
-  float *const b0 = (float *)(arena + o.b[0]); // the chunk's logits
-  uint16_t *const b1 = (uint16_t *)(arena + o.b[1]); // the chunk's dlogits, bf16
-  float *const b2 = (float *)(arena + o.b[2]); // broadcast f32[8192]
-  float *const b3 = (float *)(arena + o.b[3]); // cross_entropy f32[8,1024]
-  int32_t *const b4 = (int32_t *)(arena + o.b[4]); // input i32[8,1024]
+// LM head: cross-entropy and its gradient of a chunk of at most 4096 rows of 50257 classes (rows 50304 apart), bf16 logits, the gradient rounded to bf16 in place; chunk = its first row; a block of 1024 threads per row
+extern "C" __global__ void __launch_bounds__(1024) k88_lmhead__cast__cross_entropy__cross_entropy_bwd__gemm_ce(char *arena, MdlStatus *status, const uint64_t *seed, int64_t chunk, MdlArgs o) {
+  uint16_t *const b0 = (uint16_t *)(arena + o.b[0]); // the chunk's logits, bf16
+  float *const b1 = (float *)(arena + o.b[1]); // broadcast f32[8192]
+  float *const b2 = (float *)(arena + o.b[2]); // cross_entropy f32[8,1024]
+  int32_t *const b3 = (int32_t *)(arena + o.b[3]); // input i32[8,1024]
   __shared__ double sh_d[48];
   __shared__ float sh_f[32];
   const int rn = 8192 - chunk < 4096 ? 8192 - chunk : 4096;
@@ -1651,23 +1657,23 @@ extern "C" __global__ void __launch_bounds__(1024) k88_lmhead__cross_entropy__cr
   const int tr = threadIdx.x;
   if (i < rn) {
     const int r = chunk + i;
-    const float *x = b0 + i * 50304;
-    uint16_t *dx = b1 + i * 50304;
-    const int32_t tg = b4[r];
+    const uint16_t *x = b0 + i * 50304;
+    uint16_t *dx = b0 + i * 50304;
+    const int32_t tg = b3[r];
     if (tg < 0 || tg >= 50257) {
       if (tg >= 50257 && tr == 0)
         mdl_report(status, MDL_ERR_TARGET, tg, 50257);
       if (tr == 0)
-        b3[r] = 0.0f;
+        b2[r] = 0.0f;
       for (int j = tr; j < 50257; j += 1024)
         dx[j] = 0;
     } else {
-      const float xt = x[tg];
+      const float xt = mdl_bf16_to_f32(x[tg]);
       float m = -MDL_INF;
       double part = 0;
       for (int j4 = tr; j4 < 12564; j4 += 2048) {
-        const float4 x4 = *(const float4 *)&x[4 * j4];
-        const float4 y4 = j4 + 1024 < 12564 ? *(const float4 *)&x[4 * (j4 + 1024)] : make_float4(-MDL_INF, -MDL_INF, -MDL_INF, -MDL_INF);
+        const float4 x4 = mdl_bf16x4_load(&x[4 * j4]);
+        const float4 y4 = j4 + 1024 < 12564 ? mdl_bf16x4_load(&x[4 * (j4 + 1024)]) : make_float4(-MDL_INF, -MDL_INF, -MDL_INF, -MDL_INF);
         mdl_softmax_add(x4.x, m, part);
         mdl_softmax_add(x4.y, m, part);
         mdl_softmax_add(x4.z, m, part);
@@ -1678,17 +1684,17 @@ extern "C" __global__ void __launch_bounds__(1024) k88_lmhead__cross_entropy__cr
         mdl_softmax_add(y4.w, m, part);
       }
       for (int j = 50256 + tr; j < 50257; j += 1024)
-        mdl_softmax_add(x[j], m, part);
+        mdl_softmax_add(mdl_bf16_to_f32(x[j]), m, part);
       const float mx = mdl_block_fmax(m, sh_f);
       double sum = m == -MDL_INF ? 0.0 : part * (double)expf(m - mx);
       sum = mdl_block_sum(sum, sh_d);
       if (tr == 0)
-        b3[r] = (float)(mx + log(sum) - xt);
-      const double g = b2[r], inv = 1.0 / sum;
+        b2[r] = (float)(mx + log(sum) - xt);
+      const double g = b1[r], inv = 1.0 / sum;
       for (int j4 = tr; j4 < 12564; j4 += 2048) {
         const bool two = j4 + 1024 < 12564;
-        const float4 x4 = *(const float4 *)&x[4 * j4];
-        const float4 y4 = two ? *(const float4 *)&x[4 * (j4 + 1024)] : x4;
+        const float4 x4 = mdl_bf16x4_load(&x[4 * j4]);
+        const float4 y4 = two ? mdl_bf16x4_load(&x[4 * (j4 + 1024)]) : x4;
         const int j = 4 * j4;
         *(ushort4 *)&dx[j] = make_ushort4(
             mdl_f32_to_bf16(mdl_ce_grad(x4.x, mx, g, inv, j == tg)),
@@ -1705,14 +1711,14 @@ extern "C" __global__ void __launch_bounds__(1024) k88_lmhead__cross_entropy__cr
         }
       }
       for (int j = 50256 + tr; j < 50257; j += 1024)
-        dx[j] = mdl_f32_to_bf16(mdl_ce_grad(x[j], mx, g, inv, j == tg));
+        dx[j] = mdl_f32_to_bf16(mdl_ce_grad(mdl_bf16_to_f32(x[j]), mx, g, inv, j == tg));
     }
-    for (int j = 50257 + tr; j < 50304; j += 1024) b1[i * 50304 + j] = 0;
+    for (int j = 50257 + tr; j < 50304; j += 1024) b0[i * 50304 + j] = 0;
   }
 }
 
 // k89_mean: kernel, 1 op
-//   %571   mean               loss                 line 46    f32[]
+//   %572   mean               loss                 line 46    f32[]
 // runs:
 //   k89_mean<<<1, 256>>>
 
@@ -1739,12 +1745,12 @@ extern "C" __global__ void __launch_bounds__(256) k89_mean(char *arena, MdlStatu
 }
 
 // k90_layernorm_bwd__sum__cast: kernel, 6 ops
-//   %584   layernorm_bwd      d.h.11.x             line 45    f32[8,1024,768]
-//   %585   layernorm_bwd      d.lnf_w              line 45    f32[768]
-//   %586   layernorm_bwd      d.lnf_b              line 45    f32[768]
-//   %587   reshape                                 line 40    f32[8192,768]
-//   %588   sum                d.h.11.fcproj_b      line 40    f32[768]
-//   %589   cast                                    line 40    bf16[8192,768]
+//   %585   layernorm_bwd      d.h.11.x             line 45    f32[8,1024,768]
+//   %586   layernorm_bwd      d.lnf_w              line 45    f32[768]
+//   %587   layernorm_bwd      d.lnf_b              line 45    f32[768]
+//   %588   reshape                                 line 40    f32[8192,768]
+//   %589   sum                d.h.11.fcproj_b      line 40    f32[768]
+//   %590   cast                                    line 40    bf16[8192,768]
 // runs:
 //   k90_layernorm_bwd__sum__cast<<<1024, 128>>>
 //   k90_layernorm_bwd__sum__cast_colsum<<<96, 1024>>>
@@ -1876,17 +1882,17 @@ extern "C" __global__ void __launch_bounds__(1024) k90_layernorm_bwd__sum__cast_
 }
 
 // k91_gemm: GEMM, 1 op
-//   %591   matmul             d.h.11.fcproj_w      line 40    f32[3072,768]
+//   %592   matmul             d.h.11.fcproj_w      line 40    f32[3072,768]
 // runs:
 //   gemm 54: [3072 x 768] = T[3072 x 8192] [8192 x 768], bf16 A and B, f32 C
 
 // k92_gemm__gelu_bwd__sum__cast: GEMM, 6 ops
-//   %590   matmul                                  line 40    f32[8192,3072]
-//   %592   reshape                                 line 40    f32[8,1024,3072]
-//   %593   gelu_bwd                                line 40    f32[8,1024,3072]
-//   %594   reshape                                 line 40    f32[8192,3072]
-//   %595   sum                d.h.11.fc_b          line 40    f32[3072]
-//   %596   cast                                    line 40    bf16[8192,3072]
+//   %591   matmul                                  line 40    f32[8192,3072]
+//   %593   reshape                                 line 40    f32[8,1024,3072]
+//   %594   gelu_bwd                                line 40    f32[8,1024,3072]
+//   %595   reshape                                 line 40    f32[8192,3072]
+//   %596   sum                d.h.11.fc_b          line 40    f32[3072]
+//   %597   cast                                    line 40    bf16[8192,3072]
 // runs:
 //   gemm 55: [8192 x 3072] = [8192 x 768] T[768 x 3072], bf16 A and B, f32 C
 //   k92_gemm__gelu_bwd__sum__cast_partial<<<984, 256>>>
@@ -1960,23 +1966,23 @@ extern "C" __global__ void __launch_bounds__(1024) k92_gemm__gelu_bwd__sum__cast
 }
 
 // k93_gemm: GEMM, 1 op
-//   %597   matmul                                  line 40    f32[8192,768]
+//   %598   matmul                                  line 40    f32[8192,768]
 // runs:
 //   gemm 56: [8192 x 768] = [8192 x 3072] T[3072 x 768], bf16 A and B, f32 C
 
 // k94_gemm: GEMM, 1 op
-//   %598   matmul             d.h.11.fc_w          line 40    f32[768,3072]
+//   %599   matmul             d.h.11.fc_w          line 40    f32[768,3072]
 // runs:
 //   gemm 57: [768 x 3072] = T[768 x 8192] [8192 x 3072], bf16 A and B, f32 C
 
 // k95_layernorm_bwd__add__sum__cast: kernel, 7 ops
-//   %600   layernorm_bwd                           line 40    f32[8,1024,768]
-//   %601   layernorm_bwd      d.h.11.ln2_w         line 40    f32[768]
-//   %602   layernorm_bwd      d.h.11.ln2_b         line 40    f32[768]
-//   %603   add                d.h.11.x             line 39    f32[8,1024,768]
-//   %604   reshape                                 line 39    f32[8192,768]
-//   %605   sum                d.h.11.proj_b        line 39    f32[768]
-//   %606   cast                                    line 39    bf16[8192,768]
+//   %601   layernorm_bwd                           line 40    f32[8,1024,768]
+//   %602   layernorm_bwd      d.h.11.ln2_w         line 40    f32[768]
+//   %603   layernorm_bwd      d.h.11.ln2_b         line 40    f32[768]
+//   %604   add                d.h.11.x             line 39    f32[8,1024,768]
+//   %605   reshape                                 line 39    f32[8192,768]
+//   %606   sum                d.h.11.proj_b        line 39    f32[768]
+//   %607   cast                                    line 39    bf16[8192,768]
 // runs:
 //   k95_layernorm_bwd__add__sum__cast<<<1024, 128>>>
 //   k90_layernorm_bwd__sum__cast_colsum<<<96, 1024>>>
@@ -2071,21 +2077,21 @@ extern "C" __global__ void __launch_bounds__(128, 8) k95_layernorm_bwd__add__sum
 }
 
 // k96_gemm: GEMM, 1 op
-//   %608   matmul             d.h.11.proj_w        line 39    f32[768,768]
+//   %609   matmul             d.h.11.proj_w        line 39    f32[768,768]
 // runs:
 //   gemm 58: [768 x 768] = T[768 x 8192] [8192 x 768], bf16 A and B, f32 C
 
 // k97_gemm__cast: GEMM, 3 ops
-//   %607   matmul                                  line 39    f32[8192,768]
-//   %609   reshape                                 line 39    f32[8,1024,768]
-//   %612   cast                                    line 39    bf16[8,1024,768]
+//   %608   matmul                                  line 39    f32[8192,768]
+//   %610   reshape                                 line 39    f32[8,1024,768]
+//   %613   cast                                    line 39    bf16[8,1024,768]
 // runs:
 //   gemm 59: [8192 x 768] = [8192 x 768] T[768 x 768], bf16 A and B, bf16 C
 
 // k98_attention_bwd: attention, 3 ops
-//   %613   attention_bwd      d.h.11.q             line 39    f32[8,1024,768]
-//   %614   attention_bwd      d.h.11.k             line 39    f32[8,1024,768]
-//   %615   attention_bwd      d.h.11.v             line 39    f32[8,1024,768]
+//   %614   attention_bwd      d.h.11.q             line 39    f32[8,1024,768]
+//   %615   attention_bwd      d.h.11.k             line 39    f32[8,1024,768]
+//   %616   attention_bwd      d.h.11.v             line 39    f32[8,1024,768]
 // runs:
 //   k98_attention_bwd_dsum<<<12288, 256>>>
 //   k98_attention_bwd_dq<<<1536, 128>>> or k98_attention_bwd_dq_w8<<<768, 256>>>, the faster on the device
@@ -2731,10 +2737,10 @@ extern "C" __global__ void __launch_bounds__(128) k98_attention_bwd_dkv_w4(char 
 }
 
 // k99_sum__concat__cast: kernel, 4 ops
-//   %616   concat                                  line 38    f32[8,1024,2304]
-//   %617   reshape                                 line 38    f32[8192,2304]
-//   %618   sum                d.h.11.attn_b        line 38    f32[2304]
-//   %619   cast                                    line 38    bf16[8192,2304]
+//   %617   concat                                  line 38    f32[8,1024,2304]
+//   %618   reshape                                 line 38    f32[8192,2304]
+//   %619   sum                d.h.11.attn_b        line 38    f32[2304]
+//   %620   cast                                    line 38    bf16[8192,2304]
 // runs:
 //   k99_sum__concat__cast_partial<<<972, 256>>>
 //   k99_sum__concat__cast<<<144, 1024>>>
@@ -2800,23 +2806,23 @@ extern "C" __global__ void __launch_bounds__(1024) k99_sum__concat__cast(char *a
 }
 
 // k100_gemm: GEMM, 1 op
-//   %620   matmul                                  line 38    f32[8192,768]
+//   %621   matmul                                  line 38    f32[8192,768]
 // runs:
 //   gemm 60: [8192 x 768] = [8192 x 2304] T[2304 x 768], bf16 A and B, f32 C
 
 // k101_gemm: GEMM, 1 op
-//   %621   matmul             d.h.11.attn_w        line 38    f32[768,2304]
+//   %622   matmul             d.h.11.attn_w        line 38    f32[768,2304]
 // runs:
 //   gemm 61: [768 x 2304] = T[768 x 8192] [8192 x 2304], bf16 A and B, f32 C
 
 // k102_layernorm_bwd__add__sum__cast: kernel, 7 ops
-//   %623   layernorm_bwd                           line 38    f32[8,1024,768]
-//   %624   layernorm_bwd      d.h.11.ln1_w         line 38    f32[768]
-//   %625   layernorm_bwd      d.h.11.ln1_b         line 38    f32[768]
-//   %626   add                d.h.10.x             line 40    f32[8,1024,768]
-//   %627   reshape                                 line 40    f32[8192,768]
-//   %628   sum                d.h.10.fcproj_b      line 40    f32[768]
-//   %629   cast                                    line 40    bf16[8192,768]
+//   %624   layernorm_bwd                           line 38    f32[8,1024,768]
+//   %625   layernorm_bwd      d.h.11.ln1_w         line 38    f32[768]
+//   %626   layernorm_bwd      d.h.11.ln1_b         line 38    f32[768]
+//   %627   add                d.h.10.x             line 40    f32[8,1024,768]
+//   %628   reshape                                 line 40    f32[8192,768]
+//   %629   sum                d.h.10.fcproj_b      line 40    f32[768]
+//   %630   cast                                    line 40    bf16[8192,768]
 // runs:
 //   k102_layernorm_bwd__add__sum__cast<<<1024, 128>>>
 //   k90_layernorm_bwd__sum__cast_colsum<<<96, 1024>>>
@@ -2911,999 +2917,999 @@ extern "C" __global__ void __launch_bounds__(128, 8) k102_layernorm_bwd__add__su
 }
 
 // k103_gemm: GEMM, 1 op
-//   %631   matmul             d.h.10.fcproj_w      line 40    f32[3072,768]
+//   %632   matmul             d.h.10.fcproj_w      line 40    f32[3072,768]
 // runs:
 //   gemm 62: [3072 x 768] = T[3072 x 8192] [8192 x 768], bf16 A and B, f32 C
 
 // k104_gemm__gelu_bwd__sum__cast: GEMM, 6 ops
-//   %630   matmul                                  line 40    f32[8192,3072]
-//   %632   reshape                                 line 40    f32[8,1024,3072]
-//   %633   gelu_bwd                                line 40    f32[8,1024,3072]
-//   %634   reshape                                 line 40    f32[8192,3072]
-//   %635   sum                d.h.10.fc_b          line 40    f32[3072]
-//   %636   cast                                    line 40    bf16[8192,3072]
+//   %631   matmul                                  line 40    f32[8192,3072]
+//   %633   reshape                                 line 40    f32[8,1024,3072]
+//   %634   gelu_bwd                                line 40    f32[8,1024,3072]
+//   %635   reshape                                 line 40    f32[8192,3072]
+//   %636   sum                d.h.10.fc_b          line 40    f32[3072]
+//   %637   cast                                    line 40    bf16[8192,3072]
 // runs:
 //   gemm 63: [8192 x 3072] = [8192 x 768] T[768 x 3072], bf16 A and B, f32 C
 //   k92_gemm__gelu_bwd__sum__cast_partial<<<984, 256>>>
 //   k92_gemm__gelu_bwd__sum__cast<<<192, 1024>>>
 
 // k105_gemm: GEMM, 1 op
-//   %637   matmul                                  line 40    f32[8192,768]
+//   %638   matmul                                  line 40    f32[8192,768]
 // runs:
 //   gemm 64: [8192 x 768] = [8192 x 3072] T[3072 x 768], bf16 A and B, f32 C
 
 // k106_gemm: GEMM, 1 op
-//   %638   matmul             d.h.10.fc_w          line 40    f32[768,3072]
+//   %639   matmul             d.h.10.fc_w          line 40    f32[768,3072]
 // runs:
 //   gemm 65: [768 x 3072] = T[768 x 8192] [8192 x 3072], bf16 A and B, f32 C
 
 // k107_layernorm_bwd__add__sum__cast: kernel, 7 ops
-//   %640   layernorm_bwd                           line 40    f32[8,1024,768]
-//   %641   layernorm_bwd      d.h.10.ln2_w         line 40    f32[768]
-//   %642   layernorm_bwd      d.h.10.ln2_b         line 40    f32[768]
-//   %643   add                d.h.10.x             line 39    f32[8,1024,768]
-//   %644   reshape                                 line 39    f32[8192,768]
-//   %645   sum                d.h.10.proj_b        line 39    f32[768]
-//   %646   cast                                    line 39    bf16[8192,768]
+//   %641   layernorm_bwd                           line 40    f32[8,1024,768]
+//   %642   layernorm_bwd      d.h.10.ln2_w         line 40    f32[768]
+//   %643   layernorm_bwd      d.h.10.ln2_b         line 40    f32[768]
+//   %644   add                d.h.10.x             line 39    f32[8,1024,768]
+//   %645   reshape                                 line 39    f32[8192,768]
+//   %646   sum                d.h.10.proj_b        line 39    f32[768]
+//   %647   cast                                    line 39    bf16[8192,768]
 // runs:
 //   k102_layernorm_bwd__add__sum__cast<<<1024, 128>>>
 //   k90_layernorm_bwd__sum__cast_colsum<<<96, 1024>>>
 
 // k108_gemm: GEMM, 1 op
-//   %648   matmul             d.h.10.proj_w        line 39    f32[768,768]
+//   %649   matmul             d.h.10.proj_w        line 39    f32[768,768]
 // runs:
 //   gemm 66: [768 x 768] = T[768 x 8192] [8192 x 768], bf16 A and B, f32 C
 
 // k109_gemm__cast: GEMM, 3 ops
-//   %647   matmul                                  line 39    f32[8192,768]
-//   %649   reshape                                 line 39    f32[8,1024,768]
-//   %652   cast                                    line 39    bf16[8,1024,768]
+//   %648   matmul                                  line 39    f32[8192,768]
+//   %650   reshape                                 line 39    f32[8,1024,768]
+//   %653   cast                                    line 39    bf16[8,1024,768]
 // runs:
 //   gemm 67: [8192 x 768] = [8192 x 768] T[768 x 768], bf16 A and B, bf16 C
 
 // k110_attention_bwd: attention, 3 ops
-//   %653   attention_bwd      d.h.10.q             line 39    f32[8,1024,768]
-//   %654   attention_bwd      d.h.10.k             line 39    f32[8,1024,768]
-//   %655   attention_bwd      d.h.10.v             line 39    f32[8,1024,768]
+//   %654   attention_bwd      d.h.10.q             line 39    f32[8,1024,768]
+//   %655   attention_bwd      d.h.10.k             line 39    f32[8,1024,768]
+//   %656   attention_bwd      d.h.10.v             line 39    f32[8,1024,768]
 // runs:
 //   k98_attention_bwd_dsum<<<12288, 256>>>
 //   k98_attention_bwd_dq<<<1536, 128>>> or k98_attention_bwd_dq_w8<<<768, 256>>>, the faster on the device
 //   k98_attention_bwd_dkv<<<768, 256>>> or k98_attention_bwd_dkv_w4<<<1536, 128>>>, the faster on the device
 
 // k111_sum__concat__cast: kernel, 4 ops
-//   %656   concat                                  line 38    f32[8,1024,2304]
-//   %657   reshape                                 line 38    f32[8192,2304]
-//   %658   sum                d.h.10.attn_b        line 38    f32[2304]
-//   %659   cast                                    line 38    bf16[8192,2304]
+//   %657   concat                                  line 38    f32[8,1024,2304]
+//   %658   reshape                                 line 38    f32[8192,2304]
+//   %659   sum                d.h.10.attn_b        line 38    f32[2304]
+//   %660   cast                                    line 38    bf16[8192,2304]
 // runs:
 //   k99_sum__concat__cast_partial<<<972, 256>>>
 //   k99_sum__concat__cast<<<144, 1024>>>
 
 // k112_gemm: GEMM, 1 op
-//   %660   matmul                                  line 38    f32[8192,768]
+//   %661   matmul                                  line 38    f32[8192,768]
 // runs:
 //   gemm 68: [8192 x 768] = [8192 x 2304] T[2304 x 768], bf16 A and B, f32 C
 
 // k113_gemm: GEMM, 1 op
-//   %661   matmul             d.h.10.attn_w        line 38    f32[768,2304]
+//   %662   matmul             d.h.10.attn_w        line 38    f32[768,2304]
 // runs:
 //   gemm 69: [768 x 2304] = T[768 x 8192] [8192 x 2304], bf16 A and B, f32 C
 
 // k114_layernorm_bwd__add__sum__cast: kernel, 7 ops
-//   %663   layernorm_bwd                           line 38    f32[8,1024,768]
-//   %664   layernorm_bwd      d.h.10.ln1_w         line 38    f32[768]
-//   %665   layernorm_bwd      d.h.10.ln1_b         line 38    f32[768]
-//   %666   add                d.h.9.x              line 40    f32[8,1024,768]
-//   %667   reshape                                 line 40    f32[8192,768]
-//   %668   sum                d.h.9.fcproj_b       line 40    f32[768]
-//   %669   cast                                    line 40    bf16[8192,768]
+//   %664   layernorm_bwd                           line 38    f32[8,1024,768]
+//   %665   layernorm_bwd      d.h.10.ln1_w         line 38    f32[768]
+//   %666   layernorm_bwd      d.h.10.ln1_b         line 38    f32[768]
+//   %667   add                d.h.9.x              line 40    f32[8,1024,768]
+//   %668   reshape                                 line 40    f32[8192,768]
+//   %669   sum                d.h.9.fcproj_b       line 40    f32[768]
+//   %670   cast                                    line 40    bf16[8192,768]
 // runs:
 //   k102_layernorm_bwd__add__sum__cast<<<1024, 128>>>
 //   k90_layernorm_bwd__sum__cast_colsum<<<96, 1024>>>
 
 // k115_gemm: GEMM, 1 op
-//   %671   matmul             d.h.9.fcproj_w       line 40    f32[3072,768]
+//   %672   matmul             d.h.9.fcproj_w       line 40    f32[3072,768]
 // runs:
 //   gemm 70: [3072 x 768] = T[3072 x 8192] [8192 x 768], bf16 A and B, f32 C
 
 // k116_gemm__gelu_bwd__sum__cast: GEMM, 6 ops
-//   %670   matmul                                  line 40    f32[8192,3072]
-//   %672   reshape                                 line 40    f32[8,1024,3072]
-//   %673   gelu_bwd                                line 40    f32[8,1024,3072]
-//   %674   reshape                                 line 40    f32[8192,3072]
-//   %675   sum                d.h.9.fc_b           line 40    f32[3072]
-//   %676   cast                                    line 40    bf16[8192,3072]
+//   %671   matmul                                  line 40    f32[8192,3072]
+//   %673   reshape                                 line 40    f32[8,1024,3072]
+//   %674   gelu_bwd                                line 40    f32[8,1024,3072]
+//   %675   reshape                                 line 40    f32[8192,3072]
+//   %676   sum                d.h.9.fc_b           line 40    f32[3072]
+//   %677   cast                                    line 40    bf16[8192,3072]
 // runs:
 //   gemm 71: [8192 x 3072] = [8192 x 768] T[768 x 3072], bf16 A and B, f32 C
 //   k92_gemm__gelu_bwd__sum__cast_partial<<<984, 256>>>
 //   k92_gemm__gelu_bwd__sum__cast<<<192, 1024>>>
 
 // k117_gemm: GEMM, 1 op
-//   %677   matmul                                  line 40    f32[8192,768]
+//   %678   matmul                                  line 40    f32[8192,768]
 // runs:
 //   gemm 72: [8192 x 768] = [8192 x 3072] T[3072 x 768], bf16 A and B, f32 C
 
 // k118_gemm: GEMM, 1 op
-//   %678   matmul             d.h.9.fc_w           line 40    f32[768,3072]
+//   %679   matmul             d.h.9.fc_w           line 40    f32[768,3072]
 // runs:
 //   gemm 73: [768 x 3072] = T[768 x 8192] [8192 x 3072], bf16 A and B, f32 C
 
 // k119_layernorm_bwd__add__sum__cast: kernel, 7 ops
-//   %680   layernorm_bwd                           line 40    f32[8,1024,768]
-//   %681   layernorm_bwd      d.h.9.ln2_w          line 40    f32[768]
-//   %682   layernorm_bwd      d.h.9.ln2_b          line 40    f32[768]
-//   %683   add                d.h.9.x              line 39    f32[8,1024,768]
-//   %684   reshape                                 line 39    f32[8192,768]
-//   %685   sum                d.h.9.proj_b         line 39    f32[768]
-//   %686   cast                                    line 39    bf16[8192,768]
+//   %681   layernorm_bwd                           line 40    f32[8,1024,768]
+//   %682   layernorm_bwd      d.h.9.ln2_w          line 40    f32[768]
+//   %683   layernorm_bwd      d.h.9.ln2_b          line 40    f32[768]
+//   %684   add                d.h.9.x              line 39    f32[8,1024,768]
+//   %685   reshape                                 line 39    f32[8192,768]
+//   %686   sum                d.h.9.proj_b         line 39    f32[768]
+//   %687   cast                                    line 39    bf16[8192,768]
 // runs:
 //   k102_layernorm_bwd__add__sum__cast<<<1024, 128>>>
 //   k90_layernorm_bwd__sum__cast_colsum<<<96, 1024>>>
 
 // k120_gemm: GEMM, 1 op
-//   %688   matmul             d.h.9.proj_w         line 39    f32[768,768]
+//   %689   matmul             d.h.9.proj_w         line 39    f32[768,768]
 // runs:
 //   gemm 74: [768 x 768] = T[768 x 8192] [8192 x 768], bf16 A and B, f32 C
 
 // k121_gemm__cast: GEMM, 3 ops
-//   %687   matmul                                  line 39    f32[8192,768]
-//   %689   reshape                                 line 39    f32[8,1024,768]
-//   %692   cast                                    line 39    bf16[8,1024,768]
+//   %688   matmul                                  line 39    f32[8192,768]
+//   %690   reshape                                 line 39    f32[8,1024,768]
+//   %693   cast                                    line 39    bf16[8,1024,768]
 // runs:
 //   gemm 75: [8192 x 768] = [8192 x 768] T[768 x 768], bf16 A and B, bf16 C
 
 // k122_attention_bwd: attention, 3 ops
-//   %693   attention_bwd      d.h.9.q              line 39    f32[8,1024,768]
-//   %694   attention_bwd      d.h.9.k              line 39    f32[8,1024,768]
-//   %695   attention_bwd      d.h.9.v              line 39    f32[8,1024,768]
+//   %694   attention_bwd      d.h.9.q              line 39    f32[8,1024,768]
+//   %695   attention_bwd      d.h.9.k              line 39    f32[8,1024,768]
+//   %696   attention_bwd      d.h.9.v              line 39    f32[8,1024,768]
 // runs:
 //   k98_attention_bwd_dsum<<<12288, 256>>>
 //   k98_attention_bwd_dq<<<1536, 128>>> or k98_attention_bwd_dq_w8<<<768, 256>>>, the faster on the device
 //   k98_attention_bwd_dkv<<<768, 256>>> or k98_attention_bwd_dkv_w4<<<1536, 128>>>, the faster on the device
 
 // k123_sum__concat__cast: kernel, 4 ops
-//   %696   concat                                  line 38    f32[8,1024,2304]
-//   %697   reshape                                 line 38    f32[8192,2304]
-//   %698   sum                d.h.9.attn_b         line 38    f32[2304]
-//   %699   cast                                    line 38    bf16[8192,2304]
+//   %697   concat                                  line 38    f32[8,1024,2304]
+//   %698   reshape                                 line 38    f32[8192,2304]
+//   %699   sum                d.h.9.attn_b         line 38    f32[2304]
+//   %700   cast                                    line 38    bf16[8192,2304]
 // runs:
 //   k99_sum__concat__cast_partial<<<972, 256>>>
 //   k99_sum__concat__cast<<<144, 1024>>>
 
 // k124_gemm: GEMM, 1 op
-//   %700   matmul                                  line 38    f32[8192,768]
+//   %701   matmul                                  line 38    f32[8192,768]
 // runs:
 //   gemm 76: [8192 x 768] = [8192 x 2304] T[2304 x 768], bf16 A and B, f32 C
 
 // k125_gemm: GEMM, 1 op
-//   %701   matmul             d.h.9.attn_w         line 38    f32[768,2304]
+//   %702   matmul             d.h.9.attn_w         line 38    f32[768,2304]
 // runs:
 //   gemm 77: [768 x 2304] = T[768 x 8192] [8192 x 2304], bf16 A and B, f32 C
 
 // k126_layernorm_bwd__add__sum__cast: kernel, 7 ops
-//   %703   layernorm_bwd                           line 38    f32[8,1024,768]
-//   %704   layernorm_bwd      d.h.9.ln1_w          line 38    f32[768]
-//   %705   layernorm_bwd      d.h.9.ln1_b          line 38    f32[768]
-//   %706   add                d.h.8.x              line 40    f32[8,1024,768]
-//   %707   reshape                                 line 40    f32[8192,768]
-//   %708   sum                d.h.8.fcproj_b       line 40    f32[768]
-//   %709   cast                                    line 40    bf16[8192,768]
+//   %704   layernorm_bwd                           line 38    f32[8,1024,768]
+//   %705   layernorm_bwd      d.h.9.ln1_w          line 38    f32[768]
+//   %706   layernorm_bwd      d.h.9.ln1_b          line 38    f32[768]
+//   %707   add                d.h.8.x              line 40    f32[8,1024,768]
+//   %708   reshape                                 line 40    f32[8192,768]
+//   %709   sum                d.h.8.fcproj_b       line 40    f32[768]
+//   %710   cast                                    line 40    bf16[8192,768]
 // runs:
 //   k102_layernorm_bwd__add__sum__cast<<<1024, 128>>>
 //   k90_layernorm_bwd__sum__cast_colsum<<<96, 1024>>>
 
 // k127_gemm: GEMM, 1 op
-//   %711   matmul             d.h.8.fcproj_w       line 40    f32[3072,768]
+//   %712   matmul             d.h.8.fcproj_w       line 40    f32[3072,768]
 // runs:
 //   gemm 78: [3072 x 768] = T[3072 x 8192] [8192 x 768], bf16 A and B, f32 C
 
 // k128_gemm__gelu_bwd__sum__cast: GEMM, 6 ops
-//   %710   matmul                                  line 40    f32[8192,3072]
-//   %712   reshape                                 line 40    f32[8,1024,3072]
-//   %713   gelu_bwd                                line 40    f32[8,1024,3072]
-//   %714   reshape                                 line 40    f32[8192,3072]
-//   %715   sum                d.h.8.fc_b           line 40    f32[3072]
-//   %716   cast                                    line 40    bf16[8192,3072]
+//   %711   matmul                                  line 40    f32[8192,3072]
+//   %713   reshape                                 line 40    f32[8,1024,3072]
+//   %714   gelu_bwd                                line 40    f32[8,1024,3072]
+//   %715   reshape                                 line 40    f32[8192,3072]
+//   %716   sum                d.h.8.fc_b           line 40    f32[3072]
+//   %717   cast                                    line 40    bf16[8192,3072]
 // runs:
 //   gemm 79: [8192 x 3072] = [8192 x 768] T[768 x 3072], bf16 A and B, f32 C
 //   k92_gemm__gelu_bwd__sum__cast_partial<<<984, 256>>>
 //   k92_gemm__gelu_bwd__sum__cast<<<192, 1024>>>
 
 // k129_gemm: GEMM, 1 op
-//   %717   matmul                                  line 40    f32[8192,768]
+//   %718   matmul                                  line 40    f32[8192,768]
 // runs:
 //   gemm 80: [8192 x 768] = [8192 x 3072] T[3072 x 768], bf16 A and B, f32 C
 
 // k130_gemm: GEMM, 1 op
-//   %718   matmul             d.h.8.fc_w           line 40    f32[768,3072]
+//   %719   matmul             d.h.8.fc_w           line 40    f32[768,3072]
 // runs:
 //   gemm 81: [768 x 3072] = T[768 x 8192] [8192 x 3072], bf16 A and B, f32 C
 
 // k131_layernorm_bwd__add__sum__cast: kernel, 7 ops
-//   %720   layernorm_bwd                           line 40    f32[8,1024,768]
-//   %721   layernorm_bwd      d.h.8.ln2_w          line 40    f32[768]
-//   %722   layernorm_bwd      d.h.8.ln2_b          line 40    f32[768]
-//   %723   add                d.h.8.x              line 39    f32[8,1024,768]
-//   %724   reshape                                 line 39    f32[8192,768]
-//   %725   sum                d.h.8.proj_b         line 39    f32[768]
-//   %726   cast                                    line 39    bf16[8192,768]
+//   %721   layernorm_bwd                           line 40    f32[8,1024,768]
+//   %722   layernorm_bwd      d.h.8.ln2_w          line 40    f32[768]
+//   %723   layernorm_bwd      d.h.8.ln2_b          line 40    f32[768]
+//   %724   add                d.h.8.x              line 39    f32[8,1024,768]
+//   %725   reshape                                 line 39    f32[8192,768]
+//   %726   sum                d.h.8.proj_b         line 39    f32[768]
+//   %727   cast                                    line 39    bf16[8192,768]
 // runs:
 //   k102_layernorm_bwd__add__sum__cast<<<1024, 128>>>
 //   k90_layernorm_bwd__sum__cast_colsum<<<96, 1024>>>
 
 // k132_gemm: GEMM, 1 op
-//   %728   matmul             d.h.8.proj_w         line 39    f32[768,768]
+//   %729   matmul             d.h.8.proj_w         line 39    f32[768,768]
 // runs:
 //   gemm 82: [768 x 768] = T[768 x 8192] [8192 x 768], bf16 A and B, f32 C
 
 // k133_gemm__cast: GEMM, 3 ops
-//   %727   matmul                                  line 39    f32[8192,768]
-//   %729   reshape                                 line 39    f32[8,1024,768]
-//   %732   cast                                    line 39    bf16[8,1024,768]
+//   %728   matmul                                  line 39    f32[8192,768]
+//   %730   reshape                                 line 39    f32[8,1024,768]
+//   %733   cast                                    line 39    bf16[8,1024,768]
 // runs:
 //   gemm 83: [8192 x 768] = [8192 x 768] T[768 x 768], bf16 A and B, bf16 C
 
 // k134_attention_bwd: attention, 3 ops
-//   %733   attention_bwd      d.h.8.q              line 39    f32[8,1024,768]
-//   %734   attention_bwd      d.h.8.k              line 39    f32[8,1024,768]
-//   %735   attention_bwd      d.h.8.v              line 39    f32[8,1024,768]
+//   %734   attention_bwd      d.h.8.q              line 39    f32[8,1024,768]
+//   %735   attention_bwd      d.h.8.k              line 39    f32[8,1024,768]
+//   %736   attention_bwd      d.h.8.v              line 39    f32[8,1024,768]
 // runs:
 //   k98_attention_bwd_dsum<<<12288, 256>>>
 //   k98_attention_bwd_dq<<<1536, 128>>> or k98_attention_bwd_dq_w8<<<768, 256>>>, the faster on the device
 //   k98_attention_bwd_dkv<<<768, 256>>> or k98_attention_bwd_dkv_w4<<<1536, 128>>>, the faster on the device
 
 // k135_sum__concat__cast: kernel, 4 ops
-//   %736   concat                                  line 38    f32[8,1024,2304]
-//   %737   reshape                                 line 38    f32[8192,2304]
-//   %738   sum                d.h.8.attn_b         line 38    f32[2304]
-//   %739   cast                                    line 38    bf16[8192,2304]
+//   %737   concat                                  line 38    f32[8,1024,2304]
+//   %738   reshape                                 line 38    f32[8192,2304]
+//   %739   sum                d.h.8.attn_b         line 38    f32[2304]
+//   %740   cast                                    line 38    bf16[8192,2304]
 // runs:
 //   k99_sum__concat__cast_partial<<<972, 256>>>
 //   k99_sum__concat__cast<<<144, 1024>>>
 
 // k136_gemm: GEMM, 1 op
-//   %740   matmul                                  line 38    f32[8192,768]
+//   %741   matmul                                  line 38    f32[8192,768]
 // runs:
 //   gemm 84: [8192 x 768] = [8192 x 2304] T[2304 x 768], bf16 A and B, f32 C
 
 // k137_gemm: GEMM, 1 op
-//   %741   matmul             d.h.8.attn_w         line 38    f32[768,2304]
+//   %742   matmul             d.h.8.attn_w         line 38    f32[768,2304]
 // runs:
 //   gemm 85: [768 x 2304] = T[768 x 8192] [8192 x 2304], bf16 A and B, f32 C
 
 // k138_layernorm_bwd__add__sum__cast: kernel, 7 ops
-//   %743   layernorm_bwd                           line 38    f32[8,1024,768]
-//   %744   layernorm_bwd      d.h.8.ln1_w          line 38    f32[768]
-//   %745   layernorm_bwd      d.h.8.ln1_b          line 38    f32[768]
-//   %746   add                d.h.7.x              line 40    f32[8,1024,768]
-//   %747   reshape                                 line 40    f32[8192,768]
-//   %748   sum                d.h.7.fcproj_b       line 40    f32[768]
-//   %749   cast                                    line 40    bf16[8192,768]
+//   %744   layernorm_bwd                           line 38    f32[8,1024,768]
+//   %745   layernorm_bwd      d.h.8.ln1_w          line 38    f32[768]
+//   %746   layernorm_bwd      d.h.8.ln1_b          line 38    f32[768]
+//   %747   add                d.h.7.x              line 40    f32[8,1024,768]
+//   %748   reshape                                 line 40    f32[8192,768]
+//   %749   sum                d.h.7.fcproj_b       line 40    f32[768]
+//   %750   cast                                    line 40    bf16[8192,768]
 // runs:
 //   k102_layernorm_bwd__add__sum__cast<<<1024, 128>>>
 //   k90_layernorm_bwd__sum__cast_colsum<<<96, 1024>>>
 
 // k139_gemm: GEMM, 1 op
-//   %751   matmul             d.h.7.fcproj_w       line 40    f32[3072,768]
+//   %752   matmul             d.h.7.fcproj_w       line 40    f32[3072,768]
 // runs:
 //   gemm 86: [3072 x 768] = T[3072 x 8192] [8192 x 768], bf16 A and B, f32 C
 
 // k140_gemm__gelu_bwd__sum__cast: GEMM, 6 ops
-//   %750   matmul                                  line 40    f32[8192,3072]
-//   %752   reshape                                 line 40    f32[8,1024,3072]
-//   %753   gelu_bwd                                line 40    f32[8,1024,3072]
-//   %754   reshape                                 line 40    f32[8192,3072]
-//   %755   sum                d.h.7.fc_b           line 40    f32[3072]
-//   %756   cast                                    line 40    bf16[8192,3072]
+//   %751   matmul                                  line 40    f32[8192,3072]
+//   %753   reshape                                 line 40    f32[8,1024,3072]
+//   %754   gelu_bwd                                line 40    f32[8,1024,3072]
+//   %755   reshape                                 line 40    f32[8192,3072]
+//   %756   sum                d.h.7.fc_b           line 40    f32[3072]
+//   %757   cast                                    line 40    bf16[8192,3072]
 // runs:
 //   gemm 87: [8192 x 3072] = [8192 x 768] T[768 x 3072], bf16 A and B, f32 C
 //   k92_gemm__gelu_bwd__sum__cast_partial<<<984, 256>>>
 //   k92_gemm__gelu_bwd__sum__cast<<<192, 1024>>>
 
 // k141_gemm: GEMM, 1 op
-//   %757   matmul                                  line 40    f32[8192,768]
+//   %758   matmul                                  line 40    f32[8192,768]
 // runs:
 //   gemm 88: [8192 x 768] = [8192 x 3072] T[3072 x 768], bf16 A and B, f32 C
 
 // k142_gemm: GEMM, 1 op
-//   %758   matmul             d.h.7.fc_w           line 40    f32[768,3072]
+//   %759   matmul             d.h.7.fc_w           line 40    f32[768,3072]
 // runs:
 //   gemm 89: [768 x 3072] = T[768 x 8192] [8192 x 3072], bf16 A and B, f32 C
 
 // k143_layernorm_bwd__add__sum__cast: kernel, 7 ops
-//   %760   layernorm_bwd                           line 40    f32[8,1024,768]
-//   %761   layernorm_bwd      d.h.7.ln2_w          line 40    f32[768]
-//   %762   layernorm_bwd      d.h.7.ln2_b          line 40    f32[768]
-//   %763   add                d.h.7.x              line 39    f32[8,1024,768]
-//   %764   reshape                                 line 39    f32[8192,768]
-//   %765   sum                d.h.7.proj_b         line 39    f32[768]
-//   %766   cast                                    line 39    bf16[8192,768]
+//   %761   layernorm_bwd                           line 40    f32[8,1024,768]
+//   %762   layernorm_bwd      d.h.7.ln2_w          line 40    f32[768]
+//   %763   layernorm_bwd      d.h.7.ln2_b          line 40    f32[768]
+//   %764   add                d.h.7.x              line 39    f32[8,1024,768]
+//   %765   reshape                                 line 39    f32[8192,768]
+//   %766   sum                d.h.7.proj_b         line 39    f32[768]
+//   %767   cast                                    line 39    bf16[8192,768]
 // runs:
 //   k102_layernorm_bwd__add__sum__cast<<<1024, 128>>>
 //   k90_layernorm_bwd__sum__cast_colsum<<<96, 1024>>>
 
 // k144_gemm: GEMM, 1 op
-//   %768   matmul             d.h.7.proj_w         line 39    f32[768,768]
+//   %769   matmul             d.h.7.proj_w         line 39    f32[768,768]
 // runs:
 //   gemm 90: [768 x 768] = T[768 x 8192] [8192 x 768], bf16 A and B, f32 C
 
 // k145_gemm__cast: GEMM, 3 ops
-//   %767   matmul                                  line 39    f32[8192,768]
-//   %769   reshape                                 line 39    f32[8,1024,768]
-//   %772   cast                                    line 39    bf16[8,1024,768]
+//   %768   matmul                                  line 39    f32[8192,768]
+//   %770   reshape                                 line 39    f32[8,1024,768]
+//   %773   cast                                    line 39    bf16[8,1024,768]
 // runs:
 //   gemm 91: [8192 x 768] = [8192 x 768] T[768 x 768], bf16 A and B, bf16 C
 
 // k146_attention_bwd: attention, 3 ops
-//   %773   attention_bwd      d.h.7.q              line 39    f32[8,1024,768]
-//   %774   attention_bwd      d.h.7.k              line 39    f32[8,1024,768]
-//   %775   attention_bwd      d.h.7.v              line 39    f32[8,1024,768]
+//   %774   attention_bwd      d.h.7.q              line 39    f32[8,1024,768]
+//   %775   attention_bwd      d.h.7.k              line 39    f32[8,1024,768]
+//   %776   attention_bwd      d.h.7.v              line 39    f32[8,1024,768]
 // runs:
 //   k98_attention_bwd_dsum<<<12288, 256>>>
 //   k98_attention_bwd_dq<<<1536, 128>>> or k98_attention_bwd_dq_w8<<<768, 256>>>, the faster on the device
 //   k98_attention_bwd_dkv<<<768, 256>>> or k98_attention_bwd_dkv_w4<<<1536, 128>>>, the faster on the device
 
 // k147_sum__concat__cast: kernel, 4 ops
-//   %776   concat                                  line 38    f32[8,1024,2304]
-//   %777   reshape                                 line 38    f32[8192,2304]
-//   %778   sum                d.h.7.attn_b         line 38    f32[2304]
-//   %779   cast                                    line 38    bf16[8192,2304]
+//   %777   concat                                  line 38    f32[8,1024,2304]
+//   %778   reshape                                 line 38    f32[8192,2304]
+//   %779   sum                d.h.7.attn_b         line 38    f32[2304]
+//   %780   cast                                    line 38    bf16[8192,2304]
 // runs:
 //   k99_sum__concat__cast_partial<<<972, 256>>>
 //   k99_sum__concat__cast<<<144, 1024>>>
 
 // k148_gemm: GEMM, 1 op
-//   %780   matmul                                  line 38    f32[8192,768]
+//   %781   matmul                                  line 38    f32[8192,768]
 // runs:
 //   gemm 92: [8192 x 768] = [8192 x 2304] T[2304 x 768], bf16 A and B, f32 C
 
 // k149_gemm: GEMM, 1 op
-//   %781   matmul             d.h.7.attn_w         line 38    f32[768,2304]
+//   %782   matmul             d.h.7.attn_w         line 38    f32[768,2304]
 // runs:
 //   gemm 93: [768 x 2304] = T[768 x 8192] [8192 x 2304], bf16 A and B, f32 C
 
 // k150_layernorm_bwd__add__sum__cast: kernel, 7 ops
-//   %783   layernorm_bwd                           line 38    f32[8,1024,768]
-//   %784   layernorm_bwd      d.h.7.ln1_w          line 38    f32[768]
-//   %785   layernorm_bwd      d.h.7.ln1_b          line 38    f32[768]
-//   %786   add                d.h.6.x              line 40    f32[8,1024,768]
-//   %787   reshape                                 line 40    f32[8192,768]
-//   %788   sum                d.h.6.fcproj_b       line 40    f32[768]
-//   %789   cast                                    line 40    bf16[8192,768]
+//   %784   layernorm_bwd                           line 38    f32[8,1024,768]
+//   %785   layernorm_bwd      d.h.7.ln1_w          line 38    f32[768]
+//   %786   layernorm_bwd      d.h.7.ln1_b          line 38    f32[768]
+//   %787   add                d.h.6.x              line 40    f32[8,1024,768]
+//   %788   reshape                                 line 40    f32[8192,768]
+//   %789   sum                d.h.6.fcproj_b       line 40    f32[768]
+//   %790   cast                                    line 40    bf16[8192,768]
 // runs:
 //   k102_layernorm_bwd__add__sum__cast<<<1024, 128>>>
 //   k90_layernorm_bwd__sum__cast_colsum<<<96, 1024>>>
 
 // k151_gemm: GEMM, 1 op
-//   %791   matmul             d.h.6.fcproj_w       line 40    f32[3072,768]
+//   %792   matmul             d.h.6.fcproj_w       line 40    f32[3072,768]
 // runs:
 //   gemm 94: [3072 x 768] = T[3072 x 8192] [8192 x 768], bf16 A and B, f32 C
 
 // k152_gemm__gelu_bwd__sum__cast: GEMM, 6 ops
-//   %790   matmul                                  line 40    f32[8192,3072]
-//   %792   reshape                                 line 40    f32[8,1024,3072]
-//   %793   gelu_bwd                                line 40    f32[8,1024,3072]
-//   %794   reshape                                 line 40    f32[8192,3072]
-//   %795   sum                d.h.6.fc_b           line 40    f32[3072]
-//   %796   cast                                    line 40    bf16[8192,3072]
+//   %791   matmul                                  line 40    f32[8192,3072]
+//   %793   reshape                                 line 40    f32[8,1024,3072]
+//   %794   gelu_bwd                                line 40    f32[8,1024,3072]
+//   %795   reshape                                 line 40    f32[8192,3072]
+//   %796   sum                d.h.6.fc_b           line 40    f32[3072]
+//   %797   cast                                    line 40    bf16[8192,3072]
 // runs:
 //   gemm 95: [8192 x 3072] = [8192 x 768] T[768 x 3072], bf16 A and B, f32 C
 //   k92_gemm__gelu_bwd__sum__cast_partial<<<984, 256>>>
 //   k92_gemm__gelu_bwd__sum__cast<<<192, 1024>>>
 
 // k153_gemm: GEMM, 1 op
-//   %797   matmul                                  line 40    f32[8192,768]
+//   %798   matmul                                  line 40    f32[8192,768]
 // runs:
 //   gemm 96: [8192 x 768] = [8192 x 3072] T[3072 x 768], bf16 A and B, f32 C
 
 // k154_gemm: GEMM, 1 op
-//   %798   matmul             d.h.6.fc_w           line 40    f32[768,3072]
+//   %799   matmul             d.h.6.fc_w           line 40    f32[768,3072]
 // runs:
 //   gemm 97: [768 x 3072] = T[768 x 8192] [8192 x 3072], bf16 A and B, f32 C
 
 // k155_layernorm_bwd__add__sum__cast: kernel, 7 ops
-//   %800   layernorm_bwd                           line 40    f32[8,1024,768]
-//   %801   layernorm_bwd      d.h.6.ln2_w          line 40    f32[768]
-//   %802   layernorm_bwd      d.h.6.ln2_b          line 40    f32[768]
-//   %803   add                d.h.6.x              line 39    f32[8,1024,768]
-//   %804   reshape                                 line 39    f32[8192,768]
-//   %805   sum                d.h.6.proj_b         line 39    f32[768]
-//   %806   cast                                    line 39    bf16[8192,768]
+//   %801   layernorm_bwd                           line 40    f32[8,1024,768]
+//   %802   layernorm_bwd      d.h.6.ln2_w          line 40    f32[768]
+//   %803   layernorm_bwd      d.h.6.ln2_b          line 40    f32[768]
+//   %804   add                d.h.6.x              line 39    f32[8,1024,768]
+//   %805   reshape                                 line 39    f32[8192,768]
+//   %806   sum                d.h.6.proj_b         line 39    f32[768]
+//   %807   cast                                    line 39    bf16[8192,768]
 // runs:
 //   k102_layernorm_bwd__add__sum__cast<<<1024, 128>>>
 //   k90_layernorm_bwd__sum__cast_colsum<<<96, 1024>>>
 
 // k156_gemm: GEMM, 1 op
-//   %808   matmul             d.h.6.proj_w         line 39    f32[768,768]
+//   %809   matmul             d.h.6.proj_w         line 39    f32[768,768]
 // runs:
 //   gemm 98: [768 x 768] = T[768 x 8192] [8192 x 768], bf16 A and B, f32 C
 
 // k157_gemm__cast: GEMM, 3 ops
-//   %807   matmul                                  line 39    f32[8192,768]
-//   %809   reshape                                 line 39    f32[8,1024,768]
-//   %812   cast                                    line 39    bf16[8,1024,768]
+//   %808   matmul                                  line 39    f32[8192,768]
+//   %810   reshape                                 line 39    f32[8,1024,768]
+//   %813   cast                                    line 39    bf16[8,1024,768]
 // runs:
 //   gemm 99: [8192 x 768] = [8192 x 768] T[768 x 768], bf16 A and B, bf16 C
 
 // k158_attention_bwd: attention, 3 ops
-//   %813   attention_bwd      d.h.6.q              line 39    f32[8,1024,768]
-//   %814   attention_bwd      d.h.6.k              line 39    f32[8,1024,768]
-//   %815   attention_bwd      d.h.6.v              line 39    f32[8,1024,768]
+//   %814   attention_bwd      d.h.6.q              line 39    f32[8,1024,768]
+//   %815   attention_bwd      d.h.6.k              line 39    f32[8,1024,768]
+//   %816   attention_bwd      d.h.6.v              line 39    f32[8,1024,768]
 // runs:
 //   k98_attention_bwd_dsum<<<12288, 256>>>
 //   k98_attention_bwd_dq<<<1536, 128>>> or k98_attention_bwd_dq_w8<<<768, 256>>>, the faster on the device
 //   k98_attention_bwd_dkv<<<768, 256>>> or k98_attention_bwd_dkv_w4<<<1536, 128>>>, the faster on the device
 
 // k159_sum__concat__cast: kernel, 4 ops
-//   %816   concat                                  line 38    f32[8,1024,2304]
-//   %817   reshape                                 line 38    f32[8192,2304]
-//   %818   sum                d.h.6.attn_b         line 38    f32[2304]
-//   %819   cast                                    line 38    bf16[8192,2304]
+//   %817   concat                                  line 38    f32[8,1024,2304]
+//   %818   reshape                                 line 38    f32[8192,2304]
+//   %819   sum                d.h.6.attn_b         line 38    f32[2304]
+//   %820   cast                                    line 38    bf16[8192,2304]
 // runs:
 //   k99_sum__concat__cast_partial<<<972, 256>>>
 //   k99_sum__concat__cast<<<144, 1024>>>
 
 // k160_gemm: GEMM, 1 op
-//   %820   matmul                                  line 38    f32[8192,768]
+//   %821   matmul                                  line 38    f32[8192,768]
 // runs:
 //   gemm 100: [8192 x 768] = [8192 x 2304] T[2304 x 768], bf16 A and B, f32 C
 
 // k161_gemm: GEMM, 1 op
-//   %821   matmul             d.h.6.attn_w         line 38    f32[768,2304]
+//   %822   matmul             d.h.6.attn_w         line 38    f32[768,2304]
 // runs:
 //   gemm 101: [768 x 2304] = T[768 x 8192] [8192 x 2304], bf16 A and B, f32 C
 
 // k162_layernorm_bwd__add__sum__cast: kernel, 7 ops
-//   %823   layernorm_bwd                           line 38    f32[8,1024,768]
-//   %824   layernorm_bwd      d.h.6.ln1_w          line 38    f32[768]
-//   %825   layernorm_bwd      d.h.6.ln1_b          line 38    f32[768]
-//   %826   add                d.h.5.x              line 40    f32[8,1024,768]
-//   %827   reshape                                 line 40    f32[8192,768]
-//   %828   sum                d.h.5.fcproj_b       line 40    f32[768]
-//   %829   cast                                    line 40    bf16[8192,768]
+//   %824   layernorm_bwd                           line 38    f32[8,1024,768]
+//   %825   layernorm_bwd      d.h.6.ln1_w          line 38    f32[768]
+//   %826   layernorm_bwd      d.h.6.ln1_b          line 38    f32[768]
+//   %827   add                d.h.5.x              line 40    f32[8,1024,768]
+//   %828   reshape                                 line 40    f32[8192,768]
+//   %829   sum                d.h.5.fcproj_b       line 40    f32[768]
+//   %830   cast                                    line 40    bf16[8192,768]
 // runs:
 //   k102_layernorm_bwd__add__sum__cast<<<1024, 128>>>
 //   k90_layernorm_bwd__sum__cast_colsum<<<96, 1024>>>
 
 // k163_gemm: GEMM, 1 op
-//   %831   matmul             d.h.5.fcproj_w       line 40    f32[3072,768]
+//   %832   matmul             d.h.5.fcproj_w       line 40    f32[3072,768]
 // runs:
 //   gemm 102: [3072 x 768] = T[3072 x 8192] [8192 x 768], bf16 A and B, f32 C
 
 // k164_gemm__gelu_bwd__sum__cast: GEMM, 6 ops
-//   %830   matmul                                  line 40    f32[8192,3072]
-//   %832   reshape                                 line 40    f32[8,1024,3072]
-//   %833   gelu_bwd                                line 40    f32[8,1024,3072]
-//   %834   reshape                                 line 40    f32[8192,3072]
-//   %835   sum                d.h.5.fc_b           line 40    f32[3072]
-//   %836   cast                                    line 40    bf16[8192,3072]
+//   %831   matmul                                  line 40    f32[8192,3072]
+//   %833   reshape                                 line 40    f32[8,1024,3072]
+//   %834   gelu_bwd                                line 40    f32[8,1024,3072]
+//   %835   reshape                                 line 40    f32[8192,3072]
+//   %836   sum                d.h.5.fc_b           line 40    f32[3072]
+//   %837   cast                                    line 40    bf16[8192,3072]
 // runs:
 //   gemm 103: [8192 x 3072] = [8192 x 768] T[768 x 3072], bf16 A and B, f32 C
 //   k92_gemm__gelu_bwd__sum__cast_partial<<<984, 256>>>
 //   k92_gemm__gelu_bwd__sum__cast<<<192, 1024>>>
 
 // k165_gemm: GEMM, 1 op
-//   %837   matmul                                  line 40    f32[8192,768]
+//   %838   matmul                                  line 40    f32[8192,768]
 // runs:
 //   gemm 104: [8192 x 768] = [8192 x 3072] T[3072 x 768], bf16 A and B, f32 C
 
 // k166_gemm: GEMM, 1 op
-//   %838   matmul             d.h.5.fc_w           line 40    f32[768,3072]
+//   %839   matmul             d.h.5.fc_w           line 40    f32[768,3072]
 // runs:
 //   gemm 105: [768 x 3072] = T[768 x 8192] [8192 x 3072], bf16 A and B, f32 C
 
 // k167_layernorm_bwd__add__sum__cast: kernel, 7 ops
-//   %840   layernorm_bwd                           line 40    f32[8,1024,768]
-//   %841   layernorm_bwd      d.h.5.ln2_w          line 40    f32[768]
-//   %842   layernorm_bwd      d.h.5.ln2_b          line 40    f32[768]
-//   %843   add                d.h.5.x              line 39    f32[8,1024,768]
-//   %844   reshape                                 line 39    f32[8192,768]
-//   %845   sum                d.h.5.proj_b         line 39    f32[768]
-//   %846   cast                                    line 39    bf16[8192,768]
+//   %841   layernorm_bwd                           line 40    f32[8,1024,768]
+//   %842   layernorm_bwd      d.h.5.ln2_w          line 40    f32[768]
+//   %843   layernorm_bwd      d.h.5.ln2_b          line 40    f32[768]
+//   %844   add                d.h.5.x              line 39    f32[8,1024,768]
+//   %845   reshape                                 line 39    f32[8192,768]
+//   %846   sum                d.h.5.proj_b         line 39    f32[768]
+//   %847   cast                                    line 39    bf16[8192,768]
 // runs:
 //   k102_layernorm_bwd__add__sum__cast<<<1024, 128>>>
 //   k90_layernorm_bwd__sum__cast_colsum<<<96, 1024>>>
 
 // k168_gemm: GEMM, 1 op
-//   %848   matmul             d.h.5.proj_w         line 39    f32[768,768]
+//   %849   matmul             d.h.5.proj_w         line 39    f32[768,768]
 // runs:
 //   gemm 106: [768 x 768] = T[768 x 8192] [8192 x 768], bf16 A and B, f32 C
 
 // k169_gemm__cast: GEMM, 3 ops
-//   %847   matmul                                  line 39    f32[8192,768]
-//   %849   reshape                                 line 39    f32[8,1024,768]
-//   %852   cast                                    line 39    bf16[8,1024,768]
+//   %848   matmul                                  line 39    f32[8192,768]
+//   %850   reshape                                 line 39    f32[8,1024,768]
+//   %853   cast                                    line 39    bf16[8,1024,768]
 // runs:
 //   gemm 107: [8192 x 768] = [8192 x 768] T[768 x 768], bf16 A and B, bf16 C
 
 // k170_attention_bwd: attention, 3 ops
-//   %853   attention_bwd      d.h.5.q              line 39    f32[8,1024,768]
-//   %854   attention_bwd      d.h.5.k              line 39    f32[8,1024,768]
-//   %855   attention_bwd      d.h.5.v              line 39    f32[8,1024,768]
+//   %854   attention_bwd      d.h.5.q              line 39    f32[8,1024,768]
+//   %855   attention_bwd      d.h.5.k              line 39    f32[8,1024,768]
+//   %856   attention_bwd      d.h.5.v              line 39    f32[8,1024,768]
 // runs:
 //   k98_attention_bwd_dsum<<<12288, 256>>>
 //   k98_attention_bwd_dq<<<1536, 128>>> or k98_attention_bwd_dq_w8<<<768, 256>>>, the faster on the device
 //   k98_attention_bwd_dkv<<<768, 256>>> or k98_attention_bwd_dkv_w4<<<1536, 128>>>, the faster on the device
 
 // k171_sum__concat__cast: kernel, 4 ops
-//   %856   concat                                  line 38    f32[8,1024,2304]
-//   %857   reshape                                 line 38    f32[8192,2304]
-//   %858   sum                d.h.5.attn_b         line 38    f32[2304]
-//   %859   cast                                    line 38    bf16[8192,2304]
+//   %857   concat                                  line 38    f32[8,1024,2304]
+//   %858   reshape                                 line 38    f32[8192,2304]
+//   %859   sum                d.h.5.attn_b         line 38    f32[2304]
+//   %860   cast                                    line 38    bf16[8192,2304]
 // runs:
 //   k99_sum__concat__cast_partial<<<972, 256>>>
 //   k99_sum__concat__cast<<<144, 1024>>>
 
 // k172_gemm: GEMM, 1 op
-//   %860   matmul                                  line 38    f32[8192,768]
+//   %861   matmul                                  line 38    f32[8192,768]
 // runs:
 //   gemm 108: [8192 x 768] = [8192 x 2304] T[2304 x 768], bf16 A and B, f32 C
 
 // k173_gemm: GEMM, 1 op
-//   %861   matmul             d.h.5.attn_w         line 38    f32[768,2304]
+//   %862   matmul             d.h.5.attn_w         line 38    f32[768,2304]
 // runs:
 //   gemm 109: [768 x 2304] = T[768 x 8192] [8192 x 2304], bf16 A and B, f32 C
 
 // k174_layernorm_bwd__add__sum__cast: kernel, 7 ops
-//   %863   layernorm_bwd                           line 38    f32[8,1024,768]
-//   %864   layernorm_bwd      d.h.5.ln1_w          line 38    f32[768]
-//   %865   layernorm_bwd      d.h.5.ln1_b          line 38    f32[768]
-//   %866   add                d.h.4.x              line 40    f32[8,1024,768]
-//   %867   reshape                                 line 40    f32[8192,768]
-//   %868   sum                d.h.4.fcproj_b       line 40    f32[768]
-//   %869   cast                                    line 40    bf16[8192,768]
+//   %864   layernorm_bwd                           line 38    f32[8,1024,768]
+//   %865   layernorm_bwd      d.h.5.ln1_w          line 38    f32[768]
+//   %866   layernorm_bwd      d.h.5.ln1_b          line 38    f32[768]
+//   %867   add                d.h.4.x              line 40    f32[8,1024,768]
+//   %868   reshape                                 line 40    f32[8192,768]
+//   %869   sum                d.h.4.fcproj_b       line 40    f32[768]
+//   %870   cast                                    line 40    bf16[8192,768]
 // runs:
 //   k102_layernorm_bwd__add__sum__cast<<<1024, 128>>>
 //   k90_layernorm_bwd__sum__cast_colsum<<<96, 1024>>>
 
 // k175_gemm: GEMM, 1 op
-//   %871   matmul             d.h.4.fcproj_w       line 40    f32[3072,768]
+//   %872   matmul             d.h.4.fcproj_w       line 40    f32[3072,768]
 // runs:
 //   gemm 110: [3072 x 768] = T[3072 x 8192] [8192 x 768], bf16 A and B, f32 C
 
 // k176_gemm__gelu_bwd__sum__cast: GEMM, 6 ops
-//   %870   matmul                                  line 40    f32[8192,3072]
-//   %872   reshape                                 line 40    f32[8,1024,3072]
-//   %873   gelu_bwd                                line 40    f32[8,1024,3072]
-//   %874   reshape                                 line 40    f32[8192,3072]
-//   %875   sum                d.h.4.fc_b           line 40    f32[3072]
-//   %876   cast                                    line 40    bf16[8192,3072]
+//   %871   matmul                                  line 40    f32[8192,3072]
+//   %873   reshape                                 line 40    f32[8,1024,3072]
+//   %874   gelu_bwd                                line 40    f32[8,1024,3072]
+//   %875   reshape                                 line 40    f32[8192,3072]
+//   %876   sum                d.h.4.fc_b           line 40    f32[3072]
+//   %877   cast                                    line 40    bf16[8192,3072]
 // runs:
 //   gemm 111: [8192 x 3072] = [8192 x 768] T[768 x 3072], bf16 A and B, f32 C
 //   k92_gemm__gelu_bwd__sum__cast_partial<<<984, 256>>>
 //   k92_gemm__gelu_bwd__sum__cast<<<192, 1024>>>
 
 // k177_gemm: GEMM, 1 op
-//   %877   matmul                                  line 40    f32[8192,768]
+//   %878   matmul                                  line 40    f32[8192,768]
 // runs:
 //   gemm 112: [8192 x 768] = [8192 x 3072] T[3072 x 768], bf16 A and B, f32 C
 
 // k178_gemm: GEMM, 1 op
-//   %878   matmul             d.h.4.fc_w           line 40    f32[768,3072]
+//   %879   matmul             d.h.4.fc_w           line 40    f32[768,3072]
 // runs:
 //   gemm 113: [768 x 3072] = T[768 x 8192] [8192 x 3072], bf16 A and B, f32 C
 
 // k179_layernorm_bwd__add__sum__cast: kernel, 7 ops
-//   %880   layernorm_bwd                           line 40    f32[8,1024,768]
-//   %881   layernorm_bwd      d.h.4.ln2_w          line 40    f32[768]
-//   %882   layernorm_bwd      d.h.4.ln2_b          line 40    f32[768]
-//   %883   add                d.h.4.x              line 39    f32[8,1024,768]
-//   %884   reshape                                 line 39    f32[8192,768]
-//   %885   sum                d.h.4.proj_b         line 39    f32[768]
-//   %886   cast                                    line 39    bf16[8192,768]
+//   %881   layernorm_bwd                           line 40    f32[8,1024,768]
+//   %882   layernorm_bwd      d.h.4.ln2_w          line 40    f32[768]
+//   %883   layernorm_bwd      d.h.4.ln2_b          line 40    f32[768]
+//   %884   add                d.h.4.x              line 39    f32[8,1024,768]
+//   %885   reshape                                 line 39    f32[8192,768]
+//   %886   sum                d.h.4.proj_b         line 39    f32[768]
+//   %887   cast                                    line 39    bf16[8192,768]
 // runs:
 //   k102_layernorm_bwd__add__sum__cast<<<1024, 128>>>
 //   k90_layernorm_bwd__sum__cast_colsum<<<96, 1024>>>
 
 // k180_gemm: GEMM, 1 op
-//   %888   matmul             d.h.4.proj_w         line 39    f32[768,768]
+//   %889   matmul             d.h.4.proj_w         line 39    f32[768,768]
 // runs:
 //   gemm 114: [768 x 768] = T[768 x 8192] [8192 x 768], bf16 A and B, f32 C
 
 // k181_gemm__cast: GEMM, 3 ops
-//   %887   matmul                                  line 39    f32[8192,768]
-//   %889   reshape                                 line 39    f32[8,1024,768]
-//   %892   cast                                    line 39    bf16[8,1024,768]
+//   %888   matmul                                  line 39    f32[8192,768]
+//   %890   reshape                                 line 39    f32[8,1024,768]
+//   %893   cast                                    line 39    bf16[8,1024,768]
 // runs:
 //   gemm 115: [8192 x 768] = [8192 x 768] T[768 x 768], bf16 A and B, bf16 C
 
 // k182_attention_bwd: attention, 3 ops
-//   %893   attention_bwd      d.h.4.q              line 39    f32[8,1024,768]
-//   %894   attention_bwd      d.h.4.k              line 39    f32[8,1024,768]
-//   %895   attention_bwd      d.h.4.v              line 39    f32[8,1024,768]
+//   %894   attention_bwd      d.h.4.q              line 39    f32[8,1024,768]
+//   %895   attention_bwd      d.h.4.k              line 39    f32[8,1024,768]
+//   %896   attention_bwd      d.h.4.v              line 39    f32[8,1024,768]
 // runs:
 //   k98_attention_bwd_dsum<<<12288, 256>>>
 //   k98_attention_bwd_dq<<<1536, 128>>> or k98_attention_bwd_dq_w8<<<768, 256>>>, the faster on the device
 //   k98_attention_bwd_dkv<<<768, 256>>> or k98_attention_bwd_dkv_w4<<<1536, 128>>>, the faster on the device
 
 // k183_sum__concat__cast: kernel, 4 ops
-//   %896   concat                                  line 38    f32[8,1024,2304]
-//   %897   reshape                                 line 38    f32[8192,2304]
-//   %898   sum                d.h.4.attn_b         line 38    f32[2304]
-//   %899   cast                                    line 38    bf16[8192,2304]
+//   %897   concat                                  line 38    f32[8,1024,2304]
+//   %898   reshape                                 line 38    f32[8192,2304]
+//   %899   sum                d.h.4.attn_b         line 38    f32[2304]
+//   %900   cast                                    line 38    bf16[8192,2304]
 // runs:
 //   k99_sum__concat__cast_partial<<<972, 256>>>
 //   k99_sum__concat__cast<<<144, 1024>>>
 
 // k184_gemm: GEMM, 1 op
-//   %900   matmul                                  line 38    f32[8192,768]
+//   %901   matmul                                  line 38    f32[8192,768]
 // runs:
 //   gemm 116: [8192 x 768] = [8192 x 2304] T[2304 x 768], bf16 A and B, f32 C
 
 // k185_gemm: GEMM, 1 op
-//   %901   matmul             d.h.4.attn_w         line 38    f32[768,2304]
+//   %902   matmul             d.h.4.attn_w         line 38    f32[768,2304]
 // runs:
 //   gemm 117: [768 x 2304] = T[768 x 8192] [8192 x 2304], bf16 A and B, f32 C
 
 // k186_layernorm_bwd__add__sum__cast: kernel, 7 ops
-//   %903   layernorm_bwd                           line 38    f32[8,1024,768]
-//   %904   layernorm_bwd      d.h.4.ln1_w          line 38    f32[768]
-//   %905   layernorm_bwd      d.h.4.ln1_b          line 38    f32[768]
-//   %906   add                d.h.3.x              line 40    f32[8,1024,768]
-//   %907   reshape                                 line 40    f32[8192,768]
-//   %908   sum                d.h.3.fcproj_b       line 40    f32[768]
-//   %909   cast                                    line 40    bf16[8192,768]
+//   %904   layernorm_bwd                           line 38    f32[8,1024,768]
+//   %905   layernorm_bwd      d.h.4.ln1_w          line 38    f32[768]
+//   %906   layernorm_bwd      d.h.4.ln1_b          line 38    f32[768]
+//   %907   add                d.h.3.x              line 40    f32[8,1024,768]
+//   %908   reshape                                 line 40    f32[8192,768]
+//   %909   sum                d.h.3.fcproj_b       line 40    f32[768]
+//   %910   cast                                    line 40    bf16[8192,768]
 // runs:
 //   k102_layernorm_bwd__add__sum__cast<<<1024, 128>>>
 //   k90_layernorm_bwd__sum__cast_colsum<<<96, 1024>>>
 
 // k187_gemm: GEMM, 1 op
-//   %911   matmul             d.h.3.fcproj_w       line 40    f32[3072,768]
+//   %912   matmul             d.h.3.fcproj_w       line 40    f32[3072,768]
 // runs:
 //   gemm 118: [3072 x 768] = T[3072 x 8192] [8192 x 768], bf16 A and B, f32 C
 
 // k188_gemm__gelu_bwd__sum__cast: GEMM, 6 ops
-//   %910   matmul                                  line 40    f32[8192,3072]
-//   %912   reshape                                 line 40    f32[8,1024,3072]
-//   %913   gelu_bwd                                line 40    f32[8,1024,3072]
-//   %914   reshape                                 line 40    f32[8192,3072]
-//   %915   sum                d.h.3.fc_b           line 40    f32[3072]
-//   %916   cast                                    line 40    bf16[8192,3072]
+//   %911   matmul                                  line 40    f32[8192,3072]
+//   %913   reshape                                 line 40    f32[8,1024,3072]
+//   %914   gelu_bwd                                line 40    f32[8,1024,3072]
+//   %915   reshape                                 line 40    f32[8192,3072]
+//   %916   sum                d.h.3.fc_b           line 40    f32[3072]
+//   %917   cast                                    line 40    bf16[8192,3072]
 // runs:
 //   gemm 119: [8192 x 3072] = [8192 x 768] T[768 x 3072], bf16 A and B, f32 C
 //   k92_gemm__gelu_bwd__sum__cast_partial<<<984, 256>>>
 //   k92_gemm__gelu_bwd__sum__cast<<<192, 1024>>>
 
 // k189_gemm: GEMM, 1 op
-//   %917   matmul                                  line 40    f32[8192,768]
+//   %918   matmul                                  line 40    f32[8192,768]
 // runs:
 //   gemm 120: [8192 x 768] = [8192 x 3072] T[3072 x 768], bf16 A and B, f32 C
 
 // k190_gemm: GEMM, 1 op
-//   %918   matmul             d.h.3.fc_w           line 40    f32[768,3072]
+//   %919   matmul             d.h.3.fc_w           line 40    f32[768,3072]
 // runs:
 //   gemm 121: [768 x 3072] = T[768 x 8192] [8192 x 3072], bf16 A and B, f32 C
 
 // k191_layernorm_bwd__add__sum__cast: kernel, 7 ops
-//   %920   layernorm_bwd                           line 40    f32[8,1024,768]
-//   %921   layernorm_bwd      d.h.3.ln2_w          line 40    f32[768]
-//   %922   layernorm_bwd      d.h.3.ln2_b          line 40    f32[768]
-//   %923   add                d.h.3.x              line 39    f32[8,1024,768]
-//   %924   reshape                                 line 39    f32[8192,768]
-//   %925   sum                d.h.3.proj_b         line 39    f32[768]
-//   %926   cast                                    line 39    bf16[8192,768]
+//   %921   layernorm_bwd                           line 40    f32[8,1024,768]
+//   %922   layernorm_bwd      d.h.3.ln2_w          line 40    f32[768]
+//   %923   layernorm_bwd      d.h.3.ln2_b          line 40    f32[768]
+//   %924   add                d.h.3.x              line 39    f32[8,1024,768]
+//   %925   reshape                                 line 39    f32[8192,768]
+//   %926   sum                d.h.3.proj_b         line 39    f32[768]
+//   %927   cast                                    line 39    bf16[8192,768]
 // runs:
 //   k102_layernorm_bwd__add__sum__cast<<<1024, 128>>>
 //   k90_layernorm_bwd__sum__cast_colsum<<<96, 1024>>>
 
 // k192_gemm: GEMM, 1 op
-//   %928   matmul             d.h.3.proj_w         line 39    f32[768,768]
+//   %929   matmul             d.h.3.proj_w         line 39    f32[768,768]
 // runs:
 //   gemm 122: [768 x 768] = T[768 x 8192] [8192 x 768], bf16 A and B, f32 C
 
 // k193_gemm__cast: GEMM, 3 ops
-//   %927   matmul                                  line 39    f32[8192,768]
-//   %929   reshape                                 line 39    f32[8,1024,768]
-//   %932   cast                                    line 39    bf16[8,1024,768]
+//   %928   matmul                                  line 39    f32[8192,768]
+//   %930   reshape                                 line 39    f32[8,1024,768]
+//   %933   cast                                    line 39    bf16[8,1024,768]
 // runs:
 //   gemm 123: [8192 x 768] = [8192 x 768] T[768 x 768], bf16 A and B, bf16 C
 
 // k194_attention_bwd: attention, 3 ops
-//   %933   attention_bwd      d.h.3.q              line 39    f32[8,1024,768]
-//   %934   attention_bwd      d.h.3.k              line 39    f32[8,1024,768]
-//   %935   attention_bwd      d.h.3.v              line 39    f32[8,1024,768]
+//   %934   attention_bwd      d.h.3.q              line 39    f32[8,1024,768]
+//   %935   attention_bwd      d.h.3.k              line 39    f32[8,1024,768]
+//   %936   attention_bwd      d.h.3.v              line 39    f32[8,1024,768]
 // runs:
 //   k98_attention_bwd_dsum<<<12288, 256>>>
 //   k98_attention_bwd_dq<<<1536, 128>>> or k98_attention_bwd_dq_w8<<<768, 256>>>, the faster on the device
 //   k98_attention_bwd_dkv<<<768, 256>>> or k98_attention_bwd_dkv_w4<<<1536, 128>>>, the faster on the device
 
 // k195_sum__concat__cast: kernel, 4 ops
-//   %936   concat                                  line 38    f32[8,1024,2304]
-//   %937   reshape                                 line 38    f32[8192,2304]
-//   %938   sum                d.h.3.attn_b         line 38    f32[2304]
-//   %939   cast                                    line 38    bf16[8192,2304]
+//   %937   concat                                  line 38    f32[8,1024,2304]
+//   %938   reshape                                 line 38    f32[8192,2304]
+//   %939   sum                d.h.3.attn_b         line 38    f32[2304]
+//   %940   cast                                    line 38    bf16[8192,2304]
 // runs:
 //   k99_sum__concat__cast_partial<<<972, 256>>>
 //   k99_sum__concat__cast<<<144, 1024>>>
 
 // k196_gemm: GEMM, 1 op
-//   %940   matmul                                  line 38    f32[8192,768]
+//   %941   matmul                                  line 38    f32[8192,768]
 // runs:
 //   gemm 124: [8192 x 768] = [8192 x 2304] T[2304 x 768], bf16 A and B, f32 C
 
 // k197_gemm: GEMM, 1 op
-//   %941   matmul             d.h.3.attn_w         line 38    f32[768,2304]
+//   %942   matmul             d.h.3.attn_w         line 38    f32[768,2304]
 // runs:
 //   gemm 125: [768 x 2304] = T[768 x 8192] [8192 x 2304], bf16 A and B, f32 C
 
 // k198_layernorm_bwd__add__sum__cast: kernel, 7 ops
-//   %943   layernorm_bwd                           line 38    f32[8,1024,768]
-//   %944   layernorm_bwd      d.h.3.ln1_w          line 38    f32[768]
-//   %945   layernorm_bwd      d.h.3.ln1_b          line 38    f32[768]
-//   %946   add                d.h.2.x              line 40    f32[8,1024,768]
-//   %947   reshape                                 line 40    f32[8192,768]
-//   %948   sum                d.h.2.fcproj_b       line 40    f32[768]
-//   %949   cast                                    line 40    bf16[8192,768]
+//   %944   layernorm_bwd                           line 38    f32[8,1024,768]
+//   %945   layernorm_bwd      d.h.3.ln1_w          line 38    f32[768]
+//   %946   layernorm_bwd      d.h.3.ln1_b          line 38    f32[768]
+//   %947   add                d.h.2.x              line 40    f32[8,1024,768]
+//   %948   reshape                                 line 40    f32[8192,768]
+//   %949   sum                d.h.2.fcproj_b       line 40    f32[768]
+//   %950   cast                                    line 40    bf16[8192,768]
 // runs:
 //   k102_layernorm_bwd__add__sum__cast<<<1024, 128>>>
 //   k90_layernorm_bwd__sum__cast_colsum<<<96, 1024>>>
 
 // k199_gemm: GEMM, 1 op
-//   %951   matmul             d.h.2.fcproj_w       line 40    f32[3072,768]
+//   %952   matmul             d.h.2.fcproj_w       line 40    f32[3072,768]
 // runs:
 //   gemm 126: [3072 x 768] = T[3072 x 8192] [8192 x 768], bf16 A and B, f32 C
 
 // k200_gemm__gelu_bwd__sum__cast: GEMM, 6 ops
-//   %950   matmul                                  line 40    f32[8192,3072]
-//   %952   reshape                                 line 40    f32[8,1024,3072]
-//   %953   gelu_bwd                                line 40    f32[8,1024,3072]
-//   %954   reshape                                 line 40    f32[8192,3072]
-//   %955   sum                d.h.2.fc_b           line 40    f32[3072]
-//   %956   cast                                    line 40    bf16[8192,3072]
+//   %951   matmul                                  line 40    f32[8192,3072]
+//   %953   reshape                                 line 40    f32[8,1024,3072]
+//   %954   gelu_bwd                                line 40    f32[8,1024,3072]
+//   %955   reshape                                 line 40    f32[8192,3072]
+//   %956   sum                d.h.2.fc_b           line 40    f32[3072]
+//   %957   cast                                    line 40    bf16[8192,3072]
 // runs:
 //   gemm 127: [8192 x 3072] = [8192 x 768] T[768 x 3072], bf16 A and B, f32 C
 //   k92_gemm__gelu_bwd__sum__cast_partial<<<984, 256>>>
 //   k92_gemm__gelu_bwd__sum__cast<<<192, 1024>>>
 
 // k201_gemm: GEMM, 1 op
-//   %957   matmul                                  line 40    f32[8192,768]
+//   %958   matmul                                  line 40    f32[8192,768]
 // runs:
 //   gemm 128: [8192 x 768] = [8192 x 3072] T[3072 x 768], bf16 A and B, f32 C
 
 // k202_gemm: GEMM, 1 op
-//   %958   matmul             d.h.2.fc_w           line 40    f32[768,3072]
+//   %959   matmul             d.h.2.fc_w           line 40    f32[768,3072]
 // runs:
 //   gemm 129: [768 x 3072] = T[768 x 8192] [8192 x 3072], bf16 A and B, f32 C
 
 // k203_layernorm_bwd__add__sum__cast: kernel, 7 ops
-//   %960   layernorm_bwd                           line 40    f32[8,1024,768]
-//   %961   layernorm_bwd      d.h.2.ln2_w          line 40    f32[768]
-//   %962   layernorm_bwd      d.h.2.ln2_b          line 40    f32[768]
-//   %963   add                d.h.2.x              line 39    f32[8,1024,768]
-//   %964   reshape                                 line 39    f32[8192,768]
-//   %965   sum                d.h.2.proj_b         line 39    f32[768]
-//   %966   cast                                    line 39    bf16[8192,768]
+//   %961   layernorm_bwd                           line 40    f32[8,1024,768]
+//   %962   layernorm_bwd      d.h.2.ln2_w          line 40    f32[768]
+//   %963   layernorm_bwd      d.h.2.ln2_b          line 40    f32[768]
+//   %964   add                d.h.2.x              line 39    f32[8,1024,768]
+//   %965   reshape                                 line 39    f32[8192,768]
+//   %966   sum                d.h.2.proj_b         line 39    f32[768]
+//   %967   cast                                    line 39    bf16[8192,768]
 // runs:
 //   k102_layernorm_bwd__add__sum__cast<<<1024, 128>>>
 //   k90_layernorm_bwd__sum__cast_colsum<<<96, 1024>>>
 
 // k204_gemm: GEMM, 1 op
-//   %968   matmul             d.h.2.proj_w         line 39    f32[768,768]
+//   %969   matmul             d.h.2.proj_w         line 39    f32[768,768]
 // runs:
 //   gemm 130: [768 x 768] = T[768 x 8192] [8192 x 768], bf16 A and B, f32 C
 
 // k205_gemm__cast: GEMM, 3 ops
-//   %967   matmul                                  line 39    f32[8192,768]
-//   %969   reshape                                 line 39    f32[8,1024,768]
-//   %972   cast                                    line 39    bf16[8,1024,768]
+//   %968   matmul                                  line 39    f32[8192,768]
+//   %970   reshape                                 line 39    f32[8,1024,768]
+//   %973   cast                                    line 39    bf16[8,1024,768]
 // runs:
 //   gemm 131: [8192 x 768] = [8192 x 768] T[768 x 768], bf16 A and B, bf16 C
 
 // k206_attention_bwd: attention, 3 ops
-//   %973   attention_bwd      d.h.2.q              line 39    f32[8,1024,768]
-//   %974   attention_bwd      d.h.2.k              line 39    f32[8,1024,768]
-//   %975   attention_bwd      d.h.2.v              line 39    f32[8,1024,768]
+//   %974   attention_bwd      d.h.2.q              line 39    f32[8,1024,768]
+//   %975   attention_bwd      d.h.2.k              line 39    f32[8,1024,768]
+//   %976   attention_bwd      d.h.2.v              line 39    f32[8,1024,768]
 // runs:
 //   k98_attention_bwd_dsum<<<12288, 256>>>
 //   k98_attention_bwd_dq<<<1536, 128>>> or k98_attention_bwd_dq_w8<<<768, 256>>>, the faster on the device
 //   k98_attention_bwd_dkv<<<768, 256>>> or k98_attention_bwd_dkv_w4<<<1536, 128>>>, the faster on the device
 
 // k207_sum__concat__cast: kernel, 4 ops
-//   %976   concat                                  line 38    f32[8,1024,2304]
-//   %977   reshape                                 line 38    f32[8192,2304]
-//   %978   sum                d.h.2.attn_b         line 38    f32[2304]
-//   %979   cast                                    line 38    bf16[8192,2304]
+//   %977   concat                                  line 38    f32[8,1024,2304]
+//   %978   reshape                                 line 38    f32[8192,2304]
+//   %979   sum                d.h.2.attn_b         line 38    f32[2304]
+//   %980   cast                                    line 38    bf16[8192,2304]
 // runs:
 //   k99_sum__concat__cast_partial<<<972, 256>>>
 //   k99_sum__concat__cast<<<144, 1024>>>
 
 // k208_gemm: GEMM, 1 op
-//   %980   matmul                                  line 38    f32[8192,768]
+//   %981   matmul                                  line 38    f32[8192,768]
 // runs:
 //   gemm 132: [8192 x 768] = [8192 x 2304] T[2304 x 768], bf16 A and B, f32 C
 
 // k209_gemm: GEMM, 1 op
-//   %981   matmul             d.h.2.attn_w         line 38    f32[768,2304]
+//   %982   matmul             d.h.2.attn_w         line 38    f32[768,2304]
 // runs:
 //   gemm 133: [768 x 2304] = T[768 x 8192] [8192 x 2304], bf16 A and B, f32 C
 
 // k210_layernorm_bwd__add__sum__cast: kernel, 7 ops
-//   %983   layernorm_bwd                           line 38    f32[8,1024,768]
-//   %984   layernorm_bwd      d.h.2.ln1_w          line 38    f32[768]
-//   %985   layernorm_bwd      d.h.2.ln1_b          line 38    f32[768]
-//   %986   add                d.h.1.x              line 40    f32[8,1024,768]
-//   %987   reshape                                 line 40    f32[8192,768]
-//   %988   sum                d.h.1.fcproj_b       line 40    f32[768]
-//   %989   cast                                    line 40    bf16[8192,768]
+//   %984   layernorm_bwd                           line 38    f32[8,1024,768]
+//   %985   layernorm_bwd      d.h.2.ln1_w          line 38    f32[768]
+//   %986   layernorm_bwd      d.h.2.ln1_b          line 38    f32[768]
+//   %987   add                d.h.1.x              line 40    f32[8,1024,768]
+//   %988   reshape                                 line 40    f32[8192,768]
+//   %989   sum                d.h.1.fcproj_b       line 40    f32[768]
+//   %990   cast                                    line 40    bf16[8192,768]
 // runs:
 //   k102_layernorm_bwd__add__sum__cast<<<1024, 128>>>
 //   k90_layernorm_bwd__sum__cast_colsum<<<96, 1024>>>
 
 // k211_gemm: GEMM, 1 op
-//   %991   matmul             d.h.1.fcproj_w       line 40    f32[3072,768]
+//   %992   matmul             d.h.1.fcproj_w       line 40    f32[3072,768]
 // runs:
 //   gemm 134: [3072 x 768] = T[3072 x 8192] [8192 x 768], bf16 A and B, f32 C
 
 // k212_gemm__gelu_bwd__sum__cast: GEMM, 6 ops
-//   %990   matmul                                  line 40    f32[8192,3072]
-//   %992   reshape                                 line 40    f32[8,1024,3072]
-//   %993   gelu_bwd                                line 40    f32[8,1024,3072]
-//   %994   reshape                                 line 40    f32[8192,3072]
-//   %995   sum                d.h.1.fc_b           line 40    f32[3072]
-//   %996   cast                                    line 40    bf16[8192,3072]
+//   %991   matmul                                  line 40    f32[8192,3072]
+//   %993   reshape                                 line 40    f32[8,1024,3072]
+//   %994   gelu_bwd                                line 40    f32[8,1024,3072]
+//   %995   reshape                                 line 40    f32[8192,3072]
+//   %996   sum                d.h.1.fc_b           line 40    f32[3072]
+//   %997   cast                                    line 40    bf16[8192,3072]
 // runs:
 //   gemm 135: [8192 x 3072] = [8192 x 768] T[768 x 3072], bf16 A and B, f32 C
 //   k92_gemm__gelu_bwd__sum__cast_partial<<<984, 256>>>
 //   k92_gemm__gelu_bwd__sum__cast<<<192, 1024>>>
 
 // k213_gemm: GEMM, 1 op
-//   %997   matmul                                  line 40    f32[8192,768]
+//   %998   matmul                                  line 40    f32[8192,768]
 // runs:
 //   gemm 136: [8192 x 768] = [8192 x 3072] T[3072 x 768], bf16 A and B, f32 C
 
 // k214_gemm: GEMM, 1 op
-//   %998   matmul             d.h.1.fc_w           line 40    f32[768,3072]
+//   %999   matmul             d.h.1.fc_w           line 40    f32[768,3072]
 // runs:
 //   gemm 137: [768 x 3072] = T[768 x 8192] [8192 x 3072], bf16 A and B, f32 C
 
 // k215_layernorm_bwd__add__sum__cast: kernel, 7 ops
-//   %1000  layernorm_bwd                           line 40    f32[8,1024,768]
-//   %1001  layernorm_bwd      d.h.1.ln2_w          line 40    f32[768]
-//   %1002  layernorm_bwd      d.h.1.ln2_b          line 40    f32[768]
-//   %1003  add                d.h.1.x              line 39    f32[8,1024,768]
-//   %1004  reshape                                 line 39    f32[8192,768]
-//   %1005  sum                d.h.1.proj_b         line 39    f32[768]
-//   %1006  cast                                    line 39    bf16[8192,768]
+//   %1001  layernorm_bwd                           line 40    f32[8,1024,768]
+//   %1002  layernorm_bwd      d.h.1.ln2_w          line 40    f32[768]
+//   %1003  layernorm_bwd      d.h.1.ln2_b          line 40    f32[768]
+//   %1004  add                d.h.1.x              line 39    f32[8,1024,768]
+//   %1005  reshape                                 line 39    f32[8192,768]
+//   %1006  sum                d.h.1.proj_b         line 39    f32[768]
+//   %1007  cast                                    line 39    bf16[8192,768]
 // runs:
 //   k102_layernorm_bwd__add__sum__cast<<<1024, 128>>>
 //   k90_layernorm_bwd__sum__cast_colsum<<<96, 1024>>>
 
 // k216_gemm: GEMM, 1 op
-//   %1008  matmul             d.h.1.proj_w         line 39    f32[768,768]
+//   %1009  matmul             d.h.1.proj_w         line 39    f32[768,768]
 // runs:
 //   gemm 138: [768 x 768] = T[768 x 8192] [8192 x 768], bf16 A and B, f32 C
 
 // k217_gemm__cast: GEMM, 3 ops
-//   %1007  matmul                                  line 39    f32[8192,768]
-//   %1009  reshape                                 line 39    f32[8,1024,768]
-//   %1012  cast                                    line 39    bf16[8,1024,768]
+//   %1008  matmul                                  line 39    f32[8192,768]
+//   %1010  reshape                                 line 39    f32[8,1024,768]
+//   %1013  cast                                    line 39    bf16[8,1024,768]
 // runs:
 //   gemm 139: [8192 x 768] = [8192 x 768] T[768 x 768], bf16 A and B, bf16 C
 
 // k218_attention_bwd: attention, 3 ops
-//   %1013  attention_bwd      d.h.1.q              line 39    f32[8,1024,768]
-//   %1014  attention_bwd      d.h.1.k              line 39    f32[8,1024,768]
-//   %1015  attention_bwd      d.h.1.v              line 39    f32[8,1024,768]
+//   %1014  attention_bwd      d.h.1.q              line 39    f32[8,1024,768]
+//   %1015  attention_bwd      d.h.1.k              line 39    f32[8,1024,768]
+//   %1016  attention_bwd      d.h.1.v              line 39    f32[8,1024,768]
 // runs:
 //   k98_attention_bwd_dsum<<<12288, 256>>>
 //   k98_attention_bwd_dq<<<1536, 128>>> or k98_attention_bwd_dq_w8<<<768, 256>>>, the faster on the device
 //   k98_attention_bwd_dkv<<<768, 256>>> or k98_attention_bwd_dkv_w4<<<1536, 128>>>, the faster on the device
 
 // k219_sum__concat__cast: kernel, 4 ops
-//   %1016  concat                                  line 38    f32[8,1024,2304]
-//   %1017  reshape                                 line 38    f32[8192,2304]
-//   %1018  sum                d.h.1.attn_b         line 38    f32[2304]
-//   %1019  cast                                    line 38    bf16[8192,2304]
+//   %1017  concat                                  line 38    f32[8,1024,2304]
+//   %1018  reshape                                 line 38    f32[8192,2304]
+//   %1019  sum                d.h.1.attn_b         line 38    f32[2304]
+//   %1020  cast                                    line 38    bf16[8192,2304]
 // runs:
 //   k99_sum__concat__cast_partial<<<972, 256>>>
 //   k99_sum__concat__cast<<<144, 1024>>>
 
 // k220_gemm: GEMM, 1 op
-//   %1020  matmul                                  line 38    f32[8192,768]
+//   %1021  matmul                                  line 38    f32[8192,768]
 // runs:
 //   gemm 140: [8192 x 768] = [8192 x 2304] T[2304 x 768], bf16 A and B, f32 C
 
 // k221_gemm: GEMM, 1 op
-//   %1021  matmul             d.h.1.attn_w         line 38    f32[768,2304]
+//   %1022  matmul             d.h.1.attn_w         line 38    f32[768,2304]
 // runs:
 //   gemm 141: [768 x 2304] = T[768 x 8192] [8192 x 2304], bf16 A and B, f32 C
 
 // k222_layernorm_bwd__add__sum__cast: kernel, 7 ops
-//   %1023  layernorm_bwd                           line 38    f32[8,1024,768]
-//   %1024  layernorm_bwd      d.h.1.ln1_w          line 38    f32[768]
-//   %1025  layernorm_bwd      d.h.1.ln1_b          line 38    f32[768]
-//   %1026  add                d.h.0.x              line 40    f32[8,1024,768]
-//   %1027  reshape                                 line 40    f32[8192,768]
-//   %1028  sum                d.h.0.fcproj_b       line 40    f32[768]
-//   %1029  cast                                    line 40    bf16[8192,768]
+//   %1024  layernorm_bwd                           line 38    f32[8,1024,768]
+//   %1025  layernorm_bwd      d.h.1.ln1_w          line 38    f32[768]
+//   %1026  layernorm_bwd      d.h.1.ln1_b          line 38    f32[768]
+//   %1027  add                d.h.0.x              line 40    f32[8,1024,768]
+//   %1028  reshape                                 line 40    f32[8192,768]
+//   %1029  sum                d.h.0.fcproj_b       line 40    f32[768]
+//   %1030  cast                                    line 40    bf16[8192,768]
 // runs:
 //   k102_layernorm_bwd__add__sum__cast<<<1024, 128>>>
 //   k90_layernorm_bwd__sum__cast_colsum<<<96, 1024>>>
 
 // k223_gemm: GEMM, 1 op
-//   %1031  matmul             d.h.0.fcproj_w       line 40    f32[3072,768]
+//   %1032  matmul             d.h.0.fcproj_w       line 40    f32[3072,768]
 // runs:
 //   gemm 142: [3072 x 768] = T[3072 x 8192] [8192 x 768], bf16 A and B, f32 C
 
 // k224_gemm__gelu_bwd__sum__cast: GEMM, 6 ops
-//   %1030  matmul                                  line 40    f32[8192,3072]
-//   %1032  reshape                                 line 40    f32[8,1024,3072]
-//   %1033  gelu_bwd                                line 40    f32[8,1024,3072]
-//   %1034  reshape                                 line 40    f32[8192,3072]
-//   %1035  sum                d.h.0.fc_b           line 40    f32[3072]
-//   %1036  cast                                    line 40    bf16[8192,3072]
+//   %1031  matmul                                  line 40    f32[8192,3072]
+//   %1033  reshape                                 line 40    f32[8,1024,3072]
+//   %1034  gelu_bwd                                line 40    f32[8,1024,3072]
+//   %1035  reshape                                 line 40    f32[8192,3072]
+//   %1036  sum                d.h.0.fc_b           line 40    f32[3072]
+//   %1037  cast                                    line 40    bf16[8192,3072]
 // runs:
 //   gemm 143: [8192 x 3072] = [8192 x 768] T[768 x 3072], bf16 A and B, f32 C
 //   k92_gemm__gelu_bwd__sum__cast_partial<<<984, 256>>>
 //   k92_gemm__gelu_bwd__sum__cast<<<192, 1024>>>
 
 // k225_gemm: GEMM, 1 op
-//   %1037  matmul                                  line 40    f32[8192,768]
+//   %1038  matmul                                  line 40    f32[8192,768]
 // runs:
 //   gemm 144: [8192 x 768] = [8192 x 3072] T[3072 x 768], bf16 A and B, f32 C
 
 // k226_gemm: GEMM, 1 op
-//   %1038  matmul             d.h.0.fc_w           line 40    f32[768,3072]
+//   %1039  matmul             d.h.0.fc_w           line 40    f32[768,3072]
 // runs:
 //   gemm 145: [768 x 3072] = T[768 x 8192] [8192 x 3072], bf16 A and B, f32 C
 
 // k227_layernorm_bwd__add__sum__cast: kernel, 7 ops
-//   %1040  layernorm_bwd                           line 40    f32[8,1024,768]
-//   %1041  layernorm_bwd      d.h.0.ln2_w          line 40    f32[768]
-//   %1042  layernorm_bwd      d.h.0.ln2_b          line 40    f32[768]
-//   %1043  add                d.h.0.x              line 39    f32[8,1024,768]
-//   %1044  reshape                                 line 39    f32[8192,768]
-//   %1045  sum                d.h.0.proj_b         line 39    f32[768]
-//   %1046  cast                                    line 39    bf16[8192,768]
+//   %1041  layernorm_bwd                           line 40    f32[8,1024,768]
+//   %1042  layernorm_bwd      d.h.0.ln2_w          line 40    f32[768]
+//   %1043  layernorm_bwd      d.h.0.ln2_b          line 40    f32[768]
+//   %1044  add                d.h.0.x              line 39    f32[8,1024,768]
+//   %1045  reshape                                 line 39    f32[8192,768]
+//   %1046  sum                d.h.0.proj_b         line 39    f32[768]
+//   %1047  cast                                    line 39    bf16[8192,768]
 // runs:
 //   k102_layernorm_bwd__add__sum__cast<<<1024, 128>>>
 //   k90_layernorm_bwd__sum__cast_colsum<<<96, 1024>>>
 
 // k228_gemm: GEMM, 1 op
-//   %1048  matmul             d.h.0.proj_w         line 39    f32[768,768]
+//   %1049  matmul             d.h.0.proj_w         line 39    f32[768,768]
 // runs:
 //   gemm 146: [768 x 768] = T[768 x 8192] [8192 x 768], bf16 A and B, f32 C
 
 // k229_gemm__cast: GEMM, 3 ops
-//   %1047  matmul                                  line 39    f32[8192,768]
-//   %1049  reshape                                 line 39    f32[8,1024,768]
-//   %1052  cast                                    line 39    bf16[8,1024,768]
+//   %1048  matmul                                  line 39    f32[8192,768]
+//   %1050  reshape                                 line 39    f32[8,1024,768]
+//   %1053  cast                                    line 39    bf16[8,1024,768]
 // runs:
 //   gemm 147: [8192 x 768] = [8192 x 768] T[768 x 768], bf16 A and B, bf16 C
 
 // k230_attention_bwd: attention, 3 ops
-//   %1053  attention_bwd      d.h.0.q              line 39    f32[8,1024,768]
-//   %1054  attention_bwd      d.h.0.k              line 39    f32[8,1024,768]
-//   %1055  attention_bwd      d.h.0.v              line 39    f32[8,1024,768]
+//   %1054  attention_bwd      d.h.0.q              line 39    f32[8,1024,768]
+//   %1055  attention_bwd      d.h.0.k              line 39    f32[8,1024,768]
+//   %1056  attention_bwd      d.h.0.v              line 39    f32[8,1024,768]
 // runs:
 //   k98_attention_bwd_dsum<<<12288, 256>>>
 //   k98_attention_bwd_dq<<<1536, 128>>> or k98_attention_bwd_dq_w8<<<768, 256>>>, the faster on the device
 //   k98_attention_bwd_dkv<<<768, 256>>> or k98_attention_bwd_dkv_w4<<<1536, 128>>>, the faster on the device
 
 // k231_sum__concat__cast: kernel, 4 ops
-//   %1056  concat                                  line 38    f32[8,1024,2304]
-//   %1057  reshape                                 line 38    f32[8192,2304]
-//   %1058  sum                d.h.0.attn_b         line 38    f32[2304]
-//   %1059  cast                                    line 38    bf16[8192,2304]
+//   %1057  concat                                  line 38    f32[8,1024,2304]
+//   %1058  reshape                                 line 38    f32[8192,2304]
+//   %1059  sum                d.h.0.attn_b         line 38    f32[2304]
+//   %1060  cast                                    line 38    bf16[8192,2304]
 // runs:
 //   k99_sum__concat__cast_partial<<<972, 256>>>
 //   k99_sum__concat__cast<<<144, 1024>>>
 
 // k232_gemm: GEMM, 1 op
-//   %1060  matmul                                  line 38    f32[8192,768]
+//   %1061  matmul                                  line 38    f32[8192,768]
 // runs:
 //   gemm 148: [8192 x 768] = [8192 x 2304] T[2304 x 768], bf16 A and B, f32 C
 
 // k233_gemm: GEMM, 1 op
-//   %1061  matmul             d.h.0.attn_w         line 38    f32[768,2304]
+//   %1062  matmul             d.h.0.attn_w         line 38    f32[768,2304]
 // runs:
 //   gemm 149: [768 x 2304] = T[768 x 8192] [8192 x 2304], bf16 A and B, f32 C
 
 // k234_layernorm_bwd__add: kernel, 4 ops
-//   %1063  layernorm_bwd                           line 38    f32[8,1024,768]
-//   %1064  layernorm_bwd      d.h.0.ln1_w          line 38    f32[768]
-//   %1065  layernorm_bwd      d.h.0.ln1_b          line 38    f32[768]
-//   %1066  add                d.x                  line 22    f32[8,1024,768]
+//   %1064  layernorm_bwd                           line 38    f32[8,1024,768]
+//   %1065  layernorm_bwd      d.h.0.ln1_w          line 38    f32[768]
+//   %1066  layernorm_bwd      d.h.0.ln1_b          line 38    f32[768]
+//   %1067  add                d.x                  line 22    f32[8,1024,768]
 // runs:
 //   k234_layernorm_bwd__add<<<1024, 128>>>
 //   k234_layernorm_bwd__add_colsum<<<96, 1024>>>
@@ -4024,7 +4030,7 @@ extern "C" __global__ void __launch_bounds__(1024) k234_layernorm_bwd__add_colsu
 }
 
 // k235_embed_bwd: kernel, 1 op
-//   %1067  embed_bwd          d.wpe                line 22    f32[1024,768]
+//   %1068  embed_bwd          d.wpe                line 22    f32[1024,768]
 // runs:
 //   k235_embed_bwd_zero<<<4, 256>>>
 //   k235_embed_bwd_count<<<32, 256>>>
@@ -4152,8 +4158,8 @@ extern "C" __global__ void __launch_bounds__(256) k235_embed_bwd(char *arena, Md
 }
 
 // k236_embed_bwd__add: kernel, 2 ops
-//   %1068  embed_bwd                               line 22    f32[50257,768]
-//   %1069  add                d.wte                line 19    f32[50257,768]
+//   %1069  embed_bwd                               line 22    f32[50257,768]
+//   %1070  add                d.wte                line 19    f32[50257,768]
 // runs:
 //   k236_embed_bwd__add_zero<<<197, 256>>>
 //   k236_embed_bwd__add_count<<<32, 256>>>
@@ -4284,155 +4290,155 @@ extern "C" __global__ void __launch_bounds__(256) k236_embed_bwd__add(char *aren
 }
 
 // k237_grad_norm__adamw: optimizer, 149 ops
-//   %1072  grad_norm                                          f32[]
-//   %1075  adamw              wte.new              line 19    f32[50257,768]
-//   %1078  adamw              wpe.new              line 20    f32[1024,768]
-//   %1081  adamw              h.0.ln1_w.new        line 25    f32[768]
-//   %1084  adamw              h.0.ln1_b.new        line 26    f32[768]
-//   %1087  adamw              h.0.attn_w.new       line 27    f32[768,2304]
-//   %1090  adamw              h.0.attn_b.new       line 28    f32[2304]
-//   %1093  adamw              h.0.proj_w.new       line 29    f32[768,768]
-//   %1096  adamw              h.0.proj_b.new       line 30    f32[768]
-//   %1099  adamw              h.0.ln2_w.new        line 31    f32[768]
-//   %1102  adamw              h.0.ln2_b.new        line 32    f32[768]
-//   %1105  adamw              h.0.fc_w.new         line 33    f32[768,3072]
-//   %1108  adamw              h.0.fc_b.new         line 34    f32[3072]
-//   %1111  adamw              h.0.fcproj_w.new     line 35    f32[3072,768]
-//   %1114  adamw              h.0.fcproj_b.new     line 36    f32[768]
-//   %1117  adamw              h.1.ln1_w.new        line 25    f32[768]
-//   %1120  adamw              h.1.ln1_b.new        line 26    f32[768]
-//   %1123  adamw              h.1.attn_w.new       line 27    f32[768,2304]
-//   %1126  adamw              h.1.attn_b.new       line 28    f32[2304]
-//   %1129  adamw              h.1.proj_w.new       line 29    f32[768,768]
-//   %1132  adamw              h.1.proj_b.new       line 30    f32[768]
-//   %1135  adamw              h.1.ln2_w.new        line 31    f32[768]
-//   %1138  adamw              h.1.ln2_b.new        line 32    f32[768]
-//   %1141  adamw              h.1.fc_w.new         line 33    f32[768,3072]
-//   %1144  adamw              h.1.fc_b.new         line 34    f32[3072]
-//   %1147  adamw              h.1.fcproj_w.new     line 35    f32[3072,768]
-//   %1150  adamw              h.1.fcproj_b.new     line 36    f32[768]
-//   %1153  adamw              h.2.ln1_w.new        line 25    f32[768]
-//   %1156  adamw              h.2.ln1_b.new        line 26    f32[768]
-//   %1159  adamw              h.2.attn_w.new       line 27    f32[768,2304]
-//   %1162  adamw              h.2.attn_b.new       line 28    f32[2304]
-//   %1165  adamw              h.2.proj_w.new       line 29    f32[768,768]
-//   %1168  adamw              h.2.proj_b.new       line 30    f32[768]
-//   %1171  adamw              h.2.ln2_w.new        line 31    f32[768]
-//   %1174  adamw              h.2.ln2_b.new        line 32    f32[768]
-//   %1177  adamw              h.2.fc_w.new         line 33    f32[768,3072]
-//   %1180  adamw              h.2.fc_b.new         line 34    f32[3072]
-//   %1183  adamw              h.2.fcproj_w.new     line 35    f32[3072,768]
-//   %1186  adamw              h.2.fcproj_b.new     line 36    f32[768]
-//   %1189  adamw              h.3.ln1_w.new        line 25    f32[768]
-//   %1192  adamw              h.3.ln1_b.new        line 26    f32[768]
-//   %1195  adamw              h.3.attn_w.new       line 27    f32[768,2304]
-//   %1198  adamw              h.3.attn_b.new       line 28    f32[2304]
-//   %1201  adamw              h.3.proj_w.new       line 29    f32[768,768]
-//   %1204  adamw              h.3.proj_b.new       line 30    f32[768]
-//   %1207  adamw              h.3.ln2_w.new        line 31    f32[768]
-//   %1210  adamw              h.3.ln2_b.new        line 32    f32[768]
-//   %1213  adamw              h.3.fc_w.new         line 33    f32[768,3072]
-//   %1216  adamw              h.3.fc_b.new         line 34    f32[3072]
-//   %1219  adamw              h.3.fcproj_w.new     line 35    f32[3072,768]
-//   %1222  adamw              h.3.fcproj_b.new     line 36    f32[768]
-//   %1225  adamw              h.4.ln1_w.new        line 25    f32[768]
-//   %1228  adamw              h.4.ln1_b.new        line 26    f32[768]
-//   %1231  adamw              h.4.attn_w.new       line 27    f32[768,2304]
-//   %1234  adamw              h.4.attn_b.new       line 28    f32[2304]
-//   %1237  adamw              h.4.proj_w.new       line 29    f32[768,768]
-//   %1240  adamw              h.4.proj_b.new       line 30    f32[768]
-//   %1243  adamw              h.4.ln2_w.new        line 31    f32[768]
-//   %1246  adamw              h.4.ln2_b.new        line 32    f32[768]
-//   %1249  adamw              h.4.fc_w.new         line 33    f32[768,3072]
-//   %1252  adamw              h.4.fc_b.new         line 34    f32[3072]
-//   %1255  adamw              h.4.fcproj_w.new     line 35    f32[3072,768]
-//   %1258  adamw              h.4.fcproj_b.new     line 36    f32[768]
-//   %1261  adamw              h.5.ln1_w.new        line 25    f32[768]
-//   %1264  adamw              h.5.ln1_b.new        line 26    f32[768]
-//   %1267  adamw              h.5.attn_w.new       line 27    f32[768,2304]
-//   %1270  adamw              h.5.attn_b.new       line 28    f32[2304]
-//   %1273  adamw              h.5.proj_w.new       line 29    f32[768,768]
-//   %1276  adamw              h.5.proj_b.new       line 30    f32[768]
-//   %1279  adamw              h.5.ln2_w.new        line 31    f32[768]
-//   %1282  adamw              h.5.ln2_b.new        line 32    f32[768]
-//   %1285  adamw              h.5.fc_w.new         line 33    f32[768,3072]
-//   %1288  adamw              h.5.fc_b.new         line 34    f32[3072]
-//   %1291  adamw              h.5.fcproj_w.new     line 35    f32[3072,768]
-//   %1294  adamw              h.5.fcproj_b.new     line 36    f32[768]
-//   %1297  adamw              h.6.ln1_w.new        line 25    f32[768]
-//   %1300  adamw              h.6.ln1_b.new        line 26    f32[768]
-//   %1303  adamw              h.6.attn_w.new       line 27    f32[768,2304]
-//   %1306  adamw              h.6.attn_b.new       line 28    f32[2304]
-//   %1309  adamw              h.6.proj_w.new       line 29    f32[768,768]
-//   %1312  adamw              h.6.proj_b.new       line 30    f32[768]
-//   %1315  adamw              h.6.ln2_w.new        line 31    f32[768]
-//   %1318  adamw              h.6.ln2_b.new        line 32    f32[768]
-//   %1321  adamw              h.6.fc_w.new         line 33    f32[768,3072]
-//   %1324  adamw              h.6.fc_b.new         line 34    f32[3072]
-//   %1327  adamw              h.6.fcproj_w.new     line 35    f32[3072,768]
-//   %1330  adamw              h.6.fcproj_b.new     line 36    f32[768]
-//   %1333  adamw              h.7.ln1_w.new        line 25    f32[768]
-//   %1336  adamw              h.7.ln1_b.new        line 26    f32[768]
-//   %1339  adamw              h.7.attn_w.new       line 27    f32[768,2304]
-//   %1342  adamw              h.7.attn_b.new       line 28    f32[2304]
-//   %1345  adamw              h.7.proj_w.new       line 29    f32[768,768]
-//   %1348  adamw              h.7.proj_b.new       line 30    f32[768]
-//   %1351  adamw              h.7.ln2_w.new        line 31    f32[768]
-//   %1354  adamw              h.7.ln2_b.new        line 32    f32[768]
-//   %1357  adamw              h.7.fc_w.new         line 33    f32[768,3072]
-//   %1360  adamw              h.7.fc_b.new         line 34    f32[3072]
-//   %1363  adamw              h.7.fcproj_w.new     line 35    f32[3072,768]
-//   %1366  adamw              h.7.fcproj_b.new     line 36    f32[768]
-//   %1369  adamw              h.8.ln1_w.new        line 25    f32[768]
-//   %1372  adamw              h.8.ln1_b.new        line 26    f32[768]
-//   %1375  adamw              h.8.attn_w.new       line 27    f32[768,2304]
-//   %1378  adamw              h.8.attn_b.new       line 28    f32[2304]
-//   %1381  adamw              h.8.proj_w.new       line 29    f32[768,768]
-//   %1384  adamw              h.8.proj_b.new       line 30    f32[768]
-//   %1387  adamw              h.8.ln2_w.new        line 31    f32[768]
-//   %1390  adamw              h.8.ln2_b.new        line 32    f32[768]
-//   %1393  adamw              h.8.fc_w.new         line 33    f32[768,3072]
-//   %1396  adamw              h.8.fc_b.new         line 34    f32[3072]
-//   %1399  adamw              h.8.fcproj_w.new     line 35    f32[3072,768]
-//   %1402  adamw              h.8.fcproj_b.new     line 36    f32[768]
-//   %1405  adamw              h.9.ln1_w.new        line 25    f32[768]
-//   %1408  adamw              h.9.ln1_b.new        line 26    f32[768]
-//   %1411  adamw              h.9.attn_w.new       line 27    f32[768,2304]
-//   %1414  adamw              h.9.attn_b.new       line 28    f32[2304]
-//   %1417  adamw              h.9.proj_w.new       line 29    f32[768,768]
-//   %1420  adamw              h.9.proj_b.new       line 30    f32[768]
-//   %1423  adamw              h.9.ln2_w.new        line 31    f32[768]
-//   %1426  adamw              h.9.ln2_b.new        line 32    f32[768]
-//   %1429  adamw              h.9.fc_w.new         line 33    f32[768,3072]
-//   %1432  adamw              h.9.fc_b.new         line 34    f32[3072]
-//   %1435  adamw              h.9.fcproj_w.new     line 35    f32[3072,768]
-//   %1438  adamw              h.9.fcproj_b.new     line 36    f32[768]
-//   %1441  adamw              h.10.ln1_w.new       line 25    f32[768]
-//   %1444  adamw              h.10.ln1_b.new       line 26    f32[768]
-//   %1447  adamw              h.10.attn_w.new      line 27    f32[768,2304]
-//   %1450  adamw              h.10.attn_b.new      line 28    f32[2304]
-//   %1453  adamw              h.10.proj_w.new      line 29    f32[768,768]
-//   %1456  adamw              h.10.proj_b.new      line 30    f32[768]
-//   %1459  adamw              h.10.ln2_w.new       line 31    f32[768]
-//   %1462  adamw              h.10.ln2_b.new       line 32    f32[768]
-//   %1465  adamw              h.10.fc_w.new        line 33    f32[768,3072]
-//   %1468  adamw              h.10.fc_b.new        line 34    f32[3072]
-//   %1471  adamw              h.10.fcproj_w.new    line 35    f32[3072,768]
-//   %1474  adamw              h.10.fcproj_b.new    line 36    f32[768]
-//   %1477  adamw              h.11.ln1_w.new       line 25    f32[768]
-//   %1480  adamw              h.11.ln1_b.new       line 26    f32[768]
-//   %1483  adamw              h.11.attn_w.new      line 27    f32[768,2304]
-//   %1486  adamw              h.11.attn_b.new      line 28    f32[2304]
-//   %1489  adamw              h.11.proj_w.new      line 29    f32[768,768]
-//   %1492  adamw              h.11.proj_b.new      line 30    f32[768]
-//   %1495  adamw              h.11.ln2_w.new       line 31    f32[768]
-//   %1498  adamw              h.11.ln2_b.new       line 32    f32[768]
-//   %1501  adamw              h.11.fc_w.new        line 33    f32[768,3072]
-//   %1504  adamw              h.11.fc_b.new        line 34    f32[3072]
-//   %1507  adamw              h.11.fcproj_w.new    line 35    f32[3072,768]
-//   %1510  adamw              h.11.fcproj_b.new    line 36    f32[768]
-//   %1513  adamw              lnf_w.new            line 43    f32[768]
-//   %1516  adamw              lnf_b.new            line 44    f32[768]
+//   %1073  grad_norm                                          f32[]
+//   %1076  adamw              wte.new              line 19    f32[50257,768]
+//   %1079  adamw              wpe.new              line 20    f32[1024,768]
+//   %1082  adamw              h.0.ln1_w.new        line 25    f32[768]
+//   %1085  adamw              h.0.ln1_b.new        line 26    f32[768]
+//   %1088  adamw              h.0.attn_w.new       line 27    f32[768,2304]
+//   %1091  adamw              h.0.attn_b.new       line 28    f32[2304]
+//   %1094  adamw              h.0.proj_w.new       line 29    f32[768,768]
+//   %1097  adamw              h.0.proj_b.new       line 30    f32[768]
+//   %1100  adamw              h.0.ln2_w.new        line 31    f32[768]
+//   %1103  adamw              h.0.ln2_b.new        line 32    f32[768]
+//   %1106  adamw              h.0.fc_w.new         line 33    f32[768,3072]
+//   %1109  adamw              h.0.fc_b.new         line 34    f32[3072]
+//   %1112  adamw              h.0.fcproj_w.new     line 35    f32[3072,768]
+//   %1115  adamw              h.0.fcproj_b.new     line 36    f32[768]
+//   %1118  adamw              h.1.ln1_w.new        line 25    f32[768]
+//   %1121  adamw              h.1.ln1_b.new        line 26    f32[768]
+//   %1124  adamw              h.1.attn_w.new       line 27    f32[768,2304]
+//   %1127  adamw              h.1.attn_b.new       line 28    f32[2304]
+//   %1130  adamw              h.1.proj_w.new       line 29    f32[768,768]
+//   %1133  adamw              h.1.proj_b.new       line 30    f32[768]
+//   %1136  adamw              h.1.ln2_w.new        line 31    f32[768]
+//   %1139  adamw              h.1.ln2_b.new        line 32    f32[768]
+//   %1142  adamw              h.1.fc_w.new         line 33    f32[768,3072]
+//   %1145  adamw              h.1.fc_b.new         line 34    f32[3072]
+//   %1148  adamw              h.1.fcproj_w.new     line 35    f32[3072,768]
+//   %1151  adamw              h.1.fcproj_b.new     line 36    f32[768]
+//   %1154  adamw              h.2.ln1_w.new        line 25    f32[768]
+//   %1157  adamw              h.2.ln1_b.new        line 26    f32[768]
+//   %1160  adamw              h.2.attn_w.new       line 27    f32[768,2304]
+//   %1163  adamw              h.2.attn_b.new       line 28    f32[2304]
+//   %1166  adamw              h.2.proj_w.new       line 29    f32[768,768]
+//   %1169  adamw              h.2.proj_b.new       line 30    f32[768]
+//   %1172  adamw              h.2.ln2_w.new        line 31    f32[768]
+//   %1175  adamw              h.2.ln2_b.new        line 32    f32[768]
+//   %1178  adamw              h.2.fc_w.new         line 33    f32[768,3072]
+//   %1181  adamw              h.2.fc_b.new         line 34    f32[3072]
+//   %1184  adamw              h.2.fcproj_w.new     line 35    f32[3072,768]
+//   %1187  adamw              h.2.fcproj_b.new     line 36    f32[768]
+//   %1190  adamw              h.3.ln1_w.new        line 25    f32[768]
+//   %1193  adamw              h.3.ln1_b.new        line 26    f32[768]
+//   %1196  adamw              h.3.attn_w.new       line 27    f32[768,2304]
+//   %1199  adamw              h.3.attn_b.new       line 28    f32[2304]
+//   %1202  adamw              h.3.proj_w.new       line 29    f32[768,768]
+//   %1205  adamw              h.3.proj_b.new       line 30    f32[768]
+//   %1208  adamw              h.3.ln2_w.new        line 31    f32[768]
+//   %1211  adamw              h.3.ln2_b.new        line 32    f32[768]
+//   %1214  adamw              h.3.fc_w.new         line 33    f32[768,3072]
+//   %1217  adamw              h.3.fc_b.new         line 34    f32[3072]
+//   %1220  adamw              h.3.fcproj_w.new     line 35    f32[3072,768]
+//   %1223  adamw              h.3.fcproj_b.new     line 36    f32[768]
+//   %1226  adamw              h.4.ln1_w.new        line 25    f32[768]
+//   %1229  adamw              h.4.ln1_b.new        line 26    f32[768]
+//   %1232  adamw              h.4.attn_w.new       line 27    f32[768,2304]
+//   %1235  adamw              h.4.attn_b.new       line 28    f32[2304]
+//   %1238  adamw              h.4.proj_w.new       line 29    f32[768,768]
+//   %1241  adamw              h.4.proj_b.new       line 30    f32[768]
+//   %1244  adamw              h.4.ln2_w.new        line 31    f32[768]
+//   %1247  adamw              h.4.ln2_b.new        line 32    f32[768]
+//   %1250  adamw              h.4.fc_w.new         line 33    f32[768,3072]
+//   %1253  adamw              h.4.fc_b.new         line 34    f32[3072]
+//   %1256  adamw              h.4.fcproj_w.new     line 35    f32[3072,768]
+//   %1259  adamw              h.4.fcproj_b.new     line 36    f32[768]
+//   %1262  adamw              h.5.ln1_w.new        line 25    f32[768]
+//   %1265  adamw              h.5.ln1_b.new        line 26    f32[768]
+//   %1268  adamw              h.5.attn_w.new       line 27    f32[768,2304]
+//   %1271  adamw              h.5.attn_b.new       line 28    f32[2304]
+//   %1274  adamw              h.5.proj_w.new       line 29    f32[768,768]
+//   %1277  adamw              h.5.proj_b.new       line 30    f32[768]
+//   %1280  adamw              h.5.ln2_w.new        line 31    f32[768]
+//   %1283  adamw              h.5.ln2_b.new        line 32    f32[768]
+//   %1286  adamw              h.5.fc_w.new         line 33    f32[768,3072]
+//   %1289  adamw              h.5.fc_b.new         line 34    f32[3072]
+//   %1292  adamw              h.5.fcproj_w.new     line 35    f32[3072,768]
+//   %1295  adamw              h.5.fcproj_b.new     line 36    f32[768]
+//   %1298  adamw              h.6.ln1_w.new        line 25    f32[768]
+//   %1301  adamw              h.6.ln1_b.new        line 26    f32[768]
+//   %1304  adamw              h.6.attn_w.new       line 27    f32[768,2304]
+//   %1307  adamw              h.6.attn_b.new       line 28    f32[2304]
+//   %1310  adamw              h.6.proj_w.new       line 29    f32[768,768]
+//   %1313  adamw              h.6.proj_b.new       line 30    f32[768]
+//   %1316  adamw              h.6.ln2_w.new        line 31    f32[768]
+//   %1319  adamw              h.6.ln2_b.new        line 32    f32[768]
+//   %1322  adamw              h.6.fc_w.new         line 33    f32[768,3072]
+//   %1325  adamw              h.6.fc_b.new         line 34    f32[3072]
+//   %1328  adamw              h.6.fcproj_w.new     line 35    f32[3072,768]
+//   %1331  adamw              h.6.fcproj_b.new     line 36    f32[768]
+//   %1334  adamw              h.7.ln1_w.new        line 25    f32[768]
+//   %1337  adamw              h.7.ln1_b.new        line 26    f32[768]
+//   %1340  adamw              h.7.attn_w.new       line 27    f32[768,2304]
+//   %1343  adamw              h.7.attn_b.new       line 28    f32[2304]
+//   %1346  adamw              h.7.proj_w.new       line 29    f32[768,768]
+//   %1349  adamw              h.7.proj_b.new       line 30    f32[768]
+//   %1352  adamw              h.7.ln2_w.new        line 31    f32[768]
+//   %1355  adamw              h.7.ln2_b.new        line 32    f32[768]
+//   %1358  adamw              h.7.fc_w.new         line 33    f32[768,3072]
+//   %1361  adamw              h.7.fc_b.new         line 34    f32[3072]
+//   %1364  adamw              h.7.fcproj_w.new     line 35    f32[3072,768]
+//   %1367  adamw              h.7.fcproj_b.new     line 36    f32[768]
+//   %1370  adamw              h.8.ln1_w.new        line 25    f32[768]
+//   %1373  adamw              h.8.ln1_b.new        line 26    f32[768]
+//   %1376  adamw              h.8.attn_w.new       line 27    f32[768,2304]
+//   %1379  adamw              h.8.attn_b.new       line 28    f32[2304]
+//   %1382  adamw              h.8.proj_w.new       line 29    f32[768,768]
+//   %1385  adamw              h.8.proj_b.new       line 30    f32[768]
+//   %1388  adamw              h.8.ln2_w.new        line 31    f32[768]
+//   %1391  adamw              h.8.ln2_b.new        line 32    f32[768]
+//   %1394  adamw              h.8.fc_w.new         line 33    f32[768,3072]
+//   %1397  adamw              h.8.fc_b.new         line 34    f32[3072]
+//   %1400  adamw              h.8.fcproj_w.new     line 35    f32[3072,768]
+//   %1403  adamw              h.8.fcproj_b.new     line 36    f32[768]
+//   %1406  adamw              h.9.ln1_w.new        line 25    f32[768]
+//   %1409  adamw              h.9.ln1_b.new        line 26    f32[768]
+//   %1412  adamw              h.9.attn_w.new       line 27    f32[768,2304]
+//   %1415  adamw              h.9.attn_b.new       line 28    f32[2304]
+//   %1418  adamw              h.9.proj_w.new       line 29    f32[768,768]
+//   %1421  adamw              h.9.proj_b.new       line 30    f32[768]
+//   %1424  adamw              h.9.ln2_w.new        line 31    f32[768]
+//   %1427  adamw              h.9.ln2_b.new        line 32    f32[768]
+//   %1430  adamw              h.9.fc_w.new         line 33    f32[768,3072]
+//   %1433  adamw              h.9.fc_b.new         line 34    f32[3072]
+//   %1436  adamw              h.9.fcproj_w.new     line 35    f32[3072,768]
+//   %1439  adamw              h.9.fcproj_b.new     line 36    f32[768]
+//   %1442  adamw              h.10.ln1_w.new       line 25    f32[768]
+//   %1445  adamw              h.10.ln1_b.new       line 26    f32[768]
+//   %1448  adamw              h.10.attn_w.new      line 27    f32[768,2304]
+//   %1451  adamw              h.10.attn_b.new      line 28    f32[2304]
+//   %1454  adamw              h.10.proj_w.new      line 29    f32[768,768]
+//   %1457  adamw              h.10.proj_b.new      line 30    f32[768]
+//   %1460  adamw              h.10.ln2_w.new       line 31    f32[768]
+//   %1463  adamw              h.10.ln2_b.new       line 32    f32[768]
+//   %1466  adamw              h.10.fc_w.new        line 33    f32[768,3072]
+//   %1469  adamw              h.10.fc_b.new        line 34    f32[3072]
+//   %1472  adamw              h.10.fcproj_w.new    line 35    f32[3072,768]
+//   %1475  adamw              h.10.fcproj_b.new    line 36    f32[768]
+//   %1478  adamw              h.11.ln1_w.new       line 25    f32[768]
+//   %1481  adamw              h.11.ln1_b.new       line 26    f32[768]
+//   %1484  adamw              h.11.attn_w.new      line 27    f32[768,2304]
+//   %1487  adamw              h.11.attn_b.new      line 28    f32[2304]
+//   %1490  adamw              h.11.proj_w.new      line 29    f32[768,768]
+//   %1493  adamw              h.11.proj_b.new      line 30    f32[768]
+//   %1496  adamw              h.11.ln2_w.new       line 31    f32[768]
+//   %1499  adamw              h.11.ln2_b.new       line 32    f32[768]
+//   %1502  adamw              h.11.fc_w.new        line 33    f32[768,3072]
+//   %1505  adamw              h.11.fc_b.new        line 34    f32[3072]
+//   %1508  adamw              h.11.fcproj_w.new    line 35    f32[3072,768]
+//   %1511  adamw              h.11.fcproj_b.new    line 36    f32[768]
+//   %1514  adamw              lnf_w.new            line 43    f32[768]
+//   %1517  adamw              lnf_b.new            line 44    f32[768]
 // runs:
 //   k237_grad_norm__adamw_sumsq<<<15191, 256>>>
 //   k237_grad_norm__adamw_norm<<<1, 256>>>
@@ -4847,4 +4853,4 @@ extern "C" __global__ void __launch_bounds__(256) k237_grad_norm__adamw(char *ar
   }
 }
 
-// Schedule: 364 launches per step, 214 kernels (39 distinct) and 150 GEMMs; device arena 7043652864 bytes.
+// Schedule: 364 launches per step, 214 kernels (39 distinct) and 150 GEMMs; device arena 6219472128 bytes.

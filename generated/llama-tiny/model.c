@@ -382,7 +382,7 @@ static void k6_gemm__cast(char *arena, const MdlHooks *h) {
 //   %36    attention                               line 38    f32[8,64,64]
 //   %37    reshape                                 line 38    f32[512,64]
 //   %38    cast                                    line 38    bf16[512,64]
-//   %225   attention_lse                           line 38    f32[8,4,64]
+//   %226   attention_lse                           line 38    f32[8,4,64]
 // loops:
 //   attention and its log-sum-exp per row: B 8, T 64, 4 heads of 16, causal, within documents; one task per (batch, head)
 static void k7_attention_fwd__cast__lse(char *arena, const MdlHooks *h) {
@@ -391,7 +391,7 @@ static void k7_attention_fwd__cast__lse(char *arena, const MdlHooks *h) {
   uint16_t *const b34 = (uint16_t *)(arena + 6089856); // %34 cast bf16[8,64,64]
   uint16_t *const b35 = (uint16_t *)(arena + 6155392); // %35 cast bf16[8,64,64]
   uint16_t *const b38 = (uint16_t *)(arena + 6220928); // %38 cast bf16[512,64]
-  float *const b225 = (float *)(arena + 7072896); // %225 attention_lse f32[8,4,64]
+  float *const b226 = (float *)(arena + 7072896); // %226 attention_lse f32[8,4,64]
   #pragma omp parallel num_threads(h->nthreads)
   {
     float *restrict kt = memset(mdl_scratch(1536 * sizeof(float)), 0, 1536 * sizeof(float));
@@ -452,7 +452,7 @@ static void k7_attention_fwd__cast__lse(char *arena, const MdlHooks *h) {
           }
           l = ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
         }
-        b225[(b * 4 + hd) * 64 + i] = m + logf(l);
+        b226[(b * 4 + hd) * 64 + i] = m + logf(l);
         float acc0[16] = {0}, acc1[16] = {0};
         int64_t j = lo;
         for (; j + 1 < hi; j += 2) {
@@ -841,7 +841,7 @@ static void k18_gemm__cast(char *arena, const MdlHooks *h) {
 //   %92    attention                               line 38    f32[8,64,64]
 //   %93    reshape                                 line 38    f32[512,64]
 //   %94    cast                                    line 38    bf16[512,64]
-//   %170   attention_lse                           line 38    f32[8,4,64]
+//   %171   attention_lse                           line 38    f32[8,4,64]
 // loops:
 //   attention and its log-sum-exp per row: B 8, T 64, 4 heads of 16, causal, within documents; one task per (batch, head)
 static void k19_attention_fwd__cast__lse(char *arena, const MdlHooks *h) {
@@ -850,7 +850,7 @@ static void k19_attention_fwd__cast__lse(char *arena, const MdlHooks *h) {
   uint16_t *const b90 = (uint16_t *)(arena + 6679680); // %90 cast bf16[8,64,64]
   uint16_t *const b91 = (uint16_t *)(arena + 6745216); // %91 cast bf16[8,64,64]
   uint16_t *const b94 = (uint16_t *)(arena + 6810752); // %94 cast bf16[512,64]
-  float *const b170 = (float *)(arena + 7081088); // %170 attention_lse f32[8,4,64]
+  float *const b171 = (float *)(arena + 7081088); // %171 attention_lse f32[8,4,64]
   #pragma omp parallel num_threads(h->nthreads)
   {
     float *restrict kt = memset(mdl_scratch(1536 * sizeof(float)), 0, 1536 * sizeof(float));
@@ -911,7 +911,7 @@ static void k19_attention_fwd__cast__lse(char *arena, const MdlHooks *h) {
           }
           l = ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
         }
-        b170[(b * 4 + hd) * 64 + i] = m + logf(l);
+        b171[(b * 4 + hd) * 64 + i] = m + logf(l);
         float acc0[16] = {0}, acc1[16] = {0};
         int64_t j = lo;
         for (; j + 1 < hi; j += 2) {
@@ -1141,41 +1141,42 @@ static void k25_rmsnorm_fwd__cast(char *arena, const MdlHooks *h) {
 }
 
 // k26_broadcast__mul: kernel, 3 ops
-//   %131   mul                                     line 46    f32[]
-//   %132   reshape                                 line 46    f32[1]
-//   %133   broadcast                               line 46    f32[512]
+//   %132   mul                                     line 46    f32[]
+//   %133   reshape                                 line 46    f32[1]
+//   %134   broadcast                               line 46    f32[512]
 // loops:
-//   elementwise over 512: %133
+//   elementwise over 512: %134
 static void k26_broadcast__mul(char *arena, const MdlHooks *h) {
   (void)h;
-  float *const b133 = (float *)(arena + 4775040); // %133 broadcast f32[512]
+  float *const b134 = (float *)(arena + 4775040); // %134 broadcast f32[512]
   for (int64_t i = 0; i < 512; i++) {
-    const float v131_0 = 1.0f * 0.001953125f;
-    const float v132_0 = v131_0;
-    const float v133_i = v132_0;
-    b133[i] = v133_i;
+    const float v132_0 = 1.0f * 0.001953125f;
+    const float v133_0 = v132_0;
+    const float v134_i = v133_0;
+    b134[i] = v134_i;
   }
 }
 
-// k27_lmhead__cross_entropy__cross_entropy_bwd__cast__gemm: LM head, 8 ops
+// k27_lmhead__cast__cross_entropy__cross_entropy_bwd__gemm: LM head, 9 ops
 //   %124   matmul                                  line 45    f32[512,256]
 //   %125   reshape            logits               line 45    f32[8,64,256]
-//   %126   cross_entropy                           line 46    f32[8,64]
-//   %135   cross_entropy_bwd  d.logits             line 46    f32[8,64,256]
-//   %136   reshape                                 line 45    f32[512,256]
-//   %137   cast                                    line 45    bf16[512,256]
-//   %138   matmul                                  line 45    f32[512,64]
-//   %139   matmul             d.lm_head            line 45    f32[64,256]
+//   %126   cast                                    line 46    bf16[8,64,256]
+//   %127   cross_entropy                           line 46    f32[8,64]
+//   %136   cross_entropy_bwd  d.logits             line 46    f32[8,64,256]
+//   %137   reshape                                 line 45    f32[512,256]
+//   %138   cast                                    line 45    bf16[512,256]
+//   %139   matmul                                  line 45    f32[512,64]
+//   %140   matmul             d.lm_head            line 45    f32[64,256]
 // loops:
 //   LM head: 512 rows x 256 classes from width 64, in chunks of 128 rows
-static void k27_lmhead__cross_entropy__cross_entropy_bwd__cast__gemm(char *arena, const MdlHooks *h) {
+static void k27_lmhead__cast__cross_entropy__cross_entropy_bwd__gemm(char *arena, const MdlHooks *h) {
   int32_t *const b1 = (int32_t *)(arena + 2348032); // %1 input targets i32[8,64]
   uint16_t *const b122 = (uint16_t *)(arena + 5696640); // %122 cast bf16[512,64]
   uint16_t *const b123 = (uint16_t *)(arena + 2313216); // %123 cast bf16[64,256]
-  float *const b126 = (float *)(arena + 4777088); // %126 cross_entropy f32[8,64]
-  float *const b133 = (float *)(arena + 4775040); // %133 broadcast f32[512]
-  float *const b138 = (float *)(arena + 4996224); // %138 matmul f32[512,64]
-  float *const b139 = (float *)(arena + 989696); // %139 matmul d.lm_head f32[64,256]
+  float *const b127 = (float *)(arena + 4777088); // %127 cross_entropy f32[8,64]
+  float *const b134 = (float *)(arena + 4775040); // %134 broadcast f32[512]
+  float *const b139 = (float *)(arena + 4996224); // %139 matmul f32[512,64]
+  float *const b140 = (float *)(arena + 989696); // %140 matmul d.lm_head f32[64,256]
   float *const w122 = mdl_widen_bf16(b122, 32768, h->nthreads);
   float *const w123 = mdl_widen_bf16(b123, 16384, h->nthreads);
   float *logits = mdl_scratch(32768 * sizeof(float));
@@ -1185,13 +1186,15 @@ static void k27_lmhead__cross_entropy__cross_entropy_bwd__cast__gemm(char *arena
     #pragma omp parallel for num_threads(h->nthreads) schedule(static)
     for (int64_t i = 0; i < rn; i++) {
       const int64_t r = r0 + i;
-      const float *x = logits + i * 256;
+      float *x = logits + i * 256;
       float *dx = logits + i * 256;
       const int32_t t = b1[r];
+      for (int64_t j = 0; j < 256; j++)
+        x[j] = mdl_bf16_to_f32(mdl_f32_to_bf16(x[j]));
       if (t < 0 || t >= 256) {
         if (t >= 256)
           h->error(h->ctx, "cross_entropy: target", t, 256);
-        b126[r] = 0.0f;
+        b127[r] = 0.0f;
         memset(dx, 0, 256 * sizeof(float));
         continue;
       }
@@ -1205,13 +1208,13 @@ static void k27_lmhead__cross_entropy__cross_entropy_bwd__cast__gemm(char *arena
         dx[j] = mdl_exp_shifted(x[j] - m);
         sum += dx[j];
       }
-      b126[r] = (float)(m + log(sum) - xt);
-      const double g = b133[r], inv = 1.0 / sum;
+      b127[r] = (float)(m + log(sum) - xt);
+      const double g = b134[r], inv = 1.0 / sum;
       for (int64_t j = 0; j < 256; j++)
         dx[j] = mdl_bf16_to_f32(mdl_f32_to_bf16((float)(g * (dx[j] * inv - (j == t)))));
     }
-    mdl_gemm(h, 0, 1, rn, 64, 256, logits, 256, w123, 256, 0.0f, b138 + r0 * 64, 64);
-    mdl_gemm(h, 1, 0, 64, 256, rn, w122 + r0 * 64, 64, logits, 256, r0 ? 1.0f : 0.0f, b139, 256);
+    mdl_gemm(h, 0, 1, rn, 64, 256, logits, 256, w123, 256, 0.0f, b139 + r0 * 64, 64);
+    mdl_gemm(h, 1, 0, 64, 256, rn, w122 + r0 * 64, 64, logits, 256, r0 ? 1.0f : 0.0f, b140, 256);
   }
   free(logits);
   free(w122);
@@ -1219,41 +1222,41 @@ static void k27_lmhead__cross_entropy__cross_entropy_bwd__cast__gemm(char *arena
 }
 
 // k28_mean: kernel, 1 op
-//   %128   mean               loss                 line 46    f32[]
+//   %129   mean               loss                 line 46    f32[]
 // loops:
-//   mean %128: 1 outputs, each over 512 elements
+//   mean %129: 1 outputs, each over 512 elements
 static void k28_mean(char *arena, const MdlHooks *h) {
   (void)h;
-  float *const b126 = (float *)(arena + 4777088); // %126 cross_entropy f32[8,64]
-  float *const b128 = (float *)(arena + 7089280); // %128 mean loss f32[]
+  float *const b127 = (float *)(arena + 4777088); // %127 cross_entropy f32[8,64]
+  float *const b129 = (float *)(arena + 7089280); // %129 mean loss f32[]
   for (int64_t r = 0; r < 1; r++) {
     const int64_t base = r * 512;
     double acc = 0.0;
     for (int64_t l = 0; l < 512; l++) {
       const int64_t ix = base + l;
-      const float v126_ix = b126[ix];
-      const float v = v126_ix;
+      const float v127_ix = b127[ix];
+      const float v = v127_ix;
       acc += v;
     }
     const float y = (float)(acc / 512);
-    b128[r] = y;
+    b129[r] = y;
   }
 }
 
 // k29_rmsnorm_bwd__cast: kernel, 4 ops
-//   %141   rmsnorm_bwd        d.layers.1.x         line 45    f32[8,64,64]
-//   %142   rmsnorm_bwd        d.norm               line 45    f32[64]
-//   %143   reshape                                 line 40    f32[512,64]
-//   %144   cast                                    line 40    bf16[512,64]
+//   %142   rmsnorm_bwd        d.layers.1.x         line 45    f32[8,64,64]
+//   %143   rmsnorm_bwd        d.norm               line 45    f32[64]
+//   %144   reshape                                 line 40    f32[512,64]
+//   %145   cast                                    line 40    bf16[512,64]
 // loops:
 //   rmsnorm_bwd: 512 rows of 64, column sums over 32 blocks of 16 rows
 static void k29_rmsnorm_bwd__cast(char *arena, const MdlHooks *h) {
   float *const b117 = (float *)(arena + 4643968); // %117 add layers.1.x f32[8,64,64]
   float *const b118 = (float *)(arena + 461824); // %118 param norm f32[64]
-  float *const b138 = (float *)(arena + 4996224); // %138 matmul f32[512,64]
-  float *const b141 = (float *)(arena + 5696640); // %141 rmsnorm_bwd d.layers.1.x f32[8,64,64]
-  float *const b142 = (float *)(arena + 989440); // %142 rmsnorm_bwd d.norm f32[64]
-  uint16_t *const b144 = (uint16_t *)(arena + 7007360); // %144 cast bf16[512,64]
+  float *const b139 = (float *)(arena + 4996224); // %139 matmul f32[512,64]
+  float *const b142 = (float *)(arena + 5696640); // %142 rmsnorm_bwd d.layers.1.x f32[8,64,64]
+  float *const b143 = (float *)(arena + 989440); // %143 rmsnorm_bwd d.norm f32[64]
+  uint16_t *const b145 = (uint16_t *)(arena + 7007360); // %145 cast bf16[512,64]
   double *pdw = mdl_scratch(2048 * sizeof(double));
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
   for (int64_t k = 0; k < 32; k++) {
@@ -1263,7 +1266,7 @@ static void k29_rmsnorm_bwd__cast(char *arena, const MdlHooks *h) {
     const int64_t end = k * 16 + 16 < 512 ? k * 16 + 16 : 512;
     for (int64_t r = k * 16; r < end; r++) {
       const float *x = b117 + r * 64;
-      const float *dy = b138 + r * 64;
+      const float *dy = b139 + r * 64;
       double ms = 0, mgx = 0;
       #pragma omp simd reduction(+ : ms)
       for (int64_t j = 0; j < 64; j++)
@@ -1274,15 +1277,15 @@ static void k29_rmsnorm_bwd__cast(char *arena, const MdlHooks *h) {
         mgx += (double)dy[j] * b118[j] * x[j];
         sw[j] += (double)dy[j] * x[j] * s;
       }
-      float *dx = b141 + r * 64;
+      float *dx = b142 + r * 64;
       mgx /= 64;
       for (int64_t j = 0; j < 64; j++)
         dx[j] = (float)(s * dy[j] * b118[j] - s * s * s * x[j] * mgx);
       for (int64_t j = 0; j < 64; j++) {
         const int64_t ix = r * 64 + j;
-        const float v143_ix = dx[j];
-        const float v144_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v143_ix));
-        b144[ix] = mdl_f32_to_bf16(v144_ix);
+        const float v144_ix = dx[j];
+        const float v145_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v144_ix));
+        b145[ix] = mdl_f32_to_bf16(v145_ix);
       }
     }
   }
@@ -1291,49 +1294,49 @@ static void k29_rmsnorm_bwd__cast(char *arena, const MdlHooks *h) {
     for (int64_t k = 0; k < 32; k++) {
       w += pdw[k * 64 + j];
     }
-    b142[j] = (float)w;
+    b143[j] = (float)w;
   }
   free(pdw);
 }
 
 // k30_gemm: GEMM, 1 op
-//   %146   matmul             d.layers.1.w2        line 40    f32[172,64]
+//   %147   matmul             d.layers.1.w2        line 40    f32[172,64]
 // loops:
-//   gemm %146: [172 x 64] = T[172 x 512] [512 x 64], bf16 operands widened to f32
+//   gemm %147: [172 x 64] = T[172 x 512] [512 x 64], bf16 operands widened to f32
 static void k30_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b113 = (uint16_t *)(arena + 4467840); // %113 cast bf16[512,172]
-  uint16_t *const b144 = (uint16_t *)(arena + 7007360); // %144 cast bf16[512,64]
-  float *const b146 = (float *)(arena + 945408); // %146 matmul d.layers.1.w2 f32[172,64]
+  uint16_t *const b145 = (uint16_t *)(arena + 7007360); // %145 cast bf16[512,64]
+  float *const b147 = (float *)(arena + 945408); // %147 matmul d.layers.1.w2 f32[172,64]
   {
     float *const w113 = mdl_widen_bf16(b113, 88064, h->nthreads);
-    float *const w144 = mdl_widen_bf16(b144, 32768, h->nthreads);
-    mdl_gemm(h, 1, 0, 172, 64, 512, w113, 172, w144, 64, 0.0f, b146, 64);
+    float *const w145 = mdl_widen_bf16(b145, 32768, h->nthreads);
+    mdl_gemm(h, 1, 0, 172, 64, 512, w113, 172, w145, 64, 0.0f, b147, 64);
     free(w113);
-    free(w144);
+    free(w145);
   }
 }
 
 // k31_gemm__mul__silu_bwd__cast: GEMM, 5 ops
-//   %145   matmul                                  line 40    f32[512,172]
-//   %148   mul                                     line 40    f32[8,64,172]
-//   %155   silu_bwd                                line 40    f32[8,64,172]
-//   %156   reshape                                 line 40    f32[512,172]
-//   %157   cast                                    line 40    bf16[512,172]
+//   %146   matmul                                  line 40    f32[512,172]
+//   %149   mul                                     line 40    f32[8,64,172]
+//   %156   silu_bwd                                line 40    f32[8,64,172]
+//   %157   reshape                                 line 40    f32[512,172]
+//   %158   cast                                    line 40    bf16[512,172]
 // loops:
-//   gemm %145: [512 x 172] = [512 x 64] T[64 x 172], bf16 operands widened to f32, epilogue after
-//   elementwise over 88064: %157
+//   gemm %146: [512 x 172] = [512 x 64] T[64 x 172], bf16 operands widened to f32, epilogue after
+//   elementwise over 88064: %158
 static void k31_gemm__mul__silu_bwd__cast(char *arena, const MdlHooks *h) {
   float *const b103 = (float *)(arena + 3763328); // %103 matmul f32[512,172]
   float *const b109 = (float *)(arena + 3411072); // %109 matmul f32[512,172]
   uint16_t *const b114 = (uint16_t *)(arena + 2288640); // %114 cast bf16[172,64]
-  uint16_t *const b144 = (uint16_t *)(arena + 7007360); // %144 cast bf16[512,64]
-  float *const b145 = (float *)(arena + 4467840); // %145 matmul f32[512,172]
-  uint16_t *const b157 = (uint16_t *)(arena + 4996224); // %157 cast bf16[512,172]
+  uint16_t *const b145 = (uint16_t *)(arena + 7007360); // %145 cast bf16[512,64]
+  float *const b146 = (float *)(arena + 4467840); // %146 matmul f32[512,172]
+  uint16_t *const b158 = (uint16_t *)(arena + 4996224); // %158 cast bf16[512,172]
   {
-    float *const w144 = mdl_widen_bf16(b144, 32768, h->nthreads);
+    float *const w145 = mdl_widen_bf16(b145, 32768, h->nthreads);
     float *const w114 = mdl_widen_bf16(b114, 11008, h->nthreads);
-    mdl_gemm(h, 0, 1, 512, 172, 64, w144, 64, w114, 64, 0.0f, b145, 172);
-    free(w144);
+    mdl_gemm(h, 0, 1, 512, 172, 64, w145, 64, w114, 64, 0.0f, b146, 172);
+    free(w145);
     free(w114);
   }
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
@@ -1341,141 +1344,141 @@ static void k31_gemm__mul__silu_bwd__cast(char *arena, const MdlHooks *h) {
     for (int64_t c = 0; c < 172; c++) {
       const int64_t i = r * 172 + c;
       const float v103_i = b103[i];
-      const float v145_i = b145[i];
+      const float v146_i = b146[i];
       const float v109_i = b109[i];
-      const float v148_i = v145_i * v109_i;
-      const float v155_i = mdl_silu_grad(v103_i, v148_i);
-      const float v156_i = v155_i;
-      const float v157_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v156_i));
-      b157[i] = mdl_f32_to_bf16(v157_i);
+      const float v149_i = v146_i * v109_i;
+      const float v156_i = mdl_silu_grad(v103_i, v149_i);
+      const float v157_i = v156_i;
+      const float v158_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v157_i));
+      b158[i] = mdl_f32_to_bf16(v158_i);
     }
   }
 }
 
 // k32_cast__mul: kernel, 3 ops
-//   %149   mul                                     line 40    f32[8,64,172]
-//   %150   reshape                                 line 40    f32[512,172]
-//   %151   cast                                    line 40    bf16[512,172]
+//   %150   mul                                     line 40    f32[8,64,172]
+//   %151   reshape                                 line 40    f32[512,172]
+//   %152   cast                                    line 40    bf16[512,172]
 // loops:
-//   elementwise over 88064: %151
+//   elementwise over 88064: %152
 static void k32_cast__mul(char *arena, const MdlHooks *h) {
   float *const b105 = (float *)(arena + 4115584); // %105 silu f32[8,64,172]
-  float *const b145 = (float *)(arena + 4467840); // %145 matmul f32[512,172]
-  uint16_t *const b151 = (uint16_t *)(arena + 3411072); // %151 cast bf16[512,172]
+  float *const b146 = (float *)(arena + 4467840); // %146 matmul f32[512,172]
+  uint16_t *const b152 = (uint16_t *)(arena + 3411072); // %152 cast bf16[512,172]
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
   for (int64_t r = 0; r < 512; r++) {
     for (int64_t c = 0; c < 172; c++) {
       const int64_t i = r * 172 + c;
-      const float v145_i = b145[i];
+      const float v146_i = b146[i];
       const float v105_i = b105[i];
-      const float v149_i = v145_i * v105_i;
-      const float v150_i = v149_i;
-      const float v151_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v150_i));
-      b151[i] = mdl_f32_to_bf16(v151_i);
+      const float v150_i = v146_i * v105_i;
+      const float v151_i = v150_i;
+      const float v152_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v151_i));
+      b152[i] = mdl_f32_to_bf16(v152_i);
     }
   }
 }
 
 // k33_gemm: GEMM, 1 op
-//   %153   matmul             d.layers.1.w3        line 40    f32[64,172]
+//   %154   matmul             d.layers.1.w3        line 40    f32[64,172]
 // loops:
-//   gemm %153: [64 x 172] = T[64 x 512] [512 x 172], bf16 operands widened to f32
+//   gemm %154: [64 x 172] = T[64 x 512] [512 x 172], bf16 operands widened to f32
 static void k33_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b107 = (uint16_t *)(arena + 6941824); // %107 cast bf16[512,64]
-  uint16_t *const b151 = (uint16_t *)(arena + 3411072); // %151 cast bf16[512,172]
-  float *const b153 = (float *)(arena + 901376); // %153 matmul d.layers.1.w3 f32[64,172]
+  uint16_t *const b152 = (uint16_t *)(arena + 3411072); // %152 cast bf16[512,172]
+  float *const b154 = (float *)(arena + 901376); // %154 matmul d.layers.1.w3 f32[64,172]
   {
     float *const w107 = mdl_widen_bf16(b107, 32768, h->nthreads);
-    float *const w151 = mdl_widen_bf16(b151, 88064, h->nthreads);
-    mdl_gemm(h, 1, 0, 64, 172, 512, w107, 64, w151, 172, 0.0f, b153, 172);
+    float *const w152 = mdl_widen_bf16(b152, 88064, h->nthreads);
+    mdl_gemm(h, 1, 0, 64, 172, 512, w107, 64, w152, 172, 0.0f, b154, 172);
     free(w107);
-    free(w151);
+    free(w152);
   }
 }
 
 // k34_gemm: GEMM, 1 op
-//   %158   matmul                                  line 40    f32[512,64]
+//   %159   matmul                                  line 40    f32[512,64]
 // loops:
-//   gemm %158: [512 x 64] = [512 x 172] T[172 x 64], bf16 operands widened to f32
+//   gemm %159: [512 x 64] = [512 x 172] T[172 x 64], bf16 operands widened to f32
 static void k34_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b102 = (uint16_t *)(arena + 2244608); // %102 cast bf16[64,172]
-  uint16_t *const b157 = (uint16_t *)(arena + 4996224); // %157 cast bf16[512,172]
-  float *const b158 = (float *)(arena + 3587200); // %158 matmul f32[512,64]
+  uint16_t *const b158 = (uint16_t *)(arena + 4996224); // %158 cast bf16[512,172]
+  float *const b159 = (float *)(arena + 3587200); // %159 matmul f32[512,64]
   {
-    float *const w157 = mdl_widen_bf16(b157, 88064, h->nthreads);
+    float *const w158 = mdl_widen_bf16(b158, 88064, h->nthreads);
     float *const w102 = mdl_widen_bf16(b102, 11008, h->nthreads);
-    mdl_gemm(h, 0, 1, 512, 64, 172, w157, 172, w102, 172, 0.0f, b158, 64);
-    free(w157);
+    mdl_gemm(h, 0, 1, 512, 64, 172, w158, 172, w102, 172, 0.0f, b159, 64);
+    free(w158);
     free(w102);
   }
 }
 
 // k35_gemm: GEMM, 1 op
-//   %159   matmul             d.layers.1.w1        line 40    f32[64,172]
+//   %160   matmul             d.layers.1.w1        line 40    f32[64,172]
 // loops:
-//   gemm %159: [64 x 172] = T[64 x 512] [512 x 172], bf16 operands widened to f32
+//   gemm %160: [64 x 172] = T[64 x 512] [512 x 172], bf16 operands widened to f32
 static void k35_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b101 = (uint16_t *)(arena + 6876288); // %101 cast bf16[512,64]
-  uint16_t *const b157 = (uint16_t *)(arena + 4996224); // %157 cast bf16[512,172]
-  float *const b159 = (float *)(arena + 857344); // %159 matmul d.layers.1.w1 f32[64,172]
+  uint16_t *const b158 = (uint16_t *)(arena + 4996224); // %158 cast bf16[512,172]
+  float *const b160 = (float *)(arena + 857344); // %160 matmul d.layers.1.w1 f32[64,172]
   {
     float *const w101 = mdl_widen_bf16(b101, 32768, h->nthreads);
-    float *const w157 = mdl_widen_bf16(b157, 88064, h->nthreads);
-    mdl_gemm(h, 1, 0, 64, 172, 512, w101, 64, w157, 172, 0.0f, b159, 172);
+    float *const w158 = mdl_widen_bf16(b158, 88064, h->nthreads);
+    mdl_gemm(h, 1, 0, 64, 172, 512, w101, 64, w158, 172, 0.0f, b160, 172);
     free(w101);
-    free(w157);
+    free(w158);
   }
 }
 
 // k36_gemm__add: GEMM, 3 ops
-//   %152   matmul                                  line 40    f32[512,64]
-//   %154   reshape                                 line 40    f32[8,64,64]
-//   %161   add                d.layers.1.a         line 39    f32[8,64,64]
+//   %153   matmul                                  line 40    f32[512,64]
+//   %155   reshape                                 line 40    f32[8,64,64]
+//   %162   add                d.layers.1.a         line 39    f32[8,64,64]
 // loops:
-//   gemm %152: [512 x 64] = [512 x 172] T[172 x 64], bf16 operands widened to f32, epilogue after
-//   elementwise over 32768: %161
+//   gemm %153: [512 x 64] = [512 x 172] T[172 x 64], bf16 operands widened to f32, epilogue after
+//   elementwise over 32768: %162
 static void k36_gemm__add(char *arena, const MdlHooks *h) {
   uint16_t *const b108 = (uint16_t *)(arena + 2266624); // %108 cast bf16[64,172]
-  uint16_t *const b151 = (uint16_t *)(arena + 3411072); // %151 cast bf16[512,172]
-  float *const b158 = (float *)(arena + 3587200); // %158 matmul f32[512,64]
-  float *const b161 = (float *)(arena + 3718272); // %161 add d.layers.1.a f32[8,64,64]
-  float *const b152 = b161; // %152 matmul f32[512,64]: the GEMM writes into its epilogue's output
+  uint16_t *const b152 = (uint16_t *)(arena + 3411072); // %152 cast bf16[512,172]
+  float *const b159 = (float *)(arena + 3587200); // %159 matmul f32[512,64]
+  float *const b162 = (float *)(arena + 3718272); // %162 add d.layers.1.a f32[8,64,64]
+  float *const b153 = b162; // %153 matmul f32[512,64]: the GEMM writes into its epilogue's output
   {
-    float *const w151 = mdl_widen_bf16(b151, 88064, h->nthreads);
+    float *const w152 = mdl_widen_bf16(b152, 88064, h->nthreads);
     float *const w108 = mdl_widen_bf16(b108, 11008, h->nthreads);
-    mdl_gemm(h, 0, 1, 512, 64, 172, w151, 172, w108, 172, 0.0f, b152, 64);
-    free(w151);
+    mdl_gemm(h, 0, 1, 512, 64, 172, w152, 172, w108, 172, 0.0f, b153, 64);
+    free(w152);
     free(w108);
   }
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
   for (int64_t r = 0; r < 512; r++) {
     for (int64_t c = 0; c < 64; c++) {
       const int64_t i = r * 64 + c;
-      const float v152_i = b152[i];
-      const float v154_i = v152_i;
-      const float v158_i = b158[i];
-      const float v161_i = v154_i + v158_i;
-      b161[i] = v161_i;
+      const float v153_i = b153[i];
+      const float v155_i = v153_i;
+      const float v159_i = b159[i];
+      const float v162_i = v155_i + v159_i;
+      b162[i] = v162_i;
     }
   }
 }
 
 // k37_rmsnorm_bwd__add__cast: kernel, 5 ops
-//   %162   rmsnorm_bwd                             line 39    f32[8,64,64]
-//   %163   rmsnorm_bwd        d.layers.1.mlp_norm  line 39    f32[64]
-//   %164   add                d.layers.1.x         line 38    f32[8,64,64]
-//   %165   reshape                                 line 38    f32[512,64]
-//   %166   cast                                    line 38    bf16[512,64]
+//   %163   rmsnorm_bwd                             line 39    f32[8,64,64]
+//   %164   rmsnorm_bwd        d.layers.1.mlp_norm  line 39    f32[64]
+//   %165   add                d.layers.1.x         line 38    f32[8,64,64]
+//   %166   reshape                                 line 38    f32[512,64]
+//   %167   cast                                    line 38    bf16[512,64]
 // loops:
 //   rmsnorm_bwd: 512 rows of 64, column sums over 32 blocks of 16 rows
 static void k37_rmsnorm_bwd__add__cast(char *arena, const MdlHooks *h) {
   float *const b67 = (float *)(arena + 329472); // %67 param layers.1.mlp_norm f32[64]
   float *const b98 = (float *)(arena + 5565568); // %98 add layers.1.x f32[8,64,64]
-  float *const b141 = (float *)(arena + 5696640); // %141 rmsnorm_bwd d.layers.1.x f32[8,64,64]
-  float *const b161 = (float *)(arena + 3718272); // %161 add d.layers.1.a f32[8,64,64]
-  float *const b163 = (float *)(arena + 857088); // %163 rmsnorm_bwd d.layers.1.mlp_norm f32[64]
-  float *const b164 = (float *)(arena + 3411072); // %164 add d.layers.1.x f32[8,64,64]
-  uint16_t *const b166 = (uint16_t *)(arena + 3542144); // %166 cast bf16[512,64]
+  float *const b142 = (float *)(arena + 5696640); // %142 rmsnorm_bwd d.layers.1.x f32[8,64,64]
+  float *const b162 = (float *)(arena + 3718272); // %162 add d.layers.1.a f32[8,64,64]
+  float *const b164 = (float *)(arena + 857088); // %164 rmsnorm_bwd d.layers.1.mlp_norm f32[64]
+  float *const b165 = (float *)(arena + 3411072); // %165 add d.layers.1.x f32[8,64,64]
+  uint16_t *const b167 = (uint16_t *)(arena + 3542144); // %167 cast bf16[512,64]
   double *pdw = mdl_scratch(2048 * sizeof(double));
   #pragma omp parallel num_threads(h->nthreads)
   {
@@ -1488,7 +1491,7 @@ static void k37_rmsnorm_bwd__add__cast(char *arena, const MdlHooks *h) {
       const int64_t end = k * 16 + 16 < 512 ? k * 16 + 16 : 512;
       for (int64_t r = k * 16; r < end; r++) {
         const float *x = b98 + r * 64;
-        const float *dy = b161 + r * 64;
+        const float *dy = b162 + r * 64;
         double ms = 0, mgx = 0;
         #pragma omp simd reduction(+ : ms)
         for (int64_t j = 0; j < 64; j++)
@@ -1505,12 +1508,12 @@ static void k37_rmsnorm_bwd__add__cast(char *arena, const MdlHooks *h) {
           dx[j] = (float)(s * dy[j] * b67[j] - s * s * s * x[j] * mgx);
         for (int64_t j = 0; j < 64; j++) {
           const int64_t ix = r * 64 + j;
-          const float v141_ix = b141[ix];
-          const float v164_ix = v141_ix + dx[j];
-          b164[ix] = v164_ix;
-          const float v165_ix = v164_ix;
-          const float v166_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v165_ix));
-          b166[ix] = mdl_f32_to_bf16(v166_ix);
+          const float v142_ix = b142[ix];
+          const float v165_ix = v142_ix + dx[j];
+          b165[ix] = v165_ix;
+          const float v166_ix = v165_ix;
+          const float v167_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v166_ix));
+          b167[ix] = mdl_f32_to_bf16(v167_ix);
         }
       }
     }
@@ -1521,64 +1524,64 @@ static void k37_rmsnorm_bwd__add__cast(char *arena, const MdlHooks *h) {
     for (int64_t k = 0; k < 32; k++) {
       w += pdw[k * 64 + j];
     }
-    b163[j] = (float)w;
+    b164[j] = (float)w;
   }
   free(pdw);
 }
 
 // k38_gemm: GEMM, 1 op
-//   %168   matmul             d.layers.1.wo        line 38    f32[64,64]
+//   %169   matmul             d.layers.1.wo        line 38    f32[64,64]
 // loops:
-//   gemm %168: [64 x 64] = T[64 x 512] [512 x 64], bf16 operands widened to f32
+//   gemm %169: [64 x 64] = T[64 x 512] [512 x 64], bf16 operands widened to f32
 static void k38_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b94 = (uint16_t *)(arena + 6810752); // %94 cast bf16[512,64]
-  uint16_t *const b166 = (uint16_t *)(arena + 3542144); // %166 cast bf16[512,64]
-  float *const b168 = (float *)(arena + 840704); // %168 matmul d.layers.1.wo f32[64,64]
+  uint16_t *const b167 = (uint16_t *)(arena + 3542144); // %167 cast bf16[512,64]
+  float *const b169 = (float *)(arena + 840704); // %169 matmul d.layers.1.wo f32[64,64]
   {
     float *const w94 = mdl_widen_bf16(b94, 32768, h->nthreads);
-    float *const w166 = mdl_widen_bf16(b166, 32768, h->nthreads);
-    mdl_gemm(h, 1, 0, 64, 64, 512, w94, 64, w166, 64, 0.0f, b168, 64);
+    float *const w167 = mdl_widen_bf16(b167, 32768, h->nthreads);
+    mdl_gemm(h, 1, 0, 64, 64, 512, w94, 64, w167, 64, 0.0f, b169, 64);
     free(w94);
-    free(w166);
+    free(w167);
   }
 }
 
 // k39_gemm__cast: GEMM, 3 ops
-//   %167   matmul                                  line 38    f32[512,64]
-//   %169   reshape                                 line 38    f32[8,64,64]
-//   %172   cast                                    line 38    bf16[8,64,64]
+//   %168   matmul                                  line 38    f32[512,64]
+//   %170   reshape                                 line 38    f32[8,64,64]
+//   %173   cast                                    line 38    bf16[8,64,64]
 // loops:
-//   gemm %167: [512 x 64] = [512 x 64] T[64 x 64], bf16 operands widened to f32, epilogue after
-//   elementwise over 32768: %172
+//   gemm %168: [512 x 64] = [512 x 64] T[64 x 64], bf16 operands widened to f32, epilogue after
+//   elementwise over 32768: %173
 static void k39_gemm__cast(char *arena, const MdlHooks *h) {
   uint16_t *const b95 = (uint16_t *)(arena + 2236416); // %95 cast bf16[64,64]
-  uint16_t *const b166 = (uint16_t *)(arena + 3542144); // %166 cast bf16[512,64]
-  float *const b167 = mdl_scratch(131072); // %167 matmul f32[512,64], kept in this kernel
-  uint16_t *const b172 = (uint16_t *)(arena + 3935360); // %172 cast bf16[8,64,64]
+  uint16_t *const b167 = (uint16_t *)(arena + 3542144); // %167 cast bf16[512,64]
+  float *const b168 = mdl_scratch(131072); // %168 matmul f32[512,64], kept in this kernel
+  uint16_t *const b173 = (uint16_t *)(arena + 3935360); // %173 cast bf16[8,64,64]
   {
-    float *const w166 = mdl_widen_bf16(b166, 32768, h->nthreads);
+    float *const w167 = mdl_widen_bf16(b167, 32768, h->nthreads);
     float *const w95 = mdl_widen_bf16(b95, 4096, h->nthreads);
-    mdl_gemm(h, 0, 1, 512, 64, 64, w166, 64, w95, 64, 0.0f, b167, 64);
-    free(w166);
+    mdl_gemm(h, 0, 1, 512, 64, 64, w167, 64, w95, 64, 0.0f, b168, 64);
+    free(w167);
     free(w95);
   }
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
   for (int64_t r = 0; r < 512; r++) {
     for (int64_t c = 0; c < 64; c++) {
       const int64_t i = r * 64 + c;
-      const float v167_i = b167[i];
-      const float v169_i = v167_i;
-      const float v172_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v169_i));
-      b172[i] = mdl_f32_to_bf16(v172_i);
+      const float v168_i = b168[i];
+      const float v170_i = v168_i;
+      const float v173_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v170_i));
+      b173[i] = mdl_f32_to_bf16(v173_i);
     }
   }
-  free(b167);
+  free(b168);
 }
 
 // k40_attention_bwd: attention, 3 ops
-//   %173   attention_bwd      d.layers.1.q         line 38    f32[8,64,64]
-//   %174   attention_bwd      d.layers.1.k         line 38    f32[8,64,64]
-//   %175   attention_bwd                           line 38    f32[8,64,64]
+//   %174   attention_bwd      d.layers.1.q         line 38    f32[8,64,64]
+//   %175   attention_bwd      d.layers.1.k         line 38    f32[8,64,64]
+//   %176   attention_bwd                           line 38    f32[8,64,64]
 // loops:
 //   attention backward (dq dk dv): B 8, T 64, 4 heads of 16, causal, within documents; one task per (batch, head)
 static void k40_attention_bwd(char *arena, const MdlHooks *h) {
@@ -1587,11 +1590,11 @@ static void k40_attention_bwd(char *arena, const MdlHooks *h) {
   uint16_t *const b90 = (uint16_t *)(arena + 6679680); // %90 cast bf16[8,64,64]
   uint16_t *const b91 = (uint16_t *)(arena + 6745216); // %91 cast bf16[8,64,64]
   uint16_t *const b94 = (uint16_t *)(arena + 6810752); // %94 cast bf16[512,64]
-  float *const b170 = (float *)(arena + 7081088); // %170 attention_lse f32[8,4,64]
-  uint16_t *const b172 = (uint16_t *)(arena + 3935360); // %172 cast bf16[8,64,64]
-  float *const b173 = (float *)(arena + 3542144); // %173 attention_bwd d.layers.1.q f32[8,64,64]
-  float *const b174 = (float *)(arena + 3673216); // %174 attention_bwd d.layers.1.k f32[8,64,64]
-  float *const b175 = (float *)(arena + 3804288); // %175 attention_bwd f32[8,64,64]
+  float *const b171 = (float *)(arena + 7081088); // %171 attention_lse f32[8,4,64]
+  uint16_t *const b173 = (uint16_t *)(arena + 3935360); // %173 cast bf16[8,64,64]
+  float *const b174 = (float *)(arena + 3542144); // %174 attention_bwd d.layers.1.q f32[8,64,64]
+  float *const b175 = (float *)(arena + 3673216); // %175 attention_bwd d.layers.1.k f32[8,64,64]
+  float *const b176 = (float *)(arena + 3804288); // %176 attention_bwd f32[8,64,64]
   #pragma omp parallel num_threads(h->nthreads)
   {
     float *restrict kt = memset(mdl_scratch(1536 * sizeof(float)), 0, 1536 * sizeof(float));
@@ -1639,13 +1642,13 @@ static void k40_attention_bwd(char *arena, const MdlHooks *h) {
           }
           memcpy(s + j0, acc, sizeof acc);
         }
-        const float lse = b170[(b * 4 + hd) * 64 + i];
+        const float lse = b171[(b * 4 + hd) * 64 + i];
         #pragma omp simd
         for (int64_t j = lo; j < hi; j++)
           s[j] = dc[j] == di ? mdl_exp_shifted(s[j] * 0.25f - lse) : 0.0f;
         float dor[16];
         for (int64_t c = 0; c < 16; c++)
-          dor[c] = mdl_bf16_to_f32(b172[(b * 64 + i) * 64 + hd * 16 + c]);
+          dor[c] = mdl_bf16_to_f32(b173[(b * 64 + i) * 64 + hd * 16 + c]);
         const float *restrict doi = dor;
         float dsum = 0.0f;
         for (int64_t c = 0; c < 16; c++)
@@ -1694,14 +1697,14 @@ static void k40_attention_bwd(char *arena, const MdlHooks *h) {
           for (int64_t c = 0; c < 16; c++)
             dvj[c] += mdl_bf16_to_f32(mdl_f32_to_bf16(s[j])) * doi[c];
         }
-        float *restrict dq = b173 + (b * 64 + i) * 64 + hd * 16;
+        float *restrict dq = b174 + (b * 64 + i) * 64 + hd * 16;
         for (int64_t c = 0; c < 16; c++)
           dq[c] = 0.25f * (dqi0[c] + dqi1[c]);
       }
       for (int64_t t = 0; t < 64; t++)
-        memcpy(b174 + (b * 64 + t) * 64 + hd * 16, dkh + t * 16, 16 * sizeof(float));
+        memcpy(b175 + (b * 64 + t) * 64 + hd * 16, dkh + t * 16, 16 * sizeof(float));
       for (int64_t t = 0; t < 64; t++)
-        memcpy(b175 + (b * 64 + t) * 64 + hd * 16, dvh + t * 16, 16 * sizeof(float));
+        memcpy(b176 + (b * 64 + t) * 64 + hd * 16, dvh + t * 16, 16 * sizeof(float));
     }
     free(kt);
     free(s);
@@ -1713,57 +1716,57 @@ static void k40_attention_bwd(char *arena, const MdlHooks *h) {
 }
 
 // k41_cast: kernel, 1 op
-//   %177   cast                                    line 38    bf16[512,64]
+//   %178   cast                                    line 38    bf16[512,64]
 // loops:
-//   elementwise over 32768: %177
+//   elementwise over 32768: %178
 static void k41_cast(char *arena, const MdlHooks *h) {
-  float *const b175 = (float *)(arena + 3804288); // %175 attention_bwd f32[8,64,64]
-  uint16_t *const b177 = (uint16_t *)(arena + 3935360); // %177 cast bf16[512,64]
+  float *const b176 = (float *)(arena + 3804288); // %176 attention_bwd f32[8,64,64]
+  uint16_t *const b178 = (uint16_t *)(arena + 3935360); // %178 cast bf16[512,64]
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
   for (int64_t r = 0; r < 512; r++) {
     for (int64_t c = 0; c < 64; c++) {
       const int64_t i = r * 64 + c;
-      const float v175_i = b175[i];
-      const float v177_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v175_i));
-      b177[i] = mdl_f32_to_bf16(v177_i);
+      const float v176_i = b176[i];
+      const float v178_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v176_i));
+      b178[i] = mdl_f32_to_bf16(v178_i);
     }
   }
 }
 
 // k42_gemm: GEMM, 1 op
-//   %179   matmul             d.layers.1.wv        line 38    f32[64,64]
+//   %180   matmul             d.layers.1.wv        line 38    f32[64,64]
 // loops:
-//   gemm %179: [64 x 64] = T[64 x 512] [512 x 64], bf16 operands widened to f32
+//   gemm %180: [64 x 64] = T[64 x 512] [512 x 64], bf16 operands widened to f32
 static void k42_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b85 = (uint16_t *)(arena + 6548608); // %85 cast bf16[512,64]
-  uint16_t *const b177 = (uint16_t *)(arena + 3935360); // %177 cast bf16[512,64]
-  float *const b179 = (float *)(arena + 824320); // %179 matmul d.layers.1.wv f32[64,64]
+  uint16_t *const b178 = (uint16_t *)(arena + 3935360); // %178 cast bf16[512,64]
+  float *const b180 = (float *)(arena + 824320); // %180 matmul d.layers.1.wv f32[64,64]
   {
     float *const w85 = mdl_widen_bf16(b85, 32768, h->nthreads);
-    float *const w177 = mdl_widen_bf16(b177, 32768, h->nthreads);
-    mdl_gemm(h, 1, 0, 64, 64, 512, w85, 64, w177, 64, 0.0f, b179, 64);
+    float *const w178 = mdl_widen_bf16(b178, 32768, h->nthreads);
+    mdl_gemm(h, 1, 0, 64, 64, 512, w85, 64, w178, 64, 0.0f, b180, 64);
     free(w85);
-    free(w177);
+    free(w178);
   }
 }
 
 // k43_rope__cast: kernel, 3 ops
-//   %181   rope                                    line 37    f32[8,64,64]
-//   %182   reshape                                 line 37    f32[512,64]
-//   %183   cast                                    line 37    bf16[512,64]
+//   %182   rope                                    line 37    f32[8,64,64]
+//   %183   reshape                                 line 37    f32[512,64]
+//   %184   cast                                    line 37    bf16[512,64]
 // loops:
 //   rope (inverse): 512 rows, 4 heads of 16
-//   elementwise over 32768: %183
+//   elementwise over 32768: %184
 static void k43_rope__cast(char *arena, const MdlHooks *h) {
   int32_t *const b2 = (int32_t *)(arena + 2350080); // %2 input pos i32[8,64]
-  float *const b174 = (float *)(arena + 3673216); // %174 attention_bwd d.layers.1.k f32[8,64,64]
-  float *const b181 = mdl_scratch(131072); // %181 rope f32[8,64,64], kept in this kernel
-  uint16_t *const b183 = (uint16_t *)(arena + 3804288); // %183 cast bf16[512,64]
+  float *const b175 = (float *)(arena + 3673216); // %175 attention_bwd d.layers.1.k f32[8,64,64]
+  float *const b182 = mdl_scratch(131072); // %182 rope f32[8,64,64], kept in this kernel
+  uint16_t *const b184 = (uint16_t *)(arena + 3804288); // %184 cast bf16[512,64]
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
   for (int64_t r = 0; r < 512; r++) {
     const double p = -1.0 * b2[r];
-    const float *x = b174 + r * 64;
-    float *y = b181 + r * 64;
+    const float *x = b175 + r * 64;
+    float *y = b182 + r * 64;
     for (int64_t i = 0; i < 8; i++) {
       const double th = p * pow(1e+04, -2.0 * (double)i / 16);
       const float cs = (float)cos(th), sn = (float)sin(th);
@@ -1779,66 +1782,66 @@ static void k43_rope__cast(char *arena, const MdlHooks *h) {
   for (int64_t r = 0; r < 512; r++) {
     for (int64_t c = 0; c < 64; c++) {
       const int64_t i = r * 64 + c;
-      const float v181_i = b181[i];
-      const float v182_i = v181_i;
-      const float v183_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v182_i));
-      b183[i] = mdl_f32_to_bf16(v183_i);
+      const float v182_i = b182[i];
+      const float v183_i = v182_i;
+      const float v184_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v183_i));
+      b184[i] = mdl_f32_to_bf16(v184_i);
     }
   }
-  free(b181);
+  free(b182);
 }
 
 // k44_gemm: GEMM, 1 op
-//   %184   matmul                                  line 37    f32[512,64]
+//   %185   matmul                                  line 37    f32[512,64]
 // loops:
-//   gemm %184: [512 x 64] = [512 x 64] T[64 x 64], bf16 operands widened to f32
+//   gemm %185: [512 x 64] = [512 x 64] T[64 x 64], bf16 operands widened to f32
 static void k44_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b80 = (uint16_t *)(arena + 2220032); // %80 cast bf16[64,64]
-  uint16_t *const b183 = (uint16_t *)(arena + 3804288); // %183 cast bf16[512,64]
-  float *const b184 = (float *)(arena + 3673216); // %184 matmul f32[512,64]
+  uint16_t *const b184 = (uint16_t *)(arena + 3804288); // %184 cast bf16[512,64]
+  float *const b185 = (float *)(arena + 3673216); // %185 matmul f32[512,64]
   {
-    float *const w183 = mdl_widen_bf16(b183, 32768, h->nthreads);
+    float *const w184 = mdl_widen_bf16(b184, 32768, h->nthreads);
     float *const w80 = mdl_widen_bf16(b80, 4096, h->nthreads);
-    mdl_gemm(h, 0, 1, 512, 64, 64, w183, 64, w80, 64, 0.0f, b184, 64);
-    free(w183);
+    mdl_gemm(h, 0, 1, 512, 64, 64, w184, 64, w80, 64, 0.0f, b185, 64);
+    free(w184);
     free(w80);
   }
 }
 
 // k45_gemm: GEMM, 1 op
-//   %185   matmul             d.layers.1.wk        line 37    f32[64,64]
+//   %186   matmul             d.layers.1.wk        line 37    f32[64,64]
 // loops:
-//   gemm %185: [64 x 64] = T[64 x 512] [512 x 64], bf16 operands widened to f32
+//   gemm %186: [64 x 64] = T[64 x 512] [512 x 64], bf16 operands widened to f32
 static void k45_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b79 = (uint16_t *)(arena + 6483072); // %79 cast bf16[512,64]
-  uint16_t *const b183 = (uint16_t *)(arena + 3804288); // %183 cast bf16[512,64]
-  float *const b185 = (float *)(arena + 807936); // %185 matmul d.layers.1.wk f32[64,64]
+  uint16_t *const b184 = (uint16_t *)(arena + 3804288); // %184 cast bf16[512,64]
+  float *const b186 = (float *)(arena + 807936); // %186 matmul d.layers.1.wk f32[64,64]
   {
     float *const w79 = mdl_widen_bf16(b79, 32768, h->nthreads);
-    float *const w183 = mdl_widen_bf16(b183, 32768, h->nthreads);
-    mdl_gemm(h, 1, 0, 64, 64, 512, w79, 64, w183, 64, 0.0f, b185, 64);
+    float *const w184 = mdl_widen_bf16(b184, 32768, h->nthreads);
+    mdl_gemm(h, 1, 0, 64, 64, 512, w79, 64, w184, 64, 0.0f, b186, 64);
     free(w79);
-    free(w183);
+    free(w184);
   }
 }
 
 // k46_rope__cast: kernel, 3 ops
-//   %187   rope                                    line 36    f32[8,64,64]
-//   %188   reshape                                 line 36    f32[512,64]
-//   %189   cast                                    line 36    bf16[512,64]
+//   %188   rope                                    line 36    f32[8,64,64]
+//   %189   reshape                                 line 36    f32[512,64]
+//   %190   cast                                    line 36    bf16[512,64]
 // loops:
 //   rope (inverse): 512 rows, 4 heads of 16
-//   elementwise over 32768: %189
+//   elementwise over 32768: %190
 static void k46_rope__cast(char *arena, const MdlHooks *h) {
   int32_t *const b2 = (int32_t *)(arena + 2350080); // %2 input pos i32[8,64]
-  float *const b173 = (float *)(arena + 3542144); // %173 attention_bwd d.layers.1.q f32[8,64,64]
-  float *const b187 = mdl_scratch(131072); // %187 rope f32[8,64,64], kept in this kernel
-  uint16_t *const b189 = (uint16_t *)(arena + 3804288); // %189 cast bf16[512,64]
+  float *const b174 = (float *)(arena + 3542144); // %174 attention_bwd d.layers.1.q f32[8,64,64]
+  float *const b188 = mdl_scratch(131072); // %188 rope f32[8,64,64], kept in this kernel
+  uint16_t *const b190 = (uint16_t *)(arena + 3804288); // %190 cast bf16[512,64]
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
   for (int64_t r = 0; r < 512; r++) {
     const double p = -1.0 * b2[r];
-    const float *x = b173 + r * 64;
-    float *y = b187 + r * 64;
+    const float *x = b174 + r * 64;
+    float *y = b188 + r * 64;
     for (int64_t i = 0; i < 8; i++) {
       const double th = p * pow(1e+04, -2.0 * (double)i / 16);
       const float cs = (float)cos(th), sn = (float)sin(th);
@@ -1854,102 +1857,102 @@ static void k46_rope__cast(char *arena, const MdlHooks *h) {
   for (int64_t r = 0; r < 512; r++) {
     for (int64_t c = 0; c < 64; c++) {
       const int64_t i = r * 64 + c;
-      const float v187_i = b187[i];
-      const float v188_i = v187_i;
-      const float v189_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v188_i));
-      b189[i] = mdl_f32_to_bf16(v189_i);
+      const float v188_i = b188[i];
+      const float v189_i = v188_i;
+      const float v190_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v189_i));
+      b190[i] = mdl_f32_to_bf16(v190_i);
     }
   }
-  free(b187);
+  free(b188);
 }
 
 // k47_gemm: GEMM, 1 op
-//   %190   matmul                                  line 36    f32[512,64]
+//   %191   matmul                                  line 36    f32[512,64]
 // loops:
-//   gemm %190: [512 x 64] = [512 x 64] T[64 x 64], bf16 operands widened to f32
+//   gemm %191: [512 x 64] = [512 x 64] T[64 x 64], bf16 operands widened to f32
 static void k47_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b74 = (uint16_t *)(arena + 2211840); // %74 cast bf16[64,64]
-  uint16_t *const b189 = (uint16_t *)(arena + 3804288); // %189 cast bf16[512,64]
-  float *const b190 = (float *)(arena + 3542144); // %190 matmul f32[512,64]
+  uint16_t *const b190 = (uint16_t *)(arena + 3804288); // %190 cast bf16[512,64]
+  float *const b191 = (float *)(arena + 3542144); // %191 matmul f32[512,64]
   {
-    float *const w189 = mdl_widen_bf16(b189, 32768, h->nthreads);
+    float *const w190 = mdl_widen_bf16(b190, 32768, h->nthreads);
     float *const w74 = mdl_widen_bf16(b74, 4096, h->nthreads);
-    mdl_gemm(h, 0, 1, 512, 64, 64, w189, 64, w74, 64, 0.0f, b190, 64);
-    free(w189);
+    mdl_gemm(h, 0, 1, 512, 64, 64, w190, 64, w74, 64, 0.0f, b191, 64);
+    free(w190);
     free(w74);
   }
 }
 
 // k48_gemm: GEMM, 1 op
-//   %191   matmul             d.layers.1.wq        line 36    f32[64,64]
+//   %192   matmul             d.layers.1.wq        line 36    f32[64,64]
 // loops:
-//   gemm %191: [64 x 64] = T[64 x 512] [512 x 64], bf16 operands widened to f32
+//   gemm %192: [64 x 64] = T[64 x 512] [512 x 64], bf16 operands widened to f32
 static void k48_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b73 = (uint16_t *)(arena + 6417536); // %73 cast bf16[512,64]
-  uint16_t *const b189 = (uint16_t *)(arena + 3804288); // %189 cast bf16[512,64]
-  float *const b191 = (float *)(arena + 791552); // %191 matmul d.layers.1.wq f32[64,64]
+  uint16_t *const b190 = (uint16_t *)(arena + 3804288); // %190 cast bf16[512,64]
+  float *const b192 = (float *)(arena + 791552); // %192 matmul d.layers.1.wq f32[64,64]
   {
     float *const w73 = mdl_widen_bf16(b73, 32768, h->nthreads);
-    float *const w189 = mdl_widen_bf16(b189, 32768, h->nthreads);
-    mdl_gemm(h, 1, 0, 64, 64, 512, w73, 64, w189, 64, 0.0f, b191, 64);
+    float *const w190 = mdl_widen_bf16(b190, 32768, h->nthreads);
+    mdl_gemm(h, 1, 0, 64, 64, 512, w73, 64, w190, 64, 0.0f, b192, 64);
     free(w73);
-    free(w189);
+    free(w190);
   }
 }
 
 // k49_gemm__add: GEMM, 4 ops
-//   %178   matmul                                  line 38    f32[512,64]
-//   %180   reshape                                 line 38    f32[8,64,64]
-//   %193   add                                     line 35    f32[8,64,64]
-//   %194   add                d.layers.1.a         line 35    f32[8,64,64]
+//   %179   matmul                                  line 38    f32[512,64]
+//   %181   reshape                                 line 38    f32[8,64,64]
+//   %194   add                                     line 35    f32[8,64,64]
+//   %195   add                d.layers.1.a         line 35    f32[8,64,64]
 // loops:
-//   gemm %178: [512 x 64] = [512 x 64] T[64 x 64], bf16 operands widened to f32, epilogue after
-//   elementwise over 32768: %194
+//   gemm %179: [512 x 64] = [512 x 64] T[64 x 64], bf16 operands widened to f32, epilogue after
+//   elementwise over 32768: %195
 static void k49_gemm__add(char *arena, const MdlHooks *h) {
   uint16_t *const b86 = (uint16_t *)(arena + 2228224); // %86 cast bf16[64,64]
-  uint16_t *const b177 = (uint16_t *)(arena + 3935360); // %177 cast bf16[512,64]
-  float *const b184 = (float *)(arena + 3673216); // %184 matmul f32[512,64]
-  float *const b190 = (float *)(arena + 3542144); // %190 matmul f32[512,64]
-  float *const b194 = (float *)(arena + 3804288); // %194 add d.layers.1.a f32[8,64,64]
-  float *const b178 = b194; // %178 matmul f32[512,64]: the GEMM writes into its epilogue's output
+  uint16_t *const b178 = (uint16_t *)(arena + 3935360); // %178 cast bf16[512,64]
+  float *const b185 = (float *)(arena + 3673216); // %185 matmul f32[512,64]
+  float *const b191 = (float *)(arena + 3542144); // %191 matmul f32[512,64]
+  float *const b195 = (float *)(arena + 3804288); // %195 add d.layers.1.a f32[8,64,64]
+  float *const b179 = b195; // %179 matmul f32[512,64]: the GEMM writes into its epilogue's output
   {
-    float *const w177 = mdl_widen_bf16(b177, 32768, h->nthreads);
+    float *const w178 = mdl_widen_bf16(b178, 32768, h->nthreads);
     float *const w86 = mdl_widen_bf16(b86, 4096, h->nthreads);
-    mdl_gemm(h, 0, 1, 512, 64, 64, w177, 64, w86, 64, 0.0f, b178, 64);
-    free(w177);
+    mdl_gemm(h, 0, 1, 512, 64, 64, w178, 64, w86, 64, 0.0f, b179, 64);
+    free(w178);
     free(w86);
   }
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
   for (int64_t r = 0; r < 512; r++) {
     for (int64_t c = 0; c < 64; c++) {
       const int64_t i = r * 64 + c;
-      const float v178_i = b178[i];
-      const float v180_i = v178_i;
-      const float v184_i = b184[i];
-      const float v193_i = v180_i + v184_i;
-      const float v190_i = b190[i];
-      const float v194_i = v193_i + v190_i;
-      b194[i] = v194_i;
+      const float v179_i = b179[i];
+      const float v181_i = v179_i;
+      const float v185_i = b185[i];
+      const float v194_i = v181_i + v185_i;
+      const float v191_i = b191[i];
+      const float v195_i = v194_i + v191_i;
+      b195[i] = v195_i;
     }
   }
 }
 
 // k50_rmsnorm_bwd__add__cast: kernel, 5 ops
-//   %195   rmsnorm_bwd                             line 35    f32[8,64,64]
-//   %196   rmsnorm_bwd        d.layers.1.attn_norm line 35    f32[64]
-//   %197   add                d.layers.0.x         line 40    f32[8,64,64]
-//   %198   reshape                                 line 40    f32[512,64]
-//   %199   cast                                    line 40    bf16[512,64]
+//   %196   rmsnorm_bwd                             line 35    f32[8,64,64]
+//   %197   rmsnorm_bwd        d.layers.1.attn_norm line 35    f32[64]
+//   %198   add                d.layers.0.x         line 40    f32[8,64,64]
+//   %199   reshape                                 line 40    f32[512,64]
+//   %200   cast                                    line 40    bf16[512,64]
 // loops:
 //   rmsnorm_bwd: 512 rows of 64, column sums over 32 blocks of 16 rows
 static void k50_rmsnorm_bwd__add__cast(char *arena, const MdlHooks *h) {
   float *const b61 = (float *)(arena + 5434496); // %61 add layers.0.x f32[8,64,64]
   float *const b62 = (float *)(arena + 263680); // %62 param layers.1.attn_norm f32[64]
-  float *const b164 = (float *)(arena + 3411072); // %164 add d.layers.1.x f32[8,64,64]
-  float *const b194 = (float *)(arena + 3804288); // %194 add d.layers.1.a f32[8,64,64]
-  float *const b196 = (float *)(arena + 791296); // %196 rmsnorm_bwd d.layers.1.attn_norm f32[64]
-  float *const b197 = (float *)(arena + 3939456); // %197 add d.layers.0.x f32[8,64,64]
-  uint16_t *const b199 = (uint16_t *)(arena + 4070528); // %199 cast bf16[512,64]
+  float *const b165 = (float *)(arena + 3411072); // %165 add d.layers.1.x f32[8,64,64]
+  float *const b195 = (float *)(arena + 3804288); // %195 add d.layers.1.a f32[8,64,64]
+  float *const b197 = (float *)(arena + 791296); // %197 rmsnorm_bwd d.layers.1.attn_norm f32[64]
+  float *const b198 = (float *)(arena + 3939456); // %198 add d.layers.0.x f32[8,64,64]
+  uint16_t *const b200 = (uint16_t *)(arena + 4070528); // %200 cast bf16[512,64]
   double *pdw = mdl_scratch(2048 * sizeof(double));
   #pragma omp parallel num_threads(h->nthreads)
   {
@@ -1962,7 +1965,7 @@ static void k50_rmsnorm_bwd__add__cast(char *arena, const MdlHooks *h) {
       const int64_t end = k * 16 + 16 < 512 ? k * 16 + 16 : 512;
       for (int64_t r = k * 16; r < end; r++) {
         const float *x = b61 + r * 64;
-        const float *dy = b194 + r * 64;
+        const float *dy = b195 + r * 64;
         double ms = 0, mgx = 0;
         #pragma omp simd reduction(+ : ms)
         for (int64_t j = 0; j < 64; j++)
@@ -1979,12 +1982,12 @@ static void k50_rmsnorm_bwd__add__cast(char *arena, const MdlHooks *h) {
           dx[j] = (float)(s * dy[j] * b62[j] - s * s * s * x[j] * mgx);
         for (int64_t j = 0; j < 64; j++) {
           const int64_t ix = r * 64 + j;
-          const float v164_ix = b164[ix];
-          const float v197_ix = v164_ix + dx[j];
-          b197[ix] = v197_ix;
-          const float v198_ix = v197_ix;
-          const float v199_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v198_ix));
-          b199[ix] = mdl_f32_to_bf16(v199_ix);
+          const float v165_ix = b165[ix];
+          const float v198_ix = v165_ix + dx[j];
+          b198[ix] = v198_ix;
+          const float v199_ix = v198_ix;
+          const float v200_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v199_ix));
+          b200[ix] = mdl_f32_to_bf16(v200_ix);
         }
       }
     }
@@ -1995,49 +1998,49 @@ static void k50_rmsnorm_bwd__add__cast(char *arena, const MdlHooks *h) {
     for (int64_t k = 0; k < 32; k++) {
       w += pdw[k * 64 + j];
     }
-    b196[j] = (float)w;
+    b197[j] = (float)w;
   }
   free(pdw);
 }
 
 // k51_gemm: GEMM, 1 op
-//   %201   matmul             d.layers.0.w2        line 40    f32[172,64]
+//   %202   matmul             d.layers.0.w2        line 40    f32[172,64]
 // loops:
-//   gemm %201: [172 x 64] = T[172 x 512] [512 x 64], bf16 operands widened to f32
+//   gemm %202: [172 x 64] = T[172 x 512] [512 x 64], bf16 operands widened to f32
 static void k51_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b57 = (uint16_t *)(arena + 4820096); // %57 cast bf16[512,172]
-  uint16_t *const b199 = (uint16_t *)(arena + 4070528); // %199 cast bf16[512,64]
-  float *const b201 = (float *)(arena + 747264); // %201 matmul d.layers.0.w2 f32[172,64]
+  uint16_t *const b200 = (uint16_t *)(arena + 4070528); // %200 cast bf16[512,64]
+  float *const b202 = (float *)(arena + 747264); // %202 matmul d.layers.0.w2 f32[172,64]
   {
     float *const w57 = mdl_widen_bf16(b57, 88064, h->nthreads);
-    float *const w199 = mdl_widen_bf16(b199, 32768, h->nthreads);
-    mdl_gemm(h, 1, 0, 172, 64, 512, w57, 172, w199, 64, 0.0f, b201, 64);
+    float *const w200 = mdl_widen_bf16(b200, 32768, h->nthreads);
+    mdl_gemm(h, 1, 0, 172, 64, 512, w57, 172, w200, 64, 0.0f, b202, 64);
     free(w57);
-    free(w199);
+    free(w200);
   }
 }
 
 // k52_gemm__mul__silu_bwd__cast: GEMM, 5 ops
-//   %200   matmul                                  line 40    f32[512,172]
-//   %203   mul                                     line 40    f32[8,64,172]
-//   %210   silu_bwd                                line 40    f32[8,64,172]
-//   %211   reshape                                 line 40    f32[512,172]
-//   %212   cast                                    line 40    bf16[512,172]
+//   %201   matmul                                  line 40    f32[512,172]
+//   %204   mul                                     line 40    f32[8,64,172]
+//   %211   silu_bwd                                line 40    f32[8,64,172]
+//   %212   reshape                                 line 40    f32[512,172]
+//   %213   cast                                    line 40    bf16[512,172]
 // loops:
-//   gemm %200: [512 x 172] = [512 x 64] T[64 x 172], bf16 operands widened to f32, epilogue after
-//   elementwise over 88064: %212
+//   gemm %201: [512 x 172] = [512 x 64] T[64 x 172], bf16 operands widened to f32, epilogue after
+//   elementwise over 88064: %213
 static void k52_gemm__mul__silu_bwd__cast(char *arena, const MdlHooks *h) {
   float *const b47 = (float *)(arena + 2706560); // %47 matmul f32[512,172]
   float *const b53 = (float *)(arena + 2354304); // %53 matmul f32[512,172]
   uint16_t *const b58 = (uint16_t *)(arena + 2187264); // %58 cast bf16[172,64]
-  uint16_t *const b199 = (uint16_t *)(arena + 4070528); // %199 cast bf16[512,64]
-  float *const b200 = (float *)(arena + 3411072); // %200 matmul f32[512,172]
-  uint16_t *const b212 = (uint16_t *)(arena + 3763328); // %212 cast bf16[512,172]
+  uint16_t *const b200 = (uint16_t *)(arena + 4070528); // %200 cast bf16[512,64]
+  float *const b201 = (float *)(arena + 3411072); // %201 matmul f32[512,172]
+  uint16_t *const b213 = (uint16_t *)(arena + 3763328); // %213 cast bf16[512,172]
   {
-    float *const w199 = mdl_widen_bf16(b199, 32768, h->nthreads);
+    float *const w200 = mdl_widen_bf16(b200, 32768, h->nthreads);
     float *const w58 = mdl_widen_bf16(b58, 11008, h->nthreads);
-    mdl_gemm(h, 0, 1, 512, 172, 64, w199, 64, w58, 64, 0.0f, b200, 172);
-    free(w199);
+    mdl_gemm(h, 0, 1, 512, 172, 64, w200, 64, w58, 64, 0.0f, b201, 172);
+    free(w200);
     free(w58);
   }
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
@@ -2045,141 +2048,141 @@ static void k52_gemm__mul__silu_bwd__cast(char *arena, const MdlHooks *h) {
     for (int64_t c = 0; c < 172; c++) {
       const int64_t i = r * 172 + c;
       const float v47_i = b47[i];
-      const float v200_i = b200[i];
+      const float v201_i = b201[i];
       const float v53_i = b53[i];
-      const float v203_i = v200_i * v53_i;
-      const float v210_i = mdl_silu_grad(v47_i, v203_i);
-      const float v211_i = v210_i;
-      const float v212_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v211_i));
-      b212[i] = mdl_f32_to_bf16(v212_i);
+      const float v204_i = v201_i * v53_i;
+      const float v211_i = mdl_silu_grad(v47_i, v204_i);
+      const float v212_i = v211_i;
+      const float v213_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v212_i));
+      b213[i] = mdl_f32_to_bf16(v213_i);
     }
   }
 }
 
 // k53_cast__mul: kernel, 3 ops
-//   %204   mul                                     line 40    f32[8,64,172]
-//   %205   reshape                                 line 40    f32[512,172]
-//   %206   cast                                    line 40    bf16[512,172]
+//   %205   mul                                     line 40    f32[8,64,172]
+//   %206   reshape                                 line 40    f32[512,172]
+//   %207   cast                                    line 40    bf16[512,172]
 // loops:
-//   elementwise over 88064: %206
+//   elementwise over 88064: %207
 static void k53_cast__mul(char *arena, const MdlHooks *h) {
   float *const b49 = (float *)(arena + 3058816); // %49 silu f32[8,64,172]
-  float *const b200 = (float *)(arena + 3411072); // %200 matmul f32[512,172]
-  uint16_t *const b206 = (uint16_t *)(arena + 2354304); // %206 cast bf16[512,172]
+  float *const b201 = (float *)(arena + 3411072); // %201 matmul f32[512,172]
+  uint16_t *const b207 = (uint16_t *)(arena + 2354304); // %207 cast bf16[512,172]
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
   for (int64_t r = 0; r < 512; r++) {
     for (int64_t c = 0; c < 172; c++) {
       const int64_t i = r * 172 + c;
-      const float v200_i = b200[i];
+      const float v201_i = b201[i];
       const float v49_i = b49[i];
-      const float v204_i = v200_i * v49_i;
-      const float v205_i = v204_i;
-      const float v206_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v205_i));
-      b206[i] = mdl_f32_to_bf16(v206_i);
+      const float v205_i = v201_i * v49_i;
+      const float v206_i = v205_i;
+      const float v207_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v206_i));
+      b207[i] = mdl_f32_to_bf16(v207_i);
     }
   }
 }
 
 // k54_gemm: GEMM, 1 op
-//   %208   matmul             d.layers.0.w3        line 40    f32[64,172]
+//   %209   matmul             d.layers.0.w3        line 40    f32[64,172]
 // loops:
-//   gemm %208: [64 x 172] = T[64 x 512] [512 x 172], bf16 operands widened to f32
+//   gemm %209: [64 x 172] = T[64 x 512] [512 x 172], bf16 operands widened to f32
 static void k54_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b51 = (uint16_t *)(arena + 6352000); // %51 cast bf16[512,64]
-  uint16_t *const b206 = (uint16_t *)(arena + 2354304); // %206 cast bf16[512,172]
-  float *const b208 = (float *)(arena + 703232); // %208 matmul d.layers.0.w3 f32[64,172]
+  uint16_t *const b207 = (uint16_t *)(arena + 2354304); // %207 cast bf16[512,172]
+  float *const b209 = (float *)(arena + 703232); // %209 matmul d.layers.0.w3 f32[64,172]
   {
     float *const w51 = mdl_widen_bf16(b51, 32768, h->nthreads);
-    float *const w206 = mdl_widen_bf16(b206, 88064, h->nthreads);
-    mdl_gemm(h, 1, 0, 64, 172, 512, w51, 64, w206, 172, 0.0f, b208, 172);
+    float *const w207 = mdl_widen_bf16(b207, 88064, h->nthreads);
+    mdl_gemm(h, 1, 0, 64, 172, 512, w51, 64, w207, 172, 0.0f, b209, 172);
     free(w51);
-    free(w206);
+    free(w207);
   }
 }
 
 // k55_gemm: GEMM, 1 op
-//   %213   matmul                                  line 40    f32[512,64]
+//   %214   matmul                                  line 40    f32[512,64]
 // loops:
-//   gemm %213: [512 x 64] = [512 x 172] T[172 x 64], bf16 operands widened to f32
+//   gemm %214: [512 x 64] = [512 x 172] T[172 x 64], bf16 operands widened to f32
 static void k55_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b46 = (uint16_t *)(arena + 2143232); // %46 cast bf16[64,172]
-  uint16_t *const b212 = (uint16_t *)(arena + 3763328); // %212 cast bf16[512,172]
-  float *const b213 = (float *)(arena + 2530432); // %213 matmul f32[512,64]
+  uint16_t *const b213 = (uint16_t *)(arena + 3763328); // %213 cast bf16[512,172]
+  float *const b214 = (float *)(arena + 2530432); // %214 matmul f32[512,64]
   {
-    float *const w212 = mdl_widen_bf16(b212, 88064, h->nthreads);
+    float *const w213 = mdl_widen_bf16(b213, 88064, h->nthreads);
     float *const w46 = mdl_widen_bf16(b46, 11008, h->nthreads);
-    mdl_gemm(h, 0, 1, 512, 64, 172, w212, 172, w46, 172, 0.0f, b213, 64);
-    free(w212);
+    mdl_gemm(h, 0, 1, 512, 64, 172, w213, 172, w46, 172, 0.0f, b214, 64);
+    free(w213);
     free(w46);
   }
 }
 
 // k56_gemm: GEMM, 1 op
-//   %214   matmul             d.layers.0.w1        line 40    f32[64,172]
+//   %215   matmul             d.layers.0.w1        line 40    f32[64,172]
 // loops:
-//   gemm %214: [64 x 172] = T[64 x 512] [512 x 172], bf16 operands widened to f32
+//   gemm %215: [64 x 172] = T[64 x 512] [512 x 172], bf16 operands widened to f32
 static void k56_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b45 = (uint16_t *)(arena + 6286464); // %45 cast bf16[512,64]
-  uint16_t *const b212 = (uint16_t *)(arena + 3763328); // %212 cast bf16[512,172]
-  float *const b214 = (float *)(arena + 659200); // %214 matmul d.layers.0.w1 f32[64,172]
+  uint16_t *const b213 = (uint16_t *)(arena + 3763328); // %213 cast bf16[512,172]
+  float *const b215 = (float *)(arena + 659200); // %215 matmul d.layers.0.w1 f32[64,172]
   {
     float *const w45 = mdl_widen_bf16(b45, 32768, h->nthreads);
-    float *const w212 = mdl_widen_bf16(b212, 88064, h->nthreads);
-    mdl_gemm(h, 1, 0, 64, 172, 512, w45, 64, w212, 172, 0.0f, b214, 172);
+    float *const w213 = mdl_widen_bf16(b213, 88064, h->nthreads);
+    mdl_gemm(h, 1, 0, 64, 172, 512, w45, 64, w213, 172, 0.0f, b215, 172);
     free(w45);
-    free(w212);
+    free(w213);
   }
 }
 
 // k57_gemm__add: GEMM, 3 ops
-//   %207   matmul                                  line 40    f32[512,64]
-//   %209   reshape                                 line 40    f32[8,64,64]
-//   %216   add                d.layers.0.a         line 39    f32[8,64,64]
+//   %208   matmul                                  line 40    f32[512,64]
+//   %210   reshape                                 line 40    f32[8,64,64]
+//   %217   add                d.layers.0.a         line 39    f32[8,64,64]
 // loops:
-//   gemm %207: [512 x 64] = [512 x 172] T[172 x 64], bf16 operands widened to f32, epilogue after
-//   elementwise over 32768: %216
+//   gemm %208: [512 x 64] = [512 x 172] T[172 x 64], bf16 operands widened to f32, epilogue after
+//   elementwise over 32768: %217
 static void k57_gemm__add(char *arena, const MdlHooks *h) {
   uint16_t *const b52 = (uint16_t *)(arena + 2165248); // %52 cast bf16[64,172]
-  uint16_t *const b206 = (uint16_t *)(arena + 2354304); // %206 cast bf16[512,172]
-  float *const b213 = (float *)(arena + 2530432); // %213 matmul f32[512,64]
-  float *const b216 = (float *)(arena + 2661504); // %216 add d.layers.0.a f32[8,64,64]
-  float *const b207 = b216; // %207 matmul f32[512,64]: the GEMM writes into its epilogue's output
+  uint16_t *const b207 = (uint16_t *)(arena + 2354304); // %207 cast bf16[512,172]
+  float *const b214 = (float *)(arena + 2530432); // %214 matmul f32[512,64]
+  float *const b217 = (float *)(arena + 2661504); // %217 add d.layers.0.a f32[8,64,64]
+  float *const b208 = b217; // %208 matmul f32[512,64]: the GEMM writes into its epilogue's output
   {
-    float *const w206 = mdl_widen_bf16(b206, 88064, h->nthreads);
+    float *const w207 = mdl_widen_bf16(b207, 88064, h->nthreads);
     float *const w52 = mdl_widen_bf16(b52, 11008, h->nthreads);
-    mdl_gemm(h, 0, 1, 512, 64, 172, w206, 172, w52, 172, 0.0f, b207, 64);
-    free(w206);
+    mdl_gemm(h, 0, 1, 512, 64, 172, w207, 172, w52, 172, 0.0f, b208, 64);
+    free(w207);
     free(w52);
   }
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
   for (int64_t r = 0; r < 512; r++) {
     for (int64_t c = 0; c < 64; c++) {
       const int64_t i = r * 64 + c;
-      const float v207_i = b207[i];
-      const float v209_i = v207_i;
-      const float v213_i = b213[i];
-      const float v216_i = v209_i + v213_i;
-      b216[i] = v216_i;
+      const float v208_i = b208[i];
+      const float v210_i = v208_i;
+      const float v214_i = b214[i];
+      const float v217_i = v210_i + v214_i;
+      b217[i] = v217_i;
     }
   }
 }
 
 // k58_rmsnorm_bwd__add__cast: kernel, 5 ops
-//   %217   rmsnorm_bwd                             line 39    f32[8,64,64]
-//   %218   rmsnorm_bwd        d.layers.0.mlp_norm  line 39    f32[64]
-//   %219   add                d.layers.0.x         line 38    f32[8,64,64]
-//   %220   reshape                                 line 38    f32[512,64]
-//   %221   cast                                    line 38    bf16[512,64]
+//   %218   rmsnorm_bwd                             line 39    f32[8,64,64]
+//   %219   rmsnorm_bwd        d.layers.0.mlp_norm  line 39    f32[64]
+//   %220   add                d.layers.0.x         line 38    f32[8,64,64]
+//   %221   reshape                                 line 38    f32[512,64]
+//   %222   cast                                    line 38    bf16[512,64]
 // loops:
 //   rmsnorm_bwd: 512 rows of 64, column sums over 32 blocks of 16 rows
 static void k58_rmsnorm_bwd__add__cast(char *arena, const MdlHooks *h) {
   float *const b11 = (float *)(arena + 131328); // %11 param layers.0.mlp_norm f32[64]
   float *const b42 = (float *)(arena + 5303424); // %42 add layers.0.x f32[8,64,64]
-  float *const b197 = (float *)(arena + 3939456); // %197 add d.layers.0.x f32[8,64,64]
-  float *const b216 = (float *)(arena + 2661504); // %216 add d.layers.0.a f32[8,64,64]
-  float *const b218 = (float *)(arena + 658944); // %218 rmsnorm_bwd d.layers.0.mlp_norm f32[64]
-  float *const b219 = (float *)(arena + 2354304); // %219 add d.layers.0.x f32[8,64,64]
-  uint16_t *const b221 = (uint16_t *)(arena + 2485376); // %221 cast bf16[512,64]
+  float *const b198 = (float *)(arena + 3939456); // %198 add d.layers.0.x f32[8,64,64]
+  float *const b217 = (float *)(arena + 2661504); // %217 add d.layers.0.a f32[8,64,64]
+  float *const b219 = (float *)(arena + 658944); // %219 rmsnorm_bwd d.layers.0.mlp_norm f32[64]
+  float *const b220 = (float *)(arena + 2354304); // %220 add d.layers.0.x f32[8,64,64]
+  uint16_t *const b222 = (uint16_t *)(arena + 2485376); // %222 cast bf16[512,64]
   double *pdw = mdl_scratch(2048 * sizeof(double));
   #pragma omp parallel num_threads(h->nthreads)
   {
@@ -2192,7 +2195,7 @@ static void k58_rmsnorm_bwd__add__cast(char *arena, const MdlHooks *h) {
       const int64_t end = k * 16 + 16 < 512 ? k * 16 + 16 : 512;
       for (int64_t r = k * 16; r < end; r++) {
         const float *x = b42 + r * 64;
-        const float *dy = b216 + r * 64;
+        const float *dy = b217 + r * 64;
         double ms = 0, mgx = 0;
         #pragma omp simd reduction(+ : ms)
         for (int64_t j = 0; j < 64; j++)
@@ -2209,12 +2212,12 @@ static void k58_rmsnorm_bwd__add__cast(char *arena, const MdlHooks *h) {
           dx[j] = (float)(s * dy[j] * b11[j] - s * s * s * x[j] * mgx);
         for (int64_t j = 0; j < 64; j++) {
           const int64_t ix = r * 64 + j;
-          const float v197_ix = b197[ix];
-          const float v219_ix = v197_ix + dx[j];
-          b219[ix] = v219_ix;
-          const float v220_ix = v219_ix;
-          const float v221_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v220_ix));
-          b221[ix] = mdl_f32_to_bf16(v221_ix);
+          const float v198_ix = b198[ix];
+          const float v220_ix = v198_ix + dx[j];
+          b220[ix] = v220_ix;
+          const float v221_ix = v220_ix;
+          const float v222_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v221_ix));
+          b222[ix] = mdl_f32_to_bf16(v222_ix);
         }
       }
     }
@@ -2225,64 +2228,64 @@ static void k58_rmsnorm_bwd__add__cast(char *arena, const MdlHooks *h) {
     for (int64_t k = 0; k < 32; k++) {
       w += pdw[k * 64 + j];
     }
-    b218[j] = (float)w;
+    b219[j] = (float)w;
   }
   free(pdw);
 }
 
 // k59_gemm: GEMM, 1 op
-//   %223   matmul             d.layers.0.wo        line 38    f32[64,64]
+//   %224   matmul             d.layers.0.wo        line 38    f32[64,64]
 // loops:
-//   gemm %223: [64 x 64] = T[64 x 512] [512 x 64], bf16 operands widened to f32
+//   gemm %224: [64 x 64] = T[64 x 512] [512 x 64], bf16 operands widened to f32
 static void k59_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b38 = (uint16_t *)(arena + 6220928); // %38 cast bf16[512,64]
-  uint16_t *const b221 = (uint16_t *)(arena + 2485376); // %221 cast bf16[512,64]
-  float *const b223 = (float *)(arena + 642560); // %223 matmul d.layers.0.wo f32[64,64]
+  uint16_t *const b222 = (uint16_t *)(arena + 2485376); // %222 cast bf16[512,64]
+  float *const b224 = (float *)(arena + 642560); // %224 matmul d.layers.0.wo f32[64,64]
   {
     float *const w38 = mdl_widen_bf16(b38, 32768, h->nthreads);
-    float *const w221 = mdl_widen_bf16(b221, 32768, h->nthreads);
-    mdl_gemm(h, 1, 0, 64, 64, 512, w38, 64, w221, 64, 0.0f, b223, 64);
+    float *const w222 = mdl_widen_bf16(b222, 32768, h->nthreads);
+    mdl_gemm(h, 1, 0, 64, 64, 512, w38, 64, w222, 64, 0.0f, b224, 64);
     free(w38);
-    free(w221);
+    free(w222);
   }
 }
 
 // k60_gemm__cast: GEMM, 3 ops
-//   %222   matmul                                  line 38    f32[512,64]
-//   %224   reshape                                 line 38    f32[8,64,64]
-//   %227   cast                                    line 38    bf16[8,64,64]
+//   %223   matmul                                  line 38    f32[512,64]
+//   %225   reshape                                 line 38    f32[8,64,64]
+//   %228   cast                                    line 38    bf16[8,64,64]
 // loops:
-//   gemm %222: [512 x 64] = [512 x 64] T[64 x 64], bf16 operands widened to f32, epilogue after
-//   elementwise over 32768: %227
+//   gemm %223: [512 x 64] = [512 x 64] T[64 x 64], bf16 operands widened to f32, epilogue after
+//   elementwise over 32768: %228
 static void k60_gemm__cast(char *arena, const MdlHooks *h) {
   uint16_t *const b39 = (uint16_t *)(arena + 2135040); // %39 cast bf16[64,64]
-  uint16_t *const b221 = (uint16_t *)(arena + 2485376); // %221 cast bf16[512,64]
-  float *const b222 = mdl_scratch(131072); // %222 matmul f32[512,64], kept in this kernel
-  uint16_t *const b227 = (uint16_t *)(arena + 2878592); // %227 cast bf16[8,64,64]
+  uint16_t *const b222 = (uint16_t *)(arena + 2485376); // %222 cast bf16[512,64]
+  float *const b223 = mdl_scratch(131072); // %223 matmul f32[512,64], kept in this kernel
+  uint16_t *const b228 = (uint16_t *)(arena + 2878592); // %228 cast bf16[8,64,64]
   {
-    float *const w221 = mdl_widen_bf16(b221, 32768, h->nthreads);
+    float *const w222 = mdl_widen_bf16(b222, 32768, h->nthreads);
     float *const w39 = mdl_widen_bf16(b39, 4096, h->nthreads);
-    mdl_gemm(h, 0, 1, 512, 64, 64, w221, 64, w39, 64, 0.0f, b222, 64);
-    free(w221);
+    mdl_gemm(h, 0, 1, 512, 64, 64, w222, 64, w39, 64, 0.0f, b223, 64);
+    free(w222);
     free(w39);
   }
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
   for (int64_t r = 0; r < 512; r++) {
     for (int64_t c = 0; c < 64; c++) {
       const int64_t i = r * 64 + c;
-      const float v222_i = b222[i];
-      const float v224_i = v222_i;
-      const float v227_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v224_i));
-      b227[i] = mdl_f32_to_bf16(v227_i);
+      const float v223_i = b223[i];
+      const float v225_i = v223_i;
+      const float v228_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v225_i));
+      b228[i] = mdl_f32_to_bf16(v228_i);
     }
   }
-  free(b222);
+  free(b223);
 }
 
 // k61_attention_bwd: attention, 3 ops
-//   %228   attention_bwd      d.layers.0.q         line 38    f32[8,64,64]
-//   %229   attention_bwd      d.layers.0.k         line 38    f32[8,64,64]
-//   %230   attention_bwd                           line 38    f32[8,64,64]
+//   %229   attention_bwd      d.layers.0.q         line 38    f32[8,64,64]
+//   %230   attention_bwd      d.layers.0.k         line 38    f32[8,64,64]
+//   %231   attention_bwd                           line 38    f32[8,64,64]
 // loops:
 //   attention backward (dq dk dv): B 8, T 64, 4 heads of 16, causal, within documents; one task per (batch, head)
 static void k61_attention_bwd(char *arena, const MdlHooks *h) {
@@ -2291,11 +2294,11 @@ static void k61_attention_bwd(char *arena, const MdlHooks *h) {
   uint16_t *const b34 = (uint16_t *)(arena + 6089856); // %34 cast bf16[8,64,64]
   uint16_t *const b35 = (uint16_t *)(arena + 6155392); // %35 cast bf16[8,64,64]
   uint16_t *const b38 = (uint16_t *)(arena + 6220928); // %38 cast bf16[512,64]
-  float *const b225 = (float *)(arena + 7072896); // %225 attention_lse f32[8,4,64]
-  uint16_t *const b227 = (uint16_t *)(arena + 2878592); // %227 cast bf16[8,64,64]
-  float *const b228 = (float *)(arena + 2485376); // %228 attention_bwd d.layers.0.q f32[8,64,64]
-  float *const b229 = (float *)(arena + 2616448); // %229 attention_bwd d.layers.0.k f32[8,64,64]
-  float *const b230 = (float *)(arena + 2747520); // %230 attention_bwd f32[8,64,64]
+  float *const b226 = (float *)(arena + 7072896); // %226 attention_lse f32[8,4,64]
+  uint16_t *const b228 = (uint16_t *)(arena + 2878592); // %228 cast bf16[8,64,64]
+  float *const b229 = (float *)(arena + 2485376); // %229 attention_bwd d.layers.0.q f32[8,64,64]
+  float *const b230 = (float *)(arena + 2616448); // %230 attention_bwd d.layers.0.k f32[8,64,64]
+  float *const b231 = (float *)(arena + 2747520); // %231 attention_bwd f32[8,64,64]
   #pragma omp parallel num_threads(h->nthreads)
   {
     float *restrict kt = memset(mdl_scratch(1536 * sizeof(float)), 0, 1536 * sizeof(float));
@@ -2343,13 +2346,13 @@ static void k61_attention_bwd(char *arena, const MdlHooks *h) {
           }
           memcpy(s + j0, acc, sizeof acc);
         }
-        const float lse = b225[(b * 4 + hd) * 64 + i];
+        const float lse = b226[(b * 4 + hd) * 64 + i];
         #pragma omp simd
         for (int64_t j = lo; j < hi; j++)
           s[j] = dc[j] == di ? mdl_exp_shifted(s[j] * 0.25f - lse) : 0.0f;
         float dor[16];
         for (int64_t c = 0; c < 16; c++)
-          dor[c] = mdl_bf16_to_f32(b227[(b * 64 + i) * 64 + hd * 16 + c]);
+          dor[c] = mdl_bf16_to_f32(b228[(b * 64 + i) * 64 + hd * 16 + c]);
         const float *restrict doi = dor;
         float dsum = 0.0f;
         for (int64_t c = 0; c < 16; c++)
@@ -2398,14 +2401,14 @@ static void k61_attention_bwd(char *arena, const MdlHooks *h) {
           for (int64_t c = 0; c < 16; c++)
             dvj[c] += mdl_bf16_to_f32(mdl_f32_to_bf16(s[j])) * doi[c];
         }
-        float *restrict dq = b228 + (b * 64 + i) * 64 + hd * 16;
+        float *restrict dq = b229 + (b * 64 + i) * 64 + hd * 16;
         for (int64_t c = 0; c < 16; c++)
           dq[c] = 0.25f * (dqi0[c] + dqi1[c]);
       }
       for (int64_t t = 0; t < 64; t++)
-        memcpy(b229 + (b * 64 + t) * 64 + hd * 16, dkh + t * 16, 16 * sizeof(float));
+        memcpy(b230 + (b * 64 + t) * 64 + hd * 16, dkh + t * 16, 16 * sizeof(float));
       for (int64_t t = 0; t < 64; t++)
-        memcpy(b230 + (b * 64 + t) * 64 + hd * 16, dvh + t * 16, 16 * sizeof(float));
+        memcpy(b231 + (b * 64 + t) * 64 + hd * 16, dvh + t * 16, 16 * sizeof(float));
     }
     free(kt);
     free(s);
@@ -2417,57 +2420,57 @@ static void k61_attention_bwd(char *arena, const MdlHooks *h) {
 }
 
 // k62_cast: kernel, 1 op
-//   %232   cast                                    line 38    bf16[512,64]
+//   %233   cast                                    line 38    bf16[512,64]
 // loops:
-//   elementwise over 32768: %232
+//   elementwise over 32768: %233
 static void k62_cast(char *arena, const MdlHooks *h) {
-  float *const b230 = (float *)(arena + 2747520); // %230 attention_bwd f32[8,64,64]
-  uint16_t *const b232 = (uint16_t *)(arena + 2878592); // %232 cast bf16[512,64]
+  float *const b231 = (float *)(arena + 2747520); // %231 attention_bwd f32[8,64,64]
+  uint16_t *const b233 = (uint16_t *)(arena + 2878592); // %233 cast bf16[512,64]
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
   for (int64_t r = 0; r < 512; r++) {
     for (int64_t c = 0; c < 64; c++) {
       const int64_t i = r * 64 + c;
-      const float v230_i = b230[i];
-      const float v232_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v230_i));
-      b232[i] = mdl_f32_to_bf16(v232_i);
+      const float v231_i = b231[i];
+      const float v233_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v231_i));
+      b233[i] = mdl_f32_to_bf16(v233_i);
     }
   }
 }
 
 // k63_gemm: GEMM, 1 op
-//   %234   matmul             d.layers.0.wv        line 38    f32[64,64]
+//   %235   matmul             d.layers.0.wv        line 38    f32[64,64]
 // loops:
-//   gemm %234: [64 x 64] = T[64 x 512] [512 x 64], bf16 operands widened to f32
+//   gemm %235: [64 x 64] = T[64 x 512] [512 x 64], bf16 operands widened to f32
 static void k63_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b29 = (uint16_t *)(arena + 5958784); // %29 cast bf16[512,64]
-  uint16_t *const b232 = (uint16_t *)(arena + 2878592); // %232 cast bf16[512,64]
-  float *const b234 = (float *)(arena + 626176); // %234 matmul d.layers.0.wv f32[64,64]
+  uint16_t *const b233 = (uint16_t *)(arena + 2878592); // %233 cast bf16[512,64]
+  float *const b235 = (float *)(arena + 626176); // %235 matmul d.layers.0.wv f32[64,64]
   {
     float *const w29 = mdl_widen_bf16(b29, 32768, h->nthreads);
-    float *const w232 = mdl_widen_bf16(b232, 32768, h->nthreads);
-    mdl_gemm(h, 1, 0, 64, 64, 512, w29, 64, w232, 64, 0.0f, b234, 64);
+    float *const w233 = mdl_widen_bf16(b233, 32768, h->nthreads);
+    mdl_gemm(h, 1, 0, 64, 64, 512, w29, 64, w233, 64, 0.0f, b235, 64);
     free(w29);
-    free(w232);
+    free(w233);
   }
 }
 
 // k64_rope__cast: kernel, 3 ops
-//   %236   rope                                    line 37    f32[8,64,64]
-//   %237   reshape                                 line 37    f32[512,64]
-//   %238   cast                                    line 37    bf16[512,64]
+//   %237   rope                                    line 37    f32[8,64,64]
+//   %238   reshape                                 line 37    f32[512,64]
+//   %239   cast                                    line 37    bf16[512,64]
 // loops:
 //   rope (inverse): 512 rows, 4 heads of 16
-//   elementwise over 32768: %238
+//   elementwise over 32768: %239
 static void k64_rope__cast(char *arena, const MdlHooks *h) {
   int32_t *const b2 = (int32_t *)(arena + 2350080); // %2 input pos i32[8,64]
-  float *const b229 = (float *)(arena + 2616448); // %229 attention_bwd d.layers.0.k f32[8,64,64]
-  float *const b236 = mdl_scratch(131072); // %236 rope f32[8,64,64], kept in this kernel
-  uint16_t *const b238 = (uint16_t *)(arena + 2747520); // %238 cast bf16[512,64]
+  float *const b230 = (float *)(arena + 2616448); // %230 attention_bwd d.layers.0.k f32[8,64,64]
+  float *const b237 = mdl_scratch(131072); // %237 rope f32[8,64,64], kept in this kernel
+  uint16_t *const b239 = (uint16_t *)(arena + 2747520); // %239 cast bf16[512,64]
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
   for (int64_t r = 0; r < 512; r++) {
     const double p = -1.0 * b2[r];
-    const float *x = b229 + r * 64;
-    float *y = b236 + r * 64;
+    const float *x = b230 + r * 64;
+    float *y = b237 + r * 64;
     for (int64_t i = 0; i < 8; i++) {
       const double th = p * pow(1e+04, -2.0 * (double)i / 16);
       const float cs = (float)cos(th), sn = (float)sin(th);
@@ -2483,66 +2486,66 @@ static void k64_rope__cast(char *arena, const MdlHooks *h) {
   for (int64_t r = 0; r < 512; r++) {
     for (int64_t c = 0; c < 64; c++) {
       const int64_t i = r * 64 + c;
-      const float v236_i = b236[i];
-      const float v237_i = v236_i;
-      const float v238_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v237_i));
-      b238[i] = mdl_f32_to_bf16(v238_i);
+      const float v237_i = b237[i];
+      const float v238_i = v237_i;
+      const float v239_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v238_i));
+      b239[i] = mdl_f32_to_bf16(v239_i);
     }
   }
-  free(b236);
+  free(b237);
 }
 
 // k65_gemm: GEMM, 1 op
-//   %239   matmul                                  line 37    f32[512,64]
+//   %240   matmul                                  line 37    f32[512,64]
 // loops:
-//   gemm %239: [512 x 64] = [512 x 64] T[64 x 64], bf16 operands widened to f32
+//   gemm %240: [512 x 64] = [512 x 64] T[64 x 64], bf16 operands widened to f32
 static void k65_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b24 = (uint16_t *)(arena + 2118656); // %24 cast bf16[64,64]
-  uint16_t *const b238 = (uint16_t *)(arena + 2747520); // %238 cast bf16[512,64]
-  float *const b239 = (float *)(arena + 2616448); // %239 matmul f32[512,64]
+  uint16_t *const b239 = (uint16_t *)(arena + 2747520); // %239 cast bf16[512,64]
+  float *const b240 = (float *)(arena + 2616448); // %240 matmul f32[512,64]
   {
-    float *const w238 = mdl_widen_bf16(b238, 32768, h->nthreads);
+    float *const w239 = mdl_widen_bf16(b239, 32768, h->nthreads);
     float *const w24 = mdl_widen_bf16(b24, 4096, h->nthreads);
-    mdl_gemm(h, 0, 1, 512, 64, 64, w238, 64, w24, 64, 0.0f, b239, 64);
-    free(w238);
+    mdl_gemm(h, 0, 1, 512, 64, 64, w239, 64, w24, 64, 0.0f, b240, 64);
+    free(w239);
     free(w24);
   }
 }
 
 // k66_gemm: GEMM, 1 op
-//   %240   matmul             d.layers.0.wk        line 37    f32[64,64]
+//   %241   matmul             d.layers.0.wk        line 37    f32[64,64]
 // loops:
-//   gemm %240: [64 x 64] = T[64 x 512] [512 x 64], bf16 operands widened to f32
+//   gemm %241: [64 x 64] = T[64 x 512] [512 x 64], bf16 operands widened to f32
 static void k66_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b23 = (uint16_t *)(arena + 5893248); // %23 cast bf16[512,64]
-  uint16_t *const b238 = (uint16_t *)(arena + 2747520); // %238 cast bf16[512,64]
-  float *const b240 = (float *)(arena + 609792); // %240 matmul d.layers.0.wk f32[64,64]
+  uint16_t *const b239 = (uint16_t *)(arena + 2747520); // %239 cast bf16[512,64]
+  float *const b241 = (float *)(arena + 609792); // %241 matmul d.layers.0.wk f32[64,64]
   {
     float *const w23 = mdl_widen_bf16(b23, 32768, h->nthreads);
-    float *const w238 = mdl_widen_bf16(b238, 32768, h->nthreads);
-    mdl_gemm(h, 1, 0, 64, 64, 512, w23, 64, w238, 64, 0.0f, b240, 64);
+    float *const w239 = mdl_widen_bf16(b239, 32768, h->nthreads);
+    mdl_gemm(h, 1, 0, 64, 64, 512, w23, 64, w239, 64, 0.0f, b241, 64);
     free(w23);
-    free(w238);
+    free(w239);
   }
 }
 
 // k67_rope__cast: kernel, 3 ops
-//   %242   rope                                    line 36    f32[8,64,64]
-//   %243   reshape                                 line 36    f32[512,64]
-//   %244   cast                                    line 36    bf16[512,64]
+//   %243   rope                                    line 36    f32[8,64,64]
+//   %244   reshape                                 line 36    f32[512,64]
+//   %245   cast                                    line 36    bf16[512,64]
 // loops:
 //   rope (inverse): 512 rows, 4 heads of 16
-//   elementwise over 32768: %244
+//   elementwise over 32768: %245
 static void k67_rope__cast(char *arena, const MdlHooks *h) {
   int32_t *const b2 = (int32_t *)(arena + 2350080); // %2 input pos i32[8,64]
-  float *const b228 = (float *)(arena + 2485376); // %228 attention_bwd d.layers.0.q f32[8,64,64]
-  float *const b242 = mdl_scratch(131072); // %242 rope f32[8,64,64], kept in this kernel
-  uint16_t *const b244 = (uint16_t *)(arena + 2747520); // %244 cast bf16[512,64]
+  float *const b229 = (float *)(arena + 2485376); // %229 attention_bwd d.layers.0.q f32[8,64,64]
+  float *const b243 = mdl_scratch(131072); // %243 rope f32[8,64,64], kept in this kernel
+  uint16_t *const b245 = (uint16_t *)(arena + 2747520); // %245 cast bf16[512,64]
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
   for (int64_t r = 0; r < 512; r++) {
     const double p = -1.0 * b2[r];
-    const float *x = b228 + r * 64;
-    float *y = b242 + r * 64;
+    const float *x = b229 + r * 64;
+    float *y = b243 + r * 64;
     for (int64_t i = 0; i < 8; i++) {
       const double th = p * pow(1e+04, -2.0 * (double)i / 16);
       const float cs = (float)cos(th), sn = (float)sin(th);
@@ -2558,99 +2561,99 @@ static void k67_rope__cast(char *arena, const MdlHooks *h) {
   for (int64_t r = 0; r < 512; r++) {
     for (int64_t c = 0; c < 64; c++) {
       const int64_t i = r * 64 + c;
-      const float v242_i = b242[i];
-      const float v243_i = v242_i;
-      const float v244_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v243_i));
-      b244[i] = mdl_f32_to_bf16(v244_i);
+      const float v243_i = b243[i];
+      const float v244_i = v243_i;
+      const float v245_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v244_i));
+      b245[i] = mdl_f32_to_bf16(v245_i);
     }
   }
-  free(b242);
+  free(b243);
 }
 
 // k68_gemm: GEMM, 1 op
-//   %245   matmul                                  line 36    f32[512,64]
+//   %246   matmul                                  line 36    f32[512,64]
 // loops:
-//   gemm %245: [512 x 64] = [512 x 64] T[64 x 64], bf16 operands widened to f32
+//   gemm %246: [512 x 64] = [512 x 64] T[64 x 64], bf16 operands widened to f32
 static void k68_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b18 = (uint16_t *)(arena + 2110464); // %18 cast bf16[64,64]
-  uint16_t *const b244 = (uint16_t *)(arena + 2747520); // %244 cast bf16[512,64]
-  float *const b245 = (float *)(arena + 2485376); // %245 matmul f32[512,64]
+  uint16_t *const b245 = (uint16_t *)(arena + 2747520); // %245 cast bf16[512,64]
+  float *const b246 = (float *)(arena + 2485376); // %246 matmul f32[512,64]
   {
-    float *const w244 = mdl_widen_bf16(b244, 32768, h->nthreads);
+    float *const w245 = mdl_widen_bf16(b245, 32768, h->nthreads);
     float *const w18 = mdl_widen_bf16(b18, 4096, h->nthreads);
-    mdl_gemm(h, 0, 1, 512, 64, 64, w244, 64, w18, 64, 0.0f, b245, 64);
-    free(w244);
+    mdl_gemm(h, 0, 1, 512, 64, 64, w245, 64, w18, 64, 0.0f, b246, 64);
+    free(w245);
     free(w18);
   }
 }
 
 // k69_gemm: GEMM, 1 op
-//   %246   matmul             d.layers.0.wq        line 36    f32[64,64]
+//   %247   matmul             d.layers.0.wq        line 36    f32[64,64]
 // loops:
-//   gemm %246: [64 x 64] = T[64 x 512] [512 x 64], bf16 operands widened to f32
+//   gemm %247: [64 x 64] = T[64 x 512] [512 x 64], bf16 operands widened to f32
 static void k69_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b17 = (uint16_t *)(arena + 5827712); // %17 cast bf16[512,64]
-  uint16_t *const b244 = (uint16_t *)(arena + 2747520); // %244 cast bf16[512,64]
-  float *const b246 = (float *)(arena + 593408); // %246 matmul d.layers.0.wq f32[64,64]
+  uint16_t *const b245 = (uint16_t *)(arena + 2747520); // %245 cast bf16[512,64]
+  float *const b247 = (float *)(arena + 593408); // %247 matmul d.layers.0.wq f32[64,64]
   {
     float *const w17 = mdl_widen_bf16(b17, 32768, h->nthreads);
-    float *const w244 = mdl_widen_bf16(b244, 32768, h->nthreads);
-    mdl_gemm(h, 1, 0, 64, 64, 512, w17, 64, w244, 64, 0.0f, b246, 64);
+    float *const w245 = mdl_widen_bf16(b245, 32768, h->nthreads);
+    mdl_gemm(h, 1, 0, 64, 64, 512, w17, 64, w245, 64, 0.0f, b247, 64);
     free(w17);
-    free(w244);
+    free(w245);
   }
 }
 
 // k70_gemm__add: GEMM, 4 ops
-//   %233   matmul                                  line 38    f32[512,64]
-//   %235   reshape                                 line 38    f32[8,64,64]
-//   %248   add                                     line 35    f32[8,64,64]
-//   %249   add                d.layers.0.a         line 35    f32[8,64,64]
+//   %234   matmul                                  line 38    f32[512,64]
+//   %236   reshape                                 line 38    f32[8,64,64]
+//   %249   add                                     line 35    f32[8,64,64]
+//   %250   add                d.layers.0.a         line 35    f32[8,64,64]
 // loops:
-//   gemm %233: [512 x 64] = [512 x 64] T[64 x 64], bf16 operands widened to f32, epilogue after
-//   elementwise over 32768: %249
+//   gemm %234: [512 x 64] = [512 x 64] T[64 x 64], bf16 operands widened to f32, epilogue after
+//   elementwise over 32768: %250
 static void k70_gemm__add(char *arena, const MdlHooks *h) {
   uint16_t *const b30 = (uint16_t *)(arena + 2126848); // %30 cast bf16[64,64]
-  uint16_t *const b232 = (uint16_t *)(arena + 2878592); // %232 cast bf16[512,64]
-  float *const b239 = (float *)(arena + 2616448); // %239 matmul f32[512,64]
-  float *const b245 = (float *)(arena + 2485376); // %245 matmul f32[512,64]
-  float *const b249 = (float *)(arena + 2747520); // %249 add d.layers.0.a f32[8,64,64]
-  float *const b233 = b249; // %233 matmul f32[512,64]: the GEMM writes into its epilogue's output
+  uint16_t *const b233 = (uint16_t *)(arena + 2878592); // %233 cast bf16[512,64]
+  float *const b240 = (float *)(arena + 2616448); // %240 matmul f32[512,64]
+  float *const b246 = (float *)(arena + 2485376); // %246 matmul f32[512,64]
+  float *const b250 = (float *)(arena + 2747520); // %250 add d.layers.0.a f32[8,64,64]
+  float *const b234 = b250; // %234 matmul f32[512,64]: the GEMM writes into its epilogue's output
   {
-    float *const w232 = mdl_widen_bf16(b232, 32768, h->nthreads);
+    float *const w233 = mdl_widen_bf16(b233, 32768, h->nthreads);
     float *const w30 = mdl_widen_bf16(b30, 4096, h->nthreads);
-    mdl_gemm(h, 0, 1, 512, 64, 64, w232, 64, w30, 64, 0.0f, b233, 64);
-    free(w232);
+    mdl_gemm(h, 0, 1, 512, 64, 64, w233, 64, w30, 64, 0.0f, b234, 64);
+    free(w233);
     free(w30);
   }
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
   for (int64_t r = 0; r < 512; r++) {
     for (int64_t c = 0; c < 64; c++) {
       const int64_t i = r * 64 + c;
-      const float v233_i = b233[i];
-      const float v235_i = v233_i;
-      const float v239_i = b239[i];
-      const float v248_i = v235_i + v239_i;
-      const float v245_i = b245[i];
-      const float v249_i = v248_i + v245_i;
-      b249[i] = v249_i;
+      const float v234_i = b234[i];
+      const float v236_i = v234_i;
+      const float v240_i = b240[i];
+      const float v249_i = v236_i + v240_i;
+      const float v246_i = b246[i];
+      const float v250_i = v249_i + v246_i;
+      b250[i] = v250_i;
     }
   }
 }
 
 // k71_rmsnorm_bwd__add: kernel, 3 ops
-//   %250   rmsnorm_bwd                             line 35    f32[8,64,64]
-//   %251   rmsnorm_bwd        d.layers.0.attn_norm line 35    f32[64]
-//   %252   add                d.x                  line 22    f32[8,64,64]
+//   %251   rmsnorm_bwd                             line 35    f32[8,64,64]
+//   %252   rmsnorm_bwd        d.layers.0.attn_norm line 35    f32[64]
+//   %253   add                d.x                  line 22    f32[8,64,64]
 // loops:
 //   rmsnorm_bwd: 512 rows of 64, column sums over 32 blocks of 16 rows
 static void k71_rmsnorm_bwd__add(char *arena, const MdlHooks *h) {
   float *const b5 = (float *)(arena + 5172352); // %5 embed x f32[8,64,64]
   float *const b6 = (float *)(arena + 65536); // %6 param layers.0.attn_norm f32[64]
-  float *const b219 = (float *)(arena + 2354304); // %219 add d.layers.0.x f32[8,64,64]
-  float *const b249 = (float *)(arena + 2747520); // %249 add d.layers.0.a f32[8,64,64]
-  float *const b251 = (float *)(arena + 593152); // %251 rmsnorm_bwd d.layers.0.attn_norm f32[64]
-  float *const b252 = (float *)(arena + 2485376); // %252 add d.x f32[8,64,64]
+  float *const b220 = (float *)(arena + 2354304); // %220 add d.layers.0.x f32[8,64,64]
+  float *const b250 = (float *)(arena + 2747520); // %250 add d.layers.0.a f32[8,64,64]
+  float *const b252 = (float *)(arena + 593152); // %252 rmsnorm_bwd d.layers.0.attn_norm f32[64]
+  float *const b253 = (float *)(arena + 2485376); // %253 add d.x f32[8,64,64]
   double *pdw = mdl_scratch(2048 * sizeof(double));
   #pragma omp parallel num_threads(h->nthreads)
   {
@@ -2663,7 +2666,7 @@ static void k71_rmsnorm_bwd__add(char *arena, const MdlHooks *h) {
       const int64_t end = k * 16 + 16 < 512 ? k * 16 + 16 : 512;
       for (int64_t r = k * 16; r < end; r++) {
         const float *x = b5 + r * 64;
-        const float *dy = b249 + r * 64;
+        const float *dy = b250 + r * 64;
         double ms = 0, mgx = 0;
         #pragma omp simd reduction(+ : ms)
         for (int64_t j = 0; j < 64; j++)
@@ -2680,9 +2683,9 @@ static void k71_rmsnorm_bwd__add(char *arena, const MdlHooks *h) {
           dx[j] = (float)(s * dy[j] * b6[j] - s * s * s * x[j] * mgx);
         for (int64_t j = 0; j < 64; j++) {
           const int64_t ix = r * 64 + j;
-          const float v219_ix = b219[ix];
-          const float v252_ix = v219_ix + dx[j];
-          b252[ix] = v252_ix;
+          const float v220_ix = b220[ix];
+          const float v253_ix = v220_ix + dx[j];
+          b253[ix] = v253_ix;
         }
       }
     }
@@ -2693,24 +2696,24 @@ static void k71_rmsnorm_bwd__add(char *arena, const MdlHooks *h) {
     for (int64_t k = 0; k < 32; k++) {
       w += pdw[k * 64 + j];
     }
-    b251[j] = (float)w;
+    b252[j] = (float)w;
   }
   free(pdw);
 }
 
 // k72_embed_bwd: kernel, 1 op
-//   %253   embed_bwd          d.tok_emb            line 22    f32[256,64]
+//   %254   embed_bwd          d.tok_emb            line 22    f32[256,64]
 // loops:
 //   embed backward: 512 rows of 64 into a table of 256, 4 column blocks
 static void k72_embed_bwd(char *arena, const MdlHooks *h) {
   int32_t *const b0 = (int32_t *)(arena + 2345984); // %0 input tokens i32[8,64]
-  float *const b252 = (float *)(arena + 2485376); // %252 add d.x f32[8,64,64]
-  float *const b253 = (float *)(arena + 527616); // %253 embed_bwd d.tok_emb f32[256,64]
+  float *const b253 = (float *)(arena + 2485376); // %253 add d.x f32[8,64,64]
+  float *const b254 = (float *)(arena + 527616); // %254 embed_bwd d.tok_emb f32[256,64]
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
   for (int64_t k = 0; k < 4; k++) {
     const int64_t c0 = k * 16, c1 = c0 + 16 < 64 ? c0 + 16 : 64;
     for (int64_t t = 0; t < 256; t++)
-      memset(b253 + t * 64 + c0, 0, (size_t)(c1 - c0) * sizeof(float));
+      memset(b254 + t * 64 + c0, 0, (size_t)(c1 - c0) * sizeof(float));
     for (int64_t r = 0; r < 512; r++) {
       const int32_t id = b0[r];
       if (id < 0 || id >= 256) {
@@ -2719,86 +2722,86 @@ static void k72_embed_bwd(char *arena, const MdlHooks *h) {
         continue;
       }
       for (int64_t j = c0; j < c1; j++)
-        b253[(int64_t)id * 64 + j] += b252[r * 64 + j];
+        b254[(int64_t)id * 64 + j] += b253[r * 64 + j];
     }
   }
 }
 
 // k73_grad_norm__adamw: optimizer, 22 ops
-//   %256   grad_norm                                          f32[]
-//   %259   adamw              tok_emb.new          line 20    f32[256,64]
-//   %262   adamw              layers.0.attn_norm.new line 25    f32[64]
-//   %265   adamw              layers.0.wq.new      line 26    f32[64,64]
-//   %268   adamw              layers.0.wk.new      line 27    f32[64,64]
-//   %271   adamw              layers.0.wv.new      line 28    f32[64,64]
-//   %274   adamw              layers.0.wo.new      line 29    f32[64,64]
-//   %277   adamw              layers.0.mlp_norm.new line 30    f32[64]
-//   %280   adamw              layers.0.w1.new      line 31    f32[64,172]
-//   %283   adamw              layers.0.w3.new      line 32    f32[64,172]
-//   %286   adamw              layers.0.w2.new      line 33    f32[172,64]
-//   %289   adamw              layers.1.attn_norm.new line 25    f32[64]
-//   %292   adamw              layers.1.wq.new      line 26    f32[64,64]
-//   %295   adamw              layers.1.wk.new      line 27    f32[64,64]
-//   %298   adamw              layers.1.wv.new      line 28    f32[64,64]
-//   %301   adamw              layers.1.wo.new      line 29    f32[64,64]
-//   %304   adamw              layers.1.mlp_norm.new line 30    f32[64]
-//   %307   adamw              layers.1.w1.new      line 31    f32[64,172]
-//   %310   adamw              layers.1.w3.new      line 32    f32[64,172]
-//   %313   adamw              layers.1.w2.new      line 33    f32[172,64]
-//   %316   adamw              norm.new             line 43    f32[64]
-//   %319   adamw              lm_head.new          line 44    f32[64,256]
+//   %257   grad_norm                                          f32[]
+//   %260   adamw              tok_emb.new          line 20    f32[256,64]
+//   %263   adamw              layers.0.attn_norm.new line 25    f32[64]
+//   %266   adamw              layers.0.wq.new      line 26    f32[64,64]
+//   %269   adamw              layers.0.wk.new      line 27    f32[64,64]
+//   %272   adamw              layers.0.wv.new      line 28    f32[64,64]
+//   %275   adamw              layers.0.wo.new      line 29    f32[64,64]
+//   %278   adamw              layers.0.mlp_norm.new line 30    f32[64]
+//   %281   adamw              layers.0.w1.new      line 31    f32[64,172]
+//   %284   adamw              layers.0.w3.new      line 32    f32[64,172]
+//   %287   adamw              layers.0.w2.new      line 33    f32[172,64]
+//   %290   adamw              layers.1.attn_norm.new line 25    f32[64]
+//   %293   adamw              layers.1.wq.new      line 26    f32[64,64]
+//   %296   adamw              layers.1.wk.new      line 27    f32[64,64]
+//   %299   adamw              layers.1.wv.new      line 28    f32[64,64]
+//   %302   adamw              layers.1.wo.new      line 29    f32[64,64]
+//   %305   adamw              layers.1.mlp_norm.new line 30    f32[64]
+//   %308   adamw              layers.1.w1.new      line 31    f32[64,172]
+//   %311   adamw              layers.1.w3.new      line 32    f32[64,172]
+//   %314   adamw              layers.1.w2.new      line 33    f32[172,64]
+//   %317   adamw              norm.new             line 43    f32[64]
+//   %320   adamw              lm_head.new          line 44    f32[64,256]
 // loops:
-//   gradient norm %256 over 21 tensors, 131904 values
+//   gradient norm %257 over 21 tensors, 131904 values
 //   AdamW over 21 parameters, 131904 values (beta1 0.9, beta2 0.95, eps 1e-08, clip 1); 15 bf16 copies
 static void k73_grad_norm__adamw(char *arena, const MdlHooks *h) {
-  float *const b139 = (float *)(arena + 989696); // %139 matmul d.lm_head f32[64,256]
-  float *const b142 = (float *)(arena + 989440); // %142 rmsnorm_bwd d.norm f32[64]
-  float *const b146 = (float *)(arena + 945408); // %146 matmul d.layers.1.w2 f32[172,64]
-  float *const b153 = (float *)(arena + 901376); // %153 matmul d.layers.1.w3 f32[64,172]
-  float *const b159 = (float *)(arena + 857344); // %159 matmul d.layers.1.w1 f32[64,172]
-  float *const b163 = (float *)(arena + 857088); // %163 rmsnorm_bwd d.layers.1.mlp_norm f32[64]
-  float *const b168 = (float *)(arena + 840704); // %168 matmul d.layers.1.wo f32[64,64]
-  float *const b179 = (float *)(arena + 824320); // %179 matmul d.layers.1.wv f32[64,64]
-  float *const b185 = (float *)(arena + 807936); // %185 matmul d.layers.1.wk f32[64,64]
-  float *const b191 = (float *)(arena + 791552); // %191 matmul d.layers.1.wq f32[64,64]
-  float *const b196 = (float *)(arena + 791296); // %196 rmsnorm_bwd d.layers.1.attn_norm f32[64]
-  float *const b201 = (float *)(arena + 747264); // %201 matmul d.layers.0.w2 f32[172,64]
-  float *const b208 = (float *)(arena + 703232); // %208 matmul d.layers.0.w3 f32[64,172]
-  float *const b214 = (float *)(arena + 659200); // %214 matmul d.layers.0.w1 f32[64,172]
-  float *const b218 = (float *)(arena + 658944); // %218 rmsnorm_bwd d.layers.0.mlp_norm f32[64]
-  float *const b223 = (float *)(arena + 642560); // %223 matmul d.layers.0.wo f32[64,64]
-  float *const b234 = (float *)(arena + 626176); // %234 matmul d.layers.0.wv f32[64,64]
-  float *const b240 = (float *)(arena + 609792); // %240 matmul d.layers.0.wk f32[64,64]
-  float *const b246 = (float *)(arena + 593408); // %246 matmul d.layers.0.wq f32[64,64]
-  float *const b251 = (float *)(arena + 593152); // %251 rmsnorm_bwd d.layers.0.attn_norm f32[64]
-  float *const b253 = (float *)(arena + 527616); // %253 embed_bwd d.tok_emb f32[256,64]
-  float *const b254 = (float *)(arena + 2354176); // %254 scalar lr f32[]
-  float *const b255 = (float *)(arena + 2354240); // %255 scalar step f32[]
-  float *const b256 = (float *)(arena + 2354304); // %256 grad_norm f32[]
+  float *const b140 = (float *)(arena + 989696); // %140 matmul d.lm_head f32[64,256]
+  float *const b143 = (float *)(arena + 989440); // %143 rmsnorm_bwd d.norm f32[64]
+  float *const b147 = (float *)(arena + 945408); // %147 matmul d.layers.1.w2 f32[172,64]
+  float *const b154 = (float *)(arena + 901376); // %154 matmul d.layers.1.w3 f32[64,172]
+  float *const b160 = (float *)(arena + 857344); // %160 matmul d.layers.1.w1 f32[64,172]
+  float *const b164 = (float *)(arena + 857088); // %164 rmsnorm_bwd d.layers.1.mlp_norm f32[64]
+  float *const b169 = (float *)(arena + 840704); // %169 matmul d.layers.1.wo f32[64,64]
+  float *const b180 = (float *)(arena + 824320); // %180 matmul d.layers.1.wv f32[64,64]
+  float *const b186 = (float *)(arena + 807936); // %186 matmul d.layers.1.wk f32[64,64]
+  float *const b192 = (float *)(arena + 791552); // %192 matmul d.layers.1.wq f32[64,64]
+  float *const b197 = (float *)(arena + 791296); // %197 rmsnorm_bwd d.layers.1.attn_norm f32[64]
+  float *const b202 = (float *)(arena + 747264); // %202 matmul d.layers.0.w2 f32[172,64]
+  float *const b209 = (float *)(arena + 703232); // %209 matmul d.layers.0.w3 f32[64,172]
+  float *const b215 = (float *)(arena + 659200); // %215 matmul d.layers.0.w1 f32[64,172]
+  float *const b219 = (float *)(arena + 658944); // %219 rmsnorm_bwd d.layers.0.mlp_norm f32[64]
+  float *const b224 = (float *)(arena + 642560); // %224 matmul d.layers.0.wo f32[64,64]
+  float *const b235 = (float *)(arena + 626176); // %235 matmul d.layers.0.wv f32[64,64]
+  float *const b241 = (float *)(arena + 609792); // %241 matmul d.layers.0.wk f32[64,64]
+  float *const b247 = (float *)(arena + 593408); // %247 matmul d.layers.0.wq f32[64,64]
+  float *const b252 = (float *)(arena + 593152); // %252 rmsnorm_bwd d.layers.0.attn_norm f32[64]
+  float *const b254 = (float *)(arena + 527616); // %254 embed_bwd d.tok_emb f32[256,64]
+  float *const b255 = (float *)(arena + 2354176); // %255 scalar lr f32[]
+  float *const b256 = (float *)(arena + 2354240); // %256 scalar step f32[]
+  float *const b257 = (float *)(arena + 2354304); // %257 grad_norm f32[]
   {
     double ss = 0;
-    ss += mdl_sumsq(b253, 16384, h->nthreads); // d.tok_emb
-    ss += mdl_sumsq(b251, 64, h->nthreads); // d.layers.0.attn_norm
-    ss += mdl_sumsq(b246, 4096, h->nthreads); // d.layers.0.wq
-    ss += mdl_sumsq(b240, 4096, h->nthreads); // d.layers.0.wk
-    ss += mdl_sumsq(b234, 4096, h->nthreads); // d.layers.0.wv
-    ss += mdl_sumsq(b223, 4096, h->nthreads); // d.layers.0.wo
-    ss += mdl_sumsq(b218, 64, h->nthreads); // d.layers.0.mlp_norm
-    ss += mdl_sumsq(b214, 11008, h->nthreads); // d.layers.0.w1
-    ss += mdl_sumsq(b208, 11008, h->nthreads); // d.layers.0.w3
-    ss += mdl_sumsq(b201, 11008, h->nthreads); // d.layers.0.w2
-    ss += mdl_sumsq(b196, 64, h->nthreads); // d.layers.1.attn_norm
-    ss += mdl_sumsq(b191, 4096, h->nthreads); // d.layers.1.wq
-    ss += mdl_sumsq(b185, 4096, h->nthreads); // d.layers.1.wk
-    ss += mdl_sumsq(b179, 4096, h->nthreads); // d.layers.1.wv
-    ss += mdl_sumsq(b168, 4096, h->nthreads); // d.layers.1.wo
-    ss += mdl_sumsq(b163, 64, h->nthreads); // d.layers.1.mlp_norm
-    ss += mdl_sumsq(b159, 11008, h->nthreads); // d.layers.1.w1
-    ss += mdl_sumsq(b153, 11008, h->nthreads); // d.layers.1.w3
-    ss += mdl_sumsq(b146, 11008, h->nthreads); // d.layers.1.w2
-    ss += mdl_sumsq(b142, 64, h->nthreads); // d.norm
-    ss += mdl_sumsq(b139, 16384, h->nthreads); // d.lm_head
-    b256[0] = (float)sqrt(ss);
+    ss += mdl_sumsq(b254, 16384, h->nthreads); // d.tok_emb
+    ss += mdl_sumsq(b252, 64, h->nthreads); // d.layers.0.attn_norm
+    ss += mdl_sumsq(b247, 4096, h->nthreads); // d.layers.0.wq
+    ss += mdl_sumsq(b241, 4096, h->nthreads); // d.layers.0.wk
+    ss += mdl_sumsq(b235, 4096, h->nthreads); // d.layers.0.wv
+    ss += mdl_sumsq(b224, 4096, h->nthreads); // d.layers.0.wo
+    ss += mdl_sumsq(b219, 64, h->nthreads); // d.layers.0.mlp_norm
+    ss += mdl_sumsq(b215, 11008, h->nthreads); // d.layers.0.w1
+    ss += mdl_sumsq(b209, 11008, h->nthreads); // d.layers.0.w3
+    ss += mdl_sumsq(b202, 11008, h->nthreads); // d.layers.0.w2
+    ss += mdl_sumsq(b197, 64, h->nthreads); // d.layers.1.attn_norm
+    ss += mdl_sumsq(b192, 4096, h->nthreads); // d.layers.1.wq
+    ss += mdl_sumsq(b186, 4096, h->nthreads); // d.layers.1.wk
+    ss += mdl_sumsq(b180, 4096, h->nthreads); // d.layers.1.wv
+    ss += mdl_sumsq(b169, 4096, h->nthreads); // d.layers.1.wo
+    ss += mdl_sumsq(b164, 64, h->nthreads); // d.layers.1.mlp_norm
+    ss += mdl_sumsq(b160, 11008, h->nthreads); // d.layers.1.w1
+    ss += mdl_sumsq(b154, 11008, h->nthreads); // d.layers.1.w3
+    ss += mdl_sumsq(b147, 11008, h->nthreads); // d.layers.1.w2
+    ss += mdl_sumsq(b143, 64, h->nthreads); // d.norm
+    ss += mdl_sumsq(b140, 16384, h->nthreads); // d.lm_head
+    b257[0] = (float)sqrt(ss);
   }
   {
     static const struct {
@@ -2827,9 +2830,9 @@ static void k73_grad_norm__adamw(char *arena, const MdlHooks *h) {
         {461824, 989440, 1517056, 2044672, -1, 64, 0.0}, // norm
         {462080, 989696, 1517312, 2044928, 2313216, 16384, 0.1}, // lm_head
     };
-    const double clip = 1.0, gnorm = b256[0];
+    const double clip = 1.0, gnorm = b257[0];
     const double s = clip > 0 ? fmin(1.0, clip / (gnorm + 1e-6)) : 1.0;
-    const double lr = b254[0], step = b255[0];
+    const double lr = b255[0], step = b256[0];
     const double b1 = 0.9, b2 = 0.95, eps = 1e-08;
     const double c1 = 1.0 / (1.0 - pow(b1, step)), c2 = 1.0 / (1.0 - pow(b2, step));
     #pragma omp parallel num_threads(h->nthreads)
@@ -2881,7 +2884,7 @@ void mdl_step(char *arena, const MdlHooks *h) {
   k24_gemm__add(arena, h);
   k25_rmsnorm_fwd__cast(arena, h);
   k26_broadcast__mul(arena, h);
-  k27_lmhead__cross_entropy__cross_entropy_bwd__cast__gemm(arena, h);
+  k27_lmhead__cast__cross_entropy__cross_entropy_bwd__gemm(arena, h);
   k28_mean(arena, h);
   k29_rmsnorm_bwd__cast(arena, h);
   k30_gemm(arena, h);
@@ -2958,7 +2961,7 @@ const MdlKernel mdl_kernels[] = {
     {"k24_gemm__add", k24_gemm__add},
     {"k25_rmsnorm_fwd__cast", k25_rmsnorm_fwd__cast},
     {"k26_broadcast__mul", k26_broadcast__mul},
-    {"k27_lmhead__cross_entropy__cross_entropy_bwd__cast__gemm", k27_lmhead__cross_entropy__cross_entropy_bwd__cast__gemm},
+    {"k27_lmhead__cast__cross_entropy__cross_entropy_bwd__gemm", k27_lmhead__cast__cross_entropy__cross_entropy_bwd__gemm},
     {"k28_mean", k28_mean},
     {"k29_rmsnorm_bwd__cast", k29_rmsnorm_bwd__cast},
     {"k30_gemm", k30_gemm},

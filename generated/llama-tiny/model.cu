@@ -120,6 +120,12 @@ __device__ __forceinline__ uint16_t mdl_f32_to_bf16(float x) {
 
 __device__ __forceinline__ float mdl_bf16_to_f32(uint16_t h) { return __uint_as_float((uint32_t)h << 16); }
 
+// Four bf16 values at p (8-byte aligned), widened.
+__device__ __forceinline__ float4 mdl_bf16x4_load(const uint16_t *p) {
+  const ushort4 u = *(const ushort4 *)p;
+  return make_float4(mdl_bf16_to_f32(u.x), mdl_bf16_to_f32(u.y), mdl_bf16_to_f32(u.z), mdl_bf16_to_f32(u.w));
+}
+
 // One AdamW update in double, as the interpreter does it: gradient g scaled by the clip factor sc,
 // the moments m and v updated in place (rounded to f32), the new parameter returned.
 struct MdlAdamW {
@@ -512,7 +518,7 @@ extern "C" __global__ void __launch_bounds__(256) k4_rope__cast_rest(char *arena
 //   %36    attention                               line 38    f32[8,64,64]
 //   %37    reshape                                 line 38    f32[512,64]
 //   %38    cast                                    line 38    bf16[512,64]
-//   %225   attention_lse                           line 38    f32[8,4,64]
+//   %226   attention_lse                           line 38    f32[8,4,64]
 // runs:
 //   k7_attention_fwd__cast__lse<<<32, 256>>> or k7_attention_fwd__cast__lse_w4<<<32, 128>>>, the faster on the device
 
@@ -1057,7 +1063,7 @@ extern "C" __global__ void __launch_bounds__(256) k13_rmsnorm_fwd__cast(char *ar
 //   %92    attention                               line 38    f32[8,64,64]
 //   %93    reshape                                 line 38    f32[512,64]
 //   %94    cast                                    line 38    bf16[512,64]
-//   %170   attention_lse                           line 38    f32[8,4,64]
+//   %171   attention_lse                           line 38    f32[8,4,64]
 // runs:
 //   k7_attention_fwd__cast__lse<<<32, 256>>> or k7_attention_fwd__cast__lse_w4<<<32, 128>>>, the faster on the device
 
@@ -1139,9 +1145,9 @@ extern "C" __global__ void __launch_bounds__(256) k25_rmsnorm_fwd__cast(char *ar
 }
 
 // k26_broadcast__mul: kernel, 3 ops
-//   %131   mul                                     line 46    f32[]
-//   %132   reshape                                 line 46    f32[1]
-//   %133   broadcast                               line 46    f32[512]
+//   %132   mul                                     line 46    f32[]
+//   %133   reshape                                 line 46    f32[1]
+//   %134   broadcast                               line 46    f32[512]
 // runs:
 //   k26_broadcast__mul<<<1, 128>>>
 
@@ -1159,50 +1165,50 @@ extern "C" __global__ void __launch_bounds__(128) k26_broadcast__mul(char *arena
   }
 }
 
-// k27_lmhead__cross_entropy__cross_entropy_bwd__cast__gemm: LM head, 8 ops
+// k27_lmhead__cast__cross_entropy__cross_entropy_bwd__gemm: LM head, 9 ops
 //   %124   matmul                                  line 45    f32[512,256]
 //   %125   reshape            logits               line 45    f32[8,64,256]
-//   %126   cross_entropy                           line 46    f32[8,64]
-//   %135   cross_entropy_bwd  d.logits             line 46    f32[8,64,256]
-//   %136   reshape                                 line 45    f32[512,256]
-//   %137   cast                                    line 45    bf16[512,256]
-//   %138   matmul                                  line 45    f32[512,64]
-//   %139   matmul             d.lm_head            line 45    f32[64,256]
+//   %126   cast                                    line 46    bf16[8,64,256]
+//   %127   cross_entropy                           line 46    f32[8,64]
+//   %136   cross_entropy_bwd  d.logits             line 46    f32[8,64,256]
+//   %137   reshape                                 line 45    f32[512,256]
+//   %138   cast                                    line 45    bf16[512,256]
+//   %139   matmul                                  line 45    f32[512,64]
+//   %140   matmul             d.lm_head            line 45    f32[64,256]
 // runs:
-//   gemm 14: [512 x 256] = [512 x 64] [64 x 256], bf16 A and B, f32 C
-//   k27_lmhead__cross_entropy__cross_entropy_bwd__cast__gemm_ce<<<64, 256>>>
+//   gemm 14: [512 x 256] = [512 x 64] [64 x 256], bf16 A and B, bf16 C
+//   k27_lmhead__cast__cross_entropy__cross_entropy_bwd__gemm_ce<<<64, 256>>>
 //   gemm 15: [512 x 64] = [512 x 256] T[256 x 64], bf16 A and B, f32 C
 //   gemm 16: [64 x 256] = T[64 x 512] [512 x 256], bf16 A and B, f32 C
 
-// LM head: cross-entropy and its gradient of a chunk of at most 512 rows of 256 classes (rows 256 apart), the gradient rounded to bf16 into a chunk of its own; chunk = its first row; a warp per row
-extern "C" __global__ void __launch_bounds__(256) k27_lmhead__cross_entropy__cross_entropy_bwd__cast__gemm_ce(char *arena, MdlStatus *status, const uint64_t *seed, int64_t chunk, MdlArgs o) {
-  float *const b0 = (float *)(arena + o.b[0]); // the chunk's logits
-  uint16_t *const b1 = (uint16_t *)(arena + o.b[1]); // the chunk's dlogits, bf16
-  float *const b2 = (float *)(arena + o.b[2]); // broadcast f32[512]
-  float *const b3 = (float *)(arena + o.b[3]); // cross_entropy f32[8,64]
-  int32_t *const b4 = (int32_t *)(arena + o.b[4]); // input i32[8,64]
+// LM head: cross-entropy and its gradient of a chunk of at most 512 rows of 256 classes (rows 256 apart), bf16 logits, the gradient rounded to bf16 in place; chunk = its first row; a warp per row
+extern "C" __global__ void __launch_bounds__(256) k27_lmhead__cast__cross_entropy__cross_entropy_bwd__gemm_ce(char *arena, MdlStatus *status, const uint64_t *seed, int64_t chunk, MdlArgs o) {
+  uint16_t *const b0 = (uint16_t *)(arena + o.b[0]); // the chunk's logits, bf16
+  float *const b1 = (float *)(arena + o.b[1]); // broadcast f32[512]
+  float *const b2 = (float *)(arena + o.b[2]); // cross_entropy f32[8,64]
+  int32_t *const b3 = (int32_t *)(arena + o.b[3]); // input i32[8,64]
   const int rn = 512 - chunk < 512 ? 512 - chunk : 512;
   const int i = blockIdx.x * 8 + (threadIdx.x >> 5);
   const int tr = threadIdx.x & 31;
   if (i < rn) {
     const int r = chunk + i;
-    const float *x = b0 + i * 256;
-    uint16_t *dx = b1 + i * 256;
-    const int32_t tg = b4[r];
+    const uint16_t *x = b0 + i * 256;
+    uint16_t *dx = b0 + i * 256;
+    const int32_t tg = b3[r];
     if (tg < 0 || tg >= 256) {
       if (tg >= 256 && tr == 0)
         mdl_report(status, MDL_ERR_TARGET, tg, 256);
       if (tr == 0)
-        b3[r] = 0.0f;
+        b2[r] = 0.0f;
       for (int j = tr; j < 256; j += 32)
         dx[j] = 0;
     } else {
-      const float xt = x[tg];
+      const float xt = mdl_bf16_to_f32(x[tg]);
       float m = -MDL_INF;
       double part = 0;
       for (int j4 = tr; j4 < 64; j4 += 64) {
-        const float4 x4 = *(const float4 *)&x[4 * j4];
-        const float4 y4 = j4 + 32 < 64 ? *(const float4 *)&x[4 * (j4 + 32)] : make_float4(-MDL_INF, -MDL_INF, -MDL_INF, -MDL_INF);
+        const float4 x4 = mdl_bf16x4_load(&x[4 * j4]);
+        const float4 y4 = j4 + 32 < 64 ? mdl_bf16x4_load(&x[4 * (j4 + 32)]) : make_float4(-MDL_INF, -MDL_INF, -MDL_INF, -MDL_INF);
         mdl_softmax_add(x4.x, m, part);
         mdl_softmax_add(x4.y, m, part);
         mdl_softmax_add(x4.z, m, part);
@@ -1216,12 +1222,12 @@ extern "C" __global__ void __launch_bounds__(256) k27_lmhead__cross_entropy__cro
       double sum = m == -MDL_INF ? 0.0 : part * (double)expf(m - mx);
       sum = mdl_warp_sum(sum);
       if (tr == 0)
-        b3[r] = (float)(mx + log(sum) - xt);
-      const double g = b2[r], inv = 1.0 / sum;
+        b2[r] = (float)(mx + log(sum) - xt);
+      const double g = b1[r], inv = 1.0 / sum;
       for (int j4 = tr; j4 < 64; j4 += 64) {
         const bool two = j4 + 32 < 64;
-        const float4 x4 = *(const float4 *)&x[4 * j4];
-        const float4 y4 = two ? *(const float4 *)&x[4 * (j4 + 32)] : x4;
+        const float4 x4 = mdl_bf16x4_load(&x[4 * j4]);
+        const float4 y4 = two ? mdl_bf16x4_load(&x[4 * (j4 + 32)]) : x4;
         const int j = 4 * j4;
         *(ushort4 *)&dx[j] = make_ushort4(
             mdl_f32_to_bf16(mdl_ce_grad(x4.x, mx, g, inv, j == tg)),
@@ -1242,7 +1248,7 @@ extern "C" __global__ void __launch_bounds__(256) k27_lmhead__cross_entropy__cro
 }
 
 // k28_mean: kernel, 1 op
-//   %128   mean               loss                 line 46    f32[]
+//   %129   mean               loss                 line 46    f32[]
 // runs:
 //   k28_mean<<<1, 256>>>
 
@@ -1269,10 +1275,10 @@ extern "C" __global__ void __launch_bounds__(256) k28_mean(char *arena, MdlStatu
 }
 
 // k29_rmsnorm_bwd__cast: kernel, 4 ops
-//   %141   rmsnorm_bwd        d.layers.1.x         line 45    f32[8,64,64]
-//   %142   rmsnorm_bwd        d.norm               line 45    f32[64]
-//   %143   reshape                                 line 40    f32[512,64]
-//   %144   cast                                    line 40    bf16[512,64]
+//   %142   rmsnorm_bwd        d.layers.1.x         line 45    f32[8,64,64]
+//   %143   rmsnorm_bwd        d.norm               line 45    f32[64]
+//   %144   reshape                                 line 40    f32[512,64]
+//   %145   cast                                    line 40    bf16[512,64]
 // runs:
 //   k29_rmsnorm_bwd__cast<<<64, 256>>>
 //   k29_rmsnorm_bwd__cast_colsum<<<8, 1024>>>
@@ -1364,16 +1370,16 @@ extern "C" __global__ void __launch_bounds__(1024) k29_rmsnorm_bwd__cast_colsum(
 }
 
 // k30_gemm: GEMM, 1 op
-//   %146   matmul             d.layers.1.w2        line 40    f32[172,64]
+//   %147   matmul             d.layers.1.w2        line 40    f32[172,64]
 // runs:
 //   gemm 17: [172 x 64] = T[172 x 512] [512 x 64], bf16 A and B, f32 C
 
 // k31_gemm__mul__silu_bwd__cast: GEMM, 5 ops
-//   %145   matmul                                  line 40    f32[512,172]
-//   %148   mul                                     line 40    f32[8,64,172]
-//   %155   silu_bwd                                line 40    f32[8,64,172]
-//   %156   reshape                                 line 40    f32[512,172]
-//   %157   cast                                    line 40    bf16[512,172]
+//   %146   matmul                                  line 40    f32[512,172]
+//   %149   mul                                     line 40    f32[8,64,172]
+//   %156   silu_bwd                                line 40    f32[8,64,172]
+//   %157   reshape                                 line 40    f32[512,172]
+//   %158   cast                                    line 40    bf16[512,172]
 // runs:
 //   gemm 18: [512 x 172] = [512 x 64] T[64 x 172], bf16 A and B, f32 C
 //   k31_gemm__mul__silu_bwd__cast_epilogue<<<86, 256>>>
@@ -1405,9 +1411,9 @@ extern "C" __global__ void __launch_bounds__(256) k31_gemm__mul__silu_bwd__cast_
 }
 
 // k32_cast__mul: kernel, 3 ops
-//   %149   mul                                     line 40    f32[8,64,172]
-//   %150   reshape                                 line 40    f32[512,172]
-//   %151   cast                                    line 40    bf16[512,172]
+//   %150   mul                                     line 40    f32[8,64,172]
+//   %151   reshape                                 line 40    f32[512,172]
+//   %152   cast                                    line 40    bf16[512,172]
 // runs:
 //   k32_cast__mul<<<86, 256>>>
 
@@ -1432,33 +1438,33 @@ extern "C" __global__ void __launch_bounds__(256) k32_cast__mul(char *arena, Mdl
 }
 
 // k33_gemm: GEMM, 1 op
-//   %153   matmul             d.layers.1.w3        line 40    f32[64,172]
+//   %154   matmul             d.layers.1.w3        line 40    f32[64,172]
 // runs:
 //   gemm 19: [64 x 172] = T[64 x 512] [512 x 172], bf16 A and B, f32 C
 
 // k34_gemm: GEMM, 1 op
-//   %158   matmul                                  line 40    f32[512,64]
+//   %159   matmul                                  line 40    f32[512,64]
 // runs:
 //   gemm 20: [512 x 64] = [512 x 172] T[172 x 64], bf16 A and B, f32 C
 
 // k35_gemm: GEMM, 1 op
-//   %159   matmul             d.layers.1.w1        line 40    f32[64,172]
+//   %160   matmul             d.layers.1.w1        line 40    f32[64,172]
 // runs:
 //   gemm 21: [64 x 172] = T[64 x 512] [512 x 172], bf16 A and B, f32 C
 
 // k36_gemm__add: GEMM, 3 ops
-//   %152   matmul                                  line 40    f32[512,64]
-//   %154   reshape                                 line 40    f32[8,64,64]
-//   %161   add                d.layers.1.a         line 39    f32[8,64,64]
+//   %153   matmul                                  line 40    f32[512,64]
+//   %155   reshape                                 line 40    f32[8,64,64]
+//   %162   add                d.layers.1.a         line 39    f32[8,64,64]
 // runs:
 //   gemm 22: [512 x 64] = [512 x 172] T[172 x 64] + a residual C, bf16 A and B, f32 C
 
 // k37_rmsnorm_bwd__add__cast: kernel, 5 ops
-//   %162   rmsnorm_bwd                             line 39    f32[8,64,64]
-//   %163   rmsnorm_bwd        d.layers.1.mlp_norm  line 39    f32[64]
-//   %164   add                d.layers.1.x         line 38    f32[8,64,64]
-//   %165   reshape                                 line 38    f32[512,64]
-//   %166   cast                                    line 38    bf16[512,64]
+//   %163   rmsnorm_bwd                             line 39    f32[8,64,64]
+//   %164   rmsnorm_bwd        d.layers.1.mlp_norm  line 39    f32[64]
+//   %165   add                d.layers.1.x         line 38    f32[8,64,64]
+//   %166   reshape                                 line 38    f32[512,64]
+//   %167   cast                                    line 38    bf16[512,64]
 // runs:
 //   k37_rmsnorm_bwd__add__cast<<<64, 256>>>
 //   k29_rmsnorm_bwd__cast_colsum<<<8, 1024>>>
@@ -1528,21 +1534,21 @@ extern "C" __global__ void __launch_bounds__(256, 4) k37_rmsnorm_bwd__add__cast(
 }
 
 // k38_gemm: GEMM, 1 op
-//   %168   matmul             d.layers.1.wo        line 38    f32[64,64]
+//   %169   matmul             d.layers.1.wo        line 38    f32[64,64]
 // runs:
 //   gemm 23: [64 x 64] = T[64 x 512] [512 x 64], bf16 A and B, f32 C
 
 // k39_gemm__cast: GEMM, 3 ops
-//   %167   matmul                                  line 38    f32[512,64]
-//   %169   reshape                                 line 38    f32[8,64,64]
-//   %172   cast                                    line 38    bf16[8,64,64]
+//   %168   matmul                                  line 38    f32[512,64]
+//   %170   reshape                                 line 38    f32[8,64,64]
+//   %173   cast                                    line 38    bf16[8,64,64]
 // runs:
 //   gemm 24: [512 x 64] = [512 x 64] T[64 x 64], bf16 A and B, bf16 C
 
 // k40_attention_bwd: attention, 3 ops
-//   %173   attention_bwd      d.layers.1.q         line 38    f32[8,64,64]
-//   %174   attention_bwd      d.layers.1.k         line 38    f32[8,64,64]
-//   %175   attention_bwd                           line 38    f32[8,64,64]
+//   %174   attention_bwd      d.layers.1.q         line 38    f32[8,64,64]
+//   %175   attention_bwd      d.layers.1.k         line 38    f32[8,64,64]
+//   %176   attention_bwd                           line 38    f32[8,64,64]
 // runs:
 //   k40_attention_bwd_dsum<<<256, 256>>>
 //   k40_attention_bwd_dq<<<32, 128>>> or k40_attention_bwd_dq_w8<<<32, 256>>>, the faster on the device
@@ -2197,7 +2203,7 @@ extern "C" __global__ void __launch_bounds__(128) k40_attention_bwd_dkv_w4(char 
 }
 
 // k41_cast: kernel, 1 op
-//   %177   cast                                    line 38    bf16[512,64]
+//   %178   cast                                    line 38    bf16[512,64]
 // runs:
 //   k41_cast<<<32, 256>>>
 
@@ -2212,14 +2218,14 @@ extern "C" __global__ void __launch_bounds__(256) k41_cast(char *arena, MdlStatu
 }
 
 // k42_gemm: GEMM, 1 op
-//   %179   matmul             d.layers.1.wv        line 38    f32[64,64]
+//   %180   matmul             d.layers.1.wv        line 38    f32[64,64]
 // runs:
 //   gemm 25: [64 x 64] = T[64 x 512] [512 x 64], bf16 A and B, f32 C
 
 // k43_rope__cast: kernel, 3 ops
-//   %181   rope                                    line 37    f32[8,64,64]
-//   %182   reshape                                 line 37    f32[512,64]
-//   %183   cast                                    line 37    bf16[512,64]
+//   %182   rope                                    line 37    f32[8,64,64]
+//   %183   reshape                                 line 37    f32[512,64]
+//   %184   cast                                    line 37    bf16[512,64]
 // runs:
 //   k43_rope__cast<<<64, 256>>>
 //   k43_rope__cast_rest<<<32, 256>>>
@@ -2255,38 +2261,38 @@ extern "C" __global__ void __launch_bounds__(256) k43_rope__cast_rest(char *aren
 }
 
 // k44_gemm: GEMM, 1 op
-//   %184   matmul                                  line 37    f32[512,64]
+//   %185   matmul                                  line 37    f32[512,64]
 // runs:
 //   gemm 26: [512 x 64] = [512 x 64] T[64 x 64], bf16 A and B, f32 C
 
 // k45_gemm: GEMM, 1 op
-//   %185   matmul             d.layers.1.wk        line 37    f32[64,64]
+//   %186   matmul             d.layers.1.wk        line 37    f32[64,64]
 // runs:
 //   gemm 27: [64 x 64] = T[64 x 512] [512 x 64], bf16 A and B, f32 C
 
 // k46_rope__cast: kernel, 3 ops
-//   %187   rope                                    line 36    f32[8,64,64]
-//   %188   reshape                                 line 36    f32[512,64]
-//   %189   cast                                    line 36    bf16[512,64]
+//   %188   rope                                    line 36    f32[8,64,64]
+//   %189   reshape                                 line 36    f32[512,64]
+//   %190   cast                                    line 36    bf16[512,64]
 // runs:
 //   k43_rope__cast<<<64, 256>>>
 //   k43_rope__cast_rest<<<32, 256>>>
 
 // k47_gemm: GEMM, 1 op
-//   %190   matmul                                  line 36    f32[512,64]
+//   %191   matmul                                  line 36    f32[512,64]
 // runs:
 //   gemm 28: [512 x 64] = [512 x 64] T[64 x 64], bf16 A and B, f32 C
 
 // k48_gemm: GEMM, 1 op
-//   %191   matmul             d.layers.1.wq        line 36    f32[64,64]
+//   %192   matmul             d.layers.1.wq        line 36    f32[64,64]
 // runs:
 //   gemm 29: [64 x 64] = T[64 x 512] [512 x 64], bf16 A and B, f32 C
 
 // k49_gemm__add: GEMM, 4 ops
-//   %178   matmul                                  line 38    f32[512,64]
-//   %180   reshape                                 line 38    f32[8,64,64]
-//   %193   add                                     line 35    f32[8,64,64]
-//   %194   add                d.layers.1.a         line 35    f32[8,64,64]
+//   %179   matmul                                  line 38    f32[512,64]
+//   %181   reshape                                 line 38    f32[8,64,64]
+//   %194   add                                     line 35    f32[8,64,64]
+//   %195   add                d.layers.1.a         line 35    f32[8,64,64]
 // runs:
 //   gemm 30: [512 x 64] = [512 x 64] T[64 x 64], bf16 A and B, f32 C
 //   k49_gemm__add_epilogue<<<32, 256>>>
@@ -2318,11 +2324,11 @@ extern "C" __global__ void __launch_bounds__(256) k49_gemm__add_epilogue(char *a
 }
 
 // k50_rmsnorm_bwd__add__cast: kernel, 5 ops
-//   %195   rmsnorm_bwd                             line 35    f32[8,64,64]
-//   %196   rmsnorm_bwd        d.layers.1.attn_norm line 35    f32[64]
-//   %197   add                d.layers.0.x         line 40    f32[8,64,64]
-//   %198   reshape                                 line 40    f32[512,64]
-//   %199   cast                                    line 40    bf16[512,64]
+//   %196   rmsnorm_bwd                             line 35    f32[8,64,64]
+//   %197   rmsnorm_bwd        d.layers.1.attn_norm line 35    f32[64]
+//   %198   add                d.layers.0.x         line 40    f32[8,64,64]
+//   %199   reshape                                 line 40    f32[512,64]
+//   %200   cast                                    line 40    bf16[512,64]
 // runs:
 //   k50_rmsnorm_bwd__add__cast<<<64, 256>>>
 //   k29_rmsnorm_bwd__cast_colsum<<<8, 1024>>>
@@ -2392,139 +2398,139 @@ extern "C" __global__ void __launch_bounds__(256, 4) k50_rmsnorm_bwd__add__cast(
 }
 
 // k51_gemm: GEMM, 1 op
-//   %201   matmul             d.layers.0.w2        line 40    f32[172,64]
+//   %202   matmul             d.layers.0.w2        line 40    f32[172,64]
 // runs:
 //   gemm 31: [172 x 64] = T[172 x 512] [512 x 64], bf16 A and B, f32 C
 
 // k52_gemm__mul__silu_bwd__cast: GEMM, 5 ops
-//   %200   matmul                                  line 40    f32[512,172]
-//   %203   mul                                     line 40    f32[8,64,172]
-//   %210   silu_bwd                                line 40    f32[8,64,172]
-//   %211   reshape                                 line 40    f32[512,172]
-//   %212   cast                                    line 40    bf16[512,172]
+//   %201   matmul                                  line 40    f32[512,172]
+//   %204   mul                                     line 40    f32[8,64,172]
+//   %211   silu_bwd                                line 40    f32[8,64,172]
+//   %212   reshape                                 line 40    f32[512,172]
+//   %213   cast                                    line 40    bf16[512,172]
 // runs:
 //   gemm 32: [512 x 172] = [512 x 64] T[64 x 172], bf16 A and B, f32 C
 //   k31_gemm__mul__silu_bwd__cast_epilogue<<<86, 256>>>
 
 // k53_cast__mul: kernel, 3 ops
-//   %204   mul                                     line 40    f32[8,64,172]
-//   %205   reshape                                 line 40    f32[512,172]
-//   %206   cast                                    line 40    bf16[512,172]
+//   %205   mul                                     line 40    f32[8,64,172]
+//   %206   reshape                                 line 40    f32[512,172]
+//   %207   cast                                    line 40    bf16[512,172]
 // runs:
 //   k32_cast__mul<<<86, 256>>>
 
 // k54_gemm: GEMM, 1 op
-//   %208   matmul             d.layers.0.w3        line 40    f32[64,172]
+//   %209   matmul             d.layers.0.w3        line 40    f32[64,172]
 // runs:
 //   gemm 33: [64 x 172] = T[64 x 512] [512 x 172], bf16 A and B, f32 C
 
 // k55_gemm: GEMM, 1 op
-//   %213   matmul                                  line 40    f32[512,64]
+//   %214   matmul                                  line 40    f32[512,64]
 // runs:
 //   gemm 34: [512 x 64] = [512 x 172] T[172 x 64], bf16 A and B, f32 C
 
 // k56_gemm: GEMM, 1 op
-//   %214   matmul             d.layers.0.w1        line 40    f32[64,172]
+//   %215   matmul             d.layers.0.w1        line 40    f32[64,172]
 // runs:
 //   gemm 35: [64 x 172] = T[64 x 512] [512 x 172], bf16 A and B, f32 C
 
 // k57_gemm__add: GEMM, 3 ops
-//   %207   matmul                                  line 40    f32[512,64]
-//   %209   reshape                                 line 40    f32[8,64,64]
-//   %216   add                d.layers.0.a         line 39    f32[8,64,64]
+//   %208   matmul                                  line 40    f32[512,64]
+//   %210   reshape                                 line 40    f32[8,64,64]
+//   %217   add                d.layers.0.a         line 39    f32[8,64,64]
 // runs:
 //   gemm 36: [512 x 64] = [512 x 172] T[172 x 64] + a residual C, bf16 A and B, f32 C
 
 // k58_rmsnorm_bwd__add__cast: kernel, 5 ops
-//   %217   rmsnorm_bwd                             line 39    f32[8,64,64]
-//   %218   rmsnorm_bwd        d.layers.0.mlp_norm  line 39    f32[64]
-//   %219   add                d.layers.0.x         line 38    f32[8,64,64]
-//   %220   reshape                                 line 38    f32[512,64]
-//   %221   cast                                    line 38    bf16[512,64]
+//   %218   rmsnorm_bwd                             line 39    f32[8,64,64]
+//   %219   rmsnorm_bwd        d.layers.0.mlp_norm  line 39    f32[64]
+//   %220   add                d.layers.0.x         line 38    f32[8,64,64]
+//   %221   reshape                                 line 38    f32[512,64]
+//   %222   cast                                    line 38    bf16[512,64]
 // runs:
 //   k50_rmsnorm_bwd__add__cast<<<64, 256>>>
 //   k29_rmsnorm_bwd__cast_colsum<<<8, 1024>>>
 
 // k59_gemm: GEMM, 1 op
-//   %223   matmul             d.layers.0.wo        line 38    f32[64,64]
+//   %224   matmul             d.layers.0.wo        line 38    f32[64,64]
 // runs:
 //   gemm 37: [64 x 64] = T[64 x 512] [512 x 64], bf16 A and B, f32 C
 
 // k60_gemm__cast: GEMM, 3 ops
-//   %222   matmul                                  line 38    f32[512,64]
-//   %224   reshape                                 line 38    f32[8,64,64]
-//   %227   cast                                    line 38    bf16[8,64,64]
+//   %223   matmul                                  line 38    f32[512,64]
+//   %225   reshape                                 line 38    f32[8,64,64]
+//   %228   cast                                    line 38    bf16[8,64,64]
 // runs:
 //   gemm 38: [512 x 64] = [512 x 64] T[64 x 64], bf16 A and B, bf16 C
 
 // k61_attention_bwd: attention, 3 ops
-//   %228   attention_bwd      d.layers.0.q         line 38    f32[8,64,64]
-//   %229   attention_bwd      d.layers.0.k         line 38    f32[8,64,64]
-//   %230   attention_bwd                           line 38    f32[8,64,64]
+//   %229   attention_bwd      d.layers.0.q         line 38    f32[8,64,64]
+//   %230   attention_bwd      d.layers.0.k         line 38    f32[8,64,64]
+//   %231   attention_bwd                           line 38    f32[8,64,64]
 // runs:
 //   k40_attention_bwd_dsum<<<256, 256>>>
 //   k40_attention_bwd_dq<<<32, 128>>> or k40_attention_bwd_dq_w8<<<32, 256>>>, the faster on the device
 //   k40_attention_bwd_dkv<<<32, 256>>> or k40_attention_bwd_dkv_w4<<<32, 128>>>, the faster on the device
 
 // k62_cast: kernel, 1 op
-//   %232   cast                                    line 38    bf16[512,64]
+//   %233   cast                                    line 38    bf16[512,64]
 // runs:
 //   k41_cast<<<32, 256>>>
 
 // k63_gemm: GEMM, 1 op
-//   %234   matmul             d.layers.0.wv        line 38    f32[64,64]
+//   %235   matmul             d.layers.0.wv        line 38    f32[64,64]
 // runs:
 //   gemm 39: [64 x 64] = T[64 x 512] [512 x 64], bf16 A and B, f32 C
 
 // k64_rope__cast: kernel, 3 ops
-//   %236   rope                                    line 37    f32[8,64,64]
-//   %237   reshape                                 line 37    f32[512,64]
-//   %238   cast                                    line 37    bf16[512,64]
+//   %237   rope                                    line 37    f32[8,64,64]
+//   %238   reshape                                 line 37    f32[512,64]
+//   %239   cast                                    line 37    bf16[512,64]
 // runs:
 //   k43_rope__cast<<<64, 256>>>
 //   k43_rope__cast_rest<<<32, 256>>>
 
 // k65_gemm: GEMM, 1 op
-//   %239   matmul                                  line 37    f32[512,64]
+//   %240   matmul                                  line 37    f32[512,64]
 // runs:
 //   gemm 40: [512 x 64] = [512 x 64] T[64 x 64], bf16 A and B, f32 C
 
 // k66_gemm: GEMM, 1 op
-//   %240   matmul             d.layers.0.wk        line 37    f32[64,64]
+//   %241   matmul             d.layers.0.wk        line 37    f32[64,64]
 // runs:
 //   gemm 41: [64 x 64] = T[64 x 512] [512 x 64], bf16 A and B, f32 C
 
 // k67_rope__cast: kernel, 3 ops
-//   %242   rope                                    line 36    f32[8,64,64]
-//   %243   reshape                                 line 36    f32[512,64]
-//   %244   cast                                    line 36    bf16[512,64]
+//   %243   rope                                    line 36    f32[8,64,64]
+//   %244   reshape                                 line 36    f32[512,64]
+//   %245   cast                                    line 36    bf16[512,64]
 // runs:
 //   k43_rope__cast<<<64, 256>>>
 //   k43_rope__cast_rest<<<32, 256>>>
 
 // k68_gemm: GEMM, 1 op
-//   %245   matmul                                  line 36    f32[512,64]
+//   %246   matmul                                  line 36    f32[512,64]
 // runs:
 //   gemm 42: [512 x 64] = [512 x 64] T[64 x 64], bf16 A and B, f32 C
 
 // k69_gemm: GEMM, 1 op
-//   %246   matmul             d.layers.0.wq        line 36    f32[64,64]
+//   %247   matmul             d.layers.0.wq        line 36    f32[64,64]
 // runs:
 //   gemm 43: [64 x 64] = T[64 x 512] [512 x 64], bf16 A and B, f32 C
 
 // k70_gemm__add: GEMM, 4 ops
-//   %233   matmul                                  line 38    f32[512,64]
-//   %235   reshape                                 line 38    f32[8,64,64]
-//   %248   add                                     line 35    f32[8,64,64]
-//   %249   add                d.layers.0.a         line 35    f32[8,64,64]
+//   %234   matmul                                  line 38    f32[512,64]
+//   %236   reshape                                 line 38    f32[8,64,64]
+//   %249   add                                     line 35    f32[8,64,64]
+//   %250   add                d.layers.0.a         line 35    f32[8,64,64]
 // runs:
 //   gemm 44: [512 x 64] = [512 x 64] T[64 x 64], bf16 A and B, f32 C
 //   k49_gemm__add_epilogue<<<32, 256>>>
 
 // k71_rmsnorm_bwd__add: kernel, 3 ops
-//   %250   rmsnorm_bwd                             line 35    f32[8,64,64]
-//   %251   rmsnorm_bwd        d.layers.0.attn_norm line 35    f32[64]
-//   %252   add                d.x                  line 22    f32[8,64,64]
+//   %251   rmsnorm_bwd                             line 35    f32[8,64,64]
+//   %252   rmsnorm_bwd        d.layers.0.attn_norm line 35    f32[64]
+//   %253   add                d.x                  line 22    f32[8,64,64]
 // runs:
 //   k71_rmsnorm_bwd__add<<<64, 256>>>
 //   k29_rmsnorm_bwd__cast_colsum<<<8, 1024>>>
@@ -2591,7 +2597,7 @@ extern "C" __global__ void __launch_bounds__(256, 4) k71_rmsnorm_bwd__add(char *
 }
 
 // k72_embed_bwd: kernel, 1 op
-//   %253   embed_bwd          d.tok_emb            line 22    f32[256,64]
+//   %254   embed_bwd          d.tok_emb            line 22    f32[256,64]
 // runs:
 //   k72_embed_bwd_zero<<<1, 32>>>
 //   k72_embed_bwd_count<<<2, 256>>>
@@ -2719,28 +2725,28 @@ extern "C" __global__ void __launch_bounds__(64) k72_embed_bwd(char *arena, MdlS
 }
 
 // k73_grad_norm__adamw: optimizer, 22 ops
-//   %256   grad_norm                                          f32[]
-//   %259   adamw              tok_emb.new          line 20    f32[256,64]
-//   %262   adamw              layers.0.attn_norm.new line 25    f32[64]
-//   %265   adamw              layers.0.wq.new      line 26    f32[64,64]
-//   %268   adamw              layers.0.wk.new      line 27    f32[64,64]
-//   %271   adamw              layers.0.wv.new      line 28    f32[64,64]
-//   %274   adamw              layers.0.wo.new      line 29    f32[64,64]
-//   %277   adamw              layers.0.mlp_norm.new line 30    f32[64]
-//   %280   adamw              layers.0.w1.new      line 31    f32[64,172]
-//   %283   adamw              layers.0.w3.new      line 32    f32[64,172]
-//   %286   adamw              layers.0.w2.new      line 33    f32[172,64]
-//   %289   adamw              layers.1.attn_norm.new line 25    f32[64]
-//   %292   adamw              layers.1.wq.new      line 26    f32[64,64]
-//   %295   adamw              layers.1.wk.new      line 27    f32[64,64]
-//   %298   adamw              layers.1.wv.new      line 28    f32[64,64]
-//   %301   adamw              layers.1.wo.new      line 29    f32[64,64]
-//   %304   adamw              layers.1.mlp_norm.new line 30    f32[64]
-//   %307   adamw              layers.1.w1.new      line 31    f32[64,172]
-//   %310   adamw              layers.1.w3.new      line 32    f32[64,172]
-//   %313   adamw              layers.1.w2.new      line 33    f32[172,64]
-//   %316   adamw              norm.new             line 43    f32[64]
-//   %319   adamw              lm_head.new          line 44    f32[64,256]
+//   %257   grad_norm                                          f32[]
+//   %260   adamw              tok_emb.new          line 20    f32[256,64]
+//   %263   adamw              layers.0.attn_norm.new line 25    f32[64]
+//   %266   adamw              layers.0.wq.new      line 26    f32[64,64]
+//   %269   adamw              layers.0.wk.new      line 27    f32[64,64]
+//   %272   adamw              layers.0.wv.new      line 28    f32[64,64]
+//   %275   adamw              layers.0.wo.new      line 29    f32[64,64]
+//   %278   adamw              layers.0.mlp_norm.new line 30    f32[64]
+//   %281   adamw              layers.0.w1.new      line 31    f32[64,172]
+//   %284   adamw              layers.0.w3.new      line 32    f32[64,172]
+//   %287   adamw              layers.0.w2.new      line 33    f32[172,64]
+//   %290   adamw              layers.1.attn_norm.new line 25    f32[64]
+//   %293   adamw              layers.1.wq.new      line 26    f32[64,64]
+//   %296   adamw              layers.1.wk.new      line 27    f32[64,64]
+//   %299   adamw              layers.1.wv.new      line 28    f32[64,64]
+//   %302   adamw              layers.1.wo.new      line 29    f32[64,64]
+//   %305   adamw              layers.1.mlp_norm.new line 30    f32[64]
+//   %308   adamw              layers.1.w1.new      line 31    f32[64,172]
+//   %311   adamw              layers.1.w3.new      line 32    f32[64,172]
+//   %314   adamw              layers.1.w2.new      line 33    f32[172,64]
+//   %317   adamw              norm.new             line 43    f32[64]
+//   %320   adamw              lm_head.new          line 44    f32[64,256]
 // runs:
 //   k73_grad_norm__adamw_sumsq<<<17, 256>>>
 //   k73_grad_norm__adamw_norm<<<1, 256>>>
@@ -2901,4 +2907,4 @@ extern "C" __global__ void __launch_bounds__(256) k73_grad_norm__adamw(char *are
   }
 }
 
-// Schedule: 106 launches per step, 61 kernels (37 distinct) and 45 GEMMs; device arena 7875840 bytes.
+// Schedule: 106 launches per step, 61 kernels (37 distinct) and 45 GEMMs; device arena 7351552 bytes.

@@ -120,6 +120,12 @@ __device__ __forceinline__ uint16_t mdl_f32_to_bf16(float x) {
 
 __device__ __forceinline__ float mdl_bf16_to_f32(uint16_t h) { return __uint_as_float((uint32_t)h << 16); }
 
+// Four bf16 values at p (8-byte aligned), widened.
+__device__ __forceinline__ float4 mdl_bf16x4_load(const uint16_t *p) {
+  const ushort4 u = *(const ushort4 *)p;
+  return make_float4(mdl_bf16_to_f32(u.x), mdl_bf16_to_f32(u.y), mdl_bf16_to_f32(u.z), mdl_bf16_to_f32(u.w));
+}
+
 // One AdamW update in double, as the interpreter does it: gradient g scaled by the clip factor sc,
 // the moments m and v updated in place (rounded to f32), the new parameter returned.
 struct MdlAdamW {

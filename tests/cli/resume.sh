@@ -129,8 +129,10 @@ cmp -s "$tmp/good" "$tmp/a-cpu/checkpoint.safetensors" && ok "the other model's 
 # Gradient accumulation: k micro-batches of 2 rows train exactly like one batch of 2k rows (the
 # first k - 1 micro-batches' gradients summed engine to engine, Engine.inputs_from: with k = 3 one
 # copied and one added), validating every 3 steps (parameters to the validation engine by
-# Engine.take_params).
-acc=(--data "$tmp/data" --val-every 3 --steps 6 --backend cpu)
+# Engine.take_params). In fp32: with bf16 the two sum their gradients in different orders, and a
+# value an f32 ulp from a bf16 rounding midpoint rounds either way (the losses of such runs drift
+# apart by up to about 1e-5, relative, in 6 steps).
+acc=(--data "$tmp/data" --val-every 3 --steps 6 --backend cpu --precision fp32)
 for k in 2 3; do
   $m run models/gpt2-tiny.mdl -D B=2 -D T=32 --accumulate $k "${acc[@]}" --out "$tmp/acc$k" >/dev/null 2>"$tmp/e" ||
     fail "accumulate run: $(head -c 300 "$tmp/e")"

@@ -2,8 +2,10 @@
 # The PyTorch cross-check: `mdlc grad` on models/gpt2-tiny.mdl against the same model written in
 # PyTorch (tests/torch/gpt2_tiny.py), for the loss and every parameter gradient, on a packed batch
 # (two documents per row): in fp32 (relative error < 1e-4 per tensor) and with bf16 GEMM operands
-# (PyTorch rounding the same operands and gradients; < 1e-3, the room an f32 value within an ulp of
-# a bf16 rounding midpoint needs). Skips when /usr/bin/python3 cannot import torch.
+# (PyTorch rounding the same operands, gradients and logits; < 2.5e-3, the room an f32 value within an
+# ulp of a bf16 rounding midpoint needs: in the PyTorch model alone, moving each f32 logit by one ulp
+# or none at random before it is rounded moved the first layer's attn_w gradient by up to 1.9e-3 in 20
+# draws, where bf16 and fp32 differ by 7.4e-3). Skips when /usr/bin/python3 cannot import torch.
 set -u
 cd "$(dirname "$0")/../.."
 py=/usr/bin/python3
@@ -32,5 +34,5 @@ for p in fp32 bf16; do
 done
 "$py" tests/torch/gpt2_tiny.py check "$tmp/W.safetensors" "$tmp/batch.safetensors" "$tmp/grads-fp32.safetensors" || rc=1
 "$py" tests/torch/gpt2_tiny.py check "$tmp/W.safetensors" "$tmp/batch.safetensors" "$tmp/grads-bf16.safetensors" \
-  --bf16 --tol 1e-3 || rc=1
+  --bf16 --tol 2.5e-3 || rc=1
 exit $rc

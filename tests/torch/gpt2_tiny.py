@@ -11,7 +11,8 @@ used to cross-check the loss and every gradient that `mdlc grad` computes.
       ("loss" and one tensor per parameter): relative error max|diff| / max|ref| < tol per tensor.
       Prints "[ok] torch ..." / "[fail] torch ...: why" per tensor; exits 1 on any failure.
       With --bf16 every matmul rounds its operands to bf16 (nearest, ties to even) and accumulates
-      in fp32, and its backward rounds the incoming gradient likewise before the two GEMMs: the
+      in fp32, and its backward rounds the incoming gradient likewise before the two GEMMs; the
+      cross-entropy reads the logits rounded to bf16 (the rounding passes the gradient through): the
       semantics of `mdlc --precision bf16`, written here without mdl's code. It then also checks
       that the bf16 loss and gradients differ from the fp32 ones by more than tol somewhere, so that
       the comparison can tell the two precisions apart.
@@ -93,6 +94,19 @@ def round_bf16(t):
     return t.to(torch.bfloat16).to(torch.float32)
 
 
+class RoundBf16(torch.autograd.Function):
+    """x rounded to bf16 in the forward; the gradient passes through as it is (mdl rounds the logits
+    by a CAST that the precision pass inserts after autodiff: it has no backward of its own)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return round_bf16(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g
+
+
 class Bf16Attention(torch.autograd.Function):
     """mdl's bf16 attention (compiler/mdl.h) on heads [B, H, T, D]: every product reads bf16 operands
     (q, k and v; the numerators e = exp(s - max), divided by their unrounded sum; in the backward
@@ -172,6 +186,8 @@ def forward(w, batch, heads, bf16=False):
         x = x + mm(h, p("fcproj_w")) + p("fcproj_b")
     xf = ln(x, w["lnf_w"], w["lnf_b"])
     logits = matmul(xf.reshape(-1, C), w["wte"].T, bf16).reshape(*xf.shape[:-1], -1)
+    if bf16:
+        logits = RoundBf16.apply(logits)  # the loss reads the logits as autocast leaves them
     V = logits.shape[-1]
     per_pos = F.cross_entropy(logits.reshape(-1, V), batch["targets"].reshape(-1).long(), ignore_index=-1,
                               reduction="none")

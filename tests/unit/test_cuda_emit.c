@@ -654,11 +654,11 @@ static void test_plans(void) {
   arena_free(a);
 
   // bf16: every GEMM reads bf16 operands into an f32 result, but for the two that compute the
-  // attention backward's dout, which it reads only rounded (a CAST): they store bf16. The MLP's GELU
-  // is only kept rounded, so its GEMM adds the bias and the epilogue kernel does GELU and the
-  // rounding; the projections add the bias and the residual as in fp32: 8 bias epilogues in all. The
-  // LM head's dx and dW GEMMs read dlogits from a bf16 chunk of scratch of their own, not the logits
-  // chunk.
+  // attention backward's dout, which it reads only rounded (a CAST): they store bf16; so does the LM
+  // head's logits GEMM, whose loss reads them rounded. The MLP's GELU is only kept rounded, so its GEMM
+  // adds the bias and the epilogue kernel does GELU and the rounding; the projections add the bias and
+  // the residual as in fp32: 8 bias epilogues in all. The LM head's cross-entropy overwrites the bf16
+  // logits with bf16 dlogits, which its dx and dW GEMMs read from the same chunk.
   a = arena_new();
   g = load(a, &models[0], DT_BF16);
   if (g) {
@@ -680,16 +680,17 @@ static void test_plans(void) {
       if (strstr(f->steps[gm->step].name, "lmhead") && nlm < 3)
         lm[nlm++] = i;
     }
-    CHECK(p && bias == 8 && other == 0 && dout == 2 && bf16 == p->ngemms - 2,
+    CHECK(p && bias == 8 && other == 0 && dout == 2 && bf16 == p->ngemms - 3,
           "cuda plan gpt2-tiny bf16: bf16 x bf16 -> f32 GEMMs, the bias in 8 of their epilogues; the attention "
-          "backward's dout stored as bf16 by its GEMMs",
+          "backward's dout and the LM head's logits stored as bf16 by their GEMMs",
           "bias %d, other epilogues %d, %d of %d GEMMs bf16 -> f32, %d write a dout in bf16", bias, other, bf16,
           p ? p->ngemms : 0, dout);
     const CudaGemm *gl = p ? &p->gemms[lm[0]] : NULL, *gx = p ? &p->gemms[lm[1]] : NULL,
                    *gw = p ? &p->gemms[lm[2]] : NULL;
-    CHECK(p && nlm == 3 && gl->c >= p->scratch && gx->a >= p->scratch && gx->a != gl->c && gw->a == gx->a &&
+    CHECK(p && nlm == 3 && gl->c >= p->scratch && gx->a == gl->c && gw->a == gx->a && gl->c_type == DT_BF16 &&
               gl->ab == DT_BF16 && gx->ab == DT_BF16 && gw->ab == DT_BF16,
-          "cuda plan gpt2-tiny bf16: the LM head's dx and dW GEMMs read bf16 dlogits from a chunk of their own",
+          "cuda plan gpt2-tiny bf16: the LM head's logits GEMM stores bf16 into a chunk of scratch, where its dx and "
+          "dW GEMMs read bf16 dlogits",
           "%d GEMMs; logits at %lld, dx reads %lld, dW reads %lld (scratch from %lld)", nlm,
           gl ? (long long)gl->c : -1LL, gx ? (long long)gx->a : -1LL, gw ? (long long)gw->a : -1LL,
           p ? (long long)p->scratch : -1LL);
@@ -720,8 +721,9 @@ static void test_plans(void) {
     else // (x @ w) @ wg: x @ w and its gradient are only read rounded, so cuBLASLt writes them as bf16
          // into the CASTs' slots; h = gelu(...) is only read rounded too (by attention), which cuBLASLt's
          // GELU epilogue cannot store (its output takes the aux's type, f32): the epilogue kernel
-         // computes the GELU and stores h's rounding
-      CHECK(gelu == 0 && d16 == 2 && into_cast == 2 && strstr(p->source, "mdl_gelu("),
+         // computes the GELU and stores h's rounding. (The third bf16 result: the LM head's logits, into
+         // its chunk of scratch.)
+      CHECK(gelu == 0 && d16 == 3 && into_cast == 2 && strstr(p->source, "mdl_gelu("),
             "cuda plan wide bf16: two GEMMs write bf16 results straight into their CASTs' slots, the GELU of a "
             "value read rounded in the epilogue kernel",
             "%d GEMMs with a bf16 result, %d of them into a CAST's slot; %d GELU epilogues", d16, into_cast, gelu);
@@ -1611,6 +1613,93 @@ static void test_ce_limits(const char *dir) {
   arena_free(a);
 }
 
+// The bf16 LM head's loss reads the logits rounded to bf16, emulated against the interpreter. With
+// one channel each logit is a single product of two bf16 values, exact in f32 whatever the GEMM's
+// order, so both round the same logits: the losses agree within 1e-6 and the gradients within 1e-5,
+// while the loss of the same logits unrounded (computed here from the interpreter's) is over 2e-5
+// away (5.6e-5). Fused, the step is the chunked LM head (its cross-entropy kernel overwrites bf16 logits
+// with bf16 dlogits); unfused, the GEMM stores the logits' CAST and a cross-entropy kernel reads it.
+static const char lmround[] = "model lmround\n"
+                              "dim R = 64\n"
+                              "dim V = 300\n"
+                              "input x: f32[R, 1]\n"
+                              "input targets: i32[R]\n"
+                              "param s: [1] = ones\n"
+                              "param w: [1, V] = normal(4.0)\n"
+                              "output loss = mean(cross_entropy((x * s) @ w, targets))\n";
+
+static void test_lmhead_rounding(const char *dir, bool fused) {
+  enum { R = 64, V = 300 };
+  Arena *a = arena_new();
+  Graph *g = mdl_compile_text(a, "lmround.mdl", lmround, NULL, 0);
+  char why[2048] = "", err[256] = "";
+  const char *label = fused ? "cuda emu bf16 LM head fused" : "cuda emu bf16 LM head unfused";
+  bool ok = g && autodiff(g, true) && precision_assign(g, DT_BF16, why, sizeof why);
+  Fusion *f = ok ? fuse(g, (FuseOptions){.fuse = fused, .chunk_lmhead = fused}) : NULL;
+  MemPlan *m = f ? memplan(f) : NULL;
+  CudaPlan *p = m ? emit_cuda_plan(f, m, "lmround.mdl") : NULL;
+  int lm = 0, mm = -1, ce = -1;
+  for (int s = 0; f && s < f->nsteps; s++)
+    lm += f->steps[s].kind == STEP_LMHEAD;
+  for (int i = 0; g && i < g->n; i++) {
+    mm = g->nodes[i]->op == OP_MATMUL && mm < 0 ? i : mm;
+    ce = g->nodes[i]->op == OP_CROSS_ENTROPY ? i : ce;
+  }
+  Emu emu = {0};
+  ok = p && lm == fused && mm >= 0 && ce >= 0 &&
+       emu_load(p, dir, fused ? "lmround" : "lmround-u", &emu, why, sizeof why);
+  CHECK(ok, arena_printf(a, "%s: the module compiles with the emulator, %s LM-head step", label, fused ? "one" : "no"),
+        "%d LM-head steps; %.1500s", lm, why);
+  if (!ok) {
+    arena_free(a);
+    return;
+  }
+  static float x[R];
+  int32_t tg[R];
+  for (int j = 0; j < R; j++) {
+    x[j] = (float)(3 * sin(0.7 * j + 0.3));
+    tg[j] = (j * 37 + 5) % V;
+  }
+  Interp *it = interp_new(g, INTERP_F32);
+  interp_init_params(it, 7);
+  interp_set_input(it, "x", NULL, x, R);
+  interp_set_input(it, "targets", tg, NULL, R);
+  interp_set_scalar(it, "lr", 2e-3);
+  interp_set_scalar(it, "step", 1);
+  bool iok = interp_run(it, g->n, err, sizeof err);
+  char *arena = arena_new_for(p);
+  cpu_init_params(g, m, arena, 7);
+  cpu_set_input(g, m, arena, "x", NULL, x, R);
+  cpu_set_input(g, m, arena, "targets", tg, NULL, R);
+  cpu_set_scalar(g, m, arena, "lr", 2e-3);
+  cpu_set_scalar(g, m, arena, "step", 1);
+  MdlStatus st = emu_step(p, &emu, arena);
+  double loss = *(float *)cpu_value(m, arena, g->loss), ref = interp_value(it, g->loss)[0], plain = 0, e = 0;
+  const double *lg = interp_value(it, mm); // the logits as the GEMM computes them, unrounded
+  for (int r = 0; iok && r < R; r++) {
+    double mx = -INFINITY, sum = 0;
+    for (int j = 0; j < V; j++)
+      mx = fmax(mx, lg[r * V + j]);
+    for (int j = 0; j < V; j++)
+      sum += exp(lg[r * V + j] - mx);
+    plain += (mx + log(sum) - lg[r * V + tg[r]]) / R;
+  }
+  for (int k = 0; iok && k < g->nparams; k++) {
+    int64_t n = shape_numel(g->nodes[g->params[k]]->shape);
+    double *gr = from_float(cpu_value(m, arena, g->grads[k]), n);
+    e = fmax(e, rel_err(gr, interp_value(it, g->grads[k]), n));
+    free(gr);
+  }
+  CHECK(iok && !st.set && fabs(loss - ref) <= 1e-6 * fabs(ref) && e <= 1e-5 && fabs(plain - ref) > 2e-5 * fabs(ref),
+        arena_printf(a, "%s: the loss of the logits rounded to bf16, as the interpreter's (1e-6), gradients (1e-5)",
+                     label),
+        "loss %.8f vs %.8f (unrounded logits: %.8f), gradients %.2e (%s)", loss, ref, plain, e, err);
+  free(arena);
+  interp_free(it);
+  emu_free(&emu);
+  arena_free(a);
+}
+
 int main(void) {
   char dir[] = "/tmp/mdl-cuda-XXXXXX";
   if (!mkdtemp(dir)) {
@@ -1646,6 +1735,8 @@ int main(void) {
     test_lmhead_chunks(dir, "models/llama-tiny.mdl", false);
     test_lmhead_chunks(dir, "models/gpt2-tiny.mdl", true);
     test_ce_limits(dir);
+    test_lmhead_rounding(dir, true);
+    test_lmhead_rounding(dir, false);
   } else {
     printf("[skip] cuda emu: no g++\n");
   }

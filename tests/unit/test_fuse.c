@@ -338,10 +338,10 @@ static bool has_reason(const Fusion *f, int a, int b, const char *text) {
 }
 
 // The fusion rules on the tiny GPT.
-// The LM head's traffic: what its step reads and writes, plus the f32 logits written and read back
-// and dlogits (dl_size bytes each: 2 when the backward GEMMs read their bf16 CAST) written once and
-// read by both backward GEMMs.
-static void lmhead_traffic(const char *label, const Fusion *f, int dl_size) {
+// The LM head's traffic: what its step reads and writes, plus the logits written and read back and
+// dlogits written once and read by both backward GEMMs (size bytes each: 2 with bf16, where the loss
+// reads the logits' CAST and the GEMMs dlogits' CAST).
+static void lmhead_traffic(const char *label, const Fusion *f, int size) {
   const Graph *g = f->g;
   int lm = -1, ceb = -1;
   for (int s = 0; s < f->nsteps; s++)
@@ -362,8 +362,8 @@ static void lmhead_traffic(const char *label, const Fusion *f, int dl_size) {
     rd += dtype_size(g->nodes[st->ins[i]]->dtype) * (double)shape_numel(g->nodes[st->ins[i]]->shape);
   for (int i = 0; i < st->nouts; i++)
     wr += dtype_size(g->nodes[st->outs[i]]->dtype) * (double)shape_numel(g->nodes[st->outs[i]]->shape);
-  rd += 4 * nv + 2 * dl_size * nv;
-  wr += 4 * nv + dl_size * nv;
+  rd += size * nv + 2 * size * nv;
+  wr += size * nv + size * nv;
   CHECK(st->bytes_read == rd && st->bytes_written == wr, name, "read %.0f, want %.0f; written %.0f, want %.0f",
         st->bytes_read, rd, st->bytes_written, wr);
 }

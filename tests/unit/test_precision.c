@@ -105,7 +105,7 @@ static void test_structure(const char *path, const DimOverride *ov, int nov) {
   // value is rounded once and the slice becomes a bf16 view of that) and attention backward douts
   // before the pass, and the attention outputs the backward reads (rounded through the output
   // projection's CAST, by a view of it).
-  int want_casts = 0, matmuls = 0, atts = 0, want_views = 0, fwd_atts = 0;
+  int want_casts = 0, matmuls = 0, atts = 0, want_views = 0, fwd_atts = 0, ces = 0;
   bool *operand = calloc((size_t)before->n, 1);
   for (int i = 0; i < before->n; i++) {
     const IrNode *n = before->nodes[i];
@@ -117,6 +117,13 @@ static void test_structure(const char *path, const DimOverride *ov, int nov) {
           operand[x] = true;
           want_casts++;
         }
+      }
+    }
+    if (n->op == OP_CROSS_ENTROPY || n->op == OP_CROSS_ENTROPY_BWD) { // the logits
+      ces++;
+      if (!operand[n->in[0]]) {
+        operand[n->in[0]] = true;
+        want_casts++;
       }
     }
     if (n->op == OP_MATMUL || n->op == OP_ATTENTION_BWD) {
@@ -139,6 +146,7 @@ static void test_structure(const char *path, const DimOverride *ov, int nov) {
   if (!ok)
     return;
   int casts = 0, got_matmuls = 0, bad_matmul = 0, twice = 0, fwd_bad = 0, got_atts = 0, bad_att = 0, bad_qkv = 0;
+  int got_ces = 0, bad_ce = 0;
   int *cast_of = malloc(sizeof(int) * (size_t)g->n);
   memset(cast_of, -1, sizeof(int) * (size_t)g->n);
   for (int i = 0; i < g->n; i++) {
@@ -165,6 +173,15 @@ static void test_structure(const char *path, const DimOverride *ov, int nov) {
       bad_att += o->op != OP_RESHAPE || o->dtype != DT_BF16 || oc->op != OP_CAST || ov->op != OP_RESHAPE ||
                  g->nodes[ov->in[0]]->op != OP_ATTENTION;
     }
+    if (n->op == OP_CROSS_ENTROPY || n->op == OP_CROSS_ENTROPY_BWD) {
+      const IrNode *x = g->nodes[n->in[0]];
+      got_ces++;
+      bad_ce += x->op != OP_CAST || x->dtype != DT_BF16 || n->dtype != DT_F32 || g->nodes[n->in[1]]->dtype != DT_I32;
+      // forward and backward read the same rounding
+      for (int j = 0; j < i; j++)
+        bad_ce += g->nodes[j]->op == OP_CROSS_ENTROPY && n->op == OP_CROSS_ENTROPY_BWD &&
+                  g->nodes[j]->in[1] == n->in[1] && g->nodes[j]->in[0] != n->in[0];
+    }
     if (n->op != OP_MATMUL)
       continue;
     got_matmuls++;
@@ -186,13 +203,17 @@ static void test_structure(const char *path, const DimOverride *ov, int nov) {
            "output projection's", path, atts);
   CHECK(bad_att == 0 && got_atts == atts, name, "%d bad, %d attention backward nodes (had %d)", bad_att, got_atts,
         atts);
+  snprintf(name, sizeof name, "precision: %s: every cross-entropy and its backward (%d) reads the logits through one "
+           "bf16 cast and yields f32", path, ces);
+  CHECK(bad_ce == 0 && got_ces == ces && ces > 0, name, "%d bad, %d cross-entropy nodes (had %d)", bad_ce, got_ces,
+        ces);
   if (fwd_atts) {
     snprintf(name, sizeof name, "precision: %s: every attention (%d forward) reads q, k and v as bf16 casts or "
              "slices of one", path, fwd_atts);
     CHECK(bad_qkv == 0, name, "%d bad", bad_qkv);
   }
-  snprintf(name, sizeof name, "precision: %s: one cast per GEMM operand, attention input and dout value (%d), none "
-           "twice", path, want_casts);
+  snprintf(name, sizeof name, "precision: %s: one cast per GEMM operand, attention input, dout and logits value (%d), "
+           "none twice", path, want_casts);
   CHECK(casts == want_casts && twice == 0 && g->n == before->n + casts + want_views, name,
         "%d casts (%d twice), %d nodes, had %d, %d views", casts, twice, g->n, before->n, want_views);
   snprintf(name, sizeof name, "precision: %s: the forward's casts stay in the forward", path);
@@ -296,6 +317,14 @@ static void test_ir_rules(void) {
   CHECK(mm >= 0 && g->nodes[mm]->dtype == DT_F32, "ir: matmul of two bf16 values yields f32", "%s", g->err);
   bad = ir_add(g, OP_CAST, &x, 1, (int64_t[8]){DT_I32}, NULL, l);
   CHECK(bad < 0 && strstr(g->err, "cast to i32"), "ir: cast to i32 is rejected", "got %d: %s", bad, g->err);
+  // A cross-entropy (logits [2, 3], targets i32[2]) reads bf16 logits (the precision pass's CAST of
+  // them); a softmax does not.
+  int tg = ir_leaf(g, OP_INPUT, "t", DT_I32, shape_of(1, (int64_t[]){2}), l);
+  int ce = ir_add(g, OP_CROSS_ENTROPY, (int[]){xc, tg}, 2, NULL, NULL, l);
+  CHECK(ce >= 0 && g->nodes[ce]->dtype == DT_F32, "ir: a cross-entropy of bf16 logits yields f32", "%s", g->err);
+  bad = ir_add(g, OP_SOFTMAX, &xc, 1, NULL, NULL, l);
+  CHECK(bad < 0 && strstr(g->err, "softmax: reads a bf16 value"), "ir: softmax of a bf16 value is rejected",
+        "got %d: %s", bad, g->err);
   // Attention backward (q, k, v, out, lse, dout) [1, 4, 8], 2 heads: a bf16 q, k, v, out and dout when
   // its products read bf16 (ia[4]), not when they read f32, and never a bf16 lse.
   Shape qs = shape_of(3, (int64_t[]){1, 4, 8});
@@ -379,6 +408,60 @@ static bool train(Graph *g, int steps, double *losses, bool check_casts, int *no
   }
   interp_free(it);
   return true;
+}
+
+// The bf16 loss is the cross-entropy of the logits rounded to bf16: recomputed here from the f32
+// logits the interpreter holds, rounded, row by row; and the rounding moves it.
+static void test_loss_rounding(void) {
+  DimOverride ov[] = {{"B", 2}, {"T", 16}};
+  Arena *a = arena_new();
+  Graph *g = training_graph(a, "models/gpt2-tiny.mdl", ov, 2);
+  char why[256], err[256];
+  if (!precision_assign(g, DT_BF16, why, sizeof why)) {
+    printf("[fail] precision: %s\n", why);
+    return;
+  }
+  int ce = -1;
+  for (int i = 0; i < g->n && ce < 0; i++)
+    if (g->nodes[i]->op == OP_CROSS_ENTROPY)
+      ce = i;
+  Interp *it = interp_new(g, INTERP_F32);
+  interp_init_params(it, 5);
+  interp_set_seed(it, 5);
+  set_batch(g, it);
+  interp_set_scalar(it, "lr", 3e-3);
+  interp_set_scalar(it, "step", 1);
+  bool ran = ce >= 0 && interp_run(it, g->n, err, sizeof err);
+  CHECK(ran, "precision: gpt2-tiny bf16: one step interpreted", "%s", ce < 0 ? "no cross-entropy" : err);
+  if (!ran) {
+    interp_free(it);
+    arena_free(a);
+    return;
+  }
+  const IrNode *c = g->nodes[ce], *cast = g->nodes[c->in[0]];
+  const double *logits = interp_value(it, cast->in[0]), *loss = interp_value(it, ce), *tg = interp_value(it, c->in[1]);
+  int64_t v = cast->shape.d[cast->shape.rank - 1], rows = interp_numel(it, ce);
+  double err16 = 0, moved = 0;
+  for (int64_t r = 0; r < rows; r++) {
+    const double *x = logits + r * v;
+    double want[2];
+    for (int k = 0; k < 2; k++) { // k = 0: rounded logits, 1: as they are
+      double m = -INFINITY, sum = 0;
+      for (int64_t j = 0; j < v; j++)
+        m = fmax(m, k ? x[j] : round_bf16(x[j]));
+      for (int64_t j = 0; j < v; j++)
+        sum += exp((k ? x[j] : round_bf16(x[j])) - m);
+      int64_t t = (int64_t)tg[r];
+      want[k] = m + log(sum) - (k ? x[t] : round_bf16(x[t]));
+    }
+    err16 = fmax(err16, fabs(loss[r] - want[0]));
+    moved = fmax(moved, fabs(want[1] - want[0]));
+  }
+  CHECK(cast->op == OP_CAST && err16 <= 1e-6 && moved > 1e-5,
+        "precision: gpt2-tiny bf16: the loss is the cross-entropy of the logits rounded to bf16",
+        "%lld rows: max error %.3g, rounding moves it by %.3g", (long long)rows, err16, moved);
+  interp_free(it);
+  arena_free(a);
 }
 
 static void test_interp(void) {
@@ -536,6 +619,7 @@ int main(void) {
   test_rounding();
   DimOverride ov[] = {{"B", 2}, {"T", 16}};
   test_structure("models/gpt2-tiny.mdl", ov, 2);
+  test_loss_rounding();
   test_structure("models/llama-tiny.mdl", ov, 2);
   test_structure("models/mlp.mdl", NULL, 0);
   test_fusion("models/gpt2-tiny.mdl", ov, 2, 11); // 5 norm outputs, 3 gradients a layer
