@@ -214,11 +214,33 @@ static const char prelude[] =
     "\n"
     "__device__ __forceinline__ float mdl_bf16_to_f32(uint16_t h) { return __uint_as_float((uint32_t)h << 16); }\n"
     "\n"
-    "// Four bf16 values at p (8-byte aligned), widened.\n"
-    "__device__ __forceinline__ float4 mdl_bf16x4_load(const uint16_t *p) {\n"
-    "  const ushort4 u = *(const ushort4 *)p;\n"
-    "  return make_float4(mdl_bf16_to_f32(u.x), mdl_bf16_to_f32(u.y), mdl_bf16_to_f32(u.z), mdl_bf16_to_f32(u.w));\n"
+    "// Four or eight consecutive values as f32 in one load (16 bytes; four bf16 values: 8), and their\n"
+    "// stores (to bf16: each rounded). p is aligned to the load's bytes.\n"
+    "__device__ __forceinline__ void mdl_load4(const float *p, float f[4]) {\n"
+    "  const float4 u = *(const float4 *)p;\n"
+    "  f[0] = u.x, f[1] = u.y, f[2] = u.z, f[3] = u.w;\n"
     "}\n"
+    "__device__ __forceinline__ void mdl_load4(const uint16_t *p, float f[4]) {\n"
+    "  const ushort4 u = *(const ushort4 *)p;\n"
+    "  f[0] = mdl_bf16_to_f32(u.x), f[1] = mdl_bf16_to_f32(u.y), f[2] = mdl_bf16_to_f32(u.z), f[3] = mdl_bf16_to_f32(u.w);\n"
+    "}\n"
+    "__device__ __forceinline__ void mdl_load8(const uint16_t *p, float f[8]) {\n"
+    "  const uint4 u = *(const uint4 *)p;\n"
+    "  const uint32_t w[4] = {u.x, u.y, u.z, u.w};\n"
+    "  for (int k = 0; k < 4; k++)\n"
+    "    f[2 * k] = __uint_as_float(w[k] << 16), f[2 * k + 1] = __uint_as_float(w[k] & 0xffff0000u);\n"
+    "}\n"
+    "__device__ __forceinline__ void mdl_store4(float *p, const float f[4]) { *(float4 *)p = make_float4(f[0], f[1], f[2], f[3]); }\n"
+    "__device__ __forceinline__ void mdl_store4(uint16_t *p, const float f[4]) {\n"
+    "  *(ushort4 *)p = make_ushort4(mdl_f32_to_bf16(f[0]), mdl_f32_to_bf16(f[1]), mdl_f32_to_bf16(f[2]), mdl_f32_to_bf16(f[3]));\n"
+    "}\n"
+    "__device__ __forceinline__ void mdl_store8(uint16_t *p, const float f[8]) {\n"
+    "  uint32_t w[4];\n"
+    "  for (int k = 0; k < 4; k++)\n"
+    "    w[k] = (uint32_t)mdl_f32_to_bf16(f[2 * k]) | (uint32_t)mdl_f32_to_bf16(f[2 * k + 1]) << 16;\n"
+    "  *(uint4 *)p = make_uint4(w[0], w[1], w[2], w[3]);\n"
+    "}\n"
+    "__device__ __forceinline__ void mdl_store8(float *p, const float f[8]) { mdl_store4(p, f), mdl_store4(p + 4, f + 4); }\n"
     "\n"
     "// One AdamW update in double, as the interpreter does it: gradient g scaled by the clip factor sc,\n"
     "// the moments m and v updated in place (rounded to f32), the new parameter returned.\n"
@@ -2125,21 +2147,19 @@ static void emit_softmax(Emit *e, int gi, const bool *emitted) {
 // One row r of cross-entropy inside a row group, the logits row at x (in memory; bf16 values when
 // x16, widened as they are loaded): the loss into loss[r] (loss may be NULL) and dloss[r] * (softmax -
 // onehot) into the row at dx (may be NULL, may be x itself; of bf16 values when dx16, each the f32
-// value rounded); an ignored target (< 0) gives zeros, one >= V a report. With vec the rows start
-// 16-byte aligned (8 for bf16 ones): both passes take four logits a load (float4, or four bf16 values
-// widened), then the last v % 4 one by one. (The LM head's cross-entropy, a
-// block of 1024 threads a row reading one float each, moved GPT-2's logits at 2.2 TB/s on an H200:
-// a load in flight per thread is too few bytes to cover the memory's latency. The float4 loops were
-// not unrolled either, one load of 16 bytes in a pass's loop in the PTX: they now take two float4 a
-// thread at once.)
+// value rounded); an ignored target (< 0) gives zeros, one >= V a report. With vw (4 or 8) both passes
+// take vw logits a load, 16 bytes (four f32 or eight bf16; four bf16, 8 bytes, where rows are only
+// 8-byte aligned), then the last v % vw one by one: the caller knows the rows of x and dx start
+// aligned to vw elements of theirs. (The LM head's cross-entropy, a block of 1024 threads a row
+// reading one float each, moved GPT-2's logits at 2.2 TB/s on an H200: a load in flight per thread is
+// too few bytes to cover the memory's latency. The float4 loops were not unrolled either, one load of
+// 16 bytes in a pass's loop in the PTX: they now take two loads a thread at once.)
 static void ce_row(Emit *e, const RowShape *rs, int64_t v, const char *x, bool x16, const char *tg,
-                   const char *loss, const char *dx, bool dx16, const char *dloss, bool vec) {
+                   const char *loss, const char *dx, bool dx16, const char *dloss, int vw) {
   const char *ixt = e->core.ixt;
-  int64_t v4 = vec ? v / 4 : 0; // the float4 loads of a row
+  int64_t nv = vw ? v / vw : 0; // the vector loads of a row
   ec_line(&e->core, "const %s *x = %s;", x16 ? "uint16_t" : "float", x);
-  // x[j] and the four at x + 4 j4 as f32
-  const char *xj = x16 ? "mdl_bf16_to_f32(x[j])" : "x[j]";
-  const char *ld4 = x16 ? "mdl_bf16x4_load(&x[%s])" : "*(const float4 *)&x[%s]";
+  const char *xj = x16 ? "mdl_bf16_to_f32(x[j])" : "x[j]"; // x[j] as f32
   if (dx) {
     ec_line(&e->core, "%s *dx = %s;", dx16 ? "uint16_t" : "float", dx);
     dx = "dx";
@@ -2164,19 +2184,22 @@ static void ce_row(Emit *e, const RowShape *rs, int64_t v, const char *x, bool x
   // then rescaled to the row's maximum and added. The gradient's pass reads the row a second time.
   ec_line(&e->core, "float m = -MDL_INF;");
   ec_line(&e->core, "double part = 0;");
-  // (Two float4 loads of a thread in flight at once, the second's logits taken after the first's as
-  // a loop of one would: the order of the sums is the same.)
-  if (v4) {
-    ec_enter(&e->core, "for (%s j4 = tr; j4 < %lld; j4 += %d)", ixt, (long long)v4, 2 * rs->tpr);
-    ec_line(&e->core, "const float4 x4 = %s;", ec_str(&e->core, ld4, "4 * j4"));
-    ec_line(&e->core, "const float4 y4 = j4 + %d < %lld ? %s : make_float4(-MDL_INF, -MDL_INF, -MDL_INF, -MDL_INF);",
-            rs->tpr, (long long)v4, ec_str(&e->core, ld4, ec_str(&e->core, "4 * (j4 + %d)", rs->tpr)));
-    for (int c = 0; c < 8; c++)
-      ec_line(&e->core, "mdl_softmax_add(%c4.%c, m, part);", c < 4 ? 'x' : 'y', "xyzw"[c % 4]);
+  // (Two loads of a thread in flight at once, the second's logits taken after the first's as a loop
+  // of one would: the order of the sums is the same.)
+  if (nv) {
+    ec_enter(&e->core, "for (%s jv = tr; jv < %lld; jv += %d)", ixt, (long long)nv, 2 * rs->tpr);
+    ec_line(&e->core, "float xa[%d], ya[%d];", vw, vw);
+    ec_line(&e->core, "mdl_load%d(&x[%d * jv], xa);", vw, vw);
+    ec_line(&e->core, "if (jv + %d < %lld)", rs->tpr, (long long)nv);
+    ec_line(&e->core, "  mdl_load%d(&x[%d * (jv + %d)], ya);", vw, vw, rs->tpr);
+    ec_line(&e->core, "else");
+    ec_line(&e->core, "  for (int c = 0; c < %d; c++) ya[c] = -MDL_INF;", vw);
+    for (int c = 0; c < 2 * vw; c++)
+      ec_line(&e->core, "mdl_softmax_add(%ca[%d], m, part);", c < vw ? 'x' : 'y', c % vw);
     ec_leave(&e->core);
   }
-  if (4 * v4 < v) {
-    ec_line(&e->core, "for (%s j = %lld + tr; j < %lld; j += %d)", ixt, (long long)(4 * v4), (long long)v, rs->tpr);
+  if (vw * nv < v) {
+    ec_line(&e->core, "for (%s j = %lld + tr; j < %lld; j += %d)", ixt, (long long)(vw * nv), (long long)v, rs->tpr);
     ec_line(&e->core, "  mdl_softmax_add(%s, m, part);", xj);
   }
   ec_line(&e->core, "const float mx = %s;", rfmax(e, rs, "m"));
@@ -2188,42 +2211,46 @@ static void ce_row(Emit *e, const RowShape *rs, int64_t v, const char *x, bool x
   }
   if (dx) {
     ec_line(&e->core, "const double g = %s, inv = 1.0 / sum;", dloss);
-    if (v4) {
-      ec_enter(&e->core, "for (%s j4 = tr; j4 < %lld; j4 += %d)", ixt, (long long)v4, 2 * rs->tpr);
-      ec_line(&e->core, "const bool two = j4 + %d < %lld;", rs->tpr, (long long)v4);
-      ec_line(&e->core, "const float4 x4 = %s;", ec_str(&e->core, ld4, "4 * j4"));
-      ec_line(&e->core, "const float4 y4 = two ? %s : x4;",
-              ec_str(&e->core, ld4, ec_str(&e->core, "4 * (j4 + %d)", rs->tpr)));
+    if (nv) {
+      // (both loads before either store: dx may be x itself)
+      ec_enter(&e->core, "for (%s jv = tr; jv < %lld; jv += %d)", ixt, (long long)nv, 2 * rs->tpr);
+      ec_line(&e->core, "const bool two = jv + %d < %lld;", rs->tpr, (long long)nv);
+      ec_line(&e->core, "float xa[%d], ya[%d];", vw, vw);
+      ec_line(&e->core, "mdl_load%d(&x[%d * jv], xa);", vw, vw);
+      ec_line(&e->core, "if (two)");
+      ec_line(&e->core, "  mdl_load%d(&x[%d * (jv + %d)], ya);", vw, vw, rs->tpr);
       for (int h = 0; h < 2; h++) {
-        if (h) {
+        const char *a = h ? "ya" : "xa", *j = h ? "jy" : "j";
+        if (h)
           ec_enter(&e->core, "if (two)");
-          ec_line(&e->core, "const %s jy = 4 * (j4 + %d);", ixt, rs->tpr);
-        } else {
-          ec_line(&e->core, "const %s j = 4 * j4;", ixt);
-        }
-        const char *d[4];
-        for (int c = 0; c < 4; c++) {
-          d[c] = ec_str(&e->core, "mdl_ce_grad(%c4.%c, mx, g, inv, j%s%s == tg)", h ? 'y' : 'x', "xyzw"[c],
-                        h ? "y" : "", c ? ec_str(&e->core, " + %d", c) : "");
-          if (dx16)
-            d[c] = ec_str(&e->core, "mdl_f32_to_bf16(%s)", d[c]);
-        }
-        ec_line(&e->core, "*(%s *)&dx[j%s] = make_%s(", dx16 ? "ushort4" : "float4", h ? "y" : "",
-                dx16 ? "ushort4" : "float4");
-        for (int c = 0; c < 4; c++)
-          ec_line(&e->core, "    %s%s", d[c], c < 3 ? "," : ");");
+        ec_line(&e->core, "const %s %s = %d * (jv%s);", ixt, j, vw, h ? ec_str(&e->core, " + %d", rs->tpr) : "");
+        for (int c = 0; c < vw; c++)
+          ec_line(&e->core, "%s[%d] = mdl_ce_grad(%s[%d], mx, g, inv, %s%s == tg);", a, c, a, c, j,
+                  c ? ec_str(&e->core, " + %d", c) : "");
+        ec_line(&e->core, "mdl_store%d(&dx[%s], %s);", vw, j, a);
         if (h)
           ec_leave(&e->core);
       }
       ec_leave(&e->core);
     }
-    if (4 * v4 < v) {
-      ec_line(&e->core, "for (%s j = %lld + tr; j < %lld; j += %d)", ixt, (long long)(4 * v4), (long long)v, rs->tpr);
+    if (vw * nv < v) {
+      ec_line(&e->core, "for (%s j = %lld + tr; j < %lld; j += %d)", ixt, (long long)(vw * nv), (long long)v,
+              rs->tpr);
       const char *d = ec_str(&e->core, "mdl_ce_grad(%s, mx, g, inv, j == tg)", xj);
       ec_line(&e->core, "  %s[j] = %s;", dx, dx16 ? ec_str(&e->core, "mdl_f32_to_bf16(%s)", d) : d);
     }
   }
   ec_leave(&e->core);
+}
+
+// The elements a load of a cross-entropy row takes (ce_row's vw): 16 bytes where rows of x and dx
+// (elements of xs and ds bytes, `stride` apart, at 16-byte aligned bases) start 16-byte aligned, else
+// 4 elements where they start aligned to 4, else none.
+static int ce_width(int64_t stride, int xs, int ds) {
+  int w = 16 / xs;
+  if (stride % w == 0 && (ds == 0 || (stride * ds) % 16 == 0))
+    return w;
+  return stride % 4 == 0 ? 4 : 0;
 }
 
 // The threads per row of a cross-entropy over v classes (the row is read from memory twice).
@@ -2253,7 +2280,8 @@ static void emit_ce(Emit *e, int gi) {
          ec_node(&e->core, lg)->dtype == DT_BF16, ec_str(&e->core, "%s[r]", ptr(e, tg)),
          ce >= 0 ? ec_str(&e->core, "%s[r]", ptr(e, ce)) : NULL,
          ceb >= 0 ? ec_str(&e->core, "%s + r * %lld", ptr(e, ceb), (long long)v) : NULL, false,
-         dl >= 0 ? ec_str(&e->core, "%s[r]", ptr(e, dl)) : NULL, v % 4 == 0);
+         dl >= 0 ? ec_str(&e->core, "%s[r]", ptr(e, dl)) : NULL,
+         ce_width(v, (int)dtype_size(ec_node(&e->core, lg)->dtype), ceb >= 0 ? 4 : 0));
   ec_leave(&e->core);
   kend(e, rs.grid, rs.block);
   for (int i = 0; i < gr->nmem; i++)
@@ -2342,7 +2370,7 @@ static void emit_lmhead(Emit *e, int gi) {
       ce_row(e, &rs, v, ec_str(&e->core, "%s + i * %lld", lp, (long long)vp), l16,
              ec_str(&e->core, "%s[r]", ptr(e, tg)),
              ec_str(&e->core, "%s[r]", ptr(e, gr->ce)), ec_str(&e->core, "%s + i * %lld", gp, (long long)vp), d16,
-             ec_str(&e->core, "%s[r]", ptr(e, dl)), true); // rows vp apart, a multiple of 64
+             ec_str(&e->core, "%s[r]", ptr(e, dl)), l16 ? 8 : 4); // rows vp apart, a multiple of 64
       if (vn > v)
         ec_line(&e->core, "for (int j = %lld + tr; j < %lld; j += %d) %s[i * %lld + j] = 0;", (long long)v,
                 (long long)vn, rs.tpr, gp, (long long)vp);

@@ -58,6 +58,9 @@ struct __attribute__((aligned(4))) ushort2 {
 struct __attribute__((aligned(8))) ushort4 {
   unsigned short x, y, z, w;
 };
+struct __attribute__((aligned(16))) uint4 {
+  unsigned x, y, z, w;
+};
 
 inline thread_local uint3 threadIdx, blockIdx;
 inline thread_local dim3 blockDim, gridDim;
@@ -69,6 +72,7 @@ inline ushort2 make_ushort2(unsigned short x, unsigned short y) { return ushort2
 inline ushort4 make_ushort4(unsigned short x, unsigned short y, unsigned short z, unsigned short w) {
   return ushort4{x, y, z, w};
 }
+inline uint4 make_uint4(unsigned x, unsigned y, unsigned z, unsigned w) { return uint4{x, y, z, w}; }
 
 // Bit casts, and __expf (the GPU's fast exp; here the exact one).
 inline float __int_as_float(int x) {

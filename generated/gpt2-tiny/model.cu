@@ -120,11 +120,33 @@ __device__ __forceinline__ uint16_t mdl_f32_to_bf16(float x) {
 
 __device__ __forceinline__ float mdl_bf16_to_f32(uint16_t h) { return __uint_as_float((uint32_t)h << 16); }
 
-// Four bf16 values at p (8-byte aligned), widened.
-__device__ __forceinline__ float4 mdl_bf16x4_load(const uint16_t *p) {
-  const ushort4 u = *(const ushort4 *)p;
-  return make_float4(mdl_bf16_to_f32(u.x), mdl_bf16_to_f32(u.y), mdl_bf16_to_f32(u.z), mdl_bf16_to_f32(u.w));
+// Four or eight consecutive values as f32 in one load (16 bytes; four bf16 values: 8), and their
+// stores (to bf16: each rounded). p is aligned to the load's bytes.
+__device__ __forceinline__ void mdl_load4(const float *p, float f[4]) {
+  const float4 u = *(const float4 *)p;
+  f[0] = u.x, f[1] = u.y, f[2] = u.z, f[3] = u.w;
 }
+__device__ __forceinline__ void mdl_load4(const uint16_t *p, float f[4]) {
+  const ushort4 u = *(const ushort4 *)p;
+  f[0] = mdl_bf16_to_f32(u.x), f[1] = mdl_bf16_to_f32(u.y), f[2] = mdl_bf16_to_f32(u.z), f[3] = mdl_bf16_to_f32(u.w);
+}
+__device__ __forceinline__ void mdl_load8(const uint16_t *p, float f[8]) {
+  const uint4 u = *(const uint4 *)p;
+  const uint32_t w[4] = {u.x, u.y, u.z, u.w};
+  for (int k = 0; k < 4; k++)
+    f[2 * k] = __uint_as_float(w[k] << 16), f[2 * k + 1] = __uint_as_float(w[k] & 0xffff0000u);
+}
+__device__ __forceinline__ void mdl_store4(float *p, const float f[4]) { *(float4 *)p = make_float4(f[0], f[1], f[2], f[3]); }
+__device__ __forceinline__ void mdl_store4(uint16_t *p, const float f[4]) {
+  *(ushort4 *)p = make_ushort4(mdl_f32_to_bf16(f[0]), mdl_f32_to_bf16(f[1]), mdl_f32_to_bf16(f[2]), mdl_f32_to_bf16(f[3]));
+}
+__device__ __forceinline__ void mdl_store8(uint16_t *p, const float f[8]) {
+  uint32_t w[4];
+  for (int k = 0; k < 4; k++)
+    w[k] = (uint32_t)mdl_f32_to_bf16(f[2 * k]) | (uint32_t)mdl_f32_to_bf16(f[2 * k + 1]) << 16;
+  *(uint4 *)p = make_uint4(w[0], w[1], w[2], w[3]);
+}
+__device__ __forceinline__ void mdl_store8(float *p, const float f[8]) { mdl_store4(p, f), mdl_store4(p + 4, f + 4); }
 
 // One AdamW update in double, as the interpreter does it: gradient g scaled by the clip factor sc,
 // the moments m and v updated in place (rounded to f32), the new parameter returned.
@@ -1085,17 +1107,29 @@ extern "C" __global__ void __launch_bounds__(256) k18_lmhead__cast__cross_entrop
       const float xt = mdl_bf16_to_f32(x[tg]);
       float m = -MDL_INF;
       double part = 0;
-      for (int j4 = tr; j4 < 64; j4 += 64) {
-        const float4 x4 = mdl_bf16x4_load(&x[4 * j4]);
-        const float4 y4 = j4 + 32 < 64 ? mdl_bf16x4_load(&x[4 * (j4 + 32)]) : make_float4(-MDL_INF, -MDL_INF, -MDL_INF, -MDL_INF);
-        mdl_softmax_add(x4.x, m, part);
-        mdl_softmax_add(x4.y, m, part);
-        mdl_softmax_add(x4.z, m, part);
-        mdl_softmax_add(x4.w, m, part);
-        mdl_softmax_add(y4.x, m, part);
-        mdl_softmax_add(y4.y, m, part);
-        mdl_softmax_add(y4.z, m, part);
-        mdl_softmax_add(y4.w, m, part);
+      for (int jv = tr; jv < 32; jv += 64) {
+        float xa[8], ya[8];
+        mdl_load8(&x[8 * jv], xa);
+        if (jv + 32 < 32)
+          mdl_load8(&x[8 * (jv + 32)], ya);
+        else
+          for (int c = 0; c < 8; c++) ya[c] = -MDL_INF;
+        mdl_softmax_add(xa[0], m, part);
+        mdl_softmax_add(xa[1], m, part);
+        mdl_softmax_add(xa[2], m, part);
+        mdl_softmax_add(xa[3], m, part);
+        mdl_softmax_add(xa[4], m, part);
+        mdl_softmax_add(xa[5], m, part);
+        mdl_softmax_add(xa[6], m, part);
+        mdl_softmax_add(xa[7], m, part);
+        mdl_softmax_add(ya[0], m, part);
+        mdl_softmax_add(ya[1], m, part);
+        mdl_softmax_add(ya[2], m, part);
+        mdl_softmax_add(ya[3], m, part);
+        mdl_softmax_add(ya[4], m, part);
+        mdl_softmax_add(ya[5], m, part);
+        mdl_softmax_add(ya[6], m, part);
+        mdl_softmax_add(ya[7], m, part);
       }
       const float mx = mdl_warp_fmax(m);
       double sum = m == -MDL_INF ? 0.0 : part * (double)expf(m - mx);
@@ -1103,23 +1137,33 @@ extern "C" __global__ void __launch_bounds__(256) k18_lmhead__cast__cross_entrop
       if (tr == 0)
         b2[r] = (float)(mx + log(sum) - xt);
       const double g = b1[r], inv = 1.0 / sum;
-      for (int j4 = tr; j4 < 64; j4 += 64) {
-        const bool two = j4 + 32 < 64;
-        const float4 x4 = mdl_bf16x4_load(&x[4 * j4]);
-        const float4 y4 = two ? mdl_bf16x4_load(&x[4 * (j4 + 32)]) : x4;
-        const int j = 4 * j4;
-        *(ushort4 *)&dx[j] = make_ushort4(
-            mdl_f32_to_bf16(mdl_ce_grad(x4.x, mx, g, inv, j == tg)),
-            mdl_f32_to_bf16(mdl_ce_grad(x4.y, mx, g, inv, j + 1 == tg)),
-            mdl_f32_to_bf16(mdl_ce_grad(x4.z, mx, g, inv, j + 2 == tg)),
-            mdl_f32_to_bf16(mdl_ce_grad(x4.w, mx, g, inv, j + 3 == tg)));
+      for (int jv = tr; jv < 32; jv += 64) {
+        const bool two = jv + 32 < 32;
+        float xa[8], ya[8];
+        mdl_load8(&x[8 * jv], xa);
+        if (two)
+          mdl_load8(&x[8 * (jv + 32)], ya);
+        const int j = 8 * (jv);
+        xa[0] = mdl_ce_grad(xa[0], mx, g, inv, j == tg);
+        xa[1] = mdl_ce_grad(xa[1], mx, g, inv, j + 1 == tg);
+        xa[2] = mdl_ce_grad(xa[2], mx, g, inv, j + 2 == tg);
+        xa[3] = mdl_ce_grad(xa[3], mx, g, inv, j + 3 == tg);
+        xa[4] = mdl_ce_grad(xa[4], mx, g, inv, j + 4 == tg);
+        xa[5] = mdl_ce_grad(xa[5], mx, g, inv, j + 5 == tg);
+        xa[6] = mdl_ce_grad(xa[6], mx, g, inv, j + 6 == tg);
+        xa[7] = mdl_ce_grad(xa[7], mx, g, inv, j + 7 == tg);
+        mdl_store8(&dx[j], xa);
         if (two) {
-          const int jy = 4 * (j4 + 32);
-          *(ushort4 *)&dx[jy] = make_ushort4(
-              mdl_f32_to_bf16(mdl_ce_grad(y4.x, mx, g, inv, jy == tg)),
-              mdl_f32_to_bf16(mdl_ce_grad(y4.y, mx, g, inv, jy + 1 == tg)),
-              mdl_f32_to_bf16(mdl_ce_grad(y4.z, mx, g, inv, jy + 2 == tg)),
-              mdl_f32_to_bf16(mdl_ce_grad(y4.w, mx, g, inv, jy + 3 == tg)));
+          const int jy = 8 * (jv + 32);
+          ya[0] = mdl_ce_grad(ya[0], mx, g, inv, jy == tg);
+          ya[1] = mdl_ce_grad(ya[1], mx, g, inv, jy + 1 == tg);
+          ya[2] = mdl_ce_grad(ya[2], mx, g, inv, jy + 2 == tg);
+          ya[3] = mdl_ce_grad(ya[3], mx, g, inv, jy + 3 == tg);
+          ya[4] = mdl_ce_grad(ya[4], mx, g, inv, jy + 4 == tg);
+          ya[5] = mdl_ce_grad(ya[5], mx, g, inv, jy + 5 == tg);
+          ya[6] = mdl_ce_grad(ya[6], mx, g, inv, jy + 6 == tg);
+          ya[7] = mdl_ce_grad(ya[7], mx, g, inv, jy + 7 == tg);
+          mdl_store8(&dx[jy], ya);
         }
       }
     }

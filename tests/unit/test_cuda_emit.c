@@ -543,6 +543,9 @@ static const char *check_plan(const CudaPlan *p, const Fusion *f, char *why, siz
   return NULL;
 }
 
+static void kernels_with(const char *src, const char *name, const char *except, const char *needle, int *n,
+                         int *with);
+
 static void test_plans(void) {
   char why[300], name[200];
   for (int pr = 0; pr < 2; pr++)
@@ -694,6 +697,16 @@ static void test_plans(void) {
           "%d GEMMs; logits at %lld, dx reads %lld, dW reads %lld (scratch from %lld)", nlm,
           gl ? (long long)gl->c : -1LL, gx ? (long long)gx->a : -1LL, gw ? (long long)gw->a : -1LL,
           p ? (long long)p->scratch : -1LL);
+    // Its cross-entropy kernel takes the bf16 logits 16 bytes a load (eight), both passes, and stores
+    // dlogits eight at a time over them (the rows 256 apart, 512-byte aligned).
+    int ces = 0, ld8 = 0, st8 = 0;
+    if (p) {
+      kernels_with(p->source, "lmhead", NULL, "mdl_load8(&x[", &ces, &ld8);
+      kernels_with(p->source, "lmhead", NULL, "mdl_store8(&dx[", &ces, &st8);
+    }
+    CHECK(ces == 1 && ld8 == 1 && st8 == 1 && strstr(p->source, "const uint16_t *x = b"),
+          "cuda plan gpt2-tiny bf16: the LM head's cross-entropy loads eight bf16 logits a load and stores eight "
+          "dlogits over them", "%d kernels, %d load eight, %d store eight", ces, ld8, st8);
   }
   arena_free(a);
 
