@@ -2289,16 +2289,16 @@ static void emit_ce(Emit *e, int gi) {
   ec_phase_end(&e->core);
 }
 
-enum { LMHEAD_LOGITS = 256 << 20 }; // the most logits of one chunk of the LM head ($MDL_LMHEAD_LOGITS)
+enum { LMHEAD_BYTES = 1 << 30 }; // the most bytes of logits of one chunk of the LM head
 
 // The LM head chunk by chunk: logits rows = x W^T (or x W) into a scratch chunk (a GEMM),
 // cross-entropy and its gradient in place (a kernel), then dx rows = dlogits W (W^T) and
 // dW += dlogits^T x (x^T dlogits) (two GEMMs, the second accumulating from the second chunk on).
 // With bf16 operands (x and W are CASTs, dlogits read through the CAST dlc) the loss reads the logits
 // rounded to bf16 too (their CAST lc): the GEMM stores them so, and the kernel overwrites them with
-// dlogits rounded to bf16, which the two GEMMs read. (Where the logits stayed f32, a chunk of GPT-2's
-// 4096 rows held 824 MB of logits, which the kernel reads twice, and 412 MB of bf16 dlogits apart:
-// 412 MB in all now.) A graph whose loss reads f32 logits beside bf16 GEMM operands has dlogits
+// dlogits rounded to bf16, which the two GEMMs read. (Where the logits stayed f32, 4096 of GPT-2's
+// rows took 824 MB of logits, which the kernel reads twice, and 412 MB of bf16 dlogits apart; 412 MB
+// in all now.) A graph whose loss reads f32 logits beside bf16 GEMM operands has dlogits
 // written into a chunk of their own.
 // The chunks' rows are padded to vp, a multiple of 64 classes: cuBLASLt runs its fast kernels only
 // where rows start 16-byte aligned. Where W is [V, C] and the parameter's bf16 copy, whose rows
@@ -2322,12 +2322,13 @@ static void emit_lmhead(Emit *e, int gi) {
   for (int i = 0; i < 3; i++)
     if (ec_offset(&e->core, outs[i]) < 0)
       e->core.scratch[outs[i]] = true;
-  // As few chunks as hold at most 256M logits (1 GiB in f32, half that in bf16), of equal multiples of
-  // 64 rows. Each chunk reads W for two GEMMs and reads and writes all of dW once (a GEMM with K = its
-  // rows): GPT-2 124M at B=8, T=1024 takes 2 chunks of 4096 rows, moving 0.8 GB of W and dW where
-  // chunks of 640 rows (13) moved 5.9 GB, in GEMMs of a K too small to keep the tensor cores busy.
-  int64_t most = LMHEAD_LOGITS;
-  const char *env = getenv("MDL_LMHEAD_LOGITS"); // fewer, on a GPU short of memory
+  // As few chunks as hold at most 1 GiB of logits (256M in f32, 512M in bf16), of equal multiples of 64
+  // rows. Each chunk reads W for two GEMMs and reads and writes all of dW once (a GEMM with K = its
+  // rows): GPT-2 124M at B=8, T=1024 takes one chunk of its 8192 rows in bf16 (824 MB; in f32, 2
+  // chunks of 4096 rows), moving 0.4 GB of W and dW where 2 chunks moved 0.8 GB and chunks of 640
+  // rows (13) 5.9 GB, in GEMMs of a K too small to keep the tensor cores busy.
+  int64_t most = LMHEAD_BYTES / (l16 ? 2 : 4);
+  const char *env = getenv("MDL_LMHEAD_LOGITS"); // fewer logits, on a GPU short of memory
   if (env && atoll(env) > 0)
     most = atoll(env);
   int64_t nch = (n * v + most - 1) / most;

@@ -12,9 +12,9 @@
 // 0.9 GB less and its arena shrinks from 6.26 to 5.81 GB; gpt2-tiny on the CPU trains 6-10% faster,
 // to the same losses). The cross-entropy (forward and backward) reads the logits rounded, as
 // PyTorch's autocast leaves a matmul's result and llm.c keeps them, and computes in f32: the LM
-// head's GEMM stores them in bf16, and GPT-2's chunked LM head moves 412 MB of logits where it moved
-// 824 MB (plus 412 MB of bf16 dlogits apart: the kernel now overwrites the logits with them), its
-// step 1.65 GB less by the fusion report's count, its device arena 824 MB smaller. Nothing else
+// head's GEMM stores them in bf16, and 4096 rows of GPT-2's chunked LM head take 412 MB of logits
+// where they took 824 MB (plus 412 MB of bf16 dlogits apart: the kernel now overwrites the logits
+// with them), its step 1.65 GB less by the fusion report's count. Nothing else
 // narrows: parameters are f32 master weights updated by AdamW in f32, the moments and gradients
 // are f32, and so are the residual stream, the norms, softmax and the loss itself.
 //

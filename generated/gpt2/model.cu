@@ -1657,16 +1657,12 @@ extern "C" __global__ void __launch_bounds__(256) k87_broadcast__mul(char *arena
 //   %582   matmul                                  line 45    f32[8192,768]
 //   %583   matmul                                  line 45    f32[50257,768]
 // runs:
-//   gemm 48: [4096 x 50304] = [4096 x 768] T[768 x 50304], bf16 A and B, bf16 C
-//   k88_lmhead__cast__cross_entropy__cross_entropy_bwd__gemm_ce<<<4096, 1024>>>
-//   gemm 49: [4096 x 768] = [4096 x 50304] [50304 x 768], bf16 A and B, f32 C
-//   gemm 50: [50257 x 768] = T[50257 x 4096] [4096 x 768], bf16 A and B, f32 C
-//   gemm 51: [4096 x 50304] = [4096 x 768] T[768 x 50304], bf16 A and B, bf16 C
-//   k88_lmhead__cast__cross_entropy__cross_entropy_bwd__gemm_ce<<<4096, 1024>>> chunk 4096
-//   gemm 52: [4096 x 768] = [4096 x 50304] [50304 x 768], bf16 A and B, f32 C
-//   gemm 53: [50257 x 768] = T[50257 x 4096] [4096 x 768] + C, bf16 A and B, f32 C
+//   gemm 48: [8192 x 50304] = [8192 x 768] T[768 x 50304], bf16 A and B, bf16 C
+//   k88_lmhead__cast__cross_entropy__cross_entropy_bwd__gemm_ce<<<8192, 1024>>>
+//   gemm 49: [8192 x 768] = [8192 x 50304] [50304 x 768], bf16 A and B, f32 C
+//   gemm 50: [50257 x 768] = T[50257 x 8192] [8192 x 768], bf16 A and B, f32 C
 
-// LM head: cross-entropy and its gradient of a chunk of at most 4096 rows of 50257 classes (rows 50304 apart), bf16 logits, the gradient rounded to bf16 in place; chunk = its first row; a block of 1024 threads per row
+// LM head: cross-entropy and its gradient of a chunk of at most 8192 rows of 50257 classes (rows 50304 apart), bf16 logits, the gradient rounded to bf16 in place; chunk = its first row; a block of 1024 threads per row
 extern "C" __global__ void __launch_bounds__(1024) k88_lmhead__cast__cross_entropy__cross_entropy_bwd__gemm_ce(char *arena, MdlStatus *status, const uint64_t *seed, int64_t chunk, MdlArgs o) {
   uint16_t *const b0 = (uint16_t *)(arena + o.b[0]); // the chunk's logits, bf16
   float *const b1 = (float *)(arena + o.b[1]); // broadcast f32[8192]
@@ -1674,7 +1670,7 @@ extern "C" __global__ void __launch_bounds__(1024) k88_lmhead__cast__cross_entro
   int32_t *const b3 = (int32_t *)(arena + o.b[3]); // input i32[8,1024]
   __shared__ double sh_d[48];
   __shared__ float sh_f[32];
-  const int rn = 8192 - chunk < 4096 ? 8192 - chunk : 4096;
+  const int rn = 8192 - chunk < 8192 ? 8192 - chunk : 8192;
   const int i = blockIdx.x;
   const int tr = threadIdx.x;
   if (i < rn) {
@@ -1928,7 +1924,7 @@ extern "C" __global__ void __launch_bounds__(1024) k90_layernorm_bwd__sum__cast_
 // k91_gemm: GEMM, 1 op
 //   %592   matmul             d.h.11.fcproj_w      line 40    f32[3072,768]
 // runs:
-//   gemm 54: [3072 x 768] = T[3072 x 8192] [8192 x 768], bf16 A and B, f32 C
+//   gemm 51: [3072 x 768] = T[3072 x 8192] [8192 x 768], bf16 A and B, f32 C
 
 // k92_gemm__gelu_bwd__sum__cast: GEMM, 6 ops
 //   %591   matmul                                  line 40    f32[8192,3072]
@@ -1938,7 +1934,7 @@ extern "C" __global__ void __launch_bounds__(1024) k90_layernorm_bwd__sum__cast_
 //   %596   sum                d.h.11.fc_b          line 40    f32[3072]
 //   %597   cast                                    line 40    bf16[8192,3072]
 // runs:
-//   gemm 55: [8192 x 3072] = [8192 x 768] T[768 x 3072], bf16 A and B, f32 C
+//   gemm 52: [8192 x 3072] = [8192 x 768] T[768 x 3072], bf16 A and B, f32 C
 //   k92_gemm__gelu_bwd__sum__cast_partial<<<984, 256>>>
 //   k92_gemm__gelu_bwd__sum__cast<<<192, 1024>>>
 
@@ -2012,12 +2008,12 @@ extern "C" __global__ void __launch_bounds__(1024) k92_gemm__gelu_bwd__sum__cast
 // k93_gemm: GEMM, 1 op
 //   %598   matmul                                  line 40    f32[8192,768]
 // runs:
-//   gemm 56: [8192 x 768] = [8192 x 3072] T[3072 x 768], bf16 A and B, f32 C
+//   gemm 53: [8192 x 768] = [8192 x 3072] T[3072 x 768], bf16 A and B, f32 C
 
 // k94_gemm: GEMM, 1 op
 //   %599   matmul             d.h.11.fc_w          line 40    f32[768,3072]
 // runs:
-//   gemm 57: [768 x 3072] = T[768 x 8192] [8192 x 3072], bf16 A and B, f32 C
+//   gemm 54: [768 x 3072] = T[768 x 8192] [8192 x 3072], bf16 A and B, f32 C
 
 // k95_layernorm_bwd__add__sum__cast: kernel, 7 ops
 //   %601   layernorm_bwd                           line 40    f32[8,1024,768]
@@ -2123,14 +2119,14 @@ extern "C" __global__ void __launch_bounds__(128, 8) k95_layernorm_bwd__add__sum
 // k96_gemm: GEMM, 1 op
 //   %609   matmul             d.h.11.proj_w        line 39    f32[768,768]
 // runs:
-//   gemm 58: [768 x 768] = T[768 x 8192] [8192 x 768], bf16 A and B, f32 C
+//   gemm 55: [768 x 768] = T[768 x 8192] [8192 x 768], bf16 A and B, f32 C
 
 // k97_gemm__cast: GEMM, 3 ops
 //   %608   matmul                                  line 39    f32[8192,768]
 //   %610   reshape                                 line 39    f32[8,1024,768]
 //   %613   cast                                    line 39    bf16[8,1024,768]
 // runs:
-//   gemm 59: [8192 x 768] = [8192 x 768] T[768 x 768], bf16 A and B, bf16 C
+//   gemm 56: [8192 x 768] = [8192 x 768] T[768 x 768], bf16 A and B, bf16 C
 
 // k98_attention_bwd: attention, 3 ops
 //   %614   attention_bwd      d.h.11.q             line 39    f32[8,1024,768]
@@ -2852,12 +2848,12 @@ extern "C" __global__ void __launch_bounds__(1024) k99_sum__concat__cast(char *a
 // k100_gemm: GEMM, 1 op
 //   %621   matmul                                  line 38    f32[8192,768]
 // runs:
-//   gemm 60: [8192 x 768] = [8192 x 2304] T[2304 x 768], bf16 A and B, f32 C
+//   gemm 57: [8192 x 768] = [8192 x 2304] T[2304 x 768], bf16 A and B, f32 C
 
 // k101_gemm: GEMM, 1 op
 //   %622   matmul             d.h.11.attn_w        line 38    f32[768,2304]
 // runs:
-//   gemm 61: [768 x 2304] = T[768 x 8192] [8192 x 2304], bf16 A and B, f32 C
+//   gemm 58: [768 x 2304] = T[768 x 8192] [8192 x 2304], bf16 A and B, f32 C
 
 // k102_layernorm_bwd__add__sum__cast: kernel, 7 ops
 //   %624   layernorm_bwd                           line 38    f32[8,1024,768]
@@ -2963,7 +2959,7 @@ extern "C" __global__ void __launch_bounds__(128, 8) k102_layernorm_bwd__add__su
 // k103_gemm: GEMM, 1 op
 //   %632   matmul             d.h.10.fcproj_w      line 40    f32[3072,768]
 // runs:
-//   gemm 62: [3072 x 768] = T[3072 x 8192] [8192 x 768], bf16 A and B, f32 C
+//   gemm 59: [3072 x 768] = T[3072 x 8192] [8192 x 768], bf16 A and B, f32 C
 
 // k104_gemm__gelu_bwd__sum__cast: GEMM, 6 ops
 //   %631   matmul                                  line 40    f32[8192,3072]
@@ -2973,19 +2969,19 @@ extern "C" __global__ void __launch_bounds__(128, 8) k102_layernorm_bwd__add__su
 //   %636   sum                d.h.10.fc_b          line 40    f32[3072]
 //   %637   cast                                    line 40    bf16[8192,3072]
 // runs:
-//   gemm 63: [8192 x 3072] = [8192 x 768] T[768 x 3072], bf16 A and B, f32 C
+//   gemm 60: [8192 x 3072] = [8192 x 768] T[768 x 3072], bf16 A and B, f32 C
 //   k92_gemm__gelu_bwd__sum__cast_partial<<<984, 256>>>
 //   k92_gemm__gelu_bwd__sum__cast<<<192, 1024>>>
 
 // k105_gemm: GEMM, 1 op
 //   %638   matmul                                  line 40    f32[8192,768]
 // runs:
-//   gemm 64: [8192 x 768] = [8192 x 3072] T[3072 x 768], bf16 A and B, f32 C
+//   gemm 61: [8192 x 768] = [8192 x 3072] T[3072 x 768], bf16 A and B, f32 C
 
 // k106_gemm: GEMM, 1 op
 //   %639   matmul             d.h.10.fc_w          line 40    f32[768,3072]
 // runs:
-//   gemm 65: [768 x 3072] = T[768 x 8192] [8192 x 3072], bf16 A and B, f32 C
+//   gemm 62: [768 x 3072] = T[768 x 8192] [8192 x 3072], bf16 A and B, f32 C
 
 // k107_layernorm_bwd__add__sum__cast: kernel, 7 ops
 //   %641   layernorm_bwd                           line 40    f32[8,1024,768]
@@ -3002,14 +2998,14 @@ extern "C" __global__ void __launch_bounds__(128, 8) k102_layernorm_bwd__add__su
 // k108_gemm: GEMM, 1 op
 //   %649   matmul             d.h.10.proj_w        line 39    f32[768,768]
 // runs:
-//   gemm 66: [768 x 768] = T[768 x 8192] [8192 x 768], bf16 A and B, f32 C
+//   gemm 63: [768 x 768] = T[768 x 8192] [8192 x 768], bf16 A and B, f32 C
 
 // k109_gemm__cast: GEMM, 3 ops
 //   %648   matmul                                  line 39    f32[8192,768]
 //   %650   reshape                                 line 39    f32[8,1024,768]
 //   %653   cast                                    line 39    bf16[8,1024,768]
 // runs:
-//   gemm 67: [8192 x 768] = [8192 x 768] T[768 x 768], bf16 A and B, bf16 C
+//   gemm 64: [8192 x 768] = [8192 x 768] T[768 x 768], bf16 A and B, bf16 C
 
 // k110_attention_bwd: attention, 3 ops
 //   %654   attention_bwd      d.h.10.q             line 39    f32[8,1024,768]
@@ -3032,12 +3028,12 @@ extern "C" __global__ void __launch_bounds__(128, 8) k102_layernorm_bwd__add__su
 // k112_gemm: GEMM, 1 op
 //   %661   matmul                                  line 38    f32[8192,768]
 // runs:
-//   gemm 68: [8192 x 768] = [8192 x 2304] T[2304 x 768], bf16 A and B, f32 C
+//   gemm 65: [8192 x 768] = [8192 x 2304] T[2304 x 768], bf16 A and B, f32 C
 
 // k113_gemm: GEMM, 1 op
 //   %662   matmul             d.h.10.attn_w        line 38    f32[768,2304]
 // runs:
-//   gemm 69: [768 x 2304] = T[768 x 8192] [8192 x 2304], bf16 A and B, f32 C
+//   gemm 66: [768 x 2304] = T[768 x 8192] [8192 x 2304], bf16 A and B, f32 C
 
 // k114_layernorm_bwd__add__sum__cast: kernel, 7 ops
 //   %664   layernorm_bwd                           line 38    f32[8,1024,768]
@@ -3054,7 +3050,7 @@ extern "C" __global__ void __launch_bounds__(128, 8) k102_layernorm_bwd__add__su
 // k115_gemm: GEMM, 1 op
 //   %672   matmul             d.h.9.fcproj_w       line 40    f32[3072,768]
 // runs:
-//   gemm 70: [3072 x 768] = T[3072 x 8192] [8192 x 768], bf16 A and B, f32 C
+//   gemm 67: [3072 x 768] = T[3072 x 8192] [8192 x 768], bf16 A and B, f32 C
 
 // k116_gemm__gelu_bwd__sum__cast: GEMM, 6 ops
 //   %671   matmul                                  line 40    f32[8192,3072]
@@ -3064,19 +3060,19 @@ extern "C" __global__ void __launch_bounds__(128, 8) k102_layernorm_bwd__add__su
 //   %676   sum                d.h.9.fc_b           line 40    f32[3072]
 //   %677   cast                                    line 40    bf16[8192,3072]
 // runs:
-//   gemm 71: [8192 x 3072] = [8192 x 768] T[768 x 3072], bf16 A and B, f32 C
+//   gemm 68: [8192 x 3072] = [8192 x 768] T[768 x 3072], bf16 A and B, f32 C
 //   k92_gemm__gelu_bwd__sum__cast_partial<<<984, 256>>>
 //   k92_gemm__gelu_bwd__sum__cast<<<192, 1024>>>
 
 // k117_gemm: GEMM, 1 op
 //   %678   matmul                                  line 40    f32[8192,768]
 // runs:
-//   gemm 72: [8192 x 768] = [8192 x 3072] T[3072 x 768], bf16 A and B, f32 C
+//   gemm 69: [8192 x 768] = [8192 x 3072] T[3072 x 768], bf16 A and B, f32 C
 
 // k118_gemm: GEMM, 1 op
 //   %679   matmul             d.h.9.fc_w           line 40    f32[768,3072]
 // runs:
-//   gemm 73: [768 x 3072] = T[768 x 8192] [8192 x 3072], bf16 A and B, f32 C
+//   gemm 70: [768 x 3072] = T[768 x 8192] [8192 x 3072], bf16 A and B, f32 C
 
 // k119_layernorm_bwd__add__sum__cast: kernel, 7 ops
 //   %681   layernorm_bwd                           line 40    f32[8,1024,768]
@@ -3093,14 +3089,14 @@ extern "C" __global__ void __launch_bounds__(128, 8) k102_layernorm_bwd__add__su
 // k120_gemm: GEMM, 1 op
 //   %689   matmul             d.h.9.proj_w         line 39    f32[768,768]
 // runs:
-//   gemm 74: [768 x 768] = T[768 x 8192] [8192 x 768], bf16 A and B, f32 C
+//   gemm 71: [768 x 768] = T[768 x 8192] [8192 x 768], bf16 A and B, f32 C
 
 // k121_gemm__cast: GEMM, 3 ops
 //   %688   matmul                                  line 39    f32[8192,768]
 //   %690   reshape                                 line 39    f32[8,1024,768]
 //   %693   cast                                    line 39    bf16[8,1024,768]
 // runs:
-//   gemm 75: [8192 x 768] = [8192 x 768] T[768 x 768], bf16 A and B, bf16 C
+//   gemm 72: [8192 x 768] = [8192 x 768] T[768 x 768], bf16 A and B, bf16 C
 
 // k122_attention_bwd: attention, 3 ops
 //   %694   attention_bwd      d.h.9.q              line 39    f32[8,1024,768]
@@ -3123,12 +3119,12 @@ extern "C" __global__ void __launch_bounds__(128, 8) k102_layernorm_bwd__add__su
 // k124_gemm: GEMM, 1 op
 //   %701   matmul                                  line 38    f32[8192,768]
 // runs:
-//   gemm 76: [8192 x 768] = [8192 x 2304] T[2304 x 768], bf16 A and B, f32 C
+//   gemm 73: [8192 x 768] = [8192 x 2304] T[2304 x 768], bf16 A and B, f32 C
 
 // k125_gemm: GEMM, 1 op
 //   %702   matmul             d.h.9.attn_w         line 38    f32[768,2304]
 // runs:
-//   gemm 77: [768 x 2304] = T[768 x 8192] [8192 x 2304], bf16 A and B, f32 C
+//   gemm 74: [768 x 2304] = T[768 x 8192] [8192 x 2304], bf16 A and B, f32 C
 
 // k126_layernorm_bwd__add__sum__cast: kernel, 7 ops
 //   %704   layernorm_bwd                           line 38    f32[8,1024,768]
@@ -3145,7 +3141,7 @@ extern "C" __global__ void __launch_bounds__(128, 8) k102_layernorm_bwd__add__su
 // k127_gemm: GEMM, 1 op
 //   %712   matmul             d.h.8.fcproj_w       line 40    f32[3072,768]
 // runs:
-//   gemm 78: [3072 x 768] = T[3072 x 8192] [8192 x 768], bf16 A and B, f32 C
+//   gemm 75: [3072 x 768] = T[3072 x 8192] [8192 x 768], bf16 A and B, f32 C
 
 // k128_gemm__gelu_bwd__sum__cast: GEMM, 6 ops
 //   %711   matmul                                  line 40    f32[8192,3072]
@@ -3155,19 +3151,19 @@ extern "C" __global__ void __launch_bounds__(128, 8) k102_layernorm_bwd__add__su
 //   %716   sum                d.h.8.fc_b           line 40    f32[3072]
 //   %717   cast                                    line 40    bf16[8192,3072]
 // runs:
-//   gemm 79: [8192 x 3072] = [8192 x 768] T[768 x 3072], bf16 A and B, f32 C
+//   gemm 76: [8192 x 3072] = [8192 x 768] T[768 x 3072], bf16 A and B, f32 C
 //   k92_gemm__gelu_bwd__sum__cast_partial<<<984, 256>>>
 //   k92_gemm__gelu_bwd__sum__cast<<<192, 1024>>>
 
 // k129_gemm: GEMM, 1 op
 //   %718   matmul                                  line 40    f32[8192,768]
 // runs:
-//   gemm 80: [8192 x 768] = [8192 x 3072] T[3072 x 768], bf16 A and B, f32 C
+//   gemm 77: [8192 x 768] = [8192 x 3072] T[3072 x 768], bf16 A and B, f32 C
 
 // k130_gemm: GEMM, 1 op
 //   %719   matmul             d.h.8.fc_w           line 40    f32[768,3072]
 // runs:
-//   gemm 81: [768 x 3072] = T[768 x 8192] [8192 x 3072], bf16 A and B, f32 C
+//   gemm 78: [768 x 3072] = T[768 x 8192] [8192 x 3072], bf16 A and B, f32 C
 
 // k131_layernorm_bwd__add__sum__cast: kernel, 7 ops
 //   %721   layernorm_bwd                           line 40    f32[8,1024,768]
@@ -3184,14 +3180,14 @@ extern "C" __global__ void __launch_bounds__(128, 8) k102_layernorm_bwd__add__su
 // k132_gemm: GEMM, 1 op
 //   %729   matmul             d.h.8.proj_w         line 39    f32[768,768]
 // runs:
-//   gemm 82: [768 x 768] = T[768 x 8192] [8192 x 768], bf16 A and B, f32 C
+//   gemm 79: [768 x 768] = T[768 x 8192] [8192 x 768], bf16 A and B, f32 C
 
 // k133_gemm__cast: GEMM, 3 ops
 //   %728   matmul                                  line 39    f32[8192,768]
 //   %730   reshape                                 line 39    f32[8,1024,768]
 //   %733   cast                                    line 39    bf16[8,1024,768]
 // runs:
-//   gemm 83: [8192 x 768] = [8192 x 768] T[768 x 768], bf16 A and B, bf16 C
+//   gemm 80: [8192 x 768] = [8192 x 768] T[768 x 768], bf16 A and B, bf16 C
 
 // k134_attention_bwd: attention, 3 ops
 //   %734   attention_bwd      d.h.8.q              line 39    f32[8,1024,768]
@@ -3214,12 +3210,12 @@ extern "C" __global__ void __launch_bounds__(128, 8) k102_layernorm_bwd__add__su
 // k136_gemm: GEMM, 1 op
 //   %741   matmul                                  line 38    f32[8192,768]
 // runs:
-//   gemm 84: [8192 x 768] = [8192 x 2304] T[2304 x 768], bf16 A and B, f32 C
+//   gemm 81: [8192 x 768] = [8192 x 2304] T[2304 x 768], bf16 A and B, f32 C
 
 // k137_gemm: GEMM, 1 op
 //   %742   matmul             d.h.8.attn_w         line 38    f32[768,2304]
 // runs:
-//   gemm 85: [768 x 2304] = T[768 x 8192] [8192 x 2304], bf16 A and B, f32 C
+//   gemm 82: [768 x 2304] = T[768 x 8192] [8192 x 2304], bf16 A and B, f32 C
 
 // k138_layernorm_bwd__add__sum__cast: kernel, 7 ops
 //   %744   layernorm_bwd                           line 38    f32[8,1024,768]
@@ -3236,7 +3232,7 @@ extern "C" __global__ void __launch_bounds__(128, 8) k102_layernorm_bwd__add__su
 // k139_gemm: GEMM, 1 op
 //   %752   matmul             d.h.7.fcproj_w       line 40    f32[3072,768]
 // runs:
-//   gemm 86: [3072 x 768] = T[3072 x 8192] [8192 x 768], bf16 A and B, f32 C
+//   gemm 83: [3072 x 768] = T[3072 x 8192] [8192 x 768], bf16 A and B, f32 C
 
 // k140_gemm__gelu_bwd__sum__cast: GEMM, 6 ops
 //   %751   matmul                                  line 40    f32[8192,3072]
@@ -3246,19 +3242,19 @@ extern "C" __global__ void __launch_bounds__(128, 8) k102_layernorm_bwd__add__su
 //   %756   sum                d.h.7.fc_b           line 40    f32[3072]
 //   %757   cast                                    line 40    bf16[8192,3072]
 // runs:
-//   gemm 87: [8192 x 3072] = [8192 x 768] T[768 x 3072], bf16 A and B, f32 C
+//   gemm 84: [8192 x 3072] = [8192 x 768] T[768 x 3072], bf16 A and B, f32 C
 //   k92_gemm__gelu_bwd__sum__cast_partial<<<984, 256>>>
 //   k92_gemm__gelu_bwd__sum__cast<<<192, 1024>>>
 
 // k141_gemm: GEMM, 1 op
 //   %758   matmul                                  line 40    f32[8192,768]
 // runs:
-//   gemm 88: [8192 x 768] = [8192 x 3072] T[3072 x 768], bf16 A and B, f32 C
+//   gemm 85: [8192 x 768] = [8192 x 3072] T[3072 x 768], bf16 A and B, f32 C
 
 // k142_gemm: GEMM, 1 op
 //   %759   matmul             d.h.7.fc_w           line 40    f32[768,3072]
 // runs:
-//   gemm 89: [768 x 3072] = T[768 x 8192] [8192 x 3072], bf16 A and B, f32 C
+//   gemm 86: [768 x 3072] = T[768 x 8192] [8192 x 3072], bf16 A and B, f32 C
 
 // k143_layernorm_bwd__add__sum__cast: kernel, 7 ops
 //   %761   layernorm_bwd                           line 40    f32[8,1024,768]
@@ -3275,14 +3271,14 @@ extern "C" __global__ void __launch_bounds__(128, 8) k102_layernorm_bwd__add__su
 // k144_gemm: GEMM, 1 op
 //   %769   matmul             d.h.7.proj_w         line 39    f32[768,768]
 // runs:
-//   gemm 90: [768 x 768] = T[768 x 8192] [8192 x 768], bf16 A and B, f32 C
+//   gemm 87: [768 x 768] = T[768 x 8192] [8192 x 768], bf16 A and B, f32 C
 
 // k145_gemm__cast: GEMM, 3 ops
 //   %768   matmul                                  line 39    f32[8192,768]
 //   %770   reshape                                 line 39    f32[8,1024,768]
 //   %773   cast                                    line 39    bf16[8,1024,768]
 // runs:
-//   gemm 91: [8192 x 768] = [8192 x 768] T[768 x 768], bf16 A and B, bf16 C
+//   gemm 88: [8192 x 768] = [8192 x 768] T[768 x 768], bf16 A and B, bf16 C
 
 // k146_attention_bwd: attention, 3 ops
 //   %774   attention_bwd      d.h.7.q              line 39    f32[8,1024,768]
@@ -3305,12 +3301,12 @@ extern "C" __global__ void __launch_bounds__(128, 8) k102_layernorm_bwd__add__su
 // k148_gemm: GEMM, 1 op
 //   %781   matmul                                  line 38    f32[8192,768]
 // runs:
-//   gemm 92: [8192 x 768] = [8192 x 2304] T[2304 x 768], bf16 A and B, f32 C
+//   gemm 89: [8192 x 768] = [8192 x 2304] T[2304 x 768], bf16 A and B, f32 C
 
 // k149_gemm: GEMM, 1 op
 //   %782   matmul             d.h.7.attn_w         line 38    f32[768,2304]
 // runs:
-//   gemm 93: [768 x 2304] = T[768 x 8192] [8192 x 2304], bf16 A and B, f32 C
+//   gemm 90: [768 x 2304] = T[768 x 8192] [8192 x 2304], bf16 A and B, f32 C
 
 // k150_layernorm_bwd__add__sum__cast: kernel, 7 ops
 //   %784   layernorm_bwd                           line 38    f32[8,1024,768]
@@ -3327,7 +3323,7 @@ extern "C" __global__ void __launch_bounds__(128, 8) k102_layernorm_bwd__add__su
 // k151_gemm: GEMM, 1 op
 //   %792   matmul             d.h.6.fcproj_w       line 40    f32[3072,768]
 // runs:
-//   gemm 94: [3072 x 768] = T[3072 x 8192] [8192 x 768], bf16 A and B, f32 C
+//   gemm 91: [3072 x 768] = T[3072 x 8192] [8192 x 768], bf16 A and B, f32 C
 
 // k152_gemm__gelu_bwd__sum__cast: GEMM, 6 ops
 //   %791   matmul                                  line 40    f32[8192,3072]
@@ -3337,19 +3333,19 @@ extern "C" __global__ void __launch_bounds__(128, 8) k102_layernorm_bwd__add__su
 //   %796   sum                d.h.6.fc_b           line 40    f32[3072]
 //   %797   cast                                    line 40    bf16[8192,3072]
 // runs:
-//   gemm 95: [8192 x 3072] = [8192 x 768] T[768 x 3072], bf16 A and B, f32 C
+//   gemm 92: [8192 x 3072] = [8192 x 768] T[768 x 3072], bf16 A and B, f32 C
 //   k92_gemm__gelu_bwd__sum__cast_partial<<<984, 256>>>
 //   k92_gemm__gelu_bwd__sum__cast<<<192, 1024>>>
 
 // k153_gemm: GEMM, 1 op
 //   %798   matmul                                  line 40    f32[8192,768]
 // runs:
-//   gemm 96: [8192 x 768] = [8192 x 3072] T[3072 x 768], bf16 A and B, f32 C
+//   gemm 93: [8192 x 768] = [8192 x 3072] T[3072 x 768], bf16 A and B, f32 C
 
 // k154_gemm: GEMM, 1 op
 //   %799   matmul             d.h.6.fc_w           line 40    f32[768,3072]
 // runs:
-//   gemm 97: [768 x 3072] = T[768 x 8192] [8192 x 3072], bf16 A and B, f32 C
+//   gemm 94: [768 x 3072] = T[768 x 8192] [8192 x 3072], bf16 A and B, f32 C
 
 // k155_layernorm_bwd__add__sum__cast: kernel, 7 ops
 //   %801   layernorm_bwd                           line 40    f32[8,1024,768]
@@ -3366,14 +3362,14 @@ extern "C" __global__ void __launch_bounds__(128, 8) k102_layernorm_bwd__add__su
 // k156_gemm: GEMM, 1 op
 //   %809   matmul             d.h.6.proj_w         line 39    f32[768,768]
 // runs:
-//   gemm 98: [768 x 768] = T[768 x 8192] [8192 x 768], bf16 A and B, f32 C
+//   gemm 95: [768 x 768] = T[768 x 8192] [8192 x 768], bf16 A and B, f32 C
 
 // k157_gemm__cast: GEMM, 3 ops
 //   %808   matmul                                  line 39    f32[8192,768]
 //   %810   reshape                                 line 39    f32[8,1024,768]
 //   %813   cast                                    line 39    bf16[8,1024,768]
 // runs:
-//   gemm 99: [8192 x 768] = [8192 x 768] T[768 x 768], bf16 A and B, bf16 C
+//   gemm 96: [8192 x 768] = [8192 x 768] T[768 x 768], bf16 A and B, bf16 C
 
 // k158_attention_bwd: attention, 3 ops
 //   %814   attention_bwd      d.h.6.q              line 39    f32[8,1024,768]
@@ -3396,12 +3392,12 @@ extern "C" __global__ void __launch_bounds__(128, 8) k102_layernorm_bwd__add__su
 // k160_gemm: GEMM, 1 op
 //   %821   matmul                                  line 38    f32[8192,768]
 // runs:
-//   gemm 100: [8192 x 768] = [8192 x 2304] T[2304 x 768], bf16 A and B, f32 C
+//   gemm 97: [8192 x 768] = [8192 x 2304] T[2304 x 768], bf16 A and B, f32 C
 
 // k161_gemm: GEMM, 1 op
 //   %822   matmul             d.h.6.attn_w         line 38    f32[768,2304]
 // runs:
-//   gemm 101: [768 x 2304] = T[768 x 8192] [8192 x 2304], bf16 A and B, f32 C
+//   gemm 98: [768 x 2304] = T[768 x 8192] [8192 x 2304], bf16 A and B, f32 C
 
 // k162_layernorm_bwd__add__sum__cast: kernel, 7 ops
 //   %824   layernorm_bwd                           line 38    f32[8,1024,768]
@@ -3418,7 +3414,7 @@ extern "C" __global__ void __launch_bounds__(128, 8) k102_layernorm_bwd__add__su
 // k163_gemm: GEMM, 1 op
 //   %832   matmul             d.h.5.fcproj_w       line 40    f32[3072,768]
 // runs:
-//   gemm 102: [3072 x 768] = T[3072 x 8192] [8192 x 768], bf16 A and B, f32 C
+//   gemm 99: [3072 x 768] = T[3072 x 8192] [8192 x 768], bf16 A and B, f32 C
 
 // k164_gemm__gelu_bwd__sum__cast: GEMM, 6 ops
 //   %831   matmul                                  line 40    f32[8192,3072]
@@ -3428,19 +3424,19 @@ extern "C" __global__ void __launch_bounds__(128, 8) k102_layernorm_bwd__add__su
 //   %836   sum                d.h.5.fc_b           line 40    f32[3072]
 //   %837   cast                                    line 40    bf16[8192,3072]
 // runs:
-//   gemm 103: [8192 x 3072] = [8192 x 768] T[768 x 3072], bf16 A and B, f32 C
+//   gemm 100: [8192 x 3072] = [8192 x 768] T[768 x 3072], bf16 A and B, f32 C
 //   k92_gemm__gelu_bwd__sum__cast_partial<<<984, 256>>>
 //   k92_gemm__gelu_bwd__sum__cast<<<192, 1024>>>
 
 // k165_gemm: GEMM, 1 op
 //   %838   matmul                                  line 40    f32[8192,768]
 // runs:
-//   gemm 104: [8192 x 768] = [8192 x 3072] T[3072 x 768], bf16 A and B, f32 C
+//   gemm 101: [8192 x 768] = [8192 x 3072] T[3072 x 768], bf16 A and B, f32 C
 
 // k166_gemm: GEMM, 1 op
 //   %839   matmul             d.h.5.fc_w           line 40    f32[768,3072]
 // runs:
-//   gemm 105: [768 x 3072] = T[768 x 8192] [8192 x 3072], bf16 A and B, f32 C
+//   gemm 102: [768 x 3072] = T[768 x 8192] [8192 x 3072], bf16 A and B, f32 C
 
 // k167_layernorm_bwd__add__sum__cast: kernel, 7 ops
 //   %841   layernorm_bwd                           line 40    f32[8,1024,768]
@@ -3457,14 +3453,14 @@ extern "C" __global__ void __launch_bounds__(128, 8) k102_layernorm_bwd__add__su
 // k168_gemm: GEMM, 1 op
 //   %849   matmul             d.h.5.proj_w         line 39    f32[768,768]
 // runs:
-//   gemm 106: [768 x 768] = T[768 x 8192] [8192 x 768], bf16 A and B, f32 C
+//   gemm 103: [768 x 768] = T[768 x 8192] [8192 x 768], bf16 A and B, f32 C
 
 // k169_gemm__cast: GEMM, 3 ops
 //   %848   matmul                                  line 39    f32[8192,768]
 //   %850   reshape                                 line 39    f32[8,1024,768]
 //   %853   cast                                    line 39    bf16[8,1024,768]
 // runs:
-//   gemm 107: [8192 x 768] = [8192 x 768] T[768 x 768], bf16 A and B, bf16 C
+//   gemm 104: [8192 x 768] = [8192 x 768] T[768 x 768], bf16 A and B, bf16 C
 
 // k170_attention_bwd: attention, 3 ops
 //   %854   attention_bwd      d.h.5.q              line 39    f32[8,1024,768]
@@ -3487,12 +3483,12 @@ extern "C" __global__ void __launch_bounds__(128, 8) k102_layernorm_bwd__add__su
 // k172_gemm: GEMM, 1 op
 //   %861   matmul                                  line 38    f32[8192,768]
 // runs:
-//   gemm 108: [8192 x 768] = [8192 x 2304] T[2304 x 768], bf16 A and B, f32 C
+//   gemm 105: [8192 x 768] = [8192 x 2304] T[2304 x 768], bf16 A and B, f32 C
 
 // k173_gemm: GEMM, 1 op
 //   %862   matmul             d.h.5.attn_w         line 38    f32[768,2304]
 // runs:
-//   gemm 109: [768 x 2304] = T[768 x 8192] [8192 x 2304], bf16 A and B, f32 C
+//   gemm 106: [768 x 2304] = T[768 x 8192] [8192 x 2304], bf16 A and B, f32 C
 
 // k174_layernorm_bwd__add__sum__cast: kernel, 7 ops
 //   %864   layernorm_bwd                           line 38    f32[8,1024,768]
@@ -3509,7 +3505,7 @@ extern "C" __global__ void __launch_bounds__(128, 8) k102_layernorm_bwd__add__su
 // k175_gemm: GEMM, 1 op
 //   %872   matmul             d.h.4.fcproj_w       line 40    f32[3072,768]
 // runs:
-//   gemm 110: [3072 x 768] = T[3072 x 8192] [8192 x 768], bf16 A and B, f32 C
+//   gemm 107: [3072 x 768] = T[3072 x 8192] [8192 x 768], bf16 A and B, f32 C
 
 // k176_gemm__gelu_bwd__sum__cast: GEMM, 6 ops
 //   %871   matmul                                  line 40    f32[8192,3072]
@@ -3519,19 +3515,19 @@ extern "C" __global__ void __launch_bounds__(128, 8) k102_layernorm_bwd__add__su
 //   %876   sum                d.h.4.fc_b           line 40    f32[3072]
 //   %877   cast                                    line 40    bf16[8192,3072]
 // runs:
-//   gemm 111: [8192 x 3072] = [8192 x 768] T[768 x 3072], bf16 A and B, f32 C
+//   gemm 108: [8192 x 3072] = [8192 x 768] T[768 x 3072], bf16 A and B, f32 C
 //   k92_gemm__gelu_bwd__sum__cast_partial<<<984, 256>>>
 //   k92_gemm__gelu_bwd__sum__cast<<<192, 1024>>>
 
 // k177_gemm: GEMM, 1 op
 //   %878   matmul                                  line 40    f32[8192,768]
 // runs:
-//   gemm 112: [8192 x 768] = [8192 x 3072] T[3072 x 768], bf16 A and B, f32 C
+//   gemm 109: [8192 x 768] = [8192 x 3072] T[3072 x 768], bf16 A and B, f32 C
 
 // k178_gemm: GEMM, 1 op
 //   %879   matmul             d.h.4.fc_w           line 40    f32[768,3072]
 // runs:
-//   gemm 113: [768 x 3072] = T[768 x 8192] [8192 x 3072], bf16 A and B, f32 C
+//   gemm 110: [768 x 3072] = T[768 x 8192] [8192 x 3072], bf16 A and B, f32 C
 
 // k179_layernorm_bwd__add__sum__cast: kernel, 7 ops
 //   %881   layernorm_bwd                           line 40    f32[8,1024,768]
@@ -3548,14 +3544,14 @@ extern "C" __global__ void __launch_bounds__(128, 8) k102_layernorm_bwd__add__su
 // k180_gemm: GEMM, 1 op
 //   %889   matmul             d.h.4.proj_w         line 39    f32[768,768]
 // runs:
-//   gemm 114: [768 x 768] = T[768 x 8192] [8192 x 768], bf16 A and B, f32 C
+//   gemm 111: [768 x 768] = T[768 x 8192] [8192 x 768], bf16 A and B, f32 C
 
 // k181_gemm__cast: GEMM, 3 ops
 //   %888   matmul                                  line 39    f32[8192,768]
 //   %890   reshape                                 line 39    f32[8,1024,768]
 //   %893   cast                                    line 39    bf16[8,1024,768]
 // runs:
-//   gemm 115: [8192 x 768] = [8192 x 768] T[768 x 768], bf16 A and B, bf16 C
+//   gemm 112: [8192 x 768] = [8192 x 768] T[768 x 768], bf16 A and B, bf16 C
 
 // k182_attention_bwd: attention, 3 ops
 //   %894   attention_bwd      d.h.4.q              line 39    f32[8,1024,768]
@@ -3578,12 +3574,12 @@ extern "C" __global__ void __launch_bounds__(128, 8) k102_layernorm_bwd__add__su
 // k184_gemm: GEMM, 1 op
 //   %901   matmul                                  line 38    f32[8192,768]
 // runs:
-//   gemm 116: [8192 x 768] = [8192 x 2304] T[2304 x 768], bf16 A and B, f32 C
+//   gemm 113: [8192 x 768] = [8192 x 2304] T[2304 x 768], bf16 A and B, f32 C
 
 // k185_gemm: GEMM, 1 op
 //   %902   matmul             d.h.4.attn_w         line 38    f32[768,2304]
 // runs:
-//   gemm 117: [768 x 2304] = T[768 x 8192] [8192 x 2304], bf16 A and B, f32 C
+//   gemm 114: [768 x 2304] = T[768 x 8192] [8192 x 2304], bf16 A and B, f32 C
 
 // k186_layernorm_bwd__add__sum__cast: kernel, 7 ops
 //   %904   layernorm_bwd                           line 38    f32[8,1024,768]
@@ -3600,7 +3596,7 @@ extern "C" __global__ void __launch_bounds__(128, 8) k102_layernorm_bwd__add__su
 // k187_gemm: GEMM, 1 op
 //   %912   matmul             d.h.3.fcproj_w       line 40    f32[3072,768]
 // runs:
-//   gemm 118: [3072 x 768] = T[3072 x 8192] [8192 x 768], bf16 A and B, f32 C
+//   gemm 115: [3072 x 768] = T[3072 x 8192] [8192 x 768], bf16 A and B, f32 C
 
 // k188_gemm__gelu_bwd__sum__cast: GEMM, 6 ops
 //   %911   matmul                                  line 40    f32[8192,3072]
@@ -3610,19 +3606,19 @@ extern "C" __global__ void __launch_bounds__(128, 8) k102_layernorm_bwd__add__su
 //   %916   sum                d.h.3.fc_b           line 40    f32[3072]
 //   %917   cast                                    line 40    bf16[8192,3072]
 // runs:
-//   gemm 119: [8192 x 3072] = [8192 x 768] T[768 x 3072], bf16 A and B, f32 C
+//   gemm 116: [8192 x 3072] = [8192 x 768] T[768 x 3072], bf16 A and B, f32 C
 //   k92_gemm__gelu_bwd__sum__cast_partial<<<984, 256>>>
 //   k92_gemm__gelu_bwd__sum__cast<<<192, 1024>>>
 
 // k189_gemm: GEMM, 1 op
 //   %918   matmul                                  line 40    f32[8192,768]
 // runs:
-//   gemm 120: [8192 x 768] = [8192 x 3072] T[3072 x 768], bf16 A and B, f32 C
+//   gemm 117: [8192 x 768] = [8192 x 3072] T[3072 x 768], bf16 A and B, f32 C
 
 // k190_gemm: GEMM, 1 op
 //   %919   matmul             d.h.3.fc_w           line 40    f32[768,3072]
 // runs:
-//   gemm 121: [768 x 3072] = T[768 x 8192] [8192 x 3072], bf16 A and B, f32 C
+//   gemm 118: [768 x 3072] = T[768 x 8192] [8192 x 3072], bf16 A and B, f32 C
 
 // k191_layernorm_bwd__add__sum__cast: kernel, 7 ops
 //   %921   layernorm_bwd                           line 40    f32[8,1024,768]
@@ -3639,14 +3635,14 @@ extern "C" __global__ void __launch_bounds__(128, 8) k102_layernorm_bwd__add__su
 // k192_gemm: GEMM, 1 op
 //   %929   matmul             d.h.3.proj_w         line 39    f32[768,768]
 // runs:
-//   gemm 122: [768 x 768] = T[768 x 8192] [8192 x 768], bf16 A and B, f32 C
+//   gemm 119: [768 x 768] = T[768 x 8192] [8192 x 768], bf16 A and B, f32 C
 
 // k193_gemm__cast: GEMM, 3 ops
 //   %928   matmul                                  line 39    f32[8192,768]
 //   %930   reshape                                 line 39    f32[8,1024,768]
 //   %933   cast                                    line 39    bf16[8,1024,768]
 // runs:
-//   gemm 123: [8192 x 768] = [8192 x 768] T[768 x 768], bf16 A and B, bf16 C
+//   gemm 120: [8192 x 768] = [8192 x 768] T[768 x 768], bf16 A and B, bf16 C
 
 // k194_attention_bwd: attention, 3 ops
 //   %934   attention_bwd      d.h.3.q              line 39    f32[8,1024,768]
@@ -3669,12 +3665,12 @@ extern "C" __global__ void __launch_bounds__(128, 8) k102_layernorm_bwd__add__su
 // k196_gemm: GEMM, 1 op
 //   %941   matmul                                  line 38    f32[8192,768]
 // runs:
-//   gemm 124: [8192 x 768] = [8192 x 2304] T[2304 x 768], bf16 A and B, f32 C
+//   gemm 121: [8192 x 768] = [8192 x 2304] T[2304 x 768], bf16 A and B, f32 C
 
 // k197_gemm: GEMM, 1 op
 //   %942   matmul             d.h.3.attn_w         line 38    f32[768,2304]
 // runs:
-//   gemm 125: [768 x 2304] = T[768 x 8192] [8192 x 2304], bf16 A and B, f32 C
+//   gemm 122: [768 x 2304] = T[768 x 8192] [8192 x 2304], bf16 A and B, f32 C
 
 // k198_layernorm_bwd__add__sum__cast: kernel, 7 ops
 //   %944   layernorm_bwd                           line 38    f32[8,1024,768]
@@ -3691,7 +3687,7 @@ extern "C" __global__ void __launch_bounds__(128, 8) k102_layernorm_bwd__add__su
 // k199_gemm: GEMM, 1 op
 //   %952   matmul             d.h.2.fcproj_w       line 40    f32[3072,768]
 // runs:
-//   gemm 126: [3072 x 768] = T[3072 x 8192] [8192 x 768], bf16 A and B, f32 C
+//   gemm 123: [3072 x 768] = T[3072 x 8192] [8192 x 768], bf16 A and B, f32 C
 
 // k200_gemm__gelu_bwd__sum__cast: GEMM, 6 ops
 //   %951   matmul                                  line 40    f32[8192,3072]
@@ -3701,19 +3697,19 @@ extern "C" __global__ void __launch_bounds__(128, 8) k102_layernorm_bwd__add__su
 //   %956   sum                d.h.2.fc_b           line 40    f32[3072]
 //   %957   cast                                    line 40    bf16[8192,3072]
 // runs:
-//   gemm 127: [8192 x 3072] = [8192 x 768] T[768 x 3072], bf16 A and B, f32 C
+//   gemm 124: [8192 x 3072] = [8192 x 768] T[768 x 3072], bf16 A and B, f32 C
 //   k92_gemm__gelu_bwd__sum__cast_partial<<<984, 256>>>
 //   k92_gemm__gelu_bwd__sum__cast<<<192, 1024>>>
 
 // k201_gemm: GEMM, 1 op
 //   %958   matmul                                  line 40    f32[8192,768]
 // runs:
-//   gemm 128: [8192 x 768] = [8192 x 3072] T[3072 x 768], bf16 A and B, f32 C
+//   gemm 125: [8192 x 768] = [8192 x 3072] T[3072 x 768], bf16 A and B, f32 C
 
 // k202_gemm: GEMM, 1 op
 //   %959   matmul             d.h.2.fc_w           line 40    f32[768,3072]
 // runs:
-//   gemm 129: [768 x 3072] = T[768 x 8192] [8192 x 3072], bf16 A and B, f32 C
+//   gemm 126: [768 x 3072] = T[768 x 8192] [8192 x 3072], bf16 A and B, f32 C
 
 // k203_layernorm_bwd__add__sum__cast: kernel, 7 ops
 //   %961   layernorm_bwd                           line 40    f32[8,1024,768]
@@ -3730,14 +3726,14 @@ extern "C" __global__ void __launch_bounds__(128, 8) k102_layernorm_bwd__add__su
 // k204_gemm: GEMM, 1 op
 //   %969   matmul             d.h.2.proj_w         line 39    f32[768,768]
 // runs:
-//   gemm 130: [768 x 768] = T[768 x 8192] [8192 x 768], bf16 A and B, f32 C
+//   gemm 127: [768 x 768] = T[768 x 8192] [8192 x 768], bf16 A and B, f32 C
 
 // k205_gemm__cast: GEMM, 3 ops
 //   %968   matmul                                  line 39    f32[8192,768]
 //   %970   reshape                                 line 39    f32[8,1024,768]
 //   %973   cast                                    line 39    bf16[8,1024,768]
 // runs:
-//   gemm 131: [8192 x 768] = [8192 x 768] T[768 x 768], bf16 A and B, bf16 C
+//   gemm 128: [8192 x 768] = [8192 x 768] T[768 x 768], bf16 A and B, bf16 C
 
 // k206_attention_bwd: attention, 3 ops
 //   %974   attention_bwd      d.h.2.q              line 39    f32[8,1024,768]
@@ -3760,12 +3756,12 @@ extern "C" __global__ void __launch_bounds__(128, 8) k102_layernorm_bwd__add__su
 // k208_gemm: GEMM, 1 op
 //   %981   matmul                                  line 38    f32[8192,768]
 // runs:
-//   gemm 132: [8192 x 768] = [8192 x 2304] T[2304 x 768], bf16 A and B, f32 C
+//   gemm 129: [8192 x 768] = [8192 x 2304] T[2304 x 768], bf16 A and B, f32 C
 
 // k209_gemm: GEMM, 1 op
 //   %982   matmul             d.h.2.attn_w         line 38    f32[768,2304]
 // runs:
-//   gemm 133: [768 x 2304] = T[768 x 8192] [8192 x 2304], bf16 A and B, f32 C
+//   gemm 130: [768 x 2304] = T[768 x 8192] [8192 x 2304], bf16 A and B, f32 C
 
 // k210_layernorm_bwd__add__sum__cast: kernel, 7 ops
 //   %984   layernorm_bwd                           line 38    f32[8,1024,768]
@@ -3782,7 +3778,7 @@ extern "C" __global__ void __launch_bounds__(128, 8) k102_layernorm_bwd__add__su
 // k211_gemm: GEMM, 1 op
 //   %992   matmul             d.h.1.fcproj_w       line 40    f32[3072,768]
 // runs:
-//   gemm 134: [3072 x 768] = T[3072 x 8192] [8192 x 768], bf16 A and B, f32 C
+//   gemm 131: [3072 x 768] = T[3072 x 8192] [8192 x 768], bf16 A and B, f32 C
 
 // k212_gemm__gelu_bwd__sum__cast: GEMM, 6 ops
 //   %991   matmul                                  line 40    f32[8192,3072]
@@ -3792,19 +3788,19 @@ extern "C" __global__ void __launch_bounds__(128, 8) k102_layernorm_bwd__add__su
 //   %996   sum                d.h.1.fc_b           line 40    f32[3072]
 //   %997   cast                                    line 40    bf16[8192,3072]
 // runs:
-//   gemm 135: [8192 x 3072] = [8192 x 768] T[768 x 3072], bf16 A and B, f32 C
+//   gemm 132: [8192 x 3072] = [8192 x 768] T[768 x 3072], bf16 A and B, f32 C
 //   k92_gemm__gelu_bwd__sum__cast_partial<<<984, 256>>>
 //   k92_gemm__gelu_bwd__sum__cast<<<192, 1024>>>
 
 // k213_gemm: GEMM, 1 op
 //   %998   matmul                                  line 40    f32[8192,768]
 // runs:
-//   gemm 136: [8192 x 768] = [8192 x 3072] T[3072 x 768], bf16 A and B, f32 C
+//   gemm 133: [8192 x 768] = [8192 x 3072] T[3072 x 768], bf16 A and B, f32 C
 
 // k214_gemm: GEMM, 1 op
 //   %999   matmul             d.h.1.fc_w           line 40    f32[768,3072]
 // runs:
-//   gemm 137: [768 x 3072] = T[768 x 8192] [8192 x 3072], bf16 A and B, f32 C
+//   gemm 134: [768 x 3072] = T[768 x 8192] [8192 x 3072], bf16 A and B, f32 C
 
 // k215_layernorm_bwd__add__sum__cast: kernel, 7 ops
 //   %1001  layernorm_bwd                           line 40    f32[8,1024,768]
@@ -3821,14 +3817,14 @@ extern "C" __global__ void __launch_bounds__(128, 8) k102_layernorm_bwd__add__su
 // k216_gemm: GEMM, 1 op
 //   %1009  matmul             d.h.1.proj_w         line 39    f32[768,768]
 // runs:
-//   gemm 138: [768 x 768] = T[768 x 8192] [8192 x 768], bf16 A and B, f32 C
+//   gemm 135: [768 x 768] = T[768 x 8192] [8192 x 768], bf16 A and B, f32 C
 
 // k217_gemm__cast: GEMM, 3 ops
 //   %1008  matmul                                  line 39    f32[8192,768]
 //   %1010  reshape                                 line 39    f32[8,1024,768]
 //   %1013  cast                                    line 39    bf16[8,1024,768]
 // runs:
-//   gemm 139: [8192 x 768] = [8192 x 768] T[768 x 768], bf16 A and B, bf16 C
+//   gemm 136: [8192 x 768] = [8192 x 768] T[768 x 768], bf16 A and B, bf16 C
 
 // k218_attention_bwd: attention, 3 ops
 //   %1014  attention_bwd      d.h.1.q              line 39    f32[8,1024,768]
@@ -3851,12 +3847,12 @@ extern "C" __global__ void __launch_bounds__(128, 8) k102_layernorm_bwd__add__su
 // k220_gemm: GEMM, 1 op
 //   %1021  matmul                                  line 38    f32[8192,768]
 // runs:
-//   gemm 140: [8192 x 768] = [8192 x 2304] T[2304 x 768], bf16 A and B, f32 C
+//   gemm 137: [8192 x 768] = [8192 x 2304] T[2304 x 768], bf16 A and B, f32 C
 
 // k221_gemm: GEMM, 1 op
 //   %1022  matmul             d.h.1.attn_w         line 38    f32[768,2304]
 // runs:
-//   gemm 141: [768 x 2304] = T[768 x 8192] [8192 x 2304], bf16 A and B, f32 C
+//   gemm 138: [768 x 2304] = T[768 x 8192] [8192 x 2304], bf16 A and B, f32 C
 
 // k222_layernorm_bwd__add__sum__cast: kernel, 7 ops
 //   %1024  layernorm_bwd                           line 38    f32[8,1024,768]
@@ -3873,7 +3869,7 @@ extern "C" __global__ void __launch_bounds__(128, 8) k102_layernorm_bwd__add__su
 // k223_gemm: GEMM, 1 op
 //   %1032  matmul             d.h.0.fcproj_w       line 40    f32[3072,768]
 // runs:
-//   gemm 142: [3072 x 768] = T[3072 x 8192] [8192 x 768], bf16 A and B, f32 C
+//   gemm 139: [3072 x 768] = T[3072 x 8192] [8192 x 768], bf16 A and B, f32 C
 
 // k224_gemm__gelu_bwd__sum__cast: GEMM, 6 ops
 //   %1031  matmul                                  line 40    f32[8192,3072]
@@ -3883,19 +3879,19 @@ extern "C" __global__ void __launch_bounds__(128, 8) k102_layernorm_bwd__add__su
 //   %1036  sum                d.h.0.fc_b           line 40    f32[3072]
 //   %1037  cast                                    line 40    bf16[8192,3072]
 // runs:
-//   gemm 143: [8192 x 3072] = [8192 x 768] T[768 x 3072], bf16 A and B, f32 C
+//   gemm 140: [8192 x 3072] = [8192 x 768] T[768 x 3072], bf16 A and B, f32 C
 //   k92_gemm__gelu_bwd__sum__cast_partial<<<984, 256>>>
 //   k92_gemm__gelu_bwd__sum__cast<<<192, 1024>>>
 
 // k225_gemm: GEMM, 1 op
 //   %1038  matmul                                  line 40    f32[8192,768]
 // runs:
-//   gemm 144: [8192 x 768] = [8192 x 3072] T[3072 x 768], bf16 A and B, f32 C
+//   gemm 141: [8192 x 768] = [8192 x 3072] T[3072 x 768], bf16 A and B, f32 C
 
 // k226_gemm: GEMM, 1 op
 //   %1039  matmul             d.h.0.fc_w           line 40    f32[768,3072]
 // runs:
-//   gemm 145: [768 x 3072] = T[768 x 8192] [8192 x 3072], bf16 A and B, f32 C
+//   gemm 142: [768 x 3072] = T[768 x 8192] [8192 x 3072], bf16 A and B, f32 C
 
 // k227_layernorm_bwd__add__sum__cast: kernel, 7 ops
 //   %1041  layernorm_bwd                           line 40    f32[8,1024,768]
@@ -3912,14 +3908,14 @@ extern "C" __global__ void __launch_bounds__(128, 8) k102_layernorm_bwd__add__su
 // k228_gemm: GEMM, 1 op
 //   %1049  matmul             d.h.0.proj_w         line 39    f32[768,768]
 // runs:
-//   gemm 146: [768 x 768] = T[768 x 8192] [8192 x 768], bf16 A and B, f32 C
+//   gemm 143: [768 x 768] = T[768 x 8192] [8192 x 768], bf16 A and B, f32 C
 
 // k229_gemm__cast: GEMM, 3 ops
 //   %1048  matmul                                  line 39    f32[8192,768]
 //   %1050  reshape                                 line 39    f32[8,1024,768]
 //   %1053  cast                                    line 39    bf16[8,1024,768]
 // runs:
-//   gemm 147: [8192 x 768] = [8192 x 768] T[768 x 768], bf16 A and B, bf16 C
+//   gemm 144: [8192 x 768] = [8192 x 768] T[768 x 768], bf16 A and B, bf16 C
 
 // k230_attention_bwd: attention, 3 ops
 //   %1054  attention_bwd      d.h.0.q              line 39    f32[8,1024,768]
@@ -3942,12 +3938,12 @@ extern "C" __global__ void __launch_bounds__(128, 8) k102_layernorm_bwd__add__su
 // k232_gemm: GEMM, 1 op
 //   %1061  matmul                                  line 38    f32[8192,768]
 // runs:
-//   gemm 148: [8192 x 768] = [8192 x 2304] T[2304 x 768], bf16 A and B, f32 C
+//   gemm 145: [8192 x 768] = [8192 x 2304] T[2304 x 768], bf16 A and B, f32 C
 
 // k233_gemm: GEMM, 1 op
 //   %1062  matmul             d.h.0.attn_w         line 38    f32[768,2304]
 // runs:
-//   gemm 149: [768 x 2304] = T[768 x 8192] [8192 x 2304], bf16 A and B, f32 C
+//   gemm 146: [768 x 2304] = T[768 x 8192] [8192 x 2304], bf16 A and B, f32 C
 
 // k234_layernorm_bwd__add: kernel, 4 ops
 //   %1064  layernorm_bwd                           line 38    f32[8,1024,768]
@@ -4897,4 +4893,4 @@ extern "C" __global__ void __launch_bounds__(256) k237_grad_norm__adamw(char *ar
   }
 }
 
-// Schedule: 364 launches per step, 214 kernels (39 distinct) and 150 GEMMs; device arena 6219472128 bytes.
+// Schedule: 360 launches per step, 213 kernels (39 distinct) and 147 GEMMs; device arena 6631562496 bytes.
