@@ -410,15 +410,26 @@ static bool train(Graph *g, int steps, double *losses, bool check_casts, int *no
   return true;
 }
 
+// gpt2-tiny's training graph at B=2, T=16 after the bf16 precision pass, or NULL after a [fail] line.
+static Graph *tiny_bf16(Arena *a) {
+  DimOverride ov[] = {{"B", 2}, {"T", 16}};
+  Graph *g = training_graph(a, "models/gpt2-tiny.mdl", ov, 2);
+  char why[256];
+  if (!precision_assign(g, DT_BF16, why, sizeof why)) {
+    printf("[fail] precision: %s\n", why);
+    return NULL;
+  }
+  return g;
+}
+
 // The bf16 loss is the cross-entropy of the logits rounded to bf16: recomputed here from the f32
 // logits the interpreter holds, rounded, row by row; and the rounding moves it.
 static void test_loss_rounding(void) {
-  DimOverride ov[] = {{"B", 2}, {"T", 16}};
   Arena *a = arena_new();
-  Graph *g = training_graph(a, "models/gpt2-tiny.mdl", ov, 2);
-  char why[256], err[256];
-  if (!precision_assign(g, DT_BF16, why, sizeof why)) {
-    printf("[fail] precision: %s\n", why);
+  Graph *g = tiny_bf16(a);
+  char err[256];
+  if (!g) {
+    arena_free(a);
     return;
   }
   int ce = -1;
@@ -496,12 +507,11 @@ static void test_interp(void) {
 // Also: the rounding moves the
 // output (the same formulas without bf differ by more than 1e-4).
 static void test_attention(void) {
-  DimOverride ov[] = {{"B", 2}, {"T", 16}};
   Arena *a = arena_new();
-  Graph *g = training_graph(a, "models/gpt2-tiny.mdl", ov, 2);
-  char why[256], err[256];
-  if (!precision_assign(g, DT_BF16, why, sizeof why)) {
-    printf("[fail] precision: %s\n", why);
+  Graph *g = tiny_bf16(a);
+  char err[256];
+  if (!g) {
+    arena_free(a);
     return;
   }
   Interp *it = interp_new(g, INTERP_F64);
