@@ -2329,8 +2329,14 @@ static void emit_lmhead(Emit *e, int gi) {
   // rows (13) 5.9 GB, in GEMMs of a K too small to keep the tensor cores busy.
   int64_t most = LMHEAD_BYTES / (l16 ? 2 : 4);
   const char *env = getenv("MDL_LMHEAD_LOGITS"); // fewer logits, on a GPU short of memory
-  if (env && atoll(env) > 0)
-    most = atoll(env);
+  if (env) {
+    char *end;
+    long long k = strtoll(env, &end, 10);
+    if (end == env || *end || k < 1)
+      ec_fail(&e->core, "MDL_LMHEAD_LOGITS=%s: not a positive number of logits", env);
+    else
+      most = k;
+  }
   int64_t nch = (n * v + most - 1) / most;
   int64_t rc = (n + nch - 1) / nch;
   rc = (rc + 63) / 64 * 64;

@@ -1156,11 +1156,21 @@ static bool get_function(CudaEngine *ce, const char *name, CUfunction *fn, char 
                  ce->nmods == 1 ? "" : "s");
 }
 
-// The threads (and programs) NVRTC compiles the module on: $MDL_NVRTC_THREADS, else every online CPU.
-static int nvrtc_threads(void) {
+// The threads (and programs) NVRTC compiles the module on, into *k: $MDL_NVRTC_THREADS (1 to 64), else
+// every online CPU (at most 64). False, saying why, when the variable is set to anything else.
+static bool nvrtc_threads(int *k, char *err, size_t n) {
   const char *env = getenv("MDL_NVRTC_THREADS");
-  long k = env && atoi(env) > 0 ? atoi(env) : sysconf(_SC_NPROCESSORS_ONLN);
-  return k < 1 ? 1 : k > 64 ? 64 : (int)k;
+  if (env) {
+    char *end;
+    long v = strtol(env, &end, 10);
+    if (end == env || *end || v < 1 || v > 64)
+      return rt_fail(err, n, "MDL_NVRTC_THREADS=%s: not a number of threads from 1 to 64", env);
+    *k = (int)v;
+    return true;
+  }
+  long v = sysconf(_SC_NPROCESSORS_ONLN);
+  *k = v < 1 ? 1 : v > 64 ? 64 : (int)v;
+  return true;
 }
 
 static bool load_modules(CudaEngine *ce, const NvrtcModule *cubins, char *err, size_t n) {
@@ -1305,7 +1315,8 @@ Engine *engine_cuda(const Fusion *f, const MemPlan *m, uint64_t seed, bool tune_
   }
   NvrtcModule cubins = {0};
   double tc = rt_now();
-  if (!nvrtc_compile_units(ce->plan, ce->dev.arch, nvrtc_threads(), &cubins, err, n)) {
+  int threads = 1;
+  if (!nvrtc_threads(&threads, err, n) || !nvrtc_compile_units(ce->plan, ce->dev.arch, threads, &cubins, err, n)) {
     free(ce);
     return NULL;
   }

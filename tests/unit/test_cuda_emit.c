@@ -1553,6 +1553,16 @@ static void test_lmhead_chunks(const char *dir, const char *path, bool tied) {
     arena_free(a);
     test_emulation(&md, true, bf16 ? DT_BF16 : DT_F32, dir);
   }
+  // A value that is no positive count is refused, not taken for the default.
+  Arena *a = arena_new();
+  Model plain = {.path = path};
+  Graph *g = load(a, &plain, DT_BF16);
+  Fusion *f = g ? fuse(g, (FuseOptions){.fuse = true, .chunk_lmhead = true}) : NULL;
+  setenv("MDL_LMHEAD_LOGITS", "16k", 1);
+  CHECK(f && !emit_cuda_plan(f, memplan(f), path),
+        arena_printf(a, "cuda lm head chunks: %s: MDL_LMHEAD_LOGITS=16k is refused", path), "%s",
+        f ? "a plan was emitted" : "no fusion");
+  arena_free(a);
   unsetenv("MDL_LMHEAD_LOGITS");
 }
 

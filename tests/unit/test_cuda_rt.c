@@ -1580,6 +1580,13 @@ static void emulated_checks(const Model *md) {
   setenv("MDL_LIBCUBLASLT", so, 1);
   void *h = dlopen(so, RTLD_NOW | RTLD_LOCAL);
   const Counters *(*counters)(void) = h ? (const Counters *(*)(void))dlsym(h, "fake_counters") : NULL;
+  setenv("MDL_NVRTC_THREADS", "0", 1);
+  Engine *bad = engine_cuda(c.f, c.m, 5, true, true, why, sizeof why);
+  snprintf(name, sizeof name, "cuda: %s: MDL_NVRTC_THREADS=0 is refused, named", md->label);
+  CHECK(!bad && strstr(why, "MDL_NVRTC_THREADS=0: not a number of threads"), name, "%s",
+        bad ? "an engine started" : why);
+  if (bad)
+    bad->free(bad);
   setenv("MDL_NVRTC_THREADS", "3", 1); // (the module as three programs, whatever the machine's cores)
   Engine *cuda = engine_cuda(c.f, c.m, 5, true, true, why, sizeof why);
   unsetenv("MDL_NVRTC_THREADS");
