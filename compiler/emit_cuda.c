@@ -2179,6 +2179,10 @@ static void ce_row(Emit *e, const RowShape *rs, int64_t v, const char *x, bool x
   orelse(e);
   if (loss)
     ec_line(&e->core, "const float xt = %s;", x16 ? "mdl_bf16_to_f32(x[tg])" : "x[tg]");
+  // (dx may be x: the lane that writes dx[tg] must not do so before every lane has read x[tg]; a
+  // block's reductions below order them by __syncthreads, a warp's shuffles do not order memory)
+  if (loss && dx && rs->tpr == 32)
+    ec_line(&e->core, "__syncwarp();");
   // One pass for the maximum and the sum (online softmax): each thread keeps the largest logit it
   // has seen and its sum of exp(x - that), rescaled when the maximum grows; the threads' sums are
   // then rescaled to the row's maximum and added. The gradient's pass reads the row a second time.

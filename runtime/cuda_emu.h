@@ -10,18 +10,18 @@
 // one OS thread). The threads of a block are fibers (ucontext), one per CUDA thread, run round-robin
 // on one OS thread; threadIdx, blockIdx, blockDim and gridDim are thread-locals the scheduler sets
 // before it resumes a fiber, in increasing order of threadIdx in some blocks and decreasing in the
-// others (a thread that reads what another wrote, with no barrier between them, then sees the old
-// value in one or the other, whichever of the two the GPU would run first). A fiber runs until it
-// waits: __syncthreads waits until every live thread
-// of the block has arrived, a warp shuffle until every live thread of its warp has put its value in
-// the warp's exchange slots (then reads its partner's, and waits once more so that no slot is
-// overwritten before it is read). The tensor cores' mma.sync is warp-collective the same way: the
-// lanes put their fragments in the warp's slots, wait, each computes its own part of D from the whole
-// A and B, and wait again; so are ldmatrix, __all_sync and __any_sync. A cp.async copy lands at one end or the
-// other of the window the GPU allows it, by block (cp_async): a missing wait or barrier around a
-// double-buffered tile then shows as wrong values. A thread that returns stops counting for the
-// barriers; a whole pass over the fibers without any arrival, release or exit is a deadlock and
-// aborts. Blocks are independent, so OpenMP runs them in parallel, each OS thread with its own fibers.
+// others (a thread that reads what another wrote, with no barrier between them, then sees the old value
+// in one or the other, whichever of the two the GPU would run first). A fiber runs until it waits:
+// __syncthreads waits until every live thread of the block has arrived, __syncwarp every live thread of
+// its warp, a warp shuffle until every live thread of its warp has put its value in the warp's exchange
+// slots (then reads its partner's, and waits once more so that no slot is overwritten before it is
+// read). The tensor cores' mma.sync is warp-collective the same way: the lanes put their fragments in
+// the warp's slots, wait, each computes its own part of D from the whole A and B, and wait again; so
+// are ldmatrix, __all_sync and __any_sync. A cp.async copy lands at one end or the other of the window
+// the GPU allows it, by block (cp_async): a missing wait or barrier around a double-buffered tile then
+// shows as wrong values. A thread that returns stops counting for the barriers; a whole pass over the
+// fibers without any arrival, release or exit is a deadlock and aborts. Blocks are independent, so
+// OpenMP runs them in parallel, each OS thread with its own fibers.
 #ifndef MDL_CUDA_EMU_H
 #define MDL_CUDA_EMU_H
 
@@ -438,6 +438,7 @@ inline void mdl_cp_async_commit() { mdl_emu::cp_async_commit(); }
 template <int N> inline void mdl_cp_async_wait() { mdl_emu::cp_async_wait(N); }
 
 inline void __syncthreads() { mdl_emu::wait(mdl_emu::blk->block); }
+inline void __syncwarp(unsigned = 0xffffffffu) { mdl_emu::wait(mdl_emu::blk->warp[mdl_emu::blk->cur / 32]); }
 
 template <class T> T __shfl_xor_sync(unsigned, T v, int mask, int width = 32) {
   unsigned lane = (unsigned)mdl_emu::blk->cur % 32, src = lane ^ (unsigned)mask;

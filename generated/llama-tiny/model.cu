@@ -1226,6 +1226,7 @@ extern "C" __global__ void __launch_bounds__(256) k27_lmhead__cast__cross_entrop
         dx[j] = 0;
     } else {
       const float xt = mdl_bf16_to_f32(x[tg]);
+      __syncwarp();
       float m = -MDL_INF;
       double part = 0;
       for (int jv = tr; jv < 32; jv += 64) {

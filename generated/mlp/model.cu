@@ -492,6 +492,7 @@ extern "C" __global__ void __launch_bounds__(256) k4_cross_entropy_fwd__cross_en
         dx[j] = 0.0f;
     } else {
       const float xt = x[tg];
+      __syncwarp();
       float m = -MDL_INF;
       double part = 0;
       for (int jv = tr; jv < 1; jv += 64) {

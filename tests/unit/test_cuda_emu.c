@@ -159,6 +159,13 @@ static const char kernels[] =
     "  slot[t] = t;\n"
     "  seen[t] = slot[t ^ 1];\n"
     "}\n"
+    "extern \"C\" __global__ void k_syncwarp(double *out) {\n"
+    "  double *const slot = out + blockIdx.x * 64, *const seen = out + 256 + blockIdx.x * 64;\n"
+    "  const int t = threadIdx.x;\n"
+    "  slot[t] = t;\n"
+    "  __syncwarp();\n"
+    "  seen[t] = slot[t ^ 1];\n"
+    "}\n"
     "extern \"C\" __global__ void k_shfl(double *out) {\n"
     "  const int lane = threadIdx.x & 31;\n"
     "  const float f = __shfl_xor_sync(MDL_FULL, (float)threadIdx.x, 5);\n"
@@ -246,6 +253,7 @@ static const char kernels[] =
     "static void b_sync(void *) { k_sync(A.out); }\n"
     "static void b_shfl(void *) { k_shfl(A.out); }\n"
     "static void b_race(void *) { k_race(A.out); }\n"
+    "static void b_syncwarp(void *) { k_syncwarp(A.out); }\n"
     "static void b_atomic(void *) { k_atomic(A.out); }\n"
     "static void b_report(void *) { k_report(A.st); }\n"
     "static void b_deadlock(void *) { k_deadlock(A.out); }\n"
@@ -268,6 +276,10 @@ static const char kernels[] =
     "extern \"C\" void run_race(double *out) {\n"
     "  A.out = out;\n"
     "  mdl_emu::run(dim3{4, 1, 1}, dim3{64, 1, 1}, b_race, 0);\n"
+    "}\n"
+    "extern \"C\" void run_syncwarp(double *out) {\n"
+    "  A.out = out;\n"
+    "  mdl_emu::run(dim3{4, 1, 1}, dim3{64, 1, 1}, b_syncwarp, 0);\n"
     "}\n"
     "extern \"C\" void run_shfl(double *out) {\n"
     "  A.out = out;\n"
@@ -415,6 +427,19 @@ static void test_primitives(void *h) {
   CHECK(wrong == 0, "cuda emu: a read of another thread's write with no barrier between sees the old value in one "
         "order of the threads and the new in the other (blocks 0, 1 increasing, 2, 3 decreasing)", "%d of 256 "
         "reads differ", wrong);
+
+  // The same with __syncwarp between the write and the read: every read sees the neighbour's write,
+  // in both orders of the threads.
+  for (int i = 0; i < 512; i++)
+    out[i] = -1;
+  run = (void (*)(double *))dlsym(h, "run_syncwarp");
+  run(out);
+  wrong = 0;
+  for (int b = 0; b < 4; b++)
+    for (int t = 0; t < 64; t++)
+      wrong += out[256 + b * 64 + t] != (double)(t ^ 1);
+  CHECK(wrong == 0, "cuda emu: __syncwarp orders the writes and reads of a warp, in both orders of the threads",
+        "%d of 256 reads differ", wrong);
 
   memset(out, 0, 1024 * sizeof *out);
   run = (void (*)(double *))dlsym(h, "run_shfl");
