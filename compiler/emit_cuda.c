@@ -222,7 +222,8 @@ static const char prelude[] =
     "}\n"
     "__device__ __forceinline__ void mdl_load4(const uint16_t *p, float f[4]) {\n"
     "  const ushort4 u = *(const ushort4 *)p;\n"
-    "  f[0] = mdl_bf16_to_f32(u.x), f[1] = mdl_bf16_to_f32(u.y), f[2] = mdl_bf16_to_f32(u.z), f[3] = mdl_bf16_to_f32(u.w);\n"
+    "  f[0] = mdl_bf16_to_f32(u.x), f[1] = mdl_bf16_to_f32(u.y);\n"
+    "  f[2] = mdl_bf16_to_f32(u.z), f[3] = mdl_bf16_to_f32(u.w);\n"
     "}\n"
     "__device__ __forceinline__ void mdl_load8(const uint16_t *p, float f[8]) {\n"
     "  const uint4 u = *(const uint4 *)p;\n"
@@ -230,9 +231,12 @@ static const char prelude[] =
     "  for (int k = 0; k < 4; k++)\n"
     "    f[2 * k] = __uint_as_float(w[k] << 16), f[2 * k + 1] = __uint_as_float(w[k] & 0xffff0000u);\n"
     "}\n"
-    "__device__ __forceinline__ void mdl_store4(float *p, const float f[4]) { *(float4 *)p = make_float4(f[0], f[1], f[2], f[3]); }\n"
+    "__device__ __forceinline__ void mdl_store4(float *p, const float f[4]) {\n"
+    "  *(float4 *)p = make_float4(f[0], f[1], f[2], f[3]);\n"
+    "}\n"
     "__device__ __forceinline__ void mdl_store4(uint16_t *p, const float f[4]) {\n"
-    "  *(ushort4 *)p = make_ushort4(mdl_f32_to_bf16(f[0]), mdl_f32_to_bf16(f[1]), mdl_f32_to_bf16(f[2]), mdl_f32_to_bf16(f[3]));\n"
+    "  *(ushort4 *)p = make_ushort4(mdl_f32_to_bf16(f[0]), mdl_f32_to_bf16(f[1]), mdl_f32_to_bf16(f[2]),\n"
+    "                               mdl_f32_to_bf16(f[3]));\n"
     "}\n"
     "__device__ __forceinline__ void mdl_store8(uint16_t *p, const float f[8]) {\n"
     "  uint32_t w[4];\n"
@@ -240,7 +244,10 @@ static const char prelude[] =
     "    w[k] = (uint32_t)mdl_f32_to_bf16(f[2 * k]) | (uint32_t)mdl_f32_to_bf16(f[2 * k + 1]) << 16;\n"
     "  *(uint4 *)p = make_uint4(w[0], w[1], w[2], w[3]);\n"
     "}\n"
-    "__device__ __forceinline__ void mdl_store8(float *p, const float f[8]) { mdl_store4(p, f), mdl_store4(p + 4, f + 4); }\n"
+    "__device__ __forceinline__ void mdl_store8(float *p, const float f[8]) {\n"
+    "  mdl_store4(p, f);\n"
+    "  mdl_store4(p + 4, f + 4);\n"
+    "}\n"
     "\n"
     "// One AdamW update in double, as the interpreter does it: gradient g scaled by the clip factor sc,\n"
     "// the moments m and v updated in place (rounded to f32), the new parameter returned.\n"
@@ -2381,7 +2388,7 @@ static void emit_lmhead(Emit *e, int gi) {
       ce_row(e, &rs, v, ec_str(&e->core, "%s + i * %lld", lp, (long long)vp), l16,
              ec_str(&e->core, "%s[r]", ptr(e, tg)),
              ec_str(&e->core, "%s[r]", ptr(e, gr->ce)), ec_str(&e->core, "%s + i * %lld", gp, (long long)vp), d16,
-             ec_str(&e->core, "%s[r]", ptr(e, dl)), l16 ? 8 : 4); // rows vp apart, a multiple of 64
+             ec_str(&e->core, "%s[r]", ptr(e, dl)), ce_width(vp, l16 ? 2 : 4, d16 ? 2 : 4)); // rows vp apart
       if (vn > v)
         ec_line(&e->core, "for (int j = %lld + tr; j < %lld; j += %d) %s[i * %lld + j] = 0;", (long long)v,
                 (long long)vn, rs.tpr, gp, (long long)vp);

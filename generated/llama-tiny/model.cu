@@ -128,7 +128,8 @@ __device__ __forceinline__ void mdl_load4(const float *p, float f[4]) {
 }
 __device__ __forceinline__ void mdl_load4(const uint16_t *p, float f[4]) {
   const ushort4 u = *(const ushort4 *)p;
-  f[0] = mdl_bf16_to_f32(u.x), f[1] = mdl_bf16_to_f32(u.y), f[2] = mdl_bf16_to_f32(u.z), f[3] = mdl_bf16_to_f32(u.w);
+  f[0] = mdl_bf16_to_f32(u.x), f[1] = mdl_bf16_to_f32(u.y);
+  f[2] = mdl_bf16_to_f32(u.z), f[3] = mdl_bf16_to_f32(u.w);
 }
 __device__ __forceinline__ void mdl_load8(const uint16_t *p, float f[8]) {
   const uint4 u = *(const uint4 *)p;
@@ -136,9 +137,12 @@ __device__ __forceinline__ void mdl_load8(const uint16_t *p, float f[8]) {
   for (int k = 0; k < 4; k++)
     f[2 * k] = __uint_as_float(w[k] << 16), f[2 * k + 1] = __uint_as_float(w[k] & 0xffff0000u);
 }
-__device__ __forceinline__ void mdl_store4(float *p, const float f[4]) { *(float4 *)p = make_float4(f[0], f[1], f[2], f[3]); }
+__device__ __forceinline__ void mdl_store4(float *p, const float f[4]) {
+  *(float4 *)p = make_float4(f[0], f[1], f[2], f[3]);
+}
 __device__ __forceinline__ void mdl_store4(uint16_t *p, const float f[4]) {
-  *(ushort4 *)p = make_ushort4(mdl_f32_to_bf16(f[0]), mdl_f32_to_bf16(f[1]), mdl_f32_to_bf16(f[2]), mdl_f32_to_bf16(f[3]));
+  *(ushort4 *)p = make_ushort4(mdl_f32_to_bf16(f[0]), mdl_f32_to_bf16(f[1]), mdl_f32_to_bf16(f[2]),
+                               mdl_f32_to_bf16(f[3]));
 }
 __device__ __forceinline__ void mdl_store8(uint16_t *p, const float f[8]) {
   uint32_t w[4];
@@ -146,7 +150,10 @@ __device__ __forceinline__ void mdl_store8(uint16_t *p, const float f[8]) {
     w[k] = (uint32_t)mdl_f32_to_bf16(f[2 * k]) | (uint32_t)mdl_f32_to_bf16(f[2 * k + 1]) << 16;
   *(uint4 *)p = make_uint4(w[0], w[1], w[2], w[3]);
 }
-__device__ __forceinline__ void mdl_store8(float *p, const float f[8]) { mdl_store4(p, f), mdl_store4(p + 4, f + 4); }
+__device__ __forceinline__ void mdl_store8(float *p, const float f[8]) {
+  mdl_store4(p, f);
+  mdl_store4(p + 4, f + 4);
+}
 
 // One AdamW update in double, as the interpreter does it: gradient g scaled by the clip factor sc,
 // the moments m and v updated in place (rounded to f32), the new parameter returned.

@@ -35,9 +35,11 @@
 //     parameters agree within 1e-6 with AdamW computed here from the emulated gradients; a second step
 //     gives bit-identical values; a target >= V and a token id >= V are reported through the status
 //     argument; where the kernels use ldmatrix (the tensor-core attention), every 8 x 8 tile it reads
-//     takes one pass of shared memory's banks (the emulator counts the conflicts). Attention alone (q, k, v parameters) in bf16, on tensor cores and not, against the
-//     interpreter: the output within 2e-5 where keys fit one tile, 1e-3 over several, dq, dk and dv
-//     within 3e-5 (see test_attention_alone).
+//     takes one pass of shared memory's banks (the emulator counts the conflicts). Attention alone (q,
+//     k, v parameters) in bf16, on tensor cores and not, against the interpreter: the output within
+//     2e-5 where keys fit one tile, 1e-3 over several, dq, dk and dv within 3e-5 (see
+//     test_attention_alone). A bf16 LM head whose logits are exact products: the interpreter's loss of
+//     the logits rounded to bf16 within 1e-6, fused and unfused (see test_lmhead_rounding).
 #include "mdl.h"
 #include "backend.h"
 #include "emit_cuda.h"
@@ -1566,6 +1568,40 @@ static void test_lmhead_chunks(const char *dir, const char *path, bool tied) {
   unsetenv("MDL_LMHEAD_LOGITS");
 }
 
+// One step of a model with inputs x (n floats) and targets (rows), parameters drawn from seed 7 and lr
+// 2e-3, by the interpreter and on the emulated GPU: the checks of the cross-entropy compare the two.
+typedef struct {
+  Interp *it;
+  bool iok;        // the interpreter ran (else err says why)
+  char err[256];
+  char *arena;     // the emulated GPU's arena after the step
+  MdlStatus st;    // its kernels' status
+} BothRuns;
+
+static BothRuns run_both(Graph *g, MemPlan *m, CudaPlan *p, Emu *emu, const float *x, int64_t n, const int32_t *tg,
+                         int64_t rows) {
+  BothRuns b = {.it = interp_new(g, INTERP_F32)};
+  interp_init_params(b.it, 7);
+  interp_set_input(b.it, "x", NULL, x, n);
+  interp_set_input(b.it, "targets", tg, NULL, rows);
+  interp_set_scalar(b.it, "lr", 2e-3);
+  interp_set_scalar(b.it, "step", 1);
+  b.iok = interp_run(b.it, g->n, b.err, sizeof b.err);
+  b.arena = arena_new_for(p);
+  cpu_init_params(g, m, b.arena, 7);
+  cpu_set_input(g, m, b.arena, "x", NULL, x, n);
+  cpu_set_input(g, m, b.arena, "targets", tg, NULL, rows);
+  cpu_set_scalar(g, m, b.arena, "lr", 2e-3);
+  cpu_set_scalar(g, m, b.arena, "step", 1);
+  b.st = emu_step(p, emu, b.arena);
+  return b;
+}
+
+static void both_free(BothRuns *b) {
+  free(b->arena);
+  interp_free(b->it);
+}
+
 // Cross-entropy at the edges of its online maximum, emulated against the interpreter: a row whose
 // logits are -inf from 100 on, a row where every lane's first logit is -inf (but the target's), two
 // finite rows; the loss and the gradient of s agree within 1e-5. With a NaN logit in the last row,
@@ -1581,7 +1617,7 @@ static const char celimits[] = "model celimits\n"
 static void test_ce_limits(const char *dir) {
   Arena *a = arena_new();
   Graph *g = mdl_compile_text(a, "celimits.mdl", celimits, NULL, 0);
-  char why[2048] = "", err[256] = "";
+  char why[2048] = "";
   bool ok = g && autodiff(g, true);
   Fusion *f = ok ? fuse(g, (FuseOptions){.fuse = true, .chunk_lmhead = true}) : NULL;
   MemPlan *m = f ? memplan(f) : NULL;
@@ -1602,35 +1638,22 @@ static void test_ce_limits(const char *dir) {
         x[V + j] = -INFINITY;
     if (nan)
       x[3 * V + 7] = NAN;
-    Interp *it = interp_new(g, INTERP_F32);
-    interp_init_params(it, 7);
-    interp_set_input(it, "x", NULL, x, R * V);
-    interp_set_input(it, "targets", tg, NULL, R);
-    interp_set_scalar(it, "lr", 2e-3);
-    interp_set_scalar(it, "step", 1);
-    bool iok = interp_run(it, g->n, err, sizeof err);
-    char *arena = arena_new_for(p);
-    cpu_init_params(g, m, arena, 7);
-    cpu_set_input(g, m, arena, "x", NULL, x, R * V);
-    cpu_set_input(g, m, arena, "targets", tg, NULL, R);
-    cpu_set_scalar(g, m, arena, "lr", 2e-3);
-    cpu_set_scalar(g, m, arena, "step", 1);
-    MdlStatus st = emu_step(p, &emu, arena);
-    double loss = *(float *)cpu_value(m, arena, g->loss), ref = interp_value(it, g->loss)[0];
+    BothRuns b = run_both(g, m, p, &emu, x, R * V, tg, R);
+    double loss = *(float *)cpu_value(m, b.arena, g->loss), ref = interp_value(b.it, g->loss)[0];
     if (nan) {
-      CHECK(iok && !st.set && isnan(loss) && isnan(ref), "cuda emu cross-entropy limits: a NaN logit gives a NaN loss",
-            "loss %g, interpreter %g (%s)", loss, ref, err);
+      CHECK(b.iok && !b.st.set && isnan(loss) && isnan(ref),
+            "cuda emu cross-entropy limits: a NaN logit gives a NaN loss", "loss %g, interpreter %g (%s)", loss, ref,
+            b.err);
     } else {
       int64_t n = shape_numel(g->nodes[g->params[0]]->shape);
-      double *gs = from_float(cpu_value(m, arena, g->grads[0]), n);
-      double e = rel_err(gs, interp_value(it, g->grads[0]), n);
-      CHECK(iok && !st.set && isfinite(loss) && fabs(loss - ref) <= 1e-5 * fabs(ref) && e <= 1e-5,
+      double *gs = from_float(cpu_value(m, b.arena, g->grads[0]), n);
+      double e = rel_err(gs, interp_value(b.it, g->grads[0]), n);
+      CHECK(b.iok && !b.st.set && isfinite(loss) && fabs(loss - ref) <= 1e-5 * fabs(ref) && e <= 1e-5,
             "cuda emu cross-entropy limits: rows of -inf logits give the interpreter's loss and gradient (1e-5)",
-            "loss %.8f vs %.8f, gradient %.2e (%s)", loss, ref, e, err);
+            "loss %.8f vs %.8f, gradient %.2e (%s)", loss, ref, e, b.err);
       free(gs);
     }
-    free(arena);
-    interp_free(it);
+    both_free(&b);
   }
   emu_free(&emu);
   arena_free(a);
@@ -1655,7 +1678,7 @@ static void test_lmhead_rounding(const char *dir, bool fused) {
   enum { R = 64, V = 300 };
   Arena *a = arena_new();
   Graph *g = mdl_compile_text(a, "lmround.mdl", lmround, NULL, 0);
-  char why[2048] = "", err[256] = "";
+  char why[2048] = "";
   const char *label = fused ? "cuda emu bf16 LM head fused" : "cuda emu bf16 LM head unfused";
   bool ok = g && autodiff(g, true) && precision_assign(g, DT_BF16, why, sizeof why);
   Fusion *f = ok ? fuse(g, (FuseOptions){.fuse = fused, .chunk_lmhead = fused}) : NULL;
@@ -1683,23 +1706,10 @@ static void test_lmhead_rounding(const char *dir, bool fused) {
     x[j] = (float)(3 * sin(0.7 * j + 0.3));
     tg[j] = (j * 37 + 5) % V;
   }
-  Interp *it = interp_new(g, INTERP_F32);
-  interp_init_params(it, 7);
-  interp_set_input(it, "x", NULL, x, R);
-  interp_set_input(it, "targets", tg, NULL, R);
-  interp_set_scalar(it, "lr", 2e-3);
-  interp_set_scalar(it, "step", 1);
-  bool iok = interp_run(it, g->n, err, sizeof err);
-  char *arena = arena_new_for(p);
-  cpu_init_params(g, m, arena, 7);
-  cpu_set_input(g, m, arena, "x", NULL, x, R);
-  cpu_set_input(g, m, arena, "targets", tg, NULL, R);
-  cpu_set_scalar(g, m, arena, "lr", 2e-3);
-  cpu_set_scalar(g, m, arena, "step", 1);
-  MdlStatus st = emu_step(p, &emu, arena);
-  double loss = *(float *)cpu_value(m, arena, g->loss), ref = interp_value(it, g->loss)[0], plain = 0, e = 0;
-  const double *lg = interp_value(it, mm); // the logits as the GEMM computes them, unrounded
-  for (int r = 0; iok && r < R; r++) {
+  BothRuns b = run_both(g, m, p, &emu, x, R, tg, R);
+  double loss = *(float *)cpu_value(m, b.arena, g->loss), ref = interp_value(b.it, g->loss)[0], plain = 0, e = 0;
+  const double *lg = interp_value(b.it, mm); // the logits as the GEMM computes them, unrounded
+  for (int r = 0; b.iok && r < R; r++) {
     double mx = -INFINITY, sum = 0;
     for (int j = 0; j < V; j++)
       mx = fmax(mx, lg[r * V + j]);
@@ -1707,18 +1717,17 @@ static void test_lmhead_rounding(const char *dir, bool fused) {
       sum += exp(lg[r * V + j] - mx);
     plain += (mx + log(sum) - lg[r * V + tg[r]]) / R;
   }
-  for (int k = 0; iok && k < g->nparams; k++) {
+  for (int k = 0; b.iok && k < g->nparams; k++) {
     int64_t n = shape_numel(g->nodes[g->params[k]]->shape);
-    double *gr = from_float(cpu_value(m, arena, g->grads[k]), n);
-    e = fmax(e, rel_err(gr, interp_value(it, g->grads[k]), n));
+    double *gr = from_float(cpu_value(m, b.arena, g->grads[k]), n);
+    e = fmax(e, rel_err(gr, interp_value(b.it, g->grads[k]), n));
     free(gr);
   }
-  CHECK(iok && !st.set && fabs(loss - ref) <= 1e-6 * fabs(ref) && e <= 1e-5 && fabs(plain - ref) > 2e-5 * fabs(ref),
+  CHECK(b.iok && !b.st.set && fabs(loss - ref) <= 1e-6 * fabs(ref) && e <= 1e-5 && fabs(plain - ref) > 2e-5 * fabs(ref),
         arena_printf(a, "%s: the loss of the logits rounded to bf16, as the interpreter's (1e-6), gradients (1e-5)",
                      label),
-        "loss %.8f vs %.8f (unrounded logits: %.8f), gradients %.2e (%s)", loss, ref, plain, e, err);
-  free(arena);
-  interp_free(it);
+        "loss %.8f vs %.8f (unrounded logits: %.8f), gradients %.2e (%s)", loss, ref, plain, e, b.err);
+  both_free(&b);
   emu_free(&emu);
   arena_free(a);
 }
