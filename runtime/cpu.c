@@ -135,6 +135,17 @@ CpuModule *cpu_load(const char *source, char *err, size_t n) {
     cm->compile_seconds = rt_now() - t0;
   }
   cm->so = dlopen(so, RTLD_NOW | RTLD_LOCAL);
+  if (!cm->so && cm->cache_hit) { // (damaged, or built against another C library): built again
+    fprintf(stderr, "mdlc: warning: the cached module %s does not load (%s); compiling again\n", so, dlerror());
+    double t0 = rt_now();
+    if (!rt_write_atomic(src, source, strlen(source), err, n) || !compile(src, so, log, err, n)) {
+      free(cm);
+      return NULL;
+    }
+    cm->cache_hit = false;
+    cm->compile_seconds = rt_now() - t0;
+    cm->so = dlopen(so, RTLD_NOW | RTLD_LOCAL);
+  }
   if (!cm->so) {
     rt_fail(err, n, "%s", dlerror());
     free(cm);

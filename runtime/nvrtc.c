@@ -180,6 +180,25 @@ static void *read_file(const char *path, size_t *size) {
   return data;
 }
 
+// Whether data (size bytes) is a whole cubin: a 64-bit ELF file for the CUDA machine (EM_CUDA, 190)
+// whose program and section header tables lie inside it. A cached file that is not (cut short by a
+// full disk, damaged) is compiled again and replaced; the driver would refuse it.
+static bool is_cubin(const unsigned char *data, size_t size) {
+  if (size < 64 || memcmp(data, "\x7f" "ELF", 4) || data[4] != 2 || data[5] != 1)
+    return false;
+  uint64_t phoff, shoff;
+  uint16_t machine, phentsize, phnum, shentsize, shnum;
+  memcpy(&machine, data + 18, 2);
+  memcpy(&phoff, data + 32, 8);
+  memcpy(&shoff, data + 40, 8);
+  memcpy(&phentsize, data + 54, 2);
+  memcpy(&phnum, data + 56, 2);
+  memcpy(&shentsize, data + 58, 2);
+  memcpy(&shnum, data + 60, 2);
+  return machine == 190 && phoff <= size && (uint64_t)phentsize * phnum <= size - phoff && shoff <= size &&
+         (uint64_t)shentsize * shnum <= size - shoff;
+}
+
 // The program's log, malloc'd, or NULL when it is empty.
 static char *program_log(nvrtc_program prog) {
   size_t len = 0;
@@ -267,21 +286,22 @@ static bool compile_cached(const char *src, const char *arch, bool split, NvrtcR
 
   size_t size = 0;
   void *cubin = read_file(path, &size);
-  if (cubin) {
+  if (cubin && is_cubin(cubin, size)) {
     *out = (NvrtcResult){cubin, size, true, 0, NULL};
     return true;
   }
+  if (cubin)
+    fprintf(stderr, "mdlc: warning: %s: not a whole cubin (damaged or cut short); compiling again\n", path);
+  free(cubin);
   double t0 = rt_now();
   char *log = NULL;
   cubin = run_nvrtc(src, opts, nopts, &size, &log, err, n);
   if (!cubin)
     return false;
   double seconds = rt_now() - t0;
-  if (!rt_write_atomic(path, cubin, size, err, n)) {
-    free(cubin);
-    free(log);
-    return false;
-  }
+  char why[1200];
+  if (!rt_write_atomic(path, cubin, size, why, sizeof why))
+    fprintf(stderr, "mdlc: warning: the compiled module is not cached: %s\n", why);
   *out = (NvrtcResult){cubin, size, false, seconds, log};
   return true;
 }

@@ -15,6 +15,8 @@ double rt_now(void); // seconds, monotonic
 void rt_parallel_for(int64_t n, int64_t grain, void (*fn)(void *ctx, int64_t lo, int64_t hi), void *ctx);
 int rt_input_node(const Graph *g, const char *name); // the INPUT node of that name, or -1
 // The compiled-module cache, $MDL_CACHE or ~/.cache/mdl, with `sub` appended ("" for none), created.
+// Where that cannot be made or written into, one warning, and a folder of this process's own under
+// $TMPDIR (or /tmp), removed at exit: a read-only home still trains, compiling every time.
 bool rt_cache_dir(const char *sub, char *dir, size_t n, char *err, size_t errn);
 // Writes path through a temporary file, fsync and rename; a failure leaves path as it was.
 bool rt_write_atomic(const char *path, const void *data, size_t size, char *err, size_t n);

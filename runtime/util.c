@@ -3,6 +3,7 @@
 #include "runtime.h"
 
 #include <errno.h>
+#include <ftw.h>
 #include <pthread.h>
 #include <stdarg.h>
 #include <stdio.h>
@@ -82,17 +83,62 @@ static bool mkdirs(const char *path) {
   return !mkdir(buf, 0755) || errno == EEXIST;
 }
 
+// Where the cache goes when its own folder cannot be used: a folder made once per process under
+// $TMPDIR (or /tmp), removed with what it holds when the process exits.
+static char fallback[900];
+static pthread_mutex_t fallback_lock = PTHREAD_MUTEX_INITIALIZER;
+
+static int remove_entry(const char *path, const struct stat *st, int flag, struct FTW *ftw) {
+  (void)st, (void)flag, (void)ftw;
+  remove(path);
+  return 0;
+}
+
+static void remove_fallback(void) { nftw(fallback, remove_entry, 16, FTW_DEPTH | FTW_PHYS); }
+
+// dir made (with its parents), a directory, and one this process may write into; else why not.
+static bool usable_dir(const char *dir, char *why, size_t n) {
+  struct stat st;
+  if (!mkdirs(dir))
+    return rt_fail(why, n, "%s", strerror(errno));
+  if (stat(dir, &st) || !S_ISDIR(st.st_mode))
+    return rt_fail(why, n, "not a directory");
+  if (access(dir, W_OK | X_OK))
+    return rt_fail(why, n, "%s", strerror(errno));
+  return true;
+}
+
 bool rt_cache_dir(const char *sub, char *dir, size_t n, char *err, size_t errn) {
   const char *env = getenv("MDL_CACHE"), *home = getenv("HOME");
+  char root[900] = "", why[300] = "neither MDL_CACHE nor HOME is set";
   if (env && *env)
-    snprintf(dir, n, "%s%s%s", env, *sub ? "/" : "", sub);
+    snprintf(root, sizeof root, "%s", env);
   else if (home && *home)
-    snprintf(dir, n, "%s/.cache/mdl%s%s", home, *sub ? "/" : "", sub);
-  else
-    return rt_fail(err, errn, "no cache directory: set MDL_CACHE or HOME");
-  if (!mkdirs(dir))
-    return rt_fail(err, errn, "%s: %s", dir, strerror(errno));
-  return true;
+    snprintf(root, sizeof root, "%s/.cache/mdl", home);
+  snprintf(dir, n, "%s%s%s", root, *sub ? "/" : "", sub);
+  if (*root && usable_dir(dir, why, sizeof why))
+    return true;
+  pthread_mutex_lock(&fallback_lock);
+  bool ok = true;
+  if (!*fallback) {
+    const char *tmp = getenv("TMPDIR");
+    snprintf(fallback, sizeof fallback, "%s/mdl-cache.XXXXXX", tmp && *tmp ? tmp : "/tmp");
+    if (mkdtemp(fallback)) {
+      atexit(remove_fallback);
+      fprintf(stderr, "mdlc: warning: the module cache %s cannot be used (%s); compiling into %s until exit\n",
+              *root ? dir : "folder", why, fallback);
+    } else {
+      ok = rt_fail(err, errn, "no folder for compiled modules: %s: %s; %s: %s", *root ? dir : "the cache", why,
+                   fallback, strerror(errno));
+      *fallback = 0;
+    }
+  }
+  if (ok) {
+    snprintf(dir, n, "%s%s%s", fallback, *sub ? "/" : "", sub);
+    ok = usable_dir(dir, why, sizeof why) || rt_fail(err, errn, "%s: %s", dir, why);
+  }
+  pthread_mutex_unlock(&fallback_lock);
+  return ok;
 }
 
 bool rt_write_atomic(const char *path, const void *data, size_t size, char *err, size_t n) {

@@ -159,3 +159,34 @@ sed 's/precision = fp32/precision = fp8/' models/mlp.mdl >"$tmp/fp8.mdl"
 line=$(grep -n 'precision = fp8' "$tmp/fp8.mdl" | cut -d: -f1)
 expect "a model asking for fp8 is refused" 1 $m check "$tmp/fp8.mdl"
 contains "the fp8 setting is located" "$tmp/err" "fp8.mdl:$line:17: error: precision = fp8: FP8 GEMMs are not implemented"
+
+# The module cache: where it cannot be made, a run warns once and compiles into a folder of its own
+# under $TMPDIR, removed at exit, with the same losses; with no folder to be had at all it stops.
+touch "$tmp/afile"
+mkdir -p "$tmp/tmpdir"
+rm -rf "$tmp/pc"
+expect "a run with an unusable cache folder still trains" 0 env MDL_CACHE="$tmp/afile/cache" TMPDIR="$tmp/tmpdir" \
+  $m run models/gpt2-tiny.mdl -D B=2 -D T=16 --steps 3 --data "$tmp/shards" --out "$tmp/pc" --val-every 0
+contains "the unusable cache folder is named, with why" "$tmp/err" \
+  "warning: the module cache $tmp/afile/cache cannot be used (Not a directory); compiling into $tmp/tmpdir/mdl-cache."
+[ "$(grep -c 'warning: the module cache' "$tmp/err")" = 1 ] && echo "[ok] cli: the cache warning is printed once" ||
+  echo "[fail] cli: the cache warning: $(grep -c 'warning: the module cache' "$tmp/err") lines"
+[ -z "$(ls -A "$tmp/tmpdir")" ] && echo "[ok] cli: the temporary module folder is removed at exit" ||
+  echo "[fail] cli: left in \$TMPDIR: $(ls -A "$tmp/tmpdir")"
+sed -n 's/.*"loss":\([0-9.]*\).*/\1/p' "$tmp/pc/log.jsonl" >"$tmp/pc.losses"
+[ -s "$tmp/pc.losses" ] && cmp -s "$tmp/pc.losses" "$tmp/p.losses" &&
+  echo "[ok] cli: compiled into the temporary folder, the same losses" || echo "[fail] cli: losses differ or missing"
+rm -rf "$tmp/pc"
+expect "no folder for compiled modules at all is an error" 1 env MDL_CACHE="$tmp/afile/cache" TMPDIR="$tmp/afile" \
+  $m run models/gpt2-tiny.mdl -D B=2 -D T=16 --steps 3 --data "$tmp/shards" --out "$tmp/pc" --val-every 0
+contains "both folders are named" "$tmp/err" \
+  "no folder for compiled modules: $tmp/afile/cache: Not a directory; $tmp/afile/mdl-cache."
+# A cached CPU module that does not load (cut short) is compiled again, with a warning.
+mkdir -p "$tmp/cc"
+MDL_CACHE="$tmp/cc" $m run models/gpt2-tiny.mdl -D B=2 -D T=16 --steps 1 --data "$tmp/shards" --out "$tmp/pcc1" \
+  --val-every 0 >/dev/null 2>&1
+for so in "$tmp"/cc/*.so; do truncate -s 100 "$so"; done
+expect "a damaged cached module is compiled again" 0 env MDL_CACHE="$tmp/cc" $m run models/gpt2-tiny.mdl -D B=2 \
+  -D T=16 --steps 1 --data "$tmp/shards" --out "$tmp/pcc2" --val-every 0
+contains "the damaged module is named" "$tmp/err" "does not load"
+contains "the damaged module is compiled" "$tmp/out" "cc took"

@@ -52,6 +52,7 @@
 #include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -368,6 +369,53 @@ static void test_nvrtc_cache(void) {
   CHECK(!ok && strstr(err, "undeclared") && strstr(err, "error"), "nvrtc: a module that does not compile reports "
         "NVRTC's error", "got '%.300s'", ok ? "a cubin" : err);
   arena_free(a);
+}
+
+// The one .cubin in dir/cuda, into path; false when there is not exactly one.
+static bool only_cubin(const char *dir, char *path, size_t n) {
+  char sub[700];
+  snprintf(sub, sizeof sub, "%s/cuda", dir);
+  DIR *d = opendir(sub);
+  int found = 0;
+  for (struct dirent *de; d && (de = readdir(d));)
+    if (strstr(de->d_name, ".cubin") && !strstr(de->d_name, ".tmp")) {
+      snprintf(path, n, "%s/%s", sub, de->d_name);
+      found++;
+    }
+  if (d)
+    closedir(d);
+  return found == 1;
+}
+
+// A cached cubin cut short (a full disk) is not taken: compiled again, the same bytes, the file
+// whole again; a cubin that cannot be cached (a folder where its file goes) is still returned.
+static void test_nvrtc_cache_damage(const char *cache) {
+  char dir[600], path[1000] = "", err[4096] = "";
+  snprintf(dir, sizeof dir, "%.500s/damage", cache);
+  setenv("MDL_CACHE", dir, 1);
+  const char *src = "extern \"C\" __global__ void k(float *x) { x[threadIdx.x] *= 5.0f; }\n";
+  NvrtcResult cold = {0}, again = {0}, uncached = {0};
+  bool ok = nvrtc_compile(src, "sm_90", &cold, err, sizeof err) && only_cubin(dir, path, sizeof path);
+  CHECK(ok, "nvrtc cache: a compile writes one cubin", "%s", err);
+  ok = ok && truncate(path, (off_t)(cold.size / 2)) == 0;
+  ok = ok && nvrtc_compile(src, "sm_90", &again, err, sizeof err);
+  struct stat st;
+  bool whole = ok && stat(path, &st) == 0 && (size_t)st.st_size == cold.size;
+  CHECK(ok && !again.cache_hit && again.size == cold.size && !memcmp(again.cubin, cold.cubin, cold.size) && whole,
+        "nvrtc cache: a cubin cut short is compiled again and replaced", "%s",
+        !ok ? err : again.cache_hit ? "taken from the cache" : "other bytes or the file not replaced");
+  ok = ok && unlink(path) == 0 && mkdir(path, 0755) == 0;
+  ok = ok && nvrtc_compile(src, "sm_90", &uncached, err, sizeof err);
+  CHECK(ok && !uncached.cache_hit && uncached.size == cold.size && !memcmp(uncached.cubin, cold.cubin, cold.size),
+        "nvrtc cache: a cubin that cannot be cached is still compiled and returned", "%s", ok ? "other bytes" : err);
+  rmdir(path);
+  free(cold.cubin);
+  free(cold.log);
+  free(again.cubin);
+  free(again.log);
+  free(uncached.cubin);
+  free(uncached.log);
+  setenv("MDL_CACHE", cache, 1);
 }
 
 //
@@ -1745,6 +1793,7 @@ int main(void) {
   char why[256];
   if (nvrtc_available(why, sizeof why)) {
     test_nvrtc_cache();
+    test_nvrtc_cache_damage(dir);
     test_nvrtc_units();
     test_nvrtc_resources();
     static const char *const paths[] = {"models/gpt2-tiny.mdl", "models/gpt2.mdl", "models/llama-tiny.mdl",
