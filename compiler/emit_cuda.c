@@ -35,7 +35,8 @@
 //     skip tiles of other documents and to mask only tiles that cross one;
 //   - embedding backward: the positions listed by bucket of 32 table rows in increasing order (a
 //     stable counting sort), then a warp per bucket x 32 columns adds the rows of dy in that order,
-//     loading 32 of them before adding (emit_embed_bwd);
+//     loading 32 of them before adding, and stores the table 8 rows a group, their loads first
+//     (emit_embed_bwd);
 //   - the optimizer: a sum of squares per fixed chunk, one block adding the chunks, then AdamW over
 //     the flat buffers through a table of segments (each block bisects to the segments of its
 //     chunk), rounding each parameter that has a bf16 copy (fuse.c, rule 11) into it as it updates it;
@@ -610,6 +611,9 @@ typedef struct {
   bool out_f32;        // and whether it stores its f32 value too
   LaneStore *lst;
   int nlst, caplst;
+  bool defer;          // stores are kept in held (statements), to be emitted after every load
+  const char **held;
+  int nheld, capheld;
 
   // the module
   Known *known;
@@ -895,7 +899,13 @@ static void store(Emit *e, int c, const char *ix, const char *v) {
     e->lst[e->nlst++] = (LaneStore){c, e->lane, v};
     return;
   }
-  ec_line(&e->core, "%s[%s] = %s;", ptr(e, c), ix, ec_store(&e->core, c, v));
+  const char *stmt = ec_str(&e->core, "%s[%s] = %s;", ptr(e, c), ix, ec_store(&e->core, c, v));
+  if (e->defer) {
+    ec_grow(&e->held, e->nheld, &e->capheld, sizeof *e->held);
+    e->held[e->nheld++] = stmt;
+    return;
+  }
+  ec_line(&e->core, "%s", stmt);
 }
 
 // A CONCAT read at the lane's own index in a four-lane body, whose four lanes' values lie side by
@@ -3640,8 +3650,61 @@ static void emit_embed(Emit *e, int gi) {
 // list 32 positions at a time, loading the 32 rows of dy before adding them in order: a frequent
 // token's sums no longer wait on one load after another (with byte tokens, GPT-2's 8192 positions
 // fall in 8 buckets; its blocks had scanned every id, a load at a time, for 0.8 ms of a 30 ms step on
-// an H200).
-enum { EMBED_ROWS = 32, EMBED_CHUNK = 256, EMBED_WARPS = 8 };
+// an H200). The warp then stores its 32 rows in groups of EMBED_GROUP, each group's values computed
+// (and the loads of the chain after it made: a tied table's other gradient) before any is stored:
+// one row after another, every load waited behind the row before's store, which the compiler may
+// not pass (the buffers may alias for all it knows), one load in flight a lane over GPT-2's 154 MB.
+enum { EMBED_ROWS = 32, EMBED_CHUNK = 256, EMBED_WARPS = 8, EMBED_GROUP = 8 };
+
+// The end of the embedding backward with a chain after it: the warp's 32 table rows (acc) stored in
+// groups of EMBED_GROUP, every value of a group (and every load of its chain) before its stores;
+// tp: the table's own buffer, or NULL where only the chain is stored.
+static void embed_store_groups(Emit *e, int a, const int *q, int nq, const char *tp) {
+  const IrNode *nd = ec_node(&e->core, a);
+  int64_t v = nd->shape.d[0], c = nd->shape.d[1];
+  const char *ixt = e->core.ixt;
+  bool part = v % EMBED_GROUP != 0; // (a last group partly past the table)
+  ec_line(&e->core, "// The table rows in groups of %d: a group's values, and the loads they take, before its "
+          "stores%s", EMBED_GROUP, part ? "" : ".");
+  if (part)
+    ec_line(&e->core, "// (rows past the table compute from its last row and store nothing).");
+  ec_enter(&e->core, "for (int k0 = 0; k0 < %d && v0 + k0 < %lld; k0 += %d)", EMBED_ROWS, (long long)v,
+           EMBED_GROUP);
+  int mark = e->core.nphase;
+  e->defer = true;
+  int held_at[EMBED_GROUP + 1] = {0}; // (group row u's stores: held[held_at[u] .. held_at[u + 1]))
+  for (int u = 0; u < EMBED_GROUP; u++) {
+    const char *ix = ec_str(&e->core, "ix%d", u), *y = ec_str(&e->core, "y%d", u);
+    if (part)
+      ec_line(&e->core, "const %s %s = (v0 + k0 + %d < %lld ? v0 + k0 + %d : %lld) * %lld + c;", ixt, ix, u,
+              (long long)v, u, (long long)v - 1, (long long)c);
+    else
+      ec_line(&e->core, "const %s %s = (v0 + k0 + %d) * %lld + c;", ixt, ix, u, (long long)c);
+    ec_line(&e->core, "const float %s = acc[w][k0 + %d][lane];", y, u);
+    for (int i = mark; i < e->core.nphase; i++)
+      e->core.stored[e->core.phase_nodes[i]] = false;
+    e->core.nphase = mark;
+    if (tp) {
+      ec_grow(&e->held, e->nheld, &e->capheld, sizeof *e->held);
+      e->held[e->nheld++] = ec_str(&e->core, "%s[%s] = %s;", tp, ix, y);
+    }
+    post_inloop(e, a, q, nq, ix, ec_numel(&e->core, a), y);
+    held_at[u + 1] = e->nheld;
+  }
+  e->defer = false;
+  for (int u = 0; u < EMBED_GROUP; u++) {
+    if (held_at[u + 1] == held_at[u])
+      continue;
+    if (part)
+      ec_enter(&e->core, "if (v0 + k0 + %d < %lld)", u, (long long)v);
+    for (int i = held_at[u]; i < held_at[u + 1]; i++)
+      ec_line(&e->core, "%s", e->held[i]);
+    if (part)
+      ec_leave(&e->core);
+  }
+  e->nheld = 0;
+  ec_leave(&e->core);
+}
 
 static void emit_embed_bwd(Emit *e, int gi, const bool *emitted) {
   int a = e->core.groups[gi].mem[0];
@@ -3791,13 +3854,13 @@ static void emit_embed_bwd(Emit *e, int gi, const bool *emitted) {
   ec_leave(&e->core);
   ec_leave(&e->core);
   ec_enter(&e->core, "if (c < %lld)", (long long)c);
-  ec_enter(&e->core, "for (int k = 0; k < %d && v0 + k < %lld; k++)", vr, (long long)v);
-  ec_line(&e->core, "const %s ix = (v0 + k) * %lld + c;", ixt, (long long)c);
-  ec_line(&e->core, "const float y = acc[w][k][lane];");
-  if (buf)
-    ec_line(&e->core, "%s[ix] = y;", tp);
-  post_inloop(e, a, q, nq, "ix", ec_numel(&e->core, a), "y");
-  ec_leave(&e->core);
+  if (nq == 0) { // (the table alone: stores, nothing to load)
+    ec_enter(&e->core, "for (int k = 0; k < %d && v0 + k < %lld; k++)", vr, (long long)v);
+    ec_line(&e->core, "%s[(v0 + k) * %lld + c] = acc[w][k][lane];", tp, (long long)c);
+    ec_leave(&e->core);
+  } else {
+    embed_store_groups(e, a, q, nq, tp);
+  }
   ec_leave(&e->core);
   e->loop_ix = NULL;
   kend(e, nvb * ncb, cb);
@@ -4443,6 +4506,7 @@ CudaPlan *emit_cuda_plan(const Fusion *f, const MemPlan *m, const char *source_p
   free(e.core.memo);
   free(e.core.ixm);
   free(e.lst);
+  free(e.held);
   free(e.kt);
   free(e.sl);
   free(e.sg);

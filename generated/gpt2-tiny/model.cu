@@ -2675,9 +2675,7 @@ extern "C" __global__ void __launch_bounds__(64) k45_embed_bwd(char *arena, MdlS
   }
   if (c < 64) {
     for (int k = 0; k < 32 && v0 + k < 128; k++) {
-      const int ix = (v0 + k) * 64 + c;
-      const float y = acc[w][k][lane];
-      b2[ix] = y;
+      b2[(v0 + k) * 64 + c] = acc[w][k][lane];
     }
   }
 }
@@ -2804,12 +2802,48 @@ extern "C" __global__ void __launch_bounds__(64) k46_embed_bwd__add(char *arena,
     }
   }
   if (c < 64) {
-    for (int k = 0; k < 32 && v0 + k < 256; k++) {
-      const int ix = (v0 + k) * 64 + c;
-      const float y = acc[w][k][lane];
-      const float v2 = b4[ix];
-      const float v1 = v2 + y;
-      b5[ix] = v1;
+    // The table rows in groups of 8: a group's values, and the loads they take, before its stores.
+    for (int k0 = 0; k0 < 32 && v0 + k0 < 256; k0 += 8) {
+      const int ix0 = (v0 + k0 + 0) * 64 + c;
+      const float y0 = acc[w][k0 + 0][lane];
+      const float v2 = b4[ix0];
+      const float v1 = v2 + y0;
+      const int ix1 = (v0 + k0 + 1) * 64 + c;
+      const float y1 = acc[w][k0 + 1][lane];
+      const float v4 = b4[ix1];
+      const float v3 = v4 + y1;
+      const int ix2 = (v0 + k0 + 2) * 64 + c;
+      const float y2 = acc[w][k0 + 2][lane];
+      const float v6 = b4[ix2];
+      const float v5 = v6 + y2;
+      const int ix3 = (v0 + k0 + 3) * 64 + c;
+      const float y3 = acc[w][k0 + 3][lane];
+      const float v8 = b4[ix3];
+      const float v7 = v8 + y3;
+      const int ix4 = (v0 + k0 + 4) * 64 + c;
+      const float y4 = acc[w][k0 + 4][lane];
+      const float v10 = b4[ix4];
+      const float v9 = v10 + y4;
+      const int ix5 = (v0 + k0 + 5) * 64 + c;
+      const float y5 = acc[w][k0 + 5][lane];
+      const float v12 = b4[ix5];
+      const float v11 = v12 + y5;
+      const int ix6 = (v0 + k0 + 6) * 64 + c;
+      const float y6 = acc[w][k0 + 6][lane];
+      const float v14 = b4[ix6];
+      const float v13 = v14 + y6;
+      const int ix7 = (v0 + k0 + 7) * 64 + c;
+      const float y7 = acc[w][k0 + 7][lane];
+      const float v16 = b4[ix7];
+      const float v15 = v16 + y7;
+      b5[ix0] = v1;
+      b5[ix1] = v3;
+      b5[ix2] = v5;
+      b5[ix3] = v7;
+      b5[ix4] = v9;
+      b5[ix5] = v11;
+      b5[ix6] = v13;
+      b5[ix7] = v15;
     }
   }
 }

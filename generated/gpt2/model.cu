@@ -4197,9 +4197,7 @@ extern "C" __global__ void __launch_bounds__(256) k235_embed_bwd(char *arena, Md
   }
   if (c < 768) {
     for (int k = 0; k < 32 && v0 + k < 1024; k++) {
-      const int ix = (v0 + k) * 768 + c;
-      const float y = acc[w][k][lane];
-      b2[ix] = y;
+      b2[(v0 + k) * 768 + c] = acc[w][k][lane];
     }
   }
 }
@@ -4326,12 +4324,65 @@ extern "C" __global__ void __launch_bounds__(256) k236_embed_bwd__add(char *aren
     }
   }
   if (c < 768) {
-    for (int k = 0; k < 32 && v0 + k < 50257; k++) {
-      const int ix = (v0 + k) * 768 + c;
-      const float y = acc[w][k][lane];
-      const float v2 = b4[ix];
-      const float v1 = v2 + y;
-      b5[ix] = v1;
+    // The table rows in groups of 8: a group's values, and the loads they take, before its stores
+    // (rows past the table compute from its last row and store nothing).
+    for (int k0 = 0; k0 < 32 && v0 + k0 < 50257; k0 += 8) {
+      const int ix0 = (v0 + k0 + 0 < 50257 ? v0 + k0 + 0 : 50256) * 768 + c;
+      const float y0 = acc[w][k0 + 0][lane];
+      const float v2 = b4[ix0];
+      const float v1 = v2 + y0;
+      const int ix1 = (v0 + k0 + 1 < 50257 ? v0 + k0 + 1 : 50256) * 768 + c;
+      const float y1 = acc[w][k0 + 1][lane];
+      const float v4 = b4[ix1];
+      const float v3 = v4 + y1;
+      const int ix2 = (v0 + k0 + 2 < 50257 ? v0 + k0 + 2 : 50256) * 768 + c;
+      const float y2 = acc[w][k0 + 2][lane];
+      const float v6 = b4[ix2];
+      const float v5 = v6 + y2;
+      const int ix3 = (v0 + k0 + 3 < 50257 ? v0 + k0 + 3 : 50256) * 768 + c;
+      const float y3 = acc[w][k0 + 3][lane];
+      const float v8 = b4[ix3];
+      const float v7 = v8 + y3;
+      const int ix4 = (v0 + k0 + 4 < 50257 ? v0 + k0 + 4 : 50256) * 768 + c;
+      const float y4 = acc[w][k0 + 4][lane];
+      const float v10 = b4[ix4];
+      const float v9 = v10 + y4;
+      const int ix5 = (v0 + k0 + 5 < 50257 ? v0 + k0 + 5 : 50256) * 768 + c;
+      const float y5 = acc[w][k0 + 5][lane];
+      const float v12 = b4[ix5];
+      const float v11 = v12 + y5;
+      const int ix6 = (v0 + k0 + 6 < 50257 ? v0 + k0 + 6 : 50256) * 768 + c;
+      const float y6 = acc[w][k0 + 6][lane];
+      const float v14 = b4[ix6];
+      const float v13 = v14 + y6;
+      const int ix7 = (v0 + k0 + 7 < 50257 ? v0 + k0 + 7 : 50256) * 768 + c;
+      const float y7 = acc[w][k0 + 7][lane];
+      const float v16 = b4[ix7];
+      const float v15 = v16 + y7;
+      if (v0 + k0 + 0 < 50257) {
+        b5[ix0] = v1;
+      }
+      if (v0 + k0 + 1 < 50257) {
+        b5[ix1] = v3;
+      }
+      if (v0 + k0 + 2 < 50257) {
+        b5[ix2] = v5;
+      }
+      if (v0 + k0 + 3 < 50257) {
+        b5[ix3] = v7;
+      }
+      if (v0 + k0 + 4 < 50257) {
+        b5[ix4] = v9;
+      }
+      if (v0 + k0 + 5 < 50257) {
+        b5[ix5] = v11;
+      }
+      if (v0 + k0 + 6 < 50257) {
+        b5[ix6] = v13;
+      }
+      if (v0 + k0 + 7 < 50257) {
+        b5[ix7] = v15;
+      }
     }
   }
 }

@@ -2769,9 +2769,7 @@ extern "C" __global__ void __launch_bounds__(64) k72_embed_bwd(char *arena, MdlS
   }
   if (c < 64) {
     for (int k = 0; k < 32 && v0 + k < 256; k++) {
-      const int ix = (v0 + k) * 64 + c;
-      const float y = acc[w][k][lane];
-      b2[ix] = y;
+      b2[(v0 + k) * 64 + c] = acc[w][k][lane];
     }
   }
 }

@@ -165,6 +165,23 @@ static const char hot[] =
     "param head: [C, V] = normal(0.3)\n"
     "output loss = mean(cross_entropy(embed(tab, hot) @ head, targets))\n";
 
+// A tied embedding of 75 rows of 40, ids from 74 down: its backward adds the LM head's gradient to
+// the table's as it stores it, eight table rows a group; the third bucket's 11 rows end in a group
+// partly past the table (its loads from the last row, nothing stored past it); a warp per bucket has
+// 24 columns past the row.
+static const char tied[] =
+    "model tied\n"
+    "dim B = 2\n"
+    "dim T = 24\n"
+    "dim C = 40\n"
+    "dim V = 75\n"
+    "input tail: i32[B, T]\n"
+    "input targets: i32[B, T]\n"
+    "param tab: [V, C] = normal(0.5)\n"
+    "param g: [C] = ones\n"
+    "param bb: [C] = zeros\n"
+    "output loss = mean(cross_entropy(layernorm(embed(tab, tail), g, bb) @ tab.T, targets))\n";
+
 // Norm backwards over more rows than their 1024 groups of rows (1125 rows: groups of 2, the last of
 // 1), with rows of 264 (a block of 64 threads a row, 5 elements a thread, the last partly past the
 // row): the rows are staged in shared memory by cp.async, x, dy and the residual gradient the chain
@@ -199,6 +216,7 @@ static const Model models[] = {
     {"tests/unit/sums.mdl", {{NULL, 0}}, 0, NULL},
     {"hot.mdl", {{NULL, 0}}, 0, hot},
     {"normrows.mdl", {{NULL, 0}}, 0, normrows},
+    {"tied.mdl", {{NULL, 0}}, 0, tied},
 };
 
 // The training graph of md, its GEMMs' operands rounded to bf16 when prec is DT_BF16.
@@ -393,6 +411,7 @@ static void test_nvrtc_cache_damage(const char *cache) {
   char dir[600], path[1000] = "", err[4096] = "";
   snprintf(dir, sizeof dir, "%.500s/damage", cache);
   setenv("MDL_CACHE", dir, 1);
+  fflush(stdout); // (the compiles below warn on stderr: whole lines after the results so far)
   const char *src = "extern \"C\" __global__ void k(float *x) { x[threadIdx.x] *= 5.0f; }\n";
   NvrtcResult cold = {0}, again = {0}, uncached = {0};
   bool ok = nvrtc_compile(src, "sm_90", &cold, err, sizeof err) && only_cubin(dir, path, sizeof path);
@@ -901,6 +920,8 @@ static void batch(const IrNode *nd, int32_t *ids, float *f) {
       ids[j] = (int32_t)((j * 37 + 11) % 64);
     else if (!strcmp(nd->name, "hot")) // 4 in 5 among ids 0-31, the rest among 40-63
       ids[j] = (int32_t)(j % 5 ? (j * 37 + 11) % 32 : 40 + j % 24);
+    else if (!strcmp(nd->name, "tail")) // from 74 down: the last rows of a table of 75
+      ids[j] = (int32_t)(74 - j % 75);
     else if (!strcmp(nd->name, "targets"))
       ids[j] = j == 3 ? -1 : (int32_t)((j * 53 + 7) % (nd->shape.rank == 1 ? 4 : 64));
     else if (!strcmp(nd->name, "pos"))
