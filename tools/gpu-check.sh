@@ -14,7 +14,10 @@
 #      with q, k, v, the softmax numerators and the logits rounded too, the compiled C and the
 #      interpreter differ by up to 2.0e-3 per tensor at B=2 T=16, 1.4e-3 at B=8 T=64 and 2.5e-3 at
 #      B=4 T=128 in bf16 (6e-7 in fp32), and the GPU's attention also rounds against a running
-#      maximum tile by tile; an error of layout or indexing in a kernel shows at order 1;
+#      maximum tile by tile; an error of layout or indexing in a kernel shows at order 1. Last, the
+#      same for GPT-2 124M itself at B=1, T=1024, bf16 (the paths only its shapes take: 50257
+#      classes, a last bucket of the embedding backward past the table, 16 tiles of keys, the
+#      optimizer's segments over 124M parameters); the CPU side compiles GPT-2's C, tens of seconds;
 #   3. gradient accumulation: gpt2-tiny, 6 steps of 2 micro-batches of B=2 against 6 of B=4 (fp32,
 #      validating every 3 steps): the same losses within 1e-4 (on the GPU the gradients are summed
 #      and the parameters reach the validation engine by device copies);
@@ -138,20 +141,24 @@ fi
 [ "$backend" = cuda ] && nvidia-smi -L 2>&1 | tee -a "$res"
 
 
-# GPU vs CPU gradients on gpt2-tiny, then on llama-tiny (rmsnorm, rotary embeddings, SwiGLU, no biases).
-for net in gpt2-tiny llama-tiny; do
-  "$mdlc" init "models/$net.mdl" -o "$tmp/$net.safetensors" --seed 1 >/dev/null || die "mdlc init $net failed"
+# GPU vs CPU gradients on gpt2-tiny, then on llama-tiny (rmsnorm, rotary embeddings, SwiGLU, no biases),
+# then on the model stage 4 trains, at B=1 (its own shapes: 50257 classes, T=1024).
+gpt2_v=$(printf '%s\n' "$dims" | sed -n 's/.*-D V=\([0-9]*\).*/\1/p')
+for net in gpt2-tiny llama-tiny gpt2; do
+  "$mdlc" init "models/$net.mdl" $([ $net = gpt2 ] && echo "$dims -D T=$T") -o "$tmp/$net.safetensors" --seed 1 \
+    >/dev/null || die "mdlc init $net failed"
 done
 for shape in "gpt2-tiny 2 16 fp32" "gpt2-tiny 8 64 fp32" "gpt2-tiny 2 16 bf16" "gpt2-tiny 8 64 bf16" \
-  "gpt2-tiny 4 128 bf16" "llama-tiny 4 64 fp32" "llama-tiny 4 64 bf16"; do
+  "gpt2-tiny 4 128 bf16" "llama-tiny 4 64 fp32" "llama-tiny 4 64 bf16" "gpt2 1 $T bf16"; do
   set -- $shape
-  net=$1 b=$2 t=$3 prec=$4
+  net=$1 b=$2 t=$3 prec=$4 vocab=256 extra="" name=$1 limit=120
+  [ $net = gpt2 ] && vocab=${gpt2_v:-50257} extra=$dims name=$model limit=300
   tol=$([ "$prec" = bf16 ] && echo "$tol_bf16" || echo "$tol_fp32")
-  say "== $net B=$b T=$t $prec: loss and gradients, $backend vs $reference"
-  "$gpucmp" batch "$tmp/batch.safetensors" "$b" "$t" 256 7 || die "cannot write the batch"
+  say "== $name B=$b T=$t $prec: loss and gradients, $backend vs $reference"
+  "$gpucmp" batch "$tmp/batch.safetensors" "$b" "$t" "$vocab" 7 || die "cannot write the batch"
   for side in "$reference:reference" "$backend:tested"; do
     be=${side%%:*}
-    if ! timeout 120 "$mdlc" grad "models/$net.mdl" -D B="$b" -D T="$t" --weights "$tmp/$net.safetensors" \
+    if ! timeout $limit "$mdlc" grad "models/$net.mdl" $extra -D B="$b" -D T="$t" --weights "$tmp/$net.safetensors" \
       --batch "$tmp/batch.safetensors" -o "$tmp/${side#*:}.safetensors" --backend "$be" --precision "$prec" \
       >"$tmp/grad.log" 2>&1; then
       tail -12 "$tmp/grad.log" | tee -a "$res"
