@@ -15,9 +15,13 @@
 #      interpreter differ by up to 2.0e-3 per tensor at B=2 T=16, 1.4e-3 at B=8 T=64 and 2.5e-3 at
 #      B=4 T=128 in bf16 (6e-7 in fp32), and the GPU's attention also rounds against a running
 #      maximum tile by tile; an error of layout or indexing in a kernel shows at order 1. Last, the
-#      same for GPT-2 124M itself at B=1, T=1024, bf16 (the paths only its shapes take: 50257
-#      classes, a last bucket of the embedding backward past the table, 16 tiles of keys, the
-#      optimizer's segments over 124M parameters); the CPU side compiles GPT-2's C, tens of seconds;
+#      same for GPT-2 124M itself at B=1, T=1024 (the paths only its shapes take: 50257 classes over
+#      padded chunks, a last bucket of the embedding backward past the table, 16 tiles of keys),
+#      fp32 at 1e-4 (the compiled C against the interpreter: worst 1.4e-6 of 148 gradients), and
+#      bf16 at 2e-2 (GPU_CHECK_TOL_GPT2_BF16): twelve layers deep, the bf16 roundings
+#      the two sides take at other places decorrelate every gradient by about 0.5% (the compiled C
+#      against the interpreter on this batch: median 4.7e-3, worst 6.2e-3 of 148 tensors), which an
+#      indexing error still exceeds many times; the CPU side compiles GPT-2's C (20 s on 2 cores);
 #   3. gradient accumulation: gpt2-tiny, 6 steps of 2 micro-batches of B=2 against 6 of B=4 (fp32,
 #      validating every 3 steps): the same losses within 1e-4 (on the GPU the gradients are summed
 #      and the parameters reach the validation engine by device copies);
@@ -96,6 +100,7 @@ res="${OUT:-.}/gpu-check-results.txt"
 prof="${OUT:-.}/gpu-check-profile.txt"
 tol_fp32="${GPU_CHECK_TOL:-1e-4}"
 tol_bf16="${GPU_CHECK_TOL_BF16:-5e-3}"
+tol_deep="${GPU_CHECK_TOL_GPT2_BF16:-2e-2}"
 backend="${GPU_CHECK_BACKEND:-cuda}"
 reference="${GPU_CHECK_REFERENCE:-cpu}"
 dims="${GPU_CHECK_DIMS:-}"
@@ -149,11 +154,14 @@ for net in gpt2-tiny llama-tiny gpt2; do
     >/dev/null || die "mdlc init $net failed"
 done
 for shape in "gpt2-tiny 2 16 fp32" "gpt2-tiny 8 64 fp32" "gpt2-tiny 2 16 bf16" "gpt2-tiny 8 64 bf16" \
-  "gpt2-tiny 4 128 bf16" "llama-tiny 4 64 fp32" "llama-tiny 4 64 bf16" "gpt2 1 $T bf16"; do
+  "gpt2-tiny 4 128 bf16" "llama-tiny 4 64 fp32" "llama-tiny 4 64 bf16" "gpt2 1 $T fp32" "gpt2 1 $T bf16"; do
   set -- $shape
   net=$1 b=$2 t=$3 prec=$4 vocab=256 extra="" name=$1 limit=120
-  [ $net = gpt2 ] && vocab=${gpt2_v:-50257} extra=$dims name=$model limit=300
   tol=$([ "$prec" = bf16 ] && echo "$tol_bf16" || echo "$tol_fp32")
+  if [ $net = gpt2 ]; then
+    vocab=${gpt2_v:-50257} extra=$dims name=$model limit=300
+    [ "$prec" = bf16 ] && tol=$tol_deep
+  fi
   say "== $name B=$b T=$t $prec: loss and gradients, $backend vs $reference"
   "$gpucmp" batch "$tmp/batch.safetensors" "$b" "$t" "$vocab" 7 || die "cannot write the batch"
   for side in "$reference:reference" "$backend:tested"; do
