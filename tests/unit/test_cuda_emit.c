@@ -26,7 +26,8 @@
 //     result, as the plan says) with the same epilogues. On gpt2-tiny (B=2, T=16), llama-tiny (B=1,
 //     T=80: keys in several tiles), the MLP, a model of every other op family, one of wide rows and
 //     two of attention (heads of 32 and of 12: on tensor cores in bf16 or not), one of norm backwards
-//     whose rows are staged in shared memory (more rows than groups of rows), fp32 and bf16, fused
+//     whose rows are staged in shared memory (more rows than groups of rows), one of a tied embedding
+//     whose table ends in a partial group of the backward's stores, fp32 and bf16, fused
 //     and unfused (bf16 unfused: the first three; the models after the wide one fused only), after one step
 //     against the interpreter (INTERP_F32) on the same graph: the loss, every gradient and the AdamW
 //     moments within 1e-5 relative per tensor (max |cuda - interp| / max |interp|) in fp32, and in
@@ -167,8 +168,8 @@ static const char hot[] =
 
 // A tied embedding of 75 rows of 40, ids from 74 down: its backward adds the LM head's gradient to
 // the table's as it stores it, eight table rows a group; the third bucket's 11 rows end in a group
-// partly past the table (its loads from the last row, nothing stored past it); a warp per bucket has
-// 24 columns past the row.
+// partly past the table (its loads from the last row, nothing stored past it); the second warp of a
+// bucket has 24 columns past the row.
 static const char tied[] =
     "model tied\n"
     "dim B = 2\n"
