@@ -110,14 +110,12 @@ static int default_threads(void) {
   return n > 0 ? (int)n : 1;
 }
 
-// Writes the module's source to src and compiles it into so, timed; on failure frees cm.
+// Writes the module's source to src and compiles it into so, the time it took into cm.
 static bool build(CpuModule *cm, const char *source, const char *src, const char *so, const char *log, char *err,
                   size_t n) {
   double t0 = rt_now();
-  if (!rt_write_atomic(src, source, strlen(source), err, n) || !compile(src, so, log, err, n)) {
-    free(cm);
+  if (!rt_write_atomic(src, source, strlen(source), err, n) || !compile(src, so, log, err, n))
     return false;
-  }
   cm->compile_seconds = rt_now() - t0;
   return true;
 }
@@ -138,14 +136,18 @@ CpuModule *cpu_load(const char *source, char *err, size_t n) {
   }
   snprintf(cm->path, sizeof cm->path, "%s", so);
   cm->cache_hit = access(so, R_OK) == 0;
-  if (!cm->cache_hit && !build(cm, source, src, so, log, err, n))
+  if (!cm->cache_hit && !build(cm, source, src, so, log, err, n)) {
+    free(cm);
     return NULL;
+  }
   cm->so = dlopen(so, RTLD_NOW | RTLD_LOCAL);
   if (!cm->so && cm->cache_hit) { // (damaged, or built against another C library): built again
     fprintf(stderr, "mdlc: warning: the cached module %s does not load (%s); compiling again\n", so, dlerror());
     cm->cache_hit = false;
-    if (!build(cm, source, src, so, log, err, n))
+    if (!build(cm, source, src, so, log, err, n)) {
+      free(cm);
       return NULL;
+    }
     cm->so = dlopen(so, RTLD_NOW | RTLD_LOCAL);
   }
   if (!cm->so) {

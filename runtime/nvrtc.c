@@ -10,6 +10,7 @@
 #include "runtime.h"
 
 #include <dlfcn.h>
+#include <elf.h>
 #include <errno.h>
 #include <pthread.h>
 #include <stdarg.h>
@@ -180,23 +181,16 @@ static void *read_file(const char *path, size_t *size) {
   return data;
 }
 
-// Whether data (size bytes) is a whole cubin: a 64-bit ELF file for the CUDA machine (EM_CUDA, 190)
-// whose program and section header tables lie inside it. A cached file that is not (cut short by a
-// full disk, damaged) is compiled again and replaced; the driver would refuse it.
+// Whether data (size bytes) is a whole cubin: a 64-bit ELF file for the CUDA machine whose program
+// and section header tables lie inside it. A cached file that is not (cut short by a full disk,
+// damaged) is compiled again and replaced; the driver would refuse it.
 static bool is_cubin(const unsigned char *data, size_t size) {
-  if (size < 64 || memcmp(data, "\x7f" "ELF", 4) || data[4] != 2 || data[5] != 1)
+  Elf64_Ehdr h;
+  if (size < sizeof h || memcmp(data, ELFMAG, SELFMAG) || data[EI_CLASS] != ELFCLASS64)
     return false;
-  uint64_t phoff, shoff;
-  uint16_t machine, phentsize, phnum, shentsize, shnum;
-  memcpy(&machine, data + 18, 2);
-  memcpy(&phoff, data + 32, 8);
-  memcpy(&shoff, data + 40, 8);
-  memcpy(&phentsize, data + 54, 2);
-  memcpy(&phnum, data + 56, 2);
-  memcpy(&shentsize, data + 58, 2);
-  memcpy(&shnum, data + 60, 2);
-  return machine == 190 && phoff <= size && (uint64_t)phentsize * phnum <= size - phoff && shoff <= size &&
-         (uint64_t)shentsize * shnum <= size - shoff;
+  memcpy(&h, data, sizeof h);
+  return h.e_machine == EM_CUDA && h.e_phoff <= size && (uint64_t)h.e_phentsize * h.e_phnum <= size - h.e_phoff &&
+         h.e_shoff <= size && (uint64_t)h.e_shentsize * h.e_shnum <= size - h.e_shoff;
 }
 
 // The program's log, malloc'd, or NULL when it is empty.
