@@ -1019,6 +1019,71 @@ typedef struct {
   void **alt; // per launch: its kernel's variant (CudaLaunch.alt), or NULL
 } Emu;
 
+// What every emulated module is compiled with besides: UBSan's alignment and bounds checks, each
+// fatal. A GPU faults ("misaligned address") on a float4, ushort4 or uint4 access that is not aligned
+// to its width, which x86 performs silently; with -fsanitize=alignment the emulator stops there as
+// the GPU would (the emulator's vector types carry the GPU's alignments). Bounds catches an index past
+// a fixed-size array, the shared-memory tiles above all, which on a GPU would read or overwrite
+// another tile or fault. See test_emu_checks.
+#define EMU_CHECKS "-fsanitize=alignment,bounds -fno-sanitize-recover=all"
+
+// EMU_CHECKS at work: a kernel of 32 threads run by the emulator, compiled as the modules are, reads
+// a float4 at its aligned address and a shared array inside its bounds (mode 0: the sum of its
+// outputs, 944); at an address 4 bytes further (mode 1) it stops with "misaligned address", and
+// with an index one past its shared array (mode 2) with "out of bounds", each exiting non-zero.
+static void test_emu_checks(const char *dir) {
+  static const char prog[] =
+      "__global__ void k(const float *x, float *y, int mode) {\n"
+      "  __shared__ float s[32];\n"
+      "  const int t = threadIdx.x;\n"
+      "  s[t] = x[t];\n"
+      "  __syncthreads();\n"
+      "  const float4 v = reinterpret_cast<const float4 *>(x + (mode == 1 ? 1 : 0))[t % 8];\n"
+      "  y[t] = v.x + s[mode == 2 ? t + 1 : 31 - t];\n"
+      "}\n"
+      "struct Ctx { const float *x; float *y; int mode; };\n"
+      "static void body(void *p) { Ctx *c = (Ctx *)p; k(c->x, c->y, c->mode); }\n"
+      "int main(int argc, char **argv) {\n"
+      "  alignas(16) static float x[40], y[32];\n"
+      "  for (int i = 0; i < 40; i++) x[i] = (float)i;\n"
+      "  Ctx c = {x, y, atoi(argv[1])};\n"
+      "  mdl_emu::run(dim3{1, 1, 1}, dim3{32, 1, 1}, body, &c);\n"
+      "  float sum = 0;\n"
+      "  for (int t = 0; t < 32; t++) sum += y[t];\n"
+      "  printf(\"sum %g\\n\", sum);\n"
+      "  return 0;\n"
+      "}\n";
+  char src[600], bin[600], cmd[2400];
+  snprintf(src, sizeof src, "%s/emu_checks.cpp", dir);
+  snprintf(bin, sizeof bin, "%s/emu_checks", dir);
+  FILE *f = fopen(src, "w");
+  bool ok = f && fputs(prog, f) >= 0;
+  ok = f && !fclose(f) && ok;
+  snprintf(cmd, sizeof cmd, "g++ -std=c++17 -O1 -fopenmp " EMU_CHECKS " -Iruntime -include cuda_emu.h %s -o %s "
+           ">%s.log 2>&1", src, bin, bin);
+  ok = ok && system(cmd) == 0;
+  CHECK(ok, "cuda emu checks: a kernel compiles with the emulator and UBSan's checks", "see %s.log", bin);
+  static const struct {
+    const char *what, *expect;
+    bool fails;
+  } modes[] = {{"aligned and in bounds: runs, sum 944", "sum 944", false},
+               {"a float4 read 4 bytes past its alignment stops the kernel", "misaligned address", true},
+               {"a shared array read one past its end stops the kernel", "out of bounds", true}};
+  for (int m = 0; ok && m < 3; m++) {
+    char log[600], out[2000] = "", name[300];
+    snprintf(log, sizeof log, "%s/emu_checks_%d.txt", dir, m);
+    snprintf(cmd, sizeof cmd, "%s %d >%s 2>&1", bin, m, log);
+    int rc = system(cmd);
+    FILE *l = fopen(log, "r");
+    size_t k = l ? fread(out, 1, sizeof out - 1, l) : 0;
+    out[k] = 0;
+    if (l)
+      fclose(l);
+    snprintf(name, sizeof name, "cuda emu checks: %s", modes[m].what);
+    CHECK((rc != 0) == modes[m].fails && strstr(out, modes[m].expect), name, "exit %d: %.300s", rc, out);
+  }
+}
+
 // Compiles the module with the emulator into dir/<tag>.so and loads it; false with the reason.
 static bool emu_load(const CudaPlan *p, const char *dir, const char *tag, Emu *emu, char *why, size_t n) {
   char cu[600], so[600], log[600], cmd[2400];
@@ -1031,7 +1096,7 @@ static bool emu_load(const CudaPlan *p, const char *dir, const char *tag, Emu *e
     return false;
   }
   snprintf(cmd, sizeof cmd,
-           "g++ -std=c++17 -O1 -fopenmp -shared -fPIC -Wall -Wextra -Werror -Wno-unknown-pragmas "
+           "g++ -std=c++17 -O1 -fopenmp -shared -fPIC " EMU_CHECKS " -Wall -Wextra -Werror -Wno-unknown-pragmas "
            "-Wno-unused-parameter -Iruntime "
            "-DMDL_EMU_SOURCE='\"%s\"' tests/unit/cuda_emu_driver.cpp -o %s >%s 2>&1",
            cu, so, log);
@@ -1828,6 +1893,7 @@ int main(void) {
     printf("[skip] nvrtc: %s\n", why);
   }
   if (system("g++ --version >/dev/null 2>&1") == 0) {
+    test_emu_checks(dir);
     // bf16 unfused (every CAST a step of its own) on the three models of models/ only, and the
     // attention models fused only (attention is a kernel of its own either way): the time.
     for (int pr = 0; pr < 2; pr++)

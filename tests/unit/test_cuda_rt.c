@@ -18,7 +18,9 @@
 //     which times them when it is built for one GEMM of each kind (gpt2-tiny's two layers repeat
 //     theirs), must replay none of its GEMMs on that one. Its events read a
 //     device clock that each operation advances (a slow one more), so timings do not depend on the
-//     host's load. Kernel variants (attention's two block sizes, gpt2-tiny bf16): with the plan's
+//     host's load. Like the emulated modules of test_cuda_emit, it is compiled with UBSan's alignment
+//     and bounds checks, fatal: a vector access off its alignment stops the step as a GPU would fault.
+//     Kernel variants (attention's two block sizes, gpt2-tiny bf16): with the plan's
 //     kernels made slow the engine replays the variants, with the variants slow the plan's own; with
 //     kernel tuning off, or a variant that fails to launch, the plan's own.
 //     The module is compiled as three programs ($MDL_NVRTC_THREADS), a cubin each, and the fake's
@@ -1068,7 +1070,8 @@ static bool build_fake_gpu(const CudaPlan *p, const char *name, char *so, size_t
   fprintf(f, "K(mdl_accumulate)\n");
   fclose(f);
   snprintf(cmd, sizeof cmd,
-           "g++ -std=c++17 -O1 -shared -fPIC -DMDL_FAKE_GPU '-DMDL_MODULE=\"%s\"' '-DMDL_KERNELS=\"%s\"' "
+           "g++ -std=c++17 -O1 -shared -fPIC -fsanitize=alignment,bounds -fno-sanitize-recover=all -DMDL_FAKE_GPU "
+           "'-DMDL_MODULE=\"%s\"' '-DMDL_KERNELS=\"%s\"' "
            "-include runtime/cuda_emu.h -x c++ %s -o %s >%s/%s.log 2>&1",
            cu, list, __FILE__, so, tmp, name);
   if (system(cmd) != 0) {
