@@ -1088,7 +1088,7 @@ static void emit_softmax(Emit *e, int gi, const bool *emitted) {
   int *q = ec_xcalloc((size_t)e->core.g->n, sizeof *q);
   int nq = ec_post_set(&e->core, gi, ec_numel(&e->core, a), emitted, q);
   bool buf = whole(e, a);
-  Tmp tmp[3];
+  Tmp tmp[3] = {{0}};
   int ntmp = 0;
   if (in0)
     tmp[ntmp++] = (Tmp){"row0", cols};

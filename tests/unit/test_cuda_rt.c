@@ -1381,7 +1381,7 @@ static void variant_checks(const char *label, const Compiled *c, const Counters 
       snprintf(alt + strlen(alt), sizeof alt - strlen(alt), "%s%s", *alt ? "," : "", l->alt);
     }
   }
-  snprintf(name, sizeof name, "cuda: %s: attention's kernels have variants (%d launches: %s)", label, with, alt);
+  snprintf(name, sizeof name, "cuda: %s: attention's kernels have variants (%d launches: %.150s)", label, with, alt);
   CHECK(with > 0, name, "none");
   if (!with)
     return;

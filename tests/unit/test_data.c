@@ -4,6 +4,7 @@
 #include "data.h"
 #include "test.h"
 
+#include <errno.h>
 #include <fcntl.h>
 #include <ftw.h>
 #include <stdlib.h>
@@ -779,7 +780,8 @@ static void test_prep(void) {
   write_file(path_in("corpus/c.txt"), "eta\n", 4);
   write_file(path_in("corpus/d.dat"), "\0\0\1binary", 9);
   write_file(path_in("corpus/.hidden"), "hidden", 6);
-  symlink("a/one.txt", path_in("corpus/e.txt"));
+  CHECK(symlink("a/one.txt", path_in("corpus/e.txt")) == 0, "prep: the corpus's symbolic link is made", "%s",
+        strerror(errno));
   PrepOptions o;
   prep_defaults(&o);
   o.input = in;
