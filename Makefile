@@ -57,6 +57,10 @@ bench: bin/mdlc
 gpu-check:
 	tools/gpu-check.sh
 
+# the test suite on a build under AddressSanitizer and UBSan, in a copy of the tree
+sanitize:
+	tools/sanitize.sh
+
 # for a GPU machine where nothing can be installed: mdlc with OpenBLAS linked in, and gpu-check's helper
 gpu-bundle:
 	tools/gpu-check.sh --bundle
@@ -64,4 +68,4 @@ gpu-bundle:
 clean:
 	rm -rf build bin
 
-.PHONY: all test regen bench gpu-check gpu-bundle clean
+.PHONY: all test regen bench gpu-check gpu-bundle sanitize clean

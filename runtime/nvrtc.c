@@ -162,21 +162,20 @@ static bool cache_path(const char *key, char *path, size_t n, char *err, size_t 
   return true;
 }
 
-// The whole file, malloc'd; NULL when it cannot be read.
+// The whole of a regular file, malloc'd; NULL when it cannot be read or is not a regular file (a
+// folder where a cubin goes opens for reading, and fseek and ftell may give it a size of LONG_MAX).
 static void *read_file(const char *path, size_t *size) {
   FILE *f = fopen(path, "rb");
   if (!f)
     return NULL;
   void *data = NULL;
-  if (fseek(f, 0, SEEK_END) == 0) {
-    long len = ftell(f);
-    if (len > 0 && fseek(f, 0, SEEK_SET) == 0 && (data = malloc((size_t)len)) &&
-        fread(data, 1, (size_t)len, f) != (size_t)len) {
-      free(data);
-      data = NULL;
-    }
-    *size = len > 0 ? (size_t)len : 0;
+  struct stat st;
+  if (fstat(fileno(f), &st) == 0 && S_ISREG(st.st_mode) && st.st_size > 0 &&
+      (data = malloc((size_t)st.st_size)) && fread(data, 1, (size_t)st.st_size, f) != (size_t)st.st_size) {
+    free(data);
+    data = NULL;
   }
+  *size = data ? (size_t)st.st_size : 0;
   fclose(f);
   return data;
 }

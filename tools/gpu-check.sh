@@ -84,9 +84,9 @@ if [ "${1:-}" = "--bundle" ]; then
   done
   [ -n "$blas" ] || { echo "gpu-check --bundle: no static OpenBLAS (libopenblas.a: Debian's libopenblas-dev)"; exit 1; }
   mkdir -p "$dir" || exit 1
-  if ! { cc -O2 -o "$dir/mdlc" build/compiler/main.o build/libmdl.a "$blas" -lm -ldl -lpthread &&
-    cc -std=c11 -D_GNU_SOURCE -O2 -Wall -Wextra -Werror -Icompiler -Iruntime -o "$dir/gpucmp" tools/gpucmp.c \
-      build/libmdl.a "$blas" -lm -ldl -lpthread && strip "$dir/mdlc" "$dir/gpucmp"; }; then
+  if ! { cc -O2 ${CFLAGS:-} -o "$dir/mdlc" build/compiler/main.o build/libmdl.a "$blas" -lm -ldl -lpthread &&
+    cc -std=c11 -D_GNU_SOURCE -O2 ${CFLAGS:-} -Wall -Wextra -Werror -Icompiler -Iruntime -o "$dir/gpucmp" \
+      tools/gpucmp.c build/libmdl.a "$blas" -lm -ldl -lpthread && strip "$dir/mdlc" "$dir/gpucmp"; }; then
     echo "gpu-check --bundle: linking failed"
     exit 1
   fi
@@ -128,7 +128,7 @@ t0=$(date +%s)
 mdlc=bin/mdlc
 gpucmp="$tmp/gpucmp"
 if make -j"$(nproc)" bin/mdlc build/libmdl.a >"$tmp/build.log" 2>&1 &&
-  cc -std=c11 -D_GNU_SOURCE -O2 -Icompiler -Iruntime -o "$gpucmp" tools/gpucmp.c build/libmdl.a \
+  cc -std=c11 -D_GNU_SOURCE -O2 ${CFLAGS:-} -Icompiler -Iruntime -o "$gpucmp" tools/gpucmp.c build/libmdl.a \
     -lopenblas -lm -ldl -lpthread >>"$tmp/build.log" 2>&1; then
   say "built in $(($(date +%s) - t0)) s"
 elif [ -x gpu-bundle/mdlc ] && [ -x gpu-bundle/gpucmp ]; then
