@@ -640,22 +640,19 @@ static int cmd_run(const Options *o, Graph *g) {
   return rc;
 }
 
-int main(int argc, char **argv) {
-  Options o;
-  int rc = parse_options(argc, argv, &o);
-  if (rc)
-    return rc;
-  if (!strcmp(o.verb, "sample")) {
-    o.sample.checkpoint = o.file;
-    o.sample.seed = o.seed;
-    return sample_run(&o.sample);
+// The verb of o, run; its exit status.
+static int run_verb(Options *o) {
+  if (!strcmp(o->verb, "sample")) {
+    o->sample.checkpoint = o->file;
+    o->sample.seed = o->seed;
+    return sample_run(&o->sample);
   }
-  if (!strcmp(o.verb, "prep")) {
-    if (!o.out)
+  if (!strcmp(o->verb, "prep")) {
+    if (!o->out)
       return usage_error("prep needs -o DIR%s", "");
-    o.prep.input = o.file;
-    o.prep.out_dir = o.out;
-    return prep_run(&o.prep);
+    o->prep.input = o->file;
+    o->prep.out_dir = o->out;
+    return prep_run(&o->prep);
   }
   static const struct {
     const char *verb;
@@ -669,14 +666,24 @@ int main(int argc, char **argv) {
       {"run", cmd_run, true, true},
   };
   for (size_t i = 0; i < sizeof verbs / sizeof *verbs; i++) {
-    if (strcmp(o.verb, verbs[i].verb))
+    if (strcmp(o->verb, verbs[i].verb))
       continue;
     Arena *a = arena_new();
-    bool train = verbs[i].optimizer || dumping(&o, 'A') || dumping(&o, 'R') || dumping(&o, 'F') || dumping(&o, 'M');
-    Graph *g = compile(a, &o, verbs[i].grads || train, train);
-    rc = g ? verbs[i].fn(&o, g) : EXIT_USER;
+    bool train = verbs[i].optimizer || dumping(o, 'A') || dumping(o, 'R') || dumping(o, 'F') || dumping(o, 'M');
+    Graph *g = compile(a, o, verbs[i].grads || train, train);
+    int rc = g ? verbs[i].fn(o, g) : EXIT_USER;
     arena_free(a);
     return rc;
   }
-  return usage_error("unknown verb '%s' (verbs: check, init, grad, prep, build, run, sample)", o.verb);
+  return usage_error("unknown verb '%s' (verbs: check, init, grad, prep, build, run, sample)", o->verb);
+}
+
+int main(int argc, char **argv) {
+  Options o;
+  int rc = parse_options(argc, argv, &o);
+  if (!rc)
+    rc = run_verb(&o);
+  for (int i = 0; i < o.ndims; i++)
+    free((char *)o.dims[i].name);
+  return rc;
 }

@@ -1285,6 +1285,13 @@ static void explain_oom(const CudaEngine *ce, size_t free_bytes, size_t total, c
           (double)total / 1e9);
 }
 
+// An engine that failed before any device set-up: what it holds so far, freed; NULL.
+static Engine *drop_early(CudaEngine *ce) {
+  free(ce->e.kernel_seconds);
+  free(ce);
+  return NULL;
+}
+
 Engine *engine_cuda(const Fusion *f, const MemPlan *m, uint64_t seed, bool tune_gemms, bool tune_kernels, char *err,
                     size_t n) {
   CudaEngine *ce = calloc(1, sizeof *ce);
@@ -1302,24 +1309,23 @@ Engine *engine_cuda(const Fusion *f, const MemPlan *m, uint64_t seed, bool tune_
                    .profile_launches = cu_profile_launches, .snapshot = cu_snapshot,
                    .read_snapshot = cu_read_snapshot,
                    .kernel_seconds = calloc((size_t)f->nsteps + 1, sizeof(double))};
-  if (!driver_device(&ce->dev, err, n) || !driver_complete(err, n) || !lt_open(err, n) ||
-      !nvrtc_available(err, n)) {
-    free(ce);
-    return NULL;
+  if (!ce->e.kernel_seconds) {
+    rt_fail(err, n, "out of host memory");
+    return drop_early(ce);
   }
+  if (!driver_device(&ce->dev, err, n) || !driver_complete(err, n) || !lt_open(err, n) ||
+      !nvrtc_available(err, n))
+    return drop_early(ce);
   ce->plan = emit_cuda_plan(f, m, f->g->model ? f->g->model : "model");
   if (!ce->plan) {
     rt_fail(err, n, "the CUDA emitter could not emit %s", f->g->model ? f->g->model : "the model");
-    free(ce);
-    return NULL;
+    return drop_early(ce);
   }
   NvrtcModule cubins = {0};
   double tc = rt_now();
   int threads = 1;
-  if (!nvrtc_threads(&threads, err, n) || !nvrtc_compile_units(ce->plan, ce->dev.arch, threads, &cubins, err, n)) {
-    free(ce);
-    return NULL;
-  }
+  if (!nvrtc_threads(&threads, err, n) || !nvrtc_compile_units(ce->plan, ce->dev.arch, threads, &cubins, err, n))
+    return drop_early(ce);
   tc = rt_now() - tc;
   ce->e.cache_hit = cubins.cache_hit;
   ce->e.compile_seconds = cubins.seconds;

@@ -28,8 +28,10 @@ static int batch(const char *path, int B, int T, int V, unsigned seed) {
 static int compare(const char *gpu, const char *cpu, double tol) {
   Arena *a = arena_new();
   StFile g, c;
-  if (!st_read(a, gpu, &g) || !st_read(a, cpu, &c))
+  if (!st_read(a, gpu, &g) || !st_read(a, cpu, &c)) {
+    arena_free(a);
     return 1;
+  }
   int bad = 0;
   double worst = 0;
   for (int i = 0; i < c.n; i++) {
@@ -54,6 +56,7 @@ static int compare(const char *gpu, const char *cpu, double tol) {
     printf("  %-28s L2 rel %.2e  max rel %.2e%s\n", r->name, rel, mrel, rel <= tol ? "" : "  > tolerance");
   }
   printf("  %d tensors, worst L2 rel %.2e, tolerance %.2g: %s\n", c.n, worst, tol, bad ? "FAIL" : "ok");
+  arena_free(a);
   return bad ? 1 : 0;
 }
 

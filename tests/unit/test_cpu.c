@@ -838,6 +838,7 @@ static void test_limits(void) {
     free(arena);
     interp_free(it);
   }
+  cpu_unload(cm);
   arena_free(a);
 }
 
