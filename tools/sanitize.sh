@@ -3,7 +3,7 @@
 # (`make sanitize`): mdlc, the runtime and every test binary, in a copy of the working tree under
 # $TMPDIR, so that build/ and bin/ here are left as they are. A memory error, a leak (reported at
 # exit) or undefined behaviour makes the program that made it fail, which the suite counts as a
-# failure. About 20 minutes on 2 cores, against 8.5 for
+# failure. About 18 minutes on 2 cores, against 7 or 8 for
 # `make test`: too long for every CI run, so run it before a change to the runtime's memory handling.
 # The copy is not a git checkout, so gpu_check.sh skips its one check that needs one.
 set -eu
