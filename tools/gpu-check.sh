@@ -20,7 +20,7 @@
 #      fp32 at 1e-4 (the compiled C against the interpreter: worst 1.4e-6 of 148 gradients), and
 #      bf16 at 2e-2 (GPU_CHECK_TOL_GPT2_BF16): twelve layers deep, the bf16 roundings
 #      the two sides take at other places decorrelate every gradient by about 0.5% (the compiled C
-#      against the interpreter on this batch: median 4.7e-3, worst 6.2e-3 of 148 tensors), which an
+#      against the interpreter on this batch: median 4.7e-3, worst 6.2e-3 of the same 148), which an
 #      indexing error still exceeds many times; the CPU side compiles GPT-2's C (20 s on 2 cores);
 #   3. gradient accumulation: gpt2-tiny, 6 steps of 2 micro-batches of B=2 against 6 of B=4 (fp32,
 #      validating every 3 steps): the same losses within 1e-4 (on the GPU the gradients are summed
