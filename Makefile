@@ -2,8 +2,7 @@
 CC      ?= cc
 CFLAGS  ?= -O2 -g
 CFLAGS  += -std=c11 -D_GNU_SOURCE -Wall -Wextra -Werror -Icompiler -Iruntime -Ibuild
-CFLAGS  += -I/usr/include/x86_64-linux-gnu/openblas-pthread
-LDLIBS  += -lopenblas -lm -ldl -lpthread
+LDLIBS  += -lm -ldl -lpthread
 
 LIB_SRC   := $(filter-out compiler/main.c,$(wildcard compiler/*.c runtime/*.c))
 LIB_OBJ   := $(patsubst %.c,build/%.o,$(LIB_SRC)) build/mdl.tab.o build/lex.yy.o

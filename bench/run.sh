@@ -1,41 +1,136 @@
 #!/usr/bin/env bash
-# make bench: training tokens/s of the tiny and a small GPT on the compiled CPU back end with fusion on
-# and off, side by side in one run, and PyTorch eager (same model, batch, fp32, AdamW, thread count)
-# when it is installed; mdlc runs in fp32 there, as PyTorch does, and once more with the models' bf16
-# GEMM operands (what the rounding costs or saves on this CPU). Prints a markdown table;
-# bench/RESULTS.md keeps the recorded figures.
+# make bench: training tokens/s of mdlc on the CPU against the peer a user would otherwise run: PyTorch
+# from PyPI (MKL and oneDNN inside; eager and torch.compile), installed into a virtual environment
+# ($MDL_BENCH_VENV, else ~/.cache/mdl/bench-venv) when missing, its columns n/a when it cannot be.
+# Same GPT, batch shape, thread count, AdamW with clipping. mdlc runs fp32 (as PyTorch does by
+# default) and at its default precision (auto: bf16 where the CPU has a bf16 GEMM faster than fp32,
+# else fp32); PyTorch eager also runs under bf16 autocast, its own way to the same kernels.
+#
+# Rounds are interleaved (each configuration once a round, ROUNDS rounds, default 3), so that a load
+# on the machine falls on all columns alike; each cell is the median over the rounds of each run's
+# median tok/s (its steps after the warm-up ones), with the range over the rounds. Then compile times
+# (mdlc's C compile cold, and its start from the module cache; torch.compile's first step with an
+# empty and with a filled cache) and every run's peak RSS. GEOMS=tiny,small,t512,124m picks rows.
+# Prints markdown; bench/RESULTS.md keeps the recorded figures.
 set -u
 cd "$(dirname "$0")/.."
 steps=${STEPS:-12}
+rounds=${ROUNDS:-3}
+geoms=${GEOMS:-tiny,small,t512,124m}
 threads=$(nproc)
+venv=${MDL_BENCH_VENV:-$HOME/.cache/mdl/bench-venv}
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
+
+py=""
+if ! "$venv/bin/python" -c "import torch" 2>/dev/null; then
+  echo "installing PyTorch from PyPI into $venv (once; about 5 GB) ..." >&2
+  { python3 -m venv "$venv" && "$venv/bin/pip" install -q torch numpy; } >"$tmp/pip.log" 2>&1 ||
+    echo "PyTorch from PyPI could not be installed ($(tail -1 "$tmp/pip.log")): its columns are n/a" >&2
+fi
+"$venv/bin/python" -c "import torch" 2>/dev/null && py="$venv/bin/python"
+
 mkdir -p "$tmp/corpus"
 cp /usr/share/common-licenses/GPL-3 /usr/share/common-licenses/Apache-2.0 /usr/share/common-licenses/GPL-2 "$tmp/corpus/"
-bin/mdlc prep "$tmp/corpus" -o "$tmp/data" >/dev/null
+bin/mdlc prep "$tmp/corpus" -o "$tmp/data" >/dev/null || { echo "bench: mdlc prep failed"; exit 1; }
+export MDL_CACHE="$tmp/cache"
 
-median_tok_s() { # the median tok/s of the metrics lines after the first two (warm-up)
+# label | .mdl and its -D options | the same geometry for torch_gpt.py
+configs() {
+  cat <<'CONFIGS'
+tiny|gpt2-tiny (L2 C64 H4 V256 B8 T64)|models/gpt2-tiny.mdl|--V 256 --maxT 128 --C 64 --H 4 --L 2 --B 8 --T 64
+small|L4 C256 H4 V8192 B8 T128|models/gpt2.mdl -D L=4 -D C=256 -D H=4 -D V=8192 -D maxT=128 -D B=8 -D T=128|--V 8192 --maxT 128 --C 256 --H 4 --L 4 --B 8 --T 128
+t512|L4 C256 H4 V8192 B2 T512|models/gpt2.mdl -D L=4 -D C=256 -D H=4 -D V=8192 -D maxT=512 -D B=2 -D T=512|--V 8192 --maxT 512 --C 256 --H 4 --L 4 --B 2 --T 512
+124m|GPT-2 124M B4 T64|models/gpt2.mdl -D B=4 -D T=64|--V 50257 --maxT 1024 --C 768 --H 12 --L 12 --B 4 --T 64
+CONFIGS
+}
+
+median_tok_s() { # the median tok/s of mdlc's step lines after the first two (warm-up)
   grep -o '[0-9.]* tok/s' "$1" | awk 'NR > 2 {print $1}' | sort -n |
     awk '{v[NR] = $1} END {if (NR == 0) print "n/a"; else print v[int((NR + 1) / 2)]}'
 }
 
-echo "| model | mdlc fused tok/s | mdlc unfused tok/s | fused/unfused | PyTorch eager tok/s | fused/PyTorch | mdlc fused bf16 tok/s | bf16/fp32 |"
-echo "|---|---|---|---|---|---|---|---|"
-while IFS='|' read -r label model dims tdims; do
-  run=(bin/mdlc run "$model" $dims --steps "$steps" --data "$tmp/data" --backend cpu --val-every 0 --ckpt-every 0)
-  rm -rf "$tmp/out"; "${run[@]}" --out "$tmp/out" --precision fp32 >"$tmp/fused" 2>&1
-  rm -rf "$tmp/out"; "${run[@]}" --out "$tmp/out" --precision fp32 --no-fuse >"$tmp/unfused" 2>&1
-  rm -rf "$tmp/out"; "${run[@]}" --out "$tmp/out" --precision bf16 >"$tmp/bf16" 2>&1
-  f=$(median_tok_s "$tmp/fused"); u=$(median_tok_s "$tmp/unfused"); h=$(median_tok_s "$tmp/bf16")
-  t="n/a"
-  if /usr/bin/python3 -c "import torch" 2>/dev/null; then
-    t=$(/usr/bin/python3 bench/torch_gpt.py $tdims --steps "$steps" --threads "$threads" | grep -o '[0-9.]* tok/s' | cut -d' ' -f1)
+# mdl NAME ROUND MODELARGS... : one mdlc run; tok/s, peak RSS (KB) and the compile figure kept by name
+mdl() {
+  local name=$1 r=$2; shift 2
+  rm -rf "$tmp/out"
+  /usr/bin/time -f 'maxrss %M' -o "$tmp/$name.time.$r" bin/mdlc run "$@" --steps "$steps" --data "$tmp/data" \
+    --backend cpu --val-every 0 --ckpt-every 0 --out "$tmp/out" >"$tmp/$name.$r" 2>&1
+  median_tok_s "$tmp/$name.$r" >"$tmp/$name.tok.$r"
+  awk '/^maxrss/ {printf "%.0f\n", $2 / 1024}' "$tmp/$name.time.$r" >"$tmp/$name.rss.$r"
+}
+
+# peer NAME ROUND ARGS... : one torch_gpt.py run
+peer() {
+  local name=$1 r=$2; shift 2
+  if [ -z "$py" ]; then
+    echo n/a >"$tmp/$name.tok.$r"; echo n/a >"$tmp/$name.rss.$r"; echo n/a >"$tmp/$name.first.$r"
+    return
   fi
-  ratio() { awk -v a="$1" -v b="$2" 'BEGIN {if (a + 0 > 0 && b + 0 > 0) printf "%.2fx", a / b; else print "n/a"}'; }
-  echo "| $label | $f | $u | $(ratio "$f" "$u") | $t | $(ratio "$f" "$t") | $h | $(ratio "$h" "$f") |"
-done <<'CONFIGS'
-gpt2-tiny (L2 C64 H4 V256 B8 T64)|models/gpt2-tiny.mdl||--V 256 --maxT 128 --C 64 --H 4 --L 2 --B 8 --T 64
-gpt2-small (L4 C256 H4 V8192 B8 T128)|models/gpt2.mdl|-D L=4 -D C=256 -D H=4 -D V=8192 -D maxT=128 -D B=8 -D T=128|--V 8192 --maxT 128 --C 256 --H 4 --L 4 --B 8 --T 128
-CONFIGS
+  "$py" bench/torch_gpt.py "$@" --steps "$steps" --threads "$threads" >"$tmp/$name.$r" 2>&1
+  sed -n 's/.*: \([0-9.]*\) tok\/s.*/\1/p' "$tmp/$name.$r" | grep . >"$tmp/$name.tok.$r" || echo n/a >"$tmp/$name.tok.$r"
+  sed -n 's/.*peak RSS \([0-9]*\) MB.*/\1/p' "$tmp/$name.$r" | grep . >"$tmp/$name.rss.$r" || echo n/a >"$tmp/$name.rss.$r"
+  sed -n 's/.*first step \([0-9.]*\) s.*/\1/p' "$tmp/$name.$r" | grep . >"$tmp/$name.first.$r" || echo n/a >"$tmp/$name.first.$r"
+}
+
+cell() { # median (min-max) over the rounds of files $1.*
+  cat "$tmp/$1".[0-9]* 2>/dev/null | grep -v n/a | sort -n |
+    awk '{v[NR] = $1} END {if (NR == 0) print "n/a"; else if (NR == 1) printf "%.0f", v[1];
+         else printf "%.0f (%.0f-%.0f)", v[int((NR + 1) / 2)], v[1], v[NR]}'
+}
+med() { # the median alone
+  cat "$tmp/$1".[0-9]* 2>/dev/null | grep -v n/a | sort -n |
+    awk '{v[NR] = $1} END {if (NR == 0) print "n/a"; else print v[int((NR + 1) / 2)]}'
+}
+ratio() { awk -v a="$1" -v b="$2" 'BEGIN {if (a + 0 > 0 && b + 0 > 0) printf "%.2fx", a / b; else print "n/a"}'; }
+best() { printf '%s\n' "$@" | grep -v n/a | sort -g | tail -1; }
+
+rows=""
+while IFS='|' read -r key label model tdims; do
+  case ",$geoms," in *",$key,"*) ;; *) continue ;; esac
+  rows="$rows $key"
+  echo "$label" >"$tmp/$key.label"
+  # compile: cold (an empty module cache) and a warm start, each a one-step run
+  rm -rf "$MDL_CACHE" "$tmp/out"
+  bin/mdlc run $model --steps 1 --data "$tmp/data" --backend cpu --val-every 0 --ckpt-every 0 --out "$tmp/out" \
+    >"$tmp/$key.cold" 2>&1
+  sed -n 's/.*cc took \([0-9.]*\) s.*/\1/p' "$tmp/$key.cold" >"$tmp/$key.cc"
+  rm -rf "$tmp/out"
+  t0=$(date +%s.%N)
+  bin/mdlc run $model --steps 1 --data "$tmp/data" --backend cpu --val-every 0 --ckpt-every 0 --out "$tmp/out" \
+    >"$tmp/$key.warm" 2>&1
+  awk -v a="$t0" -v b="$(date +%s.%N)" 'BEGIN {printf "%.2f\n", b - a}' >"$tmp/$key.warmstart"
+  grep -m1 '^GEMM:' "$tmp/$key.cold" >"$tmp/gemm.line" 2>/dev/null
+  grep -m1 '^training' "$tmp/$key.cold" | sed 's/.*precision //' >"$tmp/$key.prec"
+  export TORCHINDUCTOR_CACHE_DIR="$tmp/inductor-$key"
+  for r in $(seq 1 "$rounds"); do
+    mdl "$key-mdl32" "$r" $model --precision fp32
+    peer "$key-eager" "$r" $tdims
+    mdl "$key-mdlauto" "$r" $model
+    peer "$key-compile" "$r" $tdims --compile
+    peer "$key-eager16" "$r" $tdims --bf16
+  done
+done < <(configs)
+
+echo "| geometry | mdlc fp32 | mdlc default | PyTorch eager fp32 | torch.compile fp32 | PyTorch eager bf16 | mdlc fp32 / compile | mdlc default / best PyTorch |"
+echo "|---|---|---|---|---|---|---|---|"
+for key in $rows; do
+  m32=$(med "$key-mdl32.tok"); ma=$(med "$key-mdlauto.tok"); ce=$(med "$key-compile.tok")
+  bt=$(best "$(med "$key-eager.tok")" "$ce" "$(med "$key-eager16.tok")")
+  echo "| $(cat "$tmp/$key.label") | $(cell "$key-mdl32.tok") | $(cell "$key-mdlauto.tok") | $(cell "$key-eager.tok") |" \
+    "$(cell "$key-compile.tok") | $(cell "$key-eager16.tok") | $(ratio "$m32" "$ce") | $(ratio "$ma" "${bt:-n/a}") |"
+done
 echo
-echo "$threads threads; median of $steps steps after 2 warm-up steps; $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2)"
+echo "tokens/s: median (range) over $rounds interleaved rounds, each run the median of its $steps steps after warm-up;"
+echo "mdlc default = $(cat "$tmp/$(echo $rows | cut -d' ' -f1).prec" 2>/dev/null)"
+echo
+echo "| geometry | mdlc cc, cold (s) | mdlc start, warm (s) | torch.compile 1st step, cold (s) | warm (s) | peak RSS MB: mdlc fp32 | mdlc default | eager fp32 | compile fp32 | eager bf16 |"
+echo "|---|---|---|---|---|---|---|---|---|---|"
+for key in $rows; do
+  echo "| $(cat "$tmp/$key.label") | $(cat "$tmp/$key.cc") | $(cat "$tmp/$key.warmstart") | $(cat "$tmp/$key-compile.first.1") |" \
+    "$( [ "$rounds" -gt 1 ] && cat "$tmp/$key-compile.first.2" || echo n/a) | $(med "$key-mdl32.rss") | $(med "$key-mdlauto.rss") |" \
+    "$(med "$key-eager.rss") | $(med "$key-compile.rss") | $(med "$key-eager16.rss") |"
+done
+echo
+echo "$threads threads; $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | sed 's/^ //');" \
+  "$(cat "$tmp/gemm.line" 2>/dev/null); PyTorch ${py:+$("$py" -c 'import torch; print(torch.__version__)')}"

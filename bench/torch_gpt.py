@@ -1,60 +1,94 @@
-#!/usr/bin/python3
-"""PyTorch eager training speed of the GPT-2 of models/gpt2*.mdl: same architecture, batch, fp32,
-AdamW, thread count; the baseline `make bench` compares mdlc against.
+"""The peer `make bench` measures mdlc against: GPT-2 (models/gpt2*.mdl's architecture) as a PyTorch user
+writes it, nanoGPT style: nn.Linear layers, F.scaled_dot_product_attention with is_causal (PyTorch's
+flash attention kernel on the CPU), tanh GELU, tied embeddings, cross-entropy, AdamW with clipping at
+1.0; eager or torch.compile; fp32, or bf16 autocast (oneDNN's AMX kernels where the CPU has them).
 
-  torch_gpt.py --V 256 --maxT 128 --C 64 --H 4 --L 2 --B 8 --T 64 --steps 20 --threads 2
-prints one line: "torch eager: <tok/s> tok/s (median of N steps, after 3 warm-up steps)".
+  torch_gpt.py --V 256 --maxT 128 --C 64 --H 4 --L 2 --B 8 --T 64 --steps 20 --threads 2 [--compile] [--bf16]
+
+prints one line:
+  torch eager fp32: <tok/s> tok/s (median of N steps after 3 warm-up steps; first step <s> s; peak RSS <MB> MB)
+The first step includes torch.compile's compilation (its cache in TORCHINDUCTOR_CACHE_DIR).
 """
 import argparse
 import os
+import resource
 import statistics
-import sys
 import time
 
 import torch
+import torch.nn as nn
+import torch.nn.functional as F
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests", "torch"))
-from gpt2_tiny import forward  # noqa: E402  the cross-checked model
+
+class Block(nn.Module):
+    def __init__(self, C, H):
+        super().__init__()
+        self.H = H
+        self.ln1, self.ln2 = nn.LayerNorm(C), nn.LayerNorm(C)
+        self.attn, self.proj = nn.Linear(C, 3 * C), nn.Linear(C, C)
+        self.fc, self.fcproj = nn.Linear(C, 4 * C), nn.Linear(4 * C, C)
+
+    def forward(self, x):
+        B, T, C = x.shape
+        q, k, v = self.attn(self.ln1(x)).split(C, dim=2)
+        q, k, v = (t.view(B, T, self.H, C // self.H).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(B, T, C)
+        x = x + self.proj(y)
+        return x + self.fcproj(F.gelu(self.fc(self.ln2(x)), approximate="tanh"))
 
 
-def params(V, maxT, C, L, gen):
-    w = {"wte": torch.randn(V, C, generator=gen) * 0.02, "wpe": torch.randn(maxT, C, generator=gen) * 0.01}
-    for l in range(L):
-        p = "h.%d." % l
-        w.update({p + "ln1_w": torch.ones(C), p + "ln1_b": torch.zeros(C),
-                  p + "attn_w": torch.randn(C, 3 * C, generator=gen) * 0.02, p + "attn_b": torch.zeros(3 * C),
-                  p + "proj_w": torch.randn(C, C, generator=gen) * 0.02, p + "proj_b": torch.zeros(C),
-                  p + "ln2_w": torch.ones(C), p + "ln2_b": torch.zeros(C),
-                  p + "fc_w": torch.randn(C, 4 * C, generator=gen) * 0.02, p + "fc_b": torch.zeros(4 * C),
-                  p + "fcproj_w": torch.randn(4 * C, C, generator=gen) * 0.02, p + "fcproj_b": torch.zeros(C)})
-    w["lnf_w"], w["lnf_b"] = torch.ones(C), torch.zeros(C)
-    return {n: t.requires_grad_() for n, t in w.items()}
+class GPT(nn.Module):
+    def __init__(self, V, maxT, C, H, L):
+        super().__init__()
+        self.wte, self.wpe = nn.Embedding(V, C), nn.Embedding(maxT, C)
+        self.h = nn.ModuleList(Block(C, H) for _ in range(L))
+        self.lnf = nn.LayerNorm(C)
+        for m in self.modules():
+            if isinstance(m, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(m.weight, std=0.02)
+            if isinstance(m, nn.Linear):
+                nn.init.zeros_(m.bias)
+
+    def forward(self, tokens, targets):
+        x = self.wte(tokens) + self.wpe(torch.arange(tokens.shape[1]))
+        for b in self.h:
+            x = b(x)
+        logits = self.lnf(x) @ self.wte.weight.T
+        return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1))
 
 
 def main():
     ap = argparse.ArgumentParser()
     for k, v in dict(V=256, maxT=128, C=64, H=4, L=2, B=8, T=64, steps=20, threads=os.cpu_count()).items():
         ap.add_argument("--" + k, type=int, default=v)
+    ap.add_argument("--compile", action="store_true")
+    ap.add_argument("--bf16", action="store_true")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
+    torch.manual_seed(0)
+    model = GPT(a.V, a.maxT, a.C, a.H, a.L)
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
+    other = [p for n, p in model.named_parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": other, "weight_decay": 0.0}],
+                            lr=1e-3, betas=(0.9, 0.95), eps=1e-8)
+    step_model = torch.compile(model) if a.compile else model
     gen = torch.Generator().manual_seed(0)
-    w = params(a.V, a.maxT, a.C, a.L, gen)
-    opt = torch.optim.AdamW(w.values(), lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
     tokens = torch.randint(0, min(a.V, 256), (a.B, a.T + 1), generator=gen)
-    batch = {"tokens": tokens[:, :-1], "targets": tokens[:, 1:], "pos": torch.arange(a.T).expand(a.B, a.T),
-             "doc": torch.zeros(a.B, a.T, dtype=torch.long)}
+    x, y = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
     times = []
     for step in range(a.steps + 3):
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
-        loss = forward(w, batch, a.H)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=a.bf16):
+            loss = step_model(x, y)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(w.values(), 1.0)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
-        if step >= 3:
-            times.append(time.perf_counter() - t0)
-    print("torch eager: %.0f tok/s (median of %d steps, after 3 warm-up steps, %d threads, loss %.3f)"
-          % (a.B * a.T / statistics.median(times), len(times), a.threads, loss.item()))
+        times.append(time.perf_counter() - t0)
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print("torch %s %s: %.0f tok/s (median of %d steps after 3 warm-up steps; first step %.2f s; peak RSS %.0f MB; "
+          "loss %.3f)" % ("compile" if a.compile else "eager", "bf16" if a.bf16 else "fp32",
+                          a.B * a.T / statistics.median(times[3:]), a.steps, times[0], rss, loss.item()))
 
 
 if __name__ == "__main__":

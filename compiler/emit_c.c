@@ -71,6 +71,9 @@ static const char prelude[] =
     "  // row-major C = op(A) op(B) + beta C, op = transpose when ta / tb\n"
     "  void (*sgemm)(int ta, int tb, int64_t m, int64_t n, int64_t k, const float *a, int64_t lda,\n"
     "                const float *b, int64_t ldb, float beta, float *c, int64_t ldc);\n"
+    "  // the same with bf16 operands; NULL where the library has none faster than sgemm\n"
+    "  void (*bgemm)(int ta, int tb, int64_t m, int64_t n, int64_t k, const uint16_t *a, int64_t lda,\n"
+    "                const uint16_t *b, int64_t ldb, float beta, float *c, int64_t ldc);\n"
     "  int nthreads;  // OpenMP threads per parallel loop\n"
     "  int gemm_blocks; // row blocks of a large GEMM, whatever nthreads is\n"
     "  uint64_t seed; // the run's seed: dropout masks\n"
@@ -214,6 +217,29 @@ static const char prelude_bf16[] =
     "  float x;\n"
     "  memcpy(&x, &u, sizeof x);\n"
     "  return x;\n"
+    "}\n"
+    "\n"
+    "// C = op(A) op(B) + beta C of bf16 operands through the runtime's bgemm (h->bgemm set), split into\n"
+    "// h->gemm_blocks blocks over the threads: blocks of columns of C (of 64 at least), since a block\n"
+    "// of rows has each thread repack all of B into the library's layout (oneDNN's bf16 GEMM ran at\n"
+    "// half its rate so), else blocks of rows.\n"
+    "static inline void mdl_bgemm(const MdlHooks *h, int ta, int tb, int64_t m, int64_t n, int64_t k, const uint16_t *a,\n"
+    "                             int64_t lda, const uint16_t *b, int64_t ldb, float beta, float *c, int64_t ldc) {\n"
+    "  const int64_t nb = m * n * k >= (1 << 18) ? h->gemm_blocks : 1;\n"
+    "  if (nb > 1 && n / 64 >= nb) {\n"
+    "#pragma omp parallel for num_threads(h->nthreads) schedule(static)\n"
+    "    for (int64_t t = 0; t < nb; t++) {\n"
+    "      const int64_t c0 = n * t / nb / 16 * 16, c1 = t == nb - 1 ? n : n * (t + 1) / nb / 16 * 16;\n"
+    "      h->bgemm(ta, tb, m, c1 - c0, k, a, lda, tb ? b + c0 * ldb : b + c0, ldb, beta, c + c0, ldc);\n"
+    "    }\n"
+    "  } else if (nb > 1 && m / 16 >= nb) {\n"
+    "#pragma omp parallel for num_threads(h->nthreads) schedule(static)\n"
+    "    for (int64_t t = 0; t < nb; t++) {\n"
+    "      const int64_t r0 = m * t / nb, r1 = m * (t + 1) / nb;\n"
+    "      h->bgemm(ta, tb, r1 - r0, n, k, ta ? a + r0 : a + r0 * lda, lda, b, ldb, beta, c + r0 * ldc, ldc);\n"
+    "    }\n"
+    "  } else\n"
+    "    h->bgemm(ta, tb, m, n, k, a, lda, b, ldb, beta, c, ldc);\n"
     "}\n"
     "\n"
     "// n bf16 values widened into a new f32 buffer (exact), for the f32 GEMM that computes a GEMM of\n"
@@ -643,6 +669,26 @@ static bool whole(Emit *e, int a) {
 // Anchors.
 //
 
+// One GEMM (or one per batch) through fn (mdl_gemm or mdl_bgemm) into buffer c.
+static void gemm_call(Emit *e, const char *fn, bool ta, bool tb, int64_t m, int64_t n, int64_t k, Rows a, Rows b,
+                      int c, Shape so, Shape sa, Shape sb, int64_t batches) {
+  if (batches == 1) {
+    ec_line(&e->core, "%s(h, %d, %d, %lld, %lld, %lld, %s, %lld, %s, %lld, 0.0f, b%d, %lld);", fn, ta, tb,
+            (long long)m, (long long)n, (long long)k, a.base, (long long)a.stride, b.base, (long long)b.stride, c,
+            (long long)n);
+    return;
+  }
+  Shape ob = so, ab = sa, bb = sb;
+  ob.rank -= 2, ab.rank -= 2, bb.rank -= 2;
+  ec_enter(&e->core, "for (int64_t t = 0; t < %lld; t++)", (long long)batches);
+  const char *ia = ec_ix_bcast(&e->core, ob, ab, "t"), *ib = ec_ix_bcast(&e->core, ob, bb, "t");
+  ec_line(&e->core,
+          "%s(h, %d, %d, %lld, %lld, %lld, %s + %s * %lld, %lld, %s + %s * %lld, %lld, 0.0f, b%d + t * %lld, %lld);",
+          fn, ta, tb, (long long)m, (long long)n, (long long)k, a.base, ia, (long long)(m * k), (long long)a.stride,
+          b.base, ib, (long long)(k * n), (long long)b.stride, c, (long long)(m * n), (long long)n);
+  ec_leave(&e->core);
+}
+
 static void emit_gemm(Emit *e, int gi, const bool *emitted) {
   int mm = e->core.groups[gi].mem[0];
   const IrNode *nd = ec_node(&e->core, mm);
@@ -672,35 +718,29 @@ static void emit_gemm(Emit *e, int gi, const bool *emitted) {
   int64_t batches = ec_span(so, 0, so.rank - 2);
   e->uses_h = true;
   ec_phase_begin(&e->core);
-  // bf16 operands: an f32 GEMM of the operands widened, in a scope of its own.
-  bool bf16 = ec_node(&e->core, nd->in[0])->dtype == DT_BF16;
+  // bf16 operands: the library's bf16 GEMM where the runtime has one (h->bgemm), else an f32 GEMM of
+  // the operands widened, in a scope of its own.
+  bool bf16 = ec_node(&e->core, nd->in[0])->dtype == DT_BF16 && ec_node(&e->core, nd->in[1])->dtype == DT_BF16;
+  bool mixed = !bf16 && (ec_node(&e->core, nd->in[0])->dtype == DT_BF16 || ec_node(&e->core, nd->in[1])->dtype == DT_BF16);
   int wide[2], nwide = 0;
   note(e, "gemm %%%d: [%lld x %lld] = %s[%lld x %lld] %s[%lld x %lld]%s%s%s", mm, (long long)m, (long long)n,
        ta ? "T" : "", (long long)m, (long long)k, tb ? "T" : "", (long long)k, (long long)n,
-       bf16 ? ", bf16 operands widened to f32" : "", batches > 1 ? str(e, ", %lld batches", (long long)batches) : "",
-       nq ? ", epilogue after" : "");
+       bf16 ? ", bf16 operands (widened to f32 where the library has no bf16 GEMM)"
+            : mixed ? ", a bf16 operand widened to f32" : "",
+       batches > 1 ? str(e, ", %lld batches", (long long)batches) : "", nq ? ", epilogue after" : "");
   if (bf16) {
+    ec_enter(&e->core, "if (h->bgemm)");
+    gemm_call(e, "mdl_bgemm", ta, tb, m, n, k, a, b, c, so, sa, sb, batches);
+    ec_leave(&e->core);
+    ec_enter(&e->core, "else");
+  } else if (mixed)
     ec_enter(&e->core, "%s", "");
+  if (bf16 || mixed) {
     a = widened(e, a, wide, &nwide);
     b = widened(e, b, wide, &nwide);
   }
-  if (batches == 1) {
-    ec_line(&e->core, "mdl_gemm(h, %d, %d, %lld, %lld, %lld, %s, %lld, %s, %lld, 0.0f, b%d, %lld);", ta, tb,
-            (long long)m, (long long)n, (long long)k, a.base, (long long)a.stride, b.base, (long long)b.stride, c,
-            (long long)n);
-  } else {
-    Shape ob = so, ab = sa, bb = sb;
-    ob.rank -= 2, ab.rank -= 2, bb.rank -= 2;
-    ec_enter(&e->core, "for (int64_t t = 0; t < %lld; t++)", (long long)batches);
-    const char *ia = ec_ix_bcast(&e->core, ob, ab, "t"), *ib = ec_ix_bcast(&e->core, ob, bb, "t");
-    ec_line(&e->core,
-            "mdl_gemm(h, %d, %d, %lld, %lld, %lld, %s + %s * %lld, %lld, %s + %s * %lld, %lld, 0.0f, "
-            "b%d + t * %lld, %lld);",
-            ta, tb, (long long)m, (long long)n, (long long)k, a.base, ia, (long long)(m * k), (long long)a.stride,
-            b.base, ib, (long long)(k * n), (long long)b.stride, c, (long long)(m * n), (long long)n);
-    ec_leave(&e->core);
-  }
-  if (bf16) {
+  gemm_call(e, "mdl_gemm", ta, tb, m, n, k, a, b, c, so, sa, sb, batches);
+  if (bf16 || mixed) {
     free_widened(e, wide, nwide);
     ec_leave(&e->core);
   }
@@ -1218,16 +1258,67 @@ static void emit_ce(Emit *e, int gi) {
   ec_phase_end(&e->core);
 }
 
+// One pass of the LM head's chunks (see emit_lmhead), its GEMMs through gemm: mdl_gemm on f32 x and W
+// (xs, ws), or mdl_bgemm on the bf16 ones, dlogits then rounded into the bf16 chunk dl16 for the
+// backward GEMMs.
+static void lmhead_chunks(Emit *e, const Group *gr, int64_t n, int64_t c, int64_t v, int64_t rc, const char *xs,
+                          const char *ws, bool b16) {
+  int64_t ldw = gr->tb ? c : v;
+  int tg = ec_need(&e->core, gr->tgt), dl = ec_need(&e->core, gr->dloss);
+  const char *gemm = b16 ? "mdl_bgemm" : "mdl_gemm", *dlog = b16 ? "dl16" : "logits";
+  ec_line(&e->core, "float *logits = mdl_scratch(%lld * sizeof(float));", (long long)(rc * v));
+  if (b16)
+    ec_line(&e->core, "uint16_t *dl16 = mdl_scratch(%lld * sizeof(uint16_t));", (long long)(rc * v));
+  ec_enter(&e->core, "for (int64_t r0 = 0; r0 < %lld; r0 += %lld)", (long long)n, (long long)rc);
+  ec_line(&e->core, "const int64_t rn = %lld - r0 < %lld ? %lld - r0 : %lld;", (long long)n, (long long)rc,
+          (long long)n, (long long)rc);
+  ec_line(&e->core, "%s(h, 0, %d, rn, %lld, %lld, %s + r0 * %lld, %lld, %s, %lld, 0.0f, logits, %lld);", gemm, gr->tb,
+          (long long)v, (long long)c, xs, (long long)c, (long long)c, ws, (long long)ldw, (long long)v);
+  par_for(e, rc * v, "static");
+  ec_enter(&e->core, "for (int64_t i = 0; i < rn; i++)");
+  ec_line(&e->core, "const int64_t r = r0 + i;");
+  ec_line(&e->core, "%sfloat *x = logits + i * %lld;", gr->lc >= 0 ? "" : "const ", (long long)v);
+  ec_line(&e->core, "float *dx = logits + i * %lld;", (long long)v);
+  ec_line(&e->core, "const int32_t t = b%d[r];", ptr(e, tg));
+  if (gr->lc >= 0) { // the loss reads the logits rounded to bf16 (their CAST), in place
+    ec_line(&e->core, "for (int64_t j = 0; j < %lld; j++)", (long long)v);
+    ec_line(&e->core, "  x[j] = mdl_bf16_to_f32(mdl_f32_to_bf16(x[j]));");
+  }
+  ce_row(e, "cross_entropy", v, false, str(e, "b%d[r]", ptr(e, gr->ce)), "dx", str(e, "b%d[r]", ptr(e, dl)),
+         gr->dlc >= 0);
+  ec_leave(&e->core);
+  if (b16) { // dlogits are bf16 values already: their top halves, exactly
+    par_for(e, rc * v, "static");
+    ec_line(&e->core, "for (int64_t i = 0; i < rn * %lld; i++)", (long long)v);
+    ec_line(&e->core, "  dl16[i] = mdl_f32_to_bf16(logits[i]);");
+  }
+  ec_line(&e->core, "%s(h, 0, %d, rn, %lld, %lld, %s, %lld, %s, %lld, 0.0f, b%d + r0 * %lld, %lld);", gemm, !gr->tb,
+          (long long)c, (long long)v, dlog, (long long)v, ws, (long long)ldw, ptr(e, gr->dx), (long long)c,
+          (long long)c);
+  if (gr->tb)
+    ec_line(&e->core, "%s(h, 1, 0, %lld, %lld, rn, %s, %lld, %s + r0 * %lld, %lld, r0 ? 1.0f : 0.0f, b%d, %lld);",
+            gemm, (long long)v, (long long)c, dlog, (long long)v, xs, (long long)c, (long long)c, ptr(e, gr->dw),
+            (long long)c);
+  else
+    ec_line(&e->core, "%s(h, 1, 0, %lld, %lld, rn, %s + r0 * %lld, %lld, %s, %lld, r0 ? 1.0f : 0.0f, b%d, %lld);",
+            gemm, (long long)c, (long long)v, xs, (long long)c, (long long)c, dlog, (long long)v, ptr(e, gr->dw),
+            (long long)v);
+  ec_leave(&e->core);
+  ec_line(&e->core, "free(logits);");
+  if (b16)
+    ec_line(&e->core, "free(dl16);");
+}
+
 // The LM head chunk by chunk: logits rows = x W^T (or x W) into a chunk buffer, cross-entropy and its
 // gradient in place, then dx rows = dlogits W (W^T) and dW += dlogits^T x (x^T dlogits). With bf16
-// operands, x and W are widened to f32 once for all the chunks, the logits rounded to bf16 values
-// before the loss reads them (their CAST, lc), and dlogits rounded to bf16 values.
+// operands, the logits are rounded to bf16 values before the loss reads them (their CAST, lc), and
+// dlogits rounded to bf16 values; the GEMMs run on the library's bf16 GEMM where the runtime has one,
+// else on x and W widened to f32 once for all the chunks.
 static void emit_lmhead(Emit *e, int gi) {
   const Group *gr = &e->core.groups[gi];
   const IrNode *xm = ec_node(&e->core, gr->x);
   int64_t n = xm->shape.d[0], c = xm->shape.d[1], v = ec_last_dim(&e->core, gr->mm);
-  int x = ec_need(&e->core, gr->x), w = ec_need(&e->core, gr->w), tg = ec_need(&e->core, gr->tgt),
-      dl = ec_need(&e->core, gr->dloss);
+  int x = ec_need(&e->core, gr->x), w = ec_need(&e->core, gr->w);
   flush(e);
   int outs[3] = {gr->ce, gr->dx, gr->dw};
   for (int i = 0; i < 3; i++)
@@ -1246,42 +1337,20 @@ static void emit_lmhead(Emit *e, int gi) {
   ec_phase_begin(&e->core);
   note(e, "LM head: %lld rows x %lld classes from width %lld, in chunks of %lld rows", (long long)n, (long long)v,
        (long long)c, (long long)rc);
+  bool b16 = ec_node(&e->core, x)->dtype == DT_BF16 && ec_node(&e->core, w)->dtype == DT_BF16 && gr->dlc >= 0;
+  if (b16) {
+    ec_enter(&e->core, "if (h->bgemm)");
+    lmhead_chunks(e, gr, n, c, v, rc, rows_at(e, x, 0, c).base, rows_at(e, w, 0, ldw).base, true);
+    ec_leave(&e->core);
+    ec_enter(&e->core, "else");
+  }
   int wide[2], nwide = 0;
   const char *xs = widened(e, rows_at(e, x, 0, c), wide, &nwide).base;
   const char *ws = widened(e, rows_at(e, w, 0, ldw), wide, &nwide).base;
-  ec_line(&e->core, "float *logits = mdl_scratch(%lld * sizeof(float));", (long long)(rc * v));
-  ec_enter(&e->core, "for (int64_t r0 = 0; r0 < %lld; r0 += %lld)", (long long)n, (long long)rc);
-  ec_line(&e->core, "const int64_t rn = %lld - r0 < %lld ? %lld - r0 : %lld;", (long long)n, (long long)rc,
-          (long long)n, (long long)rc);
-  ec_line(&e->core, "mdl_gemm(h, 0, %d, rn, %lld, %lld, %s + r0 * %lld, %lld, %s, %lld, 0.0f, logits, %lld);", gr->tb,
-          (long long)v, (long long)c, xs, (long long)c, (long long)c, ws, (long long)ldw, (long long)v);
-  par_for(e, rc * v, "static");
-  ec_enter(&e->core, "for (int64_t i = 0; i < rn; i++)");
-  ec_line(&e->core, "const int64_t r = r0 + i;");
-  ec_line(&e->core, "%sfloat *x = logits + i * %lld;", gr->lc >= 0 ? "" : "const ", (long long)v);
-  ec_line(&e->core, "float *dx = logits + i * %lld;", (long long)v);
-  ec_line(&e->core, "const int32_t t = b%d[r];", ptr(e, tg));
-  if (gr->lc >= 0) { // the loss reads the logits rounded to bf16 (their CAST), in place
-    ec_line(&e->core, "for (int64_t j = 0; j < %lld; j++)", (long long)v);
-    ec_line(&e->core, "  x[j] = mdl_bf16_to_f32(mdl_f32_to_bf16(x[j]));");
-  }
-  ce_row(e, "cross_entropy", v, false, str(e, "b%d[r]", ptr(e, gr->ce)), "dx", str(e, "b%d[r]", ptr(e, dl)),
-         gr->dlc >= 0);
-  ec_leave(&e->core);
-  ec_line(&e->core, "mdl_gemm(h, 0, %d, rn, %lld, %lld, logits, %lld, %s, %lld, 0.0f, b%d + r0 * %lld, %lld);",
-          !gr->tb, (long long)c, (long long)v, (long long)v, ws, (long long)ldw, ptr(e, gr->dx), (long long)c,
-          (long long)c);
-  if (gr->tb)
-    ec_line(&e->core,
-            "mdl_gemm(h, 1, 0, %lld, %lld, rn, logits, %lld, %s + r0 * %lld, %lld, r0 ? 1.0f : 0.0f, b%d, %lld);",
-            (long long)v, (long long)c, (long long)v, xs, (long long)c, (long long)c, ptr(e, gr->dw), (long long)c);
-  else
-    ec_line(&e->core,
-            "mdl_gemm(h, 1, 0, %lld, %lld, rn, %s + r0 * %lld, %lld, logits, %lld, r0 ? 1.0f : 0.0f, b%d, %lld);",
-            (long long)c, (long long)v, xs, (long long)c, (long long)c, (long long)v, ptr(e, gr->dw), (long long)v);
-  ec_leave(&e->core);
-  ec_line(&e->core, "free(logits);");
+  lmhead_chunks(e, gr, n, c, v, rc, xs, ws, false);
   free_widened(e, wide, nwide);
+  if (b16)
+    ec_leave(&e->core);
   for (int i = 0; i < 3; i++)
     ec_phase_done(&e->core, outs[i]);
   ec_phase_end(&e->core);

@@ -97,7 +97,7 @@ Graph *ir_new(Arena *a) {
   g->arena = a;
   g->loss = -1;
   g->train = (TrainConfig){.lr = 3e-4, .beta1 = 0.9, .beta2 = 0.95, .eps = 1e-8, .accumulate = 1,
-                           .precision = "bf16", .checkpoint = "auto"};
+                           .precision = "auto", .checkpoint = "auto"};
   return g;
 }
 

@@ -81,7 +81,8 @@ static const char usage_text[] =
     "      --backend NAME     auto (the default: cuda when a GPU is there, else cpu), cuda, cpu\n"
     "                         (compiled C), interp (the reference interpreter)\n"
     "      --fp64             run the interpreter in fp64\n"
-    "      --precision P      fp32 or bf16: the GEMMs' operands (default: the train section's, else bf16)\n"
+    "      --precision P      auto, fp32 or bf16: the GEMMs' operands (default: the train section's, else\n"
+    "                         auto: bf16, or fp32 on a CPU without a bf16 GEMM faster than its fp32 one)\n"
     "      --no-fuse          one kernel per IR node (to measure what fusion is worth)\n"
     "      --no-chunk-lmhead  materialise the whole logits instead of running the LM head by chunks\n"
     "      --no-gemm-tuning   CUDA: each GEMM on cuBLASLt's first choice, untimed (what tuning is worth)\n"
@@ -176,8 +177,8 @@ static int parse_options(int argc, char **argv, Options *o) {
     case 'F': o->fp64 = true; break;
     case 'Q': {
       DType dt;
-      if (!precision_parse(optarg, &dt))
-        return usage_error("--precision wants fp32 or bf16, got '%s'", optarg);
+      if (!precision_parse(optarg, &dt) && strcmp(optarg, "auto"))
+        return usage_error("--precision wants auto, fp32 or bf16, got '%s'", optarg);
       o->precision = optarg;
       break;
     }
@@ -245,10 +246,41 @@ static int parse_options(int argc, char **argv, Options *o) {
 
 static bool dumping(const Options *o, char letter) { return o->dump && strchr(o->dump, letter); }
 
-// The GEMM precision: --precision, else the train section's; an error where this build cannot run it.
+static const char *backend_of(const Options *o);
+
+// What `auto` precision is: bf16 (a GPU's tensor cores, and the numerics every back end reproduces),
+// except for training or gradients on the CPU back end where the GEMM library has no bf16 GEMM faster
+// than its f32 one (oneDNN without AMX: about half the rate), which run fp32. `why` says which.
+static const char *auto_precision(const Options *o, const char **why) {
+  static const char *chosen, *reason;
+  if (!chosen) {
+    bool executes = !strcmp(o->verb, "run") || !strcmp(o->verb, "grad");
+    const char *backend = executes ? backend_of(o) : "none";
+    char err[256];
+    const GemmLib *lib = strcmp(backend, "cuda") && strcmp(backend, "none") ? rt_gemm(err, sizeof err) : NULL;
+    static char buf[200];
+    chosen = lib && !lib->bgemm ? "fp32" : "bf16";
+    if (lib)
+      snprintf(buf, sizeof buf, lib->bgemm ? "bf16: %s's bf16 GEMM (AMX) is faster than its fp32 one here"
+                                           : "fp32: %s has no bf16 GEMM faster than its fp32 one on this CPU",
+               lib->name);
+    reason = !executes ? "bf16 where nothing runs" : !strcmp(backend, "cuda") ? "bf16 on a GPU"
+             : !lib ? "bf16 (no GEMM library to ask)" : buf;
+  }
+  if (why)
+    *why = reason;
+  return chosen;
+}
+
+// The GEMM precision: --precision, else the train section's (`auto` resolved); an error where this
+// build cannot run it.
 static bool gemm_precision(const Options *o, Graph *g, DType *dt) {
   if (o->precision)
     g->train.precision = o->precision;
+  if (!strcmp(g->train.precision, "auto")) {
+    g->train.precision = auto_precision(o, NULL);
+    g->train.precision_auto = true;
+  }
   if (precision_parse(g->train.precision, dt))
     return true;
   const char *msg = "precision = %s: FP8 GEMMs are not implemented yet; use bf16 or fp32";
@@ -380,6 +412,19 @@ static void gpu_peak(const CudaDevice *d, Engine *e) {
   e->peak_how = arena_strdup(e->g->arena, how);
 }
 
+// The GEMM library the CPU back end runs, its kernels and what a short probe measured; a warning
+// when its kernels are a fallback older than the CPU.
+static void gemm_report(const GemmLib *lib) {
+  rt_gemm_probe();
+  printf("GEMM: %s, %s kernels%s: %.0f GFLOP/s fp32", lib->name, lib->kernels, lib->how, lib->sgemm_gflops);
+  if (lib->bgemm)
+    printf(", %.0f GFLOP/s bf16", lib->bgemm_gflops);
+  printf(" (a 256x768x768 product split over the cores)\n");
+  if (lib->generic)
+    fprintf(stderr, "mdlc: warning: %s runs its generic %s kernels on a CPU with AVX2 or later: GEMMs at a fraction "
+            "of their speed (install oneDNN, libdnnl2, or set OPENBLAS_CORETYPE)\n", lib->name, lib->kernels);
+}
+
 // With `report`, one line on what was compiled.
 static Engine *open_engine(const Options *o, Graph *g, bool report) {
   const char *backend = backend_of(o);
@@ -402,7 +447,14 @@ static Engine *open_engine(const Options *o, Graph *g, bool report) {
   Engine *e = engine_cpu(p.f, p.m, source, o->seed, err, sizeof err);
   if (!e)
     diag_file_error(o->file, "%s", err);
-  else if (report)
+  if (e && report) { // and MFU against the peak of what the GEMMs run on: AMX's where they are bf16 there
+    const GemmLib *lib = rt_gemm(err, sizeof err);
+    gemm_report(lib);
+    const char *how;
+    e->peak_flops = rt_cpu_peak_flops(lib->bgemm && !strcmp(g->train.precision, "bf16"), &how);
+    e->peak_how = arena_strdup(g->arena, how);
+  }
+  if (e && report)
     printf("compiled %s for the CPU: %d kernels (fusion %s), arena %.1f MB (activations %.1f MB), %s\n", g->model,
            p.f->nsteps, o->fuse.fuse ? "on" : "off", (double)p.m->arena_bytes / 1e6,
            (double)p.m->activation_bytes / 1e6,
@@ -616,9 +668,12 @@ static int cmd_run(const Options *o, Graph *g) {
   Engine *micro = g->train.accumulate > 1 ? open_side_engine(o, ea, true) : NULL;
   int rc = EXIT_USER;
   if (eval && (micro || g->train.accumulate <= 1) && (!o->weights || load_weights(e, g, o->weights))) {
-    printf("training %s (%lld parameters), back end %s%s, precision %s%s\n", g->model, (long long)ir_param_count(g),
-           e->name, strcmp(backend_of(o), "interp") && !o->fuse.fuse ? " (fusion off)" : "", g->train.precision,
-           o->resume ? ", resuming" : "");
+    const char *why = NULL;
+    if (g->train.precision_auto)
+      auto_precision(o, &why);
+    printf("training %s (%lld parameters), back end %s%s, precision %s%s%s\n", g->model,
+           (long long)ir_param_count(g), e->name, strcmp(backend_of(o), "interp") && !o->fuse.fuse ? " (fusion off)" : "",
+           why ? "auto, " : "", why ? why : g->train.precision, o->resume ? ", resuming" : "");
     TrainOptions to = {.model_path = model_abs, .data_dir = data_abs, .tokenizer_path = tok_path, .out_dir = out_dir,
                        .steps = o->steps, .resume = o->resume, .pack = o->pack, .shuffle = o->shuffle,
                        .seed = o->seed, .val_every = o->val_every, .val_batches = o->val_batches,

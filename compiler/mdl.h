@@ -197,7 +197,8 @@ typedef struct {
   int64_t steps;       // schedule length (0 = unspecified)
   double clip;         // max global grad norm, 0 = off
   int64_t accumulate;  // micro-batches per step
-  const char *precision;  // "fp32" | "bf16" | "fp8"
+  const char *precision;  // "auto" | "fp32" | "bf16" | "fp8" ("auto" until the driver resolves it)
+  bool precision_auto;    // it was "auto" (the driver says why it chose)
   SrcLoc precision_at;    // where the train section set it (line 0: the default)
   const char *checkpoint; // "none" | "all" | "auto" | "auto=BUDGET"
 } TrainConfig;

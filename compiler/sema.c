@@ -1350,8 +1350,8 @@ static void train_config(Sema *s) {
       if (number(s, e, "accumulate", R_POSITIVE, true, &x))
         t->accumulate = (int64_t)x;
     } else if (!strcmp(set->key, "precision")) {
-      static const char *const precisions[] = {"fp32", "bf16", "fp8"};
-      const char *w = word(s, e, "precision", precisions, 3);
+      static const char *const precisions[] = {"auto", "fp32", "bf16", "fp8"};
+      const char *w = word(s, e, "precision", precisions, 4);
       if (w) {
         t->precision = w;
         t->precision_at = e->at;

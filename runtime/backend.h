@@ -17,6 +17,10 @@ typedef struct {
   // (single-threaded: the module splits a GEMM's rows over its own threads)
   void (*sgemm)(int ta, int tb, int64_t m, int64_t n, int64_t k, const float *a, int64_t lda,
                 const float *b, int64_t ldb, float beta, float *c, int64_t ldc);
+  // the same with bf16 operands (f32 products and sums, f32 C); NULL where the library has no bf16
+  // GEMM faster than sgemm, and the module widens bf16 operands for sgemm instead
+  void (*bgemm)(int ta, int tb, int64_t m, int64_t n, int64_t k, const uint16_t *a, int64_t lda,
+                const uint16_t *b, int64_t ldb, float beta, float *c, int64_t ldc);
   int nthreads;  // OpenMP threads per parallel loop and per GEMM
   // Row blocks of a large GEMM: the default thread count when the module was loaded, kept when
   // nthreads changes, so that no result depends on the thread count (see mdl_gemm in emit_c.c).
@@ -30,6 +34,28 @@ typedef struct {
   const char *name;
   void (*fn)(char *arena, const MdlHooks *h);
 } MdlKernel;
+
+//
+// gemm.c: the GEMM library behind the hooks (oneDNN, else OpenBLAS on the kernels the CPU runs).
+//
+typedef struct {
+  char name[64];        // "oneDNN 2.6.3", "OpenBLAS 0.3.21"
+  char kernels[64];     // the kernel family it runs here: "avx512_core_amx", "SkylakeX", ...
+  char how[64];         // how that family was chosen, when not by the library: ", named by the CPU's flags"
+  bool generic;         // a family older than this CPU's instruction set: a slow fallback
+  void (*sgemm)(int ta, int tb, int64_t m, int64_t n, int64_t k, const float *a, int64_t lda, const float *b,
+                int64_t ldb, float beta, float *c, int64_t ldc);
+  void (*bgemm)(int ta, int tb, int64_t m, int64_t n, int64_t k, const uint16_t *a, int64_t lda,
+                const uint16_t *b, int64_t ldb, float beta, float *c, int64_t ldc); // NULL: none faster
+  double sgemm_gflops, bgemm_gflops; // measured by rt_gemm_probe, 0 before
+} GemmLib;
+
+// The library, loaded on first use: oneDNN, else OpenBLAS; MDL_GEMM=onednn or openblas insists on
+// one. NULL with the reason in err when none loads.
+const GemmLib *rt_gemm(char *err, size_t n);
+// Times a 256 x 768 x 768 product on every core, split as the module splits it (~20 ms, once), into
+// the library's sgemm_gflops and bgemm_gflops.
+void rt_gemm_probe(void);
 
 //
 // emit_c.c: the C emitter.
@@ -48,7 +74,7 @@ typedef struct {
   const MdlKernel *kernels;
   int nkernels;
   int64_t arena_bytes;       // what the module was planned for
-  MdlHooks hooks;            // sgemm = OpenBLAS; nthreads (cpu_set_threads); seed 0: set it to the run's
+  MdlHooks hooks;            // sgemm, bgemm = rt_gemm's; nthreads (cpu_set_threads); seed 0: set it to the run's
   bool cache_hit;            // the shared object was already in the cache
   double compile_seconds;    // time spent in the C compiler (0 on a cache hit)
   char path[1024];           // the cached shared object
@@ -62,8 +88,9 @@ extern const char *const cpu_cc_flags;
 CpuModule *cpu_load(const char *source, char *err, size_t n);
 void cpu_unload(CpuModule *cm);
 // Threads for the kernels' parallel loops and GEMMs (n >= 1; the default is OMP_NUM_THREADS, else
-// the machine's cores). OpenBLAS itself is set to one thread, process-wide.
+// the machine's cores). The GEMM library runs single-threaded in each of them.
 void cpu_set_threads(CpuModule *cm, int n);
+int cpu_default_threads(void); // OMP_NUM_THREADS, else the machine's cores
 // Runs one training step on `arena` (cpu_arena_new). False with cm->error set when a kernel met a
 // bad id or target.
 bool cpu_step(CpuModule *cm, char *arena);

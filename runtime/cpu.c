@@ -5,15 +5,14 @@
 // Cache: the key is a 128-bit FNV-1a hash of (source, compiler flags, MDL_VERSION); the module lives
 // in $MDL_CACHE (else ~/.cache/mdl) as <key>.so next to its source <key>.c and the compiler's output
 // <key>.log. A compile writes a temporary file and renames it into place, so a concurrent run never
-// loads half a module. GEMMs go to OpenBLAS through the sgemm hook; errors that kernels meet (an
+// loads half a module. GEMMs go to the library gemm.c chose through the sgemm and bgemm hooks; errors that kernels meet (an
 // id or a target out of range) come back through the error hook and end the step with a message.
 // One pool of threads runs everything: the module's OpenMP loops, and its GEMMs split by rows over
-// the same threads with OpenBLAS single-threaded inside (two pools, each spinning while the other
+// the same threads with the library single-threaded inside (two pools, each spinning while the other
 // works, made steps several times slower on two cores).
 #include "backend.h"
 #include "runtime.h"
 
-#include <cblas.h>
 #include <dlfcn.h>
 #include <stdarg.h>
 #include <errno.h>
@@ -86,12 +85,6 @@ static bool compile(const char *src, const char *so, const char *log, char *err,
   return rt_fail(err, n, "the C compiler failed on %s (see %s): %s", src, log, msg);
 }
 
-static void sgemm_hook(int ta, int tb, int64_t m, int64_t n, int64_t k, const float *a, int64_t lda,
-                       const float *b, int64_t ldb, float beta, float *c, int64_t ldc) {
-  cblas_sgemm(CblasRowMajor, ta ? CblasTrans : CblasNoTrans, tb ? CblasTrans : CblasNoTrans, (blasint)m,
-              (blasint)n, (blasint)k, 1.0f, a, (blasint)lda, b, (blasint)ldb, beta, c, (blasint)ldc);
-}
-
 static pthread_mutex_t error_lock = PTHREAD_MUTEX_INITIALIZER;
 
 // Kernels call this from any thread; the first error of a step is kept.
@@ -104,7 +97,7 @@ static void error_hook(void *ctx, const char *what, int64_t value, int64_t limit
   pthread_mutex_unlock(&error_lock);
 }
 
-static int default_threads(void) {
+int cpu_default_threads(void) {
   const char *env = getenv("OMP_NUM_THREADS");
   long n = env && atoi(env) > 0 ? atoi(env) : sysconf(_SC_NPROCESSORS_ONLN);
   return n > 0 ? (int)n : 1;
@@ -122,7 +115,8 @@ static bool build(CpuModule *cm, const char *source, const char *src, const char
 
 CpuModule *cpu_load(const char *source, char *err, size_t n) {
   char dir[900], key[33], src[1024], so[1024], log[1024];
-  if (!rt_cache_dir("", dir, sizeof dir, err, n))
+  const GemmLib *gemm = rt_gemm(err, n);
+  if (!gemm || !rt_cache_dir("", dir, sizeof dir, err, n))
     return NULL;
   const char *parts[] = {source, cpu_cc_flags, MDL_VERSION};
   fnv128(parts, 3, key);
@@ -169,8 +163,8 @@ CpuModule *cpu_load(const char *source, char *err, size_t n) {
   }
   cm->nkernels = *nk;
   cm->arena_bytes = *bytes;
-  cm->hooks = (MdlHooks){.sgemm = sgemm_hook, .gemm_blocks = default_threads(), .ctx = cm, .error = error_hook};
-  cpu_set_threads(cm, default_threads());
+  cm->hooks = (MdlHooks){.sgemm = gemm->sgemm, .bgemm = gemm->bgemm, .gemm_blocks = cpu_default_threads(), .ctx = cm, .error = error_hook};
+  cpu_set_threads(cm, cpu_default_threads());
   return cm;
 }
 
@@ -181,13 +175,10 @@ void cpu_unload(CpuModule *cm) {
   free(cm);
 }
 
-// The kernels' OpenMP loops use n threads; so do their GEMMs, which split the rows of C into
-// hooks.gemm_blocks blocks (fixed at load, so results do not depend on n) and call OpenBLAS in each:
-// OpenBLAS itself stays single-threaded, so that one pool of threads owns the cores.
-void cpu_set_threads(CpuModule *cm, int n) {
-  cm->hooks.nthreads = n > 0 ? n : 1;
-  openblas_set_num_threads(1);
-}
+// The kernels' OpenMP loops use n threads; so do their GEMMs, which split C into hooks.gemm_blocks
+// blocks (fixed at load, so results do not depend on n) and call the library in each, single-threaded,
+// so that one pool of threads owns the cores.
+void cpu_set_threads(CpuModule *cm, int n) { cm->hooks.nthreads = n > 0 ? n : 1; }
 
 bool cpu_step(CpuModule *cm, char *arena) {
   cm->error[0] = 0;

@@ -24,25 +24,27 @@ double rt_step_flops(const Graph *g) {
   return 3.0 * fwd;
 }
 
-double rt_cpu_peak_flops(const char **how) {
+double rt_cpu_peak_flops(bool amx_bf16, const char **how) {
   long cores = sysconf(_SC_NPROCESSORS_ONLN);
   double ghz = 0;
-  int lanes = 8; // AVX2 fp32
+  int flops = 32; // AVX2 fp32: two 8-lane FMAs a cycle
   FILE *f = fopen("/proc/cpuinfo", "r");
   char line[4096];
   while (f && fgets(line, sizeof line, f)) {
     if (!ghz && !strncmp(line, "cpu MHz", 7) && strchr(line, ':'))
       ghz = atof(strchr(line, ':') + 1) / 1000.0;
     if (!strncmp(line, "flags", 5) && strstr(line, " avx512f"))
-      lanes = 16;
+      flops = 64;
   }
   if (f)
     fclose(f);
   if (ghz <= 0)
     ghz = 2.5;
-  static char buf[160];
-  snprintf(buf, sizeof buf, "CPU peak %.0f GFLOP/s fp32 assumed (%ld cores x %.2f GHz x %d flops/cycle)",
-           cores * ghz * lanes * 4, cores, ghz, lanes * 4);
+  static char buf[200];
+  if (amx_bf16) // AMX: a 16x32 by 32x16 bf16 tile product (512 multiply-adds) a cycle
+    flops = 1024;
+  snprintf(buf, sizeof buf, "CPU peak %.0f GFLOP/s %s assumed (%ld cores x %.2f GHz x %d flops/cycle)",
+           cores * ghz * flops, amx_bf16 ? "bf16 on AMX" : "fp32", cores, ghz, flops);
   *how = buf;
-  return (double)cores * ghz * 1e9 * lanes * 4;
+  return (double)cores * ghz * 1e9 * flops;
 }

@@ -501,7 +501,7 @@ int train_run(Engine *e, Engine *eval, Engine *micro, const TrainOptions *o) {
     if (g->nodes[i]->op == OP_GRAD_NORM)
       gnorm = i;
   const char *peak_how = e->peak_how;
-  double peak = e->peak_flops > 0 ? e->peak_flops : rt_cpu_peak_flops(&peak_how), flops = rt_step_flops(g);
+  double peak = e->peak_flops > 0 ? e->peak_flops : rt_cpu_peak_flops(false, &peak_how), flops = rt_step_flops(g);
   double unigram = unigram_entropy(o->data_dir, V);
   printf("MFU = model flops (3x forward GEMM + attention flops counted in the graph: %.3g per step) / %s\n", flops,
          peak_how);

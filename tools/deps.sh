@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# Installs what building and testing mdl needs, from Debian's packages, when it is missing.
+# Installs what building and testing mdl needs, from Debian's packages, when it is missing: oneDNN is the
+# CPU back end's GEMM library (its header at build time), OpenBLAS its fallback (and the static library
+# gpu-check's bundle links).
 set -eu
-pkgs="make gcc flex bison libopenblas-dev python3-torch python3-numpy fortunes"
+pkgs="make gcc flex bison libdnnl-dev libopenblas-dev python3-torch python3-numpy fortunes"
 missing=""
 for p in $pkgs; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing="$missing $p"

@@ -58,7 +58,8 @@
 #
 # Where nothing can be installed (no flex, bison or OpenBLAS, as on a bare GPU machine), the build
 # fails there and the script uses gpu-bundle/ instead: `make gpu-bundle` (`tools/gpu-check.sh --bundle
-# [DIR]`) on a machine that has them writes mdlc with OpenBLAS linked in (it needs only glibc 2.34 or
+# [DIR]`) on a machine that has them writes mdlc with OpenBLAS linked in (found by gemm.c in the
+# program itself, where oneDNN is not installed; it needs only glibc 2.34 or
 # later; CUDA's libraries are opened at run time, as always) and the comparison helper, with the
 # SHA-256 of the sources they were built from; bring the folder along. A bundle of other sources is
 # refused.
@@ -84,8 +85,9 @@ if [ "${1:-}" = "--bundle" ]; then
   done
   [ -n "$blas" ] || { echo "gpu-check --bundle: no static OpenBLAS (libopenblas.a: Debian's libopenblas-dev)"; exit 1; }
   mkdir -p "$dir" || exit 1
-  if ! { cc -O2 ${CFLAGS:-} -o "$dir/mdlc" build/compiler/main.o build/libmdl.a "$blas" -lm -ldl -lpthread &&
-    cc -std=c11 -D_GNU_SOURCE -O2 ${CFLAGS:-} -Wall -Wextra -Werror -Icompiler -Iruntime -o "$dir/gpucmp" \
+  keep="-rdynamic -Wl,-u,cblas_sgemm -Wl,-u,openblas_get_corename -Wl,-u,openblas_set_num_threads"
+  if ! { cc -O2 ${CFLAGS:-} $keep -o "$dir/mdlc" build/compiler/main.o build/libmdl.a "$blas" -lm -ldl -lpthread &&
+    cc -std=c11 -D_GNU_SOURCE -O2 ${CFLAGS:-} -Wall -Wextra -Werror -Icompiler -Iruntime $keep -o "$dir/gpucmp" \
       tools/gpucmp.c build/libmdl.a "$blas" -lm -ldl -lpthread && strip "$dir/mdlc" "$dir/gpucmp"; }; then
     echo "gpu-check --bundle: linking failed"
     exit 1
@@ -129,7 +131,7 @@ mdlc=bin/mdlc
 gpucmp="$tmp/gpucmp"
 if make -j"$(nproc)" bin/mdlc build/libmdl.a >"$tmp/build.log" 2>&1 &&
   cc -std=c11 -D_GNU_SOURCE -O2 ${CFLAGS:-} -Icompiler -Iruntime -o "$gpucmp" tools/gpucmp.c build/libmdl.a \
-    -lopenblas -lm -ldl -lpthread >>"$tmp/build.log" 2>&1; then
+    -lm -ldl -lpthread >>"$tmp/build.log" 2>&1; then
   say "built in $(($(date +%s) - t0)) s"
 elif [ -x gpu-bundle/mdlc ] && [ -x gpu-bundle/gpucmp ]; then
   [ "$(cat gpu-bundle/SOURCES 2>/dev/null)" = "$(sources_hash)" ] ||

@@ -14,6 +14,9 @@ typedef struct {
   // row-major C = op(A) op(B) + beta C, op = transpose when ta / tb
   void (*sgemm)(int ta, int tb, int64_t m, int64_t n, int64_t k, const float *a, int64_t lda,
                 const float *b, int64_t ldb, float beta, float *c, int64_t ldc);
+  // the same with bf16 operands; NULL where the library has none faster than sgemm
+  void (*bgemm)(int ta, int tb, int64_t m, int64_t n, int64_t k, const uint16_t *a, int64_t lda,
+                const uint16_t *b, int64_t ldb, float beta, float *c, int64_t ldc);
   int nthreads;  // OpenMP threads per parallel loop
   int gemm_blocks; // row blocks of a large GEMM, whatever nthreads is
   uint64_t seed; // the run's seed: dropout masks
@@ -156,6 +159,29 @@ static inline float mdl_bf16_to_f32(uint16_t h) {
   return x;
 }
 
+// C = op(A) op(B) + beta C of bf16 operands through the runtime's bgemm (h->bgemm set), split into
+// h->gemm_blocks blocks over the threads: blocks of columns of C (of 64 at least), since a block
+// of rows has each thread repack all of B into the library's layout (oneDNN's bf16 GEMM ran at
+// half its rate so), else blocks of rows.
+static inline void mdl_bgemm(const MdlHooks *h, int ta, int tb, int64_t m, int64_t n, int64_t k, const uint16_t *a,
+                             int64_t lda, const uint16_t *b, int64_t ldb, float beta, float *c, int64_t ldc) {
+  const int64_t nb = m * n * k >= (1 << 18) ? h->gemm_blocks : 1;
+  if (nb > 1 && n / 64 >= nb) {
+#pragma omp parallel for num_threads(h->nthreads) schedule(static)
+    for (int64_t t = 0; t < nb; t++) {
+      const int64_t c0 = n * t / nb / 16 * 16, c1 = t == nb - 1 ? n : n * (t + 1) / nb / 16 * 16;
+      h->bgemm(ta, tb, m, c1 - c0, k, a, lda, tb ? b + c0 * ldb : b + c0, ldb, beta, c + c0, ldc);
+    }
+  } else if (nb > 1 && m / 16 >= nb) {
+#pragma omp parallel for num_threads(h->nthreads) schedule(static)
+    for (int64_t t = 0; t < nb; t++) {
+      const int64_t r0 = m * t / nb, r1 = m * (t + 1) / nb;
+      h->bgemm(ta, tb, r1 - r0, n, k, ta ? a + r0 : a + r0 * lda, lda, b, ldb, beta, c + r0 * ldc, ldc);
+    }
+  } else
+    h->bgemm(ta, tb, m, n, k, a, lda, b, ldb, beta, c, ldc);
+}
+
 // n bf16 values widened into a new f32 buffer (exact), for the f32 GEMM that computes a GEMM of
 // bf16 operands: every product of two bf16 values is exact in f32, and the sums accumulate in f32
 // as on a GPU's bf16 tensor cores. free() it.
@@ -266,7 +292,7 @@ static void k2_layernorm_fwd__add__cast(char *arena, const MdlHooks *h) {
 //   %27    add                                     line 38    f32[8,64,192]
 //   %28    cast                                    line 38    bf16[8,64,192]
 // loops:
-//   gemm %25: [512 x 192] = [512 x 64] [64 x 192], bf16 operands widened to f32, epilogue after
+//   gemm %25: [512 x 192] = [512 x 64] [64 x 192], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
 //   elementwise over 98304: %28
 static void k3_gemm__add__cast(char *arena, const MdlHooks *h) {
   float *const b12 = (float *)(arena + 147968); // %12 param h.0.attn_b f32[192]
@@ -274,7 +300,10 @@ static void k3_gemm__add__cast(char *arena, const MdlHooks *h) {
   uint16_t *const b24 = (uint16_t *)(arena + 2027520); // %24 cast bf16[64,192]
   float *const b25 = mdl_scratch(393216); // %25 matmul f32[512,192], kept in this kernel
   uint16_t *const b28 = (uint16_t *)(arena + 3805312); // %28 cast bf16[8,64,192]
-  {
+  if (h->bgemm) {
+    mdl_bgemm(h, 0, 0, 512, 192, 64, b23, 64, b24, 192, 0.0f, b25, 192);
+  }
+  else {
     float *const w23 = mdl_widen_bf16(b23, 32768, h->nthreads);
     float *const w24 = mdl_widen_bf16(b24, 12288, h->nthreads);
     mdl_gemm(h, 0, 0, 512, 192, 64, w23, 64, w24, 192, 0.0f, b25, 192);
@@ -405,7 +434,7 @@ static void k4_attention_fwd__cast__lse(char *arena, const MdlHooks *h) {
 //   %38    add                                     line 39    f32[8,64,64]
 //   %39    add                h.0.x                line 39    f32[8,64,64]
 // loops:
-//   gemm %36: [512 x 64] = [512 x 64] [64 x 64], bf16 operands widened to f32, epilogue after
+//   gemm %36: [512 x 64] = [512 x 64] [64 x 64], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
 //   elementwise over 32768: %39
 static void k5_gemm__add(char *arena, const MdlHooks *h) {
   float *const b8 = (float *)(arena + 4198528); // %8 add x f32[8,64,64]
@@ -414,7 +443,10 @@ static void k5_gemm__add(char *arena, const MdlHooks *h) {
   uint16_t *const b35 = (uint16_t *)(arena + 2052096); // %35 cast bf16[64,64]
   float *const b39 = (float *)(arena + 4329600); // %39 add h.0.x f32[8,64,64]
   float *const b36 = b39; // %36 matmul f32[512,64]: the GEMM writes into its epilogue's output
-  {
+  if (h->bgemm) {
+    mdl_bgemm(h, 0, 0, 512, 64, 64, b34, 64, b35, 64, 0.0f, b36, 64);
+  }
+  else {
     float *const w34 = mdl_widen_bf16(b34, 32768, h->nthreads);
     float *const w35 = mdl_widen_bf16(b35, 4096, h->nthreads);
     mdl_gemm(h, 0, 0, 512, 64, 64, w34, 64, w35, 64, 0.0f, b36, 64);
@@ -484,7 +516,7 @@ static void k6_layernorm_fwd__cast(char *arena, const MdlHooks *h) {
 //   %48    reshape                                 line 40    f32[512,256]
 //   %49    cast                                    line 40    bf16[512,256]
 // loops:
-//   gemm %44: [512 x 256] = [512 x 64] [64 x 256], bf16 operands widened to f32, epilogue after
+//   gemm %44: [512 x 256] = [512 x 64] [64 x 256], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
 //   elementwise over 131072: %46 %49
 static void k7_gemm__add__gelu__cast(char *arena, const MdlHooks *h) {
   float *const b18 = (float *)(arena + 231424); // %18 param h.0.fc_b f32[256]
@@ -493,7 +525,10 @@ static void k7_gemm__add__gelu__cast(char *arena, const MdlHooks *h) {
   float *const b46 = (float *)(arena + 2232448); // %46 add f32[8,64,256]
   uint16_t *const b49 = (uint16_t *)(arena + 3281024); // %49 cast bf16[512,256]
   float *const b44 = b46; // %44 matmul f32[512,256]: the GEMM writes into its epilogue's output
-  {
+  if (h->bgemm) {
+    mdl_bgemm(h, 0, 0, 512, 256, 64, b42, 64, b43, 256, 0.0f, b44, 256);
+  }
+  else {
     float *const w42 = mdl_widen_bf16(b42, 32768, h->nthreads);
     float *const w43 = mdl_widen_bf16(b43, 16384, h->nthreads);
     mdl_gemm(h, 0, 0, 512, 256, 64, w42, 64, w43, 256, 0.0f, b44, 256);
@@ -523,7 +558,7 @@ static void k7_gemm__add__gelu__cast(char *arena, const MdlHooks *h) {
 //   %53    add                                     line 40    f32[8,64,64]
 //   %54    add                h.0.x                line 40    f32[8,64,64]
 // loops:
-//   gemm %51: [512 x 64] = [512 x 256] [256 x 64], bf16 operands widened to f32, epilogue after
+//   gemm %51: [512 x 64] = [512 x 256] [256 x 64], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
 //   elementwise over 32768: %54
 static void k8_gemm__add(char *arena, const MdlHooks *h) {
   float *const b20 = (float *)(arena + 297984); // %20 param h.0.fcproj_b f32[64]
@@ -532,7 +567,10 @@ static void k8_gemm__add(char *arena, const MdlHooks *h) {
   uint16_t *const b50 = (uint16_t *)(arena + 2093056); // %50 cast bf16[256,64]
   float *const b54 = (float *)(arena + 4460672); // %54 add h.0.x f32[8,64,64]
   float *const b51 = b54; // %51 matmul f32[512,64]: the GEMM writes into its epilogue's output
-  {
+  if (h->bgemm) {
+    mdl_bgemm(h, 0, 0, 512, 64, 256, b49, 256, b50, 64, 0.0f, b51, 64);
+  }
+  else {
     float *const w49 = mdl_widen_bf16(b49, 131072, h->nthreads);
     float *const w50 = mdl_widen_bf16(b50, 16384, h->nthreads);
     mdl_gemm(h, 0, 0, 512, 64, 256, w49, 256, w50, 64, 0.0f, b51, 64);
@@ -600,7 +638,7 @@ static void k9_layernorm_fwd__cast(char *arena, const MdlHooks *h) {
 //   %73    add                                     line 38    f32[8,64,192]
 //   %74    cast                                    line 38    bf16[8,64,192]
 // loops:
-//   gemm %71: [512 x 192] = [512 x 64] [64 x 192], bf16 operands widened to f32, epilogue after
+//   gemm %71: [512 x 192] = [512 x 64] [64 x 192], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
 //   elementwise over 98304: %74
 static void k10_gemm__add__cast(char *arena, const MdlHooks *h) {
   float *const b58 = (float *)(arena + 347904); // %58 param h.1.attn_b f32[192]
@@ -608,7 +646,10 @@ static void k10_gemm__add__cast(char *arena, const MdlHooks *h) {
   uint16_t *const b70 = (uint16_t *)(arena + 2125824); // %70 cast bf16[64,192]
   float *const b71 = mdl_scratch(393216); // %71 matmul f32[512,192], kept in this kernel
   uint16_t *const b74 = (uint16_t *)(arena + 4001920); // %74 cast bf16[8,64,192]
-  {
+  if (h->bgemm) {
+    mdl_bgemm(h, 0, 0, 512, 192, 64, b69, 64, b70, 192, 0.0f, b71, 192);
+  }
+  else {
     float *const w69 = mdl_widen_bf16(b69, 32768, h->nthreads);
     float *const w70 = mdl_widen_bf16(b70, 12288, h->nthreads);
     mdl_gemm(h, 0, 0, 512, 192, 64, w69, 64, w70, 192, 0.0f, b71, 192);
@@ -739,7 +780,7 @@ static void k11_attention_fwd__cast__lse(char *arena, const MdlHooks *h) {
 //   %84    add                                     line 39    f32[8,64,64]
 //   %85    add                h.1.x                line 39    f32[8,64,64]
 // loops:
-//   gemm %82: [512 x 64] = [512 x 64] [64 x 64], bf16 operands widened to f32, epilogue after
+//   gemm %82: [512 x 64] = [512 x 64] [64 x 64], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
 //   elementwise over 32768: %85
 static void k12_gemm__add(char *arena, const MdlHooks *h) {
   float *const b54 = (float *)(arena + 4460672); // %54 add h.0.x f32[8,64,64]
@@ -748,7 +789,10 @@ static void k12_gemm__add(char *arena, const MdlHooks *h) {
   uint16_t *const b81 = (uint16_t *)(arena + 2150400); // %81 cast bf16[64,64]
   float *const b85 = (float *)(arena + 4591744); // %85 add h.1.x f32[8,64,64]
   float *const b82 = b85; // %82 matmul f32[512,64]: the GEMM writes into its epilogue's output
-  {
+  if (h->bgemm) {
+    mdl_bgemm(h, 0, 0, 512, 64, 64, b80, 64, b81, 64, 0.0f, b82, 64);
+  }
+  else {
     float *const w80 = mdl_widen_bf16(b80, 32768, h->nthreads);
     float *const w81 = mdl_widen_bf16(b81, 4096, h->nthreads);
     mdl_gemm(h, 0, 0, 512, 64, 64, w80, 64, w81, 64, 0.0f, b82, 64);
@@ -818,7 +862,7 @@ static void k13_layernorm_fwd__cast(char *arena, const MdlHooks *h) {
 //   %94    reshape                                 line 40    f32[512,256]
 //   %95    cast                                    line 40    bf16[512,256]
 // loops:
-//   gemm %90: [512 x 256] = [512 x 64] [64 x 256], bf16 operands widened to f32, epilogue after
+//   gemm %90: [512 x 256] = [512 x 64] [64 x 256], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
 //   elementwise over 131072: %92 %95
 static void k14_gemm__add__gelu__cast(char *arena, const MdlHooks *h) {
   float *const b64 = (float *)(arena + 431360); // %64 param h.1.fc_b f32[256]
@@ -827,7 +871,10 @@ static void k14_gemm__add__gelu__cast(char *arena, const MdlHooks *h) {
   float *const b92 = (float *)(arena + 2756736); // %92 add f32[8,64,256]
   uint16_t *const b95 = (uint16_t *)(arena + 3543168); // %95 cast bf16[512,256]
   float *const b90 = b92; // %90 matmul f32[512,256]: the GEMM writes into its epilogue's output
-  {
+  if (h->bgemm) {
+    mdl_bgemm(h, 0, 0, 512, 256, 64, b88, 64, b89, 256, 0.0f, b90, 256);
+  }
+  else {
     float *const w88 = mdl_widen_bf16(b88, 32768, h->nthreads);
     float *const w89 = mdl_widen_bf16(b89, 16384, h->nthreads);
     mdl_gemm(h, 0, 0, 512, 256, 64, w88, 64, w89, 256, 0.0f, b90, 256);
@@ -857,7 +904,7 @@ static void k14_gemm__add__gelu__cast(char *arena, const MdlHooks *h) {
 //   %99    add                                     line 40    f32[8,64,64]
 //   %100   add                h.1.x                line 40    f32[8,64,64]
 // loops:
-//   gemm %97: [512 x 64] = [512 x 256] [256 x 64], bf16 operands widened to f32, epilogue after
+//   gemm %97: [512 x 64] = [512 x 256] [256 x 64], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
 //   elementwise over 32768: %100
 static void k15_gemm__add(char *arena, const MdlHooks *h) {
   float *const b66 = (float *)(arena + 497920); // %66 param h.1.fcproj_b f32[64]
@@ -866,7 +913,10 @@ static void k15_gemm__add(char *arena, const MdlHooks *h) {
   uint16_t *const b96 = (uint16_t *)(arena + 2191360); // %96 cast bf16[256,64]
   float *const b100 = (float *)(arena + 4722816); // %100 add h.1.x f32[8,64,64]
   float *const b97 = b100; // %97 matmul f32[512,64]: the GEMM writes into its epilogue's output
-  {
+  if (h->bgemm) {
+    mdl_bgemm(h, 0, 0, 512, 64, 256, b95, 256, b96, 64, 0.0f, b97, 64);
+  }
+  else {
     float *const w95 = mdl_widen_bf16(b95, 131072, h->nthreads);
     float *const w96 = mdl_widen_bf16(b96, 16384, h->nthreads);
     mdl_gemm(h, 0, 0, 512, 64, 256, w95, 256, w96, 64, 0.0f, b97, 64);
@@ -965,48 +1015,95 @@ static void k18_lmhead__cast__cross_entropy__cross_entropy_bwd__gemm(char *arena
   float *const b117 = (float *)(arena + 5050496); // %117 broadcast f32[512]
   float *const b122 = (float *)(arena + 4853888); // %122 matmul f32[512,64]
   float *const b123 = (float *)(arena + 5509248); // %123 matmul f32[256,64]
-  float *const w105 = mdl_widen_bf16(b105, 32768, h->nthreads);
-  float *const w106 = mdl_widen_bf16(b106, 16384, h->nthreads);
-  float *logits = mdl_scratch(32768 * sizeof(float));
-  for (int64_t r0 = 0; r0 < 512; r0 += 128) {
-    const int64_t rn = 512 - r0 < 128 ? 512 - r0 : 128;
-    mdl_gemm(h, 0, 1, rn, 256, 64, w105 + r0 * 64, 64, w106, 64, 0.0f, logits, 256);
-    #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-    for (int64_t i = 0; i < rn; i++) {
-      const int64_t r = r0 + i;
-      float *x = logits + i * 256;
-      float *dx = logits + i * 256;
-      const int32_t t = b1[r];
-      for (int64_t j = 0; j < 256; j++)
-        x[j] = mdl_bf16_to_f32(mdl_f32_to_bf16(x[j]));
-      if (t < 0 || t >= 256) {
-        if (t >= 256)
-          h->error(h->ctx, "cross_entropy: target", t, 256);
-        b110[r] = 0.0f;
-        memset(dx, 0, 256 * sizeof(float));
-        continue;
+  if (h->bgemm) {
+    float *logits = mdl_scratch(32768 * sizeof(float));
+    uint16_t *dl16 = mdl_scratch(32768 * sizeof(uint16_t));
+    for (int64_t r0 = 0; r0 < 512; r0 += 128) {
+      const int64_t rn = 512 - r0 < 128 ? 512 - r0 : 128;
+      mdl_bgemm(h, 0, 1, rn, 256, 64, b105 + r0 * 64, 64, b106, 64, 0.0f, logits, 256);
+      #pragma omp parallel for num_threads(h->nthreads) schedule(static)
+      for (int64_t i = 0; i < rn; i++) {
+        const int64_t r = r0 + i;
+        float *x = logits + i * 256;
+        float *dx = logits + i * 256;
+        const int32_t t = b1[r];
+        for (int64_t j = 0; j < 256; j++)
+          x[j] = mdl_bf16_to_f32(mdl_f32_to_bf16(x[j]));
+        if (t < 0 || t >= 256) {
+          if (t >= 256)
+            h->error(h->ctx, "cross_entropy: target", t, 256);
+          b110[r] = 0.0f;
+          memset(dx, 0, 256 * sizeof(float));
+          continue;
+        }
+        const float xt = x[t]; // before dx, which may be x itself, is written
+        float m = -INFINITY;
+        for (int64_t j = 0; j < 256; j++)
+          m = fmaxf(m, x[j]);
+        double sum = 0;
+        #pragma omp simd reduction(+ : sum)
+        for (int64_t j = 0; j < 256; j++) {
+          dx[j] = mdl_exp_shifted(x[j] - m);
+          sum += dx[j];
+        }
+        b110[r] = (float)(m + log(sum) - xt);
+        const double g = b117[r], inv = 1.0 / sum;
+        for (int64_t j = 0; j < 256; j++)
+          dx[j] = mdl_bf16_to_f32(mdl_f32_to_bf16((float)(g * (dx[j] * inv - (j == t)))));
       }
-      const float xt = x[t]; // before dx, which may be x itself, is written
-      float m = -INFINITY;
-      for (int64_t j = 0; j < 256; j++)
-        m = fmaxf(m, x[j]);
-      double sum = 0;
-      #pragma omp simd reduction(+ : sum)
-      for (int64_t j = 0; j < 256; j++) {
-        dx[j] = mdl_exp_shifted(x[j] - m);
-        sum += dx[j];
-      }
-      b110[r] = (float)(m + log(sum) - xt);
-      const double g = b117[r], inv = 1.0 / sum;
-      for (int64_t j = 0; j < 256; j++)
-        dx[j] = mdl_bf16_to_f32(mdl_f32_to_bf16((float)(g * (dx[j] * inv - (j == t)))));
+      #pragma omp parallel for num_threads(h->nthreads) schedule(static)
+      for (int64_t i = 0; i < rn * 256; i++)
+        dl16[i] = mdl_f32_to_bf16(logits[i]);
+      mdl_bgemm(h, 0, 0, rn, 64, 256, dl16, 256, b106, 64, 0.0f, b122 + r0 * 64, 64);
+      mdl_bgemm(h, 1, 0, 256, 64, rn, dl16, 256, b105 + r0 * 64, 64, r0 ? 1.0f : 0.0f, b123, 64);
     }
-    mdl_gemm(h, 0, 0, rn, 64, 256, logits, 256, w106, 64, 0.0f, b122 + r0 * 64, 64);
-    mdl_gemm(h, 1, 0, 256, 64, rn, logits, 256, w105 + r0 * 64, 64, r0 ? 1.0f : 0.0f, b123, 64);
+    free(logits);
+    free(dl16);
   }
-  free(logits);
-  free(w105);
-  free(w106);
+  else {
+    float *const w105 = mdl_widen_bf16(b105, 32768, h->nthreads);
+    float *const w106 = mdl_widen_bf16(b106, 16384, h->nthreads);
+    float *logits = mdl_scratch(32768 * sizeof(float));
+    for (int64_t r0 = 0; r0 < 512; r0 += 128) {
+      const int64_t rn = 512 - r0 < 128 ? 512 - r0 : 128;
+      mdl_gemm(h, 0, 1, rn, 256, 64, w105 + r0 * 64, 64, w106, 64, 0.0f, logits, 256);
+      #pragma omp parallel for num_threads(h->nthreads) schedule(static)
+      for (int64_t i = 0; i < rn; i++) {
+        const int64_t r = r0 + i;
+        float *x = logits + i * 256;
+        float *dx = logits + i * 256;
+        const int32_t t = b1[r];
+        for (int64_t j = 0; j < 256; j++)
+          x[j] = mdl_bf16_to_f32(mdl_f32_to_bf16(x[j]));
+        if (t < 0 || t >= 256) {
+          if (t >= 256)
+            h->error(h->ctx, "cross_entropy: target", t, 256);
+          b110[r] = 0.0f;
+          memset(dx, 0, 256 * sizeof(float));
+          continue;
+        }
+        const float xt = x[t]; // before dx, which may be x itself, is written
+        float m = -INFINITY;
+        for (int64_t j = 0; j < 256; j++)
+          m = fmaxf(m, x[j]);
+        double sum = 0;
+        #pragma omp simd reduction(+ : sum)
+        for (int64_t j = 0; j < 256; j++) {
+          dx[j] = mdl_exp_shifted(x[j] - m);
+          sum += dx[j];
+        }
+        b110[r] = (float)(m + log(sum) - xt);
+        const double g = b117[r], inv = 1.0 / sum;
+        for (int64_t j = 0; j < 256; j++)
+          dx[j] = mdl_bf16_to_f32(mdl_f32_to_bf16((float)(g * (dx[j] * inv - (j == t)))));
+      }
+      mdl_gemm(h, 0, 0, rn, 64, 256, logits, 256, w106, 64, 0.0f, b122 + r0 * 64, 64);
+      mdl_gemm(h, 1, 0, 256, 64, rn, logits, 256, w105 + r0 * 64, 64, r0 ? 1.0f : 0.0f, b123, 64);
+    }
+    free(logits);
+    free(w105);
+    free(w106);
+  }
 }
 
 // k19_mean: kernel, 1 op
@@ -1113,12 +1210,15 @@ static void k20_layernorm_bwd__sum__cast(char *arena, const MdlHooks *h) {
 // k21_gemm: GEMM, 1 op
 //   %132   matmul             d.h.1.fcproj_w       line 40    f32[256,64]
 // loops:
-//   gemm %132: [256 x 64] = T[256 x 512] [512 x 64], bf16 operands widened to f32
+//   gemm %132: [256 x 64] = T[256 x 512] [512 x 64], bf16 operands (widened to f32 where the library has no bf16 GEMM)
 static void k21_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b95 = (uint16_t *)(arena + 3543168); // %95 cast bf16[512,256]
   uint16_t *const b130 = (uint16_t *)(arena + 5574784); // %130 cast bf16[512,64]
   float *const b132 = (float *)(arena + 931072); // %132 matmul d.h.1.fcproj_w f32[256,64]
-  {
+  if (h->bgemm) {
+    mdl_bgemm(h, 1, 0, 256, 64, 512, b95, 256, b130, 64, 0.0f, b132, 64);
+  }
+  else {
     float *const w95 = mdl_widen_bf16(b95, 131072, h->nthreads);
     float *const w130 = mdl_widen_bf16(b130, 32768, h->nthreads);
     mdl_gemm(h, 1, 0, 256, 64, 512, w95, 256, w130, 64, 0.0f, b132, 64);
@@ -1135,7 +1235,7 @@ static void k21_gemm(char *arena, const MdlHooks *h) {
 //   %136   sum                d.h.1.fc_b           line 40    f32[256]
 //   %137   cast                                    line 40    bf16[512,256]
 // loops:
-//   gemm %131: [512 x 256] = [512 x 64] T[64 x 256], bf16 operands widened to f32, epilogue after
+//   gemm %131: [512 x 256] = [512 x 64] T[64 x 256], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
 //   sum %136: 256 outputs over 512 elements, in 32 blocks of 16
 static void k22_gemm__gelu_bwd__sum__cast(char *arena, const MdlHooks *h) {
   float *const b92 = (float *)(arena + 2756736); // %92 add f32[8,64,256]
@@ -1144,7 +1244,10 @@ static void k22_gemm__gelu_bwd__sum__cast(char *arena, const MdlHooks *h) {
   float *const b131 = mdl_scratch(524288); // %131 matmul f32[512,256], kept in this kernel
   float *const b136 = (float *)(arena + 930048); // %136 sum d.h.1.fc_b f32[256]
   uint16_t *const b137 = (uint16_t *)(arena + 3543168); // %137 cast bf16[512,256]
-  {
+  if (h->bgemm) {
+    mdl_bgemm(h, 0, 1, 512, 256, 64, b130, 64, b96, 64, 0.0f, b131, 256);
+  }
+  else {
     float *const w130 = mdl_widen_bf16(b130, 32768, h->nthreads);
     float *const w96 = mdl_widen_bf16(b96, 16384, h->nthreads);
     mdl_gemm(h, 0, 1, 512, 256, 64, w130, 64, w96, 64, 0.0f, b131, 256);
@@ -1189,12 +1292,15 @@ static void k22_gemm__gelu_bwd__sum__cast(char *arena, const MdlHooks *h) {
 // k23_gemm: GEMM, 1 op
 //   %138   matmul                                  line 40    f32[512,64]
 // loops:
-//   gemm %138: [512 x 64] = [512 x 256] T[256 x 64], bf16 operands widened to f32
+//   gemm %138: [512 x 64] = [512 x 256] T[256 x 64], bf16 operands (widened to f32 where the library has no bf16 GEMM)
 static void k23_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b89 = (uint16_t *)(arena + 2158592); // %89 cast bf16[64,256]
   uint16_t *const b137 = (uint16_t *)(arena + 3543168); // %137 cast bf16[512,256]
   float *const b138 = (float *)(arena + 2756736); // %138 matmul f32[512,64]
-  {
+  if (h->bgemm) {
+    mdl_bgemm(h, 0, 1, 512, 64, 256, b137, 256, b89, 256, 0.0f, b138, 64);
+  }
+  else {
     float *const w137 = mdl_widen_bf16(b137, 131072, h->nthreads);
     float *const w89 = mdl_widen_bf16(b89, 16384, h->nthreads);
     mdl_gemm(h, 0, 1, 512, 64, 256, w137, 256, w89, 256, 0.0f, b138, 64);
@@ -1206,12 +1312,15 @@ static void k23_gemm(char *arena, const MdlHooks *h) {
 // k24_gemm: GEMM, 1 op
 //   %139   matmul             d.h.1.fc_w           line 40    f32[64,256]
 // loops:
-//   gemm %139: [64 x 256] = T[64 x 512] [512 x 256], bf16 operands widened to f32
+//   gemm %139: [64 x 256] = T[64 x 512] [512 x 256], bf16 operands (widened to f32 where the library has no bf16 GEMM)
 static void k24_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b88 = (uint16_t *)(arena + 5443712); // %88 cast bf16[512,64]
   uint16_t *const b137 = (uint16_t *)(arena + 3543168); // %137 cast bf16[512,256]
   float *const b139 = (float *)(arena + 864512); // %139 matmul d.h.1.fc_w f32[64,256]
-  {
+  if (h->bgemm) {
+    mdl_bgemm(h, 1, 0, 64, 256, 512, b88, 64, b137, 256, 0.0f, b139, 256);
+  }
+  else {
     float *const w88 = mdl_widen_bf16(b88, 32768, h->nthreads);
     float *const w137 = mdl_widen_bf16(b137, 131072, h->nthreads);
     mdl_gemm(h, 1, 0, 64, 256, 512, w88, 64, w137, 256, 0.0f, b139, 256);
@@ -1312,12 +1421,15 @@ static void k25_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
 // k26_gemm: GEMM, 1 op
 //   %149   matmul             d.h.1.proj_w         line 39    f32[64,64]
 // loops:
-//   gemm %149: [64 x 64] = T[64 x 512] [512 x 64], bf16 operands widened to f32
+//   gemm %149: [64 x 64] = T[64 x 512] [512 x 64], bf16 operands (widened to f32 where the library has no bf16 GEMM)
 static void k26_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b80 = (uint16_t *)(arena + 5378176); // %80 cast bf16[512,64]
   uint16_t *const b147 = (uint16_t *)(arena + 2887808); // %147 cast bf16[512,64]
   float *const b149 = (float *)(arena + 847360); // %149 matmul d.h.1.proj_w f32[64,64]
-  {
+  if (h->bgemm) {
+    mdl_bgemm(h, 1, 0, 64, 64, 512, b80, 64, b147, 64, 0.0f, b149, 64);
+  }
+  else {
     float *const w80 = mdl_widen_bf16(b80, 32768, h->nthreads);
     float *const w147 = mdl_widen_bf16(b147, 32768, h->nthreads);
     mdl_gemm(h, 1, 0, 64, 64, 512, w80, 64, w147, 64, 0.0f, b149, 64);
@@ -1331,14 +1443,17 @@ static void k26_gemm(char *arena, const MdlHooks *h) {
 //   %150   reshape                                 line 39    f32[8,64,64]
 //   %153   cast                                    line 39    bf16[8,64,64]
 // loops:
-//   gemm %148: [512 x 64] = [512 x 64] T[64 x 64], bf16 operands widened to f32, epilogue after
+//   gemm %148: [512 x 64] = [512 x 64] T[64 x 64], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
 //   elementwise over 32768: %153
 static void k27_gemm__cast(char *arena, const MdlHooks *h) {
   uint16_t *const b81 = (uint16_t *)(arena + 2150400); // %81 cast bf16[64,64]
   uint16_t *const b147 = (uint16_t *)(arena + 2887808); // %147 cast bf16[512,64]
   float *const b148 = mdl_scratch(131072); // %148 matmul f32[512,64], kept in this kernel
   uint16_t *const b153 = (uint16_t *)(arena + 2756736); // %153 cast bf16[8,64,64]
-  {
+  if (h->bgemm) {
+    mdl_bgemm(h, 0, 1, 512, 64, 64, b147, 64, b81, 64, 0.0f, b148, 64);
+  }
+  else {
     float *const w147 = mdl_widen_bf16(b147, 32768, h->nthreads);
     float *const w81 = mdl_widen_bf16(b81, 4096, h->nthreads);
     mdl_gemm(h, 0, 1, 512, 64, 64, w147, 64, w81, 64, 0.0f, b148, 64);
@@ -1540,12 +1655,15 @@ static void k29_sum__concat__cast(char *arena, const MdlHooks *h) {
 // k30_gemm: GEMM, 1 op
 //   %161   matmul                                  line 38    f32[512,64]
 // loops:
-//   gemm %161: [512 x 64] = [512 x 192] T[192 x 64], bf16 operands widened to f32
+//   gemm %161: [512 x 64] = [512 x 192] T[192 x 64], bf16 operands (widened to f32 where the library has no bf16 GEMM)
 static void k30_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b70 = (uint16_t *)(arena + 2125824); // %70 cast bf16[64,192]
   uint16_t *const b160 = (uint16_t *)(arena + 2756736); // %160 cast bf16[512,192]
   float *const b161 = (float *)(arena + 3084416); // %161 matmul f32[512,64]
-  {
+  if (h->bgemm) {
+    mdl_bgemm(h, 0, 1, 512, 64, 192, b160, 192, b70, 192, 0.0f, b161, 64);
+  }
+  else {
     float *const w160 = mdl_widen_bf16(b160, 98304, h->nthreads);
     float *const w70 = mdl_widen_bf16(b70, 12288, h->nthreads);
     mdl_gemm(h, 0, 1, 512, 64, 192, w160, 192, w70, 192, 0.0f, b161, 64);
@@ -1557,12 +1675,15 @@ static void k30_gemm(char *arena, const MdlHooks *h) {
 // k31_gemm: GEMM, 1 op
 //   %162   matmul             d.h.1.attn_w         line 38    f32[64,192]
 // loops:
-//   gemm %162: [64 x 192] = T[64 x 512] [512 x 192], bf16 operands widened to f32
+//   gemm %162: [64 x 192] = T[64 x 512] [512 x 192], bf16 operands (widened to f32 where the library has no bf16 GEMM)
 static void k31_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b69 = (uint16_t *)(arena + 5312640); // %69 cast bf16[512,64]
   uint16_t *const b160 = (uint16_t *)(arena + 2756736); // %160 cast bf16[512,192]
   float *const b162 = (float *)(arena + 797440); // %162 matmul d.h.1.attn_w f32[64,192]
-  {
+  if (h->bgemm) {
+    mdl_bgemm(h, 1, 0, 64, 192, 512, b69, 64, b160, 192, 0.0f, b162, 192);
+  }
+  else {
     float *const w69 = mdl_widen_bf16(b69, 32768, h->nthreads);
     float *const w160 = mdl_widen_bf16(b160, 98304, h->nthreads);
     mdl_gemm(h, 1, 0, 64, 192, 512, w69, 64, w160, 192, 0.0f, b162, 192);
@@ -1663,12 +1784,15 @@ static void k32_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
 // k33_gemm: GEMM, 1 op
 //   %172   matmul             d.h.0.fcproj_w       line 40    f32[256,64]
 // loops:
-//   gemm %172: [256 x 64] = T[256 x 512] [512 x 64], bf16 operands widened to f32
+//   gemm %172: [256 x 64] = T[256 x 512] [512 x 64], bf16 operands (widened to f32 where the library has no bf16 GEMM)
 static void k33_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b49 = (uint16_t *)(arena + 3281024); // %49 cast bf16[512,256]
   uint16_t *const b170 = (uint16_t *)(arena + 3215488); // %170 cast bf16[512,64]
   float *const b172 = (float *)(arena + 731136); // %172 matmul d.h.0.fcproj_w f32[256,64]
-  {
+  if (h->bgemm) {
+    mdl_bgemm(h, 1, 0, 256, 64, 512, b49, 256, b170, 64, 0.0f, b172, 64);
+  }
+  else {
     float *const w49 = mdl_widen_bf16(b49, 131072, h->nthreads);
     float *const w170 = mdl_widen_bf16(b170, 32768, h->nthreads);
     mdl_gemm(h, 1, 0, 256, 64, 512, w49, 256, w170, 64, 0.0f, b172, 64);
@@ -1685,7 +1809,7 @@ static void k33_gemm(char *arena, const MdlHooks *h) {
 //   %176   sum                d.h.0.fc_b           line 40    f32[256]
 //   %177   cast                                    line 40    bf16[512,256]
 // loops:
-//   gemm %171: [512 x 256] = [512 x 64] T[64 x 256], bf16 operands widened to f32, epilogue after
+//   gemm %171: [512 x 256] = [512 x 64] T[64 x 256], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
 //   sum %176: 256 outputs over 512 elements, in 32 blocks of 16
 static void k34_gemm__gelu_bwd__sum__cast(char *arena, const MdlHooks *h) {
   float *const b46 = (float *)(arena + 2232448); // %46 add f32[8,64,256]
@@ -1694,7 +1818,10 @@ static void k34_gemm__gelu_bwd__sum__cast(char *arena, const MdlHooks *h) {
   float *const b171 = mdl_scratch(524288); // %171 matmul f32[512,256], kept in this kernel
   float *const b176 = (float *)(arena + 730112); // %176 sum d.h.0.fc_b f32[256]
   uint16_t *const b177 = (uint16_t *)(arena + 2756736); // %177 cast bf16[512,256]
-  {
+  if (h->bgemm) {
+    mdl_bgemm(h, 0, 1, 512, 256, 64, b170, 64, b50, 64, 0.0f, b171, 256);
+  }
+  else {
     float *const w170 = mdl_widen_bf16(b170, 32768, h->nthreads);
     float *const w50 = mdl_widen_bf16(b50, 16384, h->nthreads);
     mdl_gemm(h, 0, 1, 512, 256, 64, w170, 64, w50, 64, 0.0f, b171, 256);
@@ -1739,12 +1866,15 @@ static void k34_gemm__gelu_bwd__sum__cast(char *arena, const MdlHooks *h) {
 // k35_gemm: GEMM, 1 op
 //   %178   matmul                                  line 40    f32[512,64]
 // loops:
-//   gemm %178: [512 x 64] = [512 x 256] T[256 x 64], bf16 operands widened to f32
+//   gemm %178: [512 x 64] = [512 x 256] T[256 x 64], bf16 operands (widened to f32 where the library has no bf16 GEMM)
 static void k35_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b43 = (uint16_t *)(arena + 2060288); // %43 cast bf16[64,256]
   uint16_t *const b177 = (uint16_t *)(arena + 2756736); // %177 cast bf16[512,256]
   float *const b178 = (float *)(arena + 2232448); // %178 matmul f32[512,64]
-  {
+  if (h->bgemm) {
+    mdl_bgemm(h, 0, 1, 512, 64, 256, b177, 256, b43, 256, 0.0f, b178, 64);
+  }
+  else {
     float *const w177 = mdl_widen_bf16(b177, 131072, h->nthreads);
     float *const w43 = mdl_widen_bf16(b43, 16384, h->nthreads);
     mdl_gemm(h, 0, 1, 512, 64, 256, w177, 256, w43, 256, 0.0f, b178, 64);
@@ -1756,12 +1886,15 @@ static void k35_gemm(char *arena, const MdlHooks *h) {
 // k36_gemm: GEMM, 1 op
 //   %179   matmul             d.h.0.fc_w           line 40    f32[64,256]
 // loops:
-//   gemm %179: [64 x 256] = T[64 x 512] [512 x 256], bf16 operands widened to f32
+//   gemm %179: [64 x 256] = T[64 x 512] [512 x 256], bf16 operands (widened to f32 where the library has no bf16 GEMM)
 static void k36_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b42 = (uint16_t *)(arena + 5247104); // %42 cast bf16[512,64]
   uint16_t *const b177 = (uint16_t *)(arena + 2756736); // %177 cast bf16[512,256]
   float *const b179 = (float *)(arena + 664576); // %179 matmul d.h.0.fc_w f32[64,256]
-  {
+  if (h->bgemm) {
+    mdl_bgemm(h, 1, 0, 64, 256, 512, b42, 64, b177, 256, 0.0f, b179, 256);
+  }
+  else {
     float *const w42 = mdl_widen_bf16(b42, 32768, h->nthreads);
     float *const w177 = mdl_widen_bf16(b177, 131072, h->nthreads);
     mdl_gemm(h, 1, 0, 64, 256, 512, w42, 64, w177, 256, 0.0f, b179, 256);
@@ -1862,12 +1995,15 @@ static void k37_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
 // k38_gemm: GEMM, 1 op
 //   %189   matmul             d.h.0.proj_w         line 39    f32[64,64]
 // loops:
-//   gemm %189: [64 x 64] = T[64 x 512] [512 x 64], bf16 operands widened to f32
+//   gemm %189: [64 x 64] = T[64 x 512] [512 x 64], bf16 operands (widened to f32 where the library has no bf16 GEMM)
 static void k38_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b34 = (uint16_t *)(arena + 5181568); // %34 cast bf16[512,64]
   uint16_t *const b187 = (uint16_t *)(arena + 2363520); // %187 cast bf16[512,64]
   float *const b189 = (float *)(arena + 647424); // %189 matmul d.h.0.proj_w f32[64,64]
-  {
+  if (h->bgemm) {
+    mdl_bgemm(h, 1, 0, 64, 64, 512, b34, 64, b187, 64, 0.0f, b189, 64);
+  }
+  else {
     float *const w34 = mdl_widen_bf16(b34, 32768, h->nthreads);
     float *const w187 = mdl_widen_bf16(b187, 32768, h->nthreads);
     mdl_gemm(h, 1, 0, 64, 64, 512, w34, 64, w187, 64, 0.0f, b189, 64);
@@ -1881,14 +2017,17 @@ static void k38_gemm(char *arena, const MdlHooks *h) {
 //   %190   reshape                                 line 39    f32[8,64,64]
 //   %193   cast                                    line 39    bf16[8,64,64]
 // loops:
-//   gemm %188: [512 x 64] = [512 x 64] T[64 x 64], bf16 operands widened to f32, epilogue after
+//   gemm %188: [512 x 64] = [512 x 64] T[64 x 64], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
 //   elementwise over 32768: %193
 static void k39_gemm__cast(char *arena, const MdlHooks *h) {
   uint16_t *const b35 = (uint16_t *)(arena + 2052096); // %35 cast bf16[64,64]
   uint16_t *const b187 = (uint16_t *)(arena + 2363520); // %187 cast bf16[512,64]
   float *const b188 = mdl_scratch(131072); // %188 matmul f32[512,64], kept in this kernel
   uint16_t *const b193 = (uint16_t *)(arena + 2232448); // %193 cast bf16[8,64,64]
-  {
+  if (h->bgemm) {
+    mdl_bgemm(h, 0, 1, 512, 64, 64, b187, 64, b35, 64, 0.0f, b188, 64);
+  }
+  else {
     float *const w187 = mdl_widen_bf16(b187, 32768, h->nthreads);
     float *const w35 = mdl_widen_bf16(b35, 4096, h->nthreads);
     mdl_gemm(h, 0, 1, 512, 64, 64, w187, 64, w35, 64, 0.0f, b188, 64);
@@ -2090,12 +2229,15 @@ static void k41_sum__concat__cast(char *arena, const MdlHooks *h) {
 // k42_gemm: GEMM, 1 op
 //   %201   matmul                                  line 38    f32[512,64]
 // loops:
-//   gemm %201: [512 x 64] = [512 x 192] T[192 x 64], bf16 operands widened to f32
+//   gemm %201: [512 x 64] = [512 x 192] T[192 x 64], bf16 operands (widened to f32 where the library has no bf16 GEMM)
 static void k42_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b24 = (uint16_t *)(arena + 2027520); // %24 cast bf16[64,192]
   uint16_t *const b200 = (uint16_t *)(arena + 2232448); // %200 cast bf16[512,192]
   float *const b201 = (float *)(arena + 2560128); // %201 matmul f32[512,64]
-  {
+  if (h->bgemm) {
+    mdl_bgemm(h, 0, 1, 512, 64, 192, b200, 192, b24, 192, 0.0f, b201, 64);
+  }
+  else {
     float *const w200 = mdl_widen_bf16(b200, 98304, h->nthreads);
     float *const w24 = mdl_widen_bf16(b24, 12288, h->nthreads);
     mdl_gemm(h, 0, 1, 512, 64, 192, w200, 192, w24, 192, 0.0f, b201, 64);
@@ -2107,12 +2249,15 @@ static void k42_gemm(char *arena, const MdlHooks *h) {
 // k43_gemm: GEMM, 1 op
 //   %202   matmul             d.h.0.attn_w         line 38    f32[64,192]
 // loops:
-//   gemm %202: [64 x 192] = T[64 x 512] [512 x 192], bf16 operands widened to f32
+//   gemm %202: [64 x 192] = T[64 x 512] [512 x 192], bf16 operands (widened to f32 where the library has no bf16 GEMM)
 static void k43_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b23 = (uint16_t *)(arena + 5116032); // %23 cast bf16[512,64]
   uint16_t *const b200 = (uint16_t *)(arena + 2232448); // %200 cast bf16[512,192]
   float *const b202 = (float *)(arena + 597504); // %202 matmul d.h.0.attn_w f32[64,192]
-  {
+  if (h->bgemm) {
+    mdl_bgemm(h, 1, 0, 64, 192, 512, b23, 64, b200, 192, 0.0f, b202, 192);
+  }
+  else {
     float *const w23 = mdl_widen_bf16(b23, 32768, h->nthreads);
     float *const w200 = mdl_widen_bf16(b200, 98304, h->nthreads);
     mdl_gemm(h, 1, 0, 64, 192, 512, w23, 64, w200, 192, 0.0f, b202, 192);

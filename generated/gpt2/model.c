@@ -14,6 +14,9 @@ typedef struct {
   // row-major C = op(A) op(B) + beta C, op = transpose when ta / tb
   void (*sgemm)(int ta, int tb, int64_t m, int64_t n, int64_t k, const float *a, int64_t lda,
                 const float *b, int64_t ldb, float beta, float *c, int64_t ldc);
+  // the same with bf16 operands; NULL where the library has none faster than sgemm
+  void (*bgemm)(int ta, int tb, int64_t m, int64_t n, int64_t k, const uint16_t *a, int64_t lda,
+                const uint16_t *b, int64_t ldb, float beta, float *c, int64_t ldc);
   int nthreads;  // OpenMP threads per parallel loop
   int gemm_blocks; // row blocks of a large GEMM, whatever nthreads is
   uint64_t seed; // the run's seed: dropout masks
@@ -156,6 +159,29 @@ static inline float mdl_bf16_to_f32(uint16_t h) {
   return x;
 }
 
+// C = op(A) op(B) + beta C of bf16 operands through the runtime's bgemm (h->bgemm set), split into
+// h->gemm_blocks blocks over the threads: blocks of columns of C (of 64 at least), since a block
+// of rows has each thread repack all of B into the library's layout (oneDNN's bf16 GEMM ran at
+// half its rate so), else blocks of rows.
+static inline void mdl_bgemm(const MdlHooks *h, int ta, int tb, int64_t m, int64_t n, int64_t k, const uint16_t *a,
+                             int64_t lda, const uint16_t *b, int64_t ldb, float beta, float *c, int64_t ldc) {
+  const int64_t nb = m * n * k >= (1 << 18) ? h->gemm_blocks : 1;
+  if (nb > 1 && n / 64 >= nb) {
+#pragma omp parallel for num_threads(h->nthreads) schedule(static)
+    for (int64_t t = 0; t < nb; t++) {
+      const int64_t c0 = n * t / nb / 16 * 16, c1 = t == nb - 1 ? n : n * (t + 1) / nb / 16 * 16;
+      h->bgemm(ta, tb, m, c1 - c0, k, a, lda, tb ? b + c0 * ldb : b + c0, ldb, beta, c + c0, ldc);
+    }
+  } else if (nb > 1 && m / 16 >= nb) {
+#pragma omp parallel for num_threads(h->nthreads) schedule(static)
+    for (int64_t t = 0; t < nb; t++) {
+      const int64_t r0 = m * t / nb, r1 = m * (t + 1) / nb;
+      h->bgemm(ta, tb, r1 - r0, n, k, ta ? a + r0 : a + r0 * lda, lda, b, ldb, beta, c + r0 * ldc, ldc);
+    }
+  } else
+    h->bgemm(ta, tb, m, n, k, a, lda, b, ldb, beta, c, ldc);
+}
+
 // n bf16 values widened into a new f32 buffer (exact), for the f32 GEMM that computes a GEMM of
 // bf16 operands: every product of two bf16 values is exact in f32, and the sums accumulate in f32
 // as on a GPU's bf16 tensor cores. free() it.
@@ -266,7 +292,7 @@ static void k2_layernorm_fwd__add__cast(char *arena, const MdlHooks *h) {
 //   %27    add                                     line 38    f32[8,1024,2304]
 //   %28    cast                                    line 38    bf16[8,1024,2304]
 // loops:
-//   gemm %25: [8192 x 2304] = [8192 x 768] [768 x 2304], bf16 operands widened to f32, epilogue after
+//   gemm %25: [8192 x 2304] = [8192 x 768] [768 x 2304], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
 //   elementwise over 18874368: %28
 static void k3_gemm__add__cast(char *arena, const MdlHooks *h) {
   float *const b12 = (float *)(arena + 164619264); // %12 param h.0.attn_b f32[2304]
@@ -274,7 +300,10 @@ static void k3_gemm__add__cast(char *arena, const MdlHooks *h) {
   uint16_t *const b24 = (uint16_t *)(arena + 2068303872); // %24 cast bf16[768,2304]
   float *const b25 = mdl_scratch(75497472); // %25 matmul f32[8192,2304], kept in this kernel
   uint16_t *const b28 = (uint16_t *)(arena + 4204633216); // %28 cast bf16[8,1024,2304]
-  {
+  if (h->bgemm) {
+    mdl_bgemm(h, 0, 0, 8192, 2304, 768, b23, 768, b24, 2304, 0.0f, b25, 2304);
+  }
+  else {
     float *const w23 = mdl_widen_bf16(b23, 6291456, h->nthreads);
     float *const w24 = mdl_widen_bf16(b24, 1769472, h->nthreads);
     mdl_gemm(h, 0, 0, 8192, 2304, 768, w23, 768, w24, 2304, 0.0f, b25, 2304);
@@ -405,7 +434,7 @@ static void k4_attention_fwd__cast__lse(char *arena, const MdlHooks *h) {
 //   %38    add                                     line 39    f32[8,1024,768]
 //   %39    add                h.0.x                line 39    f32[8,1024,768]
 // loops:
-//   gemm %36: [8192 x 768] = [8192 x 768] [768 x 768], bf16 operands widened to f32, epilogue after
+//   gemm %36: [8192 x 768] = [8192 x 768] [768 x 768], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
 //   elementwise over 6291456: %39
 static void k5_gemm__add(char *arena, const MdlHooks *h) {
   float *const b8 = (float *)(arena + 4657618048); // %8 add x f32[8,1024,768]
@@ -414,7 +443,10 @@ static void k5_gemm__add(char *arena, const MdlHooks *h) {
   uint16_t *const b35 = (uint16_t *)(arena + 2071842816); // %35 cast bf16[768,768]
   float *const b39 = (float *)(arena + 4682783872); // %39 add h.0.x f32[8,1024,768]
   float *const b36 = b39; // %36 matmul f32[8192,768]: the GEMM writes into its epilogue's output
-  {
+  if (h->bgemm) {
+    mdl_bgemm(h, 0, 0, 8192, 768, 768, b34, 768, b35, 768, 0.0f, b36, 768);
+  }
+  else {
     float *const w34 = mdl_widen_bf16(b34, 6291456, h->nthreads);
     float *const w35 = mdl_widen_bf16(b35, 589824, h->nthreads);
     mdl_gemm(h, 0, 0, 8192, 768, 768, w34, 768, w35, 768, 0.0f, b36, 768);
@@ -484,7 +516,7 @@ static void k6_layernorm_fwd__cast(char *arena, const MdlHooks *h) {
 //   %48    reshape                                 line 40    f32[8192,3072]
 //   %49    cast                                    line 40    bf16[8192,3072]
 // loops:
-//   gemm %44: [8192 x 3072] = [8192 x 768] [768 x 3072], bf16 operands widened to f32, epilogue after
+//   gemm %44: [8192 x 3072] = [8192 x 768] [768 x 3072], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
 //   elementwise over 25165824: %46 %49
 static void k7_gemm__add__gelu__cast(char *arena, const MdlHooks *h) {
   float *const b18 = (float *)(arena + 176434176); // %18 param h.0.fc_b f32[3072]
@@ -493,7 +525,10 @@ static void k7_gemm__add__gelu__cast(char *arena, const MdlHooks *h) {
   float *const b46 = (float *)(arena + 2392693888); // %46 add f32[8,1024,3072]
   uint16_t *const b49 = (uint16_t *)(arena + 3600653440); // %49 cast bf16[8192,3072]
   float *const b44 = b46; // %44 matmul f32[8192,3072]: the GEMM writes into its epilogue's output
-  {
+  if (h->bgemm) {
+    mdl_bgemm(h, 0, 0, 8192, 3072, 768, b42, 768, b43, 3072, 0.0f, b44, 3072);
+  }
+  else {
     float *const w42 = mdl_widen_bf16(b42, 6291456, h->nthreads);
     float *const w43 = mdl_widen_bf16(b43, 2359296, h->nthreads);
     mdl_gemm(h, 0, 0, 8192, 3072, 768, w42, 768, w43, 3072, 0.0f, b44, 3072);
@@ -523,7 +558,7 @@ static void k7_gemm__add__gelu__cast(char *arena, const MdlHooks *h) {
 //   %53    add                                     line 40    f32[8,1024,768]
 //   %54    add                h.0.x                line 40    f32[8,1024,768]
 // loops:
-//   gemm %51: [8192 x 768] = [8192 x 3072] [3072 x 768], bf16 operands widened to f32, epilogue after
+//   gemm %51: [8192 x 768] = [8192 x 3072] [3072 x 768], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
 //   elementwise over 6291456: %54
 static void k8_gemm__add(char *arena, const MdlHooks *h) {
   float *const b20 = (float *)(arena + 185883648); // %20 param h.0.fcproj_b f32[768]
@@ -532,7 +567,10 @@ static void k8_gemm__add(char *arena, const MdlHooks *h) {
   uint16_t *const b50 = (uint16_t *)(arena + 2077741056); // %50 cast bf16[3072,768]
   float *const b54 = (float *)(arena + 4707949696); // %54 add h.0.x f32[8,1024,768]
   float *const b51 = b54; // %51 matmul f32[8192,768]: the GEMM writes into its epilogue's output
-  {
+  if (h->bgemm) {
+    mdl_bgemm(h, 0, 0, 8192, 768, 3072, b49, 3072, b50, 768, 0.0f, b51, 768);
+  }
+  else {
     float *const w49 = mdl_widen_bf16(b49, 25165824, h->nthreads);
     float *const w50 = mdl_widen_bf16(b50, 2359296, h->nthreads);
     mdl_gemm(h, 0, 0, 8192, 768, 3072, w49, 3072, w50, 768, 0.0f, b51, 768);
@@ -600,7 +638,7 @@ static void k9_layernorm_fwd__cast(char *arena, const MdlHooks *h) {
 //   %73    add                                     line 38    f32[8,1024,2304]
 //   %74    cast                                    line 38    bf16[8,1024,2304]
 // loops:
-//   gemm %71: [8192 x 2304] = [8192 x 768] [768 x 2304], bf16 operands widened to f32, epilogue after
+//   gemm %71: [8192 x 2304] = [8192 x 768] [768 x 2304], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
 //   elementwise over 18874368: %74
 static void k10_gemm__add__cast(char *arena, const MdlHooks *h) {
   float *const b58 = (float *)(arena + 192970752); // %58 param h.1.attn_b f32[2304]
@@ -608,7 +646,10 @@ static void k10_gemm__add__cast(char *arena, const MdlHooks *h) {
   uint16_t *const b70 = (uint16_t *)(arena + 2082459648); // %70 cast bf16[768,2304]
   float *const b71 = mdl_scratch(75497472); // %71 matmul f32[8192,2304], kept in this kernel
   uint16_t *const b74 = (uint16_t *)(arena + 4242381952); // %74 cast bf16[8,1024,2304]
-  {
+  if (h->bgemm) {
+    mdl_bgemm(h, 0, 0, 8192, 2304, 768, b69, 768, b70, 2304, 0.0f, b71, 2304);
+  }
+  else {
     float *const w69 = mdl_widen_bf16(b69, 6291456, h->nthreads);
     float *const w70 = mdl_widen_bf16(b70, 1769472, h->nthreads);
     mdl_gemm(h, 0, 0, 8192, 2304, 768, w69, 768, w70, 2304, 0.0f, b71, 2304);
@@ -739,7 +780,7 @@ static void k11_attention_fwd__cast__lse(char *arena, const MdlHooks *h) {
 //   %84    add                                     line 39    f32[8,1024,768]
 //   %85    add                h.1.x                line 39    f32[8,1024,768]
 // loops:
-//   gemm %82: [8192 x 768] = [8192 x 768] [768 x 768], bf16 operands widened to f32, epilogue after
+//   gemm %82: [8192 x 768] = [8192 x 768] [768 x 768], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
 //   elementwise over 6291456: %85
 static void k12_gemm__add(char *arena, const MdlHooks *h) {
   float *const b54 = (float *)(arena + 4707949696); // %54 add h.0.x f32[8,1024,768]
@@ -748,7 +789,10 @@ static void k12_gemm__add(char *arena, const MdlHooks *h) {
   uint16_t *const b81 = (uint16_t *)(arena + 2085998592); // %81 cast bf16[768,768]
   float *const b85 = (float *)(arena + 4733115520); // %85 add h.1.x f32[8,1024,768]
   float *const b82 = b85; // %82 matmul f32[8192,768]: the GEMM writes into its epilogue's output
-  {
+  if (h->bgemm) {
+    mdl_bgemm(h, 0, 0, 8192, 768, 768, b80, 768, b81, 768, 0.0f, b82, 768);
+  }
+  else {
     float *const w80 = mdl_widen_bf16(b80, 6291456, h->nthreads);
     float *const w81 = mdl_widen_bf16(b81, 589824, h->nthreads);
     mdl_gemm(h, 0, 0, 8192, 768, 768, w80, 768, w81, 768, 0.0f, b82, 768);
@@ -818,7 +862,7 @@ static void k13_layernorm_fwd__cast(char *arena, const MdlHooks *h) {
 //   %94    reshape                                 line 40    f32[8192,3072]
 //   %95    cast                                    line 40    bf16[8192,3072]
 // loops:
-//   gemm %90: [8192 x 3072] = [8192 x 768] [768 x 3072], bf16 operands widened to f32, epilogue after
+//   gemm %90: [8192 x 3072] = [8192 x 768] [768 x 3072], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
 //   elementwise over 25165824: %92 %95
 static void k14_gemm__add__gelu__cast(char *arena, const MdlHooks *h) {
   float *const b64 = (float *)(arena + 204785664); // %64 param h.1.fc_b f32[3072]
@@ -827,7 +871,10 @@ static void k14_gemm__add__gelu__cast(char *arena, const MdlHooks *h) {
   float *const b92 = (float *)(arena + 2493357184); // %92 add f32[8,1024,3072]
   uint16_t *const b95 = (uint16_t *)(arena + 3650985088); // %95 cast bf16[8192,3072]
   float *const b90 = b92; // %90 matmul f32[8192,3072]: the GEMM writes into its epilogue's output
-  {
+  if (h->bgemm) {
+    mdl_bgemm(h, 0, 0, 8192, 3072, 768, b88, 768, b89, 3072, 0.0f, b90, 3072);
+  }
+  else {
     float *const w88 = mdl_widen_bf16(b88, 6291456, h->nthreads);
     float *const w89 = mdl_widen_bf16(b89, 2359296, h->nthreads);
     mdl_gemm(h, 0, 0, 8192, 3072, 768, w88, 768, w89, 3072, 0.0f, b90, 3072);
@@ -857,7 +904,7 @@ static void k14_gemm__add__gelu__cast(char *arena, const MdlHooks *h) {
 //   %99    add                                     line 40    f32[8,1024,768]
 //   %100   add                h.1.x                line 40    f32[8,1024,768]
 // loops:
-//   gemm %97: [8192 x 768] = [8192 x 3072] [3072 x 768], bf16 operands widened to f32, epilogue after
+//   gemm %97: [8192 x 768] = [8192 x 3072] [3072 x 768], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
 //   elementwise over 6291456: %100
 static void k15_gemm__add(char *arena, const MdlHooks *h) {
   float *const b66 = (float *)(arena + 214235136); // %66 param h.1.fcproj_b f32[768]
@@ -866,7 +913,10 @@ static void k15_gemm__add(char *arena, const MdlHooks *h) {
   uint16_t *const b96 = (uint16_t *)(arena + 2091896832); // %96 cast bf16[3072,768]
   float *const b100 = (float *)(arena + 4758281344); // %100 add h.1.x f32[8,1024,768]
   float *const b97 = b100; // %97 matmul f32[8192,768]: the GEMM writes into its epilogue's output
-  {
+  if (h->bgemm) {
+    mdl_bgemm(h, 0, 0, 8192, 768, 3072, b95, 3072, b96, 768, 0.0f, b97, 768);
+  }
+  else {
     float *const w95 = mdl_widen_bf16(b95, 25165824, h->nthreads);
     float *const w96 = mdl_widen_bf16(b96, 2359296, h->nthreads);
     mdl_gemm(h, 0, 0, 8192, 768, 3072, w95, 3072, w96, 768, 0.0f, b97, 768);
@@ -934,7 +984,7 @@ static void k16_layernorm_fwd__cast(char *arena, const MdlHooks *h) {
 //   %119   add                                     line 38    f32[8,1024,2304]
 //   %120   cast                                    line 38    bf16[8,1024,2304]
 // loops:
-//   gemm %117: [8192 x 2304] = [8192 x 768] [768 x 2304], bf16 operands widened to f32, epilogue after
+//   gemm %117: [8192 x 2304] = [8192 x 768] [768 x 2304], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
 //   elementwise over 18874368: %120
 static void k17_gemm__add__cast(char *arena, const MdlHooks *h) {
   float *const b104 = (float *)(arena + 221322240); // %104 param h.2.attn_b f32[2304]
@@ -942,7 +992,10 @@ static void k17_gemm__add__cast(char *arena, const MdlHooks *h) {
   uint16_t *const b116 = (uint16_t *)(arena + 2096615424); // %116 cast bf16[768,2304]
   float *const b117 = mdl_scratch(75497472); // %117 matmul f32[8192,2304], kept in this kernel
   uint16_t *const b120 = (uint16_t *)(arena + 4280130688); // %120 cast bf16[8,1024,2304]
-  {
+  if (h->bgemm) {
+    mdl_bgemm(h, 0, 0, 8192, 2304, 768, b115, 768, b116, 2304, 0.0f, b117, 2304);
+  }
+  else {
     float *const w115 = mdl_widen_bf16(b115, 6291456, h->nthreads);
     float *const w116 = mdl_widen_bf16(b116, 1769472, h->nthreads);
     mdl_gemm(h, 0, 0, 8192, 2304, 768, w115, 768, w116, 2304, 0.0f, b117, 2304);
@@ -1073,7 +1126,7 @@ static void k18_attention_fwd__cast__lse(char *arena, const MdlHooks *h) {
 //   %130   add                                     line 39    f32[8,1024,768]
 //   %131   add                h.2.x                line 39    f32[8,1024,768]
 // loops:
-//   gemm %128: [8192 x 768] = [8192 x 768] [768 x 768], bf16 operands widened to f32, epilogue after
+//   gemm %128: [8192 x 768] = [8192 x 768] [768 x 768], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
 //   elementwise over 6291456: %131
 static void k19_gemm__add(char *arena, const MdlHooks *h) {
   float *const b100 = (float *)(arena + 4758281344); // %100 add h.1.x f32[8,1024,768]
@@ -1082,7 +1135,10 @@ static void k19_gemm__add(char *arena, const MdlHooks *h) {
   uint16_t *const b127 = (uint16_t *)(arena + 2100154368); // %127 cast bf16[768,768]
   float *const b131 = (float *)(arena + 4783447168); // %131 add h.2.x f32[8,1024,768]
   float *const b128 = b131; // %128 matmul f32[8192,768]: the GEMM writes into its epilogue's output
-  {
+  if (h->bgemm) {
+    mdl_bgemm(h, 0, 0, 8192, 768, 768, b126, 768, b127, 768, 0.0f, b128, 768);
+  }
+  else {
     float *const w126 = mdl_widen_bf16(b126, 6291456, h->nthreads);
     float *const w127 = mdl_widen_bf16(b127, 589824, h->nthreads);
     mdl_gemm(h, 0, 0, 8192, 768, 768, w126, 768, w127, 768, 0.0f, b128, 768);
@@ -1152,7 +1208,7 @@ static void k20_layernorm_fwd__cast(char *arena, const MdlHooks *h) {
 //   %140   reshape                                 line 40    f32[8192,3072]
 //   %141   cast                                    line 40    bf16[8192,3072]
 // loops:
-//   gemm %136: [8192 x 3072] = [8192 x 768] [768 x 3072], bf16 operands widened to f32, epilogue after
+//   gemm %136: [8192 x 3072] = [8192 x 768] [768 x 3072], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
 //   elementwise over 25165824: %138 %141
 static void k21_gemm__add__gelu__cast(char *arena, const MdlHooks *h) {
   float *const b110 = (float *)(arena + 233137152); // %110 param h.2.fc_b f32[3072]
@@ -1161,7 +1217,10 @@ static void k21_gemm__add__gelu__cast(char *arena, const MdlHooks *h) {
   float *const b138 = (float *)(arena + 2594020480); // %138 add f32[8,1024,3072]
   uint16_t *const b141 = (uint16_t *)(arena + 3701316736); // %141 cast bf16[8192,3072]
   float *const b136 = b138; // %136 matmul f32[8192,3072]: the GEMM writes into its epilogue's output
-  {
+  if (h->bgemm) {
+    mdl_bgemm(h, 0, 0, 8192, 3072, 768, b134, 768, b135, 3072, 0.0f, b136, 3072);
+  }
+  else {
     float *const w134 = mdl_widen_bf16(b134, 6291456, h->nthreads);
     float *const w135 = mdl_widen_bf16(b135, 2359296, h->nthreads);
     mdl_gemm(h, 0, 0, 8192, 3072, 768, w134, 768, w135, 3072, 0.0f, b136, 3072);
@@ -1191,7 +1250,7 @@ static void k21_gemm__add__gelu__cast(char *arena, const MdlHooks *h) {
 //   %145   add                                     line 40    f32[8,1024,768]
 //   %146   add                h.2.x                line 40    f32[8,1024,768]
 // loops:
-//   gemm %143: [8192 x 768] = [8192 x 3072] [3072 x 768], bf16 operands widened to f32, epilogue after
+//   gemm %143: [8192 x 768] = [8192 x 3072] [3072 x 768], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
 //   elementwise over 6291456: %146
 static void k22_gemm__add(char *arena, const MdlHooks *h) {
   float *const b112 = (float *)(arena + 242586624); // %112 param h.2.fcproj_b f32[768]
@@ -1200,7 +1259,10 @@ static void k22_gemm__add(char *arena, const MdlHooks *h) {
   uint16_t *const b142 = (uint16_t *)(arena + 2106052608); // %142 cast bf16[3072,768]
   float *const b146 = (float *)(arena + 4808612992); // %146 add h.2.x f32[8,1024,768]
   float *const b143 = b146; // %143 matmul f32[8192,768]: the GEMM writes into its epilogue's output
-  {
+  if (h->bgemm) {
+    mdl_bgemm(h, 0, 0, 8192, 768, 3072, b141, 3072, b142, 768, 0.0f, b143, 768);
+  }
+  else {
     float *const w141 = mdl_widen_bf16(b141, 25165824, h->nthreads);
     float *const w142 = mdl_widen_bf16(b142, 2359296, h->nthreads);
     mdl_gemm(h, 0, 0, 8192, 768, 3072, w141, 3072, w142, 768, 0.0f, b143, 768);
@@ -1268,7 +1330,7 @@ static void k23_layernorm_fwd__cast(char *arena, const MdlHooks *h) {
 //   %165   add                                     line 38    f32[8,1024,2304]
 //   %166   cast                                    line 38    bf16[8,1024,2304]
 // loops:
-//   gemm %163: [8192 x 2304] = [8192 x 768] [768 x 2304], bf16 operands widened to f32, epilogue after
+//   gemm %163: [8192 x 2304] = [8192 x 768] [768 x 2304], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
 //   elementwise over 18874368: %166
 static void k24_gemm__add__cast(char *arena, const MdlHooks *h) {
   float *const b150 = (float *)(arena + 249673728); // %150 param h.3.attn_b f32[2304]
@@ -1276,7 +1338,10 @@ static void k24_gemm__add__cast(char *arena, const MdlHooks *h) {
   uint16_t *const b162 = (uint16_t *)(arena + 2110771200); // %162 cast bf16[768,2304]
   float *const b163 = mdl_scratch(75497472); // %163 matmul f32[8192,2304], kept in this kernel
   uint16_t *const b166 = (uint16_t *)(arena + 4317879424); // %166 cast bf16[8,1024,2304]
-  {
+  if (h->bgemm) {
+    mdl_bgemm(h, 0, 0, 8192, 2304, 768, b161, 768, b162, 2304, 0.0f, b163, 2304);
+  }
+  else {
     float *const w161 = mdl_widen_bf16(b161, 6291456, h->nthreads);
     float *const w162 = mdl_widen_bf16(b162, 1769472, h->nthreads);
     mdl_gemm(h, 0, 0, 8192, 2304, 768, w161, 768, w162, 2304, 0.0f, b163, 2304);
@@ -1407,7 +1472,7 @@ static void k25_attention_fwd__cast__lse(char *arena, const MdlHooks *h) {
 //   %176   add                                     line 39    f32[8,1024,768]
 //   %177   add                h.3.x                line 39    f32[8,1024,768]
 // loops:
-//   gemm %174: [8192 x 768] = [8192 x 768] [768 x 768], bf16 operands widened to f32, epilogue after
+//   gemm %174: [8192 x 768] = [8192 x 768] [768 x 768], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
 //   elementwise over 6291456: %177
 static void k26_gemm__add(char *arena, const MdlHooks *h) {
   float *const b146 = (float *)(arena + 4808612992); // %146 add h.2.x f32[8,1024,768]
@@ -1416,7 +1481,10 @@ static void k26_gemm__add(char *arena, const MdlHooks *h) {
   uint16_t *const b173 = (uint16_t *)(arena + 2114310144); // %173 cast bf16[768,768]
   float *const b177 = (float *)(arena + 4833778816); // %177 add h.3.x f32[8,1024,768]
   float *const b174 = b177; // %174 matmul f32[8192,768]: the GEMM writes into its epilogue's output
-  {
+  if (h->bgemm) {
+    mdl_bgemm(h, 0, 0, 8192, 768, 768, b172, 768, b173, 768, 0.0f, b174, 768);
+  }
+  else {
     float *const w172 = mdl_widen_bf16(b172, 6291456, h->nthreads);
     float *const w173 = mdl_widen_bf16(b173, 589824, h->nthreads);
     mdl_gemm(h, 0, 0, 8192, 768, 768, w172, 768, w173, 768, 0.0f, b174, 768);
@@ -1486,7 +1554,7 @@ static void k27_layernorm_fwd__cast(char *arena, const MdlHooks *h) {
 //   %186   reshape                                 line 40    f32[8192,3072]
 //   %187   cast                                    line 40    bf16[8192,3072]
 // loops:
-//   gemm %182: [8192 x 3072] = [8192 x 768] [768 x 3072], bf16 operands widened to f32, epilogue after
+//   gemm %182: [8192 x 3072] = [8192 x 768] [768 x 3072], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
 //   elementwise over 25165824: %184 %187
 static void k28_gemm__add__gelu__cast(char *arena, const MdlHooks *h) {
   float *const b156 = (float *)(arena + 261488640); // %156 param h.3.fc_b f32[3072]
@@ -1495,7 +1563,10 @@ static void k28_gemm__add__gelu__cast(char *arena, const MdlHooks *h) {
   float *const b184 = (float *)(arena + 2694683776); // %184 add f32[8,1024,3072]
   uint16_t *const b187 = (uint16_t *)(arena + 3751648384); // %187 cast bf16[8192,3072]
   float *const b182 = b184; // %182 matmul f32[8192,3072]: the GEMM writes into its epilogue's output
-  {
+  if (h->bgemm) {
+    mdl_bgemm(h, 0, 0, 8192, 3072, 768, b180, 768, b181, 3072, 0.0f, b182, 3072);
+  }
+  else {
     float *const w180 = mdl_widen_bf16(b180, 6291456, h->nthreads);
     float *const w181 = mdl_widen_bf16(b181, 2359296, h->nthreads);
     mdl_gemm(h, 0, 0, 8192, 3072, 768, w180, 768, w181, 3072, 0.0f, b182, 3072);
@@ -1525,7 +1596,7 @@ static void k28_gemm__add__gelu__cast(char *arena, const MdlHooks *h) {
 //   %191   add                                     line 40    f32[8,1024,768]
 //   %192   add                h.3.x                line 40    f32[8,1024,768]
 // loops:
-//   gemm %189: [8192 x 768] = [8192 x 3072] [3072 x 768], bf16 operands widened to f32, epilogue after
+//   gemm %189: [8192 x 768] = [8192 x 3072] [3072 x 768], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
 //   elementwise over 6291456: %192
 static void k29_gemm__add(char *arena, const MdlHooks *h) {
   float *const b158 = (float *)(arena + 270938112); // %158 param h.3.fcproj_b f32[768]
@@ -1534,7 +1605,10 @@ static void k29_gemm__add(char *arena, const MdlHooks *h) {
   uint16_t *const b188 = (uint16_t *)(arena + 2120208384); // %188 cast bf16[3072,768]
   float *const b192 = (float *)(arena + 4858944640); // %192 add h.3.x f32[8,1024,768]
   float *const b189 = b192; // %189 matmul f32[8192,768]: the GEMM writes into its epilogue's output
-  {
+  if (h->bgemm) {
+    mdl_bgemm(h, 0, 0, 8192, 768, 3072, b187, 3072, b188, 768, 0.0f, b189, 768);
+  }
+  else {
     float *const w187 = mdl_widen_bf16(b187, 25165824, h->nthreads);
     float *const w188 = mdl_widen_bf16(b188, 2359296, h->nthreads);
     mdl_gemm(h, 0, 0, 8192, 768, 3072, w187, 3072, w188, 768, 0.0f, b189, 768);
@@ -1602,7 +1676,7 @@ static void k30_layernorm_fwd__cast(char *arena, const MdlHooks *h) {
 //   %211   add                                     line 38    f32[8,1024,2304]
 //   %212   cast                                    line 38    bf16[8,1024,2304]
 // loops:
-//   gemm %209: [8192 x 2304] = [8192 x 768] [768 x 2304], bf16 operands widened to f32, epilogue after
+//   gemm %209: [8192 x 2304] = [8192 x 768] [768 x 2304], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
 //   elementwise over 18874368: %212
 static void k31_gemm__add__cast(char *arena, const MdlHooks *h) {
   float *const b196 = (float *)(arena + 278025216); // %196 param h.4.attn_b f32[2304]
@@ -1610,7 +1684,10 @@ static void k31_gemm__add__cast(char *arena, const MdlHooks *h) {
   uint16_t *const b208 = (uint16_t *)(arena + 2124926976); // %208 cast bf16[768,2304]
   float *const b209 = mdl_scratch(75497472); // %209 matmul f32[8192,2304], kept in this kernel
   uint16_t *const b212 = (uint16_t *)(arena + 4355628160); // %212 cast bf16[8,1024,2304]
-  {
+  if (h->bgemm) {
+    mdl_bgemm(h, 0, 0, 8192, 2304, 768, b207, 768, b208, 2304, 0.0f, b209, 2304);
+  }
+  else {
     float *const w207 = mdl_widen_bf16(b207, 6291456, h->nthreads);
     float *const w208 = mdl_widen_bf16(b208, 1769472, h->nthreads);
     mdl_gemm(h, 0, 0, 8192, 2304, 768, w207, 768, w208, 2304, 0.0f, b209, 2304);
@@ -1741,7 +1818,7 @@ static void k32_attention_fwd__cast__lse(char *arena, const MdlHooks *h) {
 //   %222   add                                     line 39    f32[8,1024,768]
 //   %223   add                h.4.x                line 39    f32[8,1024,768]
 // loops:
-//   gemm %220: [8192 x 768] = [8192 x 768] [768 x 768], bf16 operands widened to f32, epilogue after
+//   gemm %220: [8192 x 768] = [8192 x 768] [768 x 768], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
 //   elementwise over 6291456: %223
 static void k33_gemm__add(char *arena, const MdlHooks *h) {
   float *const b192 = (float *)(arena + 4858944640); // %192 add h.3.x f32[8,1024,768]
@@ -1750,7 +1827,10 @@ static void k33_gemm__add(char *arena, const MdlHooks *h) {
   uint16_t *const b219 = (uint16_t *)(arena + 2128465920); // %219 cast bf16[768,768]
   float *const b223 = (float *)(arena + 4884110464); // %223 add h.4.x f32[8,1024,768]
   float *const b220 = b223; // %220 matmul f32[8192,768]: the GEMM writes into its epilogue's output
-  {
+  if (h->bgemm) {
+    mdl_bgemm(h, 0, 0, 8192, 768, 768, b218, 768, b219, 768, 0.0f, b220, 768);
+  }
+  else {
     float *const w218 = mdl_widen_bf16(b218, 6291456, h->nthreads);
     float *const w219 = mdl_widen_bf16(b219, 589824, h->nthreads);
     mdl_gemm(h, 0, 0, 8192, 768, 768, w218, 768, w219, 768, 0.0f, b220, 768);
@@ -1820,7 +1900,7 @@ static void k34_layernorm_fwd__cast(char *arena, const MdlHooks *h) {
 //   %232   reshape                                 line 40    f32[8192,3072]
 //   %233   cast                                    line 40    bf16[8192,3072]
 // loops:
-//   gemm %228: [8192 x 3072] = [8192 x 768] [768 x 3072], bf16 operands widened to f32, epilogue after
+//   gemm %228: [8192 x 3072] = [8192 x 768] [768 x 3072], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
 //   elementwise over 25165824: %230 %233
 static void k35_gemm__add__gelu__cast(char *arena, const MdlHooks *h) {
   float *const b202 = (float *)(arena + 289840128); // %202 param h.4.fc_b f32[3072]
@@ -1829,7 +1909,10 @@ static void k35_gemm__add__gelu__cast(char *arena, const MdlHooks *h) {
   float *const b230 = (float *)(arena + 2795347072); // %230 add f32[8,1024,3072]
   uint16_t *const b233 = (uint16_t *)(arena + 3801980032); // %233 cast bf16[8192,3072]
   float *const b228 = b230; // %228 matmul f32[8192,3072]: the GEMM writes into its epilogue's output
-  {
+  if (h->bgemm) {
+    mdl_bgemm(h, 0, 0, 8192, 3072, 768, b226, 768, b227, 3072, 0.0f, b228, 3072);
+  }
+  else {
     float *const w226 = mdl_widen_bf16(b226, 6291456, h->nthreads);
     float *const w227 = mdl_widen_bf16(b227, 2359296, h->nthreads);
     mdl_gemm(h, 0, 0, 8192, 3072, 768, w226, 768, w227, 3072, 0.0f, b228, 3072);
@@ -1859,7 +1942,7 @@ static void k35_gemm__add__gelu__cast(char *arena, const MdlHooks *h) {
 //   %237   add                                     line 40    f32[8,1024,768]
 //   %238   add                h.4.x                line 40    f32[8,1024,768]
 // loops:
-//   gemm %235: [8192 x 768] = [8192 x 3072] [3072 x 768], bf16 operands widened to f32, epilogue after
+//   gemm %235: [8192 x 768] = [8192 x 3072] [3072 x 768], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
 //   elementwise over 6291456: %238
 static void k36_gemm__add(char *arena, const MdlHooks *h) {
   float *const b204 = (float *)(arena + 299289600); // %204 param h.4.fcproj_b f32[768]
@@ -1868,7 +1951,10 @@ static void k36_gemm__add(char *arena, const MdlHooks *h) {
   uint16_t *const b234 = (uint16_t *)(arena + 2134364160); // %234 cast bf16[3072,768]
   float *const b238 = (float *)(arena + 4909276288); // %238 add h.4.x f32[8,1024,768]
   float *const b235 = b238; // %235 matmul f32[8192,768]: the GEMM writes into its epilogue's output
-  {
+  if (h->bgemm) {
+    mdl_bgemm(h, 0, 0, 8192, 768, 3072, b233, 3072, b234, 768, 0.0f, b235, 768);
+  }
+  else {
     float *const w233 = mdl_widen_bf16(b233, 25165824, h->nthreads);
     float *const w234 = mdl_widen_bf16(b234, 2359296, h->nthreads);
     mdl_gemm(h, 0, 0, 8192, 768, 3072, w233, 3072, w234, 768, 0.0f, b235, 768);
@@ -1936,7 +2022,7 @@ static void k37_layernorm_fwd__cast(char *arena, const MdlHooks *h) {
 //   %257   add                                     line 38    f32[8,1024,2304]
 //   %258   cast                                    line 38    bf16[8,1024,2304]
 // loops:
-//   gemm %255: [8192 x 2304] = [8192 x 768] [768 x 2304], bf16 operands widened to f32, epilogue after
+//   gemm %255: [8192 x 2304] = [8192 x 768] [768 x 2304], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
 //   elementwise over 18874368: %258
 static void k38_gemm__add__cast(char *arena, const MdlHooks *h) {
   float *const b242 = (float *)(arena + 306376704); // %242 param h.5.attn_b f32[2304]
@@ -1944,7 +2030,10 @@ static void k38_gemm__add__cast(char *arena, const MdlHooks *h) {
   uint16_t *const b254 = (uint16_t *)(arena + 2139082752); // %254 cast bf16[768,2304]
   float *const b255 = mdl_scratch(75497472); // %255 matmul f32[8192,2304], kept in this kernel
   uint16_t *const b258 = (uint16_t *)(arena + 4393376896); // %258 cast bf16[8,1024,2304]
-  {
+  if (h->bgemm) {
+    mdl_bgemm(h, 0, 0, 8192, 2304, 768, b253, 768, b254, 2304, 0.0f, b255, 2304);
+  }
+  else {
     float *const w253 = mdl_widen_bf16(b253, 6291456, h->nthreads);
     float *const w254 = mdl_widen_bf16(b254, 1769472, h->nthreads);
     mdl_gemm(h, 0, 0, 8192, 2304, 768, w253, 768, w254, 2304, 0.0f, b255, 2304);
@@ -2075,7 +2164,7 @@ static void k39_attention_fwd__cast__lse(char *arena, const MdlHooks *h) {
 //   %268   add                                     line 39    f32[8,1024,768]
 //   %269   add                h.5.x                line 39    f32[8,1024,768]
 // loops:
-//   gemm %266: [8192 x 768] = [8192 x 768] [768 x 768], bf16 operands widened to f32, epilogue after
+//   gemm %266: [8192 x 768] = [8192 x 768] [768 x 768], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
 //   elementwise over 6291456: %269
 static void k40_gemm__add(char *arena, const MdlHooks *h) {
   float *const b238 = (float *)(arena + 4909276288); // %238 add h.4.x f32[8,1024,768]
@@ -2084,7 +2173,10 @@ static void k40_gemm__add(char *arena, const MdlHooks *h) {
   uint16_t *const b265 = (uint16_t *)(arena + 2142621696); // %265 cast bf16[768,768]
   float *const b269 = (float *)(arena + 4934442112); // %269 add h.5.x f32[8,1024,768]
   float *const b266 = b269; // %266 matmul f32[8192,768]: the GEMM writes into its epilogue's output
-  {
+  if (h->bgemm) {
+    mdl_bgemm(h, 0, 0, 8192, 768, 768, b264, 768, b265, 768, 0.0f, b266, 768);
+  }
+  else {
     float *const w264 = mdl_widen_bf16(b264, 6291456, h->nthreads);
     float *const w265 = mdl_widen_bf16(b265, 589824, h->nthreads);
     mdl_gemm(h, 0, 0, 8192, 768, 768, w264, 768, w265, 768, 0.0f, b266, 768);
@@ -2154,7 +2246,7 @@ static void k41_layernorm_fwd__cast(char *arena, const MdlHooks *h) {
 //   %278   reshape                                 line 40    f32[8192,3072]
 //   %279   cast                                    line 40    bf16[8192,3072]
 // loops:
-//   gemm %274: [8192 x 3072] = [8192 x 768] [768 x 3072], bf16 operands widened to f32, epilogue after
+//   gemm %274: [8192 x 3072] = [8192 x 768] [768 x 3072], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
 //   elementwise over 25165824: %276 %279
 static void k42_gemm__add__gelu__cast(char *arena, const MdlHooks *h) {
   float *const b248 = (float *)(arena + 318191616); // %248 param h.5.fc_b f32[3072]
@@ -2163,7 +2255,10 @@ static void k42_gemm__add__gelu__cast(char *arena, const MdlHooks *h) {
   float *const b276 = (float *)(arena + 2896010368); // %276 add f32[8,1024,3072]
   uint16_t *const b279 = (uint16_t *)(arena + 3852311680); // %279 cast bf16[8192,3072]
   float *const b274 = b276; // %274 matmul f32[8192,3072]: the GEMM writes into its epilogue's output
-  {
+  if (h->bgemm) {
+    mdl_bgemm(h, 0, 0, 8192, 3072, 768, b272, 768, b273, 3072, 0.0f, b274, 3072);
+  }
+  else {
     float *const w272 = mdl_widen_bf16(b272, 6291456, h->nthreads);
     float *const w273 = mdl_widen_bf16(b273, 2359296, h->nthreads);
     mdl_gemm(h, 0, 0, 8192, 3072, 768, w272, 768, w273, 3072, 0.0f, b274, 3072);
@@ -2193,7 +2288,7 @@ static void k42_gemm__add__gelu__cast(char *arena, const MdlHooks *h) {
 //   %283   add                                     line 40    f32[8,1024,768]
 //   %284   add                h.5.x                line 40    f32[8,1024,768]
 // loops:
-//   gemm %281: [8192 x 768] = [8192 x 3072] [3072 x 768], bf16 operands widened to f32, epilogue after
+//   gemm %281: [8192 x 768] = [8192 x 3072] [3072 x 768], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
 //   elementwise over 6291456: %284
 static void k43_gemm__add(char *arena, const MdlHooks *h) {
   float *const b250 = (float *)(arena + 327641088); // %250 param h.5.fcproj_b f32[768]
@@ -2202,7 +2297,10 @@ static void k43_gemm__add(char *arena, const MdlHooks *h) {
   uint16_t *const b280 = (uint16_t *)(arena + 2148519936); // %280 cast bf16[3072,768]
   float *const b284 = (float *)(arena + 4959607936); // %284 add h.5.x f32[8,1024,768]
   float *const b281 = b284; // %281 matmul f32[8192,768]: the GEMM writes into its epilogue's output
-  {
+  if (h->bgemm) {
+    mdl_bgemm(h, 0, 0, 8192, 768, 3072, b279, 3072, b280, 768, 0.0f, b281, 768);
+  }
+  else {
     float *const w279 = mdl_widen_bf16(b279, 25165824, h->nthreads);
     float *const w280 = mdl_widen_bf16(b280, 2359296, h->nthreads);
     mdl_gemm(h, 0, 0, 8192, 768, 3072, w279, 3072, w280, 768, 0.0f, b281, 768);
@@ -2270,7 +2368,7 @@ static void k44_layernorm_fwd__cast(char *arena, const MdlHooks *h) {
 //   %303   add                                     line 38    f32[8,1024,2304]
 //   %304   cast                                    line 38    bf16[8,1024,2304]
 // loops:
-//   gemm %301: [8192 x 2304] = [8192 x 768] [768 x 2304], bf16 operands widened to f32, epilogue after
+//   gemm %301: [8192 x 2304] = [8192 x 768] [768 x 2304], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
 //   elementwise over 18874368: %304
 static void k45_gemm__add__cast(char *arena, const MdlHooks *h) {
   float *const b288 = (float *)(arena + 334728192); // %288 param h.6.attn_b f32[2304]
@@ -2278,7 +2376,10 @@ static void k45_gemm__add__cast(char *arena, const MdlHooks *h) {
   uint16_t *const b300 = (uint16_t *)(arena + 2153238528); // %300 cast bf16[768,2304]
   float *const b301 = mdl_scratch(75497472); // %301 matmul f32[8192,2304], kept in this kernel
   uint16_t *const b304 = (uint16_t *)(arena + 4431125632); // %304 cast bf16[8,1024,2304]
-  {
+  if (h->bgemm) {
+    mdl_bgemm(h, 0, 0, 8192, 2304, 768, b299, 768, b300, 2304, 0.0f, b301, 2304);
+  }
+  else {
     float *const w299 = mdl_widen_bf16(b299, 6291456, h->nthreads);
     float *const w300 = mdl_widen_bf16(b300, 1769472, h->nthreads);
     mdl_gemm(h, 0, 0, 8192, 2304, 768, w299, 768, w300, 2304, 0.0f, b301, 2304);
@@ -2409,7 +2510,7 @@ static void k46_attention_fwd__cast__lse(char *arena, const MdlHooks *h) {
 //   %314   add                                     line 39    f32[8,1024,768]
 //   %315   add                h.6.x                line 39    f32[8,1024,768]
 // loops:
-//   gemm %312: [8192 x 768] = [8192 x 768] [768 x 768], bf16 operands widened to f32, epilogue after
+//   gemm %312: [8192 x 768] = [8192 x 768] [768 x 768], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
 //   elementwise over 6291456: %315
 static void k47_gemm__add(char *arena, const MdlHooks *h) {
   float *const b284 = (float *)(arena + 4959607936); // %284 add h.5.x f32[8,1024,768]
@@ -2418,7 +2519,10 @@ static void k47_gemm__add(char *arena, const MdlHooks *h) {
   uint16_t *const b311 = (uint16_t *)(arena + 2156777472); // %311 cast bf16[768,768]
   float *const b315 = (float *)(arena + 4984773760); // %315 add h.6.x f32[8,1024,768]
   float *const b312 = b315; // %312 matmul f32[8192,768]: the GEMM writes into its epilogue's output
-  {
+  if (h->bgemm) {
+    mdl_bgemm(h, 0, 0, 8192, 768, 768, b310, 768, b311, 768, 0.0f, b312, 768);
+  }
+  else {
     float *const w310 = mdl_widen_bf16(b310, 6291456, h->nthreads);
     float *const w311 = mdl_widen_bf16(b311, 589824, h->nthreads);
     mdl_gemm(h, 0, 0, 8192, 768, 768, w310, 768, w311, 768, 0.0f, b312, 768);
@@ -2488,7 +2592,7 @@ static void k48_layernorm_fwd__cast(char *arena, const MdlHooks *h) {
 //   %324   reshape                                 line 40    f32[8192,3072]
 //   %325   cast                                    line 40    bf16[8192,3072]
 // loops:
-//   gemm %320: [8192 x 3072] = [8192 x 768] [768 x 3072], bf16 operands widened to f32, epilogue after
+//   gemm %320: [8192 x 3072] = [8192 x 768] [768 x 3072], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
 //   elementwise over 25165824: %322 %325
 static void k49_gemm__add__gelu__cast(char *arena, const MdlHooks *h) {
   float *const b294 = (float *)(arena + 346543104); // %294 param h.6.fc_b f32[3072]
@@ -2497,7 +2601,10 @@ static void k49_gemm__add__gelu__cast(char *arena, const MdlHooks *h) {
   float *const b322 = (float *)(arena + 2996673664); // %322 add f32[8,1024,3072]
   uint16_t *const b325 = (uint16_t *)(arena + 3902643328); // %325 cast bf16[8192,3072]
   float *const b320 = b322; // %320 matmul f32[8192,3072]: the GEMM writes into its epilogue's output
-  {
+  if (h->bgemm) {
+    mdl_bgemm(h, 0, 0, 8192, 3072, 768, b318, 768, b319, 3072, 0.0f, b320, 3072);
+  }
+  else {
     float *const w318 = mdl_widen_bf16(b318, 6291456, h->nthreads);
     float *const w319 = mdl_widen_bf16(b319, 2359296, h->nthreads);
     mdl_gemm(h, 0, 0, 8192, 3072, 768, w318, 768, w319, 3072, 0.0f, b320, 3072);
@@ -2527,7 +2634,7 @@ static void k49_gemm__add__gelu__cast(char *arena, const MdlHooks *h) {
 //   %329   add                                     line 40    f32[8,1024,768]
 //   %330   add                h.6.x                line 40    f32[8,1024,768]
 // loops:
-//   gemm %327: [8192 x 768] = [8192 x 3072] [3072 x 768], bf16 operands widened to f32, epilogue after
+//   gemm %327: [8192 x 768] = [8192 x 3072] [3072 x 768], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
 //   elementwise over 6291456: %330
 static void k50_gemm__add(char *arena, const MdlHooks *h) {
   float *const b296 = (float *)(arena + 355992576); // %296 param h.6.fcproj_b f32[768]
@@ -2536,7 +2643,10 @@ static void k50_gemm__add(char *arena, const MdlHooks *h) {
   uint16_t *const b326 = (uint16_t *)(arena + 2162675712); // %326 cast bf16[3072,768]
   float *const b330 = (float *)(arena + 5009939584); // %330 add h.6.x f32[8,1024,768]
   float *const b327 = b330; // %327 matmul f32[8192,768]: the GEMM writes into its epilogue's output
-  {
+  if (h->bgemm) {
+    mdl_bgemm(h, 0, 0, 8192, 768, 3072, b325, 3072, b326, 768, 0.0f, b327, 768);
+  }
+  else {
     float *const w325 = mdl_widen_bf16(b325, 25165824, h->nthreads);
     float *const w326 = mdl_widen_bf16(b326, 2359296, h->nthreads);
     mdl_gemm(h, 0, 0, 8192, 768, 3072, w325, 3072, w326, 768, 0.0f, b327, 768);
@@ -2604,7 +2714,7 @@ static void k51_layernorm_fwd__cast(char *arena, const MdlHooks *h) {
 //   %349   add                                     line 38    f32[8,1024,2304]
 //   %350   cast                                    line 38    bf16[8,1024,2304]
 // loops:
-//   gemm %347: [8192 x 2304] = [8192 x 768] [768 x 2304], bf16 operands widened to f32, epilogue after
+//   gemm %347: [8192 x 2304] = [8192 x 768] [768 x 2304], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
 //   elementwise over 18874368: %350
 static void k52_gemm__add__cast(char *arena, const MdlHooks *h) {
   float *const b334 = (float *)(arena + 363079680); // %334 param h.7.attn_b f32[2304]
@@ -2612,7 +2722,10 @@ static void k52_gemm__add__cast(char *arena, const MdlHooks *h) {
   uint16_t *const b346 = (uint16_t *)(arena + 2167394304); // %346 cast bf16[768,2304]
   float *const b347 = mdl_scratch(75497472); // %347 matmul f32[8192,2304], kept in this kernel
   uint16_t *const b350 = (uint16_t *)(arena + 4468874368); // %350 cast bf16[8,1024,2304]
-  {
+  if (h->bgemm) {
+    mdl_bgemm(h, 0, 0, 8192, 2304, 768, b345, 768, b346, 2304, 0.0f, b347, 2304);
+  }
+  else {
     float *const w345 = mdl_widen_bf16(b345, 6291456, h->nthreads);
     float *const w346 = mdl_widen_bf16(b346, 1769472, h->nthreads);
     mdl_gemm(h, 0, 0, 8192, 2304, 768, w345, 768, w346, 2304, 0.0f, b347, 2304);
@@ -2743,7 +2856,7 @@ static void k53_attention_fwd__cast__lse(char *arena, const MdlHooks *h) {
 //   %360   add                                     line 39    f32[8,1024,768]
 //   %361   add                h.7.x                line 39    f32[8,1024,768]
 // loops:
-//   gemm %358: [8192 x 768] = [8192 x 768] [768 x 768], bf16 operands widened to f32, epilogue after
+//   gemm %358: [8192 x 768] = [8192 x 768] [768 x 768], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
 //   elementwise over 6291456: %361
 static void k54_gemm__add(char *arena, const MdlHooks *h) {
   float *const b330 = (float *)(arena + 5009939584); // %330 add h.6.x f32[8,1024,768]
@@ -2752,7 +2865,10 @@ static void k54_gemm__add(char *arena, const MdlHooks *h) {
   uint16_t *const b357 = (uint16_t *)(arena + 2170933248); // %357 cast bf16[768,768]
   float *const b361 = (float *)(arena + 5035105408); // %361 add h.7.x f32[8,1024,768]
   float *const b358 = b361; // %358 matmul f32[8192,768]: the GEMM writes into its epilogue's output
-  {
+  if (h->bgemm) {
+    mdl_bgemm(h, 0, 0, 8192, 768, 768, b356, 768, b357, 768, 0.0f, b358, 768);
+  }
+  else {
     float *const w356 = mdl_widen_bf16(b356, 6291456, h->nthreads);
     float *const w357 = mdl_widen_bf16(b357, 589824, h->nthreads);
     mdl_gemm(h, 0, 0, 8192, 768, 768, w356, 768, w357, 768, 0.0f, b358, 768);
@@ -2822,7 +2938,7 @@ static void k55_layernorm_fwd__cast(char *arena, const MdlHooks *h) {
 //   %370   reshape                                 line 40    f32[8192,3072]
 //   %371   cast                                    line 40    bf16[8192,3072]
 // loops:
-//   gemm %366: [8192 x 3072] = [8192 x 768] [768 x 3072], bf16 operands widened to f32, epilogue after
+//   gemm %366: [8192 x 3072] = [8192 x 768] [768 x 3072], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
 //   elementwise over 25165824: %368 %371
 static void k56_gemm__add__gelu__cast(char *arena, const MdlHooks *h) {
   float *const b340 = (float *)(arena + 374894592); // %340 param h.7.fc_b f32[3072]
@@ -2831,7 +2947,10 @@ static void k56_gemm__add__gelu__cast(char *arena, const MdlHooks *h) {
   float *const b368 = (float *)(arena + 3097336960); // %368 add f32[8,1024,3072]
   uint16_t *const b371 = (uint16_t *)(arena + 3952974976); // %371 cast bf16[8192,3072]
   float *const b366 = b368; // %366 matmul f32[8192,3072]: the GEMM writes into its epilogue's output
-  {
+  if (h->bgemm) {
+    mdl_bgemm(h, 0, 0, 8192, 3072, 768, b364, 768, b365, 3072, 0.0f, b366, 3072);
+  }
+  else {
     float *const w364 = mdl_widen_bf16(b364, 6291456, h->nthreads);
     float *const w365 = mdl_widen_bf16(b365, 2359296, h->nthreads);
     mdl_gemm(h, 0, 0, 8192, 3072, 768, w364, 768, w365, 3072, 0.0f, b366, 3072);
@@ -2861,7 +2980,7 @@ static void k56_gemm__add__gelu__cast(char *arena, const MdlHooks *h) {
 //   %375   add                                     line 40    f32[8,1024,768]
 //   %376   add                h.7.x                line 40    f32[8,1024,768]
 // loops:
-//   gemm %373: [8192 x 768] = [8192 x 3072] [3072 x 768], bf16 operands widened to f32, epilogue after
+//   gemm %373: [8192 x 768] = [8192 x 3072] [3072 x 768], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
 //   elementwise over 6291456: %376
 static void k57_gemm__add(char *arena, const MdlHooks *h) {
   float *const b342 = (float *)(arena + 384344064); // %342 param h.7.fcproj_b f32[768]
@@ -2870,7 +2989,10 @@ static void k57_gemm__add(char *arena, const MdlHooks *h) {
   uint16_t *const b372 = (uint16_t *)(arena + 2176831488); // %372 cast bf16[3072,768]
   float *const b376 = (float *)(arena + 5060271232); // %376 add h.7.x f32[8,1024,768]
   float *const b373 = b376; // %373 matmul f32[8192,768]: the GEMM writes into its epilogue's output
-  {
+  if (h->bgemm) {
+    mdl_bgemm(h, 0, 0, 8192, 768, 3072, b371, 3072, b372, 768, 0.0f, b373, 768);
+  }
+  else {
     float *const w371 = mdl_widen_bf16(b371, 25165824, h->nthreads);
     float *const w372 = mdl_widen_bf16(b372, 2359296, h->nthreads);
     mdl_gemm(h, 0, 0, 8192, 768, 3072, w371, 3072, w372, 768, 0.0f, b373, 768);
@@ -2938,7 +3060,7 @@ static void k58_layernorm_fwd__cast(char *arena, const MdlHooks *h) {
 //   %395   add                                     line 38    f32[8,1024,2304]
 //   %396   cast                                    line 38    bf16[8,1024,2304]
 // loops:
-//   gemm %393: [8192 x 2304] = [8192 x 768] [768 x 2304], bf16 operands widened to f32, epilogue after
+//   gemm %393: [8192 x 2304] = [8192 x 768] [768 x 2304], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
 //   elementwise over 18874368: %396
 static void k59_gemm__add__cast(char *arena, const MdlHooks *h) {
   float *const b380 = (float *)(arena + 391431168); // %380 param h.8.attn_b f32[2304]
@@ -2946,7 +3068,10 @@ static void k59_gemm__add__cast(char *arena, const MdlHooks *h) {
   uint16_t *const b392 = (uint16_t *)(arena + 2181550080); // %392 cast bf16[768,2304]
   float *const b393 = mdl_scratch(75497472); // %393 matmul f32[8192,2304], kept in this kernel
   uint16_t *const b396 = (uint16_t *)(arena + 4506623104); // %396 cast bf16[8,1024,2304]
-  {
+  if (h->bgemm) {
+    mdl_bgemm(h, 0, 0, 8192, 2304, 768, b391, 768, b392, 2304, 0.0f, b393, 2304);
+  }
+  else {
     float *const w391 = mdl_widen_bf16(b391, 6291456, h->nthreads);
     float *const w392 = mdl_widen_bf16(b392, 1769472, h->nthreads);
     mdl_gemm(h, 0, 0, 8192, 2304, 768, w391, 768, w392, 2304, 0.0f, b393, 2304);
@@ -3077,7 +3202,7 @@ static void k60_attention_fwd__cast__lse(char *arena, const MdlHooks *h) {
 //   %406   add                                     line 39    f32[8,1024,768]
 //   %407   add                h.8.x                line 39    f32[8,1024,768]
 // loops:
-//   gemm %404: [8192 x 768] = [8192 x 768] [768 x 768], bf16 operands widened to f32, epilogue after
+//   gemm %404: [8192 x 768] = [8192 x 768] [768 x 768], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
 //   elementwise over 6291456: %407
 static void k61_gemm__add(char *arena, const MdlHooks *h) {
   float *const b376 = (float *)(arena + 5060271232); // %376 add h.7.x f32[8,1024,768]
@@ -3086,7 +3211,10 @@ static void k61_gemm__add(char *arena, const MdlHooks *h) {
   uint16_t *const b403 = (uint16_t *)(arena + 2185089024); // %403 cast bf16[768,768]
   float *const b407 = (float *)(arena + 5085437056); // %407 add h.8.x f32[8,1024,768]
   float *const b404 = b407; // %404 matmul f32[8192,768]: the GEMM writes into its epilogue's output
-  {
+  if (h->bgemm) {
+    mdl_bgemm(h, 0, 0, 8192, 768, 768, b402, 768, b403, 768, 0.0f, b404, 768);
+  }
+  else {
     float *const w402 = mdl_widen_bf16(b402, 6291456, h->nthreads);
     float *const w403 = mdl_widen_bf16(b403, 589824, h->nthreads);
     mdl_gemm(h, 0, 0, 8192, 768, 768, w402, 768, w403, 768, 0.0f, b404, 768);
@@ -3156,7 +3284,7 @@ static void k62_layernorm_fwd__cast(char *arena, const MdlHooks *h) {
 //   %416   reshape                                 line 40    f32[8192,3072]
 //   %417   cast                                    line 40    bf16[8192,3072]
 // loops:
-//   gemm %412: [8192 x 3072] = [8192 x 768] [768 x 3072], bf16 operands widened to f32, epilogue after
+//   gemm %412: [8192 x 3072] = [8192 x 768] [768 x 3072], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
 //   elementwise over 25165824: %414 %417
 static void k63_gemm__add__gelu__cast(char *arena, const MdlHooks *h) {
   float *const b386 = (float *)(arena + 403246080); // %386 param h.8.fc_b f32[3072]
@@ -3165,7 +3293,10 @@ static void k63_gemm__add__gelu__cast(char *arena, const MdlHooks *h) {
   float *const b414 = (float *)(arena + 3198000256); // %414 add f32[8,1024,3072]
   uint16_t *const b417 = (uint16_t *)(arena + 4003306624); // %417 cast bf16[8192,3072]
   float *const b412 = b414; // %412 matmul f32[8192,3072]: the GEMM writes into its epilogue's output
-  {
+  if (h->bgemm) {
+    mdl_bgemm(h, 0, 0, 8192, 3072, 768, b410, 768, b411, 3072, 0.0f, b412, 3072);
+  }
+  else {
     float *const w410 = mdl_widen_bf16(b410, 6291456, h->nthreads);
     float *const w411 = mdl_widen_bf16(b411, 2359296, h->nthreads);
     mdl_gemm(h, 0, 0, 8192, 3072, 768, w410, 768, w411, 3072, 0.0f, b412, 3072);
@@ -3195,7 +3326,7 @@ static void k63_gemm__add__gelu__cast(char *arena, const MdlHooks *h) {
 //   %421   add                                     line 40    f32[8,1024,768]
 //   %422   add                h.8.x                line 40    f32[8,1024,768]
 // loops:
-//   gemm %419: [8192 x 768] = [8192 x 3072] [3072 x 768], bf16 operands widened to f32, epilogue after
+//   gemm %419: [8192 x 768] = [8192 x 3072] [3072 x 768], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
 //   elementwise over 6291456: %422
 static void k64_gemm__add(char *arena, const MdlHooks *h) {
   float *const b388 = (float *)(arena + 412695552); // %388 param h.8.fcproj_b f32[768]
@@ -3204,7 +3335,10 @@ static void k64_gemm__add(char *arena, const MdlHooks *h) {
   uint16_t *const b418 = (uint16_t *)(arena + 2190987264); // %418 cast bf16[3072,768]
   float *const b422 = (float *)(arena + 5110602880); // %422 add h.8.x f32[8,1024,768]
   float *const b419 = b422; // %419 matmul f32[8192,768]: the GEMM writes into its epilogue's output
-  {
+  if (h->bgemm) {
+    mdl_bgemm(h, 0, 0, 8192, 768, 3072, b417, 3072, b418, 768, 0.0f, b419, 768);
+  }
+  else {
     float *const w417 = mdl_widen_bf16(b417, 25165824, h->nthreads);
     float *const w418 = mdl_widen_bf16(b418, 2359296, h->nthreads);
     mdl_gemm(h, 0, 0, 8192, 768, 3072, w417, 3072, w418, 768, 0.0f, b419, 768);
@@ -3272,7 +3406,7 @@ static void k65_layernorm_fwd__cast(char *arena, const MdlHooks *h) {
 //   %441   add                                     line 38    f32[8,1024,2304]
 //   %442   cast                                    line 38    bf16[8,1024,2304]
 // loops:
-//   gemm %439: [8192 x 2304] = [8192 x 768] [768 x 2304], bf16 operands widened to f32, epilogue after
+//   gemm %439: [8192 x 2304] = [8192 x 768] [768 x 2304], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
 //   elementwise over 18874368: %442
 static void k66_gemm__add__cast(char *arena, const MdlHooks *h) {
   float *const b426 = (float *)(arena + 419782656); // %426 param h.9.attn_b f32[2304]
@@ -3280,7 +3414,10 @@ static void k66_gemm__add__cast(char *arena, const MdlHooks *h) {
   uint16_t *const b438 = (uint16_t *)(arena + 2195705856); // %438 cast bf16[768,2304]
   float *const b439 = mdl_scratch(75497472); // %439 matmul f32[8192,2304], kept in this kernel
   uint16_t *const b442 = (uint16_t *)(arena + 4544371840); // %442 cast bf16[8,1024,2304]
-  {
+  if (h->bgemm) {
+    mdl_bgemm(h, 0, 0, 8192, 2304, 768, b437, 768, b438, 2304, 0.0f, b439, 2304);
+  }
+  else {
     float *const w437 = mdl_widen_bf16(b437, 6291456, h->nthreads);
     float *const w438 = mdl_widen_bf16(b438, 1769472, h->nthreads);
     mdl_gemm(h, 0, 0, 8192, 2304, 768, w437, 768, w438, 2304, 0.0f, b439, 2304);
@@ -3411,7 +3548,7 @@ static void k67_attention_fwd__cast__lse(char *arena, const MdlHooks *h) {
 //   %452   add                                     line 39    f32[8,1024,768]
 //   %453   add                h.9.x                line 39    f32[8,1024,768]
 // loops:
-//   gemm %450: [8192 x 768] = [8192 x 768] [768 x 768], bf16 operands widened to f32, epilogue after
+//   gemm %450: [8192 x 768] = [8192 x 768] [768 x 768], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
 //   elementwise over 6291456: %453
 static void k68_gemm__add(char *arena, const MdlHooks *h) {
   float *const b422 = (float *)(arena + 5110602880); // %422 add h.8.x f32[8,1024,768]
@@ -3420,7 +3557,10 @@ static void k68_gemm__add(char *arena, const MdlHooks *h) {
   uint16_t *const b449 = (uint16_t *)(arena + 2199244800); // %449 cast bf16[768,768]
   float *const b453 = (float *)(arena + 5135768704); // %453 add h.9.x f32[8,1024,768]
   float *const b450 = b453; // %450 matmul f32[8192,768]: the GEMM writes into its epilogue's output
-  {
+  if (h->bgemm) {
+    mdl_bgemm(h, 0, 0, 8192, 768, 768, b448, 768, b449, 768, 0.0f, b450, 768);
+  }
+  else {
     float *const w448 = mdl_widen_bf16(b448, 6291456, h->nthreads);
     float *const w449 = mdl_widen_bf16(b449, 589824, h->nthreads);
     mdl_gemm(h, 0, 0, 8192, 768, 768, w448, 768, w449, 768, 0.0f, b450, 768);
@@ -3490,7 +3630,7 @@ static void k69_layernorm_fwd__cast(char *arena, const MdlHooks *h) {
 //   %462   reshape                                 line 40    f32[8192,3072]
 //   %463   cast                                    line 40    bf16[8192,3072]
 // loops:
-//   gemm %458: [8192 x 3072] = [8192 x 768] [768 x 3072], bf16 operands widened to f32, epilogue after
+//   gemm %458: [8192 x 3072] = [8192 x 768] [768 x 3072], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
 //   elementwise over 25165824: %460 %463
 static void k70_gemm__add__gelu__cast(char *arena, const MdlHooks *h) {
   float *const b432 = (float *)(arena + 431597568); // %432 param h.9.fc_b f32[3072]
@@ -3499,7 +3639,10 @@ static void k70_gemm__add__gelu__cast(char *arena, const MdlHooks *h) {
   float *const b460 = (float *)(arena + 3298663552); // %460 add f32[8,1024,3072]
   uint16_t *const b463 = (uint16_t *)(arena + 4053638272); // %463 cast bf16[8192,3072]
   float *const b458 = b460; // %458 matmul f32[8192,3072]: the GEMM writes into its epilogue's output
-  {
+  if (h->bgemm) {
+    mdl_bgemm(h, 0, 0, 8192, 3072, 768, b456, 768, b457, 3072, 0.0f, b458, 3072);
+  }
+  else {
     float *const w456 = mdl_widen_bf16(b456, 6291456, h->nthreads);
     float *const w457 = mdl_widen_bf16(b457, 2359296, h->nthreads);
     mdl_gemm(h, 0, 0, 8192, 3072, 768, w456, 768, w457, 3072, 0.0f, b458, 3072);
@@ -3529,7 +3672,7 @@ static void k70_gemm__add__gelu__cast(char *arena, const MdlHooks *h) {
 //   %467   add                                     line 40    f32[8,1024,768]
 //   %468   add                h.9.x                line 40    f32[8,1024,768]
 // loops:
-//   gemm %465: [8192 x 768] = [8192 x 3072] [3072 x 768], bf16 operands widened to f32, epilogue after
+//   gemm %465: [8192 x 768] = [8192 x 3072] [3072 x 768], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
 //   elementwise over 6291456: %468
 static void k71_gemm__add(char *arena, const MdlHooks *h) {
   float *const b434 = (float *)(arena + 441047040); // %434 param h.9.fcproj_b f32[768]
@@ -3538,7 +3681,10 @@ static void k71_gemm__add(char *arena, const MdlHooks *h) {
   uint16_t *const b464 = (uint16_t *)(arena + 2205143040); // %464 cast bf16[3072,768]
   float *const b468 = (float *)(arena + 5160934528); // %468 add h.9.x f32[8,1024,768]
   float *const b465 = b468; // %465 matmul f32[8192,768]: the GEMM writes into its epilogue's output
-  {
+  if (h->bgemm) {
+    mdl_bgemm(h, 0, 0, 8192, 768, 3072, b463, 3072, b464, 768, 0.0f, b465, 768);
+  }
+  else {
     float *const w463 = mdl_widen_bf16(b463, 25165824, h->nthreads);
     float *const w464 = mdl_widen_bf16(b464, 2359296, h->nthreads);
     mdl_gemm(h, 0, 0, 8192, 768, 3072, w463, 3072, w464, 768, 0.0f, b465, 768);
@@ -3606,7 +3752,7 @@ static void k72_layernorm_fwd__cast(char *arena, const MdlHooks *h) {
 //   %487   add                                     line 38    f32[8,1024,2304]
 //   %488   cast                                    line 38    bf16[8,1024,2304]
 // loops:
-//   gemm %485: [8192 x 2304] = [8192 x 768] [768 x 2304], bf16 operands widened to f32, epilogue after
+//   gemm %485: [8192 x 2304] = [8192 x 768] [768 x 2304], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
 //   elementwise over 18874368: %488
 static void k73_gemm__add__cast(char *arena, const MdlHooks *h) {
   float *const b472 = (float *)(arena + 448134144); // %472 param h.10.attn_b f32[2304]
@@ -3614,7 +3760,10 @@ static void k73_gemm__add__cast(char *arena, const MdlHooks *h) {
   uint16_t *const b484 = (uint16_t *)(arena + 2209861632); // %484 cast bf16[768,2304]
   float *const b485 = mdl_scratch(75497472); // %485 matmul f32[8192,2304], kept in this kernel
   uint16_t *const b488 = (uint16_t *)(arena + 4582120576); // %488 cast bf16[8,1024,2304]
-  {
+  if (h->bgemm) {
+    mdl_bgemm(h, 0, 0, 8192, 2304, 768, b483, 768, b484, 2304, 0.0f, b485, 2304);
+  }
+  else {
     float *const w483 = mdl_widen_bf16(b483, 6291456, h->nthreads);
     float *const w484 = mdl_widen_bf16(b484, 1769472, h->nthreads);
     mdl_gemm(h, 0, 0, 8192, 2304, 768, w483, 768, w484, 2304, 0.0f, b485, 2304);
@@ -3745,7 +3894,7 @@ static void k74_attention_fwd__cast__lse(char *arena, const MdlHooks *h) {
 //   %498   add                                     line 39    f32[8,1024,768]
 //   %499   add                h.10.x               line 39    f32[8,1024,768]
 // loops:
-//   gemm %496: [8192 x 768] = [8192 x 768] [768 x 768], bf16 operands widened to f32, epilogue after
+//   gemm %496: [8192 x 768] = [8192 x 768] [768 x 768], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
 //   elementwise over 6291456: %499
 static void k75_gemm__add(char *arena, const MdlHooks *h) {
   float *const b468 = (float *)(arena + 5160934528); // %468 add h.9.x f32[8,1024,768]
@@ -3754,7 +3903,10 @@ static void k75_gemm__add(char *arena, const MdlHooks *h) {
   uint16_t *const b495 = (uint16_t *)(arena + 2213400576); // %495 cast bf16[768,768]
   float *const b499 = (float *)(arena + 5186100352); // %499 add h.10.x f32[8,1024,768]
   float *const b496 = b499; // %496 matmul f32[8192,768]: the GEMM writes into its epilogue's output
-  {
+  if (h->bgemm) {
+    mdl_bgemm(h, 0, 0, 8192, 768, 768, b494, 768, b495, 768, 0.0f, b496, 768);
+  }
+  else {
     float *const w494 = mdl_widen_bf16(b494, 6291456, h->nthreads);
     float *const w495 = mdl_widen_bf16(b495, 589824, h->nthreads);
     mdl_gemm(h, 0, 0, 8192, 768, 768, w494, 768, w495, 768, 0.0f, b496, 768);
@@ -3824,7 +3976,7 @@ static void k76_layernorm_fwd__cast(char *arena, const MdlHooks *h) {
 //   %508   reshape                                 line 40    f32[8192,3072]
 //   %509   cast                                    line 40    bf16[8192,3072]
 // loops:
-//   gemm %504: [8192 x 3072] = [8192 x 768] [768 x 3072], bf16 operands widened to f32, epilogue after
+//   gemm %504: [8192 x 3072] = [8192 x 768] [768 x 3072], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
 //   elementwise over 25165824: %506 %509
 static void k77_gemm__add__gelu__cast(char *arena, const MdlHooks *h) {
   float *const b478 = (float *)(arena + 459949056); // %478 param h.10.fc_b f32[3072]
@@ -3833,7 +3985,10 @@ static void k77_gemm__add__gelu__cast(char *arena, const MdlHooks *h) {
   float *const b506 = (float *)(arena + 3399326848); // %506 add f32[8,1024,3072]
   uint16_t *const b509 = (uint16_t *)(arena + 4103969920); // %509 cast bf16[8192,3072]
   float *const b504 = b506; // %504 matmul f32[8192,3072]: the GEMM writes into its epilogue's output
-  {
+  if (h->bgemm) {
+    mdl_bgemm(h, 0, 0, 8192, 3072, 768, b502, 768, b503, 3072, 0.0f, b504, 3072);
+  }
+  else {
     float *const w502 = mdl_widen_bf16(b502, 6291456, h->nthreads);
     float *const w503 = mdl_widen_bf16(b503, 2359296, h->nthreads);
     mdl_gemm(h, 0, 0, 8192, 3072, 768, w502, 768, w503, 3072, 0.0f, b504, 3072);
@@ -3863,7 +4018,7 @@ static void k77_gemm__add__gelu__cast(char *arena, const MdlHooks *h) {
 //   %513   add                                     line 40    f32[8,1024,768]
 //   %514   add                h.10.x               line 40    f32[8,1024,768]
 // loops:
-//   gemm %511: [8192 x 768] = [8192 x 3072] [3072 x 768], bf16 operands widened to f32, epilogue after
+//   gemm %511: [8192 x 768] = [8192 x 3072] [3072 x 768], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
 //   elementwise over 6291456: %514
 static void k78_gemm__add(char *arena, const MdlHooks *h) {
   float *const b480 = (float *)(arena + 469398528); // %480 param h.10.fcproj_b f32[768]
@@ -3872,7 +4027,10 @@ static void k78_gemm__add(char *arena, const MdlHooks *h) {
   uint16_t *const b510 = (uint16_t *)(arena + 2219298816); // %510 cast bf16[3072,768]
   float *const b514 = (float *)(arena + 5211266176); // %514 add h.10.x f32[8,1024,768]
   float *const b511 = b514; // %511 matmul f32[8192,768]: the GEMM writes into its epilogue's output
-  {
+  if (h->bgemm) {
+    mdl_bgemm(h, 0, 0, 8192, 768, 3072, b509, 3072, b510, 768, 0.0f, b511, 768);
+  }
+  else {
     float *const w509 = mdl_widen_bf16(b509, 25165824, h->nthreads);
     float *const w510 = mdl_widen_bf16(b510, 2359296, h->nthreads);
     mdl_gemm(h, 0, 0, 8192, 768, 3072, w509, 3072, w510, 768, 0.0f, b511, 768);
@@ -3940,7 +4098,7 @@ static void k79_layernorm_fwd__cast(char *arena, const MdlHooks *h) {
 //   %533   add                                     line 38    f32[8,1024,2304]
 //   %534   cast                                    line 38    bf16[8,1024,2304]
 // loops:
-//   gemm %531: [8192 x 2304] = [8192 x 768] [768 x 2304], bf16 operands widened to f32, epilogue after
+//   gemm %531: [8192 x 2304] = [8192 x 768] [768 x 2304], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
 //   elementwise over 18874368: %534
 static void k80_gemm__add__cast(char *arena, const MdlHooks *h) {
   float *const b518 = (float *)(arena + 476485632); // %518 param h.11.attn_b f32[2304]
@@ -3948,7 +4106,10 @@ static void k80_gemm__add__cast(char *arena, const MdlHooks *h) {
   uint16_t *const b530 = (uint16_t *)(arena + 2224017408); // %530 cast bf16[768,2304]
   float *const b531 = mdl_scratch(75497472); // %531 matmul f32[8192,2304], kept in this kernel
   uint16_t *const b534 = (uint16_t *)(arena + 4619869312); // %534 cast bf16[8,1024,2304]
-  {
+  if (h->bgemm) {
+    mdl_bgemm(h, 0, 0, 8192, 2304, 768, b529, 768, b530, 2304, 0.0f, b531, 2304);
+  }
+  else {
     float *const w529 = mdl_widen_bf16(b529, 6291456, h->nthreads);
     float *const w530 = mdl_widen_bf16(b530, 1769472, h->nthreads);
     mdl_gemm(h, 0, 0, 8192, 2304, 768, w529, 768, w530, 2304, 0.0f, b531, 2304);
@@ -4079,7 +4240,7 @@ static void k81_attention_fwd__cast__lse(char *arena, const MdlHooks *h) {
 //   %544   add                                     line 39    f32[8,1024,768]
 //   %545   add                h.11.x               line 39    f32[8,1024,768]
 // loops:
-//   gemm %542: [8192 x 768] = [8192 x 768] [768 x 768], bf16 operands widened to f32, epilogue after
+//   gemm %542: [8192 x 768] = [8192 x 768] [768 x 768], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
 //   elementwise over 6291456: %545
 static void k82_gemm__add(char *arena, const MdlHooks *h) {
   float *const b514 = (float *)(arena + 5211266176); // %514 add h.10.x f32[8,1024,768]
@@ -4088,7 +4249,10 @@ static void k82_gemm__add(char *arena, const MdlHooks *h) {
   uint16_t *const b541 = (uint16_t *)(arena + 2227556352); // %541 cast bf16[768,768]
   float *const b545 = (float *)(arena + 5236432000); // %545 add h.11.x f32[8,1024,768]
   float *const b542 = b545; // %542 matmul f32[8192,768]: the GEMM writes into its epilogue's output
-  {
+  if (h->bgemm) {
+    mdl_bgemm(h, 0, 0, 8192, 768, 768, b540, 768, b541, 768, 0.0f, b542, 768);
+  }
+  else {
     float *const w540 = mdl_widen_bf16(b540, 6291456, h->nthreads);
     float *const w541 = mdl_widen_bf16(b541, 589824, h->nthreads);
     mdl_gemm(h, 0, 0, 8192, 768, 768, w540, 768, w541, 768, 0.0f, b542, 768);
@@ -4158,7 +4322,7 @@ static void k83_layernorm_fwd__cast(char *arena, const MdlHooks *h) {
 //   %554   reshape                                 line 40    f32[8192,3072]
 //   %555   cast                                    line 40    bf16[8192,3072]
 // loops:
-//   gemm %550: [8192 x 3072] = [8192 x 768] [768 x 3072], bf16 operands widened to f32, epilogue after
+//   gemm %550: [8192 x 3072] = [8192 x 768] [768 x 3072], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
 //   elementwise over 25165824: %552 %555
 static void k84_gemm__add__gelu__cast(char *arena, const MdlHooks *h) {
   float *const b524 = (float *)(arena + 488300544); // %524 param h.11.fc_b f32[3072]
@@ -4167,7 +4331,10 @@ static void k84_gemm__add__gelu__cast(char *arena, const MdlHooks *h) {
   float *const b552 = (float *)(arena + 3499990144); // %552 add f32[8,1024,3072]
   uint16_t *const b555 = (uint16_t *)(arena + 4154301568); // %555 cast bf16[8192,3072]
   float *const b550 = b552; // %550 matmul f32[8192,3072]: the GEMM writes into its epilogue's output
-  {
+  if (h->bgemm) {
+    mdl_bgemm(h, 0, 0, 8192, 3072, 768, b548, 768, b549, 3072, 0.0f, b550, 3072);
+  }
+  else {
     float *const w548 = mdl_widen_bf16(b548, 6291456, h->nthreads);
     float *const w549 = mdl_widen_bf16(b549, 2359296, h->nthreads);
     mdl_gemm(h, 0, 0, 8192, 3072, 768, w548, 768, w549, 3072, 0.0f, b550, 3072);
@@ -4197,7 +4364,7 @@ static void k84_gemm__add__gelu__cast(char *arena, const MdlHooks *h) {
 //   %559   add                                     line 40    f32[8,1024,768]
 //   %560   add                h.11.x               line 40    f32[8,1024,768]
 // loops:
-//   gemm %557: [8192 x 768] = [8192 x 3072] [3072 x 768], bf16 operands widened to f32, epilogue after
+//   gemm %557: [8192 x 768] = [8192 x 3072] [3072 x 768], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
 //   elementwise over 6291456: %560
 static void k85_gemm__add(char *arena, const MdlHooks *h) {
   float *const b526 = (float *)(arena + 497750016); // %526 param h.11.fcproj_b f32[768]
@@ -4206,7 +4373,10 @@ static void k85_gemm__add(char *arena, const MdlHooks *h) {
   uint16_t *const b556 = (uint16_t *)(arena + 2233454592); // %556 cast bf16[3072,768]
   float *const b560 = (float *)(arena + 5261597824); // %560 add h.11.x f32[8,1024,768]
   float *const b557 = b560; // %557 matmul f32[8192,768]: the GEMM writes into its epilogue's output
-  {
+  if (h->bgemm) {
+    mdl_bgemm(h, 0, 0, 8192, 768, 3072, b555, 3072, b556, 768, 0.0f, b557, 768);
+  }
+  else {
     float *const w555 = mdl_widen_bf16(b555, 25165824, h->nthreads);
     float *const w556 = mdl_widen_bf16(b556, 2359296, h->nthreads);
     mdl_gemm(h, 0, 0, 8192, 768, 3072, w555, 3072, w556, 768, 0.0f, b557, 768);
@@ -4305,48 +4475,95 @@ static void k88_lmhead__cast__cross_entropy__cross_entropy_bwd__gemm(char *arena
   float *const b577 = (float *)(arena + 5324512384); // %577 broadcast f32[8192]
   float *const b582 = (float *)(arena + 5286763648); // %582 matmul f32[8192,768]
   float *const b583 = (float *)(arena + 2238304384); // %583 matmul f32[50257,768]
-  float *const w565 = mdl_widen_bf16(b565, 6291456, h->nthreads);
-  float *const w566 = mdl_widen_bf16(b566, 38597376, h->nthreads);
-  float *logits = mdl_scratch(16082240 * sizeof(float));
-  for (int64_t r0 = 0; r0 < 8192; r0 += 320) {
-    const int64_t rn = 8192 - r0 < 320 ? 8192 - r0 : 320;
-    mdl_gemm(h, 0, 1, rn, 50257, 768, w565 + r0 * 768, 768, w566, 768, 0.0f, logits, 50257);
-    #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-    for (int64_t i = 0; i < rn; i++) {
-      const int64_t r = r0 + i;
-      float *x = logits + i * 50257;
-      float *dx = logits + i * 50257;
-      const int32_t t = b1[r];
-      for (int64_t j = 0; j < 50257; j++)
-        x[j] = mdl_bf16_to_f32(mdl_f32_to_bf16(x[j]));
-      if (t < 0 || t >= 50257) {
-        if (t >= 50257)
-          h->error(h->ctx, "cross_entropy: target", t, 50257);
-        b570[r] = 0.0f;
-        memset(dx, 0, 50257 * sizeof(float));
-        continue;
+  if (h->bgemm) {
+    float *logits = mdl_scratch(16082240 * sizeof(float));
+    uint16_t *dl16 = mdl_scratch(16082240 * sizeof(uint16_t));
+    for (int64_t r0 = 0; r0 < 8192; r0 += 320) {
+      const int64_t rn = 8192 - r0 < 320 ? 8192 - r0 : 320;
+      mdl_bgemm(h, 0, 1, rn, 50257, 768, b565 + r0 * 768, 768, b566, 768, 0.0f, logits, 50257);
+      #pragma omp parallel for num_threads(h->nthreads) schedule(static)
+      for (int64_t i = 0; i < rn; i++) {
+        const int64_t r = r0 + i;
+        float *x = logits + i * 50257;
+        float *dx = logits + i * 50257;
+        const int32_t t = b1[r];
+        for (int64_t j = 0; j < 50257; j++)
+          x[j] = mdl_bf16_to_f32(mdl_f32_to_bf16(x[j]));
+        if (t < 0 || t >= 50257) {
+          if (t >= 50257)
+            h->error(h->ctx, "cross_entropy: target", t, 50257);
+          b570[r] = 0.0f;
+          memset(dx, 0, 50257 * sizeof(float));
+          continue;
+        }
+        const float xt = x[t]; // before dx, which may be x itself, is written
+        float m = -INFINITY;
+        for (int64_t j = 0; j < 50257; j++)
+          m = fmaxf(m, x[j]);
+        double sum = 0;
+        #pragma omp simd reduction(+ : sum)
+        for (int64_t j = 0; j < 50257; j++) {
+          dx[j] = mdl_exp_shifted(x[j] - m);
+          sum += dx[j];
+        }
+        b570[r] = (float)(m + log(sum) - xt);
+        const double g = b577[r], inv = 1.0 / sum;
+        for (int64_t j = 0; j < 50257; j++)
+          dx[j] = mdl_bf16_to_f32(mdl_f32_to_bf16((float)(g * (dx[j] * inv - (j == t)))));
       }
-      const float xt = x[t]; // before dx, which may be x itself, is written
-      float m = -INFINITY;
-      for (int64_t j = 0; j < 50257; j++)
-        m = fmaxf(m, x[j]);
-      double sum = 0;
-      #pragma omp simd reduction(+ : sum)
-      for (int64_t j = 0; j < 50257; j++) {
-        dx[j] = mdl_exp_shifted(x[j] - m);
-        sum += dx[j];
-      }
-      b570[r] = (float)(m + log(sum) - xt);
-      const double g = b577[r], inv = 1.0 / sum;
-      for (int64_t j = 0; j < 50257; j++)
-        dx[j] = mdl_bf16_to_f32(mdl_f32_to_bf16((float)(g * (dx[j] * inv - (j == t)))));
+      #pragma omp parallel for num_threads(h->nthreads) schedule(static)
+      for (int64_t i = 0; i < rn * 50257; i++)
+        dl16[i] = mdl_f32_to_bf16(logits[i]);
+      mdl_bgemm(h, 0, 0, rn, 768, 50257, dl16, 50257, b566, 768, 0.0f, b582 + r0 * 768, 768);
+      mdl_bgemm(h, 1, 0, 50257, 768, rn, dl16, 50257, b565 + r0 * 768, 768, r0 ? 1.0f : 0.0f, b583, 768);
     }
-    mdl_gemm(h, 0, 0, rn, 768, 50257, logits, 50257, w566, 768, 0.0f, b582 + r0 * 768, 768);
-    mdl_gemm(h, 1, 0, 50257, 768, rn, logits, 50257, w565 + r0 * 768, 768, r0 ? 1.0f : 0.0f, b583, 768);
+    free(logits);
+    free(dl16);
   }
-  free(logits);
-  free(w565);
-  free(w566);
+  else {
+    float *const w565 = mdl_widen_bf16(b565, 6291456, h->nthreads);
+    float *const w566 = mdl_widen_bf16(b566, 38597376, h->nthreads);
+    float *logits = mdl_scratch(16082240 * sizeof(float));
+    for (int64_t r0 = 0; r0 < 8192; r0 += 320) {
+      const int64_t rn = 8192 - r0 < 320 ? 8192 - r0 : 320;
+      mdl_gemm(h, 0, 1, rn, 50257, 768, w565 + r0 * 768, 768, w566, 768, 0.0f, logits, 50257);
+      #pragma omp parallel for num_threads(h->nthreads) schedule(static)
+      for (int64_t i = 0; i < rn; i++) {
+        const int64_t r = r0 + i;
+        float *x = logits + i * 50257;
+        float *dx = logits + i * 50257;
+        const int32_t t = b1[r];
+        for (int64_t j = 0; j < 50257; j++)
+          x[j] = mdl_bf16_to_f32(mdl_f32_to_bf16(x[j]));
+        if (t < 0 || t >= 50257) {
+          if (t >= 50257)
+            h->error(h->ctx, "cross_entropy: target", t, 50257);
+          b570[r] = 0.0f;
+          memset(dx, 0, 50257 * sizeof(float));
+          continue;
+        }
+        const float xt = x[t]; // before dx, which may be x itself, is written
+        float m = -INFINITY;
+        for (int64_t j = 0; j < 50257; j++)
+          m = fmaxf(m, x[j]);
+        double sum = 0;
+        #pragma omp simd reduction(+ : sum)
+        for (int64_t j = 0; j < 50257; j++) {
+          dx[j] = mdl_exp_shifted(x[j] - m);
+          sum += dx[j];
+        }
+        b570[r] = (float)(m + log(sum) - xt);
+        const double g = b577[r], inv = 1.0 / sum;
+        for (int64_t j = 0; j < 50257; j++)
+          dx[j] = mdl_bf16_to_f32(mdl_f32_to_bf16((float)(g * (dx[j] * inv - (j == t)))));
+      }
+      mdl_gemm(h, 0, 0, rn, 768, 50257, logits, 50257, w566, 768, 0.0f, b582 + r0 * 768, 768);
+      mdl_gemm(h, 1, 0, 50257, 768, rn, logits, 50257, w565 + r0 * 768, 768, r0 ? 1.0f : 0.0f, b583, 768);
+    }
+    free(logits);
+    free(w565);
+    free(w566);
+  }
 }
 
 // k89_mean: kernel, 1 op
@@ -4465,12 +4682,15 @@ static void k90_layernorm_bwd__sum__cast(char *arena, const MdlHooks *h) {
 // k91_gemm: GEMM, 1 op
 //   %592   matmul             d.h.11.fcproj_w      line 40    f32[3072,768]
 // loops:
-//   gemm %592: [3072 x 768] = T[3072 x 8192] [8192 x 768], bf16 operands widened to f32
+//   gemm %592: [3072 x 768] = T[3072 x 8192] [8192 x 768], bf16 operands (widened to f32 where the library has no bf16 GEMM)
 static void k91_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b555 = (uint16_t *)(arena + 4154301568); // %555 cast bf16[8192,3072]
   uint16_t *const b590 = (uint16_t *)(arena + 5790080128); // %590 cast bf16[8192,768]
   float *const b592 = (float *)(arena + 986072064); // %592 matmul d.h.11.fcproj_w f32[3072,768]
-  {
+  if (h->bgemm) {
+    mdl_bgemm(h, 1, 0, 3072, 768, 8192, b555, 3072, b590, 768, 0.0f, b592, 768);
+  }
+  else {
     float *const w555 = mdl_widen_bf16(b555, 25165824, h->nthreads);
     float *const w590 = mdl_widen_bf16(b590, 6291456, h->nthreads);
     mdl_gemm(h, 1, 0, 3072, 768, 8192, w555, 3072, w590, 768, 0.0f, b592, 768);
@@ -4487,7 +4707,7 @@ static void k91_gemm(char *arena, const MdlHooks *h) {
 //   %596   sum                d.h.11.fc_b          line 40    f32[3072]
 //   %597   cast                                    line 40    bf16[8192,3072]
 // loops:
-//   gemm %591: [8192 x 3072] = [8192 x 768] T[768 x 3072], bf16 operands widened to f32, epilogue after
+//   gemm %591: [8192 x 3072] = [8192 x 768] T[768 x 3072], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
 //   sum %596: 3072 outputs over 8192 elements, in 64 blocks of 128
 static void k92_gemm__gelu_bwd__sum__cast(char *arena, const MdlHooks *h) {
   float *const b552 = (float *)(arena + 3499990144); // %552 add f32[8,1024,3072]
@@ -4496,7 +4716,10 @@ static void k92_gemm__gelu_bwd__sum__cast(char *arena, const MdlHooks *h) {
   float *const b591 = mdl_scratch(100663296); // %591 matmul f32[8192,3072], kept in this kernel
   float *const b596 = (float *)(arena + 986059776); // %596 sum d.h.11.fc_b f32[3072]
   uint16_t *const b597 = (uint16_t *)(arena + 4154301568); // %597 cast bf16[8192,3072]
-  {
+  if (h->bgemm) {
+    mdl_bgemm(h, 0, 1, 8192, 3072, 768, b590, 768, b556, 768, 0.0f, b591, 3072);
+  }
+  else {
     float *const w590 = mdl_widen_bf16(b590, 6291456, h->nthreads);
     float *const w556 = mdl_widen_bf16(b556, 2359296, h->nthreads);
     mdl_gemm(h, 0, 1, 8192, 3072, 768, w590, 768, w556, 768, 0.0f, b591, 3072);
@@ -4542,12 +4765,15 @@ static void k92_gemm__gelu_bwd__sum__cast(char *arena, const MdlHooks *h) {
 // k93_gemm: GEMM, 1 op
 //   %598   matmul                                  line 40    f32[8192,768]
 // loops:
-//   gemm %598: [8192 x 768] = [8192 x 3072] T[3072 x 768], bf16 operands widened to f32
+//   gemm %598: [8192 x 768] = [8192 x 3072] T[3072 x 768], bf16 operands (widened to f32 where the library has no bf16 GEMM)
 static void k93_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b549 = (uint16_t *)(arena + 2228736000); // %549 cast bf16[768,3072]
   uint16_t *const b597 = (uint16_t *)(arena + 4154301568); // %597 cast bf16[8192,3072]
   float *const b598 = (float *)(arena + 3499990144); // %598 matmul f32[8192,768]
-  {
+  if (h->bgemm) {
+    mdl_bgemm(h, 0, 1, 8192, 768, 3072, b597, 3072, b549, 3072, 0.0f, b598, 768);
+  }
+  else {
     float *const w597 = mdl_widen_bf16(b597, 25165824, h->nthreads);
     float *const w549 = mdl_widen_bf16(b549, 2359296, h->nthreads);
     mdl_gemm(h, 0, 1, 8192, 768, 3072, w597, 3072, w549, 3072, 0.0f, b598, 768);
@@ -4559,12 +4785,15 @@ static void k93_gemm(char *arena, const MdlHooks *h) {
 // k94_gemm: GEMM, 1 op
 //   %599   matmul             d.h.11.fc_w          line 40    f32[768,3072]
 // loops:
-//   gemm %599: [768 x 3072] = T[768 x 8192] [8192 x 3072], bf16 operands widened to f32
+//   gemm %599: [768 x 3072] = T[768 x 8192] [8192 x 3072], bf16 operands (widened to f32 where the library has no bf16 GEMM)
 static void k94_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b548 = (uint16_t *)(arena + 5777497216); // %548 cast bf16[8192,768]
   uint16_t *const b597 = (uint16_t *)(arena + 4154301568); // %597 cast bf16[8192,3072]
   float *const b599 = (float *)(arena + 976622592); // %599 matmul d.h.11.fc_w f32[768,3072]
-  {
+  if (h->bgemm) {
+    mdl_bgemm(h, 1, 0, 768, 3072, 8192, b548, 768, b597, 3072, 0.0f, b599, 3072);
+  }
+  else {
     float *const w548 = mdl_widen_bf16(b548, 6291456, h->nthreads);
     float *const w597 = mdl_widen_bf16(b597, 25165824, h->nthreads);
     mdl_gemm(h, 1, 0, 768, 3072, 8192, w548, 768, w597, 3072, 0.0f, b599, 3072);
@@ -4666,12 +4895,15 @@ static void k95_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
 // k96_gemm: GEMM, 1 op
 //   %609   matmul             d.h.11.proj_w        line 39    f32[768,768]
 // loops:
-//   gemm %609: [768 x 768] = T[768 x 8192] [8192 x 768], bf16 operands widened to f32
+//   gemm %609: [768 x 768] = T[768 x 8192] [8192 x 768], bf16 operands (widened to f32 where the library has no bf16 GEMM)
 static void k96_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b540 = (uint16_t *)(arena + 5764914304); // %540 cast bf16[8192,768]
   uint16_t *const b607 = (uint16_t *)(arena + 3525155968); // %607 cast bf16[8192,768]
   float *const b609 = (float *)(arena + 974254080); // %609 matmul d.h.11.proj_w f32[768,768]
-  {
+  if (h->bgemm) {
+    mdl_bgemm(h, 1, 0, 768, 768, 8192, b540, 768, b607, 768, 0.0f, b609, 768);
+  }
+  else {
     float *const w540 = mdl_widen_bf16(b540, 6291456, h->nthreads);
     float *const w607 = mdl_widen_bf16(b607, 6291456, h->nthreads);
     mdl_gemm(h, 1, 0, 768, 768, 8192, w540, 768, w607, 768, 0.0f, b609, 768);
@@ -4685,14 +4917,17 @@ static void k96_gemm(char *arena, const MdlHooks *h) {
 //   %610   reshape                                 line 39    f32[8,1024,768]
 //   %613   cast                                    line 39    bf16[8,1024,768]
 // loops:
-//   gemm %608: [8192 x 768] = [8192 x 768] T[768 x 768], bf16 operands widened to f32, epilogue after
+//   gemm %608: [8192 x 768] = [8192 x 768] T[768 x 768], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
 //   elementwise over 6291456: %613
 static void k97_gemm__cast(char *arena, const MdlHooks *h) {
   uint16_t *const b541 = (uint16_t *)(arena + 2227556352); // %541 cast bf16[768,768]
   uint16_t *const b607 = (uint16_t *)(arena + 3525155968); // %607 cast bf16[8192,768]
   float *const b608 = mdl_scratch(25165824); // %608 matmul f32[8192,768], kept in this kernel
   uint16_t *const b613 = (uint16_t *)(arena + 3499990144); // %613 cast bf16[8,1024,768]
-  {
+  if (h->bgemm) {
+    mdl_bgemm(h, 0, 1, 8192, 768, 768, b607, 768, b541, 768, 0.0f, b608, 768);
+  }
+  else {
     float *const w607 = mdl_widen_bf16(b607, 6291456, h->nthreads);
     float *const w541 = mdl_widen_bf16(b541, 589824, h->nthreads);
     mdl_gemm(h, 0, 1, 8192, 768, 768, w607, 768, w541, 768, 0.0f, b608, 768);
@@ -4895,12 +5130,15 @@ static void k99_sum__concat__cast(char *arena, const MdlHooks *h) {
 // k100_gemm: GEMM, 1 op
 //   %621   matmul                                  line 38    f32[8192,768]
 // loops:
-//   gemm %621: [8192 x 768] = [8192 x 2304] T[2304 x 768], bf16 operands widened to f32
+//   gemm %621: [8192 x 768] = [8192 x 2304] T[2304 x 768], bf16 operands (widened to f32 where the library has no bf16 GEMM)
 static void k100_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b530 = (uint16_t *)(arena + 2224017408); // %530 cast bf16[768,2304]
   uint16_t *const b620 = (uint16_t *)(arena + 3499990144); // %620 cast bf16[8192,2304]
   float *const b621 = (float *)(arena + 3562904704); // %621 matmul f32[8192,768]
-  {
+  if (h->bgemm) {
+    mdl_bgemm(h, 0, 1, 8192, 768, 2304, b620, 2304, b530, 2304, 0.0f, b621, 768);
+  }
+  else {
     float *const w620 = mdl_widen_bf16(b620, 18874368, h->nthreads);
     float *const w530 = mdl_widen_bf16(b530, 1769472, h->nthreads);
     mdl_gemm(h, 0, 1, 8192, 768, 2304, w620, 2304, w530, 2304, 0.0f, b621, 768);
@@ -4912,12 +5150,15 @@ static void k100_gemm(char *arena, const MdlHooks *h) {
 // k101_gemm: GEMM, 1 op
 //   %622   matmul             d.h.11.attn_w        line 38    f32[768,2304]
 // loops:
-//   gemm %622: [768 x 2304] = T[768 x 8192] [8192 x 2304], bf16 operands widened to f32
+//   gemm %622: [768 x 2304] = T[768 x 8192] [8192 x 2304], bf16 operands (widened to f32 where the library has no bf16 GEMM)
 static void k101_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b529 = (uint16_t *)(arena + 5752331392); // %529 cast bf16[8192,768]
   uint16_t *const b620 = (uint16_t *)(arena + 3499990144); // %620 cast bf16[8192,2304]
   float *const b622 = (float *)(arena + 967166976); // %622 matmul d.h.11.attn_w f32[768,2304]
-  {
+  if (h->bgemm) {
+    mdl_bgemm(h, 1, 0, 768, 2304, 8192, b529, 768, b620, 2304, 0.0f, b622, 2304);
+  }
+  else {
     float *const w529 = mdl_widen_bf16(b529, 6291456, h->nthreads);
     float *const w620 = mdl_widen_bf16(b620, 18874368, h->nthreads);
     mdl_gemm(h, 1, 0, 768, 2304, 8192, w529, 768, w620, 2304, 0.0f, b622, 2304);
@@ -5019,12 +5260,15 @@ static void k102_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
 // k103_gemm: GEMM, 1 op
 //   %632   matmul             d.h.10.fcproj_w      line 40    f32[3072,768]
 // loops:
-//   gemm %632: [3072 x 768] = T[3072 x 8192] [8192 x 768], bf16 operands widened to f32
+//   gemm %632: [3072 x 768] = T[3072 x 8192] [8192 x 768], bf16 operands (widened to f32 where the library has no bf16 GEMM)
 static void k103_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b509 = (uint16_t *)(arena + 4103969920); // %509 cast bf16[8192,3072]
   uint16_t *const b630 = (uint16_t *)(arena + 3588070528); // %630 cast bf16[8192,768]
   float *const b632 = (float *)(arena + 957720576); // %632 matmul d.h.10.fcproj_w f32[3072,768]
-  {
+  if (h->bgemm) {
+    mdl_bgemm(h, 1, 0, 3072, 768, 8192, b509, 3072, b630, 768, 0.0f, b632, 768);
+  }
+  else {
     float *const w509 = mdl_widen_bf16(b509, 25165824, h->nthreads);
     float *const w630 = mdl_widen_bf16(b630, 6291456, h->nthreads);
     mdl_gemm(h, 1, 0, 3072, 768, 8192, w509, 3072, w630, 768, 0.0f, b632, 768);
@@ -5041,7 +5285,7 @@ static void k103_gemm(char *arena, const MdlHooks *h) {
 //   %636   sum                d.h.10.fc_b          line 40    f32[3072]
 //   %637   cast                                    line 40    bf16[8192,3072]
 // loops:
-//   gemm %631: [8192 x 3072] = [8192 x 768] T[768 x 3072], bf16 operands widened to f32, epilogue after
+//   gemm %631: [8192 x 3072] = [8192 x 768] T[768 x 3072], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
 //   sum %636: 3072 outputs over 8192 elements, in 64 blocks of 128
 static void k104_gemm__gelu_bwd__sum__cast(char *arena, const MdlHooks *h) {
   float *const b506 = (float *)(arena + 3399326848); // %506 add f32[8,1024,3072]
@@ -5050,7 +5294,10 @@ static void k104_gemm__gelu_bwd__sum__cast(char *arena, const MdlHooks *h) {
   float *const b631 = mdl_scratch(100663296); // %631 matmul f32[8192,3072], kept in this kernel
   float *const b636 = (float *)(arena + 957708288); // %636 sum d.h.10.fc_b f32[3072]
   uint16_t *const b637 = (uint16_t *)(arena + 3499990144); // %637 cast bf16[8192,3072]
-  {
+  if (h->bgemm) {
+    mdl_bgemm(h, 0, 1, 8192, 3072, 768, b630, 768, b510, 768, 0.0f, b631, 3072);
+  }
+  else {
     float *const w630 = mdl_widen_bf16(b630, 6291456, h->nthreads);
     float *const w510 = mdl_widen_bf16(b510, 2359296, h->nthreads);
     mdl_gemm(h, 0, 1, 8192, 3072, 768, w630, 768, w510, 768, 0.0f, b631, 3072);
@@ -5096,12 +5343,15 @@ static void k104_gemm__gelu_bwd__sum__cast(char *arena, const MdlHooks *h) {
 // k105_gemm: GEMM, 1 op
 //   %638   matmul                                  line 40    f32[8192,768]
 // loops:
-//   gemm %638: [8192 x 768] = [8192 x 3072] T[3072 x 768], bf16 operands widened to f32
+//   gemm %638: [8192 x 768] = [8192 x 3072] T[3072 x 768], bf16 operands (widened to f32 where the library has no bf16 GEMM)
 static void k105_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b503 = (uint16_t *)(arena + 2214580224); // %503 cast bf16[768,3072]
   uint16_t *const b637 = (uint16_t *)(arena + 3499990144); // %637 cast bf16[8192,3072]
   float *const b638 = (float *)(arena + 3399326848); // %638 matmul f32[8192,768]
-  {
+  if (h->bgemm) {
+    mdl_bgemm(h, 0, 1, 8192, 768, 3072, b637, 3072, b503, 3072, 0.0f, b638, 768);
+  }
+  else {
     float *const w637 = mdl_widen_bf16(b637, 25165824, h->nthreads);
     float *const w503 = mdl_widen_bf16(b503, 2359296, h->nthreads);
     mdl_gemm(h, 0, 1, 8192, 768, 3072, w637, 3072, w503, 3072, 0.0f, b638, 768);
@@ -5113,12 +5363,15 @@ static void k105_gemm(char *arena, const MdlHooks *h) {
 // k106_gemm: GEMM, 1 op
 //   %639   matmul             d.h.10.fc_w          line 40    f32[768,3072]
 // loops:
-//   gemm %639: [768 x 3072] = T[768 x 8192] [8192 x 3072], bf16 operands widened to f32
+//   gemm %639: [768 x 3072] = T[768 x 8192] [8192 x 3072], bf16 operands (widened to f32 where the library has no bf16 GEMM)
 static void k106_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b502 = (uint16_t *)(arena + 5739748480); // %502 cast bf16[8192,768]
   uint16_t *const b637 = (uint16_t *)(arena + 3499990144); // %637 cast bf16[8192,3072]
   float *const b639 = (float *)(arena + 948271104); // %639 matmul d.h.10.fc_w f32[768,3072]
-  {
+  if (h->bgemm) {
+    mdl_bgemm(h, 1, 0, 768, 3072, 8192, b502, 768, b637, 3072, 0.0f, b639, 3072);
+  }
+  else {
     float *const w502 = mdl_widen_bf16(b502, 6291456, h->nthreads);
     float *const w637 = mdl_widen_bf16(b637, 25165824, h->nthreads);
     mdl_gemm(h, 1, 0, 768, 3072, 8192, w502, 768, w637, 3072, 0.0f, b639, 3072);
@@ -5220,12 +5473,15 @@ static void k107_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
 // k108_gemm: GEMM, 1 op
 //   %649   matmul             d.h.10.proj_w        line 39    f32[768,768]
 // loops:
-//   gemm %649: [768 x 768] = T[768 x 8192] [8192 x 768], bf16 operands widened to f32
+//   gemm %649: [768 x 768] = T[768 x 8192] [8192 x 768], bf16 operands (widened to f32 where the library has no bf16 GEMM)
 static void k108_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b494 = (uint16_t *)(arena + 5727165568); // %494 cast bf16[8192,768]
   uint16_t *const b647 = (uint16_t *)(arena + 3424492672); // %647 cast bf16[8192,768]
   float *const b649 = (float *)(arena + 945902592); // %649 matmul d.h.10.proj_w f32[768,768]
-  {
+  if (h->bgemm) {
+    mdl_bgemm(h, 1, 0, 768, 768, 8192, b494, 768, b647, 768, 0.0f, b649, 768);
+  }
+  else {
     float *const w494 = mdl_widen_bf16(b494, 6291456, h->nthreads);
     float *const w647 = mdl_widen_bf16(b647, 6291456, h->nthreads);
     mdl_gemm(h, 1, 0, 768, 768, 8192, w494, 768, w647, 768, 0.0f, b649, 768);
@@ -5239,14 +5495,17 @@ static void k108_gemm(char *arena, const MdlHooks *h) {
 //   %650   reshape                                 line 39    f32[8,1024,768]
 //   %653   cast                                    line 39    bf16[8,1024,768]
 // loops:
-//   gemm %648: [8192 x 768] = [8192 x 768] T[768 x 768], bf16 operands widened to f32, epilogue after
+//   gemm %648: [8192 x 768] = [8192 x 768] T[768 x 768], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
 //   elementwise over 6291456: %653
 static void k109_gemm__cast(char *arena, const MdlHooks *h) {
   uint16_t *const b495 = (uint16_t *)(arena + 2213400576); // %495 cast bf16[768,768]
   uint16_t *const b647 = (uint16_t *)(arena + 3424492672); // %647 cast bf16[8192,768]
   float *const b648 = mdl_scratch(25165824); // %648 matmul f32[8192,768], kept in this kernel
   uint16_t *const b653 = (uint16_t *)(arena + 3399326848); // %653 cast bf16[8,1024,768]
-  {
+  if (h->bgemm) {
+    mdl_bgemm(h, 0, 1, 8192, 768, 768, b647, 768, b495, 768, 0.0f, b648, 768);
+  }
+  else {
     float *const w647 = mdl_widen_bf16(b647, 6291456, h->nthreads);
     float *const w495 = mdl_widen_bf16(b495, 589824, h->nthreads);
     mdl_gemm(h, 0, 1, 8192, 768, 768, w647, 768, w495, 768, 0.0f, b648, 768);
@@ -5449,12 +5708,15 @@ static void k111_sum__concat__cast(char *arena, const MdlHooks *h) {
 // k112_gemm: GEMM, 1 op
 //   %661   matmul                                  line 38    f32[8192,768]
 // loops:
-//   gemm %661: [8192 x 768] = [8192 x 2304] T[2304 x 768], bf16 operands widened to f32
+//   gemm %661: [8192 x 768] = [8192 x 2304] T[2304 x 768], bf16 operands (widened to f32 where the library has no bf16 GEMM)
 static void k112_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b484 = (uint16_t *)(arena + 2209861632); // %484 cast bf16[768,2304]
   uint16_t *const b660 = (uint16_t *)(arena + 3399326848); // %660 cast bf16[8192,2304]
   float *const b661 = (float *)(arena + 3462241408); // %661 matmul f32[8192,768]
-  {
+  if (h->bgemm) {
+    mdl_bgemm(h, 0, 1, 8192, 768, 2304, b660, 2304, b484, 2304, 0.0f, b661, 768);
+  }
+  else {
     float *const w660 = mdl_widen_bf16(b660, 18874368, h->nthreads);
     float *const w484 = mdl_widen_bf16(b484, 1769472, h->nthreads);
     mdl_gemm(h, 0, 1, 8192, 768, 2304, w660, 2304, w484, 2304, 0.0f, b661, 768);
@@ -5466,12 +5728,15 @@ static void k112_gemm(char *arena, const MdlHooks *h) {
 // k113_gemm: GEMM, 1 op
 //   %662   matmul             d.h.10.attn_w        line 38    f32[768,2304]
 // loops:
-//   gemm %662: [768 x 2304] = T[768 x 8192] [8192 x 2304], bf16 operands widened to f32
+//   gemm %662: [768 x 2304] = T[768 x 8192] [8192 x 2304], bf16 operands (widened to f32 where the library has no bf16 GEMM)
 static void k113_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b483 = (uint16_t *)(arena + 5714582656); // %483 cast bf16[8192,768]
   uint16_t *const b660 = (uint16_t *)(arena + 3399326848); // %660 cast bf16[8192,2304]
   float *const b662 = (float *)(arena + 938815488); // %662 matmul d.h.10.attn_w f32[768,2304]
-  {
+  if (h->bgemm) {
+    mdl_bgemm(h, 1, 0, 768, 2304, 8192, b483, 768, b660, 2304, 0.0f, b662, 2304);
+  }
+  else {
     float *const w483 = mdl_widen_bf16(b483, 6291456, h->nthreads);
     float *const w660 = mdl_widen_bf16(b660, 18874368, h->nthreads);
     mdl_gemm(h, 1, 0, 768, 2304, 8192, w483, 768, w660, 2304, 0.0f, b662, 2304);
@@ -5573,12 +5838,15 @@ static void k114_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
 // k115_gemm: GEMM, 1 op
 //   %672   matmul             d.h.9.fcproj_w       line 40    f32[3072,768]
 // loops:
-//   gemm %672: [3072 x 768] = T[3072 x 8192] [8192 x 768], bf16 operands widened to f32
+//   gemm %672: [3072 x 768] = T[3072 x 8192] [8192 x 768], bf16 operands (widened to f32 where the library has no bf16 GEMM)
 static void k115_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b463 = (uint16_t *)(arena + 4053638272); // %463 cast bf16[8192,3072]
   uint16_t *const b670 = (uint16_t *)(arena + 3512573056); // %670 cast bf16[8192,768]
   float *const b672 = (float *)(arena + 929369088); // %672 matmul d.h.9.fcproj_w f32[3072,768]
-  {
+  if (h->bgemm) {
+    mdl_bgemm(h, 1, 0, 3072, 768, 8192, b463, 3072, b670, 768, 0.0f, b672, 768);
+  }
+  else {
     float *const w463 = mdl_widen_bf16(b463, 25165824, h->nthreads);
     float *const w670 = mdl_widen_bf16(b670, 6291456, h->nthreads);
     mdl_gemm(h, 1, 0, 3072, 768, 8192, w463, 3072, w670, 768, 0.0f, b672, 768);
@@ -5595,7 +5863,7 @@ static void k115_gemm(char *arena, const MdlHooks *h) {
 //   %676   sum                d.h.9.fc_b           line 40    f32[3072]
 //   %677   cast                                    line 40    bf16[8192,3072]
 // loops:
-//   gemm %671: [8192 x 3072] = [8192 x 768] T[768 x 3072], bf16 operands widened to f32, epilogue after
+//   gemm %671: [8192 x 3072] = [8192 x 768] T[768 x 3072], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
 //   sum %676: 3072 outputs over 8192 elements, in 64 blocks of 128
 static void k116_gemm__gelu_bwd__sum__cast(char *arena, const MdlHooks *h) {
   float *const b460 = (float *)(arena + 3298663552); // %460 add f32[8,1024,3072]
@@ -5604,7 +5872,10 @@ static void k116_gemm__gelu_bwd__sum__cast(char *arena, const MdlHooks *h) {
   float *const b671 = mdl_scratch(100663296); // %671 matmul f32[8192,3072], kept in this kernel
   float *const b676 = (float *)(arena + 929356800); // %676 sum d.h.9.fc_b f32[3072]
   uint16_t *const b677 = (uint16_t *)(arena + 3399326848); // %677 cast bf16[8192,3072]
-  {
+  if (h->bgemm) {
+    mdl_bgemm(h, 0, 1, 8192, 3072, 768, b670, 768, b464, 768, 0.0f, b671, 3072);
+  }
+  else {
     float *const w670 = mdl_widen_bf16(b670, 6291456, h->nthreads);
     float *const w464 = mdl_widen_bf16(b464, 2359296, h->nthreads);
     mdl_gemm(h, 0, 1, 8192, 3072, 768, w670, 768, w464, 768, 0.0f, b671, 3072);
@@ -5650,12 +5921,15 @@ static void k116_gemm__gelu_bwd__sum__cast(char *arena, const MdlHooks *h) {
 // k117_gemm: GEMM, 1 op
 //   %678   matmul                                  line 40    f32[8192,768]
 // loops:
-//   gemm %678: [8192 x 768] = [8192 x 3072] T[3072 x 768], bf16 operands widened to f32
+//   gemm %678: [8192 x 768] = [8192 x 3072] T[3072 x 768], bf16 operands (widened to f32 where the library has no bf16 GEMM)
 static void k117_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b457 = (uint16_t *)(arena + 2200424448); // %457 cast bf16[768,3072]
   uint16_t *const b677 = (uint16_t *)(arena + 3399326848); // %677 cast bf16[8192,3072]
   float *const b678 = (float *)(arena + 3298663552); // %678 matmul f32[8192,768]
-  {
+  if (h->bgemm) {
+    mdl_bgemm(h, 0, 1, 8192, 768, 3072, b677, 3072, b457, 3072, 0.0f, b678, 768);
+  }
+  else {
     float *const w677 = mdl_widen_bf16(b677, 25165824, h->nthreads);
     float *const w457 = mdl_widen_bf16(b457, 2359296, h->nthreads);
     mdl_gemm(h, 0, 1, 8192, 768, 3072, w677, 3072, w457, 3072, 0.0f, b678, 768);
@@ -5667,12 +5941,15 @@ static void k117_gemm(char *arena, const MdlHooks *h) {
 // k118_gemm: GEMM, 1 op
 //   %679   matmul             d.h.9.fc_w           line 40    f32[768,3072]
 // loops:
-//   gemm %679: [768 x 3072] = T[768 x 8192] [8192 x 3072], bf16 operands widened to f32
+//   gemm %679: [768 x 3072] = T[768 x 8192] [8192 x 3072], bf16 operands (widened to f32 where the library has no bf16 GEMM)
 static void k118_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b456 = (uint16_t *)(arena + 5701999744); // %456 cast bf16[8192,768]
   uint16_t *const b677 = (uint16_t *)(arena + 3399326848); // %677 cast bf16[8192,3072]
   float *const b679 = (float *)(arena + 919919616); // %679 matmul d.h.9.fc_w f32[768,3072]
-  {
+  if (h->bgemm) {
+    mdl_bgemm(h, 1, 0, 768, 3072, 8192, b456, 768, b677, 3072, 0.0f, b679, 3072);
+  }
+  else {
     float *const w456 = mdl_widen_bf16(b456, 6291456, h->nthreads);
     float *const w677 = mdl_widen_bf16(b677, 25165824, h->nthreads);
     mdl_gemm(h, 1, 0, 768, 3072, 8192, w456, 768, w677, 3072, 0.0f, b679, 3072);
@@ -5774,12 +6051,15 @@ static void k119_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
 // k120_gemm: GEMM, 1 op
 //   %689   matmul             d.h.9.proj_w         line 39    f32[768,768]
 // loops:
-//   gemm %689: [768 x 768] = T[768 x 8192] [8192 x 768], bf16 operands widened to f32
+//   gemm %689: [768 x 768] = T[768 x 8192] [8192 x 768], bf16 operands (widened to f32 where the library has no bf16 GEMM)
 static void k120_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b448 = (uint16_t *)(arena + 5689416832); // %448 cast bf16[8192,768]
   uint16_t *const b687 = (uint16_t *)(arena + 3323829376); // %687 cast bf16[8192,768]
   float *const b689 = (float *)(arena + 917551104); // %689 matmul d.h.9.proj_w f32[768,768]
-  {
+  if (h->bgemm) {
+    mdl_bgemm(h, 1, 0, 768, 768, 8192, b448, 768, b687, 768, 0.0f, b689, 768);
+  }
+  else {
     float *const w448 = mdl_widen_bf16(b448, 6291456, h->nthreads);
     float *const w687 = mdl_widen_bf16(b687, 6291456, h->nthreads);
     mdl_gemm(h, 1, 0, 768, 768, 8192, w448, 768, w687, 768, 0.0f, b689, 768);
@@ -5793,14 +6073,17 @@ static void k120_gemm(char *arena, const MdlHooks *h) {
 //   %690   reshape                                 line 39    f32[8,1024,768]
 //   %693   cast                                    line 39    bf16[8,1024,768]
 // loops:
-//   gemm %688: [8192 x 768] = [8192 x 768] T[768 x 768], bf16 operands widened to f32, epilogue after
+//   gemm %688: [8192 x 768] = [8192 x 768] T[768 x 768], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
 //   elementwise over 6291456: %693
 static void k121_gemm__cast(char *arena, const MdlHooks *h) {
   uint16_t *const b449 = (uint16_t *)(arena + 2199244800); // %449 cast bf16[768,768]
   uint16_t *const b687 = (uint16_t *)(arena + 3323829376); // %687 cast bf16[8192,768]
   float *const b688 = mdl_scratch(25165824); // %688 matmul f32[8192,768], kept in this kernel
   uint16_t *const b693 = (uint16_t *)(arena + 3298663552); // %693 cast bf16[8,1024,768]
-  {
+  if (h->bgemm) {
+    mdl_bgemm(h, 0, 1, 8192, 768, 768, b687, 768, b449, 768, 0.0f, b688, 768);
+  }
+  else {
     float *const w687 = mdl_widen_bf16(b687, 6291456, h->nthreads);
     float *const w449 = mdl_widen_bf16(b449, 589824, h->nthreads);
     mdl_gemm(h, 0, 1, 8192, 768, 768, w687, 768, w449, 768, 0.0f, b688, 768);
@@ -6003,12 +6286,15 @@ static void k123_sum__concat__cast(char *arena, const MdlHooks *h) {
 // k124_gemm: GEMM, 1 op
 //   %701   matmul                                  line 38    f32[8192,768]
 // loops:
-//   gemm %701: [8192 x 768] = [8192 x 2304] T[2304 x 768], bf16 operands widened to f32
+//   gemm %701: [8192 x 768] = [8192 x 2304] T[2304 x 768], bf16 operands (widened to f32 where the library has no bf16 GEMM)
 static void k124_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b438 = (uint16_t *)(arena + 2195705856); // %438 cast bf16[768,2304]
   uint16_t *const b700 = (uint16_t *)(arena + 3298663552); // %700 cast bf16[8192,2304]
   float *const b701 = (float *)(arena + 3361578112); // %701 matmul f32[8192,768]
-  {
+  if (h->bgemm) {
+    mdl_bgemm(h, 0, 1, 8192, 768, 2304, b700, 2304, b438, 2304, 0.0f, b701, 768);
+  }
+  else {
     float *const w700 = mdl_widen_bf16(b700, 18874368, h->nthreads);
     float *const w438 = mdl_widen_bf16(b438, 1769472, h->nthreads);
     mdl_gemm(h, 0, 1, 8192, 768, 2304, w700, 2304, w438, 2304, 0.0f, b701, 768);
@@ -6020,12 +6306,15 @@ static void k124_gemm(char *arena, const MdlHooks *h) {
 // k125_gemm: GEMM, 1 op
 //   %702   matmul             d.h.9.attn_w         line 38    f32[768,2304]
 // loops:
-//   gemm %702: [768 x 2304] = T[768 x 8192] [8192 x 2304], bf16 operands widened to f32
+//   gemm %702: [768 x 2304] = T[768 x 8192] [8192 x 2304], bf16 operands (widened to f32 where the library has no bf16 GEMM)
 static void k125_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b437 = (uint16_t *)(arena + 5676833920); // %437 cast bf16[8192,768]
   uint16_t *const b700 = (uint16_t *)(arena + 3298663552); // %700 cast bf16[8192,2304]
   float *const b702 = (float *)(arena + 910464000); // %702 matmul d.h.9.attn_w f32[768,2304]
-  {
+  if (h->bgemm) {
+    mdl_bgemm(h, 1, 0, 768, 2304, 8192, b437, 768, b700, 2304, 0.0f, b702, 2304);
+  }
+  else {
     float *const w437 = mdl_widen_bf16(b437, 6291456, h->nthreads);
     float *const w700 = mdl_widen_bf16(b700, 18874368, h->nthreads);
     mdl_gemm(h, 1, 0, 768, 2304, 8192, w437, 768, w700, 2304, 0.0f, b702, 2304);
@@ -6127,12 +6416,15 @@ static void k126_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
 // k127_gemm: GEMM, 1 op
 //   %712   matmul             d.h.8.fcproj_w       line 40    f32[3072,768]
 // loops:
-//   gemm %712: [3072 x 768] = T[3072 x 8192] [8192 x 768], bf16 operands widened to f32
+//   gemm %712: [3072 x 768] = T[3072 x 8192] [8192 x 768], bf16 operands (widened to f32 where the library has no bf16 GEMM)
 static void k127_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b417 = (uint16_t *)(arena + 4003306624); // %417 cast bf16[8192,3072]
   uint16_t *const b710 = (uint16_t *)(arena + 3411909760); // %710 cast bf16[8192,768]
   float *const b712 = (float *)(arena + 901017600); // %712 matmul d.h.8.fcproj_w f32[3072,768]
-  {
+  if (h->bgemm) {
+    mdl_bgemm(h, 1, 0, 3072, 768, 8192, b417, 3072, b710, 768, 0.0f, b712, 768);
+  }
+  else {
     float *const w417 = mdl_widen_bf16(b417, 25165824, h->nthreads);
     float *const w710 = mdl_widen_bf16(b710, 6291456, h->nthreads);
     mdl_gemm(h, 1, 0, 3072, 768, 8192, w417, 3072, w710, 768, 0.0f, b712, 768);
@@ -6149,7 +6441,7 @@ static void k127_gemm(char *arena, const MdlHooks *h) {
 //   %716   sum                d.h.8.fc_b           line 40    f32[3072]
 //   %717   cast                                    line 40    bf16[8192,3072]
 // loops:
-//   gemm %711: [8192 x 3072] = [8192 x 768] T[768 x 3072], bf16 operands widened to f32, epilogue after
+//   gemm %711: [8192 x 3072] = [8192 x 768] T[768 x 3072], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
 //   sum %716: 3072 outputs over 8192 elements, in 64 blocks of 128
 static void k128_gemm__gelu_bwd__sum__cast(char *arena, const MdlHooks *h) {
   float *const b414 = (float *)(arena + 3198000256); // %414 add f32[8,1024,3072]
@@ -6158,7 +6450,10 @@ static void k128_gemm__gelu_bwd__sum__cast(char *arena, const MdlHooks *h) {
   float *const b711 = mdl_scratch(100663296); // %711 matmul f32[8192,3072], kept in this kernel
   float *const b716 = (float *)(arena + 901005312); // %716 sum d.h.8.fc_b f32[3072]
   uint16_t *const b717 = (uint16_t *)(arena + 3298663552); // %717 cast bf16[8192,3072]
-  {
+  if (h->bgemm) {
+    mdl_bgemm(h, 0, 1, 8192, 3072, 768, b710, 768, b418, 768, 0.0f, b711, 3072);
+  }
+  else {
     float *const w710 = mdl_widen_bf16(b710, 6291456, h->nthreads);
     float *const w418 = mdl_widen_bf16(b418, 2359296, h->nthreads);
     mdl_gemm(h, 0, 1, 8192, 3072, 768, w710, 768, w418, 768, 0.0f, b711, 3072);
@@ -6204,12 +6499,15 @@ static void k128_gemm__gelu_bwd__sum__cast(char *arena, const MdlHooks *h) {
 // k129_gemm: GEMM, 1 op
 //   %718   matmul                                  line 40    f32[8192,768]
 // loops:
-//   gemm %718: [8192 x 768] = [8192 x 3072] T[3072 x 768], bf16 operands widened to f32
+//   gemm %718: [8192 x 768] = [8192 x 3072] T[3072 x 768], bf16 operands (widened to f32 where the library has no bf16 GEMM)
 static void k129_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b411 = (uint16_t *)(arena + 2186268672); // %411 cast bf16[768,3072]
   uint16_t *const b717 = (uint16_t *)(arena + 3298663552); // %717 cast bf16[8192,3072]
   float *const b718 = (float *)(arena + 3198000256); // %718 matmul f32[8192,768]
-  {
+  if (h->bgemm) {
+    mdl_bgemm(h, 0, 1, 8192, 768, 3072, b717, 3072, b411, 3072, 0.0f, b718, 768);
+  }
+  else {
     float *const w717 = mdl_widen_bf16(b717, 25165824, h->nthreads);
     float *const w411 = mdl_widen_bf16(b411, 2359296, h->nthreads);
     mdl_gemm(h, 0, 1, 8192, 768, 3072, w717, 3072, w411, 3072, 0.0f, b718, 768);
@@ -6221,12 +6519,15 @@ static void k129_gemm(char *arena, const MdlHooks *h) {
 // k130_gemm: GEMM, 1 op
 //   %719   matmul             d.h.8.fc_w           line 40    f32[768,3072]
 // loops:
-//   gemm %719: [768 x 3072] = T[768 x 8192] [8192 x 3072], bf16 operands widened to f32
+//   gemm %719: [768 x 3072] = T[768 x 8192] [8192 x 3072], bf16 operands (widened to f32 where the library has no bf16 GEMM)
 static void k130_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b410 = (uint16_t *)(arena + 5664251008); // %410 cast bf16[8192,768]
   uint16_t *const b717 = (uint16_t *)(arena + 3298663552); // %717 cast bf16[8192,3072]
   float *const b719 = (float *)(arena + 891568128); // %719 matmul d.h.8.fc_w f32[768,3072]
-  {
+  if (h->bgemm) {
+    mdl_bgemm(h, 1, 0, 768, 3072, 8192, b410, 768, b717, 3072, 0.0f, b719, 3072);
+  }
+  else {
     float *const w410 = mdl_widen_bf16(b410, 6291456, h->nthreads);
     float *const w717 = mdl_widen_bf16(b717, 25165824, h->nthreads);
     mdl_gemm(h, 1, 0, 768, 3072, 8192, w410, 768, w717, 3072, 0.0f, b719, 3072);
@@ -6328,12 +6629,15 @@ static void k131_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
 // k132_gemm: GEMM, 1 op
 //   %729   matmul             d.h.8.proj_w         line 39    f32[768,768]
 // loops:
-//   gemm %729: [768 x 768] = T[768 x 8192] [8192 x 768], bf16 operands widened to f32
+//   gemm %729: [768 x 768] = T[768 x 8192] [8192 x 768], bf16 operands (widened to f32 where the library has no bf16 GEMM)
 static void k132_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b402 = (uint16_t *)(arena + 5651668096); // %402 cast bf16[8192,768]
   uint16_t *const b727 = (uint16_t *)(arena + 3223166080); // %727 cast bf16[8192,768]
   float *const b729 = (float *)(arena + 889199616); // %729 matmul d.h.8.proj_w f32[768,768]
-  {
+  if (h->bgemm) {
+    mdl_bgemm(h, 1, 0, 768, 768, 8192, b402, 768, b727, 768, 0.0f, b729, 768);
+  }
+  else {
     float *const w402 = mdl_widen_bf16(b402, 6291456, h->nthreads);
     float *const w727 = mdl_widen_bf16(b727, 6291456, h->nthreads);
     mdl_gemm(h, 1, 0, 768, 768, 8192, w402, 768, w727, 768, 0.0f, b729, 768);
@@ -6347,14 +6651,17 @@ static void k132_gemm(char *arena, const MdlHooks *h) {
 //   %730   reshape                                 line 39    f32[8,1024,768]
 //   %733   cast                                    line 39    bf16[8,1024,768]
 // loops:
-//   gemm %728: [8192 x 768] = [8192 x 768] T[768 x 768], bf16 operands widened to f32, epilogue after
+//   gemm %728: [8192 x 768] = [8192 x 768] T[768 x 768], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
 //   elementwise over 6291456: %733
 static void k133_gemm__cast(char *arena, const MdlHooks *h) {
   uint16_t *const b403 = (uint16_t *)(arena + 2185089024); // %403 cast bf16[768,768]
   uint16_t *const b727 = (uint16_t *)(arena + 3223166080); // %727 cast bf16[8192,768]
   float *const b728 = mdl_scratch(25165824); // %728 matmul f32[8192,768], kept in this kernel
   uint16_t *const b733 = (uint16_t *)(arena + 3198000256); // %733 cast bf16[8,1024,768]
-  {
+  if (h->bgemm) {
+    mdl_bgemm(h, 0, 1, 8192, 768, 768, b727, 768, b403, 768, 0.0f, b728, 768);
+  }
+  else {
     float *const w727 = mdl_widen_bf16(b727, 6291456, h->nthreads);
     float *const w403 = mdl_widen_bf16(b403, 589824, h->nthreads);
     mdl_gemm(h, 0, 1, 8192, 768, 768, w727, 768, w403, 768, 0.0f, b728, 768);
@@ -6557,12 +6864,15 @@ static void k135_sum__concat__cast(char *arena, const MdlHooks *h) {
 // k136_gemm: GEMM, 1 op
 //   %741   matmul                                  line 38    f32[8192,768]
 // loops:
-//   gemm %741: [8192 x 768] = [8192 x 2304] T[2304 x 768], bf16 operands widened to f32
+//   gemm %741: [8192 x 768] = [8192 x 2304] T[2304 x 768], bf16 operands (widened to f32 where the library has no bf16 GEMM)
 static void k136_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b392 = (uint16_t *)(arena + 2181550080); // %392 cast bf16[768,2304]
   uint16_t *const b740 = (uint16_t *)(arena + 3198000256); // %740 cast bf16[8192,2304]
   float *const b741 = (float *)(arena + 3260914816); // %741 matmul f32[8192,768]
-  {
+  if (h->bgemm) {
+    mdl_bgemm(h, 0, 1, 8192, 768, 2304, b740, 2304, b392, 2304, 0.0f, b741, 768);
+  }
+  else {
     float *const w740 = mdl_widen_bf16(b740, 18874368, h->nthreads);
     float *const w392 = mdl_widen_bf16(b392, 1769472, h->nthreads);
     mdl_gemm(h, 0, 1, 8192, 768, 2304, w740, 2304, w392, 2304, 0.0f, b741, 768);
@@ -6574,12 +6884,15 @@ static void k136_gemm(char *arena, const MdlHooks *h) {
 // k137_gemm: GEMM, 1 op
 //   %742   matmul             d.h.8.attn_w         line 38    f32[768,2304]
 // loops:
-//   gemm %742: [768 x 2304] = T[768 x 8192] [8192 x 2304], bf16 operands widened to f32
+//   gemm %742: [768 x 2304] = T[768 x 8192] [8192 x 2304], bf16 operands (widened to f32 where the library has no bf16 GEMM)
 static void k137_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b391 = (uint16_t *)(arena + 5639085184); // %391 cast bf16[8192,768]
   uint16_t *const b740 = (uint16_t *)(arena + 3198000256); // %740 cast bf16[8192,2304]
   float *const b742 = (float *)(arena + 882112512); // %742 matmul d.h.8.attn_w f32[768,2304]
-  {
+  if (h->bgemm) {
+    mdl_bgemm(h, 1, 0, 768, 2304, 8192, b391, 768, b740, 2304, 0.0f, b742, 2304);
+  }
+  else {
     float *const w391 = mdl_widen_bf16(b391, 6291456, h->nthreads);
     float *const w740 = mdl_widen_bf16(b740, 18874368, h->nthreads);
     mdl_gemm(h, 1, 0, 768, 2304, 8192, w391, 768, w740, 2304, 0.0f, b742, 2304);
@@ -6681,12 +6994,15 @@ static void k138_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
 // k139_gemm: GEMM, 1 op
 //   %752   matmul             d.h.7.fcproj_w       line 40    f32[3072,768]
 // loops:
-//   gemm %752: [3072 x 768] = T[3072 x 8192] [8192 x 768], bf16 operands widened to f32
+//   gemm %752: [3072 x 768] = T[3072 x 8192] [8192 x 768], bf16 operands (widened to f32 where the library has no bf16 GEMM)
 static void k139_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b371 = (uint16_t *)(arena + 3952974976); // %371 cast bf16[8192,3072]
   uint16_t *const b750 = (uint16_t *)(arena + 3311246464); // %750 cast bf16[8192,768]
   float *const b752 = (float *)(arena + 872666112); // %752 matmul d.h.7.fcproj_w f32[3072,768]
-  {
+  if (h->bgemm) {
+    mdl_bgemm(h, 1, 0, 3072, 768, 8192, b371, 3072, b750, 768, 0.0f, b752, 768);
+  }
+  else {
     float *const w371 = mdl_widen_bf16(b371, 25165824, h->nthreads);
     float *const w750 = mdl_widen_bf16(b750, 6291456, h->nthreads);
     mdl_gemm(h, 1, 0, 3072, 768, 8192, w371, 3072, w750, 768, 0.0f, b752, 768);
@@ -6703,7 +7019,7 @@ static void k139_gemm(char *arena, const MdlHooks *h) {
 //   %756   sum                d.h.7.fc_b           line 40    f32[3072]
 //   %757   cast                                    line 40    bf16[8192,3072]
 // loops:
-//   gemm %751: [8192 x 3072] = [8192 x 768] T[768 x 3072], bf16 operands widened to f32, epilogue after
+//   gemm %751: [8192 x 3072] = [8192 x 768] T[768 x 3072], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
 //   sum %756: 3072 outputs over 8192 elements, in 64 blocks of 128
 static void k140_gemm__gelu_bwd__sum__cast(char *arena, const MdlHooks *h) {
   float *const b368 = (float *)(arena + 3097336960); // %368 add f32[8,1024,3072]
@@ -6712,7 +7028,10 @@ static void k140_gemm__gelu_bwd__sum__cast(char *arena, const MdlHooks *h) {
   float *const b751 = mdl_scratch(100663296); // %751 matmul f32[8192,3072], kept in this kernel
   float *const b756 = (float *)(arena + 872653824); // %756 sum d.h.7.fc_b f32[3072]
   uint16_t *const b757 = (uint16_t *)(arena + 3198000256); // %757 cast bf16[8192,3072]
-  {
+  if (h->bgemm) {
+    mdl_bgemm(h, 0, 1, 8192, 3072, 768, b750, 768, b372, 768, 0.0f, b751, 3072);
+  }
+  else {
     float *const w750 = mdl_widen_bf16(b750, 6291456, h->nthreads);
     float *const w372 = mdl_widen_bf16(b372, 2359296, h->nthreads);
     mdl_gemm(h, 0, 1, 8192, 3072, 768, w750, 768, w372, 768, 0.0f, b751, 3072);
@@ -6758,12 +7077,15 @@ static void k140_gemm__gelu_bwd__sum__cast(char *arena, const MdlHooks *h) {
 // k141_gemm: GEMM, 1 op
 //   %758   matmul                                  line 40    f32[8192,768]
 // loops:
-//   gemm %758: [8192 x 768] = [8192 x 3072] T[3072 x 768], bf16 operands widened to f32
+//   gemm %758: [8192 x 768] = [8192 x 3072] T[3072 x 768], bf16 operands (widened to f32 where the library has no bf16 GEMM)
 static void k141_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b365 = (uint16_t *)(arena + 2172112896); // %365 cast bf16[768,3072]
   uint16_t *const b757 = (uint16_t *)(arena + 3198000256); // %757 cast bf16[8192,3072]
   float *const b758 = (float *)(arena + 3097336960); // %758 matmul f32[8192,768]
-  {
+  if (h->bgemm) {
+    mdl_bgemm(h, 0, 1, 8192, 768, 3072, b757, 3072, b365, 3072, 0.0f, b758, 768);
+  }
+  else {
     float *const w757 = mdl_widen_bf16(b757, 25165824, h->nthreads);
     float *const w365 = mdl_widen_bf16(b365, 2359296, h->nthreads);
     mdl_gemm(h, 0, 1, 8192, 768, 3072, w757, 3072, w365, 3072, 0.0f, b758, 768);
@@ -6775,12 +7097,15 @@ static void k141_gemm(char *arena, const MdlHooks *h) {
 // k142_gemm: GEMM, 1 op
 //   %759   matmul             d.h.7.fc_w           line 40    f32[768,3072]
 // loops:
-//   gemm %759: [768 x 3072] = T[768 x 8192] [8192 x 3072], bf16 operands widened to f32
+//   gemm %759: [768 x 3072] = T[768 x 8192] [8192 x 3072], bf16 operands (widened to f32 where the library has no bf16 GEMM)
 static void k142_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b364 = (uint16_t *)(arena + 5626502272); // %364 cast bf16[8192,768]
   uint16_t *const b757 = (uint16_t *)(arena + 3198000256); // %757 cast bf16[8192,3072]
   float *const b759 = (float *)(arena + 863216640); // %759 matmul d.h.7.fc_w f32[768,3072]
-  {
+  if (h->bgemm) {
+    mdl_bgemm(h, 1, 0, 768, 3072, 8192, b364, 768, b757, 3072, 0.0f, b759, 3072);
+  }
+  else {
     float *const w364 = mdl_widen_bf16(b364, 6291456, h->nthreads);
     float *const w757 = mdl_widen_bf16(b757, 25165824, h->nthreads);
     mdl_gemm(h, 1, 0, 768, 3072, 8192, w364, 768, w757, 3072, 0.0f, b759, 3072);
@@ -6882,12 +7207,15 @@ static void k143_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
 // k144_gemm: GEMM, 1 op
 //   %769   matmul             d.h.7.proj_w         line 39    f32[768,768]
 // loops:
-//   gemm %769: [768 x 768] = T[768 x 8192] [8192 x 768], bf16 operands widened to f32
+//   gemm %769: [768 x 768] = T[768 x 8192] [8192 x 768], bf16 operands (widened to f32 where the library has no bf16 GEMM)
 static void k144_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b356 = (uint16_t *)(arena + 5613919360); // %356 cast bf16[8192,768]
   uint16_t *const b767 = (uint16_t *)(arena + 3122502784); // %767 cast bf16[8192,768]
   float *const b769 = (float *)(arena + 860848128); // %769 matmul d.h.7.proj_w f32[768,768]
-  {
+  if (h->bgemm) {
+    mdl_bgemm(h, 1, 0, 768, 768, 8192, b356, 768, b767, 768, 0.0f, b769, 768);
+  }
+  else {
     float *const w356 = mdl_widen_bf16(b356, 6291456, h->nthreads);
     float *const w767 = mdl_widen_bf16(b767, 6291456, h->nthreads);
     mdl_gemm(h, 1, 0, 768, 768, 8192, w356, 768, w767, 768, 0.0f, b769, 768);
@@ -6901,14 +7229,17 @@ static void k144_gemm(char *arena, const MdlHooks *h) {
 //   %770   reshape                                 line 39    f32[8,1024,768]
 //   %773   cast                                    line 39    bf16[8,1024,768]
 // loops:
-//   gemm %768: [8192 x 768] = [8192 x 768] T[768 x 768], bf16 operands widened to f32, epilogue after
+//   gemm %768: [8192 x 768] = [8192 x 768] T[768 x 768], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
 //   elementwise over 6291456: %773
 static void k145_gemm__cast(char *arena, const MdlHooks *h) {
   uint16_t *const b357 = (uint16_t *)(arena + 2170933248); // %357 cast bf16[768,768]
   uint16_t *const b767 = (uint16_t *)(arena + 3122502784); // %767 cast bf16[8192,768]
   float *const b768 = mdl_scratch(25165824); // %768 matmul f32[8192,768], kept in this kernel
   uint16_t *const b773 = (uint16_t *)(arena + 3097336960); // %773 cast bf16[8,1024,768]
-  {
+  if (h->bgemm) {
+    mdl_bgemm(h, 0, 1, 8192, 768, 768, b767, 768, b357, 768, 0.0f, b768, 768);
+  }
+  else {
     float *const w767 = mdl_widen_bf16(b767, 6291456, h->nthreads);
     float *const w357 = mdl_widen_bf16(b357, 589824, h->nthreads);
     mdl_gemm(h, 0, 1, 8192, 768, 768, w767, 768, w357, 768, 0.0f, b768, 768);
@@ -7111,12 +7442,15 @@ static void k147_sum__concat__cast(char *arena, const MdlHooks *h) {
 // k148_gemm: GEMM, 1 op
 //   %781   matmul                                  line 38    f32[8192,768]
 // loops:
-//   gemm %781: [8192 x 768] = [8192 x 2304] T[2304 x 768], bf16 operands widened to f32
+//   gemm %781: [8192 x 768] = [8192 x 2304] T[2304 x 768], bf16 operands (widened to f32 where the library has no bf16 GEMM)
 static void k148_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b346 = (uint16_t *)(arena + 2167394304); // %346 cast bf16[768,2304]
   uint16_t *const b780 = (uint16_t *)(arena + 3097336960); // %780 cast bf16[8192,2304]
   float *const b781 = (float *)(arena + 3160251520); // %781 matmul f32[8192,768]
-  {
+  if (h->bgemm) {
+    mdl_bgemm(h, 0, 1, 8192, 768, 2304, b780, 2304, b346, 2304, 0.0f, b781, 768);
+  }
+  else {
     float *const w780 = mdl_widen_bf16(b780, 18874368, h->nthreads);
     float *const w346 = mdl_widen_bf16(b346, 1769472, h->nthreads);
     mdl_gemm(h, 0, 1, 8192, 768, 2304, w780, 2304, w346, 2304, 0.0f, b781, 768);
@@ -7128,12 +7462,15 @@ static void k148_gemm(char *arena, const MdlHooks *h) {
 // k149_gemm: GEMM, 1 op
 //   %782   matmul             d.h.7.attn_w         line 38    f32[768,2304]
 // loops:
-//   gemm %782: [768 x 2304] = T[768 x 8192] [8192 x 2304], bf16 operands widened to f32
+//   gemm %782: [768 x 2304] = T[768 x 8192] [8192 x 2304], bf16 operands (widened to f32 where the library has no bf16 GEMM)
 static void k149_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b345 = (uint16_t *)(arena + 5601336448); // %345 cast bf16[8192,768]
   uint16_t *const b780 = (uint16_t *)(arena + 3097336960); // %780 cast bf16[8192,2304]
   float *const b782 = (float *)(arena + 853761024); // %782 matmul d.h.7.attn_w f32[768,2304]
-  {
+  if (h->bgemm) {
+    mdl_bgemm(h, 1, 0, 768, 2304, 8192, b345, 768, b780, 2304, 0.0f, b782, 2304);
+  }
+  else {
     float *const w345 = mdl_widen_bf16(b345, 6291456, h->nthreads);
     float *const w780 = mdl_widen_bf16(b780, 18874368, h->nthreads);
     mdl_gemm(h, 1, 0, 768, 2304, 8192, w345, 768, w780, 2304, 0.0f, b782, 2304);
@@ -7235,12 +7572,15 @@ static void k150_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
 // k151_gemm: GEMM, 1 op
 //   %792   matmul             d.h.6.fcproj_w       line 40    f32[3072,768]
 // loops:
-//   gemm %792: [3072 x 768] = T[3072 x 8192] [8192 x 768], bf16 operands widened to f32
+//   gemm %792: [3072 x 768] = T[3072 x 8192] [8192 x 768], bf16 operands (widened to f32 where the library has no bf16 GEMM)
 static void k151_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b325 = (uint16_t *)(arena + 3902643328); // %325 cast bf16[8192,3072]
   uint16_t *const b790 = (uint16_t *)(arena + 3210583168); // %790 cast bf16[8192,768]
   float *const b792 = (float *)(arena + 844314624); // %792 matmul d.h.6.fcproj_w f32[3072,768]
-  {
+  if (h->bgemm) {
+    mdl_bgemm(h, 1, 0, 3072, 768, 8192, b325, 3072, b790, 768, 0.0f, b792, 768);
+  }
+  else {
     float *const w325 = mdl_widen_bf16(b325, 25165824, h->nthreads);
     float *const w790 = mdl_widen_bf16(b790, 6291456, h->nthreads);
     mdl_gemm(h, 1, 0, 3072, 768, 8192, w325, 3072, w790, 768, 0.0f, b792, 768);
@@ -7257,7 +7597,7 @@ static void k151_gemm(char *arena, const MdlHooks *h) {
 //   %796   sum                d.h.6.fc_b           line 40    f32[3072]
 //   %797   cast                                    line 40    bf16[8192,3072]
 // loops:
-//   gemm %791: [8192 x 3072] = [8192 x 768] T[768 x 3072], bf16 operands widened to f32, epilogue after
+//   gemm %791: [8192 x 3072] = [8192 x 768] T[768 x 3072], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
 //   sum %796: 3072 outputs over 8192 elements, in 64 blocks of 128
 static void k152_gemm__gelu_bwd__sum__cast(char *arena, const MdlHooks *h) {
   float *const b322 = (float *)(arena + 2996673664); // %322 add f32[8,1024,3072]
@@ -7266,7 +7606,10 @@ static void k152_gemm__gelu_bwd__sum__cast(char *arena, const MdlHooks *h) {
   float *const b791 = mdl_scratch(100663296); // %791 matmul f32[8192,3072], kept in this kernel
   float *const b796 = (float *)(arena + 844302336); // %796 sum d.h.6.fc_b f32[3072]
   uint16_t *const b797 = (uint16_t *)(arena + 3097336960); // %797 cast bf16[8192,3072]
-  {
+  if (h->bgemm) {
+    mdl_bgemm(h, 0, 1, 8192, 3072, 768, b790, 768, b326, 768, 0.0f, b791, 3072);
+  }
+  else {
     float *const w790 = mdl_widen_bf16(b790, 6291456, h->nthreads);
     float *const w326 = mdl_widen_bf16(b326, 2359296, h->nthreads);
     mdl_gemm(h, 0, 1, 8192, 3072, 768, w790, 768, w326, 768, 0.0f, b791, 3072);
@@ -7312,12 +7655,15 @@ static void k152_gemm__gelu_bwd__sum__cast(char *arena, const MdlHooks *h) {
 // k153_gemm: GEMM, 1 op
 //   %798   matmul                                  line 40    f32[8192,768]
 // loops:
-//   gemm %798: [8192 x 768] = [8192 x 3072] T[3072 x 768], bf16 operands widened to f32
+//   gemm %798: [8192 x 768] = [8192 x 3072] T[3072 x 768], bf16 operands (widened to f32 where the library has no bf16 GEMM)
 static void k153_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b319 = (uint16_t *)(arena + 2157957120); // %319 cast bf16[768,3072]
   uint16_t *const b797 = (uint16_t *)(arena + 3097336960); // %797 cast bf16[8192,3072]
   float *const b798 = (float *)(arena + 2996673664); // %798 matmul f32[8192,768]
-  {
+  if (h->bgemm) {
+    mdl_bgemm(h, 0, 1, 8192, 768, 3072, b797, 3072, b319, 3072, 0.0f, b798, 768);
+  }
+  else {
     float *const w797 = mdl_widen_bf16(b797, 25165824, h->nthreads);
     float *const w319 = mdl_widen_bf16(b319, 2359296, h->nthreads);
     mdl_gemm(h, 0, 1, 8192, 768, 3072, w797, 3072, w319, 3072, 0.0f, b798, 768);
@@ -7329,12 +7675,15 @@ static void k153_gemm(char *arena, const MdlHooks *h) {
 // k154_gemm: GEMM, 1 op
 //   %799   matmul             d.h.6.fc_w           line 40    f32[768,3072]
 // loops:
-//   gemm %799: [768 x 3072] = T[768 x 8192] [8192 x 3072], bf16 operands widened to f32
+//   gemm %799: [768 x 3072] = T[768 x 8192] [8192 x 3072], bf16 operands (widened to f32 where the library has no bf16 GEMM)
 static void k154_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b318 = (uint16_t *)(arena + 5588753536); // %318 cast bf16[8192,768]
   uint16_t *const b797 = (uint16_t *)(arena + 3097336960); // %797 cast bf16[8192,3072]
   float *const b799 = (float *)(arena + 834865152); // %799 matmul d.h.6.fc_w f32[768,3072]
-  {
+  if (h->bgemm) {
+    mdl_bgemm(h, 1, 0, 768, 3072, 8192, b318, 768, b797, 3072, 0.0f, b799, 3072);
+  }
+  else {
     float *const w318 = mdl_widen_bf16(b318, 6291456, h->nthreads);
     float *const w797 = mdl_widen_bf16(b797, 25165824, h->nthreads);
     mdl_gemm(h, 1, 0, 768, 3072, 8192, w318, 768, w797, 3072, 0.0f, b799, 3072);
@@ -7436,12 +7785,15 @@ static void k155_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
 // k156_gemm: GEMM, 1 op
 //   %809   matmul             d.h.6.proj_w         line 39    f32[768,768]
 // loops:
-//   gemm %809: [768 x 768] = T[768 x 8192] [8192 x 768], bf16 operands widened to f32
+//   gemm %809: [768 x 768] = T[768 x 8192] [8192 x 768], bf16 operands (widened to f32 where the library has no bf16 GEMM)
 static void k156_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b310 = (uint16_t *)(arena + 5576170624); // %310 cast bf16[8192,768]
   uint16_t *const b807 = (uint16_t *)(arena + 3021839488); // %807 cast bf16[8192,768]
   float *const b809 = (float *)(arena + 832496640); // %809 matmul d.h.6.proj_w f32[768,768]
-  {
+  if (h->bgemm) {
+    mdl_bgemm(h, 1, 0, 768, 768, 8192, b310, 768, b807, 768, 0.0f, b809, 768);
+  }
+  else {
     float *const w310 = mdl_widen_bf16(b310, 6291456, h->nthreads);
     float *const w807 = mdl_widen_bf16(b807, 6291456, h->nthreads);
     mdl_gemm(h, 1, 0, 768, 768, 8192, w310, 768, w807, 768, 0.0f, b809, 768);
@@ -7455,14 +7807,17 @@ static void k156_gemm(char *arena, const MdlHooks *h) {
 //   %810   reshape                                 line 39    f32[8,1024,768]
 //   %813   cast                                    line 39    bf16[8,1024,768]
 // loops:
-//   gemm %808: [8192 x 768] = [8192 x 768] T[768 x 768], bf16 operands widened to f32, epilogue after
+//   gemm %808: [8192 x 768] = [8192 x 768] T[768 x 768], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
 //   elementwise over 6291456: %813
 static void k157_gemm__cast(char *arena, const MdlHooks *h) {
   uint16_t *const b311 = (uint16_t *)(arena + 2156777472); // %311 cast bf16[768,768]
   uint16_t *const b807 = (uint16_t *)(arena + 3021839488); // %807 cast bf16[8192,768]
   float *const b808 = mdl_scratch(25165824); // %808 matmul f32[8192,768], kept in this kernel
   uint16_t *const b813 = (uint16_t *)(arena + 2996673664); // %813 cast bf16[8,1024,768]
-  {
+  if (h->bgemm) {
+    mdl_bgemm(h, 0, 1, 8192, 768, 768, b807, 768, b311, 768, 0.0f, b808, 768);
+  }
+  else {
     float *const w807 = mdl_widen_bf16(b807, 6291456, h->nthreads);
     float *const w311 = mdl_widen_bf16(b311, 589824, h->nthreads);
     mdl_gemm(h, 0, 1, 8192, 768, 768, w807, 768, w311, 768, 0.0f, b808, 768);
@@ -7665,12 +8020,15 @@ static void k159_sum__concat__cast(char *arena, const MdlHooks *h) {
 // k160_gemm: GEMM, 1 op
 //   %821   matmul                                  line 38    f32[8192,768]
 // loops:
-//   gemm %821: [8192 x 768] = [8192 x 2304] T[2304 x 768], bf16 operands widened to f32
+//   gemm %821: [8192 x 768] = [8192 x 2304] T[2304 x 768], bf16 operands (widened to f32 where the library has no bf16 GEMM)
 static void k160_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b300 = (uint16_t *)(arena + 2153238528); // %300 cast bf16[768,2304]
   uint16_t *const b820 = (uint16_t *)(arena + 2996673664); // %820 cast bf16[8192,2304]
   float *const b821 = (float *)(arena + 3059588224); // %821 matmul f32[8192,768]
-  {
+  if (h->bgemm) {
+    mdl_bgemm(h, 0, 1, 8192, 768, 2304, b820, 2304, b300, 2304, 0.0f, b821, 768);
+  }
+  else {
     float *const w820 = mdl_widen_bf16(b820, 18874368, h->nthreads);
     float *const w300 = mdl_widen_bf16(b300, 1769472, h->nthreads);
     mdl_gemm(h, 0, 1, 8192, 768, 2304, w820, 2304, w300, 2304, 0.0f, b821, 768);
@@ -7682,12 +8040,15 @@ static void k160_gemm(char *arena, const MdlHooks *h) {
 // k161_gemm: GEMM, 1 op
 //   %822   matmul             d.h.6.attn_w         line 38    f32[768,2304]
 // loops:
-//   gemm %822: [768 x 2304] = T[768 x 8192] [8192 x 2304], bf16 operands widened to f32
+//   gemm %822: [768 x 2304] = T[768 x 8192] [8192 x 2304], bf16 operands (widened to f32 where the library has no bf16 GEMM)
 static void k161_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b299 = (uint16_t *)(arena + 5563587712); // %299 cast bf16[8192,768]
   uint16_t *const b820 = (uint16_t *)(arena + 2996673664); // %820 cast bf16[8192,2304]
   float *const b822 = (float *)(arena + 825409536); // %822 matmul d.h.6.attn_w f32[768,2304]
-  {
+  if (h->bgemm) {
+    mdl_bgemm(h, 1, 0, 768, 2304, 8192, b299, 768, b820, 2304, 0.0f, b822, 2304);
+  }
+  else {
     float *const w299 = mdl_widen_bf16(b299, 6291456, h->nthreads);
     float *const w820 = mdl_widen_bf16(b820, 18874368, h->nthreads);
     mdl_gemm(h, 1, 0, 768, 2304, 8192, w299, 768, w820, 2304, 0.0f, b822, 2304);
@@ -7789,12 +8150,15 @@ static void k162_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
 // k163_gemm: GEMM, 1 op
 //   %832   matmul             d.h.5.fcproj_w       line 40    f32[3072,768]
 // loops:
-//   gemm %832: [3072 x 768] = T[3072 x 8192] [8192 x 768], bf16 operands widened to f32
+//   gemm %832: [3072 x 768] = T[3072 x 8192] [8192 x 768], bf16 operands (widened to f32 where the library has no bf16 GEMM)
 static void k163_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b279 = (uint16_t *)(arena + 3852311680); // %279 cast bf16[8192,3072]
   uint16_t *const b830 = (uint16_t *)(arena + 3109919872); // %830 cast bf16[8192,768]
   float *const b832 = (float *)(arena + 815963136); // %832 matmul d.h.5.fcproj_w f32[3072,768]
-  {
+  if (h->bgemm) {
+    mdl_bgemm(h, 1, 0, 3072, 768, 8192, b279, 3072, b830, 768, 0.0f, b832, 768);
+  }
+  else {
     float *const w279 = mdl_widen_bf16(b279, 25165824, h->nthreads);
     float *const w830 = mdl_widen_bf16(b830, 6291456, h->nthreads);
     mdl_gemm(h, 1, 0, 3072, 768, 8192, w279, 3072, w830, 768, 0.0f, b832, 768);
@@ -7811,7 +8175,7 @@ static void k163_gemm(char *arena, const MdlHooks *h) {
 //   %836   sum                d.h.5.fc_b           line 40    f32[3072]
 //   %837   cast                                    line 40    bf16[8192,3072]
 // loops:
-//   gemm %831: [8192 x 3072] = [8192 x 768] T[768 x 3072], bf16 operands widened to f32, epilogue after
+//   gemm %831: [8192 x 3072] = [8192 x 768] T[768 x 3072], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
 //   sum %836: 3072 outputs over 8192 elements, in 64 blocks of 128
 static void k164_gemm__gelu_bwd__sum__cast(char *arena, const MdlHooks *h) {
   float *const b276 = (float *)(arena + 2896010368); // %276 add f32[8,1024,3072]
@@ -7820,7 +8184,10 @@ static void k164_gemm__gelu_bwd__sum__cast(char *arena, const MdlHooks *h) {
   float *const b831 = mdl_scratch(100663296); // %831 matmul f32[8192,3072], kept in this kernel
   float *const b836 = (float *)(arena + 815950848); // %836 sum d.h.5.fc_b f32[3072]
   uint16_t *const b837 = (uint16_t *)(arena + 2996673664); // %837 cast bf16[8192,3072]
-  {
+  if (h->bgemm) {
+    mdl_bgemm(h, 0, 1, 8192, 3072, 768, b830, 768, b280, 768, 0.0f, b831, 3072);
+  }
+  else {
     float *const w830 = mdl_widen_bf16(b830, 6291456, h->nthreads);
     float *const w280 = mdl_widen_bf16(b280, 2359296, h->nthreads);
     mdl_gemm(h, 0, 1, 8192, 3072, 768, w830, 768, w280, 768, 0.0f, b831, 3072);
@@ -7866,12 +8233,15 @@ static void k164_gemm__gelu_bwd__sum__cast(char *arena, const MdlHooks *h) {
 // k165_gemm: GEMM, 1 op
 //   %838   matmul                                  line 40    f32[8192,768]
 // loops:
-//   gemm %838: [8192 x 768] = [8192 x 3072] T[3072 x 768], bf16 operands widened to f32
+//   gemm %838: [8192 x 768] = [8192 x 3072] T[3072 x 768], bf16 operands (widened to f32 where the library has no bf16 GEMM)
 static void k165_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b273 = (uint16_t *)(arena + 2143801344); // %273 cast bf16[768,3072]
   uint16_t *const b837 = (uint16_t *)(arena + 2996673664); // %837 cast bf16[8192,3072]
   float *const b838 = (float *)(arena + 2896010368); // %838 matmul f32[8192,768]
-  {
+  if (h->bgemm) {
+    mdl_bgemm(h, 0, 1, 8192, 768, 3072, b837, 3072, b273, 3072, 0.0f, b838, 768);
+  }
+  else {
     float *const w837 = mdl_widen_bf16(b837, 25165824, h->nthreads);
     float *const w273 = mdl_widen_bf16(b273, 2359296, h->nthreads);
     mdl_gemm(h, 0, 1, 8192, 768, 3072, w837, 3072, w273, 3072, 0.0f, b838, 768);
@@ -7883,12 +8253,15 @@ static void k165_gemm(char *arena, const MdlHooks *h) {
 // k166_gemm: GEMM, 1 op
 //   %839   matmul             d.h.5.fc_w           line 40    f32[768,3072]
 // loops:
-//   gemm %839: [768 x 3072] = T[768 x 8192] [8192 x 3072], bf16 operands widened to f32
+//   gemm %839: [768 x 3072] = T[768 x 8192] [8192 x 3072], bf16 operands (widened to f32 where the library has no bf16 GEMM)
 static void k166_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b272 = (uint16_t *)(arena + 5551004800); // %272 cast bf16[8192,768]
   uint16_t *const b837 = (uint16_t *)(arena + 2996673664); // %837 cast bf16[8192,3072]
   float *const b839 = (float *)(arena + 806513664); // %839 matmul d.h.5.fc_w f32[768,3072]
-  {
+  if (h->bgemm) {
+    mdl_bgemm(h, 1, 0, 768, 3072, 8192, b272, 768, b837, 3072, 0.0f, b839, 3072);
+  }
+  else {
     float *const w272 = mdl_widen_bf16(b272, 6291456, h->nthreads);
     float *const w837 = mdl_widen_bf16(b837, 25165824, h->nthreads);
     mdl_gemm(h, 1, 0, 768, 3072, 8192, w272, 768, w837, 3072, 0.0f, b839, 3072);
@@ -7990,12 +8363,15 @@ static void k167_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
 // k168_gemm: GEMM, 1 op
 //   %849   matmul             d.h.5.proj_w         line 39    f32[768,768]
 // loops:
-//   gemm %849: [768 x 768] = T[768 x 8192] [8192 x 768], bf16 operands widened to f32
+//   gemm %849: [768 x 768] = T[768 x 8192] [8192 x 768], bf16 operands (widened to f32 where the library has no bf16 GEMM)
 static void k168_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b264 = (uint16_t *)(arena + 5538421888); // %264 cast bf16[8192,768]
   uint16_t *const b847 = (uint16_t *)(arena + 2921176192); // %847 cast bf16[8192,768]
   float *const b849 = (float *)(arena + 804145152); // %849 matmul d.h.5.proj_w f32[768,768]
-  {
+  if (h->bgemm) {
+    mdl_bgemm(h, 1, 0, 768, 768, 8192, b264, 768, b847, 768, 0.0f, b849, 768);
+  }
+  else {
     float *const w264 = mdl_widen_bf16(b264, 6291456, h->nthreads);
     float *const w847 = mdl_widen_bf16(b847, 6291456, h->nthreads);
     mdl_gemm(h, 1, 0, 768, 768, 8192, w264, 768, w847, 768, 0.0f, b849, 768);
@@ -8009,14 +8385,17 @@ static void k168_gemm(char *arena, const MdlHooks *h) {
 //   %850   reshape                                 line 39    f32[8,1024,768]
 //   %853   cast                                    line 39    bf16[8,1024,768]
 // loops:
-//   gemm %848: [8192 x 768] = [8192 x 768] T[768 x 768], bf16 operands widened to f32, epilogue after
+//   gemm %848: [8192 x 768] = [8192 x 768] T[768 x 768], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
 //   elementwise over 6291456: %853
 static void k169_gemm__cast(char *arena, const MdlHooks *h) {
   uint16_t *const b265 = (uint16_t *)(arena + 2142621696); // %265 cast bf16[768,768]
   uint16_t *const b847 = (uint16_t *)(arena + 2921176192); // %847 cast bf16[8192,768]
   float *const b848 = mdl_scratch(25165824); // %848 matmul f32[8192,768], kept in this kernel
   uint16_t *const b853 = (uint16_t *)(arena + 2896010368); // %853 cast bf16[8,1024,768]
-  {
+  if (h->bgemm) {
+    mdl_bgemm(h, 0, 1, 8192, 768, 768, b847, 768, b265, 768, 0.0f, b848, 768);
+  }
+  else {
     float *const w847 = mdl_widen_bf16(b847, 6291456, h->nthreads);
     float *const w265 = mdl_widen_bf16(b265, 589824, h->nthreads);
     mdl_gemm(h, 0, 1, 8192, 768, 768, w847, 768, w265, 768, 0.0f, b848, 768);
@@ -8219,12 +8598,15 @@ static void k171_sum__concat__cast(char *arena, const MdlHooks *h) {
 // k172_gemm: GEMM, 1 op
 //   %861   matmul                                  line 38    f32[8192,768]
 // loops:
-//   gemm %861: [8192 x 768] = [8192 x 2304] T[2304 x 768], bf16 operands widened to f32
+//   gemm %861: [8192 x 768] = [8192 x 2304] T[2304 x 768], bf16 operands (widened to f32 where the library has no bf16 GEMM)
 static void k172_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b254 = (uint16_t *)(arena + 2139082752); // %254 cast bf16[768,2304]
   uint16_t *const b860 = (uint16_t *)(arena + 2896010368); // %860 cast bf16[8192,2304]
   float *const b861 = (float *)(arena + 2958924928); // %861 matmul f32[8192,768]
-  {
+  if (h->bgemm) {
+    mdl_bgemm(h, 0, 1, 8192, 768, 2304, b860, 2304, b254, 2304, 0.0f, b861, 768);
+  }
+  else {
     float *const w860 = mdl_widen_bf16(b860, 18874368, h->nthreads);
     float *const w254 = mdl_widen_bf16(b254, 1769472, h->nthreads);
     mdl_gemm(h, 0, 1, 8192, 768, 2304, w860, 2304, w254, 2304, 0.0f, b861, 768);
@@ -8236,12 +8618,15 @@ static void k172_gemm(char *arena, const MdlHooks *h) {
 // k173_gemm: GEMM, 1 op
 //   %862   matmul             d.h.5.attn_w         line 38    f32[768,2304]
 // loops:
-//   gemm %862: [768 x 2304] = T[768 x 8192] [8192 x 2304], bf16 operands widened to f32
+//   gemm %862: [768 x 2304] = T[768 x 8192] [8192 x 2304], bf16 operands (widened to f32 where the library has no bf16 GEMM)
 static void k173_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b253 = (uint16_t *)(arena + 5525838976); // %253 cast bf16[8192,768]
   uint16_t *const b860 = (uint16_t *)(arena + 2896010368); // %860 cast bf16[8192,2304]
   float *const b862 = (float *)(arena + 797058048); // %862 matmul d.h.5.attn_w f32[768,2304]
-  {
+  if (h->bgemm) {
+    mdl_bgemm(h, 1, 0, 768, 2304, 8192, b253, 768, b860, 2304, 0.0f, b862, 2304);
+  }
+  else {
     float *const w253 = mdl_widen_bf16(b253, 6291456, h->nthreads);
     float *const w860 = mdl_widen_bf16(b860, 18874368, h->nthreads);
     mdl_gemm(h, 1, 0, 768, 2304, 8192, w253, 768, w860, 2304, 0.0f, b862, 2304);
@@ -8343,12 +8728,15 @@ static void k174_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
 // k175_gemm: GEMM, 1 op
 //   %872   matmul             d.h.4.fcproj_w       line 40    f32[3072,768]
 // loops:
-//   gemm %872: [3072 x 768] = T[3072 x 8192] [8192 x 768], bf16 operands widened to f32
+//   gemm %872: [3072 x 768] = T[3072 x 8192] [8192 x 768], bf16 operands (widened to f32 where the library has no bf16 GEMM)
 static void k175_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b233 = (uint16_t *)(arena + 3801980032); // %233 cast bf16[8192,3072]
   uint16_t *const b870 = (uint16_t *)(arena + 3009256576); // %870 cast bf16[8192,768]
   float *const b872 = (float *)(arena + 787611648); // %872 matmul d.h.4.fcproj_w f32[3072,768]
-  {
+  if (h->bgemm) {
+    mdl_bgemm(h, 1, 0, 3072, 768, 8192, b233, 3072, b870, 768, 0.0f, b872, 768);
+  }
+  else {
     float *const w233 = mdl_widen_bf16(b233, 25165824, h->nthreads);
     float *const w870 = mdl_widen_bf16(b870, 6291456, h->nthreads);
     mdl_gemm(h, 1, 0, 3072, 768, 8192, w233, 3072, w870, 768, 0.0f, b872, 768);
@@ -8365,7 +8753,7 @@ static void k175_gemm(char *arena, const MdlHooks *h) {
 //   %876   sum                d.h.4.fc_b           line 40    f32[3072]
 //   %877   cast                                    line 40    bf16[8192,3072]
 // loops:
-//   gemm %871: [8192 x 3072] = [8192 x 768] T[768 x 3072], bf16 operands widened to f32, epilogue after
+//   gemm %871: [8192 x 3072] = [8192 x 768] T[768 x 3072], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
 //   sum %876: 3072 outputs over 8192 elements, in 64 blocks of 128
 static void k176_gemm__gelu_bwd__sum__cast(char *arena, const MdlHooks *h) {
   float *const b230 = (float *)(arena + 2795347072); // %230 add f32[8,1024,3072]
@@ -8374,7 +8762,10 @@ static void k176_gemm__gelu_bwd__sum__cast(char *arena, const MdlHooks *h) {
   float *const b871 = mdl_scratch(100663296); // %871 matmul f32[8192,3072], kept in this kernel
   float *const b876 = (float *)(arena + 787599360); // %876 sum d.h.4.fc_b f32[3072]
   uint16_t *const b877 = (uint16_t *)(arena + 2896010368); // %877 cast bf16[8192,3072]
-  {
+  if (h->bgemm) {
+    mdl_bgemm(h, 0, 1, 8192, 3072, 768, b870, 768, b234, 768, 0.0f, b871, 3072);
+  }
+  else {
     float *const w870 = mdl_widen_bf16(b870, 6291456, h->nthreads);
     float *const w234 = mdl_widen_bf16(b234, 2359296, h->nthreads);
     mdl_gemm(h, 0, 1, 8192, 3072, 768, w870, 768, w234, 768, 0.0f, b871, 3072);
@@ -8420,12 +8811,15 @@ static void k176_gemm__gelu_bwd__sum__cast(char *arena, const MdlHooks *h) {
 // k177_gemm: GEMM, 1 op
 //   %878   matmul                                  line 40    f32[8192,768]
 // loops:
-//   gemm %878: [8192 x 768] = [8192 x 3072] T[3072 x 768], bf16 operands widened to f32
+//   gemm %878: [8192 x 768] = [8192 x 3072] T[3072 x 768], bf16 operands (widened to f32 where the library has no bf16 GEMM)
 static void k177_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b227 = (uint16_t *)(arena + 2129645568); // %227 cast bf16[768,3072]
   uint16_t *const b877 = (uint16_t *)(arena + 2896010368); // %877 cast bf16[8192,3072]
   float *const b878 = (float *)(arena + 2795347072); // %878 matmul f32[8192,768]
-  {
+  if (h->bgemm) {
+    mdl_bgemm(h, 0, 1, 8192, 768, 3072, b877, 3072, b227, 3072, 0.0f, b878, 768);
+  }
+  else {
     float *const w877 = mdl_widen_bf16(b877, 25165824, h->nthreads);
     float *const w227 = mdl_widen_bf16(b227, 2359296, h->nthreads);
     mdl_gemm(h, 0, 1, 8192, 768, 3072, w877, 3072, w227, 3072, 0.0f, b878, 768);
@@ -8437,12 +8831,15 @@ static void k177_gemm(char *arena, const MdlHooks *h) {
 // k178_gemm: GEMM, 1 op
 //   %879   matmul             d.h.4.fc_w           line 40    f32[768,3072]
 // loops:
-//   gemm %879: [768 x 3072] = T[768 x 8192] [8192 x 3072], bf16 operands widened to f32
+//   gemm %879: [768 x 3072] = T[768 x 8192] [8192 x 3072], bf16 operands (widened to f32 where the library has no bf16 GEMM)
 static void k178_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b226 = (uint16_t *)(arena + 5513256064); // %226 cast bf16[8192,768]
   uint16_t *const b877 = (uint16_t *)(arena + 2896010368); // %877 cast bf16[8192,3072]
   float *const b879 = (float *)(arena + 778162176); // %879 matmul d.h.4.fc_w f32[768,3072]
-  {
+  if (h->bgemm) {
+    mdl_bgemm(h, 1, 0, 768, 3072, 8192, b226, 768, b877, 3072, 0.0f, b879, 3072);
+  }
+  else {
     float *const w226 = mdl_widen_bf16(b226, 6291456, h->nthreads);
     float *const w877 = mdl_widen_bf16(b877, 25165824, h->nthreads);
     mdl_gemm(h, 1, 0, 768, 3072, 8192, w226, 768, w877, 3072, 0.0f, b879, 3072);
@@ -8544,12 +8941,15 @@ static void k179_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
 // k180_gemm: GEMM, 1 op
 //   %889   matmul             d.h.4.proj_w         line 39    f32[768,768]
 // loops:
-//   gemm %889: [768 x 768] = T[768 x 8192] [8192 x 768], bf16 operands widened to f32
+//   gemm %889: [768 x 768] = T[768 x 8192] [8192 x 768], bf16 operands (widened to f32 where the library has no bf16 GEMM)
 static void k180_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b218 = (uint16_t *)(arena + 5500673152); // %218 cast bf16[8192,768]
   uint16_t *const b887 = (uint16_t *)(arena + 2820512896); // %887 cast bf16[8192,768]
   float *const b889 = (float *)(arena + 775793664); // %889 matmul d.h.4.proj_w f32[768,768]
-  {
+  if (h->bgemm) {
+    mdl_bgemm(h, 1, 0, 768, 768, 8192, b218, 768, b887, 768, 0.0f, b889, 768);
+  }
+  else {
     float *const w218 = mdl_widen_bf16(b218, 6291456, h->nthreads);
     float *const w887 = mdl_widen_bf16(b887, 6291456, h->nthreads);
     mdl_gemm(h, 1, 0, 768, 768, 8192, w218, 768, w887, 768, 0.0f, b889, 768);
@@ -8563,14 +8963,17 @@ static void k180_gemm(char *arena, const MdlHooks *h) {
 //   %890   reshape                                 line 39    f32[8,1024,768]
 //   %893   cast                                    line 39    bf16[8,1024,768]
 // loops:
-//   gemm %888: [8192 x 768] = [8192 x 768] T[768 x 768], bf16 operands widened to f32, epilogue after
+//   gemm %888: [8192 x 768] = [8192 x 768] T[768 x 768], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
 //   elementwise over 6291456: %893
 static void k181_gemm__cast(char *arena, const MdlHooks *h) {
   uint16_t *const b219 = (uint16_t *)(arena + 2128465920); // %219 cast bf16[768,768]
   uint16_t *const b887 = (uint16_t *)(arena + 2820512896); // %887 cast bf16[8192,768]
   float *const b888 = mdl_scratch(25165824); // %888 matmul f32[8192,768], kept in this kernel
   uint16_t *const b893 = (uint16_t *)(arena + 2795347072); // %893 cast bf16[8,1024,768]
-  {
+  if (h->bgemm) {
+    mdl_bgemm(h, 0, 1, 8192, 768, 768, b887, 768, b219, 768, 0.0f, b888, 768);
+  }
+  else {
     float *const w887 = mdl_widen_bf16(b887, 6291456, h->nthreads);
     float *const w219 = mdl_widen_bf16(b219, 589824, h->nthreads);
     mdl_gemm(h, 0, 1, 8192, 768, 768, w887, 768, w219, 768, 0.0f, b888, 768);
@@ -8773,12 +9176,15 @@ static void k183_sum__concat__cast(char *arena, const MdlHooks *h) {
 // k184_gemm: GEMM, 1 op
 //   %901   matmul                                  line 38    f32[8192,768]
 // loops:
-//   gemm %901: [8192 x 768] = [8192 x 2304] T[2304 x 768], bf16 operands widened to f32
+//   gemm %901: [8192 x 768] = [8192 x 2304] T[2304 x 768], bf16 operands (widened to f32 where the library has no bf16 GEMM)
 static void k184_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b208 = (uint16_t *)(arena + 2124926976); // %208 cast bf16[768,2304]
   uint16_t *const b900 = (uint16_t *)(arena + 2795347072); // %900 cast bf16[8192,2304]
   float *const b901 = (float *)(arena + 2858261632); // %901 matmul f32[8192,768]
-  {
+  if (h->bgemm) {
+    mdl_bgemm(h, 0, 1, 8192, 768, 2304, b900, 2304, b208, 2304, 0.0f, b901, 768);
+  }
+  else {
     float *const w900 = mdl_widen_bf16(b900, 18874368, h->nthreads);
     float *const w208 = mdl_widen_bf16(b208, 1769472, h->nthreads);
     mdl_gemm(h, 0, 1, 8192, 768, 2304, w900, 2304, w208, 2304, 0.0f, b901, 768);
@@ -8790,12 +9196,15 @@ static void k184_gemm(char *arena, const MdlHooks *h) {
 // k185_gemm: GEMM, 1 op
 //   %902   matmul             d.h.4.attn_w         line 38    f32[768,2304]
 // loops:
-//   gemm %902: [768 x 2304] = T[768 x 8192] [8192 x 2304], bf16 operands widened to f32
+//   gemm %902: [768 x 2304] = T[768 x 8192] [8192 x 2304], bf16 operands (widened to f32 where the library has no bf16 GEMM)
 static void k185_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b207 = (uint16_t *)(arena + 5488090240); // %207 cast bf16[8192,768]
   uint16_t *const b900 = (uint16_t *)(arena + 2795347072); // %900 cast bf16[8192,2304]
   float *const b902 = (float *)(arena + 768706560); // %902 matmul d.h.4.attn_w f32[768,2304]
-  {
+  if (h->bgemm) {
+    mdl_bgemm(h, 1, 0, 768, 2304, 8192, b207, 768, b900, 2304, 0.0f, b902, 2304);
+  }
+  else {
     float *const w207 = mdl_widen_bf16(b207, 6291456, h->nthreads);
     float *const w900 = mdl_widen_bf16(b900, 18874368, h->nthreads);
     mdl_gemm(h, 1, 0, 768, 2304, 8192, w207, 768, w900, 2304, 0.0f, b902, 2304);
@@ -8897,12 +9306,15 @@ static void k186_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
 // k187_gemm: GEMM, 1 op
 //   %912   matmul             d.h.3.fcproj_w       line 40    f32[3072,768]
 // loops:
-//   gemm %912: [3072 x 768] = T[3072 x 8192] [8192 x 768], bf16 operands widened to f32
+//   gemm %912: [3072 x 768] = T[3072 x 8192] [8192 x 768], bf16 operands (widened to f32 where the library has no bf16 GEMM)
 static void k187_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b187 = (uint16_t *)(arena + 3751648384); // %187 cast bf16[8192,3072]
   uint16_t *const b910 = (uint16_t *)(arena + 2908593280); // %910 cast bf16[8192,768]
   float *const b912 = (float *)(arena + 759260160); // %912 matmul d.h.3.fcproj_w f32[3072,768]
-  {
+  if (h->bgemm) {
+    mdl_bgemm(h, 1, 0, 3072, 768, 8192, b187, 3072, b910, 768, 0.0f, b912, 768);
+  }
+  else {
     float *const w187 = mdl_widen_bf16(b187, 25165824, h->nthreads);
     float *const w910 = mdl_widen_bf16(b910, 6291456, h->nthreads);
     mdl_gemm(h, 1, 0, 3072, 768, 8192, w187, 3072, w910, 768, 0.0f, b912, 768);
@@ -8919,7 +9331,7 @@ static void k187_gemm(char *arena, const MdlHooks *h) {
 //   %916   sum                d.h.3.fc_b           line 40    f32[3072]
 //   %917   cast                                    line 40    bf16[8192,3072]
 // loops:
-//   gemm %911: [8192 x 3072] = [8192 x 768] T[768 x 3072], bf16 operands widened to f32, epilogue after
+//   gemm %911: [8192 x 3072] = [8192 x 768] T[768 x 3072], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
 //   sum %916: 3072 outputs over 8192 elements, in 64 blocks of 128
 static void k188_gemm__gelu_bwd__sum__cast(char *arena, const MdlHooks *h) {
   float *const b184 = (float *)(arena + 2694683776); // %184 add f32[8,1024,3072]
@@ -8928,7 +9340,10 @@ static void k188_gemm__gelu_bwd__sum__cast(char *arena, const MdlHooks *h) {
   float *const b911 = mdl_scratch(100663296); // %911 matmul f32[8192,3072], kept in this kernel
   float *const b916 = (float *)(arena + 759247872); // %916 sum d.h.3.fc_b f32[3072]
   uint16_t *const b917 = (uint16_t *)(arena + 2795347072); // %917 cast bf16[8192,3072]
-  {
+  if (h->bgemm) {
+    mdl_bgemm(h, 0, 1, 8192, 3072, 768, b910, 768, b188, 768, 0.0f, b911, 3072);
+  }
+  else {
     float *const w910 = mdl_widen_bf16(b910, 6291456, h->nthreads);
     float *const w188 = mdl_widen_bf16(b188, 2359296, h->nthreads);
     mdl_gemm(h, 0, 1, 8192, 3072, 768, w910, 768, w188, 768, 0.0f, b911, 3072);
@@ -8974,12 +9389,15 @@ static void k188_gemm__gelu_bwd__sum__cast(char *arena, const MdlHooks *h) {
 // k189_gemm: GEMM, 1 op
 //   %918   matmul                                  line 40    f32[8192,768]
 // loops:
-//   gemm %918: [8192 x 768] = [8192 x 3072] T[3072 x 768], bf16 operands widened to f32
+//   gemm %918: [8192 x 768] = [8192 x 3072] T[3072 x 768], bf16 operands (widened to f32 where the library has no bf16 GEMM)
 static void k189_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b181 = (uint16_t *)(arena + 2115489792); // %181 cast bf16[768,3072]
   uint16_t *const b917 = (uint16_t *)(arena + 2795347072); // %917 cast bf16[8192,3072]
   float *const b918 = (float *)(arena + 2694683776); // %918 matmul f32[8192,768]
-  {
+  if (h->bgemm) {
+    mdl_bgemm(h, 0, 1, 8192, 768, 3072, b917, 3072, b181, 3072, 0.0f, b918, 768);
+  }
+  else {
     float *const w917 = mdl_widen_bf16(b917, 25165824, h->nthreads);
     float *const w181 = mdl_widen_bf16(b181, 2359296, h->nthreads);
     mdl_gemm(h, 0, 1, 8192, 768, 3072, w917, 3072, w181, 3072, 0.0f, b918, 768);
@@ -8991,12 +9409,15 @@ static void k189_gemm(char *arena, const MdlHooks *h) {
 // k190_gemm: GEMM, 1 op
 //   %919   matmul             d.h.3.fc_w           line 40    f32[768,3072]
 // loops:
-//   gemm %919: [768 x 3072] = T[768 x 8192] [8192 x 3072], bf16 operands widened to f32
+//   gemm %919: [768 x 3072] = T[768 x 8192] [8192 x 3072], bf16 operands (widened to f32 where the library has no bf16 GEMM)
 static void k190_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b180 = (uint16_t *)(arena + 5475507328); // %180 cast bf16[8192,768]
   uint16_t *const b917 = (uint16_t *)(arena + 2795347072); // %917 cast bf16[8192,3072]
   float *const b919 = (float *)(arena + 749810688); // %919 matmul d.h.3.fc_w f32[768,3072]
-  {
+  if (h->bgemm) {
+    mdl_bgemm(h, 1, 0, 768, 3072, 8192, b180, 768, b917, 3072, 0.0f, b919, 3072);
+  }
+  else {
     float *const w180 = mdl_widen_bf16(b180, 6291456, h->nthreads);
     float *const w917 = mdl_widen_bf16(b917, 25165824, h->nthreads);
     mdl_gemm(h, 1, 0, 768, 3072, 8192, w180, 768, w917, 3072, 0.0f, b919, 3072);
@@ -9098,12 +9519,15 @@ static void k191_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
 // k192_gemm: GEMM, 1 op
 //   %929   matmul             d.h.3.proj_w         line 39    f32[768,768]
 // loops:
-//   gemm %929: [768 x 768] = T[768 x 8192] [8192 x 768], bf16 operands widened to f32
+//   gemm %929: [768 x 768] = T[768 x 8192] [8192 x 768], bf16 operands (widened to f32 where the library has no bf16 GEMM)
 static void k192_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b172 = (uint16_t *)(arena + 5462924416); // %172 cast bf16[8192,768]
   uint16_t *const b927 = (uint16_t *)(arena + 2719849600); // %927 cast bf16[8192,768]
   float *const b929 = (float *)(arena + 747442176); // %929 matmul d.h.3.proj_w f32[768,768]
-  {
+  if (h->bgemm) {
+    mdl_bgemm(h, 1, 0, 768, 768, 8192, b172, 768, b927, 768, 0.0f, b929, 768);
+  }
+  else {
     float *const w172 = mdl_widen_bf16(b172, 6291456, h->nthreads);
     float *const w927 = mdl_widen_bf16(b927, 6291456, h->nthreads);
     mdl_gemm(h, 1, 0, 768, 768, 8192, w172, 768, w927, 768, 0.0f, b929, 768);
@@ -9117,14 +9541,17 @@ static void k192_gemm(char *arena, const MdlHooks *h) {
 //   %930   reshape                                 line 39    f32[8,1024,768]
 //   %933   cast                                    line 39    bf16[8,1024,768]
 // loops:
-//   gemm %928: [8192 x 768] = [8192 x 768] T[768 x 768], bf16 operands widened to f32, epilogue after
+//   gemm %928: [8192 x 768] = [8192 x 768] T[768 x 768], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
 //   elementwise over 6291456: %933
 static void k193_gemm__cast(char *arena, const MdlHooks *h) {
   uint16_t *const b173 = (uint16_t *)(arena + 2114310144); // %173 cast bf16[768,768]
   uint16_t *const b927 = (uint16_t *)(arena + 2719849600); // %927 cast bf16[8192,768]
   float *const b928 = mdl_scratch(25165824); // %928 matmul f32[8192,768], kept in this kernel
   uint16_t *const b933 = (uint16_t *)(arena + 2694683776); // %933 cast bf16[8,1024,768]
-  {
+  if (h->bgemm) {
+    mdl_bgemm(h, 0, 1, 8192, 768, 768, b927, 768, b173, 768, 0.0f, b928, 768);
+  }
+  else {
     float *const w927 = mdl_widen_bf16(b927, 6291456, h->nthreads);
     float *const w173 = mdl_widen_bf16(b173, 589824, h->nthreads);
     mdl_gemm(h, 0, 1, 8192, 768, 768, w927, 768, w173, 768, 0.0f, b928, 768);
@@ -9327,12 +9754,15 @@ static void k195_sum__concat__cast(char *arena, const MdlHooks *h) {
 // k196_gemm: GEMM, 1 op
 //   %941   matmul                                  line 38    f32[8192,768]
 // loops:
-//   gemm %941: [8192 x 768] = [8192 x 2304] T[2304 x 768], bf16 operands widened to f32
+//   gemm %941: [8192 x 768] = [8192 x 2304] T[2304 x 768], bf16 operands (widened to f32 where the library has no bf16 GEMM)
 static void k196_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b162 = (uint16_t *)(arena + 2110771200); // %162 cast bf16[768,2304]
   uint16_t *const b940 = (uint16_t *)(arena + 2694683776); // %940 cast bf16[8192,2304]
   float *const b941 = (float *)(arena + 2757598336); // %941 matmul f32[8192,768]
-  {
+  if (h->bgemm) {
+    mdl_bgemm(h, 0, 1, 8192, 768, 2304, b940, 2304, b162, 2304, 0.0f, b941, 768);
+  }
+  else {
     float *const w940 = mdl_widen_bf16(b940, 18874368, h->nthreads);
     float *const w162 = mdl_widen_bf16(b162, 1769472, h->nthreads);
     mdl_gemm(h, 0, 1, 8192, 768, 2304, w940, 2304, w162, 2304, 0.0f, b941, 768);
@@ -9344,12 +9774,15 @@ static void k196_gemm(char *arena, const MdlHooks *h) {
 // k197_gemm: GEMM, 1 op
 //   %942   matmul             d.h.3.attn_w         line 38    f32[768,2304]
 // loops:
-//   gemm %942: [768 x 2304] = T[768 x 8192] [8192 x 2304], bf16 operands widened to f32
+//   gemm %942: [768 x 2304] = T[768 x 8192] [8192 x 2304], bf16 operands (widened to f32 where the library has no bf16 GEMM)
 static void k197_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b161 = (uint16_t *)(arena + 5450341504); // %161 cast bf16[8192,768]
   uint16_t *const b940 = (uint16_t *)(arena + 2694683776); // %940 cast bf16[8192,2304]
   float *const b942 = (float *)(arena + 740355072); // %942 matmul d.h.3.attn_w f32[768,2304]
-  {
+  if (h->bgemm) {
+    mdl_bgemm(h, 1, 0, 768, 2304, 8192, b161, 768, b940, 2304, 0.0f, b942, 2304);
+  }
+  else {
     float *const w161 = mdl_widen_bf16(b161, 6291456, h->nthreads);
     float *const w940 = mdl_widen_bf16(b940, 18874368, h->nthreads);
     mdl_gemm(h, 1, 0, 768, 2304, 8192, w161, 768, w940, 2304, 0.0f, b942, 2304);
@@ -9451,12 +9884,15 @@ static void k198_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
 // k199_gemm: GEMM, 1 op
 //   %952   matmul             d.h.2.fcproj_w       line 40    f32[3072,768]
 // loops:
-//   gemm %952: [3072 x 768] = T[3072 x 8192] [8192 x 768], bf16 operands widened to f32
+//   gemm %952: [3072 x 768] = T[3072 x 8192] [8192 x 768], bf16 operands (widened to f32 where the library has no bf16 GEMM)
 static void k199_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b141 = (uint16_t *)(arena + 3701316736); // %141 cast bf16[8192,3072]
   uint16_t *const b950 = (uint16_t *)(arena + 2807929984); // %950 cast bf16[8192,768]
   float *const b952 = (float *)(arena + 730908672); // %952 matmul d.h.2.fcproj_w f32[3072,768]
-  {
+  if (h->bgemm) {
+    mdl_bgemm(h, 1, 0, 3072, 768, 8192, b141, 3072, b950, 768, 0.0f, b952, 768);
+  }
+  else {
     float *const w141 = mdl_widen_bf16(b141, 25165824, h->nthreads);
     float *const w950 = mdl_widen_bf16(b950, 6291456, h->nthreads);
     mdl_gemm(h, 1, 0, 3072, 768, 8192, w141, 3072, w950, 768, 0.0f, b952, 768);
@@ -9473,7 +9909,7 @@ static void k199_gemm(char *arena, const MdlHooks *h) {
 //   %956   sum                d.h.2.fc_b           line 40    f32[3072]
 //   %957   cast                                    line 40    bf16[8192,3072]
 // loops:
-//   gemm %951: [8192 x 3072] = [8192 x 768] T[768 x 3072], bf16 operands widened to f32, epilogue after
+//   gemm %951: [8192 x 3072] = [8192 x 768] T[768 x 3072], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
 //   sum %956: 3072 outputs over 8192 elements, in 64 blocks of 128
 static void k200_gemm__gelu_bwd__sum__cast(char *arena, const MdlHooks *h) {
   float *const b138 = (float *)(arena + 2594020480); // %138 add f32[8,1024,3072]
@@ -9482,7 +9918,10 @@ static void k200_gemm__gelu_bwd__sum__cast(char *arena, const MdlHooks *h) {
   float *const b951 = mdl_scratch(100663296); // %951 matmul f32[8192,3072], kept in this kernel
   float *const b956 = (float *)(arena + 730896384); // %956 sum d.h.2.fc_b f32[3072]
   uint16_t *const b957 = (uint16_t *)(arena + 2694683776); // %957 cast bf16[8192,3072]
-  {
+  if (h->bgemm) {
+    mdl_bgemm(h, 0, 1, 8192, 3072, 768, b950, 768, b142, 768, 0.0f, b951, 3072);
+  }
+  else {
     float *const w950 = mdl_widen_bf16(b950, 6291456, h->nthreads);
     float *const w142 = mdl_widen_bf16(b142, 2359296, h->nthreads);
     mdl_gemm(h, 0, 1, 8192, 3072, 768, w950, 768, w142, 768, 0.0f, b951, 3072);
@@ -9528,12 +9967,15 @@ static void k200_gemm__gelu_bwd__sum__cast(char *arena, const MdlHooks *h) {
 // k201_gemm: GEMM, 1 op
 //   %958   matmul                                  line 40    f32[8192,768]
 // loops:
-//   gemm %958: [8192 x 768] = [8192 x 3072] T[3072 x 768], bf16 operands widened to f32
+//   gemm %958: [8192 x 768] = [8192 x 3072] T[3072 x 768], bf16 operands (widened to f32 where the library has no bf16 GEMM)
 static void k201_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b135 = (uint16_t *)(arena + 2101334016); // %135 cast bf16[768,3072]
   uint16_t *const b957 = (uint16_t *)(arena + 2694683776); // %957 cast bf16[8192,3072]
   float *const b958 = (float *)(arena + 2594020480); // %958 matmul f32[8192,768]
-  {
+  if (h->bgemm) {
+    mdl_bgemm(h, 0, 1, 8192, 768, 3072, b957, 3072, b135, 3072, 0.0f, b958, 768);
+  }
+  else {
     float *const w957 = mdl_widen_bf16(b957, 25165824, h->nthreads);
     float *const w135 = mdl_widen_bf16(b135, 2359296, h->nthreads);
     mdl_gemm(h, 0, 1, 8192, 768, 3072, w957, 3072, w135, 3072, 0.0f, b958, 768);
@@ -9545,12 +9987,15 @@ static void k201_gemm(char *arena, const MdlHooks *h) {
 // k202_gemm: GEMM, 1 op
 //   %959   matmul             d.h.2.fc_w           line 40    f32[768,3072]
 // loops:
-//   gemm %959: [768 x 3072] = T[768 x 8192] [8192 x 3072], bf16 operands widened to f32
+//   gemm %959: [768 x 3072] = T[768 x 8192] [8192 x 3072], bf16 operands (widened to f32 where the library has no bf16 GEMM)
 static void k202_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b134 = (uint16_t *)(arena + 5437758592); // %134 cast bf16[8192,768]
   uint16_t *const b957 = (uint16_t *)(arena + 2694683776); // %957 cast bf16[8192,3072]
   float *const b959 = (float *)(arena + 721459200); // %959 matmul d.h.2.fc_w f32[768,3072]
-  {
+  if (h->bgemm) {
+    mdl_bgemm(h, 1, 0, 768, 3072, 8192, b134, 768, b957, 3072, 0.0f, b959, 3072);
+  }
+  else {
     float *const w134 = mdl_widen_bf16(b134, 6291456, h->nthreads);
     float *const w957 = mdl_widen_bf16(b957, 25165824, h->nthreads);
     mdl_gemm(h, 1, 0, 768, 3072, 8192, w134, 768, w957, 3072, 0.0f, b959, 3072);
@@ -9652,12 +10097,15 @@ static void k203_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
 // k204_gemm: GEMM, 1 op
 //   %969   matmul             d.h.2.proj_w         line 39    f32[768,768]
 // loops:
-//   gemm %969: [768 x 768] = T[768 x 8192] [8192 x 768], bf16 operands widened to f32
+//   gemm %969: [768 x 768] = T[768 x 8192] [8192 x 768], bf16 operands (widened to f32 where the library has no bf16 GEMM)
 static void k204_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b126 = (uint16_t *)(arena + 5425175680); // %126 cast bf16[8192,768]
   uint16_t *const b967 = (uint16_t *)(arena + 2619186304); // %967 cast bf16[8192,768]
   float *const b969 = (float *)(arena + 719090688); // %969 matmul d.h.2.proj_w f32[768,768]
-  {
+  if (h->bgemm) {
+    mdl_bgemm(h, 1, 0, 768, 768, 8192, b126, 768, b967, 768, 0.0f, b969, 768);
+  }
+  else {
     float *const w126 = mdl_widen_bf16(b126, 6291456, h->nthreads);
     float *const w967 = mdl_widen_bf16(b967, 6291456, h->nthreads);
     mdl_gemm(h, 1, 0, 768, 768, 8192, w126, 768, w967, 768, 0.0f, b969, 768);
@@ -9671,14 +10119,17 @@ static void k204_gemm(char *arena, const MdlHooks *h) {
 //   %970   reshape                                 line 39    f32[8,1024,768]
 //   %973   cast                                    line 39    bf16[8,1024,768]
 // loops:
-//   gemm %968: [8192 x 768] = [8192 x 768] T[768 x 768], bf16 operands widened to f32, epilogue after
+//   gemm %968: [8192 x 768] = [8192 x 768] T[768 x 768], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
 //   elementwise over 6291456: %973
 static void k205_gemm__cast(char *arena, const MdlHooks *h) {
   uint16_t *const b127 = (uint16_t *)(arena + 2100154368); // %127 cast bf16[768,768]
   uint16_t *const b967 = (uint16_t *)(arena + 2619186304); // %967 cast bf16[8192,768]
   float *const b968 = mdl_scratch(25165824); // %968 matmul f32[8192,768], kept in this kernel
   uint16_t *const b973 = (uint16_t *)(arena + 2594020480); // %973 cast bf16[8,1024,768]
-  {
+  if (h->bgemm) {
+    mdl_bgemm(h, 0, 1, 8192, 768, 768, b967, 768, b127, 768, 0.0f, b968, 768);
+  }
+  else {
     float *const w967 = mdl_widen_bf16(b967, 6291456, h->nthreads);
     float *const w127 = mdl_widen_bf16(b127, 589824, h->nthreads);
     mdl_gemm(h, 0, 1, 8192, 768, 768, w967, 768, w127, 768, 0.0f, b968, 768);
@@ -9881,12 +10332,15 @@ static void k207_sum__concat__cast(char *arena, const MdlHooks *h) {
 // k208_gemm: GEMM, 1 op
 //   %981   matmul                                  line 38    f32[8192,768]
 // loops:
-//   gemm %981: [8192 x 768] = [8192 x 2304] T[2304 x 768], bf16 operands widened to f32
+//   gemm %981: [8192 x 768] = [8192 x 2304] T[2304 x 768], bf16 operands (widened to f32 where the library has no bf16 GEMM)
 static void k208_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b116 = (uint16_t *)(arena + 2096615424); // %116 cast bf16[768,2304]
   uint16_t *const b980 = (uint16_t *)(arena + 2594020480); // %980 cast bf16[8192,2304]
   float *const b981 = (float *)(arena + 2656935040); // %981 matmul f32[8192,768]
-  {
+  if (h->bgemm) {
+    mdl_bgemm(h, 0, 1, 8192, 768, 2304, b980, 2304, b116, 2304, 0.0f, b981, 768);
+  }
+  else {
     float *const w980 = mdl_widen_bf16(b980, 18874368, h->nthreads);
     float *const w116 = mdl_widen_bf16(b116, 1769472, h->nthreads);
     mdl_gemm(h, 0, 1, 8192, 768, 2304, w980, 2304, w116, 2304, 0.0f, b981, 768);
@@ -9898,12 +10352,15 @@ static void k208_gemm(char *arena, const MdlHooks *h) {
 // k209_gemm: GEMM, 1 op
 //   %982   matmul             d.h.2.attn_w         line 38    f32[768,2304]
 // loops:
-//   gemm %982: [768 x 2304] = T[768 x 8192] [8192 x 2304], bf16 operands widened to f32
+//   gemm %982: [768 x 2304] = T[768 x 8192] [8192 x 2304], bf16 operands (widened to f32 where the library has no bf16 GEMM)
 static void k209_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b115 = (uint16_t *)(arena + 5412592768); // %115 cast bf16[8192,768]
   uint16_t *const b980 = (uint16_t *)(arena + 2594020480); // %980 cast bf16[8192,2304]
   float *const b982 = (float *)(arena + 712003584); // %982 matmul d.h.2.attn_w f32[768,2304]
-  {
+  if (h->bgemm) {
+    mdl_bgemm(h, 1, 0, 768, 2304, 8192, b115, 768, b980, 2304, 0.0f, b982, 2304);
+  }
+  else {
     float *const w115 = mdl_widen_bf16(b115, 6291456, h->nthreads);
     float *const w980 = mdl_widen_bf16(b980, 18874368, h->nthreads);
     mdl_gemm(h, 1, 0, 768, 2304, 8192, w115, 768, w980, 2304, 0.0f, b982, 2304);
@@ -10005,12 +10462,15 @@ static void k210_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
 // k211_gemm: GEMM, 1 op
 //   %992   matmul             d.h.1.fcproj_w       line 40    f32[3072,768]
 // loops:
-//   gemm %992: [3072 x 768] = T[3072 x 8192] [8192 x 768], bf16 operands widened to f32
+//   gemm %992: [3072 x 768] = T[3072 x 8192] [8192 x 768], bf16 operands (widened to f32 where the library has no bf16 GEMM)
 static void k211_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b95 = (uint16_t *)(arena + 3650985088); // %95 cast bf16[8192,3072]
   uint16_t *const b990 = (uint16_t *)(arena + 2707266688); // %990 cast bf16[8192,768]
   float *const b992 = (float *)(arena + 702557184); // %992 matmul d.h.1.fcproj_w f32[3072,768]
-  {
+  if (h->bgemm) {
+    mdl_bgemm(h, 1, 0, 3072, 768, 8192, b95, 3072, b990, 768, 0.0f, b992, 768);
+  }
+  else {
     float *const w95 = mdl_widen_bf16(b95, 25165824, h->nthreads);
     float *const w990 = mdl_widen_bf16(b990, 6291456, h->nthreads);
     mdl_gemm(h, 1, 0, 3072, 768, 8192, w95, 3072, w990, 768, 0.0f, b992, 768);
@@ -10027,7 +10487,7 @@ static void k211_gemm(char *arena, const MdlHooks *h) {
 //   %996   sum                d.h.1.fc_b           line 40    f32[3072]
 //   %997   cast                                    line 40    bf16[8192,3072]
 // loops:
-//   gemm %991: [8192 x 3072] = [8192 x 768] T[768 x 3072], bf16 operands widened to f32, epilogue after
+//   gemm %991: [8192 x 3072] = [8192 x 768] T[768 x 3072], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
 //   sum %996: 3072 outputs over 8192 elements, in 64 blocks of 128
 static void k212_gemm__gelu_bwd__sum__cast(char *arena, const MdlHooks *h) {
   float *const b92 = (float *)(arena + 2493357184); // %92 add f32[8,1024,3072]
@@ -10036,7 +10496,10 @@ static void k212_gemm__gelu_bwd__sum__cast(char *arena, const MdlHooks *h) {
   float *const b991 = mdl_scratch(100663296); // %991 matmul f32[8192,3072], kept in this kernel
   float *const b996 = (float *)(arena + 702544896); // %996 sum d.h.1.fc_b f32[3072]
   uint16_t *const b997 = (uint16_t *)(arena + 2594020480); // %997 cast bf16[8192,3072]
-  {
+  if (h->bgemm) {
+    mdl_bgemm(h, 0, 1, 8192, 3072, 768, b990, 768, b96, 768, 0.0f, b991, 3072);
+  }
+  else {
     float *const w990 = mdl_widen_bf16(b990, 6291456, h->nthreads);
     float *const w96 = mdl_widen_bf16(b96, 2359296, h->nthreads);
     mdl_gemm(h, 0, 1, 8192, 3072, 768, w990, 768, w96, 768, 0.0f, b991, 3072);
@@ -10082,12 +10545,15 @@ static void k212_gemm__gelu_bwd__sum__cast(char *arena, const MdlHooks *h) {
 // k213_gemm: GEMM, 1 op
 //   %998   matmul                                  line 40    f32[8192,768]
 // loops:
-//   gemm %998: [8192 x 768] = [8192 x 3072] T[3072 x 768], bf16 operands widened to f32
+//   gemm %998: [8192 x 768] = [8192 x 3072] T[3072 x 768], bf16 operands (widened to f32 where the library has no bf16 GEMM)
 static void k213_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b89 = (uint16_t *)(arena + 2087178240); // %89 cast bf16[768,3072]
   uint16_t *const b997 = (uint16_t *)(arena + 2594020480); // %997 cast bf16[8192,3072]
   float *const b998 = (float *)(arena + 2493357184); // %998 matmul f32[8192,768]
-  {
+  if (h->bgemm) {
+    mdl_bgemm(h, 0, 1, 8192, 768, 3072, b997, 3072, b89, 3072, 0.0f, b998, 768);
+  }
+  else {
     float *const w997 = mdl_widen_bf16(b997, 25165824, h->nthreads);
     float *const w89 = mdl_widen_bf16(b89, 2359296, h->nthreads);
     mdl_gemm(h, 0, 1, 8192, 768, 3072, w997, 3072, w89, 3072, 0.0f, b998, 768);
@@ -10099,12 +10565,15 @@ static void k213_gemm(char *arena, const MdlHooks *h) {
 // k214_gemm: GEMM, 1 op
 //   %999   matmul             d.h.1.fc_w           line 40    f32[768,3072]
 // loops:
-//   gemm %999: [768 x 3072] = T[768 x 8192] [8192 x 3072], bf16 operands widened to f32
+//   gemm %999: [768 x 3072] = T[768 x 8192] [8192 x 3072], bf16 operands (widened to f32 where the library has no bf16 GEMM)
 static void k214_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b88 = (uint16_t *)(arena + 5400009856); // %88 cast bf16[8192,768]
   uint16_t *const b997 = (uint16_t *)(arena + 2594020480); // %997 cast bf16[8192,3072]
   float *const b999 = (float *)(arena + 693107712); // %999 matmul d.h.1.fc_w f32[768,3072]
-  {
+  if (h->bgemm) {
+    mdl_bgemm(h, 1, 0, 768, 3072, 8192, b88, 768, b997, 3072, 0.0f, b999, 3072);
+  }
+  else {
     float *const w88 = mdl_widen_bf16(b88, 6291456, h->nthreads);
     float *const w997 = mdl_widen_bf16(b997, 25165824, h->nthreads);
     mdl_gemm(h, 1, 0, 768, 3072, 8192, w88, 768, w997, 3072, 0.0f, b999, 3072);
@@ -10206,12 +10675,15 @@ static void k215_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
 // k216_gemm: GEMM, 1 op
 //   %1009  matmul             d.h.1.proj_w         line 39    f32[768,768]
 // loops:
-//   gemm %1009: [768 x 768] = T[768 x 8192] [8192 x 768], bf16 operands widened to f32
+//   gemm %1009: [768 x 768] = T[768 x 8192] [8192 x 768], bf16 operands (widened to f32 where the library has no bf16 GEMM)
 static void k216_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b80 = (uint16_t *)(arena + 5387426944); // %80 cast bf16[8192,768]
   uint16_t *const b1007 = (uint16_t *)(arena + 2518523008); // %1007 cast bf16[8192,768]
   float *const b1009 = (float *)(arena + 690739200); // %1009 matmul d.h.1.proj_w f32[768,768]
-  {
+  if (h->bgemm) {
+    mdl_bgemm(h, 1, 0, 768, 768, 8192, b80, 768, b1007, 768, 0.0f, b1009, 768);
+  }
+  else {
     float *const w80 = mdl_widen_bf16(b80, 6291456, h->nthreads);
     float *const w1007 = mdl_widen_bf16(b1007, 6291456, h->nthreads);
     mdl_gemm(h, 1, 0, 768, 768, 8192, w80, 768, w1007, 768, 0.0f, b1009, 768);
@@ -10225,14 +10697,17 @@ static void k216_gemm(char *arena, const MdlHooks *h) {
 //   %1010  reshape                                 line 39    f32[8,1024,768]
 //   %1013  cast                                    line 39    bf16[8,1024,768]
 // loops:
-//   gemm %1008: [8192 x 768] = [8192 x 768] T[768 x 768], bf16 operands widened to f32, epilogue after
+//   gemm %1008: [8192 x 768] = [8192 x 768] T[768 x 768], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
 //   elementwise over 6291456: %1013
 static void k217_gemm__cast(char *arena, const MdlHooks *h) {
   uint16_t *const b81 = (uint16_t *)(arena + 2085998592); // %81 cast bf16[768,768]
   uint16_t *const b1007 = (uint16_t *)(arena + 2518523008); // %1007 cast bf16[8192,768]
   float *const b1008 = mdl_scratch(25165824); // %1008 matmul f32[8192,768], kept in this kernel
   uint16_t *const b1013 = (uint16_t *)(arena + 2493357184); // %1013 cast bf16[8,1024,768]
-  {
+  if (h->bgemm) {
+    mdl_bgemm(h, 0, 1, 8192, 768, 768, b1007, 768, b81, 768, 0.0f, b1008, 768);
+  }
+  else {
     float *const w1007 = mdl_widen_bf16(b1007, 6291456, h->nthreads);
     float *const w81 = mdl_widen_bf16(b81, 589824, h->nthreads);
     mdl_gemm(h, 0, 1, 8192, 768, 768, w1007, 768, w81, 768, 0.0f, b1008, 768);
@@ -10435,12 +10910,15 @@ static void k219_sum__concat__cast(char *arena, const MdlHooks *h) {
 // k220_gemm: GEMM, 1 op
 //   %1021  matmul                                  line 38    f32[8192,768]
 // loops:
-//   gemm %1021: [8192 x 768] = [8192 x 2304] T[2304 x 768], bf16 operands widened to f32
+//   gemm %1021: [8192 x 768] = [8192 x 2304] T[2304 x 768], bf16 operands (widened to f32 where the library has no bf16 GEMM)
 static void k220_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b70 = (uint16_t *)(arena + 2082459648); // %70 cast bf16[768,2304]
   uint16_t *const b1020 = (uint16_t *)(arena + 2493357184); // %1020 cast bf16[8192,2304]
   float *const b1021 = (float *)(arena + 2556271744); // %1021 matmul f32[8192,768]
-  {
+  if (h->bgemm) {
+    mdl_bgemm(h, 0, 1, 8192, 768, 2304, b1020, 2304, b70, 2304, 0.0f, b1021, 768);
+  }
+  else {
     float *const w1020 = mdl_widen_bf16(b1020, 18874368, h->nthreads);
     float *const w70 = mdl_widen_bf16(b70, 1769472, h->nthreads);
     mdl_gemm(h, 0, 1, 8192, 768, 2304, w1020, 2304, w70, 2304, 0.0f, b1021, 768);
@@ -10452,12 +10930,15 @@ static void k220_gemm(char *arena, const MdlHooks *h) {
 // k221_gemm: GEMM, 1 op
 //   %1022  matmul             d.h.1.attn_w         line 38    f32[768,2304]
 // loops:
-//   gemm %1022: [768 x 2304] = T[768 x 8192] [8192 x 2304], bf16 operands widened to f32
+//   gemm %1022: [768 x 2304] = T[768 x 8192] [8192 x 2304], bf16 operands (widened to f32 where the library has no bf16 GEMM)
 static void k221_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b69 = (uint16_t *)(arena + 5374844032); // %69 cast bf16[8192,768]
   uint16_t *const b1020 = (uint16_t *)(arena + 2493357184); // %1020 cast bf16[8192,2304]
   float *const b1022 = (float *)(arena + 683652096); // %1022 matmul d.h.1.attn_w f32[768,2304]
-  {
+  if (h->bgemm) {
+    mdl_bgemm(h, 1, 0, 768, 2304, 8192, b69, 768, b1020, 2304, 0.0f, b1022, 2304);
+  }
+  else {
     float *const w69 = mdl_widen_bf16(b69, 6291456, h->nthreads);
     float *const w1020 = mdl_widen_bf16(b1020, 18874368, h->nthreads);
     mdl_gemm(h, 1, 0, 768, 2304, 8192, w69, 768, w1020, 2304, 0.0f, b1022, 2304);
@@ -10559,12 +11040,15 @@ static void k222_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
 // k223_gemm: GEMM, 1 op
 //   %1032  matmul             d.h.0.fcproj_w       line 40    f32[3072,768]
 // loops:
-//   gemm %1032: [3072 x 768] = T[3072 x 8192] [8192 x 768], bf16 operands widened to f32
+//   gemm %1032: [3072 x 768] = T[3072 x 8192] [8192 x 768], bf16 operands (widened to f32 where the library has no bf16 GEMM)
 static void k223_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b49 = (uint16_t *)(arena + 3600653440); // %49 cast bf16[8192,3072]
   uint16_t *const b1030 = (uint16_t *)(arena + 2606603392); // %1030 cast bf16[8192,768]
   float *const b1032 = (float *)(arena + 674205696); // %1032 matmul d.h.0.fcproj_w f32[3072,768]
-  {
+  if (h->bgemm) {
+    mdl_bgemm(h, 1, 0, 3072, 768, 8192, b49, 3072, b1030, 768, 0.0f, b1032, 768);
+  }
+  else {
     float *const w49 = mdl_widen_bf16(b49, 25165824, h->nthreads);
     float *const w1030 = mdl_widen_bf16(b1030, 6291456, h->nthreads);
     mdl_gemm(h, 1, 0, 3072, 768, 8192, w49, 3072, w1030, 768, 0.0f, b1032, 768);
@@ -10581,7 +11065,7 @@ static void k223_gemm(char *arena, const MdlHooks *h) {
 //   %1036  sum                d.h.0.fc_b           line 40    f32[3072]
 //   %1037  cast                                    line 40    bf16[8192,3072]
 // loops:
-//   gemm %1031: [8192 x 3072] = [8192 x 768] T[768 x 3072], bf16 operands widened to f32, epilogue after
+//   gemm %1031: [8192 x 3072] = [8192 x 768] T[768 x 3072], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
 //   sum %1036: 3072 outputs over 8192 elements, in 64 blocks of 128
 static void k224_gemm__gelu_bwd__sum__cast(char *arena, const MdlHooks *h) {
   float *const b46 = (float *)(arena + 2392693888); // %46 add f32[8,1024,3072]
@@ -10590,7 +11074,10 @@ static void k224_gemm__gelu_bwd__sum__cast(char *arena, const MdlHooks *h) {
   float *const b1031 = mdl_scratch(100663296); // %1031 matmul f32[8192,3072], kept in this kernel
   float *const b1036 = (float *)(arena + 674193408); // %1036 sum d.h.0.fc_b f32[3072]
   uint16_t *const b1037 = (uint16_t *)(arena + 2493357184); // %1037 cast bf16[8192,3072]
-  {
+  if (h->bgemm) {
+    mdl_bgemm(h, 0, 1, 8192, 3072, 768, b1030, 768, b50, 768, 0.0f, b1031, 3072);
+  }
+  else {
     float *const w1030 = mdl_widen_bf16(b1030, 6291456, h->nthreads);
     float *const w50 = mdl_widen_bf16(b50, 2359296, h->nthreads);
     mdl_gemm(h, 0, 1, 8192, 3072, 768, w1030, 768, w50, 768, 0.0f, b1031, 3072);
@@ -10636,12 +11123,15 @@ static void k224_gemm__gelu_bwd__sum__cast(char *arena, const MdlHooks *h) {
 // k225_gemm: GEMM, 1 op
 //   %1038  matmul                                  line 40    f32[8192,768]
 // loops:
-//   gemm %1038: [8192 x 768] = [8192 x 3072] T[3072 x 768], bf16 operands widened to f32
+//   gemm %1038: [8192 x 768] = [8192 x 3072] T[3072 x 768], bf16 operands (widened to f32 where the library has no bf16 GEMM)
 static void k225_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b43 = (uint16_t *)(arena + 2073022464); // %43 cast bf16[768,3072]
   uint16_t *const b1037 = (uint16_t *)(arena + 2493357184); // %1037 cast bf16[8192,3072]
   float *const b1038 = (float *)(arena + 2392693888); // %1038 matmul f32[8192,768]
-  {
+  if (h->bgemm) {
+    mdl_bgemm(h, 0, 1, 8192, 768, 3072, b1037, 3072, b43, 3072, 0.0f, b1038, 768);
+  }
+  else {
     float *const w1037 = mdl_widen_bf16(b1037, 25165824, h->nthreads);
     float *const w43 = mdl_widen_bf16(b43, 2359296, h->nthreads);
     mdl_gemm(h, 0, 1, 8192, 768, 3072, w1037, 3072, w43, 3072, 0.0f, b1038, 768);
@@ -10653,12 +11143,15 @@ static void k225_gemm(char *arena, const MdlHooks *h) {
 // k226_gemm: GEMM, 1 op
 //   %1039  matmul             d.h.0.fc_w           line 40    f32[768,3072]
 // loops:
-//   gemm %1039: [768 x 3072] = T[768 x 8192] [8192 x 3072], bf16 operands widened to f32
+//   gemm %1039: [768 x 3072] = T[768 x 8192] [8192 x 3072], bf16 operands (widened to f32 where the library has no bf16 GEMM)
 static void k226_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b42 = (uint16_t *)(arena + 5362261120); // %42 cast bf16[8192,768]
   uint16_t *const b1037 = (uint16_t *)(arena + 2493357184); // %1037 cast bf16[8192,3072]
   float *const b1039 = (float *)(arena + 664756224); // %1039 matmul d.h.0.fc_w f32[768,3072]
-  {
+  if (h->bgemm) {
+    mdl_bgemm(h, 1, 0, 768, 3072, 8192, b42, 768, b1037, 3072, 0.0f, b1039, 3072);
+  }
+  else {
     float *const w42 = mdl_widen_bf16(b42, 6291456, h->nthreads);
     float *const w1037 = mdl_widen_bf16(b1037, 25165824, h->nthreads);
     mdl_gemm(h, 1, 0, 768, 3072, 8192, w42, 768, w1037, 3072, 0.0f, b1039, 3072);
@@ -10760,12 +11253,15 @@ static void k227_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
 // k228_gemm: GEMM, 1 op
 //   %1049  matmul             d.h.0.proj_w         line 39    f32[768,768]
 // loops:
-//   gemm %1049: [768 x 768] = T[768 x 8192] [8192 x 768], bf16 operands widened to f32
+//   gemm %1049: [768 x 768] = T[768 x 8192] [8192 x 768], bf16 operands (widened to f32 where the library has no bf16 GEMM)
 static void k228_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b34 = (uint16_t *)(arena + 5349678208); // %34 cast bf16[8192,768]
   uint16_t *const b1047 = (uint16_t *)(arena + 2417859712); // %1047 cast bf16[8192,768]
   float *const b1049 = (float *)(arena + 662387712); // %1049 matmul d.h.0.proj_w f32[768,768]
-  {
+  if (h->bgemm) {
+    mdl_bgemm(h, 1, 0, 768, 768, 8192, b34, 768, b1047, 768, 0.0f, b1049, 768);
+  }
+  else {
     float *const w34 = mdl_widen_bf16(b34, 6291456, h->nthreads);
     float *const w1047 = mdl_widen_bf16(b1047, 6291456, h->nthreads);
     mdl_gemm(h, 1, 0, 768, 768, 8192, w34, 768, w1047, 768, 0.0f, b1049, 768);
@@ -10779,14 +11275,17 @@ static void k228_gemm(char *arena, const MdlHooks *h) {
 //   %1050  reshape                                 line 39    f32[8,1024,768]
 //   %1053  cast                                    line 39    bf16[8,1024,768]
 // loops:
-//   gemm %1048: [8192 x 768] = [8192 x 768] T[768 x 768], bf16 operands widened to f32, epilogue after
+//   gemm %1048: [8192 x 768] = [8192 x 768] T[768 x 768], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
 //   elementwise over 6291456: %1053
 static void k229_gemm__cast(char *arena, const MdlHooks *h) {
   uint16_t *const b35 = (uint16_t *)(arena + 2071842816); // %35 cast bf16[768,768]
   uint16_t *const b1047 = (uint16_t *)(arena + 2417859712); // %1047 cast bf16[8192,768]
   float *const b1048 = mdl_scratch(25165824); // %1048 matmul f32[8192,768], kept in this kernel
   uint16_t *const b1053 = (uint16_t *)(arena + 2392693888); // %1053 cast bf16[8,1024,768]
-  {
+  if (h->bgemm) {
+    mdl_bgemm(h, 0, 1, 8192, 768, 768, b1047, 768, b35, 768, 0.0f, b1048, 768);
+  }
+  else {
     float *const w1047 = mdl_widen_bf16(b1047, 6291456, h->nthreads);
     float *const w35 = mdl_widen_bf16(b35, 589824, h->nthreads);
     mdl_gemm(h, 0, 1, 8192, 768, 768, w1047, 768, w35, 768, 0.0f, b1048, 768);
@@ -10989,12 +11488,15 @@ static void k231_sum__concat__cast(char *arena, const MdlHooks *h) {
 // k232_gemm: GEMM, 1 op
 //   %1061  matmul                                  line 38    f32[8192,768]
 // loops:
-//   gemm %1061: [8192 x 768] = [8192 x 2304] T[2304 x 768], bf16 operands widened to f32
+//   gemm %1061: [8192 x 768] = [8192 x 2304] T[2304 x 768], bf16 operands (widened to f32 where the library has no bf16 GEMM)
 static void k232_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b24 = (uint16_t *)(arena + 2068303872); // %24 cast bf16[768,2304]
   uint16_t *const b1060 = (uint16_t *)(arena + 2392693888); // %1060 cast bf16[8192,2304]
   float *const b1061 = (float *)(arena + 2455608448); // %1061 matmul f32[8192,768]
-  {
+  if (h->bgemm) {
+    mdl_bgemm(h, 0, 1, 8192, 768, 2304, b1060, 2304, b24, 2304, 0.0f, b1061, 768);
+  }
+  else {
     float *const w1060 = mdl_widen_bf16(b1060, 18874368, h->nthreads);
     float *const w24 = mdl_widen_bf16(b24, 1769472, h->nthreads);
     mdl_gemm(h, 0, 1, 8192, 768, 2304, w1060, 2304, w24, 2304, 0.0f, b1061, 768);
@@ -11006,12 +11508,15 @@ static void k232_gemm(char *arena, const MdlHooks *h) {
 // k233_gemm: GEMM, 1 op
 //   %1062  matmul             d.h.0.attn_w         line 38    f32[768,2304]
 // loops:
-//   gemm %1062: [768 x 2304] = T[768 x 8192] [8192 x 2304], bf16 operands widened to f32
+//   gemm %1062: [768 x 2304] = T[768 x 8192] [8192 x 2304], bf16 operands (widened to f32 where the library has no bf16 GEMM)
 static void k233_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b23 = (uint16_t *)(arena + 5337095296); // %23 cast bf16[8192,768]
   uint16_t *const b1060 = (uint16_t *)(arena + 2392693888); // %1060 cast bf16[8192,2304]
   float *const b1062 = (float *)(arena + 655300608); // %1062 matmul d.h.0.attn_w f32[768,2304]
-  {
+  if (h->bgemm) {
+    mdl_bgemm(h, 1, 0, 768, 2304, 8192, b23, 768, b1060, 2304, 0.0f, b1062, 2304);
+  }
+  else {
     float *const w23 = mdl_widen_bf16(b23, 6291456, h->nthreads);
     float *const w1060 = mdl_widen_bf16(b1060, 18874368, h->nthreads);
     mdl_gemm(h, 1, 0, 768, 2304, 8192, w23, 768, w1060, 2304, 0.0f, b1062, 2304);

@@ -14,6 +14,9 @@ typedef struct {
   // row-major C = op(A) op(B) + beta C, op = transpose when ta / tb
   void (*sgemm)(int ta, int tb, int64_t m, int64_t n, int64_t k, const float *a, int64_t lda,
                 const float *b, int64_t ldb, float beta, float *c, int64_t ldc);
+  // the same with bf16 operands; NULL where the library has none faster than sgemm
+  void (*bgemm)(int ta, int tb, int64_t m, int64_t n, int64_t k, const uint16_t *a, int64_t lda,
+                const uint16_t *b, int64_t ldb, float beta, float *c, int64_t ldc);
   int nthreads;  // OpenMP threads per parallel loop
   int gemm_blocks; // row blocks of a large GEMM, whatever nthreads is
   uint64_t seed; // the run's seed: dropout masks
@@ -156,6 +159,29 @@ static inline float mdl_bf16_to_f32(uint16_t h) {
   return x;
 }
 
+// C = op(A) op(B) + beta C of bf16 operands through the runtime's bgemm (h->bgemm set), split into
+// h->gemm_blocks blocks over the threads: blocks of columns of C (of 64 at least), since a block
+// of rows has each thread repack all of B into the library's layout (oneDNN's bf16 GEMM ran at
+// half its rate so), else blocks of rows.
+static inline void mdl_bgemm(const MdlHooks *h, int ta, int tb, int64_t m, int64_t n, int64_t k, const uint16_t *a,
+                             int64_t lda, const uint16_t *b, int64_t ldb, float beta, float *c, int64_t ldc) {
+  const int64_t nb = m * n * k >= (1 << 18) ? h->gemm_blocks : 1;
+  if (nb > 1 && n / 64 >= nb) {
+#pragma omp parallel for num_threads(h->nthreads) schedule(static)
+    for (int64_t t = 0; t < nb; t++) {
+      const int64_t c0 = n * t / nb / 16 * 16, c1 = t == nb - 1 ? n : n * (t + 1) / nb / 16 * 16;
+      h->bgemm(ta, tb, m, c1 - c0, k, a, lda, tb ? b + c0 * ldb : b + c0, ldb, beta, c + c0, ldc);
+    }
+  } else if (nb > 1 && m / 16 >= nb) {
+#pragma omp parallel for num_threads(h->nthreads) schedule(static)
+    for (int64_t t = 0; t < nb; t++) {
+      const int64_t r0 = m * t / nb, r1 = m * (t + 1) / nb;
+      h->bgemm(ta, tb, r1 - r0, n, k, ta ? a + r0 : a + r0 * lda, lda, b, ldb, beta, c + r0 * ldc, ldc);
+    }
+  } else
+    h->bgemm(ta, tb, m, n, k, a, lda, b, ldb, beta, c, ldc);
+}
+
 // n bf16 values widened into a new f32 buffer (exact), for the f32 GEMM that computes a GEMM of
 // bf16 operands: every product of two bf16 values is exact in f32, and the sums accumulate in f32
 // as on a GPU's bf16 tensor cores. free() it.
@@ -237,12 +263,15 @@ static void k1_rmsnorm_fwd__cast(char *arena, const MdlHooks *h) {
 // k2_gemm: GEMM, 1 op
 //   %19    matmul                                  line 36    f32[512,64]
 // loops:
-//   gemm %19: [512 x 64] = [512 x 64] [64 x 64], bf16 operands widened to f32
+//   gemm %19: [512 x 64] = [512 x 64] [64 x 64], bf16 operands (widened to f32 where the library has no bf16 GEMM)
 static void k2_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b17 = (uint16_t *)(arena + 5827712); // %17 cast bf16[512,64]
   uint16_t *const b18 = (uint16_t *)(arena + 2110464); // %18 cast bf16[64,64]
   float *const b19 = (float *)(arena + 2354304); // %19 matmul f32[512,64]
-  {
+  if (h->bgemm) {
+    mdl_bgemm(h, 0, 0, 512, 64, 64, b17, 64, b18, 64, 0.0f, b19, 64);
+  }
+  else {
     float *const w17 = mdl_widen_bf16(b17, 32768, h->nthreads);
     float *const w18 = mdl_widen_bf16(b18, 4096, h->nthreads);
     mdl_gemm(h, 0, 0, 512, 64, 64, w17, 64, w18, 64, 0.0f, b19, 64);
@@ -254,12 +283,15 @@ static void k2_gemm(char *arena, const MdlHooks *h) {
 // k3_gemm: GEMM, 1 op
 //   %25    matmul                                  line 37    f32[512,64]
 // loops:
-//   gemm %25: [512 x 64] = [512 x 64] [64 x 64], bf16 operands widened to f32
+//   gemm %25: [512 x 64] = [512 x 64] [64 x 64], bf16 operands (widened to f32 where the library has no bf16 GEMM)
 static void k3_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b23 = (uint16_t *)(arena + 5893248); // %23 cast bf16[512,64]
   uint16_t *const b24 = (uint16_t *)(arena + 2118656); // %24 cast bf16[64,64]
   float *const b25 = (float *)(arena + 2485376); // %25 matmul f32[512,64]
-  {
+  if (h->bgemm) {
+    mdl_bgemm(h, 0, 0, 512, 64, 64, b23, 64, b24, 64, 0.0f, b25, 64);
+  }
+  else {
     float *const w23 = mdl_widen_bf16(b23, 32768, h->nthreads);
     float *const w24 = mdl_widen_bf16(b24, 4096, h->nthreads);
     mdl_gemm(h, 0, 0, 512, 64, 64, w23, 64, w24, 64, 0.0f, b25, 64);
@@ -351,14 +383,17 @@ static void k5_rope__cast(char *arena, const MdlHooks *h) {
 //   %32    reshape                                 line 38    f32[8,64,64]
 //   %35    cast                                    line 38    bf16[8,64,64]
 // loops:
-//   gemm %31: [512 x 64] = [512 x 64] [64 x 64], bf16 operands widened to f32, epilogue after
+//   gemm %31: [512 x 64] = [512 x 64] [64 x 64], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
 //   elementwise over 32768: %35
 static void k6_gemm__cast(char *arena, const MdlHooks *h) {
   uint16_t *const b29 = (uint16_t *)(arena + 5958784); // %29 cast bf16[512,64]
   uint16_t *const b30 = (uint16_t *)(arena + 2126848); // %30 cast bf16[64,64]
   float *const b31 = mdl_scratch(131072); // %31 matmul f32[512,64], kept in this kernel
   uint16_t *const b35 = (uint16_t *)(arena + 6155392); // %35 cast bf16[8,64,64]
-  {
+  if (h->bgemm) {
+    mdl_bgemm(h, 0, 0, 512, 64, 64, b29, 64, b30, 64, 0.0f, b31, 64);
+  }
+  else {
     float *const w29 = mdl_widen_bf16(b29, 32768, h->nthreads);
     float *const w30 = mdl_widen_bf16(b30, 4096, h->nthreads);
     mdl_gemm(h, 0, 0, 512, 64, 64, w29, 64, w30, 64, 0.0f, b31, 64);
@@ -488,7 +523,7 @@ static void k7_attention_fwd__cast__lse(char *arena, const MdlHooks *h) {
 //   %41    reshape                                 line 38    f32[8,64,64]
 //   %42    add                layers.0.x           line 38    f32[8,64,64]
 // loops:
-//   gemm %40: [512 x 64] = [512 x 64] [64 x 64], bf16 operands widened to f32, epilogue after
+//   gemm %40: [512 x 64] = [512 x 64] [64 x 64], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
 //   elementwise over 32768: %42
 static void k8_gemm__add(char *arena, const MdlHooks *h) {
   float *const b5 = (float *)(arena + 5172352); // %5 embed x f32[8,64,64]
@@ -496,7 +531,10 @@ static void k8_gemm__add(char *arena, const MdlHooks *h) {
   uint16_t *const b39 = (uint16_t *)(arena + 2135040); // %39 cast bf16[64,64]
   float *const b42 = (float *)(arena + 5303424); // %42 add layers.0.x f32[8,64,64]
   float *const b40 = b42; // %40 matmul f32[512,64]: the GEMM writes into its epilogue's output
-  {
+  if (h->bgemm) {
+    mdl_bgemm(h, 0, 0, 512, 64, 64, b38, 64, b39, 64, 0.0f, b40, 64);
+  }
+  else {
     float *const w38 = mdl_widen_bf16(b38, 32768, h->nthreads);
     float *const w39 = mdl_widen_bf16(b39, 4096, h->nthreads);
     mdl_gemm(h, 0, 0, 512, 64, 64, w38, 64, w39, 64, 0.0f, b40, 64);
@@ -560,12 +598,15 @@ static void k9_rmsnorm_fwd__cast(char *arena, const MdlHooks *h) {
 // k10_gemm: GEMM, 1 op
 //   %53    matmul                                  line 40    f32[512,172]
 // loops:
-//   gemm %53: [512 x 172] = [512 x 64] [64 x 172], bf16 operands widened to f32
+//   gemm %53: [512 x 172] = [512 x 64] [64 x 172], bf16 operands (widened to f32 where the library has no bf16 GEMM)
 static void k10_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b51 = (uint16_t *)(arena + 6352000); // %51 cast bf16[512,64]
   uint16_t *const b52 = (uint16_t *)(arena + 2165248); // %52 cast bf16[64,172]
   float *const b53 = (float *)(arena + 2354304); // %53 matmul f32[512,172]
-  {
+  if (h->bgemm) {
+    mdl_bgemm(h, 0, 0, 512, 172, 64, b51, 64, b52, 172, 0.0f, b53, 172);
+  }
+  else {
     float *const w51 = mdl_widen_bf16(b51, 32768, h->nthreads);
     float *const w52 = mdl_widen_bf16(b52, 11008, h->nthreads);
     mdl_gemm(h, 0, 0, 512, 172, 64, w51, 64, w52, 172, 0.0f, b53, 172);
@@ -581,7 +622,7 @@ static void k10_gemm(char *arena, const MdlHooks *h) {
 //   %56    reshape                                 line 40    f32[512,172]
 //   %57    cast                                    line 40    bf16[512,172]
 // loops:
-//   gemm %47: [512 x 172] = [512 x 64] [64 x 172], bf16 operands widened to f32, epilogue after
+//   gemm %47: [512 x 172] = [512 x 64] [64 x 172], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
 //   elementwise over 88064: %49 %57
 static void k11_gemm__silu__mul__cast(char *arena, const MdlHooks *h) {
   uint16_t *const b45 = (uint16_t *)(arena + 6286464); // %45 cast bf16[512,64]
@@ -590,7 +631,10 @@ static void k11_gemm__silu__mul__cast(char *arena, const MdlHooks *h) {
   float *const b49 = (float *)(arena + 3058816); // %49 silu f32[8,64,172]
   float *const b53 = (float *)(arena + 2354304); // %53 matmul f32[512,172]
   uint16_t *const b57 = (uint16_t *)(arena + 4820096); // %57 cast bf16[512,172]
-  {
+  if (h->bgemm) {
+    mdl_bgemm(h, 0, 0, 512, 172, 64, b45, 64, b46, 172, 0.0f, b47, 172);
+  }
+  else {
     float *const w45 = mdl_widen_bf16(b45, 32768, h->nthreads);
     float *const w46 = mdl_widen_bf16(b46, 11008, h->nthreads);
     mdl_gemm(h, 0, 0, 512, 172, 64, w45, 64, w46, 172, 0.0f, b47, 172);
@@ -618,7 +662,7 @@ static void k11_gemm__silu__mul__cast(char *arena, const MdlHooks *h) {
 //   %60    reshape                                 line 40    f32[8,64,64]
 //   %61    add                layers.0.x           line 40    f32[8,64,64]
 // loops:
-//   gemm %59: [512 x 64] = [512 x 172] [172 x 64], bf16 operands widened to f32, epilogue after
+//   gemm %59: [512 x 64] = [512 x 172] [172 x 64], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
 //   elementwise over 32768: %61
 static void k12_gemm__add(char *arena, const MdlHooks *h) {
   float *const b42 = (float *)(arena + 5303424); // %42 add layers.0.x f32[8,64,64]
@@ -626,7 +670,10 @@ static void k12_gemm__add(char *arena, const MdlHooks *h) {
   uint16_t *const b58 = (uint16_t *)(arena + 2187264); // %58 cast bf16[172,64]
   float *const b61 = (float *)(arena + 5434496); // %61 add layers.0.x f32[8,64,64]
   float *const b59 = b61; // %59 matmul f32[512,64]: the GEMM writes into its epilogue's output
-  {
+  if (h->bgemm) {
+    mdl_bgemm(h, 0, 0, 512, 64, 172, b57, 172, b58, 64, 0.0f, b59, 64);
+  }
+  else {
     float *const w57 = mdl_widen_bf16(b57, 88064, h->nthreads);
     float *const w58 = mdl_widen_bf16(b58, 11008, h->nthreads);
     mdl_gemm(h, 0, 0, 512, 64, 172, w57, 172, w58, 64, 0.0f, b59, 64);
@@ -696,12 +743,15 @@ static void k13_rmsnorm_fwd__cast(char *arena, const MdlHooks *h) {
 // k14_gemm: GEMM, 1 op
 //   %75    matmul                                  line 36    f32[512,64]
 // loops:
-//   gemm %75: [512 x 64] = [512 x 64] [64 x 64], bf16 operands widened to f32
+//   gemm %75: [512 x 64] = [512 x 64] [64 x 64], bf16 operands (widened to f32 where the library has no bf16 GEMM)
 static void k14_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b73 = (uint16_t *)(arena + 6417536); // %73 cast bf16[512,64]
   uint16_t *const b74 = (uint16_t *)(arena + 2211840); // %74 cast bf16[64,64]
   float *const b75 = (float *)(arena + 3411072); // %75 matmul f32[512,64]
-  {
+  if (h->bgemm) {
+    mdl_bgemm(h, 0, 0, 512, 64, 64, b73, 64, b74, 64, 0.0f, b75, 64);
+  }
+  else {
     float *const w73 = mdl_widen_bf16(b73, 32768, h->nthreads);
     float *const w74 = mdl_widen_bf16(b74, 4096, h->nthreads);
     mdl_gemm(h, 0, 0, 512, 64, 64, w73, 64, w74, 64, 0.0f, b75, 64);
@@ -713,12 +763,15 @@ static void k14_gemm(char *arena, const MdlHooks *h) {
 // k15_gemm: GEMM, 1 op
 //   %81    matmul                                  line 37    f32[512,64]
 // loops:
-//   gemm %81: [512 x 64] = [512 x 64] [64 x 64], bf16 operands widened to f32
+//   gemm %81: [512 x 64] = [512 x 64] [64 x 64], bf16 operands (widened to f32 where the library has no bf16 GEMM)
 static void k15_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b79 = (uint16_t *)(arena + 6483072); // %79 cast bf16[512,64]
   uint16_t *const b80 = (uint16_t *)(arena + 2220032); // %80 cast bf16[64,64]
   float *const b81 = (float *)(arena + 3542144); // %81 matmul f32[512,64]
-  {
+  if (h->bgemm) {
+    mdl_bgemm(h, 0, 0, 512, 64, 64, b79, 64, b80, 64, 0.0f, b81, 64);
+  }
+  else {
     float *const w79 = mdl_widen_bf16(b79, 32768, h->nthreads);
     float *const w80 = mdl_widen_bf16(b80, 4096, h->nthreads);
     mdl_gemm(h, 0, 0, 512, 64, 64, w79, 64, w80, 64, 0.0f, b81, 64);
@@ -810,14 +863,17 @@ static void k17_rope__cast(char *arena, const MdlHooks *h) {
 //   %88    reshape                                 line 38    f32[8,64,64]
 //   %91    cast                                    line 38    bf16[8,64,64]
 // loops:
-//   gemm %87: [512 x 64] = [512 x 64] [64 x 64], bf16 operands widened to f32, epilogue after
+//   gemm %87: [512 x 64] = [512 x 64] [64 x 64], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
 //   elementwise over 32768: %91
 static void k18_gemm__cast(char *arena, const MdlHooks *h) {
   uint16_t *const b85 = (uint16_t *)(arena + 6548608); // %85 cast bf16[512,64]
   uint16_t *const b86 = (uint16_t *)(arena + 2228224); // %86 cast bf16[64,64]
   float *const b87 = mdl_scratch(131072); // %87 matmul f32[512,64], kept in this kernel
   uint16_t *const b91 = (uint16_t *)(arena + 6745216); // %91 cast bf16[8,64,64]
-  {
+  if (h->bgemm) {
+    mdl_bgemm(h, 0, 0, 512, 64, 64, b85, 64, b86, 64, 0.0f, b87, 64);
+  }
+  else {
     float *const w85 = mdl_widen_bf16(b85, 32768, h->nthreads);
     float *const w86 = mdl_widen_bf16(b86, 4096, h->nthreads);
     mdl_gemm(h, 0, 0, 512, 64, 64, w85, 64, w86, 64, 0.0f, b87, 64);
@@ -947,7 +1003,7 @@ static void k19_attention_fwd__cast__lse(char *arena, const MdlHooks *h) {
 //   %97    reshape                                 line 38    f32[8,64,64]
 //   %98    add                layers.1.x           line 38    f32[8,64,64]
 // loops:
-//   gemm %96: [512 x 64] = [512 x 64] [64 x 64], bf16 operands widened to f32, epilogue after
+//   gemm %96: [512 x 64] = [512 x 64] [64 x 64], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
 //   elementwise over 32768: %98
 static void k20_gemm__add(char *arena, const MdlHooks *h) {
   float *const b61 = (float *)(arena + 5434496); // %61 add layers.0.x f32[8,64,64]
@@ -955,7 +1011,10 @@ static void k20_gemm__add(char *arena, const MdlHooks *h) {
   uint16_t *const b95 = (uint16_t *)(arena + 2236416); // %95 cast bf16[64,64]
   float *const b98 = (float *)(arena + 5565568); // %98 add layers.1.x f32[8,64,64]
   float *const b96 = b98; // %96 matmul f32[512,64]: the GEMM writes into its epilogue's output
-  {
+  if (h->bgemm) {
+    mdl_bgemm(h, 0, 0, 512, 64, 64, b94, 64, b95, 64, 0.0f, b96, 64);
+  }
+  else {
     float *const w94 = mdl_widen_bf16(b94, 32768, h->nthreads);
     float *const w95 = mdl_widen_bf16(b95, 4096, h->nthreads);
     mdl_gemm(h, 0, 0, 512, 64, 64, w94, 64, w95, 64, 0.0f, b96, 64);
@@ -1019,12 +1078,15 @@ static void k21_rmsnorm_fwd__cast(char *arena, const MdlHooks *h) {
 // k22_gemm: GEMM, 1 op
 //   %109   matmul                                  line 40    f32[512,172]
 // loops:
-//   gemm %109: [512 x 172] = [512 x 64] [64 x 172], bf16 operands widened to f32
+//   gemm %109: [512 x 172] = [512 x 64] [64 x 172], bf16 operands (widened to f32 where the library has no bf16 GEMM)
 static void k22_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b107 = (uint16_t *)(arena + 6941824); // %107 cast bf16[512,64]
   uint16_t *const b108 = (uint16_t *)(arena + 2266624); // %108 cast bf16[64,172]
   float *const b109 = (float *)(arena + 3411072); // %109 matmul f32[512,172]
-  {
+  if (h->bgemm) {
+    mdl_bgemm(h, 0, 0, 512, 172, 64, b107, 64, b108, 172, 0.0f, b109, 172);
+  }
+  else {
     float *const w107 = mdl_widen_bf16(b107, 32768, h->nthreads);
     float *const w108 = mdl_widen_bf16(b108, 11008, h->nthreads);
     mdl_gemm(h, 0, 0, 512, 172, 64, w107, 64, w108, 172, 0.0f, b109, 172);
@@ -1040,7 +1102,7 @@ static void k22_gemm(char *arena, const MdlHooks *h) {
 //   %112   reshape                                 line 40    f32[512,172]
 //   %113   cast                                    line 40    bf16[512,172]
 // loops:
-//   gemm %103: [512 x 172] = [512 x 64] [64 x 172], bf16 operands widened to f32, epilogue after
+//   gemm %103: [512 x 172] = [512 x 64] [64 x 172], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
 //   elementwise over 88064: %105 %113
 static void k23_gemm__silu__mul__cast(char *arena, const MdlHooks *h) {
   uint16_t *const b101 = (uint16_t *)(arena + 6876288); // %101 cast bf16[512,64]
@@ -1049,7 +1111,10 @@ static void k23_gemm__silu__mul__cast(char *arena, const MdlHooks *h) {
   float *const b105 = (float *)(arena + 4115584); // %105 silu f32[8,64,172]
   float *const b109 = (float *)(arena + 3411072); // %109 matmul f32[512,172]
   uint16_t *const b113 = (uint16_t *)(arena + 4467840); // %113 cast bf16[512,172]
-  {
+  if (h->bgemm) {
+    mdl_bgemm(h, 0, 0, 512, 172, 64, b101, 64, b102, 172, 0.0f, b103, 172);
+  }
+  else {
     float *const w101 = mdl_widen_bf16(b101, 32768, h->nthreads);
     float *const w102 = mdl_widen_bf16(b102, 11008, h->nthreads);
     mdl_gemm(h, 0, 0, 512, 172, 64, w101, 64, w102, 172, 0.0f, b103, 172);
@@ -1077,7 +1142,7 @@ static void k23_gemm__silu__mul__cast(char *arena, const MdlHooks *h) {
 //   %116   reshape                                 line 40    f32[8,64,64]
 //   %117   add                layers.1.x           line 40    f32[8,64,64]
 // loops:
-//   gemm %115: [512 x 64] = [512 x 172] [172 x 64], bf16 operands widened to f32, epilogue after
+//   gemm %115: [512 x 64] = [512 x 172] [172 x 64], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
 //   elementwise over 32768: %117
 static void k24_gemm__add(char *arena, const MdlHooks *h) {
   float *const b98 = (float *)(arena + 5565568); // %98 add layers.1.x f32[8,64,64]
@@ -1085,7 +1150,10 @@ static void k24_gemm__add(char *arena, const MdlHooks *h) {
   uint16_t *const b114 = (uint16_t *)(arena + 2288640); // %114 cast bf16[172,64]
   float *const b117 = (float *)(arena + 4643968); // %117 add layers.1.x f32[8,64,64]
   float *const b115 = b117; // %115 matmul f32[512,64]: the GEMM writes into its epilogue's output
-  {
+  if (h->bgemm) {
+    mdl_bgemm(h, 0, 0, 512, 64, 172, b113, 172, b114, 64, 0.0f, b115, 64);
+  }
+  else {
     float *const w113 = mdl_widen_bf16(b113, 88064, h->nthreads);
     float *const w114 = mdl_widen_bf16(b114, 11008, h->nthreads);
     mdl_gemm(h, 0, 0, 512, 64, 172, w113, 172, w114, 64, 0.0f, b115, 64);
@@ -1177,48 +1245,95 @@ static void k27_lmhead__cast__cross_entropy__cross_entropy_bwd__gemm(char *arena
   float *const b134 = (float *)(arena + 4775040); // %134 broadcast f32[512]
   float *const b139 = (float *)(arena + 4996224); // %139 matmul f32[512,64]
   float *const b140 = (float *)(arena + 989696); // %140 matmul d.lm_head f32[64,256]
-  float *const w122 = mdl_widen_bf16(b122, 32768, h->nthreads);
-  float *const w123 = mdl_widen_bf16(b123, 16384, h->nthreads);
-  float *logits = mdl_scratch(32768 * sizeof(float));
-  for (int64_t r0 = 0; r0 < 512; r0 += 128) {
-    const int64_t rn = 512 - r0 < 128 ? 512 - r0 : 128;
-    mdl_gemm(h, 0, 0, rn, 256, 64, w122 + r0 * 64, 64, w123, 256, 0.0f, logits, 256);
-    #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-    for (int64_t i = 0; i < rn; i++) {
-      const int64_t r = r0 + i;
-      float *x = logits + i * 256;
-      float *dx = logits + i * 256;
-      const int32_t t = b1[r];
-      for (int64_t j = 0; j < 256; j++)
-        x[j] = mdl_bf16_to_f32(mdl_f32_to_bf16(x[j]));
-      if (t < 0 || t >= 256) {
-        if (t >= 256)
-          h->error(h->ctx, "cross_entropy: target", t, 256);
-        b127[r] = 0.0f;
-        memset(dx, 0, 256 * sizeof(float));
-        continue;
+  if (h->bgemm) {
+    float *logits = mdl_scratch(32768 * sizeof(float));
+    uint16_t *dl16 = mdl_scratch(32768 * sizeof(uint16_t));
+    for (int64_t r0 = 0; r0 < 512; r0 += 128) {
+      const int64_t rn = 512 - r0 < 128 ? 512 - r0 : 128;
+      mdl_bgemm(h, 0, 0, rn, 256, 64, b122 + r0 * 64, 64, b123, 256, 0.0f, logits, 256);
+      #pragma omp parallel for num_threads(h->nthreads) schedule(static)
+      for (int64_t i = 0; i < rn; i++) {
+        const int64_t r = r0 + i;
+        float *x = logits + i * 256;
+        float *dx = logits + i * 256;
+        const int32_t t = b1[r];
+        for (int64_t j = 0; j < 256; j++)
+          x[j] = mdl_bf16_to_f32(mdl_f32_to_bf16(x[j]));
+        if (t < 0 || t >= 256) {
+          if (t >= 256)
+            h->error(h->ctx, "cross_entropy: target", t, 256);
+          b127[r] = 0.0f;
+          memset(dx, 0, 256 * sizeof(float));
+          continue;
+        }
+        const float xt = x[t]; // before dx, which may be x itself, is written
+        float m = -INFINITY;
+        for (int64_t j = 0; j < 256; j++)
+          m = fmaxf(m, x[j]);
+        double sum = 0;
+        #pragma omp simd reduction(+ : sum)
+        for (int64_t j = 0; j < 256; j++) {
+          dx[j] = mdl_exp_shifted(x[j] - m);
+          sum += dx[j];
+        }
+        b127[r] = (float)(m + log(sum) - xt);
+        const double g = b134[r], inv = 1.0 / sum;
+        for (int64_t j = 0; j < 256; j++)
+          dx[j] = mdl_bf16_to_f32(mdl_f32_to_bf16((float)(g * (dx[j] * inv - (j == t)))));
       }
-      const float xt = x[t]; // before dx, which may be x itself, is written
-      float m = -INFINITY;
-      for (int64_t j = 0; j < 256; j++)
-        m = fmaxf(m, x[j]);
-      double sum = 0;
-      #pragma omp simd reduction(+ : sum)
-      for (int64_t j = 0; j < 256; j++) {
-        dx[j] = mdl_exp_shifted(x[j] - m);
-        sum += dx[j];
-      }
-      b127[r] = (float)(m + log(sum) - xt);
-      const double g = b134[r], inv = 1.0 / sum;
-      for (int64_t j = 0; j < 256; j++)
-        dx[j] = mdl_bf16_to_f32(mdl_f32_to_bf16((float)(g * (dx[j] * inv - (j == t)))));
+      #pragma omp parallel for num_threads(h->nthreads) schedule(static)
+      for (int64_t i = 0; i < rn * 256; i++)
+        dl16[i] = mdl_f32_to_bf16(logits[i]);
+      mdl_bgemm(h, 0, 1, rn, 64, 256, dl16, 256, b123, 256, 0.0f, b139 + r0 * 64, 64);
+      mdl_bgemm(h, 1, 0, 64, 256, rn, b122 + r0 * 64, 64, dl16, 256, r0 ? 1.0f : 0.0f, b140, 256);
     }
-    mdl_gemm(h, 0, 1, rn, 64, 256, logits, 256, w123, 256, 0.0f, b139 + r0 * 64, 64);
-    mdl_gemm(h, 1, 0, 64, 256, rn, w122 + r0 * 64, 64, logits, 256, r0 ? 1.0f : 0.0f, b140, 256);
+    free(logits);
+    free(dl16);
   }
-  free(logits);
-  free(w122);
-  free(w123);
+  else {
+    float *const w122 = mdl_widen_bf16(b122, 32768, h->nthreads);
+    float *const w123 = mdl_widen_bf16(b123, 16384, h->nthreads);
+    float *logits = mdl_scratch(32768 * sizeof(float));
+    for (int64_t r0 = 0; r0 < 512; r0 += 128) {
+      const int64_t rn = 512 - r0 < 128 ? 512 - r0 : 128;
+      mdl_gemm(h, 0, 0, rn, 256, 64, w122 + r0 * 64, 64, w123, 256, 0.0f, logits, 256);
+      #pragma omp parallel for num_threads(h->nthreads) schedule(static)
+      for (int64_t i = 0; i < rn; i++) {
+        const int64_t r = r0 + i;
+        float *x = logits + i * 256;
+        float *dx = logits + i * 256;
+        const int32_t t = b1[r];
+        for (int64_t j = 0; j < 256; j++)
+          x[j] = mdl_bf16_to_f32(mdl_f32_to_bf16(x[j]));
+        if (t < 0 || t >= 256) {
+          if (t >= 256)
+            h->error(h->ctx, "cross_entropy: target", t, 256);
+          b127[r] = 0.0f;
+          memset(dx, 0, 256 * sizeof(float));
+          continue;
+        }
+        const float xt = x[t]; // before dx, which may be x itself, is written
+        float m = -INFINITY;
+        for (int64_t j = 0; j < 256; j++)
+          m = fmaxf(m, x[j]);
+        double sum = 0;
+        #pragma omp simd reduction(+ : sum)
+        for (int64_t j = 0; j < 256; j++) {
+          dx[j] = mdl_exp_shifted(x[j] - m);
+          sum += dx[j];
+        }
+        b127[r] = (float)(m + log(sum) - xt);
+        const double g = b134[r], inv = 1.0 / sum;
+        for (int64_t j = 0; j < 256; j++)
+          dx[j] = mdl_bf16_to_f32(mdl_f32_to_bf16((float)(g * (dx[j] * inv - (j == t)))));
+      }
+      mdl_gemm(h, 0, 1, rn, 64, 256, logits, 256, w123, 256, 0.0f, b139 + r0 * 64, 64);
+      mdl_gemm(h, 1, 0, 64, 256, rn, w122 + r0 * 64, 64, logits, 256, r0 ? 1.0f : 0.0f, b140, 256);
+    }
+    free(logits);
+    free(w122);
+    free(w123);
+  }
 }
 
 // k28_mean: kernel, 1 op
@@ -1302,12 +1417,15 @@ static void k29_rmsnorm_bwd__cast(char *arena, const MdlHooks *h) {
 // k30_gemm: GEMM, 1 op
 //   %147   matmul             d.layers.1.w2        line 40    f32[172,64]
 // loops:
-//   gemm %147: [172 x 64] = T[172 x 512] [512 x 64], bf16 operands widened to f32
+//   gemm %147: [172 x 64] = T[172 x 512] [512 x 64], bf16 operands (widened to f32 where the library has no bf16 GEMM)
 static void k30_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b113 = (uint16_t *)(arena + 4467840); // %113 cast bf16[512,172]
   uint16_t *const b145 = (uint16_t *)(arena + 7007360); // %145 cast bf16[512,64]
   float *const b147 = (float *)(arena + 945408); // %147 matmul d.layers.1.w2 f32[172,64]
-  {
+  if (h->bgemm) {
+    mdl_bgemm(h, 1, 0, 172, 64, 512, b113, 172, b145, 64, 0.0f, b147, 64);
+  }
+  else {
     float *const w113 = mdl_widen_bf16(b113, 88064, h->nthreads);
     float *const w145 = mdl_widen_bf16(b145, 32768, h->nthreads);
     mdl_gemm(h, 1, 0, 172, 64, 512, w113, 172, w145, 64, 0.0f, b147, 64);
@@ -1323,7 +1441,7 @@ static void k30_gemm(char *arena, const MdlHooks *h) {
 //   %157   reshape                                 line 40    f32[512,172]
 //   %158   cast                                    line 40    bf16[512,172]
 // loops:
-//   gemm %146: [512 x 172] = [512 x 64] T[64 x 172], bf16 operands widened to f32, epilogue after
+//   gemm %146: [512 x 172] = [512 x 64] T[64 x 172], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
 //   elementwise over 88064: %158
 static void k31_gemm__mul__silu_bwd__cast(char *arena, const MdlHooks *h) {
   float *const b103 = (float *)(arena + 3763328); // %103 matmul f32[512,172]
@@ -1332,7 +1450,10 @@ static void k31_gemm__mul__silu_bwd__cast(char *arena, const MdlHooks *h) {
   uint16_t *const b145 = (uint16_t *)(arena + 7007360); // %145 cast bf16[512,64]
   float *const b146 = (float *)(arena + 4467840); // %146 matmul f32[512,172]
   uint16_t *const b158 = (uint16_t *)(arena + 4996224); // %158 cast bf16[512,172]
-  {
+  if (h->bgemm) {
+    mdl_bgemm(h, 0, 1, 512, 172, 64, b145, 64, b114, 64, 0.0f, b146, 172);
+  }
+  else {
     float *const w145 = mdl_widen_bf16(b145, 32768, h->nthreads);
     float *const w114 = mdl_widen_bf16(b114, 11008, h->nthreads);
     mdl_gemm(h, 0, 1, 512, 172, 64, w145, 64, w114, 64, 0.0f, b146, 172);
@@ -1382,12 +1503,15 @@ static void k32_cast__mul(char *arena, const MdlHooks *h) {
 // k33_gemm: GEMM, 1 op
 //   %154   matmul             d.layers.1.w3        line 40    f32[64,172]
 // loops:
-//   gemm %154: [64 x 172] = T[64 x 512] [512 x 172], bf16 operands widened to f32
+//   gemm %154: [64 x 172] = T[64 x 512] [512 x 172], bf16 operands (widened to f32 where the library has no bf16 GEMM)
 static void k33_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b107 = (uint16_t *)(arena + 6941824); // %107 cast bf16[512,64]
   uint16_t *const b152 = (uint16_t *)(arena + 3411072); // %152 cast bf16[512,172]
   float *const b154 = (float *)(arena + 901376); // %154 matmul d.layers.1.w3 f32[64,172]
-  {
+  if (h->bgemm) {
+    mdl_bgemm(h, 1, 0, 64, 172, 512, b107, 64, b152, 172, 0.0f, b154, 172);
+  }
+  else {
     float *const w107 = mdl_widen_bf16(b107, 32768, h->nthreads);
     float *const w152 = mdl_widen_bf16(b152, 88064, h->nthreads);
     mdl_gemm(h, 1, 0, 64, 172, 512, w107, 64, w152, 172, 0.0f, b154, 172);
@@ -1399,12 +1523,15 @@ static void k33_gemm(char *arena, const MdlHooks *h) {
 // k34_gemm: GEMM, 1 op
 //   %159   matmul                                  line 40    f32[512,64]
 // loops:
-//   gemm %159: [512 x 64] = [512 x 172] T[172 x 64], bf16 operands widened to f32
+//   gemm %159: [512 x 64] = [512 x 172] T[172 x 64], bf16 operands (widened to f32 where the library has no bf16 GEMM)
 static void k34_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b102 = (uint16_t *)(arena + 2244608); // %102 cast bf16[64,172]
   uint16_t *const b158 = (uint16_t *)(arena + 4996224); // %158 cast bf16[512,172]
   float *const b159 = (float *)(arena + 3587200); // %159 matmul f32[512,64]
-  {
+  if (h->bgemm) {
+    mdl_bgemm(h, 0, 1, 512, 64, 172, b158, 172, b102, 172, 0.0f, b159, 64);
+  }
+  else {
     float *const w158 = mdl_widen_bf16(b158, 88064, h->nthreads);
     float *const w102 = mdl_widen_bf16(b102, 11008, h->nthreads);
     mdl_gemm(h, 0, 1, 512, 64, 172, w158, 172, w102, 172, 0.0f, b159, 64);
@@ -1416,12 +1543,15 @@ static void k34_gemm(char *arena, const MdlHooks *h) {
 // k35_gemm: GEMM, 1 op
 //   %160   matmul             d.layers.1.w1        line 40    f32[64,172]
 // loops:
-//   gemm %160: [64 x 172] = T[64 x 512] [512 x 172], bf16 operands widened to f32
+//   gemm %160: [64 x 172] = T[64 x 512] [512 x 172], bf16 operands (widened to f32 where the library has no bf16 GEMM)
 static void k35_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b101 = (uint16_t *)(arena + 6876288); // %101 cast bf16[512,64]
   uint16_t *const b158 = (uint16_t *)(arena + 4996224); // %158 cast bf16[512,172]
   float *const b160 = (float *)(arena + 857344); // %160 matmul d.layers.1.w1 f32[64,172]
-  {
+  if (h->bgemm) {
+    mdl_bgemm(h, 1, 0, 64, 172, 512, b101, 64, b158, 172, 0.0f, b160, 172);
+  }
+  else {
     float *const w101 = mdl_widen_bf16(b101, 32768, h->nthreads);
     float *const w158 = mdl_widen_bf16(b158, 88064, h->nthreads);
     mdl_gemm(h, 1, 0, 64, 172, 512, w101, 64, w158, 172, 0.0f, b160, 172);
@@ -1435,7 +1565,7 @@ static void k35_gemm(char *arena, const MdlHooks *h) {
 //   %155   reshape                                 line 40    f32[8,64,64]
 //   %162   add                d.layers.1.a         line 39    f32[8,64,64]
 // loops:
-//   gemm %153: [512 x 64] = [512 x 172] T[172 x 64], bf16 operands widened to f32, epilogue after
+//   gemm %153: [512 x 64] = [512 x 172] T[172 x 64], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
 //   elementwise over 32768: %162
 static void k36_gemm__add(char *arena, const MdlHooks *h) {
   uint16_t *const b108 = (uint16_t *)(arena + 2266624); // %108 cast bf16[64,172]
@@ -1443,7 +1573,10 @@ static void k36_gemm__add(char *arena, const MdlHooks *h) {
   float *const b159 = (float *)(arena + 3587200); // %159 matmul f32[512,64]
   float *const b162 = (float *)(arena + 3718272); // %162 add d.layers.1.a f32[8,64,64]
   float *const b153 = b162; // %153 matmul f32[512,64]: the GEMM writes into its epilogue's output
-  {
+  if (h->bgemm) {
+    mdl_bgemm(h, 0, 1, 512, 64, 172, b152, 172, b108, 172, 0.0f, b153, 64);
+  }
+  else {
     float *const w152 = mdl_widen_bf16(b152, 88064, h->nthreads);
     float *const w108 = mdl_widen_bf16(b108, 11008, h->nthreads);
     mdl_gemm(h, 0, 1, 512, 64, 172, w152, 172, w108, 172, 0.0f, b153, 64);
@@ -1532,12 +1665,15 @@ static void k37_rmsnorm_bwd__add__cast(char *arena, const MdlHooks *h) {
 // k38_gemm: GEMM, 1 op
 //   %169   matmul             d.layers.1.wo        line 38    f32[64,64]
 // loops:
-//   gemm %169: [64 x 64] = T[64 x 512] [512 x 64], bf16 operands widened to f32
+//   gemm %169: [64 x 64] = T[64 x 512] [512 x 64], bf16 operands (widened to f32 where the library has no bf16 GEMM)
 static void k38_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b94 = (uint16_t *)(arena + 6810752); // %94 cast bf16[512,64]
   uint16_t *const b167 = (uint16_t *)(arena + 3542144); // %167 cast bf16[512,64]
   float *const b169 = (float *)(arena + 840704); // %169 matmul d.layers.1.wo f32[64,64]
-  {
+  if (h->bgemm) {
+    mdl_bgemm(h, 1, 0, 64, 64, 512, b94, 64, b167, 64, 0.0f, b169, 64);
+  }
+  else {
     float *const w94 = mdl_widen_bf16(b94, 32768, h->nthreads);
     float *const w167 = mdl_widen_bf16(b167, 32768, h->nthreads);
     mdl_gemm(h, 1, 0, 64, 64, 512, w94, 64, w167, 64, 0.0f, b169, 64);
@@ -1551,14 +1687,17 @@ static void k38_gemm(char *arena, const MdlHooks *h) {
 //   %170   reshape                                 line 38    f32[8,64,64]
 //   %173   cast                                    line 38    bf16[8,64,64]
 // loops:
-//   gemm %168: [512 x 64] = [512 x 64] T[64 x 64], bf16 operands widened to f32, epilogue after
+//   gemm %168: [512 x 64] = [512 x 64] T[64 x 64], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
 //   elementwise over 32768: %173
 static void k39_gemm__cast(char *arena, const MdlHooks *h) {
   uint16_t *const b95 = (uint16_t *)(arena + 2236416); // %95 cast bf16[64,64]
   uint16_t *const b167 = (uint16_t *)(arena + 3542144); // %167 cast bf16[512,64]
   float *const b168 = mdl_scratch(131072); // %168 matmul f32[512,64], kept in this kernel
   uint16_t *const b173 = (uint16_t *)(arena + 3935360); // %173 cast bf16[8,64,64]
-  {
+  if (h->bgemm) {
+    mdl_bgemm(h, 0, 1, 512, 64, 64, b167, 64, b95, 64, 0.0f, b168, 64);
+  }
+  else {
     float *const w167 = mdl_widen_bf16(b167, 32768, h->nthreads);
     float *const w95 = mdl_widen_bf16(b95, 4096, h->nthreads);
     mdl_gemm(h, 0, 1, 512, 64, 64, w167, 64, w95, 64, 0.0f, b168, 64);
@@ -1736,12 +1875,15 @@ static void k41_cast(char *arena, const MdlHooks *h) {
 // k42_gemm: GEMM, 1 op
 //   %180   matmul             d.layers.1.wv        line 38    f32[64,64]
 // loops:
-//   gemm %180: [64 x 64] = T[64 x 512] [512 x 64], bf16 operands widened to f32
+//   gemm %180: [64 x 64] = T[64 x 512] [512 x 64], bf16 operands (widened to f32 where the library has no bf16 GEMM)
 static void k42_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b85 = (uint16_t *)(arena + 6548608); // %85 cast bf16[512,64]
   uint16_t *const b178 = (uint16_t *)(arena + 3935360); // %178 cast bf16[512,64]
   float *const b180 = (float *)(arena + 824320); // %180 matmul d.layers.1.wv f32[64,64]
-  {
+  if (h->bgemm) {
+    mdl_bgemm(h, 1, 0, 64, 64, 512, b85, 64, b178, 64, 0.0f, b180, 64);
+  }
+  else {
     float *const w85 = mdl_widen_bf16(b85, 32768, h->nthreads);
     float *const w178 = mdl_widen_bf16(b178, 32768, h->nthreads);
     mdl_gemm(h, 1, 0, 64, 64, 512, w85, 64, w178, 64, 0.0f, b180, 64);
@@ -1794,12 +1936,15 @@ static void k43_rope__cast(char *arena, const MdlHooks *h) {
 // k44_gemm: GEMM, 1 op
 //   %185   matmul                                  line 37    f32[512,64]
 // loops:
-//   gemm %185: [512 x 64] = [512 x 64] T[64 x 64], bf16 operands widened to f32
+//   gemm %185: [512 x 64] = [512 x 64] T[64 x 64], bf16 operands (widened to f32 where the library has no bf16 GEMM)
 static void k44_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b80 = (uint16_t *)(arena + 2220032); // %80 cast bf16[64,64]
   uint16_t *const b184 = (uint16_t *)(arena + 3804288); // %184 cast bf16[512,64]
   float *const b185 = (float *)(arena + 3673216); // %185 matmul f32[512,64]
-  {
+  if (h->bgemm) {
+    mdl_bgemm(h, 0, 1, 512, 64, 64, b184, 64, b80, 64, 0.0f, b185, 64);
+  }
+  else {
     float *const w184 = mdl_widen_bf16(b184, 32768, h->nthreads);
     float *const w80 = mdl_widen_bf16(b80, 4096, h->nthreads);
     mdl_gemm(h, 0, 1, 512, 64, 64, w184, 64, w80, 64, 0.0f, b185, 64);
@@ -1811,12 +1956,15 @@ static void k44_gemm(char *arena, const MdlHooks *h) {
 // k45_gemm: GEMM, 1 op
 //   %186   matmul             d.layers.1.wk        line 37    f32[64,64]
 // loops:
-//   gemm %186: [64 x 64] = T[64 x 512] [512 x 64], bf16 operands widened to f32
+//   gemm %186: [64 x 64] = T[64 x 512] [512 x 64], bf16 operands (widened to f32 where the library has no bf16 GEMM)
 static void k45_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b79 = (uint16_t *)(arena + 6483072); // %79 cast bf16[512,64]
   uint16_t *const b184 = (uint16_t *)(arena + 3804288); // %184 cast bf16[512,64]
   float *const b186 = (float *)(arena + 807936); // %186 matmul d.layers.1.wk f32[64,64]
-  {
+  if (h->bgemm) {
+    mdl_bgemm(h, 1, 0, 64, 64, 512, b79, 64, b184, 64, 0.0f, b186, 64);
+  }
+  else {
     float *const w79 = mdl_widen_bf16(b79, 32768, h->nthreads);
     float *const w184 = mdl_widen_bf16(b184, 32768, h->nthreads);
     mdl_gemm(h, 1, 0, 64, 64, 512, w79, 64, w184, 64, 0.0f, b186, 64);
@@ -1869,12 +2017,15 @@ static void k46_rope__cast(char *arena, const MdlHooks *h) {
 // k47_gemm: GEMM, 1 op
 //   %191   matmul                                  line 36    f32[512,64]
 // loops:
-//   gemm %191: [512 x 64] = [512 x 64] T[64 x 64], bf16 operands widened to f32
+//   gemm %191: [512 x 64] = [512 x 64] T[64 x 64], bf16 operands (widened to f32 where the library has no bf16 GEMM)
 static void k47_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b74 = (uint16_t *)(arena + 2211840); // %74 cast bf16[64,64]
   uint16_t *const b190 = (uint16_t *)(arena + 3804288); // %190 cast bf16[512,64]
   float *const b191 = (float *)(arena + 3542144); // %191 matmul f32[512,64]
-  {
+  if (h->bgemm) {
+    mdl_bgemm(h, 0, 1, 512, 64, 64, b190, 64, b74, 64, 0.0f, b191, 64);
+  }
+  else {
     float *const w190 = mdl_widen_bf16(b190, 32768, h->nthreads);
     float *const w74 = mdl_widen_bf16(b74, 4096, h->nthreads);
     mdl_gemm(h, 0, 1, 512, 64, 64, w190, 64, w74, 64, 0.0f, b191, 64);
@@ -1886,12 +2037,15 @@ static void k47_gemm(char *arena, const MdlHooks *h) {
 // k48_gemm: GEMM, 1 op
 //   %192   matmul             d.layers.1.wq        line 36    f32[64,64]
 // loops:
-//   gemm %192: [64 x 64] = T[64 x 512] [512 x 64], bf16 operands widened to f32
+//   gemm %192: [64 x 64] = T[64 x 512] [512 x 64], bf16 operands (widened to f32 where the library has no bf16 GEMM)
 static void k48_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b73 = (uint16_t *)(arena + 6417536); // %73 cast bf16[512,64]
   uint16_t *const b190 = (uint16_t *)(arena + 3804288); // %190 cast bf16[512,64]
   float *const b192 = (float *)(arena + 791552); // %192 matmul d.layers.1.wq f32[64,64]
-  {
+  if (h->bgemm) {
+    mdl_bgemm(h, 1, 0, 64, 64, 512, b73, 64, b190, 64, 0.0f, b192, 64);
+  }
+  else {
     float *const w73 = mdl_widen_bf16(b73, 32768, h->nthreads);
     float *const w190 = mdl_widen_bf16(b190, 32768, h->nthreads);
     mdl_gemm(h, 1, 0, 64, 64, 512, w73, 64, w190, 64, 0.0f, b192, 64);
@@ -1906,7 +2060,7 @@ static void k48_gemm(char *arena, const MdlHooks *h) {
 //   %194   add                                     line 35    f32[8,64,64]
 //   %195   add                d.layers.1.a         line 35    f32[8,64,64]
 // loops:
-//   gemm %179: [512 x 64] = [512 x 64] T[64 x 64], bf16 operands widened to f32, epilogue after
+//   gemm %179: [512 x 64] = [512 x 64] T[64 x 64], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
 //   elementwise over 32768: %195
 static void k49_gemm__add(char *arena, const MdlHooks *h) {
   uint16_t *const b86 = (uint16_t *)(arena + 2228224); // %86 cast bf16[64,64]
@@ -1915,7 +2069,10 @@ static void k49_gemm__add(char *arena, const MdlHooks *h) {
   float *const b191 = (float *)(arena + 3542144); // %191 matmul f32[512,64]
   float *const b195 = (float *)(arena + 3804288); // %195 add d.layers.1.a f32[8,64,64]
   float *const b179 = b195; // %179 matmul f32[512,64]: the GEMM writes into its epilogue's output
-  {
+  if (h->bgemm) {
+    mdl_bgemm(h, 0, 1, 512, 64, 64, b178, 64, b86, 64, 0.0f, b179, 64);
+  }
+  else {
     float *const w178 = mdl_widen_bf16(b178, 32768, h->nthreads);
     float *const w86 = mdl_widen_bf16(b86, 4096, h->nthreads);
     mdl_gemm(h, 0, 1, 512, 64, 64, w178, 64, w86, 64, 0.0f, b179, 64);
@@ -2006,12 +2163,15 @@ static void k50_rmsnorm_bwd__add__cast(char *arena, const MdlHooks *h) {
 // k51_gemm: GEMM, 1 op
 //   %202   matmul             d.layers.0.w2        line 40    f32[172,64]
 // loops:
-//   gemm %202: [172 x 64] = T[172 x 512] [512 x 64], bf16 operands widened to f32
+//   gemm %202: [172 x 64] = T[172 x 512] [512 x 64], bf16 operands (widened to f32 where the library has no bf16 GEMM)
 static void k51_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b57 = (uint16_t *)(arena + 4820096); // %57 cast bf16[512,172]
   uint16_t *const b200 = (uint16_t *)(arena + 4070528); // %200 cast bf16[512,64]
   float *const b202 = (float *)(arena + 747264); // %202 matmul d.layers.0.w2 f32[172,64]
-  {
+  if (h->bgemm) {
+    mdl_bgemm(h, 1, 0, 172, 64, 512, b57, 172, b200, 64, 0.0f, b202, 64);
+  }
+  else {
     float *const w57 = mdl_widen_bf16(b57, 88064, h->nthreads);
     float *const w200 = mdl_widen_bf16(b200, 32768, h->nthreads);
     mdl_gemm(h, 1, 0, 172, 64, 512, w57, 172, w200, 64, 0.0f, b202, 64);
@@ -2027,7 +2187,7 @@ static void k51_gemm(char *arena, const MdlHooks *h) {
 //   %212   reshape                                 line 40    f32[512,172]
 //   %213   cast                                    line 40    bf16[512,172]
 // loops:
-//   gemm %201: [512 x 172] = [512 x 64] T[64 x 172], bf16 operands widened to f32, epilogue after
+//   gemm %201: [512 x 172] = [512 x 64] T[64 x 172], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
 //   elementwise over 88064: %213
 static void k52_gemm__mul__silu_bwd__cast(char *arena, const MdlHooks *h) {
   float *const b47 = (float *)(arena + 2706560); // %47 matmul f32[512,172]
@@ -2036,7 +2196,10 @@ static void k52_gemm__mul__silu_bwd__cast(char *arena, const MdlHooks *h) {
   uint16_t *const b200 = (uint16_t *)(arena + 4070528); // %200 cast bf16[512,64]
   float *const b201 = (float *)(arena + 3411072); // %201 matmul f32[512,172]
   uint16_t *const b213 = (uint16_t *)(arena + 3763328); // %213 cast bf16[512,172]
-  {
+  if (h->bgemm) {
+    mdl_bgemm(h, 0, 1, 512, 172, 64, b200, 64, b58, 64, 0.0f, b201, 172);
+  }
+  else {
     float *const w200 = mdl_widen_bf16(b200, 32768, h->nthreads);
     float *const w58 = mdl_widen_bf16(b58, 11008, h->nthreads);
     mdl_gemm(h, 0, 1, 512, 172, 64, w200, 64, w58, 64, 0.0f, b201, 172);
@@ -2086,12 +2249,15 @@ static void k53_cast__mul(char *arena, const MdlHooks *h) {
 // k54_gemm: GEMM, 1 op
 //   %209   matmul             d.layers.0.w3        line 40    f32[64,172]
 // loops:
-//   gemm %209: [64 x 172] = T[64 x 512] [512 x 172], bf16 operands widened to f32
+//   gemm %209: [64 x 172] = T[64 x 512] [512 x 172], bf16 operands (widened to f32 where the library has no bf16 GEMM)
 static void k54_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b51 = (uint16_t *)(arena + 6352000); // %51 cast bf16[512,64]
   uint16_t *const b207 = (uint16_t *)(arena + 2354304); // %207 cast bf16[512,172]
   float *const b209 = (float *)(arena + 703232); // %209 matmul d.layers.0.w3 f32[64,172]
-  {
+  if (h->bgemm) {
+    mdl_bgemm(h, 1, 0, 64, 172, 512, b51, 64, b207, 172, 0.0f, b209, 172);
+  }
+  else {
     float *const w51 = mdl_widen_bf16(b51, 32768, h->nthreads);
     float *const w207 = mdl_widen_bf16(b207, 88064, h->nthreads);
     mdl_gemm(h, 1, 0, 64, 172, 512, w51, 64, w207, 172, 0.0f, b209, 172);
@@ -2103,12 +2269,15 @@ static void k54_gemm(char *arena, const MdlHooks *h) {
 // k55_gemm: GEMM, 1 op
 //   %214   matmul                                  line 40    f32[512,64]
 // loops:
-//   gemm %214: [512 x 64] = [512 x 172] T[172 x 64], bf16 operands widened to f32
+//   gemm %214: [512 x 64] = [512 x 172] T[172 x 64], bf16 operands (widened to f32 where the library has no bf16 GEMM)
 static void k55_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b46 = (uint16_t *)(arena + 2143232); // %46 cast bf16[64,172]
   uint16_t *const b213 = (uint16_t *)(arena + 3763328); // %213 cast bf16[512,172]
   float *const b214 = (float *)(arena + 2530432); // %214 matmul f32[512,64]
-  {
+  if (h->bgemm) {
+    mdl_bgemm(h, 0, 1, 512, 64, 172, b213, 172, b46, 172, 0.0f, b214, 64);
+  }
+  else {
     float *const w213 = mdl_widen_bf16(b213, 88064, h->nthreads);
     float *const w46 = mdl_widen_bf16(b46, 11008, h->nthreads);
     mdl_gemm(h, 0, 1, 512, 64, 172, w213, 172, w46, 172, 0.0f, b214, 64);
@@ -2120,12 +2289,15 @@ static void k55_gemm(char *arena, const MdlHooks *h) {
 // k56_gemm: GEMM, 1 op
 //   %215   matmul             d.layers.0.w1        line 40    f32[64,172]
 // loops:
-//   gemm %215: [64 x 172] = T[64 x 512] [512 x 172], bf16 operands widened to f32
+//   gemm %215: [64 x 172] = T[64 x 512] [512 x 172], bf16 operands (widened to f32 where the library has no bf16 GEMM)
 static void k56_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b45 = (uint16_t *)(arena + 6286464); // %45 cast bf16[512,64]
   uint16_t *const b213 = (uint16_t *)(arena + 3763328); // %213 cast bf16[512,172]
   float *const b215 = (float *)(arena + 659200); // %215 matmul d.layers.0.w1 f32[64,172]
-  {
+  if (h->bgemm) {
+    mdl_bgemm(h, 1, 0, 64, 172, 512, b45, 64, b213, 172, 0.0f, b215, 172);
+  }
+  else {
     float *const w45 = mdl_widen_bf16(b45, 32768, h->nthreads);
     float *const w213 = mdl_widen_bf16(b213, 88064, h->nthreads);
     mdl_gemm(h, 1, 0, 64, 172, 512, w45, 64, w213, 172, 0.0f, b215, 172);
@@ -2139,7 +2311,7 @@ static void k56_gemm(char *arena, const MdlHooks *h) {
 //   %210   reshape                                 line 40    f32[8,64,64]
 //   %217   add                d.layers.0.a         line 39    f32[8,64,64]
 // loops:
-//   gemm %208: [512 x 64] = [512 x 172] T[172 x 64], bf16 operands widened to f32, epilogue after
+//   gemm %208: [512 x 64] = [512 x 172] T[172 x 64], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
 //   elementwise over 32768: %217
 static void k57_gemm__add(char *arena, const MdlHooks *h) {
   uint16_t *const b52 = (uint16_t *)(arena + 2165248); // %52 cast bf16[64,172]
@@ -2147,7 +2319,10 @@ static void k57_gemm__add(char *arena, const MdlHooks *h) {
   float *const b214 = (float *)(arena + 2530432); // %214 matmul f32[512,64]
   float *const b217 = (float *)(arena + 2661504); // %217 add d.layers.0.a f32[8,64,64]
   float *const b208 = b217; // %208 matmul f32[512,64]: the GEMM writes into its epilogue's output
-  {
+  if (h->bgemm) {
+    mdl_bgemm(h, 0, 1, 512, 64, 172, b207, 172, b52, 172, 0.0f, b208, 64);
+  }
+  else {
     float *const w207 = mdl_widen_bf16(b207, 88064, h->nthreads);
     float *const w52 = mdl_widen_bf16(b52, 11008, h->nthreads);
     mdl_gemm(h, 0, 1, 512, 64, 172, w207, 172, w52, 172, 0.0f, b208, 64);
@@ -2236,12 +2411,15 @@ static void k58_rmsnorm_bwd__add__cast(char *arena, const MdlHooks *h) {
 // k59_gemm: GEMM, 1 op
 //   %224   matmul             d.layers.0.wo        line 38    f32[64,64]
 // loops:
-//   gemm %224: [64 x 64] = T[64 x 512] [512 x 64], bf16 operands widened to f32
+//   gemm %224: [64 x 64] = T[64 x 512] [512 x 64], bf16 operands (widened to f32 where the library has no bf16 GEMM)
 static void k59_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b38 = (uint16_t *)(arena + 6220928); // %38 cast bf16[512,64]
   uint16_t *const b222 = (uint16_t *)(arena + 2485376); // %222 cast bf16[512,64]
   float *const b224 = (float *)(arena + 642560); // %224 matmul d.layers.0.wo f32[64,64]
-  {
+  if (h->bgemm) {
+    mdl_bgemm(h, 1, 0, 64, 64, 512, b38, 64, b222, 64, 0.0f, b224, 64);
+  }
+  else {
     float *const w38 = mdl_widen_bf16(b38, 32768, h->nthreads);
     float *const w222 = mdl_widen_bf16(b222, 32768, h->nthreads);
     mdl_gemm(h, 1, 0, 64, 64, 512, w38, 64, w222, 64, 0.0f, b224, 64);
@@ -2255,14 +2433,17 @@ static void k59_gemm(char *arena, const MdlHooks *h) {
 //   %225   reshape                                 line 38    f32[8,64,64]
 //   %228   cast                                    line 38    bf16[8,64,64]
 // loops:
-//   gemm %223: [512 x 64] = [512 x 64] T[64 x 64], bf16 operands widened to f32, epilogue after
+//   gemm %223: [512 x 64] = [512 x 64] T[64 x 64], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
 //   elementwise over 32768: %228
 static void k60_gemm__cast(char *arena, const MdlHooks *h) {
   uint16_t *const b39 = (uint16_t *)(arena + 2135040); // %39 cast bf16[64,64]
   uint16_t *const b222 = (uint16_t *)(arena + 2485376); // %222 cast bf16[512,64]
   float *const b223 = mdl_scratch(131072); // %223 matmul f32[512,64], kept in this kernel
   uint16_t *const b228 = (uint16_t *)(arena + 2878592); // %228 cast bf16[8,64,64]
-  {
+  if (h->bgemm) {
+    mdl_bgemm(h, 0, 1, 512, 64, 64, b222, 64, b39, 64, 0.0f, b223, 64);
+  }
+  else {
     float *const w222 = mdl_widen_bf16(b222, 32768, h->nthreads);
     float *const w39 = mdl_widen_bf16(b39, 4096, h->nthreads);
     mdl_gemm(h, 0, 1, 512, 64, 64, w222, 64, w39, 64, 0.0f, b223, 64);
@@ -2440,12 +2621,15 @@ static void k62_cast(char *arena, const MdlHooks *h) {
 // k63_gemm: GEMM, 1 op
 //   %235   matmul             d.layers.0.wv        line 38    f32[64,64]
 // loops:
-//   gemm %235: [64 x 64] = T[64 x 512] [512 x 64], bf16 operands widened to f32
+//   gemm %235: [64 x 64] = T[64 x 512] [512 x 64], bf16 operands (widened to f32 where the library has no bf16 GEMM)
 static void k63_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b29 = (uint16_t *)(arena + 5958784); // %29 cast bf16[512,64]
   uint16_t *const b233 = (uint16_t *)(arena + 2878592); // %233 cast bf16[512,64]
   float *const b235 = (float *)(arena + 626176); // %235 matmul d.layers.0.wv f32[64,64]
-  {
+  if (h->bgemm) {
+    mdl_bgemm(h, 1, 0, 64, 64, 512, b29, 64, b233, 64, 0.0f, b235, 64);
+  }
+  else {
     float *const w29 = mdl_widen_bf16(b29, 32768, h->nthreads);
     float *const w233 = mdl_widen_bf16(b233, 32768, h->nthreads);
     mdl_gemm(h, 1, 0, 64, 64, 512, w29, 64, w233, 64, 0.0f, b235, 64);
@@ -2498,12 +2682,15 @@ static void k64_rope__cast(char *arena, const MdlHooks *h) {
 // k65_gemm: GEMM, 1 op
 //   %240   matmul                                  line 37    f32[512,64]
 // loops:
-//   gemm %240: [512 x 64] = [512 x 64] T[64 x 64], bf16 operands widened to f32
+//   gemm %240: [512 x 64] = [512 x 64] T[64 x 64], bf16 operands (widened to f32 where the library has no bf16 GEMM)
 static void k65_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b24 = (uint16_t *)(arena + 2118656); // %24 cast bf16[64,64]
   uint16_t *const b239 = (uint16_t *)(arena + 2747520); // %239 cast bf16[512,64]
   float *const b240 = (float *)(arena + 2616448); // %240 matmul f32[512,64]
-  {
+  if (h->bgemm) {
+    mdl_bgemm(h, 0, 1, 512, 64, 64, b239, 64, b24, 64, 0.0f, b240, 64);
+  }
+  else {
     float *const w239 = mdl_widen_bf16(b239, 32768, h->nthreads);
     float *const w24 = mdl_widen_bf16(b24, 4096, h->nthreads);
     mdl_gemm(h, 0, 1, 512, 64, 64, w239, 64, w24, 64, 0.0f, b240, 64);
@@ -2515,12 +2702,15 @@ static void k65_gemm(char *arena, const MdlHooks *h) {
 // k66_gemm: GEMM, 1 op
 //   %241   matmul             d.layers.0.wk        line 37    f32[64,64]
 // loops:
-//   gemm %241: [64 x 64] = T[64 x 512] [512 x 64], bf16 operands widened to f32
+//   gemm %241: [64 x 64] = T[64 x 512] [512 x 64], bf16 operands (widened to f32 where the library has no bf16 GEMM)
 static void k66_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b23 = (uint16_t *)(arena + 5893248); // %23 cast bf16[512,64]
   uint16_t *const b239 = (uint16_t *)(arena + 2747520); // %239 cast bf16[512,64]
   float *const b241 = (float *)(arena + 609792); // %241 matmul d.layers.0.wk f32[64,64]
-  {
+  if (h->bgemm) {
+    mdl_bgemm(h, 1, 0, 64, 64, 512, b23, 64, b239, 64, 0.0f, b241, 64);
+  }
+  else {
     float *const w23 = mdl_widen_bf16(b23, 32768, h->nthreads);
     float *const w239 = mdl_widen_bf16(b239, 32768, h->nthreads);
     mdl_gemm(h, 1, 0, 64, 64, 512, w23, 64, w239, 64, 0.0f, b241, 64);
@@ -2573,12 +2763,15 @@ static void k67_rope__cast(char *arena, const MdlHooks *h) {
 // k68_gemm: GEMM, 1 op
 //   %246   matmul                                  line 36    f32[512,64]
 // loops:
-//   gemm %246: [512 x 64] = [512 x 64] T[64 x 64], bf16 operands widened to f32
+//   gemm %246: [512 x 64] = [512 x 64] T[64 x 64], bf16 operands (widened to f32 where the library has no bf16 GEMM)
 static void k68_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b18 = (uint16_t *)(arena + 2110464); // %18 cast bf16[64,64]
   uint16_t *const b245 = (uint16_t *)(arena + 2747520); // %245 cast bf16[512,64]
   float *const b246 = (float *)(arena + 2485376); // %246 matmul f32[512,64]
-  {
+  if (h->bgemm) {
+    mdl_bgemm(h, 0, 1, 512, 64, 64, b245, 64, b18, 64, 0.0f, b246, 64);
+  }
+  else {
     float *const w245 = mdl_widen_bf16(b245, 32768, h->nthreads);
     float *const w18 = mdl_widen_bf16(b18, 4096, h->nthreads);
     mdl_gemm(h, 0, 1, 512, 64, 64, w245, 64, w18, 64, 0.0f, b246, 64);
@@ -2590,12 +2783,15 @@ static void k68_gemm(char *arena, const MdlHooks *h) {
 // k69_gemm: GEMM, 1 op
 //   %247   matmul             d.layers.0.wq        line 36    f32[64,64]
 // loops:
-//   gemm %247: [64 x 64] = T[64 x 512] [512 x 64], bf16 operands widened to f32
+//   gemm %247: [64 x 64] = T[64 x 512] [512 x 64], bf16 operands (widened to f32 where the library has no bf16 GEMM)
 static void k69_gemm(char *arena, const MdlHooks *h) {
   uint16_t *const b17 = (uint16_t *)(arena + 5827712); // %17 cast bf16[512,64]
   uint16_t *const b245 = (uint16_t *)(arena + 2747520); // %245 cast bf16[512,64]
   float *const b247 = (float *)(arena + 593408); // %247 matmul d.layers.0.wq f32[64,64]
-  {
+  if (h->bgemm) {
+    mdl_bgemm(h, 1, 0, 64, 64, 512, b17, 64, b245, 64, 0.0f, b247, 64);
+  }
+  else {
     float *const w17 = mdl_widen_bf16(b17, 32768, h->nthreads);
     float *const w245 = mdl_widen_bf16(b245, 32768, h->nthreads);
     mdl_gemm(h, 1, 0, 64, 64, 512, w17, 64, w245, 64, 0.0f, b247, 64);
@@ -2610,7 +2806,7 @@ static void k69_gemm(char *arena, const MdlHooks *h) {
 //   %249   add                                     line 35    f32[8,64,64]
 //   %250   add                d.layers.0.a         line 35    f32[8,64,64]
 // loops:
-//   gemm %234: [512 x 64] = [512 x 64] T[64 x 64], bf16 operands widened to f32, epilogue after
+//   gemm %234: [512 x 64] = [512 x 64] T[64 x 64], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
 //   elementwise over 32768: %250
 static void k70_gemm__add(char *arena, const MdlHooks *h) {
   uint16_t *const b30 = (uint16_t *)(arena + 2126848); // %30 cast bf16[64,64]
@@ -2619,7 +2815,10 @@ static void k70_gemm__add(char *arena, const MdlHooks *h) {
   float *const b246 = (float *)(arena + 2485376); // %246 matmul f32[512,64]
   float *const b250 = (float *)(arena + 2747520); // %250 add d.layers.0.a f32[8,64,64]
   float *const b234 = b250; // %234 matmul f32[512,64]: the GEMM writes into its epilogue's output
-  {
+  if (h->bgemm) {
+    mdl_bgemm(h, 0, 1, 512, 64, 64, b233, 64, b30, 64, 0.0f, b234, 64);
+  }
+  else {
     float *const w233 = mdl_widen_bf16(b233, 32768, h->nthreads);
     float *const w30 = mdl_widen_bf16(b30, 4096, h->nthreads);
     mdl_gemm(h, 0, 1, 512, 64, 64, w233, 64, w30, 64, 0.0f, b234, 64);

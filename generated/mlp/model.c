@@ -14,6 +14,9 @@ typedef struct {
   // row-major C = op(A) op(B) + beta C, op = transpose when ta / tb
   void (*sgemm)(int ta, int tb, int64_t m, int64_t n, int64_t k, const float *a, int64_t lda,
                 const float *b, int64_t ldb, float beta, float *c, int64_t ldc);
+  // the same with bf16 operands; NULL where the library has none faster than sgemm
+  void (*bgemm)(int ta, int tb, int64_t m, int64_t n, int64_t k, const uint16_t *a, int64_t lda,
+                const uint16_t *b, int64_t ldb, float beta, float *c, int64_t ldc);
   int nthreads;  // OpenMP threads per parallel loop
   int gemm_blocks; // row blocks of a large GEMM, whatever nthreads is
   uint64_t seed; // the run's seed: dropout masks

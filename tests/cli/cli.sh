@@ -137,22 +137,31 @@ sed -n 's/.*"loss":\([0-9.]*\).*/\1/p' "$tmp/prof/log.jsonl" >"$tmp/prof.losses"
 cmp -s "$tmp/prof.losses" "$tmp/p.losses" && echo "[ok] cli: --profile trains to the same losses" ||
   echo "[fail] cli: --profile changes the losses"
 
-# Precision: bf16 GEMM operands by default, fp32 on request; both train, to close but different losses.
-contains "run says which precision it trains in" "$tmp/p.out" "precision bf16"
-rm -rf "$tmp/p32"
-$m run models/gpt2-tiny.mdl -D B=2 -D T=16 --steps 3 --data "$tmp/shards" --out "$tmp/p32" --val-every 0 \
-  --precision fp32 >"$tmp/p32.out" 2>&1 || echo "[fail] cli: run --precision fp32: $(tail -c 300 "$tmp/p32.out")"
-contains "--precision fp32 reaches the run" "$tmp/p32.out" "precision fp32"
-sed -n 's/.*"loss":\([0-9.]*\).*/\1/p' "$tmp/p32/log.jsonl" >"$tmp/p32.losses"
-if [ -s "$tmp/p32.losses" ] && paste "$tmp/p.losses" "$tmp/p32.losses" |
+# Precision: the models say auto, which is bf16 where the CPU's GEMM library has a bf16 GEMM faster than
+# its fp32 one (its GEMM line then gives a bf16 rate), else fp32, and the run says which and why; fp32
+# and bf16 on request both train, to close but different losses.
+if grep -q '^GEMM: .* GFLOP/s bf16' "$tmp/p.out"; then want="precision auto, bf16: "; else want="precision auto, fp32: "; fi
+contains "run says which precision auto chose, and why" "$tmp/p.out" "$want"
+contains "run names the GEMM library, its kernels and their measured rate" "$tmp/p.out" "GEMM: "
+grep -qE '^GEMM: (oneDNN|OpenBLAS) [0-9.]+, [^ ]+ kernels[^:]*: [0-9]+ GFLOP/s fp32' "$tmp/p.out" &&
+  echo "[ok] cli: the GEMM line has the library, its version and a rate" ||
+  echo "[fail] cli: the GEMM line: $(grep '^GEMM' "$tmp/p.out")"
+for prec in fp32 bf16; do
+  rm -rf "$tmp/p$prec"
+  $m run models/gpt2-tiny.mdl -D B=2 -D T=16 --steps 3 --data "$tmp/shards" --out "$tmp/p$prec" --val-every 0 \
+    --precision $prec >"$tmp/p$prec.out" 2>&1 || echo "[fail] cli: run --precision $prec: $(tail -c 300 "$tmp/p$prec.out")"
+  contains "--precision $prec reaches the run" "$tmp/p$prec.out" "precision $prec"
+  sed -n 's/.*"loss":\([0-9.]*\).*/\1/p' "$tmp/p$prec/log.jsonl" >"$tmp/p$prec.losses"
+done
+if [ -s "$tmp/pfp32.losses" ] && paste "$tmp/pbf16.losses" "$tmp/pfp32.losses" |
   awk '{d = $1 - $2; if (d < 0) d = -d; if (d > 1e-2 * $2) bad = 1; if (d > 1e-6 * $2) moved = 1}
        END {exit bad || !moved}'; then
   echo "[ok] cli: bf16 and fp32 losses agree within 1% and differ"
 else
-  echo "[fail] cli: bf16 vs fp32 losses: $(paste "$tmp/p.losses" "$tmp/p32.losses" | tr '\n' ' ')"
+  echo "[fail] cli: bf16 vs fp32 losses: $(paste "$tmp/pbf16.losses" "$tmp/pfp32.losses" | tr '\n' ' ')"
 fi
 expect "--precision fp8 is a usage error" 2 $m build models/mlp.mdl -o "$tmp/b8" --precision fp8
-contains "the usage error names the choices" "$tmp/err" "fp32 or bf16"
+contains "the usage error names the choices" "$tmp/err" "auto, fp32 or bf16"
 expect "dump after the precision pass" 0 $m -d R check models/mlp.mdl --precision bf16
 contains "the dump shows the casts" "$tmp/out" "to=bf16"
 sed 's/precision = fp32/precision = fp8/' models/mlp.mdl >"$tmp/fp8.mdl"

@@ -617,9 +617,12 @@ static void test_bf16(const Model *md) {
              md->path, mode, ep);
     CHECK(ep < 3e-3, name, "%.3g", ep);
     double apart = l2_all(g16, got.grad, r32.grad);
-    snprintf(name, sizeof name, "cpu bf16 %s %s: gradients differ from the fp32 graph's by over 1e-3 and 10x more "
+    // (5x: where a value lands within an f32 rounding of a bf16 tie, the order of a GEMM's f32 sums,
+    // which differs between libraries, flips its rounding, and the flips spread: on gpt2-tiny the L2
+    // distance to the interpreter was 2.1e-4 with OpenBLAS's sgemm, 4.1e-4 with oneDNN's bf16 GEMM)
+    snprintf(name, sizeof name, "cpu bf16 %s %s: gradients differ from the fp32 graph's by over 1e-3 and 5x more "
              "than from the bf16 graph's (L2: %.1e vs %.1e)", md->path, mode, apart, eg);
-    CHECK(apart > 1e-3 && apart > 10 * eg, name, "%.3g vs %.3g: is anything rounded?", apart, eg);
+    CHECK(apart > 1e-3 && apart > 5 * eg, name, "%.3g vs %.3g: is anything rounded?", apart, eg);
     if (fz)
       second_step(md, g16, f, m, cm);
     run_free(g16, &got);

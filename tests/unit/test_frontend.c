@@ -114,7 +114,7 @@ static void test_gpt2_tiny(void) {
   CHECK(t->warmup == 100 && t->min_lr == 1e-4 && t->steps == 4000 && t->clip == 1.0 && t->accumulate == 1,
         "gpt2-tiny schedule, clip, accumulate", "warmup %lld min_lr %g steps %lld clip %g", (long long)t->warmup,
         t->min_lr, (long long)t->steps, t->clip);
-  CHECK(!strcmp(t->precision, "bf16") && !strcmp(t->checkpoint, "auto"), "gpt2-tiny precision and checkpoint",
+  CHECK(!strcmp(t->precision, "auto") && !strcmp(t->checkpoint, "auto"), "gpt2-tiny precision and checkpoint",
         "%s %s", t->precision, t->checkpoint);
   const IrNode *loss = g->loss >= 0 ? g->nodes[g->loss] : NULL;
   CHECK(loss && loss->op == OP_MEAN && loss->shape.rank == 0 && !strcmp(loss->name, "loss"),
@@ -188,8 +188,8 @@ static void test_models(void) {
   const TrainConfig *t = g ? &g->train : NULL;
   CHECK(t && t->lr == 3e-4 && t->beta1 == 0.9 && t->beta2 == 0.95 && t->eps == 1e-8 && t->weight_decay == 0 &&
             t->warmup == 0 && t->min_lr == 0 && t->clip == 0 && t->accumulate == 1 && t->steps == 0 &&
-            !strcmp(t->precision, "bf16") && !strcmp(t->checkpoint, "auto"),
-        "train settings default as documented", "lr %g", t ? t->lr : -1);
+            !strcmp(t->precision, "auto") && !strcmp(t->checkpoint, "auto"),
+        "train settings default as documented", "lr %g precision %s", t ? t->lr : -1, t ? t->precision : "?");
   CHECK(g && named(g, "w")->init.decay, "without no_decay every param decays", "decay off");
 }
 

@@ -1,0 +1,422 @@
+// gemm.c: the GEMM library behind the CPU back end's sgemm and bgemm hooks, chosen once per process.
+//
+// Measured at the models' GEMM shapes on a 2-core Xeon with AVX-512 and AMX (bench/RESULTS.md,
+// "GEMM libraries"): oneDNN's sgemm 290-390 GFLOP/s, OpenBLAS 0.3.21 on its SkylakeX kernels 230-290,
+// BLIS 0.9 80-180; oneDNN's bf16 matmul on AMX 900-1450. So oneDNN comes first; OpenBLAS is the
+// fallback where oneDNN is not installed. Both are loaded with dlopen, so one binary runs with
+// whichever is there. OpenBLAS picks its kernels by CPU model, and a CPU newer than the library
+// falls back to its oldest (Prescott, SSE3: a quarter of the speed); before loading it we name the
+// kernel family the CPU's instruction set can run (OPENBLAS_CORETYPE), unless the user did.
+//
+// Calls come from the module's OpenMP threads, one block of rows or columns each, and must run on
+// the calling thread alone: a library that split a call over threads of its own would make the
+// result depend on the thread count. oneDNN threads through the same OpenMP runtime as the module,
+// so each call sets that thread's OpenMP thread count to 1 for its duration; OpenBLAS is set to one
+// thread once.
+//
+// bgemm (bf16 operands, f32 accumulation and result) is offered only where the library has a bf16
+// GEMM faster than its f32 one: oneDNN on a CPU with AMX. Without AMX (avx512_bf16 alone) oneDNN's
+// bf16 GEMM runs at about half its f32 rate, so the module widens bf16 operands and calls sgemm.
+#include "backend.h"
+#include "runtime.h"
+
+#include <dlfcn.h>
+#include <oneapi/dnnl/dnnl.h>
+#include <pthread.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+typedef void (*SetThreads)(int);
+typedef int (*GetThreads)(void);
+
+static struct {
+  bool loaded, ok;
+  GemmLib lib;
+  char err[256];
+  SetThreads omp_set;        // the OpenMP runtime's omp_set_num_threads / omp_get_max_threads
+  GetThreads omp_get;
+  // oneDNN
+  __typeof__(dnnl_sgemm) *sgemm;
+  __typeof__(dnnl_engine_create) *engine_create;
+  __typeof__(dnnl_stream_create) *stream_create;
+  __typeof__(dnnl_memory_desc_init_by_strides) *md_init;
+  __typeof__(dnnl_memory_desc_get_size) *md_size;
+  __typeof__(dnnl_matmul_desc_init) *matmul_init;
+  __typeof__(dnnl_primitive_attr_create) *attr_create;
+  __typeof__(dnnl_primitive_attr_destroy) *attr_destroy;
+  __typeof__(dnnl_primitive_attr_set_scratchpad_mode) *attr_scratchpad;
+  __typeof__(dnnl_primitive_attr_set_post_ops) *attr_post_ops;
+  __typeof__(dnnl_post_ops_create) *po_create;
+  __typeof__(dnnl_post_ops_destroy) *po_destroy;
+  __typeof__(dnnl_post_ops_append_sum) *po_sum;
+  __typeof__(dnnl_primitive_desc_create) *pd_create;
+  __typeof__(dnnl_primitive_desc_destroy) *pd_destroy;
+  __typeof__(dnnl_primitive_desc_query_md) *pd_query_md;
+  __typeof__(dnnl_primitive_create) *prim_create;
+  __typeof__(dnnl_primitive_execute) *prim_execute;
+  __typeof__(dnnl_memory_create) *mem_create;
+  __typeof__(dnnl_memory_destroy) *mem_destroy;
+  dnnl_engine_t engine;
+  // OpenBLAS
+  void (*cblas_sgemm)(int order, int ta, int tb, int m, int n, int k, float alpha, const float *a, int lda,
+                      const float *b, int ldb, float beta, float *c, int ldc);
+} L;
+
+//
+// oneDNN.
+//
+
+// The calling thread runs the call alone (see the top of the file).
+static int one_thread(void) {
+  int t = L.omp_get ? L.omp_get() : 1;
+  if (L.omp_set && t != 1)
+    L.omp_set(1);
+  return t;
+}
+
+static void threads_back(int t) {
+  if (L.omp_set && t != 1)
+    L.omp_set(t);
+}
+
+static void onednn_sgemm(int ta, int tb, int64_t m, int64_t n, int64_t k, const float *a, int64_t lda,
+                         const float *b, int64_t ldb, float beta, float *c, int64_t ldc) {
+  int t = one_thread();
+  L.sgemm(ta ? 'T' : 'N', tb ? 'T' : 'N', m, n, k, 1.0f, a, lda, b, ldb, beta, c, ldc);
+  threads_back(t);
+}
+
+// A bf16 matmul primitive for one (transposes, sizes, leading dimensions, beta): the module's GEMMs
+// have fixed shapes, so a step meets a few dozen of them, each made once.
+typedef struct {
+  int ta, tb;
+  int64_t m, n, k, lda, ldb, ldc;
+  float beta;
+  dnnl_primitive_t prim;
+  dnnl_memory_desc_t a, b, c;
+  size_t scratch;            // bytes of the scratchpad it asks for
+} Matmul;
+
+static pthread_mutex_t mm_lock = PTHREAD_MUTEX_INITIALIZER;
+static Matmul *mm_cache;
+static int mm_n, mm_cap;
+
+static bool matmul_make(Matmul *mm) {
+  dnnl_dims_t ad = {mm->m, mm->k}, bd = {mm->k, mm->n}, cd = {mm->m, mm->n};
+  dnnl_dims_t as = {mm->ta ? 1 : mm->lda, mm->ta ? mm->lda : 1}, bs = {mm->tb ? 1 : mm->ldb, mm->tb ? mm->ldb : 1},
+              cs = {mm->ldc, 1};
+  dnnl_matmul_desc_t desc;
+  dnnl_primitive_attr_t attr = NULL;
+  dnnl_post_ops_t po = NULL;
+  dnnl_primitive_desc_t pd = NULL;
+  bool ok = L.md_init(&mm->a, 2, ad, dnnl_bf16, as) == dnnl_success &&
+            L.md_init(&mm->b, 2, bd, dnnl_bf16, bs) == dnnl_success &&
+            L.md_init(&mm->c, 2, cd, dnnl_f32, cs) == dnnl_success &&
+            L.matmul_init(&desc, &mm->a, &mm->b, NULL, &mm->c) == dnnl_success &&
+            L.attr_create(&attr) == dnnl_success &&
+            L.attr_scratchpad(attr, dnnl_scratchpad_mode_user) == dnnl_success;
+  if (ok && mm->beta != 0.0f)
+    ok = L.po_create(&po) == dnnl_success && L.po_sum(po, mm->beta) == dnnl_success &&
+         L.attr_post_ops(attr, po) == dnnl_success;
+  ok = ok && L.pd_create(&pd, &desc, attr, L.engine, NULL) == dnnl_success;
+  if (ok) {
+    const dnnl_memory_desc_t *s = L.pd_query_md(pd, dnnl_query_scratchpad_md, 0);
+    mm->scratch = s ? L.md_size(s) : 0;
+    ok = L.prim_create(&mm->prim, pd) == dnnl_success;
+  }
+  if (pd)
+    L.pd_destroy(pd);
+  if (po)
+    L.po_destroy(po);
+  if (attr)
+    L.attr_destroy(attr);
+  return ok;
+}
+
+// The primitive for this call, made on first use; NULL when oneDNN refuses the shape.
+static const Matmul *matmul_for(int ta, int tb, int64_t m, int64_t n, int64_t k, int64_t lda, int64_t ldb,
+                                int64_t ldc, float beta) {
+  pthread_mutex_lock(&mm_lock);
+  const Matmul *found = NULL;
+  for (int i = 0; i < mm_n && !found; i++) {
+    const Matmul *c = &mm_cache[i];
+    if (c->ta == ta && c->tb == tb && c->m == m && c->n == n && c->k == k && c->lda == lda && c->ldb == ldb &&
+        c->ldc == ldc && c->beta == beta)
+      found = c;
+  }
+  if (!found) {
+    if (mm_n == mm_cap) {
+      int cap = mm_cap ? 2 * mm_cap : 64;
+      Matmul *grown = realloc(mm_cache, (size_t)cap * sizeof *grown);
+      if (grown)
+        mm_cache = grown, mm_cap = cap;
+    }
+    Matmul mm = {.ta = ta, .tb = tb, .m = m, .n = n, .k = k, .lda = lda, .ldb = ldb, .ldc = ldc, .beta = beta};
+    if (mm_n < mm_cap && matmul_make(&mm)) {
+      mm_cache[mm_n] = mm;
+      found = &mm_cache[mm_n++];
+    }
+  }
+  pthread_mutex_unlock(&mm_lock);
+  return found;
+}
+
+// Each thread's stream and scratchpad (OpenMP's threads live as long as the process).
+static _Thread_local dnnl_stream_t tl_stream;
+static _Thread_local void *tl_scratch;
+static _Thread_local size_t tl_scratch_bytes;
+
+static void bf16_widened_sgemm(int ta, int tb, int64_t m, int64_t n, int64_t k, const uint16_t *a, int64_t lda,
+                               const uint16_t *b, int64_t ldb, float beta, float *c, int64_t ldc);
+
+static void onednn_bgemm(int ta, int tb, int64_t m, int64_t n, int64_t k, const uint16_t *a, int64_t lda,
+                         const uint16_t *b, int64_t ldb, float beta, float *c, int64_t ldc) {
+  const Matmul *mm = matmul_for(ta, tb, m, n, k, lda, ldb, ldc, beta);
+  if (!tl_stream && L.stream_create(&tl_stream, L.engine, dnnl_stream_default_flags) != dnnl_success)
+    tl_stream = NULL;
+  if (mm && mm->scratch > tl_scratch_bytes) {
+    free(tl_scratch);
+    tl_scratch = aligned_alloc(64, (mm->scratch + 63) / 64 * 64);
+    tl_scratch_bytes = tl_scratch ? mm->scratch : 0;
+  }
+  dnnl_memory_t ma = NULL, mb = NULL, mc = NULL, ms = NULL;
+  dnnl_dims_t sd = {(dnnl_dim_t)mm->scratch};
+  dnnl_memory_desc_t smd;
+  bool ok = mm && tl_stream && tl_scratch_bytes >= mm->scratch &&
+            L.mem_create(&ma, &mm->a, L.engine, (void *)a) == dnnl_success &&
+            L.mem_create(&mb, &mm->b, L.engine, (void *)b) == dnnl_success &&
+            L.mem_create(&mc, &mm->c, L.engine, c) == dnnl_success &&
+            L.md_init(&smd, 1, sd, dnnl_u8, (dnnl_dims_t){1}) == dnnl_success &&
+            L.mem_create(&ms, &smd, L.engine, tl_scratch) == dnnl_success;
+  if (ok) {
+    dnnl_exec_arg_t args[] = {{DNNL_ARG_SRC, ma}, {DNNL_ARG_WEIGHTS, mb}, {DNNL_ARG_DST, mc}, {DNNL_ARG_SCRATCHPAD, ms}};
+    int t = one_thread();
+    ok = L.prim_execute(mm->prim, tl_stream, 4, args) == dnnl_success;
+    threads_back(t);
+  }
+  dnnl_memory_t mems[] = {ma, mb, mc, ms};
+  for (int i = 0; i < 4; i++)
+    if (mems[i])
+      L.mem_destroy(mems[i]);
+  if (!ok) // (never seen: oneDNN takes every strided 2-D bf16 matmul) the same product on sgemm
+    bf16_widened_sgemm(ta, tb, m, n, k, a, lda, b, ldb, beta, c, ldc);
+}
+
+static bool onednn_load(char *why, size_t n) {
+  void *so = dlopen("libdnnl.so.2", RTLD_NOW | RTLD_LOCAL);
+  if (!so)
+    return rt_fail(why, n, "oneDNN (libdnnl.so.2) is not installed");
+#define SYM(field, name) (*(void **)&L.field = dlsym(so, #name)) != NULL
+  bool ok = SYM(sgemm, dnnl_sgemm) && SYM(engine_create, dnnl_engine_create) &&
+            SYM(stream_create, dnnl_stream_create) && SYM(md_init, dnnl_memory_desc_init_by_strides) &&
+            SYM(md_size, dnnl_memory_desc_get_size) && SYM(matmul_init, dnnl_matmul_desc_init) &&
+            SYM(attr_create, dnnl_primitive_attr_create) && SYM(attr_destroy, dnnl_primitive_attr_destroy) &&
+            SYM(attr_scratchpad, dnnl_primitive_attr_set_scratchpad_mode) &&
+            SYM(attr_post_ops, dnnl_primitive_attr_set_post_ops) && SYM(po_create, dnnl_post_ops_create) &&
+            SYM(po_destroy, dnnl_post_ops_destroy) && SYM(po_sum, dnnl_post_ops_append_sum) &&
+            SYM(pd_create, dnnl_primitive_desc_create) && SYM(pd_destroy, dnnl_primitive_desc_destroy) &&
+            SYM(pd_query_md, dnnl_primitive_desc_query_md) && SYM(prim_create, dnnl_primitive_create) &&
+            SYM(prim_execute, dnnl_primitive_execute) && SYM(mem_create, dnnl_memory_create) &&
+            SYM(mem_destroy, dnnl_memory_destroy);
+#undef SYM
+  const dnnl_version_t *(*version)(void) = (const dnnl_version_t *(*)(void))dlsym(so, "dnnl_version");
+  dnnl_cpu_isa_t (*isa)(void) = (dnnl_cpu_isa_t(*)(void))dlsym(so, "dnnl_get_effective_cpu_isa");
+  if (!ok || !version || !isa || L.engine_create(&L.engine, dnnl_cpu, 0) != dnnl_success) {
+    dlclose(so);
+    return rt_fail(why, n, "libdnnl.so.2 lacks the functions of oneDNN 2.x");
+  }
+  void *omp = dlopen("libgomp.so.1", RTLD_NOW | RTLD_NOLOAD);
+  if (omp) {
+    *(void **)&L.omp_set = dlsym(omp, "omp_set_num_threads");
+    *(void **)&L.omp_get = dlsym(omp, "omp_get_max_threads");
+  }
+  static const struct {
+    dnnl_cpu_isa_t isa;
+    const char *name;
+  } isas[] = {{dnnl_cpu_isa_avx512_core_amx, "avx512_core_amx"}, {dnnl_cpu_isa_avx512_core_bf16, "avx512_core_bf16"},
+              {dnnl_cpu_isa_avx512_core_vnni, "avx512_core_vnni"}, {dnnl_cpu_isa_avx512_core, "avx512_core"},
+              {dnnl_cpu_isa_avx2, "avx2"}, {dnnl_cpu_isa_avx, "avx"}, {dnnl_cpu_isa_sse41, "sse41"}};
+  dnnl_cpu_isa_t have = isa();
+  const char *isa_name = "generic";
+  for (size_t i = 0; i < sizeof isas / sizeof *isas && !strcmp(isa_name, "generic"); i++)
+    if ((have & isas[i].isa) == isas[i].isa)
+      isa_name = isas[i].name;
+  const dnnl_version_t *v = version();
+  GemmLib *g = &L.lib;
+  snprintf(g->name, sizeof g->name, "oneDNN %d.%d.%d", v->major, v->minor, v->patch);
+  snprintf(g->kernels, sizeof g->kernels, "%s", isa_name);
+  g->sgemm = onednn_sgemm;
+  g->generic = (have & dnnl_cpu_isa_avx2) != dnnl_cpu_isa_avx2 && __builtin_cpu_supports("avx2");
+  if ((have & dnnl_cpu_isa_avx512_core_amx) == dnnl_cpu_isa_avx512_core_amx)
+    g->bgemm = onednn_bgemm;
+  return true;
+}
+
+//
+// OpenBLAS.
+//
+
+static void openblas_sgemm(int ta, int tb, int64_t m, int64_t n, int64_t k, const float *a, int64_t lda,
+                           const float *b, int64_t ldb, float beta, float *c, int64_t ldc) {
+  L.cblas_sgemm(101 /* row major */, ta ? 112 : 111, tb ? 112 : 111, (int)m, (int)n, (int)k, 1.0f, a, (int)lda, b,
+                (int)ldb, beta, c, (int)ldc);
+}
+
+// The OpenBLAS kernel family this CPU's instruction set runs (OpenBLAS 0.3.21's names), or NULL.
+static const char *openblas_coretype(void) {
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq"))
+    return __builtin_cpu_supports("avx512bf16") ? "COOPERLAKE" : "SKYLAKEX";
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
+    return "HASWELL";
+  return NULL;
+}
+
+// OpenBLAS linked into the program (gpu-check's bundle links it statically, for a machine where
+// nothing is installed; its kernels were chosen before main), else libopenblas.so.0.
+static bool openblas_load(char *why, size_t n) {
+  const char *forced = getenv("OPENBLAS_CORETYPE"), *type = openblas_coretype();
+  bool linked = dlsym(RTLD_DEFAULT, "openblas_get_corename") != NULL;
+  void *so = RTLD_DEFAULT;
+  if (!linked) {
+    if (!forced && type)
+      setenv("OPENBLAS_CORETYPE", type, 0);
+    if (!(so = dlopen("libopenblas.so.0", RTLD_NOW | RTLD_LOCAL)))
+      return rt_fail(why, n, "OpenBLAS (libopenblas.so.0) is not installed");
+  }
+  *(void **)&L.cblas_sgemm = dlsym(so, "cblas_sgemm");
+  char *(*corename)(void) = (char *(*)(void))dlsym(so, "openblas_get_corename");
+  char *(*config)(void) = (char *(*)(void))dlsym(so, "openblas_get_config");
+  void (*set_threads)(int) = (void (*)(int))dlsym(so, "openblas_set_num_threads");
+  if (!L.cblas_sgemm || !corename || !set_threads) {
+    if (!linked)
+      dlclose(so);
+    return rt_fail(why, n, "libopenblas.so.0 lacks cblas_sgemm, openblas_get_corename or openblas_set_num_threads");
+  }
+  set_threads(1);
+  GemmLib *g = &L.lib;
+  const char *cfg = config ? config() : "OpenBLAS";
+  snprintf(g->name, sizeof g->name, "OpenBLAS %.*s", (int)strcspn(cfg + (strncmp(cfg, "OpenBLAS ", 9) ? 0 : 9), " "),
+           cfg + (strncmp(cfg, "OpenBLAS ", 9) ? 0 : 9));
+  snprintf(g->kernels, sizeof g->kernels, "%s", corename());
+  snprintf(g->how, sizeof g->how, "%s", linked ? ", linked into the program" : forced ? ", as OPENBLAS_CORETYPE says"
+                                                 : type ? ", named by the CPU's flags" : "");
+  static const char *const old[] = {"Prescott", "Core2", "Penryn", "Dunnington", "Nehalem", "Katmai", "Coppermine",
+                                    "Northwood", "Banias", "Atom", "Generic", "unknown"};
+  for (size_t i = 0; i < sizeof old / sizeof *old; i++)
+    g->generic |= !strncasecmp(corename(), old[i], strlen(old[i])) && __builtin_cpu_supports("avx2");
+  g->sgemm = openblas_sgemm;
+  return true;
+}
+
+//
+// Both.
+//
+
+static float bf16_to_f32(uint16_t h) {
+  uint32_t u = (uint32_t)h << 16;
+  float x;
+  memcpy(&x, &u, sizeof x);
+  return x;
+}
+
+// bf16 operands widened into f32 scratch, then sgemm: what a library without a fast bf16 GEMM runs.
+static void bf16_widened_sgemm(int ta, int tb, int64_t m, int64_t n, int64_t k, const uint16_t *a, int64_t lda,
+                               const uint16_t *b, int64_t ldb, float beta, float *c, int64_t ldc) {
+  int64_t ar = ta ? k : m, ac = ta ? m : k, br = tb ? n : k, bc = tb ? k : n;
+  float *wa = malloc((size_t)(ar * ac + br * bc) * sizeof *wa), *wb = wa + ar * ac;
+  if (!wa)
+    abort();
+  for (int64_t i = 0; i < ar; i++)
+    for (int64_t j = 0; j < ac; j++)
+      wa[i * ac + j] = bf16_to_f32(a[i * lda + j]);
+  for (int64_t i = 0; i < br; i++)
+    for (int64_t j = 0; j < bc; j++)
+      wb[i * bc + j] = bf16_to_f32(b[i * ldb + j]);
+  L.lib.sgemm(ta, tb, m, n, k, wa, ac, wb, bc, beta, c, ldc);
+  free(wa);
+}
+
+// The probe: one block of a 256 x 768 x 768 product a thread, split as the module splits it (sgemm
+// by rows, bgemm by columns), run a few times; each block's best time goes into secs[lo].
+typedef struct {
+  bool bf16;
+  float *a, *b, *c;
+  double secs[8];
+  int64_t nb;
+} Probe;
+
+enum { PM = 256, PN = 768, PK = 768 };
+
+static void probe_blocks(void *ctx, int64_t lo, int64_t hi) {
+  Probe *p = ctx;
+  for (int64_t t = lo; t < hi; t++) {
+    double best = 1e30;
+    for (int r = 0; r < 5; r++) {
+      double t0 = rt_now();
+      if (p->bf16) {
+        int64_t c0 = PN * t / p->nb, c1 = PN * (t + 1) / p->nb;
+        L.lib.bgemm(0, 0, PM, c1 - c0, PK, (const uint16_t *)p->a, PK, (const uint16_t *)p->b + c0, PN, 0.0f,
+                    p->c + c0, PN);
+      } else {
+        int64_t r0 = PM * t / p->nb, r1 = PM * (t + 1) / p->nb;
+        L.lib.sgemm(0, 0, r1 - r0, PN, PK, p->a + r0 * PK, PK, p->b, PN, 0.0f, p->c + r0 * PN, PN);
+      }
+      double dt = rt_now() - t0;
+      best = dt < best ? dt : best;
+    }
+    p->secs[t] = best;
+  }
+}
+
+// GFLOP/s: the product's flops over its slowest block.
+static double probe(bool bf16) {
+  float *a = calloc((size_t)PM * PK + PK * PN + PM * PN, sizeof *a);
+  if (!a)
+    return 0;
+  for (int i = 0; i < PM * PK + PK * PN; i++)
+    a[i] = (float)(i % 13) * 0.125f; // (as bf16 pairs: small normal numbers)
+  long cpus = sysconf(_SC_NPROCESSORS_ONLN);
+  Probe p = {.bf16 = bf16, .a = a, .b = a + PM * PK, .c = a + PM * PK + PK * PN,
+             .nb = cpus < 1 ? 1 : cpus < 8 ? cpus : 8};
+  rt_parallel_for(p.nb, 1, probe_blocks, &p);
+  double slowest = 0;
+  for (int64_t t = 0; t < p.nb; t++)
+    slowest = p.secs[t] > slowest ? p.secs[t] : slowest;
+  free(a);
+  return slowest > 0 ? 2.0 * PM * PN * PK / slowest / 1e9 : 0;
+}
+
+const GemmLib *rt_gemm(char *err, size_t n) {
+  if (!L.loaded) {
+    L.loaded = true;
+    const char *want = getenv("MDL_GEMM");
+    char why1[160] = "", why2[160] = "";
+    if (want && strcmp(want, "onednn") && strcmp(want, "openblas"))
+      snprintf(L.err, sizeof L.err, "MDL_GEMM=%s: want onednn or openblas", want);
+    else if (want && !strcmp(want, "openblas"))
+      L.ok = openblas_load(why2, sizeof why2);
+    else
+      L.ok = onednn_load(why1, sizeof why1) || (!want && openblas_load(why2, sizeof why2));
+    if (!L.ok && !L.err[0])
+      snprintf(L.err, sizeof L.err, "no GEMM library: %s%s%s (install libdnnl2 or libopenblas0)", why1,
+               why1[0] && why2[0] ? "; " : "", why2);
+  }
+  if (!L.ok) {
+    rt_fail(err, n, "%s", L.err);
+    return NULL;
+  }
+  return &L.lib;
+}
+
+void rt_gemm_probe(void) {
+  GemmLib *g = &L.lib;
+  if (!L.ok)
+    return;
+  if (g->sgemm_gflops == 0)
+    g->sgemm_gflops = probe(false);
+  if (g->bgemm && g->bgemm_gflops == 0)
+    g->bgemm_gflops = probe(true);
+}

@@ -1,0 +1,142 @@
+// test_gemm.c: the GEMM library behind the CPU back end (runtime/gemm.c) against a naive loop in
+// double, for the transposes, leading dimensions, betas and sizes the emitter uses (odd ones too):
+// sgemm, and bgemm where the library has one (its operands bf16 values, so every product is exact
+// and only the order of the f32 sums differs). The test runs for the library chosen by default,
+// then again in a child process for each library that MDL_GEMM can insist on and this machine has.
+#include "backend.h"
+#include "test.h"
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+static float bf16_value(float x) { // x rounded to a bf16 value (nearest, ties to even)
+  uint32_t u;
+  memcpy(&u, &x, 4);
+  u = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+  memcpy(&x, &u, 4);
+  return x;
+}
+
+// One case: C (m x n, leading dimension ldc, prefilled) = op(A) op(B) + beta C, by the library and by
+// the loop; the largest error relative to the sum of |products| of its element.
+static double one_case(const GemmLib *lib, bool bf16, int ta, int tb, int64_t m, int64_t n, int64_t k, int64_t pad,
+                       float beta) {
+  int64_t ar = ta ? k : m, ac = ta ? m : k, br = tb ? n : k, bc = tb ? k : n;
+  int64_t lda = ac + pad, ldb = bc + pad, ldc = n + pad;
+  float *a = malloc(sizeof(float) * (size_t)(ar * lda)), *b = malloc(sizeof(float) * (size_t)(br * ldb));
+  float *c = malloc(sizeof(float) * (size_t)(m * ldc));
+  uint16_t *a16 = malloc(2 * (size_t)(ar * lda)), *b16 = malloc(2 * (size_t)(br * ldb));
+  double *want = malloc(sizeof(double) * (size_t)(m * n)), *mag = malloc(sizeof(double) * (size_t)(m * n));
+  srand(7);
+  for (int64_t i = 0; i < ar * lda; i++)
+    a[i] = bf16_value((float)rand() / RAND_MAX * 2.0f - 1.0f);
+  for (int64_t i = 0; i < br * ldb; i++)
+    b[i] = bf16_value((float)rand() / RAND_MAX * 2.0f - 1.0f);
+  for (int64_t i = 0; i < m * ldc; i++)
+    c[i] = (float)(i % 7) - 3.0f;
+  for (int64_t i = 0; i < ar * lda; i++) {
+    uint32_t u;
+    memcpy(&u, &a[i], 4);
+    a16[i] = (uint16_t)(u >> 16);
+  }
+  for (int64_t i = 0; i < br * ldb; i++) {
+    uint32_t u;
+    memcpy(&u, &b[i], 4);
+    b16[i] = (uint16_t)(u >> 16);
+  }
+  for (int64_t i = 0; i < m; i++)
+    for (int64_t j = 0; j < n; j++) {
+      double s = beta * (double)c[i * ldc + j], g = fabs(s);
+      for (int64_t p = 0; p < k; p++) {
+        double x = (ta ? a[p * lda + i] : a[i * lda + p]) * (double)(tb ? b[j * ldb + p] : b[p * ldb + j]);
+        s += x;
+        g += fabs(x);
+      }
+      want[i * n + j] = s;
+      mag[i * n + j] = g;
+    }
+  if (bf16)
+    lib->bgemm(ta, tb, m, n, k, a16, lda, b16, ldb, beta, c, ldc);
+  else
+    lib->sgemm(ta, tb, m, n, k, a, lda, b, ldb, beta, c, ldc);
+  double worst = 0;
+  for (int64_t i = 0; i < m; i++) {
+    for (int64_t j = 0; j < n; j++) {
+      double e = fabs(c[i * ldc + j] - want[i * n + j]) / (mag[i * n + j] + 1e-30);
+      worst = e > worst || isnan(e) ? e : worst;
+    }
+    for (int64_t j = n; j < ldc; j++) // the padding past n is left alone
+      if (c[i * ldc + j] != (float)((i * ldc + j) % 7) - 3.0f)
+        worst = INFINITY;
+  }
+  free(a), free(b), free(c), free(a16), free(b16), free(want), free(mag);
+  return worst;
+}
+
+static void check_library(const GemmLib *lib) {
+  static const int64_t sizes[][3] = {{1, 1, 1}, {17, 33, 5}, {64, 200, 129}, {300, 70, 513}, {128, 768, 64},
+                                     {5, 1000, 3}, {513, 17, 256}};
+  for (int bf16 = 0; bf16 < 2; bf16++) {
+    if (bf16 && !lib->bgemm)
+      continue;
+    double worst = 0;
+    char where[160] = "";
+    for (size_t s = 0; s < sizeof sizes / sizeof *sizes; s++)
+      for (int t = 0; t < 4; t++)
+        for (int pad = 0; pad < 2; pad++)
+          for (int be = 0; be < 2; be++) {
+            double e = one_case(lib, bf16, t & 1, t >> 1, sizes[s][0], sizes[s][1], sizes[s][2], pad * 3, (float)be);
+            if (e > worst || isnan(e)) {
+              worst = e;
+              snprintf(where, sizeof where, "ta %d tb %d m %lld n %lld k %lld pad %d beta %d", t & 1, t >> 1,
+                       (long long)sizes[s][0], (long long)sizes[s][1], (long long)sizes[s][2], pad * 3, be);
+            }
+          }
+    char name[400];
+    snprintf(name, sizeof name, "gemm %s (%s): %s equals a loop in double for 7 sizes, both transposes, padded rows "
+             "and beta 0 and 1", lib->name, lib->kernels, bf16 ? "bgemm" : "sgemm");
+    CHECK(worst < 1e-6, name, "worst relative error %.3g at %s", worst, where);
+  }
+}
+
+int main(int argc, char **argv) {
+  char err[256];
+  const GemmLib *lib = rt_gemm(err, sizeof err);
+  if (argc > 1 && !strcmp(argv[1], "mkl")) { // a child with MDL_GEMM=mkl
+    CHECK(!lib && strstr(err, "MDL_GEMM=mkl: want onednn or openblas"), "gemm: MDL_GEMM=mkl is refused, naming the choices",
+          "%s", lib ? lib->name : err);
+    TEST_EXIT();
+  }
+  if (argc > 1 && !lib && strstr(err, "is not installed")) {
+    printf("[skip] gemm: MDL_GEMM=%s: %s\n", argv[1], err);
+    TEST_EXIT();
+  }
+  CHECK(lib != NULL, "gemm: a GEMM library loads", "%s", err);
+  if (!lib)
+    TEST_EXIT();
+  check_library(lib);
+  if (argc > 1) // a child for one library
+    TEST_EXIT();
+  CHECK(!lib->generic, "gemm: the library runs kernels for this CPU, not a generic fallback", "%s runs %s", lib->name,
+        lib->kernels);
+  // each library MDL_GEMM names, in a process of its own (the choice is made once per process)
+  const char *libs[] = {"onednn", "openblas", "mkl"};
+  for (int i = 0; i < 3; i++) {
+    fflush(stdout);
+    pid_t pid = fork();
+    if (pid == 0) {
+      setenv("MDL_GEMM", libs[i], 1);
+      execl("/proc/self/exe", argv[0], libs[i], (char *)NULL);
+      _exit(127);
+    }
+    int status = 0;
+    waitpid(pid, &status, 0);
+    char name[120];
+    snprintf(name, sizeof name, "gemm: the child with MDL_GEMM=%s ran its checks", libs[i]);
+    CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 0, name, "exit status %d", WEXITSTATUS(status));
+  }
+  TEST_EXIT();
+}
