@@ -48,7 +48,8 @@ test: bin/mdlc $(UNIT_BIN)
 regen: bin/mdlc
 	tools/regen.sh
 
-# tokens/s, fused vs unfused vs PyTorch eager (not a test: timings vary)
+# tokens/s, compile times and peak memory against PyTorch from PyPI, eager and torch.compile (not a
+# test: timings vary); bench/threads.sh measures OpenMP's wait policy idle and loaded
 bench: bin/mdlc
 	bench/run.sh
 

@@ -55,7 +55,7 @@ mdl() {
   local name=$1 r=$2; shift 2
   rm -rf "$tmp/out"
   /usr/bin/time -f 'maxrss %M' -o "$tmp/$name.time.$r" bin/mdlc run "$@" --steps "$steps" --data "$tmp/data" \
-    --backend cpu --val-every 0 --ckpt-every 0 --out "$tmp/out" >"$tmp/$name.$r" 2>&1
+    --backend cpu --val-every 0 --ckpt-every 0 --out "$tmp/out" >"$tmp/$name.$r" 2>&1 </dev/null
   median_tok_s "$tmp/$name.$r" >"$tmp/$name.tok.$r"
   awk '/^maxrss/ {printf "%.0f\n", $2 / 1024}' "$tmp/$name.time.$r" >"$tmp/$name.rss.$r"
 }
@@ -67,7 +67,7 @@ peer() {
     echo n/a >"$tmp/$name.tok.$r"; echo n/a >"$tmp/$name.rss.$r"; echo n/a >"$tmp/$name.first.$r"
     return
   fi
-  "$py" bench/torch_gpt.py "$@" --steps "$steps" --threads "$threads" >"$tmp/$name.$r" 2>&1
+  "$py" bench/torch_gpt.py "$@" --steps "$steps" --threads "$threads" >"$tmp/$name.$r" 2>&1 </dev/null
   sed -n 's/.*: \([0-9.]*\) tok\/s.*/\1/p' "$tmp/$name.$r" | grep . >"$tmp/$name.tok.$r" || echo n/a >"$tmp/$name.tok.$r"
   sed -n 's/.*peak RSS \([0-9]*\) MB.*/\1/p' "$tmp/$name.$r" | grep . >"$tmp/$name.rss.$r" || echo n/a >"$tmp/$name.rss.$r"
   sed -n 's/.*first step \([0-9.]*\) s.*/\1/p' "$tmp/$name.$r" | grep . >"$tmp/$name.first.$r" || echo n/a >"$tmp/$name.first.$r"
@@ -93,12 +93,12 @@ while IFS='|' read -r key label model tdims; do
   # compile: cold (an empty module cache) and a warm start, each a one-step run
   rm -rf "$MDL_CACHE" "$tmp/out"
   bin/mdlc run $model --steps 1 --data "$tmp/data" --backend cpu --val-every 0 --ckpt-every 0 --out "$tmp/out" \
-    >"$tmp/$key.cold" 2>&1
+    >"$tmp/$key.cold" 2>&1 </dev/null
   sed -n 's/.*cc took \([0-9.]*\) s.*/\1/p' "$tmp/$key.cold" >"$tmp/$key.cc"
   rm -rf "$tmp/out"
   t0=$(date +%s.%N)
   bin/mdlc run $model --steps 1 --data "$tmp/data" --backend cpu --val-every 0 --ckpt-every 0 --out "$tmp/out" \
-    >"$tmp/$key.warm" 2>&1
+    >"$tmp/$key.warm" 2>&1 </dev/null
   awk -v a="$t0" -v b="$(date +%s.%N)" 'BEGIN {printf "%.2f\n", b - a}' >"$tmp/$key.warmstart"
   grep -m1 '^GEMM:' "$tmp/$key.cold" >"$tmp/gemm.line" 2>/dev/null
   grep -m1 '^training' "$tmp/$key.cold" | sed 's/.*precision //' >"$tmp/$key.prec"

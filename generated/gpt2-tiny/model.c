@@ -286,20 +286,15 @@ static void k2_layernorm_fwd__add__cast(char *arena, const MdlHooks *h) {
   }
 }
 
-// k3_gemm__add__cast: GEMM, 4 ops
-//   %25    matmul                                  line 38    f32[512,192]
-//   %26    reshape                                 line 38    f32[8,64,192]
-//   %27    add                                     line 38    f32[8,64,192]
-//   %28    cast                                    line 38    bf16[8,64,192]
-// loops:
-//   gemm %25: [512 x 192] = [512 x 64] [64 x 192], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
-//   elementwise over 98304: %28
-static void k3_gemm__add__cast(char *arena, const MdlHooks *h) {
-  float *const b12 = (float *)(arena + 147968); // %12 param h.0.attn_b f32[192]
-  uint16_t *const b23 = (uint16_t *)(arena + 5116032); // %23 cast bf16[512,64]
-  uint16_t *const b24 = (uint16_t *)(arena + 2027520); // %24 cast bf16[64,192]
+// The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
+// are those of k3_gemm__add__cast's):
+// k3_gemm__add__cast k10_gemm__add__cast
+__attribute__((noinline)) static void k3_gemm__add__cast__code(char *arena, const MdlHooks *h, const int64_t *o) {
+  float *const restrict b12 = (float *)(arena + o[0]); // %12 param h.0.attn_b f32[192]
+  uint16_t *const restrict b23 = (uint16_t *)(arena + o[1]); // %23 cast bf16[512,64]
+  uint16_t *const restrict b24 = (uint16_t *)(arena + o[2]); // %24 cast bf16[64,192]
   float *const b25 = mdl_scratch(393216); // %25 matmul f32[512,192], kept in this kernel
-  uint16_t *const b28 = (uint16_t *)(arena + 3805312); // %28 cast bf16[8,64,192]
+  uint16_t *const restrict b28 = (uint16_t *)(arena + o[3]); // %28 cast bf16[8,64,192]
   if (h->bgemm) {
     mdl_bgemm(h, 0, 0, 512, 192, 64, b23, 64, b24, 192, 0.0f, b25, 192);
   }
@@ -325,18 +320,27 @@ static void k3_gemm__add__cast(char *arena, const MdlHooks *h) {
   free(b25);
 }
 
-// k4_attention_fwd__cast__lse: attention, 4 ops
-//   %32    attention                               line 39    f32[8,64,64]
-//   %33    reshape                                 line 39    f32[512,64]
-//   %34    cast                                    line 39    bf16[512,64]
-//   %191   attention_lse                           line 39    f32[8,4,64]
+// k3_gemm__add__cast: GEMM, 4 ops
+//   %25    matmul                                  line 38    f32[512,192]
+//   %26    reshape                                 line 38    f32[8,64,192]
+//   %27    add                                     line 38    f32[8,64,192]
+//   %28    cast                                    line 38    bf16[8,64,192]
 // loops:
-//   attention and its log-sum-exp per row: B 8, T 64, 4 heads of 16, causal, within documents; one task per (batch, head)
-static void k4_attention_fwd__cast__lse(char *arena, const MdlHooks *h) {
-  int32_t *const b3 = (int32_t *)(arena + 2230272); // %3 input doc i32[8,64]
-  uint16_t *const b28 = (uint16_t *)(arena + 3805312); // %28 cast bf16[8,64,192]
-  uint16_t *const b34 = (uint16_t *)(arena + 5181568); // %34 cast bf16[512,64]
-  float *const b191 = (float *)(arena + 5640320); // %191 attention_lse f32[8,4,64]
+//   gemm %25: [512 x 192] = [512 x 64] [64 x 192], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
+//   elementwise over 98304: %28
+static void k3_gemm__add__cast(char *arena, const MdlHooks *h) {
+  static const int64_t o[] = {147968, 5116032, 2027520, 3805312};
+  k3_gemm__add__cast__code(arena, h, o);
+}
+
+// The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
+// are those of k4_attention_fwd__cast__lse's):
+// k4_attention_fwd__cast__lse k11_attention_fwd__cast__lse
+__attribute__((noinline)) static void k4_attention_fwd__cast__lse__code(char *arena, const MdlHooks *h, const int64_t *o) {
+  int32_t *const restrict b3 = (int32_t *)(arena + o[0]); // %3 input doc i32[8,64]
+  uint16_t *const restrict b28 = (uint16_t *)(arena + o[1]); // %28 cast bf16[8,64,192]
+  uint16_t *const restrict b34 = (uint16_t *)(arena + o[2]); // %34 cast bf16[512,64]
+  float *const restrict b191 = (float *)(arena + o[3]); // %191 attention_lse f32[8,4,64]
   #pragma omp parallel num_threads(h->nthreads)
   {
     float *restrict kt = memset(mdl_scratch(1536 * sizeof(float)), 0, 1536 * sizeof(float));
@@ -428,20 +432,27 @@ static void k4_attention_fwd__cast__lse(char *arena, const MdlHooks *h) {
   }
 }
 
-// k5_gemm__add: GEMM, 4 ops
-//   %36    matmul                                  line 39    f32[512,64]
-//   %37    reshape                                 line 39    f32[8,64,64]
-//   %38    add                                     line 39    f32[8,64,64]
-//   %39    add                h.0.x                line 39    f32[8,64,64]
+// k4_attention_fwd__cast__lse: attention, 4 ops
+//   %32    attention                               line 39    f32[8,64,64]
+//   %33    reshape                                 line 39    f32[512,64]
+//   %34    cast                                    line 39    bf16[512,64]
+//   %191   attention_lse                           line 39    f32[8,4,64]
 // loops:
-//   gemm %36: [512 x 64] = [512 x 64] [64 x 64], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
-//   elementwise over 32768: %39
-static void k5_gemm__add(char *arena, const MdlHooks *h) {
-  float *const b8 = (float *)(arena + 4198528); // %8 add x f32[8,64,64]
-  float *const b14 = (float *)(arena + 165120); // %14 param h.0.proj_b f32[64]
-  uint16_t *const b34 = (uint16_t *)(arena + 5181568); // %34 cast bf16[512,64]
-  uint16_t *const b35 = (uint16_t *)(arena + 2052096); // %35 cast bf16[64,64]
-  float *const b39 = (float *)(arena + 4329600); // %39 add h.0.x f32[8,64,64]
+//   attention and its log-sum-exp per row: B 8, T 64, 4 heads of 16, causal, within documents; one task per (batch, head)
+static void k4_attention_fwd__cast__lse(char *arena, const MdlHooks *h) {
+  static const int64_t o[] = {2230272, 3805312, 5181568, 5640320};
+  k4_attention_fwd__cast__lse__code(arena, h, o);
+}
+
+// The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
+// are those of k5_gemm__add's):
+// k5_gemm__add k12_gemm__add
+__attribute__((noinline)) static void k5_gemm__add__code(char *arena, const MdlHooks *h, const int64_t *o) {
+  float *const restrict b8 = (float *)(arena + o[0]); // %8 add x f32[8,64,64]
+  float *const restrict b14 = (float *)(arena + o[1]); // %14 param h.0.proj_b f32[64]
+  uint16_t *const restrict b34 = (uint16_t *)(arena + o[2]); // %34 cast bf16[512,64]
+  uint16_t *const restrict b35 = (uint16_t *)(arena + o[3]); // %35 cast bf16[64,64]
+  float *const restrict b39 = (float *)(arena + o[4]); // %39 add h.0.x f32[8,64,64]
   float *const b36 = b39; // %36 matmul f32[512,64]: the GEMM writes into its epilogue's output
   if (h->bgemm) {
     mdl_bgemm(h, 0, 0, 512, 64, 64, b34, 64, b35, 64, 0.0f, b36, 64);
@@ -468,17 +479,27 @@ static void k5_gemm__add(char *arena, const MdlHooks *h) {
   }
 }
 
-// k6_layernorm_fwd__cast: kernel, 3 ops
-//   %40    layernorm                               line 40    f32[8,64,64]
-//   %41    reshape                                 line 40    f32[512,64]
-//   %42    cast                                    line 40    bf16[512,64]
+// k5_gemm__add: GEMM, 4 ops
+//   %36    matmul                                  line 39    f32[512,64]
+//   %37    reshape                                 line 39    f32[8,64,64]
+//   %38    add                                     line 39    f32[8,64,64]
+//   %39    add                h.0.x                line 39    f32[8,64,64]
 // loops:
-//   layernorm %40: 512 rows of 64
-static void k6_layernorm_fwd__cast(char *arena, const MdlHooks *h) {
-  float *const b15 = (float *)(arena + 165376); // %15 param h.0.ln2_w f32[64]
-  float *const b16 = (float *)(arena + 165632); // %16 param h.0.ln2_b f32[64]
-  float *const b39 = (float *)(arena + 4329600); // %39 add h.0.x f32[8,64,64]
-  uint16_t *const b42 = (uint16_t *)(arena + 5247104); // %42 cast bf16[512,64]
+//   gemm %36: [512 x 64] = [512 x 64] [64 x 64], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
+//   elementwise over 32768: %39
+static void k5_gemm__add(char *arena, const MdlHooks *h) {
+  static const int64_t o[] = {4198528, 165120, 5181568, 2052096, 4329600};
+  k5_gemm__add__code(arena, h, o);
+}
+
+// The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
+// are those of k6_layernorm_fwd__cast's):
+// k6_layernorm_fwd__cast k13_layernorm_fwd__cast
+__attribute__((noinline)) static void k6_layernorm_fwd__cast__code(char *arena, const MdlHooks *h, const int64_t *o) {
+  float *const restrict b15 = (float *)(arena + o[0]); // %15 param h.0.ln2_w f32[64]
+  float *const restrict b16 = (float *)(arena + o[1]); // %16 param h.0.ln2_b f32[64]
+  float *const restrict b39 = (float *)(arena + o[2]); // %39 add h.0.x f32[8,64,64]
+  uint16_t *const restrict b42 = (uint16_t *)(arena + o[3]); // %42 cast bf16[512,64]
   #pragma omp parallel num_threads(h->nthreads)
   {
     float *yrow = mdl_scratch(64 * sizeof(float));
@@ -508,22 +529,26 @@ static void k6_layernorm_fwd__cast(char *arena, const MdlHooks *h) {
   }
 }
 
-// k7_gemm__add__gelu__cast: GEMM, 6 ops
-//   %44    matmul                                  line 40    f32[512,256]
-//   %45    reshape                                 line 40    f32[8,64,256]
-//   %46    add                                     line 40    f32[8,64,256]
-//   %47    gelu                                    line 40    f32[8,64,256]
-//   %48    reshape                                 line 40    f32[512,256]
-//   %49    cast                                    line 40    bf16[512,256]
+// k6_layernorm_fwd__cast: kernel, 3 ops
+//   %40    layernorm                               line 40    f32[8,64,64]
+//   %41    reshape                                 line 40    f32[512,64]
+//   %42    cast                                    line 40    bf16[512,64]
 // loops:
-//   gemm %44: [512 x 256] = [512 x 64] [64 x 256], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
-//   elementwise over 131072: %46 %49
-static void k7_gemm__add__gelu__cast(char *arena, const MdlHooks *h) {
-  float *const b18 = (float *)(arena + 231424); // %18 param h.0.fc_b f32[256]
-  uint16_t *const b42 = (uint16_t *)(arena + 5247104); // %42 cast bf16[512,64]
-  uint16_t *const b43 = (uint16_t *)(arena + 2060288); // %43 cast bf16[64,256]
-  float *const b46 = (float *)(arena + 2232448); // %46 add f32[8,64,256]
-  uint16_t *const b49 = (uint16_t *)(arena + 3281024); // %49 cast bf16[512,256]
+//   layernorm %40: 512 rows of 64
+static void k6_layernorm_fwd__cast(char *arena, const MdlHooks *h) {
+  static const int64_t o[] = {165376, 165632, 4329600, 5247104};
+  k6_layernorm_fwd__cast__code(arena, h, o);
+}
+
+// The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
+// are those of k7_gemm__add__gelu__cast's):
+// k7_gemm__add__gelu__cast k14_gemm__add__gelu__cast
+__attribute__((noinline)) static void k7_gemm__add__gelu__cast__code(char *arena, const MdlHooks *h, const int64_t *o) {
+  float *const restrict b18 = (float *)(arena + o[0]); // %18 param h.0.fc_b f32[256]
+  uint16_t *const restrict b42 = (uint16_t *)(arena + o[1]); // %42 cast bf16[512,64]
+  uint16_t *const restrict b43 = (uint16_t *)(arena + o[2]); // %43 cast bf16[64,256]
+  float *const restrict b46 = (float *)(arena + o[3]); // %46 add f32[8,64,256]
+  uint16_t *const restrict b49 = (uint16_t *)(arena + o[4]); // %49 cast bf16[512,256]
   float *const b44 = b46; // %44 matmul f32[512,256]: the GEMM writes into its epilogue's output
   if (h->bgemm) {
     mdl_bgemm(h, 0, 0, 512, 256, 64, b42, 64, b43, 256, 0.0f, b44, 256);
@@ -552,20 +577,30 @@ static void k7_gemm__add__gelu__cast(char *arena, const MdlHooks *h) {
   }
 }
 
-// k8_gemm__add: GEMM, 4 ops
-//   %51    matmul                                  line 40    f32[512,64]
-//   %52    reshape                                 line 40    f32[8,64,64]
-//   %53    add                                     line 40    f32[8,64,64]
-//   %54    add                h.0.x                line 40    f32[8,64,64]
+// k7_gemm__add__gelu__cast: GEMM, 6 ops
+//   %44    matmul                                  line 40    f32[512,256]
+//   %45    reshape                                 line 40    f32[8,64,256]
+//   %46    add                                     line 40    f32[8,64,256]
+//   %47    gelu                                    line 40    f32[8,64,256]
+//   %48    reshape                                 line 40    f32[512,256]
+//   %49    cast                                    line 40    bf16[512,256]
 // loops:
-//   gemm %51: [512 x 64] = [512 x 256] [256 x 64], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
-//   elementwise over 32768: %54
-static void k8_gemm__add(char *arena, const MdlHooks *h) {
-  float *const b20 = (float *)(arena + 297984); // %20 param h.0.fcproj_b f32[64]
-  float *const b39 = (float *)(arena + 4329600); // %39 add h.0.x f32[8,64,64]
-  uint16_t *const b49 = (uint16_t *)(arena + 3281024); // %49 cast bf16[512,256]
-  uint16_t *const b50 = (uint16_t *)(arena + 2093056); // %50 cast bf16[256,64]
-  float *const b54 = (float *)(arena + 4460672); // %54 add h.0.x f32[8,64,64]
+//   gemm %44: [512 x 256] = [512 x 64] [64 x 256], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
+//   elementwise over 131072: %46 %49
+static void k7_gemm__add__gelu__cast(char *arena, const MdlHooks *h) {
+  static const int64_t o[] = {231424, 5247104, 2060288, 2232448, 3281024};
+  k7_gemm__add__gelu__cast__code(arena, h, o);
+}
+
+// The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
+// are those of k8_gemm__add's):
+// k8_gemm__add k15_gemm__add
+__attribute__((noinline)) static void k8_gemm__add__code(char *arena, const MdlHooks *h, const int64_t *o) {
+  float *const restrict b20 = (float *)(arena + o[0]); // %20 param h.0.fcproj_b f32[64]
+  float *const restrict b39 = (float *)(arena + o[1]); // %39 add h.0.x f32[8,64,64]
+  uint16_t *const restrict b49 = (uint16_t *)(arena + o[2]); // %49 cast bf16[512,256]
+  uint16_t *const restrict b50 = (uint16_t *)(arena + o[3]); // %50 cast bf16[256,64]
+  float *const restrict b54 = (float *)(arena + o[4]); // %54 add h.0.x f32[8,64,64]
   float *const b51 = b54; // %51 matmul f32[512,64]: the GEMM writes into its epilogue's output
   if (h->bgemm) {
     mdl_bgemm(h, 0, 0, 512, 64, 256, b49, 256, b50, 64, 0.0f, b51, 64);
@@ -592,17 +627,27 @@ static void k8_gemm__add(char *arena, const MdlHooks *h) {
   }
 }
 
-// k9_layernorm_fwd__cast: kernel, 3 ops
-//   %67    layernorm                               line 38    f32[8,64,64]
-//   %68    reshape                                 line 38    f32[512,64]
-//   %69    cast                                    line 38    bf16[512,64]
+// k8_gemm__add: GEMM, 4 ops
+//   %51    matmul                                  line 40    f32[512,64]
+//   %52    reshape                                 line 40    f32[8,64,64]
+//   %53    add                                     line 40    f32[8,64,64]
+//   %54    add                h.0.x                line 40    f32[8,64,64]
 // loops:
-//   layernorm %67: 512 rows of 64
-static void k9_layernorm_fwd__cast(char *arena, const MdlHooks *h) {
-  float *const b54 = (float *)(arena + 4460672); // %54 add h.0.x f32[8,64,64]
-  float *const b55 = (float *)(arena + 298240); // %55 param h.1.ln1_w f32[64]
-  float *const b56 = (float *)(arena + 298496); // %56 param h.1.ln1_b f32[64]
-  uint16_t *const b69 = (uint16_t *)(arena + 5312640); // %69 cast bf16[512,64]
+//   gemm %51: [512 x 64] = [512 x 256] [256 x 64], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
+//   elementwise over 32768: %54
+static void k8_gemm__add(char *arena, const MdlHooks *h) {
+  static const int64_t o[] = {297984, 4329600, 3281024, 2093056, 4460672};
+  k8_gemm__add__code(arena, h, o);
+}
+
+// The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
+// are those of k9_layernorm_fwd__cast's):
+// k9_layernorm_fwd__cast k16_layernorm_fwd__cast
+__attribute__((noinline)) static void k9_layernorm_fwd__cast__code(char *arena, const MdlHooks *h, const int64_t *o) {
+  float *const restrict b54 = (float *)(arena + o[0]); // %54 add h.0.x f32[8,64,64]
+  float *const restrict b55 = (float *)(arena + o[1]); // %55 param h.1.ln1_w f32[64]
+  float *const restrict b56 = (float *)(arena + o[2]); // %56 param h.1.ln1_b f32[64]
+  uint16_t *const restrict b69 = (uint16_t *)(arena + o[3]); // %69 cast bf16[512,64]
   #pragma omp parallel num_threads(h->nthreads)
   {
     float *yrow = mdl_scratch(64 * sizeof(float));
@@ -632,6 +677,17 @@ static void k9_layernorm_fwd__cast(char *arena, const MdlHooks *h) {
   }
 }
 
+// k9_layernorm_fwd__cast: kernel, 3 ops
+//   %67    layernorm                               line 38    f32[8,64,64]
+//   %68    reshape                                 line 38    f32[512,64]
+//   %69    cast                                    line 38    bf16[512,64]
+// loops:
+//   layernorm %67: 512 rows of 64
+static void k9_layernorm_fwd__cast(char *arena, const MdlHooks *h) {
+  static const int64_t o[] = {4460672, 298240, 298496, 5312640};
+  k9_layernorm_fwd__cast__code(arena, h, o);
+}
+
 // k10_gemm__add__cast: GEMM, 4 ops
 //   %71    matmul                                  line 38    f32[512,192]
 //   %72    reshape                                 line 38    f32[8,64,192]
@@ -641,34 +697,8 @@ static void k9_layernorm_fwd__cast(char *arena, const MdlHooks *h) {
 //   gemm %71: [512 x 192] = [512 x 64] [64 x 192], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
 //   elementwise over 98304: %74
 static void k10_gemm__add__cast(char *arena, const MdlHooks *h) {
-  float *const b58 = (float *)(arena + 347904); // %58 param h.1.attn_b f32[192]
-  uint16_t *const b69 = (uint16_t *)(arena + 5312640); // %69 cast bf16[512,64]
-  uint16_t *const b70 = (uint16_t *)(arena + 2125824); // %70 cast bf16[64,192]
-  float *const b71 = mdl_scratch(393216); // %71 matmul f32[512,192], kept in this kernel
-  uint16_t *const b74 = (uint16_t *)(arena + 4001920); // %74 cast bf16[8,64,192]
-  if (h->bgemm) {
-    mdl_bgemm(h, 0, 0, 512, 192, 64, b69, 64, b70, 192, 0.0f, b71, 192);
-  }
-  else {
-    float *const w69 = mdl_widen_bf16(b69, 32768, h->nthreads);
-    float *const w70 = mdl_widen_bf16(b70, 12288, h->nthreads);
-    mdl_gemm(h, 0, 0, 512, 192, 64, w69, 64, w70, 192, 0.0f, b71, 192);
-    free(w69);
-    free(w70);
-  }
-  #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t r = 0; r < 512; r++) {
-    for (int64_t c = 0; c < 192; c++) {
-      const int64_t i = r * 192 + c;
-      const float v71_i = b71[i];
-      const float v72_i = v71_i;
-      const float v58_c = b58[c];
-      const float v73_i = v72_i + v58_c;
-      const float v74_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v73_i));
-      b74[i] = mdl_f32_to_bf16(v74_i);
-    }
-  }
-  free(b71);
+  static const int64_t o[] = {347904, 5312640, 2125824, 4001920};
+  k3_gemm__add__cast__code(arena, h, o);
 }
 
 // k11_attention_fwd__cast__lse: attention, 4 ops
@@ -679,99 +709,8 @@ static void k10_gemm__add__cast(char *arena, const MdlHooks *h) {
 // loops:
 //   attention and its log-sum-exp per row: B 8, T 64, 4 heads of 16, causal, within documents; one task per (batch, head)
 static void k11_attention_fwd__cast__lse(char *arena, const MdlHooks *h) {
-  int32_t *const b3 = (int32_t *)(arena + 2230272); // %3 input doc i32[8,64]
-  uint16_t *const b74 = (uint16_t *)(arena + 4001920); // %74 cast bf16[8,64,192]
-  uint16_t *const b80 = (uint16_t *)(arena + 5378176); // %80 cast bf16[512,64]
-  float *const b151 = (float *)(arena + 5648512); // %151 attention_lse f32[8,4,64]
-  #pragma omp parallel num_threads(h->nthreads)
-  {
-    float *restrict kt = memset(mdl_scratch(1536 * sizeof(float)), 0, 1536 * sizeof(float));
-    float *restrict s = memset(mdl_scratch(96 * sizeof(float)), 0, 96 * sizeof(float));
-    #pragma omp for schedule(dynamic, 1)
-    for (int64_t task = 0; task < 32; task++) {
-      const int64_t b = task / 4, hd = task % 4;
-      for (int64_t j = 0; j < 64; j++) {
-        const uint16_t *xj = b74 + 64 + (b * 64 + j) * 192 + hd * 16;
-        for (int64_t c = 0; c < 16; c++)
-          kt[c * 96 + j] = mdl_bf16_to_f32(xj[c]);
-      }
-      int64_t lo = 0, hi = 64;
-      const int32_t *restrict dc = b3 + b * 64;
-      for (int64_t i = 0; i < 64; i++) {
-        const int32_t di = dc[i];
-        if (i == 0 || dc[i - 1] != di) {
-          lo = 0;
-          while (dc[lo] != di)
-            lo++;
-        }
-        hi = i + 1;
-        float qr[16];
-        for (int64_t c = 0; c < 16; c++)
-          qr[c] = mdl_bf16_to_f32(b74[(b * 64 + i) * 192 + hd * 16 + c]);
-        const float *restrict qi = qr;
-        for (int64_t j0 = lo; j0 < hi; j0 += 32) {
-          float acc[32] = {0};
-          for (int64_t c = 0; c < 16; c++) {
-            const float vc = qi[c], *restrict mc = kt + c * 96 + j0;
-            #pragma omp simd
-            for (int64_t u = 0; u < 32; u++)
-              acc[u] += vc * mc[u];
-          }
-          memcpy(s + j0, acc, sizeof acc);
-        }
-        float m = -INFINITY;
-        #pragma omp simd reduction(max : m)
-        for (int64_t j = lo; j < hi; j++) {
-          s[j] = dc[j] == di ? s[j] * 0.25f : -INFINITY;
-          m = s[j] > m ? s[j] : m;
-        }
-        #pragma omp simd
-        for (int64_t j = lo; j < hi; j++)
-          s[j] = mdl_exp_shifted(s[j] - m);
-        float l;
-        {
-          float part[8] = {0};
-          int64_t j0 = lo;
-          for (; j0 + 8 <= hi; j0 += 8) {
-            for (int64_t u = 0; u < 8; u++) {
-              const int64_t j = j0 + u;
-              part[u] += s[j];
-            }
-          }
-          for (int64_t j = j0; j < hi; j++) {
-            part[j - j0] += s[j];
-          }
-          l = ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
-        }
-        b151[(b * 4 + hd) * 64 + i] = m + logf(l);
-        float acc0[16] = {0}, acc1[16] = {0};
-        int64_t j = lo;
-        for (; j + 1 < hi; j += 2) {
-          const float w0 = mdl_bf16_to_f32(mdl_f32_to_bf16(s[j])), w1 = mdl_bf16_to_f32(mdl_f32_to_bf16(s[j + 1]));
-          const uint16_t *restrict x0 = b74 + 128 + (b * 64 + j) * 192 + hd * 16, *restrict x1 = x0 + 192;
-          #pragma omp simd
-          for (int64_t c = 0; c < 16; c++) {
-            acc0[c] += w0 * mdl_bf16_to_f32(x0[c]);
-            acc1[c] += w1 * mdl_bf16_to_f32(x1[c]);
-          }
-        }
-        if (j < hi) {
-          const float w0 = mdl_bf16_to_f32(mdl_f32_to_bf16(s[j]));
-          const uint16_t *restrict x0 = b74 + 128 + (b * 64 + j) * 192 + hd * 16;
-          #pragma omp simd
-          for (int64_t c = 0; c < 16; c++)
-            acc0[c] += w0 * mdl_bf16_to_f32(x0[c]);
-        }
-        uint16_t *restrict o0 = b80 + (b * 64 + i) * 64 + hd * 16;
-        for (int64_t c = 0; c < 16; c++) {
-          const float y = (acc0[c] + acc1[c]) / l;
-          o0[c] = mdl_f32_to_bf16(y);
-        }
-      }
-    }
-    free(kt);
-    free(s);
-  }
+  static const int64_t o[] = {2230272, 4001920, 5378176, 5648512};
+  k4_attention_fwd__cast__lse__code(arena, h, o);
 }
 
 // k12_gemm__add: GEMM, 4 ops
@@ -783,35 +722,8 @@ static void k11_attention_fwd__cast__lse(char *arena, const MdlHooks *h) {
 //   gemm %82: [512 x 64] = [512 x 64] [64 x 64], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
 //   elementwise over 32768: %85
 static void k12_gemm__add(char *arena, const MdlHooks *h) {
-  float *const b54 = (float *)(arena + 4460672); // %54 add h.0.x f32[8,64,64]
-  float *const b60 = (float *)(arena + 365056); // %60 param h.1.proj_b f32[64]
-  uint16_t *const b80 = (uint16_t *)(arena + 5378176); // %80 cast bf16[512,64]
-  uint16_t *const b81 = (uint16_t *)(arena + 2150400); // %81 cast bf16[64,64]
-  float *const b85 = (float *)(arena + 4591744); // %85 add h.1.x f32[8,64,64]
-  float *const b82 = b85; // %82 matmul f32[512,64]: the GEMM writes into its epilogue's output
-  if (h->bgemm) {
-    mdl_bgemm(h, 0, 0, 512, 64, 64, b80, 64, b81, 64, 0.0f, b82, 64);
-  }
-  else {
-    float *const w80 = mdl_widen_bf16(b80, 32768, h->nthreads);
-    float *const w81 = mdl_widen_bf16(b81, 4096, h->nthreads);
-    mdl_gemm(h, 0, 0, 512, 64, 64, w80, 64, w81, 64, 0.0f, b82, 64);
-    free(w80);
-    free(w81);
-  }
-  #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t r = 0; r < 512; r++) {
-    for (int64_t c = 0; c < 64; c++) {
-      const int64_t i = r * 64 + c;
-      const float v54_i = b54[i];
-      const float v82_i = b82[i];
-      const float v83_i = v82_i;
-      const float v84_i = v54_i + v83_i;
-      const float v60_c = b60[c];
-      const float v85_i = v84_i + v60_c;
-      b85[i] = v85_i;
-    }
-  }
+  static const int64_t o[] = {4460672, 365056, 5378176, 2150400, 4591744};
+  k5_gemm__add__code(arena, h, o);
 }
 
 // k13_layernorm_fwd__cast: kernel, 3 ops
@@ -821,37 +733,8 @@ static void k12_gemm__add(char *arena, const MdlHooks *h) {
 // loops:
 //   layernorm %86: 512 rows of 64
 static void k13_layernorm_fwd__cast(char *arena, const MdlHooks *h) {
-  float *const b61 = (float *)(arena + 365312); // %61 param h.1.ln2_w f32[64]
-  float *const b62 = (float *)(arena + 365568); // %62 param h.1.ln2_b f32[64]
-  float *const b85 = (float *)(arena + 4591744); // %85 add h.1.x f32[8,64,64]
-  uint16_t *const b88 = (uint16_t *)(arena + 5443712); // %88 cast bf16[512,64]
-  #pragma omp parallel num_threads(h->nthreads)
-  {
-    float *yrow = mdl_scratch(64 * sizeof(float));
-    #pragma omp for schedule(static)
-    for (int64_t r = 0; r < 512; r++) {
-      const float *x = b85 + r * 64;
-      double mean = 0, var = 0;
-      #pragma omp simd reduction(+ : mean)
-      for (int64_t j = 0; j < 64; j++)
-        mean += x[j];
-      mean /= 64;
-      #pragma omp simd reduction(+ : var)
-      for (int64_t j = 0; j < 64; j++)
-        var += (x[j] - mean) * (x[j] - mean);
-      const double rstd = 1.0 / sqrt(var / 64 + 1e-05);
-      float *y = yrow;
-      for (int64_t j = 0; j < 64; j++)
-        y[j] = (float)((x[j] - mean) * rstd * b61[j] + b62[j]);
-      for (int64_t j = 0; j < 64; j++) {
-        const int64_t ix = r * 64 + j;
-        const float v87_ix = y[j];
-        const float v88_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v87_ix));
-        b88[ix] = mdl_f32_to_bf16(v88_ix);
-      }
-    }
-    free(yrow);
-  }
+  static const int64_t o[] = {365312, 365568, 4591744, 5443712};
+  k6_layernorm_fwd__cast__code(arena, h, o);
 }
 
 // k14_gemm__add__gelu__cast: GEMM, 6 ops
@@ -865,37 +748,8 @@ static void k13_layernorm_fwd__cast(char *arena, const MdlHooks *h) {
 //   gemm %90: [512 x 256] = [512 x 64] [64 x 256], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
 //   elementwise over 131072: %92 %95
 static void k14_gemm__add__gelu__cast(char *arena, const MdlHooks *h) {
-  float *const b64 = (float *)(arena + 431360); // %64 param h.1.fc_b f32[256]
-  uint16_t *const b88 = (uint16_t *)(arena + 5443712); // %88 cast bf16[512,64]
-  uint16_t *const b89 = (uint16_t *)(arena + 2158592); // %89 cast bf16[64,256]
-  float *const b92 = (float *)(arena + 2756736); // %92 add f32[8,64,256]
-  uint16_t *const b95 = (uint16_t *)(arena + 3543168); // %95 cast bf16[512,256]
-  float *const b90 = b92; // %90 matmul f32[512,256]: the GEMM writes into its epilogue's output
-  if (h->bgemm) {
-    mdl_bgemm(h, 0, 0, 512, 256, 64, b88, 64, b89, 256, 0.0f, b90, 256);
-  }
-  else {
-    float *const w88 = mdl_widen_bf16(b88, 32768, h->nthreads);
-    float *const w89 = mdl_widen_bf16(b89, 16384, h->nthreads);
-    mdl_gemm(h, 0, 0, 512, 256, 64, w88, 64, w89, 256, 0.0f, b90, 256);
-    free(w88);
-    free(w89);
-  }
-  #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t r = 0; r < 512; r++) {
-    for (int64_t c = 0; c < 256; c++) {
-      const int64_t i = r * 256 + c;
-      const float v90_i = b90[i];
-      const float v91_i = v90_i;
-      const float v64_c = b64[c];
-      const float v92_i = v91_i + v64_c;
-      b92[i] = v92_i;
-      const float v93_i = mdl_gelu(v92_i);
-      const float v94_i = v93_i;
-      const float v95_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v94_i));
-      b95[i] = mdl_f32_to_bf16(v95_i);
-    }
-  }
+  static const int64_t o[] = {431360, 5443712, 2158592, 2756736, 3543168};
+  k7_gemm__add__gelu__cast__code(arena, h, o);
 }
 
 // k15_gemm__add: GEMM, 4 ops
@@ -907,35 +761,8 @@ static void k14_gemm__add__gelu__cast(char *arena, const MdlHooks *h) {
 //   gemm %97: [512 x 64] = [512 x 256] [256 x 64], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
 //   elementwise over 32768: %100
 static void k15_gemm__add(char *arena, const MdlHooks *h) {
-  float *const b66 = (float *)(arena + 497920); // %66 param h.1.fcproj_b f32[64]
-  float *const b85 = (float *)(arena + 4591744); // %85 add h.1.x f32[8,64,64]
-  uint16_t *const b95 = (uint16_t *)(arena + 3543168); // %95 cast bf16[512,256]
-  uint16_t *const b96 = (uint16_t *)(arena + 2191360); // %96 cast bf16[256,64]
-  float *const b100 = (float *)(arena + 4722816); // %100 add h.1.x f32[8,64,64]
-  float *const b97 = b100; // %97 matmul f32[512,64]: the GEMM writes into its epilogue's output
-  if (h->bgemm) {
-    mdl_bgemm(h, 0, 0, 512, 64, 256, b95, 256, b96, 64, 0.0f, b97, 64);
-  }
-  else {
-    float *const w95 = mdl_widen_bf16(b95, 131072, h->nthreads);
-    float *const w96 = mdl_widen_bf16(b96, 16384, h->nthreads);
-    mdl_gemm(h, 0, 0, 512, 64, 256, w95, 256, w96, 64, 0.0f, b97, 64);
-    free(w95);
-    free(w96);
-  }
-  #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t r = 0; r < 512; r++) {
-    for (int64_t c = 0; c < 64; c++) {
-      const int64_t i = r * 64 + c;
-      const float v85_i = b85[i];
-      const float v97_i = b97[i];
-      const float v98_i = v97_i;
-      const float v99_i = v85_i + v98_i;
-      const float v66_c = b66[c];
-      const float v100_i = v99_i + v66_c;
-      b100[i] = v100_i;
-    }
-  }
+  static const int64_t o[] = {497920, 4591744, 3543168, 2191360, 4722816};
+  k8_gemm__add__code(arena, h, o);
 }
 
 // k16_layernorm_fwd__cast: kernel, 3 ops
@@ -945,37 +772,8 @@ static void k15_gemm__add(char *arena, const MdlHooks *h) {
 // loops:
 //   layernorm %103: 512 rows of 64
 static void k16_layernorm_fwd__cast(char *arena, const MdlHooks *h) {
-  float *const b100 = (float *)(arena + 4722816); // %100 add h.1.x f32[8,64,64]
-  float *const b101 = (float *)(arena + 498176); // %101 param lnf_w f32[64]
-  float *const b102 = (float *)(arena + 498432); // %102 param lnf_b f32[64]
-  uint16_t *const b105 = (uint16_t *)(arena + 4984960); // %105 cast bf16[512,64]
-  #pragma omp parallel num_threads(h->nthreads)
-  {
-    float *yrow = mdl_scratch(64 * sizeof(float));
-    #pragma omp for schedule(static)
-    for (int64_t r = 0; r < 512; r++) {
-      const float *x = b100 + r * 64;
-      double mean = 0, var = 0;
-      #pragma omp simd reduction(+ : mean)
-      for (int64_t j = 0; j < 64; j++)
-        mean += x[j];
-      mean /= 64;
-      #pragma omp simd reduction(+ : var)
-      for (int64_t j = 0; j < 64; j++)
-        var += (x[j] - mean) * (x[j] - mean);
-      const double rstd = 1.0 / sqrt(var / 64 + 1e-05);
-      float *y = yrow;
-      for (int64_t j = 0; j < 64; j++)
-        y[j] = (float)((x[j] - mean) * rstd * b101[j] + b102[j]);
-      for (int64_t j = 0; j < 64; j++) {
-        const int64_t ix = r * 64 + j;
-        const float v104_ix = y[j];
-        const float v105_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v104_ix));
-        b105[ix] = mdl_f32_to_bf16(v105_ix);
-      }
-    }
-    free(yrow);
-  }
+  static const int64_t o[] = {4722816, 498176, 498432, 4984960};
+  k9_layernorm_fwd__cast__code(arena, h, o);
 }
 
 // k17_broadcast__mul: kernel, 3 ops
@@ -1207,14 +1005,13 @@ static void k20_layernorm_bwd__sum__cast(char *arena, const MdlHooks *h) {
   free(ps0);
 }
 
-// k21_gemm: GEMM, 1 op
-//   %132   matmul             d.h.1.fcproj_w       line 40    f32[256,64]
-// loops:
-//   gemm %132: [256 x 64] = T[256 x 512] [512 x 64], bf16 operands (widened to f32 where the library has no bf16 GEMM)
-static void k21_gemm(char *arena, const MdlHooks *h) {
-  uint16_t *const b95 = (uint16_t *)(arena + 3543168); // %95 cast bf16[512,256]
-  uint16_t *const b130 = (uint16_t *)(arena + 5574784); // %130 cast bf16[512,64]
-  float *const b132 = (float *)(arena + 931072); // %132 matmul d.h.1.fcproj_w f32[256,64]
+// The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
+// are those of k21_gemm's):
+// k21_gemm k33_gemm
+__attribute__((noinline)) static void k21_gemm__code(char *arena, const MdlHooks *h, const int64_t *o) {
+  uint16_t *const restrict b95 = (uint16_t *)(arena + o[0]); // %95 cast bf16[512,256]
+  uint16_t *const restrict b130 = (uint16_t *)(arena + o[1]); // %130 cast bf16[512,64]
+  float *const restrict b132 = (float *)(arena + o[2]); // %132 matmul d.h.1.fcproj_w f32[256,64]
   if (h->bgemm) {
     mdl_bgemm(h, 1, 0, 256, 64, 512, b95, 256, b130, 64, 0.0f, b132, 64);
   }
@@ -1227,23 +1024,25 @@ static void k21_gemm(char *arena, const MdlHooks *h) {
   }
 }
 
-// k22_gemm__gelu_bwd__sum__cast: GEMM, 6 ops
-//   %131   matmul                                  line 40    f32[512,256]
-//   %133   reshape                                 line 40    f32[8,64,256]
-//   %134   gelu_bwd                                line 40    f32[8,64,256]
-//   %135   reshape                                 line 40    f32[512,256]
-//   %136   sum                d.h.1.fc_b           line 40    f32[256]
-//   %137   cast                                    line 40    bf16[512,256]
+// k21_gemm: GEMM, 1 op
+//   %132   matmul             d.h.1.fcproj_w       line 40    f32[256,64]
 // loops:
-//   gemm %131: [512 x 256] = [512 x 64] T[64 x 256], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
-//   sum %136: 256 outputs over 512 elements, in 32 blocks of 16
-static void k22_gemm__gelu_bwd__sum__cast(char *arena, const MdlHooks *h) {
-  float *const b92 = (float *)(arena + 2756736); // %92 add f32[8,64,256]
-  uint16_t *const b96 = (uint16_t *)(arena + 2191360); // %96 cast bf16[256,64]
-  uint16_t *const b130 = (uint16_t *)(arena + 5574784); // %130 cast bf16[512,64]
+//   gemm %132: [256 x 64] = T[256 x 512] [512 x 64], bf16 operands (widened to f32 where the library has no bf16 GEMM)
+static void k21_gemm(char *arena, const MdlHooks *h) {
+  static const int64_t o[] = {3543168, 5574784, 931072};
+  k21_gemm__code(arena, h, o);
+}
+
+// The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
+// are those of k22_gemm__gelu_bwd__sum__cast's):
+// k22_gemm__gelu_bwd__sum__cast k34_gemm__gelu_bwd__sum__cast
+__attribute__((noinline)) static void k22_gemm__gelu_bwd__sum__cast__code(char *arena, const MdlHooks *h, const int64_t *o) {
+  float *const restrict b92 = (float *)(arena + o[0]); // %92 add f32[8,64,256]
+  uint16_t *const restrict b96 = (uint16_t *)(arena + o[1]); // %96 cast bf16[256,64]
+  uint16_t *const restrict b130 = (uint16_t *)(arena + o[2]); // %130 cast bf16[512,64]
   float *const b131 = mdl_scratch(524288); // %131 matmul f32[512,256], kept in this kernel
-  float *const b136 = (float *)(arena + 930048); // %136 sum d.h.1.fc_b f32[256]
-  uint16_t *const b137 = (uint16_t *)(arena + 3543168); // %137 cast bf16[512,256]
+  float *const restrict b136 = (float *)(arena + o[3]); // %136 sum d.h.1.fc_b f32[256]
+  uint16_t *const restrict b137 = (uint16_t *)(arena + o[4]); // %137 cast bf16[512,256]
   if (h->bgemm) {
     mdl_bgemm(h, 0, 1, 512, 256, 64, b130, 64, b96, 64, 0.0f, b131, 256);
   }
@@ -1289,14 +1088,28 @@ static void k22_gemm__gelu_bwd__sum__cast(char *arena, const MdlHooks *h) {
   free(b131);
 }
 
-// k23_gemm: GEMM, 1 op
-//   %138   matmul                                  line 40    f32[512,64]
+// k22_gemm__gelu_bwd__sum__cast: GEMM, 6 ops
+//   %131   matmul                                  line 40    f32[512,256]
+//   %133   reshape                                 line 40    f32[8,64,256]
+//   %134   gelu_bwd                                line 40    f32[8,64,256]
+//   %135   reshape                                 line 40    f32[512,256]
+//   %136   sum                d.h.1.fc_b           line 40    f32[256]
+//   %137   cast                                    line 40    bf16[512,256]
 // loops:
-//   gemm %138: [512 x 64] = [512 x 256] T[256 x 64], bf16 operands (widened to f32 where the library has no bf16 GEMM)
-static void k23_gemm(char *arena, const MdlHooks *h) {
-  uint16_t *const b89 = (uint16_t *)(arena + 2158592); // %89 cast bf16[64,256]
-  uint16_t *const b137 = (uint16_t *)(arena + 3543168); // %137 cast bf16[512,256]
-  float *const b138 = (float *)(arena + 2756736); // %138 matmul f32[512,64]
+//   gemm %131: [512 x 256] = [512 x 64] T[64 x 256], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
+//   sum %136: 256 outputs over 512 elements, in 32 blocks of 16
+static void k22_gemm__gelu_bwd__sum__cast(char *arena, const MdlHooks *h) {
+  static const int64_t o[] = {2756736, 2191360, 5574784, 930048, 3543168};
+  k22_gemm__gelu_bwd__sum__cast__code(arena, h, o);
+}
+
+// The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
+// are those of k23_gemm's):
+// k23_gemm k35_gemm
+__attribute__((noinline)) static void k23_gemm__code(char *arena, const MdlHooks *h, const int64_t *o) {
+  uint16_t *const restrict b89 = (uint16_t *)(arena + o[0]); // %89 cast bf16[64,256]
+  uint16_t *const restrict b137 = (uint16_t *)(arena + o[1]); // %137 cast bf16[512,256]
+  float *const restrict b138 = (float *)(arena + o[2]); // %138 matmul f32[512,64]
   if (h->bgemm) {
     mdl_bgemm(h, 0, 1, 512, 64, 256, b137, 256, b89, 256, 0.0f, b138, 64);
   }
@@ -1309,14 +1122,22 @@ static void k23_gemm(char *arena, const MdlHooks *h) {
   }
 }
 
-// k24_gemm: GEMM, 1 op
-//   %139   matmul             d.h.1.fc_w           line 40    f32[64,256]
+// k23_gemm: GEMM, 1 op
+//   %138   matmul                                  line 40    f32[512,64]
 // loops:
-//   gemm %139: [64 x 256] = T[64 x 512] [512 x 256], bf16 operands (widened to f32 where the library has no bf16 GEMM)
-static void k24_gemm(char *arena, const MdlHooks *h) {
-  uint16_t *const b88 = (uint16_t *)(arena + 5443712); // %88 cast bf16[512,64]
-  uint16_t *const b137 = (uint16_t *)(arena + 3543168); // %137 cast bf16[512,256]
-  float *const b139 = (float *)(arena + 864512); // %139 matmul d.h.1.fc_w f32[64,256]
+//   gemm %138: [512 x 64] = [512 x 256] T[256 x 64], bf16 operands (widened to f32 where the library has no bf16 GEMM)
+static void k23_gemm(char *arena, const MdlHooks *h) {
+  static const int64_t o[] = {2158592, 3543168, 2756736};
+  k23_gemm__code(arena, h, o);
+}
+
+// The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
+// are those of k24_gemm's):
+// k24_gemm k36_gemm
+__attribute__((noinline)) static void k24_gemm__code(char *arena, const MdlHooks *h, const int64_t *o) {
+  uint16_t *const restrict b88 = (uint16_t *)(arena + o[0]); // %88 cast bf16[512,64]
+  uint16_t *const restrict b137 = (uint16_t *)(arena + o[1]); // %137 cast bf16[512,256]
+  float *const restrict b139 = (float *)(arena + o[2]); // %139 matmul d.h.1.fc_w f32[64,256]
   if (h->bgemm) {
     mdl_bgemm(h, 1, 0, 64, 256, 512, b88, 64, b137, 256, 0.0f, b139, 256);
   }
@@ -1329,26 +1150,28 @@ static void k24_gemm(char *arena, const MdlHooks *h) {
   }
 }
 
-// k25_layernorm_bwd__add__sum__cast: kernel, 7 ops
-//   %141   layernorm_bwd                           line 40    f32[8,64,64]
-//   %142   layernorm_bwd      d.h.1.ln2_w          line 40    f32[64]
-//   %143   layernorm_bwd      d.h.1.ln2_b          line 40    f32[64]
-//   %144   add                d.h.1.x              line 39    f32[8,64,64]
-//   %145   reshape                                 line 39    f32[512,64]
-//   %146   sum                d.h.1.proj_b         line 39    f32[64]
-//   %147   cast                                    line 39    bf16[512,64]
+// k24_gemm: GEMM, 1 op
+//   %139   matmul             d.h.1.fc_w           line 40    f32[64,256]
 // loops:
-//   layernorm_bwd: 512 rows of 64, column sums over 32 blocks of 16 rows
-static void k25_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
-  float *const b61 = (float *)(arena + 365312); // %61 param h.1.ln2_w f32[64]
-  float *const b85 = (float *)(arena + 4591744); // %85 add h.1.x f32[8,64,64]
-  float *const b125 = (float *)(arena + 4984960); // %125 layernorm_bwd d.h.1.x f32[8,64,64]
-  float *const b138 = (float *)(arena + 2756736); // %138 matmul f32[512,64]
-  float *const b142 = (float *)(arena + 864000); // %142 layernorm_bwd d.h.1.ln2_w f32[64]
-  float *const b143 = (float *)(arena + 864256); // %143 layernorm_bwd d.h.1.ln2_b f32[64]
-  float *const b144 = (float *)(arena + 2953344); // %144 add d.h.1.x f32[8,64,64]
-  float *const b146 = (float *)(arena + 863744); // %146 sum d.h.1.proj_b f32[64]
-  uint16_t *const b147 = (uint16_t *)(arena + 2887808); // %147 cast bf16[512,64]
+//   gemm %139: [64 x 256] = T[64 x 512] [512 x 256], bf16 operands (widened to f32 where the library has no bf16 GEMM)
+static void k24_gemm(char *arena, const MdlHooks *h) {
+  static const int64_t o[] = {5443712, 3543168, 864512};
+  k24_gemm__code(arena, h, o);
+}
+
+// The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
+// are those of k25_layernorm_bwd__add__sum__cast's):
+// k25_layernorm_bwd__add__sum__cast k37_layernorm_bwd__add__sum__cast
+__attribute__((noinline)) static void k25_layernorm_bwd__add__sum__cast__code(char *arena, const MdlHooks *h, const int64_t *o) {
+  float *const restrict b61 = (float *)(arena + o[0]); // %61 param h.1.ln2_w f32[64]
+  float *const restrict b85 = (float *)(arena + o[1]); // %85 add h.1.x f32[8,64,64]
+  float *const restrict b125 = (float *)(arena + o[2]); // %125 layernorm_bwd d.h.1.x f32[8,64,64]
+  float *const restrict b138 = (float *)(arena + o[3]); // %138 matmul f32[512,64]
+  float *const restrict b142 = (float *)(arena + o[4]); // %142 layernorm_bwd d.h.1.ln2_w f32[64]
+  float *const restrict b143 = (float *)(arena + o[5]); // %143 layernorm_bwd d.h.1.ln2_b f32[64]
+  float *const restrict b144 = (float *)(arena + o[6]); // %144 add d.h.1.x f32[8,64,64]
+  float *const restrict b146 = (float *)(arena + o[7]); // %146 sum d.h.1.proj_b f32[64]
+  uint16_t *const restrict b147 = (uint16_t *)(arena + o[8]); // %147 cast bf16[512,64]
   double *pdw = mdl_scratch(2048 * sizeof(double));
   double *pdb = mdl_scratch(2048 * sizeof(double));
   double *ps0 = mdl_scratch(2048 * sizeof(double)); // partials of the column sum %146
@@ -1418,14 +1241,28 @@ static void k25_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
   free(ps0);
 }
 
-// k26_gemm: GEMM, 1 op
-//   %149   matmul             d.h.1.proj_w         line 39    f32[64,64]
+// k25_layernorm_bwd__add__sum__cast: kernel, 7 ops
+//   %141   layernorm_bwd                           line 40    f32[8,64,64]
+//   %142   layernorm_bwd      d.h.1.ln2_w          line 40    f32[64]
+//   %143   layernorm_bwd      d.h.1.ln2_b          line 40    f32[64]
+//   %144   add                d.h.1.x              line 39    f32[8,64,64]
+//   %145   reshape                                 line 39    f32[512,64]
+//   %146   sum                d.h.1.proj_b         line 39    f32[64]
+//   %147   cast                                    line 39    bf16[512,64]
 // loops:
-//   gemm %149: [64 x 64] = T[64 x 512] [512 x 64], bf16 operands (widened to f32 where the library has no bf16 GEMM)
-static void k26_gemm(char *arena, const MdlHooks *h) {
-  uint16_t *const b80 = (uint16_t *)(arena + 5378176); // %80 cast bf16[512,64]
-  uint16_t *const b147 = (uint16_t *)(arena + 2887808); // %147 cast bf16[512,64]
-  float *const b149 = (float *)(arena + 847360); // %149 matmul d.h.1.proj_w f32[64,64]
+//   layernorm_bwd: 512 rows of 64, column sums over 32 blocks of 16 rows
+static void k25_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
+  static const int64_t o[] = {365312, 4591744, 4984960, 2756736, 864000, 864256, 2953344, 863744, 2887808};
+  k25_layernorm_bwd__add__sum__cast__code(arena, h, o);
+}
+
+// The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
+// are those of k26_gemm's):
+// k26_gemm k38_gemm
+__attribute__((noinline)) static void k26_gemm__code(char *arena, const MdlHooks *h, const int64_t *o) {
+  uint16_t *const restrict b80 = (uint16_t *)(arena + o[0]); // %80 cast bf16[512,64]
+  uint16_t *const restrict b147 = (uint16_t *)(arena + o[1]); // %147 cast bf16[512,64]
+  float *const restrict b149 = (float *)(arena + o[2]); // %149 matmul d.h.1.proj_w f32[64,64]
   if (h->bgemm) {
     mdl_bgemm(h, 1, 0, 64, 64, 512, b80, 64, b147, 64, 0.0f, b149, 64);
   }
@@ -1438,18 +1275,23 @@ static void k26_gemm(char *arena, const MdlHooks *h) {
   }
 }
 
-// k27_gemm__cast: GEMM, 3 ops
-//   %148   matmul                                  line 39    f32[512,64]
-//   %150   reshape                                 line 39    f32[8,64,64]
-//   %153   cast                                    line 39    bf16[8,64,64]
+// k26_gemm: GEMM, 1 op
+//   %149   matmul             d.h.1.proj_w         line 39    f32[64,64]
 // loops:
-//   gemm %148: [512 x 64] = [512 x 64] T[64 x 64], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
-//   elementwise over 32768: %153
-static void k27_gemm__cast(char *arena, const MdlHooks *h) {
-  uint16_t *const b81 = (uint16_t *)(arena + 2150400); // %81 cast bf16[64,64]
-  uint16_t *const b147 = (uint16_t *)(arena + 2887808); // %147 cast bf16[512,64]
+//   gemm %149: [64 x 64] = T[64 x 512] [512 x 64], bf16 operands (widened to f32 where the library has no bf16 GEMM)
+static void k26_gemm(char *arena, const MdlHooks *h) {
+  static const int64_t o[] = {5378176, 2887808, 847360};
+  k26_gemm__code(arena, h, o);
+}
+
+// The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
+// are those of k27_gemm__cast's):
+// k27_gemm__cast k39_gemm__cast
+__attribute__((noinline)) static void k27_gemm__cast__code(char *arena, const MdlHooks *h, const int64_t *o) {
+  uint16_t *const restrict b81 = (uint16_t *)(arena + o[0]); // %81 cast bf16[64,64]
+  uint16_t *const restrict b147 = (uint16_t *)(arena + o[1]); // %147 cast bf16[512,64]
   float *const b148 = mdl_scratch(131072); // %148 matmul f32[512,64], kept in this kernel
-  uint16_t *const b153 = (uint16_t *)(arena + 2756736); // %153 cast bf16[8,64,64]
+  uint16_t *const restrict b153 = (uint16_t *)(arena + o[2]); // %153 cast bf16[8,64,64]
   if (h->bgemm) {
     mdl_bgemm(h, 0, 1, 512, 64, 64, b147, 64, b81, 64, 0.0f, b148, 64);
   }
@@ -1473,21 +1315,30 @@ static void k27_gemm__cast(char *arena, const MdlHooks *h) {
   free(b148);
 }
 
-// k28_attention_bwd: attention, 3 ops
-//   %154   attention_bwd      d.h.1.q              line 39    f32[8,64,64]
-//   %155   attention_bwd      d.h.1.k              line 39    f32[8,64,64]
-//   %156   attention_bwd      d.h.1.v              line 39    f32[8,64,64]
+// k27_gemm__cast: GEMM, 3 ops
+//   %148   matmul                                  line 39    f32[512,64]
+//   %150   reshape                                 line 39    f32[8,64,64]
+//   %153   cast                                    line 39    bf16[8,64,64]
 // loops:
-//   attention backward (dq dk dv): B 8, T 64, 4 heads of 16, causal, within documents; one task per (batch, head)
-static void k28_attention_bwd(char *arena, const MdlHooks *h) {
-  int32_t *const b3 = (int32_t *)(arena + 2230272); // %3 input doc i32[8,64]
-  uint16_t *const b74 = (uint16_t *)(arena + 4001920); // %74 cast bf16[8,64,192]
-  uint16_t *const b80 = (uint16_t *)(arena + 5378176); // %80 cast bf16[512,64]
-  float *const b151 = (float *)(arena + 5648512); // %151 attention_lse f32[8,4,64]
-  uint16_t *const b153 = (uint16_t *)(arena + 2756736); // %153 cast bf16[8,64,64]
-  float *const b154 = (float *)(arena + 3084416); // %154 attention_bwd d.h.1.q f32[8,64,64]
-  float *const b155 = (float *)(arena + 3543168); // %155 attention_bwd d.h.1.k f32[8,64,64]
-  float *const b156 = (float *)(arena + 3674240); // %156 attention_bwd d.h.1.v f32[8,64,64]
+//   gemm %148: [512 x 64] = [512 x 64] T[64 x 64], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
+//   elementwise over 32768: %153
+static void k27_gemm__cast(char *arena, const MdlHooks *h) {
+  static const int64_t o[] = {2150400, 2887808, 2756736};
+  k27_gemm__cast__code(arena, h, o);
+}
+
+// The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
+// are those of k28_attention_bwd's):
+// k28_attention_bwd k40_attention_bwd
+__attribute__((noinline)) static void k28_attention_bwd__code(char *arena, const MdlHooks *h, const int64_t *o) {
+  int32_t *const restrict b3 = (int32_t *)(arena + o[0]); // %3 input doc i32[8,64]
+  uint16_t *const restrict b74 = (uint16_t *)(arena + o[1]); // %74 cast bf16[8,64,192]
+  uint16_t *const restrict b80 = (uint16_t *)(arena + o[2]); // %80 cast bf16[512,64]
+  float *const restrict b151 = (float *)(arena + o[3]); // %151 attention_lse f32[8,4,64]
+  uint16_t *const restrict b153 = (uint16_t *)(arena + o[4]); // %153 cast bf16[8,64,64]
+  float *const restrict b154 = (float *)(arena + o[5]); // %154 attention_bwd d.h.1.q f32[8,64,64]
+  float *const restrict b155 = (float *)(arena + o[6]); // %155 attention_bwd d.h.1.k f32[8,64,64]
+  float *const restrict b156 = (float *)(arena + o[7]); // %156 attention_bwd d.h.1.v f32[8,64,64]
   #pragma omp parallel num_threads(h->nthreads)
   {
     float *restrict kt = memset(mdl_scratch(1536 * sizeof(float)), 0, 1536 * sizeof(float));
@@ -1608,19 +1459,26 @@ static void k28_attention_bwd(char *arena, const MdlHooks *h) {
   }
 }
 
-// k29_sum__concat__cast: kernel, 4 ops
-//   %157   concat                                  line 38    f32[8,64,192]
-//   %158   reshape                                 line 38    f32[512,192]
-//   %159   sum                d.h.1.attn_b         line 38    f32[192]
-//   %160   cast                                    line 38    bf16[512,192]
+// k28_attention_bwd: attention, 3 ops
+//   %154   attention_bwd      d.h.1.q              line 39    f32[8,64,64]
+//   %155   attention_bwd      d.h.1.k              line 39    f32[8,64,64]
+//   %156   attention_bwd      d.h.1.v              line 39    f32[8,64,64]
 // loops:
-//   sum %159: 192 outputs over 512 elements, in 32 blocks of 16
-static void k29_sum__concat__cast(char *arena, const MdlHooks *h) {
-  float *const b154 = (float *)(arena + 3084416); // %154 attention_bwd d.h.1.q f32[8,64,64]
-  float *const b155 = (float *)(arena + 3543168); // %155 attention_bwd d.h.1.k f32[8,64,64]
-  float *const b156 = (float *)(arena + 3674240); // %156 attention_bwd d.h.1.v f32[8,64,64]
-  float *const b159 = (float *)(arena + 846592); // %159 sum d.h.1.attn_b f32[192]
-  uint16_t *const b160 = (uint16_t *)(arena + 2756736); // %160 cast bf16[512,192]
+//   attention backward (dq dk dv): B 8, T 64, 4 heads of 16, causal, within documents; one task per (batch, head)
+static void k28_attention_bwd(char *arena, const MdlHooks *h) {
+  static const int64_t o[] = {2230272, 4001920, 5378176, 5648512, 2756736, 3084416, 3543168, 3674240};
+  k28_attention_bwd__code(arena, h, o);
+}
+
+// The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
+// are those of k29_sum__concat__cast's):
+// k29_sum__concat__cast k41_sum__concat__cast
+__attribute__((noinline)) static void k29_sum__concat__cast__code(char *arena, const MdlHooks *h, const int64_t *o) {
+  float *const restrict b154 = (float *)(arena + o[0]); // %154 attention_bwd d.h.1.q f32[8,64,64]
+  float *const restrict b155 = (float *)(arena + o[1]); // %155 attention_bwd d.h.1.k f32[8,64,64]
+  float *const restrict b156 = (float *)(arena + o[2]); // %156 attention_bwd d.h.1.v f32[8,64,64]
+  float *const restrict b159 = (float *)(arena + o[3]); // %159 sum d.h.1.attn_b f32[192]
+  uint16_t *const restrict b160 = (uint16_t *)(arena + o[4]); // %160 cast bf16[512,192]
   double *part = mdl_scratch(6144 * sizeof(double));
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
   for (int64_t k = 0; k < 32; k++) {
@@ -1652,14 +1510,25 @@ static void k29_sum__concat__cast(char *arena, const MdlHooks *h) {
   free(part);
 }
 
-// k30_gemm: GEMM, 1 op
-//   %161   matmul                                  line 38    f32[512,64]
+// k29_sum__concat__cast: kernel, 4 ops
+//   %157   concat                                  line 38    f32[8,64,192]
+//   %158   reshape                                 line 38    f32[512,192]
+//   %159   sum                d.h.1.attn_b         line 38    f32[192]
+//   %160   cast                                    line 38    bf16[512,192]
 // loops:
-//   gemm %161: [512 x 64] = [512 x 192] T[192 x 64], bf16 operands (widened to f32 where the library has no bf16 GEMM)
-static void k30_gemm(char *arena, const MdlHooks *h) {
-  uint16_t *const b70 = (uint16_t *)(arena + 2125824); // %70 cast bf16[64,192]
-  uint16_t *const b160 = (uint16_t *)(arena + 2756736); // %160 cast bf16[512,192]
-  float *const b161 = (float *)(arena + 3084416); // %161 matmul f32[512,64]
+//   sum %159: 192 outputs over 512 elements, in 32 blocks of 16
+static void k29_sum__concat__cast(char *arena, const MdlHooks *h) {
+  static const int64_t o[] = {3084416, 3543168, 3674240, 846592, 2756736};
+  k29_sum__concat__cast__code(arena, h, o);
+}
+
+// The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
+// are those of k30_gemm's):
+// k30_gemm k42_gemm
+__attribute__((noinline)) static void k30_gemm__code(char *arena, const MdlHooks *h, const int64_t *o) {
+  uint16_t *const restrict b70 = (uint16_t *)(arena + o[0]); // %70 cast bf16[64,192]
+  uint16_t *const restrict b160 = (uint16_t *)(arena + o[1]); // %160 cast bf16[512,192]
+  float *const restrict b161 = (float *)(arena + o[2]); // %161 matmul f32[512,64]
   if (h->bgemm) {
     mdl_bgemm(h, 0, 1, 512, 64, 192, b160, 192, b70, 192, 0.0f, b161, 64);
   }
@@ -1672,14 +1541,22 @@ static void k30_gemm(char *arena, const MdlHooks *h) {
   }
 }
 
-// k31_gemm: GEMM, 1 op
-//   %162   matmul             d.h.1.attn_w         line 38    f32[64,192]
+// k30_gemm: GEMM, 1 op
+//   %161   matmul                                  line 38    f32[512,64]
 // loops:
-//   gemm %162: [64 x 192] = T[64 x 512] [512 x 192], bf16 operands (widened to f32 where the library has no bf16 GEMM)
-static void k31_gemm(char *arena, const MdlHooks *h) {
-  uint16_t *const b69 = (uint16_t *)(arena + 5312640); // %69 cast bf16[512,64]
-  uint16_t *const b160 = (uint16_t *)(arena + 2756736); // %160 cast bf16[512,192]
-  float *const b162 = (float *)(arena + 797440); // %162 matmul d.h.1.attn_w f32[64,192]
+//   gemm %161: [512 x 64] = [512 x 192] T[192 x 64], bf16 operands (widened to f32 where the library has no bf16 GEMM)
+static void k30_gemm(char *arena, const MdlHooks *h) {
+  static const int64_t o[] = {2125824, 2756736, 3084416};
+  k30_gemm__code(arena, h, o);
+}
+
+// The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
+// are those of k31_gemm's):
+// k31_gemm k43_gemm
+__attribute__((noinline)) static void k31_gemm__code(char *arena, const MdlHooks *h, const int64_t *o) {
+  uint16_t *const restrict b69 = (uint16_t *)(arena + o[0]); // %69 cast bf16[512,64]
+  uint16_t *const restrict b160 = (uint16_t *)(arena + o[1]); // %160 cast bf16[512,192]
+  float *const restrict b162 = (float *)(arena + o[2]); // %162 matmul d.h.1.attn_w f32[64,192]
   if (h->bgemm) {
     mdl_bgemm(h, 1, 0, 64, 192, 512, b69, 64, b160, 192, 0.0f, b162, 192);
   }
@@ -1690,6 +1567,15 @@ static void k31_gemm(char *arena, const MdlHooks *h) {
     free(w69);
     free(w160);
   }
+}
+
+// k31_gemm: GEMM, 1 op
+//   %162   matmul             d.h.1.attn_w         line 38    f32[64,192]
+// loops:
+//   gemm %162: [64 x 192] = T[64 x 512] [512 x 192], bf16 operands (widened to f32 where the library has no bf16 GEMM)
+static void k31_gemm(char *arena, const MdlHooks *h) {
+  static const int64_t o[] = {5312640, 2756736, 797440};
+  k31_gemm__code(arena, h, o);
 }
 
 // k32_layernorm_bwd__add__sum__cast: kernel, 7 ops
@@ -1786,19 +1672,8 @@ static void k32_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
 // loops:
 //   gemm %172: [256 x 64] = T[256 x 512] [512 x 64], bf16 operands (widened to f32 where the library has no bf16 GEMM)
 static void k33_gemm(char *arena, const MdlHooks *h) {
-  uint16_t *const b49 = (uint16_t *)(arena + 3281024); // %49 cast bf16[512,256]
-  uint16_t *const b170 = (uint16_t *)(arena + 3215488); // %170 cast bf16[512,64]
-  float *const b172 = (float *)(arena + 731136); // %172 matmul d.h.0.fcproj_w f32[256,64]
-  if (h->bgemm) {
-    mdl_bgemm(h, 1, 0, 256, 64, 512, b49, 256, b170, 64, 0.0f, b172, 64);
-  }
-  else {
-    float *const w49 = mdl_widen_bf16(b49, 131072, h->nthreads);
-    float *const w170 = mdl_widen_bf16(b170, 32768, h->nthreads);
-    mdl_gemm(h, 1, 0, 256, 64, 512, w49, 256, w170, 64, 0.0f, b172, 64);
-    free(w49);
-    free(w170);
-  }
+  static const int64_t o[] = {3281024, 3215488, 731136};
+  k21_gemm__code(arena, h, o);
 }
 
 // k34_gemm__gelu_bwd__sum__cast: GEMM, 6 ops
@@ -1812,55 +1687,8 @@ static void k33_gemm(char *arena, const MdlHooks *h) {
 //   gemm %171: [512 x 256] = [512 x 64] T[64 x 256], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
 //   sum %176: 256 outputs over 512 elements, in 32 blocks of 16
 static void k34_gemm__gelu_bwd__sum__cast(char *arena, const MdlHooks *h) {
-  float *const b46 = (float *)(arena + 2232448); // %46 add f32[8,64,256]
-  uint16_t *const b50 = (uint16_t *)(arena + 2093056); // %50 cast bf16[256,64]
-  uint16_t *const b170 = (uint16_t *)(arena + 3215488); // %170 cast bf16[512,64]
-  float *const b171 = mdl_scratch(524288); // %171 matmul f32[512,256], kept in this kernel
-  float *const b176 = (float *)(arena + 730112); // %176 sum d.h.0.fc_b f32[256]
-  uint16_t *const b177 = (uint16_t *)(arena + 2756736); // %177 cast bf16[512,256]
-  if (h->bgemm) {
-    mdl_bgemm(h, 0, 1, 512, 256, 64, b170, 64, b50, 64, 0.0f, b171, 256);
-  }
-  else {
-    float *const w170 = mdl_widen_bf16(b170, 32768, h->nthreads);
-    float *const w50 = mdl_widen_bf16(b50, 16384, h->nthreads);
-    mdl_gemm(h, 0, 1, 512, 256, 64, w170, 64, w50, 64, 0.0f, b171, 256);
-    free(w170);
-    free(w50);
-  }
-  double *part = mdl_scratch(8192 * sizeof(double));
-  #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t k = 0; k < 32; k++) {
-    double *p = part + k * 256;
-    for (int64_t c = 0; c < 256; c++)
-      p[c] = 0.0;
-    const int64_t end = k * 16 + 16 < 512 ? k * 16 + 16 : 512;
-    for (int64_t l = k * 16; l < end; l++) {
-      for (int64_t c = 0; c < 256; c++) {
-        const int64_t ix = l * 256 + c;
-        const float v46_ix = b46[ix];
-        const float v171_ix = b171[ix];
-        const float v173_ix = v171_ix;
-        const float v174_ix = mdl_gelu_grad(v46_ix) * v173_ix;
-        const float v175_ix = v174_ix;
-        const float v = v175_ix;
-        const float v177_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v175_ix));
-        b177[ix] = mdl_f32_to_bf16(v177_ix);
-        p[c] += v;
-      }
-    }
-  }
-  for (int64_t r = 0; r < 256; r++) {
-    double acc = 0.0;
-    for (int64_t k = 0; k < 32; k++) {
-      const double v = part[k * 256 + r];
-      acc += v;
-    }
-    const float y = (float)acc;
-    b176[r] = y;
-  }
-  free(part);
-  free(b171);
+  static const int64_t o[] = {2232448, 2093056, 3215488, 730112, 2756736};
+  k22_gemm__gelu_bwd__sum__cast__code(arena, h, o);
 }
 
 // k35_gemm: GEMM, 1 op
@@ -1868,19 +1696,8 @@ static void k34_gemm__gelu_bwd__sum__cast(char *arena, const MdlHooks *h) {
 // loops:
 //   gemm %178: [512 x 64] = [512 x 256] T[256 x 64], bf16 operands (widened to f32 where the library has no bf16 GEMM)
 static void k35_gemm(char *arena, const MdlHooks *h) {
-  uint16_t *const b43 = (uint16_t *)(arena + 2060288); // %43 cast bf16[64,256]
-  uint16_t *const b177 = (uint16_t *)(arena + 2756736); // %177 cast bf16[512,256]
-  float *const b178 = (float *)(arena + 2232448); // %178 matmul f32[512,64]
-  if (h->bgemm) {
-    mdl_bgemm(h, 0, 1, 512, 64, 256, b177, 256, b43, 256, 0.0f, b178, 64);
-  }
-  else {
-    float *const w177 = mdl_widen_bf16(b177, 131072, h->nthreads);
-    float *const w43 = mdl_widen_bf16(b43, 16384, h->nthreads);
-    mdl_gemm(h, 0, 1, 512, 64, 256, w177, 256, w43, 256, 0.0f, b178, 64);
-    free(w177);
-    free(w43);
-  }
+  static const int64_t o[] = {2060288, 2756736, 2232448};
+  k23_gemm__code(arena, h, o);
 }
 
 // k36_gemm: GEMM, 1 op
@@ -1888,19 +1705,8 @@ static void k35_gemm(char *arena, const MdlHooks *h) {
 // loops:
 //   gemm %179: [64 x 256] = T[64 x 512] [512 x 256], bf16 operands (widened to f32 where the library has no bf16 GEMM)
 static void k36_gemm(char *arena, const MdlHooks *h) {
-  uint16_t *const b42 = (uint16_t *)(arena + 5247104); // %42 cast bf16[512,64]
-  uint16_t *const b177 = (uint16_t *)(arena + 2756736); // %177 cast bf16[512,256]
-  float *const b179 = (float *)(arena + 664576); // %179 matmul d.h.0.fc_w f32[64,256]
-  if (h->bgemm) {
-    mdl_bgemm(h, 1, 0, 64, 256, 512, b42, 64, b177, 256, 0.0f, b179, 256);
-  }
-  else {
-    float *const w42 = mdl_widen_bf16(b42, 32768, h->nthreads);
-    float *const w177 = mdl_widen_bf16(b177, 131072, h->nthreads);
-    mdl_gemm(h, 1, 0, 64, 256, 512, w42, 64, w177, 256, 0.0f, b179, 256);
-    free(w42);
-    free(w177);
-  }
+  static const int64_t o[] = {5247104, 2756736, 664576};
+  k24_gemm__code(arena, h, o);
 }
 
 // k37_layernorm_bwd__add__sum__cast: kernel, 7 ops
@@ -1914,82 +1720,8 @@ static void k36_gemm(char *arena, const MdlHooks *h) {
 // loops:
 //   layernorm_bwd: 512 rows of 64, column sums over 32 blocks of 16 rows
 static void k37_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
-  float *const b15 = (float *)(arena + 165376); // %15 param h.0.ln2_w f32[64]
-  float *const b39 = (float *)(arena + 4329600); // %39 add h.0.x f32[8,64,64]
-  float *const b167 = (float *)(arena + 3543168); // %167 add d.h.0.x f32[8,64,64]
-  float *const b178 = (float *)(arena + 2232448); // %178 matmul f32[512,64]
-  float *const b182 = (float *)(arena + 664064); // %182 layernorm_bwd d.h.0.ln2_w f32[64]
-  float *const b183 = (float *)(arena + 664320); // %183 layernorm_bwd d.h.0.ln2_b f32[64]
-  float *const b184 = (float *)(arena + 2429056); // %184 add d.h.0.x f32[8,64,64]
-  float *const b186 = (float *)(arena + 663808); // %186 sum d.h.0.proj_b f32[64]
-  uint16_t *const b187 = (uint16_t *)(arena + 2363520); // %187 cast bf16[512,64]
-  double *pdw = mdl_scratch(2048 * sizeof(double));
-  double *pdb = mdl_scratch(2048 * sizeof(double));
-  double *ps0 = mdl_scratch(2048 * sizeof(double)); // partials of the column sum %186
-  #pragma omp parallel num_threads(h->nthreads)
-  {
-    float *dxrow = mdl_scratch(64 * sizeof(float));
-    #pragma omp for schedule(static)
-    for (int64_t k = 0; k < 32; k++) {
-      double *sw = pdw + k * 64;
-      double *sb = pdb + k * 64;
-      double *sa0 = ps0 + k * 64;
-      for (int64_t j = 0; j < 64; j++)
-        sw[j] = sb[j] = sa0[j] = 0;
-      const int64_t end = k * 16 + 16 < 512 ? k * 16 + 16 : 512;
-      for (int64_t r = k * 16; r < end; r++) {
-        const float *x = b39 + r * 64;
-        const float *dy = b178 + r * 64;
-        double mean = 0, var = 0, mg = 0, mgx = 0;
-        #pragma omp simd reduction(+ : mean)
-        for (int64_t j = 0; j < 64; j++)
-          mean += x[j];
-        mean /= 64;
-        #pragma omp simd reduction(+ : var)
-        for (int64_t j = 0; j < 64; j++)
-          var += (x[j] - mean) * (x[j] - mean);
-        const double rstd = 1.0 / sqrt(var / 64 + 1e-05);
-        #pragma omp simd reduction(+ : mg, mgx)
-        for (int64_t j = 0; j < 64; j++) {
-          const double xhat = (x[j] - mean) * rstd, g = (double)dy[j] * b15[j];
-          mg += g;
-          mgx += g * xhat;
-          sw[j] += dy[j] * xhat;
-          sb[j] += dy[j];
-        }
-        float *dx = dxrow;
-        mg /= 64;
-        mgx /= 64;
-        for (int64_t j = 0; j < 64; j++)
-          dx[j] = (float)(rstd * ((double)dy[j] * b15[j] - mg - (x[j] - mean) * rstd * mgx));
-        for (int64_t j = 0; j < 64; j++) {
-          const int64_t ix = r * 64 + j;
-          const float v167_ix = b167[ix];
-          const float v184_ix = v167_ix + dx[j];
-          b184[ix] = v184_ix;
-          const float v185_ix = v184_ix;
-          const float v187_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v185_ix));
-          b187[ix] = mdl_f32_to_bf16(v187_ix);
-          sa0[j] += v185_ix;
-        }
-      }
-    }
-    free(dxrow);
-  }
-  for (int64_t j = 0; j < 64; j++) {
-    double w = 0, b = 0, a0 = 0;
-    for (int64_t k = 0; k < 32; k++) {
-      w += pdw[k * 64 + j];
-      b += pdb[k * 64 + j];
-      a0 += ps0[k * 64 + j];
-    }
-    b182[j] = (float)w;
-    b183[j] = (float)b;
-    b186[j] = (float)a0;
-  }
-  free(pdw);
-  free(pdb);
-  free(ps0);
+  static const int64_t o[] = {165376, 4329600, 3543168, 2232448, 664064, 664320, 2429056, 663808, 2363520};
+  k25_layernorm_bwd__add__sum__cast__code(arena, h, o);
 }
 
 // k38_gemm: GEMM, 1 op
@@ -1997,19 +1729,8 @@ static void k37_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
 // loops:
 //   gemm %189: [64 x 64] = T[64 x 512] [512 x 64], bf16 operands (widened to f32 where the library has no bf16 GEMM)
 static void k38_gemm(char *arena, const MdlHooks *h) {
-  uint16_t *const b34 = (uint16_t *)(arena + 5181568); // %34 cast bf16[512,64]
-  uint16_t *const b187 = (uint16_t *)(arena + 2363520); // %187 cast bf16[512,64]
-  float *const b189 = (float *)(arena + 647424); // %189 matmul d.h.0.proj_w f32[64,64]
-  if (h->bgemm) {
-    mdl_bgemm(h, 1, 0, 64, 64, 512, b34, 64, b187, 64, 0.0f, b189, 64);
-  }
-  else {
-    float *const w34 = mdl_widen_bf16(b34, 32768, h->nthreads);
-    float *const w187 = mdl_widen_bf16(b187, 32768, h->nthreads);
-    mdl_gemm(h, 1, 0, 64, 64, 512, w34, 64, w187, 64, 0.0f, b189, 64);
-    free(w34);
-    free(w187);
-  }
+  static const int64_t o[] = {5181568, 2363520, 647424};
+  k26_gemm__code(arena, h, o);
 }
 
 // k39_gemm__cast: GEMM, 3 ops
@@ -2020,31 +1741,8 @@ static void k38_gemm(char *arena, const MdlHooks *h) {
 //   gemm %188: [512 x 64] = [512 x 64] T[64 x 64], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
 //   elementwise over 32768: %193
 static void k39_gemm__cast(char *arena, const MdlHooks *h) {
-  uint16_t *const b35 = (uint16_t *)(arena + 2052096); // %35 cast bf16[64,64]
-  uint16_t *const b187 = (uint16_t *)(arena + 2363520); // %187 cast bf16[512,64]
-  float *const b188 = mdl_scratch(131072); // %188 matmul f32[512,64], kept in this kernel
-  uint16_t *const b193 = (uint16_t *)(arena + 2232448); // %193 cast bf16[8,64,64]
-  if (h->bgemm) {
-    mdl_bgemm(h, 0, 1, 512, 64, 64, b187, 64, b35, 64, 0.0f, b188, 64);
-  }
-  else {
-    float *const w187 = mdl_widen_bf16(b187, 32768, h->nthreads);
-    float *const w35 = mdl_widen_bf16(b35, 4096, h->nthreads);
-    mdl_gemm(h, 0, 1, 512, 64, 64, w187, 64, w35, 64, 0.0f, b188, 64);
-    free(w187);
-    free(w35);
-  }
-  #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t r = 0; r < 512; r++) {
-    for (int64_t c = 0; c < 64; c++) {
-      const int64_t i = r * 64 + c;
-      const float v188_i = b188[i];
-      const float v190_i = v188_i;
-      const float v193_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v190_i));
-      b193[i] = mdl_f32_to_bf16(v193_i);
-    }
-  }
-  free(b188);
+  static const int64_t o[] = {2052096, 2363520, 2232448};
+  k27_gemm__cast__code(arena, h, o);
 }
 
 // k40_attention_bwd: attention, 3 ops
@@ -2054,132 +1752,8 @@ static void k39_gemm__cast(char *arena, const MdlHooks *h) {
 // loops:
 //   attention backward (dq dk dv): B 8, T 64, 4 heads of 16, causal, within documents; one task per (batch, head)
 static void k40_attention_bwd(char *arena, const MdlHooks *h) {
-  int32_t *const b3 = (int32_t *)(arena + 2230272); // %3 input doc i32[8,64]
-  uint16_t *const b28 = (uint16_t *)(arena + 3805312); // %28 cast bf16[8,64,192]
-  uint16_t *const b34 = (uint16_t *)(arena + 5181568); // %34 cast bf16[512,64]
-  float *const b191 = (float *)(arena + 5640320); // %191 attention_lse f32[8,4,64]
-  uint16_t *const b193 = (uint16_t *)(arena + 2232448); // %193 cast bf16[8,64,64]
-  float *const b194 = (float *)(arena + 2560128); // %194 attention_bwd d.h.0.q f32[8,64,64]
-  float *const b195 = (float *)(arena + 2691200); // %195 attention_bwd d.h.0.k f32[8,64,64]
-  float *const b196 = (float *)(arena + 2822272); // %196 attention_bwd d.h.0.v f32[8,64,64]
-  #pragma omp parallel num_threads(h->nthreads)
-  {
-    float *restrict kt = memset(mdl_scratch(1536 * sizeof(float)), 0, 1536 * sizeof(float));
-    float *restrict s = memset(mdl_scratch(96 * sizeof(float)), 0, 96 * sizeof(float));
-    float *restrict vt = memset(mdl_scratch(1536 * sizeof(float)), 0, 1536 * sizeof(float));
-    float *restrict dp = memset(mdl_scratch(96 * sizeof(float)), 0, 96 * sizeof(float));
-    float *restrict dkh = memset(mdl_scratch(1024 * sizeof(float)), 0, 1024 * sizeof(float));
-    float *restrict dvh = memset(mdl_scratch(1024 * sizeof(float)), 0, 1024 * sizeof(float));
-    #pragma omp for schedule(dynamic, 1)
-    for (int64_t task = 0; task < 32; task++) {
-      const int64_t b = task / 4, hd = task % 4;
-      for (int64_t j = 0; j < 64; j++) {
-        const uint16_t *xj = b28 + 64 + (b * 64 + j) * 192 + hd * 16;
-        for (int64_t c = 0; c < 16; c++)
-          kt[c * 96 + j] = mdl_bf16_to_f32(xj[c]);
-      }
-      for (int64_t j = 0; j < 64; j++) {
-        const uint16_t *xj = b28 + 128 + (b * 64 + j) * 192 + hd * 16;
-        for (int64_t c = 0; c < 16; c++)
-          vt[c * 96 + j] = mdl_bf16_to_f32(xj[c]);
-      }
-      memset(dkh, 0, 1024 * sizeof(float));
-      memset(dvh, 0, 1024 * sizeof(float));
-      int64_t lo = 0, hi = 64;
-      const int32_t *restrict dc = b3 + b * 64;
-      for (int64_t i = 0; i < 64; i++) {
-        const int32_t di = dc[i];
-        if (i == 0 || dc[i - 1] != di) {
-          lo = 0;
-          while (dc[lo] != di)
-            lo++;
-        }
-        hi = i + 1;
-        float qr[16];
-        for (int64_t c = 0; c < 16; c++)
-          qr[c] = mdl_bf16_to_f32(b28[(b * 64 + i) * 192 + hd * 16 + c]);
-        const float *restrict qi = qr;
-        for (int64_t j0 = lo; j0 < hi; j0 += 32) {
-          float acc[32] = {0};
-          for (int64_t c = 0; c < 16; c++) {
-            const float vc = qi[c], *restrict mc = kt + c * 96 + j0;
-            #pragma omp simd
-            for (int64_t u = 0; u < 32; u++)
-              acc[u] += vc * mc[u];
-          }
-          memcpy(s + j0, acc, sizeof acc);
-        }
-        const float lse = b191[(b * 4 + hd) * 64 + i];
-        #pragma omp simd
-        for (int64_t j = lo; j < hi; j++)
-          s[j] = dc[j] == di ? mdl_exp_shifted(s[j] * 0.25f - lse) : 0.0f;
-        float dor[16];
-        for (int64_t c = 0; c < 16; c++)
-          dor[c] = mdl_bf16_to_f32(b193[(b * 64 + i) * 64 + hd * 16 + c]);
-        const float *restrict doi = dor;
-        float dsum = 0.0f;
-        for (int64_t c = 0; c < 16; c++)
-          dsum += doi[c] * mdl_bf16_to_f32(b34[(b * 64 + i) * 64 + hd * 16 + c]);
-        for (int64_t j0 = lo; j0 < hi; j0 += 32) {
-          float acc[32] = {0};
-          for (int64_t c = 0; c < 16; c++) {
-            const float vc = doi[c], *restrict mc = vt + c * 96 + j0;
-            #pragma omp simd
-            for (int64_t u = 0; u < 32; u++)
-              acc[u] += vc * mc[u];
-          }
-          memcpy(dp + j0, acc, sizeof acc);
-        }
-        #pragma omp simd
-        for (int64_t j = lo; j < hi; j++)
-          dp[j] = s[j] * (dp[j] - dsum);
-        float dqi0[16] = {0}, dqi1[16] = {0};
-        int64_t j = lo;
-        for (; j + 1 < hi; j += 2) {
-          const float w0 = mdl_bf16_to_f32(mdl_f32_to_bf16(dp[j])), w1 = mdl_bf16_to_f32(mdl_f32_to_bf16(dp[j + 1]));
-          const uint16_t *restrict x0 = b28 + 64 + (b * 64 + j) * 192 + hd * 16, *restrict x1 = x0 + 192;
-          #pragma omp simd
-          for (int64_t c = 0; c < 16; c++) {
-            dqi0[c] += w0 * mdl_bf16_to_f32(x0[c]);
-            dqi1[c] += w1 * mdl_bf16_to_f32(x1[c]);
-          }
-        }
-        if (j < hi) {
-          const float w0 = mdl_bf16_to_f32(mdl_f32_to_bf16(dp[j]));
-          const uint16_t *restrict x0 = b28 + 64 + (b * 64 + j) * 192 + hd * 16;
-          #pragma omp simd
-          for (int64_t c = 0; c < 16; c++)
-            dqi0[c] += w0 * mdl_bf16_to_f32(x0[c]);
-        }
-        float sqi[16];
-        for (int64_t c = 0; c < 16; c++)
-          sqi[c] = 0.25f * qi[c];
-        for (int64_t j = lo; j < hi; j++) {
-          float *restrict dkj = dkh + j * 16;
-          #pragma omp simd
-          for (int64_t c = 0; c < 16; c++)
-            dkj[c] += mdl_bf16_to_f32(mdl_f32_to_bf16(dp[j])) * sqi[c];
-          float *restrict dvj = dvh + j * 16;
-          #pragma omp simd
-          for (int64_t c = 0; c < 16; c++)
-            dvj[c] += mdl_bf16_to_f32(mdl_f32_to_bf16(s[j])) * doi[c];
-        }
-        float *restrict dq = b194 + (b * 64 + i) * 64 + hd * 16;
-        for (int64_t c = 0; c < 16; c++)
-          dq[c] = 0.25f * (dqi0[c] + dqi1[c]);
-      }
-      for (int64_t t = 0; t < 64; t++)
-        memcpy(b195 + (b * 64 + t) * 64 + hd * 16, dkh + t * 16, 16 * sizeof(float));
-      for (int64_t t = 0; t < 64; t++)
-        memcpy(b196 + (b * 64 + t) * 64 + hd * 16, dvh + t * 16, 16 * sizeof(float));
-    }
-    free(kt);
-    free(s);
-    free(vt);
-    free(dp);
-    free(dkh);
-    free(dvh);
-  }
+  static const int64_t o[] = {2230272, 3805312, 5181568, 5640320, 2232448, 2560128, 2691200, 2822272};
+  k28_attention_bwd__code(arena, h, o);
 }
 
 // k41_sum__concat__cast: kernel, 4 ops
@@ -2190,40 +1764,8 @@ static void k40_attention_bwd(char *arena, const MdlHooks *h) {
 // loops:
 //   sum %199: 192 outputs over 512 elements, in 32 blocks of 16
 static void k41_sum__concat__cast(char *arena, const MdlHooks *h) {
-  float *const b194 = (float *)(arena + 2560128); // %194 attention_bwd d.h.0.q f32[8,64,64]
-  float *const b195 = (float *)(arena + 2691200); // %195 attention_bwd d.h.0.k f32[8,64,64]
-  float *const b196 = (float *)(arena + 2822272); // %196 attention_bwd d.h.0.v f32[8,64,64]
-  float *const b199 = (float *)(arena + 646656); // %199 sum d.h.0.attn_b f32[192]
-  uint16_t *const b200 = (uint16_t *)(arena + 2232448); // %200 cast bf16[512,192]
-  double *part = mdl_scratch(6144 * sizeof(double));
-  #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t k = 0; k < 32; k++) {
-    double *p = part + k * 192;
-    for (int64_t c = 0; c < 192; c++)
-      p[c] = 0.0;
-    const int64_t end = k * 16 + 16 < 512 ? k * 16 + 16 : 512;
-    for (int64_t l = k * 16; l < end; l++) {
-      for (int64_t c = 0; c < 192; c++) {
-        const int64_t ix = l * 192 + c;
-        const float v197_ix = (c < 64 ? b194 + (l * 64 + c) : c < 128 ? b195 + (l * 64 + (c - 64)) : b196 + (l * 64 + (c - 128)))[0];
-        const float v198_ix = v197_ix;
-        const float v = v198_ix;
-        const float v200_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v198_ix));
-        b200[ix] = mdl_f32_to_bf16(v200_ix);
-        p[c] += v;
-      }
-    }
-  }
-  for (int64_t r = 0; r < 192; r++) {
-    double acc = 0.0;
-    for (int64_t k = 0; k < 32; k++) {
-      const double v = part[k * 192 + r];
-      acc += v;
-    }
-    const float y = (float)acc;
-    b199[r] = y;
-  }
-  free(part);
+  static const int64_t o[] = {2560128, 2691200, 2822272, 646656, 2232448};
+  k29_sum__concat__cast__code(arena, h, o);
 }
 
 // k42_gemm: GEMM, 1 op
@@ -2231,19 +1773,8 @@ static void k41_sum__concat__cast(char *arena, const MdlHooks *h) {
 // loops:
 //   gemm %201: [512 x 64] = [512 x 192] T[192 x 64], bf16 operands (widened to f32 where the library has no bf16 GEMM)
 static void k42_gemm(char *arena, const MdlHooks *h) {
-  uint16_t *const b24 = (uint16_t *)(arena + 2027520); // %24 cast bf16[64,192]
-  uint16_t *const b200 = (uint16_t *)(arena + 2232448); // %200 cast bf16[512,192]
-  float *const b201 = (float *)(arena + 2560128); // %201 matmul f32[512,64]
-  if (h->bgemm) {
-    mdl_bgemm(h, 0, 1, 512, 64, 192, b200, 192, b24, 192, 0.0f, b201, 64);
-  }
-  else {
-    float *const w200 = mdl_widen_bf16(b200, 98304, h->nthreads);
-    float *const w24 = mdl_widen_bf16(b24, 12288, h->nthreads);
-    mdl_gemm(h, 0, 1, 512, 64, 192, w200, 192, w24, 192, 0.0f, b201, 64);
-    free(w200);
-    free(w24);
-  }
+  static const int64_t o[] = {2027520, 2232448, 2560128};
+  k30_gemm__code(arena, h, o);
 }
 
 // k43_gemm: GEMM, 1 op
@@ -2251,19 +1782,8 @@ static void k42_gemm(char *arena, const MdlHooks *h) {
 // loops:
 //   gemm %202: [64 x 192] = T[64 x 512] [512 x 192], bf16 operands (widened to f32 where the library has no bf16 GEMM)
 static void k43_gemm(char *arena, const MdlHooks *h) {
-  uint16_t *const b23 = (uint16_t *)(arena + 5116032); // %23 cast bf16[512,64]
-  uint16_t *const b200 = (uint16_t *)(arena + 2232448); // %200 cast bf16[512,192]
-  float *const b202 = (float *)(arena + 597504); // %202 matmul d.h.0.attn_w f32[64,192]
-  if (h->bgemm) {
-    mdl_bgemm(h, 1, 0, 64, 192, 512, b23, 64, b200, 192, 0.0f, b202, 192);
-  }
-  else {
-    float *const w23 = mdl_widen_bf16(b23, 32768, h->nthreads);
-    float *const w200 = mdl_widen_bf16(b200, 98304, h->nthreads);
-    mdl_gemm(h, 1, 0, 64, 192, 512, w23, 64, w200, 192, 0.0f, b202, 192);
-    free(w23);
-    free(w200);
-  }
+  static const int64_t o[] = {5116032, 2232448, 597504};
+  k31_gemm__code(arena, h, o);
 }
 
 // k44_layernorm_bwd__add: kernel, 4 ops

@@ -286,20 +286,17 @@ static void k2_layernorm_fwd__add__cast(char *arena, const MdlHooks *h) {
   }
 }
 
-// k3_gemm__add__cast: GEMM, 4 ops
-//   %25    matmul                                  line 38    f32[8192,2304]
-//   %26    reshape                                 line 38    f32[8,1024,2304]
-//   %27    add                                     line 38    f32[8,1024,2304]
-//   %28    cast                                    line 38    bf16[8,1024,2304]
-// loops:
-//   gemm %25: [8192 x 2304] = [8192 x 768] [768 x 2304], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
-//   elementwise over 18874368: %28
-static void k3_gemm__add__cast(char *arena, const MdlHooks *h) {
-  float *const b12 = (float *)(arena + 164619264); // %12 param h.0.attn_b f32[2304]
-  uint16_t *const b23 = (uint16_t *)(arena + 5337095296); // %23 cast bf16[8192,768]
-  uint16_t *const b24 = (uint16_t *)(arena + 2068303872); // %24 cast bf16[768,2304]
+// The loops of 12 kernels, each on its own buffers (o[]: their offsets in the arena; the names
+// are those of k3_gemm__add__cast's):
+// k3_gemm__add__cast k10_gemm__add__cast k17_gemm__add__cast k24_gemm__add__cast k31_gemm__add__cast
+// k38_gemm__add__cast k45_gemm__add__cast k52_gemm__add__cast k59_gemm__add__cast k66_gemm__add__cast
+// k73_gemm__add__cast k80_gemm__add__cast
+__attribute__((noinline)) static void k3_gemm__add__cast__code(char *arena, const MdlHooks *h, const int64_t *o) {
+  float *const restrict b12 = (float *)(arena + o[0]); // %12 param h.0.attn_b f32[2304]
+  uint16_t *const restrict b23 = (uint16_t *)(arena + o[1]); // %23 cast bf16[8192,768]
+  uint16_t *const restrict b24 = (uint16_t *)(arena + o[2]); // %24 cast bf16[768,2304]
   float *const b25 = mdl_scratch(75497472); // %25 matmul f32[8192,2304], kept in this kernel
-  uint16_t *const b28 = (uint16_t *)(arena + 4204633216); // %28 cast bf16[8,1024,2304]
+  uint16_t *const restrict b28 = (uint16_t *)(arena + o[3]); // %28 cast bf16[8,1024,2304]
   if (h->bgemm) {
     mdl_bgemm(h, 0, 0, 8192, 2304, 768, b23, 768, b24, 2304, 0.0f, b25, 2304);
   }
@@ -325,18 +322,30 @@ static void k3_gemm__add__cast(char *arena, const MdlHooks *h) {
   free(b25);
 }
 
-// k4_attention_fwd__cast__lse: attention, 4 ops
-//   %32    attention                               line 39    f32[8,1024,768]
-//   %33    reshape                                 line 39    f32[8192,768]
-//   %34    cast                                    line 39    bf16[8192,768]
-//   %1051  attention_lse                           line 39    f32[8,12,1024]
+// k3_gemm__add__cast: GEMM, 4 ops
+//   %25    matmul                                  line 38    f32[8192,2304]
+//   %26    reshape                                 line 38    f32[8,1024,2304]
+//   %27    add                                     line 38    f32[8,1024,2304]
+//   %28    cast                                    line 38    bf16[8,1024,2304]
 // loops:
-//   attention and its log-sum-exp per row: B 8, T 1024, 12 heads of 64, causal, within documents; one task per (batch, head)
-static void k4_attention_fwd__cast__lse(char *arena, const MdlHooks *h) {
-  int32_t *const b3 = (int32_t *)(arena + 2238271488); // %3 input doc i32[8,1024]
-  uint16_t *const b28 = (uint16_t *)(arena + 4204633216); // %28 cast bf16[8,1024,2304]
-  uint16_t *const b34 = (uint16_t *)(arena + 5349678208); // %34 cast bf16[8192,768]
-  float *const b1051 = (float *)(arena + 5802663040); // %1051 attention_lse f32[8,12,1024]
+//   gemm %25: [8192 x 2304] = [8192 x 768] [768 x 2304], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
+//   elementwise over 18874368: %28
+static void k3_gemm__add__cast(char *arena, const MdlHooks *h) {
+  static const int64_t o[] = {164619264, 5337095296, 2068303872, 4204633216};
+  k3_gemm__add__cast__code(arena, h, o);
+}
+
+// The loops of 12 kernels, each on its own buffers (o[]: their offsets in the arena; the names
+// are those of k4_attention_fwd__cast__lse's):
+// k4_attention_fwd__cast__lse k11_attention_fwd__cast__lse k18_attention_fwd__cast__lse
+// k25_attention_fwd__cast__lse k32_attention_fwd__cast__lse k39_attention_fwd__cast__lse
+// k46_attention_fwd__cast__lse k53_attention_fwd__cast__lse k60_attention_fwd__cast__lse
+// k67_attention_fwd__cast__lse k74_attention_fwd__cast__lse k81_attention_fwd__cast__lse
+__attribute__((noinline)) static void k4_attention_fwd__cast__lse__code(char *arena, const MdlHooks *h, const int64_t *o) {
+  int32_t *const restrict b3 = (int32_t *)(arena + o[0]); // %3 input doc i32[8,1024]
+  uint16_t *const restrict b28 = (uint16_t *)(arena + o[1]); // %28 cast bf16[8,1024,2304]
+  uint16_t *const restrict b34 = (uint16_t *)(arena + o[2]); // %34 cast bf16[8192,768]
+  float *const restrict b1051 = (float *)(arena + o[3]); // %1051 attention_lse f32[8,12,1024]
   #pragma omp parallel num_threads(h->nthreads)
   {
     float *restrict kt = memset(mdl_scratch(67584 * sizeof(float)), 0, 67584 * sizeof(float));
@@ -428,20 +437,28 @@ static void k4_attention_fwd__cast__lse(char *arena, const MdlHooks *h) {
   }
 }
 
-// k5_gemm__add: GEMM, 4 ops
-//   %36    matmul                                  line 39    f32[8192,768]
-//   %37    reshape                                 line 39    f32[8,1024,768]
-//   %38    add                                     line 39    f32[8,1024,768]
-//   %39    add                h.0.x                line 39    f32[8,1024,768]
+// k4_attention_fwd__cast__lse: attention, 4 ops
+//   %32    attention                               line 39    f32[8,1024,768]
+//   %33    reshape                                 line 39    f32[8192,768]
+//   %34    cast                                    line 39    bf16[8192,768]
+//   %1051  attention_lse                           line 39    f32[8,12,1024]
 // loops:
-//   gemm %36: [8192 x 768] = [8192 x 768] [768 x 768], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
-//   elementwise over 6291456: %39
-static void k5_gemm__add(char *arena, const MdlHooks *h) {
-  float *const b8 = (float *)(arena + 4657618048); // %8 add x f32[8,1024,768]
-  float *const b14 = (float *)(arena + 166987776); // %14 param h.0.proj_b f32[768]
-  uint16_t *const b34 = (uint16_t *)(arena + 5349678208); // %34 cast bf16[8192,768]
-  uint16_t *const b35 = (uint16_t *)(arena + 2071842816); // %35 cast bf16[768,768]
-  float *const b39 = (float *)(arena + 4682783872); // %39 add h.0.x f32[8,1024,768]
+//   attention and its log-sum-exp per row: B 8, T 1024, 12 heads of 64, causal, within documents; one task per (batch, head)
+static void k4_attention_fwd__cast__lse(char *arena, const MdlHooks *h) {
+  static const int64_t o[] = {2238271488, 4204633216, 5349678208, 5802663040};
+  k4_attention_fwd__cast__lse__code(arena, h, o);
+}
+
+// The loops of 12 kernels, each on its own buffers (o[]: their offsets in the arena; the names
+// are those of k5_gemm__add's):
+// k5_gemm__add k12_gemm__add k19_gemm__add k26_gemm__add k33_gemm__add k40_gemm__add k47_gemm__add
+// k54_gemm__add k61_gemm__add k68_gemm__add k75_gemm__add k82_gemm__add
+__attribute__((noinline)) static void k5_gemm__add__code(char *arena, const MdlHooks *h, const int64_t *o) {
+  float *const restrict b8 = (float *)(arena + o[0]); // %8 add x f32[8,1024,768]
+  float *const restrict b14 = (float *)(arena + o[1]); // %14 param h.0.proj_b f32[768]
+  uint16_t *const restrict b34 = (uint16_t *)(arena + o[2]); // %34 cast bf16[8192,768]
+  uint16_t *const restrict b35 = (uint16_t *)(arena + o[3]); // %35 cast bf16[768,768]
+  float *const restrict b39 = (float *)(arena + o[4]); // %39 add h.0.x f32[8,1024,768]
   float *const b36 = b39; // %36 matmul f32[8192,768]: the GEMM writes into its epilogue's output
   if (h->bgemm) {
     mdl_bgemm(h, 0, 0, 8192, 768, 768, b34, 768, b35, 768, 0.0f, b36, 768);
@@ -468,17 +485,29 @@ static void k5_gemm__add(char *arena, const MdlHooks *h) {
   }
 }
 
-// k6_layernorm_fwd__cast: kernel, 3 ops
-//   %40    layernorm                               line 40    f32[8,1024,768]
-//   %41    reshape                                 line 40    f32[8192,768]
-//   %42    cast                                    line 40    bf16[8192,768]
+// k5_gemm__add: GEMM, 4 ops
+//   %36    matmul                                  line 39    f32[8192,768]
+//   %37    reshape                                 line 39    f32[8,1024,768]
+//   %38    add                                     line 39    f32[8,1024,768]
+//   %39    add                h.0.x                line 39    f32[8,1024,768]
 // loops:
-//   layernorm %40: 8192 rows of 768
-static void k6_layernorm_fwd__cast(char *arena, const MdlHooks *h) {
-  float *const b15 = (float *)(arena + 166990848); // %15 param h.0.ln2_w f32[768]
-  float *const b16 = (float *)(arena + 166993920); // %16 param h.0.ln2_b f32[768]
-  float *const b39 = (float *)(arena + 4682783872); // %39 add h.0.x f32[8,1024,768]
-  uint16_t *const b42 = (uint16_t *)(arena + 5362261120); // %42 cast bf16[8192,768]
+//   gemm %36: [8192 x 768] = [8192 x 768] [768 x 768], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
+//   elementwise over 6291456: %39
+static void k5_gemm__add(char *arena, const MdlHooks *h) {
+  static const int64_t o[] = {4657618048, 166987776, 5349678208, 2071842816, 4682783872};
+  k5_gemm__add__code(arena, h, o);
+}
+
+// The loops of 12 kernels, each on its own buffers (o[]: their offsets in the arena; the names
+// are those of k6_layernorm_fwd__cast's):
+// k6_layernorm_fwd__cast k13_layernorm_fwd__cast k20_layernorm_fwd__cast k27_layernorm_fwd__cast
+// k34_layernorm_fwd__cast k41_layernorm_fwd__cast k48_layernorm_fwd__cast k55_layernorm_fwd__cast
+// k62_layernorm_fwd__cast k69_layernorm_fwd__cast k76_layernorm_fwd__cast k83_layernorm_fwd__cast
+__attribute__((noinline)) static void k6_layernorm_fwd__cast__code(char *arena, const MdlHooks *h, const int64_t *o) {
+  float *const restrict b15 = (float *)(arena + o[0]); // %15 param h.0.ln2_w f32[768]
+  float *const restrict b16 = (float *)(arena + o[1]); // %16 param h.0.ln2_b f32[768]
+  float *const restrict b39 = (float *)(arena + o[2]); // %39 add h.0.x f32[8,1024,768]
+  uint16_t *const restrict b42 = (uint16_t *)(arena + o[3]); // %42 cast bf16[8192,768]
   #pragma omp parallel num_threads(h->nthreads)
   {
     float *yrow = mdl_scratch(768 * sizeof(float));
@@ -508,22 +537,28 @@ static void k6_layernorm_fwd__cast(char *arena, const MdlHooks *h) {
   }
 }
 
-// k7_gemm__add__gelu__cast: GEMM, 6 ops
-//   %44    matmul                                  line 40    f32[8192,3072]
-//   %45    reshape                                 line 40    f32[8,1024,3072]
-//   %46    add                                     line 40    f32[8,1024,3072]
-//   %47    gelu                                    line 40    f32[8,1024,3072]
-//   %48    reshape                                 line 40    f32[8192,3072]
-//   %49    cast                                    line 40    bf16[8192,3072]
+// k6_layernorm_fwd__cast: kernel, 3 ops
+//   %40    layernorm                               line 40    f32[8,1024,768]
+//   %41    reshape                                 line 40    f32[8192,768]
+//   %42    cast                                    line 40    bf16[8192,768]
 // loops:
-//   gemm %44: [8192 x 3072] = [8192 x 768] [768 x 3072], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
-//   elementwise over 25165824: %46 %49
-static void k7_gemm__add__gelu__cast(char *arena, const MdlHooks *h) {
-  float *const b18 = (float *)(arena + 176434176); // %18 param h.0.fc_b f32[3072]
-  uint16_t *const b42 = (uint16_t *)(arena + 5362261120); // %42 cast bf16[8192,768]
-  uint16_t *const b43 = (uint16_t *)(arena + 2073022464); // %43 cast bf16[768,3072]
-  float *const b46 = (float *)(arena + 2392693888); // %46 add f32[8,1024,3072]
-  uint16_t *const b49 = (uint16_t *)(arena + 3600653440); // %49 cast bf16[8192,3072]
+//   layernorm %40: 8192 rows of 768
+static void k6_layernorm_fwd__cast(char *arena, const MdlHooks *h) {
+  static const int64_t o[] = {166990848, 166993920, 4682783872, 5362261120};
+  k6_layernorm_fwd__cast__code(arena, h, o);
+}
+
+// The loops of 12 kernels, each on its own buffers (o[]: their offsets in the arena; the names
+// are those of k7_gemm__add__gelu__cast's):
+// k7_gemm__add__gelu__cast k14_gemm__add__gelu__cast k21_gemm__add__gelu__cast k28_gemm__add__gelu__cast
+// k35_gemm__add__gelu__cast k42_gemm__add__gelu__cast k49_gemm__add__gelu__cast k56_gemm__add__gelu__cast
+// k63_gemm__add__gelu__cast k70_gemm__add__gelu__cast k77_gemm__add__gelu__cast k84_gemm__add__gelu__cast
+__attribute__((noinline)) static void k7_gemm__add__gelu__cast__code(char *arena, const MdlHooks *h, const int64_t *o) {
+  float *const restrict b18 = (float *)(arena + o[0]); // %18 param h.0.fc_b f32[3072]
+  uint16_t *const restrict b42 = (uint16_t *)(arena + o[1]); // %42 cast bf16[8192,768]
+  uint16_t *const restrict b43 = (uint16_t *)(arena + o[2]); // %43 cast bf16[768,3072]
+  float *const restrict b46 = (float *)(arena + o[3]); // %46 add f32[8,1024,3072]
+  uint16_t *const restrict b49 = (uint16_t *)(arena + o[4]); // %49 cast bf16[8192,3072]
   float *const b44 = b46; // %44 matmul f32[8192,3072]: the GEMM writes into its epilogue's output
   if (h->bgemm) {
     mdl_bgemm(h, 0, 0, 8192, 3072, 768, b42, 768, b43, 3072, 0.0f, b44, 3072);
@@ -552,20 +587,31 @@ static void k7_gemm__add__gelu__cast(char *arena, const MdlHooks *h) {
   }
 }
 
-// k8_gemm__add: GEMM, 4 ops
-//   %51    matmul                                  line 40    f32[8192,768]
-//   %52    reshape                                 line 40    f32[8,1024,768]
-//   %53    add                                     line 40    f32[8,1024,768]
-//   %54    add                h.0.x                line 40    f32[8,1024,768]
+// k7_gemm__add__gelu__cast: GEMM, 6 ops
+//   %44    matmul                                  line 40    f32[8192,3072]
+//   %45    reshape                                 line 40    f32[8,1024,3072]
+//   %46    add                                     line 40    f32[8,1024,3072]
+//   %47    gelu                                    line 40    f32[8,1024,3072]
+//   %48    reshape                                 line 40    f32[8192,3072]
+//   %49    cast                                    line 40    bf16[8192,3072]
 // loops:
-//   gemm %51: [8192 x 768] = [8192 x 3072] [3072 x 768], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
-//   elementwise over 6291456: %54
-static void k8_gemm__add(char *arena, const MdlHooks *h) {
-  float *const b20 = (float *)(arena + 185883648); // %20 param h.0.fcproj_b f32[768]
-  float *const b39 = (float *)(arena + 4682783872); // %39 add h.0.x f32[8,1024,768]
-  uint16_t *const b49 = (uint16_t *)(arena + 3600653440); // %49 cast bf16[8192,3072]
-  uint16_t *const b50 = (uint16_t *)(arena + 2077741056); // %50 cast bf16[3072,768]
-  float *const b54 = (float *)(arena + 4707949696); // %54 add h.0.x f32[8,1024,768]
+//   gemm %44: [8192 x 3072] = [8192 x 768] [768 x 3072], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
+//   elementwise over 25165824: %46 %49
+static void k7_gemm__add__gelu__cast(char *arena, const MdlHooks *h) {
+  static const int64_t o[] = {176434176, 5362261120, 2073022464, 2392693888, 3600653440};
+  k7_gemm__add__gelu__cast__code(arena, h, o);
+}
+
+// The loops of 12 kernels, each on its own buffers (o[]: their offsets in the arena; the names
+// are those of k8_gemm__add's):
+// k8_gemm__add k15_gemm__add k22_gemm__add k29_gemm__add k36_gemm__add k43_gemm__add k50_gemm__add
+// k57_gemm__add k64_gemm__add k71_gemm__add k78_gemm__add k85_gemm__add
+__attribute__((noinline)) static void k8_gemm__add__code(char *arena, const MdlHooks *h, const int64_t *o) {
+  float *const restrict b20 = (float *)(arena + o[0]); // %20 param h.0.fcproj_b f32[768]
+  float *const restrict b39 = (float *)(arena + o[1]); // %39 add h.0.x f32[8,1024,768]
+  uint16_t *const restrict b49 = (uint16_t *)(arena + o[2]); // %49 cast bf16[8192,3072]
+  uint16_t *const restrict b50 = (uint16_t *)(arena + o[3]); // %50 cast bf16[3072,768]
+  float *const restrict b54 = (float *)(arena + o[4]); // %54 add h.0.x f32[8,1024,768]
   float *const b51 = b54; // %51 matmul f32[8192,768]: the GEMM writes into its epilogue's output
   if (h->bgemm) {
     mdl_bgemm(h, 0, 0, 8192, 768, 3072, b49, 3072, b50, 768, 0.0f, b51, 768);
@@ -592,17 +638,29 @@ static void k8_gemm__add(char *arena, const MdlHooks *h) {
   }
 }
 
-// k9_layernorm_fwd__cast: kernel, 3 ops
-//   %67    layernorm                               line 38    f32[8,1024,768]
-//   %68    reshape                                 line 38    f32[8192,768]
-//   %69    cast                                    line 38    bf16[8192,768]
+// k8_gemm__add: GEMM, 4 ops
+//   %51    matmul                                  line 40    f32[8192,768]
+//   %52    reshape                                 line 40    f32[8,1024,768]
+//   %53    add                                     line 40    f32[8,1024,768]
+//   %54    add                h.0.x                line 40    f32[8,1024,768]
 // loops:
-//   layernorm %67: 8192 rows of 768
-static void k9_layernorm_fwd__cast(char *arena, const MdlHooks *h) {
-  float *const b54 = (float *)(arena + 4707949696); // %54 add h.0.x f32[8,1024,768]
-  float *const b55 = (float *)(arena + 185886720); // %55 param h.1.ln1_w f32[768]
-  float *const b56 = (float *)(arena + 185889792); // %56 param h.1.ln1_b f32[768]
-  uint16_t *const b69 = (uint16_t *)(arena + 5374844032); // %69 cast bf16[8192,768]
+//   gemm %51: [8192 x 768] = [8192 x 3072] [3072 x 768], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
+//   elementwise over 6291456: %54
+static void k8_gemm__add(char *arena, const MdlHooks *h) {
+  static const int64_t o[] = {185883648, 4682783872, 3600653440, 2077741056, 4707949696};
+  k8_gemm__add__code(arena, h, o);
+}
+
+// The loops of 12 kernels, each on its own buffers (o[]: their offsets in the arena; the names
+// are those of k9_layernorm_fwd__cast's):
+// k9_layernorm_fwd__cast k16_layernorm_fwd__cast k23_layernorm_fwd__cast k30_layernorm_fwd__cast
+// k37_layernorm_fwd__cast k44_layernorm_fwd__cast k51_layernorm_fwd__cast k58_layernorm_fwd__cast
+// k65_layernorm_fwd__cast k72_layernorm_fwd__cast k79_layernorm_fwd__cast k86_layernorm_fwd__cast
+__attribute__((noinline)) static void k9_layernorm_fwd__cast__code(char *arena, const MdlHooks *h, const int64_t *o) {
+  float *const restrict b54 = (float *)(arena + o[0]); // %54 add h.0.x f32[8,1024,768]
+  float *const restrict b55 = (float *)(arena + o[1]); // %55 param h.1.ln1_w f32[768]
+  float *const restrict b56 = (float *)(arena + o[2]); // %56 param h.1.ln1_b f32[768]
+  uint16_t *const restrict b69 = (uint16_t *)(arena + o[3]); // %69 cast bf16[8192,768]
   #pragma omp parallel num_threads(h->nthreads)
   {
     float *yrow = mdl_scratch(768 * sizeof(float));
@@ -632,6 +690,17 @@ static void k9_layernorm_fwd__cast(char *arena, const MdlHooks *h) {
   }
 }
 
+// k9_layernorm_fwd__cast: kernel, 3 ops
+//   %67    layernorm                               line 38    f32[8,1024,768]
+//   %68    reshape                                 line 38    f32[8192,768]
+//   %69    cast                                    line 38    bf16[8192,768]
+// loops:
+//   layernorm %67: 8192 rows of 768
+static void k9_layernorm_fwd__cast(char *arena, const MdlHooks *h) {
+  static const int64_t o[] = {4707949696, 185886720, 185889792, 5374844032};
+  k9_layernorm_fwd__cast__code(arena, h, o);
+}
+
 // k10_gemm__add__cast: GEMM, 4 ops
 //   %71    matmul                                  line 38    f32[8192,2304]
 //   %72    reshape                                 line 38    f32[8,1024,2304]
@@ -641,34 +710,8 @@ static void k9_layernorm_fwd__cast(char *arena, const MdlHooks *h) {
 //   gemm %71: [8192 x 2304] = [8192 x 768] [768 x 2304], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
 //   elementwise over 18874368: %74
 static void k10_gemm__add__cast(char *arena, const MdlHooks *h) {
-  float *const b58 = (float *)(arena + 192970752); // %58 param h.1.attn_b f32[2304]
-  uint16_t *const b69 = (uint16_t *)(arena + 5374844032); // %69 cast bf16[8192,768]
-  uint16_t *const b70 = (uint16_t *)(arena + 2082459648); // %70 cast bf16[768,2304]
-  float *const b71 = mdl_scratch(75497472); // %71 matmul f32[8192,2304], kept in this kernel
-  uint16_t *const b74 = (uint16_t *)(arena + 4242381952); // %74 cast bf16[8,1024,2304]
-  if (h->bgemm) {
-    mdl_bgemm(h, 0, 0, 8192, 2304, 768, b69, 768, b70, 2304, 0.0f, b71, 2304);
-  }
-  else {
-    float *const w69 = mdl_widen_bf16(b69, 6291456, h->nthreads);
-    float *const w70 = mdl_widen_bf16(b70, 1769472, h->nthreads);
-    mdl_gemm(h, 0, 0, 8192, 2304, 768, w69, 768, w70, 2304, 0.0f, b71, 2304);
-    free(w69);
-    free(w70);
-  }
-  #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t r = 0; r < 8192; r++) {
-    for (int64_t c = 0; c < 2304; c++) {
-      const int64_t i = r * 2304 + c;
-      const float v71_i = b71[i];
-      const float v72_i = v71_i;
-      const float v58_c = b58[c];
-      const float v73_i = v72_i + v58_c;
-      const float v74_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v73_i));
-      b74[i] = mdl_f32_to_bf16(v74_i);
-    }
-  }
-  free(b71);
+  static const int64_t o[] = {192970752, 5374844032, 2082459648, 4242381952};
+  k3_gemm__add__cast__code(arena, h, o);
 }
 
 // k11_attention_fwd__cast__lse: attention, 4 ops
@@ -679,99 +722,8 @@ static void k10_gemm__add__cast(char *arena, const MdlHooks *h) {
 // loops:
 //   attention and its log-sum-exp per row: B 8, T 1024, 12 heads of 64, causal, within documents; one task per (batch, head)
 static void k11_attention_fwd__cast__lse(char *arena, const MdlHooks *h) {
-  int32_t *const b3 = (int32_t *)(arena + 2238271488); // %3 input doc i32[8,1024]
-  uint16_t *const b74 = (uint16_t *)(arena + 4242381952); // %74 cast bf16[8,1024,2304]
-  uint16_t *const b80 = (uint16_t *)(arena + 5387426944); // %80 cast bf16[8192,768]
-  float *const b1011 = (float *)(arena + 5803056256); // %1011 attention_lse f32[8,12,1024]
-  #pragma omp parallel num_threads(h->nthreads)
-  {
-    float *restrict kt = memset(mdl_scratch(67584 * sizeof(float)), 0, 67584 * sizeof(float));
-    float *restrict s = memset(mdl_scratch(1056 * sizeof(float)), 0, 1056 * sizeof(float));
-    #pragma omp for schedule(dynamic, 1)
-    for (int64_t task = 0; task < 96; task++) {
-      const int64_t b = task / 12, hd = task % 12;
-      for (int64_t j = 0; j < 1024; j++) {
-        const uint16_t *xj = b74 + 768 + (b * 1024 + j) * 2304 + hd * 64;
-        for (int64_t c = 0; c < 64; c++)
-          kt[c * 1056 + j] = mdl_bf16_to_f32(xj[c]);
-      }
-      int64_t lo = 0, hi = 1024;
-      const int32_t *restrict dc = b3 + b * 1024;
-      for (int64_t i = 0; i < 1024; i++) {
-        const int32_t di = dc[i];
-        if (i == 0 || dc[i - 1] != di) {
-          lo = 0;
-          while (dc[lo] != di)
-            lo++;
-        }
-        hi = i + 1;
-        float qr[64];
-        for (int64_t c = 0; c < 64; c++)
-          qr[c] = mdl_bf16_to_f32(b74[(b * 1024 + i) * 2304 + hd * 64 + c]);
-        const float *restrict qi = qr;
-        for (int64_t j0 = lo; j0 < hi; j0 += 32) {
-          float acc[32] = {0};
-          for (int64_t c = 0; c < 64; c++) {
-            const float vc = qi[c], *restrict mc = kt + c * 1056 + j0;
-            #pragma omp simd
-            for (int64_t u = 0; u < 32; u++)
-              acc[u] += vc * mc[u];
-          }
-          memcpy(s + j0, acc, sizeof acc);
-        }
-        float m = -INFINITY;
-        #pragma omp simd reduction(max : m)
-        for (int64_t j = lo; j < hi; j++) {
-          s[j] = dc[j] == di ? s[j] * 0.125f : -INFINITY;
-          m = s[j] > m ? s[j] : m;
-        }
-        #pragma omp simd
-        for (int64_t j = lo; j < hi; j++)
-          s[j] = mdl_exp_shifted(s[j] - m);
-        float l;
-        {
-          float part[8] = {0};
-          int64_t j0 = lo;
-          for (; j0 + 8 <= hi; j0 += 8) {
-            for (int64_t u = 0; u < 8; u++) {
-              const int64_t j = j0 + u;
-              part[u] += s[j];
-            }
-          }
-          for (int64_t j = j0; j < hi; j++) {
-            part[j - j0] += s[j];
-          }
-          l = ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
-        }
-        b1011[(b * 12 + hd) * 1024 + i] = m + logf(l);
-        float acc0[64] = {0}, acc1[64] = {0};
-        int64_t j = lo;
-        for (; j + 1 < hi; j += 2) {
-          const float w0 = mdl_bf16_to_f32(mdl_f32_to_bf16(s[j])), w1 = mdl_bf16_to_f32(mdl_f32_to_bf16(s[j + 1]));
-          const uint16_t *restrict x0 = b74 + 1536 + (b * 1024 + j) * 2304 + hd * 64, *restrict x1 = x0 + 2304;
-          #pragma omp simd
-          for (int64_t c = 0; c < 64; c++) {
-            acc0[c] += w0 * mdl_bf16_to_f32(x0[c]);
-            acc1[c] += w1 * mdl_bf16_to_f32(x1[c]);
-          }
-        }
-        if (j < hi) {
-          const float w0 = mdl_bf16_to_f32(mdl_f32_to_bf16(s[j]));
-          const uint16_t *restrict x0 = b74 + 1536 + (b * 1024 + j) * 2304 + hd * 64;
-          #pragma omp simd
-          for (int64_t c = 0; c < 64; c++)
-            acc0[c] += w0 * mdl_bf16_to_f32(x0[c]);
-        }
-        uint16_t *restrict o0 = b80 + (b * 1024 + i) * 768 + hd * 64;
-        for (int64_t c = 0; c < 64; c++) {
-          const float y = (acc0[c] + acc1[c]) / l;
-          o0[c] = mdl_f32_to_bf16(y);
-        }
-      }
-    }
-    free(kt);
-    free(s);
-  }
+  static const int64_t o[] = {2238271488, 4242381952, 5387426944, 5803056256};
+  k4_attention_fwd__cast__lse__code(arena, h, o);
 }
 
 // k12_gemm__add: GEMM, 4 ops
@@ -783,35 +735,8 @@ static void k11_attention_fwd__cast__lse(char *arena, const MdlHooks *h) {
 //   gemm %82: [8192 x 768] = [8192 x 768] [768 x 768], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
 //   elementwise over 6291456: %85
 static void k12_gemm__add(char *arena, const MdlHooks *h) {
-  float *const b54 = (float *)(arena + 4707949696); // %54 add h.0.x f32[8,1024,768]
-  float *const b60 = (float *)(arena + 195339264); // %60 param h.1.proj_b f32[768]
-  uint16_t *const b80 = (uint16_t *)(arena + 5387426944); // %80 cast bf16[8192,768]
-  uint16_t *const b81 = (uint16_t *)(arena + 2085998592); // %81 cast bf16[768,768]
-  float *const b85 = (float *)(arena + 4733115520); // %85 add h.1.x f32[8,1024,768]
-  float *const b82 = b85; // %82 matmul f32[8192,768]: the GEMM writes into its epilogue's output
-  if (h->bgemm) {
-    mdl_bgemm(h, 0, 0, 8192, 768, 768, b80, 768, b81, 768, 0.0f, b82, 768);
-  }
-  else {
-    float *const w80 = mdl_widen_bf16(b80, 6291456, h->nthreads);
-    float *const w81 = mdl_widen_bf16(b81, 589824, h->nthreads);
-    mdl_gemm(h, 0, 0, 8192, 768, 768, w80, 768, w81, 768, 0.0f, b82, 768);
-    free(w80);
-    free(w81);
-  }
-  #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t r = 0; r < 8192; r++) {
-    for (int64_t c = 0; c < 768; c++) {
-      const int64_t i = r * 768 + c;
-      const float v54_i = b54[i];
-      const float v82_i = b82[i];
-      const float v83_i = v82_i;
-      const float v84_i = v54_i + v83_i;
-      const float v60_c = b60[c];
-      const float v85_i = v84_i + v60_c;
-      b85[i] = v85_i;
-    }
-  }
+  static const int64_t o[] = {4707949696, 195339264, 5387426944, 2085998592, 4733115520};
+  k5_gemm__add__code(arena, h, o);
 }
 
 // k13_layernorm_fwd__cast: kernel, 3 ops
@@ -821,37 +746,8 @@ static void k12_gemm__add(char *arena, const MdlHooks *h) {
 // loops:
 //   layernorm %86: 8192 rows of 768
 static void k13_layernorm_fwd__cast(char *arena, const MdlHooks *h) {
-  float *const b61 = (float *)(arena + 195342336); // %61 param h.1.ln2_w f32[768]
-  float *const b62 = (float *)(arena + 195345408); // %62 param h.1.ln2_b f32[768]
-  float *const b85 = (float *)(arena + 4733115520); // %85 add h.1.x f32[8,1024,768]
-  uint16_t *const b88 = (uint16_t *)(arena + 5400009856); // %88 cast bf16[8192,768]
-  #pragma omp parallel num_threads(h->nthreads)
-  {
-    float *yrow = mdl_scratch(768 * sizeof(float));
-    #pragma omp for schedule(static)
-    for (int64_t r = 0; r < 8192; r++) {
-      const float *x = b85 + r * 768;
-      double mean = 0, var = 0;
-      #pragma omp simd reduction(+ : mean)
-      for (int64_t j = 0; j < 768; j++)
-        mean += x[j];
-      mean /= 768;
-      #pragma omp simd reduction(+ : var)
-      for (int64_t j = 0; j < 768; j++)
-        var += (x[j] - mean) * (x[j] - mean);
-      const double rstd = 1.0 / sqrt(var / 768 + 1e-05);
-      float *y = yrow;
-      for (int64_t j = 0; j < 768; j++)
-        y[j] = (float)((x[j] - mean) * rstd * b61[j] + b62[j]);
-      for (int64_t j = 0; j < 768; j++) {
-        const int64_t ix = r * 768 + j;
-        const float v87_ix = y[j];
-        const float v88_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v87_ix));
-        b88[ix] = mdl_f32_to_bf16(v88_ix);
-      }
-    }
-    free(yrow);
-  }
+  static const int64_t o[] = {195342336, 195345408, 4733115520, 5400009856};
+  k6_layernorm_fwd__cast__code(arena, h, o);
 }
 
 // k14_gemm__add__gelu__cast: GEMM, 6 ops
@@ -865,37 +761,8 @@ static void k13_layernorm_fwd__cast(char *arena, const MdlHooks *h) {
 //   gemm %90: [8192 x 3072] = [8192 x 768] [768 x 3072], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
 //   elementwise over 25165824: %92 %95
 static void k14_gemm__add__gelu__cast(char *arena, const MdlHooks *h) {
-  float *const b64 = (float *)(arena + 204785664); // %64 param h.1.fc_b f32[3072]
-  uint16_t *const b88 = (uint16_t *)(arena + 5400009856); // %88 cast bf16[8192,768]
-  uint16_t *const b89 = (uint16_t *)(arena + 2087178240); // %89 cast bf16[768,3072]
-  float *const b92 = (float *)(arena + 2493357184); // %92 add f32[8,1024,3072]
-  uint16_t *const b95 = (uint16_t *)(arena + 3650985088); // %95 cast bf16[8192,3072]
-  float *const b90 = b92; // %90 matmul f32[8192,3072]: the GEMM writes into its epilogue's output
-  if (h->bgemm) {
-    mdl_bgemm(h, 0, 0, 8192, 3072, 768, b88, 768, b89, 3072, 0.0f, b90, 3072);
-  }
-  else {
-    float *const w88 = mdl_widen_bf16(b88, 6291456, h->nthreads);
-    float *const w89 = mdl_widen_bf16(b89, 2359296, h->nthreads);
-    mdl_gemm(h, 0, 0, 8192, 3072, 768, w88, 768, w89, 3072, 0.0f, b90, 3072);
-    free(w88);
-    free(w89);
-  }
-  #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t r = 0; r < 8192; r++) {
-    for (int64_t c = 0; c < 3072; c++) {
-      const int64_t i = r * 3072 + c;
-      const float v90_i = b90[i];
-      const float v91_i = v90_i;
-      const float v64_c = b64[c];
-      const float v92_i = v91_i + v64_c;
-      b92[i] = v92_i;
-      const float v93_i = mdl_gelu(v92_i);
-      const float v94_i = v93_i;
-      const float v95_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v94_i));
-      b95[i] = mdl_f32_to_bf16(v95_i);
-    }
-  }
+  static const int64_t o[] = {204785664, 5400009856, 2087178240, 2493357184, 3650985088};
+  k7_gemm__add__gelu__cast__code(arena, h, o);
 }
 
 // k15_gemm__add: GEMM, 4 ops
@@ -907,35 +774,8 @@ static void k14_gemm__add__gelu__cast(char *arena, const MdlHooks *h) {
 //   gemm %97: [8192 x 768] = [8192 x 3072] [3072 x 768], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
 //   elementwise over 6291456: %100
 static void k15_gemm__add(char *arena, const MdlHooks *h) {
-  float *const b66 = (float *)(arena + 214235136); // %66 param h.1.fcproj_b f32[768]
-  float *const b85 = (float *)(arena + 4733115520); // %85 add h.1.x f32[8,1024,768]
-  uint16_t *const b95 = (uint16_t *)(arena + 3650985088); // %95 cast bf16[8192,3072]
-  uint16_t *const b96 = (uint16_t *)(arena + 2091896832); // %96 cast bf16[3072,768]
-  float *const b100 = (float *)(arena + 4758281344); // %100 add h.1.x f32[8,1024,768]
-  float *const b97 = b100; // %97 matmul f32[8192,768]: the GEMM writes into its epilogue's output
-  if (h->bgemm) {
-    mdl_bgemm(h, 0, 0, 8192, 768, 3072, b95, 3072, b96, 768, 0.0f, b97, 768);
-  }
-  else {
-    float *const w95 = mdl_widen_bf16(b95, 25165824, h->nthreads);
-    float *const w96 = mdl_widen_bf16(b96, 2359296, h->nthreads);
-    mdl_gemm(h, 0, 0, 8192, 768, 3072, w95, 3072, w96, 768, 0.0f, b97, 768);
-    free(w95);
-    free(w96);
-  }
-  #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t r = 0; r < 8192; r++) {
-    for (int64_t c = 0; c < 768; c++) {
-      const int64_t i = r * 768 + c;
-      const float v85_i = b85[i];
-      const float v97_i = b97[i];
-      const float v98_i = v97_i;
-      const float v99_i = v85_i + v98_i;
-      const float v66_c = b66[c];
-      const float v100_i = v99_i + v66_c;
-      b100[i] = v100_i;
-    }
-  }
+  static const int64_t o[] = {214235136, 4733115520, 3650985088, 2091896832, 4758281344};
+  k8_gemm__add__code(arena, h, o);
 }
 
 // k16_layernorm_fwd__cast: kernel, 3 ops
@@ -945,37 +785,8 @@ static void k15_gemm__add(char *arena, const MdlHooks *h) {
 // loops:
 //   layernorm %113: 8192 rows of 768
 static void k16_layernorm_fwd__cast(char *arena, const MdlHooks *h) {
-  float *const b100 = (float *)(arena + 4758281344); // %100 add h.1.x f32[8,1024,768]
-  float *const b101 = (float *)(arena + 214238208); // %101 param h.2.ln1_w f32[768]
-  float *const b102 = (float *)(arena + 214241280); // %102 param h.2.ln1_b f32[768]
-  uint16_t *const b115 = (uint16_t *)(arena + 5412592768); // %115 cast bf16[8192,768]
-  #pragma omp parallel num_threads(h->nthreads)
-  {
-    float *yrow = mdl_scratch(768 * sizeof(float));
-    #pragma omp for schedule(static)
-    for (int64_t r = 0; r < 8192; r++) {
-      const float *x = b100 + r * 768;
-      double mean = 0, var = 0;
-      #pragma omp simd reduction(+ : mean)
-      for (int64_t j = 0; j < 768; j++)
-        mean += x[j];
-      mean /= 768;
-      #pragma omp simd reduction(+ : var)
-      for (int64_t j = 0; j < 768; j++)
-        var += (x[j] - mean) * (x[j] - mean);
-      const double rstd = 1.0 / sqrt(var / 768 + 1e-05);
-      float *y = yrow;
-      for (int64_t j = 0; j < 768; j++)
-        y[j] = (float)((x[j] - mean) * rstd * b101[j] + b102[j]);
-      for (int64_t j = 0; j < 768; j++) {
-        const int64_t ix = r * 768 + j;
-        const float v114_ix = y[j];
-        const float v115_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v114_ix));
-        b115[ix] = mdl_f32_to_bf16(v115_ix);
-      }
-    }
-    free(yrow);
-  }
+  static const int64_t o[] = {4758281344, 214238208, 214241280, 5412592768};
+  k9_layernorm_fwd__cast__code(arena, h, o);
 }
 
 // k17_gemm__add__cast: GEMM, 4 ops
@@ -987,34 +798,8 @@ static void k16_layernorm_fwd__cast(char *arena, const MdlHooks *h) {
 //   gemm %117: [8192 x 2304] = [8192 x 768] [768 x 2304], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
 //   elementwise over 18874368: %120
 static void k17_gemm__add__cast(char *arena, const MdlHooks *h) {
-  float *const b104 = (float *)(arena + 221322240); // %104 param h.2.attn_b f32[2304]
-  uint16_t *const b115 = (uint16_t *)(arena + 5412592768); // %115 cast bf16[8192,768]
-  uint16_t *const b116 = (uint16_t *)(arena + 2096615424); // %116 cast bf16[768,2304]
-  float *const b117 = mdl_scratch(75497472); // %117 matmul f32[8192,2304], kept in this kernel
-  uint16_t *const b120 = (uint16_t *)(arena + 4280130688); // %120 cast bf16[8,1024,2304]
-  if (h->bgemm) {
-    mdl_bgemm(h, 0, 0, 8192, 2304, 768, b115, 768, b116, 2304, 0.0f, b117, 2304);
-  }
-  else {
-    float *const w115 = mdl_widen_bf16(b115, 6291456, h->nthreads);
-    float *const w116 = mdl_widen_bf16(b116, 1769472, h->nthreads);
-    mdl_gemm(h, 0, 0, 8192, 2304, 768, w115, 768, w116, 2304, 0.0f, b117, 2304);
-    free(w115);
-    free(w116);
-  }
-  #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t r = 0; r < 8192; r++) {
-    for (int64_t c = 0; c < 2304; c++) {
-      const int64_t i = r * 2304 + c;
-      const float v117_i = b117[i];
-      const float v118_i = v117_i;
-      const float v104_c = b104[c];
-      const float v119_i = v118_i + v104_c;
-      const float v120_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v119_i));
-      b120[i] = mdl_f32_to_bf16(v120_i);
-    }
-  }
-  free(b117);
+  static const int64_t o[] = {221322240, 5412592768, 2096615424, 4280130688};
+  k3_gemm__add__cast__code(arena, h, o);
 }
 
 // k18_attention_fwd__cast__lse: attention, 4 ops
@@ -1025,99 +810,8 @@ static void k17_gemm__add__cast(char *arena, const MdlHooks *h) {
 // loops:
 //   attention and its log-sum-exp per row: B 8, T 1024, 12 heads of 64, causal, within documents; one task per (batch, head)
 static void k18_attention_fwd__cast__lse(char *arena, const MdlHooks *h) {
-  int32_t *const b3 = (int32_t *)(arena + 2238271488); // %3 input doc i32[8,1024]
-  uint16_t *const b120 = (uint16_t *)(arena + 4280130688); // %120 cast bf16[8,1024,2304]
-  uint16_t *const b126 = (uint16_t *)(arena + 5425175680); // %126 cast bf16[8192,768]
-  float *const b971 = (float *)(arena + 5803449472); // %971 attention_lse f32[8,12,1024]
-  #pragma omp parallel num_threads(h->nthreads)
-  {
-    float *restrict kt = memset(mdl_scratch(67584 * sizeof(float)), 0, 67584 * sizeof(float));
-    float *restrict s = memset(mdl_scratch(1056 * sizeof(float)), 0, 1056 * sizeof(float));
-    #pragma omp for schedule(dynamic, 1)
-    for (int64_t task = 0; task < 96; task++) {
-      const int64_t b = task / 12, hd = task % 12;
-      for (int64_t j = 0; j < 1024; j++) {
-        const uint16_t *xj = b120 + 768 + (b * 1024 + j) * 2304 + hd * 64;
-        for (int64_t c = 0; c < 64; c++)
-          kt[c * 1056 + j] = mdl_bf16_to_f32(xj[c]);
-      }
-      int64_t lo = 0, hi = 1024;
-      const int32_t *restrict dc = b3 + b * 1024;
-      for (int64_t i = 0; i < 1024; i++) {
-        const int32_t di = dc[i];
-        if (i == 0 || dc[i - 1] != di) {
-          lo = 0;
-          while (dc[lo] != di)
-            lo++;
-        }
-        hi = i + 1;
-        float qr[64];
-        for (int64_t c = 0; c < 64; c++)
-          qr[c] = mdl_bf16_to_f32(b120[(b * 1024 + i) * 2304 + hd * 64 + c]);
-        const float *restrict qi = qr;
-        for (int64_t j0 = lo; j0 < hi; j0 += 32) {
-          float acc[32] = {0};
-          for (int64_t c = 0; c < 64; c++) {
-            const float vc = qi[c], *restrict mc = kt + c * 1056 + j0;
-            #pragma omp simd
-            for (int64_t u = 0; u < 32; u++)
-              acc[u] += vc * mc[u];
-          }
-          memcpy(s + j0, acc, sizeof acc);
-        }
-        float m = -INFINITY;
-        #pragma omp simd reduction(max : m)
-        for (int64_t j = lo; j < hi; j++) {
-          s[j] = dc[j] == di ? s[j] * 0.125f : -INFINITY;
-          m = s[j] > m ? s[j] : m;
-        }
-        #pragma omp simd
-        for (int64_t j = lo; j < hi; j++)
-          s[j] = mdl_exp_shifted(s[j] - m);
-        float l;
-        {
-          float part[8] = {0};
-          int64_t j0 = lo;
-          for (; j0 + 8 <= hi; j0 += 8) {
-            for (int64_t u = 0; u < 8; u++) {
-              const int64_t j = j0 + u;
-              part[u] += s[j];
-            }
-          }
-          for (int64_t j = j0; j < hi; j++) {
-            part[j - j0] += s[j];
-          }
-          l = ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
-        }
-        b971[(b * 12 + hd) * 1024 + i] = m + logf(l);
-        float acc0[64] = {0}, acc1[64] = {0};
-        int64_t j = lo;
-        for (; j + 1 < hi; j += 2) {
-          const float w0 = mdl_bf16_to_f32(mdl_f32_to_bf16(s[j])), w1 = mdl_bf16_to_f32(mdl_f32_to_bf16(s[j + 1]));
-          const uint16_t *restrict x0 = b120 + 1536 + (b * 1024 + j) * 2304 + hd * 64, *restrict x1 = x0 + 2304;
-          #pragma omp simd
-          for (int64_t c = 0; c < 64; c++) {
-            acc0[c] += w0 * mdl_bf16_to_f32(x0[c]);
-            acc1[c] += w1 * mdl_bf16_to_f32(x1[c]);
-          }
-        }
-        if (j < hi) {
-          const float w0 = mdl_bf16_to_f32(mdl_f32_to_bf16(s[j]));
-          const uint16_t *restrict x0 = b120 + 1536 + (b * 1024 + j) * 2304 + hd * 64;
-          #pragma omp simd
-          for (int64_t c = 0; c < 64; c++)
-            acc0[c] += w0 * mdl_bf16_to_f32(x0[c]);
-        }
-        uint16_t *restrict o0 = b126 + (b * 1024 + i) * 768 + hd * 64;
-        for (int64_t c = 0; c < 64; c++) {
-          const float y = (acc0[c] + acc1[c]) / l;
-          o0[c] = mdl_f32_to_bf16(y);
-        }
-      }
-    }
-    free(kt);
-    free(s);
-  }
+  static const int64_t o[] = {2238271488, 4280130688, 5425175680, 5803449472};
+  k4_attention_fwd__cast__lse__code(arena, h, o);
 }
 
 // k19_gemm__add: GEMM, 4 ops
@@ -1129,35 +823,8 @@ static void k18_attention_fwd__cast__lse(char *arena, const MdlHooks *h) {
 //   gemm %128: [8192 x 768] = [8192 x 768] [768 x 768], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
 //   elementwise over 6291456: %131
 static void k19_gemm__add(char *arena, const MdlHooks *h) {
-  float *const b100 = (float *)(arena + 4758281344); // %100 add h.1.x f32[8,1024,768]
-  float *const b106 = (float *)(arena + 223690752); // %106 param h.2.proj_b f32[768]
-  uint16_t *const b126 = (uint16_t *)(arena + 5425175680); // %126 cast bf16[8192,768]
-  uint16_t *const b127 = (uint16_t *)(arena + 2100154368); // %127 cast bf16[768,768]
-  float *const b131 = (float *)(arena + 4783447168); // %131 add h.2.x f32[8,1024,768]
-  float *const b128 = b131; // %128 matmul f32[8192,768]: the GEMM writes into its epilogue's output
-  if (h->bgemm) {
-    mdl_bgemm(h, 0, 0, 8192, 768, 768, b126, 768, b127, 768, 0.0f, b128, 768);
-  }
-  else {
-    float *const w126 = mdl_widen_bf16(b126, 6291456, h->nthreads);
-    float *const w127 = mdl_widen_bf16(b127, 589824, h->nthreads);
-    mdl_gemm(h, 0, 0, 8192, 768, 768, w126, 768, w127, 768, 0.0f, b128, 768);
-    free(w126);
-    free(w127);
-  }
-  #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t r = 0; r < 8192; r++) {
-    for (int64_t c = 0; c < 768; c++) {
-      const int64_t i = r * 768 + c;
-      const float v100_i = b100[i];
-      const float v128_i = b128[i];
-      const float v129_i = v128_i;
-      const float v130_i = v100_i + v129_i;
-      const float v106_c = b106[c];
-      const float v131_i = v130_i + v106_c;
-      b131[i] = v131_i;
-    }
-  }
+  static const int64_t o[] = {4758281344, 223690752, 5425175680, 2100154368, 4783447168};
+  k5_gemm__add__code(arena, h, o);
 }
 
 // k20_layernorm_fwd__cast: kernel, 3 ops
@@ -1167,37 +834,8 @@ static void k19_gemm__add(char *arena, const MdlHooks *h) {
 // loops:
 //   layernorm %132: 8192 rows of 768
 static void k20_layernorm_fwd__cast(char *arena, const MdlHooks *h) {
-  float *const b107 = (float *)(arena + 223693824); // %107 param h.2.ln2_w f32[768]
-  float *const b108 = (float *)(arena + 223696896); // %108 param h.2.ln2_b f32[768]
-  float *const b131 = (float *)(arena + 4783447168); // %131 add h.2.x f32[8,1024,768]
-  uint16_t *const b134 = (uint16_t *)(arena + 5437758592); // %134 cast bf16[8192,768]
-  #pragma omp parallel num_threads(h->nthreads)
-  {
-    float *yrow = mdl_scratch(768 * sizeof(float));
-    #pragma omp for schedule(static)
-    for (int64_t r = 0; r < 8192; r++) {
-      const float *x = b131 + r * 768;
-      double mean = 0, var = 0;
-      #pragma omp simd reduction(+ : mean)
-      for (int64_t j = 0; j < 768; j++)
-        mean += x[j];
-      mean /= 768;
-      #pragma omp simd reduction(+ : var)
-      for (int64_t j = 0; j < 768; j++)
-        var += (x[j] - mean) * (x[j] - mean);
-      const double rstd = 1.0 / sqrt(var / 768 + 1e-05);
-      float *y = yrow;
-      for (int64_t j = 0; j < 768; j++)
-        y[j] = (float)((x[j] - mean) * rstd * b107[j] + b108[j]);
-      for (int64_t j = 0; j < 768; j++) {
-        const int64_t ix = r * 768 + j;
-        const float v133_ix = y[j];
-        const float v134_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v133_ix));
-        b134[ix] = mdl_f32_to_bf16(v134_ix);
-      }
-    }
-    free(yrow);
-  }
+  static const int64_t o[] = {223693824, 223696896, 4783447168, 5437758592};
+  k6_layernorm_fwd__cast__code(arena, h, o);
 }
 
 // k21_gemm__add__gelu__cast: GEMM, 6 ops
@@ -1211,37 +849,8 @@ static void k20_layernorm_fwd__cast(char *arena, const MdlHooks *h) {
 //   gemm %136: [8192 x 3072] = [8192 x 768] [768 x 3072], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
 //   elementwise over 25165824: %138 %141
 static void k21_gemm__add__gelu__cast(char *arena, const MdlHooks *h) {
-  float *const b110 = (float *)(arena + 233137152); // %110 param h.2.fc_b f32[3072]
-  uint16_t *const b134 = (uint16_t *)(arena + 5437758592); // %134 cast bf16[8192,768]
-  uint16_t *const b135 = (uint16_t *)(arena + 2101334016); // %135 cast bf16[768,3072]
-  float *const b138 = (float *)(arena + 2594020480); // %138 add f32[8,1024,3072]
-  uint16_t *const b141 = (uint16_t *)(arena + 3701316736); // %141 cast bf16[8192,3072]
-  float *const b136 = b138; // %136 matmul f32[8192,3072]: the GEMM writes into its epilogue's output
-  if (h->bgemm) {
-    mdl_bgemm(h, 0, 0, 8192, 3072, 768, b134, 768, b135, 3072, 0.0f, b136, 3072);
-  }
-  else {
-    float *const w134 = mdl_widen_bf16(b134, 6291456, h->nthreads);
-    float *const w135 = mdl_widen_bf16(b135, 2359296, h->nthreads);
-    mdl_gemm(h, 0, 0, 8192, 3072, 768, w134, 768, w135, 3072, 0.0f, b136, 3072);
-    free(w134);
-    free(w135);
-  }
-  #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t r = 0; r < 8192; r++) {
-    for (int64_t c = 0; c < 3072; c++) {
-      const int64_t i = r * 3072 + c;
-      const float v136_i = b136[i];
-      const float v137_i = v136_i;
-      const float v110_c = b110[c];
-      const float v138_i = v137_i + v110_c;
-      b138[i] = v138_i;
-      const float v139_i = mdl_gelu(v138_i);
-      const float v140_i = v139_i;
-      const float v141_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v140_i));
-      b141[i] = mdl_f32_to_bf16(v141_i);
-    }
-  }
+  static const int64_t o[] = {233137152, 5437758592, 2101334016, 2594020480, 3701316736};
+  k7_gemm__add__gelu__cast__code(arena, h, o);
 }
 
 // k22_gemm__add: GEMM, 4 ops
@@ -1253,35 +862,8 @@ static void k21_gemm__add__gelu__cast(char *arena, const MdlHooks *h) {
 //   gemm %143: [8192 x 768] = [8192 x 3072] [3072 x 768], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
 //   elementwise over 6291456: %146
 static void k22_gemm__add(char *arena, const MdlHooks *h) {
-  float *const b112 = (float *)(arena + 242586624); // %112 param h.2.fcproj_b f32[768]
-  float *const b131 = (float *)(arena + 4783447168); // %131 add h.2.x f32[8,1024,768]
-  uint16_t *const b141 = (uint16_t *)(arena + 3701316736); // %141 cast bf16[8192,3072]
-  uint16_t *const b142 = (uint16_t *)(arena + 2106052608); // %142 cast bf16[3072,768]
-  float *const b146 = (float *)(arena + 4808612992); // %146 add h.2.x f32[8,1024,768]
-  float *const b143 = b146; // %143 matmul f32[8192,768]: the GEMM writes into its epilogue's output
-  if (h->bgemm) {
-    mdl_bgemm(h, 0, 0, 8192, 768, 3072, b141, 3072, b142, 768, 0.0f, b143, 768);
-  }
-  else {
-    float *const w141 = mdl_widen_bf16(b141, 25165824, h->nthreads);
-    float *const w142 = mdl_widen_bf16(b142, 2359296, h->nthreads);
-    mdl_gemm(h, 0, 0, 8192, 768, 3072, w141, 3072, w142, 768, 0.0f, b143, 768);
-    free(w141);
-    free(w142);
-  }
-  #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t r = 0; r < 8192; r++) {
-    for (int64_t c = 0; c < 768; c++) {
-      const int64_t i = r * 768 + c;
-      const float v131_i = b131[i];
-      const float v143_i = b143[i];
-      const float v144_i = v143_i;
-      const float v145_i = v131_i + v144_i;
-      const float v112_c = b112[c];
-      const float v146_i = v145_i + v112_c;
-      b146[i] = v146_i;
-    }
-  }
+  static const int64_t o[] = {242586624, 4783447168, 3701316736, 2106052608, 4808612992};
+  k8_gemm__add__code(arena, h, o);
 }
 
 // k23_layernorm_fwd__cast: kernel, 3 ops
@@ -1291,37 +873,8 @@ static void k22_gemm__add(char *arena, const MdlHooks *h) {
 // loops:
 //   layernorm %159: 8192 rows of 768
 static void k23_layernorm_fwd__cast(char *arena, const MdlHooks *h) {
-  float *const b146 = (float *)(arena + 4808612992); // %146 add h.2.x f32[8,1024,768]
-  float *const b147 = (float *)(arena + 242589696); // %147 param h.3.ln1_w f32[768]
-  float *const b148 = (float *)(arena + 242592768); // %148 param h.3.ln1_b f32[768]
-  uint16_t *const b161 = (uint16_t *)(arena + 5450341504); // %161 cast bf16[8192,768]
-  #pragma omp parallel num_threads(h->nthreads)
-  {
-    float *yrow = mdl_scratch(768 * sizeof(float));
-    #pragma omp for schedule(static)
-    for (int64_t r = 0; r < 8192; r++) {
-      const float *x = b146 + r * 768;
-      double mean = 0, var = 0;
-      #pragma omp simd reduction(+ : mean)
-      for (int64_t j = 0; j < 768; j++)
-        mean += x[j];
-      mean /= 768;
-      #pragma omp simd reduction(+ : var)
-      for (int64_t j = 0; j < 768; j++)
-        var += (x[j] - mean) * (x[j] - mean);
-      const double rstd = 1.0 / sqrt(var / 768 + 1e-05);
-      float *y = yrow;
-      for (int64_t j = 0; j < 768; j++)
-        y[j] = (float)((x[j] - mean) * rstd * b147[j] + b148[j]);
-      for (int64_t j = 0; j < 768; j++) {
-        const int64_t ix = r * 768 + j;
-        const float v160_ix = y[j];
-        const float v161_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v160_ix));
-        b161[ix] = mdl_f32_to_bf16(v161_ix);
-      }
-    }
-    free(yrow);
-  }
+  static const int64_t o[] = {4808612992, 242589696, 242592768, 5450341504};
+  k9_layernorm_fwd__cast__code(arena, h, o);
 }
 
 // k24_gemm__add__cast: GEMM, 4 ops
@@ -1333,34 +886,8 @@ static void k23_layernorm_fwd__cast(char *arena, const MdlHooks *h) {
 //   gemm %163: [8192 x 2304] = [8192 x 768] [768 x 2304], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
 //   elementwise over 18874368: %166
 static void k24_gemm__add__cast(char *arena, const MdlHooks *h) {
-  float *const b150 = (float *)(arena + 249673728); // %150 param h.3.attn_b f32[2304]
-  uint16_t *const b161 = (uint16_t *)(arena + 5450341504); // %161 cast bf16[8192,768]
-  uint16_t *const b162 = (uint16_t *)(arena + 2110771200); // %162 cast bf16[768,2304]
-  float *const b163 = mdl_scratch(75497472); // %163 matmul f32[8192,2304], kept in this kernel
-  uint16_t *const b166 = (uint16_t *)(arena + 4317879424); // %166 cast bf16[8,1024,2304]
-  if (h->bgemm) {
-    mdl_bgemm(h, 0, 0, 8192, 2304, 768, b161, 768, b162, 2304, 0.0f, b163, 2304);
-  }
-  else {
-    float *const w161 = mdl_widen_bf16(b161, 6291456, h->nthreads);
-    float *const w162 = mdl_widen_bf16(b162, 1769472, h->nthreads);
-    mdl_gemm(h, 0, 0, 8192, 2304, 768, w161, 768, w162, 2304, 0.0f, b163, 2304);
-    free(w161);
-    free(w162);
-  }
-  #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t r = 0; r < 8192; r++) {
-    for (int64_t c = 0; c < 2304; c++) {
-      const int64_t i = r * 2304 + c;
-      const float v163_i = b163[i];
-      const float v164_i = v163_i;
-      const float v150_c = b150[c];
-      const float v165_i = v164_i + v150_c;
-      const float v166_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v165_i));
-      b166[i] = mdl_f32_to_bf16(v166_i);
-    }
-  }
-  free(b163);
+  static const int64_t o[] = {249673728, 5450341504, 2110771200, 4317879424};
+  k3_gemm__add__cast__code(arena, h, o);
 }
 
 // k25_attention_fwd__cast__lse: attention, 4 ops
@@ -1371,99 +898,8 @@ static void k24_gemm__add__cast(char *arena, const MdlHooks *h) {
 // loops:
 //   attention and its log-sum-exp per row: B 8, T 1024, 12 heads of 64, causal, within documents; one task per (batch, head)
 static void k25_attention_fwd__cast__lse(char *arena, const MdlHooks *h) {
-  int32_t *const b3 = (int32_t *)(arena + 2238271488); // %3 input doc i32[8,1024]
-  uint16_t *const b166 = (uint16_t *)(arena + 4317879424); // %166 cast bf16[8,1024,2304]
-  uint16_t *const b172 = (uint16_t *)(arena + 5462924416); // %172 cast bf16[8192,768]
-  float *const b931 = (float *)(arena + 5803842688); // %931 attention_lse f32[8,12,1024]
-  #pragma omp parallel num_threads(h->nthreads)
-  {
-    float *restrict kt = memset(mdl_scratch(67584 * sizeof(float)), 0, 67584 * sizeof(float));
-    float *restrict s = memset(mdl_scratch(1056 * sizeof(float)), 0, 1056 * sizeof(float));
-    #pragma omp for schedule(dynamic, 1)
-    for (int64_t task = 0; task < 96; task++) {
-      const int64_t b = task / 12, hd = task % 12;
-      for (int64_t j = 0; j < 1024; j++) {
-        const uint16_t *xj = b166 + 768 + (b * 1024 + j) * 2304 + hd * 64;
-        for (int64_t c = 0; c < 64; c++)
-          kt[c * 1056 + j] = mdl_bf16_to_f32(xj[c]);
-      }
-      int64_t lo = 0, hi = 1024;
-      const int32_t *restrict dc = b3 + b * 1024;
-      for (int64_t i = 0; i < 1024; i++) {
-        const int32_t di = dc[i];
-        if (i == 0 || dc[i - 1] != di) {
-          lo = 0;
-          while (dc[lo] != di)
-            lo++;
-        }
-        hi = i + 1;
-        float qr[64];
-        for (int64_t c = 0; c < 64; c++)
-          qr[c] = mdl_bf16_to_f32(b166[(b * 1024 + i) * 2304 + hd * 64 + c]);
-        const float *restrict qi = qr;
-        for (int64_t j0 = lo; j0 < hi; j0 += 32) {
-          float acc[32] = {0};
-          for (int64_t c = 0; c < 64; c++) {
-            const float vc = qi[c], *restrict mc = kt + c * 1056 + j0;
-            #pragma omp simd
-            for (int64_t u = 0; u < 32; u++)
-              acc[u] += vc * mc[u];
-          }
-          memcpy(s + j0, acc, sizeof acc);
-        }
-        float m = -INFINITY;
-        #pragma omp simd reduction(max : m)
-        for (int64_t j = lo; j < hi; j++) {
-          s[j] = dc[j] == di ? s[j] * 0.125f : -INFINITY;
-          m = s[j] > m ? s[j] : m;
-        }
-        #pragma omp simd
-        for (int64_t j = lo; j < hi; j++)
-          s[j] = mdl_exp_shifted(s[j] - m);
-        float l;
-        {
-          float part[8] = {0};
-          int64_t j0 = lo;
-          for (; j0 + 8 <= hi; j0 += 8) {
-            for (int64_t u = 0; u < 8; u++) {
-              const int64_t j = j0 + u;
-              part[u] += s[j];
-            }
-          }
-          for (int64_t j = j0; j < hi; j++) {
-            part[j - j0] += s[j];
-          }
-          l = ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
-        }
-        b931[(b * 12 + hd) * 1024 + i] = m + logf(l);
-        float acc0[64] = {0}, acc1[64] = {0};
-        int64_t j = lo;
-        for (; j + 1 < hi; j += 2) {
-          const float w0 = mdl_bf16_to_f32(mdl_f32_to_bf16(s[j])), w1 = mdl_bf16_to_f32(mdl_f32_to_bf16(s[j + 1]));
-          const uint16_t *restrict x0 = b166 + 1536 + (b * 1024 + j) * 2304 + hd * 64, *restrict x1 = x0 + 2304;
-          #pragma omp simd
-          for (int64_t c = 0; c < 64; c++) {
-            acc0[c] += w0 * mdl_bf16_to_f32(x0[c]);
-            acc1[c] += w1 * mdl_bf16_to_f32(x1[c]);
-          }
-        }
-        if (j < hi) {
-          const float w0 = mdl_bf16_to_f32(mdl_f32_to_bf16(s[j]));
-          const uint16_t *restrict x0 = b166 + 1536 + (b * 1024 + j) * 2304 + hd * 64;
-          #pragma omp simd
-          for (int64_t c = 0; c < 64; c++)
-            acc0[c] += w0 * mdl_bf16_to_f32(x0[c]);
-        }
-        uint16_t *restrict o0 = b172 + (b * 1024 + i) * 768 + hd * 64;
-        for (int64_t c = 0; c < 64; c++) {
-          const float y = (acc0[c] + acc1[c]) / l;
-          o0[c] = mdl_f32_to_bf16(y);
-        }
-      }
-    }
-    free(kt);
-    free(s);
-  }
+  static const int64_t o[] = {2238271488, 4317879424, 5462924416, 5803842688};
+  k4_attention_fwd__cast__lse__code(arena, h, o);
 }
 
 // k26_gemm__add: GEMM, 4 ops
@@ -1475,35 +911,8 @@ static void k25_attention_fwd__cast__lse(char *arena, const MdlHooks *h) {
 //   gemm %174: [8192 x 768] = [8192 x 768] [768 x 768], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
 //   elementwise over 6291456: %177
 static void k26_gemm__add(char *arena, const MdlHooks *h) {
-  float *const b146 = (float *)(arena + 4808612992); // %146 add h.2.x f32[8,1024,768]
-  float *const b152 = (float *)(arena + 252042240); // %152 param h.3.proj_b f32[768]
-  uint16_t *const b172 = (uint16_t *)(arena + 5462924416); // %172 cast bf16[8192,768]
-  uint16_t *const b173 = (uint16_t *)(arena + 2114310144); // %173 cast bf16[768,768]
-  float *const b177 = (float *)(arena + 4833778816); // %177 add h.3.x f32[8,1024,768]
-  float *const b174 = b177; // %174 matmul f32[8192,768]: the GEMM writes into its epilogue's output
-  if (h->bgemm) {
-    mdl_bgemm(h, 0, 0, 8192, 768, 768, b172, 768, b173, 768, 0.0f, b174, 768);
-  }
-  else {
-    float *const w172 = mdl_widen_bf16(b172, 6291456, h->nthreads);
-    float *const w173 = mdl_widen_bf16(b173, 589824, h->nthreads);
-    mdl_gemm(h, 0, 0, 8192, 768, 768, w172, 768, w173, 768, 0.0f, b174, 768);
-    free(w172);
-    free(w173);
-  }
-  #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t r = 0; r < 8192; r++) {
-    for (int64_t c = 0; c < 768; c++) {
-      const int64_t i = r * 768 + c;
-      const float v146_i = b146[i];
-      const float v174_i = b174[i];
-      const float v175_i = v174_i;
-      const float v176_i = v146_i + v175_i;
-      const float v152_c = b152[c];
-      const float v177_i = v176_i + v152_c;
-      b177[i] = v177_i;
-    }
-  }
+  static const int64_t o[] = {4808612992, 252042240, 5462924416, 2114310144, 4833778816};
+  k5_gemm__add__code(arena, h, o);
 }
 
 // k27_layernorm_fwd__cast: kernel, 3 ops
@@ -1513,37 +922,8 @@ static void k26_gemm__add(char *arena, const MdlHooks *h) {
 // loops:
 //   layernorm %178: 8192 rows of 768
 static void k27_layernorm_fwd__cast(char *arena, const MdlHooks *h) {
-  float *const b153 = (float *)(arena + 252045312); // %153 param h.3.ln2_w f32[768]
-  float *const b154 = (float *)(arena + 252048384); // %154 param h.3.ln2_b f32[768]
-  float *const b177 = (float *)(arena + 4833778816); // %177 add h.3.x f32[8,1024,768]
-  uint16_t *const b180 = (uint16_t *)(arena + 5475507328); // %180 cast bf16[8192,768]
-  #pragma omp parallel num_threads(h->nthreads)
-  {
-    float *yrow = mdl_scratch(768 * sizeof(float));
-    #pragma omp for schedule(static)
-    for (int64_t r = 0; r < 8192; r++) {
-      const float *x = b177 + r * 768;
-      double mean = 0, var = 0;
-      #pragma omp simd reduction(+ : mean)
-      for (int64_t j = 0; j < 768; j++)
-        mean += x[j];
-      mean /= 768;
-      #pragma omp simd reduction(+ : var)
-      for (int64_t j = 0; j < 768; j++)
-        var += (x[j] - mean) * (x[j] - mean);
-      const double rstd = 1.0 / sqrt(var / 768 + 1e-05);
-      float *y = yrow;
-      for (int64_t j = 0; j < 768; j++)
-        y[j] = (float)((x[j] - mean) * rstd * b153[j] + b154[j]);
-      for (int64_t j = 0; j < 768; j++) {
-        const int64_t ix = r * 768 + j;
-        const float v179_ix = y[j];
-        const float v180_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v179_ix));
-        b180[ix] = mdl_f32_to_bf16(v180_ix);
-      }
-    }
-    free(yrow);
-  }
+  static const int64_t o[] = {252045312, 252048384, 4833778816, 5475507328};
+  k6_layernorm_fwd__cast__code(arena, h, o);
 }
 
 // k28_gemm__add__gelu__cast: GEMM, 6 ops
@@ -1557,37 +937,8 @@ static void k27_layernorm_fwd__cast(char *arena, const MdlHooks *h) {
 //   gemm %182: [8192 x 3072] = [8192 x 768] [768 x 3072], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
 //   elementwise over 25165824: %184 %187
 static void k28_gemm__add__gelu__cast(char *arena, const MdlHooks *h) {
-  float *const b156 = (float *)(arena + 261488640); // %156 param h.3.fc_b f32[3072]
-  uint16_t *const b180 = (uint16_t *)(arena + 5475507328); // %180 cast bf16[8192,768]
-  uint16_t *const b181 = (uint16_t *)(arena + 2115489792); // %181 cast bf16[768,3072]
-  float *const b184 = (float *)(arena + 2694683776); // %184 add f32[8,1024,3072]
-  uint16_t *const b187 = (uint16_t *)(arena + 3751648384); // %187 cast bf16[8192,3072]
-  float *const b182 = b184; // %182 matmul f32[8192,3072]: the GEMM writes into its epilogue's output
-  if (h->bgemm) {
-    mdl_bgemm(h, 0, 0, 8192, 3072, 768, b180, 768, b181, 3072, 0.0f, b182, 3072);
-  }
-  else {
-    float *const w180 = mdl_widen_bf16(b180, 6291456, h->nthreads);
-    float *const w181 = mdl_widen_bf16(b181, 2359296, h->nthreads);
-    mdl_gemm(h, 0, 0, 8192, 3072, 768, w180, 768, w181, 3072, 0.0f, b182, 3072);
-    free(w180);
-    free(w181);
-  }
-  #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t r = 0; r < 8192; r++) {
-    for (int64_t c = 0; c < 3072; c++) {
-      const int64_t i = r * 3072 + c;
-      const float v182_i = b182[i];
-      const float v183_i = v182_i;
-      const float v156_c = b156[c];
-      const float v184_i = v183_i + v156_c;
-      b184[i] = v184_i;
-      const float v185_i = mdl_gelu(v184_i);
-      const float v186_i = v185_i;
-      const float v187_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v186_i));
-      b187[i] = mdl_f32_to_bf16(v187_i);
-    }
-  }
+  static const int64_t o[] = {261488640, 5475507328, 2115489792, 2694683776, 3751648384};
+  k7_gemm__add__gelu__cast__code(arena, h, o);
 }
 
 // k29_gemm__add: GEMM, 4 ops
@@ -1599,35 +950,8 @@ static void k28_gemm__add__gelu__cast(char *arena, const MdlHooks *h) {
 //   gemm %189: [8192 x 768] = [8192 x 3072] [3072 x 768], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
 //   elementwise over 6291456: %192
 static void k29_gemm__add(char *arena, const MdlHooks *h) {
-  float *const b158 = (float *)(arena + 270938112); // %158 param h.3.fcproj_b f32[768]
-  float *const b177 = (float *)(arena + 4833778816); // %177 add h.3.x f32[8,1024,768]
-  uint16_t *const b187 = (uint16_t *)(arena + 3751648384); // %187 cast bf16[8192,3072]
-  uint16_t *const b188 = (uint16_t *)(arena + 2120208384); // %188 cast bf16[3072,768]
-  float *const b192 = (float *)(arena + 4858944640); // %192 add h.3.x f32[8,1024,768]
-  float *const b189 = b192; // %189 matmul f32[8192,768]: the GEMM writes into its epilogue's output
-  if (h->bgemm) {
-    mdl_bgemm(h, 0, 0, 8192, 768, 3072, b187, 3072, b188, 768, 0.0f, b189, 768);
-  }
-  else {
-    float *const w187 = mdl_widen_bf16(b187, 25165824, h->nthreads);
-    float *const w188 = mdl_widen_bf16(b188, 2359296, h->nthreads);
-    mdl_gemm(h, 0, 0, 8192, 768, 3072, w187, 3072, w188, 768, 0.0f, b189, 768);
-    free(w187);
-    free(w188);
-  }
-  #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t r = 0; r < 8192; r++) {
-    for (int64_t c = 0; c < 768; c++) {
-      const int64_t i = r * 768 + c;
-      const float v177_i = b177[i];
-      const float v189_i = b189[i];
-      const float v190_i = v189_i;
-      const float v191_i = v177_i + v190_i;
-      const float v158_c = b158[c];
-      const float v192_i = v191_i + v158_c;
-      b192[i] = v192_i;
-    }
-  }
+  static const int64_t o[] = {270938112, 4833778816, 3751648384, 2120208384, 4858944640};
+  k8_gemm__add__code(arena, h, o);
 }
 
 // k30_layernorm_fwd__cast: kernel, 3 ops
@@ -1637,37 +961,8 @@ static void k29_gemm__add(char *arena, const MdlHooks *h) {
 // loops:
 //   layernorm %205: 8192 rows of 768
 static void k30_layernorm_fwd__cast(char *arena, const MdlHooks *h) {
-  float *const b192 = (float *)(arena + 4858944640); // %192 add h.3.x f32[8,1024,768]
-  float *const b193 = (float *)(arena + 270941184); // %193 param h.4.ln1_w f32[768]
-  float *const b194 = (float *)(arena + 270944256); // %194 param h.4.ln1_b f32[768]
-  uint16_t *const b207 = (uint16_t *)(arena + 5488090240); // %207 cast bf16[8192,768]
-  #pragma omp parallel num_threads(h->nthreads)
-  {
-    float *yrow = mdl_scratch(768 * sizeof(float));
-    #pragma omp for schedule(static)
-    for (int64_t r = 0; r < 8192; r++) {
-      const float *x = b192 + r * 768;
-      double mean = 0, var = 0;
-      #pragma omp simd reduction(+ : mean)
-      for (int64_t j = 0; j < 768; j++)
-        mean += x[j];
-      mean /= 768;
-      #pragma omp simd reduction(+ : var)
-      for (int64_t j = 0; j < 768; j++)
-        var += (x[j] - mean) * (x[j] - mean);
-      const double rstd = 1.0 / sqrt(var / 768 + 1e-05);
-      float *y = yrow;
-      for (int64_t j = 0; j < 768; j++)
-        y[j] = (float)((x[j] - mean) * rstd * b193[j] + b194[j]);
-      for (int64_t j = 0; j < 768; j++) {
-        const int64_t ix = r * 768 + j;
-        const float v206_ix = y[j];
-        const float v207_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v206_ix));
-        b207[ix] = mdl_f32_to_bf16(v207_ix);
-      }
-    }
-    free(yrow);
-  }
+  static const int64_t o[] = {4858944640, 270941184, 270944256, 5488090240};
+  k9_layernorm_fwd__cast__code(arena, h, o);
 }
 
 // k31_gemm__add__cast: GEMM, 4 ops
@@ -1679,34 +974,8 @@ static void k30_layernorm_fwd__cast(char *arena, const MdlHooks *h) {
 //   gemm %209: [8192 x 2304] = [8192 x 768] [768 x 2304], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
 //   elementwise over 18874368: %212
 static void k31_gemm__add__cast(char *arena, const MdlHooks *h) {
-  float *const b196 = (float *)(arena + 278025216); // %196 param h.4.attn_b f32[2304]
-  uint16_t *const b207 = (uint16_t *)(arena + 5488090240); // %207 cast bf16[8192,768]
-  uint16_t *const b208 = (uint16_t *)(arena + 2124926976); // %208 cast bf16[768,2304]
-  float *const b209 = mdl_scratch(75497472); // %209 matmul f32[8192,2304], kept in this kernel
-  uint16_t *const b212 = (uint16_t *)(arena + 4355628160); // %212 cast bf16[8,1024,2304]
-  if (h->bgemm) {
-    mdl_bgemm(h, 0, 0, 8192, 2304, 768, b207, 768, b208, 2304, 0.0f, b209, 2304);
-  }
-  else {
-    float *const w207 = mdl_widen_bf16(b207, 6291456, h->nthreads);
-    float *const w208 = mdl_widen_bf16(b208, 1769472, h->nthreads);
-    mdl_gemm(h, 0, 0, 8192, 2304, 768, w207, 768, w208, 2304, 0.0f, b209, 2304);
-    free(w207);
-    free(w208);
-  }
-  #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t r = 0; r < 8192; r++) {
-    for (int64_t c = 0; c < 2304; c++) {
-      const int64_t i = r * 2304 + c;
-      const float v209_i = b209[i];
-      const float v210_i = v209_i;
-      const float v196_c = b196[c];
-      const float v211_i = v210_i + v196_c;
-      const float v212_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v211_i));
-      b212[i] = mdl_f32_to_bf16(v212_i);
-    }
-  }
-  free(b209);
+  static const int64_t o[] = {278025216, 5488090240, 2124926976, 4355628160};
+  k3_gemm__add__cast__code(arena, h, o);
 }
 
 // k32_attention_fwd__cast__lse: attention, 4 ops
@@ -1717,99 +986,8 @@ static void k31_gemm__add__cast(char *arena, const MdlHooks *h) {
 // loops:
 //   attention and its log-sum-exp per row: B 8, T 1024, 12 heads of 64, causal, within documents; one task per (batch, head)
 static void k32_attention_fwd__cast__lse(char *arena, const MdlHooks *h) {
-  int32_t *const b3 = (int32_t *)(arena + 2238271488); // %3 input doc i32[8,1024]
-  uint16_t *const b212 = (uint16_t *)(arena + 4355628160); // %212 cast bf16[8,1024,2304]
-  uint16_t *const b218 = (uint16_t *)(arena + 5500673152); // %218 cast bf16[8192,768]
-  float *const b891 = (float *)(arena + 5804235904); // %891 attention_lse f32[8,12,1024]
-  #pragma omp parallel num_threads(h->nthreads)
-  {
-    float *restrict kt = memset(mdl_scratch(67584 * sizeof(float)), 0, 67584 * sizeof(float));
-    float *restrict s = memset(mdl_scratch(1056 * sizeof(float)), 0, 1056 * sizeof(float));
-    #pragma omp for schedule(dynamic, 1)
-    for (int64_t task = 0; task < 96; task++) {
-      const int64_t b = task / 12, hd = task % 12;
-      for (int64_t j = 0; j < 1024; j++) {
-        const uint16_t *xj = b212 + 768 + (b * 1024 + j) * 2304 + hd * 64;
-        for (int64_t c = 0; c < 64; c++)
-          kt[c * 1056 + j] = mdl_bf16_to_f32(xj[c]);
-      }
-      int64_t lo = 0, hi = 1024;
-      const int32_t *restrict dc = b3 + b * 1024;
-      for (int64_t i = 0; i < 1024; i++) {
-        const int32_t di = dc[i];
-        if (i == 0 || dc[i - 1] != di) {
-          lo = 0;
-          while (dc[lo] != di)
-            lo++;
-        }
-        hi = i + 1;
-        float qr[64];
-        for (int64_t c = 0; c < 64; c++)
-          qr[c] = mdl_bf16_to_f32(b212[(b * 1024 + i) * 2304 + hd * 64 + c]);
-        const float *restrict qi = qr;
-        for (int64_t j0 = lo; j0 < hi; j0 += 32) {
-          float acc[32] = {0};
-          for (int64_t c = 0; c < 64; c++) {
-            const float vc = qi[c], *restrict mc = kt + c * 1056 + j0;
-            #pragma omp simd
-            for (int64_t u = 0; u < 32; u++)
-              acc[u] += vc * mc[u];
-          }
-          memcpy(s + j0, acc, sizeof acc);
-        }
-        float m = -INFINITY;
-        #pragma omp simd reduction(max : m)
-        for (int64_t j = lo; j < hi; j++) {
-          s[j] = dc[j] == di ? s[j] * 0.125f : -INFINITY;
-          m = s[j] > m ? s[j] : m;
-        }
-        #pragma omp simd
-        for (int64_t j = lo; j < hi; j++)
-          s[j] = mdl_exp_shifted(s[j] - m);
-        float l;
-        {
-          float part[8] = {0};
-          int64_t j0 = lo;
-          for (; j0 + 8 <= hi; j0 += 8) {
-            for (int64_t u = 0; u < 8; u++) {
-              const int64_t j = j0 + u;
-              part[u] += s[j];
-            }
-          }
-          for (int64_t j = j0; j < hi; j++) {
-            part[j - j0] += s[j];
-          }
-          l = ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
-        }
-        b891[(b * 12 + hd) * 1024 + i] = m + logf(l);
-        float acc0[64] = {0}, acc1[64] = {0};
-        int64_t j = lo;
-        for (; j + 1 < hi; j += 2) {
-          const float w0 = mdl_bf16_to_f32(mdl_f32_to_bf16(s[j])), w1 = mdl_bf16_to_f32(mdl_f32_to_bf16(s[j + 1]));
-          const uint16_t *restrict x0 = b212 + 1536 + (b * 1024 + j) * 2304 + hd * 64, *restrict x1 = x0 + 2304;
-          #pragma omp simd
-          for (int64_t c = 0; c < 64; c++) {
-            acc0[c] += w0 * mdl_bf16_to_f32(x0[c]);
-            acc1[c] += w1 * mdl_bf16_to_f32(x1[c]);
-          }
-        }
-        if (j < hi) {
-          const float w0 = mdl_bf16_to_f32(mdl_f32_to_bf16(s[j]));
-          const uint16_t *restrict x0 = b212 + 1536 + (b * 1024 + j) * 2304 + hd * 64;
-          #pragma omp simd
-          for (int64_t c = 0; c < 64; c++)
-            acc0[c] += w0 * mdl_bf16_to_f32(x0[c]);
-        }
-        uint16_t *restrict o0 = b218 + (b * 1024 + i) * 768 + hd * 64;
-        for (int64_t c = 0; c < 64; c++) {
-          const float y = (acc0[c] + acc1[c]) / l;
-          o0[c] = mdl_f32_to_bf16(y);
-        }
-      }
-    }
-    free(kt);
-    free(s);
-  }
+  static const int64_t o[] = {2238271488, 4355628160, 5500673152, 5804235904};
+  k4_attention_fwd__cast__lse__code(arena, h, o);
 }
 
 // k33_gemm__add: GEMM, 4 ops
@@ -1821,35 +999,8 @@ static void k32_attention_fwd__cast__lse(char *arena, const MdlHooks *h) {
 //   gemm %220: [8192 x 768] = [8192 x 768] [768 x 768], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
 //   elementwise over 6291456: %223
 static void k33_gemm__add(char *arena, const MdlHooks *h) {
-  float *const b192 = (float *)(arena + 4858944640); // %192 add h.3.x f32[8,1024,768]
-  float *const b198 = (float *)(arena + 280393728); // %198 param h.4.proj_b f32[768]
-  uint16_t *const b218 = (uint16_t *)(arena + 5500673152); // %218 cast bf16[8192,768]
-  uint16_t *const b219 = (uint16_t *)(arena + 2128465920); // %219 cast bf16[768,768]
-  float *const b223 = (float *)(arena + 4884110464); // %223 add h.4.x f32[8,1024,768]
-  float *const b220 = b223; // %220 matmul f32[8192,768]: the GEMM writes into its epilogue's output
-  if (h->bgemm) {
-    mdl_bgemm(h, 0, 0, 8192, 768, 768, b218, 768, b219, 768, 0.0f, b220, 768);
-  }
-  else {
-    float *const w218 = mdl_widen_bf16(b218, 6291456, h->nthreads);
-    float *const w219 = mdl_widen_bf16(b219, 589824, h->nthreads);
-    mdl_gemm(h, 0, 0, 8192, 768, 768, w218, 768, w219, 768, 0.0f, b220, 768);
-    free(w218);
-    free(w219);
-  }
-  #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t r = 0; r < 8192; r++) {
-    for (int64_t c = 0; c < 768; c++) {
-      const int64_t i = r * 768 + c;
-      const float v192_i = b192[i];
-      const float v220_i = b220[i];
-      const float v221_i = v220_i;
-      const float v222_i = v192_i + v221_i;
-      const float v198_c = b198[c];
-      const float v223_i = v222_i + v198_c;
-      b223[i] = v223_i;
-    }
-  }
+  static const int64_t o[] = {4858944640, 280393728, 5500673152, 2128465920, 4884110464};
+  k5_gemm__add__code(arena, h, o);
 }
 
 // k34_layernorm_fwd__cast: kernel, 3 ops
@@ -1859,37 +1010,8 @@ static void k33_gemm__add(char *arena, const MdlHooks *h) {
 // loops:
 //   layernorm %224: 8192 rows of 768
 static void k34_layernorm_fwd__cast(char *arena, const MdlHooks *h) {
-  float *const b199 = (float *)(arena + 280396800); // %199 param h.4.ln2_w f32[768]
-  float *const b200 = (float *)(arena + 280399872); // %200 param h.4.ln2_b f32[768]
-  float *const b223 = (float *)(arena + 4884110464); // %223 add h.4.x f32[8,1024,768]
-  uint16_t *const b226 = (uint16_t *)(arena + 5513256064); // %226 cast bf16[8192,768]
-  #pragma omp parallel num_threads(h->nthreads)
-  {
-    float *yrow = mdl_scratch(768 * sizeof(float));
-    #pragma omp for schedule(static)
-    for (int64_t r = 0; r < 8192; r++) {
-      const float *x = b223 + r * 768;
-      double mean = 0, var = 0;
-      #pragma omp simd reduction(+ : mean)
-      for (int64_t j = 0; j < 768; j++)
-        mean += x[j];
-      mean /= 768;
-      #pragma omp simd reduction(+ : var)
-      for (int64_t j = 0; j < 768; j++)
-        var += (x[j] - mean) * (x[j] - mean);
-      const double rstd = 1.0 / sqrt(var / 768 + 1e-05);
-      float *y = yrow;
-      for (int64_t j = 0; j < 768; j++)
-        y[j] = (float)((x[j] - mean) * rstd * b199[j] + b200[j]);
-      for (int64_t j = 0; j < 768; j++) {
-        const int64_t ix = r * 768 + j;
-        const float v225_ix = y[j];
-        const float v226_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v225_ix));
-        b226[ix] = mdl_f32_to_bf16(v226_ix);
-      }
-    }
-    free(yrow);
-  }
+  static const int64_t o[] = {280396800, 280399872, 4884110464, 5513256064};
+  k6_layernorm_fwd__cast__code(arena, h, o);
 }
 
 // k35_gemm__add__gelu__cast: GEMM, 6 ops
@@ -1903,37 +1025,8 @@ static void k34_layernorm_fwd__cast(char *arena, const MdlHooks *h) {
 //   gemm %228: [8192 x 3072] = [8192 x 768] [768 x 3072], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
 //   elementwise over 25165824: %230 %233
 static void k35_gemm__add__gelu__cast(char *arena, const MdlHooks *h) {
-  float *const b202 = (float *)(arena + 289840128); // %202 param h.4.fc_b f32[3072]
-  uint16_t *const b226 = (uint16_t *)(arena + 5513256064); // %226 cast bf16[8192,768]
-  uint16_t *const b227 = (uint16_t *)(arena + 2129645568); // %227 cast bf16[768,3072]
-  float *const b230 = (float *)(arena + 2795347072); // %230 add f32[8,1024,3072]
-  uint16_t *const b233 = (uint16_t *)(arena + 3801980032); // %233 cast bf16[8192,3072]
-  float *const b228 = b230; // %228 matmul f32[8192,3072]: the GEMM writes into its epilogue's output
-  if (h->bgemm) {
-    mdl_bgemm(h, 0, 0, 8192, 3072, 768, b226, 768, b227, 3072, 0.0f, b228, 3072);
-  }
-  else {
-    float *const w226 = mdl_widen_bf16(b226, 6291456, h->nthreads);
-    float *const w227 = mdl_widen_bf16(b227, 2359296, h->nthreads);
-    mdl_gemm(h, 0, 0, 8192, 3072, 768, w226, 768, w227, 3072, 0.0f, b228, 3072);
-    free(w226);
-    free(w227);
-  }
-  #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t r = 0; r < 8192; r++) {
-    for (int64_t c = 0; c < 3072; c++) {
-      const int64_t i = r * 3072 + c;
-      const float v228_i = b228[i];
-      const float v229_i = v228_i;
-      const float v202_c = b202[c];
-      const float v230_i = v229_i + v202_c;
-      b230[i] = v230_i;
-      const float v231_i = mdl_gelu(v230_i);
-      const float v232_i = v231_i;
-      const float v233_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v232_i));
-      b233[i] = mdl_f32_to_bf16(v233_i);
-    }
-  }
+  static const int64_t o[] = {289840128, 5513256064, 2129645568, 2795347072, 3801980032};
+  k7_gemm__add__gelu__cast__code(arena, h, o);
 }
 
 // k36_gemm__add: GEMM, 4 ops
@@ -1945,35 +1038,8 @@ static void k35_gemm__add__gelu__cast(char *arena, const MdlHooks *h) {
 //   gemm %235: [8192 x 768] = [8192 x 3072] [3072 x 768], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
 //   elementwise over 6291456: %238
 static void k36_gemm__add(char *arena, const MdlHooks *h) {
-  float *const b204 = (float *)(arena + 299289600); // %204 param h.4.fcproj_b f32[768]
-  float *const b223 = (float *)(arena + 4884110464); // %223 add h.4.x f32[8,1024,768]
-  uint16_t *const b233 = (uint16_t *)(arena + 3801980032); // %233 cast bf16[8192,3072]
-  uint16_t *const b234 = (uint16_t *)(arena + 2134364160); // %234 cast bf16[3072,768]
-  float *const b238 = (float *)(arena + 4909276288); // %238 add h.4.x f32[8,1024,768]
-  float *const b235 = b238; // %235 matmul f32[8192,768]: the GEMM writes into its epilogue's output
-  if (h->bgemm) {
-    mdl_bgemm(h, 0, 0, 8192, 768, 3072, b233, 3072, b234, 768, 0.0f, b235, 768);
-  }
-  else {
-    float *const w233 = mdl_widen_bf16(b233, 25165824, h->nthreads);
-    float *const w234 = mdl_widen_bf16(b234, 2359296, h->nthreads);
-    mdl_gemm(h, 0, 0, 8192, 768, 3072, w233, 3072, w234, 768, 0.0f, b235, 768);
-    free(w233);
-    free(w234);
-  }
-  #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t r = 0; r < 8192; r++) {
-    for (int64_t c = 0; c < 768; c++) {
-      const int64_t i = r * 768 + c;
-      const float v223_i = b223[i];
-      const float v235_i = b235[i];
-      const float v236_i = v235_i;
-      const float v237_i = v223_i + v236_i;
-      const float v204_c = b204[c];
-      const float v238_i = v237_i + v204_c;
-      b238[i] = v238_i;
-    }
-  }
+  static const int64_t o[] = {299289600, 4884110464, 3801980032, 2134364160, 4909276288};
+  k8_gemm__add__code(arena, h, o);
 }
 
 // k37_layernorm_fwd__cast: kernel, 3 ops
@@ -1983,37 +1049,8 @@ static void k36_gemm__add(char *arena, const MdlHooks *h) {
 // loops:
 //   layernorm %251: 8192 rows of 768
 static void k37_layernorm_fwd__cast(char *arena, const MdlHooks *h) {
-  float *const b238 = (float *)(arena + 4909276288); // %238 add h.4.x f32[8,1024,768]
-  float *const b239 = (float *)(arena + 299292672); // %239 param h.5.ln1_w f32[768]
-  float *const b240 = (float *)(arena + 299295744); // %240 param h.5.ln1_b f32[768]
-  uint16_t *const b253 = (uint16_t *)(arena + 5525838976); // %253 cast bf16[8192,768]
-  #pragma omp parallel num_threads(h->nthreads)
-  {
-    float *yrow = mdl_scratch(768 * sizeof(float));
-    #pragma omp for schedule(static)
-    for (int64_t r = 0; r < 8192; r++) {
-      const float *x = b238 + r * 768;
-      double mean = 0, var = 0;
-      #pragma omp simd reduction(+ : mean)
-      for (int64_t j = 0; j < 768; j++)
-        mean += x[j];
-      mean /= 768;
-      #pragma omp simd reduction(+ : var)
-      for (int64_t j = 0; j < 768; j++)
-        var += (x[j] - mean) * (x[j] - mean);
-      const double rstd = 1.0 / sqrt(var / 768 + 1e-05);
-      float *y = yrow;
-      for (int64_t j = 0; j < 768; j++)
-        y[j] = (float)((x[j] - mean) * rstd * b239[j] + b240[j]);
-      for (int64_t j = 0; j < 768; j++) {
-        const int64_t ix = r * 768 + j;
-        const float v252_ix = y[j];
-        const float v253_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v252_ix));
-        b253[ix] = mdl_f32_to_bf16(v253_ix);
-      }
-    }
-    free(yrow);
-  }
+  static const int64_t o[] = {4909276288, 299292672, 299295744, 5525838976};
+  k9_layernorm_fwd__cast__code(arena, h, o);
 }
 
 // k38_gemm__add__cast: GEMM, 4 ops
@@ -2025,34 +1062,8 @@ static void k37_layernorm_fwd__cast(char *arena, const MdlHooks *h) {
 //   gemm %255: [8192 x 2304] = [8192 x 768] [768 x 2304], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
 //   elementwise over 18874368: %258
 static void k38_gemm__add__cast(char *arena, const MdlHooks *h) {
-  float *const b242 = (float *)(arena + 306376704); // %242 param h.5.attn_b f32[2304]
-  uint16_t *const b253 = (uint16_t *)(arena + 5525838976); // %253 cast bf16[8192,768]
-  uint16_t *const b254 = (uint16_t *)(arena + 2139082752); // %254 cast bf16[768,2304]
-  float *const b255 = mdl_scratch(75497472); // %255 matmul f32[8192,2304], kept in this kernel
-  uint16_t *const b258 = (uint16_t *)(arena + 4393376896); // %258 cast bf16[8,1024,2304]
-  if (h->bgemm) {
-    mdl_bgemm(h, 0, 0, 8192, 2304, 768, b253, 768, b254, 2304, 0.0f, b255, 2304);
-  }
-  else {
-    float *const w253 = mdl_widen_bf16(b253, 6291456, h->nthreads);
-    float *const w254 = mdl_widen_bf16(b254, 1769472, h->nthreads);
-    mdl_gemm(h, 0, 0, 8192, 2304, 768, w253, 768, w254, 2304, 0.0f, b255, 2304);
-    free(w253);
-    free(w254);
-  }
-  #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t r = 0; r < 8192; r++) {
-    for (int64_t c = 0; c < 2304; c++) {
-      const int64_t i = r * 2304 + c;
-      const float v255_i = b255[i];
-      const float v256_i = v255_i;
-      const float v242_c = b242[c];
-      const float v257_i = v256_i + v242_c;
-      const float v258_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v257_i));
-      b258[i] = mdl_f32_to_bf16(v258_i);
-    }
-  }
-  free(b255);
+  static const int64_t o[] = {306376704, 5525838976, 2139082752, 4393376896};
+  k3_gemm__add__cast__code(arena, h, o);
 }
 
 // k39_attention_fwd__cast__lse: attention, 4 ops
@@ -2063,99 +1074,8 @@ static void k38_gemm__add__cast(char *arena, const MdlHooks *h) {
 // loops:
 //   attention and its log-sum-exp per row: B 8, T 1024, 12 heads of 64, causal, within documents; one task per (batch, head)
 static void k39_attention_fwd__cast__lse(char *arena, const MdlHooks *h) {
-  int32_t *const b3 = (int32_t *)(arena + 2238271488); // %3 input doc i32[8,1024]
-  uint16_t *const b258 = (uint16_t *)(arena + 4393376896); // %258 cast bf16[8,1024,2304]
-  uint16_t *const b264 = (uint16_t *)(arena + 5538421888); // %264 cast bf16[8192,768]
-  float *const b851 = (float *)(arena + 5804629120); // %851 attention_lse f32[8,12,1024]
-  #pragma omp parallel num_threads(h->nthreads)
-  {
-    float *restrict kt = memset(mdl_scratch(67584 * sizeof(float)), 0, 67584 * sizeof(float));
-    float *restrict s = memset(mdl_scratch(1056 * sizeof(float)), 0, 1056 * sizeof(float));
-    #pragma omp for schedule(dynamic, 1)
-    for (int64_t task = 0; task < 96; task++) {
-      const int64_t b = task / 12, hd = task % 12;
-      for (int64_t j = 0; j < 1024; j++) {
-        const uint16_t *xj = b258 + 768 + (b * 1024 + j) * 2304 + hd * 64;
-        for (int64_t c = 0; c < 64; c++)
-          kt[c * 1056 + j] = mdl_bf16_to_f32(xj[c]);
-      }
-      int64_t lo = 0, hi = 1024;
-      const int32_t *restrict dc = b3 + b * 1024;
-      for (int64_t i = 0; i < 1024; i++) {
-        const int32_t di = dc[i];
-        if (i == 0 || dc[i - 1] != di) {
-          lo = 0;
-          while (dc[lo] != di)
-            lo++;
-        }
-        hi = i + 1;
-        float qr[64];
-        for (int64_t c = 0; c < 64; c++)
-          qr[c] = mdl_bf16_to_f32(b258[(b * 1024 + i) * 2304 + hd * 64 + c]);
-        const float *restrict qi = qr;
-        for (int64_t j0 = lo; j0 < hi; j0 += 32) {
-          float acc[32] = {0};
-          for (int64_t c = 0; c < 64; c++) {
-            const float vc = qi[c], *restrict mc = kt + c * 1056 + j0;
-            #pragma omp simd
-            for (int64_t u = 0; u < 32; u++)
-              acc[u] += vc * mc[u];
-          }
-          memcpy(s + j0, acc, sizeof acc);
-        }
-        float m = -INFINITY;
-        #pragma omp simd reduction(max : m)
-        for (int64_t j = lo; j < hi; j++) {
-          s[j] = dc[j] == di ? s[j] * 0.125f : -INFINITY;
-          m = s[j] > m ? s[j] : m;
-        }
-        #pragma omp simd
-        for (int64_t j = lo; j < hi; j++)
-          s[j] = mdl_exp_shifted(s[j] - m);
-        float l;
-        {
-          float part[8] = {0};
-          int64_t j0 = lo;
-          for (; j0 + 8 <= hi; j0 += 8) {
-            for (int64_t u = 0; u < 8; u++) {
-              const int64_t j = j0 + u;
-              part[u] += s[j];
-            }
-          }
-          for (int64_t j = j0; j < hi; j++) {
-            part[j - j0] += s[j];
-          }
-          l = ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
-        }
-        b851[(b * 12 + hd) * 1024 + i] = m + logf(l);
-        float acc0[64] = {0}, acc1[64] = {0};
-        int64_t j = lo;
-        for (; j + 1 < hi; j += 2) {
-          const float w0 = mdl_bf16_to_f32(mdl_f32_to_bf16(s[j])), w1 = mdl_bf16_to_f32(mdl_f32_to_bf16(s[j + 1]));
-          const uint16_t *restrict x0 = b258 + 1536 + (b * 1024 + j) * 2304 + hd * 64, *restrict x1 = x0 + 2304;
-          #pragma omp simd
-          for (int64_t c = 0; c < 64; c++) {
-            acc0[c] += w0 * mdl_bf16_to_f32(x0[c]);
-            acc1[c] += w1 * mdl_bf16_to_f32(x1[c]);
-          }
-        }
-        if (j < hi) {
-          const float w0 = mdl_bf16_to_f32(mdl_f32_to_bf16(s[j]));
-          const uint16_t *restrict x0 = b258 + 1536 + (b * 1024 + j) * 2304 + hd * 64;
-          #pragma omp simd
-          for (int64_t c = 0; c < 64; c++)
-            acc0[c] += w0 * mdl_bf16_to_f32(x0[c]);
-        }
-        uint16_t *restrict o0 = b264 + (b * 1024 + i) * 768 + hd * 64;
-        for (int64_t c = 0; c < 64; c++) {
-          const float y = (acc0[c] + acc1[c]) / l;
-          o0[c] = mdl_f32_to_bf16(y);
-        }
-      }
-    }
-    free(kt);
-    free(s);
-  }
+  static const int64_t o[] = {2238271488, 4393376896, 5538421888, 5804629120};
+  k4_attention_fwd__cast__lse__code(arena, h, o);
 }
 
 // k40_gemm__add: GEMM, 4 ops
@@ -2167,35 +1087,8 @@ static void k39_attention_fwd__cast__lse(char *arena, const MdlHooks *h) {
 //   gemm %266: [8192 x 768] = [8192 x 768] [768 x 768], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
 //   elementwise over 6291456: %269
 static void k40_gemm__add(char *arena, const MdlHooks *h) {
-  float *const b238 = (float *)(arena + 4909276288); // %238 add h.4.x f32[8,1024,768]
-  float *const b244 = (float *)(arena + 308745216); // %244 param h.5.proj_b f32[768]
-  uint16_t *const b264 = (uint16_t *)(arena + 5538421888); // %264 cast bf16[8192,768]
-  uint16_t *const b265 = (uint16_t *)(arena + 2142621696); // %265 cast bf16[768,768]
-  float *const b269 = (float *)(arena + 4934442112); // %269 add h.5.x f32[8,1024,768]
-  float *const b266 = b269; // %266 matmul f32[8192,768]: the GEMM writes into its epilogue's output
-  if (h->bgemm) {
-    mdl_bgemm(h, 0, 0, 8192, 768, 768, b264, 768, b265, 768, 0.0f, b266, 768);
-  }
-  else {
-    float *const w264 = mdl_widen_bf16(b264, 6291456, h->nthreads);
-    float *const w265 = mdl_widen_bf16(b265, 589824, h->nthreads);
-    mdl_gemm(h, 0, 0, 8192, 768, 768, w264, 768, w265, 768, 0.0f, b266, 768);
-    free(w264);
-    free(w265);
-  }
-  #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t r = 0; r < 8192; r++) {
-    for (int64_t c = 0; c < 768; c++) {
-      const int64_t i = r * 768 + c;
-      const float v238_i = b238[i];
-      const float v266_i = b266[i];
-      const float v267_i = v266_i;
-      const float v268_i = v238_i + v267_i;
-      const float v244_c = b244[c];
-      const float v269_i = v268_i + v244_c;
-      b269[i] = v269_i;
-    }
-  }
+  static const int64_t o[] = {4909276288, 308745216, 5538421888, 2142621696, 4934442112};
+  k5_gemm__add__code(arena, h, o);
 }
 
 // k41_layernorm_fwd__cast: kernel, 3 ops
@@ -2205,37 +1098,8 @@ static void k40_gemm__add(char *arena, const MdlHooks *h) {
 // loops:
 //   layernorm %270: 8192 rows of 768
 static void k41_layernorm_fwd__cast(char *arena, const MdlHooks *h) {
-  float *const b245 = (float *)(arena + 308748288); // %245 param h.5.ln2_w f32[768]
-  float *const b246 = (float *)(arena + 308751360); // %246 param h.5.ln2_b f32[768]
-  float *const b269 = (float *)(arena + 4934442112); // %269 add h.5.x f32[8,1024,768]
-  uint16_t *const b272 = (uint16_t *)(arena + 5551004800); // %272 cast bf16[8192,768]
-  #pragma omp parallel num_threads(h->nthreads)
-  {
-    float *yrow = mdl_scratch(768 * sizeof(float));
-    #pragma omp for schedule(static)
-    for (int64_t r = 0; r < 8192; r++) {
-      const float *x = b269 + r * 768;
-      double mean = 0, var = 0;
-      #pragma omp simd reduction(+ : mean)
-      for (int64_t j = 0; j < 768; j++)
-        mean += x[j];
-      mean /= 768;
-      #pragma omp simd reduction(+ : var)
-      for (int64_t j = 0; j < 768; j++)
-        var += (x[j] - mean) * (x[j] - mean);
-      const double rstd = 1.0 / sqrt(var / 768 + 1e-05);
-      float *y = yrow;
-      for (int64_t j = 0; j < 768; j++)
-        y[j] = (float)((x[j] - mean) * rstd * b245[j] + b246[j]);
-      for (int64_t j = 0; j < 768; j++) {
-        const int64_t ix = r * 768 + j;
-        const float v271_ix = y[j];
-        const float v272_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v271_ix));
-        b272[ix] = mdl_f32_to_bf16(v272_ix);
-      }
-    }
-    free(yrow);
-  }
+  static const int64_t o[] = {308748288, 308751360, 4934442112, 5551004800};
+  k6_layernorm_fwd__cast__code(arena, h, o);
 }
 
 // k42_gemm__add__gelu__cast: GEMM, 6 ops
@@ -2249,37 +1113,8 @@ static void k41_layernorm_fwd__cast(char *arena, const MdlHooks *h) {
 //   gemm %274: [8192 x 3072] = [8192 x 768] [768 x 3072], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
 //   elementwise over 25165824: %276 %279
 static void k42_gemm__add__gelu__cast(char *arena, const MdlHooks *h) {
-  float *const b248 = (float *)(arena + 318191616); // %248 param h.5.fc_b f32[3072]
-  uint16_t *const b272 = (uint16_t *)(arena + 5551004800); // %272 cast bf16[8192,768]
-  uint16_t *const b273 = (uint16_t *)(arena + 2143801344); // %273 cast bf16[768,3072]
-  float *const b276 = (float *)(arena + 2896010368); // %276 add f32[8,1024,3072]
-  uint16_t *const b279 = (uint16_t *)(arena + 3852311680); // %279 cast bf16[8192,3072]
-  float *const b274 = b276; // %274 matmul f32[8192,3072]: the GEMM writes into its epilogue's output
-  if (h->bgemm) {
-    mdl_bgemm(h, 0, 0, 8192, 3072, 768, b272, 768, b273, 3072, 0.0f, b274, 3072);
-  }
-  else {
-    float *const w272 = mdl_widen_bf16(b272, 6291456, h->nthreads);
-    float *const w273 = mdl_widen_bf16(b273, 2359296, h->nthreads);
-    mdl_gemm(h, 0, 0, 8192, 3072, 768, w272, 768, w273, 3072, 0.0f, b274, 3072);
-    free(w272);
-    free(w273);
-  }
-  #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t r = 0; r < 8192; r++) {
-    for (int64_t c = 0; c < 3072; c++) {
-      const int64_t i = r * 3072 + c;
-      const float v274_i = b274[i];
-      const float v275_i = v274_i;
-      const float v248_c = b248[c];
-      const float v276_i = v275_i + v248_c;
-      b276[i] = v276_i;
-      const float v277_i = mdl_gelu(v276_i);
-      const float v278_i = v277_i;
-      const float v279_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v278_i));
-      b279[i] = mdl_f32_to_bf16(v279_i);
-    }
-  }
+  static const int64_t o[] = {318191616, 5551004800, 2143801344, 2896010368, 3852311680};
+  k7_gemm__add__gelu__cast__code(arena, h, o);
 }
 
 // k43_gemm__add: GEMM, 4 ops
@@ -2291,35 +1126,8 @@ static void k42_gemm__add__gelu__cast(char *arena, const MdlHooks *h) {
 //   gemm %281: [8192 x 768] = [8192 x 3072] [3072 x 768], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
 //   elementwise over 6291456: %284
 static void k43_gemm__add(char *arena, const MdlHooks *h) {
-  float *const b250 = (float *)(arena + 327641088); // %250 param h.5.fcproj_b f32[768]
-  float *const b269 = (float *)(arena + 4934442112); // %269 add h.5.x f32[8,1024,768]
-  uint16_t *const b279 = (uint16_t *)(arena + 3852311680); // %279 cast bf16[8192,3072]
-  uint16_t *const b280 = (uint16_t *)(arena + 2148519936); // %280 cast bf16[3072,768]
-  float *const b284 = (float *)(arena + 4959607936); // %284 add h.5.x f32[8,1024,768]
-  float *const b281 = b284; // %281 matmul f32[8192,768]: the GEMM writes into its epilogue's output
-  if (h->bgemm) {
-    mdl_bgemm(h, 0, 0, 8192, 768, 3072, b279, 3072, b280, 768, 0.0f, b281, 768);
-  }
-  else {
-    float *const w279 = mdl_widen_bf16(b279, 25165824, h->nthreads);
-    float *const w280 = mdl_widen_bf16(b280, 2359296, h->nthreads);
-    mdl_gemm(h, 0, 0, 8192, 768, 3072, w279, 3072, w280, 768, 0.0f, b281, 768);
-    free(w279);
-    free(w280);
-  }
-  #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t r = 0; r < 8192; r++) {
-    for (int64_t c = 0; c < 768; c++) {
-      const int64_t i = r * 768 + c;
-      const float v269_i = b269[i];
-      const float v281_i = b281[i];
-      const float v282_i = v281_i;
-      const float v283_i = v269_i + v282_i;
-      const float v250_c = b250[c];
-      const float v284_i = v283_i + v250_c;
-      b284[i] = v284_i;
-    }
-  }
+  static const int64_t o[] = {327641088, 4934442112, 3852311680, 2148519936, 4959607936};
+  k8_gemm__add__code(arena, h, o);
 }
 
 // k44_layernorm_fwd__cast: kernel, 3 ops
@@ -2329,37 +1137,8 @@ static void k43_gemm__add(char *arena, const MdlHooks *h) {
 // loops:
 //   layernorm %297: 8192 rows of 768
 static void k44_layernorm_fwd__cast(char *arena, const MdlHooks *h) {
-  float *const b284 = (float *)(arena + 4959607936); // %284 add h.5.x f32[8,1024,768]
-  float *const b285 = (float *)(arena + 327644160); // %285 param h.6.ln1_w f32[768]
-  float *const b286 = (float *)(arena + 327647232); // %286 param h.6.ln1_b f32[768]
-  uint16_t *const b299 = (uint16_t *)(arena + 5563587712); // %299 cast bf16[8192,768]
-  #pragma omp parallel num_threads(h->nthreads)
-  {
-    float *yrow = mdl_scratch(768 * sizeof(float));
-    #pragma omp for schedule(static)
-    for (int64_t r = 0; r < 8192; r++) {
-      const float *x = b284 + r * 768;
-      double mean = 0, var = 0;
-      #pragma omp simd reduction(+ : mean)
-      for (int64_t j = 0; j < 768; j++)
-        mean += x[j];
-      mean /= 768;
-      #pragma omp simd reduction(+ : var)
-      for (int64_t j = 0; j < 768; j++)
-        var += (x[j] - mean) * (x[j] - mean);
-      const double rstd = 1.0 / sqrt(var / 768 + 1e-05);
-      float *y = yrow;
-      for (int64_t j = 0; j < 768; j++)
-        y[j] = (float)((x[j] - mean) * rstd * b285[j] + b286[j]);
-      for (int64_t j = 0; j < 768; j++) {
-        const int64_t ix = r * 768 + j;
-        const float v298_ix = y[j];
-        const float v299_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v298_ix));
-        b299[ix] = mdl_f32_to_bf16(v299_ix);
-      }
-    }
-    free(yrow);
-  }
+  static const int64_t o[] = {4959607936, 327644160, 327647232, 5563587712};
+  k9_layernorm_fwd__cast__code(arena, h, o);
 }
 
 // k45_gemm__add__cast: GEMM, 4 ops
@@ -2371,34 +1150,8 @@ static void k44_layernorm_fwd__cast(char *arena, const MdlHooks *h) {
 //   gemm %301: [8192 x 2304] = [8192 x 768] [768 x 2304], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
 //   elementwise over 18874368: %304
 static void k45_gemm__add__cast(char *arena, const MdlHooks *h) {
-  float *const b288 = (float *)(arena + 334728192); // %288 param h.6.attn_b f32[2304]
-  uint16_t *const b299 = (uint16_t *)(arena + 5563587712); // %299 cast bf16[8192,768]
-  uint16_t *const b300 = (uint16_t *)(arena + 2153238528); // %300 cast bf16[768,2304]
-  float *const b301 = mdl_scratch(75497472); // %301 matmul f32[8192,2304], kept in this kernel
-  uint16_t *const b304 = (uint16_t *)(arena + 4431125632); // %304 cast bf16[8,1024,2304]
-  if (h->bgemm) {
-    mdl_bgemm(h, 0, 0, 8192, 2304, 768, b299, 768, b300, 2304, 0.0f, b301, 2304);
-  }
-  else {
-    float *const w299 = mdl_widen_bf16(b299, 6291456, h->nthreads);
-    float *const w300 = mdl_widen_bf16(b300, 1769472, h->nthreads);
-    mdl_gemm(h, 0, 0, 8192, 2304, 768, w299, 768, w300, 2304, 0.0f, b301, 2304);
-    free(w299);
-    free(w300);
-  }
-  #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t r = 0; r < 8192; r++) {
-    for (int64_t c = 0; c < 2304; c++) {
-      const int64_t i = r * 2304 + c;
-      const float v301_i = b301[i];
-      const float v302_i = v301_i;
-      const float v288_c = b288[c];
-      const float v303_i = v302_i + v288_c;
-      const float v304_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v303_i));
-      b304[i] = mdl_f32_to_bf16(v304_i);
-    }
-  }
-  free(b301);
+  static const int64_t o[] = {334728192, 5563587712, 2153238528, 4431125632};
+  k3_gemm__add__cast__code(arena, h, o);
 }
 
 // k46_attention_fwd__cast__lse: attention, 4 ops
@@ -2409,99 +1162,8 @@ static void k45_gemm__add__cast(char *arena, const MdlHooks *h) {
 // loops:
 //   attention and its log-sum-exp per row: B 8, T 1024, 12 heads of 64, causal, within documents; one task per (batch, head)
 static void k46_attention_fwd__cast__lse(char *arena, const MdlHooks *h) {
-  int32_t *const b3 = (int32_t *)(arena + 2238271488); // %3 input doc i32[8,1024]
-  uint16_t *const b304 = (uint16_t *)(arena + 4431125632); // %304 cast bf16[8,1024,2304]
-  uint16_t *const b310 = (uint16_t *)(arena + 5576170624); // %310 cast bf16[8192,768]
-  float *const b811 = (float *)(arena + 5805022336); // %811 attention_lse f32[8,12,1024]
-  #pragma omp parallel num_threads(h->nthreads)
-  {
-    float *restrict kt = memset(mdl_scratch(67584 * sizeof(float)), 0, 67584 * sizeof(float));
-    float *restrict s = memset(mdl_scratch(1056 * sizeof(float)), 0, 1056 * sizeof(float));
-    #pragma omp for schedule(dynamic, 1)
-    for (int64_t task = 0; task < 96; task++) {
-      const int64_t b = task / 12, hd = task % 12;
-      for (int64_t j = 0; j < 1024; j++) {
-        const uint16_t *xj = b304 + 768 + (b * 1024 + j) * 2304 + hd * 64;
-        for (int64_t c = 0; c < 64; c++)
-          kt[c * 1056 + j] = mdl_bf16_to_f32(xj[c]);
-      }
-      int64_t lo = 0, hi = 1024;
-      const int32_t *restrict dc = b3 + b * 1024;
-      for (int64_t i = 0; i < 1024; i++) {
-        const int32_t di = dc[i];
-        if (i == 0 || dc[i - 1] != di) {
-          lo = 0;
-          while (dc[lo] != di)
-            lo++;
-        }
-        hi = i + 1;
-        float qr[64];
-        for (int64_t c = 0; c < 64; c++)
-          qr[c] = mdl_bf16_to_f32(b304[(b * 1024 + i) * 2304 + hd * 64 + c]);
-        const float *restrict qi = qr;
-        for (int64_t j0 = lo; j0 < hi; j0 += 32) {
-          float acc[32] = {0};
-          for (int64_t c = 0; c < 64; c++) {
-            const float vc = qi[c], *restrict mc = kt + c * 1056 + j0;
-            #pragma omp simd
-            for (int64_t u = 0; u < 32; u++)
-              acc[u] += vc * mc[u];
-          }
-          memcpy(s + j0, acc, sizeof acc);
-        }
-        float m = -INFINITY;
-        #pragma omp simd reduction(max : m)
-        for (int64_t j = lo; j < hi; j++) {
-          s[j] = dc[j] == di ? s[j] * 0.125f : -INFINITY;
-          m = s[j] > m ? s[j] : m;
-        }
-        #pragma omp simd
-        for (int64_t j = lo; j < hi; j++)
-          s[j] = mdl_exp_shifted(s[j] - m);
-        float l;
-        {
-          float part[8] = {0};
-          int64_t j0 = lo;
-          for (; j0 + 8 <= hi; j0 += 8) {
-            for (int64_t u = 0; u < 8; u++) {
-              const int64_t j = j0 + u;
-              part[u] += s[j];
-            }
-          }
-          for (int64_t j = j0; j < hi; j++) {
-            part[j - j0] += s[j];
-          }
-          l = ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
-        }
-        b811[(b * 12 + hd) * 1024 + i] = m + logf(l);
-        float acc0[64] = {0}, acc1[64] = {0};
-        int64_t j = lo;
-        for (; j + 1 < hi; j += 2) {
-          const float w0 = mdl_bf16_to_f32(mdl_f32_to_bf16(s[j])), w1 = mdl_bf16_to_f32(mdl_f32_to_bf16(s[j + 1]));
-          const uint16_t *restrict x0 = b304 + 1536 + (b * 1024 + j) * 2304 + hd * 64, *restrict x1 = x0 + 2304;
-          #pragma omp simd
-          for (int64_t c = 0; c < 64; c++) {
-            acc0[c] += w0 * mdl_bf16_to_f32(x0[c]);
-            acc1[c] += w1 * mdl_bf16_to_f32(x1[c]);
-          }
-        }
-        if (j < hi) {
-          const float w0 = mdl_bf16_to_f32(mdl_f32_to_bf16(s[j]));
-          const uint16_t *restrict x0 = b304 + 1536 + (b * 1024 + j) * 2304 + hd * 64;
-          #pragma omp simd
-          for (int64_t c = 0; c < 64; c++)
-            acc0[c] += w0 * mdl_bf16_to_f32(x0[c]);
-        }
-        uint16_t *restrict o0 = b310 + (b * 1024 + i) * 768 + hd * 64;
-        for (int64_t c = 0; c < 64; c++) {
-          const float y = (acc0[c] + acc1[c]) / l;
-          o0[c] = mdl_f32_to_bf16(y);
-        }
-      }
-    }
-    free(kt);
-    free(s);
-  }
+  static const int64_t o[] = {2238271488, 4431125632, 5576170624, 5805022336};
+  k4_attention_fwd__cast__lse__code(arena, h, o);
 }
 
 // k47_gemm__add: GEMM, 4 ops
@@ -2513,35 +1175,8 @@ static void k46_attention_fwd__cast__lse(char *arena, const MdlHooks *h) {
 //   gemm %312: [8192 x 768] = [8192 x 768] [768 x 768], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
 //   elementwise over 6291456: %315
 static void k47_gemm__add(char *arena, const MdlHooks *h) {
-  float *const b284 = (float *)(arena + 4959607936); // %284 add h.5.x f32[8,1024,768]
-  float *const b290 = (float *)(arena + 337096704); // %290 param h.6.proj_b f32[768]
-  uint16_t *const b310 = (uint16_t *)(arena + 5576170624); // %310 cast bf16[8192,768]
-  uint16_t *const b311 = (uint16_t *)(arena + 2156777472); // %311 cast bf16[768,768]
-  float *const b315 = (float *)(arena + 4984773760); // %315 add h.6.x f32[8,1024,768]
-  float *const b312 = b315; // %312 matmul f32[8192,768]: the GEMM writes into its epilogue's output
-  if (h->bgemm) {
-    mdl_bgemm(h, 0, 0, 8192, 768, 768, b310, 768, b311, 768, 0.0f, b312, 768);
-  }
-  else {
-    float *const w310 = mdl_widen_bf16(b310, 6291456, h->nthreads);
-    float *const w311 = mdl_widen_bf16(b311, 589824, h->nthreads);
-    mdl_gemm(h, 0, 0, 8192, 768, 768, w310, 768, w311, 768, 0.0f, b312, 768);
-    free(w310);
-    free(w311);
-  }
-  #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t r = 0; r < 8192; r++) {
-    for (int64_t c = 0; c < 768; c++) {
-      const int64_t i = r * 768 + c;
-      const float v284_i = b284[i];
-      const float v312_i = b312[i];
-      const float v313_i = v312_i;
-      const float v314_i = v284_i + v313_i;
-      const float v290_c = b290[c];
-      const float v315_i = v314_i + v290_c;
-      b315[i] = v315_i;
-    }
-  }
+  static const int64_t o[] = {4959607936, 337096704, 5576170624, 2156777472, 4984773760};
+  k5_gemm__add__code(arena, h, o);
 }
 
 // k48_layernorm_fwd__cast: kernel, 3 ops
@@ -2551,37 +1186,8 @@ static void k47_gemm__add(char *arena, const MdlHooks *h) {
 // loops:
 //   layernorm %316: 8192 rows of 768
 static void k48_layernorm_fwd__cast(char *arena, const MdlHooks *h) {
-  float *const b291 = (float *)(arena + 337099776); // %291 param h.6.ln2_w f32[768]
-  float *const b292 = (float *)(arena + 337102848); // %292 param h.6.ln2_b f32[768]
-  float *const b315 = (float *)(arena + 4984773760); // %315 add h.6.x f32[8,1024,768]
-  uint16_t *const b318 = (uint16_t *)(arena + 5588753536); // %318 cast bf16[8192,768]
-  #pragma omp parallel num_threads(h->nthreads)
-  {
-    float *yrow = mdl_scratch(768 * sizeof(float));
-    #pragma omp for schedule(static)
-    for (int64_t r = 0; r < 8192; r++) {
-      const float *x = b315 + r * 768;
-      double mean = 0, var = 0;
-      #pragma omp simd reduction(+ : mean)
-      for (int64_t j = 0; j < 768; j++)
-        mean += x[j];
-      mean /= 768;
-      #pragma omp simd reduction(+ : var)
-      for (int64_t j = 0; j < 768; j++)
-        var += (x[j] - mean) * (x[j] - mean);
-      const double rstd = 1.0 / sqrt(var / 768 + 1e-05);
-      float *y = yrow;
-      for (int64_t j = 0; j < 768; j++)
-        y[j] = (float)((x[j] - mean) * rstd * b291[j] + b292[j]);
-      for (int64_t j = 0; j < 768; j++) {
-        const int64_t ix = r * 768 + j;
-        const float v317_ix = y[j];
-        const float v318_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v317_ix));
-        b318[ix] = mdl_f32_to_bf16(v318_ix);
-      }
-    }
-    free(yrow);
-  }
+  static const int64_t o[] = {337099776, 337102848, 4984773760, 5588753536};
+  k6_layernorm_fwd__cast__code(arena, h, o);
 }
 
 // k49_gemm__add__gelu__cast: GEMM, 6 ops
@@ -2595,37 +1201,8 @@ static void k48_layernorm_fwd__cast(char *arena, const MdlHooks *h) {
 //   gemm %320: [8192 x 3072] = [8192 x 768] [768 x 3072], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
 //   elementwise over 25165824: %322 %325
 static void k49_gemm__add__gelu__cast(char *arena, const MdlHooks *h) {
-  float *const b294 = (float *)(arena + 346543104); // %294 param h.6.fc_b f32[3072]
-  uint16_t *const b318 = (uint16_t *)(arena + 5588753536); // %318 cast bf16[8192,768]
-  uint16_t *const b319 = (uint16_t *)(arena + 2157957120); // %319 cast bf16[768,3072]
-  float *const b322 = (float *)(arena + 2996673664); // %322 add f32[8,1024,3072]
-  uint16_t *const b325 = (uint16_t *)(arena + 3902643328); // %325 cast bf16[8192,3072]
-  float *const b320 = b322; // %320 matmul f32[8192,3072]: the GEMM writes into its epilogue's output
-  if (h->bgemm) {
-    mdl_bgemm(h, 0, 0, 8192, 3072, 768, b318, 768, b319, 3072, 0.0f, b320, 3072);
-  }
-  else {
-    float *const w318 = mdl_widen_bf16(b318, 6291456, h->nthreads);
-    float *const w319 = mdl_widen_bf16(b319, 2359296, h->nthreads);
-    mdl_gemm(h, 0, 0, 8192, 3072, 768, w318, 768, w319, 3072, 0.0f, b320, 3072);
-    free(w318);
-    free(w319);
-  }
-  #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t r = 0; r < 8192; r++) {
-    for (int64_t c = 0; c < 3072; c++) {
-      const int64_t i = r * 3072 + c;
-      const float v320_i = b320[i];
-      const float v321_i = v320_i;
-      const float v294_c = b294[c];
-      const float v322_i = v321_i + v294_c;
-      b322[i] = v322_i;
-      const float v323_i = mdl_gelu(v322_i);
-      const float v324_i = v323_i;
-      const float v325_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v324_i));
-      b325[i] = mdl_f32_to_bf16(v325_i);
-    }
-  }
+  static const int64_t o[] = {346543104, 5588753536, 2157957120, 2996673664, 3902643328};
+  k7_gemm__add__gelu__cast__code(arena, h, o);
 }
 
 // k50_gemm__add: GEMM, 4 ops
@@ -2637,35 +1214,8 @@ static void k49_gemm__add__gelu__cast(char *arena, const MdlHooks *h) {
 //   gemm %327: [8192 x 768] = [8192 x 3072] [3072 x 768], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
 //   elementwise over 6291456: %330
 static void k50_gemm__add(char *arena, const MdlHooks *h) {
-  float *const b296 = (float *)(arena + 355992576); // %296 param h.6.fcproj_b f32[768]
-  float *const b315 = (float *)(arena + 4984773760); // %315 add h.6.x f32[8,1024,768]
-  uint16_t *const b325 = (uint16_t *)(arena + 3902643328); // %325 cast bf16[8192,3072]
-  uint16_t *const b326 = (uint16_t *)(arena + 2162675712); // %326 cast bf16[3072,768]
-  float *const b330 = (float *)(arena + 5009939584); // %330 add h.6.x f32[8,1024,768]
-  float *const b327 = b330; // %327 matmul f32[8192,768]: the GEMM writes into its epilogue's output
-  if (h->bgemm) {
-    mdl_bgemm(h, 0, 0, 8192, 768, 3072, b325, 3072, b326, 768, 0.0f, b327, 768);
-  }
-  else {
-    float *const w325 = mdl_widen_bf16(b325, 25165824, h->nthreads);
-    float *const w326 = mdl_widen_bf16(b326, 2359296, h->nthreads);
-    mdl_gemm(h, 0, 0, 8192, 768, 3072, w325, 3072, w326, 768, 0.0f, b327, 768);
-    free(w325);
-    free(w326);
-  }
-  #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t r = 0; r < 8192; r++) {
-    for (int64_t c = 0; c < 768; c++) {
-      const int64_t i = r * 768 + c;
-      const float v315_i = b315[i];
-      const float v327_i = b327[i];
-      const float v328_i = v327_i;
-      const float v329_i = v315_i + v328_i;
-      const float v296_c = b296[c];
-      const float v330_i = v329_i + v296_c;
-      b330[i] = v330_i;
-    }
-  }
+  static const int64_t o[] = {355992576, 4984773760, 3902643328, 2162675712, 5009939584};
+  k8_gemm__add__code(arena, h, o);
 }
 
 // k51_layernorm_fwd__cast: kernel, 3 ops
@@ -2675,37 +1225,8 @@ static void k50_gemm__add(char *arena, const MdlHooks *h) {
 // loops:
 //   layernorm %343: 8192 rows of 768
 static void k51_layernorm_fwd__cast(char *arena, const MdlHooks *h) {
-  float *const b330 = (float *)(arena + 5009939584); // %330 add h.6.x f32[8,1024,768]
-  float *const b331 = (float *)(arena + 355995648); // %331 param h.7.ln1_w f32[768]
-  float *const b332 = (float *)(arena + 355998720); // %332 param h.7.ln1_b f32[768]
-  uint16_t *const b345 = (uint16_t *)(arena + 5601336448); // %345 cast bf16[8192,768]
-  #pragma omp parallel num_threads(h->nthreads)
-  {
-    float *yrow = mdl_scratch(768 * sizeof(float));
-    #pragma omp for schedule(static)
-    for (int64_t r = 0; r < 8192; r++) {
-      const float *x = b330 + r * 768;
-      double mean = 0, var = 0;
-      #pragma omp simd reduction(+ : mean)
-      for (int64_t j = 0; j < 768; j++)
-        mean += x[j];
-      mean /= 768;
-      #pragma omp simd reduction(+ : var)
-      for (int64_t j = 0; j < 768; j++)
-        var += (x[j] - mean) * (x[j] - mean);
-      const double rstd = 1.0 / sqrt(var / 768 + 1e-05);
-      float *y = yrow;
-      for (int64_t j = 0; j < 768; j++)
-        y[j] = (float)((x[j] - mean) * rstd * b331[j] + b332[j]);
-      for (int64_t j = 0; j < 768; j++) {
-        const int64_t ix = r * 768 + j;
-        const float v344_ix = y[j];
-        const float v345_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v344_ix));
-        b345[ix] = mdl_f32_to_bf16(v345_ix);
-      }
-    }
-    free(yrow);
-  }
+  static const int64_t o[] = {5009939584, 355995648, 355998720, 5601336448};
+  k9_layernorm_fwd__cast__code(arena, h, o);
 }
 
 // k52_gemm__add__cast: GEMM, 4 ops
@@ -2717,34 +1238,8 @@ static void k51_layernorm_fwd__cast(char *arena, const MdlHooks *h) {
 //   gemm %347: [8192 x 2304] = [8192 x 768] [768 x 2304], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
 //   elementwise over 18874368: %350
 static void k52_gemm__add__cast(char *arena, const MdlHooks *h) {
-  float *const b334 = (float *)(arena + 363079680); // %334 param h.7.attn_b f32[2304]
-  uint16_t *const b345 = (uint16_t *)(arena + 5601336448); // %345 cast bf16[8192,768]
-  uint16_t *const b346 = (uint16_t *)(arena + 2167394304); // %346 cast bf16[768,2304]
-  float *const b347 = mdl_scratch(75497472); // %347 matmul f32[8192,2304], kept in this kernel
-  uint16_t *const b350 = (uint16_t *)(arena + 4468874368); // %350 cast bf16[8,1024,2304]
-  if (h->bgemm) {
-    mdl_bgemm(h, 0, 0, 8192, 2304, 768, b345, 768, b346, 2304, 0.0f, b347, 2304);
-  }
-  else {
-    float *const w345 = mdl_widen_bf16(b345, 6291456, h->nthreads);
-    float *const w346 = mdl_widen_bf16(b346, 1769472, h->nthreads);
-    mdl_gemm(h, 0, 0, 8192, 2304, 768, w345, 768, w346, 2304, 0.0f, b347, 2304);
-    free(w345);
-    free(w346);
-  }
-  #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t r = 0; r < 8192; r++) {
-    for (int64_t c = 0; c < 2304; c++) {
-      const int64_t i = r * 2304 + c;
-      const float v347_i = b347[i];
-      const float v348_i = v347_i;
-      const float v334_c = b334[c];
-      const float v349_i = v348_i + v334_c;
-      const float v350_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v349_i));
-      b350[i] = mdl_f32_to_bf16(v350_i);
-    }
-  }
-  free(b347);
+  static const int64_t o[] = {363079680, 5601336448, 2167394304, 4468874368};
+  k3_gemm__add__cast__code(arena, h, o);
 }
 
 // k53_attention_fwd__cast__lse: attention, 4 ops
@@ -2755,99 +1250,8 @@ static void k52_gemm__add__cast(char *arena, const MdlHooks *h) {
 // loops:
 //   attention and its log-sum-exp per row: B 8, T 1024, 12 heads of 64, causal, within documents; one task per (batch, head)
 static void k53_attention_fwd__cast__lse(char *arena, const MdlHooks *h) {
-  int32_t *const b3 = (int32_t *)(arena + 2238271488); // %3 input doc i32[8,1024]
-  uint16_t *const b350 = (uint16_t *)(arena + 4468874368); // %350 cast bf16[8,1024,2304]
-  uint16_t *const b356 = (uint16_t *)(arena + 5613919360); // %356 cast bf16[8192,768]
-  float *const b771 = (float *)(arena + 5805415552); // %771 attention_lse f32[8,12,1024]
-  #pragma omp parallel num_threads(h->nthreads)
-  {
-    float *restrict kt = memset(mdl_scratch(67584 * sizeof(float)), 0, 67584 * sizeof(float));
-    float *restrict s = memset(mdl_scratch(1056 * sizeof(float)), 0, 1056 * sizeof(float));
-    #pragma omp for schedule(dynamic, 1)
-    for (int64_t task = 0; task < 96; task++) {
-      const int64_t b = task / 12, hd = task % 12;
-      for (int64_t j = 0; j < 1024; j++) {
-        const uint16_t *xj = b350 + 768 + (b * 1024 + j) * 2304 + hd * 64;
-        for (int64_t c = 0; c < 64; c++)
-          kt[c * 1056 + j] = mdl_bf16_to_f32(xj[c]);
-      }
-      int64_t lo = 0, hi = 1024;
-      const int32_t *restrict dc = b3 + b * 1024;
-      for (int64_t i = 0; i < 1024; i++) {
-        const int32_t di = dc[i];
-        if (i == 0 || dc[i - 1] != di) {
-          lo = 0;
-          while (dc[lo] != di)
-            lo++;
-        }
-        hi = i + 1;
-        float qr[64];
-        for (int64_t c = 0; c < 64; c++)
-          qr[c] = mdl_bf16_to_f32(b350[(b * 1024 + i) * 2304 + hd * 64 + c]);
-        const float *restrict qi = qr;
-        for (int64_t j0 = lo; j0 < hi; j0 += 32) {
-          float acc[32] = {0};
-          for (int64_t c = 0; c < 64; c++) {
-            const float vc = qi[c], *restrict mc = kt + c * 1056 + j0;
-            #pragma omp simd
-            for (int64_t u = 0; u < 32; u++)
-              acc[u] += vc * mc[u];
-          }
-          memcpy(s + j0, acc, sizeof acc);
-        }
-        float m = -INFINITY;
-        #pragma omp simd reduction(max : m)
-        for (int64_t j = lo; j < hi; j++) {
-          s[j] = dc[j] == di ? s[j] * 0.125f : -INFINITY;
-          m = s[j] > m ? s[j] : m;
-        }
-        #pragma omp simd
-        for (int64_t j = lo; j < hi; j++)
-          s[j] = mdl_exp_shifted(s[j] - m);
-        float l;
-        {
-          float part[8] = {0};
-          int64_t j0 = lo;
-          for (; j0 + 8 <= hi; j0 += 8) {
-            for (int64_t u = 0; u < 8; u++) {
-              const int64_t j = j0 + u;
-              part[u] += s[j];
-            }
-          }
-          for (int64_t j = j0; j < hi; j++) {
-            part[j - j0] += s[j];
-          }
-          l = ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
-        }
-        b771[(b * 12 + hd) * 1024 + i] = m + logf(l);
-        float acc0[64] = {0}, acc1[64] = {0};
-        int64_t j = lo;
-        for (; j + 1 < hi; j += 2) {
-          const float w0 = mdl_bf16_to_f32(mdl_f32_to_bf16(s[j])), w1 = mdl_bf16_to_f32(mdl_f32_to_bf16(s[j + 1]));
-          const uint16_t *restrict x0 = b350 + 1536 + (b * 1024 + j) * 2304 + hd * 64, *restrict x1 = x0 + 2304;
-          #pragma omp simd
-          for (int64_t c = 0; c < 64; c++) {
-            acc0[c] += w0 * mdl_bf16_to_f32(x0[c]);
-            acc1[c] += w1 * mdl_bf16_to_f32(x1[c]);
-          }
-        }
-        if (j < hi) {
-          const float w0 = mdl_bf16_to_f32(mdl_f32_to_bf16(s[j]));
-          const uint16_t *restrict x0 = b350 + 1536 + (b * 1024 + j) * 2304 + hd * 64;
-          #pragma omp simd
-          for (int64_t c = 0; c < 64; c++)
-            acc0[c] += w0 * mdl_bf16_to_f32(x0[c]);
-        }
-        uint16_t *restrict o0 = b356 + (b * 1024 + i) * 768 + hd * 64;
-        for (int64_t c = 0; c < 64; c++) {
-          const float y = (acc0[c] + acc1[c]) / l;
-          o0[c] = mdl_f32_to_bf16(y);
-        }
-      }
-    }
-    free(kt);
-    free(s);
-  }
+  static const int64_t o[] = {2238271488, 4468874368, 5613919360, 5805415552};
+  k4_attention_fwd__cast__lse__code(arena, h, o);
 }
 
 // k54_gemm__add: GEMM, 4 ops
@@ -2859,35 +1263,8 @@ static void k53_attention_fwd__cast__lse(char *arena, const MdlHooks *h) {
 //   gemm %358: [8192 x 768] = [8192 x 768] [768 x 768], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
 //   elementwise over 6291456: %361
 static void k54_gemm__add(char *arena, const MdlHooks *h) {
-  float *const b330 = (float *)(arena + 5009939584); // %330 add h.6.x f32[8,1024,768]
-  float *const b336 = (float *)(arena + 365448192); // %336 param h.7.proj_b f32[768]
-  uint16_t *const b356 = (uint16_t *)(arena + 5613919360); // %356 cast bf16[8192,768]
-  uint16_t *const b357 = (uint16_t *)(arena + 2170933248); // %357 cast bf16[768,768]
-  float *const b361 = (float *)(arena + 5035105408); // %361 add h.7.x f32[8,1024,768]
-  float *const b358 = b361; // %358 matmul f32[8192,768]: the GEMM writes into its epilogue's output
-  if (h->bgemm) {
-    mdl_bgemm(h, 0, 0, 8192, 768, 768, b356, 768, b357, 768, 0.0f, b358, 768);
-  }
-  else {
-    float *const w356 = mdl_widen_bf16(b356, 6291456, h->nthreads);
-    float *const w357 = mdl_widen_bf16(b357, 589824, h->nthreads);
-    mdl_gemm(h, 0, 0, 8192, 768, 768, w356, 768, w357, 768, 0.0f, b358, 768);
-    free(w356);
-    free(w357);
-  }
-  #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t r = 0; r < 8192; r++) {
-    for (int64_t c = 0; c < 768; c++) {
-      const int64_t i = r * 768 + c;
-      const float v330_i = b330[i];
-      const float v358_i = b358[i];
-      const float v359_i = v358_i;
-      const float v360_i = v330_i + v359_i;
-      const float v336_c = b336[c];
-      const float v361_i = v360_i + v336_c;
-      b361[i] = v361_i;
-    }
-  }
+  static const int64_t o[] = {5009939584, 365448192, 5613919360, 2170933248, 5035105408};
+  k5_gemm__add__code(arena, h, o);
 }
 
 // k55_layernorm_fwd__cast: kernel, 3 ops
@@ -2897,37 +1274,8 @@ static void k54_gemm__add(char *arena, const MdlHooks *h) {
 // loops:
 //   layernorm %362: 8192 rows of 768
 static void k55_layernorm_fwd__cast(char *arena, const MdlHooks *h) {
-  float *const b337 = (float *)(arena + 365451264); // %337 param h.7.ln2_w f32[768]
-  float *const b338 = (float *)(arena + 365454336); // %338 param h.7.ln2_b f32[768]
-  float *const b361 = (float *)(arena + 5035105408); // %361 add h.7.x f32[8,1024,768]
-  uint16_t *const b364 = (uint16_t *)(arena + 5626502272); // %364 cast bf16[8192,768]
-  #pragma omp parallel num_threads(h->nthreads)
-  {
-    float *yrow = mdl_scratch(768 * sizeof(float));
-    #pragma omp for schedule(static)
-    for (int64_t r = 0; r < 8192; r++) {
-      const float *x = b361 + r * 768;
-      double mean = 0, var = 0;
-      #pragma omp simd reduction(+ : mean)
-      for (int64_t j = 0; j < 768; j++)
-        mean += x[j];
-      mean /= 768;
-      #pragma omp simd reduction(+ : var)
-      for (int64_t j = 0; j < 768; j++)
-        var += (x[j] - mean) * (x[j] - mean);
-      const double rstd = 1.0 / sqrt(var / 768 + 1e-05);
-      float *y = yrow;
-      for (int64_t j = 0; j < 768; j++)
-        y[j] = (float)((x[j] - mean) * rstd * b337[j] + b338[j]);
-      for (int64_t j = 0; j < 768; j++) {
-        const int64_t ix = r * 768 + j;
-        const float v363_ix = y[j];
-        const float v364_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v363_ix));
-        b364[ix] = mdl_f32_to_bf16(v364_ix);
-      }
-    }
-    free(yrow);
-  }
+  static const int64_t o[] = {365451264, 365454336, 5035105408, 5626502272};
+  k6_layernorm_fwd__cast__code(arena, h, o);
 }
 
 // k56_gemm__add__gelu__cast: GEMM, 6 ops
@@ -2941,37 +1289,8 @@ static void k55_layernorm_fwd__cast(char *arena, const MdlHooks *h) {
 //   gemm %366: [8192 x 3072] = [8192 x 768] [768 x 3072], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
 //   elementwise over 25165824: %368 %371
 static void k56_gemm__add__gelu__cast(char *arena, const MdlHooks *h) {
-  float *const b340 = (float *)(arena + 374894592); // %340 param h.7.fc_b f32[3072]
-  uint16_t *const b364 = (uint16_t *)(arena + 5626502272); // %364 cast bf16[8192,768]
-  uint16_t *const b365 = (uint16_t *)(arena + 2172112896); // %365 cast bf16[768,3072]
-  float *const b368 = (float *)(arena + 3097336960); // %368 add f32[8,1024,3072]
-  uint16_t *const b371 = (uint16_t *)(arena + 3952974976); // %371 cast bf16[8192,3072]
-  float *const b366 = b368; // %366 matmul f32[8192,3072]: the GEMM writes into its epilogue's output
-  if (h->bgemm) {
-    mdl_bgemm(h, 0, 0, 8192, 3072, 768, b364, 768, b365, 3072, 0.0f, b366, 3072);
-  }
-  else {
-    float *const w364 = mdl_widen_bf16(b364, 6291456, h->nthreads);
-    float *const w365 = mdl_widen_bf16(b365, 2359296, h->nthreads);
-    mdl_gemm(h, 0, 0, 8192, 3072, 768, w364, 768, w365, 3072, 0.0f, b366, 3072);
-    free(w364);
-    free(w365);
-  }
-  #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t r = 0; r < 8192; r++) {
-    for (int64_t c = 0; c < 3072; c++) {
-      const int64_t i = r * 3072 + c;
-      const float v366_i = b366[i];
-      const float v367_i = v366_i;
-      const float v340_c = b340[c];
-      const float v368_i = v367_i + v340_c;
-      b368[i] = v368_i;
-      const float v369_i = mdl_gelu(v368_i);
-      const float v370_i = v369_i;
-      const float v371_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v370_i));
-      b371[i] = mdl_f32_to_bf16(v371_i);
-    }
-  }
+  static const int64_t o[] = {374894592, 5626502272, 2172112896, 3097336960, 3952974976};
+  k7_gemm__add__gelu__cast__code(arena, h, o);
 }
 
 // k57_gemm__add: GEMM, 4 ops
@@ -2983,35 +1302,8 @@ static void k56_gemm__add__gelu__cast(char *arena, const MdlHooks *h) {
 //   gemm %373: [8192 x 768] = [8192 x 3072] [3072 x 768], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
 //   elementwise over 6291456: %376
 static void k57_gemm__add(char *arena, const MdlHooks *h) {
-  float *const b342 = (float *)(arena + 384344064); // %342 param h.7.fcproj_b f32[768]
-  float *const b361 = (float *)(arena + 5035105408); // %361 add h.7.x f32[8,1024,768]
-  uint16_t *const b371 = (uint16_t *)(arena + 3952974976); // %371 cast bf16[8192,3072]
-  uint16_t *const b372 = (uint16_t *)(arena + 2176831488); // %372 cast bf16[3072,768]
-  float *const b376 = (float *)(arena + 5060271232); // %376 add h.7.x f32[8,1024,768]
-  float *const b373 = b376; // %373 matmul f32[8192,768]: the GEMM writes into its epilogue's output
-  if (h->bgemm) {
-    mdl_bgemm(h, 0, 0, 8192, 768, 3072, b371, 3072, b372, 768, 0.0f, b373, 768);
-  }
-  else {
-    float *const w371 = mdl_widen_bf16(b371, 25165824, h->nthreads);
-    float *const w372 = mdl_widen_bf16(b372, 2359296, h->nthreads);
-    mdl_gemm(h, 0, 0, 8192, 768, 3072, w371, 3072, w372, 768, 0.0f, b373, 768);
-    free(w371);
-    free(w372);
-  }
-  #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t r = 0; r < 8192; r++) {
-    for (int64_t c = 0; c < 768; c++) {
-      const int64_t i = r * 768 + c;
-      const float v361_i = b361[i];
-      const float v373_i = b373[i];
-      const float v374_i = v373_i;
-      const float v375_i = v361_i + v374_i;
-      const float v342_c = b342[c];
-      const float v376_i = v375_i + v342_c;
-      b376[i] = v376_i;
-    }
-  }
+  static const int64_t o[] = {384344064, 5035105408, 3952974976, 2176831488, 5060271232};
+  k8_gemm__add__code(arena, h, o);
 }
 
 // k58_layernorm_fwd__cast: kernel, 3 ops
@@ -3021,37 +1313,8 @@ static void k57_gemm__add(char *arena, const MdlHooks *h) {
 // loops:
 //   layernorm %389: 8192 rows of 768
 static void k58_layernorm_fwd__cast(char *arena, const MdlHooks *h) {
-  float *const b376 = (float *)(arena + 5060271232); // %376 add h.7.x f32[8,1024,768]
-  float *const b377 = (float *)(arena + 384347136); // %377 param h.8.ln1_w f32[768]
-  float *const b378 = (float *)(arena + 384350208); // %378 param h.8.ln1_b f32[768]
-  uint16_t *const b391 = (uint16_t *)(arena + 5639085184); // %391 cast bf16[8192,768]
-  #pragma omp parallel num_threads(h->nthreads)
-  {
-    float *yrow = mdl_scratch(768 * sizeof(float));
-    #pragma omp for schedule(static)
-    for (int64_t r = 0; r < 8192; r++) {
-      const float *x = b376 + r * 768;
-      double mean = 0, var = 0;
-      #pragma omp simd reduction(+ : mean)
-      for (int64_t j = 0; j < 768; j++)
-        mean += x[j];
-      mean /= 768;
-      #pragma omp simd reduction(+ : var)
-      for (int64_t j = 0; j < 768; j++)
-        var += (x[j] - mean) * (x[j] - mean);
-      const double rstd = 1.0 / sqrt(var / 768 + 1e-05);
-      float *y = yrow;
-      for (int64_t j = 0; j < 768; j++)
-        y[j] = (float)((x[j] - mean) * rstd * b377[j] + b378[j]);
-      for (int64_t j = 0; j < 768; j++) {
-        const int64_t ix = r * 768 + j;
-        const float v390_ix = y[j];
-        const float v391_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v390_ix));
-        b391[ix] = mdl_f32_to_bf16(v391_ix);
-      }
-    }
-    free(yrow);
-  }
+  static const int64_t o[] = {5060271232, 384347136, 384350208, 5639085184};
+  k9_layernorm_fwd__cast__code(arena, h, o);
 }
 
 // k59_gemm__add__cast: GEMM, 4 ops
@@ -3063,34 +1326,8 @@ static void k58_layernorm_fwd__cast(char *arena, const MdlHooks *h) {
 //   gemm %393: [8192 x 2304] = [8192 x 768] [768 x 2304], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
 //   elementwise over 18874368: %396
 static void k59_gemm__add__cast(char *arena, const MdlHooks *h) {
-  float *const b380 = (float *)(arena + 391431168); // %380 param h.8.attn_b f32[2304]
-  uint16_t *const b391 = (uint16_t *)(arena + 5639085184); // %391 cast bf16[8192,768]
-  uint16_t *const b392 = (uint16_t *)(arena + 2181550080); // %392 cast bf16[768,2304]
-  float *const b393 = mdl_scratch(75497472); // %393 matmul f32[8192,2304], kept in this kernel
-  uint16_t *const b396 = (uint16_t *)(arena + 4506623104); // %396 cast bf16[8,1024,2304]
-  if (h->bgemm) {
-    mdl_bgemm(h, 0, 0, 8192, 2304, 768, b391, 768, b392, 2304, 0.0f, b393, 2304);
-  }
-  else {
-    float *const w391 = mdl_widen_bf16(b391, 6291456, h->nthreads);
-    float *const w392 = mdl_widen_bf16(b392, 1769472, h->nthreads);
-    mdl_gemm(h, 0, 0, 8192, 2304, 768, w391, 768, w392, 2304, 0.0f, b393, 2304);
-    free(w391);
-    free(w392);
-  }
-  #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t r = 0; r < 8192; r++) {
-    for (int64_t c = 0; c < 2304; c++) {
-      const int64_t i = r * 2304 + c;
-      const float v393_i = b393[i];
-      const float v394_i = v393_i;
-      const float v380_c = b380[c];
-      const float v395_i = v394_i + v380_c;
-      const float v396_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v395_i));
-      b396[i] = mdl_f32_to_bf16(v396_i);
-    }
-  }
-  free(b393);
+  static const int64_t o[] = {391431168, 5639085184, 2181550080, 4506623104};
+  k3_gemm__add__cast__code(arena, h, o);
 }
 
 // k60_attention_fwd__cast__lse: attention, 4 ops
@@ -3101,99 +1338,8 @@ static void k59_gemm__add__cast(char *arena, const MdlHooks *h) {
 // loops:
 //   attention and its log-sum-exp per row: B 8, T 1024, 12 heads of 64, causal, within documents; one task per (batch, head)
 static void k60_attention_fwd__cast__lse(char *arena, const MdlHooks *h) {
-  int32_t *const b3 = (int32_t *)(arena + 2238271488); // %3 input doc i32[8,1024]
-  uint16_t *const b396 = (uint16_t *)(arena + 4506623104); // %396 cast bf16[8,1024,2304]
-  uint16_t *const b402 = (uint16_t *)(arena + 5651668096); // %402 cast bf16[8192,768]
-  float *const b731 = (float *)(arena + 5805808768); // %731 attention_lse f32[8,12,1024]
-  #pragma omp parallel num_threads(h->nthreads)
-  {
-    float *restrict kt = memset(mdl_scratch(67584 * sizeof(float)), 0, 67584 * sizeof(float));
-    float *restrict s = memset(mdl_scratch(1056 * sizeof(float)), 0, 1056 * sizeof(float));
-    #pragma omp for schedule(dynamic, 1)
-    for (int64_t task = 0; task < 96; task++) {
-      const int64_t b = task / 12, hd = task % 12;
-      for (int64_t j = 0; j < 1024; j++) {
-        const uint16_t *xj = b396 + 768 + (b * 1024 + j) * 2304 + hd * 64;
-        for (int64_t c = 0; c < 64; c++)
-          kt[c * 1056 + j] = mdl_bf16_to_f32(xj[c]);
-      }
-      int64_t lo = 0, hi = 1024;
-      const int32_t *restrict dc = b3 + b * 1024;
-      for (int64_t i = 0; i < 1024; i++) {
-        const int32_t di = dc[i];
-        if (i == 0 || dc[i - 1] != di) {
-          lo = 0;
-          while (dc[lo] != di)
-            lo++;
-        }
-        hi = i + 1;
-        float qr[64];
-        for (int64_t c = 0; c < 64; c++)
-          qr[c] = mdl_bf16_to_f32(b396[(b * 1024 + i) * 2304 + hd * 64 + c]);
-        const float *restrict qi = qr;
-        for (int64_t j0 = lo; j0 < hi; j0 += 32) {
-          float acc[32] = {0};
-          for (int64_t c = 0; c < 64; c++) {
-            const float vc = qi[c], *restrict mc = kt + c * 1056 + j0;
-            #pragma omp simd
-            for (int64_t u = 0; u < 32; u++)
-              acc[u] += vc * mc[u];
-          }
-          memcpy(s + j0, acc, sizeof acc);
-        }
-        float m = -INFINITY;
-        #pragma omp simd reduction(max : m)
-        for (int64_t j = lo; j < hi; j++) {
-          s[j] = dc[j] == di ? s[j] * 0.125f : -INFINITY;
-          m = s[j] > m ? s[j] : m;
-        }
-        #pragma omp simd
-        for (int64_t j = lo; j < hi; j++)
-          s[j] = mdl_exp_shifted(s[j] - m);
-        float l;
-        {
-          float part[8] = {0};
-          int64_t j0 = lo;
-          for (; j0 + 8 <= hi; j0 += 8) {
-            for (int64_t u = 0; u < 8; u++) {
-              const int64_t j = j0 + u;
-              part[u] += s[j];
-            }
-          }
-          for (int64_t j = j0; j < hi; j++) {
-            part[j - j0] += s[j];
-          }
-          l = ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
-        }
-        b731[(b * 12 + hd) * 1024 + i] = m + logf(l);
-        float acc0[64] = {0}, acc1[64] = {0};
-        int64_t j = lo;
-        for (; j + 1 < hi; j += 2) {
-          const float w0 = mdl_bf16_to_f32(mdl_f32_to_bf16(s[j])), w1 = mdl_bf16_to_f32(mdl_f32_to_bf16(s[j + 1]));
-          const uint16_t *restrict x0 = b396 + 1536 + (b * 1024 + j) * 2304 + hd * 64, *restrict x1 = x0 + 2304;
-          #pragma omp simd
-          for (int64_t c = 0; c < 64; c++) {
-            acc0[c] += w0 * mdl_bf16_to_f32(x0[c]);
-            acc1[c] += w1 * mdl_bf16_to_f32(x1[c]);
-          }
-        }
-        if (j < hi) {
-          const float w0 = mdl_bf16_to_f32(mdl_f32_to_bf16(s[j]));
-          const uint16_t *restrict x0 = b396 + 1536 + (b * 1024 + j) * 2304 + hd * 64;
-          #pragma omp simd
-          for (int64_t c = 0; c < 64; c++)
-            acc0[c] += w0 * mdl_bf16_to_f32(x0[c]);
-        }
-        uint16_t *restrict o0 = b402 + (b * 1024 + i) * 768 + hd * 64;
-        for (int64_t c = 0; c < 64; c++) {
-          const float y = (acc0[c] + acc1[c]) / l;
-          o0[c] = mdl_f32_to_bf16(y);
-        }
-      }
-    }
-    free(kt);
-    free(s);
-  }
+  static const int64_t o[] = {2238271488, 4506623104, 5651668096, 5805808768};
+  k4_attention_fwd__cast__lse__code(arena, h, o);
 }
 
 // k61_gemm__add: GEMM, 4 ops
@@ -3205,35 +1351,8 @@ static void k60_attention_fwd__cast__lse(char *arena, const MdlHooks *h) {
 //   gemm %404: [8192 x 768] = [8192 x 768] [768 x 768], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
 //   elementwise over 6291456: %407
 static void k61_gemm__add(char *arena, const MdlHooks *h) {
-  float *const b376 = (float *)(arena + 5060271232); // %376 add h.7.x f32[8,1024,768]
-  float *const b382 = (float *)(arena + 393799680); // %382 param h.8.proj_b f32[768]
-  uint16_t *const b402 = (uint16_t *)(arena + 5651668096); // %402 cast bf16[8192,768]
-  uint16_t *const b403 = (uint16_t *)(arena + 2185089024); // %403 cast bf16[768,768]
-  float *const b407 = (float *)(arena + 5085437056); // %407 add h.8.x f32[8,1024,768]
-  float *const b404 = b407; // %404 matmul f32[8192,768]: the GEMM writes into its epilogue's output
-  if (h->bgemm) {
-    mdl_bgemm(h, 0, 0, 8192, 768, 768, b402, 768, b403, 768, 0.0f, b404, 768);
-  }
-  else {
-    float *const w402 = mdl_widen_bf16(b402, 6291456, h->nthreads);
-    float *const w403 = mdl_widen_bf16(b403, 589824, h->nthreads);
-    mdl_gemm(h, 0, 0, 8192, 768, 768, w402, 768, w403, 768, 0.0f, b404, 768);
-    free(w402);
-    free(w403);
-  }
-  #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t r = 0; r < 8192; r++) {
-    for (int64_t c = 0; c < 768; c++) {
-      const int64_t i = r * 768 + c;
-      const float v376_i = b376[i];
-      const float v404_i = b404[i];
-      const float v405_i = v404_i;
-      const float v406_i = v376_i + v405_i;
-      const float v382_c = b382[c];
-      const float v407_i = v406_i + v382_c;
-      b407[i] = v407_i;
-    }
-  }
+  static const int64_t o[] = {5060271232, 393799680, 5651668096, 2185089024, 5085437056};
+  k5_gemm__add__code(arena, h, o);
 }
 
 // k62_layernorm_fwd__cast: kernel, 3 ops
@@ -3243,37 +1362,8 @@ static void k61_gemm__add(char *arena, const MdlHooks *h) {
 // loops:
 //   layernorm %408: 8192 rows of 768
 static void k62_layernorm_fwd__cast(char *arena, const MdlHooks *h) {
-  float *const b383 = (float *)(arena + 393802752); // %383 param h.8.ln2_w f32[768]
-  float *const b384 = (float *)(arena + 393805824); // %384 param h.8.ln2_b f32[768]
-  float *const b407 = (float *)(arena + 5085437056); // %407 add h.8.x f32[8,1024,768]
-  uint16_t *const b410 = (uint16_t *)(arena + 5664251008); // %410 cast bf16[8192,768]
-  #pragma omp parallel num_threads(h->nthreads)
-  {
-    float *yrow = mdl_scratch(768 * sizeof(float));
-    #pragma omp for schedule(static)
-    for (int64_t r = 0; r < 8192; r++) {
-      const float *x = b407 + r * 768;
-      double mean = 0, var = 0;
-      #pragma omp simd reduction(+ : mean)
-      for (int64_t j = 0; j < 768; j++)
-        mean += x[j];
-      mean /= 768;
-      #pragma omp simd reduction(+ : var)
-      for (int64_t j = 0; j < 768; j++)
-        var += (x[j] - mean) * (x[j] - mean);
-      const double rstd = 1.0 / sqrt(var / 768 + 1e-05);
-      float *y = yrow;
-      for (int64_t j = 0; j < 768; j++)
-        y[j] = (float)((x[j] - mean) * rstd * b383[j] + b384[j]);
-      for (int64_t j = 0; j < 768; j++) {
-        const int64_t ix = r * 768 + j;
-        const float v409_ix = y[j];
-        const float v410_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v409_ix));
-        b410[ix] = mdl_f32_to_bf16(v410_ix);
-      }
-    }
-    free(yrow);
-  }
+  static const int64_t o[] = {393802752, 393805824, 5085437056, 5664251008};
+  k6_layernorm_fwd__cast__code(arena, h, o);
 }
 
 // k63_gemm__add__gelu__cast: GEMM, 6 ops
@@ -3287,37 +1377,8 @@ static void k62_layernorm_fwd__cast(char *arena, const MdlHooks *h) {
 //   gemm %412: [8192 x 3072] = [8192 x 768] [768 x 3072], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
 //   elementwise over 25165824: %414 %417
 static void k63_gemm__add__gelu__cast(char *arena, const MdlHooks *h) {
-  float *const b386 = (float *)(arena + 403246080); // %386 param h.8.fc_b f32[3072]
-  uint16_t *const b410 = (uint16_t *)(arena + 5664251008); // %410 cast bf16[8192,768]
-  uint16_t *const b411 = (uint16_t *)(arena + 2186268672); // %411 cast bf16[768,3072]
-  float *const b414 = (float *)(arena + 3198000256); // %414 add f32[8,1024,3072]
-  uint16_t *const b417 = (uint16_t *)(arena + 4003306624); // %417 cast bf16[8192,3072]
-  float *const b412 = b414; // %412 matmul f32[8192,3072]: the GEMM writes into its epilogue's output
-  if (h->bgemm) {
-    mdl_bgemm(h, 0, 0, 8192, 3072, 768, b410, 768, b411, 3072, 0.0f, b412, 3072);
-  }
-  else {
-    float *const w410 = mdl_widen_bf16(b410, 6291456, h->nthreads);
-    float *const w411 = mdl_widen_bf16(b411, 2359296, h->nthreads);
-    mdl_gemm(h, 0, 0, 8192, 3072, 768, w410, 768, w411, 3072, 0.0f, b412, 3072);
-    free(w410);
-    free(w411);
-  }
-  #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t r = 0; r < 8192; r++) {
-    for (int64_t c = 0; c < 3072; c++) {
-      const int64_t i = r * 3072 + c;
-      const float v412_i = b412[i];
-      const float v413_i = v412_i;
-      const float v386_c = b386[c];
-      const float v414_i = v413_i + v386_c;
-      b414[i] = v414_i;
-      const float v415_i = mdl_gelu(v414_i);
-      const float v416_i = v415_i;
-      const float v417_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v416_i));
-      b417[i] = mdl_f32_to_bf16(v417_i);
-    }
-  }
+  static const int64_t o[] = {403246080, 5664251008, 2186268672, 3198000256, 4003306624};
+  k7_gemm__add__gelu__cast__code(arena, h, o);
 }
 
 // k64_gemm__add: GEMM, 4 ops
@@ -3329,35 +1390,8 @@ static void k63_gemm__add__gelu__cast(char *arena, const MdlHooks *h) {
 //   gemm %419: [8192 x 768] = [8192 x 3072] [3072 x 768], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
 //   elementwise over 6291456: %422
 static void k64_gemm__add(char *arena, const MdlHooks *h) {
-  float *const b388 = (float *)(arena + 412695552); // %388 param h.8.fcproj_b f32[768]
-  float *const b407 = (float *)(arena + 5085437056); // %407 add h.8.x f32[8,1024,768]
-  uint16_t *const b417 = (uint16_t *)(arena + 4003306624); // %417 cast bf16[8192,3072]
-  uint16_t *const b418 = (uint16_t *)(arena + 2190987264); // %418 cast bf16[3072,768]
-  float *const b422 = (float *)(arena + 5110602880); // %422 add h.8.x f32[8,1024,768]
-  float *const b419 = b422; // %419 matmul f32[8192,768]: the GEMM writes into its epilogue's output
-  if (h->bgemm) {
-    mdl_bgemm(h, 0, 0, 8192, 768, 3072, b417, 3072, b418, 768, 0.0f, b419, 768);
-  }
-  else {
-    float *const w417 = mdl_widen_bf16(b417, 25165824, h->nthreads);
-    float *const w418 = mdl_widen_bf16(b418, 2359296, h->nthreads);
-    mdl_gemm(h, 0, 0, 8192, 768, 3072, w417, 3072, w418, 768, 0.0f, b419, 768);
-    free(w417);
-    free(w418);
-  }
-  #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t r = 0; r < 8192; r++) {
-    for (int64_t c = 0; c < 768; c++) {
-      const int64_t i = r * 768 + c;
-      const float v407_i = b407[i];
-      const float v419_i = b419[i];
-      const float v420_i = v419_i;
-      const float v421_i = v407_i + v420_i;
-      const float v388_c = b388[c];
-      const float v422_i = v421_i + v388_c;
-      b422[i] = v422_i;
-    }
-  }
+  static const int64_t o[] = {412695552, 5085437056, 4003306624, 2190987264, 5110602880};
+  k8_gemm__add__code(arena, h, o);
 }
 
 // k65_layernorm_fwd__cast: kernel, 3 ops
@@ -3367,37 +1401,8 @@ static void k64_gemm__add(char *arena, const MdlHooks *h) {
 // loops:
 //   layernorm %435: 8192 rows of 768
 static void k65_layernorm_fwd__cast(char *arena, const MdlHooks *h) {
-  float *const b422 = (float *)(arena + 5110602880); // %422 add h.8.x f32[8,1024,768]
-  float *const b423 = (float *)(arena + 412698624); // %423 param h.9.ln1_w f32[768]
-  float *const b424 = (float *)(arena + 412701696); // %424 param h.9.ln1_b f32[768]
-  uint16_t *const b437 = (uint16_t *)(arena + 5676833920); // %437 cast bf16[8192,768]
-  #pragma omp parallel num_threads(h->nthreads)
-  {
-    float *yrow = mdl_scratch(768 * sizeof(float));
-    #pragma omp for schedule(static)
-    for (int64_t r = 0; r < 8192; r++) {
-      const float *x = b422 + r * 768;
-      double mean = 0, var = 0;
-      #pragma omp simd reduction(+ : mean)
-      for (int64_t j = 0; j < 768; j++)
-        mean += x[j];
-      mean /= 768;
-      #pragma omp simd reduction(+ : var)
-      for (int64_t j = 0; j < 768; j++)
-        var += (x[j] - mean) * (x[j] - mean);
-      const double rstd = 1.0 / sqrt(var / 768 + 1e-05);
-      float *y = yrow;
-      for (int64_t j = 0; j < 768; j++)
-        y[j] = (float)((x[j] - mean) * rstd * b423[j] + b424[j]);
-      for (int64_t j = 0; j < 768; j++) {
-        const int64_t ix = r * 768 + j;
-        const float v436_ix = y[j];
-        const float v437_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v436_ix));
-        b437[ix] = mdl_f32_to_bf16(v437_ix);
-      }
-    }
-    free(yrow);
-  }
+  static const int64_t o[] = {5110602880, 412698624, 412701696, 5676833920};
+  k9_layernorm_fwd__cast__code(arena, h, o);
 }
 
 // k66_gemm__add__cast: GEMM, 4 ops
@@ -3409,34 +1414,8 @@ static void k65_layernorm_fwd__cast(char *arena, const MdlHooks *h) {
 //   gemm %439: [8192 x 2304] = [8192 x 768] [768 x 2304], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
 //   elementwise over 18874368: %442
 static void k66_gemm__add__cast(char *arena, const MdlHooks *h) {
-  float *const b426 = (float *)(arena + 419782656); // %426 param h.9.attn_b f32[2304]
-  uint16_t *const b437 = (uint16_t *)(arena + 5676833920); // %437 cast bf16[8192,768]
-  uint16_t *const b438 = (uint16_t *)(arena + 2195705856); // %438 cast bf16[768,2304]
-  float *const b439 = mdl_scratch(75497472); // %439 matmul f32[8192,2304], kept in this kernel
-  uint16_t *const b442 = (uint16_t *)(arena + 4544371840); // %442 cast bf16[8,1024,2304]
-  if (h->bgemm) {
-    mdl_bgemm(h, 0, 0, 8192, 2304, 768, b437, 768, b438, 2304, 0.0f, b439, 2304);
-  }
-  else {
-    float *const w437 = mdl_widen_bf16(b437, 6291456, h->nthreads);
-    float *const w438 = mdl_widen_bf16(b438, 1769472, h->nthreads);
-    mdl_gemm(h, 0, 0, 8192, 2304, 768, w437, 768, w438, 2304, 0.0f, b439, 2304);
-    free(w437);
-    free(w438);
-  }
-  #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t r = 0; r < 8192; r++) {
-    for (int64_t c = 0; c < 2304; c++) {
-      const int64_t i = r * 2304 + c;
-      const float v439_i = b439[i];
-      const float v440_i = v439_i;
-      const float v426_c = b426[c];
-      const float v441_i = v440_i + v426_c;
-      const float v442_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v441_i));
-      b442[i] = mdl_f32_to_bf16(v442_i);
-    }
-  }
-  free(b439);
+  static const int64_t o[] = {419782656, 5676833920, 2195705856, 4544371840};
+  k3_gemm__add__cast__code(arena, h, o);
 }
 
 // k67_attention_fwd__cast__lse: attention, 4 ops
@@ -3447,99 +1426,8 @@ static void k66_gemm__add__cast(char *arena, const MdlHooks *h) {
 // loops:
 //   attention and its log-sum-exp per row: B 8, T 1024, 12 heads of 64, causal, within documents; one task per (batch, head)
 static void k67_attention_fwd__cast__lse(char *arena, const MdlHooks *h) {
-  int32_t *const b3 = (int32_t *)(arena + 2238271488); // %3 input doc i32[8,1024]
-  uint16_t *const b442 = (uint16_t *)(arena + 4544371840); // %442 cast bf16[8,1024,2304]
-  uint16_t *const b448 = (uint16_t *)(arena + 5689416832); // %448 cast bf16[8192,768]
-  float *const b691 = (float *)(arena + 5806201984); // %691 attention_lse f32[8,12,1024]
-  #pragma omp parallel num_threads(h->nthreads)
-  {
-    float *restrict kt = memset(mdl_scratch(67584 * sizeof(float)), 0, 67584 * sizeof(float));
-    float *restrict s = memset(mdl_scratch(1056 * sizeof(float)), 0, 1056 * sizeof(float));
-    #pragma omp for schedule(dynamic, 1)
-    for (int64_t task = 0; task < 96; task++) {
-      const int64_t b = task / 12, hd = task % 12;
-      for (int64_t j = 0; j < 1024; j++) {
-        const uint16_t *xj = b442 + 768 + (b * 1024 + j) * 2304 + hd * 64;
-        for (int64_t c = 0; c < 64; c++)
-          kt[c * 1056 + j] = mdl_bf16_to_f32(xj[c]);
-      }
-      int64_t lo = 0, hi = 1024;
-      const int32_t *restrict dc = b3 + b * 1024;
-      for (int64_t i = 0; i < 1024; i++) {
-        const int32_t di = dc[i];
-        if (i == 0 || dc[i - 1] != di) {
-          lo = 0;
-          while (dc[lo] != di)
-            lo++;
-        }
-        hi = i + 1;
-        float qr[64];
-        for (int64_t c = 0; c < 64; c++)
-          qr[c] = mdl_bf16_to_f32(b442[(b * 1024 + i) * 2304 + hd * 64 + c]);
-        const float *restrict qi = qr;
-        for (int64_t j0 = lo; j0 < hi; j0 += 32) {
-          float acc[32] = {0};
-          for (int64_t c = 0; c < 64; c++) {
-            const float vc = qi[c], *restrict mc = kt + c * 1056 + j0;
-            #pragma omp simd
-            for (int64_t u = 0; u < 32; u++)
-              acc[u] += vc * mc[u];
-          }
-          memcpy(s + j0, acc, sizeof acc);
-        }
-        float m = -INFINITY;
-        #pragma omp simd reduction(max : m)
-        for (int64_t j = lo; j < hi; j++) {
-          s[j] = dc[j] == di ? s[j] * 0.125f : -INFINITY;
-          m = s[j] > m ? s[j] : m;
-        }
-        #pragma omp simd
-        for (int64_t j = lo; j < hi; j++)
-          s[j] = mdl_exp_shifted(s[j] - m);
-        float l;
-        {
-          float part[8] = {0};
-          int64_t j0 = lo;
-          for (; j0 + 8 <= hi; j0 += 8) {
-            for (int64_t u = 0; u < 8; u++) {
-              const int64_t j = j0 + u;
-              part[u] += s[j];
-            }
-          }
-          for (int64_t j = j0; j < hi; j++) {
-            part[j - j0] += s[j];
-          }
-          l = ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
-        }
-        b691[(b * 12 + hd) * 1024 + i] = m + logf(l);
-        float acc0[64] = {0}, acc1[64] = {0};
-        int64_t j = lo;
-        for (; j + 1 < hi; j += 2) {
-          const float w0 = mdl_bf16_to_f32(mdl_f32_to_bf16(s[j])), w1 = mdl_bf16_to_f32(mdl_f32_to_bf16(s[j + 1]));
-          const uint16_t *restrict x0 = b442 + 1536 + (b * 1024 + j) * 2304 + hd * 64, *restrict x1 = x0 + 2304;
-          #pragma omp simd
-          for (int64_t c = 0; c < 64; c++) {
-            acc0[c] += w0 * mdl_bf16_to_f32(x0[c]);
-            acc1[c] += w1 * mdl_bf16_to_f32(x1[c]);
-          }
-        }
-        if (j < hi) {
-          const float w0 = mdl_bf16_to_f32(mdl_f32_to_bf16(s[j]));
-          const uint16_t *restrict x0 = b442 + 1536 + (b * 1024 + j) * 2304 + hd * 64;
-          #pragma omp simd
-          for (int64_t c = 0; c < 64; c++)
-            acc0[c] += w0 * mdl_bf16_to_f32(x0[c]);
-        }
-        uint16_t *restrict o0 = b448 + (b * 1024 + i) * 768 + hd * 64;
-        for (int64_t c = 0; c < 64; c++) {
-          const float y = (acc0[c] + acc1[c]) / l;
-          o0[c] = mdl_f32_to_bf16(y);
-        }
-      }
-    }
-    free(kt);
-    free(s);
-  }
+  static const int64_t o[] = {2238271488, 4544371840, 5689416832, 5806201984};
+  k4_attention_fwd__cast__lse__code(arena, h, o);
 }
 
 // k68_gemm__add: GEMM, 4 ops
@@ -3551,35 +1439,8 @@ static void k67_attention_fwd__cast__lse(char *arena, const MdlHooks *h) {
 //   gemm %450: [8192 x 768] = [8192 x 768] [768 x 768], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
 //   elementwise over 6291456: %453
 static void k68_gemm__add(char *arena, const MdlHooks *h) {
-  float *const b422 = (float *)(arena + 5110602880); // %422 add h.8.x f32[8,1024,768]
-  float *const b428 = (float *)(arena + 422151168); // %428 param h.9.proj_b f32[768]
-  uint16_t *const b448 = (uint16_t *)(arena + 5689416832); // %448 cast bf16[8192,768]
-  uint16_t *const b449 = (uint16_t *)(arena + 2199244800); // %449 cast bf16[768,768]
-  float *const b453 = (float *)(arena + 5135768704); // %453 add h.9.x f32[8,1024,768]
-  float *const b450 = b453; // %450 matmul f32[8192,768]: the GEMM writes into its epilogue's output
-  if (h->bgemm) {
-    mdl_bgemm(h, 0, 0, 8192, 768, 768, b448, 768, b449, 768, 0.0f, b450, 768);
-  }
-  else {
-    float *const w448 = mdl_widen_bf16(b448, 6291456, h->nthreads);
-    float *const w449 = mdl_widen_bf16(b449, 589824, h->nthreads);
-    mdl_gemm(h, 0, 0, 8192, 768, 768, w448, 768, w449, 768, 0.0f, b450, 768);
-    free(w448);
-    free(w449);
-  }
-  #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t r = 0; r < 8192; r++) {
-    for (int64_t c = 0; c < 768; c++) {
-      const int64_t i = r * 768 + c;
-      const float v422_i = b422[i];
-      const float v450_i = b450[i];
-      const float v451_i = v450_i;
-      const float v452_i = v422_i + v451_i;
-      const float v428_c = b428[c];
-      const float v453_i = v452_i + v428_c;
-      b453[i] = v453_i;
-    }
-  }
+  static const int64_t o[] = {5110602880, 422151168, 5689416832, 2199244800, 5135768704};
+  k5_gemm__add__code(arena, h, o);
 }
 
 // k69_layernorm_fwd__cast: kernel, 3 ops
@@ -3589,37 +1450,8 @@ static void k68_gemm__add(char *arena, const MdlHooks *h) {
 // loops:
 //   layernorm %454: 8192 rows of 768
 static void k69_layernorm_fwd__cast(char *arena, const MdlHooks *h) {
-  float *const b429 = (float *)(arena + 422154240); // %429 param h.9.ln2_w f32[768]
-  float *const b430 = (float *)(arena + 422157312); // %430 param h.9.ln2_b f32[768]
-  float *const b453 = (float *)(arena + 5135768704); // %453 add h.9.x f32[8,1024,768]
-  uint16_t *const b456 = (uint16_t *)(arena + 5701999744); // %456 cast bf16[8192,768]
-  #pragma omp parallel num_threads(h->nthreads)
-  {
-    float *yrow = mdl_scratch(768 * sizeof(float));
-    #pragma omp for schedule(static)
-    for (int64_t r = 0; r < 8192; r++) {
-      const float *x = b453 + r * 768;
-      double mean = 0, var = 0;
-      #pragma omp simd reduction(+ : mean)
-      for (int64_t j = 0; j < 768; j++)
-        mean += x[j];
-      mean /= 768;
-      #pragma omp simd reduction(+ : var)
-      for (int64_t j = 0; j < 768; j++)
-        var += (x[j] - mean) * (x[j] - mean);
-      const double rstd = 1.0 / sqrt(var / 768 + 1e-05);
-      float *y = yrow;
-      for (int64_t j = 0; j < 768; j++)
-        y[j] = (float)((x[j] - mean) * rstd * b429[j] + b430[j]);
-      for (int64_t j = 0; j < 768; j++) {
-        const int64_t ix = r * 768 + j;
-        const float v455_ix = y[j];
-        const float v456_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v455_ix));
-        b456[ix] = mdl_f32_to_bf16(v456_ix);
-      }
-    }
-    free(yrow);
-  }
+  static const int64_t o[] = {422154240, 422157312, 5135768704, 5701999744};
+  k6_layernorm_fwd__cast__code(arena, h, o);
 }
 
 // k70_gemm__add__gelu__cast: GEMM, 6 ops
@@ -3633,37 +1465,8 @@ static void k69_layernorm_fwd__cast(char *arena, const MdlHooks *h) {
 //   gemm %458: [8192 x 3072] = [8192 x 768] [768 x 3072], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
 //   elementwise over 25165824: %460 %463
 static void k70_gemm__add__gelu__cast(char *arena, const MdlHooks *h) {
-  float *const b432 = (float *)(arena + 431597568); // %432 param h.9.fc_b f32[3072]
-  uint16_t *const b456 = (uint16_t *)(arena + 5701999744); // %456 cast bf16[8192,768]
-  uint16_t *const b457 = (uint16_t *)(arena + 2200424448); // %457 cast bf16[768,3072]
-  float *const b460 = (float *)(arena + 3298663552); // %460 add f32[8,1024,3072]
-  uint16_t *const b463 = (uint16_t *)(arena + 4053638272); // %463 cast bf16[8192,3072]
-  float *const b458 = b460; // %458 matmul f32[8192,3072]: the GEMM writes into its epilogue's output
-  if (h->bgemm) {
-    mdl_bgemm(h, 0, 0, 8192, 3072, 768, b456, 768, b457, 3072, 0.0f, b458, 3072);
-  }
-  else {
-    float *const w456 = mdl_widen_bf16(b456, 6291456, h->nthreads);
-    float *const w457 = mdl_widen_bf16(b457, 2359296, h->nthreads);
-    mdl_gemm(h, 0, 0, 8192, 3072, 768, w456, 768, w457, 3072, 0.0f, b458, 3072);
-    free(w456);
-    free(w457);
-  }
-  #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t r = 0; r < 8192; r++) {
-    for (int64_t c = 0; c < 3072; c++) {
-      const int64_t i = r * 3072 + c;
-      const float v458_i = b458[i];
-      const float v459_i = v458_i;
-      const float v432_c = b432[c];
-      const float v460_i = v459_i + v432_c;
-      b460[i] = v460_i;
-      const float v461_i = mdl_gelu(v460_i);
-      const float v462_i = v461_i;
-      const float v463_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v462_i));
-      b463[i] = mdl_f32_to_bf16(v463_i);
-    }
-  }
+  static const int64_t o[] = {431597568, 5701999744, 2200424448, 3298663552, 4053638272};
+  k7_gemm__add__gelu__cast__code(arena, h, o);
 }
 
 // k71_gemm__add: GEMM, 4 ops
@@ -3675,35 +1478,8 @@ static void k70_gemm__add__gelu__cast(char *arena, const MdlHooks *h) {
 //   gemm %465: [8192 x 768] = [8192 x 3072] [3072 x 768], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
 //   elementwise over 6291456: %468
 static void k71_gemm__add(char *arena, const MdlHooks *h) {
-  float *const b434 = (float *)(arena + 441047040); // %434 param h.9.fcproj_b f32[768]
-  float *const b453 = (float *)(arena + 5135768704); // %453 add h.9.x f32[8,1024,768]
-  uint16_t *const b463 = (uint16_t *)(arena + 4053638272); // %463 cast bf16[8192,3072]
-  uint16_t *const b464 = (uint16_t *)(arena + 2205143040); // %464 cast bf16[3072,768]
-  float *const b468 = (float *)(arena + 5160934528); // %468 add h.9.x f32[8,1024,768]
-  float *const b465 = b468; // %465 matmul f32[8192,768]: the GEMM writes into its epilogue's output
-  if (h->bgemm) {
-    mdl_bgemm(h, 0, 0, 8192, 768, 3072, b463, 3072, b464, 768, 0.0f, b465, 768);
-  }
-  else {
-    float *const w463 = mdl_widen_bf16(b463, 25165824, h->nthreads);
-    float *const w464 = mdl_widen_bf16(b464, 2359296, h->nthreads);
-    mdl_gemm(h, 0, 0, 8192, 768, 3072, w463, 3072, w464, 768, 0.0f, b465, 768);
-    free(w463);
-    free(w464);
-  }
-  #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t r = 0; r < 8192; r++) {
-    for (int64_t c = 0; c < 768; c++) {
-      const int64_t i = r * 768 + c;
-      const float v453_i = b453[i];
-      const float v465_i = b465[i];
-      const float v466_i = v465_i;
-      const float v467_i = v453_i + v466_i;
-      const float v434_c = b434[c];
-      const float v468_i = v467_i + v434_c;
-      b468[i] = v468_i;
-    }
-  }
+  static const int64_t o[] = {441047040, 5135768704, 4053638272, 2205143040, 5160934528};
+  k8_gemm__add__code(arena, h, o);
 }
 
 // k72_layernorm_fwd__cast: kernel, 3 ops
@@ -3713,37 +1489,8 @@ static void k71_gemm__add(char *arena, const MdlHooks *h) {
 // loops:
 //   layernorm %481: 8192 rows of 768
 static void k72_layernorm_fwd__cast(char *arena, const MdlHooks *h) {
-  float *const b468 = (float *)(arena + 5160934528); // %468 add h.9.x f32[8,1024,768]
-  float *const b469 = (float *)(arena + 441050112); // %469 param h.10.ln1_w f32[768]
-  float *const b470 = (float *)(arena + 441053184); // %470 param h.10.ln1_b f32[768]
-  uint16_t *const b483 = (uint16_t *)(arena + 5714582656); // %483 cast bf16[8192,768]
-  #pragma omp parallel num_threads(h->nthreads)
-  {
-    float *yrow = mdl_scratch(768 * sizeof(float));
-    #pragma omp for schedule(static)
-    for (int64_t r = 0; r < 8192; r++) {
-      const float *x = b468 + r * 768;
-      double mean = 0, var = 0;
-      #pragma omp simd reduction(+ : mean)
-      for (int64_t j = 0; j < 768; j++)
-        mean += x[j];
-      mean /= 768;
-      #pragma omp simd reduction(+ : var)
-      for (int64_t j = 0; j < 768; j++)
-        var += (x[j] - mean) * (x[j] - mean);
-      const double rstd = 1.0 / sqrt(var / 768 + 1e-05);
-      float *y = yrow;
-      for (int64_t j = 0; j < 768; j++)
-        y[j] = (float)((x[j] - mean) * rstd * b469[j] + b470[j]);
-      for (int64_t j = 0; j < 768; j++) {
-        const int64_t ix = r * 768 + j;
-        const float v482_ix = y[j];
-        const float v483_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v482_ix));
-        b483[ix] = mdl_f32_to_bf16(v483_ix);
-      }
-    }
-    free(yrow);
-  }
+  static const int64_t o[] = {5160934528, 441050112, 441053184, 5714582656};
+  k9_layernorm_fwd__cast__code(arena, h, o);
 }
 
 // k73_gemm__add__cast: GEMM, 4 ops
@@ -3755,34 +1502,8 @@ static void k72_layernorm_fwd__cast(char *arena, const MdlHooks *h) {
 //   gemm %485: [8192 x 2304] = [8192 x 768] [768 x 2304], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
 //   elementwise over 18874368: %488
 static void k73_gemm__add__cast(char *arena, const MdlHooks *h) {
-  float *const b472 = (float *)(arena + 448134144); // %472 param h.10.attn_b f32[2304]
-  uint16_t *const b483 = (uint16_t *)(arena + 5714582656); // %483 cast bf16[8192,768]
-  uint16_t *const b484 = (uint16_t *)(arena + 2209861632); // %484 cast bf16[768,2304]
-  float *const b485 = mdl_scratch(75497472); // %485 matmul f32[8192,2304], kept in this kernel
-  uint16_t *const b488 = (uint16_t *)(arena + 4582120576); // %488 cast bf16[8,1024,2304]
-  if (h->bgemm) {
-    mdl_bgemm(h, 0, 0, 8192, 2304, 768, b483, 768, b484, 2304, 0.0f, b485, 2304);
-  }
-  else {
-    float *const w483 = mdl_widen_bf16(b483, 6291456, h->nthreads);
-    float *const w484 = mdl_widen_bf16(b484, 1769472, h->nthreads);
-    mdl_gemm(h, 0, 0, 8192, 2304, 768, w483, 768, w484, 2304, 0.0f, b485, 2304);
-    free(w483);
-    free(w484);
-  }
-  #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t r = 0; r < 8192; r++) {
-    for (int64_t c = 0; c < 2304; c++) {
-      const int64_t i = r * 2304 + c;
-      const float v485_i = b485[i];
-      const float v486_i = v485_i;
-      const float v472_c = b472[c];
-      const float v487_i = v486_i + v472_c;
-      const float v488_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v487_i));
-      b488[i] = mdl_f32_to_bf16(v488_i);
-    }
-  }
-  free(b485);
+  static const int64_t o[] = {448134144, 5714582656, 2209861632, 4582120576};
+  k3_gemm__add__cast__code(arena, h, o);
 }
 
 // k74_attention_fwd__cast__lse: attention, 4 ops
@@ -3793,99 +1514,8 @@ static void k73_gemm__add__cast(char *arena, const MdlHooks *h) {
 // loops:
 //   attention and its log-sum-exp per row: B 8, T 1024, 12 heads of 64, causal, within documents; one task per (batch, head)
 static void k74_attention_fwd__cast__lse(char *arena, const MdlHooks *h) {
-  int32_t *const b3 = (int32_t *)(arena + 2238271488); // %3 input doc i32[8,1024]
-  uint16_t *const b488 = (uint16_t *)(arena + 4582120576); // %488 cast bf16[8,1024,2304]
-  uint16_t *const b494 = (uint16_t *)(arena + 5727165568); // %494 cast bf16[8192,768]
-  float *const b651 = (float *)(arena + 5806595200); // %651 attention_lse f32[8,12,1024]
-  #pragma omp parallel num_threads(h->nthreads)
-  {
-    float *restrict kt = memset(mdl_scratch(67584 * sizeof(float)), 0, 67584 * sizeof(float));
-    float *restrict s = memset(mdl_scratch(1056 * sizeof(float)), 0, 1056 * sizeof(float));
-    #pragma omp for schedule(dynamic, 1)
-    for (int64_t task = 0; task < 96; task++) {
-      const int64_t b = task / 12, hd = task % 12;
-      for (int64_t j = 0; j < 1024; j++) {
-        const uint16_t *xj = b488 + 768 + (b * 1024 + j) * 2304 + hd * 64;
-        for (int64_t c = 0; c < 64; c++)
-          kt[c * 1056 + j] = mdl_bf16_to_f32(xj[c]);
-      }
-      int64_t lo = 0, hi = 1024;
-      const int32_t *restrict dc = b3 + b * 1024;
-      for (int64_t i = 0; i < 1024; i++) {
-        const int32_t di = dc[i];
-        if (i == 0 || dc[i - 1] != di) {
-          lo = 0;
-          while (dc[lo] != di)
-            lo++;
-        }
-        hi = i + 1;
-        float qr[64];
-        for (int64_t c = 0; c < 64; c++)
-          qr[c] = mdl_bf16_to_f32(b488[(b * 1024 + i) * 2304 + hd * 64 + c]);
-        const float *restrict qi = qr;
-        for (int64_t j0 = lo; j0 < hi; j0 += 32) {
-          float acc[32] = {0};
-          for (int64_t c = 0; c < 64; c++) {
-            const float vc = qi[c], *restrict mc = kt + c * 1056 + j0;
-            #pragma omp simd
-            for (int64_t u = 0; u < 32; u++)
-              acc[u] += vc * mc[u];
-          }
-          memcpy(s + j0, acc, sizeof acc);
-        }
-        float m = -INFINITY;
-        #pragma omp simd reduction(max : m)
-        for (int64_t j = lo; j < hi; j++) {
-          s[j] = dc[j] == di ? s[j] * 0.125f : -INFINITY;
-          m = s[j] > m ? s[j] : m;
-        }
-        #pragma omp simd
-        for (int64_t j = lo; j < hi; j++)
-          s[j] = mdl_exp_shifted(s[j] - m);
-        float l;
-        {
-          float part[8] = {0};
-          int64_t j0 = lo;
-          for (; j0 + 8 <= hi; j0 += 8) {
-            for (int64_t u = 0; u < 8; u++) {
-              const int64_t j = j0 + u;
-              part[u] += s[j];
-            }
-          }
-          for (int64_t j = j0; j < hi; j++) {
-            part[j - j0] += s[j];
-          }
-          l = ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
-        }
-        b651[(b * 12 + hd) * 1024 + i] = m + logf(l);
-        float acc0[64] = {0}, acc1[64] = {0};
-        int64_t j = lo;
-        for (; j + 1 < hi; j += 2) {
-          const float w0 = mdl_bf16_to_f32(mdl_f32_to_bf16(s[j])), w1 = mdl_bf16_to_f32(mdl_f32_to_bf16(s[j + 1]));
-          const uint16_t *restrict x0 = b488 + 1536 + (b * 1024 + j) * 2304 + hd * 64, *restrict x1 = x0 + 2304;
-          #pragma omp simd
-          for (int64_t c = 0; c < 64; c++) {
-            acc0[c] += w0 * mdl_bf16_to_f32(x0[c]);
-            acc1[c] += w1 * mdl_bf16_to_f32(x1[c]);
-          }
-        }
-        if (j < hi) {
-          const float w0 = mdl_bf16_to_f32(mdl_f32_to_bf16(s[j]));
-          const uint16_t *restrict x0 = b488 + 1536 + (b * 1024 + j) * 2304 + hd * 64;
-          #pragma omp simd
-          for (int64_t c = 0; c < 64; c++)
-            acc0[c] += w0 * mdl_bf16_to_f32(x0[c]);
-        }
-        uint16_t *restrict o0 = b494 + (b * 1024 + i) * 768 + hd * 64;
-        for (int64_t c = 0; c < 64; c++) {
-          const float y = (acc0[c] + acc1[c]) / l;
-          o0[c] = mdl_f32_to_bf16(y);
-        }
-      }
-    }
-    free(kt);
-    free(s);
-  }
+  static const int64_t o[] = {2238271488, 4582120576, 5727165568, 5806595200};
+  k4_attention_fwd__cast__lse__code(arena, h, o);
 }
 
 // k75_gemm__add: GEMM, 4 ops
@@ -3897,35 +1527,8 @@ static void k74_attention_fwd__cast__lse(char *arena, const MdlHooks *h) {
 //   gemm %496: [8192 x 768] = [8192 x 768] [768 x 768], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
 //   elementwise over 6291456: %499
 static void k75_gemm__add(char *arena, const MdlHooks *h) {
-  float *const b468 = (float *)(arena + 5160934528); // %468 add h.9.x f32[8,1024,768]
-  float *const b474 = (float *)(arena + 450502656); // %474 param h.10.proj_b f32[768]
-  uint16_t *const b494 = (uint16_t *)(arena + 5727165568); // %494 cast bf16[8192,768]
-  uint16_t *const b495 = (uint16_t *)(arena + 2213400576); // %495 cast bf16[768,768]
-  float *const b499 = (float *)(arena + 5186100352); // %499 add h.10.x f32[8,1024,768]
-  float *const b496 = b499; // %496 matmul f32[8192,768]: the GEMM writes into its epilogue's output
-  if (h->bgemm) {
-    mdl_bgemm(h, 0, 0, 8192, 768, 768, b494, 768, b495, 768, 0.0f, b496, 768);
-  }
-  else {
-    float *const w494 = mdl_widen_bf16(b494, 6291456, h->nthreads);
-    float *const w495 = mdl_widen_bf16(b495, 589824, h->nthreads);
-    mdl_gemm(h, 0, 0, 8192, 768, 768, w494, 768, w495, 768, 0.0f, b496, 768);
-    free(w494);
-    free(w495);
-  }
-  #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t r = 0; r < 8192; r++) {
-    for (int64_t c = 0; c < 768; c++) {
-      const int64_t i = r * 768 + c;
-      const float v468_i = b468[i];
-      const float v496_i = b496[i];
-      const float v497_i = v496_i;
-      const float v498_i = v468_i + v497_i;
-      const float v474_c = b474[c];
-      const float v499_i = v498_i + v474_c;
-      b499[i] = v499_i;
-    }
-  }
+  static const int64_t o[] = {5160934528, 450502656, 5727165568, 2213400576, 5186100352};
+  k5_gemm__add__code(arena, h, o);
 }
 
 // k76_layernorm_fwd__cast: kernel, 3 ops
@@ -3935,37 +1538,8 @@ static void k75_gemm__add(char *arena, const MdlHooks *h) {
 // loops:
 //   layernorm %500: 8192 rows of 768
 static void k76_layernorm_fwd__cast(char *arena, const MdlHooks *h) {
-  float *const b475 = (float *)(arena + 450505728); // %475 param h.10.ln2_w f32[768]
-  float *const b476 = (float *)(arena + 450508800); // %476 param h.10.ln2_b f32[768]
-  float *const b499 = (float *)(arena + 5186100352); // %499 add h.10.x f32[8,1024,768]
-  uint16_t *const b502 = (uint16_t *)(arena + 5739748480); // %502 cast bf16[8192,768]
-  #pragma omp parallel num_threads(h->nthreads)
-  {
-    float *yrow = mdl_scratch(768 * sizeof(float));
-    #pragma omp for schedule(static)
-    for (int64_t r = 0; r < 8192; r++) {
-      const float *x = b499 + r * 768;
-      double mean = 0, var = 0;
-      #pragma omp simd reduction(+ : mean)
-      for (int64_t j = 0; j < 768; j++)
-        mean += x[j];
-      mean /= 768;
-      #pragma omp simd reduction(+ : var)
-      for (int64_t j = 0; j < 768; j++)
-        var += (x[j] - mean) * (x[j] - mean);
-      const double rstd = 1.0 / sqrt(var / 768 + 1e-05);
-      float *y = yrow;
-      for (int64_t j = 0; j < 768; j++)
-        y[j] = (float)((x[j] - mean) * rstd * b475[j] + b476[j]);
-      for (int64_t j = 0; j < 768; j++) {
-        const int64_t ix = r * 768 + j;
-        const float v501_ix = y[j];
-        const float v502_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v501_ix));
-        b502[ix] = mdl_f32_to_bf16(v502_ix);
-      }
-    }
-    free(yrow);
-  }
+  static const int64_t o[] = {450505728, 450508800, 5186100352, 5739748480};
+  k6_layernorm_fwd__cast__code(arena, h, o);
 }
 
 // k77_gemm__add__gelu__cast: GEMM, 6 ops
@@ -3979,37 +1553,8 @@ static void k76_layernorm_fwd__cast(char *arena, const MdlHooks *h) {
 //   gemm %504: [8192 x 3072] = [8192 x 768] [768 x 3072], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
 //   elementwise over 25165824: %506 %509
 static void k77_gemm__add__gelu__cast(char *arena, const MdlHooks *h) {
-  float *const b478 = (float *)(arena + 459949056); // %478 param h.10.fc_b f32[3072]
-  uint16_t *const b502 = (uint16_t *)(arena + 5739748480); // %502 cast bf16[8192,768]
-  uint16_t *const b503 = (uint16_t *)(arena + 2214580224); // %503 cast bf16[768,3072]
-  float *const b506 = (float *)(arena + 3399326848); // %506 add f32[8,1024,3072]
-  uint16_t *const b509 = (uint16_t *)(arena + 4103969920); // %509 cast bf16[8192,3072]
-  float *const b504 = b506; // %504 matmul f32[8192,3072]: the GEMM writes into its epilogue's output
-  if (h->bgemm) {
-    mdl_bgemm(h, 0, 0, 8192, 3072, 768, b502, 768, b503, 3072, 0.0f, b504, 3072);
-  }
-  else {
-    float *const w502 = mdl_widen_bf16(b502, 6291456, h->nthreads);
-    float *const w503 = mdl_widen_bf16(b503, 2359296, h->nthreads);
-    mdl_gemm(h, 0, 0, 8192, 3072, 768, w502, 768, w503, 3072, 0.0f, b504, 3072);
-    free(w502);
-    free(w503);
-  }
-  #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t r = 0; r < 8192; r++) {
-    for (int64_t c = 0; c < 3072; c++) {
-      const int64_t i = r * 3072 + c;
-      const float v504_i = b504[i];
-      const float v505_i = v504_i;
-      const float v478_c = b478[c];
-      const float v506_i = v505_i + v478_c;
-      b506[i] = v506_i;
-      const float v507_i = mdl_gelu(v506_i);
-      const float v508_i = v507_i;
-      const float v509_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v508_i));
-      b509[i] = mdl_f32_to_bf16(v509_i);
-    }
-  }
+  static const int64_t o[] = {459949056, 5739748480, 2214580224, 3399326848, 4103969920};
+  k7_gemm__add__gelu__cast__code(arena, h, o);
 }
 
 // k78_gemm__add: GEMM, 4 ops
@@ -4021,35 +1566,8 @@ static void k77_gemm__add__gelu__cast(char *arena, const MdlHooks *h) {
 //   gemm %511: [8192 x 768] = [8192 x 3072] [3072 x 768], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
 //   elementwise over 6291456: %514
 static void k78_gemm__add(char *arena, const MdlHooks *h) {
-  float *const b480 = (float *)(arena + 469398528); // %480 param h.10.fcproj_b f32[768]
-  float *const b499 = (float *)(arena + 5186100352); // %499 add h.10.x f32[8,1024,768]
-  uint16_t *const b509 = (uint16_t *)(arena + 4103969920); // %509 cast bf16[8192,3072]
-  uint16_t *const b510 = (uint16_t *)(arena + 2219298816); // %510 cast bf16[3072,768]
-  float *const b514 = (float *)(arena + 5211266176); // %514 add h.10.x f32[8,1024,768]
-  float *const b511 = b514; // %511 matmul f32[8192,768]: the GEMM writes into its epilogue's output
-  if (h->bgemm) {
-    mdl_bgemm(h, 0, 0, 8192, 768, 3072, b509, 3072, b510, 768, 0.0f, b511, 768);
-  }
-  else {
-    float *const w509 = mdl_widen_bf16(b509, 25165824, h->nthreads);
-    float *const w510 = mdl_widen_bf16(b510, 2359296, h->nthreads);
-    mdl_gemm(h, 0, 0, 8192, 768, 3072, w509, 3072, w510, 768, 0.0f, b511, 768);
-    free(w509);
-    free(w510);
-  }
-  #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t r = 0; r < 8192; r++) {
-    for (int64_t c = 0; c < 768; c++) {
-      const int64_t i = r * 768 + c;
-      const float v499_i = b499[i];
-      const float v511_i = b511[i];
-      const float v512_i = v511_i;
-      const float v513_i = v499_i + v512_i;
-      const float v480_c = b480[c];
-      const float v514_i = v513_i + v480_c;
-      b514[i] = v514_i;
-    }
-  }
+  static const int64_t o[] = {469398528, 5186100352, 4103969920, 2219298816, 5211266176};
+  k8_gemm__add__code(arena, h, o);
 }
 
 // k79_layernorm_fwd__cast: kernel, 3 ops
@@ -4059,37 +1577,8 @@ static void k78_gemm__add(char *arena, const MdlHooks *h) {
 // loops:
 //   layernorm %527: 8192 rows of 768
 static void k79_layernorm_fwd__cast(char *arena, const MdlHooks *h) {
-  float *const b514 = (float *)(arena + 5211266176); // %514 add h.10.x f32[8,1024,768]
-  float *const b515 = (float *)(arena + 469401600); // %515 param h.11.ln1_w f32[768]
-  float *const b516 = (float *)(arena + 469404672); // %516 param h.11.ln1_b f32[768]
-  uint16_t *const b529 = (uint16_t *)(arena + 5752331392); // %529 cast bf16[8192,768]
-  #pragma omp parallel num_threads(h->nthreads)
-  {
-    float *yrow = mdl_scratch(768 * sizeof(float));
-    #pragma omp for schedule(static)
-    for (int64_t r = 0; r < 8192; r++) {
-      const float *x = b514 + r * 768;
-      double mean = 0, var = 0;
-      #pragma omp simd reduction(+ : mean)
-      for (int64_t j = 0; j < 768; j++)
-        mean += x[j];
-      mean /= 768;
-      #pragma omp simd reduction(+ : var)
-      for (int64_t j = 0; j < 768; j++)
-        var += (x[j] - mean) * (x[j] - mean);
-      const double rstd = 1.0 / sqrt(var / 768 + 1e-05);
-      float *y = yrow;
-      for (int64_t j = 0; j < 768; j++)
-        y[j] = (float)((x[j] - mean) * rstd * b515[j] + b516[j]);
-      for (int64_t j = 0; j < 768; j++) {
-        const int64_t ix = r * 768 + j;
-        const float v528_ix = y[j];
-        const float v529_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v528_ix));
-        b529[ix] = mdl_f32_to_bf16(v529_ix);
-      }
-    }
-    free(yrow);
-  }
+  static const int64_t o[] = {5211266176, 469401600, 469404672, 5752331392};
+  k9_layernorm_fwd__cast__code(arena, h, o);
 }
 
 // k80_gemm__add__cast: GEMM, 4 ops
@@ -4101,34 +1590,8 @@ static void k79_layernorm_fwd__cast(char *arena, const MdlHooks *h) {
 //   gemm %531: [8192 x 2304] = [8192 x 768] [768 x 2304], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
 //   elementwise over 18874368: %534
 static void k80_gemm__add__cast(char *arena, const MdlHooks *h) {
-  float *const b518 = (float *)(arena + 476485632); // %518 param h.11.attn_b f32[2304]
-  uint16_t *const b529 = (uint16_t *)(arena + 5752331392); // %529 cast bf16[8192,768]
-  uint16_t *const b530 = (uint16_t *)(arena + 2224017408); // %530 cast bf16[768,2304]
-  float *const b531 = mdl_scratch(75497472); // %531 matmul f32[8192,2304], kept in this kernel
-  uint16_t *const b534 = (uint16_t *)(arena + 4619869312); // %534 cast bf16[8,1024,2304]
-  if (h->bgemm) {
-    mdl_bgemm(h, 0, 0, 8192, 2304, 768, b529, 768, b530, 2304, 0.0f, b531, 2304);
-  }
-  else {
-    float *const w529 = mdl_widen_bf16(b529, 6291456, h->nthreads);
-    float *const w530 = mdl_widen_bf16(b530, 1769472, h->nthreads);
-    mdl_gemm(h, 0, 0, 8192, 2304, 768, w529, 768, w530, 2304, 0.0f, b531, 2304);
-    free(w529);
-    free(w530);
-  }
-  #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t r = 0; r < 8192; r++) {
-    for (int64_t c = 0; c < 2304; c++) {
-      const int64_t i = r * 2304 + c;
-      const float v531_i = b531[i];
-      const float v532_i = v531_i;
-      const float v518_c = b518[c];
-      const float v533_i = v532_i + v518_c;
-      const float v534_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v533_i));
-      b534[i] = mdl_f32_to_bf16(v534_i);
-    }
-  }
-  free(b531);
+  static const int64_t o[] = {476485632, 5752331392, 2224017408, 4619869312};
+  k3_gemm__add__cast__code(arena, h, o);
 }
 
 // k81_attention_fwd__cast__lse: attention, 4 ops
@@ -4139,99 +1602,8 @@ static void k80_gemm__add__cast(char *arena, const MdlHooks *h) {
 // loops:
 //   attention and its log-sum-exp per row: B 8, T 1024, 12 heads of 64, causal, within documents; one task per (batch, head)
 static void k81_attention_fwd__cast__lse(char *arena, const MdlHooks *h) {
-  int32_t *const b3 = (int32_t *)(arena + 2238271488); // %3 input doc i32[8,1024]
-  uint16_t *const b534 = (uint16_t *)(arena + 4619869312); // %534 cast bf16[8,1024,2304]
-  uint16_t *const b540 = (uint16_t *)(arena + 5764914304); // %540 cast bf16[8192,768]
-  float *const b611 = (float *)(arena + 5806988416); // %611 attention_lse f32[8,12,1024]
-  #pragma omp parallel num_threads(h->nthreads)
-  {
-    float *restrict kt = memset(mdl_scratch(67584 * sizeof(float)), 0, 67584 * sizeof(float));
-    float *restrict s = memset(mdl_scratch(1056 * sizeof(float)), 0, 1056 * sizeof(float));
-    #pragma omp for schedule(dynamic, 1)
-    for (int64_t task = 0; task < 96; task++) {
-      const int64_t b = task / 12, hd = task % 12;
-      for (int64_t j = 0; j < 1024; j++) {
-        const uint16_t *xj = b534 + 768 + (b * 1024 + j) * 2304 + hd * 64;
-        for (int64_t c = 0; c < 64; c++)
-          kt[c * 1056 + j] = mdl_bf16_to_f32(xj[c]);
-      }
-      int64_t lo = 0, hi = 1024;
-      const int32_t *restrict dc = b3 + b * 1024;
-      for (int64_t i = 0; i < 1024; i++) {
-        const int32_t di = dc[i];
-        if (i == 0 || dc[i - 1] != di) {
-          lo = 0;
-          while (dc[lo] != di)
-            lo++;
-        }
-        hi = i + 1;
-        float qr[64];
-        for (int64_t c = 0; c < 64; c++)
-          qr[c] = mdl_bf16_to_f32(b534[(b * 1024 + i) * 2304 + hd * 64 + c]);
-        const float *restrict qi = qr;
-        for (int64_t j0 = lo; j0 < hi; j0 += 32) {
-          float acc[32] = {0};
-          for (int64_t c = 0; c < 64; c++) {
-            const float vc = qi[c], *restrict mc = kt + c * 1056 + j0;
-            #pragma omp simd
-            for (int64_t u = 0; u < 32; u++)
-              acc[u] += vc * mc[u];
-          }
-          memcpy(s + j0, acc, sizeof acc);
-        }
-        float m = -INFINITY;
-        #pragma omp simd reduction(max : m)
-        for (int64_t j = lo; j < hi; j++) {
-          s[j] = dc[j] == di ? s[j] * 0.125f : -INFINITY;
-          m = s[j] > m ? s[j] : m;
-        }
-        #pragma omp simd
-        for (int64_t j = lo; j < hi; j++)
-          s[j] = mdl_exp_shifted(s[j] - m);
-        float l;
-        {
-          float part[8] = {0};
-          int64_t j0 = lo;
-          for (; j0 + 8 <= hi; j0 += 8) {
-            for (int64_t u = 0; u < 8; u++) {
-              const int64_t j = j0 + u;
-              part[u] += s[j];
-            }
-          }
-          for (int64_t j = j0; j < hi; j++) {
-            part[j - j0] += s[j];
-          }
-          l = ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
-        }
-        b611[(b * 12 + hd) * 1024 + i] = m + logf(l);
-        float acc0[64] = {0}, acc1[64] = {0};
-        int64_t j = lo;
-        for (; j + 1 < hi; j += 2) {
-          const float w0 = mdl_bf16_to_f32(mdl_f32_to_bf16(s[j])), w1 = mdl_bf16_to_f32(mdl_f32_to_bf16(s[j + 1]));
-          const uint16_t *restrict x0 = b534 + 1536 + (b * 1024 + j) * 2304 + hd * 64, *restrict x1 = x0 + 2304;
-          #pragma omp simd
-          for (int64_t c = 0; c < 64; c++) {
-            acc0[c] += w0 * mdl_bf16_to_f32(x0[c]);
-            acc1[c] += w1 * mdl_bf16_to_f32(x1[c]);
-          }
-        }
-        if (j < hi) {
-          const float w0 = mdl_bf16_to_f32(mdl_f32_to_bf16(s[j]));
-          const uint16_t *restrict x0 = b534 + 1536 + (b * 1024 + j) * 2304 + hd * 64;
-          #pragma omp simd
-          for (int64_t c = 0; c < 64; c++)
-            acc0[c] += w0 * mdl_bf16_to_f32(x0[c]);
-        }
-        uint16_t *restrict o0 = b540 + (b * 1024 + i) * 768 + hd * 64;
-        for (int64_t c = 0; c < 64; c++) {
-          const float y = (acc0[c] + acc1[c]) / l;
-          o0[c] = mdl_f32_to_bf16(y);
-        }
-      }
-    }
-    free(kt);
-    free(s);
-  }
+  static const int64_t o[] = {2238271488, 4619869312, 5764914304, 5806988416};
+  k4_attention_fwd__cast__lse__code(arena, h, o);
 }
 
 // k82_gemm__add: GEMM, 4 ops
@@ -4243,35 +1615,8 @@ static void k81_attention_fwd__cast__lse(char *arena, const MdlHooks *h) {
 //   gemm %542: [8192 x 768] = [8192 x 768] [768 x 768], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
 //   elementwise over 6291456: %545
 static void k82_gemm__add(char *arena, const MdlHooks *h) {
-  float *const b514 = (float *)(arena + 5211266176); // %514 add h.10.x f32[8,1024,768]
-  float *const b520 = (float *)(arena + 478854144); // %520 param h.11.proj_b f32[768]
-  uint16_t *const b540 = (uint16_t *)(arena + 5764914304); // %540 cast bf16[8192,768]
-  uint16_t *const b541 = (uint16_t *)(arena + 2227556352); // %541 cast bf16[768,768]
-  float *const b545 = (float *)(arena + 5236432000); // %545 add h.11.x f32[8,1024,768]
-  float *const b542 = b545; // %542 matmul f32[8192,768]: the GEMM writes into its epilogue's output
-  if (h->bgemm) {
-    mdl_bgemm(h, 0, 0, 8192, 768, 768, b540, 768, b541, 768, 0.0f, b542, 768);
-  }
-  else {
-    float *const w540 = mdl_widen_bf16(b540, 6291456, h->nthreads);
-    float *const w541 = mdl_widen_bf16(b541, 589824, h->nthreads);
-    mdl_gemm(h, 0, 0, 8192, 768, 768, w540, 768, w541, 768, 0.0f, b542, 768);
-    free(w540);
-    free(w541);
-  }
-  #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t r = 0; r < 8192; r++) {
-    for (int64_t c = 0; c < 768; c++) {
-      const int64_t i = r * 768 + c;
-      const float v514_i = b514[i];
-      const float v542_i = b542[i];
-      const float v543_i = v542_i;
-      const float v544_i = v514_i + v543_i;
-      const float v520_c = b520[c];
-      const float v545_i = v544_i + v520_c;
-      b545[i] = v545_i;
-    }
-  }
+  static const int64_t o[] = {5211266176, 478854144, 5764914304, 2227556352, 5236432000};
+  k5_gemm__add__code(arena, h, o);
 }
 
 // k83_layernorm_fwd__cast: kernel, 3 ops
@@ -4281,37 +1626,8 @@ static void k82_gemm__add(char *arena, const MdlHooks *h) {
 // loops:
 //   layernorm %546: 8192 rows of 768
 static void k83_layernorm_fwd__cast(char *arena, const MdlHooks *h) {
-  float *const b521 = (float *)(arena + 478857216); // %521 param h.11.ln2_w f32[768]
-  float *const b522 = (float *)(arena + 478860288); // %522 param h.11.ln2_b f32[768]
-  float *const b545 = (float *)(arena + 5236432000); // %545 add h.11.x f32[8,1024,768]
-  uint16_t *const b548 = (uint16_t *)(arena + 5777497216); // %548 cast bf16[8192,768]
-  #pragma omp parallel num_threads(h->nthreads)
-  {
-    float *yrow = mdl_scratch(768 * sizeof(float));
-    #pragma omp for schedule(static)
-    for (int64_t r = 0; r < 8192; r++) {
-      const float *x = b545 + r * 768;
-      double mean = 0, var = 0;
-      #pragma omp simd reduction(+ : mean)
-      for (int64_t j = 0; j < 768; j++)
-        mean += x[j];
-      mean /= 768;
-      #pragma omp simd reduction(+ : var)
-      for (int64_t j = 0; j < 768; j++)
-        var += (x[j] - mean) * (x[j] - mean);
-      const double rstd = 1.0 / sqrt(var / 768 + 1e-05);
-      float *y = yrow;
-      for (int64_t j = 0; j < 768; j++)
-        y[j] = (float)((x[j] - mean) * rstd * b521[j] + b522[j]);
-      for (int64_t j = 0; j < 768; j++) {
-        const int64_t ix = r * 768 + j;
-        const float v547_ix = y[j];
-        const float v548_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v547_ix));
-        b548[ix] = mdl_f32_to_bf16(v548_ix);
-      }
-    }
-    free(yrow);
-  }
+  static const int64_t o[] = {478857216, 478860288, 5236432000, 5777497216};
+  k6_layernorm_fwd__cast__code(arena, h, o);
 }
 
 // k84_gemm__add__gelu__cast: GEMM, 6 ops
@@ -4325,37 +1641,8 @@ static void k83_layernorm_fwd__cast(char *arena, const MdlHooks *h) {
 //   gemm %550: [8192 x 3072] = [8192 x 768] [768 x 3072], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
 //   elementwise over 25165824: %552 %555
 static void k84_gemm__add__gelu__cast(char *arena, const MdlHooks *h) {
-  float *const b524 = (float *)(arena + 488300544); // %524 param h.11.fc_b f32[3072]
-  uint16_t *const b548 = (uint16_t *)(arena + 5777497216); // %548 cast bf16[8192,768]
-  uint16_t *const b549 = (uint16_t *)(arena + 2228736000); // %549 cast bf16[768,3072]
-  float *const b552 = (float *)(arena + 3499990144); // %552 add f32[8,1024,3072]
-  uint16_t *const b555 = (uint16_t *)(arena + 4154301568); // %555 cast bf16[8192,3072]
-  float *const b550 = b552; // %550 matmul f32[8192,3072]: the GEMM writes into its epilogue's output
-  if (h->bgemm) {
-    mdl_bgemm(h, 0, 0, 8192, 3072, 768, b548, 768, b549, 3072, 0.0f, b550, 3072);
-  }
-  else {
-    float *const w548 = mdl_widen_bf16(b548, 6291456, h->nthreads);
-    float *const w549 = mdl_widen_bf16(b549, 2359296, h->nthreads);
-    mdl_gemm(h, 0, 0, 8192, 3072, 768, w548, 768, w549, 3072, 0.0f, b550, 3072);
-    free(w548);
-    free(w549);
-  }
-  #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t r = 0; r < 8192; r++) {
-    for (int64_t c = 0; c < 3072; c++) {
-      const int64_t i = r * 3072 + c;
-      const float v550_i = b550[i];
-      const float v551_i = v550_i;
-      const float v524_c = b524[c];
-      const float v552_i = v551_i + v524_c;
-      b552[i] = v552_i;
-      const float v553_i = mdl_gelu(v552_i);
-      const float v554_i = v553_i;
-      const float v555_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v554_i));
-      b555[i] = mdl_f32_to_bf16(v555_i);
-    }
-  }
+  static const int64_t o[] = {488300544, 5777497216, 2228736000, 3499990144, 4154301568};
+  k7_gemm__add__gelu__cast__code(arena, h, o);
 }
 
 // k85_gemm__add: GEMM, 4 ops
@@ -4367,35 +1654,8 @@ static void k84_gemm__add__gelu__cast(char *arena, const MdlHooks *h) {
 //   gemm %557: [8192 x 768] = [8192 x 3072] [3072 x 768], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
 //   elementwise over 6291456: %560
 static void k85_gemm__add(char *arena, const MdlHooks *h) {
-  float *const b526 = (float *)(arena + 497750016); // %526 param h.11.fcproj_b f32[768]
-  float *const b545 = (float *)(arena + 5236432000); // %545 add h.11.x f32[8,1024,768]
-  uint16_t *const b555 = (uint16_t *)(arena + 4154301568); // %555 cast bf16[8192,3072]
-  uint16_t *const b556 = (uint16_t *)(arena + 2233454592); // %556 cast bf16[3072,768]
-  float *const b560 = (float *)(arena + 5261597824); // %560 add h.11.x f32[8,1024,768]
-  float *const b557 = b560; // %557 matmul f32[8192,768]: the GEMM writes into its epilogue's output
-  if (h->bgemm) {
-    mdl_bgemm(h, 0, 0, 8192, 768, 3072, b555, 3072, b556, 768, 0.0f, b557, 768);
-  }
-  else {
-    float *const w555 = mdl_widen_bf16(b555, 25165824, h->nthreads);
-    float *const w556 = mdl_widen_bf16(b556, 2359296, h->nthreads);
-    mdl_gemm(h, 0, 0, 8192, 768, 3072, w555, 3072, w556, 768, 0.0f, b557, 768);
-    free(w555);
-    free(w556);
-  }
-  #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t r = 0; r < 8192; r++) {
-    for (int64_t c = 0; c < 768; c++) {
-      const int64_t i = r * 768 + c;
-      const float v545_i = b545[i];
-      const float v557_i = b557[i];
-      const float v558_i = v557_i;
-      const float v559_i = v545_i + v558_i;
-      const float v526_c = b526[c];
-      const float v560_i = v559_i + v526_c;
-      b560[i] = v560_i;
-    }
-  }
+  static const int64_t o[] = {497750016, 5236432000, 4154301568, 2233454592, 5261597824};
+  k8_gemm__add__code(arena, h, o);
 }
 
 // k86_layernorm_fwd__cast: kernel, 3 ops
@@ -4405,37 +1665,8 @@ static void k85_gemm__add(char *arena, const MdlHooks *h) {
 // loops:
 //   layernorm %563: 8192 rows of 768
 static void k86_layernorm_fwd__cast(char *arena, const MdlHooks *h) {
-  float *const b560 = (float *)(arena + 5261597824); // %560 add h.11.x f32[8,1024,768]
-  float *const b561 = (float *)(arena + 497753088); // %561 param lnf_w f32[768]
-  float *const b562 = (float *)(arena + 497756160); // %562 param lnf_b f32[768]
-  uint16_t *const b565 = (uint16_t *)(arena + 5311929472); // %565 cast bf16[8192,768]
-  #pragma omp parallel num_threads(h->nthreads)
-  {
-    float *yrow = mdl_scratch(768 * sizeof(float));
-    #pragma omp for schedule(static)
-    for (int64_t r = 0; r < 8192; r++) {
-      const float *x = b560 + r * 768;
-      double mean = 0, var = 0;
-      #pragma omp simd reduction(+ : mean)
-      for (int64_t j = 0; j < 768; j++)
-        mean += x[j];
-      mean /= 768;
-      #pragma omp simd reduction(+ : var)
-      for (int64_t j = 0; j < 768; j++)
-        var += (x[j] - mean) * (x[j] - mean);
-      const double rstd = 1.0 / sqrt(var / 768 + 1e-05);
-      float *y = yrow;
-      for (int64_t j = 0; j < 768; j++)
-        y[j] = (float)((x[j] - mean) * rstd * b561[j] + b562[j]);
-      for (int64_t j = 0; j < 768; j++) {
-        const int64_t ix = r * 768 + j;
-        const float v564_ix = y[j];
-        const float v565_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v564_ix));
-        b565[ix] = mdl_f32_to_bf16(v565_ix);
-      }
-    }
-    free(yrow);
-  }
+  static const int64_t o[] = {5261597824, 497753088, 497756160, 5311929472};
+  k9_layernorm_fwd__cast__code(arena, h, o);
 }
 
 // k87_broadcast__mul: kernel, 3 ops
@@ -4679,14 +1910,14 @@ static void k90_layernorm_bwd__sum__cast(char *arena, const MdlHooks *h) {
   free(ps0);
 }
 
-// k91_gemm: GEMM, 1 op
-//   %592   matmul             d.h.11.fcproj_w      line 40    f32[3072,768]
-// loops:
-//   gemm %592: [3072 x 768] = T[3072 x 8192] [8192 x 768], bf16 operands (widened to f32 where the library has no bf16 GEMM)
-static void k91_gemm(char *arena, const MdlHooks *h) {
-  uint16_t *const b555 = (uint16_t *)(arena + 4154301568); // %555 cast bf16[8192,3072]
-  uint16_t *const b590 = (uint16_t *)(arena + 5790080128); // %590 cast bf16[8192,768]
-  float *const b592 = (float *)(arena + 986072064); // %592 matmul d.h.11.fcproj_w f32[3072,768]
+// The loops of 12 kernels, each on its own buffers (o[]: their offsets in the arena; the names
+// are those of k91_gemm's):
+// k91_gemm k103_gemm k115_gemm k127_gemm k139_gemm k151_gemm k163_gemm k175_gemm k187_gemm k199_gemm
+// k211_gemm k223_gemm
+__attribute__((noinline)) static void k91_gemm__code(char *arena, const MdlHooks *h, const int64_t *o) {
+  uint16_t *const restrict b555 = (uint16_t *)(arena + o[0]); // %555 cast bf16[8192,3072]
+  uint16_t *const restrict b590 = (uint16_t *)(arena + o[1]); // %590 cast bf16[8192,768]
+  float *const restrict b592 = (float *)(arena + o[2]); // %592 matmul d.h.11.fcproj_w f32[3072,768]
   if (h->bgemm) {
     mdl_bgemm(h, 1, 0, 3072, 768, 8192, b555, 3072, b590, 768, 0.0f, b592, 768);
   }
@@ -4699,23 +1930,28 @@ static void k91_gemm(char *arena, const MdlHooks *h) {
   }
 }
 
-// k92_gemm__gelu_bwd__sum__cast: GEMM, 6 ops
-//   %591   matmul                                  line 40    f32[8192,3072]
-//   %593   reshape                                 line 40    f32[8,1024,3072]
-//   %594   gelu_bwd                                line 40    f32[8,1024,3072]
-//   %595   reshape                                 line 40    f32[8192,3072]
-//   %596   sum                d.h.11.fc_b          line 40    f32[3072]
-//   %597   cast                                    line 40    bf16[8192,3072]
+// k91_gemm: GEMM, 1 op
+//   %592   matmul             d.h.11.fcproj_w      line 40    f32[3072,768]
 // loops:
-//   gemm %591: [8192 x 3072] = [8192 x 768] T[768 x 3072], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
-//   sum %596: 3072 outputs over 8192 elements, in 64 blocks of 128
-static void k92_gemm__gelu_bwd__sum__cast(char *arena, const MdlHooks *h) {
-  float *const b552 = (float *)(arena + 3499990144); // %552 add f32[8,1024,3072]
-  uint16_t *const b556 = (uint16_t *)(arena + 2233454592); // %556 cast bf16[3072,768]
-  uint16_t *const b590 = (uint16_t *)(arena + 5790080128); // %590 cast bf16[8192,768]
+//   gemm %592: [3072 x 768] = T[3072 x 8192] [8192 x 768], bf16 operands (widened to f32 where the library has no bf16 GEMM)
+static void k91_gemm(char *arena, const MdlHooks *h) {
+  static const int64_t o[] = {4154301568, 5790080128, 986072064};
+  k91_gemm__code(arena, h, o);
+}
+
+// The loops of 12 kernels, each on its own buffers (o[]: their offsets in the arena; the names
+// are those of k92_gemm__gelu_bwd__sum__cast's):
+// k92_gemm__gelu_bwd__sum__cast k104_gemm__gelu_bwd__sum__cast k116_gemm__gelu_bwd__sum__cast
+// k128_gemm__gelu_bwd__sum__cast k140_gemm__gelu_bwd__sum__cast k152_gemm__gelu_bwd__sum__cast
+// k164_gemm__gelu_bwd__sum__cast k176_gemm__gelu_bwd__sum__cast k188_gemm__gelu_bwd__sum__cast
+// k200_gemm__gelu_bwd__sum__cast k212_gemm__gelu_bwd__sum__cast k224_gemm__gelu_bwd__sum__cast
+__attribute__((noinline)) static void k92_gemm__gelu_bwd__sum__cast__code(char *arena, const MdlHooks *h, const int64_t *o) {
+  float *const restrict b552 = (float *)(arena + o[0]); // %552 add f32[8,1024,3072]
+  uint16_t *const restrict b556 = (uint16_t *)(arena + o[1]); // %556 cast bf16[3072,768]
+  uint16_t *const restrict b590 = (uint16_t *)(arena + o[2]); // %590 cast bf16[8192,768]
   float *const b591 = mdl_scratch(100663296); // %591 matmul f32[8192,3072], kept in this kernel
-  float *const b596 = (float *)(arena + 986059776); // %596 sum d.h.11.fc_b f32[3072]
-  uint16_t *const b597 = (uint16_t *)(arena + 4154301568); // %597 cast bf16[8192,3072]
+  float *const restrict b596 = (float *)(arena + o[3]); // %596 sum d.h.11.fc_b f32[3072]
+  uint16_t *const restrict b597 = (uint16_t *)(arena + o[4]); // %597 cast bf16[8192,3072]
   if (h->bgemm) {
     mdl_bgemm(h, 0, 1, 8192, 3072, 768, b590, 768, b556, 768, 0.0f, b591, 3072);
   }
@@ -4762,14 +1998,29 @@ static void k92_gemm__gelu_bwd__sum__cast(char *arena, const MdlHooks *h) {
   free(b591);
 }
 
-// k93_gemm: GEMM, 1 op
-//   %598   matmul                                  line 40    f32[8192,768]
+// k92_gemm__gelu_bwd__sum__cast: GEMM, 6 ops
+//   %591   matmul                                  line 40    f32[8192,3072]
+//   %593   reshape                                 line 40    f32[8,1024,3072]
+//   %594   gelu_bwd                                line 40    f32[8,1024,3072]
+//   %595   reshape                                 line 40    f32[8192,3072]
+//   %596   sum                d.h.11.fc_b          line 40    f32[3072]
+//   %597   cast                                    line 40    bf16[8192,3072]
 // loops:
-//   gemm %598: [8192 x 768] = [8192 x 3072] T[3072 x 768], bf16 operands (widened to f32 where the library has no bf16 GEMM)
-static void k93_gemm(char *arena, const MdlHooks *h) {
-  uint16_t *const b549 = (uint16_t *)(arena + 2228736000); // %549 cast bf16[768,3072]
-  uint16_t *const b597 = (uint16_t *)(arena + 4154301568); // %597 cast bf16[8192,3072]
-  float *const b598 = (float *)(arena + 3499990144); // %598 matmul f32[8192,768]
+//   gemm %591: [8192 x 3072] = [8192 x 768] T[768 x 3072], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
+//   sum %596: 3072 outputs over 8192 elements, in 64 blocks of 128
+static void k92_gemm__gelu_bwd__sum__cast(char *arena, const MdlHooks *h) {
+  static const int64_t o[] = {3499990144, 2233454592, 5790080128, 986059776, 4154301568};
+  k92_gemm__gelu_bwd__sum__cast__code(arena, h, o);
+}
+
+// The loops of 12 kernels, each on its own buffers (o[]: their offsets in the arena; the names
+// are those of k93_gemm's):
+// k93_gemm k105_gemm k117_gemm k129_gemm k141_gemm k153_gemm k165_gemm k177_gemm k189_gemm k201_gemm
+// k213_gemm k225_gemm
+__attribute__((noinline)) static void k93_gemm__code(char *arena, const MdlHooks *h, const int64_t *o) {
+  uint16_t *const restrict b549 = (uint16_t *)(arena + o[0]); // %549 cast bf16[768,3072]
+  uint16_t *const restrict b597 = (uint16_t *)(arena + o[1]); // %597 cast bf16[8192,3072]
+  float *const restrict b598 = (float *)(arena + o[2]); // %598 matmul f32[8192,768]
   if (h->bgemm) {
     mdl_bgemm(h, 0, 1, 8192, 768, 3072, b597, 3072, b549, 3072, 0.0f, b598, 768);
   }
@@ -4782,14 +2033,23 @@ static void k93_gemm(char *arena, const MdlHooks *h) {
   }
 }
 
-// k94_gemm: GEMM, 1 op
-//   %599   matmul             d.h.11.fc_w          line 40    f32[768,3072]
+// k93_gemm: GEMM, 1 op
+//   %598   matmul                                  line 40    f32[8192,768]
 // loops:
-//   gemm %599: [768 x 3072] = T[768 x 8192] [8192 x 3072], bf16 operands (widened to f32 where the library has no bf16 GEMM)
-static void k94_gemm(char *arena, const MdlHooks *h) {
-  uint16_t *const b548 = (uint16_t *)(arena + 5777497216); // %548 cast bf16[8192,768]
-  uint16_t *const b597 = (uint16_t *)(arena + 4154301568); // %597 cast bf16[8192,3072]
-  float *const b599 = (float *)(arena + 976622592); // %599 matmul d.h.11.fc_w f32[768,3072]
+//   gemm %598: [8192 x 768] = [8192 x 3072] T[3072 x 768], bf16 operands (widened to f32 where the library has no bf16 GEMM)
+static void k93_gemm(char *arena, const MdlHooks *h) {
+  static const int64_t o[] = {2228736000, 4154301568, 3499990144};
+  k93_gemm__code(arena, h, o);
+}
+
+// The loops of 12 kernels, each on its own buffers (o[]: their offsets in the arena; the names
+// are those of k94_gemm's):
+// k94_gemm k106_gemm k118_gemm k130_gemm k142_gemm k154_gemm k166_gemm k178_gemm k190_gemm k202_gemm
+// k214_gemm k226_gemm
+__attribute__((noinline)) static void k94_gemm__code(char *arena, const MdlHooks *h, const int64_t *o) {
+  uint16_t *const restrict b548 = (uint16_t *)(arena + o[0]); // %548 cast bf16[8192,768]
+  uint16_t *const restrict b597 = (uint16_t *)(arena + o[1]); // %597 cast bf16[8192,3072]
+  float *const restrict b599 = (float *)(arena + o[2]); // %599 matmul d.h.11.fc_w f32[768,3072]
   if (h->bgemm) {
     mdl_bgemm(h, 1, 0, 768, 3072, 8192, b548, 768, b597, 3072, 0.0f, b599, 3072);
   }
@@ -4802,26 +2062,31 @@ static void k94_gemm(char *arena, const MdlHooks *h) {
   }
 }
 
-// k95_layernorm_bwd__add__sum__cast: kernel, 7 ops
-//   %601   layernorm_bwd                           line 40    f32[8,1024,768]
-//   %602   layernorm_bwd      d.h.11.ln2_w         line 40    f32[768]
-//   %603   layernorm_bwd      d.h.11.ln2_b         line 40    f32[768]
-//   %604   add                d.h.11.x             line 39    f32[8,1024,768]
-//   %605   reshape                                 line 39    f32[8192,768]
-//   %606   sum                d.h.11.proj_b        line 39    f32[768]
-//   %607   cast                                    line 39    bf16[8192,768]
+// k94_gemm: GEMM, 1 op
+//   %599   matmul             d.h.11.fc_w          line 40    f32[768,3072]
 // loops:
-//   layernorm_bwd: 8192 rows of 768, column sums over 64 blocks of 128 rows
-static void k95_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
-  float *const b521 = (float *)(arena + 478857216); // %521 param h.11.ln2_w f32[768]
-  float *const b545 = (float *)(arena + 5236432000); // %545 add h.11.x f32[8,1024,768]
-  float *const b585 = (float *)(arena + 5311929472); // %585 layernorm_bwd d.h.11.x f32[8,1024,768]
-  float *const b598 = (float *)(arena + 3499990144); // %598 matmul f32[8192,768]
-  float *const b602 = (float *)(arena + 976616448); // %602 layernorm_bwd d.h.11.ln2_w f32[768]
-  float *const b603 = (float *)(arena + 976619520); // %603 layernorm_bwd d.h.11.ln2_b f32[768]
-  float *const b604 = (float *)(arena + 3537738880); // %604 add d.h.11.x f32[8,1024,768]
-  float *const b606 = (float *)(arena + 976613376); // %606 sum d.h.11.proj_b f32[768]
-  uint16_t *const b607 = (uint16_t *)(arena + 3525155968); // %607 cast bf16[8192,768]
+//   gemm %599: [768 x 3072] = T[768 x 8192] [8192 x 3072], bf16 operands (widened to f32 where the library has no bf16 GEMM)
+static void k94_gemm(char *arena, const MdlHooks *h) {
+  static const int64_t o[] = {5777497216, 4154301568, 976622592};
+  k94_gemm__code(arena, h, o);
+}
+
+// The loops of 12 kernels, each on its own buffers (o[]: their offsets in the arena; the names
+// are those of k95_layernorm_bwd__add__sum__cast's):
+// k95_layernorm_bwd__add__sum__cast k107_layernorm_bwd__add__sum__cast k119_layernorm_bwd__add__sum__cast
+// k131_layernorm_bwd__add__sum__cast k143_layernorm_bwd__add__sum__cast k155_layernorm_bwd__add__sum__cast
+// k167_layernorm_bwd__add__sum__cast k179_layernorm_bwd__add__sum__cast k191_layernorm_bwd__add__sum__cast
+// k203_layernorm_bwd__add__sum__cast k215_layernorm_bwd__add__sum__cast k227_layernorm_bwd__add__sum__cast
+__attribute__((noinline)) static void k95_layernorm_bwd__add__sum__cast__code(char *arena, const MdlHooks *h, const int64_t *o) {
+  float *const restrict b521 = (float *)(arena + o[0]); // %521 param h.11.ln2_w f32[768]
+  float *const restrict b545 = (float *)(arena + o[1]); // %545 add h.11.x f32[8,1024,768]
+  float *const restrict b585 = (float *)(arena + o[2]); // %585 layernorm_bwd d.h.11.x f32[8,1024,768]
+  float *const restrict b598 = (float *)(arena + o[3]); // %598 matmul f32[8192,768]
+  float *const restrict b602 = (float *)(arena + o[4]); // %602 layernorm_bwd d.h.11.ln2_w f32[768]
+  float *const restrict b603 = (float *)(arena + o[5]); // %603 layernorm_bwd d.h.11.ln2_b f32[768]
+  float *const restrict b604 = (float *)(arena + o[6]); // %604 add d.h.11.x f32[8,1024,768]
+  float *const restrict b606 = (float *)(arena + o[7]); // %606 sum d.h.11.proj_b f32[768]
+  uint16_t *const restrict b607 = (uint16_t *)(arena + o[8]); // %607 cast bf16[8192,768]
   double *pdw = mdl_scratch(49152 * sizeof(double));
   double *pdb = mdl_scratch(49152 * sizeof(double));
   double *ps0 = mdl_scratch(49152 * sizeof(double)); // partials of the column sum %606
@@ -4892,14 +2157,29 @@ static void k95_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
   free(ps0);
 }
 
-// k96_gemm: GEMM, 1 op
-//   %609   matmul             d.h.11.proj_w        line 39    f32[768,768]
+// k95_layernorm_bwd__add__sum__cast: kernel, 7 ops
+//   %601   layernorm_bwd                           line 40    f32[8,1024,768]
+//   %602   layernorm_bwd      d.h.11.ln2_w         line 40    f32[768]
+//   %603   layernorm_bwd      d.h.11.ln2_b         line 40    f32[768]
+//   %604   add                d.h.11.x             line 39    f32[8,1024,768]
+//   %605   reshape                                 line 39    f32[8192,768]
+//   %606   sum                d.h.11.proj_b        line 39    f32[768]
+//   %607   cast                                    line 39    bf16[8192,768]
 // loops:
-//   gemm %609: [768 x 768] = T[768 x 8192] [8192 x 768], bf16 operands (widened to f32 where the library has no bf16 GEMM)
-static void k96_gemm(char *arena, const MdlHooks *h) {
-  uint16_t *const b540 = (uint16_t *)(arena + 5764914304); // %540 cast bf16[8192,768]
-  uint16_t *const b607 = (uint16_t *)(arena + 3525155968); // %607 cast bf16[8192,768]
-  float *const b609 = (float *)(arena + 974254080); // %609 matmul d.h.11.proj_w f32[768,768]
+//   layernorm_bwd: 8192 rows of 768, column sums over 64 blocks of 128 rows
+static void k95_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
+  static const int64_t o[] = {478857216, 5236432000, 5311929472, 3499990144, 976616448, 976619520, 3537738880, 976613376, 3525155968};
+  k95_layernorm_bwd__add__sum__cast__code(arena, h, o);
+}
+
+// The loops of 12 kernels, each on its own buffers (o[]: their offsets in the arena; the names
+// are those of k96_gemm's):
+// k96_gemm k108_gemm k120_gemm k132_gemm k144_gemm k156_gemm k168_gemm k180_gemm k192_gemm k204_gemm
+// k216_gemm k228_gemm
+__attribute__((noinline)) static void k96_gemm__code(char *arena, const MdlHooks *h, const int64_t *o) {
+  uint16_t *const restrict b540 = (uint16_t *)(arena + o[0]); // %540 cast bf16[8192,768]
+  uint16_t *const restrict b607 = (uint16_t *)(arena + o[1]); // %607 cast bf16[8192,768]
+  float *const restrict b609 = (float *)(arena + o[2]); // %609 matmul d.h.11.proj_w f32[768,768]
   if (h->bgemm) {
     mdl_bgemm(h, 1, 0, 768, 768, 8192, b540, 768, b607, 768, 0.0f, b609, 768);
   }
@@ -4912,18 +2192,24 @@ static void k96_gemm(char *arena, const MdlHooks *h) {
   }
 }
 
-// k97_gemm__cast: GEMM, 3 ops
-//   %608   matmul                                  line 39    f32[8192,768]
-//   %610   reshape                                 line 39    f32[8,1024,768]
-//   %613   cast                                    line 39    bf16[8,1024,768]
+// k96_gemm: GEMM, 1 op
+//   %609   matmul             d.h.11.proj_w        line 39    f32[768,768]
 // loops:
-//   gemm %608: [8192 x 768] = [8192 x 768] T[768 x 768], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
-//   elementwise over 6291456: %613
-static void k97_gemm__cast(char *arena, const MdlHooks *h) {
-  uint16_t *const b541 = (uint16_t *)(arena + 2227556352); // %541 cast bf16[768,768]
-  uint16_t *const b607 = (uint16_t *)(arena + 3525155968); // %607 cast bf16[8192,768]
+//   gemm %609: [768 x 768] = T[768 x 8192] [8192 x 768], bf16 operands (widened to f32 where the library has no bf16 GEMM)
+static void k96_gemm(char *arena, const MdlHooks *h) {
+  static const int64_t o[] = {5764914304, 3525155968, 974254080};
+  k96_gemm__code(arena, h, o);
+}
+
+// The loops of 12 kernels, each on its own buffers (o[]: their offsets in the arena; the names
+// are those of k97_gemm__cast's):
+// k97_gemm__cast k109_gemm__cast k121_gemm__cast k133_gemm__cast k145_gemm__cast k157_gemm__cast
+// k169_gemm__cast k181_gemm__cast k193_gemm__cast k205_gemm__cast k217_gemm__cast k229_gemm__cast
+__attribute__((noinline)) static void k97_gemm__cast__code(char *arena, const MdlHooks *h, const int64_t *o) {
+  uint16_t *const restrict b541 = (uint16_t *)(arena + o[0]); // %541 cast bf16[768,768]
+  uint16_t *const restrict b607 = (uint16_t *)(arena + o[1]); // %607 cast bf16[8192,768]
   float *const b608 = mdl_scratch(25165824); // %608 matmul f32[8192,768], kept in this kernel
-  uint16_t *const b613 = (uint16_t *)(arena + 3499990144); // %613 cast bf16[8,1024,768]
+  uint16_t *const restrict b613 = (uint16_t *)(arena + o[2]); // %613 cast bf16[8,1024,768]
   if (h->bgemm) {
     mdl_bgemm(h, 0, 1, 8192, 768, 768, b607, 768, b541, 768, 0.0f, b608, 768);
   }
@@ -4947,21 +2233,32 @@ static void k97_gemm__cast(char *arena, const MdlHooks *h) {
   free(b608);
 }
 
-// k98_attention_bwd: attention, 3 ops
-//   %614   attention_bwd      d.h.11.q             line 39    f32[8,1024,768]
-//   %615   attention_bwd      d.h.11.k             line 39    f32[8,1024,768]
-//   %616   attention_bwd      d.h.11.v             line 39    f32[8,1024,768]
+// k97_gemm__cast: GEMM, 3 ops
+//   %608   matmul                                  line 39    f32[8192,768]
+//   %610   reshape                                 line 39    f32[8,1024,768]
+//   %613   cast                                    line 39    bf16[8,1024,768]
 // loops:
-//   attention backward (dq dk dv): B 8, T 1024, 12 heads of 64, causal, within documents; one task per (batch, head)
-static void k98_attention_bwd(char *arena, const MdlHooks *h) {
-  int32_t *const b3 = (int32_t *)(arena + 2238271488); // %3 input doc i32[8,1024]
-  uint16_t *const b534 = (uint16_t *)(arena + 4619869312); // %534 cast bf16[8,1024,2304]
-  uint16_t *const b540 = (uint16_t *)(arena + 5764914304); // %540 cast bf16[8192,768]
-  float *const b611 = (float *)(arena + 5806988416); // %611 attention_lse f32[8,12,1024]
-  uint16_t *const b613 = (uint16_t *)(arena + 3499990144); // %613 cast bf16[8,1024,768]
-  float *const b614 = (float *)(arena + 3562904704); // %614 attention_bwd d.h.11.q f32[8,1024,768]
-  float *const b615 = (float *)(arena + 4154301568); // %615 attention_bwd d.h.11.k f32[8,1024,768]
-  float *const b616 = (float *)(arena + 4179467392); // %616 attention_bwd d.h.11.v f32[8,1024,768]
+//   gemm %608: [8192 x 768] = [8192 x 768] T[768 x 768], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
+//   elementwise over 6291456: %613
+static void k97_gemm__cast(char *arena, const MdlHooks *h) {
+  static const int64_t o[] = {2227556352, 3525155968, 3499990144};
+  k97_gemm__cast__code(arena, h, o);
+}
+
+// The loops of 12 kernels, each on its own buffers (o[]: their offsets in the arena; the names
+// are those of k98_attention_bwd's):
+// k98_attention_bwd k110_attention_bwd k122_attention_bwd k134_attention_bwd k146_attention_bwd
+// k158_attention_bwd k170_attention_bwd k182_attention_bwd k194_attention_bwd k206_attention_bwd
+// k218_attention_bwd k230_attention_bwd
+__attribute__((noinline)) static void k98_attention_bwd__code(char *arena, const MdlHooks *h, const int64_t *o) {
+  int32_t *const restrict b3 = (int32_t *)(arena + o[0]); // %3 input doc i32[8,1024]
+  uint16_t *const restrict b534 = (uint16_t *)(arena + o[1]); // %534 cast bf16[8,1024,2304]
+  uint16_t *const restrict b540 = (uint16_t *)(arena + o[2]); // %540 cast bf16[8192,768]
+  float *const restrict b611 = (float *)(arena + o[3]); // %611 attention_lse f32[8,12,1024]
+  uint16_t *const restrict b613 = (uint16_t *)(arena + o[4]); // %613 cast bf16[8,1024,768]
+  float *const restrict b614 = (float *)(arena + o[5]); // %614 attention_bwd d.h.11.q f32[8,1024,768]
+  float *const restrict b615 = (float *)(arena + o[6]); // %615 attention_bwd d.h.11.k f32[8,1024,768]
+  float *const restrict b616 = (float *)(arena + o[7]); // %616 attention_bwd d.h.11.v f32[8,1024,768]
   #pragma omp parallel num_threads(h->nthreads)
   {
     float *restrict kt = memset(mdl_scratch(67584 * sizeof(float)), 0, 67584 * sizeof(float));
@@ -5082,19 +2379,28 @@ static void k98_attention_bwd(char *arena, const MdlHooks *h) {
   }
 }
 
-// k99_sum__concat__cast: kernel, 4 ops
-//   %617   concat                                  line 38    f32[8,1024,2304]
-//   %618   reshape                                 line 38    f32[8192,2304]
-//   %619   sum                d.h.11.attn_b        line 38    f32[2304]
-//   %620   cast                                    line 38    bf16[8192,2304]
+// k98_attention_bwd: attention, 3 ops
+//   %614   attention_bwd      d.h.11.q             line 39    f32[8,1024,768]
+//   %615   attention_bwd      d.h.11.k             line 39    f32[8,1024,768]
+//   %616   attention_bwd      d.h.11.v             line 39    f32[8,1024,768]
 // loops:
-//   sum %619: 2304 outputs over 8192 elements, in 64 blocks of 128
-static void k99_sum__concat__cast(char *arena, const MdlHooks *h) {
-  float *const b614 = (float *)(arena + 3562904704); // %614 attention_bwd d.h.11.q f32[8,1024,768]
-  float *const b615 = (float *)(arena + 4154301568); // %615 attention_bwd d.h.11.k f32[8,1024,768]
-  float *const b616 = (float *)(arena + 4179467392); // %616 attention_bwd d.h.11.v f32[8,1024,768]
-  float *const b619 = (float *)(arena + 974244864); // %619 sum d.h.11.attn_b f32[2304]
-  uint16_t *const b620 = (uint16_t *)(arena + 3499990144); // %620 cast bf16[8192,2304]
+//   attention backward (dq dk dv): B 8, T 1024, 12 heads of 64, causal, within documents; one task per (batch, head)
+static void k98_attention_bwd(char *arena, const MdlHooks *h) {
+  static const int64_t o[] = {2238271488, 4619869312, 5764914304, 5806988416, 3499990144, 3562904704, 4154301568, 4179467392};
+  k98_attention_bwd__code(arena, h, o);
+}
+
+// The loops of 12 kernels, each on its own buffers (o[]: their offsets in the arena; the names
+// are those of k99_sum__concat__cast's):
+// k99_sum__concat__cast k111_sum__concat__cast k123_sum__concat__cast k135_sum__concat__cast
+// k147_sum__concat__cast k159_sum__concat__cast k171_sum__concat__cast k183_sum__concat__cast
+// k195_sum__concat__cast k207_sum__concat__cast k219_sum__concat__cast k231_sum__concat__cast
+__attribute__((noinline)) static void k99_sum__concat__cast__code(char *arena, const MdlHooks *h, const int64_t *o) {
+  float *const restrict b614 = (float *)(arena + o[0]); // %614 attention_bwd d.h.11.q f32[8,1024,768]
+  float *const restrict b615 = (float *)(arena + o[1]); // %615 attention_bwd d.h.11.k f32[8,1024,768]
+  float *const restrict b616 = (float *)(arena + o[2]); // %616 attention_bwd d.h.11.v f32[8,1024,768]
+  float *const restrict b619 = (float *)(arena + o[3]); // %619 sum d.h.11.attn_b f32[2304]
+  uint16_t *const restrict b620 = (uint16_t *)(arena + o[4]); // %620 cast bf16[8192,2304]
   double *part = mdl_scratch(147456 * sizeof(double));
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
   for (int64_t k = 0; k < 64; k++) {
@@ -5127,14 +2433,26 @@ static void k99_sum__concat__cast(char *arena, const MdlHooks *h) {
   free(part);
 }
 
-// k100_gemm: GEMM, 1 op
-//   %621   matmul                                  line 38    f32[8192,768]
+// k99_sum__concat__cast: kernel, 4 ops
+//   %617   concat                                  line 38    f32[8,1024,2304]
+//   %618   reshape                                 line 38    f32[8192,2304]
+//   %619   sum                d.h.11.attn_b        line 38    f32[2304]
+//   %620   cast                                    line 38    bf16[8192,2304]
 // loops:
-//   gemm %621: [8192 x 768] = [8192 x 2304] T[2304 x 768], bf16 operands (widened to f32 where the library has no bf16 GEMM)
-static void k100_gemm(char *arena, const MdlHooks *h) {
-  uint16_t *const b530 = (uint16_t *)(arena + 2224017408); // %530 cast bf16[768,2304]
-  uint16_t *const b620 = (uint16_t *)(arena + 3499990144); // %620 cast bf16[8192,2304]
-  float *const b621 = (float *)(arena + 3562904704); // %621 matmul f32[8192,768]
+//   sum %619: 2304 outputs over 8192 elements, in 64 blocks of 128
+static void k99_sum__concat__cast(char *arena, const MdlHooks *h) {
+  static const int64_t o[] = {3562904704, 4154301568, 4179467392, 974244864, 3499990144};
+  k99_sum__concat__cast__code(arena, h, o);
+}
+
+// The loops of 12 kernels, each on its own buffers (o[]: their offsets in the arena; the names
+// are those of k100_gemm's):
+// k100_gemm k112_gemm k124_gemm k136_gemm k148_gemm k160_gemm k172_gemm k184_gemm k196_gemm k208_gemm
+// k220_gemm k232_gemm
+__attribute__((noinline)) static void k100_gemm__code(char *arena, const MdlHooks *h, const int64_t *o) {
+  uint16_t *const restrict b530 = (uint16_t *)(arena + o[0]); // %530 cast bf16[768,2304]
+  uint16_t *const restrict b620 = (uint16_t *)(arena + o[1]); // %620 cast bf16[8192,2304]
+  float *const restrict b621 = (float *)(arena + o[2]); // %621 matmul f32[8192,768]
   if (h->bgemm) {
     mdl_bgemm(h, 0, 1, 8192, 768, 2304, b620, 2304, b530, 2304, 0.0f, b621, 768);
   }
@@ -5147,14 +2465,23 @@ static void k100_gemm(char *arena, const MdlHooks *h) {
   }
 }
 
-// k101_gemm: GEMM, 1 op
-//   %622   matmul             d.h.11.attn_w        line 38    f32[768,2304]
+// k100_gemm: GEMM, 1 op
+//   %621   matmul                                  line 38    f32[8192,768]
 // loops:
-//   gemm %622: [768 x 2304] = T[768 x 8192] [8192 x 2304], bf16 operands (widened to f32 where the library has no bf16 GEMM)
-static void k101_gemm(char *arena, const MdlHooks *h) {
-  uint16_t *const b529 = (uint16_t *)(arena + 5752331392); // %529 cast bf16[8192,768]
-  uint16_t *const b620 = (uint16_t *)(arena + 3499990144); // %620 cast bf16[8192,2304]
-  float *const b622 = (float *)(arena + 967166976); // %622 matmul d.h.11.attn_w f32[768,2304]
+//   gemm %621: [8192 x 768] = [8192 x 2304] T[2304 x 768], bf16 operands (widened to f32 where the library has no bf16 GEMM)
+static void k100_gemm(char *arena, const MdlHooks *h) {
+  static const int64_t o[] = {2224017408, 3499990144, 3562904704};
+  k100_gemm__code(arena, h, o);
+}
+
+// The loops of 12 kernels, each on its own buffers (o[]: their offsets in the arena; the names
+// are those of k101_gemm's):
+// k101_gemm k113_gemm k125_gemm k137_gemm k149_gemm k161_gemm k173_gemm k185_gemm k197_gemm k209_gemm
+// k221_gemm k233_gemm
+__attribute__((noinline)) static void k101_gemm__code(char *arena, const MdlHooks *h, const int64_t *o) {
+  uint16_t *const restrict b529 = (uint16_t *)(arena + o[0]); // %529 cast bf16[8192,768]
+  uint16_t *const restrict b620 = (uint16_t *)(arena + o[1]); // %620 cast bf16[8192,2304]
+  float *const restrict b622 = (float *)(arena + o[2]); // %622 matmul d.h.11.attn_w f32[768,2304]
   if (h->bgemm) {
     mdl_bgemm(h, 1, 0, 768, 2304, 8192, b529, 768, b620, 2304, 0.0f, b622, 2304);
   }
@@ -5167,26 +2494,31 @@ static void k101_gemm(char *arena, const MdlHooks *h) {
   }
 }
 
-// k102_layernorm_bwd__add__sum__cast: kernel, 7 ops
-//   %624   layernorm_bwd                           line 38    f32[8,1024,768]
-//   %625   layernorm_bwd      d.h.11.ln1_w         line 38    f32[768]
-//   %626   layernorm_bwd      d.h.11.ln1_b         line 38    f32[768]
-//   %627   add                d.h.10.x             line 40    f32[8,1024,768]
-//   %628   reshape                                 line 40    f32[8192,768]
-//   %629   sum                d.h.10.fcproj_b      line 40    f32[768]
-//   %630   cast                                    line 40    bf16[8192,768]
+// k101_gemm: GEMM, 1 op
+//   %622   matmul             d.h.11.attn_w        line 38    f32[768,2304]
 // loops:
-//   layernorm_bwd: 8192 rows of 768, column sums over 64 blocks of 128 rows
-static void k102_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
-  float *const b514 = (float *)(arena + 5211266176); // %514 add h.10.x f32[8,1024,768]
-  float *const b515 = (float *)(arena + 469401600); // %515 param h.11.ln1_w f32[768]
-  float *const b604 = (float *)(arena + 3537738880); // %604 add d.h.11.x f32[8,1024,768]
-  float *const b621 = (float *)(arena + 3562904704); // %621 matmul f32[8192,768]
-  float *const b625 = (float *)(arena + 967160832); // %625 layernorm_bwd d.h.11.ln1_w f32[768]
-  float *const b626 = (float *)(arena + 967163904); // %626 layernorm_bwd d.h.11.ln1_b f32[768]
-  float *const b627 = (float *)(arena + 4154301568); // %627 add d.h.10.x f32[8,1024,768]
-  float *const b629 = (float *)(arena + 967157760); // %629 sum d.h.10.fcproj_b f32[768]
-  uint16_t *const b630 = (uint16_t *)(arena + 3588070528); // %630 cast bf16[8192,768]
+//   gemm %622: [768 x 2304] = T[768 x 8192] [8192 x 2304], bf16 operands (widened to f32 where the library has no bf16 GEMM)
+static void k101_gemm(char *arena, const MdlHooks *h) {
+  static const int64_t o[] = {5752331392, 3499990144, 967166976};
+  k101_gemm__code(arena, h, o);
+}
+
+// The loops of 11 kernels, each on its own buffers (o[]: their offsets in the arena; the names
+// are those of k102_layernorm_bwd__add__sum__cast's):
+// k102_layernorm_bwd__add__sum__cast k114_layernorm_bwd__add__sum__cast k126_layernorm_bwd__add__sum__cast
+// k138_layernorm_bwd__add__sum__cast k150_layernorm_bwd__add__sum__cast k162_layernorm_bwd__add__sum__cast
+// k174_layernorm_bwd__add__sum__cast k186_layernorm_bwd__add__sum__cast k198_layernorm_bwd__add__sum__cast
+// k210_layernorm_bwd__add__sum__cast k222_layernorm_bwd__add__sum__cast
+__attribute__((noinline)) static void k102_layernorm_bwd__add__sum__cast__code(char *arena, const MdlHooks *h, const int64_t *o) {
+  float *const restrict b514 = (float *)(arena + o[0]); // %514 add h.10.x f32[8,1024,768]
+  float *const restrict b515 = (float *)(arena + o[1]); // %515 param h.11.ln1_w f32[768]
+  float *const restrict b604 = (float *)(arena + o[2]); // %604 add d.h.11.x f32[8,1024,768]
+  float *const restrict b621 = (float *)(arena + o[3]); // %621 matmul f32[8192,768]
+  float *const restrict b625 = (float *)(arena + o[4]); // %625 layernorm_bwd d.h.11.ln1_w f32[768]
+  float *const restrict b626 = (float *)(arena + o[5]); // %626 layernorm_bwd d.h.11.ln1_b f32[768]
+  float *const restrict b627 = (float *)(arena + o[6]); // %627 add d.h.10.x f32[8,1024,768]
+  float *const restrict b629 = (float *)(arena + o[7]); // %629 sum d.h.10.fcproj_b f32[768]
+  uint16_t *const restrict b630 = (uint16_t *)(arena + o[8]); // %630 cast bf16[8192,768]
   double *pdw = mdl_scratch(49152 * sizeof(double));
   double *pdb = mdl_scratch(49152 * sizeof(double));
   double *ps0 = mdl_scratch(49152 * sizeof(double)); // partials of the column sum %629
@@ -5257,24 +2589,28 @@ static void k102_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
   free(ps0);
 }
 
+// k102_layernorm_bwd__add__sum__cast: kernel, 7 ops
+//   %624   layernorm_bwd                           line 38    f32[8,1024,768]
+//   %625   layernorm_bwd      d.h.11.ln1_w         line 38    f32[768]
+//   %626   layernorm_bwd      d.h.11.ln1_b         line 38    f32[768]
+//   %627   add                d.h.10.x             line 40    f32[8,1024,768]
+//   %628   reshape                                 line 40    f32[8192,768]
+//   %629   sum                d.h.10.fcproj_b      line 40    f32[768]
+//   %630   cast                                    line 40    bf16[8192,768]
+// loops:
+//   layernorm_bwd: 8192 rows of 768, column sums over 64 blocks of 128 rows
+static void k102_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
+  static const int64_t o[] = {5211266176, 469401600, 3537738880, 3562904704, 967160832, 967163904, 4154301568, 967157760, 3588070528};
+  k102_layernorm_bwd__add__sum__cast__code(arena, h, o);
+}
+
 // k103_gemm: GEMM, 1 op
 //   %632   matmul             d.h.10.fcproj_w      line 40    f32[3072,768]
 // loops:
 //   gemm %632: [3072 x 768] = T[3072 x 8192] [8192 x 768], bf16 operands (widened to f32 where the library has no bf16 GEMM)
 static void k103_gemm(char *arena, const MdlHooks *h) {
-  uint16_t *const b509 = (uint16_t *)(arena + 4103969920); // %509 cast bf16[8192,3072]
-  uint16_t *const b630 = (uint16_t *)(arena + 3588070528); // %630 cast bf16[8192,768]
-  float *const b632 = (float *)(arena + 957720576); // %632 matmul d.h.10.fcproj_w f32[3072,768]
-  if (h->bgemm) {
-    mdl_bgemm(h, 1, 0, 3072, 768, 8192, b509, 3072, b630, 768, 0.0f, b632, 768);
-  }
-  else {
-    float *const w509 = mdl_widen_bf16(b509, 25165824, h->nthreads);
-    float *const w630 = mdl_widen_bf16(b630, 6291456, h->nthreads);
-    mdl_gemm(h, 1, 0, 3072, 768, 8192, w509, 3072, w630, 768, 0.0f, b632, 768);
-    free(w509);
-    free(w630);
-  }
+  static const int64_t o[] = {4103969920, 3588070528, 957720576};
+  k91_gemm__code(arena, h, o);
 }
 
 // k104_gemm__gelu_bwd__sum__cast: GEMM, 6 ops
@@ -5288,56 +2624,8 @@ static void k103_gemm(char *arena, const MdlHooks *h) {
 //   gemm %631: [8192 x 3072] = [8192 x 768] T[768 x 3072], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
 //   sum %636: 3072 outputs over 8192 elements, in 64 blocks of 128
 static void k104_gemm__gelu_bwd__sum__cast(char *arena, const MdlHooks *h) {
-  float *const b506 = (float *)(arena + 3399326848); // %506 add f32[8,1024,3072]
-  uint16_t *const b510 = (uint16_t *)(arena + 2219298816); // %510 cast bf16[3072,768]
-  uint16_t *const b630 = (uint16_t *)(arena + 3588070528); // %630 cast bf16[8192,768]
-  float *const b631 = mdl_scratch(100663296); // %631 matmul f32[8192,3072], kept in this kernel
-  float *const b636 = (float *)(arena + 957708288); // %636 sum d.h.10.fc_b f32[3072]
-  uint16_t *const b637 = (uint16_t *)(arena + 3499990144); // %637 cast bf16[8192,3072]
-  if (h->bgemm) {
-    mdl_bgemm(h, 0, 1, 8192, 3072, 768, b630, 768, b510, 768, 0.0f, b631, 3072);
-  }
-  else {
-    float *const w630 = mdl_widen_bf16(b630, 6291456, h->nthreads);
-    float *const w510 = mdl_widen_bf16(b510, 2359296, h->nthreads);
-    mdl_gemm(h, 0, 1, 8192, 3072, 768, w630, 768, w510, 768, 0.0f, b631, 3072);
-    free(w630);
-    free(w510);
-  }
-  double *part = mdl_scratch(196608 * sizeof(double));
-  #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t k = 0; k < 64; k++) {
-    double *p = part + k * 3072;
-    for (int64_t c = 0; c < 3072; c++)
-      p[c] = 0.0;
-    const int64_t end = k * 128 + 128 < 8192 ? k * 128 + 128 : 8192;
-    for (int64_t l = k * 128; l < end; l++) {
-      for (int64_t c = 0; c < 3072; c++) {
-        const int64_t ix = l * 3072 + c;
-        const float v506_ix = b506[ix];
-        const float v631_ix = b631[ix];
-        const float v633_ix = v631_ix;
-        const float v634_ix = mdl_gelu_grad(v506_ix) * v633_ix;
-        const float v635_ix = v634_ix;
-        const float v = v635_ix;
-        const float v637_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v635_ix));
-        b637[ix] = mdl_f32_to_bf16(v637_ix);
-        p[c] += v;
-      }
-    }
-  }
-  #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t r = 0; r < 3072; r++) {
-    double acc = 0.0;
-    for (int64_t k = 0; k < 64; k++) {
-      const double v = part[k * 3072 + r];
-      acc += v;
-    }
-    const float y = (float)acc;
-    b636[r] = y;
-  }
-  free(part);
-  free(b631);
+  static const int64_t o[] = {3399326848, 2219298816, 3588070528, 957708288, 3499990144};
+  k92_gemm__gelu_bwd__sum__cast__code(arena, h, o);
 }
 
 // k105_gemm: GEMM, 1 op
@@ -5345,19 +2633,8 @@ static void k104_gemm__gelu_bwd__sum__cast(char *arena, const MdlHooks *h) {
 // loops:
 //   gemm %638: [8192 x 768] = [8192 x 3072] T[3072 x 768], bf16 operands (widened to f32 where the library has no bf16 GEMM)
 static void k105_gemm(char *arena, const MdlHooks *h) {
-  uint16_t *const b503 = (uint16_t *)(arena + 2214580224); // %503 cast bf16[768,3072]
-  uint16_t *const b637 = (uint16_t *)(arena + 3499990144); // %637 cast bf16[8192,3072]
-  float *const b638 = (float *)(arena + 3399326848); // %638 matmul f32[8192,768]
-  if (h->bgemm) {
-    mdl_bgemm(h, 0, 1, 8192, 768, 3072, b637, 3072, b503, 3072, 0.0f, b638, 768);
-  }
-  else {
-    float *const w637 = mdl_widen_bf16(b637, 25165824, h->nthreads);
-    float *const w503 = mdl_widen_bf16(b503, 2359296, h->nthreads);
-    mdl_gemm(h, 0, 1, 8192, 768, 3072, w637, 3072, w503, 3072, 0.0f, b638, 768);
-    free(w637);
-    free(w503);
-  }
+  static const int64_t o[] = {2214580224, 3499990144, 3399326848};
+  k93_gemm__code(arena, h, o);
 }
 
 // k106_gemm: GEMM, 1 op
@@ -5365,19 +2642,8 @@ static void k105_gemm(char *arena, const MdlHooks *h) {
 // loops:
 //   gemm %639: [768 x 3072] = T[768 x 8192] [8192 x 3072], bf16 operands (widened to f32 where the library has no bf16 GEMM)
 static void k106_gemm(char *arena, const MdlHooks *h) {
-  uint16_t *const b502 = (uint16_t *)(arena + 5739748480); // %502 cast bf16[8192,768]
-  uint16_t *const b637 = (uint16_t *)(arena + 3499990144); // %637 cast bf16[8192,3072]
-  float *const b639 = (float *)(arena + 948271104); // %639 matmul d.h.10.fc_w f32[768,3072]
-  if (h->bgemm) {
-    mdl_bgemm(h, 1, 0, 768, 3072, 8192, b502, 768, b637, 3072, 0.0f, b639, 3072);
-  }
-  else {
-    float *const w502 = mdl_widen_bf16(b502, 6291456, h->nthreads);
-    float *const w637 = mdl_widen_bf16(b637, 25165824, h->nthreads);
-    mdl_gemm(h, 1, 0, 768, 3072, 8192, w502, 768, w637, 3072, 0.0f, b639, 3072);
-    free(w502);
-    free(w637);
-  }
+  static const int64_t o[] = {5739748480, 3499990144, 948271104};
+  k94_gemm__code(arena, h, o);
 }
 
 // k107_layernorm_bwd__add__sum__cast: kernel, 7 ops
@@ -5391,83 +2657,8 @@ static void k106_gemm(char *arena, const MdlHooks *h) {
 // loops:
 //   layernorm_bwd: 8192 rows of 768, column sums over 64 blocks of 128 rows
 static void k107_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
-  float *const b475 = (float *)(arena + 450505728); // %475 param h.10.ln2_w f32[768]
-  float *const b499 = (float *)(arena + 5186100352); // %499 add h.10.x f32[8,1024,768]
-  float *const b627 = (float *)(arena + 4154301568); // %627 add d.h.10.x f32[8,1024,768]
-  float *const b638 = (float *)(arena + 3399326848); // %638 matmul f32[8192,768]
-  float *const b642 = (float *)(arena + 948264960); // %642 layernorm_bwd d.h.10.ln2_w f32[768]
-  float *const b643 = (float *)(arena + 948268032); // %643 layernorm_bwd d.h.10.ln2_b f32[768]
-  float *const b644 = (float *)(arena + 3437075584); // %644 add d.h.10.x f32[8,1024,768]
-  float *const b646 = (float *)(arena + 948261888); // %646 sum d.h.10.proj_b f32[768]
-  uint16_t *const b647 = (uint16_t *)(arena + 3424492672); // %647 cast bf16[8192,768]
-  double *pdw = mdl_scratch(49152 * sizeof(double));
-  double *pdb = mdl_scratch(49152 * sizeof(double));
-  double *ps0 = mdl_scratch(49152 * sizeof(double)); // partials of the column sum %646
-  #pragma omp parallel num_threads(h->nthreads)
-  {
-    float *dxrow = mdl_scratch(768 * sizeof(float));
-    #pragma omp for schedule(static)
-    for (int64_t k = 0; k < 64; k++) {
-      double *sw = pdw + k * 768;
-      double *sb = pdb + k * 768;
-      double *sa0 = ps0 + k * 768;
-      for (int64_t j = 0; j < 768; j++)
-        sw[j] = sb[j] = sa0[j] = 0;
-      const int64_t end = k * 128 + 128 < 8192 ? k * 128 + 128 : 8192;
-      for (int64_t r = k * 128; r < end; r++) {
-        const float *x = b499 + r * 768;
-        const float *dy = b638 + r * 768;
-        double mean = 0, var = 0, mg = 0, mgx = 0;
-        #pragma omp simd reduction(+ : mean)
-        for (int64_t j = 0; j < 768; j++)
-          mean += x[j];
-        mean /= 768;
-        #pragma omp simd reduction(+ : var)
-        for (int64_t j = 0; j < 768; j++)
-          var += (x[j] - mean) * (x[j] - mean);
-        const double rstd = 1.0 / sqrt(var / 768 + 1e-05);
-        #pragma omp simd reduction(+ : mg, mgx)
-        for (int64_t j = 0; j < 768; j++) {
-          const double xhat = (x[j] - mean) * rstd, g = (double)dy[j] * b475[j];
-          mg += g;
-          mgx += g * xhat;
-          sw[j] += dy[j] * xhat;
-          sb[j] += dy[j];
-        }
-        float *dx = dxrow;
-        mg /= 768;
-        mgx /= 768;
-        for (int64_t j = 0; j < 768; j++)
-          dx[j] = (float)(rstd * ((double)dy[j] * b475[j] - mg - (x[j] - mean) * rstd * mgx));
-        for (int64_t j = 0; j < 768; j++) {
-          const int64_t ix = r * 768 + j;
-          const float v627_ix = b627[ix];
-          const float v644_ix = v627_ix + dx[j];
-          b644[ix] = v644_ix;
-          const float v645_ix = v644_ix;
-          const float v647_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v645_ix));
-          b647[ix] = mdl_f32_to_bf16(v647_ix);
-          sa0[j] += v645_ix;
-        }
-      }
-    }
-    free(dxrow);
-  }
-  #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t j = 0; j < 768; j++) {
-    double w = 0, b = 0, a0 = 0;
-    for (int64_t k = 0; k < 64; k++) {
-      w += pdw[k * 768 + j];
-      b += pdb[k * 768 + j];
-      a0 += ps0[k * 768 + j];
-    }
-    b642[j] = (float)w;
-    b643[j] = (float)b;
-    b646[j] = (float)a0;
-  }
-  free(pdw);
-  free(pdb);
-  free(ps0);
+  static const int64_t o[] = {450505728, 5186100352, 4154301568, 3399326848, 948264960, 948268032, 3437075584, 948261888, 3424492672};
+  k95_layernorm_bwd__add__sum__cast__code(arena, h, o);
 }
 
 // k108_gemm: GEMM, 1 op
@@ -5475,19 +2666,8 @@ static void k107_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
 // loops:
 //   gemm %649: [768 x 768] = T[768 x 8192] [8192 x 768], bf16 operands (widened to f32 where the library has no bf16 GEMM)
 static void k108_gemm(char *arena, const MdlHooks *h) {
-  uint16_t *const b494 = (uint16_t *)(arena + 5727165568); // %494 cast bf16[8192,768]
-  uint16_t *const b647 = (uint16_t *)(arena + 3424492672); // %647 cast bf16[8192,768]
-  float *const b649 = (float *)(arena + 945902592); // %649 matmul d.h.10.proj_w f32[768,768]
-  if (h->bgemm) {
-    mdl_bgemm(h, 1, 0, 768, 768, 8192, b494, 768, b647, 768, 0.0f, b649, 768);
-  }
-  else {
-    float *const w494 = mdl_widen_bf16(b494, 6291456, h->nthreads);
-    float *const w647 = mdl_widen_bf16(b647, 6291456, h->nthreads);
-    mdl_gemm(h, 1, 0, 768, 768, 8192, w494, 768, w647, 768, 0.0f, b649, 768);
-    free(w494);
-    free(w647);
-  }
+  static const int64_t o[] = {5727165568, 3424492672, 945902592};
+  k96_gemm__code(arena, h, o);
 }
 
 // k109_gemm__cast: GEMM, 3 ops
@@ -5498,31 +2678,8 @@ static void k108_gemm(char *arena, const MdlHooks *h) {
 //   gemm %648: [8192 x 768] = [8192 x 768] T[768 x 768], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
 //   elementwise over 6291456: %653
 static void k109_gemm__cast(char *arena, const MdlHooks *h) {
-  uint16_t *const b495 = (uint16_t *)(arena + 2213400576); // %495 cast bf16[768,768]
-  uint16_t *const b647 = (uint16_t *)(arena + 3424492672); // %647 cast bf16[8192,768]
-  float *const b648 = mdl_scratch(25165824); // %648 matmul f32[8192,768], kept in this kernel
-  uint16_t *const b653 = (uint16_t *)(arena + 3399326848); // %653 cast bf16[8,1024,768]
-  if (h->bgemm) {
-    mdl_bgemm(h, 0, 1, 8192, 768, 768, b647, 768, b495, 768, 0.0f, b648, 768);
-  }
-  else {
-    float *const w647 = mdl_widen_bf16(b647, 6291456, h->nthreads);
-    float *const w495 = mdl_widen_bf16(b495, 589824, h->nthreads);
-    mdl_gemm(h, 0, 1, 8192, 768, 768, w647, 768, w495, 768, 0.0f, b648, 768);
-    free(w647);
-    free(w495);
-  }
-  #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t r = 0; r < 8192; r++) {
-    for (int64_t c = 0; c < 768; c++) {
-      const int64_t i = r * 768 + c;
-      const float v648_i = b648[i];
-      const float v650_i = v648_i;
-      const float v653_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v650_i));
-      b653[i] = mdl_f32_to_bf16(v653_i);
-    }
-  }
-  free(b648);
+  static const int64_t o[] = {2213400576, 3424492672, 3399326848};
+  k97_gemm__cast__code(arena, h, o);
 }
 
 // k110_attention_bwd: attention, 3 ops
@@ -5532,132 +2689,8 @@ static void k109_gemm__cast(char *arena, const MdlHooks *h) {
 // loops:
 //   attention backward (dq dk dv): B 8, T 1024, 12 heads of 64, causal, within documents; one task per (batch, head)
 static void k110_attention_bwd(char *arena, const MdlHooks *h) {
-  int32_t *const b3 = (int32_t *)(arena + 2238271488); // %3 input doc i32[8,1024]
-  uint16_t *const b488 = (uint16_t *)(arena + 4582120576); // %488 cast bf16[8,1024,2304]
-  uint16_t *const b494 = (uint16_t *)(arena + 5727165568); // %494 cast bf16[8192,768]
-  float *const b651 = (float *)(arena + 5806595200); // %651 attention_lse f32[8,12,1024]
-  uint16_t *const b653 = (uint16_t *)(arena + 3399326848); // %653 cast bf16[8,1024,768]
-  float *const b654 = (float *)(arena + 3462241408); // %654 attention_bwd d.h.10.q f32[8,1024,768]
-  float *const b655 = (float *)(arena + 3487407232); // %655 attention_bwd d.h.10.k f32[8,1024,768]
-  float *const b656 = (float *)(arena + 3512573056); // %656 attention_bwd d.h.10.v f32[8,1024,768]
-  #pragma omp parallel num_threads(h->nthreads)
-  {
-    float *restrict kt = memset(mdl_scratch(67584 * sizeof(float)), 0, 67584 * sizeof(float));
-    float *restrict s = memset(mdl_scratch(1056 * sizeof(float)), 0, 1056 * sizeof(float));
-    float *restrict vt = memset(mdl_scratch(67584 * sizeof(float)), 0, 67584 * sizeof(float));
-    float *restrict dp = memset(mdl_scratch(1056 * sizeof(float)), 0, 1056 * sizeof(float));
-    float *restrict dkh = memset(mdl_scratch(65536 * sizeof(float)), 0, 65536 * sizeof(float));
-    float *restrict dvh = memset(mdl_scratch(65536 * sizeof(float)), 0, 65536 * sizeof(float));
-    #pragma omp for schedule(dynamic, 1)
-    for (int64_t task = 0; task < 96; task++) {
-      const int64_t b = task / 12, hd = task % 12;
-      for (int64_t j = 0; j < 1024; j++) {
-        const uint16_t *xj = b488 + 768 + (b * 1024 + j) * 2304 + hd * 64;
-        for (int64_t c = 0; c < 64; c++)
-          kt[c * 1056 + j] = mdl_bf16_to_f32(xj[c]);
-      }
-      for (int64_t j = 0; j < 1024; j++) {
-        const uint16_t *xj = b488 + 1536 + (b * 1024 + j) * 2304 + hd * 64;
-        for (int64_t c = 0; c < 64; c++)
-          vt[c * 1056 + j] = mdl_bf16_to_f32(xj[c]);
-      }
-      memset(dkh, 0, 65536 * sizeof(float));
-      memset(dvh, 0, 65536 * sizeof(float));
-      int64_t lo = 0, hi = 1024;
-      const int32_t *restrict dc = b3 + b * 1024;
-      for (int64_t i = 0; i < 1024; i++) {
-        const int32_t di = dc[i];
-        if (i == 0 || dc[i - 1] != di) {
-          lo = 0;
-          while (dc[lo] != di)
-            lo++;
-        }
-        hi = i + 1;
-        float qr[64];
-        for (int64_t c = 0; c < 64; c++)
-          qr[c] = mdl_bf16_to_f32(b488[(b * 1024 + i) * 2304 + hd * 64 + c]);
-        const float *restrict qi = qr;
-        for (int64_t j0 = lo; j0 < hi; j0 += 32) {
-          float acc[32] = {0};
-          for (int64_t c = 0; c < 64; c++) {
-            const float vc = qi[c], *restrict mc = kt + c * 1056 + j0;
-            #pragma omp simd
-            for (int64_t u = 0; u < 32; u++)
-              acc[u] += vc * mc[u];
-          }
-          memcpy(s + j0, acc, sizeof acc);
-        }
-        const float lse = b651[(b * 12 + hd) * 1024 + i];
-        #pragma omp simd
-        for (int64_t j = lo; j < hi; j++)
-          s[j] = dc[j] == di ? mdl_exp_shifted(s[j] * 0.125f - lse) : 0.0f;
-        float dor[64];
-        for (int64_t c = 0; c < 64; c++)
-          dor[c] = mdl_bf16_to_f32(b653[(b * 1024 + i) * 768 + hd * 64 + c]);
-        const float *restrict doi = dor;
-        float dsum = 0.0f;
-        for (int64_t c = 0; c < 64; c++)
-          dsum += doi[c] * mdl_bf16_to_f32(b494[(b * 1024 + i) * 768 + hd * 64 + c]);
-        for (int64_t j0 = lo; j0 < hi; j0 += 32) {
-          float acc[32] = {0};
-          for (int64_t c = 0; c < 64; c++) {
-            const float vc = doi[c], *restrict mc = vt + c * 1056 + j0;
-            #pragma omp simd
-            for (int64_t u = 0; u < 32; u++)
-              acc[u] += vc * mc[u];
-          }
-          memcpy(dp + j0, acc, sizeof acc);
-        }
-        #pragma omp simd
-        for (int64_t j = lo; j < hi; j++)
-          dp[j] = s[j] * (dp[j] - dsum);
-        float dqi0[64] = {0}, dqi1[64] = {0};
-        int64_t j = lo;
-        for (; j + 1 < hi; j += 2) {
-          const float w0 = mdl_bf16_to_f32(mdl_f32_to_bf16(dp[j])), w1 = mdl_bf16_to_f32(mdl_f32_to_bf16(dp[j + 1]));
-          const uint16_t *restrict x0 = b488 + 768 + (b * 1024 + j) * 2304 + hd * 64, *restrict x1 = x0 + 2304;
-          #pragma omp simd
-          for (int64_t c = 0; c < 64; c++) {
-            dqi0[c] += w0 * mdl_bf16_to_f32(x0[c]);
-            dqi1[c] += w1 * mdl_bf16_to_f32(x1[c]);
-          }
-        }
-        if (j < hi) {
-          const float w0 = mdl_bf16_to_f32(mdl_f32_to_bf16(dp[j]));
-          const uint16_t *restrict x0 = b488 + 768 + (b * 1024 + j) * 2304 + hd * 64;
-          #pragma omp simd
-          for (int64_t c = 0; c < 64; c++)
-            dqi0[c] += w0 * mdl_bf16_to_f32(x0[c]);
-        }
-        float sqi[64];
-        for (int64_t c = 0; c < 64; c++)
-          sqi[c] = 0.125f * qi[c];
-        for (int64_t j = lo; j < hi; j++) {
-          float *restrict dkj = dkh + j * 64;
-          #pragma omp simd
-          for (int64_t c = 0; c < 64; c++)
-            dkj[c] += mdl_bf16_to_f32(mdl_f32_to_bf16(dp[j])) * sqi[c];
-          float *restrict dvj = dvh + j * 64;
-          #pragma omp simd
-          for (int64_t c = 0; c < 64; c++)
-            dvj[c] += mdl_bf16_to_f32(mdl_f32_to_bf16(s[j])) * doi[c];
-        }
-        float *restrict dq = b654 + (b * 1024 + i) * 768 + hd * 64;
-        for (int64_t c = 0; c < 64; c++)
-          dq[c] = 0.125f * (dqi0[c] + dqi1[c]);
-      }
-      for (int64_t t = 0; t < 1024; t++)
-        memcpy(b655 + (b * 1024 + t) * 768 + hd * 64, dkh + t * 64, 64 * sizeof(float));
-      for (int64_t t = 0; t < 1024; t++)
-        memcpy(b656 + (b * 1024 + t) * 768 + hd * 64, dvh + t * 64, 64 * sizeof(float));
-    }
-    free(kt);
-    free(s);
-    free(vt);
-    free(dp);
-    free(dkh);
-    free(dvh);
-  }
+  static const int64_t o[] = {2238271488, 4582120576, 5727165568, 5806595200, 3399326848, 3462241408, 3487407232, 3512573056};
+  k98_attention_bwd__code(arena, h, o);
 }
 
 // k111_sum__concat__cast: kernel, 4 ops
@@ -5668,41 +2701,8 @@ static void k110_attention_bwd(char *arena, const MdlHooks *h) {
 // loops:
 //   sum %659: 2304 outputs over 8192 elements, in 64 blocks of 128
 static void k111_sum__concat__cast(char *arena, const MdlHooks *h) {
-  float *const b654 = (float *)(arena + 3462241408); // %654 attention_bwd d.h.10.q f32[8,1024,768]
-  float *const b655 = (float *)(arena + 3487407232); // %655 attention_bwd d.h.10.k f32[8,1024,768]
-  float *const b656 = (float *)(arena + 3512573056); // %656 attention_bwd d.h.10.v f32[8,1024,768]
-  float *const b659 = (float *)(arena + 945893376); // %659 sum d.h.10.attn_b f32[2304]
-  uint16_t *const b660 = (uint16_t *)(arena + 3399326848); // %660 cast bf16[8192,2304]
-  double *part = mdl_scratch(147456 * sizeof(double));
-  #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t k = 0; k < 64; k++) {
-    double *p = part + k * 2304;
-    for (int64_t c = 0; c < 2304; c++)
-      p[c] = 0.0;
-    const int64_t end = k * 128 + 128 < 8192 ? k * 128 + 128 : 8192;
-    for (int64_t l = k * 128; l < end; l++) {
-      for (int64_t c = 0; c < 2304; c++) {
-        const int64_t ix = l * 2304 + c;
-        const float v657_ix = (c < 768 ? b654 + (l * 768 + c) : c < 1536 ? b655 + (l * 768 + (c - 768)) : b656 + (l * 768 + (c - 1536)))[0];
-        const float v658_ix = v657_ix;
-        const float v = v658_ix;
-        const float v660_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v658_ix));
-        b660[ix] = mdl_f32_to_bf16(v660_ix);
-        p[c] += v;
-      }
-    }
-  }
-  #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t r = 0; r < 2304; r++) {
-    double acc = 0.0;
-    for (int64_t k = 0; k < 64; k++) {
-      const double v = part[k * 2304 + r];
-      acc += v;
-    }
-    const float y = (float)acc;
-    b659[r] = y;
-  }
-  free(part);
+  static const int64_t o[] = {3462241408, 3487407232, 3512573056, 945893376, 3399326848};
+  k99_sum__concat__cast__code(arena, h, o);
 }
 
 // k112_gemm: GEMM, 1 op
@@ -5710,19 +2710,8 @@ static void k111_sum__concat__cast(char *arena, const MdlHooks *h) {
 // loops:
 //   gemm %661: [8192 x 768] = [8192 x 2304] T[2304 x 768], bf16 operands (widened to f32 where the library has no bf16 GEMM)
 static void k112_gemm(char *arena, const MdlHooks *h) {
-  uint16_t *const b484 = (uint16_t *)(arena + 2209861632); // %484 cast bf16[768,2304]
-  uint16_t *const b660 = (uint16_t *)(arena + 3399326848); // %660 cast bf16[8192,2304]
-  float *const b661 = (float *)(arena + 3462241408); // %661 matmul f32[8192,768]
-  if (h->bgemm) {
-    mdl_bgemm(h, 0, 1, 8192, 768, 2304, b660, 2304, b484, 2304, 0.0f, b661, 768);
-  }
-  else {
-    float *const w660 = mdl_widen_bf16(b660, 18874368, h->nthreads);
-    float *const w484 = mdl_widen_bf16(b484, 1769472, h->nthreads);
-    mdl_gemm(h, 0, 1, 8192, 768, 2304, w660, 2304, w484, 2304, 0.0f, b661, 768);
-    free(w660);
-    free(w484);
-  }
+  static const int64_t o[] = {2209861632, 3399326848, 3462241408};
+  k100_gemm__code(arena, h, o);
 }
 
 // k113_gemm: GEMM, 1 op
@@ -5730,19 +2719,8 @@ static void k112_gemm(char *arena, const MdlHooks *h) {
 // loops:
 //   gemm %662: [768 x 2304] = T[768 x 8192] [8192 x 2304], bf16 operands (widened to f32 where the library has no bf16 GEMM)
 static void k113_gemm(char *arena, const MdlHooks *h) {
-  uint16_t *const b483 = (uint16_t *)(arena + 5714582656); // %483 cast bf16[8192,768]
-  uint16_t *const b660 = (uint16_t *)(arena + 3399326848); // %660 cast bf16[8192,2304]
-  float *const b662 = (float *)(arena + 938815488); // %662 matmul d.h.10.attn_w f32[768,2304]
-  if (h->bgemm) {
-    mdl_bgemm(h, 1, 0, 768, 2304, 8192, b483, 768, b660, 2304, 0.0f, b662, 2304);
-  }
-  else {
-    float *const w483 = mdl_widen_bf16(b483, 6291456, h->nthreads);
-    float *const w660 = mdl_widen_bf16(b660, 18874368, h->nthreads);
-    mdl_gemm(h, 1, 0, 768, 2304, 8192, w483, 768, w660, 2304, 0.0f, b662, 2304);
-    free(w483);
-    free(w660);
-  }
+  static const int64_t o[] = {5714582656, 3399326848, 938815488};
+  k101_gemm__code(arena, h, o);
 }
 
 // k114_layernorm_bwd__add__sum__cast: kernel, 7 ops
@@ -5756,83 +2734,8 @@ static void k113_gemm(char *arena, const MdlHooks *h) {
 // loops:
 //   layernorm_bwd: 8192 rows of 768, column sums over 64 blocks of 128 rows
 static void k114_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
-  float *const b468 = (float *)(arena + 5160934528); // %468 add h.9.x f32[8,1024,768]
-  float *const b469 = (float *)(arena + 441050112); // %469 param h.10.ln1_w f32[768]
-  float *const b644 = (float *)(arena + 3437075584); // %644 add d.h.10.x f32[8,1024,768]
-  float *const b661 = (float *)(arena + 3462241408); // %661 matmul f32[8192,768]
-  float *const b665 = (float *)(arena + 938809344); // %665 layernorm_bwd d.h.10.ln1_w f32[768]
-  float *const b666 = (float *)(arena + 938812416); // %666 layernorm_bwd d.h.10.ln1_b f32[768]
-  float *const b667 = (float *)(arena + 3487407232); // %667 add d.h.9.x f32[8,1024,768]
-  float *const b669 = (float *)(arena + 938806272); // %669 sum d.h.9.fcproj_b f32[768]
-  uint16_t *const b670 = (uint16_t *)(arena + 3512573056); // %670 cast bf16[8192,768]
-  double *pdw = mdl_scratch(49152 * sizeof(double));
-  double *pdb = mdl_scratch(49152 * sizeof(double));
-  double *ps0 = mdl_scratch(49152 * sizeof(double)); // partials of the column sum %669
-  #pragma omp parallel num_threads(h->nthreads)
-  {
-    float *dxrow = mdl_scratch(768 * sizeof(float));
-    #pragma omp for schedule(static)
-    for (int64_t k = 0; k < 64; k++) {
-      double *sw = pdw + k * 768;
-      double *sb = pdb + k * 768;
-      double *sa0 = ps0 + k * 768;
-      for (int64_t j = 0; j < 768; j++)
-        sw[j] = sb[j] = sa0[j] = 0;
-      const int64_t end = k * 128 + 128 < 8192 ? k * 128 + 128 : 8192;
-      for (int64_t r = k * 128; r < end; r++) {
-        const float *x = b468 + r * 768;
-        const float *dy = b661 + r * 768;
-        double mean = 0, var = 0, mg = 0, mgx = 0;
-        #pragma omp simd reduction(+ : mean)
-        for (int64_t j = 0; j < 768; j++)
-          mean += x[j];
-        mean /= 768;
-        #pragma omp simd reduction(+ : var)
-        for (int64_t j = 0; j < 768; j++)
-          var += (x[j] - mean) * (x[j] - mean);
-        const double rstd = 1.0 / sqrt(var / 768 + 1e-05);
-        #pragma omp simd reduction(+ : mg, mgx)
-        for (int64_t j = 0; j < 768; j++) {
-          const double xhat = (x[j] - mean) * rstd, g = (double)dy[j] * b469[j];
-          mg += g;
-          mgx += g * xhat;
-          sw[j] += dy[j] * xhat;
-          sb[j] += dy[j];
-        }
-        float *dx = dxrow;
-        mg /= 768;
-        mgx /= 768;
-        for (int64_t j = 0; j < 768; j++)
-          dx[j] = (float)(rstd * ((double)dy[j] * b469[j] - mg - (x[j] - mean) * rstd * mgx));
-        for (int64_t j = 0; j < 768; j++) {
-          const int64_t ix = r * 768 + j;
-          const float v644_ix = b644[ix];
-          const float v667_ix = v644_ix + dx[j];
-          b667[ix] = v667_ix;
-          const float v668_ix = v667_ix;
-          const float v670_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v668_ix));
-          b670[ix] = mdl_f32_to_bf16(v670_ix);
-          sa0[j] += v668_ix;
-        }
-      }
-    }
-    free(dxrow);
-  }
-  #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t j = 0; j < 768; j++) {
-    double w = 0, b = 0, a0 = 0;
-    for (int64_t k = 0; k < 64; k++) {
-      w += pdw[k * 768 + j];
-      b += pdb[k * 768 + j];
-      a0 += ps0[k * 768 + j];
-    }
-    b665[j] = (float)w;
-    b666[j] = (float)b;
-    b669[j] = (float)a0;
-  }
-  free(pdw);
-  free(pdb);
-  free(ps0);
+  static const int64_t o[] = {5160934528, 441050112, 3437075584, 3462241408, 938809344, 938812416, 3487407232, 938806272, 3512573056};
+  k102_layernorm_bwd__add__sum__cast__code(arena, h, o);
 }
 
 // k115_gemm: GEMM, 1 op
@@ -5840,19 +2743,8 @@ static void k114_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
 // loops:
 //   gemm %672: [3072 x 768] = T[3072 x 8192] [8192 x 768], bf16 operands (widened to f32 where the library has no bf16 GEMM)
 static void k115_gemm(char *arena, const MdlHooks *h) {
-  uint16_t *const b463 = (uint16_t *)(arena + 4053638272); // %463 cast bf16[8192,3072]
-  uint16_t *const b670 = (uint16_t *)(arena + 3512573056); // %670 cast bf16[8192,768]
-  float *const b672 = (float *)(arena + 929369088); // %672 matmul d.h.9.fcproj_w f32[3072,768]
-  if (h->bgemm) {
-    mdl_bgemm(h, 1, 0, 3072, 768, 8192, b463, 3072, b670, 768, 0.0f, b672, 768);
-  }
-  else {
-    float *const w463 = mdl_widen_bf16(b463, 25165824, h->nthreads);
-    float *const w670 = mdl_widen_bf16(b670, 6291456, h->nthreads);
-    mdl_gemm(h, 1, 0, 3072, 768, 8192, w463, 3072, w670, 768, 0.0f, b672, 768);
-    free(w463);
-    free(w670);
-  }
+  static const int64_t o[] = {4053638272, 3512573056, 929369088};
+  k91_gemm__code(arena, h, o);
 }
 
 // k116_gemm__gelu_bwd__sum__cast: GEMM, 6 ops
@@ -5866,56 +2758,8 @@ static void k115_gemm(char *arena, const MdlHooks *h) {
 //   gemm %671: [8192 x 3072] = [8192 x 768] T[768 x 3072], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
 //   sum %676: 3072 outputs over 8192 elements, in 64 blocks of 128
 static void k116_gemm__gelu_bwd__sum__cast(char *arena, const MdlHooks *h) {
-  float *const b460 = (float *)(arena + 3298663552); // %460 add f32[8,1024,3072]
-  uint16_t *const b464 = (uint16_t *)(arena + 2205143040); // %464 cast bf16[3072,768]
-  uint16_t *const b670 = (uint16_t *)(arena + 3512573056); // %670 cast bf16[8192,768]
-  float *const b671 = mdl_scratch(100663296); // %671 matmul f32[8192,3072], kept in this kernel
-  float *const b676 = (float *)(arena + 929356800); // %676 sum d.h.9.fc_b f32[3072]
-  uint16_t *const b677 = (uint16_t *)(arena + 3399326848); // %677 cast bf16[8192,3072]
-  if (h->bgemm) {
-    mdl_bgemm(h, 0, 1, 8192, 3072, 768, b670, 768, b464, 768, 0.0f, b671, 3072);
-  }
-  else {
-    float *const w670 = mdl_widen_bf16(b670, 6291456, h->nthreads);
-    float *const w464 = mdl_widen_bf16(b464, 2359296, h->nthreads);
-    mdl_gemm(h, 0, 1, 8192, 3072, 768, w670, 768, w464, 768, 0.0f, b671, 3072);
-    free(w670);
-    free(w464);
-  }
-  double *part = mdl_scratch(196608 * sizeof(double));
-  #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t k = 0; k < 64; k++) {
-    double *p = part + k * 3072;
-    for (int64_t c = 0; c < 3072; c++)
-      p[c] = 0.0;
-    const int64_t end = k * 128 + 128 < 8192 ? k * 128 + 128 : 8192;
-    for (int64_t l = k * 128; l < end; l++) {
-      for (int64_t c = 0; c < 3072; c++) {
-        const int64_t ix = l * 3072 + c;
-        const float v460_ix = b460[ix];
-        const float v671_ix = b671[ix];
-        const float v673_ix = v671_ix;
-        const float v674_ix = mdl_gelu_grad(v460_ix) * v673_ix;
-        const float v675_ix = v674_ix;
-        const float v = v675_ix;
-        const float v677_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v675_ix));
-        b677[ix] = mdl_f32_to_bf16(v677_ix);
-        p[c] += v;
-      }
-    }
-  }
-  #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t r = 0; r < 3072; r++) {
-    double acc = 0.0;
-    for (int64_t k = 0; k < 64; k++) {
-      const double v = part[k * 3072 + r];
-      acc += v;
-    }
-    const float y = (float)acc;
-    b676[r] = y;
-  }
-  free(part);
-  free(b671);
+  static const int64_t o[] = {3298663552, 2205143040, 3512573056, 929356800, 3399326848};
+  k92_gemm__gelu_bwd__sum__cast__code(arena, h, o);
 }
 
 // k117_gemm: GEMM, 1 op
@@ -5923,19 +2767,8 @@ static void k116_gemm__gelu_bwd__sum__cast(char *arena, const MdlHooks *h) {
 // loops:
 //   gemm %678: [8192 x 768] = [8192 x 3072] T[3072 x 768], bf16 operands (widened to f32 where the library has no bf16 GEMM)
 static void k117_gemm(char *arena, const MdlHooks *h) {
-  uint16_t *const b457 = (uint16_t *)(arena + 2200424448); // %457 cast bf16[768,3072]
-  uint16_t *const b677 = (uint16_t *)(arena + 3399326848); // %677 cast bf16[8192,3072]
-  float *const b678 = (float *)(arena + 3298663552); // %678 matmul f32[8192,768]
-  if (h->bgemm) {
-    mdl_bgemm(h, 0, 1, 8192, 768, 3072, b677, 3072, b457, 3072, 0.0f, b678, 768);
-  }
-  else {
-    float *const w677 = mdl_widen_bf16(b677, 25165824, h->nthreads);
-    float *const w457 = mdl_widen_bf16(b457, 2359296, h->nthreads);
-    mdl_gemm(h, 0, 1, 8192, 768, 3072, w677, 3072, w457, 3072, 0.0f, b678, 768);
-    free(w677);
-    free(w457);
-  }
+  static const int64_t o[] = {2200424448, 3399326848, 3298663552};
+  k93_gemm__code(arena, h, o);
 }
 
 // k118_gemm: GEMM, 1 op
@@ -5943,19 +2776,8 @@ static void k117_gemm(char *arena, const MdlHooks *h) {
 // loops:
 //   gemm %679: [768 x 3072] = T[768 x 8192] [8192 x 3072], bf16 operands (widened to f32 where the library has no bf16 GEMM)
 static void k118_gemm(char *arena, const MdlHooks *h) {
-  uint16_t *const b456 = (uint16_t *)(arena + 5701999744); // %456 cast bf16[8192,768]
-  uint16_t *const b677 = (uint16_t *)(arena + 3399326848); // %677 cast bf16[8192,3072]
-  float *const b679 = (float *)(arena + 919919616); // %679 matmul d.h.9.fc_w f32[768,3072]
-  if (h->bgemm) {
-    mdl_bgemm(h, 1, 0, 768, 3072, 8192, b456, 768, b677, 3072, 0.0f, b679, 3072);
-  }
-  else {
-    float *const w456 = mdl_widen_bf16(b456, 6291456, h->nthreads);
-    float *const w677 = mdl_widen_bf16(b677, 25165824, h->nthreads);
-    mdl_gemm(h, 1, 0, 768, 3072, 8192, w456, 768, w677, 3072, 0.0f, b679, 3072);
-    free(w456);
-    free(w677);
-  }
+  static const int64_t o[] = {5701999744, 3399326848, 919919616};
+  k94_gemm__code(arena, h, o);
 }
 
 // k119_layernorm_bwd__add__sum__cast: kernel, 7 ops
@@ -5969,83 +2791,8 @@ static void k118_gemm(char *arena, const MdlHooks *h) {
 // loops:
 //   layernorm_bwd: 8192 rows of 768, column sums over 64 blocks of 128 rows
 static void k119_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
-  float *const b429 = (float *)(arena + 422154240); // %429 param h.9.ln2_w f32[768]
-  float *const b453 = (float *)(arena + 5135768704); // %453 add h.9.x f32[8,1024,768]
-  float *const b667 = (float *)(arena + 3487407232); // %667 add d.h.9.x f32[8,1024,768]
-  float *const b678 = (float *)(arena + 3298663552); // %678 matmul f32[8192,768]
-  float *const b682 = (float *)(arena + 919913472); // %682 layernorm_bwd d.h.9.ln2_w f32[768]
-  float *const b683 = (float *)(arena + 919916544); // %683 layernorm_bwd d.h.9.ln2_b f32[768]
-  float *const b684 = (float *)(arena + 3336412288); // %684 add d.h.9.x f32[8,1024,768]
-  float *const b686 = (float *)(arena + 919910400); // %686 sum d.h.9.proj_b f32[768]
-  uint16_t *const b687 = (uint16_t *)(arena + 3323829376); // %687 cast bf16[8192,768]
-  double *pdw = mdl_scratch(49152 * sizeof(double));
-  double *pdb = mdl_scratch(49152 * sizeof(double));
-  double *ps0 = mdl_scratch(49152 * sizeof(double)); // partials of the column sum %686
-  #pragma omp parallel num_threads(h->nthreads)
-  {
-    float *dxrow = mdl_scratch(768 * sizeof(float));
-    #pragma omp for schedule(static)
-    for (int64_t k = 0; k < 64; k++) {
-      double *sw = pdw + k * 768;
-      double *sb = pdb + k * 768;
-      double *sa0 = ps0 + k * 768;
-      for (int64_t j = 0; j < 768; j++)
-        sw[j] = sb[j] = sa0[j] = 0;
-      const int64_t end = k * 128 + 128 < 8192 ? k * 128 + 128 : 8192;
-      for (int64_t r = k * 128; r < end; r++) {
-        const float *x = b453 + r * 768;
-        const float *dy = b678 + r * 768;
-        double mean = 0, var = 0, mg = 0, mgx = 0;
-        #pragma omp simd reduction(+ : mean)
-        for (int64_t j = 0; j < 768; j++)
-          mean += x[j];
-        mean /= 768;
-        #pragma omp simd reduction(+ : var)
-        for (int64_t j = 0; j < 768; j++)
-          var += (x[j] - mean) * (x[j] - mean);
-        const double rstd = 1.0 / sqrt(var / 768 + 1e-05);
-        #pragma omp simd reduction(+ : mg, mgx)
-        for (int64_t j = 0; j < 768; j++) {
-          const double xhat = (x[j] - mean) * rstd, g = (double)dy[j] * b429[j];
-          mg += g;
-          mgx += g * xhat;
-          sw[j] += dy[j] * xhat;
-          sb[j] += dy[j];
-        }
-        float *dx = dxrow;
-        mg /= 768;
-        mgx /= 768;
-        for (int64_t j = 0; j < 768; j++)
-          dx[j] = (float)(rstd * ((double)dy[j] * b429[j] - mg - (x[j] - mean) * rstd * mgx));
-        for (int64_t j = 0; j < 768; j++) {
-          const int64_t ix = r * 768 + j;
-          const float v667_ix = b667[ix];
-          const float v684_ix = v667_ix + dx[j];
-          b684[ix] = v684_ix;
-          const float v685_ix = v684_ix;
-          const float v687_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v685_ix));
-          b687[ix] = mdl_f32_to_bf16(v687_ix);
-          sa0[j] += v685_ix;
-        }
-      }
-    }
-    free(dxrow);
-  }
-  #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t j = 0; j < 768; j++) {
-    double w = 0, b = 0, a0 = 0;
-    for (int64_t k = 0; k < 64; k++) {
-      w += pdw[k * 768 + j];
-      b += pdb[k * 768 + j];
-      a0 += ps0[k * 768 + j];
-    }
-    b682[j] = (float)w;
-    b683[j] = (float)b;
-    b686[j] = (float)a0;
-  }
-  free(pdw);
-  free(pdb);
-  free(ps0);
+  static const int64_t o[] = {422154240, 5135768704, 3487407232, 3298663552, 919913472, 919916544, 3336412288, 919910400, 3323829376};
+  k95_layernorm_bwd__add__sum__cast__code(arena, h, o);
 }
 
 // k120_gemm: GEMM, 1 op
@@ -6053,19 +2800,8 @@ static void k119_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
 // loops:
 //   gemm %689: [768 x 768] = T[768 x 8192] [8192 x 768], bf16 operands (widened to f32 where the library has no bf16 GEMM)
 static void k120_gemm(char *arena, const MdlHooks *h) {
-  uint16_t *const b448 = (uint16_t *)(arena + 5689416832); // %448 cast bf16[8192,768]
-  uint16_t *const b687 = (uint16_t *)(arena + 3323829376); // %687 cast bf16[8192,768]
-  float *const b689 = (float *)(arena + 917551104); // %689 matmul d.h.9.proj_w f32[768,768]
-  if (h->bgemm) {
-    mdl_bgemm(h, 1, 0, 768, 768, 8192, b448, 768, b687, 768, 0.0f, b689, 768);
-  }
-  else {
-    float *const w448 = mdl_widen_bf16(b448, 6291456, h->nthreads);
-    float *const w687 = mdl_widen_bf16(b687, 6291456, h->nthreads);
-    mdl_gemm(h, 1, 0, 768, 768, 8192, w448, 768, w687, 768, 0.0f, b689, 768);
-    free(w448);
-    free(w687);
-  }
+  static const int64_t o[] = {5689416832, 3323829376, 917551104};
+  k96_gemm__code(arena, h, o);
 }
 
 // k121_gemm__cast: GEMM, 3 ops
@@ -6076,31 +2812,8 @@ static void k120_gemm(char *arena, const MdlHooks *h) {
 //   gemm %688: [8192 x 768] = [8192 x 768] T[768 x 768], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
 //   elementwise over 6291456: %693
 static void k121_gemm__cast(char *arena, const MdlHooks *h) {
-  uint16_t *const b449 = (uint16_t *)(arena + 2199244800); // %449 cast bf16[768,768]
-  uint16_t *const b687 = (uint16_t *)(arena + 3323829376); // %687 cast bf16[8192,768]
-  float *const b688 = mdl_scratch(25165824); // %688 matmul f32[8192,768], kept in this kernel
-  uint16_t *const b693 = (uint16_t *)(arena + 3298663552); // %693 cast bf16[8,1024,768]
-  if (h->bgemm) {
-    mdl_bgemm(h, 0, 1, 8192, 768, 768, b687, 768, b449, 768, 0.0f, b688, 768);
-  }
-  else {
-    float *const w687 = mdl_widen_bf16(b687, 6291456, h->nthreads);
-    float *const w449 = mdl_widen_bf16(b449, 589824, h->nthreads);
-    mdl_gemm(h, 0, 1, 8192, 768, 768, w687, 768, w449, 768, 0.0f, b688, 768);
-    free(w687);
-    free(w449);
-  }
-  #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t r = 0; r < 8192; r++) {
-    for (int64_t c = 0; c < 768; c++) {
-      const int64_t i = r * 768 + c;
-      const float v688_i = b688[i];
-      const float v690_i = v688_i;
-      const float v693_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v690_i));
-      b693[i] = mdl_f32_to_bf16(v693_i);
-    }
-  }
-  free(b688);
+  static const int64_t o[] = {2199244800, 3323829376, 3298663552};
+  k97_gemm__cast__code(arena, h, o);
 }
 
 // k122_attention_bwd: attention, 3 ops
@@ -6110,132 +2823,8 @@ static void k121_gemm__cast(char *arena, const MdlHooks *h) {
 // loops:
 //   attention backward (dq dk dv): B 8, T 1024, 12 heads of 64, causal, within documents; one task per (batch, head)
 static void k122_attention_bwd(char *arena, const MdlHooks *h) {
-  int32_t *const b3 = (int32_t *)(arena + 2238271488); // %3 input doc i32[8,1024]
-  uint16_t *const b442 = (uint16_t *)(arena + 4544371840); // %442 cast bf16[8,1024,2304]
-  uint16_t *const b448 = (uint16_t *)(arena + 5689416832); // %448 cast bf16[8192,768]
-  float *const b691 = (float *)(arena + 5806201984); // %691 attention_lse f32[8,12,1024]
-  uint16_t *const b693 = (uint16_t *)(arena + 3298663552); // %693 cast bf16[8,1024,768]
-  float *const b694 = (float *)(arena + 3361578112); // %694 attention_bwd d.h.9.q f32[8,1024,768]
-  float *const b695 = (float *)(arena + 3386743936); // %695 attention_bwd d.h.9.k f32[8,1024,768]
-  float *const b696 = (float *)(arena + 3411909760); // %696 attention_bwd d.h.9.v f32[8,1024,768]
-  #pragma omp parallel num_threads(h->nthreads)
-  {
-    float *restrict kt = memset(mdl_scratch(67584 * sizeof(float)), 0, 67584 * sizeof(float));
-    float *restrict s = memset(mdl_scratch(1056 * sizeof(float)), 0, 1056 * sizeof(float));
-    float *restrict vt = memset(mdl_scratch(67584 * sizeof(float)), 0, 67584 * sizeof(float));
-    float *restrict dp = memset(mdl_scratch(1056 * sizeof(float)), 0, 1056 * sizeof(float));
-    float *restrict dkh = memset(mdl_scratch(65536 * sizeof(float)), 0, 65536 * sizeof(float));
-    float *restrict dvh = memset(mdl_scratch(65536 * sizeof(float)), 0, 65536 * sizeof(float));
-    #pragma omp for schedule(dynamic, 1)
-    for (int64_t task = 0; task < 96; task++) {
-      const int64_t b = task / 12, hd = task % 12;
-      for (int64_t j = 0; j < 1024; j++) {
-        const uint16_t *xj = b442 + 768 + (b * 1024 + j) * 2304 + hd * 64;
-        for (int64_t c = 0; c < 64; c++)
-          kt[c * 1056 + j] = mdl_bf16_to_f32(xj[c]);
-      }
-      for (int64_t j = 0; j < 1024; j++) {
-        const uint16_t *xj = b442 + 1536 + (b * 1024 + j) * 2304 + hd * 64;
-        for (int64_t c = 0; c < 64; c++)
-          vt[c * 1056 + j] = mdl_bf16_to_f32(xj[c]);
-      }
-      memset(dkh, 0, 65536 * sizeof(float));
-      memset(dvh, 0, 65536 * sizeof(float));
-      int64_t lo = 0, hi = 1024;
-      const int32_t *restrict dc = b3 + b * 1024;
-      for (int64_t i = 0; i < 1024; i++) {
-        const int32_t di = dc[i];
-        if (i == 0 || dc[i - 1] != di) {
-          lo = 0;
-          while (dc[lo] != di)
-            lo++;
-        }
-        hi = i + 1;
-        float qr[64];
-        for (int64_t c = 0; c < 64; c++)
-          qr[c] = mdl_bf16_to_f32(b442[(b * 1024 + i) * 2304 + hd * 64 + c]);
-        const float *restrict qi = qr;
-        for (int64_t j0 = lo; j0 < hi; j0 += 32) {
-          float acc[32] = {0};
-          for (int64_t c = 0; c < 64; c++) {
-            const float vc = qi[c], *restrict mc = kt + c * 1056 + j0;
-            #pragma omp simd
-            for (int64_t u = 0; u < 32; u++)
-              acc[u] += vc * mc[u];
-          }
-          memcpy(s + j0, acc, sizeof acc);
-        }
-        const float lse = b691[(b * 12 + hd) * 1024 + i];
-        #pragma omp simd
-        for (int64_t j = lo; j < hi; j++)
-          s[j] = dc[j] == di ? mdl_exp_shifted(s[j] * 0.125f - lse) : 0.0f;
-        float dor[64];
-        for (int64_t c = 0; c < 64; c++)
-          dor[c] = mdl_bf16_to_f32(b693[(b * 1024 + i) * 768 + hd * 64 + c]);
-        const float *restrict doi = dor;
-        float dsum = 0.0f;
-        for (int64_t c = 0; c < 64; c++)
-          dsum += doi[c] * mdl_bf16_to_f32(b448[(b * 1024 + i) * 768 + hd * 64 + c]);
-        for (int64_t j0 = lo; j0 < hi; j0 += 32) {
-          float acc[32] = {0};
-          for (int64_t c = 0; c < 64; c++) {
-            const float vc = doi[c], *restrict mc = vt + c * 1056 + j0;
-            #pragma omp simd
-            for (int64_t u = 0; u < 32; u++)
-              acc[u] += vc * mc[u];
-          }
-          memcpy(dp + j0, acc, sizeof acc);
-        }
-        #pragma omp simd
-        for (int64_t j = lo; j < hi; j++)
-          dp[j] = s[j] * (dp[j] - dsum);
-        float dqi0[64] = {0}, dqi1[64] = {0};
-        int64_t j = lo;
-        for (; j + 1 < hi; j += 2) {
-          const float w0 = mdl_bf16_to_f32(mdl_f32_to_bf16(dp[j])), w1 = mdl_bf16_to_f32(mdl_f32_to_bf16(dp[j + 1]));
-          const uint16_t *restrict x0 = b442 + 768 + (b * 1024 + j) * 2304 + hd * 64, *restrict x1 = x0 + 2304;
-          #pragma omp simd
-          for (int64_t c = 0; c < 64; c++) {
-            dqi0[c] += w0 * mdl_bf16_to_f32(x0[c]);
-            dqi1[c] += w1 * mdl_bf16_to_f32(x1[c]);
-          }
-        }
-        if (j < hi) {
-          const float w0 = mdl_bf16_to_f32(mdl_f32_to_bf16(dp[j]));
-          const uint16_t *restrict x0 = b442 + 768 + (b * 1024 + j) * 2304 + hd * 64;
-          #pragma omp simd
-          for (int64_t c = 0; c < 64; c++)
-            dqi0[c] += w0 * mdl_bf16_to_f32(x0[c]);
-        }
-        float sqi[64];
-        for (int64_t c = 0; c < 64; c++)
-          sqi[c] = 0.125f * qi[c];
-        for (int64_t j = lo; j < hi; j++) {
-          float *restrict dkj = dkh + j * 64;
-          #pragma omp simd
-          for (int64_t c = 0; c < 64; c++)
-            dkj[c] += mdl_bf16_to_f32(mdl_f32_to_bf16(dp[j])) * sqi[c];
-          float *restrict dvj = dvh + j * 64;
-          #pragma omp simd
-          for (int64_t c = 0; c < 64; c++)
-            dvj[c] += mdl_bf16_to_f32(mdl_f32_to_bf16(s[j])) * doi[c];
-        }
-        float *restrict dq = b694 + (b * 1024 + i) * 768 + hd * 64;
-        for (int64_t c = 0; c < 64; c++)
-          dq[c] = 0.125f * (dqi0[c] + dqi1[c]);
-      }
-      for (int64_t t = 0; t < 1024; t++)
-        memcpy(b695 + (b * 1024 + t) * 768 + hd * 64, dkh + t * 64, 64 * sizeof(float));
-      for (int64_t t = 0; t < 1024; t++)
-        memcpy(b696 + (b * 1024 + t) * 768 + hd * 64, dvh + t * 64, 64 * sizeof(float));
-    }
-    free(kt);
-    free(s);
-    free(vt);
-    free(dp);
-    free(dkh);
-    free(dvh);
-  }
+  static const int64_t o[] = {2238271488, 4544371840, 5689416832, 5806201984, 3298663552, 3361578112, 3386743936, 3411909760};
+  k98_attention_bwd__code(arena, h, o);
 }
 
 // k123_sum__concat__cast: kernel, 4 ops
@@ -6246,41 +2835,8 @@ static void k122_attention_bwd(char *arena, const MdlHooks *h) {
 // loops:
 //   sum %699: 2304 outputs over 8192 elements, in 64 blocks of 128
 static void k123_sum__concat__cast(char *arena, const MdlHooks *h) {
-  float *const b694 = (float *)(arena + 3361578112); // %694 attention_bwd d.h.9.q f32[8,1024,768]
-  float *const b695 = (float *)(arena + 3386743936); // %695 attention_bwd d.h.9.k f32[8,1024,768]
-  float *const b696 = (float *)(arena + 3411909760); // %696 attention_bwd d.h.9.v f32[8,1024,768]
-  float *const b699 = (float *)(arena + 917541888); // %699 sum d.h.9.attn_b f32[2304]
-  uint16_t *const b700 = (uint16_t *)(arena + 3298663552); // %700 cast bf16[8192,2304]
-  double *part = mdl_scratch(147456 * sizeof(double));
-  #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t k = 0; k < 64; k++) {
-    double *p = part + k * 2304;
-    for (int64_t c = 0; c < 2304; c++)
-      p[c] = 0.0;
-    const int64_t end = k * 128 + 128 < 8192 ? k * 128 + 128 : 8192;
-    for (int64_t l = k * 128; l < end; l++) {
-      for (int64_t c = 0; c < 2304; c++) {
-        const int64_t ix = l * 2304 + c;
-        const float v697_ix = (c < 768 ? b694 + (l * 768 + c) : c < 1536 ? b695 + (l * 768 + (c - 768)) : b696 + (l * 768 + (c - 1536)))[0];
-        const float v698_ix = v697_ix;
-        const float v = v698_ix;
-        const float v700_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v698_ix));
-        b700[ix] = mdl_f32_to_bf16(v700_ix);
-        p[c] += v;
-      }
-    }
-  }
-  #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t r = 0; r < 2304; r++) {
-    double acc = 0.0;
-    for (int64_t k = 0; k < 64; k++) {
-      const double v = part[k * 2304 + r];
-      acc += v;
-    }
-    const float y = (float)acc;
-    b699[r] = y;
-  }
-  free(part);
+  static const int64_t o[] = {3361578112, 3386743936, 3411909760, 917541888, 3298663552};
+  k99_sum__concat__cast__code(arena, h, o);
 }
 
 // k124_gemm: GEMM, 1 op
@@ -6288,19 +2844,8 @@ static void k123_sum__concat__cast(char *arena, const MdlHooks *h) {
 // loops:
 //   gemm %701: [8192 x 768] = [8192 x 2304] T[2304 x 768], bf16 operands (widened to f32 where the library has no bf16 GEMM)
 static void k124_gemm(char *arena, const MdlHooks *h) {
-  uint16_t *const b438 = (uint16_t *)(arena + 2195705856); // %438 cast bf16[768,2304]
-  uint16_t *const b700 = (uint16_t *)(arena + 3298663552); // %700 cast bf16[8192,2304]
-  float *const b701 = (float *)(arena + 3361578112); // %701 matmul f32[8192,768]
-  if (h->bgemm) {
-    mdl_bgemm(h, 0, 1, 8192, 768, 2304, b700, 2304, b438, 2304, 0.0f, b701, 768);
-  }
-  else {
-    float *const w700 = mdl_widen_bf16(b700, 18874368, h->nthreads);
-    float *const w438 = mdl_widen_bf16(b438, 1769472, h->nthreads);
-    mdl_gemm(h, 0, 1, 8192, 768, 2304, w700, 2304, w438, 2304, 0.0f, b701, 768);
-    free(w700);
-    free(w438);
-  }
+  static const int64_t o[] = {2195705856, 3298663552, 3361578112};
+  k100_gemm__code(arena, h, o);
 }
 
 // k125_gemm: GEMM, 1 op
@@ -6308,19 +2853,8 @@ static void k124_gemm(char *arena, const MdlHooks *h) {
 // loops:
 //   gemm %702: [768 x 2304] = T[768 x 8192] [8192 x 2304], bf16 operands (widened to f32 where the library has no bf16 GEMM)
 static void k125_gemm(char *arena, const MdlHooks *h) {
-  uint16_t *const b437 = (uint16_t *)(arena + 5676833920); // %437 cast bf16[8192,768]
-  uint16_t *const b700 = (uint16_t *)(arena + 3298663552); // %700 cast bf16[8192,2304]
-  float *const b702 = (float *)(arena + 910464000); // %702 matmul d.h.9.attn_w f32[768,2304]
-  if (h->bgemm) {
-    mdl_bgemm(h, 1, 0, 768, 2304, 8192, b437, 768, b700, 2304, 0.0f, b702, 2304);
-  }
-  else {
-    float *const w437 = mdl_widen_bf16(b437, 6291456, h->nthreads);
-    float *const w700 = mdl_widen_bf16(b700, 18874368, h->nthreads);
-    mdl_gemm(h, 1, 0, 768, 2304, 8192, w437, 768, w700, 2304, 0.0f, b702, 2304);
-    free(w437);
-    free(w700);
-  }
+  static const int64_t o[] = {5676833920, 3298663552, 910464000};
+  k101_gemm__code(arena, h, o);
 }
 
 // k126_layernorm_bwd__add__sum__cast: kernel, 7 ops
@@ -6334,83 +2868,8 @@ static void k125_gemm(char *arena, const MdlHooks *h) {
 // loops:
 //   layernorm_bwd: 8192 rows of 768, column sums over 64 blocks of 128 rows
 static void k126_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
-  float *const b422 = (float *)(arena + 5110602880); // %422 add h.8.x f32[8,1024,768]
-  float *const b423 = (float *)(arena + 412698624); // %423 param h.9.ln1_w f32[768]
-  float *const b684 = (float *)(arena + 3336412288); // %684 add d.h.9.x f32[8,1024,768]
-  float *const b701 = (float *)(arena + 3361578112); // %701 matmul f32[8192,768]
-  float *const b705 = (float *)(arena + 910457856); // %705 layernorm_bwd d.h.9.ln1_w f32[768]
-  float *const b706 = (float *)(arena + 910460928); // %706 layernorm_bwd d.h.9.ln1_b f32[768]
-  float *const b707 = (float *)(arena + 3386743936); // %707 add d.h.8.x f32[8,1024,768]
-  float *const b709 = (float *)(arena + 910454784); // %709 sum d.h.8.fcproj_b f32[768]
-  uint16_t *const b710 = (uint16_t *)(arena + 3411909760); // %710 cast bf16[8192,768]
-  double *pdw = mdl_scratch(49152 * sizeof(double));
-  double *pdb = mdl_scratch(49152 * sizeof(double));
-  double *ps0 = mdl_scratch(49152 * sizeof(double)); // partials of the column sum %709
-  #pragma omp parallel num_threads(h->nthreads)
-  {
-    float *dxrow = mdl_scratch(768 * sizeof(float));
-    #pragma omp for schedule(static)
-    for (int64_t k = 0; k < 64; k++) {
-      double *sw = pdw + k * 768;
-      double *sb = pdb + k * 768;
-      double *sa0 = ps0 + k * 768;
-      for (int64_t j = 0; j < 768; j++)
-        sw[j] = sb[j] = sa0[j] = 0;
-      const int64_t end = k * 128 + 128 < 8192 ? k * 128 + 128 : 8192;
-      for (int64_t r = k * 128; r < end; r++) {
-        const float *x = b422 + r * 768;
-        const float *dy = b701 + r * 768;
-        double mean = 0, var = 0, mg = 0, mgx = 0;
-        #pragma omp simd reduction(+ : mean)
-        for (int64_t j = 0; j < 768; j++)
-          mean += x[j];
-        mean /= 768;
-        #pragma omp simd reduction(+ : var)
-        for (int64_t j = 0; j < 768; j++)
-          var += (x[j] - mean) * (x[j] - mean);
-        const double rstd = 1.0 / sqrt(var / 768 + 1e-05);
-        #pragma omp simd reduction(+ : mg, mgx)
-        for (int64_t j = 0; j < 768; j++) {
-          const double xhat = (x[j] - mean) * rstd, g = (double)dy[j] * b423[j];
-          mg += g;
-          mgx += g * xhat;
-          sw[j] += dy[j] * xhat;
-          sb[j] += dy[j];
-        }
-        float *dx = dxrow;
-        mg /= 768;
-        mgx /= 768;
-        for (int64_t j = 0; j < 768; j++)
-          dx[j] = (float)(rstd * ((double)dy[j] * b423[j] - mg - (x[j] - mean) * rstd * mgx));
-        for (int64_t j = 0; j < 768; j++) {
-          const int64_t ix = r * 768 + j;
-          const float v684_ix = b684[ix];
-          const float v707_ix = v684_ix + dx[j];
-          b707[ix] = v707_ix;
-          const float v708_ix = v707_ix;
-          const float v710_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v708_ix));
-          b710[ix] = mdl_f32_to_bf16(v710_ix);
-          sa0[j] += v708_ix;
-        }
-      }
-    }
-    free(dxrow);
-  }
-  #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t j = 0; j < 768; j++) {
-    double w = 0, b = 0, a0 = 0;
-    for (int64_t k = 0; k < 64; k++) {
-      w += pdw[k * 768 + j];
-      b += pdb[k * 768 + j];
-      a0 += ps0[k * 768 + j];
-    }
-    b705[j] = (float)w;
-    b706[j] = (float)b;
-    b709[j] = (float)a0;
-  }
-  free(pdw);
-  free(pdb);
-  free(ps0);
+  static const int64_t o[] = {5110602880, 412698624, 3336412288, 3361578112, 910457856, 910460928, 3386743936, 910454784, 3411909760};
+  k102_layernorm_bwd__add__sum__cast__code(arena, h, o);
 }
 
 // k127_gemm: GEMM, 1 op
@@ -6418,19 +2877,8 @@ static void k126_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
 // loops:
 //   gemm %712: [3072 x 768] = T[3072 x 8192] [8192 x 768], bf16 operands (widened to f32 where the library has no bf16 GEMM)
 static void k127_gemm(char *arena, const MdlHooks *h) {
-  uint16_t *const b417 = (uint16_t *)(arena + 4003306624); // %417 cast bf16[8192,3072]
-  uint16_t *const b710 = (uint16_t *)(arena + 3411909760); // %710 cast bf16[8192,768]
-  float *const b712 = (float *)(arena + 901017600); // %712 matmul d.h.8.fcproj_w f32[3072,768]
-  if (h->bgemm) {
-    mdl_bgemm(h, 1, 0, 3072, 768, 8192, b417, 3072, b710, 768, 0.0f, b712, 768);
-  }
-  else {
-    float *const w417 = mdl_widen_bf16(b417, 25165824, h->nthreads);
-    float *const w710 = mdl_widen_bf16(b710, 6291456, h->nthreads);
-    mdl_gemm(h, 1, 0, 3072, 768, 8192, w417, 3072, w710, 768, 0.0f, b712, 768);
-    free(w417);
-    free(w710);
-  }
+  static const int64_t o[] = {4003306624, 3411909760, 901017600};
+  k91_gemm__code(arena, h, o);
 }
 
 // k128_gemm__gelu_bwd__sum__cast: GEMM, 6 ops
@@ -6444,56 +2892,8 @@ static void k127_gemm(char *arena, const MdlHooks *h) {
 //   gemm %711: [8192 x 3072] = [8192 x 768] T[768 x 3072], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
 //   sum %716: 3072 outputs over 8192 elements, in 64 blocks of 128
 static void k128_gemm__gelu_bwd__sum__cast(char *arena, const MdlHooks *h) {
-  float *const b414 = (float *)(arena + 3198000256); // %414 add f32[8,1024,3072]
-  uint16_t *const b418 = (uint16_t *)(arena + 2190987264); // %418 cast bf16[3072,768]
-  uint16_t *const b710 = (uint16_t *)(arena + 3411909760); // %710 cast bf16[8192,768]
-  float *const b711 = mdl_scratch(100663296); // %711 matmul f32[8192,3072], kept in this kernel
-  float *const b716 = (float *)(arena + 901005312); // %716 sum d.h.8.fc_b f32[3072]
-  uint16_t *const b717 = (uint16_t *)(arena + 3298663552); // %717 cast bf16[8192,3072]
-  if (h->bgemm) {
-    mdl_bgemm(h, 0, 1, 8192, 3072, 768, b710, 768, b418, 768, 0.0f, b711, 3072);
-  }
-  else {
-    float *const w710 = mdl_widen_bf16(b710, 6291456, h->nthreads);
-    float *const w418 = mdl_widen_bf16(b418, 2359296, h->nthreads);
-    mdl_gemm(h, 0, 1, 8192, 3072, 768, w710, 768, w418, 768, 0.0f, b711, 3072);
-    free(w710);
-    free(w418);
-  }
-  double *part = mdl_scratch(196608 * sizeof(double));
-  #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t k = 0; k < 64; k++) {
-    double *p = part + k * 3072;
-    for (int64_t c = 0; c < 3072; c++)
-      p[c] = 0.0;
-    const int64_t end = k * 128 + 128 < 8192 ? k * 128 + 128 : 8192;
-    for (int64_t l = k * 128; l < end; l++) {
-      for (int64_t c = 0; c < 3072; c++) {
-        const int64_t ix = l * 3072 + c;
-        const float v414_ix = b414[ix];
-        const float v711_ix = b711[ix];
-        const float v713_ix = v711_ix;
-        const float v714_ix = mdl_gelu_grad(v414_ix) * v713_ix;
-        const float v715_ix = v714_ix;
-        const float v = v715_ix;
-        const float v717_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v715_ix));
-        b717[ix] = mdl_f32_to_bf16(v717_ix);
-        p[c] += v;
-      }
-    }
-  }
-  #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t r = 0; r < 3072; r++) {
-    double acc = 0.0;
-    for (int64_t k = 0; k < 64; k++) {
-      const double v = part[k * 3072 + r];
-      acc += v;
-    }
-    const float y = (float)acc;
-    b716[r] = y;
-  }
-  free(part);
-  free(b711);
+  static const int64_t o[] = {3198000256, 2190987264, 3411909760, 901005312, 3298663552};
+  k92_gemm__gelu_bwd__sum__cast__code(arena, h, o);
 }
 
 // k129_gemm: GEMM, 1 op
@@ -6501,19 +2901,8 @@ static void k128_gemm__gelu_bwd__sum__cast(char *arena, const MdlHooks *h) {
 // loops:
 //   gemm %718: [8192 x 768] = [8192 x 3072] T[3072 x 768], bf16 operands (widened to f32 where the library has no bf16 GEMM)
 static void k129_gemm(char *arena, const MdlHooks *h) {
-  uint16_t *const b411 = (uint16_t *)(arena + 2186268672); // %411 cast bf16[768,3072]
-  uint16_t *const b717 = (uint16_t *)(arena + 3298663552); // %717 cast bf16[8192,3072]
-  float *const b718 = (float *)(arena + 3198000256); // %718 matmul f32[8192,768]
-  if (h->bgemm) {
-    mdl_bgemm(h, 0, 1, 8192, 768, 3072, b717, 3072, b411, 3072, 0.0f, b718, 768);
-  }
-  else {
-    float *const w717 = mdl_widen_bf16(b717, 25165824, h->nthreads);
-    float *const w411 = mdl_widen_bf16(b411, 2359296, h->nthreads);
-    mdl_gemm(h, 0, 1, 8192, 768, 3072, w717, 3072, w411, 3072, 0.0f, b718, 768);
-    free(w717);
-    free(w411);
-  }
+  static const int64_t o[] = {2186268672, 3298663552, 3198000256};
+  k93_gemm__code(arena, h, o);
 }
 
 // k130_gemm: GEMM, 1 op
@@ -6521,19 +2910,8 @@ static void k129_gemm(char *arena, const MdlHooks *h) {
 // loops:
 //   gemm %719: [768 x 3072] = T[768 x 8192] [8192 x 3072], bf16 operands (widened to f32 where the library has no bf16 GEMM)
 static void k130_gemm(char *arena, const MdlHooks *h) {
-  uint16_t *const b410 = (uint16_t *)(arena + 5664251008); // %410 cast bf16[8192,768]
-  uint16_t *const b717 = (uint16_t *)(arena + 3298663552); // %717 cast bf16[8192,3072]
-  float *const b719 = (float *)(arena + 891568128); // %719 matmul d.h.8.fc_w f32[768,3072]
-  if (h->bgemm) {
-    mdl_bgemm(h, 1, 0, 768, 3072, 8192, b410, 768, b717, 3072, 0.0f, b719, 3072);
-  }
-  else {
-    float *const w410 = mdl_widen_bf16(b410, 6291456, h->nthreads);
-    float *const w717 = mdl_widen_bf16(b717, 25165824, h->nthreads);
-    mdl_gemm(h, 1, 0, 768, 3072, 8192, w410, 768, w717, 3072, 0.0f, b719, 3072);
-    free(w410);
-    free(w717);
-  }
+  static const int64_t o[] = {5664251008, 3298663552, 891568128};
+  k94_gemm__code(arena, h, o);
 }
 
 // k131_layernorm_bwd__add__sum__cast: kernel, 7 ops
@@ -6547,83 +2925,8 @@ static void k130_gemm(char *arena, const MdlHooks *h) {
 // loops:
 //   layernorm_bwd: 8192 rows of 768, column sums over 64 blocks of 128 rows
 static void k131_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
-  float *const b383 = (float *)(arena + 393802752); // %383 param h.8.ln2_w f32[768]
-  float *const b407 = (float *)(arena + 5085437056); // %407 add h.8.x f32[8,1024,768]
-  float *const b707 = (float *)(arena + 3386743936); // %707 add d.h.8.x f32[8,1024,768]
-  float *const b718 = (float *)(arena + 3198000256); // %718 matmul f32[8192,768]
-  float *const b722 = (float *)(arena + 891561984); // %722 layernorm_bwd d.h.8.ln2_w f32[768]
-  float *const b723 = (float *)(arena + 891565056); // %723 layernorm_bwd d.h.8.ln2_b f32[768]
-  float *const b724 = (float *)(arena + 3235748992); // %724 add d.h.8.x f32[8,1024,768]
-  float *const b726 = (float *)(arena + 891558912); // %726 sum d.h.8.proj_b f32[768]
-  uint16_t *const b727 = (uint16_t *)(arena + 3223166080); // %727 cast bf16[8192,768]
-  double *pdw = mdl_scratch(49152 * sizeof(double));
-  double *pdb = mdl_scratch(49152 * sizeof(double));
-  double *ps0 = mdl_scratch(49152 * sizeof(double)); // partials of the column sum %726
-  #pragma omp parallel num_threads(h->nthreads)
-  {
-    float *dxrow = mdl_scratch(768 * sizeof(float));
-    #pragma omp for schedule(static)
-    for (int64_t k = 0; k < 64; k++) {
-      double *sw = pdw + k * 768;
-      double *sb = pdb + k * 768;
-      double *sa0 = ps0 + k * 768;
-      for (int64_t j = 0; j < 768; j++)
-        sw[j] = sb[j] = sa0[j] = 0;
-      const int64_t end = k * 128 + 128 < 8192 ? k * 128 + 128 : 8192;
-      for (int64_t r = k * 128; r < end; r++) {
-        const float *x = b407 + r * 768;
-        const float *dy = b718 + r * 768;
-        double mean = 0, var = 0, mg = 0, mgx = 0;
-        #pragma omp simd reduction(+ : mean)
-        for (int64_t j = 0; j < 768; j++)
-          mean += x[j];
-        mean /= 768;
-        #pragma omp simd reduction(+ : var)
-        for (int64_t j = 0; j < 768; j++)
-          var += (x[j] - mean) * (x[j] - mean);
-        const double rstd = 1.0 / sqrt(var / 768 + 1e-05);
-        #pragma omp simd reduction(+ : mg, mgx)
-        for (int64_t j = 0; j < 768; j++) {
-          const double xhat = (x[j] - mean) * rstd, g = (double)dy[j] * b383[j];
-          mg += g;
-          mgx += g * xhat;
-          sw[j] += dy[j] * xhat;
-          sb[j] += dy[j];
-        }
-        float *dx = dxrow;
-        mg /= 768;
-        mgx /= 768;
-        for (int64_t j = 0; j < 768; j++)
-          dx[j] = (float)(rstd * ((double)dy[j] * b383[j] - mg - (x[j] - mean) * rstd * mgx));
-        for (int64_t j = 0; j < 768; j++) {
-          const int64_t ix = r * 768 + j;
-          const float v707_ix = b707[ix];
-          const float v724_ix = v707_ix + dx[j];
-          b724[ix] = v724_ix;
-          const float v725_ix = v724_ix;
-          const float v727_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v725_ix));
-          b727[ix] = mdl_f32_to_bf16(v727_ix);
-          sa0[j] += v725_ix;
-        }
-      }
-    }
-    free(dxrow);
-  }
-  #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t j = 0; j < 768; j++) {
-    double w = 0, b = 0, a0 = 0;
-    for (int64_t k = 0; k < 64; k++) {
-      w += pdw[k * 768 + j];
-      b += pdb[k * 768 + j];
-      a0 += ps0[k * 768 + j];
-    }
-    b722[j] = (float)w;
-    b723[j] = (float)b;
-    b726[j] = (float)a0;
-  }
-  free(pdw);
-  free(pdb);
-  free(ps0);
+  static const int64_t o[] = {393802752, 5085437056, 3386743936, 3198000256, 891561984, 891565056, 3235748992, 891558912, 3223166080};
+  k95_layernorm_bwd__add__sum__cast__code(arena, h, o);
 }
 
 // k132_gemm: GEMM, 1 op
@@ -6631,19 +2934,8 @@ static void k131_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
 // loops:
 //   gemm %729: [768 x 768] = T[768 x 8192] [8192 x 768], bf16 operands (widened to f32 where the library has no bf16 GEMM)
 static void k132_gemm(char *arena, const MdlHooks *h) {
-  uint16_t *const b402 = (uint16_t *)(arena + 5651668096); // %402 cast bf16[8192,768]
-  uint16_t *const b727 = (uint16_t *)(arena + 3223166080); // %727 cast bf16[8192,768]
-  float *const b729 = (float *)(arena + 889199616); // %729 matmul d.h.8.proj_w f32[768,768]
-  if (h->bgemm) {
-    mdl_bgemm(h, 1, 0, 768, 768, 8192, b402, 768, b727, 768, 0.0f, b729, 768);
-  }
-  else {
-    float *const w402 = mdl_widen_bf16(b402, 6291456, h->nthreads);
-    float *const w727 = mdl_widen_bf16(b727, 6291456, h->nthreads);
-    mdl_gemm(h, 1, 0, 768, 768, 8192, w402, 768, w727, 768, 0.0f, b729, 768);
-    free(w402);
-    free(w727);
-  }
+  static const int64_t o[] = {5651668096, 3223166080, 889199616};
+  k96_gemm__code(arena, h, o);
 }
 
 // k133_gemm__cast: GEMM, 3 ops
@@ -6654,31 +2946,8 @@ static void k132_gemm(char *arena, const MdlHooks *h) {
 //   gemm %728: [8192 x 768] = [8192 x 768] T[768 x 768], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
 //   elementwise over 6291456: %733
 static void k133_gemm__cast(char *arena, const MdlHooks *h) {
-  uint16_t *const b403 = (uint16_t *)(arena + 2185089024); // %403 cast bf16[768,768]
-  uint16_t *const b727 = (uint16_t *)(arena + 3223166080); // %727 cast bf16[8192,768]
-  float *const b728 = mdl_scratch(25165824); // %728 matmul f32[8192,768], kept in this kernel
-  uint16_t *const b733 = (uint16_t *)(arena + 3198000256); // %733 cast bf16[8,1024,768]
-  if (h->bgemm) {
-    mdl_bgemm(h, 0, 1, 8192, 768, 768, b727, 768, b403, 768, 0.0f, b728, 768);
-  }
-  else {
-    float *const w727 = mdl_widen_bf16(b727, 6291456, h->nthreads);
-    float *const w403 = mdl_widen_bf16(b403, 589824, h->nthreads);
-    mdl_gemm(h, 0, 1, 8192, 768, 768, w727, 768, w403, 768, 0.0f, b728, 768);
-    free(w727);
-    free(w403);
-  }
-  #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t r = 0; r < 8192; r++) {
-    for (int64_t c = 0; c < 768; c++) {
-      const int64_t i = r * 768 + c;
-      const float v728_i = b728[i];
-      const float v730_i = v728_i;
-      const float v733_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v730_i));
-      b733[i] = mdl_f32_to_bf16(v733_i);
-    }
-  }
-  free(b728);
+  static const int64_t o[] = {2185089024, 3223166080, 3198000256};
+  k97_gemm__cast__code(arena, h, o);
 }
 
 // k134_attention_bwd: attention, 3 ops
@@ -6688,132 +2957,8 @@ static void k133_gemm__cast(char *arena, const MdlHooks *h) {
 // loops:
 //   attention backward (dq dk dv): B 8, T 1024, 12 heads of 64, causal, within documents; one task per (batch, head)
 static void k134_attention_bwd(char *arena, const MdlHooks *h) {
-  int32_t *const b3 = (int32_t *)(arena + 2238271488); // %3 input doc i32[8,1024]
-  uint16_t *const b396 = (uint16_t *)(arena + 4506623104); // %396 cast bf16[8,1024,2304]
-  uint16_t *const b402 = (uint16_t *)(arena + 5651668096); // %402 cast bf16[8192,768]
-  float *const b731 = (float *)(arena + 5805808768); // %731 attention_lse f32[8,12,1024]
-  uint16_t *const b733 = (uint16_t *)(arena + 3198000256); // %733 cast bf16[8,1024,768]
-  float *const b734 = (float *)(arena + 3260914816); // %734 attention_bwd d.h.8.q f32[8,1024,768]
-  float *const b735 = (float *)(arena + 3286080640); // %735 attention_bwd d.h.8.k f32[8,1024,768]
-  float *const b736 = (float *)(arena + 3311246464); // %736 attention_bwd d.h.8.v f32[8,1024,768]
-  #pragma omp parallel num_threads(h->nthreads)
-  {
-    float *restrict kt = memset(mdl_scratch(67584 * sizeof(float)), 0, 67584 * sizeof(float));
-    float *restrict s = memset(mdl_scratch(1056 * sizeof(float)), 0, 1056 * sizeof(float));
-    float *restrict vt = memset(mdl_scratch(67584 * sizeof(float)), 0, 67584 * sizeof(float));
-    float *restrict dp = memset(mdl_scratch(1056 * sizeof(float)), 0, 1056 * sizeof(float));
-    float *restrict dkh = memset(mdl_scratch(65536 * sizeof(float)), 0, 65536 * sizeof(float));
-    float *restrict dvh = memset(mdl_scratch(65536 * sizeof(float)), 0, 65536 * sizeof(float));
-    #pragma omp for schedule(dynamic, 1)
-    for (int64_t task = 0; task < 96; task++) {
-      const int64_t b = task / 12, hd = task % 12;
-      for (int64_t j = 0; j < 1024; j++) {
-        const uint16_t *xj = b396 + 768 + (b * 1024 + j) * 2304 + hd * 64;
-        for (int64_t c = 0; c < 64; c++)
-          kt[c * 1056 + j] = mdl_bf16_to_f32(xj[c]);
-      }
-      for (int64_t j = 0; j < 1024; j++) {
-        const uint16_t *xj = b396 + 1536 + (b * 1024 + j) * 2304 + hd * 64;
-        for (int64_t c = 0; c < 64; c++)
-          vt[c * 1056 + j] = mdl_bf16_to_f32(xj[c]);
-      }
-      memset(dkh, 0, 65536 * sizeof(float));
-      memset(dvh, 0, 65536 * sizeof(float));
-      int64_t lo = 0, hi = 1024;
-      const int32_t *restrict dc = b3 + b * 1024;
-      for (int64_t i = 0; i < 1024; i++) {
-        const int32_t di = dc[i];
-        if (i == 0 || dc[i - 1] != di) {
-          lo = 0;
-          while (dc[lo] != di)
-            lo++;
-        }
-        hi = i + 1;
-        float qr[64];
-        for (int64_t c = 0; c < 64; c++)
-          qr[c] = mdl_bf16_to_f32(b396[(b * 1024 + i) * 2304 + hd * 64 + c]);
-        const float *restrict qi = qr;
-        for (int64_t j0 = lo; j0 < hi; j0 += 32) {
-          float acc[32] = {0};
-          for (int64_t c = 0; c < 64; c++) {
-            const float vc = qi[c], *restrict mc = kt + c * 1056 + j0;
-            #pragma omp simd
-            for (int64_t u = 0; u < 32; u++)
-              acc[u] += vc * mc[u];
-          }
-          memcpy(s + j0, acc, sizeof acc);
-        }
-        const float lse = b731[(b * 12 + hd) * 1024 + i];
-        #pragma omp simd
-        for (int64_t j = lo; j < hi; j++)
-          s[j] = dc[j] == di ? mdl_exp_shifted(s[j] * 0.125f - lse) : 0.0f;
-        float dor[64];
-        for (int64_t c = 0; c < 64; c++)
-          dor[c] = mdl_bf16_to_f32(b733[(b * 1024 + i) * 768 + hd * 64 + c]);
-        const float *restrict doi = dor;
-        float dsum = 0.0f;
-        for (int64_t c = 0; c < 64; c++)
-          dsum += doi[c] * mdl_bf16_to_f32(b402[(b * 1024 + i) * 768 + hd * 64 + c]);
-        for (int64_t j0 = lo; j0 < hi; j0 += 32) {
-          float acc[32] = {0};
-          for (int64_t c = 0; c < 64; c++) {
-            const float vc = doi[c], *restrict mc = vt + c * 1056 + j0;
-            #pragma omp simd
-            for (int64_t u = 0; u < 32; u++)
-              acc[u] += vc * mc[u];
-          }
-          memcpy(dp + j0, acc, sizeof acc);
-        }
-        #pragma omp simd
-        for (int64_t j = lo; j < hi; j++)
-          dp[j] = s[j] * (dp[j] - dsum);
-        float dqi0[64] = {0}, dqi1[64] = {0};
-        int64_t j = lo;
-        for (; j + 1 < hi; j += 2) {
-          const float w0 = mdl_bf16_to_f32(mdl_f32_to_bf16(dp[j])), w1 = mdl_bf16_to_f32(mdl_f32_to_bf16(dp[j + 1]));
-          const uint16_t *restrict x0 = b396 + 768 + (b * 1024 + j) * 2304 + hd * 64, *restrict x1 = x0 + 2304;
-          #pragma omp simd
-          for (int64_t c = 0; c < 64; c++) {
-            dqi0[c] += w0 * mdl_bf16_to_f32(x0[c]);
-            dqi1[c] += w1 * mdl_bf16_to_f32(x1[c]);
-          }
-        }
-        if (j < hi) {
-          const float w0 = mdl_bf16_to_f32(mdl_f32_to_bf16(dp[j]));
-          const uint16_t *restrict x0 = b396 + 768 + (b * 1024 + j) * 2304 + hd * 64;
-          #pragma omp simd
-          for (int64_t c = 0; c < 64; c++)
-            dqi0[c] += w0 * mdl_bf16_to_f32(x0[c]);
-        }
-        float sqi[64];
-        for (int64_t c = 0; c < 64; c++)
-          sqi[c] = 0.125f * qi[c];
-        for (int64_t j = lo; j < hi; j++) {
-          float *restrict dkj = dkh + j * 64;
-          #pragma omp simd
-          for (int64_t c = 0; c < 64; c++)
-            dkj[c] += mdl_bf16_to_f32(mdl_f32_to_bf16(dp[j])) * sqi[c];
-          float *restrict dvj = dvh + j * 64;
-          #pragma omp simd
-          for (int64_t c = 0; c < 64; c++)
-            dvj[c] += mdl_bf16_to_f32(mdl_f32_to_bf16(s[j])) * doi[c];
-        }
-        float *restrict dq = b734 + (b * 1024 + i) * 768 + hd * 64;
-        for (int64_t c = 0; c < 64; c++)
-          dq[c] = 0.125f * (dqi0[c] + dqi1[c]);
-      }
-      for (int64_t t = 0; t < 1024; t++)
-        memcpy(b735 + (b * 1024 + t) * 768 + hd * 64, dkh + t * 64, 64 * sizeof(float));
-      for (int64_t t = 0; t < 1024; t++)
-        memcpy(b736 + (b * 1024 + t) * 768 + hd * 64, dvh + t * 64, 64 * sizeof(float));
-    }
-    free(kt);
-    free(s);
-    free(vt);
-    free(dp);
-    free(dkh);
-    free(dvh);
-  }
+  static const int64_t o[] = {2238271488, 4506623104, 5651668096, 5805808768, 3198000256, 3260914816, 3286080640, 3311246464};
+  k98_attention_bwd__code(arena, h, o);
 }
 
 // k135_sum__concat__cast: kernel, 4 ops
@@ -6824,41 +2969,8 @@ static void k134_attention_bwd(char *arena, const MdlHooks *h) {
 // loops:
 //   sum %739: 2304 outputs over 8192 elements, in 64 blocks of 128
 static void k135_sum__concat__cast(char *arena, const MdlHooks *h) {
-  float *const b734 = (float *)(arena + 3260914816); // %734 attention_bwd d.h.8.q f32[8,1024,768]
-  float *const b735 = (float *)(arena + 3286080640); // %735 attention_bwd d.h.8.k f32[8,1024,768]
-  float *const b736 = (float *)(arena + 3311246464); // %736 attention_bwd d.h.8.v f32[8,1024,768]
-  float *const b739 = (float *)(arena + 889190400); // %739 sum d.h.8.attn_b f32[2304]
-  uint16_t *const b740 = (uint16_t *)(arena + 3198000256); // %740 cast bf16[8192,2304]
-  double *part = mdl_scratch(147456 * sizeof(double));
-  #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t k = 0; k < 64; k++) {
-    double *p = part + k * 2304;
-    for (int64_t c = 0; c < 2304; c++)
-      p[c] = 0.0;
-    const int64_t end = k * 128 + 128 < 8192 ? k * 128 + 128 : 8192;
-    for (int64_t l = k * 128; l < end; l++) {
-      for (int64_t c = 0; c < 2304; c++) {
-        const int64_t ix = l * 2304 + c;
-        const float v737_ix = (c < 768 ? b734 + (l * 768 + c) : c < 1536 ? b735 + (l * 768 + (c - 768)) : b736 + (l * 768 + (c - 1536)))[0];
-        const float v738_ix = v737_ix;
-        const float v = v738_ix;
-        const float v740_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v738_ix));
-        b740[ix] = mdl_f32_to_bf16(v740_ix);
-        p[c] += v;
-      }
-    }
-  }
-  #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t r = 0; r < 2304; r++) {
-    double acc = 0.0;
-    for (int64_t k = 0; k < 64; k++) {
-      const double v = part[k * 2304 + r];
-      acc += v;
-    }
-    const float y = (float)acc;
-    b739[r] = y;
-  }
-  free(part);
+  static const int64_t o[] = {3260914816, 3286080640, 3311246464, 889190400, 3198000256};
+  k99_sum__concat__cast__code(arena, h, o);
 }
 
 // k136_gemm: GEMM, 1 op
@@ -6866,19 +2978,8 @@ static void k135_sum__concat__cast(char *arena, const MdlHooks *h) {
 // loops:
 //   gemm %741: [8192 x 768] = [8192 x 2304] T[2304 x 768], bf16 operands (widened to f32 where the library has no bf16 GEMM)
 static void k136_gemm(char *arena, const MdlHooks *h) {
-  uint16_t *const b392 = (uint16_t *)(arena + 2181550080); // %392 cast bf16[768,2304]
-  uint16_t *const b740 = (uint16_t *)(arena + 3198000256); // %740 cast bf16[8192,2304]
-  float *const b741 = (float *)(arena + 3260914816); // %741 matmul f32[8192,768]
-  if (h->bgemm) {
-    mdl_bgemm(h, 0, 1, 8192, 768, 2304, b740, 2304, b392, 2304, 0.0f, b741, 768);
-  }
-  else {
-    float *const w740 = mdl_widen_bf16(b740, 18874368, h->nthreads);
-    float *const w392 = mdl_widen_bf16(b392, 1769472, h->nthreads);
-    mdl_gemm(h, 0, 1, 8192, 768, 2304, w740, 2304, w392, 2304, 0.0f, b741, 768);
-    free(w740);
-    free(w392);
-  }
+  static const int64_t o[] = {2181550080, 3198000256, 3260914816};
+  k100_gemm__code(arena, h, o);
 }
 
 // k137_gemm: GEMM, 1 op
@@ -6886,19 +2987,8 @@ static void k136_gemm(char *arena, const MdlHooks *h) {
 // loops:
 //   gemm %742: [768 x 2304] = T[768 x 8192] [8192 x 2304], bf16 operands (widened to f32 where the library has no bf16 GEMM)
 static void k137_gemm(char *arena, const MdlHooks *h) {
-  uint16_t *const b391 = (uint16_t *)(arena + 5639085184); // %391 cast bf16[8192,768]
-  uint16_t *const b740 = (uint16_t *)(arena + 3198000256); // %740 cast bf16[8192,2304]
-  float *const b742 = (float *)(arena + 882112512); // %742 matmul d.h.8.attn_w f32[768,2304]
-  if (h->bgemm) {
-    mdl_bgemm(h, 1, 0, 768, 2304, 8192, b391, 768, b740, 2304, 0.0f, b742, 2304);
-  }
-  else {
-    float *const w391 = mdl_widen_bf16(b391, 6291456, h->nthreads);
-    float *const w740 = mdl_widen_bf16(b740, 18874368, h->nthreads);
-    mdl_gemm(h, 1, 0, 768, 2304, 8192, w391, 768, w740, 2304, 0.0f, b742, 2304);
-    free(w391);
-    free(w740);
-  }
+  static const int64_t o[] = {5639085184, 3198000256, 882112512};
+  k101_gemm__code(arena, h, o);
 }
 
 // k138_layernorm_bwd__add__sum__cast: kernel, 7 ops
@@ -6912,83 +3002,8 @@ static void k137_gemm(char *arena, const MdlHooks *h) {
 // loops:
 //   layernorm_bwd: 8192 rows of 768, column sums over 64 blocks of 128 rows
 static void k138_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
-  float *const b376 = (float *)(arena + 5060271232); // %376 add h.7.x f32[8,1024,768]
-  float *const b377 = (float *)(arena + 384347136); // %377 param h.8.ln1_w f32[768]
-  float *const b724 = (float *)(arena + 3235748992); // %724 add d.h.8.x f32[8,1024,768]
-  float *const b741 = (float *)(arena + 3260914816); // %741 matmul f32[8192,768]
-  float *const b745 = (float *)(arena + 882106368); // %745 layernorm_bwd d.h.8.ln1_w f32[768]
-  float *const b746 = (float *)(arena + 882109440); // %746 layernorm_bwd d.h.8.ln1_b f32[768]
-  float *const b747 = (float *)(arena + 3286080640); // %747 add d.h.7.x f32[8,1024,768]
-  float *const b749 = (float *)(arena + 882103296); // %749 sum d.h.7.fcproj_b f32[768]
-  uint16_t *const b750 = (uint16_t *)(arena + 3311246464); // %750 cast bf16[8192,768]
-  double *pdw = mdl_scratch(49152 * sizeof(double));
-  double *pdb = mdl_scratch(49152 * sizeof(double));
-  double *ps0 = mdl_scratch(49152 * sizeof(double)); // partials of the column sum %749
-  #pragma omp parallel num_threads(h->nthreads)
-  {
-    float *dxrow = mdl_scratch(768 * sizeof(float));
-    #pragma omp for schedule(static)
-    for (int64_t k = 0; k < 64; k++) {
-      double *sw = pdw + k * 768;
-      double *sb = pdb + k * 768;
-      double *sa0 = ps0 + k * 768;
-      for (int64_t j = 0; j < 768; j++)
-        sw[j] = sb[j] = sa0[j] = 0;
-      const int64_t end = k * 128 + 128 < 8192 ? k * 128 + 128 : 8192;
-      for (int64_t r = k * 128; r < end; r++) {
-        const float *x = b376 + r * 768;
-        const float *dy = b741 + r * 768;
-        double mean = 0, var = 0, mg = 0, mgx = 0;
-        #pragma omp simd reduction(+ : mean)
-        for (int64_t j = 0; j < 768; j++)
-          mean += x[j];
-        mean /= 768;
-        #pragma omp simd reduction(+ : var)
-        for (int64_t j = 0; j < 768; j++)
-          var += (x[j] - mean) * (x[j] - mean);
-        const double rstd = 1.0 / sqrt(var / 768 + 1e-05);
-        #pragma omp simd reduction(+ : mg, mgx)
-        for (int64_t j = 0; j < 768; j++) {
-          const double xhat = (x[j] - mean) * rstd, g = (double)dy[j] * b377[j];
-          mg += g;
-          mgx += g * xhat;
-          sw[j] += dy[j] * xhat;
-          sb[j] += dy[j];
-        }
-        float *dx = dxrow;
-        mg /= 768;
-        mgx /= 768;
-        for (int64_t j = 0; j < 768; j++)
-          dx[j] = (float)(rstd * ((double)dy[j] * b377[j] - mg - (x[j] - mean) * rstd * mgx));
-        for (int64_t j = 0; j < 768; j++) {
-          const int64_t ix = r * 768 + j;
-          const float v724_ix = b724[ix];
-          const float v747_ix = v724_ix + dx[j];
-          b747[ix] = v747_ix;
-          const float v748_ix = v747_ix;
-          const float v750_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v748_ix));
-          b750[ix] = mdl_f32_to_bf16(v750_ix);
-          sa0[j] += v748_ix;
-        }
-      }
-    }
-    free(dxrow);
-  }
-  #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t j = 0; j < 768; j++) {
-    double w = 0, b = 0, a0 = 0;
-    for (int64_t k = 0; k < 64; k++) {
-      w += pdw[k * 768 + j];
-      b += pdb[k * 768 + j];
-      a0 += ps0[k * 768 + j];
-    }
-    b745[j] = (float)w;
-    b746[j] = (float)b;
-    b749[j] = (float)a0;
-  }
-  free(pdw);
-  free(pdb);
-  free(ps0);
+  static const int64_t o[] = {5060271232, 384347136, 3235748992, 3260914816, 882106368, 882109440, 3286080640, 882103296, 3311246464};
+  k102_layernorm_bwd__add__sum__cast__code(arena, h, o);
 }
 
 // k139_gemm: GEMM, 1 op
@@ -6996,19 +3011,8 @@ static void k138_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
 // loops:
 //   gemm %752: [3072 x 768] = T[3072 x 8192] [8192 x 768], bf16 operands (widened to f32 where the library has no bf16 GEMM)
 static void k139_gemm(char *arena, const MdlHooks *h) {
-  uint16_t *const b371 = (uint16_t *)(arena + 3952974976); // %371 cast bf16[8192,3072]
-  uint16_t *const b750 = (uint16_t *)(arena + 3311246464); // %750 cast bf16[8192,768]
-  float *const b752 = (float *)(arena + 872666112); // %752 matmul d.h.7.fcproj_w f32[3072,768]
-  if (h->bgemm) {
-    mdl_bgemm(h, 1, 0, 3072, 768, 8192, b371, 3072, b750, 768, 0.0f, b752, 768);
-  }
-  else {
-    float *const w371 = mdl_widen_bf16(b371, 25165824, h->nthreads);
-    float *const w750 = mdl_widen_bf16(b750, 6291456, h->nthreads);
-    mdl_gemm(h, 1, 0, 3072, 768, 8192, w371, 3072, w750, 768, 0.0f, b752, 768);
-    free(w371);
-    free(w750);
-  }
+  static const int64_t o[] = {3952974976, 3311246464, 872666112};
+  k91_gemm__code(arena, h, o);
 }
 
 // k140_gemm__gelu_bwd__sum__cast: GEMM, 6 ops
@@ -7022,56 +3026,8 @@ static void k139_gemm(char *arena, const MdlHooks *h) {
 //   gemm %751: [8192 x 3072] = [8192 x 768] T[768 x 3072], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
 //   sum %756: 3072 outputs over 8192 elements, in 64 blocks of 128
 static void k140_gemm__gelu_bwd__sum__cast(char *arena, const MdlHooks *h) {
-  float *const b368 = (float *)(arena + 3097336960); // %368 add f32[8,1024,3072]
-  uint16_t *const b372 = (uint16_t *)(arena + 2176831488); // %372 cast bf16[3072,768]
-  uint16_t *const b750 = (uint16_t *)(arena + 3311246464); // %750 cast bf16[8192,768]
-  float *const b751 = mdl_scratch(100663296); // %751 matmul f32[8192,3072], kept in this kernel
-  float *const b756 = (float *)(arena + 872653824); // %756 sum d.h.7.fc_b f32[3072]
-  uint16_t *const b757 = (uint16_t *)(arena + 3198000256); // %757 cast bf16[8192,3072]
-  if (h->bgemm) {
-    mdl_bgemm(h, 0, 1, 8192, 3072, 768, b750, 768, b372, 768, 0.0f, b751, 3072);
-  }
-  else {
-    float *const w750 = mdl_widen_bf16(b750, 6291456, h->nthreads);
-    float *const w372 = mdl_widen_bf16(b372, 2359296, h->nthreads);
-    mdl_gemm(h, 0, 1, 8192, 3072, 768, w750, 768, w372, 768, 0.0f, b751, 3072);
-    free(w750);
-    free(w372);
-  }
-  double *part = mdl_scratch(196608 * sizeof(double));
-  #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t k = 0; k < 64; k++) {
-    double *p = part + k * 3072;
-    for (int64_t c = 0; c < 3072; c++)
-      p[c] = 0.0;
-    const int64_t end = k * 128 + 128 < 8192 ? k * 128 + 128 : 8192;
-    for (int64_t l = k * 128; l < end; l++) {
-      for (int64_t c = 0; c < 3072; c++) {
-        const int64_t ix = l * 3072 + c;
-        const float v368_ix = b368[ix];
-        const float v751_ix = b751[ix];
-        const float v753_ix = v751_ix;
-        const float v754_ix = mdl_gelu_grad(v368_ix) * v753_ix;
-        const float v755_ix = v754_ix;
-        const float v = v755_ix;
-        const float v757_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v755_ix));
-        b757[ix] = mdl_f32_to_bf16(v757_ix);
-        p[c] += v;
-      }
-    }
-  }
-  #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t r = 0; r < 3072; r++) {
-    double acc = 0.0;
-    for (int64_t k = 0; k < 64; k++) {
-      const double v = part[k * 3072 + r];
-      acc += v;
-    }
-    const float y = (float)acc;
-    b756[r] = y;
-  }
-  free(part);
-  free(b751);
+  static const int64_t o[] = {3097336960, 2176831488, 3311246464, 872653824, 3198000256};
+  k92_gemm__gelu_bwd__sum__cast__code(arena, h, o);
 }
 
 // k141_gemm: GEMM, 1 op
@@ -7079,19 +3035,8 @@ static void k140_gemm__gelu_bwd__sum__cast(char *arena, const MdlHooks *h) {
 // loops:
 //   gemm %758: [8192 x 768] = [8192 x 3072] T[3072 x 768], bf16 operands (widened to f32 where the library has no bf16 GEMM)
 static void k141_gemm(char *arena, const MdlHooks *h) {
-  uint16_t *const b365 = (uint16_t *)(arena + 2172112896); // %365 cast bf16[768,3072]
-  uint16_t *const b757 = (uint16_t *)(arena + 3198000256); // %757 cast bf16[8192,3072]
-  float *const b758 = (float *)(arena + 3097336960); // %758 matmul f32[8192,768]
-  if (h->bgemm) {
-    mdl_bgemm(h, 0, 1, 8192, 768, 3072, b757, 3072, b365, 3072, 0.0f, b758, 768);
-  }
-  else {
-    float *const w757 = mdl_widen_bf16(b757, 25165824, h->nthreads);
-    float *const w365 = mdl_widen_bf16(b365, 2359296, h->nthreads);
-    mdl_gemm(h, 0, 1, 8192, 768, 3072, w757, 3072, w365, 3072, 0.0f, b758, 768);
-    free(w757);
-    free(w365);
-  }
+  static const int64_t o[] = {2172112896, 3198000256, 3097336960};
+  k93_gemm__code(arena, h, o);
 }
 
 // k142_gemm: GEMM, 1 op
@@ -7099,19 +3044,8 @@ static void k141_gemm(char *arena, const MdlHooks *h) {
 // loops:
 //   gemm %759: [768 x 3072] = T[768 x 8192] [8192 x 3072], bf16 operands (widened to f32 where the library has no bf16 GEMM)
 static void k142_gemm(char *arena, const MdlHooks *h) {
-  uint16_t *const b364 = (uint16_t *)(arena + 5626502272); // %364 cast bf16[8192,768]
-  uint16_t *const b757 = (uint16_t *)(arena + 3198000256); // %757 cast bf16[8192,3072]
-  float *const b759 = (float *)(arena + 863216640); // %759 matmul d.h.7.fc_w f32[768,3072]
-  if (h->bgemm) {
-    mdl_bgemm(h, 1, 0, 768, 3072, 8192, b364, 768, b757, 3072, 0.0f, b759, 3072);
-  }
-  else {
-    float *const w364 = mdl_widen_bf16(b364, 6291456, h->nthreads);
-    float *const w757 = mdl_widen_bf16(b757, 25165824, h->nthreads);
-    mdl_gemm(h, 1, 0, 768, 3072, 8192, w364, 768, w757, 3072, 0.0f, b759, 3072);
-    free(w364);
-    free(w757);
-  }
+  static const int64_t o[] = {5626502272, 3198000256, 863216640};
+  k94_gemm__code(arena, h, o);
 }
 
 // k143_layernorm_bwd__add__sum__cast: kernel, 7 ops
@@ -7125,83 +3059,8 @@ static void k142_gemm(char *arena, const MdlHooks *h) {
 // loops:
 //   layernorm_bwd: 8192 rows of 768, column sums over 64 blocks of 128 rows
 static void k143_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
-  float *const b337 = (float *)(arena + 365451264); // %337 param h.7.ln2_w f32[768]
-  float *const b361 = (float *)(arena + 5035105408); // %361 add h.7.x f32[8,1024,768]
-  float *const b747 = (float *)(arena + 3286080640); // %747 add d.h.7.x f32[8,1024,768]
-  float *const b758 = (float *)(arena + 3097336960); // %758 matmul f32[8192,768]
-  float *const b762 = (float *)(arena + 863210496); // %762 layernorm_bwd d.h.7.ln2_w f32[768]
-  float *const b763 = (float *)(arena + 863213568); // %763 layernorm_bwd d.h.7.ln2_b f32[768]
-  float *const b764 = (float *)(arena + 3135085696); // %764 add d.h.7.x f32[8,1024,768]
-  float *const b766 = (float *)(arena + 863207424); // %766 sum d.h.7.proj_b f32[768]
-  uint16_t *const b767 = (uint16_t *)(arena + 3122502784); // %767 cast bf16[8192,768]
-  double *pdw = mdl_scratch(49152 * sizeof(double));
-  double *pdb = mdl_scratch(49152 * sizeof(double));
-  double *ps0 = mdl_scratch(49152 * sizeof(double)); // partials of the column sum %766
-  #pragma omp parallel num_threads(h->nthreads)
-  {
-    float *dxrow = mdl_scratch(768 * sizeof(float));
-    #pragma omp for schedule(static)
-    for (int64_t k = 0; k < 64; k++) {
-      double *sw = pdw + k * 768;
-      double *sb = pdb + k * 768;
-      double *sa0 = ps0 + k * 768;
-      for (int64_t j = 0; j < 768; j++)
-        sw[j] = sb[j] = sa0[j] = 0;
-      const int64_t end = k * 128 + 128 < 8192 ? k * 128 + 128 : 8192;
-      for (int64_t r = k * 128; r < end; r++) {
-        const float *x = b361 + r * 768;
-        const float *dy = b758 + r * 768;
-        double mean = 0, var = 0, mg = 0, mgx = 0;
-        #pragma omp simd reduction(+ : mean)
-        for (int64_t j = 0; j < 768; j++)
-          mean += x[j];
-        mean /= 768;
-        #pragma omp simd reduction(+ : var)
-        for (int64_t j = 0; j < 768; j++)
-          var += (x[j] - mean) * (x[j] - mean);
-        const double rstd = 1.0 / sqrt(var / 768 + 1e-05);
-        #pragma omp simd reduction(+ : mg, mgx)
-        for (int64_t j = 0; j < 768; j++) {
-          const double xhat = (x[j] - mean) * rstd, g = (double)dy[j] * b337[j];
-          mg += g;
-          mgx += g * xhat;
-          sw[j] += dy[j] * xhat;
-          sb[j] += dy[j];
-        }
-        float *dx = dxrow;
-        mg /= 768;
-        mgx /= 768;
-        for (int64_t j = 0; j < 768; j++)
-          dx[j] = (float)(rstd * ((double)dy[j] * b337[j] - mg - (x[j] - mean) * rstd * mgx));
-        for (int64_t j = 0; j < 768; j++) {
-          const int64_t ix = r * 768 + j;
-          const float v747_ix = b747[ix];
-          const float v764_ix = v747_ix + dx[j];
-          b764[ix] = v764_ix;
-          const float v765_ix = v764_ix;
-          const float v767_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v765_ix));
-          b767[ix] = mdl_f32_to_bf16(v767_ix);
-          sa0[j] += v765_ix;
-        }
-      }
-    }
-    free(dxrow);
-  }
-  #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t j = 0; j < 768; j++) {
-    double w = 0, b = 0, a0 = 0;
-    for (int64_t k = 0; k < 64; k++) {
-      w += pdw[k * 768 + j];
-      b += pdb[k * 768 + j];
-      a0 += ps0[k * 768 + j];
-    }
-    b762[j] = (float)w;
-    b763[j] = (float)b;
-    b766[j] = (float)a0;
-  }
-  free(pdw);
-  free(pdb);
-  free(ps0);
+  static const int64_t o[] = {365451264, 5035105408, 3286080640, 3097336960, 863210496, 863213568, 3135085696, 863207424, 3122502784};
+  k95_layernorm_bwd__add__sum__cast__code(arena, h, o);
 }
 
 // k144_gemm: GEMM, 1 op
@@ -7209,19 +3068,8 @@ static void k143_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
 // loops:
 //   gemm %769: [768 x 768] = T[768 x 8192] [8192 x 768], bf16 operands (widened to f32 where the library has no bf16 GEMM)
 static void k144_gemm(char *arena, const MdlHooks *h) {
-  uint16_t *const b356 = (uint16_t *)(arena + 5613919360); // %356 cast bf16[8192,768]
-  uint16_t *const b767 = (uint16_t *)(arena + 3122502784); // %767 cast bf16[8192,768]
-  float *const b769 = (float *)(arena + 860848128); // %769 matmul d.h.7.proj_w f32[768,768]
-  if (h->bgemm) {
-    mdl_bgemm(h, 1, 0, 768, 768, 8192, b356, 768, b767, 768, 0.0f, b769, 768);
-  }
-  else {
-    float *const w356 = mdl_widen_bf16(b356, 6291456, h->nthreads);
-    float *const w767 = mdl_widen_bf16(b767, 6291456, h->nthreads);
-    mdl_gemm(h, 1, 0, 768, 768, 8192, w356, 768, w767, 768, 0.0f, b769, 768);
-    free(w356);
-    free(w767);
-  }
+  static const int64_t o[] = {5613919360, 3122502784, 860848128};
+  k96_gemm__code(arena, h, o);
 }
 
 // k145_gemm__cast: GEMM, 3 ops
@@ -7232,31 +3080,8 @@ static void k144_gemm(char *arena, const MdlHooks *h) {
 //   gemm %768: [8192 x 768] = [8192 x 768] T[768 x 768], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
 //   elementwise over 6291456: %773
 static void k145_gemm__cast(char *arena, const MdlHooks *h) {
-  uint16_t *const b357 = (uint16_t *)(arena + 2170933248); // %357 cast bf16[768,768]
-  uint16_t *const b767 = (uint16_t *)(arena + 3122502784); // %767 cast bf16[8192,768]
-  float *const b768 = mdl_scratch(25165824); // %768 matmul f32[8192,768], kept in this kernel
-  uint16_t *const b773 = (uint16_t *)(arena + 3097336960); // %773 cast bf16[8,1024,768]
-  if (h->bgemm) {
-    mdl_bgemm(h, 0, 1, 8192, 768, 768, b767, 768, b357, 768, 0.0f, b768, 768);
-  }
-  else {
-    float *const w767 = mdl_widen_bf16(b767, 6291456, h->nthreads);
-    float *const w357 = mdl_widen_bf16(b357, 589824, h->nthreads);
-    mdl_gemm(h, 0, 1, 8192, 768, 768, w767, 768, w357, 768, 0.0f, b768, 768);
-    free(w767);
-    free(w357);
-  }
-  #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t r = 0; r < 8192; r++) {
-    for (int64_t c = 0; c < 768; c++) {
-      const int64_t i = r * 768 + c;
-      const float v768_i = b768[i];
-      const float v770_i = v768_i;
-      const float v773_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v770_i));
-      b773[i] = mdl_f32_to_bf16(v773_i);
-    }
-  }
-  free(b768);
+  static const int64_t o[] = {2170933248, 3122502784, 3097336960};
+  k97_gemm__cast__code(arena, h, o);
 }
 
 // k146_attention_bwd: attention, 3 ops
@@ -7266,132 +3091,8 @@ static void k145_gemm__cast(char *arena, const MdlHooks *h) {
 // loops:
 //   attention backward (dq dk dv): B 8, T 1024, 12 heads of 64, causal, within documents; one task per (batch, head)
 static void k146_attention_bwd(char *arena, const MdlHooks *h) {
-  int32_t *const b3 = (int32_t *)(arena + 2238271488); // %3 input doc i32[8,1024]
-  uint16_t *const b350 = (uint16_t *)(arena + 4468874368); // %350 cast bf16[8,1024,2304]
-  uint16_t *const b356 = (uint16_t *)(arena + 5613919360); // %356 cast bf16[8192,768]
-  float *const b771 = (float *)(arena + 5805415552); // %771 attention_lse f32[8,12,1024]
-  uint16_t *const b773 = (uint16_t *)(arena + 3097336960); // %773 cast bf16[8,1024,768]
-  float *const b774 = (float *)(arena + 3160251520); // %774 attention_bwd d.h.7.q f32[8,1024,768]
-  float *const b775 = (float *)(arena + 3185417344); // %775 attention_bwd d.h.7.k f32[8,1024,768]
-  float *const b776 = (float *)(arena + 3210583168); // %776 attention_bwd d.h.7.v f32[8,1024,768]
-  #pragma omp parallel num_threads(h->nthreads)
-  {
-    float *restrict kt = memset(mdl_scratch(67584 * sizeof(float)), 0, 67584 * sizeof(float));
-    float *restrict s = memset(mdl_scratch(1056 * sizeof(float)), 0, 1056 * sizeof(float));
-    float *restrict vt = memset(mdl_scratch(67584 * sizeof(float)), 0, 67584 * sizeof(float));
-    float *restrict dp = memset(mdl_scratch(1056 * sizeof(float)), 0, 1056 * sizeof(float));
-    float *restrict dkh = memset(mdl_scratch(65536 * sizeof(float)), 0, 65536 * sizeof(float));
-    float *restrict dvh = memset(mdl_scratch(65536 * sizeof(float)), 0, 65536 * sizeof(float));
-    #pragma omp for schedule(dynamic, 1)
-    for (int64_t task = 0; task < 96; task++) {
-      const int64_t b = task / 12, hd = task % 12;
-      for (int64_t j = 0; j < 1024; j++) {
-        const uint16_t *xj = b350 + 768 + (b * 1024 + j) * 2304 + hd * 64;
-        for (int64_t c = 0; c < 64; c++)
-          kt[c * 1056 + j] = mdl_bf16_to_f32(xj[c]);
-      }
-      for (int64_t j = 0; j < 1024; j++) {
-        const uint16_t *xj = b350 + 1536 + (b * 1024 + j) * 2304 + hd * 64;
-        for (int64_t c = 0; c < 64; c++)
-          vt[c * 1056 + j] = mdl_bf16_to_f32(xj[c]);
-      }
-      memset(dkh, 0, 65536 * sizeof(float));
-      memset(dvh, 0, 65536 * sizeof(float));
-      int64_t lo = 0, hi = 1024;
-      const int32_t *restrict dc = b3 + b * 1024;
-      for (int64_t i = 0; i < 1024; i++) {
-        const int32_t di = dc[i];
-        if (i == 0 || dc[i - 1] != di) {
-          lo = 0;
-          while (dc[lo] != di)
-            lo++;
-        }
-        hi = i + 1;
-        float qr[64];
-        for (int64_t c = 0; c < 64; c++)
-          qr[c] = mdl_bf16_to_f32(b350[(b * 1024 + i) * 2304 + hd * 64 + c]);
-        const float *restrict qi = qr;
-        for (int64_t j0 = lo; j0 < hi; j0 += 32) {
-          float acc[32] = {0};
-          for (int64_t c = 0; c < 64; c++) {
-            const float vc = qi[c], *restrict mc = kt + c * 1056 + j0;
-            #pragma omp simd
-            for (int64_t u = 0; u < 32; u++)
-              acc[u] += vc * mc[u];
-          }
-          memcpy(s + j0, acc, sizeof acc);
-        }
-        const float lse = b771[(b * 12 + hd) * 1024 + i];
-        #pragma omp simd
-        for (int64_t j = lo; j < hi; j++)
-          s[j] = dc[j] == di ? mdl_exp_shifted(s[j] * 0.125f - lse) : 0.0f;
-        float dor[64];
-        for (int64_t c = 0; c < 64; c++)
-          dor[c] = mdl_bf16_to_f32(b773[(b * 1024 + i) * 768 + hd * 64 + c]);
-        const float *restrict doi = dor;
-        float dsum = 0.0f;
-        for (int64_t c = 0; c < 64; c++)
-          dsum += doi[c] * mdl_bf16_to_f32(b356[(b * 1024 + i) * 768 + hd * 64 + c]);
-        for (int64_t j0 = lo; j0 < hi; j0 += 32) {
-          float acc[32] = {0};
-          for (int64_t c = 0; c < 64; c++) {
-            const float vc = doi[c], *restrict mc = vt + c * 1056 + j0;
-            #pragma omp simd
-            for (int64_t u = 0; u < 32; u++)
-              acc[u] += vc * mc[u];
-          }
-          memcpy(dp + j0, acc, sizeof acc);
-        }
-        #pragma omp simd
-        for (int64_t j = lo; j < hi; j++)
-          dp[j] = s[j] * (dp[j] - dsum);
-        float dqi0[64] = {0}, dqi1[64] = {0};
-        int64_t j = lo;
-        for (; j + 1 < hi; j += 2) {
-          const float w0 = mdl_bf16_to_f32(mdl_f32_to_bf16(dp[j])), w1 = mdl_bf16_to_f32(mdl_f32_to_bf16(dp[j + 1]));
-          const uint16_t *restrict x0 = b350 + 768 + (b * 1024 + j) * 2304 + hd * 64, *restrict x1 = x0 + 2304;
-          #pragma omp simd
-          for (int64_t c = 0; c < 64; c++) {
-            dqi0[c] += w0 * mdl_bf16_to_f32(x0[c]);
-            dqi1[c] += w1 * mdl_bf16_to_f32(x1[c]);
-          }
-        }
-        if (j < hi) {
-          const float w0 = mdl_bf16_to_f32(mdl_f32_to_bf16(dp[j]));
-          const uint16_t *restrict x0 = b350 + 768 + (b * 1024 + j) * 2304 + hd * 64;
-          #pragma omp simd
-          for (int64_t c = 0; c < 64; c++)
-            dqi0[c] += w0 * mdl_bf16_to_f32(x0[c]);
-        }
-        float sqi[64];
-        for (int64_t c = 0; c < 64; c++)
-          sqi[c] = 0.125f * qi[c];
-        for (int64_t j = lo; j < hi; j++) {
-          float *restrict dkj = dkh + j * 64;
-          #pragma omp simd
-          for (int64_t c = 0; c < 64; c++)
-            dkj[c] += mdl_bf16_to_f32(mdl_f32_to_bf16(dp[j])) * sqi[c];
-          float *restrict dvj = dvh + j * 64;
-          #pragma omp simd
-          for (int64_t c = 0; c < 64; c++)
-            dvj[c] += mdl_bf16_to_f32(mdl_f32_to_bf16(s[j])) * doi[c];
-        }
-        float *restrict dq = b774 + (b * 1024 + i) * 768 + hd * 64;
-        for (int64_t c = 0; c < 64; c++)
-          dq[c] = 0.125f * (dqi0[c] + dqi1[c]);
-      }
-      for (int64_t t = 0; t < 1024; t++)
-        memcpy(b775 + (b * 1024 + t) * 768 + hd * 64, dkh + t * 64, 64 * sizeof(float));
-      for (int64_t t = 0; t < 1024; t++)
-        memcpy(b776 + (b * 1024 + t) * 768 + hd * 64, dvh + t * 64, 64 * sizeof(float));
-    }
-    free(kt);
-    free(s);
-    free(vt);
-    free(dp);
-    free(dkh);
-    free(dvh);
-  }
+  static const int64_t o[] = {2238271488, 4468874368, 5613919360, 5805415552, 3097336960, 3160251520, 3185417344, 3210583168};
+  k98_attention_bwd__code(arena, h, o);
 }
 
 // k147_sum__concat__cast: kernel, 4 ops
@@ -7402,41 +3103,8 @@ static void k146_attention_bwd(char *arena, const MdlHooks *h) {
 // loops:
 //   sum %779: 2304 outputs over 8192 elements, in 64 blocks of 128
 static void k147_sum__concat__cast(char *arena, const MdlHooks *h) {
-  float *const b774 = (float *)(arena + 3160251520); // %774 attention_bwd d.h.7.q f32[8,1024,768]
-  float *const b775 = (float *)(arena + 3185417344); // %775 attention_bwd d.h.7.k f32[8,1024,768]
-  float *const b776 = (float *)(arena + 3210583168); // %776 attention_bwd d.h.7.v f32[8,1024,768]
-  float *const b779 = (float *)(arena + 860838912); // %779 sum d.h.7.attn_b f32[2304]
-  uint16_t *const b780 = (uint16_t *)(arena + 3097336960); // %780 cast bf16[8192,2304]
-  double *part = mdl_scratch(147456 * sizeof(double));
-  #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t k = 0; k < 64; k++) {
-    double *p = part + k * 2304;
-    for (int64_t c = 0; c < 2304; c++)
-      p[c] = 0.0;
-    const int64_t end = k * 128 + 128 < 8192 ? k * 128 + 128 : 8192;
-    for (int64_t l = k * 128; l < end; l++) {
-      for (int64_t c = 0; c < 2304; c++) {
-        const int64_t ix = l * 2304 + c;
-        const float v777_ix = (c < 768 ? b774 + (l * 768 + c) : c < 1536 ? b775 + (l * 768 + (c - 768)) : b776 + (l * 768 + (c - 1536)))[0];
-        const float v778_ix = v777_ix;
-        const float v = v778_ix;
-        const float v780_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v778_ix));
-        b780[ix] = mdl_f32_to_bf16(v780_ix);
-        p[c] += v;
-      }
-    }
-  }
-  #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t r = 0; r < 2304; r++) {
-    double acc = 0.0;
-    for (int64_t k = 0; k < 64; k++) {
-      const double v = part[k * 2304 + r];
-      acc += v;
-    }
-    const float y = (float)acc;
-    b779[r] = y;
-  }
-  free(part);
+  static const int64_t o[] = {3160251520, 3185417344, 3210583168, 860838912, 3097336960};
+  k99_sum__concat__cast__code(arena, h, o);
 }
 
 // k148_gemm: GEMM, 1 op
@@ -7444,19 +3112,8 @@ static void k147_sum__concat__cast(char *arena, const MdlHooks *h) {
 // loops:
 //   gemm %781: [8192 x 768] = [8192 x 2304] T[2304 x 768], bf16 operands (widened to f32 where the library has no bf16 GEMM)
 static void k148_gemm(char *arena, const MdlHooks *h) {
-  uint16_t *const b346 = (uint16_t *)(arena + 2167394304); // %346 cast bf16[768,2304]
-  uint16_t *const b780 = (uint16_t *)(arena + 3097336960); // %780 cast bf16[8192,2304]
-  float *const b781 = (float *)(arena + 3160251520); // %781 matmul f32[8192,768]
-  if (h->bgemm) {
-    mdl_bgemm(h, 0, 1, 8192, 768, 2304, b780, 2304, b346, 2304, 0.0f, b781, 768);
-  }
-  else {
-    float *const w780 = mdl_widen_bf16(b780, 18874368, h->nthreads);
-    float *const w346 = mdl_widen_bf16(b346, 1769472, h->nthreads);
-    mdl_gemm(h, 0, 1, 8192, 768, 2304, w780, 2304, w346, 2304, 0.0f, b781, 768);
-    free(w780);
-    free(w346);
-  }
+  static const int64_t o[] = {2167394304, 3097336960, 3160251520};
+  k100_gemm__code(arena, h, o);
 }
 
 // k149_gemm: GEMM, 1 op
@@ -7464,19 +3121,8 @@ static void k148_gemm(char *arena, const MdlHooks *h) {
 // loops:
 //   gemm %782: [768 x 2304] = T[768 x 8192] [8192 x 2304], bf16 operands (widened to f32 where the library has no bf16 GEMM)
 static void k149_gemm(char *arena, const MdlHooks *h) {
-  uint16_t *const b345 = (uint16_t *)(arena + 5601336448); // %345 cast bf16[8192,768]
-  uint16_t *const b780 = (uint16_t *)(arena + 3097336960); // %780 cast bf16[8192,2304]
-  float *const b782 = (float *)(arena + 853761024); // %782 matmul d.h.7.attn_w f32[768,2304]
-  if (h->bgemm) {
-    mdl_bgemm(h, 1, 0, 768, 2304, 8192, b345, 768, b780, 2304, 0.0f, b782, 2304);
-  }
-  else {
-    float *const w345 = mdl_widen_bf16(b345, 6291456, h->nthreads);
-    float *const w780 = mdl_widen_bf16(b780, 18874368, h->nthreads);
-    mdl_gemm(h, 1, 0, 768, 2304, 8192, w345, 768, w780, 2304, 0.0f, b782, 2304);
-    free(w345);
-    free(w780);
-  }
+  static const int64_t o[] = {5601336448, 3097336960, 853761024};
+  k101_gemm__code(arena, h, o);
 }
 
 // k150_layernorm_bwd__add__sum__cast: kernel, 7 ops
@@ -7490,83 +3136,8 @@ static void k149_gemm(char *arena, const MdlHooks *h) {
 // loops:
 //   layernorm_bwd: 8192 rows of 768, column sums over 64 blocks of 128 rows
 static void k150_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
-  float *const b330 = (float *)(arena + 5009939584); // %330 add h.6.x f32[8,1024,768]
-  float *const b331 = (float *)(arena + 355995648); // %331 param h.7.ln1_w f32[768]
-  float *const b764 = (float *)(arena + 3135085696); // %764 add d.h.7.x f32[8,1024,768]
-  float *const b781 = (float *)(arena + 3160251520); // %781 matmul f32[8192,768]
-  float *const b785 = (float *)(arena + 853754880); // %785 layernorm_bwd d.h.7.ln1_w f32[768]
-  float *const b786 = (float *)(arena + 853757952); // %786 layernorm_bwd d.h.7.ln1_b f32[768]
-  float *const b787 = (float *)(arena + 3185417344); // %787 add d.h.6.x f32[8,1024,768]
-  float *const b789 = (float *)(arena + 853751808); // %789 sum d.h.6.fcproj_b f32[768]
-  uint16_t *const b790 = (uint16_t *)(arena + 3210583168); // %790 cast bf16[8192,768]
-  double *pdw = mdl_scratch(49152 * sizeof(double));
-  double *pdb = mdl_scratch(49152 * sizeof(double));
-  double *ps0 = mdl_scratch(49152 * sizeof(double)); // partials of the column sum %789
-  #pragma omp parallel num_threads(h->nthreads)
-  {
-    float *dxrow = mdl_scratch(768 * sizeof(float));
-    #pragma omp for schedule(static)
-    for (int64_t k = 0; k < 64; k++) {
-      double *sw = pdw + k * 768;
-      double *sb = pdb + k * 768;
-      double *sa0 = ps0 + k * 768;
-      for (int64_t j = 0; j < 768; j++)
-        sw[j] = sb[j] = sa0[j] = 0;
-      const int64_t end = k * 128 + 128 < 8192 ? k * 128 + 128 : 8192;
-      for (int64_t r = k * 128; r < end; r++) {
-        const float *x = b330 + r * 768;
-        const float *dy = b781 + r * 768;
-        double mean = 0, var = 0, mg = 0, mgx = 0;
-        #pragma omp simd reduction(+ : mean)
-        for (int64_t j = 0; j < 768; j++)
-          mean += x[j];
-        mean /= 768;
-        #pragma omp simd reduction(+ : var)
-        for (int64_t j = 0; j < 768; j++)
-          var += (x[j] - mean) * (x[j] - mean);
-        const double rstd = 1.0 / sqrt(var / 768 + 1e-05);
-        #pragma omp simd reduction(+ : mg, mgx)
-        for (int64_t j = 0; j < 768; j++) {
-          const double xhat = (x[j] - mean) * rstd, g = (double)dy[j] * b331[j];
-          mg += g;
-          mgx += g * xhat;
-          sw[j] += dy[j] * xhat;
-          sb[j] += dy[j];
-        }
-        float *dx = dxrow;
-        mg /= 768;
-        mgx /= 768;
-        for (int64_t j = 0; j < 768; j++)
-          dx[j] = (float)(rstd * ((double)dy[j] * b331[j] - mg - (x[j] - mean) * rstd * mgx));
-        for (int64_t j = 0; j < 768; j++) {
-          const int64_t ix = r * 768 + j;
-          const float v764_ix = b764[ix];
-          const float v787_ix = v764_ix + dx[j];
-          b787[ix] = v787_ix;
-          const float v788_ix = v787_ix;
-          const float v790_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v788_ix));
-          b790[ix] = mdl_f32_to_bf16(v790_ix);
-          sa0[j] += v788_ix;
-        }
-      }
-    }
-    free(dxrow);
-  }
-  #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t j = 0; j < 768; j++) {
-    double w = 0, b = 0, a0 = 0;
-    for (int64_t k = 0; k < 64; k++) {
-      w += pdw[k * 768 + j];
-      b += pdb[k * 768 + j];
-      a0 += ps0[k * 768 + j];
-    }
-    b785[j] = (float)w;
-    b786[j] = (float)b;
-    b789[j] = (float)a0;
-  }
-  free(pdw);
-  free(pdb);
-  free(ps0);
+  static const int64_t o[] = {5009939584, 355995648, 3135085696, 3160251520, 853754880, 853757952, 3185417344, 853751808, 3210583168};
+  k102_layernorm_bwd__add__sum__cast__code(arena, h, o);
 }
 
 // k151_gemm: GEMM, 1 op
@@ -7574,19 +3145,8 @@ static void k150_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
 // loops:
 //   gemm %792: [3072 x 768] = T[3072 x 8192] [8192 x 768], bf16 operands (widened to f32 where the library has no bf16 GEMM)
 static void k151_gemm(char *arena, const MdlHooks *h) {
-  uint16_t *const b325 = (uint16_t *)(arena + 3902643328); // %325 cast bf16[8192,3072]
-  uint16_t *const b790 = (uint16_t *)(arena + 3210583168); // %790 cast bf16[8192,768]
-  float *const b792 = (float *)(arena + 844314624); // %792 matmul d.h.6.fcproj_w f32[3072,768]
-  if (h->bgemm) {
-    mdl_bgemm(h, 1, 0, 3072, 768, 8192, b325, 3072, b790, 768, 0.0f, b792, 768);
-  }
-  else {
-    float *const w325 = mdl_widen_bf16(b325, 25165824, h->nthreads);
-    float *const w790 = mdl_widen_bf16(b790, 6291456, h->nthreads);
-    mdl_gemm(h, 1, 0, 3072, 768, 8192, w325, 3072, w790, 768, 0.0f, b792, 768);
-    free(w325);
-    free(w790);
-  }
+  static const int64_t o[] = {3902643328, 3210583168, 844314624};
+  k91_gemm__code(arena, h, o);
 }
 
 // k152_gemm__gelu_bwd__sum__cast: GEMM, 6 ops
@@ -7600,56 +3160,8 @@ static void k151_gemm(char *arena, const MdlHooks *h) {
 //   gemm %791: [8192 x 3072] = [8192 x 768] T[768 x 3072], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
 //   sum %796: 3072 outputs over 8192 elements, in 64 blocks of 128
 static void k152_gemm__gelu_bwd__sum__cast(char *arena, const MdlHooks *h) {
-  float *const b322 = (float *)(arena + 2996673664); // %322 add f32[8,1024,3072]
-  uint16_t *const b326 = (uint16_t *)(arena + 2162675712); // %326 cast bf16[3072,768]
-  uint16_t *const b790 = (uint16_t *)(arena + 3210583168); // %790 cast bf16[8192,768]
-  float *const b791 = mdl_scratch(100663296); // %791 matmul f32[8192,3072], kept in this kernel
-  float *const b796 = (float *)(arena + 844302336); // %796 sum d.h.6.fc_b f32[3072]
-  uint16_t *const b797 = (uint16_t *)(arena + 3097336960); // %797 cast bf16[8192,3072]
-  if (h->bgemm) {
-    mdl_bgemm(h, 0, 1, 8192, 3072, 768, b790, 768, b326, 768, 0.0f, b791, 3072);
-  }
-  else {
-    float *const w790 = mdl_widen_bf16(b790, 6291456, h->nthreads);
-    float *const w326 = mdl_widen_bf16(b326, 2359296, h->nthreads);
-    mdl_gemm(h, 0, 1, 8192, 3072, 768, w790, 768, w326, 768, 0.0f, b791, 3072);
-    free(w790);
-    free(w326);
-  }
-  double *part = mdl_scratch(196608 * sizeof(double));
-  #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t k = 0; k < 64; k++) {
-    double *p = part + k * 3072;
-    for (int64_t c = 0; c < 3072; c++)
-      p[c] = 0.0;
-    const int64_t end = k * 128 + 128 < 8192 ? k * 128 + 128 : 8192;
-    for (int64_t l = k * 128; l < end; l++) {
-      for (int64_t c = 0; c < 3072; c++) {
-        const int64_t ix = l * 3072 + c;
-        const float v322_ix = b322[ix];
-        const float v791_ix = b791[ix];
-        const float v793_ix = v791_ix;
-        const float v794_ix = mdl_gelu_grad(v322_ix) * v793_ix;
-        const float v795_ix = v794_ix;
-        const float v = v795_ix;
-        const float v797_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v795_ix));
-        b797[ix] = mdl_f32_to_bf16(v797_ix);
-        p[c] += v;
-      }
-    }
-  }
-  #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t r = 0; r < 3072; r++) {
-    double acc = 0.0;
-    for (int64_t k = 0; k < 64; k++) {
-      const double v = part[k * 3072 + r];
-      acc += v;
-    }
-    const float y = (float)acc;
-    b796[r] = y;
-  }
-  free(part);
-  free(b791);
+  static const int64_t o[] = {2996673664, 2162675712, 3210583168, 844302336, 3097336960};
+  k92_gemm__gelu_bwd__sum__cast__code(arena, h, o);
 }
 
 // k153_gemm: GEMM, 1 op
@@ -7657,19 +3169,8 @@ static void k152_gemm__gelu_bwd__sum__cast(char *arena, const MdlHooks *h) {
 // loops:
 //   gemm %798: [8192 x 768] = [8192 x 3072] T[3072 x 768], bf16 operands (widened to f32 where the library has no bf16 GEMM)
 static void k153_gemm(char *arena, const MdlHooks *h) {
-  uint16_t *const b319 = (uint16_t *)(arena + 2157957120); // %319 cast bf16[768,3072]
-  uint16_t *const b797 = (uint16_t *)(arena + 3097336960); // %797 cast bf16[8192,3072]
-  float *const b798 = (float *)(arena + 2996673664); // %798 matmul f32[8192,768]
-  if (h->bgemm) {
-    mdl_bgemm(h, 0, 1, 8192, 768, 3072, b797, 3072, b319, 3072, 0.0f, b798, 768);
-  }
-  else {
-    float *const w797 = mdl_widen_bf16(b797, 25165824, h->nthreads);
-    float *const w319 = mdl_widen_bf16(b319, 2359296, h->nthreads);
-    mdl_gemm(h, 0, 1, 8192, 768, 3072, w797, 3072, w319, 3072, 0.0f, b798, 768);
-    free(w797);
-    free(w319);
-  }
+  static const int64_t o[] = {2157957120, 3097336960, 2996673664};
+  k93_gemm__code(arena, h, o);
 }
 
 // k154_gemm: GEMM, 1 op
@@ -7677,19 +3178,8 @@ static void k153_gemm(char *arena, const MdlHooks *h) {
 // loops:
 //   gemm %799: [768 x 3072] = T[768 x 8192] [8192 x 3072], bf16 operands (widened to f32 where the library has no bf16 GEMM)
 static void k154_gemm(char *arena, const MdlHooks *h) {
-  uint16_t *const b318 = (uint16_t *)(arena + 5588753536); // %318 cast bf16[8192,768]
-  uint16_t *const b797 = (uint16_t *)(arena + 3097336960); // %797 cast bf16[8192,3072]
-  float *const b799 = (float *)(arena + 834865152); // %799 matmul d.h.6.fc_w f32[768,3072]
-  if (h->bgemm) {
-    mdl_bgemm(h, 1, 0, 768, 3072, 8192, b318, 768, b797, 3072, 0.0f, b799, 3072);
-  }
-  else {
-    float *const w318 = mdl_widen_bf16(b318, 6291456, h->nthreads);
-    float *const w797 = mdl_widen_bf16(b797, 25165824, h->nthreads);
-    mdl_gemm(h, 1, 0, 768, 3072, 8192, w318, 768, w797, 3072, 0.0f, b799, 3072);
-    free(w318);
-    free(w797);
-  }
+  static const int64_t o[] = {5588753536, 3097336960, 834865152};
+  k94_gemm__code(arena, h, o);
 }
 
 // k155_layernorm_bwd__add__sum__cast: kernel, 7 ops
@@ -7703,83 +3193,8 @@ static void k154_gemm(char *arena, const MdlHooks *h) {
 // loops:
 //   layernorm_bwd: 8192 rows of 768, column sums over 64 blocks of 128 rows
 static void k155_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
-  float *const b291 = (float *)(arena + 337099776); // %291 param h.6.ln2_w f32[768]
-  float *const b315 = (float *)(arena + 4984773760); // %315 add h.6.x f32[8,1024,768]
-  float *const b787 = (float *)(arena + 3185417344); // %787 add d.h.6.x f32[8,1024,768]
-  float *const b798 = (float *)(arena + 2996673664); // %798 matmul f32[8192,768]
-  float *const b802 = (float *)(arena + 834859008); // %802 layernorm_bwd d.h.6.ln2_w f32[768]
-  float *const b803 = (float *)(arena + 834862080); // %803 layernorm_bwd d.h.6.ln2_b f32[768]
-  float *const b804 = (float *)(arena + 3034422400); // %804 add d.h.6.x f32[8,1024,768]
-  float *const b806 = (float *)(arena + 834855936); // %806 sum d.h.6.proj_b f32[768]
-  uint16_t *const b807 = (uint16_t *)(arena + 3021839488); // %807 cast bf16[8192,768]
-  double *pdw = mdl_scratch(49152 * sizeof(double));
-  double *pdb = mdl_scratch(49152 * sizeof(double));
-  double *ps0 = mdl_scratch(49152 * sizeof(double)); // partials of the column sum %806
-  #pragma omp parallel num_threads(h->nthreads)
-  {
-    float *dxrow = mdl_scratch(768 * sizeof(float));
-    #pragma omp for schedule(static)
-    for (int64_t k = 0; k < 64; k++) {
-      double *sw = pdw + k * 768;
-      double *sb = pdb + k * 768;
-      double *sa0 = ps0 + k * 768;
-      for (int64_t j = 0; j < 768; j++)
-        sw[j] = sb[j] = sa0[j] = 0;
-      const int64_t end = k * 128 + 128 < 8192 ? k * 128 + 128 : 8192;
-      for (int64_t r = k * 128; r < end; r++) {
-        const float *x = b315 + r * 768;
-        const float *dy = b798 + r * 768;
-        double mean = 0, var = 0, mg = 0, mgx = 0;
-        #pragma omp simd reduction(+ : mean)
-        for (int64_t j = 0; j < 768; j++)
-          mean += x[j];
-        mean /= 768;
-        #pragma omp simd reduction(+ : var)
-        for (int64_t j = 0; j < 768; j++)
-          var += (x[j] - mean) * (x[j] - mean);
-        const double rstd = 1.0 / sqrt(var / 768 + 1e-05);
-        #pragma omp simd reduction(+ : mg, mgx)
-        for (int64_t j = 0; j < 768; j++) {
-          const double xhat = (x[j] - mean) * rstd, g = (double)dy[j] * b291[j];
-          mg += g;
-          mgx += g * xhat;
-          sw[j] += dy[j] * xhat;
-          sb[j] += dy[j];
-        }
-        float *dx = dxrow;
-        mg /= 768;
-        mgx /= 768;
-        for (int64_t j = 0; j < 768; j++)
-          dx[j] = (float)(rstd * ((double)dy[j] * b291[j] - mg - (x[j] - mean) * rstd * mgx));
-        for (int64_t j = 0; j < 768; j++) {
-          const int64_t ix = r * 768 + j;
-          const float v787_ix = b787[ix];
-          const float v804_ix = v787_ix + dx[j];
-          b804[ix] = v804_ix;
-          const float v805_ix = v804_ix;
-          const float v807_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v805_ix));
-          b807[ix] = mdl_f32_to_bf16(v807_ix);
-          sa0[j] += v805_ix;
-        }
-      }
-    }
-    free(dxrow);
-  }
-  #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t j = 0; j < 768; j++) {
-    double w = 0, b = 0, a0 = 0;
-    for (int64_t k = 0; k < 64; k++) {
-      w += pdw[k * 768 + j];
-      b += pdb[k * 768 + j];
-      a0 += ps0[k * 768 + j];
-    }
-    b802[j] = (float)w;
-    b803[j] = (float)b;
-    b806[j] = (float)a0;
-  }
-  free(pdw);
-  free(pdb);
-  free(ps0);
+  static const int64_t o[] = {337099776, 4984773760, 3185417344, 2996673664, 834859008, 834862080, 3034422400, 834855936, 3021839488};
+  k95_layernorm_bwd__add__sum__cast__code(arena, h, o);
 }
 
 // k156_gemm: GEMM, 1 op
@@ -7787,19 +3202,8 @@ static void k155_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
 // loops:
 //   gemm %809: [768 x 768] = T[768 x 8192] [8192 x 768], bf16 operands (widened to f32 where the library has no bf16 GEMM)
 static void k156_gemm(char *arena, const MdlHooks *h) {
-  uint16_t *const b310 = (uint16_t *)(arena + 5576170624); // %310 cast bf16[8192,768]
-  uint16_t *const b807 = (uint16_t *)(arena + 3021839488); // %807 cast bf16[8192,768]
-  float *const b809 = (float *)(arena + 832496640); // %809 matmul d.h.6.proj_w f32[768,768]
-  if (h->bgemm) {
-    mdl_bgemm(h, 1, 0, 768, 768, 8192, b310, 768, b807, 768, 0.0f, b809, 768);
-  }
-  else {
-    float *const w310 = mdl_widen_bf16(b310, 6291456, h->nthreads);
-    float *const w807 = mdl_widen_bf16(b807, 6291456, h->nthreads);
-    mdl_gemm(h, 1, 0, 768, 768, 8192, w310, 768, w807, 768, 0.0f, b809, 768);
-    free(w310);
-    free(w807);
-  }
+  static const int64_t o[] = {5576170624, 3021839488, 832496640};
+  k96_gemm__code(arena, h, o);
 }
 
 // k157_gemm__cast: GEMM, 3 ops
@@ -7810,31 +3214,8 @@ static void k156_gemm(char *arena, const MdlHooks *h) {
 //   gemm %808: [8192 x 768] = [8192 x 768] T[768 x 768], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
 //   elementwise over 6291456: %813
 static void k157_gemm__cast(char *arena, const MdlHooks *h) {
-  uint16_t *const b311 = (uint16_t *)(arena + 2156777472); // %311 cast bf16[768,768]
-  uint16_t *const b807 = (uint16_t *)(arena + 3021839488); // %807 cast bf16[8192,768]
-  float *const b808 = mdl_scratch(25165824); // %808 matmul f32[8192,768], kept in this kernel
-  uint16_t *const b813 = (uint16_t *)(arena + 2996673664); // %813 cast bf16[8,1024,768]
-  if (h->bgemm) {
-    mdl_bgemm(h, 0, 1, 8192, 768, 768, b807, 768, b311, 768, 0.0f, b808, 768);
-  }
-  else {
-    float *const w807 = mdl_widen_bf16(b807, 6291456, h->nthreads);
-    float *const w311 = mdl_widen_bf16(b311, 589824, h->nthreads);
-    mdl_gemm(h, 0, 1, 8192, 768, 768, w807, 768, w311, 768, 0.0f, b808, 768);
-    free(w807);
-    free(w311);
-  }
-  #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t r = 0; r < 8192; r++) {
-    for (int64_t c = 0; c < 768; c++) {
-      const int64_t i = r * 768 + c;
-      const float v808_i = b808[i];
-      const float v810_i = v808_i;
-      const float v813_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v810_i));
-      b813[i] = mdl_f32_to_bf16(v813_i);
-    }
-  }
-  free(b808);
+  static const int64_t o[] = {2156777472, 3021839488, 2996673664};
+  k97_gemm__cast__code(arena, h, o);
 }
 
 // k158_attention_bwd: attention, 3 ops
@@ -7844,132 +3225,8 @@ static void k157_gemm__cast(char *arena, const MdlHooks *h) {
 // loops:
 //   attention backward (dq dk dv): B 8, T 1024, 12 heads of 64, causal, within documents; one task per (batch, head)
 static void k158_attention_bwd(char *arena, const MdlHooks *h) {
-  int32_t *const b3 = (int32_t *)(arena + 2238271488); // %3 input doc i32[8,1024]
-  uint16_t *const b304 = (uint16_t *)(arena + 4431125632); // %304 cast bf16[8,1024,2304]
-  uint16_t *const b310 = (uint16_t *)(arena + 5576170624); // %310 cast bf16[8192,768]
-  float *const b811 = (float *)(arena + 5805022336); // %811 attention_lse f32[8,12,1024]
-  uint16_t *const b813 = (uint16_t *)(arena + 2996673664); // %813 cast bf16[8,1024,768]
-  float *const b814 = (float *)(arena + 3059588224); // %814 attention_bwd d.h.6.q f32[8,1024,768]
-  float *const b815 = (float *)(arena + 3084754048); // %815 attention_bwd d.h.6.k f32[8,1024,768]
-  float *const b816 = (float *)(arena + 3109919872); // %816 attention_bwd d.h.6.v f32[8,1024,768]
-  #pragma omp parallel num_threads(h->nthreads)
-  {
-    float *restrict kt = memset(mdl_scratch(67584 * sizeof(float)), 0, 67584 * sizeof(float));
-    float *restrict s = memset(mdl_scratch(1056 * sizeof(float)), 0, 1056 * sizeof(float));
-    float *restrict vt = memset(mdl_scratch(67584 * sizeof(float)), 0, 67584 * sizeof(float));
-    float *restrict dp = memset(mdl_scratch(1056 * sizeof(float)), 0, 1056 * sizeof(float));
-    float *restrict dkh = memset(mdl_scratch(65536 * sizeof(float)), 0, 65536 * sizeof(float));
-    float *restrict dvh = memset(mdl_scratch(65536 * sizeof(float)), 0, 65536 * sizeof(float));
-    #pragma omp for schedule(dynamic, 1)
-    for (int64_t task = 0; task < 96; task++) {
-      const int64_t b = task / 12, hd = task % 12;
-      for (int64_t j = 0; j < 1024; j++) {
-        const uint16_t *xj = b304 + 768 + (b * 1024 + j) * 2304 + hd * 64;
-        for (int64_t c = 0; c < 64; c++)
-          kt[c * 1056 + j] = mdl_bf16_to_f32(xj[c]);
-      }
-      for (int64_t j = 0; j < 1024; j++) {
-        const uint16_t *xj = b304 + 1536 + (b * 1024 + j) * 2304 + hd * 64;
-        for (int64_t c = 0; c < 64; c++)
-          vt[c * 1056 + j] = mdl_bf16_to_f32(xj[c]);
-      }
-      memset(dkh, 0, 65536 * sizeof(float));
-      memset(dvh, 0, 65536 * sizeof(float));
-      int64_t lo = 0, hi = 1024;
-      const int32_t *restrict dc = b3 + b * 1024;
-      for (int64_t i = 0; i < 1024; i++) {
-        const int32_t di = dc[i];
-        if (i == 0 || dc[i - 1] != di) {
-          lo = 0;
-          while (dc[lo] != di)
-            lo++;
-        }
-        hi = i + 1;
-        float qr[64];
-        for (int64_t c = 0; c < 64; c++)
-          qr[c] = mdl_bf16_to_f32(b304[(b * 1024 + i) * 2304 + hd * 64 + c]);
-        const float *restrict qi = qr;
-        for (int64_t j0 = lo; j0 < hi; j0 += 32) {
-          float acc[32] = {0};
-          for (int64_t c = 0; c < 64; c++) {
-            const float vc = qi[c], *restrict mc = kt + c * 1056 + j0;
-            #pragma omp simd
-            for (int64_t u = 0; u < 32; u++)
-              acc[u] += vc * mc[u];
-          }
-          memcpy(s + j0, acc, sizeof acc);
-        }
-        const float lse = b811[(b * 12 + hd) * 1024 + i];
-        #pragma omp simd
-        for (int64_t j = lo; j < hi; j++)
-          s[j] = dc[j] == di ? mdl_exp_shifted(s[j] * 0.125f - lse) : 0.0f;
-        float dor[64];
-        for (int64_t c = 0; c < 64; c++)
-          dor[c] = mdl_bf16_to_f32(b813[(b * 1024 + i) * 768 + hd * 64 + c]);
-        const float *restrict doi = dor;
-        float dsum = 0.0f;
-        for (int64_t c = 0; c < 64; c++)
-          dsum += doi[c] * mdl_bf16_to_f32(b310[(b * 1024 + i) * 768 + hd * 64 + c]);
-        for (int64_t j0 = lo; j0 < hi; j0 += 32) {
-          float acc[32] = {0};
-          for (int64_t c = 0; c < 64; c++) {
-            const float vc = doi[c], *restrict mc = vt + c * 1056 + j0;
-            #pragma omp simd
-            for (int64_t u = 0; u < 32; u++)
-              acc[u] += vc * mc[u];
-          }
-          memcpy(dp + j0, acc, sizeof acc);
-        }
-        #pragma omp simd
-        for (int64_t j = lo; j < hi; j++)
-          dp[j] = s[j] * (dp[j] - dsum);
-        float dqi0[64] = {0}, dqi1[64] = {0};
-        int64_t j = lo;
-        for (; j + 1 < hi; j += 2) {
-          const float w0 = mdl_bf16_to_f32(mdl_f32_to_bf16(dp[j])), w1 = mdl_bf16_to_f32(mdl_f32_to_bf16(dp[j + 1]));
-          const uint16_t *restrict x0 = b304 + 768 + (b * 1024 + j) * 2304 + hd * 64, *restrict x1 = x0 + 2304;
-          #pragma omp simd
-          for (int64_t c = 0; c < 64; c++) {
-            dqi0[c] += w0 * mdl_bf16_to_f32(x0[c]);
-            dqi1[c] += w1 * mdl_bf16_to_f32(x1[c]);
-          }
-        }
-        if (j < hi) {
-          const float w0 = mdl_bf16_to_f32(mdl_f32_to_bf16(dp[j]));
-          const uint16_t *restrict x0 = b304 + 768 + (b * 1024 + j) * 2304 + hd * 64;
-          #pragma omp simd
-          for (int64_t c = 0; c < 64; c++)
-            dqi0[c] += w0 * mdl_bf16_to_f32(x0[c]);
-        }
-        float sqi[64];
-        for (int64_t c = 0; c < 64; c++)
-          sqi[c] = 0.125f * qi[c];
-        for (int64_t j = lo; j < hi; j++) {
-          float *restrict dkj = dkh + j * 64;
-          #pragma omp simd
-          for (int64_t c = 0; c < 64; c++)
-            dkj[c] += mdl_bf16_to_f32(mdl_f32_to_bf16(dp[j])) * sqi[c];
-          float *restrict dvj = dvh + j * 64;
-          #pragma omp simd
-          for (int64_t c = 0; c < 64; c++)
-            dvj[c] += mdl_bf16_to_f32(mdl_f32_to_bf16(s[j])) * doi[c];
-        }
-        float *restrict dq = b814 + (b * 1024 + i) * 768 + hd * 64;
-        for (int64_t c = 0; c < 64; c++)
-          dq[c] = 0.125f * (dqi0[c] + dqi1[c]);
-      }
-      for (int64_t t = 0; t < 1024; t++)
-        memcpy(b815 + (b * 1024 + t) * 768 + hd * 64, dkh + t * 64, 64 * sizeof(float));
-      for (int64_t t = 0; t < 1024; t++)
-        memcpy(b816 + (b * 1024 + t) * 768 + hd * 64, dvh + t * 64, 64 * sizeof(float));
-    }
-    free(kt);
-    free(s);
-    free(vt);
-    free(dp);
-    free(dkh);
-    free(dvh);
-  }
+  static const int64_t o[] = {2238271488, 4431125632, 5576170624, 5805022336, 2996673664, 3059588224, 3084754048, 3109919872};
+  k98_attention_bwd__code(arena, h, o);
 }
 
 // k159_sum__concat__cast: kernel, 4 ops
@@ -7980,41 +3237,8 @@ static void k158_attention_bwd(char *arena, const MdlHooks *h) {
 // loops:
 //   sum %819: 2304 outputs over 8192 elements, in 64 blocks of 128
 static void k159_sum__concat__cast(char *arena, const MdlHooks *h) {
-  float *const b814 = (float *)(arena + 3059588224); // %814 attention_bwd d.h.6.q f32[8,1024,768]
-  float *const b815 = (float *)(arena + 3084754048); // %815 attention_bwd d.h.6.k f32[8,1024,768]
-  float *const b816 = (float *)(arena + 3109919872); // %816 attention_bwd d.h.6.v f32[8,1024,768]
-  float *const b819 = (float *)(arena + 832487424); // %819 sum d.h.6.attn_b f32[2304]
-  uint16_t *const b820 = (uint16_t *)(arena + 2996673664); // %820 cast bf16[8192,2304]
-  double *part = mdl_scratch(147456 * sizeof(double));
-  #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t k = 0; k < 64; k++) {
-    double *p = part + k * 2304;
-    for (int64_t c = 0; c < 2304; c++)
-      p[c] = 0.0;
-    const int64_t end = k * 128 + 128 < 8192 ? k * 128 + 128 : 8192;
-    for (int64_t l = k * 128; l < end; l++) {
-      for (int64_t c = 0; c < 2304; c++) {
-        const int64_t ix = l * 2304 + c;
-        const float v817_ix = (c < 768 ? b814 + (l * 768 + c) : c < 1536 ? b815 + (l * 768 + (c - 768)) : b816 + (l * 768 + (c - 1536)))[0];
-        const float v818_ix = v817_ix;
-        const float v = v818_ix;
-        const float v820_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v818_ix));
-        b820[ix] = mdl_f32_to_bf16(v820_ix);
-        p[c] += v;
-      }
-    }
-  }
-  #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t r = 0; r < 2304; r++) {
-    double acc = 0.0;
-    for (int64_t k = 0; k < 64; k++) {
-      const double v = part[k * 2304 + r];
-      acc += v;
-    }
-    const float y = (float)acc;
-    b819[r] = y;
-  }
-  free(part);
+  static const int64_t o[] = {3059588224, 3084754048, 3109919872, 832487424, 2996673664};
+  k99_sum__concat__cast__code(arena, h, o);
 }
 
 // k160_gemm: GEMM, 1 op
@@ -8022,19 +3246,8 @@ static void k159_sum__concat__cast(char *arena, const MdlHooks *h) {
 // loops:
 //   gemm %821: [8192 x 768] = [8192 x 2304] T[2304 x 768], bf16 operands (widened to f32 where the library has no bf16 GEMM)
 static void k160_gemm(char *arena, const MdlHooks *h) {
-  uint16_t *const b300 = (uint16_t *)(arena + 2153238528); // %300 cast bf16[768,2304]
-  uint16_t *const b820 = (uint16_t *)(arena + 2996673664); // %820 cast bf16[8192,2304]
-  float *const b821 = (float *)(arena + 3059588224); // %821 matmul f32[8192,768]
-  if (h->bgemm) {
-    mdl_bgemm(h, 0, 1, 8192, 768, 2304, b820, 2304, b300, 2304, 0.0f, b821, 768);
-  }
-  else {
-    float *const w820 = mdl_widen_bf16(b820, 18874368, h->nthreads);
-    float *const w300 = mdl_widen_bf16(b300, 1769472, h->nthreads);
-    mdl_gemm(h, 0, 1, 8192, 768, 2304, w820, 2304, w300, 2304, 0.0f, b821, 768);
-    free(w820);
-    free(w300);
-  }
+  static const int64_t o[] = {2153238528, 2996673664, 3059588224};
+  k100_gemm__code(arena, h, o);
 }
 
 // k161_gemm: GEMM, 1 op
@@ -8042,19 +3255,8 @@ static void k160_gemm(char *arena, const MdlHooks *h) {
 // loops:
 //   gemm %822: [768 x 2304] = T[768 x 8192] [8192 x 2304], bf16 operands (widened to f32 where the library has no bf16 GEMM)
 static void k161_gemm(char *arena, const MdlHooks *h) {
-  uint16_t *const b299 = (uint16_t *)(arena + 5563587712); // %299 cast bf16[8192,768]
-  uint16_t *const b820 = (uint16_t *)(arena + 2996673664); // %820 cast bf16[8192,2304]
-  float *const b822 = (float *)(arena + 825409536); // %822 matmul d.h.6.attn_w f32[768,2304]
-  if (h->bgemm) {
-    mdl_bgemm(h, 1, 0, 768, 2304, 8192, b299, 768, b820, 2304, 0.0f, b822, 2304);
-  }
-  else {
-    float *const w299 = mdl_widen_bf16(b299, 6291456, h->nthreads);
-    float *const w820 = mdl_widen_bf16(b820, 18874368, h->nthreads);
-    mdl_gemm(h, 1, 0, 768, 2304, 8192, w299, 768, w820, 2304, 0.0f, b822, 2304);
-    free(w299);
-    free(w820);
-  }
+  static const int64_t o[] = {5563587712, 2996673664, 825409536};
+  k101_gemm__code(arena, h, o);
 }
 
 // k162_layernorm_bwd__add__sum__cast: kernel, 7 ops
@@ -8068,83 +3270,8 @@ static void k161_gemm(char *arena, const MdlHooks *h) {
 // loops:
 //   layernorm_bwd: 8192 rows of 768, column sums over 64 blocks of 128 rows
 static void k162_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
-  float *const b284 = (float *)(arena + 4959607936); // %284 add h.5.x f32[8,1024,768]
-  float *const b285 = (float *)(arena + 327644160); // %285 param h.6.ln1_w f32[768]
-  float *const b804 = (float *)(arena + 3034422400); // %804 add d.h.6.x f32[8,1024,768]
-  float *const b821 = (float *)(arena + 3059588224); // %821 matmul f32[8192,768]
-  float *const b825 = (float *)(arena + 825403392); // %825 layernorm_bwd d.h.6.ln1_w f32[768]
-  float *const b826 = (float *)(arena + 825406464); // %826 layernorm_bwd d.h.6.ln1_b f32[768]
-  float *const b827 = (float *)(arena + 3084754048); // %827 add d.h.5.x f32[8,1024,768]
-  float *const b829 = (float *)(arena + 825400320); // %829 sum d.h.5.fcproj_b f32[768]
-  uint16_t *const b830 = (uint16_t *)(arena + 3109919872); // %830 cast bf16[8192,768]
-  double *pdw = mdl_scratch(49152 * sizeof(double));
-  double *pdb = mdl_scratch(49152 * sizeof(double));
-  double *ps0 = mdl_scratch(49152 * sizeof(double)); // partials of the column sum %829
-  #pragma omp parallel num_threads(h->nthreads)
-  {
-    float *dxrow = mdl_scratch(768 * sizeof(float));
-    #pragma omp for schedule(static)
-    for (int64_t k = 0; k < 64; k++) {
-      double *sw = pdw + k * 768;
-      double *sb = pdb + k * 768;
-      double *sa0 = ps0 + k * 768;
-      for (int64_t j = 0; j < 768; j++)
-        sw[j] = sb[j] = sa0[j] = 0;
-      const int64_t end = k * 128 + 128 < 8192 ? k * 128 + 128 : 8192;
-      for (int64_t r = k * 128; r < end; r++) {
-        const float *x = b284 + r * 768;
-        const float *dy = b821 + r * 768;
-        double mean = 0, var = 0, mg = 0, mgx = 0;
-        #pragma omp simd reduction(+ : mean)
-        for (int64_t j = 0; j < 768; j++)
-          mean += x[j];
-        mean /= 768;
-        #pragma omp simd reduction(+ : var)
-        for (int64_t j = 0; j < 768; j++)
-          var += (x[j] - mean) * (x[j] - mean);
-        const double rstd = 1.0 / sqrt(var / 768 + 1e-05);
-        #pragma omp simd reduction(+ : mg, mgx)
-        for (int64_t j = 0; j < 768; j++) {
-          const double xhat = (x[j] - mean) * rstd, g = (double)dy[j] * b285[j];
-          mg += g;
-          mgx += g * xhat;
-          sw[j] += dy[j] * xhat;
-          sb[j] += dy[j];
-        }
-        float *dx = dxrow;
-        mg /= 768;
-        mgx /= 768;
-        for (int64_t j = 0; j < 768; j++)
-          dx[j] = (float)(rstd * ((double)dy[j] * b285[j] - mg - (x[j] - mean) * rstd * mgx));
-        for (int64_t j = 0; j < 768; j++) {
-          const int64_t ix = r * 768 + j;
-          const float v804_ix = b804[ix];
-          const float v827_ix = v804_ix + dx[j];
-          b827[ix] = v827_ix;
-          const float v828_ix = v827_ix;
-          const float v830_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v828_ix));
-          b830[ix] = mdl_f32_to_bf16(v830_ix);
-          sa0[j] += v828_ix;
-        }
-      }
-    }
-    free(dxrow);
-  }
-  #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t j = 0; j < 768; j++) {
-    double w = 0, b = 0, a0 = 0;
-    for (int64_t k = 0; k < 64; k++) {
-      w += pdw[k * 768 + j];
-      b += pdb[k * 768 + j];
-      a0 += ps0[k * 768 + j];
-    }
-    b825[j] = (float)w;
-    b826[j] = (float)b;
-    b829[j] = (float)a0;
-  }
-  free(pdw);
-  free(pdb);
-  free(ps0);
+  static const int64_t o[] = {4959607936, 327644160, 3034422400, 3059588224, 825403392, 825406464, 3084754048, 825400320, 3109919872};
+  k102_layernorm_bwd__add__sum__cast__code(arena, h, o);
 }
 
 // k163_gemm: GEMM, 1 op
@@ -8152,19 +3279,8 @@ static void k162_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
 // loops:
 //   gemm %832: [3072 x 768] = T[3072 x 8192] [8192 x 768], bf16 operands (widened to f32 where the library has no bf16 GEMM)
 static void k163_gemm(char *arena, const MdlHooks *h) {
-  uint16_t *const b279 = (uint16_t *)(arena + 3852311680); // %279 cast bf16[8192,3072]
-  uint16_t *const b830 = (uint16_t *)(arena + 3109919872); // %830 cast bf16[8192,768]
-  float *const b832 = (float *)(arena + 815963136); // %832 matmul d.h.5.fcproj_w f32[3072,768]
-  if (h->bgemm) {
-    mdl_bgemm(h, 1, 0, 3072, 768, 8192, b279, 3072, b830, 768, 0.0f, b832, 768);
-  }
-  else {
-    float *const w279 = mdl_widen_bf16(b279, 25165824, h->nthreads);
-    float *const w830 = mdl_widen_bf16(b830, 6291456, h->nthreads);
-    mdl_gemm(h, 1, 0, 3072, 768, 8192, w279, 3072, w830, 768, 0.0f, b832, 768);
-    free(w279);
-    free(w830);
-  }
+  static const int64_t o[] = {3852311680, 3109919872, 815963136};
+  k91_gemm__code(arena, h, o);
 }
 
 // k164_gemm__gelu_bwd__sum__cast: GEMM, 6 ops
@@ -8178,56 +3294,8 @@ static void k163_gemm(char *arena, const MdlHooks *h) {
 //   gemm %831: [8192 x 3072] = [8192 x 768] T[768 x 3072], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
 //   sum %836: 3072 outputs over 8192 elements, in 64 blocks of 128
 static void k164_gemm__gelu_bwd__sum__cast(char *arena, const MdlHooks *h) {
-  float *const b276 = (float *)(arena + 2896010368); // %276 add f32[8,1024,3072]
-  uint16_t *const b280 = (uint16_t *)(arena + 2148519936); // %280 cast bf16[3072,768]
-  uint16_t *const b830 = (uint16_t *)(arena + 3109919872); // %830 cast bf16[8192,768]
-  float *const b831 = mdl_scratch(100663296); // %831 matmul f32[8192,3072], kept in this kernel
-  float *const b836 = (float *)(arena + 815950848); // %836 sum d.h.5.fc_b f32[3072]
-  uint16_t *const b837 = (uint16_t *)(arena + 2996673664); // %837 cast bf16[8192,3072]
-  if (h->bgemm) {
-    mdl_bgemm(h, 0, 1, 8192, 3072, 768, b830, 768, b280, 768, 0.0f, b831, 3072);
-  }
-  else {
-    float *const w830 = mdl_widen_bf16(b830, 6291456, h->nthreads);
-    float *const w280 = mdl_widen_bf16(b280, 2359296, h->nthreads);
-    mdl_gemm(h, 0, 1, 8192, 3072, 768, w830, 768, w280, 768, 0.0f, b831, 3072);
-    free(w830);
-    free(w280);
-  }
-  double *part = mdl_scratch(196608 * sizeof(double));
-  #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t k = 0; k < 64; k++) {
-    double *p = part + k * 3072;
-    for (int64_t c = 0; c < 3072; c++)
-      p[c] = 0.0;
-    const int64_t end = k * 128 + 128 < 8192 ? k * 128 + 128 : 8192;
-    for (int64_t l = k * 128; l < end; l++) {
-      for (int64_t c = 0; c < 3072; c++) {
-        const int64_t ix = l * 3072 + c;
-        const float v276_ix = b276[ix];
-        const float v831_ix = b831[ix];
-        const float v833_ix = v831_ix;
-        const float v834_ix = mdl_gelu_grad(v276_ix) * v833_ix;
-        const float v835_ix = v834_ix;
-        const float v = v835_ix;
-        const float v837_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v835_ix));
-        b837[ix] = mdl_f32_to_bf16(v837_ix);
-        p[c] += v;
-      }
-    }
-  }
-  #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t r = 0; r < 3072; r++) {
-    double acc = 0.0;
-    for (int64_t k = 0; k < 64; k++) {
-      const double v = part[k * 3072 + r];
-      acc += v;
-    }
-    const float y = (float)acc;
-    b836[r] = y;
-  }
-  free(part);
-  free(b831);
+  static const int64_t o[] = {2896010368, 2148519936, 3109919872, 815950848, 2996673664};
+  k92_gemm__gelu_bwd__sum__cast__code(arena, h, o);
 }
 
 // k165_gemm: GEMM, 1 op
@@ -8235,19 +3303,8 @@ static void k164_gemm__gelu_bwd__sum__cast(char *arena, const MdlHooks *h) {
 // loops:
 //   gemm %838: [8192 x 768] = [8192 x 3072] T[3072 x 768], bf16 operands (widened to f32 where the library has no bf16 GEMM)
 static void k165_gemm(char *arena, const MdlHooks *h) {
-  uint16_t *const b273 = (uint16_t *)(arena + 2143801344); // %273 cast bf16[768,3072]
-  uint16_t *const b837 = (uint16_t *)(arena + 2996673664); // %837 cast bf16[8192,3072]
-  float *const b838 = (float *)(arena + 2896010368); // %838 matmul f32[8192,768]
-  if (h->bgemm) {
-    mdl_bgemm(h, 0, 1, 8192, 768, 3072, b837, 3072, b273, 3072, 0.0f, b838, 768);
-  }
-  else {
-    float *const w837 = mdl_widen_bf16(b837, 25165824, h->nthreads);
-    float *const w273 = mdl_widen_bf16(b273, 2359296, h->nthreads);
-    mdl_gemm(h, 0, 1, 8192, 768, 3072, w837, 3072, w273, 3072, 0.0f, b838, 768);
-    free(w837);
-    free(w273);
-  }
+  static const int64_t o[] = {2143801344, 2996673664, 2896010368};
+  k93_gemm__code(arena, h, o);
 }
 
 // k166_gemm: GEMM, 1 op
@@ -8255,19 +3312,8 @@ static void k165_gemm(char *arena, const MdlHooks *h) {
 // loops:
 //   gemm %839: [768 x 3072] = T[768 x 8192] [8192 x 3072], bf16 operands (widened to f32 where the library has no bf16 GEMM)
 static void k166_gemm(char *arena, const MdlHooks *h) {
-  uint16_t *const b272 = (uint16_t *)(arena + 5551004800); // %272 cast bf16[8192,768]
-  uint16_t *const b837 = (uint16_t *)(arena + 2996673664); // %837 cast bf16[8192,3072]
-  float *const b839 = (float *)(arena + 806513664); // %839 matmul d.h.5.fc_w f32[768,3072]
-  if (h->bgemm) {
-    mdl_bgemm(h, 1, 0, 768, 3072, 8192, b272, 768, b837, 3072, 0.0f, b839, 3072);
-  }
-  else {
-    float *const w272 = mdl_widen_bf16(b272, 6291456, h->nthreads);
-    float *const w837 = mdl_widen_bf16(b837, 25165824, h->nthreads);
-    mdl_gemm(h, 1, 0, 768, 3072, 8192, w272, 768, w837, 3072, 0.0f, b839, 3072);
-    free(w272);
-    free(w837);
-  }
+  static const int64_t o[] = {5551004800, 2996673664, 806513664};
+  k94_gemm__code(arena, h, o);
 }
 
 // k167_layernorm_bwd__add__sum__cast: kernel, 7 ops
@@ -8281,83 +3327,8 @@ static void k166_gemm(char *arena, const MdlHooks *h) {
 // loops:
 //   layernorm_bwd: 8192 rows of 768, column sums over 64 blocks of 128 rows
 static void k167_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
-  float *const b245 = (float *)(arena + 308748288); // %245 param h.5.ln2_w f32[768]
-  float *const b269 = (float *)(arena + 4934442112); // %269 add h.5.x f32[8,1024,768]
-  float *const b827 = (float *)(arena + 3084754048); // %827 add d.h.5.x f32[8,1024,768]
-  float *const b838 = (float *)(arena + 2896010368); // %838 matmul f32[8192,768]
-  float *const b842 = (float *)(arena + 806507520); // %842 layernorm_bwd d.h.5.ln2_w f32[768]
-  float *const b843 = (float *)(arena + 806510592); // %843 layernorm_bwd d.h.5.ln2_b f32[768]
-  float *const b844 = (float *)(arena + 2933759104); // %844 add d.h.5.x f32[8,1024,768]
-  float *const b846 = (float *)(arena + 806504448); // %846 sum d.h.5.proj_b f32[768]
-  uint16_t *const b847 = (uint16_t *)(arena + 2921176192); // %847 cast bf16[8192,768]
-  double *pdw = mdl_scratch(49152 * sizeof(double));
-  double *pdb = mdl_scratch(49152 * sizeof(double));
-  double *ps0 = mdl_scratch(49152 * sizeof(double)); // partials of the column sum %846
-  #pragma omp parallel num_threads(h->nthreads)
-  {
-    float *dxrow = mdl_scratch(768 * sizeof(float));
-    #pragma omp for schedule(static)
-    for (int64_t k = 0; k < 64; k++) {
-      double *sw = pdw + k * 768;
-      double *sb = pdb + k * 768;
-      double *sa0 = ps0 + k * 768;
-      for (int64_t j = 0; j < 768; j++)
-        sw[j] = sb[j] = sa0[j] = 0;
-      const int64_t end = k * 128 + 128 < 8192 ? k * 128 + 128 : 8192;
-      for (int64_t r = k * 128; r < end; r++) {
-        const float *x = b269 + r * 768;
-        const float *dy = b838 + r * 768;
-        double mean = 0, var = 0, mg = 0, mgx = 0;
-        #pragma omp simd reduction(+ : mean)
-        for (int64_t j = 0; j < 768; j++)
-          mean += x[j];
-        mean /= 768;
-        #pragma omp simd reduction(+ : var)
-        for (int64_t j = 0; j < 768; j++)
-          var += (x[j] - mean) * (x[j] - mean);
-        const double rstd = 1.0 / sqrt(var / 768 + 1e-05);
-        #pragma omp simd reduction(+ : mg, mgx)
-        for (int64_t j = 0; j < 768; j++) {
-          const double xhat = (x[j] - mean) * rstd, g = (double)dy[j] * b245[j];
-          mg += g;
-          mgx += g * xhat;
-          sw[j] += dy[j] * xhat;
-          sb[j] += dy[j];
-        }
-        float *dx = dxrow;
-        mg /= 768;
-        mgx /= 768;
-        for (int64_t j = 0; j < 768; j++)
-          dx[j] = (float)(rstd * ((double)dy[j] * b245[j] - mg - (x[j] - mean) * rstd * mgx));
-        for (int64_t j = 0; j < 768; j++) {
-          const int64_t ix = r * 768 + j;
-          const float v827_ix = b827[ix];
-          const float v844_ix = v827_ix + dx[j];
-          b844[ix] = v844_ix;
-          const float v845_ix = v844_ix;
-          const float v847_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v845_ix));
-          b847[ix] = mdl_f32_to_bf16(v847_ix);
-          sa0[j] += v845_ix;
-        }
-      }
-    }
-    free(dxrow);
-  }
-  #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t j = 0; j < 768; j++) {
-    double w = 0, b = 0, a0 = 0;
-    for (int64_t k = 0; k < 64; k++) {
-      w += pdw[k * 768 + j];
-      b += pdb[k * 768 + j];
-      a0 += ps0[k * 768 + j];
-    }
-    b842[j] = (float)w;
-    b843[j] = (float)b;
-    b846[j] = (float)a0;
-  }
-  free(pdw);
-  free(pdb);
-  free(ps0);
+  static const int64_t o[] = {308748288, 4934442112, 3084754048, 2896010368, 806507520, 806510592, 2933759104, 806504448, 2921176192};
+  k95_layernorm_bwd__add__sum__cast__code(arena, h, o);
 }
 
 // k168_gemm: GEMM, 1 op
@@ -8365,19 +3336,8 @@ static void k167_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
 // loops:
 //   gemm %849: [768 x 768] = T[768 x 8192] [8192 x 768], bf16 operands (widened to f32 where the library has no bf16 GEMM)
 static void k168_gemm(char *arena, const MdlHooks *h) {
-  uint16_t *const b264 = (uint16_t *)(arena + 5538421888); // %264 cast bf16[8192,768]
-  uint16_t *const b847 = (uint16_t *)(arena + 2921176192); // %847 cast bf16[8192,768]
-  float *const b849 = (float *)(arena + 804145152); // %849 matmul d.h.5.proj_w f32[768,768]
-  if (h->bgemm) {
-    mdl_bgemm(h, 1, 0, 768, 768, 8192, b264, 768, b847, 768, 0.0f, b849, 768);
-  }
-  else {
-    float *const w264 = mdl_widen_bf16(b264, 6291456, h->nthreads);
-    float *const w847 = mdl_widen_bf16(b847, 6291456, h->nthreads);
-    mdl_gemm(h, 1, 0, 768, 768, 8192, w264, 768, w847, 768, 0.0f, b849, 768);
-    free(w264);
-    free(w847);
-  }
+  static const int64_t o[] = {5538421888, 2921176192, 804145152};
+  k96_gemm__code(arena, h, o);
 }
 
 // k169_gemm__cast: GEMM, 3 ops
@@ -8388,31 +3348,8 @@ static void k168_gemm(char *arena, const MdlHooks *h) {
 //   gemm %848: [8192 x 768] = [8192 x 768] T[768 x 768], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
 //   elementwise over 6291456: %853
 static void k169_gemm__cast(char *arena, const MdlHooks *h) {
-  uint16_t *const b265 = (uint16_t *)(arena + 2142621696); // %265 cast bf16[768,768]
-  uint16_t *const b847 = (uint16_t *)(arena + 2921176192); // %847 cast bf16[8192,768]
-  float *const b848 = mdl_scratch(25165824); // %848 matmul f32[8192,768], kept in this kernel
-  uint16_t *const b853 = (uint16_t *)(arena + 2896010368); // %853 cast bf16[8,1024,768]
-  if (h->bgemm) {
-    mdl_bgemm(h, 0, 1, 8192, 768, 768, b847, 768, b265, 768, 0.0f, b848, 768);
-  }
-  else {
-    float *const w847 = mdl_widen_bf16(b847, 6291456, h->nthreads);
-    float *const w265 = mdl_widen_bf16(b265, 589824, h->nthreads);
-    mdl_gemm(h, 0, 1, 8192, 768, 768, w847, 768, w265, 768, 0.0f, b848, 768);
-    free(w847);
-    free(w265);
-  }
-  #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t r = 0; r < 8192; r++) {
-    for (int64_t c = 0; c < 768; c++) {
-      const int64_t i = r * 768 + c;
-      const float v848_i = b848[i];
-      const float v850_i = v848_i;
-      const float v853_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v850_i));
-      b853[i] = mdl_f32_to_bf16(v853_i);
-    }
-  }
-  free(b848);
+  static const int64_t o[] = {2142621696, 2921176192, 2896010368};
+  k97_gemm__cast__code(arena, h, o);
 }
 
 // k170_attention_bwd: attention, 3 ops
@@ -8422,132 +3359,8 @@ static void k169_gemm__cast(char *arena, const MdlHooks *h) {
 // loops:
 //   attention backward (dq dk dv): B 8, T 1024, 12 heads of 64, causal, within documents; one task per (batch, head)
 static void k170_attention_bwd(char *arena, const MdlHooks *h) {
-  int32_t *const b3 = (int32_t *)(arena + 2238271488); // %3 input doc i32[8,1024]
-  uint16_t *const b258 = (uint16_t *)(arena + 4393376896); // %258 cast bf16[8,1024,2304]
-  uint16_t *const b264 = (uint16_t *)(arena + 5538421888); // %264 cast bf16[8192,768]
-  float *const b851 = (float *)(arena + 5804629120); // %851 attention_lse f32[8,12,1024]
-  uint16_t *const b853 = (uint16_t *)(arena + 2896010368); // %853 cast bf16[8,1024,768]
-  float *const b854 = (float *)(arena + 2958924928); // %854 attention_bwd d.h.5.q f32[8,1024,768]
-  float *const b855 = (float *)(arena + 2984090752); // %855 attention_bwd d.h.5.k f32[8,1024,768]
-  float *const b856 = (float *)(arena + 3009256576); // %856 attention_bwd d.h.5.v f32[8,1024,768]
-  #pragma omp parallel num_threads(h->nthreads)
-  {
-    float *restrict kt = memset(mdl_scratch(67584 * sizeof(float)), 0, 67584 * sizeof(float));
-    float *restrict s = memset(mdl_scratch(1056 * sizeof(float)), 0, 1056 * sizeof(float));
-    float *restrict vt = memset(mdl_scratch(67584 * sizeof(float)), 0, 67584 * sizeof(float));
-    float *restrict dp = memset(mdl_scratch(1056 * sizeof(float)), 0, 1056 * sizeof(float));
-    float *restrict dkh = memset(mdl_scratch(65536 * sizeof(float)), 0, 65536 * sizeof(float));
-    float *restrict dvh = memset(mdl_scratch(65536 * sizeof(float)), 0, 65536 * sizeof(float));
-    #pragma omp for schedule(dynamic, 1)
-    for (int64_t task = 0; task < 96; task++) {
-      const int64_t b = task / 12, hd = task % 12;
-      for (int64_t j = 0; j < 1024; j++) {
-        const uint16_t *xj = b258 + 768 + (b * 1024 + j) * 2304 + hd * 64;
-        for (int64_t c = 0; c < 64; c++)
-          kt[c * 1056 + j] = mdl_bf16_to_f32(xj[c]);
-      }
-      for (int64_t j = 0; j < 1024; j++) {
-        const uint16_t *xj = b258 + 1536 + (b * 1024 + j) * 2304 + hd * 64;
-        for (int64_t c = 0; c < 64; c++)
-          vt[c * 1056 + j] = mdl_bf16_to_f32(xj[c]);
-      }
-      memset(dkh, 0, 65536 * sizeof(float));
-      memset(dvh, 0, 65536 * sizeof(float));
-      int64_t lo = 0, hi = 1024;
-      const int32_t *restrict dc = b3 + b * 1024;
-      for (int64_t i = 0; i < 1024; i++) {
-        const int32_t di = dc[i];
-        if (i == 0 || dc[i - 1] != di) {
-          lo = 0;
-          while (dc[lo] != di)
-            lo++;
-        }
-        hi = i + 1;
-        float qr[64];
-        for (int64_t c = 0; c < 64; c++)
-          qr[c] = mdl_bf16_to_f32(b258[(b * 1024 + i) * 2304 + hd * 64 + c]);
-        const float *restrict qi = qr;
-        for (int64_t j0 = lo; j0 < hi; j0 += 32) {
-          float acc[32] = {0};
-          for (int64_t c = 0; c < 64; c++) {
-            const float vc = qi[c], *restrict mc = kt + c * 1056 + j0;
-            #pragma omp simd
-            for (int64_t u = 0; u < 32; u++)
-              acc[u] += vc * mc[u];
-          }
-          memcpy(s + j0, acc, sizeof acc);
-        }
-        const float lse = b851[(b * 12 + hd) * 1024 + i];
-        #pragma omp simd
-        for (int64_t j = lo; j < hi; j++)
-          s[j] = dc[j] == di ? mdl_exp_shifted(s[j] * 0.125f - lse) : 0.0f;
-        float dor[64];
-        for (int64_t c = 0; c < 64; c++)
-          dor[c] = mdl_bf16_to_f32(b853[(b * 1024 + i) * 768 + hd * 64 + c]);
-        const float *restrict doi = dor;
-        float dsum = 0.0f;
-        for (int64_t c = 0; c < 64; c++)
-          dsum += doi[c] * mdl_bf16_to_f32(b264[(b * 1024 + i) * 768 + hd * 64 + c]);
-        for (int64_t j0 = lo; j0 < hi; j0 += 32) {
-          float acc[32] = {0};
-          for (int64_t c = 0; c < 64; c++) {
-            const float vc = doi[c], *restrict mc = vt + c * 1056 + j0;
-            #pragma omp simd
-            for (int64_t u = 0; u < 32; u++)
-              acc[u] += vc * mc[u];
-          }
-          memcpy(dp + j0, acc, sizeof acc);
-        }
-        #pragma omp simd
-        for (int64_t j = lo; j < hi; j++)
-          dp[j] = s[j] * (dp[j] - dsum);
-        float dqi0[64] = {0}, dqi1[64] = {0};
-        int64_t j = lo;
-        for (; j + 1 < hi; j += 2) {
-          const float w0 = mdl_bf16_to_f32(mdl_f32_to_bf16(dp[j])), w1 = mdl_bf16_to_f32(mdl_f32_to_bf16(dp[j + 1]));
-          const uint16_t *restrict x0 = b258 + 768 + (b * 1024 + j) * 2304 + hd * 64, *restrict x1 = x0 + 2304;
-          #pragma omp simd
-          for (int64_t c = 0; c < 64; c++) {
-            dqi0[c] += w0 * mdl_bf16_to_f32(x0[c]);
-            dqi1[c] += w1 * mdl_bf16_to_f32(x1[c]);
-          }
-        }
-        if (j < hi) {
-          const float w0 = mdl_bf16_to_f32(mdl_f32_to_bf16(dp[j]));
-          const uint16_t *restrict x0 = b258 + 768 + (b * 1024 + j) * 2304 + hd * 64;
-          #pragma omp simd
-          for (int64_t c = 0; c < 64; c++)
-            dqi0[c] += w0 * mdl_bf16_to_f32(x0[c]);
-        }
-        float sqi[64];
-        for (int64_t c = 0; c < 64; c++)
-          sqi[c] = 0.125f * qi[c];
-        for (int64_t j = lo; j < hi; j++) {
-          float *restrict dkj = dkh + j * 64;
-          #pragma omp simd
-          for (int64_t c = 0; c < 64; c++)
-            dkj[c] += mdl_bf16_to_f32(mdl_f32_to_bf16(dp[j])) * sqi[c];
-          float *restrict dvj = dvh + j * 64;
-          #pragma omp simd
-          for (int64_t c = 0; c < 64; c++)
-            dvj[c] += mdl_bf16_to_f32(mdl_f32_to_bf16(s[j])) * doi[c];
-        }
-        float *restrict dq = b854 + (b * 1024 + i) * 768 + hd * 64;
-        for (int64_t c = 0; c < 64; c++)
-          dq[c] = 0.125f * (dqi0[c] + dqi1[c]);
-      }
-      for (int64_t t = 0; t < 1024; t++)
-        memcpy(b855 + (b * 1024 + t) * 768 + hd * 64, dkh + t * 64, 64 * sizeof(float));
-      for (int64_t t = 0; t < 1024; t++)
-        memcpy(b856 + (b * 1024 + t) * 768 + hd * 64, dvh + t * 64, 64 * sizeof(float));
-    }
-    free(kt);
-    free(s);
-    free(vt);
-    free(dp);
-    free(dkh);
-    free(dvh);
-  }
+  static const int64_t o[] = {2238271488, 4393376896, 5538421888, 5804629120, 2896010368, 2958924928, 2984090752, 3009256576};
+  k98_attention_bwd__code(arena, h, o);
 }
 
 // k171_sum__concat__cast: kernel, 4 ops
@@ -8558,41 +3371,8 @@ static void k170_attention_bwd(char *arena, const MdlHooks *h) {
 // loops:
 //   sum %859: 2304 outputs over 8192 elements, in 64 blocks of 128
 static void k171_sum__concat__cast(char *arena, const MdlHooks *h) {
-  float *const b854 = (float *)(arena + 2958924928); // %854 attention_bwd d.h.5.q f32[8,1024,768]
-  float *const b855 = (float *)(arena + 2984090752); // %855 attention_bwd d.h.5.k f32[8,1024,768]
-  float *const b856 = (float *)(arena + 3009256576); // %856 attention_bwd d.h.5.v f32[8,1024,768]
-  float *const b859 = (float *)(arena + 804135936); // %859 sum d.h.5.attn_b f32[2304]
-  uint16_t *const b860 = (uint16_t *)(arena + 2896010368); // %860 cast bf16[8192,2304]
-  double *part = mdl_scratch(147456 * sizeof(double));
-  #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t k = 0; k < 64; k++) {
-    double *p = part + k * 2304;
-    for (int64_t c = 0; c < 2304; c++)
-      p[c] = 0.0;
-    const int64_t end = k * 128 + 128 < 8192 ? k * 128 + 128 : 8192;
-    for (int64_t l = k * 128; l < end; l++) {
-      for (int64_t c = 0; c < 2304; c++) {
-        const int64_t ix = l * 2304 + c;
-        const float v857_ix = (c < 768 ? b854 + (l * 768 + c) : c < 1536 ? b855 + (l * 768 + (c - 768)) : b856 + (l * 768 + (c - 1536)))[0];
-        const float v858_ix = v857_ix;
-        const float v = v858_ix;
-        const float v860_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v858_ix));
-        b860[ix] = mdl_f32_to_bf16(v860_ix);
-        p[c] += v;
-      }
-    }
-  }
-  #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t r = 0; r < 2304; r++) {
-    double acc = 0.0;
-    for (int64_t k = 0; k < 64; k++) {
-      const double v = part[k * 2304 + r];
-      acc += v;
-    }
-    const float y = (float)acc;
-    b859[r] = y;
-  }
-  free(part);
+  static const int64_t o[] = {2958924928, 2984090752, 3009256576, 804135936, 2896010368};
+  k99_sum__concat__cast__code(arena, h, o);
 }
 
 // k172_gemm: GEMM, 1 op
@@ -8600,19 +3380,8 @@ static void k171_sum__concat__cast(char *arena, const MdlHooks *h) {
 // loops:
 //   gemm %861: [8192 x 768] = [8192 x 2304] T[2304 x 768], bf16 operands (widened to f32 where the library has no bf16 GEMM)
 static void k172_gemm(char *arena, const MdlHooks *h) {
-  uint16_t *const b254 = (uint16_t *)(arena + 2139082752); // %254 cast bf16[768,2304]
-  uint16_t *const b860 = (uint16_t *)(arena + 2896010368); // %860 cast bf16[8192,2304]
-  float *const b861 = (float *)(arena + 2958924928); // %861 matmul f32[8192,768]
-  if (h->bgemm) {
-    mdl_bgemm(h, 0, 1, 8192, 768, 2304, b860, 2304, b254, 2304, 0.0f, b861, 768);
-  }
-  else {
-    float *const w860 = mdl_widen_bf16(b860, 18874368, h->nthreads);
-    float *const w254 = mdl_widen_bf16(b254, 1769472, h->nthreads);
-    mdl_gemm(h, 0, 1, 8192, 768, 2304, w860, 2304, w254, 2304, 0.0f, b861, 768);
-    free(w860);
-    free(w254);
-  }
+  static const int64_t o[] = {2139082752, 2896010368, 2958924928};
+  k100_gemm__code(arena, h, o);
 }
 
 // k173_gemm: GEMM, 1 op
@@ -8620,19 +3389,8 @@ static void k172_gemm(char *arena, const MdlHooks *h) {
 // loops:
 //   gemm %862: [768 x 2304] = T[768 x 8192] [8192 x 2304], bf16 operands (widened to f32 where the library has no bf16 GEMM)
 static void k173_gemm(char *arena, const MdlHooks *h) {
-  uint16_t *const b253 = (uint16_t *)(arena + 5525838976); // %253 cast bf16[8192,768]
-  uint16_t *const b860 = (uint16_t *)(arena + 2896010368); // %860 cast bf16[8192,2304]
-  float *const b862 = (float *)(arena + 797058048); // %862 matmul d.h.5.attn_w f32[768,2304]
-  if (h->bgemm) {
-    mdl_bgemm(h, 1, 0, 768, 2304, 8192, b253, 768, b860, 2304, 0.0f, b862, 2304);
-  }
-  else {
-    float *const w253 = mdl_widen_bf16(b253, 6291456, h->nthreads);
-    float *const w860 = mdl_widen_bf16(b860, 18874368, h->nthreads);
-    mdl_gemm(h, 1, 0, 768, 2304, 8192, w253, 768, w860, 2304, 0.0f, b862, 2304);
-    free(w253);
-    free(w860);
-  }
+  static const int64_t o[] = {5525838976, 2896010368, 797058048};
+  k101_gemm__code(arena, h, o);
 }
 
 // k174_layernorm_bwd__add__sum__cast: kernel, 7 ops
@@ -8646,83 +3404,8 @@ static void k173_gemm(char *arena, const MdlHooks *h) {
 // loops:
 //   layernorm_bwd: 8192 rows of 768, column sums over 64 blocks of 128 rows
 static void k174_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
-  float *const b238 = (float *)(arena + 4909276288); // %238 add h.4.x f32[8,1024,768]
-  float *const b239 = (float *)(arena + 299292672); // %239 param h.5.ln1_w f32[768]
-  float *const b844 = (float *)(arena + 2933759104); // %844 add d.h.5.x f32[8,1024,768]
-  float *const b861 = (float *)(arena + 2958924928); // %861 matmul f32[8192,768]
-  float *const b865 = (float *)(arena + 797051904); // %865 layernorm_bwd d.h.5.ln1_w f32[768]
-  float *const b866 = (float *)(arena + 797054976); // %866 layernorm_bwd d.h.5.ln1_b f32[768]
-  float *const b867 = (float *)(arena + 2984090752); // %867 add d.h.4.x f32[8,1024,768]
-  float *const b869 = (float *)(arena + 797048832); // %869 sum d.h.4.fcproj_b f32[768]
-  uint16_t *const b870 = (uint16_t *)(arena + 3009256576); // %870 cast bf16[8192,768]
-  double *pdw = mdl_scratch(49152 * sizeof(double));
-  double *pdb = mdl_scratch(49152 * sizeof(double));
-  double *ps0 = mdl_scratch(49152 * sizeof(double)); // partials of the column sum %869
-  #pragma omp parallel num_threads(h->nthreads)
-  {
-    float *dxrow = mdl_scratch(768 * sizeof(float));
-    #pragma omp for schedule(static)
-    for (int64_t k = 0; k < 64; k++) {
-      double *sw = pdw + k * 768;
-      double *sb = pdb + k * 768;
-      double *sa0 = ps0 + k * 768;
-      for (int64_t j = 0; j < 768; j++)
-        sw[j] = sb[j] = sa0[j] = 0;
-      const int64_t end = k * 128 + 128 < 8192 ? k * 128 + 128 : 8192;
-      for (int64_t r = k * 128; r < end; r++) {
-        const float *x = b238 + r * 768;
-        const float *dy = b861 + r * 768;
-        double mean = 0, var = 0, mg = 0, mgx = 0;
-        #pragma omp simd reduction(+ : mean)
-        for (int64_t j = 0; j < 768; j++)
-          mean += x[j];
-        mean /= 768;
-        #pragma omp simd reduction(+ : var)
-        for (int64_t j = 0; j < 768; j++)
-          var += (x[j] - mean) * (x[j] - mean);
-        const double rstd = 1.0 / sqrt(var / 768 + 1e-05);
-        #pragma omp simd reduction(+ : mg, mgx)
-        for (int64_t j = 0; j < 768; j++) {
-          const double xhat = (x[j] - mean) * rstd, g = (double)dy[j] * b239[j];
-          mg += g;
-          mgx += g * xhat;
-          sw[j] += dy[j] * xhat;
-          sb[j] += dy[j];
-        }
-        float *dx = dxrow;
-        mg /= 768;
-        mgx /= 768;
-        for (int64_t j = 0; j < 768; j++)
-          dx[j] = (float)(rstd * ((double)dy[j] * b239[j] - mg - (x[j] - mean) * rstd * mgx));
-        for (int64_t j = 0; j < 768; j++) {
-          const int64_t ix = r * 768 + j;
-          const float v844_ix = b844[ix];
-          const float v867_ix = v844_ix + dx[j];
-          b867[ix] = v867_ix;
-          const float v868_ix = v867_ix;
-          const float v870_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v868_ix));
-          b870[ix] = mdl_f32_to_bf16(v870_ix);
-          sa0[j] += v868_ix;
-        }
-      }
-    }
-    free(dxrow);
-  }
-  #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t j = 0; j < 768; j++) {
-    double w = 0, b = 0, a0 = 0;
-    for (int64_t k = 0; k < 64; k++) {
-      w += pdw[k * 768 + j];
-      b += pdb[k * 768 + j];
-      a0 += ps0[k * 768 + j];
-    }
-    b865[j] = (float)w;
-    b866[j] = (float)b;
-    b869[j] = (float)a0;
-  }
-  free(pdw);
-  free(pdb);
-  free(ps0);
+  static const int64_t o[] = {4909276288, 299292672, 2933759104, 2958924928, 797051904, 797054976, 2984090752, 797048832, 3009256576};
+  k102_layernorm_bwd__add__sum__cast__code(arena, h, o);
 }
 
 // k175_gemm: GEMM, 1 op
@@ -8730,19 +3413,8 @@ static void k174_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
 // loops:
 //   gemm %872: [3072 x 768] = T[3072 x 8192] [8192 x 768], bf16 operands (widened to f32 where the library has no bf16 GEMM)
 static void k175_gemm(char *arena, const MdlHooks *h) {
-  uint16_t *const b233 = (uint16_t *)(arena + 3801980032); // %233 cast bf16[8192,3072]
-  uint16_t *const b870 = (uint16_t *)(arena + 3009256576); // %870 cast bf16[8192,768]
-  float *const b872 = (float *)(arena + 787611648); // %872 matmul d.h.4.fcproj_w f32[3072,768]
-  if (h->bgemm) {
-    mdl_bgemm(h, 1, 0, 3072, 768, 8192, b233, 3072, b870, 768, 0.0f, b872, 768);
-  }
-  else {
-    float *const w233 = mdl_widen_bf16(b233, 25165824, h->nthreads);
-    float *const w870 = mdl_widen_bf16(b870, 6291456, h->nthreads);
-    mdl_gemm(h, 1, 0, 3072, 768, 8192, w233, 3072, w870, 768, 0.0f, b872, 768);
-    free(w233);
-    free(w870);
-  }
+  static const int64_t o[] = {3801980032, 3009256576, 787611648};
+  k91_gemm__code(arena, h, o);
 }
 
 // k176_gemm__gelu_bwd__sum__cast: GEMM, 6 ops
@@ -8756,56 +3428,8 @@ static void k175_gemm(char *arena, const MdlHooks *h) {
 //   gemm %871: [8192 x 3072] = [8192 x 768] T[768 x 3072], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
 //   sum %876: 3072 outputs over 8192 elements, in 64 blocks of 128
 static void k176_gemm__gelu_bwd__sum__cast(char *arena, const MdlHooks *h) {
-  float *const b230 = (float *)(arena + 2795347072); // %230 add f32[8,1024,3072]
-  uint16_t *const b234 = (uint16_t *)(arena + 2134364160); // %234 cast bf16[3072,768]
-  uint16_t *const b870 = (uint16_t *)(arena + 3009256576); // %870 cast bf16[8192,768]
-  float *const b871 = mdl_scratch(100663296); // %871 matmul f32[8192,3072], kept in this kernel
-  float *const b876 = (float *)(arena + 787599360); // %876 sum d.h.4.fc_b f32[3072]
-  uint16_t *const b877 = (uint16_t *)(arena + 2896010368); // %877 cast bf16[8192,3072]
-  if (h->bgemm) {
-    mdl_bgemm(h, 0, 1, 8192, 3072, 768, b870, 768, b234, 768, 0.0f, b871, 3072);
-  }
-  else {
-    float *const w870 = mdl_widen_bf16(b870, 6291456, h->nthreads);
-    float *const w234 = mdl_widen_bf16(b234, 2359296, h->nthreads);
-    mdl_gemm(h, 0, 1, 8192, 3072, 768, w870, 768, w234, 768, 0.0f, b871, 3072);
-    free(w870);
-    free(w234);
-  }
-  double *part = mdl_scratch(196608 * sizeof(double));
-  #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t k = 0; k < 64; k++) {
-    double *p = part + k * 3072;
-    for (int64_t c = 0; c < 3072; c++)
-      p[c] = 0.0;
-    const int64_t end = k * 128 + 128 < 8192 ? k * 128 + 128 : 8192;
-    for (int64_t l = k * 128; l < end; l++) {
-      for (int64_t c = 0; c < 3072; c++) {
-        const int64_t ix = l * 3072 + c;
-        const float v230_ix = b230[ix];
-        const float v871_ix = b871[ix];
-        const float v873_ix = v871_ix;
-        const float v874_ix = mdl_gelu_grad(v230_ix) * v873_ix;
-        const float v875_ix = v874_ix;
-        const float v = v875_ix;
-        const float v877_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v875_ix));
-        b877[ix] = mdl_f32_to_bf16(v877_ix);
-        p[c] += v;
-      }
-    }
-  }
-  #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t r = 0; r < 3072; r++) {
-    double acc = 0.0;
-    for (int64_t k = 0; k < 64; k++) {
-      const double v = part[k * 3072 + r];
-      acc += v;
-    }
-    const float y = (float)acc;
-    b876[r] = y;
-  }
-  free(part);
-  free(b871);
+  static const int64_t o[] = {2795347072, 2134364160, 3009256576, 787599360, 2896010368};
+  k92_gemm__gelu_bwd__sum__cast__code(arena, h, o);
 }
 
 // k177_gemm: GEMM, 1 op
@@ -8813,19 +3437,8 @@ static void k176_gemm__gelu_bwd__sum__cast(char *arena, const MdlHooks *h) {
 // loops:
 //   gemm %878: [8192 x 768] = [8192 x 3072] T[3072 x 768], bf16 operands (widened to f32 where the library has no bf16 GEMM)
 static void k177_gemm(char *arena, const MdlHooks *h) {
-  uint16_t *const b227 = (uint16_t *)(arena + 2129645568); // %227 cast bf16[768,3072]
-  uint16_t *const b877 = (uint16_t *)(arena + 2896010368); // %877 cast bf16[8192,3072]
-  float *const b878 = (float *)(arena + 2795347072); // %878 matmul f32[8192,768]
-  if (h->bgemm) {
-    mdl_bgemm(h, 0, 1, 8192, 768, 3072, b877, 3072, b227, 3072, 0.0f, b878, 768);
-  }
-  else {
-    float *const w877 = mdl_widen_bf16(b877, 25165824, h->nthreads);
-    float *const w227 = mdl_widen_bf16(b227, 2359296, h->nthreads);
-    mdl_gemm(h, 0, 1, 8192, 768, 3072, w877, 3072, w227, 3072, 0.0f, b878, 768);
-    free(w877);
-    free(w227);
-  }
+  static const int64_t o[] = {2129645568, 2896010368, 2795347072};
+  k93_gemm__code(arena, h, o);
 }
 
 // k178_gemm: GEMM, 1 op
@@ -8833,19 +3446,8 @@ static void k177_gemm(char *arena, const MdlHooks *h) {
 // loops:
 //   gemm %879: [768 x 3072] = T[768 x 8192] [8192 x 3072], bf16 operands (widened to f32 where the library has no bf16 GEMM)
 static void k178_gemm(char *arena, const MdlHooks *h) {
-  uint16_t *const b226 = (uint16_t *)(arena + 5513256064); // %226 cast bf16[8192,768]
-  uint16_t *const b877 = (uint16_t *)(arena + 2896010368); // %877 cast bf16[8192,3072]
-  float *const b879 = (float *)(arena + 778162176); // %879 matmul d.h.4.fc_w f32[768,3072]
-  if (h->bgemm) {
-    mdl_bgemm(h, 1, 0, 768, 3072, 8192, b226, 768, b877, 3072, 0.0f, b879, 3072);
-  }
-  else {
-    float *const w226 = mdl_widen_bf16(b226, 6291456, h->nthreads);
-    float *const w877 = mdl_widen_bf16(b877, 25165824, h->nthreads);
-    mdl_gemm(h, 1, 0, 768, 3072, 8192, w226, 768, w877, 3072, 0.0f, b879, 3072);
-    free(w226);
-    free(w877);
-  }
+  static const int64_t o[] = {5513256064, 2896010368, 778162176};
+  k94_gemm__code(arena, h, o);
 }
 
 // k179_layernorm_bwd__add__sum__cast: kernel, 7 ops
@@ -8859,83 +3461,8 @@ static void k178_gemm(char *arena, const MdlHooks *h) {
 // loops:
 //   layernorm_bwd: 8192 rows of 768, column sums over 64 blocks of 128 rows
 static void k179_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
-  float *const b199 = (float *)(arena + 280396800); // %199 param h.4.ln2_w f32[768]
-  float *const b223 = (float *)(arena + 4884110464); // %223 add h.4.x f32[8,1024,768]
-  float *const b867 = (float *)(arena + 2984090752); // %867 add d.h.4.x f32[8,1024,768]
-  float *const b878 = (float *)(arena + 2795347072); // %878 matmul f32[8192,768]
-  float *const b882 = (float *)(arena + 778156032); // %882 layernorm_bwd d.h.4.ln2_w f32[768]
-  float *const b883 = (float *)(arena + 778159104); // %883 layernorm_bwd d.h.4.ln2_b f32[768]
-  float *const b884 = (float *)(arena + 2833095808); // %884 add d.h.4.x f32[8,1024,768]
-  float *const b886 = (float *)(arena + 778152960); // %886 sum d.h.4.proj_b f32[768]
-  uint16_t *const b887 = (uint16_t *)(arena + 2820512896); // %887 cast bf16[8192,768]
-  double *pdw = mdl_scratch(49152 * sizeof(double));
-  double *pdb = mdl_scratch(49152 * sizeof(double));
-  double *ps0 = mdl_scratch(49152 * sizeof(double)); // partials of the column sum %886
-  #pragma omp parallel num_threads(h->nthreads)
-  {
-    float *dxrow = mdl_scratch(768 * sizeof(float));
-    #pragma omp for schedule(static)
-    for (int64_t k = 0; k < 64; k++) {
-      double *sw = pdw + k * 768;
-      double *sb = pdb + k * 768;
-      double *sa0 = ps0 + k * 768;
-      for (int64_t j = 0; j < 768; j++)
-        sw[j] = sb[j] = sa0[j] = 0;
-      const int64_t end = k * 128 + 128 < 8192 ? k * 128 + 128 : 8192;
-      for (int64_t r = k * 128; r < end; r++) {
-        const float *x = b223 + r * 768;
-        const float *dy = b878 + r * 768;
-        double mean = 0, var = 0, mg = 0, mgx = 0;
-        #pragma omp simd reduction(+ : mean)
-        for (int64_t j = 0; j < 768; j++)
-          mean += x[j];
-        mean /= 768;
-        #pragma omp simd reduction(+ : var)
-        for (int64_t j = 0; j < 768; j++)
-          var += (x[j] - mean) * (x[j] - mean);
-        const double rstd = 1.0 / sqrt(var / 768 + 1e-05);
-        #pragma omp simd reduction(+ : mg, mgx)
-        for (int64_t j = 0; j < 768; j++) {
-          const double xhat = (x[j] - mean) * rstd, g = (double)dy[j] * b199[j];
-          mg += g;
-          mgx += g * xhat;
-          sw[j] += dy[j] * xhat;
-          sb[j] += dy[j];
-        }
-        float *dx = dxrow;
-        mg /= 768;
-        mgx /= 768;
-        for (int64_t j = 0; j < 768; j++)
-          dx[j] = (float)(rstd * ((double)dy[j] * b199[j] - mg - (x[j] - mean) * rstd * mgx));
-        for (int64_t j = 0; j < 768; j++) {
-          const int64_t ix = r * 768 + j;
-          const float v867_ix = b867[ix];
-          const float v884_ix = v867_ix + dx[j];
-          b884[ix] = v884_ix;
-          const float v885_ix = v884_ix;
-          const float v887_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v885_ix));
-          b887[ix] = mdl_f32_to_bf16(v887_ix);
-          sa0[j] += v885_ix;
-        }
-      }
-    }
-    free(dxrow);
-  }
-  #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t j = 0; j < 768; j++) {
-    double w = 0, b = 0, a0 = 0;
-    for (int64_t k = 0; k < 64; k++) {
-      w += pdw[k * 768 + j];
-      b += pdb[k * 768 + j];
-      a0 += ps0[k * 768 + j];
-    }
-    b882[j] = (float)w;
-    b883[j] = (float)b;
-    b886[j] = (float)a0;
-  }
-  free(pdw);
-  free(pdb);
-  free(ps0);
+  static const int64_t o[] = {280396800, 4884110464, 2984090752, 2795347072, 778156032, 778159104, 2833095808, 778152960, 2820512896};
+  k95_layernorm_bwd__add__sum__cast__code(arena, h, o);
 }
 
 // k180_gemm: GEMM, 1 op
@@ -8943,19 +3470,8 @@ static void k179_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
 // loops:
 //   gemm %889: [768 x 768] = T[768 x 8192] [8192 x 768], bf16 operands (widened to f32 where the library has no bf16 GEMM)
 static void k180_gemm(char *arena, const MdlHooks *h) {
-  uint16_t *const b218 = (uint16_t *)(arena + 5500673152); // %218 cast bf16[8192,768]
-  uint16_t *const b887 = (uint16_t *)(arena + 2820512896); // %887 cast bf16[8192,768]
-  float *const b889 = (float *)(arena + 775793664); // %889 matmul d.h.4.proj_w f32[768,768]
-  if (h->bgemm) {
-    mdl_bgemm(h, 1, 0, 768, 768, 8192, b218, 768, b887, 768, 0.0f, b889, 768);
-  }
-  else {
-    float *const w218 = mdl_widen_bf16(b218, 6291456, h->nthreads);
-    float *const w887 = mdl_widen_bf16(b887, 6291456, h->nthreads);
-    mdl_gemm(h, 1, 0, 768, 768, 8192, w218, 768, w887, 768, 0.0f, b889, 768);
-    free(w218);
-    free(w887);
-  }
+  static const int64_t o[] = {5500673152, 2820512896, 775793664};
+  k96_gemm__code(arena, h, o);
 }
 
 // k181_gemm__cast: GEMM, 3 ops
@@ -8966,31 +3482,8 @@ static void k180_gemm(char *arena, const MdlHooks *h) {
 //   gemm %888: [8192 x 768] = [8192 x 768] T[768 x 768], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
 //   elementwise over 6291456: %893
 static void k181_gemm__cast(char *arena, const MdlHooks *h) {
-  uint16_t *const b219 = (uint16_t *)(arena + 2128465920); // %219 cast bf16[768,768]
-  uint16_t *const b887 = (uint16_t *)(arena + 2820512896); // %887 cast bf16[8192,768]
-  float *const b888 = mdl_scratch(25165824); // %888 matmul f32[8192,768], kept in this kernel
-  uint16_t *const b893 = (uint16_t *)(arena + 2795347072); // %893 cast bf16[8,1024,768]
-  if (h->bgemm) {
-    mdl_bgemm(h, 0, 1, 8192, 768, 768, b887, 768, b219, 768, 0.0f, b888, 768);
-  }
-  else {
-    float *const w887 = mdl_widen_bf16(b887, 6291456, h->nthreads);
-    float *const w219 = mdl_widen_bf16(b219, 589824, h->nthreads);
-    mdl_gemm(h, 0, 1, 8192, 768, 768, w887, 768, w219, 768, 0.0f, b888, 768);
-    free(w887);
-    free(w219);
-  }
-  #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t r = 0; r < 8192; r++) {
-    for (int64_t c = 0; c < 768; c++) {
-      const int64_t i = r * 768 + c;
-      const float v888_i = b888[i];
-      const float v890_i = v888_i;
-      const float v893_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v890_i));
-      b893[i] = mdl_f32_to_bf16(v893_i);
-    }
-  }
-  free(b888);
+  static const int64_t o[] = {2128465920, 2820512896, 2795347072};
+  k97_gemm__cast__code(arena, h, o);
 }
 
 // k182_attention_bwd: attention, 3 ops
@@ -9000,132 +3493,8 @@ static void k181_gemm__cast(char *arena, const MdlHooks *h) {
 // loops:
 //   attention backward (dq dk dv): B 8, T 1024, 12 heads of 64, causal, within documents; one task per (batch, head)
 static void k182_attention_bwd(char *arena, const MdlHooks *h) {
-  int32_t *const b3 = (int32_t *)(arena + 2238271488); // %3 input doc i32[8,1024]
-  uint16_t *const b212 = (uint16_t *)(arena + 4355628160); // %212 cast bf16[8,1024,2304]
-  uint16_t *const b218 = (uint16_t *)(arena + 5500673152); // %218 cast bf16[8192,768]
-  float *const b891 = (float *)(arena + 5804235904); // %891 attention_lse f32[8,12,1024]
-  uint16_t *const b893 = (uint16_t *)(arena + 2795347072); // %893 cast bf16[8,1024,768]
-  float *const b894 = (float *)(arena + 2858261632); // %894 attention_bwd d.h.4.q f32[8,1024,768]
-  float *const b895 = (float *)(arena + 2883427456); // %895 attention_bwd d.h.4.k f32[8,1024,768]
-  float *const b896 = (float *)(arena + 2908593280); // %896 attention_bwd d.h.4.v f32[8,1024,768]
-  #pragma omp parallel num_threads(h->nthreads)
-  {
-    float *restrict kt = memset(mdl_scratch(67584 * sizeof(float)), 0, 67584 * sizeof(float));
-    float *restrict s = memset(mdl_scratch(1056 * sizeof(float)), 0, 1056 * sizeof(float));
-    float *restrict vt = memset(mdl_scratch(67584 * sizeof(float)), 0, 67584 * sizeof(float));
-    float *restrict dp = memset(mdl_scratch(1056 * sizeof(float)), 0, 1056 * sizeof(float));
-    float *restrict dkh = memset(mdl_scratch(65536 * sizeof(float)), 0, 65536 * sizeof(float));
-    float *restrict dvh = memset(mdl_scratch(65536 * sizeof(float)), 0, 65536 * sizeof(float));
-    #pragma omp for schedule(dynamic, 1)
-    for (int64_t task = 0; task < 96; task++) {
-      const int64_t b = task / 12, hd = task % 12;
-      for (int64_t j = 0; j < 1024; j++) {
-        const uint16_t *xj = b212 + 768 + (b * 1024 + j) * 2304 + hd * 64;
-        for (int64_t c = 0; c < 64; c++)
-          kt[c * 1056 + j] = mdl_bf16_to_f32(xj[c]);
-      }
-      for (int64_t j = 0; j < 1024; j++) {
-        const uint16_t *xj = b212 + 1536 + (b * 1024 + j) * 2304 + hd * 64;
-        for (int64_t c = 0; c < 64; c++)
-          vt[c * 1056 + j] = mdl_bf16_to_f32(xj[c]);
-      }
-      memset(dkh, 0, 65536 * sizeof(float));
-      memset(dvh, 0, 65536 * sizeof(float));
-      int64_t lo = 0, hi = 1024;
-      const int32_t *restrict dc = b3 + b * 1024;
-      for (int64_t i = 0; i < 1024; i++) {
-        const int32_t di = dc[i];
-        if (i == 0 || dc[i - 1] != di) {
-          lo = 0;
-          while (dc[lo] != di)
-            lo++;
-        }
-        hi = i + 1;
-        float qr[64];
-        for (int64_t c = 0; c < 64; c++)
-          qr[c] = mdl_bf16_to_f32(b212[(b * 1024 + i) * 2304 + hd * 64 + c]);
-        const float *restrict qi = qr;
-        for (int64_t j0 = lo; j0 < hi; j0 += 32) {
-          float acc[32] = {0};
-          for (int64_t c = 0; c < 64; c++) {
-            const float vc = qi[c], *restrict mc = kt + c * 1056 + j0;
-            #pragma omp simd
-            for (int64_t u = 0; u < 32; u++)
-              acc[u] += vc * mc[u];
-          }
-          memcpy(s + j0, acc, sizeof acc);
-        }
-        const float lse = b891[(b * 12 + hd) * 1024 + i];
-        #pragma omp simd
-        for (int64_t j = lo; j < hi; j++)
-          s[j] = dc[j] == di ? mdl_exp_shifted(s[j] * 0.125f - lse) : 0.0f;
-        float dor[64];
-        for (int64_t c = 0; c < 64; c++)
-          dor[c] = mdl_bf16_to_f32(b893[(b * 1024 + i) * 768 + hd * 64 + c]);
-        const float *restrict doi = dor;
-        float dsum = 0.0f;
-        for (int64_t c = 0; c < 64; c++)
-          dsum += doi[c] * mdl_bf16_to_f32(b218[(b * 1024 + i) * 768 + hd * 64 + c]);
-        for (int64_t j0 = lo; j0 < hi; j0 += 32) {
-          float acc[32] = {0};
-          for (int64_t c = 0; c < 64; c++) {
-            const float vc = doi[c], *restrict mc = vt + c * 1056 + j0;
-            #pragma omp simd
-            for (int64_t u = 0; u < 32; u++)
-              acc[u] += vc * mc[u];
-          }
-          memcpy(dp + j0, acc, sizeof acc);
-        }
-        #pragma omp simd
-        for (int64_t j = lo; j < hi; j++)
-          dp[j] = s[j] * (dp[j] - dsum);
-        float dqi0[64] = {0}, dqi1[64] = {0};
-        int64_t j = lo;
-        for (; j + 1 < hi; j += 2) {
-          const float w0 = mdl_bf16_to_f32(mdl_f32_to_bf16(dp[j])), w1 = mdl_bf16_to_f32(mdl_f32_to_bf16(dp[j + 1]));
-          const uint16_t *restrict x0 = b212 + 768 + (b * 1024 + j) * 2304 + hd * 64, *restrict x1 = x0 + 2304;
-          #pragma omp simd
-          for (int64_t c = 0; c < 64; c++) {
-            dqi0[c] += w0 * mdl_bf16_to_f32(x0[c]);
-            dqi1[c] += w1 * mdl_bf16_to_f32(x1[c]);
-          }
-        }
-        if (j < hi) {
-          const float w0 = mdl_bf16_to_f32(mdl_f32_to_bf16(dp[j]));
-          const uint16_t *restrict x0 = b212 + 768 + (b * 1024 + j) * 2304 + hd * 64;
-          #pragma omp simd
-          for (int64_t c = 0; c < 64; c++)
-            dqi0[c] += w0 * mdl_bf16_to_f32(x0[c]);
-        }
-        float sqi[64];
-        for (int64_t c = 0; c < 64; c++)
-          sqi[c] = 0.125f * qi[c];
-        for (int64_t j = lo; j < hi; j++) {
-          float *restrict dkj = dkh + j * 64;
-          #pragma omp simd
-          for (int64_t c = 0; c < 64; c++)
-            dkj[c] += mdl_bf16_to_f32(mdl_f32_to_bf16(dp[j])) * sqi[c];
-          float *restrict dvj = dvh + j * 64;
-          #pragma omp simd
-          for (int64_t c = 0; c < 64; c++)
-            dvj[c] += mdl_bf16_to_f32(mdl_f32_to_bf16(s[j])) * doi[c];
-        }
-        float *restrict dq = b894 + (b * 1024 + i) * 768 + hd * 64;
-        for (int64_t c = 0; c < 64; c++)
-          dq[c] = 0.125f * (dqi0[c] + dqi1[c]);
-      }
-      for (int64_t t = 0; t < 1024; t++)
-        memcpy(b895 + (b * 1024 + t) * 768 + hd * 64, dkh + t * 64, 64 * sizeof(float));
-      for (int64_t t = 0; t < 1024; t++)
-        memcpy(b896 + (b * 1024 + t) * 768 + hd * 64, dvh + t * 64, 64 * sizeof(float));
-    }
-    free(kt);
-    free(s);
-    free(vt);
-    free(dp);
-    free(dkh);
-    free(dvh);
-  }
+  static const int64_t o[] = {2238271488, 4355628160, 5500673152, 5804235904, 2795347072, 2858261632, 2883427456, 2908593280};
+  k98_attention_bwd__code(arena, h, o);
 }
 
 // k183_sum__concat__cast: kernel, 4 ops
@@ -9136,41 +3505,8 @@ static void k182_attention_bwd(char *arena, const MdlHooks *h) {
 // loops:
 //   sum %899: 2304 outputs over 8192 elements, in 64 blocks of 128
 static void k183_sum__concat__cast(char *arena, const MdlHooks *h) {
-  float *const b894 = (float *)(arena + 2858261632); // %894 attention_bwd d.h.4.q f32[8,1024,768]
-  float *const b895 = (float *)(arena + 2883427456); // %895 attention_bwd d.h.4.k f32[8,1024,768]
-  float *const b896 = (float *)(arena + 2908593280); // %896 attention_bwd d.h.4.v f32[8,1024,768]
-  float *const b899 = (float *)(arena + 775784448); // %899 sum d.h.4.attn_b f32[2304]
-  uint16_t *const b900 = (uint16_t *)(arena + 2795347072); // %900 cast bf16[8192,2304]
-  double *part = mdl_scratch(147456 * sizeof(double));
-  #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t k = 0; k < 64; k++) {
-    double *p = part + k * 2304;
-    for (int64_t c = 0; c < 2304; c++)
-      p[c] = 0.0;
-    const int64_t end = k * 128 + 128 < 8192 ? k * 128 + 128 : 8192;
-    for (int64_t l = k * 128; l < end; l++) {
-      for (int64_t c = 0; c < 2304; c++) {
-        const int64_t ix = l * 2304 + c;
-        const float v897_ix = (c < 768 ? b894 + (l * 768 + c) : c < 1536 ? b895 + (l * 768 + (c - 768)) : b896 + (l * 768 + (c - 1536)))[0];
-        const float v898_ix = v897_ix;
-        const float v = v898_ix;
-        const float v900_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v898_ix));
-        b900[ix] = mdl_f32_to_bf16(v900_ix);
-        p[c] += v;
-      }
-    }
-  }
-  #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t r = 0; r < 2304; r++) {
-    double acc = 0.0;
-    for (int64_t k = 0; k < 64; k++) {
-      const double v = part[k * 2304 + r];
-      acc += v;
-    }
-    const float y = (float)acc;
-    b899[r] = y;
-  }
-  free(part);
+  static const int64_t o[] = {2858261632, 2883427456, 2908593280, 775784448, 2795347072};
+  k99_sum__concat__cast__code(arena, h, o);
 }
 
 // k184_gemm: GEMM, 1 op
@@ -9178,19 +3514,8 @@ static void k183_sum__concat__cast(char *arena, const MdlHooks *h) {
 // loops:
 //   gemm %901: [8192 x 768] = [8192 x 2304] T[2304 x 768], bf16 operands (widened to f32 where the library has no bf16 GEMM)
 static void k184_gemm(char *arena, const MdlHooks *h) {
-  uint16_t *const b208 = (uint16_t *)(arena + 2124926976); // %208 cast bf16[768,2304]
-  uint16_t *const b900 = (uint16_t *)(arena + 2795347072); // %900 cast bf16[8192,2304]
-  float *const b901 = (float *)(arena + 2858261632); // %901 matmul f32[8192,768]
-  if (h->bgemm) {
-    mdl_bgemm(h, 0, 1, 8192, 768, 2304, b900, 2304, b208, 2304, 0.0f, b901, 768);
-  }
-  else {
-    float *const w900 = mdl_widen_bf16(b900, 18874368, h->nthreads);
-    float *const w208 = mdl_widen_bf16(b208, 1769472, h->nthreads);
-    mdl_gemm(h, 0, 1, 8192, 768, 2304, w900, 2304, w208, 2304, 0.0f, b901, 768);
-    free(w900);
-    free(w208);
-  }
+  static const int64_t o[] = {2124926976, 2795347072, 2858261632};
+  k100_gemm__code(arena, h, o);
 }
 
 // k185_gemm: GEMM, 1 op
@@ -9198,19 +3523,8 @@ static void k184_gemm(char *arena, const MdlHooks *h) {
 // loops:
 //   gemm %902: [768 x 2304] = T[768 x 8192] [8192 x 2304], bf16 operands (widened to f32 where the library has no bf16 GEMM)
 static void k185_gemm(char *arena, const MdlHooks *h) {
-  uint16_t *const b207 = (uint16_t *)(arena + 5488090240); // %207 cast bf16[8192,768]
-  uint16_t *const b900 = (uint16_t *)(arena + 2795347072); // %900 cast bf16[8192,2304]
-  float *const b902 = (float *)(arena + 768706560); // %902 matmul d.h.4.attn_w f32[768,2304]
-  if (h->bgemm) {
-    mdl_bgemm(h, 1, 0, 768, 2304, 8192, b207, 768, b900, 2304, 0.0f, b902, 2304);
-  }
-  else {
-    float *const w207 = mdl_widen_bf16(b207, 6291456, h->nthreads);
-    float *const w900 = mdl_widen_bf16(b900, 18874368, h->nthreads);
-    mdl_gemm(h, 1, 0, 768, 2304, 8192, w207, 768, w900, 2304, 0.0f, b902, 2304);
-    free(w207);
-    free(w900);
-  }
+  static const int64_t o[] = {5488090240, 2795347072, 768706560};
+  k101_gemm__code(arena, h, o);
 }
 
 // k186_layernorm_bwd__add__sum__cast: kernel, 7 ops
@@ -9224,83 +3538,8 @@ static void k185_gemm(char *arena, const MdlHooks *h) {
 // loops:
 //   layernorm_bwd: 8192 rows of 768, column sums over 64 blocks of 128 rows
 static void k186_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
-  float *const b192 = (float *)(arena + 4858944640); // %192 add h.3.x f32[8,1024,768]
-  float *const b193 = (float *)(arena + 270941184); // %193 param h.4.ln1_w f32[768]
-  float *const b884 = (float *)(arena + 2833095808); // %884 add d.h.4.x f32[8,1024,768]
-  float *const b901 = (float *)(arena + 2858261632); // %901 matmul f32[8192,768]
-  float *const b905 = (float *)(arena + 768700416); // %905 layernorm_bwd d.h.4.ln1_w f32[768]
-  float *const b906 = (float *)(arena + 768703488); // %906 layernorm_bwd d.h.4.ln1_b f32[768]
-  float *const b907 = (float *)(arena + 2883427456); // %907 add d.h.3.x f32[8,1024,768]
-  float *const b909 = (float *)(arena + 768697344); // %909 sum d.h.3.fcproj_b f32[768]
-  uint16_t *const b910 = (uint16_t *)(arena + 2908593280); // %910 cast bf16[8192,768]
-  double *pdw = mdl_scratch(49152 * sizeof(double));
-  double *pdb = mdl_scratch(49152 * sizeof(double));
-  double *ps0 = mdl_scratch(49152 * sizeof(double)); // partials of the column sum %909
-  #pragma omp parallel num_threads(h->nthreads)
-  {
-    float *dxrow = mdl_scratch(768 * sizeof(float));
-    #pragma omp for schedule(static)
-    for (int64_t k = 0; k < 64; k++) {
-      double *sw = pdw + k * 768;
-      double *sb = pdb + k * 768;
-      double *sa0 = ps0 + k * 768;
-      for (int64_t j = 0; j < 768; j++)
-        sw[j] = sb[j] = sa0[j] = 0;
-      const int64_t end = k * 128 + 128 < 8192 ? k * 128 + 128 : 8192;
-      for (int64_t r = k * 128; r < end; r++) {
-        const float *x = b192 + r * 768;
-        const float *dy = b901 + r * 768;
-        double mean = 0, var = 0, mg = 0, mgx = 0;
-        #pragma omp simd reduction(+ : mean)
-        for (int64_t j = 0; j < 768; j++)
-          mean += x[j];
-        mean /= 768;
-        #pragma omp simd reduction(+ : var)
-        for (int64_t j = 0; j < 768; j++)
-          var += (x[j] - mean) * (x[j] - mean);
-        const double rstd = 1.0 / sqrt(var / 768 + 1e-05);
-        #pragma omp simd reduction(+ : mg, mgx)
-        for (int64_t j = 0; j < 768; j++) {
-          const double xhat = (x[j] - mean) * rstd, g = (double)dy[j] * b193[j];
-          mg += g;
-          mgx += g * xhat;
-          sw[j] += dy[j] * xhat;
-          sb[j] += dy[j];
-        }
-        float *dx = dxrow;
-        mg /= 768;
-        mgx /= 768;
-        for (int64_t j = 0; j < 768; j++)
-          dx[j] = (float)(rstd * ((double)dy[j] * b193[j] - mg - (x[j] - mean) * rstd * mgx));
-        for (int64_t j = 0; j < 768; j++) {
-          const int64_t ix = r * 768 + j;
-          const float v884_ix = b884[ix];
-          const float v907_ix = v884_ix + dx[j];
-          b907[ix] = v907_ix;
-          const float v908_ix = v907_ix;
-          const float v910_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v908_ix));
-          b910[ix] = mdl_f32_to_bf16(v910_ix);
-          sa0[j] += v908_ix;
-        }
-      }
-    }
-    free(dxrow);
-  }
-  #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t j = 0; j < 768; j++) {
-    double w = 0, b = 0, a0 = 0;
-    for (int64_t k = 0; k < 64; k++) {
-      w += pdw[k * 768 + j];
-      b += pdb[k * 768 + j];
-      a0 += ps0[k * 768 + j];
-    }
-    b905[j] = (float)w;
-    b906[j] = (float)b;
-    b909[j] = (float)a0;
-  }
-  free(pdw);
-  free(pdb);
-  free(ps0);
+  static const int64_t o[] = {4858944640, 270941184, 2833095808, 2858261632, 768700416, 768703488, 2883427456, 768697344, 2908593280};
+  k102_layernorm_bwd__add__sum__cast__code(arena, h, o);
 }
 
 // k187_gemm: GEMM, 1 op
@@ -9308,19 +3547,8 @@ static void k186_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
 // loops:
 //   gemm %912: [3072 x 768] = T[3072 x 8192] [8192 x 768], bf16 operands (widened to f32 where the library has no bf16 GEMM)
 static void k187_gemm(char *arena, const MdlHooks *h) {
-  uint16_t *const b187 = (uint16_t *)(arena + 3751648384); // %187 cast bf16[8192,3072]
-  uint16_t *const b910 = (uint16_t *)(arena + 2908593280); // %910 cast bf16[8192,768]
-  float *const b912 = (float *)(arena + 759260160); // %912 matmul d.h.3.fcproj_w f32[3072,768]
-  if (h->bgemm) {
-    mdl_bgemm(h, 1, 0, 3072, 768, 8192, b187, 3072, b910, 768, 0.0f, b912, 768);
-  }
-  else {
-    float *const w187 = mdl_widen_bf16(b187, 25165824, h->nthreads);
-    float *const w910 = mdl_widen_bf16(b910, 6291456, h->nthreads);
-    mdl_gemm(h, 1, 0, 3072, 768, 8192, w187, 3072, w910, 768, 0.0f, b912, 768);
-    free(w187);
-    free(w910);
-  }
+  static const int64_t o[] = {3751648384, 2908593280, 759260160};
+  k91_gemm__code(arena, h, o);
 }
 
 // k188_gemm__gelu_bwd__sum__cast: GEMM, 6 ops
@@ -9334,56 +3562,8 @@ static void k187_gemm(char *arena, const MdlHooks *h) {
 //   gemm %911: [8192 x 3072] = [8192 x 768] T[768 x 3072], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
 //   sum %916: 3072 outputs over 8192 elements, in 64 blocks of 128
 static void k188_gemm__gelu_bwd__sum__cast(char *arena, const MdlHooks *h) {
-  float *const b184 = (float *)(arena + 2694683776); // %184 add f32[8,1024,3072]
-  uint16_t *const b188 = (uint16_t *)(arena + 2120208384); // %188 cast bf16[3072,768]
-  uint16_t *const b910 = (uint16_t *)(arena + 2908593280); // %910 cast bf16[8192,768]
-  float *const b911 = mdl_scratch(100663296); // %911 matmul f32[8192,3072], kept in this kernel
-  float *const b916 = (float *)(arena + 759247872); // %916 sum d.h.3.fc_b f32[3072]
-  uint16_t *const b917 = (uint16_t *)(arena + 2795347072); // %917 cast bf16[8192,3072]
-  if (h->bgemm) {
-    mdl_bgemm(h, 0, 1, 8192, 3072, 768, b910, 768, b188, 768, 0.0f, b911, 3072);
-  }
-  else {
-    float *const w910 = mdl_widen_bf16(b910, 6291456, h->nthreads);
-    float *const w188 = mdl_widen_bf16(b188, 2359296, h->nthreads);
-    mdl_gemm(h, 0, 1, 8192, 3072, 768, w910, 768, w188, 768, 0.0f, b911, 3072);
-    free(w910);
-    free(w188);
-  }
-  double *part = mdl_scratch(196608 * sizeof(double));
-  #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t k = 0; k < 64; k++) {
-    double *p = part + k * 3072;
-    for (int64_t c = 0; c < 3072; c++)
-      p[c] = 0.0;
-    const int64_t end = k * 128 + 128 < 8192 ? k * 128 + 128 : 8192;
-    for (int64_t l = k * 128; l < end; l++) {
-      for (int64_t c = 0; c < 3072; c++) {
-        const int64_t ix = l * 3072 + c;
-        const float v184_ix = b184[ix];
-        const float v911_ix = b911[ix];
-        const float v913_ix = v911_ix;
-        const float v914_ix = mdl_gelu_grad(v184_ix) * v913_ix;
-        const float v915_ix = v914_ix;
-        const float v = v915_ix;
-        const float v917_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v915_ix));
-        b917[ix] = mdl_f32_to_bf16(v917_ix);
-        p[c] += v;
-      }
-    }
-  }
-  #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t r = 0; r < 3072; r++) {
-    double acc = 0.0;
-    for (int64_t k = 0; k < 64; k++) {
-      const double v = part[k * 3072 + r];
-      acc += v;
-    }
-    const float y = (float)acc;
-    b916[r] = y;
-  }
-  free(part);
-  free(b911);
+  static const int64_t o[] = {2694683776, 2120208384, 2908593280, 759247872, 2795347072};
+  k92_gemm__gelu_bwd__sum__cast__code(arena, h, o);
 }
 
 // k189_gemm: GEMM, 1 op
@@ -9391,19 +3571,8 @@ static void k188_gemm__gelu_bwd__sum__cast(char *arena, const MdlHooks *h) {
 // loops:
 //   gemm %918: [8192 x 768] = [8192 x 3072] T[3072 x 768], bf16 operands (widened to f32 where the library has no bf16 GEMM)
 static void k189_gemm(char *arena, const MdlHooks *h) {
-  uint16_t *const b181 = (uint16_t *)(arena + 2115489792); // %181 cast bf16[768,3072]
-  uint16_t *const b917 = (uint16_t *)(arena + 2795347072); // %917 cast bf16[8192,3072]
-  float *const b918 = (float *)(arena + 2694683776); // %918 matmul f32[8192,768]
-  if (h->bgemm) {
-    mdl_bgemm(h, 0, 1, 8192, 768, 3072, b917, 3072, b181, 3072, 0.0f, b918, 768);
-  }
-  else {
-    float *const w917 = mdl_widen_bf16(b917, 25165824, h->nthreads);
-    float *const w181 = mdl_widen_bf16(b181, 2359296, h->nthreads);
-    mdl_gemm(h, 0, 1, 8192, 768, 3072, w917, 3072, w181, 3072, 0.0f, b918, 768);
-    free(w917);
-    free(w181);
-  }
+  static const int64_t o[] = {2115489792, 2795347072, 2694683776};
+  k93_gemm__code(arena, h, o);
 }
 
 // k190_gemm: GEMM, 1 op
@@ -9411,19 +3580,8 @@ static void k189_gemm(char *arena, const MdlHooks *h) {
 // loops:
 //   gemm %919: [768 x 3072] = T[768 x 8192] [8192 x 3072], bf16 operands (widened to f32 where the library has no bf16 GEMM)
 static void k190_gemm(char *arena, const MdlHooks *h) {
-  uint16_t *const b180 = (uint16_t *)(arena + 5475507328); // %180 cast bf16[8192,768]
-  uint16_t *const b917 = (uint16_t *)(arena + 2795347072); // %917 cast bf16[8192,3072]
-  float *const b919 = (float *)(arena + 749810688); // %919 matmul d.h.3.fc_w f32[768,3072]
-  if (h->bgemm) {
-    mdl_bgemm(h, 1, 0, 768, 3072, 8192, b180, 768, b917, 3072, 0.0f, b919, 3072);
-  }
-  else {
-    float *const w180 = mdl_widen_bf16(b180, 6291456, h->nthreads);
-    float *const w917 = mdl_widen_bf16(b917, 25165824, h->nthreads);
-    mdl_gemm(h, 1, 0, 768, 3072, 8192, w180, 768, w917, 3072, 0.0f, b919, 3072);
-    free(w180);
-    free(w917);
-  }
+  static const int64_t o[] = {5475507328, 2795347072, 749810688};
+  k94_gemm__code(arena, h, o);
 }
 
 // k191_layernorm_bwd__add__sum__cast: kernel, 7 ops
@@ -9437,83 +3595,8 @@ static void k190_gemm(char *arena, const MdlHooks *h) {
 // loops:
 //   layernorm_bwd: 8192 rows of 768, column sums over 64 blocks of 128 rows
 static void k191_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
-  float *const b153 = (float *)(arena + 252045312); // %153 param h.3.ln2_w f32[768]
-  float *const b177 = (float *)(arena + 4833778816); // %177 add h.3.x f32[8,1024,768]
-  float *const b907 = (float *)(arena + 2883427456); // %907 add d.h.3.x f32[8,1024,768]
-  float *const b918 = (float *)(arena + 2694683776); // %918 matmul f32[8192,768]
-  float *const b922 = (float *)(arena + 749804544); // %922 layernorm_bwd d.h.3.ln2_w f32[768]
-  float *const b923 = (float *)(arena + 749807616); // %923 layernorm_bwd d.h.3.ln2_b f32[768]
-  float *const b924 = (float *)(arena + 2732432512); // %924 add d.h.3.x f32[8,1024,768]
-  float *const b926 = (float *)(arena + 749801472); // %926 sum d.h.3.proj_b f32[768]
-  uint16_t *const b927 = (uint16_t *)(arena + 2719849600); // %927 cast bf16[8192,768]
-  double *pdw = mdl_scratch(49152 * sizeof(double));
-  double *pdb = mdl_scratch(49152 * sizeof(double));
-  double *ps0 = mdl_scratch(49152 * sizeof(double)); // partials of the column sum %926
-  #pragma omp parallel num_threads(h->nthreads)
-  {
-    float *dxrow = mdl_scratch(768 * sizeof(float));
-    #pragma omp for schedule(static)
-    for (int64_t k = 0; k < 64; k++) {
-      double *sw = pdw + k * 768;
-      double *sb = pdb + k * 768;
-      double *sa0 = ps0 + k * 768;
-      for (int64_t j = 0; j < 768; j++)
-        sw[j] = sb[j] = sa0[j] = 0;
-      const int64_t end = k * 128 + 128 < 8192 ? k * 128 + 128 : 8192;
-      for (int64_t r = k * 128; r < end; r++) {
-        const float *x = b177 + r * 768;
-        const float *dy = b918 + r * 768;
-        double mean = 0, var = 0, mg = 0, mgx = 0;
-        #pragma omp simd reduction(+ : mean)
-        for (int64_t j = 0; j < 768; j++)
-          mean += x[j];
-        mean /= 768;
-        #pragma omp simd reduction(+ : var)
-        for (int64_t j = 0; j < 768; j++)
-          var += (x[j] - mean) * (x[j] - mean);
-        const double rstd = 1.0 / sqrt(var / 768 + 1e-05);
-        #pragma omp simd reduction(+ : mg, mgx)
-        for (int64_t j = 0; j < 768; j++) {
-          const double xhat = (x[j] - mean) * rstd, g = (double)dy[j] * b153[j];
-          mg += g;
-          mgx += g * xhat;
-          sw[j] += dy[j] * xhat;
-          sb[j] += dy[j];
-        }
-        float *dx = dxrow;
-        mg /= 768;
-        mgx /= 768;
-        for (int64_t j = 0; j < 768; j++)
-          dx[j] = (float)(rstd * ((double)dy[j] * b153[j] - mg - (x[j] - mean) * rstd * mgx));
-        for (int64_t j = 0; j < 768; j++) {
-          const int64_t ix = r * 768 + j;
-          const float v907_ix = b907[ix];
-          const float v924_ix = v907_ix + dx[j];
-          b924[ix] = v924_ix;
-          const float v925_ix = v924_ix;
-          const float v927_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v925_ix));
-          b927[ix] = mdl_f32_to_bf16(v927_ix);
-          sa0[j] += v925_ix;
-        }
-      }
-    }
-    free(dxrow);
-  }
-  #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t j = 0; j < 768; j++) {
-    double w = 0, b = 0, a0 = 0;
-    for (int64_t k = 0; k < 64; k++) {
-      w += pdw[k * 768 + j];
-      b += pdb[k * 768 + j];
-      a0 += ps0[k * 768 + j];
-    }
-    b922[j] = (float)w;
-    b923[j] = (float)b;
-    b926[j] = (float)a0;
-  }
-  free(pdw);
-  free(pdb);
-  free(ps0);
+  static const int64_t o[] = {252045312, 4833778816, 2883427456, 2694683776, 749804544, 749807616, 2732432512, 749801472, 2719849600};
+  k95_layernorm_bwd__add__sum__cast__code(arena, h, o);
 }
 
 // k192_gemm: GEMM, 1 op
@@ -9521,19 +3604,8 @@ static void k191_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
 // loops:
 //   gemm %929: [768 x 768] = T[768 x 8192] [8192 x 768], bf16 operands (widened to f32 where the library has no bf16 GEMM)
 static void k192_gemm(char *arena, const MdlHooks *h) {
-  uint16_t *const b172 = (uint16_t *)(arena + 5462924416); // %172 cast bf16[8192,768]
-  uint16_t *const b927 = (uint16_t *)(arena + 2719849600); // %927 cast bf16[8192,768]
-  float *const b929 = (float *)(arena + 747442176); // %929 matmul d.h.3.proj_w f32[768,768]
-  if (h->bgemm) {
-    mdl_bgemm(h, 1, 0, 768, 768, 8192, b172, 768, b927, 768, 0.0f, b929, 768);
-  }
-  else {
-    float *const w172 = mdl_widen_bf16(b172, 6291456, h->nthreads);
-    float *const w927 = mdl_widen_bf16(b927, 6291456, h->nthreads);
-    mdl_gemm(h, 1, 0, 768, 768, 8192, w172, 768, w927, 768, 0.0f, b929, 768);
-    free(w172);
-    free(w927);
-  }
+  static const int64_t o[] = {5462924416, 2719849600, 747442176};
+  k96_gemm__code(arena, h, o);
 }
 
 // k193_gemm__cast: GEMM, 3 ops
@@ -9544,31 +3616,8 @@ static void k192_gemm(char *arena, const MdlHooks *h) {
 //   gemm %928: [8192 x 768] = [8192 x 768] T[768 x 768], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
 //   elementwise over 6291456: %933
 static void k193_gemm__cast(char *arena, const MdlHooks *h) {
-  uint16_t *const b173 = (uint16_t *)(arena + 2114310144); // %173 cast bf16[768,768]
-  uint16_t *const b927 = (uint16_t *)(arena + 2719849600); // %927 cast bf16[8192,768]
-  float *const b928 = mdl_scratch(25165824); // %928 matmul f32[8192,768], kept in this kernel
-  uint16_t *const b933 = (uint16_t *)(arena + 2694683776); // %933 cast bf16[8,1024,768]
-  if (h->bgemm) {
-    mdl_bgemm(h, 0, 1, 8192, 768, 768, b927, 768, b173, 768, 0.0f, b928, 768);
-  }
-  else {
-    float *const w927 = mdl_widen_bf16(b927, 6291456, h->nthreads);
-    float *const w173 = mdl_widen_bf16(b173, 589824, h->nthreads);
-    mdl_gemm(h, 0, 1, 8192, 768, 768, w927, 768, w173, 768, 0.0f, b928, 768);
-    free(w927);
-    free(w173);
-  }
-  #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t r = 0; r < 8192; r++) {
-    for (int64_t c = 0; c < 768; c++) {
-      const int64_t i = r * 768 + c;
-      const float v928_i = b928[i];
-      const float v930_i = v928_i;
-      const float v933_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v930_i));
-      b933[i] = mdl_f32_to_bf16(v933_i);
-    }
-  }
-  free(b928);
+  static const int64_t o[] = {2114310144, 2719849600, 2694683776};
+  k97_gemm__cast__code(arena, h, o);
 }
 
 // k194_attention_bwd: attention, 3 ops
@@ -9578,132 +3627,8 @@ static void k193_gemm__cast(char *arena, const MdlHooks *h) {
 // loops:
 //   attention backward (dq dk dv): B 8, T 1024, 12 heads of 64, causal, within documents; one task per (batch, head)
 static void k194_attention_bwd(char *arena, const MdlHooks *h) {
-  int32_t *const b3 = (int32_t *)(arena + 2238271488); // %3 input doc i32[8,1024]
-  uint16_t *const b166 = (uint16_t *)(arena + 4317879424); // %166 cast bf16[8,1024,2304]
-  uint16_t *const b172 = (uint16_t *)(arena + 5462924416); // %172 cast bf16[8192,768]
-  float *const b931 = (float *)(arena + 5803842688); // %931 attention_lse f32[8,12,1024]
-  uint16_t *const b933 = (uint16_t *)(arena + 2694683776); // %933 cast bf16[8,1024,768]
-  float *const b934 = (float *)(arena + 2757598336); // %934 attention_bwd d.h.3.q f32[8,1024,768]
-  float *const b935 = (float *)(arena + 2782764160); // %935 attention_bwd d.h.3.k f32[8,1024,768]
-  float *const b936 = (float *)(arena + 2807929984); // %936 attention_bwd d.h.3.v f32[8,1024,768]
-  #pragma omp parallel num_threads(h->nthreads)
-  {
-    float *restrict kt = memset(mdl_scratch(67584 * sizeof(float)), 0, 67584 * sizeof(float));
-    float *restrict s = memset(mdl_scratch(1056 * sizeof(float)), 0, 1056 * sizeof(float));
-    float *restrict vt = memset(mdl_scratch(67584 * sizeof(float)), 0, 67584 * sizeof(float));
-    float *restrict dp = memset(mdl_scratch(1056 * sizeof(float)), 0, 1056 * sizeof(float));
-    float *restrict dkh = memset(mdl_scratch(65536 * sizeof(float)), 0, 65536 * sizeof(float));
-    float *restrict dvh = memset(mdl_scratch(65536 * sizeof(float)), 0, 65536 * sizeof(float));
-    #pragma omp for schedule(dynamic, 1)
-    for (int64_t task = 0; task < 96; task++) {
-      const int64_t b = task / 12, hd = task % 12;
-      for (int64_t j = 0; j < 1024; j++) {
-        const uint16_t *xj = b166 + 768 + (b * 1024 + j) * 2304 + hd * 64;
-        for (int64_t c = 0; c < 64; c++)
-          kt[c * 1056 + j] = mdl_bf16_to_f32(xj[c]);
-      }
-      for (int64_t j = 0; j < 1024; j++) {
-        const uint16_t *xj = b166 + 1536 + (b * 1024 + j) * 2304 + hd * 64;
-        for (int64_t c = 0; c < 64; c++)
-          vt[c * 1056 + j] = mdl_bf16_to_f32(xj[c]);
-      }
-      memset(dkh, 0, 65536 * sizeof(float));
-      memset(dvh, 0, 65536 * sizeof(float));
-      int64_t lo = 0, hi = 1024;
-      const int32_t *restrict dc = b3 + b * 1024;
-      for (int64_t i = 0; i < 1024; i++) {
-        const int32_t di = dc[i];
-        if (i == 0 || dc[i - 1] != di) {
-          lo = 0;
-          while (dc[lo] != di)
-            lo++;
-        }
-        hi = i + 1;
-        float qr[64];
-        for (int64_t c = 0; c < 64; c++)
-          qr[c] = mdl_bf16_to_f32(b166[(b * 1024 + i) * 2304 + hd * 64 + c]);
-        const float *restrict qi = qr;
-        for (int64_t j0 = lo; j0 < hi; j0 += 32) {
-          float acc[32] = {0};
-          for (int64_t c = 0; c < 64; c++) {
-            const float vc = qi[c], *restrict mc = kt + c * 1056 + j0;
-            #pragma omp simd
-            for (int64_t u = 0; u < 32; u++)
-              acc[u] += vc * mc[u];
-          }
-          memcpy(s + j0, acc, sizeof acc);
-        }
-        const float lse = b931[(b * 12 + hd) * 1024 + i];
-        #pragma omp simd
-        for (int64_t j = lo; j < hi; j++)
-          s[j] = dc[j] == di ? mdl_exp_shifted(s[j] * 0.125f - lse) : 0.0f;
-        float dor[64];
-        for (int64_t c = 0; c < 64; c++)
-          dor[c] = mdl_bf16_to_f32(b933[(b * 1024 + i) * 768 + hd * 64 + c]);
-        const float *restrict doi = dor;
-        float dsum = 0.0f;
-        for (int64_t c = 0; c < 64; c++)
-          dsum += doi[c] * mdl_bf16_to_f32(b172[(b * 1024 + i) * 768 + hd * 64 + c]);
-        for (int64_t j0 = lo; j0 < hi; j0 += 32) {
-          float acc[32] = {0};
-          for (int64_t c = 0; c < 64; c++) {
-            const float vc = doi[c], *restrict mc = vt + c * 1056 + j0;
-            #pragma omp simd
-            for (int64_t u = 0; u < 32; u++)
-              acc[u] += vc * mc[u];
-          }
-          memcpy(dp + j0, acc, sizeof acc);
-        }
-        #pragma omp simd
-        for (int64_t j = lo; j < hi; j++)
-          dp[j] = s[j] * (dp[j] - dsum);
-        float dqi0[64] = {0}, dqi1[64] = {0};
-        int64_t j = lo;
-        for (; j + 1 < hi; j += 2) {
-          const float w0 = mdl_bf16_to_f32(mdl_f32_to_bf16(dp[j])), w1 = mdl_bf16_to_f32(mdl_f32_to_bf16(dp[j + 1]));
-          const uint16_t *restrict x0 = b166 + 768 + (b * 1024 + j) * 2304 + hd * 64, *restrict x1 = x0 + 2304;
-          #pragma omp simd
-          for (int64_t c = 0; c < 64; c++) {
-            dqi0[c] += w0 * mdl_bf16_to_f32(x0[c]);
-            dqi1[c] += w1 * mdl_bf16_to_f32(x1[c]);
-          }
-        }
-        if (j < hi) {
-          const float w0 = mdl_bf16_to_f32(mdl_f32_to_bf16(dp[j]));
-          const uint16_t *restrict x0 = b166 + 768 + (b * 1024 + j) * 2304 + hd * 64;
-          #pragma omp simd
-          for (int64_t c = 0; c < 64; c++)
-            dqi0[c] += w0 * mdl_bf16_to_f32(x0[c]);
-        }
-        float sqi[64];
-        for (int64_t c = 0; c < 64; c++)
-          sqi[c] = 0.125f * qi[c];
-        for (int64_t j = lo; j < hi; j++) {
-          float *restrict dkj = dkh + j * 64;
-          #pragma omp simd
-          for (int64_t c = 0; c < 64; c++)
-            dkj[c] += mdl_bf16_to_f32(mdl_f32_to_bf16(dp[j])) * sqi[c];
-          float *restrict dvj = dvh + j * 64;
-          #pragma omp simd
-          for (int64_t c = 0; c < 64; c++)
-            dvj[c] += mdl_bf16_to_f32(mdl_f32_to_bf16(s[j])) * doi[c];
-        }
-        float *restrict dq = b934 + (b * 1024 + i) * 768 + hd * 64;
-        for (int64_t c = 0; c < 64; c++)
-          dq[c] = 0.125f * (dqi0[c] + dqi1[c]);
-      }
-      for (int64_t t = 0; t < 1024; t++)
-        memcpy(b935 + (b * 1024 + t) * 768 + hd * 64, dkh + t * 64, 64 * sizeof(float));
-      for (int64_t t = 0; t < 1024; t++)
-        memcpy(b936 + (b * 1024 + t) * 768 + hd * 64, dvh + t * 64, 64 * sizeof(float));
-    }
-    free(kt);
-    free(s);
-    free(vt);
-    free(dp);
-    free(dkh);
-    free(dvh);
-  }
+  static const int64_t o[] = {2238271488, 4317879424, 5462924416, 5803842688, 2694683776, 2757598336, 2782764160, 2807929984};
+  k98_attention_bwd__code(arena, h, o);
 }
 
 // k195_sum__concat__cast: kernel, 4 ops
@@ -9714,41 +3639,8 @@ static void k194_attention_bwd(char *arena, const MdlHooks *h) {
 // loops:
 //   sum %939: 2304 outputs over 8192 elements, in 64 blocks of 128
 static void k195_sum__concat__cast(char *arena, const MdlHooks *h) {
-  float *const b934 = (float *)(arena + 2757598336); // %934 attention_bwd d.h.3.q f32[8,1024,768]
-  float *const b935 = (float *)(arena + 2782764160); // %935 attention_bwd d.h.3.k f32[8,1024,768]
-  float *const b936 = (float *)(arena + 2807929984); // %936 attention_bwd d.h.3.v f32[8,1024,768]
-  float *const b939 = (float *)(arena + 747432960); // %939 sum d.h.3.attn_b f32[2304]
-  uint16_t *const b940 = (uint16_t *)(arena + 2694683776); // %940 cast bf16[8192,2304]
-  double *part = mdl_scratch(147456 * sizeof(double));
-  #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t k = 0; k < 64; k++) {
-    double *p = part + k * 2304;
-    for (int64_t c = 0; c < 2304; c++)
-      p[c] = 0.0;
-    const int64_t end = k * 128 + 128 < 8192 ? k * 128 + 128 : 8192;
-    for (int64_t l = k * 128; l < end; l++) {
-      for (int64_t c = 0; c < 2304; c++) {
-        const int64_t ix = l * 2304 + c;
-        const float v937_ix = (c < 768 ? b934 + (l * 768 + c) : c < 1536 ? b935 + (l * 768 + (c - 768)) : b936 + (l * 768 + (c - 1536)))[0];
-        const float v938_ix = v937_ix;
-        const float v = v938_ix;
-        const float v940_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v938_ix));
-        b940[ix] = mdl_f32_to_bf16(v940_ix);
-        p[c] += v;
-      }
-    }
-  }
-  #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t r = 0; r < 2304; r++) {
-    double acc = 0.0;
-    for (int64_t k = 0; k < 64; k++) {
-      const double v = part[k * 2304 + r];
-      acc += v;
-    }
-    const float y = (float)acc;
-    b939[r] = y;
-  }
-  free(part);
+  static const int64_t o[] = {2757598336, 2782764160, 2807929984, 747432960, 2694683776};
+  k99_sum__concat__cast__code(arena, h, o);
 }
 
 // k196_gemm: GEMM, 1 op
@@ -9756,19 +3648,8 @@ static void k195_sum__concat__cast(char *arena, const MdlHooks *h) {
 // loops:
 //   gemm %941: [8192 x 768] = [8192 x 2304] T[2304 x 768], bf16 operands (widened to f32 where the library has no bf16 GEMM)
 static void k196_gemm(char *arena, const MdlHooks *h) {
-  uint16_t *const b162 = (uint16_t *)(arena + 2110771200); // %162 cast bf16[768,2304]
-  uint16_t *const b940 = (uint16_t *)(arena + 2694683776); // %940 cast bf16[8192,2304]
-  float *const b941 = (float *)(arena + 2757598336); // %941 matmul f32[8192,768]
-  if (h->bgemm) {
-    mdl_bgemm(h, 0, 1, 8192, 768, 2304, b940, 2304, b162, 2304, 0.0f, b941, 768);
-  }
-  else {
-    float *const w940 = mdl_widen_bf16(b940, 18874368, h->nthreads);
-    float *const w162 = mdl_widen_bf16(b162, 1769472, h->nthreads);
-    mdl_gemm(h, 0, 1, 8192, 768, 2304, w940, 2304, w162, 2304, 0.0f, b941, 768);
-    free(w940);
-    free(w162);
-  }
+  static const int64_t o[] = {2110771200, 2694683776, 2757598336};
+  k100_gemm__code(arena, h, o);
 }
 
 // k197_gemm: GEMM, 1 op
@@ -9776,19 +3657,8 @@ static void k196_gemm(char *arena, const MdlHooks *h) {
 // loops:
 //   gemm %942: [768 x 2304] = T[768 x 8192] [8192 x 2304], bf16 operands (widened to f32 where the library has no bf16 GEMM)
 static void k197_gemm(char *arena, const MdlHooks *h) {
-  uint16_t *const b161 = (uint16_t *)(arena + 5450341504); // %161 cast bf16[8192,768]
-  uint16_t *const b940 = (uint16_t *)(arena + 2694683776); // %940 cast bf16[8192,2304]
-  float *const b942 = (float *)(arena + 740355072); // %942 matmul d.h.3.attn_w f32[768,2304]
-  if (h->bgemm) {
-    mdl_bgemm(h, 1, 0, 768, 2304, 8192, b161, 768, b940, 2304, 0.0f, b942, 2304);
-  }
-  else {
-    float *const w161 = mdl_widen_bf16(b161, 6291456, h->nthreads);
-    float *const w940 = mdl_widen_bf16(b940, 18874368, h->nthreads);
-    mdl_gemm(h, 1, 0, 768, 2304, 8192, w161, 768, w940, 2304, 0.0f, b942, 2304);
-    free(w161);
-    free(w940);
-  }
+  static const int64_t o[] = {5450341504, 2694683776, 740355072};
+  k101_gemm__code(arena, h, o);
 }
 
 // k198_layernorm_bwd__add__sum__cast: kernel, 7 ops
@@ -9802,83 +3672,8 @@ static void k197_gemm(char *arena, const MdlHooks *h) {
 // loops:
 //   layernorm_bwd: 8192 rows of 768, column sums over 64 blocks of 128 rows
 static void k198_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
-  float *const b146 = (float *)(arena + 4808612992); // %146 add h.2.x f32[8,1024,768]
-  float *const b147 = (float *)(arena + 242589696); // %147 param h.3.ln1_w f32[768]
-  float *const b924 = (float *)(arena + 2732432512); // %924 add d.h.3.x f32[8,1024,768]
-  float *const b941 = (float *)(arena + 2757598336); // %941 matmul f32[8192,768]
-  float *const b945 = (float *)(arena + 740348928); // %945 layernorm_bwd d.h.3.ln1_w f32[768]
-  float *const b946 = (float *)(arena + 740352000); // %946 layernorm_bwd d.h.3.ln1_b f32[768]
-  float *const b947 = (float *)(arena + 2782764160); // %947 add d.h.2.x f32[8,1024,768]
-  float *const b949 = (float *)(arena + 740345856); // %949 sum d.h.2.fcproj_b f32[768]
-  uint16_t *const b950 = (uint16_t *)(arena + 2807929984); // %950 cast bf16[8192,768]
-  double *pdw = mdl_scratch(49152 * sizeof(double));
-  double *pdb = mdl_scratch(49152 * sizeof(double));
-  double *ps0 = mdl_scratch(49152 * sizeof(double)); // partials of the column sum %949
-  #pragma omp parallel num_threads(h->nthreads)
-  {
-    float *dxrow = mdl_scratch(768 * sizeof(float));
-    #pragma omp for schedule(static)
-    for (int64_t k = 0; k < 64; k++) {
-      double *sw = pdw + k * 768;
-      double *sb = pdb + k * 768;
-      double *sa0 = ps0 + k * 768;
-      for (int64_t j = 0; j < 768; j++)
-        sw[j] = sb[j] = sa0[j] = 0;
-      const int64_t end = k * 128 + 128 < 8192 ? k * 128 + 128 : 8192;
-      for (int64_t r = k * 128; r < end; r++) {
-        const float *x = b146 + r * 768;
-        const float *dy = b941 + r * 768;
-        double mean = 0, var = 0, mg = 0, mgx = 0;
-        #pragma omp simd reduction(+ : mean)
-        for (int64_t j = 0; j < 768; j++)
-          mean += x[j];
-        mean /= 768;
-        #pragma omp simd reduction(+ : var)
-        for (int64_t j = 0; j < 768; j++)
-          var += (x[j] - mean) * (x[j] - mean);
-        const double rstd = 1.0 / sqrt(var / 768 + 1e-05);
-        #pragma omp simd reduction(+ : mg, mgx)
-        for (int64_t j = 0; j < 768; j++) {
-          const double xhat = (x[j] - mean) * rstd, g = (double)dy[j] * b147[j];
-          mg += g;
-          mgx += g * xhat;
-          sw[j] += dy[j] * xhat;
-          sb[j] += dy[j];
-        }
-        float *dx = dxrow;
-        mg /= 768;
-        mgx /= 768;
-        for (int64_t j = 0; j < 768; j++)
-          dx[j] = (float)(rstd * ((double)dy[j] * b147[j] - mg - (x[j] - mean) * rstd * mgx));
-        for (int64_t j = 0; j < 768; j++) {
-          const int64_t ix = r * 768 + j;
-          const float v924_ix = b924[ix];
-          const float v947_ix = v924_ix + dx[j];
-          b947[ix] = v947_ix;
-          const float v948_ix = v947_ix;
-          const float v950_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v948_ix));
-          b950[ix] = mdl_f32_to_bf16(v950_ix);
-          sa0[j] += v948_ix;
-        }
-      }
-    }
-    free(dxrow);
-  }
-  #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t j = 0; j < 768; j++) {
-    double w = 0, b = 0, a0 = 0;
-    for (int64_t k = 0; k < 64; k++) {
-      w += pdw[k * 768 + j];
-      b += pdb[k * 768 + j];
-      a0 += ps0[k * 768 + j];
-    }
-    b945[j] = (float)w;
-    b946[j] = (float)b;
-    b949[j] = (float)a0;
-  }
-  free(pdw);
-  free(pdb);
-  free(ps0);
+  static const int64_t o[] = {4808612992, 242589696, 2732432512, 2757598336, 740348928, 740352000, 2782764160, 740345856, 2807929984};
+  k102_layernorm_bwd__add__sum__cast__code(arena, h, o);
 }
 
 // k199_gemm: GEMM, 1 op
@@ -9886,19 +3681,8 @@ static void k198_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
 // loops:
 //   gemm %952: [3072 x 768] = T[3072 x 8192] [8192 x 768], bf16 operands (widened to f32 where the library has no bf16 GEMM)
 static void k199_gemm(char *arena, const MdlHooks *h) {
-  uint16_t *const b141 = (uint16_t *)(arena + 3701316736); // %141 cast bf16[8192,3072]
-  uint16_t *const b950 = (uint16_t *)(arena + 2807929984); // %950 cast bf16[8192,768]
-  float *const b952 = (float *)(arena + 730908672); // %952 matmul d.h.2.fcproj_w f32[3072,768]
-  if (h->bgemm) {
-    mdl_bgemm(h, 1, 0, 3072, 768, 8192, b141, 3072, b950, 768, 0.0f, b952, 768);
-  }
-  else {
-    float *const w141 = mdl_widen_bf16(b141, 25165824, h->nthreads);
-    float *const w950 = mdl_widen_bf16(b950, 6291456, h->nthreads);
-    mdl_gemm(h, 1, 0, 3072, 768, 8192, w141, 3072, w950, 768, 0.0f, b952, 768);
-    free(w141);
-    free(w950);
-  }
+  static const int64_t o[] = {3701316736, 2807929984, 730908672};
+  k91_gemm__code(arena, h, o);
 }
 
 // k200_gemm__gelu_bwd__sum__cast: GEMM, 6 ops
@@ -9912,56 +3696,8 @@ static void k199_gemm(char *arena, const MdlHooks *h) {
 //   gemm %951: [8192 x 3072] = [8192 x 768] T[768 x 3072], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
 //   sum %956: 3072 outputs over 8192 elements, in 64 blocks of 128
 static void k200_gemm__gelu_bwd__sum__cast(char *arena, const MdlHooks *h) {
-  float *const b138 = (float *)(arena + 2594020480); // %138 add f32[8,1024,3072]
-  uint16_t *const b142 = (uint16_t *)(arena + 2106052608); // %142 cast bf16[3072,768]
-  uint16_t *const b950 = (uint16_t *)(arena + 2807929984); // %950 cast bf16[8192,768]
-  float *const b951 = mdl_scratch(100663296); // %951 matmul f32[8192,3072], kept in this kernel
-  float *const b956 = (float *)(arena + 730896384); // %956 sum d.h.2.fc_b f32[3072]
-  uint16_t *const b957 = (uint16_t *)(arena + 2694683776); // %957 cast bf16[8192,3072]
-  if (h->bgemm) {
-    mdl_bgemm(h, 0, 1, 8192, 3072, 768, b950, 768, b142, 768, 0.0f, b951, 3072);
-  }
-  else {
-    float *const w950 = mdl_widen_bf16(b950, 6291456, h->nthreads);
-    float *const w142 = mdl_widen_bf16(b142, 2359296, h->nthreads);
-    mdl_gemm(h, 0, 1, 8192, 3072, 768, w950, 768, w142, 768, 0.0f, b951, 3072);
-    free(w950);
-    free(w142);
-  }
-  double *part = mdl_scratch(196608 * sizeof(double));
-  #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t k = 0; k < 64; k++) {
-    double *p = part + k * 3072;
-    for (int64_t c = 0; c < 3072; c++)
-      p[c] = 0.0;
-    const int64_t end = k * 128 + 128 < 8192 ? k * 128 + 128 : 8192;
-    for (int64_t l = k * 128; l < end; l++) {
-      for (int64_t c = 0; c < 3072; c++) {
-        const int64_t ix = l * 3072 + c;
-        const float v138_ix = b138[ix];
-        const float v951_ix = b951[ix];
-        const float v953_ix = v951_ix;
-        const float v954_ix = mdl_gelu_grad(v138_ix) * v953_ix;
-        const float v955_ix = v954_ix;
-        const float v = v955_ix;
-        const float v957_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v955_ix));
-        b957[ix] = mdl_f32_to_bf16(v957_ix);
-        p[c] += v;
-      }
-    }
-  }
-  #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t r = 0; r < 3072; r++) {
-    double acc = 0.0;
-    for (int64_t k = 0; k < 64; k++) {
-      const double v = part[k * 3072 + r];
-      acc += v;
-    }
-    const float y = (float)acc;
-    b956[r] = y;
-  }
-  free(part);
-  free(b951);
+  static const int64_t o[] = {2594020480, 2106052608, 2807929984, 730896384, 2694683776};
+  k92_gemm__gelu_bwd__sum__cast__code(arena, h, o);
 }
 
 // k201_gemm: GEMM, 1 op
@@ -9969,19 +3705,8 @@ static void k200_gemm__gelu_bwd__sum__cast(char *arena, const MdlHooks *h) {
 // loops:
 //   gemm %958: [8192 x 768] = [8192 x 3072] T[3072 x 768], bf16 operands (widened to f32 where the library has no bf16 GEMM)
 static void k201_gemm(char *arena, const MdlHooks *h) {
-  uint16_t *const b135 = (uint16_t *)(arena + 2101334016); // %135 cast bf16[768,3072]
-  uint16_t *const b957 = (uint16_t *)(arena + 2694683776); // %957 cast bf16[8192,3072]
-  float *const b958 = (float *)(arena + 2594020480); // %958 matmul f32[8192,768]
-  if (h->bgemm) {
-    mdl_bgemm(h, 0, 1, 8192, 768, 3072, b957, 3072, b135, 3072, 0.0f, b958, 768);
-  }
-  else {
-    float *const w957 = mdl_widen_bf16(b957, 25165824, h->nthreads);
-    float *const w135 = mdl_widen_bf16(b135, 2359296, h->nthreads);
-    mdl_gemm(h, 0, 1, 8192, 768, 3072, w957, 3072, w135, 3072, 0.0f, b958, 768);
-    free(w957);
-    free(w135);
-  }
+  static const int64_t o[] = {2101334016, 2694683776, 2594020480};
+  k93_gemm__code(arena, h, o);
 }
 
 // k202_gemm: GEMM, 1 op
@@ -9989,19 +3714,8 @@ static void k201_gemm(char *arena, const MdlHooks *h) {
 // loops:
 //   gemm %959: [768 x 3072] = T[768 x 8192] [8192 x 3072], bf16 operands (widened to f32 where the library has no bf16 GEMM)
 static void k202_gemm(char *arena, const MdlHooks *h) {
-  uint16_t *const b134 = (uint16_t *)(arena + 5437758592); // %134 cast bf16[8192,768]
-  uint16_t *const b957 = (uint16_t *)(arena + 2694683776); // %957 cast bf16[8192,3072]
-  float *const b959 = (float *)(arena + 721459200); // %959 matmul d.h.2.fc_w f32[768,3072]
-  if (h->bgemm) {
-    mdl_bgemm(h, 1, 0, 768, 3072, 8192, b134, 768, b957, 3072, 0.0f, b959, 3072);
-  }
-  else {
-    float *const w134 = mdl_widen_bf16(b134, 6291456, h->nthreads);
-    float *const w957 = mdl_widen_bf16(b957, 25165824, h->nthreads);
-    mdl_gemm(h, 1, 0, 768, 3072, 8192, w134, 768, w957, 3072, 0.0f, b959, 3072);
-    free(w134);
-    free(w957);
-  }
+  static const int64_t o[] = {5437758592, 2694683776, 721459200};
+  k94_gemm__code(arena, h, o);
 }
 
 // k203_layernorm_bwd__add__sum__cast: kernel, 7 ops
@@ -10015,83 +3729,8 @@ static void k202_gemm(char *arena, const MdlHooks *h) {
 // loops:
 //   layernorm_bwd: 8192 rows of 768, column sums over 64 blocks of 128 rows
 static void k203_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
-  float *const b107 = (float *)(arena + 223693824); // %107 param h.2.ln2_w f32[768]
-  float *const b131 = (float *)(arena + 4783447168); // %131 add h.2.x f32[8,1024,768]
-  float *const b947 = (float *)(arena + 2782764160); // %947 add d.h.2.x f32[8,1024,768]
-  float *const b958 = (float *)(arena + 2594020480); // %958 matmul f32[8192,768]
-  float *const b962 = (float *)(arena + 721453056); // %962 layernorm_bwd d.h.2.ln2_w f32[768]
-  float *const b963 = (float *)(arena + 721456128); // %963 layernorm_bwd d.h.2.ln2_b f32[768]
-  float *const b964 = (float *)(arena + 2631769216); // %964 add d.h.2.x f32[8,1024,768]
-  float *const b966 = (float *)(arena + 721449984); // %966 sum d.h.2.proj_b f32[768]
-  uint16_t *const b967 = (uint16_t *)(arena + 2619186304); // %967 cast bf16[8192,768]
-  double *pdw = mdl_scratch(49152 * sizeof(double));
-  double *pdb = mdl_scratch(49152 * sizeof(double));
-  double *ps0 = mdl_scratch(49152 * sizeof(double)); // partials of the column sum %966
-  #pragma omp parallel num_threads(h->nthreads)
-  {
-    float *dxrow = mdl_scratch(768 * sizeof(float));
-    #pragma omp for schedule(static)
-    for (int64_t k = 0; k < 64; k++) {
-      double *sw = pdw + k * 768;
-      double *sb = pdb + k * 768;
-      double *sa0 = ps0 + k * 768;
-      for (int64_t j = 0; j < 768; j++)
-        sw[j] = sb[j] = sa0[j] = 0;
-      const int64_t end = k * 128 + 128 < 8192 ? k * 128 + 128 : 8192;
-      for (int64_t r = k * 128; r < end; r++) {
-        const float *x = b131 + r * 768;
-        const float *dy = b958 + r * 768;
-        double mean = 0, var = 0, mg = 0, mgx = 0;
-        #pragma omp simd reduction(+ : mean)
-        for (int64_t j = 0; j < 768; j++)
-          mean += x[j];
-        mean /= 768;
-        #pragma omp simd reduction(+ : var)
-        for (int64_t j = 0; j < 768; j++)
-          var += (x[j] - mean) * (x[j] - mean);
-        const double rstd = 1.0 / sqrt(var / 768 + 1e-05);
-        #pragma omp simd reduction(+ : mg, mgx)
-        for (int64_t j = 0; j < 768; j++) {
-          const double xhat = (x[j] - mean) * rstd, g = (double)dy[j] * b107[j];
-          mg += g;
-          mgx += g * xhat;
-          sw[j] += dy[j] * xhat;
-          sb[j] += dy[j];
-        }
-        float *dx = dxrow;
-        mg /= 768;
-        mgx /= 768;
-        for (int64_t j = 0; j < 768; j++)
-          dx[j] = (float)(rstd * ((double)dy[j] * b107[j] - mg - (x[j] - mean) * rstd * mgx));
-        for (int64_t j = 0; j < 768; j++) {
-          const int64_t ix = r * 768 + j;
-          const float v947_ix = b947[ix];
-          const float v964_ix = v947_ix + dx[j];
-          b964[ix] = v964_ix;
-          const float v965_ix = v964_ix;
-          const float v967_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v965_ix));
-          b967[ix] = mdl_f32_to_bf16(v967_ix);
-          sa0[j] += v965_ix;
-        }
-      }
-    }
-    free(dxrow);
-  }
-  #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t j = 0; j < 768; j++) {
-    double w = 0, b = 0, a0 = 0;
-    for (int64_t k = 0; k < 64; k++) {
-      w += pdw[k * 768 + j];
-      b += pdb[k * 768 + j];
-      a0 += ps0[k * 768 + j];
-    }
-    b962[j] = (float)w;
-    b963[j] = (float)b;
-    b966[j] = (float)a0;
-  }
-  free(pdw);
-  free(pdb);
-  free(ps0);
+  static const int64_t o[] = {223693824, 4783447168, 2782764160, 2594020480, 721453056, 721456128, 2631769216, 721449984, 2619186304};
+  k95_layernorm_bwd__add__sum__cast__code(arena, h, o);
 }
 
 // k204_gemm: GEMM, 1 op
@@ -10099,19 +3738,8 @@ static void k203_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
 // loops:
 //   gemm %969: [768 x 768] = T[768 x 8192] [8192 x 768], bf16 operands (widened to f32 where the library has no bf16 GEMM)
 static void k204_gemm(char *arena, const MdlHooks *h) {
-  uint16_t *const b126 = (uint16_t *)(arena + 5425175680); // %126 cast bf16[8192,768]
-  uint16_t *const b967 = (uint16_t *)(arena + 2619186304); // %967 cast bf16[8192,768]
-  float *const b969 = (float *)(arena + 719090688); // %969 matmul d.h.2.proj_w f32[768,768]
-  if (h->bgemm) {
-    mdl_bgemm(h, 1, 0, 768, 768, 8192, b126, 768, b967, 768, 0.0f, b969, 768);
-  }
-  else {
-    float *const w126 = mdl_widen_bf16(b126, 6291456, h->nthreads);
-    float *const w967 = mdl_widen_bf16(b967, 6291456, h->nthreads);
-    mdl_gemm(h, 1, 0, 768, 768, 8192, w126, 768, w967, 768, 0.0f, b969, 768);
-    free(w126);
-    free(w967);
-  }
+  static const int64_t o[] = {5425175680, 2619186304, 719090688};
+  k96_gemm__code(arena, h, o);
 }
 
 // k205_gemm__cast: GEMM, 3 ops
@@ -10122,31 +3750,8 @@ static void k204_gemm(char *arena, const MdlHooks *h) {
 //   gemm %968: [8192 x 768] = [8192 x 768] T[768 x 768], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
 //   elementwise over 6291456: %973
 static void k205_gemm__cast(char *arena, const MdlHooks *h) {
-  uint16_t *const b127 = (uint16_t *)(arena + 2100154368); // %127 cast bf16[768,768]
-  uint16_t *const b967 = (uint16_t *)(arena + 2619186304); // %967 cast bf16[8192,768]
-  float *const b968 = mdl_scratch(25165824); // %968 matmul f32[8192,768], kept in this kernel
-  uint16_t *const b973 = (uint16_t *)(arena + 2594020480); // %973 cast bf16[8,1024,768]
-  if (h->bgemm) {
-    mdl_bgemm(h, 0, 1, 8192, 768, 768, b967, 768, b127, 768, 0.0f, b968, 768);
-  }
-  else {
-    float *const w967 = mdl_widen_bf16(b967, 6291456, h->nthreads);
-    float *const w127 = mdl_widen_bf16(b127, 589824, h->nthreads);
-    mdl_gemm(h, 0, 1, 8192, 768, 768, w967, 768, w127, 768, 0.0f, b968, 768);
-    free(w967);
-    free(w127);
-  }
-  #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t r = 0; r < 8192; r++) {
-    for (int64_t c = 0; c < 768; c++) {
-      const int64_t i = r * 768 + c;
-      const float v968_i = b968[i];
-      const float v970_i = v968_i;
-      const float v973_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v970_i));
-      b973[i] = mdl_f32_to_bf16(v973_i);
-    }
-  }
-  free(b968);
+  static const int64_t o[] = {2100154368, 2619186304, 2594020480};
+  k97_gemm__cast__code(arena, h, o);
 }
 
 // k206_attention_bwd: attention, 3 ops
@@ -10156,132 +3761,8 @@ static void k205_gemm__cast(char *arena, const MdlHooks *h) {
 // loops:
 //   attention backward (dq dk dv): B 8, T 1024, 12 heads of 64, causal, within documents; one task per (batch, head)
 static void k206_attention_bwd(char *arena, const MdlHooks *h) {
-  int32_t *const b3 = (int32_t *)(arena + 2238271488); // %3 input doc i32[8,1024]
-  uint16_t *const b120 = (uint16_t *)(arena + 4280130688); // %120 cast bf16[8,1024,2304]
-  uint16_t *const b126 = (uint16_t *)(arena + 5425175680); // %126 cast bf16[8192,768]
-  float *const b971 = (float *)(arena + 5803449472); // %971 attention_lse f32[8,12,1024]
-  uint16_t *const b973 = (uint16_t *)(arena + 2594020480); // %973 cast bf16[8,1024,768]
-  float *const b974 = (float *)(arena + 2656935040); // %974 attention_bwd d.h.2.q f32[8,1024,768]
-  float *const b975 = (float *)(arena + 2682100864); // %975 attention_bwd d.h.2.k f32[8,1024,768]
-  float *const b976 = (float *)(arena + 2707266688); // %976 attention_bwd d.h.2.v f32[8,1024,768]
-  #pragma omp parallel num_threads(h->nthreads)
-  {
-    float *restrict kt = memset(mdl_scratch(67584 * sizeof(float)), 0, 67584 * sizeof(float));
-    float *restrict s = memset(mdl_scratch(1056 * sizeof(float)), 0, 1056 * sizeof(float));
-    float *restrict vt = memset(mdl_scratch(67584 * sizeof(float)), 0, 67584 * sizeof(float));
-    float *restrict dp = memset(mdl_scratch(1056 * sizeof(float)), 0, 1056 * sizeof(float));
-    float *restrict dkh = memset(mdl_scratch(65536 * sizeof(float)), 0, 65536 * sizeof(float));
-    float *restrict dvh = memset(mdl_scratch(65536 * sizeof(float)), 0, 65536 * sizeof(float));
-    #pragma omp for schedule(dynamic, 1)
-    for (int64_t task = 0; task < 96; task++) {
-      const int64_t b = task / 12, hd = task % 12;
-      for (int64_t j = 0; j < 1024; j++) {
-        const uint16_t *xj = b120 + 768 + (b * 1024 + j) * 2304 + hd * 64;
-        for (int64_t c = 0; c < 64; c++)
-          kt[c * 1056 + j] = mdl_bf16_to_f32(xj[c]);
-      }
-      for (int64_t j = 0; j < 1024; j++) {
-        const uint16_t *xj = b120 + 1536 + (b * 1024 + j) * 2304 + hd * 64;
-        for (int64_t c = 0; c < 64; c++)
-          vt[c * 1056 + j] = mdl_bf16_to_f32(xj[c]);
-      }
-      memset(dkh, 0, 65536 * sizeof(float));
-      memset(dvh, 0, 65536 * sizeof(float));
-      int64_t lo = 0, hi = 1024;
-      const int32_t *restrict dc = b3 + b * 1024;
-      for (int64_t i = 0; i < 1024; i++) {
-        const int32_t di = dc[i];
-        if (i == 0 || dc[i - 1] != di) {
-          lo = 0;
-          while (dc[lo] != di)
-            lo++;
-        }
-        hi = i + 1;
-        float qr[64];
-        for (int64_t c = 0; c < 64; c++)
-          qr[c] = mdl_bf16_to_f32(b120[(b * 1024 + i) * 2304 + hd * 64 + c]);
-        const float *restrict qi = qr;
-        for (int64_t j0 = lo; j0 < hi; j0 += 32) {
-          float acc[32] = {0};
-          for (int64_t c = 0; c < 64; c++) {
-            const float vc = qi[c], *restrict mc = kt + c * 1056 + j0;
-            #pragma omp simd
-            for (int64_t u = 0; u < 32; u++)
-              acc[u] += vc * mc[u];
-          }
-          memcpy(s + j0, acc, sizeof acc);
-        }
-        const float lse = b971[(b * 12 + hd) * 1024 + i];
-        #pragma omp simd
-        for (int64_t j = lo; j < hi; j++)
-          s[j] = dc[j] == di ? mdl_exp_shifted(s[j] * 0.125f - lse) : 0.0f;
-        float dor[64];
-        for (int64_t c = 0; c < 64; c++)
-          dor[c] = mdl_bf16_to_f32(b973[(b * 1024 + i) * 768 + hd * 64 + c]);
-        const float *restrict doi = dor;
-        float dsum = 0.0f;
-        for (int64_t c = 0; c < 64; c++)
-          dsum += doi[c] * mdl_bf16_to_f32(b126[(b * 1024 + i) * 768 + hd * 64 + c]);
-        for (int64_t j0 = lo; j0 < hi; j0 += 32) {
-          float acc[32] = {0};
-          for (int64_t c = 0; c < 64; c++) {
-            const float vc = doi[c], *restrict mc = vt + c * 1056 + j0;
-            #pragma omp simd
-            for (int64_t u = 0; u < 32; u++)
-              acc[u] += vc * mc[u];
-          }
-          memcpy(dp + j0, acc, sizeof acc);
-        }
-        #pragma omp simd
-        for (int64_t j = lo; j < hi; j++)
-          dp[j] = s[j] * (dp[j] - dsum);
-        float dqi0[64] = {0}, dqi1[64] = {0};
-        int64_t j = lo;
-        for (; j + 1 < hi; j += 2) {
-          const float w0 = mdl_bf16_to_f32(mdl_f32_to_bf16(dp[j])), w1 = mdl_bf16_to_f32(mdl_f32_to_bf16(dp[j + 1]));
-          const uint16_t *restrict x0 = b120 + 768 + (b * 1024 + j) * 2304 + hd * 64, *restrict x1 = x0 + 2304;
-          #pragma omp simd
-          for (int64_t c = 0; c < 64; c++) {
-            dqi0[c] += w0 * mdl_bf16_to_f32(x0[c]);
-            dqi1[c] += w1 * mdl_bf16_to_f32(x1[c]);
-          }
-        }
-        if (j < hi) {
-          const float w0 = mdl_bf16_to_f32(mdl_f32_to_bf16(dp[j]));
-          const uint16_t *restrict x0 = b120 + 768 + (b * 1024 + j) * 2304 + hd * 64;
-          #pragma omp simd
-          for (int64_t c = 0; c < 64; c++)
-            dqi0[c] += w0 * mdl_bf16_to_f32(x0[c]);
-        }
-        float sqi[64];
-        for (int64_t c = 0; c < 64; c++)
-          sqi[c] = 0.125f * qi[c];
-        for (int64_t j = lo; j < hi; j++) {
-          float *restrict dkj = dkh + j * 64;
-          #pragma omp simd
-          for (int64_t c = 0; c < 64; c++)
-            dkj[c] += mdl_bf16_to_f32(mdl_f32_to_bf16(dp[j])) * sqi[c];
-          float *restrict dvj = dvh + j * 64;
-          #pragma omp simd
-          for (int64_t c = 0; c < 64; c++)
-            dvj[c] += mdl_bf16_to_f32(mdl_f32_to_bf16(s[j])) * doi[c];
-        }
-        float *restrict dq = b974 + (b * 1024 + i) * 768 + hd * 64;
-        for (int64_t c = 0; c < 64; c++)
-          dq[c] = 0.125f * (dqi0[c] + dqi1[c]);
-      }
-      for (int64_t t = 0; t < 1024; t++)
-        memcpy(b975 + (b * 1024 + t) * 768 + hd * 64, dkh + t * 64, 64 * sizeof(float));
-      for (int64_t t = 0; t < 1024; t++)
-        memcpy(b976 + (b * 1024 + t) * 768 + hd * 64, dvh + t * 64, 64 * sizeof(float));
-    }
-    free(kt);
-    free(s);
-    free(vt);
-    free(dp);
-    free(dkh);
-    free(dvh);
-  }
+  static const int64_t o[] = {2238271488, 4280130688, 5425175680, 5803449472, 2594020480, 2656935040, 2682100864, 2707266688};
+  k98_attention_bwd__code(arena, h, o);
 }
 
 // k207_sum__concat__cast: kernel, 4 ops
@@ -10292,41 +3773,8 @@ static void k206_attention_bwd(char *arena, const MdlHooks *h) {
 // loops:
 //   sum %979: 2304 outputs over 8192 elements, in 64 blocks of 128
 static void k207_sum__concat__cast(char *arena, const MdlHooks *h) {
-  float *const b974 = (float *)(arena + 2656935040); // %974 attention_bwd d.h.2.q f32[8,1024,768]
-  float *const b975 = (float *)(arena + 2682100864); // %975 attention_bwd d.h.2.k f32[8,1024,768]
-  float *const b976 = (float *)(arena + 2707266688); // %976 attention_bwd d.h.2.v f32[8,1024,768]
-  float *const b979 = (float *)(arena + 719081472); // %979 sum d.h.2.attn_b f32[2304]
-  uint16_t *const b980 = (uint16_t *)(arena + 2594020480); // %980 cast bf16[8192,2304]
-  double *part = mdl_scratch(147456 * sizeof(double));
-  #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t k = 0; k < 64; k++) {
-    double *p = part + k * 2304;
-    for (int64_t c = 0; c < 2304; c++)
-      p[c] = 0.0;
-    const int64_t end = k * 128 + 128 < 8192 ? k * 128 + 128 : 8192;
-    for (int64_t l = k * 128; l < end; l++) {
-      for (int64_t c = 0; c < 2304; c++) {
-        const int64_t ix = l * 2304 + c;
-        const float v977_ix = (c < 768 ? b974 + (l * 768 + c) : c < 1536 ? b975 + (l * 768 + (c - 768)) : b976 + (l * 768 + (c - 1536)))[0];
-        const float v978_ix = v977_ix;
-        const float v = v978_ix;
-        const float v980_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v978_ix));
-        b980[ix] = mdl_f32_to_bf16(v980_ix);
-        p[c] += v;
-      }
-    }
-  }
-  #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t r = 0; r < 2304; r++) {
-    double acc = 0.0;
-    for (int64_t k = 0; k < 64; k++) {
-      const double v = part[k * 2304 + r];
-      acc += v;
-    }
-    const float y = (float)acc;
-    b979[r] = y;
-  }
-  free(part);
+  static const int64_t o[] = {2656935040, 2682100864, 2707266688, 719081472, 2594020480};
+  k99_sum__concat__cast__code(arena, h, o);
 }
 
 // k208_gemm: GEMM, 1 op
@@ -10334,19 +3782,8 @@ static void k207_sum__concat__cast(char *arena, const MdlHooks *h) {
 // loops:
 //   gemm %981: [8192 x 768] = [8192 x 2304] T[2304 x 768], bf16 operands (widened to f32 where the library has no bf16 GEMM)
 static void k208_gemm(char *arena, const MdlHooks *h) {
-  uint16_t *const b116 = (uint16_t *)(arena + 2096615424); // %116 cast bf16[768,2304]
-  uint16_t *const b980 = (uint16_t *)(arena + 2594020480); // %980 cast bf16[8192,2304]
-  float *const b981 = (float *)(arena + 2656935040); // %981 matmul f32[8192,768]
-  if (h->bgemm) {
-    mdl_bgemm(h, 0, 1, 8192, 768, 2304, b980, 2304, b116, 2304, 0.0f, b981, 768);
-  }
-  else {
-    float *const w980 = mdl_widen_bf16(b980, 18874368, h->nthreads);
-    float *const w116 = mdl_widen_bf16(b116, 1769472, h->nthreads);
-    mdl_gemm(h, 0, 1, 8192, 768, 2304, w980, 2304, w116, 2304, 0.0f, b981, 768);
-    free(w980);
-    free(w116);
-  }
+  static const int64_t o[] = {2096615424, 2594020480, 2656935040};
+  k100_gemm__code(arena, h, o);
 }
 
 // k209_gemm: GEMM, 1 op
@@ -10354,19 +3791,8 @@ static void k208_gemm(char *arena, const MdlHooks *h) {
 // loops:
 //   gemm %982: [768 x 2304] = T[768 x 8192] [8192 x 2304], bf16 operands (widened to f32 where the library has no bf16 GEMM)
 static void k209_gemm(char *arena, const MdlHooks *h) {
-  uint16_t *const b115 = (uint16_t *)(arena + 5412592768); // %115 cast bf16[8192,768]
-  uint16_t *const b980 = (uint16_t *)(arena + 2594020480); // %980 cast bf16[8192,2304]
-  float *const b982 = (float *)(arena + 712003584); // %982 matmul d.h.2.attn_w f32[768,2304]
-  if (h->bgemm) {
-    mdl_bgemm(h, 1, 0, 768, 2304, 8192, b115, 768, b980, 2304, 0.0f, b982, 2304);
-  }
-  else {
-    float *const w115 = mdl_widen_bf16(b115, 6291456, h->nthreads);
-    float *const w980 = mdl_widen_bf16(b980, 18874368, h->nthreads);
-    mdl_gemm(h, 1, 0, 768, 2304, 8192, w115, 768, w980, 2304, 0.0f, b982, 2304);
-    free(w115);
-    free(w980);
-  }
+  static const int64_t o[] = {5412592768, 2594020480, 712003584};
+  k101_gemm__code(arena, h, o);
 }
 
 // k210_layernorm_bwd__add__sum__cast: kernel, 7 ops
@@ -10380,83 +3806,8 @@ static void k209_gemm(char *arena, const MdlHooks *h) {
 // loops:
 //   layernorm_bwd: 8192 rows of 768, column sums over 64 blocks of 128 rows
 static void k210_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
-  float *const b100 = (float *)(arena + 4758281344); // %100 add h.1.x f32[8,1024,768]
-  float *const b101 = (float *)(arena + 214238208); // %101 param h.2.ln1_w f32[768]
-  float *const b964 = (float *)(arena + 2631769216); // %964 add d.h.2.x f32[8,1024,768]
-  float *const b981 = (float *)(arena + 2656935040); // %981 matmul f32[8192,768]
-  float *const b985 = (float *)(arena + 711997440); // %985 layernorm_bwd d.h.2.ln1_w f32[768]
-  float *const b986 = (float *)(arena + 712000512); // %986 layernorm_bwd d.h.2.ln1_b f32[768]
-  float *const b987 = (float *)(arena + 2682100864); // %987 add d.h.1.x f32[8,1024,768]
-  float *const b989 = (float *)(arena + 711994368); // %989 sum d.h.1.fcproj_b f32[768]
-  uint16_t *const b990 = (uint16_t *)(arena + 2707266688); // %990 cast bf16[8192,768]
-  double *pdw = mdl_scratch(49152 * sizeof(double));
-  double *pdb = mdl_scratch(49152 * sizeof(double));
-  double *ps0 = mdl_scratch(49152 * sizeof(double)); // partials of the column sum %989
-  #pragma omp parallel num_threads(h->nthreads)
-  {
-    float *dxrow = mdl_scratch(768 * sizeof(float));
-    #pragma omp for schedule(static)
-    for (int64_t k = 0; k < 64; k++) {
-      double *sw = pdw + k * 768;
-      double *sb = pdb + k * 768;
-      double *sa0 = ps0 + k * 768;
-      for (int64_t j = 0; j < 768; j++)
-        sw[j] = sb[j] = sa0[j] = 0;
-      const int64_t end = k * 128 + 128 < 8192 ? k * 128 + 128 : 8192;
-      for (int64_t r = k * 128; r < end; r++) {
-        const float *x = b100 + r * 768;
-        const float *dy = b981 + r * 768;
-        double mean = 0, var = 0, mg = 0, mgx = 0;
-        #pragma omp simd reduction(+ : mean)
-        for (int64_t j = 0; j < 768; j++)
-          mean += x[j];
-        mean /= 768;
-        #pragma omp simd reduction(+ : var)
-        for (int64_t j = 0; j < 768; j++)
-          var += (x[j] - mean) * (x[j] - mean);
-        const double rstd = 1.0 / sqrt(var / 768 + 1e-05);
-        #pragma omp simd reduction(+ : mg, mgx)
-        for (int64_t j = 0; j < 768; j++) {
-          const double xhat = (x[j] - mean) * rstd, g = (double)dy[j] * b101[j];
-          mg += g;
-          mgx += g * xhat;
-          sw[j] += dy[j] * xhat;
-          sb[j] += dy[j];
-        }
-        float *dx = dxrow;
-        mg /= 768;
-        mgx /= 768;
-        for (int64_t j = 0; j < 768; j++)
-          dx[j] = (float)(rstd * ((double)dy[j] * b101[j] - mg - (x[j] - mean) * rstd * mgx));
-        for (int64_t j = 0; j < 768; j++) {
-          const int64_t ix = r * 768 + j;
-          const float v964_ix = b964[ix];
-          const float v987_ix = v964_ix + dx[j];
-          b987[ix] = v987_ix;
-          const float v988_ix = v987_ix;
-          const float v990_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v988_ix));
-          b990[ix] = mdl_f32_to_bf16(v990_ix);
-          sa0[j] += v988_ix;
-        }
-      }
-    }
-    free(dxrow);
-  }
-  #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t j = 0; j < 768; j++) {
-    double w = 0, b = 0, a0 = 0;
-    for (int64_t k = 0; k < 64; k++) {
-      w += pdw[k * 768 + j];
-      b += pdb[k * 768 + j];
-      a0 += ps0[k * 768 + j];
-    }
-    b985[j] = (float)w;
-    b986[j] = (float)b;
-    b989[j] = (float)a0;
-  }
-  free(pdw);
-  free(pdb);
-  free(ps0);
+  static const int64_t o[] = {4758281344, 214238208, 2631769216, 2656935040, 711997440, 712000512, 2682100864, 711994368, 2707266688};
+  k102_layernorm_bwd__add__sum__cast__code(arena, h, o);
 }
 
 // k211_gemm: GEMM, 1 op
@@ -10464,19 +3815,8 @@ static void k210_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
 // loops:
 //   gemm %992: [3072 x 768] = T[3072 x 8192] [8192 x 768], bf16 operands (widened to f32 where the library has no bf16 GEMM)
 static void k211_gemm(char *arena, const MdlHooks *h) {
-  uint16_t *const b95 = (uint16_t *)(arena + 3650985088); // %95 cast bf16[8192,3072]
-  uint16_t *const b990 = (uint16_t *)(arena + 2707266688); // %990 cast bf16[8192,768]
-  float *const b992 = (float *)(arena + 702557184); // %992 matmul d.h.1.fcproj_w f32[3072,768]
-  if (h->bgemm) {
-    mdl_bgemm(h, 1, 0, 3072, 768, 8192, b95, 3072, b990, 768, 0.0f, b992, 768);
-  }
-  else {
-    float *const w95 = mdl_widen_bf16(b95, 25165824, h->nthreads);
-    float *const w990 = mdl_widen_bf16(b990, 6291456, h->nthreads);
-    mdl_gemm(h, 1, 0, 3072, 768, 8192, w95, 3072, w990, 768, 0.0f, b992, 768);
-    free(w95);
-    free(w990);
-  }
+  static const int64_t o[] = {3650985088, 2707266688, 702557184};
+  k91_gemm__code(arena, h, o);
 }
 
 // k212_gemm__gelu_bwd__sum__cast: GEMM, 6 ops
@@ -10490,56 +3830,8 @@ static void k211_gemm(char *arena, const MdlHooks *h) {
 //   gemm %991: [8192 x 3072] = [8192 x 768] T[768 x 3072], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
 //   sum %996: 3072 outputs over 8192 elements, in 64 blocks of 128
 static void k212_gemm__gelu_bwd__sum__cast(char *arena, const MdlHooks *h) {
-  float *const b92 = (float *)(arena + 2493357184); // %92 add f32[8,1024,3072]
-  uint16_t *const b96 = (uint16_t *)(arena + 2091896832); // %96 cast bf16[3072,768]
-  uint16_t *const b990 = (uint16_t *)(arena + 2707266688); // %990 cast bf16[8192,768]
-  float *const b991 = mdl_scratch(100663296); // %991 matmul f32[8192,3072], kept in this kernel
-  float *const b996 = (float *)(arena + 702544896); // %996 sum d.h.1.fc_b f32[3072]
-  uint16_t *const b997 = (uint16_t *)(arena + 2594020480); // %997 cast bf16[8192,3072]
-  if (h->bgemm) {
-    mdl_bgemm(h, 0, 1, 8192, 3072, 768, b990, 768, b96, 768, 0.0f, b991, 3072);
-  }
-  else {
-    float *const w990 = mdl_widen_bf16(b990, 6291456, h->nthreads);
-    float *const w96 = mdl_widen_bf16(b96, 2359296, h->nthreads);
-    mdl_gemm(h, 0, 1, 8192, 3072, 768, w990, 768, w96, 768, 0.0f, b991, 3072);
-    free(w990);
-    free(w96);
-  }
-  double *part = mdl_scratch(196608 * sizeof(double));
-  #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t k = 0; k < 64; k++) {
-    double *p = part + k * 3072;
-    for (int64_t c = 0; c < 3072; c++)
-      p[c] = 0.0;
-    const int64_t end = k * 128 + 128 < 8192 ? k * 128 + 128 : 8192;
-    for (int64_t l = k * 128; l < end; l++) {
-      for (int64_t c = 0; c < 3072; c++) {
-        const int64_t ix = l * 3072 + c;
-        const float v92_ix = b92[ix];
-        const float v991_ix = b991[ix];
-        const float v993_ix = v991_ix;
-        const float v994_ix = mdl_gelu_grad(v92_ix) * v993_ix;
-        const float v995_ix = v994_ix;
-        const float v = v995_ix;
-        const float v997_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v995_ix));
-        b997[ix] = mdl_f32_to_bf16(v997_ix);
-        p[c] += v;
-      }
-    }
-  }
-  #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t r = 0; r < 3072; r++) {
-    double acc = 0.0;
-    for (int64_t k = 0; k < 64; k++) {
-      const double v = part[k * 3072 + r];
-      acc += v;
-    }
-    const float y = (float)acc;
-    b996[r] = y;
-  }
-  free(part);
-  free(b991);
+  static const int64_t o[] = {2493357184, 2091896832, 2707266688, 702544896, 2594020480};
+  k92_gemm__gelu_bwd__sum__cast__code(arena, h, o);
 }
 
 // k213_gemm: GEMM, 1 op
@@ -10547,19 +3839,8 @@ static void k212_gemm__gelu_bwd__sum__cast(char *arena, const MdlHooks *h) {
 // loops:
 //   gemm %998: [8192 x 768] = [8192 x 3072] T[3072 x 768], bf16 operands (widened to f32 where the library has no bf16 GEMM)
 static void k213_gemm(char *arena, const MdlHooks *h) {
-  uint16_t *const b89 = (uint16_t *)(arena + 2087178240); // %89 cast bf16[768,3072]
-  uint16_t *const b997 = (uint16_t *)(arena + 2594020480); // %997 cast bf16[8192,3072]
-  float *const b998 = (float *)(arena + 2493357184); // %998 matmul f32[8192,768]
-  if (h->bgemm) {
-    mdl_bgemm(h, 0, 1, 8192, 768, 3072, b997, 3072, b89, 3072, 0.0f, b998, 768);
-  }
-  else {
-    float *const w997 = mdl_widen_bf16(b997, 25165824, h->nthreads);
-    float *const w89 = mdl_widen_bf16(b89, 2359296, h->nthreads);
-    mdl_gemm(h, 0, 1, 8192, 768, 3072, w997, 3072, w89, 3072, 0.0f, b998, 768);
-    free(w997);
-    free(w89);
-  }
+  static const int64_t o[] = {2087178240, 2594020480, 2493357184};
+  k93_gemm__code(arena, h, o);
 }
 
 // k214_gemm: GEMM, 1 op
@@ -10567,19 +3848,8 @@ static void k213_gemm(char *arena, const MdlHooks *h) {
 // loops:
 //   gemm %999: [768 x 3072] = T[768 x 8192] [8192 x 3072], bf16 operands (widened to f32 where the library has no bf16 GEMM)
 static void k214_gemm(char *arena, const MdlHooks *h) {
-  uint16_t *const b88 = (uint16_t *)(arena + 5400009856); // %88 cast bf16[8192,768]
-  uint16_t *const b997 = (uint16_t *)(arena + 2594020480); // %997 cast bf16[8192,3072]
-  float *const b999 = (float *)(arena + 693107712); // %999 matmul d.h.1.fc_w f32[768,3072]
-  if (h->bgemm) {
-    mdl_bgemm(h, 1, 0, 768, 3072, 8192, b88, 768, b997, 3072, 0.0f, b999, 3072);
-  }
-  else {
-    float *const w88 = mdl_widen_bf16(b88, 6291456, h->nthreads);
-    float *const w997 = mdl_widen_bf16(b997, 25165824, h->nthreads);
-    mdl_gemm(h, 1, 0, 768, 3072, 8192, w88, 768, w997, 3072, 0.0f, b999, 3072);
-    free(w88);
-    free(w997);
-  }
+  static const int64_t o[] = {5400009856, 2594020480, 693107712};
+  k94_gemm__code(arena, h, o);
 }
 
 // k215_layernorm_bwd__add__sum__cast: kernel, 7 ops
@@ -10593,83 +3863,8 @@ static void k214_gemm(char *arena, const MdlHooks *h) {
 // loops:
 //   layernorm_bwd: 8192 rows of 768, column sums over 64 blocks of 128 rows
 static void k215_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
-  float *const b61 = (float *)(arena + 195342336); // %61 param h.1.ln2_w f32[768]
-  float *const b85 = (float *)(arena + 4733115520); // %85 add h.1.x f32[8,1024,768]
-  float *const b987 = (float *)(arena + 2682100864); // %987 add d.h.1.x f32[8,1024,768]
-  float *const b998 = (float *)(arena + 2493357184); // %998 matmul f32[8192,768]
-  float *const b1002 = (float *)(arena + 693101568); // %1002 layernorm_bwd d.h.1.ln2_w f32[768]
-  float *const b1003 = (float *)(arena + 693104640); // %1003 layernorm_bwd d.h.1.ln2_b f32[768]
-  float *const b1004 = (float *)(arena + 2531105920); // %1004 add d.h.1.x f32[8,1024,768]
-  float *const b1006 = (float *)(arena + 693098496); // %1006 sum d.h.1.proj_b f32[768]
-  uint16_t *const b1007 = (uint16_t *)(arena + 2518523008); // %1007 cast bf16[8192,768]
-  double *pdw = mdl_scratch(49152 * sizeof(double));
-  double *pdb = mdl_scratch(49152 * sizeof(double));
-  double *ps0 = mdl_scratch(49152 * sizeof(double)); // partials of the column sum %1006
-  #pragma omp parallel num_threads(h->nthreads)
-  {
-    float *dxrow = mdl_scratch(768 * sizeof(float));
-    #pragma omp for schedule(static)
-    for (int64_t k = 0; k < 64; k++) {
-      double *sw = pdw + k * 768;
-      double *sb = pdb + k * 768;
-      double *sa0 = ps0 + k * 768;
-      for (int64_t j = 0; j < 768; j++)
-        sw[j] = sb[j] = sa0[j] = 0;
-      const int64_t end = k * 128 + 128 < 8192 ? k * 128 + 128 : 8192;
-      for (int64_t r = k * 128; r < end; r++) {
-        const float *x = b85 + r * 768;
-        const float *dy = b998 + r * 768;
-        double mean = 0, var = 0, mg = 0, mgx = 0;
-        #pragma omp simd reduction(+ : mean)
-        for (int64_t j = 0; j < 768; j++)
-          mean += x[j];
-        mean /= 768;
-        #pragma omp simd reduction(+ : var)
-        for (int64_t j = 0; j < 768; j++)
-          var += (x[j] - mean) * (x[j] - mean);
-        const double rstd = 1.0 / sqrt(var / 768 + 1e-05);
-        #pragma omp simd reduction(+ : mg, mgx)
-        for (int64_t j = 0; j < 768; j++) {
-          const double xhat = (x[j] - mean) * rstd, g = (double)dy[j] * b61[j];
-          mg += g;
-          mgx += g * xhat;
-          sw[j] += dy[j] * xhat;
-          sb[j] += dy[j];
-        }
-        float *dx = dxrow;
-        mg /= 768;
-        mgx /= 768;
-        for (int64_t j = 0; j < 768; j++)
-          dx[j] = (float)(rstd * ((double)dy[j] * b61[j] - mg - (x[j] - mean) * rstd * mgx));
-        for (int64_t j = 0; j < 768; j++) {
-          const int64_t ix = r * 768 + j;
-          const float v987_ix = b987[ix];
-          const float v1004_ix = v987_ix + dx[j];
-          b1004[ix] = v1004_ix;
-          const float v1005_ix = v1004_ix;
-          const float v1007_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v1005_ix));
-          b1007[ix] = mdl_f32_to_bf16(v1007_ix);
-          sa0[j] += v1005_ix;
-        }
-      }
-    }
-    free(dxrow);
-  }
-  #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t j = 0; j < 768; j++) {
-    double w = 0, b = 0, a0 = 0;
-    for (int64_t k = 0; k < 64; k++) {
-      w += pdw[k * 768 + j];
-      b += pdb[k * 768 + j];
-      a0 += ps0[k * 768 + j];
-    }
-    b1002[j] = (float)w;
-    b1003[j] = (float)b;
-    b1006[j] = (float)a0;
-  }
-  free(pdw);
-  free(pdb);
-  free(ps0);
+  static const int64_t o[] = {195342336, 4733115520, 2682100864, 2493357184, 693101568, 693104640, 2531105920, 693098496, 2518523008};
+  k95_layernorm_bwd__add__sum__cast__code(arena, h, o);
 }
 
 // k216_gemm: GEMM, 1 op
@@ -10677,19 +3872,8 @@ static void k215_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
 // loops:
 //   gemm %1009: [768 x 768] = T[768 x 8192] [8192 x 768], bf16 operands (widened to f32 where the library has no bf16 GEMM)
 static void k216_gemm(char *arena, const MdlHooks *h) {
-  uint16_t *const b80 = (uint16_t *)(arena + 5387426944); // %80 cast bf16[8192,768]
-  uint16_t *const b1007 = (uint16_t *)(arena + 2518523008); // %1007 cast bf16[8192,768]
-  float *const b1009 = (float *)(arena + 690739200); // %1009 matmul d.h.1.proj_w f32[768,768]
-  if (h->bgemm) {
-    mdl_bgemm(h, 1, 0, 768, 768, 8192, b80, 768, b1007, 768, 0.0f, b1009, 768);
-  }
-  else {
-    float *const w80 = mdl_widen_bf16(b80, 6291456, h->nthreads);
-    float *const w1007 = mdl_widen_bf16(b1007, 6291456, h->nthreads);
-    mdl_gemm(h, 1, 0, 768, 768, 8192, w80, 768, w1007, 768, 0.0f, b1009, 768);
-    free(w80);
-    free(w1007);
-  }
+  static const int64_t o[] = {5387426944, 2518523008, 690739200};
+  k96_gemm__code(arena, h, o);
 }
 
 // k217_gemm__cast: GEMM, 3 ops
@@ -10700,31 +3884,8 @@ static void k216_gemm(char *arena, const MdlHooks *h) {
 //   gemm %1008: [8192 x 768] = [8192 x 768] T[768 x 768], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
 //   elementwise over 6291456: %1013
 static void k217_gemm__cast(char *arena, const MdlHooks *h) {
-  uint16_t *const b81 = (uint16_t *)(arena + 2085998592); // %81 cast bf16[768,768]
-  uint16_t *const b1007 = (uint16_t *)(arena + 2518523008); // %1007 cast bf16[8192,768]
-  float *const b1008 = mdl_scratch(25165824); // %1008 matmul f32[8192,768], kept in this kernel
-  uint16_t *const b1013 = (uint16_t *)(arena + 2493357184); // %1013 cast bf16[8,1024,768]
-  if (h->bgemm) {
-    mdl_bgemm(h, 0, 1, 8192, 768, 768, b1007, 768, b81, 768, 0.0f, b1008, 768);
-  }
-  else {
-    float *const w1007 = mdl_widen_bf16(b1007, 6291456, h->nthreads);
-    float *const w81 = mdl_widen_bf16(b81, 589824, h->nthreads);
-    mdl_gemm(h, 0, 1, 8192, 768, 768, w1007, 768, w81, 768, 0.0f, b1008, 768);
-    free(w1007);
-    free(w81);
-  }
-  #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t r = 0; r < 8192; r++) {
-    for (int64_t c = 0; c < 768; c++) {
-      const int64_t i = r * 768 + c;
-      const float v1008_i = b1008[i];
-      const float v1010_i = v1008_i;
-      const float v1013_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v1010_i));
-      b1013[i] = mdl_f32_to_bf16(v1013_i);
-    }
-  }
-  free(b1008);
+  static const int64_t o[] = {2085998592, 2518523008, 2493357184};
+  k97_gemm__cast__code(arena, h, o);
 }
 
 // k218_attention_bwd: attention, 3 ops
@@ -10734,132 +3895,8 @@ static void k217_gemm__cast(char *arena, const MdlHooks *h) {
 // loops:
 //   attention backward (dq dk dv): B 8, T 1024, 12 heads of 64, causal, within documents; one task per (batch, head)
 static void k218_attention_bwd(char *arena, const MdlHooks *h) {
-  int32_t *const b3 = (int32_t *)(arena + 2238271488); // %3 input doc i32[8,1024]
-  uint16_t *const b74 = (uint16_t *)(arena + 4242381952); // %74 cast bf16[8,1024,2304]
-  uint16_t *const b80 = (uint16_t *)(arena + 5387426944); // %80 cast bf16[8192,768]
-  float *const b1011 = (float *)(arena + 5803056256); // %1011 attention_lse f32[8,12,1024]
-  uint16_t *const b1013 = (uint16_t *)(arena + 2493357184); // %1013 cast bf16[8,1024,768]
-  float *const b1014 = (float *)(arena + 2556271744); // %1014 attention_bwd d.h.1.q f32[8,1024,768]
-  float *const b1015 = (float *)(arena + 2581437568); // %1015 attention_bwd d.h.1.k f32[8,1024,768]
-  float *const b1016 = (float *)(arena + 2606603392); // %1016 attention_bwd d.h.1.v f32[8,1024,768]
-  #pragma omp parallel num_threads(h->nthreads)
-  {
-    float *restrict kt = memset(mdl_scratch(67584 * sizeof(float)), 0, 67584 * sizeof(float));
-    float *restrict s = memset(mdl_scratch(1056 * sizeof(float)), 0, 1056 * sizeof(float));
-    float *restrict vt = memset(mdl_scratch(67584 * sizeof(float)), 0, 67584 * sizeof(float));
-    float *restrict dp = memset(mdl_scratch(1056 * sizeof(float)), 0, 1056 * sizeof(float));
-    float *restrict dkh = memset(mdl_scratch(65536 * sizeof(float)), 0, 65536 * sizeof(float));
-    float *restrict dvh = memset(mdl_scratch(65536 * sizeof(float)), 0, 65536 * sizeof(float));
-    #pragma omp for schedule(dynamic, 1)
-    for (int64_t task = 0; task < 96; task++) {
-      const int64_t b = task / 12, hd = task % 12;
-      for (int64_t j = 0; j < 1024; j++) {
-        const uint16_t *xj = b74 + 768 + (b * 1024 + j) * 2304 + hd * 64;
-        for (int64_t c = 0; c < 64; c++)
-          kt[c * 1056 + j] = mdl_bf16_to_f32(xj[c]);
-      }
-      for (int64_t j = 0; j < 1024; j++) {
-        const uint16_t *xj = b74 + 1536 + (b * 1024 + j) * 2304 + hd * 64;
-        for (int64_t c = 0; c < 64; c++)
-          vt[c * 1056 + j] = mdl_bf16_to_f32(xj[c]);
-      }
-      memset(dkh, 0, 65536 * sizeof(float));
-      memset(dvh, 0, 65536 * sizeof(float));
-      int64_t lo = 0, hi = 1024;
-      const int32_t *restrict dc = b3 + b * 1024;
-      for (int64_t i = 0; i < 1024; i++) {
-        const int32_t di = dc[i];
-        if (i == 0 || dc[i - 1] != di) {
-          lo = 0;
-          while (dc[lo] != di)
-            lo++;
-        }
-        hi = i + 1;
-        float qr[64];
-        for (int64_t c = 0; c < 64; c++)
-          qr[c] = mdl_bf16_to_f32(b74[(b * 1024 + i) * 2304 + hd * 64 + c]);
-        const float *restrict qi = qr;
-        for (int64_t j0 = lo; j0 < hi; j0 += 32) {
-          float acc[32] = {0};
-          for (int64_t c = 0; c < 64; c++) {
-            const float vc = qi[c], *restrict mc = kt + c * 1056 + j0;
-            #pragma omp simd
-            for (int64_t u = 0; u < 32; u++)
-              acc[u] += vc * mc[u];
-          }
-          memcpy(s + j0, acc, sizeof acc);
-        }
-        const float lse = b1011[(b * 12 + hd) * 1024 + i];
-        #pragma omp simd
-        for (int64_t j = lo; j < hi; j++)
-          s[j] = dc[j] == di ? mdl_exp_shifted(s[j] * 0.125f - lse) : 0.0f;
-        float dor[64];
-        for (int64_t c = 0; c < 64; c++)
-          dor[c] = mdl_bf16_to_f32(b1013[(b * 1024 + i) * 768 + hd * 64 + c]);
-        const float *restrict doi = dor;
-        float dsum = 0.0f;
-        for (int64_t c = 0; c < 64; c++)
-          dsum += doi[c] * mdl_bf16_to_f32(b80[(b * 1024 + i) * 768 + hd * 64 + c]);
-        for (int64_t j0 = lo; j0 < hi; j0 += 32) {
-          float acc[32] = {0};
-          for (int64_t c = 0; c < 64; c++) {
-            const float vc = doi[c], *restrict mc = vt + c * 1056 + j0;
-            #pragma omp simd
-            for (int64_t u = 0; u < 32; u++)
-              acc[u] += vc * mc[u];
-          }
-          memcpy(dp + j0, acc, sizeof acc);
-        }
-        #pragma omp simd
-        for (int64_t j = lo; j < hi; j++)
-          dp[j] = s[j] * (dp[j] - dsum);
-        float dqi0[64] = {0}, dqi1[64] = {0};
-        int64_t j = lo;
-        for (; j + 1 < hi; j += 2) {
-          const float w0 = mdl_bf16_to_f32(mdl_f32_to_bf16(dp[j])), w1 = mdl_bf16_to_f32(mdl_f32_to_bf16(dp[j + 1]));
-          const uint16_t *restrict x0 = b74 + 768 + (b * 1024 + j) * 2304 + hd * 64, *restrict x1 = x0 + 2304;
-          #pragma omp simd
-          for (int64_t c = 0; c < 64; c++) {
-            dqi0[c] += w0 * mdl_bf16_to_f32(x0[c]);
-            dqi1[c] += w1 * mdl_bf16_to_f32(x1[c]);
-          }
-        }
-        if (j < hi) {
-          const float w0 = mdl_bf16_to_f32(mdl_f32_to_bf16(dp[j]));
-          const uint16_t *restrict x0 = b74 + 768 + (b * 1024 + j) * 2304 + hd * 64;
-          #pragma omp simd
-          for (int64_t c = 0; c < 64; c++)
-            dqi0[c] += w0 * mdl_bf16_to_f32(x0[c]);
-        }
-        float sqi[64];
-        for (int64_t c = 0; c < 64; c++)
-          sqi[c] = 0.125f * qi[c];
-        for (int64_t j = lo; j < hi; j++) {
-          float *restrict dkj = dkh + j * 64;
-          #pragma omp simd
-          for (int64_t c = 0; c < 64; c++)
-            dkj[c] += mdl_bf16_to_f32(mdl_f32_to_bf16(dp[j])) * sqi[c];
-          float *restrict dvj = dvh + j * 64;
-          #pragma omp simd
-          for (int64_t c = 0; c < 64; c++)
-            dvj[c] += mdl_bf16_to_f32(mdl_f32_to_bf16(s[j])) * doi[c];
-        }
-        float *restrict dq = b1014 + (b * 1024 + i) * 768 + hd * 64;
-        for (int64_t c = 0; c < 64; c++)
-          dq[c] = 0.125f * (dqi0[c] + dqi1[c]);
-      }
-      for (int64_t t = 0; t < 1024; t++)
-        memcpy(b1015 + (b * 1024 + t) * 768 + hd * 64, dkh + t * 64, 64 * sizeof(float));
-      for (int64_t t = 0; t < 1024; t++)
-        memcpy(b1016 + (b * 1024 + t) * 768 + hd * 64, dvh + t * 64, 64 * sizeof(float));
-    }
-    free(kt);
-    free(s);
-    free(vt);
-    free(dp);
-    free(dkh);
-    free(dvh);
-  }
+  static const int64_t o[] = {2238271488, 4242381952, 5387426944, 5803056256, 2493357184, 2556271744, 2581437568, 2606603392};
+  k98_attention_bwd__code(arena, h, o);
 }
 
 // k219_sum__concat__cast: kernel, 4 ops
@@ -10870,41 +3907,8 @@ static void k218_attention_bwd(char *arena, const MdlHooks *h) {
 // loops:
 //   sum %1019: 2304 outputs over 8192 elements, in 64 blocks of 128
 static void k219_sum__concat__cast(char *arena, const MdlHooks *h) {
-  float *const b1014 = (float *)(arena + 2556271744); // %1014 attention_bwd d.h.1.q f32[8,1024,768]
-  float *const b1015 = (float *)(arena + 2581437568); // %1015 attention_bwd d.h.1.k f32[8,1024,768]
-  float *const b1016 = (float *)(arena + 2606603392); // %1016 attention_bwd d.h.1.v f32[8,1024,768]
-  float *const b1019 = (float *)(arena + 690729984); // %1019 sum d.h.1.attn_b f32[2304]
-  uint16_t *const b1020 = (uint16_t *)(arena + 2493357184); // %1020 cast bf16[8192,2304]
-  double *part = mdl_scratch(147456 * sizeof(double));
-  #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t k = 0; k < 64; k++) {
-    double *p = part + k * 2304;
-    for (int64_t c = 0; c < 2304; c++)
-      p[c] = 0.0;
-    const int64_t end = k * 128 + 128 < 8192 ? k * 128 + 128 : 8192;
-    for (int64_t l = k * 128; l < end; l++) {
-      for (int64_t c = 0; c < 2304; c++) {
-        const int64_t ix = l * 2304 + c;
-        const float v1017_ix = (c < 768 ? b1014 + (l * 768 + c) : c < 1536 ? b1015 + (l * 768 + (c - 768)) : b1016 + (l * 768 + (c - 1536)))[0];
-        const float v1018_ix = v1017_ix;
-        const float v = v1018_ix;
-        const float v1020_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v1018_ix));
-        b1020[ix] = mdl_f32_to_bf16(v1020_ix);
-        p[c] += v;
-      }
-    }
-  }
-  #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t r = 0; r < 2304; r++) {
-    double acc = 0.0;
-    for (int64_t k = 0; k < 64; k++) {
-      const double v = part[k * 2304 + r];
-      acc += v;
-    }
-    const float y = (float)acc;
-    b1019[r] = y;
-  }
-  free(part);
+  static const int64_t o[] = {2556271744, 2581437568, 2606603392, 690729984, 2493357184};
+  k99_sum__concat__cast__code(arena, h, o);
 }
 
 // k220_gemm: GEMM, 1 op
@@ -10912,19 +3916,8 @@ static void k219_sum__concat__cast(char *arena, const MdlHooks *h) {
 // loops:
 //   gemm %1021: [8192 x 768] = [8192 x 2304] T[2304 x 768], bf16 operands (widened to f32 where the library has no bf16 GEMM)
 static void k220_gemm(char *arena, const MdlHooks *h) {
-  uint16_t *const b70 = (uint16_t *)(arena + 2082459648); // %70 cast bf16[768,2304]
-  uint16_t *const b1020 = (uint16_t *)(arena + 2493357184); // %1020 cast bf16[8192,2304]
-  float *const b1021 = (float *)(arena + 2556271744); // %1021 matmul f32[8192,768]
-  if (h->bgemm) {
-    mdl_bgemm(h, 0, 1, 8192, 768, 2304, b1020, 2304, b70, 2304, 0.0f, b1021, 768);
-  }
-  else {
-    float *const w1020 = mdl_widen_bf16(b1020, 18874368, h->nthreads);
-    float *const w70 = mdl_widen_bf16(b70, 1769472, h->nthreads);
-    mdl_gemm(h, 0, 1, 8192, 768, 2304, w1020, 2304, w70, 2304, 0.0f, b1021, 768);
-    free(w1020);
-    free(w70);
-  }
+  static const int64_t o[] = {2082459648, 2493357184, 2556271744};
+  k100_gemm__code(arena, h, o);
 }
 
 // k221_gemm: GEMM, 1 op
@@ -10932,19 +3925,8 @@ static void k220_gemm(char *arena, const MdlHooks *h) {
 // loops:
 //   gemm %1022: [768 x 2304] = T[768 x 8192] [8192 x 2304], bf16 operands (widened to f32 where the library has no bf16 GEMM)
 static void k221_gemm(char *arena, const MdlHooks *h) {
-  uint16_t *const b69 = (uint16_t *)(arena + 5374844032); // %69 cast bf16[8192,768]
-  uint16_t *const b1020 = (uint16_t *)(arena + 2493357184); // %1020 cast bf16[8192,2304]
-  float *const b1022 = (float *)(arena + 683652096); // %1022 matmul d.h.1.attn_w f32[768,2304]
-  if (h->bgemm) {
-    mdl_bgemm(h, 1, 0, 768, 2304, 8192, b69, 768, b1020, 2304, 0.0f, b1022, 2304);
-  }
-  else {
-    float *const w69 = mdl_widen_bf16(b69, 6291456, h->nthreads);
-    float *const w1020 = mdl_widen_bf16(b1020, 18874368, h->nthreads);
-    mdl_gemm(h, 1, 0, 768, 2304, 8192, w69, 768, w1020, 2304, 0.0f, b1022, 2304);
-    free(w69);
-    free(w1020);
-  }
+  static const int64_t o[] = {5374844032, 2493357184, 683652096};
+  k101_gemm__code(arena, h, o);
 }
 
 // k222_layernorm_bwd__add__sum__cast: kernel, 7 ops
@@ -10958,83 +3940,8 @@ static void k221_gemm(char *arena, const MdlHooks *h) {
 // loops:
 //   layernorm_bwd: 8192 rows of 768, column sums over 64 blocks of 128 rows
 static void k222_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
-  float *const b54 = (float *)(arena + 4707949696); // %54 add h.0.x f32[8,1024,768]
-  float *const b55 = (float *)(arena + 185886720); // %55 param h.1.ln1_w f32[768]
-  float *const b1004 = (float *)(arena + 2531105920); // %1004 add d.h.1.x f32[8,1024,768]
-  float *const b1021 = (float *)(arena + 2556271744); // %1021 matmul f32[8192,768]
-  float *const b1025 = (float *)(arena + 683645952); // %1025 layernorm_bwd d.h.1.ln1_w f32[768]
-  float *const b1026 = (float *)(arena + 683649024); // %1026 layernorm_bwd d.h.1.ln1_b f32[768]
-  float *const b1027 = (float *)(arena + 2581437568); // %1027 add d.h.0.x f32[8,1024,768]
-  float *const b1029 = (float *)(arena + 683642880); // %1029 sum d.h.0.fcproj_b f32[768]
-  uint16_t *const b1030 = (uint16_t *)(arena + 2606603392); // %1030 cast bf16[8192,768]
-  double *pdw = mdl_scratch(49152 * sizeof(double));
-  double *pdb = mdl_scratch(49152 * sizeof(double));
-  double *ps0 = mdl_scratch(49152 * sizeof(double)); // partials of the column sum %1029
-  #pragma omp parallel num_threads(h->nthreads)
-  {
-    float *dxrow = mdl_scratch(768 * sizeof(float));
-    #pragma omp for schedule(static)
-    for (int64_t k = 0; k < 64; k++) {
-      double *sw = pdw + k * 768;
-      double *sb = pdb + k * 768;
-      double *sa0 = ps0 + k * 768;
-      for (int64_t j = 0; j < 768; j++)
-        sw[j] = sb[j] = sa0[j] = 0;
-      const int64_t end = k * 128 + 128 < 8192 ? k * 128 + 128 : 8192;
-      for (int64_t r = k * 128; r < end; r++) {
-        const float *x = b54 + r * 768;
-        const float *dy = b1021 + r * 768;
-        double mean = 0, var = 0, mg = 0, mgx = 0;
-        #pragma omp simd reduction(+ : mean)
-        for (int64_t j = 0; j < 768; j++)
-          mean += x[j];
-        mean /= 768;
-        #pragma omp simd reduction(+ : var)
-        for (int64_t j = 0; j < 768; j++)
-          var += (x[j] - mean) * (x[j] - mean);
-        const double rstd = 1.0 / sqrt(var / 768 + 1e-05);
-        #pragma omp simd reduction(+ : mg, mgx)
-        for (int64_t j = 0; j < 768; j++) {
-          const double xhat = (x[j] - mean) * rstd, g = (double)dy[j] * b55[j];
-          mg += g;
-          mgx += g * xhat;
-          sw[j] += dy[j] * xhat;
-          sb[j] += dy[j];
-        }
-        float *dx = dxrow;
-        mg /= 768;
-        mgx /= 768;
-        for (int64_t j = 0; j < 768; j++)
-          dx[j] = (float)(rstd * ((double)dy[j] * b55[j] - mg - (x[j] - mean) * rstd * mgx));
-        for (int64_t j = 0; j < 768; j++) {
-          const int64_t ix = r * 768 + j;
-          const float v1004_ix = b1004[ix];
-          const float v1027_ix = v1004_ix + dx[j];
-          b1027[ix] = v1027_ix;
-          const float v1028_ix = v1027_ix;
-          const float v1030_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v1028_ix));
-          b1030[ix] = mdl_f32_to_bf16(v1030_ix);
-          sa0[j] += v1028_ix;
-        }
-      }
-    }
-    free(dxrow);
-  }
-  #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t j = 0; j < 768; j++) {
-    double w = 0, b = 0, a0 = 0;
-    for (int64_t k = 0; k < 64; k++) {
-      w += pdw[k * 768 + j];
-      b += pdb[k * 768 + j];
-      a0 += ps0[k * 768 + j];
-    }
-    b1025[j] = (float)w;
-    b1026[j] = (float)b;
-    b1029[j] = (float)a0;
-  }
-  free(pdw);
-  free(pdb);
-  free(ps0);
+  static const int64_t o[] = {4707949696, 185886720, 2531105920, 2556271744, 683645952, 683649024, 2581437568, 683642880, 2606603392};
+  k102_layernorm_bwd__add__sum__cast__code(arena, h, o);
 }
 
 // k223_gemm: GEMM, 1 op
@@ -11042,19 +3949,8 @@ static void k222_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
 // loops:
 //   gemm %1032: [3072 x 768] = T[3072 x 8192] [8192 x 768], bf16 operands (widened to f32 where the library has no bf16 GEMM)
 static void k223_gemm(char *arena, const MdlHooks *h) {
-  uint16_t *const b49 = (uint16_t *)(arena + 3600653440); // %49 cast bf16[8192,3072]
-  uint16_t *const b1030 = (uint16_t *)(arena + 2606603392); // %1030 cast bf16[8192,768]
-  float *const b1032 = (float *)(arena + 674205696); // %1032 matmul d.h.0.fcproj_w f32[3072,768]
-  if (h->bgemm) {
-    mdl_bgemm(h, 1, 0, 3072, 768, 8192, b49, 3072, b1030, 768, 0.0f, b1032, 768);
-  }
-  else {
-    float *const w49 = mdl_widen_bf16(b49, 25165824, h->nthreads);
-    float *const w1030 = mdl_widen_bf16(b1030, 6291456, h->nthreads);
-    mdl_gemm(h, 1, 0, 3072, 768, 8192, w49, 3072, w1030, 768, 0.0f, b1032, 768);
-    free(w49);
-    free(w1030);
-  }
+  static const int64_t o[] = {3600653440, 2606603392, 674205696};
+  k91_gemm__code(arena, h, o);
 }
 
 // k224_gemm__gelu_bwd__sum__cast: GEMM, 6 ops
@@ -11068,56 +3964,8 @@ static void k223_gemm(char *arena, const MdlHooks *h) {
 //   gemm %1031: [8192 x 3072] = [8192 x 768] T[768 x 3072], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
 //   sum %1036: 3072 outputs over 8192 elements, in 64 blocks of 128
 static void k224_gemm__gelu_bwd__sum__cast(char *arena, const MdlHooks *h) {
-  float *const b46 = (float *)(arena + 2392693888); // %46 add f32[8,1024,3072]
-  uint16_t *const b50 = (uint16_t *)(arena + 2077741056); // %50 cast bf16[3072,768]
-  uint16_t *const b1030 = (uint16_t *)(arena + 2606603392); // %1030 cast bf16[8192,768]
-  float *const b1031 = mdl_scratch(100663296); // %1031 matmul f32[8192,3072], kept in this kernel
-  float *const b1036 = (float *)(arena + 674193408); // %1036 sum d.h.0.fc_b f32[3072]
-  uint16_t *const b1037 = (uint16_t *)(arena + 2493357184); // %1037 cast bf16[8192,3072]
-  if (h->bgemm) {
-    mdl_bgemm(h, 0, 1, 8192, 3072, 768, b1030, 768, b50, 768, 0.0f, b1031, 3072);
-  }
-  else {
-    float *const w1030 = mdl_widen_bf16(b1030, 6291456, h->nthreads);
-    float *const w50 = mdl_widen_bf16(b50, 2359296, h->nthreads);
-    mdl_gemm(h, 0, 1, 8192, 3072, 768, w1030, 768, w50, 768, 0.0f, b1031, 3072);
-    free(w1030);
-    free(w50);
-  }
-  double *part = mdl_scratch(196608 * sizeof(double));
-  #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t k = 0; k < 64; k++) {
-    double *p = part + k * 3072;
-    for (int64_t c = 0; c < 3072; c++)
-      p[c] = 0.0;
-    const int64_t end = k * 128 + 128 < 8192 ? k * 128 + 128 : 8192;
-    for (int64_t l = k * 128; l < end; l++) {
-      for (int64_t c = 0; c < 3072; c++) {
-        const int64_t ix = l * 3072 + c;
-        const float v46_ix = b46[ix];
-        const float v1031_ix = b1031[ix];
-        const float v1033_ix = v1031_ix;
-        const float v1034_ix = mdl_gelu_grad(v46_ix) * v1033_ix;
-        const float v1035_ix = v1034_ix;
-        const float v = v1035_ix;
-        const float v1037_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v1035_ix));
-        b1037[ix] = mdl_f32_to_bf16(v1037_ix);
-        p[c] += v;
-      }
-    }
-  }
-  #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t r = 0; r < 3072; r++) {
-    double acc = 0.0;
-    for (int64_t k = 0; k < 64; k++) {
-      const double v = part[k * 3072 + r];
-      acc += v;
-    }
-    const float y = (float)acc;
-    b1036[r] = y;
-  }
-  free(part);
-  free(b1031);
+  static const int64_t o[] = {2392693888, 2077741056, 2606603392, 674193408, 2493357184};
+  k92_gemm__gelu_bwd__sum__cast__code(arena, h, o);
 }
 
 // k225_gemm: GEMM, 1 op
@@ -11125,19 +3973,8 @@ static void k224_gemm__gelu_bwd__sum__cast(char *arena, const MdlHooks *h) {
 // loops:
 //   gemm %1038: [8192 x 768] = [8192 x 3072] T[3072 x 768], bf16 operands (widened to f32 where the library has no bf16 GEMM)
 static void k225_gemm(char *arena, const MdlHooks *h) {
-  uint16_t *const b43 = (uint16_t *)(arena + 2073022464); // %43 cast bf16[768,3072]
-  uint16_t *const b1037 = (uint16_t *)(arena + 2493357184); // %1037 cast bf16[8192,3072]
-  float *const b1038 = (float *)(arena + 2392693888); // %1038 matmul f32[8192,768]
-  if (h->bgemm) {
-    mdl_bgemm(h, 0, 1, 8192, 768, 3072, b1037, 3072, b43, 3072, 0.0f, b1038, 768);
-  }
-  else {
-    float *const w1037 = mdl_widen_bf16(b1037, 25165824, h->nthreads);
-    float *const w43 = mdl_widen_bf16(b43, 2359296, h->nthreads);
-    mdl_gemm(h, 0, 1, 8192, 768, 3072, w1037, 3072, w43, 3072, 0.0f, b1038, 768);
-    free(w1037);
-    free(w43);
-  }
+  static const int64_t o[] = {2073022464, 2493357184, 2392693888};
+  k93_gemm__code(arena, h, o);
 }
 
 // k226_gemm: GEMM, 1 op
@@ -11145,19 +3982,8 @@ static void k225_gemm(char *arena, const MdlHooks *h) {
 // loops:
 //   gemm %1039: [768 x 3072] = T[768 x 8192] [8192 x 3072], bf16 operands (widened to f32 where the library has no bf16 GEMM)
 static void k226_gemm(char *arena, const MdlHooks *h) {
-  uint16_t *const b42 = (uint16_t *)(arena + 5362261120); // %42 cast bf16[8192,768]
-  uint16_t *const b1037 = (uint16_t *)(arena + 2493357184); // %1037 cast bf16[8192,3072]
-  float *const b1039 = (float *)(arena + 664756224); // %1039 matmul d.h.0.fc_w f32[768,3072]
-  if (h->bgemm) {
-    mdl_bgemm(h, 1, 0, 768, 3072, 8192, b42, 768, b1037, 3072, 0.0f, b1039, 3072);
-  }
-  else {
-    float *const w42 = mdl_widen_bf16(b42, 6291456, h->nthreads);
-    float *const w1037 = mdl_widen_bf16(b1037, 25165824, h->nthreads);
-    mdl_gemm(h, 1, 0, 768, 3072, 8192, w42, 768, w1037, 3072, 0.0f, b1039, 3072);
-    free(w42);
-    free(w1037);
-  }
+  static const int64_t o[] = {5362261120, 2493357184, 664756224};
+  k94_gemm__code(arena, h, o);
 }
 
 // k227_layernorm_bwd__add__sum__cast: kernel, 7 ops
@@ -11171,83 +3997,8 @@ static void k226_gemm(char *arena, const MdlHooks *h) {
 // loops:
 //   layernorm_bwd: 8192 rows of 768, column sums over 64 blocks of 128 rows
 static void k227_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
-  float *const b15 = (float *)(arena + 166990848); // %15 param h.0.ln2_w f32[768]
-  float *const b39 = (float *)(arena + 4682783872); // %39 add h.0.x f32[8,1024,768]
-  float *const b1027 = (float *)(arena + 2581437568); // %1027 add d.h.0.x f32[8,1024,768]
-  float *const b1038 = (float *)(arena + 2392693888); // %1038 matmul f32[8192,768]
-  float *const b1042 = (float *)(arena + 664750080); // %1042 layernorm_bwd d.h.0.ln2_w f32[768]
-  float *const b1043 = (float *)(arena + 664753152); // %1043 layernorm_bwd d.h.0.ln2_b f32[768]
-  float *const b1044 = (float *)(arena + 2430442624); // %1044 add d.h.0.x f32[8,1024,768]
-  float *const b1046 = (float *)(arena + 664747008); // %1046 sum d.h.0.proj_b f32[768]
-  uint16_t *const b1047 = (uint16_t *)(arena + 2417859712); // %1047 cast bf16[8192,768]
-  double *pdw = mdl_scratch(49152 * sizeof(double));
-  double *pdb = mdl_scratch(49152 * sizeof(double));
-  double *ps0 = mdl_scratch(49152 * sizeof(double)); // partials of the column sum %1046
-  #pragma omp parallel num_threads(h->nthreads)
-  {
-    float *dxrow = mdl_scratch(768 * sizeof(float));
-    #pragma omp for schedule(static)
-    for (int64_t k = 0; k < 64; k++) {
-      double *sw = pdw + k * 768;
-      double *sb = pdb + k * 768;
-      double *sa0 = ps0 + k * 768;
-      for (int64_t j = 0; j < 768; j++)
-        sw[j] = sb[j] = sa0[j] = 0;
-      const int64_t end = k * 128 + 128 < 8192 ? k * 128 + 128 : 8192;
-      for (int64_t r = k * 128; r < end; r++) {
-        const float *x = b39 + r * 768;
-        const float *dy = b1038 + r * 768;
-        double mean = 0, var = 0, mg = 0, mgx = 0;
-        #pragma omp simd reduction(+ : mean)
-        for (int64_t j = 0; j < 768; j++)
-          mean += x[j];
-        mean /= 768;
-        #pragma omp simd reduction(+ : var)
-        for (int64_t j = 0; j < 768; j++)
-          var += (x[j] - mean) * (x[j] - mean);
-        const double rstd = 1.0 / sqrt(var / 768 + 1e-05);
-        #pragma omp simd reduction(+ : mg, mgx)
-        for (int64_t j = 0; j < 768; j++) {
-          const double xhat = (x[j] - mean) * rstd, g = (double)dy[j] * b15[j];
-          mg += g;
-          mgx += g * xhat;
-          sw[j] += dy[j] * xhat;
-          sb[j] += dy[j];
-        }
-        float *dx = dxrow;
-        mg /= 768;
-        mgx /= 768;
-        for (int64_t j = 0; j < 768; j++)
-          dx[j] = (float)(rstd * ((double)dy[j] * b15[j] - mg - (x[j] - mean) * rstd * mgx));
-        for (int64_t j = 0; j < 768; j++) {
-          const int64_t ix = r * 768 + j;
-          const float v1027_ix = b1027[ix];
-          const float v1044_ix = v1027_ix + dx[j];
-          b1044[ix] = v1044_ix;
-          const float v1045_ix = v1044_ix;
-          const float v1047_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v1045_ix));
-          b1047[ix] = mdl_f32_to_bf16(v1047_ix);
-          sa0[j] += v1045_ix;
-        }
-      }
-    }
-    free(dxrow);
-  }
-  #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t j = 0; j < 768; j++) {
-    double w = 0, b = 0, a0 = 0;
-    for (int64_t k = 0; k < 64; k++) {
-      w += pdw[k * 768 + j];
-      b += pdb[k * 768 + j];
-      a0 += ps0[k * 768 + j];
-    }
-    b1042[j] = (float)w;
-    b1043[j] = (float)b;
-    b1046[j] = (float)a0;
-  }
-  free(pdw);
-  free(pdb);
-  free(ps0);
+  static const int64_t o[] = {166990848, 4682783872, 2581437568, 2392693888, 664750080, 664753152, 2430442624, 664747008, 2417859712};
+  k95_layernorm_bwd__add__sum__cast__code(arena, h, o);
 }
 
 // k228_gemm: GEMM, 1 op
@@ -11255,19 +4006,8 @@ static void k227_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
 // loops:
 //   gemm %1049: [768 x 768] = T[768 x 8192] [8192 x 768], bf16 operands (widened to f32 where the library has no bf16 GEMM)
 static void k228_gemm(char *arena, const MdlHooks *h) {
-  uint16_t *const b34 = (uint16_t *)(arena + 5349678208); // %34 cast bf16[8192,768]
-  uint16_t *const b1047 = (uint16_t *)(arena + 2417859712); // %1047 cast bf16[8192,768]
-  float *const b1049 = (float *)(arena + 662387712); // %1049 matmul d.h.0.proj_w f32[768,768]
-  if (h->bgemm) {
-    mdl_bgemm(h, 1, 0, 768, 768, 8192, b34, 768, b1047, 768, 0.0f, b1049, 768);
-  }
-  else {
-    float *const w34 = mdl_widen_bf16(b34, 6291456, h->nthreads);
-    float *const w1047 = mdl_widen_bf16(b1047, 6291456, h->nthreads);
-    mdl_gemm(h, 1, 0, 768, 768, 8192, w34, 768, w1047, 768, 0.0f, b1049, 768);
-    free(w34);
-    free(w1047);
-  }
+  static const int64_t o[] = {5349678208, 2417859712, 662387712};
+  k96_gemm__code(arena, h, o);
 }
 
 // k229_gemm__cast: GEMM, 3 ops
@@ -11278,31 +4018,8 @@ static void k228_gemm(char *arena, const MdlHooks *h) {
 //   gemm %1048: [8192 x 768] = [8192 x 768] T[768 x 768], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
 //   elementwise over 6291456: %1053
 static void k229_gemm__cast(char *arena, const MdlHooks *h) {
-  uint16_t *const b35 = (uint16_t *)(arena + 2071842816); // %35 cast bf16[768,768]
-  uint16_t *const b1047 = (uint16_t *)(arena + 2417859712); // %1047 cast bf16[8192,768]
-  float *const b1048 = mdl_scratch(25165824); // %1048 matmul f32[8192,768], kept in this kernel
-  uint16_t *const b1053 = (uint16_t *)(arena + 2392693888); // %1053 cast bf16[8,1024,768]
-  if (h->bgemm) {
-    mdl_bgemm(h, 0, 1, 8192, 768, 768, b1047, 768, b35, 768, 0.0f, b1048, 768);
-  }
-  else {
-    float *const w1047 = mdl_widen_bf16(b1047, 6291456, h->nthreads);
-    float *const w35 = mdl_widen_bf16(b35, 589824, h->nthreads);
-    mdl_gemm(h, 0, 1, 8192, 768, 768, w1047, 768, w35, 768, 0.0f, b1048, 768);
-    free(w1047);
-    free(w35);
-  }
-  #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t r = 0; r < 8192; r++) {
-    for (int64_t c = 0; c < 768; c++) {
-      const int64_t i = r * 768 + c;
-      const float v1048_i = b1048[i];
-      const float v1050_i = v1048_i;
-      const float v1053_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v1050_i));
-      b1053[i] = mdl_f32_to_bf16(v1053_i);
-    }
-  }
-  free(b1048);
+  static const int64_t o[] = {2071842816, 2417859712, 2392693888};
+  k97_gemm__cast__code(arena, h, o);
 }
 
 // k230_attention_bwd: attention, 3 ops
@@ -11312,132 +4029,8 @@ static void k229_gemm__cast(char *arena, const MdlHooks *h) {
 // loops:
 //   attention backward (dq dk dv): B 8, T 1024, 12 heads of 64, causal, within documents; one task per (batch, head)
 static void k230_attention_bwd(char *arena, const MdlHooks *h) {
-  int32_t *const b3 = (int32_t *)(arena + 2238271488); // %3 input doc i32[8,1024]
-  uint16_t *const b28 = (uint16_t *)(arena + 4204633216); // %28 cast bf16[8,1024,2304]
-  uint16_t *const b34 = (uint16_t *)(arena + 5349678208); // %34 cast bf16[8192,768]
-  float *const b1051 = (float *)(arena + 5802663040); // %1051 attention_lse f32[8,12,1024]
-  uint16_t *const b1053 = (uint16_t *)(arena + 2392693888); // %1053 cast bf16[8,1024,768]
-  float *const b1054 = (float *)(arena + 2455608448); // %1054 attention_bwd d.h.0.q f32[8,1024,768]
-  float *const b1055 = (float *)(arena + 2480774272); // %1055 attention_bwd d.h.0.k f32[8,1024,768]
-  float *const b1056 = (float *)(arena + 2505940096); // %1056 attention_bwd d.h.0.v f32[8,1024,768]
-  #pragma omp parallel num_threads(h->nthreads)
-  {
-    float *restrict kt = memset(mdl_scratch(67584 * sizeof(float)), 0, 67584 * sizeof(float));
-    float *restrict s = memset(mdl_scratch(1056 * sizeof(float)), 0, 1056 * sizeof(float));
-    float *restrict vt = memset(mdl_scratch(67584 * sizeof(float)), 0, 67584 * sizeof(float));
-    float *restrict dp = memset(mdl_scratch(1056 * sizeof(float)), 0, 1056 * sizeof(float));
-    float *restrict dkh = memset(mdl_scratch(65536 * sizeof(float)), 0, 65536 * sizeof(float));
-    float *restrict dvh = memset(mdl_scratch(65536 * sizeof(float)), 0, 65536 * sizeof(float));
-    #pragma omp for schedule(dynamic, 1)
-    for (int64_t task = 0; task < 96; task++) {
-      const int64_t b = task / 12, hd = task % 12;
-      for (int64_t j = 0; j < 1024; j++) {
-        const uint16_t *xj = b28 + 768 + (b * 1024 + j) * 2304 + hd * 64;
-        for (int64_t c = 0; c < 64; c++)
-          kt[c * 1056 + j] = mdl_bf16_to_f32(xj[c]);
-      }
-      for (int64_t j = 0; j < 1024; j++) {
-        const uint16_t *xj = b28 + 1536 + (b * 1024 + j) * 2304 + hd * 64;
-        for (int64_t c = 0; c < 64; c++)
-          vt[c * 1056 + j] = mdl_bf16_to_f32(xj[c]);
-      }
-      memset(dkh, 0, 65536 * sizeof(float));
-      memset(dvh, 0, 65536 * sizeof(float));
-      int64_t lo = 0, hi = 1024;
-      const int32_t *restrict dc = b3 + b * 1024;
-      for (int64_t i = 0; i < 1024; i++) {
-        const int32_t di = dc[i];
-        if (i == 0 || dc[i - 1] != di) {
-          lo = 0;
-          while (dc[lo] != di)
-            lo++;
-        }
-        hi = i + 1;
-        float qr[64];
-        for (int64_t c = 0; c < 64; c++)
-          qr[c] = mdl_bf16_to_f32(b28[(b * 1024 + i) * 2304 + hd * 64 + c]);
-        const float *restrict qi = qr;
-        for (int64_t j0 = lo; j0 < hi; j0 += 32) {
-          float acc[32] = {0};
-          for (int64_t c = 0; c < 64; c++) {
-            const float vc = qi[c], *restrict mc = kt + c * 1056 + j0;
-            #pragma omp simd
-            for (int64_t u = 0; u < 32; u++)
-              acc[u] += vc * mc[u];
-          }
-          memcpy(s + j0, acc, sizeof acc);
-        }
-        const float lse = b1051[(b * 12 + hd) * 1024 + i];
-        #pragma omp simd
-        for (int64_t j = lo; j < hi; j++)
-          s[j] = dc[j] == di ? mdl_exp_shifted(s[j] * 0.125f - lse) : 0.0f;
-        float dor[64];
-        for (int64_t c = 0; c < 64; c++)
-          dor[c] = mdl_bf16_to_f32(b1053[(b * 1024 + i) * 768 + hd * 64 + c]);
-        const float *restrict doi = dor;
-        float dsum = 0.0f;
-        for (int64_t c = 0; c < 64; c++)
-          dsum += doi[c] * mdl_bf16_to_f32(b34[(b * 1024 + i) * 768 + hd * 64 + c]);
-        for (int64_t j0 = lo; j0 < hi; j0 += 32) {
-          float acc[32] = {0};
-          for (int64_t c = 0; c < 64; c++) {
-            const float vc = doi[c], *restrict mc = vt + c * 1056 + j0;
-            #pragma omp simd
-            for (int64_t u = 0; u < 32; u++)
-              acc[u] += vc * mc[u];
-          }
-          memcpy(dp + j0, acc, sizeof acc);
-        }
-        #pragma omp simd
-        for (int64_t j = lo; j < hi; j++)
-          dp[j] = s[j] * (dp[j] - dsum);
-        float dqi0[64] = {0}, dqi1[64] = {0};
-        int64_t j = lo;
-        for (; j + 1 < hi; j += 2) {
-          const float w0 = mdl_bf16_to_f32(mdl_f32_to_bf16(dp[j])), w1 = mdl_bf16_to_f32(mdl_f32_to_bf16(dp[j + 1]));
-          const uint16_t *restrict x0 = b28 + 768 + (b * 1024 + j) * 2304 + hd * 64, *restrict x1 = x0 + 2304;
-          #pragma omp simd
-          for (int64_t c = 0; c < 64; c++) {
-            dqi0[c] += w0 * mdl_bf16_to_f32(x0[c]);
-            dqi1[c] += w1 * mdl_bf16_to_f32(x1[c]);
-          }
-        }
-        if (j < hi) {
-          const float w0 = mdl_bf16_to_f32(mdl_f32_to_bf16(dp[j]));
-          const uint16_t *restrict x0 = b28 + 768 + (b * 1024 + j) * 2304 + hd * 64;
-          #pragma omp simd
-          for (int64_t c = 0; c < 64; c++)
-            dqi0[c] += w0 * mdl_bf16_to_f32(x0[c]);
-        }
-        float sqi[64];
-        for (int64_t c = 0; c < 64; c++)
-          sqi[c] = 0.125f * qi[c];
-        for (int64_t j = lo; j < hi; j++) {
-          float *restrict dkj = dkh + j * 64;
-          #pragma omp simd
-          for (int64_t c = 0; c < 64; c++)
-            dkj[c] += mdl_bf16_to_f32(mdl_f32_to_bf16(dp[j])) * sqi[c];
-          float *restrict dvj = dvh + j * 64;
-          #pragma omp simd
-          for (int64_t c = 0; c < 64; c++)
-            dvj[c] += mdl_bf16_to_f32(mdl_f32_to_bf16(s[j])) * doi[c];
-        }
-        float *restrict dq = b1054 + (b * 1024 + i) * 768 + hd * 64;
-        for (int64_t c = 0; c < 64; c++)
-          dq[c] = 0.125f * (dqi0[c] + dqi1[c]);
-      }
-      for (int64_t t = 0; t < 1024; t++)
-        memcpy(b1055 + (b * 1024 + t) * 768 + hd * 64, dkh + t * 64, 64 * sizeof(float));
-      for (int64_t t = 0; t < 1024; t++)
-        memcpy(b1056 + (b * 1024 + t) * 768 + hd * 64, dvh + t * 64, 64 * sizeof(float));
-    }
-    free(kt);
-    free(s);
-    free(vt);
-    free(dp);
-    free(dkh);
-    free(dvh);
-  }
+  static const int64_t o[] = {2238271488, 4204633216, 5349678208, 5802663040, 2392693888, 2455608448, 2480774272, 2505940096};
+  k98_attention_bwd__code(arena, h, o);
 }
 
 // k231_sum__concat__cast: kernel, 4 ops
@@ -11448,41 +4041,8 @@ static void k230_attention_bwd(char *arena, const MdlHooks *h) {
 // loops:
 //   sum %1059: 2304 outputs over 8192 elements, in 64 blocks of 128
 static void k231_sum__concat__cast(char *arena, const MdlHooks *h) {
-  float *const b1054 = (float *)(arena + 2455608448); // %1054 attention_bwd d.h.0.q f32[8,1024,768]
-  float *const b1055 = (float *)(arena + 2480774272); // %1055 attention_bwd d.h.0.k f32[8,1024,768]
-  float *const b1056 = (float *)(arena + 2505940096); // %1056 attention_bwd d.h.0.v f32[8,1024,768]
-  float *const b1059 = (float *)(arena + 662378496); // %1059 sum d.h.0.attn_b f32[2304]
-  uint16_t *const b1060 = (uint16_t *)(arena + 2392693888); // %1060 cast bf16[8192,2304]
-  double *part = mdl_scratch(147456 * sizeof(double));
-  #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t k = 0; k < 64; k++) {
-    double *p = part + k * 2304;
-    for (int64_t c = 0; c < 2304; c++)
-      p[c] = 0.0;
-    const int64_t end = k * 128 + 128 < 8192 ? k * 128 + 128 : 8192;
-    for (int64_t l = k * 128; l < end; l++) {
-      for (int64_t c = 0; c < 2304; c++) {
-        const int64_t ix = l * 2304 + c;
-        const float v1057_ix = (c < 768 ? b1054 + (l * 768 + c) : c < 1536 ? b1055 + (l * 768 + (c - 768)) : b1056 + (l * 768 + (c - 1536)))[0];
-        const float v1058_ix = v1057_ix;
-        const float v = v1058_ix;
-        const float v1060_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v1058_ix));
-        b1060[ix] = mdl_f32_to_bf16(v1060_ix);
-        p[c] += v;
-      }
-    }
-  }
-  #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t r = 0; r < 2304; r++) {
-    double acc = 0.0;
-    for (int64_t k = 0; k < 64; k++) {
-      const double v = part[k * 2304 + r];
-      acc += v;
-    }
-    const float y = (float)acc;
-    b1059[r] = y;
-  }
-  free(part);
+  static const int64_t o[] = {2455608448, 2480774272, 2505940096, 662378496, 2392693888};
+  k99_sum__concat__cast__code(arena, h, o);
 }
 
 // k232_gemm: GEMM, 1 op
@@ -11490,19 +4050,8 @@ static void k231_sum__concat__cast(char *arena, const MdlHooks *h) {
 // loops:
 //   gemm %1061: [8192 x 768] = [8192 x 2304] T[2304 x 768], bf16 operands (widened to f32 where the library has no bf16 GEMM)
 static void k232_gemm(char *arena, const MdlHooks *h) {
-  uint16_t *const b24 = (uint16_t *)(arena + 2068303872); // %24 cast bf16[768,2304]
-  uint16_t *const b1060 = (uint16_t *)(arena + 2392693888); // %1060 cast bf16[8192,2304]
-  float *const b1061 = (float *)(arena + 2455608448); // %1061 matmul f32[8192,768]
-  if (h->bgemm) {
-    mdl_bgemm(h, 0, 1, 8192, 768, 2304, b1060, 2304, b24, 2304, 0.0f, b1061, 768);
-  }
-  else {
-    float *const w1060 = mdl_widen_bf16(b1060, 18874368, h->nthreads);
-    float *const w24 = mdl_widen_bf16(b24, 1769472, h->nthreads);
-    mdl_gemm(h, 0, 1, 8192, 768, 2304, w1060, 2304, w24, 2304, 0.0f, b1061, 768);
-    free(w1060);
-    free(w24);
-  }
+  static const int64_t o[] = {2068303872, 2392693888, 2455608448};
+  k100_gemm__code(arena, h, o);
 }
 
 // k233_gemm: GEMM, 1 op
@@ -11510,19 +4059,8 @@ static void k232_gemm(char *arena, const MdlHooks *h) {
 // loops:
 //   gemm %1062: [768 x 2304] = T[768 x 8192] [8192 x 2304], bf16 operands (widened to f32 where the library has no bf16 GEMM)
 static void k233_gemm(char *arena, const MdlHooks *h) {
-  uint16_t *const b23 = (uint16_t *)(arena + 5337095296); // %23 cast bf16[8192,768]
-  uint16_t *const b1060 = (uint16_t *)(arena + 2392693888); // %1060 cast bf16[8192,2304]
-  float *const b1062 = (float *)(arena + 655300608); // %1062 matmul d.h.0.attn_w f32[768,2304]
-  if (h->bgemm) {
-    mdl_bgemm(h, 1, 0, 768, 2304, 8192, b23, 768, b1060, 2304, 0.0f, b1062, 2304);
-  }
-  else {
-    float *const w23 = mdl_widen_bf16(b23, 6291456, h->nthreads);
-    float *const w1060 = mdl_widen_bf16(b1060, 18874368, h->nthreads);
-    mdl_gemm(h, 1, 0, 768, 2304, 8192, w23, 768, w1060, 2304, 0.0f, b1062, 2304);
-    free(w23);
-    free(w1060);
-  }
+  static const int64_t o[] = {5337095296, 2392693888, 655300608};
+  k101_gemm__code(arena, h, o);
 }
 
 // k234_layernorm_bwd__add: kernel, 4 ops

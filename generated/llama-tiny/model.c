@@ -213,22 +213,15 @@ static void k0_embed(char *arena, const MdlHooks *h) {
   }
 }
 
-// k1_rmsnorm_fwd__cast: kernel, 7 ops
-//   %15    rmsnorm            layers.0.a           line 35    f32[8,64,64]
-//   %16    reshape                                 line 36    f32[512,64]
-//   %17    cast                                    line 36    bf16[512,64]
-//   %22    reshape                                 line 37    f32[512,64]
-//   %23    cast                                    line 37    bf16[512,64]
-//   %28    reshape                                 line 38    f32[512,64]
-//   %29    cast                                    line 38    bf16[512,64]
-// loops:
-//   rmsnorm %15: 512 rows of 64
-static void k1_rmsnorm_fwd__cast(char *arena, const MdlHooks *h) {
-  float *const b5 = (float *)(arena + 5172352); // %5 embed x f32[8,64,64]
-  float *const b6 = (float *)(arena + 65536); // %6 param layers.0.attn_norm f32[64]
-  uint16_t *const b17 = (uint16_t *)(arena + 5827712); // %17 cast bf16[512,64]
-  uint16_t *const b23 = (uint16_t *)(arena + 5893248); // %23 cast bf16[512,64]
-  uint16_t *const b29 = (uint16_t *)(arena + 5958784); // %29 cast bf16[512,64]
+// The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
+// are those of k1_rmsnorm_fwd__cast's):
+// k1_rmsnorm_fwd__cast k13_rmsnorm_fwd__cast
+__attribute__((noinline)) static void k1_rmsnorm_fwd__cast__code(char *arena, const MdlHooks *h, const int64_t *o) {
+  float *const restrict b5 = (float *)(arena + o[0]); // %5 embed x f32[8,64,64]
+  float *const restrict b6 = (float *)(arena + o[1]); // %6 param layers.0.attn_norm f32[64]
+  uint16_t *const restrict b17 = (uint16_t *)(arena + o[2]); // %17 cast bf16[512,64]
+  uint16_t *const restrict b23 = (uint16_t *)(arena + o[3]); // %23 cast bf16[512,64]
+  uint16_t *const restrict b29 = (uint16_t *)(arena + o[4]); // %29 cast bf16[512,64]
   #pragma omp parallel num_threads(h->nthreads)
   {
     float *yrow = mdl_scratch(64 * sizeof(float));
@@ -260,14 +253,28 @@ static void k1_rmsnorm_fwd__cast(char *arena, const MdlHooks *h) {
   }
 }
 
-// k2_gemm: GEMM, 1 op
-//   %19    matmul                                  line 36    f32[512,64]
+// k1_rmsnorm_fwd__cast: kernel, 7 ops
+//   %15    rmsnorm            layers.0.a           line 35    f32[8,64,64]
+//   %16    reshape                                 line 36    f32[512,64]
+//   %17    cast                                    line 36    bf16[512,64]
+//   %22    reshape                                 line 37    f32[512,64]
+//   %23    cast                                    line 37    bf16[512,64]
+//   %28    reshape                                 line 38    f32[512,64]
+//   %29    cast                                    line 38    bf16[512,64]
 // loops:
-//   gemm %19: [512 x 64] = [512 x 64] [64 x 64], bf16 operands (widened to f32 where the library has no bf16 GEMM)
-static void k2_gemm(char *arena, const MdlHooks *h) {
-  uint16_t *const b17 = (uint16_t *)(arena + 5827712); // %17 cast bf16[512,64]
-  uint16_t *const b18 = (uint16_t *)(arena + 2110464); // %18 cast bf16[64,64]
-  float *const b19 = (float *)(arena + 2354304); // %19 matmul f32[512,64]
+//   rmsnorm %15: 512 rows of 64
+static void k1_rmsnorm_fwd__cast(char *arena, const MdlHooks *h) {
+  static const int64_t o[] = {5172352, 65536, 5827712, 5893248, 5958784};
+  k1_rmsnorm_fwd__cast__code(arena, h, o);
+}
+
+// The loops of 4 kernels, each on its own buffers (o[]: their offsets in the arena; the names
+// are those of k2_gemm's):
+// k2_gemm k3_gemm k14_gemm k15_gemm
+__attribute__((noinline)) static void k2_gemm__code(char *arena, const MdlHooks *h, const int64_t *o) {
+  uint16_t *const restrict b17 = (uint16_t *)(arena + o[0]); // %17 cast bf16[512,64]
+  uint16_t *const restrict b18 = (uint16_t *)(arena + o[1]); // %18 cast bf16[64,64]
+  float *const restrict b19 = (float *)(arena + o[2]); // %19 matmul f32[512,64]
   if (h->bgemm) {
     mdl_bgemm(h, 0, 0, 512, 64, 64, b17, 64, b18, 64, 0.0f, b19, 64);
   }
@@ -280,37 +287,32 @@ static void k2_gemm(char *arena, const MdlHooks *h) {
   }
 }
 
+// k2_gemm: GEMM, 1 op
+//   %19    matmul                                  line 36    f32[512,64]
+// loops:
+//   gemm %19: [512 x 64] = [512 x 64] [64 x 64], bf16 operands (widened to f32 where the library has no bf16 GEMM)
+static void k2_gemm(char *arena, const MdlHooks *h) {
+  static const int64_t o[] = {5827712, 2110464, 2354304};
+  k2_gemm__code(arena, h, o);
+}
+
 // k3_gemm: GEMM, 1 op
 //   %25    matmul                                  line 37    f32[512,64]
 // loops:
 //   gemm %25: [512 x 64] = [512 x 64] [64 x 64], bf16 operands (widened to f32 where the library has no bf16 GEMM)
 static void k3_gemm(char *arena, const MdlHooks *h) {
-  uint16_t *const b23 = (uint16_t *)(arena + 5893248); // %23 cast bf16[512,64]
-  uint16_t *const b24 = (uint16_t *)(arena + 2118656); // %24 cast bf16[64,64]
-  float *const b25 = (float *)(arena + 2485376); // %25 matmul f32[512,64]
-  if (h->bgemm) {
-    mdl_bgemm(h, 0, 0, 512, 64, 64, b23, 64, b24, 64, 0.0f, b25, 64);
-  }
-  else {
-    float *const w23 = mdl_widen_bf16(b23, 32768, h->nthreads);
-    float *const w24 = mdl_widen_bf16(b24, 4096, h->nthreads);
-    mdl_gemm(h, 0, 0, 512, 64, 64, w23, 64, w24, 64, 0.0f, b25, 64);
-    free(w23);
-    free(w24);
-  }
+  static const int64_t o[] = {5893248, 2118656, 2485376};
+  k2_gemm__code(arena, h, o);
 }
 
-// k4_rope__cast: kernel, 2 ops
-//   %21    rope               layers.0.q           line 36    f32[8,64,64]
-//   %33    cast                                    line 38    bf16[8,64,64]
-// loops:
-//   rope: 512 rows, 4 heads of 16
-//   elementwise over 32768: %33
-static void k4_rope__cast(char *arena, const MdlHooks *h) {
-  int32_t *const b2 = (int32_t *)(arena + 2350080); // %2 input pos i32[8,64]
-  float *const b19 = (float *)(arena + 2354304); // %19 matmul f32[512,64]
+// The loops of 4 kernels, each on its own buffers (o[]: their offsets in the arena; the names
+// are those of k4_rope__cast's):
+// k4_rope__cast k5_rope__cast k16_rope__cast k17_rope__cast
+__attribute__((noinline)) static void k4_rope__cast__code(char *arena, const MdlHooks *h, const int64_t *o) {
+  int32_t *const restrict b2 = (int32_t *)(arena + o[0]); // %2 input pos i32[8,64]
+  float *const restrict b19 = (float *)(arena + o[1]); // %19 matmul f32[512,64]
   float *const b21 = mdl_scratch(131072); // %21 rope layers.0.q f32[8,64,64], kept in this kernel
-  uint16_t *const b33 = (uint16_t *)(arena + 6024320); // %33 cast bf16[8,64,64]
+  uint16_t *const restrict b33 = (uint16_t *)(arena + o[2]); // %33 cast bf16[8,64,64]
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
   for (int64_t r = 0; r < 512; r++) {
     const double p = b2[r];
@@ -339,6 +341,17 @@ static void k4_rope__cast(char *arena, const MdlHooks *h) {
   free(b21);
 }
 
+// k4_rope__cast: kernel, 2 ops
+//   %21    rope               layers.0.q           line 36    f32[8,64,64]
+//   %33    cast                                    line 38    bf16[8,64,64]
+// loops:
+//   rope: 512 rows, 4 heads of 16
+//   elementwise over 32768: %33
+static void k4_rope__cast(char *arena, const MdlHooks *h) {
+  static const int64_t o[] = {2350080, 2354304, 6024320};
+  k4_rope__cast__code(arena, h, o);
+}
+
 // k5_rope__cast: kernel, 2 ops
 //   %27    rope               layers.0.k           line 37    f32[8,64,64]
 //   %34    cast                                    line 38    bf16[8,64,64]
@@ -346,50 +359,18 @@ static void k4_rope__cast(char *arena, const MdlHooks *h) {
 //   rope: 512 rows, 4 heads of 16
 //   elementwise over 32768: %34
 static void k5_rope__cast(char *arena, const MdlHooks *h) {
-  int32_t *const b2 = (int32_t *)(arena + 2350080); // %2 input pos i32[8,64]
-  float *const b25 = (float *)(arena + 2485376); // %25 matmul f32[512,64]
-  float *const b27 = mdl_scratch(131072); // %27 rope layers.0.k f32[8,64,64], kept in this kernel
-  uint16_t *const b34 = (uint16_t *)(arena + 6089856); // %34 cast bf16[8,64,64]
-  #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t r = 0; r < 512; r++) {
-    const double p = b2[r];
-    const float *x = b25 + r * 64;
-    float *y = b27 + r * 64;
-    for (int64_t i = 0; i < 8; i++) {
-      const double th = p * pow(1e+04, -2.0 * (double)i / 16);
-      const float cs = (float)cos(th), sn = (float)sin(th);
-      for (int64_t hd = 0; hd < 4; hd++) {
-        const int64_t a = hd * 16 + i, b = a + 8;
-        const float x1 = x[a], x2 = x[b];
-        y[a] = x1 * cs - x2 * sn;
-        y[b] = x1 * sn + x2 * cs;
-      }
-    }
-  }
-  #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t r = 0; r < 512; r++) {
-    for (int64_t c = 0; c < 64; c++) {
-      const int64_t i = r * 64 + c;
-      const float v27_i = b27[i];
-      const float v34_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v27_i));
-      b34[i] = mdl_f32_to_bf16(v34_i);
-    }
-  }
-  free(b27);
+  static const int64_t o[] = {2350080, 2485376, 6089856};
+  k4_rope__cast__code(arena, h, o);
 }
 
-// k6_gemm__cast: GEMM, 3 ops
-//   %31    matmul                                  line 38    f32[512,64]
-//   %32    reshape                                 line 38    f32[8,64,64]
-//   %35    cast                                    line 38    bf16[8,64,64]
-// loops:
-//   gemm %31: [512 x 64] = [512 x 64] [64 x 64], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
-//   elementwise over 32768: %35
-static void k6_gemm__cast(char *arena, const MdlHooks *h) {
-  uint16_t *const b29 = (uint16_t *)(arena + 5958784); // %29 cast bf16[512,64]
-  uint16_t *const b30 = (uint16_t *)(arena + 2126848); // %30 cast bf16[64,64]
+// The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
+// are those of k6_gemm__cast's):
+// k6_gemm__cast k18_gemm__cast
+__attribute__((noinline)) static void k6_gemm__cast__code(char *arena, const MdlHooks *h, const int64_t *o) {
+  uint16_t *const restrict b29 = (uint16_t *)(arena + o[0]); // %29 cast bf16[512,64]
+  uint16_t *const restrict b30 = (uint16_t *)(arena + o[1]); // %30 cast bf16[64,64]
   float *const b31 = mdl_scratch(131072); // %31 matmul f32[512,64], kept in this kernel
-  uint16_t *const b35 = (uint16_t *)(arena + 6155392); // %35 cast bf16[8,64,64]
+  uint16_t *const restrict b35 = (uint16_t *)(arena + o[2]); // %35 cast bf16[8,64,64]
   if (h->bgemm) {
     mdl_bgemm(h, 0, 0, 512, 64, 64, b29, 64, b30, 64, 0.0f, b31, 64);
   }
@@ -413,20 +394,28 @@ static void k6_gemm__cast(char *arena, const MdlHooks *h) {
   free(b31);
 }
 
-// k7_attention_fwd__cast__lse: attention, 4 ops
-//   %36    attention                               line 38    f32[8,64,64]
-//   %37    reshape                                 line 38    f32[512,64]
-//   %38    cast                                    line 38    bf16[512,64]
-//   %226   attention_lse                           line 38    f32[8,4,64]
+// k6_gemm__cast: GEMM, 3 ops
+//   %31    matmul                                  line 38    f32[512,64]
+//   %32    reshape                                 line 38    f32[8,64,64]
+//   %35    cast                                    line 38    bf16[8,64,64]
 // loops:
-//   attention and its log-sum-exp per row: B 8, T 64, 4 heads of 16, causal, within documents; one task per (batch, head)
-static void k7_attention_fwd__cast__lse(char *arena, const MdlHooks *h) {
-  int32_t *const b3 = (int32_t *)(arena + 2352128); // %3 input doc i32[8,64]
-  uint16_t *const b33 = (uint16_t *)(arena + 6024320); // %33 cast bf16[8,64,64]
-  uint16_t *const b34 = (uint16_t *)(arena + 6089856); // %34 cast bf16[8,64,64]
-  uint16_t *const b35 = (uint16_t *)(arena + 6155392); // %35 cast bf16[8,64,64]
-  uint16_t *const b38 = (uint16_t *)(arena + 6220928); // %38 cast bf16[512,64]
-  float *const b226 = (float *)(arena + 7072896); // %226 attention_lse f32[8,4,64]
+//   gemm %31: [512 x 64] = [512 x 64] [64 x 64], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
+//   elementwise over 32768: %35
+static void k6_gemm__cast(char *arena, const MdlHooks *h) {
+  static const int64_t o[] = {5958784, 2126848, 6155392};
+  k6_gemm__cast__code(arena, h, o);
+}
+
+// The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
+// are those of k7_attention_fwd__cast__lse's):
+// k7_attention_fwd__cast__lse k19_attention_fwd__cast__lse
+__attribute__((noinline)) static void k7_attention_fwd__cast__lse__code(char *arena, const MdlHooks *h, const int64_t *o) {
+  int32_t *const restrict b3 = (int32_t *)(arena + o[0]); // %3 input doc i32[8,64]
+  uint16_t *const restrict b33 = (uint16_t *)(arena + o[1]); // %33 cast bf16[8,64,64]
+  uint16_t *const restrict b34 = (uint16_t *)(arena + o[2]); // %34 cast bf16[8,64,64]
+  uint16_t *const restrict b35 = (uint16_t *)(arena + o[3]); // %35 cast bf16[8,64,64]
+  uint16_t *const restrict b38 = (uint16_t *)(arena + o[4]); // %38 cast bf16[512,64]
+  float *const restrict b226 = (float *)(arena + o[5]); // %226 attention_lse f32[8,4,64]
   #pragma omp parallel num_threads(h->nthreads)
   {
     float *restrict kt = memset(mdl_scratch(1536 * sizeof(float)), 0, 1536 * sizeof(float));
@@ -518,18 +507,26 @@ static void k7_attention_fwd__cast__lse(char *arena, const MdlHooks *h) {
   }
 }
 
-// k8_gemm__add: GEMM, 3 ops
-//   %40    matmul                                  line 38    f32[512,64]
-//   %41    reshape                                 line 38    f32[8,64,64]
-//   %42    add                layers.0.x           line 38    f32[8,64,64]
+// k7_attention_fwd__cast__lse: attention, 4 ops
+//   %36    attention                               line 38    f32[8,64,64]
+//   %37    reshape                                 line 38    f32[512,64]
+//   %38    cast                                    line 38    bf16[512,64]
+//   %226   attention_lse                           line 38    f32[8,4,64]
 // loops:
-//   gemm %40: [512 x 64] = [512 x 64] [64 x 64], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
-//   elementwise over 32768: %42
-static void k8_gemm__add(char *arena, const MdlHooks *h) {
-  float *const b5 = (float *)(arena + 5172352); // %5 embed x f32[8,64,64]
-  uint16_t *const b38 = (uint16_t *)(arena + 6220928); // %38 cast bf16[512,64]
-  uint16_t *const b39 = (uint16_t *)(arena + 2135040); // %39 cast bf16[64,64]
-  float *const b42 = (float *)(arena + 5303424); // %42 add layers.0.x f32[8,64,64]
+//   attention and its log-sum-exp per row: B 8, T 64, 4 heads of 16, causal, within documents; one task per (batch, head)
+static void k7_attention_fwd__cast__lse(char *arena, const MdlHooks *h) {
+  static const int64_t o[] = {2352128, 6024320, 6089856, 6155392, 6220928, 7072896};
+  k7_attention_fwd__cast__lse__code(arena, h, o);
+}
+
+// The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
+// are those of k8_gemm__add's):
+// k8_gemm__add k20_gemm__add
+__attribute__((noinline)) static void k8_gemm__add__code(char *arena, const MdlHooks *h, const int64_t *o) {
+  float *const restrict b5 = (float *)(arena + o[0]); // %5 embed x f32[8,64,64]
+  uint16_t *const restrict b38 = (uint16_t *)(arena + o[1]); // %38 cast bf16[512,64]
+  uint16_t *const restrict b39 = (uint16_t *)(arena + o[2]); // %39 cast bf16[64,64]
+  float *const restrict b42 = (float *)(arena + o[3]); // %42 add layers.0.x f32[8,64,64]
   float *const b40 = b42; // %40 matmul f32[512,64]: the GEMM writes into its epilogue's output
   if (h->bgemm) {
     mdl_bgemm(h, 0, 0, 512, 64, 64, b38, 64, b39, 64, 0.0f, b40, 64);
@@ -554,19 +551,26 @@ static void k8_gemm__add(char *arena, const MdlHooks *h) {
   }
 }
 
-// k9_rmsnorm_fwd__cast: kernel, 5 ops
-//   %43    rmsnorm            layers.0.a           line 39    f32[8,64,64]
-//   %44    reshape                                 line 40    f32[512,64]
-//   %45    cast                                    line 40    bf16[512,64]
-//   %50    reshape                                 line 40    f32[512,64]
-//   %51    cast                                    line 40    bf16[512,64]
+// k8_gemm__add: GEMM, 3 ops
+//   %40    matmul                                  line 38    f32[512,64]
+//   %41    reshape                                 line 38    f32[8,64,64]
+//   %42    add                layers.0.x           line 38    f32[8,64,64]
 // loops:
-//   rmsnorm %43: 512 rows of 64
-static void k9_rmsnorm_fwd__cast(char *arena, const MdlHooks *h) {
-  float *const b11 = (float *)(arena + 131328); // %11 param layers.0.mlp_norm f32[64]
-  float *const b42 = (float *)(arena + 5303424); // %42 add layers.0.x f32[8,64,64]
-  uint16_t *const b45 = (uint16_t *)(arena + 6286464); // %45 cast bf16[512,64]
-  uint16_t *const b51 = (uint16_t *)(arena + 6352000); // %51 cast bf16[512,64]
+//   gemm %40: [512 x 64] = [512 x 64] [64 x 64], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
+//   elementwise over 32768: %42
+static void k8_gemm__add(char *arena, const MdlHooks *h) {
+  static const int64_t o[] = {5172352, 6220928, 2135040, 5303424};
+  k8_gemm__add__code(arena, h, o);
+}
+
+// The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
+// are those of k9_rmsnorm_fwd__cast's):
+// k9_rmsnorm_fwd__cast k21_rmsnorm_fwd__cast
+__attribute__((noinline)) static void k9_rmsnorm_fwd__cast__code(char *arena, const MdlHooks *h, const int64_t *o) {
+  float *const restrict b11 = (float *)(arena + o[0]); // %11 param layers.0.mlp_norm f32[64]
+  float *const restrict b42 = (float *)(arena + o[1]); // %42 add layers.0.x f32[8,64,64]
+  uint16_t *const restrict b45 = (uint16_t *)(arena + o[2]); // %45 cast bf16[512,64]
+  uint16_t *const restrict b51 = (uint16_t *)(arena + o[3]); // %51 cast bf16[512,64]
   #pragma omp parallel num_threads(h->nthreads)
   {
     float *yrow = mdl_scratch(64 * sizeof(float));
@@ -595,14 +599,26 @@ static void k9_rmsnorm_fwd__cast(char *arena, const MdlHooks *h) {
   }
 }
 
-// k10_gemm: GEMM, 1 op
-//   %53    matmul                                  line 40    f32[512,172]
+// k9_rmsnorm_fwd__cast: kernel, 5 ops
+//   %43    rmsnorm            layers.0.a           line 39    f32[8,64,64]
+//   %44    reshape                                 line 40    f32[512,64]
+//   %45    cast                                    line 40    bf16[512,64]
+//   %50    reshape                                 line 40    f32[512,64]
+//   %51    cast                                    line 40    bf16[512,64]
 // loops:
-//   gemm %53: [512 x 172] = [512 x 64] [64 x 172], bf16 operands (widened to f32 where the library has no bf16 GEMM)
-static void k10_gemm(char *arena, const MdlHooks *h) {
-  uint16_t *const b51 = (uint16_t *)(arena + 6352000); // %51 cast bf16[512,64]
-  uint16_t *const b52 = (uint16_t *)(arena + 2165248); // %52 cast bf16[64,172]
-  float *const b53 = (float *)(arena + 2354304); // %53 matmul f32[512,172]
+//   rmsnorm %43: 512 rows of 64
+static void k9_rmsnorm_fwd__cast(char *arena, const MdlHooks *h) {
+  static const int64_t o[] = {131328, 5303424, 6286464, 6352000};
+  k9_rmsnorm_fwd__cast__code(arena, h, o);
+}
+
+// The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
+// are those of k10_gemm's):
+// k10_gemm k22_gemm
+__attribute__((noinline)) static void k10_gemm__code(char *arena, const MdlHooks *h, const int64_t *o) {
+  uint16_t *const restrict b51 = (uint16_t *)(arena + o[0]); // %51 cast bf16[512,64]
+  uint16_t *const restrict b52 = (uint16_t *)(arena + o[1]); // %52 cast bf16[64,172]
+  float *const restrict b53 = (float *)(arena + o[2]); // %53 matmul f32[512,172]
   if (h->bgemm) {
     mdl_bgemm(h, 0, 0, 512, 172, 64, b51, 64, b52, 172, 0.0f, b53, 172);
   }
@@ -615,22 +631,25 @@ static void k10_gemm(char *arena, const MdlHooks *h) {
   }
 }
 
-// k11_gemm__silu__mul__cast: GEMM, 5 ops
-//   %47    matmul                                  line 40    f32[512,172]
-//   %49    silu                                    line 40    f32[8,64,172]
-//   %55    mul                                     line 40    f32[8,64,172]
-//   %56    reshape                                 line 40    f32[512,172]
-//   %57    cast                                    line 40    bf16[512,172]
+// k10_gemm: GEMM, 1 op
+//   %53    matmul                                  line 40    f32[512,172]
 // loops:
-//   gemm %47: [512 x 172] = [512 x 64] [64 x 172], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
-//   elementwise over 88064: %49 %57
-static void k11_gemm__silu__mul__cast(char *arena, const MdlHooks *h) {
-  uint16_t *const b45 = (uint16_t *)(arena + 6286464); // %45 cast bf16[512,64]
-  uint16_t *const b46 = (uint16_t *)(arena + 2143232); // %46 cast bf16[64,172]
-  float *const b47 = (float *)(arena + 2706560); // %47 matmul f32[512,172]
-  float *const b49 = (float *)(arena + 3058816); // %49 silu f32[8,64,172]
-  float *const b53 = (float *)(arena + 2354304); // %53 matmul f32[512,172]
-  uint16_t *const b57 = (uint16_t *)(arena + 4820096); // %57 cast bf16[512,172]
+//   gemm %53: [512 x 172] = [512 x 64] [64 x 172], bf16 operands (widened to f32 where the library has no bf16 GEMM)
+static void k10_gemm(char *arena, const MdlHooks *h) {
+  static const int64_t o[] = {6352000, 2165248, 2354304};
+  k10_gemm__code(arena, h, o);
+}
+
+// The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
+// are those of k11_gemm__silu__mul__cast's):
+// k11_gemm__silu__mul__cast k23_gemm__silu__mul__cast
+__attribute__((noinline)) static void k11_gemm__silu__mul__cast__code(char *arena, const MdlHooks *h, const int64_t *o) {
+  uint16_t *const restrict b45 = (uint16_t *)(arena + o[0]); // %45 cast bf16[512,64]
+  uint16_t *const restrict b46 = (uint16_t *)(arena + o[1]); // %46 cast bf16[64,172]
+  float *const restrict b47 = (float *)(arena + o[2]); // %47 matmul f32[512,172]
+  float *const restrict b49 = (float *)(arena + o[3]); // %49 silu f32[8,64,172]
+  float *const restrict b53 = (float *)(arena + o[4]); // %53 matmul f32[512,172]
+  uint16_t *const restrict b57 = (uint16_t *)(arena + o[5]); // %57 cast bf16[512,172]
   if (h->bgemm) {
     mdl_bgemm(h, 0, 0, 512, 172, 64, b45, 64, b46, 172, 0.0f, b47, 172);
   }
@@ -657,18 +676,28 @@ static void k11_gemm__silu__mul__cast(char *arena, const MdlHooks *h) {
   }
 }
 
-// k12_gemm__add: GEMM, 3 ops
-//   %59    matmul                                  line 40    f32[512,64]
-//   %60    reshape                                 line 40    f32[8,64,64]
-//   %61    add                layers.0.x           line 40    f32[8,64,64]
+// k11_gemm__silu__mul__cast: GEMM, 5 ops
+//   %47    matmul                                  line 40    f32[512,172]
+//   %49    silu                                    line 40    f32[8,64,172]
+//   %55    mul                                     line 40    f32[8,64,172]
+//   %56    reshape                                 line 40    f32[512,172]
+//   %57    cast                                    line 40    bf16[512,172]
 // loops:
-//   gemm %59: [512 x 64] = [512 x 172] [172 x 64], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
-//   elementwise over 32768: %61
-static void k12_gemm__add(char *arena, const MdlHooks *h) {
-  float *const b42 = (float *)(arena + 5303424); // %42 add layers.0.x f32[8,64,64]
-  uint16_t *const b57 = (uint16_t *)(arena + 4820096); // %57 cast bf16[512,172]
-  uint16_t *const b58 = (uint16_t *)(arena + 2187264); // %58 cast bf16[172,64]
-  float *const b61 = (float *)(arena + 5434496); // %61 add layers.0.x f32[8,64,64]
+//   gemm %47: [512 x 172] = [512 x 64] [64 x 172], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
+//   elementwise over 88064: %49 %57
+static void k11_gemm__silu__mul__cast(char *arena, const MdlHooks *h) {
+  static const int64_t o[] = {6286464, 2143232, 2706560, 3058816, 2354304, 4820096};
+  k11_gemm__silu__mul__cast__code(arena, h, o);
+}
+
+// The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
+// are those of k12_gemm__add's):
+// k12_gemm__add k24_gemm__add
+__attribute__((noinline)) static void k12_gemm__add__code(char *arena, const MdlHooks *h, const int64_t *o) {
+  float *const restrict b42 = (float *)(arena + o[0]); // %42 add layers.0.x f32[8,64,64]
+  uint16_t *const restrict b57 = (uint16_t *)(arena + o[1]); // %57 cast bf16[512,172]
+  uint16_t *const restrict b58 = (uint16_t *)(arena + o[2]); // %58 cast bf16[172,64]
+  float *const restrict b61 = (float *)(arena + o[3]); // %61 add layers.0.x f32[8,64,64]
   float *const b59 = b61; // %59 matmul f32[512,64]: the GEMM writes into its epilogue's output
   if (h->bgemm) {
     mdl_bgemm(h, 0, 0, 512, 64, 172, b57, 172, b58, 64, 0.0f, b59, 64);
@@ -693,6 +722,18 @@ static void k12_gemm__add(char *arena, const MdlHooks *h) {
   }
 }
 
+// k12_gemm__add: GEMM, 3 ops
+//   %59    matmul                                  line 40    f32[512,64]
+//   %60    reshape                                 line 40    f32[8,64,64]
+//   %61    add                layers.0.x           line 40    f32[8,64,64]
+// loops:
+//   gemm %59: [512 x 64] = [512 x 172] [172 x 64], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
+//   elementwise over 32768: %61
+static void k12_gemm__add(char *arena, const MdlHooks *h) {
+  static const int64_t o[] = {5303424, 4820096, 2187264, 5434496};
+  k12_gemm__add__code(arena, h, o);
+}
+
 // k13_rmsnorm_fwd__cast: kernel, 7 ops
 //   %71    rmsnorm            layers.1.a           line 35    f32[8,64,64]
 //   %72    reshape                                 line 36    f32[512,64]
@@ -704,40 +745,8 @@ static void k12_gemm__add(char *arena, const MdlHooks *h) {
 // loops:
 //   rmsnorm %71: 512 rows of 64
 static void k13_rmsnorm_fwd__cast(char *arena, const MdlHooks *h) {
-  float *const b61 = (float *)(arena + 5434496); // %61 add layers.0.x f32[8,64,64]
-  float *const b62 = (float *)(arena + 263680); // %62 param layers.1.attn_norm f32[64]
-  uint16_t *const b73 = (uint16_t *)(arena + 6417536); // %73 cast bf16[512,64]
-  uint16_t *const b79 = (uint16_t *)(arena + 6483072); // %79 cast bf16[512,64]
-  uint16_t *const b85 = (uint16_t *)(arena + 6548608); // %85 cast bf16[512,64]
-  #pragma omp parallel num_threads(h->nthreads)
-  {
-    float *yrow = mdl_scratch(64 * sizeof(float));
-    #pragma omp for schedule(static)
-    for (int64_t r = 0; r < 512; r++) {
-      const float *x = b61 + r * 64;
-      double ms = 0;
-      #pragma omp simd reduction(+ : ms)
-      for (int64_t j = 0; j < 64; j++)
-        ms += (double)x[j] * x[j];
-      const double s = 1.0 / sqrt(ms / 64 + 1e-06);
-      float *y = yrow;
-      for (int64_t j = 0; j < 64; j++)
-        y[j] = (float)(x[j] * s * b62[j]);
-      for (int64_t j = 0; j < 64; j++) {
-        const int64_t ix = r * 64 + j;
-        const float v72_ix = y[j];
-        const float v73_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v72_ix));
-        b73[ix] = mdl_f32_to_bf16(v73_ix);
-        const float v78_ix = y[j];
-        const float v79_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v78_ix));
-        b79[ix] = mdl_f32_to_bf16(v79_ix);
-        const float v84_ix = y[j];
-        const float v85_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v84_ix));
-        b85[ix] = mdl_f32_to_bf16(v85_ix);
-      }
-    }
-    free(yrow);
-  }
+  static const int64_t o[] = {5434496, 263680, 6417536, 6483072, 6548608};
+  k1_rmsnorm_fwd__cast__code(arena, h, o);
 }
 
 // k14_gemm: GEMM, 1 op
@@ -745,19 +754,8 @@ static void k13_rmsnorm_fwd__cast(char *arena, const MdlHooks *h) {
 // loops:
 //   gemm %75: [512 x 64] = [512 x 64] [64 x 64], bf16 operands (widened to f32 where the library has no bf16 GEMM)
 static void k14_gemm(char *arena, const MdlHooks *h) {
-  uint16_t *const b73 = (uint16_t *)(arena + 6417536); // %73 cast bf16[512,64]
-  uint16_t *const b74 = (uint16_t *)(arena + 2211840); // %74 cast bf16[64,64]
-  float *const b75 = (float *)(arena + 3411072); // %75 matmul f32[512,64]
-  if (h->bgemm) {
-    mdl_bgemm(h, 0, 0, 512, 64, 64, b73, 64, b74, 64, 0.0f, b75, 64);
-  }
-  else {
-    float *const w73 = mdl_widen_bf16(b73, 32768, h->nthreads);
-    float *const w74 = mdl_widen_bf16(b74, 4096, h->nthreads);
-    mdl_gemm(h, 0, 0, 512, 64, 64, w73, 64, w74, 64, 0.0f, b75, 64);
-    free(w73);
-    free(w74);
-  }
+  static const int64_t o[] = {6417536, 2211840, 3411072};
+  k2_gemm__code(arena, h, o);
 }
 
 // k15_gemm: GEMM, 1 op
@@ -765,19 +763,8 @@ static void k14_gemm(char *arena, const MdlHooks *h) {
 // loops:
 //   gemm %81: [512 x 64] = [512 x 64] [64 x 64], bf16 operands (widened to f32 where the library has no bf16 GEMM)
 static void k15_gemm(char *arena, const MdlHooks *h) {
-  uint16_t *const b79 = (uint16_t *)(arena + 6483072); // %79 cast bf16[512,64]
-  uint16_t *const b80 = (uint16_t *)(arena + 2220032); // %80 cast bf16[64,64]
-  float *const b81 = (float *)(arena + 3542144); // %81 matmul f32[512,64]
-  if (h->bgemm) {
-    mdl_bgemm(h, 0, 0, 512, 64, 64, b79, 64, b80, 64, 0.0f, b81, 64);
-  }
-  else {
-    float *const w79 = mdl_widen_bf16(b79, 32768, h->nthreads);
-    float *const w80 = mdl_widen_bf16(b80, 4096, h->nthreads);
-    mdl_gemm(h, 0, 0, 512, 64, 64, w79, 64, w80, 64, 0.0f, b81, 64);
-    free(w79);
-    free(w80);
-  }
+  static const int64_t o[] = {6483072, 2220032, 3542144};
+  k2_gemm__code(arena, h, o);
 }
 
 // k16_rope__cast: kernel, 2 ops
@@ -787,36 +774,8 @@ static void k15_gemm(char *arena, const MdlHooks *h) {
 //   rope: 512 rows, 4 heads of 16
 //   elementwise over 32768: %89
 static void k16_rope__cast(char *arena, const MdlHooks *h) {
-  int32_t *const b2 = (int32_t *)(arena + 2350080); // %2 input pos i32[8,64]
-  float *const b75 = (float *)(arena + 3411072); // %75 matmul f32[512,64]
-  float *const b77 = mdl_scratch(131072); // %77 rope layers.1.q f32[8,64,64], kept in this kernel
-  uint16_t *const b89 = (uint16_t *)(arena + 6614144); // %89 cast bf16[8,64,64]
-  #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t r = 0; r < 512; r++) {
-    const double p = b2[r];
-    const float *x = b75 + r * 64;
-    float *y = b77 + r * 64;
-    for (int64_t i = 0; i < 8; i++) {
-      const double th = p * pow(1e+04, -2.0 * (double)i / 16);
-      const float cs = (float)cos(th), sn = (float)sin(th);
-      for (int64_t hd = 0; hd < 4; hd++) {
-        const int64_t a = hd * 16 + i, b = a + 8;
-        const float x1 = x[a], x2 = x[b];
-        y[a] = x1 * cs - x2 * sn;
-        y[b] = x1 * sn + x2 * cs;
-      }
-    }
-  }
-  #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t r = 0; r < 512; r++) {
-    for (int64_t c = 0; c < 64; c++) {
-      const int64_t i = r * 64 + c;
-      const float v77_i = b77[i];
-      const float v89_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v77_i));
-      b89[i] = mdl_f32_to_bf16(v89_i);
-    }
-  }
-  free(b77);
+  static const int64_t o[] = {2350080, 3411072, 6614144};
+  k4_rope__cast__code(arena, h, o);
 }
 
 // k17_rope__cast: kernel, 2 ops
@@ -826,36 +785,8 @@ static void k16_rope__cast(char *arena, const MdlHooks *h) {
 //   rope: 512 rows, 4 heads of 16
 //   elementwise over 32768: %90
 static void k17_rope__cast(char *arena, const MdlHooks *h) {
-  int32_t *const b2 = (int32_t *)(arena + 2350080); // %2 input pos i32[8,64]
-  float *const b81 = (float *)(arena + 3542144); // %81 matmul f32[512,64]
-  float *const b83 = mdl_scratch(131072); // %83 rope layers.1.k f32[8,64,64], kept in this kernel
-  uint16_t *const b90 = (uint16_t *)(arena + 6679680); // %90 cast bf16[8,64,64]
-  #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t r = 0; r < 512; r++) {
-    const double p = b2[r];
-    const float *x = b81 + r * 64;
-    float *y = b83 + r * 64;
-    for (int64_t i = 0; i < 8; i++) {
-      const double th = p * pow(1e+04, -2.0 * (double)i / 16);
-      const float cs = (float)cos(th), sn = (float)sin(th);
-      for (int64_t hd = 0; hd < 4; hd++) {
-        const int64_t a = hd * 16 + i, b = a + 8;
-        const float x1 = x[a], x2 = x[b];
-        y[a] = x1 * cs - x2 * sn;
-        y[b] = x1 * sn + x2 * cs;
-      }
-    }
-  }
-  #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t r = 0; r < 512; r++) {
-    for (int64_t c = 0; c < 64; c++) {
-      const int64_t i = r * 64 + c;
-      const float v83_i = b83[i];
-      const float v90_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v83_i));
-      b90[i] = mdl_f32_to_bf16(v90_i);
-    }
-  }
-  free(b83);
+  static const int64_t o[] = {2350080, 3542144, 6679680};
+  k4_rope__cast__code(arena, h, o);
 }
 
 // k18_gemm__cast: GEMM, 3 ops
@@ -866,31 +797,8 @@ static void k17_rope__cast(char *arena, const MdlHooks *h) {
 //   gemm %87: [512 x 64] = [512 x 64] [64 x 64], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
 //   elementwise over 32768: %91
 static void k18_gemm__cast(char *arena, const MdlHooks *h) {
-  uint16_t *const b85 = (uint16_t *)(arena + 6548608); // %85 cast bf16[512,64]
-  uint16_t *const b86 = (uint16_t *)(arena + 2228224); // %86 cast bf16[64,64]
-  float *const b87 = mdl_scratch(131072); // %87 matmul f32[512,64], kept in this kernel
-  uint16_t *const b91 = (uint16_t *)(arena + 6745216); // %91 cast bf16[8,64,64]
-  if (h->bgemm) {
-    mdl_bgemm(h, 0, 0, 512, 64, 64, b85, 64, b86, 64, 0.0f, b87, 64);
-  }
-  else {
-    float *const w85 = mdl_widen_bf16(b85, 32768, h->nthreads);
-    float *const w86 = mdl_widen_bf16(b86, 4096, h->nthreads);
-    mdl_gemm(h, 0, 0, 512, 64, 64, w85, 64, w86, 64, 0.0f, b87, 64);
-    free(w85);
-    free(w86);
-  }
-  #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t r = 0; r < 512; r++) {
-    for (int64_t c = 0; c < 64; c++) {
-      const int64_t i = r * 64 + c;
-      const float v87_i = b87[i];
-      const float v88_i = v87_i;
-      const float v91_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v88_i));
-      b91[i] = mdl_f32_to_bf16(v91_i);
-    }
-  }
-  free(b87);
+  static const int64_t o[] = {6548608, 2228224, 6745216};
+  k6_gemm__cast__code(arena, h, o);
 }
 
 // k19_attention_fwd__cast__lse: attention, 4 ops
@@ -901,101 +809,8 @@ static void k18_gemm__cast(char *arena, const MdlHooks *h) {
 // loops:
 //   attention and its log-sum-exp per row: B 8, T 64, 4 heads of 16, causal, within documents; one task per (batch, head)
 static void k19_attention_fwd__cast__lse(char *arena, const MdlHooks *h) {
-  int32_t *const b3 = (int32_t *)(arena + 2352128); // %3 input doc i32[8,64]
-  uint16_t *const b89 = (uint16_t *)(arena + 6614144); // %89 cast bf16[8,64,64]
-  uint16_t *const b90 = (uint16_t *)(arena + 6679680); // %90 cast bf16[8,64,64]
-  uint16_t *const b91 = (uint16_t *)(arena + 6745216); // %91 cast bf16[8,64,64]
-  uint16_t *const b94 = (uint16_t *)(arena + 6810752); // %94 cast bf16[512,64]
-  float *const b171 = (float *)(arena + 7081088); // %171 attention_lse f32[8,4,64]
-  #pragma omp parallel num_threads(h->nthreads)
-  {
-    float *restrict kt = memset(mdl_scratch(1536 * sizeof(float)), 0, 1536 * sizeof(float));
-    float *restrict s = memset(mdl_scratch(96 * sizeof(float)), 0, 96 * sizeof(float));
-    #pragma omp for schedule(dynamic, 1)
-    for (int64_t task = 0; task < 32; task++) {
-      const int64_t b = task / 4, hd = task % 4;
-      for (int64_t j = 0; j < 64; j++) {
-        const uint16_t *xj = b90 + (b * 64 + j) * 64 + hd * 16;
-        for (int64_t c = 0; c < 16; c++)
-          kt[c * 96 + j] = mdl_bf16_to_f32(xj[c]);
-      }
-      int64_t lo = 0, hi = 64;
-      const int32_t *restrict dc = b3 + b * 64;
-      for (int64_t i = 0; i < 64; i++) {
-        const int32_t di = dc[i];
-        if (i == 0 || dc[i - 1] != di) {
-          lo = 0;
-          while (dc[lo] != di)
-            lo++;
-        }
-        hi = i + 1;
-        float qr[16];
-        for (int64_t c = 0; c < 16; c++)
-          qr[c] = mdl_bf16_to_f32(b89[(b * 64 + i) * 64 + hd * 16 + c]);
-        const float *restrict qi = qr;
-        for (int64_t j0 = lo; j0 < hi; j0 += 32) {
-          float acc[32] = {0};
-          for (int64_t c = 0; c < 16; c++) {
-            const float vc = qi[c], *restrict mc = kt + c * 96 + j0;
-            #pragma omp simd
-            for (int64_t u = 0; u < 32; u++)
-              acc[u] += vc * mc[u];
-          }
-          memcpy(s + j0, acc, sizeof acc);
-        }
-        float m = -INFINITY;
-        #pragma omp simd reduction(max : m)
-        for (int64_t j = lo; j < hi; j++) {
-          s[j] = dc[j] == di ? s[j] * 0.25f : -INFINITY;
-          m = s[j] > m ? s[j] : m;
-        }
-        #pragma omp simd
-        for (int64_t j = lo; j < hi; j++)
-          s[j] = mdl_exp_shifted(s[j] - m);
-        float l;
-        {
-          float part[8] = {0};
-          int64_t j0 = lo;
-          for (; j0 + 8 <= hi; j0 += 8) {
-            for (int64_t u = 0; u < 8; u++) {
-              const int64_t j = j0 + u;
-              part[u] += s[j];
-            }
-          }
-          for (int64_t j = j0; j < hi; j++) {
-            part[j - j0] += s[j];
-          }
-          l = ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
-        }
-        b171[(b * 4 + hd) * 64 + i] = m + logf(l);
-        float acc0[16] = {0}, acc1[16] = {0};
-        int64_t j = lo;
-        for (; j + 1 < hi; j += 2) {
-          const float w0 = mdl_bf16_to_f32(mdl_f32_to_bf16(s[j])), w1 = mdl_bf16_to_f32(mdl_f32_to_bf16(s[j + 1]));
-          const uint16_t *restrict x0 = b91 + (b * 64 + j) * 64 + hd * 16, *restrict x1 = x0 + 64;
-          #pragma omp simd
-          for (int64_t c = 0; c < 16; c++) {
-            acc0[c] += w0 * mdl_bf16_to_f32(x0[c]);
-            acc1[c] += w1 * mdl_bf16_to_f32(x1[c]);
-          }
-        }
-        if (j < hi) {
-          const float w0 = mdl_bf16_to_f32(mdl_f32_to_bf16(s[j]));
-          const uint16_t *restrict x0 = b91 + (b * 64 + j) * 64 + hd * 16;
-          #pragma omp simd
-          for (int64_t c = 0; c < 16; c++)
-            acc0[c] += w0 * mdl_bf16_to_f32(x0[c]);
-        }
-        uint16_t *restrict o0 = b94 + (b * 64 + i) * 64 + hd * 16;
-        for (int64_t c = 0; c < 16; c++) {
-          const float y = (acc0[c] + acc1[c]) / l;
-          o0[c] = mdl_f32_to_bf16(y);
-        }
-      }
-    }
-    free(kt);
-    free(s);
-  }
+  static const int64_t o[] = {2352128, 6614144, 6679680, 6745216, 6810752, 7081088};
+  k7_attention_fwd__cast__lse__code(arena, h, o);
 }
 
 // k20_gemm__add: GEMM, 3 ops
@@ -1006,32 +821,8 @@ static void k19_attention_fwd__cast__lse(char *arena, const MdlHooks *h) {
 //   gemm %96: [512 x 64] = [512 x 64] [64 x 64], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
 //   elementwise over 32768: %98
 static void k20_gemm__add(char *arena, const MdlHooks *h) {
-  float *const b61 = (float *)(arena + 5434496); // %61 add layers.0.x f32[8,64,64]
-  uint16_t *const b94 = (uint16_t *)(arena + 6810752); // %94 cast bf16[512,64]
-  uint16_t *const b95 = (uint16_t *)(arena + 2236416); // %95 cast bf16[64,64]
-  float *const b98 = (float *)(arena + 5565568); // %98 add layers.1.x f32[8,64,64]
-  float *const b96 = b98; // %96 matmul f32[512,64]: the GEMM writes into its epilogue's output
-  if (h->bgemm) {
-    mdl_bgemm(h, 0, 0, 512, 64, 64, b94, 64, b95, 64, 0.0f, b96, 64);
-  }
-  else {
-    float *const w94 = mdl_widen_bf16(b94, 32768, h->nthreads);
-    float *const w95 = mdl_widen_bf16(b95, 4096, h->nthreads);
-    mdl_gemm(h, 0, 0, 512, 64, 64, w94, 64, w95, 64, 0.0f, b96, 64);
-    free(w94);
-    free(w95);
-  }
-  #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t r = 0; r < 512; r++) {
-    for (int64_t c = 0; c < 64; c++) {
-      const int64_t i = r * 64 + c;
-      const float v61_i = b61[i];
-      const float v96_i = b96[i];
-      const float v97_i = v96_i;
-      const float v98_i = v61_i + v97_i;
-      b98[i] = v98_i;
-    }
-  }
+  static const int64_t o[] = {5434496, 6810752, 2236416, 5565568};
+  k8_gemm__add__code(arena, h, o);
 }
 
 // k21_rmsnorm_fwd__cast: kernel, 5 ops
@@ -1043,36 +834,8 @@ static void k20_gemm__add(char *arena, const MdlHooks *h) {
 // loops:
 //   rmsnorm %99: 512 rows of 64
 static void k21_rmsnorm_fwd__cast(char *arena, const MdlHooks *h) {
-  float *const b67 = (float *)(arena + 329472); // %67 param layers.1.mlp_norm f32[64]
-  float *const b98 = (float *)(arena + 5565568); // %98 add layers.1.x f32[8,64,64]
-  uint16_t *const b101 = (uint16_t *)(arena + 6876288); // %101 cast bf16[512,64]
-  uint16_t *const b107 = (uint16_t *)(arena + 6941824); // %107 cast bf16[512,64]
-  #pragma omp parallel num_threads(h->nthreads)
-  {
-    float *yrow = mdl_scratch(64 * sizeof(float));
-    #pragma omp for schedule(static)
-    for (int64_t r = 0; r < 512; r++) {
-      const float *x = b98 + r * 64;
-      double ms = 0;
-      #pragma omp simd reduction(+ : ms)
-      for (int64_t j = 0; j < 64; j++)
-        ms += (double)x[j] * x[j];
-      const double s = 1.0 / sqrt(ms / 64 + 1e-06);
-      float *y = yrow;
-      for (int64_t j = 0; j < 64; j++)
-        y[j] = (float)(x[j] * s * b67[j]);
-      for (int64_t j = 0; j < 64; j++) {
-        const int64_t ix = r * 64 + j;
-        const float v100_ix = y[j];
-        const float v101_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v100_ix));
-        b101[ix] = mdl_f32_to_bf16(v101_ix);
-        const float v106_ix = y[j];
-        const float v107_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v106_ix));
-        b107[ix] = mdl_f32_to_bf16(v107_ix);
-      }
-    }
-    free(yrow);
-  }
+  static const int64_t o[] = {329472, 5565568, 6876288, 6941824};
+  k9_rmsnorm_fwd__cast__code(arena, h, o);
 }
 
 // k22_gemm: GEMM, 1 op
@@ -1080,19 +843,8 @@ static void k21_rmsnorm_fwd__cast(char *arena, const MdlHooks *h) {
 // loops:
 //   gemm %109: [512 x 172] = [512 x 64] [64 x 172], bf16 operands (widened to f32 where the library has no bf16 GEMM)
 static void k22_gemm(char *arena, const MdlHooks *h) {
-  uint16_t *const b107 = (uint16_t *)(arena + 6941824); // %107 cast bf16[512,64]
-  uint16_t *const b108 = (uint16_t *)(arena + 2266624); // %108 cast bf16[64,172]
-  float *const b109 = (float *)(arena + 3411072); // %109 matmul f32[512,172]
-  if (h->bgemm) {
-    mdl_bgemm(h, 0, 0, 512, 172, 64, b107, 64, b108, 172, 0.0f, b109, 172);
-  }
-  else {
-    float *const w107 = mdl_widen_bf16(b107, 32768, h->nthreads);
-    float *const w108 = mdl_widen_bf16(b108, 11008, h->nthreads);
-    mdl_gemm(h, 0, 0, 512, 172, 64, w107, 64, w108, 172, 0.0f, b109, 172);
-    free(w107);
-    free(w108);
-  }
+  static const int64_t o[] = {6941824, 2266624, 3411072};
+  k10_gemm__code(arena, h, o);
 }
 
 // k23_gemm__silu__mul__cast: GEMM, 5 ops
@@ -1105,36 +857,8 @@ static void k22_gemm(char *arena, const MdlHooks *h) {
 //   gemm %103: [512 x 172] = [512 x 64] [64 x 172], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
 //   elementwise over 88064: %105 %113
 static void k23_gemm__silu__mul__cast(char *arena, const MdlHooks *h) {
-  uint16_t *const b101 = (uint16_t *)(arena + 6876288); // %101 cast bf16[512,64]
-  uint16_t *const b102 = (uint16_t *)(arena + 2244608); // %102 cast bf16[64,172]
-  float *const b103 = (float *)(arena + 3763328); // %103 matmul f32[512,172]
-  float *const b105 = (float *)(arena + 4115584); // %105 silu f32[8,64,172]
-  float *const b109 = (float *)(arena + 3411072); // %109 matmul f32[512,172]
-  uint16_t *const b113 = (uint16_t *)(arena + 4467840); // %113 cast bf16[512,172]
-  if (h->bgemm) {
-    mdl_bgemm(h, 0, 0, 512, 172, 64, b101, 64, b102, 172, 0.0f, b103, 172);
-  }
-  else {
-    float *const w101 = mdl_widen_bf16(b101, 32768, h->nthreads);
-    float *const w102 = mdl_widen_bf16(b102, 11008, h->nthreads);
-    mdl_gemm(h, 0, 0, 512, 172, 64, w101, 64, w102, 172, 0.0f, b103, 172);
-    free(w101);
-    free(w102);
-  }
-  #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t r = 0; r < 512; r++) {
-    for (int64_t c = 0; c < 172; c++) {
-      const int64_t i = r * 172 + c;
-      const float v103_i = b103[i];
-      const float v105_i = mdl_silu(v103_i);
-      b105[i] = v105_i;
-      const float v109_i = b109[i];
-      const float v111_i = v105_i * v109_i;
-      const float v112_i = v111_i;
-      const float v113_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v112_i));
-      b113[i] = mdl_f32_to_bf16(v113_i);
-    }
-  }
+  static const int64_t o[] = {6876288, 2244608, 3763328, 4115584, 3411072, 4467840};
+  k11_gemm__silu__mul__cast__code(arena, h, o);
 }
 
 // k24_gemm__add: GEMM, 3 ops
@@ -1145,32 +869,8 @@ static void k23_gemm__silu__mul__cast(char *arena, const MdlHooks *h) {
 //   gemm %115: [512 x 64] = [512 x 172] [172 x 64], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
 //   elementwise over 32768: %117
 static void k24_gemm__add(char *arena, const MdlHooks *h) {
-  float *const b98 = (float *)(arena + 5565568); // %98 add layers.1.x f32[8,64,64]
-  uint16_t *const b113 = (uint16_t *)(arena + 4467840); // %113 cast bf16[512,172]
-  uint16_t *const b114 = (uint16_t *)(arena + 2288640); // %114 cast bf16[172,64]
-  float *const b117 = (float *)(arena + 4643968); // %117 add layers.1.x f32[8,64,64]
-  float *const b115 = b117; // %115 matmul f32[512,64]: the GEMM writes into its epilogue's output
-  if (h->bgemm) {
-    mdl_bgemm(h, 0, 0, 512, 64, 172, b113, 172, b114, 64, 0.0f, b115, 64);
-  }
-  else {
-    float *const w113 = mdl_widen_bf16(b113, 88064, h->nthreads);
-    float *const w114 = mdl_widen_bf16(b114, 11008, h->nthreads);
-    mdl_gemm(h, 0, 0, 512, 64, 172, w113, 172, w114, 64, 0.0f, b115, 64);
-    free(w113);
-    free(w114);
-  }
-  #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t r = 0; r < 512; r++) {
-    for (int64_t c = 0; c < 64; c++) {
-      const int64_t i = r * 64 + c;
-      const float v98_i = b98[i];
-      const float v115_i = b115[i];
-      const float v116_i = v115_i;
-      const float v117_i = v98_i + v116_i;
-      b117[i] = v117_i;
-    }
-  }
+  static const int64_t o[] = {5565568, 4467840, 2288640, 4643968};
+  k12_gemm__add__code(arena, h, o);
 }
 
 // k25_rmsnorm_fwd__cast: kernel, 3 ops
@@ -1414,14 +1114,13 @@ static void k29_rmsnorm_bwd__cast(char *arena, const MdlHooks *h) {
   free(pdw);
 }
 
-// k30_gemm: GEMM, 1 op
-//   %147   matmul             d.layers.1.w2        line 40    f32[172,64]
-// loops:
-//   gemm %147: [172 x 64] = T[172 x 512] [512 x 64], bf16 operands (widened to f32 where the library has no bf16 GEMM)
-static void k30_gemm(char *arena, const MdlHooks *h) {
-  uint16_t *const b113 = (uint16_t *)(arena + 4467840); // %113 cast bf16[512,172]
-  uint16_t *const b145 = (uint16_t *)(arena + 7007360); // %145 cast bf16[512,64]
-  float *const b147 = (float *)(arena + 945408); // %147 matmul d.layers.1.w2 f32[172,64]
+// The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
+// are those of k30_gemm's):
+// k30_gemm k51_gemm
+__attribute__((noinline)) static void k30_gemm__code(char *arena, const MdlHooks *h, const int64_t *o) {
+  uint16_t *const restrict b113 = (uint16_t *)(arena + o[0]); // %113 cast bf16[512,172]
+  uint16_t *const restrict b145 = (uint16_t *)(arena + o[1]); // %145 cast bf16[512,64]
+  float *const restrict b147 = (float *)(arena + o[2]); // %147 matmul d.layers.1.w2 f32[172,64]
   if (h->bgemm) {
     mdl_bgemm(h, 1, 0, 172, 64, 512, b113, 172, b145, 64, 0.0f, b147, 64);
   }
@@ -1434,22 +1133,25 @@ static void k30_gemm(char *arena, const MdlHooks *h) {
   }
 }
 
-// k31_gemm__mul__silu_bwd__cast: GEMM, 5 ops
-//   %146   matmul                                  line 40    f32[512,172]
-//   %149   mul                                     line 40    f32[8,64,172]
-//   %156   silu_bwd                                line 40    f32[8,64,172]
-//   %157   reshape                                 line 40    f32[512,172]
-//   %158   cast                                    line 40    bf16[512,172]
+// k30_gemm: GEMM, 1 op
+//   %147   matmul             d.layers.1.w2        line 40    f32[172,64]
 // loops:
-//   gemm %146: [512 x 172] = [512 x 64] T[64 x 172], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
-//   elementwise over 88064: %158
-static void k31_gemm__mul__silu_bwd__cast(char *arena, const MdlHooks *h) {
-  float *const b103 = (float *)(arena + 3763328); // %103 matmul f32[512,172]
-  float *const b109 = (float *)(arena + 3411072); // %109 matmul f32[512,172]
-  uint16_t *const b114 = (uint16_t *)(arena + 2288640); // %114 cast bf16[172,64]
-  uint16_t *const b145 = (uint16_t *)(arena + 7007360); // %145 cast bf16[512,64]
-  float *const b146 = (float *)(arena + 4467840); // %146 matmul f32[512,172]
-  uint16_t *const b158 = (uint16_t *)(arena + 4996224); // %158 cast bf16[512,172]
+//   gemm %147: [172 x 64] = T[172 x 512] [512 x 64], bf16 operands (widened to f32 where the library has no bf16 GEMM)
+static void k30_gemm(char *arena, const MdlHooks *h) {
+  static const int64_t o[] = {4467840, 7007360, 945408};
+  k30_gemm__code(arena, h, o);
+}
+
+// The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
+// are those of k31_gemm__mul__silu_bwd__cast's):
+// k31_gemm__mul__silu_bwd__cast k52_gemm__mul__silu_bwd__cast
+__attribute__((noinline)) static void k31_gemm__mul__silu_bwd__cast__code(char *arena, const MdlHooks *h, const int64_t *o) {
+  float *const restrict b103 = (float *)(arena + o[0]); // %103 matmul f32[512,172]
+  float *const restrict b109 = (float *)(arena + o[1]); // %109 matmul f32[512,172]
+  uint16_t *const restrict b114 = (uint16_t *)(arena + o[2]); // %114 cast bf16[172,64]
+  uint16_t *const restrict b145 = (uint16_t *)(arena + o[3]); // %145 cast bf16[512,64]
+  float *const restrict b146 = (float *)(arena + o[4]); // %146 matmul f32[512,172]
+  uint16_t *const restrict b158 = (uint16_t *)(arena + o[5]); // %158 cast bf16[512,172]
   if (h->bgemm) {
     mdl_bgemm(h, 0, 1, 512, 172, 64, b145, 64, b114, 64, 0.0f, b146, 172);
   }
@@ -1476,16 +1178,27 @@ static void k31_gemm__mul__silu_bwd__cast(char *arena, const MdlHooks *h) {
   }
 }
 
-// k32_cast__mul: kernel, 3 ops
-//   %150   mul                                     line 40    f32[8,64,172]
-//   %151   reshape                                 line 40    f32[512,172]
-//   %152   cast                                    line 40    bf16[512,172]
+// k31_gemm__mul__silu_bwd__cast: GEMM, 5 ops
+//   %146   matmul                                  line 40    f32[512,172]
+//   %149   mul                                     line 40    f32[8,64,172]
+//   %156   silu_bwd                                line 40    f32[8,64,172]
+//   %157   reshape                                 line 40    f32[512,172]
+//   %158   cast                                    line 40    bf16[512,172]
 // loops:
-//   elementwise over 88064: %152
-static void k32_cast__mul(char *arena, const MdlHooks *h) {
-  float *const b105 = (float *)(arena + 4115584); // %105 silu f32[8,64,172]
-  float *const b146 = (float *)(arena + 4467840); // %146 matmul f32[512,172]
-  uint16_t *const b152 = (uint16_t *)(arena + 3411072); // %152 cast bf16[512,172]
+//   gemm %146: [512 x 172] = [512 x 64] T[64 x 172], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
+//   elementwise over 88064: %158
+static void k31_gemm__mul__silu_bwd__cast(char *arena, const MdlHooks *h) {
+  static const int64_t o[] = {3763328, 3411072, 2288640, 7007360, 4467840, 4996224};
+  k31_gemm__mul__silu_bwd__cast__code(arena, h, o);
+}
+
+// The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
+// are those of k32_cast__mul's):
+// k32_cast__mul k53_cast__mul
+__attribute__((noinline)) static void k32_cast__mul__code(char *arena, const MdlHooks *h, const int64_t *o) {
+  float *const restrict b105 = (float *)(arena + o[0]); // %105 silu f32[8,64,172]
+  float *const restrict b146 = (float *)(arena + o[1]); // %146 matmul f32[512,172]
+  uint16_t *const restrict b152 = (uint16_t *)(arena + o[2]); // %152 cast bf16[512,172]
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
   for (int64_t r = 0; r < 512; r++) {
     for (int64_t c = 0; c < 172; c++) {
@@ -1500,14 +1213,24 @@ static void k32_cast__mul(char *arena, const MdlHooks *h) {
   }
 }
 
-// k33_gemm: GEMM, 1 op
-//   %154   matmul             d.layers.1.w3        line 40    f32[64,172]
+// k32_cast__mul: kernel, 3 ops
+//   %150   mul                                     line 40    f32[8,64,172]
+//   %151   reshape                                 line 40    f32[512,172]
+//   %152   cast                                    line 40    bf16[512,172]
 // loops:
-//   gemm %154: [64 x 172] = T[64 x 512] [512 x 172], bf16 operands (widened to f32 where the library has no bf16 GEMM)
-static void k33_gemm(char *arena, const MdlHooks *h) {
-  uint16_t *const b107 = (uint16_t *)(arena + 6941824); // %107 cast bf16[512,64]
-  uint16_t *const b152 = (uint16_t *)(arena + 3411072); // %152 cast bf16[512,172]
-  float *const b154 = (float *)(arena + 901376); // %154 matmul d.layers.1.w3 f32[64,172]
+//   elementwise over 88064: %152
+static void k32_cast__mul(char *arena, const MdlHooks *h) {
+  static const int64_t o[] = {4115584, 4467840, 3411072};
+  k32_cast__mul__code(arena, h, o);
+}
+
+// The loops of 4 kernels, each on its own buffers (o[]: their offsets in the arena; the names
+// are those of k33_gemm's):
+// k33_gemm k35_gemm k54_gemm k56_gemm
+__attribute__((noinline)) static void k33_gemm__code(char *arena, const MdlHooks *h, const int64_t *o) {
+  uint16_t *const restrict b107 = (uint16_t *)(arena + o[0]); // %107 cast bf16[512,64]
+  uint16_t *const restrict b152 = (uint16_t *)(arena + o[1]); // %152 cast bf16[512,172]
+  float *const restrict b154 = (float *)(arena + o[2]); // %154 matmul d.layers.1.w3 f32[64,172]
   if (h->bgemm) {
     mdl_bgemm(h, 1, 0, 64, 172, 512, b107, 64, b152, 172, 0.0f, b154, 172);
   }
@@ -1520,14 +1243,22 @@ static void k33_gemm(char *arena, const MdlHooks *h) {
   }
 }
 
-// k34_gemm: GEMM, 1 op
-//   %159   matmul                                  line 40    f32[512,64]
+// k33_gemm: GEMM, 1 op
+//   %154   matmul             d.layers.1.w3        line 40    f32[64,172]
 // loops:
-//   gemm %159: [512 x 64] = [512 x 172] T[172 x 64], bf16 operands (widened to f32 where the library has no bf16 GEMM)
-static void k34_gemm(char *arena, const MdlHooks *h) {
-  uint16_t *const b102 = (uint16_t *)(arena + 2244608); // %102 cast bf16[64,172]
-  uint16_t *const b158 = (uint16_t *)(arena + 4996224); // %158 cast bf16[512,172]
-  float *const b159 = (float *)(arena + 3587200); // %159 matmul f32[512,64]
+//   gemm %154: [64 x 172] = T[64 x 512] [512 x 172], bf16 operands (widened to f32 where the library has no bf16 GEMM)
+static void k33_gemm(char *arena, const MdlHooks *h) {
+  static const int64_t o[] = {6941824, 3411072, 901376};
+  k33_gemm__code(arena, h, o);
+}
+
+// The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
+// are those of k34_gemm's):
+// k34_gemm k55_gemm
+__attribute__((noinline)) static void k34_gemm__code(char *arena, const MdlHooks *h, const int64_t *o) {
+  uint16_t *const restrict b102 = (uint16_t *)(arena + o[0]); // %102 cast bf16[64,172]
+  uint16_t *const restrict b158 = (uint16_t *)(arena + o[1]); // %158 cast bf16[512,172]
+  float *const restrict b159 = (float *)(arena + o[2]); // %159 matmul f32[512,64]
   if (h->bgemm) {
     mdl_bgemm(h, 0, 1, 512, 64, 172, b158, 172, b102, 172, 0.0f, b159, 64);
   }
@@ -1540,38 +1271,32 @@ static void k34_gemm(char *arena, const MdlHooks *h) {
   }
 }
 
+// k34_gemm: GEMM, 1 op
+//   %159   matmul                                  line 40    f32[512,64]
+// loops:
+//   gemm %159: [512 x 64] = [512 x 172] T[172 x 64], bf16 operands (widened to f32 where the library has no bf16 GEMM)
+static void k34_gemm(char *arena, const MdlHooks *h) {
+  static const int64_t o[] = {2244608, 4996224, 3587200};
+  k34_gemm__code(arena, h, o);
+}
+
 // k35_gemm: GEMM, 1 op
 //   %160   matmul             d.layers.1.w1        line 40    f32[64,172]
 // loops:
 //   gemm %160: [64 x 172] = T[64 x 512] [512 x 172], bf16 operands (widened to f32 where the library has no bf16 GEMM)
 static void k35_gemm(char *arena, const MdlHooks *h) {
-  uint16_t *const b101 = (uint16_t *)(arena + 6876288); // %101 cast bf16[512,64]
-  uint16_t *const b158 = (uint16_t *)(arena + 4996224); // %158 cast bf16[512,172]
-  float *const b160 = (float *)(arena + 857344); // %160 matmul d.layers.1.w1 f32[64,172]
-  if (h->bgemm) {
-    mdl_bgemm(h, 1, 0, 64, 172, 512, b101, 64, b158, 172, 0.0f, b160, 172);
-  }
-  else {
-    float *const w101 = mdl_widen_bf16(b101, 32768, h->nthreads);
-    float *const w158 = mdl_widen_bf16(b158, 88064, h->nthreads);
-    mdl_gemm(h, 1, 0, 64, 172, 512, w101, 64, w158, 172, 0.0f, b160, 172);
-    free(w101);
-    free(w158);
-  }
+  static const int64_t o[] = {6876288, 4996224, 857344};
+  k33_gemm__code(arena, h, o);
 }
 
-// k36_gemm__add: GEMM, 3 ops
-//   %153   matmul                                  line 40    f32[512,64]
-//   %155   reshape                                 line 40    f32[8,64,64]
-//   %162   add                d.layers.1.a         line 39    f32[8,64,64]
-// loops:
-//   gemm %153: [512 x 64] = [512 x 172] T[172 x 64], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
-//   elementwise over 32768: %162
-static void k36_gemm__add(char *arena, const MdlHooks *h) {
-  uint16_t *const b108 = (uint16_t *)(arena + 2266624); // %108 cast bf16[64,172]
-  uint16_t *const b152 = (uint16_t *)(arena + 3411072); // %152 cast bf16[512,172]
-  float *const b159 = (float *)(arena + 3587200); // %159 matmul f32[512,64]
-  float *const b162 = (float *)(arena + 3718272); // %162 add d.layers.1.a f32[8,64,64]
+// The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
+// are those of k36_gemm__add's):
+// k36_gemm__add k57_gemm__add
+__attribute__((noinline)) static void k36_gemm__add__code(char *arena, const MdlHooks *h, const int64_t *o) {
+  uint16_t *const restrict b108 = (uint16_t *)(arena + o[0]); // %108 cast bf16[64,172]
+  uint16_t *const restrict b152 = (uint16_t *)(arena + o[1]); // %152 cast bf16[512,172]
+  float *const restrict b159 = (float *)(arena + o[2]); // %159 matmul f32[512,64]
+  float *const restrict b162 = (float *)(arena + o[3]); // %162 add d.layers.1.a f32[8,64,64]
   float *const b153 = b162; // %153 matmul f32[512,64]: the GEMM writes into its epilogue's output
   if (h->bgemm) {
     mdl_bgemm(h, 0, 1, 512, 64, 172, b152, 172, b108, 172, 0.0f, b153, 64);
@@ -1596,22 +1321,29 @@ static void k36_gemm__add(char *arena, const MdlHooks *h) {
   }
 }
 
-// k37_rmsnorm_bwd__add__cast: kernel, 5 ops
-//   %163   rmsnorm_bwd                             line 39    f32[8,64,64]
-//   %164   rmsnorm_bwd        d.layers.1.mlp_norm  line 39    f32[64]
-//   %165   add                d.layers.1.x         line 38    f32[8,64,64]
-//   %166   reshape                                 line 38    f32[512,64]
-//   %167   cast                                    line 38    bf16[512,64]
+// k36_gemm__add: GEMM, 3 ops
+//   %153   matmul                                  line 40    f32[512,64]
+//   %155   reshape                                 line 40    f32[8,64,64]
+//   %162   add                d.layers.1.a         line 39    f32[8,64,64]
 // loops:
-//   rmsnorm_bwd: 512 rows of 64, column sums over 32 blocks of 16 rows
-static void k37_rmsnorm_bwd__add__cast(char *arena, const MdlHooks *h) {
-  float *const b67 = (float *)(arena + 329472); // %67 param layers.1.mlp_norm f32[64]
-  float *const b98 = (float *)(arena + 5565568); // %98 add layers.1.x f32[8,64,64]
-  float *const b142 = (float *)(arena + 5696640); // %142 rmsnorm_bwd d.layers.1.x f32[8,64,64]
-  float *const b162 = (float *)(arena + 3718272); // %162 add d.layers.1.a f32[8,64,64]
-  float *const b164 = (float *)(arena + 857088); // %164 rmsnorm_bwd d.layers.1.mlp_norm f32[64]
-  float *const b165 = (float *)(arena + 3411072); // %165 add d.layers.1.x f32[8,64,64]
-  uint16_t *const b167 = (uint16_t *)(arena + 3542144); // %167 cast bf16[512,64]
+//   gemm %153: [512 x 64] = [512 x 172] T[172 x 64], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
+//   elementwise over 32768: %162
+static void k36_gemm__add(char *arena, const MdlHooks *h) {
+  static const int64_t o[] = {2266624, 3411072, 3587200, 3718272};
+  k36_gemm__add__code(arena, h, o);
+}
+
+// The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
+// are those of k37_rmsnorm_bwd__add__cast's):
+// k37_rmsnorm_bwd__add__cast k58_rmsnorm_bwd__add__cast
+__attribute__((noinline)) static void k37_rmsnorm_bwd__add__cast__code(char *arena, const MdlHooks *h, const int64_t *o) {
+  float *const restrict b67 = (float *)(arena + o[0]); // %67 param layers.1.mlp_norm f32[64]
+  float *const restrict b98 = (float *)(arena + o[1]); // %98 add layers.1.x f32[8,64,64]
+  float *const restrict b142 = (float *)(arena + o[2]); // %142 rmsnorm_bwd d.layers.1.x f32[8,64,64]
+  float *const restrict b162 = (float *)(arena + o[3]); // %162 add d.layers.1.a f32[8,64,64]
+  float *const restrict b164 = (float *)(arena + o[4]); // %164 rmsnorm_bwd d.layers.1.mlp_norm f32[64]
+  float *const restrict b165 = (float *)(arena + o[5]); // %165 add d.layers.1.x f32[8,64,64]
+  uint16_t *const restrict b167 = (uint16_t *)(arena + o[6]); // %167 cast bf16[512,64]
   double *pdw = mdl_scratch(2048 * sizeof(double));
   #pragma omp parallel num_threads(h->nthreads)
   {
@@ -1662,14 +1394,26 @@ static void k37_rmsnorm_bwd__add__cast(char *arena, const MdlHooks *h) {
   free(pdw);
 }
 
-// k38_gemm: GEMM, 1 op
-//   %169   matmul             d.layers.1.wo        line 38    f32[64,64]
+// k37_rmsnorm_bwd__add__cast: kernel, 5 ops
+//   %163   rmsnorm_bwd                             line 39    f32[8,64,64]
+//   %164   rmsnorm_bwd        d.layers.1.mlp_norm  line 39    f32[64]
+//   %165   add                d.layers.1.x         line 38    f32[8,64,64]
+//   %166   reshape                                 line 38    f32[512,64]
+//   %167   cast                                    line 38    bf16[512,64]
 // loops:
-//   gemm %169: [64 x 64] = T[64 x 512] [512 x 64], bf16 operands (widened to f32 where the library has no bf16 GEMM)
-static void k38_gemm(char *arena, const MdlHooks *h) {
-  uint16_t *const b94 = (uint16_t *)(arena + 6810752); // %94 cast bf16[512,64]
-  uint16_t *const b167 = (uint16_t *)(arena + 3542144); // %167 cast bf16[512,64]
-  float *const b169 = (float *)(arena + 840704); // %169 matmul d.layers.1.wo f32[64,64]
+//   rmsnorm_bwd: 512 rows of 64, column sums over 32 blocks of 16 rows
+static void k37_rmsnorm_bwd__add__cast(char *arena, const MdlHooks *h) {
+  static const int64_t o[] = {329472, 5565568, 5696640, 3718272, 857088, 3411072, 3542144};
+  k37_rmsnorm_bwd__add__cast__code(arena, h, o);
+}
+
+// The loops of 8 kernels, each on its own buffers (o[]: their offsets in the arena; the names
+// are those of k38_gemm's):
+// k38_gemm k42_gemm k45_gemm k48_gemm k59_gemm k63_gemm k66_gemm k69_gemm
+__attribute__((noinline)) static void k38_gemm__code(char *arena, const MdlHooks *h, const int64_t *o) {
+  uint16_t *const restrict b94 = (uint16_t *)(arena + o[0]); // %94 cast bf16[512,64]
+  uint16_t *const restrict b167 = (uint16_t *)(arena + o[1]); // %167 cast bf16[512,64]
+  float *const restrict b169 = (float *)(arena + o[2]); // %169 matmul d.layers.1.wo f32[64,64]
   if (h->bgemm) {
     mdl_bgemm(h, 1, 0, 64, 64, 512, b94, 64, b167, 64, 0.0f, b169, 64);
   }
@@ -1682,18 +1426,23 @@ static void k38_gemm(char *arena, const MdlHooks *h) {
   }
 }
 
-// k39_gemm__cast: GEMM, 3 ops
-//   %168   matmul                                  line 38    f32[512,64]
-//   %170   reshape                                 line 38    f32[8,64,64]
-//   %173   cast                                    line 38    bf16[8,64,64]
+// k38_gemm: GEMM, 1 op
+//   %169   matmul             d.layers.1.wo        line 38    f32[64,64]
 // loops:
-//   gemm %168: [512 x 64] = [512 x 64] T[64 x 64], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
-//   elementwise over 32768: %173
-static void k39_gemm__cast(char *arena, const MdlHooks *h) {
-  uint16_t *const b95 = (uint16_t *)(arena + 2236416); // %95 cast bf16[64,64]
-  uint16_t *const b167 = (uint16_t *)(arena + 3542144); // %167 cast bf16[512,64]
+//   gemm %169: [64 x 64] = T[64 x 512] [512 x 64], bf16 operands (widened to f32 where the library has no bf16 GEMM)
+static void k38_gemm(char *arena, const MdlHooks *h) {
+  static const int64_t o[] = {6810752, 3542144, 840704};
+  k38_gemm__code(arena, h, o);
+}
+
+// The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
+// are those of k39_gemm__cast's):
+// k39_gemm__cast k60_gemm__cast
+__attribute__((noinline)) static void k39_gemm__cast__code(char *arena, const MdlHooks *h, const int64_t *o) {
+  uint16_t *const restrict b95 = (uint16_t *)(arena + o[0]); // %95 cast bf16[64,64]
+  uint16_t *const restrict b167 = (uint16_t *)(arena + o[1]); // %167 cast bf16[512,64]
   float *const b168 = mdl_scratch(131072); // %168 matmul f32[512,64], kept in this kernel
-  uint16_t *const b173 = (uint16_t *)(arena + 3935360); // %173 cast bf16[8,64,64]
+  uint16_t *const restrict b173 = (uint16_t *)(arena + o[2]); // %173 cast bf16[8,64,64]
   if (h->bgemm) {
     mdl_bgemm(h, 0, 1, 512, 64, 64, b167, 64, b95, 64, 0.0f, b168, 64);
   }
@@ -1717,23 +1466,32 @@ static void k39_gemm__cast(char *arena, const MdlHooks *h) {
   free(b168);
 }
 
-// k40_attention_bwd: attention, 3 ops
-//   %174   attention_bwd      d.layers.1.q         line 38    f32[8,64,64]
-//   %175   attention_bwd      d.layers.1.k         line 38    f32[8,64,64]
-//   %176   attention_bwd                           line 38    f32[8,64,64]
+// k39_gemm__cast: GEMM, 3 ops
+//   %168   matmul                                  line 38    f32[512,64]
+//   %170   reshape                                 line 38    f32[8,64,64]
+//   %173   cast                                    line 38    bf16[8,64,64]
 // loops:
-//   attention backward (dq dk dv): B 8, T 64, 4 heads of 16, causal, within documents; one task per (batch, head)
-static void k40_attention_bwd(char *arena, const MdlHooks *h) {
-  int32_t *const b3 = (int32_t *)(arena + 2352128); // %3 input doc i32[8,64]
-  uint16_t *const b89 = (uint16_t *)(arena + 6614144); // %89 cast bf16[8,64,64]
-  uint16_t *const b90 = (uint16_t *)(arena + 6679680); // %90 cast bf16[8,64,64]
-  uint16_t *const b91 = (uint16_t *)(arena + 6745216); // %91 cast bf16[8,64,64]
-  uint16_t *const b94 = (uint16_t *)(arena + 6810752); // %94 cast bf16[512,64]
-  float *const b171 = (float *)(arena + 7081088); // %171 attention_lse f32[8,4,64]
-  uint16_t *const b173 = (uint16_t *)(arena + 3935360); // %173 cast bf16[8,64,64]
-  float *const b174 = (float *)(arena + 3542144); // %174 attention_bwd d.layers.1.q f32[8,64,64]
-  float *const b175 = (float *)(arena + 3673216); // %175 attention_bwd d.layers.1.k f32[8,64,64]
-  float *const b176 = (float *)(arena + 3804288); // %176 attention_bwd f32[8,64,64]
+//   gemm %168: [512 x 64] = [512 x 64] T[64 x 64], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
+//   elementwise over 32768: %173
+static void k39_gemm__cast(char *arena, const MdlHooks *h) {
+  static const int64_t o[] = {2236416, 3542144, 3935360};
+  k39_gemm__cast__code(arena, h, o);
+}
+
+// The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
+// are those of k40_attention_bwd's):
+// k40_attention_bwd k61_attention_bwd
+__attribute__((noinline)) static void k40_attention_bwd__code(char *arena, const MdlHooks *h, const int64_t *o) {
+  int32_t *const restrict b3 = (int32_t *)(arena + o[0]); // %3 input doc i32[8,64]
+  uint16_t *const restrict b89 = (uint16_t *)(arena + o[1]); // %89 cast bf16[8,64,64]
+  uint16_t *const restrict b90 = (uint16_t *)(arena + o[2]); // %90 cast bf16[8,64,64]
+  uint16_t *const restrict b91 = (uint16_t *)(arena + o[3]); // %91 cast bf16[8,64,64]
+  uint16_t *const restrict b94 = (uint16_t *)(arena + o[4]); // %94 cast bf16[512,64]
+  float *const restrict b171 = (float *)(arena + o[5]); // %171 attention_lse f32[8,4,64]
+  uint16_t *const restrict b173 = (uint16_t *)(arena + o[6]); // %173 cast bf16[8,64,64]
+  float *const restrict b174 = (float *)(arena + o[7]); // %174 attention_bwd d.layers.1.q f32[8,64,64]
+  float *const restrict b175 = (float *)(arena + o[8]); // %175 attention_bwd d.layers.1.k f32[8,64,64]
+  float *const restrict b176 = (float *)(arena + o[9]); // %176 attention_bwd f32[8,64,64]
   #pragma omp parallel num_threads(h->nthreads)
   {
     float *restrict kt = memset(mdl_scratch(1536 * sizeof(float)), 0, 1536 * sizeof(float));
@@ -1854,13 +1612,23 @@ static void k40_attention_bwd(char *arena, const MdlHooks *h) {
   }
 }
 
-// k41_cast: kernel, 1 op
-//   %178   cast                                    line 38    bf16[512,64]
+// k40_attention_bwd: attention, 3 ops
+//   %174   attention_bwd      d.layers.1.q         line 38    f32[8,64,64]
+//   %175   attention_bwd      d.layers.1.k         line 38    f32[8,64,64]
+//   %176   attention_bwd                           line 38    f32[8,64,64]
 // loops:
-//   elementwise over 32768: %178
-static void k41_cast(char *arena, const MdlHooks *h) {
-  float *const b176 = (float *)(arena + 3804288); // %176 attention_bwd f32[8,64,64]
-  uint16_t *const b178 = (uint16_t *)(arena + 3935360); // %178 cast bf16[512,64]
+//   attention backward (dq dk dv): B 8, T 64, 4 heads of 16, causal, within documents; one task per (batch, head)
+static void k40_attention_bwd(char *arena, const MdlHooks *h) {
+  static const int64_t o[] = {2352128, 6614144, 6679680, 6745216, 6810752, 7081088, 3935360, 3542144, 3673216, 3804288};
+  k40_attention_bwd__code(arena, h, o);
+}
+
+// The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
+// are those of k41_cast's):
+// k41_cast k62_cast
+__attribute__((noinline)) static void k41_cast__code(char *arena, const MdlHooks *h, const int64_t *o) {
+  float *const restrict b176 = (float *)(arena + o[0]); // %176 attention_bwd f32[8,64,64]
+  uint16_t *const restrict b178 = (uint16_t *)(arena + o[1]); // %178 cast bf16[512,64]
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
   for (int64_t r = 0; r < 512; r++) {
     for (int64_t c = 0; c < 64; c++) {
@@ -1872,38 +1640,32 @@ static void k41_cast(char *arena, const MdlHooks *h) {
   }
 }
 
+// k41_cast: kernel, 1 op
+//   %178   cast                                    line 38    bf16[512,64]
+// loops:
+//   elementwise over 32768: %178
+static void k41_cast(char *arena, const MdlHooks *h) {
+  static const int64_t o[] = {3804288, 3935360};
+  k41_cast__code(arena, h, o);
+}
+
 // k42_gemm: GEMM, 1 op
 //   %180   matmul             d.layers.1.wv        line 38    f32[64,64]
 // loops:
 //   gemm %180: [64 x 64] = T[64 x 512] [512 x 64], bf16 operands (widened to f32 where the library has no bf16 GEMM)
 static void k42_gemm(char *arena, const MdlHooks *h) {
-  uint16_t *const b85 = (uint16_t *)(arena + 6548608); // %85 cast bf16[512,64]
-  uint16_t *const b178 = (uint16_t *)(arena + 3935360); // %178 cast bf16[512,64]
-  float *const b180 = (float *)(arena + 824320); // %180 matmul d.layers.1.wv f32[64,64]
-  if (h->bgemm) {
-    mdl_bgemm(h, 1, 0, 64, 64, 512, b85, 64, b178, 64, 0.0f, b180, 64);
-  }
-  else {
-    float *const w85 = mdl_widen_bf16(b85, 32768, h->nthreads);
-    float *const w178 = mdl_widen_bf16(b178, 32768, h->nthreads);
-    mdl_gemm(h, 1, 0, 64, 64, 512, w85, 64, w178, 64, 0.0f, b180, 64);
-    free(w85);
-    free(w178);
-  }
+  static const int64_t o[] = {6548608, 3935360, 824320};
+  k38_gemm__code(arena, h, o);
 }
 
-// k43_rope__cast: kernel, 3 ops
-//   %182   rope                                    line 37    f32[8,64,64]
-//   %183   reshape                                 line 37    f32[512,64]
-//   %184   cast                                    line 37    bf16[512,64]
-// loops:
-//   rope (inverse): 512 rows, 4 heads of 16
-//   elementwise over 32768: %184
-static void k43_rope__cast(char *arena, const MdlHooks *h) {
-  int32_t *const b2 = (int32_t *)(arena + 2350080); // %2 input pos i32[8,64]
-  float *const b175 = (float *)(arena + 3673216); // %175 attention_bwd d.layers.1.k f32[8,64,64]
+// The loops of 4 kernels, each on its own buffers (o[]: their offsets in the arena; the names
+// are those of k43_rope__cast's):
+// k43_rope__cast k46_rope__cast k64_rope__cast k67_rope__cast
+__attribute__((noinline)) static void k43_rope__cast__code(char *arena, const MdlHooks *h, const int64_t *o) {
+  int32_t *const restrict b2 = (int32_t *)(arena + o[0]); // %2 input pos i32[8,64]
+  float *const restrict b175 = (float *)(arena + o[1]); // %175 attention_bwd d.layers.1.k f32[8,64,64]
   float *const b182 = mdl_scratch(131072); // %182 rope f32[8,64,64], kept in this kernel
-  uint16_t *const b184 = (uint16_t *)(arena + 3804288); // %184 cast bf16[512,64]
+  uint16_t *const restrict b184 = (uint16_t *)(arena + o[2]); // %184 cast bf16[512,64]
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
   for (int64_t r = 0; r < 512; r++) {
     const double p = -1.0 * b2[r];
@@ -1933,14 +1695,25 @@ static void k43_rope__cast(char *arena, const MdlHooks *h) {
   free(b182);
 }
 
-// k44_gemm: GEMM, 1 op
-//   %185   matmul                                  line 37    f32[512,64]
+// k43_rope__cast: kernel, 3 ops
+//   %182   rope                                    line 37    f32[8,64,64]
+//   %183   reshape                                 line 37    f32[512,64]
+//   %184   cast                                    line 37    bf16[512,64]
 // loops:
-//   gemm %185: [512 x 64] = [512 x 64] T[64 x 64], bf16 operands (widened to f32 where the library has no bf16 GEMM)
-static void k44_gemm(char *arena, const MdlHooks *h) {
-  uint16_t *const b80 = (uint16_t *)(arena + 2220032); // %80 cast bf16[64,64]
-  uint16_t *const b184 = (uint16_t *)(arena + 3804288); // %184 cast bf16[512,64]
-  float *const b185 = (float *)(arena + 3673216); // %185 matmul f32[512,64]
+//   rope (inverse): 512 rows, 4 heads of 16
+//   elementwise over 32768: %184
+static void k43_rope__cast(char *arena, const MdlHooks *h) {
+  static const int64_t o[] = {2350080, 3673216, 3804288};
+  k43_rope__cast__code(arena, h, o);
+}
+
+// The loops of 4 kernels, each on its own buffers (o[]: their offsets in the arena; the names
+// are those of k44_gemm's):
+// k44_gemm k47_gemm k65_gemm k68_gemm
+__attribute__((noinline)) static void k44_gemm__code(char *arena, const MdlHooks *h, const int64_t *o) {
+  uint16_t *const restrict b80 = (uint16_t *)(arena + o[0]); // %80 cast bf16[64,64]
+  uint16_t *const restrict b184 = (uint16_t *)(arena + o[1]); // %184 cast bf16[512,64]
+  float *const restrict b185 = (float *)(arena + o[2]); // %185 matmul f32[512,64]
   if (h->bgemm) {
     mdl_bgemm(h, 0, 1, 512, 64, 64, b184, 64, b80, 64, 0.0f, b185, 64);
   }
@@ -1953,24 +1726,22 @@ static void k44_gemm(char *arena, const MdlHooks *h) {
   }
 }
 
+// k44_gemm: GEMM, 1 op
+//   %185   matmul                                  line 37    f32[512,64]
+// loops:
+//   gemm %185: [512 x 64] = [512 x 64] T[64 x 64], bf16 operands (widened to f32 where the library has no bf16 GEMM)
+static void k44_gemm(char *arena, const MdlHooks *h) {
+  static const int64_t o[] = {2220032, 3804288, 3673216};
+  k44_gemm__code(arena, h, o);
+}
+
 // k45_gemm: GEMM, 1 op
 //   %186   matmul             d.layers.1.wk        line 37    f32[64,64]
 // loops:
 //   gemm %186: [64 x 64] = T[64 x 512] [512 x 64], bf16 operands (widened to f32 where the library has no bf16 GEMM)
 static void k45_gemm(char *arena, const MdlHooks *h) {
-  uint16_t *const b79 = (uint16_t *)(arena + 6483072); // %79 cast bf16[512,64]
-  uint16_t *const b184 = (uint16_t *)(arena + 3804288); // %184 cast bf16[512,64]
-  float *const b186 = (float *)(arena + 807936); // %186 matmul d.layers.1.wk f32[64,64]
-  if (h->bgemm) {
-    mdl_bgemm(h, 1, 0, 64, 64, 512, b79, 64, b184, 64, 0.0f, b186, 64);
-  }
-  else {
-    float *const w79 = mdl_widen_bf16(b79, 32768, h->nthreads);
-    float *const w184 = mdl_widen_bf16(b184, 32768, h->nthreads);
-    mdl_gemm(h, 1, 0, 64, 64, 512, w79, 64, w184, 64, 0.0f, b186, 64);
-    free(w79);
-    free(w184);
-  }
+  static const int64_t o[] = {6483072, 3804288, 807936};
+  k38_gemm__code(arena, h, o);
 }
 
 // k46_rope__cast: kernel, 3 ops
@@ -1981,37 +1752,8 @@ static void k45_gemm(char *arena, const MdlHooks *h) {
 //   rope (inverse): 512 rows, 4 heads of 16
 //   elementwise over 32768: %190
 static void k46_rope__cast(char *arena, const MdlHooks *h) {
-  int32_t *const b2 = (int32_t *)(arena + 2350080); // %2 input pos i32[8,64]
-  float *const b174 = (float *)(arena + 3542144); // %174 attention_bwd d.layers.1.q f32[8,64,64]
-  float *const b188 = mdl_scratch(131072); // %188 rope f32[8,64,64], kept in this kernel
-  uint16_t *const b190 = (uint16_t *)(arena + 3804288); // %190 cast bf16[512,64]
-  #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t r = 0; r < 512; r++) {
-    const double p = -1.0 * b2[r];
-    const float *x = b174 + r * 64;
-    float *y = b188 + r * 64;
-    for (int64_t i = 0; i < 8; i++) {
-      const double th = p * pow(1e+04, -2.0 * (double)i / 16);
-      const float cs = (float)cos(th), sn = (float)sin(th);
-      for (int64_t hd = 0; hd < 4; hd++) {
-        const int64_t a = hd * 16 + i, b = a + 8;
-        const float x1 = x[a], x2 = x[b];
-        y[a] = x1 * cs - x2 * sn;
-        y[b] = x1 * sn + x2 * cs;
-      }
-    }
-  }
-  #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t r = 0; r < 512; r++) {
-    for (int64_t c = 0; c < 64; c++) {
-      const int64_t i = r * 64 + c;
-      const float v188_i = b188[i];
-      const float v189_i = v188_i;
-      const float v190_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v189_i));
-      b190[i] = mdl_f32_to_bf16(v190_i);
-    }
-  }
-  free(b188);
+  static const int64_t o[] = {2350080, 3542144, 3804288};
+  k43_rope__cast__code(arena, h, o);
 }
 
 // k47_gemm: GEMM, 1 op
@@ -2019,19 +1761,8 @@ static void k46_rope__cast(char *arena, const MdlHooks *h) {
 // loops:
 //   gemm %191: [512 x 64] = [512 x 64] T[64 x 64], bf16 operands (widened to f32 where the library has no bf16 GEMM)
 static void k47_gemm(char *arena, const MdlHooks *h) {
-  uint16_t *const b74 = (uint16_t *)(arena + 2211840); // %74 cast bf16[64,64]
-  uint16_t *const b190 = (uint16_t *)(arena + 3804288); // %190 cast bf16[512,64]
-  float *const b191 = (float *)(arena + 3542144); // %191 matmul f32[512,64]
-  if (h->bgemm) {
-    mdl_bgemm(h, 0, 1, 512, 64, 64, b190, 64, b74, 64, 0.0f, b191, 64);
-  }
-  else {
-    float *const w190 = mdl_widen_bf16(b190, 32768, h->nthreads);
-    float *const w74 = mdl_widen_bf16(b74, 4096, h->nthreads);
-    mdl_gemm(h, 0, 1, 512, 64, 64, w190, 64, w74, 64, 0.0f, b191, 64);
-    free(w190);
-    free(w74);
-  }
+  static const int64_t o[] = {2211840, 3804288, 3542144};
+  k44_gemm__code(arena, h, o);
 }
 
 // k48_gemm: GEMM, 1 op
@@ -2039,35 +1770,19 @@ static void k47_gemm(char *arena, const MdlHooks *h) {
 // loops:
 //   gemm %192: [64 x 64] = T[64 x 512] [512 x 64], bf16 operands (widened to f32 where the library has no bf16 GEMM)
 static void k48_gemm(char *arena, const MdlHooks *h) {
-  uint16_t *const b73 = (uint16_t *)(arena + 6417536); // %73 cast bf16[512,64]
-  uint16_t *const b190 = (uint16_t *)(arena + 3804288); // %190 cast bf16[512,64]
-  float *const b192 = (float *)(arena + 791552); // %192 matmul d.layers.1.wq f32[64,64]
-  if (h->bgemm) {
-    mdl_bgemm(h, 1, 0, 64, 64, 512, b73, 64, b190, 64, 0.0f, b192, 64);
-  }
-  else {
-    float *const w73 = mdl_widen_bf16(b73, 32768, h->nthreads);
-    float *const w190 = mdl_widen_bf16(b190, 32768, h->nthreads);
-    mdl_gemm(h, 1, 0, 64, 64, 512, w73, 64, w190, 64, 0.0f, b192, 64);
-    free(w73);
-    free(w190);
-  }
+  static const int64_t o[] = {6417536, 3804288, 791552};
+  k38_gemm__code(arena, h, o);
 }
 
-// k49_gemm__add: GEMM, 4 ops
-//   %179   matmul                                  line 38    f32[512,64]
-//   %181   reshape                                 line 38    f32[8,64,64]
-//   %194   add                                     line 35    f32[8,64,64]
-//   %195   add                d.layers.1.a         line 35    f32[8,64,64]
-// loops:
-//   gemm %179: [512 x 64] = [512 x 64] T[64 x 64], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
-//   elementwise over 32768: %195
-static void k49_gemm__add(char *arena, const MdlHooks *h) {
-  uint16_t *const b86 = (uint16_t *)(arena + 2228224); // %86 cast bf16[64,64]
-  uint16_t *const b178 = (uint16_t *)(arena + 3935360); // %178 cast bf16[512,64]
-  float *const b185 = (float *)(arena + 3673216); // %185 matmul f32[512,64]
-  float *const b191 = (float *)(arena + 3542144); // %191 matmul f32[512,64]
-  float *const b195 = (float *)(arena + 3804288); // %195 add d.layers.1.a f32[8,64,64]
+// The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
+// are those of k49_gemm__add's):
+// k49_gemm__add k70_gemm__add
+__attribute__((noinline)) static void k49_gemm__add__code(char *arena, const MdlHooks *h, const int64_t *o) {
+  uint16_t *const restrict b86 = (uint16_t *)(arena + o[0]); // %86 cast bf16[64,64]
+  uint16_t *const restrict b178 = (uint16_t *)(arena + o[1]); // %178 cast bf16[512,64]
+  float *const restrict b185 = (float *)(arena + o[2]); // %185 matmul f32[512,64]
+  float *const restrict b191 = (float *)(arena + o[3]); // %191 matmul f32[512,64]
+  float *const restrict b195 = (float *)(arena + o[4]); // %195 add d.layers.1.a f32[8,64,64]
   float *const b179 = b195; // %179 matmul f32[512,64]: the GEMM writes into its epilogue's output
   if (h->bgemm) {
     mdl_bgemm(h, 0, 1, 512, 64, 64, b178, 64, b86, 64, 0.0f, b179, 64);
@@ -2092,6 +1807,19 @@ static void k49_gemm__add(char *arena, const MdlHooks *h) {
       b195[i] = v195_i;
     }
   }
+}
+
+// k49_gemm__add: GEMM, 4 ops
+//   %179   matmul                                  line 38    f32[512,64]
+//   %181   reshape                                 line 38    f32[8,64,64]
+//   %194   add                                     line 35    f32[8,64,64]
+//   %195   add                d.layers.1.a         line 35    f32[8,64,64]
+// loops:
+//   gemm %179: [512 x 64] = [512 x 64] T[64 x 64], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
+//   elementwise over 32768: %195
+static void k49_gemm__add(char *arena, const MdlHooks *h) {
+  static const int64_t o[] = {2228224, 3935360, 3673216, 3542144, 3804288};
+  k49_gemm__add__code(arena, h, o);
 }
 
 // k50_rmsnorm_bwd__add__cast: kernel, 5 ops
@@ -2165,19 +1893,8 @@ static void k50_rmsnorm_bwd__add__cast(char *arena, const MdlHooks *h) {
 // loops:
 //   gemm %202: [172 x 64] = T[172 x 512] [512 x 64], bf16 operands (widened to f32 where the library has no bf16 GEMM)
 static void k51_gemm(char *arena, const MdlHooks *h) {
-  uint16_t *const b57 = (uint16_t *)(arena + 4820096); // %57 cast bf16[512,172]
-  uint16_t *const b200 = (uint16_t *)(arena + 4070528); // %200 cast bf16[512,64]
-  float *const b202 = (float *)(arena + 747264); // %202 matmul d.layers.0.w2 f32[172,64]
-  if (h->bgemm) {
-    mdl_bgemm(h, 1, 0, 172, 64, 512, b57, 172, b200, 64, 0.0f, b202, 64);
-  }
-  else {
-    float *const w57 = mdl_widen_bf16(b57, 88064, h->nthreads);
-    float *const w200 = mdl_widen_bf16(b200, 32768, h->nthreads);
-    mdl_gemm(h, 1, 0, 172, 64, 512, w57, 172, w200, 64, 0.0f, b202, 64);
-    free(w57);
-    free(w200);
-  }
+  static const int64_t o[] = {4820096, 4070528, 747264};
+  k30_gemm__code(arena, h, o);
 }
 
 // k52_gemm__mul__silu_bwd__cast: GEMM, 5 ops
@@ -2190,36 +1907,8 @@ static void k51_gemm(char *arena, const MdlHooks *h) {
 //   gemm %201: [512 x 172] = [512 x 64] T[64 x 172], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
 //   elementwise over 88064: %213
 static void k52_gemm__mul__silu_bwd__cast(char *arena, const MdlHooks *h) {
-  float *const b47 = (float *)(arena + 2706560); // %47 matmul f32[512,172]
-  float *const b53 = (float *)(arena + 2354304); // %53 matmul f32[512,172]
-  uint16_t *const b58 = (uint16_t *)(arena + 2187264); // %58 cast bf16[172,64]
-  uint16_t *const b200 = (uint16_t *)(arena + 4070528); // %200 cast bf16[512,64]
-  float *const b201 = (float *)(arena + 3411072); // %201 matmul f32[512,172]
-  uint16_t *const b213 = (uint16_t *)(arena + 3763328); // %213 cast bf16[512,172]
-  if (h->bgemm) {
-    mdl_bgemm(h, 0, 1, 512, 172, 64, b200, 64, b58, 64, 0.0f, b201, 172);
-  }
-  else {
-    float *const w200 = mdl_widen_bf16(b200, 32768, h->nthreads);
-    float *const w58 = mdl_widen_bf16(b58, 11008, h->nthreads);
-    mdl_gemm(h, 0, 1, 512, 172, 64, w200, 64, w58, 64, 0.0f, b201, 172);
-    free(w200);
-    free(w58);
-  }
-  #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t r = 0; r < 512; r++) {
-    for (int64_t c = 0; c < 172; c++) {
-      const int64_t i = r * 172 + c;
-      const float v47_i = b47[i];
-      const float v201_i = b201[i];
-      const float v53_i = b53[i];
-      const float v204_i = v201_i * v53_i;
-      const float v211_i = mdl_silu_grad(v47_i, v204_i);
-      const float v212_i = v211_i;
-      const float v213_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v212_i));
-      b213[i] = mdl_f32_to_bf16(v213_i);
-    }
-  }
+  static const int64_t o[] = {2706560, 2354304, 2187264, 4070528, 3411072, 3763328};
+  k31_gemm__mul__silu_bwd__cast__code(arena, h, o);
 }
 
 // k53_cast__mul: kernel, 3 ops
@@ -2229,21 +1918,8 @@ static void k52_gemm__mul__silu_bwd__cast(char *arena, const MdlHooks *h) {
 // loops:
 //   elementwise over 88064: %207
 static void k53_cast__mul(char *arena, const MdlHooks *h) {
-  float *const b49 = (float *)(arena + 3058816); // %49 silu f32[8,64,172]
-  float *const b201 = (float *)(arena + 3411072); // %201 matmul f32[512,172]
-  uint16_t *const b207 = (uint16_t *)(arena + 2354304); // %207 cast bf16[512,172]
-  #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t r = 0; r < 512; r++) {
-    for (int64_t c = 0; c < 172; c++) {
-      const int64_t i = r * 172 + c;
-      const float v201_i = b201[i];
-      const float v49_i = b49[i];
-      const float v205_i = v201_i * v49_i;
-      const float v206_i = v205_i;
-      const float v207_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v206_i));
-      b207[i] = mdl_f32_to_bf16(v207_i);
-    }
-  }
+  static const int64_t o[] = {3058816, 3411072, 2354304};
+  k32_cast__mul__code(arena, h, o);
 }
 
 // k54_gemm: GEMM, 1 op
@@ -2251,19 +1927,8 @@ static void k53_cast__mul(char *arena, const MdlHooks *h) {
 // loops:
 //   gemm %209: [64 x 172] = T[64 x 512] [512 x 172], bf16 operands (widened to f32 where the library has no bf16 GEMM)
 static void k54_gemm(char *arena, const MdlHooks *h) {
-  uint16_t *const b51 = (uint16_t *)(arena + 6352000); // %51 cast bf16[512,64]
-  uint16_t *const b207 = (uint16_t *)(arena + 2354304); // %207 cast bf16[512,172]
-  float *const b209 = (float *)(arena + 703232); // %209 matmul d.layers.0.w3 f32[64,172]
-  if (h->bgemm) {
-    mdl_bgemm(h, 1, 0, 64, 172, 512, b51, 64, b207, 172, 0.0f, b209, 172);
-  }
-  else {
-    float *const w51 = mdl_widen_bf16(b51, 32768, h->nthreads);
-    float *const w207 = mdl_widen_bf16(b207, 88064, h->nthreads);
-    mdl_gemm(h, 1, 0, 64, 172, 512, w51, 64, w207, 172, 0.0f, b209, 172);
-    free(w51);
-    free(w207);
-  }
+  static const int64_t o[] = {6352000, 2354304, 703232};
+  k33_gemm__code(arena, h, o);
 }
 
 // k55_gemm: GEMM, 1 op
@@ -2271,19 +1936,8 @@ static void k54_gemm(char *arena, const MdlHooks *h) {
 // loops:
 //   gemm %214: [512 x 64] = [512 x 172] T[172 x 64], bf16 operands (widened to f32 where the library has no bf16 GEMM)
 static void k55_gemm(char *arena, const MdlHooks *h) {
-  uint16_t *const b46 = (uint16_t *)(arena + 2143232); // %46 cast bf16[64,172]
-  uint16_t *const b213 = (uint16_t *)(arena + 3763328); // %213 cast bf16[512,172]
-  float *const b214 = (float *)(arena + 2530432); // %214 matmul f32[512,64]
-  if (h->bgemm) {
-    mdl_bgemm(h, 0, 1, 512, 64, 172, b213, 172, b46, 172, 0.0f, b214, 64);
-  }
-  else {
-    float *const w213 = mdl_widen_bf16(b213, 88064, h->nthreads);
-    float *const w46 = mdl_widen_bf16(b46, 11008, h->nthreads);
-    mdl_gemm(h, 0, 1, 512, 64, 172, w213, 172, w46, 172, 0.0f, b214, 64);
-    free(w213);
-    free(w46);
-  }
+  static const int64_t o[] = {2143232, 3763328, 2530432};
+  k34_gemm__code(arena, h, o);
 }
 
 // k56_gemm: GEMM, 1 op
@@ -2291,19 +1945,8 @@ static void k55_gemm(char *arena, const MdlHooks *h) {
 // loops:
 //   gemm %215: [64 x 172] = T[64 x 512] [512 x 172], bf16 operands (widened to f32 where the library has no bf16 GEMM)
 static void k56_gemm(char *arena, const MdlHooks *h) {
-  uint16_t *const b45 = (uint16_t *)(arena + 6286464); // %45 cast bf16[512,64]
-  uint16_t *const b213 = (uint16_t *)(arena + 3763328); // %213 cast bf16[512,172]
-  float *const b215 = (float *)(arena + 659200); // %215 matmul d.layers.0.w1 f32[64,172]
-  if (h->bgemm) {
-    mdl_bgemm(h, 1, 0, 64, 172, 512, b45, 64, b213, 172, 0.0f, b215, 172);
-  }
-  else {
-    float *const w45 = mdl_widen_bf16(b45, 32768, h->nthreads);
-    float *const w213 = mdl_widen_bf16(b213, 88064, h->nthreads);
-    mdl_gemm(h, 1, 0, 64, 172, 512, w45, 64, w213, 172, 0.0f, b215, 172);
-    free(w45);
-    free(w213);
-  }
+  static const int64_t o[] = {6286464, 3763328, 659200};
+  k33_gemm__code(arena, h, o);
 }
 
 // k57_gemm__add: GEMM, 3 ops
@@ -2314,32 +1957,8 @@ static void k56_gemm(char *arena, const MdlHooks *h) {
 //   gemm %208: [512 x 64] = [512 x 172] T[172 x 64], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
 //   elementwise over 32768: %217
 static void k57_gemm__add(char *arena, const MdlHooks *h) {
-  uint16_t *const b52 = (uint16_t *)(arena + 2165248); // %52 cast bf16[64,172]
-  uint16_t *const b207 = (uint16_t *)(arena + 2354304); // %207 cast bf16[512,172]
-  float *const b214 = (float *)(arena + 2530432); // %214 matmul f32[512,64]
-  float *const b217 = (float *)(arena + 2661504); // %217 add d.layers.0.a f32[8,64,64]
-  float *const b208 = b217; // %208 matmul f32[512,64]: the GEMM writes into its epilogue's output
-  if (h->bgemm) {
-    mdl_bgemm(h, 0, 1, 512, 64, 172, b207, 172, b52, 172, 0.0f, b208, 64);
-  }
-  else {
-    float *const w207 = mdl_widen_bf16(b207, 88064, h->nthreads);
-    float *const w52 = mdl_widen_bf16(b52, 11008, h->nthreads);
-    mdl_gemm(h, 0, 1, 512, 64, 172, w207, 172, w52, 172, 0.0f, b208, 64);
-    free(w207);
-    free(w52);
-  }
-  #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t r = 0; r < 512; r++) {
-    for (int64_t c = 0; c < 64; c++) {
-      const int64_t i = r * 64 + c;
-      const float v208_i = b208[i];
-      const float v210_i = v208_i;
-      const float v214_i = b214[i];
-      const float v217_i = v210_i + v214_i;
-      b217[i] = v217_i;
-    }
-  }
+  static const int64_t o[] = {2165248, 2354304, 2530432, 2661504};
+  k36_gemm__add__code(arena, h, o);
 }
 
 // k58_rmsnorm_bwd__add__cast: kernel, 5 ops
@@ -2351,61 +1970,8 @@ static void k57_gemm__add(char *arena, const MdlHooks *h) {
 // loops:
 //   rmsnorm_bwd: 512 rows of 64, column sums over 32 blocks of 16 rows
 static void k58_rmsnorm_bwd__add__cast(char *arena, const MdlHooks *h) {
-  float *const b11 = (float *)(arena + 131328); // %11 param layers.0.mlp_norm f32[64]
-  float *const b42 = (float *)(arena + 5303424); // %42 add layers.0.x f32[8,64,64]
-  float *const b198 = (float *)(arena + 3939456); // %198 add d.layers.0.x f32[8,64,64]
-  float *const b217 = (float *)(arena + 2661504); // %217 add d.layers.0.a f32[8,64,64]
-  float *const b219 = (float *)(arena + 658944); // %219 rmsnorm_bwd d.layers.0.mlp_norm f32[64]
-  float *const b220 = (float *)(arena + 2354304); // %220 add d.layers.0.x f32[8,64,64]
-  uint16_t *const b222 = (uint16_t *)(arena + 2485376); // %222 cast bf16[512,64]
-  double *pdw = mdl_scratch(2048 * sizeof(double));
-  #pragma omp parallel num_threads(h->nthreads)
-  {
-    float *dxrow = mdl_scratch(64 * sizeof(float));
-    #pragma omp for schedule(static)
-    for (int64_t k = 0; k < 32; k++) {
-      double *sw = pdw + k * 64;
-      for (int64_t j = 0; j < 64; j++)
-        sw[j] = 0;
-      const int64_t end = k * 16 + 16 < 512 ? k * 16 + 16 : 512;
-      for (int64_t r = k * 16; r < end; r++) {
-        const float *x = b42 + r * 64;
-        const float *dy = b217 + r * 64;
-        double ms = 0, mgx = 0;
-        #pragma omp simd reduction(+ : ms)
-        for (int64_t j = 0; j < 64; j++)
-          ms += (double)x[j] * x[j];
-        const double s = 1.0 / sqrt(ms / 64 + 1e-06);
-        #pragma omp simd reduction(+ : mgx)
-        for (int64_t j = 0; j < 64; j++) {
-          mgx += (double)dy[j] * b11[j] * x[j];
-          sw[j] += (double)dy[j] * x[j] * s;
-        }
-        float *dx = dxrow;
-        mgx /= 64;
-        for (int64_t j = 0; j < 64; j++)
-          dx[j] = (float)(s * dy[j] * b11[j] - s * s * s * x[j] * mgx);
-        for (int64_t j = 0; j < 64; j++) {
-          const int64_t ix = r * 64 + j;
-          const float v198_ix = b198[ix];
-          const float v220_ix = v198_ix + dx[j];
-          b220[ix] = v220_ix;
-          const float v221_ix = v220_ix;
-          const float v222_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v221_ix));
-          b222[ix] = mdl_f32_to_bf16(v222_ix);
-        }
-      }
-    }
-    free(dxrow);
-  }
-  for (int64_t j = 0; j < 64; j++) {
-    double w = 0;
-    for (int64_t k = 0; k < 32; k++) {
-      w += pdw[k * 64 + j];
-    }
-    b219[j] = (float)w;
-  }
-  free(pdw);
+  static const int64_t o[] = {131328, 5303424, 3939456, 2661504, 658944, 2354304, 2485376};
+  k37_rmsnorm_bwd__add__cast__code(arena, h, o);
 }
 
 // k59_gemm: GEMM, 1 op
@@ -2413,19 +1979,8 @@ static void k58_rmsnorm_bwd__add__cast(char *arena, const MdlHooks *h) {
 // loops:
 //   gemm %224: [64 x 64] = T[64 x 512] [512 x 64], bf16 operands (widened to f32 where the library has no bf16 GEMM)
 static void k59_gemm(char *arena, const MdlHooks *h) {
-  uint16_t *const b38 = (uint16_t *)(arena + 6220928); // %38 cast bf16[512,64]
-  uint16_t *const b222 = (uint16_t *)(arena + 2485376); // %222 cast bf16[512,64]
-  float *const b224 = (float *)(arena + 642560); // %224 matmul d.layers.0.wo f32[64,64]
-  if (h->bgemm) {
-    mdl_bgemm(h, 1, 0, 64, 64, 512, b38, 64, b222, 64, 0.0f, b224, 64);
-  }
-  else {
-    float *const w38 = mdl_widen_bf16(b38, 32768, h->nthreads);
-    float *const w222 = mdl_widen_bf16(b222, 32768, h->nthreads);
-    mdl_gemm(h, 1, 0, 64, 64, 512, w38, 64, w222, 64, 0.0f, b224, 64);
-    free(w38);
-    free(w222);
-  }
+  static const int64_t o[] = {6220928, 2485376, 642560};
+  k38_gemm__code(arena, h, o);
 }
 
 // k60_gemm__cast: GEMM, 3 ops
@@ -2436,31 +1991,8 @@ static void k59_gemm(char *arena, const MdlHooks *h) {
 //   gemm %223: [512 x 64] = [512 x 64] T[64 x 64], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
 //   elementwise over 32768: %228
 static void k60_gemm__cast(char *arena, const MdlHooks *h) {
-  uint16_t *const b39 = (uint16_t *)(arena + 2135040); // %39 cast bf16[64,64]
-  uint16_t *const b222 = (uint16_t *)(arena + 2485376); // %222 cast bf16[512,64]
-  float *const b223 = mdl_scratch(131072); // %223 matmul f32[512,64], kept in this kernel
-  uint16_t *const b228 = (uint16_t *)(arena + 2878592); // %228 cast bf16[8,64,64]
-  if (h->bgemm) {
-    mdl_bgemm(h, 0, 1, 512, 64, 64, b222, 64, b39, 64, 0.0f, b223, 64);
-  }
-  else {
-    float *const w222 = mdl_widen_bf16(b222, 32768, h->nthreads);
-    float *const w39 = mdl_widen_bf16(b39, 4096, h->nthreads);
-    mdl_gemm(h, 0, 1, 512, 64, 64, w222, 64, w39, 64, 0.0f, b223, 64);
-    free(w222);
-    free(w39);
-  }
-  #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t r = 0; r < 512; r++) {
-    for (int64_t c = 0; c < 64; c++) {
-      const int64_t i = r * 64 + c;
-      const float v223_i = b223[i];
-      const float v225_i = v223_i;
-      const float v228_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v225_i));
-      b228[i] = mdl_f32_to_bf16(v228_i);
-    }
-  }
-  free(b223);
+  static const int64_t o[] = {2135040, 2485376, 2878592};
+  k39_gemm__cast__code(arena, h, o);
 }
 
 // k61_attention_bwd: attention, 3 ops
@@ -2470,134 +2002,8 @@ static void k60_gemm__cast(char *arena, const MdlHooks *h) {
 // loops:
 //   attention backward (dq dk dv): B 8, T 64, 4 heads of 16, causal, within documents; one task per (batch, head)
 static void k61_attention_bwd(char *arena, const MdlHooks *h) {
-  int32_t *const b3 = (int32_t *)(arena + 2352128); // %3 input doc i32[8,64]
-  uint16_t *const b33 = (uint16_t *)(arena + 6024320); // %33 cast bf16[8,64,64]
-  uint16_t *const b34 = (uint16_t *)(arena + 6089856); // %34 cast bf16[8,64,64]
-  uint16_t *const b35 = (uint16_t *)(arena + 6155392); // %35 cast bf16[8,64,64]
-  uint16_t *const b38 = (uint16_t *)(arena + 6220928); // %38 cast bf16[512,64]
-  float *const b226 = (float *)(arena + 7072896); // %226 attention_lse f32[8,4,64]
-  uint16_t *const b228 = (uint16_t *)(arena + 2878592); // %228 cast bf16[8,64,64]
-  float *const b229 = (float *)(arena + 2485376); // %229 attention_bwd d.layers.0.q f32[8,64,64]
-  float *const b230 = (float *)(arena + 2616448); // %230 attention_bwd d.layers.0.k f32[8,64,64]
-  float *const b231 = (float *)(arena + 2747520); // %231 attention_bwd f32[8,64,64]
-  #pragma omp parallel num_threads(h->nthreads)
-  {
-    float *restrict kt = memset(mdl_scratch(1536 * sizeof(float)), 0, 1536 * sizeof(float));
-    float *restrict s = memset(mdl_scratch(96 * sizeof(float)), 0, 96 * sizeof(float));
-    float *restrict vt = memset(mdl_scratch(1536 * sizeof(float)), 0, 1536 * sizeof(float));
-    float *restrict dp = memset(mdl_scratch(96 * sizeof(float)), 0, 96 * sizeof(float));
-    float *restrict dkh = memset(mdl_scratch(1024 * sizeof(float)), 0, 1024 * sizeof(float));
-    float *restrict dvh = memset(mdl_scratch(1024 * sizeof(float)), 0, 1024 * sizeof(float));
-    #pragma omp for schedule(dynamic, 1)
-    for (int64_t task = 0; task < 32; task++) {
-      const int64_t b = task / 4, hd = task % 4;
-      for (int64_t j = 0; j < 64; j++) {
-        const uint16_t *xj = b34 + (b * 64 + j) * 64 + hd * 16;
-        for (int64_t c = 0; c < 16; c++)
-          kt[c * 96 + j] = mdl_bf16_to_f32(xj[c]);
-      }
-      for (int64_t j = 0; j < 64; j++) {
-        const uint16_t *xj = b35 + (b * 64 + j) * 64 + hd * 16;
-        for (int64_t c = 0; c < 16; c++)
-          vt[c * 96 + j] = mdl_bf16_to_f32(xj[c]);
-      }
-      memset(dkh, 0, 1024 * sizeof(float));
-      memset(dvh, 0, 1024 * sizeof(float));
-      int64_t lo = 0, hi = 64;
-      const int32_t *restrict dc = b3 + b * 64;
-      for (int64_t i = 0; i < 64; i++) {
-        const int32_t di = dc[i];
-        if (i == 0 || dc[i - 1] != di) {
-          lo = 0;
-          while (dc[lo] != di)
-            lo++;
-        }
-        hi = i + 1;
-        float qr[16];
-        for (int64_t c = 0; c < 16; c++)
-          qr[c] = mdl_bf16_to_f32(b33[(b * 64 + i) * 64 + hd * 16 + c]);
-        const float *restrict qi = qr;
-        for (int64_t j0 = lo; j0 < hi; j0 += 32) {
-          float acc[32] = {0};
-          for (int64_t c = 0; c < 16; c++) {
-            const float vc = qi[c], *restrict mc = kt + c * 96 + j0;
-            #pragma omp simd
-            for (int64_t u = 0; u < 32; u++)
-              acc[u] += vc * mc[u];
-          }
-          memcpy(s + j0, acc, sizeof acc);
-        }
-        const float lse = b226[(b * 4 + hd) * 64 + i];
-        #pragma omp simd
-        for (int64_t j = lo; j < hi; j++)
-          s[j] = dc[j] == di ? mdl_exp_shifted(s[j] * 0.25f - lse) : 0.0f;
-        float dor[16];
-        for (int64_t c = 0; c < 16; c++)
-          dor[c] = mdl_bf16_to_f32(b228[(b * 64 + i) * 64 + hd * 16 + c]);
-        const float *restrict doi = dor;
-        float dsum = 0.0f;
-        for (int64_t c = 0; c < 16; c++)
-          dsum += doi[c] * mdl_bf16_to_f32(b38[(b * 64 + i) * 64 + hd * 16 + c]);
-        for (int64_t j0 = lo; j0 < hi; j0 += 32) {
-          float acc[32] = {0};
-          for (int64_t c = 0; c < 16; c++) {
-            const float vc = doi[c], *restrict mc = vt + c * 96 + j0;
-            #pragma omp simd
-            for (int64_t u = 0; u < 32; u++)
-              acc[u] += vc * mc[u];
-          }
-          memcpy(dp + j0, acc, sizeof acc);
-        }
-        #pragma omp simd
-        for (int64_t j = lo; j < hi; j++)
-          dp[j] = s[j] * (dp[j] - dsum);
-        float dqi0[16] = {0}, dqi1[16] = {0};
-        int64_t j = lo;
-        for (; j + 1 < hi; j += 2) {
-          const float w0 = mdl_bf16_to_f32(mdl_f32_to_bf16(dp[j])), w1 = mdl_bf16_to_f32(mdl_f32_to_bf16(dp[j + 1]));
-          const uint16_t *restrict x0 = b34 + (b * 64 + j) * 64 + hd * 16, *restrict x1 = x0 + 64;
-          #pragma omp simd
-          for (int64_t c = 0; c < 16; c++) {
-            dqi0[c] += w0 * mdl_bf16_to_f32(x0[c]);
-            dqi1[c] += w1 * mdl_bf16_to_f32(x1[c]);
-          }
-        }
-        if (j < hi) {
-          const float w0 = mdl_bf16_to_f32(mdl_f32_to_bf16(dp[j]));
-          const uint16_t *restrict x0 = b34 + (b * 64 + j) * 64 + hd * 16;
-          #pragma omp simd
-          for (int64_t c = 0; c < 16; c++)
-            dqi0[c] += w0 * mdl_bf16_to_f32(x0[c]);
-        }
-        float sqi[16];
-        for (int64_t c = 0; c < 16; c++)
-          sqi[c] = 0.25f * qi[c];
-        for (int64_t j = lo; j < hi; j++) {
-          float *restrict dkj = dkh + j * 16;
-          #pragma omp simd
-          for (int64_t c = 0; c < 16; c++)
-            dkj[c] += mdl_bf16_to_f32(mdl_f32_to_bf16(dp[j])) * sqi[c];
-          float *restrict dvj = dvh + j * 16;
-          #pragma omp simd
-          for (int64_t c = 0; c < 16; c++)
-            dvj[c] += mdl_bf16_to_f32(mdl_f32_to_bf16(s[j])) * doi[c];
-        }
-        float *restrict dq = b229 + (b * 64 + i) * 64 + hd * 16;
-        for (int64_t c = 0; c < 16; c++)
-          dq[c] = 0.25f * (dqi0[c] + dqi1[c]);
-      }
-      for (int64_t t = 0; t < 64; t++)
-        memcpy(b230 + (b * 64 + t) * 64 + hd * 16, dkh + t * 16, 16 * sizeof(float));
-      for (int64_t t = 0; t < 64; t++)
-        memcpy(b231 + (b * 64 + t) * 64 + hd * 16, dvh + t * 16, 16 * sizeof(float));
-    }
-    free(kt);
-    free(s);
-    free(vt);
-    free(dp);
-    free(dkh);
-    free(dvh);
-  }
+  static const int64_t o[] = {2352128, 6024320, 6089856, 6155392, 6220928, 7072896, 2878592, 2485376, 2616448, 2747520};
+  k40_attention_bwd__code(arena, h, o);
 }
 
 // k62_cast: kernel, 1 op
@@ -2605,17 +2011,8 @@ static void k61_attention_bwd(char *arena, const MdlHooks *h) {
 // loops:
 //   elementwise over 32768: %233
 static void k62_cast(char *arena, const MdlHooks *h) {
-  float *const b231 = (float *)(arena + 2747520); // %231 attention_bwd f32[8,64,64]
-  uint16_t *const b233 = (uint16_t *)(arena + 2878592); // %233 cast bf16[512,64]
-  #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t r = 0; r < 512; r++) {
-    for (int64_t c = 0; c < 64; c++) {
-      const int64_t i = r * 64 + c;
-      const float v231_i = b231[i];
-      const float v233_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v231_i));
-      b233[i] = mdl_f32_to_bf16(v233_i);
-    }
-  }
+  static const int64_t o[] = {2747520, 2878592};
+  k41_cast__code(arena, h, o);
 }
 
 // k63_gemm: GEMM, 1 op
@@ -2623,19 +2020,8 @@ static void k62_cast(char *arena, const MdlHooks *h) {
 // loops:
 //   gemm %235: [64 x 64] = T[64 x 512] [512 x 64], bf16 operands (widened to f32 where the library has no bf16 GEMM)
 static void k63_gemm(char *arena, const MdlHooks *h) {
-  uint16_t *const b29 = (uint16_t *)(arena + 5958784); // %29 cast bf16[512,64]
-  uint16_t *const b233 = (uint16_t *)(arena + 2878592); // %233 cast bf16[512,64]
-  float *const b235 = (float *)(arena + 626176); // %235 matmul d.layers.0.wv f32[64,64]
-  if (h->bgemm) {
-    mdl_bgemm(h, 1, 0, 64, 64, 512, b29, 64, b233, 64, 0.0f, b235, 64);
-  }
-  else {
-    float *const w29 = mdl_widen_bf16(b29, 32768, h->nthreads);
-    float *const w233 = mdl_widen_bf16(b233, 32768, h->nthreads);
-    mdl_gemm(h, 1, 0, 64, 64, 512, w29, 64, w233, 64, 0.0f, b235, 64);
-    free(w29);
-    free(w233);
-  }
+  static const int64_t o[] = {5958784, 2878592, 626176};
+  k38_gemm__code(arena, h, o);
 }
 
 // k64_rope__cast: kernel, 3 ops
@@ -2646,37 +2032,8 @@ static void k63_gemm(char *arena, const MdlHooks *h) {
 //   rope (inverse): 512 rows, 4 heads of 16
 //   elementwise over 32768: %239
 static void k64_rope__cast(char *arena, const MdlHooks *h) {
-  int32_t *const b2 = (int32_t *)(arena + 2350080); // %2 input pos i32[8,64]
-  float *const b230 = (float *)(arena + 2616448); // %230 attention_bwd d.layers.0.k f32[8,64,64]
-  float *const b237 = mdl_scratch(131072); // %237 rope f32[8,64,64], kept in this kernel
-  uint16_t *const b239 = (uint16_t *)(arena + 2747520); // %239 cast bf16[512,64]
-  #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t r = 0; r < 512; r++) {
-    const double p = -1.0 * b2[r];
-    const float *x = b230 + r * 64;
-    float *y = b237 + r * 64;
-    for (int64_t i = 0; i < 8; i++) {
-      const double th = p * pow(1e+04, -2.0 * (double)i / 16);
-      const float cs = (float)cos(th), sn = (float)sin(th);
-      for (int64_t hd = 0; hd < 4; hd++) {
-        const int64_t a = hd * 16 + i, b = a + 8;
-        const float x1 = x[a], x2 = x[b];
-        y[a] = x1 * cs - x2 * sn;
-        y[b] = x1 * sn + x2 * cs;
-      }
-    }
-  }
-  #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t r = 0; r < 512; r++) {
-    for (int64_t c = 0; c < 64; c++) {
-      const int64_t i = r * 64 + c;
-      const float v237_i = b237[i];
-      const float v238_i = v237_i;
-      const float v239_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v238_i));
-      b239[i] = mdl_f32_to_bf16(v239_i);
-    }
-  }
-  free(b237);
+  static const int64_t o[] = {2350080, 2616448, 2747520};
+  k43_rope__cast__code(arena, h, o);
 }
 
 // k65_gemm: GEMM, 1 op
@@ -2684,19 +2041,8 @@ static void k64_rope__cast(char *arena, const MdlHooks *h) {
 // loops:
 //   gemm %240: [512 x 64] = [512 x 64] T[64 x 64], bf16 operands (widened to f32 where the library has no bf16 GEMM)
 static void k65_gemm(char *arena, const MdlHooks *h) {
-  uint16_t *const b24 = (uint16_t *)(arena + 2118656); // %24 cast bf16[64,64]
-  uint16_t *const b239 = (uint16_t *)(arena + 2747520); // %239 cast bf16[512,64]
-  float *const b240 = (float *)(arena + 2616448); // %240 matmul f32[512,64]
-  if (h->bgemm) {
-    mdl_bgemm(h, 0, 1, 512, 64, 64, b239, 64, b24, 64, 0.0f, b240, 64);
-  }
-  else {
-    float *const w239 = mdl_widen_bf16(b239, 32768, h->nthreads);
-    float *const w24 = mdl_widen_bf16(b24, 4096, h->nthreads);
-    mdl_gemm(h, 0, 1, 512, 64, 64, w239, 64, w24, 64, 0.0f, b240, 64);
-    free(w239);
-    free(w24);
-  }
+  static const int64_t o[] = {2118656, 2747520, 2616448};
+  k44_gemm__code(arena, h, o);
 }
 
 // k66_gemm: GEMM, 1 op
@@ -2704,19 +2050,8 @@ static void k65_gemm(char *arena, const MdlHooks *h) {
 // loops:
 //   gemm %241: [64 x 64] = T[64 x 512] [512 x 64], bf16 operands (widened to f32 where the library has no bf16 GEMM)
 static void k66_gemm(char *arena, const MdlHooks *h) {
-  uint16_t *const b23 = (uint16_t *)(arena + 5893248); // %23 cast bf16[512,64]
-  uint16_t *const b239 = (uint16_t *)(arena + 2747520); // %239 cast bf16[512,64]
-  float *const b241 = (float *)(arena + 609792); // %241 matmul d.layers.0.wk f32[64,64]
-  if (h->bgemm) {
-    mdl_bgemm(h, 1, 0, 64, 64, 512, b23, 64, b239, 64, 0.0f, b241, 64);
-  }
-  else {
-    float *const w23 = mdl_widen_bf16(b23, 32768, h->nthreads);
-    float *const w239 = mdl_widen_bf16(b239, 32768, h->nthreads);
-    mdl_gemm(h, 1, 0, 64, 64, 512, w23, 64, w239, 64, 0.0f, b241, 64);
-    free(w23);
-    free(w239);
-  }
+  static const int64_t o[] = {5893248, 2747520, 609792};
+  k38_gemm__code(arena, h, o);
 }
 
 // k67_rope__cast: kernel, 3 ops
@@ -2727,37 +2062,8 @@ static void k66_gemm(char *arena, const MdlHooks *h) {
 //   rope (inverse): 512 rows, 4 heads of 16
 //   elementwise over 32768: %245
 static void k67_rope__cast(char *arena, const MdlHooks *h) {
-  int32_t *const b2 = (int32_t *)(arena + 2350080); // %2 input pos i32[8,64]
-  float *const b229 = (float *)(arena + 2485376); // %229 attention_bwd d.layers.0.q f32[8,64,64]
-  float *const b243 = mdl_scratch(131072); // %243 rope f32[8,64,64], kept in this kernel
-  uint16_t *const b245 = (uint16_t *)(arena + 2747520); // %245 cast bf16[512,64]
-  #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t r = 0; r < 512; r++) {
-    const double p = -1.0 * b2[r];
-    const float *x = b229 + r * 64;
-    float *y = b243 + r * 64;
-    for (int64_t i = 0; i < 8; i++) {
-      const double th = p * pow(1e+04, -2.0 * (double)i / 16);
-      const float cs = (float)cos(th), sn = (float)sin(th);
-      for (int64_t hd = 0; hd < 4; hd++) {
-        const int64_t a = hd * 16 + i, b = a + 8;
-        const float x1 = x[a], x2 = x[b];
-        y[a] = x1 * cs - x2 * sn;
-        y[b] = x1 * sn + x2 * cs;
-      }
-    }
-  }
-  #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t r = 0; r < 512; r++) {
-    for (int64_t c = 0; c < 64; c++) {
-      const int64_t i = r * 64 + c;
-      const float v243_i = b243[i];
-      const float v244_i = v243_i;
-      const float v245_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v244_i));
-      b245[i] = mdl_f32_to_bf16(v245_i);
-    }
-  }
-  free(b243);
+  static const int64_t o[] = {2350080, 2485376, 2747520};
+  k43_rope__cast__code(arena, h, o);
 }
 
 // k68_gemm: GEMM, 1 op
@@ -2765,19 +2071,8 @@ static void k67_rope__cast(char *arena, const MdlHooks *h) {
 // loops:
 //   gemm %246: [512 x 64] = [512 x 64] T[64 x 64], bf16 operands (widened to f32 where the library has no bf16 GEMM)
 static void k68_gemm(char *arena, const MdlHooks *h) {
-  uint16_t *const b18 = (uint16_t *)(arena + 2110464); // %18 cast bf16[64,64]
-  uint16_t *const b245 = (uint16_t *)(arena + 2747520); // %245 cast bf16[512,64]
-  float *const b246 = (float *)(arena + 2485376); // %246 matmul f32[512,64]
-  if (h->bgemm) {
-    mdl_bgemm(h, 0, 1, 512, 64, 64, b245, 64, b18, 64, 0.0f, b246, 64);
-  }
-  else {
-    float *const w245 = mdl_widen_bf16(b245, 32768, h->nthreads);
-    float *const w18 = mdl_widen_bf16(b18, 4096, h->nthreads);
-    mdl_gemm(h, 0, 1, 512, 64, 64, w245, 64, w18, 64, 0.0f, b246, 64);
-    free(w245);
-    free(w18);
-  }
+  static const int64_t o[] = {2110464, 2747520, 2485376};
+  k44_gemm__code(arena, h, o);
 }
 
 // k69_gemm: GEMM, 1 op
@@ -2785,19 +2080,8 @@ static void k68_gemm(char *arena, const MdlHooks *h) {
 // loops:
 //   gemm %247: [64 x 64] = T[64 x 512] [512 x 64], bf16 operands (widened to f32 where the library has no bf16 GEMM)
 static void k69_gemm(char *arena, const MdlHooks *h) {
-  uint16_t *const b17 = (uint16_t *)(arena + 5827712); // %17 cast bf16[512,64]
-  uint16_t *const b245 = (uint16_t *)(arena + 2747520); // %245 cast bf16[512,64]
-  float *const b247 = (float *)(arena + 593408); // %247 matmul d.layers.0.wq f32[64,64]
-  if (h->bgemm) {
-    mdl_bgemm(h, 1, 0, 64, 64, 512, b17, 64, b245, 64, 0.0f, b247, 64);
-  }
-  else {
-    float *const w17 = mdl_widen_bf16(b17, 32768, h->nthreads);
-    float *const w245 = mdl_widen_bf16(b245, 32768, h->nthreads);
-    mdl_gemm(h, 1, 0, 64, 64, 512, w17, 64, w245, 64, 0.0f, b247, 64);
-    free(w17);
-    free(w245);
-  }
+  static const int64_t o[] = {5827712, 2747520, 593408};
+  k38_gemm__code(arena, h, o);
 }
 
 // k70_gemm__add: GEMM, 4 ops
@@ -2809,35 +2093,8 @@ static void k69_gemm(char *arena, const MdlHooks *h) {
 //   gemm %234: [512 x 64] = [512 x 64] T[64 x 64], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
 //   elementwise over 32768: %250
 static void k70_gemm__add(char *arena, const MdlHooks *h) {
-  uint16_t *const b30 = (uint16_t *)(arena + 2126848); // %30 cast bf16[64,64]
-  uint16_t *const b233 = (uint16_t *)(arena + 2878592); // %233 cast bf16[512,64]
-  float *const b240 = (float *)(arena + 2616448); // %240 matmul f32[512,64]
-  float *const b246 = (float *)(arena + 2485376); // %246 matmul f32[512,64]
-  float *const b250 = (float *)(arena + 2747520); // %250 add d.layers.0.a f32[8,64,64]
-  float *const b234 = b250; // %234 matmul f32[512,64]: the GEMM writes into its epilogue's output
-  if (h->bgemm) {
-    mdl_bgemm(h, 0, 1, 512, 64, 64, b233, 64, b30, 64, 0.0f, b234, 64);
-  }
-  else {
-    float *const w233 = mdl_widen_bf16(b233, 32768, h->nthreads);
-    float *const w30 = mdl_widen_bf16(b30, 4096, h->nthreads);
-    mdl_gemm(h, 0, 1, 512, 64, 64, w233, 64, w30, 64, 0.0f, b234, 64);
-    free(w233);
-    free(w30);
-  }
-  #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t r = 0; r < 512; r++) {
-    for (int64_t c = 0; c < 64; c++) {
-      const int64_t i = r * 64 + c;
-      const float v234_i = b234[i];
-      const float v236_i = v234_i;
-      const float v240_i = b240[i];
-      const float v249_i = v236_i + v240_i;
-      const float v246_i = b246[i];
-      const float v250_i = v249_i + v246_i;
-      b250[i] = v250_i;
-    }
-  }
+  static const int64_t o[] = {2126848, 2878592, 2616448, 2485376, 2747520};
+  k49_gemm__add__code(arena, h, o);
 }
 
 // k71_rmsnorm_bwd__add: kernel, 3 ops
