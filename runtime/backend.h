@@ -97,8 +97,10 @@ bool cpu_step(CpuModule *cm, char *arena);
 // Runs kernel i alone (for timing); same error contract as cpu_step.
 bool cpu_run_kernel(CpuModule *cm, int i, char *arena);
 
-// A zeroed, 64-byte aligned arena of m->arena_bytes; free() it.
+// A zeroed, page-aligned arena of m->arena_bytes (NULL when the memory cannot be had); its pages
+// take memory when first written. cpu_arena_free() it.
 char *cpu_arena_new(const MemPlan *m);
+void cpu_arena_free(const MemPlan *m, char *arena);
 // Where node `node` lives in the arena (f32 or i32 elements), or NULL when it is not materialised.
 void *cpu_value(const MemPlan *m, char *arena, int node);
 // y[i] = x[i] rounded to bf16 (nearest, ties to even), as the kernels' casts round.

@@ -21,6 +21,7 @@
 #include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <time.h>
@@ -196,12 +197,21 @@ bool cpu_run_kernel(CpuModule *cm, int i, char *arena) {
   return !cm->error[0];
 }
 
+// Fresh pages from the kernel: zero, page-aligned, and backed by memory only where a step writes
+// (an engine that never runs, as the validation engine of a run without validation, costs none).
+static size_t arena_size(const MemPlan *m) {
+  size_t page = (size_t)sysconf(_SC_PAGESIZE), bytes = (size_t)m->arena_bytes;
+  return bytes ? (bytes + page - 1) / page * page : page;
+}
+
 char *cpu_arena_new(const MemPlan *m) {
-  size_t bytes = (size_t)(m->arena_bytes + 63) / 64 * 64;
-  char *a = aligned_alloc(64, bytes ? bytes : 64);
-  if (a)
-    memset(a, 0, bytes);
-  return a;
+  void *a = mmap(NULL, arena_size(m), PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  return a == MAP_FAILED ? NULL : a;
+}
+
+void cpu_arena_free(const MemPlan *m, char *arena) {
+  if (arena)
+    munmap(arena, arena_size(m));
 }
 
 void *cpu_value(const MemPlan *m, char *arena, int node) {

@@ -182,6 +182,12 @@ static void ce_read(Engine *e, int node, float *dst) {
       dst[i] = NAN;
 }
 
+static const float *ce_values(Engine *e, int node) {
+  CpuEngine *ce = (CpuEngine *)e;
+  cpe_draw_params(e, NULL, 0);
+  return cpu_value(ce->m, ce->arena, node);
+}
+
 static void ce_write(Engine *e, int node, const float *src) {
   CpuEngine *ce = (CpuEngine *)e;
   memcpy(cpu_value(ce->m, ce->arena, node), src, sizeof(float) * (size_t)shape_numel(e->g->nodes[node]->shape));
@@ -241,7 +247,7 @@ static void ce_free(Engine *e) {
   cpu_unload(ce->cm);
   param_draw_free(&ce->draw);
   free(e->kernel_seconds);
-  free(ce->arena);
+  cpu_arena_free(ce->m, ce->arena);
   free(ce);
 }
 
@@ -250,15 +256,22 @@ Engine *engine_cpu(const Fusion *f, const MemPlan *m, const char *source, uint64
   if (!cm)
     return NULL;
   CpuEngine *ce = calloc(1, sizeof *ce);
+  char *arena = ce ? cpu_arena_new(m) : NULL;
+  if (!arena) {
+    snprintf(err, n, "out of memory: the step's arena takes %.1f MB", (double)m->arena_bytes / 1e6);
+    free(ce);
+    cpu_unload(cm);
+    return NULL;
+  }
   ce->m = m;
   ce->cm = cm;
-  ce->arena = cpu_arena_new(m);
+  ce->arena = arena;
   cm->hooks.seed = seed;
   param_draw_init(&ce->draw, f->g, seed);
   ce->e = (Engine){.name = "cpu", .g = f->g, .set_input = ce_set_input, .set_scalar = ce_set_scalar,
                    .set_seed = ce_set_seed, .arena_bytes = m->arena_bytes, .fusion = f,
                    .kernel_seconds = calloc((size_t)cm->nkernels, sizeof(double)),
-                   .step = ce_step, .read = ce_read, .write = ce_write, .free = ce_free,
+                   .step = ce_step, .read = ce_read, .write = ce_write, .values = ce_values, .free = ce_free,
                    .take_params = ce_take_params, .draw_params = cpe_draw_params, .inputs_from = ce_inputs_from,
                    .cache_hit = cm->cache_hit, .compile_seconds = cm->compile_seconds};
   return &ce->e;

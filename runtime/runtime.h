@@ -69,6 +69,9 @@ struct Engine {
   // run, until the next snapshot. snapshot is false, with nothing kept, where it cannot copy them
   // (memory); read_snapshot false with the reason in err.
   bool (*snapshot)(Engine *e);
+  // A parameter's or moment's f32 values where they lie in host memory, to be read in place until
+  // the next step (the CPU back end's arena: a checkpoint then needs no copy); NULL elsewhere.
+  const float *(*values)(Engine *e, int node);
   bool (*read_snapshot)(Engine *e, int node, float *dst, char *err, size_t n);
   void (*free)(Engine *e);
   bool cache_hit;         // compiled back ends: the module came from the cache

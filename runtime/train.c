@@ -67,7 +67,9 @@ static int checkpoint_nodes(const Graph *g, int *nodes) {
 // of the step that notices it (ckpt_poll). The buffers the values are read into are kept from one
 // checkpoint to the next (ckpt_free at the end): GPT-2 124M's 1.5 GB took 0.74-1.03 s to read into
 // fresh ones here, most of it the first touch of their pages, and 3.1-5.4 s to write, against 0.8 s a
-// step at B=1, T=32 (30 ms on an H200).
+// step at B=1, T=32 (30 ms on an H200). Where the engine's values lie in host memory (Engine.values:
+// the CPU's arena), a copy would double the memory the parameters and moments take, so the
+// checkpoint is written from them in place, the steps waiting for it.
 enum { CKPT_META = 9 };
 typedef struct {
   pthread_t thread;
@@ -77,6 +79,7 @@ typedef struct {
   const char *path;
   Engine *snap; // the engine whose snapshot the thread reads them from, or NULL (read before)
   StTensor *t; // the parameters and moments, in buffers kept for the next checkpoint
+  bool in_place; // t's data are the engine's own (Engine.values), not buffers of ours
   int *nodes;  // their nodes
   int n;
   StMeta meta[CKPT_META];
@@ -115,7 +118,7 @@ static bool ckpt_wait(CkptWriter *w) {
 // Waits as ckpt_wait does, then frees the buffers.
 static bool ckpt_free(CkptWriter *w) {
   bool ok = ckpt_wait(w);
-  for (int i = 0; w->t && i < w->n; i++)
+  for (int i = 0; w->t && !w->in_place && i < w->n; i++)
     free(w->t[i].data);
   free(w->t);
   free(w->nodes);
@@ -140,15 +143,18 @@ static bool ckpt_start(CkptWriter *w, const char *path, Engine *e, const TrainOp
     w->nodes = malloc(sizeof(int) * (size_t)g->n);
     w->n = checkpoint_nodes(g, w->nodes);
     w->t = calloc((size_t)w->n, sizeof *w->t);
+    w->in_place = e->values != NULL;
     for (int i = 0; i < w->n; i++) {
       const IrNode *x = g->nodes[w->nodes[i]];
       w->t[i] = (StTensor){.name = x->name, .dtype = DT_F32, .shape = x->shape,
-                           .data = malloc(sizeof(float) * (size_t)(shape_numel(x->shape) + 1))};
+                           .data = w->in_place ? NULL : malloc(sizeof(float) * (size_t)(shape_numel(x->shape) + 1))};
     }
     w->dims = dims_string(g);
   }
-  w->snap = e->snapshot && e->snapshot(e) ? e : NULL;
-  for (int i = 0; !w->snap && i < w->n; i++)
+  w->snap = !w->in_place && e->snapshot && e->snapshot(e) ? e : NULL;
+  for (int i = 0; w->in_place && i < w->n; i++)
+    w->t[i].data = (void *)e->values(e, w->nodes[i]);
+  for (int i = 0; !w->snap && !w->in_place && i < w->n; i++)
     e->read(e, w->nodes[i], w->t[i].data);
   snprintf(w->step_s, sizeof w->step_s, "%lld", (long long)step);
   snprintf(w->seed_s, sizeof w->seed_s, "%llu", (unsigned long long)o->seed);
@@ -161,7 +167,10 @@ static bool ckpt_start(CkptWriter *w, const char *path, Engine *e, const TrainOp
   w->path = path;
   w->running = w->threaded = true;
   w->done = false;
-  if (pthread_create(&w->thread, NULL, ckpt_write, w) != 0) {
+  if (w->in_place) { // (written before the next step changes them)
+    w->threaded = false;
+    ckpt_write(w);
+  } else if (pthread_create(&w->thread, NULL, ckpt_write, w) != 0) {
     w->threaded = false;
     ckpt_write(w); // (no thread to be had: written here)
   }

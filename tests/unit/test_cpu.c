@@ -279,7 +279,7 @@ static bool cpu_run(const Graph *g, const MemPlan *m, CpuModule *cm, int threads
   }
   for (int k = 0; k < g->nparams; k++)
     out->param[k] = dup_f(cpu_value(m, arena, g->params[k]), count(g, k));
-  free(arena);
+  cpu_arena_free(m, arena);
   return ok;
 }
 
@@ -346,7 +346,7 @@ static void test_model(const Model *md) {
       init = fmax(init, rel_err(p, ref.init[k], count(g, k)));
       free(p);
     }
-    free(arena);
+    cpu_arena_free(m, arena);
     snprintf(name, sizeof name, "cpu %s %s: cpu_init_params matches interp_init_params", md->path, mode);
     CHECK(init == 0, name, "relative difference %g", init);
 
@@ -510,7 +510,7 @@ static Forced kernels_forced(const Graph *g, const Fusion *f, const MemPlan *m, 
       }
     }
   }
-  free(arena);
+  cpu_arena_free(m, arena);
   return r;
 }
 
@@ -567,7 +567,7 @@ static void second_step(const Model *md, const Graph *g, const Fusion *f, const 
   CHECK(ok && fabs(loss2 - ref) < 1e-4 * fabs(ref) && fabs(loss1 - ref) > 1e-3 * fabs(ref), name,
         "loss %.8f vs the interpreter's %.8f; step 1 %.8f", loss2, ref, loss1);
   interp_free(it);
-  free(arena);
+  cpu_arena_free(m, arena);
 }
 
 static void test_bf16(const Model *md) {
@@ -682,7 +682,7 @@ static void test_bf16_rounding(void) {
     CHECK(bad < 0, "cpu bf16: CAST rounds to nearest even, overflows to inf, keeps signs, quiets NaNs",
           "input 0x%08x: got 0x%04x, want 0x%04x", bad >= 0 ? in[bad] : 0, bad >= 0 ? got[bad] : 0,
           bad >= 0 ? want[bad] : 0);
-    free(arena);
+    cpu_arena_free(m, arena);
     cpu_unload(cm);
   }
   arena_free(a);
@@ -757,7 +757,7 @@ static void test_cache_and_errors(void) {
     ok = cpu_step(first, arena);
     CHECK(!ok && strstr(first->error, "embed: id 999 out of range [0, 256)"),
           "cpu errors: a token id >= V ends the step with a message", "got '%s'", first->error);
-    free(arena);
+    cpu_arena_free(m, arena);
   }
   cpu_unload(first);
   cpu_unload(second);
@@ -838,7 +838,7 @@ static void test_limits(void) {
             "loss %.8f vs %.8f, gradient %.2e (%s)", loss, ref, e, err);
       free(gs);
     }
-    free(arena);
+    cpu_arena_free(m, arena);
     interp_free(it);
   }
   cpu_unload(cm);
