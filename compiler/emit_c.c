@@ -1230,7 +1230,7 @@ static void emit_softmax(Emit *e, int gi, const bool *emitted) {
 // target t; an ignored target (< 0) gives zeros, one >= V an error. With bf16, dx holds the gradient
 // rounded to bf16 values (the CAST that the LM head's backward GEMMs read).
 static void ce_row(Emit *e, const char *what, int64_t v, bool x16, const char *loss, const char *dx,
-                   const char *dloss, bool bf16) {
+                   const char *dloss, bool bf16, bool round_x, const char *dx16) {
   const char *xj = x16 ? "mdl_bf16_to_f32(x[j])" : "x[j]";
   e->uses_h = true;
   ec_enter(&e->core, "if (t < 0 || t >= %lld)", (long long)v);
@@ -1238,16 +1238,28 @@ static void ce_row(Emit *e, const char *what, int64_t v, bool x16, const char *l
   ec_line(&e->core, "  h->error(h->ctx, \"%s: target\", t, %lld);", what, (long long)v);
   if (loss)
     ec_line(&e->core, "%s = 0.0f;", loss);
-  if (dx)
+  if (dx16)
+    ec_line(&e->core, "memset(%s, 0, %lld * sizeof(uint16_t));", dx16, (long long)v);
+  else if (dx)
     ec_line(&e->core, "memset(%s, 0, %lld * sizeof(float));", dx, (long long)v);
   ec_line(&e->core, "continue;");
   ec_leave(&e->core);
-  if (loss)
+  if (loss && !round_x)
     ec_line(&e->core, "const float xt = %s; // before dx, which may be x itself, is written",
             x16 ? "mdl_bf16_to_f32(x[t])" : "x[t]");
   ec_line(&e->core, "float m = -INFINITY;");
-  ec_line(&e->core, "for (int64_t j = 0; j < %lld; j++)", (long long)v);
-  ec_line(&e->core, "  m = fmaxf(m, %s);", xj);
+  if (round_x) { // the logits rounded to bf16 in place (their CAST) as the maximum is taken
+    ec_line(&e->core, "#pragma omp simd reduction(max : m)");
+    ec_enter(&e->core, "for (int64_t j = 0; j < %lld; j++)", (long long)v);
+    ec_line(&e->core, "x[j] = mdl_bf16_to_f32(mdl_f32_to_bf16(x[j]));");
+    ec_line(&e->core, "m = x[j] > m ? x[j] : m;");
+    ec_leave(&e->core);
+    if (loss)
+      ec_line(&e->core, "const float xt = x[t]; // before dx, which may be x itself, is written");
+  } else {
+    ec_line(&e->core, "for (int64_t j = 0; j < %lld; j++)", (long long)v);
+    ec_line(&e->core, "  m = fmaxf(m, %s);", xj);
+  }
   ec_line(&e->core, "double sum = 0;");
   ec_line(&e->core, "#pragma omp simd reduction(+ : sum)");
   if (dx) {
@@ -1263,11 +1275,17 @@ static void ce_row(Emit *e, const char *what, int64_t v, bool x16, const char *l
     ec_line(&e->core, "%s = (float)(m + log(sum) - xt);", loss);
   if (dx) {
     ec_line(&e->core, "const double g = %s, inv = 1.0 / sum;", dloss);
-    ec_line(&e->core, "for (int64_t j = 0; j < %lld; j++)", (long long)v);
-    if (bf16)
-      ec_line(&e->core, "  %s[j] = mdl_bf16_to_f32(mdl_f32_to_bf16((float)(g * (%s[j] * inv - (j == t)))));", dx, dx);
-    else
-      ec_line(&e->core, "  %s[j] = (float)(g * (%s[j] * inv - (j == t)));", dx, dx);
+    if (dx16) { // the gradient rounded to bf16, as the bits the backward GEMMs read (dx is not read again)
+      ec_line(&e->core, "#pragma omp simd");
+      ec_line(&e->core, "for (int64_t j = 0; j < %lld; j++)", (long long)v);
+      ec_line(&e->core, "  %s[j] = mdl_f32_to_bf16((float)(g * (%s[j] * inv - (j == t))));", dx16, dx);
+    } else {
+      ec_line(&e->core, "for (int64_t j = 0; j < %lld; j++)", (long long)v);
+      if (bf16)
+        ec_line(&e->core, "  %s[j] = mdl_bf16_to_f32(mdl_f32_to_bf16((float)(g * (%s[j] * inv - (j == t)))));", dx, dx);
+      else
+        ec_line(&e->core, "  %s[j] = (float)(g * (%s[j] * inv - (j == t)));", dx, dx);
+    }
   }
 }
 
@@ -1296,7 +1314,7 @@ static void emit_ce(Emit *e, int gi) {
   if (ceb >= 0)
     ec_line(&e->core, "float *dx = b%d + r * %lld;", ptr(e, ceb), (long long)v);
   ce_row(e, "cross_entropy", v, x16, ce >= 0 ? str(e, "b%d[r]", ptr(e, ce)) : NULL, ceb >= 0 ? "dx" : NULL,
-         dl >= 0 ? str(e, "b%d[r]", ptr(e, dl)) : NULL, false);
+         dl >= 0 ? str(e, "b%d[r]", ptr(e, dl)) : NULL, false, false, NULL);
   ec_leave(&e->core);
   for (int i = 0; i < gr->nmem; i++)
     ec_phase_done(&e->core, gr->mem[i]);
@@ -1325,18 +1343,12 @@ static void lmhead_chunks(Emit *e, const Group *gr, int64_t n, int64_t c, int64_
   ec_line(&e->core, "%sfloat *x = logits + i * %lld;", gr->lc >= 0 ? "" : "const ", (long long)v);
   ec_line(&e->core, "float *dx = logits + i * %lld;", (long long)v);
   ec_line(&e->core, "const int32_t t = b%d[r];", ptr(e, tg));
-  if (gr->lc >= 0) { // the loss reads the logits rounded to bf16 (their CAST), in place
-    ec_line(&e->core, "for (int64_t j = 0; j < %lld; j++)", (long long)v);
-    ec_line(&e->core, "  x[j] = mdl_bf16_to_f32(mdl_f32_to_bf16(x[j]));");
-  }
+  if (b16)
+    ec_line(&e->core, "uint16_t *d16 = dl16 + i * %lld;", (long long)v);
+  // (the loss reads the logits rounded to bf16, their CAST lc, in place)
   ce_row(e, "cross_entropy", v, false, str(e, "b%d[r]", ptr(e, gr->ce)), "dx", str(e, "b%d[r]", ptr(e, dl)),
-         gr->dlc >= 0);
+         gr->dlc >= 0, gr->lc >= 0, b16 ? "d16" : NULL);
   ec_leave(&e->core);
-  if (b16) { // dlogits are bf16 values already: their top halves, exactly
-    par_for(e, rc * v, "static");
-    ec_line(&e->core, "for (int64_t i = 0; i < rn * %lld; i++)", (long long)v);
-    ec_line(&e->core, "  dl16[i] = mdl_f32_to_bf16(logits[i]);");
-  }
   ec_line(&e->core, "%s(h, 0, %d, rn, %lld, %lld, %s, %lld, %s, %lld, 0.0f, b%d + r0 * %lld, %lld);", gemm, !gr->tb,
           (long long)c, (long long)v, dlog, (long long)v, ws, (long long)ldw, ptr(e, gr->dx), (long long)c,
           (long long)c);
@@ -1369,10 +1381,14 @@ static void emit_lmhead(Emit *e, int gi) {
   for (int i = 0; i < 3; i++)
     if (ec_offset(&e->core, outs[i]) < 0)
       e->core.scratch[outs[i]] = true;
-  // Chunks of a multiple of 64 rows: at most 16M logits (64 MB), at most a quarter of the rows.
+  // Chunks of a multiple of 64 rows: at most 16M logits (64 MB), at most a quarter of the rows but
+  // 256 at least. Each chunk's rows are the inner dimension of dW's GEMM, which runs far below the
+  // library's rate on a few dozen (GPT-2 124M at B4 T64 in quarters of 64 rows: the LM head at 133
+  // GFLOP/s in fp32, 225 in one chunk of 256); and chunks larger than a quarter measured slower at
+  // L4 C256 V8192 (1024 rows, 32 MB of logits: 56 ms against 39 in quarters).
   int64_t rc = (16 << 20) / v / 64 * 64, quarter = (n / 4 + 63) / 64 * 64;
   if (rc > quarter)
-    rc = quarter;
+    rc = quarter > 256 ? quarter : 256;
   if (rc < 64)
     rc = 64;
   if (rc > n)

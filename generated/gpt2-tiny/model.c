@@ -804,7 +804,7 @@ static void k17_broadcast__mul(char *arena, const MdlHooks *h) {
 //   %122   matmul                                  line 45    f32[512,64]
 //   %123   matmul                                  line 45    f32[256,64]
 // loops:
-//   LM head: 512 rows x 256 classes from width 64, in chunks of 128 rows
+//   LM head: 512 rows x 256 classes from width 64, in chunks of 256 rows
 static void k18_lmhead__cast__cross_entropy__cross_entropy_bwd__gemm(char *arena, const MdlHooks *h) {
   int32_t *const b1 = (int32_t *)(arena + 2226176); // %1 input targets i32[8,64]
   uint16_t *const b105 = (uint16_t *)(arena + 4984960); // %105 cast bf16[512,64]
@@ -814,10 +814,10 @@ static void k18_lmhead__cast__cross_entropy__cross_entropy_bwd__gemm(char *arena
   float *const b122 = (float *)(arena + 4853888); // %122 matmul f32[512,64]
   float *const b123 = (float *)(arena + 5509248); // %123 matmul f32[256,64]
   if (h->bgemm) {
-    float *logits = mdl_scratch(32768 * sizeof(float));
-    uint16_t *dl16 = mdl_scratch(32768 * sizeof(uint16_t));
-    for (int64_t r0 = 0; r0 < 512; r0 += 128) {
-      const int64_t rn = 512 - r0 < 128 ? 512 - r0 : 128;
+    float *logits = mdl_scratch(65536 * sizeof(float));
+    uint16_t *dl16 = mdl_scratch(65536 * sizeof(uint16_t));
+    for (int64_t r0 = 0; r0 < 512; r0 += 256) {
+      const int64_t rn = 512 - r0 < 256 ? 512 - r0 : 256;
       mdl_bgemm(h, 0, 1, rn, 256, 64, b105 + r0 * 64, 64, b106, 64, 0.0f, logits, 256);
       #pragma omp parallel for num_threads(h->nthreads) schedule(static)
       for (int64_t i = 0; i < rn; i++) {
@@ -825,19 +825,21 @@ static void k18_lmhead__cast__cross_entropy__cross_entropy_bwd__gemm(char *arena
         float *x = logits + i * 256;
         float *dx = logits + i * 256;
         const int32_t t = b1[r];
-        for (int64_t j = 0; j < 256; j++)
-          x[j] = mdl_bf16_to_f32(mdl_f32_to_bf16(x[j]));
+        uint16_t *d16 = dl16 + i * 256;
         if (t < 0 || t >= 256) {
           if (t >= 256)
             h->error(h->ctx, "cross_entropy: target", t, 256);
           b110[r] = 0.0f;
-          memset(dx, 0, 256 * sizeof(float));
+          memset(d16, 0, 256 * sizeof(uint16_t));
           continue;
         }
-        const float xt = x[t]; // before dx, which may be x itself, is written
         float m = -INFINITY;
-        for (int64_t j = 0; j < 256; j++)
-          m = fmaxf(m, x[j]);
+        #pragma omp simd reduction(max : m)
+        for (int64_t j = 0; j < 256; j++) {
+          x[j] = mdl_bf16_to_f32(mdl_f32_to_bf16(x[j]));
+          m = x[j] > m ? x[j] : m;
+        }
+        const float xt = x[t]; // before dx, which may be x itself, is written
         double sum = 0;
         #pragma omp simd reduction(+ : sum)
         for (int64_t j = 0; j < 256; j++) {
@@ -846,12 +848,10 @@ static void k18_lmhead__cast__cross_entropy__cross_entropy_bwd__gemm(char *arena
         }
         b110[r] = (float)(m + log(sum) - xt);
         const double g = b117[r], inv = 1.0 / sum;
+        #pragma omp simd
         for (int64_t j = 0; j < 256; j++)
-          dx[j] = mdl_bf16_to_f32(mdl_f32_to_bf16((float)(g * (dx[j] * inv - (j == t)))));
+          d16[j] = mdl_f32_to_bf16((float)(g * (dx[j] * inv - (j == t))));
       }
-      #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-      for (int64_t i = 0; i < rn * 256; i++)
-        dl16[i] = mdl_f32_to_bf16(logits[i]);
       mdl_bgemm(h, 0, 0, rn, 64, 256, dl16, 256, b106, 64, 0.0f, b122 + r0 * 64, 64);
       mdl_bgemm(h, 1, 0, 256, 64, rn, dl16, 256, b105 + r0 * 64, 64, r0 ? 1.0f : 0.0f, b123, 64);
     }
@@ -861,9 +861,9 @@ static void k18_lmhead__cast__cross_entropy__cross_entropy_bwd__gemm(char *arena
   else {
     float *const w105 = mdl_widen_bf16(b105, 32768, h->nthreads);
     float *const w106 = mdl_widen_bf16(b106, 16384, h->nthreads);
-    float *logits = mdl_scratch(32768 * sizeof(float));
-    for (int64_t r0 = 0; r0 < 512; r0 += 128) {
-      const int64_t rn = 512 - r0 < 128 ? 512 - r0 : 128;
+    float *logits = mdl_scratch(65536 * sizeof(float));
+    for (int64_t r0 = 0; r0 < 512; r0 += 256) {
+      const int64_t rn = 512 - r0 < 256 ? 512 - r0 : 256;
       mdl_gemm(h, 0, 1, rn, 256, 64, w105 + r0 * 64, 64, w106, 64, 0.0f, logits, 256);
       #pragma omp parallel for num_threads(h->nthreads) schedule(static)
       for (int64_t i = 0; i < rn; i++) {
@@ -871,8 +871,6 @@ static void k18_lmhead__cast__cross_entropy__cross_entropy_bwd__gemm(char *arena
         float *x = logits + i * 256;
         float *dx = logits + i * 256;
         const int32_t t = b1[r];
-        for (int64_t j = 0; j < 256; j++)
-          x[j] = mdl_bf16_to_f32(mdl_f32_to_bf16(x[j]));
         if (t < 0 || t >= 256) {
           if (t >= 256)
             h->error(h->ctx, "cross_entropy: target", t, 256);
@@ -880,10 +878,13 @@ static void k18_lmhead__cast__cross_entropy__cross_entropy_bwd__gemm(char *arena
           memset(dx, 0, 256 * sizeof(float));
           continue;
         }
-        const float xt = x[t]; // before dx, which may be x itself, is written
         float m = -INFINITY;
-        for (int64_t j = 0; j < 256; j++)
-          m = fmaxf(m, x[j]);
+        #pragma omp simd reduction(max : m)
+        for (int64_t j = 0; j < 256; j++) {
+          x[j] = mdl_bf16_to_f32(mdl_f32_to_bf16(x[j]));
+          m = x[j] > m ? x[j] : m;
+        }
+        const float xt = x[t]; // before dx, which may be x itself, is written
         double sum = 0;
         #pragma omp simd reduction(+ : sum)
         for (int64_t j = 0; j < 256; j++) {

@@ -1718,19 +1718,21 @@ static void k88_lmhead__cast__cross_entropy__cross_entropy_bwd__gemm(char *arena
         float *x = logits + i * 50257;
         float *dx = logits + i * 50257;
         const int32_t t = b1[r];
-        for (int64_t j = 0; j < 50257; j++)
-          x[j] = mdl_bf16_to_f32(mdl_f32_to_bf16(x[j]));
+        uint16_t *d16 = dl16 + i * 50257;
         if (t < 0 || t >= 50257) {
           if (t >= 50257)
             h->error(h->ctx, "cross_entropy: target", t, 50257);
           b570[r] = 0.0f;
-          memset(dx, 0, 50257 * sizeof(float));
+          memset(d16, 0, 50257 * sizeof(uint16_t));
           continue;
         }
-        const float xt = x[t]; // before dx, which may be x itself, is written
         float m = -INFINITY;
-        for (int64_t j = 0; j < 50257; j++)
-          m = fmaxf(m, x[j]);
+        #pragma omp simd reduction(max : m)
+        for (int64_t j = 0; j < 50257; j++) {
+          x[j] = mdl_bf16_to_f32(mdl_f32_to_bf16(x[j]));
+          m = x[j] > m ? x[j] : m;
+        }
+        const float xt = x[t]; // before dx, which may be x itself, is written
         double sum = 0;
         #pragma omp simd reduction(+ : sum)
         for (int64_t j = 0; j < 50257; j++) {
@@ -1739,12 +1741,10 @@ static void k88_lmhead__cast__cross_entropy__cross_entropy_bwd__gemm(char *arena
         }
         b570[r] = (float)(m + log(sum) - xt);
         const double g = b577[r], inv = 1.0 / sum;
+        #pragma omp simd
         for (int64_t j = 0; j < 50257; j++)
-          dx[j] = mdl_bf16_to_f32(mdl_f32_to_bf16((float)(g * (dx[j] * inv - (j == t)))));
+          d16[j] = mdl_f32_to_bf16((float)(g * (dx[j] * inv - (j == t))));
       }
-      #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-      for (int64_t i = 0; i < rn * 50257; i++)
-        dl16[i] = mdl_f32_to_bf16(logits[i]);
       mdl_bgemm(h, 0, 0, rn, 768, 50257, dl16, 50257, b566, 768, 0.0f, b582 + r0 * 768, 768);
       mdl_bgemm(h, 1, 0, 50257, 768, rn, dl16, 50257, b565 + r0 * 768, 768, r0 ? 1.0f : 0.0f, b583, 768);
     }
@@ -1764,8 +1764,6 @@ static void k88_lmhead__cast__cross_entropy__cross_entropy_bwd__gemm(char *arena
         float *x = logits + i * 50257;
         float *dx = logits + i * 50257;
         const int32_t t = b1[r];
-        for (int64_t j = 0; j < 50257; j++)
-          x[j] = mdl_bf16_to_f32(mdl_f32_to_bf16(x[j]));
         if (t < 0 || t >= 50257) {
           if (t >= 50257)
             h->error(h->ctx, "cross_entropy: target", t, 50257);
@@ -1773,10 +1771,13 @@ static void k88_lmhead__cast__cross_entropy__cross_entropy_bwd__gemm(char *arena
           memset(dx, 0, 50257 * sizeof(float));
           continue;
         }
-        const float xt = x[t]; // before dx, which may be x itself, is written
         float m = -INFINITY;
-        for (int64_t j = 0; j < 50257; j++)
-          m = fmaxf(m, x[j]);
+        #pragma omp simd reduction(max : m)
+        for (int64_t j = 0; j < 50257; j++) {
+          x[j] = mdl_bf16_to_f32(mdl_f32_to_bf16(x[j]));
+          m = x[j] > m ? x[j] : m;
+        }
+        const float xt = x[t]; // before dx, which may be x itself, is written
         double sum = 0;
         #pragma omp simd reduction(+ : sum)
         for (int64_t j = 0; j < 50257; j++) {
