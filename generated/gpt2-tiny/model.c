@@ -1870,11 +1870,11 @@ static void k45_embed_bwd(char *arena, const MdlHooks *h) {
   int32_t *const b2 = (int32_t *)(arena + 2228224); // %2 input pos i32[8,64]
   float *const b207 = (float *)(arena + 2232448); // %207 add d.x f32[8,64,64]
   float *const b208 = (float *)(arena + 564224); // %208 embed_bwd d.wpe f32[128,64]
+  for (int64_t t = 0; t < 128; t++)
+    memset(b208 + t * 64, 0, 64 * sizeof(float));
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
   for (int64_t k = 0; k < 4; k++) {
     const int64_t c0 = k * 16, c1 = c0 + 16 < 64 ? c0 + 16 : 64;
-    for (int64_t t = 0; t < 128; t++)
-      memset(b208 + t * 64 + c0, 0, (size_t)(c1 - c0) * sizeof(float));
     for (int64_t r = 0; r < 512; r++) {
       const int32_t id = b2[r];
       if (id < 0 || id >= 128) {
@@ -1900,11 +1900,11 @@ static void k46_embed_bwd__add(char *arena, const MdlHooks *h) {
   float *const b207 = (float *)(arena + 2232448); // %207 add d.x f32[8,64,64]
   float *const b209 = mdl_scratch(65536); // %209 embed_bwd f32[256,64], kept in this kernel
   float *const b210 = (float *)(arena + 498688); // %210 add d.wte f32[256,64]
+  for (int64_t t = 0; t < 256; t++)
+    memset(b209 + t * 64, 0, 64 * sizeof(float));
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
   for (int64_t k = 0; k < 4; k++) {
     const int64_t c0 = k * 16, c1 = c0 + 16 < 64 ? c0 + 16 : 64;
-    for (int64_t t = 0; t < 256; t++)
-      memset(b209 + t * 64 + c0, 0, (size_t)(c1 - c0) * sizeof(float));
     for (int64_t r = 0; r < 512; r++) {
       const int32_t id = b0[r];
       if (id < 0 || id >= 256) {

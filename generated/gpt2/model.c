@@ -4149,10 +4149,11 @@ static void k235_embed_bwd(char *arena, const MdlHooks *h) {
   float *const b1067 = (float *)(arena + 2392693888); // %1067 add d.x f32[8,1024,768]
   float *const b1068 = (float *)(arena + 652148736); // %1068 embed_bwd d.wpe f32[1024,768]
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
+  for (int64_t t = 0; t < 1024; t++)
+    memset(b1068 + t * 768, 0, 768 * sizeof(float));
+  #pragma omp parallel for num_threads(h->nthreads) schedule(static)
   for (int64_t k = 0; k < 48; k++) {
     const int64_t c0 = k * 16, c1 = c0 + 16 < 768 ? c0 + 16 : 768;
-    for (int64_t t = 0; t < 1024; t++)
-      memset(b1068 + t * 768 + c0, 0, (size_t)(c1 - c0) * sizeof(float));
     for (int64_t r = 0; r < 8192; r++) {
       const int32_t id = b2[r];
       if (id < 0 || id >= 1024) {
@@ -4179,10 +4180,11 @@ static void k236_embed_bwd__add(char *arena, const MdlHooks *h) {
   float *const b1069 = mdl_scratch(154389504); // %1069 embed_bwd f32[50257,768], kept in this kernel
   float *const b1070 = (float *)(arena + 497759232); // %1070 add d.wte f32[50257,768]
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
+  for (int64_t t = 0; t < 50257; t++)
+    memset(b1069 + t * 768, 0, 768 * sizeof(float));
+  #pragma omp parallel for num_threads(h->nthreads) schedule(static)
   for (int64_t k = 0; k < 48; k++) {
     const int64_t c0 = k * 16, c1 = c0 + 16 < 768 ? c0 + 16 : 768;
-    for (int64_t t = 0; t < 50257; t++)
-      memset(b1069 + t * 768 + c0, 0, (size_t)(c1 - c0) * sizeof(float));
     for (int64_t r = 0; r < 8192; r++) {
       const int32_t id = b0[r];
       if (id < 0 || id >= 50257) {

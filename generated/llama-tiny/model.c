@@ -2166,11 +2166,11 @@ static void k72_embed_bwd(char *arena, const MdlHooks *h) {
   int32_t *const b0 = (int32_t *)(arena + 2345984); // %0 input tokens i32[8,64]
   float *const b253 = (float *)(arena + 2485376); // %253 add d.x f32[8,64,64]
   float *const b254 = (float *)(arena + 527616); // %254 embed_bwd d.tok_emb f32[256,64]
+  for (int64_t t = 0; t < 256; t++)
+    memset(b254 + t * 64, 0, 64 * sizeof(float));
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
   for (int64_t k = 0; k < 4; k++) {
     const int64_t c0 = k * 16, c1 = c0 + 16 < 64 ? c0 + 16 : 64;
-    for (int64_t t = 0; t < 256; t++)
-      memset(b254 + t * 64 + c0, 0, (size_t)(c1 - c0) * sizeof(float));
     for (int64_t r = 0; r < 512; r++) {
       const int32_t id = b0[r];
       if (id < 0 || id >= 256) {
