@@ -146,6 +146,17 @@ contains "run names the GEMM library, its kernels and their measured rate" "$tmp
 grep -qE '^GEMM: (oneDNN|OpenBLAS) [0-9.]+, [^ ]+ kernels[^:]*: [0-9]+ GFLOP/s fp32' "$tmp/p.out" &&
   echo "[ok] cli: the GEMM line has the library, its version and a rate" ||
   echo "[fail] cli: the GEMM line: $(grep '^GEMM' "$tmp/p.out")"
+# A GEMM library on kernels older than the CPU says so (OpenBLAS made to run its Prescott kernels).
+if grep -qw avx2 /proc/cpuinfo && [ -e /usr/lib/x86_64-linux-gnu/libopenblas.so.0 ]; then
+  rm -rf "$tmp/pres"
+  MDL_GEMM=openblas OPENBLAS_CORETYPE=PRESCOTT $m run models/gpt2-tiny.mdl -D B=2 -D T=16 --steps 1 \
+    --data "$tmp/shards" --out "$tmp/pres" --val-every 0 >"$tmp/pres.out" 2>&1
+  contains "a generic fallback of the GEMM library is a warning" "$tmp/pres.out" \
+    "runs its generic Prescott kernels on a CPU with AVX2 or later"
+  contains "... and the GEMM line names its kernels" "$tmp/pres.out" "Prescott kernels, as OPENBLAS_CORETYPE says"
+else
+  echo "[skip] cli: the generic-kernels warning (no AVX2 or no OpenBLAS here)"
+fi
 for prec in fp32 bf16; do
   rm -rf "$tmp/p$prec"
   $m run models/gpt2-tiny.mdl -D B=2 -D T=16 --steps 3 --data "$tmp/shards" --out "$tmp/p$prec" --val-every 0 \
