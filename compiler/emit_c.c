@@ -765,8 +765,8 @@ static void emit_gemm(Emit *e, int gi, const bool *emitted) {
   ec_phase_begin(&e->core);
   // bf16 operands: the library's bf16 GEMM where the runtime has one (h->bgemm), else an f32 GEMM of
   // the operands widened, in a scope of its own.
-  bool bf16 = ec_node(&e->core, nd->in[0])->dtype == DT_BF16 && ec_node(&e->core, nd->in[1])->dtype == DT_BF16;
-  bool mixed = !bf16 && (ec_node(&e->core, nd->in[0])->dtype == DT_BF16 || ec_node(&e->core, nd->in[1])->dtype == DT_BF16);
+  bool a16 = ec_node(&e->core, nd->in[0])->dtype == DT_BF16, b16 = ec_node(&e->core, nd->in[1])->dtype == DT_BF16;
+  bool bf16 = a16 && b16, mixed = a16 != b16;
   int wide[2], nwide = 0;
   note(e, "gemm %%%d: [%lld x %lld] = %s[%lld x %lld] %s[%lld x %lld]%s%s%s", mm, (long long)m, (long long)n,
        ta ? "T" : "", (long long)m, (long long)k, tb ? "T" : "", (long long)k, (long long)n,
@@ -2256,10 +2256,11 @@ static void write_kernels(Buf *out, const Kernel *ks, int n) {
             ec_bput(out, "\n//"), col = 2 + (int)strlen(ks[j].name) + 1;
           ec_bput(out, " %s", ks[j].name);
         }
-      ec_bput(out, "\n__attribute__((noinline)) static void %s__code(char *arena, const MdlHooks *h, const int64_t *o) {\n%s",
-              k->name, k->shared);
+      ec_bput(out, "\n__attribute__((noinline)) static void %s__code(char *arena, const MdlHooks *h, const int64_t *o) "
+              "{\n%s", k->name, k->shared);
     }
-    ec_bput(out, "%sstatic void %s(char *arena, const MdlHooks *h) {\n  static const int64_t o[] = {", k->head, k->name);
+    ec_bput(out, "%sstatic void %s(char *arena, const MdlHooks *h) {\n  static const int64_t o[] = {", k->head,
+            k->name);
     for (int j = 0; j < k->noff; j++)
       ec_bput(out, "%s%lld", j ? ", " : "", (long long)k->off[j]);
     ec_bput(out, "};\n  %s__code(arena, h, o);\n}\n", f->name);

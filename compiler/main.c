@@ -422,7 +422,8 @@ static void gemm_report(const GemmLib *lib) {
   printf(" (a 256x768x768 product split over the cores)\n");
   if (lib->generic)
     fprintf(stderr, "mdlc: warning: %s runs its generic %s kernels on a CPU with AVX2 or later: GEMMs at a fraction "
-            "of their speed (install oneDNN, Debian's libdnnl2, or name the CPU's family in OPENBLAS_CORETYPE)\n", lib->name, lib->kernels);
+            "of their speed (install oneDNN, Debian's libdnnl2, or name the CPU's family in OPENBLAS_CORETYPE)\n",
+            lib->name, lib->kernels);
 }
 
 // With `report`, one line on what was compiled.

@@ -5,8 +5,9 @@
 // Cache: the key is a 128-bit FNV-1a hash of (source, compiler flags, MDL_VERSION); the module lives
 // in $MDL_CACHE (else ~/.cache/mdl) as <key>.so next to its source <key>.c and the compiler's output
 // <key>.log. A compile writes a temporary file and renames it into place, so a concurrent run never
-// loads half a module. GEMMs go to the library gemm.c chose through the sgemm and bgemm hooks; errors that kernels meet (an
-// id or a target out of range) come back through the error hook and end the step with a message.
+// loads half a module. GEMMs go to the library gemm.c chose through the sgemm and bgemm hooks; errors
+// that kernels meet (an id or a target out of range) come back through the error hook and end the
+// step with a message.
 // One pool of threads runs everything: the module's OpenMP loops, and its GEMMs split by rows over
 // the same threads with the library single-threaded inside (two pools, each spinning while the other
 // works, made steps several times slower on two cores).
@@ -164,7 +165,8 @@ CpuModule *cpu_load(const char *source, char *err, size_t n) {
   }
   cm->nkernels = *nk;
   cm->arena_bytes = *bytes;
-  cm->hooks = (MdlHooks){.sgemm = gemm->sgemm, .bgemm = gemm->bgemm, .gemm_blocks = cpu_default_threads(), .ctx = cm, .error = error_hook};
+  cm->hooks = (MdlHooks){.sgemm = gemm->sgemm, .bgemm = gemm->bgemm, .gemm_blocks = cpu_default_threads(),
+                         .ctx = cm, .error = error_hook};
   cpu_set_threads(cm, cpu_default_threads());
   return cm;
 }

@@ -96,6 +96,7 @@ typedef struct {
   dnnl_primitive_t prim;
   dnnl_memory_desc_t a, b, c;
   size_t scratch;            // bytes of the scratchpad it asks for
+  dnnl_memory_desc_t s;      // the scratchpad, as bytes
 } Matmul;
 
 static pthread_mutex_t mm_lock = PTHREAD_MUTEX_INITIALIZER;
@@ -123,7 +124,8 @@ static bool matmul_make(Matmul *mm) {
   if (ok) {
     const dnnl_memory_desc_t *s = L.pd_query_md(pd, dnnl_query_scratchpad_md, 0);
     mm->scratch = s ? L.md_size(s) : 0;
-    ok = L.prim_create(&mm->prim, pd) == dnnl_success;
+    ok = L.md_init(&mm->s, 1, (dnnl_dims_t){(dnnl_dim_t)mm->scratch}, dnnl_u8, (dnnl_dims_t){1}) == dnnl_success &&
+         L.prim_create(&mm->prim, pd) == dnnl_success;
   }
   if (pd)
     L.pd_destroy(pd);
@@ -181,16 +183,14 @@ static void onednn_bgemm(int ta, int tb, int64_t m, int64_t n, int64_t k, const 
     tl_scratch_bytes = tl_scratch ? mm->scratch : 0;
   }
   dnnl_memory_t ma = NULL, mb = NULL, mc = NULL, ms = NULL;
-  dnnl_dims_t sd = {(dnnl_dim_t)mm->scratch};
-  dnnl_memory_desc_t smd;
   bool ok = mm && tl_stream && tl_scratch_bytes >= mm->scratch &&
             L.mem_create(&ma, &mm->a, L.engine, (void *)a) == dnnl_success &&
             L.mem_create(&mb, &mm->b, L.engine, (void *)b) == dnnl_success &&
             L.mem_create(&mc, &mm->c, L.engine, c) == dnnl_success &&
-            L.md_init(&smd, 1, sd, dnnl_u8, (dnnl_dims_t){1}) == dnnl_success &&
-            L.mem_create(&ms, &smd, L.engine, tl_scratch) == dnnl_success;
+            L.mem_create(&ms, &mm->s, L.engine, tl_scratch) == dnnl_success;
   if (ok) {
-    dnnl_exec_arg_t args[] = {{DNNL_ARG_SRC, ma}, {DNNL_ARG_WEIGHTS, mb}, {DNNL_ARG_DST, mc}, {DNNL_ARG_SCRATCHPAD, ms}};
+    dnnl_exec_arg_t args[] = {
+        {DNNL_ARG_SRC, ma}, {DNNL_ARG_WEIGHTS, mb}, {DNNL_ARG_DST, mc}, {DNNL_ARG_SCRATCHPAD, ms}};
     int t = one_thread();
     ok = L.prim_execute(mm->prim, tl_stream, 4, args) == dnnl_success;
     threads_back(t);

@@ -115,6 +115,18 @@ awk -v a="$a1" -v b="$a2" 'BEGIN {exit !(a > 0 && b > 1.5 * a)}' &&
   echo "[ok] cli: --no-reuse shows what memory reuse saves ($a1 MB vs $a2 MB of activations)" ||
   echo "[fail] cli: --no-reuse activations $a2 MB vs $a1 MB"
 
+# Memory: with validation and checkpoints, the process stays within 1.7x the step's arena (the
+# validation engine's arena zeroed up front and a checkpoint's copy of the parameters and moments took
+# it to 2.57x: 1136 MB against 442).
+rm -rf "$tmp/mem"
+$m run models/gpt2.mdl -D V=32768 -D C=512 -D H=8 -D L=1 -D B=4 -D T=64 --steps 4 --val-every 2 --ckpt-every 2 \
+  --data "$tmp/shards" --out "$tmp/mem" --backend cpu >"$tmp/mem.out" 2>&1
+arena=$(grep -o 'arena [0-9.]* MB' "$tmp/mem.out" | head -1 | cut -d' ' -f2)
+peak=$(grep -o 'peak [0-9]* MB' "$tmp/mem.out" | cut -d' ' -f2 | sort -n | tail -1)
+awk -v a="$arena" -v p="$peak" 'BEGIN {exit !(a > 0 && p > 0 && p <= 1.7 * a)}' &&
+  echo "[ok] cli: validation and checkpoints keep the process within 1.7x its arena ($peak MB, arena $arena MB)" ||
+  echo "[fail] cli: peak $peak MB against an arena of $arena MB: $(tail -c 300 "$tmp/mem.out")"
+
 # --profile: the step runs kernel by kernel, to the same losses, and a table of every kernel follows.
 rm -rf "$tmp/prof"
 $m run models/gpt2-tiny.mdl -D B=2 -D T=16 --steps 3 --data "$tmp/shards" --out "$tmp/prof" --val-every 0 --profile \
@@ -154,6 +166,8 @@ if grep -qw avx2 /proc/cpuinfo && [ -e /usr/lib/x86_64-linux-gnu/libopenblas.so.
   contains "a generic fallback of the GEMM library is a warning" "$tmp/pres.out" \
     "runs its generic Prescott kernels on a CPU with AVX2 or later"
   contains "... and the GEMM line names its kernels" "$tmp/pres.out" "Prescott kernels, as OPENBLAS_CORETYPE says"
+  contains "precision auto is fp32 with a GEMM library that has no faster bf16 GEMM" "$tmp/pres.out" \
+    "precision auto, fp32: OpenBLAS"
 else
   echo "[skip] cli: the generic-kernels warning (no AVX2 or no OpenBLAS here)"
 fi

@@ -12,12 +12,16 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
-static float bf16_value(float x) { // x rounded to a bf16 value (nearest, ties to even)
-  uint32_t u;
-  memcpy(&u, &x, 4);
-  u = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
-  memcpy(&x, &u, 4);
-  return x;
+// Random values in [-1, 1) rounded to bf16 (cpu_bf16_from_f32, as the kernels round): x holds them
+// widened back to f32, x16 as bf16.
+static void bf16_values(float *x, uint16_t *x16, int64_t n) {
+  for (int64_t i = 0; i < n; i++)
+    x[i] = (float)rand() / RAND_MAX * 2.0f - 1.0f;
+  cpu_bf16_from_f32(x, x16, n);
+  for (int64_t i = 0; i < n; i++) {
+    uint32_t u = (uint32_t)x16[i] << 16;
+    memcpy(&x[i], &u, 4);
+  }
 }
 
 // One case: C (m x n, leading dimension ldc, prefilled) = op(A) op(B) + beta C, by the library and by
@@ -31,22 +35,10 @@ static double one_case(const GemmLib *lib, bool bf16, int ta, int tb, int64_t m,
   uint16_t *a16 = malloc(2 * (size_t)(ar * lda)), *b16 = malloc(2 * (size_t)(br * ldb));
   double *want = malloc(sizeof(double) * (size_t)(m * n)), *mag = malloc(sizeof(double) * (size_t)(m * n));
   srand(7);
-  for (int64_t i = 0; i < ar * lda; i++)
-    a[i] = bf16_value((float)rand() / RAND_MAX * 2.0f - 1.0f);
-  for (int64_t i = 0; i < br * ldb; i++)
-    b[i] = bf16_value((float)rand() / RAND_MAX * 2.0f - 1.0f);
+  bf16_values(a, a16, ar * lda);
+  bf16_values(b, b16, br * ldb);
   for (int64_t i = 0; i < m * ldc; i++)
     c[i] = (float)(i % 7) - 3.0f;
-  for (int64_t i = 0; i < ar * lda; i++) {
-    uint32_t u;
-    memcpy(&u, &a[i], 4);
-    a16[i] = (uint16_t)(u >> 16);
-  }
-  for (int64_t i = 0; i < br * ldb; i++) {
-    uint32_t u;
-    memcpy(&u, &b[i], 4);
-    b16[i] = (uint16_t)(u >> 16);
-  }
   for (int64_t i = 0; i < m; i++)
     for (int64_t j = 0; j < n; j++) {
       double s = beta * (double)c[i * ldc + j], g = fabs(s);
