@@ -30,14 +30,16 @@
 // next pass avoids it, and the text of the last pass is kept.
 //
 // Numerics follow interp.c op by op. Elementwise math is fp32; sums over many elements (norm
-// statistics, column sums, reductions, softmax denominators, the gradient norm) accumulate in double,
-// in fixed blocks combined in a fixed order, and short dot products use `omp simd` reductions (an
+// statistics, column sums, reductions, the gradient norm) accumulate in double, in fixed blocks
+// combined in a fixed order; softmax and cross-entropy denominators in 16 f32 lanes flushed to double
+// lanes every 256 elements (exp_sum), and short dot products use `omp simd` reductions (an
 // order fixed by the compiled code), so results do not depend on the thread count. Attention keeps
 // one task per (batch, head) and sums its short rows of probabilities in fp32, in 8 lanes combined in
 // a fixed tree, with a vectorizable exp (mdl_exp_shifted) for the softmax; the softmax and
 // cross-entropy rows, gelu and silu use it too (mdl_exp_fast), and elementwise loops run over rows
-// of the last axis, so that a bias read along rows does not keep them from vectorizing. AdamW runs in
-// double per element, as the interpreter does. GEMMs go through mdl_gemm, which splits the rows of
+// of the last axis, so that a bias read along rows does not keep them from vectorizing. AdamW runs in f32
+// per element, as a fused optimizer on a GPU does (in double it measured 20% slower than f32, its
+// square root and division at half the vector width; the interpreter keeps double). GEMMs go through mdl_gemm, which splits the rows of
 // C over the OpenMP threads and calls the runtime's single-threaded sgemm in each block, so one
 // pool of threads runs the whole step.
 //
@@ -65,12 +67,14 @@
 enum { PAR_MIN = 32768 }; // elements of work below which a loop stays on one thread
 
 static const char prelude[] =
+    "#define _DEFAULT_SOURCE // mmap's MAP_ANONYMOUS and madvise's MADV_HUGEPAGE under -std=c11\n"
     "#include <math.h>\n"
     "#include <stdbool.h>\n"
     "#include <stdint.h>\n"
     "#include <stdio.h>\n"
     "#include <stdlib.h>\n"
     "#include <string.h>\n"
+    "#include <sys/mman.h>\n"
     "\n"
     "// The runtime's hooks and the kernel table (runtime/backend.h holds the same typedefs).\n"
     "typedef struct {\n"
@@ -155,13 +159,58 @@ static const char prelude[] =
     "}\n"
     "\n"
 
+    "// Scratch for one kernel, freed by mdl_free before it returns. A large buffer is mapped in huge\n"
+    "// pages where the kernel has them, and kept when freed for the next step's kernel of its size (a\n"
+    "// few are kept): mapped afresh each step, GPT-2 124M's LM head chunk of 51 MB was faulted in and\n"
+    "// zeroed by the kernel every step (glibc's malloc maps anything over 32 MB afresh). A header before\n"
+    "// the buffer keeps its size.\n"
+    "enum { MDL_SCRATCH_HEAD = 64, MDL_SCRATCH_MAPPED = 4 << 20, MDL_SCRATCH_KEPT = 8 };\n"
+    "static char *mdl_scratch_kept[MDL_SCRATCH_KEPT];\n"
+    "\n"
     "static inline void *mdl_scratch(size_t bytes) {\n"
-    "  void *p = malloc(bytes ? bytes : 1);\n"
+    "  const size_t n = bytes + MDL_SCRATCH_HEAD;\n"
+    "  char *p = NULL;\n"
+    "  if (n >= MDL_SCRATCH_MAPPED) {\n"
+    "#pragma omp critical(mdl_scratch)\n"
+    "    for (int i = 0; i < MDL_SCRATCH_KEPT && !p; i++) {\n"
+    "      size_t m = 0;\n"
+    "      if (mdl_scratch_kept[i])\n"
+    "        memcpy(&m, mdl_scratch_kept[i], sizeof m);\n"
+    "      if (m == n)\n"
+    "        p = mdl_scratch_kept[i], mdl_scratch_kept[i] = NULL;\n"
+    "    }\n"
+    "    if (!p) {\n"
+    "      p = mmap(NULL, n, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);\n"
+    "      if (p == MAP_FAILED)\n"
+    "        p = NULL;\n"
+    "      else\n"
+    "        madvise(p, n, MADV_HUGEPAGE);\n"
+    "    }\n"
+    "  } else {\n"
+    "    p = aligned_alloc(MDL_SCRATCH_HEAD, (n + MDL_SCRATCH_HEAD - 1) / MDL_SCRATCH_HEAD * MDL_SCRATCH_HEAD);\n"
+    "  }\n"
     "  if (!p) {\n"
     "    fprintf(stderr, \"mdl: out of memory (%zu bytes)\\n\", bytes);\n"
     "    abort();\n"
     "  }\n"
-    "  return p;\n"
+    "  memcpy(p, &n, sizeof n);\n"
+    "  return p + MDL_SCRATCH_HEAD;\n"
+    "}\n"
+    "\n"
+    "static inline void mdl_free(void *q) {\n"
+    "  char *p = (char *)q - MDL_SCRATCH_HEAD;\n"
+    "  size_t n;\n"
+    "  memcpy(&n, p, sizeof n);\n"
+    "  if (n < MDL_SCRATCH_MAPPED) {\n"
+    "    free(p);\n"
+    "    return;\n"
+    "  }\n"
+    "#pragma omp critical(mdl_scratch)\n"
+    "  for (int i = 0; i < MDL_SCRATCH_KEPT && p; i++)\n"
+    "    if (!mdl_scratch_kept[i])\n"
+    "      mdl_scratch_kept[i] = p, p = NULL;\n"
+    "  if (p)\n"
+    "    munmap(p, n);\n"
     "}\n"
     "\n"
     "// C = op(A) op(B) + beta C through the runtime's sgemm, split into blocks of output rows over the\n"
@@ -186,8 +235,8 @@ static const char prelude[] =
     "  }\n"
     "}\n"
     "\n"
-    "// Sum of squares in double over fixed blocks of 4096, the blocks added in order: the result does\n"
-    "// not depend on the number of threads.\n"
+    "// Sum of squares in double over fixed blocks of 4096, each block in vector lanes, the blocks added\n"
+    "// in order: the result does not depend on the number of threads.\n"
     "static inline double mdl_sumsq(const float *x, int64_t n, int nthreads) {\n"
     "  const int64_t nb = (n + 4095) / 4096;\n"
     "  double *part = mdl_scratch((size_t)nb * sizeof(double)), s = 0;\n"
@@ -195,13 +244,14 @@ static const char prelude[] =
     "  for (int64_t b = 0; b < nb; b++) {\n"
     "    const int64_t end = b * 4096 + 4096 < n ? b * 4096 + 4096 : n;\n"
     "    double acc = 0;\n"
+    "#pragma omp simd reduction(+ : acc)\n"
     "    for (int64_t i = b * 4096; i < end; i++)\n"
     "      acc += (double)x[i] * x[i];\n"
     "    part[b] = acc;\n"
     "  }\n"
     "  for (int64_t b = 0; b < nb; b++)\n"
     "    s += part[b];\n"
-    "  free(part);\n"
+    "  mdl_free(part);\n"
     "  return s;\n"
     "}\n";
 
@@ -250,7 +300,7 @@ static const char prelude_bf16[] =
     "\n"
     "// n bf16 values widened into a new f32 buffer (exact), for the f32 GEMM that computes a GEMM of\n"
     "// bf16 operands: every product of two bf16 values is exact in f32, and the sums accumulate in f32\n"
-    "// as on a GPU's bf16 tensor cores. free() it.\n"
+    "// as on a GPU's bf16 tensor cores. mdl_free() it.\n"
     "static inline float *mdl_widen_bf16(const uint16_t *x, int64_t n, int nthreads) {\n"
     "  float *y = mdl_scratch((size_t)n * sizeof(float));\n"
     "#pragma omp parallel for num_threads(nthreads) schedule(static) if (n >= 65536)\n"
@@ -409,7 +459,7 @@ static void write_decls(Emit *e, Buf *decl, Buf *shared, Kernel *k, Buf *frees) 
         ec_bput(&line, "  %s *const b%d = mdl_scratch(%lld); // %s %s, kept in this kernel\n", t, c,
                 (long long)ec_numel(&e->core, c) * dtype_size(ec_node(&e->core, c)->dtype), node_label(e, c),
                 shape_txt(e, c));
-        ec_bput(frees, "  free(b%d);\n", c);
+        ec_bput(frees, "  mdl_free(b%d);\n", c);
       } else if (pass == 1 && ec_offset(&e->core, c) < 0 && e->core.host[c] >= 0) {
         ec_bput(&line, "  float *const b%d = b%d; // %s %s: the GEMM writes into its epilogue's output\n", c,
                 e->core.host[c], node_label(e, c), shape_txt(e, c));
@@ -609,7 +659,7 @@ static Rows widened(Emit *e, Rows r, int *wide, int *nwide) {
 
 static void free_widened(Emit *e, const int *wide, int nwide) {
   for (int i = 0; i < nwide; i++)
-    ec_line(&e->core, "free(w%d);", wide[i]);
+    ec_line(&e->core, "mdl_free(w%d);", wide[i]);
 }
 
 // Evaluates the post outputs inside the anchor's own loop, where the anchor's value at index ix is
@@ -661,7 +711,7 @@ static void rows_close(Emit *e, const Tmp *tmp, int ntmp) {
   ec_leave(&e->core);
   if (ntmp) {
     for (int i = 0; i < ntmp; i++)
-      ec_line(&e->core, "free(%s);", tmp[i].name);
+      ec_line(&e->core, "mdl_free(%s);", tmp[i].name);
     ec_leave(&e->core);
   }
 }
@@ -923,7 +973,7 @@ static void emit_reduce(Emit *e, int gi, const bool *emitted) {
     ec_leave(&e->core);
     reduce_finish(e, a, buf, q, nq);
     ec_leave(&e->core);
-    ec_line(&e->core, "free(part);");
+    ec_line(&e->core, "mdl_free(part);");
   }
   e->loop_ix = NULL;
   if (buf)
@@ -1143,11 +1193,11 @@ static void emit_norm_bwd(Emit *e, int gi, const bool *emitted) {
       ec_line(&e->core, "b%d[j] = (float)a%d;", ptr(e, sums[i]), i);
     ec_leave(&e->core);
     if (dw >= 0)
-      ec_line(&e->core, "free(pdw);");
+      ec_line(&e->core, "mdl_free(pdw);");
     if (db >= 0)
-      ec_line(&e->core, "free(pdb);");
+      ec_line(&e->core, "mdl_free(pdb);");
     for (int i = 0; i < nsum; i++)
-      ec_line(&e->core, "free(ps%d);", i);
+      ec_line(&e->core, "mdl_free(ps%d);", i);
   }
   e->loop_ix = NULL;
   if (dxbuf)
@@ -1160,6 +1210,45 @@ static void emit_norm_bwd(Emit *e, int gi, const bool *emitted) {
     ec_phase_done(&e->core, sums[i]);
   ec_phase_end(&e->core);
   free(q);
+}
+
+// Declares `double sum`, the sum over j in [0, n) of ej = `expr` (stored in dst[j] too unless dst is
+// NULL): 16 f32 lanes by the element's place in a block of 256, each block's lanes added into 16
+// double lanes, then a fixed tree. The order depends on n alone (not on the alignment that a vector
+// loop peels for), the f32 part of each lane sums 16 terms, and the loop vectorizes: a sum in double
+// lanes halves the vector width and measured 5-6x slower on the LM head's rows, GCC keeping each
+// element's exp in scalar code.
+static void exp_sum(Emit *e, int64_t n, const char *expr, const char *dst) {
+  ec_line(&e->core, "double sum;");
+  ec_enter(&e->core, "%s", "");
+  ec_line(&e->core, "double lane[16] = {0};");
+  ec_enter(&e->core, "for (int64_t j0 = 0; j0 < %lld; j0 += 256)", (long long)n);
+  ec_line(&e->core, "const int64_t j1 = j0 + 256 < %lld ? j0 + 256 : %lld;", (long long)n, (long long)n);
+  ec_line(&e->core, "float part[16] = {0};");
+  ec_line(&e->core, "int64_t k = j0;");
+  ec_enter(&e->core, "for (; k + 16 <= j1; k += 16)");
+  ec_enter(&e->core, "for (int64_t u = 0; u < 16; u++)");
+  ec_line(&e->core, "const int64_t j = k + u;");
+  ec_line(&e->core, "const float ej = %s;", expr);
+  if (dst)
+    ec_line(&e->core, "%s[j] = ej;", dst);
+  ec_line(&e->core, "part[u] += ej;");
+  ec_leave(&e->core);
+  ec_leave(&e->core);
+  ec_enter(&e->core, "for (int64_t j = k; j < j1; j++)");
+  ec_line(&e->core, "const float ej = %s;", expr);
+  if (dst)
+    ec_line(&e->core, "%s[j] = ej;", dst);
+  ec_line(&e->core, "part[j - k] += ej;");
+  ec_leave(&e->core);
+  ec_line(&e->core, "for (int u = 0; u < 16; u++)");
+  ec_line(&e->core, "  lane[u] += part[u];");
+  ec_leave(&e->core);
+  ec_line(&e->core, "for (int w = 8; w > 0; w /= 2)");
+  ec_line(&e->core, "  for (int u = 0; u < w; u++)");
+  ec_line(&e->core, "    lane[u] += lane[u + w];");
+  ec_line(&e->core, "sum = lane[0];");
+  ec_leave(&e->core);
 }
 
 // SOFTMAX (x) or SOFTMAX_BWD (y, dy) over the last axis, one row per iteration.
@@ -1200,16 +1289,14 @@ static void emit_softmax(Emit *e, int gi, const bool *emitted) {
     ec_line(&e->core, "  out[j] = (float)(y[j] * (dy[j] - dot));");
   } else {
     ec_line(&e->core, "float m = -INFINITY;");
+    ec_line(&e->core, "#pragma omp simd reduction(max : m)");
     ec_line(&e->core, "for (int64_t j = 0; j < %lld; j++)", (long long)cols);
-    ec_line(&e->core, "  m = fmaxf(m, x[j]);");
-    ec_line(&e->core, "double sum = 0;");
-    ec_line(&e->core, "#pragma omp simd reduction(+ : sum)");
-    ec_enter(&e->core, "for (int64_t j = 0; j < %lld; j++)", (long long)cols);
-    ec_line(&e->core, "out[j] = mdl_exp_shifted(x[j] - m);");
-    ec_line(&e->core, "sum += out[j];");
-    ec_leave(&e->core);
+    ec_line(&e->core, "  m = x[j] > m ? x[j] : m;");
+    exp_sum(e, cols, "mdl_exp_shifted(x[j] - m)", "out");
+    ec_line(&e->core, "const float inv = (float)(1.0 / sum);");
+    ec_line(&e->core, "#pragma omp simd");
     ec_line(&e->core, "for (int64_t j = 0; j < %lld; j++)", (long long)cols);
-    ec_line(&e->core, "  out[j] = (float)(out[j] / sum);");
+    ec_line(&e->core, "  out[j] *= inv;");
   }
   if (nq) {
     ec_enter(&e->core, "for (int64_t j = 0; j < %lld; j++)", (long long)cols);
@@ -1228,7 +1315,9 @@ static void emit_softmax(Emit *e, int gi, const bool *emitted) {
 // One row of cross-entropy: the loss into `loss` (an lvalue, or NULL) and dloss * (softmax - onehot)
 // into the row `dx` (or NULL), for logits row x (bf16 values when x16, widened as they are read) and
 // target t; an ignored target (< 0) gives zeros, one >= V an error. With bf16, dx holds the gradient
-// rounded to bf16 values (the CAST that the LM head's backward GEMMs read).
+// rounded to bf16 values (the CAST that the LM head's backward GEMMs read). Each pass is one vector
+// loop: the maximum, the exponentials with their sum, then dx = exp * (dloss / sum), the target's
+// element less dloss.
 static void ce_row(Emit *e, const char *what, int64_t v, bool x16, const char *loss, const char *dx,
                    const char *dloss, bool bf16, bool round_x, const char *dx16) {
   const char *xj = x16 ? "mdl_bf16_to_f32(x[j])" : "x[j]";
@@ -1248,43 +1337,38 @@ static void ce_row(Emit *e, const char *what, int64_t v, bool x16, const char *l
     ec_line(&e->core, "const float xt = %s; // before dx, which may be x itself, is written",
             x16 ? "mdl_bf16_to_f32(x[t])" : "x[t]");
   ec_line(&e->core, "float m = -INFINITY;");
+  ec_line(&e->core, "#pragma omp simd reduction(max : m)");
+  ec_enter(&e->core, "for (int64_t j = 0; j < %lld; j++)", (long long)v);
   if (round_x) { // the logits rounded to bf16 in place (their CAST) as the maximum is taken
-    ec_line(&e->core, "#pragma omp simd reduction(max : m)");
-    ec_enter(&e->core, "for (int64_t j = 0; j < %lld; j++)", (long long)v);
     ec_line(&e->core, "x[j] = mdl_bf16_to_f32(mdl_f32_to_bf16(x[j]));");
     ec_line(&e->core, "m = x[j] > m ? x[j] : m;");
-    ec_leave(&e->core);
-    if (loss)
-      ec_line(&e->core, "const float xt = x[t]; // before dx, which may be x itself, is written");
   } else {
-    ec_line(&e->core, "for (int64_t j = 0; j < %lld; j++)", (long long)v);
-    ec_line(&e->core, "  m = fmaxf(m, %s);", xj);
+    ec_line(&e->core, "const float xv = %s;", xj);
+    ec_line(&e->core, "m = xv > m ? xv : m;");
   }
-  ec_line(&e->core, "double sum = 0;");
-  ec_line(&e->core, "#pragma omp simd reduction(+ : sum)");
-  if (dx) {
-    ec_enter(&e->core, "for (int64_t j = 0; j < %lld; j++)", (long long)v);
-    ec_line(&e->core, "%s[j] = mdl_exp_shifted(%s - m);", dx, xj);
-    ec_line(&e->core, "sum += %s[j];", dx);
-    ec_leave(&e->core);
-  } else {
-    ec_line(&e->core, "for (int64_t j = 0; j < %lld; j++)", (long long)v);
-    ec_line(&e->core, "  sum += mdl_exp_shifted(%s - m);", xj);
-  }
+  ec_leave(&e->core);
+  if (loss && round_x)
+    ec_line(&e->core, "const float xt = x[t]; // before dx, which may be x itself, is written");
+  exp_sum(e, v, str(e, "mdl_exp_shifted(%s - m)", xj), dx);
   if (loss)
     ec_line(&e->core, "%s = (float)(m + log(sum) - xt);", loss);
   if (dx) {
-    ec_line(&e->core, "const double g = %s, inv = 1.0 / sum;", dloss);
+    ec_line(&e->core, "const float g = %s, sc = (float)(g / sum), et = %s[t];", dloss, dx);
     if (dx16) { // the gradient rounded to bf16, as the bits the backward GEMMs read (dx is not read again)
       ec_line(&e->core, "#pragma omp simd");
       ec_line(&e->core, "for (int64_t j = 0; j < %lld; j++)", (long long)v);
-      ec_line(&e->core, "  %s[j] = mdl_f32_to_bf16((float)(g * (%s[j] * inv - (j == t))));", dx16, dx);
+      ec_line(&e->core, "  %s[j] = mdl_f32_to_bf16(%s[j] * sc);", dx16, dx);
+      ec_line(&e->core, "%s[t] = mdl_f32_to_bf16(et * sc - g);", dx16);
     } else {
+      ec_line(&e->core, "#pragma omp simd");
       ec_line(&e->core, "for (int64_t j = 0; j < %lld; j++)", (long long)v);
-      if (bf16)
-        ec_line(&e->core, "  %s[j] = mdl_bf16_to_f32(mdl_f32_to_bf16((float)(g * (%s[j] * inv - (j == t)))));", dx, dx);
-      else
-        ec_line(&e->core, "  %s[j] = (float)(g * (%s[j] * inv - (j == t)));", dx, dx);
+      if (bf16) {
+        ec_line(&e->core, "  %s[j] = mdl_bf16_to_f32(mdl_f32_to_bf16(%s[j] * sc));", dx, dx);
+        ec_line(&e->core, "%s[t] = mdl_bf16_to_f32(mdl_f32_to_bf16(et * sc - g));", dx);
+      } else {
+        ec_line(&e->core, "  %s[j] *= sc;", dx);
+        ec_line(&e->core, "%s[t] = et * sc - g;", dx);
+      }
     }
   }
 }
@@ -1361,9 +1445,9 @@ static void lmhead_chunks(Emit *e, const Group *gr, int64_t n, int64_t c, int64_
             gemm, (long long)c, (long long)v, xs, (long long)c, (long long)c, dlog, (long long)v, ptr(e, gr->dw),
             (long long)v);
   ec_leave(&e->core);
-  ec_line(&e->core, "free(logits);");
+  ec_line(&e->core, "mdl_free(logits);");
   if (b16)
-    ec_line(&e->core, "free(dl16);");
+    ec_line(&e->core, "mdl_free(dl16);");
 }
 
 // The LM head chunk by chunk: logits rows = x W^T (or x W) into a chunk buffer, cross-entropy and its
@@ -1579,7 +1663,7 @@ static void emit_attn_open(Emit *e, int64_t nb, int64_t heads, bool par, const T
 static void emit_attn_close(Emit *e, const Tmp *tmp, int ntmp) {
   ec_leave(&e->core);
   for (int i = 0; i < ntmp; i++)
-    ec_line(&e->core, "free(%s);", tmp[i].name);
+    ec_line(&e->core, "mdl_free(%s);", tmp[i].name);
   ec_leave(&e->core);
 }
 
@@ -1617,6 +1701,252 @@ static void emit_attn_pairs(Emit *e, const char *acc, const char *w, Rows x, int
   ec_leave(&e->core);
 }
 
+// Attention through the GEMM library. A task owns a (batch, head) and walks its query rows in blocks
+// of ATT_ROWS; each block's scores against the keys it may attend ([klo, khi): up to the block's last
+// row when causal, from the first key of any of its rows' documents) are one GEMM, the softmax runs
+// over the block's rows in f32, and the weighted sum of values is a second GEMM; the backward
+// recomputes the block's probabilities from the forward's log-sum-exp and takes dP, dQ, dK and dV as
+// four GEMMs, dK and dV summed over the blocks in the task's own [T][D] buffers. The blocks and the
+// products' shapes follow T alone, so the values do not depend on the thread count. Products of
+// bf16 attention (mdl.h) run on the library's bf16 GEMM (h->bgemm) on operands staged as bf16 bits,
+// else on f32 operands staged as bf16 values; an f32 attention reads its rows in place.
+enum { ATT_ROWS = 64 };
+
+// Whether attention over T keys of heads of D channels runs through the GEMM library, else through
+// the row loops below. Measured (`--profile`, the attention kernels of a step, loops -> GEMMs):
+// L4 C256 (D 64) B2 T512 55.6 -> 23.4 ms in bf16, 50.6 -> 28.1 in fp32; B8 T128 16.1 -> 10.6 and
+// 15.1 -> 11.9; GPT-2 124M B4 T64 19.1 -> 19.9 (even); gpt2-tiny (D 16, T 64) 0.7 -> 1.0.
+static bool attn_by_gemm(int64_t nt, int64_t d) { return nt >= 128 && d >= 32; }
+
+// A GEMM operand: the head's rows at p (elements of the GEMM's type), row r at p + r * ld.
+typedef struct {
+  const char *p;
+  int64_t ld;
+} Opnd;
+
+// The head's part of rows r (rows [0, T) of batch b, columns hd * D ...) as an operand of GEMMs of
+// bf16 bits (g16) or of f32: in place where stored that way, else copied into buf ([T][D]), rounded
+// to bf16 where bf16 attention reads it rounded.
+static Opnd attn_operand(Emit *e, Rows r, int64_t nt, int64_t d, bool bf16, bool g16, const char *buf) {
+  bool x16 = attn_stored16(e, r);
+  const char *head = str(e, "%s + b * %lld + hd * %lld", r.base, (long long)(nt * r.stride), (long long)d);
+  if ((g16 && x16) || (!g16 && !bf16 && !x16))
+    return (Opnd){head, r.stride};
+  const char *ot = g16 ? "uint16_t" : "float", *val;
+  if (g16)
+    val = "mdl_f32_to_bf16(x[c])";
+  else
+    val = attn_read(e, r, "x[c]", bf16);
+  ec_enter(&e->core, "for (int64_t j = 0; j < %lld; j++)", (long long)nt);
+  ec_line(&e->core, "const %s *restrict x = %s + j * %lld;", x16 ? "uint16_t" : "float", head, (long long)r.stride);
+  ec_line(&e->core, "%s *restrict y = (%s *)%s + j * %lld;", ot, ot, buf, (long long)d);
+  ec_line(&e->core, "for (int64_t c = 0; c < %lld; c++)", (long long)d);
+  ec_line(&e->core, "  y[c] = %s;", val);
+  ec_leave(&e->core);
+  return (Opnd){str(e, "(const %s *)%s", ot, buf), d};
+}
+
+// One single-threaded GEMM of the task: C = op(A) op(B) + beta C, row-major; leading dimensions as
+// code (a block's scores are packed nk to a row).
+static void attn_gemm(Emit *e, bool g16, int ta, int tb, const char *m, const char *n, const char *k, const char *a,
+                      const char *lda, const char *b, const char *ldb, const char *beta, const char *c,
+                      const char *ldc) {
+  ec_line(&e->core, "h->%s(%d, %d, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s);", g16 ? "bgemm" : "sgemm", ta, tb, m, n, k,
+          a, lda, b, ldb, beta, c, ldc);
+}
+
+// An operand's rows from row r0 (code) on, and its leading dimension, as code.
+static const char *op_at(Emit *e, Opnd o, const char *r0) { return str(e, "%s + %s * %lld", o.p, r0, (long long)o.ld); }
+static const char *op_ld(Emit *e, Opnd o) { return str(e, "%lld", (long long)o.ld); }
+
+// Opens the loop over the task's query blocks [i0, i1) and declares its keys [klo, khi), nk of them.
+static void attn_blocks_open(Emit *e, int64_t nt, bool causal, int doc) {
+  ec_enter(&e->core, "for (int64_t i0 = 0; i0 < %lld; i0 += %d)", (long long)nt, ATT_ROWS);
+  ec_line(&e->core, "const int64_t i1 = i0 + %d < %lld ? i0 + %d : %lld, nr = i1 - i0;", ATT_ROWS, (long long)nt,
+          ATT_ROWS, (long long)nt);
+  ec_line(&e->core, "int64_t klo = %s;", doc >= 0 && causal ? "i0" : "0");
+  if (doc >= 0 && causal) { // the first key of each row's document: its id's first place
+    ec_line(&e->core, "for (int64_t i = i0; i < i1; i++)");
+    ec_enter(&e->core, "  if (i == i0 || dc[i] != dc[i - 1])");
+    ec_line(&e->core, "int64_t l = 0;");
+    ec_line(&e->core, "while (dc[l] != dc[i])");
+    ec_line(&e->core, "  l++;");
+    ec_line(&e->core, "klo = l < klo ? l : klo;");
+    ec_leave(&e->core);
+  }
+  ec_line(&e->core, "const int64_t khi = %s, nk = khi - klo;", causal ? "i1" : str(e, "%lld", (long long)nt));
+}
+
+// The condition that key klo + j is allowed for query row i (a row's own document and, when causal,
+// no later key), or NULL when every key of the block is.
+static const char *attn_allowed(bool causal, int doc) {
+  if (causal && doc >= 0)
+    return "klo + j <= i && dc[klo + j] == dc[i]";
+  if (causal)
+    return "klo + j <= i";
+  return doc >= 0 ? "dc[klo + j] == dc[i]" : NULL;
+}
+
+// Row i's probabilities (or, in the forward, their numerators exp(s - max) with their sum l in f32
+// lanes) in place over the row's scores s[0, nk), masked keys 0.
+static void attn_softmax_row(Emit *e, const IrNode *nd, int doc, const char *lse) {
+  const char *ok = attn_allowed(nd->ia[1], doc), *sc = flit(e, nd->fa[0]);
+  if (lse) {
+    ec_line(&e->core, "const float lse = %s;", lse);
+    ec_line(&e->core, "#pragma omp simd");
+    ec_line(&e->core, "for (int64_t j = 0; j < nk; j++)");
+    if (ok)
+      ec_line(&e->core, "  s[j] = %s ? mdl_exp_shifted(s[j] * %s - lse) : 0.0f;", ok, sc);
+    else
+      ec_line(&e->core, "  s[j] = mdl_exp_shifted(s[j] * %s - lse);", sc);
+    return;
+  }
+  ec_line(&e->core, "float m = -INFINITY;");
+  ec_line(&e->core, "#pragma omp simd reduction(max : m)");
+  ec_enter(&e->core, "for (int64_t j = 0; j < nk; j++)");
+  if (ok)
+    ec_line(&e->core, "s[j] = %s ? s[j] * %s : -INFINITY;", ok, sc);
+  else
+    ec_line(&e->core, "s[j] *= %s;", sc);
+  ec_line(&e->core, "m = s[j] > m ? s[j] : m;");
+  ec_leave(&e->core);
+  ec_line(&e->core, "#pragma omp simd");
+  ec_line(&e->core, "for (int64_t j = 0; j < nk; j++)");
+  ec_line(&e->core, "  s[j] = mdl_exp_shifted(s[j] - m);");
+  ec_line(&e->core, "const int64_t lo = 0, hi = nk;");
+  emit_attn_sum(e, "l", "s[j]");
+}
+
+// Row i's weights w[0, nk) (f32) as the second operand form: bf16 bits into dst16's row (g16), or
+// rounded to bf16 values in place (bf16 attention), or as they are.
+static void attn_stage_row(Emit *e, const char *w, bool bf16, bool g16, const char *dst16) {
+  if (g16) {
+    ec_line(&e->core, "uint16_t *restrict %s_i = (uint16_t *)%s + (i - i0) * nk;", dst16, dst16);
+    ec_line(&e->core, "#pragma omp simd");
+    ec_line(&e->core, "for (int64_t j = 0; j < nk; j++)");
+    ec_line(&e->core, "  %s_i[j] = mdl_f32_to_bf16(%s[j]);", dst16, w);
+  } else if (bf16) {
+    ec_line(&e->core, "#pragma omp simd");
+    ec_line(&e->core, "for (int64_t j = 0; j < nk; j++)");
+    ec_line(&e->core, "  %s[j] = mdl_bf16_to_f32(mdl_f32_to_bf16(%s[j]));", w, w);
+  }
+}
+
+// The forward's task body (attention_gemm): GEMMs of bf16 bits when g16, else of f32.
+static void attn_fwd_body(Emit *e, const IrNode *nd, int a, int lse, Rows q, Rows k, Rows v, int doc, bool g16,
+                          const int *casts, int ncast, bool f32) {
+  Shape s = ec_node(&e->core, nd->in[0])->shape;
+  int64_t nt = s.d[1], nc = s.d[2], heads = nd->ia[0], d = nc / heads;
+  bool bf16 = nd->ia[4] == DT_BF16;
+  Opnd Q = attn_operand(e, q, nt, d, bf16, g16, "qs"), K = attn_operand(e, k, nt, d, bf16, g16, "ks"), V = {0};
+  if (a >= 0)
+    V = attn_operand(e, v, nt, d, bf16, g16, "vs");
+  attn_blocks_open(e, nt, nd->ia[1], doc);
+  // the scores are nr rows of nk: packed at stride nk, so that a row's weights staged in place or as
+  // bf16 bits are the PV GEMM's operand
+  const char *dd = str(e, "%lld", (long long)d);
+  attn_gemm(e, g16, 0, 1, "nr", "nk", dd, op_at(e, Q, "i0"), op_ld(e, Q), op_at(e, K, "klo"), op_ld(e, K), "0.0f", "sc",
+            "nk");
+  ec_enter(&e->core, "for (int64_t i = i0; i < i1; i++)");
+  ec_line(&e->core, "float *restrict s = sc + (i - i0) * nk;");
+  attn_softmax_row(e, nd, doc, NULL);
+  ec_line(&e->core, "lrow[i - i0] = l;");
+  if (lse >= 0)
+    ec_line(&e->core, "b%d[(b * %lld + hd) * %lld + i] = m + logf(l);", ptr(e, lse), (long long)heads, (long long)nt);
+  if (a >= 0)
+    attn_stage_row(e, "s", bf16, g16, "ps");
+  ec_leave(&e->core);
+  if (a >= 0) {
+    attn_gemm(e, g16, 0, 0, "nr", dd, "nk", g16 ? "(const uint16_t *)ps" : "sc", "nk", op_at(e, V, "klo"), op_ld(e, V),
+              "0.0f", "ot", dd);
+    ec_enter(&e->core, "for (int64_t i = i0; i < i1; i++)");
+    const char *row = str(e, "(b * %lld + i) * %lld + hd * %lld", (long long)nt, (long long)nc, (long long)d);
+    if (f32)
+      ec_line(&e->core, "float *restrict oi = b%d + %s;", ptr(e, a), row);
+    for (int t = 0; t < ncast; t++)
+      ec_line(&e->core, "uint16_t *restrict o%d = b%d + %s;", t, ptr(e, casts[t]), row);
+    ec_enter(&e->core, "for (int64_t c = 0; c < %lld; c++)", (long long)d);
+    ec_line(&e->core, "const float y = ot[(i - i0) * %lld + c] / lrow[i - i0];", (long long)d);
+    if (f32)
+      ec_line(&e->core, "oi[c] = y;");
+    for (int t = 0; t < ncast; t++)
+      ec_line(&e->core, "o%d[c] = mdl_f32_to_bf16(y);", t);
+    ec_leave(&e->core);
+    ec_leave(&e->core);
+  }
+  ec_leave(&e->core);
+}
+
+// The backward's task body (attention_gemm): dq, dk, dv (out[0..2], -1 where not wanted) of the
+// head, dk and dv summed over the query blocks in dkh and dvh ([T][D], f32).
+static void attn_bwd_body(Emit *e, const IrNode *nd, const int *out, Rows q, Rows k, Rows v, Rows dout, Rows o,
+                          int lse, int doc, bool g16) {
+  Shape s = nd->shape;
+  int64_t nt = s.d[1], nc = s.d[2], heads = nd->ia[0], d = nc / heads;
+  bool bf16 = nd->ia[4] == DT_BF16, ds = out[0] >= 0 || out[1] >= 0;
+  const char *dd = str(e, "%lld", (long long)d), *sc = flit(e, nd->fa[0]);
+  Opnd Q = attn_operand(e, q, nt, d, bf16, g16, "qs"), K = attn_operand(e, k, nt, d, bf16, g16, "ks");
+  Opnd DO = attn_operand(e, dout, nt, d, bf16, g16, "dos"), V = {0}, O = {0};
+  if (ds) {
+    V = attn_operand(e, v, nt, d, bf16, g16, "vs");
+    O = attn_operand(e, o, nt, d, bf16, g16, "os");
+  }
+  for (int i = 1; i < 3; i++)
+    if (out[i] >= 0)
+      ec_line(&e->core, "memset(%s, 0, %lld * sizeof(float));", i == 1 ? "dkh" : "dvh", (long long)(nt * d));
+  attn_blocks_open(e, nt, nd->ia[1], doc);
+  attn_gemm(e, g16, 0, 1, "nr", "nk", dd, op_at(e, Q, "i0"), op_ld(e, Q), op_at(e, K, "klo"), op_ld(e, K), "0.0f", "sc",
+            "nk");
+  if (ds)
+    attn_gemm(e, g16, 0, 1, "nr", "nk", dd, op_at(e, DO, "i0"), op_ld(e, DO), op_at(e, V, "klo"), op_ld(e, V), "0.0f",
+              "dp", "nk");
+  ec_enter(&e->core, "for (int64_t i = i0; i < i1; i++)");
+  ec_line(&e->core, "float *restrict s = sc + (i - i0) * nk;");
+  attn_softmax_row(e, nd, doc, str(e, "b%d[(b * %lld + hd) * %lld + i]", ptr(e, lse), (long long)heads, (long long)nt));
+  if (ds) { // dS = P (dP - D), D = dout_i . out_i (both as the products read them), before P is rounded
+    const char *ty = g16 ? "uint16_t" : "float", *rd = g16 ? "mdl_bf16_to_f32(%s[c])" : "%s[c]";
+    ec_line(&e->core, "const %s *restrict doi = %s, *restrict oi = %s;", ty, op_at(e, DO, "i"), op_at(e, O, "i"));
+    ec_line(&e->core, "float dsum = 0.0f;");
+    ec_line(&e->core, "for (int64_t c = 0; c < %lld; c++)", (long long)d);
+    ec_line(&e->core, "  dsum += %s * %s;", str(e, rd, "doi"), str(e, rd, "oi"));
+    ec_line(&e->core, "float *restrict dpi = dp + (i - i0) * nk;");
+    ec_line(&e->core, "#pragma omp simd");
+    ec_line(&e->core, "for (int64_t j = 0; j < nk; j++)");
+    ec_line(&e->core, "  dpi[j] = s[j] * (dpi[j] - dsum);");
+    attn_stage_row(e, "dpi", bf16, g16, "dss");
+  }
+  if (out[2] >= 0)
+    attn_stage_row(e, "s", bf16, g16, "ps");
+  ec_leave(&e->core);
+  const char *pm = g16 ? "(const uint16_t *)ps" : "sc", *dsm = g16 ? "(const uint16_t *)dss" : "dp";
+  if (out[2] >= 0) // dV[klo, khi) += P^T dout
+    attn_gemm(e, g16, 1, 0, "nk", dd, "nr", pm, "nk", op_at(e, DO, "i0"), op_ld(e, DO), "1.0f",
+              str(e, "dvh + klo * %lld", (long long)d), dd);
+  if (out[1] >= 0) // dK[klo, khi) += dS^T q (scaled when stored)
+    attn_gemm(e, g16, 1, 0, "nk", dd, "nr", dsm, "nk", op_at(e, Q, "i0"), op_ld(e, Q), "1.0f",
+              str(e, "dkh + klo * %lld", (long long)d), dd);
+  if (out[0] >= 0) { // dq = scale dS k
+    attn_gemm(e, g16, 0, 0, "nr", dd, "nk", dsm, "nk", op_at(e, K, "klo"), op_ld(e, K), "0.0f", "ot", dd);
+    ec_enter(&e->core, "for (int64_t i = i0; i < i1; i++)");
+    ec_line(&e->core, "float *restrict dq = b%d + (b * %lld + i) * %lld + hd * %lld;", ptr(e, out[0]), (long long)nt,
+            (long long)nc, (long long)d);
+    ec_line(&e->core, "for (int64_t c = 0; c < %lld; c++)", (long long)d);
+    ec_line(&e->core, "  dq[c] = %s * ot[(i - i0) * %lld + c];", sc, (long long)d);
+    ec_leave(&e->core);
+  }
+  ec_leave(&e->core);
+  for (int i = 1; i < 3; i++)
+    if (out[i] >= 0) {
+      ec_enter(&e->core, "for (int64_t t = 0; t < %lld; t++)", (long long)nt);
+      ec_line(&e->core, "float *restrict y = b%d + (b * %lld + t) * %lld + hd * %lld;", ptr(e, out[i]), (long long)nt,
+              (long long)nc, (long long)d);
+      ec_line(&e->core, "const float *restrict x = %s + t * %lld;", i == 1 ? "dkh" : "dvh", (long long)d);
+      ec_line(&e->core, "for (int64_t c = 0; c < %lld; c++)", (long long)d);
+      ec_line(&e->core, "  y[c] = %sx[c];", i == 1 ? str(e, "%s * ", sc) : "");
+      ec_leave(&e->core);
+    }
+}
+
 // ATTENTION forward: one task per (batch, head), which transposes the head's keys once and then, per
 // query row, computes the scores of the allowed keys, their softmax and the weighted sum of values;
 // never a T x T matrix. With its ATTENTION_LSE (rule 3 of fuse.c) each row's log-sum-exp is stored as
@@ -1645,6 +1975,27 @@ static void emit_attention(Emit *e, int gi) {
   note(e, "attention%s: B %lld, T %lld, %lld heads of %lld%s%s; one task per (batch, head)",
        a < 0 ? " statistics (log-sum-exp per row)" : lse >= 0 ? " and its log-sum-exp per row" : "", (long long)nb,
        (long long)nt, (long long)heads, (long long)d, causal ? ", causal" : "", has_doc ? ", within documents" : "");
+  if (attn_by_gemm(nt, d)) {
+    Tmp tg[7] = {{"qs", nt * d},         {"ks", nt * d},       {"vs", nt * d}, {"sc", ATT_ROWS * nt},
+                 {"ps", ATT_ROWS * nt}, {"ot", ATT_ROWS * d}, {"lrow", ATT_ROWS}};
+    e->uses_h = true;
+    bool bf16 = nd->ia[4] == DT_BF16;
+    if (bf16)
+      ec_line(&e->core, "const int g16 = h->bgemm != NULL;");
+    emit_attn_open(e, nb, heads, nb * nt * nt * nc >= PAR_MIN, tg, 7);
+    if (doc >= 0)
+      ec_line(&e->core, "const int32_t *restrict dc = b%d + b * %lld;", ptr(e, doc), (long long)nt);
+    if (bf16) {
+      ec_enter(&e->core, "if (g16)");
+      attn_fwd_body(e, nd, a, lse, q, k, v, doc, true, casts, ncast, f32);
+      ec_leave(&e->core);
+      ec_enter(&e->core, "else");
+    }
+    attn_fwd_body(e, nd, a, lse, q, k, v, doc, false, casts, ncast, f32);
+    if (bf16)
+      ec_leave(&e->core);
+    emit_attn_close(e, tg, 7);
+  } else {
   Tmp tmp[2] = {{"kt", d * attn_padded(nt)}, {"s", attn_padded(nt)}};
   emit_attn_open(e, nb, heads, nb * nt * nt * nc >= PAR_MIN, tmp, 2);
   bool bf16 = nd->ia[4] == DT_BF16; // q, k, v and e = exp(s - max) read rounded (mdl.h)
@@ -1670,6 +2021,7 @@ static void emit_attention(Emit *e, int gi) {
   }
   ec_leave(&e->core);
   emit_attn_close(e, tmp, 2);
+  }
   if (f32)
     ec_phase_done(&e->core, a);
   for (int t = 0; t < ncast; t++)
@@ -1705,6 +2057,33 @@ static void emit_attention_bwd(Emit *e, int gi) {
   note(e, "attention backward (%s%s%s): B %lld, T %lld, %lld heads of %lld%s%s; one task per (batch, head)",
        out[0] >= 0 ? "dq " : "", out[1] >= 0 ? "dk " : "", out[2] >= 0 ? "dv" : "", (long long)nb, (long long)nt,
        (long long)heads, (long long)d, causal ? ", causal" : "", has_doc ? ", within documents" : "");
+  if (attn_by_gemm(nt, d)) {
+    Tmp tg[12] = {{"qs", nt * d},          {"ks", nt * d},          {"vs", nt * d},          {"dos", nt * d},
+                  {"os", nt * d},          {"sc", ATT_ROWS * nt},  {"dp", ATT_ROWS * nt},  {"ps", ATT_ROWS * nt},
+                  {"dss", ATT_ROWS * nt}, {"ot", ATT_ROWS * d},   {"dkh", nt * d},        {"dvh", nt * d}};
+    e->uses_h = true;
+    bool bf16 = nd->ia[4] == DT_BF16;
+    if (bf16)
+      ec_line(&e->core, "const int g16 = h->bgemm != NULL;");
+    emit_attn_open(e, nb, heads, nb * nt * nt * nc >= PAR_MIN, tg, 12);
+    if (doc >= 0)
+      ec_line(&e->core, "const int32_t *restrict dc = b%d + b * %lld;", ptr(e, doc), (long long)nt);
+    if (bf16) {
+      ec_enter(&e->core, "if (g16)");
+      attn_bwd_body(e, nd, out, q, k, v, dout, o, lse, doc, true);
+      ec_leave(&e->core);
+      ec_enter(&e->core, "else");
+    }
+    attn_bwd_body(e, nd, out, q, k, v, dout, o, lse, doc, false);
+    if (bf16)
+      ec_leave(&e->core);
+    emit_attn_close(e, tg, 12);
+    for (int i = 0; i < 3; i++)
+      if (out[i] >= 0)
+        ec_phase_done(&e->core, out[i]);
+    ec_phase_end(&e->core);
+    return;
+  }
   Tmp tmp[6];
   int ntmp = 0;
   tmp[ntmp++] = (Tmp){"kt", d * attn_padded(nt)};
@@ -1815,6 +2194,90 @@ static void emit_embed(Emit *e, int gi) {
   ec_phase_end(&e->core);
 }
 
+// EMBED_BWD a with the ADD y = x + a that alone reads it (embed_bwd_add), without a's table: each
+// id's first row (first[id], found in one pass over the ids) stores its dy row into y[id] and later
+// rows add theirs, in row order, so that y[id] holds a's row as EMBED_BWD sums it; then y = x + y on
+// those rows and y = x on the others. GPT-2 124M's tied table: its zeroed scratch of 154 MB, the
+// table's pass and the add's read of it took 110-225 ms a step.
+static void emit_embed_bwd_add(Emit *e, const IrNode *nd, int add, int x, int ids, int dy) {
+  int64_t v = nd->shape.d[0], c = nd->shape.d[1], rows = ec_numel(&e->core, nd->in[0]);
+  int64_t cb = c < 16 ? c : 16, ncb = (c + cb - 1) / cb;
+  int y = ptr(e, add);
+  ec_phase_begin(&e->core);
+  note(e, "embed backward added to %%%d: %lld rows of %lld into the rows of a table of %lld they name, %lld column "
+       "blocks", x, (long long)rows, (long long)c, (long long)v, (long long)ncb);
+  ec_line(&e->core, "int32_t *first = mdl_scratch(%lld * sizeof(int32_t));", (long long)v);
+  ec_line(&e->core, "memset(first, 0xff, %lld * sizeof(int32_t));", (long long)v);
+  ec_enter(&e->core, "for (int64_t r = 0; r < %lld; r++)", (long long)rows);
+  ec_line(&e->core, "const int32_t id = b%d[r];", ptr(e, ids));
+  ec_line(&e->core, "if (id < 0 || id >= %lld)", (long long)v);
+  ec_line(&e->core, "  h->error(h->ctx, \"embed: id\", id, %lld);", (long long)v);
+  ec_line(&e->core, "else if (first[id] < 0)");
+  ec_line(&e->core, "  first[id] = (int32_t)r;");
+  ec_leave(&e->core);
+  par_for(e, rows * c, "static");
+  ec_enter(&e->core, "for (int64_t k = 0; k < %lld; k++)", (long long)ncb);
+  ec_line(&e->core, "const int64_t c0 = k * %lld, c1 = c0 + %lld < %lld ? c0 + %lld : %lld;", (long long)cb,
+          (long long)cb, (long long)c, (long long)cb, (long long)c);
+  ec_enter(&e->core, "for (int64_t r = 0; r < %lld; r++)", (long long)rows);
+  ec_line(&e->core, "const int32_t id = b%d[r];", ptr(e, ids));
+  ec_line(&e->core, "if (id < 0 || id >= %lld)", (long long)v);
+  ec_line(&e->core, "  continue;");
+  ec_line(&e->core, "float *restrict yr = b%d + (int64_t)id * %lld;", y, (long long)c);
+  ec_line(&e->core, "const float *restrict dr = b%d + r * %lld;", ptr(e, dy), (long long)c);
+  ec_line(&e->core, "if (first[id] == r)");
+  ec_line(&e->core, "  for (int64_t j = c0; j < c1; j++)");
+  ec_line(&e->core, "    yr[j] = dr[j];");
+  ec_line(&e->core, "else");
+  ec_line(&e->core, "  for (int64_t j = c0; j < c1; j++)");
+  ec_line(&e->core, "    yr[j] += dr[j];");
+  ec_leave(&e->core);
+  ec_leave(&e->core);
+  par_for(e, v * c, "static");
+  ec_enter(&e->core, "for (int64_t t = 0; t < %lld; t++)", (long long)v);
+  ec_line(&e->core, "float *restrict yr = b%d + t * %lld;", y, (long long)c);
+  ec_line(&e->core, "const float *restrict xr = b%d + t * %lld;", ptr(e, x), (long long)c);
+  ec_line(&e->core, "if (first[t] < 0)");
+  ec_line(&e->core, "  memcpy(yr, xr, %lld * sizeof(float));", (long long)c);
+  ec_line(&e->core, "else");
+  ec_line(&e->core, "  for (int64_t j = 0; j < %lld; j++)", (long long)c);
+  ec_line(&e->core, "    yr[j] = xr[j] + yr[j];");
+  ec_leave(&e->core);
+  ec_line(&e->core, "mdl_free(first);");
+  ec_phase_done(&e->core, add);
+  ec_phase_end(&e->core);
+}
+
+// The ADD of the step that is the only reader of EMBED_BWD a, when it adds a to a table x of the same
+// shape and type in memory, into a buffer of its own (a tied embedding's gradient: the LM head's dW
+// plus the embedding's); -1 otherwise. *x is set to the other operand.
+static int embed_bwd_add(Emit *e, int a, int *x) {
+  const Step *st = &e->core.f->steps[e->core.si];
+  int add = -1;
+  for (int k = 0; k < st->nnodes; k++) {
+    const IrNode *u = ec_node(&e->core, st->nodes[k]);
+    for (int i = 0; i < u->nin; i++)
+      if (ec_canon(&e->core, u->in[i]) == a) {
+        if (add >= 0 || u->op != OP_ADD)
+          return -1;
+        add = st->nodes[k];
+      }
+  }
+  if (add < 0 || ec_offset(&e->core, a) >= 0 || ec_offset(&e->core, add) < 0)
+    return -1;
+  const IrNode *ad = ec_node(&e->core, add), *an = ec_node(&e->core, a);
+  int other = ec_canon(&e->core, ad->in[0]) == a ? ad->in[1] : ad->in[0];
+  const IrNode *xn = ec_node(&e->core, other);
+  if (ec_canon(&e->core, other) == a || xn->dtype != DT_F32 || ad->dtype != DT_F32 || !shape_eq(xn->shape, an->shape) ||
+      !shape_eq(ad->shape, an->shape))
+    return -1;
+  int xm = ec_mem_alias(&e->core, other);
+  if (xm < 0 || ec_offset(&e->core, xm) == ec_offset(&e->core, add))
+    return -1;
+  *x = xm;
+  return add;
+}
+
 // EMBED_BWD: a scatter-add, parallel over blocks of columns so that every row of the table is summed
 // in id order by one thread: deterministic and race-free.
 static void emit_embed_bwd(Emit *e, int gi) {
@@ -1822,11 +2285,16 @@ static void emit_embed_bwd(Emit *e, int gi) {
   const IrNode *nd = ec_node(&e->core, a);
   int64_t v = nd->shape.d[0], c = nd->shape.d[1], rows = ec_numel(&e->core, nd->in[0]);
   int ids = ec_need(&e->core, nd->in[0]), dy = ec_need(&e->core, nd->in[1]);
+  int x = -1, add = embed_bwd_add(e, a, &x);
   flush(e);
-  if (ec_offset(&e->core, a) < 0)
-    e->core.scratch[a] = true;
   int64_t cb = c < 16 ? c : 16, ncb = (c + cb - 1) / cb;
   e->uses_h = true;
+  if (add >= 0) {
+    emit_embed_bwd_add(e, nd, add, x, ids, dy);
+    return;
+  }
+  if (ec_offset(&e->core, a) < 0)
+    e->core.scratch[a] = true;
   ec_phase_begin(&e->core);
   note(e, "embed backward: %lld rows of %lld into a table of %lld, %lld column blocks", (long long)rows,
        (long long)c, (long long)v, (long long)ncb);
@@ -1921,7 +2389,7 @@ static void emit_max_bwd(Emit *e, int gi) {
 }
 
 // GRAD_NORM (sum of squares per tensor in double, fixed blocks) and AdamW over a table of
-// parameter segments, in double per element like the interpreter; p, m and v in place, and the
+// parameter segments, in f32 per element (the CUDA kernel does the same); p, m and v in place, and the
 // parameter's bf16 copy (fuse.c, rule 11) rounded from the new p.
 static void emit_optimizer(Emit *e, int gi) {
   const Group *gr = &e->core.groups[gi];
@@ -2013,11 +2481,11 @@ static void emit_optimizer(Emit *e, int gi) {
     }
     ec_line(&e->core, "};");
     ec_line(&e->core, "const double clip = %s, gnorm = b%d[0];", ec_dlit(&e->core, a->fa[4]), ptr(e, gnorm));
-    ec_line(&e->core, "const double s = clip > 0 ? fmin(1.0, clip / (gnorm + 1e-6)) : 1.0;");
-    ec_line(&e->core, "const double lr = b%d[0], step = b%d[0];", ptr(e, lr), ptr(e, step));
-    ec_line(&e->core, "const double b1 = %s, b2 = %s, eps = %s;", ec_dlit(&e->core, a->fa[0]),
-            ec_dlit(&e->core, a->fa[1]), ec_dlit(&e->core, a->fa[2]));
-    ec_line(&e->core, "const double c1 = 1.0 / (1.0 - pow(b1, step)), c2 = 1.0 / (1.0 - pow(b2, step));");
+    ec_line(&e->core, "const double step = b%d[0];", ptr(e, step));
+    ec_line(&e->core, "const float s = (float)(clip > 0 ? fmin(1.0, clip / (gnorm + 1e-6)) : 1.0);");
+    ec_line(&e->core, "const float lr = b%d[0], b1 = %s, b2 = %s, eps = %s;", ptr(e, lr), flit(e, a->fa[0]),
+            flit(e, a->fa[1]), flit(e, a->fa[2]));
+    ec_line(&e->core, "const float c1 = (float)(1.0 / (1.0 - pow(b1, step))), c2 = (float)(1.0 / (1.0 - pow(b2, step)));");
     if (total >= PAR_MIN) {
       ec_line(&e->core, "#pragma omp parallel num_threads(h->nthreads)");
       e->uses_h = true;
@@ -2028,14 +2496,17 @@ static void emit_optimizer(Emit *e, int gi) {
     ec_line(&e->core, "const float *restrict g = (const float *)(arena + seg[k].g);");
     if (ncopies)
       ec_line(&e->core, "uint16_t *restrict c = seg[k].c >= 0 ? (uint16_t *)(arena + seg[k].c) : NULL;");
-    ec_line(&e->core, "const double wd = seg[k].wd;");
+    ec_line(&e->core, "const float wd = (float)seg[k].wd;");
     if (total >= PAR_MIN)
-      ec_line(&e->core, "#pragma omp for schedule(static) nowait");
+      ec_line(&e->core, "#pragma omp for simd schedule(static) nowait");
+    else
+      ec_line(&e->core, "#pragma omp simd");
     ec_enter(&e->core, "for (int64_t i = 0; i < seg[k].n; i++)");
-    ec_line(&e->core, "const double gi = s * g[i];");
-    ec_line(&e->core, "m[i] = (float)(b1 * m[i] + (1 - b1) * gi);");
-    ec_line(&e->core, "v[i] = (float)(b2 * v[i] + (1 - b2) * gi * gi);");
-    ec_line(&e->core, "p[i] = (float)(p[i] - lr * (m[i] * c1 / (sqrt(v[i] * c2) + eps) + wd * p[i]));");
+    ec_line(&e->core, "const float gi = s * g[i];");
+    ec_line(&e->core, "const float mi = b1 * m[i] + (1.0f - b1) * gi, vi = b2 * v[i] + (1.0f - b2) * gi * gi;");
+    ec_line(&e->core, "m[i] = mi;");
+    ec_line(&e->core, "v[i] = vi;");
+    ec_line(&e->core, "p[i] = p[i] - lr * (mi * c1 / (sqrtf(vi * c2) + eps) + wd * p[i]);");
     if (ncopies) {
       ec_line(&e->core, "if (c)");
       ec_line(&e->core, "  c[i] = mdl_f32_to_bf16(p[i]);");

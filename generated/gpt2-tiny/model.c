@@ -2,12 +2,14 @@
 // Model gpt2_tiny: one training step (forward, backward, AdamW) as 48 kernels over one arena of 5656768 bytes
 // (parameters, gradients and AdamW moments at 0, 498688, 997376 and 1496064, 498688 bytes each).
 // Build: cc -O3 -march=native -fno-math-errno -fopenmp -shared -fPIC; runtime/cpu.c loads it.
+#define _DEFAULT_SOURCE // mmap's MAP_ANONYMOUS and madvise's MADV_HUGEPAGE under -std=c11
 #include <math.h>
 #include <stdbool.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 
 // The runtime's hooks and the kernel table (runtime/backend.h holds the same typedefs).
 typedef struct {
@@ -92,13 +94,58 @@ static inline float mdl_silu_grad(float x, float dy) {
   return dy * s * (1.0f + x * (1.0f - s));
 }
 
+// Scratch for one kernel, freed by mdl_free before it returns. A large buffer is mapped in huge
+// pages where the kernel has them, and kept when freed for the next step's kernel of its size (a
+// few are kept): mapped afresh each step, GPT-2 124M's LM head chunk of 51 MB was faulted in and
+// zeroed by the kernel every step (glibc's malloc maps anything over 32 MB afresh). A header before
+// the buffer keeps its size.
+enum { MDL_SCRATCH_HEAD = 64, MDL_SCRATCH_MAPPED = 4 << 20, MDL_SCRATCH_KEPT = 8 };
+static char *mdl_scratch_kept[MDL_SCRATCH_KEPT];
+
 static inline void *mdl_scratch(size_t bytes) {
-  void *p = malloc(bytes ? bytes : 1);
+  const size_t n = bytes + MDL_SCRATCH_HEAD;
+  char *p = NULL;
+  if (n >= MDL_SCRATCH_MAPPED) {
+#pragma omp critical(mdl_scratch)
+    for (int i = 0; i < MDL_SCRATCH_KEPT && !p; i++) {
+      size_t m = 0;
+      if (mdl_scratch_kept[i])
+        memcpy(&m, mdl_scratch_kept[i], sizeof m);
+      if (m == n)
+        p = mdl_scratch_kept[i], mdl_scratch_kept[i] = NULL;
+    }
+    if (!p) {
+      p = mmap(NULL, n, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+      if (p == MAP_FAILED)
+        p = NULL;
+      else
+        madvise(p, n, MADV_HUGEPAGE);
+    }
+  } else {
+    p = aligned_alloc(MDL_SCRATCH_HEAD, (n + MDL_SCRATCH_HEAD - 1) / MDL_SCRATCH_HEAD * MDL_SCRATCH_HEAD);
+  }
   if (!p) {
     fprintf(stderr, "mdl: out of memory (%zu bytes)\n", bytes);
     abort();
   }
-  return p;
+  memcpy(p, &n, sizeof n);
+  return p + MDL_SCRATCH_HEAD;
+}
+
+static inline void mdl_free(void *q) {
+  char *p = (char *)q - MDL_SCRATCH_HEAD;
+  size_t n;
+  memcpy(&n, p, sizeof n);
+  if (n < MDL_SCRATCH_MAPPED) {
+    free(p);
+    return;
+  }
+#pragma omp critical(mdl_scratch)
+  for (int i = 0; i < MDL_SCRATCH_KEPT && p; i++)
+    if (!mdl_scratch_kept[i])
+      mdl_scratch_kept[i] = p, p = NULL;
+  if (p)
+    munmap(p, n);
 }
 
 // C = op(A) op(B) + beta C through the runtime's sgemm, split into blocks of output rows over the
@@ -123,8 +170,8 @@ static inline void mdl_gemm(const MdlHooks *h, int ta, int tb, int64_t m, int64_
   }
 }
 
-// Sum of squares in double over fixed blocks of 4096, the blocks added in order: the result does
-// not depend on the number of threads.
+// Sum of squares in double over fixed blocks of 4096, each block in vector lanes, the blocks added
+// in order: the result does not depend on the number of threads.
 static inline double mdl_sumsq(const float *x, int64_t n, int nthreads) {
   const int64_t nb = (n + 4095) / 4096;
   double *part = mdl_scratch((size_t)nb * sizeof(double)), s = 0;
@@ -132,13 +179,14 @@ static inline double mdl_sumsq(const float *x, int64_t n, int nthreads) {
   for (int64_t b = 0; b < nb; b++) {
     const int64_t end = b * 4096 + 4096 < n ? b * 4096 + 4096 : n;
     double acc = 0;
+#pragma omp simd reduction(+ : acc)
     for (int64_t i = b * 4096; i < end; i++)
       acc += (double)x[i] * x[i];
     part[b] = acc;
   }
   for (int64_t b = 0; b < nb; b++)
     s += part[b];
-  free(part);
+  mdl_free(part);
   return s;
 }
 
@@ -184,7 +232,7 @@ static inline void mdl_bgemm(const MdlHooks *h, int ta, int tb, int64_t m, int64
 
 // n bf16 values widened into a new f32 buffer (exact), for the f32 GEMM that computes a GEMM of
 // bf16 operands: every product of two bf16 values is exact in f32, and the sums accumulate in f32
-// as on a GPU's bf16 tensor cores. free() it.
+// as on a GPU's bf16 tensor cores. mdl_free() it.
 static inline float *mdl_widen_bf16(const uint16_t *x, int64_t n, int nthreads) {
   float *y = mdl_scratch((size_t)n * sizeof(float));
 #pragma omp parallel for num_threads(nthreads) schedule(static) if (n >= 65536)
@@ -281,8 +329,8 @@ static void k2_layernorm_fwd__add__cast(char *arena, const MdlHooks *h) {
         b23[ix] = mdl_f32_to_bf16(v23_ix);
       }
     }
-    free(xrow);
-    free(yrow);
+    mdl_free(xrow);
+    mdl_free(yrow);
   }
 }
 
@@ -302,8 +350,8 @@ __attribute__((noinline)) static void k3_gemm__add__cast__code(char *arena, cons
     float *const w23 = mdl_widen_bf16(b23, 32768, h->nthreads);
     float *const w24 = mdl_widen_bf16(b24, 12288, h->nthreads);
     mdl_gemm(h, 0, 0, 512, 192, 64, w23, 64, w24, 192, 0.0f, b25, 192);
-    free(w23);
-    free(w24);
+    mdl_free(w23);
+    mdl_free(w24);
   }
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
   for (int64_t r = 0; r < 512; r++) {
@@ -317,7 +365,7 @@ __attribute__((noinline)) static void k3_gemm__add__cast__code(char *arena, cons
       b28[i] = mdl_f32_to_bf16(v28_i);
     }
   }
-  free(b25);
+  mdl_free(b25);
 }
 
 // k3_gemm__add__cast: GEMM, 4 ops
@@ -427,8 +475,8 @@ __attribute__((noinline)) static void k4_attention_fwd__cast__lse__code(char *ar
         }
       }
     }
-    free(kt);
-    free(s);
+    mdl_free(kt);
+    mdl_free(s);
   }
 }
 
@@ -461,8 +509,8 @@ __attribute__((noinline)) static void k5_gemm__add__code(char *arena, const MdlH
     float *const w34 = mdl_widen_bf16(b34, 32768, h->nthreads);
     float *const w35 = mdl_widen_bf16(b35, 4096, h->nthreads);
     mdl_gemm(h, 0, 0, 512, 64, 64, w34, 64, w35, 64, 0.0f, b36, 64);
-    free(w34);
-    free(w35);
+    mdl_free(w34);
+    mdl_free(w35);
   }
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
   for (int64_t r = 0; r < 512; r++) {
@@ -525,7 +573,7 @@ __attribute__((noinline)) static void k6_layernorm_fwd__cast__code(char *arena, 
         b42[ix] = mdl_f32_to_bf16(v42_ix);
       }
     }
-    free(yrow);
+    mdl_free(yrow);
   }
 }
 
@@ -557,8 +605,8 @@ __attribute__((noinline)) static void k7_gemm__add__gelu__cast__code(char *arena
     float *const w42 = mdl_widen_bf16(b42, 32768, h->nthreads);
     float *const w43 = mdl_widen_bf16(b43, 16384, h->nthreads);
     mdl_gemm(h, 0, 0, 512, 256, 64, w42, 64, w43, 256, 0.0f, b44, 256);
-    free(w42);
-    free(w43);
+    mdl_free(w42);
+    mdl_free(w43);
   }
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
   for (int64_t r = 0; r < 512; r++) {
@@ -609,8 +657,8 @@ __attribute__((noinline)) static void k8_gemm__add__code(char *arena, const MdlH
     float *const w49 = mdl_widen_bf16(b49, 131072, h->nthreads);
     float *const w50 = mdl_widen_bf16(b50, 16384, h->nthreads);
     mdl_gemm(h, 0, 0, 512, 64, 256, w49, 256, w50, 64, 0.0f, b51, 64);
-    free(w49);
-    free(w50);
+    mdl_free(w49);
+    mdl_free(w50);
   }
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
   for (int64_t r = 0; r < 512; r++) {
@@ -673,7 +721,7 @@ __attribute__((noinline)) static void k9_layernorm_fwd__cast__code(char *arena, 
         b69[ix] = mdl_f32_to_bf16(v69_ix);
       }
     }
-    free(yrow);
+    mdl_free(yrow);
   }
 }
 
@@ -840,23 +888,46 @@ static void k18_lmhead__cast__cross_entropy__cross_entropy_bwd__gemm(char *arena
           m = x[j] > m ? x[j] : m;
         }
         const float xt = x[t]; // before dx, which may be x itself, is written
-        double sum = 0;
-        #pragma omp simd reduction(+ : sum)
-        for (int64_t j = 0; j < 256; j++) {
-          dx[j] = mdl_exp_shifted(x[j] - m);
-          sum += dx[j];
+        double sum;
+        {
+          double lane[16] = {0};
+          for (int64_t j0 = 0; j0 < 256; j0 += 256) {
+            const int64_t j1 = j0 + 256 < 256 ? j0 + 256 : 256;
+            float part[16] = {0};
+            int64_t k = j0;
+            for (; k + 16 <= j1; k += 16) {
+              for (int64_t u = 0; u < 16; u++) {
+                const int64_t j = k + u;
+                const float ej = mdl_exp_shifted(x[j] - m);
+                dx[j] = ej;
+                part[u] += ej;
+              }
+            }
+            for (int64_t j = k; j < j1; j++) {
+              const float ej = mdl_exp_shifted(x[j] - m);
+              dx[j] = ej;
+              part[j - k] += ej;
+            }
+            for (int u = 0; u < 16; u++)
+              lane[u] += part[u];
+          }
+          for (int w = 8; w > 0; w /= 2)
+            for (int u = 0; u < w; u++)
+              lane[u] += lane[u + w];
+          sum = lane[0];
         }
         b110[r] = (float)(m + log(sum) - xt);
-        const double g = b117[r], inv = 1.0 / sum;
+        const float g = b117[r], sc = (float)(g / sum), et = dx[t];
         #pragma omp simd
         for (int64_t j = 0; j < 256; j++)
-          d16[j] = mdl_f32_to_bf16((float)(g * (dx[j] * inv - (j == t))));
+          d16[j] = mdl_f32_to_bf16(dx[j] * sc);
+        d16[t] = mdl_f32_to_bf16(et * sc - g);
       }
       mdl_bgemm(h, 0, 0, rn, 64, 256, dl16, 256, b106, 64, 0.0f, b122 + r0 * 64, 64);
       mdl_bgemm(h, 1, 0, 256, 64, rn, dl16, 256, b105 + r0 * 64, 64, r0 ? 1.0f : 0.0f, b123, 64);
     }
-    free(logits);
-    free(dl16);
+    mdl_free(logits);
+    mdl_free(dl16);
   }
   else {
     float *const w105 = mdl_widen_bf16(b105, 32768, h->nthreads);
@@ -885,23 +956,47 @@ static void k18_lmhead__cast__cross_entropy__cross_entropy_bwd__gemm(char *arena
           m = x[j] > m ? x[j] : m;
         }
         const float xt = x[t]; // before dx, which may be x itself, is written
-        double sum = 0;
-        #pragma omp simd reduction(+ : sum)
-        for (int64_t j = 0; j < 256; j++) {
-          dx[j] = mdl_exp_shifted(x[j] - m);
-          sum += dx[j];
+        double sum;
+        {
+          double lane[16] = {0};
+          for (int64_t j0 = 0; j0 < 256; j0 += 256) {
+            const int64_t j1 = j0 + 256 < 256 ? j0 + 256 : 256;
+            float part[16] = {0};
+            int64_t k = j0;
+            for (; k + 16 <= j1; k += 16) {
+              for (int64_t u = 0; u < 16; u++) {
+                const int64_t j = k + u;
+                const float ej = mdl_exp_shifted(x[j] - m);
+                dx[j] = ej;
+                part[u] += ej;
+              }
+            }
+            for (int64_t j = k; j < j1; j++) {
+              const float ej = mdl_exp_shifted(x[j] - m);
+              dx[j] = ej;
+              part[j - k] += ej;
+            }
+            for (int u = 0; u < 16; u++)
+              lane[u] += part[u];
+          }
+          for (int w = 8; w > 0; w /= 2)
+            for (int u = 0; u < w; u++)
+              lane[u] += lane[u + w];
+          sum = lane[0];
         }
         b110[r] = (float)(m + log(sum) - xt);
-        const double g = b117[r], inv = 1.0 / sum;
+        const float g = b117[r], sc = (float)(g / sum), et = dx[t];
+        #pragma omp simd
         for (int64_t j = 0; j < 256; j++)
-          dx[j] = mdl_bf16_to_f32(mdl_f32_to_bf16((float)(g * (dx[j] * inv - (j == t)))));
+          dx[j] = mdl_bf16_to_f32(mdl_f32_to_bf16(dx[j] * sc));
+        dx[t] = mdl_bf16_to_f32(mdl_f32_to_bf16(et * sc - g));
       }
       mdl_gemm(h, 0, 0, rn, 64, 256, logits, 256, w106, 64, 0.0f, b122 + r0 * 64, 64);
       mdl_gemm(h, 1, 0, 256, 64, rn, logits, 256, w105 + r0 * 64, 64, r0 ? 1.0f : 0.0f, b123, 64);
     }
-    free(logits);
-    free(w105);
-    free(w106);
+    mdl_free(logits);
+    mdl_free(w105);
+    mdl_free(w106);
   }
 }
 
@@ -1001,9 +1096,9 @@ static void k20_layernorm_bwd__sum__cast(char *arena, const MdlHooks *h) {
     b127[j] = (float)b;
     b129[j] = (float)a0;
   }
-  free(pdw);
-  free(pdb);
-  free(ps0);
+  mdl_free(pdw);
+  mdl_free(pdb);
+  mdl_free(ps0);
 }
 
 // The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
@@ -1020,8 +1115,8 @@ __attribute__((noinline)) static void k21_gemm__code(char *arena, const MdlHooks
     float *const w95 = mdl_widen_bf16(b95, 131072, h->nthreads);
     float *const w130 = mdl_widen_bf16(b130, 32768, h->nthreads);
     mdl_gemm(h, 1, 0, 256, 64, 512, w95, 256, w130, 64, 0.0f, b132, 64);
-    free(w95);
-    free(w130);
+    mdl_free(w95);
+    mdl_free(w130);
   }
 }
 
@@ -1051,8 +1146,8 @@ __attribute__((noinline)) static void k22_gemm__gelu_bwd__sum__cast__code(char *
     float *const w130 = mdl_widen_bf16(b130, 32768, h->nthreads);
     float *const w96 = mdl_widen_bf16(b96, 16384, h->nthreads);
     mdl_gemm(h, 0, 1, 512, 256, 64, w130, 64, w96, 64, 0.0f, b131, 256);
-    free(w130);
-    free(w96);
+    mdl_free(w130);
+    mdl_free(w96);
   }
   double *part = mdl_scratch(8192 * sizeof(double));
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
@@ -1085,8 +1180,8 @@ __attribute__((noinline)) static void k22_gemm__gelu_bwd__sum__cast__code(char *
     const float y = (float)acc;
     b136[r] = y;
   }
-  free(part);
-  free(b131);
+  mdl_free(part);
+  mdl_free(b131);
 }
 
 // k22_gemm__gelu_bwd__sum__cast: GEMM, 6 ops
@@ -1118,8 +1213,8 @@ __attribute__((noinline)) static void k23_gemm__code(char *arena, const MdlHooks
     float *const w137 = mdl_widen_bf16(b137, 131072, h->nthreads);
     float *const w89 = mdl_widen_bf16(b89, 16384, h->nthreads);
     mdl_gemm(h, 0, 1, 512, 64, 256, w137, 256, w89, 256, 0.0f, b138, 64);
-    free(w137);
-    free(w89);
+    mdl_free(w137);
+    mdl_free(w89);
   }
 }
 
@@ -1146,8 +1241,8 @@ __attribute__((noinline)) static void k24_gemm__code(char *arena, const MdlHooks
     float *const w88 = mdl_widen_bf16(b88, 32768, h->nthreads);
     float *const w137 = mdl_widen_bf16(b137, 131072, h->nthreads);
     mdl_gemm(h, 1, 0, 64, 256, 512, w88, 64, w137, 256, 0.0f, b139, 256);
-    free(w88);
-    free(w137);
+    mdl_free(w88);
+    mdl_free(w137);
   }
 }
 
@@ -1224,7 +1319,7 @@ __attribute__((noinline)) static void k25_layernorm_bwd__add__sum__cast__code(ch
         }
       }
     }
-    free(dxrow);
+    mdl_free(dxrow);
   }
   for (int64_t j = 0; j < 64; j++) {
     double w = 0, b = 0, a0 = 0;
@@ -1237,9 +1332,9 @@ __attribute__((noinline)) static void k25_layernorm_bwd__add__sum__cast__code(ch
     b143[j] = (float)b;
     b146[j] = (float)a0;
   }
-  free(pdw);
-  free(pdb);
-  free(ps0);
+  mdl_free(pdw);
+  mdl_free(pdb);
+  mdl_free(ps0);
 }
 
 // k25_layernorm_bwd__add__sum__cast: kernel, 7 ops
@@ -1271,8 +1366,8 @@ __attribute__((noinline)) static void k26_gemm__code(char *arena, const MdlHooks
     float *const w80 = mdl_widen_bf16(b80, 32768, h->nthreads);
     float *const w147 = mdl_widen_bf16(b147, 32768, h->nthreads);
     mdl_gemm(h, 1, 0, 64, 64, 512, w80, 64, w147, 64, 0.0f, b149, 64);
-    free(w80);
-    free(w147);
+    mdl_free(w80);
+    mdl_free(w147);
   }
 }
 
@@ -1300,8 +1395,8 @@ __attribute__((noinline)) static void k27_gemm__cast__code(char *arena, const Md
     float *const w147 = mdl_widen_bf16(b147, 32768, h->nthreads);
     float *const w81 = mdl_widen_bf16(b81, 4096, h->nthreads);
     mdl_gemm(h, 0, 1, 512, 64, 64, w147, 64, w81, 64, 0.0f, b148, 64);
-    free(w147);
-    free(w81);
+    mdl_free(w147);
+    mdl_free(w81);
   }
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
   for (int64_t r = 0; r < 512; r++) {
@@ -1313,7 +1408,7 @@ __attribute__((noinline)) static void k27_gemm__cast__code(char *arena, const Md
       b153[i] = mdl_f32_to_bf16(v153_i);
     }
   }
-  free(b148);
+  mdl_free(b148);
 }
 
 // k27_gemm__cast: GEMM, 3 ops
@@ -1451,12 +1546,12 @@ __attribute__((noinline)) static void k28_attention_bwd__code(char *arena, const
       for (int64_t t = 0; t < 64; t++)
         memcpy(b156 + (b * 64 + t) * 64 + hd * 16, dvh + t * 16, 16 * sizeof(float));
     }
-    free(kt);
-    free(s);
-    free(vt);
-    free(dp);
-    free(dkh);
-    free(dvh);
+    mdl_free(kt);
+    mdl_free(s);
+    mdl_free(vt);
+    mdl_free(dp);
+    mdl_free(dkh);
+    mdl_free(dvh);
   }
 }
 
@@ -1508,7 +1603,7 @@ __attribute__((noinline)) static void k29_sum__concat__cast__code(char *arena, c
     const float y = (float)acc;
     b159[r] = y;
   }
-  free(part);
+  mdl_free(part);
 }
 
 // k29_sum__concat__cast: kernel, 4 ops
@@ -1537,8 +1632,8 @@ __attribute__((noinline)) static void k30_gemm__code(char *arena, const MdlHooks
     float *const w160 = mdl_widen_bf16(b160, 98304, h->nthreads);
     float *const w70 = mdl_widen_bf16(b70, 12288, h->nthreads);
     mdl_gemm(h, 0, 1, 512, 64, 192, w160, 192, w70, 192, 0.0f, b161, 64);
-    free(w160);
-    free(w70);
+    mdl_free(w160);
+    mdl_free(w70);
   }
 }
 
@@ -1565,8 +1660,8 @@ __attribute__((noinline)) static void k31_gemm__code(char *arena, const MdlHooks
     float *const w69 = mdl_widen_bf16(b69, 32768, h->nthreads);
     float *const w160 = mdl_widen_bf16(b160, 98304, h->nthreads);
     mdl_gemm(h, 1, 0, 64, 192, 512, w69, 64, w160, 192, 0.0f, b162, 192);
-    free(w69);
-    free(w160);
+    mdl_free(w69);
+    mdl_free(w160);
   }
 }
 
@@ -1650,7 +1745,7 @@ static void k32_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
         }
       }
     }
-    free(dxrow);
+    mdl_free(dxrow);
   }
   for (int64_t j = 0; j < 64; j++) {
     double w = 0, b = 0, a0 = 0;
@@ -1663,9 +1758,9 @@ static void k32_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
     b166[j] = (float)b;
     b169[j] = (float)a0;
   }
-  free(pdw);
-  free(pdb);
-  free(ps0);
+  mdl_free(pdw);
+  mdl_free(pdb);
+  mdl_free(ps0);
 }
 
 // k33_gemm: GEMM, 1 op
@@ -1847,7 +1942,7 @@ static void k44_layernorm_bwd__add(char *arena, const MdlHooks *h) {
         }
       }
     }
-    free(dxrow);
+    mdl_free(dxrow);
   }
   for (int64_t j = 0; j < 64; j++) {
     double w = 0, b = 0;
@@ -1858,8 +1953,8 @@ static void k44_layernorm_bwd__add(char *arena, const MdlHooks *h) {
     b205[j] = (float)w;
     b206[j] = (float)b;
   }
-  free(pdw);
-  free(pdb);
+  mdl_free(pdw);
+  mdl_free(pdb);
 }
 
 // k45_embed_bwd: kernel, 1 op
@@ -1892,40 +1987,48 @@ static void k45_embed_bwd(char *arena, const MdlHooks *h) {
 //   %209   embed_bwd                               line 22    f32[256,64]
 //   %210   add                d.wte                line 19    f32[256,64]
 // loops:
-//   embed backward: 512 rows of 64 into a table of 256, 4 column blocks
-//   elementwise over 16384: %210
+//   embed backward added to %123: 512 rows of 64 into the rows of a table of 256 they name, 4 column blocks
 static void k46_embed_bwd__add(char *arena, const MdlHooks *h) {
   int32_t *const b0 = (int32_t *)(arena + 2224128); // %0 input tokens i32[8,64]
   float *const b123 = (float *)(arena + 5509248); // %123 matmul f32[256,64]
   float *const b207 = (float *)(arena + 2232448); // %207 add d.x f32[8,64,64]
-  float *const b209 = mdl_scratch(65536); // %209 embed_bwd f32[256,64], kept in this kernel
   float *const b210 = (float *)(arena + 498688); // %210 add d.wte f32[256,64]
-  for (int64_t t = 0; t < 256; t++)
-    memset(b209 + t * 64, 0, 64 * sizeof(float));
+  int32_t *first = mdl_scratch(256 * sizeof(int32_t));
+  memset(first, 0xff, 256 * sizeof(int32_t));
+  for (int64_t r = 0; r < 512; r++) {
+    const int32_t id = b0[r];
+    if (id < 0 || id >= 256)
+      h->error(h->ctx, "embed: id", id, 256);
+    else if (first[id] < 0)
+      first[id] = (int32_t)r;
+  }
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
   for (int64_t k = 0; k < 4; k++) {
     const int64_t c0 = k * 16, c1 = c0 + 16 < 64 ? c0 + 16 : 64;
     for (int64_t r = 0; r < 512; r++) {
       const int32_t id = b0[r];
-      if (id < 0 || id >= 256) {
-        if (k == 0)
-          h->error(h->ctx, "embed: id", id, 256);
+      if (id < 0 || id >= 256)
         continue;
-      }
-      for (int64_t j = c0; j < c1; j++)
-        b209[(int64_t)id * 64 + j] += b207[r * 64 + j];
+      float *restrict yr = b210 + (int64_t)id * 64;
+      const float *restrict dr = b207 + r * 64;
+      if (first[id] == r)
+        for (int64_t j = c0; j < c1; j++)
+          yr[j] = dr[j];
+      else
+        for (int64_t j = c0; j < c1; j++)
+          yr[j] += dr[j];
     }
   }
-  for (int64_t r = 0; r < 256; r++) {
-    for (int64_t c = 0; c < 64; c++) {
-      const int64_t i = r * 64 + c;
-      const float v123_i = b123[i];
-      const float v209_i = b209[i];
-      const float v210_i = v123_i + v209_i;
-      b210[i] = v210_i;
-    }
+  for (int64_t t = 0; t < 256; t++) {
+    float *restrict yr = b210 + t * 64;
+    const float *restrict xr = b123 + t * 64;
+    if (first[t] < 0)
+      memcpy(yr, xr, 64 * sizeof(float));
+    else
+      for (int64_t j = 0; j < 64; j++)
+        yr[j] = xr[j] + yr[j];
   }
-  free(b209);
+  mdl_free(first);
 }
 
 // k47_grad_norm__adamw: optimizer, 29 ops
@@ -2060,23 +2163,24 @@ static void k47_grad_norm__adamw(char *arena, const MdlHooks *h) {
         {498432, 997120, 1495808, 1994496, -1, 64, 0.0}, // lnf_b
     };
     const double clip = 1.0, gnorm = b213[0];
-    const double s = clip > 0 ? fmin(1.0, clip / (gnorm + 1e-6)) : 1.0;
-    const double lr = b211[0], step = b212[0];
-    const double b1 = 0.9, b2 = 0.95, eps = 1e-08;
-    const double c1 = 1.0 / (1.0 - pow(b1, step)), c2 = 1.0 / (1.0 - pow(b2, step));
+    const double step = b212[0];
+    const float s = (float)(clip > 0 ? fmin(1.0, clip / (gnorm + 1e-6)) : 1.0);
+    const float lr = b211[0], b1 = 0.9f, b2 = 0.95f, eps = 1e-08f;
+    const float c1 = (float)(1.0 / (1.0 - pow(b1, step))), c2 = (float)(1.0 / (1.0 - pow(b2, step)));
     #pragma omp parallel num_threads(h->nthreads)
     for (int k = 0; k < 28; k++) {
       float *restrict p = (float *)(arena + seg[k].p), *restrict m = (float *)(arena + seg[k].m);
       float *restrict v = (float *)(arena + seg[k].v);
       const float *restrict g = (const float *)(arena + seg[k].g);
       uint16_t *restrict c = seg[k].c >= 0 ? (uint16_t *)(arena + seg[k].c) : NULL;
-      const double wd = seg[k].wd;
-      #pragma omp for schedule(static) nowait
+      const float wd = (float)seg[k].wd;
+      #pragma omp for simd schedule(static) nowait
       for (int64_t i = 0; i < seg[k].n; i++) {
-        const double gi = s * g[i];
-        m[i] = (float)(b1 * m[i] + (1 - b1) * gi);
-        v[i] = (float)(b2 * v[i] + (1 - b2) * gi * gi);
-        p[i] = (float)(p[i] - lr * (m[i] * c1 / (sqrt(v[i] * c2) + eps) + wd * p[i]));
+        const float gi = s * g[i];
+        const float mi = b1 * m[i] + (1.0f - b1) * gi, vi = b2 * v[i] + (1.0f - b2) * gi * gi;
+        m[i] = mi;
+        v[i] = vi;
+        p[i] = p[i] - lr * (mi * c1 / (sqrtf(vi * c2) + eps) + wd * p[i]);
         if (c)
           c[i] = mdl_f32_to_bf16(p[i]);
       }

@@ -2,12 +2,14 @@
 // Model gpt2: one training step (forward, backward, AdamW) as 238 kernels over one arena of 5807381696 bytes
 // (parameters, gradients and AdamW moments at 0, 497759232, 995518464 and 1493277696, 497759232 bytes each).
 // Build: cc -O3 -march=native -fno-math-errno -fopenmp -shared -fPIC; runtime/cpu.c loads it.
+#define _DEFAULT_SOURCE // mmap's MAP_ANONYMOUS and madvise's MADV_HUGEPAGE under -std=c11
 #include <math.h>
 #include <stdbool.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 
 // The runtime's hooks and the kernel table (runtime/backend.h holds the same typedefs).
 typedef struct {
@@ -92,13 +94,58 @@ static inline float mdl_silu_grad(float x, float dy) {
   return dy * s * (1.0f + x * (1.0f - s));
 }
 
+// Scratch for one kernel, freed by mdl_free before it returns. A large buffer is mapped in huge
+// pages where the kernel has them, and kept when freed for the next step's kernel of its size (a
+// few are kept): mapped afresh each step, GPT-2 124M's LM head chunk of 51 MB was faulted in and
+// zeroed by the kernel every step (glibc's malloc maps anything over 32 MB afresh). A header before
+// the buffer keeps its size.
+enum { MDL_SCRATCH_HEAD = 64, MDL_SCRATCH_MAPPED = 4 << 20, MDL_SCRATCH_KEPT = 8 };
+static char *mdl_scratch_kept[MDL_SCRATCH_KEPT];
+
 static inline void *mdl_scratch(size_t bytes) {
-  void *p = malloc(bytes ? bytes : 1);
+  const size_t n = bytes + MDL_SCRATCH_HEAD;
+  char *p = NULL;
+  if (n >= MDL_SCRATCH_MAPPED) {
+#pragma omp critical(mdl_scratch)
+    for (int i = 0; i < MDL_SCRATCH_KEPT && !p; i++) {
+      size_t m = 0;
+      if (mdl_scratch_kept[i])
+        memcpy(&m, mdl_scratch_kept[i], sizeof m);
+      if (m == n)
+        p = mdl_scratch_kept[i], mdl_scratch_kept[i] = NULL;
+    }
+    if (!p) {
+      p = mmap(NULL, n, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+      if (p == MAP_FAILED)
+        p = NULL;
+      else
+        madvise(p, n, MADV_HUGEPAGE);
+    }
+  } else {
+    p = aligned_alloc(MDL_SCRATCH_HEAD, (n + MDL_SCRATCH_HEAD - 1) / MDL_SCRATCH_HEAD * MDL_SCRATCH_HEAD);
+  }
   if (!p) {
     fprintf(stderr, "mdl: out of memory (%zu bytes)\n", bytes);
     abort();
   }
-  return p;
+  memcpy(p, &n, sizeof n);
+  return p + MDL_SCRATCH_HEAD;
+}
+
+static inline void mdl_free(void *q) {
+  char *p = (char *)q - MDL_SCRATCH_HEAD;
+  size_t n;
+  memcpy(&n, p, sizeof n);
+  if (n < MDL_SCRATCH_MAPPED) {
+    free(p);
+    return;
+  }
+#pragma omp critical(mdl_scratch)
+  for (int i = 0; i < MDL_SCRATCH_KEPT && p; i++)
+    if (!mdl_scratch_kept[i])
+      mdl_scratch_kept[i] = p, p = NULL;
+  if (p)
+    munmap(p, n);
 }
 
 // C = op(A) op(B) + beta C through the runtime's sgemm, split into blocks of output rows over the
@@ -123,8 +170,8 @@ static inline void mdl_gemm(const MdlHooks *h, int ta, int tb, int64_t m, int64_
   }
 }
 
-// Sum of squares in double over fixed blocks of 4096, the blocks added in order: the result does
-// not depend on the number of threads.
+// Sum of squares in double over fixed blocks of 4096, each block in vector lanes, the blocks added
+// in order: the result does not depend on the number of threads.
 static inline double mdl_sumsq(const float *x, int64_t n, int nthreads) {
   const int64_t nb = (n + 4095) / 4096;
   double *part = mdl_scratch((size_t)nb * sizeof(double)), s = 0;
@@ -132,13 +179,14 @@ static inline double mdl_sumsq(const float *x, int64_t n, int nthreads) {
   for (int64_t b = 0; b < nb; b++) {
     const int64_t end = b * 4096 + 4096 < n ? b * 4096 + 4096 : n;
     double acc = 0;
+#pragma omp simd reduction(+ : acc)
     for (int64_t i = b * 4096; i < end; i++)
       acc += (double)x[i] * x[i];
     part[b] = acc;
   }
   for (int64_t b = 0; b < nb; b++)
     s += part[b];
-  free(part);
+  mdl_free(part);
   return s;
 }
 
@@ -184,7 +232,7 @@ static inline void mdl_bgemm(const MdlHooks *h, int ta, int tb, int64_t m, int64
 
 // n bf16 values widened into a new f32 buffer (exact), for the f32 GEMM that computes a GEMM of
 // bf16 operands: every product of two bf16 values is exact in f32, and the sums accumulate in f32
-// as on a GPU's bf16 tensor cores. free() it.
+// as on a GPU's bf16 tensor cores. mdl_free() it.
 static inline float *mdl_widen_bf16(const uint16_t *x, int64_t n, int nthreads) {
   float *y = mdl_scratch((size_t)n * sizeof(float));
 #pragma omp parallel for num_threads(nthreads) schedule(static) if (n >= 65536)
@@ -281,8 +329,8 @@ static void k2_layernorm_fwd__add__cast(char *arena, const MdlHooks *h) {
         b23[ix] = mdl_f32_to_bf16(v23_ix);
       }
     }
-    free(xrow);
-    free(yrow);
+    mdl_free(xrow);
+    mdl_free(yrow);
   }
 }
 
@@ -304,8 +352,8 @@ __attribute__((noinline)) static void k3_gemm__add__cast__code(char *arena, cons
     float *const w23 = mdl_widen_bf16(b23, 6291456, h->nthreads);
     float *const w24 = mdl_widen_bf16(b24, 1769472, h->nthreads);
     mdl_gemm(h, 0, 0, 8192, 2304, 768, w23, 768, w24, 2304, 0.0f, b25, 2304);
-    free(w23);
-    free(w24);
+    mdl_free(w23);
+    mdl_free(w24);
   }
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
   for (int64_t r = 0; r < 8192; r++) {
@@ -319,7 +367,7 @@ __attribute__((noinline)) static void k3_gemm__add__cast__code(char *arena, cons
       b28[i] = mdl_f32_to_bf16(v28_i);
     }
   }
-  free(b25);
+  mdl_free(b25);
 }
 
 // k3_gemm__add__cast: GEMM, 4 ops
@@ -346,94 +394,159 @@ __attribute__((noinline)) static void k4_attention_fwd__cast__lse__code(char *ar
   uint16_t *const restrict b28 = (uint16_t *)(arena + o[1]); // %28 cast bf16[8,1024,2304]
   uint16_t *const restrict b34 = (uint16_t *)(arena + o[2]); // %34 cast bf16[8192,768]
   float *const restrict b1051 = (float *)(arena + o[3]); // %1051 attention_lse f32[8,12,1024]
+  const int g16 = h->bgemm != NULL;
   #pragma omp parallel num_threads(h->nthreads)
   {
-    float *restrict kt = memset(mdl_scratch(67584 * sizeof(float)), 0, 67584 * sizeof(float));
-    float *restrict s = memset(mdl_scratch(1056 * sizeof(float)), 0, 1056 * sizeof(float));
+    float *restrict qs = memset(mdl_scratch(65536 * sizeof(float)), 0, 65536 * sizeof(float));
+    float *restrict ks = memset(mdl_scratch(65536 * sizeof(float)), 0, 65536 * sizeof(float));
+    float *restrict vs = memset(mdl_scratch(65536 * sizeof(float)), 0, 65536 * sizeof(float));
+    float *restrict sc = memset(mdl_scratch(65536 * sizeof(float)), 0, 65536 * sizeof(float));
+    float *restrict ps = memset(mdl_scratch(65536 * sizeof(float)), 0, 65536 * sizeof(float));
+    float *restrict ot = memset(mdl_scratch(4096 * sizeof(float)), 0, 4096 * sizeof(float));
+    float *restrict lrow = memset(mdl_scratch(64 * sizeof(float)), 0, 64 * sizeof(float));
     #pragma omp for schedule(dynamic, 1)
     for (int64_t task = 0; task < 96; task++) {
       const int64_t b = task / 12, hd = task % 12;
-      for (int64_t j = 0; j < 1024; j++) {
-        const uint16_t *xj = b28 + 768 + (b * 1024 + j) * 2304 + hd * 64;
-        for (int64_t c = 0; c < 64; c++)
-          kt[c * 1056 + j] = mdl_bf16_to_f32(xj[c]);
-      }
-      int64_t lo = 0, hi = 1024;
       const int32_t *restrict dc = b3 + b * 1024;
-      for (int64_t i = 0; i < 1024; i++) {
-        const int32_t di = dc[i];
-        if (i == 0 || dc[i - 1] != di) {
-          lo = 0;
-          while (dc[lo] != di)
-            lo++;
-        }
-        hi = i + 1;
-        float qr[64];
-        for (int64_t c = 0; c < 64; c++)
-          qr[c] = mdl_bf16_to_f32(b28[(b * 1024 + i) * 2304 + hd * 64 + c]);
-        const float *restrict qi = qr;
-        for (int64_t j0 = lo; j0 < hi; j0 += 32) {
-          float acc[32] = {0};
-          for (int64_t c = 0; c < 64; c++) {
-            const float vc = qi[c], *restrict mc = kt + c * 1056 + j0;
-            #pragma omp simd
-            for (int64_t u = 0; u < 32; u++)
-              acc[u] += vc * mc[u];
+      if (g16) {
+        for (int64_t i0 = 0; i0 < 1024; i0 += 64) {
+          const int64_t i1 = i0 + 64 < 1024 ? i0 + 64 : 1024, nr = i1 - i0;
+          int64_t klo = i0;
+          for (int64_t i = i0; i < i1; i++)
+            if (i == i0 || dc[i] != dc[i - 1]) {
+            int64_t l = 0;
+            while (dc[l] != dc[i])
+              l++;
+            klo = l < klo ? l : klo;
           }
-          memcpy(s + j0, acc, sizeof acc);
-        }
-        float m = -INFINITY;
-        #pragma omp simd reduction(max : m)
-        for (int64_t j = lo; j < hi; j++) {
-          s[j] = dc[j] == di ? s[j] * 0.125f : -INFINITY;
-          m = s[j] > m ? s[j] : m;
-        }
-        #pragma omp simd
-        for (int64_t j = lo; j < hi; j++)
-          s[j] = mdl_exp_shifted(s[j] - m);
-        float l;
-        {
-          float part[8] = {0};
-          int64_t j0 = lo;
-          for (; j0 + 8 <= hi; j0 += 8) {
-            for (int64_t u = 0; u < 8; u++) {
-              const int64_t j = j0 + u;
-              part[u] += s[j];
+          const int64_t khi = i1, nk = khi - klo;
+          h->bgemm(0, 1, nr, nk, 64, b28 + b * 2359296 + hd * 64 + i0 * 2304, 2304, b28 + 768 + b * 2359296 + hd * 64 + klo * 2304, 2304, 0.0f, sc, nk);
+          for (int64_t i = i0; i < i1; i++) {
+            float *restrict s = sc + (i - i0) * nk;
+            float m = -INFINITY;
+            #pragma omp simd reduction(max : m)
+            for (int64_t j = 0; j < nk; j++) {
+              s[j] = klo + j <= i && dc[klo + j] == dc[i] ? s[j] * 0.125f : -INFINITY;
+              m = s[j] > m ? s[j] : m;
+            }
+            #pragma omp simd
+            for (int64_t j = 0; j < nk; j++)
+              s[j] = mdl_exp_shifted(s[j] - m);
+            const int64_t lo = 0, hi = nk;
+            float l;
+            {
+              float part[8] = {0};
+              int64_t j0 = lo;
+              for (; j0 + 8 <= hi; j0 += 8) {
+                for (int64_t u = 0; u < 8; u++) {
+                  const int64_t j = j0 + u;
+                  part[u] += s[j];
+                }
+              }
+              for (int64_t j = j0; j < hi; j++) {
+                part[j - j0] += s[j];
+              }
+              l = ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
+            }
+            lrow[i - i0] = l;
+            b1051[(b * 12 + hd) * 1024 + i] = m + logf(l);
+            uint16_t *restrict ps_i = (uint16_t *)ps + (i - i0) * nk;
+            #pragma omp simd
+            for (int64_t j = 0; j < nk; j++)
+              ps_i[j] = mdl_f32_to_bf16(s[j]);
+          }
+          h->bgemm(0, 0, nr, 64, nk, (const uint16_t *)ps, nk, b28 + 1536 + b * 2359296 + hd * 64 + klo * 2304, 2304, 0.0f, ot, 64);
+          for (int64_t i = i0; i < i1; i++) {
+            uint16_t *restrict o0 = b34 + (b * 1024 + i) * 768 + hd * 64;
+            for (int64_t c = 0; c < 64; c++) {
+              const float y = ot[(i - i0) * 64 + c] / lrow[i - i0];
+              o0[c] = mdl_f32_to_bf16(y);
             }
           }
-          for (int64_t j = j0; j < hi; j++) {
-            part[j - j0] += s[j];
-          }
-          l = ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
         }
-        b1051[(b * 12 + hd) * 1024 + i] = m + logf(l);
-        float acc0[64] = {0}, acc1[64] = {0};
-        int64_t j = lo;
-        for (; j + 1 < hi; j += 2) {
-          const float w0 = mdl_bf16_to_f32(mdl_f32_to_bf16(s[j])), w1 = mdl_bf16_to_f32(mdl_f32_to_bf16(s[j + 1]));
-          const uint16_t *restrict x0 = b28 + 1536 + (b * 1024 + j) * 2304 + hd * 64, *restrict x1 = x0 + 2304;
-          #pragma omp simd
-          for (int64_t c = 0; c < 64; c++) {
-            acc0[c] += w0 * mdl_bf16_to_f32(x0[c]);
-            acc1[c] += w1 * mdl_bf16_to_f32(x1[c]);
-          }
-        }
-        if (j < hi) {
-          const float w0 = mdl_bf16_to_f32(mdl_f32_to_bf16(s[j]));
-          const uint16_t *restrict x0 = b28 + 1536 + (b * 1024 + j) * 2304 + hd * 64;
-          #pragma omp simd
+      }
+      else {
+        for (int64_t j = 0; j < 1024; j++) {
+          const uint16_t *restrict x = b28 + b * 2359296 + hd * 64 + j * 2304;
+          float *restrict y = (float *)qs + j * 64;
           for (int64_t c = 0; c < 64; c++)
-            acc0[c] += w0 * mdl_bf16_to_f32(x0[c]);
+            y[c] = mdl_bf16_to_f32(x[c]);
         }
-        uint16_t *restrict o0 = b34 + (b * 1024 + i) * 768 + hd * 64;
-        for (int64_t c = 0; c < 64; c++) {
-          const float y = (acc0[c] + acc1[c]) / l;
-          o0[c] = mdl_f32_to_bf16(y);
+        for (int64_t j = 0; j < 1024; j++) {
+          const uint16_t *restrict x = b28 + 768 + b * 2359296 + hd * 64 + j * 2304;
+          float *restrict y = (float *)ks + j * 64;
+          for (int64_t c = 0; c < 64; c++)
+            y[c] = mdl_bf16_to_f32(x[c]);
+        }
+        for (int64_t j = 0; j < 1024; j++) {
+          const uint16_t *restrict x = b28 + 1536 + b * 2359296 + hd * 64 + j * 2304;
+          float *restrict y = (float *)vs + j * 64;
+          for (int64_t c = 0; c < 64; c++)
+            y[c] = mdl_bf16_to_f32(x[c]);
+        }
+        for (int64_t i0 = 0; i0 < 1024; i0 += 64) {
+          const int64_t i1 = i0 + 64 < 1024 ? i0 + 64 : 1024, nr = i1 - i0;
+          int64_t klo = i0;
+          for (int64_t i = i0; i < i1; i++)
+            if (i == i0 || dc[i] != dc[i - 1]) {
+            int64_t l = 0;
+            while (dc[l] != dc[i])
+              l++;
+            klo = l < klo ? l : klo;
+          }
+          const int64_t khi = i1, nk = khi - klo;
+          h->sgemm(0, 1, nr, nk, 64, (const float *)qs + i0 * 64, 64, (const float *)ks + klo * 64, 64, 0.0f, sc, nk);
+          for (int64_t i = i0; i < i1; i++) {
+            float *restrict s = sc + (i - i0) * nk;
+            float m = -INFINITY;
+            #pragma omp simd reduction(max : m)
+            for (int64_t j = 0; j < nk; j++) {
+              s[j] = klo + j <= i && dc[klo + j] == dc[i] ? s[j] * 0.125f : -INFINITY;
+              m = s[j] > m ? s[j] : m;
+            }
+            #pragma omp simd
+            for (int64_t j = 0; j < nk; j++)
+              s[j] = mdl_exp_shifted(s[j] - m);
+            const int64_t lo = 0, hi = nk;
+            float l;
+            {
+              float part[8] = {0};
+              int64_t j0 = lo;
+              for (; j0 + 8 <= hi; j0 += 8) {
+                for (int64_t u = 0; u < 8; u++) {
+                  const int64_t j = j0 + u;
+                  part[u] += s[j];
+                }
+              }
+              for (int64_t j = j0; j < hi; j++) {
+                part[j - j0] += s[j];
+              }
+              l = ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
+            }
+            lrow[i - i0] = l;
+            b1051[(b * 12 + hd) * 1024 + i] = m + logf(l);
+            #pragma omp simd
+            for (int64_t j = 0; j < nk; j++)
+              s[j] = mdl_bf16_to_f32(mdl_f32_to_bf16(s[j]));
+          }
+          h->sgemm(0, 0, nr, 64, nk, sc, nk, (const float *)vs + klo * 64, 64, 0.0f, ot, 64);
+          for (int64_t i = i0; i < i1; i++) {
+            uint16_t *restrict o0 = b34 + (b * 1024 + i) * 768 + hd * 64;
+            for (int64_t c = 0; c < 64; c++) {
+              const float y = ot[(i - i0) * 64 + c] / lrow[i - i0];
+              o0[c] = mdl_f32_to_bf16(y);
+            }
+          }
         }
       }
     }
-    free(kt);
-    free(s);
+    mdl_free(qs);
+    mdl_free(ks);
+    mdl_free(vs);
+    mdl_free(sc);
+    mdl_free(ps);
+    mdl_free(ot);
+    mdl_free(lrow);
   }
 }
 
@@ -467,8 +580,8 @@ __attribute__((noinline)) static void k5_gemm__add__code(char *arena, const MdlH
     float *const w34 = mdl_widen_bf16(b34, 6291456, h->nthreads);
     float *const w35 = mdl_widen_bf16(b35, 589824, h->nthreads);
     mdl_gemm(h, 0, 0, 8192, 768, 768, w34, 768, w35, 768, 0.0f, b36, 768);
-    free(w34);
-    free(w35);
+    mdl_free(w34);
+    mdl_free(w35);
   }
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
   for (int64_t r = 0; r < 8192; r++) {
@@ -533,7 +646,7 @@ __attribute__((noinline)) static void k6_layernorm_fwd__cast__code(char *arena, 
         b42[ix] = mdl_f32_to_bf16(v42_ix);
       }
     }
-    free(yrow);
+    mdl_free(yrow);
   }
 }
 
@@ -567,8 +680,8 @@ __attribute__((noinline)) static void k7_gemm__add__gelu__cast__code(char *arena
     float *const w42 = mdl_widen_bf16(b42, 6291456, h->nthreads);
     float *const w43 = mdl_widen_bf16(b43, 2359296, h->nthreads);
     mdl_gemm(h, 0, 0, 8192, 3072, 768, w42, 768, w43, 3072, 0.0f, b44, 3072);
-    free(w42);
-    free(w43);
+    mdl_free(w42);
+    mdl_free(w43);
   }
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
   for (int64_t r = 0; r < 8192; r++) {
@@ -620,8 +733,8 @@ __attribute__((noinline)) static void k8_gemm__add__code(char *arena, const MdlH
     float *const w49 = mdl_widen_bf16(b49, 25165824, h->nthreads);
     float *const w50 = mdl_widen_bf16(b50, 2359296, h->nthreads);
     mdl_gemm(h, 0, 0, 8192, 768, 3072, w49, 3072, w50, 768, 0.0f, b51, 768);
-    free(w49);
-    free(w50);
+    mdl_free(w49);
+    mdl_free(w50);
   }
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
   for (int64_t r = 0; r < 8192; r++) {
@@ -686,7 +799,7 @@ __attribute__((noinline)) static void k9_layernorm_fwd__cast__code(char *arena, 
         b69[ix] = mdl_f32_to_bf16(v69_ix);
       }
     }
-    free(yrow);
+    mdl_free(yrow);
   }
 }
 
@@ -1733,23 +1846,46 @@ static void k88_lmhead__cast__cross_entropy__cross_entropy_bwd__gemm(char *arena
           m = x[j] > m ? x[j] : m;
         }
         const float xt = x[t]; // before dx, which may be x itself, is written
-        double sum = 0;
-        #pragma omp simd reduction(+ : sum)
-        for (int64_t j = 0; j < 50257; j++) {
-          dx[j] = mdl_exp_shifted(x[j] - m);
-          sum += dx[j];
+        double sum;
+        {
+          double lane[16] = {0};
+          for (int64_t j0 = 0; j0 < 50257; j0 += 256) {
+            const int64_t j1 = j0 + 256 < 50257 ? j0 + 256 : 50257;
+            float part[16] = {0};
+            int64_t k = j0;
+            for (; k + 16 <= j1; k += 16) {
+              for (int64_t u = 0; u < 16; u++) {
+                const int64_t j = k + u;
+                const float ej = mdl_exp_shifted(x[j] - m);
+                dx[j] = ej;
+                part[u] += ej;
+              }
+            }
+            for (int64_t j = k; j < j1; j++) {
+              const float ej = mdl_exp_shifted(x[j] - m);
+              dx[j] = ej;
+              part[j - k] += ej;
+            }
+            for (int u = 0; u < 16; u++)
+              lane[u] += part[u];
+          }
+          for (int w = 8; w > 0; w /= 2)
+            for (int u = 0; u < w; u++)
+              lane[u] += lane[u + w];
+          sum = lane[0];
         }
         b570[r] = (float)(m + log(sum) - xt);
-        const double g = b577[r], inv = 1.0 / sum;
+        const float g = b577[r], sc = (float)(g / sum), et = dx[t];
         #pragma omp simd
         for (int64_t j = 0; j < 50257; j++)
-          d16[j] = mdl_f32_to_bf16((float)(g * (dx[j] * inv - (j == t))));
+          d16[j] = mdl_f32_to_bf16(dx[j] * sc);
+        d16[t] = mdl_f32_to_bf16(et * sc - g);
       }
       mdl_bgemm(h, 0, 0, rn, 768, 50257, dl16, 50257, b566, 768, 0.0f, b582 + r0 * 768, 768);
       mdl_bgemm(h, 1, 0, 50257, 768, rn, dl16, 50257, b565 + r0 * 768, 768, r0 ? 1.0f : 0.0f, b583, 768);
     }
-    free(logits);
-    free(dl16);
+    mdl_free(logits);
+    mdl_free(dl16);
   }
   else {
     float *const w565 = mdl_widen_bf16(b565, 6291456, h->nthreads);
@@ -1778,23 +1914,47 @@ static void k88_lmhead__cast__cross_entropy__cross_entropy_bwd__gemm(char *arena
           m = x[j] > m ? x[j] : m;
         }
         const float xt = x[t]; // before dx, which may be x itself, is written
-        double sum = 0;
-        #pragma omp simd reduction(+ : sum)
-        for (int64_t j = 0; j < 50257; j++) {
-          dx[j] = mdl_exp_shifted(x[j] - m);
-          sum += dx[j];
+        double sum;
+        {
+          double lane[16] = {0};
+          for (int64_t j0 = 0; j0 < 50257; j0 += 256) {
+            const int64_t j1 = j0 + 256 < 50257 ? j0 + 256 : 50257;
+            float part[16] = {0};
+            int64_t k = j0;
+            for (; k + 16 <= j1; k += 16) {
+              for (int64_t u = 0; u < 16; u++) {
+                const int64_t j = k + u;
+                const float ej = mdl_exp_shifted(x[j] - m);
+                dx[j] = ej;
+                part[u] += ej;
+              }
+            }
+            for (int64_t j = k; j < j1; j++) {
+              const float ej = mdl_exp_shifted(x[j] - m);
+              dx[j] = ej;
+              part[j - k] += ej;
+            }
+            for (int u = 0; u < 16; u++)
+              lane[u] += part[u];
+          }
+          for (int w = 8; w > 0; w /= 2)
+            for (int u = 0; u < w; u++)
+              lane[u] += lane[u + w];
+          sum = lane[0];
         }
         b570[r] = (float)(m + log(sum) - xt);
-        const double g = b577[r], inv = 1.0 / sum;
+        const float g = b577[r], sc = (float)(g / sum), et = dx[t];
+        #pragma omp simd
         for (int64_t j = 0; j < 50257; j++)
-          dx[j] = mdl_bf16_to_f32(mdl_f32_to_bf16((float)(g * (dx[j] * inv - (j == t)))));
+          dx[j] = mdl_bf16_to_f32(mdl_f32_to_bf16(dx[j] * sc));
+        dx[t] = mdl_bf16_to_f32(mdl_f32_to_bf16(et * sc - g));
       }
       mdl_gemm(h, 0, 0, rn, 768, 50257, logits, 50257, w566, 768, 0.0f, b582 + r0 * 768, 768);
       mdl_gemm(h, 1, 0, 50257, 768, rn, logits, 50257, w565 + r0 * 768, 768, r0 ? 1.0f : 0.0f, b583, 768);
     }
-    free(logits);
-    free(w565);
-    free(w566);
+    mdl_free(logits);
+    mdl_free(w565);
+    mdl_free(w566);
   }
 }
 
@@ -1828,7 +1988,7 @@ static void k89_mean(char *arena, const MdlHooks *h) {
     const float y = (float)(acc / 8192);
     b572[r] = y;
   }
-  free(part);
+  mdl_free(part);
 }
 
 // k90_layernorm_bwd__sum__cast: kernel, 6 ops
@@ -1906,9 +2066,9 @@ static void k90_layernorm_bwd__sum__cast(char *arena, const MdlHooks *h) {
     b587[j] = (float)b;
     b589[j] = (float)a0;
   }
-  free(pdw);
-  free(pdb);
-  free(ps0);
+  mdl_free(pdw);
+  mdl_free(pdb);
+  mdl_free(ps0);
 }
 
 // The loops of 12 kernels, each on its own buffers (o[]: their offsets in the arena; the names
@@ -1926,8 +2086,8 @@ __attribute__((noinline)) static void k91_gemm__code(char *arena, const MdlHooks
     float *const w555 = mdl_widen_bf16(b555, 25165824, h->nthreads);
     float *const w590 = mdl_widen_bf16(b590, 6291456, h->nthreads);
     mdl_gemm(h, 1, 0, 3072, 768, 8192, w555, 3072, w590, 768, 0.0f, b592, 768);
-    free(w555);
-    free(w590);
+    mdl_free(w555);
+    mdl_free(w590);
   }
 }
 
@@ -1960,8 +2120,8 @@ __attribute__((noinline)) static void k92_gemm__gelu_bwd__sum__cast__code(char *
     float *const w590 = mdl_widen_bf16(b590, 6291456, h->nthreads);
     float *const w556 = mdl_widen_bf16(b556, 2359296, h->nthreads);
     mdl_gemm(h, 0, 1, 8192, 3072, 768, w590, 768, w556, 768, 0.0f, b591, 3072);
-    free(w590);
-    free(w556);
+    mdl_free(w590);
+    mdl_free(w556);
   }
   double *part = mdl_scratch(196608 * sizeof(double));
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
@@ -1995,8 +2155,8 @@ __attribute__((noinline)) static void k92_gemm__gelu_bwd__sum__cast__code(char *
     const float y = (float)acc;
     b596[r] = y;
   }
-  free(part);
-  free(b591);
+  mdl_free(part);
+  mdl_free(b591);
 }
 
 // k92_gemm__gelu_bwd__sum__cast: GEMM, 6 ops
@@ -2029,8 +2189,8 @@ __attribute__((noinline)) static void k93_gemm__code(char *arena, const MdlHooks
     float *const w597 = mdl_widen_bf16(b597, 25165824, h->nthreads);
     float *const w549 = mdl_widen_bf16(b549, 2359296, h->nthreads);
     mdl_gemm(h, 0, 1, 8192, 768, 3072, w597, 3072, w549, 3072, 0.0f, b598, 768);
-    free(w597);
-    free(w549);
+    mdl_free(w597);
+    mdl_free(w549);
   }
 }
 
@@ -2058,8 +2218,8 @@ __attribute__((noinline)) static void k94_gemm__code(char *arena, const MdlHooks
     float *const w548 = mdl_widen_bf16(b548, 6291456, h->nthreads);
     float *const w597 = mdl_widen_bf16(b597, 25165824, h->nthreads);
     mdl_gemm(h, 1, 0, 768, 3072, 8192, w548, 768, w597, 3072, 0.0f, b599, 3072);
-    free(w548);
-    free(w597);
+    mdl_free(w548);
+    mdl_free(w597);
   }
 }
 
@@ -2139,7 +2299,7 @@ __attribute__((noinline)) static void k95_layernorm_bwd__add__sum__cast__code(ch
         }
       }
     }
-    free(dxrow);
+    mdl_free(dxrow);
   }
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
   for (int64_t j = 0; j < 768; j++) {
@@ -2153,9 +2313,9 @@ __attribute__((noinline)) static void k95_layernorm_bwd__add__sum__cast__code(ch
     b603[j] = (float)b;
     b606[j] = (float)a0;
   }
-  free(pdw);
-  free(pdb);
-  free(ps0);
+  mdl_free(pdw);
+  mdl_free(pdb);
+  mdl_free(ps0);
 }
 
 // k95_layernorm_bwd__add__sum__cast: kernel, 7 ops
@@ -2188,8 +2348,8 @@ __attribute__((noinline)) static void k96_gemm__code(char *arena, const MdlHooks
     float *const w540 = mdl_widen_bf16(b540, 6291456, h->nthreads);
     float *const w607 = mdl_widen_bf16(b607, 6291456, h->nthreads);
     mdl_gemm(h, 1, 0, 768, 768, 8192, w540, 768, w607, 768, 0.0f, b609, 768);
-    free(w540);
-    free(w607);
+    mdl_free(w540);
+    mdl_free(w607);
   }
 }
 
@@ -2218,8 +2378,8 @@ __attribute__((noinline)) static void k97_gemm__cast__code(char *arena, const Md
     float *const w607 = mdl_widen_bf16(b607, 6291456, h->nthreads);
     float *const w541 = mdl_widen_bf16(b541, 589824, h->nthreads);
     mdl_gemm(h, 0, 1, 8192, 768, 768, w607, 768, w541, 768, 0.0f, b608, 768);
-    free(w607);
-    free(w541);
+    mdl_free(w607);
+    mdl_free(w541);
   }
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
   for (int64_t r = 0; r < 8192; r++) {
@@ -2231,7 +2391,7 @@ __attribute__((noinline)) static void k97_gemm__cast__code(char *arena, const Md
       b613[i] = mdl_f32_to_bf16(v613_i);
     }
   }
-  free(b608);
+  mdl_free(b608);
 }
 
 // k97_gemm__cast: GEMM, 3 ops
@@ -2260,123 +2420,188 @@ __attribute__((noinline)) static void k98_attention_bwd__code(char *arena, const
   float *const restrict b614 = (float *)(arena + o[5]); // %614 attention_bwd d.h.11.q f32[8,1024,768]
   float *const restrict b615 = (float *)(arena + o[6]); // %615 attention_bwd d.h.11.k f32[8,1024,768]
   float *const restrict b616 = (float *)(arena + o[7]); // %616 attention_bwd d.h.11.v f32[8,1024,768]
+  const int g16 = h->bgemm != NULL;
   #pragma omp parallel num_threads(h->nthreads)
   {
-    float *restrict kt = memset(mdl_scratch(67584 * sizeof(float)), 0, 67584 * sizeof(float));
-    float *restrict s = memset(mdl_scratch(1056 * sizeof(float)), 0, 1056 * sizeof(float));
-    float *restrict vt = memset(mdl_scratch(67584 * sizeof(float)), 0, 67584 * sizeof(float));
-    float *restrict dp = memset(mdl_scratch(1056 * sizeof(float)), 0, 1056 * sizeof(float));
+    float *restrict qs = memset(mdl_scratch(65536 * sizeof(float)), 0, 65536 * sizeof(float));
+    float *restrict ks = memset(mdl_scratch(65536 * sizeof(float)), 0, 65536 * sizeof(float));
+    float *restrict vs = memset(mdl_scratch(65536 * sizeof(float)), 0, 65536 * sizeof(float));
+    float *restrict dos = memset(mdl_scratch(65536 * sizeof(float)), 0, 65536 * sizeof(float));
+    float *restrict os = memset(mdl_scratch(65536 * sizeof(float)), 0, 65536 * sizeof(float));
+    float *restrict sc = memset(mdl_scratch(65536 * sizeof(float)), 0, 65536 * sizeof(float));
+    float *restrict dp = memset(mdl_scratch(65536 * sizeof(float)), 0, 65536 * sizeof(float));
+    float *restrict ps = memset(mdl_scratch(65536 * sizeof(float)), 0, 65536 * sizeof(float));
+    float *restrict dss = memset(mdl_scratch(65536 * sizeof(float)), 0, 65536 * sizeof(float));
+    float *restrict ot = memset(mdl_scratch(4096 * sizeof(float)), 0, 4096 * sizeof(float));
     float *restrict dkh = memset(mdl_scratch(65536 * sizeof(float)), 0, 65536 * sizeof(float));
     float *restrict dvh = memset(mdl_scratch(65536 * sizeof(float)), 0, 65536 * sizeof(float));
     #pragma omp for schedule(dynamic, 1)
     for (int64_t task = 0; task < 96; task++) {
       const int64_t b = task / 12, hd = task % 12;
-      for (int64_t j = 0; j < 1024; j++) {
-        const uint16_t *xj = b534 + 768 + (b * 1024 + j) * 2304 + hd * 64;
-        for (int64_t c = 0; c < 64; c++)
-          kt[c * 1056 + j] = mdl_bf16_to_f32(xj[c]);
-      }
-      for (int64_t j = 0; j < 1024; j++) {
-        const uint16_t *xj = b534 + 1536 + (b * 1024 + j) * 2304 + hd * 64;
-        for (int64_t c = 0; c < 64; c++)
-          vt[c * 1056 + j] = mdl_bf16_to_f32(xj[c]);
-      }
-      memset(dkh, 0, 65536 * sizeof(float));
-      memset(dvh, 0, 65536 * sizeof(float));
-      int64_t lo = 0, hi = 1024;
       const int32_t *restrict dc = b3 + b * 1024;
-      for (int64_t i = 0; i < 1024; i++) {
-        const int32_t di = dc[i];
-        if (i == 0 || dc[i - 1] != di) {
-          lo = 0;
-          while (dc[lo] != di)
-            lo++;
-        }
-        hi = i + 1;
-        float qr[64];
-        for (int64_t c = 0; c < 64; c++)
-          qr[c] = mdl_bf16_to_f32(b534[(b * 1024 + i) * 2304 + hd * 64 + c]);
-        const float *restrict qi = qr;
-        for (int64_t j0 = lo; j0 < hi; j0 += 32) {
-          float acc[32] = {0};
-          for (int64_t c = 0; c < 64; c++) {
-            const float vc = qi[c], *restrict mc = kt + c * 1056 + j0;
+      if (g16) {
+        memset(dkh, 0, 65536 * sizeof(float));
+        memset(dvh, 0, 65536 * sizeof(float));
+        for (int64_t i0 = 0; i0 < 1024; i0 += 64) {
+          const int64_t i1 = i0 + 64 < 1024 ? i0 + 64 : 1024, nr = i1 - i0;
+          int64_t klo = i0;
+          for (int64_t i = i0; i < i1; i++)
+            if (i == i0 || dc[i] != dc[i - 1]) {
+            int64_t l = 0;
+            while (dc[l] != dc[i])
+              l++;
+            klo = l < klo ? l : klo;
+          }
+          const int64_t khi = i1, nk = khi - klo;
+          h->bgemm(0, 1, nr, nk, 64, b534 + b * 2359296 + hd * 64 + i0 * 2304, 2304, b534 + 768 + b * 2359296 + hd * 64 + klo * 2304, 2304, 0.0f, sc, nk);
+          h->bgemm(0, 1, nr, nk, 64, b613 + b * 786432 + hd * 64 + i0 * 768, 768, b534 + 1536 + b * 2359296 + hd * 64 + klo * 2304, 2304, 0.0f, dp, nk);
+          for (int64_t i = i0; i < i1; i++) {
+            float *restrict s = sc + (i - i0) * nk;
+            const float lse = b611[(b * 12 + hd) * 1024 + i];
             #pragma omp simd
-            for (int64_t u = 0; u < 32; u++)
-              acc[u] += vc * mc[u];
-          }
-          memcpy(s + j0, acc, sizeof acc);
-        }
-        const float lse = b611[(b * 12 + hd) * 1024 + i];
-        #pragma omp simd
-        for (int64_t j = lo; j < hi; j++)
-          s[j] = dc[j] == di ? mdl_exp_shifted(s[j] * 0.125f - lse) : 0.0f;
-        float dor[64];
-        for (int64_t c = 0; c < 64; c++)
-          dor[c] = mdl_bf16_to_f32(b613[(b * 1024 + i) * 768 + hd * 64 + c]);
-        const float *restrict doi = dor;
-        float dsum = 0.0f;
-        for (int64_t c = 0; c < 64; c++)
-          dsum += doi[c] * mdl_bf16_to_f32(b540[(b * 1024 + i) * 768 + hd * 64 + c]);
-        for (int64_t j0 = lo; j0 < hi; j0 += 32) {
-          float acc[32] = {0};
-          for (int64_t c = 0; c < 64; c++) {
-            const float vc = doi[c], *restrict mc = vt + c * 1056 + j0;
+            for (int64_t j = 0; j < nk; j++)
+              s[j] = klo + j <= i && dc[klo + j] == dc[i] ? mdl_exp_shifted(s[j] * 0.125f - lse) : 0.0f;
+            const uint16_t *restrict doi = b613 + b * 786432 + hd * 64 + i * 768, *restrict oi = b540 + b * 786432 + hd * 64 + i * 768;
+            float dsum = 0.0f;
+            for (int64_t c = 0; c < 64; c++)
+              dsum += mdl_bf16_to_f32(doi[c]) * mdl_bf16_to_f32(oi[c]);
+            float *restrict dpi = dp + (i - i0) * nk;
             #pragma omp simd
-            for (int64_t u = 0; u < 32; u++)
-              acc[u] += vc * mc[u];
+            for (int64_t j = 0; j < nk; j++)
+              dpi[j] = s[j] * (dpi[j] - dsum);
+            uint16_t *restrict dss_i = (uint16_t *)dss + (i - i0) * nk;
+            #pragma omp simd
+            for (int64_t j = 0; j < nk; j++)
+              dss_i[j] = mdl_f32_to_bf16(dpi[j]);
+            uint16_t *restrict ps_i = (uint16_t *)ps + (i - i0) * nk;
+            #pragma omp simd
+            for (int64_t j = 0; j < nk; j++)
+              ps_i[j] = mdl_f32_to_bf16(s[j]);
           }
-          memcpy(dp + j0, acc, sizeof acc);
-        }
-        #pragma omp simd
-        for (int64_t j = lo; j < hi; j++)
-          dp[j] = s[j] * (dp[j] - dsum);
-        float dqi0[64] = {0}, dqi1[64] = {0};
-        int64_t j = lo;
-        for (; j + 1 < hi; j += 2) {
-          const float w0 = mdl_bf16_to_f32(mdl_f32_to_bf16(dp[j])), w1 = mdl_bf16_to_f32(mdl_f32_to_bf16(dp[j + 1]));
-          const uint16_t *restrict x0 = b534 + 768 + (b * 1024 + j) * 2304 + hd * 64, *restrict x1 = x0 + 2304;
-          #pragma omp simd
-          for (int64_t c = 0; c < 64; c++) {
-            dqi0[c] += w0 * mdl_bf16_to_f32(x0[c]);
-            dqi1[c] += w1 * mdl_bf16_to_f32(x1[c]);
+          h->bgemm(1, 0, nk, 64, nr, (const uint16_t *)ps, nk, b613 + b * 786432 + hd * 64 + i0 * 768, 768, 1.0f, dvh + klo * 64, 64);
+          h->bgemm(1, 0, nk, 64, nr, (const uint16_t *)dss, nk, b534 + b * 2359296 + hd * 64 + i0 * 2304, 2304, 1.0f, dkh + klo * 64, 64);
+          h->bgemm(0, 0, nr, 64, nk, (const uint16_t *)dss, nk, b534 + 768 + b * 2359296 + hd * 64 + klo * 2304, 2304, 0.0f, ot, 64);
+          for (int64_t i = i0; i < i1; i++) {
+            float *restrict dq = b614 + (b * 1024 + i) * 768 + hd * 64;
+            for (int64_t c = 0; c < 64; c++)
+              dq[c] = 0.125f * ot[(i - i0) * 64 + c];
           }
         }
-        if (j < hi) {
-          const float w0 = mdl_bf16_to_f32(mdl_f32_to_bf16(dp[j]));
-          const uint16_t *restrict x0 = b534 + 768 + (b * 1024 + j) * 2304 + hd * 64;
-          #pragma omp simd
+        for (int64_t t = 0; t < 1024; t++) {
+          float *restrict y = b615 + (b * 1024 + t) * 768 + hd * 64;
+          const float *restrict x = dkh + t * 64;
           for (int64_t c = 0; c < 64; c++)
-            dqi0[c] += w0 * mdl_bf16_to_f32(x0[c]);
+            y[c] = 0.125f * x[c];
         }
-        float sqi[64];
-        for (int64_t c = 0; c < 64; c++)
-          sqi[c] = 0.125f * qi[c];
-        for (int64_t j = lo; j < hi; j++) {
-          float *restrict dkj = dkh + j * 64;
-          #pragma omp simd
+        for (int64_t t = 0; t < 1024; t++) {
+          float *restrict y = b616 + (b * 1024 + t) * 768 + hd * 64;
+          const float *restrict x = dvh + t * 64;
           for (int64_t c = 0; c < 64; c++)
-            dkj[c] += mdl_bf16_to_f32(mdl_f32_to_bf16(dp[j])) * sqi[c];
-          float *restrict dvj = dvh + j * 64;
-          #pragma omp simd
-          for (int64_t c = 0; c < 64; c++)
-            dvj[c] += mdl_bf16_to_f32(mdl_f32_to_bf16(s[j])) * doi[c];
+            y[c] = x[c];
         }
-        float *restrict dq = b614 + (b * 1024 + i) * 768 + hd * 64;
-        for (int64_t c = 0; c < 64; c++)
-          dq[c] = 0.125f * (dqi0[c] + dqi1[c]);
       }
-      for (int64_t t = 0; t < 1024; t++)
-        memcpy(b615 + (b * 1024 + t) * 768 + hd * 64, dkh + t * 64, 64 * sizeof(float));
-      for (int64_t t = 0; t < 1024; t++)
-        memcpy(b616 + (b * 1024 + t) * 768 + hd * 64, dvh + t * 64, 64 * sizeof(float));
+      else {
+        for (int64_t j = 0; j < 1024; j++) {
+          const uint16_t *restrict x = b534 + b * 2359296 + hd * 64 + j * 2304;
+          float *restrict y = (float *)qs + j * 64;
+          for (int64_t c = 0; c < 64; c++)
+            y[c] = mdl_bf16_to_f32(x[c]);
+        }
+        for (int64_t j = 0; j < 1024; j++) {
+          const uint16_t *restrict x = b534 + 768 + b * 2359296 + hd * 64 + j * 2304;
+          float *restrict y = (float *)ks + j * 64;
+          for (int64_t c = 0; c < 64; c++)
+            y[c] = mdl_bf16_to_f32(x[c]);
+        }
+        for (int64_t j = 0; j < 1024; j++) {
+          const uint16_t *restrict x = b613 + b * 786432 + hd * 64 + j * 768;
+          float *restrict y = (float *)dos + j * 64;
+          for (int64_t c = 0; c < 64; c++)
+            y[c] = mdl_bf16_to_f32(x[c]);
+        }
+        for (int64_t j = 0; j < 1024; j++) {
+          const uint16_t *restrict x = b534 + 1536 + b * 2359296 + hd * 64 + j * 2304;
+          float *restrict y = (float *)vs + j * 64;
+          for (int64_t c = 0; c < 64; c++)
+            y[c] = mdl_bf16_to_f32(x[c]);
+        }
+        for (int64_t j = 0; j < 1024; j++) {
+          const uint16_t *restrict x = b540 + b * 786432 + hd * 64 + j * 768;
+          float *restrict y = (float *)os + j * 64;
+          for (int64_t c = 0; c < 64; c++)
+            y[c] = mdl_bf16_to_f32(x[c]);
+        }
+        memset(dkh, 0, 65536 * sizeof(float));
+        memset(dvh, 0, 65536 * sizeof(float));
+        for (int64_t i0 = 0; i0 < 1024; i0 += 64) {
+          const int64_t i1 = i0 + 64 < 1024 ? i0 + 64 : 1024, nr = i1 - i0;
+          int64_t klo = i0;
+          for (int64_t i = i0; i < i1; i++)
+            if (i == i0 || dc[i] != dc[i - 1]) {
+            int64_t l = 0;
+            while (dc[l] != dc[i])
+              l++;
+            klo = l < klo ? l : klo;
+          }
+          const int64_t khi = i1, nk = khi - klo;
+          h->sgemm(0, 1, nr, nk, 64, (const float *)qs + i0 * 64, 64, (const float *)ks + klo * 64, 64, 0.0f, sc, nk);
+          h->sgemm(0, 1, nr, nk, 64, (const float *)dos + i0 * 64, 64, (const float *)vs + klo * 64, 64, 0.0f, dp, nk);
+          for (int64_t i = i0; i < i1; i++) {
+            float *restrict s = sc + (i - i0) * nk;
+            const float lse = b611[(b * 12 + hd) * 1024 + i];
+            #pragma omp simd
+            for (int64_t j = 0; j < nk; j++)
+              s[j] = klo + j <= i && dc[klo + j] == dc[i] ? mdl_exp_shifted(s[j] * 0.125f - lse) : 0.0f;
+            const float *restrict doi = (const float *)dos + i * 64, *restrict oi = (const float *)os + i * 64;
+            float dsum = 0.0f;
+            for (int64_t c = 0; c < 64; c++)
+              dsum += doi[c] * oi[c];
+            float *restrict dpi = dp + (i - i0) * nk;
+            #pragma omp simd
+            for (int64_t j = 0; j < nk; j++)
+              dpi[j] = s[j] * (dpi[j] - dsum);
+            #pragma omp simd
+            for (int64_t j = 0; j < nk; j++)
+              dpi[j] = mdl_bf16_to_f32(mdl_f32_to_bf16(dpi[j]));
+            #pragma omp simd
+            for (int64_t j = 0; j < nk; j++)
+              s[j] = mdl_bf16_to_f32(mdl_f32_to_bf16(s[j]));
+          }
+          h->sgemm(1, 0, nk, 64, nr, sc, nk, (const float *)dos + i0 * 64, 64, 1.0f, dvh + klo * 64, 64);
+          h->sgemm(1, 0, nk, 64, nr, dp, nk, (const float *)qs + i0 * 64, 64, 1.0f, dkh + klo * 64, 64);
+          h->sgemm(0, 0, nr, 64, nk, dp, nk, (const float *)ks + klo * 64, 64, 0.0f, ot, 64);
+          for (int64_t i = i0; i < i1; i++) {
+            float *restrict dq = b614 + (b * 1024 + i) * 768 + hd * 64;
+            for (int64_t c = 0; c < 64; c++)
+              dq[c] = 0.125f * ot[(i - i0) * 64 + c];
+          }
+        }
+        for (int64_t t = 0; t < 1024; t++) {
+          float *restrict y = b615 + (b * 1024 + t) * 768 + hd * 64;
+          const float *restrict x = dkh + t * 64;
+          for (int64_t c = 0; c < 64; c++)
+            y[c] = 0.125f * x[c];
+        }
+        for (int64_t t = 0; t < 1024; t++) {
+          float *restrict y = b616 + (b * 1024 + t) * 768 + hd * 64;
+          const float *restrict x = dvh + t * 64;
+          for (int64_t c = 0; c < 64; c++)
+            y[c] = x[c];
+        }
+      }
     }
-    free(kt);
-    free(s);
-    free(vt);
-    free(dp);
-    free(dkh);
-    free(dvh);
+    mdl_free(qs);
+    mdl_free(ks);
+    mdl_free(vs);
+    mdl_free(dos);
+    mdl_free(os);
+    mdl_free(sc);
+    mdl_free(dp);
+    mdl_free(ps);
+    mdl_free(dss);
+    mdl_free(ot);
+    mdl_free(dkh);
+    mdl_free(dvh);
   }
 }
 
@@ -2431,7 +2656,7 @@ __attribute__((noinline)) static void k99_sum__concat__cast__code(char *arena, c
     const float y = (float)acc;
     b619[r] = y;
   }
-  free(part);
+  mdl_free(part);
 }
 
 // k99_sum__concat__cast: kernel, 4 ops
@@ -2461,8 +2686,8 @@ __attribute__((noinline)) static void k100_gemm__code(char *arena, const MdlHook
     float *const w620 = mdl_widen_bf16(b620, 18874368, h->nthreads);
     float *const w530 = mdl_widen_bf16(b530, 1769472, h->nthreads);
     mdl_gemm(h, 0, 1, 8192, 768, 2304, w620, 2304, w530, 2304, 0.0f, b621, 768);
-    free(w620);
-    free(w530);
+    mdl_free(w620);
+    mdl_free(w530);
   }
 }
 
@@ -2490,8 +2715,8 @@ __attribute__((noinline)) static void k101_gemm__code(char *arena, const MdlHook
     float *const w529 = mdl_widen_bf16(b529, 6291456, h->nthreads);
     float *const w620 = mdl_widen_bf16(b620, 18874368, h->nthreads);
     mdl_gemm(h, 1, 0, 768, 2304, 8192, w529, 768, w620, 2304, 0.0f, b622, 2304);
-    free(w529);
-    free(w620);
+    mdl_free(w529);
+    mdl_free(w620);
   }
 }
 
@@ -2571,7 +2796,7 @@ __attribute__((noinline)) static void k102_layernorm_bwd__add__sum__cast__code(c
         }
       }
     }
-    free(dxrow);
+    mdl_free(dxrow);
   }
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
   for (int64_t j = 0; j < 768; j++) {
@@ -2585,9 +2810,9 @@ __attribute__((noinline)) static void k102_layernorm_bwd__add__sum__cast__code(c
     b626[j] = (float)b;
     b629[j] = (float)a0;
   }
-  free(pdw);
-  free(pdb);
-  free(ps0);
+  mdl_free(pdw);
+  mdl_free(pdb);
+  mdl_free(ps0);
 }
 
 // k102_layernorm_bwd__add__sum__cast: kernel, 7 ops
@@ -4124,7 +4349,7 @@ static void k234_layernorm_bwd__add(char *arena, const MdlHooks *h) {
         }
       }
     }
-    free(dxrow);
+    mdl_free(dxrow);
   }
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
   for (int64_t j = 0; j < 768; j++) {
@@ -4136,8 +4361,8 @@ static void k234_layernorm_bwd__add(char *arena, const MdlHooks *h) {
     b1065[j] = (float)w;
     b1066[j] = (float)b;
   }
-  free(pdw);
-  free(pdb);
+  mdl_free(pdw);
+  mdl_free(pdb);
 }
 
 // k235_embed_bwd: kernel, 1 op
@@ -4171,42 +4396,49 @@ static void k235_embed_bwd(char *arena, const MdlHooks *h) {
 //   %1069  embed_bwd                               line 22    f32[50257,768]
 //   %1070  add                d.wte                line 19    f32[50257,768]
 // loops:
-//   embed backward: 8192 rows of 768 into a table of 50257, 48 column blocks
-//   elementwise over 38597376: %1070
+//   embed backward added to %583: 8192 rows of 768 into the rows of a table of 50257 they name, 48 column blocks
 static void k236_embed_bwd__add(char *arena, const MdlHooks *h) {
   int32_t *const b0 = (int32_t *)(arena + 2238173184); // %0 input tokens i32[8,1024]
   float *const b583 = (float *)(arena + 2238304384); // %583 matmul f32[50257,768]
   float *const b1067 = (float *)(arena + 2392693888); // %1067 add d.x f32[8,1024,768]
-  float *const b1069 = mdl_scratch(154389504); // %1069 embed_bwd f32[50257,768], kept in this kernel
   float *const b1070 = (float *)(arena + 497759232); // %1070 add d.wte f32[50257,768]
-  #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t t = 0; t < 50257; t++)
-    memset(b1069 + t * 768, 0, 768 * sizeof(float));
+  int32_t *first = mdl_scratch(50257 * sizeof(int32_t));
+  memset(first, 0xff, 50257 * sizeof(int32_t));
+  for (int64_t r = 0; r < 8192; r++) {
+    const int32_t id = b0[r];
+    if (id < 0 || id >= 50257)
+      h->error(h->ctx, "embed: id", id, 50257);
+    else if (first[id] < 0)
+      first[id] = (int32_t)r;
+  }
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
   for (int64_t k = 0; k < 48; k++) {
     const int64_t c0 = k * 16, c1 = c0 + 16 < 768 ? c0 + 16 : 768;
     for (int64_t r = 0; r < 8192; r++) {
       const int32_t id = b0[r];
-      if (id < 0 || id >= 50257) {
-        if (k == 0)
-          h->error(h->ctx, "embed: id", id, 50257);
+      if (id < 0 || id >= 50257)
         continue;
-      }
-      for (int64_t j = c0; j < c1; j++)
-        b1069[(int64_t)id * 768 + j] += b1067[r * 768 + j];
+      float *restrict yr = b1070 + (int64_t)id * 768;
+      const float *restrict dr = b1067 + r * 768;
+      if (first[id] == r)
+        for (int64_t j = c0; j < c1; j++)
+          yr[j] = dr[j];
+      else
+        for (int64_t j = c0; j < c1; j++)
+          yr[j] += dr[j];
     }
   }
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t r = 0; r < 50257; r++) {
-    for (int64_t c = 0; c < 768; c++) {
-      const int64_t i = r * 768 + c;
-      const float v583_i = b583[i];
-      const float v1069_i = b1069[i];
-      const float v1070_i = v583_i + v1069_i;
-      b1070[i] = v1070_i;
-    }
+  for (int64_t t = 0; t < 50257; t++) {
+    float *restrict yr = b1070 + t * 768;
+    const float *restrict xr = b583 + t * 768;
+    if (first[t] < 0)
+      memcpy(yr, xr, 768 * sizeof(float));
+    else
+      for (int64_t j = 0; j < 768; j++)
+        yr[j] = xr[j] + yr[j];
   }
-  free(b1069);
+  mdl_free(first);
 }
 
 // k237_grad_norm__adamw: optimizer, 149 ops
@@ -4821,23 +5053,24 @@ static void k237_grad_norm__adamw(char *arena, const MdlHooks *h) {
         {497756160, 995515392, 1493274624, 1991033856, -1, 768, 0.0}, // lnf_b
     };
     const double clip = 1.0, gnorm = b1073[0];
-    const double s = clip > 0 ? fmin(1.0, clip / (gnorm + 1e-6)) : 1.0;
-    const double lr = b1071[0], step = b1072[0];
-    const double b1 = 0.9, b2 = 0.95, eps = 1e-08;
-    const double c1 = 1.0 / (1.0 - pow(b1, step)), c2 = 1.0 / (1.0 - pow(b2, step));
+    const double step = b1072[0];
+    const float s = (float)(clip > 0 ? fmin(1.0, clip / (gnorm + 1e-6)) : 1.0);
+    const float lr = b1071[0], b1 = 0.9f, b2 = 0.95f, eps = 1e-08f;
+    const float c1 = (float)(1.0 / (1.0 - pow(b1, step))), c2 = (float)(1.0 / (1.0 - pow(b2, step)));
     #pragma omp parallel num_threads(h->nthreads)
     for (int k = 0; k < 148; k++) {
       float *restrict p = (float *)(arena + seg[k].p), *restrict m = (float *)(arena + seg[k].m);
       float *restrict v = (float *)(arena + seg[k].v);
       const float *restrict g = (const float *)(arena + seg[k].g);
       uint16_t *restrict c = seg[k].c >= 0 ? (uint16_t *)(arena + seg[k].c) : NULL;
-      const double wd = seg[k].wd;
-      #pragma omp for schedule(static) nowait
+      const float wd = (float)seg[k].wd;
+      #pragma omp for simd schedule(static) nowait
       for (int64_t i = 0; i < seg[k].n; i++) {
-        const double gi = s * g[i];
-        m[i] = (float)(b1 * m[i] + (1 - b1) * gi);
-        v[i] = (float)(b2 * v[i] + (1 - b2) * gi * gi);
-        p[i] = (float)(p[i] - lr * (m[i] * c1 / (sqrt(v[i] * c2) + eps) + wd * p[i]));
+        const float gi = s * g[i];
+        const float mi = b1 * m[i] + (1.0f - b1) * gi, vi = b2 * v[i] + (1.0f - b2) * gi * gi;
+        m[i] = mi;
+        v[i] = vi;
+        p[i] = p[i] - lr * (mi * c1 / (sqrtf(vi * c2) + eps) + wd * p[i]);
         if (c)
           c[i] = mdl_f32_to_bf16(p[i]);
       }

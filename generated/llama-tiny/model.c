@@ -2,12 +2,14 @@
 // Model llama_tiny: one training step (forward, backward, AdamW) as 74 kernels over one arena of 7089344 bytes
 // (parameters, gradients and AdamW moments at 0, 527616, 1055232 and 1582848, 527616 bytes each).
 // Build: cc -O3 -march=native -fno-math-errno -fopenmp -shared -fPIC; runtime/cpu.c loads it.
+#define _DEFAULT_SOURCE // mmap's MAP_ANONYMOUS and madvise's MADV_HUGEPAGE under -std=c11
 #include <math.h>
 #include <stdbool.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 
 // The runtime's hooks and the kernel table (runtime/backend.h holds the same typedefs).
 typedef struct {
@@ -92,13 +94,58 @@ static inline float mdl_silu_grad(float x, float dy) {
   return dy * s * (1.0f + x * (1.0f - s));
 }
 
+// Scratch for one kernel, freed by mdl_free before it returns. A large buffer is mapped in huge
+// pages where the kernel has them, and kept when freed for the next step's kernel of its size (a
+// few are kept): mapped afresh each step, GPT-2 124M's LM head chunk of 51 MB was faulted in and
+// zeroed by the kernel every step (glibc's malloc maps anything over 32 MB afresh). A header before
+// the buffer keeps its size.
+enum { MDL_SCRATCH_HEAD = 64, MDL_SCRATCH_MAPPED = 4 << 20, MDL_SCRATCH_KEPT = 8 };
+static char *mdl_scratch_kept[MDL_SCRATCH_KEPT];
+
 static inline void *mdl_scratch(size_t bytes) {
-  void *p = malloc(bytes ? bytes : 1);
+  const size_t n = bytes + MDL_SCRATCH_HEAD;
+  char *p = NULL;
+  if (n >= MDL_SCRATCH_MAPPED) {
+#pragma omp critical(mdl_scratch)
+    for (int i = 0; i < MDL_SCRATCH_KEPT && !p; i++) {
+      size_t m = 0;
+      if (mdl_scratch_kept[i])
+        memcpy(&m, mdl_scratch_kept[i], sizeof m);
+      if (m == n)
+        p = mdl_scratch_kept[i], mdl_scratch_kept[i] = NULL;
+    }
+    if (!p) {
+      p = mmap(NULL, n, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+      if (p == MAP_FAILED)
+        p = NULL;
+      else
+        madvise(p, n, MADV_HUGEPAGE);
+    }
+  } else {
+    p = aligned_alloc(MDL_SCRATCH_HEAD, (n + MDL_SCRATCH_HEAD - 1) / MDL_SCRATCH_HEAD * MDL_SCRATCH_HEAD);
+  }
   if (!p) {
     fprintf(stderr, "mdl: out of memory (%zu bytes)\n", bytes);
     abort();
   }
-  return p;
+  memcpy(p, &n, sizeof n);
+  return p + MDL_SCRATCH_HEAD;
+}
+
+static inline void mdl_free(void *q) {
+  char *p = (char *)q - MDL_SCRATCH_HEAD;
+  size_t n;
+  memcpy(&n, p, sizeof n);
+  if (n < MDL_SCRATCH_MAPPED) {
+    free(p);
+    return;
+  }
+#pragma omp critical(mdl_scratch)
+  for (int i = 0; i < MDL_SCRATCH_KEPT && p; i++)
+    if (!mdl_scratch_kept[i])
+      mdl_scratch_kept[i] = p, p = NULL;
+  if (p)
+    munmap(p, n);
 }
 
 // C = op(A) op(B) + beta C through the runtime's sgemm, split into blocks of output rows over the
@@ -123,8 +170,8 @@ static inline void mdl_gemm(const MdlHooks *h, int ta, int tb, int64_t m, int64_
   }
 }
 
-// Sum of squares in double over fixed blocks of 4096, the blocks added in order: the result does
-// not depend on the number of threads.
+// Sum of squares in double over fixed blocks of 4096, each block in vector lanes, the blocks added
+// in order: the result does not depend on the number of threads.
 static inline double mdl_sumsq(const float *x, int64_t n, int nthreads) {
   const int64_t nb = (n + 4095) / 4096;
   double *part = mdl_scratch((size_t)nb * sizeof(double)), s = 0;
@@ -132,13 +179,14 @@ static inline double mdl_sumsq(const float *x, int64_t n, int nthreads) {
   for (int64_t b = 0; b < nb; b++) {
     const int64_t end = b * 4096 + 4096 < n ? b * 4096 + 4096 : n;
     double acc = 0;
+#pragma omp simd reduction(+ : acc)
     for (int64_t i = b * 4096; i < end; i++)
       acc += (double)x[i] * x[i];
     part[b] = acc;
   }
   for (int64_t b = 0; b < nb; b++)
     s += part[b];
-  free(part);
+  mdl_free(part);
   return s;
 }
 
@@ -184,7 +232,7 @@ static inline void mdl_bgemm(const MdlHooks *h, int ta, int tb, int64_t m, int64
 
 // n bf16 values widened into a new f32 buffer (exact), for the f32 GEMM that computes a GEMM of
 // bf16 operands: every product of two bf16 values is exact in f32, and the sums accumulate in f32
-// as on a GPU's bf16 tensor cores. free() it.
+// as on a GPU's bf16 tensor cores. mdl_free() it.
 static inline float *mdl_widen_bf16(const uint16_t *x, int64_t n, int nthreads) {
   float *y = mdl_scratch((size_t)n * sizeof(float));
 #pragma omp parallel for num_threads(nthreads) schedule(static) if (n >= 65536)
@@ -249,7 +297,7 @@ __attribute__((noinline)) static void k1_rmsnorm_fwd__cast__code(char *arena, co
         b29[ix] = mdl_f32_to_bf16(v29_ix);
       }
     }
-    free(yrow);
+    mdl_free(yrow);
   }
 }
 
@@ -282,8 +330,8 @@ __attribute__((noinline)) static void k2_gemm__code(char *arena, const MdlHooks 
     float *const w17 = mdl_widen_bf16(b17, 32768, h->nthreads);
     float *const w18 = mdl_widen_bf16(b18, 4096, h->nthreads);
     mdl_gemm(h, 0, 0, 512, 64, 64, w17, 64, w18, 64, 0.0f, b19, 64);
-    free(w17);
-    free(w18);
+    mdl_free(w17);
+    mdl_free(w18);
   }
 }
 
@@ -338,7 +386,7 @@ __attribute__((noinline)) static void k4_rope__cast__code(char *arena, const Mdl
       b33[i] = mdl_f32_to_bf16(v33_i);
     }
   }
-  free(b21);
+  mdl_free(b21);
 }
 
 // k4_rope__cast: kernel, 2 ops
@@ -378,8 +426,8 @@ __attribute__((noinline)) static void k6_gemm__cast__code(char *arena, const Mdl
     float *const w29 = mdl_widen_bf16(b29, 32768, h->nthreads);
     float *const w30 = mdl_widen_bf16(b30, 4096, h->nthreads);
     mdl_gemm(h, 0, 0, 512, 64, 64, w29, 64, w30, 64, 0.0f, b31, 64);
-    free(w29);
-    free(w30);
+    mdl_free(w29);
+    mdl_free(w30);
   }
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
   for (int64_t r = 0; r < 512; r++) {
@@ -391,7 +439,7 @@ __attribute__((noinline)) static void k6_gemm__cast__code(char *arena, const Mdl
       b35[i] = mdl_f32_to_bf16(v35_i);
     }
   }
-  free(b31);
+  mdl_free(b31);
 }
 
 // k6_gemm__cast: GEMM, 3 ops
@@ -502,8 +550,8 @@ __attribute__((noinline)) static void k7_attention_fwd__cast__lse__code(char *ar
         }
       }
     }
-    free(kt);
-    free(s);
+    mdl_free(kt);
+    mdl_free(s);
   }
 }
 
@@ -535,8 +583,8 @@ __attribute__((noinline)) static void k8_gemm__add__code(char *arena, const MdlH
     float *const w38 = mdl_widen_bf16(b38, 32768, h->nthreads);
     float *const w39 = mdl_widen_bf16(b39, 4096, h->nthreads);
     mdl_gemm(h, 0, 0, 512, 64, 64, w38, 64, w39, 64, 0.0f, b40, 64);
-    free(w38);
-    free(w39);
+    mdl_free(w38);
+    mdl_free(w39);
   }
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
   for (int64_t r = 0; r < 512; r++) {
@@ -595,7 +643,7 @@ __attribute__((noinline)) static void k9_rmsnorm_fwd__cast__code(char *arena, co
         b51[ix] = mdl_f32_to_bf16(v51_ix);
       }
     }
-    free(yrow);
+    mdl_free(yrow);
   }
 }
 
@@ -626,8 +674,8 @@ __attribute__((noinline)) static void k10_gemm__code(char *arena, const MdlHooks
     float *const w51 = mdl_widen_bf16(b51, 32768, h->nthreads);
     float *const w52 = mdl_widen_bf16(b52, 11008, h->nthreads);
     mdl_gemm(h, 0, 0, 512, 172, 64, w51, 64, w52, 172, 0.0f, b53, 172);
-    free(w51);
-    free(w52);
+    mdl_free(w51);
+    mdl_free(w52);
   }
 }
 
@@ -657,8 +705,8 @@ __attribute__((noinline)) static void k11_gemm__silu__mul__cast__code(char *aren
     float *const w45 = mdl_widen_bf16(b45, 32768, h->nthreads);
     float *const w46 = mdl_widen_bf16(b46, 11008, h->nthreads);
     mdl_gemm(h, 0, 0, 512, 172, 64, w45, 64, w46, 172, 0.0f, b47, 172);
-    free(w45);
-    free(w46);
+    mdl_free(w45);
+    mdl_free(w46);
   }
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
   for (int64_t r = 0; r < 512; r++) {
@@ -706,8 +754,8 @@ __attribute__((noinline)) static void k12_gemm__add__code(char *arena, const Mdl
     float *const w57 = mdl_widen_bf16(b57, 88064, h->nthreads);
     float *const w58 = mdl_widen_bf16(b58, 11008, h->nthreads);
     mdl_gemm(h, 0, 0, 512, 64, 172, w57, 172, w58, 64, 0.0f, b59, 64);
-    free(w57);
-    free(w58);
+    mdl_free(w57);
+    mdl_free(w58);
   }
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
   for (int64_t r = 0; r < 512; r++) {
@@ -904,7 +952,7 @@ static void k25_rmsnorm_fwd__cast(char *arena, const MdlHooks *h) {
         b122[ix] = mdl_f32_to_bf16(v122_ix);
       }
     }
-    free(yrow);
+    mdl_free(yrow);
   }
 }
 
@@ -972,23 +1020,46 @@ static void k27_lmhead__cast__cross_entropy__cross_entropy_bwd__gemm(char *arena
           m = x[j] > m ? x[j] : m;
         }
         const float xt = x[t]; // before dx, which may be x itself, is written
-        double sum = 0;
-        #pragma omp simd reduction(+ : sum)
-        for (int64_t j = 0; j < 256; j++) {
-          dx[j] = mdl_exp_shifted(x[j] - m);
-          sum += dx[j];
+        double sum;
+        {
+          double lane[16] = {0};
+          for (int64_t j0 = 0; j0 < 256; j0 += 256) {
+            const int64_t j1 = j0 + 256 < 256 ? j0 + 256 : 256;
+            float part[16] = {0};
+            int64_t k = j0;
+            for (; k + 16 <= j1; k += 16) {
+              for (int64_t u = 0; u < 16; u++) {
+                const int64_t j = k + u;
+                const float ej = mdl_exp_shifted(x[j] - m);
+                dx[j] = ej;
+                part[u] += ej;
+              }
+            }
+            for (int64_t j = k; j < j1; j++) {
+              const float ej = mdl_exp_shifted(x[j] - m);
+              dx[j] = ej;
+              part[j - k] += ej;
+            }
+            for (int u = 0; u < 16; u++)
+              lane[u] += part[u];
+          }
+          for (int w = 8; w > 0; w /= 2)
+            for (int u = 0; u < w; u++)
+              lane[u] += lane[u + w];
+          sum = lane[0];
         }
         b127[r] = (float)(m + log(sum) - xt);
-        const double g = b134[r], inv = 1.0 / sum;
+        const float g = b134[r], sc = (float)(g / sum), et = dx[t];
         #pragma omp simd
         for (int64_t j = 0; j < 256; j++)
-          d16[j] = mdl_f32_to_bf16((float)(g * (dx[j] * inv - (j == t))));
+          d16[j] = mdl_f32_to_bf16(dx[j] * sc);
+        d16[t] = mdl_f32_to_bf16(et * sc - g);
       }
       mdl_bgemm(h, 0, 1, rn, 64, 256, dl16, 256, b123, 256, 0.0f, b139 + r0 * 64, 64);
       mdl_bgemm(h, 1, 0, 64, 256, rn, b122 + r0 * 64, 64, dl16, 256, r0 ? 1.0f : 0.0f, b140, 256);
     }
-    free(logits);
-    free(dl16);
+    mdl_free(logits);
+    mdl_free(dl16);
   }
   else {
     float *const w122 = mdl_widen_bf16(b122, 32768, h->nthreads);
@@ -1017,23 +1088,47 @@ static void k27_lmhead__cast__cross_entropy__cross_entropy_bwd__gemm(char *arena
           m = x[j] > m ? x[j] : m;
         }
         const float xt = x[t]; // before dx, which may be x itself, is written
-        double sum = 0;
-        #pragma omp simd reduction(+ : sum)
-        for (int64_t j = 0; j < 256; j++) {
-          dx[j] = mdl_exp_shifted(x[j] - m);
-          sum += dx[j];
+        double sum;
+        {
+          double lane[16] = {0};
+          for (int64_t j0 = 0; j0 < 256; j0 += 256) {
+            const int64_t j1 = j0 + 256 < 256 ? j0 + 256 : 256;
+            float part[16] = {0};
+            int64_t k = j0;
+            for (; k + 16 <= j1; k += 16) {
+              for (int64_t u = 0; u < 16; u++) {
+                const int64_t j = k + u;
+                const float ej = mdl_exp_shifted(x[j] - m);
+                dx[j] = ej;
+                part[u] += ej;
+              }
+            }
+            for (int64_t j = k; j < j1; j++) {
+              const float ej = mdl_exp_shifted(x[j] - m);
+              dx[j] = ej;
+              part[j - k] += ej;
+            }
+            for (int u = 0; u < 16; u++)
+              lane[u] += part[u];
+          }
+          for (int w = 8; w > 0; w /= 2)
+            for (int u = 0; u < w; u++)
+              lane[u] += lane[u + w];
+          sum = lane[0];
         }
         b127[r] = (float)(m + log(sum) - xt);
-        const double g = b134[r], inv = 1.0 / sum;
+        const float g = b134[r], sc = (float)(g / sum), et = dx[t];
+        #pragma omp simd
         for (int64_t j = 0; j < 256; j++)
-          dx[j] = mdl_bf16_to_f32(mdl_f32_to_bf16((float)(g * (dx[j] * inv - (j == t)))));
+          dx[j] = mdl_bf16_to_f32(mdl_f32_to_bf16(dx[j] * sc));
+        dx[t] = mdl_bf16_to_f32(mdl_f32_to_bf16(et * sc - g));
       }
       mdl_gemm(h, 0, 1, rn, 64, 256, logits, 256, w123, 256, 0.0f, b139 + r0 * 64, 64);
       mdl_gemm(h, 1, 0, 64, 256, rn, w122 + r0 * 64, 64, logits, 256, r0 ? 1.0f : 0.0f, b140, 256);
     }
-    free(logits);
-    free(w122);
-    free(w123);
+    mdl_free(logits);
+    mdl_free(w122);
+    mdl_free(w123);
   }
 }
 
@@ -1112,7 +1207,7 @@ static void k29_rmsnorm_bwd__cast(char *arena, const MdlHooks *h) {
     }
     b143[j] = (float)w;
   }
-  free(pdw);
+  mdl_free(pdw);
 }
 
 // The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
@@ -1129,8 +1224,8 @@ __attribute__((noinline)) static void k30_gemm__code(char *arena, const MdlHooks
     float *const w113 = mdl_widen_bf16(b113, 88064, h->nthreads);
     float *const w145 = mdl_widen_bf16(b145, 32768, h->nthreads);
     mdl_gemm(h, 1, 0, 172, 64, 512, w113, 172, w145, 64, 0.0f, b147, 64);
-    free(w113);
-    free(w145);
+    mdl_free(w113);
+    mdl_free(w145);
   }
 }
 
@@ -1160,8 +1255,8 @@ __attribute__((noinline)) static void k31_gemm__mul__silu_bwd__cast__code(char *
     float *const w145 = mdl_widen_bf16(b145, 32768, h->nthreads);
     float *const w114 = mdl_widen_bf16(b114, 11008, h->nthreads);
     mdl_gemm(h, 0, 1, 512, 172, 64, w145, 64, w114, 64, 0.0f, b146, 172);
-    free(w145);
-    free(w114);
+    mdl_free(w145);
+    mdl_free(w114);
   }
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
   for (int64_t r = 0; r < 512; r++) {
@@ -1239,8 +1334,8 @@ __attribute__((noinline)) static void k33_gemm__code(char *arena, const MdlHooks
     float *const w107 = mdl_widen_bf16(b107, 32768, h->nthreads);
     float *const w152 = mdl_widen_bf16(b152, 88064, h->nthreads);
     mdl_gemm(h, 1, 0, 64, 172, 512, w107, 64, w152, 172, 0.0f, b154, 172);
-    free(w107);
-    free(w152);
+    mdl_free(w107);
+    mdl_free(w152);
   }
 }
 
@@ -1267,8 +1362,8 @@ __attribute__((noinline)) static void k34_gemm__code(char *arena, const MdlHooks
     float *const w158 = mdl_widen_bf16(b158, 88064, h->nthreads);
     float *const w102 = mdl_widen_bf16(b102, 11008, h->nthreads);
     mdl_gemm(h, 0, 1, 512, 64, 172, w158, 172, w102, 172, 0.0f, b159, 64);
-    free(w158);
-    free(w102);
+    mdl_free(w158);
+    mdl_free(w102);
   }
 }
 
@@ -1306,8 +1401,8 @@ __attribute__((noinline)) static void k36_gemm__add__code(char *arena, const Mdl
     float *const w152 = mdl_widen_bf16(b152, 88064, h->nthreads);
     float *const w108 = mdl_widen_bf16(b108, 11008, h->nthreads);
     mdl_gemm(h, 0, 1, 512, 64, 172, w152, 172, w108, 172, 0.0f, b153, 64);
-    free(w152);
-    free(w108);
+    mdl_free(w152);
+    mdl_free(w108);
   }
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
   for (int64_t r = 0; r < 512; r++) {
@@ -1383,7 +1478,7 @@ __attribute__((noinline)) static void k37_rmsnorm_bwd__add__cast__code(char *are
         }
       }
     }
-    free(dxrow);
+    mdl_free(dxrow);
   }
   for (int64_t j = 0; j < 64; j++) {
     double w = 0;
@@ -1392,7 +1487,7 @@ __attribute__((noinline)) static void k37_rmsnorm_bwd__add__cast__code(char *are
     }
     b164[j] = (float)w;
   }
-  free(pdw);
+  mdl_free(pdw);
 }
 
 // k37_rmsnorm_bwd__add__cast: kernel, 5 ops
@@ -1422,8 +1517,8 @@ __attribute__((noinline)) static void k38_gemm__code(char *arena, const MdlHooks
     float *const w94 = mdl_widen_bf16(b94, 32768, h->nthreads);
     float *const w167 = mdl_widen_bf16(b167, 32768, h->nthreads);
     mdl_gemm(h, 1, 0, 64, 64, 512, w94, 64, w167, 64, 0.0f, b169, 64);
-    free(w94);
-    free(w167);
+    mdl_free(w94);
+    mdl_free(w167);
   }
 }
 
@@ -1451,8 +1546,8 @@ __attribute__((noinline)) static void k39_gemm__cast__code(char *arena, const Md
     float *const w167 = mdl_widen_bf16(b167, 32768, h->nthreads);
     float *const w95 = mdl_widen_bf16(b95, 4096, h->nthreads);
     mdl_gemm(h, 0, 1, 512, 64, 64, w167, 64, w95, 64, 0.0f, b168, 64);
-    free(w167);
-    free(w95);
+    mdl_free(w167);
+    mdl_free(w95);
   }
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
   for (int64_t r = 0; r < 512; r++) {
@@ -1464,7 +1559,7 @@ __attribute__((noinline)) static void k39_gemm__cast__code(char *arena, const Md
       b173[i] = mdl_f32_to_bf16(v173_i);
     }
   }
-  free(b168);
+  mdl_free(b168);
 }
 
 // k39_gemm__cast: GEMM, 3 ops
@@ -1604,12 +1699,12 @@ __attribute__((noinline)) static void k40_attention_bwd__code(char *arena, const
       for (int64_t t = 0; t < 64; t++)
         memcpy(b176 + (b * 64 + t) * 64 + hd * 16, dvh + t * 16, 16 * sizeof(float));
     }
-    free(kt);
-    free(s);
-    free(vt);
-    free(dp);
-    free(dkh);
-    free(dvh);
+    mdl_free(kt);
+    mdl_free(s);
+    mdl_free(vt);
+    mdl_free(dp);
+    mdl_free(dkh);
+    mdl_free(dvh);
   }
 }
 
@@ -1693,7 +1788,7 @@ __attribute__((noinline)) static void k43_rope__cast__code(char *arena, const Md
       b184[i] = mdl_f32_to_bf16(v184_i);
     }
   }
-  free(b182);
+  mdl_free(b182);
 }
 
 // k43_rope__cast: kernel, 3 ops
@@ -1722,8 +1817,8 @@ __attribute__((noinline)) static void k44_gemm__code(char *arena, const MdlHooks
     float *const w184 = mdl_widen_bf16(b184, 32768, h->nthreads);
     float *const w80 = mdl_widen_bf16(b80, 4096, h->nthreads);
     mdl_gemm(h, 0, 1, 512, 64, 64, w184, 64, w80, 64, 0.0f, b185, 64);
-    free(w184);
-    free(w80);
+    mdl_free(w184);
+    mdl_free(w80);
   }
 }
 
@@ -1792,8 +1887,8 @@ __attribute__((noinline)) static void k49_gemm__add__code(char *arena, const Mdl
     float *const w178 = mdl_widen_bf16(b178, 32768, h->nthreads);
     float *const w86 = mdl_widen_bf16(b86, 4096, h->nthreads);
     mdl_gemm(h, 0, 1, 512, 64, 64, w178, 64, w86, 64, 0.0f, b179, 64);
-    free(w178);
-    free(w86);
+    mdl_free(w178);
+    mdl_free(w86);
   }
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
   for (int64_t r = 0; r < 512; r++) {
@@ -1877,7 +1972,7 @@ static void k50_rmsnorm_bwd__add__cast(char *arena, const MdlHooks *h) {
         }
       }
     }
-    free(dxrow);
+    mdl_free(dxrow);
   }
   for (int64_t j = 0; j < 64; j++) {
     double w = 0;
@@ -1886,7 +1981,7 @@ static void k50_rmsnorm_bwd__add__cast(char *arena, const MdlHooks *h) {
     }
     b197[j] = (float)w;
   }
-  free(pdw);
+  mdl_free(pdw);
 }
 
 // k51_gemm: GEMM, 1 op
@@ -2146,7 +2241,7 @@ static void k71_rmsnorm_bwd__add(char *arena, const MdlHooks *h) {
         }
       }
     }
-    free(dxrow);
+    mdl_free(dxrow);
   }
   for (int64_t j = 0; j < 64; j++) {
     double w = 0;
@@ -2155,7 +2250,7 @@ static void k71_rmsnorm_bwd__add(char *arena, const MdlHooks *h) {
     }
     b252[j] = (float)w;
   }
-  free(pdw);
+  mdl_free(pdw);
 }
 
 // k72_embed_bwd: kernel, 1 op
@@ -2288,23 +2383,24 @@ static void k73_grad_norm__adamw(char *arena, const MdlHooks *h) {
         {462080, 989696, 1517312, 2044928, 2313216, 16384, 0.1}, // lm_head
     };
     const double clip = 1.0, gnorm = b257[0];
-    const double s = clip > 0 ? fmin(1.0, clip / (gnorm + 1e-6)) : 1.0;
-    const double lr = b255[0], step = b256[0];
-    const double b1 = 0.9, b2 = 0.95, eps = 1e-08;
-    const double c1 = 1.0 / (1.0 - pow(b1, step)), c2 = 1.0 / (1.0 - pow(b2, step));
+    const double step = b256[0];
+    const float s = (float)(clip > 0 ? fmin(1.0, clip / (gnorm + 1e-6)) : 1.0);
+    const float lr = b255[0], b1 = 0.9f, b2 = 0.95f, eps = 1e-08f;
+    const float c1 = (float)(1.0 / (1.0 - pow(b1, step))), c2 = (float)(1.0 / (1.0 - pow(b2, step)));
     #pragma omp parallel num_threads(h->nthreads)
     for (int k = 0; k < 21; k++) {
       float *restrict p = (float *)(arena + seg[k].p), *restrict m = (float *)(arena + seg[k].m);
       float *restrict v = (float *)(arena + seg[k].v);
       const float *restrict g = (const float *)(arena + seg[k].g);
       uint16_t *restrict c = seg[k].c >= 0 ? (uint16_t *)(arena + seg[k].c) : NULL;
-      const double wd = seg[k].wd;
-      #pragma omp for schedule(static) nowait
+      const float wd = (float)seg[k].wd;
+      #pragma omp for simd schedule(static) nowait
       for (int64_t i = 0; i < seg[k].n; i++) {
-        const double gi = s * g[i];
-        m[i] = (float)(b1 * m[i] + (1 - b1) * gi);
-        v[i] = (float)(b2 * v[i] + (1 - b2) * gi * gi);
-        p[i] = (float)(p[i] - lr * (m[i] * c1 / (sqrt(v[i] * c2) + eps) + wd * p[i]));
+        const float gi = s * g[i];
+        const float mi = b1 * m[i] + (1.0f - b1) * gi, vi = b2 * v[i] + (1.0f - b2) * gi * gi;
+        m[i] = mi;
+        v[i] = vi;
+        p[i] = p[i] - lr * (mi * c1 / (sqrtf(vi * c2) + eps) + wd * p[i]);
         if (c)
           c[i] = mdl_f32_to_bf16(p[i]);
       }

@@ -2,12 +2,14 @@
 // Model mlp: one training step (forward, backward, AdamW) as 13 kernels over one arena of 47872 bytes
 // (parameters, gradients and AdamW moments at 0, 6976, 13952 and 20928, 6976 bytes each).
 // Build: cc -O3 -march=native -fno-math-errno -fopenmp -shared -fPIC; runtime/cpu.c loads it.
+#define _DEFAULT_SOURCE // mmap's MAP_ANONYMOUS and madvise's MADV_HUGEPAGE under -std=c11
 #include <math.h>
 #include <stdbool.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 
 // The runtime's hooks and the kernel table (runtime/backend.h holds the same typedefs).
 typedef struct {
@@ -92,13 +94,58 @@ static inline float mdl_silu_grad(float x, float dy) {
   return dy * s * (1.0f + x * (1.0f - s));
 }
 
+// Scratch for one kernel, freed by mdl_free before it returns. A large buffer is mapped in huge
+// pages where the kernel has them, and kept when freed for the next step's kernel of its size (a
+// few are kept): mapped afresh each step, GPT-2 124M's LM head chunk of 51 MB was faulted in and
+// zeroed by the kernel every step (glibc's malloc maps anything over 32 MB afresh). A header before
+// the buffer keeps its size.
+enum { MDL_SCRATCH_HEAD = 64, MDL_SCRATCH_MAPPED = 4 << 20, MDL_SCRATCH_KEPT = 8 };
+static char *mdl_scratch_kept[MDL_SCRATCH_KEPT];
+
 static inline void *mdl_scratch(size_t bytes) {
-  void *p = malloc(bytes ? bytes : 1);
+  const size_t n = bytes + MDL_SCRATCH_HEAD;
+  char *p = NULL;
+  if (n >= MDL_SCRATCH_MAPPED) {
+#pragma omp critical(mdl_scratch)
+    for (int i = 0; i < MDL_SCRATCH_KEPT && !p; i++) {
+      size_t m = 0;
+      if (mdl_scratch_kept[i])
+        memcpy(&m, mdl_scratch_kept[i], sizeof m);
+      if (m == n)
+        p = mdl_scratch_kept[i], mdl_scratch_kept[i] = NULL;
+    }
+    if (!p) {
+      p = mmap(NULL, n, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+      if (p == MAP_FAILED)
+        p = NULL;
+      else
+        madvise(p, n, MADV_HUGEPAGE);
+    }
+  } else {
+    p = aligned_alloc(MDL_SCRATCH_HEAD, (n + MDL_SCRATCH_HEAD - 1) / MDL_SCRATCH_HEAD * MDL_SCRATCH_HEAD);
+  }
   if (!p) {
     fprintf(stderr, "mdl: out of memory (%zu bytes)\n", bytes);
     abort();
   }
-  return p;
+  memcpy(p, &n, sizeof n);
+  return p + MDL_SCRATCH_HEAD;
+}
+
+static inline void mdl_free(void *q) {
+  char *p = (char *)q - MDL_SCRATCH_HEAD;
+  size_t n;
+  memcpy(&n, p, sizeof n);
+  if (n < MDL_SCRATCH_MAPPED) {
+    free(p);
+    return;
+  }
+#pragma omp critical(mdl_scratch)
+  for (int i = 0; i < MDL_SCRATCH_KEPT && p; i++)
+    if (!mdl_scratch_kept[i])
+      mdl_scratch_kept[i] = p, p = NULL;
+  if (p)
+    munmap(p, n);
 }
 
 // C = op(A) op(B) + beta C through the runtime's sgemm, split into blocks of output rows over the
@@ -123,8 +170,8 @@ static inline void mdl_gemm(const MdlHooks *h, int ta, int tb, int64_t m, int64_
   }
 }
 
-// Sum of squares in double over fixed blocks of 4096, the blocks added in order: the result does
-// not depend on the number of threads.
+// Sum of squares in double over fixed blocks of 4096, each block in vector lanes, the blocks added
+// in order: the result does not depend on the number of threads.
 static inline double mdl_sumsq(const float *x, int64_t n, int nthreads) {
   const int64_t nb = (n + 4095) / 4096;
   double *part = mdl_scratch((size_t)nb * sizeof(double)), s = 0;
@@ -132,13 +179,14 @@ static inline double mdl_sumsq(const float *x, int64_t n, int nthreads) {
   for (int64_t b = 0; b < nb; b++) {
     const int64_t end = b * 4096 + 4096 < n ? b * 4096 + 4096 : n;
     double acc = 0;
+#pragma omp simd reduction(+ : acc)
     for (int64_t i = b * 4096; i < end; i++)
       acc += (double)x[i] * x[i];
     part[b] = acc;
   }
   for (int64_t b = 0; b < nb; b++)
     s += part[b];
-  free(part);
+  mdl_free(part);
   return s;
 }
 
@@ -261,18 +309,45 @@ static void k4_cross_entropy_fwd__cross_entropy_bwd(char *arena, const MdlHooks 
     }
     const float xt = x[t]; // before dx, which may be x itself, is written
     float m = -INFINITY;
-    for (int64_t j = 0; j < 4; j++)
-      m = fmaxf(m, x[j]);
-    double sum = 0;
-    #pragma omp simd reduction(+ : sum)
+    #pragma omp simd reduction(max : m)
     for (int64_t j = 0; j < 4; j++) {
-      dx[j] = mdl_exp_shifted(x[j] - m);
-      sum += dx[j];
+      const float xv = x[j];
+      m = xv > m ? xv : m;
+    }
+    double sum;
+    {
+      double lane[16] = {0};
+      for (int64_t j0 = 0; j0 < 4; j0 += 256) {
+        const int64_t j1 = j0 + 256 < 4 ? j0 + 256 : 4;
+        float part[16] = {0};
+        int64_t k = j0;
+        for (; k + 16 <= j1; k += 16) {
+          for (int64_t u = 0; u < 16; u++) {
+            const int64_t j = k + u;
+            const float ej = mdl_exp_shifted(x[j] - m);
+            dx[j] = ej;
+            part[u] += ej;
+          }
+        }
+        for (int64_t j = k; j < j1; j++) {
+          const float ej = mdl_exp_shifted(x[j] - m);
+          dx[j] = ej;
+          part[j - k] += ej;
+        }
+        for (int u = 0; u < 16; u++)
+          lane[u] += part[u];
+      }
+      for (int w = 8; w > 0; w /= 2)
+        for (int u = 0; u < w; u++)
+          lane[u] += lane[u + w];
+      sum = lane[0];
     }
     b16[r] = (float)(m + log(sum) - xt);
-    const double g = b22[r], inv = 1.0 / sum;
+    const float g = b22[r], sc = (float)(g / sum), et = dx[t];
+    #pragma omp simd
     for (int64_t j = 0; j < 4; j++)
-      dx[j] = (float)(g * (dx[j] * inv - (j == t)));
+      dx[j] *= sc;
+    dx[t] = et * sc - g;
   }
 }
 
@@ -330,7 +405,7 @@ static void k6_sum(char *arena, const MdlHooks *h) {
     const float y = (float)acc;
     b24[r] = y;
   }
-  free(part);
+  mdl_free(part);
 }
 
 // k7_gemm: GEMM, 1 op
@@ -386,8 +461,8 @@ static void k8_gemm__relu_bwd__sum(char *arena, const MdlHooks *h) {
     const float y = (float)acc;
     b28[r] = y;
   }
-  free(part);
-  free(b25);
+  mdl_free(part);
+  mdl_free(b25);
 }
 
 // k9_gemm: GEMM, 1 op
@@ -443,8 +518,8 @@ static void k10_gemm__relu_bwd__sum(char *arena, const MdlHooks *h) {
     const float y = (float)acc;
     b32[r] = y;
   }
-  free(part);
-  free(b29);
+  mdl_free(part);
+  mdl_free(b29);
 }
 
 // k11_gemm: GEMM, 1 op
@@ -502,20 +577,22 @@ static void k12_grad_norm__adamw(char *arena, const MdlHooks *h) {
         {6912, 13888, 20864, 27840, 4, 0.0}, // b3
     };
     const double clip = 0.0, gnorm = b36[0];
-    const double s = clip > 0 ? fmin(1.0, clip / (gnorm + 1e-6)) : 1.0;
-    const double lr = b34[0], step = b35[0];
-    const double b1 = 0.9, b2 = 0.95, eps = 1e-08;
-    const double c1 = 1.0 / (1.0 - pow(b1, step)), c2 = 1.0 / (1.0 - pow(b2, step));
+    const double step = b35[0];
+    const float s = (float)(clip > 0 ? fmin(1.0, clip / (gnorm + 1e-6)) : 1.0);
+    const float lr = b34[0], b1 = 0.9f, b2 = 0.95f, eps = 1e-08f;
+    const float c1 = (float)(1.0 / (1.0 - pow(b1, step))), c2 = (float)(1.0 / (1.0 - pow(b2, step)));
     for (int k = 0; k < 6; k++) {
       float *restrict p = (float *)(arena + seg[k].p), *restrict m = (float *)(arena + seg[k].m);
       float *restrict v = (float *)(arena + seg[k].v);
       const float *restrict g = (const float *)(arena + seg[k].g);
-      const double wd = seg[k].wd;
+      const float wd = (float)seg[k].wd;
+      #pragma omp simd
       for (int64_t i = 0; i < seg[k].n; i++) {
-        const double gi = s * g[i];
-        m[i] = (float)(b1 * m[i] + (1 - b1) * gi);
-        v[i] = (float)(b2 * v[i] + (1 - b2) * gi * gi);
-        p[i] = (float)(p[i] - lr * (m[i] * c1 / (sqrt(v[i] * c2) + eps) + wd * p[i]));
+        const float gi = s * g[i];
+        const float mi = b1 * m[i] + (1.0f - b1) * gi, vi = b2 * v[i] + (1.0f - b2) * gi * gi;
+        m[i] = mi;
+        v[i] = vi;
+        p[i] = p[i] - lr * (mi * c1 / (sqrtf(vi * c2) + eps) + wd * p[i]);
       }
     }
   }
