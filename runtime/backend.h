@@ -101,6 +101,8 @@ bool cpu_run_kernel(CpuModule *cm, int i, char *arena);
 // take memory when first written. cpu_arena_free() it.
 char *cpu_arena_new(const MemPlan *m);
 void cpu_arena_free(const MemPlan *m, char *arena);
+// The whole pages of arena bytes [off, off + bytes) back to the system: zeros when next read.
+void cpu_arena_drop(char *arena, int64_t off, int64_t bytes);
 // Where node `node` lives in the arena (f32 or i32 elements), or NULL when it is not materialised.
 void *cpu_value(const MemPlan *m, char *arena, int node);
 // y[i] = x[i] rounded to bf16 (nearest, ties to even), as the kernels' casts round.

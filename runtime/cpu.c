@@ -217,6 +217,15 @@ char *cpu_arena_new(const MemPlan *m) {
   return a;
 }
 
+void cpu_arena_drop(char *arena, int64_t off, int64_t bytes) {
+  size_t page = (size_t)sysconf(_SC_PAGESIZE);
+  uintptr_t lo = (uintptr_t)arena + (uintptr_t)off, hi = lo + (uintptr_t)(bytes > 0 ? bytes : 0);
+  lo = (lo + page - 1) / page * page;
+  hi = hi / page * page;
+  if (hi > lo)
+    madvise((void *)lo, hi - lo, MADV_DONTNEED);
+}
+
 void cpu_arena_free(const MemPlan *m, char *arena) {
   if (arena)
     munmap(arena, arena_size(m));

@@ -242,6 +242,23 @@ static bool ce_inputs_from(Engine *e, int n, const char *const *names, Engine *f
   return ok;
 }
 
+// Engine.idle: the whole pages inside the gradients, the activations and, with params_too, the
+// parameters and their copies, back to the system (MADV_DONTNEED: they come back as zero pages on
+// their next write). Between training steps and around validation this keeps the process at one
+// arena's worth: GPT-2 124M's validation engine held 497 MB of parameters and the training engine
+// 805 MB of gradients and activations that no one read while the other ran.
+static void ce_idle(Engine *e, bool params_too) {
+  CpuEngine *ce = (CpuEngine *)e;
+  const MemPlan *m = ce->m;
+  if (e->g->grads)
+    cpu_arena_drop(ce->arena, m->grads, m->param_bytes);
+  cpu_arena_drop(ce->arena, m->arena_bytes - m->activation_bytes, m->activation_bytes);
+  if (params_too) {
+    cpu_arena_drop(ce->arena, m->params, m->param_bytes);
+    cpu_arena_drop(ce->arena, m->copies, m->copy_bytes);
+  }
+}
+
 static void ce_free(Engine *e) {
   CpuEngine *ce = (CpuEngine *)e;
   cpu_unload(ce->cm);
@@ -271,7 +288,8 @@ Engine *engine_cpu(const Fusion *f, const MemPlan *m, const char *source, uint64
   ce->e = (Engine){.name = "cpu", .g = f->g, .set_input = ce_set_input, .set_scalar = ce_set_scalar,
                    .set_seed = ce_set_seed, .arena_bytes = m->arena_bytes, .fusion = f,
                    .kernel_seconds = calloc((size_t)cm->nkernels, sizeof(double)),
-                   .step = ce_step, .read = ce_read, .write = ce_write, .values = ce_values, .free = ce_free,
+                   .step = ce_step, .read = ce_read, .write = ce_write, .values = ce_values, .idle = ce_idle,
+                   .free = ce_free,
                    .take_params = ce_take_params, .draw_params = cpe_draw_params, .inputs_from = ce_inputs_from,
                    .cache_hit = cm->cache_hit, .compile_seconds = cm->compile_seconds};
   return &ce->e;

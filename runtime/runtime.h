@@ -72,6 +72,11 @@ struct Engine {
   // A parameter's or moment's f32 values where they lie in host memory, to be read in place until
   // the next step (the CPU back end's arena: a checkpoint then needs no copy); NULL elsewhere.
   const float *(*values)(Engine *e, int node);
+  // Gives back to the system the memory of values no later step reads before writing them: the
+  // gradients and activations (a step's own values are dead between steps), and with params_too the
+  // parameters and their bf16 copies (an engine that takes them anew before its next step, as
+  // validation does); they read as zeros until written. NULL where nothing is given back.
+  void (*idle)(Engine *e, bool params_too);
   bool (*read_snapshot)(Engine *e, int node, float *dst, char *err, size_t n);
   void (*free)(Engine *e);
   bool cache_hit;         // compiled back ends: the module came from the cache

@@ -239,6 +239,8 @@ static void copy_params(Engine *from, Engine *to) {
 
 // Mean loss over `batches` validation batches, on the eval engine with the training parameters.
 static double validate(Engine *train, Engine *eval, Loader *val, int64_t batches, int64_t BT, char *err, size_t n) {
+  if (train->idle) // the training step's gradients and activations are dead until its next step
+    train->idle(train, false);
   copy_params(train, eval);
   double sum = 0;
   for (int64_t b = 0; b < batches; b++) {
@@ -248,6 +250,8 @@ static double validate(Engine *train, Engine *eval, Loader *val, int64_t batches
       return NAN;
     sum += engine_scalar(eval, eval->g->loss);
   }
+  if (eval->idle) // its parameters come anew from the training engine at the next validation
+    eval->idle(eval, true);
   return sum / (double)batches;
 }
 
