@@ -63,6 +63,13 @@ static void pattern(float *x, int64_t n, int salt) {
     x[i] = (float)sin(0.37 * (double)i + 0.9 * salt + 0.2);
 }
 
+static double bf16_value(uint16_t h) {
+  uint32_t bits = (uint32_t)h << 16;
+  float x;
+  memcpy(&x, &bits, sizeof x);
+  return x;
+}
+
 // Compiles f for the CPU and runs its step; runs the interpreter on the same inputs; compares every
 // materialised non-leaf value (no memory reuse, so each is still there at the end). Returns the
 // worst relative error, or NAN with why filled.
@@ -99,11 +106,12 @@ static double cpu_vs_interp(const Fusion *f, char *why, size_t n) {
       const IrNode *nd = g->nodes[i];
       if (nd->op == OP_INPUT || nd->op == OP_CONST || !f->materialised[i])
         continue;
-      const float *got = cpu_value(m, arena, i);
+      const void *got = cpu_value(m, arena, i);
       const double *ref = interp_value(it, i);
       double diff = 0, scale = 0;
       for (int64_t k = 0; k < shape_numel(nd->shape); k++) {
-        diff = fmax(diff, fabs((double)got[k] - ref[k]));
+        double v = nd->dtype == DT_BF16 ? bf16_value(((const uint16_t *)got)[k]) : ((const float *)got)[k];
+        diff = fmax(diff, fabs(v - ref[k]));
         scale = fmax(scale, fabs(ref[k]));
       }
       double rel = scale > 0 ? diff / scale : diff;
@@ -160,6 +168,123 @@ static void epilogue_broadcast(void) {
   arena_free(a);
 }
 
+// Fuses g (the forward graph: every node); NULL after a [fail] line when it does not fuse.
+static Fusion *fused(const char *label, Graph *g, int max_group) {
+  g->fwd_end = g->n;
+  Fusion *f = fuse(g, (FuseOptions){.fuse = true, .max_group = max_group});
+  char name[160];
+  snprintf(name, sizeof name, "%s: the graph fuses", label);
+  if (!f)
+    CHECK(false, name, "%s", g->err);
+  return f;
+}
+
+// Rule 4: an epilogue link reads the GEMM's chain at its own index; a consumer that reads the
+// product through a broadcast (a [1, 8] product added to a [4, 8] tensor) would have to run over
+// another iteration space than the GEMM's, so it is a kernel of its own, reading the product.
+//   h = x[1,4] @ w[4,8]; u = h + y[4,8]
+static void epilogue_iteration_space(void) {
+  Arena *a = arena_new();
+  Graph *g = ir_new(a);
+  int x = input(g, "x", 2, (int64_t[]){1, 4}), w = input(g, "w", 2, (int64_t[]){4, 8});
+  int y = input(g, "y", 2, (int64_t[]){4, 8});
+  int h = add2(g, OP_MATMUL, x, w);
+  int u = add2(g, OP_ADD, h, y);
+  Fusion *f = fused("rule 4 (iteration space)", g, 0);
+  if (f) {
+    const char *dump = dump_of(f);
+    CHECK(dump_says(dump, h, u, "iteration spaces differ: [1,8] vs [4,8]"),
+          "rule 4: a consumer that reads the GEMM's product through a broadcast is no epilogue, and the dump says so",
+          "no such line for %%%d -> %%%d in:\n%s", h, u, dump);
+    CHECK(f->nsteps == 2 && f->steps[0].nnodes == 1 && f->step_of[u] == 1 && f->materialised[h],
+          "rule 4: the GEMM writes its product; the broadcasting add is the next kernel",
+          "%d steps, the GEMM's has %d nodes", f->nsteps, f->nsteps ? f->steps[0].nnodes : 0);
+    check_numbers("rule 4 (iteration space)", f);
+  }
+  arena_free(a);
+}
+
+// Rule 7: the chain of elementwise consumers that a reduction step grows after its root reads only
+// the previous link (and memory). Here the root is a layernorm backward's dx, whose step also holds
+// its siblings dw and db (rule 3); a link that adds db ([8], broadcast over the rows of dx) would read
+// a value the step is still summing over the rows while it computes dx row by row.
+//   dx, dw, db = layernorm_bwd(x[4,8], w[8], dy[4,8]); u = dx + db
+static void chain_reads_reduced(void) {
+  Arena *a = arena_new();
+  Graph *g = ir_new(a);
+  int x = input(g, "x", 2, (int64_t[]){4, 8}), w = input(g, "w", 1, (int64_t[]){8});
+  int dy = input(g, "dy", 2, (int64_t[]){4, 8});
+  int in[3] = {x, w, dy}, bwd[3];
+  for (int k = 0; k < 3; k++)
+    bwd[k] = ir_add(g, OP_LAYERNORM_BWD, in, 3, (int64_t[8]){k}, (double[6]){1e-5}, no_loc);
+  int u = add2(g, OP_ADD, bwd[0], bwd[2]);
+  Fusion *f = fused("rule 7 (chain)", g, 0);
+  if (f) {
+    const char *dump = dump_of(f);
+    CHECK(dump_says(dump, bwd[0], u, "reads a value the reduction consumes"),
+          "rule 7: a chain link after a norm backward's dx does not read its db, and the dump says so",
+          "no such line for %%%d -> %%%d in:\n%s", bwd[0], u, dump);
+    int s = f->step_of[bwd[0]];
+    CHECK(s >= 0 && f->step_of[bwd[1]] == s && f->step_of[bwd[2]] == s && f->step_of[u] != s,
+          "rule 7: dx, dw and db share a step; the add that reads db is not in it",
+          "steps: dx %d, dw %d, db %d, add %d", s, f->step_of[bwd[1]], f->step_of[bwd[2]], f->step_of[u]);
+    check_numbers("rule 7 (chain)", f);
+  }
+  arena_free(a);
+}
+
+// Rule 9: a CAST alone joins the kernel that computes its input, within the group size cap. The
+// layernorm with the ADD that produces its x (rule 5) is a 2-node kernel; with a cap of 2 the bf16
+// rounding of its output stays a kernel of its own.
+//   n = layernorm(x[4,8] + y[4,8], w[8], b[8]); c = cast(n, bf16)
+static void cast_cap(void) {
+  Arena *a = arena_new();
+  Graph *g = ir_new(a);
+  int x = input(g, "x", 2, (int64_t[]){4, 8}), y = input(g, "y", 2, (int64_t[]){4, 8});
+  int w = input(g, "w", 1, (int64_t[]){8}), b = input(g, "b", 1, (int64_t[]){8});
+  int s = add2(g, OP_ADD, x, y);
+  int n = ir_add(g, OP_LAYERNORM, (int[]){s, w, b}, 3, NULL, (double[6]){1e-5}, no_loc);
+  int c = ir_add(g, OP_CAST, &n, 1, (int64_t[8]){DT_BF16}, NULL, no_loc);
+  Fusion *f = fused("rule 9 (cap)", g, 2);
+  if (f) {
+    const char *dump = dump_of(f);
+    CHECK(dump_says(dump, n, c, "group size cap (2 nodes)"),
+          "rule 9: a lone CAST does not join its input's kernel past the group size cap, and the dump says so",
+          "no such line for %%%d -> %%%d in:\n%s", n, c, dump);
+    CHECK(f->nsteps == 2 && f->step_of[s] == f->step_of[n] && f->step_of[c] != f->step_of[n] && f->materialised[n],
+          "rule 9: the layernorm writes its output; the rounding is a kernel of its own",
+          "%d steps; add %d, layernorm %d, cast %d", f->nsteps, f->step_of[s], f->step_of[n], f->step_of[c]);
+    check_numbers("rule 9 (cap)", f);
+  }
+  arena_free(a);
+}
+
+// Rule 10: a reduction takes in the elementwise kernel that writes its input, unless another member
+// of the reduction's step reads that kernel's values: the step evaluates them at the reduction's
+// input index only. Here the sum's chain (rule 7) multiplies the sum by v, the kernel's value itself.
+//   v = exp(z[4]); s = sum(reshape(v, [4,1]), axis 1); u = s * v
+static void reduction_member_reads(void) {
+  Arena *a = arena_new();
+  Graph *g = ir_new(a);
+  int z = input(g, "z", 1, (int64_t[]){4});
+  int v = add1(g, OP_EXP, z);
+  int r = ir_reshape(g, v, shape_of(2, (int64_t[]){4, 1}), no_loc);
+  int s = ir_add(g, OP_SUM, &r, 1, (int64_t[8]){1, 0}, NULL, no_loc);
+  int u = add2(g, OP_MUL, s, v);
+  Fusion *f = fused("rule 10 (member)", g, 0);
+  if (f) {
+    const char *dump = dump_of(f);
+    CHECK(dump_says(dump, v, r, "another member of the reduction reads the kernel's values at other indices"),
+          "rule 10: a reduction whose chain reads the kernel's values does not take that kernel in, and the dump "
+          "says so", "no such line for %%%d -> %%%d in:\n%s", v, r, dump);
+    CHECK(f->nsteps == 2 && f->step_of[v] != f->step_of[s] && f->step_of[u] == f->step_of[s] && f->materialised[v],
+          "rule 10: exp is a kernel of its own; the sum and its chain are the other",
+          "%d steps; exp %d, sum %d, mul %d", f->nsteps, f->step_of[v], f->step_of[s], f->step_of[u]);
+    check_numbers("rule 10 (member)", f);
+  }
+  arena_free(a);
+}
+
 // Removes the test's cache directory and everything in it.
 static void remove_dir(const char *dir) {
   DIR *d = opendir(dir);
@@ -184,6 +309,10 @@ int main(void) {
   }
   setenv("MDL_CACHE", dir, 1);
   epilogue_broadcast();
+  epilogue_iteration_space();
+  chain_reads_reduced();
+  cast_cap();
+  reduction_member_reads();
   remove_dir(dir);
   TEST_EXIT();
 }
