@@ -70,9 +70,11 @@ static double bf16_value(uint16_t h) {
   return x;
 }
 
-// Compiles f for the CPU and runs its step; runs the interpreter on the same inputs; compares every
-// materialised non-leaf value (no memory reuse, so each is still there at the end). Returns the
-// worst relative error, or NAN with why filled.
+// Compiles f for the CPU and runs its step; runs the interpreter on the same inputs and initial
+// parameters (i32 inputs: ids below IDS); compares every materialised non-leaf value, gradients
+// included (no memory reuse, so each is still there at the end). Returns the worst relative error,
+// or NAN with why filled.
+enum { IDS = 16 };
 static double cpu_vs_interp(const Fusion *f, char *why, size_t n) {
   const Graph *g = f->g;
   MemPlan *m = memplan_with(f, false);
@@ -84,16 +86,23 @@ static double cpu_vs_interp(const Fusion *f, char *why, size_t n) {
   }
   char *arena = cpu_arena_new(m);
   Interp *it = interp_new(g, INTERP_F32);
+  cpu_init_params(g, m, arena, 7);
+  interp_init_params(it, 7);
   for (int i = 0; i < g->n; i++) {
     const IrNode *nd = g->nodes[i];
     if (nd->op != OP_INPUT)
       continue;
     int64_t count = shape_numel(nd->shape);
     float *x = malloc(sizeof *x * (size_t)count);
+    int32_t *ids = malloc(sizeof *ids * (size_t)count);
     pattern(x, count, i);
-    cpu_set_input(g, m, arena, nd->name, NULL, x, count);
-    interp_set_input(it, nd->name, NULL, x, count);
+    for (int64_t k = 0; k < count; k++)
+      ids[k] = (int32_t)((k * 5 + 1) % IDS);
+    bool i32 = nd->dtype == DT_I32;
+    cpu_set_input(g, m, arena, nd->name, i32 ? ids : NULL, i32 ? NULL : x, count);
+    interp_set_input(it, nd->name, i32 ? ids : NULL, i32 ? NULL : x, count);
     free(x);
+    free(ids);
   }
   double worst = NAN;
   if (!cpu_step(cm, arena)) {
@@ -285,6 +294,100 @@ static void reduction_member_reads(void) {
   arena_free(a);
 }
 
+// A model in .mdl text, with its backward pass (no optimizer), fused with the LM head chunked.
+static Fusion *lmhead_model(Arena *a, const char *label, const char *src) {
+  Graph *g = mdl_compile_text(a, label, src, NULL, 0);
+  char name[160];
+  snprintf(name, sizeof name, "%s: the model compiles and fuses", label);
+  Fusion *f = g && autodiff(g, false) ? fuse(g, (FuseOptions){.fuse = true, .chunk_lmhead = true}) : NULL;
+  if (!f)
+    CHECK(false, name, "%s", g ? g->err : "front end failed");
+  return f;
+}
+
+// The node of op `op` in f's graph that reads node `in` (the first), or -1.
+static int reader(const Fusion *f, Op op, int in) {
+  for (int i = 0; i < f->g->n; i++)
+    for (int k = 0; k < f->g->nodes[i]->nin; k++)
+      if (f->g->nodes[i]->op == op && f->g->nodes[i]->in[k] == in)
+        return i;
+  return -1;
+}
+
+// Whether some step of f is the chunked LM head.
+static bool has_lmhead(const Fusion *f) {
+  for (int i = 0; i < f->nsteps; i++)
+    if (f->steps[i].kind == STEP_LMHEAD)
+      return true;
+  return false;
+}
+
+// The logits MATMUL of the graph's cross-entropy (through RESHAPEs), or -1.
+static int logits_gemm(const Fusion *f, int *ce) {
+  *ce = -1;
+  for (int i = 0; i < f->g->n && *ce < 0; i++)
+    if (f->g->nodes[i]->op == OP_CROSS_ENTROPY)
+      *ce = i;
+  int x = *ce >= 0 ? f->g->nodes[*ce]->in[0] : -1;
+  while (x >= 0 && f->g->nodes[x]->op == OP_RESHAPE)
+    x = f->g->nodes[x]->in[0];
+  return x >= 0 && f->g->nodes[x]->op == OP_MATMUL ? x : -1;
+}
+
+// Rule 2: the LM head is chunked only when nothing but the cross-entropy reads the logits (they are
+// never materialised). A loss that also penalises the logits' size reads them again.
+static const char logits_read_twice[] = "model lmhead_reread\n"
+                                        "input x: f32[8, 4]\n"
+                                        "input targets: i32[8]\n"
+                                        "param head: [4, 16] = normal(0.5)\n"
+                                        "logits = x @ head\n"
+                                        "output loss = mean(cross_entropy(logits, targets)) + 0.01 * mean(logits * logits)\n";
+
+// ... and only when the logits GEMM is x2[N, C] @ W: here its first operand is transposed.
+static const char logits_transposed[] = "model lmhead_transposed\n"
+                                        "input xt: f32[4, 8]\n"
+                                        "input targets: i32[8]\n"
+                                        "param head: [4, 16] = normal(0.5)\n"
+                                        "output loss = mean(cross_entropy(xt.T @ head, targets))\n";
+
+static void lmhead_refusals(void) {
+  static const struct {
+    const char *label, *src, *why;
+  } cases[] = {
+      {"rule 2 (logits read twice)", logits_read_twice, "LM head not chunked: the logits are also read by mul@6"},
+      {"rule 2 (transposed operand)", logits_transposed,
+       "LM head not chunked: the logits GEMM is not x2[N,C] @ W with 2-D operands"},
+  };
+  for (size_t i = 0; i < sizeof cases / sizeof *cases; i++) {
+    Arena *a = arena_new();
+    Fusion *f = lmhead_model(a, cases[i].label, cases[i].src);
+    if (f) {
+      int ce, mm = logits_gemm(f, &ce);
+      const char *dump = dump_of(f);
+      char name[200];
+      snprintf(name, sizeof name, "%s: the LM head is not chunked, and the dump says why", cases[i].label);
+      CHECK(mm >= 0 && dump_says(dump, mm, ce, cases[i].why) && !has_lmhead(f), name,
+            "no line '%s' for %%%d -> %%%d in:\n%s", cases[i].why, mm, ce, dump);
+      snprintf(name, sizeof name, "%s: the cross-entropy and its backward share a kernel instead", cases[i].label);
+      int cb = reader(f, OP_CROSS_ENTROPY_BWD, ce >= 0 ? f->g->nodes[ce]->in[0] : -1);
+      CHECK(ce >= 0 && cb >= 0 && f->step_of[ce] == f->step_of[cb] && f->steps[f->step_of[ce]].kind == STEP_KERNEL,
+            name, "cross-entropy %d, its backward %d", ce, cb);
+      check_numbers(cases[i].label, f);
+    }
+    arena_free(a);
+  }
+  // The control: the same head read by the cross-entropy alone is chunked.
+  static const char alone[] = "model lmhead_alone\n"
+                              "input x: f32[8, 4]\n"
+                              "input targets: i32[8]\n"
+                              "param head: [4, 16] = normal(0.5)\n"
+                              "output loss = mean(cross_entropy(x @ head, targets))\n";
+  Arena *a = arena_new();
+  Fusion *f = lmhead_model(a, "rule 2 (control)", alone);
+  CHECK(f && has_lmhead(f), "rule 2: the same head read by the cross-entropy alone is chunked", "no LM-head step");
+  arena_free(a);
+}
+
 // Removes the test's cache directory and everything in it.
 static void remove_dir(const char *dir) {
   DIR *d = opendir(dir);
@@ -313,6 +416,7 @@ int main(void) {
   chain_reads_reduced();
   cast_cap();
   reduction_member_reads();
+  lmhead_refusals();
   remove_dir(dir);
   TEST_EXIT();
 }
