@@ -294,6 +294,61 @@ static void reduction_member_reads(void) {
   arena_free(a);
 }
 
+// Rule 5: a layernorm takes in the ADD that produces its x, unless the layernorm also reads
+// something computed from that sum: here its weight is a column sum of it, a step that must run
+// between the two.
+//   s = x[4,8] + y[4,8]; w = sum(s, axis 0); n = layernorm(s, w, b[8])
+static void norm_add_cycle(void) {
+  Arena *a = arena_new();
+  Graph *g = ir_new(a);
+  int x = input(g, "x", 2, (int64_t[]){4, 8}), y = input(g, "y", 2, (int64_t[]){4, 8});
+  int b = input(g, "b", 1, (int64_t[]){8});
+  int s = add2(g, OP_ADD, x, y);
+  int w = ir_add(g, OP_SUM, &s, 1, (int64_t[8]){0, 0}, NULL, no_loc);
+  int n = ir_add(g, OP_LAYERNORM, (int[]){s, w, b}, 3, NULL, (double[6]){1e-5}, no_loc);
+  Fusion *f = fused("rule 5 (cycle)", g, 0);
+  if (f) {
+    const char *dump = dump_of(f);
+    CHECK(dump_says(dump, s, n, "would make the steps cyclic"),
+          "rule 5: a layernorm whose weight is computed from its x does not take in the ADD, and the dump says so",
+          "no such line for %%%d -> %%%d in:\n%s", s, n, dump);
+    CHECK(f->step_of[s] != f->step_of[n] && f->step_of[w] != f->step_of[n] && f->step_of[s] < f->step_of[n],
+          "rule 5: the sum runs between the ADD and the layernorm", "steps: add %d, sum %d, layernorm %d",
+          f->step_of[s], f->step_of[w], f->step_of[n]);
+    check_numbers("rule 5 (cycle)", f);
+  }
+  arena_free(a);
+}
+
+// Rule 7: a chain link whose other operand is computed from the step's own values would make the
+// step wait for itself. The norm backward's step computes db; a link that adds dx to a tensor made
+// from db cannot be in it.
+//   dx, dw, db = layernorm_bwd(x[4,8], w[8], dy[4,8]); u = dx + db * z[4,8]
+static void chain_cycle(void) {
+  Arena *a = arena_new();
+  Graph *g = ir_new(a);
+  int x = input(g, "x", 2, (int64_t[]){4, 8}), w = input(g, "w", 1, (int64_t[]){8});
+  int dy = input(g, "dy", 2, (int64_t[]){4, 8}), z = input(g, "z", 2, (int64_t[]){4, 8});
+  int in[3] = {x, w, dy}, bwd[3];
+  for (int k = 0; k < 3; k++)
+    bwd[k] = ir_add(g, OP_LAYERNORM_BWD, in, 3, (int64_t[8]){k}, (double[6]){1e-5}, no_loc);
+  int y = add2(g, OP_MUL, bwd[2], z);
+  int u = add2(g, OP_ADD, bwd[0], y);
+  Fusion *f = fused("rule 7 (cycle)", g, 0);
+  if (f) {
+    const char *dump = dump_of(f);
+    CHECK(dump_says(dump, bwd[0], u, "would make the steps cyclic"),
+          "rule 7: a chain link whose other operand comes from the step's db is not in it, and the dump says so",
+          "no such line for %%%d -> %%%d in:\n%s", bwd[0], u, dump);
+    CHECK(f->step_of[u] != f->step_of[bwd[0]] && f->step_of[y] > f->step_of[bwd[2]],
+          "rule 7: the add runs after the norm backward and the product of its db",
+          "steps: dx %d, db %d, product %d, add %d", f->step_of[bwd[0]], f->step_of[bwd[2]], f->step_of[y],
+          f->step_of[u]);
+    check_numbers("rule 7 (cycle)", f);
+  }
+  arena_free(a);
+}
+
 // A model in .mdl text, with its backward pass (no optimizer), fused with the LM head chunked.
 static Fusion *lmhead_model(Arena *a, const char *label, const char *src) {
   Graph *g = mdl_compile_text(a, label, src, NULL, 0);
@@ -388,6 +443,37 @@ static void lmhead_refusals(void) {
   arena_free(a);
 }
 
+// Rules 2 and 3: the cross-entropy's backward reads the gradient of its per-row losses; when the
+// loss is a nonlinear function of them (their mean square), that gradient is computed from the
+// losses themselves, so the backward cannot be in the step that computes them: neither in the LM
+// head (rule 2, chunked) nor in the cross-entropy's kernel (rule 3).
+static const char loss_of_loss[] = "model loss_of_loss\n"
+                                   "input x: f32[8, 4]\n"
+                                   "input targets: i32[8]\n"
+                                   "param head: [4, 16] = normal(0.5)\n"
+                                   "c = cross_entropy(x @ head, targets)\n"
+                                   "output loss = mean(c * c)\n";
+
+static void loss_gradient_cycle(void) {
+  Arena *a = arena_new();
+  Fusion *f = lmhead_model(a, "rules 2 and 3 (loss of the loss)", loss_of_loss);
+  if (f) {
+    int ce, mm = logits_gemm(f, &ce);
+    int cb = reader(f, OP_CROSS_ENTROPY_BWD, ce >= 0 ? f->g->nodes[ce]->in[0] : -1);
+    const char *dump = dump_of(f);
+    CHECK(mm >= 0 && dump_says(dump, mm, ce, "LM head not chunked: the loss' gradient depends on the loss itself") &&
+              !has_lmhead(f),
+          "rule 2: the LM head is not chunked when the loss' gradient depends on the loss, and the dump says so",
+          "no such line for %%%d -> %%%d in:\n%s", mm, ce, dump);
+    CHECK(cb >= 0 && dump_says(dump, ce, cb, "the loss' gradient depends on the loss itself") &&
+              f->step_of[ce] != f->step_of[cb],
+          "rule 3: nor is the cross-entropy's backward in its kernel, and the dump says so",
+          "no such line for %%%d -> %%%d in:\n%s", ce, cb, dump);
+    check_numbers("rules 2 and 3 (loss of the loss)", f);
+  }
+  arena_free(a);
+}
+
 // Removes the test's cache directory and everything in it.
 static void remove_dir(const char *dir) {
   DIR *d = opendir(dir);
@@ -417,6 +503,9 @@ int main(void) {
   cast_cap();
   reduction_member_reads();
   lmhead_refusals();
+  norm_add_cycle();
+  chain_cycle();
+  loss_gradient_cycle();
   remove_dir(dir);
   TEST_EXIT();
 }
