@@ -431,6 +431,27 @@ static void lmhead_refusals(void) {
     }
     arena_free(a);
   }
+  // The forward graph alone (what validation runs): there is no backward to chunk with it.
+  static const char forward[] = "model lmhead_forward\n"
+                                "input x: f32[8, 4]\n"
+                                "input targets: i32[8]\n"
+                                "param head: [4, 16] = normal(0.5)\n"
+                                "output loss = mean(cross_entropy(x @ head, targets))\n";
+  Arena *fa = arena_new();
+  Graph *fg = mdl_compile_text(fa, "forward.mdl", forward, NULL, 0);
+  Fusion *ff = fg ? fuse(fg, (FuseOptions){.fuse = true, .chunk_lmhead = true}) : NULL;
+  if (ff) {
+    int ce, mm = logits_gemm(ff, &ce);
+    const char *dump = dump_of(ff);
+    CHECK(mm >= 0 && dump_says(dump, mm, ce, "LM head not chunked: the cross-entropy has no backward") &&
+              !has_lmhead(ff),
+          "rule 2 (forward only): no LM-head step without the backward, and the dump says why",
+          "no such line for %%%d -> %%%d in:\n%s", mm, ce, dump);
+    check_numbers("rule 2 (forward only)", ff);
+  } else {
+    CHECK(false, "rule 2 (forward only): the model compiles and fuses", "%s", fg ? fg->err : "front end failed");
+  }
+  arena_free(fa);
   // The control: the same head read by the cross-entropy alone is chunked.
   static const char alone[] = "model lmhead_alone\n"
                               "input x: f32[8, 4]\n"
@@ -491,6 +512,7 @@ static void remove_dir(const char *dir) {
 }
 
 int main(void) {
+  setvbuf(stdout, NULL, _IOLBF, 0); // the lines printed before a crash are kept
   char dir[] = "/tmp/mdl-cache-XXXXXX";
   if (!mkdtemp(dir)) {
     CHECK(false, "fuse rules: a cache directory", "mkdtemp failed");
