@@ -1,10 +1,25 @@
 // test_fuse_rules.c: hand-built graphs for the refusals of compiler/fuse.c that no model in models/
-// and no other test reaches. For each: the refusal fires, with the reason that the fusion dump
+// and no other test reaches (found by line and branch coverage of fuse.c over the unit tests and
+// `mdlc build` of every model). For each: the refusal fires, with the reason that the fusion dump
 // (fuse_dump, `mdlc -d F`) prints on its "not fused:" line, the steps come out as the rule says, and
 // the compiled CPU step (emit_c, cpu_load) computes what the reference interpreter computes (fp32,
-// every materialised value, relative 1e-5 of the tensor's largest element), so that a refusal
-// deleted or broken shows both in the plan and, where the emitter would then compute a wrong value,
-// in the numbers.
+// every materialised value, gradients included, relative 1e-5 of the tensor's largest element).
+//   rule 2: the LM head is not chunked when the logits are also read by another op, when the logits
+//           GEMM's first operand is transposed, when the graph has no backward (validation), and
+//           when the loss' gradient depends on the per-row losses;
+//   rule 3: nor is that cross-entropy's backward in the kernel of its forward;
+//   rule 4: a GEMM epilogue reads neither its chain through a broadcast nor another epilogue value;
+//   rule 5: a layernorm does not take in an ADD that a step between them reads;
+//   rule 7: a chain after a norm backward's dx reads neither its db nor anything computed from it;
+//   rule 9: a lone CAST stays out of its input's kernel past the group size cap;
+//   rule 10: a reduction does not take in a kernel whose values another of its members reads.
+// Deleting any one of these refusals makes a check here fail: the reason is missing from the dump,
+// the steps differ, fuse() finds a cycle between steps, or (rule 7's db, rule 2 without backward)
+// the numbers are wrong or the pass crashes. Where the fusion would still compute the same numbers
+// (rule 4's epilogue value and rule 10's kernel value can only be read through a broadcast of
+// leading 1s, the same flat index) or a later refusal still keeps the graph apart (rule 4's
+// iteration space, then its broadcast check; rule 2's extra reader and transposed operand, then the
+// check on the gradient's readers), the dump's reason and the steps are what show it.
 #include "mdl.h"
 #include "backend.h"
 #include "test.h"
