@@ -56,7 +56,63 @@ static void test_eval_mode(void) {
         "%g vs %g", loss[1][0], loss[1][1]);
 }
 
+// The learning-rate schedule of a train section, against values worked out by hand from the formula
+// of docs/language.md: lr * step / warmup while step <= warmup, then min_lr + (lr - min_lr) / 2 *
+// (1 + cos(pi * (step - warmup) / (steps - warmup))) down to min_lr at step `steps`, min_lr after;
+// without `steps`, lr after the warmup. Steps count from 1, so a one-step shift of the warmup moves
+// its first value by a whole lr / warmup.
+static void test_schedule(void) {
+  static const char src[] = "model sched\n"
+                            "input x: f32[2, 3]\n"
+                            "param w: [3, 1] = normal(0.5)\n"
+                            "output loss = mean(x @ w)\n"
+                            "train {\n"
+                            "    optimizer = adamw(lr=1e-3)\n"
+                            "    schedule = cosine(warmup=10, min_lr=1e-4, steps=100)\n"
+                            "}\n";
+  Arena *a = arena_new();
+  Graph *g = mdl_compile_text(a, "sched.mdl", src, NULL, 0);
+  CHECK(g != NULL, "schedule: the model with a cosine schedule compiles", "front end failed");
+  if (!g) {
+    arena_free(a);
+    return;
+  }
+  const TrainConfig *tc = &g->train;
+  static const struct {
+    int64_t step;
+    double lr;
+    const char *what;
+  } want[] = {
+      {1, 1e-4, "the first warmup step is lr / warmup"},
+      {5, 5e-4, "warmup step 5 of 10 is half of lr"},
+      {10, 1e-3, "the end of the warmup is lr"},
+      // 1e-4 + 0.5 * 9e-4 * (1 + cos(pi / 90)), cos(pi / 90) = 0.99939082701909576
+      {11, 9.99725872158593e-4, "the first step after the warmup starts the cosine"},
+      {55, 5.5e-4, "half way through the decay is (lr + min_lr) / 2"},
+      // 1e-4 + 0.5 * 9e-4 * (1 - cos(pi / 90))
+      {99, 1.0027412784140692e-4, "the step before the last is just above min_lr"},
+      {100, 1e-4, "the last step is min_lr"},
+      {250, 1e-4, "steps past the schedule stay at min_lr"},
+  };
+  for (size_t i = 0; i < sizeof want / sizeof *want; i++) {
+    double got = rt_lr_at(tc, want[i].step);
+    char name[160];
+    snprintf(name, sizeof name, "schedule: %s (step %lld: %g)", want[i].what, (long long)want[i].step, want[i].lr);
+    CHECK(fabs(got - want[i].lr) <= 1e-12 * want[i].lr, name, "got %.17g", got);
+  }
+  // Without `steps` the rate stays at lr once the warmup is over.
+  TrainConfig flat = *tc;
+  flat.warmup = 4;
+  flat.steps = 0;
+  double w1 = rt_lr_at(&flat, 1), w4 = rt_lr_at(&flat, 4), later = rt_lr_at(&flat, 1000);
+  CHECK(fabs(w1 - 2.5e-4) <= 1e-12 * 2.5e-4 && fabs(w4 - 1e-3) <= 1e-15 && fabs(later - 1e-3) <= 1e-15,
+        "schedule: without steps, warmup 4 gives lr / 4 at step 1, lr at step 4 and at step 1000",
+        "%.17g, %.17g, %.17g", w1, w4, later);
+  arena_free(a);
+}
+
 int main(void) {
+  test_schedule();
   test_eval_mode();
   Arena *a = arena_new();
   DimOverride ov[] = {{"B", 4}, {"T", 32}};
