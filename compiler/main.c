@@ -503,11 +503,11 @@ static bool load_weights(Engine *e, const Graph *g, const char *path) {
 
 // Writes the values of `count` nodes, as f32, under the given names.
 static bool write_values(const char *path, Engine *e, const int *nodes, const char **names, int count) {
-  StTensor *t = calloc((size_t)count, sizeof *t);
+  StTensor *t = rt_xrealloc(NULL, (size_t)count * sizeof *t);
   for (int i = 0; i < count; i++) {
     const IrNode *n = e->g->nodes[nodes[i]];
     int64_t numel = shape_numel(n->shape);
-    float *d = malloc(sizeof(float) * (size_t)(numel ? numel : 1));
+    float *d = rt_xrealloc(NULL, sizeof(float) * (size_t)(numel ? numel : 1));
     e->read(e, n->id, d);
     t[i] = (StTensor){.name = names[i], .dtype = DT_F32, .shape = n->shape, .data = d};
   }

@@ -34,7 +34,8 @@
 
 static char *dims_string(const Graph *g) {
   size_t cap = 64 + 48 * (size_t)g->ndims, len = 0;
-  char *s = calloc(1, cap);
+  char *s = rt_xrealloc(NULL, cap);
+  s[0] = 0;
   for (int i = 0; i < g->ndims; i++)
     len += (size_t)snprintf(s + len, cap - len, "%s%s=%lld", i ? "," : "", g->dims[i].name,
                             (long long)g->dims[i].value);
@@ -142,14 +143,14 @@ static bool ckpt_start(CkptWriter *w, const char *path, Engine *e, const TrainOp
     return false;
   const Graph *g = e->g;
   if (!w->t) { // (the first checkpoint of the run: the same nodes every time)
-    w->nodes = malloc(sizeof(int) * (size_t)g->n);
+    w->nodes = rt_xrealloc(NULL, sizeof(int) * (size_t)g->n);
     w->n = checkpoint_nodes(g, w->nodes);
-    w->t = calloc((size_t)w->n, sizeof *w->t);
+    w->t = rt_xrealloc(NULL, (size_t)w->n * sizeof *w->t);
     w->in_place = e->values != NULL;
     for (int i = 0; i < w->n; i++) {
       const IrNode *x = g->nodes[w->nodes[i]];
       w->t[i] = (StTensor){.name = x->name, .dtype = DT_F32, .shape = x->shape,
-                           .data = w->in_place ? NULL : malloc(sizeof(float) * (size_t)(shape_numel(x->shape) + 1))};
+                           .data = w->in_place ? NULL : rt_xrealloc(NULL, sizeof(float) * (size_t)(shape_numel(x->shape) + 1))};
     }
     w->dims = dims_string(g);
   }
@@ -201,7 +202,7 @@ static bool read_checkpoint(const char *path, Engine *e, int64_t *step, LoaderSt
     diag_file_error(path, "checkpoint of another model configuration: it has %s, this run %s", cdims, dims);
     ok = false;
   }
-  int *nodes = malloc(sizeof(int) * (size_t)g->n);
+  int *nodes = rt_xrealloc(NULL, sizeof(int) * (size_t)g->n);
   int n = ok ? checkpoint_nodes(g, nodes) : 0;
   const char *prefix = arena_printf(a, "checkpoint does not match %s: ", g->model);
   for (int i = 0; ok && i < n; i++)
@@ -241,7 +242,7 @@ static void copy_params(Engine *from, Engine *to) {
     return;
   float *buf = NULL;
   for (int i = 0; i < from->g->nparams; i++) {
-    buf = realloc(buf, sizeof(float) * (size_t)shape_numel(from->g->nodes[from->g->params[i]]->shape));
+    buf = rt_xrealloc(buf, sizeof(float) * (size_t)shape_numel(from->g->nodes[from->g->params[i]]->shape));
     from->read(from, from->g->params[i], buf);
     to->write(to, to->g->params[i], buf);
   }
@@ -273,6 +274,10 @@ static double unigram_entropy(const char *dir, int64_t vocab) {
   char **paths;
   int n = shard_list(dir, "train", &paths);
   double *count = calloc((size_t)vocab, sizeof *count), total = 0, h = 0;
+  if (!count) { // (a figure for the log only)
+    shard_list_free(paths, n);
+    return NAN;
+  }
   for (int i = 0; i < n; i++) {
     Shard s;
     if (!shard_open(&s, paths[i], vocab))
@@ -348,7 +353,7 @@ static bool write_svg(const char *path, const Curve *c, double unigram) {
 static void push(double **a, int64_t *n, int64_t *cap, double v) {
   if (*n == *cap) {
     *cap = *cap ? 2 * *cap : 256;
-    *a = realloc(*a, sizeof(double) * (size_t)*cap);
+    *a = rt_xrealloc(*a, sizeof(double) * (size_t)*cap);
   }
   (*a)[(*n)++] = v;
 }
@@ -663,7 +668,8 @@ static int train_loop(Engine *e, Engine *eval, Engine *micro, const TrainOptions
   int64_t k = g->train.accumulate > 1 ? g->train.accumulate : 1;
   Accum ac = {.micro = micro};
   if (k > 1) {
-    ac.sum = calloc((size_t)g->nparams, sizeof *ac.sum);
+    ac.sum = rt_xrealloc(NULL, (size_t)g->nparams * sizeof *ac.sum);
+    memset(ac.sum, 0, (size_t)g->nparams * sizeof *ac.sum);
     ac.names = arena_alloc(g->arena, sizeof *ac.names * (size_t)g->nparams);
     for (int i = 0; i < g->nparams; i++)
       ac.names[i] = arena_printf(g->arena, "acc.%s", g->nodes[g->params[i]]->name);
@@ -722,8 +728,8 @@ static int train_loop(Engine *e, Engine *eval, Engine *micro, const TrainOptions
       }
       if (c.nval == c.capval) {
         c.capval = c.capval ? 2 * c.capval : 64;
-        c.val = realloc(c.val, sizeof(double) * (size_t)c.capval);
-        c.val_step = realloc(c.val_step, sizeof(int64_t) * (size_t)c.capval);
+        c.val = rt_xrealloc(c.val, sizeof(double) * (size_t)c.capval);
+        c.val_step = rt_xrealloc(c.val_step, sizeof(int64_t) * (size_t)c.capval);
       }
       c.val[c.nval] = last_val;
       c.val_step[c.nval++] = step - start;

@@ -200,3 +200,12 @@ int64_t rt_host_memory_available(const char **what) {
   }
   return avail;
 }
+
+void *rt_xrealloc(void *p, size_t n) {
+  void *q = realloc(p, n ? n : 1);
+  if (!q) {
+    fprintf(stderr, "mdlc: out of host memory (%zu bytes)\n", n);
+    exit(1);
+  }
+  return q;
+}
