@@ -2482,6 +2482,11 @@ static void emit_optimizer(Emit *e, int gi) {
     ec_line(&e->core, "};");
     ec_line(&e->core, "const double clip = %s, gnorm = b%d[0];", ec_dlit(&e->core, a->fa[4]), ptr(e, gnorm));
     ec_line(&e->core, "const double step = b%d[0];", ptr(e, step));
+    // A non-finite loss or gradient norm leaves p, m and v as they were: the runtime reads the same
+    // two values after the step, and stops or skips the step (train.c) with the last finite weights.
+    int loss = e->core.f->g->loss >= 0 ? ec_need(&e->core, e->core.f->g->loss) : -1;
+    ec_line(&e->core, "const int nseg = isfinite(gnorm)%s ? %d : 0;",
+            loss >= 0 ? ec_str(&e->core, " && isfinite(b%d[0])", ptr(e, loss)) : "", ns);
     ec_line(&e->core, "const float s = (float)(clip > 0 ? fmin(1.0, clip / (gnorm + 1e-6)) : 1.0);");
     ec_line(&e->core, "const float lr = b%d[0], b1 = %s, b2 = %s, eps = %s;", ptr(e, lr), flit(e, a->fa[0]),
             flit(e, a->fa[1]), flit(e, a->fa[2]));
@@ -2490,7 +2495,7 @@ static void emit_optimizer(Emit *e, int gi) {
       ec_line(&e->core, "#pragma omp parallel num_threads(h->nthreads)");
       e->uses_h = true;
     }
-    ec_enter(&e->core, "for (int k = 0; k < %d; k++)", ns);
+    ec_enter(&e->core, "for (int k = 0; k < nseg; k++)");
     ec_line(&e->core, "float *restrict p = (float *)(arena + seg[k].p), *restrict m = (float *)(arena + seg[k].m);");
     ec_line(&e->core, "float *restrict v = (float *)(arena + seg[k].v);");
     ec_line(&e->core, "const float *restrict g = (const float *)(arena + seg[k].g);");

@@ -4115,6 +4115,11 @@ static void emit_optimizer(Emit *e, int gi) {
     seg_table(e, ec_str(&e->core, "%s_seg%s", e->sname, table ? ec_str(&e->core, "%d", table + 1) : ""), ns,
               (const int(*)[5])nodes, n, wd);
     ec_line(&e->core, "const double clip = %s, gnorm = %s[0];", ec_dlit(&e->core, a->fa[4]), ptr(e, gnorm));
+    // A non-finite loss or gradient norm leaves p, m and v as they were, as the C back end does: the
+    // runtime reads the same two values after the step and stops or skips it (train.c).
+    int loss = e->core.f->g->loss >= 0 ? ec_need(&e->core, e->core.f->g->loss) : -1;
+    ec_line(&e->core, "if (!isfinite(gnorm)%s)", loss >= 0 ? ec_str(&e->core, " || !isfinite(%s[0])", ptr(e, loss)) : "");
+    ec_line(&e->core, "  return;");
     ec_line(&e->core, "const double sc = clip > 0 ? fmin(1.0, clip / (gnorm + 1e-6)) : 1.0;");
     ec_line(&e->core, "const double lr = %s[0], step = %s[0];", ptr(e, lr), ptr(e, step));
     ec_line(&e->core, "const double beta1 = %s, beta2 = %s, eps = %s;", ec_dlit(&e->core, a->fa[0]),

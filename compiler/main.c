@@ -41,6 +41,7 @@ typedef struct {
   bool resume, pack, shuffle;
   int64_t val_every, val_batches, ckpt_every;
   int64_t accumulate; // > 0 overrides the train section's
+  int64_t skip_nonfinite; // steps with a non-finite loss or gradient norm skipped (with a warning each)
   SampleOptions sample;
 } Options;
 
@@ -56,7 +57,7 @@ static const char usage_text[] =
     "                                 (--vocab N --doc-sep STR --val-fraction F --text-field NAME\n"
     "                                  --shard-tokens N --force)\n"
     "  build FILE.mdl -o DIR          emit the C, the step plan and the fusion report\n"
-    "  sample CHECKPOINT --prompt TEXT  generate text (--tokens N --temperature T --top-k K --seed S)\n"
+    "  sample CHECKPOINT [--prompt TEXT]  generate text (--tokens N --temperature T --top-k K --seed S)\n"
     "  run   FILE.mdl --data DIR [--steps N] [--out DIR] [--resume]\n"
     "                                 compile and train on shards from prep\n"
     "\n"
@@ -76,6 +77,8 @@ static const char usage_text[] =
     "      --val-batches N    batches per validation (default 4)\n"
     "      --ckpt-every N     a checkpoint every N steps (default 100; and at the end)\n"
     "      --accumulate N     gradients accumulated over N micro-batches per step\n"
+    "      --skip-nonfinite N skip up to N steps whose loss or gradient norm is not finite (a warning\n"
+    "                         each; default 0: the run stops at the first, its weights not updated)\n"
     "      --steps N          training steps (default: the train section's, else 50)\n"
     "      --seed N           random seed (default 1337)\n"
     "      --backend NAME     auto (the default: cuda when a GPU is there, else cpu), cuda, cpu\n"
@@ -128,7 +131,7 @@ static int parse_options(int argc, char **argv, Options *o) {
       {"val-batches", required_argument, 0, 'B'}, {"ckpt-every", required_argument, 0, 'K'},
       {"accumulate", required_argument, 0, 'A'}, {"prompt", required_argument, 0, 'p'},
       {"tokens", required_argument, 0, 'T'},  {"temperature", required_argument, 0, 'm'},
-      {"top-k", required_argument, 0, 'q'},
+      {"top-k", required_argument, 0, 'q'},  {"skip-nonfinite", required_argument, 0, 'X'},
       {"help", no_argument, 0, 'h'},          {"version", no_argument, 0, 'V'},
       {0, 0, 0, 0}};
   *o = (Options){.seed = 1337, .backend = "auto", .steps = -1, .pack = true, .reuse = true, .gemm_tuning = true,
@@ -221,8 +224,9 @@ static int parse_options(int argc, char **argv, Options *o) {
     }
     case 'P': o->pack = false; break;
     case 'H': o->shuffle = true; break;
-    case 'E': case 'B': case 'K': case 'A': {
-      int64_t *dst = c == 'E' ? &o->val_every : c == 'B' ? &o->val_batches : c == 'K' ? &o->ckpt_every : &o->accumulate;
+    case 'E': case 'B': case 'K': case 'A': case 'X': {
+      int64_t *dst = c == 'E' ? &o->val_every : c == 'B' ? &o->val_batches : c == 'K' ? &o->ckpt_every
+                     : c == 'X' ? &o->skip_nonfinite : &o->accumulate;
       if (!parse_int(optarg, dst) || *dst < (c == 'B' || c == 'A'))
         return usage_error("expected a count, got '%s'", optarg);
       break;
@@ -426,6 +430,23 @@ static void gemm_report(const GemmLib *lib) {
             lib->name, lib->kernels);
 }
 
+// The CPU back end's arenas must fit in the memory the machine has left, checked before anything is
+// compiled or allocated: an arena is mapped without being touched, so one larger than the memory
+// would be granted and the run killed once its steps reached its pages. `planned` adds up the arenas
+// of the engines one run opens (training, validation, micro-batches).
+static bool host_memory_fits(const Options *o, const Graph *g, int64_t arena_bytes) {
+  static int64_t planned;
+  const char *what;
+  int64_t avail = rt_host_memory_available(&what);
+  planned += arena_bytes;
+  if (avail < 0 || planned <= avail)
+    return true;
+  diag_file_error(o->file, "%s does not fit in memory: its arenas need %.2f GB (this one %.2f GB for %lld parameters), "
+                  "this machine has %.2f GB available (%s)", g->model ? g->model : "the model", (double)planned / 1e9,
+                  (double)arena_bytes / 1e9, (long long)ir_param_count(g), (double)avail / 1e9, what);
+  return false;
+}
+
 // With `report`, one line on what was compiled.
 static Engine *open_engine(const Options *o, Graph *g, bool report) {
   const char *backend = backend_of(o);
@@ -442,6 +463,8 @@ static Engine *open_engine(const Options *o, Graph *g, bool report) {
       gpu_peak(&d, e);
     return e;
   }
+  if (!host_memory_fits(o, g, p.m->arena_bytes))
+    return NULL;
   char *source = emit_c(p.f, p.m, o->file);
   if (!source)
     return NULL;
@@ -480,11 +503,11 @@ static bool load_weights(Engine *e, const Graph *g, const char *path) {
 
 // Writes the values of `count` nodes, as f32, under the given names.
 static bool write_values(const char *path, Engine *e, const int *nodes, const char **names, int count) {
-  StTensor *t = calloc((size_t)count, sizeof *t);
+  StTensor *t = rt_xrealloc(NULL, (size_t)count * sizeof *t);
   for (int i = 0; i < count; i++) {
     const IrNode *n = e->g->nodes[nodes[i]];
     int64_t numel = shape_numel(n->shape);
-    float *d = malloc(sizeof(float) * (size_t)(numel ? numel : 1));
+    float *d = rt_xrealloc(NULL, sizeof(float) * (size_t)(numel ? numel : 1));
     e->read(e, n->id, d);
     t[i] = (StTensor){.name = names[i], .dtype = DT_F32, .shape = n->shape, .data = d};
   }
@@ -661,9 +684,15 @@ static int cmd_run(const Options *o, Graph *g) {
                     "with --vocab %lld or run with -D V=%d", vocab, (long long)V, (long long)V, vocab);
     return EXIT_USER;
   }
-  Engine *e = open_engine(o, g, true);
-  if (!e)
+  bool created;
+  int lock = train_claim_out(out_dir, o->resume, &created);
+  if (lock < 0)
     return EXIT_USER;
+  Engine *e = open_engine(o, g, true);
+  if (!e) {
+    train_release_out(lock, out_dir, created);
+    return EXIT_USER;
+  }
   Arena *ea = arena_new();
   Engine *eval = open_side_engine(o, ea, false);
   Engine *micro = g->train.accumulate > 1 ? open_side_engine(o, ea, true) : NULL;
@@ -678,12 +707,13 @@ static int cmd_run(const Options *o, Graph *g) {
     TrainOptions to = {.model_path = model_abs, .data_dir = data_abs, .tokenizer_path = tok_path, .out_dir = out_dir,
                        .steps = o->steps, .resume = o->resume, .pack = o->pack, .shuffle = o->shuffle,
                        .seed = o->seed, .val_every = o->val_every, .val_batches = o->val_batches,
-                       .ckpt_every = o->ckpt_every};
+                       .ckpt_every = o->ckpt_every, .skip_nonfinite = o->skip_nonfinite, .out_claimed = true};
     e->profile = o->profile && e->kernel_seconds;
     if (o->profile && !e->profile)
       printf("--profile: the %s back end runs op by op, with nothing to time by kernel; the compiled back ends "
              "(--backend cpu or cuda) have a profile\n", backend_of(o));
     rc = train_run(e, eval, micro, &to);
+    created = false; // (what the run wrote stays)
     if (rc == 0)
       engine_profile_report(e, stdout);
   }
@@ -693,6 +723,7 @@ static int cmd_run(const Options *o, Graph *g) {
     micro->free(micro);
   arena_free(ea);
   e->free(e);
+  train_release_out(lock, out_dir, created);
   return rc;
 }
 

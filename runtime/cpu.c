@@ -20,6 +20,7 @@
 #include <fcntl.h>
 #include <math.h>
 #include <pthread.h>
+#include <signal.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
@@ -29,6 +30,9 @@
 #include <unistd.h>
 
 const char *const cpu_cc_flags = "cc -O3 -march=native -fno-math-errno -fopenmp -shared -fPIC";
+
+static bool compile_blocked(const char *src, const char *so, const char *log, const sigset_t *mask, char *err,
+                            size_t n);
 
 // FNV-1a, 128 bits, over several strings (each with its terminating NUL, so ("ab","c") != ("a","bc")).
 static void fnv128(const char *const *parts, int n, char hex[33]) {
@@ -43,8 +47,23 @@ static void fnv128(const char *const *parts, int n, char hex[33]) {
   snprintf(hex, 33, "%016llx%016llx", (unsigned long long)(h >> 64), (unsigned long long)h);
 }
 
-// Runs the compiler on src into so (through a temporary name), its messages into log.
+// Runs the compiler on src into so (through a temporary name), its messages into log. Ctrl-C (or
+// SIGTERM, SIGHUP) while it runs stops the compiler, which shares the terminal's process group; here
+// those signals wait, blocked, until the temporary file is gone, then take effect as they would have.
 static bool compile(const char *src, const char *so, const char *log, char *err, size_t n) {
+  sigset_t stops, old;
+  sigemptyset(&stops);
+  sigaddset(&stops, SIGINT);
+  sigaddset(&stops, SIGTERM);
+  sigaddset(&stops, SIGHUP);
+  pthread_sigmask(SIG_BLOCK, &stops, &old);
+  bool ok = compile_blocked(src, so, log, &old, err, n);
+  pthread_sigmask(SIG_SETMASK, &old, NULL);
+  return ok;
+}
+
+static bool compile_blocked(const char *src, const char *so, const char *log, const sigset_t *mask, char *err,
+                            size_t n) {
   char tmp[1100], flags[256];
   snprintf(tmp, sizeof tmp, "%s.tmp.%ld", so, (long)getpid());
   snprintf(flags, sizeof flags, "%s", cpu_cc_flags);
@@ -61,6 +80,7 @@ static bool compile(const char *src, const char *so, const char *log, char *err,
   if (pid < 0)
     return rt_fail(err, n, "fork: %s", strerror(errno));
   if (pid == 0) {
+    pthread_sigmask(SIG_SETMASK, mask, NULL);
     int fd = open(log, O_WRONLY | O_CREAT | O_TRUNC, 0644);
     if (fd >= 0) {
       dup2(fd, 1);

@@ -18,6 +18,14 @@ int rt_input_node(const Graph *g, const char *name); // the INPUT node of that n
 // Where that cannot be made or written into, one warning, and a folder of this process's own under
 // $TMPDIR (or /tmp), removed at exit: a read-only home still trains, compiling every time.
 bool rt_cache_dir(const char *sub, char *dir, size_t n, char *err, size_t errn);
+// realloc(p, n), or an exit with status 1 after "mdlc: out of host memory (N bytes)": for the
+// runtime's own small tables, where nothing sensible is left to do without them.
+void *rt_xrealloc(void *p, size_t n);
+// The index of the first NaN or infinity among x[0..n), or -1 when all are finite.
+int64_t rt_first_nonfinite(const float *x, int64_t n);
+// Host memory a run can still take, in bytes: /proc/meminfo's MemAvailable, less where a cgroup limit
+// (memory.max) leaves less; *what says which; -1 where neither can be read.
+int64_t rt_host_memory_available(const char **what);
 // Writes path through a temporary file, fsync and rename; a failure leaves path as it was.
 bool rt_write_atomic(const char *path, const void *data, size_t size, char *err, size_t n);
 
@@ -139,6 +147,8 @@ typedef struct {
   uint64_t seed;
   int64_t val_every, val_batches; // validation every N steps (and at the end), on N batches
   int64_t ckpt_every;             // a checkpoint every N steps (and at the end)
+  int64_t skip_nonfinite;         // steps with a non-finite loss or gradient norm skipped before stopping
+  bool out_claimed;               // the caller holds out_dir (train_claim_out); else train_run claims it
 } TrainOptions;
 
 // Trains e's graph; eval (forward-only, may be NULL) computes the validation loss; micro (the
@@ -146,4 +156,10 @@ typedef struct {
 // gradients over k (NULL otherwise). Returns the exit status: 0, 1 after an error it reported, or
 // 128 + the signal when a SIGINT or SIGTERM stopped it (after writing the checkpoint of its last step).
 int train_run(Engine *e, Engine *eval, Engine *micro, const TrainOptions *o);
+// Claims the output folder for one run: creates it (*created) and locks it (flock on DIR/lock, which
+// holds the pid of the run that has it), and refuses, saying why, when another run holds it, or when
+// a run that does not resume would overwrite a checkpoint or a log. The lock's fd, or -1 after the
+// message. train_release_out closes it; with `remove`, the folder goes too when nothing else is in it.
+int train_claim_out(const char *dir, bool resume, bool *created);
+void train_release_out(int fd, const char *dir, bool remove);
 #endif

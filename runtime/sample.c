@@ -15,6 +15,7 @@
 #include "sample.h"
 
 #include "data.h"
+#include "runtime.h"
 
 #include <errno.h>
 #include <math.h>
@@ -163,6 +164,12 @@ static bool load_params(Sampler *s, const StFile *f, const char *source) {
       return false;
     double *p = interp_param(s->it, n->id);
     const float *src = t->data;
+    int64_t bad = rt_first_nonfinite(src, shape_numel(n->shape));
+    if (bad >= 0) { // (training stops before writing such weights: a checkpoint damaged, or made elsewhere)
+      diag_file_error(s->path, "parameter '%s' is not finite (element %lld is %g): nothing to sample from",
+                      n->name, (long long)bad, (double)src[bad]);
+      return false;
+    }
     for (int64_t i = 0; i < shape_numel(n->shape); i++)
       p[i] = src[i];
   }
@@ -368,7 +375,8 @@ int sample_run(const SampleOptions *o) {
     sampler_close(s);
     return 1;
   }
-  size_t len = strlen(o->prompt);
+  const char *prompt = o->prompt ? o->prompt : ""; // (no --prompt: generation starts from EOS alone)
+  size_t len = strlen(prompt);
   TokBuf ctx = {.ids = malloc(sizeof(int32_t) * (len + 1)), .n = 1, .cap = len + 1};
   int32_t *out = malloc(sizeof(int32_t) * (size_t)(s->context + 1));
   if (!ctx.ids || !out) {
@@ -376,10 +384,10 @@ int sample_run(const SampleOptions *o) {
     exit(1);
   }
   ctx.ids[0] = TOK_EOS;
-  tok_encode(tok, o->prompt, len, &ctx);
+  tok_encode(tok, prompt, len, &ctx);
   int64_t got = -1;
   if (context_fits(s, (int64_t)ctx.n)) {
-    fputs(o->prompt, stdout);
+    fputs(prompt, stdout);
     fflush(stdout);
     got = sampler_generate(s, ctx.ids, (int64_t)ctx.n, o, out, print_token, tok);
     putchar('\n');

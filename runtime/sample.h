@@ -6,7 +6,7 @@
 
 typedef struct {
   const char *checkpoint; // a safetensors checkpoint written by training ("mdl-checkpoint-1")
-  const char *prompt;     // text to continue; may be empty
+  const char *prompt;     // text to continue; may be empty or NULL (generation from EOS alone)
   int64_t tokens;         // new tokens at most
   double temperature;     // logits are divided by it; 0 = greedy (argmax)
   int64_t top_k;          // draw among the k most likely tokens; 0 = all of them

@@ -16,6 +16,7 @@
 #include "runtime.h"
 
 #include <errno.h>
+#include <fcntl.h>
 #include <glob.h>
 #include <limits.h>
 #include <math.h>
@@ -23,6 +24,7 @@
 #include <signal.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/file.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
 #include <time.h>
@@ -32,7 +34,8 @@
 
 static char *dims_string(const Graph *g) {
   size_t cap = 64 + 48 * (size_t)g->ndims, len = 0;
-  char *s = calloc(1, cap);
+  char *s = rt_xrealloc(NULL, cap);
+  s[0] = 0;
   for (int i = 0; i < g->ndims; i++)
     len += (size_t)snprintf(s + len, cap - len, "%s%s=%lld", i ? "," : "", g->dims[i].name,
                             (long long)g->dims[i].value);
@@ -140,14 +143,14 @@ static bool ckpt_start(CkptWriter *w, const char *path, Engine *e, const TrainOp
     return false;
   const Graph *g = e->g;
   if (!w->t) { // (the first checkpoint of the run: the same nodes every time)
-    w->nodes = malloc(sizeof(int) * (size_t)g->n);
+    w->nodes = rt_xrealloc(NULL, sizeof(int) * (size_t)g->n);
     w->n = checkpoint_nodes(g, w->nodes);
-    w->t = calloc((size_t)w->n, sizeof *w->t);
+    w->t = rt_xrealloc(NULL, (size_t)w->n * sizeof *w->t);
     w->in_place = e->values != NULL;
     for (int i = 0; i < w->n; i++) {
       const IrNode *x = g->nodes[w->nodes[i]];
       w->t[i] = (StTensor){.name = x->name, .dtype = DT_F32, .shape = x->shape,
-                           .data = w->in_place ? NULL : malloc(sizeof(float) * (size_t)(shape_numel(x->shape) + 1))};
+                           .data = w->in_place ? NULL : rt_xrealloc(NULL, sizeof(float) * (size_t)(shape_numel(x->shape) + 1))};
     }
     w->dims = dims_string(g);
   }
@@ -199,11 +202,20 @@ static bool read_checkpoint(const char *path, Engine *e, int64_t *step, LoaderSt
     diag_file_error(path, "checkpoint of another model configuration: it has %s, this run %s", cdims, dims);
     ok = false;
   }
-  int *nodes = malloc(sizeof(int) * (size_t)g->n);
+  int *nodes = rt_xrealloc(NULL, sizeof(int) * (size_t)g->n);
   int n = ok ? checkpoint_nodes(g, nodes) : 0;
   const char *prefix = arena_printf(a, "checkpoint does not match %s: ", g->model);
   for (int i = 0; ok && i < n; i++)
     ok = st_expect(&f, path, prefix, g->nodes[nodes[i]]) != NULL;
+  for (int i = 0; ok && i < n; i++) {
+    const StTensor *t = st_find(&f, g->nodes[nodes[i]]->name);
+    int64_t bad = rt_first_nonfinite(t->data, shape_numel(g->nodes[nodes[i]]->shape));
+    if (bad >= 0) {
+      diag_file_error(path, "tensor '%s' is not finite (element %lld is %g): this checkpoint cannot be continued",
+                      t->name, (long long)bad, (double)((const float *)t->data)[bad]);
+      ok = false;
+    }
+  }
   for (int i = 0; ok && i < n; i++)
     e->write(e, nodes[i], st_find(&f, g->nodes[nodes[i]]->name)->data);
   if (ok) {
@@ -230,18 +242,23 @@ static void copy_params(Engine *from, Engine *to) {
     return;
   float *buf = NULL;
   for (int i = 0; i < from->g->nparams; i++) {
-    buf = realloc(buf, sizeof(float) * (size_t)shape_numel(from->g->nodes[from->g->params[i]]->shape));
+    buf = rt_xrealloc(buf, sizeof(float) * (size_t)shape_numel(from->g->nodes[from->g->params[i]]->shape));
     from->read(from, from->g->params[i], buf);
     to->write(to, to->g->params[i], buf);
   }
   free(buf);
 }
 
-// Mean loss over `batches` validation batches, on the eval engine with the training parameters.
-static double validate(Engine *train, Engine *eval, Loader *val, int64_t batches, int64_t BT, char *err, size_t n) {
+// Mean loss over the first `batches` validation batches, on the eval engine with the training
+// parameters: the same batches every time (from `first`), so that the figures of one run compare, and
+// a resumed run's equal an uninterrupted one's.
+static double validate(Engine *train, Engine *eval, Loader *val, LoaderState first, int64_t batches, int64_t BT,
+                       char *err, size_t n) {
   if (train->idle) // the training step's gradients and activations are dead until its next step
     train->idle(train, false);
   copy_params(train, eval);
+  if (!loader_seek(val, first))
+    return rt_fail(err, n, "cannot go back to the first validation batch"), NAN;
   double sum = 0;
   for (int64_t b = 0; b < batches; b++) {
     Batch batch;
@@ -261,6 +278,10 @@ static double unigram_entropy(const char *dir, int64_t vocab) {
   char **paths;
   int n = shard_list(dir, "train", &paths);
   double *count = calloc((size_t)vocab, sizeof *count), total = 0, h = 0;
+  if (!count) { // (a figure for the log only)
+    shard_list_free(paths, n);
+    return NAN;
+  }
   for (int i = 0; i < n; i++) {
     Shard s;
     if (!shard_open(&s, paths[i], vocab))
@@ -286,7 +307,7 @@ typedef struct {
 
 // OUT/loss.svg: the training loss per step and the validation loss, on one set of axes.
 static bool write_svg(const char *path, const Curve *c, double unigram) {
-  char tmp[PATH_MAX + 8];
+  char tmp[PATH_MAX + 40];
   snprintf(tmp, sizeof tmp, "%s.tmp", path);
   FILE *f = fopen(tmp, "w");
   if (!f)
@@ -336,7 +357,7 @@ static bool write_svg(const char *path, const Curve *c, double unigram) {
 static void push(double **a, int64_t *n, int64_t *cap, double v) {
   if (*n == *cap) {
     *cap = *cap ? 2 * *cap : 256;
-    *a = realloc(*a, sizeof(double) * (size_t)*cap);
+    *a = rt_xrealloc(*a, sizeof(double) * (size_t)*cap);
   }
   (*a)[(*n)++] = v;
 }
@@ -410,6 +431,125 @@ static bool accumulate_micro(Accum *ac, Engine *e, Loader *train, int64_t k, int
   return true;
 }
 
+// OUT/lock, held (flock) while a run writes into OUT: a second run into the same folder would
+// interleave its checkpoints and log lines with the first's. The file holds the holder's pid, for
+// the message; the lock itself goes with the process, however it ends.
+int train_claim_out(const char *dir, bool resume, bool *created) {
+  *created = false;
+  if (mkdir(dir, 0777) == 0)
+    *created = true;
+  else if (errno != EEXIST) {
+    diag_file_error(dir, "cannot create the directory: %s", strerror(errno));
+    return -1;
+  }
+  char path[PATH_MAX + 16];
+  snprintf(path, sizeof path, "%s/lock", dir);
+  int fd = open(path, O_RDWR | O_CREAT | O_CLOEXEC, 0666);
+  if (fd < 0) {
+    diag_file_error(path, "cannot open the folder's lock: %s", strerror(errno));
+    return -1;
+  }
+  if (flock(fd, LOCK_EX | LOCK_NB) != 0) {
+    char pid[32] = "";
+    ssize_t got = pread(fd, pid, sizeof pid - 1, 0);
+    pid[got > 0 ? got : 0] = 0;
+    pid[strcspn(pid, "\n")] = 0;
+    if (errno == EWOULDBLOCK || errno == EAGAIN || got >= 0)
+      diag_file_error(dir, "another run (pid %s) is writing into this folder: wait for it to end, or choose another "
+                      "--out", *pid ? pid : "unknown");
+    else
+      diag_file_error(path, "cannot lock: %s", strerror(errno));
+    close(fd);
+    return -1;
+  }
+  char pid[32];
+  int len = snprintf(pid, sizeof pid, "%ld\n", (long)getpid());
+  if (ftruncate(fd, 0) != 0 || pwrite(fd, pid, (size_t)len, 0) != len) {
+    // (the pid is only for another run's message: a full disk does not stop this one here)
+  }
+  char ckpt[PATH_MAX + 32], log_path[PATH_MAX + 16];
+  snprintf(ckpt, sizeof ckpt, "%s/checkpoint.safetensors", dir);
+  snprintf(log_path, sizeof log_path, "%s/log.jsonl", dir);
+  struct stat st;
+  const char *refused = NULL;
+  if (!resume && access(ckpt, F_OK) == 0)
+    diag_file_error(refused = ckpt, "a checkpoint is already here: continue it with --resume, or choose another --out");
+  else if (!resume && stat(log_path, &st) == 0 && st.st_size > 0)
+    diag_file_error(refused = log_path, "the log of another run is already here, with no checkpoint to continue: "
+                    "remove it, or choose another --out");
+  if (refused) {
+    train_release_out(fd, dir, *created);
+    return -1;
+  }
+  return fd;
+}
+
+void train_release_out(int fd, const char *dir, bool remove) {
+  if (fd < 0)
+    return;
+  if (remove) { // (a folder this run made and wrote nothing into but its lock)
+    char path[PATH_MAX + 16];
+    snprintf(path, sizeof path, "%s/lock", dir);
+    unlink(path);
+    rmdir(dir);
+  }
+  close(fd);
+}
+
+// On --resume: log.jsonl cut back to the lines of the steps up to the checkpoint's, so that the steps
+// a killed run logged after its last checkpoint are not there twice once they run again. A line cut
+// short (a kill in the middle of its write) goes too.
+static bool truncate_log(const char *path, int64_t step) {
+  FILE *f = fopen(path, "r+");
+  if (!f)
+    return errno == ENOENT || (diag_file_error(path, "cannot open: %s", strerror(errno)), false);
+  char *line = NULL;
+  size_t cap = 0;
+  ssize_t len;
+  off_t keep = 0;
+  while ((len = getline(&line, &cap, f)) > 0) {
+    long long s = 0;
+    const char *k = strstr(line, "\"step\":");
+    if (line[len - 1] != '\n' || (k && sscanf(k + 7, "%lld", &s) == 1 && s > step))
+      break;
+    keep += len;
+  }
+  free(line);
+  bool ok = ftruncate(fileno(f), keep) == 0;
+  if (!ok)
+    diag_file_error(path, "cannot cut the log back to step %lld: %s", (long long)step, strerror(errno));
+  fclose(f);
+  return ok;
+}
+
+// The name of what made step `step` non-finite: the loss, else the first gradient with a NaN or an
+// infinity (read from the engine: gradients are in memory after the step, for the optimizer).
+static const char *nonfinite_culprit(Engine *e, double loss, char *buf, size_t n) {
+  const Graph *g = e->g;
+  if (!isfinite(loss)) {
+    snprintf(buf, n, "the loss (%s) is %g", g->nodes[g->loss]->name ? g->nodes[g->loss]->name : "loss", loss);
+    return buf;
+  }
+  snprintf(buf, n, "the gradient norm is not finite");
+  float *x = NULL;
+  for (int i = 0; i < g->nparams; i++) {
+    int64_t numel = shape_numel(g->nodes[g->params[i]]->shape);
+    float *grown = realloc(x, sizeof(float) * (size_t)(numel ? numel : 1));
+    if (!grown)
+      break;
+    x = grown;
+    e->read(e, g->grads[i], x);
+    int64_t bad = rt_first_nonfinite(x, numel);
+    if (bad >= 0) {
+      snprintf(buf, n, "the gradient of %s is not finite (element %lld is %g)", g->nodes[g->params[i]]->name,
+               (long long)bad, (double)x[bad]);
+      break;
+    }
+  }
+  free(x);
+  return buf;
+}
+
 // The first SIGINT or SIGTERM while training: the loop stops after the step under way, once its
 // checkpoint is written. SA_RESETHAND: a second stops the process, as the signal always did. A
 // signal ignored when the run began (a background job of a script, nohup) stays ignored.
@@ -437,6 +577,9 @@ static void release_stop(StopSignals *s) {
       sigaction(stop_signals[i], &s->old[i], NULL);
 }
 
+static int train_loop(Engine *e, Engine *eval, Engine *micro, const TrainOptions *o, const char *ckpt,
+                      const char *log_path, const char *svg);
+
 int train_run(Engine *e, Engine *eval, Engine *micro, const TrainOptions *o) {
   const Graph *g = e->g;
   int64_t B = ir_dim(g, "B"), T = ir_dim(g, "T"), V = ir_dim(g, "V");
@@ -444,26 +587,31 @@ int train_run(Engine *e, Engine *eval, Engine *micro, const TrainOptions *o) {
     diag_file_error(o->model_path, "training needs dims B, T and V and the inputs tokens, targets, pos, doc");
     return 1;
   }
-  char ckpt[PATH_MAX], log_path[PATH_MAX], svg[PATH_MAX];
+  char ckpt[PATH_MAX + 32], log_path[PATH_MAX + 16], svg[PATH_MAX + 16];
   snprintf(ckpt, sizeof ckpt, "%s/checkpoint.safetensors", o->out_dir);
   snprintf(log_path, sizeof log_path, "%s/log.jsonl", o->out_dir);
   snprintf(svg, sizeof svg, "%s/loss.svg", o->out_dir);
-  if (mkdir(o->out_dir, 0777) && errno != EEXIST) {
-    diag_file_error(o->out_dir, "cannot create the directory: %s", strerror(errno));
+  bool created;
+  int lock = o->out_claimed ? -1 : train_claim_out(o->out_dir, o->resume, &created);
+  if (!o->out_claimed && lock < 0)
     return 1;
-  }
+  int rc = train_loop(e, eval, micro, o, ckpt, log_path, svg);
+  train_release_out(lock, o->out_dir, false);
+  return rc;
+}
+
+static int train_loop(Engine *e, Engine *eval, Engine *micro, const TrainOptions *o, const char *ckpt,
+                      const char *log_path, const char *svg) {
+  const Graph *g = e->g;
+  int64_t B = ir_dim(g, "B"), T = ir_dim(g, "T"), V = ir_dim(g, "V");
   // A write cut short (kill -9) leaves its temporary file; the checkpoint itself is whole.
-  char pattern[PATH_MAX + 16];
+  char pattern[PATH_MAX + 48];
   snprintf(pattern, sizeof pattern, "%s.tmp.*", ckpt);
   glob_t gl;
   if (glob(pattern, 0, NULL, &gl) == 0)
     for (size_t i = 0; i < gl.gl_pathc; i++)
       unlink(gl.gl_pathv[i]);
   globfree(&gl);
-  if (!o->resume && access(ckpt, F_OK) == 0) {
-    diag_file_error(ckpt, "a checkpoint is already here: continue it with --resume, or choose another --out");
-    return 1;
-  }
   LoaderOptions lo = {.B = B, .T = T, .vocab = V, .pack = o->pack, .shuffle = o->shuffle, .seed = o->seed};
   Loader *train = loader_open(o->data_dir, "train", lo);
   if (!train)
@@ -473,11 +621,12 @@ int train_run(Engine *e, Engine *eval, Engine *micro, const TrainOptions *o) {
     loader_close(train);
     return 1;
   }
+  LoaderState val_first = val ? loader_state(val) : (LoaderState){0, 0};
   int64_t start = 0;
   uint64_t seed = o->seed;
   if (o->resume) {
     LoaderState ls;
-    if (!read_checkpoint(ckpt, e, &start, &ls, &seed) || !loader_seek(train, ls)) {
+    if (!read_checkpoint(ckpt, e, &start, &ls, &seed) || !loader_seek(train, ls) || !truncate_log(log_path, start)) {
       loader_close(train);
       if (val)
         loader_close(val);
@@ -523,7 +672,8 @@ int train_run(Engine *e, Engine *eval, Engine *micro, const TrainOptions *o) {
   int64_t k = g->train.accumulate > 1 ? g->train.accumulate : 1;
   Accum ac = {.micro = micro};
   if (k > 1) {
-    ac.sum = calloc((size_t)g->nparams, sizeof *ac.sum);
+    ac.sum = rt_xrealloc(NULL, (size_t)g->nparams * sizeof *ac.sum);
+    memset(ac.sum, 0, (size_t)g->nparams * sizeof *ac.sum);
     ac.names = arena_alloc(g->arena, sizeof *ac.names * (size_t)g->nparams);
     for (int i = 0; i < g->nparams; i++)
       ac.names[i] = arena_printf(g->arena, "acc.%s", g->nodes[g->params[i]]->name);
@@ -537,10 +687,12 @@ int train_run(Engine *e, Engine *eval, Engine *micro, const TrainOptions *o) {
   catch_stop(&stops);
   CkptWriter writer = {.ok = true};
   double t_start = rt_now(), last_val = NAN, step_secs = 0;
-  int64_t real_total = 0;
+  int64_t real_total = 0, skipped = 0, ckpt_step = o->resume ? start : -1; // the last checkpoint's step
+  bool log_failed = false;
   for (int64_t step = start + 1; step <= last; step++) {
     double t0 = rt_now(), loss_sum = 0;
     int64_t real = 0;
+    LoaderState before = loader_state(train); // (a checkpoint of the step before this one resumes from it)
     if (k > 1 && !accumulate_micro(&ac, e, train, k, B * T, seed, step, &loss_sum, &real, err, sizeof err)) {
       diag_file_error(o->model_path, "step %lld: %s", (long long)step, err[0] ? err : "bad batch");
       rc = 1;
@@ -552,20 +704,27 @@ int train_run(Engine *e, Engine *eval, Engine *micro, const TrainOptions *o) {
     e->set_scalar(e, "lr", lr);
     e->set_scalar(e, "step", (double)step);
     e->set_seed(e, step_seed(seed, k > 1 ? step * k + k - 1 : step));
-    if (!feed(e, &batch, B * T) || !e->step(e, err, sizeof err)) {
+    // A micro-batch whose loss is not finite: the step is not run (its optimizer would apply the
+    // others' gradients regardless).
+    bool micro_finite = isfinite(loss_sum);
+    if (!feed(e, &batch, B * T) || (micro_finite && !e->step(e, err, sizeof err))) {
       diag_file_error(o->model_path, "step %lld: %s", (long long)step, err[0] ? err : "bad batch");
       rc = 1;
       break;
     }
     real += batch.real_tokens;
-    double dt = rt_now() - t0, loss = (loss_sum + engine_scalar(e, g->loss)) / (double)k;
+    double dt = rt_now() - t0, loss = (loss_sum + (micro_finite ? engine_scalar(e, g->loss) : NAN)) / (double)k;
     step_secs += dt;
-    double norm = gnorm >= 0 ? engine_scalar(e, gnorm) : NAN;
+    double norm = gnorm >= 0 && micro_finite ? engine_scalar(e, gnorm) : NAN;
     real_total += real;
     push(&c.loss, &c.n, &c.cap, loss);
-    bool do_val = eval && ((o->val_every > 0 && step % o->val_every == 0) || step == last);
+    // A loss or gradient norm that is not finite: the optimizer left the weights and moments as they
+    // were (emit_c.c, emit_cuda.c, engine.c's interpreter test the same two values), so they are the
+    // last finite ones.
+    bool nonfinite = !isfinite(loss) || (gnorm >= 0 && !isfinite(norm));
+    bool do_val = eval && !nonfinite && ((o->val_every > 0 && step % o->val_every == 0) || step == last);
     if (do_val) {
-      last_val = validate(e, eval, val, o->val_batches, B * T, err, sizeof err);
+      last_val = validate(e, eval, val, val_first, o->val_batches, B * T, err, sizeof err);
       if (isnan(last_val)) {
         diag_file_error(o->model_path, "validation at step %lld: %s", (long long)step, err);
         rc = 1;
@@ -573,8 +732,8 @@ int train_run(Engine *e, Engine *eval, Engine *micro, const TrainOptions *o) {
       }
       if (c.nval == c.capval) {
         c.capval = c.capval ? 2 * c.capval : 64;
-        c.val = realloc(c.val, sizeof(double) * (size_t)c.capval);
-        c.val_step = realloc(c.val_step, sizeof(int64_t) * (size_t)c.capval);
+        c.val = rt_xrealloc(c.val, sizeof(double) * (size_t)c.capval);
+        c.val_step = rt_xrealloc(c.val_step, sizeof(int64_t) * (size_t)c.capval);
       }
       c.val[c.nval] = last_val;
       c.val_step[c.nval++] = step - start;
@@ -601,28 +760,64 @@ int train_run(Engine *e, Engine *eval, Engine *micro, const TrainOptions *o) {
       printf("step %5lld/%lld | val loss %.4f (unigram entropy %.4f)\n", (long long)step, (long long)last, last_val,
              unigram);
     fflush(stdout);
-    fprintf(log, "{\"step\":%lld,\"loss\":%.6f,\"lr\":%.6g,\"grad_norm\":%.6g,\"ms\":%.3f,\"tok_s\":%.1f,\"mfu\":%.4f",
-            (long long)step, loss, lr, norm, 1e3 * dt, tok_s, mfu);
+    // (a full disk: the log's write fails as the checkpoint's will; each is reported, once)
+    bool logged = fprintf(log, "{\"step\":%lld,\"loss\":%.6f,\"lr\":%.6g,\"grad_norm\":%.6g,\"ms\":%.3f,\"tok_s\":%.1f,"
+                          "\"mfu\":%.4f", (long long)step, loss, lr, norm, 1e3 * dt, tok_s, mfu) > 0;
     if (do_val)
-      fprintf(log, ",\"val_loss\":%.6f", last_val);
-    fprintf(log, "}\n");
-    fflush(log);
-    if (!isfinite(loss)) {
-      diag_file_error(o->model_path, "step %lld: the loss is %g; stopping (the last checkpoint is kept)",
-                      (long long)step, loss);
+      logged &= fprintf(log, ",\"val_loss\":%.6f", last_val) > 0;
+    logged &= fprintf(log, "}\n") > 0;
+    logged &= fflush(log) == 0;
+    if (!logged && !log_failed) {
+      diag_file_error(log_path, "cannot write the log at step %lld: %s; stopping", (long long)step, strerror(errno));
+      log_failed = true;
       rc = 1;
-      break;
+    }
+    if (nonfinite) {
+      char why[400];
+      nonfinite_culprit(e, loss, why, sizeof why);
+      if (skipped < o->skip_nonfinite) {
+        skipped++;
+        fprintf(stderr, "mdlc: warning: step %lld: %s: the step is skipped, the weights are not updated (%lld of "
+                "--skip-nonfinite %lld)\n", (long long)step, why, (long long)skipped, (long long)o->skip_nonfinite);
+      } else {
+        // The weights are those of the step before: its checkpoint (with the data position of this
+        // step's batches) is written unless it is the one on disk; a resumed run redoes this step.
+        char kept[PATH_MAX + 96];
+        rc = 1;
+        if (step - 1 > ckpt_step && step - 1 > 0) {
+          if (ckpt_start(&writer, ckpt, e, o, step - 1, before) && ckpt_wait(&writer))
+            snprintf(kept, sizeof kept, "wrote them to %s", ckpt);
+          else
+            snprintf(kept, sizeof kept, "their checkpoint could not be written");
+        } else if (ckpt_step >= 0) {
+          snprintf(kept, sizeof kept, "%s holds them", ckpt);
+        } else {
+          snprintf(kept, sizeof kept, "no checkpoint was written");
+        }
+        diag_file_error(o->model_path, "step %lld: %s; stopping with the weights of step %lld, which it did not "
+                        "change: %s (--skip-nonfinite N skips up to N such steps)", (long long)step, why,
+                        (long long)step - 1, kept);
+        break;
+      }
     }
     if (!ckpt_poll(&writer)) {
       rc = 1;
       break;
     }
     int stop = stop_signal;
-    if ((o->ckpt_every > 0 && step % o->ckpt_every == 0) || step == last || stop)
+    if ((o->ckpt_every > 0 && step % o->ckpt_every == 0) || step == last || stop || log_failed) {
       if (!ckpt_start(&writer, ckpt, e, o, step, loader_state(train))) {
         rc = 1;
         break;
       }
+      ckpt_step = step;
+    }
+    if (log_failed) {
+      if (ckpt_wait(&writer))
+        fprintf(stderr, "mdlc: wrote the checkpoint of step %lld to %s; continue with --resume\n", (long long)step,
+                ckpt);
+      break;
+    }
     if (stop) {
       if (!ckpt_wait(&writer)) {
         rc = 1;
@@ -637,7 +832,10 @@ int train_run(Engine *e, Engine *eval, Engine *micro, const TrainOptions *o) {
   if (!ckpt_free(&writer))
     rc = 1;
   release_stop(&stops);
-  fclose(log);
+  if (fclose(log) != 0 && !log_failed) {
+    diag_file_error(log_path, "cannot write the log: %s", strerror(errno));
+    rc = 1;
+  }
   if (rc == 0 && c.n > 0) {
     // The whole run's rate, and the steps' alone: on a GPU a 30-step run spends most of its time
     // validating and writing checkpoints (GPT-2 124M on an H200: 0.9 s of steps in 4.2 s).

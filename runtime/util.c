@@ -3,6 +3,7 @@
 #include "runtime.h"
 
 #include <errno.h>
+#include <math.h>
 #include <ftw.h>
 #include <pthread.h>
 #include <stdarg.h>
@@ -164,4 +165,47 @@ int rt_input_node(const Graph *g, const char *name) {
     if (g->nodes[i]->op == OP_INPUT && g->nodes[i]->name && !strcmp(g->nodes[i]->name, name))
       return i;
   return -1;
+}
+
+int64_t rt_first_nonfinite(const float *x, int64_t n) {
+  for (int64_t i = 0; i < n; i++)
+    if (!isfinite(x[i]))
+      return i;
+  return -1;
+}
+
+// The first number after `key` in the file at path (a line "key: N kB" of /proc/meminfo, or the
+// whole file "N" of a cgroup's memory.max), times `unit`; -1 when there is none ("max": no limit).
+static int64_t read_number(const char *path, const char *key, int64_t unit) {
+  FILE *f = fopen(path, "r");
+  if (!f)
+    return -1;
+  char line[256];
+  long long v = -1;
+  while (v < 0 && fgets(line, sizeof line, f))
+    if (!strncmp(line, key, strlen(key)) && sscanf(line + strlen(key), " %lld", &v) != 1)
+      v = -1;
+  fclose(f);
+  return v < 0 ? -1 : (int64_t)v * unit;
+}
+
+int64_t rt_host_memory_available(const char **what) {
+  int64_t avail = read_number("/proc/meminfo", "MemAvailable:", 1024);
+  *what = "MemAvailable in /proc/meminfo";
+  // (cgroup v2: the limit of the process's group, where it has one, less what the group uses)
+  int64_t max = read_number("/sys/fs/cgroup/memory.max", "", 1), used = read_number("/sys/fs/cgroup/memory.current", "", 1);
+  if (max > 0 && used >= 0 && (avail < 0 || max - used < avail)) {
+    avail = max > used ? max - used : 0;
+    *what = "the cgroup's memory.max less its memory.current";
+  }
+  return avail;
+}
+
+void *rt_xrealloc(void *p, size_t n) {
+  void *q = realloc(p, n ? n : 1);
+  if (!q) {
+    fprintf(stderr, "mdlc: out of host memory (%zu bytes)\n", n);
+    exit(1);
+  }
+  return q;
 }

@@ -2065,6 +2065,7 @@ static void k46_embed_bwd__add(char *arena, const MdlHooks *h) {
 //   gradient norm %213 over 28 tensors, 124672 values
 //   AdamW over 28 parameters, 124672 values (beta1 0.9, beta2 0.95, eps 1e-08, clip 1); 9 bf16 copies
 static void k47_grad_norm__adamw(char *arena, const MdlHooks *h) {
+  float *const b112 = (float *)(arena + 5656704); // %112 mean loss f32[]
   float *const b126 = (float *)(arena + 996864); // %126 layernorm_bwd d.lnf_w f32[64]
   float *const b127 = (float *)(arena + 997120); // %127 layernorm_bwd d.lnf_b f32[64]
   float *const b129 = (float *)(arena + 996608); // %129 sum d.h.1.fcproj_b f32[64]
@@ -2164,11 +2165,12 @@ static void k47_grad_norm__adamw(char *arena, const MdlHooks *h) {
     };
     const double clip = 1.0, gnorm = b213[0];
     const double step = b212[0];
+    const int nseg = isfinite(gnorm) && isfinite(b112[0]) ? 28 : 0;
     const float s = (float)(clip > 0 ? fmin(1.0, clip / (gnorm + 1e-6)) : 1.0);
     const float lr = b211[0], b1 = 0.9f, b2 = 0.95f, eps = 1e-08f;
     const float c1 = (float)(1.0 / (1.0 - pow(b1, step))), c2 = (float)(1.0 / (1.0 - pow(b2, step)));
     #pragma omp parallel num_threads(h->nthreads)
-    for (int k = 0; k < 28; k++) {
+    for (int k = 0; k < nseg; k++) {
       float *restrict p = (float *)(arena + seg[k].p), *restrict m = (float *)(arena + seg[k].m);
       float *restrict v = (float *)(arena + seg[k].v);
       const float *restrict g = (const float *)(arena + seg[k].g);

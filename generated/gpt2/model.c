@@ -4595,6 +4595,7 @@ static void k236_embed_bwd__add(char *arena, const MdlHooks *h) {
 //   gradient norm %1073 over 148 tensors, 124439808 values
 //   AdamW over 148 parameters, 124439808 values (beta1 0.9, beta2 0.95, eps 1e-08, clip 1); 49 bf16 copies
 static void k237_grad_norm__adamw(char *arena, const MdlHooks *h) {
+  float *const b572 = (float *)(arena + 5807381632); // %572 mean loss f32[]
   float *const b586 = (float *)(arena + 995512320); // %586 layernorm_bwd d.lnf_w f32[768]
   float *const b587 = (float *)(arena + 995515392); // %587 layernorm_bwd d.lnf_b f32[768]
   float *const b589 = (float *)(arena + 995509248); // %589 sum d.h.11.fcproj_b f32[768]
@@ -5054,11 +5055,12 @@ static void k237_grad_norm__adamw(char *arena, const MdlHooks *h) {
     };
     const double clip = 1.0, gnorm = b1073[0];
     const double step = b1072[0];
+    const int nseg = isfinite(gnorm) && isfinite(b572[0]) ? 148 : 0;
     const float s = (float)(clip > 0 ? fmin(1.0, clip / (gnorm + 1e-6)) : 1.0);
     const float lr = b1071[0], b1 = 0.9f, b2 = 0.95f, eps = 1e-08f;
     const float c1 = (float)(1.0 / (1.0 - pow(b1, step))), c2 = (float)(1.0 / (1.0 - pow(b2, step)));
     #pragma omp parallel num_threads(h->nthreads)
-    for (int k = 0; k < 148; k++) {
+    for (int k = 0; k < nseg; k++) {
       float *restrict p = (float *)(arena + seg[k].p), *restrict m = (float *)(arena + seg[k].m);
       float *restrict v = (float *)(arena + seg[k].v);
       const float *restrict g = (const float *)(arena + seg[k].g);

@@ -4891,12 +4891,15 @@ static __device__ const MdlSeg k237_grad_norm__adamw_seg[148] = {
 // AdamW over 148 parameters, 124439808 values (beta1 0.9, beta2 0.95, eps 1e-08, clip 1), chunks of 8192; 49 bf16 copies
 extern "C" __global__ void __launch_bounds__(256) k237_grad_norm__adamw(char *arena, MdlStatus *status, const uint64_t *seed, int64_t chunk, MdlArgs o) {
   float *const b0 = (float *)(arena + o.b[0]); // grad_norm f32[]
-  float *const b1 = (float *)(arena + o.b[1]); // scalar f32[]
+  float *const b1 = (float *)(arena + o.b[1]); // mean f32[]
   float *const b2 = (float *)(arena + o.b[2]); // scalar f32[]
+  float *const b3 = (float *)(arena + o.b[3]); // scalar f32[]
   const MdlSeg *const seg = k237_grad_norm__adamw_seg;
   const double clip = 1.0, gnorm = b0[0];
+  if (!isfinite(gnorm) || !isfinite(b1[0]))
+    return;
   const double sc = clip > 0 ? fmin(1.0, clip / (gnorm + 1e-6)) : 1.0;
-  const double lr = b2[0], step = b1[0];
+  const double lr = b3[0], step = b2[0];
   const double beta1 = 0.9, beta2 = 0.95, eps = 1e-08;
   const MdlAdamW h = {sc, lr, beta1, beta2, eps, 1.0 / (1.0 - pow(beta1, step)), 1.0 / (1.0 - pow(beta2, step))};
   const int64_t c0 = (int64_t)blockIdx.x * 8192, c1 = c0 + 8192 < 124439808 ? c0 + 8192 : 124439808;

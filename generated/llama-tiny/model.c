@@ -2306,6 +2306,7 @@ static void k72_embed_bwd(char *arena, const MdlHooks *h) {
 //   gradient norm %257 over 21 tensors, 131904 values
 //   AdamW over 21 parameters, 131904 values (beta1 0.9, beta2 0.95, eps 1e-08, clip 1); 15 bf16 copies
 static void k73_grad_norm__adamw(char *arena, const MdlHooks *h) {
+  float *const b129 = (float *)(arena + 7089280); // %129 mean loss f32[]
   float *const b140 = (float *)(arena + 989696); // %140 matmul d.lm_head f32[64,256]
   float *const b143 = (float *)(arena + 989440); // %143 rmsnorm_bwd d.norm f32[64]
   float *const b147 = (float *)(arena + 945408); // %147 matmul d.layers.1.w2 f32[172,64]
@@ -2384,11 +2385,12 @@ static void k73_grad_norm__adamw(char *arena, const MdlHooks *h) {
     };
     const double clip = 1.0, gnorm = b257[0];
     const double step = b256[0];
+    const int nseg = isfinite(gnorm) && isfinite(b129[0]) ? 21 : 0;
     const float s = (float)(clip > 0 ? fmin(1.0, clip / (gnorm + 1e-6)) : 1.0);
     const float lr = b255[0], b1 = 0.9f, b2 = 0.95f, eps = 1e-08f;
     const float c1 = (float)(1.0 / (1.0 - pow(b1, step))), c2 = (float)(1.0 / (1.0 - pow(b2, step)));
     #pragma omp parallel num_threads(h->nthreads)
-    for (int k = 0; k < 21; k++) {
+    for (int k = 0; k < nseg; k++) {
       float *restrict p = (float *)(arena + seg[k].p), *restrict m = (float *)(arena + seg[k].m);
       float *restrict v = (float *)(arena + seg[k].v);
       const float *restrict g = (const float *)(arena + seg[k].g);

@@ -545,6 +545,7 @@ static void k11_gemm(char *arena, const MdlHooks *h) {
 //   gradient norm %36 over 6 tensors, 1732 values
 //   AdamW over 6 parameters, 1732 values (beta1 0.9, beta2 0.95, eps 1e-08, clip 0)
 static void k12_grad_norm__adamw(char *arena, const MdlHooks *h) {
+  float *const b17 = (float *)(arena + 47616); // %17 mean loss f32[]
   float *const b24 = (float *)(arena + 13888); // %24 sum d.b3 f32[4]
   float *const b26 = (float *)(arena + 13376); // %26 matmul d.w3 f32[32,4]
   float *const b28 = (float *)(arena + 13248); // %28 sum d.b2 f32[32]
@@ -578,10 +579,11 @@ static void k12_grad_norm__adamw(char *arena, const MdlHooks *h) {
     };
     const double clip = 0.0, gnorm = b36[0];
     const double step = b35[0];
+    const int nseg = isfinite(gnorm) && isfinite(b17[0]) ? 6 : 0;
     const float s = (float)(clip > 0 ? fmin(1.0, clip / (gnorm + 1e-6)) : 1.0);
     const float lr = b34[0], b1 = 0.9f, b2 = 0.95f, eps = 1e-08f;
     const float c1 = (float)(1.0 / (1.0 - pow(b1, step))), c2 = (float)(1.0 / (1.0 - pow(b2, step)));
-    for (int k = 0; k < 6; k++) {
+    for (int k = 0; k < nseg; k++) {
       float *restrict p = (float *)(arena + seg[k].p), *restrict m = (float *)(arena + seg[k].m);
       float *restrict v = (float *)(arena + seg[k].v);
       const float *restrict g = (const float *)(arena + seg[k].g);

@@ -145,3 +145,31 @@ for k in 2 3; do
       "$(paste <(losses "$tmp/acc$k") <(losses "$tmp/whole$k") | head -3 | tr '\n' ';')"
   fi
 done
+
+# Validation runs on the same batches every time: a run resumed in the middle reports the validation
+# losses of an uninterrupted one (the validation data's position is no part of a checkpoint).
+val=(-D B=2 -D T=32 --data "$tmp/data" --backend cpu --val-every 2 --val-batches 2)
+# (every second step's: the run of 3 steps also validates at its end)
+vlosses() { sed -n 's/.*"step":\([0-9]*[02468]\),.*"val_loss":\([0-9.]*\).*/\1 \2/p' "$1/log.jsonl"; }
+$m run models/gpt2-tiny.mdl "${val[@]}" --steps 6 --out "$tmp/v-straight" >/dev/null 2>&1
+$m run models/gpt2-tiny.mdl "${val[@]}" --steps 3 --out "$tmp/v-resumed" >/dev/null 2>&1
+$m run models/gpt2-tiny.mdl "${val[@]}" --steps 6 --out "$tmp/v-resumed" --resume >/dev/null 2>&1
+if [ "$(vlosses "$tmp/v-straight" | wc -l)" -eq 3 ] && diff <(vlosses "$tmp/v-straight") <(vlosses "$tmp/v-resumed") >"$tmp/d"; then
+  ok "validation losses after a resume equal those of an uninterrupted run"
+else
+  fail "validation losses differ after a resume: $(head -c 300 "$tmp/d")"
+fi
+# A run killed after logging steps its last checkpoint does not hold (here: a log of 6 steps with
+# the checkpoint of step 3): the resumed run cuts the log back to step 3 before going on.
+cp "$tmp/v-straight/log.jsonl" "$tmp/v-cut.log"
+mkdir -p "$tmp/v-cut"
+$m run models/gpt2-tiny.mdl "${val[@]}" --steps 3 --out "$tmp/v-three" >/dev/null 2>&1
+cp "$tmp/v-three/checkpoint.safetensors" "$tmp/v-cut/"
+cp "$tmp/v-straight/log.jsonl" "$tmp/v-cut/log.jsonl"
+printf '{"step":7,"lo' >>"$tmp/v-cut/log.jsonl" # (a line cut short by the kill)
+$m run models/gpt2-tiny.mdl "${val[@]}" --steps 6 --out "$tmp/v-cut" --resume >/dev/null 2>&1
+if cmp -s <(cut -d, -f1-2 "$tmp/v-cut/log.jsonl") <(cut -d, -f1-2 "$tmp/v-straight/log.jsonl"); then
+  ok "a resumed run cuts log.jsonl back to its checkpoint's step: no step logged twice"
+else
+  fail "log after resume: $(cut -d, -f1 "$tmp/v-cut/log.jsonl" | tr '\n' ' ')"
+fi
