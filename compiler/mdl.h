@@ -60,6 +60,12 @@ static inline double mdl_rng_uniform(uint64_t seed, uint64_t stream, uint64_t i)
 // is smaller than the node's own id, so the node array is already in topological order.
 //
 #define IR_MAX_RANK 6
+// The most elements one tensor may have: 2^36 (256 GiB in f32, more than any one device holds).
+// ir_add and ir_leaf refuse a larger shape, and the front end bounds the forward graph's nodes
+// (MDL_MAX_NODES, 2^18), so every later sum or product of sizes stays far inside int64_t: bytes
+// (2^39 a tensor at 8 bytes an element), arena offsets (a few times 2^18 nodes after autodiff, of
+// 2^39 bytes each: under 2^62); FLOPs are counted in double.
+#define IR_MAX_NUMEL ((int64_t)1 << 36)
 
 typedef enum { DT_F32, DT_I32, DT_BF16, DT_F8E4M3, DT_F64 } DType;
 
