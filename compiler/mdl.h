@@ -279,10 +279,19 @@ typedef struct {
   int64_t value;
 } DimOverride; // -D NAME=VALUE from the command line
 
+// What one .mdl may build (repeat bodies are unrolled): graph nodes of the forward graph,
+// parameter tensors, bytes of parameters (f32), and statements run (every repetition of every
+// body). A repeat that would pass one is refused after its first repetition, before the rest.
+enum { MDL_MAX_NODES = 1 << 18, MDL_MAX_PARAMS = 1 << 16, MDL_MAX_STMTS = 1 << 18 };
+#define MDL_MAX_PARAM_BYTES ((int64_t)1 << 42)
+
 // Parse and check a .mdl file and build its forward graph (params, inputs, loss, outputs, the
-// train section). Returns NULL after printing every error (file:line:col + caret).
+// train section). Returns NULL after printing every error (file:line:col + caret), at most
+// DIAG_MAX_ERRORS of them.
 Graph *mdl_compile_file(Arena *a, const char *path, const DimOverride *ov, int nov);
 Graph *mdl_compile_text(Arena *a, const char *path, const char *text, const DimOverride *ov, int nov);
+// The same over n bytes that may hold anything (a NUL or invalid UTF-8 is an error at its line).
+Graph *mdl_compile_bytes(Arena *a, const char *path, const char *bytes, size_t n, const DimOverride *ov, int nov);
 
 //
 // autodiff.c: reverse mode over the forward graph, then one AdamW update per parameter.
