@@ -461,6 +461,7 @@ static void test_limits(void) {
   CHECK(errors_of_owned(repeated("model m\ndim A = 1", " + 1", 200000, "\n")) == 1 &&
             strstr(errtext, "more than 1000 levels of expressions"),
         "a chain of 200000 additions is an error, not a stack overflow", "%.200s", errtext);
+  Graph *g;
   char *chain = malloc(20 * 10000 + 64), *q = chain;
   q += sprintf(q, "model m\n");
   for (int i = 0; i < 10000; i++)
@@ -470,6 +471,19 @@ static void test_limits(void) {
         "10000 dims each naming the next: one error, not a stack overflow", "%.200s", errtext);
   CHECK(errors_of_owned(repeated("model m\ndim A = ", "-", 900, "1\n")) == -1, "900 unary '-' still compile", "%.200s",
         errtext);
+  // Names are hashed: 50000 top-level dims (77 s when each lookup was a linear search), and the
+  // duplicate of an early one still found, with its first definition.
+  char *many = malloc(24 * 50000 + 64);
+  q = many + sprintf(many, "model m\n");
+  for (int i = 0; i < 50000; i++)
+    q += sprintf(q, "dim A%d = %d\n", i, i + 1);
+  g = compile(many);
+  CHECK(g && g->ndims == 50000 && dim(g, "A49999") == 50000 && dim(g, "A7") == 8, "50000 dims, each with its value",
+        "%s", errtext);
+  sprintf(q, "input x: f32[A49999]\ndim A7 = 3\n");
+  CHECK(errors_of_owned(many) == 1 && strstr(errtext, "t.mdl:50003:5: error: duplicate definition of 'A7'") &&
+            strstr(errtext, "t.mdl:9:5: note: previous definition is here"),
+        "a duplicate among 50000 dims is found, with its first definition", "%.300s", errtext);
 
   // Unrolling: a repeat count whose unrolled body would pass a limit is refused after one copy.
   CHECK(errors_of("model m\ndim L = 4000000000\ninput x: f32[2, 8]\ny = x\n"
@@ -492,7 +506,7 @@ static void test_limits(void) {
   CHECK(errors_of("model m\ninput x: f32[4]\nrepeat a[1000] {\n repeat b[1000] {\n  param w: [4] = zeros\n }\n}\n") == 1 &&
             strstr(errtext, "repeat a[1000]"),
         "nested repeats: the outer one is refused after its first repetition", "%s", errtext);
-  Graph *g = compile("model m\nrepeat h[20000] {\n param w: [2] = zeros\n}\n");
+  g = compile("model m\nrepeat h[20000] {\n param w: [2] = zeros\n}\n");
   bool ordered = g && g->nparams == 20000;
   for (int i = 0; ordered && i < g->nparams; i++)
     ordered = g->params[i] == i && g->nodes[i]->op == OP_PARAM;
