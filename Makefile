@@ -57,6 +57,10 @@ bench: bin/mdlc
 gpu-check:
 	tools/gpu-check.sh
 
+# the front end under libFuzzer for FUZZ_SECONDS (600) seconds; `make test` runs it for 60
+fuzz: bin/mdlc
+	FUZZ_SECONDS=$${FUZZ_SECONDS:-600} tests/cli/fuzz.sh
+
 # the test suite on a build under AddressSanitizer and UBSan, in a copy of the tree
 sanitize:
 	tools/sanitize.sh
@@ -68,4 +72,4 @@ gpu-bundle:
 clean:
 	rm -rf build bin
 
-.PHONY: all test regen bench gpu-check gpu-bundle sanitize clean
+.PHONY: all test regen bench gpu-check gpu-bundle sanitize fuzz clean

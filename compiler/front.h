@@ -108,10 +108,16 @@ struct Parser {
   int errors;         // syntax and lexical errors
   int line, col, offset; // the scanner's position
   int depth;          // open ( and [: newlines inside them are not statement ends
-  PtrVec braces;      // SrcLoc* of every open '{'
+  PtrVec braces;      // Span* of every open '{' that opens a block
+  bool recovering;    // after a syntax error, until the parser resynchronises (yyerrok)
+  int skipped;        // nesting of the '{' skipped while recovering: tokens inside are dropped
+  bool stop;          // nesting too deep: the scanner ends the text here
   bool at_eof;        // the end of the text was reached (and the last newline sent)
   int pending_close;  // '}' and newline tokens still to send at the end, closing open blocks
 };
+
+// ( [ and { nest at most this deep: far beyond any model, and well inside the parser's stack.
+enum { FRONT_MAX_NESTING = 256 };
 
 // Runs the scanner and the parser over p->text; fills p->stmts. Returns false on syntax errors
 // (all already reported).

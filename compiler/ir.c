@@ -438,7 +438,23 @@ static IrNode *new_node(Graph *g, Op op, const int *in, int nin, SrcLoc loc) {
   return n;
 }
 
-// Appends n unless infer() rejects it.
+// Whether a shape has at most IR_MAX_NUMEL elements; else its count, or "more than 2^63" where the
+// product overflows.
+static bool shape_fits(Shape s, char *count, size_t len) {
+  int64_t n = 1;
+  bool overflow = false;
+  for (int i = 0; i < s.rank; i++)
+    overflow = overflow || s.d[i] < 0 || __builtin_mul_overflow(n, s.d[i], &n);
+  if (!overflow && n <= IR_MAX_NUMEL)
+    return true;
+  if (overflow)
+    snprintf(count, len, "more than 2^63");
+  else
+    snprintf(count, len, "%lld", (long long)n);
+  return false;
+}
+
+// Appends n unless infer() rejects it or its shape is too large for the sizes computed from it.
 static int commit(Graph *g, IrNode *n) {
   for (int i = 0; i < n->nin; i++)
     if (n->in[i] < 0 || n->in[i] >= g->n) {
@@ -447,6 +463,12 @@ static int commit(Graph *g, IrNode *n) {
     }
   if (!infer(g, n))
     return -1;
+  char count[32];
+  if (!shape_fits(n->shape, count, sizeof count)) {
+    fail(g, "%s: the result %s has %s elements; a tensor may have at most 2^36 (%lld)", op_name(n->op),
+         SHAPE(n->shape), count, (long long)IR_MAX_NUMEL);
+    return -1;
+  }
   g->nodes[g->n++] = n;
   return n->id;
 }
@@ -466,12 +488,15 @@ int ir_leaf(Graph *g, Op op, const char *name, DType dt, Shape s, SrcLoc loc) {
   n->dtype = dt;
   n->shape = s;
   int id = commit(g, n);
+  int k = g->nparams;
   if (id >= 0 && op == OP_PARAM) {
-    int *p = arena_alloc(g->arena, sizeof(int) * (size_t)(g->nparams + 1));
-    if (g->nparams)
-      memcpy(p, g->params, sizeof(int) * (size_t)g->nparams);
-    p[g->nparams++] = id;
-    g->params = p;
+    if (k == 0 || (k >= 8 && (k & (k - 1)) == 0)) { // the array is full: capacity 8, then doubled
+      int *p = arena_alloc(g->arena, sizeof(int) * (size_t)(k ? 2 * k : 8));
+      if (k)
+        memcpy(p, g->params, sizeof(int) * (size_t)k);
+      g->params = p;
+    }
+    g->params[g->nparams++] = id;
   }
   return id;
 }

@@ -31,8 +31,13 @@ typedef struct {
 } SrcLoc;
 
 extern int diag_errors; // errors reported so far
+// A compilation prints at most DIAG_MAX_ERRORS errors; the next one prints "too many errors" at its
+// place instead, and from then on diag_stopped() is true so the front end can stop early.
+enum { DIAG_MAX_ERRORS = 20 };
 void diag_error(SrcLoc loc, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
-void diag_note(SrcLoc loc, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+void diag_note(SrcLoc loc, const char *fmt, ...) __attribute__((format(printf, 2, 3))); // after a printed error only
+void diag_begin(void);   // a new compilation: its errors count toward the limit from zero
+bool diag_stopped(void); // more than DIAG_MAX_ERRORS errors since diag_begin()
 // An error about a file or a path rather than a place in the .mdl text: "path: reason".
 void diag_file_error(const char *path, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 
@@ -55,6 +60,12 @@ static inline double mdl_rng_uniform(uint64_t seed, uint64_t stream, uint64_t i)
 // is smaller than the node's own id, so the node array is already in topological order.
 //
 #define IR_MAX_RANK 6
+// The most elements one tensor may have: 2^36 (256 GiB in f32, more than any one device holds).
+// ir_add and ir_leaf refuse a larger shape, and the front end bounds the forward graph's nodes
+// (MDL_MAX_NODES, 2^18), so every later sum or product of sizes stays far inside int64_t: bytes
+// (2^39 a tensor at 8 bytes an element), arena offsets (a few times 2^18 nodes after autodiff, of
+// 2^39 bytes each: under 2^62); FLOPs are counted in double.
+#define IR_MAX_NUMEL ((int64_t)1 << 36)
 
 typedef enum { DT_F32, DT_I32, DT_BF16, DT_F8E4M3, DT_F64 } DType;
 
@@ -268,10 +279,19 @@ typedef struct {
   int64_t value;
 } DimOverride; // -D NAME=VALUE from the command line
 
+// What one .mdl may build (repeat bodies are unrolled): graph nodes of the forward graph,
+// parameter tensors, bytes of parameters (f32), and statements run (every repetition of every
+// body). A repeat that would pass one is refused after its first repetition, before the rest.
+enum { MDL_MAX_NODES = 1 << 18, MDL_MAX_PARAMS = 1 << 16, MDL_MAX_STMTS = 1 << 18 };
+#define MDL_MAX_PARAM_BYTES ((int64_t)1 << 42)
+
 // Parse and check a .mdl file and build its forward graph (params, inputs, loss, outputs, the
-// train section). Returns NULL after printing every error (file:line:col + caret).
+// train section). Returns NULL after printing every error (file:line:col + caret), at most
+// DIAG_MAX_ERRORS of them.
 Graph *mdl_compile_file(Arena *a, const char *path, const DimOverride *ov, int nov);
 Graph *mdl_compile_text(Arena *a, const char *path, const char *text, const DimOverride *ov, int nov);
+// The same over n bytes that may hold anything (a NUL or invalid UTF-8 is an error at its line).
+Graph *mdl_compile_bytes(Arena *a, const char *path, const char *bytes, size_t n, const DimOverride *ov, int nov);
 
 //
 // autodiff.c: reverse mode over the forward graph, then one AdamW update per parameter.

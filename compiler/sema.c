@@ -12,9 +12,12 @@
 //      Val: a compile-time integer, float or boolean, a tensor (graph node), or the tuple split()
 //      returns. Scalars meeting tensors become CONST nodes. `repeat NAME[N] { }` elaborates its
 //      body N times, each time in a fresh scope whose params are named NAME.i.pname.
-// Errors never stop the analysis: a failed expression evaluates to V_ERR, which silently poisons
+// Errors do not stop the analysis: a failed expression evaluates to V_ERR, which silently poisons
 // whatever uses it, so every independent mistake is reported once. Messages are deduplicated by
-// place and text, so an error inside a repeat body is not repeated for each repetition.
+// place and text, so an error inside a repeat body is not repeated for each repetition. It stops
+// at the error limit (diag_stopped), at a limit on what the file builds (MDL_MAX_*: a repeat is
+// measured by its first repetition and refused before the others), and at SEMA_MAX_DEPTH nested
+// evaluations, where the recursion would otherwise run out of stack.
 #include "front.h"
 
 #include <errno.h>
@@ -60,8 +63,51 @@ typedef struct Sym {
   struct Sym *next;
 } Sym;
 
+// A hash map from names to pointers, open addressing in the arena. A file may declare 10^5 names,
+// and a linear search for each made the analysis quadratic (100000 dims took 77 s).
+typedef struct {
+  const char **keys;
+  void **vals;
+  int n, cap;
+} NameMap;
+
+static uint64_t name_hash(const char *s) {
+  uint64_t h = 14695981039346656037ull; // FNV-1a
+  for (; *s; s++)
+    h = (h ^ (unsigned char)*s) * 1099511628211ull;
+  return h;
+}
+
+static int map_slot(const NameMap *m, const char *name) {
+  int i = (int)(name_hash(name) & (uint64_t)(m->cap - 1));
+  while (m->keys[i] && strcmp(m->keys[i], name))
+    i = (i + 1) & (m->cap - 1);
+  return i;
+}
+
+static void *map_get(const NameMap *m, const char *name) { return m->cap ? m->vals[map_slot(m, name)] : NULL; }
+
+// Sets name's value (a later one replaces an earlier one).
+static void map_put(Arena *a, NameMap *m, const char *name, void *val) {
+  if (2 * (m->n + 1) > m->cap) { // at most half full
+    NameMap old = *m;
+    m->cap = old.cap ? 2 * old.cap : 64;
+    m->n = 0;
+    m->keys = arena_alloc(a, sizeof(char *) * (size_t)m->cap);
+    m->vals = arena_alloc(a, sizeof(void *) * (size_t)m->cap);
+    for (int i = 0; i < old.cap; i++)
+      if (old.keys[i])
+        map_put(a, m, old.keys[i], old.vals[i]);
+  }
+  int i = map_slot(m, name);
+  m->n += !m->keys[i];
+  m->keys[i] = name;
+  m->vals[i] = val;
+}
+
 typedef struct Scope {
   Sym *syms;
+  NameMap *index;     // the same names hashed (the top level only: a repeat's scopes are small)
   struct Scope *up;
   const char *prefix; // "" at the top level, "h.0." inside repetition 0 of `repeat h`
 } Scope;
@@ -96,7 +142,14 @@ typedef struct {
   int *out_nodes;    // the outputs built so far
   int nout;
   int dropouts;
+  int depth;         // eval's recursion depth
+  bool too_deep;     // the depth limit was reported
+  int64_t stmts;     // statements elaborated so far, every repetition counted (MDL_MAX_STMTS)
+  int64_t param_bytes; // f32 bytes of the params built so far (MDL_MAX_PARAM_BYTES)
+  bool over_limit;   // a limit on the graph's size was reported: elaboration stops
 } Sema;
+
+enum { SEMA_MAX_DEPTH = 1000 };
 
 //
 // Errors
@@ -106,6 +159,8 @@ typedef struct {
 // (so the caller knows whether to add its note).
 static bool error_at(Sema *s, SrcLoc at, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
 static bool error_at(Sema *s, SrcLoc at, const char *fmt, ...) {
+  if (diag_stopped())
+    return false;
   char msg[768];
   va_list ap;
   va_start(ap, fmt);
@@ -141,6 +196,8 @@ static IrNode *node(Sema *s, int id) { return s->g->nodes[id]; }
 //
 
 static Sym *find_in(Scope *sc, const char *name) {
+  if (sc->index)
+    return map_get(sc->index, name);
   for (Sym *y = sc->syms; y; y = y->next)
     if (!strcmp(y->name, name))
       return y;
@@ -160,6 +217,8 @@ static Sym *add_sym(Sema *s, Scope *sc, const char *name, SymKind kind, SrcLoc a
   Sym *y = arena_alloc(s->a, sizeof *y);
   *y = (Sym){.name = name, .kind = kind, .at = at, .next = sc->syms};
   sc->syms = y;
+  if (sc->index)
+    map_put(s->a, sc->index, name, y);
   return y;
 }
 
@@ -973,7 +1032,7 @@ static Val name_value(Sema *s, const Expr *e) {
   return y->val;
 }
 
-static Val eval(Sema *s, const Expr *e) {
+static Val eval_expr(Sema *s, const Expr *e) {
   switch (e->kind) {
   case E_INT: return int_val(e->i);
   case E_FLOAT: return float_val(e->f);
@@ -1032,6 +1091,23 @@ static Val dim_value(Sema *s, Sym *d) {
 }
 
 // Evaluates a dim or const on first use; a use while it is being evaluated closes a cycle.
+// Evaluation recurses through nested expressions and the dims and consts they name; a depth limit
+// turns a pathological text (a chain of 100000 additions or of dims naming the next) into one
+// error instead of a stack overflow.
+static Val eval(Sema *s, const Expr *e) {
+  if (s->too_deep) // reported once; what is left of the text is likely the same again
+    return ERR;
+  if (s->depth >= SEMA_MAX_DEPTH) {
+    error_at(s, e->at, "nesting too deep: more than %d levels of expressions and the dims they name", SEMA_MAX_DEPTH);
+    s->too_deep = true;
+    return ERR;
+  }
+  s->depth++;
+  Val v = eval_expr(s, e);
+  s->depth--;
+  return v;
+}
+
 static Val sym_value(Sema *s, Sym *y, SrcLoc use) {
   if (y->state == DONE)
     return y->val;
@@ -1096,13 +1172,6 @@ static void scan_body(Sema *s, Stmt **body, int n, const char *repeat) {
   }
 }
 
-static Stmt *find_stmt(PtrVec *v, const char *name) {
-  for (int i = 0; i < v->n; i++)
-    if (!strcmp(((Stmt *)v->v[i])->name, name))
-      return v->v[i];
-  return NULL;
-}
-
 static void reject_duplicate(Sema *s, Stmt *st, const Stmt *old) {
   bool printed = st->kind == S_MODEL   ? error_at(s, st->at, "duplicate model statement: a file defines one model")
                  : st->kind == S_TRAIN ? error_at(s, st->at, "duplicate train section")
@@ -1114,7 +1183,7 @@ static void reject_duplicate(Sema *s, Stmt *st, const Stmt *old) {
 
 // Step 1 over the top-level statements; returns the train section, if any.
 static const Stmt *declare(Sema *s) {
-  PtrVec top = {0};
+  NameMap top = {0}, outputs = {0}; // statement by name
   Stmt *model = NULL, *train = NULL;
   for (int i = 0; i < s->p->stmts.n; i++) {
     Stmt *st = s->p->stmts.v[i];
@@ -1133,17 +1202,19 @@ static const Stmt *declare(Sema *s) {
         train = st;
       break;
     case S_OUTPUT:
-      if ((old = find_stmt(&s->outputs, st->name)))
+      if ((old = map_get(&outputs, st->name))) {
         reject_duplicate(s, st, old);
-      else
+      } else {
         vec_push(s->a, &s->outputs, st);
+        map_put(s->a, &outputs, st->name, st);
+      }
       break;
     case S_DIM: case S_CONST: case S_PARAM: case S_INPUT: case S_REPEAT:
-      if ((old = find_stmt(&top, st->name))) {
+      if ((old = map_get(&top, st->name))) {
         reject_duplicate(s, st, old);
         break;
       }
-      vec_push(s->a, &top, st);
+      map_put(s->a, &top, st->name, st);
       if (st->kind == S_DIM || st->kind == S_CONST) {
         Sym *y = add_sym(s, &s->global, st->name, st->kind == S_DIM ? SYM_DIM : SYM_CONST, st->at);
         y->decl = st;
@@ -1366,13 +1437,18 @@ static void train_config(Sema *s) {
 // Step 4: elaboration
 //
 
-static bool eval_shape(Sema *s, Expr **dims, int rank, SrcLoc at, Shape *out) {
+// The shape of a declared tensor (st an input or a param), its elements within IR_MAX_NUMEL.
+static bool eval_shape(Sema *s, const Stmt *st, Shape *out) {
+  Expr **dims = st->shape;
+  int rank = st->rank;
+  SrcLoc at = st->shape_at;
   if (rank > IR_MAX_RANK) {
     error_at(s, at, "a tensor has at most %d axes, this shape has %d", IR_MAX_RANK, rank);
     return false;
   }
   *out = (Shape){.rank = rank};
   int64_t numel = 1;
+  bool overflow = false;
   for (int i = 0; i < rank; i++) {
     if (!int_of(s, dims[i], "a shape entry", &out->d[i]))
       return false;
@@ -1381,10 +1457,15 @@ static bool eval_shape(Sema *s, Expr **dims, int rank, SrcLoc at, Shape *out) {
                (long long)out->d[i]);
       return false;
     }
-    if (__builtin_mul_overflow(numel, out->d[i], &numel)) {
-      error_at(s, at, "integer overflow in dimension arithmetic");
-      return false;
-    }
+    overflow = overflow || __builtin_mul_overflow(numel, out->d[i], &numel);
+  }
+  if (overflow || numel > IR_MAX_NUMEL) {
+    char count[32] = "more than 2^63";
+    if (!overflow)
+      snprintf(count, sizeof count, "%lld", (long long)numel);
+    error_at(s, at, "%s '%s': shape %s has %s elements; a tensor may have at most 2^36 (%lld)",
+             st->kind == S_PARAM ? "param" : "input", st->name, shape_text(s, *out), count, (long long)IR_MAX_NUMEL);
+    return false;
   }
   return true;
 }
@@ -1435,7 +1516,7 @@ static void input_stmt(Sema *s, const Stmt *st) {
     error_at(s, st->dtype_at, "unknown dtype '%s' (inputs are i32 or f32)", st->dtype);
   Sym *y = define(s, st->name, SYM_INPUT, st->at);
   Shape sh;
-  bool ok = eval_shape(s, st->shape, st->rank, st->shape_at, &sh);
+  bool ok = eval_shape(s, st, &sh);
   if (!y || !ok || !known)
     return;
   int id = ir_leaf(s->g, OP_INPUT, st->name, st->dtype[0] == 'i' ? DT_I32 : DT_F32, sh, st->at);
@@ -1467,15 +1548,24 @@ static void param_stmt(Sema *s, const Stmt *st) {
   Sym *y = define(s, st->name, SYM_PARAM, st->at);
   Shape sh;
   ParamInit init = {0};
-  bool ok = eval_shape(s, st->shape, st->rank, st->shape_at, &sh);
+  bool ok = eval_shape(s, st, &sh);
   ok = param_init(s, st->value, &init) && ok;
   if (!y || !ok)
     return;
+  int64_t bytes = 4 * shape_numel(sh); // at most 2^38: eval_shape bounds the elements
+  if (s->param_bytes + bytes > MDL_MAX_PARAM_BYTES || s->g->nparams >= MDL_MAX_PARAMS) {
+    error_at(s, st->at, "param '%s' takes the model past %s", st->name,
+             s->g->nparams >= MDL_MAX_PARAMS ? arena_printf(s->a, "%d parameter tensors", MDL_MAX_PARAMS)
+                                            : "2^42 bytes (4 TiB) of f32 parameters");
+    s->over_limit = true;
+    return;
+  }
   int id = ir_leaf(s->g, OP_PARAM, arena_printf(s->a, "%s%s", s->scope->prefix, st->name), DT_F32, sh, st->at);
   if (id < 0) {
     error_at(s, st->at, "%s", s->g->err);
     return;
   }
+  s->param_bytes += bytes;
   init.decay = true;
   node(s, id)->init = init;
   y->val = tensor_val(id);
@@ -1505,7 +1595,45 @@ static void output_stmt(Sema *s, const Stmt *st) {
 
 static void elaborate(Sema *s, Stmt **body, int n);
 
-// repeat NAME[N] { body }: N copies of the body, copy i in a scope whose params are NAME.i.x.
+// What the graph has cost so far, in the units MDL_MAX_* bound.
+typedef struct {
+  int64_t v[4];
+} Cost;
+
+static const char *const cost_what[] = {"build %s graph nodes", "build %s parameter tensors",
+                                        "take %s bytes of f32 parameters", "run %s statements"};
+static const int64_t cost_limit[] = {MDL_MAX_NODES, MDL_MAX_PARAMS, MDL_MAX_PARAM_BYTES, MDL_MAX_STMTS};
+
+static Cost cost_now(const Sema *s) { return (Cost){{s->g->n, s->g->nparams, s->param_bytes, s->stmts}}; }
+
+// After the first of n repetitions (which took `before` to now): would the other n - 1 pass a
+// limit? Then say so, naming the count and the limit, instead of building them.
+static bool repeat_fits(Sema *s, const Stmt *st, int64_t n, Cost before) {
+  Cost now = cost_now(s);
+  for (int k = 0; k < 4; k++) {
+    int64_t total, each = now.v[k] - before.v[k];
+    if (!__builtin_mul_overflow(each, n - 1, &total) && !__builtin_add_overflow(total, now.v[k], &total) &&
+        total <= cost_limit[k])
+      continue;
+    const char *count = ast_text(s->a, s->p->text, st->value);
+    char total_text[48] = "more than 2^63";
+    if (!__builtin_mul_overflow(each, n, &total) && !__builtin_add_overflow(total, before.v[k], &total))
+      snprintf(total_text, sizeof total_text, "%lld", (long long)total);
+    Sym *dim = st->value->kind == E_NAME ? lookup(s, st->value->s) : NULL;
+    char what[96];
+    snprintf(what, sizeof what, cost_what[k], total_text);
+    if (error_at(s, st->value->at, "repeat %s[%s]: %s%lld repetitions would %s (%lld per repetition); the limit is %lld",
+                 st->name, count, st->value->kind == E_INT ? "" : arena_printf(s->a, "%s = ", count), (long long)n,
+                 what, (long long)each, (long long)cost_limit[k]) && dim)
+      diag_note(dim->at, "'%s' is defined here", dim->name);
+    s->over_limit = true;
+    return false;
+  }
+  return true;
+}
+
+// repeat NAME[N] { body }: N copies of the body, copy i in a scope whose params are NAME.i.x. The
+// first copy measures what one costs, so that a count too large is refused before the others.
 static void repeat_stmt(Sema *s, const Stmt *st) {
   int64_t n;
   if (!int_of(s, st->value, "a repeat count", &n))
@@ -1516,19 +1644,30 @@ static void repeat_stmt(Sema *s, const Stmt *st) {
   }
   if (!define(s, st->name, SYM_REPEAT, st->at))
     return;
-  for (int64_t i = 0; i < n; i++) {
+  Cost before = cost_now(s);
+  for (int64_t i = 0; i < n && !s->over_limit && !diag_stopped(); i++) {
+    s->stmts++; // an empty body still costs its repetitions
     Scope sc = {.up = s->scope, .prefix = arena_printf(s->a, "%s%s.%lld.", s->scope->prefix, st->name, (long long)i)};
     s->scope = &sc;
     elaborate(s, st->body, st->nbody);
     s->scope = sc.up;
+    if (i == 0 && !repeat_fits(s, st, n, before))
+      return;
   }
 }
 
 static void elaborate(Sema *s, Stmt **body, int n) {
-  for (int i = 0; i < n; i++) {
+  for (int i = 0; i < n && !s->over_limit && !diag_stopped(); i++) {
     const Stmt *st = body[i];
     if (st->rejected)
       continue;
+    if (++s->stmts > MDL_MAX_STMTS || s->g->n > MDL_MAX_NODES) { // a huge text, no repeat needed
+      bool nodes = s->g->n > MDL_MAX_NODES;
+      error_at(s, st->at, "the model is too large: more than %d %s", nodes ? MDL_MAX_NODES : MDL_MAX_STMTS,
+               nodes ? "graph nodes" : "statements to run");
+      s->over_limit = true;
+      return;
+    }
     switch (st->kind) {
     case S_INPUT: input_stmt(s, st); break;
     case S_PARAM: param_stmt(s, st); break;
@@ -1555,6 +1694,7 @@ Graph *sema_build(Parser *p, const DimOverride *ov, int nov) {
   Sema sema = {.p = p, .a = p->arena, .g = ir_new(p->arena)};
   Sema *s = &sema;
   s->global.prefix = "";
+  s->global.index = arena_alloc(s->a, sizeof(NameMap));
   s->scope = &s->global;
   int errors = diag_errors;
   if (p->stmts.n == 0) {
@@ -1600,16 +1740,52 @@ static long bad_utf8(const unsigned char *t, size_t n) {
   return -1;
 }
 
-Graph *mdl_compile_text(Arena *a, const char *path, const char *text, const DimOverride *ov, int nov) {
-  long bad = bad_utf8((const unsigned char *)text, strlen(text));
-  if (bad >= 0) {
-    diag_file_error(path, "not a text file (invalid UTF-8 at offset %ld)", bad);
-    return NULL;
+// The place of byte `offset` of a text, as the scanner counts lines and columns (in bytes).
+static SrcLoc offset_loc(const char *path, const char *text, size_t offset) {
+  SrcLoc at = {.file = path, .text = text, .line = 1, .col = 1};
+  for (size_t i = 0; i < offset; i++) {
+    at.col = text[i] == '\n' ? 1 : at.col + 1;
+    at.line += text[i] == '\n';
   }
+  return at;
+}
+
+// Every error in a .mdl names its line and column, even the ones that say it is no text at all.
+static bool is_text(const char *path, const char *text, size_t n) {
+  const char *nul = memchr(text, 0, n);
+  long bad = bad_utf8((const unsigned char *)text, nul ? (size_t)(nul - text) : n);
+  if (bad >= 0) {
+    diag_error(offset_loc(path, text, (size_t)bad), "invalid UTF-8 (byte 0x%02x at offset %ld): .mdl files are UTF-8 text",
+               (unsigned char)text[bad], bad);
+    return false;
+  }
+  if (nul) {
+    diag_error(offset_loc(path, text, (size_t)(nul - text)), "NUL byte (offset %ld): not a text file",
+               (long)(nul - text));
+    return false;
+  }
+  return true;
+}
+
+Graph *mdl_compile_text(Arena *a, const char *path, const char *text, const DimOverride *ov, int nov) {
+  diag_begin();
+  if (!is_text(path, text, strlen(text)))
+    return NULL;
   Parser p = {.arena = a, .file = path, .text = text};
   if (!parse_text(&p))
     return NULL;
   return sema_build(&p, ov, nov);
+}
+
+Graph *mdl_compile_bytes(Arena *a, const char *path, const char *bytes, size_t n, const DimOverride *ov, int nov) {
+  char *text = arena_alloc(a, n + 1);
+  memcpy(text, bytes, n);
+  if (memchr(text, 0, n)) {
+    diag_begin();
+    is_text(path, text, n);
+    return NULL;
+  }
+  return mdl_compile_text(a, path, text, ov, nov);
 }
 
 Graph *mdl_compile_file(Arena *a, const char *path, const DimOverride *ov, int nov) {
@@ -1637,14 +1813,7 @@ Graph *mdl_compile_file(Arena *a, const char *path, const DimOverride *ov, int n
     diag_file_error(path, "cannot read: %s", strerror(err));
     return NULL;
   }
-  char *nul = memchr(buf, 0, n);
-  if (nul) {
-    diag_file_error(path, "not a text file (NUL byte at offset %ld)", (long)(nul - buf));
-    free(buf);
-    return NULL;
-  }
-  char *text = arena_alloc(a, n + 1);
-  memcpy(text, buf, n);
+  Graph *g = mdl_compile_bytes(a, path, buf, n, ov, nov);
   free(buf);
-  return mdl_compile_text(a, path, text, ov, nov);
+  return g;
 }

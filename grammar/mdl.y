@@ -41,12 +41,31 @@ int yylex(YYSTYPE *lval, YYLTYPE *lloc, yyscan_t scanner);
 }
 
 %code {
+#include <string.h>
+
+#define YYMAXDEPTH 10000
+
+// A syntax error. The parser then skips tokens up to the end of the statement (or the block's
+// '}'), so the '{' it failed on, and any it skips, open no block the scanner should wait for.
 static void yyerror(YYLTYPE *loc, yyscan_t scanner, Parser *p, const char *msg) {
   (void)scanner;
-  diag_error(span_loc(p, *loc), "%s", msg);
   p->errors++;
+  if (p->braces.n > 0 && ((Span *)p->braces.v[p->braces.n - 1])->begin == loc->begin) {
+    p->braces.n--; // the '{' the parser failed on: it and all up to its '}' are skipped
+    p->skipped = 1;
+  }
+  p->recovering = true;
   p->depth = 0; // resynchronise at the next newline even inside an unclosed ( or [
+  if (p->stop) // the scanner ended the text early and said why
+    return;
+  if (!strcmp(msg, "memory exhausted"))
+    diag_error(span_loc(p, *loc), "nesting too deep: more than %d levels of the parser's stack", YYMAXDEPTH);
+  else
+    diag_error(span_loc(p, *loc), "%s", msg);
 }
+
+// The parser has resynchronised after a syntax error.
+static void recovered(Parser *p) { p->recovering = false; }
 
 static Expr *binary(Parser *p, int op, Expr *l, Expr *r, Span all, Span at) {
   Expr *e = ast_expr(p, E_BINARY, all, at);
@@ -122,14 +141,14 @@ lines: %empty           { $$ = (PtrVec){0}; }
 
 line: sep               { $$ = NULL; }
     | stmt sep          { $$ = $1; }
-    | error sep         { $$ = NULL; yyerrok; }
+    | error sep         { $$ = NULL; yyerrok; recovered(p); }
     ;
 
 sep: NEWLINE | ';' ;
 
 block: '{' lines '}'            { $$ = $2; }
      | '{' lines stmt '}'       { $$ = $2; vec_push(p->arena, &$$, $3); }
-     | '{' lines error '}'      { $$ = $2; yyerrok; }
+     | '{' lines error '}'      { $$ = $2; yyerrok; recovered(p); }
      ;
 
 stmt: KW_MODEL IDENT                            { $$ = ast_stmt(p, S_MODEL, @2); $$->name = $2; }

@@ -5,6 +5,7 @@
 #include "test.h"
 
 #include <math.h>
+#include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
 
@@ -377,6 +378,172 @@ static void test_errors(void) {
         "an unclosed block is one error", "%s", errtext);
 }
 
+// A text made of a head, `n` copies of `unit` and a tail, in the arena (freed by the next compile).
+static char *repeated(const char *head, const char *unit, int n, const char *tail) {
+  size_t hl = strlen(head), ul = strlen(unit), tl = strlen(tail);
+  char *t = malloc(hl + ul * (size_t)n + tl + 1), *q = t;
+  memcpy(q, head, hl);
+  q += hl;
+  for (int i = 0; i < n; i++, q += ul)
+    memcpy(q, unit, ul);
+  memcpy(q, tail, tl + 1);
+  return t;
+}
+
+// How many "error:" lines the last compile printed.
+static int printed_errors(void) {
+  int n = 0;
+  for (const char *q = errtext; (q = strstr(q, ": error: ")); q++)
+    n++;
+  return n;
+}
+
+// Compiles a generated text and frees it; the number of errors as errors_of.
+static int errors_of_owned(char *text) {
+  int n = errors_of(text);
+  free(text);
+  return n;
+}
+
+static void test_error_volume(void) {
+  // 5000 unclosed braces: one syntax error, not one "never closed" per brace.
+  CHECK(errors_of_owned(repeated("model m\n", "{", 5000, "\n")) == 1 && printed_errors() == 1,
+        "5000 stray '{': one error", "%d printed", printed_errors());
+  CHECK(errors_of("model m\ninput x: f32[4]\nrepeat a[2] {\n repeat b[2] {\n  repeat c[2] {\n   y = x\n") == 1 &&
+            strstr(errtext, "nor are the 2 after it"),
+        "three nested blocks never closed: one error at the outermost", "%s", errtext);
+  CHECK(errors_of("model m\ninput x: f32[4]\nrepeat h[2] {\n y = = x {\n  z = 1\n }\n w = x\n}\noutput o = x\n") == 1,
+        "a bad statement holding braces is skipped whole: one error", "%s", errtext);
+  // More than DIAG_MAX_ERRORS mistakes: 20 printed, then "too many errors", then nothing.
+  int errors = errors_of_owned(repeated("model m\ninput x: f32[4]\n", "y = x + nope\n", 40, ""));
+  CHECK(errors > DIAG_MAX_ERRORS && printed_errors() == DIAG_MAX_ERRORS + 1 &&
+            strstr(errtext, "too many errors (more than 20); stopping here"),
+        "semantic errors stop after 20 with 'too many errors'", "%d errors, %d printed", errors, printed_errors());
+  errors = errors_of_owned(repeated("model m\n", "dim = = 1\n", 5000, ""));
+  CHECK(errors > DIAG_MAX_ERRORS && printed_errors() == DIAG_MAX_ERRORS + 1 && strlen(errtext) < 4096,
+        "5000 syntax errors print 21 errors", "%d printed, %zu bytes", printed_errors(), strlen(errtext));
+  // 16 copies of a model with 640 bytes changed at random (a fixed seed): bounded output.
+  FILE *f = fopen("models/gpt2.mdl", "rb");
+  char model[4096];
+  size_t len = f ? fread(model, 1, sizeof model - 1, f) : 0;
+  if (f)
+    fclose(f);
+  model[len] = 0;
+  char *mutated = repeated("", model, 16, "");
+  size_t n = strlen(mutated);
+  uint64_t r = 12345;
+  static const char noise[] = "{}()[]=+-*@:,;\nxL0 ";
+  for (int i = 0; i < 640 && n > 0; i++) {
+    r = r * 6364136223846793005ull + 1442695040888963407ull;
+    mutated[(r >> 33) % n] = noise[(r >> 13) % (sizeof noise - 1)];
+  }
+  errors = errors_of_owned(mutated);
+  CHECK(n > 30000 && errors > 0 && printed_errors() <= DIAG_MAX_ERRORS + 1 && strlen(errtext) < 16384,
+        "a 30 KB mutated model prints at most 21 errors", "%zu bytes in, %d errors, %zu bytes out", n,
+        printed_errors(), strlen(errtext));
+  // A long line is shown as a window around the caret, not whole.
+  errors = errors_of_owned(repeated("model m\ninput x: f32[4]\ny = nope", "; z = x", 3000, "\n"));
+  CHECK(errors == 1 && strlen(errtext) < 512 && strstr(errtext, "    3 | y = nope; z = x") && strstr(errtext, "x...\n"),
+        "an error on a 20 KB line shows 120 bytes of it", "%zu bytes: %.300s", strlen(errtext), errtext);
+}
+
+static void test_limits(void) {
+  // Nesting: the scanner's limit on ( [ {, the parser's stack, and the evaluator's depth.
+  CHECK(errors_of_owned(repeated("model m\ny = ", "(", 10000, "1\n")) == 1 &&
+            strstr(errtext, "t.mdl:2:261: error: nesting too deep: more than 256 levels") && !strstr(errtext, "memory"),
+        "10000 nested '(': 'nesting too deep' at the 257th", "%.200s", errtext);
+  CHECK(errors_of_owned(repeated("model m\ninput x: f32[2]\n", "repeat h[1] {\n", 5000, "")) == 1 &&
+            strstr(errtext, "nesting too deep"),
+        "5000 nested repeat blocks: one 'nesting too deep'", "%.200s", errtext);
+  CHECK(errors_of_owned(repeated("model m\ndim A = ", "-", 20000, "1\n")) == 1 &&
+            strstr(errtext, "nesting too deep: more than 10000 levels of the parser's stack") && !strstr(errtext, "memory"),
+        "20000 unary '-': 'nesting too deep', not bison's 'memory exhausted'", "%.200s", errtext);
+  CHECK(errors_of_owned(repeated("model m\ndim A = 1", " + 1", 200000, "\n")) == 1 &&
+            strstr(errtext, "more than 1000 levels of expressions"),
+        "a chain of 200000 additions is an error, not a stack overflow", "%.200s", errtext);
+  Graph *g;
+  char *chain = malloc(20 * 10000 + 64), *q = chain;
+  q += sprintf(q, "model m\n");
+  for (int i = 0; i < 10000; i++)
+    q += sprintf(q, "dim A%d = A%d\n", i, i + 1);
+  sprintf(q, "dim A10000 = 1\n");
+  CHECK(errors_of_owned(chain) == 1 && strstr(errtext, "more than 1000 levels"),
+        "10000 dims each naming the next: one error, not a stack overflow", "%.200s", errtext);
+  CHECK(errors_of_owned(repeated("model m\ndim A = ", "-", 900, "1\n")) == -1, "900 unary '-' still compile", "%.200s",
+        errtext);
+  // Names are hashed: 50000 top-level dims (77 s when each lookup was a linear search), and the
+  // duplicate of an early one still found, with its first definition.
+  char *many = malloc(24 * 50000 + 64);
+  q = many + sprintf(many, "model m\n");
+  for (int i = 0; i < 50000; i++)
+    q += sprintf(q, "dim A%d = %d\n", i, i + 1);
+  g = compile(many);
+  CHECK(g && g->ndims == 50000 && dim(g, "A49999") == 50000 && dim(g, "A7") == 8, "50000 dims, each with its value",
+        "%s", errtext);
+  sprintf(q, "input x: f32[A49999]\ndim A7 = 3\n");
+  CHECK(errors_of_owned(many) == 1 && strstr(errtext, "t.mdl:50003:5: error: duplicate definition of 'A7'") &&
+            strstr(errtext, "t.mdl:9:5: note: previous definition is here"),
+        "a duplicate among 50000 dims is found, with its first definition", "%.300s", errtext);
+
+  // Unrolling: a repeat count whose unrolled body would pass a limit is refused after one copy.
+  CHECK(errors_of("model m\ndim L = 4000000000\ninput x: f32[2, 8]\ny = x\n"
+                  "repeat h[L] {\n param w: [8, 8] = zeros\n y = y @ w\n}\n") == 1 &&
+            strstr(errtext, "L = 4000000000 repetitions would build 8000000001 graph nodes") &&
+            strstr(errtext, "the limit is 262144") && strstr(errtext, "'L' is defined here"),
+        "repeat h[L] with L = 4000000000: an error naming L and the limit", "%s", errtext);
+  CHECK(errors_of("model m\ndim L = 100000\ninput x: f32[2, 8]\ny = x\n"
+                  "repeat h[L] {\n param w: [8, 8] = zeros\n y = relu(y @ w) + y\n}\n") == 1 &&
+            strstr(errtext, "L = 100000 repetitions would build 400001 graph nodes (4 per repetition)"),
+        "repeat h[L] with L = 100000 layers: too many graph nodes", "%s", errtext);
+  CHECK(errors_of("model m\nrepeat h[100000000] {\n}\n") == 1 && strstr(errtext, "would run 100000002 statements"),
+        "an empty body repeated 10^8 times: too many statements", "%s", errtext);
+  CHECK(errors_of("model m\nrepeat h[70000] {\n param w: [1] = zeros\n}\n") == 1 &&
+            strstr(errtext, "70000 parameter tensors"),
+        "70000 parameter tensors: too many", "%s", errtext);
+  CHECK(errors_of("model m\nrepeat h[200] {\n param w: [65536, 262144] = zeros\n}\n") == 1 &&
+            strstr(errtext, "bytes of f32 parameters"),
+        "200 params of 2^34 elements: too many parameter bytes", "%s", errtext);
+  CHECK(errors_of("model m\ninput x: f32[4]\nrepeat a[1000] {\n repeat b[1000] {\n  param w: [4] = zeros\n }\n}\n") == 1 &&
+            strstr(errtext, "repeat a[1000]"),
+        "nested repeats: the outer one is refused after its first repetition", "%s", errtext);
+  g = compile("model m\nrepeat h[20000] {\n param w: [2] = zeros\n}\n");
+  bool ordered = g && g->nparams == 20000;
+  for (int i = 0; ordered && i < g->nparams; i++)
+    ordered = g->params[i] == i && g->nodes[i]->op == OP_PARAM;
+  CHECK(ordered && !strcmp(g->nodes[g->params[19999]]->name, "h.19999.w"),
+        "20000 params in a repeat, in order (the param list grows by doubling)", "nparams %d", g ? g->nparams : -1);
+
+  // Sizes: every tensor within 2^36 elements, so no later product of sizes overflows.
+  CHECK(errors_of("model m\ndim V = 2147483648\ndim C = 1073741824\nparam wte: [V, C] = zeros\n") == 1 &&
+            strstr(errtext, "t.mdl:4:12: error: param 'wte': shape [2147483648,1073741824] has 2305843009213693952 elements"),
+        "V = 2^31, C = 2^30: an error at the param's declaration", "%s", errtext);
+  CHECK(errors_of("model m\ndim N = 4294967296\ninput x: f32[N, N, N]\n") == 1 && strstr(errtext, "more than 2^63 elements"),
+        "a shape whose element count overflows 64 bits", "%s", errtext);
+  CHECK(errors_of("model m\ninput a: f32[524288, 1]\ninput b: f32[1, 262144]\ny = a * b\n") == 1 &&
+            strstr(errtext, "t.mdl:4:7: error: mul: the result [524288,262144] has 137438953472 elements"),
+        "a broadcast result with 2^37 elements: an error at the op", "%s", errtext);
+  CHECK(errors_of("model m\ninput a: f32[262144, 1]\ninput b: f32[1, 262144]\ny = a * b\n") == -1,
+        "a result of 2^36 elements compiles", "%s", errtext);
+  DimOverride big[] = {{"B", 1ll << 40}};
+  int errors;
+  g = compile_ov("model m\ndim B in 1..1099511627776\ninput x: f32[B, 1024]\n", big, 1, &errors);
+  CHECK(!g && errors == 1 && strstr(errtext, "input 'x': shape [1099511627776,1024]"),
+        "-D B=2^40 is checked like any dim", "%s", errtext);
+
+  // Encoding errors have a line and a column, like every other.
+  char path[] = "/tmp/mdl-test-XXXXXX";
+  int fd = mkstemp(path);
+  CHECK(fd >= 0 && write(fd, "model m\nin\0put x: f32[4]\n", 25) == 25, "a temporary file", "cannot write %s", path);
+  close(fd);
+  g = compile_any(path, NULL, NULL, 0, &errors);
+  CHECK(!g && errors == 1 && strstr(errtext, ":2:3: error: NUL byte (offset 10): not a text file\n    2 | in\n      |   ^"),
+        "a NUL byte: file:line:col, the line up to it and a caret", "%s", errtext);
+  unlink(path);
+  g = compile_ov("model m\ninput x: f32[4]\ny = x # caf\xe9\n", NULL, 0, &errors);
+  CHECK(!g && errors == 1 && strstr(errtext, "t.mdl:3:12: error: invalid UTF-8 (byte 0xe9 at offset 35)"),
+        "invalid UTF-8: file:line:col", "%s", errtext);
+}
+
 int main(void) {
   arena = arena_new();
   test_gpt2_tiny();
@@ -384,6 +551,8 @@ int main(void) {
   test_names_and_repeat();
   test_ops();
   test_errors();
+  test_error_volume();
+  test_limits();
   arena_free(arena);
   TEST_EXIT();
 }
