@@ -450,15 +450,16 @@ int train_claim_out(const char *dir, bool resume, bool *created) {
     return -1;
   }
   if (flock(fd, LOCK_EX | LOCK_NB) != 0) {
+    int why = errno;
     char pid[32] = "";
     ssize_t got = pread(fd, pid, sizeof pid - 1, 0);
     pid[got > 0 ? got : 0] = 0;
     pid[strcspn(pid, "\n")] = 0;
-    if (errno == EWOULDBLOCK || errno == EAGAIN || got >= 0)
+    if (why == EWOULDBLOCK)
       diag_file_error(dir, "another run (pid %s) is writing into this folder: wait for it to end, or choose another "
                       "--out", *pid ? pid : "unknown");
     else
-      diag_file_error(path, "cannot lock: %s", strerror(errno));
+      diag_file_error(path, "cannot lock: %s", strerror(why));
     close(fd);
     return -1;
   }
