@@ -726,6 +726,14 @@ static void run_adamw(Ctx *c) {
   double s = clip > 0 ? fmin(1, clip / (gnorm + 1e-6)) : 1;
   double *p = it->val[c->nd->in[0]], *m = it->val[c->nd->in[2]], *v = it->val[c->nd->in[3]];
   const double *g = c->x[1];
+  // A loss or gradient norm that is not finite (as f32, as the runtime reads them) leaves p, m and v
+  // as they were, as the compiled optimizers do (emit_c.c, emit_cuda.c): the runtime then stops or
+  // skips the step with the last finite weights.
+  double loss = it->g->loss >= 0 && it->val[it->g->loss] ? it->val[it->g->loss][0] : 0;
+  if (!isfinite((float)gnorm) || !isfinite((float)loss)) {
+    memcpy(c->y, p, sizeof(double) * (size_t)c->n);
+    return;
+  }
   for (int64_t i = 0; i < c->n; i++) {
     double gi = s * g[i];
     m[i] = rnd(it, b1 * m[i] + (1 - b1) * gi);

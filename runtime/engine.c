@@ -51,8 +51,6 @@ typedef struct {
   Engine e;
   Interp *it;
   ParamDraw draw;
-  int gnorm;      // the GRAD_NORM node, or -1 (no optimizer)
-  double **saved; // per node: a persistent node's values before the step under way, or NULL
 } InterpEngine;
 
 static bool ie_draw(void *ctx, int k) {
@@ -74,33 +72,9 @@ static void ie_set_scalar(Engine *e, const char *name, double v) { interp_set_sc
 
 static void ie_set_seed(Engine *e, uint64_t seed) { interp_set_seed(((InterpEngine *)e)->it, seed); }
 
-static bool persistent(const IrNode *n) { return n->op == OP_PARAM || n->op == OP_STATE; }
-
-// A step whose loss or gradient norm is not finite leaves the parameters and moments as they were,
-// as the compiled back ends' optimizers do (emit_c.c): the interpreter runs AdamW node by node, so
-// the values it changes are kept before the step and put back (a copy of the parameters and
-// moments: little next to the interpreter's forward and backward).
 static bool ie_step(Engine *e, char *err, size_t n) {
-  InterpEngine *ie = (InterpEngine *)e;
-  const Graph *g = e->g;
   ie_draw_params(e, err, n);
-  if (ie->gnorm < 0 || g->loss < 0)
-    return interp_run(ie->it, g->n, err, n);
-  for (int i = 0; i < g->n; i++)
-    if (persistent(g->nodes[i])) {
-      size_t bytes = sizeof(double) * (size_t)shape_numel(g->nodes[i]->shape);
-      if (!ie->saved[i] && !(ie->saved[i] = malloc(bytes ? bytes : 1)))
-        return rt_fail(err, n, "out of host memory keeping the parameters of the step");
-      memcpy(ie->saved[i], interp_param(ie->it, i), bytes);
-    }
-  if (!interp_run(ie->it, g->n, err, n))
-    return false;
-  if (isfinite((float)interp_value(ie->it, g->loss)[0]) && isfinite((float)interp_value(ie->it, ie->gnorm)[0]))
-    return true;
-  for (int i = 0; i < g->n; i++)
-    if (ie->saved[i])
-      memcpy(interp_param(ie->it, i), ie->saved[i], sizeof(double) * (size_t)shape_numel(g->nodes[i]->shape));
-  return true;
+  return interp_run(((InterpEngine *)e)->it, e->g->n, err, n);
 }
 
 // PARAM and STATE nodes live in the interpreter's persistent storage; others are step values.
@@ -126,9 +100,6 @@ static void ie_write(Engine *e, int node, const float *src) {
 }
 
 static void ie_free(Engine *e) {
-  for (int i = 0; ((InterpEngine *)e)->saved && i < e->g->n; i++)
-    free(((InterpEngine *)e)->saved[i]);
-  free(((InterpEngine *)e)->saved);
   interp_free(((InterpEngine *)e)->it);
   param_draw_free(&((InterpEngine *)e)->draw);
   free(e);
@@ -136,14 +107,10 @@ static void ie_free(Engine *e) {
 
 Engine *engine_interp(const Graph *g, InterpPrecision prec, uint64_t seed) {
   InterpEngine *ie = calloc(1, sizeof *ie);
-  if (!ie || !(ie->saved = calloc((size_t)g->n + 1, sizeof *ie->saved))) {
+  if (!ie) {
     fprintf(stderr, "mdlc: out of host memory\n");
     exit(1);
   }
-  ie->gnorm = -1;
-  for (int i = 0; i < g->n; i++)
-    if (g->nodes[i]->op == OP_GRAD_NORM)
-      ie->gnorm = i;
   ie->it = interp_new(g, prec);
   interp_set_seed(ie->it, seed);
   param_draw_init(&ie->draw, g, seed);
