@@ -1832,9 +1832,24 @@ static void attn_stage_row(Emit *e, const char *w, bool bf16, bool g16, const ch
   }
 }
 
-// The forward's task body (attention_gemm): GEMMs of bf16 bits when g16, else of f32.
-static void attn_fwd_body(Emit *e, const IrNode *nd, int a, int lse, Rows q, Rows k, Rows v, int doc, bool g16,
-                          const int *casts, int ncast, bool f32) {
+// What an attention kernel on the GEMM library reads and writes (attn_gemm_kernel).
+typedef struct {
+  const IrNode *nd;
+  int a, lse, doc;         // the forward's output and log-sum-exp (the backward's lse), doc ids; -1 where absent
+  const int *casts;        // forward: the output's bf16 roundings stored here (ncast), and f32 when the
+  int ncast;               // f32 output is written too
+  bool f32;
+  const int *out;          // backward: its dq, dk, dv (-1 where not wanted); NULL for the forward
+  Rows q, k, v, dout, o;   // dout and o: the backward's
+} AttnGemm;
+
+// The forward's task body (attn_gemm_kernel): GEMMs of bf16 bits when g16, else of f32.
+static void attn_fwd_body(Emit *e, const AttnGemm *x, bool g16) {
+  const IrNode *nd = x->nd;
+  int a = x->a, lse = x->lse, doc = x->doc, ncast = x->ncast;
+  const int *casts = x->casts;
+  bool f32 = x->f32;
+  Rows q = x->q, k = x->k, v = x->v;
   Shape s = ec_node(&e->core, nd->in[0])->shape;
   int64_t nt = s.d[1], nc = s.d[2], heads = nd->ia[0], d = nc / heads;
   bool bf16 = nd->ia[4] == DT_BF16;
@@ -1877,10 +1892,13 @@ static void attn_fwd_body(Emit *e, const IrNode *nd, int a, int lse, Rows q, Row
   ec_leave(&e->core);
 }
 
-// The backward's task body (attention_gemm): dq, dk, dv (out[0..2], -1 where not wanted) of the
+// The backward's task body (attn_gemm_kernel): dq, dk, dv (out[0..2], -1 where not wanted) of the
 // head, dk and dv summed over the query blocks in dkh and dvh ([T][D], f32).
-static void attn_bwd_body(Emit *e, const IrNode *nd, const int *out, Rows q, Rows k, Rows v, Rows dout, Rows o,
-                          int lse, int doc, bool g16) {
+static void attn_bwd_body(Emit *e, const AttnGemm *x, bool g16) {
+  const IrNode *nd = x->nd;
+  const int *out = x->out;
+  int lse = x->lse, doc = x->doc;
+  Rows q = x->q, k = x->k, v = x->v, dout = x->dout, o = x->o;
   Shape s = nd->shape;
   int64_t nt = s.d[1], nc = s.d[2], heads = nd->ia[0], d = nc / heads;
   bool bf16 = nd->ia[4] == DT_BF16, ds = out[0] >= 0 || out[1] >= 0;
@@ -1947,6 +1965,50 @@ static void attn_bwd_body(Emit *e, const IrNode *nd, const int *out, Rows q, Row
     }
 }
 
+// An attention kernel on the GEMM library: per-thread scratch, a task per (batch, head), and with bf16
+// attention its body twice, on the library's bf16 GEMM where it has one (h->bgemm) and else on f32.
+static void attn_gemm_kernel(Emit *e, const AttnGemm *x) {
+  Shape s = ec_node(&e->core, x->nd->in[0])->shape;
+  int64_t nb = s.d[0], nt = s.d[1], nc = s.d[2], heads = x->nd->ia[0], d = nc / heads;
+  bool bf16 = x->nd->ia[4] == DT_BF16;
+  Tmp fwd[7] = {{"qs", nt * d},         {"ks", nt * d},       {"vs", nt * d}, {"sc", ATT_ROWS * nt},
+                {"ps", ATT_ROWS * nt}, {"ot", ATT_ROWS * d}, {"lrow", ATT_ROWS}};
+  Tmp bwd[12] = {{"qs", nt * d},          {"ks", nt * d},          {"vs", nt * d},          {"dos", nt * d},
+                 {"os", nt * d},          {"sc", ATT_ROWS * nt},  {"dp", ATT_ROWS * nt},  {"ps", ATT_ROWS * nt},
+                 {"dss", ATT_ROWS * nt}, {"ot", ATT_ROWS * d},   {"dkh", nt * d},        {"dvh", nt * d}};
+  const Tmp *tmp = x->out ? bwd : fwd;
+  int ntmp = x->out ? 12 : 7;
+  void (*body)(Emit *, const AttnGemm *, bool) = x->out ? attn_bwd_body : attn_fwd_body;
+  e->uses_h = true;
+  if (bf16)
+    ec_line(&e->core, "const int g16 = h->bgemm != NULL;");
+  emit_attn_open(e, nb, heads, nb * nt * nt * nc >= PAR_MIN, tmp, ntmp);
+  if (x->doc >= 0)
+    ec_line(&e->core, "const int32_t *restrict dc = b%d + b * %lld;", ptr(e, x->doc), (long long)nt);
+  if (bf16) {
+    ec_enter(&e->core, "if (g16)");
+    body(e, x, true);
+    ec_leave(&e->core);
+    ec_enter(&e->core, "else");
+  }
+  body(e, x, false);
+  if (bf16)
+    ec_leave(&e->core);
+  emit_attn_close(e, tmp, ntmp);
+}
+
+// The forward attention kernel's outputs are written: its f32 output (when stored), its bf16
+// roundings and its log-sum-exp.
+static void attn_outputs_done(Emit *e, int a, bool f32, const int *casts, int ncast, int lse) {
+  if (f32)
+    ec_phase_done(&e->core, a);
+  for (int t = 0; t < ncast; t++)
+    ec_phase_done(&e->core, casts[t]);
+  if (lse >= 0)
+    ec_phase_done(&e->core, lse);
+  ec_phase_end(&e->core);
+}
+
 // ATTENTION forward: one task per (batch, head), which transposes the head's keys once and then, per
 // query row, computes the scores of the allowed keys, their softmax and the weighted sum of values;
 // never a T x T matrix. With its ATTENTION_LSE (rule 3 of fuse.c) each row's log-sum-exp is stored as
@@ -1976,26 +2038,11 @@ static void emit_attention(Emit *e, int gi) {
        a < 0 ? " statistics (log-sum-exp per row)" : lse >= 0 ? " and its log-sum-exp per row" : "", (long long)nb,
        (long long)nt, (long long)heads, (long long)d, causal ? ", causal" : "", has_doc ? ", within documents" : "");
   if (attn_by_gemm(nt, d)) {
-    Tmp tg[7] = {{"qs", nt * d},         {"ks", nt * d},       {"vs", nt * d}, {"sc", ATT_ROWS * nt},
-                 {"ps", ATT_ROWS * nt}, {"ot", ATT_ROWS * d}, {"lrow", ATT_ROWS}};
-    e->uses_h = true;
-    bool bf16 = nd->ia[4] == DT_BF16;
-    if (bf16)
-      ec_line(&e->core, "const int g16 = h->bgemm != NULL;");
-    emit_attn_open(e, nb, heads, nb * nt * nt * nc >= PAR_MIN, tg, 7);
-    if (doc >= 0)
-      ec_line(&e->core, "const int32_t *restrict dc = b%d + b * %lld;", ptr(e, doc), (long long)nt);
-    if (bf16) {
-      ec_enter(&e->core, "if (g16)");
-      attn_fwd_body(e, nd, a, lse, q, k, v, doc, true, casts, ncast, f32);
-      ec_leave(&e->core);
-      ec_enter(&e->core, "else");
-    }
-    attn_fwd_body(e, nd, a, lse, q, k, v, doc, false, casts, ncast, f32);
-    if (bf16)
-      ec_leave(&e->core);
-    emit_attn_close(e, tg, 7);
-  } else {
+    attn_gemm_kernel(e, &(AttnGemm){.nd = nd, .a = a, .lse = lse, .doc = doc, .casts = casts, .ncast = ncast,
+                                    .f32 = f32, .q = q, .k = k, .v = v});
+    attn_outputs_done(e, a, f32, casts, ncast, lse);
+    return;
+  }
   Tmp tmp[2] = {{"kt", d * attn_padded(nt)}, {"s", attn_padded(nt)}};
   emit_attn_open(e, nb, heads, nb * nt * nt * nc >= PAR_MIN, tmp, 2);
   bool bf16 = nd->ia[4] == DT_BF16; // q, k, v and e = exp(s - max) read rounded (mdl.h)
@@ -2021,14 +2068,7 @@ static void emit_attention(Emit *e, int gi) {
   }
   ec_leave(&e->core);
   emit_attn_close(e, tmp, 2);
-  }
-  if (f32)
-    ec_phase_done(&e->core, a);
-  for (int t = 0; t < ncast; t++)
-    ec_phase_done(&e->core, casts[t]);
-  if (lse >= 0)
-    ec_phase_done(&e->core, lse);
-  ec_phase_end(&e->core);
+  attn_outputs_done(e, a, f32, casts, ncast, lse);
 }
 
 // ATTENTION_BWD siblings: one task per (batch, head), so its dq, dk and dv rows are written by that
@@ -2058,26 +2098,8 @@ static void emit_attention_bwd(Emit *e, int gi) {
        out[0] >= 0 ? "dq " : "", out[1] >= 0 ? "dk " : "", out[2] >= 0 ? "dv" : "", (long long)nb, (long long)nt,
        (long long)heads, (long long)d, causal ? ", causal" : "", has_doc ? ", within documents" : "");
   if (attn_by_gemm(nt, d)) {
-    Tmp tg[12] = {{"qs", nt * d},          {"ks", nt * d},          {"vs", nt * d},          {"dos", nt * d},
-                  {"os", nt * d},          {"sc", ATT_ROWS * nt},  {"dp", ATT_ROWS * nt},  {"ps", ATT_ROWS * nt},
-                  {"dss", ATT_ROWS * nt}, {"ot", ATT_ROWS * d},   {"dkh", nt * d},        {"dvh", nt * d}};
-    e->uses_h = true;
-    bool bf16 = nd->ia[4] == DT_BF16;
-    if (bf16)
-      ec_line(&e->core, "const int g16 = h->bgemm != NULL;");
-    emit_attn_open(e, nb, heads, nb * nt * nt * nc >= PAR_MIN, tg, 12);
-    if (doc >= 0)
-      ec_line(&e->core, "const int32_t *restrict dc = b%d + b * %lld;", ptr(e, doc), (long long)nt);
-    if (bf16) {
-      ec_enter(&e->core, "if (g16)");
-      attn_bwd_body(e, nd, out, q, k, v, dout, o, lse, doc, true);
-      ec_leave(&e->core);
-      ec_enter(&e->core, "else");
-    }
-    attn_bwd_body(e, nd, out, q, k, v, dout, o, lse, doc, false);
-    if (bf16)
-      ec_leave(&e->core);
-    emit_attn_close(e, tg, 12);
+    attn_gemm_kernel(e, &(AttnGemm){.nd = nd, .lse = lse, .doc = doc, .out = out, .q = q, .k = k, .v = v,
+                                    .dout = dout, .o = o});
     for (int i = 0; i < 3; i++)
       if (out[i] >= 0)
         ec_phase_done(&e->core, out[i]);
