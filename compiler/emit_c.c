@@ -2216,60 +2216,6 @@ static void emit_embed(Emit *e, int gi) {
   ec_phase_end(&e->core);
 }
 
-// EMBED_BWD a with the ADD y = x + a that alone reads it (embed_bwd_add), without a's table: each
-// id's first row (first[id], found in one pass over the ids) stores its dy row into y[id] and later
-// rows add theirs, in row order, so that y[id] holds a's row as EMBED_BWD sums it; then y = x + y on
-// those rows and y = x on the others. GPT-2 124M's tied table: its zeroed scratch of 154 MB, the
-// table's pass and the add's read of it took 110-225 ms a step.
-static void emit_embed_bwd_add(Emit *e, const IrNode *nd, int add, int x, int ids, int dy) {
-  int64_t v = nd->shape.d[0], c = nd->shape.d[1], rows = ec_numel(&e->core, nd->in[0]);
-  int64_t cb = c < 16 ? c : 16, ncb = (c + cb - 1) / cb;
-  int y = ptr(e, add);
-  ec_phase_begin(&e->core);
-  note(e, "embed backward added to %%%d: %lld rows of %lld into the rows of a table of %lld they name, %lld column "
-       "blocks", x, (long long)rows, (long long)c, (long long)v, (long long)ncb);
-  ec_line(&e->core, "int32_t *first = mdl_scratch(%lld * sizeof(int32_t));", (long long)v);
-  ec_line(&e->core, "memset(first, 0xff, %lld * sizeof(int32_t));", (long long)v);
-  ec_enter(&e->core, "for (int64_t r = 0; r < %lld; r++)", (long long)rows);
-  ec_line(&e->core, "const int32_t id = b%d[r];", ptr(e, ids));
-  ec_line(&e->core, "if (id < 0 || id >= %lld)", (long long)v);
-  ec_line(&e->core, "  h->error(h->ctx, \"embed: id\", id, %lld);", (long long)v);
-  ec_line(&e->core, "else if (first[id] < 0)");
-  ec_line(&e->core, "  first[id] = (int32_t)r;");
-  ec_leave(&e->core);
-  par_for(e, rows * c, "static");
-  ec_enter(&e->core, "for (int64_t k = 0; k < %lld; k++)", (long long)ncb);
-  ec_line(&e->core, "const int64_t c0 = k * %lld, c1 = c0 + %lld < %lld ? c0 + %lld : %lld;", (long long)cb,
-          (long long)cb, (long long)c, (long long)cb, (long long)c);
-  ec_enter(&e->core, "for (int64_t r = 0; r < %lld; r++)", (long long)rows);
-  ec_line(&e->core, "const int32_t id = b%d[r];", ptr(e, ids));
-  ec_line(&e->core, "if (id < 0 || id >= %lld)", (long long)v);
-  ec_line(&e->core, "  continue;");
-  ec_line(&e->core, "float *restrict yr = b%d + (int64_t)id * %lld;", y, (long long)c);
-  ec_line(&e->core, "const float *restrict dr = b%d + r * %lld;", ptr(e, dy), (long long)c);
-  ec_line(&e->core, "if (first[id] == r)");
-  ec_line(&e->core, "  for (int64_t j = c0; j < c1; j++)");
-  ec_line(&e->core, "    yr[j] = dr[j];");
-  ec_line(&e->core, "else");
-  ec_line(&e->core, "  for (int64_t j = c0; j < c1; j++)");
-  ec_line(&e->core, "    yr[j] += dr[j];");
-  ec_leave(&e->core);
-  ec_leave(&e->core);
-  par_for(e, v * c, "static");
-  ec_enter(&e->core, "for (int64_t t = 0; t < %lld; t++)", (long long)v);
-  ec_line(&e->core, "float *restrict yr = b%d + t * %lld;", y, (long long)c);
-  ec_line(&e->core, "const float *restrict xr = b%d + t * %lld;", ptr(e, x), (long long)c);
-  ec_line(&e->core, "if (first[t] < 0)");
-  ec_line(&e->core, "  memcpy(yr, xr, %lld * sizeof(float));", (long long)c);
-  ec_line(&e->core, "else");
-  ec_line(&e->core, "  for (int64_t j = 0; j < %lld; j++)", (long long)c);
-  ec_line(&e->core, "    yr[j] = xr[j] + yr[j];");
-  ec_leave(&e->core);
-  ec_line(&e->core, "mdl_free(first);");
-  ec_phase_done(&e->core, add);
-  ec_phase_end(&e->core);
-}
-
 // The ADD of the step that is the only reader of EMBED_BWD a, when it adds a to a table x of the same
 // shape and type in memory, into a buffer of its own (a tied embedding's gradient: the LM head's dW
 // plus the embedding's); -1 otherwise. *x is set to the other operand.
@@ -2300,8 +2246,14 @@ static int embed_bwd_add(Emit *e, int a, int *x) {
   return add;
 }
 
-// EMBED_BWD: a scatter-add, parallel over blocks of columns so that every row of the table is summed
-// in id order by one thread: deterministic and race-free.
+// EMBED_BWD a, a scatter-add parallel over blocks of columns, so that each row of the table is summed
+// by one thread in row order: deterministic and race-free. Each id's first row (first[id], found in
+// one pass over the ids) stores its dy row and later rows add theirs, so no row of the table is
+// zeroed before it is summed into; the rows no id names are then zeros. With
+// the ADD y = x + a that alone reads a (embed_bwd_add: a tied embedding's gradient, the LM head's dW
+// plus the embedding's), the sums go straight into y, which becomes x + y on those rows and x on the
+// others, and a has no table of its own: GPT-2 124M's zeroed scratch of 154 MB, its pass and the add's
+// read of it took 110-225 ms a step, now 12.
 static void emit_embed_bwd(Emit *e, int gi) {
   int a = e->core.groups[gi].mem[0];
   const IrNode *nd = ec_node(&e->core, a);
@@ -2309,39 +2261,63 @@ static void emit_embed_bwd(Emit *e, int gi) {
   int ids = ec_need(&e->core, nd->in[0]), dy = ec_need(&e->core, nd->in[1]);
   int x = -1, add = embed_bwd_add(e, a, &x);
   flush(e);
+  int out = add >= 0 ? add : a;
+  if (ec_offset(&e->core, out) < 0)
+    e->core.scratch[out] = true;
   int64_t cb = c < 16 ? c : 16, ncb = (c + cb - 1) / cb;
   e->uses_h = true;
-  if (add >= 0) {
-    emit_embed_bwd_add(e, nd, add, x, ids, dy);
-    return;
-  }
-  if (ec_offset(&e->core, a) < 0)
-    e->core.scratch[a] = true;
   ec_phase_begin(&e->core);
-  note(e, "embed backward: %lld rows of %lld into a table of %lld, %lld column blocks", (long long)rows,
-       (long long)c, (long long)v, (long long)ncb);
-  // The table zeroed a row at a time first (zeroing it a column block at a time, 64 bytes a row per
-  // call, took most of GPT-2 124M's 222 ms for this kernel).
-  par_for(e, v * c, "static");
-  ec_line(&e->core, "for (int64_t t = 0; t < %lld; t++)", (long long)v);
-  ec_line(&e->core, "  memset(b%d + t * %lld, 0, %lld * sizeof(float));", ptr(e, a), (long long)c, (long long)c);
-  par_for(e, (rows + v) * c, "static");
+  if (add >= 0)
+    note(e, "embed backward added to %%%d: %lld rows of %lld into the rows of a table of %lld they name, %lld "
+         "column blocks", x, (long long)rows, (long long)c, (long long)v, (long long)ncb);
+  else
+    note(e, "embed backward: %lld rows of %lld into a table of %lld, %lld column blocks", (long long)rows,
+         (long long)c, (long long)v, (long long)ncb);
+  int y = ptr(e, out);
+  ec_line(&e->core, "int32_t *first = mdl_scratch(%lld * sizeof(int32_t));", (long long)v);
+  ec_line(&e->core, "memset(first, 0xff, %lld * sizeof(int32_t));", (long long)v);
+  ec_enter(&e->core, "for (int64_t r = 0; r < %lld; r++)", (long long)rows);
+  ec_line(&e->core, "const int32_t id = b%d[r];", ptr(e, ids));
+  ec_line(&e->core, "if (id < 0 || id >= %lld)", (long long)v);
+  ec_line(&e->core, "  h->error(h->ctx, \"embed: id\", id, %lld);", (long long)v);
+  ec_line(&e->core, "else if (first[id] < 0)");
+  ec_line(&e->core, "  first[id] = (int32_t)r;");
+  ec_leave(&e->core);
+  par_for(e, rows * c, "static");
   ec_enter(&e->core, "for (int64_t k = 0; k < %lld; k++)", (long long)ncb);
   ec_line(&e->core, "const int64_t c0 = k * %lld, c1 = c0 + %lld < %lld ? c0 + %lld : %lld;", (long long)cb,
           (long long)cb, (long long)c, (long long)cb, (long long)c);
   ec_enter(&e->core, "for (int64_t r = 0; r < %lld; r++)", (long long)rows);
   ec_line(&e->core, "const int32_t id = b%d[r];", ptr(e, ids));
-  ec_enter(&e->core, "if (id < 0 || id >= %lld)", (long long)v);
-  ec_line(&e->core, "if (k == 0)");
-  ec_line(&e->core, "  h->error(h->ctx, \"embed: id\", id, %lld);", (long long)v);
-  ec_line(&e->core, "continue;");
+  ec_line(&e->core, "if (id < 0 || id >= %lld)", (long long)v);
+  ec_line(&e->core, "  continue;");
+  ec_line(&e->core, "float *restrict yr = b%d + (int64_t)id * %lld;", y, (long long)c);
+  ec_line(&e->core, "const float *restrict dr = b%d + r * %lld;", ptr(e, dy), (long long)c);
+  ec_line(&e->core, "if (first[id] == r)");
+  ec_line(&e->core, "  for (int64_t j = c0; j < c1; j++)");
+  ec_line(&e->core, "    yr[j] = dr[j];");
+  ec_line(&e->core, "else");
+  ec_line(&e->core, "  for (int64_t j = c0; j < c1; j++)");
+  ec_line(&e->core, "    yr[j] += dr[j];");
   ec_leave(&e->core);
-  ec_line(&e->core, "for (int64_t j = c0; j < c1; j++)");
-  ec_line(&e->core, "  b%d[(int64_t)id * %lld + j] += b%d[r * %lld + j];", ptr(e, a), (long long)c, ptr(e, dy),
-          (long long)c);
   ec_leave(&e->core);
+  par_for(e, v * c, "static");
+  ec_enter(&e->core, "for (int64_t t = 0; t < %lld; t++)", (long long)v);
+  ec_line(&e->core, "float *restrict yr = b%d + t * %lld;", y, (long long)c);
+  if (add >= 0) {
+    ec_line(&e->core, "const float *restrict xr = b%d + t * %lld;", ptr(e, x), (long long)c);
+    ec_line(&e->core, "if (first[t] < 0)");
+    ec_line(&e->core, "  memcpy(yr, xr, %lld * sizeof(float));", (long long)c);
+    ec_line(&e->core, "else");
+    ec_line(&e->core, "  for (int64_t j = 0; j < %lld; j++)", (long long)c);
+    ec_line(&e->core, "    yr[j] = xr[j] + yr[j];");
+  } else {
+    ec_line(&e->core, "if (first[t] < 0)");
+    ec_line(&e->core, "  memset(yr, 0, %lld * sizeof(float));", (long long)c);
+  }
   ec_leave(&e->core);
-  ec_phase_done(&e->core, a);
+  ec_line(&e->core, "mdl_free(first);");
+  ec_phase_done(&e->core, out);
   ec_phase_end(&e->core);
 }
 

@@ -1965,22 +1965,38 @@ static void k45_embed_bwd(char *arena, const MdlHooks *h) {
   int32_t *const b2 = (int32_t *)(arena + 2228224); // %2 input pos i32[8,64]
   float *const b207 = (float *)(arena + 2232448); // %207 add d.x f32[8,64,64]
   float *const b208 = (float *)(arena + 564224); // %208 embed_bwd d.wpe f32[128,64]
-  for (int64_t t = 0; t < 128; t++)
-    memset(b208 + t * 64, 0, 64 * sizeof(float));
+  int32_t *first = mdl_scratch(128 * sizeof(int32_t));
+  memset(first, 0xff, 128 * sizeof(int32_t));
+  for (int64_t r = 0; r < 512; r++) {
+    const int32_t id = b2[r];
+    if (id < 0 || id >= 128)
+      h->error(h->ctx, "embed: id", id, 128);
+    else if (first[id] < 0)
+      first[id] = (int32_t)r;
+  }
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
   for (int64_t k = 0; k < 4; k++) {
     const int64_t c0 = k * 16, c1 = c0 + 16 < 64 ? c0 + 16 : 64;
     for (int64_t r = 0; r < 512; r++) {
       const int32_t id = b2[r];
-      if (id < 0 || id >= 128) {
-        if (k == 0)
-          h->error(h->ctx, "embed: id", id, 128);
+      if (id < 0 || id >= 128)
         continue;
-      }
-      for (int64_t j = c0; j < c1; j++)
-        b208[(int64_t)id * 64 + j] += b207[r * 64 + j];
+      float *restrict yr = b208 + (int64_t)id * 64;
+      const float *restrict dr = b207 + r * 64;
+      if (first[id] == r)
+        for (int64_t j = c0; j < c1; j++)
+          yr[j] = dr[j];
+      else
+        for (int64_t j = c0; j < c1; j++)
+          yr[j] += dr[j];
     }
   }
+  for (int64_t t = 0; t < 128; t++) {
+    float *restrict yr = b208 + t * 64;
+    if (first[t] < 0)
+      memset(yr, 0, 64 * sizeof(float));
+  }
+  mdl_free(first);
 }
 
 // k46_embed_bwd__add: kernel, 2 ops

@@ -4373,23 +4373,39 @@ static void k235_embed_bwd(char *arena, const MdlHooks *h) {
   int32_t *const b2 = (int32_t *)(arena + 2238238720); // %2 input pos i32[8,1024]
   float *const b1067 = (float *)(arena + 2392693888); // %1067 add d.x f32[8,1024,768]
   float *const b1068 = (float *)(arena + 652148736); // %1068 embed_bwd d.wpe f32[1024,768]
-  #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t t = 0; t < 1024; t++)
-    memset(b1068 + t * 768, 0, 768 * sizeof(float));
+  int32_t *first = mdl_scratch(1024 * sizeof(int32_t));
+  memset(first, 0xff, 1024 * sizeof(int32_t));
+  for (int64_t r = 0; r < 8192; r++) {
+    const int32_t id = b2[r];
+    if (id < 0 || id >= 1024)
+      h->error(h->ctx, "embed: id", id, 1024);
+    else if (first[id] < 0)
+      first[id] = (int32_t)r;
+  }
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
   for (int64_t k = 0; k < 48; k++) {
     const int64_t c0 = k * 16, c1 = c0 + 16 < 768 ? c0 + 16 : 768;
     for (int64_t r = 0; r < 8192; r++) {
       const int32_t id = b2[r];
-      if (id < 0 || id >= 1024) {
-        if (k == 0)
-          h->error(h->ctx, "embed: id", id, 1024);
+      if (id < 0 || id >= 1024)
         continue;
-      }
-      for (int64_t j = c0; j < c1; j++)
-        b1068[(int64_t)id * 768 + j] += b1067[r * 768 + j];
+      float *restrict yr = b1068 + (int64_t)id * 768;
+      const float *restrict dr = b1067 + r * 768;
+      if (first[id] == r)
+        for (int64_t j = c0; j < c1; j++)
+          yr[j] = dr[j];
+      else
+        for (int64_t j = c0; j < c1; j++)
+          yr[j] += dr[j];
     }
   }
+  #pragma omp parallel for num_threads(h->nthreads) schedule(static)
+  for (int64_t t = 0; t < 1024; t++) {
+    float *restrict yr = b1068 + t * 768;
+    if (first[t] < 0)
+      memset(yr, 0, 768 * sizeof(float));
+  }
+  mdl_free(first);
 }
 
 // k236_embed_bwd__add: kernel, 2 ops

@@ -2261,22 +2261,38 @@ static void k72_embed_bwd(char *arena, const MdlHooks *h) {
   int32_t *const b0 = (int32_t *)(arena + 2345984); // %0 input tokens i32[8,64]
   float *const b253 = (float *)(arena + 2485376); // %253 add d.x f32[8,64,64]
   float *const b254 = (float *)(arena + 527616); // %254 embed_bwd d.tok_emb f32[256,64]
-  for (int64_t t = 0; t < 256; t++)
-    memset(b254 + t * 64, 0, 64 * sizeof(float));
+  int32_t *first = mdl_scratch(256 * sizeof(int32_t));
+  memset(first, 0xff, 256 * sizeof(int32_t));
+  for (int64_t r = 0; r < 512; r++) {
+    const int32_t id = b0[r];
+    if (id < 0 || id >= 256)
+      h->error(h->ctx, "embed: id", id, 256);
+    else if (first[id] < 0)
+      first[id] = (int32_t)r;
+  }
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
   for (int64_t k = 0; k < 4; k++) {
     const int64_t c0 = k * 16, c1 = c0 + 16 < 64 ? c0 + 16 : 64;
     for (int64_t r = 0; r < 512; r++) {
       const int32_t id = b0[r];
-      if (id < 0 || id >= 256) {
-        if (k == 0)
-          h->error(h->ctx, "embed: id", id, 256);
+      if (id < 0 || id >= 256)
         continue;
-      }
-      for (int64_t j = c0; j < c1; j++)
-        b254[(int64_t)id * 64 + j] += b253[r * 64 + j];
+      float *restrict yr = b254 + (int64_t)id * 64;
+      const float *restrict dr = b253 + r * 64;
+      if (first[id] == r)
+        for (int64_t j = c0; j < c1; j++)
+          yr[j] = dr[j];
+      else
+        for (int64_t j = c0; j < c1; j++)
+          yr[j] += dr[j];
     }
   }
+  for (int64_t t = 0; t < 256; t++) {
+    float *restrict yr = b254 + t * 64;
+    if (first[t] < 0)
+      memset(yr, 0, 64 * sizeof(float));
+  }
+  mdl_free(first);
 }
 
 // k73_grad_norm__adamw: optimizer, 22 ops
