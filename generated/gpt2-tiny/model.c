@@ -903,11 +903,6 @@ static void k18_lmhead__cast__cross_entropy__cross_entropy_bwd__gemm(char *arena
                 part[u] += ej;
               }
             }
-            for (int64_t j = k; j < j1; j++) {
-              const float ej = mdl_exp_shifted(x[j] - m);
-              dx[j] = ej;
-              part[j - k] += ej;
-            }
             for (int u = 0; u < 16; u++)
               lane[u] += part[u];
           }
@@ -970,11 +965,6 @@ static void k18_lmhead__cast__cross_entropy__cross_entropy_bwd__gemm(char *arena
                 dx[j] = ej;
                 part[u] += ej;
               }
-            }
-            for (int64_t j = k; j < j1; j++) {
-              const float ej = mdl_exp_shifted(x[j] - m);
-              dx[j] = ej;
-              part[j - k] += ej;
             }
             for (int u = 0; u < 16; u++)
               lane[u] += part[u];
@@ -1491,6 +1481,7 @@ __attribute__((noinline)) static void k28_attention_bwd__code(char *arena, const
           dor[c] = mdl_bf16_to_f32(b153[(b * 64 + i) * 64 + hd * 16 + c]);
         const float *restrict doi = dor;
         float dsum = 0.0f;
+        #pragma omp simd reduction(+ : dsum)
         for (int64_t c = 0; c < 16; c++)
           dsum += doi[c] * mdl_bf16_to_f32(b80[(b * 64 + i) * 64 + hd * 16 + c]);
         for (int64_t j0 = lo; j0 < hi; j0 += 32) {

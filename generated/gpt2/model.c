@@ -409,6 +409,19 @@ __attribute__((noinline)) static void k4_attention_fwd__cast__lse__code(char *ar
       const int64_t b = task / 12, hd = task % 12;
       const int32_t *restrict dc = b3 + b * 1024;
       if (g16) {
+        for (int64_t j = 0; j < 1024; j++) {
+          const uint16_t *restrict x = b28 + 768 + b * 2359296 + hd * 64 + j * 2304;
+          uint16_t *restrict y = (uint16_t *)ks + j * 64;
+          for (int64_t c = 0; c < 64; c++)
+            y[c] = x[c];
+        }
+        for (int64_t j = 0; j < 1024; j++) {
+          const uint16_t *restrict x = b28 + 1536 + b * 2359296 + hd * 64 + j * 2304;
+          uint16_t *restrict y = (uint16_t *)vs + j * 64;
+          for (int64_t c = 0; c < 64; c++)
+            y[c] = x[c];
+        }
+        int64_t rlo = 0, rhi = 1024;
         for (int64_t i0 = 0; i0 < 1024; i0 += 64) {
           const int64_t i1 = i0 + 64 < 1024 ? i0 + 64 : 1024, nr = i1 - i0;
           int64_t klo = i0;
@@ -419,34 +432,32 @@ __attribute__((noinline)) static void k4_attention_fwd__cast__lse__code(char *ar
               l++;
             klo = l < klo ? l : klo;
           }
+          klo -= klo % 64;
           const int64_t khi = i1, nk = khi - klo;
-          h->bgemm(0, 1, nr, nk, 64, b28 + b * 2359296 + hd * 64 + i0 * 2304, 2304, b28 + 768 + b * 2359296 + hd * 64 + klo * 2304, 2304, 0.0f, sc, nk);
+          h->bgemm(0, 1, nr, nk, 64, b28 + b * 2359296 + hd * 64 + i0 * 2304, 2304, (const uint16_t *)ks + klo * 64, 64, 0.0f, sc, nk);
           for (int64_t i = i0; i < i1; i++) {
             float *restrict s = sc + (i - i0) * nk;
+            const int32_t di = dc[i];
+            if (i == 0 || dc[i - 1] != di) {
+              rlo = 0;
+              while (dc[rlo] != di)
+                rlo++;
+            }
+            rhi = i + 1;
+            const int64_t lo = rlo - klo, hi = rhi - klo;
+            memset(s, 0, lo * sizeof(float));
+            memset(s + hi, 0, (nk - hi) * sizeof(float));
             float m = -INFINITY;
             #pragma omp simd reduction(max : m)
-            for (int64_t j = 0; j < nk; j++) {
-              s[j] = klo + j <= i && dc[klo + j] == dc[i] ? s[j] * 0.125f : -INFINITY;
+            for (int64_t j = lo; j < hi; j++) {
+              s[j] = dc[klo + j] == di ? s[j] * 0.125f : -INFINITY;
               m = s[j] > m ? s[j] : m;
             }
-            #pragma omp simd
-            for (int64_t j = 0; j < nk; j++)
+            float l = 0.0f;
+            #pragma omp simd reduction(+ : l)
+            for (int64_t j = lo; j < hi; j++) {
               s[j] = mdl_exp_shifted(s[j] - m);
-            const int64_t lo = 0, hi = nk;
-            float l;
-            {
-              float part[8] = {0};
-              int64_t j0 = lo;
-              for (; j0 + 8 <= hi; j0 += 8) {
-                for (int64_t u = 0; u < 8; u++) {
-                  const int64_t j = j0 + u;
-                  part[u] += s[j];
-                }
-              }
-              for (int64_t j = j0; j < hi; j++) {
-                part[j - j0] += s[j];
-              }
-              l = ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
+              l += s[j];
             }
             lrow[i - i0] = l;
             b1051[(b * 12 + hd) * 1024 + i] = m + logf(l);
@@ -455,7 +466,7 @@ __attribute__((noinline)) static void k4_attention_fwd__cast__lse__code(char *ar
             for (int64_t j = 0; j < nk; j++)
               ps_i[j] = mdl_f32_to_bf16(s[j]);
           }
-          h->bgemm(0, 0, nr, 64, nk, (const uint16_t *)ps, nk, b28 + 1536 + b * 2359296 + hd * 64 + klo * 2304, 2304, 0.0f, ot, 64);
+          h->bgemm(0, 0, nr, 64, nk, (const uint16_t *)ps, nk, (const uint16_t *)vs + klo * 64, 64, 0.0f, ot, 64);
           for (int64_t i = i0; i < i1; i++) {
             uint16_t *restrict o0 = b34 + (b * 1024 + i) * 768 + hd * 64;
             for (int64_t c = 0; c < 64; c++) {
@@ -484,6 +495,7 @@ __attribute__((noinline)) static void k4_attention_fwd__cast__lse__code(char *ar
           for (int64_t c = 0; c < 64; c++)
             y[c] = mdl_bf16_to_f32(x[c]);
         }
+        int64_t rlo = 0, rhi = 1024;
         for (int64_t i0 = 0; i0 < 1024; i0 += 64) {
           const int64_t i1 = i0 + 64 < 1024 ? i0 + 64 : 1024, nr = i1 - i0;
           int64_t klo = i0;
@@ -494,34 +506,32 @@ __attribute__((noinline)) static void k4_attention_fwd__cast__lse__code(char *ar
               l++;
             klo = l < klo ? l : klo;
           }
+          klo -= klo % 64;
           const int64_t khi = i1, nk = khi - klo;
           h->sgemm(0, 1, nr, nk, 64, (const float *)qs + i0 * 64, 64, (const float *)ks + klo * 64, 64, 0.0f, sc, nk);
           for (int64_t i = i0; i < i1; i++) {
             float *restrict s = sc + (i - i0) * nk;
+            const int32_t di = dc[i];
+            if (i == 0 || dc[i - 1] != di) {
+              rlo = 0;
+              while (dc[rlo] != di)
+                rlo++;
+            }
+            rhi = i + 1;
+            const int64_t lo = rlo - klo, hi = rhi - klo;
+            memset(s, 0, lo * sizeof(float));
+            memset(s + hi, 0, (nk - hi) * sizeof(float));
             float m = -INFINITY;
             #pragma omp simd reduction(max : m)
-            for (int64_t j = 0; j < nk; j++) {
-              s[j] = klo + j <= i && dc[klo + j] == dc[i] ? s[j] * 0.125f : -INFINITY;
+            for (int64_t j = lo; j < hi; j++) {
+              s[j] = dc[klo + j] == di ? s[j] * 0.125f : -INFINITY;
               m = s[j] > m ? s[j] : m;
             }
-            #pragma omp simd
-            for (int64_t j = 0; j < nk; j++)
+            float l = 0.0f;
+            #pragma omp simd reduction(+ : l)
+            for (int64_t j = lo; j < hi; j++) {
               s[j] = mdl_exp_shifted(s[j] - m);
-            const int64_t lo = 0, hi = nk;
-            float l;
-            {
-              float part[8] = {0};
-              int64_t j0 = lo;
-              for (; j0 + 8 <= hi; j0 += 8) {
-                for (int64_t u = 0; u < 8; u++) {
-                  const int64_t j = j0 + u;
-                  part[u] += s[j];
-                }
-              }
-              for (int64_t j = j0; j < hi; j++) {
-                part[j - j0] += s[j];
-              }
-              l = ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
+              l += s[j];
             }
             lrow[i - i0] = l;
             b1051[(b * 12 + hd) * 1024 + i] = m + logf(l);
@@ -2440,8 +2450,21 @@ __attribute__((noinline)) static void k98_attention_bwd__code(char *arena, const
       const int64_t b = task / 12, hd = task % 12;
       const int32_t *restrict dc = b3 + b * 1024;
       if (g16) {
+        for (int64_t j = 0; j < 1024; j++) {
+          const uint16_t *restrict x = b534 + 768 + b * 2359296 + hd * 64 + j * 2304;
+          uint16_t *restrict y = (uint16_t *)ks + j * 64;
+          for (int64_t c = 0; c < 64; c++)
+            y[c] = x[c];
+        }
+        for (int64_t j = 0; j < 1024; j++) {
+          const uint16_t *restrict x = b534 + 1536 + b * 2359296 + hd * 64 + j * 2304;
+          uint16_t *restrict y = (uint16_t *)vs + j * 64;
+          for (int64_t c = 0; c < 64; c++)
+            y[c] = x[c];
+        }
         memset(dkh, 0, 65536 * sizeof(float));
         memset(dvh, 0, 65536 * sizeof(float));
+        int64_t rlo = 0, rhi = 1024;
         for (int64_t i0 = 0; i0 < 1024; i0 += 64) {
           const int64_t i1 = i0 + 64 < 1024 ? i0 + 64 : 1024, nr = i1 - i0;
           int64_t klo = i0;
@@ -2452,17 +2475,29 @@ __attribute__((noinline)) static void k98_attention_bwd__code(char *arena, const
               l++;
             klo = l < klo ? l : klo;
           }
+          klo -= klo % 64;
           const int64_t khi = i1, nk = khi - klo;
-          h->bgemm(0, 1, nr, nk, 64, b534 + b * 2359296 + hd * 64 + i0 * 2304, 2304, b534 + 768 + b * 2359296 + hd * 64 + klo * 2304, 2304, 0.0f, sc, nk);
-          h->bgemm(0, 1, nr, nk, 64, b613 + b * 786432 + hd * 64 + i0 * 768, 768, b534 + 1536 + b * 2359296 + hd * 64 + klo * 2304, 2304, 0.0f, dp, nk);
+          h->bgemm(0, 1, nr, nk, 64, b534 + b * 2359296 + hd * 64 + i0 * 2304, 2304, (const uint16_t *)ks + klo * 64, 64, 0.0f, sc, nk);
+          h->bgemm(0, 1, nr, nk, 64, b613 + b * 786432 + hd * 64 + i0 * 768, 768, (const uint16_t *)vs + klo * 64, 64, 0.0f, dp, nk);
           for (int64_t i = i0; i < i1; i++) {
             float *restrict s = sc + (i - i0) * nk;
+            const int32_t di = dc[i];
+            if (i == 0 || dc[i - 1] != di) {
+              rlo = 0;
+              while (dc[rlo] != di)
+                rlo++;
+            }
+            rhi = i + 1;
+            const int64_t lo = rlo - klo, hi = rhi - klo;
+            memset(s, 0, lo * sizeof(float));
+            memset(s + hi, 0, (nk - hi) * sizeof(float));
             const float lse = b611[(b * 12 + hd) * 1024 + i];
             #pragma omp simd
-            for (int64_t j = 0; j < nk; j++)
-              s[j] = klo + j <= i && dc[klo + j] == dc[i] ? mdl_exp_shifted(s[j] * 0.125f - lse) : 0.0f;
+            for (int64_t j = lo; j < hi; j++)
+              s[j] = dc[klo + j] == di ? mdl_exp_shifted(s[j] * 0.125f - lse) : 0.0f;
             const uint16_t *restrict doi = b613 + b * 786432 + hd * 64 + i * 768, *restrict oi = b540 + b * 786432 + hd * 64 + i * 768;
             float dsum = 0.0f;
+            #pragma omp simd reduction(+ : dsum)
             for (int64_t c = 0; c < 64; c++)
               dsum += mdl_bf16_to_f32(doi[c]) * mdl_bf16_to_f32(oi[c]);
             float *restrict dpi = dp + (i - i0) * nk;
@@ -2480,7 +2515,7 @@ __attribute__((noinline)) static void k98_attention_bwd__code(char *arena, const
           }
           h->bgemm(1, 0, nk, 64, nr, (const uint16_t *)ps, nk, b613 + b * 786432 + hd * 64 + i0 * 768, 768, 1.0f, dvh + klo * 64, 64);
           h->bgemm(1, 0, nk, 64, nr, (const uint16_t *)dss, nk, b534 + b * 2359296 + hd * 64 + i0 * 2304, 2304, 1.0f, dkh + klo * 64, 64);
-          h->bgemm(0, 0, nr, 64, nk, (const uint16_t *)dss, nk, b534 + 768 + b * 2359296 + hd * 64 + klo * 2304, 2304, 0.0f, ot, 64);
+          h->bgemm(0, 0, nr, 64, nk, (const uint16_t *)dss, nk, (const uint16_t *)ks + klo * 64, 64, 0.0f, ot, 64);
           for (int64_t i = i0; i < i1; i++) {
             float *restrict dq = b614 + (b * 1024 + i) * 768 + hd * 64;
             for (int64_t c = 0; c < 64; c++)
@@ -2533,6 +2568,7 @@ __attribute__((noinline)) static void k98_attention_bwd__code(char *arena, const
         }
         memset(dkh, 0, 65536 * sizeof(float));
         memset(dvh, 0, 65536 * sizeof(float));
+        int64_t rlo = 0, rhi = 1024;
         for (int64_t i0 = 0; i0 < 1024; i0 += 64) {
           const int64_t i1 = i0 + 64 < 1024 ? i0 + 64 : 1024, nr = i1 - i0;
           int64_t klo = i0;
@@ -2543,17 +2579,29 @@ __attribute__((noinline)) static void k98_attention_bwd__code(char *arena, const
               l++;
             klo = l < klo ? l : klo;
           }
+          klo -= klo % 64;
           const int64_t khi = i1, nk = khi - klo;
           h->sgemm(0, 1, nr, nk, 64, (const float *)qs + i0 * 64, 64, (const float *)ks + klo * 64, 64, 0.0f, sc, nk);
           h->sgemm(0, 1, nr, nk, 64, (const float *)dos + i0 * 64, 64, (const float *)vs + klo * 64, 64, 0.0f, dp, nk);
           for (int64_t i = i0; i < i1; i++) {
             float *restrict s = sc + (i - i0) * nk;
+            const int32_t di = dc[i];
+            if (i == 0 || dc[i - 1] != di) {
+              rlo = 0;
+              while (dc[rlo] != di)
+                rlo++;
+            }
+            rhi = i + 1;
+            const int64_t lo = rlo - klo, hi = rhi - klo;
+            memset(s, 0, lo * sizeof(float));
+            memset(s + hi, 0, (nk - hi) * sizeof(float));
             const float lse = b611[(b * 12 + hd) * 1024 + i];
             #pragma omp simd
-            for (int64_t j = 0; j < nk; j++)
-              s[j] = klo + j <= i && dc[klo + j] == dc[i] ? mdl_exp_shifted(s[j] * 0.125f - lse) : 0.0f;
+            for (int64_t j = lo; j < hi; j++)
+              s[j] = dc[klo + j] == di ? mdl_exp_shifted(s[j] * 0.125f - lse) : 0.0f;
             const float *restrict doi = (const float *)dos + i * 64, *restrict oi = (const float *)os + i * 64;
             float dsum = 0.0f;
+            #pragma omp simd reduction(+ : dsum)
             for (int64_t c = 0; c < 64; c++)
               dsum += doi[c] * oi[c];
             float *restrict dpi = dp + (i - i0) * nk;

@@ -1035,11 +1035,6 @@ static void k27_lmhead__cast__cross_entropy__cross_entropy_bwd__gemm(char *arena
                 part[u] += ej;
               }
             }
-            for (int64_t j = k; j < j1; j++) {
-              const float ej = mdl_exp_shifted(x[j] - m);
-              dx[j] = ej;
-              part[j - k] += ej;
-            }
             for (int u = 0; u < 16; u++)
               lane[u] += part[u];
           }
@@ -1102,11 +1097,6 @@ static void k27_lmhead__cast__cross_entropy__cross_entropy_bwd__gemm(char *arena
                 dx[j] = ej;
                 part[u] += ej;
               }
-            }
-            for (int64_t j = k; j < j1; j++) {
-              const float ej = mdl_exp_shifted(x[j] - m);
-              dx[j] = ej;
-              part[j - k] += ej;
             }
             for (int u = 0; u < 16; u++)
               lane[u] += part[u];
@@ -1644,6 +1634,7 @@ __attribute__((noinline)) static void k40_attention_bwd__code(char *arena, const
           dor[c] = mdl_bf16_to_f32(b173[(b * 64 + i) * 64 + hd * 16 + c]);
         const float *restrict doi = dor;
         float dsum = 0.0f;
+        #pragma omp simd reduction(+ : dsum)
         for (int64_t c = 0; c < 16; c++)
           dsum += doi[c] * mdl_bf16_to_f32(b94[(b * 64 + i) * 64 + hd * 16 + c]);
         for (int64_t j0 = lo; j0 < hi; j0 += 32) {
