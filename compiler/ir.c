@@ -431,6 +431,7 @@ static IrNode *new_node(Graph *g, Op op, const int *in, int nin, SrcLoc loc) {
   n->op = op;
   n->loc = loc;
   n->grad_of = n->param_of = -1;
+  n->body = g->cur_body;
   n->nin = nin;
   n->in = arena_alloc(g->arena, sizeof(int) * (size_t)(nin ? nin : 1));
   if (nin)

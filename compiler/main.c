@@ -29,6 +29,7 @@ typedef struct {
   int ndims;
   const char *out, *weights, *batch, *data, *backend;
   const char *precision; // --precision, else the train section's
+  const char *checkpoint; // --checkpoint, else the train section's
   int64_t steps;
   uint64_t seed;
   bool fp64;
@@ -64,7 +65,8 @@ static const char usage_text[] =
     "options:\n"
     "  -D, --dim NAME=N       bind a dimension (overrides the train section)\n"
     "  -d, --dump LETTERS     print the IR after passes: P parse, A autodiff + optimizer,\n"
-    "                         R precision, F fusion, M memory plan\n"
+    "                         R precision, C checkpoints (saved values, kept or recomputed),\n"
+    "                         F fusion, M memory plan\n"
     "  -o, --out PATH         output file\n"
     "      --weights PATH     load parameters from a safetensors file\n"
     "      --batch PATH       a batch as safetensors (tokens, targets, pos, doc: i32 [B,T])\n"
@@ -86,6 +88,10 @@ static const char usage_text[] =
     "      --fp64             run the interpreter in fp64\n"
     "      --precision P      auto, fp32 or bf16: the GEMMs' operands (default: the train section's, else\n"
     "                         auto: bf16, or fp32 on a CPU without a bf16 GEMM faster than its fp32 one)\n"
+    "      --checkpoint C     none, all or auto[=BUDGET]: what the backward recomputes instead of keeping\n"
+    "                         (all: every layer but its input; auto: as little as fits BUDGET, bytes as\n"
+    "                         512MiB, 2GiB or a fraction of the memory such as 0.5; default: the train\n"
+    "                         section's, else auto, whose budget is the memory available)\n"
     "      --no-fuse          one kernel per IR node (to measure what fusion is worth)\n"
     "      --no-chunk-lmhead  materialise the whole logits instead of running the LM head by chunks\n"
     "      --no-gemm-tuning   CUDA: each GEMM on cuBLASLt's first choice, untimed (what tuning is worth)\n"
@@ -119,7 +125,7 @@ static int parse_options(int argc, char **argv, Options *o) {
       {"batch", required_argument, 0, 'b'},   {"data", required_argument, 0, 'a'},
       {"steps", required_argument, 0, 's'},   {"seed", required_argument, 0, 'S'},
       {"backend", required_argument, 0, 'k'}, {"fp64", no_argument, 0, 'F'},
-      {"precision", required_argument, 0, 'Q'},
+      {"precision", required_argument, 0, 'Q'}, {"checkpoint", required_argument, 0, 'c'},
       {"no-fuse", no_argument, 0, 'N'},       {"no-chunk-lmhead", no_argument, 0, 'C'},
       {"no-reuse", no_argument, 0, 'U'},      {"profile", no_argument, 0, 'O'},
       {"no-gemm-tuning", no_argument, 0, 'G'}, {"no-kernel-tuning", no_argument, 0, 'J'},
@@ -155,8 +161,9 @@ static int parse_options(int argc, char **argv, Options *o) {
       break;
     }
     case 'd':
-      if (strspn(optarg, "PARFM") != strlen(optarg))
-        return usage_error("unknown dump letters in '%s' (known: P parse, A autodiff, R precision, F fusion, M memory)", optarg);
+      if (strspn(optarg, "PARCFM") != strlen(optarg))
+        return usage_error("unknown dump letters in '%s' (known: P parse, A autodiff, R precision, C checkpoints, "
+                           "F fusion, M memory)", optarg);
       o->dump = optarg;
       break;
     case 'o': o->out = optarg; break;
@@ -185,6 +192,13 @@ static int parse_options(int argc, char **argv, Options *o) {
       o->precision = optarg;
       break;
     }
+    case 'c':
+      if (strcmp(optarg, "none") && strcmp(optarg, "all") && strcmp(optarg, "auto") &&
+          (strncmp(optarg, "auto=", 5) || checkpoint_budget(optarg + 5, (int64_t)1 << 40) < 0))
+        return usage_error("--checkpoint wants none, all, auto or auto=BUDGET (bytes, 512MiB, 2GiB, or a fraction "
+                           "of the memory such as 0.5), got '%s'", optarg);
+      o->checkpoint = optarg;
+      break;
     case 'N': o->fuse.fuse = false; break;
     case 'v':
       if (!parse_int(optarg, &v) || v < 256 || v > 65536)
@@ -308,6 +322,80 @@ static bool apply_precision(const Options *o, Graph *g) {
   return true;
 }
 
+// The memory a checkpoint budget is measured against: the device's free memory on a GPU, else the
+// host's available memory; -1 when unknown. `what` says which.
+static int64_t memory_there(const Options *o, const char **what) {
+  static int64_t bytes = -2;
+  static const char *said;
+  if (bytes == -2) {
+    CudaDevice d;
+    char why[256];
+    if (!strcmp(backend_of(o), "cuda") && cuda_device(&d, why, sizeof why)) {
+      bytes = cuda_free_memory(&d);
+      said = "free on the GPU";
+      if (bytes > 0) // (the engine's own: cuBLASLt's workspace, the modules, the graph)
+        bytes -= bytes / 20;
+    } else {
+      static char buf[128];
+      bytes = rt_host_memory_available(&said);
+      snprintf(buf, sizeof buf, "available (%s)", said);
+      said = buf;
+    }
+  }
+  *what = said;
+  return bytes;
+}
+
+// The checkpoint pass on a training graph: --checkpoint, else the train section's, else auto; auto's
+// budget, where none is given, is the memory there is (memory_there). With dumping C, every saved
+// value, kept or recomputed.
+static bool apply_checkpoint(const Options *o, Graph *g) {
+  const char *spec = o->checkpoint ? o->checkpoint : g->train.checkpoint ? g->train.checkpoint : "auto";
+  const char *policy = spec, *how = NULL, *what = "";
+  int64_t budget = 0;
+  if (!strncmp(spec, "auto", 4)) {
+    policy = "auto";
+    int64_t mem = memory_there(o, &what);
+    if (spec[4] == '=') {
+      char *end;
+      double x = strtod(spec + 5, &end);
+      budget = checkpoint_budget(spec + 5, mem);
+      how = !*end && x <= 1 ? arena_printf(g->arena, "%s of the %.2f GB %s", spec + 5, (double)mem / 1e9, what)
+                            : arena_strdup(g->arena, spec + 5);
+    } else if (mem > 0) {
+      budget = mem;
+      how = arena_printf(g->arena, "the %.2f GB %s", (double)mem / 1e9, what);
+    }
+  }
+  char why[600];
+  g->ckpt.policy = NULL;
+  if (budget >= 0 && checkpoint_place(g, policy, budget, how, spec[4] != '=', o->fuse, o->reuse,
+                                      dumping(o, 'C') ? stdout : NULL, why, sizeof why))
+    return true;
+  const CheckpointPlan *cp = &g->ckpt;
+  char msg[1400];
+  if (budget < 0) {
+    snprintf(msg, sizeof msg, "the budget is a fraction of the memory, which this machine does not say");
+  } else if (!cp->policy) {
+    fprintf(stderr, "%s: internal error: %s\n", o->file, why);
+    return false;
+  } else if (spec[4] != '=') { // the memory there is: the model does not fit
+    diag_file_error(o->file, "%s does not fit in memory: its step needs %.2f GB recomputing every layer (%.2f GB "
+                    "keeping every activation), this machine has %.2f GB %s; %s", g->model ? g->model : "the model",
+                    (double)cp->peak / 1e9, (double)cp->peak_none / 1e9, (double)budget / 1e9, what, why);
+    return false;
+  } else {
+    snprintf(msg, sizeof msg, "a budget of %.2f MB cannot be met: recomputing every layer (checkpoint = all) the "
+             "step still plans %.2f MB (none: %.2f MB), the smallest budget there is; %s", (double)budget / 1e6,
+             (double)cp->peak / 1e6, (double)cp->peak_none / 1e6, why);
+  }
+  if (!o->checkpoint && g->train.checkpoint_at.line > 0)
+    diag_error(g->train.checkpoint_at, "checkpoint = %s: %s", spec, msg);
+  else
+    diag_file_error(o->file, "--checkpoint %s: %s", spec, msg);
+  return false;
+}
+
 // Front end, then autodiff (+ optimizer) when `train` is set; validates after each pass.
 static Graph *compile(Arena *a, const Options *o, bool grads, bool optimizer) {
   Graph *g = mdl_compile_file(a, o->file, o->dims, o->ndims);
@@ -345,6 +433,8 @@ static Graph *compile(Arena *a, const Options *o, bool grads, bool optimizer) {
     return NULL;
   if (dumping(o, 'R'))
     ir_dump(g, stdout);
+  if (!apply_checkpoint(o, g))
+    return NULL;
   return g;
 }
 
@@ -645,6 +735,9 @@ static int cmd_build(const Options *o, Graph *g) {
   printf("%s: %d kernels (%d unfused), arena %.2f MB (activations %.2f MB) -> %s/{model.c,model.cu,plan.txt,fusion.txt}\n",
          g->model, on.f->nsteps, off->nsteps, (double)on.m->arena_bytes / 1e6, (double)on.m->activation_bytes / 1e6,
          o->out);
+  char line[1024];
+  checkpoint_summary(&g->ckpt, true, true, line, sizeof line);
+  printf("%s\n", line);
   return 0;
 }
 
@@ -654,10 +747,12 @@ static Engine *open_side_engine(const Options *o, Arena *a, bool grads) {
   Graph *g = mdl_compile_file(a, o->file, o->dims, o->ndims);
   if (!g || g->loss < 0 || (grads && !autodiff(g, false)) || !apply_precision(o, g))
     return NULL;
-  if (!grads)
-    ir_eval_mode(g);
   Options quiet = *o;
   quiet.dump = NULL;
+  if (grads && !apply_checkpoint(&quiet, g))
+    return NULL;
+  if (!grads)
+    ir_eval_mode(g);
   return open_engine(&quiet, g, false);
 }
 
@@ -704,6 +799,9 @@ static int cmd_run(const Options *o, Graph *g) {
     printf("training %s (%lld parameters), back end %s%s, precision %s%s%s\n", g->model,
            (long long)ir_param_count(g), e->name, strcmp(backend_of(o), "interp") && !o->fuse.fuse ? " (fusion off)" : "",
            why ? "auto, " : "", why ? why : g->train.precision, o->resume ? ", resuming" : "");
+    char line[1024];
+    checkpoint_summary(&g->ckpt, true, true, line, sizeof line);
+    printf("%s\n", line);
     TrainOptions to = {.model_path = model_abs, .data_dir = data_abs, .tokenizer_path = tok_path, .out_dir = out_dir,
                        .steps = o->steps, .resume = o->resume, .pack = o->pack, .shuffle = o->shuffle,
                        .seed = o->seed, .val_every = o->val_every, .val_batches = o->val_batches,
@@ -756,7 +854,8 @@ static int run_verb(Options *o) {
     if (strcmp(o->verb, verbs[i].verb))
       continue;
     Arena *a = arena_new();
-    bool train = verbs[i].optimizer || dumping(o, 'A') || dumping(o, 'R') || dumping(o, 'F') || dumping(o, 'M');
+    bool train = verbs[i].optimizer || dumping(o, 'A') || dumping(o, 'R') || dumping(o, 'C') || dumping(o, 'F') ||
+                 dumping(o, 'M');
     Graph *g = compile(a, o, verbs[i].grads || train, train);
     int rc = g ? verbs[i].fn(o, g) : EXIT_USER;
     arena_free(a);

@@ -199,6 +199,8 @@ typedef struct {
   ParamInit init;   // PARAM only
   int grad_of;      // the PARAM/INPUT id whose gradient this node is, or -1
   int param_of;     // STATE: its PARAM id; ADAMW: the PARAM it updates; else -1
+  int body;         // the repetition of a repeat body that built it (1, 2, ... over the whole
+                    // model, innermost body), 0 outside every repeat (and in the backward graph)
 } IrNode;
 
 typedef struct {
@@ -212,7 +214,24 @@ typedef struct {
   bool precision_auto;    // it was "auto" (the driver says why it chose)
   SrcLoc precision_at;    // where the train section set it (line 0: the default)
   const char *checkpoint; // "none" | "all" | "auto" | "auto=BUDGET"
+  SrcLoc checkpoint_at;   // where the train section set it (line 0: the default)
 } TrainConfig;
+
+// The checkpoint pass's choice for a training graph (checkpoint.c).
+typedef struct {
+  const char *policy;        // "none", "all" or "auto"
+  int64_t budget;            // bytes the planned arena may take; 0: no budget
+  const char *budget_how;    // where the budget came from: "2GiB", "0.5 of 24.1 GB available", ...
+  bool budget_is_memory;     // the budget is the memory there is (auto without a size)
+  int64_t peak, peak_none;   // the planned arena (memplan) with this choice, and with none
+  int nsaved;                // forward values the backward reads (activations, not leaves)
+  int nrecomputed;           // of those, recomputed in the backward
+  int64_t saved_bytes;       // bytes of the saved values kept
+  int64_t recomputed_bytes;  // bytes of the saved values recomputed instead
+  int nclones;               // nodes the backward recomputes (the recomputed values and what they need)
+  double recompute_flops;    // the step's FLOPs (fusion's count) beyond none's
+  double step_flops;         // the step's FLOPs with this choice
+} CheckpointPlan;
 
 typedef struct {
   const char *name;
@@ -235,6 +254,9 @@ typedef struct Graph {
   DimBinding *dims;     // every dim with its bound value, in declaration order
   int ndims;
   TrainConfig train;
+  int cur_body;         // the body new nodes belong to (IrNode.body); the front end sets it
+  int nbodies;          // repetitions of repeat bodies so far
+  CheckpointPlan ckpt;  // what the checkpoint pass chose (checkpoint.c); policy NULL before it runs
   char err[512];        // message of the last failed ir_add (shape/dtype error)
 } Graph;
 
@@ -429,6 +451,27 @@ Fusion *fuse(Graph *g, FuseOptions opt);
 bool fuse_is_copy(const Fusion *f, int node); // node is a parameter's bf16 copy (rule 11)
 void fuse_dump(const Fusion *f, FILE *out); // steps with their ops and .mdl lines, then "not fused" lines
 const char *step_kind_name(StepKind k);     // "kernel", "gemm", "attention", "lmhead", "optimizer"
+
+//
+// checkpoint.c: the checkpoint pass (placement of recomputation under a memory budget; the policies
+// are written at the top of checkpoint.c). It runs after autodiff and precision and before fusion,
+// which it runs (with fo and reuse) to measure each choice.
+//
+// Rewrites training graph g for `policy` ("none", "all", "auto") and, for auto, `budget` bytes of
+// planned arena (0: no budget; budget_how says where it came from, for messages; budget_is_memory: it
+// is the memory there is), and fills g->ckpt.
+// With dump_to, prints every saved value, kept or recomputed. False when the budget cannot be met even
+// by `all`: then g->ckpt holds all's peak (the smallest budget there is) and none's, and `why` what
+// takes the memory; or false with an internal error in `why` (g->ckpt.policy NULL).
+bool checkpoint_place(Graph *g, const char *policy, int64_t budget, const char *budget_how, bool budget_is_memory,
+                      FuseOptions fo, bool reuse, FILE *dump_to, char *why, size_t n);
+// One line on what the pass chose (policy, saved values kept and recomputed, extra FLOPs, planned
+// peak), with the budget and where it came from when `budget` (a budget that is the memory there is
+// only when `memory` too: the build's reports stay the same from machine to machine).
+void checkpoint_summary(const CheckpointPlan *cp, bool budget, bool memory, char *buf, size_t n);
+// A budget's bytes: "1000000", "512MiB", "2GiB", "1GB", or a fraction in (0, 1] of `memory`; -1 when
+// the text is none of these (or a fraction with memory unknown).
+int64_t checkpoint_budget(const char *text, int64_t memory);
 
 //
 // memplan.c: one arena, liveness-based reuse. Parameters, their gradients and the AdamW moments

@@ -87,7 +87,7 @@ static bool shared_view_cast(Graph *g, IrNode **nodes, int nn, int *cast, int sr
       continue;
     IrNode *c = arena_alloc(g->arena, sizeof *c);
     *c = (IrNode){.id = nn, .op = OP_RESHAPE, .dtype = nodes[cast[r]]->dtype, .shape = nodes[src]->shape, .nin = 1,
-                  .loc = loc, .grad_of = -1, .param_of = -1};
+                  .loc = loc, .grad_of = -1, .param_of = -1, .body = nodes[src]->body};
     c->in = arena_alloc(g->arena, sizeof(int));
     c->in[0] = cast[r];
     nodes[nn] = c;
@@ -110,7 +110,7 @@ static int add_cast(Graph *g, IrNode **nodes, int nn, int *cast, int src, DType 
     c->in[0] = cast[s->in[0]];
   } else {
     *c = (IrNode){.id = nn, .op = OP_CAST, .dtype = dt, .shape = s->shape, .nin = 1, .loc = loc, .grad_of = -1,
-                  .param_of = -1, .in = c->in};
+                  .param_of = -1, .in = c->in, .body = s->body}; // the body of what it rounds
     c->in[0] = src;
     c->ia[0] = dt;
   }

@@ -47,4 +47,9 @@ void fusion_report(const Fusion *on, const Fusion *off, const MemPlan *mon, cons
   if (r1 + w1 > 0)
     fprintf(out, "fusion moves %.2fx less memory in %.2fx fewer kernels\n", (r0 + w0) / (r1 + w1),
             (double)off->nsteps / on->nsteps);
+  if (g->ckpt.policy) { // (what the checkpoint pass chose, without a budget that is this machine's memory)
+    char line[1024];
+    checkpoint_summary(&g->ckpt, true, false, line, sizeof line);
+    fprintf(out, "%s\n", line);
+  }
 }

@@ -1367,16 +1367,25 @@ static void checkpoint_setting(Sema *s, const Expr *e, TrainConfig *t) {
     const Expr *arg[8];
     if (!bind_args(s, &b, e, arg))
       return;
+    if (arg[0]->kind == E_FLOAT && arg[0]->f > 0 && arg[0]->f <= 1) { // a fraction of the memory there is
+      t->checkpoint = arena_printf(s->a, "auto=%s", ast_text(s->a, s->p->text, arg[0]));
+      t->checkpoint_at = e->at;
+      return;
+    }
     if (arg[0]->kind != E_SIZE || strtod(arg[0]->s, NULL) <= 0) {
-      error_at(s, arg[0]->at, "checkpoint budget must be a positive size such as 2GiB");
+      error_at(s, arg[0]->at, "checkpoint budget must be a positive size such as 2GiB, or a fraction of the memory "
+               "such as 0.5");
       return;
     }
     t->checkpoint = arena_printf(s->a, "auto=%s", arg[0]->s);
+    t->checkpoint_at = e->at;
     return;
   }
   const char *w = word(s, e, "checkpoint mode", modes, 3);
-  if (w)
+  if (w) {
     t->checkpoint = w;
+    t->checkpoint_at = e->at;
+  }
 }
 
 static void train_config(Sema *s) {
@@ -1649,7 +1658,10 @@ static void repeat_stmt(Sema *s, const Stmt *st) {
     s->stmts++; // an empty body still costs its repetitions
     Scope sc = {.up = s->scope, .prefix = arena_printf(s->a, "%s%s.%lld.", s->scope->prefix, st->name, (long long)i)};
     s->scope = &sc;
+    int outer = s->g->cur_body;
+    s->g->cur_body = ++s->g->nbodies; // the checkpoint pass's unit (IrNode.body)
     elaborate(s, st->body, st->nbody);
+    s->g->cur_body = outer;
     s->scope = sc.up;
     if (i == 0 && !repeat_fits(s, st, n, before))
       return;

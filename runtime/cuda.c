@@ -231,6 +231,16 @@ static bool driver_device(CudaDevice *d, char *why, size_t n) {
 
 bool cuda_device(CudaDevice *d, char *why, size_t n) { return driver_device(d, why, n); }
 
+int64_t cuda_free_memory(const CudaDevice *d) {
+  CUcontext ctx;
+  size_t free_bytes = 0, total = 0;
+  if (!drv.cuDevicePrimaryCtxRetain || !drv.cuCtxSetCurrent || !drv.cuMemGetInfo ||
+      drv.cuDevicePrimaryCtxRetain(&ctx, d->ordinal) != CUDA_SUCCESS)
+    return -1;
+  bool ok = drv.cuCtxSetCurrent(ctx) == CUDA_SUCCESS && drv.cuMemGetInfo(&free_bytes, &total) == CUDA_SUCCESS;
+  return ok ? (int64_t)free_bytes : -1;
+}
+
 bool cuda_probe(char *why, size_t n) {
   CudaDevice d;
   if (!driver_device(&d, why, n))

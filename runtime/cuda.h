@@ -21,6 +21,9 @@ typedef struct {
 bool cuda_probe(char *why, size_t n);
 // The same, with the device's properties.
 bool cuda_device(CudaDevice *d, char *why, size_t n);
+// The bytes free on device d (cuMemGetInfo in its primary context, which stays retained for the
+// engine), or -1 when the driver does not say.
+int64_t cuda_free_memory(const CudaDevice *d);
 // cuda_probe and NVRTC both there: the CUDA back end can run. `why` as for cuda_probe.
 bool cuda_available(char *why, size_t n);
 // The bf16 dense tensor-core peak (flop/s) MFU is measured against on device d: NVIDIA's figure for the

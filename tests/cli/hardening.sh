@@ -44,7 +44,7 @@ $m run models/gpt2-tiny.mdl -D V=60000000 -D C=1000 "${small[@]}" --steps 1 --ou
 rc=$?
 check "a model larger than the memory is refused with status 1" "[ $rc -eq 1 ]"
 check "... saying what it needs and what there is" \
-  "grep -q 'does not fit in memory: its arenas need [0-9.]* GB .*, this machine has [0-9.]* GB available' '$tmp/err'"
+  "grep -q 'does not fit in memory: its step needs [0-9.]* GB .*, this machine has [0-9.]* GB available' '$tmp/err'"
 check "... before compiling anything or creating its folder" "! grep -q 'cc took' '$tmp/out' && [ ! -e '$tmp/big' ]"
 
 # 2. A learning rate of 1e6: the first step whose gradient norm (or loss) is not finite stops the
