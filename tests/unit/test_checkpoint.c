@@ -1,0 +1,775 @@
+// test_checkpoint.c: the checkpoint pass (checkpoint.c). A recomputed value is a clone of its forward
+// node, run by the same kernels on the same inputs, so a rewritten graph must train bit for bit as
+// none's does; that is what most checks here compare, with memcmp, never with a tolerance.
+//  1. gpt2-tiny, llama-tiny and the MLP, fp32 and bf16, on the C back end (fused): none, all and auto
+//     with three budgets strictly between all's planned peak and none's (the MLP has no repeat body,
+//     so all recomputes nothing and there is nothing between the two) run one step from the same
+//     parameters (seed 7) and batch; the loss and every gradient are bit-identical to none's, and so
+//     are the parameters after 2 steps. all recomputes values of gpt2-tiny and llama-tiny and plans a
+//     smaller arena than none; the arena the back end plans for a rewritten graph is the peak the pass
+//     reported.
+//  2. The emulated CUDA kernels (tests/unit/cuda_emu_driver.cpp, as test_cuda_emit.c runs them) on
+//     gpt2-tiny, fp32 and bf16: none, all and one auto budget, the loss, every gradient and the
+//     parameters after the step bit-identical to none's; all's module compiles with NVRTC where there
+//     is one. The GEMMs run outside the module, as a GPU's GEMM library runs them, epilogues (bias,
+//     GELU) included: a GELU the forward's GEMM applies in its epilogue and the backward recomputes
+//     with one of the module's kernels is computed by two implementations, here as on a GPU
+//     (cuBLASLt's epilogue and the module's kernel).
+//  3. Dropout inside a repeat body: all recomputes the masked values in the backward (DROPOUT clones
+//     that keep their seed ids), and none and all give bit-identical losses and gradients with the same
+//     seed, while another seed changes the gradients (the masks are live).
+//  4. gpt2-tiny, fp32 and bf16: auto under 9 budgets from none's peak down to all's plans within each
+//     budget, and the planned peak never grows as the budget shrinks.
+//  5. A budget one byte under all's peak: the pass fails, reports all's peak as the smallest budget
+//     there is, and says what takes the memory (naming the parameters).
+//  6. The forward is left as it is: after the pass the first fwd_end nodes have the ops and inputs
+//     they had before it (every graph built above).
+#include "mdl.h"
+#include "backend.h"
+#include "emit_cuda.h"
+#include "test.h"
+
+#include <dirent.h>
+#include <dlfcn.h>
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+typedef struct {
+  const char *path;
+  DimOverride ov[2];
+  int nov;
+  const char *text; // the model's source when it is not a file
+} Model;
+
+// A gpt2-like model whose layers drop out the attention's projection and the MLP's hidden values;
+// the latter is a saved value (the input of the down projection's weight gradient) inside the body,
+// so all recomputes its dropout in the backward.
+static const char dropout_model[] =
+    "model drop\n"
+    "dim B = 2\n"
+    "dim T = 8\n"
+    "dim C = 32\n"
+    "dim H = 2\n"
+    "dim L = 2\n"
+    "dim V = 256\n"
+    "input tokens: i32[B, T]\n"
+    "input targets: i32[B, T]\n"
+    "input pos: i32[B, T]\n"
+    "param wte: [V, C] = normal(0.5)\n"
+    "param wpe: [T, C] = normal(0.1)\n"
+    "x = embed(wte, tokens) + embed(wpe, pos)\n"
+    "repeat h[L] {\n"
+    "    param ln1_w: [C] = ones\n"
+    "    param ln1_b: [C] = zeros\n"
+    "    param attn_w: [C, 3*C] = normal(0.2)\n"
+    "    param proj_w: [C, C] = normal(0.2)\n"
+    "    param ln2_w: [C] = ones\n"
+    "    param fc_w: [C, 4*C] = normal(0.2)\n"
+    "    param fcproj_w: [4*C, C] = normal(0.1)\n"
+    "    q, k, v = split(layernorm(x, ln1_w, ln1_b) @ attn_w, 3, axis=-1)\n"
+    "    x = x + dropout(attention(q, k, v, heads=H, causal=true) @ proj_w, p=0.1)\n"
+    "    x = x + dropout(gelu(layernorm(x, ln2_w) @ fc_w), p=0.1) @ fcproj_w\n"
+    "}\n"
+    "param head: [C, V] = normal(0.2)\n"
+    "output loss = mean(cross_entropy(x @ head, targets))\n";
+
+// The options mdlc fuses with; the pass measures its choices with the same ones.
+static const FuseOptions FO = {.fuse = true, .chunk_lmhead = true, .max_group = 64};
+static const double LR = 2e-3;
+
+static double mb(int64_t bytes) { return (double)bytes / 1e6; }
+
+// The forward's ops and inputs, to compare before and after the pass.
+typedef struct {
+  int fwd_end;
+  int *ops;  // per forward node
+  int **ins; // per forward node: nin, then the inputs
+} Forward;
+
+static Forward forward_of(const Graph *g) {
+  Forward fw = {.fwd_end = g->fwd_end};
+  fw.ops = malloc(sizeof *fw.ops * (size_t)(g->fwd_end + 1));
+  fw.ins = malloc(sizeof *fw.ins * (size_t)(g->fwd_end + 1));
+  for (int i = 0; i < g->fwd_end; i++) {
+    const IrNode *n = g->nodes[i];
+    fw.ops[i] = n->op;
+    fw.ins[i] = malloc(sizeof(int) * (size_t)(n->nin + 1));
+    fw.ins[i][0] = n->nin;
+    memcpy(fw.ins[i] + 1, n->in, sizeof(int) * (size_t)n->nin);
+  }
+  return fw;
+}
+
+// The first forward node of g that differs from fw (its op or inputs), fw.fwd_end when none does,
+// -1 when g's forward is not as long.
+static int forward_differs(const Forward *fw, const Graph *g) {
+  if (g->fwd_end != fw->fwd_end)
+    return -1;
+  for (int i = 0; i < fw->fwd_end; i++) {
+    const IrNode *n = g->nodes[i];
+    if ((int)n->op != fw->ops[i] || n->nin != fw->ins[i][0] ||
+        memcmp(n->in, fw->ins[i] + 1, sizeof(int) * (size_t)n->nin))
+      return i;
+  }
+  return fw->fwd_end;
+}
+
+static void forward_free(Forward *fw) {
+  for (int i = 0; i < fw->fwd_end; i++)
+    free(fw->ins[i]);
+  free(fw->ins);
+  free(fw->ops);
+}
+
+// md's training graph, its GEMM operands in bf16 with bf16; NULL when the front end, autodiff or the
+// precision pass fails.
+static Graph *training_graph(Arena *a, const Model *md, bool bf16, char *why, size_t n) {
+  Graph *g = md->text ? mdl_compile_text(a, md->path, md->text, md->ov, md->nov)
+                      : mdl_compile_file(a, md->path, md->ov, md->nov);
+  snprintf(why, n, "front end or autodiff failed");
+  return g && autodiff(g, true) && (!bf16 || precision_assign(g, DT_BF16, why, n)) ? g : NULL;
+}
+
+static bool place(Graph *g, const char *policy, int64_t budget, char *why, size_t n) {
+  return checkpoint_place(g, policy, budget, budget ? "the test's budget" : NULL, false, FO, true, NULL, why, n);
+}
+
+// md's training graph after the pass with policy (and budget for auto); NULL after a failed check.
+// Whether the pass left the forward as it was goes into *forward_kept (check 6, reported by the caller).
+static Graph *placed(Arena *a, const Model *md, bool bf16, const char *policy, int64_t budget, const char *label,
+                     bool *forward_kept, char *differs, size_t dn) {
+  char why[600], name[300];
+  Graph *g = training_graph(a, md, bf16, why, sizeof why);
+  Forward fw = {0};
+  bool ok = g != NULL;
+  if (ok) {
+    fw = forward_of(g);
+    ok = place(g, policy, budget, why, sizeof why);
+  }
+  snprintf(name, sizeof name, "checkpoint %s: the pass places the recomputation", label);
+  if (!ok) {
+    CHECK(false, name, "%s", why);
+    if (g)
+      forward_free(&fw);
+    return NULL;
+  }
+  int at = forward_differs(&fw, g);
+  if (at != fw.fwd_end && *forward_kept) {
+    *forward_kept = false;
+    if (at < 0)
+      snprintf(differs, dn, "%s: the forward ends at %d, not %d", label, g->fwd_end, fw.fwd_end);
+    else
+      snprintf(differs, dn, "%s: node %d is %s with %d inputs, was op %d with %d", label, at,
+               op_name(g->nodes[at]->op), g->nodes[at]->nin, fw.ops[at], fw.ins[at][0]);
+  }
+  forward_free(&fw);
+  return g;
+}
+
+//
+// Running a step.
+//
+
+// The batch of input node nd: token patterns, two documents per row (positions restart at the
+// boundary), one ignored target; f32 inputs are a smooth pattern.
+static void batch(const IrNode *nd, int32_t *ids, float *f) {
+  int64_t n = shape_numel(nd->shape), cols = nd->shape.d[nd->shape.rank - 1];
+  for (int64_t j = 0; j < n; j++) {
+    int64_t t = j % cols, split = cols / 2 - 1;
+    ids[j] = 0;
+    if (!strcmp(nd->name, "tokens"))
+      ids[j] = (int32_t)((j * 37 + 11) % 256);
+    else if (!strcmp(nd->name, "targets"))
+      ids[j] = j == 3 ? -1 : (int32_t)((j * 53 + 7) % (nd->shape.rank == 1 ? 4 : 256));
+    else if (!strcmp(nd->name, "pos"))
+      ids[j] = (int32_t)(t < split ? t : t - split);
+    else if (!strcmp(nd->name, "doc"))
+      ids[j] = t < split ? 0 : 1;
+    f[j] = (float)sin(0.7 * (double)j + 0.3);
+  }
+}
+
+static void set_inputs(const Graph *g, const MemPlan *m, char *arena) {
+  for (int i = 0; i < g->n; i++) {
+    const IrNode *nd = g->nodes[i];
+    if (nd->op != OP_INPUT)
+      continue;
+    int64_t n = shape_numel(nd->shape);
+    int32_t *ids = malloc(sizeof *ids * (size_t)n);
+    float *f = malloc(sizeof *f * (size_t)n);
+    batch(nd, ids, f);
+    bool i32 = nd->dtype == DT_I32;
+    cpu_set_input(g, m, arena, nd->name, i32 ? ids : NULL, i32 ? NULL : f, n);
+    free(ids);
+    free(f);
+  }
+}
+
+// What a run produced: step 1's loss and gradients (their bytes as the arena holds them), the
+// parameters after the last step, and the arena it was planned for.
+typedef struct {
+  float loss;
+  char **grad, **param;
+  int64_t arena;
+} Run;
+
+static int64_t grad_bytes(const Graph *g, int k) {
+  const IrNode *d = g->nodes[g->grads[k]];
+  return dtype_size(d->dtype) * shape_numel(d->shape);
+}
+
+static int64_t param_bytes(const Graph *g, int k) { return 4 * shape_numel(g->nodes[g->params[k]]->shape); }
+
+static char *dup_bytes(const void *x, int64_t n) {
+  char *d = malloc((size_t)(n ? n : 1));
+  memcpy(d, x, (size_t)n);
+  return d;
+}
+
+static void run_free(const Graph *g, Run *r) {
+  for (int k = 0; r->grad && k < g->nparams; k++) {
+    free(r->grad[k]);
+    free(r->param[k]);
+  }
+  free(r->grad);
+  free(r->param);
+}
+
+static void keep_step1(const Graph *g, const MemPlan *m, char *arena, Run *out) {
+  out->loss = *(float *)cpu_value(m, arena, g->loss);
+  for (int k = 0; k < g->nparams; k++)
+    out->grad[k] = dup_bytes(cpu_value(m, arena, g->grads[k]), grad_bytes(g, k));
+}
+
+static void keep_params(const Graph *g, const MemPlan *m, char *arena, Run *out) {
+  for (int k = 0; k < g->nparams; k++)
+    out->param[k] = dup_bytes(cpu_value(m, arena, g->params[k]), param_bytes(g, k));
+}
+
+// `steps` steps of g's fused C module from the initial parameters of seed 7, its dropout masks drawn
+// with `seed`, on 2 threads; false with the reason in why.
+static bool cpu_steps(Graph *g, int steps, uint64_t seed, Run *out, char *why, size_t n) {
+  Fusion *f = fuse(g, FO);
+  MemPlan *m = memplan_with(f, true);
+  char *src = emit_c(f, m, g->model);
+  snprintf(why, n, "emit_c failed");
+  CpuModule *cm = src ? cpu_load(src, why, n) : NULL;
+  if (!cm)
+    return false;
+  char *arena = cpu_arena_new(m);
+  cpu_init_params(g, m, arena, 7);
+  set_inputs(g, m, arena);
+  cpu_set_threads(cm, 2);
+  cm->hooks.seed = seed;
+  out->grad = calloc((size_t)g->nparams, sizeof *out->grad);
+  out->param = calloc((size_t)g->nparams, sizeof *out->param);
+  out->arena = m->arena_bytes;
+  bool ok = true;
+  for (int s = 1; s <= steps && ok; s++) {
+    cpu_set_scalar(g, m, arena, "lr", LR);
+    cpu_set_scalar(g, m, arena, "step", s);
+    ok = cpu_step(cm, arena);
+    if (!ok)
+      snprintf(why, n, "step %d: %s", s, cm->error);
+    else if (s == 1)
+      keep_step1(g, m, arena, out);
+  }
+  if (ok)
+    keep_params(g, m, arena, out);
+  cpu_arena_free(m, arena);
+  cpu_unload(cm);
+  return ok;
+}
+
+// Where y differs from x bit for bit (both runs of graphs of one model: the same parameters in the
+// same order): the loss, then every gradient (and with params, every parameter) with how many of
+// its values differ. True when nowhere.
+static bool same_bits(const Graph *g, const Run *x, const Run *y, bool params, char *why, size_t n) {
+  int len = 0;
+  why[0] = 0;
+  if (memcmp(&x->loss, &y->loss, sizeof x->loss))
+    len += snprintf(why + len, n - (size_t)len, "loss %.9g vs %.9g; ", (double)y->loss, (double)x->loss);
+  for (int w = 0; w < (params ? 2 : 1); w++)
+    for (int k = 0; k < g->nparams && (size_t)len < n; k++) {
+      int64_t bytes = w ? param_bytes(g, k) : grad_bytes(g, k);
+      int64_t size = w ? 4 : dtype_size(g->nodes[g->grads[k]]->dtype), diff = 0;
+      const char *a = w ? x->param[k] : x->grad[k], *b = w ? y->param[k] : y->grad[k];
+      double d = 0, m = 1e-30; // (f32 values: by how much, relative to the tensor's largest)
+      for (int64_t i = 0; i < bytes; i += size) {
+        diff += memcmp(a + i, b + i, (size_t)size) != 0;
+        if (size == 4) {
+          float u, v;
+          memcpy(&u, a + i, 4);
+          memcpy(&v, b + i, 4);
+          d = fmax(d, fabs((double)u - v));
+          m = fmax(m, fabs((double)u));
+        }
+      }
+      if (diff)
+        len += snprintf(why + len, n - (size_t)len, "%s %s: %lld of %lld values differ (by up to %.1e of its "
+                        "largest); ", w ? "parameter" : "gradient", g->nodes[g->params[k]]->name, (long long)diff,
+                        (long long)(bytes / size), d / m);
+    }
+  return len == 0;
+}
+
+//
+// The CUDA kernels on the CPU (as test_cuda_emit.c runs them).
+//
+
+typedef void (*launch_fn)(void *fn, const unsigned *grid, const unsigned *block, char *arena, void *status,
+                          uint64_t seed, int64_t chunk, const int64_t *args, int nargs);
+
+typedef struct {
+  void *so;
+  launch_fn launch;
+  void **fn; // per launch: its kernel
+} Emu;
+
+static double gelu(double x) { return 0.5 * x * (1 + tanh(sqrt(2 / M_PI) * (x + 0.044715 * x * x * x))); }
+
+// Element i of a matrix of type t (f32 or bf16) at p, as a value; v stored there as type t.
+static float elem(const char *p, DType t, int64_t i) {
+  float f;
+  if (t == DT_BF16) {
+    uint16_t h;
+    memcpy(&h, p + 2 * i, 2);
+    uint32_t u = (uint32_t)h << 16;
+    memcpy(&f, &u, 4);
+  } else {
+    memcpy(&f, p + 4 * i, 4);
+  }
+  return f;
+}
+
+static void put(char *p, DType t, int64_t i, float v) {
+  if (t == DT_BF16) {
+    float r = (float)round_bf16(v);
+    uint32_t u;
+    memcpy(&u, &r, 4);
+    uint16_t h = (uint16_t)(u >> 16);
+    memcpy(p + 2 * i, &h, 2);
+  } else {
+    memcpy(p + 4 * i, &v, 4);
+  }
+}
+
+// The GEMMs of the plan, as a GPU's GEMM library would run them: operands of the GEMM's type, sums
+// in double, the result rounded to float, then the epilogue, stored as C's type.
+static void ref_gemm(char *arena, const CudaGemm *gm) {
+  int64_t sab = dtype_size(gm->ab), sc = dtype_size(gm->c_type);
+  for (int64_t t = 0; t < gm->batch; t++) {
+    const char *a = arena + gm->a + sab * t * gm->stride_a, *b = arena + gm->b + sab * t * gm->stride_b;
+    char *c = arena + gm->c + sc * t * gm->stride_c;
+    const char *cin = gm->c_apart ? arena + gm->cin + sc * t * gm->stride_c : c;
+    const float *bias = gm->bias >= 0 ? (const float *)(arena + gm->bias) : NULL;
+    float *aux = gm->aux >= 0 ? (float *)(arena + gm->aux) + t * gm->stride_c : NULL;
+    for (int64_t i = 0; i < gm->m; i++)
+      for (int64_t j = 0; j < gm->n; j++) {
+        double s = 0;
+        for (int64_t l = 0; l < gm->k; l++)
+          s += (double)elem(a, gm->ab, gm->ta ? l * gm->lda + i : i * gm->lda + l) *
+               elem(b, gm->ab, gm->tb ? j * gm->ldb + l : l * gm->ldb + j);
+        int64_t at = i * gm->ldc + j;
+        float v = (float)(s + (gm->beta != 0 ? (double)gm->beta * elem(cin, gm->c_type, at) : 0.0));
+        if (bias)
+          v += bias[j];
+        if (aux)
+          aux[at] = v;
+        if (gm->epilogue == CUDA_EPI_GELU || gm->epilogue == CUDA_EPI_BIAS_GELU)
+          v = (float)gelu(v);
+        put(c, gm->c_type, at, v);
+      }
+  }
+}
+
+// What the emulated modules are compiled with besides, as test_cuda_emit.c compiles them: UBSan's
+// alignment and bounds checks, each fatal, so that a recomputed kernel reading past a shared tile or
+// off a vector's alignment stops the step as it would fault on a GPU.
+#define EMU_CHECKS "-fsanitize=alignment,bounds -fno-sanitize-recover=all"
+
+// Compiles the module with the emulator into dir/<tag>.so and loads it; false with the reason.
+static bool emu_load(const CudaPlan *p, const char *dir, const char *tag, Emu *emu, char *why, size_t n) {
+  char cu[600], so[600], log[600], cmd[2400];
+  snprintf(cu, sizeof cu, "%s/%s.cu", dir, tag);
+  snprintf(so, sizeof so, "%s/%s.so", dir, tag);
+  snprintf(log, sizeof log, "%s/%s.log", dir, tag);
+  FILE *f = fopen(cu, "w");
+  if (!f || fputs(p->source, f) < 0 || fclose(f)) {
+    snprintf(why, n, "cannot write %s", cu);
+    return false;
+  }
+  snprintf(cmd, sizeof cmd,
+           "g++ -std=c++17 -O1 -fopenmp -shared -fPIC " EMU_CHECKS " -Wall -Wextra -Werror -Wno-unknown-pragmas "
+           "-Wno-unused-parameter -Iruntime -DMDL_EMU_SOURCE='\"%s\"' tests/unit/cuda_emu_driver.cpp -o %s >%s 2>&1",
+           cu, so, log);
+  if (system(cmd) != 0) {
+    FILE *l = fopen(log, "r");
+    size_t k = l ? fread(why, 1, n - 1, l) : 0;
+    why[k] = 0;
+    if (l)
+      fclose(l);
+    return false;
+  }
+  emu->so = dlopen(so, RTLD_NOW | RTLD_LOCAL);
+  if (!emu->so) {
+    snprintf(why, n, "%s", dlerror());
+    return false;
+  }
+  *(void **)&emu->launch = dlsym(emu->so, "mdl_emu_launch");
+  emu->fn = calloc((size_t)p->nlaunches + 1, sizeof *emu->fn);
+  for (int i = 0; i < p->nlaunches; i++) {
+    const CudaLaunch *l = &p->launches[i];
+    if (l->kernel && !(emu->fn[i] = dlsym(emu->so, l->kernel))) {
+      snprintf(why, n, "no kernel %s in the module", l->kernel);
+      return false;
+    }
+  }
+  return emu->launch != NULL;
+}
+
+static void emu_free(Emu *emu) {
+  if (emu->so)
+    dlclose(emu->so);
+  free(emu->fn);
+}
+
+// One training step of g's fused CUDA module in the emulator (dropout seed 7) from the initial
+// parameters of seed 7; false with the reason in why.
+static bool emu_steps(Graph *g, const char *dir, const char *tag, Run *out, char *why, size_t n) {
+  Fusion *f = fuse(g, FO);
+  MemPlan *m = memplan_with(f, true);
+  CudaPlan *p = emit_cuda_plan(f, m, g->model);
+  Emu emu = {0};
+  snprintf(why, n, "emit_cuda_plan failed");
+  if (!p || !emu_load(p, dir, tag, &emu, why, n)) {
+    emu_free(&emu);
+    return false;
+  }
+  // (zeroed, but for the kernels' scratch: all NaN, so a kernel reading scratch it did not write shows)
+  size_t bytes = (size_t)(p->arena_bytes + 255) / 256 * 256;
+  char *arena = aligned_alloc(256, bytes ? bytes : 256);
+  memset(arena, 0, bytes);
+  memset(arena + p->scratch, 0xff, (size_t)(p->arena_bytes - p->scratch));
+  cpu_init_params(g, m, arena, 7);
+  set_inputs(g, m, arena);
+  cpu_set_scalar(g, m, arena, "lr", LR);
+  cpu_set_scalar(g, m, arena, "step", 1);
+  MdlStatus st = {0};
+  for (int i = 0; i < p->nlaunches; i++) {
+    const CudaLaunch *l = &p->launches[i];
+    if (l->kernel)
+      emu.launch(emu.fn[i], l->grid, l->block, arena, &st, 7, l->chunk, l->args, l->nargs);
+    else
+      ref_gemm(arena, &p->gemms[l->gemm]);
+  }
+  out->grad = calloc((size_t)g->nparams, sizeof *out->grad);
+  out->param = calloc((size_t)g->nparams, sizeof *out->param);
+  out->arena = m->arena_bytes;
+  if (st.set) {
+    snprintf(why, n, "the step reports %s", cuda_error_what(st.code));
+  } else {
+    keep_step1(g, m, arena, out);
+    keep_params(g, m, arena, out);
+  }
+  free(arena);
+  emu_free(&emu);
+  return !st.set;
+}
+
+//
+// The checks.
+//
+
+// Checks 1 and 6 on one model and precision.
+static void test_model(const Model *md, bool bf16, bool has_body) {
+  Arena *a = arena_new();
+  const char *prec = bf16 ? "bf16" : "fp32", *base = strrchr(md->path, '/') ? strrchr(md->path, '/') + 1 : md->path;
+  const char *model = arena_printf(a, "%.*s", (int)strcspn(base, "."), base);
+  char label[160], name[400], why[4000], differs[300] = "";
+  bool forward_kept = true;
+  snprintf(label, sizeof label, "%s %s none", model, prec);
+  Graph *none = placed(a, md, bf16, "none", 0, label, &forward_kept, differs, sizeof differs);
+  snprintf(label, sizeof label, "%s %s all", model, prec);
+  Graph *all = placed(a, md, bf16, "all", 0, label, &forward_kept, differs, sizeof differs);
+  if (!none || !all) {
+    arena_free(a);
+    return;
+  }
+  int64_t lo = all->ckpt.peak, hi = none->ckpt.peak;
+  if (has_body) {
+    snprintf(name, sizeof name, "checkpoint %s %s all: recomputes %d of %d saved values and plans %.3f MB, less than "
+             "none's %.3f MB", model, prec, all->ckpt.nrecomputed, all->ckpt.nsaved, mb(lo), mb(hi));
+    CHECK(all->ckpt.nrecomputed > 0 && all->ckpt.nclones >= all->ckpt.nrecomputed && lo < hi, name,
+          "%d recomputed by %d clones, peak %lld vs none's %lld", all->ckpt.nrecomputed, all->ckpt.nclones,
+          (long long)lo, (long long)hi);
+  } else {
+    snprintf(name, sizeof name, "checkpoint %s %s all: no repeat body, so nothing is recomputed and the plan is "
+             "none's (%.3f MB)", model, prec, mb(hi));
+    CHECK(all->ckpt.nrecomputed == 0 && all->ckpt.nclones == 0 && lo == hi && all->n == none->n, name,
+          "%d recomputed by %d clones, %d nodes (none: %d), peak %lld vs none's %lld", all->ckpt.nrecomputed,
+          all->ckpt.nclones, all->n, none->n, (long long)lo, (long long)hi);
+  }
+
+  // The policies in the order they run: none (the reference), all, then auto's budgets.
+  Graph *g[5] = {none, all};
+  const char *what[5] = {"none", "all"};
+  int ng = 2;
+  for (int k = 1; k <= 3 && lo < hi; k++) {
+    int64_t budget = lo + k * (hi - lo) / 4;
+    what[ng] = arena_printf(a, "auto(%.3f MB)", mb(budget));
+    snprintf(label, sizeof label, "%s %s %s", model, prec, what[ng]);
+    g[ng] = placed(a, md, bf16, "auto", budget, label, &forward_kept, differs, sizeof differs);
+    if (!g[ng])
+      continue;
+    snprintf(name, sizeof name, "checkpoint %s %s %s: recomputes %d of %d saved values, plans %.3f MB within the "
+             "budget, less than none's", model, prec, what[ng], g[ng]->ckpt.nrecomputed, g[ng]->ckpt.nsaved,
+             mb(g[ng]->ckpt.peak));
+    CHECK(g[ng]->ckpt.nrecomputed > 0 && g[ng]->ckpt.peak <= budget && g[ng]->ckpt.peak < hi, name,
+          "%d recomputed, peak %lld, budget %lld", g[ng]->ckpt.nrecomputed, (long long)g[ng]->ckpt.peak,
+          (long long)budget);
+    ng++;
+  }
+  snprintf(name, sizeof name, "checkpoint %s %s: the pass leaves the forward's ops and inputs as they were (none, "
+           "all and %d auto budgets)", model, prec, ng - 2);
+  CHECK(forward_kept, name, "%s", differs);
+
+  Run ref = {0};
+  bool have_ref = cpu_steps(none, 2, 7, &ref, why, sizeof why);
+  snprintf(name, sizeof name, "checkpoint %s %s none: 2 steps run on the C back end", model, prec);
+  CHECK(have_ref, name, "%s", why);
+  for (int i = 0; i < ng && have_ref; i++) {
+    snprintf(name, sizeof name, "checkpoint %s %s %s: the back end plans the arena the pass reported (%.3f MB)",
+             model, prec, what[i], mb(g[i]->ckpt.peak));
+    Run r = {0};
+    bool ok = i == 0 ? true : cpu_steps(g[i], 2, 7, &r, why, sizeof why);
+    const Run *x = i == 0 ? &ref : &r;
+    if (!ok) {
+      snprintf(name, sizeof name, "checkpoint %s %s %s: 2 steps run on the C back end", model, prec, what[i]);
+      CHECK(false, name, "%s", why);
+      continue;
+    }
+    CHECK(x->arena == g[i]->ckpt.peak, name, "memplan gives %lld bytes, the pass %lld", (long long)x->arena,
+          (long long)g[i]->ckpt.peak);
+    if (i == 0)
+      continue;
+    if (i == 1 && has_body) {
+      snprintf(name, sizeof name, "checkpoint %s %s all: the C back end's arena is smaller than none's (%.3f MB vs "
+               "%.3f MB)", model, prec, mb(r.arena), mb(ref.arena));
+      CHECK(r.arena < ref.arena, name, "%lld vs %lld bytes", (long long)r.arena, (long long)ref.arena);
+    }
+    snprintf(name, sizeof name, "checkpoint %s %s %s: loss, every gradient and the parameters after 2 steps "
+             "bit-identical to none's (C back end)", model, prec, what[i]);
+    CHECK(same_bits(none, &ref, &r, true, why, sizeof why), name, "%s", why);
+    run_free(g[i], &r);
+  }
+  run_free(none, &ref);
+  arena_free(a);
+}
+
+// Check 2: the emulated CUDA kernels of none, all and auto at half-way, and NVRTC on all's module.
+static void test_cuda(const char *dir, bool bf16) {
+  Arena *a = arena_new();
+  const Model md = {"models/gpt2-tiny.mdl", {{"B", 2}, {"T", 16}}, 2, NULL};
+  const char *prec = bf16 ? "bf16" : "fp32";
+  char label[160], name[400], why[4000], differs[300] = "";
+  bool forward_kept = true;
+  snprintf(label, sizeof label, "cuda gpt2-tiny %s none", prec);
+  Graph *none = placed(a, &md, bf16, "none", 0, label, &forward_kept, differs, sizeof differs);
+  snprintf(label, sizeof label, "cuda gpt2-tiny %s all", prec);
+  Graph *all = placed(a, &md, bf16, "all", 0, label, &forward_kept, differs, sizeof differs);
+  if (!none || !all) {
+    arena_free(a);
+    return;
+  }
+  int64_t budget = all->ckpt.peak + (none->ckpt.peak - all->ckpt.peak) / 2;
+  const char *half = arena_printf(a, "auto(%.3f MB)", mb(budget));
+  snprintf(label, sizeof label, "cuda gpt2-tiny %s %s", prec, half);
+  Graph *mid = placed(a, &md, bf16, "auto", budget, label, &forward_kept, differs, sizeof differs);
+  snprintf(name, sizeof name, "checkpoint cuda gpt2-tiny %s: the pass leaves the forward's ops and inputs as they "
+           "were (none, all, %s)", prec, half);
+  CHECK(forward_kept, name, "%s", differs);
+  Graph *g[3] = {none, all, mid};
+  const char *what[3] = {"none", "all", half};
+  Run ref = {0};
+  bool have_ref = emu_steps(none, dir, bf16 ? "none_bf16" : "none_fp32", &ref, why, sizeof why);
+  snprintf(name, sizeof name, "checkpoint cuda gpt2-tiny %s none: one step runs in the emulator", prec);
+  CHECK(have_ref, name, "%.1500s", why);
+  for (int i = 1; i < 3 && have_ref && g[i]; i++) {
+    Run r = {0};
+    char tag[64];
+    snprintf(tag, sizeof tag, "%s_%s", i == 1 ? "all" : "auto", prec);
+    bool ok = emu_steps(g[i], dir, tag, &r, why, sizeof why);
+    snprintf(name, sizeof name, "checkpoint cuda gpt2-tiny %s %s (%d recomputed): loss, every gradient and the "
+             "parameters after the step bit-identical to none's (emulated CUDA kernels)", prec, what[i],
+             g[i]->ckpt.nrecomputed);
+    CHECK(ok && g[i]->ckpt.nrecomputed > 0 && same_bits(none, &ref, &r, true, why, sizeof why), name, "%.1500s",
+          ok ? (g[i]->ckpt.nrecomputed ? why : "nothing recomputed") : why);
+    run_free(g[i], &r);
+  }
+  run_free(none, &ref);
+
+  if (nvrtc_available(why, sizeof why)) {
+    Fusion *f = fuse(all, FO);
+    CudaPlan *p = emit_cuda_plan(f, memplan_with(f, true), "gpt2-tiny");
+    NvrtcResult r = {0};
+    bool ok = p && nvrtc_compile(p->source, "sm_90", &r, why, sizeof why);
+    snprintf(name, sizeof name, "checkpoint cuda gpt2-tiny %s all: NVRTC compiles the module for sm_90 without a "
+             "warning", prec);
+    CHECK(ok && r.size > 0 && !r.log, name, "%.600s", ok ? r.log : p ? why : "emit_cuda_plan failed");
+    free(r.cubin);
+    free(r.log);
+  } else {
+    printf("[skip] checkpoint cuda gpt2-tiny %s all: NVRTC: %s\n", prec, why);
+  }
+  arena_free(a);
+}
+
+static int count_op(const Graph *g, Op op, int from, int to) {
+  int n = 0;
+  for (int i = from; i < to; i++)
+    n += g->nodes[i]->op == op;
+  return n;
+}
+
+// Check 3: dropout inside a repeat body.
+static void test_dropout(void) {
+  Arena *a = arena_new();
+  const Model md = {"drop.mdl", {{NULL, 0}}, 0, dropout_model};
+  char name[400], why[4000], differs[300] = "";
+  bool forward_kept = true;
+  Graph *none = placed(a, &md, false, "none", 0, "dropout none", &forward_kept, differs, sizeof differs);
+  Graph *all = placed(a, &md, false, "all", 0, "dropout all", &forward_kept, differs, sizeof differs);
+  if (!none || !all) {
+    arena_free(a);
+    return;
+  }
+  // Every DROPOUT of all's backward beyond none's is a clone, and draws the mask of a forward dropout.
+  int fwd = count_op(all, OP_DROPOUT, 0, all->fwd_end), back_none = count_op(none, OP_DROPOUT, none->fwd_end, none->n),
+      back_all = count_op(all, OP_DROPOUT, all->fwd_end, all->n), foreign = 0;
+  for (int i = all->fwd_end; i < all->n; i++) {
+    const IrNode *c = all->nodes[i];
+    bool drawn = c->op != OP_DROPOUT;
+    for (int j = 0; j < all->fwd_end && !drawn; j++)
+      drawn = all->nodes[j]->op == OP_DROPOUT && all->nodes[j]->ia[0] == c->ia[0];
+    foreign += !drawn;
+  }
+  snprintf(name, sizeof name, "checkpoint dropout all: the backward recomputes dropouts (%d DROPOUT nodes, none's "
+           "%d), each with the seed id of one of the %d forward dropouts", back_all, back_none, fwd);
+  CHECK(fwd == 4 && back_all > back_none && foreign == 0, name, "%d forward, %d and %d in the backwards, %d with "
+        "a seed id no forward dropout has", fwd, back_none, back_all, foreign);
+  snprintf(name, sizeof name, "checkpoint dropout: the pass leaves the forward's ops and inputs as they were");
+  CHECK(forward_kept, name, "%s", differs);
+
+  Run ref = {0}, r = {0}, other = {0};
+  bool ok = cpu_steps(none, 1, 7, &ref, why, sizeof why) && cpu_steps(all, 1, 7, &r, why, sizeof why) &&
+            cpu_steps(none, 1, 8, &other, why, sizeof why);
+  snprintf(name, sizeof name, "checkpoint dropout: none and all (%d recomputed), seed 7, give a bit-identical loss "
+           "and gradients (C back end)", all->ckpt.nrecomputed);
+  CHECK(ok && same_bits(none, &ref, &r, false, why, sizeof why), name, "%s", why);
+  if (ok) {
+    int differ = 0;
+    for (int k = 0; k < none->nparams; k++)
+      differ += memcmp(ref.grad[k], other.grad[k], (size_t)grad_bytes(none, k)) != 0;
+    snprintf(name, sizeof name, "checkpoint dropout: seed 8 changes the gradients (%d of %d tensors differ from "
+             "seed 7's): the masks are live", differ, none->nparams);
+    CHECK(differ > 0, name, "every gradient is seed 7's");
+  }
+  run_free(none, &ref);
+  run_free(all, &r);
+  run_free(none, &other);
+  arena_free(a);
+}
+
+// Checks 4 and 5 on gpt2-tiny: budgets from none's peak down to all's, then one below all's.
+static void test_budgets(bool bf16) {
+  Arena *a = arena_new();
+  const Model md = {"models/gpt2-tiny.mdl", {{"B", 2}, {"T", 16}}, 2, NULL};
+  const char *prec = bf16 ? "bf16" : "fp32";
+  char name[400], why[600], seen[2000] = "";
+  Graph *none = training_graph(a, &md, bf16, why, sizeof why), *all = training_graph(a, &md, bf16, why, sizeof why);
+  bool ok = none && all && place(none, "none", 0, why, sizeof why) && place(all, "all", 0, why, sizeof why);
+  snprintf(name, sizeof name, "checkpoint budgets gpt2-tiny %s: none and all place", prec);
+  if (!ok) {
+    CHECK(false, name, "%s", why);
+    arena_free(a);
+    return;
+  }
+  int64_t lo = all->ckpt.peak, hi = none->ckpt.peak, last = INT64_MAX;
+  bool within = true, shrinks = true;
+  int len = 0;
+  for (int k = 0; k <= 8; k++) {
+    int64_t budget = hi - k * (hi - lo) / 8;
+    Graph *g = training_graph(a, &md, bf16, why, sizeof why);
+    bool placed_ok = g && place(g, "auto", budget, why, sizeof why);
+    int64_t peak = placed_ok ? g->ckpt.peak : -1;
+    within &= placed_ok && peak <= budget;
+    shrinks &= placed_ok && peak <= last;
+    if ((size_t)len < sizeof seen)
+      len += snprintf(seen + len, sizeof seen - (size_t)len, "%sbudget %lld: %s %lld (%d recomputed)",
+                      k ? ", " : "", (long long)budget, placed_ok ? "peak" : why, (long long)peak,
+                      placed_ok ? g->ckpt.nrecomputed : 0);
+    last = peak;
+  }
+  snprintf(name, sizeof name, "checkpoint budgets gpt2-tiny %s: auto under 9 budgets from none's %.3f MB down to "
+           "all's %.3f MB plans within each", prec, mb(hi), mb(lo));
+  CHECK(within, name, "%s", seen);
+  snprintf(name, sizeof name, "checkpoint budgets gpt2-tiny %s: the planned peak never grows as the budget shrinks",
+           prec);
+  CHECK(shrinks, name, "%s", seen);
+
+  Graph *g = training_graph(a, &md, bf16, why, sizeof why);
+  bool met = g && place(g, "auto", lo - 1, why, sizeof why);
+  snprintf(name, sizeof name, "checkpoint budgets gpt2-tiny %s: a budget 1 byte under all's peak (%.3f MB) fails, "
+           "reports all's peak and none's, and names the parameters", prec, mb(lo));
+  CHECK(g && !met && g->ckpt.policy && g->ckpt.peak == lo && g->ckpt.peak_none == hi && strstr(why, "parameters"),
+        name, "%s; peak %lld (all's %lld), none's %lld (%lld): %s", met ? "met" : "failed",
+        g ? (long long)g->ckpt.peak : -1LL, (long long)lo, g ? (long long)g->ckpt.peak_none : -1LL, (long long)hi,
+        why);
+  arena_free(a);
+}
+
+static void remove_dir(const char *dir) {
+  DIR *d = opendir(dir);
+  struct dirent *ent;
+  char path[1200];
+  while (d && (ent = readdir(d)))
+    if (strcmp(ent->d_name, ".") && strcmp(ent->d_name, "..")) {
+      snprintf(path, sizeof path, "%s/%s", dir, ent->d_name);
+      if (unlink(path))
+        remove_dir(path);
+    }
+  if (d)
+    closedir(d);
+  rmdir(dir);
+}
+
+int main(void) {
+  char dir[] = "/tmp/mdl-ckpt-XXXXXX";
+  if (!mkdtemp(dir)) {
+    CHECK(false, "checkpoint: a temporary directory", "mkdtemp failed");
+    TEST_EXIT();
+  }
+  setenv("MDL_CACHE", dir, 1);
+  const Model models[] = {
+      {"models/gpt2-tiny.mdl", {{"B", 2}, {"T", 16}}, 2, NULL},
+      {"models/llama-tiny.mdl", {{"B", 2}, {"T", 16}}, 2, NULL},
+      {"models/mlp.mdl", {{"B", 8}}, 1, NULL},
+  };
+  for (int bf16 = 0; bf16 < 2; bf16++) {
+    for (int i = 0; i < 3; i++)
+      test_model(&models[i], bf16, i < 2);
+    test_budgets(bf16);
+  }
+  test_dropout();
+  if (system("g++ --version >/dev/null 2>&1") == 0) {
+    test_cuda(dir, false);
+    test_cuda(dir, true);
+  } else {
+    printf("[skip] checkpoint cuda: no g++\n");
+  }
+  remove_dir(dir);
+  TEST_EXIT();
+}
