@@ -52,6 +52,11 @@ regen: bin/mdlc
 # test: timings vary); bench/threads.sh measures OpenMP's wait policy idle and loaded
 bench: bin/mdlc
 	bench/run.sh
+	bench/checkpoint.sh
+
+# the checkpoint part alone: none, auto and all side by side; the largest batch within a budget
+bench-checkpoint: bin/mdlc
+	bench/checkpoint.sh
 
 # on a machine with a GPU: build, GPU vs CPU gradients, GPT-2 124M tokens/s and MFU (< 8 minutes)
 gpu-check:
@@ -72,4 +77,4 @@ gpu-bundle:
 clean:
 	rm -rf build bin
 
-.PHONY: all test regen bench gpu-check gpu-bundle sanitize fuzz clean
+.PHONY: all test regen bench bench-checkpoint gpu-check gpu-bundle sanitize fuzz clean

@@ -16,7 +16,11 @@
 // backward needs it, so its buffer lives only as long as the backward of its layer. A DROPOUT clone
 // keeps its seed id, and masks are counter-based random numbers of (seed, id, index), so the
 // recomputed masks are the masks the forward drew; every clone computes what its original computed,
-// with the same kernels, so values and gradients are bit-identical to none's.
+// with the same kernels, so values and gradients are bit-identical to none's. One exception needed a
+// rule: an op none's plan computes in a GEMM's epilogue (a bias and GELU after the fc GEMM) is, on a
+// GPU, cuBLASLt's own bias and GELU, and a clone of it alone would be the module's kernel, with other
+// bits (the emulated CUDA kernels showed it). So a clone of an epilogue value recomputes the values
+// before it in the same GEMM step, the product included, and fuses into the same epilogue again.
 //
 // Policies (train section `checkpoint = ...`, or `--checkpoint`):
 //   none       every saved value is kept.
@@ -61,6 +65,8 @@ typedef struct {
   bool *saved;     // per forward node
   bool *data;      // per forward node: depends on an INPUT
   bool *outward;   // per forward node in a body: read outside its body (or a graph output, the loss)
+  int *gemm;       // per forward node: the GEMM step of none's plan it is computed in (the product or
+                   // its epilogue), else -1
   int *cand;       // the candidates, in the order auto takes them
   int ncand;
 } Analysis;
@@ -84,8 +90,10 @@ static bool analyse(Analysis *an, const Graph *g) {
   an->data = calloc((size_t)fe + 1, sizeof(bool));
   an->outward = calloc((size_t)fe + 1, sizeof(bool));
   an->cand = calloc((size_t)fe + 1, sizeof(int));
-  if (!an->saved || !an->data || !an->outward || !an->cand)
+  an->gemm = malloc(sizeof(int) * ((size_t)fe + 1));
+  if (!an->saved || !an->data || !an->outward || !an->cand || !an->gemm)
     return false;
+  memset(an->gemm, -1, sizeof(int) * ((size_t)fe + 1));
   for (int i = 0; i < fe; i++) {
     const IrNode *n = g->nodes[i];
     an->data[i] = n->op == OP_INPUT;
@@ -120,6 +128,7 @@ static bool all_recomputes(const Analysis *an, int v) {
 typedef struct {
   const Graph *g;
   const bool *keep; // per forward node
+  const int *gemm;  // Analysis.gemm
   IrNode **nodes;
   int nn, cap;
   int *map;         // old id -> new id of the node itself
@@ -138,18 +147,24 @@ static IrNode *copy_of(Rewrite *r, const IrNode *o, int id) {
   return c;
 }
 
-// The new id the backward reads for old node x.
-static int use(Rewrite *r, int x) {
+// Whether clone `from` must recompute x rather than read it kept: both are in one GEMM step of none's
+// plan (x the product or an earlier epilogue link). A GPU computes an epilogue inside the GEMM
+// (cuBLASLt's bias and GELU), its own kernel computes the same op apart: other bits. So an epilogue
+// value is recomputed with its product, which fuses again into the same epilogue.
+static bool same_gemm(const int *gemm, int from, int x) { return from >= 0 && gemm[x] >= 0 && gemm[x] == gemm[from]; }
+
+// The new id a clone of forward node `from` (-1: a backward node) reads for old node x.
+static int use(Rewrite *r, int x, int from) {
   const Graph *g = r->g;
   const IrNode *n = g->nodes[x];
-  if (x >= g->fwd_end || is_leaf(n->op) || r->keep[x])
+  if (x >= g->fwd_end || is_leaf(n->op) || (r->keep[x] && !same_gemm(r->gemm, from, x)))
     return r->map[x];
   if (r->clone[x] >= 0)
     return r->clone[x];
   int ins[16], *in = n->nin <= 16 ? ins : malloc(sizeof(int) * (size_t)n->nin);
   bool same = true;
   for (int k = 0; k < n->nin; k++) {
-    in[k] = use(r, n->in[k]);
+    in[k] = use(r, n->in[k], x);
     same &= in[k] == r->map[n->in[k]];
   }
   if (same && is_view_op(n->op)) { // a view of a kept value: read the original view
@@ -176,8 +191,8 @@ static void remap(int *list, int n, const int *map) {
 
 // g with every saved value not in keep recomputed in the backward: a new Graph sharing g's arena
 // (g is left as it is); NULL when out of memory.
-static Graph *rewrite(const Graph *g, const bool *keep, int *nclones) {
-  Rewrite r = {.g = g, .keep = keep, .cap = g->n + g->fwd_end + 1};
+static Graph *rewrite(const Graph *g, const bool *keep, const int *gemm, int *nclones) {
+  Rewrite r = {.g = g, .keep = keep, .gemm = gemm, .cap = g->n + g->fwd_end + 1};
   r.nodes = arena_alloc(g->arena, sizeof(IrNode *) * (size_t)r.cap);
   r.map = malloc(sizeof(int) * (size_t)g->n);
   r.clone = malloc(sizeof(int) * (size_t)(g->fwd_end + 1));
@@ -191,7 +206,7 @@ static Graph *rewrite(const Graph *g, const bool *keep, int *nclones) {
     const IrNode *o = g->nodes[i];
     int in[16], *ins = o->nin <= 16 ? in : malloc(sizeof(int) * (size_t)o->nin);
     for (int k = 0; k < o->nin; k++)
-      ins[k] = i >= g->fwd_end ? use(&r, o->in[k]) : r.map[o->in[k]];
+      ins[k] = i >= g->fwd_end ? use(&r, o->in[k], -1) : r.map[o->in[k]];
     r.map[i] = r.nn;
     IrNode *c = copy_of(&r, o, r.nn);
     memcpy(c->in, ins, sizeof(int) * (size_t)o->nin);
@@ -233,13 +248,14 @@ static Graph *rewrite(const Graph *g, const bool *keep, int *nclones) {
 // One choice, fused and planned.
 typedef struct {
   Graph *g;
+  Fusion *f;
   int64_t peak;
   double flops;
   int nclones;
 } Trial;
 
-static bool try_keep(const Graph *g, const bool *keep, FuseOptions fo, bool reuse, Trial *t) {
-  Graph *h = rewrite(g, keep, &t->nclones);
+static bool try_keep(const Graph *g, const bool *keep, const int *gemm, FuseOptions fo, bool reuse, Trial *t) {
+  Graph *h = rewrite(g, keep, gemm, &t->nclones);
   if (!h)
     return false;
   char why[256];
@@ -250,6 +266,7 @@ static bool try_keep(const Graph *g, const bool *keep, FuseOptions fo, bool reus
   Fusion *f = fuse(h, fo);
   MemPlan *m = memplan_with(f, reuse);
   t->g = h;
+  t->f = f;
   t->peak = m->arena_bytes;
   t->flops = 0;
   for (int s = 0; s < f->nsteps; s++)
@@ -293,7 +310,7 @@ static double clone_cost(const Analysis *an, int v, bool *seen, int *cls) {
     *cls = 1;
   for (int k = 0; k < n->nin; k++) {
     int x = n->in[k];
-    if (!an->saved[x] || is_view_op(g->nodes[x]->op))
+    if (!an->saved[x] || is_view_op(g->nodes[x]->op) || same_gemm(an->gemm, v, x))
       c += clone_cost(an, x, seen, cls);
   }
   return c;
@@ -432,13 +449,18 @@ bool checkpoint_place(Graph *g, const char *policy, int64_t budget, const char *
     ok = false;
     goto out;
   }
-  order_candidates(&an);
-  keep_prefix(&an, keep, 0);
-  if (!try_keep(g, keep, fo, reuse, &none)) {
+  keep_prefix(&an, keep, 0); // (no candidates yet: none)
+  if (!try_keep(g, keep, an.gemm, fo, reuse, &none)) {
     snprintf(why, n, "%s", g->err);
     ok = false;
     goto out;
   }
+  for (int s = 0; s < none.f->nsteps; s++) // (none's graph has g's ids: nothing is cloned)
+    if (none.f->steps[s].kind == STEP_GEMM)
+      for (int i = 0; i < none.f->steps[s].nnodes; i++)
+        if (none.f->steps[s].nodes[i] < g->fwd_end)
+          an.gemm[none.f->steps[s].nodes[i]] = s;
+  order_candidates(&an);
   best = none;
   int k = 0;
   if (!strcmp(policy, "all")) {
@@ -447,7 +469,7 @@ bool checkpoint_place(Graph *g, const char *policy, int64_t budget, const char *
     // the shortest prefix of the candidates whose plan fits; all's (every candidate) first
     Trial all;
     keep_prefix(&an, keep, an.ncand);
-    if (!try_keep(g, keep, fo, reuse, &all)) {
+    if (!try_keep(g, keep, an.gemm, fo, reuse, &all)) {
       snprintf(why, n, "%s", g->err);
       ok = false;
       goto out;
@@ -465,7 +487,7 @@ bool checkpoint_place(Graph *g, const char *policy, int64_t budget, const char *
       int mid = lo + (hi - lo) / 2;
       Trial t;
       keep_prefix(&an, keep, mid);
-      if (!try_keep(g, keep, fo, reuse, &t)) {
+      if (!try_keep(g, keep, an.gemm, fo, reuse, &t)) {
         snprintf(why, n, "%s", g->err);
         ok = false;
         goto out;
@@ -478,7 +500,7 @@ bool checkpoint_place(Graph *g, const char *policy, int64_t budget, const char *
     k = hi;
   }
   keep_prefix(&an, keep, k);
-  if (k > 0 && best.g == none.g && !try_keep(g, keep, fo, reuse, &best)) {
+  if (k > 0 && best.g == none.g && !try_keep(g, keep, an.gemm, fo, reuse, &best)) {
     snprintf(why, n, "%s", g->err);
     ok = false;
     goto out;
@@ -503,6 +525,7 @@ out:
   free(an.data);
   free(an.outward);
   free(an.cand);
+  free(an.gemm);
   free(keep);
   return ok;
 }

@@ -48,6 +48,8 @@
 #   7. twelve steps of it at B=16, 32 and 64 (llm.c's batch for this model): tokens/s, MFU and peak
 #      memory at each, where the GEMMs are larger and the optimizer's fixed cost is spread over more
 #      tokens.
+#   8. the largest batch at T=1024 whose step fits the GPU's free memory with --checkpoint none and
+#      with --checkpoint auto (from the plans), and twelve steps at each: tokens/s and MFU.
 # A failing stage is reported and the next one still runs, so one run gives every figure it can.
 # MFU here = tokens/s x (model flops per step / tokens per step) / 989e12, where the model flops are the
 # count mdlc prints (3x the forward GEMM + attention flops: llm.c's 6N + 6LCT per token) and 989
@@ -402,6 +404,36 @@ if [ $rc -eq 0 ]; then
     else
       tail -12 "$log" | tee -a "$res"
       say "mdlc run at B=$big failed"
+      status=1
+    fi
+  done
+fi
+# The largest batch whose step fits the GPU's free memory keeping every activation (--checkpoint
+# none: its planned arena within the free memory less 5%, the budget auto takes) and with
+# --checkpoint auto (recomputing as little as makes it fit), found from the plans alone (mdlc check
+# -d C), then 12 steps at each: tokens/s and MFU as above. On the GPU only (the rehearsal skips it).
+if [ $rc -eq 0 ] && [ "$backend" = cuda ]; then
+  plans() { "$mdlc" check -d C models/gpt2.mdl --backend cuda $dims -D B="$1" -D T="$T" --checkpoint "$2" 2>&1; }
+  fits_auto() { plans "$1" auto | grep -q '^checkpoint auto'; }
+  fits_none() { # none's plan within auto's budget (the free memory): auto keeps everything there
+    plans "$1" auto | grep -q '^checkpoint auto: every saved value kept'
+  }
+  for pol in none auto; do
+    lo=0 hi=8
+    while [ $hi -le 1024 ] && fits_$pol $hi; do lo=$hi; hi=$((hi * 2)); done
+    while [ $((hi - lo)) -gt 1 ]; do mid=$(((lo + hi) / 2)); if fits_$pol $mid; then lo=$mid; else hi=$mid; fi; done
+    say "== $model: the largest batch at T=$T with --checkpoint $pol: B=$lo ($(plans "$lo" auto | grep -m1 '^checkpoint' |
+      sed 's/.*planned peak/planned peak/'))"
+    [ $lo -gt 0 ] || continue
+    log="$tmp/ckpt-$pol.log"
+    if twelve "$lo" "$log" --checkpoint "$pol" &&
+      IFS=$'\t' read -r tps k flops peak < <(steps_mean "$log") && [ "$flops" != 0 ]; then
+      say "$(awk -v t="$tps" -v k="$k" -v f="$flops" -v B="$lo" -v T="$T" -v peak="$peak" -v p="$pol" 'BEGIN {
+        printf "--checkpoint %s: tokens/s %.0f at B=%d T=%d, MFU %.2f%% of 989 TFLOP/s (model flops); peak %s", p, t, B,
+          T, 100 * t * f / (B * T) / 989e12, peak }')"
+    else
+      tail -12 "$log" | tee -a "$res"
+      say "mdlc run at B=$lo with --checkpoint $pol failed"
       status=1
     fi
   done
