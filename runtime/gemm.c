@@ -57,6 +57,7 @@ static struct {
   __typeof__(dnnl_primitive_execute) *prim_execute;
   __typeof__(dnnl_memory_create) *mem_create;
   __typeof__(dnnl_memory_destroy) *mem_destroy;
+  __typeof__(dnnl_memory_set_data_handle) *mem_set;
   dnnl_engine_t engine;
   // OpenBLAS
   void (*cblas_sgemm)(int order, int ta, int tb, int m, int n, int k, float alpha, const float *a, int lda,
@@ -90,6 +91,7 @@ static void onednn_sgemm(int ta, int tb, int64_t m, int64_t n, int64_t k, const 
 // A bf16 matmul primitive for one (transposes, sizes, leading dimensions, beta): the module's GEMMs
 // have fixed shapes, so a step meets a few dozen of them, each made once.
 typedef struct {
+  int id;                    // its place in mm_cache (and in each thread's memory objects)
   int ta, tb;
   int64_t m, n, k, lda, ldb, ldc;
   float beta;
@@ -100,7 +102,7 @@ typedef struct {
 } Matmul;
 
 static pthread_mutex_t mm_lock = PTHREAD_MUTEX_INITIALIZER;
-static Matmul *mm_cache;
+static Matmul **mm_cache; // (each entry allocated once: a thread keeps using it while another adds one)
 static int mm_n, mm_cap;
 
 static bool matmul_make(Matmul *mm) {
@@ -142,7 +144,7 @@ static const Matmul *matmul_for(int ta, int tb, int64_t m, int64_t n, int64_t k,
   pthread_mutex_lock(&mm_lock);
   const Matmul *found = NULL;
   for (int i = 0; i < mm_n && !found; i++) {
-    const Matmul *c = &mm_cache[i];
+    const Matmul *c = mm_cache[i];
     if (c->ta == ta && c->tb == tb && c->m == m && c->n == n && c->k == k && c->lda == lda && c->ldb == ldb &&
         c->ldc == ldc && c->beta == beta)
       found = c;
@@ -150,27 +152,59 @@ static const Matmul *matmul_for(int ta, int tb, int64_t m, int64_t n, int64_t k,
   if (!found) {
     if (mm_n == mm_cap) {
       int cap = mm_cap ? 2 * mm_cap : 64;
-      Matmul *grown = realloc(mm_cache, (size_t)cap * sizeof *grown);
+      Matmul **grown = realloc(mm_cache, (size_t)cap * sizeof *grown);
       if (grown)
         mm_cache = grown, mm_cap = cap;
     }
-    Matmul mm = {.ta = ta, .tb = tb, .m = m, .n = n, .k = k, .lda = lda, .ldb = ldb, .ldc = ldc, .beta = beta};
-    if (mm_n < mm_cap && matmul_make(&mm)) {
-      mm_cache[mm_n] = mm;
-      found = &mm_cache[mm_n++];
-    }
+    Matmul *mm = malloc(sizeof *mm);
+    if (mm)
+      *mm = (Matmul){.id = mm_n, .ta = ta, .tb = tb, .m = m, .n = n, .k = k, .lda = lda, .ldb = ldb, .ldc = ldc,
+                     .beta = beta};
+    if (mm && mm_n < mm_cap && matmul_make(mm))
+      found = mm_cache[mm_n++] = mm;
+    else
+      free(mm);
   }
   pthread_mutex_unlock(&mm_lock);
   return found;
 }
 
-// Each thread's stream and scratchpad (OpenMP's threads live as long as the process).
+// Each thread's stream and scratchpad (OpenMP's threads live as long as the process), and its memory
+// objects for each primitive (tl_mem[id]: a, b, c, scratchpad), made once and pointed at each call's
+// operands: made and destroyed around every call they took 4 of the 5-8 us an attention block's
+// product takes on AMX.
 static _Thread_local dnnl_stream_t tl_stream;
 static _Thread_local void *tl_scratch;
 static _Thread_local size_t tl_scratch_bytes;
+static _Thread_local dnnl_memory_t (*tl_mem)[4];
+static _Thread_local int tl_nmem;
 
 static void bf16_widened_sgemm(int ta, int tb, int64_t m, int64_t n, int64_t k, const uint16_t *a, int64_t lda,
                                const uint16_t *b, int64_t ldb, float beta, float *c, int64_t ldc);
+
+// This thread's memory objects for mm, pointed at a, b, c and the scratchpad; NULL when oneDNN fails.
+static dnnl_memory_t *memories(const Matmul *mm, const void *a, const void *b, void *c) {
+  if (mm->id >= tl_nmem) {
+    int n = mm->id + 64;
+    dnnl_memory_t(*grown)[4] = realloc(tl_mem, (size_t)n * sizeof *grown);
+    if (!grown)
+      return NULL;
+    memset(grown + tl_nmem, 0, (size_t)(n - tl_nmem) * sizeof *grown);
+    tl_mem = grown, tl_nmem = n;
+  }
+  dnnl_memory_t *m = tl_mem[mm->id];
+  const dnnl_memory_desc_t *md[4] = {&mm->a, &mm->b, &mm->c, &mm->s};
+  void *at[4] = {(void *)a, (void *)b, c, tl_scratch};
+  for (int i = 0; i < 4; i++) {
+    if (!m[i] && L.mem_create(&m[i], md[i], L.engine, at[i]) != dnnl_success) {
+      m[i] = NULL;
+      return NULL;
+    }
+    if (L.mem_set(m[i], at[i]) != dnnl_success)
+      return NULL;
+  }
+  return m;
+}
 
 static void onednn_bgemm(int ta, int tb, int64_t m, int64_t n, int64_t k, const uint16_t *a, int64_t lda,
                          const uint16_t *b, int64_t ldb, float beta, float *c, int64_t ldc) {
@@ -182,23 +216,15 @@ static void onednn_bgemm(int ta, int tb, int64_t m, int64_t n, int64_t k, const 
     tl_scratch = aligned_alloc(64, (mm->scratch + 63) / 64 * 64);
     tl_scratch_bytes = tl_scratch ? mm->scratch : 0;
   }
-  dnnl_memory_t ma = NULL, mb = NULL, mc = NULL, ms = NULL;
-  bool ok = mm && tl_stream && tl_scratch_bytes >= mm->scratch &&
-            L.mem_create(&ma, &mm->a, L.engine, (void *)a) == dnnl_success &&
-            L.mem_create(&mb, &mm->b, L.engine, (void *)b) == dnnl_success &&
-            L.mem_create(&mc, &mm->c, L.engine, c) == dnnl_success &&
-            L.mem_create(&ms, &mm->s, L.engine, tl_scratch) == dnnl_success;
+  dnnl_memory_t *mem = mm && tl_stream && tl_scratch_bytes >= mm->scratch ? memories(mm, a, b, c) : NULL;
+  bool ok = mem != NULL;
   if (ok) {
     dnnl_exec_arg_t args[] = {
-        {DNNL_ARG_SRC, ma}, {DNNL_ARG_WEIGHTS, mb}, {DNNL_ARG_DST, mc}, {DNNL_ARG_SCRATCHPAD, ms}};
+        {DNNL_ARG_SRC, mem[0]}, {DNNL_ARG_WEIGHTS, mem[1]}, {DNNL_ARG_DST, mem[2]}, {DNNL_ARG_SCRATCHPAD, mem[3]}};
     int t = one_thread();
     ok = L.prim_execute(mm->prim, tl_stream, 4, args) == dnnl_success;
     threads_back(t);
   }
-  dnnl_memory_t mems[] = {ma, mb, mc, ms};
-  for (int i = 0; i < 4; i++)
-    if (mems[i])
-      L.mem_destroy(mems[i]);
   if (!ok) // (never seen: oneDNN takes every strided 2-D bf16 matmul) the same product on sgemm
     bf16_widened_sgemm(ta, tb, m, n, k, a, lda, b, ldb, beta, c, ldc);
 }
@@ -218,7 +244,7 @@ static bool onednn_load(char *why, size_t n) {
             SYM(pd_create, dnnl_primitive_desc_create) && SYM(pd_destroy, dnnl_primitive_desc_destroy) &&
             SYM(pd_query_md, dnnl_primitive_desc_query_md) && SYM(prim_create, dnnl_primitive_create) &&
             SYM(prim_execute, dnnl_primitive_execute) && SYM(mem_create, dnnl_memory_create) &&
-            SYM(mem_destroy, dnnl_memory_destroy);
+            SYM(mem_destroy, dnnl_memory_destroy) && SYM(mem_set, dnnl_memory_set_data_handle);
 #undef SYM
   const dnnl_version_t *(*version)(void) = (const dnnl_version_t *(*)(void))dlsym(so, "dnnl_version");
   dnnl_cpu_isa_t (*isa)(void) = (dnnl_cpu_isa_t(*)(void))dlsym(so, "dnnl_get_effective_cpu_isa");
