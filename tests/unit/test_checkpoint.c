@@ -9,8 +9,8 @@
 //     smaller arena than none; the arena the back end plans for a rewritten graph is the peak the pass
 //     reported.
 //  2. The emulated CUDA kernels (tests/unit/cuda_emu_driver.cpp, as test_cuda_emit.c runs them) on
-//     gpt2-tiny, fp32 and bf16: none, all and one auto budget, the loss, every gradient and the
-//     parameters after the step bit-identical to none's; all's module compiles with NVRTC where there
+//     gpt2-tiny and llama-tiny, fp32 and bf16: none, all and one auto budget, the loss, every
+//     gradient and the parameters after the step bit-identical to none's; all's module compiles with NVRTC where there
 //     is one. The GEMMs run outside the module, as a GPU's GEMM library runs them, epilogues (bias,
 //     GELU) included: a GELU the forward's GEMM applies in its epilogue and the backward recomputes
 //     with one of the module's kernels is computed by two implementations, here as on a GPU
@@ -570,15 +570,15 @@ static void test_model(const Model *md, bool bf16, bool has_body) {
 }
 
 // Check 2: the emulated CUDA kernels of none, all and auto at half-way, and NVRTC on all's module.
-static void test_cuda(const char *dir, bool bf16) {
+static void test_cuda(const char *dir, const char *model, bool bf16) {
   Arena *a = arena_new();
-  const Model md = {"models/gpt2-tiny.mdl", {{"B", 2}, {"T", 16}}, 2, NULL};
+  const Model md = {arena_printf(a, "models/%s.mdl", model), {{"B", 2}, {"T", 16}}, 2, NULL};
   const char *prec = bf16 ? "bf16" : "fp32";
   char label[160], name[400], why[4000], differs[300] = "";
   bool forward_kept = true;
-  snprintf(label, sizeof label, "cuda gpt2-tiny %s none", prec);
+  snprintf(label, sizeof label, "cuda %s %s none", model, prec);
   Graph *none = placed(a, &md, bf16, "none", 0, label, &forward_kept, differs, sizeof differs);
-  snprintf(label, sizeof label, "cuda gpt2-tiny %s all", prec);
+  snprintf(label, sizeof label, "cuda %s %s all", model, prec);
   Graph *all = placed(a, &md, bf16, "all", 0, label, &forward_kept, differs, sizeof differs);
   if (!none || !all) {
     arena_free(a);
@@ -586,24 +586,24 @@ static void test_cuda(const char *dir, bool bf16) {
   }
   int64_t budget = all->ckpt.peak + (none->ckpt.peak - all->ckpt.peak) / 2;
   const char *half = arena_printf(a, "auto(%.3f MB)", mb(budget));
-  snprintf(label, sizeof label, "cuda gpt2-tiny %s %s", prec, half);
+  snprintf(label, sizeof label, "cuda %s %s %s", model, prec, half);
   Graph *mid = placed(a, &md, bf16, "auto", budget, label, &forward_kept, differs, sizeof differs);
-  snprintf(name, sizeof name, "checkpoint cuda gpt2-tiny %s: the pass leaves the forward's ops and inputs as they "
-           "were (none, all, %s)", prec, half);
+  snprintf(name, sizeof name, "checkpoint cuda %s %s: the pass leaves the forward's ops and inputs as they "
+           "were (none, all, %s)", model, prec, half);
   CHECK(forward_kept, name, "%s", differs);
   Graph *g[3] = {none, all, mid};
   const char *what[3] = {"none", "all", half};
   Run ref = {0};
-  bool have_ref = emu_steps(none, dir, bf16 ? "none_bf16" : "none_fp32", &ref, why, sizeof why);
-  snprintf(name, sizeof name, "checkpoint cuda gpt2-tiny %s none: one step runs in the emulator", prec);
+  bool have_ref = emu_steps(none, dir, arena_printf(a, "%s_none_%s", model, prec), &ref, why, sizeof why);
+  snprintf(name, sizeof name, "checkpoint cuda %s %s none: one step runs in the emulator", model, prec);
   CHECK(have_ref, name, "%.1500s", why);
   for (int i = 1; i < 3 && have_ref && g[i]; i++) {
     Run r = {0};
     char tag[64];
-    snprintf(tag, sizeof tag, "%s_%s", i == 1 ? "all" : "auto", prec);
+    snprintf(tag, sizeof tag, "%s_%s_%s", model, i == 1 ? "all" : "auto", prec);
     bool ok = emu_steps(g[i], dir, tag, &r, why, sizeof why);
-    snprintf(name, sizeof name, "checkpoint cuda gpt2-tiny %s %s (%d recomputed): loss, every gradient and the "
-             "parameters after the step bit-identical to none's (emulated CUDA kernels)", prec, what[i],
+    snprintf(name, sizeof name, "checkpoint cuda %s %s %s (%d recomputed): loss, every gradient and the "
+             "parameters after the step bit-identical to none's (emulated CUDA kernels)", model, prec, what[i],
              g[i]->ckpt.nrecomputed);
     CHECK(ok && g[i]->ckpt.nrecomputed > 0 && same_bits(none, &ref, &r, true, why, sizeof why), name, "%.1500s",
           ok ? (g[i]->ckpt.nrecomputed ? why : "nothing recomputed") : why);
@@ -613,16 +613,16 @@ static void test_cuda(const char *dir, bool bf16) {
 
   if (nvrtc_available(why, sizeof why)) {
     Fusion *f = fuse(all, FO);
-    CudaPlan *p = emit_cuda_plan(f, memplan_with(f, true), "gpt2-tiny");
+    CudaPlan *p = emit_cuda_plan(f, memplan_with(f, true), model);
     NvrtcResult r = {0};
     bool ok = p && nvrtc_compile(p->source, "sm_90", &r, why, sizeof why);
-    snprintf(name, sizeof name, "checkpoint cuda gpt2-tiny %s all: NVRTC compiles the module for sm_90 without a "
-             "warning", prec);
+    snprintf(name, sizeof name, "checkpoint cuda %s %s all: NVRTC compiles the module for sm_90 without a "
+             "warning", model, prec);
     CHECK(ok && r.size > 0 && !r.log, name, "%.600s", ok ? r.log : p ? why : "emit_cuda_plan failed");
     free(r.cubin);
     free(r.log);
   } else {
-    printf("[skip] checkpoint cuda gpt2-tiny %s all: NVRTC: %s\n", prec, why);
+    printf("[skip] checkpoint cuda %s %s all: NVRTC: %s\n", model, prec, why);
   }
   arena_free(a);
 }
@@ -765,8 +765,10 @@ int main(void) {
   }
   test_dropout();
   if (system("g++ --version >/dev/null 2>&1") == 0) {
-    test_cuda(dir, false);
-    test_cuda(dir, true);
+    for (int m = 0; m < 2; m++) {
+      test_cuda(dir, m ? "llama-tiny" : "gpt2-tiny", false);
+      test_cuda(dir, m ? "llama-tiny" : "gpt2-tiny", true);
+    }
   } else {
     printf("[skip] checkpoint cuda: no g++\n");
   }
