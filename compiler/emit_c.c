@@ -1413,10 +1413,11 @@ static void emit_ce(Emit *e, int gi) {
 static void lmhead_chunks(Emit *e, const Group *gr, int64_t n, int64_t c, int64_t v, int64_t rc, const char *xs,
                           const char *ws, bool b16) {
   int64_t ldw = gr->tb ? c : v;
-  int tg = ec_need(&e->core, gr->tgt), dl = ec_need(&e->core, gr->dloss);
+  bool bwd = gr->ceb >= 0; // (a graph without a backward: the logits and the loss alone)
+  int tg = ec_need(&e->core, gr->tgt), dl = bwd ? ec_need(&e->core, gr->dloss) : -1;
   const char *gemm = b16 ? "mdl_bgemm" : "mdl_gemm", *dlog = b16 ? "dl16" : "logits";
   ec_line(&e->core, "float *logits = mdl_scratch(%lld * sizeof(float));", (long long)(rc * v));
-  if (b16)
+  if (b16 && bwd)
     ec_line(&e->core, "uint16_t *dl16 = mdl_scratch(%lld * sizeof(uint16_t));", (long long)(rc * v));
   ec_enter(&e->core, "for (int64_t r0 = 0; r0 < %lld; r0 += %lld)", (long long)n, (long long)rc);
   ec_line(&e->core, "const int64_t rn = %lld - r0 < %lld ? %lld - r0 : %lld;", (long long)n, (long long)rc,
@@ -1427,14 +1428,20 @@ static void lmhead_chunks(Emit *e, const Group *gr, int64_t n, int64_t c, int64_
   ec_enter(&e->core, "for (int64_t i = 0; i < rn; i++)");
   ec_line(&e->core, "const int64_t r = r0 + i;");
   ec_line(&e->core, "%sfloat *x = logits + i * %lld;", gr->lc >= 0 ? "" : "const ", (long long)v);
-  ec_line(&e->core, "float *dx = logits + i * %lld;", (long long)v);
+  if (bwd)
+    ec_line(&e->core, "float *dx = logits + i * %lld;", (long long)v);
   ec_line(&e->core, "const int32_t t = b%d[r];", ptr(e, tg));
-  if (b16)
+  if (b16 && bwd)
     ec_line(&e->core, "uint16_t *d16 = dl16 + i * %lld;", (long long)v);
   // (the loss reads the logits rounded to bf16, their CAST lc, in place)
-  ce_row(e, "cross_entropy", v, false, str(e, "b%d[r]", ptr(e, gr->ce)), "dx", str(e, "b%d[r]", ptr(e, dl)),
-         gr->dlc >= 0, gr->lc >= 0, b16 ? "d16" : NULL);
+  ce_row(e, "cross_entropy", v, false, str(e, "b%d[r]", ptr(e, gr->ce)), bwd ? "dx" : NULL,
+         bwd ? str(e, "b%d[r]", ptr(e, dl)) : NULL, gr->dlc >= 0, gr->lc >= 0, b16 && bwd ? "d16" : NULL);
   ec_leave(&e->core);
+  if (!bwd) {
+    ec_leave(&e->core);
+    ec_line(&e->core, "mdl_free(logits);");
+    return;
+  }
   ec_line(&e->core, "%s(h, 0, %d, rn, %lld, %lld, %s, %lld, %s, %lld, 0.0f, b%d + r0 * %lld, %lld);", gemm, !gr->tb,
           (long long)c, (long long)v, dlog, (long long)v, ws, (long long)ldw, ptr(e, gr->dx), (long long)c,
           (long long)c);
@@ -1463,8 +1470,8 @@ static void emit_lmhead(Emit *e, int gi) {
   int64_t n = xm->shape.d[0], c = xm->shape.d[1], v = ec_last_dim(&e->core, gr->mm);
   int x = ec_need(&e->core, gr->x), w = ec_need(&e->core, gr->w);
   flush(e);
-  int outs[3] = {gr->ce, gr->dx, gr->dw};
-  for (int i = 0; i < 3; i++)
+  int outs[3] = {gr->ce, gr->dx, gr->dw}, nout = gr->ceb >= 0 ? 3 : 1;
+  for (int i = 0; i < nout; i++)
     if (ec_offset(&e->core, outs[i]) < 0)
       e->core.scratch[outs[i]] = true;
   // Chunks of a multiple of 64 rows: at most 16M logits (64 MB), at most a quarter of the rows but
@@ -1484,7 +1491,8 @@ static void emit_lmhead(Emit *e, int gi) {
   ec_phase_begin(&e->core);
   note(e, "LM head: %lld rows x %lld classes from width %lld, in chunks of %lld rows", (long long)n, (long long)v,
        (long long)c, (long long)rc);
-  bool b16 = ec_node(&e->core, x)->dtype == DT_BF16 && ec_node(&e->core, w)->dtype == DT_BF16 && gr->dlc >= 0;
+  bool b16 = ec_node(&e->core, x)->dtype == DT_BF16 && ec_node(&e->core, w)->dtype == DT_BF16 &&
+             (gr->dlc >= 0 || gr->ceb < 0);
   if (b16) {
     ec_enter(&e->core, "if (h->bgemm)");
     lmhead_chunks(e, gr, n, c, v, rc, rows_at(e, x, 0, c).base, rows_at(e, w, 0, ldw).base, true);
@@ -1498,7 +1506,7 @@ static void emit_lmhead(Emit *e, int gi) {
   free_widened(e, wide, nwide);
   if (b16)
     ec_leave(&e->core);
-  for (int i = 0; i < 3; i++)
+  for (int i = 0; i < nout; i++)
     ec_phase_done(&e->core, outs[i]);
   ec_phase_end(&e->core);
 }

@@ -431,6 +431,38 @@ static bool column_sum(const EmitCore *e, const IrNode *nd, const IrNode *m) {
          in->shape.d[1] == ec_last_dim(e, nd->in[0]);
 }
 
+// The LM head of a graph without a backward (the validation engine's; rule 2 of fuse.c): the logits
+// GEMM and the loss of cross_entropy node ce, the logits living nowhere else; dx, dw, ceb, dloss and
+// dlc are -1.
+static bool match_lmhead_fwd(EmitCore *e, int ce, Group *gr) {
+  const IrNode *c = ec_node(e, ce);
+  int mm = through_cast(e, c->in[0]), lc = ec_through_reshapes(e, c->in[0]);
+  if (lc == mm)
+    lc = -1;
+  if (e->f->steps[e->si].kind != STEP_LMHEAD || !e->in_step[mm] || ec_node(e, mm)->op != OP_MATMUL)
+    return false;
+  const IrNode *m = ec_node(e, mm);
+  if (m->ia[0] || ec_node(e, m->in[0])->shape.rank != 2 || ec_node(e, m->in[1])->shape.rank != 2)
+    return false;
+  for (int n = mm + 1; n < e->g->n; n++) { // every reader of the logits is the pattern's
+    const IrNode *nd = ec_node(e, n);
+    for (int k = 0; k < nd->nin; k++) {
+      int src = ec_through_reshapes(e, nd->in[k]);
+      if ((src != mm && src != lc) || n == lc || n == ce)
+        continue;
+      if (nd->op == OP_RESHAPE && (e->in_step[n] || e->f->step_of[n] < 0) && ec_offset(e, n) < 0 &&
+          (e->in_step[n] || ec_canon(e, n) != n))
+        continue;
+      return false;
+    }
+  }
+  if (ec_offset(e, mm) >= 0 || (lc >= 0 && (ec_offset(e, lc) >= 0 || ec_node(e, lc)->dtype != DT_BF16)))
+    return false;
+  *gr = (Group){.kind = G_LMHEAD, .mm = mm, .ce = ce, .ceb = -1, .dx = -1, .dw = -1, .x = m->in[0], .w = m->in[1],
+                .tgt = c->in[1], .dloss = -1, .tb = m->ia[1], .dlc = -1, .lc = lc};
+  return true;
+}
+
 static bool groups_build(EmitCore *e, bool split_all) {
   const Step *st = &e->f->steps[e->si];
   e->ngroups = 0;
@@ -440,7 +472,10 @@ static bool groups_build(EmitCore *e, bool split_all) {
   for (int k = 0; k < st->nnodes && !split_all; k++) {
     int n = st->nodes[k];
     Group lm;
-    if (e->in_step[n] && e->grp[n] < 0 && ec_node(e, n)->op == OP_CROSS_ENTROPY_BWD && match_lmhead(e, n, &lm)) {
+    Op op = ec_node(e, n)->op;
+    if (e->in_step[n] && e->grp[n] < 0 &&
+        ((op == OP_CROSS_ENTROPY_BWD && match_lmhead(e, n, &lm)) ||
+         (op == OP_CROSS_ENTROPY && !e->g->grads && match_lmhead_fwd(e, n, &lm)))) {
       lm.mem = arena_alloc(e->a, sizeof(int) * 7);
       int mem[7] = {lm.mm, lm.ce, lm.ceb, lm.dx, lm.dw, lm.dlc, lm.lc};
       for (int i = 0; i < 7; i++) {
@@ -451,7 +486,7 @@ static bool groups_build(EmitCore *e, bool split_all) {
       }
       lm.ext = arena_alloc(e->a, sizeof(int) * 4);
       lm.ext[0] = lm.x, lm.ext[1] = lm.w, lm.ext[2] = lm.tgt, lm.ext[3] = lm.dloss;
-      lm.n_ext = 4;
+      lm.n_ext = lm.dloss >= 0 ? 4 : 3;
       e->groups[e->ngroups++] = lm;
     }
   }

@@ -38,7 +38,7 @@ typedef struct {
   int nmem;
   int *ext;     // external inputs (what the group reads)
   int n_ext;
-  // G_LMHEAD: the pattern's nodes
+  // G_LMHEAD: the pattern's nodes (ceb, dx, dw, dloss -1 in a graph without a backward)
   int mm, ce, ceb, dx, dw, x, w, tgt, dloss;
   int dlc; // the CAST of dlogits the backward GEMMs read (bf16 operands), or -1 (x and w are CASTs then too)
   int lc;  // the CAST of the logits the loss reads (bf16: rounded, precision.c), or -1

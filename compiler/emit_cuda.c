@@ -2331,16 +2331,17 @@ static void emit_lmhead(Emit *e, int gi) {
   const Group *gr = &e->core.groups[gi];
   const IrNode *xm = ec_node(&e->core, gr->x);
   int64_t n = xm->shape.d[0], c = xm->shape.d[1], v = ec_last_dim(&e->core, gr->mm);
+  bool bwd = gr->ceb >= 0; // (a graph without a backward: the logits GEMM and the loss alone)
   int x = ec_need(&e->core, gr->x), w = ec_need(&e->core, gr->w), tg = ec_need(&e->core, gr->tgt),
-      dl = ec_need(&e->core, gr->dloss);
+      dl = bwd ? ec_need(&e->core, gr->dloss) : -1;
   flush(e);
   DType ab = ec_node(&e->core, x)->dtype;
   bool d16 = gr->dlc >= 0, l16 = gr->lc >= 0;
-  if (ec_node(&e->core, w)->dtype != ab || d16 != (ab == DT_BF16) || (l16 && !d16))
+  if (ec_node(&e->core, w)->dtype != ab || (bwd && (d16 != (ab == DT_BF16) || (l16 && !d16))))
     ec_fail(&e->core, "step %s: the LM head's x, W and dlogits are not all f32 or all bf16",
             e->core.f->steps[e->core.si].name);
-  int outs[3] = {gr->ce, gr->dx, gr->dw};
-  for (int i = 0; i < 3; i++)
+  int outs[3] = {gr->ce, gr->dx, gr->dw}, nout = bwd ? 3 : 1;
+  for (int i = 0; i < nout; i++)
     if (ec_offset(&e->core, outs[i]) < 0)
       e->core.scratch[outs[i]] = true;
   // As few chunks as hold at most 1 GiB of logits (256M in f32, 512M in bf16), of equal multiples of 64
@@ -2369,7 +2370,8 @@ static void emit_lmhead(Emit *e, int gi) {
   int64_t vn = padw ? vp : v; // the logits GEMM's N and the dx GEMM's K
   int64_t ldw = gr->tb ? c : v, logits = scratch_alloc(e, rc * vp * (l16 ? 2 : 4));
   int64_t grads = d16 && !l16 ? scratch_alloc(e, rc * vp * 2) : logits, sab = dtype_size(ab);
-  int64_t ox = buf_off(e, x), ow = buf_off(e, w), odx = buf_off(e, gr->dx), odw = buf_off(e, gr->dw);
+  int64_t ox = buf_off(e, x), ow = buf_off(e, w), odx = bwd ? buf_off(e, gr->dx) : -1,
+          odw = bwd ? buf_off(e, gr->dw) : -1;
   RowShape rs = ce_shape(e, v, rc);
   ec_phase_begin(&e->core);
   int kt = -1;
@@ -2381,10 +2383,12 @@ static void emit_lmhead(Emit *e, int gi) {
     int64_t grid = (rn + rs.rpb - 1) / rs.rpb;
     if (kt < 0) {
       kbegin(e, "ce");
-      note(e, "LM head: cross-entropy and its gradient of a chunk of at most %lld rows of %lld classes (rows %lld "
-              "apart), %s; chunk = its first row; %s per row", (long long)rc, (long long)v, (long long)vp,
-           l16 ? "bf16 logits, the gradient rounded to bf16 in place"
-               : d16 ? "the gradient rounded to bf16 into a chunk of its own" : "in place", rs_who(e, &rs));
+      note(e, "LM head: cross-entropy%s of a chunk of at most %lld rows of %lld classes (rows %lld "
+              "apart), %s; chunk = its first row; %s per row", bwd ? " and its gradient" : "", (long long)rc,
+           (long long)v, (long long)vp,
+           !bwd ? (l16 ? "bf16 logits" : "f32 logits")
+           : l16 ? "bf16 logits, the gradient rounded to bf16 in place"
+           : d16 ? "the gradient rounded to bf16 into a chunk of its own" : "in place", rs_who(e, &rs));
       const char *lp = raw_ptr(e, logits, l16 ? "uint16_t" : "float",
                                l16 ? "the chunk's logits, bf16" : "the chunk's logits");
       const char *gp = d16 && !l16 ? raw_ptr(e, grads, "uint16_t", "the chunk's dlogits, bf16") : lp;
@@ -2396,10 +2400,11 @@ static void emit_lmhead(Emit *e, int gi) {
       ec_enter(&e->core, "if (i < rn)");
       ec_line(&e->core, "const %s r = chunk + i;", e->core.ixt);
       ce_row(e, &rs, v, ec_str(&e->core, "%s + i * %lld", lp, (long long)vp), l16,
-             ec_str(&e->core, "%s[r]", ptr(e, tg)),
-             ec_str(&e->core, "%s[r]", ptr(e, gr->ce)), ec_str(&e->core, "%s + i * %lld", gp, (long long)vp), d16,
-             ec_str(&e->core, "%s[r]", ptr(e, dl)), ce_width(vp, l16 ? 2 : 4, d16 ? 2 : 4)); // rows vp apart
-      if (vn > v)
+             ec_str(&e->core, "%s[r]", ptr(e, tg)), ec_str(&e->core, "%s[r]", ptr(e, gr->ce)),
+             bwd ? ec_str(&e->core, "%s + i * %lld", gp, (long long)vp) : NULL, d16,
+             bwd ? ec_str(&e->core, "%s[r]", ptr(e, dl)) : NULL,
+             ce_width(vp, l16 ? 2 : 4, !bwd ? 0 : d16 ? 2 : 4)); // rows vp apart
+      if (vn > v && bwd)
         ec_line(&e->core, "for (int j = %lld + tr; j < %lld; j += %d) %s[i * %lld + j] = 0;", (long long)v,
                 (long long)vn, rs.tpr, gp, (long long)vp);
       ec_leave(&e->core);
@@ -2408,6 +2413,8 @@ static void emit_lmhead(Emit *e, int gi) {
     } else {
       relaunch(e, kt, grid, r0);
     }
+    if (!bwd)
+      continue;
     gemm_add(e, (CudaGemm){.ab = ab, .ta = 0, .tb = !gr->tb, .m = rn, .n = c, .k = vn, .lda = vp, .ldb = ldw, .ldc = c,
                            .batch = 1, .a = grads, .b = ow, .c = odx + 4 * r0 * c, .bias = -1, .aux = -1});
     if (gr->tb)
@@ -2419,7 +2426,7 @@ static void emit_lmhead(Emit *e, int gi) {
                              .batch = 1, .a = ox + sab * r0 * c, .b = grads, .c = odw, .beta = r0 ? 1.0f : 0.0f,
                              .bias = -1, .aux = -1});
   }
-  for (int i = 0; i < 3; i++)
+  for (int i = 0; i < nout; i++)
     ec_phase_done(&e->core, outs[i]);
   ec_phase_end(&e->core);
 }

@@ -31,7 +31,9 @@
 //     RESHAPEs, CROSS_ENTROPY and CROSS_ENTROPY_BWD of those logits and targets, RESHAPEs of the
 //     logits' gradient dl, then dx2 = MATMUL(dl, W, tb = !tb) and dW = MATMUL(dl, x2, ta) (W as
 //     [V,C]) or MATMUL(x2, dl, ta) (W as [C,V]), where dl is the CAST of the gradient when the
-//     GEMMs read bf16 operands; either backward GEMM may be missing. Only when
+//     GEMMs read bf16 operands; either backward GEMM may be missing. In a graph without a backward
+//     (the validation engine's) the pattern ends at the CROSS_ENTROPY: the logits are never whole
+//     there either (GPT-2 124M at B=205, T=128 held 5.3 GB of them). Only when
 //     every reader of the logits and of dl is in the pattern, so neither is ever materialised: the
 //     emitter runs it chunk by chunk of rows. Root: the logits MATMUL. Outs: the per-row losses,
 //     dx2, dW.
@@ -463,9 +465,15 @@ static const char *match_lmhead(Fuser *F, int mm, int *list, int *n, int *ce_out
     else if (u->id != ce)
       return arena_printf(F->a, "the logits are also read by %s", where(F, u->id));
   }
-  if (cb < 0)
-    return "the cross-entropy has no backward";
   list[(*n)++] = ce;
+  if (cb < 0) { // a forward-only graph (validation): the logits GEMM and the loss, chunk by chunk
+    if (F->g->grads)
+      return "the cross-entropy has no backward";
+    for (int i = 0; i < *n; i++)
+      if (F->grp[list[i]] >= 0)
+        return arena_printf(F->a, "%s is already in another step", where(F, list[i]));
+    return NULL;
+  }
   list[(*n)++] = cb;
   int dl = follow_reshapes(F, cb, list, n);
   if (!shape_eq(node(F, dl)->shape, m->shape))
