@@ -32,8 +32,8 @@
 //     logits' gradient dl, then dx2 = MATMUL(dl, W, tb = !tb) and dW = MATMUL(dl, x2, ta) (W as
 //     [V,C]) or MATMUL(x2, dl, ta) (W as [C,V]), where dl is the CAST of the gradient when the
 //     GEMMs read bf16 operands; either backward GEMM may be missing. In a graph without a backward
-//     (the validation engine's) the pattern ends at the CROSS_ENTROPY: the logits are never whole
-//     there either (GPT-2 124M at B=205, T=128 held 5.3 GB of them). Only when
+//     (the validation engine's) the pattern ends at the CROSS_ENTROPY, unless the logits are a model
+//     output: the logits are never whole there either (GPT-2 124M at B=205, T=128 held 5.3 GB). Only when
 //     every reader of the logits and of dl is in the pattern, so neither is ever materialised: the
 //     emitter runs it chunk by chunk of rows. Root: the logits MATMUL. Outs: the per-row losses,
 //     dx2, dW.
@@ -469,9 +469,13 @@ static const char *match_lmhead(Fuser *F, int mm, int *list, int *n, int *ce_out
   if (cb < 0) { // a forward-only graph (validation): the logits GEMM and the loss, chunk by chunk
     if (F->g->grads)
       return "the cross-entropy has no backward";
-    for (int i = 0; i < *n; i++)
+    for (int i = 0; i < *n; i++) {
+      for (int o = 0; o < F->g->noutputs; o++)
+        if (F->g->outputs[o] == list[i]) // (sampling and the packing check read them)
+          return "the logits are a model output";
       if (F->grp[list[i]] >= 0)
         return arena_printf(F->a, "%s is already in another step", where(F, list[i]));
+    }
     return NULL;
   }
   list[(*n)++] = cb;

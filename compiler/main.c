@@ -751,8 +751,10 @@ static Engine *open_side_engine(const Options *o, Arena *a, bool grads) {
   quiet.dump = NULL;
   if (grads && !apply_checkpoint(&quiet, g))
     return NULL;
-  if (!grads)
-    ir_eval_mode(g);
+  if (!grads) { // validation reads the loss alone: no named output is kept, so the LM head's logits are
+    ir_eval_mode(g); // never whole (rule 2 of fuse.c chunks it: 5.3 GB of them at GPT-2 124M, B=205, T=128)
+    g->noutputs = 0;
+  }
   return open_engine(&quiet, g, false);
 }
 

@@ -446,27 +446,44 @@ static void lmhead_refusals(void) {
     }
     arena_free(a);
   }
-  // The forward graph alone (what validation runs): there is no backward to chunk with it.
+  // The forward graph alone (what validation runs): the logits GEMM and the loss are chunked as well;
+  // but not where the logits are a model output (what sampling reads), and the dump says why.
   static const char forward[] = "model lmhead_forward\n"
                                 "input x: f32[8, 4]\n"
                                 "input targets: i32[8]\n"
                                 "param head: [4, 16] = normal(0.5)\n"
                                 "output loss = mean(cross_entropy(x @ head, targets))\n";
-  Arena *fa = arena_new();
-  Graph *fg = mdl_compile_text(fa, "forward.mdl", forward, NULL, 0);
-  Fusion *ff = fg ? fuse(fg, (FuseOptions){.fuse = true, .chunk_lmhead = true}) : NULL;
-  if (ff) {
-    int ce, mm = logits_gemm(ff, &ce);
-    const char *dump = dump_of(ff);
-    CHECK(mm >= 0 && dump_says(dump, mm, ce, "LM head not chunked: the cross-entropy has no backward") &&
-              !has_lmhead(ff),
-          "rule 2 (forward only): no LM-head step without the backward, and the dump says why",
-          "no such line for %%%d -> %%%d in:\n%s", mm, ce, dump);
-    check_numbers("rule 2 (forward only)", ff);
-  } else {
-    CHECK(false, "rule 2 (forward only): the model compiles and fuses", "%s", fg ? fg->err : "front end failed");
+  static const char forward_out[] = "model lmhead_forward_out\n"
+                                    "input x: f32[8, 4]\n"
+                                    "input targets: i32[8]\n"
+                                    "param head: [4, 16] = normal(0.5)\n"
+                                    "output logits = x @ head\n"
+                                    "output loss = mean(cross_entropy(logits, targets))\n";
+  for (int k = 0; k < 2; k++) {
+    Arena *fa = arena_new();
+    const char *label = k ? "rule 2 (forward only, logits an output)" : "rule 2 (forward only)";
+    Graph *fg = mdl_compile_text(fa, "forward.mdl", k ? forward_out : forward, NULL, 0);
+    Fusion *ff = fg ? fuse(fg, (FuseOptions){.fuse = true, .chunk_lmhead = true}) : NULL;
+    char name[200];
+    if (ff) {
+      int ce, mm = logits_gemm(ff, &ce);
+      const char *dump = dump_of(ff);
+      if (k) {
+        snprintf(name, sizeof name, "%s: not chunked, and the dump says why", label);
+        CHECK(mm >= 0 && dump_says(dump, mm, ce, "LM head not chunked: the logits are a model output") &&
+                  !has_lmhead(ff), name, "no such line for %%%d -> %%%d in:\n%s", mm, ce, dump);
+      } else {
+        snprintf(name, sizeof name, "%s: the logits GEMM and the loss are one LM-head step", label);
+        CHECK(mm >= 0 && ce >= 0 && has_lmhead(ff) && ff->step_of[mm] == ff->step_of[ce] &&
+                  ff->steps[ff->step_of[mm]].kind == STEP_LMHEAD, name, "dump:\n%s", dump);
+      }
+      check_numbers(label, ff);
+    } else {
+      snprintf(name, sizeof name, "%s: the model compiles and fuses", label);
+      CHECK(false, name, "%s", fg ? fg->err : "front end failed");
+    }
+    arena_free(fa);
   }
-  arena_free(fa);
   // The control: the same head read by the cross-entropy alone is chunked.
   static const char alone[] = "model lmhead_alone\n"
                               "input x: f32[8, 4]\n"
