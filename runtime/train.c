@@ -756,7 +756,7 @@ static int train_loop(Engine *e, Engine *eval, Engine *micro, const TrainOptions
     printf("step %5lld/%lld | loss %.4f | lr %.2e | norm %6.3f | %7.1f ms | %8.0f tok/s | MFU %5.2f%% | "
            "peak %.0f MB%s | ETA %s\n",
            (long long)step, (long long)last, loss, lr, norm, 1e3 * dt, tok_s, mfu,
-           (double)ru.ru_maxrss / 1024.0, device_s, eta_s);
+           (double)ru.ru_maxrss * 1024.0 / 1e6, device_s, eta_s); // (ru_maxrss: KiB; MB as the arena's)
     if (do_val)
       printf("step %5lld/%lld | val loss %.4f (unigram entropy %.4f)\n", (long long)step, (long long)last, last_val,
              unigram);

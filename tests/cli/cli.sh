@@ -115,18 +115,19 @@ awk -v a="$a1" -v b="$a2" 'BEGIN {exit !(a > 0 && b > 1.5 * a)}' &&
   echo "[ok] cli: --no-reuse shows what memory reuse saves ($a1 MB vs $a2 MB of activations)" ||
   echo "[fail] cli: --no-reuse activations $a2 MB vs $a1 MB"
 
-# Memory: with validation and checkpoints, the process stays within 1.1x the step's arena plus 64 MB
-# (the program, the GEMM library and the module take about 30, the LM head's chunk of logits 33). It
-# was 2.57x (1136 MB against 442) while the validation engine's arena was zeroed up front and a
-# checkpoint copied the parameters and moments, and 640 MB while the validation engine's parameters
-# and the training step's gradients and activations were all resident at once.
+# Memory: with validation and checkpoints, the process stays within 1.1x the step's arena plus 128 MB,
+# the runtime's own (the program, oneDNN and OpenMP, the module, the LM head's chunk of logits, 33:
+# 113 MB in all here; both figures in MB of 10^6 bytes). It was 2.57x (1136 MB against 442) while the validation
+# engine's arena was zeroed up front and a checkpoint copied the parameters and moments, and 640 MB
+# while the validation engine's parameters and the training step's gradients and activations were all
+# resident at once.
 rm -rf "$tmp/mem"
 $m run models/gpt2.mdl -D V=32768 -D C=512 -D H=8 -D L=1 -D B=4 -D T=64 --steps 4 --val-every 2 --ckpt-every 2 \
   --data "$tmp/shards" --out "$tmp/mem" --backend cpu >"$tmp/mem.out" 2>&1
 arena=$(grep -o 'arena [0-9.]* MB' "$tmp/mem.out" | head -1 | cut -d' ' -f2)
 peak=$(grep -o 'peak [0-9]* MB' "$tmp/mem.out" | cut -d' ' -f2 | sort -n | tail -1)
-awk -v a="$arena" -v p="$peak" 'BEGIN {exit !(a > 0 && p > 0 && p <= 1.1 * a + 64)}' &&
-  echo "[ok] cli: validation and checkpoints keep the process within 1.1x its arena + 64 MB ($peak MB, arena $arena MB)" ||
+awk -v a="$arena" -v p="$peak" 'BEGIN {exit !(a > 0 && p > 0 && p <= 1.1 * a + 128)}' &&
+  echo "[ok] cli: validation and checkpoints keep the process within 1.1x its arena + 128 MB ($peak MB, arena $arena MB)" ||
   echo "[fail] cli: peak $peak MB against an arena of $arena MB: $(tail -c 300 "$tmp/mem.out")"
 
 # Validation between steps changes no training step (the training engine gives back its gradients'
