@@ -274,36 +274,16 @@ static bool try_keep(const Graph *g, const bool *keep, const int *gemm, FuseOpti
   return true;
 }
 
-// The FLOPs of the clones saved value v needs when every other saved value is kept (fusion's
-// per-node count, without fusing): its price in auto's order.
-static double node_cost(const Graph *g, const IrNode *n) {
-  double e = (double)shape_numel(n->shape);
-  switch (n->op) {
-  case OP_MATMUL: {
-    Shape a = g->nodes[n->in[0]]->shape;
-    return 2 * e * (double)(n->ia[0] ? a.d[a.rank - 2] : a.d[a.rank - 1]);
-  }
-  case OP_ATTENTION: case OP_ATTENTION_LSE: {
-    Shape q = g->nodes[n->in[0]]->shape;
-    return 4.0 * (double)q.d[0] * (double)q.d[1] * (double)q.d[1] * (double)q.d[2] / (n->ia[1] ? 2 : 1);
-  }
-  case OP_LAYERNORM: return 8 * e;
-  case OP_RMSNORM: return 5 * e;
-  case OP_GELU: return 8 * e;
-  case OP_SILU: return 4 * e;
-  case OP_SOFTMAX: return 4 * e;
-  default: return is_view_op(n->op) ? 0 : e;
-  }
-}
-
-// The clones' FLOPs, and their class: 2 when they run an attention, else 1 when they run a GEMM, else 0.
+// The FLOPs of the clones saved value v needs when every other saved value is kept (fusion's count,
+// without fusing): its price in auto's order; and their class: 2 when they run an attention, else 1
+// when they run a GEMM, else 0.
 static double clone_cost(const Analysis *an, int v, bool *seen, int *cls) {
   const Graph *g = an->g;
   const IrNode *n = g->nodes[v];
   if (seen[v] || is_leaf(n->op))
     return 0;
   seen[v] = true;
-  double c = node_cost(g, n);
+  double c = fuse_node_flops(g, v);
   if (n->op == OP_ATTENTION || n->op == OP_ATTENTION_LSE)
     *cls = 2;
   else if (n->op == OP_MATMUL && *cls < 1)
@@ -532,8 +512,9 @@ out:
 
 // A budget: bytes ("1000000"), a size ("512MiB", "2GiB", "1GB", "64KB"), or a fraction of `memory`
 // ("0.5", in (0, 1]). Returns the bytes, or -1 when the text is none of these.
-int64_t checkpoint_budget(const char *text, int64_t memory) {
+int64_t checkpoint_budget(const char *text, int64_t memory, bool *fraction) {
   char *end;
+  *fraction = false;
   double x = strtod(text, &end);
   if (end == text || !(x > 0))
     return -1;
@@ -544,8 +525,10 @@ int64_t checkpoint_budget(const char *text, int64_t memory) {
                {"MiB", 1048576.0}, {"GiB", 1073741824.0}, {"TiB", 1099511627776.0}};
   for (size_t i = 0; i < sizeof units / sizeof *units; i++)
     if (!strcmp(end, units[i].unit)) {
-      if (i == 0 && x <= 1) // a fraction of the memory there is
+      if (i == 0 && x <= 1) { // a fraction of the memory there is
+        *fraction = true;
         return memory > 0 ? (int64_t)(x * (double)memory) : -1;
+      }
       double b = x * units[i].bytes;
       return b >= 1 && b < 9e18 ? (int64_t)b : -1;
     }

@@ -1567,7 +1567,6 @@ static void emit_attn_rows_open(Emit *e, const IrNode *nd, int doc) {
   emit_attn_range(e, nt, nd->ia[1], doc, "lo", "hi");
 }
 
-
 // Keys per block of the score loops, and the padded row length of a transposed [D][T] block (and of
 // the per-row buffers): a block that starts at lo < T may run up to lo + ATT_BLK - 1.
 enum { ATT_BLK = 32 };
@@ -1662,18 +1661,15 @@ static void emit_attn_transpose(Emit *e, const char *dst, Rows x, int64_t nt, in
 // Opens the parallel region of an attention kernel, with per-thread scratch, and its loop over the
 // (batch, head) tasks; a task owns every output row of its head, so tasks never race and each output
 // is computed by one sequence of operations whatever the thread count.
-static void emit_attn_open(Emit *e, int64_t nb, int64_t heads, bool par, const Tmp *tmp, int ntmp, bool zero) {
+static void emit_attn_open(Emit *e, int64_t nb, int64_t heads, bool par, const Tmp *tmp, int ntmp) {
   if (par) {
     ec_line(&e->core, "#pragma omp parallel num_threads(h->nthreads)");
     e->uses_h = true;
   }
   ec_enter(&e->core, "%s", "");
   for (int i = 0; i < ntmp; i++)
-    if (zero)
-      ec_line(&e->core, "float *restrict %s = memset(mdl_scratch(%lld * sizeof(float)), 0, %lld * sizeof(float));",
-              tmp[i].name, (long long)tmp[i].n, (long long)tmp[i].n);
-    else
-      ec_line(&e->core, "float *restrict %s = mdl_scratch(%lld * sizeof(float));", tmp[i].name, (long long)tmp[i].n);
+    ec_line(&e->core, "float *restrict %s = memset(mdl_scratch(%lld * sizeof(float)), 0, %lld * sizeof(float));",
+            tmp[i].name, (long long)tmp[i].n, (long long)tmp[i].n);
   if (par)
     ec_line(&e->core, "#pragma omp for schedule(dynamic, 1)");
   ec_enter(&e->core, "for (int64_t task = 0; task < %lld; task++)", (long long)(nb * heads));
@@ -2012,7 +2008,7 @@ static void attn_gemm_kernel(Emit *e, const AttnGemm *x) {
   e->uses_h = true;
   if (bf16)
     ec_line(&e->core, "const int g16 = h->bgemm != NULL;");
-  emit_attn_open(e, nb, heads, nb * nt * nt * nc >= PAR_MIN, tmp, ntmp, true);
+  emit_attn_open(e, nb, heads, nb * nt * nt * nc >= PAR_MIN, tmp, ntmp);
   if (x->doc >= 0)
     ec_line(&e->core, "const int32_t *restrict dc = b%d + b * %lld;", ptr(e, x->doc), (long long)nt);
   if (bf16) {
@@ -2074,7 +2070,7 @@ static void emit_attention(Emit *e, int gi) {
     return;
   }
   Tmp tmp[2] = {{"kt", d * attn_padded(nt)}, {"s", attn_padded(nt)}};
-  emit_attn_open(e, nb, heads, nb * nt * nt * nc >= PAR_MIN, tmp, 2, true);
+  emit_attn_open(e, nb, heads, nb * nt * nt * nc >= PAR_MIN, tmp, 2);
   bool bf16 = nd->ia[4] == DT_BF16; // q, k, v and e = exp(s - max) read rounded (mdl.h)
   emit_attn_transpose(e, "kt", k, nt, d, bf16);
   emit_attn_rows_open(e, nd, doc);
@@ -2148,7 +2144,7 @@ static void emit_attention_bwd(Emit *e, int gi) {
     tmp[ntmp++] = (Tmp){"dkh", nt * d};
   if (out[2] >= 0)
     tmp[ntmp++] = (Tmp){"dvh", nt * d};
-  emit_attn_open(e, nb, heads, nb * nt * nt * nc >= PAR_MIN, tmp, ntmp, true);
+  emit_attn_open(e, nb, heads, nb * nt * nt * nc >= PAR_MIN, tmp, ntmp);
   bool bf16 = nd->ia[4] == DT_BF16; // the products read q, k, v, dout, P and dS rounded (mdl.h)
   emit_attn_transpose(e, "kt", k, nt, d, bf16);
   if (ds)

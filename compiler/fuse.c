@@ -33,8 +33,8 @@
 //     [V,C]) or MATMUL(x2, dl, ta) (W as [C,V]), where dl is the CAST of the gradient when the
 //     GEMMs read bf16 operands; either backward GEMM may be missing. In a graph without a backward
 //     (the validation engine's) the pattern ends at the CROSS_ENTROPY, unless the logits are a model
-//     output: the logits are never whole there either (GPT-2 124M at B=205, T=128 held 5.3 GB). Only when
-//     every reader of the logits and of dl is in the pattern, so neither is ever materialised: the
+//     output: the logits are never whole there either (GPT-2 124M at B=205, T=128 held 5.3 GB).
+//     Only when every reader of the logits and of dl is in the pattern, so neither is ever materialised: the
 //     emitter runs it chunk by chunk of rows. Root: the logits MATMUL. Outs: the per-row losses,
 //     dx2, dW.
 //  3. Siblings. LAYERNORM_BWD (which 0/1/2), RMSNORM_BWD (0/1) and ATTENTION_BWD (dq/dk/dv) nodes
@@ -433,6 +433,14 @@ static int follow_reshapes(const Fuser *F, int id, int *list, int *n) {
   return id;
 }
 
+// Why the pattern's nodes list[0, n) cannot form a step, or NULL: one is already in another step.
+static const char *taken_elsewhere(const Fuser *F, const int *list, int n) {
+  for (int i = 0; i < n; i++)
+    if (F->grp[list[i]] >= 0)
+      return arena_printf(F->a, "%s is already in another step", where(F, list[i]));
+  return NULL;
+}
+
 // Matches the LM-head pattern at MATMUL mm into list; returns NULL or why it does not match.
 static const char *match_lmhead(Fuser *F, int mm, int *list, int *n, int *ce_out) {
   IrNode *m = node(F, mm);
@@ -469,14 +477,11 @@ static const char *match_lmhead(Fuser *F, int mm, int *list, int *n, int *ce_out
   if (cb < 0) { // a forward-only graph (validation): the logits GEMM and the loss, chunk by chunk
     if (F->g->grads)
       return "the cross-entropy has no backward";
-    for (int i = 0; i < *n; i++) {
+    for (int i = 0; i < *n; i++)
       for (int o = 0; o < F->g->noutputs; o++)
         if (F->g->outputs[o] == list[i]) // (sampling and the packing check read them)
           return "the logits are a model output";
-      if (F->grp[list[i]] >= 0)
-        return arena_printf(F->a, "%s is already in another step", where(F, list[i]));
-    }
-    return NULL;
+    return taken_elsewhere(F, list, *n);
   }
   list[(*n)++] = cb;
   int dl = follow_reshapes(F, cb, list, n);
@@ -501,10 +506,7 @@ static const char *match_lmhead(Fuser *F, int mm, int *list, int *n, int *ce_out
       return arena_printf(F->a, "the logits' gradient is also read by %s", where(F, u->id));
     list[(*n)++] = u->id;
   }
-  for (int i = 0; i < *n; i++)
-    if (F->grp[list[i]] >= 0)
-      return arena_printf(F->a, "%s is already in another step", where(F, list[i]));
-  return NULL;
+  return taken_elsewhere(F, list, *n);
 }
 
 static void rule_lmhead(Fuser *F) {
@@ -1068,9 +1070,9 @@ static void resolve_views(Fuser *F) {
 //
 // Assembly: order, outs and ins, costs, names, and a reason for every pair left unfused.
 //
-static double node_flops(const Fuser *F, int id) {
-  IrNode *n = node(F, id);
-  double e = (double)shape_numel(n->shape), x = n->nin ? (double)numel(F, n->in[0]) : 0;
+double fuse_node_flops(const Graph *g, int id) {
+  const IrNode *n = g->nodes[id];
+  double e = (double)shape_numel(n->shape), x = n->nin ? (double)shape_numel(g->nodes[n->in[0]]->shape) : 0;
   switch (n->op) {
   case OP_GELU: return 8 * e;
   case OP_GELU_BWD: return 12 * e;
@@ -1079,10 +1081,10 @@ static double node_flops(const Fuser *F, int id) {
   case OP_MAX_BWD: return 2 * e;
   case OP_SUM: case OP_MEAN: case OP_MAX: return x;
   case OP_MATMUL: {
-    Shape a = node(F, n->in[0])->shape;
+    Shape a = g->nodes[n->in[0]]->shape;
     return 2 * e * (double)(n->ia[0] ? a.d[a.rank - 2] : a.d[a.rank - 1]);
   }
-  case OP_EMBED_BWD: return (double)numel(F, n->in[1]);
+  case OP_EMBED_BWD: return (double)shape_numel(g->nodes[n->in[1]]->shape);
   case OP_LAYERNORM: return 8 * e;
   case OP_LAYERNORM_BWD: return (n->ia[0] == 0 ? 10 : n->ia[0] == 1 ? 2 : 1) * x;
   case OP_RMSNORM: return 5 * e;
@@ -1090,19 +1092,19 @@ static double node_flops(const Fuser *F, int id) {
   case OP_SOFTMAX: return 4 * e;
   case OP_SOFTMAX_BWD: case OP_CROSS_ENTROPY: case OP_CROSS_ENTROPY_BWD: return 3 * x;
   case OP_ATTENTION: case OP_ATTENTION_LSE: case OP_ATTENTION_BWD: {
-    Shape q = node(F, n->in[0])->shape;
+    Shape q = g->nodes[n->in[0]]->shape;
     double f = 4.0 * (double)q.d[0] * (double)q.d[1] * (double)q.d[1] * (double)q.d[2];
     if (n->ia[1])
       f /= 2;
-    if (n->op == OP_ATTENTION_LSE) // Q K^T alone; nothing more in the forward's step
-      return F->grp[id] >= 0 && op_of(F, F->groups[F->grp[id]].root) == OP_ATTENTION ? 0 : f / 2;
+    if (n->op == OP_ATTENTION_LSE) // Q K^T alone (nothing more in its forward's step: node_flops)
+      return f / 2;
     return n->op == OP_ATTENTION ? f : 2 * f / 3;
   }
   case OP_ROPE: return 3 * e;
   case OP_GRAD_NORM: {
     double s = 0;
     for (int k = 0; k < n->nin; k++)
-      s += 2 * (double)numel(F, n->in[k]);
+      s += 2 * (double)shape_numel(g->nodes[n->in[k]]->shape);
     return s;
   }
   case OP_ADAMW: return 12 * e;
@@ -1111,6 +1113,13 @@ static double node_flops(const Fuser *F, int id) {
   case OP_COUNT: return 0;
   default: return e; // the remaining elementwise ops: one operation per element
   }
+}
+
+// A node's FLOPs within its step: an ATTENTION_LSE in its forward's step costs nothing more.
+static double node_flops(const Fuser *F, int id) {
+  if (op_of(F, id) == OP_ATTENTION_LSE && F->grp[id] >= 0 && op_of(F, F->groups[F->grp[id]].root) == OP_ATTENTION)
+    return 0;
+  return fuse_node_flops(F->g, id);
 }
 
 static int cmp_int(const void *a, const void *b) { return *(const int *)a - *(const int *)b; }

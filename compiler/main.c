@@ -194,7 +194,7 @@ static int parse_options(int argc, char **argv, Options *o) {
     }
     case 'c':
       if (strcmp(optarg, "none") && strcmp(optarg, "all") && strcmp(optarg, "auto") &&
-          (strncmp(optarg, "auto=", 5) || checkpoint_budget(optarg + 5, (int64_t)1 << 40) < 0))
+          (strncmp(optarg, "auto=", 5) || checkpoint_budget(optarg + 5, (int64_t)1 << 40, &(bool){0}) < 0))
         return usage_error("--checkpoint wants none, all, auto or auto=BUDGET (bytes, 512MiB, 2GiB, or a fraction "
                            "of the memory such as 0.5), got '%s'", optarg);
       o->checkpoint = optarg;
@@ -357,11 +357,10 @@ static bool apply_checkpoint(const Options *o, Graph *g) {
     policy = "auto";
     int64_t mem = memory_there(o, &what);
     if (spec[4] == '=') {
-      char *end;
-      double x = strtod(spec + 5, &end);
-      budget = checkpoint_budget(spec + 5, mem);
-      how = !*end && x <= 1 ? arena_printf(g->arena, "%s of the %.2f GB %s", spec + 5, (double)mem / 1e9, what)
-                            : arena_strdup(g->arena, spec + 5);
+      bool fraction;
+      budget = checkpoint_budget(spec + 5, mem, &fraction);
+      how = fraction ? arena_printf(g->arena, "%s of the %.2f GB %s", spec + 5, (double)mem / 1e9, what)
+                     : arena_strdup(g->arena, spec + 5);
     } else if (mem > 0) {
       budget = mem;
       how = arena_printf(g->arena, "the %.2f GB %s", (double)mem / 1e9, what);

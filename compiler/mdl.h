@@ -449,6 +449,8 @@ typedef struct {
 
 Fusion *fuse(Graph *g, FuseOptions opt);
 bool fuse_is_copy(const Fusion *f, int node); // node is a parameter's bf16 copy (rule 11)
+// The FLOPs of node id as the fusion pass counts them (the costs at the top of fuse.c), alone in a step.
+double fuse_node_flops(const Graph *g, int id);
 void fuse_dump(const Fusion *f, FILE *out); // steps with their ops and .mdl lines, then "not fused" lines
 const char *step_kind_name(StepKind k);     // "kernel", "gemm", "attention", "lmhead", "optimizer"
 
@@ -469,9 +471,9 @@ bool checkpoint_place(Graph *g, const char *policy, int64_t budget, const char *
 // peak), with the budget and where it came from when `budget` (a budget that is the memory there is
 // only when `memory` too: the build's reports stay the same from machine to machine).
 void checkpoint_summary(const CheckpointPlan *cp, bool budget, bool memory, char *buf, size_t n);
-// A budget's bytes: "1000000", "512MiB", "2GiB", "1GB", or a fraction in (0, 1] of `memory`; -1 when
-// the text is none of these (or a fraction with memory unknown).
-int64_t checkpoint_budget(const char *text, int64_t memory);
+// A budget's bytes: "1000000", "512MiB", "2GiB", "1GB", or a fraction in (0, 1] of `memory` (then
+// *fraction is set); -1 when the text is none of these (or a fraction with memory unknown).
+int64_t checkpoint_budget(const char *text, int64_t memory, bool *fraction);
 
 //
 // memplan.c: one arena, liveness-based reuse. Parameters, their gradients and the AdamW moments

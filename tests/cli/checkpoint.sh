@@ -60,6 +60,18 @@ rc=$?
 check "a budget of 0 in the train section is an error at its place" \
   "[ $rc -eq 1 ] && grep -q 'zero.mdl:$line:[0-9]*: error: checkpoint budget must be a positive size' '$tmp/err'"
 
+# a fraction of the memory there is, from the command line and from the train section: the budget is
+# that share of the memory the run names, and a share too small to meet is refused
+$m check -d C models/gpt2-tiny.mdl --checkpoint auto=0.5 --backend cpu >"$tmp/half" 2>"$tmp/err"
+check "--checkpoint auto=0.5 budgets half the memory available" \
+  "grep -qE '^checkpoint auto: every saved value kept .* budget [0-9.]+ MB \\(0\\.5 of the [0-9.]+ GB available' '$tmp/half' &&
+   awk -v b=\"\$(grep -o 'budget [0-9.]* MB' '$tmp/half' | grep -o '[0-9.]*')\" -v g=\"\$(grep -o 'of the [0-9.]* GB' '$tmp/half' | grep -o '[0-9.]*')\" 'BEGIN {exit !(b > 0 && b / (g * 1000) > 0.49 && b / (g * 1000) < 0.51)}'"
+sed 's/checkpoint = auto/checkpoint = auto(0.0000001)/' models/gpt2-tiny.mdl >"$tmp/tiny.mdl"
+$m check -d C "$tmp/tiny.mdl" --backend cpu >"$tmp/out" 2>"$tmp/err"
+rc=$?
+check "checkpoint = auto(0.0000001) in the train section: a share too small to meet, refused at its place" \
+  "[ $rc -eq 1 ] && grep -q 'tiny.mdl:$line:[0-9]*: error: checkpoint = auto=0.0000001: a budget of [0-9.]* MB cannot be met' '$tmp/err'"
+
 # GPT-2 124M (fp32, B=8, T=64) under a budget below what none plans: it trains, within the budget
 # (the arena the pass planned; the process adds the runtime's own memory: libraries, kernel scratch,
 # the data, about 100 MB here) and below what none would have taken.

@@ -28,6 +28,7 @@
 #include "backend.h"
 #include "emit_cuda.h"
 #include "test.h"
+#include "cuda_emu_host.h"
 
 #include <dirent.h>
 #include <dlfcn.h>
@@ -191,7 +192,8 @@ static void batch(const IrNode *nd, int32_t *ids, float *f) {
   }
 }
 
-static void set_inputs(const Graph *g, const MemPlan *m, char *arena) {
+// Sets every input of the graph in the interpreter (it) or in the arena (m, arena).
+static void set_inputs(const Graph *g, Interp *it, const MemPlan *m, char *arena) {
   for (int i = 0; i < g->n; i++) {
     const IrNode *nd = g->nodes[i];
     if (nd->op != OP_INPUT)
@@ -201,7 +203,10 @@ static void set_inputs(const Graph *g, const MemPlan *m, char *arena) {
     float *f = malloc(sizeof *f * (size_t)n);
     batch(nd, ids, f);
     bool i32 = nd->dtype == DT_I32;
-    cpu_set_input(g, m, arena, nd->name, i32 ? ids : NULL, i32 ? NULL : f, n);
+    if (it)
+      interp_set_input(it, nd->name, i32 ? ids : NULL, i32 ? NULL : f, n);
+    else
+      cpu_set_input(g, m, arena, nd->name, i32 ? ids : NULL, i32 ? NULL : f, n);
     free(ids);
     free(f);
   }
@@ -260,7 +265,7 @@ static bool cpu_steps(Graph *g, int steps, uint64_t seed, Run *out, char *why, s
     return false;
   char *arena = cpu_arena_new(m);
   cpu_init_params(g, m, arena, 7);
-  set_inputs(g, m, arena);
+  set_inputs(g, NULL, m, arena);
   cpu_set_threads(cm, 2);
   cm->hooks.seed = seed;
   out->grad = calloc((size_t)g->nparams, sizeof *out->grad);
@@ -319,123 +324,6 @@ static bool same_bits(const Graph *g, const Run *x, const Run *y, bool params, c
 // The CUDA kernels on the CPU (as test_cuda_emit.c runs them).
 //
 
-typedef void (*launch_fn)(void *fn, const unsigned *grid, const unsigned *block, char *arena, void *status,
-                          uint64_t seed, int64_t chunk, const int64_t *args, int nargs);
-
-typedef struct {
-  void *so;
-  launch_fn launch;
-  void **fn; // per launch: its kernel
-} Emu;
-
-static double gelu(double x) { return 0.5 * x * (1 + tanh(sqrt(2 / M_PI) * (x + 0.044715 * x * x * x))); }
-
-// Element i of a matrix of type t (f32 or bf16) at p, as a value; v stored there as type t.
-static float elem(const char *p, DType t, int64_t i) {
-  float f;
-  if (t == DT_BF16) {
-    uint16_t h;
-    memcpy(&h, p + 2 * i, 2);
-    uint32_t u = (uint32_t)h << 16;
-    memcpy(&f, &u, 4);
-  } else {
-    memcpy(&f, p + 4 * i, 4);
-  }
-  return f;
-}
-
-static void put(char *p, DType t, int64_t i, float v) {
-  if (t == DT_BF16) {
-    float r = (float)round_bf16(v);
-    uint32_t u;
-    memcpy(&u, &r, 4);
-    uint16_t h = (uint16_t)(u >> 16);
-    memcpy(p + 2 * i, &h, 2);
-  } else {
-    memcpy(p + 4 * i, &v, 4);
-  }
-}
-
-// The GEMMs of the plan, as a GPU's GEMM library would run them: operands of the GEMM's type, sums
-// in double, the result rounded to float, then the epilogue, stored as C's type.
-static void ref_gemm(char *arena, const CudaGemm *gm) {
-  int64_t sab = dtype_size(gm->ab), sc = dtype_size(gm->c_type);
-  for (int64_t t = 0; t < gm->batch; t++) {
-    const char *a = arena + gm->a + sab * t * gm->stride_a, *b = arena + gm->b + sab * t * gm->stride_b;
-    char *c = arena + gm->c + sc * t * gm->stride_c;
-    const char *cin = gm->c_apart ? arena + gm->cin + sc * t * gm->stride_c : c;
-    const float *bias = gm->bias >= 0 ? (const float *)(arena + gm->bias) : NULL;
-    float *aux = gm->aux >= 0 ? (float *)(arena + gm->aux) + t * gm->stride_c : NULL;
-    for (int64_t i = 0; i < gm->m; i++)
-      for (int64_t j = 0; j < gm->n; j++) {
-        double s = 0;
-        for (int64_t l = 0; l < gm->k; l++)
-          s += (double)elem(a, gm->ab, gm->ta ? l * gm->lda + i : i * gm->lda + l) *
-               elem(b, gm->ab, gm->tb ? j * gm->ldb + l : l * gm->ldb + j);
-        int64_t at = i * gm->ldc + j;
-        float v = (float)(s + (gm->beta != 0 ? (double)gm->beta * elem(cin, gm->c_type, at) : 0.0));
-        if (bias)
-          v += bias[j];
-        if (aux)
-          aux[at] = v;
-        if (gm->epilogue == CUDA_EPI_GELU || gm->epilogue == CUDA_EPI_BIAS_GELU)
-          v = (float)gelu(v);
-        put(c, gm->c_type, at, v);
-      }
-  }
-}
-
-// What the emulated modules are compiled with besides, as test_cuda_emit.c compiles them: UBSan's
-// alignment and bounds checks, each fatal, so that a recomputed kernel reading past a shared tile or
-// off a vector's alignment stops the step as it would fault on a GPU.
-#define EMU_CHECKS "-fsanitize=alignment,bounds -fno-sanitize-recover=all"
-
-// Compiles the module with the emulator into dir/<tag>.so and loads it; false with the reason.
-static bool emu_load(const CudaPlan *p, const char *dir, const char *tag, Emu *emu, char *why, size_t n) {
-  char cu[600], so[600], log[600], cmd[2400];
-  snprintf(cu, sizeof cu, "%s/%s.cu", dir, tag);
-  snprintf(so, sizeof so, "%s/%s.so", dir, tag);
-  snprintf(log, sizeof log, "%s/%s.log", dir, tag);
-  FILE *f = fopen(cu, "w");
-  if (!f || fputs(p->source, f) < 0 || fclose(f)) {
-    snprintf(why, n, "cannot write %s", cu);
-    return false;
-  }
-  snprintf(cmd, sizeof cmd,
-           "g++ -std=c++17 -O1 -fopenmp -shared -fPIC " EMU_CHECKS " -Wall -Wextra -Werror -Wno-unknown-pragmas "
-           "-Wno-unused-parameter -Iruntime -DMDL_EMU_SOURCE='\"%s\"' tests/unit/cuda_emu_driver.cpp -o %s >%s 2>&1",
-           cu, so, log);
-  if (system(cmd) != 0) {
-    FILE *l = fopen(log, "r");
-    size_t k = l ? fread(why, 1, n - 1, l) : 0;
-    why[k] = 0;
-    if (l)
-      fclose(l);
-    return false;
-  }
-  emu->so = dlopen(so, RTLD_NOW | RTLD_LOCAL);
-  if (!emu->so) {
-    snprintf(why, n, "%s", dlerror());
-    return false;
-  }
-  *(void **)&emu->launch = dlsym(emu->so, "mdl_emu_launch");
-  emu->fn = calloc((size_t)p->nlaunches + 1, sizeof *emu->fn);
-  for (int i = 0; i < p->nlaunches; i++) {
-    const CudaLaunch *l = &p->launches[i];
-    if (l->kernel && !(emu->fn[i] = dlsym(emu->so, l->kernel))) {
-      snprintf(why, n, "no kernel %s in the module", l->kernel);
-      return false;
-    }
-  }
-  return emu->launch != NULL;
-}
-
-static void emu_free(Emu *emu) {
-  if (emu->so)
-    dlclose(emu->so);
-  free(emu->fn);
-}
-
 // One training step of g's fused CUDA module in the emulator (dropout seed 7) from the initial
 // parameters of seed 7; false with the reason in why.
 static bool emu_steps(Graph *g, const char *dir, const char *tag, Run *out, char *why, size_t n) {
@@ -454,7 +342,7 @@ static bool emu_steps(Graph *g, const char *dir, const char *tag, Run *out, char
   memset(arena, 0, bytes);
   memset(arena + p->scratch, 0xff, (size_t)(p->arena_bytes - p->scratch));
   cpu_init_params(g, m, arena, 7);
-  set_inputs(g, m, arena);
+  set_inputs(g, NULL, m, arena);
   cpu_set_scalar(g, m, arena, "lr", LR);
   cpu_set_scalar(g, m, arena, "step", 1);
   MdlStatus st = {0};
@@ -783,18 +671,7 @@ static void test_eval_lmhead(const char *dir, const char *model, bool bf16, bool
 
   Interp *it = interp_new(g, INTERP_F32);
   interp_init_params(it, 7);
-  for (int i = 0; i < g->n; i++) {
-    const IrNode *nd = g->nodes[i];
-    if (nd->op != OP_INPUT)
-      continue;
-    int64_t n = shape_numel(nd->shape);
-    int32_t *ids = malloc(sizeof *ids * (size_t)n);
-    float *x = malloc(sizeof *x * (size_t)n);
-    batch(nd, ids, x);
-    interp_set_input(it, nd->name, nd->dtype == DT_I32 ? ids : NULL, nd->dtype == DT_I32 ? NULL : x, n);
-    free(ids);
-    free(x);
-  }
+  set_inputs(g, it, NULL, NULL);
   bool have = interp_run(it, g->n, why, sizeof why);
   double ref = have ? interp_value(it, g->loss)[0] : NAN, tol = bf16 ? 1e-3 : 1e-5;
   interp_free(it);
