@@ -26,7 +26,8 @@
 // earlier rule is not available to a later one):
 //  1. STEP_OPTIMIZER: GRAD_NORM (the root) and every ADAMW that reads it, one step (one kernel over
 //     the flat buffers). Outs: the ADAMW nodes (written in place over their PARAM, with m and v) and
-//     the gradient norm (4 bytes, so the metrics line can print it).
+//     the gradient norm (4 bytes, so the metrics line can print it). With opt.optimizer_per_param,
+//     GRAD_NORM alone and then each ADAMW alone, one step each (what the fused one is worth).
 //  2. STEP_LMHEAD (opt.chunk_lmhead): logits = MATMUL(x2 [N,C], W) (either orientation of W), any
 //     RESHAPEs, CROSS_ENTROPY and CROSS_ENTROPY_BWD of those logits and targets, RESHAPEs of the
 //     logits' gradient dl, then dx2 = MATMUL(dl, W, tb = !tb) and dW = MATMUL(dl, x2, ta) (W as
@@ -413,7 +414,11 @@ static void rule_optimizer(Fuser *F) {
     int gi = new_group(F, STEP_OPTIMIZER, i);
     for (int k = 0; k < F->nusers[i]; k++) {
       int u = F->users[i][k];
-      if (op_of(F, u) == OP_ADAMW && F->grp[u] < 0 && !try_add(F, gi, u))
+      if (op_of(F, u) != OP_ADAMW || F->grp[u] >= 0)
+        continue;
+      if (F->opt.optimizer_per_param)
+        new_group(F, STEP_OPTIMIZER, u);
+      else if (!try_add(F, gi, u))
         reject(F, i, u, "would make the steps cyclic");
     }
   }
@@ -959,12 +964,6 @@ static void rule_reduction_producers(Fuser *F) {
 // Rule 11: a parameter's bf16 rounding becomes a copy the optimizer keeps.
 //
 static void rule_copies(Fuser *F) {
-  int opt = -1;
-  for (int gi = 0; gi < F->ngroups && opt < 0; gi++)
-    if (F->groups[gi].kind == STEP_OPTIMIZER && F->groups[gi].n > 0)
-      opt = gi;
-  if (opt < 0)
-    return;
   for (int c = 0; c < F->g->n; c++) {
     const IrNode *n = node(F, c);
     int p = n->nin == 1 ? n->in[0] : -1, gi = F->grp[c];
@@ -972,7 +971,8 @@ static void rule_copies(Fuser *F) {
       continue;
     bool updated = false;
     for (int k = 0; k < F->nusers[p]; k++)
-      updated |= op_of(F, F->users[p][k]) == OP_ADAMW && F->grp[F->users[p][k]] == opt;
+      updated |= op_of(F, F->users[p][k]) == OP_ADAMW && F->grp[F->users[p][k]] >= 0 &&
+                 F->groups[F->grp[F->users[p][k]]].kind == STEP_OPTIMIZER;
     if (!updated || F->copy_of[p] >= 0)
       continue;
     remove_member(F, gi, c);

@@ -94,6 +94,8 @@ static const char usage_text[] =
     "                         section's, else auto, whose budget is the memory available)\n"
     "      --no-fuse          one kernel per IR node (to measure what fusion is worth)\n"
     "      --no-chunk-lmhead  materialise the whole logits instead of running the LM head by chunks\n"
+    "      --optimizer-per-param  AdamW as one kernel per parameter tensor (as torch.optim.AdamW with\n"
+    "                         foreach=False) instead of one fused kernel over them all\n"
     "      --no-gemm-tuning   CUDA: each GEMM on cuBLASLt's first choice, untimed (what tuning is worth)\n"
     "      --no-kernel-tuning CUDA: each kernel that has a variant (attention's block sizes) as first\n"
     "                         emitted, not timed against it\n"
@@ -138,6 +140,7 @@ static int parse_options(int argc, char **argv, Options *o) {
       {"accumulate", required_argument, 0, 'A'}, {"prompt", required_argument, 0, 'p'},
       {"tokens", required_argument, 0, 'T'},  {"temperature", required_argument, 0, 'm'},
       {"top-k", required_argument, 0, 'q'},  {"skip-nonfinite", required_argument, 0, 'X'},
+      {"optimizer-per-param", no_argument, 0, 'Z'},
       {"help", no_argument, 0, 'h'},          {"version", no_argument, 0, 'V'},
       {0, 0, 0, 0}};
   *o = (Options){.seed = 1337, .backend = "auto", .steps = -1, .pack = true, .reuse = true, .gemm_tuning = true,
@@ -246,6 +249,7 @@ static int parse_options(int argc, char **argv, Options *o) {
       break;
     }
     case 'C': o->fuse.chunk_lmhead = false; break;
+    case 'Z': o->fuse.optimizer_per_param = true; break;
     case 'U': o->reuse = false; break;
     case 'G': o->gemm_tuning = false; break;
     case 'J': o->kernel_tuning = false; break;

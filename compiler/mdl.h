@@ -427,6 +427,9 @@ typedef struct {
 typedef struct {
   bool fuse;          // false (--no-fuse): one step per node, the optimizer per parameter
   bool chunk_lmhead;  // the LM head + cross-entropy run chunk by chunk (never the whole logits)
+  // (--optimizer-per-param) AdamW as one step per parameter after the gradient norm's, as an unfused
+  // framework launches it (torch.optim.AdamW with foreach=False), instead of one step over them all
+  bool optimizer_per_param;
   int max_group;      // cap on nodes per kernel
 } FuseOptions;
 

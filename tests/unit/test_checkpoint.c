@@ -24,6 +24,10 @@
 //     there is, and says what takes the memory (naming the parameters).
 //  6. The forward is left as it is: after the pass the first fwd_end nodes have the ops and inputs
 //     they had before it (every graph built above).
+//  7. The optimizer per parameter (--optimizer-per-param, rule 1 of fuse.c), checked with the same
+//     runs: gpt2-tiny and llama-tiny, fp32 and bf16, plan one optimizer step per parameter after the
+//     gradient norm's, keep the parameters' bf16 copies, and train 2 steps (C back end) and 1 step
+//     (emulated CUDA kernels) bit for bit as the one fused optimizer step does.
 #include "mdl.h"
 #include "backend.h"
 #include "emit_cuda.h"
@@ -76,8 +80,9 @@ static const char dropout_model[] =
     "param head: [C, V] = normal(0.2)\n"
     "output loss = mean(cross_entropy(x @ head, targets))\n";
 
-// The options mdlc fuses with; the pass measures its choices with the same ones.
-static const FuseOptions FO = {.fuse = true, .chunk_lmhead = true, .max_group = 64};
+// The options mdlc fuses with; the pass measures its choices with the same ones. (Check 7 sets
+// optimizer_per_param for its runs.)
+static FuseOptions FO = {.fuse = true, .chunk_lmhead = true, .max_group = 64};
 static const double LR = 2e-3;
 
 static double mb(int64_t bytes) { return (double)bytes / 1e6; }
@@ -691,6 +696,61 @@ static void test_eval_lmhead(const char *dir, const char *model, bool bf16, bool
   arena_free(a);
 }
 
+static int optimizer_steps(const Fusion *f) {
+  int n = 0;
+  for (int s = 0; s < f->nsteps; s++)
+    n += f->steps[s].kind == STEP_OPTIMIZER;
+  return n;
+}
+
+// Check 7 on one model and precision.
+static void test_per_param(const char *dir, const char *model, bool bf16, bool emu) {
+  Arena *a = arena_new();
+  const char *prec = bf16 ? "bf16" : "fp32";
+  const Model md = {arena_printf(a, "models/%s.mdl", model), {{"B", 2}, {"T", 16}}, 2, NULL};
+  char label[160], name[400], why[4000], differs[300] = "";
+  bool kept = true;
+  snprintf(label, sizeof label, "%s %s per-param", model, prec);
+  Graph *g = placed(a, &md, bf16, "none", 0, label, &kept, differs, sizeof differs);
+  if (!g) {
+    arena_free(a);
+    return;
+  }
+  Fusion *fused = fuse(g, FO);
+  FO.optimizer_per_param = true;
+  Fusion *each = fuse(g, FO);
+  snprintf(name, sizeof name, "optimizer per param %s %s: %d optimizer steps (the gradient norm's and one per "
+           "parameter) where fused has 1, with the same %d bf16 copies", model, prec, g->nparams + 1, fused->ncopies);
+  CHECK(optimizer_steps(fused) == 1 && optimizer_steps(each) == g->nparams + 1 && each->ncopies == fused->ncopies &&
+            each->nsteps == fused->nsteps + g->nparams,
+        name, "fused: %d optimizer steps of %d, %d copies; per param: %d of %d, %d copies", optimizer_steps(fused),
+        fused->nsteps, fused->ncopies, optimizer_steps(each), each->nsteps, each->ncopies);
+  Run ref = {0}, r = {0};
+  FO.optimizer_per_param = false;
+  bool ok = cpu_steps(g, 2, 7, &ref, why, sizeof why);
+  FO.optimizer_per_param = true;
+  ok = ok && cpu_steps(g, 2, 7, &r, why, sizeof why);
+  snprintf(name, sizeof name, "optimizer per param %s %s: the loss, gradients and the parameters after 2 steps "
+           "bit-identical to the fused optimizer's (C back end)", model, prec);
+  CHECK(ok && same_bits(g, &ref, &r, true, why, sizeof why), name, "%.1500s", why);
+  run_free(g, &ref);
+  run_free(g, &r);
+  if (emu) {
+    Run cref = {0}, c = {0};
+    FO.optimizer_per_param = false;
+    ok = emu_steps(g, dir, arena_printf(a, "fused_opt_%s_%s", model, prec), &cref, why, sizeof why);
+    FO.optimizer_per_param = true;
+    ok = ok && emu_steps(g, dir, arena_printf(a, "per_param_%s_%s", model, prec), &c, why, sizeof why);
+    snprintf(name, sizeof name, "optimizer per param %s %s: the loss, gradients and the parameters after the step "
+             "bit-identical to the fused optimizer's (emulated CUDA kernels)", model, prec);
+    CHECK(ok && same_bits(g, &cref, &c, true, why, sizeof why), name, "%.1500s", why);
+    run_free(g, &cref);
+    run_free(g, &c);
+  }
+  FO.optimizer_per_param = false;
+  arena_free(a);
+}
+
 int main(void) {
   char dir[] = "/tmp/mdl-ckpt-XXXXXX";
   if (!mkdtemp(dir)) {
@@ -721,6 +781,8 @@ int main(void) {
   for (int bf16 = 0; bf16 < 2; bf16++) {
     test_eval_lmhead(dir, "gpt2-tiny", bf16, gxx);
     test_eval_lmhead(dir, "llama-tiny", bf16, gxx);
+    test_per_param(dir, "gpt2-tiny", bf16, gxx);
+    test_per_param(dir, "llama-tiny", bf16, gxx);
   }
   remove_dir(dir);
   TEST_EXIT();
