@@ -11,7 +11,9 @@
 #include "sample.h"
 
 #include <errno.h>
+#include <fcntl.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include <getopt.h>
 #include <limits.h>
@@ -44,6 +46,7 @@ typedef struct {
   int64_t accumulate; // > 0 overrides the train section's
   int64_t skip_nonfinite; // steps with a non-finite loss or gradient norm skipped (with a warning each)
   SampleOptions sample;
+  const char *lab_budget; // lab: --memory-budget
 } Options;
 
 static const char usage_text[] =
@@ -61,6 +64,12 @@ static const char usage_text[] =
     "  sample CHECKPOINT [--prompt TEXT]  generate text (--tokens N --temperature T --top-k K --seed S)\n"
     "  run   FILE.mdl --data DIR [--steps N] [--out DIR] [--resume]\n"
     "                                 compile and train on shards from prep\n"
+    "  lab   FILE.mdl --data DIR [--steps N] [--out DIR] [--memory-budget SIZE]\n"
+    "                                 what each technique is worth here: the model trained with all\n"
+    "                                 of them off, then one added per row, then each taken away alone;\n"
+    "                                 tables in DIR/lab.md, lab.csv, lab.svg (default DIR: lab; N: 20\n"
+    "                                 steps a row; SIZE: checkpointing's budget, default the step's\n"
+    "                                 peak without it)\n"
     "\n"
     "options:\n"
     "  -D, --dim NAME=N       bind a dimension (overrides the train section)\n"
@@ -140,7 +149,7 @@ static int parse_options(int argc, char **argv, Options *o) {
       {"accumulate", required_argument, 0, 'A'}, {"prompt", required_argument, 0, 'p'},
       {"tokens", required_argument, 0, 'T'},  {"temperature", required_argument, 0, 'm'},
       {"top-k", required_argument, 0, 'q'},  {"skip-nonfinite", required_argument, 0, 'X'},
-      {"optimizer-per-param", no_argument, 0, 'Z'},
+      {"optimizer-per-param", no_argument, 0, 'Z'}, {"memory-budget", required_argument, 0, 'M'},
       {"help", no_argument, 0, 'h'},          {"version", no_argument, 0, 'V'},
       {0, 0, 0, 0}};
   *o = (Options){.seed = 1337, .backend = "auto", .steps = -1, .pack = true, .reuse = true, .gemm_tuning = true,
@@ -250,6 +259,12 @@ static int parse_options(int argc, char **argv, Options *o) {
     }
     case 'C': o->fuse.chunk_lmhead = false; break;
     case 'Z': o->fuse.optimizer_per_param = true; break;
+    case 'M':
+      if (checkpoint_budget(optarg, (int64_t)1 << 40, &(bool){0}) < 0)
+        return usage_error("--memory-budget wants bytes, 512MiB, 2GiB or a fraction of the memory such as 0.5, got "
+                           "'%s'", optarg);
+      o->lab_budget = optarg;
+      break;
     case 'U': o->reuse = false; break;
     case 'G': o->gemm_tuning = false; break;
     case 'J': o->kernel_tuning = false; break;
@@ -761,6 +776,31 @@ static Engine *open_side_engine(const Options *o, Arena *a, bool grads) {
   return open_engine(&quiet, g, false);
 }
 
+// OUT/run.json, one line: what the run compiled (`mdlc lab` reads it): the back end, the precision,
+// the kernels a step (the plan's steps), the arena, the device memory the engines hold, the
+// checkpoint line.
+static bool write_run_json(const char *dir, const Graph *g, const Engine *e, const Engine *eval, const Engine *micro,
+                           const char *checkpoint) {
+  char path[PATH_MAX + 16], err[600], buf[2048], esc[1100];
+  size_t k = 0;
+  for (const char *c = checkpoint; *c && k + 2 < sizeof esc; c++) {
+    if (*c == '"' || *c == '\\')
+      esc[k++] = '\\';
+    esc[k++] = *c;
+  }
+  esc[k] = 0;
+  int64_t device = e->device_bytes + (eval ? eval->device_bytes : 0) + (micro ? micro->device_bytes : 0);
+  int n = snprintf(buf, sizeof buf, "{\"model\":\"%s\",\"backend\":\"%s\",\"precision\":\"%s\",\"kernels\":%d,"
+                   "\"arena_bytes\":%lld,\"device_bytes\":%lld,\"checkpoint\":\"%s\"}\n", g->model ? g->model : "",
+                   e->name, g->train.precision, e->fusion ? e->fusion->nsteps : 0, (long long)e->arena_bytes,
+                   (long long)device, esc);
+  snprintf(path, sizeof path, "%s/run.json", dir);
+  if (rt_write_atomic(path, buf, (size_t)n, err, sizeof err))
+    return true;
+  fprintf(stderr, "%s: error: %s\n", path, err);
+  return false;
+}
+
 static int cmd_run(const Options *o, Graph *g) {
   if (!o->data) {
     diag_file_error(o->file, "run needs --data DIR: shards made by `mdlc prep TEXT -o DIR`");
@@ -819,6 +859,8 @@ static int cmd_run(const Options *o, Graph *g) {
     created = false; // (what the run wrote stays)
     if (rc == 0)
       engine_profile_report(e, stdout);
+    if (rc == 0 && !write_run_json(out_dir, g, e, eval, micro, line))
+      rc = EXIT_USER;
   }
   if (eval)
     eval->free(eval);
@@ -828,6 +870,224 @@ static int cmd_run(const Options *o, Graph *g) {
   e->free(e);
   train_release_out(lock, out_dir, created);
   return rc;
+}
+
+//
+// lab: what main.c knows that lab.c's rows need (lab.c runs the rows).
+//
+
+// The step's planned peak at batch b (the lab's full configuration: bf16, fused), with checkpoint
+// none, or with auto within budget; -1 where b does not compile or auto cannot meet the budget. The
+// front end's messages for batches it refuses are not the user's business here: stderr is closed.
+static int64_t lab_peak(const Options *o, int64_t b, bool ckpt, int64_t budget) {
+  Options q = *o;
+  q.dump = NULL;
+  q.precision = "bf16";
+  char spec[40];
+  snprintf(spec, sizeof spec, "auto=%lld", (long long)budget);
+  q.checkpoint = ckpt ? spec : "none";
+  int k = 0;
+  while (k < q.ndims && strcmp(q.dims[k].name, "B"))
+    k++;
+  if (k == q.ndims && q.ndims == 32)
+    return -1;
+  q.dims[k] = (DimOverride){"B", b};
+  q.ndims += k == q.ndims;
+  fflush(stderr);
+  int saved = dup(2), null = open("/dev/null", O_WRONLY);
+  dup2(null, 2);
+  close(null);
+  Arena *a = arena_new();
+  Graph *g = compile(a, &q, true, true);
+  int64_t peak = g ? g->ckpt.peak : -1;
+  arena_free(a);
+  fflush(stderr);
+  dup2(saved, 2);
+  close(saved);
+  return peak;
+}
+
+static bool lab_fits(const Options *o, int64_t b, bool ckpt, int64_t budget) {
+  int64_t p = lab_peak(o, b, ckpt, budget);
+  return p >= 0 && p <= budget;
+}
+
+// The largest batch within budget, from b up (doubling, then halving the gap); 0 when 1 does not fit.
+static int64_t lab_largest_batch(const Options *o, int64_t b, bool ckpt, int64_t budget) {
+  int64_t lo = 0, hi = 0;
+  if (lab_fits(o, b, ckpt, budget))
+    for (lo = b; !hi && lo <= 4096;)
+      lab_fits(o, 2 * lo, ckpt, budget) ? (lo *= 2) : (hi = 2 * lo);
+  else
+    for (hi = b; !lo && hi > 1;)
+      lab_fits(o, hi / 2, ckpt, budget) ? (lo = hi / 2) : (hi /= 2);
+  while (lo && hi - lo > 1) {
+    int64_t mid = lo + (hi - lo) / 2;
+    lab_fits(o, mid, ckpt, budget) ? (lo = mid) : (hi = mid);
+  }
+  return lo;
+}
+
+// The cross-document leak check on the first packed row of the data that holds two documents:
+// perturb a token of its first document; every position of every other document must keep its
+// logits bit for bit. *passed says whether they did; the return is the sentence that says so.
+static const char *lab_leak(const Options *o, Arena *out, bool mask, bool *passed) {
+  Options q = *o;
+  q.dump = NULL;
+  q.lower.no_doc_mask = !mask;
+  *passed = false;
+  Arena *a = arena_new();
+  Graph *g = mdl_compile_file_with(a, o->file, o->dims, o->ndims, &q.lower);
+  int logits = -1;
+  for (int i = 0; g && i < g->noutputs; i++)
+    if (g->nodes[g->outputs[i]]->name && !strcmp(g->nodes[g->outputs[i]]->name, "logits"))
+      logits = g->outputs[i];
+  const char *said = NULL;
+  if (!g || logits < 0 || rt_input_node(g, "doc") < 0 || rt_input_node(g, "tokens") < 0) {
+    said = !g ? "not checked: the model does not compile" : "not checked: the model has no logits output or no doc input";
+    arena_free(a);
+    return arena_strdup(out, said);
+  }
+  ir_eval_mode(g);
+  Engine *e = apply_precision(&q, g) ? open_engine(&q, g, false) : NULL;
+  int64_t B = ir_dim(g, "B"), T = ir_dim(g, "T"), V = ir_dim(g, "V"), n = B * T;
+  Loader *l = e ? loader_open(o->data, "train", (LoaderOptions){.B = B, .T = T, .vocab = V, .pack = true}) : NULL;
+  Batch bt;
+  int64_t row = -1, end = 0;
+  for (int tries = 0; l && row < 0 && tries < 64 && loader_next(l, &bt); tries++)
+    for (int64_t r = 0; r < B && row < 0; r++)
+      for (int64_t t = 1; t < T && row < 0; t++)
+        if (bt.doc[r * T + t] != bt.doc[r * T])
+          row = r, end = t; // (the first document of row r is [0, end))
+  int64_t changed = 0, others = 0;
+  char err[512] = "";
+  if (row >= 0) {
+    int32_t *tokens = malloc(sizeof(int32_t) * (size_t)n);
+    float *ref = malloc(sizeof(float) * (size_t)(n * V)), *got = malloc(sizeof(float) * (size_t)(n * V));
+    memcpy(tokens, bt.tokens, sizeof(int32_t) * (size_t)n);
+    bool ok = true;
+    for (int pass = 0; pass < 2 && ok; pass++) {
+      if (pass)
+        tokens[row * T + end - 1] = (tokens[row * T + end - 1] + 1) % (int32_t)V;
+      ok = e->set_input(e, "tokens", tokens, NULL, n) && e->set_input(e, "targets", bt.targets, NULL, n) &&
+           (rt_input_node(g, "pos") < 0 || e->set_input(e, "pos", bt.pos, NULL, n)) &&
+           e->set_input(e, "doc", bt.doc, NULL, n) && e->step(e, err, sizeof err);
+      if (ok)
+        e->read(e, logits, pass ? got : ref);
+    }
+    for (int64_t i = 0; ok && i < n; i++) {
+      if (i / T == row && i % T < end)
+        continue; // (the perturbed document itself)
+      others++;
+      changed += memcmp(ref + i * V, got + i * V, sizeof(float) * (size_t)V) != 0;
+    }
+    if (!ok)
+      said = arena_printf(out, "not checked: %s", err[0] ? err : "an input could not be set");
+    free(tokens);
+    free(ref);
+    free(got);
+  } else if (l) {
+    said = "not checked: no packed row of the data holds two documents";
+  } else {
+    said = "not checked: the model or the data could not be opened";
+  }
+  if (!said) {
+    *passed = changed == 0;
+    said = arena_printf(out, "%s: perturbing a token of one document of a packed row %s", *passed ? "the leak check "
+                        "passes" : "the leak check fails", *passed ? arena_printf(out, "leaves the other %lld "
+                        "positions' logits bit-identical", (long long)others) : arena_printf(out, "changes the "
+                        "logits of %lld of the %lld positions of other documents", (long long)changed,
+                        (long long)others));
+  }
+  if (l)
+    loader_close(l);
+  if (e)
+    e->free(e);
+  arena_free(a);
+  return arena_strdup(out, said);
+}
+
+// `mdlc lab MODEL --data DIR`: the measurements that need the compiler, then lab_run's rows.
+static int cmd_lab(const Options *o, Graph *g) {
+  if (!o->data) {
+    diag_file_error(o->file, "lab needs --data DIR: shards made by `mdlc prep TEXT -o DIR`");
+    return EXIT_USER;
+  }
+  Arena *a = g->arena;
+  LabOptions lo = {.arena = a, .model = o->file, .data = o->data, .out = o->out ? o->out : "lab",
+                   .model_name = g->model ? g->model : o->file, .steps = o->steps > 0 ? o->steps : 20,
+                   .nparams = g->nparams, .T = ir_dim(g, "T")};
+  // Every run: the dims, the back end, the seed (the techniques' options are lab.c's).
+  const char **pass = arena_alloc(a, sizeof(char *) * (size_t)(2 * o->ndims + 8));
+  for (int i = 0; i < o->ndims; i++) {
+    pass[lo.npass++] = "-D";
+    pass[lo.npass++] = arena_printf(a, "%s=%lld", o->dims[i].name, (long long)o->dims[i].value);
+  }
+  pass[lo.npass++] = "--backend";
+  pass[lo.npass++] = backend_of(o);
+  pass[lo.npass++] = "--seed";
+  pass[lo.npass++] = arena_printf(a, "%llu", (unsigned long long)o->seed);
+  lo.pass = pass;
+  bool cuda = !strcmp(backend_of(o), "cuda");
+  // What the machine is, and what its GEMMs do in bf16.
+  char err[256];
+  const GemmLib *lib = cuda || !strcmp(backend_of(o), "interp") ? NULL : rt_gemm(err, sizeof err);
+  if (lib) {
+    rt_gemm_probe();
+    lo.machine = arena_printf(a, "this CPU (%s, %.0f GFLOP/s fp32%s)", lib->name, lib->sgemm_gflops,
+                              lib->bgemm ? arena_printf(a, ", %.0f bf16", lib->bgemm_gflops) : "");
+    lo.bf16_why = lib->bgemm ? arena_printf(a, "%s's bf16 GEMM runs at %.0f GFLOP/s against %.0f fp32 (AMX)", lib->name,
+                                            lib->bgemm_gflops, lib->sgemm_gflops)
+                             : arena_printf(a, "%s has no bf16 GEMM faster than its fp32 one on this CPU", lib->name);
+  } else {
+    lo.machine = cuda ? "this GPU" : "the reference interpreter";
+    lo.bf16_why = cuda ? "bf16 GEMMs run on the tensor cores" : "the interpreter computes in f32 either way";
+  }
+  int64_t B = ir_dim(g, "B"), heads = 0;
+  for (int i = 0; i < g->fwd_end; i++)
+    if (g->nodes[i]->op == OP_ATTENTION) {
+      heads = g->nodes[i]->ia[0];
+      lo.has_doc |= g->nodes[i]->ia[2] != 0;
+    }
+  lo.scores_mb = (double)B * (double)heads * (double)lo.T * (double)lo.T * 4 / 1e6;
+  lo.setup = arena_printf(a, "B=%lld, T=%lld, %lld parameters, back end %s, data %s", (long long)B, (long long)lo.T,
+                          (long long)ir_param_count(g), backend_of(o), o->data);
+  if (!heads)
+    lo.skip[2] = "the model has no attention";
+  DType fp8;
+  if (!cuda)
+    lo.skip[7] = "no FP8 GEMM on a CPU (an H100 or later has them)";
+  else if (!precision_parse("fp8", &fp8))
+    lo.skip[7] = "this build has no FP8 GEMMs yet";
+  // Checkpointing's worth: the largest batch within a budget, without it and with it.
+  printf("lab: the largest batches within the memory budget, without and with checkpointing\n");
+  fflush(stdout);
+  const char *what;
+  int64_t mem = memory_there(o, &what);
+  if (o->lab_budget) {
+    bool fraction;
+    lo.budget = checkpoint_budget(o->lab_budget, mem, &fraction);
+    lo.budget_how = fraction ? arena_printf(a, "%s of the %.2f GB %s", o->lab_budget, (double)mem / 1e9, what)
+                             : arena_printf(a, "--memory-budget %s", o->lab_budget);
+  } else {
+    lo.budget = lab_peak(o, B, false, 0);
+    lo.budget_how = arena_printf(a, "the step's planned peak at B=%lld without checkpointing", (long long)B);
+  }
+  if (lo.budget <= 0) {
+    lo.batch_how = "no budget to measure against (the memory there is cannot be read)";
+  } else {
+    lo.batch_none = lab_largest_batch(o, B, false, lo.budget);
+    lo.batch_auto = lab_largest_batch(o, lo.batch_none > 0 ? lo.batch_none : B, true, lo.budget);
+    if (!lo.batch_none || !lo.batch_auto)
+      lo.batch_how = arena_printf(a, "no batch fits %.0f MB%s", (double)lo.budget / 1e6,
+                                  lo.batch_auto ? " without it" : "");
+    if (!lo.batch_none)
+      lo.batch_none = lo.batch_auto = 0;
+  }
+  bool passed;
+  lo.leak_on = lab_leak(o, a, true, &passed);
+  lo.leak_off = lo.has_doc ? lab_leak(o, a, false, &passed) : NULL;
+  return lab_run(&lo);
 }
 
 // The verb of o, run; its exit status.
@@ -854,6 +1114,7 @@ static int run_verb(Options *o) {
       {"grad", cmd_grad, true, false},
       {"build", cmd_build, true, true},
       {"run", cmd_run, true, true},
+      {"lab", cmd_lab, true, true},
   };
   for (size_t i = 0; i < sizeof verbs / sizeof *verbs; i++) {
     if (strcmp(o->verb, verbs[i].verb))
@@ -866,7 +1127,7 @@ static int run_verb(Options *o) {
     arena_free(a);
     return rc;
   }
-  return usage_error("unknown verb '%s' (verbs: check, init, grad, prep, build, run, sample)", o->verb);
+  return usage_error("unknown verb '%s' (verbs: check, init, grad, prep, build, run, lab, sample)", o->verb);
 }
 
 int main(int argc, char **argv) {

@@ -506,6 +506,32 @@ MemPlan *memplan_with(const Fusion *f, bool reuse);
 void memplan_dump(const Fusion *f, const MemPlan *m, FILE *out);
 
 //
+// lab.c: `mdlc lab`: the techniques' worth, each measured by a `mdlc run` of its own (main.c fills in
+// what needs the compiler: the plans' peaks, the leak check, the GEMM library's rates).
+//
+typedef struct {
+  Arena *arena;
+  const char *model, *data, *out; // the .mdl, the data folder, the lab's folder
+  const char *model_name, *machine, *setup; // as the tables' title says them
+  int64_t steps;                  // per run
+  const char *const *pass;        // options every run gets (-D, --backend, --seed, ...)
+  int npass;
+  const char *skip[8];            // per technique (lab.c's order): why it cannot run here, else NULL
+  int64_t T;                      // the context the runs train at
+  double scores_mb;               // one attention's [B, H, T, T] scores, fp32
+  int nparams;                    // parameter tensors
+  const char *bf16_why;           // what the GEMM library does in bf16 here
+  int64_t budget;                 // checkpointing's memory budget (bytes)
+  const char *budget_how;         // where it comes from
+  int64_t batch_none, batch_auto; // the largest batches within it without / with checkpointing (0: none)
+  const char *batch_how;          // why there are none
+  bool has_doc;                   // the model's attention has document ids
+  const char *leak_on, *leak_off; // the leak check with the document mask and without, in words
+} LabOptions;
+// Runs the ladder, writes OUT/lab.md, lab.csv, lab.svg; the exit status (1 when a run failed).
+int lab_run(const LabOptions *o);
+
+//
 // report.c: the fusion report (per kernel: ops, bytes, flops; totals with fusion on and off).
 //
 void fusion_report(const Fusion *on, const Fusion *off, const MemPlan *mon, const MemPlan *moff, FILE *out);

@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# `mdlc lab` on gpt2-tiny, a few steps a row: the ladder's rows and the alone table are all there,
+# every run trained (finite losses, within a tolerance of the baseline's), the leak check passes with
+# the document mask and fails without it, and lab.md, lab.csv and lab.svg are written and parse.
+set -u
+cd "$(dirname "$0")/../.."
+m=$PWD/bin/mdlc
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+ok() { echo "[ok] lab: $1"; }
+fail() { echo "[fail] lab: $1"; }
+check() { if eval "$2"; then ok "$1"; else fail "$1: $(tail -c 800 "$tmp/out" 2>/dev/null)"; fi; }
+
+# variable-length documents: the paragraphs of two licences
+mkdir "$tmp/txt"
+cp /usr/share/common-licenses/GPL-3 /usr/share/common-licenses/Apache-2.0 "$tmp/txt/"
+$m prep "$tmp/txt" --doc-sep "" -o "$tmp/data" >/dev/null 2>"$tmp/out" || fail "prep: $(cat "$tmp/out")"
+
+MDL_CACHE=$tmp/cache $m lab models/gpt2-tiny.mdl --data "$tmp/data" --steps 6 -D B=4 -D T=64 --backend cpu \
+  --out "$tmp/lab" >"$tmp/out" 2>&1
+rc=$?
+check "the lab exits 0 with every run done" "[ $rc -eq 0 ]"
+check "a progress line per row, row k of n with an ETA" \
+  "grep -qE '^lab: row 1 of [0-9]+: baseline \\(everything off\\) \\(ETA \\?\\)' '$tmp/out' &&
+   grep -qE '^lab: row 2 of [0-9]+: \\+ bf16 \\(ETA [0-9]+' '$tmp/out'"
+for t in "bf16" "fusion" "flash attention" "fused optimizer" "checkpointing" "packing" "pre-tokenised data"; do
+  check "the ladder adds $t and the alone table takes it away" \
+    "grep -qE '^\\| \\+ $t \\| [0-9]+ \\([0-9]+-[0-9]+\\) \\| [0-9.]+% \\| [0-9]+ \\| [0-9]+ \\| [0-9.]+x \\| [0-9.]+x \\| [0-9.]+ \\| [0-9.]+ \\|$' '$tmp/lab/lab.md' &&
+     grep -qE '^\\| $t \\| [^|]+ \\| [0-9]+ \\([0-9]+-[0-9]+\\) \\| [0-9.]+x \\| [0-9.]+ \\| [a-z]' '$tmp/lab/lab.md'"
+done
+check "fp8 is skipped on the CPU with its reason" "grep -q '^| fp8 | .* | skipped | | | no FP8 GEMM on a CPU' '$tmp/lab/lab.md'"
+check "the leak check passes with the document mask and fails without it" \
+  "grep -qE '^Document mask: the leak check passes: .* leaves the other [0-9]+ positions. logits bit-identical; without it the leak check fails: .* changes the logits of [1-9][0-9]* of the [0-9]+ positions of other documents' '$tmp/lab/lab.md'"
+check "checkpointing's row: the largest batch within the budget without it, and a larger one with it" \
+  "grep -qE '^Checkpointing: within [0-9]+ MB \\(.*\\), the largest batch is B=4 without it \\([0-9]+ tokens/s\\) and B=([5-9]|[1-9][0-9]+) with it' '$tmp/lab/lab.md'"
+# the CSV: a header and one line per run, every loss finite and within 15% of the baseline's
+python3 - "$tmp/lab/lab.csv" >"$tmp/csv" 2>&1 <<'PY'
+import csv, math, sys
+rows = list(csv.DictReader(open(sys.argv[1])))
+ran = [r for r in rows if r["status"] == "ok"]
+base = float(ran[0]["loss"])
+bad = [r["row"] for r in ran if not (math.isfinite(float(r["loss"])) and abs(float(r["loss"]) - base) <= 0.15 * base)]
+kinds = {r["table"] for r in rows}
+print(len(rows), len(ran), base, bad, sorted(kinds))
+sys.exit(0 if len(ran) >= 17 and not bad and kinds == {"ladder", "alone", "checkpoint", "no-doc-mask"} and
+         all(float(r["tok_s"]) > 0 and float(r["peak_mb"]) > 0 and int(r["kernels"]) > 0 for r in ran) else 1)
+PY
+check "lab.csv: every run's row, each loss finite and within 15% of the baseline's ($(cat "$tmp/csv"))" "[ $? -eq 0 ]"
+python3 -c "import sys, xml.etree.ElementTree as E; r = E.parse(sys.argv[1]).getroot(); \
+  sys.exit(0 if r.tag.endswith('svg') and len([e for e in r.iter() if e.tag.endswith('rect')]) >= 14 else 1)" \
+  "$tmp/lab/lab.svg" 2>"$tmp/out"
+check "lab.svg parses, with a bar per technique in each table" "[ $? -eq 0 ]"
+check "each row's run is kept with its command" \
+  "[ -f '$tmp/lab/rows/01/log.jsonl' ] && grep -q '^\$ mdlc run models/gpt2-tiny.mdl .*--precision fp32 --no-fuse --attention plain --optimizer-per-param --checkpoint none --no-pack --tokenize-on-the-fly' '$tmp/lab/rows/01/run.txt'"
+
+# errors: no data; a bad budget
+$m lab models/gpt2-tiny.mdl >"$tmp/out" 2>&1
+check "lab without --data is an error with status 1" "[ $? -eq 1 ] && grep -q 'lab needs --data DIR' '$tmp/out'"
+$m lab models/gpt2-tiny.mdl --data "$tmp/data" --memory-budget lots >"$tmp/out" 2>&1
+check "a budget that is not a size is a usage error (status 2)" "[ $? -eq 2 ] && grep -q -- '--memory-budget wants' '$tmp/out'"
