@@ -862,6 +862,8 @@ static void reduce_finish(Emit *e, int a, bool buf, const int *q, int nq) {
   int64_t len = ec_node(&e->core, nd->in[0])->shape.d[nd->ia[0]];
   if (nd->op == OP_MEAN)
     ec_line(&e->core, "const float y = (float)(acc / %lld);", (long long)len);
+  else if (nd->op == OP_TARGET_COUNT)
+    ec_line(&e->core, "const float y = (float)(acc > 1.0 ? acc : 1.0);");
   else
     ec_line(&e->core, "const float y = (float)acc;");
   if (buf)
@@ -869,14 +871,17 @@ static void reduce_finish(Emit *e, int a, bool buf, const int *q, int nq) {
   post_inloop(e, a, q, nq, "r", ec_numel(&e->core, a), "y");
 }
 
-// SUM / MEAN / MAX over one axis, the input computed inline. Many outputs: one task per output.
-// Few outputs over many elements: partial results per fixed block of the reduced axis (of rows, for
-// column sums), combined in block order.
+// SUM / MEAN / MAX over one axis, the input computed inline; TARGET_COUNT as a sum over all its
+// targets of 1 for each counted one. Many outputs: one task per output. Few outputs over many
+// elements: partial results per fixed block of the reduced axis (of rows, for column sums), combined
+// in block order.
 static void emit_reduce(Emit *e, int gi, const bool *emitted) {
   int a = e->core.groups[gi].mem[0];
   const IrNode *nd = ec_node(&e->core, a);
   int x = nd->in[0];
   Shape s = ec_node(&e->core, x)->shape;
+  if (nd->op == OP_TARGET_COUNT) // (over every target)
+    s = (Shape){.rank = 1, .d = {ec_numel(&e->core, x)}};
   int ax = (int)nd->ia[0];
   int64_t outer = ec_span(s, 0, ax), len = s.d[ax], inner = ec_span(s, ax + 1, s.rank), on = outer * inner;
   bool max = nd->op == OP_MAX, buf = whole(e, a);
@@ -903,7 +908,7 @@ static void emit_reduce(Emit *e, int gi, const bool *emitted) {
       ec_line(&e->core, "const int64_t ix = base + l * %lld;", (long long)inner);
     e->loop_ix = "ix";
     e->loop_n = ec_numel(&e->core, x);
-    ec_reduce_input(&e->core, x, side, nside);
+    ec_reduce_input(&e->core, a, side, nside);
     accumulate(e, max);
     ec_leave(&e->core);
     reduce_finish(e, a, buf, q, nq);
@@ -933,7 +938,7 @@ static void emit_reduce(Emit *e, int gi, const bool *emitted) {
       e->core.row_ix = "ix";
       e->core.row_r = "l";
       e->core.row_w = inner;
-      ec_reduce_input(&e->core, x, side, nside);
+      ec_reduce_input(&e->core, a, side, nside);
       e->core.row_ix = NULL;
       if (max) {
         ec_line(&e->core, "float acc = p[c];");
@@ -955,7 +960,7 @@ static void emit_reduce(Emit *e, int gi, const bool *emitted) {
       ec_line(&e->core, "%s acc = %s;", acc_t, init);
       ec_enter(&e->core, "for (int64_t l = l0; l < end; l++)");
       ec_line(&e->core, "const int64_t ix = r * %lld + l;", (long long)len);
-      ec_reduce_input(&e->core, x, side, nside);
+      ec_reduce_input(&e->core, a, side, nside);
       accumulate(e, max);
       ec_leave(&e->core);
       ec_line(&e->core, "part[t] = acc;");
@@ -2571,7 +2576,7 @@ static void emit_group(Emit *e, int gi, const bool *emitted) {
   Op op = ec_node(&e->core, gr->mem[0])->op;
   switch (op) {
   case OP_MATMUL: emit_gemm(e, gi, emitted); return;
-  case OP_SUM: case OP_MEAN: case OP_MAX: emit_reduce(e, gi, emitted); return;
+  case OP_SUM: case OP_MEAN: case OP_MAX: case OP_TARGET_COUNT: emit_reduce(e, gi, emitted); return;
   case OP_LAYERNORM: case OP_RMSNORM: emit_norm_fwd(e, gi, emitted); return;
   case OP_SOFTMAX: case OP_SOFTMAX_BWD: emit_softmax(e, gi, emitted); return;
   case OP_EMBED: emit_embed(e, gi); return;

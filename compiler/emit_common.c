@@ -669,11 +669,17 @@ int ec_side_set(EmitCore *e, int gi, int64_t n, const bool *emitted, int *q) {
   return out_set(e, gi, n, emitted, q, false);
 }
 
-// One element of a reduction's input, at ix, into v; the step's outputs of the input's size that the
-// reduction does not read (`side`: a bf16 rounding of the input, say) are computed and stored on the
-// way, as the elementwise kernel they came from would have.
-void ec_reduce_input(EmitCore *e, int x, const int *side, int nside) {
-  ec_line(e, "const float v = %s;", e->val(e, x, "ix"));
+// One element of reduction a's input, at ix, into v (a TARGET_COUNT's: 1 for a counted target, else
+// 0); the step's outputs of the input's size that the reduction does not read (`side`: a bf16
+// rounding of the input, say) are computed and stored on the way, as the elementwise kernel they came
+// from would have.
+void ec_reduce_input(EmitCore *e, int a, const int *side, int nside) {
+  const IrNode *nd = ec_node(e, a);
+  const char *x = e->val(e, nd->in[0], "ix");
+  if (nd->op == OP_TARGET_COUNT)
+    ec_line(e, "const float v = %s >= 0 ? 1.0f : 0.0f;", x);
+  else
+    ec_line(e, "const float v = %s;", x);
   for (int t = 0; t < nside; t++)
     if (!e->stored[side[t]])
       e->val(e, side[t], "ix");

@@ -184,7 +184,7 @@ bool ec_groups_order(EmitCore *e);
 int ec_norm_members(EmitCore *e, int gi, int *dx, int *dw, int *db, int *sums); // sums: EC_MAX_COLSUMS
 int ec_post_set(EmitCore *e, int gi, int64_t n, const bool *emitted, int *q);
 int ec_side_set(EmitCore *e, int gi, int64_t n, const bool *emitted, int *q);
-void ec_reduce_input(EmitCore *e, int x, const int *side, int nside);
+void ec_reduce_input(EmitCore *e, int a, const int *side, int nside);
 bool ec_reduction_after(EmitCore *e, int gi, const bool *emitted, int64_t n);
 // The members of a G_ATTN group: its ATTENTION (*a) and its ATTENTION_LSE (*lse), -1 where absent.
 void ec_attention_members(const EmitCore *e, int gi, int *a, int *lse);

@@ -62,8 +62,10 @@
 //     (same shape), when that ADD is not already in a GEMM epilogue (the GEMM writes the residual
 //     stream more cheaply); the ADD is an out (the residual stream). SOFTMAX and SOFTMAX_BWD alone.
 //     (The CASTs of its output, the next GEMM's bf16 operand, join it by rule 9.)
-//  6. Single-node steps: EMBED, EMBED_BWD, MAX_BWD, ROPE, ATTENTION (STEP_ATTENTION), and any
-//     anchor op left over by the rules above (a lone CROSS_ENTROPY_BWD, a lone ADAMW).
+//  6. Single-node steps: EMBED, EMBED_BWD, MAX_BWD, ROPE, ATTENTION (STEP_ATTENTION), TARGET_COUNT
+//     (a count over the targets, in memory as the batch gave them; the loss and its gradient each
+//     divide by it), and any anchor op left over by the rules above (a lone CROSS_ENTROPY_BWD, a
+//     lone ADAMW).
 //  7. Reduction STEP_KERNEL: root SUM/MEAN/MAX over one axis. Producers of its input are fused as
 //     in an elementwise step (rule 8, so they are evaluated at the input's index while reducing);
 //     then a chain of elementwise consumers of the result with the result's element count, each
@@ -1079,7 +1081,7 @@ double fuse_node_flops(const Graph *g, int id) {
   case OP_SILU: return 4 * e;
   case OP_SILU_BWD: return 6 * e;
   case OP_MAX_BWD: return 2 * e;
-  case OP_SUM: case OP_MEAN: case OP_MAX: return x;
+  case OP_SUM: case OP_MEAN: case OP_MAX: case OP_TARGET_COUNT: return x;
   case OP_MATMUL: {
     Shape a = g->nodes[n->in[0]]->shape;
     return 2 * e * (double)(n->ia[0] ? a.d[a.rank - 2] : a.d[a.rank - 1]);

@@ -522,6 +522,14 @@ static bool run_cross_entropy(Ctx *c, bool bwd) {
   return ok;
 }
 
+// TARGET_COUNT (targets) -> how many targets are >= 0, at least 1.
+static void run_target_count(Ctx *c) {
+  int64_t n = shape_numel(c->xn[0]->shape), count = 0;
+  for (int64_t i = 0; i < n; i++)
+    count += c->x[0][i] >= 0;
+  c->y[0] = count > 1 ? (double)count : 1;
+}
+
 // ATTENTION, ATTENTION_LSE and ATTENTION_BWD. For each (batch b, head h) the scores s_ij = scale
 // q_i . k_j over the allowed j are turned into probabilities P by a softmax per row i; out_i = sum_j
 // P_ij v_j and lse_i = log sum_j exp(s_ij). The backward takes P = exp(s - lse) from the forward's
@@ -798,6 +806,7 @@ static bool run_node(Ctx *c) {
   case OP_SOFTMAX_BWD: run_softmax_bwd(c); return true;
   case OP_CROSS_ENTROPY: return run_cross_entropy(c, false);
   case OP_CROSS_ENTROPY_BWD: return run_cross_entropy(c, true);
+  case OP_TARGET_COUNT: run_target_count(c); return true;
   case OP_ATTENTION:
     if (c->it->decode_len)
       return run_attention_decode(c);

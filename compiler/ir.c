@@ -140,7 +140,7 @@ static bool infer(Graph *g, IrNode *n) {
   case OP_NEG: case OP_EXP: case OP_LOG: case OP_TANH: case OP_SQRT: case OP_RSQRT: case OP_RELU:
   case OP_GELU: case OP_SILU: case OP_DROPOUT: case OP_CAST: case OP_SUM: case OP_MEAN: case OP_MAX:
   case OP_RESHAPE: case OP_PERMUTE: case OP_BROADCAST: case OP_SLICE: case OP_SLICE_BWD:
-  case OP_SOFTMAX: want = 1; break;
+  case OP_SOFTMAX: case OP_TARGET_COUNT: want = 1; break;
   case OP_ADD: case OP_SUB: case OP_MUL: case OP_DIV: case OP_RELU_BWD: case OP_GELU_BWD:
   case OP_SILU_BWD: case OP_MATMUL: case OP_EMBED: case OP_EMBED_BWD: case OP_RMSNORM:
   case OP_SOFTMAX_BWD: case OP_CROSS_ENTROPY: case OP_ROPE: want = 2; break;
@@ -162,7 +162,7 @@ static bool infer(Graph *g, IrNode *n) {
                 n->op == OP_CONCAT || n->op == OP_BROADCAST;
   for (int i = 0; i < n->nin && !layout; i++) {
     bool ids = (n->op == OP_EMBED && i == 1) || (n->op == OP_EMBED_BWD && i == 0) ||
-               ((n->op == OP_CROSS_ENTROPY || n->op == OP_CROSS_ENTROPY_BWD) && i == 1) ||
+               ((n->op == OP_CROSS_ENTROPY || n->op == OP_CROSS_ENTROPY_BWD) && i == 1) || n->op == OP_TARGET_COUNT ||
                (n->op == OP_ROPE && i == 1) ||
                ((n->op == OP_ATTENTION || n->op == OP_ATTENTION_LSE || n->op == OP_ATTENTION_BWD) && n->ia[2] &&
                 i == 3);
@@ -361,6 +361,9 @@ static bool infer(Graph *g, IrNode *n) {
     n->shape = n->op == OP_CROSS_ENTROPY ? t : l;
     return true;
   }
+  case OP_TARGET_COUNT:
+    n->shape = (Shape){0};
+    return true;
   case OP_ATTENTION: case OP_ATTENTION_LSE: case OP_ATTENTION_BWD: {
     Shape q = in[0]->shape;
     if (q.rank != 3)

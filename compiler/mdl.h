@@ -132,6 +132,9 @@ typedef struct {
   X(SOFTMAX_BWD, "softmax_bwd") /* (y, dy) -> dx */                                               \
   X(CROSS_ENTROPY, "cross_entropy") /* (logits [...,V], targets i32[...]) -> f32[...] */          \
   X(CROSS_ENTROPY_BWD, "cross_entropy_bwd") /* (logits, targets, dloss) -> dlogits */             \
+  /* (targets i32[...]) -> f32 []: how many targets are counted (>= 0), at least 1; the divisor of  \
+     mean(cross_entropy(...)), so that the mean is over the counted targets (sema.c) */            \
+  X(TARGET_COUNT, "target_count")                                                                  \
   /* attention: q, k, v [B,T,C]; optional doc i32[B,T]; ia[0] = heads, ia[1] = causal,            \
      ia[2] = has doc input; fa[0] = scale. Attention within a document only when doc is given.     \
      ia[4] = DT_BF16 (set by the precision pass): S = scale * bf(q) bf(k)^T summed in f32,         \

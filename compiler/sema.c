@@ -703,6 +703,10 @@ static Val builtin_unary(Sema *s, const Builtin *b, const Expr *call, const Expr
 }
 
 // sum / mean / max over one axis, or over everything: reshape to [numel], reduce axis 0 -> [].
+// The mean over everything of a cross-entropy is the mean over the targets it counts, as PyTorch's
+// cross_entropy(..., ignore_index=-1) takes it: sum / target_count(targets), an ignored (negative)
+// target counting in neither; with every target ignored the loss is 0 and so are its gradients.
+// Over one axis a mean divides by the axis' length, whatever the values.
 static Val builtin_reduce(Sema *s, const Builtin *b, const Expr *call, const Expr **arg) {
   int x = tensor_arg(s, b, arg[0], "x");
   bool keep;
@@ -715,13 +719,23 @@ static Val builtin_reduce(Sema *s, const Builtin *b, const Expr *call, const Exp
       return ERR;
     return add_op(s, b->op, &x, 1, (int64_t[8]){axis, keep}, NULL, call->at);
   }
+  int targets = node(s, x)->op == OP_CROSS_ENTROPY && b->op == OP_MEAN ? node(s, x)->in[1] : -1;
   if (sh.rank != 1) {
     Val flat = reshape(s, x, (Shape){.rank = 1, .d = {shape_numel(sh)}}, call->at);
     if (flat.kind == V_ERR)
       return ERR;
     x = flat.node;
   }
-  Val r = add_op(s, b->op, &x, 1, (int64_t[8]){0, 0}, NULL, call->at);
+  Val r;
+  if (targets >= 0) {
+    Val sum = add_op(s, OP_SUM, &x, 1, (int64_t[8]){0, 0}, NULL, call->at);
+    Val count = add_op(s, OP_TARGET_COUNT, &targets, 1, NULL, NULL, call->at);
+    if (sum.kind == V_ERR || count.kind == V_ERR)
+      return ERR;
+    r = add_op(s, OP_DIV, (int[]){sum.node, count.node}, 2, NULL, NULL, call->at);
+  } else {
+    r = add_op(s, b->op, &x, 1, (int64_t[8]){0, 0}, NULL, call->at);
+  }
   if (r.kind == V_ERR || !keep || sh.rank == 0)
     return r;
   Shape ones = {.rank = sh.rank};

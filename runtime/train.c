@@ -370,7 +370,9 @@ static void eta(double seconds, char *buf, size_t n) {
 // Gradient accumulation: the first k - 1 micro-batches run on the gradients-only engine, their
 // gradients summed into the step engine's inputs "acc.<param>": engine to engine where the two
 // engines can (Engine.inputs_from; the first micro-batch's gradients copied, the others' added in
-// order), else here, in the same order, and sent with the step's other inputs.
+// order), else here, in the same order, and sent with the step's other inputs. Each micro-batch's loss
+// is a mean of its own (over its counted targets, docs/language.md); the step's gradient is the mean of
+// the k micro-batches' (autodiff.c's optimizer step) and the loss it reports the mean of their losses.
 typedef struct {
   Engine *micro;
   const char **names; // "acc.<param>", per parameter

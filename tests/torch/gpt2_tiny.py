@@ -20,8 +20,9 @@ used to cross-check the loss and every gradient that `mdlc grad` computes.
 Model (names as in the .mdl; shapes follow from the weights): x = wte[tokens] + wpe[pos]; per layer
 l: q, k, v = split(layernorm(x) @ attn_w + attn_b); x += attention(q, k, v) @ proj_w + proj_b with
 causal and same-document masking, scale 1/sqrt(C/H); x += gelu_tanh(layernorm(x) @ fc_w + fc_b)
-@ fcproj_w + fcproj_b; logits = layernorm_f(x) @ wte.T; loss = mean over all B*T positions of the
-per-position cross-entropy (0 at ignored positions), as the .mdl's mean(cross_entropy(...)).
+@ fcproj_w + fcproj_b; logits = layernorm_f(x) @ wte.T; loss = the mean of the per-position
+cross-entropy over the positions whose target counts (>= 0; -1 is ignored), PyTorch's own
+F.cross_entropy(..., ignore_index=-1, reduction="mean"), as the .mdl's mean(cross_entropy(...)).
 Weights are stored as x @ W ([in, out]), not nn.Linear's transposed layout. The safetensors reader
 and writer are our own (json + numpy), since the `safetensors` package is not assumed.
 """
@@ -189,9 +190,8 @@ def forward(w, batch, heads, bf16=False):
     if bf16:
         logits = RoundBf16.apply(logits)  # the loss reads the logits as autocast leaves them
     V = logits.shape[-1]
-    per_pos = F.cross_entropy(logits.reshape(-1, V), batch["targets"].reshape(-1).long(), ignore_index=-1,
-                              reduction="none")
-    return per_pos.mean()
+    return F.cross_entropy(logits.reshape(-1, V), batch["targets"].reshape(-1).long(), ignore_index=-1,
+                           reduction="mean")
 
 
 def reference(weights, batch, heads, bf16):

@@ -118,8 +118,14 @@ static void test_gpt2_tiny(void) {
   CHECK(!strcmp(t->precision, "auto") && !strcmp(t->checkpoint, "auto"), "gpt2-tiny precision and checkpoint",
         "%s %s", t->precision, t->checkpoint);
   const IrNode *loss = g->loss >= 0 ? g->nodes[g->loss] : NULL;
-  CHECK(loss && loss->op == OP_MEAN && loss->shape.rank == 0 && !strcmp(loss->name, "loss"),
-        "gpt2-tiny loss is a scalar mean", "loss %d", g->loss);
+  // mean(cross_entropy(logits, targets)): the per-position losses summed over the [B*T] positions,
+  // divided by how many targets count.
+  const IrNode *sum = loss && loss->nin == 2 ? in(g, loss, 0) : NULL, *count = sum ? in(g, loss, 1) : NULL;
+  CHECK(loss && loss->op == OP_DIV && loss->shape.rank == 0 && !strcmp(loss->name, "loss") && sum->op == OP_SUM &&
+            has_shape(in(g, sum, 0), 1, 8 * 64, 0, 0) && in(g, in(g, sum, 0), 0)->op == OP_CROSS_ENTROPY &&
+            count->op == OP_TARGET_COUNT && count->shape.rank == 0 && in(g, count, 0) == named(g, "targets"),
+        "gpt2-tiny loss is the cross-entropy summed over its positions / target_count(targets)", "loss %d (%s)",
+        g->loss, loss ? op_name(loss->op) : "none");
   CHECK(g->noutputs == 2 && has_shape(g->nodes[g->outputs[0]], 3, 8, 64, 256), "gpt2-tiny logits [8,64,256]",
         "noutputs %d", g->noutputs);
   CHECK(g->fwd_end == g->n, "gpt2-tiny forward graph ends at n", "fwd_end %d n %d", g->fwd_end, g->n);
@@ -184,14 +190,36 @@ static void test_models(void) {
   Graph *g = compile("model m\ndim B in 1..8\ninput x: f32[B, 16]\ninput targets: i32[B]\n"
                      "param w: [16, 4] = zeros\noutput loss = mean(cross_entropy(x @ w, targets))\n"
                      "train {\n B = 4\n}\n");
-  CHECK(g && in(g, g->nodes[g->loss], 0)->op == OP_CROSS_ENTROPY && has_shape(in(g, g->nodes[g->loss], 0), 1, 4, 0, 0),
-        "cross_entropy: one loss per row", "%s", errtext);
+  const IrNode *div = g ? g->nodes[g->loss] : NULL, *ce = div && div->op == OP_DIV ? in(g, in(g, div, 0), 0) : NULL;
+  CHECK(ce && ce->op == OP_CROSS_ENTROPY && has_shape(ce, 1, 4, 0, 0) && in(g, div, 1)->op == OP_TARGET_COUNT,
+        "cross_entropy: one loss per row, their mean over the counted targets", "%s", errtext);
   const TrainConfig *t = g ? &g->train : NULL;
   CHECK(t && t->lr == 3e-4 && t->beta1 == 0.9 && t->beta2 == 0.95 && t->eps == 1e-8 && t->weight_decay == 0 &&
             t->warmup == 0 && t->min_lr == 0 && t->clip == 0 && t->accumulate == 1 && t->steps == 0 &&
             !strcmp(t->precision, "auto") && !strcmp(t->checkpoint, "auto"),
         "train settings default as documented", "lr %g precision %s", t ? t->lr : -1, t ? t->precision : "?");
   CHECK(g && named(g, "w")->init.decay, "without no_decay every param decays", "decay off");
+}
+
+// Only a whole-tensor mean of a cross-entropy counts targets: over an axis, a mean divides by the
+// axis' length; a sum stays a sum, and the mean of anything else (a cross-entropy scaled) is plain.
+static void test_counted_mean(void) {
+  Graph *h = compile("model m\ninput x: f32[2, 3, 4]\ninput targets: i32[2, 3]\nparam w: [4, 5] = zeros\n"
+                     "ce = cross_entropy(x @ w, targets)\nkept = mean(ce, keepdim=true)\nrows = mean(ce, axis=1)\n"
+                     "total = sum(ce)\nscaled = mean(ce * 2.0)\noutput loss = mean(ce)\n");
+  const IrNode *kept = h ? named(h, "kept") : NULL, *rows = h ? named(h, "rows") : NULL;
+  const IrNode *div = kept ? in(h, kept, 0) : NULL;
+  CHECK(div && has_shape(kept, 2, 1, 1, 0) && div->op == OP_DIV && in(h, div, 1)->op == OP_TARGET_COUNT &&
+            has_shape(in(h, in(h, div, 0), 0), 1, 6, 0, 0),
+        "mean(cross_entropy(...), keepdim=true): over the counted targets, shaped [1, 1]", "%s", errtext);
+  CHECK(rows && rows->op == OP_MEAN && rows->ia[0] == 1 && has_shape(rows, 1, 2, 0, 0),
+        "mean(cross_entropy(...), axis=1) is a mean over the axis", "%s", errtext);
+  CHECK(h && named(h, "total")->op == OP_SUM && named(h, "scaled")->op == OP_MEAN,
+        "sum(cross_entropy(...)) and mean(cross_entropy(...) * 2.0) count every position", "%s", errtext);
+  int counts = 0;
+  for (int i = 0; h && i < h->n; i++)
+    counts += h->nodes[i]->op == OP_TARGET_COUNT;
+  CHECK(counts == 2, "target_count: one per counted mean", "%d", counts);
 }
 
 static void test_names_and_repeat(void) {
@@ -550,6 +578,7 @@ int main(void) {
   test_models();
   test_names_and_repeat();
   test_ops();
+  test_counted_mean();
   test_errors();
   test_error_volume();
   test_limits();

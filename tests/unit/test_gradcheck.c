@@ -6,7 +6,8 @@
 // in fp64 and compared, element by element, with fourth-order central differences of the loss; the
 // error of a tensor is max |fd - grad| / max(max |grad|, floor) and must stay below 1e-6. The tiny
 // GPT from models/gpt2-tiny.mdl and the tiny LLaMA are checked the same way on a sample of each
-// parameter's elements, and the optimizer step is compared with AdamW computed here by hand.
+// parameter's elements (with some targets ignored: the loss the mean over the counted ones), and the
+// optimizer step is compared with AdamW computed here by hand.
 #include "mdl.h"
 #include "test.h"
 
@@ -432,6 +433,14 @@ static void row_cases(void) {
   x = param(c, "logits", SH(2, 3, 5), DOM_ANY);
   int tg = ids_input(c, "targets", SH(2, 3), (const int32_t[]){0, 4, -1, 2, 2, 1});
   gradcheck("grad cross_entropy (one ignored target)", c, node(c, OP_CROSS_ENTROPY, IN(x, tg), NULL, NULL));
+
+  // The losses over the count of their targets (5 of 6): the count is no parameter's function.
+  c = case_new();
+  x = param(c, "logits", SH(2, 3, 5), DOM_ANY);
+  tg = ids_input(c, "targets", SH(2, 3), (const int32_t[]){0, 4, -1, 2, 2, 1});
+  int ce = node(c, OP_CROSS_ENTROPY, IN(x, tg), NULL, NULL);
+  int count = node(c, OP_TARGET_COUNT, IN(tg), NULL, NULL);
+  gradcheck("grad cross_entropy / target_count", c, node(c, OP_DIV, IN(ce, count), NULL, NULL));
 }
 
 static void attention_case(const char *label, bool causal, bool doc, bool shared) {
@@ -692,12 +701,13 @@ static void adamw_cases(void) {
 
 //
 // Whole models with B=2 and T=8: the tiny GPT (one document per row, then two), and the tiny
-// LLaMA (rope, rmsnorm, SwiGLU, untied head) with two documents per row.
+// LLaMA (rope, rmsnorm, SwiGLU, untied head) with two documents per row. With two documents the last
+// position of each has its target ignored, so the loss is the mean over 12 of the 16 positions.
 //
 static void model_case(const char *model, bool two_docs) {
   char path[128], label[160];
   snprintf(path, sizeof path, "models/%s.mdl", model);
-  snprintf(label, sizeof label, "grad %s%s", model, two_docs ? " (two documents per row)" : "");
+  snprintf(label, sizeof label, "grad %s%s", model, two_docs ? " (two documents per row, ignored targets)" : "");
   if (access(path, R_OK) != 0) {
     printf("[skip] %s: %s is not there\n", label, path);
     return;
@@ -726,7 +736,10 @@ static void model_case(const char *model, bool two_docs) {
     for (int t = 0; t < T; t++) {
       int i = b * T + t, second = two_docs && t >= T / 2;
       tokens[i] = (int32_t)((7 * i + 3 * b + 1) % vocab);
-      targets[i] = (int32_t)((5 * i + 11) % vocab);
+      // With two documents, each one's last position has no target (-1, ignored): the loss is the
+      // mean over the others.
+      bool last = two_docs && (t == T / 2 - 1 || t == T - 1);
+      targets[i] = last ? -1 : (int32_t)((5 * i + 11) % vocab);
       pos[i] = second ? t - T / 2 : t;
       doc[i] = second;
     }

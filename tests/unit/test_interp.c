@@ -317,6 +317,21 @@ static void test_cross_entropy(void) {
   interp_free(it);
 }
 
+// The targets that count (>= 0), at least 1.
+static void test_target_count(void) {
+  fresh();
+  int t = ids_input("targets", SH(2, 3));
+  int n = NODE(OP_TARGET_COUNT, NULL, NULL, t);
+  Interp *it = interp_new(g, INTERP_F32);
+  interp_set_input(it, "targets", (int32_t[]){0, -1, 7, -3, 2, 1}, NULL, 6);
+  run(it);
+  EXPECT(it, n, 0, "target_count of [0, -1, 7, -3, 2, 1]", 4);
+  interp_set_input(it, "targets", (int32_t[]){-1, -1, -1, -1, -1, -1}, NULL, 6);
+  run(it);
+  EXPECT(it, n, 0, "target_count with every target ignored is 1", 1);
+  interp_free(it);
+}
+
 // T = 3, two heads of width 1. Head 0: q = 1, k_j = ln(j+1), so p_ij is proportional to j+1 over
 // the allowed j; head 1: q = 0, a plain average of the allowed v_j.
 static void test_attention(void) {
@@ -598,6 +613,7 @@ int main(void) {
   test_embed();
   test_rows();
   test_cross_entropy();
+  test_target_count();
   test_attention();
   test_rope();
   test_dropout();
