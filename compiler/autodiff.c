@@ -238,6 +238,7 @@ static bool backward_rule(Ad *ad, int i, int dy) {
   int x1 = n->nin > 1 ? n->in[1] : -1;
   switch (n->op) {
   case OP_INPUT: case OP_PARAM: case OP_STATE: case OP_SCALAR: case OP_CONST:
+  case OP_ATTENTION_MASK: // (of doc ids, or of nothing: never on a parameter's path)
     return true;
   case OP_NEG:
     accumulate(ad, x, unary(ad, OP_NEG, dy));

@@ -61,8 +61,9 @@
 //     (same shape), when that ADD is not already in a GEMM epilogue (the GEMM writes the residual
 //     stream more cheaply); the ADD is an out (the residual stream). SOFTMAX and SOFTMAX_BWD alone.
 //     (The CASTs of its output, the next GEMM's bf16 operand, join it by rule 9.)
-//  6. Single-node steps: EMBED, EMBED_BWD, MAX_BWD, ROPE, ATTENTION (STEP_ATTENTION), and any
-//     anchor op left over by the rules above (a lone CROSS_ENTROPY_BWD, a lone ADAMW).
+//  6. Single-node steps: EMBED, EMBED_BWD, MAX_BWD, ROPE, ATTENTION (STEP_ATTENTION), ATTENTION_MASK
+//     (a kernel: plain attention's mask, which its scores' GEMM epilogue adds), and any anchor op left
+//     over by the rules above (a lone CROSS_ENTROPY_BWD, a lone ADAMW).
 //  7. Reduction STEP_KERNEL: root SUM/MEAN/MAX over one axis. Producers of its input are fused as
 //     in an elementwise step (rule 8, so they are evaluated at the input's index while reducing);
 //     then a chain of elementwise consumers of the result with the result's element count, each
@@ -1101,6 +1102,7 @@ double fuse_node_flops(const Graph *g, int id) {
     return n->op == OP_ATTENTION ? f : 2 * f / 3;
   }
   case OP_ROPE: return 3 * e;
+  case OP_ATTENTION_MASK: return e; // (a comparison or two per element)
   case OP_GRAD_NORM: {
     double s = 0;
     for (int k = 0; k < n->nin; k++)
