@@ -316,11 +316,26 @@ typedef struct {
 enum { MDL_MAX_NODES = 1 << 18, MDL_MAX_PARAMS = 1 << 16, MDL_MAX_STMTS = 1 << 18 };
 #define MDL_MAX_PARAM_BYTES ((int64_t)1 << 42)
 
+// How the front end lowers a construct that has more than one lowering: the switches `mdlc lab`
+// turns off one by one to measure what each technique is worth ({0}: the defaults).
+typedef struct {
+  // attention(...) as an unfused framework runs it (--attention plain) instead of the fused ATTENTION
+  // op: per head, the scores q k^T times scale plus an ATTENTION_MASK, materialised as [B,H,T,T];
+  // SOFTMAX; then their product with v (MATMULs of [B,H,T,D] views made by RESHAPE and PERMUTE).
+  bool plain_attention;
+  // attention ignores its doc= argument (--no-doc-mask): causal over the whole packed row, documents
+  // attend to each other. For the lab and the tests that show the leak; never for training.
+  bool no_doc_mask;
+} LowerOptions;
+
 // Parse and check a .mdl file and build its forward graph (params, inputs, loss, outputs, the
 // train section). Returns NULL after printing every error (file:line:col + caret), at most
-// DIAG_MAX_ERRORS of them.
+// DIAG_MAX_ERRORS of them. The _with forms lower as lo says (NULL: the defaults).
 Graph *mdl_compile_file(Arena *a, const char *path, const DimOverride *ov, int nov);
+Graph *mdl_compile_file_with(Arena *a, const char *path, const DimOverride *ov, int nov, const LowerOptions *lo);
 Graph *mdl_compile_text(Arena *a, const char *path, const char *text, const DimOverride *ov, int nov);
+Graph *mdl_compile_text_with(Arena *a, const char *path, const char *text, const DimOverride *ov, int nov,
+                             const LowerOptions *lo);
 // The same over n bytes that may hold anything (a NUL or invalid UTF-8 is an error at its line).
 Graph *mdl_compile_bytes(Arena *a, const char *path, const char *bytes, size_t n, const DimOverride *ov, int nov);
 
