@@ -239,6 +239,7 @@ static bool backward_rule(Ad *ad, int i, int dy) {
   switch (n->op) {
   case OP_INPUT: case OP_PARAM: case OP_STATE: case OP_SCALAR: case OP_CONST:
   case OP_TARGET_COUNT: // a count of integers: constant for the parameters (never active)
+  case OP_ATTENTION_MASK: // (of doc ids, or of nothing: never on a parameter's path)
     return true;
   case OP_NEG:
     accumulate(ad, x, unary(ad, OP_NEG, dy));

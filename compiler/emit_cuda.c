@@ -3916,6 +3916,37 @@ static void emit_rope(Emit *e, int gi) {
   ec_phase_end(&e->core);
 }
 
+// ATTENTION_MASK ([doc]) -> [B or 1, 1, T, T]: 0 where query i may see key j (j <= i when causal, the
+// same doc id with ids), -inf where not; a thread per element.
+static void emit_attn_mask(Emit *e, int gi) {
+  int a = e->core.groups[gi].mem[0];
+  const IrNode *nd = ec_node(&e->core, a);
+  int64_t nt = nd->shape.d[3], work = ec_numel(&e->core, a);
+  bool causal = nd->ia[0];
+  int doc = nd->ia[1] ? ec_need(&e->core, nd->in[0]) : -1;
+  flush(e);
+  if (ec_offset(&e->core, a) < 0)
+    e->core.scratch[a] = true;
+  ec_phase_begin(&e->core);
+  kbegin(e, "");
+  note(e, "attention mask: %lld rows of %lld keys%s%s, a thread per element", (long long)(work / nt), (long long)nt,
+       causal ? ", causal" : "", doc >= 0 ? ", within documents" : "");
+  const char *dp = doc >= 0 ? ptr(e, doc) : NULL, *yp = ptr(e, a);
+  ec_enter(&e->core, "for (%s u = blockIdx.x * blockDim.x + threadIdx.x; u < %lld; u += gridDim.x * blockDim.x)",
+           e->core.ixt, (long long)work);
+  ec_line(&e->core, "const %s r = u / %lld, i = r %% %lld, j = u %% %lld;", e->core.ixt, (long long)nt, (long long)nt,
+          (long long)nt);
+  Buf cond = {0};
+  ec_bput(&cond, "%s", causal ? "j <= i" : "");
+  if (doc >= 0) // (r - i: the row's first position)
+    ec_bput(&cond, "%s%s[r - i + j] == %s[r]", causal ? " && " : "", dp, dp);
+  ec_line(&e->core, "%s[u] = %s ? 0.0f : -MDL_INF;", yp, cond.len ? ec_buf_str(&e->core, &cond) : "true");
+  ec_leave(&e->core);
+  kend(e, grid_for(work, block_for(work)), block_for(work));
+  ec_phase_done(&e->core, a);
+  ec_phase_end(&e->core);
+}
+
 // MAX_BWD (x, y, dy): the gradient goes to the maxima, shared evenly between ties; a thread per output.
 static void emit_max_bwd(Emit *e, int gi) {
   int a = e->core.groups[gi].mem[0];
@@ -4226,6 +4257,7 @@ static void emit_group(Emit *e, int gi, const bool *emitted) {
   case OP_EMBED_BWD: emit_embed_bwd(e, gi, emitted); return;
   case OP_ROPE: emit_rope(e, gi); return;
   case OP_MAX_BWD: emit_max_bwd(e, gi); return;
+  case OP_ATTENTION_MASK: emit_attn_mask(e, gi); return;
   default: ec_fail(&e->core, "no kernel for %s", op_name(op));
   }
 }

@@ -126,6 +126,6 @@ bool parse_text(Parser *p);
 //
 // sema.c: names, dims, the train section and the graph.
 //
-Graph *sema_build(Parser *p, const DimOverride *ov, int nov);
+Graph *sema_build(Parser *p, const DimOverride *ov, int nov, const LowerOptions *lo);
 
 #endif

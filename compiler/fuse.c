@@ -64,7 +64,8 @@
 //     (The CASTs of its output, the next GEMM's bf16 operand, join it by rule 9.)
 //  6. Single-node steps: EMBED, EMBED_BWD, MAX_BWD, ROPE, ATTENTION (STEP_ATTENTION), TARGET_COUNT
 //     (a count over the targets, in memory as the batch gave them; the loss and its gradient each
-//     divide by it), and any anchor op left over by the rules above (a lone CROSS_ENTROPY_BWD, a
+//     divide by it), ATTENTION_MASK (a kernel: plain attention's mask, which its scores' GEMM
+//     epilogue adds), and any anchor op left over by the rules above (a lone CROSS_ENTROPY_BWD, a
 //     lone ADAMW).
 //  7. Reduction STEP_KERNEL: root SUM/MEAN/MAX over one axis. Producers of its input are fused as
 //     in an elementwise step (rule 8, so they are evaluated at the input's index while reducing);
@@ -1103,6 +1104,7 @@ double fuse_node_flops(const Graph *g, int id) {
     return n->op == OP_ATTENTION ? f : 2 * f / 3;
   }
   case OP_ROPE: return 3 * e;
+  case OP_ATTENTION_MASK: return e; // (a comparison or two per element)
   case OP_GRAD_NORM: {
     double s = 0;
     for (int k = 0; k < n->nin; k++)

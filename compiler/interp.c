@@ -699,6 +699,21 @@ static bool run_attention_decode(Ctx *c) {
   return true;
 }
 
+// ATTENTION_MASK ([doc]) -> [B or 1, 1, T, T]: 0 where row i may see key j, as run_attention allows it
+// (j <= i when causal, the same doc id when there are ids), -inf elsewhere.
+static void run_attention_mask(Ctx *c) {
+  Shape s = c->nd->shape;
+  int64_t nb = s.d[0], nt = s.d[2];
+  bool causal = c->nd->ia[0];
+  const double *doc = c->nd->ia[1] ? c->x[0] : NULL;
+  for (int64_t b = 0; b < nb; b++)
+    for (int64_t i = 0; i < nt; i++)
+      for (int64_t j = 0; j < nt; j++) {
+        bool allowed = (!causal || j <= i) && (!doc || doc[b * nt + j] == doc[b * nt + i]);
+        c->y[(b * nt + i) * nt + j] = allowed ? 0 : -INFINITY;
+      }
+}
+
 // ROPE: per head, the pair (i, i + D/2) rotated by theta = pos * base^(-2i/D) (by -theta when
 // inverse).
 static void run_rope(Ctx *c) {
@@ -817,6 +832,7 @@ static bool run_node(Ctx *c) {
       return fail(c, "%s: there is no backward in decode mode", op_name(nd->op));
     run_attention(c, nd->op == OP_ATTENTION_LSE ? ATT_LSE : ATT_BWD);
     return true;
+  case OP_ATTENTION_MASK: run_attention_mask(c); return true;
   case OP_ROPE: run_rope(c); return true;
   case OP_GRAD_NORM: run_grad_norm(c); return true;
   case OP_ADAMW: run_adamw(c); return true;

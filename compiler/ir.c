@@ -126,6 +126,24 @@ static bool broadcast_shapes(Shape a, Shape b, Shape *out) {
   return true;
 }
 
+// Whether q, k, v (and doc ids, when given) fit attention with `heads` heads; else fail's message.
+static bool attention_shapes(Graph *g, Shape q, Shape k, Shape v, const Shape *doc, int64_t heads) {
+  if (q.rank != 3)
+    return fail(g, "attention: q must be [B,T,C], got %s", SHAPE(q));
+  if (!shape_eq(k, q) || !shape_eq(v, q))
+    return fail(g, "attention: q %s, k %s and v %s must have one shape", SHAPE(q), SHAPE(k), SHAPE(v));
+  if (heads <= 0 || q.d[2] % heads)
+    return fail(g, "attention: %lld heads do not divide width %lld", (long long)heads, (long long)q.d[2]);
+  if (doc && (doc->rank != 2 || doc->d[0] != q.d[0] || doc->d[1] != q.d[1]))
+    return fail(g, "attention: doc ids %s must be [%lld,%lld]", SHAPE(*doc), (long long)q.d[0], (long long)q.d[1]);
+  return true;
+}
+
+bool ir_attention_fits(Graph *g, int q, int k, int v, int doc, int64_t heads) {
+  IrNode **n = g->nodes;
+  return attention_shapes(g, n[q]->shape, n[k]->shape, n[v]->shape, doc >= 0 ? &n[doc]->shape : NULL, heads);
+}
+
 static bool is_float(DType dt) { return dt == DT_F32 || dt == DT_BF16 || dt == DT_F64 || dt == DT_F8E4M3; }
 
 // Checks the inputs of node n and sets its shape and dtype.
@@ -148,6 +166,7 @@ static bool infer(Graph *g, IrNode *n) {
   case OP_CROSS_ENTROPY_BWD: want = 3; break;
   case OP_ATTENTION: case OP_ATTENTION_LSE: want = 3 + (n->ia[2] != 0); break;
   case OP_ATTENTION_BWD: want = 6 + (n->ia[2] != 0); break;
+  case OP_ATTENTION_MASK: want = n->ia[1] != 0; break;
   case OP_ADAMW: want = 7; break;
   case OP_CONCAT: case OP_GRAD_NORM:
     if (n->nin < 1)
@@ -165,7 +184,8 @@ static bool infer(Graph *g, IrNode *n) {
                ((n->op == OP_CROSS_ENTROPY || n->op == OP_CROSS_ENTROPY_BWD) && i == 1) || n->op == OP_TARGET_COUNT ||
                (n->op == OP_ROPE && i == 1) ||
                ((n->op == OP_ATTENTION || n->op == OP_ATTENTION_LSE || n->op == OP_ATTENTION_BWD) && n->ia[2] &&
-                i == 3);
+                i == 3) ||
+               n->op == OP_ATTENTION_MASK;
     DType dt = g->nodes[n->in[i]]->dtype;
     if (ids && dt != DT_I32)
       return fail(g, "%s: ids must be i32, got %s", name, dtype_name(dt));
@@ -366,19 +386,8 @@ static bool infer(Graph *g, IrNode *n) {
     return true;
   case OP_ATTENTION: case OP_ATTENTION_LSE: case OP_ATTENTION_BWD: {
     Shape q = in[0]->shape;
-    if (q.rank != 3)
-      return fail(g, "attention: q must be [B,T,C], got %s", SHAPE(q));
-    if (!shape_eq(in[1]->shape, q) || !shape_eq(in[2]->shape, q))
-      return fail(g, "attention: q %s, k %s and v %s must have one shape", SHAPE(q), SHAPE(in[1]->shape),
-                  SHAPE(in[2]->shape));
-    if (n->ia[0] <= 0 || q.d[2] % n->ia[0])
-      return fail(g, "attention: %lld heads do not divide width %lld", (long long)n->ia[0], (long long)q.d[2]);
-    if (n->ia[2]) {
-      Shape d = in[3]->shape;
-      if (d.rank != 2 || d.d[0] != q.d[0] || d.d[1] != q.d[1])
-        return fail(g, "attention: doc ids %s must be [%lld,%lld]", SHAPE(d), (long long)q.d[0],
-                    (long long)q.d[1]);
-    }
+    if (!attention_shapes(g, q, in[1]->shape, in[2]->shape, n->ia[2] ? &in[3]->shape : NULL, n->ia[0]))
+      return false;
     Shape lse = shape_of(3, (int64_t[]){q.d[0], n->ia[0], q.d[1]});
     if (n->op == OP_ATTENTION_BWD) {
       if (!shape_eq(in[n->nin - 1]->shape, q))
@@ -389,6 +398,18 @@ static bool infer(Graph *g, IrNode *n) {
         return fail(g, "attention_bwd: lse %s, not %s", SHAPE(in[n->nin - 2]->shape), SHAPE(lse));
     }
     n->shape = n->op == OP_ATTENTION_LSE ? lse : q;
+    return true;
+  }
+  case OP_ATTENTION_MASK: {
+    Shape m = n->shape;
+    if (n->ia[1]) {
+      Shape d = in[0]->shape;
+      if (d.rank != 2)
+        return fail(g, "attention_mask: doc ids must be [B,T], got %s", SHAPE(d));
+      n->shape = shape_of(4, (int64_t[]){d.d[0], 1, d.d[1], d.d[1]});
+    } else if (m.rank != 4 || m.d[0] != 1 || m.d[1] != 1 || m.d[2] != m.d[3]) {
+      return fail(g, "attention_mask: without doc ids the mask is [1,1,T,T], not %s", SHAPE(m));
+    }
     return true;
   }
   case OP_ROPE: {
@@ -533,6 +554,14 @@ int ir_embed_bwd(Graph *g, int ids, int dy, int64_t vocab, SrcLoc loc) {
   return commit(g, n);
 }
 
+int ir_attention_mask(Graph *g, int doc, int64_t t, bool causal, SrcLoc loc) {
+  IrNode *n = new_node(g, OP_ATTENTION_MASK, &doc, doc >= 0, loc);
+  n->shape = shape_of(4, (int64_t[]){1, 1, t, t});
+  n->ia[0] = causal;
+  n->ia[1] = doc >= 0;
+  return commit(g, n);
+}
+
 void ir_eval_mode(Graph *g) {
   for (int i = 0; i < g->n; i++)
     if (g->nodes[i]->op == OP_DROPOUT)
@@ -639,6 +668,7 @@ void ir_dump(const Graph *g, FILE *f) {
       if (n->ia[4] == DT_BF16)
         fprintf(f, " bf16");
       break;
+    case OP_ATTENTION_MASK: fprintf(f, "%s%s", n->ia[0] ? " causal" : "", n->ia[1] ? " doc" : ""); break;
     case OP_ROPE:
       fprintf(f, " heads=%lld base=%g%s", (long long)n->ia[0], n->fa[0], n->ia[1] ? " inverse" : "");
       break;

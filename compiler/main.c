@@ -36,6 +36,7 @@ typedef struct {
   uint64_t seed;
   bool fp64;
   FuseOptions fuse;
+  LowerOptions lower; // --attention plain, --no-doc-mask: how the front end lowers attention
   bool reuse; // the memory planner shares memory between activations whose lives do not overlap
   bool profile;
   bool gemm_tuning; // the CUDA back end times cuBLASLt's candidates for each GEMM (--no-gemm-tuning)
@@ -101,6 +102,12 @@ static const char usage_text[] =
     "                         (all: every layer but its input; auto: as little as fits BUDGET, bytes as\n"
     "                         512MiB, 2GiB or a fraction of the memory such as 0.5; default: the train\n"
     "                         section's, else auto, whose budget is the memory available)\n"
+    "      --attention A      flash (the default: one fused attention op, a kernel of its own) or plain:\n"
+    "                         the scores materialised as [B,H,T,T], masked, softmax, then times V, in\n"
+    "                         GEMMs and kernels as an unfused framework runs it (memory quadratic in T)\n"
+    "      --no-doc-mask      attention ignores doc= and is causal over the whole packed row, so documents\n"
+    "                         attend to each other: for the lab and the tests that show the leak, not for\n"
+    "                         training\n"
     "      --no-fuse          one kernel per IR node (to measure what fusion is worth)\n"
     "      --no-chunk-lmhead  materialise the whole logits instead of running the LM head by chunks\n"
     "      --optimizer-per-param  AdamW as one kernel per parameter tensor (as torch.optim.AdamW with\n"
@@ -140,6 +147,7 @@ static int parse_options(int argc, char **argv, Options *o) {
       {"no-fuse", no_argument, 0, 'N'},       {"no-chunk-lmhead", no_argument, 0, 'C'},
       {"no-reuse", no_argument, 0, 'U'},      {"profile", no_argument, 0, 'O'},
       {"no-gemm-tuning", no_argument, 0, 'G'}, {"no-kernel-tuning", no_argument, 0, 'J'},
+      {"attention", required_argument, 0, 'L'}, {"no-doc-mask", no_argument, 0, 'Y'},
       {"vocab", required_argument, 0, 'v'},   {"doc-sep", required_argument, 0, 'e'},
       {"val-fraction", required_argument, 0, 'f'}, {"text-field", required_argument, 0, 't'},
       {"shard-tokens", required_argument, 0, 'n'}, {"force", no_argument, 0, 'r'},
@@ -212,6 +220,12 @@ static int parse_options(int argc, char **argv, Options *o) {
       o->checkpoint = optarg;
       break;
     case 'N': o->fuse.fuse = false; break;
+    case 'L':
+      if (strcmp(optarg, "flash") && strcmp(optarg, "plain"))
+        return usage_error("--attention wants flash or plain, got '%s'", optarg);
+      o->lower.plain_attention = !strcmp(optarg, "plain");
+      break;
+    case 'Y': o->lower.no_doc_mask = true; break;
     case 'v':
       if (!parse_int(optarg, &v) || v < 256 || v > 65536)
         return usage_error("--vocab wants a size from 256 to 65536, got '%s'", optarg);
@@ -416,7 +430,7 @@ static bool apply_checkpoint(const Options *o, Graph *g) {
 
 // Front end, then autodiff (+ optimizer) when `train` is set; validates after each pass.
 static Graph *compile(Arena *a, const Options *o, bool grads, bool optimizer) {
-  Graph *g = mdl_compile_file(a, o->file, o->dims, o->ndims);
+  Graph *g = mdl_compile_file_with(a, o->file, o->dims, o->ndims, &o->lower);
   if (!g)
     return NULL;
   if (o->accumulate > 0)
@@ -762,7 +776,7 @@ static int cmd_build(const Options *o, Graph *g) {
 // The forward graph alone (validation loss, dropout off), or forward + backward without the
 // optimizer (the micro-batches of gradient accumulation), on the same back end.
 static Engine *open_side_engine(const Options *o, Arena *a, bool grads) {
-  Graph *g = mdl_compile_file(a, o->file, o->dims, o->ndims);
+  Graph *g = mdl_compile_file_with(a, o->file, o->dims, o->ndims, &o->lower);
   if (!g || g->loss < 0 || (grads && !autodiff(g, false)) || !apply_precision(o, g))
     return NULL;
   Options quiet = *o;
@@ -841,9 +855,11 @@ static int cmd_run(const Options *o, Graph *g) {
     const char *why = NULL;
     if (g->train.precision_auto)
       auto_precision(o, &why);
-    printf("training %s (%lld parameters), back end %s%s, precision %s%s%s\n", g->model,
+    printf("training %s (%lld parameters), back end %s%s%s%s, precision %s%s%s\n", g->model,
            (long long)ir_param_count(g), e->name, strcmp(backend_of(o), "interp") && !o->fuse.fuse ? " (fusion off)" : "",
-           why ? "auto, " : "", why ? why : g->train.precision, o->resume ? ", resuming" : "");
+           o->lower.plain_attention ? ", attention plain (scores in memory, unfused)" : "",
+           o->lower.no_doc_mask ? ", no doc mask (documents attend to each other)" : "", why ? "auto, " : "",
+           why ? why : g->train.precision, o->resume ? ", resuming" : "");
     char line[1024];
     checkpoint_summary(&g->ckpt, true, true, line, sizeof line);
     printf("%s\n", line);

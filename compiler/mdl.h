@@ -152,6 +152,11 @@ typedef struct {
      out and dout as bf16 values (the precision pass's CASTs of them), as a bf16 forward and its   \
      ATTENTION_LSE may read q, k and v */                                                          \
   X(ATTENTION_BWD, "attention_bwd")                                                                \
+  /* ([doc i32[B,T]]) -> f32 [B,1,T,T] (with doc) or [1,1,T,T] (the constructor's shape): 0 where   \
+     query i may see key j, -inf where not; ia[0] = causal (j <= i), ia[1] = has doc (the same doc  \
+     id), ATTENTION's rule. The mask of attention lowered into MATMUL, SOFTMAX and layout ops        \
+     (LowerOptions.plain_attention), added to the scores; it takes no gradient. */                  \
+  X(ATTENTION_MASK, "attention_mask")                                                              \
   /* rotary embedding, half-split pairs (i, i + D/2) per head: (x [B,T,C], pos i32[B,T]);         \
      ia[0] = heads, ia[1] = inverse (rotate by -angle: the backward); fa[0] = base */              \
   X(ROPE, "rope")                                                                                  \
@@ -273,6 +278,10 @@ int ir_reshape(Graph *g, int x, Shape s, SrcLoc loc);    // -1 with g->err when 
 int ir_broadcast(Graph *g, int x, Shape s, SrcLoc loc);
 int ir_slice_bwd(Graph *g, int dy, Shape full, int axis, int64_t start, int64_t end, SrcLoc loc);
 int ir_embed_bwd(Graph *g, int ids, int dy, int64_t vocab, SrcLoc loc);
+// ATTENTION_MASK over T positions: from doc ids i32[B,T] ([B,1,T,T]), or without (doc -1, [1,1,T,T]).
+int ir_attention_mask(Graph *g, int doc, int64_t t, bool causal, SrcLoc loc);
+// Whether q, k, v (and doc ids when doc >= 0) fit attention with `heads` heads; g->err says why not.
+bool ir_attention_fits(Graph *g, int q, int k, int v, int doc, int64_t heads);
 bool ir_validate(const Graph *g, char *why, size_t n); // false with a reason when broken
 void ir_dump(const Graph *g, FILE *f);
 const char *op_name(Op op);
@@ -310,11 +319,26 @@ typedef struct {
 enum { MDL_MAX_NODES = 1 << 18, MDL_MAX_PARAMS = 1 << 16, MDL_MAX_STMTS = 1 << 18 };
 #define MDL_MAX_PARAM_BYTES ((int64_t)1 << 42)
 
+// How the front end lowers a construct that has more than one lowering: the switches `mdlc lab`
+// turns off one by one to measure what each technique is worth ({0}: the defaults).
+typedef struct {
+  // attention(...) as an unfused framework runs it (--attention plain) instead of the fused ATTENTION
+  // op: per head, the scores q k^T times scale plus an ATTENTION_MASK, materialised as [B,H,T,T];
+  // SOFTMAX; then their product with v (MATMULs of [B,H,T,D] views made by RESHAPE and PERMUTE).
+  bool plain_attention;
+  // attention ignores its doc= argument (--no-doc-mask): causal over the whole packed row, documents
+  // attend to each other. For the lab and the tests that show the leak; never for training.
+  bool no_doc_mask;
+} LowerOptions;
+
 // Parse and check a .mdl file and build its forward graph (params, inputs, loss, outputs, the
 // train section). Returns NULL after printing every error (file:line:col + caret), at most
-// DIAG_MAX_ERRORS of them.
+// DIAG_MAX_ERRORS of them. The _with forms lower as lo says (NULL: the defaults).
 Graph *mdl_compile_file(Arena *a, const char *path, const DimOverride *ov, int nov);
+Graph *mdl_compile_file_with(Arena *a, const char *path, const DimOverride *ov, int nov, const LowerOptions *lo);
 Graph *mdl_compile_text(Arena *a, const char *path, const char *text, const DimOverride *ov, int nov);
+Graph *mdl_compile_text_with(Arena *a, const char *path, const char *text, const DimOverride *ov, int nov,
+                             const LowerOptions *lo);
 // The same over n bytes that may hold anything (a NUL or invalid UTF-8 is an error at its line).
 Graph *mdl_compile_bytes(Arena *a, const char *path, const char *bytes, size_t n, const DimOverride *ov, int nov);
 

@@ -147,7 +147,17 @@ typedef struct {
   int64_t stmts;     // statements elaborated so far, every repetition counted (MDL_MAX_STMTS)
   int64_t param_bytes; // f32 bytes of the params built so far (MDL_MAX_PARAM_BYTES)
   bool over_limit;   // a limit on the graph's size was reported: elaboration stops
+  LowerOptions lower; // how attention is lowered (mdl.h)
+  PtrVec masks;      // Mask* built by plain attention, shared by every attention with the same key
 } Sema;
+
+// An ATTENTION_MASK node and what it was built for.
+typedef struct {
+  int doc; // the doc ids node, or -1
+  int64_t t;
+  bool causal;
+  int node;
+} Mask;
 
 enum { SEMA_MAX_DEPTH = 1000 };
 
@@ -923,6 +933,65 @@ static Val builtin_softmax(Sema *s, const Builtin *b, const Expr *call, const Ex
   return add_op(s, OP_SOFTMAX, &x, 1, NULL, NULL, call->at);
 }
 
+// The mask of plain attention over t positions (doc: the doc ids node, or -1): built once, outside
+// every repeat body, and shared by every attention that needs the same one (a model's layers).
+static int attention_mask(Sema *s, int doc, int64_t t, bool causal, SrcLoc at) {
+  for (int i = 0; i < s->masks.n; i++) {
+    const Mask *m = s->masks.v[i];
+    if (m->doc == doc && m->t == t && m->causal == causal)
+      return m->node;
+  }
+  int body = s->g->cur_body;
+  s->g->cur_body = 0;
+  int id = ir_attention_mask(s->g, doc, t, causal, at);
+  s->g->cur_body = body;
+  if (id < 0) {
+    error_at(s, at, "%s", s->g->err);
+    return -1;
+  }
+  Mask *m = arena_alloc(s->a, sizeof *m);
+  *m = (Mask){doc, t, causal, id};
+  vec_push(s->a, &s->masks, m);
+  return id;
+}
+
+// Attention lowered as an unfused framework runs it (LowerOptions.plain_attention): q, k, v [B,T,C]
+// viewed as heads [B,T,H,D] and permuted to [B,H,T,D]; scores = q k^T * scale + mask, [B,H,T,T] in
+// memory; P = softmax(scores); P v permuted back to [B,T,C]. in[3] is the doc ids node or -1.
+static Val plain_attention(Sema *s, const int *in, int64_t heads, bool causal, double scale, SrcLoc at) {
+  Graph *g = s->g;
+  if (!ir_attention_fits(g, in[0], in[1], in[2], in[3], heads)) {
+    error_at(s, at, "%s", g->err);
+    return ERR;
+  }
+  Shape x = node(s, in[0])->shape;
+  int64_t nb = x.d[0], nt = x.d[1], d = x.d[2] / heads;
+  const int64_t to_heads[8] = {0, 2, 1, 3}; // [B,T,H,D] <-> [B,H,T,D] (its own inverse)
+  int h[3];
+  for (int i = 0; i < 3; i++) {
+    Val r = reshape(s, in[i], shape_of(4, (int64_t[]){nb, nt, heads, d}), at);
+    if (r.kind == V_ERR)
+      return ERR;
+    Val p = add_op(s, OP_PERMUTE, &r.node, 1, to_heads, NULL, at);
+    if (p.kind == V_ERR)
+      return ERR;
+    h[i] = p.node;
+  }
+  Val sc = add_op(s, OP_MATMUL, (int[]){h[0], h[1]}, 2, (int64_t[8]){0, 1}, NULL, at);
+  int c = sc.kind == V_ERR ? -1 : ir_const(g, scale, at);
+  if (c < 0)
+    return ERR;
+  sc = add_op(s, OP_MUL, (int[]){sc.node, c}, 2, NULL, NULL, at);
+  if (sc.kind != V_ERR && (causal || in[3] >= 0)) {
+    int m = attention_mask(s, in[3], nt, causal, at);
+    sc = m < 0 ? ERR : add_op(s, OP_ADD, (int[]){sc.node, m}, 2, NULL, NULL, at);
+  }
+  Val p = sc.kind == V_ERR ? ERR : add_op(s, OP_SOFTMAX, &sc.node, 1, NULL, NULL, at);
+  Val o = p.kind == V_ERR ? ERR : add_op(s, OP_MATMUL, (int[]){p.node, h[2]}, 2, NULL, NULL, at);
+  o = o.kind == V_ERR ? ERR : add_op(s, OP_PERMUTE, &o.node, 1, to_heads, NULL, at);
+  return o.kind == V_ERR ? ERR : reshape(s, o.node, x, at);
+}
+
 static Val builtin_attention(Sema *s, const Builtin *b, const Expr *call, const Expr **arg) {
   int in[4];
   for (int i = 0; i < 3; i++)
@@ -943,8 +1012,12 @@ static Val builtin_attention(Sema *s, const Builtin *b, const Expr *call, const 
   double scale = heads > 0 && c % heads == 0 ? 1 / sqrt((double)(c / heads)) : 1;
   if (!float_arg(s, b, arg[6], "scale", scale, &scale))
     return ERR;
-  return add_op(s, OP_ATTENTION, in, arg[5] ? 4 : 3, (int64_t[8]){heads, causal, arg[5] != NULL},
-                (double[6]){scale}, call->at);
+  bool doc = arg[5] && !s->lower.no_doc_mask; // (--no-doc-mask: the ids are checked, then ignored)
+  if (s->lower.plain_attention) {
+    in[3] = doc ? in[3] : -1;
+    return plain_attention(s, in, heads, causal, scale, call->at);
+  }
+  return add_op(s, OP_ATTENTION, in, doc ? 4 : 3, (int64_t[8]){heads, causal, doc}, (double[6]){scale}, call->at);
 }
 
 static Val builtin_rope(Sema *s, const Builtin *b, const Expr *call, const Expr **arg) {
@@ -1716,8 +1789,8 @@ static void set_decay(Sema *s) {
   }
 }
 
-Graph *sema_build(Parser *p, const DimOverride *ov, int nov) {
-  Sema sema = {.p = p, .a = p->arena, .g = ir_new(p->arena)};
+Graph *sema_build(Parser *p, const DimOverride *ov, int nov, const LowerOptions *lo) {
+  Sema sema = {.p = p, .a = p->arena, .g = ir_new(p->arena), .lower = lo ? *lo : (LowerOptions){0}};
   Sema *s = &sema;
   s->global.prefix = "";
   s->global.index = arena_alloc(s->a, sizeof(NameMap));
@@ -1793,17 +1866,23 @@ static bool is_text(const char *path, const char *text, size_t n) {
   return true;
 }
 
-Graph *mdl_compile_text(Arena *a, const char *path, const char *text, const DimOverride *ov, int nov) {
+Graph *mdl_compile_text_with(Arena *a, const char *path, const char *text, const DimOverride *ov, int nov,
+                             const LowerOptions *lo) {
   diag_begin();
   if (!is_text(path, text, strlen(text)))
     return NULL;
   Parser p = {.arena = a, .file = path, .text = text};
   if (!parse_text(&p))
     return NULL;
-  return sema_build(&p, ov, nov);
+  return sema_build(&p, ov, nov, lo);
 }
 
-Graph *mdl_compile_bytes(Arena *a, const char *path, const char *bytes, size_t n, const DimOverride *ov, int nov) {
+Graph *mdl_compile_text(Arena *a, const char *path, const char *text, const DimOverride *ov, int nov) {
+  return mdl_compile_text_with(a, path, text, ov, nov, NULL);
+}
+
+static Graph *compile_bytes(Arena *a, const char *path, const char *bytes, size_t n, const DimOverride *ov, int nov,
+                            const LowerOptions *lo) {
   char *text = arena_alloc(a, n + 1);
   memcpy(text, bytes, n);
   if (memchr(text, 0, n)) {
@@ -1811,10 +1890,18 @@ Graph *mdl_compile_bytes(Arena *a, const char *path, const char *bytes, size_t n
     is_text(path, text, n);
     return NULL;
   }
-  return mdl_compile_text(a, path, text, ov, nov);
+  return mdl_compile_text_with(a, path, text, ov, nov, lo);
+}
+
+Graph *mdl_compile_bytes(Arena *a, const char *path, const char *bytes, size_t n, const DimOverride *ov, int nov) {
+  return compile_bytes(a, path, bytes, n, ov, nov, NULL);
 }
 
 Graph *mdl_compile_file(Arena *a, const char *path, const DimOverride *ov, int nov) {
+  return mdl_compile_file_with(a, path, ov, nov, NULL);
+}
+
+Graph *mdl_compile_file_with(Arena *a, const char *path, const DimOverride *ov, int nov, const LowerOptions *lo) {
   FILE *f = fopen(path, "rb");
   if (!f) {
     diag_file_error(path, "cannot open: %s", strerror(errno));
@@ -1839,7 +1926,7 @@ Graph *mdl_compile_file(Arena *a, const char *path, const DimOverride *ov, int n
     diag_file_error(path, "cannot read: %s", strerror(err));
     return NULL;
   }
-  Graph *g = mdl_compile_bytes(a, path, buf, n, ov, nov);
+  Graph *g = compile_bytes(a, path, buf, n, ov, nov, lo);
   free(buf);
   return g;
 }

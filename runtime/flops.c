@@ -5,15 +5,52 @@
 #include <string.h>
 #include <unistd.h>
 
+// The node x is computed from, past CASTs and the MUL by a constant (the scale) that plain attention
+// puts between its scores' GEMM and the mask.
+static int through_scale(const Graph *g, int x) {
+  for (;;) {
+    const IrNode *n = g->nodes[x];
+    if (n->op == OP_CAST)
+      x = n->in[0];
+    else if (n->op == OP_MUL && g->nodes[n->in[1]]->op == OP_CONST)
+      x = n->in[0];
+    else if (n->op == OP_MUL && g->nodes[n->in[0]]->op == OP_CONST)
+      x = n->in[1];
+    else
+      return x;
+  }
+}
+
+// Attention lowered into GEMMs (LowerOptions.plain_attention) counts as the fused ATTENTION does: a
+// MATMUL whose product gets a causal ATTENTION_MASK added (the scores q k^T), and one that reads the
+// SOFTMAX of such scores (P v), count half their flops, the half the mask throws away; so MFU means
+// the same with either lowering.
 double rt_step_flops(const Graph *g) {
   int end = g->fwd_end ? g->fwd_end : g->n;
+  char *causal = calloc((size_t)end + 1, 1); // per node: a MATMUL half counted (1), causal scores or P (2)
+  for (int i = 0; i < end && causal; i++) {
+    const IrNode *n = g->nodes[i];
+    for (int k = 0; n->op == OP_ADD && k < 2; k++) {
+      const IrNode *m = g->nodes[n->in[k]];
+      int s = through_scale(g, n->in[1 - k]);
+      if (m->op == OP_ATTENTION_MASK && m->ia[0] && g->nodes[s]->op == OP_MATMUL) {
+        causal[s] = 1;
+        causal[i] = 2;
+      }
+    }
+    if (n->op == OP_SOFTMAX && causal[n->in[0]] == 2)
+      causal[i] = 2;
+    if (n->op == OP_MATMUL && causal[through_scale(g, n->in[0])] == 2)
+      causal[i] = 1;
+  }
   double fwd = 0;
   for (int i = 0; i < end; i++) {
     const IrNode *n = g->nodes[i];
     if (n->op == OP_MATMUL) {
       const IrNode *a = g->nodes[n->in[0]];
       int64_t k = n->ia[0] ? a->shape.d[a->shape.rank - 2] : a->shape.d[a->shape.rank - 1];
-      fwd += 2.0 * (double)shape_numel(n->shape) * (double)k;
+      double f = 2.0 * (double)shape_numel(n->shape) * (double)k;
+      fwd += causal && causal[i] == 1 ? f / 2 : f;
     } else if (n->op == OP_ATTENTION) {
       // q.k and p.v: 2 x (B x T x T x C) multiply-adds, half of it masked when causal
       Shape q = n->shape;
@@ -21,6 +58,7 @@ double rt_step_flops(const Graph *g) {
       fwd += n->ia[1] ? f / 2 : f;
     }
   }
+  free(causal);
   return 3.0 * fwd;
 }
 
