@@ -6,6 +6,8 @@
 #define MDL_DATA_H
 #include "mdl.h"
 
+#include <sys/types.h>
+
 //
 // tokenizer.c: byte-level BPE. Ids 0..255 are the bytes, except id 0 (NUL, which text never
 // holds) which is EOS, the token that starts every document. Merge r makes id 256 + r.
@@ -98,6 +100,84 @@ void shard_close(Shard *s);
 // after printing why DIR cannot be read.
 int shard_list(const char *dir, const char *split, char ***out);
 void shard_list_free(char **paths, int n);
+
+//
+// corpus.c: the documents of a text input as `mdlc prep` finds them.
+//
+typedef struct {
+  char *path;
+  dev_t dev;
+  ino_t ino;
+  int64_t size, mtime_ns; // as stat gave them when the file was found (prep: when it first read it)
+  bool jsonl;             // a *.jsonl file: one JSON object a line, its text field a document
+  bool binary;            // holds NUL bytes: not text, skipped (prep finds it when it reads the file)
+  bool seen;              // the same file as an earlier one (a symlink or hard link to it), skipped
+  bool skip;              // binary or seen
+} CorpusFile;
+
+typedef struct {
+  char *root;         // the input, less a trailing '/'
+  bool folder;        // the input is a folder (else one file)
+  CorpusFile *files;  // every file under the folder, recursively, in path order; or the input file
+  int nfiles, cap;
+  int skipped_seen, skipped_other;
+  int64_t total_bytes; // of the files not skipped
+} Corpus;
+
+// The input's files: names starting with '.' are left out, a folder reached twice (a symlink) is
+// walked once, and a file seen before is marked seen. Notes name what is skipped (unless quiet).
+// False after printing why the input cannot be read.
+bool corpus_find(Corpus *c, const char *input, bool quiet);
+void corpus_free(Corpus *c);
+
+typedef struct {
+  char *s;
+  size_t n, cap;
+} CorpusText;
+
+// The documents of one file: a JSONL file's text fields (blank lines skipped), a text file's parts
+// between the lines equal to doc_sep (the separator lines dropped; a trailing '\r' ignored), or the
+// whole file. Empty documents are left out.
+typedef struct {
+  const char *doc_sep, *text_field; // as prep's options (doc_sep NULL: none); set by the caller
+  const char *path;
+  bool jsonl;
+  const char *map; // the file, mapped (NULL when empty)
+  size_t n;
+  int64_t mtime_ns;
+  const char *at, *doc; // where reading goes on; with doc_sep, where the document under way starts
+  int64_t line;         // JSONL lines read
+  bool done;
+  CorpusText key, value; // JSON strings: the document is value's text
+} DocReader;
+// Where the next document of a file is read from: docs_tell before a docs_next, docs_seek to
+// read that document again.
+typedef struct {
+  int64_t at, line;
+} DocPos;
+bool docs_open(DocReader *r, const char *path, bool jsonl); // maps path; false after printing why
+// The next document: 1 with its text (valid until the next call or docs_close), 0 at the end of the
+// file, -1 after printing why ("PATH:LINE: error: no text field").
+int docs_next(DocReader *r, const char **text, size_t *n);
+DocPos docs_tell(const DocReader *r);
+void docs_seek(DocReader *r, DocPos p);
+void docs_close(DocReader *r); // unmaps the file (docs_open does so too)
+void docs_free(DocReader *r);
+
+// Document i of ndocs goes to val when i % k == k - 1 (k = round(1 / val_fraction), at most ndocs,
+// at least 2), else to train; a corpus of one document is cut in two at a line start near the val
+// fraction from its end: the tail is val.
+typedef struct {
+  int64_t ndocs, k;
+  double val_fraction;
+} CorpusSplit;
+CorpusSplit corpus_split(int64_t ndocs, double val_fraction);
+// The part of document i (text[0, n)) that goes to the split val (else train): text[*off, *off +
+// *len); false when none does.
+bool corpus_part(const CorpusSplit *s, int64_t i, bool val, const char *text, size_t n, size_t *off, size_t *len);
+// The end of the piece of a document's text that starts at i: documents are encoded a megabyte at a
+// time, cut at word boundaries (each piece splits into the words the whole document would).
+size_t corpus_piece_end(const char *text, size_t n, size_t i);
 
 //
 // prep.c: `mdlc prep INPUT -o DIR`: text (a file, a folder, or JSONL) to shards + tokenizer.bin.

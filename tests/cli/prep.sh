@@ -39,7 +39,7 @@ int main(int argc, char **argv) {
 }
 EOF
   if ! ${CC:-cc} -std=c11 -D_GNU_SOURCE -O1 -Icompiler -Iruntime -o "$tmp/prep" "$tmp/driver.c" runtime/tokenizer.c \
-      runtime/shard.c runtime/loader.c runtime/prep.c compiler/diag.c -lm -lpthread 2>"$tmp/cc.err"; then
+      runtime/shard.c runtime/loader.c runtime/corpus.c runtime/prep.c compiler/diag.c -lm -lpthread 2>"$tmp/cc.err"; then
     echo "[fail] prep: cannot build the stand-in driver: $(head -c 300 "$tmp/cc.err")"
     exit 1
   fi
