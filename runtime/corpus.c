@@ -1,17 +1,28 @@
-// corpus.c: the documents of a text input, found as `mdlc prep` finds them: the walk over a
-// folder, the JSONL parser, the --doc-sep rule, the train/val split and the cuts of long documents
-// into the pieces they are encoded in. Prep reads the documents twice (to count them and train the
-// BPE merges, then to encode them), both times through the reader here.
+// corpus.c: the documents of a text input, found as `mdlc prep` finds them, and DIR/source.txt,
+// prep's record of the text it read and how it split it.
+//
+// Prep reads the documents twice (to count them and train the BPE merges, then to encode them);
+// `mdlc run --tokenize-on-the-fly` reads them a third time, as it trains. All three go through
+// this file: the same walk over a folder, the same JSONL parser, the same --doc-sep rule, the
+// same train/val split and the same cuts of long documents, so the third read sees exactly the
+// documents, split for split and piece for piece, that went into the shards.
+//
+// source.txt holds what decides that (the input, --doc-sep, --text-field, --val-fraction), every
+// file read with its size and modification time, and each split's document and token counts. The
+// reader walks the input again and compares: a file added, gone or changed since prep is an error
+// that names it, rather than batches that quietly differ from the shards'.
 #include "data.h"
 
 #include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <limits.h>
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <time.h>
 #include <unistd.h>
 
 //
@@ -540,4 +551,274 @@ size_t corpus_piece_end(const char *text, size_t n, size_t i) {
   while (j < n && j - i < (1 << 20))
     j = tok_word_end(text, n, j);
   return j;
+}
+
+//
+// DIR/source.txt.
+//
+// A value to the end of the line: '\\', newlines and other control bytes escaped.
+static void put_value(FILE *f, const char *s) {
+  for (; *s; s++) {
+    unsigned char c = (unsigned char)*s;
+    if (c == '\\')
+      fputs("\\\\", f);
+    else if (c == '\n')
+      fputs("\\n", f);
+    else if (c < 0x20 || c == 0x7f)
+      fprintf(f, "\\x%02x", c);
+    else
+      fputc(c, f);
+  }
+  fputc('\n', f);
+}
+
+// Undoes put_value in place; false on a bad escape.
+static bool unescape(char *s) {
+  char *out = s;
+  for (; *s; s++) {
+    if (*s != '\\') {
+      *out++ = *s;
+      continue;
+    }
+    s++;
+    if (*s == '\\' || *s == 'n') {
+      *out++ = *s == 'n' ? '\n' : '\\';
+    } else if (*s == 'x' && s[1] && s[2]) {
+      char hex[3] = {s[1], s[2], 0}, *end;
+      long v = strtol(hex, &end, 16);
+      if (*end || v <= 0)
+        return false;
+      *out++ = (char)v;
+      s += 2;
+    } else {
+      return false;
+    }
+  }
+  *out = 0;
+  return true;
+}
+
+static void source_path(const char *dir, char *path, size_t n) { snprintf(path, n, "%s/source.txt", dir); }
+
+bool source_write(const char *dir, const Source *s) {
+  char path[PATH_MAX + 16];
+  source_path(dir, path, sizeof path);
+  DataFile d;
+  if (!datafile_open(&d, path))
+    return false;
+  FILE *f = d.f;
+  fprintf(f, "format %s\n", SOURCE_FORMAT);
+  fprintf(f, "# The text `mdlc prep` made the shards beside this file from, and how it split it: what\n"
+             "# `mdlc run --tokenize-on-the-fly` reads again. Files: text|binary (skipped), bytes, mtime, path.\n");
+  fputs("input ", f);
+  put_value(f, s->input);
+  if (s->doc_sep) {
+    fputs("doc-sep ", f);
+    put_value(f, s->doc_sep);
+  }
+  fputs("text-field ", f);
+  put_value(f, s->text_field);
+  char frac[32]; // the shortest that reads back as the same double
+  for (int digits = 1; digits <= 17; digits++) {
+    snprintf(frac, sizeof frac, "%.*g", digits, s->split.val_fraction);
+    if (strtod(frac, NULL) == s->split.val_fraction)
+      break;
+  }
+  fprintf(f, "val-fraction %s\ndocuments %lld\nval-every %lld\n", frac, (long long)s->split.ndocs,
+          (long long)s->split.k);
+  fprintf(f, "train %lld documents %lld tokens\nval %lld documents %lld tokens\n", (long long)s->docs[0],
+          (long long)s->tokens[0], (long long)s->docs[1], (long long)s->tokens[1]);
+  for (int i = 0; i < s->nfiles; i++) {
+    const CorpusFile *c = &s->files[i];
+    fprintf(f, "file %s %lld %lld.%09lld ", c->binary ? "binary" : "text", (long long)c->size,
+            (long long)(c->mtime_ns / 1000000000), (long long)(c->mtime_ns % 1000000000));
+    put_value(f, c->path);
+  }
+  if (ferror(f)) {
+    diag_file_error(path, "cannot write: %s", strerror(errno));
+    datafile_abort(&d);
+    return false;
+  }
+  return datafile_commit(&d);
+}
+
+// One "file KIND SIZE S.NS PATH" line's fields after "file "; false when malformed.
+static bool parse_file(char *v, CorpusFile *c) {
+  char kind[8];
+  int skip = 0;
+  long long size, sec, ns;
+  if (sscanf(v, "%7s %lld %lld.%lld %n", kind, &size, &sec, &ns, &skip) != 4 || !skip || !v[skip] ||
+      (strcmp(kind, "text") && strcmp(kind, "binary")) || !unescape(v + skip))
+    return false;
+  size_t n = strlen(v + skip);
+  *c = (CorpusFile){.path = strdup(v + skip), .size = size, .mtime_ns = sec * 1000000000 + ns,
+                    .jsonl = n > 6 && !strcmp(v + skip + n - 6, ".jsonl"), .binary = !strcmp(kind, "binary")};
+  c->skip = c->binary;
+  return true;
+}
+
+bool source_read(const char *dir, Source *s) {
+  memset(s, 0, sizeof *s);
+  char path[PATH_MAX + 16];
+  source_path(dir, path, sizeof path);
+  FILE *f = fopen(path, "r");
+  if (!f) {
+    if (errno == ENOENT)
+      diag_file_error(path, "not found: the shards in %s do not say what text they came from (prepared before "
+                      "`mdlc prep` recorded it, or made elsewhere, as llm.c's are); prepare the text again with "
+                      "`mdlc prep INPUT -o %s --force`", dir, dir);
+    else
+      diag_file_error(path, "cannot open: %s", strerror(errno));
+    return false;
+  }
+  char *line = NULL;
+  size_t cap = 0;
+  ssize_t len;
+  int lineno = 0, cap_files = 0;
+  bool ok = true, format = false, have_split = false;
+  int64_t ndocs = -1, k = -1;
+  double frac = NAN;
+  while (ok && (len = getline(&line, &cap, f)) > 0) {
+    lineno++;
+    if (line[len - 1] == '\n')
+      line[--len] = 0;
+    if (!len || line[0] == '#')
+      continue;
+    char *v = strchr(line, ' ');
+    if (!v) {
+      ok = false;
+      break;
+    }
+    *v++ = 0;
+    long long a, b;
+    if (!strcmp(line, "format")) {
+      format = !strcmp(v, SOURCE_FORMAT);
+      if (!format) {
+        diag_file_error(path, "format '%s': this mdlc reads %s", v, SOURCE_FORMAT);
+        free(line);
+        fclose(f);
+        return false;
+      }
+    } else if (!strcmp(line, "input") || !strcmp(line, "doc-sep") || !strcmp(line, "text-field")) {
+      char **dst = line[0] == 'i' ? &s->input : line[0] == 'd' ? &s->doc_sep : &s->text_field;
+      free(*dst);
+      *dst = strdup(v);
+      ok = unescape(*dst);
+    } else if (!strcmp(line, "val-fraction")) {
+      char *end;
+      frac = strtod(v, &end);
+      ok = !*end && frac > 0 && frac <= 0.5;
+    } else if (!strcmp(line, "documents")) {
+      ok = sscanf(v, "%lld", &a) == 1 && a > 0;
+      ndocs = a;
+    } else if (!strcmp(line, "val-every")) {
+      ok = sscanf(v, "%lld", &a) == 1 && a >= 2;
+      k = a;
+    } else if (!strcmp(line, "train") || !strcmp(line, "val")) {
+      int i = line[0] == 'v';
+      ok = sscanf(v, "%lld documents %lld tokens", &a, &b) == 2 && a >= 0 && b >= 0;
+      s->docs[i] = a;
+      s->tokens[i] = b;
+      have_split |= i;
+    } else if (!strcmp(line, "file")) {
+      if (s->nfiles == cap_files) {
+        cap_files = cap_files ? 2 * cap_files : 64;
+        s->files = realloc(s->files, (size_t)cap_files * sizeof *s->files);
+      }
+      ok = parse_file(v, &s->files[s->nfiles]);
+      s->nfiles += ok;
+    }
+  }
+  free(line);
+  fclose(f);
+  if (!ok) {
+    diag_file_error(path, "line %d is not what `mdlc prep` writes", lineno);
+    source_free(s);
+    return false;
+  }
+  if (!format || !s->input || !s->text_field || isnan(frac) || ndocs < 0 || k < 0 || !have_split || !s->nfiles) {
+    diag_file_error(path, "incomplete: it lacks the %s", !format ? "format line" : !s->input ? "input"
+                    : !s->text_field ? "text field" : isnan(frac) ? "val fraction" : ndocs < 0 ? "document count"
+                    : k < 0 || !have_split ? "split" : "files");
+    source_free(s);
+    return false;
+  }
+  s->split = corpus_split(ndocs, frac);
+  if (s->split.k != k || s->docs[0] + s->docs[1] != (ndocs == 1 ? 2 : ndocs)) {
+    diag_file_error(path, "its split does not add up (%lld documents, every %lld-th to val, %lld train, %lld val)",
+                    (long long)ndocs, (long long)k, (long long)s->docs[0], (long long)s->docs[1]);
+    source_free(s);
+    return false;
+  }
+  return true;
+}
+
+static void format_mtime(int64_t ns, char *buf, size_t n) {
+  time_t t = (time_t)(ns / 1000000000);
+  struct tm tm;
+  localtime_r(&t, &tm);
+  size_t len = strftime(buf, n, "%Y-%m-%d %H:%M:%S", &tm);
+  snprintf(buf + len, n - len, ".%09lld", (long long)(ns % 1000000000));
+}
+
+bool source_same_file(const CorpusFile *then, int64_t size, int64_t mtime_ns, const char *dir) {
+  if (size == then->size && mtime_ns == then->mtime_ns)
+    return true;
+  char path[PATH_MAX + 16], a[64], b[64];
+  source_path(dir, path, sizeof path);
+  format_mtime(mtime_ns, a, sizeof a);
+  format_mtime(then->mtime_ns, b, sizeof b);
+  diag_file_error(then->path, "changed since `mdlc prep` read it: %lld bytes modified %s, prep read %lld bytes "
+                  "modified %s (%s); prepare it again (`mdlc prep ... --force`) to train on it", (long long)size, a,
+                  (long long)then->size, b, path);
+  return false;
+}
+
+bool source_check(const Source *s, const char *dir) {
+  char path[PATH_MAX + 16];
+  source_path(dir, path, sizeof path);
+  struct stat st;
+  if (stat(s->input, &st)) {
+    diag_file_error(s->input, "cannot open: %s: the input `mdlc prep` read (%s) has moved or gone since",
+                    strerror(errno), path);
+    return false;
+  }
+  Corpus c;
+  bool ok = corpus_find(&c, s->input, true);
+  int i = 0, j = 0; // c.files[i], s->files[j]
+  const char *again = "; prepare it again (`mdlc prep ... --force`) to train on it";
+  while (ok && (i < c.nfiles || j < s->nfiles)) {
+    if (i < c.nfiles && c.files[i].seen) {
+      i++;
+      continue;
+    }
+    const CorpusFile *now = i < c.nfiles ? &c.files[i] : NULL, *then = j < s->nfiles ? &s->files[j] : NULL;
+    int order = !now ? 1 : !then ? -1 : strcmp(now->path, then->path);
+    if (order < 0) {
+      diag_file_error(now->path, "added to the input since `mdlc prep` read it (%s)%s", path, again);
+      ok = false;
+    } else if (order > 0) {
+      diag_file_error(then->path, "gone from the input since `mdlc prep` read it (%s)%s", path, again);
+      ok = false;
+    } else if (!source_same_file(then, now->size, now->mtime_ns, dir)) {
+      ok = false;
+    } else if (!then->binary && access(now->path, R_OK)) {
+      diag_file_error(now->path, "cannot read: %s", strerror(errno));
+      ok = false;
+    }
+    i++;
+    j++;
+  }
+  corpus_free(&c);
+  return ok;
+}
+
+void source_free(Source *s) {
+  free(s->input);
+  free(s->doc_sep);
+  free(s->text_field);
+  for (int i = 0; i < s->nfiles; i++)
+    free(s->files[i].path);
+  free(s->files);
+  memset(s, 0, sizeof *s);
 }

@@ -102,7 +102,9 @@ int shard_list(const char *dir, const char *split, char ***out);
 void shard_list_free(char **paths, int n);
 
 //
-// corpus.c: the documents of a text input as `mdlc prep` finds them.
+// corpus.c: the documents of a text input as `mdlc prep` finds them (prep reads them to write the
+// shards; `mdlc run --tokenize-on-the-fly` reads them again as it trains), and DIR/source.txt,
+// prep's record of the text it read and how it split it.
 //
 typedef struct {
   char *path;
@@ -178,6 +180,37 @@ bool corpus_part(const CorpusSplit *s, int64_t i, bool val, const char *text, si
 // The end of the piece of a document's text that starts at i: documents are encoded a megabyte at a
 // time, cut at word boundaries (each piece splits into the words the whole document would).
 size_t corpus_piece_end(const char *text, size_t n, size_t i);
+
+// DIR/source.txt, written by prep (atomically) beside the shards: "KEY VALUE" lines, values to the
+// end of the line with '\\', newlines and other control bytes escaped (\\, \n, \xHH); '#' lines are
+// comments.
+//   format mdl-source-1
+//   input PATH                     the input, absolute
+//   doc-sep STR                    only when given
+//   text-field NAME
+//   val-fraction F
+//   documents N                    found in the input
+//   val-every K
+//   train D documents N tokens     and the same for val
+//   file text|binary SIZE S.NS PATH  every file read (binary: skipped), size, mtime, absolute path
+#define SOURCE_FORMAT "mdl-source-1"
+typedef struct {
+  char *input, *doc_sep, *text_field;
+  CorpusSplit split;
+  int64_t docs[2], tokens[2]; // [0] train, [1] val
+  CorpusFile *files;          // the files not seen before (binary ones marked), in path order
+  int nfiles;
+} Source;
+bool source_write(const char *dir, const Source *s); // prints "path: error: reason" on failure
+// Reads DIR/source.txt; false after printing why (a DIR without one: shards that do not say where
+// they came from).
+bool source_read(const char *dir, Source *s);
+// Walks the input again and compares its files with the record: false after naming the first
+// that was added, has gone, changed (size or mtime) or cannot be read since prep read it.
+bool source_check(const Source *s, const char *dir);
+// True when a file's size and mtime are those of its record; else false after saying so.
+bool source_same_file(const CorpusFile *then, int64_t size, int64_t mtime_ns, const char *dir);
+void source_free(Source *s);
 
 //
 // prep.c: `mdlc prep INPUT -o DIR`: text (a file, a folder, or JSONL) to shards + tokenizer.bin.

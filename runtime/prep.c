@@ -15,6 +15,8 @@
 //      k (k = round(1 / val fraction), at least 2, at most the document count) and otherwise to
 //      train, cut into shards of at most --shard-tokens tokens. A corpus of a single document is
 //      cut in two at a line start near the val fraction from its end: the tail is the val split.
+// Last, DIR/source.txt records the input, the options that decided the documents and the split,
+// and every file's size and mtime, for `mdlc run --tokenize-on-the-fly`.
 // A progress bar goes to stderr when it is a terminal; the summary goes to stdout.
 #include "data.h"
 
@@ -45,7 +47,7 @@ typedef struct {
   int pass;              // 1 read, 2 encode
   int64_t ndocs, nbytes; // found in pass 1
   int64_t doc;           // pass 2: documents written
-  CorpusSplit split;     // which documents are val (known after pass 1)
+  CorpusSplit split;     // pass 2
   TokTrainer *trainer;
   Tokenizer *tok;
   TokBuf ids;
@@ -288,6 +290,28 @@ static const char *size_str(char *buf, size_t n, int64_t bytes) {
 
 static int count_shards(const SplitOut *s) { return s->index + (s->open ? 1 : 0); }
 
+// DIR/source.txt: the input (absolute), the options, the split and every file read.
+static bool write_source(const Prep *p, const char *abs_input) {
+  const PrepOptions *o = p->o;
+  Source s = {.input = (char *)abs_input, .doc_sep = (char *)o->doc_sep, .text_field = (char *)o->text_field,
+              .split = p->split, .docs = {p->train.docs, p->val.docs}, .tokens = {p->train.tokens, p->val.tokens}};
+  s.files = malloc(sizeof *s.files * (size_t)(p->c.nfiles ? p->c.nfiles : 1));
+  size_t root = strlen(p->c.root);
+  for (int i = 0; i < p->c.nfiles; i++) {
+    const CorpusFile *f = &p->c.files[i];
+    if (f->seen)
+      continue;
+    s.files[s.nfiles] = *f;
+    s.files[s.nfiles].path = malloc(strlen(abs_input) + strlen(f->path + root) + 1);
+    strcat(strcpy(s.files[s.nfiles++].path, abs_input), f->path + root);
+  }
+  bool ok = source_write(o->out_dir, &s);
+  for (int i = 0; i < s.nfiles; i++)
+    free(s.files[i].path);
+  free(s.files);
+  return ok;
+}
+
 static void prep_free(Prep *p) {
   corpus_free(&p->c);
   docs_free(&p->r);
@@ -340,9 +364,13 @@ int prep_run(const PrepOptions *o) {
 
   Prep p = {.o = o, .tty = isatty(2), .t0 = now_s(), .train = {.split = "train"}, .val = {.split = "val"}};
   int rc = 1;
-  char *path = NULL;
+  char *abs_input = NULL, *path = NULL;
   if (!corpus_find(&p.c, in, false))
     goto done;
+  if (!(abs_input = realpath(in, NULL))) {
+    diag_file_error(in, "cannot resolve the path: %s", strerror(errno));
+    goto done;
+  }
   if (o->vocab > 256)
     p.trainer = tok_trainer_new();
   p.pass = 1;
@@ -368,6 +396,15 @@ int prep_run(const PrepOptions *o) {
   }
   if (!make_dirs(o->out_dir))
     goto done;
+  // An older prep's record describes shards this one replaces: it goes first, and the new one is
+  // written last, so that a prep cut short leaves no record of shards it did not finish.
+  size_t len = strlen(o->out_dir) + 32;
+  path = malloc(len);
+  snprintf(path, len, "%s/source.txt", o->out_dir);
+  if (remove(path) && errno != ENOENT) {
+    diag_file_error(path, "cannot remove: %s", strerror(errno));
+    goto done;
+  }
   p.pass = 2;
   if (!read_pass(&p))
     goto done;
@@ -385,10 +422,8 @@ int prep_run(const PrepOptions *o) {
       outs[i]->open = false;
       ok = shard_writer_finish(&outs[i]->w) && ok;
     }
-  size_t len = strlen(o->out_dir) + 32;
-  path = malloc(len);
   snprintf(path, len, "%s/tokenizer.bin", o->out_dir);
-  ok = ok && tok_save(p.tok, path);
+  ok = ok && tok_save(p.tok, path) && write_source(&p, abs_input);
   if (!ok)
     goto done;
   int removed = remove_stale(&p, &p.train) + remove_stale(&p, &p.val);
@@ -407,7 +442,7 @@ int prep_run(const PrepOptions *o) {
   printf("\nprep: %lld tokens (train %lld, val %lld), %.2f bytes per token (EOS not counted), vocab %d\n",
          (long long)tokens, (long long)p.train.tokens, (long long)p.val.tokens,
          (double)p.nbytes / (double)(tokens - eos), tok_vocab(p.tok));
-  printf("prep: wrote %d train shard%s, %d val shard%s and tokenizer.bin to %s", count_shards(&p.train),
+  printf("prep: wrote %d train shard%s, %d val shard%s, tokenizer.bin and source.txt to %s", count_shards(&p.train),
          count_shards(&p.train) == 1 ? "" : "s", count_shards(&p.val), count_shards(&p.val) == 1 ? "" : "s", o->out_dir);
   if (removed)
     printf(", removed %d old shard%s", removed, removed == 1 ? "" : "s");
@@ -419,6 +454,7 @@ done:
     if (s->open)
       datafile_abort(&s->w.file);
   }
+  free(abs_input);
   free(path);
   prep_free(&p);
   return rc;
