@@ -213,6 +213,27 @@ bool source_same_file(const CorpusFile *then, int64_t size, int64_t mtime_ns, co
 void source_free(Source *s);
 
 //
+// textstream.c: one split's tokens read from the text DIR/source.txt names, each document encoded
+// with DIR/tokenizer.bin when a read reaches it: the stream the split's shards hold, token for token.
+//
+typedef struct TextStream TextStream;
+// split is "train" or "val"; with index, where each of the split's documents starts is found up front
+// (a pass over the text that encodes nothing), so that textstream_doc jumps to any document. NULL
+// after printing why (no source.txt; the input moved, changed or unreadable since prep).
+// Every token must be < vocab: a tokenizer with more is refused.
+TextStream *textstream_open(const char *dir, const char *split, int64_t vocab, bool index);
+int64_t textstream_tokens(const TextStream *s); // the split's tokens, as prep counted them
+int64_t textstream_docs(const TextStream *s);   // the split's documents
+// stream[start, start + n) into dst (start + n <= the split's tokens). Reading on from the last read
+// (a start not before its start) encodes each document once; a read further back starts over from
+// the first document. False after printing why (the text no longer gives prep's tokens).
+bool textstream_read(TextStream *s, int64_t start, int64_t n, int32_t *dst);
+// The first tokens of the split's document d (its EOS, then its text's), at most n of them, into dst;
+// how many in *got. Documents before d that were not indexed are skipped, not encoded.
+bool textstream_doc(TextStream *s, int64_t d, int64_t n, int32_t *dst, int64_t *got);
+void textstream_close(TextStream *s);
+
+//
 // prep.c: `mdlc prep INPUT -o DIR`: text (a file, a folder, or JSONL) to shards + tokenizer.bin.
 //
 typedef struct {
@@ -231,13 +252,18 @@ void prep_defaults(PrepOptions *o); // vocab 256, "text", 0.05, 100,000,000 toke
 int prep_run(const PrepOptions *o);
 
 //
-// loader.c: batches from the shards of one split, prepared one ahead by a background thread.
+// loader.c: batches from the shards of one split, prepared one ahead by a background thread; or
+// the same batches from the text the shards were made from, tokenised as each batch is drawn.
 //
 typedef struct {
   int64_t B, T, vocab; // vocab: the model's V; every token must be < V
   bool pack;           // pack documents into rows (else one padded document per row)
   bool shuffle;        // a permutation of the rows per epoch, from seed and epoch
   uint64_t seed;
+  // Read the text DIR/source.txt names and encode the documents each batch needs in loader_next, on
+  // the caller's thread, nothing prepared ahead (a naive pipeline's data loading, to measure what the
+  // shards are worth): the batches the shards give. Packed rows cannot also be shuffled.
+  bool from_text;
 } LoaderOptions;
 
 // B*T values each, owned by the loader: valid until the next loader_next or loader_close.
@@ -256,7 +282,8 @@ typedef struct Loader Loader;
 // split is "train" or "val". Returns NULL after printing why.
 Loader *loader_open(const char *dir, const char *split, LoaderOptions o);
 // Hands over the prepared batch and starts preparing the next. Epochs wrap around, so there is
-// always a next batch: it returns true.
+// always a next batch: it returns true, except from_text, false after printing why the text no
+// longer gives it (a file changed since prep).
 bool loader_next(Loader *l, Batch *b);
 LoaderState loader_state(const Loader *l); // the state of the batch the next loader_next returns
 // Makes the next batch the one at s (as returned by loader_state, in this run or an earlier one).
