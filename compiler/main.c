@@ -43,6 +43,7 @@ typedef struct {
   bool kernel_tuning; // and each kernel that has a variant against it (--no-kernel-tuning)
   PrepOptions prep;
   bool resume, pack, shuffle;
+  bool tokenize_on_the_fly; // training batches tokenised from the text as drawn (--tokenize-on-the-fly)
   int64_t val_every, val_batches, ckpt_every;
   int64_t accumulate; // > 0 overrides the train section's
   int64_t skip_nonfinite; // steps with a non-finite loss or gradient norm skipped (with a warning each)
@@ -85,6 +86,10 @@ static const char usage_text[] =
     "      --resume           continue the checkpoint in --out exactly\n"
     "      --no-pack          one padded document per row instead of packed rows\n"
     "      --shuffle          shuffled batches (deterministic from --seed)\n"
+    "      --tokenize-on-the-fly  read the text prep made the shards from (DIR/source.txt) and tokenise\n"
+    "                         each training batch as it is drawn, in the step's time, nothing prepared\n"
+    "                         ahead (to measure what the shards are worth): the same batches; validation\n"
+    "                         batches still come from the shards; --shuffle only with --no-pack\n"
     "      --val-every N      validation loss every N steps (default 100; and at the end)\n"
     "      --val-batches N    batches per validation (default 4)\n"
     "      --ckpt-every N     a checkpoint every N steps (default 100; and at the end)\n"
@@ -153,6 +158,7 @@ static int parse_options(int argc, char **argv, Options *o) {
       {"shard-tokens", required_argument, 0, 'n'}, {"force", no_argument, 0, 'r'},
       {"resume", no_argument, 0, 'R'},        {"no-pack", no_argument, 0, 'P'},
       {"shuffle", no_argument, 0, 'H'},       {"val-every", required_argument, 0, 'E'},
+      {"tokenize-on-the-fly", no_argument, 0, 'I'},
       {"val-batches", required_argument, 0, 'B'}, {"ckpt-every", required_argument, 0, 'K'},
       {"accumulate", required_argument, 0, 'A'}, {"prompt", required_argument, 0, 'p'},
       {"tokens", required_argument, 0, 'T'},  {"temperature", required_argument, 0, 'm'},
@@ -264,6 +270,7 @@ static int parse_options(int argc, char **argv, Options *o) {
     }
     case 'P': o->pack = false; break;
     case 'H': o->shuffle = true; break;
+    case 'I': o->tokenize_on_the_fly = true; break;
     case 'E': case 'B': case 'K': case 'A': case 'X': {
       int64_t *dst = c == 'E' ? &o->val_every : c == 'B' ? &o->val_batches : c == 'K' ? &o->ckpt_every
                      : c == 'X' ? &o->skip_nonfinite : &o->accumulate;
@@ -290,6 +297,10 @@ static int parse_options(int argc, char **argv, Options *o) {
   }
   if (optind + 2 != argc)
     return usage_error("%s", optind == argc ? "no verb given" : "want exactly one VERB and one FILE.mdl");
+  if (o->tokenize_on_the_fly && o->shuffle && o->pack)
+    return usage_error("--tokenize-on-the-fly cannot --shuffle packed rows: a shuffled window w starts at token "
+                       "w*T of the split, which only the whole split tokenised up front would tell; add --no-pack "
+                       "(rows are documents) or leave out --shuffle%s", "");
   o->verb = argv[optind];
   o->file = argv[optind + 1];
   return 0;
@@ -827,6 +838,13 @@ static int cmd_run(const Options *o, Graph *g) {
   }
   snprintf(tok_path, sizeof tok_path, "%s/tokenizer.bin", data_abs);
   snprintf(out_dir, sizeof out_dir, "%s", o->out ? o->out : "out");
+  if (o->tokenize_on_the_fly) { // (before anything is compiled or written: the loader checks again)
+    Source src;
+    bool same = source_read(data_abs, &src) && source_check(&src, data_abs);
+    source_free(&src);
+    if (!same)
+      return EXIT_USER;
+  }
   Tokenizer *tok = tok_load(tok_path);
   if (!tok)
     return EXIT_USER;
@@ -865,6 +883,7 @@ static int cmd_run(const Options *o, Graph *g) {
     printf("%s\n", line);
     TrainOptions to = {.model_path = model_abs, .data_dir = data_abs, .tokenizer_path = tok_path, .out_dir = out_dir,
                        .steps = o->steps, .resume = o->resume, .pack = o->pack, .shuffle = o->shuffle,
+                       .tokenize_on_the_fly = o->tokenize_on_the_fly,
                        .seed = o->seed, .val_every = o->val_every, .val_batches = o->val_batches,
                        .ckpt_every = o->ckpt_every, .skip_nonfinite = o->skip_nonfinite, .out_claimed = true};
     e->profile = o->profile && e->kernel_seconds;

@@ -6,6 +6,8 @@
 #define MDL_DATA_H
 #include "mdl.h"
 
+#include <sys/types.h>
+
 //
 // tokenizer.c: byte-level BPE. Ids 0..255 are the bytes, except id 0 (NUL, which text never
 // holds) which is EOS, the token that starts every document. Merge r makes id 256 + r.
@@ -100,6 +102,138 @@ int shard_list(const char *dir, const char *split, char ***out);
 void shard_list_free(char **paths, int n);
 
 //
+// corpus.c: the documents of a text input as `mdlc prep` finds them (prep reads them to write the
+// shards; `mdlc run --tokenize-on-the-fly` reads them again as it trains), and DIR/source.txt,
+// prep's record of the text it read and how it split it.
+//
+typedef struct {
+  char *path;
+  dev_t dev;
+  ino_t ino;
+  int64_t size, mtime_ns; // as stat gave them when the file was found (prep: when it first read it)
+  bool jsonl;             // a *.jsonl file: one JSON object a line, its text field a document
+  bool binary;            // holds NUL bytes: not text, skipped (prep finds it when it reads the file)
+  bool seen;              // the same file as an earlier one (a symlink or hard link to it), skipped
+  bool skip;              // binary or seen
+} CorpusFile;
+
+typedef struct {
+  char *root;         // the input, less a trailing '/'
+  bool folder;        // the input is a folder (else one file)
+  CorpusFile *files;  // every file under the folder, recursively, in path order; or the input file
+  int nfiles, cap;
+  int skipped_seen, skipped_other;
+  int64_t total_bytes; // of the files not skipped
+} Corpus;
+
+// The input's files: names starting with '.' are left out, a folder reached twice (a symlink) is
+// walked once, and a file seen before is marked seen. Notes name what is skipped (unless quiet).
+// False after printing why the input cannot be read.
+bool corpus_find(Corpus *c, const char *input, bool quiet);
+void corpus_free(Corpus *c);
+
+typedef struct {
+  char *s;
+  size_t n, cap;
+} CorpusText;
+
+// The documents of one file: a JSONL file's text fields (blank lines skipped), a text file's parts
+// between the lines equal to doc_sep (the separator lines dropped; a trailing '\r' ignored), or the
+// whole file. Empty documents are left out.
+typedef struct {
+  const char *doc_sep, *text_field; // as prep's options (doc_sep NULL: none); set by the caller
+  const char *path;
+  bool jsonl;
+  const char *map; // the file, mapped (NULL when empty)
+  size_t n;
+  int64_t mtime_ns;
+  const char *at, *doc; // where reading goes on; with doc_sep, where the document under way starts
+  int64_t line;         // JSONL lines read
+  bool done;
+  CorpusText key, value; // JSON strings: the document is value's text
+} DocReader;
+// Where the next document of a file is read from: docs_tell before a docs_next, docs_seek to
+// read that document again.
+typedef struct {
+  int64_t at, line;
+} DocPos;
+bool docs_open(DocReader *r, const char *path, bool jsonl); // maps path; false after printing why
+// The next document: 1 with its text (valid until the next call or docs_close), 0 at the end of the
+// file, -1 after printing why ("PATH:LINE: error: no text field").
+int docs_next(DocReader *r, const char **text, size_t *n);
+DocPos docs_tell(const DocReader *r);
+void docs_seek(DocReader *r, DocPos p);
+void docs_close(DocReader *r); // unmaps the file (docs_open does so too)
+void docs_free(DocReader *r);
+
+// Document i of ndocs goes to val when i % k == k - 1 (k = round(1 / val_fraction), at most ndocs,
+// at least 2), else to train; a corpus of one document is cut in two at a line start near the val
+// fraction from its end: the tail is val.
+typedef struct {
+  int64_t ndocs, k;
+  double val_fraction;
+} CorpusSplit;
+CorpusSplit corpus_split(int64_t ndocs, double val_fraction);
+// The part of document i (text[0, n)) that goes to the split val (else train): text[*off, *off +
+// *len); false when none does.
+bool corpus_part(const CorpusSplit *s, int64_t i, bool val, const char *text, size_t n, size_t *off, size_t *len);
+// The end of the piece of a document's text that starts at i: documents are encoded a megabyte at a
+// time, cut at word boundaries (each piece splits into the words the whole document would).
+size_t corpus_piece_end(const char *text, size_t n, size_t i);
+
+// DIR/source.txt, written by prep (atomically) beside the shards: "KEY VALUE" lines, values to the
+// end of the line with '\\', newlines and other control bytes escaped (\\, \n, \xHH); '#' lines are
+// comments.
+//   format mdl-source-1
+//   input PATH                     the input, absolute
+//   doc-sep STR                    only when given
+//   text-field NAME
+//   val-fraction F
+//   documents N                    found in the input
+//   val-every K
+//   train D documents N tokens     and the same for val
+//   file text|binary SIZE S.NS PATH  every file read (binary: skipped), size, mtime, absolute path
+#define SOURCE_FORMAT "mdl-source-1"
+typedef struct {
+  char *input, *doc_sep, *text_field;
+  CorpusSplit split;
+  int64_t docs[2], tokens[2]; // [0] train, [1] val
+  CorpusFile *files;          // the files not seen before (binary ones marked), in path order
+  int nfiles;
+} Source;
+bool source_write(const char *dir, const Source *s); // prints "path: error: reason" on failure
+// Reads DIR/source.txt; false after printing why (a DIR without one: shards that do not say where
+// they came from).
+bool source_read(const char *dir, Source *s);
+// Walks the input again and compares its files with the record: false after naming the first
+// that was added, has gone, changed (size or mtime) or cannot be read since prep read it.
+bool source_check(const Source *s, const char *dir);
+// True when a file's size and mtime are those of its record; else false after saying so.
+bool source_same_file(const CorpusFile *then, int64_t size, int64_t mtime_ns, const char *dir);
+void source_free(Source *s);
+
+//
+// textstream.c: one split's tokens read from the text DIR/source.txt names, each document encoded
+// with DIR/tokenizer.bin when a read reaches it: the stream the split's shards hold, token for token.
+//
+typedef struct TextStream TextStream;
+// split is "train" or "val"; with index, where each of the split's documents starts is found up front
+// (a pass over the text that encodes nothing), so that textstream_doc jumps to any document. NULL
+// after printing why (no source.txt; the input moved, changed or unreadable since prep).
+// Every token must be < vocab: a tokenizer with more is refused.
+TextStream *textstream_open(const char *dir, const char *split, int64_t vocab, bool index);
+int64_t textstream_tokens(const TextStream *s); // the split's tokens, as prep counted them
+int64_t textstream_docs(const TextStream *s);   // the split's documents
+// stream[start, start + n) into dst (start + n <= the split's tokens). Reading on from the last read
+// (a start not before its start) encodes each document once; a read further back starts over from
+// the first document. False after printing why (the text no longer gives prep's tokens).
+bool textstream_read(TextStream *s, int64_t start, int64_t n, int32_t *dst);
+// The first tokens of the split's document d (its EOS, then its text's), at most n of them, into dst;
+// how many in *got. Documents before d that were not indexed are skipped, not encoded.
+bool textstream_doc(TextStream *s, int64_t d, int64_t n, int32_t *dst, int64_t *got);
+void textstream_close(TextStream *s);
+
+//
 // prep.c: `mdlc prep INPUT -o DIR`: text (a file, a folder, or JSONL) to shards + tokenizer.bin.
 //
 typedef struct {
@@ -118,13 +252,18 @@ void prep_defaults(PrepOptions *o); // vocab 256, "text", 0.05, 100,000,000 toke
 int prep_run(const PrepOptions *o);
 
 //
-// loader.c: batches from the shards of one split, prepared one ahead by a background thread.
+// loader.c: batches from the shards of one split, prepared one ahead by a background thread; or
+// the same batches from the text the shards were made from, tokenised as each batch is drawn.
 //
 typedef struct {
   int64_t B, T, vocab; // vocab: the model's V; every token must be < V
   bool pack;           // pack documents into rows (else one padded document per row)
   bool shuffle;        // a permutation of the rows per epoch, from seed and epoch
   uint64_t seed;
+  // Read the text DIR/source.txt names and encode the documents each batch needs in loader_next, on
+  // the caller's thread, nothing prepared ahead (a naive pipeline's data loading, to measure what the
+  // shards are worth): the batches the shards give. Packed rows cannot also be shuffled.
+  bool from_text;
 } LoaderOptions;
 
 // B*T values each, owned by the loader: valid until the next loader_next or loader_close.
@@ -143,7 +282,8 @@ typedef struct Loader Loader;
 // split is "train" or "val". Returns NULL after printing why.
 Loader *loader_open(const char *dir, const char *split, LoaderOptions o);
 // Hands over the prepared batch and starts preparing the next. Epochs wrap around, so there is
-// always a next batch: it returns true.
+// always a next batch: it returns true, except from_text, false after printing why the text no
+// longer gives it (a file changed since prep).
 bool loader_next(Loader *l, Batch *b);
 LoaderState loader_state(const Loader *l); // the state of the batch the next loader_next returns
 // Makes the next batch the one at s (as returned by loader_state, in this run or an earlier one).

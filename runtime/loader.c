@@ -13,6 +13,12 @@
 // A worker thread prepares the next batch while the caller uses the current one: two buffers,
 // one mutex and one condition variable. loader_next takes the prepared buffer and asks for the
 // next one into the other buffer.
+//
+// From the text (LoaderOptions.from_text: `mdlc run --tokenize-on-the-fly`, the baseline of a
+// naive pipeline) the stream is textstream.c's, the same tokens as the shards', and there is no
+// worker: loader_next reads and encodes the documents its batch needs on the caller's thread, in
+// the step's time. Packed rows go in order (a shuffled window w starts at token w*T of the split,
+// which only the whole split tokenised would tell); padded rows are documents, in order or shuffled.
 #include "data.h"
 
 #include <limits.h>
@@ -23,6 +29,7 @@
 struct Loader {
   LoaderOptions o;
   char *dir, *split;
+  TextStream *text; // from_text: the stream, read in loader_next (no worker)
   Shard *shards;
   int nshards;
   int64_t *first;  // per shard: stream index of its first token; first[nshards] = ntokens
@@ -41,8 +48,10 @@ struct Loader {
   LoaderState after;    // where the prepared batch ends
 };
 
-// Copies stream[start, start + n) into dst.
-static void copy_stream(const Loader *l, int64_t start, int64_t n, int32_t *dst) {
+// Copies stream[start, start + n) into dst; false after printing why (from the text only).
+static bool copy_stream(const Loader *l, int64_t start, int64_t n, int32_t *dst) {
+  if (l->text)
+    return textstream_read(l->text, start, n, dst);
   int lo = 0, hi = l->nshards;
   while (hi - lo > 1) {
     int mid = (lo + hi) / 2;
@@ -61,6 +70,7 @@ static void copy_stream(const Loader *l, int64_t start, int64_t n, int32_t *dst)
     start += m;
     n -= m;
   }
+  return true;
 }
 
 // A bijection of [0, n) chosen by (seed, epoch).
@@ -82,10 +92,11 @@ static int64_t permute(uint64_t seed, int64_t epoch, int64_t n, int64_t i) {
   return (int64_t)x;
 }
 
-static void fill_packed_row(Loader *l, int64_t w, int32_t *tokens, int32_t *targets, int32_t *pos, int32_t *doc) {
+static bool fill_packed_row(Loader *l, int64_t w, int32_t *tokens, int32_t *targets, int32_t *pos, int32_t *doc) {
   int64_t T = l->o.T;
   int32_t *s = l->scratch;
-  copy_stream(l, w * T, T + 1, s);
+  if (!copy_stream(l, w * T, T + 1, s))
+    return false;
   int32_t d = 0;
   int64_t last_eos = 0;
   for (int64_t t = 0; t < T; t++) {
@@ -98,15 +109,31 @@ static void fill_packed_row(Loader *l, int64_t w, int32_t *tokens, int32_t *targ
     pos[t] = (int32_t)(t - last_eos);
     doc[t] = d;
   }
+  return true;
 }
 
-// Returns the row's real (non-padding) positions.
+// Returns the row's real (non-padding) positions, or -1 after printing why (from the text only).
 static int64_t fill_padded_row(Loader *l, int64_t d, int32_t *tokens, int32_t *targets, int32_t *pos, int32_t *doc) {
-  int64_t T = l->o.T, start = l->docs[d], len = l->docs[d + 1] - start;
-  if (len > T)
-    len = T;
-  bool last_has_target = start + len < l->ntokens;
-  copy_stream(l, start, len + last_has_target, l->scratch);
+  int64_t T = l->o.T, len;
+  bool last_has_target;
+  if (l->text) {
+    // The document's first T + 1 tokens: its last real token's target is the (T+1)-th, or else the
+    // next document's EOS, as in the stream (the split's last document has none).
+    int64_t got;
+    if (!textstream_doc(l->text, d, T + 1, l->scratch, &got))
+      return -1;
+    len = got < T ? got : T;
+    last_has_target = got > T || d + 1 < l->nrows;
+    if (got <= T && last_has_target)
+      l->scratch[got] = TOK_EOS;
+  } else {
+    int64_t start = l->docs[d];
+    len = l->docs[d + 1] - start;
+    if (len > T)
+      len = T;
+    last_has_target = start + len < l->ntokens;
+    copy_stream(l, start, len + last_has_target, l->scratch);
+  }
   for (int64_t t = 0; t < T; t++) {
     bool real = t < len;
     tokens[t] = real ? l->scratch[t] : TOK_EOS;
@@ -117,18 +144,18 @@ static int64_t fill_padded_row(Loader *l, int64_t d, int32_t *tokens, int32_t *t
   return len;
 }
 
-// Fills one batch starting at *s and advances *s past it; returns its real tokens.
+// Fills one batch starting at *s and advances *s past it; returns its real tokens, or -1 after
+// printing why (from the text only).
 static int64_t fill_batch(Loader *l, int32_t *buf, LoaderState *s) {
   int64_t B = l->o.B, T = l->o.T, BT = B * T, real = 0;
   for (int64_t r = 0; r < B; r++) {
     int64_t unit = l->o.shuffle ? permute(l->o.seed, s->epoch, l->nrows, s->position) : s->position;
     int32_t *tok = buf + r * T, *tgt = buf + BT + r * T, *pos = buf + 2 * BT + r * T, *doc = buf + 3 * BT + r * T;
-    if (l->o.pack) {
-      fill_packed_row(l, unit, tok, tgt, pos, doc);
-      real += T;
-    } else {
-      real += fill_padded_row(l, unit, tok, tgt, pos, doc);
-    }
+    int64_t row = !l->o.pack ? fill_padded_row(l, unit, tok, tgt, pos, doc)
+                  : fill_packed_row(l, unit, tok, tgt, pos, doc) ? T : -1;
+    if (row < 0)
+      return -1;
+    real += row;
     if (++s->position == l->nrows) {
       s->position = 0;
       s->epoch++;
@@ -160,8 +187,8 @@ static void *worker(void *arg) {
   return NULL;
 }
 
-// Opens the split's shards and indexes the stream; false after printing why.
-static bool open_stream(Loader *l) {
+// Opens the split's shards; false after printing why.
+static bool open_shards(Loader *l) {
   char **paths;
   int n = shard_list(l->dir, l->split, &paths);
   if (n < 0)
@@ -185,6 +212,28 @@ static bool open_stream(Loader *l) {
   if (!ok)
     return false;
   l->ntokens = l->first[l->nshards];
+  return true;
+}
+
+// The split's stream from the text; false after printing why.
+static bool open_text(Loader *l) {
+  if (l->o.pack && l->o.shuffle) {
+    diag_file_error(l->dir, "packed rows read from the text cannot be shuffled: window w starts at token w*T of the "
+                    "%s split, which only the whole split tokenised would tell (padded rows, one document each, "
+                    "can be)", l->split);
+    return false;
+  }
+  if (!(l->text = textstream_open(l->dir, l->split, l->o.vocab, l->o.shuffle)))
+    return false;
+  l->ntokens = textstream_tokens(l->text);
+  return true;
+}
+
+// Opens the split's stream and counts its rows (indexing the documents of the shards' stream for
+// padded rows); false after printing why.
+static bool open_stream(Loader *l) {
+  if (!(l->o.from_text ? open_text(l) : open_shards(l)))
+    return false;
   if (l->o.pack) {
     l->nrows = l->ntokens > 0 ? (l->ntokens - 1) / l->o.T : 0;
     if (l->nrows < 1) {
@@ -197,6 +246,10 @@ static bool open_stream(Loader *l) {
   if (l->ntokens < 1) {
     diag_file_error(l->dir, "the %s split holds no tokens", l->split);
     return false;
+  }
+  if (l->text) {
+    l->nrows = textstream_docs(l->text);
+    return true;
   }
   int64_t cap = 1024;
   l->docs = malloc((size_t)cap * sizeof *l->docs);
@@ -233,9 +286,11 @@ Loader *loader_open(const char *dir, const char *split, LoaderOptions o) {
     loader_close(l);
     return NULL;
   }
-  for (int i = 0; i < 2; i++)
+  for (int i = 0; i < (l->text ? 1 : 2); i++) // (from the text, one: nothing is prepared ahead)
     l->buf[i] = malloc(sizeof(int32_t) * 4 * (size_t)(o.B * o.T));
   l->scratch = malloc(sizeof(int32_t) * (size_t)(o.T + 1));
+  if (l->text)
+    return l;
   l->want = true;
   if (pthread_create(&l->thread, NULL, worker, l)) {
     diag_file_error(dir, "cannot start the loader thread");
@@ -246,7 +301,21 @@ Loader *loader_open(const char *dir, const char *split, LoaderOptions o) {
   return l;
 }
 
+// From the text: the batch is read and encoded now, on the caller's thread.
+static bool next_from_text(Loader *l, Batch *b) {
+  int64_t BT = l->o.B * l->o.T;
+  LoaderState s = l->fill_at;
+  int64_t real = fill_batch(l, l->buf[0], &s);
+  if (real < 0)
+    return false;
+  l->fill_at = s;
+  *b = (Batch){l->buf[0], l->buf[0] + BT, l->buf[0] + 2 * BT, l->buf[0] + 3 * BT, real};
+  return true;
+}
+
 bool loader_next(Loader *l, Batch *b) {
+  if (l->text)
+    return next_from_text(l, b);
   pthread_mutex_lock(&l->mu);
   while (!l->ready)
     pthread_cond_wait(&l->cv, &l->mu);
@@ -277,6 +346,10 @@ bool loader_seek(Loader *l, LoaderState s) {
                     l->o.pack ? "windows" : "documents");
     return false;
   }
+  if (l->text) {
+    l->fill_at = s;
+    return true;
+  }
   pthread_mutex_lock(&l->mu);
   while (!l->ready)
     pthread_cond_wait(&l->cv, &l->mu);
@@ -304,6 +377,7 @@ void loader_close(Loader *l) {
   }
   pthread_mutex_destroy(&l->mu);
   pthread_cond_destroy(&l->cv);
+  textstream_close(l->text);
   for (int i = 0; i < l->nshards; i++)
     shard_close(&l->shards[i]);
   free(l->shards);

@@ -5,7 +5,7 @@
 // out, files holding NUL bytes are skipped with a note (not text: fortune's *.dat indexes), and a
 // file already seen (a symlink or hard link to it) is skipped. Each file is a document, unless
 // --doc-sep STR splits it at the lines equal to STR (the separator lines are dropped). Empty
-// documents are left out.
+// documents are left out. (corpus.c finds the files and their documents.)
 //
 // Two passes over the input, each file memory-mapped:
 //   1. read: find the documents, count them and their bytes, and (vocab > 256) count the words
@@ -15,17 +15,15 @@
 //      k (k = round(1 / val fraction), at least 2, at most the document count) and otherwise to
 //      train, cut into shards of at most --shard-tokens tokens. A corpus of a single document is
 //      cut in two at a line start near the val fraction from its end: the tail is the val split.
+// Last, DIR/source.txt records the input, the options that decided the documents and the split,
+// and every file's size and mtime, for `mdlc run --tokenize-on-the-fly`.
 // A progress bar goes to stderr when it is a terminal; the summary goes to stdout.
 #include "data.h"
 
-#include <dirent.h>
 #include <errno.h>
-#include <fcntl.h>
 #include <limits.h>
-#include <math.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/mman.h>
 #include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
@@ -33,20 +31,6 @@
 void prep_defaults(PrepOptions *o) {
   *o = (PrepOptions){.vocab = 256, .text_field = "text", .val_fraction = 0.05, .shard_tokens = 100000000};
 }
-
-typedef struct {
-  char *path;
-  dev_t dev;
-  ino_t ino;
-  int64_t size;
-  bool jsonl;
-  bool skip; // not text (found in pass 1) or seen before
-} InputFile;
-
-typedef struct {
-  char *s;
-  size_t n, cap;
-} Text;
 
 typedef struct {
   const char *split;
@@ -58,24 +42,23 @@ typedef struct {
 
 typedef struct {
   const PrepOptions *o;
-  InputFile *files;
-  int nfiles, capfiles;
-  int skipped_binary, skipped_seen, skipped_other;
+  Corpus c;
+  int skipped_binary;
   int pass;              // 1 read, 2 encode
   int64_t ndocs, nbytes; // found in pass 1
   int64_t doc;           // pass 2: documents written
-  int64_t k;             // every k-th document is val
+  CorpusSplit split;     // pass 2
   TokTrainer *trainer;
   Tokenizer *tok;
   TokBuf ids;
   uint16_t *u16;
   size_t capu16;
   SplitOut train, val;
-  Text key, value;       // JSON string scratch
+  DocReader r;
   // progress
   bool tty;
   double t0, pass_t0, last_draw;
-  int64_t total_bytes, done_bytes;
+  int64_t done_bytes;
 } Prep;
 
 static double now_s(void) {
@@ -124,366 +107,8 @@ static void train_progress(void *ctx, int done, int total) {
 }
 
 //
-// Finding the input files.
-//
-static void add_file(Prep *p, const char *path, const struct stat *st) {
-  if (p->nfiles == p->capfiles) {
-    p->capfiles = p->capfiles ? 2 * p->capfiles : 64;
-    p->files = realloc(p->files, (size_t)p->capfiles * sizeof *p->files);
-  }
-  size_t n = strlen(path);
-  p->files[p->nfiles++] = (InputFile){.path = strdup(path), .dev = st->st_dev, .ino = st->st_ino,
-                                      .size = st->st_size, .jsonl = n > 6 && !strcmp(path + n - 6, ".jsonl")};
-}
-
-typedef struct {
-  dev_t dev;
-  ino_t ino;
-} DirId;
-
-// Every file under dir, recursively; a folder reached twice (through a symlink) is walked once.
-static void walk(Prep *p, const char *dir, DirId **seen, int *nseen) {
-  DIR *d = opendir(dir);
-  if (!d) {
-    note(p, dir, "skipped: cannot open the folder: %s", strerror(errno));
-    p->skipped_other++;
-    return;
-  }
-  for (struct dirent *e; (e = readdir(d));) {
-    if (e->d_name[0] == '.')
-      continue;
-    size_t len = strlen(dir) + strlen(e->d_name) + 2;
-    char *path = malloc(len);
-    snprintf(path, len, "%s/%s", dir, e->d_name);
-    struct stat st;
-    if (stat(path, &st)) {
-      note(p, path, "skipped: %s", strerror(errno));
-      p->skipped_other++;
-    } else if (S_ISDIR(st.st_mode)) {
-      bool again = false;
-      for (int i = 0; i < *nseen; i++)
-        again |= (*seen)[i].dev == st.st_dev && (*seen)[i].ino == st.st_ino;
-      if (!again) {
-        *seen = realloc(*seen, (size_t)(*nseen + 1) * sizeof **seen);
-        (*seen)[(*nseen)++] = (DirId){st.st_dev, st.st_ino};
-        walk(p, path, seen, nseen);
-      }
-    } else if (S_ISREG(st.st_mode)) {
-      add_file(p, path, &st);
-    } else {
-      note(p, path, "skipped: %s", "not a regular file");
-      p->skipped_other++;
-    }
-    free(path);
-  }
-  closedir(d);
-}
-
-static int compare_files(const void *a, const void *b) {
-  return strcmp(((const InputFile *)a)->path, ((const InputFile *)b)->path);
-}
-
-// The input's files in path order, each file once; false after printing why.
-static bool find_files(Prep *p) {
-  const char *in = p->o->input;
-  struct stat st;
-  if (stat(in, &st)) {
-    diag_file_error(in, "cannot open: %s", strerror(errno));
-    return false;
-  }
-  if (!S_ISDIR(st.st_mode)) {
-    if (!S_ISREG(st.st_mode)) {
-      diag_file_error(in, "not a regular file or a folder");
-      return false;
-    }
-    add_file(p, in, &st);
-    return true;
-  }
-  size_t n = strlen(in);
-  char *root = strndup(in, n > 1 && in[n - 1] == '/' ? n - 1 : n);
-  DirId *seen = malloc(sizeof *seen);
-  seen[0] = (DirId){st.st_dev, st.st_ino};
-  int nseen = 1;
-  walk(p, root, &seen, &nseen);
-  free(seen);
-  free(root);
-  qsort(p->files, (size_t)p->nfiles, sizeof *p->files, compare_files);
-  for (int i = 0; i < p->nfiles; i++)
-    for (int j = 0; j < i && !p->files[i].skip; j++)
-      if (!p->files[j].skip && p->files[j].dev == p->files[i].dev && p->files[j].ino == p->files[i].ino) {
-        p->files[i].skip = true;
-        p->skipped_seen++;
-      }
-  for (int i = 0; i < p->nfiles; i++)
-    p->total_bytes += p->files[i].skip ? 0 : p->files[i].size;
-  return true;
-}
-
-//
-// JSON: just enough to take one string field out of each line's object.
-//
-typedef struct {
-  const char *s, *end, *err;
-} Json;
-
-static void json_ws(Json *j) {
-  while (j->s < j->end && (*j->s == ' ' || *j->s == '\t' || *j->s == '\r' || *j->s == '\n'))
-    j->s++;
-}
-
-static void text_put(Text *t, const char *s, size_t n) {
-  if (!t)
-    return;
-  if (t->n + n > t->cap) {
-    t->cap = 2 * (t->n + n) + 256;
-    t->s = realloc(t->s, t->cap);
-  }
-  memcpy(t->s + t->n, s, n);
-  t->n += n;
-}
-
-static int json_hex4(Json *j) {
-  if (j->end - j->s < 4)
-    return -1;
-  int v = 0;
-  for (int i = 0; i < 4; i++) {
-    char c = j->s[i];
-    int d = c >= '0' && c <= '9' ? c - '0' : c >= 'a' && c <= 'f' ? c - 'a' + 10 : c >= 'A' && c <= 'F' ? c - 'A' + 10 : -1;
-    if (d < 0)
-      return -1;
-    v = 16 * v + d;
-  }
-  j->s += 4;
-  return v;
-}
-
-// A string at j->s (after its opening quote has been checked), decoded into out (may be NULL).
-static bool json_string(Json *j, Text *out) {
-  j->s++;
-  if (out)
-    out->n = 0;
-  while (j->s < j->end && *j->s != '"') {
-    unsigned char c = (unsigned char)*j->s;
-    if (c < 0x20) {
-      j->err = "a control character inside a string";
-      return false;
-    }
-    if (c != '\\') {
-      const char *run = j->s;
-      while (j->s < j->end && *j->s != '"' && *j->s != '\\' && (unsigned char)*j->s >= 0x20)
-        j->s++;
-      text_put(out, run, (size_t)(j->s - run));
-      continue;
-    }
-    if (++j->s == j->end)
-      break;
-    char esc = *j->s++;
-    const char *simple = strchr("\"\\/bfnrt", esc);
-    if (simple && esc) {
-      static const char value[] = "\"\\/\b\f\n\r\t";
-      text_put(out, &value[simple - "\"\\/bfnrt"], 1);
-      continue;
-    }
-    if (esc != 'u') {
-      j->err = "a bad escape in a string";
-      return false;
-    }
-    int cp = json_hex4(j);
-    if (cp >= 0xD800 && cp < 0xDC00) {
-      int lo = -1;
-      if (j->end - j->s >= 2 && j->s[0] == '\\' && j->s[1] == 'u') {
-        j->s += 2;
-        lo = json_hex4(j);
-      }
-      cp = lo >= 0xDC00 && lo < 0xE000 ? 0x10000 + ((cp - 0xD800) << 10) + (lo - 0xDC00) : -1;
-    } else if (cp >= 0xDC00 && cp < 0xE000) {
-      cp = -1;
-    }
-    if (cp < 0) {
-      j->err = "a bad \\u escape in a string";
-      return false;
-    }
-    if (cp == 0) {
-      j->err = "a NUL character (\\u0000) in a string: text never holds one";
-      return false;
-    }
-    char u[4];
-    size_t n;
-    if (cp < 0x80) {
-      u[0] = (char)cp;
-      n = 1;
-    } else if (cp < 0x800) {
-      u[0] = (char)(0xC0 | cp >> 6);
-      u[1] = (char)(0x80 | (cp & 0x3F));
-      n = 2;
-    } else if (cp < 0x10000) {
-      u[0] = (char)(0xE0 | cp >> 12);
-      u[1] = (char)(0x80 | (cp >> 6 & 0x3F));
-      u[2] = (char)(0x80 | (cp & 0x3F));
-      n = 3;
-    } else {
-      u[0] = (char)(0xF0 | cp >> 18);
-      u[1] = (char)(0x80 | (cp >> 12 & 0x3F));
-      u[2] = (char)(0x80 | (cp >> 6 & 0x3F));
-      u[3] = (char)(0x80 | (cp & 0x3F));
-      n = 4;
-    }
-    text_put(out, u, n);
-  }
-  if (j->s == j->end) {
-    j->err = "an unterminated string";
-    return false;
-  }
-  j->s++;
-  return true;
-}
-
-static bool json_skip(Json *j, int depth) {
-  json_ws(j);
-  if (j->s == j->end) {
-    j->err = "a value is missing";
-    return false;
-  }
-  if (depth > 512) {
-    j->err = "values nested too deeply";
-    return false;
-  }
-  char c = *j->s;
-  if (c == '"')
-    return json_string(j, NULL);
-  if (c == '{' || c == '[') {
-    char close = c == '{' ? '}' : ']';
-    j->s++;
-    json_ws(j);
-    if (j->s < j->end && *j->s == close) {
-      j->s++;
-      return true;
-    }
-    for (;;) {
-      if (c == '{') {
-        json_ws(j);
-        if (j->s == j->end || *j->s != '"') {
-          j->err = "an object key must be a string";
-          return false;
-        }
-        if (!json_string(j, NULL))
-          return false;
-        json_ws(j);
-        if (j->s == j->end || *j->s++ != ':') {
-          j->err = "':' expected after an object key";
-          return false;
-        }
-      }
-      if (!json_skip(j, depth + 1))
-        return false;
-      json_ws(j);
-      if (j->s < j->end && *j->s == ',') {
-        j->s++;
-        continue;
-      }
-      if (j->s < j->end && *j->s == close) {
-        j->s++;
-        return true;
-      }
-      j->err = c == '{' ? "',' or '}' expected in an object" : "',' or ']' expected in an array";
-      return false;
-    }
-  }
-  static const char *const words[] = {"true", "false", "null"};
-  for (int i = 0; i < 3; i++) {
-    size_t n = strlen(words[i]);
-    if ((size_t)(j->end - j->s) >= n && !memcmp(j->s, words[i], n)) {
-      j->s += n;
-      return true;
-    }
-  }
-  const char *start = j->s;
-  while (j->s < j->end && strchr("+-.eE0123456789", *j->s) && *j->s)
-    j->s++;
-  if (j->s == start || !(start[0] == '-' || (start[0] >= '0' && start[0] <= '9'))) {
-    j->err = "a value expected (string, number, object, array, true, false or null)";
-    return false;
-  }
-  return true;
-}
-
-// The text field of one JSONL line into p->value; false with j->err when the line is bad.
-static bool json_line_text(Prep *p, Json *j) {
-  json_ws(j);
-  if (j->s == j->end || *j->s++ != '{') {
-    j->err = "not a JSON object";
-    return false;
-  }
-  bool found = false;
-  json_ws(j);
-  if (j->s < j->end && *j->s == '}') {
-    j->s++;
-  } else {
-    for (;;) {
-      json_ws(j);
-      if (j->s == j->end || *j->s != '"') {
-        j->err = "an object key must be a string";
-        return false;
-      }
-      if (!json_string(j, &p->key))
-        return false;
-      json_ws(j);
-      if (j->s == j->end || *j->s++ != ':') {
-        j->err = "':' expected after an object key";
-        return false;
-      }
-      json_ws(j);
-      bool wanted = !found && p->key.n == strlen(p->o->text_field) && !memcmp(p->key.s, p->o->text_field, p->key.n);
-      if (wanted && (j->s == j->end || *j->s != '"')) {
-        j->err = "the text field is not a string";
-        return false;
-      }
-      if (wanted ? !json_string(j, &p->value) : !json_skip(j, 1))
-        return false;
-      found |= wanted;
-      json_ws(j);
-      if (j->s < j->end && *j->s == ',') {
-        j->s++;
-        continue;
-      }
-      if (j->s < j->end && *j->s == '}') {
-        j->s++;
-        break;
-      }
-      j->err = "',' or '}' expected in an object";
-      return false;
-    }
-  }
-  json_ws(j);
-  if (j->s != j->end) {
-    j->err = "text after the object";
-    return false;
-  }
-  if (!found) {
-    j->err = "no text field";
-    return false;
-  }
-  return true;
-}
-
-//
 // Documents.
 //
-static size_t cut_point(const char *s, size_t n, double f) {
-  size_t want = n - (size_t)llround(f * (double)n);
-  if (want >= n)
-    want = n - 1;
-  if (want < 1)
-    want = 1;
-  for (size_t i = want; i > want / 2; i--)
-    if (s[i - 1] == '\n')
-      return i;
-  size_t i = want;
-  while (i < n && ((unsigned char)s[i] & 0xC0) == 0x80)
-    i++;
-  return i < n ? i : want;
-}
-
 static bool put_tokens(SplitOut *out, const PrepOptions *o, const uint16_t *tok, size_t n) {
   while (n) {
     if (!out->open) {
@@ -515,17 +140,14 @@ static bool put_tokens(SplitOut *out, const PrepOptions *o, const uint16_t *tok,
   return true;
 }
 
-// EOS + the document's tokens. Long documents are encoded a megabyte at a time, cut at word
-// boundaries: each piece splits into the same words as the whole document.
+// EOS + the document's tokens, encoded piece by piece (corpus_piece_end).
 static bool write_doc(Prep *p, SplitOut *out, const char *text, size_t n) {
   static const uint16_t eos = TOK_EOS;
   out->docs++;
   if (!put_tokens(out, p->o, &eos, 1))
     return false;
   for (size_t i = 0; i < n;) {
-    size_t j = i;
-    while (j < n && j - i < (1 << 20))
-      j = tok_word_end(text, n, j);
+    size_t j = corpus_piece_end(text, n, i);
     p->ids.n = 0;
     tok_encode(p->tok, text + i, j - i, &p->ids);
     if (p->ids.n > p->capu16) {
@@ -553,96 +175,43 @@ static bool document(Prep *p, const char *text, size_t n) {
     return true;
   }
   int64_t i = p->doc++;
-  if (p->ndocs == 1) {
-    size_t cut = cut_point(text, n, p->o->val_fraction);
-    return write_doc(p, &p->train, text, cut) && write_doc(p, &p->val, text + cut, n - cut);
+  for (int val = 0; val < 2; val++) {
+    size_t off, len;
+    if (corpus_part(&p->split, i, val, text, n, &off, &len) && !write_doc(p, val ? &p->val : &p->train, text + off, len))
+      return false;
   }
-  return write_doc(p, i % p->k == p->k - 1 ? &p->val : &p->train, text, n);
+  return true;
 }
 
 static void tick(Prep *p, int64_t file_done) {
   double done = (double)(p->done_bytes + file_done);
-  if (p->total_bytes)
-    draw(p, p->pass == 1 ? "reading" : "encoding", done / (double)p->total_bytes, done / (now_s() - p->pass_t0));
-}
-
-// The documents of one file's text.
-static bool file_documents(Prep *p, const InputFile *f, const char *s, size_t n) {
-  const char *end = s + n;
-  if (f->jsonl) {
-    int64_t line = 0;
-    for (const char *at = s; at < end;) {
-      const char *nl = memchr(at, '\n', (size_t)(end - at));
-      const char *stop = nl ? nl : end;
-      line++;
-      Json j = {at, stop, NULL};
-      json_ws(&j);
-      if (j.s != stop) {
-        if (!json_line_text(p, &j)) {
-          size_t len = strlen(f->path) + 32;
-          char *where = malloc(len);
-          snprintf(where, len, "%s:%lld", f->path, (long long)line);
-          diag_file_error(where, "%s", j.err);
-          free(where);
-          return false;
-        }
-        if (!document(p, p->value.s, p->value.n))
-          return false;
-      }
-      at = nl ? nl + 1 : end;
-      tick(p, at - s);
-    }
-    return true;
-  }
-  if (!p->o->doc_sep)
-    return document(p, s, n);
-  size_t seplen = strlen(p->o->doc_sep);
-  const char *doc = s;
-  for (const char *at = s; at < end;) {
-    const char *nl = memchr(at, '\n', (size_t)(end - at));
-    const char *stop = nl ? nl : end;
-    size_t len = (size_t)(stop - at);
-    if (len && at[len - 1] == '\r')
-      len--;
-    const char *next = nl ? nl + 1 : end;
-    if (len == seplen && !memcmp(at, p->o->doc_sep, seplen)) {
-      if (!document(p, doc, (size_t)(at - doc)))
-        return false;
-      doc = next;
-      tick(p, next - s);
-    }
-    at = next;
-  }
-  return document(p, doc, (size_t)(end - doc));
+  if (p->c.total_bytes)
+    draw(p, p->pass == 1 ? "reading" : "encoding", done / (double)p->c.total_bytes, done / (now_s() - p->pass_t0));
 }
 
 // One pass over every file; false after printing why.
 static bool read_pass(Prep *p) {
-  bool single = p->nfiles == 1 && !strcmp(p->files[0].path, p->o->input);
   p->done_bytes = 0;
   p->pass_t0 = now_s();
-  for (int i = 0; i < p->nfiles; i++) {
-    InputFile *f = &p->files[i];
+  p->r.doc_sep = p->o->doc_sep;
+  p->r.text_field = p->o->text_field;
+  for (int i = 0; i < p->c.nfiles; i++) {
+    CorpusFile *f = &p->c.files[i];
     if (f->skip)
       continue;
-    int fd = open(f->path, O_RDONLY);
-    struct stat st;
-    if (fd < 0 || fstat(fd, &st)) {
-      diag_file_error(f->path, "cannot open: %s", strerror(errno));
-      if (fd >= 0)
-        close(fd);
+    DocReader *r = &p->r;
+    if (!docs_open(r, f->path, f->jsonl))
       return false;
-    }
-    size_t n = (size_t)st.st_size;
-    char *s = n ? mmap(NULL, n, PROT_READ, MAP_PRIVATE, fd, 0) : NULL;
-    close(fd);
-    if (s == MAP_FAILED) {
-      diag_file_error(f->path, "cannot map: %s", strerror(errno));
+    if (p->pass == 1) {
+      f->size = (int64_t)r->n;
+      f->mtime_ns = r->mtime_ns;
+    } else if (f->size != (int64_t)r->n || f->mtime_ns != r->mtime_ns) {
+      diag_file_error(f->path, "the file changed while prep read it");
       return false;
     }
     bool ok = true;
-    if (n && memchr(s, 0, n)) {
-      if (single || p->pass == 2) {
+    if (r->n && memchr(r->map, 0, r->n)) {
+      if (!p->c.folder || p->pass == 2) {
         diag_file_error(f->path, "not a text file (it holds NUL bytes)");
         ok = false;
       } else {
@@ -651,18 +220,20 @@ static bool read_pass(Prep *p) {
           note(p, f->path, "skipped: %s", "not a text file (it holds NUL bytes)");
         else if (p->skipped_binary == 3)
           note(p, f->path, "skipped: %s", "not a text file (and so are any further ones; the summary counts them)");
-        f->skip = true;
+        f->skip = f->binary = true;
         p->skipped_binary++;
-        p->total_bytes -= f->size;
+        p->c.total_bytes -= f->size;
       }
     } else {
-      if (n)
-        madvise(s, n, MADV_SEQUENTIAL);
-      ok = file_documents(p, f, s, n);
-      p->done_bytes += f->skip ? 0 : (int64_t)n;
+      const char *text;
+      size_t n;
+      int rc;
+      while ((rc = docs_next(r, &text, &n)) > 0 && (ok = document(p, text, n)))
+        tick(p, docs_tell(r).at);
+      ok = ok && rc == 0;
+      p->done_bytes += (int64_t)r->n;
     }
-    if (n)
-      munmap(s, n);
+    docs_close(r);
     if (!ok)
       return false;
   }
@@ -719,16 +290,35 @@ static const char *size_str(char *buf, size_t n, int64_t bytes) {
 
 static int count_shards(const SplitOut *s) { return s->index + (s->open ? 1 : 0); }
 
+// DIR/source.txt: the input (absolute), the options, the split and every file read.
+static bool write_source(const Prep *p, const char *abs_input) {
+  const PrepOptions *o = p->o;
+  Source s = {.input = (char *)abs_input, .doc_sep = (char *)o->doc_sep, .text_field = (char *)o->text_field,
+              .split = p->split, .docs = {p->train.docs, p->val.docs}, .tokens = {p->train.tokens, p->val.tokens}};
+  s.files = malloc(sizeof *s.files * (size_t)(p->c.nfiles ? p->c.nfiles : 1));
+  size_t root = strlen(p->c.root);
+  for (int i = 0; i < p->c.nfiles; i++) {
+    const CorpusFile *f = &p->c.files[i];
+    if (f->seen)
+      continue;
+    s.files[s.nfiles] = *f;
+    s.files[s.nfiles].path = malloc(strlen(abs_input) + strlen(f->path + root) + 1);
+    strcat(strcpy(s.files[s.nfiles++].path, abs_input), f->path + root);
+  }
+  bool ok = source_write(o->out_dir, &s);
+  for (int i = 0; i < s.nfiles; i++)
+    free(s.files[i].path);
+  free(s.files);
+  return ok;
+}
+
 static void prep_free(Prep *p) {
-  for (int i = 0; i < p->nfiles; i++)
-    free(p->files[i].path);
-  free(p->files);
+  corpus_free(&p->c);
+  docs_free(&p->r);
   tok_trainer_free(p->trainer);
   tok_free(p->tok);
   free(p->ids.ids);
   free(p->u16);
-  free(p->key.s);
-  free(p->value.s);
 }
 
 int prep_run(const PrepOptions *o) {
@@ -774,8 +364,13 @@ int prep_run(const PrepOptions *o) {
 
   Prep p = {.o = o, .tty = isatty(2), .t0 = now_s(), .train = {.split = "train"}, .val = {.split = "val"}};
   int rc = 1;
-  if (!find_files(&p))
+  char *abs_input = NULL, *path = NULL;
+  if (!corpus_find(&p.c, in, false))
     goto done;
+  if (!(abs_input = realpath(in, NULL))) {
+    diag_file_error(in, "cannot resolve the path: %s", strerror(errno));
+    goto done;
+  }
   if (o->vocab > 256)
     p.trainer = tok_trainer_new();
   p.pass = 1;
@@ -783,18 +378,14 @@ int prep_run(const PrepOptions *o) {
     goto done;
   draw_done(&p);
   if (!p.nbytes) {
-    diag_file_error(in, "empty corpus: no text in %d file%s", p.nfiles, p.nfiles == 1 ? "" : "s");
+    diag_file_error(in, "empty corpus: no text in %d file%s", p.c.nfiles, p.c.nfiles == 1 ? "" : "s");
     goto done;
   }
   if (p.ndocs == 1 && p.nbytes < 2) {
     diag_file_error(in, "one document of %lld byte: too little to hold out a validation part", (long long)p.nbytes);
     goto done;
   }
-  p.k = llround(1 / o->val_fraction);
-  if (p.k > p.ndocs)
-    p.k = p.ndocs;
-  if (p.k < 2)
-    p.k = 2;
+  p.split = corpus_split(p.ndocs, o->val_fraction);
 
   if (p.trainer) {
     p.tok = tok_train(p.trainer, o->vocab, train_progress, &p);
@@ -805,6 +396,15 @@ int prep_run(const PrepOptions *o) {
   }
   if (!make_dirs(o->out_dir))
     goto done;
+  // An older prep's record describes shards this one replaces: it goes first, and the new one is
+  // written last, so that a prep cut short leaves no record of shards it did not finish.
+  size_t len = strlen(o->out_dir) + 32;
+  path = malloc(len);
+  snprintf(path, len, "%s/source.txt", o->out_dir);
+  if (remove(path) && errno != ENOENT) {
+    diag_file_error(path, "cannot remove: %s", strerror(errno));
+    goto done;
+  }
   p.pass = 2;
   if (!read_pass(&p))
     goto done;
@@ -822,11 +422,8 @@ int prep_run(const PrepOptions *o) {
       outs[i]->open = false;
       ok = shard_writer_finish(&outs[i]->w) && ok;
     }
-  size_t len = strlen(o->out_dir) + 32;
-  char *tokpath = malloc(len);
-  snprintf(tokpath, len, "%s/tokenizer.bin", o->out_dir);
-  ok = ok && tok_save(p.tok, tokpath);
-  free(tokpath);
+  snprintf(path, len, "%s/tokenizer.bin", o->out_dir);
+  ok = ok && tok_save(p.tok, path) && write_source(&p, abs_input);
   if (!ok)
     goto done;
   int removed = remove_stale(&p, &p.train) + remove_stale(&p, &p.val);
@@ -837,13 +434,15 @@ int prep_run(const PrepOptions *o) {
   printf("prep: %lld document%s (%lld train, %lld val%s), %s of text from %d file%s", (long long)p.ndocs,
          p.ndocs == 1 ? "" : "s", (long long)p.train.docs, (long long)p.val.docs,
          p.ndocs == 1 ? ": the one document cut in two" : "", size_str(size, sizeof size, p.nbytes),
-         p.nfiles - p.skipped_binary - p.skipped_seen, p.nfiles - p.skipped_binary - p.skipped_seen == 1 ? "" : "s");
-  if (p.skipped_binary || p.skipped_seen || p.skipped_other)
-    printf(" (skipped: %d not text, %d seen before, %d other)", p.skipped_binary, p.skipped_seen, p.skipped_other);
+         p.c.nfiles - p.skipped_binary - p.c.skipped_seen,
+         p.c.nfiles - p.skipped_binary - p.c.skipped_seen == 1 ? "" : "s");
+  if (p.skipped_binary || p.c.skipped_seen || p.c.skipped_other)
+    printf(" (skipped: %d not text, %d seen before, %d other)", p.skipped_binary, p.c.skipped_seen,
+           p.c.skipped_other);
   printf("\nprep: %lld tokens (train %lld, val %lld), %.2f bytes per token (EOS not counted), vocab %d\n",
          (long long)tokens, (long long)p.train.tokens, (long long)p.val.tokens,
          (double)p.nbytes / (double)(tokens - eos), tok_vocab(p.tok));
-  printf("prep: wrote %d train shard%s, %d val shard%s and tokenizer.bin to %s", count_shards(&p.train),
+  printf("prep: wrote %d train shard%s, %d val shard%s, tokenizer.bin and source.txt to %s", count_shards(&p.train),
          count_shards(&p.train) == 1 ? "" : "s", count_shards(&p.val), count_shards(&p.val) == 1 ? "" : "s", o->out_dir);
   if (removed)
     printf(", removed %d old shard%s", removed, removed == 1 ? "" : "s");
@@ -855,6 +454,8 @@ done:
     if (s->open)
       datafile_abort(&s->w.file);
   }
+  free(abs_input);
+  free(path);
   prep_free(&p);
   return rc;
 }

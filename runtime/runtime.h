@@ -135,7 +135,7 @@ Engine *engine_interp(const Graph *g, InterpPrecision prec, uint64_t seed);
 Engine *engine_cpu(const Fusion *f, const MemPlan *m, const char *source, uint64_t seed, char *err, size_t n);
 double engine_scalar(Engine *e, int node); // a rank-0 value (the loss, the grad norm)
 //
-// train.c: the training loop: shards in, metrics, validation, checkpoints and resume, loss curve.
+// train.c: the training loop: shards (or their text) in, metrics, validation, checkpoints and resume, loss curve.
 //
 typedef struct {
   const char *model_path;     // absolute path of the .mdl (recorded in checkpoints)
@@ -144,6 +144,8 @@ typedef struct {
   const char *out_dir;        // checkpoint.safetensors, log.jsonl, loss.svg
   int64_t steps;              // > 0 overrides the train section's
   bool resume, pack, shuffle;
+  bool tokenize_on_the_fly;   // training batches from the text data_dir/source.txt names, tokenised as
+                              // each is drawn, in the step's time (validation's from the shards)
   uint64_t seed;
   int64_t val_every, val_batches; // validation every N steps (and at the end), on N batches
   int64_t ckpt_every;             // a checkpoint every N steps (and at the end)

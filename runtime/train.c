@@ -1,5 +1,6 @@
 // train.c: the training loop of `mdlc run`. Batches come from pre-tokenised shards (loader.c,
-// packed by default) while the step runs; every step prints a metrics line and appends it to
+// packed by default) while the step runs, or with --tokenize-on-the-fly from the text they were
+// made from, tokenised in the step's time (the same batches); every step prints a metrics line and appends it to
 // OUT/log.jsonl; validation loss every val_every steps on a forward-only engine; a checkpoint every
 // ckpt_every steps and at the end, written atomically in the background while the next steps run,
 // so a kill -9 loses at most the steps since the last one written; --resume continues exactly (same
@@ -401,7 +402,8 @@ static bool accumulate_micro(Accum *ac, Engine *e, Loader *train, int64_t k, int
   bool direct = e->inputs_from != NULL;
   for (int64_t j = 0; j + 1 < k; j++) {
     Batch batch;
-    loader_next(train, &batch);
+    if (!loader_next(train, &batch))
+      return rt_fail(err, n, "no batch for micro-batch %lld (the training data failed)", (long long)j + 1);
     ac->micro->set_seed(ac->micro, step_seed(seed, step * k + j));
     if (!feed(ac->micro, &batch, BT) || !ac->micro->step(ac->micro, err, n))
       return false;
@@ -603,6 +605,24 @@ int train_run(Engine *e, Engine *eval, Engine *micro, const TrainOptions *o) {
   return rc;
 }
 
+// A run that stops at `step` before changing any weight (a loss that is not finite, no batch): the
+// weights are those of the step before, whose checkpoint (with the data position of this step's
+// batches: a resumed run redoes this step) is written unless it is the one on disk. What became of
+// them goes into kept.
+static void keep_step_before(CkptWriter *w, const char *ckpt, Engine *e, const TrainOptions *o, int64_t step,
+                             int64_t ckpt_step, LoaderState before, char *kept, size_t n) {
+  if (step - 1 > ckpt_step && step - 1 > 0) {
+    if (ckpt_start(w, ckpt, e, o, step - 1, before) && ckpt_wait(w))
+      snprintf(kept, n, "wrote them to %s", ckpt);
+    else
+      snprintf(kept, n, "their checkpoint could not be written");
+  } else if (ckpt_step >= 0) {
+    snprintf(kept, n, "%s holds them", ckpt);
+  } else {
+    snprintf(kept, n, "no checkpoint was written");
+  }
+}
+
 static int train_loop(Engine *e, Engine *eval, Engine *micro, const TrainOptions *o, const char *ckpt,
                       const char *log_path, const char *svg) {
   const Graph *g = e->g;
@@ -615,8 +635,10 @@ static int train_loop(Engine *e, Engine *eval, Engine *micro, const TrainOptions
     for (size_t i = 0; i < gl.gl_pathc; i++)
       unlink(gl.gl_pathv[i]);
   globfree(&gl);
-  LoaderOptions lo = {.B = B, .T = T, .vocab = V, .pack = o->pack, .shuffle = o->shuffle, .seed = o->seed};
-  Loader *train = loader_open(o->data_dir, "train", lo);
+  LoaderOptions lo = {.B = B, .T = T, .vocab = V, .pack = o->pack, .shuffle = o->shuffle, .seed = o->seed},
+                lt = lo;
+  lt.from_text = o->tokenize_on_the_fly; // (validation batches come from the shards either way)
+  Loader *train = loader_open(o->data_dir, "train", lt);
   if (!train)
     return 1;
   Loader *val = eval ? loader_open(o->data_dir, "val", lo) : NULL;
@@ -670,8 +692,10 @@ static int train_loop(Engine *e, Engine *eval, Engine *micro, const TrainOptions
   double unigram = unigram_entropy(o->data_dir, V);
   printf("MFU = model flops (3x forward GEMM + attention flops counted in the graph: %.3g per step) / %s\n", flops,
          peak_how);
-  printf("data %s: %lld train tokens, unigram entropy %.3f nats/token; %s batches of %lldx%lld\n", o->data_dir,
-         (long long)loader_tokens(train), unigram, o->pack ? "packed" : "padded", (long long)B, (long long)T);
+  printf("data %s: %lld train tokens, unigram entropy %.3f nats/token; %s batches of %lldx%lld%s\n", o->data_dir,
+         (long long)loader_tokens(train), unigram, o->pack ? "packed" : "padded", (long long)B, (long long)T,
+         o->tokenize_on_the_fly ? ", tokenised from the text as each is drawn, in the step's time (validation "
+                                  "batches from the shards)" : "");
   int64_t k = g->train.accumulate > 1 ? g->train.accumulate : 1;
   Accum ac = {.micro = micro};
   if (k > 1) {
@@ -702,7 +726,14 @@ static int train_loop(Engine *e, Engine *eval, Engine *micro, const TrainOptions
       break;
     }
     Batch batch;
-    loader_next(train, &batch);
+    if (!loader_next(train, &batch)) { // (the text it reads changed: the loader said how)
+      char kept[PATH_MAX + 96];
+      rc = 1;
+      keep_step_before(&writer, ckpt, e, o, step, ckpt_step, before, kept, sizeof kept);
+      diag_file_error(o->model_path, "step %lld: no batch; stopping with the weights of step %lld: %s", (long long)step,
+                      (long long)step - 1, kept);
+      break;
+    }
     double lr = rt_lr_at(&tc, step);
     e->set_scalar(e, "lr", lr);
     e->set_scalar(e, "step", (double)step);
@@ -783,20 +814,9 @@ static int train_loop(Engine *e, Engine *eval, Engine *micro, const TrainOptions
         fprintf(stderr, "mdlc: warning: step %lld: %s: the step is skipped, the weights are not updated (%lld of "
                 "--skip-nonfinite %lld)\n", (long long)step, why, (long long)skipped, (long long)o->skip_nonfinite);
       } else {
-        // The weights are those of the step before: its checkpoint (with the data position of this
-        // step's batches) is written unless it is the one on disk; a resumed run redoes this step.
         char kept[PATH_MAX + 96];
         rc = 1;
-        if (step - 1 > ckpt_step && step - 1 > 0) {
-          if (ckpt_start(&writer, ckpt, e, o, step - 1, before) && ckpt_wait(&writer))
-            snprintf(kept, sizeof kept, "wrote them to %s", ckpt);
-          else
-            snprintf(kept, sizeof kept, "their checkpoint could not be written");
-        } else if (ckpt_step >= 0) {
-          snprintf(kept, sizeof kept, "%s holds them", ckpt);
-        } else {
-          snprintf(kept, sizeof kept, "no checkpoint was written");
-        }
+        keep_step_before(&writer, ckpt, e, o, step, ckpt_step, before, kept, sizeof kept);
         diag_file_error(o->model_path, "step %lld: %s; stopping with the weights of step %lld, which it did not "
                         "change: %s (--skip-nonfinite N skips up to N such steps)", (long long)step, why,
                         (long long)step - 1, kept);

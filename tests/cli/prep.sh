@@ -39,7 +39,7 @@ int main(int argc, char **argv) {
 }
 EOF
   if ! ${CC:-cc} -std=c11 -D_GNU_SOURCE -O1 -Icompiler -Iruntime -o "$tmp/prep" "$tmp/driver.c" runtime/tokenizer.c \
-      runtime/shard.c runtime/loader.c runtime/prep.c compiler/diag.c -lm -lpthread 2>"$tmp/cc.err"; then
+      runtime/shard.c runtime/loader.c runtime/corpus.c runtime/prep.c compiler/diag.c -lm -lpthread 2>"$tmp/cc.err"; then
     echo "[fail] prep: cannot build the stand-in driver: $(head -c 300 "$tmp/cc.err")"
     exit 1
   fi
@@ -166,6 +166,17 @@ done
 if [ -z "$(find "$tmp/out" -name '.*tmp*')" ]; then echo "[ok] prep: no temporary files left"; else
   echo "[fail] prep: temporary files left: $(ls -a "$tmp/out")"; fi
 contains "a binary file is skipped with a note" "$tmp/stderr" "many.dat: note: skipped: not a text file"
+# source.txt: what the shards were made from, for `mdlc run --tokenize-on-the-fly`.
+abs=$(realpath "$tmp/corpus")
+contains "source.txt names the input, absolute" "$tmp/out/source.txt" "input $abs"
+contains "source.txt holds --doc-sep" "$tmp/out/source.txt" "doc-sep %"
+contains "source.txt holds --val-fraction" "$tmp/out/source.txt" "val-fraction 0.1"
+contains "source.txt holds the split" "$tmp/out/source.txt" "train 33 documents"
+contains "source.txt lists a text file with its size" "$tmp/out/source.txt" \
+  "file text $(stat -c %s "$tmp/corpus/docs.jsonl") $(stat -c %Y "$tmp/corpus/docs.jsonl")."
+contains "source.txt marks a binary file" "$tmp/out/source.txt" "file binary 9 "
+if grep -q "many.u8" "$tmp/out/source.txt"; then echo "[fail] prep: source.txt lists a file seen before"; else
+  echo "[ok] prep: source.txt leaves out a file seen before"; fi
 contains "the summary counts documents" "$tmp/stdout" "prep: 36 documents (33 train, 3 val)"
 contains "the summary names bytes per token and vocab" "$tmp/stdout" "bytes per token (EOS not counted), vocab"
 verify "the folder's documents decode back, in order, every 10th in val" "$tmp/out" "$tmp/corpus" % text 0.1 300
