@@ -329,11 +329,20 @@ static int new_group(Fuser *F, StepKind kind, int root) {
   return gi;
 }
 
+// Is node v a named model output of a graph without a backward (evaluation, sampling: their readers
+// read it)? In a training graph nothing reads them: rule 2 keeps the logits out of memory there.
+static bool read_as_output(const Fuser *F, int v) {
+  for (int o = 0; o < F->g->noutputs && !F->g->grads; o++)
+    if (F->g->outputs[o] == v)
+      return true;
+  return false;
+}
+
 // Is member v of group gi one of its outs (written to memory): read by another step, the loss, an
-// ADAMW or GRAD_NORM, or read by nobody?
+// ADAMW or GRAD_NORM, read as a model output (read_as_output), or read by nobody?
 static bool is_out(const Fuser *F, int gi, int v) {
   Op op = op_of(F, v);
-  bool out = F->nusers[v] == 0 || v == F->g->loss || op == OP_ADAMW || op == OP_GRAD_NORM;
+  bool out = F->nusers[v] == 0 || v == F->g->loss || op == OP_ADAMW || op == OP_GRAD_NORM || read_as_output(F, v);
   for (int k = 0; k < F->nusers[v] && !out; k++)
     out = F->grp[F->users[v][k]] != gi;
   return out;

@@ -197,6 +197,8 @@ static void run_row(const LabOptions *o, const char *self, Row *r) {
   for (int i = 0; i < o->npass && n < MAX_ARGS - 16; i++)
     argv[n++] = o->pass[i];
   for (int k = 0; k < NTECH; k++) {
+    if (o->skip[k]) // (what cannot run here runs as the run's defaults have it)
+      continue;
     const char *const *opt = r->on >> k & 1 ? tech[k].on : tech[k].off;
     for (int j = 0; j < 3 && opt[j]; j++)
       argv[n++] = opt[j];
@@ -293,6 +295,9 @@ static void run_rows(Lab *L) {
       printf("lab: row %d failed: %s (see %s/run.txt)\n", i + 1, r->why, r->dir);
   }
 }
+
+// A ratio as the tables print it: 1.23x, or - where a run it compares failed.
+static const char *times(Arena *a, double x) { return isfinite(x) ? arena_printf(a, "%.2fx", x) : "-"; }
 
 static void fmt_tok(const Row *r, char *buf, size_t n) {
   if (!r->ok)
@@ -489,9 +494,10 @@ int lab_run(const LabOptions *o) {
   fprintf(out.csv, "table,row,status,tok_s,tok_s_min,tok_s_max,mfu_percent,peak_mb,kernels,vs_previous,vs_baseline,"
                    "loss,val_loss\n");
   both(&out, "\n## %s on %s\n\n%s\n\n", o->model_name, o->machine, o->setup);
+  int64_t w = warmup_steps(o->steps);
   both(&out, "Each row adds one technique to the row before (%lld steps a row; tokens/s: median after %lld warm-up "
-       "steps, slowest-fastest in brackets; loss: the last step's training loss and the validation loss).\n\n",
-       (long long)o->steps, (long long)warmup_steps(o->steps));
+       "step%s, slowest-fastest in brackets; loss: the last step's training loss and the validation loss).\n\n",
+       (long long)o->steps, (long long)w, w > 1 ? "s" : "");
   both(&out, "| row | tokens/s | MFU | peak MB | kernels | vs previous | vs baseline | loss | val loss |\n");
   both(&out, "|---|---|---|---|---|---|---|---|---|\n");
   double cum[NTECH], alone_x[NTECH];
@@ -504,8 +510,9 @@ int lab_run(const LabOptions *o) {
     char tok[64];
     fmt_tok(r, tok, sizeof tok);
     if (r->ok)
-      both(&out, "| %s | %s | %.2f%% | %.0f%s | %lld | %.2fx | %.2fx | %.4f | %.4f |\n", r->label, tok, r->mfu,
-           r->peak_mb, r->device ? " (GPU)" : "", (long long)r->kernels, vp, vb, r->loss, r->val_loss);
+      both(&out, "| %s | %s | %.2f%% | %.0f%s | %lld | %s | %s | %.4f | %.4f |\n", r->label, tok, r->mfu,
+           r->peak_mb, r->device ? " (GPU)" : "", (long long)r->kernels, times(o->arena, vp), times(o->arena, vb),
+           r->loss, r->val_loss);
     else
       both(&out, "| %s | %s: %s | | | | | | | |\n", r->label, tok, r->why);
     csv_row(&out, "ladder", r->label, r, vp, vb);
@@ -533,8 +540,8 @@ int lab_run(const LabOptions *o) {
     fmt_tok(r, tok, sizeof tok);
     why_line(o, k, full, r, why, sizeof why);
     if (r->ok)
-      both(&out, "| %s | %s | %s | %.2fx | %.4f | %s |\n", tech[k].name, tech[k].published, tok, alone_x[k], r->loss,
-           why);
+      both(&out, "| %s | %s | %s | %s | %.4f | %s |\n", tech[k].name, tech[k].published, tok,
+           times(o->arena, alone_x[k]), r->loss, why);
     else
       both(&out, "| %s | %s | %s | | | %s |\n", tech[k].name, tech[k].published, tok, r->why);
     csv_row(&out, "alone", tech[k].name, r, NAN, alone_x[k]);

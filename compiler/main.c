@@ -1089,6 +1089,11 @@ static int cmd_lab(const Options *o, Graph *g) {
                           (long long)ir_param_count(g), backend_of(o), o->data);
   if (!heads)
     lo.skip[2] = "the model has no attention";
+  char source[PATH_MAX + 16];
+  snprintf(source, sizeof source, "%s/source.txt", o->data);
+  if (access(source, R_OK))
+    lo.skip[6] = arena_printf(a, "%s: %s: the data does not say what text it came from (prepared before prep "
+                              "recorded it); prepare it again to measure this", source, strerror(errno));
   DType fp8;
   if (!cuda)
     lo.skip[7] = "no FP8 GEMM on a CPU (an H100 or later has them)";

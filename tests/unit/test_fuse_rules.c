@@ -21,6 +21,7 @@
 // iteration space, then its broadcast check; rule 2's extra reader and transposed operand, then the
 // check on the gradient's readers), the dump's reason and the steps are what show it.
 #include "mdl.h"
+#include "runtime.h"
 #include "backend.h"
 #include "test.h"
 
@@ -543,6 +544,72 @@ static void remove_dir(const char *dir) {
   rmdir(dir);
 }
 
+// Outs: a named output of a graph without a backward is written to memory, whoever else reads it.
+// gpt2-tiny's forward-only graph in bf16 (as `mdlc lab`'s leak check and evaluation read it): the
+// logits' RESHAPE is read by the loss's CAST inside the loss's kernel alone, so without the rule it
+// stayed in registers and reading the output returned whatever the arena held.
+static void named_outputs_written(void) {
+  Arena *a = arena_new();
+  DimOverride ov[] = {{"B", 2}, {"T", 16}};
+  Graph *g = mdl_compile_file(a, "models/gpt2-tiny.mdl", ov, 2);
+  char why[256] = "";
+  bool ok = g != NULL;
+  if (ok) {
+    ir_eval_mode(g);
+    ok = precision_assign(g, DT_BF16, why, sizeof why);
+  }
+  CHECK(ok, "fuse rules outs: gpt2-tiny's forward-only graph in bf16 builds", "%s", why);
+  if (!ok) {
+    arena_free(a);
+    return;
+  }
+  int logits = -1;
+  for (int o = 0; o < g->noutputs; o++)
+    if (!strcmp(g->nodes[g->outputs[o]]->name, "logits"))
+      logits = g->outputs[o];
+  Fusion *f = fuse(g, (FuseOptions){.fuse = true, .chunk_lmhead = true, .max_group = 64});
+  CHECK(logits >= 0 && f->materialised[logits] && f->step_of[logits] >= 0,
+        "fuse rules outs: the bf16 logits, read inside the loss's kernel, are written as an output", "logits %%%d: "
+        "step %d, materialised %d", logits, logits >= 0 ? f->step_of[logits] : -1,
+        logits >= 0 && f->materialised[logits]);
+  // Two documents a row; the logits the compiled step writes are the interpreter's (bf16 operands
+  // either way; the GEMMs sum in another order: a few bf16 ulps of the largest logit).
+  enum { N = 2 * 16 };
+  int32_t tokens[N], targets[N], pos[N], doc[N];
+  for (int i = 0; i < N; i++) {
+    int t = i % 16, d = t >= 9;
+    tokens[i] = t == 0 || t == 9 ? 0 : (i * 37 + 11) % 255 + 1;
+    targets[i] = t == 8 || t == 15 ? -1 : (i * 53 + 7) % 256;
+    pos[i] = d ? t - 9 : t;
+    doc[i] = d;
+  }
+  MemPlan *m = memplan(f);
+  char *src = emit_c(f, m, "gpt2-tiny"), err[512] = "";
+  Engine *ce = src ? engine_cpu(f, m, src, 7, err, sizeof err) : NULL, *ie = engine_interp(g, INTERP_F32, 7);
+  int64_t V = g->nodes[logits]->shape.d[2];
+  float *x = malloc(sizeof(float) * (size_t)(N * V)), *y = malloc(sizeof(float) * (size_t)(N * V));
+  Engine *e[2] = {ce, ie};
+  for (int k = 0; k < 2 && ce; k++) {
+    ok = e[k]->set_input(e[k], "tokens", tokens, NULL, N) && e[k]->set_input(e[k], "targets", targets, NULL, N) &&
+         e[k]->set_input(e[k], "pos", pos, NULL, N) && e[k]->set_input(e[k], "doc", doc, NULL, N) &&
+         e[k]->step(e[k], err, sizeof err);
+    if (ok)
+      e[k]->read(e[k], logits, k ? y : x);
+  }
+  double diff = 0, scale = 0;
+  for (int64_t i = 0; ce && ok && i < N * V; i++)
+    diff = fmax(diff, fabs((double)x[i] - y[i])), scale = fmax(scale, fabs((double)y[i]));
+  CHECK(ce && ok && diff <= 1e-2 * scale && scale > 0, "fuse rules outs: the bf16 logits the compiled step writes "
+        "are the interpreter's within 1% of the largest", "%s", ce && ok ? arena_printf(a, "max |cpu - interp| %.3g, "
+        "max |interp| %.3g", diff, scale) : err);
+  free(x);
+  free(y);
+  if (ce)
+    ce->free(ce);
+  ie->free(ie);
+  arena_free(a);
+}
+
 int main(void) {
   setvbuf(stdout, NULL, _IOLBF, 0); // the lines printed before a crash are kept
   char dir[] = "/tmp/mdl-cache-XXXXXX";
@@ -560,6 +627,7 @@ int main(void) {
   norm_add_cycle();
   chain_cycle();
   loss_gradient_cycle();
+  named_outputs_written();
   remove_dir(dir);
   TEST_EXIT();
 }
