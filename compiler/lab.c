@@ -335,8 +335,11 @@ static void why_line(const LabOptions *o, int k, const Row *with, const Row *wit
              "tokens)", sign);
     break;
   case 6:
-    snprintf(buf, n, "%s: tokenising each batch as it is drawn costs %.1f ms of a %.1f ms step", sign,
-             without->ms - with->ms, with->ms);
+    if (without->ms > with->ms)
+      snprintf(buf, n, "%s: tokenising each batch as it is drawn adds %.1f ms to a %.1f ms step", sign,
+               without->ms - with->ms, with->ms);
+    else
+      snprintf(buf, n, "%s: tokenising each batch as it is drawn costs less than the steps' spread", sign);
     break;
   default:
     snprintf(buf, n, "%s", sign);

@@ -973,18 +973,20 @@ static const char *lab_leak(const Options *o, Arena *out, bool mask, bool *passe
   *passed = false;
   Arena *a = arena_new();
   Graph *g = mdl_compile_file_with(a, o->file, o->dims, o->ndims, &q.lower);
+  bool precise = g && apply_precision(&q, g); // (which renumbers the nodes: the outputs are looked up after it)
   int logits = -1;
-  for (int i = 0; g && i < g->noutputs; i++)
+  for (int i = 0; precise && i < g->noutputs; i++)
     if (g->nodes[g->outputs[i]]->name && !strcmp(g->nodes[g->outputs[i]]->name, "logits"))
       logits = g->outputs[i];
   const char *said = NULL;
   if (!g || logits < 0 || rt_input_node(g, "doc") < 0 || rt_input_node(g, "tokens") < 0) {
-    said = !g ? "not checked: the model does not compile" : "not checked: the model has no logits output or no doc input";
+    said = !precise ? "not checked: the model does not compile"
+                    : "not checked: the model has no logits output or no doc input";
     arena_free(a);
     return arena_strdup(out, said);
   }
   ir_eval_mode(g);
-  Engine *e = apply_precision(&q, g) ? open_engine(&q, g, false) : NULL;
+  Engine *e = open_engine(&q, g, false);
   int64_t B = ir_dim(g, "B"), T = ir_dim(g, "T"), V = ir_dim(g, "V"), n = B * T;
   Loader *l = e ? loader_open(o->data, "train", (LoaderOptions){.B = B, .T = T, .vocab = V, .pack = true}) : NULL;
   Batch bt;
