@@ -78,7 +78,8 @@ static char *make_text(uint64_t seed, size_t bytes, const char *sep, size_t *n) 
     uint64_t r = mdl_rng_u64(seed, 3, i) % 16;
     len += (size_t)snprintf(s + len, cap - len, "%s", r < 6 ? ends[r] : " ");
     if (sep && mdl_rng_u64(seed, 4, i) % 23 == 0)
-      len += (size_t)snprintf(s + len, cap - len, "\n%s\n%s", sep, mdl_rng_u64(seed, 5, i) % 5 ? "" : "%\n");
+      len += (size_t)snprintf(s + len, cap - len, "\n%s\n%s%s", sep, mdl_rng_u64(seed, 5, i) % 5 ? "" : sep,
+                              mdl_rng_u64(seed, 5, i) % 5 ? "" : "\r\n");
   }
   *n = len;
   return s;
@@ -275,13 +276,14 @@ static void test_identical(void) {
   CHECK(symlink("../a0.txt", path_in("folder/sub/e.txt")) == 0, "on the fly: the folder's symbolic link is made",
         "failed");
 
-  write_text(fortunes, 30, 40000, "%");
+  const char *sep = "%% \\x5c\t%"; // (source.txt escapes the backslash and the tab)
+  write_text(fortunes, 30, 40000, sep);
   write_jsonl(jsonl, 40, 300);
   write_text(book, 50, 30000, NULL);
 
   TestCorpus corpora[] = {
       {"a folder", dir, NULL, 40000, 64, 0.2},
-      {"a --doc-sep file", fortunes, "%", 997, 24, 0.1},
+      {"a --doc-sep file", fortunes, sep, 997, 24, 0.1},
       {"a JSONL file", jsonl, NULL, 4999, 40, 0.05},
       {"a single document", book, NULL, 3001, 16, 0.25},
   };
