@@ -38,7 +38,8 @@ double rt_lr_at(const TrainConfig *tc, int64_t step); // step counts from 1
 // flops.c: the model flops of one training step, counted from the forward graph.
 //
 // 3x the forward GEMM and attention flops (forward 1x + backward 2x): for GPT-2 this is llm.c's
-// 6N + 6LCT per token with N the parameters that take part in matmuls.
+// 6N + 6LCT per token with N the parameters that take part in matmuls. Causal attention counts half
+// its products, fused or lowered into GEMMs (--attention plain), so MFU means the same with either.
 double rt_step_flops(const Graph *g);
 // The peak this machine's CPU is assumed to reach in fp32: cores x GHz x flops per cycle (FMA
 // width x 2 units), from /proc/cpuinfo; *how names what was assumed.

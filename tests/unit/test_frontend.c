@@ -11,6 +11,7 @@
 
 static Arena *arena;
 static char errtext[16384]; // what the last compile() printed on stderr
+static const LowerOptions *lowering; // how compile_any lowers (NULL: the defaults)
 
 // Compiles a text (or, when text is NULL, the file at path) in a fresh arena with stderr captured
 // in errtext; *errors gets the number of errors reported.
@@ -22,7 +23,8 @@ static Graph *compile_any(const char *path, const char *text, const DimOverride 
   FILE *tmp = tmpfile();
   dup2(fileno(tmp), 2);
   int before = diag_errors;
-  Graph *g = text ? mdl_compile_text(arena, path, text, ov, nov) : mdl_compile_file(arena, path, ov, nov);
+  Graph *g = text ? mdl_compile_text_with(arena, path, text, ov, nov, lowering)
+                  : mdl_compile_file_with(arena, path, ov, nov, lowering);
   fflush(stderr);
   dup2(saved, 2);
   close(saved);
@@ -572,6 +574,60 @@ static void test_limits(void) {
         "invalid UTF-8: file:line:col", "%s", errtext);
 }
 
+// The lowering options: plain attention is MATMULs, a SOFTMAX and one ATTENTION_MASK per distinct mask;
+// its shape errors are the fused op's, word for word; --no-doc-mask drops the doc input of either
+// lowering but still checks it.
+static void test_lowering(void) {
+  static const char text[] = "model m\n"
+                             "input x: f32[2, 6, 8]\n"
+                             "input d: i32[2, 6]\n"
+                             "y = attention(x, x, x, heads=2, causal=true, doc=d)\n"
+                             "z = attention(y, y, y, heads=2, causal=true, doc=d)\n"
+                             "w = attention(z, z, z, heads=4)\n";
+  LowerOptions plain = {.plain_attention = true}, nodoc = {.no_doc_mask = true},
+               both = {.plain_attention = true, .no_doc_mask = true};
+  lowering = &plain;
+  Graph *g = compile(text);
+  const IrNode *m = NULL, *y = g ? named(g, "y") : NULL, *w = g ? named(g, "w") : NULL;
+  for (int i = 0; g && i < g->n; i++)
+    if (g->nodes[i]->op == OP_ATTENTION_MASK)
+      m = g->nodes[i];
+  CHECK(g && count_op(g, OP_ATTENTION) == 0 && count_op(g, OP_MATMUL) == 6 && count_op(g, OP_SOFTMAX) == 3 &&
+            count_op(g, OP_ATTENTION_MASK) == 1 && m && m->ia[0] == 1 && m->ia[1] == 1 && !strcmp(in(g, m, 0)->name, "d") &&
+            shape_eq(m->shape, shape_of(4, (int64_t[]){2, 1, 6, 6})) && m->body == 0 && y && y->op == OP_RESHAPE && has_shape(y, 3, 2, 6, 8) && w &&
+            has_shape(w, 3, 2, 6, 8),
+        "plain attention: two GEMMs and a softmax each, one mask [B,1,T,T] for the two causal ones within documents",
+        "%d attention, %d matmul, %d softmax, %d masks", g ? count_op(g, OP_ATTENTION) : -1,
+        g ? count_op(g, OP_MATMUL) : -1, g ? count_op(g, OP_SOFTMAX) : -1, g ? count_op(g, OP_ATTENTION_MASK) : -1);
+  static const char bad[] = "model m\ninput x: f32[2, 3, 4]\ny = attention(x, x, x, heads=3)\n";
+  lowering = NULL;
+  static char fused[sizeof errtext];
+  snprintf(fused, sizeof fused, "%s", errors_of(bad) == 1 ? errtext : "");
+  lowering = &plain;
+  CHECK(errors_of(bad) == 1 && fused[0] && !strcmp(errtext, fused), "plain attention: the fused op's error, word for word",
+        "%s vs %s", errtext, fused);
+  for (int k = 0; k < 2; k++) {
+    lowering = k ? &both : &nodoc;
+    g = compile(text);
+    int doc_readers = 0;
+    for (int i = 0; g && i < g->n; i++)
+      for (int j = 0; j < g->nodes[i]->nin; j++)
+        doc_readers += in(g, g->nodes[i], j)->op == OP_INPUT && !strcmp(in(g, g->nodes[i], j)->name, "d");
+    const IrNode *a = NULL;
+    for (int i = 0; g && i < g->n && !a; i++)
+      if (g->nodes[i]->op == (k ? OP_ATTENTION_MASK : OP_ATTENTION))
+        a = g->nodes[i];
+    CHECK(g && a && doc_readers == 0 && (k ? a->ia[1] == 0 && shape_eq(a->shape, shape_of(4, (int64_t[]){1, 1, 6, 6})) : a->nin == 3 && a->ia[2] == 0),
+          k ? "--no-doc-mask, plain: a causal mask [1,1,T,T] without the doc ids"
+            : "--no-doc-mask: attention without its doc input",
+          "%d readers of the doc ids", doc_readers);
+    CHECK(errors_of("model m\ninput x: f32[2, 6, 8]\ninput d: f32[2, 6]\ny = attention(x, x, x, heads=2, doc=d)\n") ==
+              1,
+          k ? "--no-doc-mask, plain: doc= is still checked" : "--no-doc-mask: doc= is still checked", "%s", errtext);
+  }
+  lowering = NULL;
+}
+
 int main(void) {
   arena = arena_new();
   test_gpt2_tiny();
@@ -582,6 +638,7 @@ int main(void) {
   test_errors();
   test_error_volume();
   test_limits();
+  test_lowering();
   arena_free(arena);
   TEST_EXIT();
 }

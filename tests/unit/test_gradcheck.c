@@ -701,13 +701,15 @@ static void adamw_cases(void) {
 
 //
 // Whole models with B=2 and T=8: the tiny GPT (one document per row, then two), and the tiny
-// LLaMA (rope, rmsnorm, SwiGLU, untied head) with two documents per row. With two documents the last
-// position of each has its target ignored, so the loss is the mean over 12 of the 16 positions.
+// LLaMA (rope, rmsnorm, SwiGLU, untied head) with two documents per row; both with two documents per
+// row and attention lowered into GEMMs, a mask and a softmax (--attention plain). With two documents
+// the last position of each has its target ignored, so the loss is the mean over 12 of the 16 positions.
 //
-static void model_case(const char *model, bool two_docs) {
+static void model_case(const char *model, bool two_docs, bool plain) {
   char path[128], label[160];
   snprintf(path, sizeof path, "models/%s.mdl", model);
-  snprintf(label, sizeof label, "grad %s%s", model, two_docs ? " (two documents per row, ignored targets)" : "");
+  snprintf(label, sizeof label, "grad %s%s%s", model, two_docs ? " (two documents per row, ignored targets)" : "",
+           plain ? " (plain attention)" : "");
   if (access(path, R_OK) != 0) {
     printf("[skip] %s: %s is not there\n", label, path);
     return;
@@ -715,7 +717,7 @@ static void model_case(const char *model, bool two_docs) {
   enum { B = 2, T = 8 };
   DimOverride ov[] = {{"B", B}, {"T", T}};
   Arena *arena = arena_new();
-  Graph *g = mdl_compile_file(arena, path, ov, 2);
+  Graph *g = mdl_compile_file_with(arena, path, ov, 2, &(LowerOptions){.plain_attention = plain});
   if (!g) {
     CHECK(false, label, "%s does not compile", path);
     arena_free(arena);
@@ -803,9 +805,11 @@ int main(void) {
   sequence_cases();
   structure_cases();
   adamw_cases();
-  model_case("gpt2-tiny", false);
-  model_case("gpt2-tiny", true);
-  model_case("llama-tiny", true);
+  model_case("gpt2-tiny", false, false);
+  model_case("gpt2-tiny", true, false);
+  model_case("llama-tiny", true, false);
+  model_case("gpt2-tiny", true, true);
+  model_case("llama-tiny", true, true);
   gpt_optimizer_case();
   TEST_EXIT();
 }
