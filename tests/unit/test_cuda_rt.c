@@ -49,12 +49,12 @@
 //     graph), and a small model of batched matmuls, one broadcasting its batch, the last and
 //     gpt2-tiny also with bf16
 //     GEMM operands (the precision pass): every GEMM is then described with CUDA_R_16BF A and B, the
-//     batched model's a @ a^T also with a bf16 D; the gradients agree within 1e-3 in L2 per tensor,
-//     the parameters after 4 steps within 2e-3, and the bf16 CASTs of the parameters read back
+//     batched model's a @ a^T also with a bf16 D; the gradients agree within 4e-3 in L2 per tensor,
+//     the parameters after 4 steps within 4e-3, and the bf16 CASTs of the parameters read back
 //     through the Engine as the interpreter's, bit for bit.
 //   - With a real driver and device: the no-driver checks are skipped, and gpt2-tiny (B=2, T=16) runs
 //     one step on the GPU and on the interpreter from the same parameters and batch: the loss and
-//     every gradient agree within 1e-4 relative; with bf16 GEMM operands, within 2e-3 in L2.
+//     every gradient agree within 1e-4 relative; with bf16 GEMM operands, within 4e-3 in L2.
 #include <stdbool.h>
 #include <string.h>
 
@@ -1610,11 +1610,15 @@ static void emulated_checks(const Model *md) {
     enum { STEPS = 4 };
     // (AdamW's first steps move a parameter by about lr whatever the size of its gradient: where a
     // gradient is rounding noise, as a key bias's, bf16's larger noise shows more in the parameters.
-    // bf16 gradients: 3e-3, the room a rounding flip of q, k, v, the softmax numerators or a GEMM
-    // operand needs on so small a batch: the compiled C and the interpreter differ by up to 2.1e-3
-    // per tensor at B=2 T=16, while bf16 and fp32 differ by 2e-3 to 6e-3; the parameters after 4
-    // steps, over all: 2.4e-3 with the backward's products on bf16 operands.)
-    compare_engines(md->label, cuda, ref, STEPS, bf16 ? 3e-3 : 1e-5, bf16, c.m, bf16 ? 4e-3 : 1e-5);
+    // bf16 gradients: 4e-3, the room a rounding flip of q, k, v, the softmax numerators or a GEMM
+    // operand needs on so small a batch. The worst tensor of this comparison over five batches (this
+    // one and those of rng streams 12 to 15 instead of 11) was 1.1e-3 to 3.4e-3 when the loss was the
+    // mean over all 32 positions, and 0 to 3.2e-3 (this batch: 3.2e-3 at h.0.ln1_b) with the mean
+    // over the 31 counted targets, whose 1/31 no longer scales dlogits exactly; the compiled C and
+    // the interpreter differ by up to 2.1e-3 per tensor at B=2 T=16, while bf16 and fp32 differ by
+    // 2e-3 to 6e-3; the parameters after 4 steps, over all: 2.4e-3 with the backward's products on
+    // bf16 operands.)
+    compare_engines(md->label, cuda, ref, STEPS, bf16 ? 4e-3 : 1e-5, bf16, c.m, bf16 ? 4e-3 : 1e-5);
     int kernels = 0, gemms = 0, ab16 = 0, d16 = 0;
     for (int i = 0; i < p->nlaunches; i++)
       p->launches[i].kernel ? kernels++ : gemms++;
@@ -1728,8 +1732,8 @@ static void emulated_checks(const Model *md) {
 }
 
 // A real GPU: gpt2-tiny on it and on the interpreter, fp32 (within 1e-4) and with bf16 GEMM operands
-// (within 2e-3 in L2: cuBLASLt sums in yet another order, so more values round to the other bf16
-// neighbour than in the emulation).
+// (within 4e-3 in L2, as the emulated GPU: cuBLASLt sums in yet another order, so more values round
+// to the other bf16 neighbour than in the emulation).
 static void gpu_checks(void) {
   static const Model models[] = {
       {"gpt2-tiny on the GPU", "models/gpt2-tiny.mdl", NULL, {{"B", 2}, {"T", 16}}, 2, DT_F32},
@@ -1751,7 +1755,7 @@ static void gpu_checks(void) {
     CHECK(cuda, name, "%s", why);
     if (cuda) {
       Engine *ref = engine_interp(c.g, INTERP_F32, 5);
-      compare_engines(md->label, cuda, ref, 1, bf16 ? 3e-3 : 1e-4, bf16, c.m, 0);
+      compare_engines(md->label, cuda, ref, 1, bf16 ? 4e-3 : 1e-4, bf16, c.m, 0);
       ref->free(ref);
       cuda->free(cuda);
     }
