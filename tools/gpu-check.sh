@@ -50,6 +50,11 @@
 #      tokens.
 #   8. the largest batch at T=1024 whose step fits the GPU's free memory with --checkpoint none and
 #      with --checkpoint auto (from the plans), and twelve steps at each: tokens/s and MFU.
+#   9. `mdlc lab` on it (B=8, T=1024, 8 steps a row; GPU_CHECK_LAB=0 leaves it out): the ladder from
+#      every technique off (fp32, unfused, plain attention, AdamW per parameter, no checkpointing,
+#      padded rows, tokenised on the fly) to all on, each technique alone, the largest batches with
+#      and without checkpointing; its tables go to the results and $OUT/lab/ (the target: the full
+#      ladder at least 3x the baseline).
 # A failing stage is reported and the next one still runs, so one run gives every figure it can.
 # MFU here = tokens/s x (model flops per step / tokens per step) / 989e12, where the model flops are the
 # count mdlc prints (3x the forward GEMM + attention flops: llm.c's 6N + 6LCT per token) and 989
@@ -437,6 +442,18 @@ if [ $rc -eq 0 ] && [ "$backend" = cuda ]; then
       status=1
     fi
   done
+fi
+# The lab: what each technique is worth for GPT-2 124M on this GPU (its rows are runs of their own).
+if [ $rc -eq 0 ] && [ "$backend" = cuda ] && [ "${GPU_CHECK_LAB:-1}" != 0 ]; then
+  say "== $model: mdlc lab (B=8, T=$T, 8 steps a row)"
+  if "$mdlc" lab models/gpt2.mdl --backend cuda $dims -D B=8 -D T="$T" --steps 8 --data "$tmp/shards" \
+    --out "${OUT:-.}/lab" >"$tmp/lab.log" 2>&1; then
+    sed -n '/^## /,$p' "${OUT:-.}/lab/lab.md" | tee -a "$res"
+  else
+    tail -30 "$tmp/lab.log" | tee -a "$res"
+    say "mdlc lab failed"
+    status=1
+  fi
 fi
 say "== gpu-check $([ $status -eq 0 ] && echo passed || echo FAILED) in $(($(date +%s) - t0)) s; results in $res"
 exit $status
