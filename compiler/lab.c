@@ -324,7 +324,8 @@ static void why_line(const LabOptions *o, int k, const Row *with, const Row *wit
     break;
   case 3:
     snprintf(buf, n, "%s: %d optimizer kernels a step instead of 1%s", sign, o->nparams + 1,
-             with->device ? "" : " (a CPU kernel costs no launch; the fused one streams the same bytes)");
+             x >= 1.05 ? "" : with->device ? " (their launches are a small part of this step)"
+                                           : " (a CPU kernel costs no launch, and both stream the same bytes)");
     break;
   case CKPT:
     snprintf(buf, n, "%s at this batch (%s): its worth is the batch it allows, below", sign,
@@ -571,6 +572,16 @@ int lab_run(const LabOptions *o) {
   } else {
     both(&out, "Document mask: %s.\n", o->leak_on);
   }
+  // Steps of one run that vary by more than 3x: something else ran on the machine.
+  const Row *noisy = NULL;
+  for (int i = 0; i < L.nrows; i++)
+    if (rows[i].ok && rows[i].tok_hi > 3 * rows[i].tok_lo && (!noisy || rows[i].tok_hi / rows[i].tok_lo >
+                                                                           noisy->tok_hi / noisy->tok_lo))
+      noisy = &rows[i];
+  if (noisy)
+    both(&out, "\nWarning: the steps of a run varied by up to %.0fx (%s: %.0f to %.0f tokens/s): the machine was "
+         "busy with something else, so these ratios are not to be trusted; run the lab on a quiet machine.\n",
+         noisy->tok_hi / noisy->tok_lo, noisy->label, noisy->tok_lo, noisy->tok_hi);
   char svg[PATH_MAX + 16];
   snprintf(svg, sizeof svg, "%s/lab.svg", o->out);
   bool ok = write_svg(svg, cum, alone_x);
