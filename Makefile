@@ -38,7 +38,7 @@ build/lex.yy.o: build/lex.yy.c $(HEADERS)
 	$(CC) $(CFLAGS) -Igrammar -c -o $@ $<
 
 build/tests/%: tests/unit/%.c tests/unit/test.h tests/unit/draw_checks.h tests/unit/cubin_syms.h \
-                tests/unit/cuda_emu_host.h build/libmdl.a
+                tests/unit/cuda_emu_host.h tests/unit/scratch_dir.h build/libmdl.a
 	@mkdir -p build/tests
 	$(CC) $(CFLAGS) -Itests/unit -o $@ $< build/libmdl.a $(LDLIBS)
 

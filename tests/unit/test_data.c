@@ -3,6 +3,7 @@
 // and prep end to end (folder + JSONL in, decoded shards compared with the documents).
 #include "data.h"
 #include "test.h"
+#include "scratch_dir.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -11,52 +12,6 @@
 #include <string.h>
 #include <sys/stat.h>
 #include <unistd.h>
-
-static char tmp[64];
-
-// A path in the test's folder; the last 16 stay valid.
-static char *path_in(const char *name) {
-  static char buf[16][256];
-  static int i;
-  i = (i + 1) % 16;
-  snprintf(buf[i], sizeof buf[i], "%s/%s", tmp, name);
-  return buf[i];
-}
-
-static void write_file(const char *path, const void *data, size_t n) {
-  FILE *f = fopen(path, "wb");
-  fwrite(data, 1, n, f);
-  fclose(f);
-}
-
-static int remove_entry(const char *path, const struct stat *st, int flag, struct FTW *ftw) {
-  (void)st, (void)flag, (void)ftw;
-  return remove(path);
-}
-
-// stderr into a buffer while a call runs.
-static int saved_stderr = -1;
-static char captured[4096], capture_path[128];
-
-static void capture_begin(void) {
-  fflush(stderr);
-  saved_stderr = dup(2);
-  snprintf(capture_path, sizeof capture_path, "%s/stderr.txt", tmp);
-  int fd = open(capture_path, O_CREAT | O_TRUNC | O_WRONLY, 0644);
-  dup2(fd, 2);
-  close(fd);
-}
-
-static const char *capture_end(void) {
-  fflush(stderr);
-  dup2(saved_stderr, 2);
-  close(saved_stderr);
-  FILE *f = fopen(capture_path, "rb");
-  size_t n = fread(captured, 1, sizeof captured - 1, f);
-  fclose(f);
-  captured[n] = 0;
-  return captured;
-}
 
 //
 // Pre-splitting.
