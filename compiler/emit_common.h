@@ -23,6 +23,14 @@ void *ec_xcalloc(size_t n, size_t size); // exits when out of memory
 void ec_grow(void *p, int n, int *cap, size_t size); // grows *p (*cap elements of size bytes) to hold n + 1
 
 //
+// The preludes every emitted module starts with, as the text of their files (NUL-terminated),
+// embedded by tools/embed.c into build/preludes.c: runtime/prelude.h (C), runtime/prelude_bf16.h
+// (C, after prelude.h in graphs that hold bf16 values) and runtime/prelude.cuh (CUDA).
+//
+
+extern const char ec_prelude_c[], ec_prelude_c_bf16[], ec_prelude_cuda[];
+
+//
 // The state both emitters keep about the step being emitted.
 //
 
