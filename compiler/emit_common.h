@@ -1,5 +1,19 @@
 // emit_common.h: what the C and CUDA emitters share (emit_common.c), names prefixed ec_. See
 // emit_common.c for the design.
+//
+// The emitters, file by file:
+//   emit_common.c       what does not depend on the target: where values are, groups and their order,
+//                       lines and scopes, the index maps of the inline evaluator
+//   emit_c.c            the C emitter (C11 + OpenMP)
+//   emit_cuda.c         the CUDA emitter: the module, its steps and their launch plan (CudaPlan), kernels
+//                       and their buffers, the inline evaluator, elementwise kernels, GEMMs and epilogues
+//   emit_cuda_rows.c    its row and reduction kernels: sums, norms, softmax, embed, rope, masks
+//   emit_cuda_lmhead.c  its cross-entropy and LM head
+//   emit_cuda_attn.c    its attention, forward and backward
+//   emit_cuda_opt.c     its optimizer
+//   emit_cuda_impl.h    what the emit_cuda*.c files share (names prefixed cu_)
+// and the preludes every emitted module starts with, in runtime/: prelude.h and prelude_bf16.h (C),
+// prelude.cuh (CUDA).
 #ifndef EMIT_COMMON_H
 #define EMIT_COMMON_H
 
