@@ -4,7 +4,13 @@
 // The emitters, file by file:
 //   emit_common.c       what does not depend on the target: where values are, groups and their order,
 //                       lines and scopes, the index maps of the inline evaluator
-//   emit_c.c            the C emitter (C11 + OpenMP)
+//   emit_c.c            the C emitter (C11 + OpenMP): the module and its steps, buffers, the inline
+//                       evaluator, elementwise and row loops, GEMMs
+//   emit_c_rows.c       its row and reduction loops: sums, norms, softmax, embed, rope, masks
+//   emit_c_lmhead.c     its cross-entropy and LM head
+//   emit_c_attn.c       its attention, forward and backward
+//   emit_c_opt.c        its optimizer
+//   emit_c_impl.h       what the emit_c*.c files share (names prefixed c_)
 //   emit_cuda.c         the CUDA emitter: the module, its steps and their launch plan (CudaPlan), kernels
 //                       and their buffers, the inline evaluator, elementwise kernels, GEMMs and epilogues
 //   emit_cuda_rows.c    its row and reduction kernels: sums, norms, softmax, embed, rope, masks
