@@ -132,7 +132,7 @@ typedef struct {
   int64_t at, stride;
 } Rows;
 
-// The shape of a row kernel (emit_cuda_rows.c: rows).
+// How a row kernel spreads its rows over threads (cu_row_shape, emit_cuda_rows.c).
 typedef struct {
   int tpr, npl, rpb, block; // threads per row, elements per thread, rows per block, block size
   int64_t groups, grid;
