@@ -5,7 +5,9 @@ CFLAGS  += -std=c11 -D_GNU_SOURCE -Wall -Wextra -Werror -Icompiler -Iruntime -Ib
 LDLIBS  += -lm -ldl -lpthread
 
 LIB_SRC   := $(filter-out compiler/main.c,$(wildcard compiler/*.c runtime/*.c))
-LIB_OBJ   := $(patsubst %.c,build/%.o,$(LIB_SRC)) build/mdl.tab.o build/lex.yy.o
+LIB_OBJ   := $(patsubst %.c,build/%.o,$(LIB_SRC)) build/mdl.tab.o build/lex.yy.o build/preludes.o
+PRELUDES  := ec_prelude_c=runtime/prelude.h ec_prelude_c_bf16=runtime/prelude_bf16.h \
+             ec_prelude_cuda=runtime/prelude.cuh
 UNIT_SRC  := $(wildcard tests/unit/test_*.c)
 UNIT_BIN  := $(patsubst tests/unit/%.c,build/tests/%,$(UNIT_SRC))
 HEADERS   := $(wildcard compiler/*.h runtime/*.h)
@@ -36,6 +38,17 @@ build/mdl.tab.o: build/mdl.tab.c $(HEADERS)
 
 build/lex.yy.o: build/lex.yy.c $(HEADERS)
 	$(CC) $(CFLAGS) -Igrammar -c -o $@ $<
+
+# the preludes of emitted modules (runtime/prelude*), as C arrays in mdlc (emit_common.h)
+build/tools/embed: tools/embed.c
+	@mkdir -p build/tools
+	$(CC) $(CFLAGS) -o $@ $<
+
+build/preludes.c: build/tools/embed runtime/prelude.h runtime/prelude_bf16.h runtime/prelude.cuh
+	build/tools/embed $@ $(PRELUDES)
+
+build/preludes.o: build/preludes.c
+	$(CC) $(CFLAGS) -c -o $@ $<
 
 build/tests/%: tests/unit/%.c tests/unit/test.h tests/unit/draw_checks.h tests/unit/cubin_syms.h \
                 tests/unit/cuda_emu_host.h tests/unit/scratch_dir.h build/libmdl.a

@@ -1,5 +1,25 @@
 // emit_common.h: what the C and CUDA emitters share (emit_common.c), names prefixed ec_. See
 // emit_common.c for the design.
+//
+// The emitters, file by file:
+//   emit_common.c       what does not depend on the target: where values are, groups and their order,
+//                       lines and scopes, the index maps of the inline evaluator
+//   emit_c.c            the C emitter (C11 + OpenMP): the module and its steps, buffers, the inline
+//                       evaluator, elementwise and row loops, GEMMs
+//   emit_c_rows.c       its row and reduction loops: sums, norms, softmax, embed, rope, masks
+//   emit_c_lmhead.c     its cross-entropy and LM head
+//   emit_c_attn.c       its attention, forward and backward
+//   emit_c_opt.c        its optimizer
+//   emit_c_impl.h       what the emit_c*.c files share (names prefixed c_)
+//   emit_cuda.c         the CUDA emitter: the module, its steps and their launch plan (CudaPlan), kernels
+//                       and their buffers, the inline evaluator, elementwise kernels, GEMMs and epilogues
+//   emit_cuda_rows.c    its row and reduction kernels: sums, norms, softmax, embed, rope, masks
+//   emit_cuda_lmhead.c  its cross-entropy and LM head
+//   emit_cuda_attn.c    its attention, forward and backward
+//   emit_cuda_opt.c     its optimizer
+//   emit_cuda_impl.h    what the emit_cuda*.c files share (names prefixed cu_)
+// and the preludes every emitted module starts with, in runtime/: prelude.h and prelude_bf16.h (C),
+// prelude.cuh (CUDA).
 #ifndef EMIT_COMMON_H
 #define EMIT_COMMON_H
 
@@ -21,6 +41,14 @@ void ec_bvput(Buf *b, const char *fmt, va_list ap);
 void ec_bappend(Buf *b, const Buf *x);
 void *ec_xcalloc(size_t n, size_t size); // exits when out of memory
 void ec_grow(void *p, int n, int *cap, size_t size); // grows *p (*cap elements of size bytes) to hold n + 1
+
+//
+// The preludes every emitted module starts with, as the text of their files (NUL-terminated),
+// embedded by tools/embed.c into build/preludes.c: runtime/prelude.h (C), runtime/prelude_bf16.h
+// (C, after prelude.h in graphs that hold bf16 values) and runtime/prelude.cuh (CUDA).
+//
+
+extern const char ec_prelude_c[], ec_prelude_c_bf16[], ec_prelude_cuda[];
 
 //
 // The state both emitters keep about the step being emitted.

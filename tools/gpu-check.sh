@@ -79,7 +79,7 @@ set -u
 cd "$(dirname "$0")/.."
 # (in the C locale: the order of the files must not depend on the machine's collation)
 sources_hash() {
-  (LC_ALL=C; cat Makefile grammar/* compiler/*.[ch] runtime/*.[ch] tools/gpucmp.c) | sha256sum | cut -d' ' -f1
+  (LC_ALL=C; cat Makefile grammar/* compiler/*.[ch] runtime/*.[ch] runtime/*.cuh tools/embed.c tools/gpucmp.c) | sha256sum | cut -d' ' -f1
 }
 
 if [ "${1:-}" = "--bundle" ]; then

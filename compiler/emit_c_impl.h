@@ -1,0 +1,112 @@
+// emit_c_impl.h: what the files of the C emitter share (names prefixed c_): its state Emit and the
+// functions one file calls in another. backend.h is the emitter's interface (emit_c); emit_common.h
+// says which file does what.
+#ifndef EMIT_C_IMPL_H
+#define EMIT_C_IMPL_H
+
+#include "emit_common.h"
+
+enum { PAR_MIN = 32768 }; // elements of work below which a loop stays on one thread
+
+// One kernel as emitted: on its own (code), and, where its pointers are into the arena, as the body of
+// a function that takes their offsets in o[] (shared), which kernels of the same loops share.
+typedef struct {
+  const char *name;
+  char *head;      // the comment above it: its ops and loops
+  char *code;      // the function, offsets built in
+  char *shared;    // from the function's opening brace, offsets from o[]; NULL without arena pointers
+  char *key;       // shared, comments dropped and node-numbered names numbered by first appearance
+  int64_t *off;
+  int noff;
+} Kernel;
+
+typedef struct {
+  EmitCore core;   // the step, its groups, where values are (scratch: a malloc'd buffer in this kernel)
+  Buf out;         // the translation unit
+
+  // one pass
+  bool *declared;  // its pointer is declared
+  int *decls;      // nodes whose pointer the kernel uses
+  int ndecls;
+  Buf notes;
+  const char *loop_ix; // the current loop's own flat index (stores happen there)
+  int64_t loop_n;      // and the number of elements it visits
+  int post_anchor;     // inside the loop that follows (or is) this anchor's, else -1
+  const char *post_ix;
+  bool post_inloop;    // that loop is the anchor's own loop (its value is a local)
+  int cur_q;           // the output being evaluated there
+  bool uses_h;
+} Emit;
+
+// Rows of a matrix in memory: row r starts at base + r * stride, base being element `off` of node
+// buf's buffer.
+typedef struct {
+  const char *base;
+  int64_t stride;
+  int buf;
+  int64_t off;
+} Rows;
+
+typedef struct {
+  const char *name;
+  int64_t n; // floats
+} Tmp;
+
+//
+// emit_c.c
+//
+
+void c_note(Emit *e, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+void c_par_for(Emit *e, int64_t work, const char *schedule);
+const char *c_str(Emit *e, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+const char *c_flit(Emit *e, double v);
+int c_ptr(Emit *e, int c);
+const char *c_val(Emit *e, int n, const char *ix);
+void c_flush(Emit *e);
+Rows c_rows_at(Emit *e, int buf, int64_t off, int64_t stride);
+Rows c_rows_of(Emit *e, int n);
+Rows c_widened(Emit *e, Rows r, int *wide, int *nwide);
+void c_free_widened(Emit *e, const int *wide, int nwide);
+void c_post_inloop(Emit *e, int anchor, const int *q, int nq, const char *ix, int64_t n, const char *y);
+void c_rows_open(Emit *e, const char *var, int64_t rows, int64_t work, const Tmp *tmp, int ntmp);
+void c_rows_close(Emit *e, const Tmp *tmp, int ntmp);
+void c_row_ptr(Emit *e, int x, const char *name, const char *tmp, int64_t cols);
+bool c_row_inline(Emit *e, int x);
+bool c_whole(Emit *e, int a);
+
+//
+// emit_c_rows.c
+//
+
+void c_emit_reduce(Emit *e, int gi, const bool *emitted);
+void c_emit_norm_fwd(Emit *e, int gi, const bool *emitted);
+void c_emit_norm_bwd(Emit *e, int gi, const bool *emitted);
+void c_exp_sum(Emit *e, int64_t n, const char *expr, const char *dst);
+void c_emit_softmax(Emit *e, int gi, const bool *emitted);
+void c_emit_embed(Emit *e, int gi);
+void c_emit_embed_bwd(Emit *e, int gi);
+void c_emit_rope(Emit *e, int gi);
+void c_emit_attn_mask(Emit *e, int gi);
+void c_emit_max_bwd(Emit *e, int gi);
+
+//
+// emit_c_lmhead.c
+//
+
+void c_emit_ce(Emit *e, int gi);
+void c_emit_lmhead(Emit *e, int gi);
+
+//
+// emit_c_attn.c
+//
+
+void c_emit_attention(Emit *e, int gi);
+void c_emit_attention_bwd(Emit *e, int gi);
+
+//
+// emit_c_opt.c
+//
+
+void c_emit_optimizer(Emit *e, int gi);
+
+#endif

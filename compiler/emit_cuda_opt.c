@@ -1,0 +1,268 @@
+// emit_cuda_opt.c: the CUDA emitter's optimizer (gradient norm, clipping and AdamW over every
+// parameter in one launch). See emit_cuda.c for the design.
+#include "mdl.h"
+#include "emit_common.h"
+#include "emit_cuda.h"
+#include "emit_cuda_impl.h"
+
+#include <math.h>
+#include <stdarg.h>
+#include <stdlib.h>
+#include <string.h>
+
+// The optimizer's segments: a table at file scope named `name`, or, for one segment, a local array
+// from the kernel's arguments (so that the kernels of equal segments are the same text). Entries are
+// {p, g, m, v, c, n, start, wd}; nodes -1 stand for fields left 0 (p, g, m, v) or -1 (c: no copy).
+static void seg_table(Emit *e, const char *name, int nseg, const int (*nodes)[5], const int64_t *n,
+                      const double *wd) {
+  if (nseg == 1) {
+    const char *f[5];
+    for (int k = 0; k < 5; k++)
+      f[k] = nodes[0][k] >= 0 ? cu_offset_arg(e, nodes[0][k]) : k == 4 ? "-1" : "0";
+    ec_line(&e->core, "const MdlSeg seg[1] = {{%s, %s, %s, %s, %s, %lld, 0, %s}};", f[0], f[1], f[2], f[3], f[4],
+            (long long)n[0], ec_dlit(&e->core, wd[0]));
+    return;
+  }
+  Buf b = {0};
+  ec_bput(&b, "static __device__ const MdlSeg %s[%d] = {\n", name, nseg);
+  int64_t start = 0;
+  for (int s = 0; s < nseg; s++) {
+    ec_bput(&b, "    {");
+    for (int k = 0; k < 5; k++)
+      ec_bput(&b, "%lld, ", nodes[s][k] >= 0 ? (long long)cu_buf_off(e, nodes[s][k]) : k == 4 ? -1LL : 0LL);
+    const char *pname = ec_node(&e->core, nodes[s][0])->name;
+    ec_bput(&b, "%lld, %lld, %s}, // %s\n", (long long)n[s], (long long)start, ec_dlit(&e->core, wd[s]),
+            pname ? pname : "");
+    start += n[s];
+  }
+  ec_bput(&b, "};\n\n");
+  e->table = ec_buf_str(&e->core, &b);
+  ec_line(&e->core, "const MdlSeg *const seg = %s;", name);
+}
+
+// Opens the loop over the segments that meet this block's chunk [c0, c1) of the concatenated
+// segments: the first found by bisection over their starts, the loop ending at the first that starts
+// past the chunk; [lo, hi): the chunk's elements of segment s, as indices into it. (A loop over every segment, in every thread, read GPT-2's 148-entry table a
+// thousand times per thread, for 32 elements: the optimizer took 3.6 ms a step on an H200.)
+static void seg_open(Emit *e, int nseg, int64_t total) {
+  ec_line(&e->core, "const int64_t c0 = (int64_t)blockIdx.x * %d, c1 = c0 + %d < %lld ? c0 + %d : %lld;", OPT_CHUNK,
+          OPT_CHUNK, (long long)total, OPT_CHUNK, (long long)total);
+  ec_line(&e->core, "int s0 = 0;");
+  ec_line(&e->core, "for (int s1 = %d; s0 < s1;) { // the last segment starting at or before c0", nseg - 1);
+  ec_line(&e->core, "  const int mid = (s0 + s1 + 1) / 2;");
+  ec_line(&e->core, "  if (seg[mid].start <= c0) s0 = mid; else s1 = mid - 1;");
+  ec_line(&e->core, "}");
+  ec_enter(&e->core, "for (int s = s0; s < %d && seg[s].start < c1; s++)", nseg);
+  ec_line(&e->core, "const int64_t lo = (c0 > seg[s].start ? c0 : seg[s].start) - seg[s].start;");
+  ec_line(&e->core, "const int64_t hi = (c1 < seg[s].start + seg[s].n ? c1 : seg[s].start + seg[s].n) - "
+                    "seg[s].start;");
+}
+
+// The loop over this block's chunk of the concatenated segments: opens the loop over segments
+// (seg_open) and the loop over the chunk's elements of segment s, OPT_SUMSQ_LOADS of a thread's from k.
+static void seg_loop(Emit *e, int nseg, int64_t total) {
+  seg_open(e, nseg, total);
+  ec_enter(&e->core, "for (int64_t k = lo + threadIdx.x; k < hi; k += %d * blockDim.x)", OPT_SUMSQ_LOADS);
+}
+
+// GRAD_NORM (a sum of squares per fixed chunk of the concatenated gradients, then one block adding the
+// chunks in order) and AdamW over tables of parameter segments, in double per element like the
+// interpreter; p, m and v in place.
+void cu_emit_optimizer(Emit *e, int gi) {
+  const Group *gr = &e->core.groups[gi];
+  for (int i = 0; i < gr->nmem; i++)
+    if (ec_node(&e->core, gr->mem[i])->op == OP_GRAD_NORM) {
+      const IrNode *nd = ec_node(&e->core, gr->mem[i]);
+      for (int k = 0; k < nd->nin; k++)
+        ec_need(&e->core, nd->in[k]);
+    }
+  for (int i = 0; i < gr->nmem; i++) {
+    const IrNode *nd = ec_node(&e->core, gr->mem[i]);
+    if (nd->op != OP_ADAMW)
+      continue;
+    for (int k = 1; k < 7; k++)
+      if (k != 4 || e->core.grp[ec_canon(&e->core, nd->in[4])] != gi)
+        ec_need(&e->core, nd->in[k]);
+  }
+  cu_flush(e);
+  ec_phase_begin(&e->core);
+  for (int i = 0; i < gr->nmem; i++) {
+    const IrNode *nd = ec_node(&e->core, gr->mem[i]);
+    if (nd->op != OP_GRAD_NORM)
+      continue;
+    int gn = gr->mem[i];
+    if (ec_offset(&e->core, gn) < 0)
+      e->core.scratch[gn] = true;
+    int (*nodes)[5] = ec_xcalloc((size_t)nd->nin, sizeof *nodes);
+    int64_t *n = ec_xcalloc((size_t)nd->nin, sizeof *n), total = 0;
+    double *wd = ec_xcalloc((size_t)nd->nin, sizeof *wd);
+    for (int k = 0; k < nd->nin; k++) {
+      nodes[k][0] = ec_need(&e->core, nd->in[k]);
+      nodes[k][1] = nodes[k][2] = nodes[k][3] = nodes[k][4] = -1;
+      n[k] = ec_numel(&e->core, nd->in[k]);
+      total += n[k];
+    }
+    int64_t nb = (total + OPT_CHUNK - 1) / OPT_CHUNK, part = cu_scratch_alloc(e, nb * 8);
+    cu_kbegin(e, "sumsq");
+    cu_note(e, "gradient norm: sums of squares of %d tensors, %lld values, in %lld chunks of %d", nd->nin,
+            (long long)total, (long long)nb, OPT_CHUNK);
+    seg_table(e, ec_str(&e->core, "%s_grads", e->sname), nd->nin, (const int(*)[5])nodes, n, wd);
+    const char *pp = cu_raw_ptr(e, part, "double", "sums of squares per chunk");
+    ec_line(&e->core, "double acc = 0;");
+    seg_loop(e, nd->nin, total);
+    // (OPT_SUMSQ_LOADS loads a thread in flight, the values added in the order of a loop of one load,
+    // which the compiler had left as it was)
+    ec_line(&e->core, "const float *const gs = (const float *)(arena + seg[s].p);");
+    ec_line(&e->core, "float x[%d];", OPT_SUMSQ_LOADS);
+    ec_line(&e->core, "#pragma unroll");
+    ec_line(&e->core, "for (int u = 0; u < %d; u++)", OPT_SUMSQ_LOADS);
+    ec_line(&e->core, "  x[u] = k + u * blockDim.x < hi ? gs[k + u * blockDim.x] : 0.0f;");
+    ec_line(&e->core, "#pragma unroll");
+    ec_line(&e->core, "for (int u = 0; u < %d; u++)", OPT_SUMSQ_LOADS);
+    ec_line(&e->core, "  acc += (double)x[u] * x[u];");
+    ec_leave(&e->core);
+    ec_leave(&e->core);
+    ec_line(&e->core, "acc = mdl_block_sum(acc, %s);", cu_sh_double(e));
+    ec_line(&e->core, "if (threadIdx.x == 0)");
+    ec_line(&e->core, "  %s[blockIdx.x] = acc;", pp);
+    cu_kend(e, nb, BLOCK);
+    cu_kbegin(e, "norm");
+    cu_note(e, "gradient norm: the %lld chunks added in order by one block", (long long)nb);
+    pp = cu_raw_ptr(e, part, "double", "sums of squares per chunk");
+    ec_line(&e->core, "double acc = 0;");
+    ec_line(&e->core, "for (int64_t k = threadIdx.x; k < %lld; k += blockDim.x)", (long long)nb);
+    ec_line(&e->core, "  acc += %s[k];", pp);
+    ec_line(&e->core, "acc = mdl_block_sum(acc, %s);", cu_sh_double(e));
+    ec_line(&e->core, "if (threadIdx.x == 0)");
+    ec_line(&e->core, "  %s[0] = (float)sqrt(acc);", cu_ptr(e, gn));
+    cu_kend(e, 1, BLOCK);
+    ec_phase_done(&e->core, gn);
+    free(nodes);
+    free(n);
+    free(wd);
+  }
+  // ADAMWs that share hyperparameters and scalars run over one table.
+  bool *done = ec_xcalloc((size_t)gr->nmem, sizeof *done);
+  for (int i = 0, table = 0; i < gr->nmem; i++) {
+    const IrNode *a = ec_node(&e->core, gr->mem[i]);
+    if (done[i] || a->op != OP_ADAMW)
+      continue;
+    int *seg = ec_xcalloc((size_t)gr->nmem, sizeof *seg), ns = 0;
+    int64_t total = 0;
+    for (int j = i; j < gr->nmem; j++) {
+      const IrNode *b = ec_node(&e->core, gr->mem[j]);
+      if (done[j] || b->op != OP_ADAMW || memcmp(a->fa, b->fa, sizeof(double) * 3) || a->fa[4] != b->fa[4])
+        continue;
+      bool same = true;
+      for (int k = 4; k < 7; k++)
+        same &= ec_canon(&e->core, a->in[k]) == ec_canon(&e->core, b->in[k]);
+      if (!same)
+        continue;
+      done[j] = true;
+      seg[ns++] = gr->mem[j];
+      total += ec_numel(&e->core, gr->mem[j]);
+    }
+    int (*nodes)[5] = ec_xcalloc((size_t)ns, sizeof *nodes);
+    int ncopies = 0;
+    int64_t *n = ec_xcalloc((size_t)ns, sizeof *n);
+    double *wd = ec_xcalloc((size_t)ns, sizeof *wd);
+    for (int j = 0; j < ns; j++) {
+      const IrNode *u = ec_node(&e->core, seg[j]);
+      for (int k = 0; k < 4; k++) {
+        nodes[j][k] = ec_canon(&e->core, u->in[k]);
+        if (ec_offset(&e->core, nodes[j][k]) < 0)
+          ec_fail(&e->core, "adamw %d: parameter, gradient or moments not in memory", seg[j]);
+      }
+      if (ec_offset(&e->core, seg[j]) >= 0 && ec_offset(&e->core, seg[j]) != ec_offset(&e->core, nodes[j][0]))
+        ec_fail(&e->core, "adamw %d: the new parameter is not written in place", seg[j]);
+      nodes[j][4] = e->core.f->copy_of[nodes[j][0]];
+      ncopies += nodes[j][4] >= 0;
+      n[j] = ec_numel(&e->core, seg[j]);
+      wd[j] = u->fa[3];
+    }
+    int gnorm = ec_need(&e->core, a->in[4]), lr = ec_need(&e->core, a->in[5]), step = ec_need(&e->core, a->in[6]);
+    cu_kbegin(e, table ? ec_str(&e->core, "%d", table + 1) : "");
+    cu_note(e, "AdamW over %d parameters, %lld values (beta1 %g, beta2 %g, eps %g, clip %g), chunks of %d%s", ns,
+            (long long)total, a->fa[0], a->fa[1], a->fa[2], a->fa[4], OPT_CHUNK,
+            ncopies ? ec_str(&e->core, "; %d bf16 copies", ncopies) : "");
+    seg_table(e, ec_str(&e->core, "%s_seg%s", e->sname, table ? ec_str(&e->core, "%d", table + 1) : ""), ns,
+              (const int(*)[5])nodes, n, wd);
+    ec_line(&e->core, "const double clip = %s, gnorm = %s[0];", ec_dlit(&e->core, a->fa[4]), cu_ptr(e, gnorm));
+    // A non-finite loss or gradient norm leaves p, m and v as they were, as the C back end does: the
+    // runtime reads the same two values after the step and stops or skips it (train.c).
+    int loss = e->core.f->g->loss >= 0 ? ec_need(&e->core, e->core.f->g->loss) : -1;
+    ec_line(&e->core, "if (!isfinite(gnorm)%s)",
+            loss >= 0 ? ec_str(&e->core, " || !isfinite(%s[0])", cu_ptr(e, loss)) : "");
+    ec_line(&e->core, "  return;");
+    ec_line(&e->core, "const double sc = clip > 0 ? fmin(1.0, clip / (gnorm + 1e-6)) : 1.0;");
+    ec_line(&e->core, "const double lr = %s[0], step = %s[0];", cu_ptr(e, lr), cu_ptr(e, step));
+    ec_line(&e->core, "const double beta1 = %s, beta2 = %s, eps = %s;", ec_dlit(&e->core, a->fa[0]),
+            ec_dlit(&e->core, a->fa[1]), ec_dlit(&e->core, a->fa[2]));
+    ec_line(&e->core, "const MdlAdamW h = {sc, lr, beta1, beta2, eps, 1.0 / (1.0 - pow(beta1, step)), "
+            "1.0 / (1.0 - pow(beta2, step))};");
+    // Four elements a float4, OPT_UNROLL float4s of g, m, v and p loaded before any is updated: the
+    // stores of one element may alias the loads of the next as far as the compiler knows, so one at
+    // a time a thread would keep a single element's loads in flight and the kernel would wait on
+    // memory. Buffers start 64-byte aligned; where a chunk or segment does not start or end at a
+    // multiple of 4, up to 3 elements at each end go one a thread.
+    seg_open(e, ns, total);
+    ec_line(&e->core, "float *p = (float *)(arena + seg[s].p), *m = (float *)(arena + seg[s].m);");
+    ec_line(&e->core, "float *v = (float *)(arena + seg[s].v);");
+    ec_line(&e->core, "const float *g = (const float *)(arena + seg[s].g);");
+    ec_line(&e->core, "const double wd = seg[s].wd;");
+    if (ncopies)
+      ec_line(&e->core, "uint16_t *const cp = seg[s].c >= 0 ? (uint16_t *)(arena + seg[s].c) : NULL;");
+    ec_line(&e->core, "const int64_t lo4 = (lo + 3) / 4 * 4, hi4 = hi / 4 * 4 > lo4 ? hi / 4 * 4 : lo4;");
+    ec_enter(&e->core, "if (threadIdx.x < 8)");
+    ec_line(&e->core, "const int64_t k = threadIdx.x < 4 ? lo + threadIdx.x : hi4 + threadIdx.x - 4;");
+    ec_enter(&e->core, "if (k < hi && (threadIdx.x >= 4 || k < lo4))");
+    ec_line(&e->core, "float mk = m[k], vk = v[k];");
+    ec_line(&e->core, "const float pk = mdl_adamw(h, wd, g[k], mk, vk, p[k]);");
+    ec_line(&e->core, "m[k] = mk, v[k] = vk, p[k] = pk;");
+    if (ncopies) {
+      ec_line(&e->core, "if (cp)");
+      ec_line(&e->core, "  cp[k] = mdl_f32_to_bf16(pk);");
+    }
+    ec_leave(&e->core);
+    ec_leave(&e->core);
+    ec_enter(&e->core, "for (int64_t k0 = lo4 / 4 + threadIdx.x; k0 < hi4 / 4; k0 += %d * blockDim.x)", OPT_UNROLL);
+    ec_line(&e->core, "float4 gv[%d], mv[%d], vv[%d], pv[%d];", OPT_UNROLL, OPT_UNROLL, OPT_UNROLL, OPT_UNROLL);
+    ec_line(&e->core, "#pragma unroll");
+    ec_enter(&e->core, "for (int u = 0; u < %d; u++)", OPT_UNROLL);
+    ec_line(&e->core, "const int64_t q = k0 + u * blockDim.x;");
+    ec_line(&e->core, "gv[u] = mv[u] = vv[u] = pv[u] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);");
+    ec_line(&e->core, "if (q < hi4 / 4)");
+    ec_line(&e->core, "  gv[u] = ((const float4 *)g)[q], mv[u] = ((float4 *)m)[q], vv[u] = ((float4 *)v)[q], "
+                      "pv[u] = ((float4 *)p)[q];");
+    ec_leave(&e->core);
+    ec_line(&e->core, "#pragma unroll");
+    ec_enter(&e->core, "for (int u = 0; u < %d; u++)", OPT_UNROLL);
+    ec_line(&e->core, "const int64_t q = k0 + u * blockDim.x;");
+    ec_line(&e->core, "if (q >= hi4 / 4)");
+    ec_line(&e->core, "  break;");
+    ec_line(&e->core, "float4 &mq = mv[u], &vq = vv[u], &pq = pv[u];");
+    ec_line(&e->core, "pq.x = mdl_adamw(h, wd, gv[u].x, mq.x, vq.x, pq.x);");
+    ec_line(&e->core, "pq.y = mdl_adamw(h, wd, gv[u].y, mq.y, vq.y, pq.y);");
+    ec_line(&e->core, "pq.z = mdl_adamw(h, wd, gv[u].z, mq.z, vq.z, pq.z);");
+    ec_line(&e->core, "pq.w = mdl_adamw(h, wd, gv[u].w, mq.w, vq.w, pq.w);");
+    ec_line(&e->core, "((float4 *)m)[q] = mq, ((float4 *)v)[q] = vq, ((float4 *)p)[q] = pq;");
+    if (ncopies) {
+      ec_line(&e->core, "if (cp)");
+      ec_line(&e->core, "  ((ushort4 *)cp)[q] = make_ushort4(mdl_f32_to_bf16(pq.x), mdl_f32_to_bf16(pq.y), "
+                        "mdl_f32_to_bf16(pq.z), mdl_f32_to_bf16(pq.w));");
+    }
+    ec_leave(&e->core);
+    ec_leave(&e->core);
+    ec_leave(&e->core);
+    cu_kend(e, (total + OPT_CHUNK - 1) / OPT_CHUNK, BLOCK);
+    for (int j = 0; j < ns; j++)
+      ec_phase_done(&e->core, seg[j]);
+    free(seg);
+    free(nodes);
+    free(n);
+    free(wd);
+    table++;
+  }
+  free(done);
+  ec_phase_end(&e->core);
+}

@@ -1,0 +1,187 @@
+#define _DEFAULT_SOURCE // mmap's MAP_ANONYMOUS and madvise's MADV_HUGEPAGE under -std=c11
+#include <math.h>
+#include <stdbool.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+
+// The runtime's hooks and the kernel table (runtime/backend.h holds the same typedefs).
+typedef struct {
+  // row-major C = op(A) op(B) + beta C, op = transpose when ta / tb
+  void (*sgemm)(int ta, int tb, int64_t m, int64_t n, int64_t k, const float *a, int64_t lda,
+                const float *b, int64_t ldb, float beta, float *c, int64_t ldc);
+  // the same with bf16 operands; NULL where the library has none faster than sgemm
+  void (*bgemm)(int ta, int tb, int64_t m, int64_t n, int64_t k, const uint16_t *a, int64_t lda,
+                const uint16_t *b, int64_t ldb, float beta, float *c, int64_t ldc);
+  int nthreads;  // OpenMP threads per parallel loop
+  int gemm_blocks; // row blocks of a large GEMM, whatever nthreads is
+  uint64_t seed; // the run's seed: dropout masks
+  void *ctx;     // passed back to error
+  void (*error)(void *ctx, const char *what, int64_t value, int64_t limit); // an id or target out of range
+} MdlHooks;
+
+typedef struct {
+  const char *name;
+  void (*fn)(char *arena, const MdlHooks *h);
+} MdlKernel;
+
+// Counter-based random numbers, as in mdl.h: splitmix64 of (seed, stream, index).
+static inline uint64_t mdl_rng_u64(uint64_t seed, uint64_t stream, uint64_t i) {
+  uint64_t z = seed * 0x9E3779B97F4A7C15ull + stream * 0xD1B54A32D192ED03ull + i * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+
+static inline double mdl_rng_uniform(uint64_t seed, uint64_t stream, uint64_t i) {
+  return (double)(mdl_rng_u64(seed, stream, i) >> 40) / 16777216.0;
+}
+
+// Dropout keeps element i when its uniform number is >= p and scales it by 1 / (1 - p).
+static inline float mdl_dropout(uint64_t seed, uint64_t stream, int64_t i, double p, float x) {
+  return mdl_rng_uniform(seed, stream, (uint64_t)i) >= p ? (float)(x / (1.0 - p)) : 0.0f;
+}
+
+// exp(x), saturating outside [-87, 88] (at e^-87 and e^88; a NaN stays NaN): x = n ln 2 + r with n
+// rounded to nearest by adding 1.5 * 2^23 (n then sits in the low bits of `big`), Cephes' expf
+// polynomial in r, and 2^n made from n's bits; within 2 ulp, and branch-free so that loops of it
+// vectorize (libm's expf does not: a scalar call per element).
+static inline float mdl_exp_fast(float x) {
+  const float xc = x < -87.0f ? -87.0f : x > 88.0f ? 88.0f : x;
+  const float big = xc * 1.44269504f + 12582912.0f, n = big - 12582912.0f;
+  const float r = xc - n * 0.693359375f + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  uint32_t bits;
+  memcpy(&bits, &big, sizeof bits);
+  bits = (bits - 0x4B400000u + 127u) << 23;
+  float two_n;
+  memcpy(&two_n, &bits, sizeof two_n);
+  return (p * r * r + r + 1.0f) * two_n;
+}
+
+// exp(x) for x <= 0 (a score less its row's maximum), 0 for -INFINITY.
+static inline float mdl_exp_shifted(float x) { return x == -INFINITY ? 0.0f : mdl_exp_fast(x); }
+
+// GELU, tanh approximation (GPT-2): 0.5 x (1 + tanh(u)), u = sqrt(2/pi) (x + 0.044715 x^3), and its
+// derivative 0.5 (1 + t) + 0.5 x (1 - t^2) u'. With s = sigmoid(2u) = 0.5 (1 + tanh(u)) and
+// 1 - t^2 = 4 s (1 - s) both take one exp, much cheaper than tanhf.
+static inline float mdl_gelu(float x) {
+  const float u = 0.797884561f * (x + 0.044715f * x * x * x);
+  return x / (1.0f + mdl_exp_fast(-2.0f * u));
+}
+
+static inline float mdl_gelu_grad(float x) {
+  const float u = 0.797884561f * (x + 0.044715f * x * x * x), s = 1.0f / (1.0f + mdl_exp_fast(-2.0f * u));
+  return s + 2.0f * x * s * (1.0f - s) * 0.797884561f * (1.0f + 3.0f * 0.044715f * x * x);
+}
+
+static inline float mdl_sigmoid(float x) { return 1.0f / (1.0f + mdl_exp_fast(-x)); }
+static inline float mdl_silu(float x) { return x * mdl_sigmoid(x); }
+
+static inline float mdl_silu_grad(float x, float dy) {
+  const float s = mdl_sigmoid(x);
+  return dy * s * (1.0f + x * (1.0f - s));
+}
+
+// Scratch for one kernel, freed by mdl_free before it returns. A large buffer is mapped in huge
+// pages where the kernel has them, and kept when freed for the next step's kernel of its size (a
+// few are kept): mapped afresh each step, GPT-2 124M's LM head chunk of 51 MB was faulted in and
+// zeroed by the kernel every step (glibc's malloc maps anything over 32 MB afresh). A header before
+// the buffer keeps its size.
+enum { MDL_SCRATCH_HEAD = 64, MDL_SCRATCH_MAPPED = 4 << 20, MDL_SCRATCH_KEPT = 8 };
+static char *mdl_scratch_kept[MDL_SCRATCH_KEPT];
+
+static inline void *mdl_scratch(size_t bytes) {
+  const size_t n = bytes + MDL_SCRATCH_HEAD;
+  char *p = NULL;
+  if (n >= MDL_SCRATCH_MAPPED) {
+#pragma omp critical(mdl_scratch)
+    for (int i = 0; i < MDL_SCRATCH_KEPT && !p; i++) {
+      size_t m = 0;
+      if (mdl_scratch_kept[i])
+        memcpy(&m, mdl_scratch_kept[i], sizeof m);
+      if (m == n)
+        p = mdl_scratch_kept[i], mdl_scratch_kept[i] = NULL;
+    }
+    if (!p) {
+      p = mmap(NULL, n, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+      if (p == MAP_FAILED)
+        p = NULL;
+      else
+        madvise(p, n, MADV_HUGEPAGE);
+    }
+  } else {
+    p = aligned_alloc(MDL_SCRATCH_HEAD, (n + MDL_SCRATCH_HEAD - 1) / MDL_SCRATCH_HEAD * MDL_SCRATCH_HEAD);
+  }
+  if (!p) {
+    fprintf(stderr, "mdl: out of memory (%zu bytes)\n", bytes);
+    abort();
+  }
+  memcpy(p, &n, sizeof n);
+  return p + MDL_SCRATCH_HEAD;
+}
+
+static inline void mdl_free(void *q) {
+  char *p = (char *)q - MDL_SCRATCH_HEAD;
+  size_t n;
+  memcpy(&n, p, sizeof n);
+  if (n < MDL_SCRATCH_MAPPED) {
+    free(p);
+    return;
+  }
+#pragma omp critical(mdl_scratch)
+  for (int i = 0; i < MDL_SCRATCH_KEPT && p; i++)
+    if (!mdl_scratch_kept[i])
+      mdl_scratch_kept[i] = p, p = NULL;
+  if (p)
+    munmap(p, n);
+}
+
+// C = op(A) op(B) + beta C through the runtime's sgemm, split into blocks of output rows over the
+// threads (the BLAS runs single-threaded in each): one pool of threads for the whole step. The
+// blocks (h->gemm_blocks, 16 rows at least) do not follow the thread count: OpenBLAS sums a row in
+// another order when it is part of a smaller product (its small-matrix kernels: 48 rows of an
+// A B^T product with n 32, k 256 differ from the same rows as two calls of 24), so a split by
+// threads made results depend on them.
+static inline void mdl_gemm(const MdlHooks *h, int ta, int tb, int64_t m, int64_t n, int64_t k, const float *a,
+                            int64_t lda, const float *b, int64_t ldb, float beta, float *c, int64_t ldc) {
+  int64_t nb = m * n * k >= (1 << 18) ? h->gemm_blocks : 1;
+  if (nb > (m + 15) / 16)
+    nb = (m + 15) / 16;
+  if (nb <= 1) {
+    h->sgemm(ta, tb, m, n, k, a, lda, b, ldb, beta, c, ldc);
+    return;
+  }
+#pragma omp parallel for num_threads(h->nthreads) schedule(static)
+  for (int64_t t = 0; t < nb; t++) {
+    const int64_t r0 = m * t / nb, r1 = m * (t + 1) / nb;
+    h->sgemm(ta, tb, r1 - r0, n, k, ta ? a + r0 : a + r0 * lda, lda, b, ldb, beta, c + r0 * ldc, ldc);
+  }
+}
+
+// Sum of squares in double over fixed blocks of 4096, each block in vector lanes, the blocks added
+// in order: the result does not depend on the number of threads.
+static inline double mdl_sumsq(const float *x, int64_t n, int nthreads) {
+  const int64_t nb = (n + 4095) / 4096;
+  double *part = mdl_scratch((size_t)nb * sizeof(double)), s = 0;
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (n >= 65536)
+  for (int64_t b = 0; b < nb; b++) {
+    const int64_t end = b * 4096 + 4096 < n ? b * 4096 + 4096 : n;
+    double acc = 0;
+#pragma omp simd reduction(+ : acc)
+    for (int64_t i = b * 4096; i < end; i++)
+      acc += (double)x[i] * x[i];
+    part[b] = acc;
+  }
+  for (int64_t b = 0; b < nb; b++)
+    s += part[b];
+  mdl_free(part);
+  return s;
+}
