@@ -94,6 +94,23 @@ expect "a truncated shard is refused" 1 $m run models/gpt2-tiny.mdl -D B=2 -D T=
   --out "$tmp/run6"
 contains "the truncated shard is named" "$tmp/err" "bad-shards/train_000000.bin: error: truncated"
 
+# Batches are shuffled by default, a permutation from --seed; --no-shuffle keeps the data's order,
+# whatever the seed. The weights come from one file, so that only the batches differ between runs.
+$m init models/gpt2-tiny.mdl -o "$tmp/wsh.safetensors" --seed 5 >/dev/null
+for s in 1 2 "1 --no-shuffle" "2 --no-shuffle" "1 --shuffle"; do
+  # shellcheck disable=SC2086
+  $m run models/gpt2-tiny.mdl -D B=2 -D T=16 --steps 3 --data "$tmp/shards" --out "$tmp/sh${s// /}" --val-every 0 \
+    --ckpt-every 0 --backend cpu --weights "$tmp/wsh.safetensors" --seed $s >/dev/null 2>&1
+  sed -n 's/.*"loss":\([0-9.]*\).*/\1/p' "$tmp/sh${s// /}/log.jsonl" >"$tmp/sh${s// /}.losses"
+done
+[ -s "$tmp/sh1.losses" ] && ! cmp -s "$tmp/sh1.losses" "$tmp/sh2.losses" && ! cmp -s "$tmp/sh1.losses" "$tmp/sh1--no-shuffle.losses" &&
+  echo "[ok] cli: batches are shuffled by default: two seeds draw different batches, neither the data's order" ||
+  echo "[fail] cli: default batches: seed 1 $(tr '\n' ' ' <"$tmp/sh1.losses"), seed 2 $(tr '\n' ' ' <"$tmp/sh2.losses")"
+[ -s "$tmp/sh1--no-shuffle.losses" ] && cmp -s "$tmp/sh1--no-shuffle.losses" "$tmp/sh2--no-shuffle.losses" &&
+  cmp -s "$tmp/sh1.losses" "$tmp/sh1--shuffle.losses" &&
+  echo "[ok] cli: --no-shuffle keeps the data's order whatever the seed; --shuffle is the default, said" ||
+  echo "[fail] cli: --no-shuffle: seed 1 $(tr '\n' ' ' <"$tmp/sh1--no-shuffle.losses"), seed 2 $(tr '\n' ' ' <"$tmp/sh2--no-shuffle.losses")"
+
 # Each pass can be switched off, and switching one off changes the plan but not the numbers.
 for off in "" --no-fuse --no-reuse --no-chunk-lmhead; do
   rm -rf "$tmp/p$off"
