@@ -50,6 +50,16 @@ expect "grad with corrupt weights is refused" 1 $m grad models/gpt2-tiny.mdl --w
   --batch "$tmp/none.safetensors" -o "$tmp/g.safetensors"
 contains "the corrupt file is named" "$tmp/err" "bad.safetensors"
 
+# A param that no output uses: a warning at its place, not an error; a model without one, none.
+printf 'model m\ninput x: f32[8, 16]\nparam w: [16, 4] = normal(0.1)\nparam extra: [4] = zeros\noutput y = x @ w\n' \
+  >"$tmp/unused.mdl"
+expect "a param no output uses is no error" 0 $m check "$tmp/unused.mdl"
+contains "a param no output uses gets a warning at its place" "$tmp/err" \
+  "$tmp/unused.mdl:4:7: warning: param 'extra' is not used by any output"
+expect "a model that uses every param" 0 $m check models/gpt2-tiny.mdl
+[ -s "$tmp/err" ] && echo "[fail] cli: a model that uses every param warns: $(head -c 300 "$tmp/err")" ||
+  echo "[ok] cli: a model that uses every param gets no warning"
+
 mkdir -p "$tmp/corpus"
 for i in 1 2 3 4 5 6; do head -c $((3000 * i)) /usr/share/common-licenses/GPL-3 | tail -c 3000 >"$tmp/corpus/doc$i.txt"; done
 expect "prep a small corpus" 0 $m prep "$tmp/corpus" -o "$tmp/shards"
