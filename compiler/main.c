@@ -865,6 +865,10 @@ static int cmd_run(const Options *o, Graph *g) {
   int lock = train_claim_out(out_dir, o->resume, &created);
   if (lock < 0)
     return EXIT_USER;
+  if (!train_check_inputs(g, data_abs, out_dir, o->resume, o->tokenize_on_the_fly, o->weights)) {
+    train_release_out(lock, out_dir, created);
+    return EXIT_USER;
+  }
   if (o->tokenize_on_the_fly && o->pack && !o->shuffle_set)
     printf("batches in order: packed rows read from the text cannot be shuffled (--no-pack shuffles them)\n");
   Engine *e = open_engine(o, g, true);
