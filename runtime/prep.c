@@ -455,7 +455,7 @@ int prep_run(const PrepOptions *o) {
   double share = (double)p.val.tokens / (double)tokens;
   if (share > 2 * o->val_fraction || share < o->val_fraction / 2)
     fprintf(stderr, "%s: warning: the val split holds %.1f%% of the tokens, where --val-fraction asks %.1f%%: "
-            "documents stay whole, and %lld of these sizes split no nearer (--doc-sep cuts files into more)\n", in,
+            "documents stay whole, and these %lld split no nearer (--doc-sep cuts files into more documents)\n", in,
             100 * share, 100 * o->val_fraction, (long long)p.ndocs);
   rc = 0;
 done:
