@@ -94,6 +94,13 @@ void diag_note(SrcLoc loc, const char *fmt, ...) {
   va_end(ap);
 }
 
+void diag_warning(SrcLoc loc, const char *fmt, ...) {
+  va_list ap;
+  va_start(ap, fmt);
+  report(loc, "warning", fmt, ap);
+  va_end(ap);
+}
+
 void diag_file_error(const char *path, const char *fmt, ...) {
   va_list ap;
   va_start(ap, fmt);

@@ -191,7 +191,8 @@ static void run_row(const LabOptions *o, const char *self, Row *r) {
   char steps[32];
   snprintf(steps, sizeof steps, "%lld", (long long)o->steps);
   const char *base[] = {self, "run", o->model, "--data", o->data, "--out", r->dir, "--steps", steps,
-                        "--val-every", "0", "--val-batches", "2", "--ckpt-every", "0"};
+                        "--val-every", "0", "--val-batches", "2", "--ckpt-every", "0",
+                        "--no-shuffle"}; // (every row the same batches: packed rows from the text come in order)
   for (size_t i = 0; i < sizeof base / sizeof *base; i++)
     argv[n++] = base[i];
   for (int i = 0; i < o->npass && n < MAX_ARGS - 16; i++)

@@ -43,6 +43,7 @@ typedef struct {
   bool kernel_tuning; // and each kernel that has a variant against it (--no-kernel-tuning)
   PrepOptions prep;
   bool resume, pack, shuffle;
+  int shuffle_set; // +1 --shuffle, -1 --no-shuffle, 0 neither: shuffled, but in order from the text packed
   bool tokenize_on_the_fly; // training batches tokenised from the text as drawn (--tokenize-on-the-fly)
   int64_t val_every, val_batches, ckpt_every;
   int64_t accumulate; // > 0 overrides the train section's
@@ -85,11 +86,12 @@ static const char usage_text[] =
     "      --out DIR          checkpoint, log.jsonl and loss.svg (default: out)\n"
     "      --resume           continue the checkpoint in --out exactly\n"
     "      --no-pack          one padded document per row instead of packed rows\n"
-    "      --shuffle          shuffled batches (deterministic from --seed)\n"
+    "      --no-shuffle       batches in the data's order (the default: shuffled, deterministic from --seed;\n"
+    "                         --shuffle says so explicitly)\n"
     "      --tokenize-on-the-fly  read the text prep made the shards from (DIR/source.txt) and tokenise\n"
     "                         each training batch as it is drawn, in the step's time, nothing prepared\n"
     "                         ahead (to measure what the shards are worth): the same batches; validation\n"
-    "                         batches still come from the shards; --shuffle only with --no-pack\n"
+    "                         batches still come from the shards; packed rows in order (shuffled with --no-pack)\n"
     "      --val-every N      validation loss every N steps (default 100; and at the end)\n"
     "      --val-batches N    batches per validation (default 4)\n"
     "      --ckpt-every N     a checkpoint every N steps (default 100; and at the end)\n"
@@ -157,7 +159,8 @@ static int parse_options(int argc, char **argv, Options *o) {
       {"val-fraction", required_argument, 0, 'f'}, {"text-field", required_argument, 0, 't'},
       {"shard-tokens", required_argument, 0, 'n'}, {"force", no_argument, 0, 'r'},
       {"resume", no_argument, 0, 'R'},        {"no-pack", no_argument, 0, 'P'},
-      {"shuffle", no_argument, 0, 'H'},       {"val-every", required_argument, 0, 'E'},
+      {"shuffle", no_argument, 0, 'H'},       {"no-shuffle", no_argument, 0, 'W'},
+      {"val-every", required_argument, 0, 'E'},
       {"tokenize-on-the-fly", no_argument, 0, 'I'},
       {"val-batches", required_argument, 0, 'B'}, {"ckpt-every", required_argument, 0, 'K'},
       {"accumulate", required_argument, 0, 'A'}, {"prompt", required_argument, 0, 'p'},
@@ -269,7 +272,8 @@ static int parse_options(int argc, char **argv, Options *o) {
       break;
     }
     case 'P': o->pack = false; break;
-    case 'H': o->shuffle = true; break;
+    case 'H': o->shuffle_set = 1; break;
+    case 'W': o->shuffle_set = -1; break;
     case 'I': o->tokenize_on_the_fly = true; break;
     case 'E': case 'B': case 'K': case 'A': case 'X': {
       int64_t *dst = c == 'E' ? &o->val_every : c == 'B' ? &o->val_batches : c == 'K' ? &o->ckpt_every
@@ -297,10 +301,11 @@ static int parse_options(int argc, char **argv, Options *o) {
   }
   if (optind + 2 != argc)
     return usage_error("%s", optind == argc ? "no verb given" : "want exactly one VERB and one FILE.mdl");
-  if (o->tokenize_on_the_fly && o->shuffle && o->pack)
+  if (o->tokenize_on_the_fly && o->shuffle_set > 0 && o->pack)
     return usage_error("--tokenize-on-the-fly cannot --shuffle packed rows: a shuffled window w starts at token "
                        "w*T of the split, which only the whole split tokenised up front would tell; add --no-pack "
                        "(rows are documents) or leave out --shuffle%s", "");
+  o->shuffle = o->shuffle_set > 0 || (!o->shuffle_set && !(o->tokenize_on_the_fly && o->pack));
   o->verb = argv[optind];
   o->file = argv[optind + 1];
   return 0;
@@ -860,6 +865,12 @@ static int cmd_run(const Options *o, Graph *g) {
   int lock = train_claim_out(out_dir, o->resume, &created);
   if (lock < 0)
     return EXIT_USER;
+  if (!train_check_inputs(g, data_abs, out_dir, o->resume, o->tokenize_on_the_fly, o->weights)) {
+    train_release_out(lock, out_dir, created);
+    return EXIT_USER;
+  }
+  if (o->tokenize_on_the_fly && o->pack && !o->shuffle_set)
+    printf("batches in order: packed rows read from the text cannot be shuffled (--no-pack shuffles them)\n");
   Engine *e = open_engine(o, g, true);
   if (!e) {
     train_release_out(lock, out_dir, created);

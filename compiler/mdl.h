@@ -36,6 +36,7 @@ extern int diag_errors; // errors reported so far
 enum { DIAG_MAX_ERRORS = 20 };
 void diag_error(SrcLoc loc, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 void diag_note(SrcLoc loc, const char *fmt, ...) __attribute__((format(printf, 2, 3))); // after a printed error only
+void diag_warning(SrcLoc loc, const char *fmt, ...) __attribute__((format(printf, 2, 3))); // counts as no error
 void diag_begin(void);   // a new compilation: its errors count toward the limit from zero
 bool diag_stopped(void); // more than DIAG_MAX_ERRORS errors since diag_begin()
 // An error about a file or a path rather than a place in the .mdl text: "path: reason".

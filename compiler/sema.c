@@ -245,6 +245,51 @@ static Sym *define(Sema *s, const char *name, SymKind kind, SrcLoc at) {
 
 static bool loc_before(SrcLoc a, SrcLoc b) { return a.line < b.line || (a.line == b.line && a.col < b.col); }
 
+// The edit distance (insertions, deletions, substitutions) between a and b, or 3 when it is more
+// than 2 (all "did you mean" needs).
+static int edit_distance(const char *a, const char *b) {
+  size_t n = strlen(a), m = strlen(b);
+  if (n > m + 2 || m > n + 2 || m > 62)
+    return 3;
+  int row[64];
+  for (size_t j = 0; j <= m; j++)
+    row[j] = (int)j;
+  for (size_t i = 1; i <= n; i++) {
+    int diag = row[0], best = row[0] = (int)i;
+    for (size_t j = 1; j <= m; j++) {
+      int up = row[j], d = diag + (a[i - 1] != b[j - 1]);
+      if (up + 1 < d)
+        d = up + 1;
+      if (row[j - 1] + 1 < d)
+        d = row[j - 1] + 1;
+      diag = up;
+      row[j] = d;
+      if (d < best)
+        best = d;
+    }
+    if (best > 2)
+      return 3;
+  }
+  return row[m] < 3 ? row[m] : 3;
+}
+
+// " (did you mean 'NAME'?)" for the nearest of the candidates within 2 edits of name (and fewer
+// than its length), else "".
+typedef struct {
+  const char *name, *best;
+  int dist;
+} Nearest;
+static void consider(Nearest *near, const char *candidate) {
+  int d = edit_distance(near->name, candidate);
+  if (d < near->dist && d < (int)strlen(near->name)) {
+    near->dist = d;
+    near->best = candidate;
+  }
+}
+static const char *did_you_mean(Sema *s, const Nearest *near) {
+  return near->best ? arena_printf(s->a, " (did you mean '%s'?)", near->best) : "";
+}
+
 static void unknown_name(Sema *s, const Expr *e) {
   const Decl *d = NULL;
   for (int i = 0; i < s->decls.n && !d; i++)
@@ -259,7 +304,11 @@ static void unknown_name(Sema *s, const Expr *e) {
     if (error_at(s, e->at, "'%s' is local to repeat block '%s'", e->s, d->repeat))
       diag_note(d->at, "'%s' is defined here", e->s);
   } else {
-    error_at(s, e->at, "unknown name '%s'", e->s);
+    Nearest near = {e->s, NULL, 3};
+    for (Scope *sc = s->scope; sc; sc = sc->up)
+      for (Sym *y = sc->syms; y; y = y->next)
+        consider(&near, y->name);
+    error_at(s, e->at, "unknown name '%s'%s", e->s, did_you_mean(s, &near));
   }
 }
 
@@ -1095,8 +1144,12 @@ static Val call(Sema *s, const Expr *e) {
   }
   if (!strcmp(e->s, "normal"))
     error_at(s, e->at, "normal(std) initialises a param: param NAME: [shape] = normal(std)");
-  else
-    error_at(s, e->at, "unknown op '%s'", e->s);
+  else {
+    Nearest near = {e->s, NULL, 3};
+    for (size_t i = 0; i < sizeof builtins / sizeof *builtins; i++)
+      consider(&near, builtins[i].name);
+    error_at(s, e->at, "unknown op '%s'%s", e->s, did_you_mean(s, &near));
+  }
   return ERR;
 }
 
@@ -1789,6 +1842,30 @@ static void set_decay(Sema *s) {
   }
 }
 
+// What a whole model must have: a loss when it has a train section (an error), and every param on
+// the way to an output (a warning for each that is not: it would train to nothing). Once the model
+// holds no other error.
+static void check_model(Sema *s, const Stmt *train) {
+  Graph *g = s->g;
+  if (train && g->loss < 0)
+    error_at(s, train->at, "a train section, but no 'output loss = ...' (a scalar f32): there is nothing to train");
+  bool *live = arena_alloc(s->a, (size_t)(g->n ? g->n : 1));
+  for (int i = 0; i < s->nout; i++)
+    live[s->out_nodes[i]] = true;
+  for (int id = g->n - 1; id >= 0; id--)
+    for (int k = 0; live[id] && k < node(s, id)->nin; k++)
+      live[node(s, id)->in[k]] = true;
+  SrcLoc last = {0};
+  for (int i = 0; i < g->nparams; i++) {
+    const IrNode *n = node(s, g->params[i]);
+    if (live[n->id] || (n->loc.line == last.line && n->loc.col == last.col)) // (once for a repeat's copies)
+      continue;
+    last = n->loc;
+    diag_warning(n->loc, "param '%s' is not used by any output: it gets no gradient and keeps its initial values",
+                 n->name);
+  }
+}
+
 Graph *sema_build(Parser *p, const DimOverride *ov, int nov, const LowerOptions *lo) {
   Sema sema = {.p = p, .a = p->arena, .g = ir_new(p->arena), .lower = lo ? *lo : (LowerOptions){0}};
   Sema *s = &sema;
@@ -1806,6 +1883,8 @@ Graph *sema_build(Parser *p, const DimOverride *ov, int nov, const LowerOptions 
   s->out_nodes = arena_alloc(s->a, sizeof(int) * (size_t)(s->outputs.n ? s->outputs.n : 1));
   elaborate(s, (Stmt **)p->stmts.v, p->stmts.n);
   set_decay(s);
+  if (diag_errors == errors)
+    check_model(s, train);
   Graph *g = s->g;
   g->outputs = s->out_nodes;
   g->noutputs = s->nout;

@@ -509,13 +509,27 @@ void docs_free(DocReader *r) {
 //
 // The split and the pieces.
 //
-CorpusSplit corpus_split(int64_t ndocs, double val_fraction) {
-  int64_t k = llround(1 / val_fraction);
-  if (k > ndocs)
-    k = ndocs;
-  if (k < 2)
-    k = 2;
-  return (CorpusSplit){.ndocs = ndocs, .k = k, .val_fraction = val_fraction};
+CorpusSplit corpus_split(int64_t ndocs, int64_t bytes, double val_fraction) {
+  return (CorpusSplit){.ndocs = ndocs, .bytes = bytes, .val_fraction = val_fraction};
+}
+
+// Whether document i of several, n bytes, goes to val: when val's bytes with it are nearer the
+// fraction of the bytes so far than without it (val + n/2 below f * bytes), which spreads val over
+// the input; when val has none yet and it brings val nearer f * the input's bytes (few documents
+// of unequal sizes: three files of 2.5, 5 and 20 kB give the first to val, not the last); the last
+// when none went (a val split is never empty). Train is never empty: past val's first document, one
+// goes to val only while val holds fewer bytes than train.
+static bool to_val(const CorpusSplit *s, const CorpusTally *t, int64_t i, size_t n) {
+  double val = (double)t->val_bytes, f = s->val_fraction;
+  if (t->val_bytes == 0 && (i == s->ndocs - 1 || 2 * val + (double)n < 2 * f * (double)s->bytes))
+    return true;
+  return 2 * val + (double)n < 2 * f * (double)(t->bytes + (int64_t)n);
+}
+
+void corpus_tally(const CorpusSplit *s, CorpusTally *t, int64_t i, size_t n) {
+  if (s->ndocs > 1 && to_val(s, t, i, n))
+    t->val_bytes += (int64_t)n;
+  t->bytes += (int64_t)n;
 }
 
 // Where a single document is cut: at a line start near the val fraction from its end.
@@ -534,7 +548,8 @@ static size_t cut_point(const char *s, size_t n, double f) {
   return i < n ? i : want;
 }
 
-bool corpus_part(const CorpusSplit *s, int64_t i, bool val, const char *text, size_t n, size_t *off, size_t *len) {
+bool corpus_part(const CorpusSplit *s, const CorpusTally *t, int64_t i, bool val, const char *text, size_t n,
+                 size_t *off, size_t *len) {
   if (s->ndocs == 1) {
     size_t cut = cut_point(text, n, s->val_fraction);
     *off = val ? cut : 0;
@@ -543,7 +558,7 @@ bool corpus_part(const CorpusSplit *s, int64_t i, bool val, const char *text, si
   }
   *off = 0;
   *len = n;
-  return (i % s->k == s->k - 1) == val;
+  return to_val(s, t, i, n) == val;
 }
 
 size_t corpus_piece_end(const char *text, size_t n, size_t i) {
@@ -624,8 +639,8 @@ bool source_write(const char *dir, const Source *s) {
     if (strtod(frac, NULL) == s->split.val_fraction)
       break;
   }
-  fprintf(f, "val-fraction %s\ndocuments %lld\nval-every %lld\n", frac, (long long)s->split.ndocs,
-          (long long)s->split.k);
+  fprintf(f, "val-fraction %s\ndocuments %lld\nbytes %lld\nsplit by-size\n", frac, (long long)s->split.ndocs,
+          (long long)s->split.bytes);
   fprintf(f, "train %lld documents %lld tokens\nval %lld documents %lld tokens\n", (long long)s->docs[0],
           (long long)s->tokens[0], (long long)s->docs[1], (long long)s->tokens[1]);
   for (int i = 0; i < s->nfiles; i++) {
@@ -676,7 +691,8 @@ bool source_read(const char *dir, Source *s) {
   ssize_t len;
   int lineno = 0, cap_files = 0;
   bool ok = true, format = false, have_split = false;
-  int64_t ndocs = -1, k = -1;
+  int64_t ndocs = -1, bytes = -1;
+  bool by_size = false;
   double frac = NAN;
   while (ok && (len = getline(&line, &cap, f)) > 0) {
     lineno++;
@@ -694,7 +710,8 @@ bool source_read(const char *dir, Source *s) {
     if (!strcmp(line, "format")) {
       format = !strcmp(v, SOURCE_FORMAT);
       if (!format) {
-        diag_file_error(path, "format '%s': this mdlc reads %s", v, SOURCE_FORMAT);
+        diag_file_error(path, "format '%s': this mdlc reads %s (another version of prep wrote it: run `mdlc prep` again)", v,
+                        SOURCE_FORMAT);
         free(line);
         fclose(f);
         return false;
@@ -711,9 +728,11 @@ bool source_read(const char *dir, Source *s) {
     } else if (!strcmp(line, "documents")) {
       ok = sscanf(v, "%lld", &a) == 1 && a > 0;
       ndocs = a;
-    } else if (!strcmp(line, "val-every")) {
-      ok = sscanf(v, "%lld", &a) == 1 && a >= 2;
-      k = a;
+    } else if (!strcmp(line, "bytes")) {
+      ok = sscanf(v, "%lld", &a) == 1 && a > 0;
+      bytes = a;
+    } else if (!strcmp(line, "split")) {
+      ok = by_size = !strcmp(v, "by-size");
     } else if (!strcmp(line, "train") || !strcmp(line, "val")) {
       int i = line[0] == 'v';
       ok = sscanf(v, "%lld documents %lld tokens", &a, &b) == 2 && a >= 0 && b >= 0;
@@ -736,17 +755,18 @@ bool source_read(const char *dir, Source *s) {
     source_free(s);
     return false;
   }
-  if (!format || !s->input || !s->text_field || isnan(frac) || ndocs < 0 || k < 0 || !have_split || !s->nfiles) {
+  if (!format || !s->input || !s->text_field || isnan(frac) || ndocs < 0 || bytes < 0 || !by_size || !have_split ||
+      !s->nfiles) {
     diag_file_error(path, "incomplete: it lacks the %s", !format ? "format line" : !s->input ? "input"
-                    : !s->text_field ? "text field" : isnan(frac) ? "val fraction" : ndocs < 0 ? "document count"
-                    : k < 0 || !have_split ? "split" : "files");
+                    : !s->text_field ? "text field" : isnan(frac) ? "val fraction" : ndocs < 0 ? "document count" : bytes < 0 ? "byte count"
+                    : !by_size || !have_split ? "split" : "files");
     source_free(s);
     return false;
   }
-  s->split = corpus_split(ndocs, frac);
-  if (s->split.k != k || s->docs[0] + s->docs[1] != (ndocs == 1 ? 2 : ndocs)) {
-    diag_file_error(path, "its split does not add up (%lld documents, every %lld-th to val, %lld train, %lld val)",
-                    (long long)ndocs, (long long)k, (long long)s->docs[0], (long long)s->docs[1]);
+  s->split = corpus_split(ndocs, bytes, frac);
+  if (s->docs[0] + s->docs[1] != (ndocs == 1 ? 2 : ndocs)) {
+    diag_file_error(path, "its split does not add up (%lld documents, %lld train, %lld val)", (long long)ndocs,
+                    (long long)s->docs[0], (long long)s->docs[1]);
     source_free(s);
     return false;
   }

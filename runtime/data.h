@@ -166,17 +166,27 @@ void docs_seek(DocReader *r, DocPos p);
 void docs_close(DocReader *r); // unmaps the file (docs_open does so too)
 void docs_free(DocReader *r);
 
-// Document i of ndocs goes to val when i % k == k - 1 (k = round(1 / val_fraction), at most ndocs,
-// at least 2), else to train; a corpus of one document is cut in two at a line start near the val
-// fraction from its end: the tail is val.
+// The split by size: documents stay whole, and each goes to val when that brings val's share of the
+// bytes so far nearer the val fraction, or when none went yet and it brings val nearer its share of
+// the whole input (the last goes to val when none did), else to train; a corpus of one document is
+// cut in two at a line start near the val fraction from its end: the tail is val. Bytes stand for
+// tokens (nearly proportional to them): they are known before anything is encoded, so the reader of
+// the text decides every document as prep did, in one pass.
 typedef struct {
-  int64_t ndocs, k;
+  int64_t ndocs, bytes; // the input's documents and their bytes
   double val_fraction;
 } CorpusSplit;
-CorpusSplit corpus_split(int64_t ndocs, double val_fraction);
-// The part of document i (text[0, n)) that goes to the split val (else train): text[*off, *off +
-// *len); false when none does.
-bool corpus_part(const CorpusSplit *s, int64_t i, bool val, const char *text, size_t n, size_t *off, size_t *len);
+// The documents before the next one, in input order: their bytes, and those that went to val.
+typedef struct {
+  int64_t bytes, val_bytes;
+} CorpusTally;
+CorpusSplit corpus_split(int64_t ndocs, int64_t bytes, double val_fraction);
+// The part of document i (text[0, n)) that goes to the split val (else train), the documents before
+// it having gone as *t counts: text[*off, *off + *len); false when none does.
+bool corpus_part(const CorpusSplit *s, const CorpusTally *t, int64_t i, bool val, const char *text, size_t n,
+                 size_t *off, size_t *len);
+// Counts document i (n bytes) into *t: after corpus_part, for every document of the input in order.
+void corpus_tally(const CorpusSplit *s, CorpusTally *t, int64_t i, size_t n);
 // The end of the piece of a document's text that starts at i: documents are encoded a megabyte at a
 // time, cut at word boundaries (each piece splits into the words the whole document would).
 size_t corpus_piece_end(const char *text, size_t n, size_t i);
@@ -190,10 +200,11 @@ size_t corpus_piece_end(const char *text, size_t n, size_t i);
 //   text-field NAME
 //   val-fraction F
 //   documents N                    found in the input
-//   val-every K
+//   bytes N                        in them
+//   split by-size                  corpus_part's rule
 //   train D documents N tokens     and the same for val
 //   file text|binary SIZE S.NS PATH  every file read (binary: skipped), size, mtime, absolute path
-#define SOURCE_FORMAT "mdl-source-1"
+#define SOURCE_FORMAT "mdl-source-2"
 typedef struct {
   char *input, *doc_sep, *text_field;
   CorpusSplit split;

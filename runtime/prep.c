@@ -11,10 +11,12 @@
 //   1. read: find the documents, count them and their bytes, and (vocab > 256) count the words
 //      the BPE trainer learns from. Every user error (bad JSONL line, no text) shows up here,
 //      before anything is written. Then train the merges (on every document, val included).
-//   2. encode: every document as EOS + its tokens, to the val split when its index is k-1 mod
-//      k (k = round(1 / val fraction), at least 2, at most the document count) and otherwise to
-//      train, cut into shards of at most --shard-tokens tokens. A corpus of a single document is
-//      cut in two at a line start near the val fraction from its end: the tail is the val split.
+//   2. encode: every document as EOS + its tokens, to the val split or to train by size (whole
+//      documents, so that val's share of the bytes stays nearest the val fraction: corpus_part),
+//      cut into shards of at most --shard-tokens tokens. A corpus of a single document is cut in
+//      two at a line start near the val fraction from its end: the tail is the val split. A split
+//      whose val share of the tokens is off by more than a factor of two (a few unequal documents)
+//      gets a warning.
 // Last, DIR/source.txt records the input, the options that decided the documents and the split,
 // and every file's size and mtime, for `mdlc run --tokenize-on-the-fly`.
 // A progress bar goes to stderr when it is a terminal; the summary goes to stdout.
@@ -48,6 +50,7 @@ typedef struct {
   int64_t ndocs, nbytes; // found in pass 1
   int64_t doc;           // pass 2: documents written
   CorpusSplit split;     // pass 2
+  CorpusTally tally;     // pass 2: the documents written
   TokTrainer *trainer;
   Tokenizer *tok;
   TokBuf ids;
@@ -177,9 +180,11 @@ static bool document(Prep *p, const char *text, size_t n) {
   int64_t i = p->doc++;
   for (int val = 0; val < 2; val++) {
     size_t off, len;
-    if (corpus_part(&p->split, i, val, text, n, &off, &len) && !write_doc(p, val ? &p->val : &p->train, text + off, len))
+    if (corpus_part(&p->split, &p->tally, i, val, text, n, &off, &len) &&
+        !write_doc(p, val ? &p->val : &p->train, text + off, len))
       return false;
   }
+  corpus_tally(&p->split, &p->tally, i, n);
   return true;
 }
 
@@ -385,7 +390,7 @@ int prep_run(const PrepOptions *o) {
     diag_file_error(in, "one document of %lld byte: too little to hold out a validation part", (long long)p.nbytes);
     goto done;
   }
-  p.split = corpus_split(p.ndocs, o->val_fraction);
+  p.split = corpus_split(p.ndocs, p.nbytes, o->val_fraction);
 
   if (p.trainer) {
     p.tok = tok_train(p.trainer, o->vocab, train_progress, &p);
@@ -447,6 +452,11 @@ int prep_run(const PrepOptions *o) {
   if (removed)
     printf(", removed %d old shard%s", removed, removed == 1 ? "" : "s");
   printf(" in %.2f s (%.1f MB/s)\n", dt, (double)p.nbytes / 1e6 / dt);
+  double share = (double)p.val.tokens / (double)tokens;
+  if (share > 2 * o->val_fraction || share < o->val_fraction / 2)
+    fprintf(stderr, "%s: warning: the val split holds %.1f%% of the tokens, where --val-fraction asks %.1f%%: "
+            "documents stay whole, and these %lld split no nearer (--doc-sep cuts files into more documents)\n", in,
+            100 * share, 100 * o->val_fraction, (long long)p.ndocs);
   rc = 0;
 done:
   for (int i = 0; i < 2; i++) {

@@ -164,5 +164,11 @@ int train_run(Engine *e, Engine *eval, Engine *micro, const TrainOptions *o);
 // a run that does not resume would overwrite a checkpoint or a log. The lock's fd, or -1 after the
 // message. train_release_out closes it; with `remove`, the folder goes too when nothing else is in it.
 int train_claim_out(const char *dir, bool resume, bool *created);
+// What can be checked of a run's inputs before its model is compiled (10-20 s on a CPU): the shards
+// of data_dir (val's, and train's unless the batches come from the text), the checkpoint in out_dir
+// when resuming (its model configuration, every parameter's and moment's name and shape), and the
+// weights file (names and shapes), when given. False after saying why.
+bool train_check_inputs(const Graph *g, const char *data_dir, const char *out_dir, bool resume, bool from_text,
+                        const char *weights);
 void train_release_out(int fd, const char *dir, bool remove);
 #endif

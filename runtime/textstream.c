@@ -26,6 +26,7 @@ typedef struct {
   int file;     // in src.files
   DocPos pos;   // docs_seek there, and docs_next returns it
   int64_t gdoc; // its index among all the input's documents
+  CorpusTally tally; // the split of the documents before it
 } DocStart;
 
 struct TextStream {
@@ -38,6 +39,7 @@ struct TextStream {
   int file;       // the file r has open, or -1
   int next_file;  // the next to open when it runs out
   int64_t gdoc;   // the input's documents the cursor has passed
+  CorpusTally tally; // and how they were split
   int64_t doc;    // the split's documents it has taken: the index of the next
   DocStart last;  // where the document taken last starts
   // The document under way: its part in the split, and where its next piece starts.
@@ -54,6 +56,7 @@ static void rewind_stream(TextStream *s) {
   s->file = -1;
   s->next_file = 0;
   s->gdoc = s->doc = 0;
+  s->tally = (CorpusTally){0, 0};
   s->in_doc = false;
   s->buf.n = 0;
   s->base = 0;
@@ -80,7 +83,7 @@ static int next_input_doc(TextStream *s, const char **text, size_t *n) {
       if (rc < 0)
         return -1;
       if (rc > 0) {
-        s->last = (DocStart){.file = s->file, .pos = pos, .gdoc = s->gdoc++};
+        s->last = (DocStart){.file = s->file, .pos = pos, .gdoc = s->gdoc++, .tally = s->tally};
         return 1;
       }
       docs_close(&s->r);
@@ -109,7 +112,9 @@ static int next_split_doc(TextStream *s) {
     int rc = next_input_doc(s, &text, &n);
     if (rc <= 0)
       return rc;
-    if (corpus_part(&s->src.split, s->last.gdoc, s->val, text, n, &off, &len)) {
+    bool taken = corpus_part(&s->src.split, &s->tally, s->last.gdoc, s->val, text, n, &off, &len);
+    corpus_tally(&s->src.split, &s->tally, s->last.gdoc, n);
+    if (taken) {
       s->doc++;
       s->part = text + off;
       s->part_n = len;
@@ -185,6 +190,7 @@ bool textstream_doc(TextStream *s, int64_t d, int64_t n, int32_t *dst, int64_t *
       return false;
     docs_seek(&s->r, at->pos);
     s->gdoc = at->gdoc;
+    s->tally = at->tally;
     s->doc = d;
   } else if (d < s->doc) {
     rewind_stream(s);

@@ -181,21 +181,16 @@ static bool ckpt_start(CkptWriter *w, const char *path, Engine *e, const TrainOp
   return true;
 }
 
-// Loads a checkpoint into e after checking that it was written for this model; fills step, loader
-// state and seed.
-static bool read_checkpoint(const char *path, Engine *e, int64_t *step, LoaderState *ls, uint64_t *seed) {
-  const Graph *g = e->g;
-  Arena *a = arena_new();
-  StFile f;
-  bool ok = st_read(a, path, &f);
-  const char *fmt = ok ? st_meta(&f, "mdl.format") : NULL;
-  if (ok && (!fmt || strcmp(fmt, CKPT_FORMAT))) {
+// Whether a checkpoint read into f is one of g's: the format, the metadata, the model's dims, and
+// every parameter's and moment's name and shape; false after saying why.
+static bool checkpoint_fits(Arena *a, const StFile *f, const char *path, const Graph *g) {
+  const char *fmt = st_meta(f, "mdl.format");
+  bool ok = fmt && !strcmp(fmt, CKPT_FORMAT);
+  if (!ok)
     diag_file_error(path, "not an mdl checkpoint (no mdl.format = %s)", CKPT_FORMAT);
-    ok = false;
-  }
   char *dims = dims_string(g);
-  const char *cdims = ok ? st_meta(&f, "mdl.dims") : NULL, *cstep = ok ? st_meta(&f, "mdl.step") : NULL,
-             *cload = ok ? st_meta(&f, "mdl.loader") : NULL, *cseed = ok ? st_meta(&f, "mdl.seed") : NULL;
+  const char *cdims = ok ? st_meta(f, "mdl.dims") : NULL, *cstep = ok ? st_meta(f, "mdl.step") : NULL,
+             *cload = ok ? st_meta(f, "mdl.loader") : NULL, *cseed = ok ? st_meta(f, "mdl.seed") : NULL;
   if (ok && (!cdims || !cstep || !cload || !cseed)) {
     diag_file_error(path, "checkpoint metadata is incomplete");
     ok = false;
@@ -203,11 +198,27 @@ static bool read_checkpoint(const char *path, Engine *e, int64_t *step, LoaderSt
     diag_file_error(path, "checkpoint of another model configuration: it has %s, this run %s", cdims, dims);
     ok = false;
   }
+  free(dims);
   int *nodes = rt_xrealloc(NULL, sizeof(int) * (size_t)g->n);
   int n = ok ? checkpoint_nodes(g, nodes) : 0;
   const char *prefix = arena_printf(a, "checkpoint does not match %s: ", g->model);
   for (int i = 0; ok && i < n; i++)
-    ok = st_expect(&f, path, prefix, g->nodes[nodes[i]]) != NULL;
+    ok = st_expect(f, path, prefix, g->nodes[nodes[i]]) != NULL;
+  free(nodes);
+  return ok;
+}
+
+// Loads a checkpoint into e after checking that it was written for this model; fills step, loader
+// state and seed.
+static bool read_checkpoint(const char *path, Engine *e, int64_t *step, LoaderState *ls, uint64_t *seed) {
+  const Graph *g = e->g;
+  Arena *a = arena_new();
+  StFile f;
+  bool ok = st_read(a, path, &f) && checkpoint_fits(a, &f, path, g);
+  const char *cstep = ok ? st_meta(&f, "mdl.step") : NULL, *cload = ok ? st_meta(&f, "mdl.loader") : NULL,
+             *cseed = ok ? st_meta(&f, "mdl.seed") : NULL;
+  int *nodes = rt_xrealloc(NULL, sizeof(int) * (size_t)g->n);
+  int n = ok ? checkpoint_nodes(g, nodes) : 0;
   for (int i = 0; ok && i < n; i++) {
     const StTensor *t = st_find(&f, g->nodes[nodes[i]]->name);
     int64_t bad = rt_first_nonfinite(t->data, shape_numel(g->nodes[nodes[i]]->shape));
@@ -230,7 +241,40 @@ static bool read_checkpoint(const char *path, Engine *e, int64_t *step, LoaderSt
     *ls = (LoaderState){ep, pos};
   }
   free(nodes);
-  free(dims);
+  arena_free(a);
+  return ok;
+}
+
+bool train_check_inputs(const Graph *g, const char *data_dir, const char *out_dir, bool resume, bool from_text,
+                        const char *weights) {
+  bool ok = true;
+  for (int split = from_text; ok && split < 2; split++) { // (batches from the text need no train shards)
+    const char *name = split ? "val" : "train";
+    char **paths;
+    int n = shard_list(data_dir, name, &paths);
+    if (n == 0)
+      diag_file_error(data_dir, "no %s shards (%s_*.bin): make them with `mdlc prep TEXT -o %s`", name, name, data_dir);
+    ok = n > 0;
+    for (int i = 0; ok && i < n; i++) {
+      Shard s;
+      ok = shard_open(&s, paths[i], ir_dim(g, "V"));
+      if (ok)
+        shard_close(&s);
+    }
+    if (n >= 0)
+      shard_list_free(paths, n);
+  }
+  Arena *a = arena_new();
+  StFile f;
+  if (ok && resume) {
+    char ckpt[PATH_MAX + 32];
+    snprintf(ckpt, sizeof ckpt, "%s/checkpoint.safetensors", out_dir);
+    ok = st_read(a, ckpt, &f) && checkpoint_fits(a, &f, ckpt, g);
+  }
+  if (ok && weights)
+    ok = st_read(a, weights, &f);
+  for (int i = 0; ok && weights && i < g->nparams; i++)
+    ok = st_expect(&f, weights, "", g->nodes[g->params[i]]) != NULL;
   arena_free(a);
   return ok;
 }

@@ -50,6 +50,16 @@ expect "grad with corrupt weights is refused" 1 $m grad models/gpt2-tiny.mdl --w
   --batch "$tmp/none.safetensors" -o "$tmp/g.safetensors"
 contains "the corrupt file is named" "$tmp/err" "bad.safetensors"
 
+# A param that no output uses: a warning at its place, not an error; a model without one, none.
+printf 'model m\ninput x: f32[8, 16]\nparam w: [16, 4] = normal(0.1)\nparam extra: [4] = zeros\noutput y = x @ w\n' \
+  >"$tmp/unused.mdl"
+expect "a param no output uses is no error" 0 $m check "$tmp/unused.mdl"
+contains "a param no output uses gets a warning at its place" "$tmp/err" \
+  "$tmp/unused.mdl:4:7: warning: param 'extra' is not used by any output"
+expect "a model that uses every param" 0 $m check models/gpt2-tiny.mdl
+[ -s "$tmp/err" ] && echo "[fail] cli: a model that uses every param warns: $(head -c 300 "$tmp/err")" ||
+  echo "[ok] cli: a model that uses every param gets no warning"
+
 mkdir -p "$tmp/corpus"
 for i in 1 2 3 4 5 6; do head -c $((3000 * i)) /usr/share/common-licenses/GPL-3 | tail -c 3000 >"$tmp/corpus/doc$i.txt"; done
 expect "prep a small corpus" 0 $m prep "$tmp/corpus" -o "$tmp/shards"
@@ -93,6 +103,50 @@ head -c 2000 "$tmp/shards/train_000000.bin" >"$tmp/bad-shards/train_000000.bin"
 expect "a truncated shard is refused" 1 $m run models/gpt2-tiny.mdl -D B=2 -D T=16 --steps 1 --data "$tmp/bad-shards" \
   --out "$tmp/run6"
 contains "the truncated shard is named" "$tmp/err" "bad-shards/train_000000.bin: error: truncated"
+
+$m init models/llama-tiny.mdl -o "$tmp/wl.safetensors" >/dev/null
+
+# Batches are shuffled by default, a permutation from --seed; --no-shuffle keeps the data's order,
+# whatever the seed. The weights come from one file, so that only the batches differ between runs.
+$m init models/gpt2-tiny.mdl -o "$tmp/wsh.safetensors" --seed 5 >/dev/null
+for s in 1 2 "1 --no-shuffle" "2 --no-shuffle" "1 --shuffle"; do
+  # shellcheck disable=SC2086
+  $m run models/gpt2-tiny.mdl -D B=2 -D T=16 --steps 3 --data "$tmp/shards" --out "$tmp/sh${s// /}" --val-every 0 \
+    --ckpt-every 0 --backend cpu --weights "$tmp/wsh.safetensors" --seed $s >/dev/null 2>&1
+  sed -n 's/.*"loss":\([0-9.]*\).*/\1/p' "$tmp/sh${s// /}/log.jsonl" >"$tmp/sh${s// /}.losses"
+done
+[ -s "$tmp/sh1.losses" ] && ! cmp -s "$tmp/sh1.losses" "$tmp/sh2.losses" && ! cmp -s "$tmp/sh1.losses" "$tmp/sh1--no-shuffle.losses" &&
+  echo "[ok] cli: batches are shuffled by default: two seeds draw different batches, neither the data's order" ||
+  echo "[fail] cli: default batches: seed 1 $(tr '\n' ' ' <"$tmp/sh1.losses"), seed 2 $(tr '\n' ' ' <"$tmp/sh2.losses")"
+[ -s "$tmp/sh1--no-shuffle.losses" ] && cmp -s "$tmp/sh1--no-shuffle.losses" "$tmp/sh2--no-shuffle.losses" &&
+  cmp -s "$tmp/sh1.losses" "$tmp/sh1--shuffle.losses" &&
+  echo "[ok] cli: --no-shuffle keeps the data's order whatever the seed; --shuffle is the default, said" ||
+  echo "[fail] cli: --no-shuffle: seed 1 $(tr '\n' ' ' <"$tmp/sh1--no-shuffle.losses"), seed 2 $(tr '\n' ' ' <"$tmp/sh2--no-shuffle.losses")"
+
+# Errors before work: a checkpoint of another configuration, weights of another model, a missing
+# checkpoint to resume, a data folder without shards: each reported before the model is compiled
+# (the module cache stays empty) and with nothing written to --out.
+mkdir -p "$tmp/early-cache" "$tmp/noshards"
+cp "$tmp/shards/tokenizer.bin" "$tmp/noshards/"
+early() { # early NAME TEXT ARGS...: mdlc run ARGS fails with TEXT, before any compile
+  local name=$1 text=$2; shift 2
+  expect "$name" 1 env MDL_CACHE="$tmp/early-cache" $m run models/gpt2-tiny.mdl -D T=16 --steps 1 --backend cpu "$@"
+  contains "$name: says why" "$tmp/err" "$text"
+  [ -z "$(ls -A "$tmp/early-cache")" ] && echo "[ok] cli: $name: before anything is compiled" ||
+    echo "[fail] cli: $name: a module was compiled first: $(ls "$tmp/early-cache")"
+}
+early "resume, a checkpoint of another configuration" "another model configuration" -D B=4 --data "$tmp/shards" \
+  --out "$tmp/run" --resume
+early "resume, no checkpoint" "checkpoint.safetensors: error: cannot open" -D B=2 --data "$tmp/shards" \
+  --out "$tmp/early-none" --resume
+early "weights of another model" "wl.safetensors: error: no tensor 'wte'" -D B=2 --data "$tmp/shards" --out "$tmp/early-w" \
+  --weights "$tmp/wl.safetensors"
+early "a data folder without shards" "noshards: error: no train shards" -D B=2 --data "$tmp/noshards" \
+  --out "$tmp/early-d"
+early "a truncated shard" "train_000000.bin: error: truncated" -D B=2 --data "$tmp/bad-shards" --out "$tmp/early-t"
+for d in early-none early-w early-d early-t; do
+  [ -e "$tmp/$d" ] && echo "[fail] cli: the early error left $d" || echo "[ok] cli: the early error ($d) wrote nothing"
+done
 
 # Each pass can be switched off, and switching one off changes the plan but not the numbers.
 for off in "" --no-fuse --no-reuse --no-chunk-lmhead; do

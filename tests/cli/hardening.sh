@@ -100,7 +100,7 @@ check "--resume refuses a checkpoint with a NaN, naming the tensor" \
 # 4. Two runs into one folder: the second stops at once, naming the folder and the first's pid.
 $m run models/gpt2-tiny.mdl "${small[@]}" --steps 100000 --ckpt-every 100000 --out "$tmp/busy" >/dev/null 2>&1 &
 pid=$!
-for _ in $(seq 1 300); do [ -s "$tmp/busy/log.jsonl" ] && break; sleep 0.1; done
+while [ ! -s "$tmp/busy/log.jsonl" ] && kill -0 $pid 2>/dev/null; do sleep 0.1; done
 $m run models/gpt2-tiny.mdl "${small[@]}" --steps 3 --out "$tmp/busy" --resume >"$tmp/out" 2>"$tmp/err"
 rc=$?
 check "a second run into a folder in use is refused, naming it and the other run's pid" \
@@ -127,14 +127,14 @@ cat >"$tmp/fakecc/cc" <<'EOF'
 #!/bin/sh
 while [ $# -gt 0 ]; do [ "$1" = -o ] && out=$2; shift; done
 echo partial >"$out"
-exec sleep 60
+exec sleep 3600
 EOF
 chmod +x "$tmp/fakecc/cc"
 with_sigint='import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); os.execvp(sys.argv[1], sys.argv[1:])'
 PATH="$tmp/fakecc:$PATH" MDL_CACHE="$tmp/cc-cache" setsid python3 -c "$with_sigint" $m run models/gpt2-tiny.mdl \
   "${small[@]}" --steps 1 --out "$tmp/ccint" >/dev/null 2>&1 &
 pid=$!
-for _ in $(seq 1 300); do ls "$tmp/cc-cache" | grep -q '\.so\.tmp\.' && break; sleep 0.1; done
+while ! ls "$tmp/cc-cache" | grep -q '\.so\.tmp\.' && kill -0 $pid 2>/dev/null; do sleep 0.1; done
 ls "$tmp/cc-cache" | grep -q '\.so\.tmp\.' || fail "the stand-in compiler never ran"
 kill -INT -- -$pid # (the terminal's Ctrl-C: the whole process group)
 wait $pid

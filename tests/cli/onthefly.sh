@@ -37,7 +37,8 @@ done
 mv "$tmp"/corpus/d1[0-9].txt "$tmp/corpus/more/"
 $m prep "$tmp/corpus" -o "$tmp/data" --vocab 300 --val-fraction 0.2 --shard-tokens 500 >/dev/null 2>&1 ||
   fail "prep"
-run=(models/gpt2-tiny.mdl --backend cpu --steps 4 -D B=2 -D T=32 -D V=300 --data "$tmp/data" --val-every 2)
+run0=(models/gpt2-tiny.mdl --backend cpu --steps 4 -D B=2 -D T=32 -D V=300 --data "$tmp/data" --val-every 2)
+run=("${run0[@]}" --no-shuffle) # (the last of --shuffle and --no-shuffle counts)
 
 i=0
 for mode in "" "--no-pack" "--no-pack --shuffle"; do
@@ -51,6 +52,17 @@ for mode in "" "--no-pack" "--no-pack --shuffle"; do
   same_figures "text${mode:+ $mode}: the losses, gradient norms and val losses of the shards, bit for bit" \
     "$tmp/a$i" "$tmp/b$i"
 done
+
+# By default: packed rows from the text come in order, saying so (the shards' --no-shuffle batches);
+# padded rows are shuffled as the shards' are.
+expect "text, by default: trains" 0 "${run0[@]}" --out "$tmp/d1" --tokenize-on-the-fly
+contains "text, packed, by default: the run says its batches come in order" "$tmp/out" \
+  "batches in order: packed rows read from the text cannot be shuffled"
+same_figures "text, packed, by default: the shards' batches in order, bit for bit" "$tmp/a1" "$tmp/d1"
+expect "shards --no-pack, by default: trains" 0 "${run0[@]}" --no-pack --out "$tmp/d2"
+expect "text --no-pack, by default: trains" 0 "${run0[@]}" --no-pack --out "$tmp/d3" --tokenize-on-the-fly
+same_figures "--no-pack, by default: the shuffled batches of --shuffle, from the shards" "$tmp/a3" "$tmp/d2"
+same_figures "--no-pack, by default: the text's shuffled batches are the shards'" "$tmp/d2" "$tmp/d3"
 
 # --resume: 2 steps from the text, resumed to 4 from the text; 2 from the shards, resumed from the text.
 expect "text: 2 steps" 0 "${run[@]}" --steps 2 --out "$tmp/c" --tokenize-on-the-fly

@@ -137,8 +137,15 @@ for f in files:
     else:
         want += split_sep(data)
 want = [d for d in want if d]
-k = min(max(round(1 / frac), 2), len(want)) if len(want) > 1 else 2
-expected = [("val" if i % k == k - 1 else "train", d) for i, d in enumerate(want)]
+# corpus_part's split by size (runtime/corpus.c), in the same double arithmetic
+total, before, held, expected = sum(len(d) for d in want), 0, 0, []
+for i, d in enumerate(want):
+    n = len(d)
+    val = (held == 0 and (i == len(want) - 1 or 2 * held + n < 2 * frac * total)) or \
+        2 * held + n < 2 * frac * (before + n)
+    expected.append(("val" if val else "train", d))
+    held += n if val else 0
+    before += n
 order = lambda docs: [d for d in docs if d[0] == "train"] + [d for d in docs if d[0] == "val"]
 if got != order(expected):
     fail(f"documents differ: {len(got)} decoded, {len(expected)} expected")
@@ -171,15 +178,35 @@ abs=$(realpath "$tmp/corpus")
 contains "source.txt names the input, absolute" "$tmp/out/source.txt" "input $abs"
 contains "source.txt holds --doc-sep" "$tmp/out/source.txt" "doc-sep %"
 contains "source.txt holds --val-fraction" "$tmp/out/source.txt" "val-fraction 0.1"
-contains "source.txt holds the split" "$tmp/out/source.txt" "train 33 documents"
+contains "source.txt holds the split" "$tmp/out/source.txt" "train 32 documents"
 contains "source.txt lists a text file with its size" "$tmp/out/source.txt" \
   "file text $(stat -c %s "$tmp/corpus/docs.jsonl") $(stat -c %Y "$tmp/corpus/docs.jsonl")."
 contains "source.txt marks a binary file" "$tmp/out/source.txt" "file binary 9 "
 if grep -q "many.u8" "$tmp/out/source.txt"; then echo "[fail] prep: source.txt lists a file seen before"; else
   echo "[ok] prep: source.txt leaves out a file seen before"; fi
-contains "the summary counts documents" "$tmp/stdout" "prep: 36 documents (33 train, 3 val)"
+contains "the summary counts documents" "$tmp/stdout" "prep: 36 documents (32 train, 4 val)"
 contains "the summary names bytes per token and vocab" "$tmp/stdout" "bytes per token (EOS not counted), vocab"
-verify "the folder's documents decode back, in order, every 10th in val" "$tmp/out" "$tmp/corpus" % text 0.1 300
+verify "the folder's documents decode back, in order, split by size" "$tmp/out" "$tmp/corpus" % text 0.1 300
+
+# The split is by size, documents whole: three files of 2.5, 5 and 20 kB with --val-fraction 0.1 give
+# val about a tenth of the tokens (it was the third file, 73%, by document count). Two equal files
+# cannot split near a tenth: a warning says so, with the share.
+mkdir -p "$tmp/three" "$tmp/two"
+for f in a:2500 b:5000 c:20000; do head -c "${f#*:}" /usr/share/common-licenses/GPL-3 >"$tmp/three/${f%:*}.txt"; done
+expect "three unequal files" 0 "$tmp/three" -o "$tmp/out3" --val-fraction 0.1
+share=$(sed -n 's/^prep: [0-9]* tokens (train \([0-9]*\), val \([0-9]*\)).*/\1 \2/p' "$tmp/stdout" |
+  awk '{ printf "%.3f", $2 / ($1 + $2) }')
+awk -v s="$share" 'BEGIN { exit !(s >= 0.07 && s <= 0.13) }' &&
+  echo "[ok] prep: three unequal files: val holds $share of the tokens for --val-fraction 0.1" ||
+  echo "[fail] prep: three unequal files: val holds '$share' of the tokens for --val-fraction 0.1: $(cat "$tmp/stdout")"
+if grep -q warning "$tmp/stderr"; then echo "[fail] prep: a split near the fraction warns: $(cat "$tmp/stderr")"; else
+  echo "[ok] prep: a split near the fraction gives no warning"; fi
+verify "three unequal files decode back, split by size" "$tmp/out3" "$tmp/three" "" text 0.1 256
+head -c 1000 /usr/share/common-licenses/GPL-3 >"$tmp/two/a.txt"
+tail -c 1000 /usr/share/common-licenses/GPL-3 >"$tmp/two/b.txt"
+expect "two equal files with --val-fraction 0.1" 0 "$tmp/two" -o "$tmp/out2" --val-fraction 0.1
+contains "an odd split warns, with the share" "$tmp/stderr" \
+  "$tmp/two: warning: the val split holds 50.0% of the tokens, where --val-fraction asks 10.0%"
 
 # A JSONL file with another field name, byte-level.
 printf '{"body": "first \\"quoted\\" line\\n", "text": 5}\n{"body": "second"}\n{"body": "third \\ud83d\\ude00"}\n' >"$tmp/d.jsonl"

@@ -34,7 +34,7 @@ done
 # kill -9 while training: the checkpoint on disk is always a whole one.
 $m run models/gpt2-tiny.mdl "${common[@]}" --steps 100000 --ckpt-every 3 --out "$tmp/k" >"$tmp/k.out" 2>&1 &
 pid=$!
-for _ in $(seq 1 100); do [ -f "$tmp/k/checkpoint.safetensors" ] && break; sleep 0.1; done
+while [ ! -f "$tmp/k/checkpoint.safetensors" ] && kill -0 $pid 2>/dev/null; do sleep 0.1; done
 sleep 1
 kill -9 $pid 2>/dev/null
 wait $pid 2>/dev/null
@@ -62,7 +62,7 @@ sig_run() { # sig_run SIGNAL [--resume]: a run stopped by SIGNAL once 3 more ste
   python3 -c "$with_sigint" $m run models/gpt2-tiny.mdl "${common[@]}" --backend cpu --steps 100000 \
     --ckpt-every 100000 --out "$tmp/s" "${@:2}" >"$tmp/s.out" 2>&1 &
   pid=$!
-  for _ in $(seq 1 300); do [ "$(logged)" -ge $((before + 3)) ] && break; sleep 0.1; done
+  while [ "$(logged)" -lt $((before + 3)) ] && kill -0 $pid 2>/dev/null; do sleep 0.1; done
   kill -"$1" $pid
   wait $pid
   rc=$?
@@ -94,9 +94,15 @@ fi
 $m run models/gpt2-tiny.mdl "${common[@]}" --backend cpu --steps 100000 --ckpt-every 300 --out "$tmp/f" \
   >"$tmp/f.out" 2>&1 &
 pid=$!
-for _ in $(seq 1 300); do [ -f "$tmp/f/checkpoint.safetensors" ] && break; sleep 0.1; done
-until mkdir "$tmp/f/checkpoint.safetensors" 2>/dev/null; do rm -f "$tmp/f/checkpoint.safetensors"; done
-for _ in $(seq 1 100); do kill -0 $pid 2>/dev/null || break; sleep 0.1; done
+# Waits by the run's own progress, not by the clock: a run that goes on past step 900 (the checkpoint
+# after the one that failed) did not stop at the failed write, however fast or slow the machine.
+while [ ! -f "$tmp/f/checkpoint.safetensors" ] && kill -0 $pid 2>/dev/null; do sleep 0.1; done
+until mkdir "$tmp/f/checkpoint.safetensors" 2>/dev/null || ! kill -0 $pid 2>/dev/null; do
+  rm -f "$tmp/f/checkpoint.safetensors"
+done
+while kill -0 $pid 2>/dev/null && [ "$(losses "$tmp/f" 2>/dev/null | tail -1 | cut -d' ' -f1)" -lt 900 ] 2>/dev/null; do
+  sleep 0.1
+done
 if kill -0 $pid 2>/dev/null; then
   kill -9 $pid
   fail "a run whose checkpoint cannot be written goes on"

@@ -51,7 +51,7 @@ step "mdlc prep" bin/mdlc prep "$tmp/corpus" -o "$tmp/data"
 step "mdlc init" bin/mdlc init "$tmp/model.mdl" -o "$tmp/W.safetensors" --seed 3
 for k in 1 2 3; do
   step "mdlc run --steps $k" bin/mdlc run "$tmp/model.mdl" --data "$tmp/data" --weights "$tmp/W.safetensors" \
-    --steps $k --backend cpu --precision fp32 --val-every 0 --val-batches 1 --out "$tmp/run$k"
+    --steps $k --backend cpu --precision fp32 --val-every 0 --val-batches 1 --no-shuffle --out "$tmp/run$k"
 done
 "$py" tests/torch/train_replay.py "$tmp/data/train_000000.bin" "$tmp/W.safetensors" "$tmp/run3/log.jsonl" \
   "$tmp"/run{1,2,3}/checkpoint.safetensors --B $B --T $T --heads 4 --lr $lr --beta1 $beta1 --beta2 $beta2 \

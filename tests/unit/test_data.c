@@ -754,14 +754,16 @@ static void test_prep(void) {
   int64_t ntrain = read_split(o.out_dir, "train", &train), nval = read_split(o.out_dir, "val", &val);
   int dtrain = 0, dval = 0;
   char *st = t ? docs_of(t, train, ntrain, &dtrain) : NULL, *sv = t ? docs_of(t, val, nval, &dval) : NULL;
-  // Documents in path order: a/one.txt (3), b.jsonl (3), c.txt (1); k = 4: the 4th is val.
-  const char *want_train = "alpha one\n|beta two\n|gamma three\n|epsilon \xF0\x9F\x8E\x89|zeta|eta\n";
-  const char *want_val = "delta \xC3\xA9\n";
+  // Documents in path order: a/one.txt (3), b.jsonl (3), c.txt (1), of 10, 9, 12, 9, 12, 4 and 4
+  // bytes; a quarter of the 60 is 15: the first (10, nearer 15 than none) and the 6th (val 14 of 56
+  // bytes with it) go to val.
+  const char *want_train = "beta two\n|gamma three\n|delta \xC3\xA9\n|epsilon \xF0\x9F\x8E\x89|eta\n";
+  const char *want_val = "alpha one\n|zeta";
   CHECK(t && tok_vocab(t) <= 270 && st && sv && !strcmp(st, want_train) && !strcmp(sv, want_val),
-        "prep: every document once, EOS first, every 4th in val, decoded back exactly", "train '%s' val '%s'",
+        "prep: every document once, EOS first, val by size, decoded back exactly", "train '%s' val '%s'",
         st ? st : "", sv ? sv : "");
-  CHECK(train && val && train[0] == TOK_EOS && val[0] == TOK_EOS && dtrain == 6 && dval == 1,
-        "prep: 6 train and 1 val document", "%d %d", dtrain, dval);
+  CHECK(train && val && train[0] == TOK_EOS && val[0] == TOK_EOS && dtrain == 5 && dval == 2,
+        "prep: 5 train and 2 val documents", "%d %d", dtrain, dval);
   free(st);
   free(sv);
   free(train);

@@ -352,7 +352,7 @@ static void test_ops(void) {
         "b");
   CHECK(g && named(g, "c")->op == OP_MATMUL && named(g, "c")->ia[0] == 1 && count_op(g, OP_PERMUTE) == 0,
         "(expr).T @ x: a transposed by the matmul's flag", "c");
-  g = compile("model m\ntrain {\n checkpoint = auto(2GiB)\n precision = fp8\n}\n");
+  g = compile("model m\ninput x: f32[2]\noutput loss = mean(x)\ntrain {\n checkpoint = auto(2GiB)\n precision = fp8\n}\n");
   CHECK(g && !strcmp(g->train.checkpoint, "auto=2GiB") && !strcmp(g->train.precision, "fp8"),
         "checkpoint = auto(2GiB) -> \"auto=2GiB\"", "%s", g ? g->train.checkpoint : errtext);
 }

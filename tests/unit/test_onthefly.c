@@ -362,9 +362,12 @@ static void test_errors(void) {
   shard_write(p, tok, 64);
   expect_refused("on the fly: llm.c shards that do not say where they came from", llmc, o,
                  (const char *[]){"llmc/source.txt: error: not found", "made elsewhere", NULL});
-  write_file(path_in("llmc/source.txt"), "format mdl-source-1\ninput /x\n", 29);
+  write_file(path_in("llmc/source.txt"), "format mdl-source-2\ninput /x\n", 29);
   expect_refused("on the fly: an incomplete source.txt", llmc, o,
                  (const char *[]){"source.txt: error: incomplete", NULL});
+  write_file(path_in("llmc/source.txt"), "format mdl-source-1\ninput /x\n", 29);
+  expect_refused("on the fly: a source.txt of another prep's split", llmc, o,
+                 (const char *[]){"format 'mdl-source-1'", "run `mdlc prep` again", NULL});
   free(in);
   free(out);
 }
