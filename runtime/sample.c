@@ -27,6 +27,7 @@
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 struct Sampler {
@@ -199,16 +200,16 @@ static bool load_params(Sampler *s, const StFile *f, const char *source) {
   return true;
 }
 
-// The whole of a text file in the arena, or NULL (no message) when it cannot be read.
+// The whole of a regular file in the arena, as text, or NULL (no message) when it cannot be read.
 static char *read_text(Arena *a, const char *path) {
   FILE *f = fopen(path, "rb");
   if (!f)
     return NULL;
+  struct stat st;
   char *text = NULL;
-  long n = fseek(f, 0, SEEK_END) == 0 ? ftell(f) : -1;
-  if (n >= 0 && fseek(f, 0, SEEK_SET) == 0) {
-    text = arena_alloc(a, (size_t)n + 1);
-    text[fread(text, 1, (size_t)n, f)] = 0;
+  if (fstat(fileno(f), &st) == 0 && S_ISREG(st.st_mode)) {
+    text = arena_alloc(a, (size_t)st.st_size + 1);
+    text[fread(text, 1, (size_t)st.st_size, f)] = 0;
   }
   fclose(f);
   return text;

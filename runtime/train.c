@@ -471,8 +471,8 @@ static bool same_tokenizer(const Tokenizer *x, const Tokenizer *y) {
 Tokenizer *train_resume_tokenizer(const char *ckpt, const char *tok_path) {
   Arena *a = arena_new();
   StFile f;
-  bool ok = access(ckpt, F_OK) != 0 || st_read_header(a, ckpt, &f); // (no checkpoint: the resume says so)
-  const char *b64 = ok && access(ckpt, F_OK) == 0 ? st_meta(&f, "mdl.tokenizer_base64") : NULL;
+  bool there = access(ckpt, F_OK) == 0, ok = !there || st_read_header(a, ckpt, &f); // (none: the resume says so)
+  const char *b64 = there && ok ? st_meta(&f, "mdl.tokenizer_base64") : NULL;
   Tokenizer *stored = NULL, *t = NULL;
   if (b64) {
     size_t n;
