@@ -16,7 +16,8 @@ typedef struct {
 // 200 tokens, temperature 1, top-k 0 (the model's own distribution), seed 0.
 void sample_defaults(SampleOptions *o);
 // Loads the checkpoint, its model and its tokenizer (the copies it stores, else the files it
-// names), prints the prompt and then the generated text to stdout as it comes. Returns the exit status: 0, or 1 after printing "path: error: reason".
+// names), prints the prompt and then the generated text to stdout as it comes. Returns the exit
+// status: 0, or 1 after printing "path: error: reason".
 int sample_run(const SampleOptions *o);
 
 // A checkpoint's model compiled for one token per step (B = T = 1, the other dims as recorded),

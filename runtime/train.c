@@ -169,12 +169,12 @@ static bool ckpt_start(CkptWriter *w, const char *path, Engine *e, const TrainOp
   snprintf(w->step_s, sizeof w->step_s, "%lld", (long long)step);
   snprintf(w->seed_s, sizeof w->seed_s, "%llu", (unsigned long long)o->seed);
   snprintf(w->loader_s, sizeof w->loader_s, "%lld,%lld", (long long)ls.epoch, (long long)ls.position);
-  StMeta meta[9] = {{"mdl.format", CKPT_FORMAT}, {"mdl.source", o->model_path}, {"mdl.model", g->model},
-                    {"mdl.dims", w->dims}, {"mdl.step", w->step_s}, {"mdl.seed", w->seed_s},
-                    {"mdl.loader", w->loader_s}, {"mdl.data", o->data_dir},
-                    {"mdl.tokenizer", o->tokenizer_path}};
+  StMeta meta[] = {{"mdl.format", CKPT_FORMAT}, {"mdl.source", o->model_path}, {"mdl.model", g->model},
+                   {"mdl.dims", w->dims}, {"mdl.step", w->step_s}, {"mdl.seed", w->seed_s},
+                   {"mdl.loader", w->loader_s}, {"mdl.data", o->data_dir},
+                   {"mdl.tokenizer", o->tokenizer_path}};
   memcpy(w->meta, meta, sizeof meta);
-  w->nmeta = 9;
+  w->nmeta = (int)(sizeof meta / sizeof *meta); // (then the stored copies: CKPT_META in all)
   if (g->source)
     w->meta[w->nmeta++] = (StMeta){"mdl.source_text", g->source};
   if (o->tokenizer_base64)
@@ -712,7 +712,8 @@ static int train_loop(Engine *e, Engine *eval, Engine *micro, const TrainOptions
   uint64_t seed = o->seed;
   if (o->resume) {
     LoaderState ls;
-    if (!read_checkpoint(ckpt, e, o->model_path, &start, &ls, &seed) || !loader_seek(train, ls) || !truncate_log(log_path, start)) {
+    if (!read_checkpoint(ckpt, e, o->model_path, &start, &ls, &seed) || !loader_seek(train, ls) ||
+        !truncate_log(log_path, start)) {
       loader_close(train);
       if (val)
         loader_close(val);

@@ -651,7 +651,7 @@ static void test_stored(void) {
 
   o.checkpoint = path_in("alone.safetensors");
   write_checkpoint(o.checkpoint, model, &f,
-                   (CkptOpts){.stored = true, .source = "/nonexistent/gpt2-tiny.mdl", .tokenizer = "/nonexistent/t.bin"});
+                   (CkptOpts){.stored = true, .source = "/nonexistent/tiny.mdl", .tokenizer = "/nonexistent/t.bin"});
   rc = run_captured(&o);
   CHECK(rc == 0 && !strcmp(out_text, want) && !err_text[0],
         "stored: with the model and tokenizer files gone, the same text from the stored copies",
