@@ -850,23 +850,33 @@ static int cmd_run(const Options *o, Graph *g) {
     if (!same)
       return EXIT_USER;
   }
-  Tokenizer *tok = tok_load(tok_path);
+  char ckpt_path[PATH_MAX + 32];
+  snprintf(ckpt_path, sizeof ckpt_path, "%s/checkpoint.safetensors", out_dir);
+  Tokenizer *tok = o->resume ? train_resume_tokenizer(ckpt_path, tok_path) : tok_load(tok_path);
   if (!tok)
     return EXIT_USER;
   int vocab = tok_vocab(tok);
+  size_t tok_n;
+  unsigned char *tok_file = tok_bytes(tok, &tok_n);
+  char *tok_base64 = rt_base64(tok_file, tok_n); // (checkpoints store it)
+  free(tok_file);
   tok_free(tok);
   int64_t V = ir_dim(g, "V");
   if (V >= 0 && vocab > V) {
     diag_file_error(tok_path, "the data's tokenizer has %d tokens, more than the model's V = %lld: prepare the data "
                     "with --vocab %lld or run with -D V=%d", vocab, (long long)V, (long long)V, vocab);
+    free(tok_base64);
     return EXIT_USER;
   }
   bool created;
   int lock = train_claim_out(out_dir, o->resume, &created);
-  if (lock < 0)
+  if (lock < 0) {
+    free(tok_base64);
     return EXIT_USER;
+  }
   if (!train_check_inputs(g, data_abs, out_dir, o->resume, o->tokenize_on_the_fly, o->weights)) {
     train_release_out(lock, out_dir, created);
+    free(tok_base64);
     return EXIT_USER;
   }
   if (o->tokenize_on_the_fly && o->pack && !o->shuffle_set)
@@ -874,6 +884,7 @@ static int cmd_run(const Options *o, Graph *g) {
   Engine *e = open_engine(o, g, true);
   if (!e) {
     train_release_out(lock, out_dir, created);
+    free(tok_base64);
     return EXIT_USER;
   }
   Arena *ea = arena_new();
@@ -892,7 +903,8 @@ static int cmd_run(const Options *o, Graph *g) {
     char line[1024];
     checkpoint_summary(&g->ckpt, true, true, line, sizeof line);
     printf("%s\n", line);
-    TrainOptions to = {.model_path = model_abs, .data_dir = data_abs, .tokenizer_path = tok_path, .out_dir = out_dir,
+    TrainOptions to = {.model_path = model_abs, .data_dir = data_abs, .tokenizer_path = tok_path,
+                       .tokenizer_base64 = tok_base64, .out_dir = out_dir,
                        .steps = o->steps, .resume = o->resume, .pack = o->pack, .shuffle = o->shuffle,
                        .tokenize_on_the_fly = o->tokenize_on_the_fly,
                        .seed = o->seed, .val_every = o->val_every, .val_batches = o->val_batches,
@@ -915,6 +927,7 @@ static int cmd_run(const Options *o, Graph *g) {
   arena_free(ea);
   e->free(e);
   train_release_out(lock, out_dir, created);
+  free(tok_base64);
   return rc;
 }
 

@@ -250,6 +250,7 @@ typedef struct {
 typedef struct Graph {
   Arena *arena;
   const char *model;    // model name
+  const char *source;   // the .mdl text it was compiled from
   IrNode **nodes;
   int n, cap;
   int loss;             // the scalar node training minimises, or -1
@@ -413,6 +414,8 @@ typedef struct {
 
 // Reads a whole file; on failure prints "path: reason" and returns false.
 bool st_read(Arena *a, const char *path, StFile *out);
+// The same, less the tensors' data (every data pointer NULL): names, dtypes, shapes, metadata.
+bool st_read_header(Arena *a, const char *path, StFile *out);
 const StTensor *st_find(const StFile *f, const char *name);
 // The tensor named like node n with n's dtype and shape; NULL after "path: error: <prefix>no tensor
 // 'x' (the model's parameter [64])" or "<prefix>tensor 'x' is [32], the model wants [64]".

@@ -430,7 +430,7 @@ static bool read_at(int fd, void *buf, size_t n, uint64_t off) {
 
 static const char *read_error(void) { return errno ? strerror(errno) : "unexpected end of file"; }
 
-static bool parse_file(Arena *a, int fd, uint64_t size, StFile *out, char *why, size_t wn) {
+static bool parse_file(Arena *a, int fd, uint64_t size, bool data, StFile *out, char *why, size_t wn) {
   unsigned char len8[8];
   if (size < 8) {
     snprintf(why, wn, "truncated: file has %llu bytes, fewer than the 8-byte header length",
@@ -499,7 +499,7 @@ static bool parse_file(Arena *a, int fd, uint64_t size, StFile *out, char *why, 
   }
   if (!check_tiling(out->t, r, n, data_len, why, wn))
     return false;
-  for (i = 0; i < n; i++) {
+  for (i = 0; data && i < n; i++) {
     size_t bytes = (size_t)(r[i].end - r[i].begin);
     out->t[i].data = arena_alloc(a, bytes ? bytes : 1);
     if (!read_at(fd, out->t[i].data, bytes, 8 + hlen + r[i].begin)) {
@@ -510,7 +510,7 @@ static bool parse_file(Arena *a, int fd, uint64_t size, StFile *out, char *why, 
   return true;
 }
 
-bool st_read(Arena *a, const char *path, StFile *out) {
+static bool read_file(Arena *a, const char *path, bool data, StFile *out) {
   *out = (StFile){0};
   int fd = open(path, O_RDONLY);
   if (fd < 0) {
@@ -526,7 +526,7 @@ bool st_read(Arena *a, const char *path, StFile *out) {
     snprintf(why, sizeof why, "not a regular file");
     ok = false;
   } else {
-    ok = parse_file(a, fd, (uint64_t)st.st_size, out, why, sizeof why);
+    ok = parse_file(a, fd, (uint64_t)st.st_size, data, out, why, sizeof why);
   }
   close(fd);
   if (!ok) {
@@ -535,6 +535,9 @@ bool st_read(Arena *a, const char *path, StFile *out) {
   }
   return ok;
 }
+
+bool st_read(Arena *a, const char *path, StFile *out) { return read_file(a, path, true, out); }
+bool st_read_header(Arena *a, const char *path, StFile *out) { return read_file(a, path, false, out); }
 
 const char *st_meta(const StFile *f, const char *key) {
   for (int i = 0; i < f->nmeta; i++)

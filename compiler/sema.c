@@ -1953,7 +1953,10 @@ Graph *mdl_compile_text_with(Arena *a, const char *path, const char *text, const
   Parser p = {.arena = a, .file = path, .text = text};
   if (!parse_text(&p))
     return NULL;
-  return sema_build(&p, ov, nov, lo);
+  Graph *g = sema_build(&p, ov, nov, lo);
+  if (g) // (checkpoints store it)
+    g->source = arena_strdup(a, text);
+  return g;
 }
 
 Graph *mdl_compile_text(Arena *a, const char *path, const char *text, const DimOverride *ov, int nov) {

@@ -45,6 +45,10 @@ size_t tok_decode(const Tokenizer *t, const int32_t *ids, size_t n, char *out, s
 // u32 in rank order, little-endian. Save writes atomically; both print "path: error: reason".
 bool tok_save(const Tokenizer *t, const char *path);
 Tokenizer *tok_load(const char *path);
+// The same from memory: the file's n bytes (malloc'd; checkpoints store them), and back (name is
+// for the messages).
+unsigned char *tok_bytes(const Tokenizer *t, size_t *n);
+Tokenizer *tok_parse(const unsigned char *buf, size_t n, const char *name);
 
 // The BPE trainer: add text (split into words and counted once), then learn merges over the word
 // table, the most frequent adjacent pair first (ties: the smallest pair of ids).

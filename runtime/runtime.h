@@ -28,6 +28,9 @@ int64_t rt_first_nonfinite(const float *x, int64_t n);
 int64_t rt_host_memory_available(const char **what);
 // Writes path through a temporary file, fsync and rename; a failure leaves path as it was.
 bool rt_write_atomic(const char *path, const void *data, size_t size, char *err, size_t n);
+// Base64 (RFC 4648, with padding), malloc'd; rt_unbase64 gives NULL for text that is not base64.
+char *rt_base64(const void *data, size_t n);
+unsigned char *rt_unbase64(const char *text, size_t *n);
 
 //
 // schedule.c: linear warmup then cosine decay to min_lr over train.steps (constant after).
@@ -142,6 +145,7 @@ typedef struct {
   const char *model_path;     // absolute path of the .mdl (recorded in checkpoints)
   const char *data_dir;       // shards from `mdlc prep`
   const char *tokenizer_path; // recorded in checkpoints, for `mdlc sample`
+  const char *tokenizer_base64; // the tokenizer's file in base64, stored in checkpoints (NULL: not stored)
   const char *out_dir;        // checkpoint.safetensors, log.jsonl, loss.svg
   int64_t steps;              // > 0 overrides the train section's
   bool resume, pack, shuffle;
@@ -170,5 +174,9 @@ int train_claim_out(const char *dir, bool resume, bool *created);
 // weights file (names and shapes), when given. False after saying why.
 bool train_check_inputs(const Graph *g, const char *data_dir, const char *out_dir, bool resume, bool from_text,
                         const char *weights);
+// The tokenizer of a run that resumes the checkpoint ckpt on data whose tokenizer is tok_path: that
+// file (the data's shards were made with it), or where it is gone, the copy the checkpoint stores;
+// a warning when both are there and differ. NULL after saying why.
+struct Tokenizer *train_resume_tokenizer(const char *ckpt, const char *tok_path);
 void train_release_out(int fd, const char *dir, bool remove);
 #endif

@@ -1,7 +1,10 @@
 // sample.c: `mdlc sample`: text generation from a training checkpoint.
 //
-// A checkpoint records its model (the .mdl path and every dim's value) next to the parameters. The
-// sampler compiles that model again with the recorded dims as -D overrides, except B = 1 and T = 1:
+// A checkpoint records its model (the .mdl path and every dim's value) next to the parameters, and,
+// since they were stored, the .mdl text and the tokenizer themselves: those copies are what the
+// sampler uses, wherever the files went (a file still at the recorded path that differs gets one
+// warning); a checkpoint without them (written before) needs the files at the recorded paths. The
+// sampler compiles the model again with the recorded dims as -D overrides, except B = 1 and T = 1:
 // a graph that processes one token. The reference interpreter runs it in decode mode (interp.c):
 // every op of a language model is position-wise except attention, whose nodes keep the k and v rows
 // of the positions fed so far, so one run per token costs one token's work and gives the logits the
@@ -10,8 +13,11 @@
 // Generation: EOS (documents start with it in the training data), then the prompt's tokens, are
 // fed one by one (the prefill); then each new token is drawn from the last logits (argmax at
 // temperature 0, else softmax(logits / temperature) over the top-k, with a counter-based random
-// number indexed by the token's position) and fed back, until the count, EOS, or the context
-// (the dim maxT, else T) is reached.
+// number indexed by the token's position in the sequence) and fed back, until the count or EOS.
+// The model sees at most its context (the dim maxT, else T) of the last tokens, as nanoGPT crops
+// them: a longer prompt is cut to its last ones, and once the context is full, each new token is
+// drawn from a prefill of the last `context` tokens at positions 0..context-1 (one line on stderr
+// says so, once).
 #include "sample.h"
 
 #include "data.h"
@@ -21,12 +27,15 @@
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 struct Sampler {
   Arena *a;              // the graph's arena
   const char *path;      // the checkpoint, for messages
   const char *tokenizer; // recorded in the checkpoint
+  const char *stored_tokenizer; // the copy it stores (base64), or NULL
+  bool said_crop;        // the note that the context slides is out
   Graph *g;
   Interp *it;
   int logits;            // the node of "output logits"
@@ -191,8 +200,23 @@ static bool load_params(Sampler *s, const StFile *f, const char *source) {
   return true;
 }
 
+// The whole of a regular file in the arena, as text, or NULL (no message) when it cannot be read.
+static char *read_text(Arena *a, const char *path) {
+  FILE *f = fopen(path, "rb");
+  if (!f)
+    return NULL;
+  struct stat st;
+  char *text = NULL;
+  if (fstat(fileno(f), &st) == 0 && S_ISREG(st.st_mode)) {
+    text = arena_alloc(a, (size_t)st.st_size + 1);
+    text[fread(text, 1, (size_t)st.st_size, f)] = 0;
+  }
+  fclose(f);
+  return text;
+}
+
 // Reads the checkpoint (its own arena, dropped once the parameters are copied), then compiles and
-// checks the model it names.
+// checks its model: the text it stores, else the file it names.
 static bool open_from(Sampler *s, Arena *file_arena) {
   StFile f;
   if (!st_read(file_arena, s->path, &f))
@@ -214,12 +238,22 @@ static bool open_from(Sampler *s, Arena *file_arena) {
   if (!tokenizer || !parse_dims(s, dims, &ov, &nov))
     return false;
   s->tokenizer = arena_strdup(s->a, tokenizer);
+  const char *stored_tok = st_meta(&f, "mdl.tokenizer_base64");
+  s->stored_tokenizer = stored_tok ? arena_strdup(s->a, stored_tok) : NULL;
   source = arena_strdup(s->a, source);
-  if (access(source, R_OK) != 0) {
+  const char *text = st_meta(&f, "mdl.source_text");
+  if (text) {
+    const char *disk = read_text(file_arena, source);
+    if (disk && strcmp(disk, text))
+      fprintf(stderr, "%s: warning: %s differs from the model this checkpoint was trained with; sampling "
+              "with the copy of that model stored in the checkpoint\n", s->path, source);
+    s->g = mdl_compile_text(s->a, source, text, ov, nov);
+  } else if (access(source, R_OK) != 0) {
     diag_file_error(s->path, "cannot read the checkpoint's model %s: %s", source, strerror(errno));
     return false;
+  } else {
+    s->g = mdl_compile_file(s->a, source, ov, nov);
   }
-  s->g = mdl_compile_file(s->a, source, ov, nov);
   if (!s->g || !check_graph(s, source))
     return false;
   ir_eval_mode(s->g);
@@ -267,38 +301,65 @@ const double *sampler_feed(Sampler *s, int32_t token) {
   return interp_value(s->it, s->logits);
 }
 
-// A context of n tokens fits the model; false after saying why.
-static bool context_fits(const Sampler *s, int64_t n) {
-  if (n >= 1 && n <= s->context)
-    return true;
-  diag_file_error(s->path, "the prompt is %lld tokens with its leading EOS; the model's context is 1 to %lld",
-                  (long long)n, (long long)s->context);
-  return false;
+// Feeds win[0..n) from position 0; the logits after the last, or NULL after saying why.
+static const double *prefill(Sampler *s, const int32_t *win, int64_t n) {
+  const double *logits = NULL;
+  sampler_reset(s);
+  for (int64_t i = 0; i < n; i++)
+    if (!(logits = sampler_feed(s, win[i])))
+      return NULL;
+  return logits;
 }
 
 int64_t sampler_generate(Sampler *s, const int32_t *ctx, int64_t n, const SampleOptions *o, int32_t *out,
                          void (*emit)(void *arg, int32_t id), void *arg) {
-  if (!context_fits(s, n))
+  if (n < 1) {
+    diag_file_error(s->path, "nothing to continue: the context holds no token (not even the leading EOS)");
     return -1;
-  sampler_reset(s);
-  const double *logits = NULL;
-  for (int64_t i = 0; i < n; i++)
-    if (!(logits = sampler_feed(s, ctx[i])))
-      return -1;
-  int64_t count = 0;
-  while (count < o->tokens) {
-    int32_t id = sample_pick(logits, s->vocab, o->temperature, o->top_k, o->seed, (uint64_t)s->pos);
+  }
+  int64_t c = s->context, len = n < c ? n : c; // win[0..len): the last tokens, what the model sees
+  int32_t *win = malloc(sizeof *win * (size_t)c);
+  if (!win) {
+    fprintf(stderr, "mdlc: out of memory\n");
+    exit(1);
+  }
+  memcpy(win, ctx + (n - len), sizeof *win * (size_t)len);
+  if (n > c && !s->said_crop) {
+    s->said_crop = true;
+    fprintf(stderr, "%s: note: the prompt is %lld tokens with its leading EOS, more than the model's context of "
+            "%lld: the model sees the last %lld tokens, before and after each new one\n", s->path, (long long)n,
+            (long long)c, (long long)c);
+  }
+  const double *logits = prefill(s, win, len);
+  int64_t count = 0, seen = n; // seen: the tokens of the sequence so far, cropped or not
+  while (logits && count < o->tokens) {
+    int32_t id = sample_pick(logits, s->vocab, o->temperature, o->top_k, o->seed, (uint64_t)seen);
     if (id == TOK_EOS)
       break;
-    out[count++] = id;
+    if (out)
+      out[count] = id;
+    count++;
     if (emit)
       emit(arg, id);
-    if (count == o->tokens || s->pos == s->context)
+    if (count == o->tokens)
       break;
-    if (!(logits = sampler_feed(s, id)))
-      return -1;
+    seen++;
+    if (len < c) {
+      win[len++] = id;
+      logits = sampler_feed(s, id);
+      continue;
+    }
+    if (!s->said_crop) {
+      s->said_crop = true;
+      fprintf(stderr, "%s: note: the model's context of %lld tokens is full: each further token is drawn from the "
+              "last %lld, fed again from position 0 (the context slides)\n", s->path, (long long)c, (long long)c);
+    }
+    memmove(win, win + 1, sizeof *win * (size_t)(c - 1));
+    win[c - 1] = id;
+    logits = prefill(s, win, c);
   }
-  return count;
+  free(win);
+  return logits ? count : -1;
 }
 
 typedef struct {
@@ -359,17 +420,44 @@ static void print_token(void *arg, int32_t id) {
   fflush(stdout);
 }
 
+// The tokenizer: the copy the checkpoint stores (a file still at the recorded path that differs gets
+// a warning), else the file at the recorded path. NULL after saying why; *name is set for messages.
+static Tokenizer *load_tokenizer(const Sampler *s, const char **name) {
+  *name = s->tokenizer;
+  if (!s->stored_tokenizer)
+    return tok_load(s->tokenizer);
+  *name = s->path;
+  size_t n;
+  unsigned char *bytes = rt_unbase64(s->stored_tokenizer, &n);
+  Tokenizer *t = bytes ? tok_parse(bytes, n, s->path) : NULL;
+  if (!bytes)
+    diag_file_error(s->path, "mdl.tokenizer_base64 is not base64");
+  FILE *f = t ? fopen(s->tokenizer, "rb") : NULL;
+  if (f) {
+    unsigned char *disk = malloc(n + 1);
+    size_t got = disk ? fread(disk, 1, n + 1, f) : 0;
+    if (got != n || memcmp(disk, bytes, n))
+      fprintf(stderr, "%s: warning: %s differs from the tokenizer this checkpoint was trained with; sampling "
+              "with the copy of that tokenizer stored in the checkpoint\n", s->path, s->tokenizer);
+    free(disk);
+    fclose(f);
+  }
+  free(bytes);
+  return t;
+}
+
 int sample_run(const SampleOptions *o) {
   Sampler *s = sampler_open(o->checkpoint);
   if (!s)
     return 1;
-  Tokenizer *tok = tok_load(s->tokenizer);
+  const char *tok_name;
+  Tokenizer *tok = load_tokenizer(s, &tok_name);
   if (!tok) {
     sampler_close(s);
     return 1;
   }
   if (tok_vocab(tok) > s->vocab) {
-    diag_file_error(s->tokenizer, "tokenizer has %d tokens, the model's V is %lld", tok_vocab(tok),
+    diag_file_error(tok_name, "tokenizer has %d tokens, the model's V is %lld", tok_vocab(tok),
                     (long long)s->vocab);
     tok_free(tok);
     sampler_close(s);
@@ -378,22 +466,17 @@ int sample_run(const SampleOptions *o) {
   const char *prompt = o->prompt ? o->prompt : ""; // (no --prompt: generation starts from EOS alone)
   size_t len = strlen(prompt);
   TokBuf ctx = {.ids = malloc(sizeof(int32_t) * (len + 1)), .n = 1, .cap = len + 1};
-  int32_t *out = malloc(sizeof(int32_t) * (size_t)(s->context + 1));
-  if (!ctx.ids || !out) {
+  if (!ctx.ids) {
     fprintf(stderr, "mdlc: out of memory\n");
     exit(1);
   }
   ctx.ids[0] = TOK_EOS;
   tok_encode(tok, prompt, len, &ctx);
-  int64_t got = -1;
-  if (context_fits(s, (int64_t)ctx.n)) {
-    fputs(prompt, stdout);
-    fflush(stdout);
-    got = sampler_generate(s, ctx.ids, (int64_t)ctx.n, o, out, print_token, tok);
-    putchar('\n');
-    fflush(stdout);
-  }
-  free(out);
+  fputs(prompt, stdout);
+  fflush(stdout);
+  int64_t got = sampler_generate(s, ctx.ids, (int64_t)ctx.n, o, NULL, print_token, tok);
+  putchar('\n');
+  fflush(stdout);
   free(ctx.ids);
   tok_free(tok);
   sampler_close(s);

@@ -15,8 +15,9 @@ typedef struct {
 
 // 200 tokens, temperature 1, top-k 0 (the model's own distribution), seed 0.
 void sample_defaults(SampleOptions *o);
-// Loads the checkpoint, its model and its tokenizer, prints the prompt and then the generated text
-// to stdout as it comes. Returns the exit status: 0, or 1 after printing "path: error: reason".
+// Loads the checkpoint, its model and its tokenizer (the copies it stores, else the files it
+// names), prints the prompt and then the generated text to stdout as it comes. Returns the exit
+// status: 0, or 1 after printing "path: error: reason".
 int sample_run(const SampleOptions *o);
 
 // A checkpoint's model compiled for one token per step (B = T = 1, the other dims as recorded),
@@ -32,10 +33,12 @@ void sampler_reset(Sampler *s);
 // Feeds one token at the next position and returns the logits that follow it (sampler_vocab
 // values, valid until the next call); NULL after printing why (a bad id, a full context).
 const double *sampler_feed(Sampler *s, int32_t token);
-// Feeds the context ctx[0..n) from position 0 (the prefill), then generates at most o->tokens new
-// ids into out (room for min(o->tokens, context - n + 1) of them), calling emit (may be NULL) with
-// each as it comes. Stops early at EOS (not stored) or once the model has seen sampler_context
-// tokens (the last id is drawn from that position). Returns the count, or -1 after printing why.
+// Generates at most o->tokens new ids after the context ctx[0..n) (n >= 1), into out (may be NULL;
+// room for o->tokens), calling emit (may be NULL) with each as it comes; stops early at EOS (not
+// stored). The model sees the last sampler_context tokens at most: a longer ctx is cropped to its
+// last ones, and once the context is full each new id is drawn from a prefill of the last ones
+// (nanoGPT's crop); a note on stderr, once per sampler, says so. Returns the count, or -1 after
+// printing why.
 int64_t sampler_generate(Sampler *s, const int32_t *ctx, int64_t n, const SampleOptions *o, int32_t *out,
                          void (*emit)(void *arg, int32_t id), void *arg);
 

@@ -402,14 +402,20 @@ static uint32_t get_u32(const unsigned char *p) {
   return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
 }
 
-bool tok_save(const Tokenizer *t, const char *path) {
-  size_t n = 16 + 8 * (size_t)t->nmerges;
-  unsigned char *buf = xrealloc(NULL, n);
+unsigned char *tok_bytes(const Tokenizer *t, size_t *n) {
+  *n = 16 + 8 * (size_t)t->nmerges;
+  unsigned char *buf = xrealloc(NULL, *n);
   memcpy(buf, tok_magic, 8);
   put_u32(buf + 8, (uint32_t)tok_vocab(t));
   put_u32(buf + 12, (uint32_t)t->nmerges);
   for (int i = 0; i < 2 * t->nmerges; i++)
     put_u32(buf + 16 + 4 * i, t->pairs[i]);
+  return buf;
+}
+
+bool tok_save(const Tokenizer *t, const char *path) {
+  size_t n;
+  unsigned char *buf = tok_bytes(t, &n);
   DataFile f;
   bool ok = datafile_open(&f, path);
   if (ok && fwrite(buf, 1, n, f.f) != n) {
@@ -434,35 +440,42 @@ Tokenizer *tok_load(const char *path) {
   n = fread(buf, 1, cap, f);
   fclose(f);
   Tokenizer *t = NULL;
-  char why[256];
-  if (n == cap) {
+  if (n == cap)
     diag_file_error(path, "more than %zu bytes: larger than any tokenizer file", cap - 1);
-  } else if (n < 16) {
-    diag_file_error(path, "truncated: %zu bytes, a tokenizer file has at least 16", n);
+  else
+    t = tok_parse(buf, n, path);
+  free(buf);
+  return t;
+}
+
+Tokenizer *tok_parse(const unsigned char *buf, size_t n, const char *name) {
+  Tokenizer *t = NULL;
+  char why[256];
+  if (n < 16) {
+    diag_file_error(name, "truncated: %zu bytes, a tokenizer file has at least 16", n);
   } else if (memcmp(buf, tok_magic, 8)) {
-    diag_file_error(path, "not a tokenizer file (bad magic; want \"MDLTOK1\")");
+    diag_file_error(name, "not a tokenizer file (bad magic; want \"MDLTOK1\")");
   } else {
     uint32_t vocab = get_u32(buf + 8), nmerges = get_u32(buf + 12);
     size_t want = 16 + 8 * (size_t)nmerges;
     if (vocab < 256 || vocab > TOK_MAX_VOCAB) {
-      diag_file_error(path, "vocab %u is outside 256..%d", vocab, TOK_MAX_VOCAB);
+      diag_file_error(name, "vocab %u is outside 256..%d", vocab, TOK_MAX_VOCAB);
     } else if (nmerges != vocab - 256) {
-      diag_file_error(path, "vocab %u does not match 256 + %u merges", vocab, nmerges);
+      diag_file_error(name, "vocab %u does not match 256 + %u merges", vocab, nmerges);
     } else if (n < want) {
-      diag_file_error(path, "truncated: %u merges need %zu bytes, file holds %zu", nmerges, want, n);
+      diag_file_error(name, "truncated: %u merges need %zu bytes, file holds %zu", nmerges, want, n);
     } else if (n > want) {
-      diag_file_error(path, "%zu bytes after the %u merges", n - want, nmerges);
+      diag_file_error(name, "%zu bytes after the %u merges", n - want, nmerges);
     } else {
       uint32_t *pairs = xrealloc(NULL, 2 * (size_t)nmerges * sizeof *pairs);
       for (size_t i = 0; i < 2 * (size_t)nmerges; i++)
         pairs[i] = get_u32(buf + 16 + 4 * i);
       t = tok_new(pairs, (int)nmerges, why, sizeof why);
       if (!t)
-        diag_file_error(path, "%s", why);
+        diag_file_error(name, "%s", why);
       free(pairs);
     }
   }
-  free(buf);
   return t;
 }
 

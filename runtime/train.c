@@ -12,7 +12,12 @@
 // The checkpoint is a safetensors file: every parameter under its .mdl name, the AdamW moments as
 // "<param>.m" / "<param>.v", and __metadata__ strings: mdl.format, mdl.source (the .mdl path),
 // mdl.model, mdl.dims (every dim, "name=value,..."), mdl.step, mdl.seed, mdl.loader ("epoch,position"),
-// mdl.data, mdl.tokenizer.
+// mdl.data, mdl.tokenizer (its path); and the two files those paths name, so that a checkpoint moved
+// away from them still samples and resumes: mdl.source_text (the .mdl text the run compiled) and
+// mdl.tokenizer_base64 (tokenizer.bin's bytes in base64). Metadata strings rather than tensors: the
+// tensors stay the model's parameters and moments, which is what other readers load by name, and
+// safetensors keeps free-form strings there (a tokenizer of 50k merges is 0.5 MB of base64, well
+// within a reader's header limit). Checkpoints written before these two were stored lack them.
 #include "data.h"
 #include "runtime.h"
 
@@ -74,7 +79,7 @@ static int checkpoint_nodes(const Graph *g, int *nodes) {
 // step at B=1, T=32 (30 ms on an H200). Where the engine's values lie in host memory (Engine.values:
 // the CPU's arena), a copy would double the memory the parameters and moments take, so the
 // checkpoint is written from them in place, the steps waiting for it.
-enum { CKPT_META = 9 };
+enum { CKPT_META = 11 };
 typedef struct {
   pthread_t thread;
   bool running, threaded; // a write is under way (threaded: on its own thread)
@@ -87,6 +92,7 @@ typedef struct {
   int *nodes;  // their nodes
   int n;
   StMeta meta[CKPT_META];
+  int nmeta;
   char step_s[32], seed_s[32], loader_s[64], *dims;
 } CkptWriter;
 
@@ -104,7 +110,7 @@ static void *ckpt_write(void *arg) {
   for (int i = 0; w->snap && ok && i < w->n; i++)
     if (!(ok = w->snap->read_snapshot(w->snap, w->nodes[i], w->t[i].data, why, sizeof why)))
       diag_file_error(w->path, "cannot write the checkpoint: %s", why);
-  w->ok = ok && st_write_meta(w->path, w->t, w->n, w->meta, CKPT_META);
+  w->ok = ok && st_write_meta(w->path, w->t, w->n, w->meta, w->nmeta);
   __atomic_store_n(&w->done, true, __ATOMIC_RELEASE);
   return NULL;
 }
@@ -163,11 +169,16 @@ static bool ckpt_start(CkptWriter *w, const char *path, Engine *e, const TrainOp
   snprintf(w->step_s, sizeof w->step_s, "%lld", (long long)step);
   snprintf(w->seed_s, sizeof w->seed_s, "%llu", (unsigned long long)o->seed);
   snprintf(w->loader_s, sizeof w->loader_s, "%lld,%lld", (long long)ls.epoch, (long long)ls.position);
-  StMeta meta[CKPT_META] = {{"mdl.format", CKPT_FORMAT}, {"mdl.source", o->model_path}, {"mdl.model", g->model},
-                            {"mdl.dims", w->dims}, {"mdl.step", w->step_s}, {"mdl.seed", w->seed_s},
-                            {"mdl.loader", w->loader_s}, {"mdl.data", o->data_dir},
-                            {"mdl.tokenizer", o->tokenizer_path}};
+  StMeta meta[] = {{"mdl.format", CKPT_FORMAT}, {"mdl.source", o->model_path}, {"mdl.model", g->model},
+                   {"mdl.dims", w->dims}, {"mdl.step", w->step_s}, {"mdl.seed", w->seed_s},
+                   {"mdl.loader", w->loader_s}, {"mdl.data", o->data_dir},
+                   {"mdl.tokenizer", o->tokenizer_path}};
   memcpy(w->meta, meta, sizeof meta);
+  w->nmeta = (int)(sizeof meta / sizeof *meta); // (then the stored copies: CKPT_META in all)
+  if (g->source)
+    w->meta[w->nmeta++] = (StMeta){"mdl.source_text", g->source};
+  if (o->tokenizer_base64)
+    w->meta[w->nmeta++] = (StMeta){"mdl.tokenizer_base64", o->tokenizer_base64};
   w->path = path;
   w->running = w->threaded = true;
   w->done = false;
@@ -182,12 +193,21 @@ static bool ckpt_start(CkptWriter *w, const char *path, Engine *e, const TrainOp
 }
 
 // Whether a checkpoint read into f is one of g's: the format, the metadata, the model's dims, and
-// every parameter's and moment's name and shape; false after saying why.
-static bool checkpoint_fits(Arena *a, const StFile *f, const char *path, const Graph *g) {
+// every parameter's and moment's name and shape; false after saying why. The model given
+// (model_path, or the model file where NULL) decides: where its text is not the one the checkpoint
+// stores, its parameters must still have the checkpoint's names and shapes (a refusal that says the
+// model changed, else, with warn, a warning).
+static bool checkpoint_fits(Arena *a, const StFile *f, const char *path, const Graph *g, const char *model_path,
+                            bool warn) {
   const char *fmt = st_meta(f, "mdl.format");
   bool ok = fmt && !strcmp(fmt, CKPT_FORMAT);
   if (!ok)
     diag_file_error(path, "not an mdl checkpoint (no mdl.format = %s)", CKPT_FORMAT);
+  const char *model = model_path ? model_path : "the model file";
+  const char *stored = ok ? st_meta(f, "mdl.source_text") : NULL;
+  bool changed = stored && g->source && strcmp(stored, g->source);
+  const char *why = changed ? arena_printf(a, " (%s differs from the model this checkpoint was trained with, "
+                                           "stored in it)", model) : "";
   char *dims = dims_string(g);
   const char *cdims = ok ? st_meta(f, "mdl.dims") : NULL, *cstep = ok ? st_meta(f, "mdl.step") : NULL,
              *cload = ok ? st_meta(f, "mdl.loader") : NULL, *cseed = ok ? st_meta(f, "mdl.seed") : NULL;
@@ -195,26 +215,32 @@ static bool checkpoint_fits(Arena *a, const StFile *f, const char *path, const G
     diag_file_error(path, "checkpoint metadata is incomplete");
     ok = false;
   } else if (ok && strcmp(cdims, dims)) {
-    diag_file_error(path, "checkpoint of another model configuration: it has %s, this run %s", cdims, dims);
+    diag_file_error(path, "checkpoint of another model configuration: it has %s, this run %s%s", cdims, dims, why);
     ok = false;
   }
   free(dims);
   int *nodes = rt_xrealloc(NULL, sizeof(int) * (size_t)g->n);
   int n = ok ? checkpoint_nodes(g, nodes) : 0;
-  const char *prefix = arena_printf(a, "checkpoint does not match %s: ", g->model);
+  const char *prefix = changed ? arena_printf(a, "%s differs from the model this checkpoint was trained with "
+                                              "(stored in it), and so do its parameters: ", model)
+                               : arena_printf(a, "checkpoint does not match %s: ", g->model);
   for (int i = 0; ok && i < n; i++)
     ok = st_expect(f, path, prefix, g->nodes[nodes[i]]) != NULL;
+  if (ok && changed && warn)
+    fprintf(stderr, "%s: warning: %s differs from the model this checkpoint was trained with (stored in it); "
+            "resuming with %s, whose parameters have the same names and shapes\n", path, model, model);
   free(nodes);
   return ok;
 }
 
-// Loads a checkpoint into e after checking that it was written for this model; fills step, loader
-// state and seed.
-static bool read_checkpoint(const char *path, Engine *e, int64_t *step, LoaderState *ls, uint64_t *seed) {
+// Loads a checkpoint into e after checking that it was written for this model (checkpoint_fits);
+// fills step, loader state and seed.
+static bool read_checkpoint(const char *path, Engine *e, const char *model_path, int64_t *step, LoaderState *ls,
+                            uint64_t *seed) {
   const Graph *g = e->g;
   Arena *a = arena_new();
   StFile f;
-  bool ok = st_read(a, path, &f) && checkpoint_fits(a, &f, path, g);
+  bool ok = st_read(a, path, &f) && checkpoint_fits(a, &f, path, g, model_path, true);
   const char *cstep = ok ? st_meta(&f, "mdl.step") : NULL, *cload = ok ? st_meta(&f, "mdl.loader") : NULL,
              *cseed = ok ? st_meta(&f, "mdl.seed") : NULL;
   int *nodes = rt_xrealloc(NULL, sizeof(int) * (size_t)g->n);
@@ -269,7 +295,7 @@ bool train_check_inputs(const Graph *g, const char *data_dir, const char *out_di
   if (ok && resume) {
     char ckpt[PATH_MAX + 32];
     snprintf(ckpt, sizeof ckpt, "%s/checkpoint.safetensors", out_dir);
-    ok = st_read(a, ckpt, &f) && checkpoint_fits(a, &f, ckpt, g);
+    ok = st_read(a, ckpt, &f) && checkpoint_fits(a, &f, ckpt, g, NULL, false);
   }
   if (ok && weights)
     ok = st_read(a, weights, &f);
@@ -477,6 +503,44 @@ static bool accumulate_micro(Accum *ac, Engine *e, Loader *train, int64_t k, int
     }
   }
   return true;
+}
+
+// Whether two tokenizers have the same merges.
+static bool same_tokenizer(const Tokenizer *x, const Tokenizer *y) {
+  size_t nx, ny;
+  unsigned char *bx = tok_bytes(x, &nx), *by = tok_bytes(y, &ny);
+  bool same = nx == ny && !memcmp(bx, by, nx);
+  free(bx);
+  free(by);
+  return same;
+}
+
+Tokenizer *train_resume_tokenizer(const char *ckpt, const char *tok_path) {
+  Arena *a = arena_new();
+  StFile f;
+  bool there = access(ckpt, F_OK) == 0, ok = !there || st_read_header(a, ckpt, &f); // (none: the resume says so)
+  const char *b64 = there && ok ? st_meta(&f, "mdl.tokenizer_base64") : NULL;
+  Tokenizer *stored = NULL, *t = NULL;
+  if (b64) {
+    size_t n;
+    unsigned char *bytes = rt_unbase64(b64, &n);
+    if (!bytes)
+      diag_file_error(ckpt, "mdl.tokenizer_base64 is not base64");
+    stored = bytes ? tok_parse(bytes, n, ckpt) : NULL;
+    ok = stored != NULL;
+    free(bytes);
+  }
+  if (ok && stored && access(tok_path, F_OK) != 0) {
+    t = stored;
+    stored = NULL;
+  } else if (ok && (t = tok_load(tok_path)) && stored && !same_tokenizer(t, stored)) {
+    fprintf(stderr, "%s: warning: %s differs from the tokenizer this checkpoint was trained with (stored in it); "
+            "resuming with %s, which made the data's shards\n", ckpt, tok_path, tok_path);
+  }
+  if (stored)
+    tok_free(stored);
+  arena_free(a);
+  return t;
 }
 
 // OUT/lock, held (flock) while a run writes into OUT: a second run into the same folder would
@@ -695,7 +759,8 @@ static int train_loop(Engine *e, Engine *eval, Engine *micro, const TrainOptions
   uint64_t seed = o->seed;
   if (o->resume) {
     LoaderState ls;
-    if (!read_checkpoint(ckpt, e, &start, &ls, &seed) || !loader_seek(train, ls) || !truncate_log(log_path, start)) {
+    if (!read_checkpoint(ckpt, e, o->model_path, &start, &ls, &seed) || !loader_seek(train, ls) ||
+        !truncate_log(log_path, start)) {
       loader_close(train);
       if (val)
         loader_close(val);

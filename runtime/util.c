@@ -209,3 +209,47 @@ void *rt_xrealloc(void *p, size_t n) {
   }
   return q;
 }
+
+static const char b64_digits[] = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+
+char *rt_base64(const void *data, size_t n) {
+  const unsigned char *p = data;
+  char *out = rt_xrealloc(NULL, 4 * ((n + 2) / 3) + 1), *o = out;
+  for (size_t i = 0; i < n; i += 3) {
+    uint32_t v = (uint32_t)p[i] << 16 | (i + 1 < n ? (uint32_t)p[i + 1] << 8 : 0) | (i + 2 < n ? p[i + 2] : 0);
+    *o++ = b64_digits[v >> 18];
+    *o++ = b64_digits[(v >> 12) & 63];
+    *o++ = i + 1 < n ? b64_digits[(v >> 6) & 63] : '=';
+    *o++ = i + 2 < n ? b64_digits[v & 63] : '=';
+  }
+  *o = 0;
+  return out;
+}
+
+unsigned char *rt_unbase64(const char *text, size_t *n) {
+  size_t len = strlen(text);
+  if (len % 4)
+    return NULL;
+  unsigned char *out = rt_xrealloc(NULL, len / 4 * 3 + 1);
+  *n = 0;
+  for (size_t i = 0; i < len; i += 4) {
+    uint32_t v = 0;
+    int pad = 0;
+    for (int k = 0; k < 4; k++) {
+      const char *d = text[i + k] ? strchr(b64_digits, text[i + k]) : NULL;
+      if (text[i + k] == '=' && i + 4 == len && k >= 2 && (k == 3 || text[i + 3] == '='))
+        pad++;
+      else if (!d || pad) {
+        free(out);
+        return NULL;
+      }
+      v = v << 6 | (d ? (uint32_t)(d - b64_digits) : 0);
+    }
+    out[(*n)++] = (unsigned char)(v >> 16);
+    if (pad < 2)
+      out[(*n)++] = (unsigned char)(v >> 8);
+    if (pad < 1)
+      out[(*n)++] = (unsigned char)v;
+  }
+  return out;
+}

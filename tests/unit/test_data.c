@@ -2,6 +2,7 @@
 // the tokenizer file), token shards, the loader (packing, padding, epochs, shuffling, resuming)
 // and prep end to end (folder + JSONL in, decoded shards compared with the documents).
 #include "data.h"
+#include "runtime.h"
 #include "test.h"
 #include "scratch_dir.h"
 
@@ -816,6 +817,52 @@ static void test_prep(void) {
   loader_close(l);
 }
 
+// A tokenizer's bytes (what checkpoints store, in base64) parse back to the same tokenizer; base64
+// round-trips every length and refuses what is not base64.
+static void test_tokenizer_bytes(void) {
+  uint32_t pairs[] = {'a', 'b', 256, 'c'};
+  Tokenizer *t = tok_new(pairs, 2, NULL, 0);
+  size_t n, m;
+  unsigned char *bytes = tok_bytes(t, &n);
+  char *text = rt_base64(bytes, n);
+  unsigned char *back = rt_unbase64(text, &m);
+  Tokenizer *u = back ? tok_parse(back, m, "stored") : NULL;
+  const uint32_t *up = NULL;
+  CHECK(u && m == n && !memcmp(back, bytes, n) && tok_merges(u, &up) == 2 && !memcmp(up, pairs, sizeof pairs),
+        "tokenizer: its bytes through base64 parse back to the same merges", "%zu bytes, back %zu", n, m);
+  free(bytes);
+  free(text);
+  free(back);
+  tok_free(t);
+  tok_free(u);
+  const char *raw = "\x00\xffz1+/";
+  bool all = true;
+  for (size_t len = 0; len <= 6; len++) {
+    char *b = rt_base64(raw, len);
+    unsigned char *d = rt_unbase64(b, &m);
+    all = all && strlen(b) == 4 * ((len + 2) / 3) && d && m == len && !memcmp(d, raw, len);
+    free(b);
+    free(d);
+  }
+  CHECK(all, "base64: lengths 0 to 6 round-trip", "one did not");
+  const char *words[] = {"M", "Ma", "Man"}, *want[] = {"TQ==", "TWE=", "TWFu"};
+  bool rfc = true;
+  for (int i = 0; i < 3; i++) {
+    char *b = rt_base64(words[i], strlen(words[i]));
+    rfc = rfc && !strcmp(b, want[i]);
+    free(b);
+  }
+  CHECK(rfc, "base64: RFC 4648's alphabet and padding", "no");
+  const char *bad[] = {"TWF", "TW=u", "TWF*", "T===", "TQ==TWFu"};
+  bool refused = true;
+  for (size_t i = 0; i < sizeof bad / sizeof *bad; i++) {
+    unsigned char *d = rt_unbase64(bad[i], &m);
+    refused = refused && !d;
+    free(d);
+  }
+  CHECK(refused, "base64: text that is not base64 is refused", "one was read");
+}
+
 int main(void) {
   snprintf(tmp, sizeof tmp, "/tmp/mdl_data_XXXXXX");
   if (!mkdtemp(tmp)) {
@@ -827,6 +874,7 @@ int main(void) {
   test_bpe_against_naive();
   test_round_trip();
   test_tokenizer_file();
+  test_tokenizer_bytes();
   test_shards();
   test_packing();
   test_epoch_invariant();

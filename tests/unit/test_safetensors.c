@@ -154,6 +154,11 @@ static void test_metadata(void) {
   CHECK(model && !strcmp(model, "gpt2 \"tiny\""), "metadata value with quotes", "got %s", model ? model : "(none)");
   CHECK(ok && !st_meta(&f, "mdl.absent"), "absent metadata key reads as NULL", "found");
   CHECK(ok && ((float *)f.t[0].data)[1] == 2, "tensor data after metadata", "wrong data");
+  StFile h;
+  ok = st_read_header(a, at("meta.safetensors"), &h);
+  CHECK(ok && h.n == 1 && !strcmp(h.t[0].name, "x") && h.t[0].shape.d[0] == 2 && !h.t[0].data &&
+        st_meta(&h, "mdl.step") && !strcmp(st_meta(&h, "mdl.step"), "1200"),
+        "st_read_header: names, shapes and metadata, no data", "ok %d, n %d", ok, h.n);
   arena_free(a);
 }
 

@@ -5,6 +5,7 @@
 // the interpreter and then perturbed so that attention is far from uniform.
 #include "data.h"
 #include "mdl.h"
+#include "runtime.h"
 #include "sample.h"
 #include "test.h"
 
@@ -115,6 +116,8 @@ typedef struct {
   const char *skip;      // a parameter left out
   bool extra;            // add a tensor that is no parameter
   bool no_meta;          // no metadata at all
+  bool stored;           // the copies training stores: mdl.source_text (the model file's text) and
+                         // mdl.tokenizer_base64 (the byte-level tokenizer)
 } CkptOpts;
 
 // A checkpoint of f's parameters as training writes it.
@@ -157,8 +160,28 @@ static bool write_checkpoint(const char *path, const char *model, Full *f, CkptO
                    {"mdl.source", o.source ? o.source : source},
                    {"mdl.dims", o.dims ? o.dims : dims},
                    {"mdl.tokenizer", o.tokenizer ? o.tokenizer : path_in("tokenizer.bin")},
-                   {"mdl.step", "3"}};
-  bool ok = st_write_meta(path, t, n, meta, o.no_meta ? 0 : 5);
+                   {"mdl.step", "3"}, {"mdl.source_text", NULL}, {"mdl.tokenizer_base64", NULL}};
+  char *text = NULL, *tok64 = NULL;
+  if (o.stored) {
+    FILE *in = fopen(model, "rb");
+    text = calloc(1, 1 << 16);
+    if (in) {
+      size_t got = fread(text, 1, (1 << 16) - 1, in);
+      text[got] = 0;
+      fclose(in);
+    }
+    Tokenizer *bytes = tok_new(NULL, 0, NULL, 0);
+    size_t nb;
+    unsigned char *file = tok_bytes(bytes, &nb);
+    tok64 = rt_base64(file, nb);
+    free(file);
+    tok_free(bytes);
+    meta[5].value = text;
+    meta[6].value = tok64;
+  }
+  bool ok = st_write_meta(path, t, n, meta, o.no_meta ? 0 : o.stored ? 7 : 5);
+  free(text);
+  free(tok64);
   for (int k = 0; k < g->nparams; k++)
     free(bufs[k]);
   free(bufs);
@@ -238,17 +261,18 @@ static void test_kv_exact(const char *model, const char *label) {
 
 // Greedy decoding by the full forward: argmax of the logits at the last position, appended, again;
 // the same stopping rules (count, EOS, context).
+// Greedy decoding over the full forward as nanoGPT crops: the model sees the last `context` tokens.
 static int64_t greedy_reference(Full *f, const int32_t *ctx, int64_t n, int64_t count, int64_t context, int32_t *ref) {
   int32_t seq[256] = {0};
-  memcpy(seq, ctx, sizeof *ctx * (size_t)n);
-  int64_t len = n, got = 0;
+  int64_t len = n < context ? n : context, got = 0;
+  memcpy(seq, ctx + (n - len), sizeof *ctx * (size_t)len);
   while (got < count && full_run(f, seq)) {
     int32_t id = argmax(full_row(f, len - 1), f->V);
     if (id == TOK_EOS)
       break;
     ref[got++] = id;
     if (len == context)
-      break;
+      memmove(seq, seq + 1, sizeof *seq * (size_t)--len);
     seq[len++] = id;
   }
   return got;
@@ -318,8 +342,9 @@ static void slurp(const char *path, char *buf, size_t cap) {
   buf[n] = 0;
 }
 
-// A context of maxT = 16: generation stops once the model has seen 16 tokens, the last token drawn
-// from position 15, as the full forward with T = 16 does.
+// A context of maxT = 16: generation goes on past it, each token drawn from the last 16 tokens fed
+// from position 0, as nanoGPT crops (the full forward with T = 16 over them); a prompt longer than
+// the context is cropped the same way. sampler_feed itself refuses a 17th token.
 static void test_context_limit(void) {
   Full f;
   if (!full_open(&f, "models/gpt2-tiny.mdl", 16, 16, 31) ||
@@ -332,14 +357,21 @@ static void test_context_limit(void) {
         s ? (long long)sampler_context(s) : -1);
   if (s) {
     const int32_t ctx[] = {TOK_EOS, 'a', 'b'};
-    int32_t ref[32], out[32];
+    int32_t ref[64], out[64], lctx[24] = {TOK_EOS};
     SampleOptions o;
     sample_defaults(&o);
     o.temperature = 0;
-    o.tokens = 100;
-    int64_t nref = greedy_reference(&f, ctx, 3, 100, 16, ref);
+    o.tokens = 40;
+    int64_t nref = greedy_reference(&f, ctx, 3, 40, 16, ref);
     int64_t n = sampler_generate(s, ctx, 3, &o, out, NULL, NULL);
-    CHECK(same(out, n, ref, nref), "context: stops where the full forward's context ends",
+    CHECK(nref == 40 && same(out, n, ref, nref), "context: 40 tokens past maxT = 16, each from the last 16",
+          "%lld tokens, reference %lld", (long long)n, (long long)nref);
+    for (int i = 1; i < 24; i++)
+      lctx[i] = 'a' + i % 7;
+    o.tokens = 10;
+    nref = greedy_reference(&f, lctx, 24, 10, 16, ref);
+    n = sampler_generate(s, lctx, 24, &o, out, NULL, NULL);
+    CHECK(nref == 10 && same(out, n, ref, nref), "context: a prompt of 24 tokens is cropped to its last 16",
           "%lld tokens, reference %lld", (long long)n, (long long)nref);
     const double *l = NULL;
     sampler_reset(s);
@@ -570,15 +602,80 @@ static void test_run(void) {
   }
   o.checkpoint = path_in("short-run.safetensors");
   write_checkpoint(o.checkpoint, model, &f, (CkptOpts){0});
+  o.temperature = 0.8;
+  o.top_k = 20;
   o.prompt = "abcdefghijklmnopqrst";
-  snprintf(want_err, sizeof want_err,
-           "%s: error: the prompt is 21 tokens with its leading EOS; the model's context is 1 to 16\n", o.checkpoint);
-  expect_error(&o, "run: a prompt longer than the context", want_err);
+  o.tokens = 30;
+  expected_text(o.checkpoint, &o, want, sizeof want);
+  rc = run_captured(&o);
+  snprintf(want_err, sizeof want_err, "%s: note: the prompt is 21 tokens with its leading EOS, more than the "
+           "model's context of 16: the model sees the last 16 tokens, before and after each new one\n", o.checkpoint);
+  CHECK(rc == 0 && !strcmp(out_text, want) && !strcmp(err_text, want_err),
+        "run: a prompt longer than the context is cropped, with one note", "status %d, out \"%s\", stderr \"%s\"", rc,
+        out_text, err_text);
   o.prompt = "abcdefghijklmno";
   expected_text(o.checkpoint, &o, want, sizeof want);
   rc = run_captured(&o);
-  CHECK(rc == 0 && !strcmp(out_text, want) && strlen(out_text) == strlen(o.prompt) + 2,
-        "run: a prompt that fills the context gets one token", "status %d, out \"%s\"", rc, out_text);
+  snprintf(want_err, sizeof want_err, "%s: note: the model's context of 16 tokens is full: each further token is "
+           "drawn from the last 16, fed again from position 0 (the context slides)\n", o.checkpoint);
+  CHECK(rc == 0 && !strcmp(out_text, want) && strlen(out_text) == strlen(o.prompt) + 31 && !strcmp(err_text, want_err),
+        "run: 30 tokens after a prompt that fills the context, with one note", "status %d, out \"%s\", stderr \"%s\"",
+        rc, out_text, err_text);
+  full_close(&f);
+}
+
+// A checkpoint that stores its model and tokenizer samples without the files it names, the same
+// text as one that reads them; a file at the recorded path that differs gets one warning, and the
+// stored copy is used. (The checkpoints of the other tests store neither, as older ones did.)
+static void test_stored(void) {
+  Full f;
+  const char *model = "models/gpt2-tiny.mdl";
+  if (!full_open(&f, model, 8, 0, 41)) {
+    CHECK(false, "stored: gpt2-tiny", "does not compile");
+    return;
+  }
+  SampleOptions o;
+  sample_defaults(&o);
+  o.prompt = "Hello";
+  o.tokens = 40;
+  o.temperature = 0.8;
+  o.top_k = 20;
+  o.seed = 5;
+  char want[sizeof out_text], want_err[2048];
+  o.checkpoint = path_in("files.safetensors");
+  write_checkpoint(o.checkpoint, model, &f, (CkptOpts){0});
+  int rc = run_captured(&o);
+  snprintf(want, sizeof want, "%s", out_text);
+  CHECK(rc == 0 && strlen(want) > strlen("Hello\n"), "stored: the checkpoint that reads the files samples",
+        "status %d, stderr \"%s\"", rc, err_text);
+
+  o.checkpoint = path_in("alone.safetensors");
+  write_checkpoint(o.checkpoint, model, &f,
+                   (CkptOpts){.stored = true, .source = "/nonexistent/tiny.mdl", .tokenizer = "/nonexistent/t.bin"});
+  rc = run_captured(&o);
+  CHECK(rc == 0 && !strcmp(out_text, want) && !err_text[0],
+        "stored: with the model and tokenizer files gone, the same text from the stored copies",
+        "status %d, out \"%s\", want \"%s\", stderr \"%s\"", rc, out_text, want, err_text);
+
+  // changed.mdl (written by test_run): another shape of h.0.fc_w; tok300.bin: another tokenizer.
+  char changed[512];
+  snprintf(changed, sizeof changed, "%s", path_in("changed.mdl"));
+  o.checkpoint = path_in("differs.safetensors");
+  write_checkpoint(o.checkpoint, model, &f, (CkptOpts){.stored = true, .source = changed});
+  rc = run_captured(&o);
+  snprintf(want_err, sizeof want_err, "%s: warning: %s differs from the model this checkpoint was trained with; "
+           "sampling with the copy of that model stored in the checkpoint\n", o.checkpoint, changed);
+  CHECK(rc == 0 && !strcmp(out_text, want) && !strcmp(err_text, want_err),
+        "stored: a model file that differs: one warning, the stored model samples", "status %d, stderr \"%s\"", rc,
+        err_text);
+  o.checkpoint = path_in("tokdiffers.safetensors");
+  write_checkpoint(o.checkpoint, model, &f, (CkptOpts){.stored = true, .tokenizer = path_in("tok300.bin")});
+  rc = run_captured(&o);
+  snprintf(want_err, sizeof want_err, "%s: warning: %s differs from the tokenizer this checkpoint was trained with; "
+           "sampling with the copy of that tokenizer stored in the checkpoint\n", o.checkpoint, path_in("tok300.bin"));
+  CHECK(rc == 0 && !strcmp(out_text, want) && !strcmp(err_text, want_err),
+        "stored: a tokenizer file that differs: one warning, the stored tokenizer samples", "status %d, stderr \"%s\"",
+        rc, err_text);
   full_close(&f);
 }
 
@@ -595,6 +692,7 @@ int main(void) {
   test_generate("models/llama-tiny.mdl", "llama-tiny");
   test_context_limit();
   test_run();
+  test_stored();
   nftw(tmp, remove_entry, 8, FTW_DEPTH | FTW_PHYS);
   TEST_EXIT();
 }
