@@ -47,6 +47,8 @@ typedef struct {
   int64_t val_every, val_batches, ckpt_every;
   int64_t accumulate; // > 0 overrides the train section's
   int64_t skip_nonfinite; // steps with a non-finite loss or gradient norm skipped (with a warning each)
+  int64_t log_every; // a full step line every N steps (0: train_log_every's choice)
+  bool quiet;        // run: errors and the final summary only
   SampleOptions sample;
   const char *lab_budget; // lab: --memory-budget
 } Options;
@@ -96,7 +98,11 @@ static const char usage_text[] =
     "      --accumulate N     gradients accumulated over N micro-batches per step\n"
     "      --skip-nonfinite N skip up to N steps whose loss or gradient norm is not finite (a warning\n"
     "                         each; default 0: the run stops at the first, its weights not updated)\n"
-    "      --steps N          training steps (default: the train section's, else 50)\n"
+    "      --steps N          training steps, at least 1 (default: the train section's, else 100)\n"
+    "      --log-every N      a full step line every N steps, and at the first, the last and each\n"
+    "                         validation (default: 1, 2, 5, 10, 20, ... so that a run prints 20 to 50);\n"
+    "                         on a terminal a progress line stands for the steps between\n"
+    "      --quiet            run: no step lines, errors and the final summary only\n"
     "      --seed N           random seed (default 1337)\n"
     "      --backend NAME     auto (the default: cuda when a GPU is there, else cpu), cuda, cpu\n"
     "                         (compiled C), interp (the reference interpreter)\n"
@@ -164,6 +170,7 @@ static int parse_options(int argc, char **argv, Options *o) {
       {"tokens", required_argument, 0, 'T'},  {"temperature", required_argument, 0, 'm'},
       {"top-k", required_argument, 0, 'q'},  {"skip-nonfinite", required_argument, 0, 'X'},
       {"optimizer-per-param", no_argument, 0, 'Z'}, {"memory-budget", required_argument, 0, 'M'},
+      {"log-every", required_argument, 0, 'W'}, {"quiet", no_argument, 0, 'j'},
       {"help", no_argument, 0, 'h'},          {"version", no_argument, 0, 'V'},
       {0, 0, 0, 0}};
   *o = (Options){.seed = 1337, .backend = "auto", .steps = -1, .pack = true, .reuse = true, .gemm_tuning = true,
@@ -197,8 +204,9 @@ static int parse_options(int argc, char **argv, Options *o) {
     case 'b': o->batch = optarg; break;
     case 'a': o->data = optarg; break;
     case 's':
-      if (!parse_int(optarg, &o->steps) || o->steps < 0)
-        return usage_error("--steps wants a count, got '%s'", optarg);
+      if (!parse_int(optarg, &o->steps) || o->steps <= 0)
+        return usage_error("--steps wants a positive count, got '%s'; use `mdlc eval` to evaluate without training",
+                           optarg);
       break;
     case 'S':
       if (!parse_int(optarg, &v) || v < 0)
@@ -278,6 +286,11 @@ static int parse_options(int argc, char **argv, Options *o) {
         return usage_error("expected a count, got '%s'", optarg);
       break;
     }
+    case 'W':
+      if (!parse_int(optarg, &o->log_every) || o->log_every <= 0)
+        return usage_error("--log-every wants a positive count, got '%s'", optarg);
+      break;
+    case 'j': o->quiet = true; break;
     case 'C': o->fuse.chunk_lmhead = false; break;
     case 'Z': o->fuse.optimizer_per_param = true; break;
     case 'M':
@@ -550,13 +563,15 @@ static void gpu_peak(const CudaDevice *d, Engine *e) {
 }
 
 // The GEMM library the CPU back end runs, its kernels and what a short probe measured; a warning
-// when its kernels are a fallback older than the CPU.
-static void gemm_report(const GemmLib *lib) {
+// when its kernels are a fallback older than the CPU (--quiet: the warning alone).
+static void gemm_report(const GemmLib *lib, bool quiet) {
   rt_gemm_probe();
-  printf("GEMM: %s, %s kernels%s: %.0f GFLOP/s fp32", lib->name, lib->kernels, lib->how, lib->sgemm_gflops);
-  if (lib->bgemm)
-    printf(", %.0f GFLOP/s bf16", lib->bgemm_gflops);
-  printf(" (a 256x768x768 product split over the cores)\n");
+  if (!quiet) {
+    printf("GEMM: %s, %s kernels%s: %.0f GFLOP/s fp32", lib->name, lib->kernels, lib->how, lib->sgemm_gflops);
+    if (lib->bgemm)
+      printf(", %.0f GFLOP/s bf16", lib->bgemm_gflops);
+    printf(" (a 256x768x768 product split over the cores)\n");
+  }
   if (lib->generic)
     fprintf(stderr, "mdlc: warning: %s runs its generic %s kernels on a CPU with AVX2 or later: GEMMs at a fraction "
             "of their speed (install oneDNN, Debian's libdnnl2, or name the CPU's family in OPENBLAS_CORETYPE)\n",
@@ -606,12 +621,12 @@ static Engine *open_engine(const Options *o, Graph *g, bool report) {
     diag_file_error(o->file, "%s", err);
   if (e && report) { // and MFU against the peak of what the GEMMs run on: AMX's where they are bf16 there
     const GemmLib *lib = rt_gemm(err, sizeof err);
-    gemm_report(lib);
+    gemm_report(lib, o->quiet);
     const char *how;
     e->peak_flops = rt_cpu_peak_flops(lib->bgemm && !strcmp(g->train.precision, "bf16"), &how);
     e->peak_how = arena_strdup(g->arena, how);
   }
-  if (e && report)
+  if (e && report && !o->quiet)
     printf("compiled %s for the CPU: %d kernels (fusion %s), arena %.1f MB (activations %.1f MB), %s\n", g->model,
            p.f->nsteps, o->fuse.fuse ? "on" : "off", (double)p.m->arena_bytes / 1e6,
            (double)p.m->activation_bytes / 1e6,
@@ -873,19 +888,23 @@ static int cmd_run(const Options *o, Graph *g) {
     const char *why = NULL;
     if (g->train.precision_auto)
       auto_precision(o, &why);
-    printf("training %s (%lld parameters), back end %s%s%s%s, precision %s%s%s\n", g->model,
-           (long long)ir_param_count(g), e->name, strcmp(backend_of(o), "interp") && !o->fuse.fuse ? " (fusion off)" : "",
-           o->lower.plain_attention ? ", attention plain (scores in memory, unfused)" : "",
-           o->lower.no_doc_mask ? ", no doc mask (documents attend to each other)" : "", why ? "auto, " : "",
-           why ? why : g->train.precision, o->resume ? ", resuming" : "");
+    if (!o->quiet)
+      printf("training %s (%lld parameters), back end %s%s%s%s, precision %s%s%s\n", g->model,
+             (long long)ir_param_count(g), e->name,
+             strcmp(backend_of(o), "interp") && !o->fuse.fuse ? " (fusion off)" : "",
+             o->lower.plain_attention ? ", attention plain (scores in memory, unfused)" : "",
+             o->lower.no_doc_mask ? ", no doc mask (documents attend to each other)" : "", why ? "auto, " : "",
+             why ? why : g->train.precision, o->resume ? ", resuming" : "");
     char line[1024];
     checkpoint_summary(&g->ckpt, true, true, line, sizeof line);
-    printf("%s\n", line);
+    if (!o->quiet)
+      printf("%s\n", line);
     TrainOptions to = {.model_path = model_abs, .data_dir = data_abs, .tokenizer_path = tok_path, .out_dir = out_dir,
                        .steps = o->steps, .resume = o->resume, .pack = o->pack, .shuffle = o->shuffle,
                        .tokenize_on_the_fly = o->tokenize_on_the_fly,
                        .seed = o->seed, .val_every = o->val_every, .val_batches = o->val_batches,
-                       .ckpt_every = o->ckpt_every, .skip_nonfinite = o->skip_nonfinite, .out_claimed = true};
+                       .ckpt_every = o->ckpt_every, .skip_nonfinite = o->skip_nonfinite, .out_claimed = true,
+                       .log_every = o->log_every, .quiet = o->quiet};
     e->profile = o->profile && e->kernel_seconds;
     if (o->profile && !e->profile)
       printf("--profile: the %s back end runs op by op, with nothing to time by kernel; the compiled back ends "

@@ -134,8 +134,8 @@ awk -v a="$arena" -v p="$peak" 'BEGIN {exit !(a > 0 && p > 0 && p <= 1.1 * a + 1
 # and activations' memory while validation runs: they come back as zeros, and no step reads them first).
 for v in 0 2; do
   rm -rf "$tmp/v$v"
-  $m run models/gpt2-tiny.mdl -D B=4 -D T=32 --steps 6 --val-every $v --ckpt-every 0 --data "$tmp/shards" \
-    --out "$tmp/v$v" --backend cpu 2>&1 | grep '^step' | grep -v 'val loss' | cut -d'|' -f1-4 >"$tmp/v$v.steps"
+  $m run models/gpt2-tiny.mdl -D B=4 -D T=32 --steps 6 --val-every $v --ckpt-every 0 --log-every 1 \
+    --data "$tmp/shards" --out "$tmp/v$v" --backend cpu 2>&1 | grep '^step' | grep -v 'val loss' | cut -d'|' -f1-4 >"$tmp/v$v.steps"
 done
 [ "$(wc -l <"$tmp/v0.steps")" -eq 6 ] && cmp -s "$tmp/v0.steps" "$tmp/v2.steps" &&
   echo "[ok] cli: validation every 2 steps leaves the training steps' losses and norms as they are" ||
