@@ -68,6 +68,10 @@ static const char usage_text[] =
     "  sample CHECKPOINT [--prompt TEXT]  generate text (--tokens N --temperature T --top-k K --seed S)\n"
     "  run   FILE.mdl --data DIR [--steps N] [--out DIR] [--resume]\n"
     "                                 compile and train on shards from prep\n"
+    "  eval  CHECKPOINT --data DIR [--val-batches N]\n"
+    "                                 the validation loss (and every scalar output) of a checkpoint of\n"
+    "                                 run, without training: the batches run validates on, given the\n"
+    "                                 run's --backend, --precision, --no-pack and --shuffle\n"
     "  lab   FILE.mdl --data DIR [--steps N] [--out DIR] [--memory-budget SIZE]\n"
     "                                 what each technique is worth here: the model trained with all\n"
     "                                 of them off, then one added per row, then each taken away alone;\n"
@@ -329,7 +333,7 @@ static const char *backend_of(const Options *o);
 static const char *auto_precision(const Options *o, const char **why) {
   static const char *chosen, *reason;
   if (!chosen) {
-    bool executes = !strcmp(o->verb, "run") || !strcmp(o->verb, "grad");
+    bool executes = !strcmp(o->verb, "run") || !strcmp(o->verb, "grad") || !strcmp(o->verb, "eval");
     const char *backend = executes ? backend_of(o) : "none";
     char err[256];
     const GemmLib *lib = strcmp(backend, "cuda") && strcmp(backend, "none") ? rt_gemm(err, sizeof err) : NULL;
@@ -635,16 +639,20 @@ static Engine *open_engine(const Options *o, Graph *g, bool report) {
 }
 
 // Copies every parameter from a safetensors file; names and shapes must match the model.
+static bool load_weights_from(Engine *e, const Graph *g, const StFile *f, const char *path) {
+  for (int i = 0; i < g->nparams; i++) {
+    const StTensor *t = st_expect(f, path, "", g->nodes[g->params[i]]);
+    if (!t)
+      return false;
+    e->write(e, g->params[i], t->data);
+  }
+  return true;
+}
+
 static bool load_weights(Engine *e, const Graph *g, const char *path) {
   Arena *a = arena_new();
   StFile f;
-  bool ok = st_read(a, path, &f);
-  for (int i = 0; ok && i < g->nparams; i++) {
-    const StTensor *t = st_expect(&f, path, "", g->nodes[g->params[i]]);
-    ok = t != NULL;
-    if (ok)
-      e->write(e, g->params[i], t->data);
-  }
+  bool ok = st_read(a, path, &f) && load_weights_from(e, g, &f, path);
   arena_free(a);
   return ok;
 }
@@ -809,9 +817,13 @@ static Engine *open_side_engine(const Options *o, Arena *a, bool grads) {
   quiet.dump = NULL;
   if (grads && !apply_checkpoint(&quiet, g))
     return NULL;
-  if (!grads) { // validation reads the loss alone: no named output is kept, so the LM head's logits are
-    ir_eval_mode(g); // never whole (rule 2 of fuse.c chunks it: 5.3 GB of them at GPT-2 124M, B=205, T=128)
-    g->noutputs = 0;
+  if (!grads) { // validation reads the loss and the scalar outputs alone: no other output is kept, so the LM
+    ir_eval_mode(g); // head's logits are never whole (rule 2 of fuse.c chunks it: 5.3 GB of them at GPT-2 124M,
+    int kept = 0;    // B=205, T=128)
+    for (int i = 0; i < g->noutputs; i++)
+      if (g->outputs[i] != g->loss && g->nodes[g->outputs[i]]->shape.rank == 0)
+        g->outputs[kept++] = g->outputs[i];
+    g->noutputs = kept;
   }
   return open_engine(&quiet, g, false);
 }
@@ -923,6 +935,52 @@ static int cmd_run(const Options *o, Graph *g) {
   arena_free(ea);
   e->free(e);
   train_release_out(lock, out_dir, created);
+  return rc;
+}
+
+// `mdlc eval CHECKPOINT --data DIR`: the checkpoint's model (its .mdl and dims as recorded, -D
+// overriding them) compiled forward only as run compiles its validation, the parameters from the
+// checkpoint, over the validation batches the run validated on (train_eval; the run's seed).
+static int cmd_eval(const Options *o) {
+  if (!o->data) {
+    diag_file_error(o->file, "eval needs --data DIR: the shards made by `mdlc prep` to validate on");
+    return EXIT_USER;
+  }
+  Arena *a = arena_new();
+  StFile f;
+  CheckpointModel m;
+  int rc = EXIT_USER;
+  if (st_read(a, o->file, &f) && checkpoint_model(a, o->file, &f, &m)) {
+    Options q = *o;
+    q.file = m.source;
+    q.ndims = 0;
+    for (int i = 0; i < m.ndims + o->ndims; i++) {
+      DimOverride d = i < m.ndims ? m.dims[i] : o->dims[i - m.ndims];
+      int k = 0;
+      while (k < q.ndims && strcmp(q.dims[k].name, d.name))
+        k++;
+      if (k == 32) {
+        diag_file_error(o->file, "the checkpoint's model has more than 32 dims");
+        arena_free(a);
+        return EXIT_USER;
+      }
+      q.dims[k] = d;
+      q.ndims += k == q.ndims;
+    }
+    const char *seed = st_meta(&f, "mdl.seed"), *step = st_meta(&f, "mdl.step");
+    q.seed = seed ? strtoull(seed, NULL, 10) : o->seed;
+    Engine *e = open_side_engine(&q, a, false);
+    if (e && load_weights_from(e, e->g, &f, o->file)) {
+      printf("evaluating %s (step %s of %s), back end %s, precision %s\n", o->file, step ? step : "?", m.source,
+             e->name, e->g->train.precision);
+      TrainOptions to = {.model_path = m.source, .data_dir = o->data, .pack = o->pack, .shuffle = o->shuffle,
+                         .seed = q.seed, .val_batches = o->val_batches};
+      rc = train_eval(e, &to) ? EXIT_USER : 0;
+    }
+    if (e)
+      e->free(e);
+  }
+  arena_free(a);
   return rc;
 }
 
@@ -1158,6 +1216,8 @@ static int run_verb(Options *o) {
     o->sample.seed = o->seed;
     return sample_run(&o->sample);
   }
+  if (!strcmp(o->verb, "eval"))
+    return cmd_eval(o);
   if (!strcmp(o->verb, "prep")) {
     if (!o->out)
       return usage_error("prep needs -o DIR%s", "");
@@ -1188,7 +1248,7 @@ static int run_verb(Options *o) {
     arena_free(a);
     return rc;
   }
-  return usage_error("unknown verb '%s' (verbs: check, init, grad, prep, build, run, lab, sample)", o->verb);
+  return usage_error("unknown verb '%s' (verbs: check, init, grad, prep, build, run, eval, lab, sample)", o->verb);
 }
 
 int main(int argc, char **argv) {

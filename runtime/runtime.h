@@ -164,6 +164,10 @@ int train_run(Engine *e, Engine *eval, Engine *micro, const TrainOptions *o);
 // The full step lines' interval for a run of `steps` steps when --log-every does not say: 20 to 50
 // lines a run (besides the first and last step's, and each validation's).
 int64_t train_log_every(int64_t steps);
+// `mdlc eval`: eval (the forward graph of the checkpoint's model, its parameters loaded) over the
+// first o->val_batches validation batches of o->data_dir, the batches a run with the same options
+// validates on; prints the mean loss and the mean of each scalar output. Returns the exit status.
+int train_eval(Engine *eval, const TrainOptions *o);
 // Claims the output folder for one run: creates it (*created) and locks it (flock on DIR/lock, which
 // holds the pid of the run that has it), and refuses, saying why, when another run holds it, or when
 // a run that does not resume would overwrite a checkpoint or a log. The lock's fd, or -1 after the

@@ -19,6 +19,16 @@ void sample_defaults(SampleOptions *o);
 // to stdout as it comes. Returns the exit status: 0, or 1 after printing "path: error: reason".
 int sample_run(const SampleOptions *o);
 
+// The model a training checkpoint records: its .mdl file, every dim as trained, its tokenizer.
+typedef struct {
+  const char *source, *tokenizer;
+  DimOverride *dims;
+  int ndims;
+} CheckpointModel;
+// Reads them from f (the checkpoint at path, as st_read read it) into a's memory; false after
+// printing why (not an mdl checkpoint, a field missing, the model file not readable).
+bool checkpoint_model(Arena *a, const char *path, const StFile *f, CheckpointModel *m);
+
 // A checkpoint's model compiled for one token per step (B = T = 1, the other dims as recorded),
 // its parameters loaded into the interpreter in decode mode.
 typedef struct Sampler Sampler;

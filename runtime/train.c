@@ -251,27 +251,43 @@ static void copy_params(Engine *from, Engine *to) {
   free(buf);
 }
 
-// Mean loss over the first `batches` validation batches, on the eval engine with the training
-// parameters: the same batches every time (from `first`), so that the figures of one run compare, and
-// a resumed run's equal an uninterrupted one's.
+// The means over the first `batches` validation batches (from `first`) of the loss, into mean[0], and
+// of the scalar outputs of eval's graph, into mean[1..] (in the graph's order). The same batches
+// every time, so that the figures of one run compare, a resumed run's equal an uninterrupted one's,
+// and `mdlc eval` on a checkpoint gives the figures of the run that wrote it.
+static bool val_means(Engine *eval, Loader *val, LoaderState first, int64_t batches, int64_t BT, double *mean,
+                      char *err, size_t n) {
+  const Graph *g = eval->g;
+  if (!loader_seek(val, first))
+    return rt_fail(err, n, "cannot go back to the first validation batch");
+  for (int i = 0; i <= g->noutputs; i++)
+    mean[i] = 0;
+  for (int64_t b = 0; b < batches; b++) {
+    Batch batch;
+    loader_next(val, &batch);
+    if (!feed(eval, &batch, BT) || !eval->step(eval, err, n))
+      return false;
+    mean[0] += engine_scalar(eval, g->loss);
+    for (int i = 0; i < g->noutputs; i++)
+      mean[i + 1] += engine_scalar(eval, g->outputs[i]);
+  }
+  for (int i = 0; i <= g->noutputs; i++)
+    mean[i] /= (double)batches;
+  return true;
+}
+
+// The mean validation loss, on the eval engine with the training parameters.
 static double validate(Engine *train, Engine *eval, Loader *val, LoaderState first, int64_t batches, int64_t BT,
                        char *err, size_t n) {
   if (train->idle) // the training step's gradients and activations are dead until its next step
     train->idle(train, false);
   copy_params(train, eval);
-  if (!loader_seek(val, first))
-    return rt_fail(err, n, "cannot go back to the first validation batch"), NAN;
-  double sum = 0;
-  for (int64_t b = 0; b < batches; b++) {
-    Batch batch;
-    loader_next(val, &batch);
-    if (!feed(eval, &batch, BT) || !eval->step(eval, err, n))
-      return NAN;
-    sum += engine_scalar(eval, eval->g->loss);
-  }
+  double *mean = rt_xrealloc(NULL, sizeof(double) * (size_t)(eval->g->noutputs + 1));
+  double loss = val_means(eval, val, first, batches, BT, mean, err, n) ? mean[0] : NAN;
+  free(mean);
   if (eval->idle) // its parameters come anew from the training engine at the next validation
     eval->idle(eval, true);
-  return sum / (double)batches;
+  return loss;
 }
 
 // Unigram entropy (nats/token) of the training tokens: the loss of a model that knows only token
@@ -951,4 +967,32 @@ static int train_loop(Engine *e, Engine *eval, Engine *micro, const TrainOptions
   if (val)
     loader_close(val);
   return rc ? rc : stopped ? 128 + stopped : 0;
+}
+
+int train_eval(Engine *eval, const TrainOptions *o) {
+  const Graph *g = eval->g;
+  int64_t B = ir_dim(g, "B"), T = ir_dim(g, "T"), V = ir_dim(g, "V");
+  if (B <= 0 || T <= 0 || V <= 0 || g->loss < 0) {
+    diag_file_error(o->model_path, "evaluation needs dims B, T and V, the inputs tokens, targets, pos, doc and a loss");
+    return 1;
+  }
+  LoaderOptions lo = {.B = B, .T = T, .vocab = V, .pack = o->pack, .shuffle = o->shuffle, .seed = o->seed};
+  Loader *val = loader_open(o->data_dir, "val", lo);
+  if (!val)
+    return 1;
+  double *mean = rt_xrealloc(NULL, sizeof(double) * (size_t)(g->noutputs + 1));
+  char err[512] = "";
+  bool ok = val_means(eval, val, loader_state(val), o->val_batches, B * T, mean, err, sizeof err);
+  if (!ok)
+    diag_file_error(o->model_path, "evaluation: %s", err);
+  if (ok) {
+    printf("val loss %.4f (unigram entropy %.4f) over %lld validation batches of %lldx%lld\n", mean[0],
+           unigram_entropy(o->data_dir, V), (long long)o->val_batches, (long long)B, (long long)T);
+    for (int i = 0; i < g->noutputs; i++)
+      if (g->outputs[i] != g->loss)
+        printf("%s %.6g\n", g->nodes[g->outputs[i]]->name, mean[i + 1]);
+  }
+  free(mean);
+  loader_close(val);
+  return ok ? 0 : 1;
 }
