@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Runs the whole suite: unit binaries, the front end's error cases, CLI scripts and the PyTorch
-# cross-check. Every check prints "[ok] ..." or "[fail] ..."; the last line is "N passed, N failed".
+# cross-check. Every check prints "[ok] ..." or "[fail] ..."; the last line is "N passed, N failed, N skipped".
 set -u
 cd "$(dirname "$0")/.."
 log=$(mktemp)
