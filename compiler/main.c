@@ -545,7 +545,7 @@ static int cmd_check(const Options *o, Graph *g) {
 
 // The engine the options ask for: the interpreter, or the plan compiled for the CPU.
 // The back end --backend names; "auto" is CUDA when a driver, a device and NVRTC are there, else
-// the CPU (saying why in one line, once).
+// the CPU (saying why in one line, once, unless --quiet).
 static const char *backend_of(const Options *o) {
   static const char *chosen;
   if (strcmp(o->backend, "auto"))
@@ -553,7 +553,7 @@ static const char *backend_of(const Options *o) {
   if (!chosen) {
     char why[256];
     chosen = cuda_available(why, sizeof why) ? "cuda" : "cpu";
-    if (!strcmp(chosen, "cpu"))
+    if (!strcmp(chosen, "cpu") && !o->quiet)
       fprintf(stderr, "mdlc: %s; using the CPU back end\n", why);
   }
   return chosen;

@@ -2,9 +2,10 @@
 // packed by default) while the step runs, or with --tokenize-on-the-fly from the text they were
 // made from, tokenised in the step's time (the same batches); every step appends a metrics line to
 // OUT/log.jsonl, and prints it every log_every steps (on a terminal a progress line, rewritten in
-// place, stands for the steps between); validation loss every val_every steps on a forward-only engine; a checkpoint every
-// ckpt_every steps and at the end, written atomically in the background while the next steps run,
-// so a kill -9 loses at most the steps since the last one written; --resume continues exactly (same
+// place, stands for the steps between); validation loss every val_every steps on a forward-only
+// engine (and `mdlc eval`'s on a checkpoint: train_eval); a checkpoint every ckpt_every steps and
+// at the end, written atomically in the background while the next steps run, so a kill -9 loses
+// at most the steps since the last one written; --resume continues exactly (same
 // parameters, moments, data position and dropout seeds, so the losses equal those of an
 // uninterrupted run); OUT/loss.svg is drawn at the end. Ctrl-C (SIGINT) or SIGTERM lets the step
 // under way finish, writes its checkpoint and stops (exit status 128 + the signal); a second one
@@ -988,9 +989,8 @@ int train_eval(Engine *eval, const TrainOptions *o) {
   if (ok) {
     printf("val loss %.4f (unigram entropy %.4f) over %lld validation batches of %lldx%lld\n", mean[0],
            unigram_entropy(o->data_dir, V), (long long)o->val_batches, (long long)B, (long long)T);
-    for (int i = 0; i < g->noutputs; i++)
-      if (g->outputs[i] != g->loss)
-        printf("%s %.6g\n", g->nodes[g->outputs[i]]->name, mean[i + 1]);
+    for (int i = 0; i < g->noutputs; i++) // (the scalar outputs besides the loss: main.c's open_side_engine)
+      printf("%s %.6g\n", g->nodes[g->outputs[i]]->name, mean[i + 1]);
   }
   free(mean);
   loader_close(val);
