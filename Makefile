@@ -1,8 +1,10 @@
-# mdl: `make` builds bin/mdlc; `make test` runs every test and ends with "N passed, N failed".
+# mdl: `make` builds bin/mdlc; `make test` runs every test and ends with "N passed, N failed, N skipped";
+# `make install PREFIX=DIR` copies bin/mdlc to DIR/bin (default /usr/local).
 CC      ?= cc
 CFLAGS  ?= -O2 -g
 CFLAGS  += -std=c11 -D_GNU_SOURCE -Wall -Wextra -Werror -Icompiler -Iruntime -Ibuild
 LDLIBS  += -lm -ldl -lpthread
+PREFIX  ?= /usr/local
 
 LIB_SRC   := $(filter-out compiler/main.c,$(wildcard compiler/*.c runtime/*.c))
 LIB_OBJ   := $(patsubst %.c,build/%.o,$(LIB_SRC)) build/mdl.tab.o build/lex.yy.o build/preludes.o
@@ -55,6 +57,10 @@ build/tests/%: tests/unit/%.c tests/unit/test.h tests/unit/draw_checks.h tests/u
 	@mkdir -p build/tests
 	$(CC) $(CFLAGS) -Itests/unit -o $@ $< build/libmdl.a $(LDLIBS)
 
+install: bin/mdlc
+	install -d $(DESTDIR)$(PREFIX)/bin
+	install -m 755 bin/mdlc $(DESTDIR)$(PREFIX)/bin/mdlc
+
 test: bin/mdlc $(UNIT_BIN)
 	@tests/run.sh
 
@@ -91,4 +97,4 @@ gpu-bundle:
 clean:
 	rm -rf build bin
 
-.PHONY: all test regen bench bench-checkpoint gpu-check gpu-bundle sanitize fuzz clean
+.PHONY: all install test regen bench bench-checkpoint gpu-check gpu-bundle sanitize fuzz clean

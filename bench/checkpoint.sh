@@ -28,7 +28,7 @@ run() { # NAME ROUND STEPS MODELARGS...: tok/s and peak RSS (MB) of one run
   local name=$1 r=$2 n=$3; shift 3
   rm -rf "$tmp/out"
   /usr/bin/time -f 'maxrss %M' -o "$tmp/$name.time.$r" bin/mdlc run "$@" --steps "$n" --data "$tmp/data" \
-    --backend cpu --val-every 0 --ckpt-every 0 --out "$tmp/out" >"$tmp/$name.$r" 2>&1 </dev/null
+    --backend cpu --val-every 0 --ckpt-every 0 --log-every 1 --out "$tmp/out" >"$tmp/$name.$r" 2>&1 </dev/null
   median_tok_s "$tmp/$name.$r" >"$tmp/$name.tok.$r"
   awk '/^maxrss/ {printf "%.0f\n", $2 * 1.024 / 1000}' "$tmp/$name.time.$r" >"$tmp/$name.rss.$r"
 }

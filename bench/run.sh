@@ -55,7 +55,7 @@ mdl() {
   local name=$1 r=$2; shift 2
   rm -rf "$tmp/out"
   /usr/bin/time -f 'maxrss %M' -o "$tmp/$name.time.$r" bin/mdlc run "$@" --steps "$steps" --data "$tmp/data" \
-    --backend cpu --val-every 0 --ckpt-every 0 --out "$tmp/out" >"$tmp/$name.$r" 2>&1 </dev/null
+    --backend cpu --val-every 0 --ckpt-every 0 --log-every 1 --out "$tmp/out" >"$tmp/$name.$r" 2>&1 </dev/null
   median_tok_s "$tmp/$name.$r" >"$tmp/$name.tok.$r"
   awk '/^maxrss/ {printf "%.0f\n", $2 / 1024}' "$tmp/$name.time.$r" >"$tmp/$name.rss.$r"
 }

@@ -14,7 +14,7 @@ bin/mdlc prep "$tmp/corpus" -o "$tmp/data" >/dev/null || exit 1
 run() { # median ms/step with the given environment
   rm -rf "$tmp/out"
   env "$@" bin/mdlc run models/gpt2-tiny.mdl --data "$tmp/data" --out "$tmp/out" --steps 45 --val-every 0 \
-    --ckpt-every 0 --backend cpu >"$tmp/log" 2>&1 </dev/null
+    --ckpt-every 0 --log-every 1 --backend cpu >"$tmp/log" 2>&1 </dev/null
   grep -o '[0-9.]* ms |' "$tmp/log" | awk 'NR > 5 {print $1}' | sort -n |
     awk '{v[NR] = $1} END {if (NR) printf "%s", v[int((NR + 1) / 2)]; else printf "n/a"}'
 }

@@ -48,6 +48,8 @@ typedef struct {
   int64_t val_every, val_batches, ckpt_every;
   int64_t accumulate; // > 0 overrides the train section's
   int64_t skip_nonfinite; // steps with a non-finite loss or gradient norm skipped (with a warning each)
+  int64_t log_every; // a full step line every N steps (0: train_log_every's choice)
+  bool quiet;        // run: errors and the final summary only
   SampleOptions sample;
   const char *lab_budget; // lab: --memory-budget
 } Options;
@@ -67,6 +69,10 @@ static const char usage_text[] =
     "  sample CHECKPOINT [--prompt TEXT]  generate text (--tokens N --temperature T --top-k K --seed S)\n"
     "  run   FILE.mdl --data DIR [--steps N] [--out DIR] [--resume]\n"
     "                                 compile and train on shards from prep\n"
+    "  eval  CHECKPOINT --data DIR [--val-batches N]\n"
+    "                                 the validation loss (and every scalar output) of a checkpoint of\n"
+    "                                 run, without training: the batches run validates on, given the\n"
+    "                                 run's --backend, --precision, --no-pack and --shuffle\n"
     "  lab   FILE.mdl --data DIR [--steps N] [--out DIR] [--memory-budget SIZE]\n"
     "                                 what each technique is worth here: the model trained with all\n"
     "                                 of them off, then one added per row, then each taken away alone;\n"
@@ -98,7 +104,11 @@ static const char usage_text[] =
     "      --accumulate N     gradients accumulated over N micro-batches per step\n"
     "      --skip-nonfinite N skip up to N steps whose loss or gradient norm is not finite (a warning\n"
     "                         each; default 0: the run stops at the first, its weights not updated)\n"
-    "      --steps N          training steps (default: the train section's, else 50)\n"
+    "      --steps N          training steps, at least 1 (default: the train section's, else 100)\n"
+    "      --log-every N      a full step line every N steps, and at the first, the last and each\n"
+    "                         validation (default: 1, 2, 5, 10, 20, ... so that a run prints 20 to 50);\n"
+    "                         on a terminal a progress line stands for the steps between\n"
+    "      --quiet            run: no step lines, errors and the final summary only\n"
     "      --seed N           random seed (default 1337)\n"
     "      --backend NAME     auto (the default: cuda when a GPU is there, else cpu), cuda, cpu\n"
     "                         (compiled C), interp (the reference interpreter)\n"
@@ -167,6 +177,7 @@ static int parse_options(int argc, char **argv, Options *o) {
       {"tokens", required_argument, 0, 'T'},  {"temperature", required_argument, 0, 'm'},
       {"top-k", required_argument, 0, 'q'},  {"skip-nonfinite", required_argument, 0, 'X'},
       {"optimizer-per-param", no_argument, 0, 'Z'}, {"memory-budget", required_argument, 0, 'M'},
+      {"log-every", required_argument, 0, 1001}, {"quiet", no_argument, 0, 'j'},
       {"help", no_argument, 0, 'h'},          {"version", no_argument, 0, 'V'},
       {0, 0, 0, 0}};
   *o = (Options){.seed = 1337, .backend = "auto", .steps = -1, .pack = true, .reuse = true, .gemm_tuning = true,
@@ -200,8 +211,9 @@ static int parse_options(int argc, char **argv, Options *o) {
     case 'b': o->batch = optarg; break;
     case 'a': o->data = optarg; break;
     case 's':
-      if (!parse_int(optarg, &o->steps) || o->steps < 0)
-        return usage_error("--steps wants a count, got '%s'", optarg);
+      if (!parse_int(optarg, &o->steps) || o->steps <= 0)
+        return usage_error("--steps wants a positive count, got '%s'; use `mdlc eval` to evaluate without training",
+                           optarg);
       break;
     case 'S':
       if (!parse_int(optarg, &v) || v < 0)
@@ -282,6 +294,11 @@ static int parse_options(int argc, char **argv, Options *o) {
         return usage_error("expected a count, got '%s'", optarg);
       break;
     }
+    case 1001:
+      if (!parse_int(optarg, &o->log_every) || o->log_every <= 0)
+        return usage_error("--log-every wants a positive count, got '%s'", optarg);
+      break;
+    case 'j': o->quiet = true; break;
     case 'C': o->fuse.chunk_lmhead = false; break;
     case 'Z': o->fuse.optimizer_per_param = true; break;
     case 'M':
@@ -321,7 +338,7 @@ static const char *backend_of(const Options *o);
 static const char *auto_precision(const Options *o, const char **why) {
   static const char *chosen, *reason;
   if (!chosen) {
-    bool executes = !strcmp(o->verb, "run") || !strcmp(o->verb, "grad");
+    bool executes = !strcmp(o->verb, "run") || !strcmp(o->verb, "grad") || !strcmp(o->verb, "eval");
     const char *backend = executes ? backend_of(o) : "none";
     char err[256];
     const GemmLib *lib = strcmp(backend, "cuda") && strcmp(backend, "none") ? rt_gemm(err, sizeof err) : NULL;
@@ -533,7 +550,7 @@ static int cmd_check(const Options *o, Graph *g) {
 
 // The engine the options ask for: the interpreter, or the plan compiled for the CPU.
 // The back end --backend names; "auto" is CUDA when a driver, a device and NVRTC are there, else
-// the CPU (saying why in one line, once).
+// the CPU (saying why in one line, once, unless --quiet).
 static const char *backend_of(const Options *o) {
   static const char *chosen;
   if (strcmp(o->backend, "auto"))
@@ -541,7 +558,7 @@ static const char *backend_of(const Options *o) {
   if (!chosen) {
     char why[256];
     chosen = cuda_available(why, sizeof why) ? "cuda" : "cpu";
-    if (!strcmp(chosen, "cpu"))
+    if (!strcmp(chosen, "cpu") && !o->quiet)
       fprintf(stderr, "mdlc: %s; using the CPU back end\n", why);
   }
   return chosen;
@@ -555,13 +572,15 @@ static void gpu_peak(const CudaDevice *d, Engine *e) {
 }
 
 // The GEMM library the CPU back end runs, its kernels and what a short probe measured; a warning
-// when its kernels are a fallback older than the CPU.
-static void gemm_report(const GemmLib *lib) {
+// when its kernels are a fallback older than the CPU (--quiet: the warning alone).
+static void gemm_report(const GemmLib *lib, bool quiet) {
   rt_gemm_probe();
-  printf("GEMM: %s, %s kernels%s: %.0f GFLOP/s fp32", lib->name, lib->kernels, lib->how, lib->sgemm_gflops);
-  if (lib->bgemm)
-    printf(", %.0f GFLOP/s bf16", lib->bgemm_gflops);
-  printf(" (a 256x768x768 product split over the cores)\n");
+  if (!quiet) {
+    printf("GEMM: %s, %s kernels%s: %.0f GFLOP/s fp32", lib->name, lib->kernels, lib->how, lib->sgemm_gflops);
+    if (lib->bgemm)
+      printf(", %.0f GFLOP/s bf16", lib->bgemm_gflops);
+    printf(" (a 256x768x768 product split over the cores)\n");
+  }
   if (lib->generic)
     fprintf(stderr, "mdlc: warning: %s runs its generic %s kernels on a CPU with AVX2 or later: GEMMs at a fraction "
             "of their speed (install oneDNN, Debian's libdnnl2, or name the CPU's family in OPENBLAS_CORETYPE)\n",
@@ -611,12 +630,12 @@ static Engine *open_engine(const Options *o, Graph *g, bool report) {
     diag_file_error(o->file, "%s", err);
   if (e && report) { // and MFU against the peak of what the GEMMs run on: AMX's where they are bf16 there
     const GemmLib *lib = rt_gemm(err, sizeof err);
-    gemm_report(lib);
+    gemm_report(lib, o->quiet);
     const char *how;
     e->peak_flops = rt_cpu_peak_flops(lib->bgemm && !strcmp(g->train.precision, "bf16"), &how);
     e->peak_how = arena_strdup(g->arena, how);
   }
-  if (e && report)
+  if (e && report && !o->quiet)
     printf("compiled %s for the CPU: %d kernels (fusion %s), arena %.1f MB (activations %.1f MB), %s\n", g->model,
            p.f->nsteps, o->fuse.fuse ? "on" : "off", (double)p.m->arena_bytes / 1e6,
            (double)p.m->activation_bytes / 1e6,
@@ -625,16 +644,20 @@ static Engine *open_engine(const Options *o, Graph *g, bool report) {
 }
 
 // Copies every parameter from a safetensors file; names and shapes must match the model.
+static bool load_weights_from(Engine *e, const Graph *g, const StFile *f, const char *path) {
+  for (int i = 0; i < g->nparams; i++) {
+    const StTensor *t = st_expect(f, path, "", g->nodes[g->params[i]]);
+    if (!t)
+      return false;
+    e->write(e, g->params[i], t->data);
+  }
+  return true;
+}
+
 static bool load_weights(Engine *e, const Graph *g, const char *path) {
   Arena *a = arena_new();
   StFile f;
-  bool ok = st_read(a, path, &f);
-  for (int i = 0; ok && i < g->nparams; i++) {
-    const StTensor *t = st_expect(&f, path, "", g->nodes[g->params[i]]);
-    ok = t != NULL;
-    if (ok)
-      e->write(e, g->params[i], t->data);
-  }
+  bool ok = st_read(a, path, &f) && load_weights_from(e, g, &f, path);
   arena_free(a);
   return ok;
 }
@@ -799,9 +822,13 @@ static Engine *open_side_engine(const Options *o, Arena *a, bool grads) {
   quiet.dump = NULL;
   if (grads && !apply_checkpoint(&quiet, g))
     return NULL;
-  if (!grads) { // validation reads the loss alone: no named output is kept, so the LM head's logits are
-    ir_eval_mode(g); // never whole (rule 2 of fuse.c chunks it: 5.3 GB of them at GPT-2 124M, B=205, T=128)
-    g->noutputs = 0;
+  if (!grads) { // validation reads the loss and the scalar outputs alone: no other output is kept, so the LM
+    ir_eval_mode(g); // head's logits are never whole (rule 2 of fuse.c chunks it: 5.3 GB of them at GPT-2 124M,
+    int kept = 0;    // B=205, T=128)
+    for (int i = 0; i < g->noutputs; i++)
+      if (g->outputs[i] != g->loss && g->nodes[g->outputs[i]]->shape.rank == 0)
+        g->outputs[kept++] = g->outputs[i];
+    g->noutputs = kept;
   }
   return open_engine(&quiet, g, false);
 }
@@ -895,20 +922,24 @@ static int cmd_run(const Options *o, Graph *g) {
     const char *why = NULL;
     if (g->train.precision_auto)
       auto_precision(o, &why);
-    printf("training %s (%lld parameters), back end %s%s%s%s, precision %s%s%s\n", g->model,
-           (long long)ir_param_count(g), e->name, strcmp(backend_of(o), "interp") && !o->fuse.fuse ? " (fusion off)" : "",
-           o->lower.plain_attention ? ", attention plain (scores in memory, unfused)" : "",
-           o->lower.no_doc_mask ? ", no doc mask (documents attend to each other)" : "", why ? "auto, " : "",
-           why ? why : g->train.precision, o->resume ? ", resuming" : "");
+    if (!o->quiet)
+      printf("training %s (%lld parameters), back end %s%s%s%s, precision %s%s%s\n", g->model,
+             (long long)ir_param_count(g), e->name,
+             strcmp(backend_of(o), "interp") && !o->fuse.fuse ? " (fusion off)" : "",
+             o->lower.plain_attention ? ", attention plain (scores in memory, unfused)" : "",
+             o->lower.no_doc_mask ? ", no doc mask (documents attend to each other)" : "", why ? "auto, " : "",
+             why ? why : g->train.precision, o->resume ? ", resuming" : "");
     char line[1024];
     checkpoint_summary(&g->ckpt, true, true, line, sizeof line);
-    printf("%s\n", line);
+    if (!o->quiet)
+      printf("%s\n", line);
     TrainOptions to = {.model_path = model_abs, .data_dir = data_abs, .tokenizer_path = tok_path,
                        .tokenizer_base64 = tok_base64, .out_dir = out_dir,
                        .steps = o->steps, .resume = o->resume, .pack = o->pack, .shuffle = o->shuffle,
                        .tokenize_on_the_fly = o->tokenize_on_the_fly,
                        .seed = o->seed, .val_every = o->val_every, .val_batches = o->val_batches,
-                       .ckpt_every = o->ckpt_every, .skip_nonfinite = o->skip_nonfinite, .out_claimed = true};
+                       .ckpt_every = o->ckpt_every, .skip_nonfinite = o->skip_nonfinite, .out_claimed = true,
+                       .log_every = o->log_every, .quiet = o->quiet};
     e->profile = o->profile && e->kernel_seconds;
     if (o->profile && !e->profile)
       printf("--profile: the %s back end runs op by op, with nothing to time by kernel; the compiled back ends "
@@ -928,6 +959,58 @@ static int cmd_run(const Options *o, Graph *g) {
   e->free(e);
   train_release_out(lock, out_dir, created);
   free(tok_base64);
+  return rc;
+}
+
+// `mdlc eval CHECKPOINT --data DIR`: the checkpoint's model (its .mdl and dims as recorded, -D
+// overriding them) compiled forward only as run compiles its validation, the parameters from the
+// checkpoint, over the validation batches the run validated on (train_eval; the run's seed).
+static int cmd_eval(const Options *o) {
+  if (!o->data) {
+    diag_file_error(o->file, "eval needs --data DIR: the shards made by `mdlc prep` to validate on");
+    return EXIT_USER;
+  }
+  Arena *a = arena_new();
+  StFile f;
+  CheckpointModel m;
+  int rc = EXIT_USER;
+  bool ok = st_read(a, o->file, &f) && checkpoint_model(a, o->file, &f, &m);
+  if (ok && access(m.source, R_OK) != 0) {
+    diag_file_error(o->file, "cannot read the checkpoint's model %s: %s (eval compiles that file; `mdlc sample` "
+                    "can use the copy the checkpoint stores)", m.source, strerror(errno));
+    ok = false;
+  }
+  if (ok) {
+    Options q = *o;
+    q.file = m.source;
+    q.ndims = 0;
+    for (int i = 0; i < m.ndims + o->ndims; i++) {
+      DimOverride d = i < m.ndims ? m.dims[i] : o->dims[i - m.ndims];
+      int k = 0;
+      while (k < q.ndims && strcmp(q.dims[k].name, d.name))
+        k++;
+      if (k == 32) {
+        diag_file_error(o->file, "the checkpoint's model has more than 32 dims");
+        arena_free(a);
+        return EXIT_USER;
+      }
+      q.dims[k] = d;
+      q.ndims += k == q.ndims;
+    }
+    const char *seed = st_meta(&f, "mdl.seed"), *step = st_meta(&f, "mdl.step");
+    q.seed = seed ? strtoull(seed, NULL, 10) : o->seed;
+    Engine *e = open_side_engine(&q, a, false);
+    if (e && load_weights_from(e, e->g, &f, o->file)) {
+      printf("evaluating %s (step %s of %s), back end %s, precision %s\n", o->file, step ? step : "?", m.source,
+             e->name, e->g->train.precision);
+      TrainOptions to = {.model_path = m.source, .data_dir = o->data, .pack = o->pack, .shuffle = o->shuffle,
+                         .seed = q.seed, .val_batches = o->val_batches};
+      rc = train_eval(e, &to) ? EXIT_USER : 0;
+    }
+    if (e)
+      e->free(e);
+  }
+  arena_free(a);
   return rc;
 }
 
@@ -1163,6 +1246,8 @@ static int run_verb(Options *o) {
     o->sample.seed = o->seed;
     return sample_run(&o->sample);
   }
+  if (!strcmp(o->verb, "eval"))
+    return cmd_eval(o);
   if (!strcmp(o->verb, "prep")) {
     if (!o->out)
       return usage_error("prep needs -o DIR%s", "");
@@ -1193,7 +1278,7 @@ static int run_verb(Options *o) {
     arena_free(a);
     return rc;
   }
-  return usage_error("unknown verb '%s' (verbs: check, init, grad, prep, build, run, lab, sample)", o->verb);
+  return usage_error("unknown verb '%s' (verbs: check, init, grad, prep, build, run, eval, lab, sample)", o->verb);
 }
 
 int main(int argc, char **argv) {

@@ -156,6 +156,8 @@ typedef struct {
   int64_t ckpt_every;             // a checkpoint every N steps (and at the end)
   int64_t skip_nonfinite;         // steps with a non-finite loss or gradient norm skipped before stopping
   bool out_claimed;               // the caller holds out_dir (train_claim_out); else train_run claims it
+  int64_t log_every;              // a full step line every N steps (0: train_log_every's choice)
+  bool quiet;                     // no step lines, no progress: errors and the final summary only
 } TrainOptions;
 
 // Trains e's graph; eval (forward-only, may be NULL) computes the validation loss; micro (the
@@ -163,6 +165,13 @@ typedef struct {
 // gradients over k (NULL otherwise). Returns the exit status: 0, 1 after an error it reported, or
 // 128 + the signal when a SIGINT or SIGTERM stopped it (after writing the checkpoint of its last step).
 int train_run(Engine *e, Engine *eval, Engine *micro, const TrainOptions *o);
+// The full step lines' interval for a run of `steps` steps when --log-every does not say: 20 to 50
+// lines a run (besides the first and last step's, and each validation's).
+int64_t train_log_every(int64_t steps);
+// `mdlc eval`: eval (the forward graph of the checkpoint's model, its parameters loaded) over the
+// first o->val_batches validation batches of o->data_dir, the batches a run with the same options
+// validates on; prints the mean loss and the mean of each scalar output. Returns the exit status.
+int train_eval(Engine *eval, const TrainOptions *o);
 // Claims the output folder for one run: creates it (*created) and locks it (flock on DIR/lock, which
 // holds the pid of the run that has it), and refuses, saying why, when another run holds it, or when
 // a run that does not resume would overwrite a checkpoint or a log. The lock's fd, or -1 after the

@@ -73,15 +73,13 @@ static const char *need_meta(const char *path, const StFile *f, const char *key)
   return v;
 }
 
-// "NAME=VALUE,NAME=VALUE,..." into -D overrides with B and T set to 1; the context is the value of
-// maxT, else of T. False after printing why.
-static bool parse_dims(Sampler *s, const char *text, DimOverride **ov, int *nov) {
+// "NAME=VALUE,NAME=VALUE,..." into -D overrides, each value as recorded. False after printing why.
+static bool parse_dims(Arena *a, const char *path, const char *text, DimOverride **ov, int *nov) {
   int cap = 1;
   for (const char *p = text; *p; p++)
     cap += *p == ',';
-  *ov = arena_alloc(s->a, sizeof **ov * (size_t)cap);
+  *ov = arena_alloc(a, sizeof **ov * (size_t)cap);
   *nov = 0;
-  int64_t t_value = 0;
   for (const char *p = text; *p;) {
     const char *eq = strchr(p, '='), *comma = strchr(p, ',');
     if (!comma)
@@ -90,23 +88,55 @@ static bool parse_dims(Sampler *s, const char *text, DimOverride **ov, int *nov)
     errno = 0;
     long long v = eq && eq < comma ? strtoll(eq + 1, &end, 10) : 0;
     if (!eq || eq >= comma || eq == p || end != comma || eq + 1 == comma || errno || v < 1) {
-      diag_file_error(s->path, "not an mdl checkpoint (mdl.dims '%s' is not NAME=VALUE,...)", text);
+      diag_file_error(path, "not an mdl checkpoint (mdl.dims '%s' is not NAME=VALUE,...)", text);
       return false;
     }
-    char *name = arena_alloc(s->a, (size_t)(eq - p) + 1);
+    char *name = arena_alloc(a, (size_t)(eq - p) + 1);
     memcpy(name, p, (size_t)(eq - p));
-    bool bt = !strcmp(name, "B") || !strcmp(name, "T");
-    if (!strcmp(name, "maxT"))
-      s->context = v;
-    if (!strcmp(name, "T"))
-      t_value = v;
-    (*ov)[(*nov)++] = (DimOverride){name, bt ? 1 : v};
+    (*ov)[(*nov)++] = (DimOverride){name, v};
     p = *comma ? comma + 1 : comma;
   }
-  if (!s->context)
-    s->context = t_value;
+  return true;
+}
+
+bool checkpoint_model(Arena *a, const char *path, const StFile *f, CheckpointModel *m) {
+  const char *format = st_meta(f, "mdl.format");
+  if (!format) {
+    diag_file_error(path, "not an mdl checkpoint (no mdl.format in its metadata)");
+    return false;
+  }
+  if (strcmp(format, "mdl-checkpoint-1")) {
+    diag_file_error(path, "checkpoint format '%s' is not one this mdlc reads (mdl-checkpoint-1)", format);
+    return false;
+  }
+  const char *source = need_meta(path, f, "mdl.source");
+  const char *dims = source ? need_meta(path, f, "mdl.dims") : NULL;
+  const char *tokenizer = dims ? need_meta(path, f, "mdl.tokenizer") : NULL;
+  if (!tokenizer || !parse_dims(a, path, dims, &m->dims, &m->ndims))
+    return false;
+  m->source = arena_strdup(a, source);
+  m->tokenizer = arena_strdup(a, tokenizer);
+  const char *text = st_meta(f, "mdl.source_text"), *tok = st_meta(f, "mdl.tokenizer_base64");
+  m->text = text ? arena_strdup(a, text) : NULL;
+  m->tokenizer_base64 = tok ? arena_strdup(a, tok) : NULL;
+  if (!m->text && access(m->source, R_OK) != 0) {
+    diag_file_error(path, "cannot read the checkpoint's model %s: %s", m->source, strerror(errno));
+    return false;
+  }
+  return true;
+}
+
+// The checkpoint's dims with B and T set to 1; the context is the value of maxT, else of T.
+static bool decode_dims(Sampler *s, const CheckpointModel *m) {
+  for (int i = 0; i < m->ndims; i++) {
+    DimOverride *d = &m->dims[i];
+    if (!strcmp(d->name, "maxT") || (!strcmp(d->name, "T") && !s->context))
+      s->context = d->value;
+    if (!strcmp(d->name, "B") || !strcmp(d->name, "T"))
+      d->value = 1;
+  }
   if (!s->context) {
-    diag_file_error(s->path, "not an mdl checkpoint (mdl.dims '%s' has neither maxT nor T)", text);
+    diag_file_error(s->path, "not an mdl checkpoint (mdl.dims has neither maxT nor T)");
     return false;
   }
   return true;
@@ -219,46 +249,25 @@ static char *read_text(Arena *a, const char *path) {
 // checks its model: the text it stores, else the file it names.
 static bool open_from(Sampler *s, Arena *file_arena) {
   StFile f;
-  if (!st_read(file_arena, s->path, &f))
+  CheckpointModel m;
+  if (!st_read(file_arena, s->path, &f) || !checkpoint_model(s->a, s->path, &f, &m) || !decode_dims(s, &m))
     return false;
-  const char *format = st_meta(&f, "mdl.format");
-  if (!format) {
-    diag_file_error(s->path, "not an mdl checkpoint (no mdl.format in its metadata)");
-    return false;
-  }
-  if (strcmp(format, "mdl-checkpoint-1")) {
-    diag_file_error(s->path, "checkpoint format '%s' is not one this mdlc reads (mdl-checkpoint-1)", format);
-    return false;
-  }
-  const char *source = need_meta(s->path, &f, "mdl.source");
-  const char *dims = source ? need_meta(s->path, &f, "mdl.dims") : NULL;
-  const char *tokenizer = dims ? need_meta(s->path, &f, "mdl.tokenizer") : NULL;
-  DimOverride *ov;
-  int nov;
-  if (!tokenizer || !parse_dims(s, dims, &ov, &nov))
-    return false;
-  s->tokenizer = arena_strdup(s->a, tokenizer);
-  const char *stored_tok = st_meta(&f, "mdl.tokenizer_base64");
-  s->stored_tokenizer = stored_tok ? arena_strdup(s->a, stored_tok) : NULL;
-  source = arena_strdup(s->a, source);
-  const char *text = st_meta(&f, "mdl.source_text");
-  if (text) {
-    const char *disk = read_text(file_arena, source);
-    if (disk && strcmp(disk, text))
+  s->tokenizer = m.tokenizer;
+  s->stored_tokenizer = m.tokenizer_base64;
+  if (m.text) {
+    const char *disk = read_text(file_arena, m.source);
+    if (disk && strcmp(disk, m.text))
       fprintf(stderr, "%s: warning: %s differs from the model this checkpoint was trained with; sampling "
-              "with the copy of that model stored in the checkpoint\n", s->path, source);
-    s->g = mdl_compile_text(s->a, source, text, ov, nov);
-  } else if (access(source, R_OK) != 0) {
-    diag_file_error(s->path, "cannot read the checkpoint's model %s: %s", source, strerror(errno));
-    return false;
+              "with the copy of that model stored in the checkpoint\n", s->path, m.source);
+    s->g = mdl_compile_text(s->a, m.source, m.text, m.dims, m.ndims);
   } else {
-    s->g = mdl_compile_file(s->a, source, ov, nov);
+    s->g = mdl_compile_file(s->a, m.source, m.dims, m.ndims);
   }
-  if (!s->g || !check_graph(s, source))
+  if (!s->g || !check_graph(s, m.source))
     return false;
   ir_eval_mode(s->g);
   s->it = interp_new(s->g, INTERP_F32);
-  if (!load_params(s, &f, source))
+  if (!load_params(s, &f, m.source))
     return false;
   interp_set_decode(s->it, s->context);
   return true;

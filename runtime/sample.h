@@ -20,6 +20,19 @@ void sample_defaults(SampleOptions *o);
 // status: 0, or 1 after printing "path: error: reason".
 int sample_run(const SampleOptions *o);
 
+// The model a training checkpoint records: its .mdl file, every dim as trained, its tokenizer, and
+// the copies of the .mdl text and of the tokenizer (base64) it stores (NULL in older checkpoints).
+typedef struct {
+  const char *source, *tokenizer;
+  const char *text, *tokenizer_base64;
+  DimOverride *dims;
+  int ndims;
+} CheckpointModel;
+// Reads them from f (the checkpoint at path, as st_read read it) into a's memory; false after
+// printing why (not an mdl checkpoint, a field missing, the model file not readable where the
+// checkpoint stores no copy of it).
+bool checkpoint_model(Arena *a, const char *path, const StFile *f, CheckpointModel *m);
+
 // A checkpoint's model compiled for one token per step (B = T = 1, the other dims as recorded),
 // its parameters loaded into the interpreter in decode mode.
 typedef struct Sampler Sampler;

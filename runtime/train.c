@@ -1,9 +1,11 @@
 // train.c: the training loop of `mdlc run`. Batches come from pre-tokenised shards (loader.c,
 // packed by default) while the step runs, or with --tokenize-on-the-fly from the text they were
-// made from, tokenised in the step's time (the same batches); every step prints a metrics line and appends it to
-// OUT/log.jsonl; validation loss every val_every steps on a forward-only engine; a checkpoint every
-// ckpt_every steps and at the end, written atomically in the background while the next steps run,
-// so a kill -9 loses at most the steps since the last one written; --resume continues exactly (same
+// made from, tokenised in the step's time (the same batches); every step appends a metrics line to
+// OUT/log.jsonl, and prints it every log_every steps (on a terminal a progress line, rewritten in
+// place, stands for the steps between); validation loss every val_every steps on a forward-only
+// engine (and `mdlc eval`'s on a checkpoint: train_eval); a checkpoint every ckpt_every steps and
+// at the end, written atomically in the background while the next steps run, so a kill -9 loses
+// at most the steps since the last one written; --resume continues exactly (same
 // parameters, moments, data position and dropout seeds, so the losses equal those of an
 // uninterrupted run); OUT/loss.svg is drawn at the end. Ctrl-C (SIGINT) or SIGTERM lets the step
 // under way finish, writes its checkpoint and stops (exit status 128 + the signal); a second one
@@ -320,27 +322,43 @@ static void copy_params(Engine *from, Engine *to) {
   free(buf);
 }
 
-// Mean loss over the first `batches` validation batches, on the eval engine with the training
-// parameters: the same batches every time (from `first`), so that the figures of one run compare, and
-// a resumed run's equal an uninterrupted one's.
+// The means over the first `batches` validation batches (from `first`) of the loss, into mean[0], and
+// of the scalar outputs of eval's graph, into mean[1..] (in the graph's order). The same batches
+// every time, so that the figures of one run compare, a resumed run's equal an uninterrupted one's,
+// and `mdlc eval` on a checkpoint gives the figures of the run that wrote it.
+static bool val_means(Engine *eval, Loader *val, LoaderState first, int64_t batches, int64_t BT, double *mean,
+                      char *err, size_t n) {
+  const Graph *g = eval->g;
+  if (!loader_seek(val, first))
+    return rt_fail(err, n, "cannot go back to the first validation batch");
+  for (int i = 0; i <= g->noutputs; i++)
+    mean[i] = 0;
+  for (int64_t b = 0; b < batches; b++) {
+    Batch batch;
+    loader_next(val, &batch);
+    if (!feed(eval, &batch, BT) || !eval->step(eval, err, n))
+      return false;
+    mean[0] += engine_scalar(eval, g->loss);
+    for (int i = 0; i < g->noutputs; i++)
+      mean[i + 1] += engine_scalar(eval, g->outputs[i]);
+  }
+  for (int i = 0; i <= g->noutputs; i++)
+    mean[i] /= (double)batches;
+  return true;
+}
+
+// The mean validation loss, on the eval engine with the training parameters.
 static double validate(Engine *train, Engine *eval, Loader *val, LoaderState first, int64_t batches, int64_t BT,
                        char *err, size_t n) {
   if (train->idle) // the training step's gradients and activations are dead until its next step
     train->idle(train, false);
   copy_params(train, eval);
-  if (!loader_seek(val, first))
-    return rt_fail(err, n, "cannot go back to the first validation batch"), NAN;
-  double sum = 0;
-  for (int64_t b = 0; b < batches; b++) {
-    Batch batch;
-    loader_next(val, &batch);
-    if (!feed(eval, &batch, BT) || !eval->step(eval, err, n))
-      return NAN;
-    sum += engine_scalar(eval, eval->g->loss);
-  }
+  double *mean = rt_xrealloc(NULL, sizeof(double) * (size_t)(eval->g->noutputs + 1));
+  double loss = val_means(eval, val, first, batches, BT, mean, err, n) ? mean[0] : NAN;
+  free(mean);
   if (eval->idle) // its parameters come anew from the training engine at the next validation
     eval->idle(eval, true);
-  return sum / (double)batches;
+  return loss;
 }
 
 // Unigram entropy (nats/token) of the training tokens: the loss of a model that knows only token
@@ -436,6 +454,42 @@ static void push(double **a, int64_t *n, int64_t *cap, double v) {
 static void eta(double seconds, char *buf, size_t n) {
   long s = (long)(seconds + 0.5);
   snprintf(buf, n, "%ld:%02ld", s / 60, s % 60);
+}
+
+// How often a run prints a full step line when --log-every does not say: the largest of 1, 2, 5,
+// 10, 20, 50, ... that is at most steps / 20, so that a run prints 20 to 50 of them.
+int64_t train_log_every(int64_t steps) {
+  static const int64_t nice[] = {1, 2, 5};
+  int64_t every = 1;
+  for (int64_t scale = 1; scale <= steps / 20; scale *= 10)
+    for (int k = 0; k < 3; k++)
+      if (nice[k] * scale <= steps / 20)
+        every = nice[k] * scale;
+  return every;
+}
+
+// On a terminal, the steps between two full lines show as one line rewritten in place ("\r", then
+// the erase-line escape): the step, the loss smoothed over the last steps (an exponential moving
+// average, corrected for its start as Adam's moments are), the rate and MFU of the steps so far, the
+// time left. Anything else printed first clears it.
+typedef struct {
+  bool on;     // stdout is a terminal (and the run is not --quiet)
+  bool shown;  // the line is on the screen, with no newline after it
+  double ema, weight; // the average's sum and the weight it has gathered (1 - 0.9^steps)
+} Progress;
+
+static void progress_clear(Progress *p) {
+  if (p->shown)
+    fputs("\r\033[K", stdout);
+  p->shown = false;
+}
+
+static void progress_show(Progress *p, int64_t step, int64_t last, double tok_s, double mfu, const char *eta_s) {
+  progress_clear(p);
+  printf("step %lld/%lld | loss %.4f (smoothed) | %.0f tok/s | MFU %.2f%% | ETA %s", (long long)step,
+         (long long)last, p->weight > 0 ? p->ema / p->weight : NAN, tok_s, mfu, eta_s);
+  fflush(stdout);
+  p->shown = true;
 }
 
 // Gradient accumulation: the first k - 1 micro-batches run on the gradients-only engine, their
@@ -766,7 +820,8 @@ static int train_loop(Engine *e, Engine *eval, Engine *micro, const TrainOptions
         loader_close(val);
       return 1;
     }
-    printf("resumed from %s at step %lld\n", ckpt, (long long)start);
+    if (!o->quiet)
+      printf("resumed from %s at step %lld\n", ckpt, (long long)start);
   }
   // The initial parameters a checkpoint or --weights did not write (all of them, or none), drawn
   // before the first step so that its time leaves the draw out.
@@ -799,12 +854,14 @@ static int train_loop(Engine *e, Engine *eval, Engine *micro, const TrainOptions
   const char *peak_how = e->peak_how;
   double peak = e->peak_flops > 0 ? e->peak_flops : rt_cpu_peak_flops(false, &peak_how), flops = rt_step_flops(g);
   double unigram = unigram_entropy(o->data_dir, V);
-  printf("MFU = model flops (3x forward GEMM + attention flops counted in the graph: %.3g per step) / %s\n", flops,
-         peak_how);
-  printf("data %s: %lld train tokens, unigram entropy %.3f nats/token; %s batches of %lldx%lld%s\n", o->data_dir,
-         (long long)loader_tokens(train), unigram, o->pack ? "packed" : "padded", (long long)B, (long long)T,
-         o->tokenize_on_the_fly ? ", tokenised from the text as each is drawn, in the step's time (validation "
-                                  "batches from the shards)" : "");
+  if (!o->quiet) {
+    printf("MFU = model flops (3x forward GEMM + attention flops counted in the graph: %.3g per step) / %s\n", flops,
+           peak_how);
+    printf("data %s: %lld train tokens, unigram entropy %.3f nats/token; %s batches of %lldx%lld%s\n", o->data_dir,
+           (long long)loader_tokens(train), unigram, o->pack ? "packed" : "padded", (long long)B, (long long)T,
+           o->tokenize_on_the_fly ? ", tokenised from the text as each is drawn, in the step's time (validation "
+                                    "batches from the shards)" : "");
+  }
   int64_t k = g->train.accumulate > 1 ? g->train.accumulate : 1;
   Accum ac = {.micro = micro};
   if (k > 1) {
@@ -813,8 +870,9 @@ static int train_loop(Engine *e, Engine *eval, Engine *micro, const TrainOptions
     ac.names = arena_alloc(g->arena, sizeof *ac.names * (size_t)g->nparams);
     for (int i = 0; i < g->nparams; i++)
       ac.names[i] = arena_printf(g->arena, "acc.%s", g->nodes[g->params[i]]->name);
-    printf("gradient accumulation: %lld micro-batches of %lldx%lld per step\n", (long long)k, (long long)B,
-           (long long)T);
+    if (!o->quiet)
+      printf("gradient accumulation: %lld micro-batches of %lldx%lld per step\n", (long long)k, (long long)B,
+             (long long)T);
   }
   Curve c = {0};
   char err[512] = "";
@@ -825,11 +883,16 @@ static int train_loop(Engine *e, Engine *eval, Engine *micro, const TrainOptions
   double t_start = rt_now(), last_val = NAN, step_secs = 0;
   int64_t real_total = 0, skipped = 0, ckpt_step = o->resume ? start : -1; // the last checkpoint's step
   bool log_failed = false;
+  // A full line for the first step, the last, every log_every-th and each validation; on a terminal,
+  // the progress line between them; with --quiet, neither.
+  int64_t log_every = o->log_every > 0 ? o->log_every : train_log_every(last);
+  Progress pg = {.on = !o->quiet && isatty(STDOUT_FILENO)};
   for (int64_t step = start + 1; step <= last; step++) {
     double t0 = rt_now(), loss_sum = 0;
     int64_t real = 0;
     LoaderState before = loader_state(train); // (a checkpoint of the step before this one resumes from it)
     if (k > 1 && !accumulate_micro(&ac, e, train, k, B * T, seed, step, &loss_sum, &real, err, sizeof err)) {
+      progress_clear(&pg);
       diag_file_error(o->model_path, "step %lld: %s", (long long)step, err[0] ? err : "bad batch");
       rc = 1;
       break;
@@ -838,6 +901,7 @@ static int train_loop(Engine *e, Engine *eval, Engine *micro, const TrainOptions
     if (!loader_next(train, &batch)) { // (the text it reads changed: the loader said how)
       char kept[PATH_MAX + 96];
       rc = 1;
+      progress_clear(&pg);
       keep_step_before(&writer, ckpt, e, o, step, ckpt_step, before, kept, sizeof kept);
       diag_file_error(o->model_path, "step %lld: no batch; stopping with the weights of step %lld: %s", (long long)step,
                       (long long)step - 1, kept);
@@ -851,6 +915,7 @@ static int train_loop(Engine *e, Engine *eval, Engine *micro, const TrainOptions
     // others' gradients regardless).
     bool micro_finite = isfinite(loss_sum);
     if (!feed(e, &batch, B * T) || (micro_finite && !e->step(e, err, sizeof err))) {
+      progress_clear(&pg);
       diag_file_error(o->model_path, "step %lld: %s", (long long)step, err[0] ? err : "bad batch");
       rc = 1;
       break;
@@ -869,6 +934,7 @@ static int train_loop(Engine *e, Engine *eval, Engine *micro, const TrainOptions
     if (do_val) {
       last_val = validate(e, eval, val, val_first, o->val_batches, B * T, err, sizeof err);
       if (isnan(last_val)) {
+        progress_clear(&pg);
         diag_file_error(o->model_path, "validation at step %lld: %s", (long long)step, err);
         rc = 1;
         break;
@@ -895,13 +961,23 @@ static int train_loop(Engine *e, Engine *eval, Engine *micro, const TrainOptions
     char eta_s[32];
     eta(left, eta_s, sizeof eta_s);
     double tok_s = (double)real / dt, mfu = 100.0 * (double)k * flops / dt / peak;
-    printf("step %5lld/%lld | loss %.4f | lr %.2e | norm %6.3f | %7.1f ms | %8.0f tok/s | MFU %5.2f%% | "
-           "peak %.0f MB%s | ETA %s\n",
-           (long long)step, (long long)last, loss, lr, norm, 1e3 * dt, tok_s, mfu,
-           (double)ru.ru_maxrss * 1024.0 / 1e6, device_s, eta_s); // (ru_maxrss: KiB; MB as the arena's)
-    if (do_val)
-      printf("step %5lld/%lld | val loss %.4f (unigram entropy %.4f)\n", (long long)step, (long long)last, last_val,
-             unigram);
+    if (isfinite(loss)) {
+      pg.ema = 0.9 * pg.ema + 0.1 * loss;
+      pg.weight = 0.9 * pg.weight + 0.1;
+    }
+    if (!o->quiet && (step == start + 1 || step == last || step % log_every == 0 || do_val)) {
+      progress_clear(&pg);
+      printf("step %5lld/%lld | loss %.4f | lr %.2e | norm %6.3f | %7.1f ms | %8.0f tok/s | MFU %5.2f%% | "
+             "peak %.0f MB%s | ETA %s\n",
+             (long long)step, (long long)last, loss, lr, norm, 1e3 * dt, tok_s, mfu,
+             (double)ru.ru_maxrss * 1024.0 / 1e6, device_s, eta_s); // (ru_maxrss: KiB; MB as the arena's)
+      if (do_val)
+        printf("step %5lld/%lld | val loss %.4f (unigram entropy %.4f)\n", (long long)step, (long long)last,
+               last_val, unigram);
+    } else if (pg.on) {
+      progress_show(&pg, step, last, (double)real_total / step_secs,
+                    100.0 * (double)k * flops * (double)(step - start) / step_secs / peak, eta_s);
+    }
     fflush(stdout);
     // (a full disk: the log's write fails as the checkpoint's will; each is reported, once)
     bool logged = fprintf(log, "{\"step\":%lld,\"loss\":%.6f,\"lr\":%.6g,\"grad_norm\":%.6g,\"ms\":%.3f,\"tok_s\":%.1f,"
@@ -911,12 +987,14 @@ static int train_loop(Engine *e, Engine *eval, Engine *micro, const TrainOptions
     logged &= fprintf(log, "}\n") > 0;
     logged &= fflush(log) == 0;
     if (!logged && !log_failed) {
+      progress_clear(&pg);
       diag_file_error(log_path, "cannot write the log at step %lld: %s; stopping", (long long)step, strerror(errno));
       log_failed = true;
       rc = 1;
     }
     if (nonfinite) {
       char why[400];
+      progress_clear(&pg);
       nonfinite_culprit(e, loss, why, sizeof why);
       if (skipped < o->skip_nonfinite) {
         skipped++;
@@ -933,24 +1011,28 @@ static int train_loop(Engine *e, Engine *eval, Engine *micro, const TrainOptions
       }
     }
     if (!ckpt_poll(&writer)) {
+      progress_clear(&pg);
       rc = 1;
       break;
     }
     int stop = stop_signal;
     if ((o->ckpt_every > 0 && step % o->ckpt_every == 0) || step == last || stop || log_failed) {
       if (!ckpt_start(&writer, ckpt, e, o, step, loader_state(train))) {
+        progress_clear(&pg);
         rc = 1;
         break;
       }
       ckpt_step = step;
     }
     if (log_failed) {
+      progress_clear(&pg);
       if (ckpt_wait(&writer))
         fprintf(stderr, "mdlc: wrote the checkpoint of step %lld to %s; continue with --resume\n", (long long)step,
                 ckpt);
       break;
     }
     if (stop) {
+      progress_clear(&pg);
       if (!ckpt_wait(&writer)) {
         rc = 1;
         break;
@@ -961,6 +1043,7 @@ static int train_loop(Engine *e, Engine *eval, Engine *micro, const TrainOptions
       break;
     }
   }
+  progress_clear(&pg);
   if (!ckpt_free(&writer))
     rc = 1;
   release_stop(&stops);
@@ -994,4 +1077,31 @@ static int train_loop(Engine *e, Engine *eval, Engine *micro, const TrainOptions
   if (val)
     loader_close(val);
   return rc ? rc : stopped ? 128 + stopped : 0;
+}
+
+int train_eval(Engine *eval, const TrainOptions *o) {
+  const Graph *g = eval->g;
+  int64_t B = ir_dim(g, "B"), T = ir_dim(g, "T"), V = ir_dim(g, "V");
+  if (B <= 0 || T <= 0 || V <= 0 || g->loss < 0) {
+    diag_file_error(o->model_path, "evaluation needs dims B, T and V, the inputs tokens, targets, pos, doc and a loss");
+    return 1;
+  }
+  LoaderOptions lo = {.B = B, .T = T, .vocab = V, .pack = o->pack, .shuffle = o->shuffle, .seed = o->seed};
+  Loader *val = loader_open(o->data_dir, "val", lo);
+  if (!val)
+    return 1;
+  double *mean = rt_xrealloc(NULL, sizeof(double) * (size_t)(g->noutputs + 1));
+  char err[512] = "";
+  bool ok = val_means(eval, val, loader_state(val), o->val_batches, B * T, mean, err, sizeof err);
+  if (!ok)
+    diag_file_error(o->model_path, "evaluation: %s", err);
+  if (ok) {
+    printf("val loss %.4f (unigram entropy %.4f) over %lld validation batches of %lldx%lld\n", mean[0],
+           unigram_entropy(o->data_dir, V), (long long)o->val_batches, (long long)B, (long long)T);
+    for (int i = 0; i < g->noutputs; i++) // (the scalar outputs besides the loss: main.c's open_side_engine)
+      printf("%s %.6g\n", g->nodes[g->outputs[i]]->name, mean[i + 1]);
+  }
+  free(mean);
+  loader_close(val);
+  return ok ? 0 : 1;
 }

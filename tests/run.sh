@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Runs the whole suite: unit binaries, the front end's error cases, CLI scripts and the PyTorch
-# cross-check. Every check prints "[ok] ..." or "[fail] ..."; the last line is "N passed, N failed".
+# cross-check. Every check prints "[ok] ..." or "[fail] ..."; the last line is "N passed, N failed, N skipped".
 # After each program, a "[time] NAME SECONDS s" line (wall time, counted neither way) shows the slow parts.
 set -u
 cd "$(dirname "$0")/.."

@@ -203,7 +203,7 @@ for run in "acc2 2 --accumulate 2" "acc1 4"; do
   name=$1 b=$2
   shift 2
   if ! timeout 120 "$mdlc" run models/gpt2-tiny.mdl --backend "$backend" --precision fp32 -D B="$b" -D T=32 --steps 6 \
-    --val-every 3 --ckpt-every 0 "$@" --data "$tmp/shards" --out "$tmp/$name" >"$tmp/$name.log" 2>&1; then
+    --val-every 3 --ckpt-every 0 --log-every 1 "$@" --data "$tmp/shards" --out "$tmp/$name" >"$tmp/$name.log" 2>&1; then
     tail -12 "$tmp/$name.log" | tee -a "$res"
     acc_ok=0
   fi
@@ -236,7 +236,7 @@ for B in 8 4; do
   say "== $model: $steps steps, B=$B T=$T, mdlc run --backend $backend"
   rm -rf "$tmp/run"
   timeout 360 "$mdlc" run models/gpt2.mdl --backend "$backend" --steps "$steps" $dims -D B="$B" -D T="$T" \
-    --data "$tmp/shards" --out "$tmp/run" >"$tmp/run.log" 2>&1
+    --log-every 1 --data "$tmp/shards" --out "$tmp/run" >"$tmp/run.log" 2>&1
   rc=$?
   [ $rc -eq 0 ] && break
   tail -12 "$tmp/run.log" | tee -a "$res"
@@ -336,7 +336,7 @@ twelve() { # twelve B LOG [FLAG]
   shift 2
   rm -rf "$tmp/twelve" # (its checkpoint: a run would take a folder that has one for another's to resume)
   timeout 240 "$mdlc" run models/gpt2.mdl --backend "$backend" --steps 12 $dims -D B="$b" -D T="$T" \
-    --val-every 0 --ckpt-every 0 "$@" --data "$tmp/shards" --out "$tmp/twelve" >"$log" 2>&1
+    --val-every 0 --ckpt-every 0 --log-every 1 "$@" --data "$tmp/shards" --out "$tmp/twelve" >"$log" 2>&1
 }
 # From a run's LOG, tab-separated: the mean tokens/s of steps 4 to 11, how many steps that is, the model
 # flops of a step and mdlc's peak memory; a failure when no step was timed.

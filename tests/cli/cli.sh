@@ -188,8 +188,8 @@ awk -v a="$arena" -v p="$peak" 'BEGIN {exit !(a > 0 && p > 0 && p <= 1.1 * a + 1
 # and activations' memory while validation runs: they come back as zeros, and no step reads them first).
 for v in 0 2; do
   rm -rf "$tmp/v$v"
-  $m run models/gpt2-tiny.mdl -D B=4 -D T=32 --steps 6 --val-every $v --ckpt-every 0 --data "$tmp/shards" \
-    --out "$tmp/v$v" --backend cpu 2>&1 | grep '^step' | grep -v 'val loss' | cut -d'|' -f1-4 >"$tmp/v$v.steps"
+  $m run models/gpt2-tiny.mdl -D B=4 -D T=32 --steps 6 --val-every $v --ckpt-every 0 --log-every 1 \
+    --data "$tmp/shards" --out "$tmp/v$v" --backend cpu 2>&1 | grep '^step' | grep -v 'val loss' | cut -d'|' -f1-4 >"$tmp/v$v.steps"
 done
 [ "$(wc -l <"$tmp/v0.steps")" -eq 6 ] && cmp -s "$tmp/v0.steps" "$tmp/v2.steps" &&
   echo "[ok] cli: validation every 2 steps leaves the training steps' losses and norms as they are" ||
@@ -292,3 +292,30 @@ expect "a damaged cached module is compiled again" 0 env MDL_CACHE="$tmp/cc" $m 
   -D T=16 --steps 1 --data "$tmp/shards" --out "$tmp/pcc2" --val-every 0
 contains "the damaged module is named" "$tmp/err" "does not load"
 contains "the damaged module is compiled" "$tmp/out" "cc took"
+
+# --steps 0 is a usage error that points at eval; the defaults --help states are the ones that run.
+expect "--steps 0 is a usage error" 2 $m run models/gpt2-tiny.mdl --steps 0 --data "$tmp/shards" --out "$tmp/s0"
+contains "--steps 0 says what to use to evaluate" "$tmp/err" "use \`mdlc eval\` to evaluate without training"
+$m --help >"$tmp/help"
+first_step() { # the step count of a run's first line: NAME MODEL (piped: the run stops at its next line)
+  $m run "$1" -D B=2 -D T=16 --data "$tmp/shards" --out "$tmp/$2" --val-every 0 --log-every 1 --backend cpu \
+    2>/dev/null | grep -m1 -o '^step *1/[0-9]*' | sed 's/.*\///'
+}
+sed 's/, steps=4000//' models/gpt2-tiny.mdl >"$tmp/nosteps.mdl"
+said=$(sed -n "s/.*--steps N .*the train section's, else \([0-9]*\)).*/\1/p" "$tmp/help")
+ran=$(first_step "$tmp/nosteps.mdl" d1) section=$(first_step models/gpt2-tiny.mdl d2)
+[ -n "$said" ] && [ "$ran" = "$said" ] && [ "$section" = 4000 ] &&
+  echo "[ok] cli: --steps defaults to the train section's (4000), else $said, as --help says" ||
+  echo "[fail] cli: --help says the steps default to the train section's, else '$said'; ran $ran and $section"
+said=$(sed -n 's/.*--val-batches N .*(default \([0-9]*\)).*/\1/p' "$tmp/help")
+$m eval "$tmp/run/checkpoint.safetensors" --data "$tmp/shards" >"$tmp/eval" 2>&1
+contains "eval reads the --val-batches --help states ($said)" "$tmp/eval" "over $said validation batches"
+
+# make install: bin/mdlc into PREFIX/bin, a binary that trains from another folder.
+make -s install PREFIX="$tmp/prefix" >/dev/null 2>"$tmp/err"
+cp models/gpt2-tiny.mdl "$tmp/tiny.mdl"
+(cd "$tmp" && MDL_CACHE="$tmp/icache" "$tmp/prefix/bin/mdlc" run tiny.mdl -D B=2 -D T=16 --steps 1 --data shards \
+  --out inst --quiet >inst.out 2>&1) &&
+  grep -q '^trained 1 steps' "$tmp/inst.out" &&
+  echo "[ok] cli: make install PREFIX=DIR installs DIR/bin/mdlc, which trains" ||
+  echo "[fail] cli: make install: $(head -c 300 "$tmp/err" "$tmp/inst.out" 2>&1)"

@@ -111,7 +111,24 @@ static void test_schedule(void) {
   arena_free(a);
 }
 
+// The step lines' interval when --log-every does not say: 1, 2, 5, 10, ... and 20 to 50 lines a run.
+static void test_log_every(void) {
+  static const int64_t want[][2] = {{1, 1}, {30, 1}, {40, 2}, {60, 2}, {100, 5}, {1000, 50}, {4000, 200}};
+  for (size_t i = 0; i < sizeof want / sizeof *want; i++)
+    CHECK(train_log_every(want[i][0]) == want[i][1], "log every: the interval of a run of a given length",
+          "%lld steps: every %lld, wanted %lld", (long long)want[i][0], (long long)train_log_every(want[i][0]),
+          (long long)want[i][1]);
+  int64_t bad = 0;
+  for (int64_t n = 20; n <= 1000000 && !bad; n++) {
+    int64_t every = train_log_every(n);
+    bad = n / every < 20 || n / every > 50 ? n : 0;
+  }
+  CHECK(!bad, "log every: 20 to 50 step lines for every run of 20 to 10^6 steps", "%lld steps: every %lld",
+        (long long)bad, (long long)train_log_every(bad));
+}
+
 int main(void) {
+  test_log_every();
   test_schedule();
   test_eval_mode();
   Arena *a = arena_new();
