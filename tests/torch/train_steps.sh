@@ -47,7 +47,8 @@ EOF
 # Documents of 9 to 42 bytes, so that each row of 16 tokens holds a document boundary or two.
 mkdir -p "$tmp/corpus"
 for i in $(seq 10 21); do head -c $((60 * i)) /usr/share/common-licenses/GPL-3 | tail -c $((3 * i - 21)) >"$tmp/corpus/d$i.txt"; done
-step "mdlc prep" bin/mdlc prep "$tmp/corpus" -o "$tmp/data"
+# (--val-fraction 0.2: val's documents by size hold the 17 tokens a validation row needs)
+step "mdlc prep" bin/mdlc prep "$tmp/corpus" -o "$tmp/data" --val-fraction 0.2
 step "mdlc init" bin/mdlc init "$tmp/model.mdl" -o "$tmp/W.safetensors" --seed 3
 for k in 1 2 3; do
   step "mdlc run --steps $k" bin/mdlc run "$tmp/model.mdl" --data "$tmp/data" --weights "$tmp/W.safetensors" \
