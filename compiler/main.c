@@ -901,7 +901,7 @@ static int cmd_run(const Options *o, Graph *g) {
     free(tok_base64);
     return EXIT_USER;
   }
-  if (!train_check_inputs(g, data_abs, out_dir, o->resume, o->tokenize_on_the_fly, o->weights)) {
+  if (!train_check_inputs(g, model_abs, data_abs, out_dir, o->resume, o->tokenize_on_the_fly, o->weights)) {
     train_release_out(lock, out_dir, created);
     free(tok_base64);
     return EXIT_USER;

@@ -181,8 +181,8 @@ int train_claim_out(const char *dir, bool resume, bool *created);
 // of data_dir (val's, and train's unless the batches come from the text), the checkpoint in out_dir
 // when resuming (its model configuration, every parameter's and moment's name and shape), and the
 // weights file (names and shapes), when given. False after saying why.
-bool train_check_inputs(const Graph *g, const char *data_dir, const char *out_dir, bool resume, bool from_text,
-                        const char *weights);
+bool train_check_inputs(const Graph *g, const char *model_path, const char *data_dir, const char *out_dir, bool resume,
+                        bool from_text, const char *weights);
 // The tokenizer of a run that resumes the checkpoint ckpt on data whose tokenizer is tok_path: that
 // file (the data's shards were made with it), or where it is gone, the copy the checkpoint stores;
 // a warning when both are there and differ. NULL after saying why.

@@ -273,8 +273,8 @@ static bool read_checkpoint(const char *path, Engine *e, const char *model_path,
   return ok;
 }
 
-bool train_check_inputs(const Graph *g, const char *data_dir, const char *out_dir, bool resume, bool from_text,
-                        const char *weights) {
+bool train_check_inputs(const Graph *g, const char *model_path, const char *data_dir, const char *out_dir, bool resume,
+                        bool from_text, const char *weights) {
   bool ok = true;
   for (int split = from_text; ok && split < 2; split++) { // (batches from the text need no train shards)
     const char *name = split ? "val" : "train";
@@ -297,7 +297,7 @@ bool train_check_inputs(const Graph *g, const char *data_dir, const char *out_di
   if (ok && resume) {
     char ckpt[PATH_MAX + 32];
     snprintf(ckpt, sizeof ckpt, "%s/checkpoint.safetensors", out_dir);
-    ok = st_read(a, ckpt, &f) && checkpoint_fits(a, &f, ckpt, g, NULL, false);
+    ok = st_read(a, ckpt, &f) && checkpoint_fits(a, &f, ckpt, g, model_path, false);
   }
   if (ok && weights)
     ok = st_read(a, weights, &f);
