@@ -1,5 +1,6 @@
 // scratch_dir.h: the data tests' scratch folder (tmp, made by the test's main with mkdtemp and
-// removed with nftw and remove_entry), files written into it, and stderr captured while a call runs.
+// removed with nftw and remove_entry), files written into it, and stderr captured while a call runs
+// (inline: a test that uses only some of them compiles without warnings).
 #ifndef MDL_SCRATCH_DIR_H
 #define MDL_SCRATCH_DIR_H
 #include <fcntl.h>
@@ -11,7 +12,7 @@
 static char tmp[64];
 
 // A path in the scratch folder; the last 16 stay valid.
-static char *path_in(const char *name) {
+static inline char *path_in(const char *name) {
   static char buf[16][512];
   static int i;
   i = (i + 1) % 16;
@@ -19,13 +20,13 @@ static char *path_in(const char *name) {
   return buf[i];
 }
 
-static void write_file(const char *path, const void *data, size_t n) {
+static inline void write_file(const char *path, const void *data, size_t n) {
   FILE *f = fopen(path, "wb");
   fwrite(data, 1, n, f);
   fclose(f);
 }
 
-static int remove_entry(const char *path, const struct stat *st, int flag, struct FTW *ftw) {
+static inline int remove_entry(const char *path, const struct stat *st, int flag, struct FTW *ftw) {
   (void)st, (void)flag, (void)ftw;
   return remove(path);
 }
@@ -34,7 +35,7 @@ static int remove_entry(const char *path, const struct stat *st, int flag, struc
 static int saved_stderr = -1;
 static char captured[8192], capture_path[128];
 
-static void capture_begin(void) {
+static inline void capture_begin(void) {
   fflush(stderr);
   saved_stderr = dup(2);
   snprintf(capture_path, sizeof capture_path, "%s/stderr.txt", tmp);
@@ -43,7 +44,7 @@ static void capture_begin(void) {
   close(fd);
 }
 
-static const char *capture_end(void) {
+static inline const char *capture_end(void) {
   fflush(stderr);
   dup2(saved_stderr, 2);
   close(saved_stderr);

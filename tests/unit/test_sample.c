@@ -8,6 +8,7 @@
 #include "runtime.h"
 #include "sample.h"
 #include "test.h"
+#include "scratch_dir.h"
 
 #include <fcntl.h>
 #include <ftw.h>
@@ -15,28 +16,6 @@
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
-
-static char tmp[64];
-
-// A path in the test's folder; the last 16 stay valid.
-static char *path_in(const char *name) {
-  static char buf[16][256];
-  static int i;
-  i = (i + 1) % 16;
-  snprintf(buf[i], sizeof buf[i], "%s/%s", tmp, name);
-  return buf[i];
-}
-
-static void write_file(const char *path, const void *data, size_t n) {
-  FILE *f = fopen(path, "wb");
-  fwrite(data, 1, n, f);
-  fclose(f);
-}
-
-static int remove_entry(const char *path, const struct stat *st, int flag, struct FTW *ftw) {
-  (void)st, (void)flag, (void)ftw;
-  return remove(path);
-}
 
 //
 // Models and checkpoints.
