@@ -282,7 +282,7 @@ static Row *add_row(Lab *L, unsigned on, const char *label) {
 static void run_rows(Lab *L) {
   for (int i = 0; i < L->nrows; i++) {
     Row *r = &L->rows[i];
-    if (r->ran || r->why[0])
+    if (r->ran)
       continue;
     char left[32] = "?";
     if (L->done > 0)
@@ -302,7 +302,7 @@ static const char *times(Arena *a, double x) { return isfinite(x) ? arena_printf
 
 static void fmt_tok(const Row *r, char *buf, size_t n) {
   if (!r->ok)
-    snprintf(buf, n, "%s", r->why[0] && !r->ran ? "skipped" : "failed");
+    snprintf(buf, n, "failed");
   else
     snprintf(buf, n, "%.0f (%.0f-%.0f)", r->tok_s, r->tok_lo, r->tok_hi);
 }
@@ -368,7 +368,7 @@ static void both(Out *out, const char *fmt, ...) {
 static void csv_row(Out *out, const char *table, const char *label, const Row *r, double vs_prev, double vs_base) {
   if (!out->csv)
     return;
-  fprintf(out->csv, "%s,\"%s\",%s,", table, label, r->ok ? "ok" : r->ran ? "failed" : "skipped");
+  fprintf(out->csv, "%s,\"%s\",%s,", table, label, r->ok ? "ok" : "failed");
   if (r->ok)
     fprintf(out->csv, "%.1f,%.1f,%.1f,%.4f,%.0f,%lld,%.4f,%.4f,%.6f,%.6f\n", r->tok_s, r->tok_lo, r->tok_hi, r->mfu,
             r->peak_mb, (long long)r->kernels, vs_prev, vs_base, r->loss, r->val_loss);

@@ -1056,16 +1056,30 @@ static bool lab_fits(const Options *o, int64_t b, bool ckpt, int64_t budget) {
 
 // The largest batch within budget, from b up (doubling, then halving the gap); 0 when 1 does not fit.
 static int64_t lab_largest_batch(const Options *o, int64_t b, bool ckpt, int64_t budget) {
-  int64_t lo = 0, hi = 0;
-  if (lab_fits(o, b, ckpt, budget))
-    for (lo = b; !hi && lo <= 4096;)
-      lab_fits(o, 2 * lo, ckpt, budget) ? (lo *= 2) : (hi = 2 * lo);
-  else
-    for (hi = b; !lo && hi > 1;)
-      lab_fits(o, hi / 2, ckpt, budget) ? (lo = hi / 2) : (hi /= 2);
+  int64_t lo = 0, hi = 0; // lo fits (0: none known), hi does not (0: none known)
+  if (lab_fits(o, b, ckpt, budget)) {
+    lo = b;
+    while (!hi && lo <= 4096) {
+      if (lab_fits(o, 2 * lo, ckpt, budget))
+        lo *= 2;
+      else
+        hi = 2 * lo;
+    }
+  } else {
+    hi = b;
+    while (!lo && hi > 1) {
+      if (lab_fits(o, hi / 2, ckpt, budget))
+        lo = hi / 2;
+      else
+        hi /= 2;
+    }
+  }
   while (lo && hi - lo > 1) {
     int64_t mid = lo + (hi - lo) / 2;
-    lab_fits(o, mid, ckpt, budget) ? (lo = mid) : (hi = mid);
+    if (lab_fits(o, mid, ckpt, budget))
+      lo = mid;
+    else
+      hi = mid;
   }
   return lo;
 }
