@@ -157,18 +157,23 @@ static void emit_attn_transpose(Emit *e, const char *dst, Rows x, int64_t nt, in
   ec_leave(&e->core);
 }
 
-// Opens the parallel region of an attention kernel, with per-thread scratch, and its loop over the
-// (batch, head) tasks; a task owns every output row of its head, so tasks never race and each output
-// is computed by one sequence of operations whatever the thread count.
-static void emit_attn_open(Emit *e, int64_t nb, int64_t heads, bool par, const Tmp *tmp, int ntmp) {
+// Opens the parallel region of an attention kernel, with per-thread scratch (zeroed with `zero`: the
+// row loops read the padding of their transposed blocks; the GEMM path writes each value before it
+// reads it, and zeroing its 1.3-1.5 MB a thread every call cost 3-8% of a T 512 kernel), and its loop
+// over the (batch, head) tasks; a task owns every output row of its head, so tasks never race and each
+// output is computed by one sequence of operations whatever the thread count.
+static void emit_attn_open(Emit *e, int64_t nb, int64_t heads, bool par, const Tmp *tmp, int ntmp, bool zero) {
   if (par) {
     ec_line(&e->core, "#pragma omp parallel num_threads(h->nthreads)");
     e->uses_h = true;
   }
   ec_enter(&e->core, "%s", "");
   for (int i = 0; i < ntmp; i++)
-    ec_line(&e->core, "float *restrict %s = memset(mdl_scratch(%lld * sizeof(float)), 0, %lld * sizeof(float));",
-            tmp[i].name, (long long)tmp[i].n, (long long)tmp[i].n);
+    if (zero)
+      ec_line(&e->core, "float *restrict %s = memset(mdl_scratch(%lld * sizeof(float)), 0, %lld * sizeof(float));",
+              tmp[i].name, (long long)tmp[i].n, (long long)tmp[i].n);
+    else
+      ec_line(&e->core, "float *restrict %s = mdl_scratch(%lld * sizeof(float));", tmp[i].name, (long long)tmp[i].n);
   if (par)
     ec_line(&e->core, "#pragma omp for schedule(dynamic, 1)");
   ec_enter(&e->core, "for (int64_t task = 0; task < %lld; task++)", (long long)(nb * heads));
@@ -512,7 +517,7 @@ static void attn_gemm_kernel(Emit *e, const AttnGemm *x) {
   e->uses_h = true;
   if (bf16)
     ec_line(&e->core, "const int g16 = h->bgemm != NULL;");
-  emit_attn_open(e, nb, heads, nb * nt * nt * nc >= PAR_MIN, tmp, ntmp);
+  emit_attn_open(e, nb, heads, nb * nt * nt * nc >= PAR_MIN, tmp, ntmp, false);
   if (x->doc >= 0)
     ec_line(&e->core, "const int32_t *restrict dc = b%d + b * %lld;", c_ptr(e, x->doc), (long long)nt);
   if (bf16) {
@@ -574,7 +579,7 @@ void c_emit_attention(Emit *e, int gi) {
     return;
   }
   Tmp tmp[2] = {{"kt", d * attn_padded(nt)}, {"s", attn_padded(nt)}};
-  emit_attn_open(e, nb, heads, nb * nt * nt * nc >= PAR_MIN, tmp, 2);
+  emit_attn_open(e, nb, heads, nb * nt * nt * nc >= PAR_MIN, tmp, 2, true);
   bool bf16 = nd->ia[4] == DT_BF16; // q, k, v and e = exp(s - max) read rounded (mdl.h)
   emit_attn_transpose(e, "kt", k, nt, d, bf16);
   emit_attn_rows_open(e, nd, doc);
@@ -648,7 +653,7 @@ void c_emit_attention_bwd(Emit *e, int gi) {
     tmp[ntmp++] = (Tmp){"dkh", nt * d};
   if (out[2] >= 0)
     tmp[ntmp++] = (Tmp){"dvh", nt * d};
-  emit_attn_open(e, nb, heads, nb * nt * nt * nc >= PAR_MIN, tmp, ntmp);
+  emit_attn_open(e, nb, heads, nb * nt * nt * nc >= PAR_MIN, tmp, ntmp, true);
   bool bf16 = nd->ia[4] == DT_BF16; // the products read q, k, v, dout, P and dS rounded (mdl.h)
   emit_attn_transpose(e, "kt", k, nt, d, bf16);
   if (ds)

@@ -48,12 +48,12 @@ static inline float mdl_dropout(uint64_t seed, uint64_t stream, int64_t i, doubl
   return mdl_rng_uniform(seed, stream, (uint64_t)i) >= p ? (float)(x / (1.0 - p)) : 0.0f;
 }
 
-// exp(x), saturating outside [-87, 88] (at e^-87 and e^88; a NaN stays NaN): x = n ln 2 + r with n
+// exp(x) for x in [lo, 88], x clamped to that range first (a NaN stays NaN): x = n ln 2 + r with n
 // rounded to nearest by adding 1.5 * 2^23 (n then sits in the low bits of `big`), Cephes' expf
 // polynomial in r, and 2^n made from n's bits; within 2 ulp, and branch-free so that loops of it
 // vectorize (libm's expf does not: a scalar call per element).
-static inline float mdl_exp_fast(float x) {
-  const float xc = x < -87.0f ? -87.0f : x > 88.0f ? 88.0f : x;
+static inline float mdl_exp_clamped(float x, float lo) {
+  const float xc = x < lo ? lo : x > 88.0f ? 88.0f : x;
   const float big = xc * 1.44269504f + 12582912.0f, n = big - 12582912.0f;
   const float r = xc - n * 0.693359375f + n * 2.12194440e-4f;
   float p = 1.9875691500e-4f;
@@ -70,8 +70,13 @@ static inline float mdl_exp_fast(float x) {
   return (p * r * r + r + 1.0f) * two_n;
 }
 
-// exp(x) for x <= 0 (a score less its row's maximum), 0 for -INFINITY.
-static inline float mdl_exp_shifted(float x) { return x == -INFINITY ? 0.0f : mdl_exp_fast(x); }
+// exp(x), saturating outside [-87, 88] (at e^-87 and e^88).
+static inline float mdl_exp_fast(float x) { return mdl_exp_clamped(x, -87.0f); }
+
+// exp(x) for x <= 0 (a score less its row's maximum): 0 below about -87.7 and for -INFINITY, where
+// n is -127 and 2^n's bits are those of 0, so a masked score needs no select (the select had GCC
+// mask every operation of the polynomial: the softmax rows of attention 12-15% faster without).
+static inline float mdl_exp_shifted(float x) { return mdl_exp_clamped(x, -88.0f); }
 
 // GELU, tanh approximation (GPT-2): 0.5 x (1 + tanh(u)), u = sqrt(2/pi) (x + 0.044715 x^3), and its
 // derivative 0.5 (1 + t) + 0.5 x (1 - t^2) u'. With s = sigmoid(2u) = 0.5 (1 + tanh(u)) and
@@ -397,13 +402,13 @@ __attribute__((noinline)) static void k4_attention_fwd__cast__lse__code(char *ar
   const int g16 = h->bgemm != NULL;
   #pragma omp parallel num_threads(h->nthreads)
   {
-    float *restrict qs = memset(mdl_scratch(65536 * sizeof(float)), 0, 65536 * sizeof(float));
-    float *restrict ks = memset(mdl_scratch(65536 * sizeof(float)), 0, 65536 * sizeof(float));
-    float *restrict vs = memset(mdl_scratch(65536 * sizeof(float)), 0, 65536 * sizeof(float));
-    float *restrict sc = memset(mdl_scratch(65536 * sizeof(float)), 0, 65536 * sizeof(float));
-    float *restrict ps = memset(mdl_scratch(65536 * sizeof(float)), 0, 65536 * sizeof(float));
-    float *restrict ot = memset(mdl_scratch(4096 * sizeof(float)), 0, 4096 * sizeof(float));
-    float *restrict lrow = memset(mdl_scratch(64 * sizeof(float)), 0, 64 * sizeof(float));
+    float *restrict qs = mdl_scratch(65536 * sizeof(float));
+    float *restrict ks = mdl_scratch(65536 * sizeof(float));
+    float *restrict vs = mdl_scratch(65536 * sizeof(float));
+    float *restrict sc = mdl_scratch(65536 * sizeof(float));
+    float *restrict ps = mdl_scratch(65536 * sizeof(float));
+    float *restrict ot = mdl_scratch(4096 * sizeof(float));
+    float *restrict lrow = mdl_scratch(64 * sizeof(float));
     #pragma omp for schedule(dynamic, 1)
     for (int64_t task = 0; task < 96; task++) {
       const int64_t b = task / 12, hd = task % 12;
@@ -2472,18 +2477,18 @@ __attribute__((noinline)) static void k99_attention_bwd__code(char *arena, const
   const int g16 = h->bgemm != NULL;
   #pragma omp parallel num_threads(h->nthreads)
   {
-    float *restrict qs = memset(mdl_scratch(65536 * sizeof(float)), 0, 65536 * sizeof(float));
-    float *restrict ks = memset(mdl_scratch(65536 * sizeof(float)), 0, 65536 * sizeof(float));
-    float *restrict vs = memset(mdl_scratch(65536 * sizeof(float)), 0, 65536 * sizeof(float));
-    float *restrict dos = memset(mdl_scratch(65536 * sizeof(float)), 0, 65536 * sizeof(float));
-    float *restrict os = memset(mdl_scratch(65536 * sizeof(float)), 0, 65536 * sizeof(float));
-    float *restrict sc = memset(mdl_scratch(65536 * sizeof(float)), 0, 65536 * sizeof(float));
-    float *restrict dp = memset(mdl_scratch(65536 * sizeof(float)), 0, 65536 * sizeof(float));
-    float *restrict ps = memset(mdl_scratch(65536 * sizeof(float)), 0, 65536 * sizeof(float));
-    float *restrict dss = memset(mdl_scratch(65536 * sizeof(float)), 0, 65536 * sizeof(float));
-    float *restrict ot = memset(mdl_scratch(4096 * sizeof(float)), 0, 4096 * sizeof(float));
-    float *restrict dkh = memset(mdl_scratch(65536 * sizeof(float)), 0, 65536 * sizeof(float));
-    float *restrict dvh = memset(mdl_scratch(65536 * sizeof(float)), 0, 65536 * sizeof(float));
+    float *restrict qs = mdl_scratch(65536 * sizeof(float));
+    float *restrict ks = mdl_scratch(65536 * sizeof(float));
+    float *restrict vs = mdl_scratch(65536 * sizeof(float));
+    float *restrict dos = mdl_scratch(65536 * sizeof(float));
+    float *restrict os = mdl_scratch(65536 * sizeof(float));
+    float *restrict sc = mdl_scratch(65536 * sizeof(float));
+    float *restrict dp = mdl_scratch(65536 * sizeof(float));
+    float *restrict ps = mdl_scratch(65536 * sizeof(float));
+    float *restrict dss = mdl_scratch(65536 * sizeof(float));
+    float *restrict ot = mdl_scratch(4096 * sizeof(float));
+    float *restrict dkh = mdl_scratch(65536 * sizeof(float));
+    float *restrict dvh = mdl_scratch(65536 * sizeof(float));
     #pragma omp for schedule(dynamic, 1)
     for (int64_t task = 0; task < 96; task++) {
       const int64_t b = task / 12, hd = task % 12;
