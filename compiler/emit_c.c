@@ -708,7 +708,7 @@ static bool emit_kernel(Emit *e, int si, const char *name, Kernel *k) {
   }
   ec_bput(&head, "// loops:\n");
   ec_bappend(&head, &e->notes);
-  ec_bput(&code, "static void %s(char *arena, const MdlHooks *h) {\n", name);
+  ec_bput(&code, "MDL_FN void %s(char *arena, const MdlHooks *h) {\n", name);
   Buf decl = {0}, frees = {0}, sdecl = {0};
   write_decls(e, &decl, &sdecl, k, &frees);
   Buf *both[2] = {&code, &shared};
@@ -734,11 +734,18 @@ static bool emit_kernel(Emit *e, int si, const char *name, Kernel *k) {
   return true;
 }
 
+// Parts of a module (prelude.h: MDL_PART): the C compiler runs on each side by side, so the cold
+// compile of GPT-2 124M takes about half as long on two cores (2.1 s whole); a part that holds little
+// costs only the prelude (0.03 s), so a machine of more cores gets more of them.
+enum { C_PARTS = 4 };
+
 // The kernels into out, in order. Kernels of the same loops on other buffers (one per layer, most of
 // them) share one function, NAME__code(arena, h, o), emitted once before the first of them, and each
 // is a call of it with its buffers' arena offsets in o[]: the C compiler then compiles each distinct
-// kernel once, however many layers the model has. A kernel alone in its loops is emitted whole.
-static void write_kernels(Buf *out, const Kernel *ks, int n) {
+// kernel once, however many layers the model has. A kernel alone in its loops is emitted whole. Each
+// distinct kernel (with the calls of it) goes to one of nparts parts, the largest first into the part
+// that holds the least code so far; part[i] is kernel i's. The step and the kernel table are part 0's.
+static void write_kernels(Buf *out, const Kernel *ks, int n, int nparts, int *part) {
   int *first = ec_xcalloc((size_t)n + 1, sizeof *first), *count = ec_xcalloc((size_t)n + 1, sizeof *count);
   for (int i = 0; i < n; i++) {
     first[i] = i;
@@ -749,10 +756,31 @@ static void write_kernels(Buf *out, const Kernel *ks, int n) {
       }
     count[first[i]]++;
   }
+  size_t *size = ec_xcalloc((size_t)n + 1, sizeof *size), load[C_PARTS] = {0};
+  bool *placed = ec_xcalloc((size_t)n + 1, sizeof *placed);
+  for (int i = 0; i < n; i++)
+    size[i] = first[i] != i ? 0 : strlen(count[i] < 2 ? ks[i].code : ks[i].shared);
+  for (;;) { // the largest distinct kernel not yet placed, into the least loaded part
+    int big = -1, p = 0;
+    for (int i = 0; i < n; i++)
+      if (first[i] == i && !placed[i] && (big < 0 || size[i] > size[big]))
+        big = i;
+    if (big < 0)
+      break;
+    for (int q = 1; q < nparts; q++)
+      if (load[q] < load[p])
+        p = q;
+    placed[big] = true;
+    part[big] = p;
+    load[p] += size[big];
+  }
+  for (int i = 0; i < n; i++)
+    part[i] = part[first[i]];
   for (int i = 0; i < n; i++) {
     const Kernel *k = &ks[i], *f = &ks[first[i]];
+    ec_bput(out, "\n#if MDL_IN(%d)", part[i]);
     if (count[first[i]] < 2) {
-      ec_bput(out, "%s%s", k->head, k->code);
+      ec_bput(out, "%s%s#endif\n", k->head, k->code);
       continue;
     }
     if (first[i] == i) {
@@ -765,17 +793,19 @@ static void write_kernels(Buf *out, const Kernel *ks, int n) {
             ec_bput(out, "\n//"), col = 2 + (int)strlen(ks[j].name) + 1;
           ec_bput(out, " %s", ks[j].name);
         }
-      ec_bput(out, "\n__attribute__((noinline)) static void %s__code(char *arena, const MdlHooks *h, const int64_t *o) "
+      ec_bput(out, "\n__attribute__((noinline)) MDL_FN void %s__code(char *arena, const MdlHooks *h, const int64_t *o) "
               "{\n%s", k->name, k->shared);
     }
-    ec_bput(out, "%sstatic void %s(char *arena, const MdlHooks *h) {\n  static const int64_t o[] = {", k->head,
+    ec_bput(out, "%sMDL_FN void %s(char *arena, const MdlHooks *h) {\n  static const int64_t o[] = {", k->head,
             k->name);
     for (int j = 0; j < k->noff; j++)
       ec_bput(out, "%s%lld", j ? ", " : "", (long long)k->off[j]);
-    ec_bput(out, "};\n  %s__code(arena, h, o);\n}\n", f->name);
+    ec_bput(out, "};\n  %s__code(arena, h, o);\n}\n#endif\n", f->name);
   }
   free(first);
   free(count);
+  free(size);
+  free(placed);
 }
 
 // A C identifier from a step name; unique among the kernels.
@@ -821,7 +851,8 @@ char *emit_c(const Fusion *f, const MemPlan *m, const char *source_path) {
           g->model ? g->model : "?", f->nsteps, (long long)m->arena_bytes);
   ec_bput(&e.out, "// (parameters, gradients and AdamW moments at %lld, %lld, %lld and %lld, %lld bytes each).\n",
           (long long)m->params, (long long)m->grads, (long long)m->m, (long long)m->v, (long long)m->param_bytes);
-  ec_bput(&e.out, "// Build: cc -O3 -march=native -fno-math-errno -fopenmp -shared -fPIC; runtime/cpu.c loads it.\n");
+  ec_bput(&e.out, "// Build: cc -O3 -march=native -fno-math-errno -fopenmp -shared -fPIC (or each part with -c\n"
+                  "// -DMDL_PART=p, the objects then linked with -shared: runtime/cpu.c does so and loads it).\n");
   ec_bput(&e.out, "%s", ec_prelude_c);
   bool bf16 = false;
   for (int i = 0; i < g->n; i++)
@@ -842,8 +873,32 @@ char *emit_c(const Fusion *f, const MemPlan *m, const char *source_path) {
   if (e.core.failed) {
     fprintf(stderr, "mdlc: emit_c: %s\n", e.core.err);
   } else {
-    write_kernels(&e.out, ks, f->nsteps);
-    ec_bput(&e.out, "\n// The whole step, kernel after kernel.\n");
+    int nparts = 0, *part = ec_xcalloc((size_t)f->nsteps + 1, sizeof *part);
+    for (int si = 0; si < f->nsteps; si++) { // one part a distinct kernel, C_PARTS at most
+      bool seen = false;
+      for (int j = 0; j < si && ks[si].key && !seen; j++)
+        seen = ks[j].key && !strcmp(ks[j].key, ks[si].key);
+      nparts += !seen;
+    }
+    Buf body = {0};
+    nparts = nparts < 1 ? 1 : nparts > C_PARTS ? C_PARTS : nparts;
+    write_kernels(&body, ks, f->nsteps, nparts, part);
+    ec_bput(&e.out, "\n// The kernels, each in one of the module's %d parts (compiled whole, or each part on its own)\n",
+            nparts);
+    ec_bput(&e.out, "#define MDL_NPARTS %d\n", nparts);
+    for (int si = 0, col = 0; si < f->nsteps; si++) {
+      if (col == 0 || col + (int)strlen(names[si]) > 108)
+        ec_bput(&e.out, "%sMDL_FN MdlKernelFn", si ? ";\n" : ""), col = 18;
+      else
+        ec_bput(&e.out, ",");
+      ec_bput(&e.out, " %s", names[si]);
+      col += (int)strlen(names[si]) + 2;
+    }
+    ec_bput(&e.out, ";\n");
+    ec_bappend(&e.out, &body);
+    free(body.s);
+    free(part);
+    ec_bput(&e.out, "\n#if MDL_IN(0)\n// The whole step, kernel after kernel.\n");
     ec_bput(&e.out, "void mdl_step(char *arena, const MdlHooks *h) {\n");
     for (int si = 0; si < f->nsteps; si++)
       ec_bput(&e.out, "  %s(arena, h);\n", names[si]);
@@ -851,7 +906,7 @@ char *emit_c(const Fusion *f, const MemPlan *m, const char *source_path) {
     for (int si = 0; si < f->nsteps; si++)
       ec_bput(&e.out, "    {\"%s\", %s},\n", names[si], names[si]);
     ec_bput(&e.out, "};\nconst int mdl_nkernels = %d;\n", f->nsteps);
-    ec_bput(&e.out, "const int64_t mdl_arena_bytes = %lld;\n", (long long)m->arena_bytes);
+    ec_bput(&e.out, "const int64_t mdl_arena_bytes = %lld;\n#endif\n", (long long)m->arena_bytes);
     text = arena_alloc(g->arena, e.out.len + 1);
     memcpy(text, e.out.s, e.out.len);
   }

@@ -27,6 +27,19 @@ typedef struct {
   void (*fn)(char *arena, const MdlHooks *h);
 } MdlKernel;
 
+// A module compiles whole, or in parts: each part with -DMDL_PART=p (0 <= p < MDL_NPARTS) into an
+// object of its own, the objects then linked into one shared object (runtime/cpu.c compiles the parts
+// side by side). MDL_IN(p) says whether this compile holds part p's code; a kernel is static in a
+// whole compile and, in parts, visible to the other parts but not outside the module.
+#ifdef MDL_PART
+#define MDL_IN(p) (MDL_PART == (p))
+#define MDL_FN __attribute__((visibility("hidden")))
+#else
+#define MDL_IN(p) 1
+#define MDL_FN static
+#endif
+typedef void MdlKernelFn(char *arena, const MdlHooks *h);
+
 // Counter-based random numbers, as in mdl.h: splitmix64 of (seed, stream, index).
 static inline uint64_t mdl_rng_u64(uint64_t seed, uint64_t stream, uint64_t i) {
   uint64_t z = seed * 0x9E3779B97F4A7C15ull + stream * 0xD1B54A32D192ED03ull + i * 0xBF58476D1CE4E5B9ull;
@@ -101,7 +114,14 @@ static inline float mdl_silu_grad(float x, float dy) {
 // zeroed by the kernel every step (glibc's malloc maps anything over 32 MB afresh). A header before
 // the buffer keeps its size.
 enum { MDL_SCRATCH_HEAD = 64, MDL_SCRATCH_MAPPED = 4 << 20, MDL_SCRATCH_KEPT = 8 };
+#ifdef MDL_PART // one list for the whole module, in part 0
+__attribute__((visibility("hidden"))) extern char *mdl_scratch_kept[MDL_SCRATCH_KEPT];
+#if MDL_PART == 0
+char *mdl_scratch_kept[MDL_SCRATCH_KEPT];
+#endif
+#else
 static char *mdl_scratch_kept[MDL_SCRATCH_KEPT];
+#endif
 
 static inline void *mdl_scratch(size_t bytes) {
   const size_t n = bytes + MDL_SCRATCH_HEAD;

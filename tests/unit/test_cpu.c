@@ -283,7 +283,8 @@ static bool cpu_run(const Graph *g, const MemPlan *m, CpuModule *cm, int threads
   return ok;
 }
 
-// The emitted file compiles without a warning; else the compiler's first message is in why.
+// The emitted file compiles without a warning, whole and each of its parts (prelude.h: MDL_PART; the
+// runtime compiles the parts); else the compiler's first message is in why.
 static bool compiles_clean(const char *src, char *why, size_t n) {
   char path[] = "/tmp/mdl-emit-XXXXXX.c", log[] = "/tmp/mdl-emit-XXXXXX.log", cmd[512];
   int fd = mkstemps(path, 2), lfd = mkstemps(log, 4);
@@ -293,8 +294,15 @@ static bool compiles_clean(const char *src, char *why, size_t n) {
   FILE *f = fdopen(fd, "w");
   fputs(src, f);
   fclose(f);
-  snprintf(cmd, sizeof cmd, "cc -std=c11 -fopenmp -fsyntax-only -Wall -Wextra -Werror %s >%s 2>&1", path, log);
-  int rc = system(cmd);
+  const char *np = strstr(src, "\n#define MDL_NPARTS ");
+  int parts = np ? atoi(np + strlen("\n#define MDL_NPARTS ")) : 0, rc = 0;
+  for (int p = -1; p < parts && rc == 0; p++) { // p -1: whole
+    char def[32] = "";
+    if (p >= 0)
+      snprintf(def, sizeof def, "-DMDL_PART=%d", p);
+    snprintf(cmd, sizeof cmd, "cc -std=c11 -fopenmp -fsyntax-only -Wall -Wextra -Werror %s %s >%s 2>&1", def, path, log);
+    rc = system(cmd);
+  }
   snprintf(why, n, "?");
   f = fopen(log, "r");
   while (f && fgets(why, (int)n, f) && !strstr(why, "error"))
