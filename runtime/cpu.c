@@ -92,9 +92,9 @@ static pid_t run_cc(bool object, const char *const *extra, const char *log, cons
   return pid;
 }
 
-// Waits for the compiler started as pid; whether it succeeded, else the reason in err (the start of
-// its messages from log).
-static bool wait_cc(pid_t pid, const char *src, const char *log, char *err, size_t n) {
+// Waits for the compiler started as pid; whether it succeeded, else the reason in err: the start of
+// its messages from log, and where to read them all (shown).
+static bool wait_cc(pid_t pid, const char *src, const char *log, const char *shown, char *err, size_t n) {
   int status = 0;
   while (waitpid(pid, &status, 0) < 0 && errno == EINTR)
     ;
@@ -109,7 +109,21 @@ static bool wait_cc(pid_t pid, const char *src, const char *log, char *err, size
   }
   if (WIFEXITED(status) && WEXITSTATUS(status) == 127)
     return rt_fail(err, n, "cannot run the C compiler '%.*s'", (int)strcspn(cpu_cc_flags, " "), cpu_cc_flags);
-  return rt_fail(err, n, "the C compiler failed on %s (see %s): %s", src, log, msg);
+  return rt_fail(err, n, "the C compiler failed on %s (see %s): %s", src, shown, msg);
+}
+
+// Moves the messages in file from into file to (after what it holds with append), from removed.
+static void move_log(const char *from, const char *to, bool append) {
+  FILE *f = fopen(from, "r"), *t = fopen(to, append ? "a" : "w");
+  char buf[4096];
+  size_t k;
+  while (f && t && (k = fread(buf, 1, sizeof buf, f)) > 0)
+    fwrite(buf, 1, k, t);
+  if (f)
+    fclose(f);
+  if (t)
+    fclose(t);
+  unlink(from);
 }
 
 // The module's parts (prelude.h: MDL_PART), from its `#define MDL_NPARTS N`; 1 without one.
@@ -129,7 +143,7 @@ static bool compile_blocked(int parts, const char *src, const char *so, const ch
   bool ok = true;
   if (parts == 1) {
     pid_t pid = run_cc(false, (const char *const[]){"-o", tmp, src, "-lm", NULL}, log, mask);
-    ok = pid >= 0 ? wait_cc(pid, src, log, err, n) : rt_fail(err, n, "fork: %s", strerror(errno));
+    ok = pid >= 0 ? wait_cc(pid, src, log, log, err, n) : rt_fail(err, n, "fork: %s", strerror(errno));
   } else {
     char obj[16][1200], plog[16][1200], def[16][32];
     pid_t pid[16];
@@ -142,21 +156,10 @@ static bool compile_blocked(int parts, const char *src, const char *so, const ch
     char later[200]; // the failures after the first
     for (int p = 0; p < parts; p++) // every child waited for, the first failure kept
       if (pid[p] < 0 ? !rt_fail(ok ? err : later, ok ? n : sizeof later, "fork: %s", strerror(errno))
-                     : !wait_cc(pid[p], src, plog[p], ok ? err : later, ok ? n : sizeof later))
+                     : !wait_cc(pid[p], src, plog[p], log, ok ? err : later, ok ? n : sizeof later))
         ok = false;
-    FILE *all = fopen(log, "w");
-    for (int p = 0; p < parts; p++) {
-      FILE *f = fopen(plog[p], "r");
-      char buf[4096];
-      size_t k;
-      while (f && all && (k = fread(buf, 1, sizeof buf, f)) > 0)
-        fwrite(buf, 1, k, all);
-      if (f)
-        fclose(f);
-      unlink(plog[p]);
-    }
-    if (all)
-      fclose(all);
+    for (int p = 0; p < parts; p++)
+      move_log(plog[p], log, p > 0);
     if (ok) {
       const char *args[24];
       int a = 0;
@@ -169,8 +172,8 @@ static bool compile_blocked(int parts, const char *src, const char *so, const ch
       char llog[1120];
       snprintf(llog, sizeof llog, "%s.link.log", tmp);
       pid_t lp = run_cc(false, args, llog, mask);
-      ok = lp >= 0 ? wait_cc(lp, src, llog, err, n) : rt_fail(err, n, "fork: %s", strerror(errno));
-      unlink(llog);
+      ok = lp >= 0 ? wait_cc(lp, src, llog, log, err, n) : rt_fail(err, n, "fork: %s", strerror(errno));
+      move_log(llog, log, true);
     }
     for (int p = 0; p < parts; p++)
       unlink(obj[p]);

@@ -753,6 +753,22 @@ static void test_cache_and_errors(void) {
   CHECK(!bad && strstr(err, "the C compiler failed"), "cpu cache: a source that does not compile is reported",
         "got '%s'", bad ? "a module" : err);
   cpu_unload(bad);
+  // in parts: part 1 fails; the message names the log, which holds the compiler's words for it
+  bad = cpu_load("// two parts\n#define MDL_NPARTS 2\n#if MDL_PART == 1\nthis is not C\n#endif\nvoid mdl_x(void) {}\n", err,
+                 sizeof err);
+  const char *see = strstr(err, "(see "), *end = see ? strstr(see, ".log)") : NULL;
+  char logpath[300] = "", words[4096] = "";
+  if (see && end && end - see - 5 + 4 < (ptrdiff_t)sizeof logpath)
+    snprintf(logpath, sizeof logpath, "%.*s", (int)(end - see - 5 + 4), see + 5);
+  FILE *lf = logpath[0] ? fopen(logpath, "r") : NULL;
+  if (lf) {
+    words[fread(words, 1, sizeof words - 1, lf)] = 0;
+    fclose(lf);
+  }
+  CHECK(!bad && strstr(err, "the C compiler failed") && strstr(words, "error"),
+        "cpu cache: a module in parts whose part does not compile is reported, its log kept", "got '%s' (log '%s')",
+        bad ? "a module" : err, logpath);
+  cpu_unload(bad);
 
   if (first) {
     char *arena = cpu_arena_new(m);
