@@ -212,11 +212,18 @@ typedef struct {
                     // model, innermost body), 0 outside every repeat (and in the backward graph)
 } IrNode;
 
+// The learning-rate schedule after its linear warmup (runtime/schedule.c): lr throughout, a
+// straight line or a cosine from lr to min_lr at step `steps`, or warmup-stable-decay (lr, then a
+// straight line to min_lr over the last `decay` steps). Without a schedule setting: constant.
+typedef enum { SCHED_CONSTANT, SCHED_LINEAR, SCHED_COSINE, SCHED_WSD } Schedule;
+
 typedef struct {
   double lr, beta1, beta2, eps, weight_decay;
-  double min_lr;       // cosine floor
+  Schedule schedule;
+  double min_lr;       // the decay's floor
   int64_t warmup;      // warmup steps
-  int64_t steps;       // schedule length (0 = unspecified)
+  int64_t steps;       // schedule length (0 = unspecified: the run's steps)
+  double decay;        // wsd: the decay's steps (>= 1), or its fraction of `steps` (< 1)
   double clip;         // max global grad norm, 0 = off
   int64_t accumulate;  // micro-batches per step
   const char *precision;  // "auto" | "fp32" | "bf16" | "fp8" ("auto" until the driver resolves it)

@@ -1528,6 +1528,45 @@ static void checkpoint_setting(Sema *s, const Expr *e, TrainConfig *t) {
   }
 }
 
+// schedule = constant | linear | cosine | wsd, each NAME or NAME(warmup=, ...): runtime/schedule.c.
+static void schedule_setting(Sema *s, const Expr *e, TrainConfig *t) {
+  static const Builtin kinds[] = {{"constant", 0, 0, {"warmup"}, NULL, OP_COUNT},
+                                  {"linear", 0, 0, {"warmup", "min_lr", "steps"}, NULL, OP_COUNT},
+                                  {"cosine", 0, 0, {"warmup", "min_lr", "steps"}, NULL, OP_COUNT},
+                                  {"wsd", 0, 0, {"warmup", "decay", "min_lr", "steps"}, NULL, OP_COUNT}};
+  static const Schedule kind_of[] = {SCHED_CONSTANT, SCHED_LINEAR, SCHED_COSINE, SCHED_WSD};
+  int k = 2; // (an unknown name: the error lists them all)
+  for (int i = 0; i < 4; i++)
+    if ((e->kind == E_NAME || e->kind == E_CALL) && !strcmp(e->s, kinds[i].name))
+      k = i;
+  const Builtin *b = &kinds[k];
+  const Expr *arg[8];
+  if (!train_call(s, b, e, "schedule", "constant, linear, cosine or wsd", arg))
+    return;
+  t->schedule = kind_of[k];
+  double x;
+  for (int i = 0; i < 4 && b->params[i]; i++) {
+    const char *p = b->params[i];
+    if (!arg[i])
+      continue;
+    if (!strcmp(p, "warmup") && number(s, arg[i], p, R_NONNEG, true, &x))
+      t->warmup = (int64_t)x;
+    else if (!strcmp(p, "min_lr") && number(s, arg[i], p, R_NONNEG, false, &x))
+      t->min_lr = x;
+    else if (!strcmp(p, "steps") && number(s, arg[i], p, R_NONNEG, true, &x))
+      t->steps = (int64_t)x;
+    else if (!strcmp(p, "decay") && number(s, arg[i], p, R_POSITIVE, false, &x)) {
+      if (x >= 1 && x != floor(x))
+        error_at(s, arg[i]->at, "decay must be a number of steps (an integer) or a fraction of the steps below 1, "
+                 "got %g", x);
+      else
+        t->decay = x;
+    }
+  }
+  if (t->schedule == SCHED_WSD && !arg[1])
+    t->decay = 0.2;
+}
+
 static void train_config(Sema *s) {
   TrainConfig *t = &s->g->train;
   for (int i = 0; i < s->settings.n; i++) {
@@ -1544,15 +1583,7 @@ static void train_config(Sema *s) {
         if (arg[k] && number(s, arg[k], b.params[k], r[k], false, &x))
           *dst[k] = x;
     } else if (!strcmp(set->key, "schedule")) {
-      static const Builtin b = {"cosine", 0, 0, {"warmup", "min_lr", "steps"}, NULL, OP_COUNT};
-      if (!train_call(s, &b, e, "schedule", "cosine", arg))
-        continue;
-      if (arg[0] && number(s, arg[0], "warmup", R_NONNEG, true, &x))
-        t->warmup = (int64_t)x;
-      if (arg[1] && number(s, arg[1], "min_lr", R_NONNEG, false, &x))
-        t->min_lr = x;
-      if (arg[2] && number(s, arg[2], "steps", R_NONNEG, true, &x))
-        t->steps = (int64_t)x;
+      schedule_setting(s, e, t);
     } else if (!strcmp(set->key, "no_decay")) {
       bool ok = e->kind == E_LIST;
       for (int k = 0; ok && k < e->nargs; k++)

@@ -33,7 +33,7 @@ char *rt_base64(const void *data, size_t n);
 unsigned char *rt_unbase64(const char *text, size_t *n);
 
 //
-// schedule.c: linear warmup then cosine decay to min_lr over train.steps (constant after).
+// schedule.c: the learning rate at a step: warmup, then the train section's schedule over train.steps.
 //
 double rt_lr_at(const TrainConfig *tc, int64_t step); // step counts from 1
 

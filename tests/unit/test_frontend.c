@@ -114,7 +114,8 @@ static void test_gpt2_tiny(void) {
   CHECK(t->lr == 2e-3 && t->beta1 == 0.9 && t->beta2 == 0.95 && t->eps == 1e-8 && t->weight_decay == 0.1,
         "gpt2-tiny optimizer settings", "lr %g b1 %g b2 %g eps %g wd %g", t->lr, t->beta1, t->beta2, t->eps,
         t->weight_decay);
-  CHECK(t->warmup == 100 && t->min_lr == 1e-4 && t->steps == 4000 && t->clip == 1.0 && t->accumulate == 1,
+  CHECK(t->schedule == SCHED_COSINE && t->warmup == 100 && t->min_lr == 1e-4 && t->steps == 4000 && t->clip == 1.0 &&
+            t->accumulate == 1,
         "gpt2-tiny schedule, clip, accumulate", "warmup %lld min_lr %g steps %lld clip %g", (long long)t->warmup,
         t->min_lr, (long long)t->steps, t->clip);
   CHECK(!strcmp(t->precision, "auto") && !strcmp(t->checkpoint, "auto"), "gpt2-tiny precision and checkpoint",
@@ -198,6 +199,7 @@ static void test_models(void) {
   const TrainConfig *t = g ? &g->train : NULL;
   CHECK(t && t->lr == 3e-4 && t->beta1 == 0.9 && t->beta2 == 0.95 && t->eps == 1e-8 && t->weight_decay == 0 &&
             t->warmup == 0 && t->min_lr == 0 && t->clip == 0 && t->accumulate == 1 && t->steps == 0 &&
+            t->schedule == SCHED_CONSTANT &&
             !strcmp(t->precision, "auto") && !strcmp(t->checkpoint, "auto"),
         "train settings default as documented", "lr %g precision %s", t ? t->lr : -1, t ? t->precision : "?");
   CHECK(g && named(g, "w")->init.decay, "without no_decay every param decays", "decay off");
@@ -391,6 +393,14 @@ static void test_errors(void) {
                   " schedule = cosine(warmup=1.5)\n no_decay = [\"a\", 3]\n checkpoint = auto(0GiB)\n"
                   " optimizer = adamw(beta1=1)\n}\n") == 7,
         "bad train values: each reported", "%s", errtext);
+  CHECK(errors_of("model m\ntrain {\n schedule = step(gamma=0.1)\n}\n") == 1 &&
+            strstr(errtext, "unknown schedule 'step' (available: constant, linear, cosine or wsd)"),
+        "an unknown schedule is named, with the schedules there are", "%s", errtext);
+  CHECK(errors_of("model m\ntrain {\n schedule = wsd(decay=1.5)\n}\n") == 1 &&
+            strstr(errtext, "decay must be a number of steps (an integer) or a fraction"),
+        "wsd: a decay of 1.5 is neither steps nor a fraction", "%s", errtext);
+  CHECK(errors_of("model m\ntrain {\n schedule = constant(min_lr=0.1)\n}\n") == 1,
+        "constant takes no min_lr", "%s", errtext);
   CHECK(errors_of("model m\ndim B in 1..4\ninput x: f32[B]\n") == 1 && strstr(errtext, "-D B=N"),
         "an unbound free dim is an error", "%s", errtext);
   DimOverride ov[] = {{"B", 3}, {"Q", 1}};

@@ -111,6 +111,64 @@ static void test_schedule(void) {
   arena_free(a);
 }
 
+// lr at `step` of the schedule a train section states ("" for none), with steps = run when the
+// section does not set them (as the driver does).
+static double lr_of(const char *schedule, int64_t run, int64_t step) {
+  char src[512];
+  snprintf(src, sizeof src,
+           "model m\ninput x: f32[2, 3]\nparam w: [3, 1] = normal(0.5)\noutput loss = mean(x @ w)\n"
+           "train {\n    optimizer = adamw(lr=1e-3)\n%s%s%s}\n",
+           *schedule ? "    schedule = " : "", schedule, *schedule ? "\n" : "");
+  Arena *a = arena_new();
+  Graph *g = mdl_compile_text(a, "sched.mdl", src, NULL, 0);
+  double lr = -1;
+  if (g) {
+    TrainConfig tc = g->train;
+    if (tc.steps <= 0)
+      tc.steps = run;
+    lr = rt_lr_at(&tc, step);
+  }
+  arena_free(a);
+  return lr;
+}
+
+// The other schedules, each against values worked out by hand, and none at all.
+static void test_schedules(void) {
+  static const struct {
+    const char *schedule;
+    int64_t run, step;
+    double lr;
+    const char *what;
+  } want[] = {
+      {"", 100, 1, 1e-3, "no schedule: lr from the first step"},
+      {"", 100, 100, 1e-3, "no schedule: lr at the last step too (no decay to 0)"},
+      {"constant(warmup=4)", 100, 2, 5e-4, "constant: warmup step 2 of 4 is lr / 2"},
+      {"constant(warmup=4)", 100, 90, 1e-3, "constant: lr after the warmup"},
+      {"linear(warmup=10, min_lr=1e-4, steps=100)", 1000, 10, 1e-3, "linear: lr at the end of the warmup"},
+      // 1e-3 + (1e-4 - 1e-3) * 45 / 90
+      {"linear(warmup=10, min_lr=1e-4, steps=100)", 1000, 55, 5.5e-4, "linear: half way down"},
+      {"linear(warmup=10, min_lr=1e-4, steps=100)", 1000, 100, 1e-4, "linear: min_lr at steps"},
+      {"linear(warmup=10, min_lr=1e-4, steps=100)", 1000, 500, 1e-4, "linear: min_lr after steps"},
+      {"linear", 200, 100, 5e-4, "linear without steps: the run's (half way at step 100 of 200, to 0)"},
+      {"wsd(warmup=10, decay=20, min_lr=1e-4, steps=100)", 1000, 80, 1e-3, "wsd: lr until the decay"},
+      // 1e-4 + 9e-4 * 10 / 20
+      {"wsd(warmup=10, decay=20, min_lr=1e-4, steps=100)", 1000, 90, 5.5e-4, "wsd: half way down the decay"},
+      {"wsd(warmup=10, decay=20, min_lr=1e-4, steps=100)", 1000, 100, 1e-4, "wsd: min_lr at steps"},
+      // decay 0.25 of the 90 steps after the warmup: 22.5 steps; 1e-3 * 10 / 22.5
+      {"wsd(warmup=10, decay=0.25, steps=100)", 1000, 90, 4.444444444444444e-4, "wsd: decay as a fraction"},
+      // the default decay, 0.2 of the run's 50 steps: 10 steps; 1e-3 * 5 / 10
+      {"wsd", 50, 45, 5e-4, "wsd: the default decay, 0.2 of the run's steps"},
+      {"wsd", 50, 40, 1e-3, "wsd: ... lr until it starts"},
+  };
+  for (size_t i = 0; i < sizeof want / sizeof *want; i++) {
+    double got = lr_of(want[i].schedule, want[i].run, want[i].step);
+    char name[200];
+    snprintf(name, sizeof name, "schedule: %s (%s, step %lld: %g)", want[i].what,
+             *want[i].schedule ? want[i].schedule : "none", (long long)want[i].step, want[i].lr);
+    CHECK(fabs(got - want[i].lr) <= 1e-12 * want[i].lr, name, "got %.17g", got);
+  }
+}
+
 // The step lines' interval when --log-every does not say: 1, 2, 5, 10, ... and 20 to 50 lines a run.
 static void test_log_every(void) {
   static const int64_t want[][2] = {{1, 1}, {30, 1}, {40, 2}, {60, 2}, {100, 5}, {1000, 50}, {4000, 200}};
@@ -130,6 +188,7 @@ static void test_log_every(void) {
 int main(void) {
   test_log_every();
   test_schedule();
+  test_schedules();
   test_eval_mode();
   Arena *a = arena_new();
   DimOverride ov[] = {{"B", 4}, {"T", 32}};
