@@ -261,6 +261,26 @@ static bool backward_rule(Ad *ad, int i, int dy) {
     accumulate(ad, x, binary(ad, OP_MUL, dy, binary(ad, OP_MUL, constant(ad, -0.5), cube)));
     return true;
   }
+  case OP_SIGMOID: // dy * y (1 - y)
+    accumulate(ad, x, binary(ad, OP_MUL, dy, binary(ad, OP_MUL, i, binary(ad, OP_SUB, constant(ad, 1), i))));
+    return true;
+  case OP_ABS:
+    accumulate(ad, x, binary(ad, OP_ABS_BWD, x, dy));
+    return true;
+  case OP_CLAMP: // the gradient where x is within the bounds (inclusive, as PyTorch's clamp)
+    accumulate(ad, x, add_node(ad, OP_CLAMP_BWD, (int[]){x, dy}, 2, n->ia, n->fa));
+    return true;
+  case OP_STOP_GRADIENT: // nothing flows back
+  case OP_COMPARE:       // a step function of its inputs: 0 wherever it has a gradient
+    return true;
+  case OP_WHERE: { // a gets dy where cond holds, b where it does not; cond none
+    int zero = constant(ad, 0), a = n->in[1], b = n->in[2];
+    if (wants(ad, a))
+      accumulate(ad, a, unbroadcast(ad, add_node(ad, OP_WHERE, (int[]){x, dy, zero}, 3, NULL, NULL), shape(ad, a)));
+    if (wants(ad, b))
+      accumulate(ad, b, unbroadcast(ad, add_node(ad, OP_WHERE, (int[]){x, zero, dy}, 3, NULL, NULL), shape(ad, b)));
+    return true;
+  }
   case OP_RELU: case OP_GELU: case OP_SILU: {
     Op bwd = n->op == OP_RELU ? OP_RELU_BWD : n->op == OP_GELU ? OP_GELU_BWD : OP_SILU_BWD;
     accumulate(ad, x, binary(ad, bwd, x, dy));
@@ -381,7 +401,8 @@ static bool backward_rule(Ad *ad, int i, int dy) {
     accumulate(ad, x, add_node(ad, OP_ROPE, (int[]){dy, x1}, 2, ia, n->fa));
     return true;
   }
-  case OP_RELU_BWD: case OP_GELU_BWD: case OP_SILU_BWD: case OP_MAX_BWD: case OP_SLICE_BWD:
+  case OP_RELU_BWD: case OP_GELU_BWD: case OP_SILU_BWD: case OP_ABS_BWD: case OP_CLAMP_BWD: case OP_MAX_BWD:
+  case OP_SLICE_BWD:
   case OP_EMBED_BWD: case OP_LAYERNORM_BWD: case OP_RMSNORM_BWD: case OP_SOFTMAX_BWD:
   case OP_CROSS_ENTROPY_BWD: case OP_ATTENTION_LSE: case OP_ATTENTION_BWD: case OP_GRAD_NORM: case OP_ADAMW:
   case OP_COUNT:

@@ -128,8 +128,10 @@ bool ec_is_leaf(Op op) {
 bool ec_is_pointwise(Op op) {
   switch (op) {
   case OP_NEG: case OP_EXP: case OP_LOG: case OP_TANH: case OP_SQRT: case OP_RSQRT: case OP_RELU:
-  case OP_GELU: case OP_SILU: case OP_DROPOUT: case OP_CAST: case OP_ADD: case OP_SUB: case OP_MUL: case OP_DIV:
-  case OP_RELU_BWD: case OP_GELU_BWD: case OP_SILU_BWD: case OP_RESHAPE: case OP_PERMUTE:
+  case OP_GELU: case OP_SILU: case OP_SIGMOID: case OP_ABS: case OP_CLAMP: case OP_STOP_GRADIENT: case OP_DROPOUT:
+  case OP_CAST: case OP_ADD: case OP_SUB: case OP_MUL: case OP_DIV: case OP_RELU_BWD: case OP_GELU_BWD:
+  case OP_SILU_BWD: case OP_ABS_BWD: case OP_CLAMP_BWD: case OP_COMPARE: case OP_WHERE: case OP_RESHAPE:
+  case OP_PERMUTE:
   case OP_BROADCAST: case OP_SLICE: case OP_SLICE_BWD: case OP_CONCAT:
     return true;
   default:
@@ -195,6 +197,19 @@ const char *ec_dlit(EmitCore *e, double v) {
   if (!strpbrk(buf, ".en"))
     strcat(buf, ".0");
   return ec_str(e, "%s", buf);
+}
+
+const char *ec_flit(EmitCore *e, double v) {
+  if (isinf(v))
+    return v > 0 ? "MDL_INF" : "(-MDL_INF)";
+  char buf[64];
+  for (int prec = 1; prec <= 9; prec++) {
+    snprintf(buf, sizeof buf, "%.*g", prec, (double)(float)v);
+    if (strtof(buf, NULL) == (float)v)
+      break;
+  }
+  bool frac = strpbrk(buf, ".e") != NULL;
+  return ec_str(e, "%s%s%sf%s", v < 0 ? "(" : "", buf, frac ? "" : ".0", v < 0 ? ")" : "");
 }
 
 void ec_line(EmitCore *e, const char *fmt, ...) {
@@ -1061,13 +1076,19 @@ const char *ec_pointwise_expr(EmitCore *e, int c, const char *ix) {
   }
   case OP_GELU: return ec_str(e, "mdl_gelu(%s)", e->val(e, nd->in[0], ix));
   case OP_SILU: return ec_str(e, "mdl_silu(%s)", e->val(e, nd->in[0], ix));
+  case OP_SIGMOID: return ec_str(e, "mdl_sigmoid(%s)", e->val(e, nd->in[0], ix));
+  case OP_ABS: return ec_str(e, "fabsf(%s)", e->val(e, nd->in[0], ix));
+  case OP_CLAMP: // fminf / fmaxf with an infinite bound are the value itself; a NaN stays NaN
+    return ec_str(e, "mdl_clamp(%s, %s, %s)", e->val(e, nd->in[0], ix), ec_flit(e, nd->fa[0]), ec_flit(e, nd->fa[1]));
+  case OP_STOP_GRADIENT: return e->val(e, nd->in[0], ix);
   case OP_CAST: // the value rounded as it will be stored (ec_store then converts it exactly)
     return nd->ia[0] == DT_BF16 ? ec_str(e, "mdl_bf16_to_f32(mdl_f32_to_bf16(%s))", e->val(e, nd->in[0], ix))
                                 : e->val(e, nd->in[0], ix);
   case OP_DROPOUT:
     return ec_str(e, "mdl_dropout(%s, %lld, %s, %s, %s)", e->seed(e), (long long)nd->ia[0], ix, ec_dlit(e, nd->fa[0]),
                   e->val(e, nd->in[0], ix));
-  case OP_ADD: case OP_SUB: case OP_MUL: case OP_DIV: case OP_RELU_BWD: case OP_GELU_BWD: case OP_SILU_BWD: {
+  case OP_ADD: case OP_SUB: case OP_MUL: case OP_DIV: case OP_RELU_BWD: case OP_GELU_BWD: case OP_SILU_BWD:
+  case OP_ABS_BWD: case OP_CLAMP_BWD: {
     const char *a = e->val(e, nd->in[0], ec_ix_bcast(e, nd->shape, x0->shape, ix));
     const char *b = e->val(e, nd->in[1], ec_ix_bcast(e, nd->shape, x1->shape, ix));
     switch (nd->op) {
@@ -1077,8 +1098,24 @@ const char *ec_pointwise_expr(EmitCore *e, int c, const char *ix) {
     case OP_DIV: return ec_str(e, "%s / %s", a, b);
     case OP_RELU_BWD: return ec_str(e, "%s > 0.0f ? %s : 0.0f", a, b);
     case OP_GELU_BWD: return ec_str(e, "mdl_gelu_grad(%s) * %s", a, b);
+    case OP_ABS_BWD: return ec_str(e, "%s > 0.0f ? %s : %s < 0.0f ? -%s : 0.0f", a, b, a, b);
+    case OP_CLAMP_BWD:
+      return ec_str(e, "%s >= %s && %s <= %s ? %s : 0.0f", a, ec_flit(e, nd->fa[0]), a, ec_flit(e, nd->fa[1]), b);
     default: return ec_str(e, "mdl_silu_grad(%s, %s)", a, b);
     }
+  }
+  case OP_COMPARE: {
+    static const char *const rel[] = {"<", "<=", ">", ">=", "==", "!="};
+    const char *a = e->val(e, nd->in[0], ec_ix_bcast(e, nd->shape, x0->shape, ix));
+    const char *b = e->val(e, nd->in[1], ec_ix_bcast(e, nd->shape, x1->shape, ix));
+    return ec_str(e, "(%s %s %s ? 1.0f : 0.0f)", a, rel[nd->ia[0]], b);
+  }
+  case OP_WHERE: {
+    const IrNode *x2 = ec_node(e, nd->in[2]);
+    const char *c0 = e->val(e, nd->in[0], ec_ix_bcast(e, nd->shape, x0->shape, ix));
+    const char *a = e->val(e, nd->in[1], ec_ix_bcast(e, nd->shape, x1->shape, ix));
+    const char *b = e->val(e, nd->in[2], ec_ix_bcast(e, nd->shape, x2->shape, ix));
+    return ec_str(e, "(%s != 0.0f ? %s : %s)", c0, a, b);
   }
   case OP_RESHAPE: return e->val(e, nd->in[0], ix);
   case OP_BROADCAST: return e->val(e, nd->in[0], ec_ix_bcast(e, nd->shape, x0->shape, ix));

@@ -181,7 +181,8 @@ static bool is_leaf(Op op) {
 static bool is_unary(Op op) {
   switch (op) {
   case OP_NEG: case OP_EXP: case OP_LOG: case OP_TANH: case OP_SQRT: case OP_RSQRT: case OP_RELU:
-  case OP_GELU: case OP_SILU: case OP_DROPOUT: case OP_CAST: return true;
+  case OP_GELU: case OP_SILU: case OP_SIGMOID: case OP_ABS: case OP_CLAMP: case OP_STOP_GRADIENT: case OP_DROPOUT:
+  case OP_CAST: return true;
   default: return false;
   }
 }
@@ -189,7 +190,7 @@ static bool is_unary(Op op) {
 static bool is_binary(Op op) {
   switch (op) {
   case OP_ADD: case OP_SUB: case OP_MUL: case OP_DIV: case OP_RELU_BWD: case OP_GELU_BWD:
-  case OP_SILU_BWD: return true;
+  case OP_SILU_BWD: case OP_ABS_BWD: case OP_CLAMP_BWD: case OP_COMPARE: return true;
   default: return false;
   }
 }
@@ -197,7 +198,7 @@ static bool is_binary(Op op) {
 static bool is_elementwise(Op op) {
   switch (op) {
   case OP_BROADCAST: case OP_PERMUTE: case OP_SLICE: case OP_SLICE_BWD: case OP_CONCAT:
-  case OP_RESHAPE: return true;
+  case OP_RESHAPE: case OP_WHERE: return true;
   default: return is_unary(op) || is_binary(op);
   }
 }
@@ -207,7 +208,8 @@ static bool is_reduction(Op op) { return op == OP_SUM || op == OP_MEAN || op == 
 // Cheap enough to evaluate again for every element that reads it through a broadcast.
 static bool is_cheap(Op op) {
   switch (op) {
-  case OP_NEG: case OP_RELU: case OP_ADD: case OP_SUB: case OP_MUL: case OP_DIV: case OP_RELU_BWD:
+  case OP_NEG: case OP_RELU: case OP_ABS: case OP_CLAMP: case OP_STOP_GRADIENT: case OP_ADD: case OP_SUB: case OP_MUL:
+  case OP_DIV: case OP_RELU_BWD: case OP_ABS_BWD: case OP_CLAMP_BWD: case OP_COMPARE: case OP_WHERE:
   case OP_BROADCAST: case OP_PERMUTE: case OP_SLICE: case OP_SLICE_BWD: case OP_CONCAT:
   case OP_RESHAPE: return true;
   default: return false;
@@ -1090,6 +1092,7 @@ double fuse_node_flops(const Graph *g, int id) {
   case OP_GELU_BWD: return 12 * e;
   case OP_SILU: return 4 * e;
   case OP_SILU_BWD: return 6 * e;
+  case OP_SIGMOID: return 4 * e;
   case OP_MAX_BWD: return 2 * e;
   case OP_SUM: case OP_MEAN: case OP_MAX: case OP_TARGET_COUNT: return x;
   case OP_MATMUL: {

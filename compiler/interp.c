@@ -200,12 +200,16 @@ double interp_unary(Op op, double x) {
   case OP_RSQRT: return 1 / sqrt(x);
   case OP_RELU: return x > 0 ? x : 0;
   case OP_GELU: return gelu(x);
+  case OP_SIGMOID: return sigmoid(x);
+  case OP_ABS: return fabs(x);
+  case OP_STOP_GRADIENT: return x;
   default: return x * sigmoid(x); // OP_SILU
   }
 }
 
 static double binary(Op op, double a, double b) {
   switch (op) {
+  case OP_ABS_BWD: return a > 0 ? b : a < 0 ? -b : 0;
   case OP_ADD: return a + b;
   case OP_SUB: return a - b;
   case OP_MUL: return a * b;
@@ -216,6 +220,28 @@ static double binary(Op op, double a, double b) {
     double s = sigmoid(a);
     return b * s * (1 + a * (1 - s));
   }
+  }
+}
+
+// 1 where a REL b holds (Compare), else 0.
+static double compare(int64_t rel, double a, double b) {
+  switch (rel) {
+  case CMP_LT: return a < b;
+  case CMP_LE: return a <= b;
+  case CMP_GT: return a > b;
+  case CMP_GE: return a >= b;
+  case CMP_EQ: return a == b;
+  default: return a != b;
+  }
+}
+
+static void run_compare_where(Ctx *c) {
+  Shape out = c->nd->shape;
+  for (int64_t i = 0; i < c->n; i++) {
+    double v[3];
+    for (int k = 0; k < c->nd->nin; k++)
+      v[k] = c->x[k][shape_bcast_offset(out, c->xn[k]->shape, i)];
+    c->y[i] = c->nd->op == OP_COMPARE ? compare(c->nd->ia[0], v[0], v[1]) : v[0] != 0 ? v[1] : v[2];
   }
 }
 
@@ -784,9 +810,21 @@ static bool run_node(Ctx *c) {
       c->y[i] = nd->fa[0];
     return true;
   case OP_NEG: case OP_EXP: case OP_LOG: case OP_TANH: case OP_SQRT: case OP_RSQRT:
-  case OP_RELU: case OP_GELU: case OP_SILU:
+  case OP_RELU: case OP_GELU: case OP_SILU: case OP_SIGMOID: case OP_ABS: case OP_STOP_GRADIENT:
     for (int64_t i = 0; i < c->n; i++)
       c->y[i] = interp_unary(nd->op, c->x[0][i]);
+    return true;
+  case OP_CLAMP: // (the bounds as the compiled code holds them: f32)
+    for (int64_t i = 0; i < c->n; i++) {
+      double x = c->x[0][i], lo = (float)nd->fa[0], hi = (float)nd->fa[1];
+      c->y[i] = x < lo ? lo : x > hi ? hi : x;
+    }
+    return true;
+  case OP_CLAMP_BWD:
+    for (int64_t i = 0; i < c->n; i++) {
+      double x = c->x[0][i];
+      c->y[i] = x >= (float)nd->fa[0] && x <= (float)nd->fa[1] ? c->x[1][i] : 0;
+    }
     return true;
   case OP_DROPOUT: run_dropout(c); return true;
   case OP_CAST:
@@ -794,9 +832,10 @@ static bool run_node(Ctx *c) {
       c->y[i] = nd->ia[0] == DT_BF16 ? round_bf16(c->x[0][i]) : (double)(float)c->x[0][i];
     return true;
   case OP_ADD: case OP_SUB: case OP_MUL: case OP_DIV:
-  case OP_RELU_BWD: case OP_GELU_BWD: case OP_SILU_BWD:
+  case OP_RELU_BWD: case OP_GELU_BWD: case OP_SILU_BWD: case OP_ABS_BWD:
     run_binary(c);
     return true;
+  case OP_COMPARE: case OP_WHERE: run_compare_where(c); return true;
   case OP_SUM: case OP_MEAN: case OP_MAX: run_reduce(c); return true;
   case OP_MAX_BWD: run_max_bwd(c); return true;
   case OP_RESHAPE:

@@ -156,13 +156,15 @@ static bool infer(Graph *g, IrNode *n) {
   switch (n->op) {
   case OP_INPUT: case OP_PARAM: case OP_STATE: case OP_SCALAR: case OP_CONST: want = 0; break;
   case OP_NEG: case OP_EXP: case OP_LOG: case OP_TANH: case OP_SQRT: case OP_RSQRT: case OP_RELU:
-  case OP_GELU: case OP_SILU: case OP_DROPOUT: case OP_CAST: case OP_SUM: case OP_MEAN: case OP_MAX:
+  case OP_GELU: case OP_SILU: case OP_SIGMOID: case OP_ABS: case OP_CLAMP: case OP_STOP_GRADIENT:
+  case OP_DROPOUT: case OP_CAST: case OP_SUM: case OP_MEAN: case OP_MAX:
   case OP_RESHAPE: case OP_PERMUTE: case OP_BROADCAST: case OP_SLICE: case OP_SLICE_BWD:
   case OP_SOFTMAX: case OP_TARGET_COUNT: want = 1; break;
   case OP_ADD: case OP_SUB: case OP_MUL: case OP_DIV: case OP_RELU_BWD: case OP_GELU_BWD:
-  case OP_SILU_BWD: case OP_MATMUL: case OP_EMBED: case OP_EMBED_BWD: case OP_RMSNORM:
+  case OP_SILU_BWD: case OP_ABS_BWD: case OP_CLAMP_BWD: case OP_MATMUL: case OP_EMBED: case OP_EMBED_BWD:
+  case OP_RMSNORM: case OP_COMPARE:
   case OP_SOFTMAX_BWD: case OP_CROSS_ENTROPY: case OP_ROPE: want = 2; break;
-  case OP_MAX_BWD: case OP_LAYERNORM: case OP_LAYERNORM_BWD: case OP_RMSNORM_BWD:
+  case OP_MAX_BWD: case OP_LAYERNORM: case OP_LAYERNORM_BWD: case OP_RMSNORM_BWD: case OP_WHERE:
   case OP_CROSS_ENTROPY_BWD: want = 3; break;
   case OP_ATTENTION: case OP_ATTENTION_LSE: want = 3 + (n->ia[2] != 0); break;
   case OP_ATTENTION_BWD: want = 6 + (n->ia[2] != 0); break;
@@ -214,18 +216,31 @@ static bool infer(Graph *g, IrNode *n) {
   case OP_INPUT: case OP_PARAM: case OP_STATE: case OP_SCALAR: case OP_CONST:
     return true; // set by the constructor
   case OP_NEG: case OP_EXP: case OP_LOG: case OP_TANH: case OP_SQRT: case OP_RSQRT: case OP_RELU:
-  case OP_GELU: case OP_SILU: case OP_DROPOUT: case OP_SOFTMAX:
+  case OP_GELU: case OP_SILU: case OP_SIGMOID: case OP_ABS: case OP_CLAMP: case OP_STOP_GRADIENT:
+  case OP_DROPOUT: case OP_SOFTMAX:
+    if (n->op == OP_CLAMP && !(n->fa[0] <= n->fa[1]))
+      return fail(g, "clamp: min %g is above max %g", n->fa[0], n->fa[1]);
     if (n->op == OP_DROPOUT && (n->fa[0] < 0 || n->fa[0] >= 1))
       return fail(g, "dropout probability %g is not in [0, 1)", n->fa[0]);
     if (n->op == OP_SOFTMAX && in[0]->shape.rank < 1)
       return fail(g, "softmax of a scalar");
     n->shape = in[0]->shape;
     return true;
-  case OP_ADD: case OP_SUB: case OP_MUL: case OP_DIV:
+  case OP_ADD: case OP_SUB: case OP_MUL: case OP_DIV: case OP_COMPARE:
+    if (n->op == OP_COMPARE && (n->ia[0] < CMP_LT || n->ia[0] > CMP_NE))
+      return fail(g, "compare: bad relation %lld", (long long)n->ia[0]);
     if (!broadcast_shapes(in[0]->shape, in[1]->shape, &n->shape))
       return fail(g, "cannot broadcast %s with %s", SHAPE(in[0]->shape), SHAPE(in[1]->shape));
     return true;
-  case OP_RELU_BWD: case OP_GELU_BWD: case OP_SILU_BWD: case OP_SOFTMAX_BWD:
+  case OP_WHERE: {
+    Shape ab;
+    if (!broadcast_shapes(in[1]->shape, in[2]->shape, &ab) || !broadcast_shapes(in[0]->shape, ab, &n->shape))
+      return fail(g, "where: cannot broadcast %s, %s and %s", SHAPE(in[0]->shape), SHAPE(in[1]->shape),
+                  SHAPE(in[2]->shape));
+    return true;
+  }
+  case OP_RELU_BWD: case OP_GELU_BWD: case OP_SILU_BWD: case OP_ABS_BWD: case OP_CLAMP_BWD:
+  case OP_SOFTMAX_BWD:
     if (!shape_eq(in[0]->shape, in[1]->shape))
       return fail(g, "%s: shapes %s and %s differ", name, SHAPE(in[0]->shape), SHAPE(in[1]->shape));
     n->shape = in[0]->shape;

@@ -95,6 +95,10 @@ typedef struct {
   X(RELU, "relu")                                                                                  \
   X(GELU, "gelu")           /* tanh approximation, as GPT-2 */                                    \
   X(SILU, "silu")                                                                                  \
+  X(SIGMOID, "sigmoid")                                                                            \
+  X(ABS, "abs")                                                                                    \
+  X(CLAMP, "clamp")         /* fa[0] = lo, fa[1] = hi (either may be infinite) */                 \
+  X(STOP_GRADIENT, "stop_gradient") /* x itself; no gradient flows back through it */             \
   X(DROPOUT, "dropout")     /* fa[0] = p; ia[0] = seed id (same id, same mask) */                 \
   X(CAST, "cast")           /* ia[0] = the DType to round to (bf16: nearest, ties to even) */     \
   /* elementwise binary, numpy broadcasting */                                                     \
@@ -102,10 +106,14 @@ typedef struct {
   X(SUB, "sub")                                                                                    \
   X(MUL, "mul")                                                                                    \
   X(DIV, "div")                                                                                    \
+  X(COMPARE, "compare")     /* 1 where a OP b holds, else 0; ia[0]: CMP_LT, LE, GT, GE, EQ, NE */ \
+  X(WHERE, "where")         /* (cond, a, b): a where cond != 0, else b; numpy broadcasting */     \
   /* elementwise backward helpers: (x, dy) -> dx */                                                \
   X(RELU_BWD, "relu_bwd")                                                                          \
   X(GELU_BWD, "gelu_bwd")                                                                          \
   X(SILU_BWD, "silu_bwd")                                                                          \
+  X(ABS_BWD, "abs_bwd")     /* sign(x) dy, 0 at x = 0 */                                          \
+  X(CLAMP_BWD, "clamp_bwd") /* dy where lo <= x <= hi, else 0; fa as CLAMP's */                   \
   /* reductions: ia[0] = axis (>= 0), ia[1] = keepdim */                                           \
   X(SUM, "sum")                                                                                    \
   X(MEAN, "mean")                                                                                  \
@@ -166,6 +174,9 @@ typedef struct {
   /* (p, g, m, v, gnorm, lr, step) -> new p, written in place with m and v.                        \
      fa: 0 beta1, 1 beta2, 2 eps, 3 weight decay, 4 clip max norm (0 = no clipping) */             \
   X(ADAMW, "adamw")
+
+// OP_COMPARE's relation (ia[0]).
+typedef enum { CMP_LT, CMP_LE, CMP_GT, CMP_GE, CMP_EQ, CMP_NE } Compare;
 
 typedef enum {
 #define X(op, name) OP_##op,

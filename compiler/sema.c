@@ -346,6 +346,24 @@ static Val reshape(Sema *s, int x, Shape sh, SrcLoc at) {
   return tensor_val(id);
 }
 
+// A binary operator as the .mdl spells it (the parser keeps the two-character ones as one letter).
+static const char *op_text(int op) {
+  switch (op) {
+  case 'l': return "<=";
+  case 'g': return ">=";
+  case 'e': return "==";
+  case 'n': return "!=";
+  case '<': return "<";
+  case '>': return ">";
+  case '+': return "+";
+  case '-': return "-";
+  case '*': return "*";
+  case '/': return "/";
+  case '@': return "@";
+  default: return "%";
+  }
+}
+
 // A scalar operand of a tensor op becomes a CONST node.
 static int as_node(Sema *s, Val v, SrcLoc at) {
   if (v.kind == V_TENSOR)
@@ -390,7 +408,7 @@ static Val arith_int(Sema *s, const Expr *e, int64_t a, int64_t b) {
 
 static Val arith_scalar(Sema *s, const Expr *e, Val a, Val b) {
   if (a.kind == V_BOOL || b.kind == V_BOOL) {
-    error_at(s, e->at, "'%c' does not apply to booleans", e->op);
+    error_at(s, e->at, "'%s' does not apply to booleans", op_text(e->op));
     return ERR;
   }
   if (a.kind == V_INT && b.kind == V_INT)
@@ -409,6 +427,28 @@ static Val arith_scalar(Sema *s, const Expr *e, Val a, Val b) {
   }
   error_at(s, e->at, "'%%' needs integer operands");
   return ERR;
+}
+
+static bool is_comparison(int op) { return strchr("<>lgen", op) != NULL; }
+
+// a REL b: on numbers a boolean now; on tensors a COMPARE node, 1 where it holds and 0 elsewhere.
+static Val comparison(Sema *s, const Expr *e, Val a, Val b) {
+  static const char ops[] = "<l>gen";
+  int64_t rel = strchr(ops, e->op) - ops; // CMP_LT, CMP_LE, ... in Compare's order
+  if (a.kind == V_BOOL || b.kind == V_BOOL) {
+    error_at(s, e->at, "'%s' compares numbers and tensors, not booleans", op_text(e->op));
+    return ERR;
+  }
+  if (a.kind != V_TENSOR && b.kind != V_TENSOR) {
+    double x = a.kind == V_INT ? (double)a.i : a.f, y = b.kind == V_INT ? (double)b.i : b.f;
+    bool r = rel == CMP_LT ? x < y : rel == CMP_LE ? x <= y : rel == CMP_GT ? x > y : rel == CMP_GE ? x >= y
+                             : rel == CMP_EQ ? x == y : x != y;
+    return (Val){.kind = V_BOOL, .i = r};
+  }
+  int x = as_node(s, a, e->lhs->at), y = as_node(s, b, e->rhs->at);
+  if (x < 0 || y < 0)
+    return ERR;
+  return add_op(s, OP_COMPARE, (int[]){x, y}, 2, (int64_t[8]){rel}, NULL, e->at);
 }
 
 static bool is_transpose(const Expr *e) { return e->kind == E_ATTR && !strcmp(e->s, "T"); }
@@ -481,13 +521,15 @@ static Val binary(Sema *s, const Expr *e) {
   if (a.kind == V_ERR || b.kind == V_ERR)
     return ERR;
   if (a.kind == V_TUPLE || b.kind == V_TUPLE) {
-    error_at(s, e->at, "'%c' cannot take the several values of split(); unpack them first", e->op);
+    error_at(s, e->at, "'%s' cannot take the several values of split(); unpack them first", op_text(e->op));
     return ERR;
   }
+  if (is_comparison(e->op))
+    return comparison(s, e, a, b);
   if (a.kind != V_TENSOR && b.kind != V_TENSOR)
     return arith_scalar(s, e, a, b);
   if (a.kind == V_BOOL || b.kind == V_BOOL) {
-    error_at(s, e->at, "'%c' does not apply to booleans", e->op);
+    error_at(s, e->at, "'%s' does not apply to booleans", op_text(e->op));
     return ERR;
   }
   if (e->op == '%') {
@@ -759,6 +801,47 @@ static Val builtin_unary(Sema *s, const Builtin *b, const Expr *call, const Expr
     return ERR;
   }
   return float_val(interp_unary(b->op, x));
+}
+
+// where(cond, a, b): a where cond is not 0 (a comparison's 1), else b; a and b may be numbers.
+static Val builtin_where(Sema *s, const Builtin *b, const Expr *call, const Expr **arg) {
+  Val v[3];
+  for (int i = 0; i < 3; i++) {
+    v[i] = eval(s, arg[i]);
+    if (v[i].kind == V_ERR)
+      return ERR;
+    if (v[i].kind != V_TENSOR && v[i].kind != V_INT && v[i].kind != V_FLOAT) {
+      error_at(s, arg[i]->at, "%s: %s must be a tensor or a number, got %s", b->name, b->params[i], describe(v[i]));
+      return ERR;
+    }
+  }
+  if (v[0].kind != V_TENSOR) {
+    error_at(s, arg[0]->at, "where: cond must be a tensor (a comparison such as x > 0); a constant condition picks "
+             "a or b by itself");
+    return ERR;
+  }
+  int in[3];
+  for (int i = 0; i < 3; i++)
+    if ((in[i] = as_node(s, v[i], arg[i]->at)) < 0)
+      return ERR;
+  return add_op(s, OP_WHERE, in, 3, NULL, NULL, call->at);
+}
+
+// clamp(x, min=, max=): x within [min, max], a bound left out being none (at least one given).
+static Val builtin_clamp(Sema *s, const Builtin *b, const Expr *call, const Expr **arg) {
+  int x = tensor_arg(s, b, arg[0], "x");
+  double lo, hi;
+  if (x < 0 || !float_arg(s, b, arg[1], "min", -INFINITY, &lo) || !float_arg(s, b, arg[2], "max", INFINITY, &hi))
+    return ERR;
+  if (!arg[1] && !arg[2]) {
+    error_at(s, call->at, "clamp: give min=, max= or both");
+    return ERR;
+  }
+  if (!(lo <= hi)) {
+    error_at(s, call->at, "clamp: min %g is above max %g", lo, hi);
+    return ERR;
+  }
+  return add_op(s, OP_CLAMP, &x, 1, NULL, (double[6]){lo, hi}, call->at);
 }
 
 // sum / mean / max over one axis, or over everything: reshape to [numel], reduce axis 0 -> [].
@@ -1108,6 +1191,11 @@ static const Builtin builtins[] = {
     {"gelu", 1, 1, {"x"}, builtin_unary, OP_GELU},
     {"relu", 1, 1, {"x"}, builtin_unary, OP_RELU},
     {"silu", 1, 1, {"x"}, builtin_unary, OP_SILU},
+    {"sigmoid", 1, 1, {"x"}, builtin_unary, OP_SIGMOID},
+    {"abs", 1, 1, {"x"}, builtin_unary, OP_ABS},
+    {"clamp", 1, 1, {"x", "min", "max"}, builtin_clamp, OP_CLAMP},
+    {"stop_gradient", 1, 1, {"x"}, builtin_unary, OP_STOP_GRADIENT},
+    {"where", 3, 3, {"cond", "a", "b"}, builtin_where, OP_WHERE},
     {"exp", 1, 1, {"x"}, builtin_unary, OP_EXP},
     {"log", 1, 1, {"x"}, builtin_unary, OP_LOG},
     {"tanh", 1, 1, {"x"}, builtin_unary, OP_TANH},

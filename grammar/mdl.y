@@ -121,7 +121,7 @@ static Stmt *block(Stmt *st, PtrVec *body) {
 %token <s> IDENT "identifier" STRING "string" SIZE "size"
 %token <i> INT "integer"
 %token <f> FLOAT "number"
-%token NEWLINE "end of line" DOTDOT "'..'"
+%token NEWLINE "end of line" DOTDOT "'..'" EQ "'=='" NE "'!='" LE "'<='" GE "'>='"
 %token KW_MODEL "'model'" KW_DIM "'dim'" KW_CONST "'const'" KW_INPUT "'input'" KW_PARAM "'param'"
 %token KW_OUTPUT "'output'" KW_REPEAT "'repeat'" KW_TRAIN "'train'" KW_IN "'in'"
 %token KW_TRUE "'true'" KW_FALSE "'false'"
@@ -195,7 +195,14 @@ targets: IDENT                  { $$ = (PtrVec){0}; Expr *t = ast_expr(p, E_NAME
        | targets ',' IDENT      { $$ = $1; Expr *t = ast_expr(p, E_NAME, @3, @3); t->s = $3; vec_push(p->arena, &$$, t); }
        ;
 
-expr: add ;
+expr: add
+    | add '<' add       { $$ = binary(p, '<', $1, $3, @$, @2); }
+    | add '>' add       { $$ = binary(p, '>', $1, $3, @$, @2); }
+    | add LE add        { $$ = binary(p, 'l', $1, $3, @$, @2); }
+    | add GE add        { $$ = binary(p, 'g', $1, $3, @$, @2); }
+    | add EQ add        { $$ = binary(p, 'e', $1, $3, @$, @2); }
+    | add NE add        { $$ = binary(p, 'n', $1, $3, @$, @2); }
+    ;
 
 add: mul
    | add '+' mul        { $$ = binary(p, '+', $1, $3, @$, @2); }

@@ -95,6 +95,7 @@ __device__ __forceinline__ float mdl_ce_grad(float x, float mx, double g, double
 
 __device__ __forceinline__ float mdl_sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
 __device__ __forceinline__ float mdl_silu(float x) { return x * mdl_sigmoid(x); }
+__device__ __forceinline__ float mdl_clamp(float x, float lo, float hi) { return x < lo ? lo : x > hi ? hi : x; }
 
 __device__ __forceinline__ float mdl_silu_grad(float x, float dy) {
   const float s = mdl_sigmoid(x);

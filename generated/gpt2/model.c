@@ -106,6 +106,10 @@ static inline float mdl_gelu_grad(float x) {
 }
 
 static inline float mdl_sigmoid(float x) { return 1.0f / (1.0f + mdl_exp_fast(-x)); }
+
+// x within [lo, hi] (a NaN stays NaN); MDL_INF, as prelude.cuh's, for a bound that is not there.
+#define MDL_INF INFINITY
+static inline float mdl_clamp(float x, float lo, float hi) { return x < lo ? lo : x > hi ? hi : x; }
 static inline float mdl_silu(float x) { return x * mdl_sigmoid(x); }
 
 static inline float mdl_silu_grad(float x, float dy) {

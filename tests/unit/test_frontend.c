@@ -393,6 +393,19 @@ static void test_errors(void) {
                   " schedule = cosine(warmup=1.5)\n no_decay = [\"a\", 3]\n checkpoint = auto(0GiB)\n"
                   " optimizer = adamw(beta1=1)\n}\n") == 7,
         "bad train values: each reported", "%s", errtext);
+  CHECK(errors_of("model m\ninput x: f32[4]\ny = where(1 < 2, x, 0.0)\n") == 1 && strstr(errtext, "cond must be a tensor"),
+        "where: a constant condition is refused", "%s", errtext);
+  CHECK(errors_of("model m\ninput x: f32[4]\ninput z: f32[3]\ny = where(x > 0, x, z)\n") == 1 &&
+            strstr(errtext, "where: cannot broadcast"),
+        "where: shapes that do not broadcast are named", "%s", errtext);
+  CHECK(errors_of("model m\ninput x: f32[4]\ny = x < x < x\n") == 1 && strstr(errtext, "syntax error"),
+        "comparisons do not chain", "%s", errtext);
+  CHECK(errors_of("model m\ninput x: f32[4]\ny = (x > 0) + (true == 1)\n") == 1 &&
+            strstr(errtext, "'==' compares numbers and tensors, not booleans"),
+        "a comparison of a boolean is refused, spelled as written", "%s", errtext);
+  CHECK(errors_of("model m\ninput x: f32[4]\ny = clamp(x)\nz = clamp(x, min=1, max=0)\n") == 2 &&
+            strstr(errtext, "give min=, max= or both") && strstr(errtext, "min 1 is above max 0"),
+        "clamp: without bounds, or with min above max", "%s", errtext);
   CHECK(errors_of("model m\ntrain {\n schedule = step(gamma=0.1)\n}\n") == 1 &&
             strstr(errtext, "unknown schedule 'step' (available: constant, linear, cosine or wsd)"),
         "an unknown schedule is named, with the schedules there are", "%s", errtext);

@@ -260,7 +260,8 @@ static void unary_cases(void) {
       {OP_LOG, DOM_POSITIVE, "grad log"},    {OP_TANH, DOM_ANY, "grad tanh"},
       {OP_SQRT, DOM_POSITIVE, "grad sqrt"},  {OP_RSQRT, DOM_POSITIVE, "grad rsqrt"},
       {OP_RELU, DOM_AWAY_FROM_ZERO, "grad relu"}, {OP_GELU, DOM_ANY, "grad gelu"},
-      {OP_SILU, DOM_ANY, "grad silu"},
+      {OP_SILU, DOM_ANY, "grad silu"},       {OP_SIGMOID, DOM_ANY, "grad sigmoid"},
+      {OP_ABS, DOM_AWAY_FROM_ZERO, "grad abs"},
   };
   for (size_t i = 0; i < sizeof ops / sizeof ops[0]; i++) {
     Case *c = case_new();
@@ -270,6 +271,76 @@ static void unary_cases(void) {
   Case *c = case_new();
   int x = param(c, "x", SH(4, 5), DOM_ANY);
   gradcheck("grad dropout p=0.3", c, node(c, OP_DROPOUT, IN(x), IA(3), FA(0.3)));
+  // clamp: 12 values of DOM_DISTINCT lie in [-1 + 2k/12, -1 + (2k+1)/12), so bounds in the gaps
+  // between (-0.375, 0.45) have values on both sides and none within a difference step of them.
+  c = case_new();
+  x = param(c, "x", SH(3, 4), DOM_DISTINCT);
+  gradcheck("grad clamp [-0.375, 0.45]", c, node(c, OP_CLAMP, IN(x), NULL, FA(-0.375, 0.45)));
+  c = case_new();
+  x = param(c, "x", SH(3, 4), DOM_DISTINCT);
+  gradcheck("grad clamp max 0.45 only", c, node(c, OP_CLAMP, IN(x), NULL, FA(-INFINITY, 0.45)));
+}
+
+// where and the comparisons: a condition from an input (so no parameter sits on a step of it), a and
+// b broadcast against it, a number for a branch; the finite differences see each branch's share.
+static void where_case(void) {
+  Arena *a = arena_new();
+  Graph *g = mdl_compile_text(a, "where.mdl",
+                              "model where\ninput x: f32[3, 4]\nparam p: [3, 4] = normal(1)\n"
+                              "param q: [4] = normal(1)\n"
+                              "y = where(x > 0.1, p * p, q) + where(x <= -0.3, 2.0, p) * (x != 0.5)\n"
+                              "output loss = sum(y * y) + sum((p >= q) * p)\n", NULL, 0);
+  bool ok = g && autodiff(g, false);
+  CHECK(ok, "grad where: compiles and differentiates", "%s", g ? g->err : "front end failed");
+  if (!ok) {
+    arena_free(a);
+    return;
+  }
+  Interp *it = interp_new(g, INTERP_F64);
+  for (int pi = 0; pi < g->nparams; pi++) {
+    int64_t n = shape_numel(g->nodes[g->params[pi]]->shape);
+    double *v = interp_param(it, g->params[pi]);
+    for (int64_t k = 0; k < n; k++) // p in [0.2, 1.2), q in [-1.2, -0.2]: p >= q everywhere, by a margin
+      v[k] = pi == 0 ? 0.7 + 0.5 * uniform(61, k) : -0.7 + 0.5 * uniform(62, k);
+  }
+  float xs[12];
+  for (int k = 0; k < 12; k++) // a spread of values, none near 0.1, -0.3 or 0.5
+    xs[k] = (float)(-0.89 + 0.15 * k + (k % 3 == 0 ? 0.02 : 0));
+  if (!interp_set_input(it, "x", NULL, xs, 12))
+    CHECK(false, "grad where", "could not set x");
+  else
+    compare_with_fd("grad where", g, it, 0);
+  interp_free(it);
+  arena_free(a);
+}
+
+// stop_gradient: loss = sum(x * stop_gradient(x) + stop_gradient(x)) has d loss / dx = x, not 2x + 1
+// (a finite difference sees the whole function, so this is checked against the formula).
+static void stop_gradient_case(void) {
+  Arena *a = arena_new();
+  Graph *g = mdl_compile_text(a, "stop.mdl",
+                              "model stop\nparam x: [5] = normal(1)\n"
+                              "output loss = sum(x * stop_gradient(x) + stop_gradient(x))\n", NULL, 0);
+  bool ok = g && autodiff(g, false);
+  CHECK(ok, "stop_gradient: compiles and differentiates", "%s", g ? g->err : "front end failed");
+  if (!ok) {
+    arena_free(a);
+    return;
+  }
+  Interp *it = interp_new(g, INTERP_F64);
+  double *v = interp_param(it, g->params[0]);
+  for (int i = 0; i < 5; i++)
+    v[i] = uniform(51, i);
+  char err[256] = "";
+  bool ran = interp_run(it, g->n, err, sizeof err);
+  double e = ran ? 0 : 1;
+  const double *d = ran ? interp_value(it, g->grads[0]) : NULL;
+  for (int i = 0; ran && i < 5; i++)
+    e = fmax(e, fabs(d[i] - v[i]));
+  CHECK(ran && e < 1e-15, "stop_gradient: d sum(x * stop_gradient(x) + stop_gradient(x)) / dx = x", "%s error %g", err,
+        e);
+  interp_free(it);
+  arena_free(a);
 }
 
 static void binary_cases(void) {
@@ -797,6 +868,8 @@ static void gpt_optimizer_case(void) {
 
 int main(void) {
   unary_cases();
+  stop_gradient_case();
+  where_case();
   binary_cases();
   reduction_cases();
   layout_cases();
