@@ -1004,7 +1004,9 @@ static int train_loop(Engine *e, Engine *eval, Engine *micro, const TrainOptions
     ac.names = arena_alloc(g->arena, sizeof *ac.names * (size_t)g->nparams);
     for (int i = 0; i < g->nparams; i++)
       ac.names[i] = arena_printf(g->arena, "acc.%s", g->nodes[g->params[i]]->name);
-    if (!o->quiet)
+    if (!o->quiet && o->arrays)
+      printf("gradient accumulation: %lld micro-batches of %lld examples per step\n", (long long)k, (long long)B);
+    else if (!o->quiet)
       printf("gradient accumulation: %lld micro-batches of %lldx%lld per step\n", (long long)k, (long long)B,
              (long long)T);
   }

@@ -89,9 +89,14 @@ mkdir -p "$tmp/corpus"
 head -c 6000 /usr/share/common-licenses/GPL-3 >"$tmp/corpus/a.txt"
 $m prep "$tmp/corpus" -o "$tmp/shards" >/dev/null 2>&1
 sed -e '/^input doc/d' -e 's/, doc=doc)/)/' models/gpt2-tiny.mdl >"$tmp/nodoc.mdl"
-$m run "$tmp/nodoc.mdl" --data "$tmp/shards" -D B=2 -D T=16 --steps 2 --backend cpu --out "$tmp/h" >/dev/null 2>"$tmp/err"
+printf 'output zmean = mean(logits)\n' >>"$tmp/nodoc.mdl"
+$m run "$tmp/nodoc.mdl" --data "$tmp/shards" -D B=2 -D T=16 --steps 2 --val-every 2 --val-batches 1 --backend cpu \
+  --out "$tmp/h" >"$tmp/h.out" 2>"$tmp/err"
 rc=$?
 check "a language model without a doc input trains on shards" "[ $rc -eq 0 ] && [ \$(wc -l <'$tmp/h/log.jsonl') -eq 2 ]"
+check "a language model's scalar output is a metric: each step's line and log, and the validation's" \
+  "[ \$(field '$tmp/h/log.jsonl' zmean | wc -l) -eq 2 ] && grep -q '\"val_zmean\":' '$tmp/h/log.jsonl' &&
+   grep -q '| loss [0-9.]* | zmean [-0-9.]* | lr' '$tmp/h.out' && grep -q 'unigram entropy [0-9.]*) | val zmean' '$tmp/h.out'"
 $m run models/mlp.mdl --data "$tmp/shards" --steps 1 --backend cpu --out "$tmp/i" >"$tmp/out" 2>"$tmp/err"
 rc=$?
 check "a model without token inputs is refused on shards, naming what is missing, before compiling" \

@@ -344,6 +344,28 @@ static void test_datasets(void) {
   loader_close(s1);
   loader_close(s2);
 
+  // One .safetensors file holding both arrays (f32 x, i32 y): the val split held out of it.
+  float xs[30];
+  int32_t ys[10];
+  for (int e = 0; e < 10; e++) {
+    xs[3 * e] = (float)e, xs[3 * e + 1] = xs[3 * e + 2] = 0;
+    ys[e] = e % 2;
+  }
+  StTensor t[2] = {{.name = "x", .dtype = DT_F32, .shape = {2, {10, 3}}, .data = xs},
+                   {.name = "y", .dtype = DT_I32, .shape = {1, {10}}, .data = ys}};
+  st_write(path_in("set.safetensors"), t, 2);
+  lo.val_fraction = 0.3;
+  Loader *st = loader_open(path_in("set.safetensors"), "train", lo);
+  bool fine = st && loader_rows(st) == 7;
+  for (int k = 0; fine && k < 2; k++) {
+    loader_next(st, &b);
+    for (int r = 0; r < 4; r++)
+      fine &= b.inputs[1].ids[r] == (int)b.inputs[0].f[3 * r] % 2;
+  }
+  CHECK(arrays_found(path_in("set.safetensors")) && fine, "arrays: a .safetensors file is a dataset, 3 of its 10 "
+        "examples held out", "rows %lld", st ? (long long)loader_rows(st) : -1LL);
+  loader_close(st);
+
   // Refusals, each naming the file and the array, or the input.
   write_set(path_in("cols"), 10, AT_I32, 4);
   const char *err = check_error(path_in("cols"), g);
