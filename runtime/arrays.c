@@ -315,8 +315,8 @@ static bool split_load(const char *path, const char *split, const Graph *g, Spli
       size_t k = 0;
       for (int j = 0; j < l.n && k + 64 < sizeof found; j++)
         k += (size_t)snprintf(found + k, sizeof found - k, "%s'%s'", j ? ", " : "", l.a[j].name);
-      diag_file_error(path, "no array '%s' in the %s split for the model's input %s: %s%s (arrays there: %s)", in[i]->name,
-                      split, in[i]->name, dtype_name(in[i]->dtype), want, l.n ? found : "none");
+      diag_file_error(path, "no array '%s' in the %s split for the model's input %s: %s%s (arrays there: %s)",
+                      in[i]->name, split, in[i]->name, dtype_name(in[i]->dtype), want, l.n ? found : "none");
       ok = false;
       break;
     }

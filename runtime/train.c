@@ -1113,15 +1113,16 @@ static int train_loop(Engine *e, Engine *eval, Engine *micro, const TrainOptions
       progress_clear(&pg);
       printf("step %5lld/%lld | loss %.4f%s | lr %.2e | norm %6.3f | %7.1f ms | %8.0f %s | MFU %5.2f%% | "
              "peak %.0f MB%s | ETA %s\n",
-             (long long)step, (long long)last, loss, metrics_line(&met, met.now, " | ", "", met_s, sizeof met_s), lr, norm,
-             1e3 * dt, tok_s, unit, mfu, (double)ru.ru_maxrss * 1024.0 / 1e6, device_s,
+             (long long)step, (long long)last, loss, metrics_line(&met, met.now, " | ", "", met_s, sizeof met_s), lr,
+             norm, 1e3 * dt, tok_s, unit, mfu, (double)ru.ru_maxrss * 1024.0 / 1e6, device_s,
              eta_s); // (ru_maxrss: KiB; MB as the arena's)
       if (do_val && o->arrays)
         printf("step %5lld/%lld | val loss %.4f%s\n", (long long)step, (long long)last, last_val,
                metrics_line(&met, c.val_met + c.nvalmet - met.n, " | ", "val ", met_s, sizeof met_s));
       else if (do_val)
         printf("step %5lld/%lld | val loss %.4f (unigram entropy %.4f)%s\n", (long long)step, (long long)last,
-               last_val, unigram, metrics_line(&met, c.val_met + c.nvalmet - met.n, " | ", "val ", met_s, sizeof met_s));
+               last_val, unigram,
+               metrics_line(&met, c.val_met + c.nvalmet - met.n, " | ", "val ", met_s, sizeof met_s));
     } else if (pg.on) {
       progress_show(&pg, step, last, (double)real_total / step_secs,
                     100.0 * (double)k * flops * (double)(step - start) / step_secs / peak, eta_s);

@@ -16,7 +16,8 @@
 enum { N = 16, K = 4 };
 
 static double gauss(uint64_t seed, uint64_t stream, uint64_t i) { // Box-Muller
-  double u = (mdl_rng_u64(seed, stream, 2 * i) >> 11) * 0x1.0p-53, v = (mdl_rng_u64(seed, stream, 2 * i + 1) >> 11) * 0x1.0p-53;
+  double u = (double)(mdl_rng_u64(seed, stream, 2 * i) >> 11) * 0x1.0p-53,
+         v = (double)(mdl_rng_u64(seed, stream, 2 * i + 1) >> 11) * 0x1.0p-53;
   return sqrt(-2 * log(1 - u)) * cos(2 * M_PI * v);
 }
 
