@@ -139,15 +139,16 @@ static bool parse_header(Cursor *c, char *descr, size_t ndescr, bool *fortran, S
       shape->rank = 0;
       while (!eat(c, ')')) {
         skip_space(c);
-        char *endp;
-        errno = 0;
-        long long d = strtoll(c->s, &endp, 10);
-        if (endp == c->s || endp > c->end || errno || d < 0)
+        int64_t d = 0;
+        const char *digits = c->s;
+        for (; c->s < c->end && *c->s >= '0' && *c->s <= '9'; c->s++)
+          if ((d = 10 * d + (*c->s - '0')) > IR_MAX_NUMEL)
+            return rt_fail(why, nwhy, "an axis of more than %lld elements", (long long)IR_MAX_NUMEL);
+        if (c->s == digits)
           return rt_fail(why, nwhy, "'shape' holds something other than sizes");
         if (shape->rank == IR_MAX_RANK)
           return rt_fail(why, nwhy, "more than %d axes", IR_MAX_RANK);
         shape->d[shape->rank++] = d;
-        c->s = endp;
         if (!eat(c, ',') && !(skip_space(c), c->s < c->end && *c->s == ')'))
           return rt_fail(why, nwhy, "'shape' is not a tuple of sizes");
       }
