@@ -1186,6 +1186,11 @@ static int cmd_lab(const Options *o, Graph *g) {
     diag_file_error(o->file, "lab needs --data DIR: shards made by `mdlc prep TEXT -o DIR`");
     return EXIT_USER;
   }
+  if (arrays_found(o->data)) { // (its rows measure tokens/s, packing and the data pipeline of text)
+    diag_file_error(o->data, "lab measures language models on token shards (made by `mdlc prep TEXT -o DIR`), not "
+                    "on arrays: time an array run with `mdlc run --profile`");
+    return EXIT_USER;
+  }
   Arena *a = g->arena;
   LabOptions lo = {.arena = a, .model = o->file, .data = o->data, .out = o->out ? o->out : "lab",
                    .model_name = g->model ? g->model : o->file, .steps = o->steps > 0 ? o->steps : 20,

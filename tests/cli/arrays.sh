@@ -101,3 +101,7 @@ $m run models/mlp.mdl --data "$tmp/shards" --steps 1 --backend cpu --out "$tmp/i
 rc=$?
 check "a model without token inputs is refused on shards, naming what is missing, before compiling" \
   "[ $rc -eq 1 ] && ! grep -q compiled '$tmp/out' && grep -q 'the model has no dim T; a model of other inputs trains on an array dataset' '$tmp/err'"
+$m lab models/mlp.mdl --data "$tmp/blobs" --steps 1 --backend cpu --out "$tmp/lab" >/dev/null 2>"$tmp/err"
+rc=$?
+check "lab refuses arrays (its rows measure token pipelines), saying so" \
+  "[ $rc -eq 1 ] && grep -q 'lab measures language models on token shards' '$tmp/err' && [ ! -e '$tmp/lab' ]"
