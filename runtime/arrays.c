@@ -65,7 +65,8 @@ static int list_dir(const char *dir, const char *only, const char *skip, char **
     (*out)[n++] = strdup(path);
   }
   closedir(d);
-  qsort(*out, (size_t)n, sizeof(char *), cmp_str);
+  if (n > 1)
+    qsort(*out, (size_t)n, sizeof(char *), cmp_str);
   return n;
 }
 
