@@ -14,7 +14,7 @@ UNIT_SRC  := $(wildcard tests/unit/test_*.c)
 UNIT_BIN  := $(patsubst tests/unit/%.c,build/tests/%,$(UNIT_SRC))
 HEADERS   := $(wildcard compiler/*.h runtime/*.h)
 
-all: bin/mdlc
+all: bin/mdlc build/tools/blobs
 
 bin/mdlc: build/compiler/main.o build/libmdl.a
 	@mkdir -p bin
@@ -57,11 +57,16 @@ build/tests/%: tests/unit/%.c tests/unit/test.h tests/unit/draw_checks.h tests/u
 	@mkdir -p build/tests
 	$(CC) $(CFLAGS) -Itests/unit -o $@ $< build/libmdl.a $(LDLIBS)
 
-install: bin/mdlc
+# a synthetic classification set as .npy files, for models/mlp.mdl (README, tests/cli/arrays.sh)
+build/tools/blobs: tools/blobs.c build/libmdl.a
+	@mkdir -p build/tools
+	$(CC) $(CFLAGS) -o $@ $< build/libmdl.a $(LDLIBS)
+
+install: bin/mdlc build/tools/blobs
 	install -d $(DESTDIR)$(PREFIX)/bin
 	install -m 755 bin/mdlc $(DESTDIR)$(PREFIX)/bin/mdlc
 
-test: bin/mdlc $(UNIT_BIN)
+test: bin/mdlc build/tools/blobs $(UNIT_BIN)
 	@tests/run.sh
 
 # generated/ from models/ (tests/cli/golden.sh fails when it is stale)

@@ -68,7 +68,9 @@ static const char usage_text[] =
     "  build FILE.mdl -o DIR          emit the C, the step plan and the fusion report\n"
     "  sample CHECKPOINT [--prompt TEXT]  generate text (--tokens N --temperature T --top-k K --seed S)\n"
     "  run   FILE.mdl --data DIR [--steps N] [--out DIR] [--resume]\n"
-    "                                 compile and train on shards from prep\n"
+    "                                 compile and train on shards from prep, or on arrays named as the\n"
+    "                                 model's inputs (.npy, .npz, .safetensors: a folder or a file; without\n"
+    "                                 a val/ split, --val-fraction F of the examples held out, default 0.05)\n"
     "  eval  CHECKPOINT --data DIR [--val-batches N]\n"
     "                                 the validation loss (and every scalar output) of a checkpoint of\n"
     "                                 run, without training: the batches run validates on, given the\n"
@@ -860,7 +862,8 @@ static bool write_run_json(const char *dir, const Graph *g, const Engine *e, con
 
 static int cmd_run(const Options *o, Graph *g) {
   if (!o->data) {
-    diag_file_error(o->file, "run needs --data DIR: shards made by `mdlc prep TEXT -o DIR`");
+    diag_file_error(o->file, "run needs --data DIR: shards made by `mdlc prep TEXT -o DIR`, or arrays named as the "
+                    "model's inputs (.npy, .npz, .safetensors)");
     return EXIT_USER;
   }
   char model_abs[PATH_MAX], data_abs[PATH_MAX], tok_path[PATH_MAX + 16], out_dir[PATH_MAX];
@@ -870,6 +873,12 @@ static int cmd_run(const Options *o, Graph *g) {
   }
   snprintf(tok_path, sizeof tok_path, "%s/tokenizer.bin", data_abs);
   snprintf(out_dir, sizeof out_dir, "%s", o->out ? o->out : "out");
+  bool arrays = arrays_found(data_abs); // (else token shards)
+  if (arrays && o->tokenize_on_the_fly) {
+    diag_file_error(o->data, "--tokenize-on-the-fly reads the text token shards were made from; this is an array "
+                    "dataset");
+    return EXIT_USER;
+  }
   if (o->tokenize_on_the_fly) { // (before anything is compiled or written: the loader checks again)
     Source src;
     bool same = source_read(data_abs, &src) && source_check(&src, data_abs);
@@ -879,21 +888,24 @@ static int cmd_run(const Options *o, Graph *g) {
   }
   char ckpt_path[PATH_MAX + 32];
   snprintf(ckpt_path, sizeof ckpt_path, "%s/checkpoint.safetensors", out_dir);
-  Tokenizer *tok = o->resume ? train_resume_tokenizer(ckpt_path, tok_path) : tok_load(tok_path);
-  if (!tok)
+  Tokenizer *tok = arrays ? NULL : o->resume ? train_resume_tokenizer(ckpt_path, tok_path) : tok_load(tok_path);
+  if (!tok && !arrays)
     return EXIT_USER;
-  int vocab = tok_vocab(tok);
-  size_t tok_n;
-  unsigned char *tok_file = tok_bytes(tok, &tok_n);
-  char *tok_base64 = rt_base64(tok_file, tok_n); // (checkpoints store it)
-  free(tok_file);
-  tok_free(tok);
-  int64_t V = ir_dim(g, "V");
-  if (V >= 0 && vocab > V) {
-    diag_file_error(tok_path, "the data's tokenizer has %d tokens, more than the model's V = %lld: prepare the data "
-                    "with --vocab %lld or run with -D V=%d", vocab, (long long)V, (long long)V, vocab);
-    free(tok_base64);
-    return EXIT_USER;
+  char *tok_base64 = NULL; // (checkpoints store it)
+  if (tok) {
+    int vocab = tok_vocab(tok);
+    size_t tok_n;
+    unsigned char *tok_file = tok_bytes(tok, &tok_n);
+    tok_base64 = rt_base64(tok_file, tok_n);
+    free(tok_file);
+    tok_free(tok);
+    int64_t V = ir_dim(g, "V");
+    if (V >= 0 && vocab > V) {
+      diag_file_error(tok_path, "the data's tokenizer has %d tokens, more than the model's V = %lld: prepare the "
+                      "data with --vocab %lld or run with -D V=%d", vocab, (long long)V, (long long)V, vocab);
+      free(tok_base64);
+      return EXIT_USER;
+    }
   }
   bool created;
   int lock = train_claim_out(out_dir, o->resume, &created);
@@ -901,7 +913,8 @@ static int cmd_run(const Options *o, Graph *g) {
     free(tok_base64);
     return EXIT_USER;
   }
-  if (!train_check_inputs(g, model_abs, data_abs, out_dir, o->resume, o->tokenize_on_the_fly, o->weights)) {
+  if ((arrays && !arrays_check(data_abs, g, o->prep.val_fraction)) ||
+      !train_check_inputs(g, model_abs, data_abs, out_dir, o->resume, o->tokenize_on_the_fly, o->weights)) {
     train_release_out(lock, out_dir, created);
     free(tok_base64);
     return EXIT_USER;
@@ -933,13 +946,14 @@ static int cmd_run(const Options *o, Graph *g) {
     checkpoint_summary(&g->ckpt, true, true, line, sizeof line);
     if (!o->quiet)
       printf("%s\n", line);
-    TrainOptions to = {.model_path = model_abs, .data_dir = data_abs, .tokenizer_path = tok_path,
+    TrainOptions to = {.model_path = model_abs, .data_dir = data_abs, .tokenizer_path = arrays ? "" : tok_path,
                        .tokenizer_base64 = tok_base64, .out_dir = out_dir,
                        .steps = o->steps, .resume = o->resume, .pack = o->pack, .shuffle = o->shuffle,
                        .tokenize_on_the_fly = o->tokenize_on_the_fly,
                        .seed = o->seed, .val_every = o->val_every, .val_batches = o->val_batches,
                        .ckpt_every = o->ckpt_every, .skip_nonfinite = o->skip_nonfinite, .out_claimed = true,
-                       .log_every = o->log_every, .quiet = o->quiet};
+                       .log_every = o->log_every, .quiet = o->quiet, .arrays = arrays,
+                       .val_fraction = o->prep.val_fraction};
     e->profile = o->profile && e->kernel_seconds;
     if (o->profile && !e->profile)
       printf("--profile: the %s back end runs op by op, with nothing to time by kernel; the compiled back ends "
@@ -967,7 +981,7 @@ static int cmd_run(const Options *o, Graph *g) {
 // checkpoint, over the validation batches the run validated on (train_eval; the run's seed).
 static int cmd_eval(const Options *o) {
   if (!o->data) {
-    diag_file_error(o->file, "eval needs --data DIR: the shards made by `mdlc prep` to validate on");
+    diag_file_error(o->file, "eval needs --data DIR: the shards made by `mdlc prep`, or the arrays, to validate on");
     return EXIT_USER;
   }
   Arena *a = arena_new();
@@ -1004,7 +1018,8 @@ static int cmd_eval(const Options *o) {
       printf("evaluating %s (step %s of %s), back end %s, precision %s\n", o->file, step ? step : "?", m.source,
              e->name, e->g->train.precision);
       TrainOptions to = {.model_path = m.source, .data_dir = o->data, .pack = o->pack, .shuffle = o->shuffle,
-                         .seed = q.seed, .val_batches = o->val_batches};
+                         .seed = q.seed, .val_batches = o->val_batches, .arrays = arrays_found(o->data),
+                         .val_fraction = o->prep.val_fraction};
       rc = train_eval(e, &to) ? EXIT_USER : 0;
     }
     if (e)
@@ -1169,6 +1184,11 @@ static const char *lab_leak(const Options *o, Arena *out, bool mask, bool *passe
 static int cmd_lab(const Options *o, Graph *g) {
   if (!o->data) {
     diag_file_error(o->file, "lab needs --data DIR: shards made by `mdlc prep TEXT -o DIR`");
+    return EXIT_USER;
+  }
+  if (arrays_found(o->data)) { // (its rows measure tokens/s, packing and the data pipeline of text)
+    diag_file_error(o->data, "lab measures language models on token shards (made by `mdlc prep TEXT -o DIR`), not "
+                    "on arrays: time an array run with `mdlc run --profile`");
     return EXIT_USER;
   }
   Arena *a = g->arena;

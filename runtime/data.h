@@ -279,12 +279,28 @@ typedef struct {
   // the caller's thread, nothing prepared ahead (a naive pipeline's data loading, to measure what the
   // shards are worth): the batches the shards give. Packed rows cannot also be shuffled.
   bool from_text;
+  // An array dataset (arrays.c) instead of shards: the graph whose inputs its arrays fill (B rows of
+  // examples a batch; T and vocab are not read), and the share of its examples held out for the val
+  // split when it has none of its own.
+  const Graph *model;
+  double val_fraction;
 } LoaderOptions;
 
-// B*T values each, owned by the loader: valid until the next loader_next or loader_close.
+// One input of a batch of an array dataset: B examples' rows, i32 or f32 as the input is.
+typedef struct {
+  const char *name;
+  const int32_t *ids; // an i32 input's values, else NULL
+  const float *f;     // an f32 input's values, else NULL
+  int64_t numel;
+} BatchInput;
+
+// B*T values each, owned by the loader: valid until the next loader_next or loader_close. From an
+// array dataset, tokens, targets, pos and doc are NULL and inputs[0, ninputs) hold the model's inputs.
 typedef struct {
   int32_t *tokens, *targets, *pos, *doc;
-  int64_t real_tokens; // positions that are not padding
+  int64_t real_tokens; // positions that are not padding (array datasets: the examples, B)
+  const BatchInput *inputs;
+  int ninputs;
 } Batch;
 
 // Where the next batch starts: the epoch, and the index in that epoch's order of its first row's
@@ -304,7 +320,53 @@ LoaderState loader_state(const Loader *l); // the state of the batch the next lo
 // Makes the next batch the one at s (as returned by loader_state, in this run or an earlier one).
 // Returns false after printing why when s is outside this split.
 bool loader_seek(Loader *l, LoaderState s);
-int64_t loader_rows(const Loader *l);   // windows (packed) or documents (padded) per epoch
-int64_t loader_tokens(const Loader *l); // tokens in the split
+int64_t loader_rows(const Loader *l);   // windows (packed), documents (padded) or examples per epoch
+int64_t loader_tokens(const Loader *l); // tokens in the split (array datasets: examples)
 void loader_close(Loader *l);
+// The bijection of [0, n) that shuffles an epoch, chosen by (seed, epoch): a 4-round Feistel network.
+int64_t loader_permute(uint64_t seed, int64_t epoch, int64_t n, int64_t i);
+
+//
+// npy.c: numpy's .npy files and .npz archives of them, read whole and strictly (errors name the
+// file, the array and the reason); .npy written as numpy writes it (the tests' and tools' data).
+//
+typedef enum { AT_F32, AT_F64, AT_BF16, AT_I8, AT_U8, AT_I16, AT_U16, AT_I32, AT_I64, AT_BOOL } ArrayType;
+typedef struct {
+  char *name, *file; // the array's name, and the file it came from
+  ArrayType type;
+  Shape shape;
+  void *data; // malloc'd, little-endian elements in C order
+} NpArray;
+const char *array_type_name(ArrayType t); // numpy's name: "float32", "int64", ...
+int array_type_size(ArrayType t);
+// A .npy file's array, named `name`; false after printing "path: error: array 'name': reason".
+bool npy_read(const char *path, const char *name, NpArray *out);
+// The arrays of an .npz archive (stored entries: np.savez, not np.savez_compressed), named as its
+// entries less ".npy"; the count, or -1 after printing why.
+int npz_read(const char *path, NpArray **out);
+bool npy_write(const char *path, ArrayType type, Shape shape, const void *data); // atomically
+void np_array_free(NpArray *a);
+
+//
+// arrays.c: datasets of named arrays, one per model input, their first axis the examples: .npy,
+// .npz and .safetensors files, as a folder or a single file. The train split is the folder's files
+// (or DIR/train/'s, or the single file), the val split DIR/val/'s files or DIR/val.npz /
+// DIR/val.safetensors, else a fixed share of the examples (LoaderOptions.val_fraction). Every
+// input's array is checked against its declaration (dtype, the shape of one example) before anything
+// is compiled; the arrays are read into memory, converted to the input's i32 or f32.
+//
+// Whether path is an array dataset: such a file, or a folder holding some (itself or in train/)
+// and no token shards.
+bool arrays_found(const char *path);
+// What `mdlc run` checks before compiling: both splits of the dataset at path against g's inputs.
+// False after saying why (the file, the array, the reason; or the input that no array fills).
+bool arrays_check(const char *path, const Graph *g, double val_fraction);
+// The loader of one split (loader.c hands its calls over to these when LoaderOptions.model is set).
+typedef struct ArrayLoader ArrayLoader;
+ArrayLoader *arrays_loader_open(const char *path, const char *split, LoaderOptions o);
+void arrays_loader_next(ArrayLoader *l, Batch *b);
+LoaderState arrays_loader_state(const ArrayLoader *l);
+bool arrays_loader_seek(ArrayLoader *l, LoaderState s);
+int64_t arrays_loader_rows(const ArrayLoader *l); // examples in the split
+void arrays_loader_close(ArrayLoader *l);
 #endif

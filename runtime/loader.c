@@ -19,6 +19,8 @@
 // worker: loader_next reads and encodes the documents its batch needs on the caller's thread, in
 // the step's time. Packed rows go in order (a shuffled window w starts at token w*T of the split,
 // which only the whole split tokenised would tell); padded rows are documents, in order or shuffled.
+//
+// An array dataset's batches (LoaderOptions.model) are arrays.c's: the loader hands every call on.
 #include "data.h"
 
 #include <limits.h>
@@ -28,6 +30,7 @@
 
 struct Loader {
   LoaderOptions o;
+  ArrayLoader *arrays; // an array dataset's (LoaderOptions.model): every call goes to arrays.c
   char *dir, *split;
   TextStream *text; // from_text: the stream, read in loader_next (no worker)
   Shard *shards;
@@ -73,8 +76,7 @@ static bool copy_stream(const Loader *l, int64_t start, int64_t n, int32_t *dst)
   return true;
 }
 
-// A bijection of [0, n) chosen by (seed, epoch).
-static int64_t permute(uint64_t seed, int64_t epoch, int64_t n, int64_t i) {
+int64_t loader_permute(uint64_t seed, int64_t epoch, int64_t n, int64_t i) {
   int half = 1;
   while ((int64_t)1 << (2 * half) < n)
     half++;
@@ -149,7 +151,7 @@ static int64_t fill_padded_row(Loader *l, int64_t d, int32_t *tokens, int32_t *t
 static int64_t fill_batch(Loader *l, int32_t *buf, LoaderState *s) {
   int64_t B = l->o.B, T = l->o.T, BT = B * T, real = 0;
   for (int64_t r = 0; r < B; r++) {
-    int64_t unit = l->o.shuffle ? permute(l->o.seed, s->epoch, l->nrows, s->position) : s->position;
+    int64_t unit = l->o.shuffle ? loader_permute(l->o.seed, s->epoch, l->nrows, s->position) : s->position;
     int32_t *tok = buf + r * T, *tgt = buf + BT + r * T, *pos = buf + 2 * BT + r * T, *doc = buf + 3 * BT + r * T;
     int64_t row = !l->o.pack ? fill_padded_row(l, unit, tok, tgt, pos, doc)
                   : fill_packed_row(l, unit, tok, tgt, pos, doc) ? T : -1;
@@ -276,6 +278,13 @@ Loader *loader_open(const char *dir, const char *split, LoaderOptions o) {
   l->split = strdup(split);
   pthread_mutex_init(&l->mu, NULL);
   pthread_cond_init(&l->cv, NULL);
+  if (o.model) {
+    if (!(l->arrays = arrays_loader_open(dir, split, o))) {
+      loader_close(l);
+      return NULL;
+    }
+    return l;
+  }
   if (o.B < 1 || o.T < 1 || o.vocab < 1 || o.T >= INT32_MAX) {
     diag_file_error(dir, "cannot load batches of B = %lld, T = %lld for a vocabulary of %lld", (long long)o.B,
                     (long long)o.T, (long long)o.vocab);
@@ -309,11 +318,15 @@ static bool next_from_text(Loader *l, Batch *b) {
   if (real < 0)
     return false;
   l->fill_at = s;
-  *b = (Batch){l->buf[0], l->buf[0] + BT, l->buf[0] + 2 * BT, l->buf[0] + 3 * BT, real};
+  *b = (Batch){l->buf[0], l->buf[0] + BT, l->buf[0] + 2 * BT, l->buf[0] + 3 * BT, real, NULL, 0};
   return true;
 }
 
 bool loader_next(Loader *l, Batch *b) {
+  if (l->arrays) {
+    arrays_loader_next(l->arrays, b);
+    return true;
+  }
   if (l->text)
     return next_from_text(l, b);
   pthread_mutex_lock(&l->mu);
@@ -321,7 +334,7 @@ bool loader_next(Loader *l, Batch *b) {
     pthread_cond_wait(&l->cv, &l->mu);
   int idx = l->fill;
   int64_t BT = l->o.B * l->o.T;
-  *b = (Batch){l->buf[idx], l->buf[idx] + BT, l->buf[idx] + 2 * BT, l->buf[idx] + 3 * BT, l->real[idx]};
+  *b = (Batch){l->buf[idx], l->buf[idx] + BT, l->buf[idx] + 2 * BT, l->buf[idx] + 3 * BT, l->real[idx], NULL, 0};
   l->ready = false;
   l->fill = 1 - idx;
   l->fill_at = l->after;
@@ -332,6 +345,8 @@ bool loader_next(Loader *l, Batch *b) {
 }
 
 LoaderState loader_state(const Loader *l) {
+  if (l->arrays)
+    return arrays_loader_state(l->arrays);
   pthread_mutex_t *mu = (pthread_mutex_t *)&l->mu;
   pthread_mutex_lock(mu);
   LoaderState s = l->fill_at;
@@ -340,6 +355,8 @@ LoaderState loader_state(const Loader *l) {
 }
 
 bool loader_seek(Loader *l, LoaderState s) {
+  if (l->arrays)
+    return arrays_loader_seek(l->arrays, s);
   if (s.epoch < 0 || s.position < 0 || s.position >= l->nrows) {
     diag_file_error(l->dir, "cannot resume at epoch %lld, position %lld: the %s split has %lld %s per epoch",
                     (long long)s.epoch, (long long)s.position, l->split, (long long)l->nrows,
@@ -361,9 +378,9 @@ bool loader_seek(Loader *l, LoaderState s) {
   return true;
 }
 
-int64_t loader_rows(const Loader *l) { return l->nrows; }
+int64_t loader_rows(const Loader *l) { return l->arrays ? arrays_loader_rows(l->arrays) : l->nrows; }
 
-int64_t loader_tokens(const Loader *l) { return l->ntokens; }
+int64_t loader_tokens(const Loader *l) { return l->arrays ? arrays_loader_rows(l->arrays) : l->ntokens; }
 
 void loader_close(Loader *l) {
   if (!l)
@@ -378,6 +395,7 @@ void loader_close(Loader *l) {
   pthread_mutex_destroy(&l->mu);
   pthread_cond_destroy(&l->cv);
   textstream_close(l->text);
+  arrays_loader_close(l->arrays);
   for (int i = 0; i < l->nshards; i++)
     shard_close(&l->shards[i]);
   free(l->shards);

@@ -158,6 +158,8 @@ typedef struct {
   bool out_claimed;               // the caller holds out_dir (train_claim_out); else train_run claims it
   int64_t log_every;              // a full step line every N steps (0: train_log_every's choice)
   bool quiet;                     // no step lines, no progress: errors and the final summary only
+  bool arrays;                    // data_dir is an array dataset (arrays.c), not shards
+  double val_fraction;            // arrays without a val split: the share of examples held out
 } TrainOptions;
 
 // Trains e's graph; eval (forward-only, may be NULL) computes the validation loss; micro (the

@@ -54,9 +54,16 @@ static char *dims_string(const Graph *g) {
 // draws the same masks as an uninterrupted one.
 static uint64_t step_seed(uint64_t seed, int64_t step) { return mdl_rng_u64(seed, 0x5eed, (uint64_t)step); }
 
+// A batch's inputs: an array dataset's, else the tokens and targets, and pos and doc where the model
+// reads them.
 static bool feed(Engine *e, const Batch *b, int64_t n) {
-  return e->set_input(e, "tokens", b->tokens, NULL, n) && e->set_input(e, "targets", b->targets, NULL, n) &&
-         e->set_input(e, "pos", b->pos, NULL, n) && e->set_input(e, "doc", b->doc, NULL, n);
+  for (int i = 0; i < b->ninputs; i++)
+    if (!e->set_input(e, b->inputs[i].name, b->inputs[i].ids, b->inputs[i].f, b->inputs[i].numel))
+      return false;
+  return b->ninputs > 0 ||
+         (e->set_input(e, "tokens", b->tokens, NULL, n) && e->set_input(e, "targets", b->targets, NULL, n) &&
+          (rt_input_node(e->g, "pos") < 0 || e->set_input(e, "pos", b->pos, NULL, n)) &&
+          (rt_input_node(e->g, "doc") < 0 || e->set_input(e, "doc", b->doc, NULL, n)));
 }
 
 // Every parameter, then every AdamW moment (when the engine's graph has them).
@@ -273,10 +280,33 @@ static bool read_checkpoint(const char *path, Engine *e, const char *model_path,
   return ok;
 }
 
+// Whether g can train on token shards: dims B, T and V, the inputs tokens and targets, pos and doc
+// where it reads them, and no other; false after naming what is missing or extra.
+static bool shards_fit(const Graph *g, const char *data_dir) {
+  const char *missing = ir_dim(g, "B") <= 0 ? "dim B" : ir_dim(g, "T") <= 0 ? "dim T" : ir_dim(g, "V") <= 0 ? "dim V"
+                        : rt_input_node(g, "tokens") < 0 ? "input tokens" : rt_input_node(g, "targets") < 0 ?
+                        "input targets" : NULL;
+  if (missing) {
+    diag_file_error(data_dir, "token shards train a model with dims B, T and V and the inputs tokens and targets "
+                    "(pos and doc where it reads them): the model has no %s; a model of other inputs trains on an "
+                    "array dataset (.npy, .npz or .safetensors files, docs/options.md)", missing);
+    return false;
+  }
+  for (int i = 0; i < g->fwd_end; i++) {
+    const char *name = g->nodes[i]->op == OP_INPUT ? g->nodes[i]->name : NULL;
+    if (name && strcmp(name, "tokens") && strcmp(name, "targets") && strcmp(name, "pos") && strcmp(name, "doc")) {
+      diag_file_error(data_dir, "token shards give the inputs tokens, targets, pos and doc, not the model's input "
+                      "'%s': train it on an array dataset (.npy, .npz or .safetensors files, docs/options.md)", name);
+      return false;
+    }
+  }
+  return true;
+}
+
 bool train_check_inputs(const Graph *g, const char *model_path, const char *data_dir, const char *out_dir, bool resume,
                         bool from_text, const char *weights) {
-  bool ok = true;
-  for (int split = from_text; ok && split < 2; split++) { // (batches from the text need no train shards)
+  bool arrays = arrays_found(data_dir), ok = arrays || shards_fit(g, data_dir); // (arrays: main.c's arrays_check)
+  for (int split = from_text; ok && !arrays && split < 2; split++) { // (batches from the text need no train shards)
     const char *name = split ? "val" : "train";
     char **paths;
     int n = shard_list(data_dir, name, &paths);
@@ -347,15 +377,21 @@ static bool val_means(Engine *eval, Loader *val, LoaderState first, int64_t batc
   return true;
 }
 
-// The mean validation loss, on the eval engine with the training parameters.
+// Arrays validate on the first `want` (--val-batches) batches of B examples, at most as many as the
+// val split fills, so that no example counts twice (one batch, wrapping, where it holds fewer than B).
+static int64_t array_val_batches(const Loader *val, int64_t B, int64_t want) {
+  int64_t fill = loader_rows(val) / B;
+  return fill < 1 ? 1 : fill < want ? fill : want;
+}
+
+// The mean validation loss, on the eval engine with the training parameters, and the means of its
+// scalar outputs in mean[1..] (val_means).
 static double validate(Engine *train, Engine *eval, Loader *val, LoaderState first, int64_t batches, int64_t BT,
-                       char *err, size_t n) {
+                       double *mean, char *err, size_t n) {
   if (train->idle) // the training step's gradients and activations are dead until its next step
     train->idle(train, false);
   copy_params(train, eval);
-  double *mean = rt_xrealloc(NULL, sizeof(double) * (size_t)(eval->g->noutputs + 1));
   double loss = val_means(eval, val, first, batches, BT, mean, err, n) ? mean[0] : NAN;
-  free(mean);
   if (eval->idle) // its parameters come anew from the training engine at the next validation
     eval->idle(eval, true);
   return loss;
@@ -392,10 +428,15 @@ typedef struct {
   double *loss, *val;
   int64_t *val_step;
   int64_t n, nval, cap, capval;
+  double *met, *val_met; // the metrics' values (Metrics), a step's (or a validation's) after another's
+  int64_t nmet, capmet, nvalmet, capvalmet;
 } Curve;
 
-// OUT/loss.svg: the training loss per step and the validation loss, on one set of axes.
-static bool write_svg(const char *path, const Curve *c, double unigram) {
+// OUT/loss.svg: the training loss per step and the validation loss, on one set of axes, and each
+// metric (names[0, nmet)) as a line of its own colour with its validation values as squares.
+static bool write_svg(const char *path, const Curve *c, const char *const *names, int nmet, double unigram,
+                      bool arrays) {
+  static const char *colour[] = {"seagreen", "darkorange", "purple", "olive", "teal", "sienna"};
   char tmp[PATH_MAX + 40];
   snprintf(tmp, sizeof tmp, "%s.tmp", path);
   FILE *f = fopen(tmp, "w");
@@ -407,6 +448,12 @@ static bool write_svg(const char *path, const Curve *c, double unigram) {
       lo = fmin(lo, c->loss[i]), hi = fmax(hi, c->loss[i]);
   for (int64_t i = 0; i < c->nval; i++)
     lo = fmin(lo, c->val[i]), hi = fmax(hi, c->val[i]);
+  for (int64_t i = 0; i < c->nmet; i++)
+    if (isfinite(c->met[i]))
+      lo = fmin(lo, c->met[i]), hi = fmax(hi, c->met[i]);
+  for (int64_t i = 0; i < c->nvalmet; i++)
+    if (isfinite(c->val_met[i]))
+      lo = fmin(lo, c->val_met[i]), hi = fmax(hi, c->val_met[i]);
   if (isfinite(unigram))
     lo = fmin(lo, unigram), hi = fmax(hi, unigram);
   if (!(hi > lo))
@@ -425,8 +472,11 @@ static bool write_svg(const char *path, const Curve *c, double unigram) {
   }
   fprintf(f, "<text x=\"%g\" y=\"%g\" text-anchor=\"middle\">step (1 .. %lld)</text>\n", (L + W - R) / 2, H - 10,
           (long long)c->n);
-  fprintf(f, "<text x=\"%g\" y=\"18\">loss (nats/token): train (blue), validation (red)%s</text>\n", L,
+  fprintf(f, "<text x=\"%g\" y=\"18\">loss%s: train (blue), validation (red)%s", L, arrays ? "" : " (nats/token)",
           isfinite(unigram) ? ", unigram entropy (grey)" : "");
+  for (int j = 0; j < nmet; j++)
+    fprintf(f, ", %s (%s)", names[j], colour[j % 6]);
+  fprintf(f, "</text>\n");
   if (isfinite(unigram))
     fprintf(f, "<line x1=\"%g\" y1=\"%g\" x2=\"%g\" y2=\"%g\" stroke=\"grey\" stroke-dasharray=\"4\"/>\n", L,
             Y(unigram), W - R, Y(unigram));
@@ -437,6 +487,17 @@ static bool write_svg(const char *path, const Curve *c, double unigram) {
   fprintf(f, "\"/>\n");
   for (int64_t i = 0; i < c->nval; i++)
     fprintf(f, "<circle cx=\"%.1f\" cy=\"%.1f\" r=\"3\" fill=\"crimson\"/>\n", X(c->val_step[i] - 1), Y(c->val[i]));
+  for (int j = 0; j < nmet; j++) {
+    fprintf(f, "<polyline fill=\"none\" stroke=\"%s\" points=\"", colour[j % 6]);
+    for (int64_t i = 0; i < c->n; i++)
+      if (isfinite(c->met[i * nmet + j]))
+        fprintf(f, "%.1f,%.1f ", X(i), Y(c->met[i * nmet + j]));
+    fprintf(f, "\"/>\n");
+    for (int64_t i = 0; i < c->nval; i++)
+      if (isfinite(c->val_met[i * nmet + j]))
+        fprintf(f, "<rect x=\"%.1f\" y=\"%.1f\" width=\"6\" height=\"6\" fill=\"%s\"/>\n", X(c->val_step[i] - 1) - 3,
+                Y(c->val_met[i * nmet + j]) - 3, colour[j % 6]);
+  }
   fprintf(f, "</svg>\n");
 #undef X
 #undef Y
@@ -492,6 +553,63 @@ static void progress_show(Progress *p, int64_t step, int64_t last, double tok_s,
   p->shown = true;
 }
 
+// The metrics: every scalar output besides the loss (an accuracy, an auxiliary loss), each step's
+// value (the mean over its micro-batches, as the loss) and each validation's (the mean over its
+// batches), logged beside the loss: the step line, log.jsonl ("NAME", "val_NAME") and loss.svg.
+typedef struct {
+  int n;
+  const char **name;
+  int *node;   // in the training graph
+  int *val;    // its index among the validation graph's outputs (val_means' mean[1 + val]), or -1
+  double *now; // this step's values
+  double *sum; // the micro-batches' sums (gradient accumulation)
+} Metrics;
+
+// The output of g named `name`, or -1.
+static int output_named(const Graph *g, const char *name) {
+  for (int i = 0; i < g->noutputs; i++)
+    if (g->nodes[g->outputs[i]]->name && !strcmp(g->nodes[g->outputs[i]]->name, name))
+      return i;
+  return -1;
+}
+
+static Metrics metrics_of(const Graph *g, const Graph *eval) {
+  Metrics m = {0};
+  size_t n = (size_t)g->noutputs + 1;
+  m.name = rt_xrealloc(NULL, n * sizeof *m.name);
+  m.node = rt_xrealloc(NULL, n * sizeof *m.node);
+  m.val = rt_xrealloc(NULL, n * sizeof *m.val);
+  m.now = calloc(n, sizeof *m.now);
+  m.sum = calloc(n, sizeof *m.sum);
+  for (int i = 0; i < g->noutputs; i++) {
+    const IrNode *x = g->nodes[g->outputs[i]];
+    if (g->outputs[i] == g->loss || x->shape.rank != 0 || !x->name)
+      continue;
+    m.name[m.n] = x->name;
+    m.node[m.n] = g->outputs[i];
+    m.val[m.n++] = eval ? output_named(eval, x->name) : -1;
+  }
+  return m;
+}
+
+static void metrics_free(Metrics *m) {
+  free(m->name);
+  free(m->node);
+  free(m->val);
+  free(m->now);
+  free(m->sum);
+}
+
+// "SEP NAME VALUE" for each metric (prefix "val " at validation), into buf; "" when there are none.
+static const char *metrics_line(const Metrics *m, const double *v, const char *sep, const char *prefix, char *buf,
+                                size_t n) {
+  size_t k = 0;
+  buf[0] = 0;
+  for (int j = 0; j < m->n && k < n; j++)
+    k += (size_t)snprintf(buf + k, n - k, "%s%s%s %.4f", sep, prefix, m->name[j], v[j]);
+  return buf;
+}
+
 // Gradient accumulation: the first k - 1 micro-batches run on the gradients-only engine, their
 // gradients summed into the step engine's inputs "acc.<param>": engine to engine where the two
 // engines can (Engine.inputs_from; the first micro-batch's gradients copied, the others' added in
@@ -500,6 +618,7 @@ static void progress_show(Progress *p, int64_t step, int64_t last, double tok_s,
 // the k micro-batches' (autodiff.c's optimizer step) and the loss it reports the mean of their losses.
 typedef struct {
   Engine *micro;
+  Metrics *metrics;   // their values summed into metrics->sum
   const char **names; // "acc.<param>", per parameter
   float **sum;  // per parameter; the host's sums, allocated when first needed
   float *tmp;
@@ -532,6 +651,10 @@ static bool accumulate_micro(Accum *ac, Engine *e, Loader *train, int64_t k, int
     if (!feed(ac->micro, &batch, BT) || !ac->micro->step(ac->micro, err, n))
       return false;
     *loss_sum += engine_scalar(ac->micro, mg->loss);
+    for (int m = 0; m < ac->metrics->n; m++) {
+      int out = output_named(mg, ac->metrics->name[m]);
+      ac->metrics->sum[m] += out >= 0 ? engine_scalar(ac->micro, mg->outputs[out]) : NAN;
+    }
     *real += batch.real_tokens;
     // Engines that decline the first micro-batch's gradients (all or none) leave the sums to the
     // host; a failure after that is an error of the device.
@@ -749,9 +872,9 @@ static int train_loop(Engine *e, Engine *eval, Engine *micro, const TrainOptions
 
 int train_run(Engine *e, Engine *eval, Engine *micro, const TrainOptions *o) {
   const Graph *g = e->g;
-  int64_t B = ir_dim(g, "B"), T = ir_dim(g, "T"), V = ir_dim(g, "V");
-  if (B <= 0 || T <= 0 || V <= 0) {
-    diag_file_error(o->model_path, "training needs dims B, T and V and the inputs tokens, targets, pos, doc");
+  if (o->arrays ? ir_dim(g, "B") <= 0 : !shards_fit(g, o->data_dir)) {
+    if (o->arrays)
+      diag_file_error(o->model_path, "training on arrays needs a dim B: the examples a batch");
     return 1;
   }
   char ckpt[PATH_MAX + 32], log_path[PATH_MAX + 16], svg[PATH_MAX + 16];
@@ -788,7 +911,7 @@ static void keep_step_before(CkptWriter *w, const char *ckpt, Engine *e, const T
 static int train_loop(Engine *e, Engine *eval, Engine *micro, const TrainOptions *o, const char *ckpt,
                       const char *log_path, const char *svg) {
   const Graph *g = e->g;
-  int64_t B = ir_dim(g, "B"), T = ir_dim(g, "T"), V = ir_dim(g, "V");
+  int64_t B = ir_dim(g, "B"), T = o->arrays ? 1 : ir_dim(g, "T"), V = ir_dim(g, "V"); // (arrays: B examples)
   // A write cut short (kill -9) leaves its temporary file; the checkpoint itself is whole.
   char pattern[PATH_MAX + 48];
   snprintf(pattern, sizeof pattern, "%s.tmp.*", ckpt);
@@ -797,9 +920,11 @@ static int train_loop(Engine *e, Engine *eval, Engine *micro, const TrainOptions
     for (size_t i = 0; i < gl.gl_pathc; i++)
       unlink(gl.gl_pathv[i]);
   globfree(&gl);
-  LoaderOptions lo = {.B = B, .T = T, .vocab = V, .pack = o->pack, .shuffle = o->shuffle, .seed = o->seed},
+  LoaderOptions lo = {.B = B, .T = T, .vocab = V, .pack = o->pack, .shuffle = o->shuffle, .seed = o->seed,
+                      .model = o->arrays ? g : NULL, .val_fraction = o->val_fraction},
                 lt = lo;
   lt.from_text = o->tokenize_on_the_fly; // (validation batches come from the shards either way)
+  lo.shuffle &= !o->arrays;              // (arrays: validation in the split's order, each example once)
   Loader *train = loader_open(o->data_dir, "train", lt);
   if (!train)
     return 1;
@@ -853,24 +978,35 @@ static int train_loop(Engine *e, Engine *eval, Engine *micro, const TrainOptions
       gnorm = i;
   const char *peak_how = e->peak_how;
   double peak = e->peak_flops > 0 ? e->peak_flops : rt_cpu_peak_flops(false, &peak_how), flops = rt_step_flops(g);
-  double unigram = unigram_entropy(o->data_dir, V);
-  if (!o->quiet) {
+  double unigram = o->arrays ? NAN : unigram_entropy(o->data_dir, V);
+  int64_t val_batches = o->arrays && val ? array_val_batches(val, B, o->val_batches) : o->val_batches;
+  const char *unit = o->arrays ? "ex/s" : "tok/s";
+  if (!o->quiet)
     printf("MFU = model flops (3x forward GEMM + attention flops counted in the graph: %.3g per step) / %s\n", flops,
            peak_how);
+  if (!o->quiet && o->arrays)
+    printf("data %s: %lld train examples, %lld held out for validation (%lld batches); %s batches of %lld "
+           "examples\n", o->data_dir, (long long)loader_rows(train), val ? (long long)loader_rows(val) : 0LL,
+           (long long)val_batches, o->shuffle ? "shuffled" : "ordered", (long long)B);
+  else if (!o->quiet) {
     printf("data %s: %lld train tokens, unigram entropy %.3f nats/token; %s batches of %lldx%lld%s\n", o->data_dir,
            (long long)loader_tokens(train), unigram, o->pack ? "packed" : "padded", (long long)B, (long long)T,
            o->tokenize_on_the_fly ? ", tokenised from the text as each is drawn, in the step's time (validation "
                                     "batches from the shards)" : "");
   }
   int64_t k = g->train.accumulate > 1 ? g->train.accumulate : 1;
-  Accum ac = {.micro = micro};
+  Metrics met = metrics_of(g, eval ? eval->g : NULL);
+  double *val_mean = rt_xrealloc(NULL, sizeof(double) * (size_t)((eval ? eval->g->noutputs : 0) + 1));
+  Accum ac = {.micro = micro, .metrics = &met};
   if (k > 1) {
     ac.sum = rt_xrealloc(NULL, (size_t)g->nparams * sizeof *ac.sum);
     memset(ac.sum, 0, (size_t)g->nparams * sizeof *ac.sum);
     ac.names = arena_alloc(g->arena, sizeof *ac.names * (size_t)g->nparams);
     for (int i = 0; i < g->nparams; i++)
       ac.names[i] = arena_printf(g->arena, "acc.%s", g->nodes[g->params[i]]->name);
-    if (!o->quiet)
+    if (!o->quiet && o->arrays)
+      printf("gradient accumulation: %lld micro-batches of %lld examples per step\n", (long long)k, (long long)B);
+    else if (!o->quiet)
       printf("gradient accumulation: %lld micro-batches of %lldx%lld per step\n", (long long)k, (long long)B,
              (long long)T);
   }
@@ -926,13 +1062,18 @@ static int train_loop(Engine *e, Engine *eval, Engine *micro, const TrainOptions
     double norm = gnorm >= 0 && micro_finite ? engine_scalar(e, gnorm) : NAN;
     real_total += real;
     push(&c.loss, &c.n, &c.cap, loss);
+    for (int j = 0; j < met.n; j++) {
+      met.now[j] = (met.sum[j] + (micro_finite ? engine_scalar(e, met.node[j]) : NAN)) / (double)k;
+      met.sum[j] = 0;
+      push(&c.met, &c.nmet, &c.capmet, met.now[j]);
+    }
     // A loss or gradient norm that is not finite: the optimizer left the weights and moments as they
     // were (emit_c.c, emit_cuda.c, engine.c's interpreter test the same two values), so they are the
     // last finite ones.
     bool nonfinite = !isfinite(loss) || (gnorm >= 0 && !isfinite(norm));
     bool do_val = eval && !nonfinite && ((o->val_every > 0 && step % o->val_every == 0) || step == last);
     if (do_val) {
-      last_val = validate(e, eval, val, val_first, o->val_batches, B * T, err, sizeof err);
+      last_val = validate(e, eval, val, val_first, val_batches, B * T, val_mean, err, sizeof err);
       if (isnan(last_val)) {
         progress_clear(&pg);
         diag_file_error(o->model_path, "validation at step %lld: %s", (long long)step, err);
@@ -946,6 +1087,8 @@ static int train_loop(Engine *e, Engine *eval, Engine *micro, const TrainOptions
       }
       c.val[c.nval] = last_val;
       c.val_step[c.nval++] = step - start;
+      for (int j = 0; j < met.n; j++)
+        push(&c.val_met, &c.nvalmet, &c.capvalmet, met.val[j] >= 0 ? val_mean[1 + met.val[j]] : NAN);
     }
     // Peak memory: the process's on the host, and what the engines hold on a device (allocated when
     // each is built, and a checkpoint's snapshot at the first checkpoint: never freed before the end,
@@ -965,25 +1108,36 @@ static int train_loop(Engine *e, Engine *eval, Engine *micro, const TrainOptions
       pg.ema = 0.9 * pg.ema + 0.1 * loss;
       pg.weight = 0.9 * pg.weight + 0.1;
     }
+    char met_s[512];
     if (!o->quiet && (step == start + 1 || step == last || step % log_every == 0 || do_val)) {
       progress_clear(&pg);
-      printf("step %5lld/%lld | loss %.4f | lr %.2e | norm %6.3f | %7.1f ms | %8.0f tok/s | MFU %5.2f%% | "
+      printf("step %5lld/%lld | loss %.4f%s | lr %.2e | norm %6.3f | %7.1f ms | %8.0f %s | MFU %5.2f%% | "
              "peak %.0f MB%s | ETA %s\n",
-             (long long)step, (long long)last, loss, lr, norm, 1e3 * dt, tok_s, mfu,
-             (double)ru.ru_maxrss * 1024.0 / 1e6, device_s, eta_s); // (ru_maxrss: KiB; MB as the arena's)
-      if (do_val)
-        printf("step %5lld/%lld | val loss %.4f (unigram entropy %.4f)\n", (long long)step, (long long)last,
-               last_val, unigram);
+             (long long)step, (long long)last, loss, metrics_line(&met, met.now, " | ", "", met_s, sizeof met_s), lr,
+             norm, 1e3 * dt, tok_s, unit, mfu, (double)ru.ru_maxrss * 1024.0 / 1e6, device_s,
+             eta_s); // (ru_maxrss: KiB; MB as the arena's)
+      if (do_val && o->arrays)
+        printf("step %5lld/%lld | val loss %.4f%s\n", (long long)step, (long long)last, last_val,
+               metrics_line(&met, c.val_met + c.nvalmet - met.n, " | ", "val ", met_s, sizeof met_s));
+      else if (do_val)
+        printf("step %5lld/%lld | val loss %.4f (unigram entropy %.4f)%s\n", (long long)step, (long long)last,
+               last_val, unigram,
+               metrics_line(&met, c.val_met + c.nvalmet - met.n, " | ", "val ", met_s, sizeof met_s));
     } else if (pg.on) {
       progress_show(&pg, step, last, (double)real_total / step_secs,
                     100.0 * (double)k * flops * (double)(step - start) / step_secs / peak, eta_s);
     }
     fflush(stdout);
     // (a full disk: the log's write fails as the checkpoint's will; each is reported, once)
-    bool logged = fprintf(log, "{\"step\":%lld,\"loss\":%.6f,\"lr\":%.6g,\"grad_norm\":%.6g,\"ms\":%.3f,\"tok_s\":%.1f,"
-                          "\"mfu\":%.4f", (long long)step, loss, lr, norm, 1e3 * dt, tok_s, mfu) > 0;
+    bool logged = fprintf(log, "{\"step\":%lld,\"loss\":%.6f,\"lr\":%.6g,\"grad_norm\":%.6g,\"ms\":%.3f,\"%s\":%.1f,"
+                          "\"mfu\":%.4f", (long long)step, loss, lr, norm, 1e3 * dt, o->arrays ? "ex_s" : "tok_s",
+                          tok_s, mfu) > 0;
+    for (int j = 0; j < met.n; j++)
+      logged &= fprintf(log, ",\"%s\":%.6g", met.name[j], met.now[j]) > 0;
     if (do_val)
       logged &= fprintf(log, ",\"val_loss\":%.6f", last_val) > 0;
+    for (int j = 0; do_val && j < met.n; j++)
+      logged &= fprintf(log, ",\"val_%s\":%.6g", met.name[j], c.val_met[c.nvalmet - met.n + j]) > 0;
     logged &= fprintf(log, "}\n") > 0;
     logged &= fflush(log) == 0;
     if (!logged && !log_failed) {
@@ -1055,14 +1209,19 @@ static int train_loop(Engine *e, Engine *eval, Engine *micro, const TrainOptions
     // The whole run's rate, and the steps' alone: on a GPU a 30-step run spends most of its time
     // validating and writing checkpoints (GPT-2 124M on an H200: 0.9 s of steps in 4.2 s).
     double secs = rt_now() - t_start;
-    char val_s[48] = "no validation"; // (a run stopped before its last step, with --val-every 0)
-    if (!isnan(last_val))
+    char val_s[48] = "no validation", met_s[512], val_met_s[512] = "", unigram_s[48] = "";
+    if (!isnan(last_val)) // (a run stopped before its last step, with --val-every 0, has none)
       snprintf(val_s, sizeof val_s, "val loss %.4f", last_val);
-    printf("trained %lld steps in %.1f s (%.0f tok/s; in the steps alone %.1f s, %.0f tok/s, the rest validation "
-           "and checkpoints); final loss %.4f, %s, unigram entropy %.4f\n",
-           (long long)c.n, secs, (double)real_total / secs, step_secs, (double)real_total / step_secs,
-           c.loss[c.n - 1], val_s, unigram);
-    if (!write_svg(svg, &c, unigram))
+    if (!isnan(last_val) && met.n)
+      metrics_line(&met, c.val_met + c.nvalmet - met.n, ", ", "val ", val_met_s, sizeof val_met_s);
+    if (!o->arrays)
+      snprintf(unigram_s, sizeof unigram_s, ", unigram entropy %.4f", unigram);
+    printf("trained %lld steps in %.1f s (%.0f %s; in the steps alone %.1f s, %.0f %s, the rest validation "
+           "and checkpoints); final loss %.4f%s, %s%s%s\n",
+           (long long)c.n, secs, (double)real_total / secs, unit, step_secs, (double)real_total / step_secs, unit,
+           c.loss[c.n - 1], metrics_line(&met, c.met + c.nmet - met.n, ", ", "", met_s, sizeof met_s), val_s,
+           val_met_s, unigram_s);
+    if (!write_svg(svg, &c, met.name, met.n, unigram, o->arrays))
       diag_file_error(svg, "cannot write the loss curve: %s", strerror(errno));
     printf("wrote %s, %s and %s\n", ckpt, log_path, svg);
   }
@@ -1073,6 +1232,10 @@ static int train_loop(Engine *e, Engine *eval, Engine *micro, const TrainOptions
   free(c.loss);
   free(c.val);
   free(c.val_step);
+  free(c.met);
+  free(c.val_met);
+  free(val_mean);
+  metrics_free(&met);
   loader_close(train);
   if (val)
     loader_close(val);
@@ -1081,26 +1244,31 @@ static int train_loop(Engine *e, Engine *eval, Engine *micro, const TrainOptions
 
 int train_eval(Engine *eval, const TrainOptions *o) {
   const Graph *g = eval->g;
-  int64_t B = ir_dim(g, "B"), T = ir_dim(g, "T"), V = ir_dim(g, "V");
-  if (B <= 0 || T <= 0 || V <= 0 || g->loss < 0) {
-    diag_file_error(o->model_path, "evaluation needs dims B, T and V, the inputs tokens, targets, pos, doc and a loss");
+  int64_t B = ir_dim(g, "B"), T = o->arrays ? 1 : ir_dim(g, "T"), V = ir_dim(g, "V");
+  if (g->loss < 0 || (o->arrays ? B <= 0 : !shards_fit(g, o->data_dir))) {
+    if (g->loss < 0 || o->arrays)
+      diag_file_error(o->model_path, "evaluation needs a loss%s", o->arrays ? " and a dim B" : "");
     return 1;
   }
-  LoaderOptions lo = {.B = B, .T = T, .vocab = V, .pack = o->pack, .shuffle = o->shuffle, .seed = o->seed};
+  LoaderOptions lo = {.B = B, .T = T, .vocab = V, .pack = o->pack, .shuffle = o->shuffle && !o->arrays,
+                      .seed = o->seed, .model = o->arrays ? g : NULL, .val_fraction = o->val_fraction};
   Loader *val = loader_open(o->data_dir, "val", lo);
   if (!val)
     return 1;
+  int64_t batches = o->arrays ? array_val_batches(val, B, o->val_batches) : o->val_batches;
   double *mean = rt_xrealloc(NULL, sizeof(double) * (size_t)(g->noutputs + 1));
   char err[512] = "";
-  bool ok = val_means(eval, val, loader_state(val), o->val_batches, B * T, mean, err, sizeof err);
+  bool ok = val_means(eval, val, loader_state(val), batches, B * T, mean, err, sizeof err);
   if (!ok)
     diag_file_error(o->model_path, "evaluation: %s", err);
-  if (ok) {
+  if (ok && o->arrays)
+    printf("val loss %.4f over %lld validation batches of %lld examples\n", mean[0], (long long)batches,
+           (long long)B);
+  else if (ok)
     printf("val loss %.4f (unigram entropy %.4f) over %lld validation batches of %lldx%lld\n", mean[0],
            unigram_entropy(o->data_dir, V), (long long)o->val_batches, (long long)B, (long long)T);
-    for (int i = 0; i < g->noutputs; i++) // (the scalar outputs besides the loss: main.c's open_side_engine)
-      printf("%s %.6g\n", g->nodes[g->outputs[i]]->name, mean[i + 1]);
-  }
+  for (int i = 0; ok && i < g->noutputs; i++) // (the scalar outputs besides the loss: main.c's open_side_engine)
+    printf("%s %.6g\n", g->nodes[g->outputs[i]]->name, mean[i + 1]);
   free(mean);
   loader_close(val);
   return ok ? 0 : 1;
