@@ -307,6 +307,15 @@ ran=$(first_step "$tmp/nosteps.mdl" d1) section=$(first_step models/gpt2-tiny.md
 [ -n "$said" ] && [ "$ran" = "$said" ] && [ "$section" = 4000 ] &&
   echo "[ok] cli: --steps defaults to the train section's (4000), else $said, as --help says" ||
   echo "[fail] cli: --help says the steps default to the train section's, else '$said'; ran $ran and $section"
+# Without a schedule (docs/language.md): warmup 0, min_lr 0, and the cosine decay spans the run: over
+# 4 steps at lr 2e-3, step 2 at half of it and the last at min_lr.
+sed '/schedule/d' models/gpt2-tiny.mdl >"$tmp/nosched.mdl"
+$m run "$tmp/nosched.mdl" -D B=2 -D T=16 --steps 4 --data "$tmp/shards" --out "$tmp/nosched" --val-every 0 \
+  --backend cpu >/dev/null 2>&1
+lrs=$(sed -n 's/.*"lr":\([^,]*\),.*/\1/p' "$tmp/nosched/log.jsonl" 2>/dev/null | tr '\n' ' ')
+[ "$(cut -d' ' -f2,4 <<<"$lrs")" = "0.001 0" ] &&
+  echo "[ok] cli: without a schedule the cosine decay spans the run to min_lr 0, as docs/language.md says" ||
+  echo "[fail] cli: the default schedule: learning rates $lrs"
 said=$(sed -n 's/.*--val-batches N .*(default \([0-9]*\)).*/\1/p' "$tmp/help")
 $m eval "$tmp/run/checkpoint.safetensors" --data "$tmp/shards" >"$tmp/eval" 2>&1
 contains "eval reads the --val-batches --help states ($said)" "$tmp/eval" "over $said validation batches"
