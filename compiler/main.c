@@ -44,6 +44,7 @@ typedef struct {
   PrepOptions prep;
   bool resume, pack, shuffle;
   int shuffle_set; // +1 --shuffle, -1 --no-shuffle, 0 neither: shuffled, but in order from the text packed
+  bool pack_set, seed_set; // --no-pack, --seed given (a resumed run takes the checkpoint's otherwise)
   bool tokenize_on_the_fly; // training batches tokenised from the text as drawn (--tokenize-on-the-fly)
   int64_t val_every, val_batches, ckpt_every;
   int64_t accumulate; // > 0 overrides the train section's
@@ -73,8 +74,9 @@ static const char usage_text[] =
     "                                 a val/ split, --val-fraction F of the examples held out, default 0.05)\n"
     "  eval  CHECKPOINT --data DIR [--val-batches N]\n"
     "                                 the validation loss (and every scalar output) of a checkpoint of\n"
-    "                                 run, without training: the batches run validates on, given the\n"
-    "                                 run's --backend, --precision, --no-pack and --shuffle\n"
+    "                                 run, without training: the batches run validates on (packed and\n"
+    "                                 shuffled as the checkpoint records), given the run's --backend\n"
+    "                                 and --precision\n"
     "  lab   FILE.mdl --data DIR [--steps N] [--out DIR] [--memory-budget SIZE]\n"
     "                                 what each technique is worth here: the model trained with all\n"
     "                                 of them off, then one added per row, then each taken away alone;\n"
@@ -92,7 +94,8 @@ static const char usage_text[] =
     "      --batch PATH       a batch as safetensors (tokens, targets, pos, doc: i32 [B,T])\n"
     "      --data DIR         shards and tokenizer made by `mdlc prep`\n"
     "      --out DIR          checkpoint, log.jsonl and loss.svg (default: out)\n"
-    "      --resume           continue the checkpoint in --out exactly\n"
+    "      --resume           continue the checkpoint in --out exactly: with its --seed, --no-shuffle,\n"
+    "                         --no-pack and --accumulate (given with another value: refused)\n"
     "      --no-pack          one padded document per row instead of packed rows\n"
     "      --no-shuffle       batches in the data's order (the default: shuffled, deterministic from --seed;\n"
     "                         --shuffle says so explicitly)\n"
@@ -221,6 +224,7 @@ static int parse_options(int argc, char **argv, Options *o) {
       if (!parse_int(optarg, &v) || v < 0)
         return usage_error("--seed wants a non-negative integer, got '%s'", optarg);
       o->seed = (uint64_t)v;
+      o->seed_set = true;
       break;
     case 'k':
       if (strcmp(optarg, "interp") && strcmp(optarg, "cpu") && strcmp(optarg, "cuda") && strcmp(optarg, "auto"))
@@ -285,7 +289,7 @@ static int parse_options(int argc, char **argv, Options *o) {
         return usage_error("--temperature wants a number from 0 to 100, got '%s'", optarg);
       break;
     }
-    case 'P': o->pack = false; break;
+    case 'P': o->pack = false, o->pack_set = true; break;
     case 'H': o->shuffle_set = 1; break;
     case 'W': o->shuffle_set = -1; break;
     case 'I': o->tokenize_on_the_fly = true; break;
@@ -860,6 +864,89 @@ static bool write_run_json(const char *dir, const Graph *g, const Engine *e, con
   return false;
 }
 
+// A run option that decides the batches, given on the command line with another value than the
+// checkpoint it resumes records: refused, the option and both values named.
+static bool order_conflict(const char *path, const char *flag, const char *key, const char *stored,
+                           const char *theirs, const char *ours) {
+  diag_file_error(path, "%s: this checkpoint was trained with %s (%s = %s), this run asks for %s; a resumed run "
+                  "keeps the checkpoint's order of batches: leave %s out to continue it, or train anew in another "
+                  "--out", flag, theirs, key, stored, ours, flag);
+  return false;
+}
+
+// On --resume, the options that decide which batches each step trains on are the checkpoint's, as
+// its dims are (it records them: mdl.seed, mdl.shuffle, mdl.pack, mdl.accumulate): one left off the
+// command line takes the checkpoint's value, one given with another value is refused, since the run
+// would go on with another order of batches and its losses no longer be an uninterrupted run's. A
+// checkpoint written before they were recorded resumes with today's defaults (shuffled, packed, the
+// train section's accumulation), with a warning. Before the model is compiled (the accumulation
+// shapes the graph); false after saying why.
+static bool resume_batch_order(Options *o) {
+  char path[PATH_MAX + 32];
+  snprintf(path, sizeof path, "%s/checkpoint.safetensors", o->out ? o->out : "out");
+  if (access(path, F_OK) != 0)
+    return true; // (train_check_inputs says there is none to resume)
+  Arena *a = arena_new();
+  StFile f;
+  bool ok = st_read_header(a, path, &f);
+  const char *seed = ok ? st_meta(&f, "mdl.seed") : NULL, *shuffle = ok ? st_meta(&f, "mdl.shuffle") : NULL,
+             *pack = ok ? st_meta(&f, "mdl.pack") : NULL, *acc = ok ? st_meta(&f, "mdl.accumulate") : NULL;
+  char ours[64], taken[160] = "";
+  size_t nt = 0;
+  if (ok && seed) {
+    uint64_t s = strtoull(seed, NULL, 10);
+    snprintf(ours, sizeof ours, "--seed %llu", (unsigned long long)o->seed);
+    if (o->seed_set && o->seed != s)
+      ok = order_conflict(path, ours, "mdl.seed", seed, arena_printf(a, "--seed %s", seed), ours);
+    else if (!o->seed_set && s != o->seed)
+      nt += (size_t)snprintf(taken + nt, sizeof taken - nt, " --seed %s", seed);
+    o->seed = s;
+  }
+  if (ok && shuffle) {
+    bool s = !strcmp(shuffle, "true");
+    if (o->shuffle_set && (o->shuffle_set > 0) != s)
+      ok = order_conflict(path, o->shuffle_set > 0 ? "--shuffle" : "--no-shuffle", "mdl.shuffle", shuffle,
+                          s ? "shuffled batches" : "batches in order", s ? "batches in order" : "shuffled batches");
+    else if (!o->shuffle_set && s != o->shuffle)
+      nt += (size_t)snprintf(taken + nt, sizeof taken - nt, " %s", s ? "--shuffle" : "--no-shuffle");
+    o->shuffle = s;
+  }
+  if (ok && pack) {
+    bool p = !strcmp(pack, "true");
+    if (o->pack_set && p)
+      ok = order_conflict(path, "--no-pack", "mdl.pack", pack, "packed rows", "padded rows");
+    else if (!p && o->pack)
+      nt += (size_t)snprintf(taken + nt, sizeof taken - nt, " --no-pack");
+    o->pack = p;
+  }
+  if (ok && acc) {
+    int64_t k = strtoll(acc, NULL, 10);
+    if (o->accumulate > 0 && o->accumulate != k)
+      ok = order_conflict(path, arena_printf(a, "--accumulate %lld", (long long)o->accumulate), "mdl.accumulate",
+                          acc, arena_printf(a, "%s micro-batches a step", acc),
+                          arena_printf(a, "%lld micro-batches a step", (long long)o->accumulate));
+    else if (o->accumulate <= 0 && k > 1)
+      nt += (size_t)snprintf(taken + nt, sizeof taken - nt, " --accumulate %s", acc);
+    o->accumulate = k;
+  }
+  if (ok && o->tokenize_on_the_fly && o->pack && o->shuffle) {
+    diag_file_error(path, "this checkpoint was trained on shuffled packed rows (mdl.shuffle = true, mdl.pack = true), "
+                    "which --tokenize-on-the-fly cannot draw (a shuffled window w starts at token w*T of the split): "
+                    "resume it from the shards, without --tokenize-on-the-fly");
+    ok = false;
+  }
+  if (ok && (!shuffle || !pack || !acc))
+    fprintf(stderr, "%s: warning: the checkpoint does not record its order of batches (written before checkpoints "
+            "did): resuming with %s, %s rows and %s, as this command line says (today's defaults unless given)\n",
+            path, o->shuffle ? "shuffled batches" : "batches in order", o->pack ? "packed" : "padded",
+            o->accumulate > 0 ? arena_printf(a, "%lld micro-batches a step", (long long)o->accumulate)
+                              : "the train section's accumulation");
+  if (ok && nt && !o->quiet)
+    printf("resuming with the checkpoint's%s\n", taken);
+  arena_free(a);
+  return ok;
+}
+
 static int cmd_run(const Options *o, Graph *g) {
   if (!o->data) {
     diag_file_error(o->file, "run needs --data DIR: shards made by `mdlc prep TEXT -o DIR`, or arrays named as the "
@@ -978,7 +1065,8 @@ static int cmd_run(const Options *o, Graph *g) {
 
 // `mdlc eval CHECKPOINT --data DIR`: the checkpoint's model (its .mdl and dims as recorded, -D
 // overriding them) compiled forward only as run compiles its validation, the parameters from the
-// checkpoint, over the validation batches the run validated on (train_eval; the run's seed).
+// checkpoint, over the validation batches the run validated on (train_eval; the run's seed, and its
+// shuffling and packing where the checkpoint records them and the command line does not say).
 static int cmd_eval(const Options *o) {
   if (!o->data) {
     diag_file_error(o->file, "eval needs --data DIR: the shards made by `mdlc prep`, or the arrays, to validate on");
@@ -1011,13 +1099,18 @@ static int cmd_eval(const Options *o) {
       q.dims[k] = d;
       q.ndims += k == q.ndims;
     }
-    const char *seed = st_meta(&f, "mdl.seed"), *step = st_meta(&f, "mdl.step");
+    const char *seed = st_meta(&f, "mdl.seed"), *step = st_meta(&f, "mdl.step"),
+               *shuffle = st_meta(&f, "mdl.shuffle"), *pack = st_meta(&f, "mdl.pack");
     q.seed = seed ? strtoull(seed, NULL, 10) : o->seed;
+    if (shuffle && !o->shuffle_set) // (the run's order of batches, as recorded, unless given)
+      q.shuffle = !strcmp(shuffle, "true");
+    if (pack && !o->pack_set)
+      q.pack = !strcmp(pack, "true");
     Engine *e = open_side_engine(&q, a, false);
     if (e && load_weights_from(e, e->g, &f, o->file)) {
       printf("evaluating %s (step %s of %s), back end %s, precision %s\n", o->file, step ? step : "?", m.source,
              e->name, e->g->train.precision);
-      TrainOptions to = {.model_path = m.source, .data_dir = o->data, .pack = o->pack, .shuffle = o->shuffle,
+      TrainOptions to = {.model_path = m.source, .data_dir = o->data, .pack = q.pack, .shuffle = q.shuffle,
                          .seed = q.seed, .val_batches = o->val_batches, .arrays = arrays_found(o->data),
                          .val_fraction = o->prep.val_fraction};
       rc = train_eval(e, &to) ? EXIT_USER : 0;
@@ -1282,6 +1375,8 @@ static int run_verb(Options *o) {
   }
   if (!strcmp(o->verb, "eval"))
     return cmd_eval(o);
+  if (!strcmp(o->verb, "run") && o->resume && !resume_batch_order(o))
+    return EXIT_USER;
   if (!strcmp(o->verb, "prep")) {
     if (!o->out)
       return usage_error("prep needs -o DIR%s", "");

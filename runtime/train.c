@@ -14,12 +14,14 @@
 // The checkpoint is a safetensors file: every parameter under its .mdl name, the AdamW moments as
 // "<param>.m" / "<param>.v", and __metadata__ strings: mdl.format, mdl.source (the .mdl path),
 // mdl.model, mdl.dims (every dim, "name=value,..."), mdl.step, mdl.seed, mdl.loader ("epoch,position"),
-// mdl.data, mdl.tokenizer (its path); and the two files those paths name, so that a checkpoint moved
+// mdl.data, mdl.tokenizer (its path); what else decides the order of the batches, which a resumed run
+// takes from them (main.c's resume_batch_order; B and T are dims): mdl.shuffle and mdl.pack ("true"
+// or "false") and mdl.accumulate (micro-batches a step); and the two files those paths name, so that a checkpoint moved
 // away from them still samples and resumes: mdl.source_text (the .mdl text the run compiled) and
 // mdl.tokenizer_base64 (tokenizer.bin's bytes in base64). Metadata strings rather than tensors: the
 // tensors stay the model's parameters and moments, which is what other readers load by name, and
 // safetensors keeps free-form strings there (a tokenizer of 50k merges is 0.5 MB of base64, well
-// within a reader's header limit). Checkpoints written before these two were stored lack them.
+// within a reader's header limit). Checkpoints written before these were stored lack them.
 #include "data.h"
 #include "runtime.h"
 
@@ -88,7 +90,7 @@ static int checkpoint_nodes(const Graph *g, int *nodes) {
 // step at B=1, T=32 (30 ms on an H200). Where the engine's values lie in host memory (Engine.values:
 // the CPU's arena), a copy would double the memory the parameters and moments take, so the
 // checkpoint is written from them in place, the steps waiting for it.
-enum { CKPT_META = 11 };
+enum { CKPT_META = 14 };
 typedef struct {
   pthread_t thread;
   bool running, threaded; // a write is under way (threaded: on its own thread)
@@ -102,7 +104,7 @@ typedef struct {
   int n;
   StMeta meta[CKPT_META];
   int nmeta;
-  char step_s[32], seed_s[32], loader_s[64], *dims;
+  char step_s[32], seed_s[32], loader_s[64], acc_s[32], *dims;
 } CkptWriter;
 
 static void *ckpt_write(void *arg) {
@@ -178,10 +180,12 @@ static bool ckpt_start(CkptWriter *w, const char *path, Engine *e, const TrainOp
   snprintf(w->step_s, sizeof w->step_s, "%lld", (long long)step);
   snprintf(w->seed_s, sizeof w->seed_s, "%llu", (unsigned long long)o->seed);
   snprintf(w->loader_s, sizeof w->loader_s, "%lld,%lld", (long long)ls.epoch, (long long)ls.position);
+  snprintf(w->acc_s, sizeof w->acc_s, "%lld", (long long)(g->train.accumulate > 1 ? g->train.accumulate : 1));
   StMeta meta[] = {{"mdl.format", CKPT_FORMAT}, {"mdl.source", o->model_path}, {"mdl.model", g->model},
                    {"mdl.dims", w->dims}, {"mdl.step", w->step_s}, {"mdl.seed", w->seed_s},
                    {"mdl.loader", w->loader_s}, {"mdl.data", o->data_dir},
-                   {"mdl.tokenizer", o->tokenizer_path}};
+                   {"mdl.tokenizer", o->tokenizer_path}, {"mdl.shuffle", o->shuffle ? "true" : "false"},
+                   {"mdl.pack", o->pack ? "true" : "false"}, {"mdl.accumulate", w->acc_s}};
   memcpy(w->meta, meta, sizeof meta);
   w->nmeta = (int)(sizeof meta / sizeof *meta); // (then the stored copies: CKPT_META in all)
   if (g->source)

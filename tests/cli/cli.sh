@@ -307,6 +307,15 @@ ran=$(first_step "$tmp/nosteps.mdl" d1) section=$(first_step models/gpt2-tiny.md
 [ -n "$said" ] && [ "$ran" = "$said" ] && [ "$section" = 4000 ] &&
   echo "[ok] cli: --steps defaults to the train section's (4000), else $said, as --help says" ||
   echo "[fail] cli: --help says the steps default to the train section's, else '$said'; ran $ran and $section"
+# Without a schedule (docs/language.md): lr at every step, the last one included (over 4 steps at lr
+# 2e-3: steps 2 and 4 at 2e-3).
+sed '/schedule/d' models/gpt2-tiny.mdl >"$tmp/nosched.mdl"
+$m run "$tmp/nosched.mdl" -D B=2 -D T=16 --steps 4 --data "$tmp/shards" --out "$tmp/nosched" --val-every 0 \
+  --backend cpu >/dev/null 2>&1
+lrs=$(sed -n 's/.*"lr":\([^,]*\),.*/\1/p' "$tmp/nosched/log.jsonl" 2>/dev/null | tr '\n' ' ')
+[ "$(cut -d' ' -f2,4 <<<"$lrs")" = "0.002 0.002" ] &&
+  echo "[ok] cli: without a schedule the rate is lr at every step, as docs/language.md says" ||
+  echo "[fail] cli: the default schedule: learning rates $lrs"
 said=$(sed -n 's/.*--val-batches N .*(default \([0-9]*\)).*/\1/p' "$tmp/help")
 $m eval "$tmp/run/checkpoint.safetensors" --data "$tmp/shards" >"$tmp/eval" 2>&1
 contains "eval reads the --val-batches --help states ($said)" "$tmp/eval" "over $said validation batches"

@@ -15,12 +15,14 @@ for i in 1 2 3 4 5 6; do head -c $((3000 * i)) /usr/share/common-licenses/GPL-3 
 $m prep "$tmp/corpus" -o "$tmp/data" >/dev/null 2>&1
 val_of() { sed -n 's/.*val loss \([0-9.]*\).*/\1/p' "$1" | tail -1; }
 
-for opts in "" "--shuffle --seed 7" "--no-pack --val-batches 2"; do  # (eval: the seed is the run's)
+# (eval: the seed, the shuffling and the packing are the run's, as its checkpoint records them)
+for opts in "" "--shuffle --seed 7" "--no-shuffle" "--no-pack --val-batches 2"; do
   # shellcheck disable=SC2086
   $m run models/gpt2-tiny.mdl -D B=2 -D T=16 --steps 4 --val-every 0 --backend cpu --data "$tmp/data" $opts \
     --out "$tmp/run" >"$tmp/run.out" 2>"$tmp/err"
   # shellcheck disable=SC2086
-  $m eval "$tmp/run/checkpoint.safetensors" --data "$tmp/data" --backend cpu ${opts%--seed*} >"$tmp/eval.out" 2>"$tmp/err"
+  $m eval "$tmp/run/checkpoint.safetensors" --data "$tmp/data" --backend cpu $(sed 's/--no-[a-z]*//g' <<<"$opts") \
+    >"$tmp/eval.out" 2>"$tmp/err"
   rc=$?
   ran=$(val_of "$tmp/run.out") got=$(val_of "$tmp/eval.out")
   check "the run's last validation loss ($ran) from its checkpoint${opts:+ with $opts}: $got" \

@@ -31,6 +31,62 @@ for backend in cpu interp; do
   fi
 done
 
+# The order of the batches is the checkpoint's: a run trained with --no-shuffle --no-pack --seed 7
+# and resumed with none of them goes on with its batches (the losses of an uninterrupted run); one of
+# them given with another value is refused before anything is compiled, the option and both values
+# named, the checkpoint untouched; a checkpoint written before they were recorded resumes with
+# today's defaults, saying so.
+ord=(-D B=2 -D T=32 --data "$tmp/data" --val-every 0 --backend cpu)
+$m run models/gpt2-tiny.mdl "${ord[@]}" --no-shuffle --no-pack --seed 7 --steps 6 --out "$tmp/o-straight" >/dev/null 2>&1
+$m run models/gpt2-tiny.mdl "${ord[@]}" --no-shuffle --no-pack --seed 7 --steps 3 --out "$tmp/o-resumed" >/dev/null 2>&1
+cp "$tmp/o-resumed/checkpoint.safetensors" "$tmp/o-three"
+$m run models/gpt2-tiny.mdl "${ord[@]}" --steps 6 --out "$tmp/o-resumed" --resume >"$tmp/o.out" 2>&1
+if [ "$(losses "$tmp/o-straight" | wc -l)" -eq 6 ] && diff <(losses "$tmp/o-straight") <(losses "$tmp/o-resumed") >"$tmp/d" &&
+  grep -q "resuming with the checkpoint's --seed 7 --no-shuffle --no-pack" "$tmp/o.out"; then
+  ok "a resume without --no-shuffle --no-pack --seed 7 goes on in the checkpoint's order (the losses of an uninterrupted run)"
+else
+  fail "resumed without the data-order options: $(head -c 300 "$tmp/d") $(tail -c 300 "$tmp/o.out")"
+fi
+mkdir -p "$tmp/o-conflict"
+refused() { # refused DIR WANT OPTION...: a resume from DIR's checkpoint with OPTION... fails, saying WANT
+  local dir=$1 want=$2
+  shift 2
+  cp "$dir/checkpoint.safetensors" "$tmp/o-conflict/"
+  if $m run models/gpt2-tiny.mdl "${ord[@]}" "$@" --steps 6 --out "$tmp/o-conflict" --resume >/dev/null 2>"$tmp/e"; then
+    fail "a resume with $* was accepted"
+  elif grep -qF "checkpoint.safetensors: error: $want" "$tmp/e" &&
+    cmp -s "$dir/checkpoint.safetensors" "$tmp/o-conflict/checkpoint.safetensors"; then
+    ok "a resume with $* is refused, the option and both values named"
+  else
+    fail "the refusal of $*: $(head -c 400 "$tmp/e")"
+  fi
+}
+refused "$tmp/o-resumed" "--shuffle: this checkpoint was trained with batches in order (mdl.shuffle = false), this run asks for shuffled batches" --shuffle
+refused "$tmp/o-resumed" "--seed 1337: this checkpoint was trained with --seed 7 (mdl.seed = 7), this run asks for --seed 1337" --seed 1337
+refused "$tmp/o-resumed" "--accumulate 2: this checkpoint was trained with 1 micro-batches a step (mdl.accumulate = 1)" --accumulate 2
+refused "$tmp/b-cpu" "--no-pack: this checkpoint was trained with packed rows (mdl.pack = true), this run asks for padded rows" --no-pack
+refused "$tmp/b-cpu" "--no-shuffle: this checkpoint was trained with shuffled batches (mdl.shuffle = true)" --no-shuffle
+# (a checkpoint of before: its metadata without the three)
+mkdir -p "$tmp/o-old"
+python3 - "$tmp/o-three" "$tmp/o-old/checkpoint.safetensors" <<'PY'
+import json, struct, sys
+b = open(sys.argv[1], "rb").read()
+n = struct.unpack("<Q", b[:8])[0]
+h = json.loads(b[8:8 + n])
+for k in ("mdl.shuffle", "mdl.pack", "mdl.accumulate"):
+    del h["__metadata__"][k]
+hb = json.dumps(h).encode()
+hb += b" " * (-len(hb) % 8)
+open(sys.argv[2], "wb").write(struct.pack("<Q", len(hb)) + hb + b[8 + n:])
+PY
+if $m run models/gpt2-tiny.mdl "${ord[@]}" --no-shuffle --no-pack --steps 6 --out "$tmp/o-old" --resume >/dev/null 2>"$tmp/e" &&
+  grep -q "warning: the checkpoint does not record its order of batches .*: resuming with batches in order, padded rows" "$tmp/e" &&
+  diff <(losses "$tmp/o-straight" | tail -3) <(losses "$tmp/o-old") >"$tmp/d"; then
+  ok "a checkpoint that does not record its order of batches resumes as the command line says, with a warning"
+else
+  fail "an old checkpoint: $(head -c 300 "$tmp/e") $(head -c 300 "$tmp/d")"
+fi
+
 # kill -9 while training: the checkpoint on disk is always a whole one.
 $m run models/gpt2-tiny.mdl "${common[@]}" --steps 100000 --ckpt-every 3 --out "$tmp/k" >"$tmp/k.out" 2>&1 &
 pid=$!

@@ -1590,9 +1590,11 @@ static void emulated_checks(const Model *md) {
         bad ? "an engine started" : why);
   if (bad)
     bad->free(bad);
-  setenv("MDL_NVRTC_THREADS", "3", 1); // (the module as three programs, whatever the machine's cores)
+  // The module as three programs, whatever the machine's cores, for every engine of this model: the
+  // first compiles them, the others take them from the cache (with the machine's own count they
+  // would compile the module again, split another way).
+  setenv("MDL_NVRTC_THREADS", "3", 1);
   Engine *cuda = engine_cuda(c.f, c.m, 5, true, true, why, sizeof why);
-  unsetenv("MDL_NVRTC_THREADS");
   snprintf(name, sizeof name, "cuda: %s: the engine starts on the emulated GPU", md->label);
   CHECK(cuda && counters, name, "%s", cuda ? "no fake_counters" : why);
   if (cuda && counters) {
@@ -1728,6 +1730,7 @@ static void emulated_checks(const Model *md) {
     dlclose(h);
   unsetenv("MDL_LIBCUDA");
   unsetenv("MDL_LIBCUBLASLT");
+  unsetenv("MDL_NVRTC_THREADS");
   arena_free(c.a);
 }
 
