@@ -223,12 +223,11 @@ static inline double mdl_sumsq(const float *x, int64_t n, int nthreads) {
 // The kernels, each in one of the module's 4 parts (compiled whole, or each part on its own)
 #define MDL_NPARTS 4
 MDL_FN MdlKernelFn k0_gemm__add__relu, k1_gemm__add__relu, k2_target_count, k3_gemm__add__max, k4_max;
-MDL_FN MdlKernelFn k5_cross_entropy_fwd, k6_sum__sub__exp__log__add__mul__relu__neg, k7_mean;
-MDL_FN MdlKernelFn k8_broadcast__div, k9_cross_entropy_fwd__cross_entropy_bwd, k10_sum__div, k11_sum;
-MDL_FN MdlKernelFn k12_gemm, k13_gemm__relu_bwd__sum, k14_gemm, k15_gemm__relu_bwd__sum, k16_gemm;
-MDL_FN MdlKernelFn k17_grad_norm__adamw;
+MDL_FN MdlKernelFn k5_cross_entropy_fwd, k6_sum__sub__exp__log__add__compare, k7_mean, k8_broadcast__div;
+MDL_FN MdlKernelFn k9_cross_entropy_fwd__cross_entropy_bwd, k10_sum__div, k11_sum, k12_gemm;
+MDL_FN MdlKernelFn k13_gemm__relu_bwd__sum, k14_gemm, k15_gemm__relu_bwd__sum, k16_gemm, k17_grad_norm__adamw;
 
-#if MDL_IN(2)
+#if MDL_IN(3)
 // k0_gemm__add__relu: GEMM, 3 ops
 //   %8     matmul                                  line 20    f32[32,32]
 //   %9     add                                     line 20    f32[32,32]
@@ -258,7 +257,7 @@ MDL_FN void k0_gemm__add__relu(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(3)
+#if MDL_IN(2)
 // k1_gemm__add__relu: GEMM, 3 ops
 //   %11    matmul                                  line 21    f32[32,32]
 //   %12    add                                     line 21    f32[32,32]
@@ -316,7 +315,7 @@ MDL_FN void k2_target_count(char *arena, const MdlHooks *h) {
 // k3_gemm__add__max: GEMM, 3 ops
 //   %14    matmul                                  line 22    f32[32,4]
 //   %15    add                logits               line 22    f32[32,4]
-//   %20    max                top                  line 29    f32[32]
+//   %20    max                top                  line 28    f32[32]
 // loops:
 //   gemm %14: [32 x 4] = [32 x 32] [32 x 4], epilogue after
 //   max %20: 32 outputs, each over 4 elements
@@ -349,9 +348,9 @@ MDL_FN void k3_gemm__add__max(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(3)
+#if MDL_IN(2)
 // k4_max: kernel, 1 op
-//   %21    max                                     line 30    f32[32,1]
+//   %21    max                                     line 29    f32[32,1]
 // loops:
 //   max %21: 32 outputs, each over 4 elements
 MDL_FN void k4_max(char *arena, const MdlHooks *h) {
@@ -376,7 +375,7 @@ MDL_FN void k4_max(char *arena, const MdlHooks *h) {
 
 #if MDL_IN(2)
 // k5_cross_entropy_fwd: kernel, 1 op
-//   %27    cross_entropy                           line 31    f32[32]
+//   %27    cross_entropy                           line 30    f32[32]
 // loops:
 //   cross-entropy: 32 rows of 4
 MDL_FN void k5_cross_entropy_fwd(char *arena, const MdlHooks *h) {
@@ -431,27 +430,24 @@ MDL_FN void k5_cross_entropy_fwd(char *arena, const MdlHooks *h) {
 #endif
 
 #if MDL_IN(2)
-// k6_sum__sub__exp__log__add__mul__relu__neg: kernel, 11 ops
-//   %22    sub                                     line 30    f32[32,4]
-//   %23    exp                                     line 30    f32[32,4]
-//   %24    sum                                     line 30    f32[32]
-//   %25    log                                     line 30    f32[32]
-//   %26    add                lse                  line 30    f32[32]
-//   %28    sub                                     line 31    f32[32]
-//   %29    sub                gap                  line 31    f32[32]
-//   %31    mul                                     line 32    f32[32]
-//   %32    relu                                    line 32    f32[32]
-//   %33    neg                                     line 32    f32[32]
-//   %34    exp                                     line 32    f32[32]
+// k6_sum__sub__exp__log__add__compare: kernel, 8 ops
+//   %22    sub                                     line 29    f32[32,4]
+//   %23    exp                                     line 29    f32[32,4]
+//   %24    sum                                     line 29    f32[32]
+//   %25    log                                     line 29    f32[32]
+//   %26    add                lse                  line 29    f32[32]
+//   %28    sub                                     line 30    f32[32]
+//   %29    sub                                     line 30    f32[32]
+//   %31    compare                                 line 30    f32[32]
 // loops:
 //   sum %24: 32 outputs, each over 4 elements
-MDL_FN void k6_sum__sub__exp__log__add__mul__relu__neg(char *arena, const MdlHooks *h) {
+MDL_FN void k6_sum__sub__exp__log__add__compare(char *arena, const MdlHooks *h) {
   (void)h;
   float *const b15 = (float *)(arena + 46592); // %15 add logits f32[32,4]
   float *const b20 = (float *)(arena + 47104); // %20 max top f32[32]
   float *const b21 = (float *)(arena + 47232); // %21 max f32[32,1]
   float *const b27 = (float *)(arena + 47360); // %27 cross_entropy f32[32]
-  float *const b34 = (float *)(arena + 47488); // %34 exp f32[32]
+  float *const b31 = (float *)(arena + 47488); // %31 compare f32[32]
   for (int64_t r = 0; r < 32; r++) {
     const int64_t base = r * 4;
     double acc = 0.0;
@@ -472,56 +468,53 @@ MDL_FN void k6_sum__sub__exp__log__add__mul__relu__neg(char *arena, const MdlHoo
     const float v27_r = b27[r];
     const float v28_r = v26_r - v27_r;
     const float v29_r = v28_r - v20_r;
-    const float v31_r = v29_r * (-1e+03f);
-    const float v32_r = v31_r > 0.0f ? v31_r : 0.0f;
-    const float v33_r = -v32_r;
-    const float v34_r = expf(v33_r);
-    b34[r] = v34_r;
+    const float v31_r = (v29_r >= (-0.0001f) ? 1.0f : 0.0f);
+    b31[r] = v31_r;
   }
 }
 #endif
 
-#if MDL_IN(2)
+#if MDL_IN(3)
 // k7_mean: kernel, 1 op
-//   %35    mean               acc                  line 32    f32[]
+//   %32    mean               acc                  line 30    f32[]
 // loops:
-//   mean %35: 1 outputs, each over 32 elements
+//   mean %32: 1 outputs, each over 32 elements
 MDL_FN void k7_mean(char *arena, const MdlHooks *h) {
   (void)h;
-  float *const b34 = (float *)(arena + 47488); // %34 exp f32[32]
-  float *const b35 = (float *)(arena + 47936); // %35 mean acc f32[]
+  float *const b31 = (float *)(arena + 47488); // %31 compare f32[32]
+  float *const b32 = (float *)(arena + 47936); // %32 mean acc f32[]
   for (int64_t r = 0; r < 1; r++) {
     const int64_t base = r * 32;
     double acc = 0.0;
     for (int64_t l = 0; l < 32; l++) {
       const int64_t ix = base + l;
-      const float v34_ix = b34[ix];
-      const float v = v34_ix;
+      const float v31_ix = b31[ix];
+      const float v = v31_ix;
       acc += v;
     }
     const float y = (float)(acc / 32);
-    b35[r] = y;
+    b32[r] = y;
   }
 }
 #endif
 
 #if MDL_IN(1)
 // k8_broadcast__div: kernel, 3 ops
-//   %37    div                                     line 23    f32[]
-//   %38    reshape                                 line 23    f32[1]
-//   %39    broadcast                               line 23    f32[32]
+//   %34    div                                     line 23    f32[]
+//   %35    reshape                                 line 23    f32[1]
+//   %36    broadcast                               line 23    f32[32]
 // loops:
-//   elementwise over 32: %39
+//   elementwise over 32: %36
 MDL_FN void k8_broadcast__div(char *arena, const MdlHooks *h) {
   (void)h;
   float *const b18 = (float *)(arena + 47872); // %18 target_count f32[]
-  float *const b39 = (float *)(arena + 47616); // %39 broadcast f32[32]
+  float *const b36 = (float *)(arena + 47616); // %36 broadcast f32[32]
   for (int64_t i = 0; i < 32; i++) {
     const float v18_0 = b18[0];
-    const float v37_0 = 1.0f / v18_0;
-    const float v38_0 = v37_0;
-    const float v39_i = v38_0;
-    b39[i] = v39_i;
+    const float v34_0 = 1.0f / v18_0;
+    const float v35_0 = v34_0;
+    const float v36_i = v35_0;
+    b36[i] = v36_i;
   }
 }
 #endif
@@ -529,19 +522,19 @@ MDL_FN void k8_broadcast__div(char *arena, const MdlHooks *h) {
 #if MDL_IN(1)
 // k9_cross_entropy_fwd__cross_entropy_bwd: kernel, 2 ops
 //   %16    cross_entropy                           line 23    f32[32]
-//   %40    cross_entropy_bwd  d.logits             line 23    f32[32,4]
+//   %37    cross_entropy_bwd  d.logits             line 23    f32[32,4]
 // loops:
 //   cross-entropy and its gradient: 32 rows of 4
 MDL_FN void k9_cross_entropy_fwd__cross_entropy_bwd(char *arena, const MdlHooks *h) {
   int32_t *const b1 = (int32_t *)(arena + 29952); // %1 input targets i32[32]
   float *const b15 = (float *)(arena + 46592); // %15 add logits f32[32,4]
   float *const b16 = (float *)(arena + 47744); // %16 cross_entropy f32[32]
-  float *const b39 = (float *)(arena + 47616); // %39 broadcast f32[32]
-  float *const b40 = (float *)(arena + 47104); // %40 cross_entropy_bwd d.logits f32[32,4]
+  float *const b36 = (float *)(arena + 47616); // %36 broadcast f32[32]
+  float *const b37 = (float *)(arena + 47104); // %37 cross_entropy_bwd d.logits f32[32,4]
   for (int64_t r = 0; r < 32; r++) {
     const float *x = b15 + r * 4;
     const int32_t t = b1[r];
-    float *dx = b40 + r * 4;
+    float *dx = b37 + r * 4;
     if (t < 0 || t >= 4) {
       if (t >= 4)
         h->error(h->ctx, "cross_entropy: target", t, 4);
@@ -585,7 +578,7 @@ MDL_FN void k9_cross_entropy_fwd__cross_entropy_bwd(char *arena, const MdlHooks 
       sum = lane[0];
     }
     b16[r] = (float)(m + log(sum) - xt);
-    const float g = b39[r], sc = (float)(g / sum), et = dx[t];
+    const float g = b36[r], sc = (float)(g / sum), et = dx[t];
     #pragma omp simd
     for (int64_t j = 0; j < 4; j++)
       dx[j] *= sc;
@@ -624,13 +617,13 @@ MDL_FN void k10_sum__div(char *arena, const MdlHooks *h) {
 
 #if MDL_IN(0)
 // k11_sum: kernel, 1 op
-//   %41    sum                d.b3                 line 22    f32[4]
+//   %38    sum                d.b3                 line 22    f32[4]
 // loops:
-//   sum %41: 4 outputs over 32 elements, in 2 blocks of 16
+//   sum %38: 4 outputs over 32 elements, in 2 blocks of 16
 MDL_FN void k11_sum(char *arena, const MdlHooks *h) {
   (void)h;
-  float *const b40 = (float *)(arena + 47104); // %40 cross_entropy_bwd d.logits f32[32,4]
-  float *const b41 = (float *)(arena + 13888); // %41 sum d.b3 f32[4]
+  float *const b37 = (float *)(arena + 47104); // %37 cross_entropy_bwd d.logits f32[32,4]
+  float *const b38 = (float *)(arena + 13888); // %38 sum d.b3 f32[4]
   double *part = mdl_scratch(8 * sizeof(double));
   for (int64_t k = 0; k < 2; k++) {
     double *p = part + k * 4;
@@ -640,8 +633,8 @@ MDL_FN void k11_sum(char *arena, const MdlHooks *h) {
     for (int64_t l = k * 16; l < end; l++) {
       for (int64_t c = 0; c < 4; c++) {
         const int64_t ix = l * 4 + c;
-        const float v40_ix = b40[ix];
-        const float v = v40_ix;
+        const float v37_ix = b37[ix];
+        const float v = v37_ix;
         p[c] += v;
       }
     }
@@ -653,7 +646,7 @@ MDL_FN void k11_sum(char *arena, const MdlHooks *h) {
       acc += v;
     }
     const float y = (float)acc;
-    b41[r] = y;
+    b38[r] = y;
   }
   mdl_free(part);
 }
@@ -661,33 +654,33 @@ MDL_FN void k11_sum(char *arena, const MdlHooks *h) {
 
 #if MDL_IN(0)
 // k12_gemm: GEMM, 1 op
-//   %43    matmul             d.w3                 line 22    f32[32,4]
+//   %40    matmul             d.w3                 line 22    f32[32,4]
 // loops:
-//   gemm %43: [32 x 4] = T[32 x 32] [32 x 4]
+//   gemm %40: [32 x 4] = T[32 x 32] [32 x 4]
 MDL_FN void k12_gemm(char *arena, const MdlHooks *h) {
   float *const b13 = (float *)(arena + 42496); // %13 relu h f32[32,32]
-  float *const b40 = (float *)(arena + 47104); // %40 cross_entropy_bwd d.logits f32[32,4]
-  float *const b43 = (float *)(arena + 13376); // %43 matmul d.w3 f32[32,4]
-  mdl_gemm(h, 1, 0, 32, 4, 32, b13, 32, b40, 4, 0.0f, b43, 4);
+  float *const b37 = (float *)(arena + 47104); // %37 cross_entropy_bwd d.logits f32[32,4]
+  float *const b40 = (float *)(arena + 13376); // %40 matmul d.w3 f32[32,4]
+  mdl_gemm(h, 1, 0, 32, 4, 32, b13, 32, b37, 4, 0.0f, b40, 4);
 }
 #endif
 
 #if MDL_IN(3)
 // k13_gemm__relu_bwd__sum: GEMM, 3 ops
-//   %42    matmul             d.h                  line 22    f32[32,32]
-//   %44    relu_bwd                                line 21    f32[32,32]
-//   %45    sum                d.b2                 line 21    f32[32]
+//   %39    matmul             d.h                  line 22    f32[32,32]
+//   %41    relu_bwd                                line 21    f32[32,32]
+//   %42    sum                d.b2                 line 21    f32[32]
 // loops:
-//   gemm %42: [32 x 32] = [32 x 4] T[4 x 32], epilogue after
-//   sum %45: 32 outputs over 32 elements, in 2 blocks of 16
+//   gemm %39: [32 x 32] = [32 x 4] T[4 x 32], epilogue after
+//   sum %42: 32 outputs over 32 elements, in 2 blocks of 16
 MDL_FN void k13_gemm__relu_bwd__sum(char *arena, const MdlHooks *h) {
   float *const b6 = (float *)(arena + 6400); // %6 param w3 f32[32,4]
   float *const b12 = (float *)(arena + 38400); // %12 add f32[32,32]
-  float *const b40 = (float *)(arena + 47104); // %40 cross_entropy_bwd d.logits f32[32,4]
-  float *const b42 = mdl_scratch(4096); // %42 matmul d.h f32[32,32], kept in this kernel
-  float *const b44 = (float *)(arena + 42496); // %44 relu_bwd f32[32,32]
-  float *const b45 = (float *)(arena + 13248); // %45 sum d.b2 f32[32]
-  mdl_gemm(h, 0, 1, 32, 32, 4, b40, 4, b6, 4, 0.0f, b42, 32);
+  float *const b37 = (float *)(arena + 47104); // %37 cross_entropy_bwd d.logits f32[32,4]
+  float *const b39 = mdl_scratch(4096); // %39 matmul d.h f32[32,32], kept in this kernel
+  float *const b41 = (float *)(arena + 42496); // %41 relu_bwd f32[32,32]
+  float *const b42 = (float *)(arena + 13248); // %42 sum d.b2 f32[32]
+  mdl_gemm(h, 0, 1, 32, 32, 4, b37, 4, b6, 4, 0.0f, b39, 32);
   double *part = mdl_scratch(64 * sizeof(double));
   for (int64_t k = 0; k < 2; k++) {
     double *p = part + k * 32;
@@ -698,10 +691,10 @@ MDL_FN void k13_gemm__relu_bwd__sum(char *arena, const MdlHooks *h) {
       for (int64_t c = 0; c < 32; c++) {
         const int64_t ix = l * 32 + c;
         const float v12_ix = b12[ix];
-        const float v42_ix = b42[ix];
-        const float v44_ix = v12_ix > 0.0f ? v42_ix : 0.0f;
-        b44[ix] = v44_ix;
-        const float v = v44_ix;
+        const float v39_ix = b39[ix];
+        const float v41_ix = v12_ix > 0.0f ? v39_ix : 0.0f;
+        b41[ix] = v41_ix;
+        const float v = v41_ix;
         p[c] += v;
       }
     }
@@ -713,42 +706,42 @@ MDL_FN void k13_gemm__relu_bwd__sum(char *arena, const MdlHooks *h) {
       acc += v;
     }
     const float y = (float)acc;
-    b45[r] = y;
+    b42[r] = y;
   }
   mdl_free(part);
-  mdl_free(b42);
+  mdl_free(b39);
 }
 #endif
 
 #if MDL_IN(1)
 // k14_gemm: GEMM, 1 op
-//   %47    matmul             d.w2                 line 21    f32[32,32]
+//   %44    matmul             d.w2                 line 21    f32[32,32]
 // loops:
-//   gemm %47: [32 x 32] = T[32 x 32] [32 x 32]
+//   gemm %44: [32 x 32] = T[32 x 32] [32 x 32]
 MDL_FN void k14_gemm(char *arena, const MdlHooks *h) {
   float *const b10 = (float *)(arena + 34304); // %10 relu h f32[32,32]
-  float *const b44 = (float *)(arena + 42496); // %44 relu_bwd f32[32,32]
-  float *const b47 = (float *)(arena + 9152); // %47 matmul d.w2 f32[32,32]
-  mdl_gemm(h, 1, 0, 32, 32, 32, b10, 32, b44, 32, 0.0f, b47, 32);
+  float *const b41 = (float *)(arena + 42496); // %41 relu_bwd f32[32,32]
+  float *const b44 = (float *)(arena + 9152); // %44 matmul d.w2 f32[32,32]
+  mdl_gemm(h, 1, 0, 32, 32, 32, b10, 32, b41, 32, 0.0f, b44, 32);
 }
 #endif
 
 #if MDL_IN(3)
 // k15_gemm__relu_bwd__sum: GEMM, 3 ops
-//   %46    matmul             d.h                  line 21    f32[32,32]
-//   %48    relu_bwd                                line 20    f32[32,32]
-//   %49    sum                d.b1                 line 20    f32[32]
+//   %43    matmul             d.h                  line 21    f32[32,32]
+//   %45    relu_bwd                                line 20    f32[32,32]
+//   %46    sum                d.b1                 line 20    f32[32]
 // loops:
-//   gemm %46: [32 x 32] = [32 x 32] T[32 x 32], epilogue after
-//   sum %49: 32 outputs over 32 elements, in 2 blocks of 16
+//   gemm %43: [32 x 32] = [32 x 32] T[32 x 32], epilogue after
+//   sum %46: 32 outputs over 32 elements, in 2 blocks of 16
 MDL_FN void k15_gemm__relu_bwd__sum(char *arena, const MdlHooks *h) {
   float *const b4 = (float *)(arena + 2176); // %4 param w2 f32[32,32]
   float *const b9 = (float *)(arena + 30208); // %9 add f32[32,32]
-  float *const b44 = (float *)(arena + 42496); // %44 relu_bwd f32[32,32]
-  float *const b46 = mdl_scratch(4096); // %46 matmul d.h f32[32,32], kept in this kernel
-  float *const b48 = (float *)(arena + 34304); // %48 relu_bwd f32[32,32]
-  float *const b49 = (float *)(arena + 9024); // %49 sum d.b1 f32[32]
-  mdl_gemm(h, 0, 1, 32, 32, 32, b44, 32, b4, 32, 0.0f, b46, 32);
+  float *const b41 = (float *)(arena + 42496); // %41 relu_bwd f32[32,32]
+  float *const b43 = mdl_scratch(4096); // %43 matmul d.h f32[32,32], kept in this kernel
+  float *const b45 = (float *)(arena + 34304); // %45 relu_bwd f32[32,32]
+  float *const b46 = (float *)(arena + 9024); // %46 sum d.b1 f32[32]
+  mdl_gemm(h, 0, 1, 32, 32, 32, b41, 32, b4, 32, 0.0f, b43, 32);
   double *part = mdl_scratch(64 * sizeof(double));
   for (int64_t k = 0; k < 2; k++) {
     double *p = part + k * 32;
@@ -759,10 +752,10 @@ MDL_FN void k15_gemm__relu_bwd__sum(char *arena, const MdlHooks *h) {
       for (int64_t c = 0; c < 32; c++) {
         const int64_t ix = l * 32 + c;
         const float v9_ix = b9[ix];
-        const float v46_ix = b46[ix];
-        const float v48_ix = v9_ix > 0.0f ? v46_ix : 0.0f;
-        b48[ix] = v48_ix;
-        const float v = v48_ix;
+        const float v43_ix = b43[ix];
+        const float v45_ix = v9_ix > 0.0f ? v43_ix : 0.0f;
+        b45[ix] = v45_ix;
+        const float v = v45_ix;
         p[c] += v;
       }
     }
@@ -774,58 +767,58 @@ MDL_FN void k15_gemm__relu_bwd__sum(char *arena, const MdlHooks *h) {
       acc += v;
     }
     const float y = (float)acc;
-    b49[r] = y;
+    b46[r] = y;
   }
   mdl_free(part);
-  mdl_free(b46);
+  mdl_free(b43);
 }
 #endif
 
-#if MDL_IN(2)
+#if MDL_IN(3)
 // k16_gemm: GEMM, 1 op
-//   %50    matmul             d.w1                 line 20    f32[16,32]
+//   %47    matmul             d.w1                 line 20    f32[16,32]
 // loops:
-//   gemm %50: [16 x 32] = T[16 x 32] [32 x 32]
+//   gemm %47: [16 x 32] = T[16 x 32] [32 x 32]
 MDL_FN void k16_gemm(char *arena, const MdlHooks *h) {
   float *const b0 = (float *)(arena + 27904); // %0 input x f32[32,16]
-  float *const b48 = (float *)(arena + 34304); // %48 relu_bwd f32[32,32]
-  float *const b50 = (float *)(arena + 6976); // %50 matmul d.w1 f32[16,32]
-  mdl_gemm(h, 1, 0, 16, 32, 32, b0, 16, b48, 32, 0.0f, b50, 32);
+  float *const b45 = (float *)(arena + 34304); // %45 relu_bwd f32[32,32]
+  float *const b47 = (float *)(arena + 6976); // %47 matmul d.w1 f32[16,32]
+  mdl_gemm(h, 1, 0, 16, 32, 32, b0, 16, b45, 32, 0.0f, b47, 32);
 }
 #endif
 
 #if MDL_IN(0)
 // k17_grad_norm__adamw: optimizer, 7 ops
-//   %53    grad_norm                                          f32[]
-//   %56    adamw              w1.new               line 13    f32[16,32]
-//   %59    adamw              b1.new               line 14    f32[32]
-//   %62    adamw              w2.new               line 15    f32[32,32]
-//   %65    adamw              b2.new               line 16    f32[32]
-//   %68    adamw              w3.new               line 17    f32[32,4]
-//   %71    adamw              b3.new               line 18    f32[4]
+//   %50    grad_norm                                          f32[]
+//   %53    adamw              w1.new               line 13    f32[16,32]
+//   %56    adamw              b1.new               line 14    f32[32]
+//   %59    adamw              w2.new               line 15    f32[32,32]
+//   %62    adamw              b2.new               line 16    f32[32]
+//   %65    adamw              w3.new               line 17    f32[32,4]
+//   %68    adamw              b3.new               line 18    f32[4]
 // loops:
-//   gradient norm %53 over 6 tensors, 1732 values
+//   gradient norm %50 over 6 tensors, 1732 values
 //   AdamW over 6 parameters, 1732 values (beta1 0.9, beta2 0.95, eps 1e-08, clip 0)
 MDL_FN void k17_grad_norm__adamw(char *arena, const MdlHooks *h) {
   float *const b19 = (float *)(arena + 47616); // %19 div loss f32[]
-  float *const b41 = (float *)(arena + 13888); // %41 sum d.b3 f32[4]
-  float *const b43 = (float *)(arena + 13376); // %43 matmul d.w3 f32[32,4]
-  float *const b45 = (float *)(arena + 13248); // %45 sum d.b2 f32[32]
-  float *const b47 = (float *)(arena + 9152); // %47 matmul d.w2 f32[32,32]
-  float *const b49 = (float *)(arena + 9024); // %49 sum d.b1 f32[32]
-  float *const b50 = (float *)(arena + 6976); // %50 matmul d.w1 f32[16,32]
-  float *const b51 = (float *)(arena + 30080); // %51 scalar lr f32[]
-  float *const b52 = (float *)(arena + 30144); // %52 scalar step f32[]
-  float *const b53 = (float *)(arena + 30208); // %53 grad_norm f32[]
+  float *const b38 = (float *)(arena + 13888); // %38 sum d.b3 f32[4]
+  float *const b40 = (float *)(arena + 13376); // %40 matmul d.w3 f32[32,4]
+  float *const b42 = (float *)(arena + 13248); // %42 sum d.b2 f32[32]
+  float *const b44 = (float *)(arena + 9152); // %44 matmul d.w2 f32[32,32]
+  float *const b46 = (float *)(arena + 9024); // %46 sum d.b1 f32[32]
+  float *const b47 = (float *)(arena + 6976); // %47 matmul d.w1 f32[16,32]
+  float *const b48 = (float *)(arena + 30080); // %48 scalar lr f32[]
+  float *const b49 = (float *)(arena + 30144); // %49 scalar step f32[]
+  float *const b50 = (float *)(arena + 30208); // %50 grad_norm f32[]
   {
     double ss = 0;
-    ss += mdl_sumsq(b50, 512, h->nthreads); // d.w1
-    ss += mdl_sumsq(b49, 32, h->nthreads); // d.b1
-    ss += mdl_sumsq(b47, 1024, h->nthreads); // d.w2
-    ss += mdl_sumsq(b45, 32, h->nthreads); // d.b2
-    ss += mdl_sumsq(b43, 128, h->nthreads); // d.w3
-    ss += mdl_sumsq(b41, 4, h->nthreads); // d.b3
-    b53[0] = (float)sqrt(ss);
+    ss += mdl_sumsq(b47, 512, h->nthreads); // d.w1
+    ss += mdl_sumsq(b46, 32, h->nthreads); // d.b1
+    ss += mdl_sumsq(b44, 1024, h->nthreads); // d.w2
+    ss += mdl_sumsq(b42, 32, h->nthreads); // d.b2
+    ss += mdl_sumsq(b40, 128, h->nthreads); // d.w3
+    ss += mdl_sumsq(b38, 4, h->nthreads); // d.b3
+    b50[0] = (float)sqrt(ss);
   }
   {
     static const struct {
@@ -839,11 +832,11 @@ MDL_FN void k17_grad_norm__adamw(char *arena, const MdlHooks *h) {
         {6400, 13376, 20352, 27328, 128, 0.01}, // w3
         {6912, 13888, 20864, 27840, 4, 0.0}, // b3
     };
-    const double clip = 0.0, gnorm = b53[0];
-    const double step = b52[0];
+    const double clip = 0.0, gnorm = b50[0];
+    const double step = b49[0];
     const int nseg = isfinite(gnorm) && isfinite(b19[0]) ? 6 : 0;
     const float s = (float)(clip > 0 ? fmin(1.0, clip / (gnorm + 1e-6)) : 1.0);
-    const float lr = b51[0], b1 = 0.9f, b2 = 0.95f, eps = 1e-08f;
+    const float lr = b48[0], b1 = 0.9f, b2 = 0.95f, eps = 1e-08f;
     const float c1 = (float)(1.0 / (1.0 - pow(b1, step))), c2 = (float)(1.0 / (1.0 - pow(b2, step)));
     for (int k = 0; k < nseg; k++) {
       float *restrict p = (float *)(arena + seg[k].p), *restrict m = (float *)(arena + seg[k].m);
@@ -872,7 +865,7 @@ void mdl_step(char *arena, const MdlHooks *h) {
   k3_gemm__add__max(arena, h);
   k4_max(arena, h);
   k5_cross_entropy_fwd(arena, h);
-  k6_sum__sub__exp__log__add__mul__relu__neg(arena, h);
+  k6_sum__sub__exp__log__add__compare(arena, h);
   k7_mean(arena, h);
   k8_broadcast__div(arena, h);
   k9_cross_entropy_fwd__cross_entropy_bwd(arena, h);
@@ -893,7 +886,7 @@ const MdlKernel mdl_kernels[] = {
     {"k3_gemm__add__max", k3_gemm__add__max},
     {"k4_max", k4_max},
     {"k5_cross_entropy_fwd", k5_cross_entropy_fwd},
-    {"k6_sum__sub__exp__log__add__mul__relu__neg", k6_sum__sub__exp__log__add__mul__relu__neg},
+    {"k6_sum__sub__exp__log__add__compare", k6_sum__sub__exp__log__add__compare},
     {"k7_mean", k7_mean},
     {"k8_broadcast__div", k8_broadcast__div},
     {"k9_cross_entropy_fwd__cross_entropy_bwd", k9_cross_entropy_fwd__cross_entropy_bwd},

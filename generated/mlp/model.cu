@@ -471,7 +471,7 @@ extern "C" __global__ void __launch_bounds__(32) k2_target_count(char *arena, Md
 // k3_gemm__add__max: GEMM, 3 ops
 //   %14    matmul                                  line 22    f32[32,4]
 //   %15    add                logits               line 22    f32[32,4]
-//   %20    max                top                  line 29    f32[32]
+//   %20    max                top                  line 28    f32[32]
 // runs:
 //   gemm 2: [32 x 4] = [32 x 32] [32 x 4], epilogue bias
 //   k3_gemm__add__max<<<1, 32>>>
@@ -495,7 +495,7 @@ extern "C" __global__ void __launch_bounds__(32) k3_gemm__add__max(char *arena, 
 }
 
 // k4_max: kernel, 1 op
-//   %21    max                                     line 30    f32[32,1]
+//   %21    max                                     line 29    f32[32,1]
 // runs:
 //   k4_max<<<1, 32>>>
 
@@ -518,7 +518,7 @@ extern "C" __global__ void __launch_bounds__(32) k4_max(char *arena, MdlStatus *
 }
 
 // k5_cross_entropy_fwd: kernel, 1 op
-//   %27    cross_entropy                           line 31    f32[32]
+//   %27    cross_entropy                           line 30    f32[32]
 // runs:
 //   k5_cross_entropy_fwd<<<4, 256>>>
 
@@ -566,28 +566,25 @@ extern "C" __global__ void __launch_bounds__(256) k5_cross_entropy_fwd(char *are
   }
 }
 
-// k6_sum__sub__exp__log__add__mul__relu__neg: kernel, 11 ops
-//   %22    sub                                     line 30    f32[32,4]
-//   %23    exp                                     line 30    f32[32,4]
-//   %24    sum                                     line 30    f32[32]
-//   %25    log                                     line 30    f32[32]
-//   %26    add                lse                  line 30    f32[32]
-//   %28    sub                                     line 31    f32[32]
-//   %29    sub                gap                  line 31    f32[32]
-//   %31    mul                                     line 32    f32[32]
-//   %32    relu                                    line 32    f32[32]
-//   %33    neg                                     line 32    f32[32]
-//   %34    exp                                     line 32    f32[32]
+// k6_sum__sub__exp__log__add__compare: kernel, 8 ops
+//   %22    sub                                     line 29    f32[32,4]
+//   %23    exp                                     line 29    f32[32,4]
+//   %24    sum                                     line 29    f32[32]
+//   %25    log                                     line 29    f32[32]
+//   %26    add                lse                  line 29    f32[32]
+//   %28    sub                                     line 30    f32[32]
+//   %29    sub                                     line 30    f32[32]
+//   %31    compare                                 line 30    f32[32]
 // runs:
-//   k6_sum__sub__exp__log__add__mul__relu__neg<<<1, 32>>>
+//   k6_sum__sub__exp__log__add__compare<<<1, 32>>>
 
 // sum: 32 outputs over 4 elements, a thread per output
-extern "C" __global__ void __launch_bounds__(32) k6_sum__sub__exp__log__add__mul__relu__neg(char *arena, MdlStatus *status, const uint64_t *seed, int64_t chunk, MdlArgs o) {
+extern "C" __global__ void __launch_bounds__(32) k6_sum__sub__exp__log__add__compare(char *arena, MdlStatus *status, const uint64_t *seed, int64_t chunk, MdlArgs o) {
   float *const b0 = (float *)(arena + o.b[0]); // add f32[32,4]
   float *const b1 = (float *)(arena + o.b[1]); // max f32[32,1]
   float *const b2 = (float *)(arena + o.b[2]); // max f32[32]
   float *const b3 = (float *)(arena + o.b[3]); // cross_entropy f32[32]
-  float *const b4 = (float *)(arena + o.b[4]); // exp f32[32]
+  float *const b4 = (float *)(arena + o.b[4]); // compare f32[32]
   for (int r = blockIdx.x * blockDim.x + threadIdx.x; r < 32; r += gridDim.x * blockDim.x) {
     const int base = r * 4;
     double acc = 0.0;
@@ -602,28 +599,25 @@ extern "C" __global__ void __launch_bounds__(32) k6_sum__sub__exp__log__add__mul
       acc += v;
     }
     const float y = (float)acc;
-    const float v13 = logf(y);
-    const float v14 = b2[r];
-    const float v12 = v13 + v14;
-    const float v15 = b3[r];
-    const float v11 = v12 - v15;
-    const float v10 = v11 - v14;
-    const float v9 = v10 * (-1e+03f);
-    const float v8 = v9 > 0.0f ? v9 : 0.0f;
-    const float v7 = -v8;
-    const float v6 = expf(v7);
+    const float v10 = logf(y);
+    const float v11 = b2[r];
+    const float v9 = v10 + v11;
+    const float v12 = b3[r];
+    const float v8 = v9 - v12;
+    const float v7 = v8 - v11;
+    const float v6 = (v7 >= (-0.0001f) ? 1.0f : 0.0f);
     b4[r] = v6;
   }
 }
 
 // k7_mean: kernel, 1 op
-//   %35    mean               acc                  line 32    f32[]
+//   %32    mean               acc                  line 30    f32[]
 // runs:
 //   k7_mean<<<1, 32>>>
 
 // mean: 1 outputs over 32 elements, a thread per output
 extern "C" __global__ void __launch_bounds__(32) k7_mean(char *arena, MdlStatus *status, const uint64_t *seed, int64_t chunk, MdlArgs o) {
-  float *const b0 = (float *)(arena + o.b[0]); // exp f32[32]
+  float *const b0 = (float *)(arena + o.b[0]); // compare f32[32]
   float *const b1 = (float *)(arena + o.b[1]); // mean f32[]
   for (int r = blockIdx.x * blockDim.x + threadIdx.x; r < 1; r += gridDim.x * blockDim.x) {
     const int base = r * 32;
@@ -640,9 +634,9 @@ extern "C" __global__ void __launch_bounds__(32) k7_mean(char *arena, MdlStatus 
 }
 
 // k8_broadcast__div: kernel, 3 ops
-//   %37    div                                     line 23    f32[]
-//   %38    reshape                                 line 23    f32[1]
-//   %39    broadcast                               line 23    f32[32]
+//   %34    div                                     line 23    f32[]
+//   %35    reshape                                 line 23    f32[1]
+//   %36    broadcast                               line 23    f32[32]
 // runs:
 //   k8_broadcast__div<<<1, 32>>>
 
@@ -664,7 +658,7 @@ extern "C" __global__ void __launch_bounds__(32) k8_broadcast__div(char *arena, 
 
 // k9_cross_entropy_fwd__cross_entropy_bwd: kernel, 2 ops
 //   %16    cross_entropy                           line 23    f32[32]
-//   %40    cross_entropy_bwd  d.logits             line 23    f32[32,4]
+//   %37    cross_entropy_bwd  d.logits             line 23    f32[32,4]
 // runs:
 //   k9_cross_entropy_fwd__cross_entropy_bwd<<<4, 256>>>
 
@@ -768,7 +762,7 @@ extern "C" __global__ void __launch_bounds__(32) k10_sum__div(char *arena, MdlSt
 }
 
 // k11_sum: kernel, 1 op
-//   %41    sum                d.b3                 line 22    f32[4]
+//   %38    sum                d.b3                 line 22    f32[4]
 // runs:
 //   k11_sum<<<1, 32>>>
 
@@ -791,14 +785,14 @@ extern "C" __global__ void __launch_bounds__(32) k11_sum(char *arena, MdlStatus 
 }
 
 // k12_gemm: GEMM, 1 op
-//   %43    matmul             d.w3                 line 22    f32[32,4]
+//   %40    matmul             d.w3                 line 22    f32[32,4]
 // runs:
 //   gemm 3: [32 x 4] = T[32 x 32] [32 x 4]
 
 // k13_gemm__relu_bwd__sum: GEMM, 3 ops
-//   %42    matmul             d.h                  line 22    f32[32,32]
-//   %44    relu_bwd                                line 21    f32[32,32]
-//   %45    sum                d.b2                 line 21    f32[32]
+//   %39    matmul             d.h                  line 22    f32[32,32]
+//   %41    relu_bwd                                line 21    f32[32,32]
+//   %42    sum                d.b2                 line 21    f32[32]
 // runs:
 //   gemm 4: [32 x 32] = [32 x 4] T[4 x 32]
 //   k13_gemm__relu_bwd__sum<<<1, 32>>>
@@ -827,31 +821,31 @@ extern "C" __global__ void __launch_bounds__(32) k13_gemm__relu_bwd__sum(char *a
 }
 
 // k14_gemm: GEMM, 1 op
-//   %47    matmul             d.w2                 line 21    f32[32,32]
+//   %44    matmul             d.w2                 line 21    f32[32,32]
 // runs:
 //   gemm 5: [32 x 32] = T[32 x 32] [32 x 32]
 
 // k15_gemm__relu_bwd__sum: GEMM, 3 ops
-//   %46    matmul             d.h                  line 21    f32[32,32]
-//   %48    relu_bwd                                line 20    f32[32,32]
-//   %49    sum                d.b1                 line 20    f32[32]
+//   %43    matmul             d.h                  line 21    f32[32,32]
+//   %45    relu_bwd                                line 20    f32[32,32]
+//   %46    sum                d.b1                 line 20    f32[32]
 // runs:
 //   gemm 6: [32 x 32] = [32 x 32] T[32 x 32]
 //   k13_gemm__relu_bwd__sum<<<1, 32>>>
 
 // k16_gemm: GEMM, 1 op
-//   %50    matmul             d.w1                 line 20    f32[16,32]
+//   %47    matmul             d.w1                 line 20    f32[16,32]
 // runs:
 //   gemm 7: [16 x 32] = T[16 x 32] [32 x 32]
 
 // k17_grad_norm__adamw: optimizer, 7 ops
-//   %53    grad_norm                                          f32[]
-//   %56    adamw              w1.new               line 13    f32[16,32]
-//   %59    adamw              b1.new               line 14    f32[32]
-//   %62    adamw              w2.new               line 15    f32[32,32]
-//   %65    adamw              b2.new               line 16    f32[32]
-//   %68    adamw              w3.new               line 17    f32[32,4]
-//   %71    adamw              b3.new               line 18    f32[4]
+//   %50    grad_norm                                          f32[]
+//   %53    adamw              w1.new               line 13    f32[16,32]
+//   %56    adamw              b1.new               line 14    f32[32]
+//   %59    adamw              w2.new               line 15    f32[32,32]
+//   %62    adamw              b2.new               line 16    f32[32]
+//   %65    adamw              w3.new               line 17    f32[32,4]
+//   %68    adamw              b3.new               line 18    f32[4]
 // runs:
 //   k17_grad_norm__adamw_sumsq<<<1, 256>>>
 //   k17_grad_norm__adamw_norm<<<1, 256>>>
