@@ -1042,6 +1042,256 @@ __device__ __forceinline__ void mdl_att_dkv(const Q &q, const K &k, const V &v, 
   }
 }
 
+//
+// Cross-entropy, a row at a time, as the CUDA emitter instantiates it (compiler/emit_cuda_lmhead.c: the
+// cross-entropy kernels and the LM head's, which take their rows from the logits GEMM's chunk).
+//
+
+// Four or eight values as f32 from p (aligned to the load), and their store (to bf16: rounded).
+template <int VW, typename E> __device__ __forceinline__ void mdl_loadv(const E *p, float *f) {
+  if constexpr (VW == 8)
+    mdl_load8(p, f);
+  else
+    mdl_load4(p, f);
+}
+template <int VW, typename E> __device__ __forceinline__ void mdl_storev(E *p, const float *f) {
+  if constexpr (VW == 8)
+    mdl_store8(p, f);
+  else
+    mdl_store4(p, f);
+}
+
+// A value in memory as f32: itself, or a bf16 value widened.
+__device__ __forceinline__ float mdl_as_f32(float x) { return x; }
+__device__ __forceinline__ float mdl_as_f32(uint16_t x) { return mdl_bf16_to_f32(x); }
+
+// The type of an integer literal of value V in C (int where it fits, else long): a constant of the
+// template in an expression as the literal the emitter printed was.
+template <bool FITS> struct mdl_lit_of { typedef long type; };
+template <> struct mdl_lit_of<true> { typedef int type; };
+template <long V> struct mdl_lit : mdl_lit_of<(V <= 2147483647L)> {};
+
+// One row of cross-entropy over V classes, by the TPR threads of the row (a warp, or a block: tr is
+// the thread's place in the row; the block's reductions use sh_f and sh_d, 32 floats and 48
+// doubles of shared memory), the logits row at x (float, or bf16 values widened as they are loaded),
+// the row's target tg: with LOSS the loss into *loss, with GRAD *dloss times (softmax - onehot) into the
+// row at dx (may be x itself; bf16 values when DX is uint16_t, each the f32 value rounded); an ignored
+// target (< 0) gives zeros, one >= V a report in status. With VW (4 or 8) both passes take VW logits a
+// load, 16 bytes (four f32 or eight bf16; four bf16, 8 bytes, where rows are only 8-byte aligned), then
+// the last V % VW one by one: the rows of x and dx start aligned to VW elements of theirs. I is the
+// index type. (The LM head's cross-entropy, a block of 1024 threads a row reading one float each, moved
+// GPT-2's logits at 2.2 TB/s on an H200: a load in flight per thread is too few bytes to cover the
+// memory's latency. The float4 loops were not unrolled either, one load of 16 bytes in a pass's loop in
+// the PTX: they take two loads a thread at once.)
+template <typename I, long V, int TPR, int VW, bool LOSS, bool GRAD, typename X, typename DX>
+__device__ __forceinline__ void mdl_ce_row(const X *x, DX *dx, int32_t tg, float *loss, const float *dloss,
+                                           MdlStatus *status, int tr, float *sh_f, double *sh_d) {
+  constexpr typename mdl_lit<V>::type VC = V; // (as the literal it was in the emitted code: int where it fits)
+  constexpr I NV = VW ? V / VW : 0; // the vector loads of a row
+  if (tg < 0 || tg >= VC) {
+    if (tg >= VC && tr == 0)
+      mdl_report(status, MDL_ERR_TARGET, tg, VC);
+    if constexpr (LOSS)
+      if (tr == 0)
+        *loss = 0.0f;
+    if constexpr (GRAD)
+      for (I j = tr; j < VC; j += TPR)
+        dx[j] = 0;
+  } else {
+    float xt = 0.0f;
+    if constexpr (LOSS)
+      xt = mdl_as_f32(x[tg]);
+    // (dx may be x: the lane that writes dx[tg] must not do so before every lane has read x[tg]; a
+    // block's reductions below order them by __syncthreads, a warp's shuffles do not order memory)
+    if constexpr (LOSS && GRAD && TPR == 32)
+      __syncwarp();
+    // One pass for the maximum and the sum (online softmax): each thread keeps the largest logit it
+    // has seen and its sum of exp(x - that), rescaled when the maximum grows; the threads' sums are
+    // then rescaled to the row's maximum and added. The gradient's pass reads the row a second time.
+    // (Two loads of a thread in flight at once, the second's logits taken after the first's as a loop
+    // of one would: the order of the sums is the same.)
+    float m = -MDL_INF;
+    double part = 0;
+    if constexpr (NV > 0)
+      for (I jv = tr; jv < NV; jv += 2 * TPR) {
+        float xa[VW], ya[VW];
+        mdl_loadv<VW>(&x[VW * jv], xa);
+        if (jv + TPR < NV)
+          mdl_loadv<VW>(&x[VW * (jv + TPR)], ya);
+        else
+          for (int c = 0; c < VW; c++) ya[c] = -MDL_INF;
+#pragma unroll
+        for (int c = 0; c < VW; c++)
+          mdl_softmax_add(xa[c], m, part);
+#pragma unroll
+        for (int c = 0; c < VW; c++)
+          mdl_softmax_add(ya[c], m, part);
+      }
+    if constexpr (VW * NV < VC)
+      for (I j = VW * NV + tr; j < VC; j += TPR)
+        mdl_softmax_add(mdl_as_f32(x[j]), m, part);
+    float mx;
+    if constexpr (TPR == 32)
+      mx = mdl_warp_fmax(m);
+    else
+      mx = mdl_block_fmax(m, sh_f);
+    double sum = m == -MDL_INF ? 0.0 : part * (double)expf(m - mx);
+    if constexpr (TPR == 32)
+      sum = mdl_warp_sum(sum);
+    else
+      sum = mdl_block_sum(sum, sh_d);
+    if constexpr (LOSS)
+      if (tr == 0)
+        *loss = (float)(mx + log(sum) - xt);
+    if constexpr (GRAD) {
+      const double g = *dloss, inv = 1.0 / sum;
+      if constexpr (NV > 0)
+        for (I jv = tr; jv < NV; jv += 2 * TPR) { // (both loads before either store: dx may be x itself)
+          const bool two = jv + TPR < NV;
+          float xa[VW], ya[VW];
+          mdl_loadv<VW>(&x[VW * jv], xa);
+          if (two)
+            mdl_loadv<VW>(&x[VW * (jv + TPR)], ya);
+          const I j = VW * (jv);
+#pragma unroll
+          for (int c = 0; c < VW; c++)
+            xa[c] = mdl_ce_grad(xa[c], mx, g, inv, j + c == tg);
+          mdl_storev<VW>(&dx[j], xa);
+          if (two) {
+            const I jy = VW * (jv + TPR);
+#pragma unroll
+            for (int c = 0; c < VW; c++)
+              ya[c] = mdl_ce_grad(ya[c], mx, g, inv, jy + c == tg);
+            mdl_storev<VW>(&dx[jy], ya);
+          }
+        }
+      if constexpr (VW * NV < VC)
+        for (I j = VW * NV + tr; j < VC; j += TPR) {
+          const float d = mdl_ce_grad(mdl_as_f32(x[j]), mx, g, inv, j == tg);
+          if constexpr (sizeof(DX) == 2)
+            dx[j] = mdl_f32_to_bf16(d);
+          else
+            dx[j] = d;
+        }
+    }
+  }
+}
+
+//
+// The optimizer over the concatenation of its parameters' segments (MdlSeg tables), in chunks of CHUNK
+// values a block, as compiler/emit_cuda_opt.c instantiates it: the gradient norm's sums of squares
+// and their total, and AdamW.
+//
+
+// The first of the NSEG segments that meet a block's chunk [c0, c1) of the concatenated values: the
+// last segment starting at or before c0, by bisection over their starts; the loops over the segments
+// end at the first that starts past the chunk, [lo, hi) the chunk's elements of segment s, as indices
+// into it. (A loop over every segment, in every thread, read GPT-2's 148-entry table a thousand times
+// per thread, for 32 elements: the optimizer took 3.6 ms a step on an H200.)
+template <int NSEG> __device__ __forceinline__ int mdl_seg_first(const MdlSeg *seg, int64_t c0) {
+  int s0 = 0;
+  for (int s1 = NSEG - 1; s0 < s1;) {
+    const int mid = (s0 + s1 + 1) / 2;
+    if (seg[mid].start <= c0) s0 = mid; else s1 = mid - 1;
+  }
+  return s0;
+}
+
+// The gradient norm's first kernel: the sum of squares of the block's chunk (of CHUNK of the TOTAL
+// values) of the concatenated gradients (the segments' p), in double, into part[blockIdx.x]; LOADS
+// loads a thread in flight, the values added in the order of a loop of one load (which the compiler
+// had left as it was). sh: 48 doubles of shared memory.
+template <int NSEG, long TOTAL, int CHUNK, int LOADS>
+__device__ __forceinline__ void mdl_opt_sumsq(const char *arena, const MdlSeg *seg, double *part, double *sh) {
+  double acc = 0;
+  const int64_t c0 = (int64_t)blockIdx.x * CHUNK, c1 = c0 + CHUNK < TOTAL ? c0 + CHUNK : TOTAL;
+  const int s0 = mdl_seg_first<NSEG>(seg, c0);
+  for (int s = s0; s < NSEG && seg[s].start < c1; s++) {
+    const int64_t lo = (c0 > seg[s].start ? c0 : seg[s].start) - seg[s].start;
+    const int64_t hi = (c1 < seg[s].start + seg[s].n ? c1 : seg[s].start + seg[s].n) - seg[s].start;
+    for (int64_t k = lo + threadIdx.x; k < hi; k += LOADS * blockDim.x) {
+      const float *const gs = (const float *)(arena + seg[s].p);
+      float x[LOADS];
+#pragma unroll
+      for (int u = 0; u < LOADS; u++)
+        x[u] = k + u * blockDim.x < hi ? gs[k + u * blockDim.x] : 0.0f;
+#pragma unroll
+      for (int u = 0; u < LOADS; u++)
+        acc += (double)x[u] * x[u];
+    }
+  }
+  acc = mdl_block_sum(acc, sh);
+  if (threadIdx.x == 0)
+    part[blockIdx.x] = acc;
+}
+
+// Its second, by one block: the NB chunks' sums added in order, the norm their square root.
+template <long NB> __device__ __forceinline__ void mdl_opt_norm(const double *part, float *norm, double *sh) {
+  double acc = 0;
+  for (int64_t k = threadIdx.x; k < NB; k += blockDim.x)
+    acc += part[k];
+  acc = mdl_block_sum(acc, sh);
+  if (threadIdx.x == 0)
+    norm[0] = (float)sqrt(acc);
+}
+
+// AdamW (mdl_adamw, hyperparameters h) over the block's chunk of the segments: p, m and v in place,
+// with COPIES p's bf16 copy (c, where a segment has one) too. Four elements a float4, UNROLL float4s
+// of g, m, v and p loaded before any is updated: the stores of one element may alias the loads of the
+// next as far as the compiler knows, so one at a time a thread would keep a single element's loads in
+// flight and the kernel would wait on memory. Buffers start 64-byte aligned; where a chunk or segment
+// does not start or end at a multiple of 4, up to 3 elements at each end go one a thread.
+template <int NSEG, long TOTAL, int CHUNK, int UNROLL, bool COPIES>
+__device__ __forceinline__ void mdl_opt_adamw(char *arena, const MdlSeg *seg, const MdlAdamW &h) {
+  const int64_t c0 = (int64_t)blockIdx.x * CHUNK, c1 = c0 + CHUNK < TOTAL ? c0 + CHUNK : TOTAL;
+  const int s0 = mdl_seg_first<NSEG>(seg, c0);
+  for (int s = s0; s < NSEG && seg[s].start < c1; s++) {
+    const int64_t lo = (c0 > seg[s].start ? c0 : seg[s].start) - seg[s].start;
+    const int64_t hi = (c1 < seg[s].start + seg[s].n ? c1 : seg[s].start + seg[s].n) - seg[s].start;
+    float *p = (float *)(arena + seg[s].p), *m = (float *)(arena + seg[s].m);
+    float *v = (float *)(arena + seg[s].v);
+    const float *g = (const float *)(arena + seg[s].g);
+    const double wd = seg[s].wd;
+    uint16_t *const cp = COPIES && seg[s].c >= 0 ? (uint16_t *)(arena + seg[s].c) : NULL;
+    const int64_t lo4 = (lo + 3) / 4 * 4, hi4 = hi / 4 * 4 > lo4 ? hi / 4 * 4 : lo4;
+    if (threadIdx.x < 8) {
+      const int64_t k = threadIdx.x < 4 ? lo + threadIdx.x : hi4 + threadIdx.x - 4;
+      if (k < hi && (threadIdx.x >= 4 || k < lo4)) {
+        float mk = m[k], vk = v[k];
+        const float pk = mdl_adamw(h, wd, g[k], mk, vk, p[k]);
+        m[k] = mk, v[k] = vk, p[k] = pk;
+        if (COPIES && cp)
+          cp[k] = mdl_f32_to_bf16(pk);
+      }
+    }
+    for (int64_t k0 = lo4 / 4 + threadIdx.x; k0 < hi4 / 4; k0 += UNROLL * blockDim.x) {
+      float4 gv[UNROLL], mv[UNROLL], vv[UNROLL], pv[UNROLL];
+#pragma unroll
+      for (int u = 0; u < UNROLL; u++) {
+        const int64_t q = k0 + u * blockDim.x;
+        gv[u] = mv[u] = vv[u] = pv[u] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        if (q < hi4 / 4)
+          gv[u] = ((const float4 *)g)[q], mv[u] = ((float4 *)m)[q], vv[u] = ((float4 *)v)[q], pv[u] = ((float4 *)p)[q];
+      }
+#pragma unroll
+      for (int u = 0; u < UNROLL; u++) {
+        const int64_t q = k0 + u * blockDim.x;
+        if (q >= hi4 / 4)
+          break;
+        float4 &mq = mv[u], &vq = vv[u], &pq = pv[u];
+        pq.x = mdl_adamw(h, wd, gv[u].x, mq.x, vq.x, pq.x);
+        pq.y = mdl_adamw(h, wd, gv[u].y, mq.y, vq.y, pq.y);
+        pq.z = mdl_adamw(h, wd, gv[u].z, mq.z, vq.z, pq.z);
+        pq.w = mdl_adamw(h, wd, gv[u].w, mq.w, vq.w, pq.w);
+        ((float4 *)m)[q] = mq, ((float4 *)v)[q] = vq, ((float4 *)p)[q] = pq;
+        if (COPIES && cp)
+          ((ushort4 *)cp)[q] = make_ushort4(mdl_f32_to_bf16(pq.x), mdl_f32_to_bf16(pq.y), mdl_f32_to_bf16(pq.z),
+                                            mdl_f32_to_bf16(pq.w));
+      }
+    }
+  }
+}
+
 // Not of the plan: the runtime's sum of gradients over micro-batches (Engine.inputs_from), y += x in
 // f32, element by element, as the host would add them.
 extern "C" __global__ void mdl_accumulate(float *y, const float *x, int64_t n) {
@@ -1441,81 +1691,7 @@ extern "C" __global__ void __launch_bounds__(256) k19_lmhead__cast__cross_entrop
   const int tr = threadIdx.x & 31;
   if (i < rn) {
     const int r = chunk + i;
-    const uint16_t *x = b0 + i * 256;
-    uint16_t *dx = b0 + i * 256;
-    const int32_t tg = b3[r];
-    if (tg < 0 || tg >= 256) {
-      if (tg >= 256 && tr == 0)
-        mdl_report(status, MDL_ERR_TARGET, tg, 256);
-      if (tr == 0)
-        b2[r] = 0.0f;
-      for (int j = tr; j < 256; j += 32)
-        dx[j] = 0;
-    } else {
-      const float xt = mdl_bf16_to_f32(x[tg]);
-      __syncwarp();
-      float m = -MDL_INF;
-      double part = 0;
-      for (int jv = tr; jv < 32; jv += 64) {
-        float xa[8], ya[8];
-        mdl_load8(&x[8 * jv], xa);
-        if (jv + 32 < 32)
-          mdl_load8(&x[8 * (jv + 32)], ya);
-        else
-          for (int c = 0; c < 8; c++) ya[c] = -MDL_INF;
-        mdl_softmax_add(xa[0], m, part);
-        mdl_softmax_add(xa[1], m, part);
-        mdl_softmax_add(xa[2], m, part);
-        mdl_softmax_add(xa[3], m, part);
-        mdl_softmax_add(xa[4], m, part);
-        mdl_softmax_add(xa[5], m, part);
-        mdl_softmax_add(xa[6], m, part);
-        mdl_softmax_add(xa[7], m, part);
-        mdl_softmax_add(ya[0], m, part);
-        mdl_softmax_add(ya[1], m, part);
-        mdl_softmax_add(ya[2], m, part);
-        mdl_softmax_add(ya[3], m, part);
-        mdl_softmax_add(ya[4], m, part);
-        mdl_softmax_add(ya[5], m, part);
-        mdl_softmax_add(ya[6], m, part);
-        mdl_softmax_add(ya[7], m, part);
-      }
-      const float mx = mdl_warp_fmax(m);
-      double sum = m == -MDL_INF ? 0.0 : part * (double)expf(m - mx);
-      sum = mdl_warp_sum(sum);
-      if (tr == 0)
-        b2[r] = (float)(mx + log(sum) - xt);
-      const double g = b1[r], inv = 1.0 / sum;
-      for (int jv = tr; jv < 32; jv += 64) {
-        const bool two = jv + 32 < 32;
-        float xa[8], ya[8];
-        mdl_load8(&x[8 * jv], xa);
-        if (two)
-          mdl_load8(&x[8 * (jv + 32)], ya);
-        const int j = 8 * (jv);
-        xa[0] = mdl_ce_grad(xa[0], mx, g, inv, j == tg);
-        xa[1] = mdl_ce_grad(xa[1], mx, g, inv, j + 1 == tg);
-        xa[2] = mdl_ce_grad(xa[2], mx, g, inv, j + 2 == tg);
-        xa[3] = mdl_ce_grad(xa[3], mx, g, inv, j + 3 == tg);
-        xa[4] = mdl_ce_grad(xa[4], mx, g, inv, j + 4 == tg);
-        xa[5] = mdl_ce_grad(xa[5], mx, g, inv, j + 5 == tg);
-        xa[6] = mdl_ce_grad(xa[6], mx, g, inv, j + 6 == tg);
-        xa[7] = mdl_ce_grad(xa[7], mx, g, inv, j + 7 == tg);
-        mdl_store8(&dx[j], xa);
-        if (two) {
-          const int jy = 8 * (jv + 32);
-          ya[0] = mdl_ce_grad(ya[0], mx, g, inv, jy == tg);
-          ya[1] = mdl_ce_grad(ya[1], mx, g, inv, jy + 1 == tg);
-          ya[2] = mdl_ce_grad(ya[2], mx, g, inv, jy + 2 == tg);
-          ya[3] = mdl_ce_grad(ya[3], mx, g, inv, jy + 3 == tg);
-          ya[4] = mdl_ce_grad(ya[4], mx, g, inv, jy + 4 == tg);
-          ya[5] = mdl_ce_grad(ya[5], mx, g, inv, jy + 5 == tg);
-          ya[6] = mdl_ce_grad(ya[6], mx, g, inv, jy + 6 == tg);
-          ya[7] = mdl_ce_grad(ya[7], mx, g, inv, jy + 7 == tg);
-          mdl_store8(&dx[jy], ya);
-        }
-      }
-    }
+    mdl_ce_row<int, 256, 32, 8, true, true>(b0 + i * 256, b0 + i * 256, b3[r], &b2[r], &b1[r], status, tr, nullptr, nullptr);
   }
 }
 
@@ -2714,30 +2890,7 @@ extern "C" __global__ void __launch_bounds__(256) k48_grad_norm__adamw_sumsq(cha
   double *const b0 = (double *)(arena + o.b[0]); // sums of squares per chunk
   __shared__ double sh_d[48];
   const MdlSeg *const seg = k48_grad_norm__adamw_grads;
-  double acc = 0;
-  const int64_t c0 = (int64_t)blockIdx.x * 8192, c1 = c0 + 8192 < 124672 ? c0 + 8192 : 124672;
-  int s0 = 0;
-  for (int s1 = 27; s0 < s1;) { // the last segment starting at or before c0
-    const int mid = (s0 + s1 + 1) / 2;
-    if (seg[mid].start <= c0) s0 = mid; else s1 = mid - 1;
-  }
-  for (int s = s0; s < 28 && seg[s].start < c1; s++) {
-    const int64_t lo = (c0 > seg[s].start ? c0 : seg[s].start) - seg[s].start;
-    const int64_t hi = (c1 < seg[s].start + seg[s].n ? c1 : seg[s].start + seg[s].n) - seg[s].start;
-    for (int64_t k = lo + threadIdx.x; k < hi; k += 4 * blockDim.x) {
-      const float *const gs = (const float *)(arena + seg[s].p);
-      float x[4];
-      #pragma unroll
-      for (int u = 0; u < 4; u++)
-        x[u] = k + u * blockDim.x < hi ? gs[k + u * blockDim.x] : 0.0f;
-      #pragma unroll
-      for (int u = 0; u < 4; u++)
-        acc += (double)x[u] * x[u];
-    }
-  }
-  acc = mdl_block_sum(acc, sh_d);
-  if (threadIdx.x == 0)
-    b0[blockIdx.x] = acc;
+  mdl_opt_sumsq<28, 124672, 8192, 4>(arena, seg, b0, sh_d); // (segments, values, chunk, loads)
 }
 
 // gradient norm: the 16 chunks added in order by one block
@@ -2745,12 +2898,7 @@ extern "C" __global__ void __launch_bounds__(256) k48_grad_norm__adamw_norm(char
   double *const b0 = (double *)(arena + o.b[0]); // sums of squares per chunk
   float *const b1 = (float *)(arena + o.b[1]); // grad_norm f32[]
   __shared__ double sh_d[48];
-  double acc = 0;
-  for (int64_t k = threadIdx.x; k < 16; k += blockDim.x)
-    acc += b0[k];
-  acc = mdl_block_sum(acc, sh_d);
-  if (threadIdx.x == 0)
-    b1[0] = (float)sqrt(acc);
+  mdl_opt_norm<16>(b0, b1, sh_d);
 }
 
 static __device__ const MdlSeg k48_grad_norm__adamw_seg[28] = {
@@ -2798,56 +2946,7 @@ extern "C" __global__ void __launch_bounds__(256) k48_grad_norm__adamw(char *are
   const double lr = b3[0], step = b2[0];
   const double beta1 = 0.9, beta2 = 0.95, eps = 1e-08;
   const MdlAdamW h = {sc, lr, beta1, beta2, eps, 1.0 / (1.0 - pow(beta1, step)), 1.0 / (1.0 - pow(beta2, step))};
-  const int64_t c0 = (int64_t)blockIdx.x * 8192, c1 = c0 + 8192 < 124672 ? c0 + 8192 : 124672;
-  int s0 = 0;
-  for (int s1 = 27; s0 < s1;) { // the last segment starting at or before c0
-    const int mid = (s0 + s1 + 1) / 2;
-    if (seg[mid].start <= c0) s0 = mid; else s1 = mid - 1;
-  }
-  for (int s = s0; s < 28 && seg[s].start < c1; s++) {
-    const int64_t lo = (c0 > seg[s].start ? c0 : seg[s].start) - seg[s].start;
-    const int64_t hi = (c1 < seg[s].start + seg[s].n ? c1 : seg[s].start + seg[s].n) - seg[s].start;
-    float *p = (float *)(arena + seg[s].p), *m = (float *)(arena + seg[s].m);
-    float *v = (float *)(arena + seg[s].v);
-    const float *g = (const float *)(arena + seg[s].g);
-    const double wd = seg[s].wd;
-    uint16_t *const cp = seg[s].c >= 0 ? (uint16_t *)(arena + seg[s].c) : NULL;
-    const int64_t lo4 = (lo + 3) / 4 * 4, hi4 = hi / 4 * 4 > lo4 ? hi / 4 * 4 : lo4;
-    if (threadIdx.x < 8) {
-      const int64_t k = threadIdx.x < 4 ? lo + threadIdx.x : hi4 + threadIdx.x - 4;
-      if (k < hi && (threadIdx.x >= 4 || k < lo4)) {
-        float mk = m[k], vk = v[k];
-        const float pk = mdl_adamw(h, wd, g[k], mk, vk, p[k]);
-        m[k] = mk, v[k] = vk, p[k] = pk;
-        if (cp)
-          cp[k] = mdl_f32_to_bf16(pk);
-      }
-    }
-    for (int64_t k0 = lo4 / 4 + threadIdx.x; k0 < hi4 / 4; k0 += 2 * blockDim.x) {
-      float4 gv[2], mv[2], vv[2], pv[2];
-      #pragma unroll
-      for (int u = 0; u < 2; u++) {
-        const int64_t q = k0 + u * blockDim.x;
-        gv[u] = mv[u] = vv[u] = pv[u] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-        if (q < hi4 / 4)
-          gv[u] = ((const float4 *)g)[q], mv[u] = ((float4 *)m)[q], vv[u] = ((float4 *)v)[q], pv[u] = ((float4 *)p)[q];
-      }
-      #pragma unroll
-      for (int u = 0; u < 2; u++) {
-        const int64_t q = k0 + u * blockDim.x;
-        if (q >= hi4 / 4)
-          break;
-        float4 &mq = mv[u], &vq = vv[u], &pq = pv[u];
-        pq.x = mdl_adamw(h, wd, gv[u].x, mq.x, vq.x, pq.x);
-        pq.y = mdl_adamw(h, wd, gv[u].y, mq.y, vq.y, pq.y);
-        pq.z = mdl_adamw(h, wd, gv[u].z, mq.z, vq.z, pq.z);
-        pq.w = mdl_adamw(h, wd, gv[u].w, mq.w, vq.w, pq.w);
-        ((float4 *)m)[q] = mq, ((float4 *)v)[q] = vq, ((float4 *)p)[q] = pq;
-        if (cp)
-          ((ushort4 *)cp)[q] = make_ushort4(mdl_f32_to_bf16(pq.x), mdl_f32_to_bf16(pq.y), mdl_f32_to_bf16(pq.z), mdl_f32_to_bf16(pq.w));
-      }
-    }
-  }
+  mdl_opt_adamw<28, 124672, 8192, 2, true>(arena, seg, h); // (segments, values, chunk, unrolled, bf16 copies)
 }
 
 // Schedule: 81 launches per step, 54 kernels (40 distinct) and 27 GEMMs; device arena 6312192 bytes.
