@@ -45,6 +45,11 @@
 //     chunk), rounding each parameter that has a bf16 copy (fuse.c, rule 11) into it as it updates it;
 //   - the LM head, chunk by chunk: GEMMs into chunks whose rows are padded to 64-aligned classes, and
 //     a cross-entropy kernel between them (cu_emit_lmhead).
+// The families of fixed code with parameters (the tensor-core attention kernels, cross-entropy rows,
+// the optimizer) are templates in runtime/prelude.cuh: their kernels here declare their buffers and
+// call an instance of the template at the shapes chosen (template arguments, so the compiler sees the
+// same constants it saw when the emitter printed them); what varies per model (elementwise chains,
+// epilogues, row kernels' fused inputs and outputs) is emitted.
 // GEMMs are not kernels: each is a CudaGemm (cuBLASLt, row-major description) whose epilogue covers
 // bias and GELU when the chain allows; the rest of the chain is the "<step>_epilogue" kernel.
 //

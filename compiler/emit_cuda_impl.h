@@ -24,7 +24,8 @@ enum {
                         //   SM, 1 of 8; the forward's 128 allow 2 of 8, dk and dv's 232 one of either);
                         //   each kernel also has a variant of the other size (4 <-> 8), which the
                         //   runtime times against it on the device (see "Kernel variants")
-  ATT_MMA_TILE = 64,    //   rows of the tiles a block stages in turn (keys and values, or queries and dout)
+  ATT_MMA_TILE = 64,    //   rows of the tiles a block stages in turn (keys and values, or queries and dout):
+                        //   prelude.cuh's MDL_ATT_TILE
   FILL_SM = -1,         // Emit.min_blocks: as many blocks as the SM's threads allow (MDL_SM_THREADS)
 };
 
@@ -186,21 +187,21 @@ void cu_emit_attn_mask(Emit *e, int gi);
 void cu_emit_max_bwd(Emit *e, int gi);
 
 //
-// emit_cuda_lmhead.c
+// emit_cuda_lmhead.c (its kernels call prelude.cuh's mdl_ce_row)
 //
 
 void cu_emit_ce(Emit *e, int gi);
 void cu_emit_lmhead(Emit *e, int gi);
 
 //
-// emit_cuda_attn.c
+// emit_cuda_attn.c (its tensor-core kernels instantiate prelude.cuh's mdl_att_fwd, mdl_att_dq, mdl_att_dkv)
 //
 
 void cu_emit_attention(Emit *e, int gi);
 void cu_emit_attention_bwd(Emit *e, int gi);
 
 //
-// emit_cuda_opt.c
+// emit_cuda_opt.c (its kernels instantiate prelude.cuh's mdl_opt_sumsq, mdl_opt_norm, mdl_opt_adamw)
 //
 
 void cu_emit_optimizer(Emit *e, int gi);

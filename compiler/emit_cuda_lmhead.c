@@ -10,107 +10,17 @@
 #include <stdlib.h>
 #include <string.h>
 
-// One row r of cross-entropy inside a row group, the logits row at x (in memory; bf16 values when
-// x16, widened as they are loaded): the loss into loss[r] (loss may be NULL) and dloss[r] * (softmax -
-// onehot) into the row at dx (may be NULL, may be x itself; of bf16 values when dx16, each the f32
-// value rounded); an ignored target (< 0) gives zeros, one >= V a report. With vw (4 or 8) both passes
-// take vw logits a load, 16 bytes (four f32 or eight bf16; four bf16, 8 bytes, where rows are only
-// 8-byte aligned), then the last v % vw one by one: the caller knows the rows of x and dx start
-// aligned to vw elements of theirs. (The LM head's cross-entropy, a block of 1024 threads a row
-// reading one float each, moved GPT-2's logits at 2.2 TB/s on an H200: a load in flight per thread is
-// too few bytes to cover the memory's latency. The float4 loops were not unrolled either, one load of
-// 16 bytes in a pass's loop in the PTX: they now take two loads a thread at once.)
-static void ce_row(Emit *e, const RowShape *rs, int64_t v, const char *x, bool x16, const char *tg,
-                   const char *loss, const char *dx, bool dx16, const char *dloss, int vw) {
-  const char *ixt = e->core.ixt;
-  int64_t nv = vw ? v / vw : 0; // the vector loads of a row
-  ec_line(&e->core, "const %s *x = %s;", x16 ? "uint16_t" : "float", x);
-  const char *xj = x16 ? "mdl_bf16_to_f32(x[j])" : "x[j]"; // x[j] as f32
-  if (dx) {
-    ec_line(&e->core, "%s *dx = %s;", dx16 ? "uint16_t" : "float", dx);
-    dx = "dx";
-  }
-  ec_line(&e->core, "const int32_t tg = %s;", tg);
-  ec_enter(&e->core, "if (tg < 0 || tg >= %lld)", (long long)v);
-  ec_line(&e->core, "if (tg >= %lld && tr == 0)", (long long)v);
-  ec_line(&e->core, "  mdl_report(status, MDL_ERR_TARGET, tg, %lld);", (long long)v);
-  if (loss) {
-    ec_line(&e->core, "if (tr == 0)");
-    ec_line(&e->core, "  %s = 0.0f;", loss);
-  }
-  if (dx) {
-    ec_line(&e->core, "for (%s j = tr; j < %lld; j += %d)", ixt, (long long)v, rs->tpr);
-    ec_line(&e->core, "  %s[j] = %s;", dx, dx16 ? "0" : "0.0f");
-  }
-  cu_orelse(e);
-  if (loss)
-    ec_line(&e->core, "const float xt = %s;", x16 ? "mdl_bf16_to_f32(x[tg])" : "x[tg]");
-  // (dx may be x: the lane that writes dx[tg] must not do so before every lane has read x[tg]; a
-  // block's reductions below order them by __syncthreads, a warp's shuffles do not order memory)
-  if (loss && dx && rs->tpr == 32)
-    ec_line(&e->core, "__syncwarp();");
-  // One pass for the maximum and the sum (online softmax): each thread keeps the largest logit it
-  // has seen and its sum of exp(x - that), rescaled when the maximum grows; the threads' sums are
-  // then rescaled to the row's maximum and added. The gradient's pass reads the row a second time.
-  ec_line(&e->core, "float m = -MDL_INF;");
-  ec_line(&e->core, "double part = 0;");
-  // (Two loads of a thread in flight at once, the second's logits taken after the first's as a loop
-  // of one would: the order of the sums is the same.)
-  if (nv) {
-    ec_enter(&e->core, "for (%s jv = tr; jv < %lld; jv += %d)", ixt, (long long)nv, 2 * rs->tpr);
-    ec_line(&e->core, "float xa[%d], ya[%d];", vw, vw);
-    ec_line(&e->core, "mdl_load%d(&x[%d * jv], xa);", vw, vw);
-    ec_line(&e->core, "if (jv + %d < %lld)", rs->tpr, (long long)nv);
-    ec_line(&e->core, "  mdl_load%d(&x[%d * (jv + %d)], ya);", vw, vw, rs->tpr);
-    ec_line(&e->core, "else");
-    ec_line(&e->core, "  for (int c = 0; c < %d; c++) ya[c] = -MDL_INF;", vw);
-    for (int c = 0; c < 2 * vw; c++)
-      ec_line(&e->core, "mdl_softmax_add(%ca[%d], m, part);", c < vw ? 'x' : 'y', c % vw);
-    ec_leave(&e->core);
-  }
-  if (vw * nv < v) {
-    ec_line(&e->core, "for (%s j = %lld + tr; j < %lld; j += %d)", ixt, (long long)(vw * nv), (long long)v, rs->tpr);
-    ec_line(&e->core, "  mdl_softmax_add(%s, m, part);", xj);
-  }
-  ec_line(&e->core, "const float mx = %s;", cu_rfmax(e, rs, "m"));
-  ec_line(&e->core, "double sum = m == -MDL_INF ? 0.0 : part * (double)expf(m - mx);");
-  ec_line(&e->core, "sum = %s;", cu_rsum(e, rs, "sum"));
-  if (loss) {
-    ec_line(&e->core, "if (tr == 0)");
-    ec_line(&e->core, "  %s = (float)(mx + log(sum) - xt);", loss);
-  }
-  if (dx) {
-    ec_line(&e->core, "const double g = %s, inv = 1.0 / sum;", dloss);
-    if (nv) {
-      // (both loads before either store: dx may be x itself)
-      ec_enter(&e->core, "for (%s jv = tr; jv < %lld; jv += %d)", ixt, (long long)nv, 2 * rs->tpr);
-      ec_line(&e->core, "const bool two = jv + %d < %lld;", rs->tpr, (long long)nv);
-      ec_line(&e->core, "float xa[%d], ya[%d];", vw, vw);
-      ec_line(&e->core, "mdl_load%d(&x[%d * jv], xa);", vw, vw);
-      ec_line(&e->core, "if (two)");
-      ec_line(&e->core, "  mdl_load%d(&x[%d * (jv + %d)], ya);", vw, vw, rs->tpr);
-      for (int h = 0; h < 2; h++) {
-        const char *a = h ? "ya" : "xa", *j = h ? "jy" : "j";
-        if (h)
-          ec_enter(&e->core, "if (two)");
-        ec_line(&e->core, "const %s %s = %d * (jv%s);", ixt, j, vw, h ? ec_str(&e->core, " + %d", rs->tpr) : "");
-        for (int c = 0; c < vw; c++)
-          ec_line(&e->core, "%s[%d] = mdl_ce_grad(%s[%d], mx, g, inv, %s%s == tg);", a, c, a, c, j,
-                  c ? ec_str(&e->core, " + %d", c) : "");
-        ec_line(&e->core, "mdl_store%d(&dx[%s], %s);", vw, j, a);
-        if (h)
-          ec_leave(&e->core);
-      }
-      ec_leave(&e->core);
-    }
-    if (vw * nv < v) {
-      ec_line(&e->core, "for (%s j = %lld + tr; j < %lld; j += %d)", ixt, (long long)(vw * nv), (long long)v,
-              rs->tpr);
-      const char *d = ec_str(&e->core, "mdl_ce_grad(%s, mx, g, inv, j == tg)", xj);
-      ec_line(&e->core, "  %s[j] = %s;", dx, dx16 ? ec_str(&e->core, "mdl_f32_to_bf16(%s)", d) : d);
-    }
-  }
-  ec_leave(&e->core);
+// One row of cross-entropy inside a row group: mdl_ce_row (runtime/prelude.cuh) on the logits row at
+// x (a pointer expression: its type says f32 or bf16), the target tg, the loss into loss (an element,
+// or NULL), dloss times (softmax - onehot) into the row at dx (NULL: none; may be x itself) with dloss
+// an element; vw logits a load (ce_width).
+static void ce_row(Emit *e, const RowShape *rs, int64_t v, const char *x, const char *tg, const char *loss,
+                   const char *dx, const char *dloss, int vw) {
+  const char *sh_f = rs->tpr == 32 ? "nullptr" : cu_sh_float(e), *sh_d = rs->tpr == 32 ? "nullptr" : cu_sh_double(e);
+  ec_line(&e->core, "mdl_ce_row<%s, %lld, %d, %d, %s, %s>(%s, %s, %s, %s, %s, status, tr, %s, %s);", e->core.ixt,
+          (long long)v, rs->tpr, vw, loss ? "true" : "false", dx ? "true" : "false", x, dx ? dx : "(float *)nullptr",
+          tg, loss ? ec_str(&e->core, "&%s", loss) : "nullptr", dloss ? ec_str(&e->core, "&%s", dloss) : "nullptr",
+          sh_f, sh_d);
 }
 
 // The elements a load of a cross-entropy row takes (ce_row's vw): 16 bytes where rows of x and dx
@@ -148,9 +58,8 @@ void cu_emit_ce(Emit *e, int gi) {
           cu_rs_who(e, &rs));
   cu_rows_open(e, &rs, "r");
   ce_row(e, &rs, v, ec_str(&e->core, "%s + r * %lld", cu_ptr(e, lg), (long long)v),
-         ec_node(&e->core, lg)->dtype == DT_BF16, ec_str(&e->core, "%s[r]", cu_ptr(e, tg)),
-         ce >= 0 ? ec_str(&e->core, "%s[r]", cu_ptr(e, ce)) : NULL,
-         ceb >= 0 ? ec_str(&e->core, "%s + r * %lld", cu_ptr(e, ceb), (long long)v) : NULL, false,
+         ec_str(&e->core, "%s[r]", cu_ptr(e, tg)), ce >= 0 ? ec_str(&e->core, "%s[r]", cu_ptr(e, ce)) : NULL,
+         ceb >= 0 ? ec_str(&e->core, "%s + r * %lld", cu_ptr(e, ceb), (long long)v) : NULL,
          dl >= 0 ? ec_str(&e->core, "%s[r]", cu_ptr(e, dl)) : NULL,
          ce_width(v, (int)dtype_size(ec_node(&e->core, lg)->dtype), ceb >= 0 ? 4 : 0));
   ec_leave(&e->core);
@@ -249,9 +158,9 @@ void cu_emit_lmhead(Emit *e, int gi) {
       ec_line(&e->core, "const int tr = threadIdx.x%s;", rs.tpr == 32 ? " & 31" : "");
       ec_enter(&e->core, "if (i < rn)");
       ec_line(&e->core, "const %s r = chunk + i;", e->core.ixt);
-      ce_row(e, &rs, v, ec_str(&e->core, "%s + i * %lld", lp, (long long)vp), l16,
-             ec_str(&e->core, "%s[r]", cu_ptr(e, tg)), ec_str(&e->core, "%s[r]", cu_ptr(e, gr->ce)),
-             bwd ? ec_str(&e->core, "%s + i * %lld", gp, (long long)vp) : NULL, d16,
+      ce_row(e, &rs, v, ec_str(&e->core, "%s + i * %lld", lp, (long long)vp), ec_str(&e->core, "%s[r]", cu_ptr(e, tg)),
+             ec_str(&e->core, "%s[r]", cu_ptr(e, gr->ce)),
+             bwd ? ec_str(&e->core, "%s + i * %lld", gp, (long long)vp) : NULL,
              bwd ? ec_str(&e->core, "%s[r]", cu_ptr(e, dl)) : NULL,
              ce_width(vp, l16 ? 2 : 4, !bwd ? 0 : d16 ? 2 : 4)); // rows vp apart
       if (vn > v && bwd)

@@ -40,31 +40,6 @@ static void seg_table(Emit *e, const char *name, int nseg, const int (*nodes)[5]
   ec_line(&e->core, "const MdlSeg *const seg = %s;", name);
 }
 
-// Opens the loop over the segments that meet this block's chunk [c0, c1) of the concatenated
-// segments: the first found by bisection over their starts, the loop ending at the first that starts
-// past the chunk; [lo, hi): the chunk's elements of segment s, as indices into it. (A loop over every segment, in every thread, read GPT-2's 148-entry table a
-// thousand times per thread, for 32 elements: the optimizer took 3.6 ms a step on an H200.)
-static void seg_open(Emit *e, int nseg, int64_t total) {
-  ec_line(&e->core, "const int64_t c0 = (int64_t)blockIdx.x * %d, c1 = c0 + %d < %lld ? c0 + %d : %lld;", OPT_CHUNK,
-          OPT_CHUNK, (long long)total, OPT_CHUNK, (long long)total);
-  ec_line(&e->core, "int s0 = 0;");
-  ec_line(&e->core, "for (int s1 = %d; s0 < s1;) { // the last segment starting at or before c0", nseg - 1);
-  ec_line(&e->core, "  const int mid = (s0 + s1 + 1) / 2;");
-  ec_line(&e->core, "  if (seg[mid].start <= c0) s0 = mid; else s1 = mid - 1;");
-  ec_line(&e->core, "}");
-  ec_enter(&e->core, "for (int s = s0; s < %d && seg[s].start < c1; s++)", nseg);
-  ec_line(&e->core, "const int64_t lo = (c0 > seg[s].start ? c0 : seg[s].start) - seg[s].start;");
-  ec_line(&e->core, "const int64_t hi = (c1 < seg[s].start + seg[s].n ? c1 : seg[s].start + seg[s].n) - "
-                    "seg[s].start;");
-}
-
-// The loop over this block's chunk of the concatenated segments: opens the loop over segments
-// (seg_open) and the loop over the chunk's elements of segment s, OPT_SUMSQ_LOADS of a thread's from k.
-static void seg_loop(Emit *e, int nseg, int64_t total) {
-  seg_open(e, nseg, total);
-  ec_enter(&e->core, "for (int64_t k = lo + threadIdx.x; k < hi; k += %d * blockDim.x)", OPT_SUMSQ_LOADS);
-}
-
 // GRAD_NORM (a sum of squares per fixed chunk of the concatenated gradients, then one block adding the
 // chunks in order) and AdamW over tables of parameter segments, in double per element like the
 // interpreter; p, m and v in place.
@@ -108,33 +83,13 @@ void cu_emit_optimizer(Emit *e, int gi) {
             (long long)total, (long long)nb, OPT_CHUNK);
     seg_table(e, ec_str(&e->core, "%s_grads", e->sname), nd->nin, (const int(*)[5])nodes, n, wd);
     const char *pp = cu_raw_ptr(e, part, "double", "sums of squares per chunk");
-    ec_line(&e->core, "double acc = 0;");
-    seg_loop(e, nd->nin, total);
-    // (OPT_SUMSQ_LOADS loads a thread in flight, the values added in the order of a loop of one load,
-    // which the compiler had left as it was)
-    ec_line(&e->core, "const float *const gs = (const float *)(arena + seg[s].p);");
-    ec_line(&e->core, "float x[%d];", OPT_SUMSQ_LOADS);
-    ec_line(&e->core, "#pragma unroll");
-    ec_line(&e->core, "for (int u = 0; u < %d; u++)", OPT_SUMSQ_LOADS);
-    ec_line(&e->core, "  x[u] = k + u * blockDim.x < hi ? gs[k + u * blockDim.x] : 0.0f;");
-    ec_line(&e->core, "#pragma unroll");
-    ec_line(&e->core, "for (int u = 0; u < %d; u++)", OPT_SUMSQ_LOADS);
-    ec_line(&e->core, "  acc += (double)x[u] * x[u];");
-    ec_leave(&e->core);
-    ec_leave(&e->core);
-    ec_line(&e->core, "acc = mdl_block_sum(acc, %s);", cu_sh_double(e));
-    ec_line(&e->core, "if (threadIdx.x == 0)");
-    ec_line(&e->core, "  %s[blockIdx.x] = acc;", pp);
+    ec_line(&e->core, "mdl_opt_sumsq<%d, %lld, %d, %d>(arena, seg, %s, %s); // (segments, values, chunk, loads)",
+            nd->nin, (long long)total, OPT_CHUNK, OPT_SUMSQ_LOADS, pp, cu_sh_double(e));
     cu_kend(e, nb, BLOCK);
     cu_kbegin(e, "norm");
     cu_note(e, "gradient norm: the %lld chunks added in order by one block", (long long)nb);
     pp = cu_raw_ptr(e, part, "double", "sums of squares per chunk");
-    ec_line(&e->core, "double acc = 0;");
-    ec_line(&e->core, "for (int64_t k = threadIdx.x; k < %lld; k += blockDim.x)", (long long)nb);
-    ec_line(&e->core, "  acc += %s[k];", pp);
-    ec_line(&e->core, "acc = mdl_block_sum(acc, %s);", cu_sh_double(e));
-    ec_line(&e->core, "if (threadIdx.x == 0)");
-    ec_line(&e->core, "  %s[0] = (float)sqrt(acc);", cu_ptr(e, gn));
+    ec_line(&e->core, "mdl_opt_norm<%lld>(%s, %s, %s);", (long long)nb, pp, cu_ptr(e, gn), cu_sh_double(e));
     cu_kend(e, 1, BLOCK);
     ec_phase_done(&e->core, gn);
     free(nodes);
@@ -200,60 +155,8 @@ void cu_emit_optimizer(Emit *e, int gi) {
             ec_dlit(&e->core, a->fa[1]), ec_dlit(&e->core, a->fa[2]));
     ec_line(&e->core, "const MdlAdamW h = {sc, lr, beta1, beta2, eps, 1.0 / (1.0 - pow(beta1, step)), "
             "1.0 / (1.0 - pow(beta2, step))};");
-    // Four elements a float4, OPT_UNROLL float4s of g, m, v and p loaded before any is updated: the
-    // stores of one element may alias the loads of the next as far as the compiler knows, so one at
-    // a time a thread would keep a single element's loads in flight and the kernel would wait on
-    // memory. Buffers start 64-byte aligned; where a chunk or segment does not start or end at a
-    // multiple of 4, up to 3 elements at each end go one a thread.
-    seg_open(e, ns, total);
-    ec_line(&e->core, "float *p = (float *)(arena + seg[s].p), *m = (float *)(arena + seg[s].m);");
-    ec_line(&e->core, "float *v = (float *)(arena + seg[s].v);");
-    ec_line(&e->core, "const float *g = (const float *)(arena + seg[s].g);");
-    ec_line(&e->core, "const double wd = seg[s].wd;");
-    if (ncopies)
-      ec_line(&e->core, "uint16_t *const cp = seg[s].c >= 0 ? (uint16_t *)(arena + seg[s].c) : NULL;");
-    ec_line(&e->core, "const int64_t lo4 = (lo + 3) / 4 * 4, hi4 = hi / 4 * 4 > lo4 ? hi / 4 * 4 : lo4;");
-    ec_enter(&e->core, "if (threadIdx.x < 8)");
-    ec_line(&e->core, "const int64_t k = threadIdx.x < 4 ? lo + threadIdx.x : hi4 + threadIdx.x - 4;");
-    ec_enter(&e->core, "if (k < hi && (threadIdx.x >= 4 || k < lo4))");
-    ec_line(&e->core, "float mk = m[k], vk = v[k];");
-    ec_line(&e->core, "const float pk = mdl_adamw(h, wd, g[k], mk, vk, p[k]);");
-    ec_line(&e->core, "m[k] = mk, v[k] = vk, p[k] = pk;");
-    if (ncopies) {
-      ec_line(&e->core, "if (cp)");
-      ec_line(&e->core, "  cp[k] = mdl_f32_to_bf16(pk);");
-    }
-    ec_leave(&e->core);
-    ec_leave(&e->core);
-    ec_enter(&e->core, "for (int64_t k0 = lo4 / 4 + threadIdx.x; k0 < hi4 / 4; k0 += %d * blockDim.x)", OPT_UNROLL);
-    ec_line(&e->core, "float4 gv[%d], mv[%d], vv[%d], pv[%d];", OPT_UNROLL, OPT_UNROLL, OPT_UNROLL, OPT_UNROLL);
-    ec_line(&e->core, "#pragma unroll");
-    ec_enter(&e->core, "for (int u = 0; u < %d; u++)", OPT_UNROLL);
-    ec_line(&e->core, "const int64_t q = k0 + u * blockDim.x;");
-    ec_line(&e->core, "gv[u] = mv[u] = vv[u] = pv[u] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);");
-    ec_line(&e->core, "if (q < hi4 / 4)");
-    ec_line(&e->core, "  gv[u] = ((const float4 *)g)[q], mv[u] = ((float4 *)m)[q], vv[u] = ((float4 *)v)[q], "
-                      "pv[u] = ((float4 *)p)[q];");
-    ec_leave(&e->core);
-    ec_line(&e->core, "#pragma unroll");
-    ec_enter(&e->core, "for (int u = 0; u < %d; u++)", OPT_UNROLL);
-    ec_line(&e->core, "const int64_t q = k0 + u * blockDim.x;");
-    ec_line(&e->core, "if (q >= hi4 / 4)");
-    ec_line(&e->core, "  break;");
-    ec_line(&e->core, "float4 &mq = mv[u], &vq = vv[u], &pq = pv[u];");
-    ec_line(&e->core, "pq.x = mdl_adamw(h, wd, gv[u].x, mq.x, vq.x, pq.x);");
-    ec_line(&e->core, "pq.y = mdl_adamw(h, wd, gv[u].y, mq.y, vq.y, pq.y);");
-    ec_line(&e->core, "pq.z = mdl_adamw(h, wd, gv[u].z, mq.z, vq.z, pq.z);");
-    ec_line(&e->core, "pq.w = mdl_adamw(h, wd, gv[u].w, mq.w, vq.w, pq.w);");
-    ec_line(&e->core, "((float4 *)m)[q] = mq, ((float4 *)v)[q] = vq, ((float4 *)p)[q] = pq;");
-    if (ncopies) {
-      ec_line(&e->core, "if (cp)");
-      ec_line(&e->core, "  ((ushort4 *)cp)[q] = make_ushort4(mdl_f32_to_bf16(pq.x), mdl_f32_to_bf16(pq.y), "
-                        "mdl_f32_to_bf16(pq.z), mdl_f32_to_bf16(pq.w));");
-    }
-    ec_leave(&e->core);
-    ec_leave(&e->core);
-    ec_leave(&e->core);
+    ec_line(&e->core, "mdl_opt_adamw<%d, %lld, %d, %d, %s>(arena, seg, h); // (segments, values, chunk, unrolled, "
+            "bf16 copies)", ns, (long long)total, OPT_CHUNK, OPT_UNROLL, ncopies ? "true" : "false");
     cu_kend(e, (total + OPT_CHUNK - 1) / OPT_CHUNK, BLOCK);
     for (int j = 0; j < ns; j++)
       ec_phase_done(&e->core, seg[j]);

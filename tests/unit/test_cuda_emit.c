@@ -774,15 +774,21 @@ static void test_plans(void) {
           gl ? (long long)gl->c : -1LL, gx ? (long long)gx->a : -1LL, gw ? (long long)gw->a : -1LL,
           p ? (long long)p->scratch : -1LL);
     // Its cross-entropy kernel takes the bf16 logits 16 bytes a load (eight), both passes, and stores
-    // dlogits eight at a time over them (the rows 256 apart, 512-byte aligned).
-    int ces = 0, ld8 = 0, st8 = 0;
+    // dlogits eight at a time over them (the rows 256 apart, 512-byte aligned): mdl_ce_row (prelude.cuh)
+    // at eight a load, its gradient's row its logits' row, in the chunk of bf16 logits.
+    int ces = 0, calls = 0, vw = 0;
+    char xrow[64] = "", dxrow[64] = "";
+    const char *call = p ? strstr(p->source, "mdl_ce_row<") : NULL;
     if (p) {
-      kernels_with(p->source, "lmhead", NULL, "mdl_load8(&x[", &ces, &ld8);
-      kernels_with(p->source, "lmhead", NULL, "mdl_store8(&dx[", &ces, &st8);
+      kernels_with(p->source, "lmhead", NULL, "mdl_ce_row<", &ces, &calls);
+      if (call)
+        sscanf(call, "mdl_ce_row<%*[^,], %*d, %*d, %d, true, true>(%63[^,], %63[^,],", &vw, xrow, dxrow);
     }
-    CHECK(ces == 1 && ld8 == 1 && st8 == 1 && strstr(p->source, "const uint16_t *x = b"),
+    CHECK(ces == 1 && calls == 1 && vw == 8 && *xrow && !strcmp(xrow, dxrow) &&
+              strstr(p->source, "uint16_t *const b0 = (uint16_t *)(arena + o.b[0]); // the chunk's logits, bf16"),
           "cuda plan gpt2-tiny bf16: the LM head's cross-entropy loads eight bf16 logits a load and stores eight "
-          "dlogits over them", "%d kernels, %d load eight, %d store eight", ces, ld8, st8);
+          "dlogits over them", "%d kernels, %d calling mdl_ce_row, %d a load, x %s, dx %s", ces, calls, vw, xrow,
+          dxrow);
   }
   arena_free(a);
 
@@ -844,8 +850,10 @@ static void kernels_with(const char *src, const char *name, const char *except, 
 // (attn-d12) fall back to the CUDA-core kernels, which round as the tensor cores would; fp32 graphs
 // round nothing in attention. In bf16 graphs q, k and v are stored as bf16 (precision.c), so the
 // forwards round only e (packed in pairs on tensor cores) and no attention kernel loads f32 rows by
-// float4. The backward's D kernels read dout and out as stored, bf16 in bf16 graphs; unfused, the
-// forward's log-sum-exp is a kernel of its own, on CUDA cores.
+// float4 (nor gives the tensor-core templates f32 rows). The backward's D kernels read dout and out as
+// stored, bf16 in bf16 graphs; unfused, the forward's log-sum-exp is a kernel of its own, on CUDA
+// cores. The tensor-core kernels are instances of prelude.cuh's mdl_att_fwd, mdl_att_dq and mdl_att_dkv
+// (which take their products by mma and round their operands, and e, in bf16 pairs).
 static void test_attention_kernels(void) {
   static const struct {
     int model;
@@ -865,14 +873,19 @@ static void test_attention_kernels(void) {
       }
       const char *src = p ? p->source : "";
       int fwd, fwd_mma, fwd_round, bwd, bwd_round, bwd_pairs, grad, grad_mma, dsum, dsum16, lse, lse_mma, att, f4;
-      kernels_with(src, "attention_fwd", NULL, "mdl_mma_bf16_16816(", &fwd, &fwd_mma);
-      kernels_with(src, "attention_fwd", NULL, cases[i].mma ? "mdl_bf16x2(" : "mdl_f32_to_bf16(", &fwd, &fwd_round);
+      int dq_mma, dkv_mma, f32_rows;
+      kernels_with(src, "attention_fwd", NULL, "mdl_att_fwd<", &fwd, &fwd_mma);
+      kernels_with(src, "attention_fwd", NULL, cases[i].mma ? "mdl_att_fwd<" : "mdl_f32_to_bf16(", &fwd, &fwd_round);
       kernels_with(src, "attention", NULL, "const float4 ", &att, &f4);
+      kernels_with(src, "attention", NULL, "mdl_att_rows<float", &att, &f32_rows);
       kernels_with(src, "attention_bwd", "dsum", "mdl_f32_to_bf16(", &bwd, &bwd_round);
-      kernels_with(src, "attention_bwd", "dsum", "mdl_bf16x2(", &bwd, &bwd_pairs);
-      kernels_with(src, "attention_bwd", "dsum", "mdl_mma_bf16_16816(", &grad, &grad_mma);
+      kernels_with(src, "attention_bwd", "dsum", "mdl_att_d", &bwd, &bwd_pairs);
+      kernels_with(src, "attention_bwd", "dsum", "mdl_att_dq<", &grad, &dq_mma);
+      kernels_with(src, "attention_bwd", "dsum", "mdl_att_dkv<", &grad, &dkv_mma);
+      grad_mma = dq_mma + dkv_mma;
+      f4 += f32_rows;
       kernels_with(src, "attention_bwd_dsum", NULL, "mdl_bf16_to_f32(", &dsum, &dsum16);
-      kernels_with(src, "attention_lse", NULL, "mdl_mma_bf16_16816(", &lse, &lse_mma);
+      kernels_with(src, "attention_lse", NULL, "mdl_att_fwd<", &lse, &lse_mma);
       char name[300];
       const char *label = arena_printf(a, "%s %s %s", md->path, prec_name(cases[i].prec), fz ? "fused" : "unfused");
       if (cases[i].mma)

@@ -1,7 +1,9 @@
 // test_prelude: each prelude of the emitted modules (runtime/prelude.h, prelude_bf16.h, prelude.cuh) compiles
 // on its own, as mdlc embeds it, so that an error in one shows here without a model: the C ones with
 // cc -fsyntax-only and the warnings the C back end's tests ask for, the CUDA one with NVRTC for sm_80 and sm_90
-// without a warning.
+// without a warning. So do the kernel templates of prelude.cuh, instantiated as the emitter instantiates
+// them at shapes that cover their parameters (template_instances): with NVRTC, and as C++ with the CUDA
+// emulator (runtime/cuda_emu.h) as the emulated modules are compiled.
 #include "emit_common.h"
 #include "emit_cuda.h"
 #include "test.h"
@@ -10,9 +12,10 @@
 #include <string.h>
 #include <unistd.h>
 
-// src compiles as C without a warning; else the compiler's first error is in why.
-static bool c_compiles_clean(const char *src, char *why, size_t n) {
-  char path[] = "/tmp/mdl-prelude-XXXXXX.c", log[] = "/tmp/mdl-prelude-XXXXXX.log", cmd[512];
+// src compiles with the command cc (its %s: the source's path) without a warning; else the compiler's first
+// error is in why.
+static bool compiles_clean(const char *cc, const char *src, char *why, size_t n) {
+  char path[] = "/tmp/mdl-prelude-XXXXXX.c", log[] = "/tmp/mdl-prelude-XXXXXX.log", cmd[1024], run[1200];
   int fd = mkstemps(path, 2), lfd = mkstemps(log, 4);
   if (fd < 0 || lfd < 0)
     return false;
@@ -20,8 +23,9 @@ static bool c_compiles_clean(const char *src, char *why, size_t n) {
   FILE *f = fdopen(fd, "w");
   fputs(src, f);
   fclose(f);
-  snprintf(cmd, sizeof cmd, "cc -std=c11 -fopenmp -fsyntax-only -Wall -Wextra -Werror -x c %s >%s 2>&1", path, log);
-  int rc = system(cmd);
+  snprintf(cmd, sizeof cmd, cc, path);
+  snprintf(run, sizeof run, "%s >%s 2>&1", cmd, log);
+  int rc = system(run);
   snprintf(why, n, "?");
   f = fopen(log, "r");
   while (f && fgets(why, (int)n, f) && !strstr(why, "error"))
@@ -31,6 +35,96 @@ static bool c_compiles_clean(const char *src, char *why, size_t n) {
   unlink(path);
   unlink(log);
   return rc == 0;
+}
+
+static bool c_compiles_clean(const char *src, char *why, size_t n) {
+  return compiles_clean("cc -std=c11 -fopenmp -fsyntax-only -Wall -Wextra -Werror -x c %s", src, why, n);
+}
+
+// The prelude and kernels that instantiate its templates as the emitters do, one kernel each: attention
+// (mdl_att_fwd, mdl_att_dq, mdl_att_dkv) at heads of 64 (two tile buffers) and 128 (one), 4 and 8
+// warps, shapes alternating between (causal, within documents, bf16 rows by cp.async, int indices, the
+// log-sum-exp, a bf16 copy of the output) and (neither, bf16 rows loaded 4 channels at a time for q
+// and f32 ones for the others, int64_t indices, f32 output), dk and dv alone once each; cross-entropy
+// rows (mdl_ce_row) by a block or a warp, 8 bf16 or 4 f32 logits a load or one at a time, with the loss
+// and / or the gradient; the optimizer's kernels (mdl_opt_sumsq, mdl_opt_norm, mdl_opt_adamw).
+static char *template_instances(void) {
+  size_t cap = 1 << 17, len = strlen(ec_prelude_cuda);
+  char *s = malloc(len + cap), *p = s + len;
+  memcpy(s, ec_prelude_cuda, len);
+  const char *end = s + len + cap;
+  int i = 0;
+  for (int d = 64; d <= 128; d += 64)
+    for (int w = 4; w <= 8; w += 4, i++) {
+      bool tight = i % 2 == 0; // causal, within documents, cp.async
+      int stages = d == 64 ? 2 : 1;
+      long c = 12L * d, stride = 3 * c;
+      p += snprintf(p, (size_t)(end - p),
+                    "\ntypedef mdl_att_shape<%s, 2, 200, 12, %d, %ld, %d, %s, %s, %d> S%d;\n"
+                    "typedef mdl_att_rows<uint16_t, %ld, %s> Q%d;\n"
+                    "typedef mdl_att_rows<%s, %ld, false> R%d;\n",
+                    tight ? "int" : "int64_t", d, c, w, tight ? "true" : "false", tight ? "true" : "false", stages, i,
+                    stride + (tight ? 0 : 4), tight ? "true" : "false", i, tight ? "uint16_t" : "float", stride, i);
+      const char *ptrs = "  uint16_t *h = (uint16_t *)arena;\n  float *f = (float *)(arena + (64 << 20));\n"
+                         "  int32_t *doc = (int32_t *)(arena + (128 << 20));\n";
+      char qkv[256];
+      if (tight)
+        snprintf(qkv, sizeof qkv, "Q%d{h}, Q%d{h + %ld}, Q%d{h + %ld}", i, i, c, i, 2 * c);
+      else
+        snprintf(qkv, sizeof qkv, "Q%d{h}, R%d{f}, R%d{f + %ld}", i, i, i, c);
+      p += snprintf(p, (size_t)(end - p),
+                    "extern \"C\" __global__ void __launch_bounds__(%d) fwd%d(char *arena) {\n%s"
+                    "  mdl_att_fwd<S%d, %s>(%s, %s, f + (8 << 20), mdl_att_out<%s, %d>{f + (12 << 20), {%s}}, "
+                    "0.18033688f);\n}\n",
+                    32 * w, i, ptrs, i, tight ? "true" : "false", qkv, "doc",
+                    tight ? "false" : "true", tight ? 1 : 0, tight ? "h + (16 << 20)" : "nullptr");
+      char dq[64];
+      snprintf(dq, sizeof dq, tight ? "Q%d{h + (20 << 20)}" : "R%d{f + (20 << 20)}", i);
+      p += snprintf(p, (size_t)(end - p),
+                    "extern \"C\" __global__ void __launch_bounds__(%d) dq%d(char *arena) {\n%s"
+                    "  mdl_att_dq<S%d>(%s, %s, %s, f + (8 << 20), f + (9 << 20), f + (12 << 20), 0.18033688f, "
+                    "0.125f);\n}\n",
+                    32 * w, i, ptrs, i, qkv, dq, "doc");
+      for (int k = 0; k < (i == 0 ? 3 : 1); k++) // dk and dv, then (the first shape) dk alone, dv alone
+        p += snprintf(p, (size_t)(end - p),
+                      "extern \"C\" __global__ void __launch_bounds__(%d) dkv%d_%d(char *arena) {\n%s"
+                      "  mdl_att_dkv<S%d, %s, %s>(%s, %s, %s, f + (8 << 20), f + (9 << 20), f + (12 << 20), "
+                      "f + (16 << 20), 0.18033688f, 0.125f);\n}\n",
+                      32 * w, i, k, ptrs, i, k != 2 ? "true" : "false", k != 1 ? "true" : "false", qkv, dq,
+                      "doc");
+    }
+  p += snprintf(p, (size_t)(end - p), "%s",
+                "extern \"C\" __global__ void __launch_bounds__(1024) ce0(char *arena, MdlStatus *status) {\n"
+                "  __shared__ double sh_d[48];\n  __shared__ float sh_f[32];\n"
+                "  uint16_t *x = (uint16_t *)arena + blockIdx.x * 50304;\n"
+                "  float *f = (float *)(arena + (256 << 20));\n"
+                "  mdl_ce_row<int, 50257, 1024, 8, true, true>(x, x, 7, f + blockIdx.x, f + 8192, status, threadIdx.x, "
+                "sh_f, sh_d);\n}\n"
+                "extern \"C\" __global__ void __launch_bounds__(256) ce1(char *arena, MdlStatus *status) {\n"
+                "  float *x = (float *)arena + (blockIdx.x * 8 + (threadIdx.x >> 5)) * 256, *f = x + (64 << 20);\n"
+                "  mdl_ce_row<int64_t, 256, 32, 4, false, true>(x, f, 7, nullptr, f + 1, status, threadIdx.x & 31, "
+                "nullptr, nullptr);\n}\n"
+                "extern \"C\" __global__ void __launch_bounds__(256) ce2(char *arena, MdlStatus *status) {\n"
+                "  float *x = (float *)arena + (blockIdx.x * 8 + (threadIdx.x >> 5)) * 1001, *f = x + (64 << 20);\n"
+                "  mdl_ce_row<int, 1001, 32, 0, true, false>(x, (float *)nullptr, 7, f, nullptr, status, "
+                "threadIdx.x & 31, nullptr, nullptr);\n}\n"
+                "static __device__ const MdlSeg segs[3] = {{0, 4096, 8192, 12288, -1, 1000, 0, 0.1}, "
+                "{16384, 20480, 24576, 28672, 32768, 3000, 1000, 0.0}, "
+                "{40000, 44000, 48000, 52000, -1, 9, 4000, 0.1}};\n"
+                "extern \"C\" __global__ void __launch_bounds__(256) opt0(char *arena) {\n"
+                "  __shared__ double sh_d[48];\n"
+                "  mdl_opt_sumsq<3, 4009, 8192, 4>(arena, segs, (double *)(arena + 65536), sh_d);\n}\n"
+                "extern \"C\" __global__ void __launch_bounds__(256) opt1(char *arena) {\n"
+                "  __shared__ double sh_d[48];\n"
+                "  mdl_opt_norm<1>((double *)(arena + 65536), (float *)(arena + 65600), sh_d);\n}\n"
+                "extern \"C\" __global__ void __launch_bounds__(256) opt2(char *arena) {\n"
+                "  const MdlAdamW h = {1.0, 1e-3, 0.9, 0.95, 1e-8, 10.0, 20.0};\n"
+                "  mdl_opt_adamw<3, 4009, 8192, 2, true>(arena, segs, h);\n}\n"
+                "extern \"C\" __global__ void __launch_bounds__(256) opt3(char *arena) {\n"
+                "  const MdlAdamW h = {1.0, 1e-3, 0.9, 0.95, 1e-8, 10.0, 20.0};\n"
+                "  const MdlSeg seg[1] = {{0, 4096, 8192, 12288, -1, 1000, 0, 0.1}};\n"
+                "  mdl_opt_adamw<1, 1000, 8192, 2, false>(arena, seg, h);\n}\n");
+  return s;
 }
 
 int main(void) {
@@ -45,19 +139,32 @@ int main(void) {
         "prelude: runtime/prelude_bf16.h after prelude.h compiles as C11 without a warning", "%s", why);
   free(both);
 
+  char *att = template_instances();
+  if (system("g++ --version >/dev/null 2>&1") == 0)
+    CHECK(compiles_clean("g++ -std=c++17 -O1 -fopenmp -c -o /dev/null -Wall -Wextra -Werror -Wno-unknown-pragmas "
+                         "-Wno-unused-parameter -Iruntime -include cuda_emu.h -x c++ %s", att, why, sizeof why),
+          "prelude: the kernel templates compile as C++ with the CUDA emulator without a warning", "%s", why);
+  else
+    printf("[skip] prelude: the kernel templates with the CUDA emulator: no g++\n");
+
   if (!nvrtc_available(why, sizeof why)) {
     printf("[skip] prelude: runtime/prelude.cuh with NVRTC: %s\n", why);
+    free(att);
     TEST_EXIT();
   }
   const char *archs[] = {"sm_80", "sm_90"};
   for (int i = 0; i < 2; i++) {
-    NvrtcResult r = {0};
-    bool ok = nvrtc_compile(ec_prelude_cuda, archs[i], &r, why, sizeof why);
-    char name[128];
-    snprintf(name, sizeof name, "prelude: runtime/prelude.cuh compiles with NVRTC for %s without a warning", archs[i]);
-    CHECK(ok && !r.log, name, "%.600s", ok ? r.log : why);
-    free(r.cubin);
-    free(r.log);
+    for (int t = 0; t < 2; t++) {
+      NvrtcResult r = {0};
+      bool ok = nvrtc_compile(t ? att : ec_prelude_cuda, archs[i], &r, why, sizeof why);
+      char name[160];
+      snprintf(name, sizeof name, "prelude: %s with NVRTC for %s without a warning",
+               t ? "the kernel templates, instantiated, compile" : "runtime/prelude.cuh compiles", archs[i]);
+      CHECK(ok && !r.log, name, "%.600s", ok ? r.log : why);
+      free(r.cubin);
+      free(r.log);
+    }
   }
+  free(att);
   TEST_EXIT();
 }
