@@ -1050,19 +1050,60 @@ static Val builtin_norm(Sema *s, const Builtin *b, const Expr *call, const Expr 
   return add_op(s, b->op, in, layer ? 3 : 2, NULL, (double[6]){eps}, call->at);
 }
 
+// x with axes `axis` and the last swapped (a PERMUTE; x itself when they are the same axis).
+static int swap_last(Sema *s, int x, int64_t axis, SrcLoc at) {
+  int r = node(s, x)->shape.rank;
+  if (r == 0 || axis == r - 1)
+    return x;
+  int64_t perm[8];
+  for (int i = 0; i < r; i++)
+    perm[i] = i;
+  perm[axis] = r - 1;
+  perm[r - 1] = axis;
+  Val v = add_op(s, OP_PERMUTE, &x, 1, perm, NULL, at);
+  return v.kind == V_ERR ? -1 : v.node;
+}
+
+// softmax(x, axis=-1): the SOFTMAX op works on the last axis; another axis is swapped there and back.
 static Val builtin_softmax(Sema *s, const Builtin *b, const Expr *call, const Expr **arg) {
   int x = tensor_arg(s, b, arg[0], "x");
   if (x < 0)
     return ERR;
   int r = node(s, x)->shape.rank;
-  int64_t axis;
+  int64_t axis = r - 1;
   if (r > 0 && !axis_arg(s, b, arg[1], -1, r, call->at, &axis))
     return ERR;
-  if (r > 0 && axis != r - 1) {
-    error_at(s, arg[1]->at, "softmax over an axis other than the last is not supported");
+  int t = swap_last(s, x, axis, call->at);
+  Val y = t < 0 ? ERR : add_op(s, OP_SOFTMAX, &t, 1, NULL, NULL, call->at);
+  if (y.kind == V_ERR || t == x)
+    return y;
+  int back = swap_last(s, y.node, axis, call->at);
+  return back < 0 ? ERR : tensor_val(back);
+}
+
+// log_softmax(x, axis=-1) = (x - m) - log(sum(exp(x - m))) over the axis, m its maximum taken as a
+// constant (stop_gradient: the value does not depend on m, so neither does the gradient), so that
+// exp never overflows and a large negative score keeps its value where log(softmax) would be -inf.
+static Val builtin_log_softmax(Sema *s, const Builtin *b, const Expr *call, const Expr **arg) {
+  int x = tensor_arg(s, b, arg[0], "x");
+  if (x < 0)
+    return ERR;
+  int r = node(s, x)->shape.rank;
+  int64_t axis = 0;
+  if (r == 0) {
+    error_at(s, call->at, "log_softmax of a scalar");
     return ERR;
   }
-  return add_op(s, OP_SOFTMAX, &x, 1, NULL, NULL, call->at);
+  if (!axis_arg(s, b, arg[1], -1, r, call->at, &axis))
+    return ERR;
+  SrcLoc at = call->at;
+  Val m = add_op(s, OP_MAX, &x, 1, (int64_t[8]){axis, 1}, NULL, at);
+  Val mc = m.kind == V_ERR ? ERR : add_op(s, OP_STOP_GRADIENT, &m.node, 1, NULL, NULL, at);
+  Val y = mc.kind == V_ERR ? ERR : add_op(s, OP_SUB, (int[]){x, mc.node}, 2, NULL, NULL, at);
+  Val e = y.kind == V_ERR ? ERR : add_op(s, OP_EXP, &y.node, 1, NULL, NULL, at);
+  Val sum = e.kind == V_ERR ? ERR : add_op(s, OP_SUM, &e.node, 1, (int64_t[8]){axis, 1}, NULL, at);
+  Val l = sum.kind == V_ERR ? ERR : add_op(s, OP_LOG, &sum.node, 1, NULL, NULL, at);
+  return l.kind == V_ERR ? ERR : add_op(s, OP_SUB, (int[]){y.node, l.node}, 2, NULL, NULL, at);
 }
 
 // The mask of plain attention over t positions (doc: the doc ids node, or -1): built once, outside
@@ -1214,6 +1255,7 @@ static const Builtin builtins[] = {
     {"layernorm", 2, 3, {"x", "w", "b", "eps"}, builtin_norm, OP_LAYERNORM},
     {"rmsnorm", 2, 2, {"x", "w", "eps"}, builtin_norm, OP_RMSNORM},
     {"softmax", 1, 1, {"x", "axis"}, builtin_softmax, OP_SOFTMAX},
+    {"log_softmax", 1, 1, {"x", "axis"}, builtin_log_softmax, OP_SOFTMAX},
     {"attention", 3, 3, {"q", "k", "v", "heads", "causal", "doc", "scale"}, builtin_attention, OP_ATTENTION},
     {"rope", 2, 2, {"x", "pos", "heads", "base"}, builtin_rope, OP_ROPE},
     {"cross_entropy", 2, 2, {"logits", "targets"}, builtin_cross_entropy, OP_CROSS_ENTROPY},

@@ -136,7 +136,8 @@ static bool decode_dims(Sampler *s, const CheckpointModel *m) {
       d->value = 1;
   }
   if (!s->context) {
-    diag_file_error(s->path, "not an mdl checkpoint (mdl.dims has neither maxT nor T)");
+    diag_file_error(s->path, "cannot sample: its model has no sequence dim (maxT or T in mdl.dims); sampling "
+                             "generates tokens from a language model; `mdlc eval` reports this one's outputs");
     return false;
   }
   return true;

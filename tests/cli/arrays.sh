@@ -34,6 +34,10 @@ check "loss.svg draws the metric" "grep -q 'acc (seagreen)' '$tmp/run/loss.svg' 
 $m eval "$tmp/run/checkpoint.safetensors" --data "$tmp/blobs" --val-batches 12 --backend cpu >"$tmp/eval.out" 2>"$tmp/err"
 ran=$(field "$tmp/run/log.jsonl" val_loss | tail -1) got=$(sed -n 's/^val loss \([0-9.]*\) over 12 validation batches of 32 examples$/\1/p' "$tmp/eval.out")
 ran_acc=$(awk -v a="$acc" 'BEGIN { printf "%.4f", a }') got_acc=$(awk '$1 == "acc" { printf "%.4f", $2 }' "$tmp/eval.out")
+$m sample "$tmp/run/checkpoint.safetensors" >/dev/null 2>"$tmp/sample.err"
+rc=$?
+check "sample on a classifier's checkpoint says sampling is for language models (status 1)" \
+  "[ $rc -eq 1 ] && grep -q 'cannot sample: its model has no sequence dim' '$tmp/sample.err'"
 check "eval of the checkpoint gives the run's last val loss ($ran: $got) and acc ($ran_acc: $got_acc)" \
   "[ -n '$got' ] && awk 'BEGIN { exit !($ran - $got < 1e-4 && $got - $ran < 1e-4) }' && [ '$ran_acc' = '$got_acc' ]"
 

@@ -101,6 +101,7 @@ static const char allops[] =
     "h = relu(att) - neg(rsqrt(a * a + 1.0)) + log(a * a + 2.0)\n"
     "h = h + sigmoid(att) * abs(att - 0.1) + clamp(att, min=-0.2, max=0.3) + clamp(a, max=0.5) * stop_gradient(a)\n"
     "h = h + where(att > 0.05, att, 0.5 * att) + where(a <= -0.1, 1.0, a * a) * (a != 0.3) + (att >= a) * a\n"
+    "h = h + 0.1 * log_softmax(att, axis=1) + softmax(a, axis=0)\n"
     "extra = mean(bm) + mean(wp * wp) + 0.001 * sum(reshape(big * big, [49152])) + mean(max(big, axis=0))\n"
     "more = 0.01 * mean(sum(big * big, axis=0)) + 0.1 * max(reshape(big, [49152]), axis=0)\n"
     "output loss = mean(cross_entropy(h @ head, targets)) + extra + more\n";

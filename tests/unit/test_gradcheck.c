@@ -314,6 +314,31 @@ static void where_case(void) {
   arena_free(a);
 }
 
+// log_softmax over the last and a middle axis, softmax over the first: fp64 finite differences.
+static void softmax_axes_case(void) {
+  Arena *a = arena_new();
+  Graph *g = mdl_compile_text(a, "lsm.mdl",
+                              "model lsm\nparam p: [3, 4, 5] = normal(1)\nparam q: [3, 4, 5] = normal(1)\n"
+                              "output loss = sum(log_softmax(p) * q) + sum(softmax(p, axis=0) * q)"
+                              " + sum(log_softmax(p * q, axis=1) * p)\n", NULL, 0);
+  bool ok = g && autodiff(g, false);
+  CHECK(ok, "grad softmax axes: compiles and differentiates", "%s", g ? g->err : "front end failed");
+  if (!ok) {
+    arena_free(a);
+    return;
+  }
+  Interp *it = interp_new(g, INTERP_F64);
+  for (int pi = 0; pi < g->nparams; pi++) {
+    int64_t n = shape_numel(g->nodes[g->params[pi]]->shape);
+    double *v = interp_param(it, g->params[pi]);
+    for (int64_t k = 0; k < n; k++)
+      v[k] = 2 * uniform(71 + (uint64_t)pi, k);
+  }
+  compare_with_fd("grad softmax axes (log_softmax last and middle, softmax first)", g, it, 0);
+  interp_free(it);
+  arena_free(a);
+}
+
 // stop_gradient: loss = sum(x * stop_gradient(x) + stop_gradient(x)) has d loss / dx = x, not 2x + 1
 // (a finite difference sees the whole function, so this is checked against the formula).
 static void stop_gradient_case(void) {
@@ -870,6 +895,7 @@ int main(void) {
   unary_cases();
   stop_gradient_case();
   where_case();
+  softmax_axes_case();
   binary_cases();
   reduction_cases();
   layout_cases();
