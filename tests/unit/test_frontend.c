@@ -380,8 +380,11 @@ static void test_errors(void) {
         errtext);
   CHECK(errors_of("model m\ninput x: f32[2, 4]\ny = x[2]\nz = x[0:0]\nw = x[1, 2, 3]\n") == 3,
         "indices out of range, empty slices and too many indices", "%s", errtext);
-  CHECK(errors_of("model m\ninput x: f32[2, 4]\ny = softmax(x, axis=0)\n") == 1,
-        "softmax over a non-last axis is refused", "%s", errtext);
+  CHECK(errors_of("model m\ninput x: f32[2, 4]\ny = softmax(x, axis=0)\nz = log_softmax(x, axis=-2)\n") == -1,
+        "softmax and log_softmax over a non-last axis are accepted", "%s", errtext);
+  CHECK(errors_of("model m\ninput x: f32[2, 4]\ny = log_softmax(x, axis=2)\n") == 1 &&
+            strstr(errtext, "axis 2 is out of range"),
+        "log_softmax: an axis out of range is named", "%s", errtext);
   CHECK(errors_of("model m\ninput x: f32[2, 3, 4]\ny = attention(x, x, x, heads=3)\n") == 1,
         "attention heads must divide C", "%s", errtext);
   CHECK(errors_of("model m\ninput x: f32[2, 3]\ninput t: f32[2]\ny = cross_entropy(x, t)\n") == 1 &&
