@@ -98,20 +98,7 @@ const char *c_str(Emit *e, const char *fmt, ...) {
 }
 
 // A float literal that reads back as the same float, in as few digits as that takes.
-const char *c_flit(Emit *e, double v) {
-  if (isnan(v))
-    return "NAN";
-  if (isinf(v))
-    return v > 0 ? "INFINITY" : "(-INFINITY)";
-  char buf[64];
-  for (int prec = 1; prec <= 9; prec++) {
-    snprintf(buf, sizeof buf, "%.*g", prec, (double)(float)v);
-    if (strtof(buf, NULL) == (float)v)
-      break;
-  }
-  bool frac = strpbrk(buf, ".e") != NULL;
-  return c_str(e, "%s%s%sf%s", v < 0 ? "(" : "", buf, frac ? "" : ".0", v < 0 ? ")" : "");
-}
+const char *c_flit(Emit *e, double v) { return ec_flit(&e->core, v); }
 
 //
 // Buffers: every node read or written through memory gets one pointer, declared at the top of its

@@ -200,6 +200,8 @@ const char *ec_dlit(EmitCore *e, double v) {
 }
 
 const char *ec_flit(EmitCore *e, double v) {
+  if (isnan(v))
+    return "MDL_NAN";
   if (isinf(v))
     return v > 0 ? "MDL_INF" : "(-MDL_INF)";
   char buf[64];

@@ -143,20 +143,7 @@ static void orelse_if(Emit *e, const char *cond) {
 void cu_orelse(Emit *e) { orelse_if(e, NULL); }
 
 // A float literal that reads back as the same float, in as few digits as that takes.
-const char *cu_flit(Emit *e, double v) {
-  if (isnan(v))
-    return "MDL_NAN";
-  if (isinf(v))
-    return v > 0 ? "MDL_INF" : "(-MDL_INF)";
-  char buf[64];
-  for (int prec = 1; prec <= 9; prec++) {
-    snprintf(buf, sizeof buf, "%.*g", prec, (double)(float)v);
-    if (strtof(buf, NULL) == (float)v)
-      break;
-  }
-  bool frac = strpbrk(buf, ".e") != NULL;
-  return ec_str(&e->core, "%s%s%sf%s", v < 0 ? "(" : "", buf, frac ? "" : ".0", v < 0 ? ")" : "");
-}
+const char *cu_flit(Emit *e, double v) { return ec_flit(&e->core, v); }
 
 static const char *shape_txt(Emit *e, int n) {
   char buf[128];

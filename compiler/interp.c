@@ -223,8 +223,7 @@ static double binary(Op op, double a, double b) {
   }
 }
 
-// 1 where a REL b holds (Compare), else 0.
-static double compare(int64_t rel, double a, double b) {
+double interp_compare(int64_t rel, double a, double b) {
   switch (rel) {
   case CMP_LT: return a < b;
   case CMP_LE: return a <= b;
@@ -241,7 +240,7 @@ static void run_compare_where(Ctx *c) {
     double v[3];
     for (int k = 0; k < c->nd->nin; k++)
       v[k] = c->x[k][shape_bcast_offset(out, c->xn[k]->shape, i)];
-    c->y[i] = c->nd->op == OP_COMPARE ? compare(c->nd->ia[0], v[0], v[1]) : v[0] != 0 ? v[1] : v[2];
+    c->y[i] = c->nd->op == OP_COMPARE ? interp_compare(c->nd->ia[0], v[0], v[1]) : v[0] != 0 ? v[1] : v[2];
   }
 }
 

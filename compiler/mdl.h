@@ -397,6 +397,7 @@ const double *interp_value(Interp *it, int node); // after interp_run
 int64_t interp_numel(Interp *it, int node);
 // An elementwise unary op (NEG ... SILU) at one number: also the front end's constant folding.
 double interp_unary(Op op, double x);
+double interp_compare(int64_t rel, double a, double b); // 1 where a REL b holds (Compare), else 0
 
 //
 // precision.c: the precision pass. Rewrites a training graph so that every MATMUL reads its

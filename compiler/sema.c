@@ -441,9 +441,7 @@ static Val comparison(Sema *s, const Expr *e, Val a, Val b) {
   }
   if (a.kind != V_TENSOR && b.kind != V_TENSOR) {
     double x = a.kind == V_INT ? (double)a.i : a.f, y = b.kind == V_INT ? (double)b.i : b.f;
-    bool r = rel == CMP_LT ? x < y : rel == CMP_LE ? x <= y : rel == CMP_GT ? x > y : rel == CMP_GE ? x >= y
-                             : rel == CMP_EQ ? x == y : x != y;
-    return (Val){.kind = V_BOOL, .i = r};
+    return (Val){.kind = V_BOOL, .i = interp_compare(rel, x, y) != 0};
   }
   int x = as_node(s, a, e->lhs->at), y = as_node(s, b, e->rhs->at);
   if (x < 0 || y < 0)

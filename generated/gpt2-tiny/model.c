@@ -107,8 +107,10 @@ static inline float mdl_gelu_grad(float x) {
 
 static inline float mdl_sigmoid(float x) { return 1.0f / (1.0f + mdl_exp_fast(-x)); }
 
-// x within [lo, hi] (a NaN stays NaN); MDL_INF, as prelude.cuh's, for a bound that is not there.
+// x within [lo, hi] (a NaN stays NaN); MDL_INF and MDL_NAN, as prelude.cuh's, for literals that are not
+// finite (emit_common.c: ec_flit).
 #define MDL_INF INFINITY
+#define MDL_NAN NAN
 static inline float mdl_clamp(float x, float lo, float hi) { return x < lo ? lo : x > hi ? hi : x; }
 static inline float mdl_silu(float x) { return x * mdl_sigmoid(x); }
 
