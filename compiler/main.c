@@ -29,6 +29,7 @@ typedef struct {
   const char *dump;     // -d letters
   DimOverride dims[32];
   int ndims;
+  const char *settings[32]; // --set KEY=VALUE, in order (lower.settings points here)
   const char *out, *weights, *batch, *data, *backend;
   const char *precision; // --precision, else the train section's
   const char *checkpoint; // --checkpoint, else the train section's
@@ -86,6 +87,9 @@ static const char usage_text[] =
     "\n"
     "options:\n"
     "  -D, --dim NAME=N       bind a dimension (overrides the train section)\n"
+    "      --set KEY=VALUE    a train setting over the train section's, checked as it is: a setting\n"
+    "                         (clip=0.5, precision=fp32, optimizer=adamw(lr=1e-3)), a free dim, or one\n"
+    "                         argument of the optimizer or the schedule (lr=1e-3, warmup=100)\n"
     "  -d, --dump LETTERS     print the IR after passes: P parse, A autodiff + optimizer,\n"
     "                         R precision, C checkpoints (saved values, kept or recomputed),\n"
     "                         F fusion, M memory plan\n"
@@ -182,7 +186,7 @@ static int parse_options(int argc, char **argv, Options *o) {
       {"tokens", required_argument, 0, 'T'},  {"temperature", required_argument, 0, 'm'},
       {"top-k", required_argument, 0, 'q'},  {"skip-nonfinite", required_argument, 0, 'X'},
       {"optimizer-per-param", no_argument, 0, 'Z'}, {"memory-budget", required_argument, 0, 'M'},
-      {"log-every", required_argument, 0, 1001}, {"quiet", no_argument, 0, 'j'},
+      {"log-every", required_argument, 0, 1001}, {"set", required_argument, 0, 1002}, {"quiet", no_argument, 0, 'j'},
       {"help", no_argument, 0, 'h'},          {"version", no_argument, 0, 'V'},
       {0, 0, 0, 0}};
   *o = (Options){.seed = 1337, .backend = "auto", .steps = -1, .pack = true, .reuse = true, .gemm_tuning = true,
@@ -205,6 +209,14 @@ static int parse_options(int argc, char **argv, Options *o) {
       o->dims[o->ndims++] = (DimOverride){strndup(optarg, (size_t)(eq - optarg)), v};
       break;
     }
+    case 1002:
+      if (!strchr(optarg, '=') || optarg[0] == '=')
+        return usage_error("--set wants KEY=VALUE (e.g. --set lr=1e-3), got '%s'", optarg);
+      if (o->lower.nsettings == 32)
+        return usage_error("too many --set options (32 at most)%s", "");
+      o->settings[o->lower.nsettings++] = optarg;
+      o->lower.settings = o->settings;
+      break;
     case 'd':
       if (strspn(optarg, "PARCFM") != strlen(optarg))
         return usage_error("unknown dump letters in '%s' (known: P parse, A autodiff, R precision, C checkpoints, "
@@ -1288,11 +1300,15 @@ static int cmd_lab(const Options *o, Graph *g) {
   LabOptions lo = {.arena = a, .model = o->file, .data = o->data, .out = o->out ? o->out : "lab",
                    .model_name = g->model ? g->model : o->file, .steps = o->steps > 0 ? o->steps : 20,
                    .nparams = g->nparams, .T = ir_dim(g, "T")};
-  // Every run: the dims, the back end, the seed (the techniques' options are lab.c's).
-  const char **pass = arena_alloc(a, sizeof(char *) * (size_t)(2 * o->ndims + 8));
+  // Every run: the dims, the --set settings, the back end, the seed (the techniques' options are lab.c's).
+  const char **pass = arena_alloc(a, sizeof(char *) * (size_t)(2 * o->ndims + 2 * o->lower.nsettings + 8));
   for (int i = 0; i < o->ndims; i++) {
     pass[lo.npass++] = "-D";
     pass[lo.npass++] = arena_printf(a, "%s=%lld", o->dims[i].name, (long long)o->dims[i].value);
+  }
+  for (int i = 0; i < o->lower.nsettings; i++) {
+    pass[lo.npass++] = "--set";
+    pass[lo.npass++] = o->settings[i];
   }
   pass[lo.npass++] = "--backend";
   pass[lo.npass++] = backend_of(o);

@@ -339,8 +339,9 @@ typedef struct {
 enum { MDL_MAX_NODES = 1 << 18, MDL_MAX_PARAMS = 1 << 16, MDL_MAX_STMTS = 1 << 18 };
 #define MDL_MAX_PARAM_BYTES ((int64_t)1 << 42)
 
-// How the front end lowers a construct that has more than one lowering: the switches `mdlc lab`
-// turns off one by one to measure what each technique is worth ({0}: the defaults).
+// The front end's options beyond -D: how it lowers a construct that has more than one lowering (the
+// switches `mdlc lab` turns off one by one to measure what each technique is worth), and the train
+// settings the command line sets ({0}: the defaults).
 typedef struct {
   // attention(...) as an unfused framework runs it (--attention plain) instead of the fused ATTENTION
   // op: per head, the scores q k^T times scale plus an ATTENTION_MASK, materialised as [B,H,T,T];
@@ -349,6 +350,11 @@ typedef struct {
   // attention ignores its doc= argument (--no-doc-mask): causal over the whole packed row, documents
   // attend to each other. For the lab and the tests that show the leak; never for training.
   bool no_doc_mask;
+  // Train-section settings from the command line (--set KEY=VALUE), applied over the train section
+  // in their order: KEY is a setting (clip, precision, optimizer, ...), a free dim, or one argument
+  // of the optimizer or the schedule (lr, weight_decay, warmup, ...). Errors name "--set" and quote it.
+  const char *const *settings;
+  int nsettings;
 } LowerOptions;
 
 // Parse and check a .mdl file and build its forward graph (params, inputs, loss, outputs, the

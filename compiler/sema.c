@@ -392,7 +392,7 @@ static Val arith_int(Sema *s, const Expr *e, int64_t a, int64_t b) {
       break;
     }
     if (e->op == '/' && a % b != 0) {
-      error_at(s, e->at, "%s: %lld is not divisible by %lld", ast_text(s->a, s->p->text, e), (long long)a,
+      error_at(s, e->at, "%s: %lld is not divisible by %lld", ast_text(s->a, e->at.text, e), (long long)a,
                (long long)b);
       return ERR;
     }
@@ -680,7 +680,11 @@ static bool bind_args(Sema *s, const Builtin *b, const Expr *call, const Expr **
     while (k < np && strcmp(b->params[k], call->kw[i]))
       k++;
     if (k == np) {
-      error_at(s, call->kw_at[i], "%s: unknown keyword argument '%s'", b->name, call->kw[i]);
+      char known[160] = "";
+      for (int j = 0; j < np; j++)
+        snprintf(known + strlen(known), sizeof known - strlen(known), "%s%s", j ? ", " : "", b->params[j]);
+      error_at(s, call->kw_at[i], "%s: unknown keyword argument '%s' (%s takes %s)", b->name, call->kw[i], b->name,
+               np ? known : "none");
       ok = false;
     } else if (arg[k]) {
       error_at(s, call->kw_at[i], "%s: argument '%s' given twice", b->name, call->kw[i]);
@@ -1515,9 +1519,97 @@ static const Stmt *declare(Sema *s) {
 static const char *const train_keys[] = {"optimizer", "schedule", "no_decay", "clip", "accumulate", "precision",
                                          "checkpoint"};
 
-// Step 2: sorts the train section into free-dim bindings and settings, applies -D over both, then
-// evaluates every dim (filling g->dims) and every const, so each error shows even when unused.
-static void bind_dims(Sema *s, const Stmt *train, const DimOverride *ov, int nov) {
+// The schedules' arguments (schedule_setting): `--set warmup=100` sets the schedule's, any other
+// argument name the optimizer's.
+static const char *const schedule_args[] = {"warmup", "min_lr", "steps", "decay"};
+
+static bool is_train_key(const char *name) {
+  for (size_t k = 0; k < sizeof train_keys / sizeof *train_keys; k++)
+    if (!strcmp(train_keys[k], name))
+      return true;
+  return false;
+}
+
+// The train setting `key`, or NULL.
+static Setting *find_setting(Sema *s, const char *key) {
+  for (int i = 0; i < s->settings.n; i++)
+    if (!strcmp(((Setting *)s->settings.v[i])->key, key))
+      return s->settings.v[i];
+  return NULL;
+}
+
+// A free dim's binding from the train section or --set (st); false when `name` is no dim.
+static bool bind_dim(Sema *s, const Stmt *st, const char *where) {
+  Sym *d = find_in(&s->global, st->name);
+  if (!d || d->kind != SYM_DIM)
+    return false;
+  if (d->decl->value) {
+    if (error_at(s, st->at, "'%s' is a fixed dim; only free dims (dim %s in LO..HI) are set %s", st->name, st->name,
+                 where))
+      diag_note(d->at, "'%s' is defined here", st->name);
+  } else {
+    d->bind = st->value;
+  }
+  return true;
+}
+
+// `--set KEY=VALUE` (st: KEY = VALUE parsed on its own) over the train section: a free dim's binding
+// or a setting replaces the train section's; an argument of the optimizer or the schedule replaces
+// or joins that call's keyword arguments (adamw and constant when the train section names none), so
+// it is checked as though the train section said it.
+static void apply_set(Sema *s, const Stmt *st) {
+  if (bind_dim(s, st, "with --set"))
+    return;
+  if (is_train_key(st->name)) {
+    Setting *set = find_setting(s, st->name);
+    if (!set) {
+      set = arena_alloc(s->a, sizeof *set);
+      vec_push(s->a, &s->settings, set);
+    }
+    *set = (Setting){.key = st->name, .value = st->value, .at = st->at};
+    return;
+  }
+  const char *key = "optimizer", *dflt = "adamw";
+  for (size_t k = 0; k < sizeof schedule_args / sizeof *schedule_args; k++)
+    if (!strcmp(schedule_args[k], st->name))
+      key = "schedule", dflt = "constant";
+  Setting *set = find_setting(s, key);
+  if (!set) {
+    Expr *name = arena_alloc(s->a, sizeof *name);
+    *name = (Expr){.kind = E_NAME, .s = dflt, .at = st->at};
+    set = arena_alloc(s->a, sizeof *set);
+    *set = (Setting){.key = key, .value = name, .at = st->at};
+    vec_push(s->a, &s->settings, set);
+  }
+  const Expr *old = set->value;
+  if (old->kind != E_NAME && old->kind != E_CALL) { // (train_config says what is wrong with it)
+    error_at(s, st->at, "--set %s: the %s setting is not a call to add '%s' to", st->name, key, st->name);
+    return;
+  }
+  Expr *call = arena_alloc(s->a, sizeof *call);
+  *call = *old;
+  call->kind = E_CALL;
+  int n = old->kind == E_CALL ? old->nargs : 0;
+  call->args = arena_alloc(s->a, sizeof(Expr *) * (size_t)(n + 1));
+  call->kw = arena_alloc(s->a, sizeof(char *) * (size_t)(n + 1));
+  call->kw_at = arena_alloc(s->a, sizeof(SrcLoc) * (size_t)(n + 1));
+  call->nargs = 0;
+  for (int i = 0; i < n; i++)
+    if (!old->kw[i] || strcmp(old->kw[i], st->name)) {
+      call->args[call->nargs] = old->args[i];
+      call->kw[call->nargs] = old->kw[i];
+      call->kw_at[call->nargs++] = old->kw_at[i];
+    }
+  call->args[call->nargs] = st->value;
+  call->kw[call->nargs] = st->name;
+  call->kw_at[call->nargs++] = st->at;
+  set->value = call;
+}
+
+// Step 2: sorts the train section into free-dim bindings and settings, applies --set and then -D
+// over both, then evaluates every dim (filling g->dims) and every const, so each error shows even
+// when unused.
+static void bind_dims(Sema *s, const Stmt *train, const PtrVec *sets, const DimOverride *ov, int nov) {
   for (int i = 0; train && i < train->nbody; i++) {
     const Stmt *st = train->body[i];
     if (st->rejected)
@@ -1529,23 +1621,9 @@ static void bind_dims(Sema *s, const Stmt *train, const DimOverride *ov, int nov
           diag_note(train->body[k]->at, "previous definition is here");
         seen = true;
       }
-    if (seen)
+    if (seen || bind_dim(s, st, "in the train section"))
       continue;
-    Sym *d = find_in(&s->global, st->name);
-    if (d && d->kind == SYM_DIM) {
-      if (d->decl->value) {
-        if (error_at(s, st->at, "'%s' is a fixed dim; only free dims (dim %s in LO..HI) are set in the train section",
-                     st->name, st->name))
-          diag_note(d->at, "'%s' is defined here", st->name);
-      } else {
-        d->bind = st->value;
-      }
-      continue;
-    }
-    bool known = false;
-    for (size_t k = 0; k < sizeof train_keys / sizeof *train_keys; k++)
-      known |= !strcmp(train_keys[k], st->name);
-    if (!known) {
+    if (!is_train_key(st->name)) {
       error_at(s, st->at, "unknown train setting '%s' (settings: free dims, optimizer, schedule, no_decay, clip, "
                           "accumulate, precision, checkpoint)", st->name);
       continue;
@@ -1554,6 +1632,8 @@ static void bind_dims(Sema *s, const Stmt *train, const DimOverride *ov, int nov
     *set = (Setting){.key = st->name, .value = st->value, .at = st->at};
     vec_push(s->a, &s->settings, set);
   }
+  for (int i = 0; i < sets->n; i++)
+    apply_set(s, sets->v[i]);
   for (int i = 0; i < nov; i++) {
     Sym *d = find_in(&s->global, ov[i].name);
     if (!d || d->kind != SYM_DIM) {
@@ -1612,7 +1692,7 @@ static bool train_call(Sema *s, const Builtin *b, const Expr *e, const char *set
   if (e->kind == E_CALL && !strcmp(e->s, b->name))
     return bind_args(s, b, e, arg);
   error_at(s, e->at, "unknown %s '%s' (available: %s)", setting,
-           e->kind == E_NAME || e->kind == E_CALL ? e->s : ast_text(s->a, s->p->text, e), names);
+           e->kind == E_NAME || e->kind == E_CALL ? e->s : ast_text(s->a, e->at.text, e), names);
   return false;
 }
 
@@ -1624,7 +1704,7 @@ static const char *word(Sema *s, const Expr *e, const char *setting, const char 
   char list[128] = "";
   for (int i = 0; i < n; i++)
     snprintf(list + strlen(list), sizeof list - strlen(list), "%s%s", i ? (i + 1 < n ? ", " : " or ") : "", choices[i]);
-  error_at(s, e->at, "unknown %s '%s' (expected %s)", setting, ast_text(s->a, s->p->text, e), list);
+  error_at(s, e->at, "unknown %s '%s' (expected %s)", setting, ast_text(s->a, e->at.text, e), list);
   return NULL;
 }
 
@@ -1636,7 +1716,7 @@ static void checkpoint_setting(Sema *s, const Expr *e, TrainConfig *t) {
     if (!bind_args(s, &b, e, arg))
       return;
     if (arg[0]->kind == E_FLOAT && arg[0]->f > 0 && arg[0]->f <= 1) { // a fraction of the memory there is
-      t->checkpoint = arena_printf(s->a, "auto=%s", ast_text(s->a, s->p->text, arg[0]));
+      t->checkpoint = arena_printf(s->a, "auto=%s", ast_text(s->a, arg[0]->at.text, arg[0]));
       t->checkpoint_at = e->at;
       return;
     }
@@ -2037,7 +2117,21 @@ Graph *sema_build(Parser *p, const DimOverride *ov, int nov, const LowerOptions 
     return NULL;
   }
   const Stmt *train = declare(s);
-  bind_dims(s, train, ov, nov);
+  PtrVec sets = {0};
+  for (int i = 0; i < s->lower.nsettings; i++) {
+    Parser q = {.arena = s->a, .file = "--set", .text = s->lower.settings[i]};
+    if (!parse_text(&q))
+      continue;
+    Stmt *st = q.stmts.n == 1 ? q.stmts.v[0] : NULL;
+    if (!st || st->kind != S_ASSIGN || st->nnames != 1) {
+      error_at(s, (SrcLoc){.file = q.file, .text = q.text, .line = 1, .col = 1},
+               "--set wants KEY=VALUE (a train setting, a free dim, or an argument of the optimizer or the "
+               "schedule), got '%s'", q.text);
+      continue;
+    }
+    vec_push(s->a, &sets, st);
+  }
+  bind_dims(s, train, &sets, ov, nov);
   train_config(s);
   s->out_nodes = arena_alloc(s->a, sizeof(int) * (size_t)(s->outputs.n ? s->outputs.n : 1));
   elaborate(s, (Stmt **)p->stmts.v, p->stmts.n);

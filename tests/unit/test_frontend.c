@@ -654,6 +654,84 @@ static void test_lowering(void) {
   lowering = NULL;
 }
 
+// --set KEY=VALUE (LowerOptions.settings): over the train section's settings, dims and the optimizer's
+// and schedule's arguments, checked as the train section is, errors at "--set" with the text quoted.
+static Graph *compile_set(const char *text, const char *const *set, int n, int *errors) {
+  LowerOptions lo = {.settings = set, .nsettings = n};
+  lowering = &lo;
+  Graph *g = compile_ov(text, NULL, 0, errors);
+  lowering = NULL;
+  return g;
+}
+
+static void test_set(void) {
+  static const char text[] = "model m\n"
+                             "dim B in 1..64\n"
+                             "input x: f32[B, 4]\n"
+                             "param w: [4] = ones\n"
+                             "output loss = mean(x * w)\n"
+                             "train {\n"
+                             " B = 8\n"
+                             " optimizer = adamw(lr=1e-3, beta2=0.99)\n"
+                             " schedule = cosine(warmup=10, min_lr=1e-4, steps=100)\n"
+                             " clip = 1.0\n"
+                             "}\n";
+  int errors;
+  const char *over[] = {"lr=3e-3", "warmup=5", "clip=0.5", "B=16", "precision=fp32", "weight_decay=0.2"};
+  Graph *g = compile_set(text, over, 6, &errors);
+  const TrainConfig *t = g ? &g->train : NULL;
+  CHECK(t && t->lr == 3e-3 && t->beta2 == 0.99 && t->weight_decay == 0.2 && t->schedule == SCHED_COSINE &&
+            t->warmup == 5 && t->min_lr == 1e-4 && t->steps == 100 && t->clip == 0.5 && dim(g, "B") == 16 &&
+            !strcmp(t->precision, "fp32"),
+        "--set replaces settings, dims and single arguments, keeping the train section's other arguments",
+        "%s lr %g beta2 %g wd %g warmup %lld clip %g B %lld", errtext, t ? t->lr : 0, t ? t->beta2 : 0,
+        t ? t->weight_decay : 0, t ? (long long)t->warmup : 0, t ? t->clip : 0, g ? (long long)dim(g, "B") : 0);
+
+  const char *later[] = {"lr=1", "optimizer=adamw(beta1=0.8)", "lr=2e-3", "schedule=constant", "warmup=3"};
+  g = compile_set(text, later, 5, &errors);
+  t = g ? &g->train : NULL;
+  CHECK(t && t->lr == 2e-3 && t->beta1 == 0.8 && t->beta2 == 0.95 && t->schedule == SCHED_CONSTANT && t->warmup == 3,
+        "--set applies in order: a whole optimizer replaces the earlier one, a later argument joins it",
+        "%s lr %g beta1 %g beta2 %g", errtext, t ? t->lr : 0, t ? t->beta1 : 0, t ? t->beta2 : 0);
+
+  static const char bare[] = "model m\ninput x: f32[2]\nparam w: [2] = ones\noutput loss = mean(x * w)\n";
+  const char *none[] = {"lr=0.25", "warmup=7"};
+  g = compile_set(bare, none, 2, &errors);
+  t = g ? &g->train : NULL;
+  CHECK(t && t->lr == 0.25 && t->schedule == SCHED_CONSTANT && t->warmup == 7,
+        "--set of an argument with no train section: adamw's and the constant schedule's", "%s", errtext);
+
+  const char *bad[] = {"lr=-1", "min_lr=x", "clip=2", "precision=fp16", "B=0", "a b=1"};
+  g = compile_set(text, bad, 6, &errors);
+  CHECK(!g && errors == 5 && strstr(errtext, "--set:1:4: error: lr must be positive, got -1\n    1 | lr=-1\n") &&
+            strstr(errtext, "--set:1:8: error: 'x' is ") && strstr(errtext, "--set:1:11: error: unknown precision 'fp16'") &&
+            strstr(errtext, "--set:1:3: error: dim 'B' = 0 is out of bounds 1..64") &&
+            strstr(errtext, "--set:1:3: error: syntax error"),
+        "a bad --set value is an error at --set, quoting it, each one reported", "%d errors:\n%s", errors, errtext);
+  const char *unknown[] = {"decay=3", "C=4"};
+  g = compile_set(text, unknown, 2, &errors);
+  CHECK(!g && errors == 2 &&
+            strstr(errtext, "--set:1:1: error: cosine: unknown keyword argument 'decay' (cosine takes warmup, "
+                            "min_lr, steps)") &&
+            strstr(errtext, "--set:1:1: error: adamw: unknown keyword argument 'C' (adamw takes lr, beta1"),
+        "--set of an argument the optimizer or schedule does not take names what they take", "%d errors:\n%s", errors,
+        errtext);
+
+  const char *fixed[] = {"x=1", "w=2"};
+  static const char dims[] = "model m\ndim C = 4\ninput x: f32[C]\nparam w: [C] = ones\noutput loss = mean(x * w)\n";
+  const char *c4[] = {"C=8"};
+  g = compile_set(dims, c4, 1, &errors);
+  CHECK(!g && errors == 1 && strstr(errtext, "--set:1:1: error: 'C' is a fixed dim; only free dims (dim C in "
+                                             "LO..HI) are set with --set"),
+        "--set of a fixed dim is refused", "%s", errtext);
+  g = compile_set(dims, fixed, 2, &errors);
+  CHECK(!g && errors == 2 && strstr(errtext, "adamw: unknown keyword argument 'x'"),
+        "--set of a name that is no setting, dim or argument is refused", "%s", errtext);
+  const char *twice[] = {"clip=1 ; lr=2"};
+  g = compile_set(dims, twice, 1, &errors);
+  CHECK(!g && errors == 1 && strstr(errtext, "--set wants KEY=VALUE"), "--set takes one setting", "%s", errtext);
+}
+
 int main(void) {
   arena = arena_new();
   test_gpt2_tiny();
@@ -665,6 +743,7 @@ int main(void) {
   test_error_volume();
   test_limits();
   test_lowering();
+  test_set();
   arena_free(arena);
   TEST_EXIT();
 }
