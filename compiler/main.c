@@ -98,6 +98,9 @@ static const char usage_text[] =
     "      --batch PATH       a batch as safetensors (tokens, targets, pos, doc: i32 [B,T])\n"
     "      --data DIR         shards and tokenizer made by `mdlc prep`\n"
     "      --out DIR          checkpoint, log.jsonl and loss.svg (default: out)\n"
+    "      --dist-timeout S   under mpirun/srun (data parallel, B per rank): how long a rank waits for\n"
+    "                         the others at an all-reduce before it names the missing ones and stops\n"
+    "                         every rank (default 300)\n"
     "      --resume           continue the checkpoint in --out exactly: with its --seed, --no-shuffle,\n"
     "                         --no-pack and --accumulate (given with another value: refused)\n"
     "      --no-pack          one padded document per row instead of packed rows\n"
@@ -186,7 +189,8 @@ static int parse_options(int argc, char **argv, Options *o) {
       {"tokens", required_argument, 0, 'T'},  {"temperature", required_argument, 0, 'm'},
       {"top-k", required_argument, 0, 'q'},  {"skip-nonfinite", required_argument, 0, 'X'},
       {"optimizer-per-param", no_argument, 0, 'Z'}, {"memory-budget", required_argument, 0, 'M'},
-      {"log-every", required_argument, 0, 1001}, {"set", required_argument, 0, 1002}, {"quiet", no_argument, 0, 'j'},
+      {"log-every", required_argument, 0, 1001}, {"set", required_argument, 0, 1002},
+      {"dist-timeout", required_argument, 0, 1003}, {"quiet", no_argument, 0, 'j'},
       {"help", no_argument, 0, 'h'},          {"version", no_argument, 0, 'V'},
       {0, 0, 0, 0}};
   *o = (Options){.seed = 1337, .backend = "auto", .steps = -1, .pack = true, .reuse = true, .gemm_tuning = true,
@@ -207,6 +211,14 @@ static int parse_options(int argc, char **argv, Options *o) {
       if (o->ndims == 32)
         return usage_error("too many -D options (32 at most)%s", "");
       o->dims[o->ndims++] = (DimOverride){strndup(optarg, (size_t)(eq - optarg)), v};
+      break;
+    }
+    case 1003: {
+      char *end;
+      double s = strtod(optarg, &end);
+      if (!*optarg || *end || !(s > 0))
+        return usage_error("--dist-timeout wants seconds (> 0), got '%s'", optarg);
+      dist_set_timeout(s);
       break;
     }
     case 1002:
@@ -1006,9 +1018,9 @@ static int cmd_run(const Options *o, Graph *g) {
       return EXIT_USER;
     }
   }
-  bool created;
-  int lock = train_claim_out(out_dir, o->resume, &created);
-  if (lock < 0) {
+  bool created = false, lead = dist_env_rank() == 0; // (several ranks: rank 0 writes the run's files)
+  int lock = lead ? train_claim_out(out_dir, o->resume, &created) : -1;
+  if (lead && lock < 0) {
     free(tok_base64);
     return EXIT_USER;
   }
@@ -1057,11 +1069,24 @@ static int cmd_run(const Options *o, Graph *g) {
     if (o->profile && !e->profile)
       printf("--profile: the %s back end runs op by op, with nothing to time by kernel; the compiled back ends "
              "(--backend cpu or cuda) have a profile\n", backend_of(o));
-    rc = train_run(e, eval, micro, &to);
+    // Several ranks: MPI starts now, after every engine is compiled (cc is not forked under MPI).
+    char derr[512];
+    if (!dist_init(derr, sizeof derr)) {
+      diag_file_error(o->file, "%s", derr);
+      rc = EXIT_USER;
+    } else {
+      if (dist_on() && lead)
+        printf("data parallel: %d ranks (MPI), %d on this machine, OMP_NUM_THREADS=%s each; the global batch is "
+               "%d x B\n", dist_size(), dist_local_size(), getenv("OMP_NUM_THREADS"), dist_size());
+      rc = train_run(e, eval, micro, &to);
+      if (dist_on() && rc == EXIT_USER) // (a rank's error: the others would wait for it)
+        dist_abort(rc);
+      dist_finalize();
+    }
     created = false; // (what the run wrote stays)
-    if (rc == 0)
+    if (rc == 0 && lead)
       engine_profile_report(e, stdout);
-    if (rc == 0 && !write_run_json(out_dir, g, e, eval, micro, line))
+    if (rc == 0 && lead && !write_run_json(out_dir, g, e, eval, micro, line))
       rc = EXIT_USER;
   }
   if (eval)
@@ -1393,6 +1418,15 @@ static int run_verb(Options *o) {
     return cmd_eval(o);
   if (!strcmp(o->verb, "run") && o->resume && !resume_batch_order(o))
     return EXIT_USER;
+  if (!strcmp(o->verb, "run") && dist_launched()) {
+    // One of several ranks (mpirun, srun): rank 0 speaks for the run; each rank takes its share of
+    // the machine's cores unless OMP_NUM_THREADS says.
+    o->quiet |= dist_env_rank() != 0;
+    long cores = sysconf(_SC_NPROCESSORS_ONLN), each = cores / dist_env_local_size();
+    char threads[24];
+    snprintf(threads, sizeof threads, "%ld", each > 0 ? each : 1);
+    setenv("OMP_NUM_THREADS", threads, 0);
+  }
   if (!strcmp(o->verb, "prep")) {
     if (!o->out)
       return usage_error("prep needs -o DIR%s", "");

@@ -129,6 +129,13 @@ typedef struct {
   CpuModule *cm;
   char *arena;
   ParamDraw draw;
+  // Engine.set_reduce: the function, its context, and the first kernel of the optimizer (the
+  // gradients are final before it)
+  bool (*reduce)(void *ctx, float *x, int64_t n, char *err, size_t en);
+  void *reduce_ctx;
+  int opt_first;
+  int64_t (*ranges)[2]; // the arena's byte ranges [from, to) of the gradients the optimizer reads
+  int nranges;
 } CpuEngine;
 
 static bool cpe_draw(void *ctx, int k) {
@@ -154,18 +161,39 @@ static void ce_set_scalar(Engine *e, const char *name, double v) {
 
 static void ce_set_seed(Engine *e, uint64_t seed) { ((CpuEngine *)e)->cm->hooks.seed = seed; }
 
+// Engine.set_reduce's call: every gradient the optimizer reads made the mean over the ranks.
+static bool ce_reduce(CpuEngine *ce, char *err, size_t n) {
+  for (int i = 0; i < ce->nranges; i++)
+    if (!ce->reduce(ce->reduce_ctx, (float *)(ce->arena + ce->ranges[i][0]), (ce->ranges[i][1] - ce->ranges[i][0]) / 4,
+                    err, n))
+      return false;
+  return true;
+}
+
+static int by_start(const void *a, const void *b) {
+  int64_t x = (*(const int64_t(*)[2])a)[0], y = (*(const int64_t(*)[2])b)[0];
+  return (x > y) - (x < y);
+}
+
 static bool ce_step(Engine *e, char *err, size_t n) {
   CpuEngine *ce = (CpuEngine *)e;
   cpe_draw_params(e, err, n);
-  bool ok = true;
-  if (!e->profile)
+  bool ok = true, reduced = false;
+  if (!e->profile && !ce->reduce)
     ok = cpu_step(ce->cm, ce->arena);
-  for (int i = 0; e->profile && ok && i < ce->cm->nkernels; i++) {
+  for (int i = 0; (e->profile || ce->reduce) && ok && i < ce->cm->nkernels; i++) {
+    if (ce->reduce && i == ce->opt_first) {
+      if (!ce_reduce(ce, err, n))
+        return false;
+      reduced = true;
+    }
     double t0 = rt_now();
     ok = cpu_run_kernel(ce->cm, i, ce->arena);
-    if (e->profile_warm)
+    if (e->profile && e->profile_warm)
       e->kernel_seconds[i] += rt_now() - t0;
   }
+  if (ok && ce->reduce && !reduced && !ce_reduce(ce, err, n))
+    return false;
   e->profiled_steps += e->profile && e->profile_warm && ok;
   e->profile_warm |= e->profile && ok;
   if (!ok)
@@ -263,8 +291,62 @@ static void ce_idle(Engine *e, bool params_too) {
   }
 }
 
+// Engine.set_reduce: the gradients the optimizer reads are the gradient norm's inputs (with gradient
+// accumulation, the means of the step's and the micro-batches' gradients, not the flat gradient
+// buffer), each written to memory before the optimizer's first kernel. Their byte ranges, sorted, those
+// inside the flat gradient buffer merged across its padding: GPT-2's gradients are one all-reduce.
+static bool ce_set_reduce(Engine *e, bool (*fn)(void *ctx, float *x, int64_t n, char *err, size_t en), void *ctx) {
+  CpuEngine *ce = (CpuEngine *)e;
+  const Graph *g = e->g;
+  const Fusion *f = e->fusion;
+  const MemPlan *m = ce->m;
+  const IrNode *norm = NULL;
+  for (int i = 0; i < g->n && !norm; i++)
+    norm = g->nodes[i]->op == OP_GRAD_NORM ? g->nodes[i] : NULL;
+  free(ce->ranges);
+  ce->ranges = NULL;
+  ce->nranges = 0;
+  ce->reduce = NULL;
+  if (!fn)
+    return true;
+  if (!norm || !f || !(ce->ranges = malloc(sizeof *ce->ranges * (size_t)norm->nin)))
+    return false;
+  for (int i = 0; i < norm->nin; i++) {
+    const IrNode *x = g->nodes[norm->in[i]];
+    if (m->offset[x->id] < 0 || x->dtype != DT_F32) // (a view has its node's offset)
+      return false;
+    ce->ranges[i][0] = m->offset[x->id];
+    ce->ranges[i][1] = m->offset[x->id] + 4 * shape_numel(x->shape);
+  }
+  qsort(ce->ranges, (size_t)norm->nin, sizeof *ce->ranges, by_start);
+  int64_t lo = m->grads, hi = m->grads + m->param_bytes;
+  for (int i = 0; i < norm->nin; i++) {
+    int64_t *r = ce->ranges[i], *prev = ce->nranges ? ce->ranges[ce->nranges - 1] : NULL;
+    if (prev && r[0] < prev[1]) // (two gradients in one place: not a plan this can reduce)
+      return false;
+    if (prev && prev[0] >= lo && r[1] <= hi)
+      prev[1] = r[1];
+    else
+      memmove(ce->ranges[ce->nranges++], r, sizeof *ce->ranges);
+  }
+  ce->opt_first = f->nsteps;
+  for (int s = f->nsteps - 1; s >= 0; s--)
+    for (int k = 0; k < f->steps[s].nnodes; k++) {
+      Op op = g->nodes[f->steps[s].nodes[k]]->op;
+      if (op == OP_GRAD_NORM || op == OP_ADAMW)
+        ce->opt_first = s;
+    }
+  for (int i = 0; i < norm->nin; i++)
+    if (f->step_of[norm->in[i]] >= ce->opt_first)
+      return false;
+  ce->reduce = fn;
+  ce->reduce_ctx = ctx;
+  return true;
+}
+
 static void ce_free(Engine *e) {
   CpuEngine *ce = (CpuEngine *)e;
+  free(ce->ranges);
   cpu_unload(ce->cm);
   param_draw_free(&ce->draw);
   free(e->kernel_seconds);
@@ -295,6 +377,7 @@ Engine *engine_cpu(const Fusion *f, const MemPlan *m, const char *source, uint64
                    .step = ce_step, .read = ce_read, .write = ce_write, .values = ce_values, .idle = ce_idle,
                    .free = ce_free,
                    .take_params = ce_take_params, .draw_params = cpe_draw_params, .inputs_from = ce_inputs_from,
+                   .set_reduce = ce_set_reduce,
                    .cache_hit = cm->cache_hit, .compile_seconds = cm->compile_seconds};
   return &ce->e;
 }

@@ -49,6 +49,33 @@ double rt_step_flops(const Graph *g);
 double rt_cpu_peak_flops(bool amx_bf16, const char **how); // amx_bf16: GEMMs in bf16 on AMX
 
 //
+// dist.c: data-parallel training over processes, launched by MPI (mpirun, or srun through MPI).
+//
+// Whether this process's launcher started it as one of several ranks (Open MPI's, PMIx's, MPICH's or
+// Slurm's environment says so): then dist_init must run before training.
+bool dist_launched(void);
+// What the launcher's environment says before MPI starts (0 and 1 when not launched as several):
+// this process's rank, and how many ranks share its machine.
+int dist_env_rank(void);
+int dist_env_local_size(void);
+// Loads Open MPI (at run time: a machine without it trains alone) and initialises it when
+// dist_launched(); nothing otherwise (a world of one). False with the reason in err.
+bool dist_init(char *err, size_t n);
+bool dist_on(void);     // more than one rank, MPI initialised
+int dist_rank(void);    // 0 .. dist_size() - 1; 0 alone
+int dist_size(void);    // 1 alone
+int dist_local_rank(void), dist_local_size(void); // among the ranks of this machine
+void dist_set_timeout(double seconds); // how long a rank waits for the others at a collective (300 s)
+double dist_timeout(void);
+// In place: x becomes the mean (f32) or sum (f64) of every rank's x. Before it, every rank checks in
+// (what, step: for the message) and waits at most the timeout for the others: a rank missing then is
+// named on stderr and every rank stops (MPI_Abort, status 1). Alone: x as it is.
+bool dist_mean_f32(float *x, int64_t n, const char *what, int64_t step, char *err, size_t en);
+bool dist_sum_f64(double *x, int n, const char *what, int64_t step, char *err, size_t en);
+void dist_abort(int status); // every rank stops with status (MPI_Abort); alone: exit(status)
+void dist_finalize(void);
+
+//
 // engine.c: one training step on any back end, behind one struct of hooks.
 //
 typedef struct Engine Engine;
@@ -90,6 +117,12 @@ struct Engine {
   // validation does); they read as zeros until written. NULL where nothing is given back.
   void (*idle)(Engine *e, bool params_too);
   bool (*read_snapshot)(Engine *e, int node, float *dst, char *err, size_t n);
+  // Data-parallel training (dist.c): with a reduce set, each step runs its kernels one by one and,
+  // once its gradients are final and before the optimizer's first kernel, calls fn(ctx, x, n) on each
+  // buffer of gradients the optimizer reads (the flat gradient buffer, parameter order; with gradient
+  // accumulation the "acc.<param>" inputs too), which makes it the mean over the ranks. fn NULL: none.
+  // False where the back end cannot (NULL: none can).
+  bool (*set_reduce)(Engine *e, bool (*fn)(void *ctx, float *x, int64_t n, char *err, size_t en), void *ctx);
   void (*free)(Engine *e);
   bool cache_hit;         // compiled back ends: the module came from the cache
   double compile_seconds; // compiled back ends: time in the compiler

@@ -42,30 +42,43 @@
 
 #define CKPT_FORMAT "mdl-checkpoint-1"
 
+// With several ranks (dist.c), B is the global batch, the ranks' B times their number: a checkpoint
+// of 2 ranks at B=2 is one of B=4, which 1 process at B=4 or 4 ranks at B=1 resume.
 static char *dims_string(const Graph *g) {
   size_t cap = 64 + 48 * (size_t)g->ndims, len = 0;
   char *s = rt_xrealloc(NULL, cap);
   s[0] = 0;
   for (int i = 0; i < g->ndims; i++)
     len += (size_t)snprintf(s + len, cap - len, "%s%s=%lld", i ? "," : "", g->dims[i].name,
-                            (long long)g->dims[i].value);
+                            (long long)g->dims[i].value * (strcmp(g->dims[i].name, "B") ? 1 : dist_size()));
   return s;
 }
 
 // The per-step seed of dropout masks: a function of the run's seed and the step, so a resumed run
-// draws the same masks as an uninterrupted one.
-static uint64_t step_seed(uint64_t seed, int64_t step) { return mdl_rng_u64(seed, 0x5eed, (uint64_t)step); }
+// draws the same masks as an uninterrupted one; rank 0's as one process's, the other ranks' each their
+// own (their slices of the batch get masks of their own, not rank 0's again).
+static uint64_t step_seed(uint64_t seed, int64_t step) {
+  uint64_t s = mdl_rng_u64(seed, 0x5eed, (uint64_t)step);
+  return dist_rank() ? mdl_rng_u64(s, 0x7a4b, (uint64_t)dist_rank()) : s;
+}
 
 // A batch's inputs: an array dataset's, else the tokens and targets, and pos and doc where the model
-// reads them.
+// reads them; n a row's values times the rows (B*T). With several ranks (dist.c) the loaders give the
+// global batch, dist_size() times the rows, and each rank takes its own slice: rows [r*B, (r+1)*B)
+// on rank r.
 static bool feed(Engine *e, const Batch *b, int64_t n) {
-  for (int i = 0; i < b->ninputs; i++)
-    if (!e->set_input(e, b->inputs[i].name, b->inputs[i].ids, b->inputs[i].f, b->inputs[i].numel))
+  int rank = dist_on() ? dist_rank() : 0, world = dist_on() ? dist_size() : 1;
+  int64_t at = (int64_t)rank * n;
+  for (int i = 0; i < b->ninputs; i++) {
+    int64_t each = b->inputs[i].numel / world, from = each * rank;
+    if (!e->set_input(e, b->inputs[i].name, b->inputs[i].ids ? b->inputs[i].ids + from : NULL,
+                      b->inputs[i].f ? b->inputs[i].f + from : NULL, each))
       return false;
+  }
   return b->ninputs > 0 ||
-         (e->set_input(e, "tokens", b->tokens, NULL, n) && e->set_input(e, "targets", b->targets, NULL, n) &&
-          (rt_input_node(e->g, "pos") < 0 || e->set_input(e, "pos", b->pos, NULL, n)) &&
-          (rt_input_node(e->g, "doc") < 0 || e->set_input(e, "doc", b->doc, NULL, n)));
+         (e->set_input(e, "tokens", b->tokens + at, NULL, n) && e->set_input(e, "targets", b->targets + at, NULL, n) &&
+          (rt_input_node(e->g, "pos") < 0 || e->set_input(e, "pos", b->pos + at, NULL, n)) &&
+          (rt_input_node(e->g, "doc") < 0 || e->set_input(e, "doc", b->doc + at, NULL, n)));
 }
 
 // Every parameter, then every AdamW moment (when the engine's graph has them).
@@ -377,8 +390,8 @@ static bool val_means(Engine *eval, Loader *val, LoaderState first, int64_t batc
       mean[i + 1] += engine_scalar(eval, g->outputs[i]);
   }
   for (int i = 0; i <= g->noutputs; i++)
-    mean[i] /= (double)batches;
-  return true;
+    mean[i] /= (double)batches * (dist_on() ? dist_size() : 1);
+  return dist_sum_f64(mean, g->noutputs + 1, "a validation", -1, err, n); // (each rank's own slices)
 }
 
 // Arrays validate on the first `want` (--val-batches) batches of B examples, at most as many as the
@@ -874,6 +887,28 @@ static void release_stop(StopSignals *s) {
 static int train_loop(Engine *e, Engine *eval, Engine *micro, const TrainOptions *o, const char *ckpt,
                       const char *log_path, const char *svg);
 
+// Data parallel (dist.c): the step engine's gradients made the mean over the ranks before its
+// optimizer (Engine.set_reduce), and the time that takes. A rank whose micro-batch loss was not
+// finite (poison) sends NaN gradients instead, so that every rank skips the update, as one process
+// skips it.
+typedef struct {
+  Engine *e;
+  int64_t step;
+  bool poison;    // a micro-batch's loss was not finite (the step's own is read in the reduce)
+  double seconds; // in the reduce, this step
+} Reduce;
+
+static bool reduce_grads(void *ctx, float *x, int64_t n, char *err, size_t en) {
+  Reduce *r = ctx;
+  double t0 = rt_now();
+  bool poison = r->poison || !isfinite(engine_scalar(r->e, r->e->g->loss));
+  for (int64_t i = 0; poison && i < n; i++)
+    x[i] = NAN;
+  bool ok = dist_mean_f32(x, n, "the gradients' all-reduce", r->step, err, en);
+  r->seconds += rt_now() - t0;
+  return ok;
+}
+
 int train_run(Engine *e, Engine *eval, Engine *micro, const TrainOptions *o) {
   const Graph *g = e->g;
   if (o->arrays ? ir_dim(g, "B") <= 0 : !shards_fit(g, o->data_dir)) {
@@ -924,7 +959,10 @@ static int train_loop(Engine *e, Engine *eval, Engine *micro, const TrainOptions
     for (size_t i = 0; i < gl.gl_pathc; i++)
       unlink(gl.gl_pathv[i]);
   globfree(&gl);
-  LoaderOptions lo = {.B = B, .T = T, .vocab = V, .pack = o->pack, .shuffle = o->shuffle, .seed = o->seed,
+  // With several ranks the loaders give the global batch, N*B rows, and each rank takes its slice (feed).
+  int world = dist_on() ? dist_size() : 1;
+  bool lead = dist_rank() == 0; // writes the log, the checkpoints and the loss curve
+  LoaderOptions lo = {.B = B * world, .T = T, .vocab = V, .pack = o->pack, .shuffle = o->shuffle, .seed = o->seed,
                       .model = o->arrays ? g : NULL, .val_fraction = o->val_fraction},
                 lt = lo;
   lt.from_text = o->tokenize_on_the_fly; // (validation batches come from the shards either way)
@@ -943,7 +981,7 @@ static int train_loop(Engine *e, Engine *eval, Engine *micro, const TrainOptions
   if (o->resume) {
     LoaderState ls;
     if (!read_checkpoint(ckpt, e, o->model_path, &start, &ls, &seed) || !loader_seek(train, ls) ||
-        !truncate_log(log_path, start)) {
+        (lead && !truncate_log(log_path, start))) {
       loader_close(train);
       if (val)
         loader_close(val);
@@ -962,7 +1000,7 @@ static int train_loop(Engine *e, Engine *eval, Engine *micro, const TrainOptions
       loader_close(val);
     return 1;
   }
-  FILE *log = fopen(log_path, o->resume ? "a" : "w");
+  FILE *log = lead ? fopen(log_path, o->resume ? "a" : "w") : fopen("/dev/null", "w");
   if (!log) {
     diag_file_error(log_path, "cannot write: %s", strerror(errno));
     loader_close(train);
@@ -983,7 +1021,7 @@ static int train_loop(Engine *e, Engine *eval, Engine *micro, const TrainOptions
   const char *peak_how = e->peak_how;
   double peak = e->peak_flops > 0 ? e->peak_flops : rt_cpu_peak_flops(false, &peak_how), flops = rt_step_flops(g);
   double unigram = o->arrays ? NAN : unigram_entropy(o->data_dir, V);
-  int64_t val_batches = o->arrays && val ? array_val_batches(val, B, o->val_batches) : o->val_batches;
+  int64_t val_batches = o->arrays && val ? array_val_batches(val, B * world, o->val_batches) : o->val_batches;
   const char *unit = o->arrays ? "ex/s" : "tok/s";
   if (!o->quiet)
     printf("MFU = model flops (3x forward GEMM + attention flops counted in the graph: %.3g per step) / %s\n", flops,
@@ -1026,7 +1064,15 @@ static int train_loop(Engine *e, Engine *eval, Engine *micro, const TrainOptions
   // A full line for the first step, the last, every log_every-th and each validation; on a terminal,
   // the progress line between them; with --quiet, neither.
   int64_t log_every = o->log_every > 0 ? o->log_every : train_log_every(last);
-  Progress pg = {.on = !o->quiet && isatty(STDOUT_FILENO)};
+  Progress pg = {.on = !o->quiet && isatty(STDOUT_FILENO) && world == 1}; // (mpirun's ranks write to a pty)
+  Reduce red = {.e = e};
+  double comm_total = 0, *shared = rt_xrealloc(NULL, sizeof(double) * (size_t)(met.n + 2));
+  if (world > 1 && (!e->set_reduce || !e->set_reduce(e, reduce_grads, &red))) {
+    diag_file_error(o->model_path, "the %s back end cannot reduce gradients over ranks: data-parallel training "
+                    "runs on the compiled CPU back end (--backend cpu)", e->name);
+    rc = 1;
+    last = start;
+  }
   for (int64_t step = start + 1; step <= last; step++) {
     double t0 = rt_now(), loss_sum = 0;
     int64_t real = 0;
@@ -1042,7 +1088,9 @@ static int train_loop(Engine *e, Engine *eval, Engine *micro, const TrainOptions
       char kept[PATH_MAX + 96];
       rc = 1;
       progress_clear(&pg);
-      keep_step_before(&writer, ckpt, e, o, step, ckpt_step, before, kept, sizeof kept);
+      snprintf(kept, sizeof kept, "rank 0 keeps them");
+      if (lead)
+        keep_step_before(&writer, ckpt, e, o, step, ckpt_step, before, kept, sizeof kept);
       diag_file_error(o->model_path, "step %lld: no batch; stopping with the weights of step %lld: %s", (long long)step,
                       (long long)step - 1, kept);
       break;
@@ -1052,25 +1100,49 @@ static int train_loop(Engine *e, Engine *eval, Engine *micro, const TrainOptions
     e->set_scalar(e, "step", (double)step);
     e->set_seed(e, step_seed(seed, k > 1 ? step * k + k - 1 : step));
     // A micro-batch whose loss is not finite: the step is not run (its optimizer would apply the
-    // others' gradients regardless).
-    bool micro_finite = isfinite(loss_sum);
-    if (!feed(e, &batch, B * T) || (micro_finite && !e->step(e, err, sizeof err))) {
+    // others' gradients regardless). With several ranks every rank runs it, that one sending NaN
+    // gradients (reduce_grads), so that no rank's optimizer updates.
+    bool micro_finite = isfinite(loss_sum), run = micro_finite || world > 1;
+    red.step = step, red.poison = !micro_finite, red.seconds = 0;
+    if (!feed(e, &batch, B * T) || (run && !e->step(e, err, sizeof err))) {
       progress_clear(&pg);
       diag_file_error(o->model_path, "step %lld: %s", (long long)step, err[0] ? err : "bad batch");
       rc = 1;
       break;
     }
-    real += batch.real_tokens;
-    double dt = rt_now() - t0, loss = (loss_sum + (micro_finite ? engine_scalar(e, g->loss) : NAN)) / (double)k;
-    step_secs += dt;
-    double norm = gnorm >= 0 && micro_finite ? engine_scalar(e, gnorm) : NAN;
-    real_total += real;
-    push(&c.loss, &c.n, &c.cap, loss);
+    real += batch.real_tokens; // (with several ranks: the global batch's)
+    double loss = (loss_sum + (micro_finite ? engine_scalar(e, g->loss) : NAN)) / (double)k;
+    double norm = gnorm >= 0 && run ? engine_scalar(e, gnorm) : NAN;
     for (int j = 0; j < met.n; j++) {
       met.now[j] = (met.sum[j] + (micro_finite ? engine_scalar(e, met.node[j]) : NAN)) / (double)k;
       met.sum[j] = 0;
-      push(&c.met, &c.nmet, &c.capmet, met.now[j]);
     }
+    // Several ranks: the step's loss and metrics are their means over the ranks, and a SIGINT or
+    // SIGTERM on any rank stops every rank at this step.
+    int stop = stop_signal;
+    if (world > 1) {
+      shared[0] = loss, shared[met.n + 1] = stop ? 1 : 0;
+      for (int j = 0; j < met.n; j++)
+        shared[1 + j] = met.now[j];
+      double t1 = rt_now();
+      if (!dist_sum_f64(shared, met.n + 2, "the step's loss", step, err, sizeof err)) {
+        diag_file_error(o->model_path, "step %lld: %s", (long long)step, err);
+        rc = 1;
+        break;
+      }
+      red.seconds += rt_now() - t1;
+      loss = shared[0] / world;
+      for (int j = 0; j < met.n; j++)
+        met.now[j] = shared[1 + j] / world;
+      stop = shared[met.n + 1] > 0 ? (stop ? stop : SIGTERM) : 0;
+    }
+    double dt = rt_now() - t0;
+    step_secs += dt;
+    comm_total += red.seconds;
+    real_total += real;
+    push(&c.loss, &c.n, &c.cap, loss);
+    for (int j = 0; j < met.n; j++)
+      push(&c.met, &c.nmet, &c.capmet, met.now[j]);
     // A loss or gradient norm that is not finite: the optimizer left the weights and moments as they
     // were (emit_c.c, emit_cuda.c, engine.c's interpreter test the same two values), so they are the
     // last finite ones.
@@ -1112,13 +1184,15 @@ static int train_loop(Engine *e, Engine *eval, Engine *micro, const TrainOptions
       pg.ema = 0.9 * pg.ema + 0.1 * loss;
       pg.weight = 0.9 * pg.weight + 0.1;
     }
-    char met_s[512];
+    char met_s[512], comm_s[48] = "";
+    if (world > 1)
+      snprintf(comm_s, sizeof comm_s, " | comm %.1f ms", 1e3 * red.seconds);
     if (!o->quiet && (step == start + 1 || step == last || step % log_every == 0 || do_val)) {
       progress_clear(&pg);
-      printf("step %5lld/%lld | loss %.4f%s | lr %.2e | norm %6.3f | %7.1f ms | %8.0f %s | MFU %5.2f%% | "
+      printf("step %5lld/%lld | loss %.4f%s | lr %.2e | norm %6.3f | %7.1f ms%s | %8.0f %s | MFU %5.2f%% | "
              "peak %.0f MB%s | ETA %s\n",
              (long long)step, (long long)last, loss, metrics_line(&met, met.now, " | ", "", met_s, sizeof met_s), lr,
-             norm, 1e3 * dt, tok_s, unit, mfu, (double)ru.ru_maxrss * 1024.0 / 1e6, device_s,
+             norm, 1e3 * dt, comm_s, tok_s, unit, mfu, (double)ru.ru_maxrss * 1024.0 / 1e6, device_s,
              eta_s); // (ru_maxrss: KiB; MB as the arena's)
       if (do_val && o->arrays)
         printf("step %5lld/%lld | val loss %.4f%s\n", (long long)step, (long long)last, last_val,
@@ -1136,6 +1210,8 @@ static int train_loop(Engine *e, Engine *eval, Engine *micro, const TrainOptions
     bool logged = fprintf(log, "{\"step\":%lld,\"loss\":%.6f,\"lr\":%.6g,\"grad_norm\":%.6g,\"ms\":%.3f,\"%s\":%.1f,"
                           "\"mfu\":%.4f", (long long)step, loss, lr, norm, 1e3 * dt, o->arrays ? "ex_s" : "tok_s",
                           tok_s, mfu) > 0;
+    if (world > 1)
+      logged &= fprintf(log, ",\"comm_ms\":%.3f", 1e3 * red.seconds) > 0;
     for (int j = 0; j < met.n; j++)
       logged &= fprintf(log, ",\"%s\":%.6g", met.name[j], met.now[j]) > 0;
     if (do_val)
@@ -1159,9 +1235,10 @@ static int train_loop(Engine *e, Engine *eval, Engine *micro, const TrainOptions
         fprintf(stderr, "mdlc: warning: step %lld: %s: the step is skipped, the weights are not updated (%lld of "
                 "--skip-nonfinite %lld)\n", (long long)step, why, (long long)skipped, (long long)o->skip_nonfinite);
       } else {
-        char kept[PATH_MAX + 96];
+        char kept[PATH_MAX + 96] = "rank 0 keeps them";
         rc = 1;
-        keep_step_before(&writer, ckpt, e, o, step, ckpt_step, before, kept, sizeof kept);
+        if (lead)
+          keep_step_before(&writer, ckpt, e, o, step, ckpt_step, before, kept, sizeof kept);
         diag_file_error(o->model_path, "step %lld: %s; stopping with the weights of step %lld, which it did not "
                         "change: %s (--skip-nonfinite N skips up to N such steps)", (long long)step, why,
                         (long long)step - 1, kept);
@@ -1173,9 +1250,8 @@ static int train_loop(Engine *e, Engine *eval, Engine *micro, const TrainOptions
       rc = 1;
       break;
     }
-    int stop = stop_signal;
     if ((o->ckpt_every > 0 && step % o->ckpt_every == 0) || step == last || stop || log_failed) {
-      if (!ckpt_start(&writer, ckpt, e, o, step, loader_state(train))) {
+      if (lead && !ckpt_start(&writer, ckpt, e, o, step, loader_state(train))) {
         progress_clear(&pg);
         rc = 1;
         break;
@@ -1195,8 +1271,9 @@ static int train_loop(Engine *e, Engine *eval, Engine *micro, const TrainOptions
         rc = 1;
         break;
       }
-      printf("%s at step %lld: wrote %s; continue with --resume\n",
-             stop == SIGINT ? "interrupted (SIGINT)" : "terminated (SIGTERM)", (long long)step, ckpt);
+      if (lead)
+        printf("%s at step %lld: wrote %s; continue with --resume\n",
+               stop == SIGINT ? "interrupted (SIGINT)" : "terminated (SIGTERM)", (long long)step, ckpt);
       stopped = stop;
       break;
     }
@@ -1209,7 +1286,7 @@ static int train_loop(Engine *e, Engine *eval, Engine *micro, const TrainOptions
     diag_file_error(log_path, "cannot write the log: %s", strerror(errno));
     rc = 1;
   }
-  if (rc == 0 && c.n > 0) {
+  if (rc == 0 && c.n > 0 && lead) {
     // The whole run's rate, and the steps' alone: on a GPU a 30-step run spends most of its time
     // validating and writing checkpoints (GPT-2 124M on an H200: 0.9 s of steps in 4.2 s).
     double secs = rt_now() - t_start;
@@ -1225,6 +1302,10 @@ static int train_loop(Engine *e, Engine *eval, Engine *micro, const TrainOptions
            (long long)c.n, secs, (double)real_total / secs, unit, step_secs, (double)real_total / step_secs, unit,
            c.loss[c.n - 1], metrics_line(&met, c.met + c.nmet - met.n, ", ", "", met_s, sizeof met_s), val_s,
            val_met_s, unigram_s);
+    if (world > 1)
+      printf("data parallel over %d ranks: %.0f %s a rank; waiting on the all-reduces %.1f s, %.1f%% of the steps' "
+             "time\n", world, (double)real_total / step_secs / world, unit, comm_total,
+             100.0 * comm_total / step_secs);
     if (!write_svg(svg, &c, met.name, met.n, unigram, o->arrays))
       diag_file_error(svg, "cannot write the loss curve: %s", strerror(errno));
     printf("wrote %s, %s and %s\n", ckpt, log_path, svg);
@@ -1239,6 +1320,9 @@ static int train_loop(Engine *e, Engine *eval, Engine *micro, const TrainOptions
   free(c.met);
   free(c.val_met);
   free(val_mean);
+  free(shared);
+  if (world > 1 && e->set_reduce)
+    e->set_reduce(e, NULL, NULL);
   metrics_free(&met);
   loader_close(train);
   if (val)

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Installs what building and testing mdl needs, from Debian's packages, when it is missing: oneDNN is the
 # CPU back end's GEMM library (its header at build time), OpenBLAS its fallback (and the static library
-# gpu-check's bundle links).
+# gpu-check's bundle links), Open MPI's mpirun and libmpi data-parallel training (loaded at run time:
+# mdl builds and trains alone without it).
 set -eu
-pkgs="make gcc flex bison libdnnl-dev libopenblas-dev python3-torch python3-numpy fortunes"
+pkgs="make gcc flex bison libdnnl-dev libopenblas-dev python3-torch python3-numpy fortunes openmpi-bin"
 missing=""
 for p in $pkgs; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing="$missing $p"

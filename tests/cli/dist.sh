@@ -1,0 +1,143 @@
+#!/usr/bin/env bash
+# Data-parallel training under mpirun (runtime/dist.c): 2 ranks at B=2 train what 1 process trains at
+# B=4 (the same losses and parameters, up to the order of the all-reduce's sums), with gradient
+# accumulation too; a run of 2 ranks resumes exactly, and its checkpoint resumes in 1 process at the
+# doubled batch; a rank that hangs (SIGSTOP) is named by the others, which stop within the timeout; a
+# rank killed mid-run stops the run (Open MPI's launcher names it); the checkpoint on disk is whole.
+# Skips where Open MPI's mpirun is not installed (tools/deps.sh installs it).
+set -u
+cd "$(dirname "$0")/../.."
+m=$PWD/bin/mdlc
+if ! command -v mpirun >/dev/null || ! mpirun --version 2>/dev/null | grep -q "Open MPI"; then
+  echo "[skip] dist: Open MPI's mpirun is not installed (tools/deps.sh installs openmpi-bin)"
+  exit 0
+fi
+tmp=$(mktemp -d)
+pid=
+trap 'kill -9 $pid 2>/dev/null; rm -rf "$tmp"' EXIT
+ok() { echo "[ok] dist: $1"; }
+fail() { echo "[fail] dist: $1"; }
+# (root in a container: Open MPI refuses root unless told; two ranks on two cores, or fewer)
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1
+mp() { mpirun -np 2 "$m" "$@"; }
+
+mkdir -p "$tmp/corpus"
+for i in $(seq 1 12); do head -c $((2500 * i)) /usr/share/common-licenses/GPL-3 | tail -c 2500 >"$tmp/corpus/d$i.txt"; done
+$m prep "$tmp/corpus" -o "$tmp/data" >/dev/null || fail "prep"
+common=(models/gpt2-tiny.mdl -D T=32 --data "$tmp/data" --backend cpu --precision fp32 --val-every 10 --val-batches 2)
+
+# close A B TOL: every loss and val_loss of two logs within TOL of each other, the same number of each
+close() {
+  python3 - "$1" "$2" "$3" <<'PY'
+import json, sys
+a, b = ([json.loads(l) for l in open(p)] for p in sys.argv[1:3])
+tol = float(sys.argv[3])
+pairs = [(x.get(k), y.get(k)) for x, y in zip(a, b) for k in ("loss", "val_loss")]
+bad = [(x, y) for x, y in pairs if (x is None) != (y is None) or (x is not None and abs(x - y) > tol)]
+sys.exit(1 if len(a) != len(b) or not a or bad else 0)
+PY
+}
+# params A B TOL: every parameter and moment of two checkpoints within TOL of each other (absolute: the
+# keys' bias, whose exact gradient is 0, moves by rounding noise that AdamW scales up to its step size)
+params() {
+  python3 - "$1" "$2" "$3" <<'PY'
+import array, json, struct, sys
+def load(p):
+    b = open(p, "rb").read()
+    n = struct.unpack("<Q", b[:8])[0]
+    h = json.loads(b[8:8 + n])
+    return {k: array.array("f", b[8 + n + v["data_offsets"][0]:8 + n + v["data_offsets"][1]])
+            for k, v in h.items() if k != "__metadata__" and v["dtype"] == "F32"}
+a, b = load(sys.argv[1]), load(sys.argv[2])
+worst, name = max((max(abs(x - y) for x, y in zip(a[k], b[k])), k) for k in a) if a else (1, "none")
+print("%.3g (%s)" % (worst, name))
+sys.exit(0 if a.keys() == b.keys() and worst <= float(sys.argv[3]) else 1)
+PY
+}
+
+# One process at B=4 against two ranks at B=2, 20 steps: the same global batches.
+$m run "${common[@]}" -D B=4 --steps 20 --out "$tmp/one" >"$tmp/one.out" 2>&1 || fail "one process: $(tail -3 "$tmp/one.out")"
+mp run "${common[@]}" -D B=2 --steps 20 --out "$tmp/two" >"$tmp/two.out" 2>&1 || fail "two ranks: $(tail -3 "$tmp/two.out")"
+if close "$tmp/one/log.jsonl" "$tmp/two/log.jsonl" 2e-5; then
+  ok "2 ranks at B=2 give the losses of 1 process at B=4 over 20 steps (within 2e-5)"
+else
+  fail "2 ranks at B=2 against 1 process at B=4: losses differ: $(paste -d'|' "$tmp/one/log.jsonl" "$tmp/two/log.jsonl" | head -c 600)"
+fi
+worst=$(params "$tmp/one/checkpoint.safetensors" "$tmp/two/checkpoint.safetensors" 1e-5)
+[ $? -eq 0 ] && ok "and the parameters and moments after them, within 1e-5 (largest difference $worst)" ||
+  fail "the parameters after 20 steps differ: $worst"
+if grep -q "^data parallel: 2 ranks (MPI)" "$tmp/two.out" && grep -q "| comm [0-9.]* ms |" "$tmp/two.out" &&
+  grep -q "^data parallel over 2 ranks: [0-9]* tok/s a rank; waiting on the all-reduces" "$tmp/two.out" &&
+  grep -q '"comm_ms":' "$tmp/two/log.jsonl" && [ "$(grep -c '^step .* | loss' "$tmp/two.out")" -eq "$(grep -c '^step .* | loss' "$tmp/one.out")" ]; then
+  ok "rank 0 alone reports: the ranks, the communication time per step and its share, no line twice"
+else
+  fail "the report of 2 ranks: $(head -c 600 "$tmp/two.out")"
+fi
+
+# Gradient accumulation over ranks: the micro-batches' sums are reduced with the step's gradients.
+$m run "${common[@]}" -D B=4 --accumulate 2 --steps 6 --out "$tmp/acc1" >"$tmp/acc1.out" 2>&1
+mp run "${common[@]}" -D B=2 --accumulate 2 --steps 6 --out "$tmp/acc2" >"$tmp/acc2.out" 2>&1
+close "$tmp/acc1/log.jsonl" "$tmp/acc2/log.jsonl" 2e-5 && ok "with --accumulate 2 as well" ||
+  fail "--accumulate 2 over 2 ranks: $(tail -3 "$tmp/acc2.out")"
+
+# Resume: 2 ranks stopped at step 10 and resumed give the straight run's losses; the checkpoint of 2
+# ranks resumes in 1 process at B=4.
+mp run "${common[@]}" -D B=2 --steps 10 --out "$tmp/half" >/dev/null 2>&1
+cp -r "$tmp/half" "$tmp/half1"
+mp run "${common[@]}" -D B=2 --steps 20 --out "$tmp/half" --resume >"$tmp/half.out" 2>&1
+if cmp -s <(cut -d, -f1-2 "$tmp/two/log.jsonl") <(cut -d, -f1-2 "$tmp/half/log.jsonl"); then
+  ok "2 ranks resumed at step 10 continue exactly (the same losses as the straight run, bit for bit)"
+else
+  fail "2 ranks resumed: $(tail -3 "$tmp/half.out")"
+fi
+$m run "${common[@]}" -D B=4 --steps 20 --out "$tmp/half1" --resume >"$tmp/half1.out" 2>&1
+close "$tmp/two/log.jsonl" "$tmp/half1/log.jsonl" 2e-5 && ok "the checkpoint of 2 ranks resumes in 1 process at B=4" ||
+  fail "2 ranks' checkpoint in 1 process: $(tail -3 "$tmp/half1.out")"
+
+# The ranks' pids, by rank, of the run writing to $1 (mpirun starts them as its children).
+rank_pid() {
+  for p in $(pgrep -f -- "--out $1"); do
+    if tr '\0' '\n' </proc/$p/environ 2>/dev/null | grep -qx "OMPI_COMM_WORLD_RANK=$2"; then echo $p; return; fi
+  done
+}
+# run_until_step DIR: starts a long run of 2 ranks in the background and waits for its step 3.
+run_until_step() {
+  mpirun -np 2 "$m" run "${common[@]}" -D B=2 --steps 100000 --val-every 0 --ckpt-every 2 --dist-timeout 5 \
+    --out "$1" >"$1.out" 2>&1 &
+  pid=$!
+  for _ in $(seq 600); do grep -q '"step":3,' "$1/log.jsonl" 2>/dev/null && break; sleep 0.1; done
+}
+# A rank that hangs: the other names it and every rank stops within the timeout.
+run_until_step "$tmp/hang"
+victim=$(rank_pid "$tmp/hang" 1)
+[ -n "$victim" ] && kill -STOP "$victim"
+start=$SECONDS
+for _ in $(seq 600); do kill -0 $pid 2>/dev/null || break; sleep 0.1; done
+kill -0 $pid 2>/dev/null && { kill -9 $pid; fail "a hung rank: the run did not stop within 60 s"; }
+wait $pid
+rc=$?
+[ -n "$victim" ] && kill -9 "$victim" 2>/dev/null
+if [ -n "$victim" ] && [ $rc -ne 0 ] && grep -q "mdlc: rank 0: rank 1 did not reach .* of step [0-9]* within 5 s (dead or hung); stopping every rank" "$tmp/hang.out"; then
+  ok "a hung rank is named by rank 0 and every rank stops (status $rc, after $((SECONDS - start)) s)"
+else
+  fail "a hung rank (pid ${victim:-none}, status $rc): $(tail -5 "$tmp/hang.out")"
+fi
+python3 -c "import sys; b=open(sys.argv[1],'rb').read(); sys.exit(0 if len(b) > 8 else 1)" "$tmp/hang/checkpoint.safetensors" &&
+  $m eval "$tmp/hang/checkpoint.safetensors" --data "$tmp/data" --backend cpu --val-batches 1 >/dev/null 2>&1 &&
+  ok "the checkpoint a hung run leaves is whole (eval reads it)" || fail "the hung run's checkpoint"
+
+# A rank killed mid-run: the run stops with a non-zero status, the launcher naming the rank.
+run_until_step "$tmp/kill"
+victim=$(rank_pid "$tmp/kill" 1)
+[ -n "$victim" ] && kill -9 "$victim"
+for _ in $(seq 600); do kill -0 $pid 2>/dev/null || break; sleep 0.1; done
+kill -0 $pid 2>/dev/null && { kill -9 $pid; fail "a killed rank: the run did not stop within 60 s"; }
+wait $pid
+rc=$?
+if [ -n "$victim" ] && [ $rc -ne 0 ] && grep -qi "rank 1" "$tmp/kill.out"; then
+  ok "a killed rank stops the run (status $rc), named"
+else
+  fail "a killed rank (pid ${victim:-none}, status $rc): $(tail -5 "$tmp/kill.out")"
+fi
+pid=
+
