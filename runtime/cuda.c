@@ -100,6 +100,7 @@ enum {
   X(cuMemFree, "cuMemFree_v2", (CUdeviceptr ptr))                                                           \
   X(cuMemGetInfo, "cuMemGetInfo_v2", (size_t * free_bytes, size_t *total_bytes))                            \
   X(cuMemsetD8Async, "cuMemsetD8Async", (CUdeviceptr dst, unsigned char value, size_t n, CUstream s))       \
+  X(cuMemsetD32Async, "cuMemsetD32Async", (CUdeviceptr dst, unsigned int value, size_t n, CUstream s))      \
   X(cuMemcpyDtoHAsync, "cuMemcpyDtoHAsync_v2", (void *dst, CUdeviceptr src, size_t bytes, CUstream s))   \
   X(cuMemcpyHtoDAsync, "cuMemcpyHtoDAsync_v2", (CUdeviceptr dst, const void *src, size_t bytes, CUstream s)) \
   X(cuMemcpyDtoDAsync, "cuMemcpyDtoDAsync_v2", (CUdeviceptr dst, CUdeviceptr src, size_t bytes, CUstream s)) \
@@ -189,7 +190,9 @@ static bool driver_open(const char *path, char *why, size_t n) {
   return true;
 }
 
-// The driver initialised, with at least one device: device 0's properties.
+// The driver initialised, with at least one device: device 0's properties; under a launcher that
+// started several ranks (dist.c), the device of the rank's place on its machine (its local rank, modulo
+// the devices).
 static bool driver_device(CudaDevice *d, char *why, size_t n) {
   const char *env = getenv("MDL_LIBCUDA");
   if (!driver_open(env && *env ? env : "libcuda.so.1", why, n))
@@ -212,12 +215,13 @@ static bool driver_device(CudaDevice *d, char *why, size_t n) {
     return rt_fail(why, n, "no usable CUDA driver (%s lacks cuDeviceGet or cuDeviceGetAttribute)", drv.path);
   *d = (CudaDevice){0};
   int major = 0, minor = 0;
-  if (!CU(why, n, cuDeviceGet, &d->ordinal, 0) ||
+  int which = dist_launched() ? dist_local_rank() % count : 0;
+  if (!CU(why, n, cuDeviceGet, &d->ordinal, which) ||
       !CU(why, n, cuDeviceGetAttribute, &major, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, d->ordinal) ||
       !CU(why, n, cuDeviceGetAttribute, &minor, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, d->ordinal))
     return false;
   snprintf(d->arch, sizeof d->arch, "sm_%d%d", major, minor);
-  snprintf(d->name, sizeof d->name, "CUDA device 0");
+  snprintf(d->name, sizeof d->name, "CUDA device %d", which);
   if (drv.cuDeviceGetName)
     drv.cuDeviceGetName(d->name, (int)sizeof d->name, d->ordinal);
   if (drv.cuDeviceGetAttribute(&d->sm_count, CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, d->ordinal) != CUDA_SUCCESS)
@@ -575,6 +579,11 @@ typedef struct {
   CUevent *marks;         // --profile: an event before each launch, and one at the end
   int nmarks;
   double *launch_seconds; //   each launch's time, summed over the steps after the first
+  void *nccl;             // Engine.set_nccl: the ranks' communicator, or NULL
+  const bool *poison;     //   NaN gradients this step
+  int64_t (*ranges)[2];   //   the gradients the optimizer reads (engine_grad_ranges)
+  int nranges, opt_first; //   and the optimizer's first plan step
+  CUevent red[2];         //   around the all-reduces
 } CudaEngine;
 
 static bool staged(const IrNode *nd) { return nd->op == OP_INPUT || nd->op == OP_SCALAR; }
@@ -763,14 +772,44 @@ static bool cu_params(CudaEngine *ce, char *err, size_t n) {
 
 static bool cu_draw_params(Engine *e, char *err, size_t n) { return cu_params((CudaEngine *)e, err, n); }
 
+// A step of several ranks (Engine.set_nccl): the launches one by one on the stream, as --profile
+// runs them (an all-reduce is not captured into the step's graph), with the gradients made their mean
+// over the ranks (NCCL, on the same stream) before the optimizer's first launch.
+static bool nccl_step(CudaEngine *ce, char *err, size_t n) {
+  const CudaPlan *p = ce->plan;
+  bool ok = CU(err, n, cuMemsetD8Async, ce->status, 0, sizeof(MdlStatus), ce->stream), reduced = false;
+  for (int i = 0; ok && i <= p->nlaunches; i++) {
+    if (!reduced && (i == p->nlaunches || p->launches[i].step >= ce->opt_first)) {
+      ok = CU(err, n, cuEventRecord, ce->red[0], ce->stream);
+      for (int r = 0; ok && r < ce->nranges; r++) {
+        CUdeviceptr x = ce->arena + (CUdeviceptr)ce->ranges[r][0];
+        size_t count = (size_t)(ce->ranges[r][1] - ce->ranges[r][0]) / 4;
+        if (*ce->poison && drv.cuMemsetD32Async) // (a NaN, as float bits)
+          ok = CU(err, n, cuMemsetD32Async, x, 0x7fc00000u, count, ce->stream);
+        ok = ok && dist_nccl_mean_f32(ce->nccl, (void *)x, (int64_t)count, ce->stream, err, n);
+      }
+      ok = ok && CU(err, n, cuEventRecord, ce->red[1], ce->stream);
+      reduced = true;
+    }
+    if (ok && i < p->nlaunches)
+      ok = enqueue(ce, i, err, n);
+  }
+  return ok;
+}
+
 static bool cu_step(Engine *e, char *err, size_t n) {
   CudaEngine *ce = (CudaEngine *)e;
   MdlStatus st;
   if (!cu_params(ce, err, n) || !send_staged(ce, err, n) ||
       !CU(err, n, cuMemcpyHtoDAsync, ce->seed_dev, &ce->seed, sizeof ce->seed, ce->stream) ||
-      !(e->profile ? profile_step(ce, err, n) : CU(err, n, cuGraphLaunch, ce->exec, ce->stream)) ||
+      !(ce->nccl      ? nccl_step(ce, err, n)
+        : e->profile ? profile_step(ce, err, n)
+                     : CU(err, n, cuGraphLaunch, ce->exec, ce->stream)) ||
       !download(ce, &st, ce->status, sizeof st, err, n))
     return false;
+  float ms = 0;
+  if (ce->nccl && CU(err, n, cuEventElapsedTime, &ms, ce->red[0], ce->red[1]))
+    e->reduce_seconds = 1e-3 * ms;
   e->profiled_steps += e->profile && e->profile_warm;
   e->profile_warm |= e->profile;
   if (st.set)
@@ -943,8 +982,33 @@ static bool cu_inputs_from(Engine *e, int n, const char *const *names, Engine *f
   return ok;
 }
 
+// Engine.set_nccl: the gradients of engine_grad_ranges, reduced over the ranks by NCCL each step.
+static bool cu_set_nccl(Engine *e, void *comm, const bool *poison) {
+  CudaEngine *ce = (CudaEngine *)e;
+  char err[256];
+  free(ce->ranges);
+  ce->ranges = NULL;
+  ce->nccl = NULL;
+  if (!comm)
+    return true;
+  if (!e->fusion || !(ce->ranges = engine_grad_ranges(e->fusion, ce->m, &ce->nranges, &ce->opt_first)))
+    return false;
+  for (int i = 0; i < 2; i++)
+    if (!ce->red[i] && !CU(err, sizeof err, cuEventCreate, &ce->red[i], 0)) {
+      fprintf(stderr, "mdlc: cuda: %s\n", err);
+      return false;
+    }
+  ce->nccl = comm;
+  ce->poison = poison;
+  return true;
+}
+
 static void cu_free(Engine *e) {
   CudaEngine *ce = (CudaEngine *)e;
+  free(ce->ranges);
+  for (int i = 0; i < 2; i++)
+    if (ce->red[i])
+      drv.cuEventDestroy(ce->red[i]);
   if (ce->stream)
     drv.cuStreamSynchronize(ce->stream);
   for (int i = 0; i < ce->nmarks; i++)
@@ -1316,7 +1380,7 @@ Engine *engine_cuda(const Fusion *f, const MemPlan *m, uint64_t seed, bool tune_
   ce->e = (Engine){.name = "cuda", .g = f->g, .fusion = f, .set_input = cu_set_input, .set_scalar = cu_set_scalar,
                    .set_seed = cu_set_seed, .step = cu_step, .read = cu_read, .write = cu_write, .free = cu_free,
                    .take_params = cu_take_params, .draw_params = cu_draw_params, .inputs_from = cu_inputs_from,
-                   .profile_launches = cu_profile_launches, .snapshot = cu_snapshot,
+                   .profile_launches = cu_profile_launches, .snapshot = cu_snapshot, .set_nccl = cu_set_nccl,
                    .read_snapshot = cu_read_snapshot,
                    .kernel_seconds = calloc((size_t)f->nsteps + 1, sizeof(double))};
   if (!ce->e.kernel_seconds) {

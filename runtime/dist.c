@@ -8,12 +8,15 @@
 // come from dlsym too; MPICH's integer handles are another ABI, named in the error when it is the MPI
 // that is found.
 //
-// No collective may hang a run: each is nonblocking, waited for at most the timeout; then the ranks
-// still waiting name the ones they wait for (stop_waiting) and MPI_Abort stops every rank. A rank that
-// dies is Open MPI's to report: its launcher stops the others and names it.
+// No collective may hang a run: the ranks check in before each (check_in), waiting at most the
+// timeout for the others, naming the missing ones; a collective that does not end within the timeout
+// ends the process (a watchdog). A rank that dies is Open MPI's to report: its launcher stops the
+// others and names it.
 #include "runtime.h"
 
 #include <dlfcn.h>
+#include <pthread.h>
+#include <sched.h>
 #include <stdarg.h>
 #include <stdlib.h>
 #include <string.h>
@@ -21,9 +24,13 @@
 #include <unistd.h>
 
 typedef void *MpiHandle; // MPI_Comm, MPI_Datatype, MPI_Op, MPI_Request: pointers in Open MPI
+typedef struct {
+  char internal[128]; // nccl.h's ncclUniqueId (NCCL_UNIQUE_ID_BYTES)
+} NcclId;
 
 static struct {
   bool on;               // MPI is initialised (size > 1)
+  int64_t collectives;   // collectives so far (the check-ins' tag)
   int rank, size, local_rank, local_size;
   double timeout;        // seconds a rank waits for the others at a collective
   void *lib;
@@ -31,12 +38,20 @@ static struct {
   int (*init_thread)(int *, char ***, int, int *);
   int (*comm_rank)(MpiHandle, int *);
   int (*comm_size)(MpiHandle, int *);
-  int (*iallreduce)(const void *, void *, int, MpiHandle, MpiHandle, MpiHandle, MpiHandle *);
+  int (*allreduce)(const void *, void *, int, MpiHandle, MpiHandle, MpiHandle);
   int (*isend)(const void *, int, MpiHandle, int, int, MpiHandle, MpiHandle *);
   int (*irecv)(void *, int, MpiHandle, int, int, MpiHandle, MpiHandle *);
   int (*test)(MpiHandle *, int *, void *);
   int (*abort_)(MpiHandle, int);
   int (*finalize)(void);
+  int (*bcast)(void *, int, MpiHandle, int, MpiHandle);
+  MpiHandle byte;
+  // NCCL (dlopen of libnccl.so.2, the CUDA toolkit's): the GPUs' all-reduce
+  void *nccl;
+  int (*nccl_id)(NcclId *);
+  int (*nccl_init)(void **, int, NcclId, int);
+  int (*nccl_allreduce)(const void *, void *, size_t, int, int, void *, void *);
+  const char *(*nccl_error)(int);
 } D = {.size = 1, .local_size = 1, .timeout = 300};
 
 // The first of the environment variables that is set, as an integer; -1 when none is.
@@ -96,15 +111,16 @@ bool dist_init(char *err, size_t n) {
   D.f64 = dlsym(D.lib, "ompi_mpi_double");
   D.i32 = dlsym(D.lib, "ompi_mpi_int");
   D.sum = dlsym(D.lib, "ompi_mpi_op_sum");
-  void **fns[] = {(void **)&D.init_thread, (void **)&D.comm_rank, (void **)&D.comm_size, (void **)&D.iallreduce,
+  D.byte = dlsym(D.lib, "ompi_mpi_byte");
+  void **fns[] = {(void **)&D.init_thread, (void **)&D.comm_rank, (void **)&D.comm_size, (void **)&D.allreduce,
                   (void **)&D.isend, (void **)&D.irecv, (void **)&D.test, (void **)&D.abort_,
-                  (void **)&D.finalize};
-  const char *names[] = {"MPI_Init_thread", "MPI_Comm_rank", "MPI_Comm_size", "MPI_Iallreduce", "MPI_Isend",
-                         "MPI_Irecv", "MPI_Test", "MPI_Abort", "MPI_Finalize"};
+                  (void **)&D.finalize, (void **)&D.bcast};
+  const char *names[] = {"MPI_Init_thread", "MPI_Comm_rank", "MPI_Comm_size", "MPI_Allreduce", "MPI_Isend",
+                         "MPI_Irecv", "MPI_Test", "MPI_Abort", "MPI_Finalize", "MPI_Bcast"};
   for (size_t i = 0; i < sizeof fns / sizeof *fns; i++)
     if (!(*fns[i] = dlsym(D.lib, names[i])))
       return fail(err, n, "Open MPI's library has no %s", names[i]);
-  if (!D.f32 || !D.f64 || !D.i32 || !D.sum)
+  if (!D.f32 || !D.f64 || !D.i32 || !D.sum || !D.byte)
     return fail(err, n, "Open MPI's library lacks a predefined datatype or operation");
   int provided = 0;
   if (D.init_thread(NULL, NULL, 1 /* MPI_THREAD_FUNNELED */, &provided) != 0)
@@ -126,7 +142,10 @@ int dist_size(void) {
   int n = env_int(env_sizes);
   return D.on ? D.size : dist_launched() ? n : 1;
 }
-int dist_local_rank(void) { return D.local_rank; }
+int dist_local_rank(void) {
+  int r = env_int(env_local_ranks);
+  return D.on ? D.local_rank : dist_launched() && r > 0 ? r : 0;
+}
 int dist_local_size(void) { return D.local_size; }
 void dist_set_timeout(double seconds) { D.timeout = seconds; }
 double dist_timeout(void) { return D.timeout; }
@@ -145,81 +164,125 @@ void dist_finalize(void) {
   D.on = false;
 }
 
-// A collective that has not completed within the timeout: every rank still waiting in it sends every
-// other a probe and waits a little for theirs; the ranks that do not answer are the ones it waits for
-// (dead, hung, or still short of the collective), named before MPI_Abort stops every rank.
-static void stop_waiting(const char *what, int64_t step) {
-  int me = D.rank, peers = D.size - 1;
+// Every rank checks in for the next collective before it starts: sends each other rank the
+// collective's number and waits, at most the timeout, for each other rank's (point to point,
+// nonblocking, polled: the ranks wait for the slowest here). A rank missing then is named, and
+// MPI_Abort stops every rank: the collective would wait for it forever.
+static void check_in(const char *what, int64_t step) {
+  int tag = (int)(D.collectives++ % 32000), me = (int)tag, peers = D.size - 1;
   int *got = calloc((size_t)D.size, sizeof *got), *done = calloc((size_t)(2 * D.size), sizeof *done);
   MpiHandle *rq = calloc((size_t)(2 * D.size), sizeof *rq);
-  char missing[256] = "";
-  int nmissing = 0;
-  if (got && done && rq) {
-    for (int r = 0, k = 0; r < D.size; r++)
-      if (r != D.rank) {
-        D.irecv(&got[r], 1, D.i32, r, 32001, D.comm, &rq[2 * k]);
-        D.isend(&me, 1, D.i32, r, 32001, D.comm, &rq[2 * k + 1]);
-        k++;
-      }
-    double t0 = rt_now(), window = D.timeout / 4 > 2 ? D.timeout / 4 : 2;
-    struct timespec nap = {0, 1000000};
-    for (int left = peers; left > 0 && rt_now() - t0 < window;) {
-      for (int i = 0; i < peers; i++) {
-        int flag = 0;
-        if (!done[2 * i] && (D.test(&rq[2 * i], &flag, NULL), flag))
-          done[2 * i] = 1, left--;
-      }
-      nanosleep(&nap, NULL);
-    }
-    for (int r = 0, k = 0; r < D.size; r++)
-      if (r != D.rank && !done[2 * k++]) {
-        if (strlen(missing) < sizeof missing - 16)
-          snprintf(missing + strlen(missing), sizeof missing - strlen(missing), "%s%d", nmissing ? ", " : "", r);
-        nmissing++;
-      }
+  if (!got || !rq || !done) {
+    fprintf(stderr, "mdlc: rank %d: out of host memory\n", D.rank);
+    dist_abort(1);
   }
-  char at[48] = "";
-  if (step >= 0)
-    snprintf(at, sizeof at, " of step %lld", (long long)step);
-  if (nmissing)
-    fprintf(stderr, "mdlc: rank %d: rank%s %s did not reach %s%s within %.0f s (dead or hung); stopping every "
-            "rank (the last checkpoint written stays as it was)\n", D.rank, nmissing > 1 ? "s" : "", missing, what,
-            at, D.timeout);
-  else
-    fprintf(stderr, "mdlc: rank %d: %s%s did not complete within %.0f s; stopping every rank (the last checkpoint "
-            "written stays as it was)\n", D.rank, what, at, D.timeout);
-  dist_abort(1);
+  for (int r = 0, k = 0; r < D.size; r++)
+    if (r != D.rank) {
+      D.irecv(&got[r], 1, D.i32, r, tag, D.comm, &rq[2 * k]);
+      D.isend(&me, 1, D.i32, r, tag, D.comm, &rq[2 * k + 1]);
+      k++;
+    }
+  double t0 = rt_now();
+  for (int left = 2 * peers; left > 0;) {
+    for (int i = 0; i < 2 * peers; i++) {
+      int flag = 0;
+      if (!done[i] && (D.test(&rq[i], &flag, NULL), flag))
+        done[i] = 1, left--;
+    }
+    if (left > 0 && rt_now() - t0 > D.timeout) {
+      char missing[256] = "", at[48] = "";
+      int nmissing = 0;
+      for (int r = 0, k = 0; r < D.size; r++)
+        if (r != D.rank && !done[2 * k++]) {
+          if (strlen(missing) < sizeof missing - 16)
+            snprintf(missing + strlen(missing), sizeof missing - strlen(missing), "%s%d", nmissing ? ", " : "", r);
+          nmissing++;
+        }
+      if (step >= 0)
+        snprintf(at, sizeof at, " of step %lld", (long long)step);
+      fprintf(stderr, "mdlc: rank %d: rank%s %s did not reach %s%s within %.0f s (dead or hung); stopping every "
+              "rank (the last checkpoint written stays as it was)\n", D.rank, nmissing > 1 ? "s" : "", missing,
+              what, at, D.timeout);
+      dist_abort(1);
+    }
+    if (left > 0)
+      sched_yield();
+  }
+  free(got);
+  free(rq);
+  free(done);
 }
 
-// Waits for a nonblocking collective, at most the timeout (then stop_waiting). MPI progresses it in
-// MPI_Test: polled, in a tight loop for the first millisecond (shared memory finishes a small one in
-// microseconds), then every 0.1 ms.
-static void wait_for(MpiHandle *rq, const char *what, int64_t step) {
-  double t0 = rt_now();
-  struct timespec nap = {0, 100000};
-  for (int flag = 0;;) {
-    D.test(rq, &flag, NULL);
-    if (flag)
-      return;
-    double dt = rt_now() - t0;
-    if (dt > D.timeout)
-      stop_waiting(what, step);
-    if (dt > 1e-3)
-      nanosleep(&nap, NULL);
+// The collective itself is MPI's blocking one (Open MPI's tuned all-reduce: 221-275 ms for GPT-2
+// 124M's 498 MB of gradients over two ranks here, its nonblocking one 534-616 ms). A rank that stops
+// inside it, after every rank checked in, would hold the others there: a watchdog thread, armed
+// around the call, ends this process after the timeout (the launcher then stops every rank; no MPI
+// call can be made while the collective holds the library).
+static struct {
+  pthread_mutex_t lock;
+  pthread_cond_t cond;
+  bool started, armed;
+  double deadline;
+  const char *what;
+  int64_t step;
+} W = {.lock = PTHREAD_MUTEX_INITIALIZER, .cond = PTHREAD_COND_INITIALIZER};
+
+static void *watchdog(void *arg) {
+  (void)arg;
+  pthread_mutex_lock(&W.lock);
+  for (;;) {
+    while (!W.armed)
+      pthread_cond_wait(&W.cond, &W.lock);
+    double left = W.deadline - rt_now();
+    if (left <= 0) {
+      char at[48] = "";
+      if (W.step >= 0)
+        snprintf(at, sizeof at, " of step %lld", (long long)W.step);
+      fprintf(stderr, "mdlc: rank %d: %s%s did not complete within %.0f s of every rank reaching it (a rank "
+              "stopped inside it); stopping (the last checkpoint written stays as it was)\n", D.rank, W.what, at,
+              D.timeout);
+      _exit(1);
+    }
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    double wake = (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec + (left < 1 ? left : 1);
+    ts.tv_sec = (time_t)wake;
+    ts.tv_nsec = (long)((wake - (double)ts.tv_sec) * 1e9);
+    pthread_cond_timedwait(&W.cond, &W.lock, &ts);
   }
+  return NULL;
+}
+
+static void arm(const char *what, int64_t step, bool on) {
+  pthread_mutex_lock(&W.lock);
+  if (!W.started) {
+    pthread_t th;
+    W.started = pthread_create(&th, NULL, watchdog, NULL) == 0;
+    if (W.started)
+      pthread_detach(th);
+  }
+  W.armed = on;
+  W.what = what;
+  W.step = step;
+  W.deadline = rt_now() + D.timeout;
+  pthread_cond_signal(&W.cond);
+  pthread_mutex_unlock(&W.lock);
 }
 
 bool dist_mean_f32(float *x, int64_t n, const char *what, int64_t step, char *err, size_t en) {
   if (!D.on)
     return true;
-  for (int64_t at = 0; at < n;) { // (MPI counts are int)
+  check_in(what, step);
+  bool ok = true;
+  arm(what, step, true);
+  for (int64_t at = 0; ok && at < n;) { // (MPI counts are int)
     int c = n - at > (1 << 30) ? 1 << 30 : (int)(n - at);
-    MpiHandle rq;
-    if (D.iallreduce((const void *)1 /* MPI_IN_PLACE */, x + at, c, D.f32, D.sum, D.comm, &rq) != 0)
-      return rt_fail(err, en, "MPI_Iallreduce of %s failed", what);
-    wait_for(&rq, what, step);
+    ok = D.allreduce((const void *)1 /* MPI_IN_PLACE */, x + at, c, D.f32, D.sum, D.comm) == 0;
     at += c;
   }
+  arm(what, step, false);
+  if (!ok)
+    return rt_fail(err, en, "MPI_Allreduce of %s failed", what);
   float inv = 1.0f / (float)D.size;
   for (int64_t i = 0; i < n; i++)
     x[i] *= inv;
@@ -229,9 +292,55 @@ bool dist_mean_f32(float *x, int64_t n, const char *what, int64_t step, char *er
 bool dist_sum_f64(double *x, int n, const char *what, int64_t step, char *err, size_t en) {
   if (!D.on)
     return true;
-  MpiHandle rq;
-  if (D.iallreduce((const void *)1 /* MPI_IN_PLACE */, x, n, D.f64, D.sum, D.comm, &rq) != 0)
-    return rt_fail(err, en, "MPI_Iallreduce of %s failed", what);
-  wait_for(&rq, what, step);
+  check_in(what, step);
+  arm(what, step, true);
+  bool ok = D.allreduce((const void *)1 /* MPI_IN_PLACE */, x, n, D.f64, D.sum, D.comm) == 0;
+  arm(what, step, false);
+  return ok || rt_fail(err, en, "MPI_Allreduce of %s failed", what);
+}
+
+bool dist_nccl_load(char *err, size_t n) {
+  if (D.nccl)
+    return true;
+  const char *sonames[] = {"libnccl.so.2", "libnccl.so", "/usr/local/cuda/lib64/libnccl.so.2", NULL};
+  for (int i = 0; sonames[i] && !D.nccl; i++)
+    D.nccl = dlopen(sonames[i], RTLD_NOW | RTLD_LOCAL);
+  if (!D.nccl)
+    return rt_fail(err, n, "NCCL (libnccl.so.2) cannot be loaded: %s", dlerror());
+  void **fns[] = {(void **)&D.nccl_id, (void **)&D.nccl_init, (void **)&D.nccl_allreduce, (void **)&D.nccl_error};
+  const char *names[] = {"ncclGetUniqueId", "ncclCommInitRank", "ncclAllReduce", "ncclGetErrorString"};
+  for (size_t i = 0; i < sizeof fns / sizeof *fns; i++)
+    if (!(*fns[i] = dlsym(D.nccl, names[i]))) {
+      dlclose(D.nccl);
+      D.nccl = NULL;
+      return rt_fail(err, n, "NCCL's library has no %s", names[i]);
+    }
   return true;
+}
+
+void *dist_nccl_comm(char *err, size_t n) {
+  if (!D.on || !dist_nccl_load(err, n))
+    return NULL;
+  NcclId id;
+  memset(&id, 0, sizeof id);
+  int r = D.rank == 0 ? D.nccl_id(&id) : 0;
+  if (r != 0) {
+    rt_fail(err, n, "ncclGetUniqueId: %s", D.nccl_error(r));
+    dist_abort(1); // (the other ranks wait for the id)
+  }
+  if (D.bcast(&id, (int)sizeof id, D.byte, 0, D.comm) != 0) {
+    rt_fail(err, n, "MPI_Bcast of NCCL's id failed");
+    return NULL;
+  }
+  void *comm = NULL;
+  if ((r = D.nccl_init(&comm, D.size, id, D.rank)) != 0) {
+    rt_fail(err, n, "ncclCommInitRank (rank %d of %d): %s", D.rank, D.size, D.nccl_error(r));
+    return NULL;
+  }
+  return comm;
+}
+
+bool dist_nccl_mean_f32(void *comm, void *x, int64_t count, void *stream, char *err, size_t n) {
+  int r = D.nccl_allreduce(x, x, (size_t)count, 7 /* ncclFloat32 */, 4 /* ncclAvg */, comm, stream);
+  return r == 0 || rt_fail(err, n, "ncclAllReduce: %s", D.nccl_error(r));
 }

@@ -175,6 +175,49 @@ static int by_start(const void *a, const void *b) {
   return (x > y) - (x < y);
 }
 
+int64_t (*engine_grad_ranges(const Fusion *f, const MemPlan *m, int *nranges, int *opt_first))[2] {
+  const Graph *g = f->g;
+  const IrNode *norm = NULL;
+  for (int i = 0; i < g->n && !norm; i++)
+    norm = g->nodes[i]->op == OP_GRAD_NORM ? g->nodes[i] : NULL;
+  int64_t(*r)[2] = norm ? malloc(sizeof *r * (size_t)(norm->nin ? norm->nin : 1)) : NULL;
+  if (!r)
+    return NULL;
+  *opt_first = f->nsteps;
+  for (int s = f->nsteps - 1; s >= 0; s--)
+    for (int k = 0; k < f->steps[s].nnodes; k++) {
+      Op op = g->nodes[f->steps[s].nodes[k]]->op;
+      if (op == OP_GRAD_NORM || op == OP_ADAMW)
+        *opt_first = s;
+    }
+  bool ok = true;
+  for (int i = 0; ok && i < norm->nin; i++) {
+    const IrNode *x = g->nodes[norm->in[i]];
+    // (a view has its node's offset and no step of its own)
+    ok = m->offset[x->id] >= 0 && x->dtype == DT_F32 && f->step_of[x->id] < *opt_first;
+    r[i][0] = m->offset[x->id];
+    r[i][1] = m->offset[x->id] + 4 * shape_numel(x->shape);
+  }
+  if (ok)
+    qsort(r, (size_t)norm->nin, sizeof *r, by_start);
+  int64_t lo = m->grads, hi = m->grads + m->param_bytes;
+  int n = 0;
+  for (int i = 0; ok && i < norm->nin; i++) {
+    int64_t *prev = n ? r[n - 1] : NULL;
+    ok = !prev || r[i][0] >= prev[1]; // (two gradients in one place: not a plan this can reduce)
+    if (ok && prev && prev[0] >= lo && r[i][1] <= hi)
+      prev[1] = r[i][1];
+    else if (ok)
+      memmove(r[n++], r[i], sizeof *r);
+  }
+  if (!ok) {
+    free(r);
+    return NULL;
+  }
+  *nranges = n;
+  return r;
+}
+
 static bool ce_step(Engine *e, char *err, size_t n) {
   CpuEngine *ce = (CpuEngine *)e;
   cpe_draw_params(e, err, n);
@@ -291,54 +334,17 @@ static void ce_idle(Engine *e, bool params_too) {
   }
 }
 
-// Engine.set_reduce: the gradients the optimizer reads are the gradient norm's inputs (with gradient
-// accumulation, the means of the step's and the micro-batches' gradients, not the flat gradient
-// buffer), each written to memory before the optimizer's first kernel. Their byte ranges, sorted, those
-// inside the flat gradient buffer merged across its padding: GPT-2's gradients are one all-reduce.
+// Engine.set_reduce: the gradients of engine_grad_ranges, before the optimizer's first kernel.
 static bool ce_set_reduce(Engine *e, bool (*fn)(void *ctx, float *x, int64_t n, char *err, size_t en), void *ctx) {
   CpuEngine *ce = (CpuEngine *)e;
-  const Graph *g = e->g;
-  const Fusion *f = e->fusion;
-  const MemPlan *m = ce->m;
-  const IrNode *norm = NULL;
-  for (int i = 0; i < g->n && !norm; i++)
-    norm = g->nodes[i]->op == OP_GRAD_NORM ? g->nodes[i] : NULL;
   free(ce->ranges);
   ce->ranges = NULL;
   ce->nranges = 0;
   ce->reduce = NULL;
   if (!fn)
     return true;
-  if (!norm || !f || !(ce->ranges = malloc(sizeof *ce->ranges * (size_t)norm->nin)))
+  if (!e->fusion || !(ce->ranges = engine_grad_ranges(e->fusion, ce->m, &ce->nranges, &ce->opt_first)))
     return false;
-  for (int i = 0; i < norm->nin; i++) {
-    const IrNode *x = g->nodes[norm->in[i]];
-    if (m->offset[x->id] < 0 || x->dtype != DT_F32) // (a view has its node's offset)
-      return false;
-    ce->ranges[i][0] = m->offset[x->id];
-    ce->ranges[i][1] = m->offset[x->id] + 4 * shape_numel(x->shape);
-  }
-  qsort(ce->ranges, (size_t)norm->nin, sizeof *ce->ranges, by_start);
-  int64_t lo = m->grads, hi = m->grads + m->param_bytes;
-  for (int i = 0; i < norm->nin; i++) {
-    int64_t *r = ce->ranges[i], *prev = ce->nranges ? ce->ranges[ce->nranges - 1] : NULL;
-    if (prev && r[0] < prev[1]) // (two gradients in one place: not a plan this can reduce)
-      return false;
-    if (prev && prev[0] >= lo && r[1] <= hi)
-      prev[1] = r[1];
-    else
-      memmove(ce->ranges[ce->nranges++], r, sizeof *ce->ranges);
-  }
-  ce->opt_first = f->nsteps;
-  for (int s = f->nsteps - 1; s >= 0; s--)
-    for (int k = 0; k < f->steps[s].nnodes; k++) {
-      Op op = g->nodes[f->steps[s].nodes[k]]->op;
-      if (op == OP_GRAD_NORM || op == OP_ADAMW)
-        ce->opt_first = s;
-    }
-  for (int i = 0; i < norm->nin; i++)
-    if (f->step_of[norm->in[i]] >= ce->opt_first)
-      return false;
   ce->reduce = fn;
   ce->reduce_ctx = ctx;
   return true;

@@ -72,6 +72,13 @@ double dist_timeout(void);
 // named on stderr and every rank stops (MPI_Abort, status 1). Alone: x as it is.
 bool dist_mean_f32(float *x, int64_t n, const char *what, int64_t step, char *err, size_t en);
 bool dist_sum_f64(double *x, int n, const char *what, int64_t step, char *err, size_t en);
+// NCCL, the GPUs' all-reduce, loaded at run time (libnccl.so.2 of the CUDA toolkit): dist_nccl_load
+// resolves it (the tests check it links without a GPU); dist_nccl_comm makes the ranks' communicator
+// over each one's current CUDA device (the id from rank 0 by MPI_Bcast; NULL with err); then
+// dist_nccl_mean_f32 enqueues, on a CUDA stream, x := the mean over the ranks (ncclAvg).
+bool dist_nccl_load(char *err, size_t n);
+void *dist_nccl_comm(char *err, size_t n);
+bool dist_nccl_mean_f32(void *comm, void *x, int64_t count, void *stream, char *err, size_t n);
 void dist_abort(int status); // every rank stops with status (MPI_Abort); alone: exit(status)
 void dist_finalize(void);
 
@@ -123,6 +130,13 @@ struct Engine {
   // accumulation the "acc.<param>" inputs too), which makes it the mean over the ranks. fn NULL: none.
   // False where the back end cannot (NULL: none can).
   bool (*set_reduce)(Engine *e, bool (*fn)(void *ctx, float *x, int64_t n, char *err, size_t en), void *ctx);
+  // The same on a GPU, in device memory: with an NCCL communicator (dist_nccl_comm) set, each step
+  // runs its launches one by one on its stream with dist_nccl_mean_f32 of the same gradients before
+  // the optimizer's first; where *poison is true at a step, those gradients are set to NaN first (a
+  // rank whose micro-batch loss was not finite: no rank updates). reduce_seconds: the device time of
+  // the last step's all-reduce. NULL where the back end has none.
+  bool (*set_nccl)(Engine *e, void *comm, const bool *poison);
+  double reduce_seconds;
   void (*free)(Engine *e);
   bool cache_hit;         // compiled back ends: the module came from the cache
   double compile_seconds; // compiled back ends: time in the compiler
@@ -143,6 +157,13 @@ struct Engine {
   // LM head's GEMMs and cross-entropy, the optimizer's passes), or NULL.
   void (*profile_launches)(const Engine *e, double total_seconds, FILE *out);
 };
+
+// The gradients the optimizer reads (the gradient norm's inputs: with gradient accumulation the means
+// with the micro-batches', not the flat gradient buffer) as sorted byte ranges [from, to) of the arena,
+// those inside the flat gradient buffer merged across its padding (GPT-2's gradients are one range),
+// malloc'd, and the first plan step of the optimizer, before which they are all written. NULL where the
+// plan keeps one inside a kernel.
+int64_t (*engine_grad_ranges(const Fusion *f, const MemPlan *m, int *nranges, int *opt_first))[2];
 
 // One line per kernel: name, ms per step, share of the step, GFLOP/s, GB/s, the .mdl ops inside;
 // slowest first.

@@ -1067,11 +1067,19 @@ static int train_loop(Engine *e, Engine *eval, Engine *micro, const TrainOptions
   Progress pg = {.on = !o->quiet && isatty(STDOUT_FILENO) && world == 1}; // (mpirun's ranks write to a pty)
   Reduce red = {.e = e};
   double comm_total = 0, *shared = rt_xrealloc(NULL, sizeof(double) * (size_t)(met.n + 2));
-  if (world > 1 && (!e->set_reduce || !e->set_reduce(e, reduce_grads, &red))) {
-    diag_file_error(o->model_path, "the %s back end cannot reduce gradients over ranks: data-parallel training "
-                    "runs on the compiled CPU back end (--backend cpu)", e->name);
-    rc = 1;
-    last = start;
+  // Several ranks: the gradients are reduced in host memory by MPI (the CPU back end), or on the GPUs
+  // by NCCL (the CUDA back end).
+  bool nccl = false;
+  if (world > 1 && !(e->set_reduce && e->set_reduce(e, reduce_grads, &red))) {
+    void *comm = e->set_nccl ? dist_nccl_comm(err, sizeof err) : NULL;
+    if (comm && e->set_nccl(e, comm, &red.poison)) {
+      nccl = true;
+    } else {
+      diag_file_error(o->model_path, "the %s back end cannot reduce gradients over ranks%s%s", e->name,
+                      err[0] ? ": " : " (data-parallel training runs on the compiled CPU and CUDA back ends)", err);
+      rc = 1;
+      last = start;
+    }
   }
   for (int64_t step = start + 1; step <= last; step++) {
     double t0 = rt_now(), loss_sum = 0;
@@ -1111,6 +1119,8 @@ static int train_loop(Engine *e, Engine *eval, Engine *micro, const TrainOptions
       break;
     }
     real += batch.real_tokens; // (with several ranks: the global batch's)
+    if (nccl)
+      red.seconds += e->reduce_seconds;
     double loss = (loss_sum + (micro_finite ? engine_scalar(e, g->loss) : NAN)) / (double)k;
     double norm = gnorm >= 0 && run ? engine_scalar(e, gnorm) : NAN;
     for (int j = 0; j < met.n; j++) {
@@ -1323,6 +1333,8 @@ static int train_loop(Engine *e, Engine *eval, Engine *micro, const TrainOptions
   free(shared);
   if (world > 1 && e->set_reduce)
     e->set_reduce(e, NULL, NULL);
+  if (nccl)
+    e->set_nccl(e, NULL, NULL);
   metrics_free(&met);
   loader_close(train);
   if (val)
