@@ -49,6 +49,9 @@ static void att_block(Emit *e, const Att *A, int64_t nt, int64_t rows, const cha
 
 static Att att_of(Emit *e, const IrNode *nd) {
   Shape s = ec_node(&e->core, nd->in[0])->shape;
+  if (att_kv_heads(nd) != nd->ia[0] || nd->ia[6] || ec_node(&e->core, nd->in[1])->shape.d[1] != s.d[1])
+    ec_fail(&e->core, "step %s: the CUDA back end runs attention with one kv head per head, no window and keys "
+            "of q's length", e->core.f->steps[e->core.si].name);
   Att A = {.nb = s.d[0], .nt = s.d[1], .nc = s.d[2], .heads = nd->ia[0], .causal = nd->ia[1], .has_doc = nd->ia[2],
            .bf16 = nd->ia[4] == DT_BF16, .scale = nd->fa[0], .doc = -1, .lse = -1};
   A.d = A.nc / A.heads;
