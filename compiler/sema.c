@@ -1220,13 +1220,12 @@ static Val builtin_attention(Sema *s, const Builtin *b, const Expr *call, const 
   if (!float_arg(s, b, arg[6], "scale", a.scale, &a.scale))
     return ERR;
   bool doc = arg[5] && !s->lower.no_doc_mask; // (--no-doc-mask: the ids are checked, then ignored)
-  // (a window of T or more keys is plain causal attention: every row sees at most T keys)
-  int64_t window = a.window > 0 && q.rank == 3 && a.window >= q.d[1] ? 0 : a.window;
+  // (the window stays as written even where it holds all T rows: a graph of one token decodes with a
+  // cache of earlier positions, interp.c)
   if (!ir_attention_fits(s->g, in[0], in[1], in[2], arg[5] ? in[3] : -1, a.heads, a.kv_heads, a.causal, a.window)) {
     error_at(s, call->at, "%s", s->g->err);
     return ERR;
   }
-  a.window = window;
   if (s->lower.plain_attention) {
     in[3] = doc ? in[3] : -1;
     return plain_attention(s, in, a, call->at);
