@@ -29,7 +29,8 @@
 //  6. Grouped heads (kv_heads=KH) are repeated heads: attention with KH kv heads gives the loss, dq,
 //     dk and dv (the group's sum) of attention whose k and v repeat each kv head for the query heads
 //     of its group, to 1e-12 in fp64 on the interpreter: causal within documents in a window,
-//     multi-query, and keys of another length.
+//     multi-query, and keys of another length; the fusion pass and MFU count the FLOPs of the (query,
+//     key) pairs the kernels compute (a window's, or T x S).
 #include "mdl.h"
 #include "backend.h"
 #include "emit_cuda.h"
@@ -621,11 +622,14 @@ static const char repeated[] =
 // The loss and the gradients of q, k and v (fp64 interpreter, one step from seed 3) of `repeated` with
 // the grouped or the repeated attention.
 static bool grouped_run(bool grouped, const char *opts, const DimOverride *ov, int nov, double *loss,
-                        double **grad, int64_t *numel) {
+                        double **grad, int64_t *numel, double *flops, double *node_flops) {
   Arena *a = arena_new();
   char *text = arena_printf(a, repeated, grouped ? "k, v" : "kr, vr",
                             arena_printf(a, "%s%s", grouped ? ", kv_heads=KH" : "", opts));
   Graph *g = mdl_compile_text(a, "rep.mdl", text, ov, nov);
+  for (int i = 0; g && grouped && i < g->fwd_end; i++) // the FLOPs of what the kernels compute
+    if (g->nodes[i]->op == OP_ATTENTION)
+      *flops = rt_step_flops(g), *node_flops = fuse_node_flops(g, i);
   bool ok = g && autodiff(g, false);
   Interp *it = ok ? interp_new(g, INTERP_F64) : NULL;
   char err[256] = "";
@@ -654,21 +658,31 @@ static bool grouped_run(bool grouped, const char *opts, const DimOverride *ov, i
 }
 
 static void test_grouped(void) {
+  // pairs: the (query, key) pairs of a head that the kernels compute, T = 12: a window of 5 sees 5 keys
+  // but in its first rows (5 * 12 - 5^2 / 2, att_pairs' count), causal half of 12 x 12, 12 x 7 keys
   static const struct {
     const char *what, *opts;
     DimOverride ov[2];
     int nov;
+    double pairs, width; // (width: q's channels, KH G D)
   } cases[] = {
-      {"kv_heads=2 of 6, causal within documents, window 5", ", causal=true, doc=doc, window=5", {{NULL, 0}}, 0},
-      {"kv_heads=1 of 4 (multi-query), causal", ", causal=true", {{"KH", 1}, {"G", 4}}, 2},
-      {"kv_heads=2 of 6, 7 keys for 12 queries", "", {{"S", 7}}, 1},
+      {"kv_heads=2 of 6, causal within documents, window 5", ", causal=true, doc=doc, window=5", {{NULL, 0}}, 0, 47.5,
+       24},
+      {"kv_heads=1 of 4 (multi-query), causal", ", causal=true", {{"KH", 1}, {"G", 4}}, 2, 72, 16},
+      {"kv_heads=2 of 6, 7 keys for 12 queries", "", {{"S", 7}}, 1, 84, 24},
   };
   for (size_t c = 0; c < sizeof cases / sizeof *cases; c++) {
-    double lg = 0, lr = 0, *gg[3] = {0}, *gr[3] = {0};
+    double lg = 0, lr = 0, *gg[3] = {0}, *gr[3] = {0}, flops = 0, node_flops = 0, unused;
     int64_t ng[3] = {0}, nr[3] = {0};
-    bool ok = grouped_run(true, cases[c].opts, cases[c].ov, cases[c].nov, &lg, gg, ng) &&
-              grouped_run(false, cases[c].opts, cases[c].ov, cases[c].nov, &lr, gr, nr);
+    bool ok = grouped_run(true, cases[c].opts, cases[c].ov, cases[c].nov, &lg, gg, ng, &flops, &node_flops) &&
+              grouped_run(false, cases[c].opts, cases[c].ov, cases[c].nov, &lr, gr, nr, &unused, &unused);
     char name[256];
+    // 2 products of 2 flops a channel per pair, over B = 2 batches of q's channels; the step: 3 times
+    // the forward (the model FLOPs of MFU), the attention its only product
+    double want = 4.0 * 2 * cases[c].width * cases[c].pairs;
+    snprintf(name, sizeof name, "grouped heads, %s: the attention's FLOPs count the pairs the kernels compute "
+             "(%.0f, step %.0f)", cases[c].what, node_flops, flops);
+    CHECK(ok && node_flops == want && flops == 3 * want, name, "wanted %.0f and %.0f", want, 3 * want);
     snprintf(name, sizeof name, "grouped heads, %s: the loss equals that of k and v repeated per query head (%.9f)",
              cases[c].what, lg);
     CHECK(ok && fabs(lg - lr) <= 1e-12 * fabs(lr) && lg != 0, name, ok ? "%.17g vs %.17g" : "a run failed", lg, lr);
