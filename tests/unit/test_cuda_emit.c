@@ -1,7 +1,8 @@
 // test_cuda_emit.c: the CUDA emitter, on a machine without a GPU. Every model is emitted as the fp32
 // graph and as the bf16 one (precision_assign: GEMM operands through CASTs to bf16).
 //  1. NVRTC: every model in models/ (gpt2-tiny, gpt2 124M, llama-tiny, mlp), fp32 and bf16, fused and
-//     unfused, emits a module that NVRTC compiles for sm_80, sm_86 and sm_90 (bf16 fused also for
+//     unfused, llama 125M and a model of grouped, windowed and cross attention (attnkv) as they train,
+//     emits a module that NVRTC compiles for sm_80, sm_86 and sm_90 (bf16 fused also for
 //     sm_100 and sm_120, with NVRTC 12.8 or later) without an error or a warning;
 //     GPT-2 124M's module compiles cold and a second compile is a cache hit (times printed, not
 //     asserted); a changed source or another arch misses the cache; a module that does not compile
@@ -25,7 +26,8 @@
 //     schedule run on the CPU, the GEMMs by a reference GEMM in double (f32 or bf16 operands and
 //     result, as the plan says) with the same epilogues. On gpt2-tiny (B=2, T=16), llama-tiny (B=1,
 //     T=80: keys in several tiles), the MLP, a model of every other op family, one of wide rows and
-//     two of attention (heads of 32 and of 12: on tensor cores in bf16 or not), one of norm backwards
+//     two of attention (heads of 32 and of 12: on tensor cores in bf16 or not), two of grouped-query,
+//     multi-query, sliding-window and cross attention (attnkv: heads of 32 and of 12), one of norm backwards
 //     whose rows are staged in shared memory (more rows than groups of rows), one of a tied embedding
 //     whose table ends in a partial group of the backward's stores, fp32 and bf16, fused
 //     and unfused (bf16 unfused: the first three; the models after the wide one fused only), after one step
@@ -1840,9 +1842,13 @@ int main(void) {
       for (size_t i = 0; i < sizeof paths / sizeof *paths; i++)
         for (int fz = 1; fz >= 0; fz--)
           test_nvrtc_model(paths[i], NULL, strrchr(paths[i], '/') + 1, fz, pr ? DT_BF16 : DT_F32);
-    for (int pr = 0; pr < 2; pr++) // (grouped, multi-query, windowed and cross attention)
-      for (size_t i = 11; i < 13; i++)
-        test_nvrtc_model(models[i].path, models[i].text, models[i].path, true, pr ? DT_BF16 : DT_F32);
+    // LLaMA 125M (grouped-query attention) as it trains by default: bf16, fused
+    test_nvrtc_model("models/llama.mdl", NULL, "llama.mdl", true, DT_BF16);
+    // grouped, multi-query, windowed and cross attention: on tensor cores (bf16, heads of 32) and on
+    // CUDA cores (heads of 12, fp32 and bf16)
+    test_nvrtc_model(models[11].path, models[11].text, models[11].path, true, DT_BF16);
+    for (int pr = 0; pr < 2; pr++)
+      test_nvrtc_model(models[12].path, models[12].text, models[12].path, true, pr ? DT_BF16 : DT_F32);
   } else {
     printf("[skip] nvrtc: %s\n", why);
   }
