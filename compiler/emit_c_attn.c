@@ -32,10 +32,13 @@ static void emit_attn_sum(Emit *e, const char *var, const char *expr) {
   ec_leave(&e->core);
 }
 
-// Updates row i's key range [lo, hi) (variables named so, declared [0, T) before row 0, rows visited
+// Updates row i's key range [lo, hi) (variables named so, declared [0, S) before row 0, rows visited
 // in order): with doc ids, lo is the first key of the row's id and hi - 1 its last, rescanned when the
-// id changes from the row before; when causal, hi is i + 1. Declares di, the row's id.
-static void emit_attn_range(Emit *e, int64_t nt, bool causal, int doc, const char *lo, const char *hi) {
+// id changes from the row before; when causal, hi is i + 1, and with a window lo is at least
+// i - window + 1 (a bound that only grows with i, so it may raise lo in place). Declares di, the row's
+// id.
+static void emit_attn_range(Emit *e, int64_t nt, bool causal, int64_t window, int doc, const char *lo,
+                            const char *hi) {
   if (doc >= 0) {
     ec_line(&e->core, "const int32_t di = dc[i];");
     ec_enter(&e->core, "if (i == 0 || dc[i - 1] != di)");
@@ -51,7 +54,27 @@ static void emit_attn_range(Emit *e, int64_t nt, bool causal, int doc, const cha
   }
   if (causal)
     ec_line(&e->core, "%s = i + 1;", hi);
+  if (window)
+    ec_line(&e->core, "%s = %s > i - %lld ? %s : i - %lld;", lo, lo, (long long)(window - 1), lo,
+            (long long)(window - 1));
 }
+
+// What a kernel's note adds for kv heads, keys of another length and a window ("" for none of them).
+static const char *attn_shape_note(Emit *e, const IrNode *nd) {
+  int64_t ns = ec_node(&e->core, nd->in[1])->shape.d[1], kvh = att_kv_heads(nd);
+  const char *k = kvh != nd->ia[0] ? c_str(e, ", %lld kv heads", (long long)kvh) : "";
+  const char *s = ns != ec_node(&e->core, nd->in[0])->shape.d[1] ? c_str(e, ", %lld keys", (long long)ns) : "";
+  const char *w = nd->ia[6] ? c_str(e, ", window %lld", (long long)nd->ia[6]) : "";
+  return c_str(e, "%s%s%s", k, s, w);
+}
+
+// The keys S of attention node nd (k's rows), and the query heads per kv head.
+static int64_t attn_keys(Emit *e, const IrNode *nd) { return ec_node(&e->core, nd->in[1])->shape.d[1]; }
+static int64_t attn_group(const IrNode *nd) { return nd->ia[0] / att_kv_heads(nd); }
+
+// The variable that holds the kv head of a task's keys and values: the head itself when every head
+// has its own (the default, whose code reads as it did before kv heads), else kh.
+static const char *attn_kv(const IrNode *nd) { return attn_group(nd) > 1 ? "kh" : "hd"; }
 
 // Opens the loop over the query rows i of a task's head. The allowed keys of row i lie in [lo, hi):
 // with doc ids, lo is the first key of the row's id and hi - 1 its last (row i itself when causal),
@@ -59,11 +82,11 @@ static void emit_attn_range(Emit *e, int64_t nt, bool causal, int doc, const cha
 // masked whatever the ids' order; inside, the mask is applied key by key).
 static void emit_attn_rows_open(Emit *e, const IrNode *nd, int doc) {
   int64_t nt = ec_node(&e->core, nd->in[0])->shape.d[1];
-  ec_line(&e->core, "int64_t lo = 0, hi = %lld;", (long long)nt);
+  ec_line(&e->core, "int64_t lo = 0, hi = %lld;", (long long)attn_keys(e, nd));
   if (doc >= 0)
     ec_line(&e->core, "const int32_t *restrict dc = b%d + b * %lld;", c_ptr(e, doc), (long long)nt);
   ec_enter(&e->core, "for (int64_t i = 0; i < %lld; i++)", (long long)nt);
-  emit_attn_range(e, nt, nd->ia[1], doc, "lo", "hi");
+  emit_attn_range(e, nt, nd->ia[1], nd->ia[6], doc, "lo", "hi");
 }
 
 // Keys per block of the score loops, and the padded row length of a transposed [D][T] block (and of
@@ -119,7 +142,7 @@ static void emit_attn_row(Emit *e, const IrNode *nd, Rows q, int doc, const char
     ec_line(&e->core, "const float *restrict qi = %s + (b * %lld + i) * %lld + hd * %lld;", q.base, (long long)nt,
             (long long)q.stride, (long long)d);
   }
-  emit_attn_dots(e, "s", "qi", "kt", nt, d);
+  emit_attn_dots(e, "s", "qi", "kt", attn_keys(e, nd), d);
   if (lse) {
     ec_line(&e->core, "const float lse = %s;", lse);
     ec_line(&e->core, "#pragma omp simd");
@@ -145,13 +168,13 @@ static void emit_attn_row(Emit *e, const IrNode *nd, Rows q, int doc, const char
   emit_attn_sum(e, "l", "s[j]");
 }
 
-// Copies the head's rows of a [B,T,C] matrix into a [D][T] block (rounded to bf16 with `round`;
-// widened when stored as bf16, precision.c).
-static void emit_attn_transpose(Emit *e, const char *dst, Rows x, int64_t nt, int64_t d, bool round) {
+// Copies the rows of kv head `hv` of a [B,S,KH*D] matrix (k or v) into a [D][S] block (rounded to bf16
+// with `round`; widened when stored as bf16, precision.c).
+static void emit_attn_transpose(Emit *e, const char *dst, Rows x, int64_t nt, int64_t d, bool round, const char *hv) {
   bool x16 = attn_stored16(e, x);
   ec_enter(&e->core, "for (int64_t j = 0; j < %lld; j++)", (long long)nt);
-  ec_line(&e->core, "const %s *xj = %s + (b * %lld + j) * %lld + hd * %lld;", x16 ? "uint16_t" : "float", x.base,
-          (long long)nt, (long long)x.stride, (long long)d);
+  ec_line(&e->core, "const %s *xj = %s + (b * %lld + j) * %lld + %s * %lld;", x16 ? "uint16_t" : "float", x.base,
+          (long long)nt, (long long)x.stride, hv, (long long)d);
   ec_line(&e->core, "for (int64_t c = 0; c < %lld; c++)", (long long)d);
   ec_line(&e->core, "  %s[c * %lld + j] = %s;", dst, (long long)attn_padded(nt), attn_read(e, x, "xj[c]", round));
   ec_leave(&e->core);
@@ -161,8 +184,12 @@ static void emit_attn_transpose(Emit *e, const char *dst, Rows x, int64_t nt, in
 // row loops read the padding of their transposed blocks; the GEMM path writes each value before it
 // reads it, and zeroing its 1.3-1.5 MB a thread every call cost 3-8% of a T 512 kernel), and its loop
 // over the (batch, head) tasks; a task owns every output row of its head, so tasks never race and each
-// output is computed by one sequence of operations whatever the thread count.
-static void emit_attn_open(Emit *e, int64_t nb, int64_t heads, bool par, const Tmp *tmp, int ntmp, bool zero) {
+// output is computed by one sequence of operations whatever the thread count. The head is named hv:
+// hd for a query head, kh for a kv head (the backward of grouped heads: dk and dv of a kv head sum
+// over its query heads, so one task owns them all); with a forward's group of grp > 1 query heads per
+// kv head, kh is the kv head of hd.
+static void emit_attn_open(Emit *e, int64_t nb, int64_t heads, bool par, const Tmp *tmp, int ntmp, bool zero,
+                           const char *hv, int64_t grp) {
   if (par) {
     ec_line(&e->core, "#pragma omp parallel num_threads(h->nthreads)");
     e->uses_h = true;
@@ -177,7 +204,9 @@ static void emit_attn_open(Emit *e, int64_t nb, int64_t heads, bool par, const T
   if (par)
     ec_line(&e->core, "#pragma omp for schedule(dynamic, 1)");
   ec_enter(&e->core, "for (int64_t task = 0; task < %lld; task++)", (long long)(nb * heads));
-  ec_line(&e->core, "const int64_t b = task / %lld, hd = task %% %lld;", (long long)heads, (long long)heads);
+  ec_line(&e->core, "const int64_t b = task / %lld, %s = task %% %lld;", (long long)heads, hv, (long long)heads);
+  if (grp > 1 && !strcmp(hv, "hd"))
+    ec_line(&e->core, "const int64_t kh = hd / %lld;", (long long)grp);
 }
 
 static void emit_attn_close(Emit *e, const Tmp *tmp, int ntmp) {
@@ -188,13 +217,13 @@ static void emit_attn_close(Emit *e, const Tmp *tmp, int ntmp) {
 }
 
 // Declares acc0[D] and acc1[D] (for acc = "acc") whose sum is that over the keys j in [lo, hi) of
-// w[j] x_j (x_j the head's part of row j of x): keys taken in pairs, the even and odd keys of the
+// w[j] x_j (x_j the part of head hv of row j of x, nt rows a batch): keys taken in pairs, the even and odd keys of the
 // range in two accumulators, two chains of FMAs held in registers; the caller adds them.
 // With round_w / round_x (bf16 attention, mdl.h) the weights / the rows are read rounded to bf16
 // (rows stored as bf16, precision.c, are widened).
 static void emit_attn_pairs(Emit *e, const char *acc, const char *w, Rows x, int64_t nt, int64_t d, bool round_w,
-                            bool round_x) {
-  const char *row = c_str(e, "%s + (b * %lld + j) * %lld + hd * %lld", x.base, (long long)nt, (long long)x.stride,
+                            bool round_x, const char *hv) {
+  const char *row = c_str(e, "%s + (b * %lld + j) * %lld + %s * %lld", x.base, (long long)nt, (long long)x.stride, hv,
                           (long long)d);
   const char *w0 = c_str(e, "%s[j]", w), *w1 = c_str(e, "%s[j + 1]", w);
   if (round_w) {
@@ -251,12 +280,13 @@ typedef struct {
   int64_t ld;
 } Opnd;
 
-// The head's part of rows r (rows [0, T) of batch b, columns hd * D ...) as an operand of GEMMs of
+// The head's part of rows r (rows [0, nt) of batch b, columns hv * D ...) as an operand of GEMMs of
 // bf16 bits (g16) or of f32: in place where stored that way (and, with pack, contiguous), else copied
 // into buf ([T][D]), rounded to bf16 where bf16 attention reads it rounded.
-static Opnd attn_operand(Emit *e, Rows r, int64_t nt, int64_t d, bool bf16, bool g16, bool pack, const char *buf) {
+static Opnd attn_operand(Emit *e, Rows r, int64_t nt, int64_t d, bool bf16, bool g16, bool pack, const char *buf,
+                         const char *hv) {
   bool x16 = attn_stored16(e, r);
-  const char *head = c_str(e, "%s + b * %lld + hd * %lld", r.base, (long long)(nt * r.stride), (long long)d);
+  const char *head = c_str(e, "%s + b * %lld + %s * %lld", r.base, (long long)(nt * r.stride), hv, (long long)d);
   if (((g16 && x16) || (!g16 && !bf16 && !x16)) && (!pack || r.stride == d))
     return (Opnd){head, r.stride};
   const char *ot = g16 ? "uint16_t" : "float", *c_val;
@@ -288,9 +318,10 @@ static const char *op_at(Emit *e, Opnd o, const char *r0) {
 }
 static const char *op_ld(Emit *e, Opnd o) { return c_str(e, "%lld", (long long)o.ld); }
 
-// Opens the loop over the task's query blocks [i0, i1) and declares its keys [klo, khi), nk of them.
-static void attn_blocks_open(Emit *e, int64_t nt, bool causal, int doc) {
-  ec_line(&e->core, "int64_t rlo = 0, rhi = %lld;", (long long)nt);
+// Opens the loop over the task's query blocks [i0, i1) and declares its keys [klo, khi), nk of them
+// (ns keys; with a window, none before the window of the block's first row).
+static void attn_blocks_open(Emit *e, int64_t nt, int64_t ns, bool causal, int64_t window, int doc) {
+  ec_line(&e->core, "int64_t rlo = 0, rhi = %lld;", (long long)ns);
   ec_enter(&e->core, "for (int64_t i0 = 0; i0 < %lld; i0 += %d)", (long long)nt, ATT_ROWS);
   ec_line(&e->core, "const int64_t i1 = i0 + %d < %lld ? i0 + %d : %lld, nr = i1 - i0;", ATT_ROWS, (long long)nt,
           ATT_ROWS, (long long)nt);
@@ -303,9 +334,12 @@ static void attn_blocks_open(Emit *e, int64_t nt, bool causal, int doc) {
     ec_line(&e->core, "  l++;");
     ec_line(&e->core, "klo = l < klo ? l : klo;");
     ec_leave(&e->core);
-    ec_line(&e->core, "klo -= klo %% %d;", ATT_ROWS);
   }
-  ec_line(&e->core, "const int64_t khi = %s, nk = khi - klo;", causal ? "i1" : c_str(e, "%lld", (long long)nt));
+  if (window)
+    ec_line(&e->core, "klo = klo > i0 - %lld ? klo : i0 - %lld;", (long long)(window - 1), (long long)(window - 1));
+  if ((doc >= 0 && causal) || window)
+    ec_line(&e->core, "klo -= klo %% %d;", ATT_ROWS);
+  ec_line(&e->core, "const int64_t khi = %s, nk = khi - klo;", causal ? "i1" : c_str(e, "%lld", (long long)ns));
 }
 
 // Row i's probabilities (or, in the forward, their numerators exp(s - max) with their sum l in f32
@@ -318,7 +352,7 @@ static void attn_softmax_row(Emit *e, const IrNode *nd, int doc, const char *lse
   bool causal = nd->ia[1];
   int64_t nt = ec_node(&e->core, nd->in[0])->shape.d[1];
   const char *sc = c_flit(e, nd->fa[0]);
-  emit_attn_range(e, nt, causal, doc, "rlo", "rhi");
+  emit_attn_range(e, nt, causal, nd->ia[6], doc, "rlo", "rhi");
   ec_line(&e->core, "const int64_t lo = rlo - klo, hi = rhi - klo;");
   ec_line(&e->core, "memset(s, 0, lo * sizeof(float));");
   ec_line(&e->core, "memset(s + hi, 0, (nk - hi) * sizeof(float));");
@@ -383,13 +417,15 @@ static void attn_fwd_body(Emit *e, const AttnGemm *x, bool g16) {
   bool f32 = x->f32;
   Rows q = x->q, k = x->k, v = x->v;
   Shape s = ec_node(&e->core, nd->in[0])->shape;
-  int64_t nt = s.d[1], nc = s.d[2], heads = nd->ia[0], d = nc / heads;
+  int64_t nt = s.d[1], nc = s.d[2], heads = nd->ia[0], d = nc / heads, ns = attn_keys(e, nd);
   bool bf16 = nd->ia[4] == DT_BF16;
-  Opnd Q = attn_operand(e, q, nt, d, bf16, g16, false, "qs"), K = attn_operand(e, k, nt, d, bf16, g16, true, "ks");
+  const char *kv = attn_kv(nd);
+  Opnd Q = attn_operand(e, q, nt, d, bf16, g16, false, "qs", "hd");
+  Opnd K = attn_operand(e, k, ns, d, bf16, g16, true, "ks", kv);
   Opnd V = {0};
   if (a >= 0)
-    V = attn_operand(e, v, nt, d, bf16, g16, true, "vs");
-  attn_blocks_open(e, nt, nd->ia[1], doc);
+    V = attn_operand(e, v, ns, d, bf16, g16, true, "vs", kv);
+  attn_blocks_open(e, nt, ns, nd->ia[1], nd->ia[6], doc);
   // the scores are nr rows of nk: packed at stride nk, so that a row's weights staged in place or as
   // bf16 bits are the PV GEMM's operand
   const char *dd = c_str(e, "%lld", (long long)d);
@@ -426,26 +462,41 @@ static void attn_fwd_body(Emit *e, const AttnGemm *x, bool g16) {
 }
 
 // The backward's task body (attn_gemm_kernel): dq, dk, dv (out[0..2], -1 where not wanted) of the
-// head, dk and dv summed over the query blocks in dkh and dvh ([T][D], f32).
+// head, dk and dv summed over the query blocks in dkh and dvh ([S][D], f32). With grouped heads the
+// task owns a kv head kh and runs the blocks of each of its query heads hd in turn, so dk and dv sum
+// over the group as well.
 static void attn_bwd_body(Emit *e, const AttnGemm *x, bool g16) {
   const IrNode *nd = x->nd;
   const int *out = x->out;
   int lse = x->lse, doc = x->doc;
   Rows q = x->q, k = x->k, v = x->v, dout = x->dout, o = x->o;
-  Shape s = nd->shape;
-  int64_t nt = s.d[1], nc = s.d[2], heads = nd->ia[0], d = nc / heads;
+  Shape s = ec_node(&e->core, nd->in[0])->shape;
+  int64_t nt = s.d[1], nc = s.d[2], heads = nd->ia[0], d = nc / heads, ns = attn_keys(e, nd), grp = attn_group(nd);
+  int64_t nckv = d * att_kv_heads(nd);
   bool bf16 = nd->ia[4] == DT_BF16, ds = out[0] >= 0 || out[1] >= 0;
-  const char *dd = c_str(e, "%lld", (long long)d), *sc = c_flit(e, nd->fa[0]);
-  Opnd Q = attn_operand(e, q, nt, d, bf16, g16, false, "qs"), K = attn_operand(e, k, nt, d, bf16, g16, true, "ks");
-  Opnd DO = attn_operand(e, dout, nt, d, bf16, g16, false, "dos"), V = {0}, O = {0};
-  if (ds) {
-    V = attn_operand(e, v, nt, d, bf16, g16, true, "vs");
-    O = attn_operand(e, o, nt, d, bf16, g16, false, "os");
-  }
+  const char *dd = c_str(e, "%lld", (long long)d), *sc = c_flit(e, nd->fa[0]), *kv = attn_kv(nd);
+  Opnd Q = {0}, K, DO = {0}, V = {0}, O = {0};
+  if (grp == 1)
+    Q = attn_operand(e, q, nt, d, bf16, g16, false, "qs", "hd");
+  K = attn_operand(e, k, ns, d, bf16, g16, true, "ks", kv);
+  if (grp == 1)
+    DO = attn_operand(e, dout, nt, d, bf16, g16, false, "dos", "hd");
+  if (ds)
+    V = attn_operand(e, v, ns, d, bf16, g16, true, "vs", kv);
+  if (ds && grp == 1)
+    O = attn_operand(e, o, nt, d, bf16, g16, false, "os", "hd");
   for (int i = 1; i < 3; i++)
     if (out[i] >= 0)
-      ec_line(&e->core, "memset(%s, 0, %lld * sizeof(float));", i == 1 ? "dkh" : "dvh", (long long)(nt * d));
-  attn_blocks_open(e, nt, nd->ia[1], doc);
+      ec_line(&e->core, "memset(%s, 0, %lld * sizeof(float));", i == 1 ? "dkh" : "dvh", (long long)(ns * d));
+  if (grp > 1) {
+    ec_enter(&e->core, "for (int64_t hd = kh * %lld; hd < kh * %lld + %lld; hd++)", (long long)grp, (long long)grp,
+             (long long)grp);
+    Q = attn_operand(e, q, nt, d, bf16, g16, false, "qs", "hd");
+    DO = attn_operand(e, dout, nt, d, bf16, g16, false, "dos", "hd");
+    if (ds)
+      O = attn_operand(e, o, nt, d, bf16, g16, false, "os", "hd");
+  }
+  attn_blocks_open(e, nt, ns, nd->ia[1], nd->ia[6], doc);
   attn_gemm(e, g16, 0, 1, "nr", "nk", dd, op_at(e, Q, "i0"), op_ld(e, Q), op_at(e, K, "klo"), op_ld(e, K), "0.0f", "sc",
             "nk");
   if (ds)
@@ -488,11 +539,13 @@ static void attn_bwd_body(Emit *e, const AttnGemm *x, bool g16) {
     ec_leave(&e->core);
   }
   ec_leave(&e->core);
+  if (grp > 1)
+    ec_leave(&e->core);
   for (int i = 1; i < 3; i++)
     if (out[i] >= 0) {
-      ec_enter(&e->core, "for (int64_t t = 0; t < %lld; t++)", (long long)nt);
-      ec_line(&e->core, "float *restrict y = b%d + (b * %lld + t) * %lld + hd * %lld;", c_ptr(e, out[i]), (long long)nt,
-              (long long)nc, (long long)d);
+      ec_enter(&e->core, "for (int64_t t = 0; t < %lld; t++)", (long long)ns);
+      ec_line(&e->core, "float *restrict y = b%d + (b * %lld + t) * %lld + %s * %lld;", c_ptr(e, out[i]), (long long)ns,
+              (long long)nckv, kv, (long long)d);
       ec_line(&e->core, "const float *restrict x = %s + t * %lld;", i == 1 ? "dkh" : "dvh", (long long)d);
       ec_line(&e->core, "for (int64_t c = 0; c < %lld; c++)", (long long)d);
       ec_line(&e->core, "  y[c] = %sx[c];", i == 1 ? c_str(e, "%s * ", sc) : "");
@@ -504,20 +557,23 @@ static void attn_bwd_body(Emit *e, const AttnGemm *x, bool g16) {
 // attention its body twice, on the library's bf16 GEMM where it has one (h->bgemm) and else on f32.
 static void attn_gemm_kernel(Emit *e, const AttnGemm *x) {
   Shape s = ec_node(&e->core, x->nd->in[0])->shape;
-  int64_t nb = s.d[0], nt = s.d[1], nc = s.d[2], heads = x->nd->ia[0], d = nc / heads;
+  int64_t nb = s.d[0], nt = s.d[1], nc = s.d[2], heads = x->nd->ia[0], d = nc / heads, ns = attn_keys(e, x->nd);
+  int64_t grp = attn_group(x->nd);
   bool bf16 = x->nd->ia[4] == DT_BF16;
-  Tmp fwd[7] = {{"qs", nt * d},         {"ks", nt * d},       {"vs", nt * d}, {"sc", ATT_ROWS * nt},
-                {"ps", ATT_ROWS * nt}, {"ot", ATT_ROWS * d}, {"lrow", ATT_ROWS}};
-  Tmp bwd[12] = {{"qs", nt * d},          {"ks", nt * d},          {"vs", nt * d},          {"dos", nt * d},
-                 {"os", nt * d},          {"sc", ATT_ROWS * nt},  {"dp", ATT_ROWS * nt},  {"ps", ATT_ROWS * nt},
-                 {"dss", ATT_ROWS * nt}, {"ot", ATT_ROWS * d},   {"dkh", nt * d},        {"dvh", nt * d}};
+  Tmp fwd[7] = {{"qs", nt * d},         {"ks", ns * d},       {"vs", ns * d}, {"sc", ATT_ROWS * ns},
+                {"ps", ATT_ROWS * ns}, {"ot", ATT_ROWS * d}, {"lrow", ATT_ROWS}};
+  Tmp bwd[12] = {{"qs", nt * d},          {"ks", ns * d},          {"vs", ns * d},          {"dos", nt * d},
+                 {"os", nt * d},          {"sc", ATT_ROWS * ns},  {"dp", ATT_ROWS * ns},  {"ps", ATT_ROWS * ns},
+                 {"dss", ATT_ROWS * ns}, {"ot", ATT_ROWS * d},   {"dkh", ns * d},        {"dvh", ns * d}};
   const Tmp *tmp = x->out ? bwd : fwd;
   int ntmp = x->out ? 12 : 7;
   void (*body)(Emit *, const AttnGemm *, bool) = x->out ? attn_bwd_body : attn_fwd_body;
   e->uses_h = true;
   if (bf16)
     ec_line(&e->core, "const int g16 = h->bgemm != NULL;");
-  emit_attn_open(e, nb, heads, nb * nt * nt * nc >= PAR_MIN, tmp, ntmp, false);
+  bool by_kv = x->out && grp > 1; // (the backward's task: a kv head and its group)
+  emit_attn_open(e, nb, by_kv ? heads / grp : heads, nb * nt * ns * nc >= PAR_MIN, tmp, ntmp, false,
+                 by_kv ? "kh" : "hd", grp);
   if (x->doc >= 0)
     ec_line(&e->core, "const int32_t *restrict dc = b%d + b * %lld;", c_ptr(e, x->doc), (long long)nt);
   if (bf16) {
@@ -553,7 +609,7 @@ void c_emit_attention(Emit *e, int gi) {
   ec_attention_members(&e->core, gi, &a, &lse);
   const IrNode *nd = ec_node(&e->core, a >= 0 ? a : lse);
   Shape s = ec_node(&e->core, nd->in[0])->shape;
-  int64_t nb = s.d[0], nt = s.d[1], nc = s.d[2], heads = nd->ia[0], d = nc / heads;
+  int64_t nb = s.d[0], nt = s.d[1], nc = s.d[2], heads = nd->ia[0], d = nc / heads, ns = attn_keys(e, nd);
   bool causal = nd->ia[1], has_doc = nd->ia[2];
   Rows q = c_rows_of(e, nd->in[0]), k = c_rows_of(e, nd->in[1]), v = a >= 0 ? c_rows_of(e, nd->in[2]) : (Rows){0};
   int doc = has_doc ? ec_need(&e->core, nd->in[3]) : -1;
@@ -569,25 +625,26 @@ void c_emit_attention(Emit *e, int gi) {
   if (lse >= 0 && ec_offset(&e->core, lse) < 0)
     e->core.scratch[lse] = true;
   ec_phase_begin(&e->core);
-  c_note(e, "attention%s: B %lld, T %lld, %lld heads of %lld%s%s; one task per (batch, head)",
+  c_note(e, "attention%s: B %lld, T %lld, %lld heads of %lld%s%s%s; one task per (batch, head)",
          a < 0 ? " statistics (log-sum-exp per row)" : lse >= 0 ? " and its log-sum-exp per row" : "", (long long)nb,
-         (long long)nt, (long long)heads, (long long)d, causal ? ", causal" : "", has_doc ? ", within documents" : "");
+         (long long)nt, (long long)heads, (long long)d, causal ? ", causal" : "", has_doc ? ", within documents" : "",
+         attn_shape_note(e, nd));
   if (attn_by_gemm(nt, d)) {
     attn_gemm_kernel(e, &(AttnGemm){.nd = nd, .a = a, .lse = lse, .doc = doc, .casts = casts, .ncast = ncast,
                                     .f32 = f32, .q = q, .k = k, .v = v});
     attn_outputs_done(e, a, f32, casts, ncast, lse);
     return;
   }
-  Tmp tmp[2] = {{"kt", d * attn_padded(nt)}, {"s", attn_padded(nt)}};
-  emit_attn_open(e, nb, heads, nb * nt * nt * nc >= PAR_MIN, tmp, 2, true);
+  Tmp tmp[2] = {{"kt", d * attn_padded(ns)}, {"s", attn_padded(ns)}};
+  emit_attn_open(e, nb, heads, nb * nt * ns * nc >= PAR_MIN, tmp, 2, true, "hd", attn_group(nd));
   bool bf16 = nd->ia[4] == DT_BF16; // q, k, v and e = exp(s - max) read rounded (mdl.h)
-  emit_attn_transpose(e, "kt", k, nt, d, bf16);
+  emit_attn_transpose(e, "kt", k, ns, d, bf16, attn_kv(nd));
   emit_attn_rows_open(e, nd, doc);
   emit_attn_row(e, nd, q, doc, NULL);
   if (lse >= 0)
     ec_line(&e->core, "b%d[(b * %lld + hd) * %lld + i] = m + logf(l);", c_ptr(e, lse), (long long)heads, (long long)nt);
   if (a >= 0) {
-    emit_attn_pairs(e, "acc", "s", v, nt, d, bf16, bf16);
+    emit_attn_pairs(e, "acc", "s", v, ns, d, bf16, bf16, attn_kv(nd));
     const char *row = c_str(e, "(b * %lld + i) * %lld + hd * %lld", (long long)nt, (long long)nc, (long long)d);
     if (f32)
       ec_line(&e->core, "float *restrict oi = b%d + %s;", c_ptr(e, a), row);
@@ -612,9 +669,11 @@ void c_emit_attention(Emit *e, int gi) {
 void c_emit_attention_bwd(Emit *e, int gi) {
   const Group *gr = &e->core.groups[gi];
   const IrNode *nd = ec_node(&e->core, gr->mem[0]);
-  Shape s = nd->shape;
-  int64_t nb = s.d[0], nt = s.d[1], nc = s.d[2], heads = nd->ia[0], d = nc / heads;
+  Shape s = ec_node(&e->core, nd->in[0])->shape;
+  int64_t nb = s.d[0], nt = s.d[1], nc = s.d[2], heads = nd->ia[0], d = nc / heads, ns = attn_keys(e, nd);
+  int64_t grp = attn_group(nd), nckv = d * att_kv_heads(nd);
   bool causal = nd->ia[1], has_doc = nd->ia[2];
+  const char *kv = attn_kv(nd);
   int out[3] = {-1, -1, -1};
   for (int i = 0; i < gr->nmem; i++)
     out[ec_node(&e->core, gr->mem[i])->ia[3]] = gr->mem[i];
@@ -629,9 +688,10 @@ void c_emit_attention_bwd(Emit *e, int gi) {
       e->core.scratch[out[i]] = true;
   const char *sc = c_flit(e, nd->fa[0]);
   ec_phase_begin(&e->core);
-  c_note(e, "attention backward (%s%s%s): B %lld, T %lld, %lld heads of %lld%s%s; one task per (batch, head)",
+  c_note(e, "attention backward (%s%s%s): B %lld, T %lld, %lld heads of %lld%s%s%s; one task per (batch, %s)",
          out[0] >= 0 ? "dq " : "", out[1] >= 0 ? "dk " : "", out[2] >= 0 ? "dv" : "", (long long)nb, (long long)nt,
-         (long long)heads, (long long)d, causal ? ", causal" : "", has_doc ? ", within documents" : "");
+         (long long)heads, (long long)d, causal ? ", causal" : "", has_doc ? ", within documents" : "",
+         attn_shape_note(e, nd), grp > 1 ? "kv head, its query heads in turn" : "head");
   if (attn_by_gemm(nt, d)) {
     attn_gemm_kernel(e, &(AttnGemm){.nd = nd, .lse = lse, .doc = doc, .out = out, .q = q, .k = k, .v = v,
                                     .dout = dout, .o = o});
@@ -643,24 +703,27 @@ void c_emit_attention_bwd(Emit *e, int gi) {
   }
   Tmp tmp[6];
   int ntmp = 0;
-  tmp[ntmp++] = (Tmp){"kt", d * attn_padded(nt)};
-  tmp[ntmp++] = (Tmp){"s", attn_padded(nt)};
+  tmp[ntmp++] = (Tmp){"kt", d * attn_padded(ns)};
+  tmp[ntmp++] = (Tmp){"s", attn_padded(ns)};
   if (ds) {
-    tmp[ntmp++] = (Tmp){"vt", d * attn_padded(nt)};
-    tmp[ntmp++] = (Tmp){"dp", attn_padded(nt)};
+    tmp[ntmp++] = (Tmp){"vt", d * attn_padded(ns)};
+    tmp[ntmp++] = (Tmp){"dp", attn_padded(ns)};
   }
   if (out[1] >= 0)
-    tmp[ntmp++] = (Tmp){"dkh", nt * d};
+    tmp[ntmp++] = (Tmp){"dkh", ns * d};
   if (out[2] >= 0)
-    tmp[ntmp++] = (Tmp){"dvh", nt * d};
-  emit_attn_open(e, nb, heads, nb * nt * nt * nc >= PAR_MIN, tmp, ntmp, true);
+    tmp[ntmp++] = (Tmp){"dvh", ns * d};
+  emit_attn_open(e, nb, heads / grp, nb * nt * ns * nc >= PAR_MIN, tmp, ntmp, true, kv, grp);
   bool bf16 = nd->ia[4] == DT_BF16; // the products read q, k, v, dout, P and dS rounded (mdl.h)
-  emit_attn_transpose(e, "kt", k, nt, d, bf16);
+  emit_attn_transpose(e, "kt", k, ns, d, bf16, kv);
   if (ds)
-    emit_attn_transpose(e, "vt", v, nt, d, bf16);
+    emit_attn_transpose(e, "vt", v, ns, d, bf16, kv);
   for (int i = 1; i < 3; i++)
     if (out[i] >= 0)
-      ec_line(&e->core, "memset(%s, 0, %lld * sizeof(float));", i == 1 ? "dkh" : "dvh", (long long)(nt * d));
+      ec_line(&e->core, "memset(%s, 0, %lld * sizeof(float));", i == 1 ? "dkh" : "dvh", (long long)(ns * d));
+  if (grp > 1) // dk and dv of the kv head: sums over its query heads
+    ec_enter(&e->core, "for (int64_t hd = kh * %lld; hd < kh * %lld + %lld; hd++)", (long long)grp, (long long)grp,
+             (long long)grp);
   emit_attn_rows_open(e, nd, doc);
   emit_attn_row(e, nd, q, doc,
                 c_str(e, "b%d[(b * %lld + hd) * %lld + i]", c_ptr(e, lse), (long long)heads, (long long)nt));
@@ -679,13 +742,13 @@ void c_emit_attention_bwd(Emit *e, int gi) {
     ec_line(&e->core, "#pragma omp simd reduction(+ : dsum)");
     ec_line(&e->core, "for (int64_t c = 0; c < %lld; c++)", (long long)d);
     ec_line(&e->core, "  dsum += doi[c] * %s;", attn_elem(e, o, nt, d, bf16));
-    emit_attn_dots(e, "dp", "doi", "vt", nt, d);
+    emit_attn_dots(e, "dp", "doi", "vt", ns, d);
     ec_line(&e->core, "#pragma omp simd");
     ec_line(&e->core, "for (int64_t j = lo; j < hi; j++)");
     ec_line(&e->core, "  dp[j] = s[j] * (dp[j] - dsum);");
   }
   if (out[0] >= 0)
-    emit_attn_pairs(e, "dqi", "dp", k, nt, d, bf16, bf16);
+    emit_attn_pairs(e, "dqi", "dp", k, ns, d, bf16, bf16, kv);
   if (out[1] >= 0) {
     ec_line(&e->core, "float sqi[%lld];", (long long)d);
     ec_line(&e->core, "for (int64_t c = 0; c < %lld; c++)", (long long)d);
@@ -712,11 +775,13 @@ void c_emit_attention_bwd(Emit *e, int gi) {
     ec_line(&e->core, "  dq[c] = %s * (dqi0[c] + dqi1[c]);", sc);
   }
   ec_leave(&e->core);
+  if (grp > 1)
+    ec_leave(&e->core);
   for (int i = 1; i < 3; i++)
     if (out[i] >= 0) {
-      ec_line(&e->core, "for (int64_t t = 0; t < %lld; t++)", (long long)nt);
-      ec_line(&e->core, "  memcpy(b%d + (b * %lld + t) * %lld + hd * %lld, %s + t * %lld, %lld * sizeof(float));",
-              c_ptr(e, out[i]), (long long)nt, (long long)nc, (long long)d, i == 1 ? "dkh" : "dvh", (long long)d,
+      ec_line(&e->core, "for (int64_t t = 0; t < %lld; t++)", (long long)ns);
+      ec_line(&e->core, "  memcpy(b%d + (b * %lld + t) * %lld + %s * %lld, %s + t * %lld, %lld * sizeof(float));",
+              c_ptr(e, out[i]), (long long)ns, (long long)nckv, kv, (long long)d, i == 1 ? "dkh" : "dvh", (long long)d,
               (long long)d);
     }
   emit_attn_close(e, tmp, ntmp);

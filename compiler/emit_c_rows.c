@@ -651,9 +651,10 @@ void c_emit_rope(Emit *e, int gi) {
 
 // The condition under which query i may see key j in an attention mask (interp.c's rule), with di the
 // query's doc id and dc the row's ids where the mask has them.
-static const char *attn_mask_cond(const IrNode *nd) {
+static const char *attn_mask_cond(Emit *e, const IrNode *nd) {
   bool causal = nd->ia[0], doc = nd->ia[1];
-  return causal && doc ? "j <= i && dc[j] == di" : causal ? "j <= i" : doc ? "dc[j] == di" : "true";
+  const char *c = causal && doc ? "j <= i && dc[j] == di" : causal ? "j <= i" : doc ? "dc[j] == di" : "true";
+  return nd->ia[2] ? c_str(e, "%s && i - j < %lld", c, (long long)nd->ia[2]) : c;
 }
 
 // ATTENTION_MASK ([doc]) -> [B or 1, 1, T, T]: 0 where query i may see key j, -inf where not; a row of
@@ -678,7 +679,7 @@ void c_emit_attn_mask(Emit *e, int gi) {
   }
   ec_line(&e->core, "float *y = b%d + r * %lld;", c_ptr(e, a), (long long)nt);
   ec_line(&e->core, "for (int64_t j = 0; j < %lld; j++)", (long long)nt);
-  ec_line(&e->core, "  y[j] = %s ? 0.0f : -INFINITY;", attn_mask_cond(nd));
+  ec_line(&e->core, "  y[j] = %s ? 0.0f : -INFINITY;", attn_mask_cond(e, nd));
   ec_leave(&e->core);
   ec_phase_done(&e->core, a);
   ec_phase_end(&e->core);

@@ -537,10 +537,11 @@ static bool groups_build(EmitCore *e, bool split_all) {
                (column_sum(e, nd, m) && nsums < EC_MAX_COLSUMS);
       else if (kind == G_ATTN)
         join = m->op != nd->op && (m->op == OP_ATTENTION || m->op == OP_ATTENTION_LSE) && gr->nmem == 1 &&
-               same_inputs(e, nd, m) && m->fa[0] == nd->fa[0] && m->ia[0] == nd->ia[0] && m->ia[1] == nd->ia[1];
+               same_inputs(e, nd, m) && m->fa[0] == nd->fa[0] && m->ia[0] == nd->ia[0] && m->ia[1] == nd->ia[1] &&
+               m->ia[5] == nd->ia[5] && m->ia[6] == nd->ia[6];
       else if (kind == G_ATTN_BWD)
         join = m->op == nd->op && same_inputs(e, nd, m) && m->fa[0] == nd->fa[0] && m->ia[0] == nd->ia[0] &&
-               m->ia[1] == nd->ia[1];
+               m->ia[1] == nd->ia[1] && m->ia[5] == nd->ia[5] && m->ia[6] == nd->ia[6];
       else if (kind == G_CE)
         join = (m->op == OP_CROSS_ENTROPY || m->op == OP_CROSS_ENTROPY_BWD) && m->op != nd->op && gr->nmem == 1 &&
                ec_canon(e, m->in[0]) == ec_canon(e, nd->in[0]) && ec_canon(e, m->in[1]) == ec_canon(e, nd->in[1]);

@@ -17,6 +17,7 @@
 
 typedef struct {
   int64_t nb, nt, nc, heads, d;
+  int64_t ns, kvh, grp, window; // keys (k's rows), kv heads, query heads per kv head, window (0: none)
   bool causal, has_doc;
   bool bf16; // the products read q, k, v rounded to bf16, and P V reads e rounded (ia[4], mdl.h)
   double scale;
@@ -34,10 +35,11 @@ typedef enum { ATT_FWD, ATT_STATS, ATT_DQ } AttMode;
 // fastest, so every (batch, head) began with its heaviest tile: on GPT-2's 1024 rows the last heavy
 // tiles started late: a greedy schedule of the causal forward's blocks on an H200's 264 slots (a
 // block's cost its key tiles plus one) ends 38% after the mean load of a slot, heaviest-first 7%.
-static void att_block(Emit *e, const Att *A, int64_t nt, int64_t rows, const char *first, bool from_end) {
-  int64_t nbh = A->nb * A->heads;
-  ec_line(&e->core, "const %s bh = blockIdx.x %% %lld, b = bh / %lld, hd = bh %% %lld;", e->core.ixt, (long long)nbh,
-          (long long)A->heads, (long long)A->heads);
+// With kv, the block's head is a kv head, kh (the key kernel of grouped heads).
+static void att_block(Emit *e, const Att *A, int64_t nt, int64_t rows, const char *first, bool from_end, bool kv) {
+  int64_t nh = kv ? A->kvh : A->heads, nbh = A->nb * nh;
+  ec_line(&e->core, "const %s bh = blockIdx.x %% %lld, b = bh / %lld, %s = bh %% %lld;", e->core.ixt, (long long)nbh,
+          (long long)nh, kv ? "kh" : "hd", (long long)nh);
   if (from_end && A->causal && nt > 1)
     ec_line(&e->core, "const %s %s = (%lld - blockIdx.x / %lld) * %lld; // (the last tiles, seeing the most keys, "
             "first)", e->core.ixt, first,
@@ -52,14 +54,32 @@ static Att att_of(Emit *e, const IrNode *nd) {
   Att A = {.nb = s.d[0], .nt = s.d[1], .nc = s.d[2], .heads = nd->ia[0], .causal = nd->ia[1], .has_doc = nd->ia[2],
            .bf16 = nd->ia[4] == DT_BF16, .scale = nd->fa[0], .doc = -1, .lse = -1};
   A.d = A.nc / A.heads;
+  A.ns = ec_node(&e->core, nd->in[1])->shape.d[1];
+  A.kvh = att_kv_heads(nd);
+  A.grp = A.heads / A.kvh;
+  A.window = nd->ia[6];
   A.dpl = (int)((A.d + 31) / 32);
   return A;
 }
 
-// Element (t, c) of head hd, batch b of rows r, as an expression.
+// Whether rows r are k or v ([B,S,KH*D]: kv heads), not q, dout or out.
+static bool att_is_kv(const Att *A, Rows r) { return r.node == A->k.node || r.node == A->v.node; }
+
+// The variable of the kv head of k and v: the head itself when every head has its own, else kh.
+static const char *att_kvh(const Att *A) { return A->grp > 1 ? "kh" : "hd"; }
+
+// Element (t, c) of head hd (of its kv head for k and v), batch b of rows r, as an expression.
 static const char *at_row(Emit *e, Rows r, const Att *A, const char *t, const char *c) {
-  return ec_str(&e->core, "%s[(b * %lld + %s) * %lld + hd * %lld + %s]", cu_rows_base(e, r), (long long)A->nt, t,
-                (long long)r.stride, (long long)A->d, c);
+  bool kv = att_is_kv(A, r);
+  return ec_str(&e->core, "%s[(b * %lld + %s) * %lld + %s * %lld + %s]", cu_rows_base(e, r),
+                (long long)(kv ? A->ns : A->nt), t, (long long)r.stride, kv ? att_kvh(A) : "hd", (long long)A->d, c);
+}
+
+// What a kernel's note adds for kv heads, keys of another length and a window ("" for none).
+static const char *att_shape_note(Emit *e, const Att *A) {
+  return ec_str(&e->core, "%s%s%s", A->kvh != A->heads ? ec_str(&e->core, ", %lld kv heads", (long long)A->kvh) : "",
+                A->ns != A->nt ? ec_str(&e->core, ", %lld keys", (long long)A->ns) : "",
+                A->window ? ec_str(&e->core, ", window %lld", (long long)A->window) : "");
 }
 
 // An element of q, k or v as the products read it: rounded to bf16 when the node says so.
@@ -78,7 +98,8 @@ static const char *att_elem(Emit *e, const Att *A, Rows r, const char *t, const 
 
 // The mask of key j for query row i (i's document in `di`, j's in `dj`).
 static const char *att_allowed(Emit *e, const Att *A, const char *di, const char *dj) {
-  return ec_str(&e->core, "j < %lld%s%s", (long long)A->nt, A->causal ? " && j <= i" : "",
+  return ec_str(&e->core, "j < %lld%s%s%s", (long long)A->ns, A->causal ? " && j <= i" : "",
+                A->window ? ec_str(&e->core, " && i - j < %lld", (long long)A->window) : "",
                 A->has_doc ? ec_str(&e->core, " && %s == %s", dj, di) : "");
 }
 
@@ -120,12 +141,12 @@ static void att_query_kernel(Emit *e, const Att *A, AttMode mode, int out, int64
   int64_t nqt = (t + bq - 1) / bq;
   bool guard = d % 32 != 0;
   cu_kbegin(e, mode == ATT_FWD ? "" : mode == ATT_STATS ? "stats" : "dq");
-  cu_note(e, "attention%s: B %lld, T %lld, %lld heads of %lld%s%s; a block per (batch, head, %d queries), "
+  cu_note(e, "attention%s: B %lld, T %lld, %lld heads of %lld%s%s%s; a block per (batch, head, %d queries), "
              "keys in tiles of %d",
           mode == ATT_FWD ? (A->lse >= 0 ? " and its log-sum-exp per row" : "")
           : mode == ATT_STATS ? " statistics (log-sum-exp per row)" : " backward, dq",
           (long long)A->nb, (long long)t, (long long)A->heads, (long long)d, A->causal ? ", causal" : "",
-          A->has_doc ? ", within documents" : "", bq, ATT_BK);
+          A->has_doc ? ", within documents" : "", att_shape_note(e, A), bq, ATT_BK);
   e->shared = (int)(bq * d * 4 * (mode == ATT_DQ ? 2 : 1) + (values ? 2 : 1) * ATT_BK * (d + 1) * 4 +
                     (A->has_doc ? ATT_BK * 4 : 0));
   ec_line(&e->core, "__shared__ float Qs[%d][%lld];", bq, (long long)d);
@@ -139,7 +160,9 @@ static void att_query_kernel(Emit *e, const Att *A, AttMode mode, int out, int64
   if (A->has_doc)
     ec_line(&e->core, "__shared__ int32_t Dk[%d];", ATT_BK);
   ec_line(&e->core, "const int w = threadIdx.x >> 5, lane = threadIdx.x & 31;");
-  att_block(e, A, nqt, bq, "q0", true);
+  att_block(e, A, nqt, bq, "q0", true, false);
+  if (A->grp > 1)
+    ec_line(&e->core, "const %s kh = hd / %lld;", ixt, (long long)A->grp);
   const char *lp = A->lse >= 0 ? cu_ptr(e, A->lse) : NULL;
   const char *sp = dsum >= 0 ? cu_raw_ptr(e, dsum, "float", "dout . out per row") : NULL;
   ec_enter(&e->core, "for (int u = threadIdx.x; u < %lld; u += %d)", (long long)(bq * d), 128);
@@ -181,12 +204,15 @@ static void att_query_kernel(Emit *e, const Att *A, AttMode mode, int out, int64
   if (A->causal)
     ec_line(&e->core, "const %s kend = q0 + %d < %lld ? q0 + %d : %lld;", ixt, bq, (long long)t, bq, (long long)t);
   else
-    ec_line(&e->core, "const %s kend = %lld;", ixt, (long long)t);
-  ec_enter(&e->core, "for (%s k0 = 0; k0 < kend; k0 += %d)", ixt, ATT_BK);
+    ec_line(&e->core, "const %s kend = %lld;", ixt, (long long)A->ns);
+  if (A->window) // (the tiles before the window of the block's first row: masked for all)
+    ec_line(&e->core, "const %s kstart = q0 + 1 > %lld ? (q0 + 1 - %lld) / %d * %d : 0;", ixt, (long long)A->window,
+            (long long)A->window, ATT_BK, ATT_BK);
+  ec_enter(&e->core, "for (%s k0 = %s; k0 < kend; k0 += %d)", ixt, A->window ? "kstart" : "0", ATT_BK);
   ec_line(&e->core, "__syncthreads();");
   ec_enter(&e->core, "for (int u = threadIdx.x; u < %lld; u += %d)", (long long)(ATT_BK * d), 128);
   ec_line(&e->core, "const int jj = u / %lld, c = u %% %lld;", (long long)d, (long long)d);
-  ec_line(&e->core, "const bool in = k0 + jj < %lld;", (long long)t);
+  ec_line(&e->core, "const bool in = k0 + jj < %lld;", (long long)A->ns);
   ec_line(&e->core, "Ks[jj][c] = in ? %s : 0.0f;", att_elem(e, A, A->k, "k0 + jj", "c"));
   if (values)
     ec_line(&e->core, "Vs[jj][c] = in ? %s : 0.0f;", att_elem(e, A, A->v, "k0 + jj", "c"));
@@ -356,21 +382,27 @@ static void att_kbegin(Emit *e, const char *role, int warps, int variant_of) {
 // The shape of a tensor-core kernel of `warps` warps whose staged tiles take `stages` buffers
 // (att_mma_stages), as the prelude's mdl_att_shape (runtime/prelude.cuh) takes it.
 static const char *att_mma_shape(Emit *e, const Att *A, int warps, int stages) {
-  return ec_str(&e->core, "mdl_att_shape<%s, %lld, %lld, %lld, %lld, %lld, %d, %s, %s, %d>", e->core.ixt,
+  bool more = A->kvh != A->heads || A->ns != A->nt || A->window; // (the defaults are left out)
+  const char *kv = more ? ec_str(&e->core, ", %lld, %lld, %lld", (long long)A->kvh, (long long)A->ns,
+                                 (long long)A->window) : "";
+  return ec_str(&e->core, "mdl_att_shape<%s, %lld, %lld, %lld, %lld, %lld, %d, %s, %s, %d%s>", e->core.ixt,
                 (long long)A->nb, (long long)A->nt, (long long)A->heads, (long long)A->d, (long long)A->nc, warps,
-                A->causal ? "true" : "false", A->has_doc ? "true" : "false", stages);
+                A->causal ? "true" : "false", A->has_doc ? "true" : "false", stages, kv);
 }
 
 // Declares rows r (q, k, v or dout) as the prelude's mdl_att_rows, named `name`: bf16 as stored or f32,
-// their stride, and whether cp.async copies them (att_rows_async).
-static void att_mma_rows(Emit *e, Rows r, const char *name) {
-  ec_line(&e->core, "const mdl_att_rows<%s, %lld, %s> %s = {%s};", att_stored16(e, r) ? "uint16_t" : "float",
-          (long long)r.stride, att_rows_async(e, r) ? "true" : "false", name, cu_rows_base(e, r));
+// their stride, whether cp.async copies them (att_rows_async), and k's and v's rows where they are
+// not q's.
+static void att_mma_rows(Emit *e, const Att *A, Rows r, const char *name) {
+  const char *len = att_is_kv(A, r) && A->ns != A->nt ? ec_str(&e->core, ", %lld", (long long)A->ns) : "";
+  ec_line(&e->core, "const mdl_att_rows<%s, %lld, %s%s> %s = {%s};", att_stored16(e, r) ? "uint16_t" : "float",
+          (long long)r.stride, att_rows_async(e, r) ? "true" : "false", len, name, cu_rows_base(e, r));
 }
 
 // The shape's line in the kernel, and a comment that reads its parameters.
 static void att_mma_typedef(Emit *e, const Att *A, int warps, int stages) {
-  ec_line(&e->core, "// (index type, B, T, heads, D, row length, warps, causal, within documents, tile buffers)");
+  ec_line(&e->core, "// (index type, B, T, heads, D, row length, warps, causal, within documents, tile buffers%s)",
+          A->kvh != A->heads || A->ns != A->nt || A->window ? ", kv heads, keys, window" : "");
   ec_line(&e->core, "typedef %s S;", att_mma_shape(e, A, warps, stages));
 }
 
@@ -383,10 +415,11 @@ static void att_mma_kernel(Emit *e, const Att *A, int out, int warps, int varian
   int rows = 16 * warps;
   int64_t d = A->d, t = A->nt, nqt = (t + rows - 1) / rows;
   att_kbegin(e, "", warps, variant_of);
-  cu_note(e, "attention on tensor cores: B %lld, T %lld, %lld heads of %lld%s%s; a block of %d warps per (batch, head, "
-             "%d queries), 16 query rows per warp, keys in tiles of %d; bf16 products (mma m16n8k16), f32 softmax",
+  cu_note(e, "attention on tensor cores: B %lld, T %lld, %lld heads of %lld%s%s%s; a block of %d warps per "
+             "(batch, head, %d queries), 16 query rows per warp, keys in tiles of %d; bf16 products (mma m16n8k16), "
+             "f32 softmax",
           (long long)A->nb, (long long)t, (long long)A->heads, (long long)d, A->causal ? ", causal" : "",
-          A->has_doc ? ", within documents" : "", warps, rows, ATT_MMA_TILE);
+          A->has_doc ? ", within documents" : "", att_shape_note(e, A), warps, rows, ATT_MMA_TILE);
   // Two blocks of 8 warps an SM (four of 4), so at most 128 registers a thread: ptxas (sm_90) took 133
   // for GPT-2's forward on bf16 q, k, v, which would leave one block, and fits 128 without spilling.
   // Heads of 128 hold twice the accumulators and Q: at 128 registers they spilled 344 bytes; left
@@ -395,10 +428,10 @@ static void att_mma_kernel(Emit *e, const Att *A, int out, int warps, int varian
   int stages = att_mma_stages(att_mma_shared(A));
   e->shared = (int)(stages * att_mma_shared(A));
   att_mma_typedef(e, A, warps, stages);
-  att_mma_rows(e, A->q, "q");
+  att_mma_rows(e, A, A->q, "q");
   const char *doc = A->has_doc ? cu_ptr(e, A->doc) : "nullptr";
-  att_mma_rows(e, A->k, "k");
-  att_mma_rows(e, A->v, "v");
+  att_mma_rows(e, A, A->k, "k");
+  att_mma_rows(e, A, A->v, "v");
   const char *lse = A->lse >= 0 ? cu_ptr(e, A->lse) : "nullptr";
   const char *f32 = e->out_f32 ? cu_ptr(e, out) : "nullptr";
   Buf casts = {0};
@@ -455,7 +488,7 @@ void cu_emit_attention(Emit *e, int gi) {
 // v and dout rounded as they are staged, dk reads dS rounded and dv reads P rounded.
 static void att_key_kernel(Emit *e, const Att *A, int dk, int dv, int64_t dsum) {
   const char *ixt = e->core.ixt;
-  int64_t d = A->d, t = A->nt, nkt = (t + ATT_BK - 1) / ATT_BK;
+  int64_t d = A->d, t = A->nt, ns = A->ns, nkt = (ns + ATT_BK - 1) / ATT_BK;
   int64_t kv = 2 * ATT_BK * (d + 1) * 4 + ATT_BK * 4;
   int bq = 32;
   while (bq > 4 && kv + bq * (2 * d * 4 + 12) > 48 << 10)
@@ -464,10 +497,11 @@ static void att_key_kernel(Emit *e, const Att *A, int dk, int dv, int64_t dsum) 
     ec_fail(&e->core, "step %s: attention heads of %lld do not fit in shared memory", e->core.f->steps[e->core.si].name,
             (long long)d);
   cu_kbegin(e, "dkv");
-  cu_note(e, "attention backward, %s: B %lld, T %lld, %lld heads of %lld%s%s; a warp per (batch, head, %d keys), "
+  cu_note(e, "attention backward, %s: B %lld, T %lld, %lld heads of %lld%s%s%s; a warp per (batch, %s, %d keys), "
              "a key per lane, queries in tiles of %d", dk >= 0 && dv >= 0 ? "dk and dv" : dk >= 0 ? "dk" : "dv",
           (long long)A->nb, (long long)t, (long long)A->heads, (long long)d, A->causal ? ", causal" : "",
-          A->has_doc ? ", within documents" : "", ATT_BK, bq);
+          A->has_doc ? ", within documents" : "", att_shape_note(e, A),
+          A->grp > 1 ? "kv head (its query heads in turn)" : "head", ATT_BK, bq);
   e->shared = (int)(kv + bq * (2 * d * 4 + 12));
   ec_line(&e->core, "__shared__ float Ks[%d][%lld], Qs[%d][%lld], Os[%d][%lld], Ls[%d];", ATT_BK, (long long)d + 1, bq,
           (long long)d, bq, (long long)d, bq);
@@ -478,11 +512,11 @@ static void att_key_kernel(Emit *e, const Att *A, int dk, int dv, int64_t dsum) 
   const char *lp = cu_ptr(e, A->lse);
   const char *sp = dk >= 0 ? cu_raw_ptr(e, dsum, "float", "dout . out per row") : NULL;
   ec_line(&e->core, "const int lane = threadIdx.x;");
-  att_block(e, A, nkt, ATT_BK, "k0", false);
+  att_block(e, A, nkt, ATT_BK, "k0", false, A->grp > 1);
   ec_line(&e->core, "const %s j = k0 + lane;", ixt);
   ec_enter(&e->core, "for (int u = lane; u < %lld; u += 32)", (long long)(ATT_BK * d));
   ec_line(&e->core, "const int jj = u / %lld, c = u %% %lld;", (long long)d, (long long)d);
-  ec_line(&e->core, "const bool in = k0 + jj < %lld;", (long long)t);
+  ec_line(&e->core, "const bool in = k0 + jj < %lld;", (long long)ns);
   ec_line(&e->core, "Ks[jj][c] = in ? %s : 0.0f;", att_elem(e, A, A->k, "k0 + jj", "c"));
   if (dk >= 0)
     ec_line(&e->core, "Vs[jj][c] = in ? %s : 0.0f;", att_elem(e, A, A->v, "k0 + jj", "c"));
@@ -496,7 +530,14 @@ static void att_key_kernel(Emit *e, const Att *A, int dk, int dv, int64_t dsum) 
   ec_line(&e->core, "#pragma unroll");
   ec_line(&e->core, "for (int c = 0; c < %lld; c++)", (long long)d);
   ec_line(&e->core, "  %s%s0.0f;", dk >= 0 ? "dka[c] = " : "", dv >= 0 ? "dva[c] = " : "");
-  ec_enter(&e->core, "for (%s i0 = %s; i0 < %lld; i0 += %d)", ixt, A->causal ? "k0" : "0", (long long)t, bq);
+  if (A->grp > 1) // dk and dv of the kv head: sums over its query heads
+    ec_enter(&e->core, "for (%s hd = kh * %lld; hd < kh * %lld + %lld; hd++)", ixt, (long long)A->grp,
+             (long long)A->grp, (long long)A->grp);
+  if (A->window) // (queries past the windows of the tile's keys see none of them)
+    ec_line(&e->core, "const %s qend = k0 + %lld < %lld ? k0 + %lld : %lld;", ixt, (long long)(ATT_BK - 1 + A->window),
+            (long long)t, (long long)(ATT_BK - 1 + A->window), (long long)t);
+  ec_enter(&e->core, "for (%s i0 = %s; i0 < %s; i0 += %d)", ixt, A->causal ? "k0" : "0",
+           A->window ? "qend" : ec_str(&e->core, "%lld", (long long)t), bq);
   ec_line(&e->core, "__syncthreads();");
   ec_enter(&e->core, "for (int u = lane; u < %lld; u += 32)", (long long)(bq * d));
   ec_line(&e->core, "const int ii = u / %lld, c = u %% %lld;", (long long)d, (long long)d);
@@ -546,18 +587,21 @@ static void att_key_kernel(Emit *e, const Att *A, int dk, int dv, int64_t dsum) 
   }
   ec_leave(&e->core);
   ec_leave(&e->core);
-  ec_enter(&e->core, "if (j < %lld)", (long long)t);
+  if (A->grp > 1)
+    ec_leave(&e->core);
+  int64_t nckv = A->kvh * d;
+  ec_enter(&e->core, "if (j < %lld)", (long long)ns);
   ec_line(&e->core, "#pragma unroll");
   ec_enter(&e->core, "for (int c = 0; c < %lld; c++)", (long long)d);
   if (dk >= 0)
-    ec_line(&e->core, "%s[(b * %lld + j) * %lld + hd * %lld + c] = %s * dka[c];", cu_ptr(e, dk), (long long)t,
-            (long long)A->nc, (long long)d, cu_flit(e, A->scale));
+    ec_line(&e->core, "%s[(b * %lld + j) * %lld + %s * %lld + c] = %s * dka[c];", cu_ptr(e, dk), (long long)ns,
+            (long long)nckv, att_kvh(A), (long long)d, cu_flit(e, A->scale));
   if (dv >= 0)
-    ec_line(&e->core, "%s[(b * %lld + j) * %lld + hd * %lld + c] = dva[c];", cu_ptr(e, dv), (long long)t,
-            (long long)A->nc, (long long)d);
+    ec_line(&e->core, "%s[(b * %lld + j) * %lld + %s * %lld + c] = dva[c];", cu_ptr(e, dv), (long long)ns,
+            (long long)nckv, att_kvh(A), (long long)d);
   ec_leave(&e->core);
   ec_leave(&e->core);
-  cu_kend(e, A->nb * A->heads * nkt, 32);
+  cu_kend(e, A->nb * A->kvh * nkt, 32);
 }
 
 
@@ -595,20 +639,20 @@ static void att_mma_dq_kernel(Emit *e, const Att *A, int out, int64_t dsum, int 
   int rows = 16 * warps;
   int64_t d = A->d, t = A->nt, nqt = (t + rows - 1) / rows;
   att_kbegin(e, "dq", warps, variant_of);
-  cu_note(e, "attention backward, dq on tensor cores: B %lld, T %lld, %lld heads of %lld%s%s; a block of %d warps per "
-             "(batch, head, %d queries), 16 query rows per warp, keys in tiles of %d; bf16 products (mma m16n8k16)",
+  cu_note(e, "attention backward, dq on tensor cores: B %lld, T %lld, %lld heads of %lld%s%s%s; a block of %d warps "
+             "per (batch, head, %d queries), 16 query rows per warp, keys in tiles of %d; bf16 products (mma m16n8k16)",
           (long long)A->nb, (long long)t, (long long)A->heads, (long long)d, A->causal ? ", causal" : "",
-          A->has_doc ? ", within documents" : "", warps, rows, ATT_MMA_TILE);
+          A->has_doc ? ", within documents" : "", att_shape_note(e, A), warps, rows, ATT_MMA_TILE);
   int stages = att_mma_stages(att_mma_shared(A));
   e->shared = (int)(stages * att_mma_shared(A));
   att_mma_typedef(e, A, warps, stages);
-  att_mma_rows(e, A->q, "q");
-  att_mma_rows(e, A->dout, "dout");
+  att_mma_rows(e, A, A->q, "q");
+  att_mma_rows(e, A, A->dout, "dout");
   const char *doc = A->has_doc ? cu_ptr(e, A->doc) : "nullptr";
   const char *lse = cu_ptr(e, A->lse);
   const char *sp = cu_raw_ptr(e, dsum, "float", "dout . out per row");
-  att_mma_rows(e, A->k, "k");
-  att_mma_rows(e, A->v, "v");
+  att_mma_rows(e, A, A->k, "k");
+  att_mma_rows(e, A, A->v, "v");
   ec_line(&e->core, "mdl_att_dq<S>(q, k, v, dout, %s, %s, %s, %s, %s, %s); // (documents, log-sum-exp, D, dq, scale "
           "log2(e), scale)", doc, lse, sp, cu_ptr(e, out), cu_flit(e, A->scale * LOG2E), cu_flit(e, A->scale));
   cu_kend(e, A->nb * A->heads * nqt, 32 * warps);
@@ -619,29 +663,29 @@ static void att_mma_dq_kernel(Emit *e, const Att *A, int out, int64_t dsum, int 
 // dk) D (dsum).
 static void att_mma_dkv_kernel(Emit *e, const Att *A, int dk, int dv, int64_t dsum, int warps, int variant_of) {
   int rows = 16 * warps;
-  int64_t d = A->d, t = A->nt, nkt = (t + rows - 1) / rows;
+  int64_t d = A->d, t = A->nt, nkt = (A->ns + rows - 1) / rows;
   att_kbegin(e, "dkv", warps, variant_of);
-  cu_note(e, "attention backward, %s on tensor cores: B %lld, T %lld, %lld heads of %lld%s%s; a block of %d warps per "
-             "(batch, head, %d keys), 16 keys per warp, queries in tiles of %d; bf16 products (mma m16n8k16)",
+  cu_note(e, "attention backward, %s on tensor cores: B %lld, T %lld, %lld heads of %lld%s%s%s; a block of %d warps "
+             "per (batch, %s, %d keys), 16 keys per warp, queries in tiles of %d; bf16 products (mma m16n8k16)",
           dk >= 0 && dv >= 0 ? "dk and dv" : dk >= 0 ? "dk" : "dv", (long long)A->nb, (long long)t, (long long)A->heads,
-          (long long)d, A->causal ? ", causal" : "", A->has_doc ? ", within documents" : "",
-          warps, rows, ATT_MMA_TILE);
+          (long long)d, A->causal ? ", causal" : "", A->has_doc ? ", within documents" : "", att_shape_note(e, A),
+          warps, A->grp > 1 ? "kv head (its query heads in turn)" : "head", rows, ATT_MMA_TILE);
   int stages = att_mma_stages(att_mma_bwd_shared(A, true));
   e->shared = (int)(stages * att_mma_bwd_shared(A, true));
   att_mma_typedef(e, A, warps, stages);
-  att_mma_rows(e, A->k, "k");
+  att_mma_rows(e, A, A->k, "k");
   if (dk >= 0) // (dv needs P alone: no V)
-    att_mma_rows(e, A->v, "v");
+    att_mma_rows(e, A, A->v, "v");
   const char *doc = A->has_doc ? cu_ptr(e, A->doc) : "nullptr";
   const char *lse = cu_ptr(e, A->lse);
   const char *sp = dk >= 0 ? cu_raw_ptr(e, dsum, "float", "dout . out per row") : "nullptr";
-  att_mma_rows(e, A->q, "q");
-  att_mma_rows(e, A->dout, "dout");
+  att_mma_rows(e, A, A->q, "q");
+  att_mma_rows(e, A, A->dout, "dout");
   const char *dks = dk >= 0 ? cu_ptr(e, dk) : "nullptr", *dvs = dv >= 0 ? cu_ptr(e, dv) : "nullptr";
   ec_line(&e->core, "mdl_att_dkv<S, %s, %s>(q, k, %s, dout, %s, %s, %s, %s, %s, %s, %s); // (documents, log-sum-exp, "
           "D, dk, dv, scale log2(e), scale)", dk >= 0 ? "true" : "false", dv >= 0 ? "true" : "false",
           dk >= 0 ? "v" : "k", doc, lse, sp, dks, dvs, cu_flit(e, A->scale * LOG2E), cu_flit(e, A->scale));
-  cu_kend(e, A->nb * A->heads * nkt, 32 * warps);
+  cu_kend(e, A->nb * A->kvh * nkt, 32 * warps);
 }
 
 

@@ -1102,8 +1102,8 @@ void cu_emit_rope(Emit *e, int gi) {
   ec_phase_end(&e->core);
 }
 
-// ATTENTION_MASK ([doc]) -> [B or 1, 1, T, T]: 0 where query i may see key j (j <= i when causal, the
-// same doc id with ids), -inf where not; a thread per element.
+// ATTENTION_MASK ([doc]) -> [B or 1, 1, T, T]: 0 where query i may see key j (j <= i when causal,
+// i - j < window with a window, the same doc id with ids), -inf where not; a thread per element.
 void cu_emit_attn_mask(Emit *e, int gi) {
   int a = e->core.groups[gi].mem[0];
   const IrNode *nd = ec_node(&e->core, a);
@@ -1126,6 +1126,8 @@ void cu_emit_attn_mask(Emit *e, int gi) {
   ec_bput(&cond, "%s", causal ? "j <= i" : "");
   if (doc >= 0) // (r - i: the row's first position)
     ec_bput(&cond, "%s%s[r - i + j] == %s[r]", causal ? " && " : "", dp, dp);
+  if (nd->ia[2])
+    ec_bput(&cond, " && i - j < %lld", (long long)nd->ia[2]);
   ec_line(&e->core, "%s[u] = %s ? 0.0f : -MDL_INF;", yp, cond.len ? ec_buf_str(&e->core, &cond) : "true");
   ec_leave(&e->core);
   cu_kend(e, cu_grid_for(work, cu_block_for(work)), cu_block_for(work));

@@ -560,7 +560,8 @@ static bool same_inputs(const IrNode *a, const IrNode *b) {
     if (a->in[k] != b->in[k])
       return false;
   if (a->op == OP_ATTENTION_BWD)
-    return a->ia[0] == b->ia[0] && a->ia[1] == b->ia[1] && a->ia[2] == b->ia[2];
+    return a->ia[0] == b->ia[0] && a->ia[1] == b->ia[1] && a->ia[2] == b->ia[2] && a->ia[5] == b->ia[5] &&
+           a->ia[6] == b->ia[6];
   return true;
 }
 
@@ -573,7 +574,8 @@ static bool lse_of(const IrNode *n, const IrNode *u) {
   for (int k = 0; k < n->nin; k++)
     if (u->in[k] != n->in[k])
       return false;
-  return u->ia[0] == n->ia[0] && u->ia[1] == n->ia[1] && u->ia[2] == n->ia[2] && u->ia[4] == n->ia[4];
+  return u->ia[0] == n->ia[0] && u->ia[1] == n->ia[1] && u->ia[2] == n->ia[2] && u->ia[4] == n->ia[4] &&
+         u->ia[5] == n->ia[5] && u->ia[6] == n->ia[6];
 }
 
 static void rule_siblings(Fuser *F) {
@@ -1107,10 +1109,11 @@ double fuse_node_flops(const Graph *g, int id) {
   case OP_SOFTMAX: return 4 * e;
   case OP_SOFTMAX_BWD: case OP_CROSS_ENTROPY: case OP_CROSS_ENTROPY_BWD: return 3 * x;
   case OP_ATTENTION: case OP_ATTENTION_LSE: case OP_ATTENTION_BWD: {
+    // 2 products of 2 flops a channel per (query, key) pair the kernels compute: T x S, halved when
+    // causal, fewer with a window (att_pairs); over B x H heads of D = C / H channels
     Shape q = g->nodes[n->in[0]]->shape;
-    double f = 4.0 * (double)q.d[0] * (double)q.d[1] * (double)q.d[1] * (double)q.d[2];
-    if (n->ia[1])
-      f /= 2;
+    double f = 4.0 * (double)q.d[0] * (double)q.d[2] *
+               att_pairs(q.d[1], g->nodes[n->in[1]]->shape.d[1], n->ia[1], n->ia[6]);
     if (n->op == OP_ATTENTION_LSE) // Q K^T alone (nothing more in its forward's step: node_flops)
       return f / 2;
     return n->op == OP_ATTENTION ? f : 2 * f / 3;

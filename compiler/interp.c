@@ -560,12 +560,15 @@ static void run_target_count(Ctx *c) {
 // P_ij v_j and lse_i = log sum_j exp(s_ij). The backward takes P = exp(s - lse) from the forward's
 // lse: dv_j = sum_i P_ij dout_i; dP_ij = dout_i . v_j; dS_ij = P_ij (dP_ij - D_i) with D_i = dout_i .
 // out_i (the forward's output, = sum_j P_ij dP_ij); dq_i = scale sum_j dS_ij k_j; dk_j = scale
-// sum_i dS_ij q_i.
+// sum_i dS_ij q_i. Head h reads kv head h / (H/KH) of k and v ([B,S,KH*D]), so dk and dv of a kv
+// head sum over the query heads of its group.
 typedef enum { ATT_OUT, ATT_LSE, ATT_BWD } AttWhat;
 
 static void run_attention(Ctx *c, AttWhat what) {
   Shape s = c->xn[0]->shape;
   int64_t nb = s.d[0], nt = s.d[1], nc = s.d[2], heads = c->nd->ia[0], d = nc / heads;
+  int64_t ns = c->xn[1]->shape.d[1], kvh = att_kv_heads(c->nd), nckv = kvh * d, grp = heads / kvh;
+  int64_t window = c->nd->ia[6];
   bool causal = c->nd->ia[1], has_doc = c->nd->ia[2], bwd = what == ATT_BWD;
   int which = (int)c->nd->ia[3], nin = c->nd->nin;
   double scale = c->nd->fa[0];
@@ -577,14 +580,15 @@ static void run_attention(Ctx *c, AttWhat what) {
   bool bf16 = c->nd->ia[4] == DT_BF16;
   double *rounded = NULL, *rounded_bwd = NULL, *l = xcalloc((size_t)nt, sizeof(double));
   if (bf16) {
-    size_t n = (size_t)(nb * nt * nc);
-    rounded = xcalloc(3 * n, sizeof(double));
-    for (size_t i = 0; i < n; i++) {
+    size_t n = (size_t)(nb * nt * nc), m = (size_t)(nb * ns * nckv);
+    rounded = xcalloc(n + 2 * m, sizeof(double));
+    for (size_t i = 0; i < n; i++)
       rounded[i] = round_bf16(q[i]);
+    for (size_t i = 0; i < m; i++) {
       rounded[n + i] = round_bf16(k[i]);
-      rounded[2 * n + i] = round_bf16(v[i]);
+      rounded[n + m + i] = round_bf16(v[i]);
     }
-    q = rounded, k = rounded + n, v = rounded + 2 * n;
+    q = rounded, k = rounded + n, v = rounded + n + m;
   }
   if (bf16 && bwd) {
     size_t n = (size_t)(nb * nt * nc);
@@ -595,50 +599,53 @@ static void run_attention(Ctx *c, AttWhat what) {
     }
     dout = rounded_bwd = r, out = r + n;
   }
-  double *p = xcalloc((size_t)(nt * nt), sizeof(double));
-  double *ds = xcalloc((size_t)(nt * nt), sizeof(double));
+  double *p = xcalloc((size_t)(nt * ns), sizeof(double));
+  double *ds = xcalloc((size_t)(nt * ns), sizeof(double));
   memset(c->y, 0, (size_t)c->n * sizeof(double));
   for (int64_t b = 0; b < nb; b++)
     for (int64_t h = 0; h < heads; h++) {
-      // Element (t, e) of head h in batch b of any [B,T,C] tensor; row t of the [B,H,T] statistics.
+      // Element (t, e) of head h in batch b of q, out or dout [B,T,C], of its kv head in k or v
+      // [B,S,KH*D]; row t of the [B,H,T] statistics.
 #define AT(t, e) (((b)*nt + (t)) * nc + h * d + (e))
+#define KV(t, e) (((b)*ns + (t)) * nckv + h / grp * d + (e))
 #define ROW(t) ((b * heads + h) * nt + (t))
       for (int64_t i = 0; i < nt; i++) {
         double m = -INFINITY, sum = 0;
-        for (int64_t j = 0; j < nt; j++) {
-          bool allowed = (!causal || j <= i) && (!doc || doc[b * nt + j] == doc[b * nt + i]);
+        for (int64_t j = 0; j < ns; j++) {
+          bool allowed = (!causal || j <= i) && (!window || i - j < window) &&
+                         (!doc || doc[b * nt + j] == doc[b * nt + i]);
           double sc = -INFINITY;
           if (allowed) {
             sc = 0;
             for (int64_t e = 0; e < d; e++)
-              sc += q[AT(i, e)] * k[AT(j, e)];
+              sc += q[AT(i, e)] * k[KV(j, e)];
             sc *= scale;
           }
-          p[i * nt + j] = sc;
+          p[i * ns + j] = sc;
           m = fmax(m, sc);
         }
         if (bwd) { // P from the forward's statistics
-          for (int64_t j = 0; j < nt; j++)
-            p[i * nt + j] = p[i * nt + j] == -INFINITY ? 0 : exp(p[i * nt + j] - lse[ROW(i)]);
+          for (int64_t j = 0; j < ns; j++)
+            p[i * ns + j] = p[i * ns + j] == -INFINITY ? 0 : exp(p[i * ns + j] - lse[ROW(i)]);
           continue;
         }
-        for (int64_t j = 0; j < nt; j++)
-          sum += p[i * nt + j] = p[i * nt + j] == -INFINITY ? 0 : exp(p[i * nt + j] - m);
+        for (int64_t j = 0; j < ns; j++)
+          sum += p[i * ns + j] = p[i * ns + j] == -INFINITY ? 0 : exp(p[i * ns + j] - m);
         l[i] = sum;
         if (what == ATT_LSE)
           c->y[ROW(i)] = m + log(sum);
         else if (!bf16)
-          for (int64_t j = 0; j < nt; j++)
-            p[i * nt + j] /= sum;
+          for (int64_t j = 0; j < ns; j++)
+            p[i * ns + j] /= sum;
       }
       if (what == ATT_LSE)
         continue;
       if (!bwd) { // bf16: p holds e = exp(S - max), rounded here, divided by l at the end
         for (int64_t i = 0; i < nt; i++) {
-          for (int64_t j = 0; j < nt; j++) {
-            double pij = bf16 ? round_bf16(p[i * nt + j]) : p[i * nt + j];
+          for (int64_t j = 0; j < ns; j++) {
+            double pij = bf16 ? round_bf16(p[i * ns + j]) : p[i * ns + j];
             for (int64_t e = 0; e < d; e++)
-              c->y[AT(i, e)] += pij * v[AT(j, e)];
+              c->y[AT(i, e)] += pij * v[KV(j, e)];
           }
           for (int64_t e = 0; bf16 && e < d; e++)
             c->y[AT(i, e)] /= l[i];
@@ -649,27 +656,28 @@ static void run_attention(Ctx *c, AttWhat what) {
         double dot = 0;
         for (int64_t e = 0; e < d; e++)
           dot += dout[AT(i, e)] * out[AT(i, e)];
-        for (int64_t j = 0; j < nt; j++) {
+        for (int64_t j = 0; j < ns; j++) {
           double dp = 0;
           for (int64_t e = 0; e < d; e++)
-            dp += dout[AT(i, e)] * v[AT(j, e)];
-          ds[i * nt + j] = p[i * nt + j] * (dp - dot);
+            dp += dout[AT(i, e)] * v[KV(j, e)];
+          ds[i * ns + j] = p[i * ns + j] * (dp - dot);
         }
       }
       for (int64_t i = 0; i < nt; i++)
-        for (int64_t j = 0; j < nt; j++) {
-          double dsij = bf16 ? round_bf16(ds[i * nt + j]) : ds[i * nt + j];
-          double pij = bf16 ? round_bf16(p[i * nt + j]) : p[i * nt + j];
+        for (int64_t j = 0; j < ns; j++) {
+          double dsij = bf16 ? round_bf16(ds[i * ns + j]) : ds[i * ns + j];
+          double pij = bf16 ? round_bf16(p[i * ns + j]) : p[i * ns + j];
           for (int64_t e = 0; e < d; e++) {
             if (which == 0)
-              c->y[AT(i, e)] += scale * dsij * k[AT(j, e)];
+              c->y[AT(i, e)] += scale * dsij * k[KV(j, e)];
             else if (which == 1)
-              c->y[AT(j, e)] += scale * dsij * q[AT(i, e)];
+              c->y[KV(j, e)] += scale * dsij * q[AT(i, e)];
             else
-              c->y[AT(j, e)] += pij * dout[AT(i, e)];
+              c->y[KV(j, e)] += pij * dout[AT(i, e)];
           }
         }
 #undef AT
+#undef KV
 #undef ROW
     }
   free(p);
@@ -679,14 +687,16 @@ static void run_attention(Ctx *c, AttWhat what) {
   free(rounded_bwd);
 }
 
-// ATTENTION in decode mode: q, k, v are the rows [1,1,C] of the token at position p. Its k and v
-// rows go to row p of the node's cache (allocated on first use), then per head its q attends over
-// cache rows [0, p] as row p of run_attention does: the same sums in the same order. Causal only; doc
-// ids are not read (the sequence is one document).
+// ATTENTION in decode mode: q is the row [1,1,H*D] of the token at position p, k and v its rows
+// [1,1,KH*D]. Its k and v rows go to row p of the node's cache (KH heads; allocated on first use),
+// then per head its q attends over cache rows [0, p] (the last `window` of them with a window) of its
+// kv head as row p of run_attention does: the same sums in the same order. Causal only; doc ids are
+// not read (the sequence is one document).
 static bool run_attention_decode(Ctx *c) {
   Interp *it = c->it;
   Shape s = c->xn[0]->shape;
   int64_t p = it->decode_pos, nc = s.d[2], heads = c->nd->ia[0], d = nc / heads, len = it->decode_len;
+  int64_t nckv = att_kv_heads(c->nd) * d, grp = heads / att_kv_heads(c->nd), window = c->nd->ia[6];
   double scale = c->nd->fa[0];
   if (s.d[0] != 1 || s.d[1] != 1)
     return fail(c, "attention: decode mode wants one token (B = T = 1), got [%lld,%lld,%lld]", (long long)s.d[0],
@@ -696,45 +706,50 @@ static bool run_attention_decode(Ctx *c) {
   if (p < 0 || p >= len)
     return fail(c, "attention: decode position %lld is outside the cache's %lld rows", (long long)p, (long long)len);
   if (!it->cache[c->nd->id])
-    it->cache[c->nd->id] = xcalloc((size_t)(2 * len * nc), sizeof(double));
-  double *kc = it->cache[c->nd->id], *vc = kc + len * nc;
-  memcpy(kc + p * nc, c->x[1], (size_t)nc * sizeof(double));
-  memcpy(vc + p * nc, c->x[2], (size_t)nc * sizeof(double));
+    it->cache[c->nd->id] = xcalloc((size_t)(2 * len * nckv), sizeof(double));
+  double *kc = it->cache[c->nd->id], *vc = kc + len * nckv;
+  memcpy(kc + p * nckv, c->x[1], (size_t)nckv * sizeof(double));
+  memcpy(vc + p * nckv, c->x[2], (size_t)nckv * sizeof(double));
   const double *q = c->x[0];
+  int64_t j0 = window && p - window + 1 > 0 ? p - window + 1 : 0; // the first key the window holds
   double *w = xcalloc((size_t)(p + 1), sizeof(double));
   memset(c->y, 0, (size_t)nc * sizeof(double));
   for (int64_t h = 0; h < heads; h++) {
     double m = -INFINITY, sum = 0;
-    for (int64_t j = 0; j <= p; j++) {
+    int64_t kh = h / grp * d;
+    for (int64_t j = j0; j <= p; j++) {
       double sc = 0;
       for (int64_t e = 0; e < d; e++)
-        sc += q[h * d + e] * kc[j * nc + h * d + e];
+        sc += q[h * d + e] * kc[j * nckv + kh + e];
       w[j] = sc * scale;
       m = fmax(m, w[j]);
     }
-    for (int64_t j = 0; j <= p; j++)
+    for (int64_t j = j0; j <= p; j++)
       sum += w[j] = exp(w[j] - m);
-    for (int64_t j = 0; j <= p; j++)
+    for (int64_t j = j0; j <= p; j++)
       w[j] /= sum;
-    for (int64_t j = 0; j <= p; j++)
+    for (int64_t j = j0; j <= p; j++)
       for (int64_t e = 0; e < d; e++)
-        c->y[h * d + e] += w[j] * vc[j * nc + h * d + e];
+        c->y[h * d + e] += w[j] * vc[j * nckv + kh + e];
   }
   free(w);
   return true;
 }
 
 // ATTENTION_MASK ([doc]) -> [B or 1, 1, T, T]: 0 where row i may see key j, as run_attention allows it
-// (j <= i when causal, the same doc id when there are ids), -inf elsewhere.
+// (j <= i when causal, i - j < window with a window, the same doc id when there are ids), -inf
+// elsewhere.
 static void run_attention_mask(Ctx *c) {
   Shape s = c->nd->shape;
   int64_t nb = s.d[0], nt = s.d[2];
   bool causal = c->nd->ia[0];
+  int64_t window = c->nd->ia[2];
   const double *doc = c->nd->ia[1] ? c->x[0] : NULL;
   for (int64_t b = 0; b < nb; b++)
     for (int64_t i = 0; i < nt; i++)
       for (int64_t j = 0; j < nt; j++) {
-        bool allowed = (!causal || j <= i) && (!doc || doc[b * nt + j] == doc[b * nt + i]);
+        bool allowed = (!causal || j <= i) && (!window || i - j < window) &&
+                       (!doc || doc[b * nt + j] == doc[b * nt + i]);
         c->y[(b * nt + i) * nt + j] = allowed ? 0 : -INFINITY;
       }
 }

@@ -126,22 +126,37 @@ static bool broadcast_shapes(Shape a, Shape b, Shape *out) {
   return true;
 }
 
-// Whether q, k, v (and doc ids, when given) fit attention with `heads` heads; else fail's message.
-static bool attention_shapes(Graph *g, Shape q, Shape k, Shape v, const Shape *doc, int64_t heads) {
+// Whether q [B,T,H*D], k and v [B,S,KH*D] (and doc ids, when given) fit attention with H = heads query
+// heads and KH = kv_heads key and value heads, causal and window as given; else fail's message.
+static bool attention_shapes(Graph *g, Shape q, Shape k, Shape v, const Shape *doc, int64_t heads, int64_t kv_heads,
+                             bool causal, int64_t window) {
   if (q.rank != 3)
     return fail(g, "attention: q must be [B,T,C], got %s", SHAPE(q));
-  if (!shape_eq(k, q) || !shape_eq(v, q))
-    return fail(g, "attention: q %s, k %s and v %s must have one shape", SHAPE(q), SHAPE(k), SHAPE(v));
   if (heads <= 0 || q.d[2] % heads)
     return fail(g, "attention: %lld heads do not divide width %lld", (long long)heads, (long long)q.d[2]);
+  if (kv_heads <= 0 || heads % kv_heads)
+    return fail(g, "attention: kv_heads=%lld does not divide heads=%lld", (long long)kv_heads, (long long)heads);
+  int64_t ckv = q.d[2] / heads * kv_heads;
+  if (!shape_eq(k, v))
+    return fail(g, "attention: k %s and v %s must have one shape", SHAPE(k), SHAPE(v));
+  if (k.rank != 3 || k.d[0] != q.d[0] || k.d[2] != ckv)
+    return fail(g, "attention: k and v %s must be [%lld,S,%lld] for q %s (%lld kv heads of %lld channels)", SHAPE(k),
+                (long long)q.d[0], (long long)ckv, SHAPE(q), (long long)kv_heads, (long long)(q.d[2] / heads));
+  if (k.d[1] != q.d[1] && (causal || doc))
+    return fail(g, "attention: k and v have %lld rows and q %lld: keys of another length need causal=false and no "
+                "doc=", (long long)k.d[1], (long long)q.d[1]);
+  if (window < 0 || (window > 0 && !causal))
+    return fail(g, "attention: window=%lld needs causal=true and a window of at least 1", (long long)window);
   if (doc && (doc->rank != 2 || doc->d[0] != q.d[0] || doc->d[1] != q.d[1]))
     return fail(g, "attention: doc ids %s must be [%lld,%lld]", SHAPE(*doc), (long long)q.d[0], (long long)q.d[1]);
   return true;
 }
 
-bool ir_attention_fits(Graph *g, int q, int k, int v, int doc, int64_t heads) {
+bool ir_attention_fits(Graph *g, int q, int k, int v, int doc, int64_t heads, int64_t kv_heads, bool causal,
+                       int64_t window) {
   IrNode **n = g->nodes;
-  return attention_shapes(g, n[q]->shape, n[k]->shape, n[v]->shape, doc >= 0 ? &n[doc]->shape : NULL, heads);
+  return attention_shapes(g, n[q]->shape, n[k]->shape, n[v]->shape, doc >= 0 ? &n[doc]->shape : NULL, heads,
+                          kv_heads, causal, window);
 }
 
 static bool is_float(DType dt) { return dt == DT_F32 || dt == DT_BF16 || dt == DT_F64 || dt == DT_F8E4M3; }
@@ -401,7 +416,8 @@ static bool infer(Graph *g, IrNode *n) {
     return true;
   case OP_ATTENTION: case OP_ATTENTION_LSE: case OP_ATTENTION_BWD: {
     Shape q = in[0]->shape;
-    if (!attention_shapes(g, q, in[1]->shape, in[2]->shape, n->ia[2] ? &in[3]->shape : NULL, n->ia[0]))
+    if (!attention_shapes(g, q, in[1]->shape, in[2]->shape, n->ia[2] ? &in[3]->shape : NULL, n->ia[0],
+                          att_kv_heads(n), n->ia[1], n->ia[6]))
       return false;
     Shape lse = shape_of(3, (int64_t[]){q.d[0], n->ia[0], q.d[1]});
     if (n->op == OP_ATTENTION_BWD) {
@@ -412,7 +428,7 @@ static bool infer(Graph *g, IrNode *n) {
       if (!shape_eq(in[n->nin - 2]->shape, lse))
         return fail(g, "attention_bwd: lse %s, not %s", SHAPE(in[n->nin - 2]->shape), SHAPE(lse));
     }
-    n->shape = n->op == OP_ATTENTION_LSE ? lse : q;
+    n->shape = n->op == OP_ATTENTION_LSE ? lse : n->op == OP_ATTENTION_BWD && n->ia[3] ? in[1]->shape : q;
     return true;
   }
   case OP_ATTENTION_MASK: {
@@ -569,11 +585,12 @@ int ir_embed_bwd(Graph *g, int ids, int dy, int64_t vocab, SrcLoc loc) {
   return commit(g, n);
 }
 
-int ir_attention_mask(Graph *g, int doc, int64_t t, bool causal, SrcLoc loc) {
+int ir_attention_mask(Graph *g, int doc, int64_t t, bool causal, int64_t window, SrcLoc loc) {
   IrNode *n = new_node(g, OP_ATTENTION_MASK, &doc, doc >= 0, loc);
   n->shape = shape_of(4, (int64_t[]){1, 1, t, t});
   n->ia[0] = causal;
   n->ia[1] = doc >= 0;
+  n->ia[2] = window;
   return commit(g, n);
 }
 
@@ -678,12 +695,20 @@ void ir_dump(const Graph *g, FILE *f) {
     case OP_ATTENTION: case OP_ATTENTION_LSE: case OP_ATTENTION_BWD:
       fprintf(f, " heads=%lld%s%s scale=%g", (long long)n->ia[0], n->ia[1] ? " causal" : "",
               n->ia[2] ? " doc" : "", n->fa[0]);
+      if (att_kv_heads(n) != n->ia[0])
+        fprintf(f, " kv_heads=%lld", (long long)att_kv_heads(n));
+      if (n->ia[6])
+        fprintf(f, " window=%lld", (long long)n->ia[6]);
       if (n->op == OP_ATTENTION_BWD)
         fprintf(f, " which=%lld", (long long)n->ia[3]);
       if (n->ia[4] == DT_BF16)
         fprintf(f, " bf16");
       break;
-    case OP_ATTENTION_MASK: fprintf(f, "%s%s", n->ia[0] ? " causal" : "", n->ia[1] ? " doc" : ""); break;
+    case OP_ATTENTION_MASK:
+      fprintf(f, "%s%s", n->ia[0] ? " causal" : "", n->ia[1] ? " doc" : "");
+      if (n->ia[2])
+        fprintf(f, " window=%lld", (long long)n->ia[2]);
+      break;
     case OP_ROPE:
       fprintf(f, " heads=%lld base=%g%s", (long long)n->ia[0], n->fa[0], n->ia[1] ? " inverse" : "");
       break;

@@ -144,8 +144,11 @@ typedef struct {
   /* (targets i32[...]) -> f32 []: how many targets are counted (>= 0), at least 1; the divisor of  \
      mean(cross_entropy(...)), so that the mean is over the counted targets (sema.c) */            \
   X(TARGET_COUNT, "target_count")                                                                  \
-  /* attention: q, k, v [B,T,C]; optional doc i32[B,T]; ia[0] = heads, ia[1] = causal,            \
-     ia[2] = has doc input; fa[0] = scale. Attention within a document only when doc is given.     \
+  /* attention: q [B,T,H*D], k, v [B,S,KH*D]; optional doc i32[B,T]; ia[0] = heads H, ia[1] =    \
+     causal, ia[2] = has doc input; fa[0] = scale; ia[5] = kv_heads KH (0: H; H % KH == 0, query   \
+     head h reads kv head h / (H/KH)); ia[6] = window W (0: none; causal only: key j is seen by    \
+     row i when i - W < j <= i). S != T only without causal and doc (att_kv_heads, att_keys).      \
+     Attention within a document only when doc is given.                                           \
      ia[4] = DT_BF16 (set by the precision pass): S = scale * bf(q) bf(k)^T summed in f32,         \
      e = exp(S - rowmax), out = sum_j bf(e_j) bf(v_j) / sum_j e_j (bf = round to bf16); the        \
      backward is softmax's with its products on bf16 operands: dP = bf(dout) bf(v)^T,             \
@@ -163,7 +166,7 @@ typedef struct {
   X(ATTENTION_BWD, "attention_bwd")                                                                \
   /* ([doc i32[B,T]]) -> f32 [B,1,T,T] (with doc) or [1,1,T,T] (the constructor's shape): 0 where   \
      query i may see key j, -inf where not; ia[0] = causal (j <= i), ia[1] = has doc (the same doc  \
-     id), ATTENTION's rule. The mask of attention lowered into MATMUL, SOFTMAX and layout ops        \
+     id), ia[2] = window (0: none; else also i - j < window), ATTENTION's rule. The mask of attention lowered into MATMUL, SOFTMAX and layout ops        \
      (LowerOptions.plain_attention), added to the scores; it takes no gradient. */                  \
   X(ATTENTION_MASK, "attention_mask")                                                              \
   /* rotary embedding, half-split pairs (i, i + D/2) per head: (x [B,T,C], pos i32[B,T]);         \
@@ -298,13 +301,28 @@ int ir_reshape(Graph *g, int x, Shape s, SrcLoc loc);    // -1 with g->err when 
 int ir_broadcast(Graph *g, int x, Shape s, SrcLoc loc);
 int ir_slice_bwd(Graph *g, int dy, Shape full, int axis, int64_t start, int64_t end, SrcLoc loc);
 int ir_embed_bwd(Graph *g, int ids, int dy, int64_t vocab, SrcLoc loc);
-// ATTENTION_MASK over T positions: from doc ids i32[B,T] ([B,1,T,T]), or without (doc -1, [1,1,T,T]).
-int ir_attention_mask(Graph *g, int doc, int64_t t, bool causal, SrcLoc loc);
-// Whether q, k, v (and doc ids when doc >= 0) fit attention with `heads` heads; g->err says why not.
-bool ir_attention_fits(Graph *g, int q, int k, int v, int doc, int64_t heads);
+// ATTENTION_MASK over T positions: from doc ids i32[B,T] ([B,1,T,T]), or without (doc -1, [1,1,T,T]);
+// window 0 for none.
+int ir_attention_mask(Graph *g, int doc, int64_t t, bool causal, int64_t window, SrcLoc loc);
+// Whether q, k, v (and doc ids when doc >= 0) fit attention with `heads` query heads, `kv_heads` key
+// and value heads, causal and a window (0: none) as given; g->err says why not.
+bool ir_attention_fits(Graph *g, int q, int k, int v, int doc, int64_t heads, int64_t kv_heads, bool causal,
+                       int64_t window);
 bool ir_validate(const Graph *g, char *why, size_t n); // false with a reason when broken
 void ir_dump(const Graph *g, FILE *f);
 const char *op_name(Op op);
+// The kv heads of an ATTENTION, ATTENTION_LSE or ATTENTION_BWD node (ia[5], 0 meaning one per head).
+static inline int64_t att_kv_heads(const IrNode *n) { return n->ia[5] ? n->ia[5] : n->ia[0]; }
+// The (query, key) pairs attention over t queries and s keys computes per head, as the FLOP counts
+// (fuse.c, runtime/flops.c) take them: t s; causal, t^2 / 2; with a window w < t, w t - w^2 / 2 (rows
+// see up to w keys; the first w rows fewer).
+static inline double att_pairs(int64_t t, int64_t s, bool causal, int64_t window) {
+  if (!causal)
+    return (double)t * (double)s;
+  if (window > 0 && window < t)
+    return (double)window * (double)t - (double)window * (double)window / 2;
+  return (double)t * (double)t / 2;
+}
 // The inputs of an ATTENTION_BWD after q, k, v and the doc ids: the forward's output, its lse, dout.
 static inline int att_bwd_out(const IrNode *n) { return n->in[n->nin - 3]; }
 static inline int att_bwd_lse(const IrNode *n) { return n->in[n->nin - 2]; }

@@ -156,6 +156,7 @@ typedef struct {
   int doc; // the doc ids node, or -1
   int64_t t;
   bool causal;
+  int64_t window;
   int node;
 } Mask;
 
@@ -642,17 +643,18 @@ typedef struct Builtin Builtin;
 typedef Val (*BuiltinFn)(Sema *s, const Builtin *b, const Expr *call, const Expr **arg);
 
 // params[0 .. max) are positional (the first `min` required); the rest are keyword-only.
+enum { BUILTIN_PARAMS = 10 }; // parameters of a builtin at most (attention's nine)
 struct Builtin {
   const char *name;
   int min, max;
-  const char *params[8];
+  const char *params[BUILTIN_PARAMS];
   BuiltinFn fn;
   Op op;
 };
 
 static int nparams(const Builtin *b) {
   int n = 0;
-  while (n < 8 && b->params[n])
+  while (n < BUILTIN_PARAMS && b->params[n])
     n++;
   return n;
 }
@@ -662,7 +664,7 @@ static int nparams(const Builtin *b) {
 static bool bind_args(Sema *s, const Builtin *b, const Expr *call, const Expr **arg) {
   int np = nparams(b), npos = 0, got = 0;
   bool ok = true, keywords = false;
-  for (int k = 0; k < 8; k++)
+  for (int k = 0; k < BUILTIN_PARAMS; k++)
     arg[k] = NULL;
   for (int i = 0; i < call->nargs; i++) {
     if (!call->kw[i]) {
@@ -1110,55 +1112,77 @@ static Val builtin_log_softmax(Sema *s, const Builtin *b, const Expr *call, cons
 
 // The mask of plain attention over t positions (doc: the doc ids node, or -1): built once, outside
 // every repeat body, and shared by every attention that needs the same one (a model's layers).
-static int attention_mask(Sema *s, int doc, int64_t t, bool causal, SrcLoc at) {
+static int attention_mask(Sema *s, int doc, int64_t t, bool causal, int64_t window, SrcLoc at) {
   for (int i = 0; i < s->masks.n; i++) {
     const Mask *m = s->masks.v[i];
-    if (m->doc == doc && m->t == t && m->causal == causal)
+    if (m->doc == doc && m->t == t && m->causal == causal && m->window == window)
       return m->node;
   }
   int body = s->g->cur_body;
   s->g->cur_body = 0;
-  int id = ir_attention_mask(s->g, doc, t, causal, at);
+  int id = ir_attention_mask(s->g, doc, t, causal, window, at);
   s->g->cur_body = body;
   if (id < 0) {
     error_at(s, at, "%s", s->g->err);
     return -1;
   }
   Mask *m = arena_alloc(s->a, sizeof *m);
-  *m = (Mask){doc, t, causal, id};
+  *m = (Mask){doc, t, causal, window, id};
   vec_push(s->a, &s->masks, m);
   return id;
 }
 
-// Attention lowered as an unfused framework runs it (LowerOptions.plain_attention): q, k, v [B,T,C]
-// viewed as heads [B,T,H,D] and permuted to [B,H,T,D]; scores = q k^T * scale + mask, [B,H,T,T] in
-// memory; P = softmax(scores); P v permuted back to [B,T,C]. in[3] is the doc ids node or -1.
-static Val plain_attention(Sema *s, const int *in, int64_t heads, bool causal, double scale, SrcLoc at) {
+// Attention's attributes (mdl.h: ATTENTION's ia[0], ia[1], ia[5], ia[6] and fa[0]).
+typedef struct {
+  int64_t heads, kv_heads, window;
+  bool causal;
+  double scale;
+} AttnArgs;
+
+// Attention lowered as an unfused framework runs it (LowerOptions.plain_attention): q [B,T,H*D] viewed
+// as heads [B,T,H,D] and permuted to [B,H,T,D], k and v [B,S,KH*D] likewise to [B,KH,S,D]; with KH < H
+// kv heads each is repeated for its H/KH query heads ([B,KH,1,S,D] broadcast to [B,KH,H/KH,S,D], a
+// copy, as frameworks do); scores = q k^T * scale + mask, [B,H,T,S] in memory; P = softmax(scores);
+// P v permuted back to [B,T,H*D]. in[3] is the doc ids node or -1.
+static Val plain_attention(Sema *s, const int *in, AttnArgs a, SrcLoc at) {
   Graph *g = s->g;
-  if (!ir_attention_fits(g, in[0], in[1], in[2], in[3], heads)) {
+  if (!ir_attention_fits(g, in[0], in[1], in[2], in[3], a.heads, a.kv_heads, a.causal, a.window)) {
     error_at(s, at, "%s", g->err);
     return ERR;
   }
   Shape x = node(s, in[0])->shape;
-  int64_t nb = x.d[0], nt = x.d[1], d = x.d[2] / heads;
+  int64_t nb = x.d[0], nt = x.d[1], ns = node(s, in[1])->shape.d[1], d = x.d[2] / a.heads;
+  int64_t grp = a.heads / a.kv_heads;
   const int64_t to_heads[8] = {0, 2, 1, 3}; // [B,T,H,D] <-> [B,H,T,D] (its own inverse)
   int h[3];
   for (int i = 0; i < 3; i++) {
-    Val r = reshape(s, in[i], shape_of(4, (int64_t[]){nb, nt, heads, d}), at);
+    int64_t rows = i ? ns : nt, nh = i ? a.kv_heads : a.heads;
+    Val r = reshape(s, in[i], shape_of(4, (int64_t[]){nb, rows, nh, d}), at);
     if (r.kind == V_ERR)
       return ERR;
     Val p = add_op(s, OP_PERMUTE, &r.node, 1, to_heads, NULL, at);
     if (p.kind == V_ERR)
       return ERR;
+    if (i && grp > 1) { // each kv head repeated for the query heads of its group
+      p = reshape(s, p.node, shape_of(5, (int64_t[]){nb, a.kv_heads, 1, ns, d}), at);
+      int bc = p.kind == V_ERR ? -1 : ir_broadcast(g, p.node, shape_of(5, (int64_t[]){nb, a.kv_heads, grp, ns, d}), at);
+      if (bc < 0) {
+        error_at(s, at, "%s", g->err);
+        return ERR;
+      }
+      p = reshape(s, bc, shape_of(4, (int64_t[]){nb, a.heads, ns, d}), at);
+      if (p.kind == V_ERR)
+        return ERR;
+    }
     h[i] = p.node;
   }
   Val sc = add_op(s, OP_MATMUL, (int[]){h[0], h[1]}, 2, (int64_t[8]){0, 1}, NULL, at);
-  int c = sc.kind == V_ERR ? -1 : ir_const(g, scale, at);
+  int c = sc.kind == V_ERR ? -1 : ir_const(g, a.scale, at);
   if (c < 0)
     return ERR;
   sc = add_op(s, OP_MUL, (int[]){sc.node, c}, 2, NULL, NULL, at);
-  if (sc.kind != V_ERR && (causal || in[3] >= 0)) {
-    int m = attention_mask(s, in[3], nt, causal, at);
+  if (sc.kind != V_ERR && (a.causal || in[3] >= 0)) {
+    int m = attention_mask(s, in[3], nt, a.causal, a.window, at);
     sc = m < 0 ? ERR : add_op(s, OP_ADD, (int[]){sc.node, m}, 2, NULL, NULL, at);
   }
   Val p = sc.kind == V_ERR ? ERR : add_op(s, OP_SOFTMAX, &sc.node, 1, NULL, NULL, at);
@@ -1176,23 +1200,43 @@ static Val builtin_attention(Sema *s, const Builtin *b, const Expr *call, const 
     error_at(s, call->at, "attention: heads=N is required");
     return ERR;
   }
-  int64_t heads;
-  bool causal;
-  if (!int_arg(s, b, arg[3], "heads", 0, &heads) || !bool_arg(s, b, arg[4], "causal", false, &causal))
+  AttnArgs a;
+  if (!int_arg(s, b, arg[3], "heads", 0, &a.heads) || !bool_arg(s, b, arg[4], "causal", false, &a.causal) ||
+      !int_arg(s, b, arg[7], "kv_heads", a.heads, &a.kv_heads) || !int_arg(s, b, arg[8], "window", 0, &a.window))
     return ERR;
   if (arg[5] && ((in[3] = tensor_arg(s, b, arg[5], "doc")) < 0 || !need_i32(s, b, in[3], "doc", arg[5]->at)))
     return ERR;
+  if (arg[7] && a.kv_heads <= 0) {
+    error_at(s, arg[7]->at, "attention: kv_heads must be at least 1, got %lld", (long long)a.kv_heads);
+    return ERR;
+  }
+  if (arg[8] && a.window <= 0) {
+    error_at(s, arg[8]->at, "attention: window must be at least 1, got %lld", (long long)a.window);
+    return ERR;
+  }
+  if (arg[8] && !a.causal) {
+    error_at(s, arg[8]->at, "attention: window=%lld needs causal=true", (long long)a.window);
+    return ERR;
+  }
   Shape q = node(s, in[0])->shape;
   int64_t c = q.rank == 3 ? q.d[2] : 0;
-  double scale = heads > 0 && c % heads == 0 ? 1 / sqrt((double)(c / heads)) : 1;
-  if (!float_arg(s, b, arg[6], "scale", scale, &scale))
+  a.scale = a.heads > 0 && c % a.heads == 0 ? 1 / sqrt((double)(c / a.heads)) : 1;
+  if (!float_arg(s, b, arg[6], "scale", a.scale, &a.scale))
     return ERR;
   bool doc = arg[5] && !s->lower.no_doc_mask; // (--no-doc-mask: the ids are checked, then ignored)
+  // (the window stays as written even where it holds all T rows: a graph of one token decodes with a
+  // cache of earlier positions, interp.c)
+  if (!ir_attention_fits(s->g, in[0], in[1], in[2], arg[5] ? in[3] : -1, a.heads, a.kv_heads, a.causal, a.window)) {
+    error_at(s, call->at, "%s", s->g->err);
+    return ERR;
+  }
   if (s->lower.plain_attention) {
     in[3] = doc ? in[3] : -1;
-    return plain_attention(s, in, heads, causal, scale, call->at);
+    return plain_attention(s, in, a, call->at);
   }
-  return add_op(s, OP_ATTENTION, in, doc ? 4 : 3, (int64_t[8]){heads, causal, doc}, (double[6]){scale}, call->at);
+  int64_t kvh = a.kv_heads == a.heads ? 0 : a.kv_heads; // (0: one kv head per head, mdl.h)
+  return add_op(s, OP_ATTENTION, in, doc ? 4 : 3, (int64_t[8]){a.heads, a.causal, doc, 0, 0, kvh, a.window},
+                (double[6]){a.scale}, call->at);
 }
 
 static Val builtin_rope(Sema *s, const Builtin *b, const Expr *call, const Expr **arg) {
@@ -1258,7 +1302,8 @@ static const Builtin builtins[] = {
     {"rmsnorm", 2, 2, {"x", "w", "eps"}, builtin_norm, OP_RMSNORM},
     {"softmax", 1, 1, {"x", "axis"}, builtin_softmax, OP_SOFTMAX},
     {"log_softmax", 1, 1, {"x", "axis"}, builtin_log_softmax, OP_SOFTMAX},
-    {"attention", 3, 3, {"q", "k", "v", "heads", "causal", "doc", "scale"}, builtin_attention, OP_ATTENTION},
+    {"attention", 3, 3, {"q", "k", "v", "heads", "causal", "doc", "scale", "kv_heads", "window"}, builtin_attention,
+     OP_ATTENTION},
     {"rope", 2, 2, {"x", "pos", "heads", "base"}, builtin_rope, OP_ROPE},
     {"cross_entropy", 2, 2, {"logits", "targets"}, builtin_cross_entropy, OP_CROSS_ENTROPY},
     {"dropout", 1, 1, {"x", "p"}, builtin_dropout, OP_DROPOUT},
@@ -1269,7 +1314,7 @@ static Val call(Sema *s, const Expr *e) {
     const Builtin *b = &builtins[i];
     if (strcmp(b->name, e->s))
       continue;
-    const Expr *arg[8];
+    const Expr *arg[BUILTIN_PARAMS];
     if (!bind_args(s, b, e, arg))
       return ERR;
     return b->fn(s, b, e, arg);
@@ -1712,7 +1757,7 @@ static void checkpoint_setting(Sema *s, const Expr *e, TrainConfig *t) {
   static const char *const modes[] = {"none", "all", "auto"};
   if (e->kind == E_CALL && !strcmp(e->s, "auto")) {
     static const Builtin b = {"auto", 1, 1, {"budget"}, NULL, OP_COUNT};
-    const Expr *arg[8];
+    const Expr *arg[BUILTIN_PARAMS];
     if (!bind_args(s, &b, e, arg))
       return;
     if (arg[0]->kind == E_FLOAT && arg[0]->f > 0 && arg[0]->f <= 1) { // a fraction of the memory there is
@@ -1748,7 +1793,7 @@ static void schedule_setting(Sema *s, const Expr *e, TrainConfig *t) {
     if ((e->kind == E_NAME || e->kind == E_CALL) && !strcmp(e->s, kinds[i].name))
       k = i;
   const Builtin *b = &kinds[k];
-  const Expr *arg[8];
+  const Expr *arg[BUILTIN_PARAMS];
   if (!train_call(s, b, e, "schedule", "constant, linear, cosine or wsd", arg))
     return;
   t->schedule = kind_of[k];
@@ -1779,7 +1824,7 @@ static void train_config(Sema *s) {
   TrainConfig *t = &s->g->train;
   for (int i = 0; i < s->settings.n; i++) {
     const Setting *set = s->settings.v[i];
-    const Expr *e = set->value, *arg[8];
+    const Expr *e = set->value, *arg[BUILTIN_PARAMS];
     double x;
     if (!strcmp(set->key, "optimizer")) {
       static const Builtin b = {"adamw", 0, 0, {"lr", "beta1", "beta2", "eps", "weight_decay"}, NULL, OP_COUNT};
@@ -1921,7 +1966,7 @@ static bool param_init(Sema *s, const Expr *e, ParamInit *init) {
   }
   if (e->kind == E_CALL && !strcmp(e->s, "normal")) {
     static const Builtin b = {"normal", 1, 1, {"std"}, NULL, OP_COUNT};
-    const Expr *arg[8];
+    const Expr *arg[BUILTIN_PARAMS];
     double std;
     if (!bind_args(s, &b, e, arg) || !number(s, arg[0], "normal: std", R_NONNEG, false, &std))
       return false;

@@ -52,10 +52,11 @@ double rt_step_flops(const Graph *g) {
       double f = 2.0 * (double)shape_numel(n->shape) * (double)k;
       fwd += causal && causal[i] == 1 ? f / 2 : f;
     } else if (n->op == OP_ATTENTION) {
-      // q.k and p.v: 2 x (B x T x T x C) multiply-adds, half of it masked when causal
+      // q.k and p.v: 2 x (B x C) multiply-adds per (query, key) pair: T x S, half of it masked when
+      // causal, fewer with a window (att_pairs)
       Shape q = n->shape;
-      double f = 4.0 * (double)q.d[0] * (double)q.d[1] * (double)q.d[1] * (double)q.d[2];
-      fwd += n->ia[1] ? f / 2 : f;
+      fwd += 4.0 * (double)q.d[0] * (double)q.d[2] *
+             att_pairs(q.d[1], g->nodes[n->in[1]]->shape.d[1], n->ia[1], n->ia[6]);
     }
   }
   free(causal);

@@ -418,30 +418,41 @@ __device__ __forceinline__ float mdl_block_max_nan(float v, float *sh) {
 #define MDL_LOG2E 1.442695f // log2(e): these kernels exponentiate in base 2
 #define MDL_LN2 0.6931472f  // 1 / log2(e)
 
-// A kernel's shape: NB batches of T rows, H heads of D channels (a multiple of 16) in rows of C
+// A kernel's shape: NB batches of T query rows, H heads of D channels (a multiple of 16) in rows of C
 // elements of the outputs; a block of WARPS warps per (batch, head, tile of 16 WARPS rows); CAUSAL;
 // DOC: within documents; STAGES: buffers of the staged tiles (2: the next tile's copies run while
-// the warps compute on this one); I: the index type (int where every index fits).
-template <typename I_, int NB_, long T_, int H_, int D_, long C_, int WARPS_, bool CAUSAL_, bool DOC_, int STAGES_>
+// the warps compute on this one); I: the index type (int where every index fits). KH: the heads of
+// k and v (each shared by G = H / KH query heads: query head h reads kv head h / G; dk and dv are
+// rows of KH D), TK: their rows (keys), W: the window (0: none; causal: row i sees keys i - W < j).
+template <typename I_, int NB_, long T_, int H_, int D_, long C_, int WARPS_, bool CAUSAL_, bool DOC_, int STAGES_,
+          int KH_ = H_, long TK_ = T_, long W_ = 0>
 struct mdl_att_shape {
   typedef I_ I;
   static constexpr int NB = NB_, H = H_, D = D_, WARPS = WARPS_, ROWS = 16 * WARPS_, STAGES = STAGES_;
-  static constexpr I T = T_, C = C_;
+  static constexpr int KH = KH_, G = H_ / KH_;
+  static constexpr I T = T_, C = C_, TK = TK_, W = W_;
   static constexpr bool CAUSAL = CAUSAL_, DOC = DOC_;
   static constexpr int PAIRS = D_ / 2 + 4; // a staged row: bf16 pairs, padded by 8 (no bank conflicts)
   static constexpr int NTILES = D_ / 8;     // n8 tiles of the channels
   static constexpr int TILES = (int)((T_ + 16 * WARPS_ - 1) / (16 * WARPS_));
+  static constexpr int KTILES = (int)((TK_ + 16 * WARPS_ - 1) / (16 * WARPS_)); // of the keys
 };
 
-// Rows of q, k, v or dout: channel c of row t of head hd of batch b is p[(b T + t) STRIDE + hd D + c];
-// E is float or uint16_t (bf16 as stored); ASYNC: copied to shared memory as they are by cp.async
-// (bf16, rows 16-byte aligned), else 4 channels at a time (float4 or ushort4 loads).
-template <typename E, long STRIDE, bool ASYNC> struct mdl_att_rows {
+// Rows of q, k, v or dout: channel c of row t of head hd of batch b is p[(b LEN + t) STRIDE + hd D + c]
+// (LEN 0: the shape's T; k and v of another length give theirs); E is float or uint16_t (bf16 as
+// stored); ASYNC: copied to shared memory as they are by cp.async (bf16, rows 16-byte aligned), else 4
+// channels at a time (float4 or ushort4 loads).
+template <typename E, long STRIDE, bool ASYNC, long LEN = 0> struct mdl_att_rows {
   typedef E elem;
-  static constexpr long stride = STRIDE;
+  static constexpr long stride = STRIDE, len = LEN;
   static constexpr bool async = ASYNC;
   const E *p;
 };
+
+// The rows per batch of rows X in a kernel of shape S.
+template <class S, class X> __device__ __forceinline__ constexpr typename S::I mdl_att_len() {
+  return X::len ? (typename S::I)X::len : S::T;
+}
 
 // Where the forward's output goes: f32 rows (F32) and NCAST copies rounded to bf16, rows of C.
 template <bool F32, int NCAST> struct mdl_att_out {
@@ -453,7 +464,7 @@ template <bool F32, int NCAST> struct mdl_att_out {
 
 template <class S, class X>
 __device__ __forceinline__ typename S::I mdl_att_ix(typename S::I b, typename S::I t, typename S::I hd, int c) {
-  return (b * S::T + t) * (typename S::I)X::stride + hd * S::D + c;
+  return (b * mdl_att_len<S, X>() + t) * (typename S::I)X::stride + hd * S::D + c;
 }
 
 // Channels c and c + 1 of row t as one register of two bf16 values (c in the low half): the two
@@ -467,36 +478,38 @@ __device__ __forceinline__ uint32_t mdl_att_pair(const X &x, typename S::I b, ty
     return mdl_bf16x2(x.p[mdl_att_ix<S, X>(b, t, hd, c)], x.p[mdl_att_ix<S, X>(b, t, hd, c + 1)]);
 }
 
-// The block's batch b, head hd and first row (of tiles of ROWS, S::TILES of them), with the tile
-// slowest across blocks: blocks start in index order, so the tiles of most work start first and the
-// last to start are the lightest. Under causality that is the last query tiles (from_end: their rows
-// see the most keys) or the first key tiles (seen by the most queries). (On GPT-2's 1024 rows, a
-// greedy schedule of the causal forward's blocks on an H200's 264 slots ends 38% after the mean load
-// of a slot with the tiles fastest, 7% with them slowest and the heaviest first.)
-template <class S, bool FROM_END>
+// The block's batch b, head hd and first row (of tiles of ROWS, S::TILES of them; with KV, a kv head
+// and S::KTILES tiles of keys), with the tile slowest across blocks: blocks start in index order, so
+// the tiles of most work start first and the last to start are the lightest. Under causality that is
+// the last query tiles (from_end: their rows see the most keys) or the first key tiles (seen by the
+// most queries). (On GPT-2's 1024 rows, a greedy schedule of the causal forward's blocks on an H200's
+// 264 slots ends 38% after the mean load of a slot with the tiles fastest, 7% with them slowest and
+// the heaviest first.)
+template <class S, bool FROM_END, bool KV = false>
 __device__ __forceinline__ void mdl_att_block(typename S::I &b, typename S::I &hd, typename S::I &first) {
   typedef typename S::I I;
-  const I bh = blockIdx.x % (S::NB * S::H);
-  b = bh / S::H;
-  hd = bh % S::H;
-  if constexpr (FROM_END && S::CAUSAL && S::TILES > 1)
-    first = (S::TILES - 1 - blockIdx.x / (S::NB * S::H)) * S::ROWS;
+  constexpr int NH = KV ? S::KH : S::H, TILES = KV ? S::KTILES : S::TILES;
+  const I bh = blockIdx.x % (S::NB * NH);
+  b = bh / NH;
+  hd = bh % NH;
+  if constexpr (FROM_END && S::CAUSAL && TILES > 1)
+    first = (TILES - 1 - blockIdx.x / (S::NB * NH)) * S::ROWS;
   else
-    first = blockIdx.x / (S::NB * S::H) * S::ROWS;
+    first = blockIdx.x / (S::NB * NH) * S::ROWS;
 }
 
 // The A fragments of the k16 steps over the channels of rows r0 and r1 = r0 + 8 of x, as bf16 (rounded
-// once); 0 beyond T.
+// once); 0 beyond x's rows.
 template <class S, class X>
 __device__ __forceinline__ void mdl_att_frags(uint32_t (&a)[S::D / 16][4], const X &x, typename S::I b,
                                               typename S::I hd, typename S::I r0, typename S::I r1, int tq) {
 #pragma unroll
   for (int k = 0; k < S::D / 16; k++) {
     const int c = 16 * k + 2 * tq;
-    a[k][0] = r0 < S::T ? mdl_att_pair<S>(x, b, r0, hd, c) : 0u;
-    a[k][1] = r1 < S::T ? mdl_att_pair<S>(x, b, r1, hd, c) : 0u;
-    a[k][2] = r0 < S::T ? mdl_att_pair<S>(x, b, r0, hd, c + 8) : 0u;
-    a[k][3] = r1 < S::T ? mdl_att_pair<S>(x, b, r1, hd, c + 8) : 0u;
+    a[k][0] = r0 < mdl_att_len<S, X>() ? mdl_att_pair<S>(x, b, r0, hd, c) : 0u;
+    a[k][1] = r1 < mdl_att_len<S, X>() ? mdl_att_pair<S>(x, b, r1, hd, c) : 0u;
+    a[k][2] = r0 < mdl_att_len<S, X>() ? mdl_att_pair<S>(x, b, r0, hd, c + 8) : 0u;
+    a[k][3] = r1 < mdl_att_len<S, X>() ? mdl_att_pair<S>(x, b, r1, hd, c + 8) : 0u;
   }
 }
 
@@ -521,8 +534,9 @@ __device__ __forceinline__ void mdl_att_stage_row(const X &x, uint32_t (*sh)[MDL
 }
 
 // Starts staging rows x0 + jj (jj < 64) of x and y, as bf16 channel pairs, into the shared tiles xs
-// and ys, by the block's threads; 0 beyond T. Rows that go by cp.async need the caller's commit and
-// wait; the others (f32 rows, rounded here, or bf16 rows not 16-byte aligned) are done on return.
+// and ys, by the block's threads; 0 beyond their rows (x's and y's alike). Rows that go by cp.async
+// need the caller's commit and wait; the others (f32 rows, rounded here, or bf16 rows not 16-byte
+// aligned) are done on return.
 template <class S, class X, class Y>
 __device__ __forceinline__ void mdl_att_stage(const X &x, uint32_t (*xs)[MDL_ATT_TILE][S::PAIRS], const Y &y,
                                               uint32_t (*ys)[MDL_ATT_TILE][S::PAIRS], typename S::I buf,
@@ -530,7 +544,7 @@ __device__ __forceinline__ void mdl_att_stage(const X &x, uint32_t (*xs)[MDL_ATT
   constexpr int PX = X::async ? 8 : 4, PY = Y::async ? 8 : 4; // channels at a time
   for (int u = threadIdx.x; u < MDL_ATT_TILE * S::D / PX; u += 32 * S::WARPS) {
     const int jj = u / (S::D / PX), c = u % (S::D / PX) * PX;
-    const bool in = x0 + jj < S::T;
+    const bool in = x0 + jj < mdl_att_len<S, X>();
     mdl_att_stage_row<S>(x, xs, buf, b, hd, x0, jj, c, in);
     if constexpr (PX == PY) // one loop for both
       mdl_att_stage_row<S>(y, ys, buf, b, hd, x0, jj, c, in);
@@ -538,7 +552,7 @@ __device__ __forceinline__ void mdl_att_stage(const X &x, uint32_t (*xs)[MDL_ATT
   if constexpr (PX != PY)
     for (int u = threadIdx.x; u < MDL_ATT_TILE * S::D / PY; u += 32 * S::WARPS) {
       const int jj = u / (S::D / PY), c = u % (S::D / PY) * PY;
-      const bool in = x0 + jj < S::T;
+      const bool in = x0 + jj < mdl_att_len<S, X>();
       mdl_att_stage_row<S>(y, ys, buf, b, hd, x0, jj, c, in);
     }
 }
@@ -613,10 +627,11 @@ __device__ __forceinline__ void mdl_att_ldsm_t(uint32_t r[4], const uint32_t (*x
 // e^(scale s) over e^z', the product and the difference in one FMA (sl2e: scale log2(e)).
 __device__ __forceinline__ float mdl_att_exp(float s, float sl2e, float z) { return exp2f(fmaf(s, sl2e, -z)); }
 
-// Whether a query i may see key j (documents di, dj): j below T, not later than i (causal), in the
-// same document (DOC). (Terms of an `&&` to write in the condition of an `if`, not a function
-// returning bool: the compiler branches on the terms as they are.)
-#define MDL_ATT_ALLOWED(S, i, j, dj, di) (j) < S::T && (!S::CAUSAL || (j) <= (i)) && (!S::DOC || (dj) == (di))
+// Whether a query i may see key j (documents di, dj): j below TK, not later than i (causal), within
+// the window (W), in the same document (DOC). (Terms of an `&&` to write in the condition of an `if`,
+// not a function returning bool: the compiler branches on the terms as they are.)
+#define MDL_ATT_ALLOWED(S, i, j, dj, di)                                                                       \
+  (j) < S::TK && (!S::CAUSAL || (j) <= (i)) && (!S::W || (i) - (j) < S::W) && (!S::DOC || (dj) == (di))
 
 // The start of each pass of the loop over the staged tiles x0 = start, start + 64, .. < end: the tile
 // staged (by issue(x0, buffer)) into buffer `cur` of S::STAGES and in shared memory for every warp when
@@ -674,8 +689,8 @@ template <class S, class K, class V> struct mdl_att_kv_issue {
   }
 };
 
-// Keys the query rows r0, r1 may not see get -inf in the scores s of the tile from k0: past T, past
-// the row (causal), in other documents (dk: the tile's).
+// Keys the query rows r0, r1 may not see get -inf in the scores s of the tile from k0: past TK, past
+// the row (causal), before its window, in other documents (dk: the tile's).
 template <class S>
 __device__ __forceinline__ void mdl_att_mask_keys(float (&s)[MDL_ATT_TILE / 8][4], typename S::I k0, typename S::I r0,
                                                   typename S::I r1, const int32_t *dk, int32_t d0, int32_t d1, int tq) {
@@ -696,9 +711,26 @@ __device__ __forceinline__ void mdl_att_mask_keys(float (&s)[MDL_ATT_TILE / 8][4
 // zeros: the sums are the same) and wait at the next tile's barrier. (One test for both: a second
 // `continue` cost the forward a 20-byte spill on sm_90.) The kernels by query tile test this with
 // MDL_ATT_SKIP_KEYS and mask the keys where MDL_ATT_EDGE_KEYS says some rows may not see some.
-#define MDL_ATT_SKIP_KEYS(S, k0, q0, w) ((S::CAUSAL && S::ROWS > MDL_ATT_TILE && (k0) > (q0) + 16 * (w) + 15) || none)
+// With a window a tile also is wholly masked for a warp whose first row's window starts after it, and
+// needs the mask where its first key may lie before the window of the warp's last row.
+#define MDL_ATT_SKIP_KEYS(S, k0, q0, w)                                                                        \
+  ((S::CAUSAL && S::ROWS > MDL_ATT_TILE && (k0) > (q0) + 16 * (w) + 15) ||                                     \
+   (S::W && (k0) + MDL_ATT_TILE - 1 + S::W <= (q0) + 16 * (w)) || none)
 #define MDL_ATT_EDGE_KEYS(S, k0, q0, w)                                                                        \
-  (!one || (k0) + MDL_ATT_TILE > S::T || (S::CAUSAL && (k0) + MDL_ATT_TILE - 1 > (q0) + 16 * (w)))
+  (!one || (k0) + MDL_ATT_TILE > S::TK || (S::CAUSAL && (k0) + MDL_ATT_TILE - 1 > (q0) + 16 * (w)) ||          \
+   (S::W && (k0) + S::W <= (q0) + 16 * (w) + 15))
+
+// The first and the end of the keys a block by query tile from q0 stages: causal, none after its last
+// row; with a window, none before the window of its first row (from a tile boundary, as without).
+template <class S> __device__ __forceinline__ typename S::I mdl_att_kstart(typename S::I q0) {
+  if constexpr (S::W > 0)
+    return q0 + 1 > S::W ? (q0 + 1 - S::W) / MDL_ATT_TILE * MDL_ATT_TILE : 0;
+  else
+    return 0;
+}
+template <class S> __device__ __forceinline__ typename S::I mdl_att_kend(typename S::I q0) {
+  return S::CAUSAL ? (q0 + S::ROWS < S::T ? q0 + S::ROWS : S::T) : S::TK; // later keys: masked for all
+}
 
 // The forward: a block of WARPS warps per (batch, head, 16 WARPS queries), 16 query rows per warp with
 // their Q in registers as mma A fragments (rounded to bf16 once); keys and values staged in shared tiles
@@ -727,10 +759,10 @@ __device__ __forceinline__ void mdl_att_fwd(const Q &q, const K &k, const V &v, 
 #pragma unroll
   for (int n = 0; n < S::NTILES; n++)
     acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
-  const I kend = S::CAUSAL ? (q0 + S::ROWS < S::T ? q0 + S::ROWS : S::T) : S::T; // later keys: masked for all
-  const mdl_att_kv_issue<S, K, V> issue = {k, v, doc, Ks, Vs, Dk, b, hd};
-  mdl_att_tiles_begin<S>(issue, 0);
-  for (I k0 = 0, cur = 0; k0 < kend; k0 += MDL_ATT_TILE, cur ^= S::STAGES - 1) {
+  const I kstart = mdl_att_kstart<S>(q0), kend = mdl_att_kend<S>(q0);
+  const mdl_att_kv_issue<S, K, V> issue = {k, v, doc, Ks, Vs, Dk, b, hd / S::G};
+  mdl_att_tiles_begin<S>(issue, kstart);
+  for (I k0 = kstart, cur = 0; k0 < kend; k0 += MDL_ATT_TILE, cur ^= S::STAGES - 1) {
     mdl_att_tile<S>(issue, k0, kend, cur);
     MDL_ATT_DOCS(S, Dk[cur], d0, d1, lane);
     if (MDL_ATT_SKIP_KEYS(S, k0, q0, w))
@@ -856,10 +888,10 @@ __device__ __forceinline__ void mdl_att_dq(const Q &q, const K &k, const V &v, c
 #pragma unroll
   for (int n = 0; n < S::NTILES; n++)
     acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
-  const I kend = S::CAUSAL ? (q0 + S::ROWS < S::T ? q0 + S::ROWS : S::T) : S::T; // later keys: masked for all
-  const mdl_att_kv_issue<S, K, V> issue = {k, v, doc, Ks, Vs, Dk, b, hd};
-  mdl_att_tiles_begin<S>(issue, 0);
-  for (I k0 = 0, cur = 0; k0 < kend; k0 += MDL_ATT_TILE, cur ^= S::STAGES - 1) {
+  const I kstart = mdl_att_kstart<S>(q0), kend = mdl_att_kend<S>(q0);
+  const mdl_att_kv_issue<S, K, V> issue = {k, v, doc, Ks, Vs, Dk, b, hd / S::G};
+  mdl_att_tiles_begin<S>(issue, kstart);
+  for (I k0 = kstart, cur = 0; k0 < kend; k0 += MDL_ATT_TILE, cur ^= S::STAGES - 1) {
     mdl_att_tile<S>(issue, k0, kend, cur);
     MDL_ATT_DOCS(S, Dk[cur], d0, d1, lane);
     if (MDL_ATT_SKIP_KEYS(S, k0, q0, w))
@@ -929,11 +961,12 @@ template <class S, bool DK, class Q, class DO> struct mdl_att_qo_issue {
 };
 
 // The backward's dk and dv (DK, DV: which of them), by key tile: a block of WARPS warps per (batch,
-// head, 16 WARPS keys), 16 keys per warp with K and V as mma A fragments (bf16); the queries that may
+// kv head, 16 WARPS keys), 16 keys per warp with K and V as mma A fragments (bf16); the queries that may
 // see the tile, and their dout, staged in shared tiles of 64 as bf16 with their log-sum-exp and D;
 // S^T = K Q^T and dP^T = V dout^T by mma, P^T = exp(S^T - lse), dS^T = P^T (dP^T - D) in f32; rounded,
 // the accumulators of two adjacent n8 tiles are the A fragments of one k16 step of dv += P^T dout and
-// dk += dS^T Q; dk = scale dk.
+// dk += dS^T Q; dk = scale dk. The query heads of the kv head's group (S::G) take their turns through
+// the staged tiles, their terms summed in the same accumulators.
 template <class S, bool DK, bool DV, class Q, class K, class V, class DO>
 __device__ __forceinline__ void mdl_att_dkv(const Q &q, const K &k, const V &v, const DO &dout, const int32_t *doc,
                                             const float *lse, const float *dsum, float *dk, float *dv, float sl2e,
@@ -943,14 +976,14 @@ __device__ __forceinline__ void mdl_att_dkv(const Q &q, const K &k, const V &v, 
   __shared__ float Ls[S::STAGES][MDL_ATT_TILE], Ss[S::STAGES][MDL_ATT_TILE];
   __shared__ int32_t Dq[S::STAGES][MDL_ATT_TILE];
   const int w = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tq = lane & 3;
-  I b, hd, k0;
-  mdl_att_block<S, false>(b, hd, k0);
+  I b, kh, k0;
+  mdl_att_block<S, false, true>(b, kh, k0);
   // The lane's keys: r0 (accumulators 0 and 1 of a tile) and r1 (2 and 3).
   const I r0 = k0 + 16 * w + g, r1 = r0 + 8;
   uint32_t ka[S::D / 16][4], va[S::D / 16][4];
-  mdl_att_frags<S>(ka, k, b, hd, r0, r1, tq);
+  mdl_att_frags<S>(ka, k, b, kh, r0, r1, tq);
   if constexpr (DK)
-    mdl_att_frags<S>(va, v, b, hd, r0, r1, tq);
+    mdl_att_frags<S>(va, v, b, kh, r0, r1, tq);
   int32_t d0 = 0, d1 = 0;
   mdl_att_row_docs<S>(doc, b, r0, r1, d0, d1);
   float dka[S::NTILES][4], dva[S::NTILES][4]; // channels 8 n .. 8 n + 7
@@ -961,66 +994,74 @@ __device__ __forceinline__ void mdl_att_dkv(const Q &q, const K &k, const V &v, 
     if constexpr (DV)
       dva[n][0] = dva[n][1] = dva[n][2] = dva[n][3] = 0.0f;
   }
-  const mdl_att_qo_issue<S, DK, Q, DO> issue = {q, dout, doc, lse, dsum, Qs, Os, Ls, Ss, Dq, b, hd};
   const I start = S::CAUSAL ? k0 : 0; // (queries before k0 see none of the keys)
-  mdl_att_tiles_begin<S>(issue, start);
-  for (I i0 = start, cur = 0; i0 < S::T; i0 += MDL_ATT_TILE, cur ^= S::STAGES - 1) {
-    mdl_att_tile<S>(issue, i0, S::T, cur);
-    MDL_ATT_DOCS(S, Dq[cur], d0, d1, lane);
-    if ((S::CAUSAL && S::ROWS > MDL_ATT_TILE && i0 + MDL_ATT_TILE - 1 < k0 + 16 * w) || none)
-      continue; // none of the tile's queries sees the warp's keys
-    // S^T = K Q^T (unscaled) and dP^T = V dout^T: tile n holds queries i0 + 8 n .. i0 + 8 n + 7.
-    float s[MDL_ATT_TILE / 8][4], dp[MDL_ATT_TILE / 8][4];
-    mdl_att_scores<S, DK>(s, dp, ka, Qs[cur], va, Os[cur], lane);
-    // Queries that may not see the key get -inf (in tiles past T, before a key of the warp (causal),
-    // in other documents).
-    if (!one || i0 + MDL_ATT_TILE > S::T || (S::CAUSAL && i0 < k0 + 16 * w + 15)) {
+  // (with a window, queries past the last key's window see none either)
+  const I qend = S::W && k0 + S::ROWS - 1 + S::W < S::T ? k0 + S::ROWS - 1 + S::W : S::T;
+  for (I hd = kh * S::G; hd < kh * S::G + S::G; hd++) {
+    if (hd > kh * S::G)
+      __syncthreads(); // (every warp is done with the head before's tiles)
+    const mdl_att_qo_issue<S, DK, Q, DO> issue = {q, dout, doc, lse, dsum, Qs, Os, Ls, Ss, Dq, b, hd};
+    mdl_att_tiles_begin<S>(issue, start);
+    for (I i0 = start, cur = 0; i0 < qend; i0 += MDL_ATT_TILE, cur ^= S::STAGES - 1) {
+      mdl_att_tile<S>(issue, i0, qend, cur);
+      MDL_ATT_DOCS(S, Dq[cur], d0, d1, lane);
+      if ((S::CAUSAL && S::ROWS > MDL_ATT_TILE && i0 + MDL_ATT_TILE - 1 < k0 + 16 * w) ||
+          (S::W && i0 >= k0 + 16 * w + 15 + S::W) || none)
+        continue; // none of the tile's queries sees the warp's keys
+      // S^T = K Q^T (unscaled) and dP^T = V dout^T: tile n holds queries i0 + 8 n .. i0 + 8 n + 7.
+      float s[MDL_ATT_TILE / 8][4], dp[MDL_ATT_TILE / 8][4];
+      mdl_att_scores<S, DK>(s, dp, ka, Qs[cur], va, Os[cur], lane);
+      // Queries that may not see the key get -inf (in tiles past T, before a key of the warp (causal),
+      // past its window, in other documents).
+      if (!one || i0 + MDL_ATT_TILE > S::T || (S::CAUSAL && i0 < k0 + 16 * w + 15) ||
+          (S::W && i0 + MDL_ATT_TILE - 1 >= k0 + 16 * w + S::W)) {
 #pragma unroll
-      for (int n = 0; n < MDL_ATT_TILE / 8; n++) {
+        for (int n = 0; n < MDL_ATT_TILE / 8; n++) {
 #pragma unroll
-        for (int x = 0; x < 4; x++) {
-          const I i = i0 + 8 * n + 2 * tq + (x & 1), j = x < 2 ? r0 : r1;
-          if (!(i < S::T && MDL_ATT_ALLOWED(S, i, j, Dq[cur][i - i0], x < 2 ? d0 : d1)))
-            s[n][x] = -MDL_INF;
+          for (int x = 0; x < 4; x++) {
+            const I i = i0 + 8 * n + 2 * tq + (x & 1), j = x < 2 ? r0 : r1;
+            if (!(i < S::T && MDL_ATT_ALLOWED(S, i, j, Dq[cur][i - i0], x < 2 ? d0 : d1)))
+              s[n][x] = -MDL_INF;
+          }
         }
       }
-    }
-    // P^T = exp(S^T - lse), dS^T = P^T (dP^T - D); rounded, tiles 2 k and 2 k + 1 are the A fragments
-    // of step k of dv += P^T dout and dk += dS^T Q, whose B fragments are queries 16 k + 2 tq, + 1 and
-    // 8 further of channel 8 n + g.
+      // P^T = exp(S^T - lse), dS^T = P^T (dP^T - D); rounded, tiles 2 k and 2 k + 1 are the A fragments
+      // of step k of dv += P^T dout and dk += dS^T Q, whose B fragments are queries 16 k + 2 tq, + 1 and
+      // 8 further of channel 8 n + g.
 #pragma unroll
-    for (int k = 0; k < MDL_ATT_TILE / 16; k++) {
-      uint32_t pa[4], da[4];
+      for (int k = 0; k < MDL_ATT_TILE / 16; k++) {
+        uint32_t pa[4], da[4];
 #pragma unroll
-      for (int h = 0; h < 2; h++) {
-        const int i = 16 * k + 8 * h + 2 * tq;
-        const float(&sv)[4] = s[2 * k + h], (&pv)[4] = dp[2 * k + h];
-        const float L0 = Ls[cur][i] * MDL_LOG2E, L1 = Ls[cur][i + 1] * MDL_LOG2E; // (in base 2, as s)
-        const float p0 = mdl_att_exp(sv[0], sl2e, L0), p1 = mdl_att_exp(sv[1], sl2e, L1);
-        const float p2 = mdl_att_exp(sv[2], sl2e, L0), p3 = mdl_att_exp(sv[3], sl2e, L1);
-        if constexpr (DV) {
-          pa[2 * h] = mdl_bf16x2(p0, p1);
-          pa[2 * h + 1] = mdl_bf16x2(p2, p3);
+        for (int h = 0; h < 2; h++) {
+          const int i = 16 * k + 8 * h + 2 * tq;
+          const float(&sv)[4] = s[2 * k + h], (&pv)[4] = dp[2 * k + h];
+          const float L0 = Ls[cur][i] * MDL_LOG2E, L1 = Ls[cur][i + 1] * MDL_LOG2E; // (in base 2, as s)
+          const float p0 = mdl_att_exp(sv[0], sl2e, L0), p1 = mdl_att_exp(sv[1], sl2e, L1);
+          const float p2 = mdl_att_exp(sv[2], sl2e, L0), p3 = mdl_att_exp(sv[3], sl2e, L1);
+          if constexpr (DV) {
+            pa[2 * h] = mdl_bf16x2(p0, p1);
+            pa[2 * h + 1] = mdl_bf16x2(p2, p3);
+          }
+          if constexpr (DK) {
+            const float S0 = Ss[cur][i], S1 = Ss[cur][i + 1];
+            da[2 * h] = mdl_bf16x2(p0 * (pv[0] - S0), p1 * (pv[1] - S1));
+            da[2 * h + 1] = mdl_bf16x2(p2 * (pv[2] - S0), p3 * (pv[3] - S1));
+          }
         }
-        if constexpr (DK) {
-          const float S0 = Ss[cur][i], S1 = Ss[cur][i + 1];
-          da[2 * h] = mdl_bf16x2(p0 * (pv[0] - S0), p1 * (pv[1] - S1));
-          da[2 * h + 1] = mdl_bf16x2(p2 * (pv[2] - S0), p3 * (pv[3] - S1));
-        }
-      }
 #pragma unroll
-      for (int n = 0; n < S::NTILES; n += 2) {
-        if constexpr (DV) {
-          uint32_t ob[4];
-          mdl_att_ldsm_t<S>(ob, Os[cur], k, n, lane);
-          mdl_mma_bf16_16816(dva[n], pa, ob);
-          mdl_mma_bf16_16816(dva[n + 1], pa, ob + 2);
-        }
-        if constexpr (DK) {
-          uint32_t qb[4];
-          mdl_att_ldsm_t<S>(qb, Qs[cur], k, n, lane);
-          mdl_mma_bf16_16816(dka[n], da, qb);
-          mdl_mma_bf16_16816(dka[n + 1], da, qb + 2);
+        for (int n = 0; n < S::NTILES; n += 2) {
+          if constexpr (DV) {
+            uint32_t ob[4];
+            mdl_att_ldsm_t<S>(ob, Os[cur], k, n, lane);
+            mdl_mma_bf16_16816(dva[n], pa, ob);
+            mdl_mma_bf16_16816(dva[n + 1], pa, ob + 2);
+          }
+          if constexpr (DK) {
+            uint32_t qb[4];
+            mdl_att_ldsm_t<S>(qb, Qs[cur], k, n, lane);
+            mdl_mma_bf16_16816(dka[n], da, qb);
+            mdl_mma_bf16_16816(dka[n + 1], da, qb + 2);
+          }
         }
       }
     }
@@ -1028,17 +1069,18 @@ __device__ __forceinline__ void mdl_att_dkv(const Q &q, const K &k, const V &v, 
 #pragma unroll
   for (int n = 0; n < S::NTILES; n++) {
     const int c = 8 * n + 2 * tq;
-    if (r0 < S::T) {
+    constexpr I CK = S::KH * S::D; // (dk and dv: rows of k and v)
+    if (r0 < S::TK) {
       if constexpr (DK)
-        *(float2 *)&dk[(b * S::T + r0) * S::C + hd * S::D + c] = make_float2(scale * dka[n][0], scale * dka[n][1]);
+        *(float2 *)&dk[(b * S::TK + r0) * CK + kh * S::D + c] = make_float2(scale * dka[n][0], scale * dka[n][1]);
       if constexpr (DV)
-        *(float2 *)&dv[(b * S::T + r0) * S::C + hd * S::D + c] = make_float2(dva[n][0], dva[n][1]);
+        *(float2 *)&dv[(b * S::TK + r0) * CK + kh * S::D + c] = make_float2(dva[n][0], dva[n][1]);
     }
-    if (r1 < S::T) {
+    if (r1 < S::TK) {
       if constexpr (DK)
-        *(float2 *)&dk[(b * S::T + r1) * S::C + hd * S::D + c] = make_float2(scale * dka[n][2], scale * dka[n][3]);
+        *(float2 *)&dk[(b * S::TK + r1) * CK + kh * S::D + c] = make_float2(scale * dka[n][2], scale * dka[n][3]);
       if constexpr (DV)
-        *(float2 *)&dv[(b * S::T + r1) * S::C + hd * S::D + c] = make_float2(dva[n][2], dva[n][3]);
+        *(float2 *)&dv[(b * S::TK + r1) * CK + kh * S::D + c] = make_float2(dva[n][2], dva[n][3]);
     }
   }
 }

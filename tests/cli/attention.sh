@@ -70,3 +70,33 @@ rm -rf "$tmp/nodoc"
 expect "run --no-doc-mask" 0 $m run models/gpt2-tiny.mdl -D B=2 -D T=16 --steps 1 --backend cpu --no-doc-mask \
   --data "$tmp/shards" --out "$tmp/nodoc" --ckpt-every 0
 contains "run --no-doc-mask says documents attend to each other" "$tmp/out" "no doc mask (documents attend to each other)"
+
+# models/llama.mdl: LLaMA-style, grouped-query attention (12 query heads share 4 key/value heads) at
+# GPT-2 small's size; shrunk by -D (6 query heads, 2 kv heads) it trains a few steps on the CPU with
+# flash attention (the kernels read each shared kv head in place) and with plain attention (k and v
+# repeated for each query head, as frameworks do) to the same losses, and samples from its
+# checkpoint (the KV cache holds the kv heads).
+expect "check llama" 0 $m check models/llama.mdl
+contains "llama.mdl has 124,668,672 parameters" "$tmp/out" "model llama: 124668672 parameters"
+contains "llama.mdl's k and v projections are 4 kv heads of 64" "$tmp/out" "layers.0.wk              f32[768,256]"
+small=(-D V=256 -D C=96 -D H=6 -D KH=2 -D L=2 -D F=256 -D B=2 -D T=32)
+for prec in fp32 bf16; do
+  for a in flash plain; do
+    rm -rf "$tmp/llama-$a-$prec"
+    $m run models/llama.mdl "${small[@]}" --steps 4 --backend cpu --precision $prec --attention $a \
+      --data "$tmp/shards" --out "$tmp/llama-$a-$prec" --ckpt-every 0 >"$tmp/llama-$a-$prec.out" 2>&1 ||
+      echo "[fail] attention cli: run llama --attention $a ($prec): $(tail -c 300 "$tmp/llama-$a-$prec.out")"
+    sed -n 's/.*"loss":\([-0-9.enaif]*\).*/\1/p' "$tmp/llama-$a-$prec/log.jsonl" >"$tmp/llama-$a-$prec.losses" 2>/dev/null
+  done
+  tol=$([ "$prec" = bf16 ] && echo 1e-3 || echo 1e-5)
+  if [ "$(wc -l <"$tmp/llama-plain-$prec.losses")" -eq 4 ] &&
+    paste "$tmp/llama-flash-$prec.losses" "$tmp/llama-plain-$prec.losses" |
+    awk -v tol="$tol" '{d = $1 - $2; if (d < 0) d = -d; if (!($2 > 0 && $2 < 100) || d > tol * $1) bad = 1}
+                       NR == 1 {first = $1} END {if (!($1 < first)) bad = 1; exit bad}'; then
+    echo "[ok] attention cli: llama (kv_heads=2 of 6) trains, flash and plain to the same losses ($prec, within $tol)"
+  else
+    echo "[fail] attention cli: llama flash vs plain losses ($prec): $(paste "$tmp/llama-flash-$prec.losses" "$tmp/llama-plain-$prec.losses" | tr '\n' ' ')"
+  fi
+done
+expect "sample from llama's checkpoint" 0 $m sample "$tmp/llama-flash-fp32/checkpoint.safetensors" --prompt "the" \
+  --tokens 20 --seed 3

@@ -1,9 +1,10 @@
 // test_attention_plain.c: attention as an unfused framework runs it (LowerOptions.plain_attention,
 // `mdlc --attention plain`) against the fused ATTENTION op (flash, the default), and --no-doc-mask.
 //  1. ATTENTION_MASK alone, causal within documents, within documents only, and causal without doc ids,
-//     on the interpreter, the C back end and the emulated CUDA kernels: bit for bit the mask written
-//     here from the rule (key j visible from query i when j <= i and their doc ids are equal: 0, else
-//     -inf), on ids whose documents come back after others.
+//     and causal in a window with and without doc ids, on the interpreter, the C back end and the
+//     emulated CUDA kernels: bit for bit the mask written here from the rule (key j visible from query
+//     i when j <= i, i - j < window and their doc ids are equal: 0, else -inf), on ids whose
+//     documents come back after others.
 //  2. The plan of gpt2-tiny (B=2, T=24): with plain attention the graph has no ATTENTION op, one
 //     ATTENTION_MASK shared by the layers, [B,H,T,T] values in the memory plan (the scores and their
 //     softmax, 4 per layer with the backward's), more steps than flash; the model FLOPs of MFU
@@ -25,6 +26,11 @@
 //     probabilities [B,H,T,T] (their softmax, from the scores' GEMM) in the backward, and the step on
 //     the C back end gives the loss and every gradient of `none` bit for bit.
 //  5. NVRTC compiles plain attention's modules (gpt2-tiny, fp32 and bf16) for sm_80 and sm_90.
+//  6. Grouped heads (kv_heads=KH) are repeated heads: attention with KH kv heads gives the loss, dq,
+//     dk and dv (the group's sum) of attention whose k and v repeat each kv head for the query heads
+//     of its group, to 1e-12 in fp64 on the interpreter: causal within documents in a window,
+//     multi-query, and keys of another length; the fusion pass and MFU count the FLOPs of the (query,
+//     key) pairs the kernels compute (a window's, or T x S).
 #include "mdl.h"
 #include "backend.h"
 #include "emit_cuda.h"
@@ -142,14 +148,19 @@ static bool run_forward(Graph *g, int out, int backend, const char *dir, const c
 static void test_mask(const char *dir) {
   static const struct {
     bool causal, doc;
+    int window;
     const char *what;
-  } cases[] = {{true, true, "causal within documents"}, {false, true, "within documents"}, {true, false, "causal"}};
+  } cases[] = {{true, true, 0, "causal within documents"},
+               {false, true, 0, "within documents"},
+               {true, false, 0, "causal"},
+               {true, true, 4, "causal within documents, window 4"},
+               {true, false, 3, "causal, window 3"}};
   static const char *const backends[] = {"interp", "cpu", "cuda emu"};
-  for (int c = 0; c < 3; c++) {
+  for (int c = 0; c < (int)(sizeof cases / sizeof *cases); c++) {
     Arena *a = arena_new();
     Graph *g = ir_new(a);
     int doc = ir_leaf(g, OP_INPUT, "doc", DT_I32, shape_of(2, (int64_t[]){B, T}), (SrcLoc){0});
-    int out = ir_attention_mask(g, cases[c].doc ? doc : -1, T, cases[c].causal, (SrcLoc){0});
+    int out = ir_attention_mask(g, cases[c].doc ? doc : -1, T, cases[c].causal, cases[c].window, (SrcLoc){0});
     g->outputs = &out;
     g->noutputs = 1;
     g->fwd_end = g->n;
@@ -158,7 +169,8 @@ static void test_mask(const char *dir) {
     for (int b = 0; b < nb; b++)
       for (int i = 0; i < T; i++)
         for (int j = 0; j < T; j++) {
-          bool seen = (!cases[c].causal || j <= i) && (!cases[c].doc || doc_of(b, j) == doc_of(b, i));
+          bool seen = (!cases[c].causal || j <= i) && (!cases[c].window || i - j < cases[c].window) &&
+                      (!cases[c].doc || doc_of(b, j) == doc_of(b, i));
           want[(b * T + i) * T + j] = seen ? 0.0f : -INFINITY;
         }
     char name[200], why[2048] = "";
@@ -581,6 +593,117 @@ static void remove_dir(const char *dir) {
   rmdir(dir);
 }
 
+//
+// 6. Grouped heads are repeated heads.
+//
+
+// Attention with kv_heads=KH against attention with KH*G heads whose k and v repeat each kv head for
+// the G query heads of its group (a copy, [B,S,KH,1,D] broadcast to [B,S,KH,G,D]); `a` says which of
+// the two the loss reads. Causal within documents in a window (WIN), or (CROSS) over S keys.
+static const char repeated[] =
+    "model rep\n"
+    "dim B = 2\n"
+    "dim T = 12\n"
+    "dim S = T\n"
+    "dim KH = 2\n"
+    "dim G = 3\n"
+    "dim D = 4\n"
+    "input doc: i32[B, T]\n"
+    "param q: [B, T, KH*G*D] = normal(1)\n"
+    "param k: [B, S, KH*D] = normal(1)\n"
+    "param v: [B, S, KH*D] = normal(1)\n"
+    "param w: [B, T, KH*G*D] = normal(1)\n"
+    "param rep: [G, 1] = zeros\n"
+    "kr = reshape(reshape(k, [B, S, KH, 1, D]) + rep, [B, S, KH*G*D])\n"
+    "vr = reshape(reshape(v, [B, S, KH, 1, D]) + rep, [B, S, KH*G*D])\n"
+    "a = attention(q, %s, heads=KH*G%s)\n"
+    "output loss = mean(a * w) + 0.0 * mean(rep)\n";
+
+// The loss and the gradients of q, k and v (fp64 interpreter, one step from seed 3) of `repeated` with
+// the grouped or the repeated attention.
+static bool grouped_run(bool grouped, const char *opts, const DimOverride *ov, int nov, double *loss,
+                        double **grad, int64_t *numel, double *flops, double *node_flops) {
+  Arena *a = arena_new();
+  char *text = arena_printf(a, repeated, grouped ? "k, v" : "kr, vr",
+                            arena_printf(a, "%s%s", grouped ? ", kv_heads=KH" : "", opts));
+  Graph *g = mdl_compile_text(a, "rep.mdl", text, ov, nov);
+  for (int i = 0; g && grouped && i < g->fwd_end; i++) // the FLOPs of what the kernels compute
+    if (g->nodes[i]->op == OP_ATTENTION)
+      *flops = rt_step_flops(g), *node_flops = fuse_node_flops(g, i);
+  bool ok = g && autodiff(g, false);
+  Interp *it = ok ? interp_new(g, INTERP_F64) : NULL;
+  char err[256] = "";
+  if (it) {
+    interp_init_params(it, 3);
+    int64_t nb = ir_dim(g, "B"), nt = ir_dim(g, "T");
+    int32_t *ids = malloc(sizeof *ids * (size_t)(nb * nt));
+    for (int64_t i = 0; i < nb * nt; i++)
+      ids[i] = (int32_t)(i % nt < nt / 3 ? 0 : i % nt < 2 * nt / 3 + i / nt ? 1 : 2);
+    interp_set_input(it, "doc", ids, NULL, nb * nt);
+    free(ids);
+    ok = interp_run(it, g->n, err, sizeof err);
+  }
+  for (int k = 0; ok && k < 3; k++) {
+    int p = g->params[k], gr = g->grads[k];
+    int64_t n = numel[k] = shape_numel(g->nodes[p]->shape);
+    grad[k] = malloc(sizeof(double) * (size_t)n);
+    memcpy(grad[k], interp_value(it, gr), sizeof(double) * (size_t)n);
+  }
+  if (ok)
+    *loss = interp_value(it, g->loss)[0];
+  if (it)
+    interp_free(it);
+  arena_free(a);
+  return ok;
+}
+
+static void test_grouped(void) {
+  // pairs: the (query, key) pairs of a head that the kernels compute, T = 12: a window of 5 sees 5 keys
+  // but in its first rows (5 * 12 - 5^2 / 2, att_pairs' count), causal half of 12 x 12, 12 x 7 keys
+  static const struct {
+    const char *what, *opts;
+    DimOverride ov[2];
+    int nov;
+    double pairs, width; // (width: q's channels, KH G D)
+  } cases[] = {
+      {"kv_heads=2 of 6, causal within documents, window 5", ", causal=true, doc=doc, window=5", {{NULL, 0}}, 0, 47.5,
+       24},
+      {"kv_heads=1 of 4 (multi-query), causal", ", causal=true", {{"KH", 1}, {"G", 4}}, 2, 72, 16},
+      {"kv_heads=2 of 6, 7 keys for 12 queries", "", {{"S", 7}}, 1, 84, 24},
+  };
+  for (size_t c = 0; c < sizeof cases / sizeof *cases; c++) {
+    double lg = 0, lr = 0, *gg[3] = {0}, *gr[3] = {0}, flops = 0, node_flops = 0, unused;
+    int64_t ng[3] = {0}, nr[3] = {0};
+    bool ok = grouped_run(true, cases[c].opts, cases[c].ov, cases[c].nov, &lg, gg, ng, &flops, &node_flops) &&
+              grouped_run(false, cases[c].opts, cases[c].ov, cases[c].nov, &lr, gr, nr, &unused, &unused);
+    char name[256];
+    // 2 products of 2 flops a channel per pair, over B = 2 batches of q's channels; the step: 3 times
+    // the forward (the model FLOPs of MFU), the attention its only product
+    double want = 4.0 * 2 * cases[c].width * cases[c].pairs;
+    snprintf(name, sizeof name, "grouped heads, %s: the attention's FLOPs count the pairs the kernels compute "
+             "(%.0f, step %.0f)", cases[c].what, node_flops, flops);
+    CHECK(ok && node_flops == want && flops == 3 * want, name, "wanted %.0f and %.0f", want, 3 * want);
+    snprintf(name, sizeof name, "grouped heads, %s: the loss equals that of k and v repeated per query head (%.9f)",
+             cases[c].what, lg);
+    CHECK(ok && fabs(lg - lr) <= 1e-12 * fabs(lr) && lg != 0, name, ok ? "%.17g vs %.17g" : "a run failed", lg, lr);
+    static const char *const names[3] = {"q", "k", "v"};
+    for (int k = 0; ok && k < 3; k++) {
+      double worst = ng[k] == nr[k] ? 0 : INFINITY, scale = 0;
+      for (int64_t i = 0; i < ng[k] && ng[k] == nr[k]; i++) {
+        worst = fmax(worst, fabs(gg[k][i] - gr[k][i]));
+        scale = fmax(scale, fabs(gr[k][i]));
+      }
+      snprintf(name, sizeof name, "grouped heads, %s: d%s equals the repeated heads' (the group's sum for k and v)",
+               cases[c].what, names[k]);
+      CHECK(scale > 0 && worst <= 1e-12 * scale, name, "worst %.3g of %.3g", worst, scale);
+    }
+    for (int k = 0; k < 3; k++) {
+      free(gg[k]);
+      free(gr[k]);
+    }
+  }
+}
+
 int main(void) {
   char dir[] = "/tmp/mdl-plain-XXXXXX";
   if (!mkdtemp(dir)) {
@@ -598,6 +721,7 @@ int main(void) {
     test_model("llama-tiny", pr, emu ? dir : NULL);
   }
   test_checkpoint();
+  test_grouped();
   char why[256];
   if (nvrtc_available(why, sizeof why))
     test_nvrtc();

@@ -946,6 +946,38 @@ static const char attn_gemm[] =
     "b = attention(q2, k2, v2, heads=2, doc=doc) + attention(q2, k2, v2, heads=2) + a\n"
     "output loss = mean(cross_entropy(b @ head, targets))\n";
 
+// Grouped-query, multi-query, sliding-window and cross attention (keys of another length, from an
+// f32 input): kv_heads=2 of 4 causal within documents in a window, kv_heads=1 in another window,
+// kv_heads=2 over S rows of ctx. At T 24, C 32 the row loops; at T 160, C 128 (heads of 32) the
+// GEMM library, with windows that span query blocks.
+static const char attn_kv[] =
+    "model attnkv\n"
+    "dim B = 2\n"
+    "dim T = 24\n"
+    "dim C = 32\n"
+    "dim S = 11\n"
+    "dim W = T / 4\n"
+    "dim W2 = T / 2 + 1\n"
+    "dim V = 256\n"
+    "input tokens: i32[B, T]\n"
+    "input targets: i32[B, T]\n"
+    "input doc: i32[B, T]\n"
+    "input ctx: f32[B, S, C]\n"
+    "param wte: [V, C] = normal(0.5)\n"
+    "param wq: [C, C] = normal(0.15)\n"
+    "param wkv: [C, C] = normal(0.15)\n"
+    "param wm: [C, C / 2] = normal(0.15)\n"
+    "param wc: [C, C] = normal(0.15)\n"
+    "param head: [C, V] = normal(0.15)\n"
+    "x = embed(wte, tokens)\n"
+    "k, v = split(x @ wkv, 2, axis=-1)\n"
+    "a = attention(x @ wq, k, v, heads=4, kv_heads=2, causal=true, doc=doc, window=W) + x\n"
+    "k1, v1 = split(a @ wm, 2, axis=-1)\n"
+    "b = attention(a @ wq, k1, v1, heads=4, kv_heads=1, causal=true, window=W2) + a\n"
+    "kc, vc = split(ctx @ wc, 2, axis=-1)\n"
+    "c = attention(b, kc, vc, heads=4, kv_heads=2) + b\n"
+    "output loss = mean(cross_entropy(c @ head, targets))\n";
+
 int main(void) {
   char dir[] = "/tmp/mdl-cache-XXXXXX";
   if (!mkdtemp(dir)) {
@@ -961,6 +993,8 @@ int main(void) {
       {"tests/unit/sums.mdl", {{NULL, 0}}, 0, NULL},
       {"qkvsplit.mdl", {{NULL, 0}}, 0, qkv_split},
       {"attngemm.mdl", {{NULL, 0}}, 0, attn_gemm},
+      {"attnkv.mdl", {{NULL, 0}}, 0, attn_kv},
+      {"attnkv.mdl", {{"T", 160}, {"C", 128}}, 2, attn_kv},
   };
   for (size_t i = 0; i < sizeof models / sizeof *models; i++)
     test_model(&models[i]);
@@ -969,6 +1003,8 @@ int main(void) {
   test_bf16(&models[4]);
   test_bf16(&models[5]);
   test_bf16(&models[6]);
+  test_bf16(&models[7]);
+  test_bf16(&models[8]);
   test_bf16_arena("models/gpt2-tiny.mdl");
   test_bf16_arena("models/llama-tiny.mdl");
   test_bf16_rounding();

@@ -1,7 +1,8 @@
 // test_cuda_emit.c: the CUDA emitter, on a machine without a GPU. Every model is emitted as the fp32
 // graph and as the bf16 one (precision_assign: GEMM operands through CASTs to bf16).
 //  1. NVRTC: every model in models/ (gpt2-tiny, gpt2 124M, llama-tiny, mlp), fp32 and bf16, fused and
-//     unfused, emits a module that NVRTC compiles for sm_80, sm_86 and sm_90 (bf16 fused also for
+//     unfused, llama 125M and a model of grouped, windowed and cross attention (attnkv) as they train,
+//     emits a module that NVRTC compiles for sm_80, sm_86 and sm_90 (bf16 fused also for
 //     sm_100 and sm_120, with NVRTC 12.8 or later) without an error or a warning;
 //     GPT-2 124M's module compiles cold and a second compile is a cache hit (times printed, not
 //     asserted); a changed source or another arch misses the cache; a module that does not compile
@@ -25,7 +26,8 @@
 //     schedule run on the CPU, the GEMMs by a reference GEMM in double (f32 or bf16 operands and
 //     result, as the plan says) with the same epilogues. On gpt2-tiny (B=2, T=16), llama-tiny (B=1,
 //     T=80: keys in several tiles), the MLP, a model of every other op family, one of wide rows and
-//     two of attention (heads of 32 and of 12: on tensor cores in bf16 or not), one of norm backwards
+//     two of attention (heads of 32 and of 12: on tensor cores in bf16 or not), two of grouped-query,
+//     multi-query, sliding-window and cross attention (attnkv: heads of 32 and of 12), one of norm backwards
 //     whose rows are staged in shared memory (more rows than groups of rows), one of a tied embedding
 //     whose table ends in a partial group of the backward's stores, fp32 and bf16, fused
 //     and unfused (bf16 unfused: the first three; the models after the wide one fused only), after one step
@@ -38,8 +40,9 @@
 //     a target >= V and a token id >= V are reported through the status argument; where the kernels
 //     use ldmatrix (the tensor-core attention), every 8 x 8 tile it reads takes one pass of shared
 //     memory's banks (the emulator counts the conflicts). Attention alone (q, k, v parameters) in
-//     bf16, on tensor cores and not, against the interpreter: the output within 2e-5 where keys fit
-//     one tile, 1e-3 over several, dq, dk and dv within 3e-5 (see test_attention_alone). A bf16 LM
+//     bf16, on tensor cores and not, with a kv head for each head and with one for both in a window,
+//     against the interpreter: the output within 2e-5 where keys fit one tile, 1e-3 over several, dq,
+//     dk and dv within 3e-5 (see test_attention_alone). A bf16 LM
 //     head whose logits are exact products: the interpreter's loss of the logits rounded to bf16
 //     within 1e-6, fused and unfused (see test_lmhead_rounding).
 #include "mdl.h"
@@ -211,6 +214,36 @@ static const char normrows[] =
     "y = x + rmsnorm(x, g2) @ w\n"
     "output loss = mean(cross_entropy(y @ head, targets))\n";
 
+// Grouped-query, multi-query, sliding-window and cross attention, T = 150 (three tiles of 64, windows
+// across them): kv_heads=2 of 4 causal within documents in a window of 70, kv_heads=1 in a window of
+// 100, kv_heads=2 over the S = 70 rows of an f32 input. With C = 128 the heads of 32 run on tensor
+// cores in bf16; with C = 48 (heads of 12) on the CUDA-core kernels.
+static const char attnkv[] =
+    "model attnkv\n"
+    "dim B = 2\n"
+    "dim T = 150\n"
+    "dim C = 128\n"
+    "dim S = 70\n"
+    "dim V = 64\n"
+    "input tokens: i32[B, T]\n"
+    "input targets: i32[B, T]\n"
+    "input doc: i32[B, T]\n"
+    "input ctx: f32[B, S, C]\n"
+    "param wte: [V, C] = normal(0.5)\n"
+    "param wq: [C, C] = normal(0.1)\n"
+    "param wkv: [C, C] = normal(0.1)\n"
+    "param wm: [C, C / 2] = normal(0.1)\n"
+    "param wc: [C, C] = normal(0.1)\n"
+    "param head: [C, V] = normal(0.3)\n"
+    "x = embed(wte, tokens)\n"
+    "k, v = split(x @ wkv, 2, axis=-1)\n"
+    "a = attention(x @ wq, k, v, heads=4, kv_heads=2, causal=true, doc=doc, window=70) + x\n"
+    "k1, v1 = split(a @ wm, 2, axis=-1)\n"
+    "b = attention(a @ wq, k1, v1, heads=4, kv_heads=1, causal=true, window=100) + a\n"
+    "kc, vc = split(ctx @ wc, 2, axis=-1)\n"
+    "c = attention(b, kc, vc, heads=4, kv_heads=2) + b\n"
+    "output loss = mean(cross_entropy(c @ head, targets))\n";
+
 static const Model models[] = {
     {"models/gpt2-tiny.mdl", {{"B", 2}, {"T", 16}}, 2, NULL},
     {"models/llama-tiny.mdl", {{"B", 1}, {"T", 80}}, 2, NULL}, // keys in several tiles, the last partial
@@ -223,6 +256,8 @@ static const Model models[] = {
     {"hot.mdl", {{NULL, 0}}, 0, hot},
     {"normrows.mdl", {{NULL, 0}}, 0, normrows},
     {"tied.mdl", {{NULL, 0}}, 0, tied},
+    {"attnkv.mdl", {{NULL, 0}}, 0, attnkv},
+    {"attnkv-d12.mdl", {{"C", 48}}, 1, attnkv},
 };
 
 // The training graph of md, its GEMMs' operands rounded to bf16 when prec is DT_BF16.
@@ -298,9 +333,9 @@ static void *compile_job(void *p) {
 // or sm_120 hold is one). sm_89 compiles what sm_86 does: the prelude tells them apart by the fp8
 // conversions alone (MDL_SM_THREADS is 1536 on both), which no fp32 or bf16 module uses, and
 // test_fp8.c compiles those.
-static void test_nvrtc_model(const char *path, const char *label, bool fused, DType prec) {
+static void test_nvrtc_model(const char *path, const char *text, const char *label, bool fused, DType prec) {
   Arena *a = arena_new();
-  Model md = {.path = path};
+  Model md = {.path = path, .text = text};
   Graph *g = load(a, &md, prec);
   char name[200];
   if (!g) {
@@ -1425,12 +1460,13 @@ static const char alone[] =
     "dim T = 64\n"
     "dim C = 64\n"
     "dim H = 2\n"
+    "dim D = C / H\n"
     "%s"
     "input r: f32[B, T, C]\n"
     "param q: [B, T, C] = normal(1.0)\n"
-    "param k: [B, T, C] = normal(1.0)\n"
-    "param v: [B, T, C] = normal(1.0)\n"
-    "output a = attention(q, k, v, heads=H, causal=true%s)\n"
+    "param k: [B, T, KH*D] = normal(1.0)\n"
+    "param v: [B, T, KH*D] = normal(1.0)\n"
+    "output a = attention(q, k, v, heads=H, kv_heads=KH, causal=true%s)\n"
     "output loss = mean(a * r)\n";
 
 static void test_attention_alone(const char *dir) {
@@ -1439,26 +1475,34 @@ static void test_attention_alone(const char *dir) {
     const char *doc; // the documents (batch), if any
     const char *what;
     double tol;
+    int window; // (and one kv head for both query heads where there is a window)
   } cases[] = {
-      {32, 64, "doc", "tensor cores, heads of 32, one key tile", 2e-5},
-      {150, 64, "doc", "tensor cores, heads of 32, several key tiles", 1e-3},
-      {150, 64, NULL, "tensor cores, heads of 32, several key tiles, no documents", 1e-3},
-      {300, 64, "doc", "tensor cores, heads of 32, blocks of 128 rows with warps past the tile", 1e-3},
-      {300, 64, "docs", "tensor cores, heads of 32, documents that come back after others", 1e-3},
-      {150, 256, "doc", "tensor cores, heads of 128 (tiles in one buffer), several key tiles", 1e-3},
-      {32, 24, "doc", "CUDA cores, heads of 12, one key tile", 2e-5},
-      {80, 24, "doc", "CUDA cores, heads of 12, several key tiles", 1e-3},
-      {150, 24, NULL, "CUDA cores, heads of 12, several key tiles, no documents", 1e-3},
+      {32, 64, "doc", "tensor cores, heads of 32, one key tile", 2e-5, 0},
+      {150, 64, "doc", "tensor cores, heads of 32, several key tiles", 1e-3, 0},
+      {150, 64, NULL, "tensor cores, heads of 32, several key tiles, no documents", 1e-3, 0},
+      {300, 64, "doc", "tensor cores, heads of 32, blocks of 128 rows with warps past the tile", 1e-3, 0},
+      {300, 64, "docs", "tensor cores, heads of 32, documents that come back after others", 1e-3, 0},
+      {150, 256, "doc", "tensor cores, heads of 128 (tiles in one buffer), several key tiles", 1e-3, 0},
+      {32, 24, "doc", "CUDA cores, heads of 12, one key tile", 2e-5, 0},
+      {80, 24, "doc", "CUDA cores, heads of 12, several key tiles", 1e-3, 0},
+      {150, 24, NULL, "CUDA cores, heads of 12, several key tiles, no documents", 1e-3, 0},
+      {150, 64, "doc", "tensor cores, heads of 32, one kv head, window 70 across key tiles", 1e-3, 70},
+      {300, 64, NULL, "tensor cores, heads of 32, one kv head, blocks of 128 rows, window 100", 1e-3, 100},
+      {150, 24, "doc", "CUDA cores, heads of 12, one kv head, window 40 across key tiles", 1e-3, 40},
   };
   for (size_t ci = 0; ci < sizeof cases / sizeof *cases; ci++) {
     char path[64], name[300], why[2048] = "";
     const char *doc = cases[ci].doc;
-    snprintf(path, sizeof path, "alone-t%lld-c%lld-%s.mdl", (long long)cases[ci].t, (long long)cases[ci].c,
-             doc ? doc : "nodoc");
+    int window = cases[ci].window;
+    snprintf(path, sizeof path, "alone-t%lld-c%lld-%s-w%d.mdl", (long long)cases[ci].t, (long long)cases[ci].c,
+             doc ? doc : "nodoc", window);
     Arena *a = arena_new();
+    const char *dims = arena_printf(a, "dim KH = %s\n%s", window ? "1" : "H",
+                                    doc ? arena_printf(a, "input %s: i32[B, T]\n", doc) : "");
+    const char *opts = arena_printf(a, "%s%s", doc ? arena_printf(a, ", doc=%s", doc) : "",
+                                    window ? arena_printf(a, ", window=%d", window) : "");
     Model md = {.path = path, .ov = {{"T", cases[ci].t}, {"C", cases[ci].c}}, .nov = 2,
-                .text = arena_printf(a, alone, doc ? arena_printf(a, "input %s: i32[B, T]\n", doc) : "",
-                                     doc ? arena_printf(a, ", doc=%s", doc) : "")};
+                .text = arena_printf(a, alone, dims, opts)};
     Graph *g = load(a, &md, DT_BF16);
     Fusion *f = g ? fuse(g, (FuseOptions){.fuse = true, .chunk_lmhead = true}) : NULL;
     MemPlan *m = f ? memplan(f) : NULL;
@@ -1500,8 +1544,9 @@ static void test_attention_alone(const char *dir) {
       e_grad[k] = INFINITY;
       if (!iok || st.set || k >= g->nparams)
         continue;
-      got = from_float(cpu_value(m, arena, g->grads[k]), n);
-      e_grad[k] = rel_l2(got, interp_value(it, g->grads[k]), n);
+      int64_t np = shape_numel(g->nodes[g->params[k]]->shape);
+      got = from_float(cpu_value(m, arena, g->grads[k]), np);
+      e_grad[k] = rel_l2(got, interp_value(it, g->grads[k]), np);
       free(got);
     }
     snprintf(name, sizeof name, "cuda emu attention alone, bf16, %s: the output within %.0e in L2 of the "
@@ -1796,7 +1841,14 @@ int main(void) {
     for (int pr = 0; pr < 2; pr++)
       for (size_t i = 0; i < sizeof paths / sizeof *paths; i++)
         for (int fz = 1; fz >= 0; fz--)
-          test_nvrtc_model(paths[i], strrchr(paths[i], '/') + 1, fz, pr ? DT_BF16 : DT_F32);
+          test_nvrtc_model(paths[i], NULL, strrchr(paths[i], '/') + 1, fz, pr ? DT_BF16 : DT_F32);
+    // LLaMA 125M (grouped-query attention) as it trains by default: bf16, fused
+    test_nvrtc_model("models/llama.mdl", NULL, "llama.mdl", true, DT_BF16);
+    // grouped, multi-query, windowed and cross attention: on tensor cores (bf16, heads of 32) and on
+    // CUDA cores (heads of 12, fp32 and bf16)
+    test_nvrtc_model(models[11].path, models[11].text, models[11].path, true, DT_BF16);
+    for (int pr = 0; pr < 2; pr++)
+      test_nvrtc_model(models[12].path, models[12].text, models[12].path, true, pr ? DT_BF16 : DT_F32);
   } else {
     printf("[skip] nvrtc: %s\n", why);
   }

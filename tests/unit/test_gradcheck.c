@@ -557,7 +557,33 @@ static void attention_case(const char *label, bool causal, bool doc, bool shared
   gradcheck(label, c, out);
 }
 
+// Attention with kv_heads (ia[5]) kv heads and a window (ia[6]), keys of s rows (s != T without
+// causal and doc ids): q [B,T,H*D], k and v [B,S,KH*D]; dk and dv of a kv head sum over its group.
+static void attention_kv_case(const char *label, int64_t kv_heads, int64_t window, int64_t s, bool causal, bool doc) {
+  enum { B = 2, T = 5, H = 4, D = 2 };
+  Case *c = case_new();
+  int q = param(c, "q", SH(B, T, H * D), DOM_ANY);
+  int k = param(c, "k", SH(B, s, kv_heads * D), DOM_ANY);
+  int v = param(c, "v", SH(B, s, kv_heads * D), DOM_ANY);
+  int64_t ia[8] = {H, causal, doc, 0, 0, kv_heads, window};
+  double fa[6] = {0.8};
+  int out;
+  if (doc) {
+    int d = ids_input(c, "doc", SH(B, T), (const int32_t[]){0, 0, 0, 1, 1, 3, 5, 5, 5, 5});
+    out = node(c, OP_ATTENTION, IN(q, k, v, d), ia, fa);
+  } else {
+    out = node(c, OP_ATTENTION, IN(q, k, v), ia, fa);
+  }
+  gradcheck(label, c, out);
+}
+
 static void sequence_cases(void) {
+  attention_kv_case("grad attention kv_heads=2 of 4, causal", 2, 0, 5, true, false);
+  attention_kv_case("grad attention kv_heads=1 of 4 (multi-query), causal doc", 1, 0, 5, true, true);
+  attention_kv_case("grad attention window=2, causal", 4, 2, 5, true, false);
+  attention_kv_case("grad attention window=3 kv_heads=2, causal doc", 2, 3, 5, true, true);
+  attention_kv_case("grad attention 3 keys for 5 queries, kv_heads=2", 2, 0, 3, false, false);
+  attention_kv_case("grad attention 7 keys for 5 queries", 4, 0, 7, false, false);
   attention_case("grad attention causal", true, false, false);
   attention_case("grad attention causal doc", true, true, false);
   attention_case("grad attention doc (not causal)", false, true, false);

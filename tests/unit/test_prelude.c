@@ -45,7 +45,8 @@ static bool c_compiles_clean(const char *src, char *why, size_t n) {
 // (mdl_att_fwd, mdl_att_dq, mdl_att_dkv) at heads of 64 (two tile buffers) and 128 (one), 4 and 8
 // warps, shapes alternating between (causal, within documents, bf16 rows by cp.async, int indices, the
 // log-sum-exp, a bf16 copy of the output) and (neither, bf16 rows loaded 4 channels at a time for q
-// and f32 ones for the others, int64_t indices, f32 output), dk and dv alone once each; cross-entropy
+// and f32 ones for the others, int64_t indices, f32 output), dk and dv alone once each; grouped kv
+// heads in a window, and keys of another length; cross-entropy
 // rows (mdl_ce_row) by a block or a warp, 8 bf16 or 4 f32 logits a load or one at a time, with the loss
 // and / or the gradient; the optimizer's kernels (mdl_opt_sumsq, mdl_opt_norm, mdl_opt_adamw).
 static char *template_instances(void) {
@@ -93,6 +94,32 @@ static char *template_instances(void) {
                       32 * w, i, k, ptrs, i, k != 2 ? "true" : "false", k != 1 ? "true" : "false", qkv, dq,
                       "doc");
     }
+  // Grouped heads: 4 kv heads (of 64 channels, k and v halves of one [B,T,512] buffer) for 12 query
+  // heads, causal within documents in a window of 100 (SG); and 150 keys for 200 queries, not causal
+  // (SX: k and v rows of their own length).
+  const char *ptrs = "  uint16_t *h = (uint16_t *)arena;\n  float *f = (float *)(arena + (64 << 20));\n"
+                     "  int32_t *doc = (int32_t *)(arena + (128 << 20));\n";
+  p += snprintf(p, (size_t)(end - p), "%s",
+                "\ntypedef mdl_att_shape<int, 2, 200, 12, 64, 768, 8, true, true, 2, 4, 200, 100> SG;\n"
+                "typedef mdl_att_shape<int64_t, 2, 200, 12, 64, 768, 4, false, false, 2, 4, 150, 0> SX;\n"
+                "typedef mdl_att_rows<uint16_t, 768, true> QG;\n"
+                "typedef mdl_att_rows<uint16_t, 512, true> KG;\n"
+                "typedef mdl_att_rows<uint16_t, 512, false, 150> KX;\n");
+  for (int x = 0; x < 2; x++) {
+    const char *sh = x ? "SX" : "SG", *kv = x ? "KX{h + (4 << 20)}, KX{h + (4 << 20) + 256}"
+                                              : "KG{h + (4 << 20)}, KG{h + (4 << 20) + 256}";
+    p += snprintf(p, (size_t)(end - p),
+                  "extern \"C\" __global__ void __launch_bounds__(%d) fwd_%s(char *arena) {\n%s"
+                  "  mdl_att_fwd<%s, true>(QG{h}, %s, doc, f + (8 << 20), mdl_att_out<true, 1>{f + (12 << 20), "
+                  "{h + (16 << 20)}}, 0.18033688f);\n}\n"
+                  "extern \"C\" __global__ void __launch_bounds__(%d) dq_%s(char *arena) {\n%s"
+                  "  mdl_att_dq<%s>(QG{h}, %s, QG{h + (20 << 20)}, doc, f + (8 << 20), f + (9 << 20), f + (12 << 20), "
+                  "0.18033688f, 0.125f);\n}\n"
+                  "extern \"C\" __global__ void __launch_bounds__(%d) dkv_%s(char *arena) {\n%s"
+                  "  mdl_att_dkv<%s, true, true>(QG{h}, %s, QG{h + (20 << 20)}, doc, f + (8 << 20), f + (9 << 20), "
+                  "f + (12 << 20), f + (16 << 20), 0.18033688f, 0.125f);\n}\n",
+                  x ? 128 : 256, sh, ptrs, sh, kv, x ? 128 : 256, sh, ptrs, sh, kv, x ? 128 : 256, sh, ptrs, sh, kv);
+  }
   p += snprintf(p, (size_t)(end - p), "%s",
                 "extern \"C\" __global__ void __launch_bounds__(1024) ce0(char *arena, MdlStatus *status) {\n"
                 "  __shared__ double sh_d[48];\n  __shared__ float sh_f[32];\n"

@@ -658,6 +658,35 @@ static void test_stored(void) {
   full_close(&f);
 }
 
+// llama-tiny with grouped-query attention (2 kv heads for 4 query heads: the cache holds 2) in a
+// window of 12 keys, shorter than the 32 positions test_kv_exact feeds.
+static const char llama_gqa[] =
+    "model llama_gqa\n"
+    "dim V = 256\n"
+    "dim maxT = 128\n"
+    "dim C = 64\n"
+    "dim H = 4\n"
+    "dim KH = 2\n"
+    "dim B in 1..1024\n"
+    "dim T in 1..maxT\n"
+    "input tokens: i32[B, T]\n"
+    "input targets: i32[B, T]\n"
+    "input pos: i32[B, T]\n"
+    "input doc: i32[B, T]\n"
+    "param tok_emb: [V, C] = normal(0.5)\n"
+    "param wq: [C, C] = normal(0.2)\n"
+    "param wk: [C, C / 2] = normal(0.2)\n"
+    "param wv: [C, C / 2] = normal(0.2)\n"
+    "param norm: [C] = ones\n"
+    "param lm_head: [C, V] = normal(0.2)\n"
+    "x = embed(tok_emb, tokens)\n"
+    "q = rope(x @ wq, pos, heads=H)\n"
+    "k = rope(x @ wk, pos, heads=KH)\n"
+    "x = x + attention(q, k, x @ wv, heads=H, kv_heads=KH, causal=true, doc=doc, window=12)\n"
+    "output logits = rmsnorm(x, norm) @ lm_head\n"
+    "output loss = mean(cross_entropy(logits, targets))\n"
+    "train {\n    B = 2\n    T = 32\n}\n";
+
 int main(void) {
   snprintf(tmp, sizeof tmp, "/tmp/mdl_sample_XXXXXX");
   if (!mkdtemp(tmp)) {
@@ -667,6 +696,13 @@ int main(void) {
   test_pick();
   test_kv_exact("models/gpt2-tiny.mdl", "gpt2-tiny");
   test_kv_exact("models/llama-tiny.mdl", "llama-tiny");
+  FILE *gqa = fopen(path_in("llama-gqa.mdl"), "w");
+  bool written = gqa && fputs(llama_gqa, gqa) >= 0;
+  if (gqa)
+    written &= fclose(gqa) == 0;
+  CHECK(written, "kv llama-gqa: the model is written", "cannot write %s", path_in("llama-gqa.mdl"));
+  if (written)
+    test_kv_exact(path_in("llama-gqa.mdl"), "llama-gqa (kv_heads=2 of 4, window=12)");
   test_generate("models/gpt2-tiny.mdl", "gpt2-tiny");
   test_generate("models/llama-tiny.mdl", "llama-tiny");
   test_context_limit();
