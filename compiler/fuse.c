@@ -1259,7 +1259,9 @@ static const char *generic_reason(const Fuser *F, const Fusion *f, int p, int c)
     return "consumer is in the LM-head step (its inputs come from memory)";
   if (sc->kind == STEP_KERNEL && (croot == OP_LAYERNORM || croot == OP_RMSNORM))
     return arena_printf(F->a, "consumer is a %s kernel (only an ADD producing its x is fused)", op_name(croot));
-  if (cop == OP_TOPK || cop == OP_GATHER || cop == OP_GATHER_BWD || cop == OP_SCATTER_ADD)
+  if (cop == OP_TOPK)
+    return "consumer is a topk kernel (it compares whole lines along its axis: its input comes from memory)";
+  if (cop == OP_GATHER || cop == OP_GATHER_BWD || cop == OP_SCATTER_ADD)
     return arena_printf(F->a, "consumer is a %s kernel (it reads at offsets computed from indices: its inputs come "
                         "from memory)", op_name(cop));
   if (sc->kind == STEP_KERNEL && !is_elementwise(croot) && !is_reduction(croot))

@@ -181,9 +181,13 @@ static bool routing_shape(Graph *g, IrNode *n, IrNode **in) {
   bool fits = idx.rank == pos.rank;
   for (int d = 0; d < idx.rank && fits; d++)
     fits = idx.d[d] == pos.d[d] || (idx.d[d] == 1 && d != ax);
-  if (!fits || (n->op == OP_GATHER && idx.d[ax] < 1))
-    return fail(g, "%s: indices %s do not fit %s along axis %lld (the same rank; on every other axis the same "
-                "size or 1)", name, SHAPE(idx), SHAPE(x), (long long)ax);
+  if (!fits || (n->op == OP_GATHER && idx.d[ax] < 1)) {
+    if (n->op == OP_GATHER)
+      return fail(g, "gather: indices %s do not fit x %s (the same rank; on every axis but %lld the same size or 1)",
+                  SHAPE(idx), SHAPE(x), (long long)ax);
+    return fail(g, "%s: indices %s do not fit %s %s (the same rank; on axis %lld the same size, on every other the "
+                "same size or 1)", name, SHAPE(idx), n->op == OP_SCATTER_ADD ? "src" : "dy", SHAPE(pos), (long long)ax);
+  }
   n->shape = n->op == OP_GATHER ? pos : full;
   return true;
 }
