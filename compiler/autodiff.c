@@ -366,8 +366,9 @@ static bool backward_rule(Ad *ad, int i, int dy) {
   case OP_TOPK: // integer indices (never active)
     return true;
   case OP_GATHER: // dy scatter-added back to the positions read (none for an index out of range)
-    accumulate(ad, x, add_node(ad, OP_GATHER_BWD, (int[]){x1, dy}, 2,
-                               (int64_t[8]){n->ia[0], shape(ad, x).d[n->ia[0]]}, NULL));
+    if (wants(ad, x))
+      accumulate(ad, x, add_node(ad, OP_GATHER_BWD, (int[]){x1, dy}, 2,
+                                 (int64_t[8]){n->ia[0], shape(ad, x).d[n->ia[0]]}, NULL));
     return true;
   case OP_SCATTER_ADD: // base gets dy; src what dy holds where it was added (0 out of range)
     if (wants(ad, x))

@@ -302,7 +302,7 @@ MDL_FN MdlKernelFn k108_embed_bwd__add, k109_grad_norm__adamw;
 
 #if MDL_IN(3)
 // k0_embed: kernel, 1 op
-//   %6     embed                                   line 35    f32[8,64,64]
+//   %6     embed                                   line 38    f32[8,64,64]
 // loops:
 //   embed: 512 rows of 64 from a table of 256
 MDL_FN void k0_embed(char *arena, const MdlHooks *h) {
@@ -324,7 +324,7 @@ MDL_FN void k0_embed(char *arena, const MdlHooks *h) {
 
 #if MDL_IN(1)
 // k1_embed: kernel, 1 op
-//   %7     embed                                   line 35    f32[8,64,64]
+//   %7     embed                                   line 38    f32[8,64,64]
 // loops:
 //   embed: 512 rows of 64 from a table of 128
 MDL_FN void k1_embed(char *arena, const MdlHooks *h) {
@@ -346,10 +346,10 @@ MDL_FN void k1_embed(char *arena, const MdlHooks *h) {
 
 #if MDL_IN(3)
 // k2_layernorm_fwd__add__cast: kernel, 4 ops
-//   %8     add                x                    line 35    f32[8,64,64]
-//   %22    layernorm                               line 53    f32[8,64,64]
-//   %23    reshape                                 line 53    f32[512,64]
-//   %24    cast                                    line 53    bf16[512,64]
+//   %8     add                x                    line 38    f32[8,64,64]
+//   %22    layernorm                               line 56    f32[8,64,64]
+//   %23    reshape                                 line 56    f32[512,64]
+//   %24    cast                                    line 56    bf16[512,64]
 // loops:
 //   layernorm %22: 512 rows of 64
 MDL_FN void k2_layernorm_fwd__add__cast(char *arena, const MdlHooks *h) {
@@ -435,10 +435,10 @@ __attribute__((noinline)) MDL_FN void k3_gemm__add__cast__code(char *arena, cons
 }
 
 // k3_gemm__add__cast: GEMM, 4 ops
-//   %26    matmul                                  line 53    f32[512,192]
-//   %27    reshape                                 line 53    f32[8,64,192]
-//   %28    add                                     line 53    f32[8,64,192]
-//   %29    cast                                    line 53    bf16[8,64,192]
+//   %26    matmul                                  line 56    f32[512,192]
+//   %27    reshape                                 line 56    f32[8,64,192]
+//   %28    add                                     line 56    f32[8,64,192]
+//   %29    cast                                    line 56    bf16[8,64,192]
 // loops:
 //   gemm %26: [512 x 192] = [512 x 64] [64 x 192], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
 //   elementwise over 98304: %29
@@ -549,10 +549,10 @@ __attribute__((noinline)) MDL_FN void k4_attention_fwd__cast__lse__code(char *ar
 }
 
 // k4_attention_fwd__cast__lse: attention, 4 ops
-//   %33    attention                               line 54    f32[8,64,64]
-//   %34    reshape                                 line 54    f32[512,64]
-//   %35    cast                                    line 54    bf16[512,64]
-//   %334   attention_lse                           line 54    f32[8,4,64]
+//   %33    attention                               line 57    f32[8,64,64]
+//   %34    reshape                                 line 57    f32[512,64]
+//   %35    cast                                    line 57    bf16[512,64]
+//   %334   attention_lse                           line 57    f32[8,4,64]
 // loops:
 //   attention and its log-sum-exp per row: B 8, T 64, 4 heads of 16, causal, within documents; one task per (batch, head)
 MDL_FN void k4_attention_fwd__cast__lse(char *arena, const MdlHooks *h) {
@@ -598,10 +598,10 @@ __attribute__((noinline)) MDL_FN void k5_gemm__add__code(char *arena, const MdlH
 }
 
 // k5_gemm__add: GEMM, 4 ops
-//   %37    matmul                                  line 54    f32[512,64]
-//   %38    reshape                                 line 54    f32[8,64,64]
-//   %39    add                                     line 54    f32[8,64,64]
-//   %40    add                h.0.x                line 54    f32[8,64,64]
+//   %37    matmul                                  line 57    f32[512,64]
+//   %38    reshape                                 line 57    f32[8,64,64]
+//   %39    add                                     line 57    f32[8,64,64]
+//   %40    add                h.0.x                line 57    f32[8,64,64]
 // loops:
 //   gemm %37: [512 x 64] = [512 x 64] [64 x 64], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
 //   elementwise over 32768: %40
@@ -645,8 +645,8 @@ __attribute__((noinline)) MDL_FN void k6_layernorm_fwd__cast__code(char *arena, 
 }
 
 // k6_layernorm_fwd__cast: kernel, 2 ops
-//   %41    layernorm                               line 57    f32[8,64,64]
-//   %43    cast                                    line 58    bf16[512,64]
+//   %41    layernorm                               line 60    f32[8,64,64]
+//   %43    cast                                    line 61    bf16[512,64]
 // loops:
 //   layernorm %41: 512 rows of 64
 MDL_FN void k6_layernorm_fwd__cast(char *arena, const MdlHooks *h) {
@@ -676,7 +676,7 @@ __attribute__((noinline)) MDL_FN void k7_gemm__code(char *arena, const MdlHooks 
 }
 
 // k7_gemm: GEMM, 1 op
-//   %45    matmul                                  line 58    f32[512,4]
+//   %45    matmul                                  line 61    f32[512,4]
 // loops:
 //   gemm %45: [512 x 4] = [512 x 64] [64 x 4], bf16 operands (widened to f32 where the library has no bf16 GEMM)
 MDL_FN void k7_gemm(char *arena, const MdlHooks *h) {
@@ -736,7 +736,7 @@ __attribute__((noinline)) MDL_FN void k8_softmax_fwd__code(char *arena, const Md
 }
 
 // k8_softmax_fwd: kernel, 1 op
-//   %46    softmax            h.0.probs            line 58    f32[512,4]
+//   %46    softmax            h.0.probs            line 61    f32[512,4]
 // loops:
 //   softmax %46: 512 rows of 4
 MDL_FN void k8_softmax_fwd(char *arena, const MdlHooks *h) {
@@ -773,7 +773,7 @@ __attribute__((noinline)) MDL_FN void k9_topk__code(char *arena, const MdlHooks 
 }
 
 // k9_topk: kernel, 1 op
-//   %47    topk               h.0.choice           line 59    i32[512,2]
+//   %47    topk               h.0.choice           line 62    i32[512,2]
 // loops:
 //   topk: the 2 largest of 512 lines of 4
 MDL_FN void k9_topk(char *arena, const MdlHooks *h) {
@@ -798,7 +798,7 @@ __attribute__((noinline)) MDL_FN void k10_gather__code(char *arena, const MdlHoo
 }
 
 // k10_gather: kernel, 1 op
-//   %48    gather             h.0.gate             line 59    f32[512,2]
+//   %48    gather             h.0.gate             line 62    f32[512,2]
 // loops:
 //   gather: 1024 values along an axis of 4
 MDL_FN void k10_gather(char *arena, const MdlHooks *h) {
@@ -823,7 +823,7 @@ __attribute__((noinline)) MDL_FN void k11_mul__code(char *arena, const MdlHooks 
 }
 
 // k11_mul: kernel, 1 op
-//   %50    mul                                     line 60    f32[512,4]
+//   %50    mul                                     line 63    f32[512,4]
 // loops:
 //   elementwise over 2048: %50
 MDL_FN void k11_mul(char *arena, const MdlHooks *h) {
@@ -858,7 +858,7 @@ __attribute__((noinline)) MDL_FN void k12_scatter_add__code(char *arena, const M
 }
 
 // k12_scatter_add: kernel, 1 op
-//   %51    scatter_add        h.0.gates            line 60    f32[512,4]
+//   %51    scatter_add        h.0.gates            line 63    f32[512,4]
 // loops:
 //   scatter-add: 512 lines, 2 sources into 4 places each
 MDL_FN void k12_scatter_add(char *arena, const MdlHooks *h) {
@@ -884,7 +884,7 @@ __attribute__((noinline)) MDL_FN void k13_permute__code(char *arena, const MdlHo
 }
 
 // k13_permute: kernel, 1 op
-//   %60    permute                                 line 64    f32[4,512]
+//   %60    permute                                 line 67    f32[4,512]
 // loops:
 //   elementwise over 2048: %60
 MDL_FN void k13_permute(char *arena, const MdlHooks *h) {
@@ -933,9 +933,9 @@ __attribute__((noinline)) MDL_FN void k14_mean__compare__div__code(char *arena, 
 }
 
 // k14_mean__compare__div: kernel, 3 ops
-//   %53    compare            h.0.routed           line 61    f32[512,4]
-//   %80    mean                                    line 70    f32[4]
-//   %82    div                                     line 70    f32[4]
+//   %53    compare            h.0.routed           line 64    f32[512,4]
+//   %80    mean                                    line 73    f32[4]
+//   %82    div                                     line 73    f32[4]
 // loops:
 //   mean %80: 4 outputs over 512 elements, in 32 blocks of 16
 MDL_FN void k14_mean__compare__div(char *arena, const MdlHooks *h) {
@@ -965,9 +965,9 @@ __attribute__((noinline)) MDL_FN void k15_permute__add__mul__code(char *arena, c
 }
 
 // k15_permute__add__mul: kernel, 3 ops
-//   %55    add                                     line 63    f32[512,4]
-//   %56    mul                                     line 63    f32[512,4]
-//   %57    permute                                 line 63    f32[4,512]
+//   %55    add                                     line 66    f32[512,4]
+//   %56    mul                                     line 66    f32[512,4]
+//   %57    permute                                 line 66    f32[4,512]
 // loops:
 //   elementwise over 2048: %57
 MDL_FN void k15_permute__add__mul(char *arena, const MdlHooks *h) {
@@ -1004,7 +1004,7 @@ __attribute__((noinline)) MDL_FN void k16_topk__code(char *arena, const MdlHooks
 }
 
 // k16_topk: kernel, 1 op
-//   %58    topk               h.0.slot             line 63    i32[4,320]
+//   %58    topk               h.0.slot             line 66    i32[4,320]
 // loops:
 //   topk: the 320 largest of 4 lines of 512
 MDL_FN void k16_topk(char *arena, const MdlHooks *h) {
@@ -1029,7 +1029,7 @@ __attribute__((noinline)) MDL_FN void k17_gather__code(char *arena, const MdlHoo
 }
 
 // k17_gather: kernel, 1 op
-//   %59    gather             h.0.prio             line 63    f32[4,320]
+//   %59    gather             h.0.prio             line 66    f32[4,320]
 // loops:
 //   gather: 1280 values along an axis of 512
 MDL_FN void k17_gather(char *arena, const MdlHooks *h) {
@@ -1054,7 +1054,7 @@ __attribute__((noinline)) MDL_FN void k18_gather__code(char *arena, const MdlHoo
 }
 
 // k18_gather: kernel, 1 op
-//   %61    gather             h.0.weight           line 64    f32[4,320]
+//   %61    gather             h.0.weight           line 67    f32[4,320]
 // loops:
 //   gather: 1280 values along an axis of 512
 MDL_FN void k18_gather(char *arena, const MdlHooks *h) {
@@ -1092,9 +1092,9 @@ __attribute__((noinline)) MDL_FN void k19_gather__cast__code(char *arena, const 
 }
 
 // k19_gather__cast: kernel, 3 ops
-//   %63    gather                                  line 66    f32[1280,64]
-//   %64    reshape            h.0.xe               line 66    f32[4,320,64]
-//   %65    cast                                    line 67    bf16[4,320,64]
+//   %63    gather                                  line 69    f32[1280,64]
+//   %64    reshape            h.0.xe               line 69    f32[4,320,64]
+//   %65    cast                                    line 70    bf16[4,320,64]
 // loops:
 //   gather: 81920 values along an axis of 512
 //   elementwise over 81920: %65
@@ -1146,10 +1146,10 @@ __attribute__((noinline)) MDL_FN void k20_gemm__add__gelu__cast__code(char *aren
 }
 
 // k20_gemm__add__gelu__cast: GEMM, 4 ops
-//   %67    matmul                                  line 67    f32[4,320,128]
-//   %68    add                                     line 67    f32[4,320,128]
-//   %69    gelu                                    line 67    f32[4,320,128]
-//   %70    cast                                    line 67    bf16[4,320,128]
+//   %67    matmul                                  line 70    f32[4,320,128]
+//   %68    add                                     line 70    f32[4,320,128]
+//   %69    gelu                                    line 70    f32[4,320,128]
+//   %70    cast                                    line 70    bf16[4,320,128]
 // loops:
 //   gemm %67: [320 x 128] = [320 x 64] [64 x 128], bf16 operands (widened to f32 where the library has no bf16 GEMM), 4 batches, epilogue after
 //   elementwise over 163840: %68 %70
@@ -1202,9 +1202,9 @@ __attribute__((noinline)) MDL_FN void k21_gemm__add__mul__code(char *arena, cons
 }
 
 // k21_gemm__add__mul: GEMM, 3 ops
-//   %72    matmul                                  line 67    f32[4,320,64]
-//   %73    add                                     line 67    f32[4,320,64]
-//   %75    mul                h.0.ye               line 67    f32[4,320,64]
+//   %72    matmul                                  line 70    f32[4,320,64]
+//   %73    add                                     line 70    f32[4,320,64]
+//   %75    mul                h.0.ye               line 70    f32[4,320,64]
 // loops:
 //   gemm %72: [320 x 64] = [320 x 128] [128 x 64], bf16 operands (widened to f32 where the library has no bf16 GEMM), 4 batches, epilogue after
 //   elementwise over 81920: %73 %75
@@ -1241,7 +1241,7 @@ __attribute__((noinline)) MDL_FN void k22_scatter_add__code(char *arena, const M
 }
 
 // k22_scatter_add: kernel, 1 op
-//   %78    scatter_add                             line 69    f32[512,64]
+//   %78    scatter_add                             line 72    f32[512,64]
 // loops:
 //   scatter-add: 64 lines, 1280 sources into 512 places each
 MDL_FN void k22_scatter_add(char *arena, const MdlHooks *h) {
@@ -1286,7 +1286,7 @@ __attribute__((noinline)) MDL_FN void k23_mean__code(char *arena, const MdlHooks
 }
 
 // k23_mean: kernel, 1 op
-//   %83    mean                                    line 70    f32[4]
+//   %83    mean                                    line 73    f32[4]
 // loops:
 //   mean %83: 4 outputs over 512 elements, in 32 blocks of 16
 MDL_FN void k23_mean(char *arena, const MdlHooks *h) {
@@ -1334,9 +1334,9 @@ __attribute__((noinline)) MDL_FN void k24_layernorm_fwd__cast__code(char *arena,
 }
 
 // k24_layernorm_fwd__cast: kernel, 3 ops
-//   %103   layernorm                               line 53    f32[8,64,64]
-//   %104   reshape                                 line 53    f32[512,64]
-//   %105   cast                                    line 53    bf16[512,64]
+//   %103   layernorm                               line 56    f32[8,64,64]
+//   %104   reshape                                 line 56    f32[512,64]
+//   %105   cast                                    line 56    bf16[512,64]
 // loops:
 //   layernorm %103: 512 rows of 64
 MDL_FN void k24_layernorm_fwd__cast(char *arena, const MdlHooks *h) {
@@ -1347,10 +1347,10 @@ MDL_FN void k24_layernorm_fwd__cast(char *arena, const MdlHooks *h) {
 
 #if MDL_IN(2)
 // k25_gemm__add__cast: GEMM, 4 ops
-//   %107   matmul                                  line 53    f32[512,192]
-//   %108   reshape                                 line 53    f32[8,64,192]
-//   %109   add                                     line 53    f32[8,64,192]
-//   %110   cast                                    line 53    bf16[8,64,192]
+//   %107   matmul                                  line 56    f32[512,192]
+//   %108   reshape                                 line 56    f32[8,64,192]
+//   %109   add                                     line 56    f32[8,64,192]
+//   %110   cast                                    line 56    bf16[8,64,192]
 // loops:
 //   gemm %107: [512 x 192] = [512 x 64] [64 x 192], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
 //   elementwise over 98304: %110
@@ -1362,10 +1362,10 @@ MDL_FN void k25_gemm__add__cast(char *arena, const MdlHooks *h) {
 
 #if MDL_IN(3)
 // k26_attention_fwd__cast__lse: attention, 4 ops
-//   %114   attention                               line 54    f32[8,64,64]
-//   %115   reshape                                 line 54    f32[512,64]
-//   %116   cast                                    line 54    bf16[512,64]
-//   %261   attention_lse                           line 54    f32[8,4,64]
+//   %114   attention                               line 57    f32[8,64,64]
+//   %115   reshape                                 line 57    f32[512,64]
+//   %116   cast                                    line 57    bf16[512,64]
+//   %261   attention_lse                           line 57    f32[8,4,64]
 // loops:
 //   attention and its log-sum-exp per row: B 8, T 64, 4 heads of 16, causal, within documents; one task per (batch, head)
 MDL_FN void k26_attention_fwd__cast__lse(char *arena, const MdlHooks *h) {
@@ -1376,10 +1376,10 @@ MDL_FN void k26_attention_fwd__cast__lse(char *arena, const MdlHooks *h) {
 
 #if MDL_IN(1)
 // k27_gemm__add: GEMM, 4 ops
-//   %118   matmul                                  line 54    f32[512,64]
-//   %119   reshape                                 line 54    f32[8,64,64]
-//   %120   add                                     line 54    f32[8,64,64]
-//   %121   add                h.1.x                line 54    f32[8,64,64]
+//   %118   matmul                                  line 57    f32[512,64]
+//   %119   reshape                                 line 57    f32[8,64,64]
+//   %120   add                                     line 57    f32[8,64,64]
+//   %121   add                h.1.x                line 57    f32[8,64,64]
 // loops:
 //   gemm %118: [512 x 64] = [512 x 64] [64 x 64], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
 //   elementwise over 32768: %121
@@ -1391,8 +1391,8 @@ MDL_FN void k27_gemm__add(char *arena, const MdlHooks *h) {
 
 #if MDL_IN(3)
 // k28_layernorm_fwd__cast: kernel, 2 ops
-//   %122   layernorm                               line 57    f32[8,64,64]
-//   %124   cast                                    line 58    bf16[512,64]
+//   %122   layernorm                               line 60    f32[8,64,64]
+//   %124   cast                                    line 61    bf16[512,64]
 // loops:
 //   layernorm %122: 512 rows of 64
 MDL_FN void k28_layernorm_fwd__cast(char *arena, const MdlHooks *h) {
@@ -1403,7 +1403,7 @@ MDL_FN void k28_layernorm_fwd__cast(char *arena, const MdlHooks *h) {
 
 #if MDL_IN(0)
 // k29_gemm: GEMM, 1 op
-//   %126   matmul                                  line 58    f32[512,4]
+//   %126   matmul                                  line 61    f32[512,4]
 // loops:
 //   gemm %126: [512 x 4] = [512 x 64] [64 x 4], bf16 operands (widened to f32 where the library has no bf16 GEMM)
 MDL_FN void k29_gemm(char *arena, const MdlHooks *h) {
@@ -1414,7 +1414,7 @@ MDL_FN void k29_gemm(char *arena, const MdlHooks *h) {
 
 #if MDL_IN(2)
 // k30_softmax_fwd: kernel, 1 op
-//   %127   softmax            h.1.probs            line 58    f32[512,4]
+//   %127   softmax            h.1.probs            line 61    f32[512,4]
 // loops:
 //   softmax %127: 512 rows of 4
 MDL_FN void k30_softmax_fwd(char *arena, const MdlHooks *h) {
@@ -1425,7 +1425,7 @@ MDL_FN void k30_softmax_fwd(char *arena, const MdlHooks *h) {
 
 #if MDL_IN(0)
 // k31_topk: kernel, 1 op
-//   %128   topk               h.1.choice           line 59    i32[512,2]
+//   %128   topk               h.1.choice           line 62    i32[512,2]
 // loops:
 //   topk: the 2 largest of 512 lines of 4
 MDL_FN void k31_topk(char *arena, const MdlHooks *h) {
@@ -1436,7 +1436,7 @@ MDL_FN void k31_topk(char *arena, const MdlHooks *h) {
 
 #if MDL_IN(1)
 // k32_gather: kernel, 1 op
-//   %129   gather             h.1.gate             line 59    f32[512,2]
+//   %129   gather             h.1.gate             line 62    f32[512,2]
 // loops:
 //   gather: 1024 values along an axis of 4
 MDL_FN void k32_gather(char *arena, const MdlHooks *h) {
@@ -1447,7 +1447,7 @@ MDL_FN void k32_gather(char *arena, const MdlHooks *h) {
 
 #if MDL_IN(0)
 // k33_mul: kernel, 1 op
-//   %131   mul                                     line 60    f32[512,4]
+//   %131   mul                                     line 63    f32[512,4]
 // loops:
 //   elementwise over 2048: %131
 MDL_FN void k33_mul(char *arena, const MdlHooks *h) {
@@ -1458,7 +1458,7 @@ MDL_FN void k33_mul(char *arena, const MdlHooks *h) {
 
 #if MDL_IN(3)
 // k34_scatter_add: kernel, 1 op
-//   %132   scatter_add        h.1.gates            line 60    f32[512,4]
+//   %132   scatter_add        h.1.gates            line 63    f32[512,4]
 // loops:
 //   scatter-add: 512 lines, 2 sources into 4 places each
 MDL_FN void k34_scatter_add(char *arena, const MdlHooks *h) {
@@ -1469,7 +1469,7 @@ MDL_FN void k34_scatter_add(char *arena, const MdlHooks *h) {
 
 #if MDL_IN(0)
 // k35_permute: kernel, 1 op
-//   %141   permute                                 line 64    f32[4,512]
+//   %141   permute                                 line 67    f32[4,512]
 // loops:
 //   elementwise over 2048: %141
 MDL_FN void k35_permute(char *arena, const MdlHooks *h) {
@@ -1480,9 +1480,9 @@ MDL_FN void k35_permute(char *arena, const MdlHooks *h) {
 
 #if MDL_IN(1)
 // k36_mean__compare__div: kernel, 3 ops
-//   %134   compare            h.1.routed           line 61    f32[512,4]
-//   %161   mean                                    line 70    f32[4]
-//   %163   div                                     line 70    f32[4]
+//   %134   compare            h.1.routed           line 64    f32[512,4]
+//   %161   mean                                    line 73    f32[4]
+//   %163   div                                     line 73    f32[4]
 // loops:
 //   mean %161: 4 outputs over 512 elements, in 32 blocks of 16
 MDL_FN void k36_mean__compare__div(char *arena, const MdlHooks *h) {
@@ -1493,9 +1493,9 @@ MDL_FN void k36_mean__compare__div(char *arena, const MdlHooks *h) {
 
 #if MDL_IN(1)
 // k37_permute__add__mul: kernel, 3 ops
-//   %136   add                                     line 63    f32[512,4]
-//   %137   mul                                     line 63    f32[512,4]
-//   %138   permute                                 line 63    f32[4,512]
+//   %136   add                                     line 66    f32[512,4]
+//   %137   mul                                     line 66    f32[512,4]
+//   %138   permute                                 line 66    f32[4,512]
 // loops:
 //   elementwise over 2048: %138
 MDL_FN void k37_permute__add__mul(char *arena, const MdlHooks *h) {
@@ -1506,7 +1506,7 @@ MDL_FN void k37_permute__add__mul(char *arena, const MdlHooks *h) {
 
 #if MDL_IN(3)
 // k38_topk: kernel, 1 op
-//   %139   topk               h.1.slot             line 63    i32[4,320]
+//   %139   topk               h.1.slot             line 66    i32[4,320]
 // loops:
 //   topk: the 320 largest of 4 lines of 512
 MDL_FN void k38_topk(char *arena, const MdlHooks *h) {
@@ -1517,7 +1517,7 @@ MDL_FN void k38_topk(char *arena, const MdlHooks *h) {
 
 #if MDL_IN(3)
 // k39_gather: kernel, 1 op
-//   %140   gather             h.1.prio             line 63    f32[4,320]
+//   %140   gather             h.1.prio             line 66    f32[4,320]
 // loops:
 //   gather: 1280 values along an axis of 512
 MDL_FN void k39_gather(char *arena, const MdlHooks *h) {
@@ -1528,7 +1528,7 @@ MDL_FN void k39_gather(char *arena, const MdlHooks *h) {
 
 #if MDL_IN(2)
 // k40_gather: kernel, 1 op
-//   %142   gather             h.1.weight           line 64    f32[4,320]
+//   %142   gather             h.1.weight           line 67    f32[4,320]
 // loops:
 //   gather: 1280 values along an axis of 512
 MDL_FN void k40_gather(char *arena, const MdlHooks *h) {
@@ -1539,9 +1539,9 @@ MDL_FN void k40_gather(char *arena, const MdlHooks *h) {
 
 #if MDL_IN(1)
 // k41_gather__cast: kernel, 3 ops
-//   %144   gather                                  line 66    f32[1280,64]
-//   %145   reshape            h.1.xe               line 66    f32[4,320,64]
-//   %146   cast                                    line 67    bf16[4,320,64]
+//   %144   gather                                  line 69    f32[1280,64]
+//   %145   reshape            h.1.xe               line 69    f32[4,320,64]
+//   %146   cast                                    line 70    bf16[4,320,64]
 // loops:
 //   gather: 81920 values along an axis of 512
 //   elementwise over 81920: %146
@@ -1553,10 +1553,10 @@ MDL_FN void k41_gather__cast(char *arena, const MdlHooks *h) {
 
 #if MDL_IN(0)
 // k42_gemm__add__gelu__cast: GEMM, 4 ops
-//   %148   matmul                                  line 67    f32[4,320,128]
-//   %149   add                                     line 67    f32[4,320,128]
-//   %150   gelu                                    line 67    f32[4,320,128]
-//   %151   cast                                    line 67    bf16[4,320,128]
+//   %148   matmul                                  line 70    f32[4,320,128]
+//   %149   add                                     line 70    f32[4,320,128]
+//   %150   gelu                                    line 70    f32[4,320,128]
+//   %151   cast                                    line 70    bf16[4,320,128]
 // loops:
 //   gemm %148: [320 x 128] = [320 x 64] [64 x 128], bf16 operands (widened to f32 where the library has no bf16 GEMM), 4 batches, epilogue after
 //   elementwise over 163840: %149 %151
@@ -1568,9 +1568,9 @@ MDL_FN void k42_gemm__add__gelu__cast(char *arena, const MdlHooks *h) {
 
 #if MDL_IN(2)
 // k43_gemm__add__mul: GEMM, 3 ops
-//   %153   matmul                                  line 67    f32[4,320,64]
-//   %154   add                                     line 67    f32[4,320,64]
-//   %156   mul                h.1.ye               line 67    f32[4,320,64]
+//   %153   matmul                                  line 70    f32[4,320,64]
+//   %154   add                                     line 70    f32[4,320,64]
+//   %156   mul                h.1.ye               line 70    f32[4,320,64]
 // loops:
 //   gemm %153: [320 x 64] = [320 x 128] [128 x 64], bf16 operands (widened to f32 where the library has no bf16 GEMM), 4 batches, epilogue after
 //   elementwise over 81920: %154 %156
@@ -1582,7 +1582,7 @@ MDL_FN void k43_gemm__add__mul(char *arena, const MdlHooks *h) {
 
 #if MDL_IN(1)
 // k44_scatter_add: kernel, 1 op
-//   %159   scatter_add                             line 69    f32[512,64]
+//   %159   scatter_add                             line 72    f32[512,64]
 // loops:
 //   scatter-add: 64 lines, 1280 sources into 512 places each
 MDL_FN void k44_scatter_add(char *arena, const MdlHooks *h) {
@@ -1593,7 +1593,7 @@ MDL_FN void k44_scatter_add(char *arena, const MdlHooks *h) {
 
 #if MDL_IN(2)
 // k45_mean: kernel, 1 op
-//   %164   mean                                    line 70    f32[4]
+//   %164   mean                                    line 73    f32[4]
 // loops:
 //   mean %164: 4 outputs over 512 elements, in 32 blocks of 16
 MDL_FN void k45_mean(char *arena, const MdlHooks *h) {
@@ -1604,9 +1604,9 @@ MDL_FN void k45_mean(char *arena, const MdlHooks *h) {
 
 #if MDL_IN(1)
 // k46_sum__mul: kernel, 3 ops
-//   %165   mul                                     line 70    f32[4]
-//   %166   sum                                     line 70    f32[]
-//   %168   mul                                     line 70    f32[]
+//   %165   mul                                     line 73    f32[4]
+//   %166   sum                                     line 73    f32[]
+//   %168   mul                                     line 73    f32[]
 // loops:
 //   sum %166: 1 outputs, each over 4 elements
 MDL_FN void k46_sum__mul(char *arena, const MdlHooks *h) {
@@ -1634,9 +1634,9 @@ MDL_FN void k46_sum__mul(char *arena, const MdlHooks *h) {
 
 #if MDL_IN(3)
 // k47_layernorm_fwd__cast: kernel, 3 ops
-//   %172   layernorm                               line 75    f32[8,64,64]
-//   %173   reshape                                 line 75    f32[512,64]
-//   %174   cast                                    line 75    bf16[512,64]
+//   %172   layernorm                               line 78    f32[8,64,64]
+//   %173   reshape                                 line 78    f32[512,64]
+//   %174   cast                                    line 78    bf16[512,64]
 // loops:
 //   layernorm %172: 512 rows of 64
 MDL_FN void k47_layernorm_fwd__cast(char *arena, const MdlHooks *h) {
@@ -1647,7 +1647,7 @@ MDL_FN void k47_layernorm_fwd__cast(char *arena, const MdlHooks *h) {
 
 #if MDL_IN(2)
 // k48_target_count: kernel, 1 op
-//   %182   target_count                            line 76    f32[]
+//   %182   target_count                            line 79    f32[]
 // loops:
 //   target_count %182: 1 outputs, each over 512 elements
 MDL_FN void k48_target_count(char *arena, const MdlHooks *h) {
@@ -1671,8 +1671,8 @@ MDL_FN void k48_target_count(char *arena, const MdlHooks *h) {
 
 #if MDL_IN(1)
 // k49_div__mul: kernel, 2 ops
-//   %190   mul                d.balance            line 78    f32[]
-//   %191   div                d.h.1.aux            line 77    f32[]
+//   %190   mul                d.balance            line 81    f32[]
+//   %191   div                d.h.1.aux            line 80    f32[]
 // loops:
 //   elementwise over 1: %191
 MDL_FN void k49_div__mul(char *arena, const MdlHooks *h) {
@@ -1688,9 +1688,9 @@ MDL_FN void k49_div__mul(char *arena, const MdlHooks *h) {
 
 #if MDL_IN(0)
 // k50_broadcast__div: kernel, 3 ops
-//   %192   div                                     line 76    f32[]
-//   %193   reshape                                 line 76    f32[1]
-//   %194   broadcast                               line 76    f32[512]
+//   %192   div                                     line 79    f32[]
+//   %193   reshape                                 line 79    f32[1]
+//   %194   broadcast                               line 79    f32[512]
 // loops:
 //   elementwise over 512: %194
 MDL_FN void k50_broadcast__div(char *arena, const MdlHooks *h) {
@@ -1709,15 +1709,15 @@ MDL_FN void k50_broadcast__div(char *arena, const MdlHooks *h) {
 
 #if MDL_IN(2)
 // k51_lmhead__cast__cross_entropy__cross_entropy_bwd__gemm: LM head, 9 ops
-//   %176   matmul                                  line 75    f32[512,256]
-//   %177   reshape            logits               line 75    f32[8,64,256]
-//   %178   cast                                    line 76    bf16[8,64,256]
-//   %179   cross_entropy                           line 76    f32[8,64]
-//   %196   cross_entropy_bwd  d.logits             line 76    f32[8,64,256]
-//   %197   reshape                                 line 75    f32[512,256]
-//   %198   cast                                    line 75    bf16[512,256]
-//   %199   matmul                                  line 75    f32[512,64]
-//   %200   matmul                                  line 75    f32[256,64]
+//   %176   matmul                                  line 78    f32[512,256]
+//   %177   reshape            logits               line 78    f32[8,64,256]
+//   %178   cast                                    line 79    bf16[8,64,256]
+//   %179   cross_entropy                           line 79    f32[8,64]
+//   %196   cross_entropy_bwd  d.logits             line 79    f32[8,64,256]
+//   %197   reshape                                 line 78    f32[512,256]
+//   %198   cast                                    line 78    bf16[512,256]
+//   %199   matmul                                  line 78    f32[512,64]
+//   %200   matmul                                  line 78    f32[256,64]
 // loops:
 //   LM head: 512 rows x 256 classes from width 64, in chunks of 256 rows
 MDL_FN void k51_lmhead__cast__cross_entropy__cross_entropy_bwd__gemm(char *arena, const MdlHooks *h) {
@@ -1860,8 +1860,8 @@ MDL_FN void k51_lmhead__cast__cross_entropy__cross_entropy_bwd__gemm(char *arena
 
 #if MDL_IN(3)
 // k52_sum__div: kernel, 2 ops
-//   %181   sum                                     line 76    f32[]
-//   %183   div                ce                   line 76    f32[]
+//   %181   sum                                     line 79    f32[]
+//   %183   div                ce                   line 79    f32[]
 // loops:
 //   sum %181: 1 outputs, each over 512 elements
 MDL_FN void k52_sum__div(char *arena, const MdlHooks *h) {
@@ -1888,14 +1888,14 @@ MDL_FN void k52_sum__div(char *arena, const MdlHooks *h) {
 
 #if MDL_IN(0)
 // k53_sum__mul__add__div: kernel, 8 ops
-//   %84    mul                                     line 70    f32[4]
-//   %85    sum                                     line 70    f32[]
-//   %87    mul                                     line 70    f32[]
-//   %89    add                h.0.aux              line 70    f32[]
-//   %169   add                h.1.aux              line 70    f32[]
-//   %185   div                balance              line 77    f32[]
-//   %187   mul                                     line 78    f32[]
-//   %188   add                loss                 line 78    f32[]
+//   %84    mul                                     line 73    f32[4]
+//   %85    sum                                     line 73    f32[]
+//   %87    mul                                     line 73    f32[]
+//   %89    add                h.0.aux              line 73    f32[]
+//   %169   add                h.1.aux              line 73    f32[]
+//   %185   div                balance              line 80    f32[]
+//   %187   mul                                     line 81    f32[]
+//   %188   add                loss                 line 81    f32[]
 // loops:
 //   sum %85: 1 outputs, each over 4 elements
 MDL_FN void k53_sum__mul__add__div(char *arena, const MdlHooks *h) {
@@ -1934,9 +1934,9 @@ MDL_FN void k53_sum__mul__add__div(char *arena, const MdlHooks *h) {
 
 #if MDL_IN(1)
 // k54_layernorm_bwd: kernel, 3 ops
-//   %202   layernorm_bwd      d.h.1.x              line 75    f32[8,64,64]
-//   %203   layernorm_bwd      d.lnf_w              line 75    f32[64]
-//   %204   layernorm_bwd      d.lnf_b              line 75    f32[64]
+//   %202   layernorm_bwd      d.h.1.x              line 78    f32[8,64,64]
+//   %203   layernorm_bwd      d.lnf_w              line 78    f32[64]
+//   %204   layernorm_bwd      d.lnf_b              line 78    f32[64]
 // loops:
 //   layernorm_bwd: 512 rows of 64, column sums over 32 blocks of 16 rows
 MDL_FN void k54_layernorm_bwd(char *arena, const MdlHooks *h) {
@@ -2014,9 +2014,9 @@ __attribute__((noinline)) MDL_FN void k55_broadcast__mul__code(char *arena, cons
 }
 
 // k55_broadcast__mul: kernel, 3 ops
-//   %205   mul                                     line 70    f32[]
-//   %206   reshape                                 line 70    f32[1]
-//   %207   broadcast                               line 70    f32[4]
+//   %205   mul                                     line 73    f32[]
+//   %206   reshape                                 line 73    f32[1]
+//   %207   broadcast                               line 73    f32[4]
 // loops:
 //   elementwise over 4: %207
 MDL_FN void k55_broadcast__mul(char *arena, const MdlHooks *h) {
@@ -2048,11 +2048,11 @@ __attribute__((noinline)) MDL_FN void k56_broadcast__mul__div__code(char *arena,
 }
 
 // k56_broadcast__mul__div: kernel, 5 ops
-//   %208   mul                                     line 70    f32[4]
-//   %214   div                                     line 70    f32[4]
-//   %216   mul                                     line 70    f32[4]
-//   %217   reshape                                 line 70    f32[1,4]
-//   %218   broadcast          d.h.1.routed         line 70    f32[512,4]
+//   %208   mul                                     line 73    f32[4]
+//   %214   div                                     line 73    f32[4]
+//   %216   mul                                     line 73    f32[4]
+//   %217   reshape                                 line 73    f32[1,4]
+//   %218   broadcast          d.h.1.routed         line 73    f32[512,4]
 // loops:
 //   elementwise over 2048: %218
 MDL_FN void k56_broadcast__mul__div(char *arena, const MdlHooks *h) {
@@ -2078,7 +2078,7 @@ __attribute__((noinline)) MDL_FN void k57_gather__code(char *arena, const MdlHoo
 }
 
 // k57_gather: kernel, 1 op
-//   %220   gather                                  line 69    f32[1280,64]
+//   %220   gather                                  line 72    f32[1280,64]
 // loops:
 //   gather: 81920 values along an axis of 512
 MDL_FN void k57_gather(char *arena, const MdlHooks *h) {
@@ -2113,8 +2113,8 @@ __attribute__((noinline)) MDL_FN void k58_sum__mul__code(char *arena, const MdlH
 }
 
 // k58_sum__mul: kernel, 2 ops
-//   %224   mul                                     line 67    f32[4,320,64]
-//   %225   sum                                     line 67    f32[4,320,1]
+//   %224   mul                                     line 70    f32[4,320,64]
+//   %225   sum                                     line 70    f32[4,320,1]
 // loops:
 //   sum %225: 1280 outputs, each over 64 elements
 MDL_FN void k58_sum__mul(char *arena, const MdlHooks *h) {
@@ -2153,9 +2153,9 @@ __attribute__((noinline)) MDL_FN void k59_sum__mul__cast__code(char *arena, cons
 }
 
 // k59_sum__mul__cast: kernel, 3 ops
-//   %223   mul                                     line 67    f32[4,320,64]
-//   %227   sum                d.h.1.fcproj_b       line 67    f32[4,1,64]
-//   %228   cast                                    line 67    bf16[4,320,64]
+//   %223   mul                                     line 70    f32[4,320,64]
+//   %227   sum                d.h.1.fcproj_b       line 70    f32[4,1,64]
+//   %228   cast                                    line 70    bf16[4,320,64]
 // loops:
 //   sum %227: 256 outputs, each over 320 elements
 MDL_FN void k59_sum__mul__cast(char *arena, const MdlHooks *h) {
@@ -2189,7 +2189,7 @@ __attribute__((noinline)) MDL_FN void k60_gemm__code(char *arena, const MdlHooks
 }
 
 // k60_gemm: GEMM, 1 op
-//   %230   matmul             d.h.1.fcproj_w       line 67    f32[4,128,64]
+//   %230   matmul             d.h.1.fcproj_w       line 70    f32[4,128,64]
 // loops:
 //   gemm %230: [128 x 64] = T[128 x 320] [320 x 64], bf16 operands (widened to f32 where the library has no bf16 GEMM), 4 batches
 MDL_FN void k60_gemm(char *arena, const MdlHooks *h) {
@@ -2244,10 +2244,10 @@ __attribute__((noinline)) MDL_FN void k61_gemm__gelu_bwd__sum__cast__code(char *
 }
 
 // k61_gemm__gelu_bwd__sum__cast: GEMM, 4 ops
-//   %229   matmul                                  line 67    f32[4,320,128]
-//   %231   gelu_bwd                                line 67    f32[4,320,128]
-//   %232   sum                d.h.1.fc_b           line 67    f32[4,1,128]
-//   %233   cast                                    line 67    bf16[4,320,128]
+//   %229   matmul                                  line 70    f32[4,320,128]
+//   %231   gelu_bwd                                line 70    f32[4,320,128]
+//   %232   sum                d.h.1.fc_b           line 70    f32[4,1,128]
+//   %233   cast                                    line 70    bf16[4,320,128]
 // loops:
 //   gemm %229: [320 x 128] = [320 x 64] T[64 x 128], bf16 operands (widened to f32 where the library has no bf16 GEMM), 4 batches, epilogue after
 //   sum %232: 512 outputs, each over 320 elements
@@ -2282,7 +2282,7 @@ __attribute__((noinline)) MDL_FN void k62_gemm__code(char *arena, const MdlHooks
 }
 
 // k62_gemm: GEMM, 1 op
-//   %234   matmul             d.h.1.xe             line 67    f32[4,320,64]
+//   %234   matmul             d.h.1.xe             line 70    f32[4,320,64]
 // loops:
 //   gemm %234: [320 x 64] = [320 x 128] T[128 x 64], bf16 operands (widened to f32 where the library has no bf16 GEMM), 4 batches
 MDL_FN void k62_gemm(char *arena, const MdlHooks *h) {
@@ -2316,7 +2316,7 @@ __attribute__((noinline)) MDL_FN void k63_gemm__code(char *arena, const MdlHooks
 }
 
 // k63_gemm: GEMM, 1 op
-//   %235   matmul             d.h.1.fc_w           line 67    f32[4,64,128]
+//   %235   matmul             d.h.1.fc_w           line 70    f32[4,64,128]
 // loops:
 //   gemm %235: [64 x 128] = T[64 x 320] [320 x 128], bf16 operands (widened to f32 where the library has no bf16 GEMM), 4 batches
 MDL_FN void k63_gemm(char *arena, const MdlHooks *h) {
@@ -2350,7 +2350,7 @@ __attribute__((noinline)) MDL_FN void k64_gather_bwd__code(char *arena, const Md
 }
 
 // k64_gather_bwd: kernel, 1 op
-//   %237   gather_bwd                              line 66    f32[512,64]
+//   %237   gather_bwd                              line 69    f32[512,64]
 // loops:
 //   scatter-add: 64 lines, 1280 sources into 512 places each
 MDL_FN void k64_gather_bwd(char *arena, const MdlHooks *h) {
@@ -2383,7 +2383,7 @@ __attribute__((noinline)) MDL_FN void k65_gather_bwd__code(char *arena, const Md
 }
 
 // k65_gather_bwd: kernel, 1 op
-//   %238   gather_bwd                              line 64    f32[4,512]
+//   %238   gather_bwd                              line 67    f32[4,512]
 // loops:
 //   scatter-add: 4 lines, 320 sources into 512 places each
 MDL_FN void k65_gather_bwd(char *arena, const MdlHooks *h) {
@@ -2409,7 +2409,7 @@ __attribute__((noinline)) MDL_FN void k66_permute__code(char *arena, const MdlHo
 }
 
 // k66_permute: kernel, 1 op
-//   %239   permute            d.h.1.gates          line 64    f32[512,4]
+//   %239   permute            d.h.1.gates          line 67    f32[512,4]
 // loops:
 //   elementwise over 2048: %239
 MDL_FN void k66_permute(char *arena, const MdlHooks *h) {
@@ -2434,7 +2434,7 @@ __attribute__((noinline)) MDL_FN void k67_gather__code(char *arena, const MdlHoo
 }
 
 // k67_gather: kernel, 1 op
-//   %240   gather             d.h.1.gate           line 60    f32[512,2]
+//   %240   gather             d.h.1.gate           line 63    f32[512,2]
 // loops:
 //   gather: 1024 values along an axis of 4
 MDL_FN void k67_gather(char *arena, const MdlHooks *h) {
@@ -2467,7 +2467,7 @@ __attribute__((noinline)) MDL_FN void k68_gather_bwd__code(char *arena, const Md
 }
 
 // k68_gather_bwd: kernel, 1 op
-//   %242   gather_bwd                              line 59    f32[512,4]
+//   %242   gather_bwd                              line 62    f32[512,4]
 // loops:
 //   scatter-add: 512 lines, 2 sources into 4 places each
 MDL_FN void k68_gather_bwd(char *arena, const MdlHooks *h) {
@@ -2505,13 +2505,13 @@ __attribute__((noinline)) MDL_FN void k69_add__mul__broadcast__code(char *arena,
 }
 
 // k69_add__mul__broadcast: kernel, 7 ops
-//   %209   mul                                     line 70    f32[4]
-//   %211   mul                                     line 70    f32[4]
-//   %212   reshape                                 line 70    f32[1,4]
-//   %213   broadcast                               line 70    f32[512,4]
-//   %241   mul                                     line 60    f32[512,4]
-//   %243   add                                     line 58    f32[512,4]
-//   %244   add                d.h.1.probs          line 58    f32[512,4]
+//   %209   mul                                     line 73    f32[4]
+//   %211   mul                                     line 73    f32[4]
+//   %212   reshape                                 line 73    f32[1,4]
+//   %213   broadcast                               line 73    f32[512,4]
+//   %241   mul                                     line 63    f32[512,4]
+//   %243   add                                     line 61    f32[512,4]
+//   %244   add                d.h.1.probs          line 61    f32[512,4]
 // loops:
 //   elementwise over 2048: %244
 MDL_FN void k69_add__mul__broadcast(char *arena, const MdlHooks *h) {
@@ -2552,8 +2552,8 @@ __attribute__((noinline)) MDL_FN void k70_softmax_bwd__cast__code(char *arena, c
 }
 
 // k70_softmax_bwd__cast: kernel, 2 ops
-//   %245   softmax_bwd                             line 58    f32[512,4]
-//   %246   cast                                    line 58    bf16[512,4]
+//   %245   softmax_bwd                             line 61    f32[512,4]
+//   %246   cast                                    line 61    bf16[512,4]
 // loops:
 //   softmax_bwd %245: 512 rows of 4
 MDL_FN void k70_softmax_bwd__cast(char *arena, const MdlHooks *h) {
@@ -2583,7 +2583,7 @@ __attribute__((noinline)) MDL_FN void k71_gemm__code(char *arena, const MdlHooks
 }
 
 // k71_gemm: GEMM, 1 op
-//   %248   matmul             d.h.1.router_w       line 58    f32[64,4]
+//   %248   matmul             d.h.1.router_w       line 61    f32[64,4]
 // loops:
 //   gemm %248: [64 x 4] = T[64 x 512] [512 x 4], bf16 operands (widened to f32 where the library has no bf16 GEMM)
 MDL_FN void k71_gemm(char *arena, const MdlHooks *h) {
@@ -2625,8 +2625,8 @@ __attribute__((noinline)) MDL_FN void k72_gemm__add__code(char *arena, const Mdl
 }
 
 // k72_gemm__add: GEMM, 2 ops
-//   %247   matmul                                  line 58    f32[512,64]
-//   %249   add                d.h.1.t              line 57    f32[512,64]
+//   %247   matmul                                  line 61    f32[512,64]
+//   %249   add                d.h.1.t              line 60    f32[512,64]
 // loops:
 //   gemm %247: [512 x 64] = [512 x 4] T[4 x 64], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
 //   elementwise over 32768: %249
@@ -2720,13 +2720,13 @@ __attribute__((noinline)) MDL_FN void k73_layernorm_bwd__add__sum__cast__code(ch
 }
 
 // k73_layernorm_bwd__add__sum__cast: kernel, 7 ops
-//   %251   layernorm_bwd                           line 57    f32[8,64,64]
-//   %252   layernorm_bwd      d.h.1.ln2_w          line 57    f32[64]
-//   %253   layernorm_bwd      d.h.1.ln2_b          line 57    f32[64]
-//   %254   add                d.h.1.x              line 54    f32[8,64,64]
-//   %255   reshape                                 line 54    f32[512,64]
-//   %256   sum                d.h.1.proj_b         line 54    f32[64]
-//   %257   cast                                    line 54    bf16[512,64]
+//   %251   layernorm_bwd                           line 60    f32[8,64,64]
+//   %252   layernorm_bwd      d.h.1.ln2_w          line 60    f32[64]
+//   %253   layernorm_bwd      d.h.1.ln2_b          line 60    f32[64]
+//   %254   add                d.h.1.x              line 57    f32[8,64,64]
+//   %255   reshape                                 line 57    f32[512,64]
+//   %256   sum                d.h.1.proj_b         line 57    f32[64]
+//   %257   cast                                    line 57    bf16[512,64]
 // loops:
 //   layernorm_bwd: 512 rows of 64, column sums over 32 blocks of 16 rows
 MDL_FN void k73_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
@@ -2756,7 +2756,7 @@ __attribute__((noinline)) MDL_FN void k74_gemm__code(char *arena, const MdlHooks
 }
 
 // k74_gemm: GEMM, 1 op
-//   %259   matmul             d.h.1.proj_w         line 54    f32[64,64]
+//   %259   matmul             d.h.1.proj_w         line 57    f32[64,64]
 // loops:
 //   gemm %259: [64 x 64] = T[64 x 512] [512 x 64], bf16 operands (widened to f32 where the library has no bf16 GEMM)
 MDL_FN void k74_gemm(char *arena, const MdlHooks *h) {
@@ -2798,9 +2798,9 @@ __attribute__((noinline)) MDL_FN void k75_gemm__cast__code(char *arena, const Md
 }
 
 // k75_gemm__cast: GEMM, 3 ops
-//   %258   matmul                                  line 54    f32[512,64]
-//   %260   reshape                                 line 54    f32[8,64,64]
-//   %263   cast                                    line 54    bf16[8,64,64]
+//   %258   matmul                                  line 57    f32[512,64]
+//   %260   reshape                                 line 57    f32[8,64,64]
+//   %263   cast                                    line 57    bf16[8,64,64]
 // loops:
 //   gemm %258: [512 x 64] = [512 x 64] T[64 x 64], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
 //   elementwise over 32768: %263
@@ -2945,9 +2945,9 @@ __attribute__((noinline)) MDL_FN void k76_attention_bwd__code(char *arena, const
 }
 
 // k76_attention_bwd: attention, 3 ops
-//   %264   attention_bwd      d.h.1.q              line 54    f32[8,64,64]
-//   %265   attention_bwd      d.h.1.k              line 54    f32[8,64,64]
-//   %266   attention_bwd      d.h.1.v              line 54    f32[8,64,64]
+//   %264   attention_bwd      d.h.1.q              line 57    f32[8,64,64]
+//   %265   attention_bwd      d.h.1.k              line 57    f32[8,64,64]
+//   %266   attention_bwd      d.h.1.v              line 57    f32[8,64,64]
 // loops:
 //   attention backward (dq dk dv): B 8, T 64, 4 heads of 16, causal, within documents; one task per (batch, head)
 MDL_FN void k76_attention_bwd(char *arena, const MdlHooks *h) {
@@ -2998,10 +2998,10 @@ __attribute__((noinline)) MDL_FN void k77_sum__concat__cast__code(char *arena, c
 }
 
 // k77_sum__concat__cast: kernel, 4 ops
-//   %267   concat                                  line 53    f32[8,64,192]
-//   %268   reshape                                 line 53    f32[512,192]
-//   %269   sum                d.h.1.attn_b         line 53    f32[192]
-//   %270   cast                                    line 53    bf16[512,192]
+//   %267   concat                                  line 56    f32[8,64,192]
+//   %268   reshape                                 line 56    f32[512,192]
+//   %269   sum                d.h.1.attn_b         line 56    f32[192]
+//   %270   cast                                    line 56    bf16[512,192]
 // loops:
 //   sum %269: 192 outputs over 512 elements, in 32 blocks of 16
 MDL_FN void k77_sum__concat__cast(char *arena, const MdlHooks *h) {
@@ -3031,7 +3031,7 @@ __attribute__((noinline)) MDL_FN void k78_gemm__code(char *arena, const MdlHooks
 }
 
 // k78_gemm: GEMM, 1 op
-//   %271   matmul                                  line 53    f32[512,64]
+//   %271   matmul                                  line 56    f32[512,64]
 // loops:
 //   gemm %271: [512 x 64] = [512 x 192] T[192 x 64], bf16 operands (widened to f32 where the library has no bf16 GEMM)
 MDL_FN void k78_gemm(char *arena, const MdlHooks *h) {
@@ -3061,7 +3061,7 @@ __attribute__((noinline)) MDL_FN void k79_gemm__code(char *arena, const MdlHooks
 }
 
 // k79_gemm: GEMM, 1 op
-//   %272   matmul             d.h.1.attn_w         line 53    f32[64,192]
+//   %272   matmul             d.h.1.attn_w         line 56    f32[64,192]
 // loops:
 //   gemm %272: [64 x 192] = T[64 x 512] [512 x 192], bf16 operands (widened to f32 where the library has no bf16 GEMM)
 MDL_FN void k79_gemm(char *arena, const MdlHooks *h) {
@@ -3072,9 +3072,9 @@ MDL_FN void k79_gemm(char *arena, const MdlHooks *h) {
 
 #if MDL_IN(2)
 // k80_broadcast__mul: kernel, 3 ops
-//   %277   mul                                     line 70    f32[]
-//   %278   reshape                                 line 70    f32[1]
-//   %279   broadcast                               line 70    f32[4]
+//   %277   mul                                     line 73    f32[]
+//   %278   reshape                                 line 73    f32[1]
+//   %279   broadcast                               line 73    f32[4]
 // loops:
 //   elementwise over 4: %279
 MDL_FN void k80_broadcast__mul(char *arena, const MdlHooks *h) {
@@ -3085,11 +3085,11 @@ MDL_FN void k80_broadcast__mul(char *arena, const MdlHooks *h) {
 
 #if MDL_IN(2)
 // k81_broadcast__mul__div: kernel, 5 ops
-//   %280   mul                                     line 70    f32[4]
-//   %286   div                                     line 70    f32[4]
-//   %288   mul                                     line 70    f32[4]
-//   %289   reshape                                 line 70    f32[1,4]
-//   %290   broadcast          d.h.0.routed         line 70    f32[512,4]
+//   %280   mul                                     line 73    f32[4]
+//   %286   div                                     line 73    f32[4]
+//   %288   mul                                     line 73    f32[4]
+//   %289   reshape                                 line 73    f32[1,4]
+//   %290   broadcast          d.h.0.routed         line 73    f32[512,4]
 // loops:
 //   elementwise over 2048: %290
 MDL_FN void k81_broadcast__mul__div(char *arena, const MdlHooks *h) {
@@ -3171,10 +3171,10 @@ __attribute__((noinline)) MDL_FN void k82_layernorm_bwd__add__code(char *arena, 
 }
 
 // k82_layernorm_bwd__add: kernel, 4 ops
-//   %274   layernorm_bwd                           line 53    f32[8,64,64]
-//   %275   layernorm_bwd      d.h.1.ln1_w          line 53    f32[64]
-//   %276   layernorm_bwd      d.h.1.ln1_b          line 53    f32[64]
-//   %291   add                d.h.0.x              line 69    f32[8,64,64]
+//   %274   layernorm_bwd                           line 56    f32[8,64,64]
+//   %275   layernorm_bwd      d.h.1.ln1_w          line 56    f32[64]
+//   %276   layernorm_bwd      d.h.1.ln1_b          line 56    f32[64]
+//   %291   add                d.h.0.x              line 72    f32[8,64,64]
 // loops:
 //   layernorm_bwd: 512 rows of 64, column sums over 32 blocks of 16 rows
 MDL_FN void k82_layernorm_bwd__add(char *arena, const MdlHooks *h) {
@@ -3185,7 +3185,7 @@ MDL_FN void k82_layernorm_bwd__add(char *arena, const MdlHooks *h) {
 
 #if MDL_IN(3)
 // k83_gather: kernel, 1 op
-//   %293   gather                                  line 69    f32[1280,64]
+//   %293   gather                                  line 72    f32[1280,64]
 // loops:
 //   gather: 81920 values along an axis of 512
 MDL_FN void k83_gather(char *arena, const MdlHooks *h) {
@@ -3196,8 +3196,8 @@ MDL_FN void k83_gather(char *arena, const MdlHooks *h) {
 
 #if MDL_IN(2)
 // k84_sum__mul: kernel, 2 ops
-//   %297   mul                                     line 67    f32[4,320,64]
-//   %298   sum                                     line 67    f32[4,320,1]
+//   %297   mul                                     line 70    f32[4,320,64]
+//   %298   sum                                     line 70    f32[4,320,1]
 // loops:
 //   sum %298: 1280 outputs, each over 64 elements
 MDL_FN void k84_sum__mul(char *arena, const MdlHooks *h) {
@@ -3208,9 +3208,9 @@ MDL_FN void k84_sum__mul(char *arena, const MdlHooks *h) {
 
 #if MDL_IN(3)
 // k85_sum__mul__cast: kernel, 3 ops
-//   %296   mul                                     line 67    f32[4,320,64]
-//   %300   sum                d.h.0.fcproj_b       line 67    f32[4,1,64]
-//   %301   cast                                    line 67    bf16[4,320,64]
+//   %296   mul                                     line 70    f32[4,320,64]
+//   %300   sum                d.h.0.fcproj_b       line 70    f32[4,1,64]
+//   %301   cast                                    line 70    bf16[4,320,64]
 // loops:
 //   sum %300: 256 outputs, each over 320 elements
 MDL_FN void k85_sum__mul__cast(char *arena, const MdlHooks *h) {
@@ -3221,7 +3221,7 @@ MDL_FN void k85_sum__mul__cast(char *arena, const MdlHooks *h) {
 
 #if MDL_IN(3)
 // k86_gemm: GEMM, 1 op
-//   %303   matmul             d.h.0.fcproj_w       line 67    f32[4,128,64]
+//   %303   matmul             d.h.0.fcproj_w       line 70    f32[4,128,64]
 // loops:
 //   gemm %303: [128 x 64] = T[128 x 320] [320 x 64], bf16 operands (widened to f32 where the library has no bf16 GEMM), 4 batches
 MDL_FN void k86_gemm(char *arena, const MdlHooks *h) {
@@ -3232,10 +3232,10 @@ MDL_FN void k86_gemm(char *arena, const MdlHooks *h) {
 
 #if MDL_IN(1)
 // k87_gemm__gelu_bwd__sum__cast: GEMM, 4 ops
-//   %302   matmul                                  line 67    f32[4,320,128]
-//   %304   gelu_bwd                                line 67    f32[4,320,128]
-//   %305   sum                d.h.0.fc_b           line 67    f32[4,1,128]
-//   %306   cast                                    line 67    bf16[4,320,128]
+//   %302   matmul                                  line 70    f32[4,320,128]
+//   %304   gelu_bwd                                line 70    f32[4,320,128]
+//   %305   sum                d.h.0.fc_b           line 70    f32[4,1,128]
+//   %306   cast                                    line 70    bf16[4,320,128]
 // loops:
 //   gemm %302: [320 x 128] = [320 x 64] T[64 x 128], bf16 operands (widened to f32 where the library has no bf16 GEMM), 4 batches, epilogue after
 //   sum %305: 512 outputs, each over 320 elements
@@ -3247,7 +3247,7 @@ MDL_FN void k87_gemm__gelu_bwd__sum__cast(char *arena, const MdlHooks *h) {
 
 #if MDL_IN(1)
 // k88_gemm: GEMM, 1 op
-//   %307   matmul             d.h.0.xe             line 67    f32[4,320,64]
+//   %307   matmul             d.h.0.xe             line 70    f32[4,320,64]
 // loops:
 //   gemm %307: [320 x 64] = [320 x 128] T[128 x 64], bf16 operands (widened to f32 where the library has no bf16 GEMM), 4 batches
 MDL_FN void k88_gemm(char *arena, const MdlHooks *h) {
@@ -3258,7 +3258,7 @@ MDL_FN void k88_gemm(char *arena, const MdlHooks *h) {
 
 #if MDL_IN(2)
 // k89_gemm: GEMM, 1 op
-//   %308   matmul             d.h.0.fc_w           line 67    f32[4,64,128]
+//   %308   matmul             d.h.0.fc_w           line 70    f32[4,64,128]
 // loops:
 //   gemm %308: [64 x 128] = T[64 x 320] [320 x 128], bf16 operands (widened to f32 where the library has no bf16 GEMM), 4 batches
 MDL_FN void k89_gemm(char *arena, const MdlHooks *h) {
@@ -3269,7 +3269,7 @@ MDL_FN void k89_gemm(char *arena, const MdlHooks *h) {
 
 #if MDL_IN(0)
 // k90_gather_bwd: kernel, 1 op
-//   %310   gather_bwd                              line 66    f32[512,64]
+//   %310   gather_bwd                              line 69    f32[512,64]
 // loops:
 //   scatter-add: 64 lines, 1280 sources into 512 places each
 MDL_FN void k90_gather_bwd(char *arena, const MdlHooks *h) {
@@ -3280,7 +3280,7 @@ MDL_FN void k90_gather_bwd(char *arena, const MdlHooks *h) {
 
 #if MDL_IN(0)
 // k91_gather_bwd: kernel, 1 op
-//   %311   gather_bwd                              line 64    f32[4,512]
+//   %311   gather_bwd                              line 67    f32[4,512]
 // loops:
 //   scatter-add: 4 lines, 320 sources into 512 places each
 MDL_FN void k91_gather_bwd(char *arena, const MdlHooks *h) {
@@ -3291,7 +3291,7 @@ MDL_FN void k91_gather_bwd(char *arena, const MdlHooks *h) {
 
 #if MDL_IN(1)
 // k92_permute: kernel, 1 op
-//   %312   permute            d.h.0.gates          line 64    f32[512,4]
+//   %312   permute            d.h.0.gates          line 67    f32[512,4]
 // loops:
 //   elementwise over 2048: %312
 MDL_FN void k92_permute(char *arena, const MdlHooks *h) {
@@ -3302,7 +3302,7 @@ MDL_FN void k92_permute(char *arena, const MdlHooks *h) {
 
 #if MDL_IN(3)
 // k93_gather: kernel, 1 op
-//   %313   gather             d.h.0.gate           line 60    f32[512,2]
+//   %313   gather             d.h.0.gate           line 63    f32[512,2]
 // loops:
 //   gather: 1024 values along an axis of 4
 MDL_FN void k93_gather(char *arena, const MdlHooks *h) {
@@ -3313,7 +3313,7 @@ MDL_FN void k93_gather(char *arena, const MdlHooks *h) {
 
 #if MDL_IN(0)
 // k94_gather_bwd: kernel, 1 op
-//   %315   gather_bwd                              line 59    f32[512,4]
+//   %315   gather_bwd                              line 62    f32[512,4]
 // loops:
 //   scatter-add: 512 lines, 2 sources into 4 places each
 MDL_FN void k94_gather_bwd(char *arena, const MdlHooks *h) {
@@ -3324,13 +3324,13 @@ MDL_FN void k94_gather_bwd(char *arena, const MdlHooks *h) {
 
 #if MDL_IN(2)
 // k95_add__mul__broadcast: kernel, 7 ops
-//   %281   mul                                     line 70    f32[4]
-//   %283   mul                                     line 70    f32[4]
-//   %284   reshape                                 line 70    f32[1,4]
-//   %285   broadcast                               line 70    f32[512,4]
-//   %314   mul                                     line 60    f32[512,4]
-//   %316   add                                     line 58    f32[512,4]
-//   %317   add                d.h.0.probs          line 58    f32[512,4]
+//   %281   mul                                     line 73    f32[4]
+//   %283   mul                                     line 73    f32[4]
+//   %284   reshape                                 line 73    f32[1,4]
+//   %285   broadcast                               line 73    f32[512,4]
+//   %314   mul                                     line 63    f32[512,4]
+//   %316   add                                     line 61    f32[512,4]
+//   %317   add                d.h.0.probs          line 61    f32[512,4]
 // loops:
 //   elementwise over 2048: %317
 MDL_FN void k95_add__mul__broadcast(char *arena, const MdlHooks *h) {
@@ -3341,8 +3341,8 @@ MDL_FN void k95_add__mul__broadcast(char *arena, const MdlHooks *h) {
 
 #if MDL_IN(0)
 // k96_softmax_bwd__cast: kernel, 2 ops
-//   %318   softmax_bwd                             line 58    f32[512,4]
-//   %319   cast                                    line 58    bf16[512,4]
+//   %318   softmax_bwd                             line 61    f32[512,4]
+//   %319   cast                                    line 61    bf16[512,4]
 // loops:
 //   softmax_bwd %318: 512 rows of 4
 MDL_FN void k96_softmax_bwd__cast(char *arena, const MdlHooks *h) {
@@ -3353,7 +3353,7 @@ MDL_FN void k96_softmax_bwd__cast(char *arena, const MdlHooks *h) {
 
 #if MDL_IN(3)
 // k97_gemm: GEMM, 1 op
-//   %321   matmul             d.h.0.router_w       line 58    f32[64,4]
+//   %321   matmul             d.h.0.router_w       line 61    f32[64,4]
 // loops:
 //   gemm %321: [64 x 4] = T[64 x 512] [512 x 4], bf16 operands (widened to f32 where the library has no bf16 GEMM)
 MDL_FN void k97_gemm(char *arena, const MdlHooks *h) {
@@ -3364,8 +3364,8 @@ MDL_FN void k97_gemm(char *arena, const MdlHooks *h) {
 
 #if MDL_IN(2)
 // k98_gemm__add: GEMM, 2 ops
-//   %320   matmul                                  line 58    f32[512,64]
-//   %322   add                d.h.0.t              line 57    f32[512,64]
+//   %320   matmul                                  line 61    f32[512,64]
+//   %322   add                d.h.0.t              line 60    f32[512,64]
 // loops:
 //   gemm %320: [512 x 64] = [512 x 4] T[4 x 64], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
 //   elementwise over 32768: %322
@@ -3377,13 +3377,13 @@ MDL_FN void k98_gemm__add(char *arena, const MdlHooks *h) {
 
 #if MDL_IN(3)
 // k99_layernorm_bwd__add__sum__cast: kernel, 7 ops
-//   %324   layernorm_bwd                           line 57    f32[8,64,64]
-//   %325   layernorm_bwd      d.h.0.ln2_w          line 57    f32[64]
-//   %326   layernorm_bwd      d.h.0.ln2_b          line 57    f32[64]
-//   %327   add                d.h.0.x              line 54    f32[8,64,64]
-//   %328   reshape                                 line 54    f32[512,64]
-//   %329   sum                d.h.0.proj_b         line 54    f32[64]
-//   %330   cast                                    line 54    bf16[512,64]
+//   %324   layernorm_bwd                           line 60    f32[8,64,64]
+//   %325   layernorm_bwd      d.h.0.ln2_w          line 60    f32[64]
+//   %326   layernorm_bwd      d.h.0.ln2_b          line 60    f32[64]
+//   %327   add                d.h.0.x              line 57    f32[8,64,64]
+//   %328   reshape                                 line 57    f32[512,64]
+//   %329   sum                d.h.0.proj_b         line 57    f32[64]
+//   %330   cast                                    line 57    bf16[512,64]
 // loops:
 //   layernorm_bwd: 512 rows of 64, column sums over 32 blocks of 16 rows
 MDL_FN void k99_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
@@ -3394,7 +3394,7 @@ MDL_FN void k99_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
 
 #if MDL_IN(2)
 // k100_gemm: GEMM, 1 op
-//   %332   matmul             d.h.0.proj_w         line 54    f32[64,64]
+//   %332   matmul             d.h.0.proj_w         line 57    f32[64,64]
 // loops:
 //   gemm %332: [64 x 64] = T[64 x 512] [512 x 64], bf16 operands (widened to f32 where the library has no bf16 GEMM)
 MDL_FN void k100_gemm(char *arena, const MdlHooks *h) {
@@ -3405,9 +3405,9 @@ MDL_FN void k100_gemm(char *arena, const MdlHooks *h) {
 
 #if MDL_IN(0)
 // k101_gemm__cast: GEMM, 3 ops
-//   %331   matmul                                  line 54    f32[512,64]
-//   %333   reshape                                 line 54    f32[8,64,64]
-//   %336   cast                                    line 54    bf16[8,64,64]
+//   %331   matmul                                  line 57    f32[512,64]
+//   %333   reshape                                 line 57    f32[8,64,64]
+//   %336   cast                                    line 57    bf16[8,64,64]
 // loops:
 //   gemm %331: [512 x 64] = [512 x 64] T[64 x 64], bf16 operands (widened to f32 where the library has no bf16 GEMM), epilogue after
 //   elementwise over 32768: %336
@@ -3419,9 +3419,9 @@ MDL_FN void k101_gemm__cast(char *arena, const MdlHooks *h) {
 
 #if MDL_IN(1)
 // k102_attention_bwd: attention, 3 ops
-//   %337   attention_bwd      d.h.0.q              line 54    f32[8,64,64]
-//   %338   attention_bwd      d.h.0.k              line 54    f32[8,64,64]
-//   %339   attention_bwd      d.h.0.v              line 54    f32[8,64,64]
+//   %337   attention_bwd      d.h.0.q              line 57    f32[8,64,64]
+//   %338   attention_bwd      d.h.0.k              line 57    f32[8,64,64]
+//   %339   attention_bwd      d.h.0.v              line 57    f32[8,64,64]
 // loops:
 //   attention backward (dq dk dv): B 8, T 64, 4 heads of 16, causal, within documents; one task per (batch, head)
 MDL_FN void k102_attention_bwd(char *arena, const MdlHooks *h) {
@@ -3432,10 +3432,10 @@ MDL_FN void k102_attention_bwd(char *arena, const MdlHooks *h) {
 
 #if MDL_IN(1)
 // k103_sum__concat__cast: kernel, 4 ops
-//   %340   concat                                  line 53    f32[8,64,192]
-//   %341   reshape                                 line 53    f32[512,192]
-//   %342   sum                d.h.0.attn_b         line 53    f32[192]
-//   %343   cast                                    line 53    bf16[512,192]
+//   %340   concat                                  line 56    f32[8,64,192]
+//   %341   reshape                                 line 56    f32[512,192]
+//   %342   sum                d.h.0.attn_b         line 56    f32[192]
+//   %343   cast                                    line 56    bf16[512,192]
 // loops:
 //   sum %342: 192 outputs over 512 elements, in 32 blocks of 16
 MDL_FN void k103_sum__concat__cast(char *arena, const MdlHooks *h) {
@@ -3446,7 +3446,7 @@ MDL_FN void k103_sum__concat__cast(char *arena, const MdlHooks *h) {
 
 #if MDL_IN(1)
 // k104_gemm: GEMM, 1 op
-//   %344   matmul                                  line 53    f32[512,64]
+//   %344   matmul                                  line 56    f32[512,64]
 // loops:
 //   gemm %344: [512 x 64] = [512 x 192] T[192 x 64], bf16 operands (widened to f32 where the library has no bf16 GEMM)
 MDL_FN void k104_gemm(char *arena, const MdlHooks *h) {
@@ -3457,7 +3457,7 @@ MDL_FN void k104_gemm(char *arena, const MdlHooks *h) {
 
 #if MDL_IN(0)
 // k105_gemm: GEMM, 1 op
-//   %345   matmul             d.h.0.attn_w         line 53    f32[64,192]
+//   %345   matmul             d.h.0.attn_w         line 56    f32[64,192]
 // loops:
 //   gemm %345: [64 x 192] = T[64 x 512] [512 x 192], bf16 operands (widened to f32 where the library has no bf16 GEMM)
 MDL_FN void k105_gemm(char *arena, const MdlHooks *h) {
@@ -3468,10 +3468,10 @@ MDL_FN void k105_gemm(char *arena, const MdlHooks *h) {
 
 #if MDL_IN(2)
 // k106_layernorm_bwd__add: kernel, 4 ops
-//   %347   layernorm_bwd                           line 53    f32[8,64,64]
-//   %348   layernorm_bwd      d.h.0.ln1_w          line 53    f32[64]
-//   %349   layernorm_bwd      d.h.0.ln1_b          line 53    f32[64]
-//   %350   add                d.x                  line 35    f32[8,64,64]
+//   %347   layernorm_bwd                           line 56    f32[8,64,64]
+//   %348   layernorm_bwd      d.h.0.ln1_w          line 56    f32[64]
+//   %349   layernorm_bwd      d.h.0.ln1_b          line 56    f32[64]
+//   %350   add                d.x                  line 38    f32[8,64,64]
 // loops:
 //   layernorm_bwd: 512 rows of 64, column sums over 32 blocks of 16 rows
 MDL_FN void k106_layernorm_bwd__add(char *arena, const MdlHooks *h) {
@@ -3482,7 +3482,7 @@ MDL_FN void k106_layernorm_bwd__add(char *arena, const MdlHooks *h) {
 
 #if MDL_IN(0)
 // k107_embed_bwd: kernel, 1 op
-//   %351   embed_bwd          d.wpe                line 35    f32[128,64]
+//   %351   embed_bwd          d.wpe                line 38    f32[128,64]
 // loops:
 //   embed backward: 512 rows of 64 into a table of 128, 4 column blocks
 MDL_FN void k107_embed_bwd(char *arena, const MdlHooks *h) {
@@ -3526,8 +3526,8 @@ MDL_FN void k107_embed_bwd(char *arena, const MdlHooks *h) {
 
 #if MDL_IN(3)
 // k108_embed_bwd__add: kernel, 2 ops
-//   %352   embed_bwd                               line 35    f32[256,64]
-//   %353   add                d.wte                line 32    f32[256,64]
+//   %352   embed_bwd                               line 38    f32[256,64]
+//   %353   add                d.wte                line 35    f32[256,64]
 // loops:
 //   embed backward added to %200: 512 rows of 64 into the rows of a table of 256 they name, 4 column blocks
 MDL_FN void k108_embed_bwd__add(char *arena, const MdlHooks *h) {
@@ -3577,36 +3577,36 @@ MDL_FN void k108_embed_bwd__add(char *arena, const MdlHooks *h) {
 #if MDL_IN(0)
 // k109_grad_norm__adamw: optimizer, 31 ops
 //   %356   grad_norm                                          f32[]
-//   %359   adamw              wte.new              line 32    f32[256,64]
-//   %362   adamw              wpe.new              line 33    f32[128,64]
-//   %365   adamw              h.0.ln1_w.new        line 39    f32[64]
-//   %368   adamw              h.0.ln1_b.new        line 40    f32[64]
-//   %371   adamw              h.0.attn_w.new       line 41    f32[64,192]
-//   %374   adamw              h.0.attn_b.new       line 42    f32[192]
-//   %377   adamw              h.0.proj_w.new       line 43    f32[64,64]
-//   %380   adamw              h.0.proj_b.new       line 44    f32[64]
-//   %383   adamw              h.0.ln2_w.new        line 45    f32[64]
-//   %386   adamw              h.0.ln2_b.new        line 46    f32[64]
-//   %389   adamw              h.0.router_w.new     line 47    f32[64,4]
-//   %392   adamw              h.0.fc_w.new         line 48    f32[4,64,128]
-//   %395   adamw              h.0.fc_b.new         line 49    f32[4,1,128]
-//   %398   adamw              h.0.fcproj_w.new     line 50    f32[4,128,64]
-//   %401   adamw              h.0.fcproj_b.new     line 51    f32[4,1,64]
-//   %404   adamw              h.1.ln1_w.new        line 39    f32[64]
-//   %407   adamw              h.1.ln1_b.new        line 40    f32[64]
-//   %410   adamw              h.1.attn_w.new       line 41    f32[64,192]
-//   %413   adamw              h.1.attn_b.new       line 42    f32[192]
-//   %416   adamw              h.1.proj_w.new       line 43    f32[64,64]
-//   %419   adamw              h.1.proj_b.new       line 44    f32[64]
-//   %422   adamw              h.1.ln2_w.new        line 45    f32[64]
-//   %425   adamw              h.1.ln2_b.new        line 46    f32[64]
-//   %428   adamw              h.1.router_w.new     line 47    f32[64,4]
-//   %431   adamw              h.1.fc_w.new         line 48    f32[4,64,128]
-//   %434   adamw              h.1.fc_b.new         line 49    f32[4,1,128]
-//   %437   adamw              h.1.fcproj_w.new     line 50    f32[4,128,64]
-//   %440   adamw              h.1.fcproj_b.new     line 51    f32[4,1,64]
-//   %443   adamw              lnf_w.new            line 73    f32[64]
-//   %446   adamw              lnf_b.new            line 74    f32[64]
+//   %359   adamw              wte.new              line 35    f32[256,64]
+//   %362   adamw              wpe.new              line 36    f32[128,64]
+//   %365   adamw              h.0.ln1_w.new        line 42    f32[64]
+//   %368   adamw              h.0.ln1_b.new        line 43    f32[64]
+//   %371   adamw              h.0.attn_w.new       line 44    f32[64,192]
+//   %374   adamw              h.0.attn_b.new       line 45    f32[192]
+//   %377   adamw              h.0.proj_w.new       line 46    f32[64,64]
+//   %380   adamw              h.0.proj_b.new       line 47    f32[64]
+//   %383   adamw              h.0.ln2_w.new        line 48    f32[64]
+//   %386   adamw              h.0.ln2_b.new        line 49    f32[64]
+//   %389   adamw              h.0.router_w.new     line 50    f32[64,4]
+//   %392   adamw              h.0.fc_w.new         line 51    f32[4,64,128]
+//   %395   adamw              h.0.fc_b.new         line 52    f32[4,1,128]
+//   %398   adamw              h.0.fcproj_w.new     line 53    f32[4,128,64]
+//   %401   adamw              h.0.fcproj_b.new     line 54    f32[4,1,64]
+//   %404   adamw              h.1.ln1_w.new        line 42    f32[64]
+//   %407   adamw              h.1.ln1_b.new        line 43    f32[64]
+//   %410   adamw              h.1.attn_w.new       line 44    f32[64,192]
+//   %413   adamw              h.1.attn_b.new       line 45    f32[192]
+//   %416   adamw              h.1.proj_w.new       line 46    f32[64,64]
+//   %419   adamw              h.1.proj_b.new       line 47    f32[64]
+//   %422   adamw              h.1.ln2_w.new        line 48    f32[64]
+//   %425   adamw              h.1.ln2_b.new        line 49    f32[64]
+//   %428   adamw              h.1.router_w.new     line 50    f32[64,4]
+//   %431   adamw              h.1.fc_w.new         line 51    f32[4,64,128]
+//   %434   adamw              h.1.fc_b.new         line 52    f32[4,1,128]
+//   %437   adamw              h.1.fcproj_w.new     line 53    f32[4,128,64]
+//   %440   adamw              h.1.fcproj_b.new     line 54    f32[4,1,64]
+//   %443   adamw              lnf_w.new            line 76    f32[64]
+//   %446   adamw              lnf_b.new            line 77    f32[64]
 // loops:
 //   gradient norm %356 over 30 tensors, 191616 values
 //   AdamW over 30 parameters, 191616 values (beta1 0.9, beta2 0.95, eps 1e-08, clip 1); 11 bf16 copies

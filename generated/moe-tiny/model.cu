@@ -1302,7 +1302,7 @@ extern "C" __global__ void mdl_accumulate(float *y, const float *x, int64_t n) {
 }
 
 // k0_embed: kernel, 1 op
-//   %6     embed                                   line 35    f32[8,64,64]
+//   %6     embed                                   line 38    f32[8,64,64]
 // runs:
 //   k0_embed<<<32, 256>>>
 
@@ -1325,7 +1325,7 @@ extern "C" __global__ void __launch_bounds__(256) k0_embed(char *arena, MdlStatu
 }
 
 // k1_embed: kernel, 1 op
-//   %7     embed                                   line 35    f32[8,64,64]
+//   %7     embed                                   line 38    f32[8,64,64]
 // runs:
 //   k1_embed<<<32, 256>>>
 
@@ -1348,10 +1348,10 @@ extern "C" __global__ void __launch_bounds__(256) k1_embed(char *arena, MdlStatu
 }
 
 // k2_layernorm_fwd__add__cast: kernel, 4 ops
-//   %8     add                x                    line 35    f32[8,64,64]
-//   %22    layernorm                               line 53    f32[8,64,64]
-//   %23    reshape                                 line 53    f32[512,64]
-//   %24    cast                                    line 53    bf16[512,64]
+//   %8     add                x                    line 38    f32[8,64,64]
+//   %22    layernorm                               line 56    f32[8,64,64]
+//   %23    reshape                                 line 56    f32[512,64]
+//   %24    cast                                    line 56    bf16[512,64]
 // runs:
 //   k2_layernorm_fwd__add__cast<<<64, 256>>>
 
@@ -1404,10 +1404,10 @@ extern "C" __global__ void __launch_bounds__(256) k2_layernorm_fwd__add__cast(ch
 }
 
 // k3_gemm__add__cast: GEMM, 4 ops
-//   %26    matmul                                  line 53    f32[512,192]
-//   %27    reshape                                 line 53    f32[8,64,192]
-//   %28    add                                     line 53    f32[8,64,192]
-//   %29    cast                                    line 53    bf16[8,64,192]
+//   %26    matmul                                  line 56    f32[512,192]
+//   %27    reshape                                 line 56    f32[8,64,192]
+//   %28    add                                     line 56    f32[8,64,192]
+//   %29    cast                                    line 56    bf16[8,64,192]
 // runs:
 //   gemm 0: [512 x 192] = [512 x 64] [64 x 192], epilogue bias, bf16 A and B, f32 C
 //   k3_gemm__add__cast_epilogue<<<96, 256>>>
@@ -1423,10 +1423,10 @@ extern "C" __global__ void __launch_bounds__(256) k3_gemm__add__cast_epilogue(ch
 }
 
 // k4_attention_fwd__cast__lse: attention, 4 ops
-//   %33    attention                               line 54    f32[8,64,64]
-//   %34    reshape                                 line 54    f32[512,64]
-//   %35    cast                                    line 54    bf16[512,64]
-//   %334   attention_lse                           line 54    f32[8,4,64]
+//   %33    attention                               line 57    f32[8,64,64]
+//   %34    reshape                                 line 57    f32[512,64]
+//   %35    cast                                    line 57    bf16[512,64]
+//   %334   attention_lse                           line 57    f32[8,4,64]
 // runs:
 //   k4_attention_fwd__cast__lse<<<32, 256>>> or k4_attention_fwd__cast__lse_w4<<<32, 128>>>, the faster on the device
 
@@ -1461,16 +1461,16 @@ extern "C" __global__ void __launch_bounds__(128, 4) k4_attention_fwd__cast__lse
 }
 
 // k5_gemm__add: GEMM, 4 ops
-//   %37    matmul                                  line 54    f32[512,64]
-//   %38    reshape                                 line 54    f32[8,64,64]
-//   %39    add                                     line 54    f32[8,64,64]
-//   %40    add                h.0.x                line 54    f32[8,64,64]
+//   %37    matmul                                  line 57    f32[512,64]
+//   %38    reshape                                 line 57    f32[8,64,64]
+//   %39    add                                     line 57    f32[8,64,64]
+//   %40    add                h.0.x                line 57    f32[8,64,64]
 // runs:
 //   gemm 1: [512 x 64] = [512 x 64] [64 x 64] + a residual C, epilogue bias, bf16 A and B, f32 C
 
 // k6_layernorm_fwd__cast: kernel, 2 ops
-//   %41    layernorm                               line 57    f32[8,64,64]
-//   %43    cast                                    line 58    bf16[512,64]
+//   %41    layernorm                               line 60    f32[8,64,64]
+//   %43    cast                                    line 61    bf16[512,64]
 // runs:
 //   k6_layernorm_fwd__cast<<<64, 256>>>
 
@@ -1514,12 +1514,12 @@ extern "C" __global__ void __launch_bounds__(256) k6_layernorm_fwd__cast(char *a
 }
 
 // k7_gemm: GEMM, 1 op
-//   %45    matmul                                  line 58    f32[512,4]
+//   %45    matmul                                  line 61    f32[512,4]
 // runs:
 //   gemm 2: [512 x 4] = [512 x 64] [64 x 4], bf16 A and B, f32 C
 
 // k8_softmax_fwd: kernel, 1 op
-//   %46    softmax            h.0.probs            line 58    f32[512,4]
+//   %46    softmax            h.0.probs            line 61    f32[512,4]
 // runs:
 //   k8_softmax_fwd<<<64, 256>>>
 
@@ -1561,7 +1561,7 @@ extern "C" __global__ void __launch_bounds__(256) k8_softmax_fwd(char *arena, Md
 }
 
 // k9_topk: kernel, 1 op
-//   %47    topk               h.0.choice           line 59    i32[512,2]
+//   %47    topk               h.0.choice           line 62    i32[512,2]
 // runs:
 //   k9_topk<<<2, 256>>>
 
@@ -1589,7 +1589,7 @@ extern "C" __global__ void __launch_bounds__(256) k9_topk(char *arena, MdlStatus
 }
 
 // k10_gather: kernel, 1 op
-//   %48    gather             h.0.gate             line 59    f32[512,2]
+//   %48    gather             h.0.gate             line 62    f32[512,2]
 // runs:
 //   k10_gather<<<4, 256>>>
 
@@ -1605,7 +1605,7 @@ extern "C" __global__ void __launch_bounds__(256) k10_gather(char *arena, MdlSta
 }
 
 // k11_mul: kernel, 1 op
-//   %50    mul                                     line 60    f32[512,4]
+//   %50    mul                                     line 63    f32[512,4]
 // runs:
 //   k11_mul<<<2, 256>>>
 
@@ -1624,7 +1624,7 @@ extern "C" __global__ void __launch_bounds__(256) k11_mul(char *arena, MdlStatus
 }
 
 // k12_scatter_add: kernel, 1 op
-//   %51    scatter_add        h.0.gates            line 60    f32[512,4]
+//   %51    scatter_add        h.0.gates            line 63    f32[512,4]
 // runs:
 //   k12_scatter_add<<<2, 256>>>
 
@@ -1650,7 +1650,7 @@ extern "C" __global__ void __launch_bounds__(256) k12_scatter_add(char *arena, M
 }
 
 // k13_permute: kernel, 1 op
-//   %60    permute                                 line 64    f32[4,512]
+//   %60    permute                                 line 67    f32[4,512]
 // runs:
 //   k13_permute<<<2, 256>>>
 
@@ -1680,9 +1680,9 @@ extern "C" __global__ void __launch_bounds__(256) k13_permute(char *arena, MdlSt
 }
 
 // k14_mean__compare__div: kernel, 3 ops
-//   %53    compare            h.0.routed           line 61    f32[512,4]
-//   %80    mean                                    line 70    f32[4]
-//   %82    div                                     line 70    f32[4]
+//   %53    compare            h.0.routed           line 64    f32[512,4]
+//   %80    mean                                    line 73    f32[4]
+//   %82    div                                     line 73    f32[4]
 // runs:
 //   k14_mean__compare__div_partial<<<1, 64>>>
 //   k14_mean__compare__div<<<1, 256>>>
@@ -1746,9 +1746,9 @@ extern "C" __global__ void __launch_bounds__(256) k14_mean__compare__div(char *a
 }
 
 // k15_permute__add__mul: kernel, 3 ops
-//   %55    add                                     line 63    f32[512,4]
-//   %56    mul                                     line 63    f32[512,4]
-//   %57    permute                                 line 63    f32[4,512]
+//   %55    add                                     line 66    f32[512,4]
+//   %56    mul                                     line 66    f32[512,4]
+//   %57    permute                                 line 66    f32[4,512]
 // runs:
 //   k15_permute__add__mul<<<2, 256>>>
 
@@ -1791,7 +1791,7 @@ extern "C" __global__ void __launch_bounds__(256) k15_permute__add__mul(char *ar
 }
 
 // k16_topk: kernel, 1 op
-//   %58    topk               h.0.slot             line 63    i32[4,320]
+//   %58    topk               h.0.slot             line 66    i32[4,320]
 // runs:
 //   k16_topk<<<1, 32>>>
 
@@ -1819,7 +1819,7 @@ extern "C" __global__ void __launch_bounds__(32) k16_topk(char *arena, MdlStatus
 }
 
 // k17_gather: kernel, 1 op
-//   %59    gather             h.0.prio             line 63    f32[4,320]
+//   %59    gather             h.0.prio             line 66    f32[4,320]
 // runs:
 //   k17_gather<<<5, 256>>>
 
@@ -1835,14 +1835,14 @@ extern "C" __global__ void __launch_bounds__(256) k17_gather(char *arena, MdlSta
 }
 
 // k18_gather: kernel, 1 op
-//   %61    gather             h.0.weight           line 64    f32[4,320]
+//   %61    gather             h.0.weight           line 67    f32[4,320]
 // runs:
 //   k17_gather<<<5, 256>>>
 
 // k19_gather__cast: kernel, 3 ops
-//   %63    gather                                  line 66    f32[1280,64]
-//   %64    reshape            h.0.xe               line 66    f32[4,320,64]
-//   %65    cast                                    line 67    bf16[4,320,64]
+//   %63    gather                                  line 69    f32[1280,64]
+//   %64    reshape            h.0.xe               line 69    f32[4,320,64]
+//   %65    cast                                    line 70    bf16[4,320,64]
 // runs:
 //   k19_gather__cast<<<320, 256>>>
 //   k19_gather__cast_rest<<<80, 256>>>
@@ -1874,10 +1874,10 @@ extern "C" __global__ void __launch_bounds__(256) k19_gather__cast_rest(char *ar
 }
 
 // k20_gemm__add__gelu__cast: GEMM, 4 ops
-//   %67    matmul                                  line 67    f32[4,320,128]
-//   %68    add                                     line 67    f32[4,320,128]
-//   %69    gelu                                    line 67    f32[4,320,128]
-//   %70    cast                                    line 67    bf16[4,320,128]
+//   %67    matmul                                  line 70    f32[4,320,128]
+//   %68    add                                     line 70    f32[4,320,128]
+//   %69    gelu                                    line 70    f32[4,320,128]
+//   %70    cast                                    line 70    bf16[4,320,128]
 // runs:
 //   gemm 3: [320 x 128] = [320 x 64] [64 x 128], 4 batches, bf16 A and B, f32 C
 //   k20_gemm__add__gelu__cast_epilogue<<<160, 256>>>
@@ -1916,9 +1916,9 @@ extern "C" __global__ void __launch_bounds__(256) k20_gemm__add__gelu__cast_epil
 }
 
 // k21_gemm__add__mul: GEMM, 3 ops
-//   %72    matmul                                  line 67    f32[4,320,64]
-//   %73    add                                     line 67    f32[4,320,64]
-//   %75    mul                h.0.ye               line 67    f32[4,320,64]
+//   %72    matmul                                  line 70    f32[4,320,64]
+//   %73    add                                     line 70    f32[4,320,64]
+//   %75    mul                h.0.ye               line 70    f32[4,320,64]
 // runs:
 //   gemm 4: [320 x 64] = [320 x 128] [128 x 64], 4 batches, bf16 A and B, f32 C
 //   k21_gemm__add__mul_epilogue<<<80, 256>>>
@@ -1966,7 +1966,7 @@ extern "C" __global__ void __launch_bounds__(256) k21_gemm__add__mul_epilogue(ch
 }
 
 // k22_scatter_add: kernel, 1 op
-//   %78    scatter_add                             line 69    f32[512,64]
+//   %78    scatter_add                             line 72    f32[512,64]
 // runs:
 //   k22_scatter_add<<<1, 64>>>
 
@@ -1993,7 +1993,7 @@ extern "C" __global__ void __launch_bounds__(64) k22_scatter_add(char *arena, Md
 }
 
 // k23_mean: kernel, 1 op
-//   %83    mean                                    line 70    f32[4]
+//   %83    mean                                    line 73    f32[4]
 // runs:
 //   k23_mean_partial<<<1, 64>>>
 //   k23_mean<<<1, 256>>>
@@ -2050,9 +2050,9 @@ extern "C" __global__ void __launch_bounds__(256) k23_mean(char *arena, MdlStatu
 }
 
 // k24_layernorm_fwd__cast: kernel, 3 ops
-//   %103   layernorm                               line 53    f32[8,64,64]
-//   %104   reshape                                 line 53    f32[512,64]
-//   %105   cast                                    line 53    bf16[512,64]
+//   %103   layernorm                               line 56    f32[8,64,64]
+//   %104   reshape                                 line 56    f32[512,64]
+//   %105   cast                                    line 56    bf16[512,64]
 // runs:
 //   k24_layernorm_fwd__cast<<<64, 256>>>
 
@@ -2095,141 +2095,141 @@ extern "C" __global__ void __launch_bounds__(256) k24_layernorm_fwd__cast(char *
 }
 
 // k25_gemm__add__cast: GEMM, 4 ops
-//   %107   matmul                                  line 53    f32[512,192]
-//   %108   reshape                                 line 53    f32[8,64,192]
-//   %109   add                                     line 53    f32[8,64,192]
-//   %110   cast                                    line 53    bf16[8,64,192]
+//   %107   matmul                                  line 56    f32[512,192]
+//   %108   reshape                                 line 56    f32[8,64,192]
+//   %109   add                                     line 56    f32[8,64,192]
+//   %110   cast                                    line 56    bf16[8,64,192]
 // runs:
 //   gemm 5: [512 x 192] = [512 x 64] [64 x 192], epilogue bias, bf16 A and B, f32 C
 //   k3_gemm__add__cast_epilogue<<<96, 256>>>
 
 // k26_attention_fwd__cast__lse: attention, 4 ops
-//   %114   attention                               line 54    f32[8,64,64]
-//   %115   reshape                                 line 54    f32[512,64]
-//   %116   cast                                    line 54    bf16[512,64]
-//   %261   attention_lse                           line 54    f32[8,4,64]
+//   %114   attention                               line 57    f32[8,64,64]
+//   %115   reshape                                 line 57    f32[512,64]
+//   %116   cast                                    line 57    bf16[512,64]
+//   %261   attention_lse                           line 57    f32[8,4,64]
 // runs:
 //   k4_attention_fwd__cast__lse<<<32, 256>>> or k4_attention_fwd__cast__lse_w4<<<32, 128>>>, the faster on the device
 
 // k27_gemm__add: GEMM, 4 ops
-//   %118   matmul                                  line 54    f32[512,64]
-//   %119   reshape                                 line 54    f32[8,64,64]
-//   %120   add                                     line 54    f32[8,64,64]
-//   %121   add                h.1.x                line 54    f32[8,64,64]
+//   %118   matmul                                  line 57    f32[512,64]
+//   %119   reshape                                 line 57    f32[8,64,64]
+//   %120   add                                     line 57    f32[8,64,64]
+//   %121   add                h.1.x                line 57    f32[8,64,64]
 // runs:
 //   gemm 6: [512 x 64] = [512 x 64] [64 x 64] + a residual C, epilogue bias, bf16 A and B, f32 C
 
 // k28_layernorm_fwd__cast: kernel, 2 ops
-//   %122   layernorm                               line 57    f32[8,64,64]
-//   %124   cast                                    line 58    bf16[512,64]
+//   %122   layernorm                               line 60    f32[8,64,64]
+//   %124   cast                                    line 61    bf16[512,64]
 // runs:
 //   k6_layernorm_fwd__cast<<<64, 256>>>
 
 // k29_gemm: GEMM, 1 op
-//   %126   matmul                                  line 58    f32[512,4]
+//   %126   matmul                                  line 61    f32[512,4]
 // runs:
 //   gemm 7: [512 x 4] = [512 x 64] [64 x 4], bf16 A and B, f32 C
 
 // k30_softmax_fwd: kernel, 1 op
-//   %127   softmax            h.1.probs            line 58    f32[512,4]
+//   %127   softmax            h.1.probs            line 61    f32[512,4]
 // runs:
 //   k8_softmax_fwd<<<64, 256>>>
 
 // k31_topk: kernel, 1 op
-//   %128   topk               h.1.choice           line 59    i32[512,2]
+//   %128   topk               h.1.choice           line 62    i32[512,2]
 // runs:
 //   k9_topk<<<2, 256>>>
 
 // k32_gather: kernel, 1 op
-//   %129   gather             h.1.gate             line 59    f32[512,2]
+//   %129   gather             h.1.gate             line 62    f32[512,2]
 // runs:
 //   k10_gather<<<4, 256>>>
 
 // k33_mul: kernel, 1 op
-//   %131   mul                                     line 60    f32[512,4]
+//   %131   mul                                     line 63    f32[512,4]
 // runs:
 //   k11_mul<<<2, 256>>>
 
 // k34_scatter_add: kernel, 1 op
-//   %132   scatter_add        h.1.gates            line 60    f32[512,4]
+//   %132   scatter_add        h.1.gates            line 63    f32[512,4]
 // runs:
 //   k12_scatter_add<<<2, 256>>>
 
 // k35_permute: kernel, 1 op
-//   %141   permute                                 line 64    f32[4,512]
+//   %141   permute                                 line 67    f32[4,512]
 // runs:
 //   k13_permute<<<2, 256>>>
 
 // k36_mean__compare__div: kernel, 3 ops
-//   %134   compare            h.1.routed           line 61    f32[512,4]
-//   %161   mean                                    line 70    f32[4]
-//   %163   div                                     line 70    f32[4]
+//   %134   compare            h.1.routed           line 64    f32[512,4]
+//   %161   mean                                    line 73    f32[4]
+//   %163   div                                     line 73    f32[4]
 // runs:
 //   k14_mean__compare__div_partial<<<1, 64>>>
 //   k14_mean__compare__div<<<1, 256>>>
 
 // k37_permute__add__mul: kernel, 3 ops
-//   %136   add                                     line 63    f32[512,4]
-//   %137   mul                                     line 63    f32[512,4]
-//   %138   permute                                 line 63    f32[4,512]
+//   %136   add                                     line 66    f32[512,4]
+//   %137   mul                                     line 66    f32[512,4]
+//   %138   permute                                 line 66    f32[4,512]
 // runs:
 //   k15_permute__add__mul<<<2, 256>>>
 
 // k38_topk: kernel, 1 op
-//   %139   topk               h.1.slot             line 63    i32[4,320]
+//   %139   topk               h.1.slot             line 66    i32[4,320]
 // runs:
 //   k16_topk<<<1, 32>>>
 
 // k39_gather: kernel, 1 op
-//   %140   gather             h.1.prio             line 63    f32[4,320]
+//   %140   gather             h.1.prio             line 66    f32[4,320]
 // runs:
 //   k17_gather<<<5, 256>>>
 
 // k40_gather: kernel, 1 op
-//   %142   gather             h.1.weight           line 64    f32[4,320]
+//   %142   gather             h.1.weight           line 67    f32[4,320]
 // runs:
 //   k17_gather<<<5, 256>>>
 
 // k41_gather__cast: kernel, 3 ops
-//   %144   gather                                  line 66    f32[1280,64]
-//   %145   reshape            h.1.xe               line 66    f32[4,320,64]
-//   %146   cast                                    line 67    bf16[4,320,64]
+//   %144   gather                                  line 69    f32[1280,64]
+//   %145   reshape            h.1.xe               line 69    f32[4,320,64]
+//   %146   cast                                    line 70    bf16[4,320,64]
 // runs:
 //   k19_gather__cast<<<320, 256>>>
 //   k19_gather__cast_rest<<<80, 256>>>
 
 // k42_gemm__add__gelu__cast: GEMM, 4 ops
-//   %148   matmul                                  line 67    f32[4,320,128]
-//   %149   add                                     line 67    f32[4,320,128]
-//   %150   gelu                                    line 67    f32[4,320,128]
-//   %151   cast                                    line 67    bf16[4,320,128]
+//   %148   matmul                                  line 70    f32[4,320,128]
+//   %149   add                                     line 70    f32[4,320,128]
+//   %150   gelu                                    line 70    f32[4,320,128]
+//   %151   cast                                    line 70    bf16[4,320,128]
 // runs:
 //   gemm 8: [320 x 128] = [320 x 64] [64 x 128], 4 batches, bf16 A and B, f32 C
 //   k20_gemm__add__gelu__cast_epilogue<<<160, 256>>>
 
 // k43_gemm__add__mul: GEMM, 3 ops
-//   %153   matmul                                  line 67    f32[4,320,64]
-//   %154   add                                     line 67    f32[4,320,64]
-//   %156   mul                h.1.ye               line 67    f32[4,320,64]
+//   %153   matmul                                  line 70    f32[4,320,64]
+//   %154   add                                     line 70    f32[4,320,64]
+//   %156   mul                h.1.ye               line 70    f32[4,320,64]
 // runs:
 //   gemm 9: [320 x 64] = [320 x 128] [128 x 64], 4 batches, bf16 A and B, f32 C
 //   k21_gemm__add__mul_epilogue<<<80, 256>>>
 
 // k44_scatter_add: kernel, 1 op
-//   %159   scatter_add                             line 69    f32[512,64]
+//   %159   scatter_add                             line 72    f32[512,64]
 // runs:
 //   k22_scatter_add<<<1, 64>>>
 
 // k45_mean: kernel, 1 op
-//   %164   mean                                    line 70    f32[4]
+//   %164   mean                                    line 73    f32[4]
 // runs:
 //   k23_mean_partial<<<1, 64>>>
 //   k23_mean<<<1, 256>>>
 
 // k46_sum__mul: kernel, 3 ops
-//   %165   mul                                     line 70    f32[4]
-//   %166   sum                                     line 70    f32[]
-//   %168   mul                                     line 70    f32[]
+//   %165   mul                                     line 73    f32[4]
+//   %166   sum                                     line 73    f32[]
+//   %168   mul                                     line 73    f32[]
 // runs:
 //   k46_sum__mul<<<1, 32>>>
 
@@ -2256,14 +2256,14 @@ extern "C" __global__ void __launch_bounds__(32) k46_sum__mul(char *arena, MdlSt
 }
 
 // k47_layernorm_fwd__cast: kernel, 3 ops
-//   %172   layernorm                               line 75    f32[8,64,64]
-//   %173   reshape                                 line 75    f32[512,64]
-//   %174   cast                                    line 75    bf16[512,64]
+//   %172   layernorm                               line 78    f32[8,64,64]
+//   %173   reshape                                 line 78    f32[512,64]
+//   %174   cast                                    line 78    bf16[512,64]
 // runs:
 //   k24_layernorm_fwd__cast<<<64, 256>>>
 
 // k48_target_count: kernel, 1 op
-//   %182   target_count                            line 76    f32[]
+//   %182   target_count                            line 79    f32[]
 // runs:
 //   k48_target_count<<<1, 256>>>
 
@@ -2290,8 +2290,8 @@ extern "C" __global__ void __launch_bounds__(256) k48_target_count(char *arena, 
 }
 
 // k49_div__mul: kernel, 2 ops
-//   %190   mul                d.balance            line 78    f32[]
-//   %191   div                d.h.1.aux            line 77    f32[]
+//   %190   mul                d.balance            line 81    f32[]
+//   %191   div                d.h.1.aux            line 80    f32[]
 // runs:
 //   k49_div__mul<<<1, 32>>>
 
@@ -2306,9 +2306,9 @@ extern "C" __global__ void __launch_bounds__(32) k49_div__mul(char *arena, MdlSt
 }
 
 // k50_broadcast__div: kernel, 3 ops
-//   %192   div                                     line 76    f32[]
-//   %193   reshape                                 line 76    f32[1]
-//   %194   broadcast                               line 76    f32[512]
+//   %192   div                                     line 79    f32[]
+//   %193   reshape                                 line 79    f32[1]
+//   %194   broadcast                               line 79    f32[512]
 // runs:
 //   k50_broadcast__div<<<1, 128>>>
 
@@ -2329,15 +2329,15 @@ extern "C" __global__ void __launch_bounds__(128) k50_broadcast__div(char *arena
 }
 
 // k51_lmhead__cast__cross_entropy__cross_entropy_bwd__gemm: LM head, 9 ops
-//   %176   matmul                                  line 75    f32[512,256]
-//   %177   reshape            logits               line 75    f32[8,64,256]
-//   %178   cast                                    line 76    bf16[8,64,256]
-//   %179   cross_entropy                           line 76    f32[8,64]
-//   %196   cross_entropy_bwd  d.logits             line 76    f32[8,64,256]
-//   %197   reshape                                 line 75    f32[512,256]
-//   %198   cast                                    line 75    bf16[512,256]
-//   %199   matmul                                  line 75    f32[512,64]
-//   %200   matmul                                  line 75    f32[256,64]
+//   %176   matmul                                  line 78    f32[512,256]
+//   %177   reshape            logits               line 78    f32[8,64,256]
+//   %178   cast                                    line 79    bf16[8,64,256]
+//   %179   cross_entropy                           line 79    f32[8,64]
+//   %196   cross_entropy_bwd  d.logits             line 79    f32[8,64,256]
+//   %197   reshape                                 line 78    f32[512,256]
+//   %198   cast                                    line 78    bf16[512,256]
+//   %199   matmul                                  line 78    f32[512,64]
+//   %200   matmul                                  line 78    f32[256,64]
 // runs:
 //   gemm 10: [512 x 256] = [512 x 64] T[64 x 256], bf16 A and B, bf16 C
 //   k51_lmhead__cast__cross_entropy__cross_entropy_bwd__gemm_ce<<<64, 256>>>
@@ -2360,8 +2360,8 @@ extern "C" __global__ void __launch_bounds__(256) k51_lmhead__cast__cross_entrop
 }
 
 // k52_sum__div: kernel, 2 ops
-//   %181   sum                                     line 76    f32[]
-//   %183   div                ce                   line 76    f32[]
+//   %181   sum                                     line 79    f32[]
+//   %183   div                ce                   line 79    f32[]
 // runs:
 //   k52_sum__div<<<1, 256>>>
 
@@ -2391,14 +2391,14 @@ extern "C" __global__ void __launch_bounds__(256) k52_sum__div(char *arena, MdlS
 }
 
 // k53_sum__mul__add__div: kernel, 8 ops
-//   %84    mul                                     line 70    f32[4]
-//   %85    sum                                     line 70    f32[]
-//   %87    mul                                     line 70    f32[]
-//   %89    add                h.0.aux              line 70    f32[]
-//   %169   add                h.1.aux              line 70    f32[]
-//   %185   div                balance              line 77    f32[]
-//   %187   mul                                     line 78    f32[]
-//   %188   add                loss                 line 78    f32[]
+//   %84    mul                                     line 73    f32[4]
+//   %85    sum                                     line 73    f32[]
+//   %87    mul                                     line 73    f32[]
+//   %89    add                h.0.aux              line 73    f32[]
+//   %169   add                h.1.aux              line 73    f32[]
+//   %185   div                balance              line 80    f32[]
+//   %187   mul                                     line 81    f32[]
+//   %188   add                loss                 line 81    f32[]
 // runs:
 //   k53_sum__mul__add__div<<<1, 32>>>
 
@@ -2436,9 +2436,9 @@ extern "C" __global__ void __launch_bounds__(32) k53_sum__mul__add__div(char *ar
 }
 
 // k54_layernorm_bwd: kernel, 3 ops
-//   %202   layernorm_bwd      d.h.1.x              line 75    f32[8,64,64]
-//   %203   layernorm_bwd      d.lnf_w              line 75    f32[64]
-//   %204   layernorm_bwd      d.lnf_b              line 75    f32[64]
+//   %202   layernorm_bwd      d.h.1.x              line 78    f32[8,64,64]
+//   %203   layernorm_bwd      d.lnf_w              line 78    f32[64]
+//   %204   layernorm_bwd      d.lnf_b              line 78    f32[64]
 // runs:
 //   k54_layernorm_bwd<<<64, 256>>>
 //   k54_layernorm_bwd_colsum<<<8, 1024>>>
@@ -2549,9 +2549,9 @@ extern "C" __global__ void __launch_bounds__(1024) k54_layernorm_bwd_colsum(char
 }
 
 // k55_broadcast__mul: kernel, 3 ops
-//   %205   mul                                     line 70    f32[]
-//   %206   reshape                                 line 70    f32[1]
-//   %207   broadcast                               line 70    f32[4]
+//   %205   mul                                     line 73    f32[]
+//   %206   reshape                                 line 73    f32[1]
+//   %207   broadcast                               line 73    f32[4]
 // runs:
 //   k55_broadcast__mul<<<1, 32>>>
 
@@ -2572,11 +2572,11 @@ extern "C" __global__ void __launch_bounds__(32) k55_broadcast__mul(char *arena,
 }
 
 // k56_broadcast__mul__div: kernel, 5 ops
-//   %208   mul                                     line 70    f32[4]
-//   %214   div                                     line 70    f32[4]
-//   %216   mul                                     line 70    f32[4]
-//   %217   reshape                                 line 70    f32[1,4]
-//   %218   broadcast          d.h.1.routed         line 70    f32[512,4]
+//   %208   mul                                     line 73    f32[4]
+//   %214   div                                     line 73    f32[4]
+//   %216   mul                                     line 73    f32[4]
+//   %217   reshape                                 line 73    f32[1,4]
+//   %218   broadcast          d.h.1.routed         line 73    f32[512,4]
 // runs:
 //   k56_broadcast__mul__div<<<2, 256>>>
 
@@ -2627,7 +2627,7 @@ extern "C" __global__ void __launch_bounds__(256) k56_broadcast__mul__div(char *
 }
 
 // k57_gather: kernel, 1 op
-//   %220   gather                                  line 69    f32[1280,64]
+//   %220   gather                                  line 72    f32[1280,64]
 // runs:
 //   k57_gather<<<320, 256>>>
 
@@ -2644,8 +2644,8 @@ extern "C" __global__ void __launch_bounds__(256) k57_gather(char *arena, MdlSta
 }
 
 // k58_sum__mul: kernel, 2 ops
-//   %224   mul                                     line 67    f32[4,320,64]
-//   %225   sum                                     line 67    f32[4,320,1]
+//   %224   mul                                     line 70    f32[4,320,64]
+//   %225   sum                                     line 70    f32[4,320,1]
 // runs:
 //   k58_sum__mul<<<160, 256>>>
 
@@ -2675,9 +2675,9 @@ extern "C" __global__ void __launch_bounds__(256) k58_sum__mul(char *arena, MdlS
 }
 
 // k59_sum__mul__cast: kernel, 3 ops
-//   %223   mul                                     line 67    f32[4,320,64]
-//   %227   sum                d.h.1.fcproj_b       line 67    f32[4,1,64]
-//   %228   cast                                    line 67    bf16[4,320,64]
+//   %223   mul                                     line 70    f32[4,320,64]
+//   %227   sum                d.h.1.fcproj_b       line 70    f32[4,1,64]
+//   %228   cast                                    line 70    bf16[4,320,64]
 // runs:
 //   k59_sum__mul__cast_partial<<<10, 256>>>
 //   k59_sum__mul__cast<<<32, 256>>>
@@ -2752,15 +2752,15 @@ extern "C" __global__ void __launch_bounds__(256) k59_sum__mul__cast(char *arena
 }
 
 // k60_gemm: GEMM, 1 op
-//   %230   matmul             d.h.1.fcproj_w       line 67    f32[4,128,64]
+//   %230   matmul             d.h.1.fcproj_w       line 70    f32[4,128,64]
 // runs:
 //   gemm 13: [128 x 64] = T[128 x 320] [320 x 64], 4 batches, bf16 A and B, f32 C
 
 // k61_gemm__gelu_bwd__sum__cast: GEMM, 4 ops
-//   %229   matmul                                  line 67    f32[4,320,128]
-//   %231   gelu_bwd                                line 67    f32[4,320,128]
-//   %232   sum                d.h.1.fc_b           line 67    f32[4,1,128]
-//   %233   cast                                    line 67    bf16[4,320,128]
+//   %229   matmul                                  line 70    f32[4,320,128]
+//   %231   gelu_bwd                                line 70    f32[4,320,128]
+//   %232   sum                d.h.1.fc_b           line 70    f32[4,1,128]
+//   %233   cast                                    line 70    bf16[4,320,128]
 // runs:
 //   gemm 14: [320 x 128] = [320 x 64] T[64 x 128], 4 batches, bf16 A and B, f32 C
 //   k61_gemm__gelu_bwd__sum__cast_partial<<<20, 256>>>
@@ -2826,17 +2826,17 @@ extern "C" __global__ void __launch_bounds__(256) k61_gemm__gelu_bwd__sum__cast(
 }
 
 // k62_gemm: GEMM, 1 op
-//   %234   matmul             d.h.1.xe             line 67    f32[4,320,64]
+//   %234   matmul             d.h.1.xe             line 70    f32[4,320,64]
 // runs:
 //   gemm 15: [320 x 64] = [320 x 128] T[128 x 64], 4 batches, bf16 A and B, f32 C
 
 // k63_gemm: GEMM, 1 op
-//   %235   matmul             d.h.1.fc_w           line 67    f32[4,64,128]
+//   %235   matmul             d.h.1.fc_w           line 70    f32[4,64,128]
 // runs:
 //   gemm 16: [64 x 128] = T[64 x 320] [320 x 128], 4 batches, bf16 A and B, f32 C
 
 // k64_gather_bwd: kernel, 1 op
-//   %237   gather_bwd                              line 66    f32[512,64]
+//   %237   gather_bwd                              line 69    f32[512,64]
 // runs:
 //   k64_gather_bwd<<<1, 64>>>
 
@@ -2861,7 +2861,7 @@ extern "C" __global__ void __launch_bounds__(64) k64_gather_bwd(char *arena, Mdl
 }
 
 // k65_gather_bwd: kernel, 1 op
-//   %238   gather_bwd                              line 64    f32[4,512]
+//   %238   gather_bwd                              line 67    f32[4,512]
 // runs:
 //   k65_gather_bwd<<<1, 32>>>
 
@@ -2885,7 +2885,7 @@ extern "C" __global__ void __launch_bounds__(32) k65_gather_bwd(char *arena, Mdl
 }
 
 // k66_permute: kernel, 1 op
-//   %239   permute            d.h.1.gates          line 64    f32[512,4]
+//   %239   permute            d.h.1.gates          line 67    f32[512,4]
 // runs:
 //   k66_permute<<<2, 256>>>
 
@@ -2915,7 +2915,7 @@ extern "C" __global__ void __launch_bounds__(256) k66_permute(char *arena, MdlSt
 }
 
 // k67_gather: kernel, 1 op
-//   %240   gather             d.h.1.gate           line 60    f32[512,2]
+//   %240   gather             d.h.1.gate           line 63    f32[512,2]
 // runs:
 //   k67_gather<<<4, 256>>>
 
@@ -2931,7 +2931,7 @@ extern "C" __global__ void __launch_bounds__(256) k67_gather(char *arena, MdlSta
 }
 
 // k68_gather_bwd: kernel, 1 op
-//   %242   gather_bwd                              line 59    f32[512,4]
+//   %242   gather_bwd                              line 62    f32[512,4]
 // runs:
 //   k68_gather_bwd<<<2, 256>>>
 
@@ -2955,13 +2955,13 @@ extern "C" __global__ void __launch_bounds__(256) k68_gather_bwd(char *arena, Md
 }
 
 // k69_add__mul__broadcast: kernel, 7 ops
-//   %209   mul                                     line 70    f32[4]
-//   %211   mul                                     line 70    f32[4]
-//   %212   reshape                                 line 70    f32[1,4]
-//   %213   broadcast                               line 70    f32[512,4]
-//   %241   mul                                     line 60    f32[512,4]
-//   %243   add                                     line 58    f32[512,4]
-//   %244   add                d.h.1.probs          line 58    f32[512,4]
+//   %209   mul                                     line 73    f32[4]
+//   %211   mul                                     line 73    f32[4]
+//   %212   reshape                                 line 73    f32[1,4]
+//   %213   broadcast                               line 73    f32[512,4]
+//   %241   mul                                     line 63    f32[512,4]
+//   %243   add                                     line 61    f32[512,4]
+//   %244   add                d.h.1.probs          line 61    f32[512,4]
 // runs:
 //   k69_add__mul__broadcast<<<2, 256>>>
 
@@ -3024,8 +3024,8 @@ extern "C" __global__ void __launch_bounds__(256) k69_add__mul__broadcast(char *
 }
 
 // k70_softmax_bwd__cast: kernel, 2 ops
-//   %245   softmax_bwd                             line 58    f32[512,4]
-//   %246   cast                                    line 58    bf16[512,4]
+//   %245   softmax_bwd                             line 61    f32[512,4]
+//   %246   cast                                    line 61    bf16[512,4]
 // runs:
 //   k70_softmax_bwd__cast<<<64, 256>>>
 
@@ -3067,24 +3067,24 @@ extern "C" __global__ void __launch_bounds__(256) k70_softmax_bwd__cast(char *ar
 }
 
 // k71_gemm: GEMM, 1 op
-//   %248   matmul             d.h.1.router_w       line 58    f32[64,4]
+//   %248   matmul             d.h.1.router_w       line 61    f32[64,4]
 // runs:
 //   gemm 17: [64 x 4] = T[64 x 512] [512 x 4], bf16 A and B, f32 C
 
 // k72_gemm__add: GEMM, 2 ops
-//   %247   matmul                                  line 58    f32[512,64]
-//   %249   add                d.h.1.t              line 57    f32[512,64]
+//   %247   matmul                                  line 61    f32[512,64]
+//   %249   add                d.h.1.t              line 60    f32[512,64]
 // runs:
 //   gemm 18: [512 x 64] = [512 x 4] T[4 x 64] + a residual C, bf16 A and B, f32 C
 
 // k73_layernorm_bwd__add__sum__cast: kernel, 7 ops
-//   %251   layernorm_bwd                           line 57    f32[8,64,64]
-//   %252   layernorm_bwd      d.h.1.ln2_w          line 57    f32[64]
-//   %253   layernorm_bwd      d.h.1.ln2_b          line 57    f32[64]
-//   %254   add                d.h.1.x              line 54    f32[8,64,64]
-//   %255   reshape                                 line 54    f32[512,64]
-//   %256   sum                d.h.1.proj_b         line 54    f32[64]
-//   %257   cast                                    line 54    bf16[512,64]
+//   %251   layernorm_bwd                           line 60    f32[8,64,64]
+//   %252   layernorm_bwd      d.h.1.ln2_w          line 60    f32[64]
+//   %253   layernorm_bwd      d.h.1.ln2_b          line 60    f32[64]
+//   %254   add                d.h.1.x              line 57    f32[8,64,64]
+//   %255   reshape                                 line 57    f32[512,64]
+//   %256   sum                d.h.1.proj_b         line 57    f32[64]
+//   %257   cast                                    line 57    bf16[512,64]
 // runs:
 //   k73_layernorm_bwd__add__sum__cast<<<64, 256>>>
 //   k73_layernorm_bwd__add__sum__cast_colsum<<<8, 1024>>>
@@ -3213,21 +3213,21 @@ extern "C" __global__ void __launch_bounds__(1024) k73_layernorm_bwd__add__sum__
 }
 
 // k74_gemm: GEMM, 1 op
-//   %259   matmul             d.h.1.proj_w         line 54    f32[64,64]
+//   %259   matmul             d.h.1.proj_w         line 57    f32[64,64]
 // runs:
 //   gemm 19: [64 x 64] = T[64 x 512] [512 x 64], bf16 A and B, f32 C
 
 // k75_gemm__cast: GEMM, 3 ops
-//   %258   matmul                                  line 54    f32[512,64]
-//   %260   reshape                                 line 54    f32[8,64,64]
-//   %263   cast                                    line 54    bf16[8,64,64]
+//   %258   matmul                                  line 57    f32[512,64]
+//   %260   reshape                                 line 57    f32[8,64,64]
+//   %263   cast                                    line 57    bf16[8,64,64]
 // runs:
 //   gemm 20: [512 x 64] = [512 x 64] T[64 x 64], bf16 A and B, bf16 C
 
 // k76_attention_bwd: attention, 3 ops
-//   %264   attention_bwd      d.h.1.q              line 54    f32[8,64,64]
-//   %265   attention_bwd      d.h.1.k              line 54    f32[8,64,64]
-//   %266   attention_bwd      d.h.1.v              line 54    f32[8,64,64]
+//   %264   attention_bwd      d.h.1.q              line 57    f32[8,64,64]
+//   %265   attention_bwd      d.h.1.k              line 57    f32[8,64,64]
+//   %266   attention_bwd      d.h.1.v              line 57    f32[8,64,64]
 // runs:
 //   k76_attention_bwd_dsum<<<256, 256>>>
 //   k76_attention_bwd_dq<<<32, 128>>> or k76_attention_bwd_dq_w8<<<32, 256>>>, the faster on the device
@@ -3324,10 +3324,10 @@ extern "C" __global__ void __launch_bounds__(128) k76_attention_bwd_dkv_w4(char 
 }
 
 // k77_sum__concat__cast: kernel, 4 ops
-//   %267   concat                                  line 53    f32[8,64,192]
-//   %268   reshape                                 line 53    f32[512,192]
-//   %269   sum                d.h.1.attn_b         line 53    f32[192]
-//   %270   cast                                    line 53    bf16[512,192]
+//   %267   concat                                  line 56    f32[8,64,192]
+//   %268   reshape                                 line 56    f32[512,192]
+//   %269   sum                d.h.1.attn_b         line 56    f32[192]
+//   %270   cast                                    line 56    bf16[512,192]
 // runs:
 //   k77_sum__concat__cast_partial<<<12, 256>>>
 //   k77_sum__concat__cast<<<24, 256>>>
@@ -3393,36 +3393,36 @@ extern "C" __global__ void __launch_bounds__(256) k77_sum__concat__cast(char *ar
 }
 
 // k78_gemm: GEMM, 1 op
-//   %271   matmul                                  line 53    f32[512,64]
+//   %271   matmul                                  line 56    f32[512,64]
 // runs:
 //   gemm 21: [512 x 64] = [512 x 192] T[192 x 64], bf16 A and B, f32 C
 
 // k79_gemm: GEMM, 1 op
-//   %272   matmul             d.h.1.attn_w         line 53    f32[64,192]
+//   %272   matmul             d.h.1.attn_w         line 56    f32[64,192]
 // runs:
 //   gemm 22: [64 x 192] = T[64 x 512] [512 x 192], bf16 A and B, f32 C
 
 // k80_broadcast__mul: kernel, 3 ops
-//   %277   mul                                     line 70    f32[]
-//   %278   reshape                                 line 70    f32[1]
-//   %279   broadcast                               line 70    f32[4]
+//   %277   mul                                     line 73    f32[]
+//   %278   reshape                                 line 73    f32[1]
+//   %279   broadcast                               line 73    f32[4]
 // runs:
 //   k55_broadcast__mul<<<1, 32>>>
 
 // k81_broadcast__mul__div: kernel, 5 ops
-//   %280   mul                                     line 70    f32[4]
-//   %286   div                                     line 70    f32[4]
-//   %288   mul                                     line 70    f32[4]
-//   %289   reshape                                 line 70    f32[1,4]
-//   %290   broadcast          d.h.0.routed         line 70    f32[512,4]
+//   %280   mul                                     line 73    f32[4]
+//   %286   div                                     line 73    f32[4]
+//   %288   mul                                     line 73    f32[4]
+//   %289   reshape                                 line 73    f32[1,4]
+//   %290   broadcast          d.h.0.routed         line 73    f32[512,4]
 // runs:
 //   k56_broadcast__mul__div<<<2, 256>>>
 
 // k82_layernorm_bwd__add: kernel, 4 ops
-//   %274   layernorm_bwd                           line 53    f32[8,64,64]
-//   %275   layernorm_bwd      d.h.1.ln1_w          line 53    f32[64]
-//   %276   layernorm_bwd      d.h.1.ln1_b          line 53    f32[64]
-//   %291   add                d.h.0.x              line 69    f32[8,64,64]
+//   %274   layernorm_bwd                           line 56    f32[8,64,64]
+//   %275   layernorm_bwd      d.h.1.ln1_w          line 56    f32[64]
+//   %276   layernorm_bwd      d.h.1.ln1_b          line 56    f32[64]
+//   %291   add                d.h.0.x              line 72    f32[8,64,64]
 // runs:
 //   k82_layernorm_bwd__add<<<64, 256>>>
 //   k54_layernorm_bwd_colsum<<<8, 1024>>>
@@ -3503,7 +3503,7 @@ extern "C" __global__ void __launch_bounds__(256, 4) k82_layernorm_bwd__add(char
 }
 
 // k83_gather: kernel, 1 op
-//   %293   gather                                  line 69    f32[1280,64]
+//   %293   gather                                  line 72    f32[1280,64]
 // runs:
 //   k83_gather<<<320, 256>>>
 
@@ -3520,105 +3520,105 @@ extern "C" __global__ void __launch_bounds__(256) k83_gather(char *arena, MdlSta
 }
 
 // k84_sum__mul: kernel, 2 ops
-//   %297   mul                                     line 67    f32[4,320,64]
-//   %298   sum                                     line 67    f32[4,320,1]
+//   %297   mul                                     line 70    f32[4,320,64]
+//   %298   sum                                     line 70    f32[4,320,1]
 // runs:
 //   k58_sum__mul<<<160, 256>>>
 
 // k85_sum__mul__cast: kernel, 3 ops
-//   %296   mul                                     line 67    f32[4,320,64]
-//   %300   sum                d.h.0.fcproj_b       line 67    f32[4,1,64]
-//   %301   cast                                    line 67    bf16[4,320,64]
+//   %296   mul                                     line 70    f32[4,320,64]
+//   %300   sum                d.h.0.fcproj_b       line 70    f32[4,1,64]
+//   %301   cast                                    line 70    bf16[4,320,64]
 // runs:
 //   k59_sum__mul__cast_partial<<<10, 256>>>
 //   k59_sum__mul__cast<<<32, 256>>>
 
 // k86_gemm: GEMM, 1 op
-//   %303   matmul             d.h.0.fcproj_w       line 67    f32[4,128,64]
+//   %303   matmul             d.h.0.fcproj_w       line 70    f32[4,128,64]
 // runs:
 //   gemm 23: [128 x 64] = T[128 x 320] [320 x 64], 4 batches, bf16 A and B, f32 C
 
 // k87_gemm__gelu_bwd__sum__cast: GEMM, 4 ops
-//   %302   matmul                                  line 67    f32[4,320,128]
-//   %304   gelu_bwd                                line 67    f32[4,320,128]
-//   %305   sum                d.h.0.fc_b           line 67    f32[4,1,128]
-//   %306   cast                                    line 67    bf16[4,320,128]
+//   %302   matmul                                  line 70    f32[4,320,128]
+//   %304   gelu_bwd                                line 70    f32[4,320,128]
+//   %305   sum                d.h.0.fc_b           line 70    f32[4,1,128]
+//   %306   cast                                    line 70    bf16[4,320,128]
 // runs:
 //   gemm 24: [320 x 128] = [320 x 64] T[64 x 128], 4 batches, bf16 A and B, f32 C
 //   k61_gemm__gelu_bwd__sum__cast_partial<<<20, 256>>>
 //   k61_gemm__gelu_bwd__sum__cast<<<64, 256>>>
 
 // k88_gemm: GEMM, 1 op
-//   %307   matmul             d.h.0.xe             line 67    f32[4,320,64]
+//   %307   matmul             d.h.0.xe             line 70    f32[4,320,64]
 // runs:
 //   gemm 25: [320 x 64] = [320 x 128] T[128 x 64], 4 batches, bf16 A and B, f32 C
 
 // k89_gemm: GEMM, 1 op
-//   %308   matmul             d.h.0.fc_w           line 67    f32[4,64,128]
+//   %308   matmul             d.h.0.fc_w           line 70    f32[4,64,128]
 // runs:
 //   gemm 26: [64 x 128] = T[64 x 320] [320 x 128], 4 batches, bf16 A and B, f32 C
 
 // k90_gather_bwd: kernel, 1 op
-//   %310   gather_bwd                              line 66    f32[512,64]
+//   %310   gather_bwd                              line 69    f32[512,64]
 // runs:
 //   k64_gather_bwd<<<1, 64>>>
 
 // k91_gather_bwd: kernel, 1 op
-//   %311   gather_bwd                              line 64    f32[4,512]
+//   %311   gather_bwd                              line 67    f32[4,512]
 // runs:
 //   k65_gather_bwd<<<1, 32>>>
 
 // k92_permute: kernel, 1 op
-//   %312   permute            d.h.0.gates          line 64    f32[512,4]
+//   %312   permute            d.h.0.gates          line 67    f32[512,4]
 // runs:
 //   k66_permute<<<2, 256>>>
 
 // k93_gather: kernel, 1 op
-//   %313   gather             d.h.0.gate           line 60    f32[512,2]
+//   %313   gather             d.h.0.gate           line 63    f32[512,2]
 // runs:
 //   k67_gather<<<4, 256>>>
 
 // k94_gather_bwd: kernel, 1 op
-//   %315   gather_bwd                              line 59    f32[512,4]
+//   %315   gather_bwd                              line 62    f32[512,4]
 // runs:
 //   k68_gather_bwd<<<2, 256>>>
 
 // k95_add__mul__broadcast: kernel, 7 ops
-//   %281   mul                                     line 70    f32[4]
-//   %283   mul                                     line 70    f32[4]
-//   %284   reshape                                 line 70    f32[1,4]
-//   %285   broadcast                               line 70    f32[512,4]
-//   %314   mul                                     line 60    f32[512,4]
-//   %316   add                                     line 58    f32[512,4]
-//   %317   add                d.h.0.probs          line 58    f32[512,4]
+//   %281   mul                                     line 73    f32[4]
+//   %283   mul                                     line 73    f32[4]
+//   %284   reshape                                 line 73    f32[1,4]
+//   %285   broadcast                               line 73    f32[512,4]
+//   %314   mul                                     line 63    f32[512,4]
+//   %316   add                                     line 61    f32[512,4]
+//   %317   add                d.h.0.probs          line 61    f32[512,4]
 // runs:
 //   k69_add__mul__broadcast<<<2, 256>>>
 
 // k96_softmax_bwd__cast: kernel, 2 ops
-//   %318   softmax_bwd                             line 58    f32[512,4]
-//   %319   cast                                    line 58    bf16[512,4]
+//   %318   softmax_bwd                             line 61    f32[512,4]
+//   %319   cast                                    line 61    bf16[512,4]
 // runs:
 //   k70_softmax_bwd__cast<<<64, 256>>>
 
 // k97_gemm: GEMM, 1 op
-//   %321   matmul             d.h.0.router_w       line 58    f32[64,4]
+//   %321   matmul             d.h.0.router_w       line 61    f32[64,4]
 // runs:
 //   gemm 27: [64 x 4] = T[64 x 512] [512 x 4], bf16 A and B, f32 C
 
 // k98_gemm__add: GEMM, 2 ops
-//   %320   matmul                                  line 58    f32[512,64]
-//   %322   add                d.h.0.t              line 57    f32[512,64]
+//   %320   matmul                                  line 61    f32[512,64]
+//   %322   add                d.h.0.t              line 60    f32[512,64]
 // runs:
 //   gemm 28: [512 x 64] = [512 x 4] T[4 x 64] + a residual C, bf16 A and B, f32 C
 
 // k99_layernorm_bwd__add__sum__cast: kernel, 7 ops
-//   %324   layernorm_bwd                           line 57    f32[8,64,64]
-//   %325   layernorm_bwd      d.h.0.ln2_w          line 57    f32[64]
-//   %326   layernorm_bwd      d.h.0.ln2_b          line 57    f32[64]
-//   %327   add                d.h.0.x              line 54    f32[8,64,64]
-//   %328   reshape                                 line 54    f32[512,64]
-//   %329   sum                d.h.0.proj_b         line 54    f32[64]
-//   %330   cast                                    line 54    bf16[512,64]
+//   %324   layernorm_bwd                           line 60    f32[8,64,64]
+//   %325   layernorm_bwd      d.h.0.ln2_w          line 60    f32[64]
+//   %326   layernorm_bwd      d.h.0.ln2_b          line 60    f32[64]
+//   %327   add                d.h.0.x              line 57    f32[8,64,64]
+//   %328   reshape                                 line 57    f32[512,64]
+//   %329   sum                d.h.0.proj_b         line 57    f32[64]
+//   %330   cast                                    line 57    bf16[512,64]
 // runs:
 //   k99_layernorm_bwd__add__sum__cast<<<64, 256>>>
 //   k73_layernorm_bwd__add__sum__cast_colsum<<<8, 1024>>>
@@ -3706,50 +3706,50 @@ extern "C" __global__ void __launch_bounds__(256, 4) k99_layernorm_bwd__add__sum
 }
 
 // k100_gemm: GEMM, 1 op
-//   %332   matmul             d.h.0.proj_w         line 54    f32[64,64]
+//   %332   matmul             d.h.0.proj_w         line 57    f32[64,64]
 // runs:
 //   gemm 29: [64 x 64] = T[64 x 512] [512 x 64], bf16 A and B, f32 C
 
 // k101_gemm__cast: GEMM, 3 ops
-//   %331   matmul                                  line 54    f32[512,64]
-//   %333   reshape                                 line 54    f32[8,64,64]
-//   %336   cast                                    line 54    bf16[8,64,64]
+//   %331   matmul                                  line 57    f32[512,64]
+//   %333   reshape                                 line 57    f32[8,64,64]
+//   %336   cast                                    line 57    bf16[8,64,64]
 // runs:
 //   gemm 30: [512 x 64] = [512 x 64] T[64 x 64], bf16 A and B, bf16 C
 
 // k102_attention_bwd: attention, 3 ops
-//   %337   attention_bwd      d.h.0.q              line 54    f32[8,64,64]
-//   %338   attention_bwd      d.h.0.k              line 54    f32[8,64,64]
-//   %339   attention_bwd      d.h.0.v              line 54    f32[8,64,64]
+//   %337   attention_bwd      d.h.0.q              line 57    f32[8,64,64]
+//   %338   attention_bwd      d.h.0.k              line 57    f32[8,64,64]
+//   %339   attention_bwd      d.h.0.v              line 57    f32[8,64,64]
 // runs:
 //   k76_attention_bwd_dsum<<<256, 256>>>
 //   k76_attention_bwd_dq<<<32, 128>>> or k76_attention_bwd_dq_w8<<<32, 256>>>, the faster on the device
 //   k76_attention_bwd_dkv<<<32, 256>>> or k76_attention_bwd_dkv_w4<<<32, 128>>>, the faster on the device
 
 // k103_sum__concat__cast: kernel, 4 ops
-//   %340   concat                                  line 53    f32[8,64,192]
-//   %341   reshape                                 line 53    f32[512,192]
-//   %342   sum                d.h.0.attn_b         line 53    f32[192]
-//   %343   cast                                    line 53    bf16[512,192]
+//   %340   concat                                  line 56    f32[8,64,192]
+//   %341   reshape                                 line 56    f32[512,192]
+//   %342   sum                d.h.0.attn_b         line 56    f32[192]
+//   %343   cast                                    line 56    bf16[512,192]
 // runs:
 //   k77_sum__concat__cast_partial<<<12, 256>>>
 //   k77_sum__concat__cast<<<24, 256>>>
 
 // k104_gemm: GEMM, 1 op
-//   %344   matmul                                  line 53    f32[512,64]
+//   %344   matmul                                  line 56    f32[512,64]
 // runs:
 //   gemm 31: [512 x 64] = [512 x 192] T[192 x 64], bf16 A and B, f32 C
 
 // k105_gemm: GEMM, 1 op
-//   %345   matmul             d.h.0.attn_w         line 53    f32[64,192]
+//   %345   matmul             d.h.0.attn_w         line 56    f32[64,192]
 // runs:
 //   gemm 32: [64 x 192] = T[64 x 512] [512 x 192], bf16 A and B, f32 C
 
 // k106_layernorm_bwd__add: kernel, 4 ops
-//   %347   layernorm_bwd                           line 53    f32[8,64,64]
-//   %348   layernorm_bwd      d.h.0.ln1_w          line 53    f32[64]
-//   %349   layernorm_bwd      d.h.0.ln1_b          line 53    f32[64]
-//   %350   add                d.x                  line 35    f32[8,64,64]
+//   %347   layernorm_bwd                           line 56    f32[8,64,64]
+//   %348   layernorm_bwd      d.h.0.ln1_w          line 56    f32[64]
+//   %349   layernorm_bwd      d.h.0.ln1_b          line 56    f32[64]
+//   %350   add                d.x                  line 38    f32[8,64,64]
 // runs:
 //   k106_layernorm_bwd__add<<<64, 256>>>
 //   k54_layernorm_bwd_colsum<<<8, 1024>>>
@@ -3830,7 +3830,7 @@ extern "C" __global__ void __launch_bounds__(256, 4) k106_layernorm_bwd__add(cha
 }
 
 // k107_embed_bwd: kernel, 1 op
-//   %351   embed_bwd          d.wpe                line 35    f32[128,64]
+//   %351   embed_bwd          d.wpe                line 38    f32[128,64]
 // runs:
 //   k107_embed_bwd_zero<<<1, 32>>>
 //   k107_embed_bwd_count<<<2, 256>>>
@@ -3956,8 +3956,8 @@ extern "C" __global__ void __launch_bounds__(64) k107_embed_bwd(char *arena, Mdl
 }
 
 // k108_embed_bwd__add: kernel, 2 ops
-//   %352   embed_bwd                               line 35    f32[256,64]
-//   %353   add                d.wte                line 32    f32[256,64]
+//   %352   embed_bwd                               line 38    f32[256,64]
+//   %353   add                d.wte                line 35    f32[256,64]
 // runs:
 //   k108_embed_bwd__add_zero<<<1, 32>>>
 //   k108_embed_bwd__add_count<<<2, 256>>>
@@ -4125,36 +4125,36 @@ extern "C" __global__ void __launch_bounds__(64) k108_embed_bwd__add(char *arena
 
 // k109_grad_norm__adamw: optimizer, 31 ops
 //   %356   grad_norm                                          f32[]
-//   %359   adamw              wte.new              line 32    f32[256,64]
-//   %362   adamw              wpe.new              line 33    f32[128,64]
-//   %365   adamw              h.0.ln1_w.new        line 39    f32[64]
-//   %368   adamw              h.0.ln1_b.new        line 40    f32[64]
-//   %371   adamw              h.0.attn_w.new       line 41    f32[64,192]
-//   %374   adamw              h.0.attn_b.new       line 42    f32[192]
-//   %377   adamw              h.0.proj_w.new       line 43    f32[64,64]
-//   %380   adamw              h.0.proj_b.new       line 44    f32[64]
-//   %383   adamw              h.0.ln2_w.new        line 45    f32[64]
-//   %386   adamw              h.0.ln2_b.new        line 46    f32[64]
-//   %389   adamw              h.0.router_w.new     line 47    f32[64,4]
-//   %392   adamw              h.0.fc_w.new         line 48    f32[4,64,128]
-//   %395   adamw              h.0.fc_b.new         line 49    f32[4,1,128]
-//   %398   adamw              h.0.fcproj_w.new     line 50    f32[4,128,64]
-//   %401   adamw              h.0.fcproj_b.new     line 51    f32[4,1,64]
-//   %404   adamw              h.1.ln1_w.new        line 39    f32[64]
-//   %407   adamw              h.1.ln1_b.new        line 40    f32[64]
-//   %410   adamw              h.1.attn_w.new       line 41    f32[64,192]
-//   %413   adamw              h.1.attn_b.new       line 42    f32[192]
-//   %416   adamw              h.1.proj_w.new       line 43    f32[64,64]
-//   %419   adamw              h.1.proj_b.new       line 44    f32[64]
-//   %422   adamw              h.1.ln2_w.new        line 45    f32[64]
-//   %425   adamw              h.1.ln2_b.new        line 46    f32[64]
-//   %428   adamw              h.1.router_w.new     line 47    f32[64,4]
-//   %431   adamw              h.1.fc_w.new         line 48    f32[4,64,128]
-//   %434   adamw              h.1.fc_b.new         line 49    f32[4,1,128]
-//   %437   adamw              h.1.fcproj_w.new     line 50    f32[4,128,64]
-//   %440   adamw              h.1.fcproj_b.new     line 51    f32[4,1,64]
-//   %443   adamw              lnf_w.new            line 73    f32[64]
-//   %446   adamw              lnf_b.new            line 74    f32[64]
+//   %359   adamw              wte.new              line 35    f32[256,64]
+//   %362   adamw              wpe.new              line 36    f32[128,64]
+//   %365   adamw              h.0.ln1_w.new        line 42    f32[64]
+//   %368   adamw              h.0.ln1_b.new        line 43    f32[64]
+//   %371   adamw              h.0.attn_w.new       line 44    f32[64,192]
+//   %374   adamw              h.0.attn_b.new       line 45    f32[192]
+//   %377   adamw              h.0.proj_w.new       line 46    f32[64,64]
+//   %380   adamw              h.0.proj_b.new       line 47    f32[64]
+//   %383   adamw              h.0.ln2_w.new        line 48    f32[64]
+//   %386   adamw              h.0.ln2_b.new        line 49    f32[64]
+//   %389   adamw              h.0.router_w.new     line 50    f32[64,4]
+//   %392   adamw              h.0.fc_w.new         line 51    f32[4,64,128]
+//   %395   adamw              h.0.fc_b.new         line 52    f32[4,1,128]
+//   %398   adamw              h.0.fcproj_w.new     line 53    f32[4,128,64]
+//   %401   adamw              h.0.fcproj_b.new     line 54    f32[4,1,64]
+//   %404   adamw              h.1.ln1_w.new        line 42    f32[64]
+//   %407   adamw              h.1.ln1_b.new        line 43    f32[64]
+//   %410   adamw              h.1.attn_w.new       line 44    f32[64,192]
+//   %413   adamw              h.1.attn_b.new       line 45    f32[192]
+//   %416   adamw              h.1.proj_w.new       line 46    f32[64,64]
+//   %419   adamw              h.1.proj_b.new       line 47    f32[64]
+//   %422   adamw              h.1.ln2_w.new        line 48    f32[64]
+//   %425   adamw              h.1.ln2_b.new        line 49    f32[64]
+//   %428   adamw              h.1.router_w.new     line 50    f32[64,4]
+//   %431   adamw              h.1.fc_w.new         line 51    f32[4,64,128]
+//   %434   adamw              h.1.fc_b.new         line 52    f32[4,1,128]
+//   %437   adamw              h.1.fcproj_w.new     line 53    f32[4,128,64]
+//   %440   adamw              h.1.fcproj_b.new     line 54    f32[4,1,64]
+//   %443   adamw              lnf_w.new            line 76    f32[64]
+//   %446   adamw              lnf_b.new            line 77    f32[64]
 // runs:
 //   k109_grad_norm__adamw_sumsq<<<24, 256>>>
 //   k109_grad_norm__adamw_norm<<<1, 256>>>
