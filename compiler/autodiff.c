@@ -363,6 +363,19 @@ static bool backward_rule(Ad *ad, int i, int dy) {
       accumulate(ad, x, id);
     }
     return true;
+  case OP_TOPK: // integer indices (never active)
+    return true;
+  case OP_GATHER: // dy scatter-added back to the positions read (none for an index out of range)
+    if (wants(ad, x))
+      accumulate(ad, x, add_node(ad, OP_GATHER_BWD, (int[]){x1, dy}, 2,
+                                 (int64_t[8]){n->ia[0], shape(ad, x).d[n->ia[0]]}, NULL));
+    return true;
+  case OP_SCATTER_ADD: // base gets dy; src what dy holds where it was added (0 out of range)
+    if (wants(ad, x))
+      accumulate(ad, x, dy);
+    if (wants(ad, n->in[2]))
+      accumulate(ad, n->in[2], add_node(ad, OP_GATHER, (int[]){dy, x1}, 2, n->ia, NULL));
+    return true;
   case OP_LAYERNORM: case OP_RMSNORM: {
     Op bwd = n->op == OP_LAYERNORM ? OP_LAYERNORM_BWD : OP_RMSNORM_BWD;
     for (int k = 0; k < n->nin; k++)
@@ -403,7 +416,7 @@ static bool backward_rule(Ad *ad, int i, int dy) {
   }
   case OP_RELU_BWD: case OP_GELU_BWD: case OP_SILU_BWD: case OP_ABS_BWD: case OP_CLAMP_BWD: case OP_MAX_BWD:
   case OP_SLICE_BWD:
-  case OP_EMBED_BWD: case OP_LAYERNORM_BWD: case OP_RMSNORM_BWD: case OP_SOFTMAX_BWD:
+  case OP_EMBED_BWD: case OP_GATHER_BWD: case OP_LAYERNORM_BWD: case OP_RMSNORM_BWD: case OP_SOFTMAX_BWD:
   case OP_CROSS_ENTROPY_BWD: case OP_ATTENTION_LSE: case OP_ATTENTION_BWD: case OP_GRAD_NORM: case OP_ADAMW:
   case OP_COUNT:
     break;

@@ -572,6 +572,9 @@ static void emit_group(Emit *e, int gi, const bool *emitted) {
   case OP_EMBED_BWD: c_emit_embed_bwd(e, gi); return;
   case OP_ROPE: c_emit_rope(e, gi); return;
   case OP_MAX_BWD: c_emit_max_bwd(e, gi); return;
+  case OP_TOPK: c_emit_topk(e, gi); return;
+  case OP_GATHER: c_emit_gather(e, gi); return;
+  case OP_GATHER_BWD: case OP_SCATTER_ADD: c_emit_scatter(e, gi); return;
   case OP_ATTENTION_MASK: c_emit_attn_mask(e, gi); return;
   default: ec_fail(&e->core, "no kernel for %s", op_name(op));
   }

@@ -88,6 +88,9 @@ void c_emit_embed_bwd(Emit *e, int gi);
 void c_emit_rope(Emit *e, int gi);
 void c_emit_attn_mask(Emit *e, int gi);
 void c_emit_max_bwd(Emit *e, int gi);
+void c_emit_topk(Emit *e, int gi);
+void c_emit_gather(Emit *e, int gi);
+void c_emit_scatter(Emit *e, int gi);
 
 //
 // emit_c_lmhead.c

@@ -714,3 +714,105 @@ void c_emit_max_bwd(Emit *e, int gi) {
   ec_phase_done(&e->core, a);
   ec_phase_end(&e->core);
 }
+
+// TOPK: per line along the axis, the k first positions in TOPK's order, found one by one (the next is
+// the first of those after the last one found), as the interpreter does; parallel over the lines.
+void c_emit_topk(Emit *e, int gi) {
+  int a = e->core.groups[gi].mem[0];
+  const IrNode *nd = ec_node(&e->core, a);
+  Shape s = ec_node(&e->core, nd->in[0])->shape;
+  int ax = (int)nd->ia[0];
+  int64_t k = nd->ia[1], outer = ec_span(s, 0, ax), len = s.d[ax], inner = ec_span(s, ax + 1, s.rank);
+  int x = ec_need(&e->core, nd->in[0]);
+  c_flush(e);
+  if (ec_offset(&e->core, a) < 0)
+    e->core.scratch[a] = true;
+  ec_phase_begin(&e->core);
+  c_note(e, "topk: the %lld largest of %lld lines of %lld", (long long)k, (long long)(outer * inner), (long long)len);
+  c_par_for(e, outer * len * inner * k, "static");
+  ec_enter(&e->core, "for (int64_t c = 0; c < %lld; c++)", (long long)(outer * inner));
+  ec_line(&e->core, "const float *x = b%d + c / %lld * %lld + c %% %lld;", c_ptr(e, x), (long long)inner,
+          (long long)(len * inner), (long long)inner);
+  ec_line(&e->core, "int32_t *y = b%d + c / %lld * %lld + c %% %lld;", c_ptr(e, a), (long long)inner,
+          (long long)(k * inner), (long long)inner);
+  ec_line(&e->core, "int64_t last = -1;");
+  ec_enter(&e->core, "for (int64_t p = 0; p < %lld; p++)", (long long)k);
+  ec_line(&e->core, "int64_t best = -1;");
+  ec_enter(&e->core, "for (int64_t l = 0; l < %lld; l++)", (long long)len);
+  ec_line(&e->core, "const float v = x[l * %lld];", (long long)inner);
+  ec_line(&e->core, "if (last >= 0 && !(%s))",
+          ec_topk_before(&e->core, c_str(e, "x[last * %lld]", (long long)inner), "last", "v", "l"));
+  ec_line(&e->core, "  continue;");
+  ec_line(&e->core, "if (best < 0 || %s)",
+          ec_topk_before(&e->core, "v", "l", c_str(e, "x[best * %lld]", (long long)inner), "best"));
+  ec_line(&e->core, "  best = l;");
+  ec_leave(&e->core);
+  ec_line(&e->core, "y[p * %lld] = (int32_t)best;", (long long)inner);
+  ec_line(&e->core, "last = best;");
+  ec_leave(&e->core);
+  ec_leave(&e->core);
+  ec_phase_done(&e->core, a);
+  ec_phase_end(&e->core);
+}
+
+// GATHER: one output element per iteration; an index outside the axis reads 0.
+void c_emit_gather(Emit *e, int gi) {
+  int a = e->core.groups[gi].mem[0];
+  const IrNode *nd = ec_node(&e->core, a);
+  Shape s = nd->shape;
+  int ax = (int)nd->ia[0];
+  int64_t n = ec_numel(&e->core, a), ylen = s.d[ax], inner = ec_span(s, ax + 1, s.rank);
+  int64_t xlen = ec_node(&e->core, nd->in[0])->shape.d[ax];
+  int x = ec_need(&e->core, nd->in[0]), idx = ec_need(&e->core, nd->in[1]);
+  c_flush(e);
+  if (ec_offset(&e->core, a) < 0)
+    e->core.scratch[a] = true;
+  ec_phase_begin(&e->core);
+  c_note(e, "gather: %lld values along an axis of %lld", (long long)n, (long long)xlen);
+  c_par_for(e, n, "static");
+  ec_enter(&e->core, "for (int64_t r = 0; r < %lld; r++)", (long long)n);
+  ec_line(&e->core, "const int32_t l = b%d[%s];", c_ptr(e, idx),
+          ec_ix_bcast(&e->core, s, ec_node(&e->core, nd->in[1])->shape, "r"));
+  ec_line(&e->core, "b%d[r] = l >= 0 && l < %lld ? b%d[(r / %lld * %lld + l) * %lld + r %% %lld] : 0.0f;", c_ptr(e, a),
+          (long long)xlen, c_ptr(e, x), (long long)(ylen * inner), (long long)xlen, (long long)inner, (long long)inner);
+  ec_leave(&e->core);
+  ec_phase_done(&e->core, a);
+  ec_phase_end(&e->core);
+}
+
+// SCATTER_ADD (base, idx, src) and GATHER_BWD (idx, src) over zeros: parallel over the lines along the
+// axis, each line's sources added in order (no two threads add into one element).
+void c_emit_scatter(Emit *e, int gi) {
+  int a = e->core.groups[gi].mem[0];
+  const IrNode *nd = ec_node(&e->core, a);
+  bool has_base = nd->op == OP_SCATTER_ADD;
+  Shape ys = nd->shape, ss = ec_node(&e->core, nd->in[has_base + 1])->shape;
+  int ax = (int)nd->ia[0];
+  int64_t ylen = ys.d[ax], slen = ss.d[ax], inner = ec_span(ys, ax + 1, ys.rank), lines = ec_span(ys, 0, ax) * inner;
+  int base = has_base ? ec_need(&e->core, nd->in[0]) : -1;
+  int idx = ec_need(&e->core, nd->in[has_base]), src = ec_need(&e->core, nd->in[has_base + 1]);
+  c_flush(e);
+  if (ec_offset(&e->core, a) < 0)
+    e->core.scratch[a] = true;
+  ec_phase_begin(&e->core);
+  c_note(e, "scatter-add: %lld lines, %lld sources into %lld places each", (long long)lines, (long long)slen,
+         (long long)ylen);
+  c_par_for(e, lines * (ylen + slen), "static");
+  ec_enter(&e->core, "for (int64_t c = 0; c < %lld; c++)", (long long)lines);
+  ec_line(&e->core, "const int64_t o = c / %lld, i = c %% %lld;", (long long)inner, (long long)inner);
+  ec_line(&e->core, "float *y = b%d + o * %lld + i;", c_ptr(e, a), (long long)(ylen * inner));
+  if (has_base)
+    ec_line(&e->core, "const float *x = b%d + o * %lld + i;", c_ptr(e, base), (long long)(ylen * inner));
+  ec_line(&e->core, "for (int64_t l = 0; l < %lld; l++)", (long long)ylen);
+  ec_line(&e->core, "  y[l * %lld] = %s;", (long long)inner, has_base ? c_str(e, "x[l * %lld]", (long long)inner) : "0.0f");
+  ec_enter(&e->core, "for (int64_t j = 0; j < %lld; j++)", (long long)slen);
+  ec_line(&e->core, "const int64_t r = (o * %lld + j) * %lld + i;", (long long)slen, (long long)inner);
+  ec_line(&e->core, "const int32_t l = b%d[%s];", c_ptr(e, idx),
+          ec_ix_bcast(&e->core, ss, ec_node(&e->core, nd->in[has_base])->shape, "r"));
+  ec_line(&e->core, "if (l >= 0 && l < %lld)", (long long)ylen);
+  ec_line(&e->core, "  y[(int64_t)l * %lld] += b%d[r];", (long long)inner, c_ptr(e, src));
+  ec_leave(&e->core);
+  ec_leave(&e->core);
+  ec_phase_done(&e->core, a);
+  ec_phase_end(&e->core);
+}

@@ -1160,3 +1160,8 @@ const char *ec_pointwise_expr(EmitCore *e, int c, const char *ix) {
     return "0";
   }
 }
+
+const char *ec_topk_before(EmitCore *e, const char *a, const char *ia, const char *b, const char *ib) {
+  return ec_str(e, "%s != %s ? (%s == %s || %s < %s) : (%s > %s || (%s == %s && %s < %s))", a, a, b, b, ia, ib, a, b, a,
+                b, ia, ib);
+}

@@ -201,6 +201,9 @@ const char *ec_ix_part(EmitCore *e, Shape s, int ax, const char *ix, const char 
 
 // The expression of pointwise node c at flat index ix, its inputs read through e->val.
 const char *ec_pointwise_expr(EmitCore *e, int c, const char *ix);
+// TOPK's order: a (at index ia) before b (at ib) when it is larger, NaN before every number, ties by
+// the lower index (interp.c's topk_before); the operands are evaluated more than once.
+const char *ec_topk_before(EmitCore *e, const char *a, const char *ia, const char *b, const char *ib);
 bool ec_concat_direct(EmitCore *e, int n);
 const char *ec_concat_ptr(EmitCore *e, int n, const char *ix);
 

@@ -857,6 +857,9 @@ static void emit_group(Emit *e, int gi, const bool *emitted) {
   case OP_EMBED_BWD: cu_emit_embed_bwd(e, gi, emitted); return;
   case OP_ROPE: cu_emit_rope(e, gi); return;
   case OP_MAX_BWD: cu_emit_max_bwd(e, gi); return;
+  case OP_TOPK: cu_emit_topk(e, gi); return;
+  case OP_GATHER: cu_emit_gather(e, gi); return;
+  case OP_GATHER_BWD: case OP_SCATTER_ADD: cu_emit_scatter(e, gi); return;
   case OP_ATTENTION_MASK: cu_emit_attn_mask(e, gi); return;
   default: ec_fail(&e->core, "no kernel for %s", op_name(op));
   }

@@ -185,6 +185,9 @@ void cu_emit_embed_bwd(Emit *e, int gi, const bool *emitted);
 void cu_emit_rope(Emit *e, int gi);
 void cu_emit_attn_mask(Emit *e, int gi);
 void cu_emit_max_bwd(Emit *e, int gi);
+void cu_emit_topk(Emit *e, int gi);
+void cu_emit_gather(Emit *e, int gi);
+void cu_emit_scatter(Emit *e, int gi);
 
 //
 // emit_cuda_lmhead.c (its kernels call prelude.cuh's mdl_ce_row)

@@ -1167,3 +1167,118 @@ void cu_emit_max_bwd(Emit *e, int gi) {
   ec_phase_done(&e->core, a);
   ec_phase_end(&e->core);
 }
+
+// TOPK: a thread per line along the axis, the k first positions in TOPK's order found one by one (the
+// next is the first of those after the last one found), as the interpreter does.
+void cu_emit_topk(Emit *e, int gi) {
+  int a = e->core.groups[gi].mem[0];
+  const IrNode *nd = ec_node(&e->core, a);
+  Shape s = ec_node(&e->core, nd->in[0])->shape;
+  int ax = (int)nd->ia[0];
+  int64_t k = nd->ia[1], outer = ec_span(s, 0, ax), len = s.d[ax], inner = ec_span(s, ax + 1, s.rank);
+  int64_t lines = outer * inner;
+  int x = ec_need(&e->core, nd->in[0]);
+  const char *t = e->core.ixt;
+  cu_flush(e);
+  if (ec_offset(&e->core, a) < 0)
+    e->core.scratch[a] = true;
+  ec_phase_begin(&e->core);
+  cu_kbegin(e, "");
+  cu_note(e, "topk: the %lld largest of %lld lines of %lld, a thread per line", (long long)k, (long long)lines,
+          (long long)len);
+  const char *xp = cu_ptr(e, x), *yp = cu_ptr(e, a);
+  ec_enter(&e->core, "for (%s c = blockIdx.x * blockDim.x + threadIdx.x; c < %lld; c += gridDim.x * blockDim.x)", t,
+           (long long)lines);
+  ec_line(&e->core, "const float *x = %s + c / %lld * %lld + c %% %lld;", xp, (long long)inner,
+          (long long)(len * inner), (long long)inner);
+  ec_line(&e->core, "int32_t *y = %s + c / %lld * %lld + c %% %lld;", yp, (long long)inner, (long long)(k * inner),
+          (long long)inner);
+  ec_line(&e->core, "%s last = -1;", t);
+  ec_enter(&e->core, "for (%s p = 0; p < %lld; p++)", t, (long long)k);
+  ec_line(&e->core, "%s best = -1;", t);
+  ec_enter(&e->core, "for (%s l = 0; l < %lld; l++)", t, (long long)len);
+  ec_line(&e->core, "const float v = x[l * %lld];", (long long)inner);
+  ec_line(&e->core, "if (last >= 0 && !(%s))",
+          ec_topk_before(&e->core, ec_str(&e->core, "x[last * %lld]", (long long)inner), "last", "v", "l"));
+  ec_line(&e->core, "  continue;");
+  ec_line(&e->core, "if (best < 0 || %s)",
+          ec_topk_before(&e->core, "v", "l", ec_str(&e->core, "x[best * %lld]", (long long)inner), "best"));
+  ec_line(&e->core, "  best = l;");
+  ec_leave(&e->core);
+  ec_line(&e->core, "y[p * %lld] = (int32_t)best;", (long long)inner);
+  ec_line(&e->core, "last = best;");
+  ec_leave(&e->core);
+  ec_leave(&e->core);
+  cu_kend(e, cu_grid_for(lines, cu_block_for(lines)), cu_block_for(lines));
+  ec_phase_done(&e->core, a);
+  ec_phase_end(&e->core);
+}
+
+// GATHER: a thread per output element; an index outside the axis reads 0.
+void cu_emit_gather(Emit *e, int gi) {
+  int a = e->core.groups[gi].mem[0];
+  const IrNode *nd = ec_node(&e->core, a);
+  Shape s = nd->shape;
+  int ax = (int)nd->ia[0];
+  int64_t n = ec_numel(&e->core, a), ylen = s.d[ax], inner = ec_span(s, ax + 1, s.rank);
+  int64_t xlen = ec_node(&e->core, nd->in[0])->shape.d[ax];
+  int x = ec_need(&e->core, nd->in[0]), idx = ec_need(&e->core, nd->in[1]);
+  cu_flush(e);
+  if (ec_offset(&e->core, a) < 0)
+    e->core.scratch[a] = true;
+  ec_phase_begin(&e->core);
+  cu_kbegin(e, "");
+  cu_note(e, "gather: %lld values along an axis of %lld, a thread per value", (long long)n, (long long)xlen);
+  const char *xp = cu_ptr(e, x), *ip = cu_ptr(e, idx), *yp = cu_ptr(e, a);
+  ec_enter(&e->core, "for (%s r = blockIdx.x * blockDim.x + threadIdx.x; r < %lld; r += gridDim.x * blockDim.x)",
+           e->core.ixt, (long long)n);
+  ec_line(&e->core, "const int32_t l = %s[%s];", ip, ec_ix_bcast(&e->core, s, ec_node(&e->core, nd->in[1])->shape, "r"));
+  ec_line(&e->core, "%s[r] = l >= 0 && l < %lld ? %s[(r / %lld * %lld + l) * %lld + r %% %lld] : 0.0f;", yp,
+          (long long)xlen, xp, (long long)(ylen * inner), (long long)xlen, (long long)inner, (long long)inner);
+  ec_leave(&e->core);
+  cu_kend(e, cu_grid_for(n, cu_block_for(n)), cu_block_for(n));
+  ec_phase_done(&e->core, a);
+  ec_phase_end(&e->core);
+}
+
+// SCATTER_ADD (base, idx, src) and GATHER_BWD (idx, src) over zeros: a thread per line along the axis,
+// its sources added in order (no atomics: no two threads add into one element, and every sum is in
+// the interpreter's order).
+void cu_emit_scatter(Emit *e, int gi) {
+  int a = e->core.groups[gi].mem[0];
+  const IrNode *nd = ec_node(&e->core, a);
+  bool has_base = nd->op == OP_SCATTER_ADD;
+  Shape ys = nd->shape, ss = ec_node(&e->core, nd->in[has_base + 1])->shape;
+  int ax = (int)nd->ia[0];
+  int64_t ylen = ys.d[ax], slen = ss.d[ax], inner = ec_span(ys, ax + 1, ys.rank), lines = ec_span(ys, 0, ax) * inner;
+  int base = has_base ? ec_need(&e->core, nd->in[0]) : -1;
+  int idx = ec_need(&e->core, nd->in[has_base]), src = ec_need(&e->core, nd->in[has_base + 1]);
+  const char *t = e->core.ixt;
+  cu_flush(e);
+  if (ec_offset(&e->core, a) < 0)
+    e->core.scratch[a] = true;
+  ec_phase_begin(&e->core);
+  cu_kbegin(e, "");
+  cu_note(e, "scatter-add: %lld lines, %lld sources into %lld places each, a thread per line", (long long)lines,
+          (long long)slen, (long long)ylen);
+  const char *bp = has_base ? cu_ptr(e, base) : NULL, *ip = cu_ptr(e, idx), *sp = cu_ptr(e, src), *yp = cu_ptr(e, a);
+  ec_enter(&e->core, "for (%s c = blockIdx.x * blockDim.x + threadIdx.x; c < %lld; c += gridDim.x * blockDim.x)", t,
+           (long long)lines);
+  ec_line(&e->core, "const %s o = c / %lld, i = c %% %lld;", t, (long long)inner, (long long)inner);
+  ec_line(&e->core, "float *y = %s + o * %lld + i;", yp, (long long)(ylen * inner));
+  if (has_base)
+    ec_line(&e->core, "const float *x = %s + o * %lld + i;", bp, (long long)(ylen * inner));
+  ec_line(&e->core, "for (%s l = 0; l < %lld; l++)", t, (long long)ylen);
+  ec_line(&e->core, "  y[l * %lld] = %s;", (long long)inner,
+          has_base ? ec_str(&e->core, "x[l * %lld]", (long long)inner) : "0.0f");
+  ec_enter(&e->core, "for (%s j = 0; j < %lld; j++)", t, (long long)slen);
+  ec_line(&e->core, "const %s r = (o * %lld + j) * %lld + i;", t, (long long)slen, (long long)inner);
+  ec_line(&e->core, "const int32_t l = %s[%s];", ip, ec_ix_bcast(&e->core, ss, ec_node(&e->core, nd->in[has_base])->shape, "r"));
+  ec_line(&e->core, "if (l >= 0 && l < %lld)", (long long)ylen);
+  ec_line(&e->core, "  y[(%s)l * %lld] += %s[r];", t, (long long)inner, sp);
+  ec_leave(&e->core);
+  ec_leave(&e->core);
+  cu_kend(e, cu_grid_for(lines, cu_block_for(lines)), cu_block_for(lines));
+  ec_phase_done(&e->core, a);
+  ec_phase_end(&e->core);
+}

@@ -66,7 +66,10 @@
 //     (a count over the targets, in memory as the batch gave them; the loss and its gradient each
 //     divide by it), ATTENTION_MASK (a kernel: plain attention's mask, which its scores' GEMM
 //     epilogue adds), and any anchor op left over by the rules above (a lone CROSS_ENTROPY_BWD, a
-//     lone ADAMW).
+//     lone ADAMW). TOPK, GATHER, GATHER_BWD and SCATTER_ADD too: each reads an operand at offsets it
+//     computes from indices it loads, so that operand must be whole in memory before the step (no
+//     producer is evaluated inline at an index known only at run time), and a scatter's sums need
+//     every source before any output is final (no consumer reads them at its own index).
 //  7. Reduction STEP_KERNEL: root SUM/MEAN/MAX over one axis. Producers of its input are fused as
 //     in an elementwise step (rule 8, so they are evaluated at the input's index while reducing);
 //     then a chain of elementwise consumers of the result with the result's element count, each
@@ -332,10 +335,12 @@ static int new_group(Fuser *F, StepKind kind, int root) {
 }
 
 // Is node v a named model output of a graph without a backward (evaluation, sampling: their readers
-// read it)? In a training graph nothing reads them: rule 2 keeps the logits out of memory there.
+// read it), or a scalar output of any graph (a metric, which the runtime reads after every step, even
+// where a member of its step reads it too: an auxiliary loss added to the loss)? In a training graph
+// nothing reads the other outputs: rule 2 keeps the logits out of memory there.
 static bool read_as_output(const Fuser *F, int v) {
-  for (int o = 0; o < F->g->noutputs && !F->g->grads; o++)
-    if (F->g->outputs[o] == v)
+  for (int o = 0; o < F->g->noutputs; o++)
+    if (F->g->outputs[o] == v && (!F->g->grads || node(F, v)->shape.rank == 0))
       return true;
   return false;
 }
@@ -1101,7 +1106,9 @@ double fuse_node_flops(const Graph *g, int id) {
     Shape a = g->nodes[n->in[0]]->shape;
     return 2 * e * (double)(n->ia[0] ? a.d[a.rank - 2] : a.d[a.rank - 1]);
   }
-  case OP_EMBED_BWD: return (double)shape_numel(g->nodes[n->in[1]]->shape);
+  case OP_EMBED_BWD: case OP_GATHER_BWD: return (double)shape_numel(g->nodes[n->in[1]]->shape);
+  case OP_SCATTER_ADD: return (double)shape_numel(g->nodes[n->in[2]]->shape);
+  case OP_TOPK: return x * (double)n->ia[1]; // (a pass over the line per index found)
   case OP_LAYERNORM: return 8 * e;
   case OP_LAYERNORM_BWD: return (n->ia[0] == 0 ? 10 : n->ia[0] == 1 ? 2 : 1) * x;
   case OP_RMSNORM: return 5 * e;
@@ -1129,7 +1136,7 @@ double fuse_node_flops(const Graph *g, int id) {
   case OP_ADAMW: return 12 * e;
   case OP_INPUT: case OP_PARAM: case OP_STATE: case OP_SCALAR: case OP_CONST: case OP_RESHAPE:
   case OP_PERMUTE: case OP_BROADCAST: case OP_SLICE: case OP_SLICE_BWD: case OP_CONCAT: case OP_EMBED:
-  case OP_COUNT: return 0;
+  case OP_GATHER: case OP_COUNT: return 0;
   default: return e; // the remaining elementwise ops: one operation per element
   }
 }
@@ -1255,6 +1262,11 @@ static const char *generic_reason(const Fuser *F, const Fusion *f, int p, int c)
     return "consumer is in the LM-head step (its inputs come from memory)";
   if (sc->kind == STEP_KERNEL && (croot == OP_LAYERNORM || croot == OP_RMSNORM))
     return arena_printf(F->a, "consumer is a %s kernel (only an ADD producing its x is fused)", op_name(croot));
+  if (cop == OP_TOPK)
+    return "consumer is a topk kernel (it compares whole lines along its axis: its input comes from memory)";
+  if (cop == OP_GATHER || cop == OP_GATHER_BWD || cop == OP_SCATTER_ADD)
+    return arena_printf(F->a, "consumer is a %s kernel (it reads at offsets computed from indices: its inputs come "
+                        "from memory)", op_name(cop));
   if (sc->kind == STEP_KERNEL && !is_elementwise(croot) && !is_reduction(croot))
     return arena_printf(F->a, "consumer is a %s kernel (its inputs come from memory)", op_name(croot));
   if (sc->kind == STEP_GEMM)
@@ -1264,6 +1276,9 @@ static const char *generic_reason(const Fuser *F, const Fusion *f, int p, int c)
                             : "consumer is not an elementwise epilogue op";
   if (sp->kind != STEP_KERNEL)
     return arena_printf(F->a, "producer is written by the %s step (no epilogue fusion)", step_kind_name(sp->kind));
+  if (pop == OP_GATHER_BWD || pop == OP_SCATTER_ADD)
+    return arena_printf(F->a, "producer is a %s kernel (an element is final only after every source is added)",
+                        op_name(pop));
   if (!is_elementwise(pop) && !is_reduction(pop))
     return arena_printf(F->a, "producer is a %s kernel (no epilogue fusion)", op_name(op_of(F, sp->root)));
   if (numel(F, p) != numel(F, c))
@@ -1387,7 +1402,7 @@ static Fusion *assemble(Fuser *F) {
         bool own = F->grp[view_base(F, x)] == gi && (n->op == OP_CAST || G->kind == STEP_KERNEL || is_reduction(n->op));
         // An embedding reads the rows its ids pick, at most one per output row, not the whole table.
         double count = (double)numel(F, x);
-        if (n->op == OP_EMBED && k == 0 && (double)numel(F, id) < count)
+        if ((n->op == OP_EMBED || n->op == OP_GATHER) && k == 0 && (double)numel(F, id) < count)
           count = (double)numel(F, id);
         if (st->nins > before && !own)
           st->bytes_read += dtype_size(node(F, x)->dtype) * count;

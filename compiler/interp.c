@@ -390,6 +390,71 @@ static bool run_embed(Ctx *c, bool bwd) {
   return true;
 }
 
+// TOPK's order: a before b when a is larger, NaN before every number, ties by the lower index.
+static bool topk_before(double a, int64_t ia, double b, int64_t ib) {
+  if (isnan(a) || isnan(b))
+    return isnan(a) && (!isnan(b) || ia < ib);
+  return a > b || (a == b && ia < ib);
+}
+
+// TOPK: per line along the axis, the k first positions in topk_before's order, found one by one (the
+// next is the first of those after the last one found), as the kernels do.
+static void run_topk(Ctx *c) {
+  Shape xs = c->xn[0]->shape;
+  int ax = (int)c->nd->ia[0];
+  int64_t k = c->nd->ia[1], len = xs.d[ax], outer = span(xs, 0, ax), inner = span(xs, ax + 1, xs.rank);
+  for (int64_t o = 0; o < outer; o++)
+    for (int64_t i = 0; i < inner; i++) {
+      const double *x = c->x[0] + o * len * inner + i;
+      int64_t last = -1;
+      for (int64_t p = 0; p < k; p++) {
+        int64_t best = -1;
+        for (int64_t l = 0; l < len; l++)
+          if ((last < 0 || topk_before(x[last * inner], last, x[l * inner], l)) &&
+              (best < 0 || topk_before(x[l * inner], l, x[best * inner], best)))
+            best = l;
+        c->y[(o * k + p) * inner + i] = (double)best;
+        last = best;
+      }
+    }
+}
+
+// GATHER (x, idx): y at idx along the axis, 0 where idx is outside the axis. idx broadcasts to y.
+static void run_gather(Ctx *c) {
+  Shape ys = c->nd->shape, xs = c->xn[0]->shape;
+  int ax = (int)c->nd->ia[0];
+  int64_t ylen = ys.d[ax], xlen = xs.d[ax], inner = span(ys, ax + 1, ys.rank);
+  for (int64_t r = 0; r < c->n; r++) {
+    double l = c->x[1][shape_bcast_offset(ys, c->xn[1]->shape, r)];
+    int64_t o = r / (ylen * inner), i = r % inner;
+    c->y[r] = l >= 0 && l < (double)xlen ? c->x[0][(o * xlen + (int64_t)l) * inner + i] : 0;
+  }
+}
+
+// SCATTER_ADD (base, idx, src) and GATHER_BWD (idx, src) over zeros: src added at idx along the axis,
+// nothing where idx is outside it; each sum in increasing order along src's axis, rounded as it goes
+// (the kernels' float sums in the same order).
+static void run_scatter_add(Ctx *c) {
+  bool base = c->nd->op == OP_SCATTER_ADD;
+  const IrNode *in = c->xn[base], *src = c->xn[base + 1];
+  const double *id = c->x[base], *sv = c->x[base + 1];
+  Shape ys = c->nd->shape, ss = src->shape;
+  int ax = (int)c->nd->ia[0];
+  int64_t ylen = ys.d[ax], slen = ss.d[ax], inner = span(ss, ax + 1, ss.rank);
+  if (base)
+    memcpy(c->y, c->x[0], (size_t)c->n * sizeof(double));
+  else
+    memset(c->y, 0, (size_t)c->n * sizeof(double));
+  for (int64_t r = 0; r < shape_numel(ss); r++) {
+    double l = id[shape_bcast_offset(ss, in->shape, r)];
+    int64_t o = r / (slen * inner), i = r % inner;
+    if (l >= 0 && l < (double)ylen) {
+      double *y = c->y + (o * ylen + (int64_t)l) * inner + i;
+      *y = rnd(c->it, *y + sv[r]);
+    }
+  }
+}
+
 // Mean and 1/sqrt(var + eps) of one row (biased variance).
 static void row_stats(const double *x, int64_t n, double eps, double *mean, double *rstd) {
   double m = 0, v = 0;
@@ -866,6 +931,9 @@ static bool run_node(Ctx *c) {
   case OP_MATMUL: run_matmul(c); return true;
   case OP_EMBED: return run_embed(c, false);
   case OP_EMBED_BWD: return run_embed(c, true);
+  case OP_TOPK: run_topk(c); return true;
+  case OP_GATHER: run_gather(c); return true;
+  case OP_GATHER_BWD: case OP_SCATTER_ADD: run_scatter_add(c); return true;
   case OP_LAYERNORM: run_layernorm(c); return true;
   case OP_LAYERNORM_BWD: run_layernorm_bwd(c); return true;
   case OP_RMSNORM: run_rmsnorm(c); return true;

@@ -161,6 +161,52 @@ bool ir_attention_fits(Graph *g, int q, int k, int v, int doc, int64_t heads, in
 
 static bool is_float(DType dt) { return dt == DT_F32 || dt == DT_BF16 || dt == DT_F64 || dt == DT_F8E4M3; }
 
+// TOPK, GATHER, GATHER_BWD and SCATTER_ADD (mdl.h): the axis, and idx against the positions it lists.
+static bool routing_shape(Graph *g, IrNode *n, IrNode **in) {
+  const char *name = op_name(n->op);
+  Shape x = n->op == OP_GATHER_BWD ? in[1]->shape : in[0]->shape;
+  int64_t ax = n->ia[0];
+  if (ax < 0 || ax >= x.rank)
+    return fail(g, "%s: axis %lld out of range for %s", name, (long long)ax, SHAPE(x));
+  if (n->op == OP_TOPK) {
+    if (n->ia[1] < 1 || n->ia[1] > x.d[ax])
+      return fail(g, "topk: k = %lld is not in [1, %lld], the size of axis %lld of %s", (long long)n->ia[1],
+                  (long long)x.d[ax], (long long)ax, SHAPE(x));
+    n->shape = x;
+    n->shape.d[ax] = n->ia[1];
+    return true;
+  }
+  // pos: the shape idx lists positions of; full: the shape indexed along the axis.
+  Shape idx = in[n->op == OP_GATHER_BWD ? 0 : 1]->shape, pos = x, full = x;
+  if (n->op == OP_GATHER) {
+    pos.d[ax] = idx.rank == x.rank ? idx.d[ax] : 0;
+  } else if (n->op == OP_GATHER_BWD) {
+    if (n->ia[1] < 1)
+      return fail(g, "gather_bwd: axis length %lld", (long long)n->ia[1]);
+    full.d[ax] = n->ia[1];
+  } else {
+    pos = in[2]->shape;
+    Shape a = full, b = pos;
+    if (a.rank == b.rank)
+      a.d[ax] = b.d[ax] = 0;
+    if (!shape_eq(a, b))
+      return fail(g, "scatter_add: src %s does not match base %s outside axis %lld", SHAPE(pos), SHAPE(full),
+                  (long long)ax);
+  }
+  bool fits = idx.rank == pos.rank;
+  for (int d = 0; d < idx.rank && fits; d++)
+    fits = idx.d[d] == pos.d[d] || (idx.d[d] == 1 && d != ax);
+  if (!fits || (n->op == OP_GATHER && idx.d[ax] < 1)) {
+    if (n->op == OP_GATHER)
+      return fail(g, "gather: indices %s do not fit x %s (the same rank; on every axis but %lld the same size or 1)",
+                  SHAPE(idx), SHAPE(x), (long long)ax);
+    return fail(g, "%s: indices %s do not fit %s %s (the same rank; on axis %lld the same size, on every other the "
+                "same size or 1)", name, SHAPE(idx), n->op == OP_SCATTER_ADD ? "src" : "dy", SHAPE(pos), (long long)ax);
+  }
+  n->shape = n->op == OP_GATHER ? pos : full;
+  return true;
+}
+
 // Checks the inputs of node n and sets its shape and dtype.
 static bool infer(Graph *g, IrNode *n) {
   IrNode *in[8] = {0};
@@ -174,13 +220,13 @@ static bool infer(Graph *g, IrNode *n) {
   case OP_GELU: case OP_SILU: case OP_SIGMOID: case OP_ABS: case OP_CLAMP: case OP_STOP_GRADIENT:
   case OP_DROPOUT: case OP_CAST: case OP_SUM: case OP_MEAN: case OP_MAX:
   case OP_RESHAPE: case OP_PERMUTE: case OP_BROADCAST: case OP_SLICE: case OP_SLICE_BWD:
-  case OP_SOFTMAX: case OP_TARGET_COUNT: want = 1; break;
+  case OP_SOFTMAX: case OP_TARGET_COUNT: case OP_TOPK: want = 1; break;
   case OP_ADD: case OP_SUB: case OP_MUL: case OP_DIV: case OP_RELU_BWD: case OP_GELU_BWD:
   case OP_SILU_BWD: case OP_ABS_BWD: case OP_CLAMP_BWD: case OP_MATMUL: case OP_EMBED: case OP_EMBED_BWD:
   case OP_RMSNORM: case OP_COMPARE:
-  case OP_SOFTMAX_BWD: case OP_CROSS_ENTROPY: case OP_ROPE: want = 2; break;
+  case OP_SOFTMAX_BWD: case OP_CROSS_ENTROPY: case OP_ROPE: case OP_GATHER: case OP_GATHER_BWD: want = 2; break;
   case OP_MAX_BWD: case OP_LAYERNORM: case OP_LAYERNORM_BWD: case OP_RMSNORM_BWD: case OP_WHERE:
-  case OP_CROSS_ENTROPY_BWD: want = 3; break;
+  case OP_CROSS_ENTROPY_BWD: case OP_SCATTER_ADD: want = 3; break;
   case OP_ATTENTION: case OP_ATTENTION_LSE: want = 3 + (n->ia[2] != 0); break;
   case OP_ATTENTION_BWD: want = 6 + (n->ia[2] != 0); break;
   case OP_ATTENTION_MASK: want = n->ia[1] != 0; break;
@@ -199,7 +245,8 @@ static bool infer(Graph *g, IrNode *n) {
   for (int i = 0; i < n->nin && !layout; i++) {
     bool ids = (n->op == OP_EMBED && i == 1) || (n->op == OP_EMBED_BWD && i == 0) ||
                ((n->op == OP_CROSS_ENTROPY || n->op == OP_CROSS_ENTROPY_BWD) && i == 1) || n->op == OP_TARGET_COUNT ||
-               (n->op == OP_ROPE && i == 1) ||
+               (n->op == OP_ROPE && i == 1) || (n->op == OP_GATHER && i == 1) ||
+               (n->op == OP_GATHER_BWD && i == 0) || (n->op == OP_SCATTER_ADD && i == 1) ||
                ((n->op == OP_ATTENTION || n->op == OP_ATTENTION_LSE || n->op == OP_ATTENTION_BWD) && n->ia[2] &&
                 i == 3) ||
                n->op == OP_ATTENTION_MASK;
@@ -224,6 +271,8 @@ static bool infer(Graph *g, IrNode *n) {
     n->dtype = in[0]->dtype;
   else if (n->op == OP_CAST)
     n->dtype = (DType)n->ia[0];
+  else if (n->op == OP_TOPK)
+    n->dtype = DT_I32;
   else if (n->op != OP_INPUT)
     n->dtype = DT_F32;
 
@@ -385,6 +434,8 @@ static bool infer(Graph *g, IrNode *n) {
       return fail(g, "embed_bwd: gradient %s does not match ids %s", SHAPE(dy), SHAPE(ids));
     return true;
   }
+  case OP_TOPK: case OP_GATHER: case OP_GATHER_BWD: case OP_SCATTER_ADD:
+    return routing_shape(g, n, in);
   case OP_LAYERNORM: case OP_RMSNORM: case OP_LAYERNORM_BWD: case OP_RMSNORM_BWD: {
     Shape x = in[0]->shape;
     if (x.rank < 1)

@@ -132,6 +132,20 @@ typedef struct {
   /* embedding: (table [V,C], ids i32[...]) -> [..., C] */                                         \
   X(EMBED, "embed")                                                                                \
   X(EMBED_BWD, "embed_bwd") /* (ids, dy) -> d table [V,C] (scatter-add); shape gives V */         \
+  /* routing (mixture of experts); ia[0] = axis (>= 0). An index outside [0, len) of its axis       \
+     reads 0 (GATHER) and adds nothing (SCATTER_ADD, GATHER_BWD): kernels cannot raise mid-step.     \
+     idx has the rank of the positions it lists (GATHER's output, GATHER_BWD's dy, SCATTER_ADD's    \
+     src) and broadcasts to their shape (an axis of size 1: one index for the whole axis). */      \
+  /* (x) -> i32: the indices of the ia[1] largest along the axis, largest first; ties (and NaNs,      \
+     which count as larger than every number) by the lower index; no gradient */                   \
+  X(TOPK, "topk")                                                                                  \
+  /* (x, idx i32) -> y[.., j, ..] = x[.., idx[.., j, ..], ..]: idx's size on the axis, x's elsewhere */ \
+  X(GATHER, "gather")                                                                              \
+  /* (idx, dy) -> zeros of dy's shape with ia[1] on the axis, dy scatter-added at idx (GATHER's      \
+     backward); every sum in increasing order of the position along the axis */                    \
+  X(GATHER_BWD, "gather_bwd")                                                                      \
+  /* (base, idx, src) -> base with src scatter-added at idx along the axis; order as GATHER_BWD */  \
+  X(SCATTER_ADD, "scatter_add")                                                                    \
   /* row-wise (over the last axis) */                                                              \
   X(LAYERNORM, "layernorm") /* (x, w, b); fa[0] = eps */                                          \
   X(LAYERNORM_BWD, "layernorm_bwd") /* (x, w, dy); fa[0] = eps; ia[0] which: 0 dx, 1 dw, 2 db */  \

@@ -9,8 +9,8 @@
 //      stack of the ones being evaluated turns a reference cycle into an error.
 //   3. train: the train section's settings fill g->train.
 //   4. elaborate: statements run in order and append graph nodes. An expression evaluates to a
-//      Val: a compile-time integer, float or boolean, a tensor (graph node), or the tuple split()
-//      returns. Scalars meeting tensors become CONST nodes. `repeat NAME[N] { }` elaborates its
+//      Val: a compile-time integer, float or boolean, a tensor (graph node), or the tuple split() or
+//      topk() returns. Scalars meeting tensors become CONST nodes. `repeat NAME[N] { }` elaborates its
 //      body N times, each time in a fresh scope whose params are named NAME.i.pname.
 // Errors do not stop the analysis: a failed expression evaluates to V_ERR, which silently poisons
 // whatever uses it, so every independent mistake is reported once. Messages are deduplicated by
@@ -36,6 +36,7 @@ typedef struct {
   int node;   // V_TENSOR
   int *tuple; // V_TUPLE: node ids
   int ntuple;
+  bool topk;  // V_TUPLE: topk's (values, indices), else split's parts
 } Val;
 
 static const Val ERR = {.kind = V_ERR};
@@ -192,7 +193,7 @@ static const char *describe(Val v) {
   case V_FLOAT: return "a number";
   case V_BOOL: return "a boolean";
   case V_TENSOR: return "a tensor";
-  case V_TUPLE: return "several values (split)";
+  case V_TUPLE: return v.topk ? "several values (topk)" : "several values (split)";
   case V_ERR: break;
   }
   return "an error";
@@ -520,7 +521,8 @@ static Val binary(Sema *s, const Expr *e) {
   if (a.kind == V_ERR || b.kind == V_ERR)
     return ERR;
   if (a.kind == V_TUPLE || b.kind == V_TUPLE) {
-    error_at(s, e->at, "'%s' cannot take the several values of split(); unpack them first", op_text(e->op));
+    error_at(s, e->at, "'%s' cannot take the several values of %s(); unpack them first", op_text(e->op),
+             (a.kind == V_TUPLE ? a : b).topk ? "topk" : "split");
     return ERR;
   }
   if (is_comparison(e->op))
@@ -1022,6 +1024,53 @@ static Val builtin_concat(Sema *s, const Builtin *b, const Expr *call, const Exp
   return add_op(s, OP_CONCAT, in, list->nargs, (int64_t[8]){axis}, NULL, call->at);
 }
 
+// topk(x, k, axis=-1): (values, indices i32), the k largest along the axis, largest first, ties by
+// the lower index: TOPK gives the indices, a GATHER of x at them the values (the gradient's path).
+static Val builtin_topk(Sema *s, const Builtin *b, const Expr *call, const Expr **arg) {
+  int x = tensor_arg(s, b, arg[0], "x");
+  int64_t k, axis;
+  if (x < 0 || !int_arg(s, b, arg[1], "k", 0, &k))
+    return ERR;
+  Shape sh = node(s, x)->shape;
+  if (!axis_arg(s, b, arg[2], -1, sh.rank, call->at, &axis))
+    return ERR;
+  if (k < 1 || k > sh.d[axis]) {
+    error_at(s, arg[1]->at, "topk: k must be between 1 and %lld (the size of axis %lld), got %lld",
+             (long long)sh.d[axis], (long long)axis, (long long)k);
+    return ERR;
+  }
+  Val idx = add_op(s, OP_TOPK, &x, 1, (int64_t[8]){axis, k}, NULL, call->at);
+  if (idx.kind == V_ERR)
+    return ERR;
+  Val vals = add_op(s, OP_GATHER, (int[]){x, idx.node}, 2, (int64_t[8]){axis}, NULL, call->at);
+  if (vals.kind == V_ERR)
+    return ERR;
+  Val t = {.kind = V_TUPLE, .ntuple = 2, .tuple = arena_alloc(s->a, sizeof(int) * 2), .topk = true};
+  t.tuple[0] = vals.node;
+  t.tuple[1] = idx.node;
+  return t;
+}
+
+// gather(x, idx, axis=-1) and scatter_add(base, idx, src, axis=-1); the shapes are checked by the IR.
+static Val builtin_gather(Sema *s, const Builtin *b, const Expr *call, const Expr **arg) {
+  bool scatter = b->op == OP_SCATTER_ADD;
+  int x = tensor_arg(s, b, arg[0], scatter ? "base" : "x"), idx = tensor_arg(s, b, arg[1], "idx");
+  int src = scatter ? tensor_arg(s, b, arg[2], "src") : 0;
+  int64_t axis;
+  if (x < 0 || idx < 0 || src < 0 || !need_i32(s, b, idx, "idx", arg[1]->at))
+    return ERR;
+  int bad = node(s, x)->dtype != DT_F32 ? 0 : scatter && node(s, src)->dtype != DT_F32 ? 2 : -1;
+  if (bad >= 0) {
+    error_at(s, arg[bad]->at, "%s: %s must be f32, got i32", b->name, b->params[bad]);
+    return ERR;
+  }
+  if (!axis_arg(s, b, arg[scatter ? 3 : 2], -1, node(s, x)->shape.rank, call->at, &axis))
+    return ERR;
+  if (scatter)
+    return add_op(s, OP_SCATTER_ADD, (int[]){x, idx, src}, 3, (int64_t[8]){axis}, NULL, call->at);
+  return add_op(s, OP_GATHER, (int[]){x, idx}, 2, (int64_t[8]){axis}, NULL, call->at);
+}
+
 static Val builtin_embed(Sema *s, const Builtin *b, const Expr *call, const Expr **arg) {
   int t = tensor_arg(s, b, arg[0], "table"), ids = tensor_arg(s, b, arg[1], "ids");
   if (t < 0 || ids < 0 || !need_i32(s, b, ids, "ids", arg[1]->at))
@@ -1298,6 +1347,9 @@ static const Builtin builtins[] = {
     {"split", 2, 2, {"x", "n", "axis"}, builtin_split, OP_SLICE},
     {"concat", 1, 1, {"xs", "axis"}, builtin_concat, OP_CONCAT},
     {"embed", 2, 2, {"table", "ids"}, builtin_embed, OP_EMBED},
+    {"topk", 2, 2, {"x", "k", "axis"}, builtin_topk, OP_TOPK},
+    {"gather", 2, 2, {"x", "idx", "axis"}, builtin_gather, OP_GATHER},
+    {"scatter_add", 3, 3, {"base", "idx", "src", "axis"}, builtin_gather, OP_SCATTER_ADD},
     {"layernorm", 2, 3, {"x", "w", "b", "eps"}, builtin_norm, OP_LAYERNORM},
     {"rmsnorm", 2, 2, {"x", "w", "eps"}, builtin_norm, OP_RMSNORM},
     {"softmax", 1, 1, {"x", "axis"}, builtin_softmax, OP_SOFTMAX},
@@ -1931,7 +1983,8 @@ static void assign_stmt(Sema *s, const Stmt *st) {
       }
   Val v = eval(s, st->value);
   if (st->nnames == 1 && v.kind == V_TUPLE) {
-    error_at(s, st->at, "split gives %d values; unpack them into %d names", v.ntuple, v.ntuple);
+    error_at(s, st->at, "%s gives %d values; unpack them into %d names", v.topk ? "topk" : "split", v.ntuple,
+             v.ntuple);
     v = ERR;
   } else if (st->nnames > 1 && v.kind != V_ERR && (v.kind != V_TUPLE || v.ntuple != st->nnames)) {
     error_at(s, st->at, "%d names, but the right side gives %d value%s", st->nnames,

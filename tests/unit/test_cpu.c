@@ -101,6 +101,33 @@ static const char allops[] =
     "extra = mean(bm) + mean(wp * wp) + 0.001 * sum(reshape(big * big, [8192])) + mean(max(big, axis=0))\n"
     "output loss = mean(cross_entropy(h @ head, targets)) + extra\n";
 
+// Routing for a mixture of experts (topk, gather, scatter_add): a token's top-2 of 4 experts, each
+// expert's 6 tokens by priority (many ties at 0, broken by the lower index), their gather, batched
+// expert matmuls and the combine's scatter-add onto the residual; then indices from the batch
+// ("idx", -1 to 5 along an axis of 4: some out of range) read by a gather and a scatter-add.
+static const char routing[] =
+    "model routing\n"
+    "dim N = 16\n"
+    "dim C = 8\n"
+    "dim E = 4\n"
+    "input x: f32[N, C]\n"
+    "input idx: i32[N, 3]\n"
+    "param wr: [C, E] = normal(0.5)\n"
+    "param w1: [E, C, C] = normal(0.3)\n"
+    "param w2: [C, C] = normal(0.3)\n"
+    "t = tanh(x @ w2)\n"
+    "probs = softmax(t @ wr)\n"
+    "gate, choice = topk(probs, 2)\n"
+    "gates = scatter_add(probs * 0.0, choice, gate, axis=1)\n"
+    "prio, slot = topk(transpose((gates > 0.0) * (1.0 + probs), 0, 1), 6)\n"
+    "weight = gather(transpose(gates, 0, 1), slot, axis=1)\n"
+    "tok = reshape(slot, [E * 6, 1])\n"
+    "ye = tanh(reshape(gather(t, tok, axis=0), [E, 6, C]) @ w1) * reshape(weight, [E, 6, 1])\n"
+    "y = scatter_add(t, tok, reshape(ye, [E * 6, C]), axis=0)\n"
+    "o = gather(y[:, 0:4], idx, axis=1)\n"
+    "s = scatter_add(y[:, 4:8], idx, o * o, axis=1)\n"
+    "output loss = mean(s * s) + mean(y * y) + mean(prio)\n";
+
 // What one run produced: the loss and gradients of step 1, the parameters after the last step.
 typedef struct {
   double loss;
@@ -192,6 +219,8 @@ static void batch(const IrNode *nd, int32_t *ids, float *f) {
       ids[j] = (int32_t)((j * 37 + 11) % 256);
     else if (!strcmp(nd->name, "targets"))
       ids[j] = j == 3 ? -1 : (int32_t)((j * 53 + 7) % (nd->shape.rank == 1 ? 4 : 256));
+    else if (!strcmp(nd->name, "idx")) // -1 to 5: some outside an axis of 4
+      ids[j] = (int32_t)((j * 5) % 7) - 1;
     else if (!strcmp(nd->name, "pos"))
       ids[j] = (int32_t)(t < split ? t : t - split);
     else if (!strcmp(nd->name, "doc"))
@@ -995,6 +1024,7 @@ int main(void) {
       {"attngemm.mdl", {{NULL, 0}}, 0, attn_gemm},
       {"attnkv.mdl", {{NULL, 0}}, 0, attn_kv},
       {"attnkv.mdl", {{"T", 160}, {"C", 128}}, 2, attn_kv},
+      {"routing.mdl", {{NULL, 0}}, 0, routing},
   };
   for (size_t i = 0; i < sizeof models / sizeof *models; i++)
     test_model(&models[i]);
@@ -1005,6 +1035,7 @@ int main(void) {
   test_bf16(&models[6]);
   test_bf16(&models[7]);
   test_bf16(&models[8]);
+  test_bf16(&models[9]);
   test_bf16_arena("models/gpt2-tiny.mdl");
   test_bf16_arena("models/llama-tiny.mdl");
   test_bf16_rounding();

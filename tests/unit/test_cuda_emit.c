@@ -243,6 +243,32 @@ static const char attnkv[] =
     "kc, vc = split(ctx @ wc, 2, axis=-1)\n"
     "c = attention(b, kc, vc, heads=4, kv_heads=2) + b\n"
     "output loss = mean(cross_entropy(c @ head, targets))\n";
+// Routing for a mixture of experts (topk, gather, scatter_add): a token's top-2 of 4 experts, each
+// expert's 6 tokens by priority (many ties at 0, broken by the lower index), their gather, batched
+// expert matmuls and the combine's scatter-add onto the residual; then indices from the batch
+// ("idx", -1 to 5 along an axis of 4: some out of range) read by a gather and a scatter-add.
+static const char routing[] =
+    "model routing\n"
+    "dim N = 16\n"
+    "dim C = 8\n"
+    "dim E = 4\n"
+    "input x: f32[N, C]\n"
+    "input idx: i32[N, 3]\n"
+    "param wr: [C, E] = normal(0.5)\n"
+    "param w1: [E, C, C] = normal(0.3)\n"
+    "param w2: [C, C] = normal(0.3)\n"
+    "t = tanh(x @ w2)\n"
+    "probs = softmax(t @ wr)\n"
+    "gate, choice = topk(probs, 2)\n"
+    "gates = scatter_add(probs * 0.0, choice, gate, axis=1)\n"
+    "prio, slot = topk(transpose((gates > 0.0) * (1.0 + probs), 0, 1), 6)\n"
+    "weight = gather(transpose(gates, 0, 1), slot, axis=1)\n"
+    "tok = reshape(slot, [E * 6, 1])\n"
+    "ye = tanh(reshape(gather(t, tok, axis=0), [E, 6, C]) @ w1) * reshape(weight, [E, 6, 1])\n"
+    "y = scatter_add(t, tok, reshape(ye, [E * 6, C]), axis=0)\n"
+    "o = gather(y[:, 0:4], idx, axis=1)\n"
+    "s = scatter_add(y[:, 4:8], idx, o * o, axis=1)\n"
+    "output loss = mean(s * s) + mean(y * y) + mean(prio)\n";
 
 static const Model models[] = {
     {"models/gpt2-tiny.mdl", {{"B", 2}, {"T", 16}}, 2, NULL},
@@ -258,6 +284,7 @@ static const Model models[] = {
     {"tied.mdl", {{NULL, 0}}, 0, tied},
     {"attnkv.mdl", {{NULL, 0}}, 0, attnkv},
     {"attnkv-d12.mdl", {{"C", 48}}, 1, attnkv},
+    {"routing.mdl", {{NULL, 0}}, 0, routing},
 };
 
 // The training graph of md, its GEMMs' operands rounded to bf16 when prec is DT_BF16.
@@ -977,6 +1004,8 @@ static void batch(const IrNode *nd, int32_t *ids, float *f) {
       ids[j] = (int32_t)(74 - j % 75);
     else if (!strcmp(nd->name, "targets"))
       ids[j] = j == 3 ? -1 : (int32_t)((j * 53 + 7) % (nd->shape.rank == 1 ? 4 : 64));
+    else if (!strcmp(nd->name, "idx")) // -1 to 5: some outside an axis of 4
+      ids[j] = (int32_t)((j * 5) % 7) - 1;
     else if (!strcmp(nd->name, "pos"))
       ids[j] = (int32_t)(t < split ? t : t - split);
     else if (!strcmp(nd->name, "doc"))
@@ -1837,7 +1866,7 @@ int main(void) {
     test_nvrtc_units();
     test_nvrtc_resources();
     static const char *const paths[] = {"models/gpt2-tiny.mdl", "models/gpt2.mdl", "models/llama-tiny.mdl",
-                                        "models/mlp.mdl"};
+                                        "models/mlp.mdl", "models/moe-tiny.mdl"};
     for (int pr = 0; pr < 2; pr++)
       for (size_t i = 0; i < sizeof paths / sizeof *paths; i++)
         for (int fz = 1; fz >= 0; fz--)

@@ -339,6 +339,81 @@ static void softmax_axes_case(void) {
   arena_free(a);
 }
 
+// topk, gather and scatter_add: the values of topk carry the gradient to the positions chosen, along
+// the last axis and the first; gather with an index broadcast over the other axis and indices out of
+// range (-1 and 4 read 0 and take no gradient); scatter_add with two sources on one position and
+// sources out of range (they add nothing, so their gradient is 0). The parameters' values are
+// distinct by 0.1 or more, so no difference step changes what topk picks.
+static void routing_case(void) {
+  Arena *a = arena_new();
+  Graph *g = mdl_compile_text(a, "route.mdl",
+                              "model route\ninput idx: i32[3, 1]\ninput sidx: i32[4, 5]\n"
+                              "param x: [4, 5] = normal(1)\nparam b: [3, 5] = normal(1)\n"
+                              "vals, top = topk(x, 2)\nv0, t0 = topk(x * x, 3, axis=0)\n"
+                              "gx = gather(x, idx, axis=0)\ns = scatter_add(b, sidx, x * x, axis=0)\n"
+                              "output loss = sum(vals * vals * x[:, 0:2]) + sum(v0 * gx) + sum(s * s * b)"
+                              " + sum(gather(b, top[0:3, :], axis=1))\n", NULL, 0);
+  bool ok = g && autodiff(g, false);
+  CHECK(ok, "grad routing: compiles and differentiates", "%s", g ? g->err : "front end failed");
+  if (!ok) {
+    arena_free(a);
+    return;
+  }
+  Interp *it = interp_new(g, INTERP_F64);
+  for (int pi = 0; pi < g->nparams; pi++) {
+    int64_t n = shape_numel(g->nodes[g->params[pi]]->shape);
+    double *v = interp_param(it, g->params[pi]);
+    for (int64_t k = 0; k < n; k++) // a permutation of 20 steps of 0.1 (x: none near 0, so x * x keeps them apart)
+      v[k] = pi == 0 ? (k % 2 ? -1 : 1) * (0.15 + 0.1 * (double)((k * 7) % 20)) : 0.5 * uniform(81, k);
+  }
+  int32_t idx[3] = {2, -1, 4}, sidx[20];
+  for (int k = 0; k < 20; k++) // rows 0 and 1 of x both into row 1 of s in places; -1 and 3 drop
+    sidx[k] = (int32_t)((k * 3) % 5) - 1;
+  if (!interp_set_input(it, "idx", idx, NULL, 3) || !interp_set_input(it, "sidx", sidx, NULL, 20))
+    CHECK(false, "grad routing", "could not set the indices");
+  else
+    compare_with_fd("grad routing (topk, gather, scatter_add)", g, it, 0);
+  interp_free(it);
+  arena_free(a);
+}
+
+// topk's order: largest first, ties by the lower index, NaN before every number; gather then reads the
+// values, and an index out of range reads 0.
+static void topk_order_case(void) {
+  Arena *a = arena_new();
+  Graph *g = mdl_compile_text(a, "topk.mdl",
+                              "model topk\ninput x: f32[2, 6]\ninput far: i32[2, 2]\n"
+                              "v, i = topk(x, 4)\noutput loss = sum(v)\noutput far_v = gather(x, far)\n",
+                              NULL, 0);
+  CHECK(g != NULL, "topk order: compiles", "front end failed");
+  if (!g) {
+    arena_free(a);
+    return;
+  }
+  Interp *it = interp_new(g, INTERP_F32);
+  float xs[12] = {1, 3, 3, -2, 0.5f, 3, -1, NAN, -1, 2, NAN, -5};
+  int32_t far[4] = {6, -1, 5, 0};
+  char err[256] = "";
+  bool ran = interp_set_input(it, "x", NULL, xs, 12) && interp_set_input(it, "far", far, NULL, 4) &&
+             interp_run(it, g->n, err, sizeof err);
+  int iv = -1, fv = -1;
+  for (int k = 0; k < g->n; k++) {
+    if (g->nodes[k]->op == OP_TOPK)
+      iv = k;
+    if (g->nodes[k]->name && !strcmp(g->nodes[k]->name, "far_v"))
+      fv = k;
+  }
+  const double want[8] = {1, 2, 5, 0, 1, 4, 3, 0};
+  bool same = ran && iv >= 0 && fv >= 0;
+  for (int k = 0; same && k < 8; k++)
+    same = interp_value(it, iv)[k] == want[k];
+  const double *f = same ? interp_value(it, fv) : NULL;
+  same = same && f[0] == 0 && f[1] == 0 && f[2] == -5 && f[3] == -1;
+  CHECK(same, "topk order: ties by the lower index, NaN first; gather out of range reads 0", "%s", err);
+  interp_free(it);
+  arena_free(a);
+}
+
 // stop_gradient: loss = sum(x * stop_gradient(x) + stop_gradient(x)) has d loss / dx = x, not 2x + 1
 // (a finite difference sees the whole function, so this is checked against the formula).
 static void stop_gradient_case(void) {
@@ -922,6 +997,8 @@ int main(void) {
   stop_gradient_case();
   where_case();
   softmax_axes_case();
+  routing_case();
+  topk_order_case();
   binary_cases();
   reduction_cases();
   layout_cases();
