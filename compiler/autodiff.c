@@ -1,4 +1,4 @@
-// autodiff.c: reverse-mode differentiation of the forward graph, then the AdamW step.
+// autodiff.c: reverse-mode differentiation of the forward graph, then the optimizer step.
 //
 // The forward graph is nodes [0, fwd_end), already in topological order, so the backward pass is
 // one sweep over those ids from the loss downwards. Every node on a path from a PARAM to the loss
@@ -17,7 +17,10 @@
 // reshaping it to the operand's shape.
 //
 // With the optimizer requested, the gradients feed one GRAD_NORM node (global clipping) and one
-// ADAMW node per parameter, each with its two STATE moments and the "lr"/"step" SCALAR leaves.
+// ADAMW node (the update, whichever its rule) per parameter, each with its STATE moments and the
+// "lr"/"step" SCALAR leaves. A frozen parameter (train section's freeze) is no gradient's source:
+// nothing is differentiated for it alone, it has no gradient node (g->grads[i] -1), no update and
+// no moments, and stays out of the gradient norm.
 #include "mdl.h"
 
 #include <string.h>
@@ -417,7 +420,7 @@ static void mark_active(Graph *g, bool *active) {
   bool *depends = arena_alloc(g->arena, sizeof(bool) * (size_t)g->fwd_end);
   for (int i = 0; i < g->fwd_end; i++) {
     IrNode *n = g->nodes[i];
-    depends[i] = n->op == OP_PARAM;
+    depends[i] = n->op == OP_PARAM && !n->init.frozen;
     for (int k = 0; k < n->nin; k++)
       depends[i] |= depends[n->in[k]];
     depends[i] &= n->dtype == DT_F32;
@@ -452,8 +455,9 @@ static int param_grad(Ad *ad, int p) {
   return d;
 }
 
-// The optimizer step after the backward graph: lr and step scalars, two moments per parameter,
-// the global gradient norm, then one ADAMW per parameter. With gradient accumulation over k
+// The optimizer step after the backward graph: lr and step scalars, the global gradient norm,
+// then one ADAMW per parameter with the moments its rule keeps (opt_rule_moments: "<p>.m", then
+// "<p>.v"); a frozen parameter has neither gradient nor update. With gradient accumulation over k
 // micro-batches (train.accumulate), the runtime runs the first k - 1 micro-batches on the
 // gradients-only graph and passes their summed gradients in as the inputs "acc.<param>"; this
 // step's update uses (gradient + acc) / k, the mean gradient over the k micro-batches.
@@ -469,6 +473,9 @@ static bool optimizer_step(Graph *g) {
     int inv_k = ir_const(g, 1.0 / (double)k, none);
     for (int i = 0; i < g->nparams; i++) {
       IrNode *p = g->nodes[g->params[i]];
+      grads[i] = -1;
+      if (p->init.frozen)
+        continue;
       int acc = ir_leaf(g, OP_INPUT, arena_printf(g->arena, "acc.%s", p->name), DT_F32, p->shape, p->loc);
       int sum = acc < 0 ? -1 : ir_add(g, OP_ADD, (int[]){g->grads[i], acc}, 2, NULL, NULL, p->loc);
       grads[i] = sum < 0 ? -1 : ir_add(g, OP_MUL, (int[]){sum, inv_k}, 2, NULL, NULL, p->loc);
@@ -476,21 +483,45 @@ static bool optimizer_step(Graph *g) {
         return false;
     }
   }
-  int gnorm = ir_add(g, OP_GRAD_NORM, grads, g->nparams, NULL, NULL, none);
+  int *live = arena_alloc(g->arena, sizeof(int) * (size_t)g->nparams), nlive = 0;
+  for (int i = 0; i < g->nparams; i++)
+    if (grads[i] >= 0)
+      live[nlive++] = grads[i];
+  if (nlive == 0) {
+    snprintf(g->err, sizeof g->err, "autodiff: every parameter is frozen: there is nothing to train");
+    return false;
+  }
+  int gnorm = ir_add(g, OP_GRAD_NORM, live, nlive, NULL, NULL, none);
   if (lr < 0 || step < 0 || gnorm < 0)
     return false;
   g->updates = arena_alloc(g->arena, sizeof(int) * (size_t)g->nparams);
+  const TrainConfig *t = &g->train;
+  int nstate = opt_rule_moments(t->optimizer, t->momentum);
   for (int i = 0; i < g->nparams; i++) {
     IrNode *p = g->nodes[g->params[i]];
+    g->updates[i] = -1;
+    if (grads[i] < 0)
+      continue;
     const char *name = p->name ? p->name : "?";
-    int m = ir_leaf(g, OP_STATE, arena_printf(g->arena, "%s.m", name), DT_F32, p->shape, p->loc);
-    int v = ir_leaf(g, OP_STATE, arena_printf(g->arena, "%s.v", name), DT_F32, p->shape, p->loc);
-    if (m < 0 || v < 0)
-      return false;
-    g->nodes[m]->param_of = g->nodes[v]->param_of = p->id;
-    const TrainConfig *t = &g->train;
-    double fa[6] = {t->beta1, t->beta2, t->eps, p->init.decay ? t->weight_decay : 0, t->clip};
-    int u = ir_add(g, OP_ADAMW, (int[]){p->id, grads[i], m, v, gnorm, lr, step}, 7, NULL, fa, p->loc);
+    int in[7] = {p->id, grads[i]}, nin = 2;
+    for (int k = 0; k < nstate; k++) {
+      int st = ir_leaf(g, OP_STATE, arena_printf(g->arena, "%s.%s", name, k ? "v" : "m"), DT_F32, p->shape, p->loc);
+      if (st < 0)
+        return false;
+      g->nodes[st]->param_of = p->id;
+      in[nin++] = st;
+    }
+    in[nin++] = gnorm;
+    in[nin++] = lr;
+    in[nin++] = step;
+    double wd = p->init.decay ? t->weight_decay : 0, ls = p->init.lr_scale > 0 ? p->init.lr_scale : 1;
+    double fa[6] = {t->beta1, t->beta2, t->eps, wd, t->clip, ls};
+    if (t->optimizer == OPT_SGD)
+      fa[0] = t->momentum, fa[1] = t->nesterov, fa[2] = 0;
+    else if (t->optimizer == OPT_LION)
+      fa[2] = 0;
+    int64_t ia[1] = {t->optimizer};
+    int u = ir_add(g, OP_ADAMW, in, nin, ia, fa, p->loc);
     if (u < 0)
       return false;
     g->nodes[u]->param_of = p->id;
@@ -559,7 +590,9 @@ bool autodiff(Graph *g, bool optimizer) {
 
   g->grads = arena_alloc(g->arena, sizeof(int) * (size_t)g->nparams);
   for (int i = 0; i < g->nparams; i++)
-    if ((g->grads[i] = param_grad(&ad, g->params[i])) < 0)
+    if (g->nodes[g->params[i]]->init.frozen)
+      g->grads[i] = -1;
+    else if ((g->grads[i] = param_grad(&ad, g->params[i])) < 0)
       return false;
   return !optimizer || optimizer_step(g);
 }

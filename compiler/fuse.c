@@ -1371,7 +1371,7 @@ static Fusion *assemble(Fuser *F) {
       if (is_out(F, gi, id)) {
         push_unique(a, &st->outs, &st->nouts, id);
         f->materialised[id] = true;
-        st->bytes_written += dtype_size(n->dtype) * (double)numel(F, id) * (n->op == OP_ADAMW ? 3 : 1);
+        st->bytes_written += dtype_size(n->dtype) * (double)numel(F, id) * (n->op == OP_ADAMW ? 1 + opt_nstate(n) : 1);
       }
       for (int k = 0; k < n->nin; k++) {
         int x = n->in[k];

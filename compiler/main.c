@@ -542,8 +542,11 @@ static int cmd_check(const Options *o, Graph *g) {
   }
   for (int i = 0; i < g->nparams; i++) {
     const IrNode *n = g->nodes[g->params[i]];
-    printf("param  %-24s %s%s%s\n", n->name, dtype_name(n->dtype), shape_str(n->shape, buf, sizeof buf),
-           n->init.decay ? "" : "  (no weight decay)");
+    char scale[48] = "";
+    if (n->init.lr_scale > 0 && n->init.lr_scale != 1 && !n->init.frozen)
+      snprintf(scale, sizeof scale, "  (lr x %g)", n->init.lr_scale);
+    printf("param  %-24s %s%s%s%s\n", n->name, dtype_name(n->dtype), shape_str(n->shape, buf, sizeof buf),
+           n->init.frozen ? "  (frozen)" : n->init.decay ? "" : "  (no weight decay)", scale);
   }
   for (int i = 0; i < g->noutputs; i++) {
     const IrNode *n = g->nodes[g->outputs[i]];
@@ -741,17 +744,18 @@ static int cmd_grad(const Options *o, Graph *g) {
     if (!e->step(e, err, sizeof err)) {
       diag_file_error(o->file, "%s", err);
     } else {
-      int count = g->nparams + 1;
-      int *nodes = calloc((size_t)count, sizeof *nodes);
-      const char **names = calloc((size_t)count, sizeof *names);
+      int count = 1;
+      int *nodes = calloc((size_t)g->nparams + 1, sizeof *nodes);
+      const char **names = calloc((size_t)g->nparams + 1, sizeof *names);
       nodes[0] = g->loss;
       names[0] = "loss";
-      for (int i = 0; i < g->nparams; i++) {
-        nodes[i + 1] = g->grads[i];
-        names[i + 1] = g->nodes[g->params[i]]->name;
-      }
+      for (int i = 0; i < g->nparams; i++)
+        if (g->grads[i] >= 0) { // (a frozen parameter has none)
+          nodes[count] = g->grads[i];
+          names[count++] = g->nodes[g->params[i]]->name;
+        }
       if (write_values(o->out, e, nodes, names, count)) {
-        printf("loss %.6f; wrote the loss and %d gradients to %s (%s)\n", engine_scalar(e, g->loss), g->nparams,
+        printf("loss %.6f; wrote the loss and %d gradients to %s (%s)\n", engine_scalar(e, g->loss), count - 1,
                o->out, e->name);
         rc = 0;
       }

@@ -458,12 +458,71 @@ static void test_adamw(void) {
   interp_free(it);
 }
 
+// Each optimizer rule over 10 steps of one parameter against its reference: torch.optim.SGD and
+// torch.optim.AdamW, and Lion's published rule (Chen et al. 2023), as tests/torch/optim_ref.py
+// computes them (its output pasted below, with the gradients it uses: g_t[i] = sin(1.3 t + 0.7 i)
+// (1 + 0.1 i)). The SGD with Nesterov case runs at lr 0.1 with lr_scale 0.5, PyTorch's at 0.05.
+static void test_optimizers(void) {
+  static const double want[5][5] = {
+      // made by tests/torch/optim_ref.py with torch 2.15.0+cu132
+      {0.5849934791073663, -2.0205002036805, 0.7571554632358815, 0.5813224487727129, 3.5106365163003166},
+      {0.7938051650711262, -2.0192428225799097, 0.5970613142555837, 0.25852847909635535, 3.228526335626645},
+      {0.8832870488761533, -1.8462040284312393, 0.4150273994143923, -0.017338893828170103, 2.7279405343782708},
+      {0.74637945535119, -2.103288457424043, 0.5318117406945461, 0.32029913228500584, 3.2551210414143363},
+      {0.9115594375806918, -1.881609245266674, 0.42564712943280564, 0.05812877901373374, 2.91094228639069},
+  };
+  static const char *const what[5] = {"sgd, momentum 0.9, weight decay", "sgd, Nesterov, lr_scale 0.5",
+                                      "sgd without momentum, weight decay", "adamw", "lion, weight decay"};
+  static const OptRule rule[5] = {OPT_SGD, OPT_SGD, OPT_SGD, OPT_ADAMW, OPT_LION};
+  static const int moments[5] = {1, 1, 0, 2, 1};
+  static const double fa[5][6] = {{0.9, 0, 0, 0.01, 0, 1}, {0.9, 1, 0, 0.01, 0, 0.5}, {0, 0, 0, 0.1, 0, 1},
+                                  {0.9, 0.999, 1e-8, 0.01, 0, 1}, {0.9, 0.99, 0, 0.1, 0, 1}};
+  static const double lr[5] = {0.1, 0.1, 0.1, 0.1, 0.03};
+  for (int c = 0; c < 5; c++) {
+    fresh();
+    int p = param("p", SH(5)), gr = param("g", SH(5));
+    int in[7] = {p, gr}, nin = 2;
+    for (int k = 0; k < moments[c]; k++)
+      in[nin++] = must(ir_leaf(g, OP_STATE, k ? "p.v" : "p.m", DT_F32, SH(5), L0));
+    int lrn = must(ir_leaf(g, OP_SCALAR, "lr", DT_F32, (Shape){0}, L0));
+    int step = must(ir_leaf(g, OP_SCALAR, "step", DT_F32, (Shape){0}, L0));
+    in[nin++] = NODE(OP_GRAD_NORM, NULL, NULL, gr);
+    in[nin++] = lrn;
+    in[nin++] = step;
+    int up = must(ir_add(g, OP_ADAMW, in, nin, IA(rule[c]), fa[c], L0));
+    Interp *it = interp_new(g, INTERP_F64);
+    set(it, p, (double[]){1, -2, 0.5, 0, 3});
+    interp_set_scalar(it, "lr", lr[c]);
+    for (int t = 1; t <= 10; t++) {
+      double gt[5];
+      for (int i = 0; i < 5; i++)
+        gt[i] = sin(1.3 * t + 0.7 * i) * (1 + 0.1 * i);
+      set(it, gr, gt);
+      interp_set_scalar(it, "step", t);
+      run(it);
+    }
+    char name[96];
+    snprintf(name, sizeof name, "%s: 10 steps as the reference", what[c]);
+    EXPECT(it, up, 1e-13, name, want[c][0], want[c][1], want[c][2], want[c][3], want[c][4]);
+    interp_free(it);
+  }
+  // A rule with the wrong number of moments is refused by the IR.
+  fresh();
+  int p = param("p", SH(2)), gr = param("g", SH(2));
+  int lrn = must(ir_leaf(g, OP_SCALAR, "lr", DT_F32, (Shape){0}, L0));
+  int step = must(ir_leaf(g, OP_SCALAR, "step", DT_F32, (Shape){0}, L0));
+  int gn = NODE(OP_GRAD_NORM, NULL, NULL, gr);
+  CHECK(ir_add(g, OP_ADAMW, (int[]){p, gr, gn, lrn, step}, 5, IA(OPT_LION), FA(0.9, 0.99), L0) < 0 &&
+            strstr(g->err, "lion takes"),
+        "lion without its moment is refused", "err '%s'", g->err);
+}
+
 static void test_init(void) {
   fresh();
   int w = param("w", SH(100, 100)), o = param("o", SH(3)), z = param("z", SH(3));
-  g->nodes[w]->init = (ParamInit){INIT_NORMAL, 0.02, true};
-  g->nodes[o]->init = (ParamInit){INIT_ONES, 0, false};
-  g->nodes[z]->init = (ParamInit){INIT_ZEROS, 0, false};
+  g->nodes[w]->init = (ParamInit){.kind = INIT_NORMAL, .std = 0.02, .decay = true};
+  g->nodes[o]->init = (ParamInit){.kind = INIT_ONES};
+  g->nodes[z]->init = (ParamInit){.kind = INIT_ZEROS};
   Interp *it = interp_new(g, INTERP_F32), *again = interp_new(g, INTERP_F32);
   set(it, z, (double[]){5, 5, 5});
   interp_init_params(it, 1);
@@ -618,6 +677,7 @@ int main(void) {
   test_rope();
   test_dropout();
   test_adamw();
+  test_optimizers();
   test_init();
   test_backward_ops();
   arena_free(arena);
