@@ -79,28 +79,30 @@ void c_emit_optimizer(Emit *e, int gi) {
       total += ec_numel(&e->core, gr->mem[j]);
     }
     OptRule rule = (OptRule)a->ia[0];
-    int nst = opt_nstate(a);
+    int ncol = a->nin - 3; // p, g and the moments (Muon: m and the orthogonalised update as v)
     int gnorm = ec_need(&e->core, opt_gnorm(a)), lr = ec_need(&e->core, opt_lr(a)), step = ec_need(&e->core, opt_step(a));
     int ncopies = 0;
     for (int j = 0; j < ns; j++)
       ncopies += e->core.f->copy_of[ec_canon(&e->core, ec_node(&e->core, seg[j])->in[0])] >= 0;
     const char *hyper = rule == OPT_SGD ? ec_str(&e->core, "momentum %g%s", a->fa[0], a->fa[1] != 0 ? ", Nesterov" : "")
                         : rule == OPT_LION ? ec_str(&e->core, "beta1 %g, beta2 %g", a->fa[0], a->fa[1])
+                        : rule == OPT_MUON ? ec_str(&e->core, "momentum %g", a->fa[0])
                         : ec_str(&e->core, "beta1 %g, beta2 %g, eps %g", a->fa[0], a->fa[1], a->fa[2]);
     c_note(e, "%s over %d parameters, %lld values (%s, clip %g)%s",
-           rule == OPT_SGD ? "SGD" : rule == OPT_LION ? "Lion" : "AdamW", ns, (long long)total, hyper, a->fa[4],
-           ncopies ? ec_str(&e->core, "; %d bf16 copies", ncopies) : "");
+           rule == OPT_SGD ? "SGD" : rule == OPT_LION ? "Lion" : rule == OPT_MUON ? "Muon" : "AdamW", ns,
+           (long long)total, hyper, a->fa[4], ncopies ? ec_str(&e->core, "; %d bf16 copies", ncopies) : "");
     ec_enter(&e->core, "%s", "");
     ec_line(&e->core, "static const struct {");
-    ec_line(&e->core, "  int64_t p, g, %s%sn;%s", nst > 0 ? "m, " : "", nst > 1 ? "v, " : "",
+    ec_line(&e->core, "  int64_t p, g, %s%sn;%s", ncol > 2 ? "m, " : "", ncol > 3 ? "v, " : "",
             ncopies ? ec_str(&e->core, "\n    int64_t c; // the bf16 copy, or -1") : "");
-    ec_line(&e->core, "  double wd, ls; // weight decay, lr_scale");
+    ec_line(&e->core, rule == OPT_MUON ? "  double wd, ls; // weight decay, lr_scale (v: the orthogonalised update)"
+                                       : "  double wd, ls; // weight decay, lr_scale");
     ec_line(&e->core, "} seg[%d] = {", ns);
     for (int j = 0; j < ns; j++) {
       const IrNode *u = ec_node(&e->core, seg[j]);
       int p = ec_canon(&e->core, u->in[0]), c = e->core.f->copy_of[p];
       Buf row = {0};
-      for (int k = 0; k < 2 + nst; k++) {
+      for (int k = 0; k < ncol; k++) {
         int x = ec_canon(&e->core, u->in[k]);
         if (ec_offset(&e->core, x) < 0)
           ec_fail(&e->core, "update %d: parameter, gradient or moments not in memory", seg[j]);
@@ -132,10 +134,11 @@ void c_emit_optimizer(Emit *e, int gi) {
     }
     ec_enter(&e->core, "for (int k = 0; k < nseg; k++)");
     ec_line(&e->core, "float *restrict p = (float *)(arena + seg[k].p);");
-    if (nst > 0)
+    if (ncol > 2)
       ec_line(&e->core, "float *restrict m = (float *)(arena + seg[k].m);");
-    if (nst > 1)
-      ec_line(&e->core, "float *restrict v = (float *)(arena + seg[k].v);");
+    if (ncol > 3)
+      ec_line(&e->core, rule == OPT_MUON ? "const float *restrict v = (const float *)(arena + seg[k].v);"
+                                         : "float *restrict v = (float *)(arena + seg[k].v);");
     ec_line(&e->core, "const float *restrict g = (const float *)(arena + seg[k].g);");
     if (ncopies)
       ec_line(&e->core, "uint16_t *restrict c = seg[k].c >= 0 ? (uint16_t *)(arena + seg[k].c) : NULL;");
@@ -147,13 +150,17 @@ void c_emit_optimizer(Emit *e, int gi) {
     ec_enter(&e->core, "for (int64_t i = 0; i < seg[k].n; i++)");
     if (rule == OPT_SGD) { // torch.optim.SGD, dampening 0: the decay joins the gradient
       ec_line(&e->core, "const float gi = s * g[i] + wd * p[i];");
-      if (nst > 0) {
+      if (ncol > 2) {
         ec_line(&e->core, "const float mi = b1 * m[i] + gi;");
         ec_line(&e->core, "m[i] = mi;");
         ec_line(&e->core, a->fa[1] != 0 ? "p[i] = p[i] - lr * (gi + b1 * mi);" : "p[i] = p[i] - lr * mi;");
       } else {
         ec_line(&e->core, "p[i] = p[i] - lr * gi;");
       }
+    } else if (rule == OPT_MUON) { // the momentum (u, its orthogonalisation, was computed before)
+      ec_line(&e->core, "const float gi = s * g[i];");
+      ec_line(&e->core, "m[i] = b1 * m[i] + (1.0f - b1) * gi;");
+      ec_line(&e->core, "p[i] = p[i] - lr * (v[i] + wd * p[i]);");
     } else if (rule == OPT_LION) { // the sign of an interpolation, then the momentum's update
       ec_line(&e->core, "const float gi = s * g[i], u = b1 * m[i] + (1.0f - b1) * gi;");
       ec_line(&e->core, "p[i] = p[i] - lr * ((float)((u > 0.0f) - (u < 0.0f)) + wd * p[i]);");

@@ -122,12 +122,12 @@ void cu_emit_optimizer(Emit *e, int gi) {
     int ncopies = 0;
     int64_t *n = ec_xcalloc((size_t)ns, sizeof *n);
     double *wd = ec_xcalloc((size_t)ns, sizeof *wd), *ls = ec_xcalloc((size_t)ns, sizeof *ls);
-    const int nst = opt_nstate(a);
+    const int nst = opt_nstate(a), ncol = a->nin - 3; // (Muon: m and the orthogonalised update as v)
     for (int j = 0; j < ns; j++) {
       const IrNode *u = ec_node(&e->core, seg[j]);
       for (int k = 0; k < 4; k++) {
-        nodes[j][k] = k < 2 + nst ? ec_canon(&e->core, u->in[k]) : -1;
-        if (k < 2 + nst && ec_offset(&e->core, nodes[j][k]) < 0)
+        nodes[j][k] = k < ncol ? ec_canon(&e->core, u->in[k]) : -1;
+        if (k < ncol && ec_offset(&e->core, nodes[j][k]) < 0)
           ec_fail(&e->core, "update %d: parameter, gradient or moments not in memory", seg[j]);
       }
       if (ec_offset(&e->core, seg[j]) >= 0 && ec_offset(&e->core, seg[j]) != ec_offset(&e->core, nodes[j][0]))
@@ -143,10 +143,11 @@ void cu_emit_optimizer(Emit *e, int gi) {
     cu_kbegin(e, table ? ec_str(&e->core, "%d", table + 1) : "");
     const char *hyper = rule == OPT_SGD ? ec_str(&e->core, "momentum %g%s", a->fa[0], a->fa[1] != 0 ? ", Nesterov" : "")
                         : rule == OPT_LION ? ec_str(&e->core, "beta1 %g, beta2 %g", a->fa[0], a->fa[1])
+                        : rule == OPT_MUON ? ec_str(&e->core, "momentum %g", a->fa[0])
                         : ec_str(&e->core, "beta1 %g, beta2 %g, eps %g", a->fa[0], a->fa[1], a->fa[2]);
     cu_note(e, "%s over %d parameters, %lld values (%s, clip %g), chunks of %d%s",
-            rule == OPT_SGD ? "SGD" : rule == OPT_LION ? "Lion" : "AdamW", ns, (long long)total, hyper, a->fa[4],
-            OPT_CHUNK, ncopies ? ec_str(&e->core, "; %d bf16 copies", ncopies) : "");
+            rule == OPT_SGD ? "SGD" : rule == OPT_LION ? "Lion" : rule == OPT_MUON ? "Muon" : "AdamW", ns,
+            (long long)total, hyper, a->fa[4], OPT_CHUNK, ncopies ? ec_str(&e->core, "; %d bf16 copies", ncopies) : "");
     seg_table(e, ec_str(&e->core, "%s_seg%s", e->sname, table ? ec_str(&e->core, "%d", table + 1) : ""), ns,
               (const int(*)[5])nodes, n, wd, ls);
     ec_line(&e->core, "const double clip = %s, gnorm = %s[0];", ec_dlit(&e->core, a->fa[4]), cu_ptr(e, gnorm));

@@ -772,6 +772,8 @@ static void run_grad_norm(Ctx *c) {
 //   sgd:   PyTorch's SGD (dampening 0): d = g + wd p (weight decay as an L2 term of the gradient);
 //          with momentum mu: m = mu m + d, then d = m, or with Nesterov d + mu m; p -= lr d
 //   lion:  Chen et al. 2023: u = sign(b1 m + (1-b1) g), p -= lr (u + wd p), m = b2 m + (1-b2) g
+//   muon:  (p, g, m, u, ...) u the orthogonalised momentum, scaled (autodiff.c's muon_ortho):
+//          m = b1 m + (1-b1) g, p -= lr (u + wd p)
 static void run_adamw(Ctx *c) {
   Interp *it = c->it;
   const IrNode *nd = c->nd;
@@ -800,6 +802,9 @@ static void run_adamw(Ctx *c) {
         d = b2 != 0 ? d + b1 * m[i] : m[i];
       }
       p[i] = rnd(it, p[i] - lr * d);
+    } else if (nd->ia[0] == OPT_MUON) {
+      m[i] = rnd(it, b1 * m[i] + (1 - b1) * gi);
+      p[i] = rnd(it, p[i] - lr * (c->x[3][i] + wd * p[i]));
     } else if (nd->ia[0] == OPT_LION) {
       double u = b1 * m[i] + (1 - b1) * gi;
       p[i] = rnd(it, p[i] - lr * ((u > 0) - (u < 0) + wd * p[i]));

@@ -173,13 +173,16 @@ typedef struct {
   X(GRAD_NORM, "grad_norm") /* (g0, g1, ...) -> [] global L2 norm */                              \
   /* One parameter's optimizer update, named after its first rule: ia[0] = the rule (OptRule);     \
      (p, g, [m, [v,]] gnorm, lr, step) -> new p, written in place with its moments (opt_nstate of   \
-     them: AdamW m and v, SGD with momentum and Lion m, plain SGD none). fa: 0 beta1 (SGD: the     \
-     momentum), 1 beta2 (SGD: 1 for Nesterov), 2 eps, 3 weight decay, 4 clip max norm (0 = no      \
-     clipping), 5 the parameter's multiplier of lr (lr_scale; 0 for 1) */                          \
+     them: AdamW m and v, SGD with momentum and Lion m, plain SGD none; Muon (p, g, m, u, ...): m   \
+     and the orthogonalised update u). fa: 0 beta1 (SGD, Muon: the momentum), 1 beta2 (SGD: 1 for \
+     Nesterov), 2 eps, 3 weight decay, 4 clip max norm (0 = no clipping), 5 the                    \
+     parameter's multiplier of lr (lr_scale; 0 for 1) */                                           \
   X(ADAMW, "adamw")
 
 // OP_ADAMW's update rule (ia[0]); the formulas are in docs/language.md, the reference in interp.c.
-typedef enum { OPT_ADAMW, OPT_SGD, OPT_LION } OptRule;
+// OPT_MUON updates a hidden matrix from its orthogonalised momentum u, which autodiff.c builds in the
+// graph (Newton-Schulz iterations of MATMULs); the optimizer "muon" is AdamW for the other params.
+typedef enum { OPT_ADAMW, OPT_SGD, OPT_LION, OPT_MUON } OptRule;
 
 // OP_COMPARE's relation (ia[0]).
 typedef enum { CMP_LT, CMP_LE, CMP_GT, CMP_GE, CMP_EQ, CMP_NE } Compare;
@@ -198,6 +201,7 @@ typedef struct {
   double std;  // INIT_NORMAL
   bool decay;  // weight decay applies (train section's no_decay patterns)
   bool frozen; // never updated, no gradient (train section's freeze patterns)
+  bool muon;   // a hidden matrix, updated by Muon when the optimizer is muon (sema.c says which)
   double lr_scale; // its multiplier of the schedule's lr (train section's lr_scale); 0 stands for 1
 } ParamInit;
 
@@ -239,8 +243,9 @@ typedef enum { SCHED_CONSTANT, SCHED_LINEAR, SCHED_COSINE, SCHED_WSD } Schedule;
 typedef struct {
   OptRule optimizer;
   double lr, beta1, beta2, eps, weight_decay;
-  double momentum;     // sgd
-  bool nesterov;       // sgd
+  double momentum;     // sgd, muon
+  bool nesterov;       // sgd, muon
+  double muon_lr;      // muon: the hidden matrices' rate (lr is the other params' AdamW rate)
   Schedule schedule;
   double min_lr;       // the decay's floor
   int64_t warmup;      // warmup steps
@@ -321,14 +326,14 @@ static inline int att_bwd_out(const IrNode *n) { return n->in[n->nin - 3]; }
 static inline int att_bwd_lse(const IrNode *n) { return n->in[n->nin - 2]; }
 static inline int att_bwd_dout(const IrNode *n) { return n->in[n->nin - 1]; }
 // An ADAMW's moments (-1 where its rule keeps fewer: opt_nstate of them) and its scalar inputs.
-static inline int opt_nstate(const IrNode *n) { return n->nin - 5; }
+static inline int opt_nstate(const IrNode *n) { return n->ia[0] == OPT_MUON ? 1 : n->nin - 5; }
 static inline int opt_m(const IrNode *n) { return n->nin > 5 ? n->in[2] : -1; }
-static inline int opt_v(const IrNode *n) { return n->nin > 6 ? n->in[3] : -1; }
+static inline int opt_v(const IrNode *n) { return n->nin > 6 && n->ia[0] != OPT_MUON ? n->in[3] : -1; }
 static inline int opt_gnorm(const IrNode *n) { return n->in[n->nin - 3]; }
 static inline int opt_lr(const IrNode *n) { return n->in[n->nin - 2]; }
 static inline int opt_step(const IrNode *n) { return n->in[n->nin - 1]; }
 static inline double opt_lr_scale(const IrNode *n) { return n->fa[5] > 0 ? n->fa[5] : 1; } // (0 stands for 1)
-const char *opt_rule_name(OptRule r); // "adamw", "sgd", "lion"
+const char *opt_rule_name(OptRule r); // "adamw", "sgd", "lion", "muon"
 int opt_rule_moments(OptRule r, double momentum); // the moments a parameter keeps: 2, 1 or 0
 const char *dtype_name(DType dt);
 int dtype_size(DType dt); // bytes per element in memory: 4 for f32 and i32, 2 for bf16, ...

@@ -140,6 +140,8 @@ typedef struct {
   PtrVec lr_scale;   // Expr* of the train section's lr_scale: its string keys, each then its value
   double *lr_scales; // per lr_scale key: the multiplier
   PtrVec freeze;     // Expr* strings: the freeze patterns
+  PtrVec muon_params; // Expr* strings: the muon_params patterns
+  SrcLoc muon_params_at; // where muon_params is set (line 0: it is not)
   PtrVec outputs;    // Stmt* of every output statement (duplicate names)
   PtrVec reported;   // "line:col:message" of every error printed
   int *out_nodes;    // the outputs built so far
@@ -1517,7 +1519,7 @@ static const Stmt *declare(Sema *s) {
 //
 
 static const char *const train_keys[] = {"optimizer", "schedule", "no_decay", "clip", "accumulate", "precision",
-                                         "checkpoint", "lr_scale", "freeze"};
+                                         "checkpoint", "lr_scale", "freeze", "muon_params"};
 
 // Step 2: sorts the train section into free-dim bindings and settings, applies -D over both, then
 // evaluates every dim (filling g->dims) and every const, so each error shows even when unused.
@@ -1551,7 +1553,7 @@ static void bind_dims(Sema *s, const Stmt *train, const DimOverride *ov, int nov
       known |= !strcmp(train_keys[k], st->name);
     if (!known) {
       error_at(s, st->at, "unknown train setting '%s' (settings: free dims, optimizer, schedule, no_decay, "
-                          "lr_scale, freeze, clip, accumulate, precision, checkpoint)", st->name);
+                          "lr_scale, freeze, muon_params, clip, accumulate, precision, checkpoint)", st->name);
       continue;
     }
     Setting *set = arena_alloc(s->a, sizeof *set);
@@ -1699,28 +1701,35 @@ static void schedule_setting(Sema *s, const Expr *e, TrainConfig *t) {
     t->decay = 0.2;
 }
 
-// optimizer = adamw | sgd | lion, each NAME or NAME(keyword=value, ...); the rules are docs/language.md's
-// and interp.c's. Defaults as their reference implementations have them: AdamW's in ir_new, SGD
-// torch.optim.SGD's (lr 1e-3, no momentum), Lion the paper's (lr 1e-4, betas 0.9 and 0.99).
+// optimizer = adamw | sgd | lion | muon, each NAME or NAME(keyword=value, ...); the rules are
+// docs/language.md's and interp.c's. Defaults as their reference implementations have them: AdamW's
+// in ir_new, SGD torch.optim.SGD's (lr 1e-3, no momentum), Lion the paper's (lr 1e-4, betas 0.9 and
+// 0.99), Muon Keller Jordan's SingleDeviceMuonWithAuxAdam's (lr 0.02, momentum 0.95, Nesterov; the
+// AdamW of the other params at adam_lr 3e-4, betas 0.9 and 0.95, eps 1e-10), weight decay 0.
 static void optimizer_setting(Sema *s, const Expr *e, TrainConfig *t) {
-  static const Builtin kinds[] = {{"adamw", 0, 0, {"lr", "beta1", "beta2", "eps", "weight_decay"}, NULL, OP_COUNT},
-                                  {"sgd", 0, 0, {"lr", "momentum", "nesterov", "weight_decay"}, NULL, OP_COUNT},
-                                  {"lion", 0, 0, {"lr", "beta1", "beta2", "weight_decay"}, NULL, OP_COUNT}};
+  static const Builtin kinds[] = {
+      {"adamw", 0, 0, {"lr", "beta1", "beta2", "eps", "weight_decay"}, NULL, OP_COUNT},
+      {"sgd", 0, 0, {"lr", "momentum", "nesterov", "weight_decay"}, NULL, OP_COUNT},
+      {"lion", 0, 0, {"lr", "beta1", "beta2", "weight_decay"}, NULL, OP_COUNT},
+      {"muon", 0, 0, {"lr", "momentum", "nesterov", "weight_decay", "adam_lr", "beta1", "beta2", "eps"}, NULL, OP_COUNT}};
   int k = 0; // (an unknown name: the error lists them all)
-  for (int i = 0; i < 3; i++)
+  for (int i = 0; i < 4; i++)
     if ((e->kind == E_NAME || e->kind == E_CALL) && !strcmp(e->s, kinds[i].name))
       k = i;
   const Builtin *b = &kinds[k];
   const Expr *arg[8];
-  if (!train_call(s, b, e, "optimizer", "adamw, sgd or lion", arg))
+  if (!train_call(s, b, e, "optimizer", "adamw, sgd, lion or muon", arg))
     return;
-  t->optimizer = k == 1 ? OPT_SGD : k == 2 ? OPT_LION : OPT_ADAMW;
+  static const OptRule rule_of[] = {OPT_ADAMW, OPT_SGD, OPT_LION, OPT_MUON};
+  t->optimizer = rule_of[k];
   if (t->optimizer == OPT_SGD)
     t->lr = 1e-3;
   else if (t->optimizer == OPT_LION)
     t->lr = 1e-4, t->beta2 = 0.99;
+  else if (t->optimizer == OPT_MUON)
+    t->muon_lr = 0.02, t->momentum = 0.95, t->nesterov = true, t->eps = 1e-10;
   double x;
-  for (int i = 0; i < 5 && b->params[i]; i++) {
+  for (int i = 0; i < 8 && b->params[i]; i++) {
     const char *p = b->params[i];
     if (!arg[i])
       continue;
@@ -1731,14 +1740,19 @@ static void optimizer_setting(Sema *s, const Expr *e, TrainConfig *t) {
         t->nesterov = arg[i]->i != 0;
       continue;
     }
-    Range r = !strcmp(p, "lr") || !strcmp(p, "eps") ? R_POSITIVE : !strcmp(p, "weight_decay") ? R_NONNEG : R_UNIT;
+    Range r = !strcmp(p, "lr") || !strcmp(p, "eps") || !strcmp(p, "adam_lr") ? R_POSITIVE
+              : !strcmp(p, "weight_decay") ? R_NONNEG : R_UNIT;
     if (!number(s, arg[i], p, r, false, &x))
       continue;
-    double *dst = !strcmp(p, "lr") ? &t->lr : !strcmp(p, "beta1") ? &t->beta1 : !strcmp(p, "beta2") ? &t->beta2
-                  : !strcmp(p, "eps") ? &t->eps : !strcmp(p, "momentum") ? &t->momentum : &t->weight_decay;
-    *dst = x;
+    double *dst = !strcmp(p, "lr") ? (k == 3 ? &t->muon_lr : &t->lr) : !strcmp(p, "adam_lr") ? &t->lr
+                  : !strcmp(p, "beta1") ? &t->beta1 : !strcmp(p, "beta2") ? &t->beta2 : !strcmp(p, "eps") ? &t->eps
+                  : !strcmp(p, "momentum") ? &t->momentum : &t->weight_decay;
+    if (!strcmp(p, "adam_lr") && !(x > 0))
+      error_at(s, arg[i]->at, "adam_lr must be positive, got %g", x);
+    else
+      *dst = x;
   }
-  if (t->nesterov && !(t->momentum > 0))
+  if (t->optimizer == OPT_SGD && t->nesterov && !(t->momentum > 0))
     error_at(s, arg[2]->at, "nesterov needs a momentum above 0 (sgd(momentum=0.9, nesterov=true))");
 }
 
@@ -1790,6 +1804,9 @@ static void train_config(Sema *s) {
       lr_scale_setting(s, e);
     } else if (!strcmp(set->key, "freeze")) {
       patterns(s, e, "freeze", "[\"wte\", \"h.0.*\"]", &s->freeze, true);
+    } else if (!strcmp(set->key, "muon_params")) {
+      if (patterns(s, e, "muon_params", "[\"h.*.attn_w\", \"h.*.mlp*_w\"]", &s->muon_params, true))
+        s->muon_params_at = set->at;
     } else if (!strcmp(set->key, "schedule")) {
       schedule_setting(s, e, t);
     } else if (!strcmp(set->key, "no_decay")) {
@@ -2098,6 +2115,78 @@ static void set_decay(Sema *s) {
     error_at(s, ((const Expr *)s->freeze.v[0])->at, "freeze leaves no param to train: all %d are frozen", frozen);
 }
 
+// A param read by the MATMUL that makes a cross-entropy's logits (through layout, casts and
+// elementwise ops such as a bias): the LM head. head[id] is set for each.
+static void mark_heads(Sema *s, bool *head) {
+  Graph *g = s->g;
+  bool *seen = arena_alloc(s->a, (size_t)(g->n ? g->n : 1));
+  int *stack = arena_alloc(s->a, sizeof(int) * (size_t)(g->n ? g->n : 1)), top = 0;
+  for (int i = 0; i < g->n; i++)
+    if (node(s, i)->op == OP_CROSS_ENTROPY && !seen[node(s, i)->in[0]])
+      seen[stack[top++] = node(s, i)->in[0]] = true;
+  while (top > 0) {
+    const IrNode *n = node(s, stack[--top]);
+    bool through = n->op == OP_RESHAPE || n->op == OP_PERMUTE || n->op == OP_CAST || n->op == OP_BROADCAST ||
+                   n->op == OP_ADD || n->op == OP_SUB || n->op == OP_MUL || n->op == OP_DIV || n->op == OP_NEG;
+    for (int k = 0; (through || n->op == OP_MATMUL) && k < n->nin; k++) {
+      int x = n->in[k];
+      while (n->op == OP_MATMUL && (node(s, x)->op == OP_RESHAPE || node(s, x)->op == OP_PERMUTE ||
+                                    node(s, x)->op == OP_CAST))
+        x = node(s, x)->in[0];
+      if (n->op == OP_MATMUL) {
+        if (node(s, x)->op == OP_PARAM)
+          head[x] = true;
+      } else if (!seen[x]) {
+        seen[stack[top++] = x] = true;
+      }
+    }
+  }
+}
+
+// optimizer = muon: which params Muon updates. By default the hidden matrices: every 2-D param that is
+// neither an embedding table (read by embed) nor the LM head (mark_heads); with muon_params, the 2-D
+// params its patterns match (one matching no param, or a param that is not 2-D, is an error). The
+// rest, and every frozen param, take AdamW.
+static void set_muon(Sema *s) {
+  Graph *g = s->g;
+  if (s->muon_params_at.line && g->train.optimizer != OPT_MUON) {
+    error_at(s, s->muon_params_at, "muon_params says which params Muon updates: it needs optimizer = muon");
+    return;
+  }
+  if (g->train.optimizer != OPT_MUON)
+    return;
+  bool *head = arena_alloc(s->a, (size_t)(g->n ? g->n : 1)), *table = arena_alloc(s->a, (size_t)(g->n ? g->n : 1));
+  mark_heads(s, head);
+  for (int i = 0; i < g->n; i++)
+    if (node(s, i)->op == OP_EMBED)
+      table[node(s, i)->in[0]] = true;
+  for (int i = 0; i < g->nparams; i++) {
+    IrNode *p = node(s, g->params[i]);
+    bool pick = p->shape.rank == 2 && !table[p->id] && !head[p->id];
+    if (s->muon_params.n) {
+      pick = false;
+      for (int k = 0; k < s->muon_params.n; k++) {
+        const Expr *pat = s->muon_params.v[k];
+        if (fnmatch(pat->s, p->name, 0) != 0)
+          continue;
+        if (p->shape.rank != 2)
+          error_at(s, pat->at, "muon_params pattern \"%s\" matches '%s' of shape %s: Muon updates matrices (2-D) "
+                   "only", pat->s, p->name, shape_text(s, p->shape));
+        pick = true;
+      }
+    }
+    p->init.muon = pick && !p->init.frozen;
+  }
+  for (int k = 0; k < s->muon_params.n; k++) {
+    const Expr *pat = s->muon_params.v[k];
+    bool hit = false;
+    for (int i = 0; i < g->nparams && !hit; i++)
+      hit = fnmatch(pat->s, node(s, g->params[i])->name, 0) == 0;
+    if (!hit)
+      error_at(s, pat->at, "muon_params pattern \"%s\" matches no param", pat->s);
+  }
+}
+
 // What a whole model must have: a loss when it has a train section (an error), and every param on
 // the way to an output (a warning for each that is not: it would train to nothing). Once the model
 // holds no other error.
@@ -2139,6 +2228,7 @@ Graph *sema_build(Parser *p, const DimOverride *ov, int nov, const LowerOptions 
   s->out_nodes = arena_alloc(s->a, sizeof(int) * (size_t)(s->outputs.n ? s->outputs.n : 1));
   elaborate(s, (Stmt **)p->stmts.v, p->stmts.n);
   set_decay(s);
+  set_muon(s);
   if (diag_errors == errors)
     check_model(s, train);
   Graph *g = s->g;

@@ -158,9 +158,10 @@ __device__ __forceinline__ void mdl_store8(float *p, const float f[8]) {
 }
 
 // One parameter element's update in double, as the interpreter does it (compiler/interp.c has the
-// rules), by RULE (OptRule: 0 AdamW, 1 SGD, 2 Lion) keeping NST moments: gradient g scaled by the
-// clip factor sc, the moments updated in place (rounded to f32), the new parameter returned; lr is
-// h.lr times the segment's lr_scale. SGD reads beta1 as its momentum and beta2 != 0 as Nesterov's.
+// rules), by RULE (OptRule: 0 AdamW, 1 SGD, 2 Lion, 3 Muon) keeping NST moments: gradient g scaled by
+// the clip factor sc, the moments updated in place (rounded to f32), the new parameter returned; lr
+// is h.lr times the segment's lr_scale. SGD reads beta1 as its momentum and beta2 != 0 as Nesterov's;
+// Muon beta1 as its momentum, and v is its orthogonalised update (read, not written).
 struct MdlAdamW {
   double sc, lr, beta1, beta2, eps, k1, k2;
 };
@@ -175,6 +176,9 @@ __device__ __forceinline__ float mdl_opt_rule(const MdlAdamW &h, double wd, doub
       d = h.beta2 != 0 ? d + h.beta1 * m : (double)m;
     }
     return (float)(p - lr * d);
+  } else if constexpr (RULE == 3) { // Muon: the momentum; the update v was orthogonalised before
+    m = (float)(h.beta1 * m + (1 - h.beta1) * gi);
+    return (float)(p - lr * ((double)v + wd * p));
   } else if constexpr (RULE == 2) { // Lion: the sign of an interpolation, then the momentum's update
     const double u = h.beta1 * m + (1 - h.beta1) * gi;
     m = (float)(h.beta2 * m + (1 - h.beta2) * gi);
@@ -1255,7 +1259,8 @@ template <long NB> __device__ __forceinline__ void mdl_opt_norm(const double *pa
 }
 
 // The update (mdl_opt_rule of RULE with NST moments, hyperparameters h) over the block's chunk of the
-// segments: p and its moments in place, with COPIES p's bf16 copy (c, where a segment has one) too.
+// segments: p and its moments in place, with COPIES p's bf16 copy (c, where a segment has one) too
+// (Muon: v, its update, is read only).
 // Four elements a float4, UNROLL float4s of g, the moments and p loaded before any is updated: the
 // stores of one element may alias the loads of the next as far as the compiler knows, so one at a
 // time a thread would keep a single element's loads in flight and the kernel would wait on memory.
@@ -1277,7 +1282,7 @@ __device__ __forceinline__ void mdl_opt_update(char *arena, const MdlSeg *seg, c
     if (threadIdx.x < 8) {
       const int64_t k = threadIdx.x < 4 ? lo + threadIdx.x : hi4 + threadIdx.x - 4;
       if (k < hi && (threadIdx.x >= 4 || k < lo4)) {
-        float mk = NST > 0 ? m[k] : 0.0f, vk = NST > 1 ? v[k] : 0.0f;
+        float mk = NST > 0 ? m[k] : 0.0f, vk = NST > 1 || RULE == 3 ? v[k] : 0.0f;
         const float pk = mdl_opt_rule<RULE, NST>(h, wd, lr, g[k], mk, vk, p[k]);
         if constexpr (NST > 0)
           m[k] = mk;
@@ -1298,7 +1303,7 @@ __device__ __forceinline__ void mdl_opt_update(char *arena, const MdlSeg *seg, c
           gv[u] = ((const float4 *)g)[q], pv[u] = ((float4 *)p)[q];
           if constexpr (NST > 0)
             mv[u] = ((float4 *)m)[q];
-          if constexpr (NST > 1)
+          if constexpr (NST > 1 || RULE == 3)
             vv[u] = ((float4 *)v)[q];
         }
       }

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The optimizers other than AdamW, lr_scale and freeze in `mdlc run` (models/mlp.mdl on
-# build/tools/blobs's data, CPU): SGD with momentum and Lion train the loss down; a run stopped and
-# resumed gives the losses of an uninterrupted one (the moments are in the checkpoint: SGD with
-# momentum and Lion keep m, plain SGD nothing, AdamW m and v); resuming with another optimizer is
+# build/tools/blobs's data, CPU): SGD with momentum, Lion and Muon train the loss down; a run stopped
+# and resumed gives the losses of an uninterrupted one (the moments are in the checkpoint: SGD with
+# momentum and Lion keep m, plain SGD nothing, Muon m for its matrices and AdamW's m and v for the
+# rest); a muon run and `mdlc check` say which params take Muon; resuming with another optimizer is
 # refused with both named; a frozen param leaves the run bit for bit as it came in (the checkpoint of
 # step 1 and of step 20 hold the same bytes); `mdlc check` marks the frozen and scaled params.
 set -u
@@ -16,7 +17,7 @@ check() { # check NAME CONDITION (a shell expression)
 losses() { sed -n 's/.*"step":\([0-9]*\),"loss":\([0-9.]*\).*/\1 \2/p' "$1/log.jsonl"; }
 # tensors CKPT: "name sha256-of-its-bytes" per tensor, sorted (safetensors: u64 header size, JSON header)
 tensors() {
-  python3 - "$1" <<'PY'
+  python3 - "$1" 2>/dev/null <<'PY'
 import hashlib, json, struct, sys
 f = open(sys.argv[1], "rb")
 n = struct.unpack("<Q", f.read(8))[0]
@@ -38,11 +39,12 @@ variant sgd '    optimizer = sgd(lr=0.05, momentum=0.9, nesterov=true, weight_de
 variant plain '    optimizer = sgd(lr=0.05)'
 variant lion '    optimizer = lion(lr=1e-3, weight_decay=0.1)
     lr_scale = {"b*": 0.5}'
+variant muon '    optimizer = muon(lr=0.02, adam_lr=1e-2)'
 variant frozen '    optimizer = sgd(lr=0.05, momentum=0.9)
     freeze = ["w1", "b1"]
     lr_scale = {"w3": 2}'
 
-for v in sgd lion; do
+for v in sgd lion muon; do
   $m run "$tmp/$v.mdl" "${common[@]}" --steps 60 --out "$tmp/$v-a" >/dev/null 2>"$tmp/err"
   first=$(losses "$tmp/$v-a" | head -5 | awk '{ s += $2 } END { print s / NR }')
   last=$(losses "$tmp/$v-a" | tail -5 | awk '{ s += $2 } END { print s / NR }')
@@ -58,6 +60,17 @@ check "the checkpoints hold the moments their optimizer keeps (sgd with momentum
   "tensors '$tmp/sgd-a/checkpoint.safetensors' | grep -q '^w1.m ' && ! tensors '$tmp/sgd-a/checkpoint.safetensors' | grep -q '\.v ' &&
    tensors '$tmp/lion-a/checkpoint.safetensors' | grep -q '^b3.m ' && ! tensors '$tmp/lion-a/checkpoint.safetensors' | grep -q '\.v ' &&
    [ \$(tensors '$tmp/plain/checkpoint.safetensors' | wc -l) -eq 6 ]"
+
+check "muon's checkpoint: m for the hidden matrices (w1, w2), m and v for the AdamW params (w3 the head, biases)" \
+  "tensors '$tmp/muon-a/checkpoint.safetensors' | grep -q '^w1.m ' && tensors '$tmp/muon-a/checkpoint.safetensors' | grep -q '^w2.m ' &&
+   ! tensors '$tmp/muon-a/checkpoint.safetensors' | grep -q '^w[12].v ' && tensors '$tmp/muon-a/checkpoint.safetensors' | grep -q '^w3.v ' &&
+   tensors '$tmp/muon-a/checkpoint.safetensors' | grep -q '^b1.v '"
+$m run "$tmp/muon.mdl" "${common[@]}" --steps 1 --out "$tmp/muon-c" >"$tmp/out" 2>"$tmp/err"
+check "a muon run says which params take Muon and which AdamW" \
+  "grep -q '^optimizer muon: Muon for 2 hidden matrices: w1 w2; AdamW for the other 4 params$' '$tmp/out'"
+$m check "$tmp/muon.mdl" >"$tmp/out" 2>"$tmp/err"
+check "mdlc check marks each param muon or adamw (the LM head w3 adamw)" \
+  "grep -q '^param  w1 .*(muon)' '$tmp/out' && grep -q '^param  w3 .*(adamw)' '$tmp/out' && grep -q '^optimizer muon: ' '$tmp/out'"
 
 # Another optimizer cannot continue a checkpoint: refused, both named, nothing written.
 before=$(tensors "$tmp/sgd-a/checkpoint.safetensors" | sha256sum)

@@ -1776,7 +1776,8 @@ static void test_lmhead_rounding(const char *dir, bool fused) {
 }
 
 // The optimizers other than AdamW, on a small MLP: SGD with momentum and Nesterov, per-parameter
-// lr_scale, a frozen bias and clipping; plain SGD with weight decay (no moments); Lion with lr_scale.
+// lr_scale, a frozen bias and clipping; plain SGD with weight decay (no moments); Lion with lr_scale;
+// Muon (its Newton-Schulz GEMMs and both optimizer steps) with lr_scale and clipping.
 #define OPT_MLP                                                                                    \
   "dim B = 8\ndim N = 16\ndim H = 32\ndim K = 4\n"                                                   \
   "input x: f32[B, N]\ninput targets: i32[B]\n"                                                     \
@@ -1790,6 +1791,12 @@ static const Model opt_models[] = {
     {"optplain.mdl", {{NULL, 0}}, 0, "model optplain\n" OPT_MLP "train {\n optimizer = sgd(lr=0.1, weight_decay=0.1)\n}\n"},
     {"optlion.mdl", {{NULL, 0}}, 0,
      "model optlion\n" OPT_MLP "train {\n optimizer = lion(lr=3e-4, weight_decay=0.1)\n lr_scale = {\"b*\": 2}\n}\n"},
+    {"optmuon.mdl", {{NULL, 0}}, 0, // (Muon for the wide w1 and the tall w2; the head and biases AdamW)
+     "model optmuon\ndim B = 8\ndim N = 16\ndim H = 32\ndim K = 4\ninput x: f32[B, N]\ninput targets: i32[B]\n"
+     "param w1: [N, H] = normal(0.25)\nparam b1: [H] = zeros\nparam w2: [H, 24] = normal(0.18)\n"
+     "param w3: [24, K] = normal(0.2)\nparam b3: [K] = zeros\n"
+     "h = relu(relu(x @ w1 + b1) @ w2)\noutput loss = mean(cross_entropy(h @ w3 + b3, targets))\n"
+     "train {\n optimizer = muon(lr=0.02, weight_decay=0.01, adam_lr=1e-3)\n lr_scale = {\"w2\": 0.5}\n clip = 1.0\n}\n"},
 };
 
 // Each of opt_models, fused: the module compiles with NVRTC for sm_80 and sm_90 (where NVRTC is

@@ -517,6 +517,64 @@ static void test_optimizers(void) {
         "lion without its moment is refused", "err '%s'", g->err);
 }
 
+// Muon over 10 steps against Keller Jordan's muon_update and SingleDeviceMuon's step (float64, as
+// tests/torch/optim_ref.py runs them; its output pasted below): a wide 3 x 5 and a tall 5 x 3 matrix
+// (the iterations on the other side), Nesterov and not, with and without weight decay. The model's
+// loss is sum(w * gw) + sum(v * gv), so the gradients are the inputs, set to g_t[i] = sin(1.3 t +
+// 0.7 i) (1 + 0.1 i) each step (i the flat index) from p0[i] = 0.1 cos(0.9 i). The whole training
+// graph runs: autodiff's Newton-Schulz steps (MATMULs) and the update.
+static void test_muon(void) {
+  static const double want[4][15] = {
+      // made by tests/torch/optim_ref.py with torch 2.15.0+cu132
+      {0.10207871089266018, 0.05390320270494008, -0.032422528362076534, -0.08473728933066538, -0.057529035375565626, 0.008185486336013495, 0.07133876641793138, 0.08654587483600777, 0.04622930665059981, -0.01606458903719173, -0.07876854206782039, -0.07176533225989958, -0.004066848161212227, 0.0763760769417748, 0.1089603485338586}, // muon(lr=0.02, momentum=0.95, weight_decay=0.1), 3 x 5
+      {0.10644606627165988, 0.02753139711318365, 0.004785602664380837, -0.07785215761114234, -0.07169683205321617, -0.011749342773634605, 0.06752381156483303, 0.08472155283000066, 0.03508779067388352, -0.05758452664610432, -0.0800496892156388, -0.08076578744680725, 0.00282761551902379, 0.08556784929444332, 0.11410671459994223}, // muon(lr=0.02, momentum=0.95, weight_decay=0.1), 5 x 3
+      {0.143077032254037, 0.03091093118912147, -0.06170261859564594, -0.061796160977700056, 0.02834860610044877, 0.11576184826664397, 0.08293522509397964, 0.05116649881122507, 0.03005845193123167, 0.01606533975593079, -0.0359856162671377, -0.03507531456638467, 0.03392999758965059, 0.11778262607402051, 0.14016578895502227}, // muon(lr=0.05, momentum=0.9, nesterov=false), 3 x 5
+      {0.15668175034490872, -0.09845833447116245, 0.13442872440342757, -0.08356994562006126, -0.02516595514141991, -0.013659779055874528, 0.12043769576149804, 0.050477555694379395, -0.0552131054097855, -0.17896461891916698, -0.017076789348736174, -0.026580519333276716, 0.05028228621281335, 0.09508810444879273, 0.15233195911188904}, // muon(lr=0.05, momentum=0.9, nesterov=false), 5 x 3
+  };
+  static const char *const opt[2] = {"muon(lr=0.02, weight_decay=0.1)", "muon(lr=0.05, momentum=0.9, nesterov=false)"};
+  for (int c = 0; c < 2; c++) {
+    char text[512];
+    snprintf(text, sizeof text, "model mu\ninput gw: f32[3, 5]\ninput gv: f32[5, 3]\nparam w: [3, 5] = zeros\n"
+             "param v: [5, 3] = zeros\noutput loss = sum(w * gw) + sum(v * gv)\ntrain {\n optimizer = %s\n}\n", opt[c]);
+    Arena *a = arena_new();
+    Graph *mg = mdl_compile_text(a, "mu.mdl", text, NULL, 0);
+    CHECK(mg && autodiff(mg, true), "muon: the model compiles", "%s", mg ? mg->err : "front end");
+    if (!mg || !mg->updates) {
+      arena_free(a);
+      continue;
+    }
+    bool both = mg->nodes[mg->params[0]]->init.muon && mg->nodes[mg->params[1]]->init.muon;
+    CHECK(both, "muon: both matrices are hidden matrices (no embedding, no LM head)", "not both");
+    Interp *it = interp_new(mg, INTERP_F64);
+    for (int k = 0; k < 2; k++)
+      for (int i = 0; i < 15; i++)
+        interp_param(it, mg->params[k])[i] = 0.1 * cos(0.9 * i);
+    interp_set_scalar(it, "lr", mg->train.lr);
+    char err[256] = "";
+    bool ok = true;
+    for (int t = 1; t <= 10 && ok; t++) {
+      float gt[15];
+      for (int i = 0; i < 15; i++)
+        gt[i] = (float)(sin(1.3 * t + 0.7 * i) * (1 + 0.1 * i));
+      interp_set_input(it, "gw", NULL, gt, 15);
+      interp_set_input(it, "gv", NULL, gt, 15);
+      interp_set_scalar(it, "step", t);
+      ok = interp_run(it, mg->n, err, sizeof err);
+    }
+    for (int k = 0; k < 2; k++) {
+      double worst = 0;
+      for (int i = 0; ok && i < 15; i++)
+        worst = fmax(worst, fabs(interp_param(it, mg->params[k])[i] - want[2 * c + k][i]));
+      char name[160];
+      snprintf(name, sizeof name, "%s, %s: 10 steps as Keller Jordan's Muon within 1e-12 (worst %.1e)", opt[c],
+               k ? "5 x 3" : "3 x 5", worst);
+      CHECK(ok && worst < 1e-12, name, "%s", ok ? "differs" : err);
+    }
+    interp_free(it);
+    arena_free(a);
+  }
+}
+
 static void test_init(void) {
   fresh();
   int w = param("w", SH(100, 100)), o = param("o", SH(3)), z = param("z", SH(3));
@@ -678,6 +736,7 @@ int main(void) {
   test_dropout();
   test_adamw();
   test_optimizers();
+  test_muon();
   test_init();
   test_backward_ops();
   arena_free(arena);
