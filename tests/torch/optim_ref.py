@@ -15,7 +15,7 @@ P0 = [1.0, -2.0, 0.5, 0.0, 3.0]
 STEPS = 10
 
 
-def grad(t):  # the gradient at step t (1-based), as test_interp.c computes it
+def grad(t):  # the gradient at step t (1-based), as test_interp.c computes it (Muon's: muon_run)
     return torch.tensor([math.sin(1.3 * t + 0.7 * i) * (1 + 0.1 * i) for i in range(len(P0))])
 
 
@@ -70,7 +70,9 @@ def muon_run(rows, cols, lr, beta, wd, nesterov):
     p = torch.tensor([0.1 * math.cos(0.9 * i) for i in range(n)]).reshape(rows, cols)
     m = torch.zeros(rows, cols)
     for t in range(1, STEPS + 1):
-        g = torch.tensor([math.sin(1.3 * t + 0.7 * i) * (1 + 0.1 * i) for i in range(n)]).reshape(rows, cols)
+        # (a phase quadratic in i: full rank and well conditioned, where 0.7 i gave a matrix of rank
+        # about 2, whose smallest singular direction Newton-Schulz amplifies rounding noise along)
+        g = torch.tensor([math.sin(1.3 * t + 0.37 * i * i) * (1 + 0.1 * i) for i in range(n)]).reshape(rows, cols)
         g = g.float().double()  # (the test's gradients are f32 inputs)
         m.lerp_(g, 1 - beta)
         u = g.lerp(m, beta) if nesterov else m
