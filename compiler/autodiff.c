@@ -478,7 +478,8 @@ static int muon_ortho(Graph *g, const IrNode *p, int grad, int m, int gnorm) {
   double beta = t->momentum;
   int mn = OP2(OP_ADD, OP2(OP_MUL, m, K(beta)), OP2(OP_MUL, gs, K(1 - beta)));
   int u = t->nesterov ? OP2(OP_ADD, OP2(OP_MUL, gs, K(1 - beta)), OP2(OP_MUL, mn, K(beta))) : mn;
-  int flat = ir_reshape(g, OP2(OP_MUL, u, u), (Shape){1, {r * c}}, at);
+  int sq = OP2(OP_MUL, u, u); // (a failed ir_add gives -1, which the next one refuses)
+  int flat = sq < 0 ? -1 : ir_reshape(g, sq, (Shape){1, {r * c}}, at);
   int ss = flat < 0 ? -1 : ir_add(g, OP_SUM, (int[]){flat}, 1, (int64_t[8]){0, 0}, NULL, at);
   int x = OP2(OP_DIV, u, OP2(OP_ADD, ir_add(g, OP_SQRT, (int[]){ss}, 1, NULL, NULL, at), K(1e-7)));
   for (int k = 0; k < 5 && x >= 0; k++) {

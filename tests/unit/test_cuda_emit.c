@@ -42,6 +42,10 @@
 //     one tile, 1e-3 over several, dq, dk and dv within 3e-5 (see test_attention_alone). A bf16 LM
 //     head whose logits are exact products: the interpreter's loss of the logits rounded to bf16
 //     within 1e-6, fused and unfused (see test_lmhead_rounding).
+//  4. The optimizers other than AdamW (SGD with and without momentum, Lion, Muon; lr_scale, freeze,
+//     clipping) on small MLPs: NVRTC compiles each module for sm_80 and sm_90, and 10 emulated steps
+//     leave every parameter and moment within 1e-5 of the interpreter's, a frozen parameter bit for
+//     bit as it was (see test_optimizers).
 #include "mdl.h"
 #include "backend.h"
 #include "emit_cuda.h"
