@@ -1,4 +1,4 @@
-// autodiff.c: reverse-mode differentiation of the forward graph, then the AdamW step.
+// autodiff.c: reverse-mode differentiation of the forward graph, then the optimizer step.
 //
 // The forward graph is nodes [0, fwd_end), already in topological order, so the backward pass is
 // one sweep over those ids from the loss downwards. Every node on a path from a PARAM to the loss
@@ -17,7 +17,10 @@
 // reshaping it to the operand's shape.
 //
 // With the optimizer requested, the gradients feed one GRAD_NORM node (global clipping) and one
-// ADAMW node per parameter, each with its two STATE moments and the "lr"/"step" SCALAR leaves.
+// ADAMW node (the update, whichever its rule) per parameter, each with its STATE moments and the
+// "lr"/"step" SCALAR leaves. A frozen parameter (train section's freeze) is no gradient's source:
+// nothing is differentiated for it alone, it has no gradient node (g->grads[i] -1), no update and
+// no moments, and stays out of the gradient norm.
 #include "mdl.h"
 
 #include <string.h>
@@ -430,7 +433,7 @@ static void mark_active(Graph *g, bool *active) {
   bool *depends = arena_alloc(g->arena, sizeof(bool) * (size_t)g->fwd_end);
   for (int i = 0; i < g->fwd_end; i++) {
     IrNode *n = g->nodes[i];
-    depends[i] = n->op == OP_PARAM;
+    depends[i] = n->op == OP_PARAM && !n->init.frozen;
     for (int k = 0; k < n->nin; k++)
       depends[i] |= depends[n->in[k]];
     depends[i] &= n->dtype == DT_F32;
@@ -465,8 +468,53 @@ static int param_grad(Ad *ad, int p) {
   return d;
 }
 
-// The optimizer step after the backward graph: lr and step scalars, two moments per parameter,
-// the global gradient norm, then one ADAMW per parameter. With gradient accumulation over k
+// Muon's update of matrix p (r x c) from its gradient g, as Keller Jordan's muon_update: the
+// gradient scaled by the clip factor, the momentum mn = beta m + (1 - beta) g, with Nesterov u = (1 -
+// beta) g + beta mn, else u = mn; X = u / (||u||_F + 1e-7); then 5 quintic Newton-Schulz iterations
+// (a, b, c) = (3.4445, -4.7750, 2.0315): A = X X^T, B = b A + c A A, X = a X + B X, each on the
+// shorter side (a tall matrix iterates on X^T: A = X^T X, X = a X + X B), and X times max(1, r /
+// c)^0.5. All of it IR ops (the products are MATMULs, run by the GEMM library), before the optimizer
+// step; the OP_ADAMW of rule OPT_MUON then writes m's update and p -= lr (X + wd p). X, or -1.
+static int muon_ortho(Graph *g, const IrNode *p, int grad, int m, int gnorm) {
+  const TrainConfig *t = &g->train;
+  SrcLoc at = p->loc;
+  int64_t r = p->shape.d[0], c = p->shape.d[1];
+  bool tall = r > c;
+#define K(v) ir_const(g, (v), at)
+#define OP2(op, x, y) ir_add(g, op, (int[]){(x), (y)}, 2, NULL, NULL, at)
+  int gs = grad;
+  if (t->clip > 0) {
+    double inf[2] = {-INFINITY, 1};
+    int q = OP2(OP_DIV, K(t->clip), OP2(OP_ADD, gnorm, K(1e-6)));
+    gs = OP2(OP_MUL, grad, ir_add(g, OP_CLAMP, (int[]){q}, 1, NULL, inf, at));
+  }
+  double beta = t->momentum;
+  int mn = OP2(OP_ADD, OP2(OP_MUL, m, K(beta)), OP2(OP_MUL, gs, K(1 - beta)));
+  int u = t->nesterov ? OP2(OP_ADD, OP2(OP_MUL, gs, K(1 - beta)), OP2(OP_MUL, mn, K(beta))) : mn;
+  int sq = OP2(OP_MUL, u, u); // (a failed ir_add gives -1, which the next one refuses)
+  int flat = sq < 0 ? -1 : ir_reshape(g, sq, (Shape){1, {r * c}}, at);
+  int ss = flat < 0 ? -1 : ir_add(g, OP_SUM, (int[]){flat}, 1, (int64_t[8]){0, 0}, NULL, at);
+  int x = OP2(OP_DIV, u, OP2(OP_ADD, ir_add(g, OP_SQRT, (int[]){ss}, 1, NULL, NULL, at), K(1e-7)));
+  for (int k = 0; k < 5 && x >= 0; k++) {
+    int a = ir_add(g, OP_MATMUL, (int[]){x, x}, 2, (int64_t[8]){tall, !tall}, NULL, at);
+    int aa = ir_add(g, OP_MATMUL, (int[]){a, a}, 2, NULL, NULL, at);
+    int b = OP2(OP_ADD, OP2(OP_MUL, a, K(-4.7750)), OP2(OP_MUL, aa, K(2.0315)));
+    int bx = tall ? OP2(OP_MATMUL, x, b) : OP2(OP_MATMUL, b, x);
+    x = OP2(OP_ADD, OP2(OP_MUL, x, K(3.4445)), bx);
+  }
+  double scale = sqrt(fmax(1, (double)r / (double)c)); // (Keller Jordan's max(1, rows/cols)^0.5)
+  if (scale != 1 && x >= 0)
+    x = OP2(OP_MUL, x, K(scale));
+#undef K
+#undef OP2
+  if (x >= 0)
+    g->nodes[x]->name = arena_printf(g->arena, "%s.ortho", p->name ? p->name : "?");
+  return x;
+}
+
+// The optimizer step after the backward graph: lr and step scalars, the global gradient norm,
+// then one ADAMW per parameter with the moments its rule keeps (opt_rule_moments: "<p>.m", then
+// "<p>.v"); a frozen parameter has neither gradient nor update. With gradient accumulation over k
 // micro-batches (train.accumulate), the runtime runs the first k - 1 micro-batches on the
 // gradients-only graph and passes their summed gradients in as the inputs "acc.<param>"; this
 // step's update uses (gradient + acc) / k, the mean gradient over the k micro-batches.
@@ -482,6 +530,9 @@ static bool optimizer_step(Graph *g) {
     int inv_k = ir_const(g, 1.0 / (double)k, none);
     for (int i = 0; i < g->nparams; i++) {
       IrNode *p = g->nodes[g->params[i]];
+      grads[i] = -1;
+      if (p->init.frozen)
+        continue;
       int acc = ir_leaf(g, OP_INPUT, arena_printf(g->arena, "acc.%s", p->name), DT_F32, p->shape, p->loc);
       int sum = acc < 0 ? -1 : ir_add(g, OP_ADD, (int[]){g->grads[i], acc}, 2, NULL, NULL, p->loc);
       grads[i] = sum < 0 ? -1 : ir_add(g, OP_MUL, (int[]){sum, inv_k}, 2, NULL, NULL, p->loc);
@@ -489,21 +540,52 @@ static bool optimizer_step(Graph *g) {
         return false;
     }
   }
-  int gnorm = ir_add(g, OP_GRAD_NORM, grads, g->nparams, NULL, NULL, none);
+  int *live = arena_alloc(g->arena, sizeof(int) * (size_t)g->nparams), nlive = 0;
+  for (int i = 0; i < g->nparams; i++)
+    if (grads[i] >= 0)
+      live[nlive++] = grads[i];
+  if (nlive == 0) {
+    snprintf(g->err, sizeof g->err, "autodiff: every parameter is frozen: there is nothing to train");
+    return false;
+  }
+  int gnorm = ir_add(g, OP_GRAD_NORM, live, nlive, NULL, NULL, none);
   if (lr < 0 || step < 0 || gnorm < 0)
     return false;
   g->updates = arena_alloc(g->arena, sizeof(int) * (size_t)g->nparams);
+  const TrainConfig *t = &g->train;
   for (int i = 0; i < g->nparams; i++) {
     IrNode *p = g->nodes[g->params[i]];
+    g->updates[i] = -1;
+    if (grads[i] < 0)
+      continue;
+    // (optimizer muon: Muon for the hidden matrices, AdamW for the rest)
+    bool muon = t->optimizer == OPT_MUON && p->init.muon;
+    OptRule rule = t->optimizer == OPT_MUON && !muon ? OPT_ADAMW : t->optimizer;
+    int nstate = opt_rule_moments(rule, t->momentum);
     const char *name = p->name ? p->name : "?";
-    int m = ir_leaf(g, OP_STATE, arena_printf(g->arena, "%s.m", name), DT_F32, p->shape, p->loc);
-    int v = ir_leaf(g, OP_STATE, arena_printf(g->arena, "%s.v", name), DT_F32, p->shape, p->loc);
-    if (m < 0 || v < 0)
+    int in[7] = {p->id, grads[i]}, nin = 2;
+    for (int k = 0; k < nstate; k++) {
+      int st = ir_leaf(g, OP_STATE, arena_printf(g->arena, "%s.%s", name, k ? "v" : "m"), DT_F32, p->shape, p->loc);
+      if (st < 0)
+        return false;
+      g->nodes[st]->param_of = p->id;
+      in[nin++] = st;
+    }
+    if (muon && (in[nin++] = muon_ortho(g, p, grads[i], in[2], gnorm)) < 0)
       return false;
-    g->nodes[m]->param_of = g->nodes[v]->param_of = p->id;
-    const TrainConfig *t = &g->train;
-    double fa[6] = {t->beta1, t->beta2, t->eps, p->init.decay ? t->weight_decay : 0, t->clip};
-    int u = ir_add(g, OP_ADAMW, (int[]){p->id, grads[i], m, v, gnorm, lr, step}, 7, NULL, fa, p->loc);
+    in[nin++] = gnorm;
+    in[nin++] = lr;
+    in[nin++] = step;
+    double wd = p->init.decay ? t->weight_decay : 0, ls = p->init.lr_scale > 0 ? p->init.lr_scale : 1;
+    double fa[6] = {t->beta1, t->beta2, t->eps, wd, t->clip, ls};
+    if (rule == OPT_SGD)
+      fa[0] = t->momentum, fa[1] = t->nesterov, fa[2] = 0;
+    else if (rule == OPT_LION)
+      fa[2] = 0;
+    else if (rule == OPT_MUON) // (its rate muon_lr: the schedule's lr is the AdamW params')
+      fa[0] = t->momentum, fa[1] = t->nesterov, fa[2] = 0, fa[5] = ls * t->muon_lr / t->lr;
+    int64_t ia[1] = {rule};
+    int u = ir_add(g, OP_ADAMW, in, nin, ia, fa, p->loc);
     if (u < 0)
       return false;
     g->nodes[u]->param_of = p->id;
@@ -572,7 +654,9 @@ bool autodiff(Graph *g, bool optimizer) {
 
   g->grads = arena_alloc(g->arena, sizeof(int) * (size_t)g->nparams);
   for (int i = 0; i < g->nparams; i++)
-    if ((g->grads[i] = param_grad(&ad, g->params[i])) < 0)
+    if (g->nodes[g->params[i]]->init.frozen)
+      g->grads[i] = -1;
+    else if ((g->grads[i] = param_grad(&ad, g->params[i])) < 0)
       return false;
   return !optimizer || optimizer_step(g);
 }

@@ -353,9 +353,9 @@ static void what_takes(const Graph *h, FuseOptions fo, bool reuse, char *buf, si
     if (m->offset[i] >= 0 && !is_leaf(h->nodes[i]->op) && f->step_of[i] >= 0 &&
         (big < 0 || bytes_of(h->nodes[i]) > bytes_of(h->nodes[big])))
       big = i;
-  int len = snprintf(buf, n, "parameters %.2f MB, gradients %.2f MB, AdamW moments %.2f MB, bf16 copies %.2f MB, "
+  int len = snprintf(buf, n, "parameters %.2f MB, gradients %.2f MB, optimizer moments %.2f MB, bf16 copies %.2f MB, "
                      "activations at the peak %.2f MB", (double)m->param_bytes / 1e6, (double)m->param_bytes / 1e6,
-                     2 * (double)m->param_bytes / 1e6, (double)m->copy_bytes / 1e6, (double)m->activation_bytes / 1e6);
+                     m->moments * (double)m->param_bytes / 1e6, (double)m->copy_bytes / 1e6, (double)m->activation_bytes / 1e6);
   if (big >= 0 && len > 0 && (size_t)len < n) {
     const IrNode *b = h->nodes[big];
     char sh[64];

@@ -17,7 +17,7 @@
 //   emit_cuda_lmhead.c  its cross-entropy and LM head (the rows: prelude.cuh's mdl_ce_row)
 //   emit_cuda_attn.c    its attention, forward and backward (on tensor cores: prelude.cuh's mdl_att_fwd,
 //                       mdl_att_dq, mdl_att_dkv)
-//   emit_cuda_opt.c     its optimizer (prelude.cuh's mdl_opt_sumsq, mdl_opt_norm, mdl_opt_adamw)
+//   emit_cuda_opt.c     its optimizer (prelude.cuh's mdl_opt_sumsq, mdl_opt_norm, mdl_opt_update)
 //   emit_cuda_impl.h    what the emit_cuda*.c files share (names prefixed cu_)
 // and the preludes every emitted module starts with, in runtime/: prelude.h and prelude_bf16.h (C),
 // prelude.cuh (CUDA). The kernel families that are fixed code with parameters are templates there

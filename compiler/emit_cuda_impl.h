@@ -204,7 +204,7 @@ void cu_emit_attention(Emit *e, int gi);
 void cu_emit_attention_bwd(Emit *e, int gi);
 
 //
-// emit_cuda_opt.c (its kernels instantiate prelude.cuh's mdl_opt_sumsq, mdl_opt_norm, mdl_opt_adamw)
+// emit_cuda_opt.c (its kernels instantiate prelude.cuh's mdl_opt_sumsq, mdl_opt_norm, mdl_opt_update)
 //
 
 void cu_emit_optimizer(Emit *e, int gi);

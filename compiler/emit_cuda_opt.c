@@ -1,5 +1,5 @@
-// emit_cuda_opt.c: the CUDA emitter's optimizer (gradient norm, clipping and AdamW over every
-// parameter in one launch). See emit_cuda.c for the design.
+// emit_cuda_opt.c: the CUDA emitter's optimizer (gradient norm, clipping and the update, AdamW, SGD or
+// Lion, over every parameter in one launch). See emit_cuda.c for the design.
 #include "mdl.h"
 #include "emit_common.h"
 #include "emit_cuda.h"
@@ -12,15 +12,15 @@
 
 // The optimizer's segments: a table at file scope named `name`, or, for one segment, a local array
 // from the kernel's arguments (so that the kernels of equal segments are the same text). Entries are
-// {p, g, m, v, c, n, start, wd}; nodes -1 stand for fields left 0 (p, g, m, v) or -1 (c: no copy).
+// {p, g, m, v, c, n, start, wd, ls}; nodes -1 stand for fields left 0 (p, g, m, v) or -1 (c: no copy).
 static void seg_table(Emit *e, const char *name, int nseg, const int (*nodes)[5], const int64_t *n,
-                      const double *wd) {
+                      const double *wd, const double *ls) {
   if (nseg == 1) {
     const char *f[5];
     for (int k = 0; k < 5; k++)
       f[k] = nodes[0][k] >= 0 ? cu_offset_arg(e, nodes[0][k]) : k == 4 ? "-1" : "0";
-    ec_line(&e->core, "const MdlSeg seg[1] = {{%s, %s, %s, %s, %s, %lld, 0, %s}};", f[0], f[1], f[2], f[3], f[4],
-            (long long)n[0], ec_dlit(&e->core, wd[0]));
+    ec_line(&e->core, "const MdlSeg seg[1] = {{%s, %s, %s, %s, %s, %lld, 0, %s, %s}};", f[0], f[1], f[2], f[3], f[4],
+            (long long)n[0], ec_dlit(&e->core, wd[0]), ec_dlit(&e->core, ls[0]));
     return;
   }
   Buf b = {0};
@@ -31,8 +31,8 @@ static void seg_table(Emit *e, const char *name, int nseg, const int (*nodes)[5]
     for (int k = 0; k < 5; k++)
       ec_bput(&b, "%lld, ", nodes[s][k] >= 0 ? (long long)cu_buf_off(e, nodes[s][k]) : k == 4 ? -1LL : 0LL);
     const char *pname = ec_node(&e->core, nodes[s][0])->name;
-    ec_bput(&b, "%lld, %lld, %s}, // %s\n", (long long)n[s], (long long)start, ec_dlit(&e->core, wd[s]),
-            pname ? pname : "");
+    ec_bput(&b, "%lld, %lld, %s, %s}, // %s\n", (long long)n[s], (long long)start, ec_dlit(&e->core, wd[s]),
+            ec_dlit(&e->core, ls[s]), pname ? pname : "");
     start += n[s];
   }
   ec_bput(&b, "};\n\n");
@@ -41,8 +41,8 @@ static void seg_table(Emit *e, const char *name, int nseg, const int (*nodes)[5]
 }
 
 // GRAD_NORM (a sum of squares per fixed chunk of the concatenated gradients, then one block adding the
-// chunks in order) and AdamW over tables of parameter segments, in double per element like the
-// interpreter; p, m and v in place.
+// chunks in order) and the updates (AdamW, SGD or Lion) over tables of parameter segments, in double
+// per element like the interpreter; p and its moments in place.
 void cu_emit_optimizer(Emit *e, int gi) {
   const Group *gr = &e->core.groups[gi];
   for (int i = 0; i < gr->nmem; i++)
@@ -55,8 +55,8 @@ void cu_emit_optimizer(Emit *e, int gi) {
     const IrNode *nd = ec_node(&e->core, gr->mem[i]);
     if (nd->op != OP_ADAMW)
       continue;
-    for (int k = 1; k < 7; k++)
-      if (k != 4 || e->core.grp[ec_canon(&e->core, nd->in[4])] != gi)
+    for (int k = 1; k < nd->nin; k++)
+      if (nd->in[k] != opt_gnorm(nd) || e->core.grp[ec_canon(&e->core, opt_gnorm(nd))] != gi)
         ec_need(&e->core, nd->in[k]);
   }
   cu_flush(e);
@@ -81,7 +81,7 @@ void cu_emit_optimizer(Emit *e, int gi) {
     cu_kbegin(e, "sumsq");
     cu_note(e, "gradient norm: sums of squares of %d tensors, %lld values, in %lld chunks of %d", nd->nin,
             (long long)total, (long long)nb, OPT_CHUNK);
-    seg_table(e, ec_str(&e->core, "%s_grads", e->sname), nd->nin, (const int(*)[5])nodes, n, wd);
+    seg_table(e, ec_str(&e->core, "%s_grads", e->sname), nd->nin, (const int(*)[5])nodes, n, wd, wd);
     const char *pp = cu_raw_ptr(e, part, "double", "sums of squares per chunk");
     ec_line(&e->core, "mdl_opt_sumsq<%d, %lld, %d, %d>(arena, seg, %s, %s); // (segments, values, chunk, loads)",
             nd->nin, (long long)total, OPT_CHUNK, OPT_SUMSQ_LOADS, pp, cu_sh_double(e));
@@ -96,7 +96,7 @@ void cu_emit_optimizer(Emit *e, int gi) {
     free(n);
     free(wd);
   }
-  // ADAMWs that share hyperparameters and scalars run over one table.
+  // Updates that share their rule, hyperparameters and scalars run over one table.
   bool *done = ec_xcalloc((size_t)gr->nmem, sizeof *done);
   for (int i = 0, table = 0; i < gr->nmem; i++) {
     const IrNode *a = ec_node(&e->core, gr->mem[i]);
@@ -106,10 +106,11 @@ void cu_emit_optimizer(Emit *e, int gi) {
     int64_t total = 0;
     for (int j = i; j < gr->nmem; j++) {
       const IrNode *b = ec_node(&e->core, gr->mem[j]);
-      if (done[j] || b->op != OP_ADAMW || memcmp(a->fa, b->fa, sizeof(double) * 3) || a->fa[4] != b->fa[4])
+      if (done[j] || b->op != OP_ADAMW || b->ia[0] != a->ia[0] || b->nin != a->nin ||
+          memcmp(a->fa, b->fa, sizeof(double) * 3) || a->fa[4] != b->fa[4])
         continue;
       bool same = true;
-      for (int k = 4; k < 7; k++)
+      for (int k = a->nin - 3; k < a->nin; k++)
         same &= ec_canon(&e->core, a->in[k]) == ec_canon(&e->core, b->in[k]);
       if (!same)
         continue;
@@ -120,13 +121,14 @@ void cu_emit_optimizer(Emit *e, int gi) {
     int (*nodes)[5] = ec_xcalloc((size_t)ns, sizeof *nodes);
     int ncopies = 0;
     int64_t *n = ec_xcalloc((size_t)ns, sizeof *n);
-    double *wd = ec_xcalloc((size_t)ns, sizeof *wd);
+    double *wd = ec_xcalloc((size_t)ns, sizeof *wd), *ls = ec_xcalloc((size_t)ns, sizeof *ls);
+    const int nst = opt_nstate(a), ncol = a->nin - 3; // (Muon: m and the orthogonalised update as v)
     for (int j = 0; j < ns; j++) {
       const IrNode *u = ec_node(&e->core, seg[j]);
       for (int k = 0; k < 4; k++) {
-        nodes[j][k] = ec_canon(&e->core, u->in[k]);
-        if (ec_offset(&e->core, nodes[j][k]) < 0)
-          ec_fail(&e->core, "adamw %d: parameter, gradient or moments not in memory", seg[j]);
+        nodes[j][k] = k < ncol ? ec_canon(&e->core, u->in[k]) : -1;
+        if (k < ncol && ec_offset(&e->core, nodes[j][k]) < 0)
+          ec_fail(&e->core, "update %d: parameter, gradient or moments not in memory", seg[j]);
       }
       if (ec_offset(&e->core, seg[j]) >= 0 && ec_offset(&e->core, seg[j]) != ec_offset(&e->core, nodes[j][0]))
         ec_fail(&e->core, "adamw %d: the new parameter is not written in place", seg[j]);
@@ -134,14 +136,20 @@ void cu_emit_optimizer(Emit *e, int gi) {
       ncopies += nodes[j][4] >= 0;
       n[j] = ec_numel(&e->core, seg[j]);
       wd[j] = u->fa[3];
+      ls[j] = opt_lr_scale(u);
     }
-    int gnorm = ec_need(&e->core, a->in[4]), lr = ec_need(&e->core, a->in[5]), step = ec_need(&e->core, a->in[6]);
+    const OptRule rule = (OptRule)a->ia[0];
+    int gnorm = ec_need(&e->core, opt_gnorm(a)), lr = ec_need(&e->core, opt_lr(a)), step = ec_need(&e->core, opt_step(a));
     cu_kbegin(e, table ? ec_str(&e->core, "%d", table + 1) : "");
-    cu_note(e, "AdamW over %d parameters, %lld values (beta1 %g, beta2 %g, eps %g, clip %g), chunks of %d%s", ns,
-            (long long)total, a->fa[0], a->fa[1], a->fa[2], a->fa[4], OPT_CHUNK,
-            ncopies ? ec_str(&e->core, "; %d bf16 copies", ncopies) : "");
+    const char *hyper = rule == OPT_SGD ? ec_str(&e->core, "momentum %g%s", a->fa[0], a->fa[1] != 0 ? ", Nesterov" : "")
+                        : rule == OPT_LION ? ec_str(&e->core, "beta1 %g, beta2 %g", a->fa[0], a->fa[1])
+                        : rule == OPT_MUON ? ec_str(&e->core, "momentum %g", a->fa[0])
+                        : ec_str(&e->core, "beta1 %g, beta2 %g, eps %g", a->fa[0], a->fa[1], a->fa[2]);
+    cu_note(e, "%s over %d parameters, %lld values (%s, clip %g), chunks of %d%s",
+            rule == OPT_SGD ? "SGD" : rule == OPT_LION ? "Lion" : rule == OPT_MUON ? "Muon" : "AdamW", ns,
+            (long long)total, hyper, a->fa[4], OPT_CHUNK, ncopies ? ec_str(&e->core, "; %d bf16 copies", ncopies) : "");
     seg_table(e, ec_str(&e->core, "%s_seg%s", e->sname, table ? ec_str(&e->core, "%d", table + 1) : ""), ns,
-              (const int(*)[5])nodes, n, wd);
+              (const int(*)[5])nodes, n, wd, ls);
     ec_line(&e->core, "const double clip = %s, gnorm = %s[0];", ec_dlit(&e->core, a->fa[4]), cu_ptr(e, gnorm));
     // A non-finite loss or gradient norm leaves p, m and v as they were, as the C back end does: the
     // runtime reads the same two values after the step and stops or skips it (train.c).
@@ -150,13 +158,19 @@ void cu_emit_optimizer(Emit *e, int gi) {
             loss >= 0 ? ec_str(&e->core, " || !isfinite(%s[0])", cu_ptr(e, loss)) : "");
     ec_line(&e->core, "  return;");
     ec_line(&e->core, "const double sc = clip > 0 ? fmin(1.0, clip / (gnorm + 1e-6)) : 1.0;");
-    ec_line(&e->core, "const double lr = %s[0], step = %s[0];", cu_ptr(e, lr), cu_ptr(e, step));
     ec_line(&e->core, "const double beta1 = %s, beta2 = %s, eps = %s;", ec_dlit(&e->core, a->fa[0]),
             ec_dlit(&e->core, a->fa[1]), ec_dlit(&e->core, a->fa[2]));
-    ec_line(&e->core, "const MdlAdamW h = {sc, lr, beta1, beta2, eps, 1.0 / (1.0 - pow(beta1, step)), "
-            "1.0 / (1.0 - pow(beta2, step))};");
-    ec_line(&e->core, "mdl_opt_adamw<%d, %lld, %d, %d, %s>(arena, seg, h); // (segments, values, chunk, unrolled, "
-            "bf16 copies)", ns, (long long)total, OPT_CHUNK, OPT_UNROLL, ncopies ? "true" : "false");
+    if (rule == OPT_ADAMW) {
+      ec_line(&e->core, "const double lr = %s[0], step = %s[0];", cu_ptr(e, lr), cu_ptr(e, step));
+      ec_line(&e->core, "const MdlAdamW h = {sc, lr, beta1, beta2, eps, 1.0 / (1.0 - pow(beta1, step)), "
+              "1.0 / (1.0 - pow(beta2, step))};");
+    } else { // (no bias corrections: the step is not read)
+      ec_line(&e->core, "const double lr = %s[0];", cu_ptr(e, lr));
+      ec_line(&e->core, "const MdlAdamW h = {sc, lr, beta1, beta2, eps, 1.0, 1.0};");
+    }
+    ec_line(&e->core, "mdl_opt_update<%d, %d, %d, %lld, %d, %d, %s>(arena, seg, h); // (rule, moments, segments, "
+            "values, chunk, unrolled, bf16 copies)", (int)rule, nst, ns, (long long)total, OPT_CHUNK, OPT_UNROLL,
+            ncopies ? "true" : "false");
     cu_kend(e, (total + OPT_CHUNK - 1) / OPT_CHUNK, BLOCK);
     for (int j = 0; j < ns; j++)
       ec_phase_done(&e->core, seg[j]);
@@ -164,6 +178,7 @@ void cu_emit_optimizer(Emit *e, int gi) {
     free(nodes);
     free(n);
     free(wd);
+    free(ls);
     table++;
   }
   free(done);

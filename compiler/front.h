@@ -30,6 +30,7 @@ typedef enum {
   E_INDEX,  // lhs[args]; each arg an index expression or an E_SLICE
   E_SLICE,  // lo:hi inside an index; either may be NULL
   E_LIST,   // [args]
+  E_DICT,   // {"key": value, ...}: args[2k] the keys, args[2k + 1] their values
   E_KWARG,  // s = lhs: a keyword argument, only while parsing (then in Expr.kw)
 } ExprKind;
 
@@ -107,7 +108,8 @@ struct Parser {
   PtrVec stmts;       // top-level statements
   int errors;         // syntax and lexical errors
   int line, col, offset; // the scanner's position
-  int depth;          // open ( and [: newlines inside them are not statement ends
+  int depth;          // open ( [ and tables' {: newlines inside them are not statement ends
+  int dicts;          // open tables' { (a '{' followed by a string: {"wte": 0.1})
   PtrVec braces;      // Span* of every open '{' that opens a block
   bool recovering;    // after a syntax error, until the parser resynchronises (yyerrok)
   int skipped;        // nesting of the '{' skipped while recovering: tokens inside are dropped

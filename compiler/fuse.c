@@ -26,8 +26,10 @@
 // earlier rule is not available to a later one):
 //  1. STEP_OPTIMIZER: GRAD_NORM (the root) and every ADAMW that reads it, one step (one kernel over
 //     the flat buffers). Outs: the ADAMW nodes (written in place over their PARAM, with m and v) and
-//     the gradient norm (4 bytes, so the metrics line can print it). With opt.optimizer_per_param,
-//     GRAD_NORM alone and then each ADAMW alone, one step each (what the fused one is worth).
+//     the gradient norm (4 bytes, so the metrics line can print it). Muon's updates (OPT_MUON) read
+//     the norm through the Newton-Schulz steps that orthogonalise them too: they make a second
+//     optimizer step of their own, after those. With opt.optimizer_per_param, GRAD_NORM alone and
+//     then each ADAMW alone, one step each (what the fused one is worth).
 //  2. STEP_LMHEAD (opt.chunk_lmhead): logits = MATMUL(x2 [N,C], W) (either orientation of W), any
 //     RESHAPEs, CROSS_ENTROPY and CROSS_ENTROPY_BWD of those logits and targets, RESHAPEs of the
 //     logits' gradient dl, then dx2 = MATMUL(dl, W, tb = !tb) and dW = MATMUL(dl, x2, ta) (W as
@@ -430,14 +432,16 @@ static void rule_optimizer(Fuser *F) {
   for (int i = 0; i < g->n; i++) {
     if (op_of(F, i) != OP_GRAD_NORM || F->grp[i] >= 0)
       continue;
-    int gi = new_group(F, STEP_OPTIMIZER, i);
+    int gi = new_group(F, STEP_OPTIMIZER, i), later = -1;
     for (int k = 0; k < F->nusers[i]; k++) {
       int u = F->users[i][k];
       if (op_of(F, u) != OP_ADAMW || F->grp[u] >= 0)
         continue;
       if (F->opt.optimizer_per_param)
         new_group(F, STEP_OPTIMIZER, u);
-      else if (!try_add(F, gi, u))
+      else if (node(F, u)->ia[0] == OPT_MUON && later < 0) // (it reads the norm through Newton-Schulz)
+        later = new_group(F, STEP_OPTIMIZER, u);
+      else if (!try_add(F, node(F, u)->ia[0] == OPT_MUON ? later : gi, u))
         reject(F, i, u, "would make the steps cyclic");
     }
   }
@@ -1389,7 +1393,7 @@ static Fusion *assemble(Fuser *F) {
       if (is_out(F, gi, id)) {
         push_unique(a, &st->outs, &st->nouts, id);
         f->materialised[id] = true;
-        st->bytes_written += dtype_size(n->dtype) * (double)numel(F, id) * (n->op == OP_ADAMW ? 3 : 1);
+        st->bytes_written += dtype_size(n->dtype) * (double)numel(F, id) * (n->op == OP_ADAMW ? 1 + opt_nstate(n) : 1);
       }
       for (int k = 0; k < n->nin; k++) {
         int x = n->in[k];

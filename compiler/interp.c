@@ -844,19 +844,30 @@ static void run_grad_norm(Ctx *c) {
   c->y[0] = sqrt(ss);
 }
 
-// ADAMW (p, g, m, v, gnorm, lr, step), PyTorch's AdamW with optional global-norm clipping. Writes
-// the parameter and both moments in place; the node's own value is the new parameter.
+// ADAMW (p, g, [m, [v,]] gnorm, lr, step): one parameter's update by its rule (ia[0]), with optional
+// global-norm clipping (g scaled by s) and its lr multiplied by fa[5] (lr_scale). Writes the
+// parameter and its moments in place; the node's own value is the new parameter.
+//   adamw: PyTorch's AdamW: m = b1 m + (1-b1) g, v = b2 v + (1-b2) g^2,
+//          p -= lr (m/(1-b1^t) / (sqrt(v/(1-b2^t)) + eps) + wd p)
+//   sgd:   PyTorch's SGD (dampening 0): d = g + wd p (weight decay as an L2 term of the gradient);
+//          with momentum mu: m = mu m + d, then d = m, or with Nesterov d + mu m; p -= lr d
+//   lion:  Chen et al. 2023: u = sign(b1 m + (1-b1) g), p -= lr (u + wd p), m = b2 m + (1-b2) g
+//   muon:  (p, g, m, u, ...) u the orthogonalised momentum, scaled (autodiff.c's muon_ortho):
+//          m = b1 m + (1-b1) g, p -= lr (u + wd p)
 static void run_adamw(Ctx *c) {
   Interp *it = c->it;
-  const double *fa = c->nd->fa;
+  const IrNode *nd = c->nd;
+  const double *fa = nd->fa;
   double b1 = fa[0], b2 = fa[1], eps = fa[2], wd = fa[3], clip = fa[4];
-  double gnorm = c->x[4][0], lr = c->x[5][0], step = c->x[6][0];
+  double gnorm = it->val[opt_gnorm(nd)][0], step = it->val[opt_step(nd)][0];
+  double lr = it->val[opt_lr(nd)][0] * opt_lr_scale(nd);
   double s = clip > 0 ? fmin(1, clip / (gnorm + 1e-6)) : 1;
-  double *p = it->val[c->nd->in[0]], *m = it->val[c->nd->in[2]], *v = it->val[c->nd->in[3]];
+  double *p = it->val[nd->in[0]];
+  double *m = opt_m(nd) >= 0 ? it->val[opt_m(nd)] : NULL, *v = opt_v(nd) >= 0 ? it->val[opt_v(nd)] : NULL;
   const double *g = c->x[1];
-  // A loss or gradient norm that is not finite (as f32, as the runtime reads them) leaves p, m and v
-  // as they were, as the compiled optimizers do (emit_c.c, emit_cuda.c): the runtime then stops or
-  // skips the step with the last finite weights.
+  // A loss or gradient norm that is not finite (as f32, as the runtime reads them) leaves p and its
+  // moments as they were, as the compiled optimizers do (emit_c.c, emit_cuda.c): the runtime then
+  // stops or skips the step with the last finite weights.
   double loss = it->g->loss >= 0 && it->val[it->g->loss] ? it->val[it->g->loss][0] : 0;
   if (!isfinite((float)gnorm) || !isfinite((float)loss)) {
     memcpy(c->y, p, sizeof(double) * (size_t)c->n);
@@ -864,10 +875,26 @@ static void run_adamw(Ctx *c) {
   }
   for (int64_t i = 0; i < c->n; i++) {
     double gi = s * g[i];
-    m[i] = rnd(it, b1 * m[i] + (1 - b1) * gi);
-    v[i] = rnd(it, b2 * v[i] + (1 - b2) * gi * gi);
-    double mhat = m[i] / (1 - pow(b1, step)), vhat = v[i] / (1 - pow(b2, step));
-    p[i] = rnd(it, p[i] - lr * (mhat / (sqrt(vhat) + eps) + wd * p[i]));
+    if (nd->ia[0] == OPT_SGD) {
+      double d = gi + wd * p[i];
+      if (m) {
+        m[i] = rnd(it, b1 * m[i] + d);
+        d = b2 != 0 ? d + b1 * m[i] : m[i];
+      }
+      p[i] = rnd(it, p[i] - lr * d);
+    } else if (nd->ia[0] == OPT_MUON) {
+      m[i] = rnd(it, b1 * m[i] + (1 - b1) * gi);
+      p[i] = rnd(it, p[i] - lr * (c->x[3][i] + wd * p[i]));
+    } else if (nd->ia[0] == OPT_LION) {
+      double u = b1 * m[i] + (1 - b1) * gi;
+      p[i] = rnd(it, p[i] - lr * ((u > 0) - (u < 0) + wd * p[i]));
+      m[i] = rnd(it, b2 * m[i] + (1 - b2) * gi);
+    } else {
+      m[i] = rnd(it, b1 * m[i] + (1 - b1) * gi);
+      v[i] = rnd(it, b2 * v[i] + (1 - b2) * gi * gi);
+      double mhat = m[i] / (1 - pow(b1, step)), vhat = v[i] / (1 - pow(b2, step));
+      p[i] = rnd(it, p[i] - lr * (mhat / (sqrt(vhat) + eps) + wd * p[i]));
+    }
     c->y[i] = p[i];
   }
 }

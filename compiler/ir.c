@@ -14,6 +14,14 @@ static const char *op_names[] = {
 
 const char *op_name(Op op) { return op < OP_COUNT ? op_names[op] : "?"; }
 
+const char *opt_rule_name(OptRule r) {
+  return r == OPT_SGD ? "sgd" : r == OPT_LION ? "lion" : r == OPT_MUON ? "muon" : "adamw";
+}
+
+int opt_rule_moments(OptRule r, double momentum) {
+  return r == OPT_ADAMW ? 2 : r == OPT_LION || r == OPT_MUON || momentum != 0;
+}
+
 const char *dtype_name(DType dt) {
   switch (dt) {
   case DT_F32: return "f32";
@@ -230,7 +238,13 @@ static bool infer(Graph *g, IrNode *n) {
   case OP_ATTENTION: case OP_ATTENTION_LSE: want = 3 + (n->ia[2] != 0); break;
   case OP_ATTENTION_BWD: want = 6 + (n->ia[2] != 0); break;
   case OP_ATTENTION_MASK: want = n->ia[1] != 0; break;
-  case OP_ADAMW: want = 7; break;
+  case OP_ADAMW:
+    if (n->ia[0] < OPT_ADAMW || n->ia[0] > OPT_MUON)
+      return fail(g, "adamw: bad rule %lld", (long long)n->ia[0]);
+    if (n->nin < 5 || n->nin > 7 || ((n->ia[0] == OPT_ADAMW || n->ia[0] == OPT_MUON) && n->nin != 7) ||
+        (n->ia[0] == OPT_LION && n->nin != 6))
+      return fail(g, "%s takes (p, g, moments, gnorm, lr, step): %d inputs is wrong", opt_rule_name(n->ia[0]), n->nin);
+    break;
   case OP_CONCAT: case OP_GRAD_NORM:
     if (n->nin < 1)
       return fail(g, "%s needs at least one input", name);
@@ -509,10 +523,10 @@ static bool infer(Graph *g, IrNode *n) {
     return true;
   case OP_ADAMW: {
     Shape p = in[0]->shape;
-    for (int i = 1; i < 4; i++)
+    for (int i = 1; i < n->nin - 3; i++)
       if (!shape_eq(in[i]->shape, p))
         return fail(g, "adamw: %s input %d does not match parameter %s", SHAPE(in[i]->shape), i, SHAPE(p));
-    for (int i = 4; i < 7; i++)
+    for (int i = n->nin - 3; i < n->nin; i++)
       if (in[i]->shape.rank != 0)
         return fail(g, "adamw: input %d must be a scalar", i);
     n->shape = p;
@@ -764,7 +778,16 @@ void ir_dump(const Graph *g, FILE *f) {
       fprintf(f, " heads=%lld base=%g%s", (long long)n->ia[0], n->fa[0], n->ia[1] ? " inverse" : "");
       break;
     case OP_ADAMW:
-      fprintf(f, " b1=%g b2=%g eps=%g wd=%g clip=%g", n->fa[0], n->fa[1], n->fa[2], n->fa[3], n->fa[4]);
+      if (n->ia[0] == OPT_SGD)
+        fprintf(f, " sgd momentum=%g%s wd=%g clip=%g", n->fa[0], n->fa[1] != 0 ? " nesterov" : "", n->fa[3], n->fa[4]);
+      else if (n->ia[0] == OPT_LION)
+        fprintf(f, " lion b1=%g b2=%g wd=%g clip=%g", n->fa[0], n->fa[1], n->fa[3], n->fa[4]);
+      else if (n->ia[0] == OPT_MUON)
+        fprintf(f, " muon momentum=%g scale=%g wd=%g clip=%g", n->fa[0], n->fa[2], n->fa[3], n->fa[4]);
+      else
+        fprintf(f, " b1=%g b2=%g eps=%g wd=%g clip=%g", n->fa[0], n->fa[1], n->fa[2], n->fa[3], n->fa[4]);
+      if (opt_lr_scale(n) != 1)
+        fprintf(f, " lr_scale=%g", opt_lr_scale(n));
       break;
     default: break;
     }

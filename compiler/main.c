@@ -549,6 +549,21 @@ static Plan plan(const Options *o, Graph *g) {
   return p;
 }
 
+// optimizer = muon: which params Muon updates and which AdamW (sema.c's set_muon), in one line.
+static void print_muon_split(const Graph *g) {
+  int nm = 0, na = 0;
+  for (int i = 0; i < g->nparams; i++) {
+    const ParamInit *pi = &g->nodes[g->params[i]]->init;
+    nm += !pi->frozen && pi->muon;
+    na += !pi->frozen && !pi->muon;
+  }
+  printf("optimizer muon: Muon for %d hidden matri%s:", nm, nm == 1 ? "x" : "ces");
+  for (int i = 0, k = 0; i < g->nparams; i++)
+    if (g->nodes[g->params[i]]->init.muon && !g->nodes[g->params[i]]->init.frozen && k++ < 8)
+      printf(" %s", g->nodes[g->params[i]]->name);
+  printf("%s; AdamW for the other %d params\n", nm > 8 ? " ..." : "", na);
+}
+
 static int cmd_check(const Options *o, Graph *g) {
   if (dumping(o, 'F') || dumping(o, 'M'))
     plan(o, g);
@@ -566,9 +581,15 @@ static int cmd_check(const Options *o, Graph *g) {
   }
   for (int i = 0; i < g->nparams; i++) {
     const IrNode *n = g->nodes[g->params[i]];
-    printf("param  %-24s %s%s%s\n", n->name, dtype_name(n->dtype), shape_str(n->shape, buf, sizeof buf),
-           n->init.decay ? "" : "  (no weight decay)");
+    char scale[48] = "";
+    if (n->init.lr_scale > 0 && n->init.lr_scale != 1 && !n->init.frozen)
+      snprintf(scale, sizeof scale, "  (lr x %g)", n->init.lr_scale);
+    printf("param  %-24s %s%s%s%s%s\n", n->name, dtype_name(n->dtype), shape_str(n->shape, buf, sizeof buf),
+           n->init.frozen ? "  (frozen)" : n->init.decay ? "" : "  (no weight decay)", scale,
+           g->train.optimizer != OPT_MUON || n->init.frozen ? "" : n->init.muon ? "  (muon)" : "  (adamw)");
   }
+  if (g->train.optimizer == OPT_MUON)
+    print_muon_split(g);
   for (int i = 0; i < g->noutputs; i++) {
     const IrNode *n = g->nodes[g->outputs[i]];
     printf("output %-24s %s%s\n", n->name ? n->name : "?", dtype_name(n->dtype), shape_str(n->shape, buf, sizeof buf));
@@ -765,17 +786,18 @@ static int cmd_grad(const Options *o, Graph *g) {
     if (!e->step(e, err, sizeof err)) {
       diag_file_error(o->file, "%s", err);
     } else {
-      int count = g->nparams + 1;
-      int *nodes = calloc((size_t)count, sizeof *nodes);
-      const char **names = calloc((size_t)count, sizeof *names);
+      int count = 1;
+      int *nodes = calloc((size_t)g->nparams + 1, sizeof *nodes);
+      const char **names = calloc((size_t)g->nparams + 1, sizeof *names);
       nodes[0] = g->loss;
       names[0] = "loss";
-      for (int i = 0; i < g->nparams; i++) {
-        nodes[i + 1] = g->grads[i];
-        names[i + 1] = g->nodes[g->params[i]]->name;
-      }
+      for (int i = 0; i < g->nparams; i++)
+        if (g->grads[i] >= 0) { // (a frozen parameter has none)
+          nodes[count] = g->grads[i];
+          names[count++] = g->nodes[g->params[i]]->name;
+        }
       if (write_values(o->out, e, nodes, names, count)) {
-        printf("loss %.6f; wrote the loss and %d gradients to %s (%s)\n", engine_scalar(e, g->loss), g->nparams,
+        printf("loss %.6f; wrote the loss and %d gradients to %s (%s)\n", engine_scalar(e, g->loss), count - 1,
                o->out, e->name);
         rc = 0;
       }
@@ -1054,6 +1076,8 @@ static int cmd_run(const Options *o, Graph *g) {
              o->lower.no_doc_mask ? ", no doc mask (documents attend to each other)" : "", why ? "auto, " : "",
              why ? why : g->train.precision, o->resume ? ", resuming" : "");
     char line[1024];
+    if (!o->quiet && g->train.optimizer == OPT_MUON)
+      print_muon_split(g);
     checkpoint_summary(&g->ckpt, true, true, line, sizeof line);
     if (!o->quiet)
       printf("%s\n", line);

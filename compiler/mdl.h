@@ -188,9 +188,18 @@ typedef struct {
   X(ROPE, "rope")                                                                                  \
   /* optimizer */                                                                                  \
   X(GRAD_NORM, "grad_norm") /* (g0, g1, ...) -> [] global L2 norm */                              \
-  /* (p, g, m, v, gnorm, lr, step) -> new p, written in place with m and v.                        \
-     fa: 0 beta1, 1 beta2, 2 eps, 3 weight decay, 4 clip max norm (0 = no clipping) */             \
+  /* One parameter's optimizer update, named after its first rule: ia[0] = the rule (OptRule);     \
+     (p, g, [m, [v,]] gnorm, lr, step) -> new p, written in place with its moments (opt_nstate of   \
+     them: AdamW m and v, SGD with momentum and Lion m, plain SGD none; Muon (p, g, m, u, ...): m   \
+     and the orthogonalised update u). fa: 0 beta1 (SGD, Muon: the momentum), 1 beta2 (SGD: 1 for \
+     Nesterov), 2 eps, 3 weight decay, 4 clip max norm (0 = no clipping), 5 the                    \
+     parameter's multiplier of lr (lr_scale; 0 for 1) */                                           \
   X(ADAMW, "adamw")
+
+// OP_ADAMW's update rule (ia[0]); the formulas are in docs/language.md, the reference in interp.c.
+// OPT_MUON updates a hidden matrix from its orthogonalised momentum u, which autodiff.c builds in the
+// graph (Newton-Schulz iterations of MATMULs); the optimizer "muon" is AdamW for the other params.
+typedef enum { OPT_ADAMW, OPT_SGD, OPT_LION, OPT_MUON } OptRule;
 
 // OP_COMPARE's relation (ia[0]).
 typedef enum { CMP_LT, CMP_LE, CMP_GT, CMP_GE, CMP_EQ, CMP_NE } Compare;
@@ -208,6 +217,9 @@ typedef struct {
   InitKind kind;
   double std;  // INIT_NORMAL
   bool decay;  // weight decay applies (train section's no_decay patterns)
+  bool frozen; // never updated, no gradient (train section's freeze patterns)
+  bool muon;   // a hidden matrix, updated by Muon when the optimizer is muon (sema.c says which)
+  double lr_scale; // its multiplier of the schedule's lr (train section's lr_scale); 0 stands for 1
 } ParamInit;
 
 // Element i of parameter k (the k-th of Graph.params) initialised from the seed: every back end's
@@ -246,7 +258,11 @@ typedef struct {
 typedef enum { SCHED_CONSTANT, SCHED_LINEAR, SCHED_COSINE, SCHED_WSD } Schedule;
 
 typedef struct {
+  OptRule optimizer;
   double lr, beta1, beta2, eps, weight_decay;
+  double momentum;     // sgd, muon
+  bool nesterov;       // sgd, muon
+  double muon_lr;      // muon: the hidden matrices' rate (lr is the other params' AdamW rate)
   Schedule schedule;
   double min_lr;       // the decay's floor
   int64_t warmup;      // warmup steps
@@ -293,8 +309,8 @@ typedef struct Graph {
   int noutputs;
   int *params;          // PARAM ids in declaration order
   int nparams;
-  int *grads;           // after autodiff: grads[i] is the gradient node of params[i]
-  int *updates;         // after autodiff: ADAMW node of params[i]
+  int *grads;           // after autodiff: grads[i] is the gradient node of params[i] (-1: frozen)
+  int *updates;         // after autodiff: ADAMW node of params[i] (-1: frozen)
   int fwd_end;          // nodes [0, fwd_end) are the forward graph
   DimBinding *dims;     // every dim with its bound value, in declaration order
   int ndims;
@@ -341,6 +357,16 @@ static inline double att_pairs(int64_t t, int64_t s, bool causal, int64_t window
 static inline int att_bwd_out(const IrNode *n) { return n->in[n->nin - 3]; }
 static inline int att_bwd_lse(const IrNode *n) { return n->in[n->nin - 2]; }
 static inline int att_bwd_dout(const IrNode *n) { return n->in[n->nin - 1]; }
+// An ADAMW's moments (-1 where its rule keeps fewer: opt_nstate of them) and its scalar inputs.
+static inline int opt_nstate(const IrNode *n) { return n->ia[0] == OPT_MUON ? 1 : n->nin - 5; }
+static inline int opt_m(const IrNode *n) { return n->nin > 5 ? n->in[2] : -1; }
+static inline int opt_v(const IrNode *n) { return n->nin > 6 && n->ia[0] != OPT_MUON ? n->in[3] : -1; }
+static inline int opt_gnorm(const IrNode *n) { return n->in[n->nin - 3]; }
+static inline int opt_lr(const IrNode *n) { return n->in[n->nin - 2]; }
+static inline int opt_step(const IrNode *n) { return n->in[n->nin - 1]; }
+static inline double opt_lr_scale(const IrNode *n) { return n->fa[5] > 0 ? n->fa[5] : 1; } // (0 stands for 1)
+const char *opt_rule_name(OptRule r); // "adamw", "sgd", "lion", "muon"
+int opt_rule_moments(OptRule r, double momentum); // the moments a parameter keeps: 2, 1 or 0
 const char *dtype_name(DType dt);
 int dtype_size(DType dt); // bytes per element in memory: 4 for f32 and i32, 2 for bf16, ...
 // x rounded to the nearest bf16 value, ties to even (NaN stays NaN, overflow goes to inf).
@@ -401,7 +427,8 @@ Graph *mdl_compile_text_with(Arena *a, const char *path, const char *text, const
 Graph *mdl_compile_bytes(Arena *a, const char *path, const char *bytes, size_t n, const DimOverride *ov, int nov);
 
 //
-// autodiff.c: reverse mode over the forward graph, then one AdamW update per parameter.
+// autodiff.c: reverse mode over the forward graph, then one optimizer update (OP_ADAMW, its rule
+// the train section's optimizer) per parameter that is not frozen.
 //
 // Appends the backward graph for g->loss and the optimizer step; fills g->grads and g->updates.
 // With `optimizer` false only the gradients are built (gradient checks).
@@ -567,16 +594,17 @@ void checkpoint_summary(const CheckpointPlan *cp, bool budget, bool memory, char
 int64_t checkpoint_budget(const char *text, int64_t memory, bool *fraction);
 
 //
-// memplan.c: one arena, liveness-based reuse. Parameters, their gradients and the AdamW moments
-// live in four flat buffers in parameter order (so the optimizer is one loop); the parameters' bf16
+// memplan.c: one arena, liveness-based reuse. Parameters, their gradients and the optimizer's moments
+// live in up to four flat buffers in parameter order (so the optimizer is one loop); the parameters' bf16
 // copies (Fusion.copy_of) follow them, persistent too; inputs and scalars have fixed slots; every
 // other materialised node gets an offset reused after its last reader. A RESHAPE of a materialised
 // node is a view: it shares its input's offset.
 //
 typedef struct {
   int64_t *offset;          // per node: byte offset in the arena, -1 when not materialised
-  int64_t params, grads, m, v; // offsets of the four flat buffers
+  int64_t params, grads, m, v; // offsets of the four flat buffers (m and v: of the first moments kept)
   int64_t param_bytes;      // size of each flat buffer
+  int moments;              // the moment buffers the optimizer keeps (0, 1: m, 2: m and v); the rest are empty
   int64_t copies, copy_bytes; // the bf16 copies: offset and size of their region
   const int *copy_of;       // Fusion.copy_of: per PARAM node its copy, else -1
   int64_t arena_bytes;      // the whole arena (peak)

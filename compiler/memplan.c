@@ -5,9 +5,12 @@
 //   params | grads | m | v | copies | inputs | scalars | activations
 // The first four are flat buffers of param_bytes each with the parameters in declaration order at
 // the same relative offsets (parameter i starts at the same place in all four), so one loop walks
-// a parameter, its gradient and its two AdamW moments together. g->grads[i] is placed in the
-// gradient buffer (when it is a view, the node it views is); the STATE nodes "<p>.m" and "<p>.v"
-// in m and v; an ADAMW node writes its parameter in place and so shares the PARAM's offset.
+// a parameter, its gradient and its moments together. g->grads[i] is placed in the gradient buffer
+// (when it is a view, the node it views is; a frozen parameter's place there is left unused); the
+// STATE nodes "<p>.m" and "<p>.v" in m and v; an ADAMW node writes its parameter in place and so
+// shares the PARAM's offset. Only the moments the optimizer keeps take room (MemPlan.moments): m
+// and v for AdamW, m alone for Lion and SGD with momentum, neither for plain SGD or a graph
+// without an optimizer (then m, and v, are empty at the end of the gradients).
 // The parameters' bf16 copies (Fusion.copy_of, rule 11 of fuse.c) follow, in parameter order: they
 // persist from one step to the next like the parameters. A matrix's copy has room for its rows
 // rounded up to a multiple of 64 (MEMPLAN_ROWS), zero beyond its own rows: a GEMM may then read it
@@ -128,17 +131,22 @@ MemPlan *memplan_with(const Fusion *f, bool reuse) {
     at = align_up(at + bytes_of(g->nodes[g->params[i]]));
   }
   mp->param_bytes = at;
+  for (int i = 0; i < g->n; i++)
+    if (g->nodes[i]->op == OP_STATE && g->nodes[i]->param_of >= 0) {
+      int k = ends_with(g->nodes[i]->name, ".v") ? 2 : 1;
+      mp->moments = k > mp->moments ? k : mp->moments;
+    }
   mp->params = 0;
   mp->grads = at;
   mp->m = 2 * at;
-  mp->v = 3 * at;
+  mp->v = mp->m + (mp->moments > 0 ? at : 0);
   for (int i = 0; i < g->nparams; i++) {
     int p = g->params[i];
     mp->offset[p] = mp->params + rel[p];
-    if (g->grads)
+    if (g->grads && g->grads[i] >= 0)
       mp->offset[base_of(f, g->grads[i])] = mp->grads + rel[p];
   }
-  at = 4 * at;
+  at = (2 + mp->moments) * at;
   mp->copies = at;
   mp->copy_of = f->copy_of;
   for (int i = 0; i < g->nparams; i++) {
@@ -221,10 +229,12 @@ static const char *region(const MemPlan *m, const IrNode *n, int64_t off) {
 void memplan_dump(const Fusion *f, const MemPlan *m, FILE *out) {
   const Graph *g = f->g;
   int64_t act = m->arena_bytes - m->activation_bytes;
-  fprintf(out, "memory plan of %s: arena %lld bytes = 4 x %lld (params, grads, m, v) + %lld (bf16 copies) + "
+  static const char *const flat[] = {"params, grads", "params, grads, m", "params, grads, m, v"};
+  fprintf(out, "memory plan of %s: arena %lld bytes = %d x %lld (%s) + %lld (bf16 copies) + "
                "%lld (inputs, scalars) + %lld (activations, peak)\n",
-          g->model ? g->model : "?", (long long)m->arena_bytes, (long long)m->param_bytes, (long long)m->copy_bytes,
-          (long long)(act - 4 * m->param_bytes - m->copy_bytes), (long long)m->activation_bytes);
+          g->model ? g->model : "?", (long long)m->arena_bytes, 2 + m->moments, (long long)m->param_bytes,
+          flat[m->moments], (long long)m->copy_bytes,
+          (long long)(act - (2 + m->moments) * m->param_bytes - m->copy_bytes), (long long)m->activation_bytes);
   fprintf(out, "%-7s %12s %10s  %-6s %-28s %s\n", "region", "offset", "bytes", "node", "op / name", "shape");
   for (int i = 0; i < g->n; i++) {
     const IrNode *n = g->nodes[i];

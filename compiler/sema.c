@@ -138,6 +138,11 @@ typedef struct {
   PtrVec decls;      // Decl*
   PtrVec settings;   // Setting*
   PtrVec no_decay;   // const char* glob patterns
+  PtrVec lr_scale;   // Expr* of the train section's lr_scale: its string keys, each then its value
+  double *lr_scales; // per lr_scale key: the multiplier
+  PtrVec freeze;     // Expr* strings: the freeze patterns
+  PtrVec muon_params; // Expr* strings: the muon_params patterns
+  SrcLoc muon_params_at; // where muon_params is set (line 0: it is not)
   PtrVec outputs;    // Stmt* of every output statement (duplicate names)
   PtrVec reported;   // "line:col:message" of every error printed
   int *out_nodes;    // the outputs built so far
@@ -1415,6 +1420,7 @@ static Val eval_expr(Sema *s, const Expr *e) {
   case E_STRING: error_at(s, e->at, "a string is only allowed in the train section's no_decay list"); break;
   case E_SIZE: error_at(s, e->at, "a size is only allowed in the train section's checkpoint = auto(SIZE)"); break;
   case E_LIST: error_at(s, e->at, "a list is not a value; lists are arguments of reshape, permute and concat"); break;
+  case E_DICT: error_at(s, e->at, "a {key: value} table is only allowed in the train section's lr_scale"); break;
   case E_SLICE: error_at(s, e->at, "a slice a:b only goes inside x[...]"); break;
   case E_KWARG: error_at(s, e->at, "'%s = ...' is only allowed as a call's argument", e->s); break;
   }
@@ -1614,7 +1620,7 @@ static const Stmt *declare(Sema *s) {
 //
 
 static const char *const train_keys[] = {"optimizer", "schedule", "no_decay", "clip", "accumulate", "precision",
-                                         "checkpoint"};
+                                         "checkpoint", "lr_scale", "freeze", "muon_params"};
 
 // The schedules' arguments (schedule_setting): `--set warmup=100` sets the schedule's, any other
 // argument name the optimizer's.
@@ -1721,8 +1727,8 @@ static void bind_dims(Sema *s, const Stmt *train, const PtrVec *sets, const DimO
     if (seen || bind_dim(s, st, "in the train section"))
       continue;
     if (!is_train_key(st->name)) {
-      error_at(s, st->at, "unknown train setting '%s' (settings: free dims, optimizer, schedule, no_decay, clip, "
-                          "accumulate, precision, checkpoint)", st->name);
+      error_at(s, st->at, "unknown train setting '%s' (settings: free dims, optimizer, schedule, no_decay, "
+                          "lr_scale, freeze, muon_params, clip, accumulate, precision, checkpoint)", st->name);
       continue;
     }
     Setting *set = arena_alloc(s->a, sizeof *set);
@@ -1872,33 +1878,116 @@ static void schedule_setting(Sema *s, const Expr *e, TrainConfig *t) {
     t->decay = 0.2;
 }
 
+// optimizer = adamw | sgd | lion | muon, each NAME or NAME(keyword=value, ...); the rules are
+// docs/language.md's and interp.c's. Defaults as their reference implementations have them: AdamW's
+// in ir_new, SGD torch.optim.SGD's (lr 1e-3, no momentum), Lion the paper's (lr 1e-4, betas 0.9 and
+// 0.99), Muon Keller Jordan's SingleDeviceMuonWithAuxAdam's (lr 0.02, momentum 0.95, Nesterov; the
+// AdamW of the other params at adam_lr 3e-4, betas 0.9 and 0.95, eps 1e-10), weight decay 0.
+static void optimizer_setting(Sema *s, const Expr *e, TrainConfig *t) {
+  static const Builtin kinds[] = {
+      {"adamw", 0, 0, {"lr", "beta1", "beta2", "eps", "weight_decay"}, NULL, OP_COUNT},
+      {"sgd", 0, 0, {"lr", "momentum", "nesterov", "weight_decay"}, NULL, OP_COUNT},
+      {"lion", 0, 0, {"lr", "beta1", "beta2", "weight_decay"}, NULL, OP_COUNT},
+      {"muon", 0, 0, {"lr", "momentum", "nesterov", "weight_decay", "adam_lr", "beta1", "beta2", "eps"}, NULL, OP_COUNT}};
+  int k = 0; // (an unknown name: the error lists them all)
+  for (int i = 0; i < 4; i++)
+    if ((e->kind == E_NAME || e->kind == E_CALL) && !strcmp(e->s, kinds[i].name))
+      k = i;
+  const Builtin *b = &kinds[k];
+  const Expr *arg[BUILTIN_PARAMS];
+  if (!train_call(s, b, e, "optimizer", "adamw, sgd, lion or muon", arg))
+    return;
+  static const OptRule rule_of[] = {OPT_ADAMW, OPT_SGD, OPT_LION, OPT_MUON};
+  t->optimizer = rule_of[k];
+  if (t->optimizer == OPT_SGD)
+    t->lr = 1e-3;
+  else if (t->optimizer == OPT_LION)
+    t->lr = 1e-4, t->beta2 = 0.99;
+  else if (t->optimizer == OPT_MUON)
+    t->muon_lr = 0.02, t->momentum = 0.95, t->nesterov = true, t->eps = 1e-10;
+  double x;
+  for (int i = 0; i < 8 && b->params[i]; i++) {
+    const char *p = b->params[i];
+    if (!arg[i])
+      continue;
+    if (!strcmp(p, "nesterov")) {
+      if (arg[i]->kind != E_BOOL)
+        error_at(s, arg[i]->at, "nesterov must be true or false, got %s", ast_text(s->a, s->p->text, arg[i]));
+      else
+        t->nesterov = arg[i]->i != 0;
+      continue;
+    }
+    Range r = !strcmp(p, "lr") || !strcmp(p, "eps") || !strcmp(p, "adam_lr") ? R_POSITIVE
+              : !strcmp(p, "weight_decay") ? R_NONNEG : R_UNIT;
+    if (!number(s, arg[i], p, r, false, &x))
+      continue;
+    double *dst = !strcmp(p, "lr") ? (k == 3 ? &t->muon_lr : &t->lr) : !strcmp(p, "adam_lr") ? &t->lr
+                  : !strcmp(p, "beta1") ? &t->beta1 : !strcmp(p, "beta2") ? &t->beta2 : !strcmp(p, "eps") ? &t->eps
+                  : !strcmp(p, "momentum") ? &t->momentum : &t->weight_decay;
+    if (!strcmp(p, "adam_lr") && !(x > 0))
+      error_at(s, arg[i]->at, "adam_lr must be positive, got %g", x);
+    else
+      *dst = x;
+  }
+  if (t->optimizer == OPT_SGD && t->nesterov && !(t->momentum > 0))
+    error_at(s, arg[2]->at, "nesterov needs a momentum above 0 (sgd(momentum=0.9, nesterov=true))");
+}
+
+// A list of name patterns (no_decay, freeze) into v; false after an error.
+static bool patterns(Sema *s, const Expr *e, const char *setting, const char *example, PtrVec *v, bool exprs) {
+  bool ok = e->kind == E_LIST;
+  for (int k = 0; ok && k < e->nargs; k++)
+    ok = e->args[k]->kind == E_STRING;
+  if (!ok) {
+    error_at(s, e->at, "%s must be a list of name patterns such as %s", setting, example);
+    return false;
+  }
+  for (int k = 0; k < e->nargs; k++)
+    vec_push(s->a, v, exprs ? (void *)e->args[k] : (void *)e->args[k]->s);
+  return true;
+}
+
+// lr_scale = {"pattern": multiplier, ...}: each a positive number.
+static void lr_scale_setting(Sema *s, const Expr *e) {
+  if (e->kind != E_DICT) {
+    error_at(s, e->at, "lr_scale must be a table of name patterns and multipliers such as {\"wte\": 0.1}");
+    return;
+  }
+  s->lr_scales = arena_alloc(s->a, sizeof(double) * (size_t)(e->nargs / 2 + 1));
+  for (int k = 0; k + 1 < e->nargs; k += 2) {
+    const Expr *key = e->args[k];
+    double x;
+    if (key->kind != E_STRING) {
+      error_at(s, key->at, "an lr_scale key must be a name pattern in quotes such as \"wte\", got %s",
+               ast_text(s->a, s->p->text, key));
+      continue;
+    }
+    if (!number(s, e->args[k + 1], "an lr_scale multiplier", R_POSITIVE, false, &x))
+      continue;
+    s->lr_scales[s->lr_scale.n] = x;
+    vec_push(s->a, &s->lr_scale, (void *)key);
+  }
+}
+
 static void train_config(Sema *s) {
   TrainConfig *t = &s->g->train;
   for (int i = 0; i < s->settings.n; i++) {
     const Setting *set = s->settings.v[i];
-    const Expr *e = set->value, *arg[BUILTIN_PARAMS];
+    const Expr *e = set->value;
     double x;
     if (!strcmp(set->key, "optimizer")) {
-      static const Builtin b = {"adamw", 0, 0, {"lr", "beta1", "beta2", "eps", "weight_decay"}, NULL, OP_COUNT};
-      if (!train_call(s, &b, e, "optimizer", "adamw", arg))
-        continue;
-      static const Range r[] = {R_POSITIVE, R_UNIT, R_UNIT, R_POSITIVE, R_NONNEG};
-      double *dst[] = {&t->lr, &t->beta1, &t->beta2, &t->eps, &t->weight_decay};
-      for (int k = 0; k < 5; k++)
-        if (arg[k] && number(s, arg[k], b.params[k], r[k], false, &x))
-          *dst[k] = x;
+      optimizer_setting(s, e, t);
+    } else if (!strcmp(set->key, "lr_scale")) {
+      lr_scale_setting(s, e);
+    } else if (!strcmp(set->key, "freeze")) {
+      patterns(s, e, "freeze", "[\"wte\", \"h.0.*\"]", &s->freeze, true);
+    } else if (!strcmp(set->key, "muon_params")) {
+      if (patterns(s, e, "muon_params", "[\"h.*.attn_w\", \"h.*.mlp*_w\"]", &s->muon_params, true))
+        s->muon_params_at = set->at;
     } else if (!strcmp(set->key, "schedule")) {
       schedule_setting(s, e, t);
     } else if (!strcmp(set->key, "no_decay")) {
-      bool ok = e->kind == E_LIST;
-      for (int k = 0; ok && k < e->nargs; k++)
-        ok = e->args[k]->kind == E_STRING;
-      if (!ok) {
-        error_at(s, e->at, "no_decay must be a list of name patterns such as [\"*_b\", \"ln*\"]");
-        continue;
-      }
-      for (int k = 0; k < e->nargs; k++)
-        vec_push(s->a, &s->no_decay, (void *)e->args[k]->s);
+      patterns(s, e, "no_decay", "[\"*_b\", \"ln*\"]", &s->no_decay, false);
     } else if (!strcmp(set->key, "clip")) {
       if (number(s, e, "clip", R_NONNEG, false, &x))
         t->clip = x;
@@ -2168,7 +2257,10 @@ static void elaborate(Sema *s, Stmt **body, int n) {
   }
 }
 
-// Weight decay applies to every param no no_decay pattern matches.
+// Weight decay applies to every param no no_decay pattern matches and that is not frozen; a frozen
+// param matches a freeze pattern; a param's lr_scale is the last lr_scale pattern's that matches it
+// (1 where none does). A freeze or lr_scale pattern that matches no param is an error (a misspelt
+// name would otherwise leave the run quietly training what it meant to hold).
 static void set_decay(Sema *s) {
   Graph *g = s->g;
   for (int i = 0; i < g->nparams; i++) {
@@ -2176,6 +2268,100 @@ static void set_decay(Sema *s) {
     for (int k = 0; k < s->no_decay.n; k++)
       if (fnmatch(s->no_decay.v[k], p->name, 0) == 0)
         p->init.decay = false;
+    for (int k = 0; k < s->freeze.n; k++)
+      if (fnmatch(((const Expr *)s->freeze.v[k])->s, p->name, 0) == 0)
+        p->init.frozen = true, p->init.decay = false;
+    for (int k = 0; k < s->lr_scale.n; k++)
+      if (fnmatch(((const Expr *)s->lr_scale.v[k])->s, p->name, 0) == 0)
+        p->init.lr_scale = s->lr_scales[k];
+  }
+  for (int w = 0; w < 2; w++) {
+    const PtrVec *v = w ? &s->lr_scale : &s->freeze;
+    for (int k = 0; k < v->n; k++) {
+      const Expr *pat = v->v[k];
+      bool hit = false;
+      for (int i = 0; i < g->nparams && !hit; i++)
+        hit = fnmatch(pat->s, node(s, g->params[i])->name, 0) == 0;
+      if (!hit)
+        error_at(s, pat->at, "%s pattern \"%s\" matches no param", w ? "lr_scale" : "freeze", pat->s);
+    }
+  }
+  int frozen = 0;
+  for (int i = 0; i < g->nparams; i++)
+    frozen += node(s, g->params[i])->init.frozen;
+  if (s->freeze.n && frozen == g->nparams)
+    error_at(s, ((const Expr *)s->freeze.v[0])->at, "freeze leaves no param to train: all %d are frozen", frozen);
+}
+
+// A param read by the MATMUL that makes a cross-entropy's logits (through layout, casts and
+// elementwise ops such as a bias): the LM head. head[id] is set for each.
+static void mark_heads(Sema *s, bool *head) {
+  Graph *g = s->g;
+  bool *seen = arena_alloc(s->a, (size_t)(g->n ? g->n : 1));
+  int *stack = arena_alloc(s->a, sizeof(int) * (size_t)(g->n ? g->n : 1)), top = 0;
+  for (int i = 0; i < g->n; i++)
+    if (node(s, i)->op == OP_CROSS_ENTROPY && !seen[node(s, i)->in[0]])
+      seen[stack[top++] = node(s, i)->in[0]] = true;
+  while (top > 0) {
+    const IrNode *n = node(s, stack[--top]);
+    bool through = n->op == OP_RESHAPE || n->op == OP_PERMUTE || n->op == OP_CAST || n->op == OP_BROADCAST ||
+                   n->op == OP_ADD || n->op == OP_SUB || n->op == OP_MUL || n->op == OP_DIV || n->op == OP_NEG;
+    for (int k = 0; (through || n->op == OP_MATMUL) && k < n->nin; k++) {
+      int x = n->in[k];
+      while (n->op == OP_MATMUL && (node(s, x)->op == OP_RESHAPE || node(s, x)->op == OP_PERMUTE ||
+                                    node(s, x)->op == OP_CAST))
+        x = node(s, x)->in[0];
+      if (n->op == OP_MATMUL) {
+        if (node(s, x)->op == OP_PARAM)
+          head[x] = true;
+      } else if (!seen[x]) {
+        seen[stack[top++] = x] = true;
+      }
+    }
+  }
+}
+
+// optimizer = muon: which params Muon updates. By default the hidden matrices: every 2-D param that is
+// neither an embedding table (read by embed) nor the LM head (mark_heads); with muon_params, the 2-D
+// params its patterns match (one matching no param, or a param that is not 2-D, is an error). The
+// rest, and every frozen param, take AdamW.
+static void set_muon(Sema *s) {
+  Graph *g = s->g;
+  if (s->muon_params_at.line && g->train.optimizer != OPT_MUON) {
+    error_at(s, s->muon_params_at, "muon_params says which params Muon updates: it needs optimizer = muon");
+    return;
+  }
+  if (g->train.optimizer != OPT_MUON)
+    return;
+  bool *head = arena_alloc(s->a, (size_t)(g->n ? g->n : 1)), *table = arena_alloc(s->a, (size_t)(g->n ? g->n : 1));
+  mark_heads(s, head);
+  for (int i = 0; i < g->n; i++)
+    if (node(s, i)->op == OP_EMBED)
+      table[node(s, i)->in[0]] = true;
+  for (int i = 0; i < g->nparams; i++) {
+    IrNode *p = node(s, g->params[i]);
+    bool pick = p->shape.rank == 2 && !table[p->id] && !head[p->id];
+    if (s->muon_params.n) {
+      pick = false;
+      for (int k = 0; k < s->muon_params.n; k++) {
+        const Expr *pat = s->muon_params.v[k];
+        if (fnmatch(pat->s, p->name, 0) != 0)
+          continue;
+        if (p->shape.rank != 2)
+          error_at(s, pat->at, "muon_params pattern \"%s\" matches '%s' of shape %s: Muon updates matrices (2-D) "
+                   "only", pat->s, p->name, shape_text(s, p->shape));
+        pick = true;
+      }
+    }
+    p->init.muon = pick && !p->init.frozen;
+  }
+  for (int k = 0; k < s->muon_params.n; k++) {
+    const Expr *pat = s->muon_params.v[k];
+    bool hit = false;
+    for (int i = 0; i < g->nparams && !hit; i++)
+      hit = fnmatch(pat->s, node(s, g->params[i])->name, 0) == 0;
+    if (!hit)
+      error_at(s, pat->at, "muon_params pattern \"%s\" matches no param", pat->s);
   }
 }
 
@@ -2234,6 +2420,7 @@ Graph *sema_build(Parser *p, const DimOverride *ov, int nov, const LowerOptions 
   s->out_nodes = arena_alloc(s->a, sizeof(int) * (size_t)(s->outputs.n ? s->outputs.n : 1));
   elaborate(s, (Stmt **)p->stmts.v, p->stmts.n);
   set_decay(s);
+  set_muon(s);
   if (diag_errors == errors)
     check_model(s, train);
   Graph *g = s->g;

@@ -55,7 +55,7 @@ static void yyerror(YYLTYPE *loc, yyscan_t scanner, Parser *p, const char *msg) 
     p->skipped = 1;
   }
   p->recovering = true;
-  p->depth = 0; // resynchronise at the next newline even inside an unclosed ( or [
+  p->depth = 0; // resynchronise at the next newline even inside an unclosed ( [ or table
   if (p->stop) // the scanner ended the text early and said why
     return;
   if (!strcmp(msg, "memory exhausted"))
@@ -125,9 +125,10 @@ static Stmt *block(Stmt *st, PtrVec *body) {
 %token KW_MODEL "'model'" KW_DIM "'dim'" KW_CONST "'const'" KW_INPUT "'input'" KW_PARAM "'param'"
 %token KW_OUTPUT "'output'" KW_REPEAT "'repeat'" KW_TRAIN "'train'" KW_IN "'in'"
 %token KW_TRUE "'true'" KW_FALSE "'false'"
+%token DICT_OPEN "'{'" DICT_CLOSE "'}'"
 
 %type <st> stmt line
-%type <v> lines block targets exprs opt_exprs args opt_args indices
+%type <v> lines block targets exprs opt_exprs args opt_args indices pairs opt_pairs
 %type <e> expr add mul mm unary postfix primary arg index
 
 %%
@@ -238,7 +239,17 @@ primary: INT                    { $$ = ast_expr(p, E_INT, @1, @1); $$->i = $1; }
        | IDENT                  { $$ = ast_expr(p, E_NAME, @1, @1); $$->s = $1; }
        | '(' expr ')'           { $$ = $2; $$->span = @$; }
        | '[' opt_exprs ']'      { $$ = ast_expr(p, E_LIST, @$, @1); take_args(p, $$, &$2); }
+       | DICT_OPEN opt_pairs DICT_CLOSE { $$ = ast_expr(p, E_DICT, @$, @1); take_args(p, $$, &$2); }
        ;
+
+opt_pairs: %empty               { $$ = (PtrVec){0}; }
+         | pairs
+         | pairs ','
+         ;
+
+pairs: expr ':' expr            { $$ = (PtrVec){0}; vec_push(p->arena, &$$, $1); vec_push(p->arena, &$$, $3); }
+     | pairs ',' expr ':' expr  { $$ = $1; vec_push(p->arena, &$$, $3); vec_push(p->arena, &$$, $5); }
+     ;
 
 opt_exprs: %empty               { $$ = (PtrVec){0}; }
          | exprs

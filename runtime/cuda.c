@@ -869,8 +869,9 @@ static bool cu_snapshot(Engine *e) {
     fprintf(stderr, "mdlc: cuda: %s\n", err);
     return false;
   }
+  const int nr = 1 + m->moments; // the parameters and the moments the optimizer keeps
   if (!ce->snap) {
-    if (drv.cuMemAlloc(&ce->snap, 3 * (size_t)m->param_bytes) != CUDA_SUCCESS ||
+    if (drv.cuMemAlloc(&ce->snap, (size_t)nr * (size_t)m->param_bytes) != CUDA_SUCCESS ||
         drv.cuStreamCreate(&ce->snap_stream, CU_STREAM_NON_BLOCKING) != CUDA_SUCCESS) {
       if (ce->snap)
         drv.cuMemFree(ce->snap);
@@ -878,14 +879,14 @@ static bool cu_snapshot(Engine *e) {
       ce->snap_stream = NULL;
       ce->snap_refused = true;
       printf("cuda: no device memory for a copy of the parameters and moments (%.2f GB): each checkpoint is read "
-             "between two steps\n", 3.0 * (double)m->param_bytes / 1e9);
+             "between two steps\n", nr * (double)m->param_bytes / 1e9);
       return false;
     }
-    e->device_bytes += 3 * m->param_bytes;
+    e->device_bytes += nr * m->param_bytes;
   }
   const int64_t from[3] = {m->params, m->m, m->v};
   bool ok = true;
-  for (int r = 0; ok && r < 3; r++)
+  for (int r = 0; ok && r < nr; r++)
     ok = CU(err, sizeof err, cuMemcpyDtoDAsync, ce->snap + (CUdeviceptr)(r * m->param_bytes),
             ce->arena + (CUdeviceptr)from[r], (size_t)m->param_bytes, ce->stream);
   ok = ok && CU(err, sizeof err, cuStreamSynchronize, ce->stream);
@@ -902,10 +903,10 @@ static bool cu_read_snapshot(Engine *e, int node, float *dst, char *err, size_t 
   const IrNode *x = e->g->nodes[node];
   int64_t at = m->offset[node], bytes = 4 * shape_numel(x->shape);
   const int64_t from[3] = {m->params, m->m, m->v};
-  int r = 0;
-  while (r < 3 && !(at >= from[r] && at + bytes <= from[r] + m->param_bytes))
+  int r = 0, nr = 1 + m->moments;
+  while (r < nr && !(at >= from[r] && at + bytes <= from[r] + m->param_bytes))
     r++;
-  if (!ce->snap || at < 0 || r == 3 || x->dtype != DT_F32)
+  if (!ce->snap || at < 0 || r == nr || x->dtype != DT_F32)
     return rt_fail(err, n, "%s is not in the snapshot of the parameters and moments", x->name ? x->name : "a node");
   CUdeviceptr src = ce->snap + (CUdeviceptr)(r * m->param_bytes + at - from[r]);
   return CU(err, n, cuCtxSetCurrent, ce->ctx) &&

@@ -31,11 +31,12 @@ typedef struct {
   int64_t b[48];
 } MdlArgs;
 
-// A segment of the optimizer's flat buffers: byte offsets of p, g, m, v and of p's bf16 copy (-1:
-// none), its length, where it starts in the concatenation of the segments, its weight decay.
+// A segment of the optimizer's flat buffers: byte offsets of p, g, m, v (0 where the rule keeps
+// fewer moments) and of p's bf16 copy (-1: none), its length, where it starts in the concatenation of
+// the segments, its weight decay and its multiplier of lr (lr_scale).
 typedef struct {
   int64_t p, g, m, v, c, n, start;
-  double wd;
+  double wd, ls;
 } MdlSeg;
 
 // The first report of a step wins; the runtime reads the status after the step.
@@ -147,16 +148,37 @@ __device__ __forceinline__ void mdl_store8(float *p, const float f[8]) {
   mdl_store4(p + 4, f + 4);
 }
 
-// One AdamW update in double, as the interpreter does it: gradient g scaled by the clip factor sc,
-// the moments m and v updated in place (rounded to f32), the new parameter returned.
+// One parameter element's update in double, as the interpreter does it (compiler/interp.c has the
+// rules), by RULE (OptRule: 0 AdamW, 1 SGD, 2 Lion, 3 Muon) keeping NST moments: gradient g scaled by
+// the clip factor sc, the moments updated in place (rounded to f32), the new parameter returned; lr
+// is h.lr times the segment's lr_scale. SGD reads beta1 as its momentum and beta2 != 0 as Nesterov's;
+// Muon beta1 as its momentum, and v is its orthogonalised update (read, not written).
 struct MdlAdamW {
   double sc, lr, beta1, beta2, eps, k1, k2;
 };
-__device__ __forceinline__ float mdl_adamw(const MdlAdamW &h, double wd, float g, float &m, float &v, float p) {
+template <int RULE, int NST>
+__device__ __forceinline__ float mdl_opt_rule(const MdlAdamW &h, double wd, double lr, float g, float &m, float &v,
+                                              float p) {
   const double gi = h.sc * g;
-  m = (float)(h.beta1 * m + (1 - h.beta1) * gi);
-  v = (float)(h.beta2 * v + (1 - h.beta2) * gi * gi);
-  return (float)(p - h.lr * (m * h.k1 / (sqrt(v * h.k2) + h.eps) + wd * p));
+  if constexpr (RULE == 1) { // SGD (torch.optim.SGD, dampening 0): the decay joins the gradient
+    double d = gi + wd * p;
+    if constexpr (NST > 0) {
+      m = (float)(h.beta1 * m + d);
+      d = h.beta2 != 0 ? d + h.beta1 * m : (double)m;
+    }
+    return (float)(p - lr * d);
+  } else if constexpr (RULE == 3) { // Muon: the momentum; the update v was orthogonalised before
+    m = (float)(h.beta1 * m + (1 - h.beta1) * gi);
+    return (float)(p - lr * ((double)v + wd * p));
+  } else if constexpr (RULE == 2) { // Lion: the sign of an interpolation, then the momentum's update
+    const double u = h.beta1 * m + (1 - h.beta1) * gi;
+    m = (float)(h.beta2 * m + (1 - h.beta2) * gi);
+    return (float)(p - lr * ((double)((u > 0) - (u < 0)) + wd * p));
+  } else {
+    m = (float)(h.beta1 * m + (1 - h.beta1) * gi);
+    v = (float)(h.beta2 * v + (1 - h.beta2) * gi * gi);
+    return (float)(p - lr * (m * h.k1 / (sqrt(v * h.k2) + h.eps) + wd * p));
+  }
 }
 
 // Two floats rounded to bf16 and packed into one register, lo in the low half (the order of the
@@ -1214,7 +1236,7 @@ __device__ __forceinline__ void mdl_ce_row(const X *x, DX *dx, int32_t tg, float
 //
 // The optimizer over the concatenation of its parameters' segments (MdlSeg tables), in chunks of CHUNK
 // values a block, as compiler/emit_cuda_opt.c instantiates it: the gradient norm's sums of squares
-// and their total, and AdamW.
+// and their total, and the update (AdamW, SGD or Lion).
 //
 
 // The first of the NSEG segments that meet a block's chunk [c0, c1) of the concatenated values: the
@@ -1269,14 +1291,16 @@ template <long NB> __device__ __forceinline__ void mdl_opt_norm(const double *pa
     norm[0] = (float)sqrt(acc);
 }
 
-// AdamW (mdl_adamw, hyperparameters h) over the block's chunk of the segments: p, m and v in place,
-// with COPIES p's bf16 copy (c, where a segment has one) too. Four elements a float4, UNROLL float4s
-// of g, m, v and p loaded before any is updated: the stores of one element may alias the loads of the
-// next as far as the compiler knows, so one at a time a thread would keep a single element's loads in
-// flight and the kernel would wait on memory. Buffers start 64-byte aligned; where a chunk or segment
-// does not start or end at a multiple of 4, up to 3 elements at each end go one a thread.
-template <int NSEG, long TOTAL, int CHUNK, int UNROLL, bool COPIES>
-__device__ __forceinline__ void mdl_opt_adamw(char *arena, const MdlSeg *seg, const MdlAdamW &h) {
+// The update (mdl_opt_rule of RULE with NST moments, hyperparameters h) over the block's chunk of the
+// segments: p and its moments in place, with COPIES p's bf16 copy (c, where a segment has one) too
+// (Muon: v, its update, is read only).
+// Four elements a float4, UNROLL float4s of g, the moments and p loaded before any is updated: the
+// stores of one element may alias the loads of the next as far as the compiler knows, so one at a
+// time a thread would keep a single element's loads in flight and the kernel would wait on memory.
+// Buffers start 64-byte aligned; where a chunk or segment does not start or end at a multiple of 4,
+// up to 3 elements at each end go one a thread.
+template <int RULE, int NST, int NSEG, long TOTAL, int CHUNK, int UNROLL, bool COPIES>
+__device__ __forceinline__ void mdl_opt_update(char *arena, const MdlSeg *seg, const MdlAdamW &h) {
   const int64_t c0 = (int64_t)blockIdx.x * CHUNK, c1 = c0 + CHUNK < TOTAL ? c0 + CHUNK : TOTAL;
   const int s0 = mdl_seg_first<NSEG>(seg, c0);
   for (int s = s0; s < NSEG && seg[s].start < c1; s++) {
@@ -1285,15 +1309,19 @@ __device__ __forceinline__ void mdl_opt_adamw(char *arena, const MdlSeg *seg, co
     float *p = (float *)(arena + seg[s].p), *m = (float *)(arena + seg[s].m);
     float *v = (float *)(arena + seg[s].v);
     const float *g = (const float *)(arena + seg[s].g);
-    const double wd = seg[s].wd;
+    const double wd = seg[s].wd, lr = h.lr * seg[s].ls;
     uint16_t *const cp = COPIES && seg[s].c >= 0 ? (uint16_t *)(arena + seg[s].c) : NULL;
     const int64_t lo4 = (lo + 3) / 4 * 4, hi4 = hi / 4 * 4 > lo4 ? hi / 4 * 4 : lo4;
     if (threadIdx.x < 8) {
       const int64_t k = threadIdx.x < 4 ? lo + threadIdx.x : hi4 + threadIdx.x - 4;
       if (k < hi && (threadIdx.x >= 4 || k < lo4)) {
-        float mk = m[k], vk = v[k];
-        const float pk = mdl_adamw(h, wd, g[k], mk, vk, p[k]);
-        m[k] = mk, v[k] = vk, p[k] = pk;
+        float mk = NST > 0 ? m[k] : 0.0f, vk = NST > 1 || RULE == 3 ? v[k] : 0.0f;
+        const float pk = mdl_opt_rule<RULE, NST>(h, wd, lr, g[k], mk, vk, p[k]);
+        if constexpr (NST > 0)
+          m[k] = mk;
+        if constexpr (NST > 1)
+          v[k] = vk;
+        p[k] = pk;
         if (COPIES && cp)
           cp[k] = mdl_f32_to_bf16(pk);
       }
@@ -1304,8 +1332,13 @@ __device__ __forceinline__ void mdl_opt_adamw(char *arena, const MdlSeg *seg, co
       for (int u = 0; u < UNROLL; u++) {
         const int64_t q = k0 + u * blockDim.x;
         gv[u] = mv[u] = vv[u] = pv[u] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-        if (q < hi4 / 4)
-          gv[u] = ((const float4 *)g)[q], mv[u] = ((float4 *)m)[q], vv[u] = ((float4 *)v)[q], pv[u] = ((float4 *)p)[q];
+        if (q < hi4 / 4) {
+          gv[u] = ((const float4 *)g)[q], pv[u] = ((float4 *)p)[q];
+          if constexpr (NST > 0)
+            mv[u] = ((float4 *)m)[q];
+          if constexpr (NST > 1 || RULE == 3)
+            vv[u] = ((float4 *)v)[q];
+        }
       }
 #pragma unroll
       for (int u = 0; u < UNROLL; u++) {
@@ -1313,11 +1346,15 @@ __device__ __forceinline__ void mdl_opt_adamw(char *arena, const MdlSeg *seg, co
         if (q >= hi4 / 4)
           break;
         float4 &mq = mv[u], &vq = vv[u], &pq = pv[u];
-        pq.x = mdl_adamw(h, wd, gv[u].x, mq.x, vq.x, pq.x);
-        pq.y = mdl_adamw(h, wd, gv[u].y, mq.y, vq.y, pq.y);
-        pq.z = mdl_adamw(h, wd, gv[u].z, mq.z, vq.z, pq.z);
-        pq.w = mdl_adamw(h, wd, gv[u].w, mq.w, vq.w, pq.w);
-        ((float4 *)m)[q] = mq, ((float4 *)v)[q] = vq, ((float4 *)p)[q] = pq;
+        pq.x = mdl_opt_rule<RULE, NST>(h, wd, lr, gv[u].x, mq.x, vq.x, pq.x);
+        pq.y = mdl_opt_rule<RULE, NST>(h, wd, lr, gv[u].y, mq.y, vq.y, pq.y);
+        pq.z = mdl_opt_rule<RULE, NST>(h, wd, lr, gv[u].z, mq.z, vq.z, pq.z);
+        pq.w = mdl_opt_rule<RULE, NST>(h, wd, lr, gv[u].w, mq.w, vq.w, pq.w);
+        if constexpr (NST > 0)
+          ((float4 *)m)[q] = mq;
+        if constexpr (NST > 1)
+          ((float4 *)v)[q] = vq;
+        ((float4 *)p)[q] = pq;
         if (COPIES && cp)
           ((ushort4 *)cp)[q] = make_ushort4(mdl_f32_to_bf16(pq.x), mdl_f32_to_bf16(pq.y), mdl_f32_to_bf16(pq.z),
                                             mdl_f32_to_bf16(pq.w));

@@ -11,8 +11,9 @@
 // under way finish, writes its checkpoint and stops (exit status 128 + the signal); a second one
 // stops at once, as kill -9 would.
 //
-// The checkpoint is a safetensors file: every parameter under its .mdl name, the AdamW moments as
-// "<param>.m" / "<param>.v", and __metadata__ strings: mdl.format, mdl.source (the .mdl path),
+// The checkpoint is a safetensors file: every parameter under its .mdl name, the optimizer's moments
+// as "<param>.m" / "<param>.v" (those it keeps), and __metadata__ strings: mdl.format, mdl.optimizer
+// (adamw, sgd or lion: a run resumes only its own optimizer's moments), mdl.source (the .mdl path),
 // mdl.model, mdl.dims (every dim, "name=value,..."), mdl.step, mdl.seed, mdl.loader ("epoch,position"),
 // mdl.data, mdl.tokenizer (its path); what else decides the order of the batches, which a resumed run
 // takes from them (main.c's resume_batch_order; B and T are dims): mdl.shuffle and mdl.pack ("true"
@@ -103,7 +104,7 @@ static int checkpoint_nodes(const Graph *g, int *nodes) {
 // step at B=1, T=32 (30 ms on an H200). Where the engine's values lie in host memory (Engine.values:
 // the CPU's arena), a copy would double the memory the parameters and moments take, so the
 // checkpoint is written from them in place, the steps waiting for it.
-enum { CKPT_META = 14 };
+enum { CKPT_META = 15 };
 typedef struct {
   pthread_t thread;
   bool running, threaded; // a write is under way (threaded: on its own thread)
@@ -198,7 +199,8 @@ static bool ckpt_start(CkptWriter *w, const char *path, Engine *e, const TrainOp
                    {"mdl.dims", w->dims}, {"mdl.step", w->step_s}, {"mdl.seed", w->seed_s},
                    {"mdl.loader", w->loader_s}, {"mdl.data", o->data_dir},
                    {"mdl.tokenizer", o->tokenizer_path}, {"mdl.shuffle", o->shuffle ? "true" : "false"},
-                   {"mdl.pack", o->pack ? "true" : "false"}, {"mdl.accumulate", w->acc_s}};
+                   {"mdl.pack", o->pack ? "true" : "false"}, {"mdl.accumulate", w->acc_s},
+                   {"mdl.optimizer", opt_rule_name(g->train.optimizer)}};
   memcpy(w->meta, meta, sizeof meta);
   w->nmeta = (int)(sizeof meta / sizeof *meta); // (then the stored copies: CKPT_META in all)
   if (g->source)
@@ -245,6 +247,16 @@ static bool checkpoint_fits(Arena *a, const StFile *f, const char *path, const G
     ok = false;
   }
   free(dims);
+  // The moments are the optimizer's own (AdamW's m is not Lion's, SGD's m is a velocity): a training
+  // graph resumes only a checkpoint of its optimizer (one written before this was stored: AdamW).
+  const char *copt = ok ? st_meta(f, "mdl.optimizer") : NULL;
+  const char *gopt = opt_rule_name(g->train.optimizer);
+  if (ok && g->updates && strcmp(copt ? copt : "adamw", gopt)) {
+    diag_file_error(path, "checkpoint of a run with optimizer %s, this run uses %s: their moments differ, so it "
+                    "cannot be continued with %s (a new run can start from its parameters: --weights %s)",
+                    copt ? copt : "adamw", gopt, gopt, path);
+    ok = false;
+  }
   int *nodes = rt_xrealloc(NULL, sizeof(int) * (size_t)g->n);
   int n = ok ? checkpoint_nodes(g, nodes) : 0;
   const char *prefix = changed ? arena_printf(a, "%s differs from the model this checkpoint was trained with "
@@ -636,16 +648,19 @@ static const char *metrics_line(const Metrics *m, const double *v, const char *s
 typedef struct {
   Engine *micro;
   Metrics *metrics;   // their values summed into metrics->sum
-  const char **names; // "acc.<param>", per parameter
-  float **sum;  // per parameter; the host's sums, allocated when first needed
+  int n;              // the parameters that train (a frozen one has no gradient)
+  int *param;         // per one of them: its index in the parameters
+  int *grads;         // its gradient node in the micro-batches' graph
+  const char **names; // "acc.<param>", per one of them
+  float **sum;  // per one of them; the host's sums, allocated when first needed
   float *tmp;
 } Accum;
 
 static bool host_sums(Accum *ac, char *err, size_t n) {
   const Graph *mg = ac->micro->g;
   int64_t most = 1;
-  for (int i = 0; !ac->tmp && i < mg->nparams; i++) {
-    int64_t numel = shape_numel(mg->nodes[mg->params[i]]->shape);
+  for (int i = 0; !ac->tmp && i < ac->n; i++) {
+    int64_t numel = shape_numel(mg->nodes[mg->params[ac->param[i]]]->shape);
     if (!(ac->sum[i] = malloc(sizeof(float) * (size_t)numel)))
       return rt_fail(err, n, "out of host memory for the gradient sums");
     most = numel > most ? numel : most;
@@ -675,22 +690,22 @@ static bool accumulate_micro(Accum *ac, Engine *e, Loader *train, int64_t k, int
     *real += batch.real_tokens;
     // Engines that decline the first micro-batch's gradients (all or none) leave the sums to the
     // host; a failure after that is an error of the device.
-    if (direct && !e->inputs_from(e, mg->nparams, ac->names, ac->micro, mg->grads, j == 0)) {
+    if (direct && !e->inputs_from(e, ac->n, ac->names, ac->micro, ac->grads, j == 0)) {
       if (j > 0)
         return rt_fail(err, n, "gradient accumulation failed adding micro-batch %lld's gradients", (long long)j + 1);
       direct = false;
     }
     if (!direct && !host_sums(ac, err, n))
       return false;
-    for (int i = 0; !direct && i < mg->nparams; i++) {
-      int64_t numel = shape_numel(mg->nodes[mg->params[i]]->shape);
-      ac->micro->read(ac->micro, mg->grads[i], ac->tmp);
+    for (int i = 0; !direct && i < ac->n; i++) {
+      int64_t numel = shape_numel(mg->nodes[mg->params[ac->param[i]]]->shape);
+      ac->micro->read(ac->micro, ac->grads[i], ac->tmp);
       for (int64_t x = 0; x < numel; x++)
         ac->sum[i][x] = j == 0 ? ac->tmp[x] : ac->sum[i][x] + ac->tmp[x];
     }
   }
-  for (int i = 0; !direct && i < mg->nparams; i++) {
-    const IrNode *p = mg->nodes[mg->params[i]];
+  for (int i = 0; !direct && i < ac->n; i++) {
+    const IrNode *p = mg->nodes[mg->params[ac->param[i]]];
     if (!e->set_input(e, ac->names[i], NULL, ac->sum[i], shape_numel(p->shape))) {
       snprintf(err, n, "the step graph has no input for gradient accumulation of %s", p->name);
       return false;
@@ -840,6 +855,8 @@ static const char *nonfinite_culprit(Engine *e, double loss, char *buf, size_t n
   snprintf(buf, n, "the gradient norm is not finite");
   float *x = NULL;
   for (int i = 0; i < g->nparams; i++) {
+    if (g->grads[i] < 0) // (frozen)
+      continue;
     int64_t numel = shape_numel(g->nodes[g->params[i]]->shape);
     float *grown = realloc(x, sizeof(float) * (size_t)(numel ? numel : 1));
     if (!grown)
@@ -1044,8 +1061,14 @@ static int train_loop(Engine *e, Engine *eval, Engine *micro, const TrainOptions
     ac.sum = rt_xrealloc(NULL, (size_t)g->nparams * sizeof *ac.sum);
     memset(ac.sum, 0, (size_t)g->nparams * sizeof *ac.sum);
     ac.names = arena_alloc(g->arena, sizeof *ac.names * (size_t)g->nparams);
+    ac.param = arena_alloc(g->arena, sizeof *ac.param * (size_t)g->nparams);
+    ac.grads = arena_alloc(g->arena, sizeof *ac.grads * (size_t)g->nparams);
     for (int i = 0; i < g->nparams; i++)
-      ac.names[i] = arena_printf(g->arena, "acc.%s", g->nodes[g->params[i]]->name);
+      if (micro->g->grads[i] >= 0) {
+        ac.param[ac.n] = i;
+        ac.grads[ac.n] = micro->g->grads[i];
+        ac.names[ac.n++] = arena_printf(g->arena, "acc.%s", g->nodes[g->params[i]]->name);
+      }
     if (!o->quiet && o->arrays)
       printf("gradient accumulation: %lld micro-batches of %lld examples per step\n", (long long)k, (long long)B);
     else if (!o->quiet)
@@ -1320,7 +1343,7 @@ static int train_loop(Engine *e, Engine *eval, Engine *micro, const TrainOptions
       diag_file_error(svg, "cannot write the loss curve: %s", strerror(errno));
     printf("wrote %s, %s and %s\n", ckpt, log_path, svg);
   }
-  for (int i = 0; k > 1 && i < g->nparams; i++)
+  for (int i = 0; k > 1 && i < ac.n; i++)
     free(ac.sum[i]);
   free(ac.sum);
   free(ac.tmp);

@@ -1210,7 +1210,7 @@ MDL_FN void k21_layernorm_bwd__sum__cast(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(0)
+#if MDL_IN(3)
 // The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
 // are those of k22_gemm's):
 // k22_gemm k34_gemm
@@ -1312,7 +1312,7 @@ MDL_FN void k23_gemm__gelu_bwd__sum__cast(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(0)
+#if MDL_IN(3)
 // The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
 // are those of k24_gemm's):
 // k24_gemm k36_gemm
@@ -1746,7 +1746,7 @@ MDL_FN void k30_sum__concat__cast(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(3)
+#if MDL_IN(0)
 // The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
 // are those of k31_gemm's):
 // k31_gemm k43_gemm
@@ -1776,7 +1776,7 @@ MDL_FN void k31_gemm(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(3)
+#if MDL_IN(0)
 // The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
 // are those of k32_gemm's):
 // k32_gemm k44_gemm
@@ -1897,7 +1897,7 @@ MDL_FN void k33_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(0)
+#if MDL_IN(3)
 // k34_gemm: GEMM, 1 op
 //   %173   matmul             d.h.0.fcproj_w       line 40    f32[256,64]
 // loops:
@@ -1925,7 +1925,7 @@ MDL_FN void k35_gemm__gelu_bwd__sum__cast(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(0)
+#if MDL_IN(3)
 // k36_gemm: GEMM, 1 op
 //   %179   matmul                                  line 40    f32[512,64]
 // loops:
@@ -2016,7 +2016,7 @@ MDL_FN void k42_sum__concat__cast(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(3)
+#if MDL_IN(0)
 // k43_gemm: GEMM, 1 op
 //   %202   matmul                                  line 38    f32[512,64]
 // loops:
@@ -2027,7 +2027,7 @@ MDL_FN void k43_gemm(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(3)
+#if MDL_IN(0)
 // k44_gemm: GEMM, 1 op
 //   %203   matmul             d.h.0.attn_w         line 38    f32[64,192]
 // loops:
@@ -2310,51 +2310,53 @@ MDL_FN void k48_grad_norm__adamw(char *arena, const MdlHooks *h) {
   }
   {
     static const struct {
-      int64_t p, g, m, v, c, n; // c: the bf16 copy, or -1
-      double wd;
+      int64_t p, g, m, v, n;
+    int64_t c; // the bf16 copy, or -1
+      double wd, ls; // weight decay, lr_scale
     } seg[28] = {
-        {0, 498688, 997376, 1496064, 1994752, 16384, 0.1}, // wte
-        {65536, 564224, 1062912, 1561600, -1, 8192, 0.1}, // wpe
-        {98304, 596992, 1095680, 1594368, -1, 64, 0.0}, // h.0.ln1_w
-        {98560, 597248, 1095936, 1594624, -1, 64, 0.0}, // h.0.ln1_b
-        {98816, 597504, 1096192, 1594880, 2027520, 12288, 0.1}, // h.0.attn_w
-        {147968, 646656, 1145344, 1644032, -1, 192, 0.0}, // h.0.attn_b
-        {148736, 647424, 1146112, 1644800, 2052096, 4096, 0.1}, // h.0.proj_w
-        {165120, 663808, 1162496, 1661184, -1, 64, 0.0}, // h.0.proj_b
-        {165376, 664064, 1162752, 1661440, -1, 64, 0.0}, // h.0.ln2_w
-        {165632, 664320, 1163008, 1661696, -1, 64, 0.0}, // h.0.ln2_b
-        {165888, 664576, 1163264, 1661952, 2060288, 16384, 0.1}, // h.0.fc_w
-        {231424, 730112, 1228800, 1727488, -1, 256, 0.0}, // h.0.fc_b
-        {232448, 731136, 1229824, 1728512, 2093056, 16384, 0.1}, // h.0.fcproj_w
-        {297984, 796672, 1295360, 1794048, -1, 64, 0.0}, // h.0.fcproj_b
-        {298240, 796928, 1295616, 1794304, -1, 64, 0.0}, // h.1.ln1_w
-        {298496, 797184, 1295872, 1794560, -1, 64, 0.0}, // h.1.ln1_b
-        {298752, 797440, 1296128, 1794816, 2125824, 12288, 0.1}, // h.1.attn_w
-        {347904, 846592, 1345280, 1843968, -1, 192, 0.0}, // h.1.attn_b
-        {348672, 847360, 1346048, 1844736, 2150400, 4096, 0.1}, // h.1.proj_w
-        {365056, 863744, 1362432, 1861120, -1, 64, 0.0}, // h.1.proj_b
-        {365312, 864000, 1362688, 1861376, -1, 64, 0.0}, // h.1.ln2_w
-        {365568, 864256, 1362944, 1861632, -1, 64, 0.0}, // h.1.ln2_b
-        {365824, 864512, 1363200, 1861888, 2158592, 16384, 0.1}, // h.1.fc_w
-        {431360, 930048, 1428736, 1927424, -1, 256, 0.0}, // h.1.fc_b
-        {432384, 931072, 1429760, 1928448, 2191360, 16384, 0.1}, // h.1.fcproj_w
-        {497920, 996608, 1495296, 1993984, -1, 64, 0.0}, // h.1.fcproj_b
-        {498176, 996864, 1495552, 1994240, -1, 64, 0.0}, // lnf_w
-        {498432, 997120, 1495808, 1994496, -1, 64, 0.0}, // lnf_b
+        {0, 498688, 997376, 1496064, 16384, 1994752, 0.1, 1.0}, // wte
+        {65536, 564224, 1062912, 1561600, 8192, -1, 0.1, 1.0}, // wpe
+        {98304, 596992, 1095680, 1594368, 64, -1, 0.0, 1.0}, // h.0.ln1_w
+        {98560, 597248, 1095936, 1594624, 64, -1, 0.0, 1.0}, // h.0.ln1_b
+        {98816, 597504, 1096192, 1594880, 12288, 2027520, 0.1, 1.0}, // h.0.attn_w
+        {147968, 646656, 1145344, 1644032, 192, -1, 0.0, 1.0}, // h.0.attn_b
+        {148736, 647424, 1146112, 1644800, 4096, 2052096, 0.1, 1.0}, // h.0.proj_w
+        {165120, 663808, 1162496, 1661184, 64, -1, 0.0, 1.0}, // h.0.proj_b
+        {165376, 664064, 1162752, 1661440, 64, -1, 0.0, 1.0}, // h.0.ln2_w
+        {165632, 664320, 1163008, 1661696, 64, -1, 0.0, 1.0}, // h.0.ln2_b
+        {165888, 664576, 1163264, 1661952, 16384, 2060288, 0.1, 1.0}, // h.0.fc_w
+        {231424, 730112, 1228800, 1727488, 256, -1, 0.0, 1.0}, // h.0.fc_b
+        {232448, 731136, 1229824, 1728512, 16384, 2093056, 0.1, 1.0}, // h.0.fcproj_w
+        {297984, 796672, 1295360, 1794048, 64, -1, 0.0, 1.0}, // h.0.fcproj_b
+        {298240, 796928, 1295616, 1794304, 64, -1, 0.0, 1.0}, // h.1.ln1_w
+        {298496, 797184, 1295872, 1794560, 64, -1, 0.0, 1.0}, // h.1.ln1_b
+        {298752, 797440, 1296128, 1794816, 12288, 2125824, 0.1, 1.0}, // h.1.attn_w
+        {347904, 846592, 1345280, 1843968, 192, -1, 0.0, 1.0}, // h.1.attn_b
+        {348672, 847360, 1346048, 1844736, 4096, 2150400, 0.1, 1.0}, // h.1.proj_w
+        {365056, 863744, 1362432, 1861120, 64, -1, 0.0, 1.0}, // h.1.proj_b
+        {365312, 864000, 1362688, 1861376, 64, -1, 0.0, 1.0}, // h.1.ln2_w
+        {365568, 864256, 1362944, 1861632, 64, -1, 0.0, 1.0}, // h.1.ln2_b
+        {365824, 864512, 1363200, 1861888, 16384, 2158592, 0.1, 1.0}, // h.1.fc_w
+        {431360, 930048, 1428736, 1927424, 256, -1, 0.0, 1.0}, // h.1.fc_b
+        {432384, 931072, 1429760, 1928448, 16384, 2191360, 0.1, 1.0}, // h.1.fcproj_w
+        {497920, 996608, 1495296, 1993984, 64, -1, 0.0, 1.0}, // h.1.fcproj_b
+        {498176, 996864, 1495552, 1994240, 64, -1, 0.0, 1.0}, // lnf_w
+        {498432, 997120, 1495808, 1994496, 64, -1, 0.0, 1.0}, // lnf_b
     };
     const double clip = 1.0, gnorm = b214[0];
     const double step = b213[0];
     const int nseg = isfinite(gnorm) && isfinite(b114[0]) ? 28 : 0;
     const float s = (float)(clip > 0 ? fmin(1.0, clip / (gnorm + 1e-6)) : 1.0);
-    const float lr = b212[0], b1 = 0.9f, b2 = 0.95f, eps = 1e-08f;
+    const float lr0 = b212[0], b1 = 0.9f, b2 = 0.95f, eps = 1e-08f;
     const float c1 = (float)(1.0 / (1.0 - pow(b1, step))), c2 = (float)(1.0 / (1.0 - pow(b2, step)));
     #pragma omp parallel num_threads(h->nthreads)
     for (int k = 0; k < nseg; k++) {
-      float *restrict p = (float *)(arena + seg[k].p), *restrict m = (float *)(arena + seg[k].m);
+      float *restrict p = (float *)(arena + seg[k].p);
+      float *restrict m = (float *)(arena + seg[k].m);
       float *restrict v = (float *)(arena + seg[k].v);
       const float *restrict g = (const float *)(arena + seg[k].g);
       uint16_t *restrict c = seg[k].c >= 0 ? (uint16_t *)(arena + seg[k].c) : NULL;
-      const float wd = (float)seg[k].wd;
+      const float wd = (float)seg[k].wd, lr = lr0 * (float)seg[k].ls;
       #pragma omp for simd schedule(static) nowait
       for (int64_t i = 0; i < seg[k].n; i++) {
         const float gi = s * g[i];

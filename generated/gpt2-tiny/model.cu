@@ -40,11 +40,12 @@ typedef struct {
   int64_t b[48];
 } MdlArgs;
 
-// A segment of the optimizer's flat buffers: byte offsets of p, g, m, v and of p's bf16 copy (-1:
-// none), its length, where it starts in the concatenation of the segments, its weight decay.
+// A segment of the optimizer's flat buffers: byte offsets of p, g, m, v (0 where the rule keeps
+// fewer moments) and of p's bf16 copy (-1: none), its length, where it starts in the concatenation of
+// the segments, its weight decay and its multiplier of lr (lr_scale).
 typedef struct {
   int64_t p, g, m, v, c, n, start;
-  double wd;
+  double wd, ls;
 } MdlSeg;
 
 // The first report of a step wins; the runtime reads the status after the step.
@@ -156,16 +157,37 @@ __device__ __forceinline__ void mdl_store8(float *p, const float f[8]) {
   mdl_store4(p + 4, f + 4);
 }
 
-// One AdamW update in double, as the interpreter does it: gradient g scaled by the clip factor sc,
-// the moments m and v updated in place (rounded to f32), the new parameter returned.
+// One parameter element's update in double, as the interpreter does it (compiler/interp.c has the
+// rules), by RULE (OptRule: 0 AdamW, 1 SGD, 2 Lion, 3 Muon) keeping NST moments: gradient g scaled by
+// the clip factor sc, the moments updated in place (rounded to f32), the new parameter returned; lr
+// is h.lr times the segment's lr_scale. SGD reads beta1 as its momentum and beta2 != 0 as Nesterov's;
+// Muon beta1 as its momentum, and v is its orthogonalised update (read, not written).
 struct MdlAdamW {
   double sc, lr, beta1, beta2, eps, k1, k2;
 };
-__device__ __forceinline__ float mdl_adamw(const MdlAdamW &h, double wd, float g, float &m, float &v, float p) {
+template <int RULE, int NST>
+__device__ __forceinline__ float mdl_opt_rule(const MdlAdamW &h, double wd, double lr, float g, float &m, float &v,
+                                              float p) {
   const double gi = h.sc * g;
-  m = (float)(h.beta1 * m + (1 - h.beta1) * gi);
-  v = (float)(h.beta2 * v + (1 - h.beta2) * gi * gi);
-  return (float)(p - h.lr * (m * h.k1 / (sqrt(v * h.k2) + h.eps) + wd * p));
+  if constexpr (RULE == 1) { // SGD (torch.optim.SGD, dampening 0): the decay joins the gradient
+    double d = gi + wd * p;
+    if constexpr (NST > 0) {
+      m = (float)(h.beta1 * m + d);
+      d = h.beta2 != 0 ? d + h.beta1 * m : (double)m;
+    }
+    return (float)(p - lr * d);
+  } else if constexpr (RULE == 3) { // Muon: the momentum; the update v was orthogonalised before
+    m = (float)(h.beta1 * m + (1 - h.beta1) * gi);
+    return (float)(p - lr * ((double)v + wd * p));
+  } else if constexpr (RULE == 2) { // Lion: the sign of an interpolation, then the momentum's update
+    const double u = h.beta1 * m + (1 - h.beta1) * gi;
+    m = (float)(h.beta2 * m + (1 - h.beta2) * gi);
+    return (float)(p - lr * ((double)((u > 0) - (u < 0)) + wd * p));
+  } else {
+    m = (float)(h.beta1 * m + (1 - h.beta1) * gi);
+    v = (float)(h.beta2 * v + (1 - h.beta2) * gi * gi);
+    return (float)(p - lr * (m * h.k1 / (sqrt(v * h.k2) + h.eps) + wd * p));
+  }
 }
 
 // Two floats rounded to bf16 and packed into one register, lo in the low half (the order of the
@@ -1223,7 +1245,7 @@ __device__ __forceinline__ void mdl_ce_row(const X *x, DX *dx, int32_t tg, float
 //
 // The optimizer over the concatenation of its parameters' segments (MdlSeg tables), in chunks of CHUNK
 // values a block, as compiler/emit_cuda_opt.c instantiates it: the gradient norm's sums of squares
-// and their total, and AdamW.
+// and their total, and the update (AdamW, SGD or Lion).
 //
 
 // The first of the NSEG segments that meet a block's chunk [c0, c1) of the concatenated values: the
@@ -1278,14 +1300,16 @@ template <long NB> __device__ __forceinline__ void mdl_opt_norm(const double *pa
     norm[0] = (float)sqrt(acc);
 }
 
-// AdamW (mdl_adamw, hyperparameters h) over the block's chunk of the segments: p, m and v in place,
-// with COPIES p's bf16 copy (c, where a segment has one) too. Four elements a float4, UNROLL float4s
-// of g, m, v and p loaded before any is updated: the stores of one element may alias the loads of the
-// next as far as the compiler knows, so one at a time a thread would keep a single element's loads in
-// flight and the kernel would wait on memory. Buffers start 64-byte aligned; where a chunk or segment
-// does not start or end at a multiple of 4, up to 3 elements at each end go one a thread.
-template <int NSEG, long TOTAL, int CHUNK, int UNROLL, bool COPIES>
-__device__ __forceinline__ void mdl_opt_adamw(char *arena, const MdlSeg *seg, const MdlAdamW &h) {
+// The update (mdl_opt_rule of RULE with NST moments, hyperparameters h) over the block's chunk of the
+// segments: p and its moments in place, with COPIES p's bf16 copy (c, where a segment has one) too
+// (Muon: v, its update, is read only).
+// Four elements a float4, UNROLL float4s of g, the moments and p loaded before any is updated: the
+// stores of one element may alias the loads of the next as far as the compiler knows, so one at a
+// time a thread would keep a single element's loads in flight and the kernel would wait on memory.
+// Buffers start 64-byte aligned; where a chunk or segment does not start or end at a multiple of 4,
+// up to 3 elements at each end go one a thread.
+template <int RULE, int NST, int NSEG, long TOTAL, int CHUNK, int UNROLL, bool COPIES>
+__device__ __forceinline__ void mdl_opt_update(char *arena, const MdlSeg *seg, const MdlAdamW &h) {
   const int64_t c0 = (int64_t)blockIdx.x * CHUNK, c1 = c0 + CHUNK < TOTAL ? c0 + CHUNK : TOTAL;
   const int s0 = mdl_seg_first<NSEG>(seg, c0);
   for (int s = s0; s < NSEG && seg[s].start < c1; s++) {
@@ -1294,15 +1318,19 @@ __device__ __forceinline__ void mdl_opt_adamw(char *arena, const MdlSeg *seg, co
     float *p = (float *)(arena + seg[s].p), *m = (float *)(arena + seg[s].m);
     float *v = (float *)(arena + seg[s].v);
     const float *g = (const float *)(arena + seg[s].g);
-    const double wd = seg[s].wd;
+    const double wd = seg[s].wd, lr = h.lr * seg[s].ls;
     uint16_t *const cp = COPIES && seg[s].c >= 0 ? (uint16_t *)(arena + seg[s].c) : NULL;
     const int64_t lo4 = (lo + 3) / 4 * 4, hi4 = hi / 4 * 4 > lo4 ? hi / 4 * 4 : lo4;
     if (threadIdx.x < 8) {
       const int64_t k = threadIdx.x < 4 ? lo + threadIdx.x : hi4 + threadIdx.x - 4;
       if (k < hi && (threadIdx.x >= 4 || k < lo4)) {
-        float mk = m[k], vk = v[k];
-        const float pk = mdl_adamw(h, wd, g[k], mk, vk, p[k]);
-        m[k] = mk, v[k] = vk, p[k] = pk;
+        float mk = NST > 0 ? m[k] : 0.0f, vk = NST > 1 || RULE == 3 ? v[k] : 0.0f;
+        const float pk = mdl_opt_rule<RULE, NST>(h, wd, lr, g[k], mk, vk, p[k]);
+        if constexpr (NST > 0)
+          m[k] = mk;
+        if constexpr (NST > 1)
+          v[k] = vk;
+        p[k] = pk;
         if (COPIES && cp)
           cp[k] = mdl_f32_to_bf16(pk);
       }
@@ -1313,8 +1341,13 @@ __device__ __forceinline__ void mdl_opt_adamw(char *arena, const MdlSeg *seg, co
       for (int u = 0; u < UNROLL; u++) {
         const int64_t q = k0 + u * blockDim.x;
         gv[u] = mv[u] = vv[u] = pv[u] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-        if (q < hi4 / 4)
-          gv[u] = ((const float4 *)g)[q], mv[u] = ((float4 *)m)[q], vv[u] = ((float4 *)v)[q], pv[u] = ((float4 *)p)[q];
+        if (q < hi4 / 4) {
+          gv[u] = ((const float4 *)g)[q], pv[u] = ((float4 *)p)[q];
+          if constexpr (NST > 0)
+            mv[u] = ((float4 *)m)[q];
+          if constexpr (NST > 1 || RULE == 3)
+            vv[u] = ((float4 *)v)[q];
+        }
       }
 #pragma unroll
       for (int u = 0; u < UNROLL; u++) {
@@ -1322,11 +1355,15 @@ __device__ __forceinline__ void mdl_opt_adamw(char *arena, const MdlSeg *seg, co
         if (q >= hi4 / 4)
           break;
         float4 &mq = mv[u], &vq = vv[u], &pq = pv[u];
-        pq.x = mdl_adamw(h, wd, gv[u].x, mq.x, vq.x, pq.x);
-        pq.y = mdl_adamw(h, wd, gv[u].y, mq.y, vq.y, pq.y);
-        pq.z = mdl_adamw(h, wd, gv[u].z, mq.z, vq.z, pq.z);
-        pq.w = mdl_adamw(h, wd, gv[u].w, mq.w, vq.w, pq.w);
-        ((float4 *)m)[q] = mq, ((float4 *)v)[q] = vq, ((float4 *)p)[q] = pq;
+        pq.x = mdl_opt_rule<RULE, NST>(h, wd, lr, gv[u].x, mq.x, vq.x, pq.x);
+        pq.y = mdl_opt_rule<RULE, NST>(h, wd, lr, gv[u].y, mq.y, vq.y, pq.y);
+        pq.z = mdl_opt_rule<RULE, NST>(h, wd, lr, gv[u].z, mq.z, vq.z, pq.z);
+        pq.w = mdl_opt_rule<RULE, NST>(h, wd, lr, gv[u].w, mq.w, vq.w, pq.w);
+        if constexpr (NST > 0)
+          ((float4 *)m)[q] = mq;
+        if constexpr (NST > 1)
+          ((float4 *)v)[q] = vq;
+        ((float4 *)p)[q] = pq;
         if (COPIES && cp)
           ((ushort4 *)cp)[q] = make_ushort4(mdl_f32_to_bf16(pq.x), mdl_f32_to_bf16(pq.y), mdl_f32_to_bf16(pq.z),
                                             mdl_f32_to_bf16(pq.w));
@@ -2898,34 +2935,34 @@ extern "C" __global__ void __launch_bounds__(64) k47_embed_bwd__add(char *arena,
 //   k48_grad_norm__adamw<<<16, 256>>>
 
 static __device__ const MdlSeg k48_grad_norm__adamw_grads[28] = {
-    {498688, 0, 0, 0, -1, 16384, 0, 0.0}, // d.wte
-    {564224, 0, 0, 0, -1, 8192, 16384, 0.0}, // d.wpe
-    {596992, 0, 0, 0, -1, 64, 24576, 0.0}, // d.h.0.ln1_w
-    {597248, 0, 0, 0, -1, 64, 24640, 0.0}, // d.h.0.ln1_b
-    {597504, 0, 0, 0, -1, 12288, 24704, 0.0}, // d.h.0.attn_w
-    {646656, 0, 0, 0, -1, 192, 36992, 0.0}, // d.h.0.attn_b
-    {647424, 0, 0, 0, -1, 4096, 37184, 0.0}, // d.h.0.proj_w
-    {663808, 0, 0, 0, -1, 64, 41280, 0.0}, // d.h.0.proj_b
-    {664064, 0, 0, 0, -1, 64, 41344, 0.0}, // d.h.0.ln2_w
-    {664320, 0, 0, 0, -1, 64, 41408, 0.0}, // d.h.0.ln2_b
-    {664576, 0, 0, 0, -1, 16384, 41472, 0.0}, // d.h.0.fc_w
-    {730112, 0, 0, 0, -1, 256, 57856, 0.0}, // d.h.0.fc_b
-    {731136, 0, 0, 0, -1, 16384, 58112, 0.0}, // d.h.0.fcproj_w
-    {796672, 0, 0, 0, -1, 64, 74496, 0.0}, // d.h.0.fcproj_b
-    {796928, 0, 0, 0, -1, 64, 74560, 0.0}, // d.h.1.ln1_w
-    {797184, 0, 0, 0, -1, 64, 74624, 0.0}, // d.h.1.ln1_b
-    {797440, 0, 0, 0, -1, 12288, 74688, 0.0}, // d.h.1.attn_w
-    {846592, 0, 0, 0, -1, 192, 86976, 0.0}, // d.h.1.attn_b
-    {847360, 0, 0, 0, -1, 4096, 87168, 0.0}, // d.h.1.proj_w
-    {863744, 0, 0, 0, -1, 64, 91264, 0.0}, // d.h.1.proj_b
-    {864000, 0, 0, 0, -1, 64, 91328, 0.0}, // d.h.1.ln2_w
-    {864256, 0, 0, 0, -1, 64, 91392, 0.0}, // d.h.1.ln2_b
-    {864512, 0, 0, 0, -1, 16384, 91456, 0.0}, // d.h.1.fc_w
-    {930048, 0, 0, 0, -1, 256, 107840, 0.0}, // d.h.1.fc_b
-    {931072, 0, 0, 0, -1, 16384, 108096, 0.0}, // d.h.1.fcproj_w
-    {996608, 0, 0, 0, -1, 64, 124480, 0.0}, // d.h.1.fcproj_b
-    {996864, 0, 0, 0, -1, 64, 124544, 0.0}, // d.lnf_w
-    {997120, 0, 0, 0, -1, 64, 124608, 0.0}, // d.lnf_b
+    {498688, 0, 0, 0, -1, 16384, 0, 0.0, 0.0}, // d.wte
+    {564224, 0, 0, 0, -1, 8192, 16384, 0.0, 0.0}, // d.wpe
+    {596992, 0, 0, 0, -1, 64, 24576, 0.0, 0.0}, // d.h.0.ln1_w
+    {597248, 0, 0, 0, -1, 64, 24640, 0.0, 0.0}, // d.h.0.ln1_b
+    {597504, 0, 0, 0, -1, 12288, 24704, 0.0, 0.0}, // d.h.0.attn_w
+    {646656, 0, 0, 0, -1, 192, 36992, 0.0, 0.0}, // d.h.0.attn_b
+    {647424, 0, 0, 0, -1, 4096, 37184, 0.0, 0.0}, // d.h.0.proj_w
+    {663808, 0, 0, 0, -1, 64, 41280, 0.0, 0.0}, // d.h.0.proj_b
+    {664064, 0, 0, 0, -1, 64, 41344, 0.0, 0.0}, // d.h.0.ln2_w
+    {664320, 0, 0, 0, -1, 64, 41408, 0.0, 0.0}, // d.h.0.ln2_b
+    {664576, 0, 0, 0, -1, 16384, 41472, 0.0, 0.0}, // d.h.0.fc_w
+    {730112, 0, 0, 0, -1, 256, 57856, 0.0, 0.0}, // d.h.0.fc_b
+    {731136, 0, 0, 0, -1, 16384, 58112, 0.0, 0.0}, // d.h.0.fcproj_w
+    {796672, 0, 0, 0, -1, 64, 74496, 0.0, 0.0}, // d.h.0.fcproj_b
+    {796928, 0, 0, 0, -1, 64, 74560, 0.0, 0.0}, // d.h.1.ln1_w
+    {797184, 0, 0, 0, -1, 64, 74624, 0.0, 0.0}, // d.h.1.ln1_b
+    {797440, 0, 0, 0, -1, 12288, 74688, 0.0, 0.0}, // d.h.1.attn_w
+    {846592, 0, 0, 0, -1, 192, 86976, 0.0, 0.0}, // d.h.1.attn_b
+    {847360, 0, 0, 0, -1, 4096, 87168, 0.0, 0.0}, // d.h.1.proj_w
+    {863744, 0, 0, 0, -1, 64, 91264, 0.0, 0.0}, // d.h.1.proj_b
+    {864000, 0, 0, 0, -1, 64, 91328, 0.0, 0.0}, // d.h.1.ln2_w
+    {864256, 0, 0, 0, -1, 64, 91392, 0.0, 0.0}, // d.h.1.ln2_b
+    {864512, 0, 0, 0, -1, 16384, 91456, 0.0, 0.0}, // d.h.1.fc_w
+    {930048, 0, 0, 0, -1, 256, 107840, 0.0, 0.0}, // d.h.1.fc_b
+    {931072, 0, 0, 0, -1, 16384, 108096, 0.0, 0.0}, // d.h.1.fcproj_w
+    {996608, 0, 0, 0, -1, 64, 124480, 0.0, 0.0}, // d.h.1.fcproj_b
+    {996864, 0, 0, 0, -1, 64, 124544, 0.0, 0.0}, // d.lnf_w
+    {997120, 0, 0, 0, -1, 64, 124608, 0.0, 0.0}, // d.lnf_b
 };
 
 // gradient norm: sums of squares of 28 tensors, 124672 values, in 16 chunks of 8192
@@ -2945,34 +2982,34 @@ extern "C" __global__ void __launch_bounds__(256) k48_grad_norm__adamw_norm(char
 }
 
 static __device__ const MdlSeg k48_grad_norm__adamw_seg[28] = {
-    {0, 498688, 997376, 1496064, 1994752, 16384, 0, 0.1}, // wte
-    {65536, 564224, 1062912, 1561600, -1, 8192, 16384, 0.1}, // wpe
-    {98304, 596992, 1095680, 1594368, -1, 64, 24576, 0.0}, // h.0.ln1_w
-    {98560, 597248, 1095936, 1594624, -1, 64, 24640, 0.0}, // h.0.ln1_b
-    {98816, 597504, 1096192, 1594880, 2027520, 12288, 24704, 0.1}, // h.0.attn_w
-    {147968, 646656, 1145344, 1644032, -1, 192, 36992, 0.0}, // h.0.attn_b
-    {148736, 647424, 1146112, 1644800, 2052096, 4096, 37184, 0.1}, // h.0.proj_w
-    {165120, 663808, 1162496, 1661184, -1, 64, 41280, 0.0}, // h.0.proj_b
-    {165376, 664064, 1162752, 1661440, -1, 64, 41344, 0.0}, // h.0.ln2_w
-    {165632, 664320, 1163008, 1661696, -1, 64, 41408, 0.0}, // h.0.ln2_b
-    {165888, 664576, 1163264, 1661952, 2060288, 16384, 41472, 0.1}, // h.0.fc_w
-    {231424, 730112, 1228800, 1727488, -1, 256, 57856, 0.0}, // h.0.fc_b
-    {232448, 731136, 1229824, 1728512, 2093056, 16384, 58112, 0.1}, // h.0.fcproj_w
-    {297984, 796672, 1295360, 1794048, -1, 64, 74496, 0.0}, // h.0.fcproj_b
-    {298240, 796928, 1295616, 1794304, -1, 64, 74560, 0.0}, // h.1.ln1_w
-    {298496, 797184, 1295872, 1794560, -1, 64, 74624, 0.0}, // h.1.ln1_b
-    {298752, 797440, 1296128, 1794816, 2125824, 12288, 74688, 0.1}, // h.1.attn_w
-    {347904, 846592, 1345280, 1843968, -1, 192, 86976, 0.0}, // h.1.attn_b
-    {348672, 847360, 1346048, 1844736, 2150400, 4096, 87168, 0.1}, // h.1.proj_w
-    {365056, 863744, 1362432, 1861120, -1, 64, 91264, 0.0}, // h.1.proj_b
-    {365312, 864000, 1362688, 1861376, -1, 64, 91328, 0.0}, // h.1.ln2_w
-    {365568, 864256, 1362944, 1861632, -1, 64, 91392, 0.0}, // h.1.ln2_b
-    {365824, 864512, 1363200, 1861888, 2158592, 16384, 91456, 0.1}, // h.1.fc_w
-    {431360, 930048, 1428736, 1927424, -1, 256, 107840, 0.0}, // h.1.fc_b
-    {432384, 931072, 1429760, 1928448, 2191360, 16384, 108096, 0.1}, // h.1.fcproj_w
-    {497920, 996608, 1495296, 1993984, -1, 64, 124480, 0.0}, // h.1.fcproj_b
-    {498176, 996864, 1495552, 1994240, -1, 64, 124544, 0.0}, // lnf_w
-    {498432, 997120, 1495808, 1994496, -1, 64, 124608, 0.0}, // lnf_b
+    {0, 498688, 997376, 1496064, 1994752, 16384, 0, 0.1, 1.0}, // wte
+    {65536, 564224, 1062912, 1561600, -1, 8192, 16384, 0.1, 1.0}, // wpe
+    {98304, 596992, 1095680, 1594368, -1, 64, 24576, 0.0, 1.0}, // h.0.ln1_w
+    {98560, 597248, 1095936, 1594624, -1, 64, 24640, 0.0, 1.0}, // h.0.ln1_b
+    {98816, 597504, 1096192, 1594880, 2027520, 12288, 24704, 0.1, 1.0}, // h.0.attn_w
+    {147968, 646656, 1145344, 1644032, -1, 192, 36992, 0.0, 1.0}, // h.0.attn_b
+    {148736, 647424, 1146112, 1644800, 2052096, 4096, 37184, 0.1, 1.0}, // h.0.proj_w
+    {165120, 663808, 1162496, 1661184, -1, 64, 41280, 0.0, 1.0}, // h.0.proj_b
+    {165376, 664064, 1162752, 1661440, -1, 64, 41344, 0.0, 1.0}, // h.0.ln2_w
+    {165632, 664320, 1163008, 1661696, -1, 64, 41408, 0.0, 1.0}, // h.0.ln2_b
+    {165888, 664576, 1163264, 1661952, 2060288, 16384, 41472, 0.1, 1.0}, // h.0.fc_w
+    {231424, 730112, 1228800, 1727488, -1, 256, 57856, 0.0, 1.0}, // h.0.fc_b
+    {232448, 731136, 1229824, 1728512, 2093056, 16384, 58112, 0.1, 1.0}, // h.0.fcproj_w
+    {297984, 796672, 1295360, 1794048, -1, 64, 74496, 0.0, 1.0}, // h.0.fcproj_b
+    {298240, 796928, 1295616, 1794304, -1, 64, 74560, 0.0, 1.0}, // h.1.ln1_w
+    {298496, 797184, 1295872, 1794560, -1, 64, 74624, 0.0, 1.0}, // h.1.ln1_b
+    {298752, 797440, 1296128, 1794816, 2125824, 12288, 74688, 0.1, 1.0}, // h.1.attn_w
+    {347904, 846592, 1345280, 1843968, -1, 192, 86976, 0.0, 1.0}, // h.1.attn_b
+    {348672, 847360, 1346048, 1844736, 2150400, 4096, 87168, 0.1, 1.0}, // h.1.proj_w
+    {365056, 863744, 1362432, 1861120, -1, 64, 91264, 0.0, 1.0}, // h.1.proj_b
+    {365312, 864000, 1362688, 1861376, -1, 64, 91328, 0.0, 1.0}, // h.1.ln2_w
+    {365568, 864256, 1362944, 1861632, -1, 64, 91392, 0.0, 1.0}, // h.1.ln2_b
+    {365824, 864512, 1363200, 1861888, 2158592, 16384, 91456, 0.1, 1.0}, // h.1.fc_w
+    {431360, 930048, 1428736, 1927424, -1, 256, 107840, 0.0, 1.0}, // h.1.fc_b
+    {432384, 931072, 1429760, 1928448, 2191360, 16384, 108096, 0.1, 1.0}, // h.1.fcproj_w
+    {497920, 996608, 1495296, 1993984, -1, 64, 124480, 0.0, 1.0}, // h.1.fcproj_b
+    {498176, 996864, 1495552, 1994240, -1, 64, 124544, 0.0, 1.0}, // lnf_w
+    {498432, 997120, 1495808, 1994496, -1, 64, 124608, 0.0, 1.0}, // lnf_b
 };
 
 // AdamW over 28 parameters, 124672 values (beta1 0.9, beta2 0.95, eps 1e-08, clip 1), chunks of 8192; 9 bf16 copies
@@ -2986,10 +3023,10 @@ extern "C" __global__ void __launch_bounds__(256) k48_grad_norm__adamw(char *are
   if (!isfinite(gnorm) || !isfinite(b1[0]))
     return;
   const double sc = clip > 0 ? fmin(1.0, clip / (gnorm + 1e-6)) : 1.0;
-  const double lr = b3[0], step = b2[0];
   const double beta1 = 0.9, beta2 = 0.95, eps = 1e-08;
+  const double lr = b3[0], step = b2[0];
   const MdlAdamW h = {sc, lr, beta1, beta2, eps, 1.0 / (1.0 - pow(beta1, step)), 1.0 / (1.0 - pow(beta2, step))};
-  mdl_opt_adamw<28, 124672, 8192, 2, true>(arena, seg, h); // (segments, values, chunk, unrolled, bf16 copies)
+  mdl_opt_update<0, 2, 28, 124672, 8192, 2, true>(arena, seg, h); // (rule, moments, segments, values, chunk, unrolled, bf16 copies)
 }
 
 // Schedule: 81 launches per step, 54 kernels (40 distinct) and 27 GEMMs; device arena 6312192 bytes.

@@ -370,7 +370,7 @@ MDL_FN void k1_rmsnorm_fwd__cast(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(0)
+#if MDL_IN(3)
 // The loops of 4 kernels, each on its own buffers (o[]: their offsets in the arena; the names
 // are those of k2_gemm's):
 // k2_gemm k3_gemm k14_gemm k15_gemm
@@ -400,7 +400,7 @@ MDL_FN void k2_gemm(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(0)
+#if MDL_IN(3)
 // k3_gemm: GEMM, 1 op
 //   %25    matmul                                  line 37    f32[512,64]
 // loops:
@@ -411,7 +411,7 @@ MDL_FN void k3_gemm(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(0)
+#if MDL_IN(3)
 // The loops of 4 kernels, each on its own buffers (o[]: their offsets in the arena; the names
 // are those of k4_rope__cast's):
 // k4_rope__cast k5_rope__cast k16_rope__cast k17_rope__cast
@@ -460,7 +460,7 @@ MDL_FN void k4_rope__cast(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(0)
+#if MDL_IN(3)
 // k5_rope__cast: kernel, 2 ops
 //   %27    rope               layers.0.k           line 37    f32[8,64,64]
 //   %34    cast                                    line 38    bf16[8,64,64]
@@ -730,7 +730,7 @@ MDL_FN void k9_rmsnorm_fwd__cast(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(1)
+#if MDL_IN(0)
 // The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
 // are those of k10_gemm's):
 // k10_gemm k22_gemm
@@ -875,7 +875,7 @@ MDL_FN void k13_rmsnorm_fwd__cast(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(0)
+#if MDL_IN(3)
 // k14_gemm: GEMM, 1 op
 //   %75    matmul                                  line 36    f32[512,64]
 // loops:
@@ -886,7 +886,7 @@ MDL_FN void k14_gemm(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(0)
+#if MDL_IN(3)
 // k15_gemm: GEMM, 1 op
 //   %81    matmul                                  line 37    f32[512,64]
 // loops:
@@ -897,7 +897,7 @@ MDL_FN void k15_gemm(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(0)
+#if MDL_IN(3)
 // k16_rope__cast: kernel, 2 ops
 //   %77    rope               layers.1.q           line 36    f32[8,64,64]
 //   %89    cast                                    line 38    bf16[8,64,64]
@@ -910,7 +910,7 @@ MDL_FN void k16_rope__cast(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(0)
+#if MDL_IN(3)
 // k17_rope__cast: kernel, 2 ops
 //   %83    rope               layers.1.k           line 37    f32[8,64,64]
 //   %90    cast                                    line 38    bf16[8,64,64]
@@ -980,7 +980,7 @@ MDL_FN void k21_rmsnorm_fwd__cast(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(1)
+#if MDL_IN(0)
 // k22_gemm: GEMM, 1 op
 //   %109   matmul                                  line 40    f32[512,172]
 // loops:
@@ -1082,7 +1082,7 @@ MDL_FN void k26_target_count(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(0)
+#if MDL_IN(3)
 // k27_broadcast__div: kernel, 3 ops
 //   %133   div                                     line 46    f32[]
 //   %134   reshape                                 line 46    f32[1]
@@ -1340,7 +1340,7 @@ MDL_FN void k30_rmsnorm_bwd__cast(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(1)
+#if MDL_IN(3)
 // The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
 // are those of k31_gemm's):
 // k31_gemm k52_gemm
@@ -1456,7 +1456,7 @@ MDL_FN void k33_cast__mul(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(3)
+#if MDL_IN(1)
 // The loops of 4 kernels, each on its own buffers (o[]: their offsets in the arena; the names
 // are those of k34_gemm's):
 // k34_gemm k36_gemm k55_gemm k57_gemm
@@ -1516,7 +1516,7 @@ MDL_FN void k35_gemm(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(3)
+#if MDL_IN(1)
 // k36_gemm: GEMM, 1 op
 //   %161   matmul             d.layers.1.w1        line 40    f32[64,172]
 // loops:
@@ -1527,7 +1527,7 @@ MDL_FN void k36_gemm(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(3)
+#if MDL_IN(0)
 // The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
 // are those of k37_gemm__add's):
 // k37_gemm__add k58_gemm__add
@@ -1872,7 +1872,7 @@ MDL_FN void k41_attention_bwd(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(3)
+#if MDL_IN(1)
 // The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
 // are those of k42_cast's):
 // k42_cast k63_cast
@@ -1911,7 +1911,7 @@ MDL_FN void k43_gemm(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(3)
+#if MDL_IN(0)
 // The loops of 4 kernels, each on its own buffers (o[]: their offsets in the arena; the names
 // are those of k44_rope__cast's):
 // k44_rope__cast k47_rope__cast k65_rope__cast k68_rope__cast
@@ -1962,7 +1962,7 @@ MDL_FN void k44_rope__cast(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(3)
+#if MDL_IN(1)
 // The loops of 4 kernels, each on its own buffers (o[]: their offsets in the arena; the names
 // are those of k45_gemm's):
 // k45_gemm k48_gemm k66_gemm k69_gemm
@@ -2003,7 +2003,7 @@ MDL_FN void k46_gemm(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(3)
+#if MDL_IN(0)
 // k47_rope__cast: kernel, 3 ops
 //   %189   rope                                    line 36    f32[8,64,64]
 //   %190   reshape                                 line 36    f32[512,64]
@@ -2017,7 +2017,7 @@ MDL_FN void k47_rope__cast(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(3)
+#if MDL_IN(1)
 // k48_gemm: GEMM, 1 op
 //   %192   matmul                                  line 36    f32[512,64]
 // loops:
@@ -2157,7 +2157,7 @@ MDL_FN void k51_rmsnorm_bwd__add__cast(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(1)
+#if MDL_IN(3)
 // k52_gemm: GEMM, 1 op
 //   %203   matmul             d.layers.0.w2        line 40    f32[172,64]
 // loops:
@@ -2197,7 +2197,7 @@ MDL_FN void k54_cast__mul(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(3)
+#if MDL_IN(1)
 // k55_gemm: GEMM, 1 op
 //   %210   matmul             d.layers.0.w3        line 40    f32[64,172]
 // loops:
@@ -2219,7 +2219,7 @@ MDL_FN void k56_gemm(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(3)
+#if MDL_IN(1)
 // k57_gemm: GEMM, 1 op
 //   %216   matmul             d.layers.0.w1        line 40    f32[64,172]
 // loops:
@@ -2230,7 +2230,7 @@ MDL_FN void k57_gemm(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(3)
+#if MDL_IN(0)
 // k58_gemm__add: GEMM, 3 ops
 //   %209   matmul                                  line 40    f32[512,64]
 //   %211   reshape                                 line 40    f32[8,64,64]
@@ -2297,7 +2297,7 @@ MDL_FN void k62_attention_bwd(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(3)
+#if MDL_IN(1)
 // k63_cast: kernel, 1 op
 //   %234   cast                                    line 38    bf16[512,64]
 // loops:
@@ -2319,7 +2319,7 @@ MDL_FN void k64_gemm(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(3)
+#if MDL_IN(0)
 // k65_rope__cast: kernel, 3 ops
 //   %238   rope                                    line 37    f32[8,64,64]
 //   %239   reshape                                 line 37    f32[512,64]
@@ -2333,7 +2333,7 @@ MDL_FN void k65_rope__cast(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(3)
+#if MDL_IN(1)
 // k66_gemm: GEMM, 1 op
 //   %241   matmul                                  line 37    f32[512,64]
 // loops:
@@ -2355,7 +2355,7 @@ MDL_FN void k67_gemm(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(3)
+#if MDL_IN(0)
 // k68_rope__cast: kernel, 3 ops
 //   %244   rope                                    line 36    f32[8,64,64]
 //   %245   reshape                                 line 36    f32[512,64]
@@ -2369,7 +2369,7 @@ MDL_FN void k68_rope__cast(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(3)
+#if MDL_IN(1)
 // k69_gemm: GEMM, 1 op
 //   %247   matmul                                  line 36    f32[512,64]
 // loops:
@@ -2468,7 +2468,7 @@ MDL_FN void k72_rmsnorm_bwd__add(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(0)
+#if MDL_IN(3)
 // k73_embed_bwd: kernel, 1 op
 //   %255   embed_bwd          d.tok_emb            line 22    f32[256,64]
 // loops:
@@ -2592,44 +2592,46 @@ MDL_FN void k74_grad_norm__adamw(char *arena, const MdlHooks *h) {
   }
   {
     static const struct {
-      int64_t p, g, m, v, c, n; // c: the bf16 copy, or -1
-      double wd;
+      int64_t p, g, m, v, n;
+    int64_t c; // the bf16 copy, or -1
+      double wd, ls; // weight decay, lr_scale
     } seg[21] = {
-        {0, 527616, 1055232, 1582848, -1, 16384, 0.1}, // tok_emb
-        {65536, 593152, 1120768, 1648384, -1, 64, 0.0}, // layers.0.attn_norm
-        {65792, 593408, 1121024, 1648640, 2110464, 4096, 0.1}, // layers.0.wq
-        {82176, 609792, 1137408, 1665024, 2118656, 4096, 0.1}, // layers.0.wk
-        {98560, 626176, 1153792, 1681408, 2126848, 4096, 0.1}, // layers.0.wv
-        {114944, 642560, 1170176, 1697792, 2135040, 4096, 0.1}, // layers.0.wo
-        {131328, 658944, 1186560, 1714176, -1, 64, 0.0}, // layers.0.mlp_norm
-        {131584, 659200, 1186816, 1714432, 2143232, 11008, 0.1}, // layers.0.w1
-        {175616, 703232, 1230848, 1758464, 2165248, 11008, 0.1}, // layers.0.w3
-        {219648, 747264, 1274880, 1802496, 2187264, 11008, 0.1}, // layers.0.w2
-        {263680, 791296, 1318912, 1846528, -1, 64, 0.0}, // layers.1.attn_norm
-        {263936, 791552, 1319168, 1846784, 2211840, 4096, 0.1}, // layers.1.wq
-        {280320, 807936, 1335552, 1863168, 2220032, 4096, 0.1}, // layers.1.wk
-        {296704, 824320, 1351936, 1879552, 2228224, 4096, 0.1}, // layers.1.wv
-        {313088, 840704, 1368320, 1895936, 2236416, 4096, 0.1}, // layers.1.wo
-        {329472, 857088, 1384704, 1912320, -1, 64, 0.0}, // layers.1.mlp_norm
-        {329728, 857344, 1384960, 1912576, 2244608, 11008, 0.1}, // layers.1.w1
-        {373760, 901376, 1428992, 1956608, 2266624, 11008, 0.1}, // layers.1.w3
-        {417792, 945408, 1473024, 2000640, 2288640, 11008, 0.1}, // layers.1.w2
-        {461824, 989440, 1517056, 2044672, -1, 64, 0.0}, // norm
-        {462080, 989696, 1517312, 2044928, 2313216, 16384, 0.1}, // lm_head
+        {0, 527616, 1055232, 1582848, 16384, -1, 0.1, 1.0}, // tok_emb
+        {65536, 593152, 1120768, 1648384, 64, -1, 0.0, 1.0}, // layers.0.attn_norm
+        {65792, 593408, 1121024, 1648640, 4096, 2110464, 0.1, 1.0}, // layers.0.wq
+        {82176, 609792, 1137408, 1665024, 4096, 2118656, 0.1, 1.0}, // layers.0.wk
+        {98560, 626176, 1153792, 1681408, 4096, 2126848, 0.1, 1.0}, // layers.0.wv
+        {114944, 642560, 1170176, 1697792, 4096, 2135040, 0.1, 1.0}, // layers.0.wo
+        {131328, 658944, 1186560, 1714176, 64, -1, 0.0, 1.0}, // layers.0.mlp_norm
+        {131584, 659200, 1186816, 1714432, 11008, 2143232, 0.1, 1.0}, // layers.0.w1
+        {175616, 703232, 1230848, 1758464, 11008, 2165248, 0.1, 1.0}, // layers.0.w3
+        {219648, 747264, 1274880, 1802496, 11008, 2187264, 0.1, 1.0}, // layers.0.w2
+        {263680, 791296, 1318912, 1846528, 64, -1, 0.0, 1.0}, // layers.1.attn_norm
+        {263936, 791552, 1319168, 1846784, 4096, 2211840, 0.1, 1.0}, // layers.1.wq
+        {280320, 807936, 1335552, 1863168, 4096, 2220032, 0.1, 1.0}, // layers.1.wk
+        {296704, 824320, 1351936, 1879552, 4096, 2228224, 0.1, 1.0}, // layers.1.wv
+        {313088, 840704, 1368320, 1895936, 4096, 2236416, 0.1, 1.0}, // layers.1.wo
+        {329472, 857088, 1384704, 1912320, 64, -1, 0.0, 1.0}, // layers.1.mlp_norm
+        {329728, 857344, 1384960, 1912576, 11008, 2244608, 0.1, 1.0}, // layers.1.w1
+        {373760, 901376, 1428992, 1956608, 11008, 2266624, 0.1, 1.0}, // layers.1.w3
+        {417792, 945408, 1473024, 2000640, 11008, 2288640, 0.1, 1.0}, // layers.1.w2
+        {461824, 989440, 1517056, 2044672, 64, -1, 0.0, 1.0}, // norm
+        {462080, 989696, 1517312, 2044928, 16384, 2313216, 0.1, 1.0}, // lm_head
     };
     const double clip = 1.0, gnorm = b258[0];
     const double step = b257[0];
     const int nseg = isfinite(gnorm) && isfinite(b131[0]) ? 21 : 0;
     const float s = (float)(clip > 0 ? fmin(1.0, clip / (gnorm + 1e-6)) : 1.0);
-    const float lr = b256[0], b1 = 0.9f, b2 = 0.95f, eps = 1e-08f;
+    const float lr0 = b256[0], b1 = 0.9f, b2 = 0.95f, eps = 1e-08f;
     const float c1 = (float)(1.0 / (1.0 - pow(b1, step))), c2 = (float)(1.0 / (1.0 - pow(b2, step)));
     #pragma omp parallel num_threads(h->nthreads)
     for (int k = 0; k < nseg; k++) {
-      float *restrict p = (float *)(arena + seg[k].p), *restrict m = (float *)(arena + seg[k].m);
+      float *restrict p = (float *)(arena + seg[k].p);
+      float *restrict m = (float *)(arena + seg[k].m);
       float *restrict v = (float *)(arena + seg[k].v);
       const float *restrict g = (const float *)(arena + seg[k].g);
       uint16_t *restrict c = seg[k].c >= 0 ? (uint16_t *)(arena + seg[k].c) : NULL;
-      const float wd = (float)seg[k].wd;
+      const float wd = (float)seg[k].wd, lr = lr0 * (float)seg[k].ls;
       #pragma omp for simd schedule(static) nowait
       for (int64_t i = 0; i < seg[k].n; i++) {
         const float gi = s * g[i];

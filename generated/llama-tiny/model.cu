@@ -40,11 +40,12 @@ typedef struct {
   int64_t b[48];
 } MdlArgs;
 
-// A segment of the optimizer's flat buffers: byte offsets of p, g, m, v and of p's bf16 copy (-1:
-// none), its length, where it starts in the concatenation of the segments, its weight decay.
+// A segment of the optimizer's flat buffers: byte offsets of p, g, m, v (0 where the rule keeps
+// fewer moments) and of p's bf16 copy (-1: none), its length, where it starts in the concatenation of
+// the segments, its weight decay and its multiplier of lr (lr_scale).
 typedef struct {
   int64_t p, g, m, v, c, n, start;
-  double wd;
+  double wd, ls;
 } MdlSeg;
 
 // The first report of a step wins; the runtime reads the status after the step.
@@ -156,16 +157,37 @@ __device__ __forceinline__ void mdl_store8(float *p, const float f[8]) {
   mdl_store4(p + 4, f + 4);
 }
 
-// One AdamW update in double, as the interpreter does it: gradient g scaled by the clip factor sc,
-// the moments m and v updated in place (rounded to f32), the new parameter returned.
+// One parameter element's update in double, as the interpreter does it (compiler/interp.c has the
+// rules), by RULE (OptRule: 0 AdamW, 1 SGD, 2 Lion, 3 Muon) keeping NST moments: gradient g scaled by
+// the clip factor sc, the moments updated in place (rounded to f32), the new parameter returned; lr
+// is h.lr times the segment's lr_scale. SGD reads beta1 as its momentum and beta2 != 0 as Nesterov's;
+// Muon beta1 as its momentum, and v is its orthogonalised update (read, not written).
 struct MdlAdamW {
   double sc, lr, beta1, beta2, eps, k1, k2;
 };
-__device__ __forceinline__ float mdl_adamw(const MdlAdamW &h, double wd, float g, float &m, float &v, float p) {
+template <int RULE, int NST>
+__device__ __forceinline__ float mdl_opt_rule(const MdlAdamW &h, double wd, double lr, float g, float &m, float &v,
+                                              float p) {
   const double gi = h.sc * g;
-  m = (float)(h.beta1 * m + (1 - h.beta1) * gi);
-  v = (float)(h.beta2 * v + (1 - h.beta2) * gi * gi);
-  return (float)(p - h.lr * (m * h.k1 / (sqrt(v * h.k2) + h.eps) + wd * p));
+  if constexpr (RULE == 1) { // SGD (torch.optim.SGD, dampening 0): the decay joins the gradient
+    double d = gi + wd * p;
+    if constexpr (NST > 0) {
+      m = (float)(h.beta1 * m + d);
+      d = h.beta2 != 0 ? d + h.beta1 * m : (double)m;
+    }
+    return (float)(p - lr * d);
+  } else if constexpr (RULE == 3) { // Muon: the momentum; the update v was orthogonalised before
+    m = (float)(h.beta1 * m + (1 - h.beta1) * gi);
+    return (float)(p - lr * ((double)v + wd * p));
+  } else if constexpr (RULE == 2) { // Lion: the sign of an interpolation, then the momentum's update
+    const double u = h.beta1 * m + (1 - h.beta1) * gi;
+    m = (float)(h.beta2 * m + (1 - h.beta2) * gi);
+    return (float)(p - lr * ((double)((u > 0) - (u < 0)) + wd * p));
+  } else {
+    m = (float)(h.beta1 * m + (1 - h.beta1) * gi);
+    v = (float)(h.beta2 * v + (1 - h.beta2) * gi * gi);
+    return (float)(p - lr * (m * h.k1 / (sqrt(v * h.k2) + h.eps) + wd * p));
+  }
 }
 
 // Two floats rounded to bf16 and packed into one register, lo in the low half (the order of the
@@ -1223,7 +1245,7 @@ __device__ __forceinline__ void mdl_ce_row(const X *x, DX *dx, int32_t tg, float
 //
 // The optimizer over the concatenation of its parameters' segments (MdlSeg tables), in chunks of CHUNK
 // values a block, as compiler/emit_cuda_opt.c instantiates it: the gradient norm's sums of squares
-// and their total, and AdamW.
+// and their total, and the update (AdamW, SGD or Lion).
 //
 
 // The first of the NSEG segments that meet a block's chunk [c0, c1) of the concatenated values: the
@@ -1278,14 +1300,16 @@ template <long NB> __device__ __forceinline__ void mdl_opt_norm(const double *pa
     norm[0] = (float)sqrt(acc);
 }
 
-// AdamW (mdl_adamw, hyperparameters h) over the block's chunk of the segments: p, m and v in place,
-// with COPIES p's bf16 copy (c, where a segment has one) too. Four elements a float4, UNROLL float4s
-// of g, m, v and p loaded before any is updated: the stores of one element may alias the loads of the
-// next as far as the compiler knows, so one at a time a thread would keep a single element's loads in
-// flight and the kernel would wait on memory. Buffers start 64-byte aligned; where a chunk or segment
-// does not start or end at a multiple of 4, up to 3 elements at each end go one a thread.
-template <int NSEG, long TOTAL, int CHUNK, int UNROLL, bool COPIES>
-__device__ __forceinline__ void mdl_opt_adamw(char *arena, const MdlSeg *seg, const MdlAdamW &h) {
+// The update (mdl_opt_rule of RULE with NST moments, hyperparameters h) over the block's chunk of the
+// segments: p and its moments in place, with COPIES p's bf16 copy (c, where a segment has one) too
+// (Muon: v, its update, is read only).
+// Four elements a float4, UNROLL float4s of g, the moments and p loaded before any is updated: the
+// stores of one element may alias the loads of the next as far as the compiler knows, so one at a
+// time a thread would keep a single element's loads in flight and the kernel would wait on memory.
+// Buffers start 64-byte aligned; where a chunk or segment does not start or end at a multiple of 4,
+// up to 3 elements at each end go one a thread.
+template <int RULE, int NST, int NSEG, long TOTAL, int CHUNK, int UNROLL, bool COPIES>
+__device__ __forceinline__ void mdl_opt_update(char *arena, const MdlSeg *seg, const MdlAdamW &h) {
   const int64_t c0 = (int64_t)blockIdx.x * CHUNK, c1 = c0 + CHUNK < TOTAL ? c0 + CHUNK : TOTAL;
   const int s0 = mdl_seg_first<NSEG>(seg, c0);
   for (int s = s0; s < NSEG && seg[s].start < c1; s++) {
@@ -1294,15 +1318,19 @@ __device__ __forceinline__ void mdl_opt_adamw(char *arena, const MdlSeg *seg, co
     float *p = (float *)(arena + seg[s].p), *m = (float *)(arena + seg[s].m);
     float *v = (float *)(arena + seg[s].v);
     const float *g = (const float *)(arena + seg[s].g);
-    const double wd = seg[s].wd;
+    const double wd = seg[s].wd, lr = h.lr * seg[s].ls;
     uint16_t *const cp = COPIES && seg[s].c >= 0 ? (uint16_t *)(arena + seg[s].c) : NULL;
     const int64_t lo4 = (lo + 3) / 4 * 4, hi4 = hi / 4 * 4 > lo4 ? hi / 4 * 4 : lo4;
     if (threadIdx.x < 8) {
       const int64_t k = threadIdx.x < 4 ? lo + threadIdx.x : hi4 + threadIdx.x - 4;
       if (k < hi && (threadIdx.x >= 4 || k < lo4)) {
-        float mk = m[k], vk = v[k];
-        const float pk = mdl_adamw(h, wd, g[k], mk, vk, p[k]);
-        m[k] = mk, v[k] = vk, p[k] = pk;
+        float mk = NST > 0 ? m[k] : 0.0f, vk = NST > 1 || RULE == 3 ? v[k] : 0.0f;
+        const float pk = mdl_opt_rule<RULE, NST>(h, wd, lr, g[k], mk, vk, p[k]);
+        if constexpr (NST > 0)
+          m[k] = mk;
+        if constexpr (NST > 1)
+          v[k] = vk;
+        p[k] = pk;
         if (COPIES && cp)
           cp[k] = mdl_f32_to_bf16(pk);
       }
@@ -1313,8 +1341,13 @@ __device__ __forceinline__ void mdl_opt_adamw(char *arena, const MdlSeg *seg, co
       for (int u = 0; u < UNROLL; u++) {
         const int64_t q = k0 + u * blockDim.x;
         gv[u] = mv[u] = vv[u] = pv[u] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-        if (q < hi4 / 4)
-          gv[u] = ((const float4 *)g)[q], mv[u] = ((float4 *)m)[q], vv[u] = ((float4 *)v)[q], pv[u] = ((float4 *)p)[q];
+        if (q < hi4 / 4) {
+          gv[u] = ((const float4 *)g)[q], pv[u] = ((float4 *)p)[q];
+          if constexpr (NST > 0)
+            mv[u] = ((float4 *)m)[q];
+          if constexpr (NST > 1 || RULE == 3)
+            vv[u] = ((float4 *)v)[q];
+        }
       }
 #pragma unroll
       for (int u = 0; u < UNROLL; u++) {
@@ -1322,11 +1355,15 @@ __device__ __forceinline__ void mdl_opt_adamw(char *arena, const MdlSeg *seg, co
         if (q >= hi4 / 4)
           break;
         float4 &mq = mv[u], &vq = vv[u], &pq = pv[u];
-        pq.x = mdl_adamw(h, wd, gv[u].x, mq.x, vq.x, pq.x);
-        pq.y = mdl_adamw(h, wd, gv[u].y, mq.y, vq.y, pq.y);
-        pq.z = mdl_adamw(h, wd, gv[u].z, mq.z, vq.z, pq.z);
-        pq.w = mdl_adamw(h, wd, gv[u].w, mq.w, vq.w, pq.w);
-        ((float4 *)m)[q] = mq, ((float4 *)v)[q] = vq, ((float4 *)p)[q] = pq;
+        pq.x = mdl_opt_rule<RULE, NST>(h, wd, lr, gv[u].x, mq.x, vq.x, pq.x);
+        pq.y = mdl_opt_rule<RULE, NST>(h, wd, lr, gv[u].y, mq.y, vq.y, pq.y);
+        pq.z = mdl_opt_rule<RULE, NST>(h, wd, lr, gv[u].z, mq.z, vq.z, pq.z);
+        pq.w = mdl_opt_rule<RULE, NST>(h, wd, lr, gv[u].w, mq.w, vq.w, pq.w);
+        if constexpr (NST > 0)
+          ((float4 *)m)[q] = mq;
+        if constexpr (NST > 1)
+          ((float4 *)v)[q] = vq;
+        ((float4 *)p)[q] = pq;
         if (COPIES && cp)
           ((ushort4 *)cp)[q] = make_ushort4(mdl_f32_to_bf16(pq.x), mdl_f32_to_bf16(pq.y), mdl_f32_to_bf16(pq.z),
                                             mdl_f32_to_bf16(pq.w));
@@ -2817,27 +2854,27 @@ extern "C" __global__ void __launch_bounds__(64) k73_embed_bwd(char *arena, MdlS
 //   k74_grad_norm__adamw<<<17, 256>>>
 
 static __device__ const MdlSeg k74_grad_norm__adamw_grads[21] = {
-    {527616, 0, 0, 0, -1, 16384, 0, 0.0}, // d.tok_emb
-    {593152, 0, 0, 0, -1, 64, 16384, 0.0}, // d.layers.0.attn_norm
-    {593408, 0, 0, 0, -1, 4096, 16448, 0.0}, // d.layers.0.wq
-    {609792, 0, 0, 0, -1, 4096, 20544, 0.0}, // d.layers.0.wk
-    {626176, 0, 0, 0, -1, 4096, 24640, 0.0}, // d.layers.0.wv
-    {642560, 0, 0, 0, -1, 4096, 28736, 0.0}, // d.layers.0.wo
-    {658944, 0, 0, 0, -1, 64, 32832, 0.0}, // d.layers.0.mlp_norm
-    {659200, 0, 0, 0, -1, 11008, 32896, 0.0}, // d.layers.0.w1
-    {703232, 0, 0, 0, -1, 11008, 43904, 0.0}, // d.layers.0.w3
-    {747264, 0, 0, 0, -1, 11008, 54912, 0.0}, // d.layers.0.w2
-    {791296, 0, 0, 0, -1, 64, 65920, 0.0}, // d.layers.1.attn_norm
-    {791552, 0, 0, 0, -1, 4096, 65984, 0.0}, // d.layers.1.wq
-    {807936, 0, 0, 0, -1, 4096, 70080, 0.0}, // d.layers.1.wk
-    {824320, 0, 0, 0, -1, 4096, 74176, 0.0}, // d.layers.1.wv
-    {840704, 0, 0, 0, -1, 4096, 78272, 0.0}, // d.layers.1.wo
-    {857088, 0, 0, 0, -1, 64, 82368, 0.0}, // d.layers.1.mlp_norm
-    {857344, 0, 0, 0, -1, 11008, 82432, 0.0}, // d.layers.1.w1
-    {901376, 0, 0, 0, -1, 11008, 93440, 0.0}, // d.layers.1.w3
-    {945408, 0, 0, 0, -1, 11008, 104448, 0.0}, // d.layers.1.w2
-    {989440, 0, 0, 0, -1, 64, 115456, 0.0}, // d.norm
-    {989696, 0, 0, 0, -1, 16384, 115520, 0.0}, // d.lm_head
+    {527616, 0, 0, 0, -1, 16384, 0, 0.0, 0.0}, // d.tok_emb
+    {593152, 0, 0, 0, -1, 64, 16384, 0.0, 0.0}, // d.layers.0.attn_norm
+    {593408, 0, 0, 0, -1, 4096, 16448, 0.0, 0.0}, // d.layers.0.wq
+    {609792, 0, 0, 0, -1, 4096, 20544, 0.0, 0.0}, // d.layers.0.wk
+    {626176, 0, 0, 0, -1, 4096, 24640, 0.0, 0.0}, // d.layers.0.wv
+    {642560, 0, 0, 0, -1, 4096, 28736, 0.0, 0.0}, // d.layers.0.wo
+    {658944, 0, 0, 0, -1, 64, 32832, 0.0, 0.0}, // d.layers.0.mlp_norm
+    {659200, 0, 0, 0, -1, 11008, 32896, 0.0, 0.0}, // d.layers.0.w1
+    {703232, 0, 0, 0, -1, 11008, 43904, 0.0, 0.0}, // d.layers.0.w3
+    {747264, 0, 0, 0, -1, 11008, 54912, 0.0, 0.0}, // d.layers.0.w2
+    {791296, 0, 0, 0, -1, 64, 65920, 0.0, 0.0}, // d.layers.1.attn_norm
+    {791552, 0, 0, 0, -1, 4096, 65984, 0.0, 0.0}, // d.layers.1.wq
+    {807936, 0, 0, 0, -1, 4096, 70080, 0.0, 0.0}, // d.layers.1.wk
+    {824320, 0, 0, 0, -1, 4096, 74176, 0.0, 0.0}, // d.layers.1.wv
+    {840704, 0, 0, 0, -1, 4096, 78272, 0.0, 0.0}, // d.layers.1.wo
+    {857088, 0, 0, 0, -1, 64, 82368, 0.0, 0.0}, // d.layers.1.mlp_norm
+    {857344, 0, 0, 0, -1, 11008, 82432, 0.0, 0.0}, // d.layers.1.w1
+    {901376, 0, 0, 0, -1, 11008, 93440, 0.0, 0.0}, // d.layers.1.w3
+    {945408, 0, 0, 0, -1, 11008, 104448, 0.0, 0.0}, // d.layers.1.w2
+    {989440, 0, 0, 0, -1, 64, 115456, 0.0, 0.0}, // d.norm
+    {989696, 0, 0, 0, -1, 16384, 115520, 0.0, 0.0}, // d.lm_head
 };
 
 // gradient norm: sums of squares of 21 tensors, 131904 values, in 17 chunks of 8192
@@ -2857,27 +2894,27 @@ extern "C" __global__ void __launch_bounds__(256) k74_grad_norm__adamw_norm(char
 }
 
 static __device__ const MdlSeg k74_grad_norm__adamw_seg[21] = {
-    {0, 527616, 1055232, 1582848, -1, 16384, 0, 0.1}, // tok_emb
-    {65536, 593152, 1120768, 1648384, -1, 64, 16384, 0.0}, // layers.0.attn_norm
-    {65792, 593408, 1121024, 1648640, 2110464, 4096, 16448, 0.1}, // layers.0.wq
-    {82176, 609792, 1137408, 1665024, 2118656, 4096, 20544, 0.1}, // layers.0.wk
-    {98560, 626176, 1153792, 1681408, 2126848, 4096, 24640, 0.1}, // layers.0.wv
-    {114944, 642560, 1170176, 1697792, 2135040, 4096, 28736, 0.1}, // layers.0.wo
-    {131328, 658944, 1186560, 1714176, -1, 64, 32832, 0.0}, // layers.0.mlp_norm
-    {131584, 659200, 1186816, 1714432, 2143232, 11008, 32896, 0.1}, // layers.0.w1
-    {175616, 703232, 1230848, 1758464, 2165248, 11008, 43904, 0.1}, // layers.0.w3
-    {219648, 747264, 1274880, 1802496, 2187264, 11008, 54912, 0.1}, // layers.0.w2
-    {263680, 791296, 1318912, 1846528, -1, 64, 65920, 0.0}, // layers.1.attn_norm
-    {263936, 791552, 1319168, 1846784, 2211840, 4096, 65984, 0.1}, // layers.1.wq
-    {280320, 807936, 1335552, 1863168, 2220032, 4096, 70080, 0.1}, // layers.1.wk
-    {296704, 824320, 1351936, 1879552, 2228224, 4096, 74176, 0.1}, // layers.1.wv
-    {313088, 840704, 1368320, 1895936, 2236416, 4096, 78272, 0.1}, // layers.1.wo
-    {329472, 857088, 1384704, 1912320, -1, 64, 82368, 0.0}, // layers.1.mlp_norm
-    {329728, 857344, 1384960, 1912576, 2244608, 11008, 82432, 0.1}, // layers.1.w1
-    {373760, 901376, 1428992, 1956608, 2266624, 11008, 93440, 0.1}, // layers.1.w3
-    {417792, 945408, 1473024, 2000640, 2288640, 11008, 104448, 0.1}, // layers.1.w2
-    {461824, 989440, 1517056, 2044672, -1, 64, 115456, 0.0}, // norm
-    {462080, 989696, 1517312, 2044928, 2313216, 16384, 115520, 0.1}, // lm_head
+    {0, 527616, 1055232, 1582848, -1, 16384, 0, 0.1, 1.0}, // tok_emb
+    {65536, 593152, 1120768, 1648384, -1, 64, 16384, 0.0, 1.0}, // layers.0.attn_norm
+    {65792, 593408, 1121024, 1648640, 2110464, 4096, 16448, 0.1, 1.0}, // layers.0.wq
+    {82176, 609792, 1137408, 1665024, 2118656, 4096, 20544, 0.1, 1.0}, // layers.0.wk
+    {98560, 626176, 1153792, 1681408, 2126848, 4096, 24640, 0.1, 1.0}, // layers.0.wv
+    {114944, 642560, 1170176, 1697792, 2135040, 4096, 28736, 0.1, 1.0}, // layers.0.wo
+    {131328, 658944, 1186560, 1714176, -1, 64, 32832, 0.0, 1.0}, // layers.0.mlp_norm
+    {131584, 659200, 1186816, 1714432, 2143232, 11008, 32896, 0.1, 1.0}, // layers.0.w1
+    {175616, 703232, 1230848, 1758464, 2165248, 11008, 43904, 0.1, 1.0}, // layers.0.w3
+    {219648, 747264, 1274880, 1802496, 2187264, 11008, 54912, 0.1, 1.0}, // layers.0.w2
+    {263680, 791296, 1318912, 1846528, -1, 64, 65920, 0.0, 1.0}, // layers.1.attn_norm
+    {263936, 791552, 1319168, 1846784, 2211840, 4096, 65984, 0.1, 1.0}, // layers.1.wq
+    {280320, 807936, 1335552, 1863168, 2220032, 4096, 70080, 0.1, 1.0}, // layers.1.wk
+    {296704, 824320, 1351936, 1879552, 2228224, 4096, 74176, 0.1, 1.0}, // layers.1.wv
+    {313088, 840704, 1368320, 1895936, 2236416, 4096, 78272, 0.1, 1.0}, // layers.1.wo
+    {329472, 857088, 1384704, 1912320, -1, 64, 82368, 0.0, 1.0}, // layers.1.mlp_norm
+    {329728, 857344, 1384960, 1912576, 2244608, 11008, 82432, 0.1, 1.0}, // layers.1.w1
+    {373760, 901376, 1428992, 1956608, 2266624, 11008, 93440, 0.1, 1.0}, // layers.1.w3
+    {417792, 945408, 1473024, 2000640, 2288640, 11008, 104448, 0.1, 1.0}, // layers.1.w2
+    {461824, 989440, 1517056, 2044672, -1, 64, 115456, 0.0, 1.0}, // norm
+    {462080, 989696, 1517312, 2044928, 2313216, 16384, 115520, 0.1, 1.0}, // lm_head
 };
 
 // AdamW over 21 parameters, 131904 values (beta1 0.9, beta2 0.95, eps 1e-08, clip 1), chunks of 8192; 15 bf16 copies
@@ -2891,10 +2928,10 @@ extern "C" __global__ void __launch_bounds__(256) k74_grad_norm__adamw(char *are
   if (!isfinite(gnorm) || !isfinite(b1[0]))
     return;
   const double sc = clip > 0 ? fmin(1.0, clip / (gnorm + 1e-6)) : 1.0;
-  const double lr = b3[0], step = b2[0];
   const double beta1 = 0.9, beta2 = 0.95, eps = 1e-08;
+  const double lr = b3[0], step = b2[0];
   const MdlAdamW h = {sc, lr, beta1, beta2, eps, 1.0 / (1.0 - pow(beta1, step)), 1.0 / (1.0 - pow(beta2, step))};
-  mdl_opt_adamw<21, 131904, 8192, 2, true>(arena, seg, h); // (segments, values, chunk, unrolled, bf16 copies)
+  mdl_opt_update<0, 2, 21, 131904, 8192, 2, true>(arena, seg, h); // (rule, moments, segments, values, chunk, unrolled, bf16 copies)
 }
 
 // Schedule: 107 launches per step, 62 kernels (38 distinct) and 45 GEMMs; device arena 7351552 bytes.

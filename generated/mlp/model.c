@@ -825,26 +825,27 @@ MDL_FN void k17_grad_norm__adamw(char *arena, const MdlHooks *h) {
   {
     static const struct {
       int64_t p, g, m, v, n;
-      double wd;
+      double wd, ls; // weight decay, lr_scale
     } seg[6] = {
-        {0, 6976, 13952, 20928, 512, 0.01}, // w1
-        {2048, 9024, 16000, 22976, 32, 0.0}, // b1
-        {2176, 9152, 16128, 23104, 1024, 0.01}, // w2
-        {6272, 13248, 20224, 27200, 32, 0.0}, // b2
-        {6400, 13376, 20352, 27328, 128, 0.01}, // w3
-        {6912, 13888, 20864, 27840, 4, 0.0}, // b3
+        {0, 6976, 13952, 20928, 512, 0.01, 1.0}, // w1
+        {2048, 9024, 16000, 22976, 32, 0.0, 1.0}, // b1
+        {2176, 9152, 16128, 23104, 1024, 0.01, 1.0}, // w2
+        {6272, 13248, 20224, 27200, 32, 0.0, 1.0}, // b2
+        {6400, 13376, 20352, 27328, 128, 0.01, 1.0}, // w3
+        {6912, 13888, 20864, 27840, 4, 0.0, 1.0}, // b3
     };
     const double clip = 0.0, gnorm = b50[0];
     const double step = b49[0];
     const int nseg = isfinite(gnorm) && isfinite(b19[0]) ? 6 : 0;
     const float s = (float)(clip > 0 ? fmin(1.0, clip / (gnorm + 1e-6)) : 1.0);
-    const float lr = b48[0], b1 = 0.9f, b2 = 0.95f, eps = 1e-08f;
+    const float lr0 = b48[0], b1 = 0.9f, b2 = 0.95f, eps = 1e-08f;
     const float c1 = (float)(1.0 / (1.0 - pow(b1, step))), c2 = (float)(1.0 / (1.0 - pow(b2, step)));
     for (int k = 0; k < nseg; k++) {
-      float *restrict p = (float *)(arena + seg[k].p), *restrict m = (float *)(arena + seg[k].m);
+      float *restrict p = (float *)(arena + seg[k].p);
+      float *restrict m = (float *)(arena + seg[k].m);
       float *restrict v = (float *)(arena + seg[k].v);
       const float *restrict g = (const float *)(arena + seg[k].g);
-      const float wd = (float)seg[k].wd;
+      const float wd = (float)seg[k].wd, lr = lr0 * (float)seg[k].ls;
       #pragma omp simd
       for (int64_t i = 0; i < seg[k].n; i++) {
         const float gi = s * g[i];

@@ -300,7 +300,7 @@ MDL_FN MdlKernelFn k99_layernorm_bwd__add__sum__cast, k100_gemm, k101_gemm__cast
 MDL_FN MdlKernelFn k103_sum__concat__cast, k104_gemm, k105_gemm, k106_layernorm_bwd__add, k107_embed_bwd;
 MDL_FN MdlKernelFn k108_embed_bwd__add, k109_grad_norm__adamw;
 
-#if MDL_IN(3)
+#if MDL_IN(0)
 // k0_embed: kernel, 1 op
 //   %6     embed                                   line 38    f32[8,64,64]
 // loops:
@@ -322,7 +322,7 @@ MDL_FN void k0_embed(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(1)
+#if MDL_IN(3)
 // k1_embed: kernel, 1 op
 //   %7     embed                                   line 38    f32[8,64,64]
 // loops:
@@ -655,7 +655,7 @@ MDL_FN void k6_layernorm_fwd__cast(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(0)
+#if MDL_IN(2)
 // The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
 // are those of k7_gemm's):
 // k7_gemm k29_gemm
@@ -745,7 +745,7 @@ MDL_FN void k8_softmax_fwd(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(0)
+#if MDL_IN(3)
 // The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
 // are those of k9_topk's):
 // k9_topk k31_topk
@@ -782,7 +782,7 @@ MDL_FN void k9_topk(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(1)
+#if MDL_IN(0)
 // The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
 // are those of k10_gather's):
 // k10_gather k32_gather
@@ -807,7 +807,7 @@ MDL_FN void k10_gather(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(0)
+#if MDL_IN(2)
 // The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
 // are those of k11_mul's):
 // k11_mul k33_mul
@@ -832,7 +832,7 @@ MDL_FN void k11_mul(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(3)
+#if MDL_IN(0)
 // The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
 // are those of k12_scatter_add's):
 // k12_scatter_add k34_scatter_add
@@ -867,7 +867,7 @@ MDL_FN void k12_scatter_add(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(0)
+#if MDL_IN(3)
 // The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
 // are those of k13_permute's):
 // k13_permute k35_permute
@@ -944,7 +944,7 @@ MDL_FN void k14_mean__compare__div(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(1)
+#if MDL_IN(3)
 // The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
 // are those of k15_permute__add__mul's):
 // k15_permute__add__mul k37_permute__add__mul
@@ -976,7 +976,7 @@ MDL_FN void k15_permute__add__mul(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(3)
+#if MDL_IN(0)
 // The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
 // are those of k16_topk's):
 // k16_topk k38_topk
@@ -1013,7 +1013,7 @@ MDL_FN void k16_topk(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(3)
+#if MDL_IN(1)
 // The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
 // are those of k17_gather's):
 // k17_gather k39_gather
@@ -1038,7 +1038,7 @@ MDL_FN void k17_gather(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(2)
+#if MDL_IN(3)
 // The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
 // are those of k18_gather's):
 // k18_gather k40_gather
@@ -1295,7 +1295,7 @@ MDL_FN void k23_mean(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(3)
+#if MDL_IN(0)
 // The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
 // are those of k24_layernorm_fwd__cast's):
 // k24_layernorm_fwd__cast k47_layernorm_fwd__cast
@@ -1401,7 +1401,7 @@ MDL_FN void k28_layernorm_fwd__cast(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(0)
+#if MDL_IN(2)
 // k29_gemm: GEMM, 1 op
 //   %126   matmul                                  line 61    f32[512,4]
 // loops:
@@ -1423,7 +1423,7 @@ MDL_FN void k30_softmax_fwd(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(0)
+#if MDL_IN(3)
 // k31_topk: kernel, 1 op
 //   %128   topk               h.1.choice           line 62    i32[512,2]
 // loops:
@@ -1434,7 +1434,7 @@ MDL_FN void k31_topk(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(1)
+#if MDL_IN(0)
 // k32_gather: kernel, 1 op
 //   %129   gather             h.1.gate             line 62    f32[512,2]
 // loops:
@@ -1445,7 +1445,7 @@ MDL_FN void k32_gather(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(0)
+#if MDL_IN(2)
 // k33_mul: kernel, 1 op
 //   %131   mul                                     line 63    f32[512,4]
 // loops:
@@ -1456,7 +1456,7 @@ MDL_FN void k33_mul(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(3)
+#if MDL_IN(0)
 // k34_scatter_add: kernel, 1 op
 //   %132   scatter_add        h.1.gates            line 63    f32[512,4]
 // loops:
@@ -1467,7 +1467,7 @@ MDL_FN void k34_scatter_add(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(0)
+#if MDL_IN(3)
 // k35_permute: kernel, 1 op
 //   %141   permute                                 line 67    f32[4,512]
 // loops:
@@ -1491,7 +1491,7 @@ MDL_FN void k36_mean__compare__div(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(1)
+#if MDL_IN(3)
 // k37_permute__add__mul: kernel, 3 ops
 //   %136   add                                     line 66    f32[512,4]
 //   %137   mul                                     line 66    f32[512,4]
@@ -1504,7 +1504,7 @@ MDL_FN void k37_permute__add__mul(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(3)
+#if MDL_IN(0)
 // k38_topk: kernel, 1 op
 //   %139   topk               h.1.slot             line 66    i32[4,320]
 // loops:
@@ -1515,7 +1515,7 @@ MDL_FN void k38_topk(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(3)
+#if MDL_IN(1)
 // k39_gather: kernel, 1 op
 //   %140   gather             h.1.prio             line 66    f32[4,320]
 // loops:
@@ -1526,7 +1526,7 @@ MDL_FN void k39_gather(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(2)
+#if MDL_IN(3)
 // k40_gather: kernel, 1 op
 //   %142   gather             h.1.weight           line 67    f32[4,320]
 // loops:
@@ -1632,7 +1632,7 @@ MDL_FN void k46_sum__mul(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(3)
+#if MDL_IN(0)
 // k47_layernorm_fwd__cast: kernel, 3 ops
 //   %172   layernorm                               line 78    f32[8,64,64]
 //   %173   reshape                                 line 78    f32[512,64]
@@ -1645,7 +1645,7 @@ MDL_FN void k47_layernorm_fwd__cast(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(2)
+#if MDL_IN(1)
 // k48_target_count: kernel, 1 op
 //   %182   target_count                            line 79    f32[]
 // loops:
@@ -1686,7 +1686,7 @@ MDL_FN void k49_div__mul(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(0)
+#if MDL_IN(1)
 // k50_broadcast__div: kernel, 3 ops
 //   %192   div                                     line 79    f32[]
 //   %193   reshape                                 line 79    f32[1]
@@ -1858,7 +1858,7 @@ MDL_FN void k51_lmhead__cast__cross_entropy__cross_entropy_bwd__gemm(char *arena
 }
 #endif
 
-#if MDL_IN(3)
+#if MDL_IN(0)
 // k52_sum__div: kernel, 2 ops
 //   %181   sum                                     line 79    f32[]
 //   %183   div                ce                   line 79    f32[]
@@ -2025,7 +2025,7 @@ MDL_FN void k55_broadcast__mul(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(2)
+#if MDL_IN(1)
 // The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
 // are those of k56_broadcast__mul__div's):
 // k56_broadcast__mul__div k81_broadcast__mul__div
@@ -2061,7 +2061,7 @@ MDL_FN void k56_broadcast__mul__div(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(3)
+#if MDL_IN(0)
 // The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
 // are those of k57_gather's):
 // k57_gather k83_gather
@@ -2164,7 +2164,7 @@ MDL_FN void k59_sum__mul__cast(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(3)
+#if MDL_IN(0)
 // The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
 // are those of k60_gemm's):
 // k60_gemm k86_gemm
@@ -2325,7 +2325,7 @@ MDL_FN void k63_gemm(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(0)
+#if MDL_IN(3)
 // The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
 // are those of k64_gather_bwd's):
 // k64_gather_bwd k90_gather_bwd
@@ -2359,7 +2359,7 @@ MDL_FN void k64_gather_bwd(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(0)
+#if MDL_IN(2)
 // The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
 // are those of k65_gather_bwd's):
 // k65_gather_bwd k91_gather_bwd
@@ -2392,7 +2392,7 @@ MDL_FN void k65_gather_bwd(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(1)
+#if MDL_IN(0)
 // The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
 // are those of k66_permute's):
 // k66_permute k92_permute
@@ -2418,7 +2418,7 @@ MDL_FN void k66_permute(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(3)
+#if MDL_IN(2)
 // The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
 // are those of k67_gather's):
 // k67_gather k93_gather
@@ -2443,7 +2443,7 @@ MDL_FN void k67_gather(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(0)
+#if MDL_IN(3)
 // The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
 // are those of k68_gather_bwd's):
 // k68_gather_bwd k94_gather_bwd
@@ -2520,7 +2520,7 @@ MDL_FN void k69_add__mul__broadcast(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(0)
+#if MDL_IN(3)
 // The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
 // are those of k70_softmax_bwd__cast's):
 // k70_softmax_bwd__cast k96_softmax_bwd__cast
@@ -2562,7 +2562,7 @@ MDL_FN void k70_softmax_bwd__cast(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(3)
+#if MDL_IN(0)
 // The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
 // are those of k71_gemm's):
 // k71_gemm k97_gemm
@@ -2735,7 +2735,7 @@ MDL_FN void k73_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(2)
+#if MDL_IN(1)
 // The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
 // are those of k74_gemm's):
 // k74_gemm k100_gemm
@@ -3010,7 +3010,7 @@ MDL_FN void k77_sum__concat__cast(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(1)
+#if MDL_IN(3)
 // The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
 // are those of k78_gemm's):
 // k78_gemm k104_gemm
@@ -3040,7 +3040,7 @@ MDL_FN void k78_gemm(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(0)
+#if MDL_IN(2)
 // The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
 // are those of k79_gemm's):
 // k79_gemm k105_gemm
@@ -3083,7 +3083,7 @@ MDL_FN void k80_broadcast__mul(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(2)
+#if MDL_IN(1)
 // k81_broadcast__mul__div: kernel, 5 ops
 //   %280   mul                                     line 73    f32[4]
 //   %286   div                                     line 73    f32[4]
@@ -3183,7 +3183,7 @@ MDL_FN void k82_layernorm_bwd__add(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(3)
+#if MDL_IN(0)
 // k83_gather: kernel, 1 op
 //   %293   gather                                  line 72    f32[1280,64]
 // loops:
@@ -3219,7 +3219,7 @@ MDL_FN void k85_sum__mul__cast(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(3)
+#if MDL_IN(0)
 // k86_gemm: GEMM, 1 op
 //   %303   matmul             d.h.0.fcproj_w       line 70    f32[4,128,64]
 // loops:
@@ -3267,7 +3267,7 @@ MDL_FN void k89_gemm(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(0)
+#if MDL_IN(3)
 // k90_gather_bwd: kernel, 1 op
 //   %310   gather_bwd                              line 69    f32[512,64]
 // loops:
@@ -3278,7 +3278,7 @@ MDL_FN void k90_gather_bwd(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(0)
+#if MDL_IN(2)
 // k91_gather_bwd: kernel, 1 op
 //   %311   gather_bwd                              line 67    f32[4,512]
 // loops:
@@ -3289,7 +3289,7 @@ MDL_FN void k91_gather_bwd(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(1)
+#if MDL_IN(0)
 // k92_permute: kernel, 1 op
 //   %312   permute            d.h.0.gates          line 67    f32[512,4]
 // loops:
@@ -3300,7 +3300,7 @@ MDL_FN void k92_permute(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(3)
+#if MDL_IN(2)
 // k93_gather: kernel, 1 op
 //   %313   gather             d.h.0.gate           line 63    f32[512,2]
 // loops:
@@ -3311,7 +3311,7 @@ MDL_FN void k93_gather(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(0)
+#if MDL_IN(3)
 // k94_gather_bwd: kernel, 1 op
 //   %315   gather_bwd                              line 62    f32[512,4]
 // loops:
@@ -3339,7 +3339,7 @@ MDL_FN void k95_add__mul__broadcast(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(0)
+#if MDL_IN(3)
 // k96_softmax_bwd__cast: kernel, 2 ops
 //   %318   softmax_bwd                             line 61    f32[512,4]
 //   %319   cast                                    line 61    bf16[512,4]
@@ -3351,7 +3351,7 @@ MDL_FN void k96_softmax_bwd__cast(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(3)
+#if MDL_IN(0)
 // k97_gemm: GEMM, 1 op
 //   %321   matmul             d.h.0.router_w       line 61    f32[64,4]
 // loops:
@@ -3392,7 +3392,7 @@ MDL_FN void k99_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(2)
+#if MDL_IN(1)
 // k100_gemm: GEMM, 1 op
 //   %332   matmul             d.h.0.proj_w         line 57    f32[64,64]
 // loops:
@@ -3444,7 +3444,7 @@ MDL_FN void k103_sum__concat__cast(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(1)
+#if MDL_IN(3)
 // k104_gemm: GEMM, 1 op
 //   %344   matmul                                  line 56    f32[512,64]
 // loops:
@@ -3455,7 +3455,7 @@ MDL_FN void k104_gemm(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(0)
+#if MDL_IN(2)
 // k105_gemm: GEMM, 1 op
 //   %345   matmul             d.h.0.attn_w         line 56    f32[64,192]
 // loops:
@@ -3480,7 +3480,7 @@ MDL_FN void k106_layernorm_bwd__add(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(0)
+#if MDL_IN(3)
 // k107_embed_bwd: kernel, 1 op
 //   %351   embed_bwd          d.wpe                line 38    f32[128,64]
 // loops:
@@ -3681,53 +3681,55 @@ MDL_FN void k109_grad_norm__adamw(char *arena, const MdlHooks *h) {
   }
   {
     static const struct {
-      int64_t p, g, m, v, c, n; // c: the bf16 copy, or -1
-      double wd;
+      int64_t p, g, m, v, n;
+    int64_t c; // the bf16 copy, or -1
+      double wd, ls; // weight decay, lr_scale
     } seg[30] = {
-        {0, 766464, 1532928, 2299392, 3065856, 16384, 0.1}, // wte
-        {65536, 832000, 1598464, 2364928, -1, 8192, 0.1}, // wpe
-        {98304, 864768, 1631232, 2397696, -1, 64, 0.0}, // h.0.ln1_w
-        {98560, 865024, 1631488, 2397952, -1, 64, 0.0}, // h.0.ln1_b
-        {98816, 865280, 1631744, 2398208, 3098624, 12288, 0.1}, // h.0.attn_w
-        {147968, 914432, 1680896, 2447360, -1, 192, 0.0}, // h.0.attn_b
-        {148736, 915200, 1681664, 2448128, 3123200, 4096, 0.1}, // h.0.proj_w
-        {165120, 931584, 1698048, 2464512, -1, 64, 0.0}, // h.0.proj_b
-        {165376, 931840, 1698304, 2464768, -1, 64, 0.0}, // h.0.ln2_w
-        {165632, 932096, 1698560, 2465024, -1, 64, 0.0}, // h.0.ln2_b
-        {165888, 932352, 1698816, 2465280, 3131392, 256, 0.1}, // h.0.router_w
-        {166912, 933376, 1699840, 2466304, 3131904, 32768, 0.1}, // h.0.fc_w
-        {297984, 1064448, 1830912, 2597376, -1, 512, 0.0}, // h.0.fc_b
-        {300032, 1066496, 1832960, 2599424, 3197440, 32768, 0.1}, // h.0.fcproj_w
-        {431104, 1197568, 1964032, 2730496, -1, 256, 0.0}, // h.0.fcproj_b
-        {432128, 1198592, 1965056, 2731520, -1, 64, 0.0}, // h.1.ln1_w
-        {432384, 1198848, 1965312, 2731776, -1, 64, 0.0}, // h.1.ln1_b
-        {432640, 1199104, 1965568, 2732032, 3262976, 12288, 0.1}, // h.1.attn_w
-        {481792, 1248256, 2014720, 2781184, -1, 192, 0.0}, // h.1.attn_b
-        {482560, 1249024, 2015488, 2781952, 3287552, 4096, 0.1}, // h.1.proj_w
-        {498944, 1265408, 2031872, 2798336, -1, 64, 0.0}, // h.1.proj_b
-        {499200, 1265664, 2032128, 2798592, -1, 64, 0.0}, // h.1.ln2_w
-        {499456, 1265920, 2032384, 2798848, -1, 64, 0.0}, // h.1.ln2_b
-        {499712, 1266176, 2032640, 2799104, 3295744, 256, 0.1}, // h.1.router_w
-        {500736, 1267200, 2033664, 2800128, 3296256, 32768, 0.1}, // h.1.fc_w
-        {631808, 1398272, 2164736, 2931200, -1, 512, 0.0}, // h.1.fc_b
-        {633856, 1400320, 2166784, 2933248, 3361792, 32768, 0.1}, // h.1.fcproj_w
-        {764928, 1531392, 2297856, 3064320, -1, 256, 0.0}, // h.1.fcproj_b
-        {765952, 1532416, 2298880, 3065344, -1, 64, 0.0}, // lnf_w
-        {766208, 1532672, 2299136, 3065600, -1, 64, 0.0}, // lnf_b
+        {0, 766464, 1532928, 2299392, 16384, 3065856, 0.1, 1.0}, // wte
+        {65536, 832000, 1598464, 2364928, 8192, -1, 0.1, 1.0}, // wpe
+        {98304, 864768, 1631232, 2397696, 64, -1, 0.0, 1.0}, // h.0.ln1_w
+        {98560, 865024, 1631488, 2397952, 64, -1, 0.0, 1.0}, // h.0.ln1_b
+        {98816, 865280, 1631744, 2398208, 12288, 3098624, 0.1, 1.0}, // h.0.attn_w
+        {147968, 914432, 1680896, 2447360, 192, -1, 0.0, 1.0}, // h.0.attn_b
+        {148736, 915200, 1681664, 2448128, 4096, 3123200, 0.1, 1.0}, // h.0.proj_w
+        {165120, 931584, 1698048, 2464512, 64, -1, 0.0, 1.0}, // h.0.proj_b
+        {165376, 931840, 1698304, 2464768, 64, -1, 0.0, 1.0}, // h.0.ln2_w
+        {165632, 932096, 1698560, 2465024, 64, -1, 0.0, 1.0}, // h.0.ln2_b
+        {165888, 932352, 1698816, 2465280, 256, 3131392, 0.1, 1.0}, // h.0.router_w
+        {166912, 933376, 1699840, 2466304, 32768, 3131904, 0.1, 1.0}, // h.0.fc_w
+        {297984, 1064448, 1830912, 2597376, 512, -1, 0.0, 1.0}, // h.0.fc_b
+        {300032, 1066496, 1832960, 2599424, 32768, 3197440, 0.1, 1.0}, // h.0.fcproj_w
+        {431104, 1197568, 1964032, 2730496, 256, -1, 0.0, 1.0}, // h.0.fcproj_b
+        {432128, 1198592, 1965056, 2731520, 64, -1, 0.0, 1.0}, // h.1.ln1_w
+        {432384, 1198848, 1965312, 2731776, 64, -1, 0.0, 1.0}, // h.1.ln1_b
+        {432640, 1199104, 1965568, 2732032, 12288, 3262976, 0.1, 1.0}, // h.1.attn_w
+        {481792, 1248256, 2014720, 2781184, 192, -1, 0.0, 1.0}, // h.1.attn_b
+        {482560, 1249024, 2015488, 2781952, 4096, 3287552, 0.1, 1.0}, // h.1.proj_w
+        {498944, 1265408, 2031872, 2798336, 64, -1, 0.0, 1.0}, // h.1.proj_b
+        {499200, 1265664, 2032128, 2798592, 64, -1, 0.0, 1.0}, // h.1.ln2_w
+        {499456, 1265920, 2032384, 2798848, 64, -1, 0.0, 1.0}, // h.1.ln2_b
+        {499712, 1266176, 2032640, 2799104, 256, 3295744, 0.1, 1.0}, // h.1.router_w
+        {500736, 1267200, 2033664, 2800128, 32768, 3296256, 0.1, 1.0}, // h.1.fc_w
+        {631808, 1398272, 2164736, 2931200, 512, -1, 0.0, 1.0}, // h.1.fc_b
+        {633856, 1400320, 2166784, 2933248, 32768, 3361792, 0.1, 1.0}, // h.1.fcproj_w
+        {764928, 1531392, 2297856, 3064320, 256, -1, 0.0, 1.0}, // h.1.fcproj_b
+        {765952, 1532416, 2298880, 3065344, 64, -1, 0.0, 1.0}, // lnf_w
+        {766208, 1532672, 2299136, 3065600, 64, -1, 0.0, 1.0}, // lnf_b
     };
     const double clip = 1.0, gnorm = b356[0];
     const double step = b355[0];
     const int nseg = isfinite(gnorm) && isfinite(b188[0]) ? 30 : 0;
     const float s = (float)(clip > 0 ? fmin(1.0, clip / (gnorm + 1e-6)) : 1.0);
-    const float lr = b354[0], b1 = 0.9f, b2 = 0.95f, eps = 1e-08f;
+    const float lr0 = b354[0], b1 = 0.9f, b2 = 0.95f, eps = 1e-08f;
     const float c1 = (float)(1.0 / (1.0 - pow(b1, step))), c2 = (float)(1.0 / (1.0 - pow(b2, step)));
     #pragma omp parallel num_threads(h->nthreads)
     for (int k = 0; k < nseg; k++) {
-      float *restrict p = (float *)(arena + seg[k].p), *restrict m = (float *)(arena + seg[k].m);
+      float *restrict p = (float *)(arena + seg[k].p);
+      float *restrict m = (float *)(arena + seg[k].m);
       float *restrict v = (float *)(arena + seg[k].v);
       const float *restrict g = (const float *)(arena + seg[k].g);
       uint16_t *restrict c = seg[k].c >= 0 ? (uint16_t *)(arena + seg[k].c) : NULL;
-      const float wd = (float)seg[k].wd;
+      const float wd = (float)seg[k].wd, lr = lr0 * (float)seg[k].ls;
       #pragma omp for simd schedule(static) nowait
       for (int64_t i = 0; i < seg[k].n; i++) {
         const float gi = s * g[i];

@@ -40,11 +40,12 @@ typedef struct {
   int64_t b[48];
 } MdlArgs;
 
-// A segment of the optimizer's flat buffers: byte offsets of p, g, m, v and of p's bf16 copy (-1:
-// none), its length, where it starts in the concatenation of the segments, its weight decay.
+// A segment of the optimizer's flat buffers: byte offsets of p, g, m, v (0 where the rule keeps
+// fewer moments) and of p's bf16 copy (-1: none), its length, where it starts in the concatenation of
+// the segments, its weight decay and its multiplier of lr (lr_scale).
 typedef struct {
   int64_t p, g, m, v, c, n, start;
-  double wd;
+  double wd, ls;
 } MdlSeg;
 
 // The first report of a step wins; the runtime reads the status after the step.
@@ -156,16 +157,37 @@ __device__ __forceinline__ void mdl_store8(float *p, const float f[8]) {
   mdl_store4(p + 4, f + 4);
 }
 
-// One AdamW update in double, as the interpreter does it: gradient g scaled by the clip factor sc,
-// the moments m and v updated in place (rounded to f32), the new parameter returned.
+// One parameter element's update in double, as the interpreter does it (compiler/interp.c has the
+// rules), by RULE (OptRule: 0 AdamW, 1 SGD, 2 Lion, 3 Muon) keeping NST moments: gradient g scaled by
+// the clip factor sc, the moments updated in place (rounded to f32), the new parameter returned; lr
+// is h.lr times the segment's lr_scale. SGD reads beta1 as its momentum and beta2 != 0 as Nesterov's;
+// Muon beta1 as its momentum, and v is its orthogonalised update (read, not written).
 struct MdlAdamW {
   double sc, lr, beta1, beta2, eps, k1, k2;
 };
-__device__ __forceinline__ float mdl_adamw(const MdlAdamW &h, double wd, float g, float &m, float &v, float p) {
+template <int RULE, int NST>
+__device__ __forceinline__ float mdl_opt_rule(const MdlAdamW &h, double wd, double lr, float g, float &m, float &v,
+                                              float p) {
   const double gi = h.sc * g;
-  m = (float)(h.beta1 * m + (1 - h.beta1) * gi);
-  v = (float)(h.beta2 * v + (1 - h.beta2) * gi * gi);
-  return (float)(p - h.lr * (m * h.k1 / (sqrt(v * h.k2) + h.eps) + wd * p));
+  if constexpr (RULE == 1) { // SGD (torch.optim.SGD, dampening 0): the decay joins the gradient
+    double d = gi + wd * p;
+    if constexpr (NST > 0) {
+      m = (float)(h.beta1 * m + d);
+      d = h.beta2 != 0 ? d + h.beta1 * m : (double)m;
+    }
+    return (float)(p - lr * d);
+  } else if constexpr (RULE == 3) { // Muon: the momentum; the update v was orthogonalised before
+    m = (float)(h.beta1 * m + (1 - h.beta1) * gi);
+    return (float)(p - lr * ((double)v + wd * p));
+  } else if constexpr (RULE == 2) { // Lion: the sign of an interpolation, then the momentum's update
+    const double u = h.beta1 * m + (1 - h.beta1) * gi;
+    m = (float)(h.beta2 * m + (1 - h.beta2) * gi);
+    return (float)(p - lr * ((double)((u > 0) - (u < 0)) + wd * p));
+  } else {
+    m = (float)(h.beta1 * m + (1 - h.beta1) * gi);
+    v = (float)(h.beta2 * v + (1 - h.beta2) * gi * gi);
+    return (float)(p - lr * (m * h.k1 / (sqrt(v * h.k2) + h.eps) + wd * p));
+  }
 }
 
 // Two floats rounded to bf16 and packed into one register, lo in the low half (the order of the
@@ -1223,7 +1245,7 @@ __device__ __forceinline__ void mdl_ce_row(const X *x, DX *dx, int32_t tg, float
 //
 // The optimizer over the concatenation of its parameters' segments (MdlSeg tables), in chunks of CHUNK
 // values a block, as compiler/emit_cuda_opt.c instantiates it: the gradient norm's sums of squares
-// and their total, and AdamW.
+// and their total, and the update (AdamW, SGD or Lion).
 //
 
 // The first of the NSEG segments that meet a block's chunk [c0, c1) of the concatenated values: the
@@ -1278,14 +1300,16 @@ template <long NB> __device__ __forceinline__ void mdl_opt_norm(const double *pa
     norm[0] = (float)sqrt(acc);
 }
 
-// AdamW (mdl_adamw, hyperparameters h) over the block's chunk of the segments: p, m and v in place,
-// with COPIES p's bf16 copy (c, where a segment has one) too. Four elements a float4, UNROLL float4s
-// of g, m, v and p loaded before any is updated: the stores of one element may alias the loads of the
-// next as far as the compiler knows, so one at a time a thread would keep a single element's loads in
-// flight and the kernel would wait on memory. Buffers start 64-byte aligned; where a chunk or segment
-// does not start or end at a multiple of 4, up to 3 elements at each end go one a thread.
-template <int NSEG, long TOTAL, int CHUNK, int UNROLL, bool COPIES>
-__device__ __forceinline__ void mdl_opt_adamw(char *arena, const MdlSeg *seg, const MdlAdamW &h) {
+// The update (mdl_opt_rule of RULE with NST moments, hyperparameters h) over the block's chunk of the
+// segments: p and its moments in place, with COPIES p's bf16 copy (c, where a segment has one) too
+// (Muon: v, its update, is read only).
+// Four elements a float4, UNROLL float4s of g, the moments and p loaded before any is updated: the
+// stores of one element may alias the loads of the next as far as the compiler knows, so one at a
+// time a thread would keep a single element's loads in flight and the kernel would wait on memory.
+// Buffers start 64-byte aligned; where a chunk or segment does not start or end at a multiple of 4,
+// up to 3 elements at each end go one a thread.
+template <int RULE, int NST, int NSEG, long TOTAL, int CHUNK, int UNROLL, bool COPIES>
+__device__ __forceinline__ void mdl_opt_update(char *arena, const MdlSeg *seg, const MdlAdamW &h) {
   const int64_t c0 = (int64_t)blockIdx.x * CHUNK, c1 = c0 + CHUNK < TOTAL ? c0 + CHUNK : TOTAL;
   const int s0 = mdl_seg_first<NSEG>(seg, c0);
   for (int s = s0; s < NSEG && seg[s].start < c1; s++) {
@@ -1294,15 +1318,19 @@ __device__ __forceinline__ void mdl_opt_adamw(char *arena, const MdlSeg *seg, co
     float *p = (float *)(arena + seg[s].p), *m = (float *)(arena + seg[s].m);
     float *v = (float *)(arena + seg[s].v);
     const float *g = (const float *)(arena + seg[s].g);
-    const double wd = seg[s].wd;
+    const double wd = seg[s].wd, lr = h.lr * seg[s].ls;
     uint16_t *const cp = COPIES && seg[s].c >= 0 ? (uint16_t *)(arena + seg[s].c) : NULL;
     const int64_t lo4 = (lo + 3) / 4 * 4, hi4 = hi / 4 * 4 > lo4 ? hi / 4 * 4 : lo4;
     if (threadIdx.x < 8) {
       const int64_t k = threadIdx.x < 4 ? lo + threadIdx.x : hi4 + threadIdx.x - 4;
       if (k < hi && (threadIdx.x >= 4 || k < lo4)) {
-        float mk = m[k], vk = v[k];
-        const float pk = mdl_adamw(h, wd, g[k], mk, vk, p[k]);
-        m[k] = mk, v[k] = vk, p[k] = pk;
+        float mk = NST > 0 ? m[k] : 0.0f, vk = NST > 1 || RULE == 3 ? v[k] : 0.0f;
+        const float pk = mdl_opt_rule<RULE, NST>(h, wd, lr, g[k], mk, vk, p[k]);
+        if constexpr (NST > 0)
+          m[k] = mk;
+        if constexpr (NST > 1)
+          v[k] = vk;
+        p[k] = pk;
         if (COPIES && cp)
           cp[k] = mdl_f32_to_bf16(pk);
       }
@@ -1313,8 +1341,13 @@ __device__ __forceinline__ void mdl_opt_adamw(char *arena, const MdlSeg *seg, co
       for (int u = 0; u < UNROLL; u++) {
         const int64_t q = k0 + u * blockDim.x;
         gv[u] = mv[u] = vv[u] = pv[u] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-        if (q < hi4 / 4)
-          gv[u] = ((const float4 *)g)[q], mv[u] = ((float4 *)m)[q], vv[u] = ((float4 *)v)[q], pv[u] = ((float4 *)p)[q];
+        if (q < hi4 / 4) {
+          gv[u] = ((const float4 *)g)[q], pv[u] = ((float4 *)p)[q];
+          if constexpr (NST > 0)
+            mv[u] = ((float4 *)m)[q];
+          if constexpr (NST > 1 || RULE == 3)
+            vv[u] = ((float4 *)v)[q];
+        }
       }
 #pragma unroll
       for (int u = 0; u < UNROLL; u++) {
@@ -1322,11 +1355,15 @@ __device__ __forceinline__ void mdl_opt_adamw(char *arena, const MdlSeg *seg, co
         if (q >= hi4 / 4)
           break;
         float4 &mq = mv[u], &vq = vv[u], &pq = pv[u];
-        pq.x = mdl_adamw(h, wd, gv[u].x, mq.x, vq.x, pq.x);
-        pq.y = mdl_adamw(h, wd, gv[u].y, mq.y, vq.y, pq.y);
-        pq.z = mdl_adamw(h, wd, gv[u].z, mq.z, vq.z, pq.z);
-        pq.w = mdl_adamw(h, wd, gv[u].w, mq.w, vq.w, pq.w);
-        ((float4 *)m)[q] = mq, ((float4 *)v)[q] = vq, ((float4 *)p)[q] = pq;
+        pq.x = mdl_opt_rule<RULE, NST>(h, wd, lr, gv[u].x, mq.x, vq.x, pq.x);
+        pq.y = mdl_opt_rule<RULE, NST>(h, wd, lr, gv[u].y, mq.y, vq.y, pq.y);
+        pq.z = mdl_opt_rule<RULE, NST>(h, wd, lr, gv[u].z, mq.z, vq.z, pq.z);
+        pq.w = mdl_opt_rule<RULE, NST>(h, wd, lr, gv[u].w, mq.w, vq.w, pq.w);
+        if constexpr (NST > 0)
+          ((float4 *)m)[q] = mq;
+        if constexpr (NST > 1)
+          ((float4 *)v)[q] = vq;
+        ((float4 *)p)[q] = pq;
         if (COPIES && cp)
           ((ushort4 *)cp)[q] = make_ushort4(mdl_f32_to_bf16(pq.x), mdl_f32_to_bf16(pq.y), mdl_f32_to_bf16(pq.z),
                                             mdl_f32_to_bf16(pq.w));
@@ -4203,36 +4240,36 @@ extern "C" __global__ void __launch_bounds__(64) k108_embed_bwd__add(char *arena
 //   k109_grad_norm__adamw<<<24, 256>>>
 
 static __device__ const MdlSeg k109_grad_norm__adamw_grads[30] = {
-    {766464, 0, 0, 0, -1, 16384, 0, 0.0}, // d.wte
-    {832000, 0, 0, 0, -1, 8192, 16384, 0.0}, // d.wpe
-    {864768, 0, 0, 0, -1, 64, 24576, 0.0}, // d.h.0.ln1_w
-    {865024, 0, 0, 0, -1, 64, 24640, 0.0}, // d.h.0.ln1_b
-    {865280, 0, 0, 0, -1, 12288, 24704, 0.0}, // d.h.0.attn_w
-    {914432, 0, 0, 0, -1, 192, 36992, 0.0}, // d.h.0.attn_b
-    {915200, 0, 0, 0, -1, 4096, 37184, 0.0}, // d.h.0.proj_w
-    {931584, 0, 0, 0, -1, 64, 41280, 0.0}, // d.h.0.proj_b
-    {931840, 0, 0, 0, -1, 64, 41344, 0.0}, // d.h.0.ln2_w
-    {932096, 0, 0, 0, -1, 64, 41408, 0.0}, // d.h.0.ln2_b
-    {932352, 0, 0, 0, -1, 256, 41472, 0.0}, // d.h.0.router_w
-    {933376, 0, 0, 0, -1, 32768, 41728, 0.0}, // d.h.0.fc_w
-    {1064448, 0, 0, 0, -1, 512, 74496, 0.0}, // d.h.0.fc_b
-    {1066496, 0, 0, 0, -1, 32768, 75008, 0.0}, // d.h.0.fcproj_w
-    {1197568, 0, 0, 0, -1, 256, 107776, 0.0}, // d.h.0.fcproj_b
-    {1198592, 0, 0, 0, -1, 64, 108032, 0.0}, // d.h.1.ln1_w
-    {1198848, 0, 0, 0, -1, 64, 108096, 0.0}, // d.h.1.ln1_b
-    {1199104, 0, 0, 0, -1, 12288, 108160, 0.0}, // d.h.1.attn_w
-    {1248256, 0, 0, 0, -1, 192, 120448, 0.0}, // d.h.1.attn_b
-    {1249024, 0, 0, 0, -1, 4096, 120640, 0.0}, // d.h.1.proj_w
-    {1265408, 0, 0, 0, -1, 64, 124736, 0.0}, // d.h.1.proj_b
-    {1265664, 0, 0, 0, -1, 64, 124800, 0.0}, // d.h.1.ln2_w
-    {1265920, 0, 0, 0, -1, 64, 124864, 0.0}, // d.h.1.ln2_b
-    {1266176, 0, 0, 0, -1, 256, 124928, 0.0}, // d.h.1.router_w
-    {1267200, 0, 0, 0, -1, 32768, 125184, 0.0}, // d.h.1.fc_w
-    {1398272, 0, 0, 0, -1, 512, 157952, 0.0}, // d.h.1.fc_b
-    {1400320, 0, 0, 0, -1, 32768, 158464, 0.0}, // d.h.1.fcproj_w
-    {1531392, 0, 0, 0, -1, 256, 191232, 0.0}, // d.h.1.fcproj_b
-    {1532416, 0, 0, 0, -1, 64, 191488, 0.0}, // d.lnf_w
-    {1532672, 0, 0, 0, -1, 64, 191552, 0.0}, // d.lnf_b
+    {766464, 0, 0, 0, -1, 16384, 0, 0.0, 0.0}, // d.wte
+    {832000, 0, 0, 0, -1, 8192, 16384, 0.0, 0.0}, // d.wpe
+    {864768, 0, 0, 0, -1, 64, 24576, 0.0, 0.0}, // d.h.0.ln1_w
+    {865024, 0, 0, 0, -1, 64, 24640, 0.0, 0.0}, // d.h.0.ln1_b
+    {865280, 0, 0, 0, -1, 12288, 24704, 0.0, 0.0}, // d.h.0.attn_w
+    {914432, 0, 0, 0, -1, 192, 36992, 0.0, 0.0}, // d.h.0.attn_b
+    {915200, 0, 0, 0, -1, 4096, 37184, 0.0, 0.0}, // d.h.0.proj_w
+    {931584, 0, 0, 0, -1, 64, 41280, 0.0, 0.0}, // d.h.0.proj_b
+    {931840, 0, 0, 0, -1, 64, 41344, 0.0, 0.0}, // d.h.0.ln2_w
+    {932096, 0, 0, 0, -1, 64, 41408, 0.0, 0.0}, // d.h.0.ln2_b
+    {932352, 0, 0, 0, -1, 256, 41472, 0.0, 0.0}, // d.h.0.router_w
+    {933376, 0, 0, 0, -1, 32768, 41728, 0.0, 0.0}, // d.h.0.fc_w
+    {1064448, 0, 0, 0, -1, 512, 74496, 0.0, 0.0}, // d.h.0.fc_b
+    {1066496, 0, 0, 0, -1, 32768, 75008, 0.0, 0.0}, // d.h.0.fcproj_w
+    {1197568, 0, 0, 0, -1, 256, 107776, 0.0, 0.0}, // d.h.0.fcproj_b
+    {1198592, 0, 0, 0, -1, 64, 108032, 0.0, 0.0}, // d.h.1.ln1_w
+    {1198848, 0, 0, 0, -1, 64, 108096, 0.0, 0.0}, // d.h.1.ln1_b
+    {1199104, 0, 0, 0, -1, 12288, 108160, 0.0, 0.0}, // d.h.1.attn_w
+    {1248256, 0, 0, 0, -1, 192, 120448, 0.0, 0.0}, // d.h.1.attn_b
+    {1249024, 0, 0, 0, -1, 4096, 120640, 0.0, 0.0}, // d.h.1.proj_w
+    {1265408, 0, 0, 0, -1, 64, 124736, 0.0, 0.0}, // d.h.1.proj_b
+    {1265664, 0, 0, 0, -1, 64, 124800, 0.0, 0.0}, // d.h.1.ln2_w
+    {1265920, 0, 0, 0, -1, 64, 124864, 0.0, 0.0}, // d.h.1.ln2_b
+    {1266176, 0, 0, 0, -1, 256, 124928, 0.0, 0.0}, // d.h.1.router_w
+    {1267200, 0, 0, 0, -1, 32768, 125184, 0.0, 0.0}, // d.h.1.fc_w
+    {1398272, 0, 0, 0, -1, 512, 157952, 0.0, 0.0}, // d.h.1.fc_b
+    {1400320, 0, 0, 0, -1, 32768, 158464, 0.0, 0.0}, // d.h.1.fcproj_w
+    {1531392, 0, 0, 0, -1, 256, 191232, 0.0, 0.0}, // d.h.1.fcproj_b
+    {1532416, 0, 0, 0, -1, 64, 191488, 0.0, 0.0}, // d.lnf_w
+    {1532672, 0, 0, 0, -1, 64, 191552, 0.0, 0.0}, // d.lnf_b
 };
 
 // gradient norm: sums of squares of 30 tensors, 191616 values, in 24 chunks of 8192
@@ -4252,36 +4289,36 @@ extern "C" __global__ void __launch_bounds__(256) k109_grad_norm__adamw_norm(cha
 }
 
 static __device__ const MdlSeg k109_grad_norm__adamw_seg[30] = {
-    {0, 766464, 1532928, 2299392, 3065856, 16384, 0, 0.1}, // wte
-    {65536, 832000, 1598464, 2364928, -1, 8192, 16384, 0.1}, // wpe
-    {98304, 864768, 1631232, 2397696, -1, 64, 24576, 0.0}, // h.0.ln1_w
-    {98560, 865024, 1631488, 2397952, -1, 64, 24640, 0.0}, // h.0.ln1_b
-    {98816, 865280, 1631744, 2398208, 3098624, 12288, 24704, 0.1}, // h.0.attn_w
-    {147968, 914432, 1680896, 2447360, -1, 192, 36992, 0.0}, // h.0.attn_b
-    {148736, 915200, 1681664, 2448128, 3123200, 4096, 37184, 0.1}, // h.0.proj_w
-    {165120, 931584, 1698048, 2464512, -1, 64, 41280, 0.0}, // h.0.proj_b
-    {165376, 931840, 1698304, 2464768, -1, 64, 41344, 0.0}, // h.0.ln2_w
-    {165632, 932096, 1698560, 2465024, -1, 64, 41408, 0.0}, // h.0.ln2_b
-    {165888, 932352, 1698816, 2465280, 3131392, 256, 41472, 0.1}, // h.0.router_w
-    {166912, 933376, 1699840, 2466304, 3131904, 32768, 41728, 0.1}, // h.0.fc_w
-    {297984, 1064448, 1830912, 2597376, -1, 512, 74496, 0.0}, // h.0.fc_b
-    {300032, 1066496, 1832960, 2599424, 3197440, 32768, 75008, 0.1}, // h.0.fcproj_w
-    {431104, 1197568, 1964032, 2730496, -1, 256, 107776, 0.0}, // h.0.fcproj_b
-    {432128, 1198592, 1965056, 2731520, -1, 64, 108032, 0.0}, // h.1.ln1_w
-    {432384, 1198848, 1965312, 2731776, -1, 64, 108096, 0.0}, // h.1.ln1_b
-    {432640, 1199104, 1965568, 2732032, 3262976, 12288, 108160, 0.1}, // h.1.attn_w
-    {481792, 1248256, 2014720, 2781184, -1, 192, 120448, 0.0}, // h.1.attn_b
-    {482560, 1249024, 2015488, 2781952, 3287552, 4096, 120640, 0.1}, // h.1.proj_w
-    {498944, 1265408, 2031872, 2798336, -1, 64, 124736, 0.0}, // h.1.proj_b
-    {499200, 1265664, 2032128, 2798592, -1, 64, 124800, 0.0}, // h.1.ln2_w
-    {499456, 1265920, 2032384, 2798848, -1, 64, 124864, 0.0}, // h.1.ln2_b
-    {499712, 1266176, 2032640, 2799104, 3295744, 256, 124928, 0.1}, // h.1.router_w
-    {500736, 1267200, 2033664, 2800128, 3296256, 32768, 125184, 0.1}, // h.1.fc_w
-    {631808, 1398272, 2164736, 2931200, -1, 512, 157952, 0.0}, // h.1.fc_b
-    {633856, 1400320, 2166784, 2933248, 3361792, 32768, 158464, 0.1}, // h.1.fcproj_w
-    {764928, 1531392, 2297856, 3064320, -1, 256, 191232, 0.0}, // h.1.fcproj_b
-    {765952, 1532416, 2298880, 3065344, -1, 64, 191488, 0.0}, // lnf_w
-    {766208, 1532672, 2299136, 3065600, -1, 64, 191552, 0.0}, // lnf_b
+    {0, 766464, 1532928, 2299392, 3065856, 16384, 0, 0.1, 1.0}, // wte
+    {65536, 832000, 1598464, 2364928, -1, 8192, 16384, 0.1, 1.0}, // wpe
+    {98304, 864768, 1631232, 2397696, -1, 64, 24576, 0.0, 1.0}, // h.0.ln1_w
+    {98560, 865024, 1631488, 2397952, -1, 64, 24640, 0.0, 1.0}, // h.0.ln1_b
+    {98816, 865280, 1631744, 2398208, 3098624, 12288, 24704, 0.1, 1.0}, // h.0.attn_w
+    {147968, 914432, 1680896, 2447360, -1, 192, 36992, 0.0, 1.0}, // h.0.attn_b
+    {148736, 915200, 1681664, 2448128, 3123200, 4096, 37184, 0.1, 1.0}, // h.0.proj_w
+    {165120, 931584, 1698048, 2464512, -1, 64, 41280, 0.0, 1.0}, // h.0.proj_b
+    {165376, 931840, 1698304, 2464768, -1, 64, 41344, 0.0, 1.0}, // h.0.ln2_w
+    {165632, 932096, 1698560, 2465024, -1, 64, 41408, 0.0, 1.0}, // h.0.ln2_b
+    {165888, 932352, 1698816, 2465280, 3131392, 256, 41472, 0.1, 1.0}, // h.0.router_w
+    {166912, 933376, 1699840, 2466304, 3131904, 32768, 41728, 0.1, 1.0}, // h.0.fc_w
+    {297984, 1064448, 1830912, 2597376, -1, 512, 74496, 0.0, 1.0}, // h.0.fc_b
+    {300032, 1066496, 1832960, 2599424, 3197440, 32768, 75008, 0.1, 1.0}, // h.0.fcproj_w
+    {431104, 1197568, 1964032, 2730496, -1, 256, 107776, 0.0, 1.0}, // h.0.fcproj_b
+    {432128, 1198592, 1965056, 2731520, -1, 64, 108032, 0.0, 1.0}, // h.1.ln1_w
+    {432384, 1198848, 1965312, 2731776, -1, 64, 108096, 0.0, 1.0}, // h.1.ln1_b
+    {432640, 1199104, 1965568, 2732032, 3262976, 12288, 108160, 0.1, 1.0}, // h.1.attn_w
+    {481792, 1248256, 2014720, 2781184, -1, 192, 120448, 0.0, 1.0}, // h.1.attn_b
+    {482560, 1249024, 2015488, 2781952, 3287552, 4096, 120640, 0.1, 1.0}, // h.1.proj_w
+    {498944, 1265408, 2031872, 2798336, -1, 64, 124736, 0.0, 1.0}, // h.1.proj_b
+    {499200, 1265664, 2032128, 2798592, -1, 64, 124800, 0.0, 1.0}, // h.1.ln2_w
+    {499456, 1265920, 2032384, 2798848, -1, 64, 124864, 0.0, 1.0}, // h.1.ln2_b
+    {499712, 1266176, 2032640, 2799104, 3295744, 256, 124928, 0.1, 1.0}, // h.1.router_w
+    {500736, 1267200, 2033664, 2800128, 3296256, 32768, 125184, 0.1, 1.0}, // h.1.fc_w
+    {631808, 1398272, 2164736, 2931200, -1, 512, 157952, 0.0, 1.0}, // h.1.fc_b
+    {633856, 1400320, 2166784, 2933248, 3361792, 32768, 158464, 0.1, 1.0}, // h.1.fcproj_w
+    {764928, 1531392, 2297856, 3064320, -1, 256, 191232, 0.0, 1.0}, // h.1.fcproj_b
+    {765952, 1532416, 2298880, 3065344, -1, 64, 191488, 0.0, 1.0}, // lnf_w
+    {766208, 1532672, 2299136, 3065600, -1, 64, 191552, 0.0, 1.0}, // lnf_b
 };
 
 // AdamW over 30 parameters, 191616 values (beta1 0.9, beta2 0.95, eps 1e-08, clip 1), chunks of 8192; 11 bf16 copies
@@ -4295,10 +4332,10 @@ extern "C" __global__ void __launch_bounds__(256) k109_grad_norm__adamw(char *ar
   if (!isfinite(gnorm) || !isfinite(b1[0]))
     return;
   const double sc = clip > 0 ? fmin(1.0, clip / (gnorm + 1e-6)) : 1.0;
-  const double lr = b3[0], step = b2[0];
   const double beta1 = 0.9, beta2 = 0.95, eps = 1e-08;
+  const double lr = b3[0], step = b2[0];
   const MdlAdamW h = {sc, lr, beta1, beta2, eps, 1.0 / (1.0 - pow(beta1, step)), 1.0 / (1.0 - pow(beta2, step))};
-  mdl_opt_adamw<30, 191616, 8192, 2, true>(arena, seg, h); // (segments, values, chunk, unrolled, bf16 copies)
+  mdl_opt_update<0, 2, 30, 191616, 8192, 2, true>(arena, seg, h); // (rule, moments, segments, values, chunk, unrolled, bf16 copies)
 }
 
 // Schedule: 152 launches per step, 119 kernels (76 distinct) and 33 GEMMs; device arena 9232128 bytes.

@@ -1,5 +1,6 @@
 // test_cpu.c: the compiled CPU back end (emit_c + cpu.c) against the reference interpreter
-// (INTERP_F32) on gpt2-tiny, llama-tiny and the MLP, with fusion off and on. Both start from the same
+// (INTERP_F32) on gpt2-tiny, llama-tiny and the MLP (and the MLP with SGD, with and without
+// momentum, with Lion and with Muon, with lr_scale and a frozen parameter), with fusion off and on. Both start from the same
 // parameters and take the same batch (two documents per row, one ignored target), lr 2e-3; then:
 //   - cpu_init_params gives exactly the interpreter's initial parameters;
 //   - after one step the loss and every gradient agree per tensor within 1e-5 relative
@@ -9,6 +10,7 @@
 //     lr * sign(g), which turns the rounding of near-zero gradients into whole updates: the GEMMs
 //     here accumulate in fp32 (the interpreter in double), and the interpreter's own fp32 and fp64
 //     runs already differ by up to 7e-5 on the zero-initialised attention biases of gpt2-tiny;
+//   - a frozen parameter is bit for bit its initial value after the 10 steps;
 //   - fusion on and off give the same loss and gradients within 1e-6 (the chunked LM head sums dW in
 //     another order) and the same parameters after 10 steps, in the L2 measure above;
 //   - a step gives bit-identical results with 1 and 2 threads (fixed-block reductions);
@@ -127,6 +129,29 @@ static const char routing[] =
     "o = gather(y[:, 0:4], idx, axis=1)\n"
     "s = scatter_add(y[:, 4:8], idx, o * o, axis=1)\n"
     "output loss = mean(s * s) + mean(y * y) + mean(prio)\n";
+// The optimizers other than AdamW, on a small MLP, each with its settings: SGD with momentum and
+// Nesterov, per-parameter lr_scale and a frozen bias; plain SGD with weight decay; Lion.
+#define OPT_MLP                                                                                    \
+  "dim B = 8\ndim N = 16\ndim H = 32\ndim K = 4\n"                                                   \
+  "input x: f32[B, N]\ninput targets: i32[B]\n"                                                     \
+  "param w1: [N, H] = normal(0.25)\nparam b1: [H] = zeros\nparam w2: [H, K] = normal(0.18)\n"        \
+  "param b2: [K] = normal(0.1)\n"                                                                  \
+  "h = relu(x @ w1 + b1)\noutput loss = mean(cross_entropy(h @ w2 + b2, targets))\n"
+static const char opt_sgd[] = "model optsgd\n" OPT_MLP
+                              "train {\n optimizer = sgd(lr=0.1, momentum=0.9, nesterov=true, weight_decay=0.01)\n"
+                              " lr_scale = {\"w*\": 0.5, \"b1\": 3}\n freeze = [\"b2\"]\n clip = 1.0\n}\n";
+static const char opt_plain[] = "model optplain\n" OPT_MLP
+                                "train {\n optimizer = sgd(lr=0.1, weight_decay=0.1)\n}\n";
+static const char opt_lion[] = "model optlion\n" OPT_MLP
+                               "train {\n optimizer = lion(lr=3e-4, weight_decay=0.1)\n lr_scale = {\"b*\": 2}\n}\n";
+// Muon: a wide and a tall hidden matrix (w1, w2), AdamW for the biases and the head (w3).
+static const char opt_muon[] = "model optmuon\ndim B = 8\ndim N = 16\ndim H = 32\ndim K = 4\n"
+                               "input x: f32[B, N]\ninput targets: i32[B]\n"
+                               "param w1: [N, H] = normal(0.25)\nparam b1: [H] = zeros\nparam w2: [H, 24] = normal(0.18)\n"
+                               "param w3: [24, K] = normal(0.2)\nparam b3: [K] = zeros\n"
+                               "h = relu(relu(x @ w1 + b1) @ w2)\noutput loss = mean(cross_entropy(h @ w3 + b3, targets))\n"
+                               "train {\n optimizer = muon(lr=0.02, weight_decay=0.01, adam_lr=1e-3)\n"
+                               " lr_scale = {\"w2\": 0.5}\n clip = 1.0\n}\n";
 
 // What one run produced: the loss and gradients of step 1, the parameters after the last step.
 typedef struct {
@@ -199,6 +224,8 @@ static double worst(const Graph *g, double **a, double **b, double (*err)(const 
                     const char **which) {
   double w = 0;
   for (int k = 0; k < g->nparams; k++) {
+    if (!a[k] || !b[k]) // (a frozen parameter's gradient)
+      continue;
     double e = err(a[k], b[k], count(g, k));
     if (e > w || isnan(e)) {
       w = isnan(e) ? INFINITY : e;
@@ -274,7 +301,7 @@ static bool interp_reference(const Graph *g, int steps, Run *ref, Interp **keep)
     if (s == 1) {
       ref->loss = interp_value(it, g->loss)[0];
       for (int k = 0; k < g->nparams; k++)
-        ref->grad[k] = dup_d(interp_value(it, g->grads[k]), count(g, k));
+        ref->grad[k] = g->grads[k] < 0 ? NULL : dup_d(interp_value(it, g->grads[k]), count(g, k));
     }
   }
   for (int k = 0; k < g->nparams; k++)
@@ -306,7 +333,7 @@ static bool cpu_run(const Graph *g, const MemPlan *m, CpuModule *cm, int threads
     if (s == 1) {
       out->loss = *(float *)cpu_value(m, arena, g->loss);
       for (int k = 0; k < g->nparams; k++)
-        out->grad[k] = dup_f(cpu_value(m, arena, g->grads[k]), count(g, k));
+        out->grad[k] = g->grads[k] < 0 ? NULL : dup_f(cpu_value(m, arena, g->grads[k]), count(g, k));
     }
   }
   for (int k = 0; k < g->nparams; k++)
@@ -357,6 +384,18 @@ static void test_model(const Model *md) {
     arena_free(a);
     return;
   }
+  // A frozen parameter has no gradient node, no update and no place in the gradient norm.
+  for (int k = 0; k < g->nparams; k++) {
+    if (!g->nodes[g->params[k]]->init.frozen)
+      continue;
+    bool none = g->grads[k] < 0 && g->updates[k] < 0;
+    for (int i = 0; i < g->n; i++)
+      none &= g->nodes[i]->grad_of != g->params[k] && g->nodes[i]->param_of != g->params[k] &&
+              !(g->nodes[i]->op == OP_GRAD_NORM && g->nodes[i]->nin != g->nparams - 1);
+    snprintf(name, sizeof name, "cpu %s: frozen %s has no gradient, no update, no moment and no place in the norm",
+             md->path, g->nodes[g->params[k]]->name);
+    CHECK(none, name, "it has");
+  }
   Run ref = {0}, got[2];
   memset(got, 0, sizeof got);
   bool have_ref = interp_reference(g, STEPS, &ref, NULL);
@@ -403,6 +442,20 @@ static void test_model(const Model *md) {
     snprintf(name, sizeof name, "cpu %s %s: parameters after %d steps within 5e-4 per tensor, 1e-4 overall (L2: "
              "worst %.1e, overall %.1e)", md->path, mode, STEPS, ep, ea);
     CHECK(ep < 5e-4 && ea < 1e-4, name, "%s: %.3g, overall %.3g", which, ep, ea);
+    if (g->train.optimizer != OPT_ADAMW && g->train.optimizer != OPT_MUON) { // (no sign-like first steps)
+      snprintf(name, sizeof name, "cpu %s %s: %s's parameters after %d steps within 1e-5 per tensor (L2: worst %.1e)",
+               md->path, mode, opt_rule_name(g->train.optimizer), STEPS, ep);
+      CHECK(ep < 1e-5, name, "%s: %.3g", which, ep);
+    }
+    for (int k = 0; k < g->nparams; k++) {
+      if (g->grads[k] >= 0)
+        continue;
+      bool same = !memcmp(got[fz].param[k], ref.init[k], sizeof(double) * (size_t)count(g, k)) &&
+                  !memcmp(ref.param[k], ref.init[k], sizeof(double) * (size_t)count(g, k));
+      snprintf(name, sizeof name, "cpu %s %s: frozen %s is bit for bit its initial value after %d steps", md->path,
+               mode, g->nodes[g->params[k]]->name, STEPS);
+      CHECK(same, name, "it changed");
+    }
 
     if (fz) {
       Run t1 = {0}, t2 = {0};
@@ -410,7 +463,7 @@ static void test_model(const Model *md) {
       cpu_run(g, m, cm, 2, 2, &t2);
       bool same = t1.loss == t2.loss;
       for (int k = 0; k < g->nparams; k++)
-        same &= !memcmp(t1.grad[k], t2.grad[k], sizeof(double) * (size_t)count(g, k)) &&
+        same &= (!t1.grad[k] || !memcmp(t1.grad[k], t2.grad[k], sizeof(double) * (size_t)count(g, k))) &&
                 !memcmp(t1.param[k], t2.param[k], sizeof(double) * (size_t)count(g, k));
       snprintf(name, sizeof name, "cpu %s: 1 and 2 threads give bit-identical steps", md->path);
       CHECK(same, name, "results differ");
@@ -1025,6 +1078,10 @@ int main(void) {
       {"attnkv.mdl", {{NULL, 0}}, 0, attn_kv},
       {"attnkv.mdl", {{"T", 160}, {"C", 128}}, 2, attn_kv},
       {"routing.mdl", {{NULL, 0}}, 0, routing},
+      {"optsgd.mdl", {{NULL, 0}}, 0, opt_sgd},
+      {"optplain.mdl", {{NULL, 0}}, 0, opt_plain},
+      {"optlion.mdl", {{NULL, 0}}, 0, opt_lion},
+      {"optmuon.mdl", {{NULL, 0}}, 0, opt_muon},
   };
   for (size_t i = 0; i < sizeof models / sizeof *models; i++)
     test_model(&models[i]);

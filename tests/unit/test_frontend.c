@@ -392,7 +392,7 @@ static void test_errors(void) {
         "cross_entropy targets must be i32", "%s", errtext);
   CHECK(errors_of("model m\ninput x: f32[4]\ny = sum(x, axis=0, axis=0)\nz = sum(x, axes=0)\nq = sum(axis=0, x)\n") == 3,
         "repeated, unknown and misplaced keyword arguments", "%s", errtext);
-  CHECK(errors_of("model m\ntrain {\n clip = -1\n accumulate = 0\n optimizer = sgd(lr=1)\n"
+  CHECK(errors_of("model m\ntrain {\n clip = -1\n accumulate = 0\n optimizer = rmsprop(lr=1)\n"
                   " schedule = cosine(warmup=1.5)\n no_decay = [\"a\", 3]\n checkpoint = auto(0GiB)\n"
                   " optimizer = adamw(beta1=1)\n}\n") == 7,
         "bad train values: each reported", "%s", errtext);

@@ -233,7 +233,7 @@ static const char *check_flat(const Fusion *f, const MemPlan *m, char *why, size
       snprintf(why, n, "the AdamW update of %s does not write its parameter in place", g->nodes[p]->name);
   }
   if (!*why && (end > m->param_bytes || m->grads != m->params + m->param_bytes || m->m != m->grads + m->param_bytes ||
-                m->v != m->m + m->param_bytes))
+                m->v != m->m + (m->moments > 0 ? m->param_bytes : 0) || m->moments != (g->updates ? 2 : 0)))
     snprintf(why, n, "flat buffers do not follow each other (param_bytes %lld)", (long long)m->param_bytes);
   return why;
 }

@@ -458,12 +458,149 @@ static void test_adamw(void) {
   interp_free(it);
 }
 
+// Each optimizer rule over 10 steps of one parameter against its reference: torch.optim.SGD and
+// torch.optim.AdamW, and Lion's published rule (Chen et al. 2023), as tests/torch/optim_ref.py
+// computes them (its output pasted below, with the gradients it uses: g_t[i] = sin(1.3 t + 0.7 i)
+// (1 + 0.1 i)). The SGD with Nesterov case runs at lr 0.1 with lr_scale 0.5, PyTorch's at 0.05.
+static void test_optimizers(void) {
+  static const double want[5][5] = {
+      // made by tests/torch/optim_ref.py with torch 2.15.0+cu132
+      // sgd(lr=0.1, momentum=0.9, weight_decay=0.01)
+      {0.5849934791073663, -2.0205002036805, 0.7571554632358815, 0.5813224487727129, 3.5106365163003166},
+      // sgd(lr=0.1, momentum=0.9, nesterov=true, weight_decay=0.01), lr_scale 0.5
+      {0.7938051650711262, -2.0192428225799097, 0.5970613142555837, 0.25852847909635535, 3.228526335626645},
+      // sgd(lr=0.1, weight_decay=0.1)
+      {0.8832870488761533, -1.8462040284312393, 0.4150273994143923, -0.017338893828170103, 2.7279405343782708},
+      // adamw(lr=0.1, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
+      {0.74637945535119, -2.103288457424043, 0.5318117406945461, 0.32029913228500584, 3.2551210414143363},
+      // lion(lr=0.03, beta1=0.9, beta2=0.99, weight_decay=0.1)
+      {0.9115594375806918, -1.881609245266674, 0.42564712943280564, 0.05812877901373374, 2.91094228639069},
+  };
+  static const char *const what[5] = {"sgd, momentum 0.9, weight decay", "sgd, Nesterov, lr_scale 0.5",
+                                      "sgd without momentum, weight decay", "adamw", "lion, weight decay"};
+  static const OptRule rule[5] = {OPT_SGD, OPT_SGD, OPT_SGD, OPT_ADAMW, OPT_LION};
+  static const int moments[5] = {1, 1, 0, 2, 1};
+  static const double fa[5][6] = {{0.9, 0, 0, 0.01, 0, 1}, {0.9, 1, 0, 0.01, 0, 0.5}, {0, 0, 0, 0.1, 0, 1},
+                                  {0.9, 0.999, 1e-8, 0.01, 0, 1}, {0.9, 0.99, 0, 0.1, 0, 1}};
+  static const double lr[5] = {0.1, 0.1, 0.1, 0.1, 0.03};
+  for (int c = 0; c < 5; c++) {
+    fresh();
+    int p = param("p", SH(5)), gr = param("g", SH(5));
+    int in[7] = {p, gr}, nin = 2;
+    for (int k = 0; k < moments[c]; k++)
+      in[nin++] = must(ir_leaf(g, OP_STATE, k ? "p.v" : "p.m", DT_F32, SH(5), L0));
+    int lrn = must(ir_leaf(g, OP_SCALAR, "lr", DT_F32, (Shape){0}, L0));
+    int step = must(ir_leaf(g, OP_SCALAR, "step", DT_F32, (Shape){0}, L0));
+    in[nin++] = NODE(OP_GRAD_NORM, NULL, NULL, gr);
+    in[nin++] = lrn;
+    in[nin++] = step;
+    int up = must(ir_add(g, OP_ADAMW, in, nin, IA(rule[c]), fa[c], L0));
+    Interp *it = interp_new(g, INTERP_F64);
+    set(it, p, (double[]){1, -2, 0.5, 0, 3});
+    interp_set_scalar(it, "lr", lr[c]);
+    for (int t = 1; t <= 10; t++) {
+      double gt[5];
+      for (int i = 0; i < 5; i++)
+        gt[i] = sin(1.3 * t + 0.7 * i) * (1 + 0.1 * i);
+      set(it, gr, gt);
+      interp_set_scalar(it, "step", t);
+      run(it);
+    }
+    char name[96];
+    snprintf(name, sizeof name, "%s: 10 steps as the reference", what[c]);
+    EXPECT(it, up, 1e-13, name, want[c][0], want[c][1], want[c][2], want[c][3], want[c][4]);
+    interp_free(it);
+  }
+  // A rule with the wrong number of moments is refused by the IR.
+  fresh();
+  int p = param("p", SH(2)), gr = param("g", SH(2));
+  int lrn = must(ir_leaf(g, OP_SCALAR, "lr", DT_F32, (Shape){0}, L0));
+  int step = must(ir_leaf(g, OP_SCALAR, "step", DT_F32, (Shape){0}, L0));
+  int gn = NODE(OP_GRAD_NORM, NULL, NULL, gr);
+  CHECK(ir_add(g, OP_ADAMW, (int[]){p, gr, gn, lrn, step}, 5, IA(OPT_LION), FA(0.9, 0.99), L0) < 0 &&
+            strstr(g->err, "lion takes"),
+        "lion without its moment is refused", "err '%s'", g->err);
+}
+
+// Muon over 10 steps against Keller Jordan's muon_update and SingleDeviceMuon's step (float64, as
+// tests/torch/optim_ref.py runs them; its output pasted below): a wide 3 x 5 and a tall 5 x 3 matrix
+// (the iterations on the other side), Nesterov and not, with and without weight decay. The model's
+// loss is sum(w * gw) + sum(v * gv), so the gradients are the inputs, set to g_t[i] = sin(1.3 t +
+// 0.37 i^2) (1 + 0.1 i) each step (i the flat index; f32, as the reference rounds them) from p0[i] =
+// 0.1 cos(0.9 i). The whole training graph runs: autodiff's Newton-Schulz steps (MATMULs) and the
+// update.
+static void test_muon(void) {
+  static const double want[4][15] = {
+      // made by tests/torch/optim_ref.py with torch 2.15.0+cu132
+      // muon(lr=0.02, momentum=0.95, weight_decay=0.1), 3 x 5
+      {0.07809124049670867, 0.047391029976215034, -0.015119444099105277, -0.07703825374963578,
+       -0.12170885639106778, -0.006291360650233007, 0.05964235318342855, 0.07977152442084784, 0.04987292160451575,
+       -0.044248227978554516, -0.11433466021560652, -0.09153395209375148, 0.005687338293168639,
+       0.03321620539989423, 0.11149681106452203},
+      // muon(lr=0.02, momentum=0.95, weight_decay=0.1), 5 x 3
+      {0.08383958134540855, 0.04015354530531709, -0.007005252261151837, -0.07168381595006672, -0.10872331255788734,
+       0.004937203313529916, 0.06646438486197512, 0.07457255949032052, 0.03126183140542792, -0.047642673327817985,
+       -0.11287240974930222, -0.08162671204081119, 0.017780950181746646, 0.02869163387738941, 0.12179109158221375},
+      // muon(lr=0.05, momentum=0.9, nesterov=false), 3 x 5
+      {0.04135686456941377, -0.003514879854557722, 0.02149487400337843, -0.054706069396221454,
+       -0.17287541459818231, 0.04156362175889938, -0.008549686327744273, 0.016986391569057575,
+       -0.02655511791453434, -0.08723244604683136, -0.16475936155332066, -0.11741284532710666, 0.04604953119874234,
+       -0.006979163962406334, 0.13949853223872874},
+      // muon(lr=0.05, momentum=0.9, nesterov=false), 5 x 3
+      {0.018926634046120286, 0.04435705545724779, 0.0554792703834586, -0.05829662690409873, -0.15280502232485899,
+       0.05059716655179473, 0.03757793478153651, 0.006246680405244919, 0.007914157664272697, -0.052058297621056106,
+       -0.208906660790536, -0.13596155535844326, 0.07710553756316443, -0.035561926240480546, 0.15655281351216968},
+  };
+  static const char *const opt[2] = {"muon(lr=0.02, weight_decay=0.1)", "muon(lr=0.05, momentum=0.9, nesterov=false)"};
+  for (int c = 0; c < 2; c++) {
+    char text[512];
+    snprintf(text, sizeof text, "model mu\ninput gw: f32[3, 5]\ninput gv: f32[5, 3]\nparam w: [3, 5] = zeros\n"
+             "param v: [5, 3] = zeros\noutput loss = sum(w * gw) + sum(v * gv)\ntrain {\n optimizer = %s\n}\n", opt[c]);
+    Arena *a = arena_new();
+    Graph *mg = mdl_compile_text(a, "mu.mdl", text, NULL, 0);
+    CHECK(mg && autodiff(mg, true), "muon: the model compiles", "%s", mg ? mg->err : "front end");
+    if (!mg || !mg->updates) {
+      arena_free(a);
+      continue;
+    }
+    bool both = mg->nodes[mg->params[0]]->init.muon && mg->nodes[mg->params[1]]->init.muon;
+    CHECK(both, "muon: both matrices are hidden matrices (no embedding, no LM head)", "not both");
+    Interp *it = interp_new(mg, INTERP_F64);
+    for (int k = 0; k < 2; k++)
+      for (int i = 0; i < 15; i++)
+        interp_param(it, mg->params[k])[i] = 0.1 * cos(0.9 * i);
+    interp_set_scalar(it, "lr", mg->train.lr);
+    char err[256] = "";
+    bool ok = true;
+    for (int t = 1; t <= 10 && ok; t++) {
+      float gt[15];
+      for (int i = 0; i < 15; i++)
+        gt[i] = (float)(sin(1.3 * t + 0.37 * i * i) * (1 + 0.1 * i));
+      interp_set_input(it, "gw", NULL, gt, 15);
+      interp_set_input(it, "gv", NULL, gt, 15);
+      interp_set_scalar(it, "step", t);
+      ok = interp_run(it, mg->n, err, sizeof err);
+    }
+    for (int k = 0; k < 2; k++) {
+      double worst = 0;
+      for (int i = 0; ok && i < 15; i++)
+        worst = fmax(worst, fabs(interp_param(it, mg->params[k])[i] - want[2 * c + k][i]));
+      char name[160];
+      snprintf(name, sizeof name, "%s, %s: 10 steps as Keller Jordan's Muon within 1e-12 (worst %.1e)", opt[c],
+               k ? "5 x 3" : "3 x 5", worst);
+      CHECK(ok && worst < 1e-12, name, "%s", ok ? "differs" : err);
+    }
+    interp_free(it);
+    arena_free(a);
+  }
+}
+
 static void test_init(void) {
   fresh();
   int w = param("w", SH(100, 100)), o = param("o", SH(3)), z = param("z", SH(3));
-  g->nodes[w]->init = (ParamInit){INIT_NORMAL, 0.02, true};
-  g->nodes[o]->init = (ParamInit){INIT_ONES, 0, false};
-  g->nodes[z]->init = (ParamInit){INIT_ZEROS, 0, false};
+  g->nodes[w]->init = (ParamInit){.kind = INIT_NORMAL, .std = 0.02, .decay = true};
+  g->nodes[o]->init = (ParamInit){.kind = INIT_ONES};
+  g->nodes[z]->init = (ParamInit){.kind = INIT_ZEROS};
   Interp *it = interp_new(g, INTERP_F32), *again = interp_new(g, INTERP_F32);
   set(it, z, (double[]){5, 5, 5});
   interp_init_params(it, 1);
@@ -618,6 +755,8 @@ int main(void) {
   test_rope();
   test_dropout();
   test_adamw();
+  test_optimizers();
+  test_muon();
   test_init();
   test_backward_ops();
   arena_free(arena);

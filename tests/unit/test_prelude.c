@@ -48,7 +48,7 @@ static bool c_compiles_clean(const char *src, char *why, size_t n) {
 // and f32 ones for the others, int64_t indices, f32 output), dk and dv alone once each; grouped kv
 // heads in a window, and keys of another length; cross-entropy
 // rows (mdl_ce_row) by a block or a warp, 8 bf16 or 4 f32 logits a load or one at a time, with the loss
-// and / or the gradient; the optimizer's kernels (mdl_opt_sumsq, mdl_opt_norm, mdl_opt_adamw).
+// and / or the gradient; the optimizer's kernels (mdl_opt_sumsq, mdl_opt_norm, mdl_opt_update).
 static char *template_instances(void) {
   size_t cap = 1 << 17, len = strlen(ec_prelude_cuda);
   char *s = malloc(len + cap), *p = s + len;
@@ -135,9 +135,9 @@ static char *template_instances(void) {
                 "  float *x = (float *)arena + (blockIdx.x * 8 + (threadIdx.x >> 5)) * 1001, *f = x + (64 << 20);\n"
                 "  mdl_ce_row<int, 1001, 32, 0, true, false>(x, (float *)nullptr, 7, f, nullptr, status, "
                 "threadIdx.x & 31, nullptr, nullptr);\n}\n"
-                "static __device__ const MdlSeg segs[3] = {{0, 4096, 8192, 12288, -1, 1000, 0, 0.1}, "
-                "{16384, 20480, 24576, 28672, 32768, 3000, 1000, 0.0}, "
-                "{40000, 44000, 48000, 52000, -1, 9, 4000, 0.1}};\n"
+                "static __device__ const MdlSeg segs[3] = {{0, 4096, 8192, 12288, -1, 1000, 0, 0.1, 1.0}, "
+                "{16384, 20480, 24576, 28672, 32768, 3000, 1000, 0.0, 0.5}, "
+                "{40000, 44000, 48000, 52000, -1, 9, 4000, 0.1, 1.0}};\n"
                 "extern \"C\" __global__ void __launch_bounds__(256) opt0(char *arena) {\n"
                 "  __shared__ double sh_d[48];\n"
                 "  mdl_opt_sumsq<3, 4009, 8192, 4>(arena, segs, (double *)(arena + 65536), sh_d);\n}\n"
@@ -146,11 +146,20 @@ static char *template_instances(void) {
                 "  mdl_opt_norm<1>((double *)(arena + 65536), (float *)(arena + 65600), sh_d);\n}\n"
                 "extern \"C\" __global__ void __launch_bounds__(256) opt2(char *arena) {\n"
                 "  const MdlAdamW h = {1.0, 1e-3, 0.9, 0.95, 1e-8, 10.0, 20.0};\n"
-                "  mdl_opt_adamw<3, 4009, 8192, 2, true>(arena, segs, h);\n}\n"
+                "  mdl_opt_update<0, 2, 3, 4009, 8192, 2, true>(arena, segs, h);\n}\n"
                 "extern \"C\" __global__ void __launch_bounds__(256) opt3(char *arena) {\n"
                 "  const MdlAdamW h = {1.0, 1e-3, 0.9, 0.95, 1e-8, 10.0, 20.0};\n"
-                "  const MdlSeg seg[1] = {{0, 4096, 8192, 12288, -1, 1000, 0, 0.1}};\n"
-                "  mdl_opt_adamw<1, 1000, 8192, 2, false>(arena, seg, h);\n}\n");
+                "  const MdlSeg seg[1] = {{0, 4096, 8192, 12288, -1, 1000, 0, 0.1, 1.0}};\n"
+                "  mdl_opt_update<0, 2, 1, 1000, 8192, 2, false>(arena, seg, h);\n}\n"
+                "extern \"C\" __global__ void __launch_bounds__(256) opt4(char *arena) {\n"
+                "  const MdlAdamW h = {1.0, 1e-3, 0.9, 1.0, 0.0, 1.0, 1.0};\n"
+                "  mdl_opt_update<1, 1, 3, 4009, 8192, 2, true>(arena, segs, h);\n}\n"
+                "extern \"C\" __global__ void __launch_bounds__(256) opt5(char *arena) {\n"
+                "  const MdlAdamW h = {1.0, 1e-3, 0.0, 0.0, 0.0, 1.0, 1.0};\n"
+                "  mdl_opt_update<1, 0, 3, 4009, 8192, 2, false>(arena, segs, h);\n}\n"
+                "extern \"C\" __global__ void __launch_bounds__(256) opt6(char *arena) {\n"
+                "  const MdlAdamW h = {1.0, 1e-4, 0.9, 0.99, 0.0, 1.0, 1.0};\n"
+                "  mdl_opt_update<2, 1, 3, 4009, 8192, 2, true>(arena, segs, h);\n}\n");
   return s;
 }
 
