@@ -469,7 +469,7 @@ static int param_grad(Ad *ad, int p) {
 }
 
 // Muon's update of matrix p (r x c) from its gradient g, as Keller Jordan's muon_update: the
-// gradient scaled by the clip factor, the momentum mn = beta m + (1 - beta) g, with Nesterov u = (1 -
+// gradient scaled by the clip factor (1 without clipping), the momentum mn = beta m + (1 - beta) g, with Nesterov u = (1 -
 // beta) g + beta mn, else u = mn; X = u / (||u||_F + 1e-7); then 5 quintic Newton-Schulz iterations
 // (a, b, c) = (3.4445, -4.7750, 2.0315): A = X X^T, B = b A + c A A, X = a X + B X, each on the
 // shorter side (a tall matrix iterates on X^T: A = X^T X, X = a X + X B), and X times max(1, r /
@@ -482,12 +482,17 @@ static int muon_ortho(Graph *g, const IrNode *p, int grad, int m, int gnorm) {
   bool tall = r > c;
 #define K(v) ir_const(g, (v), at)
 #define OP2(op, x, y) ir_add(g, op, (int[]){(x), (y)}, 2, NULL, NULL, at)
-  int gs = grad;
+  // Without clipping the factor is gnorm * 0 + 1 (1, or NaN with a norm that is not finite, a step
+  // skipped anyway): either way Muon reads its gradient only after the gradient norm, as every other
+  // update does, so nothing reads a gradient before the norm's step (a data-parallel run reduces
+  // every gradient over the ranks there, runtime/engine.c's engine_grad_ranges).
+  int q = OP2(OP_ADD, OP2(OP_MUL, gnorm, K(0)), K(1));
   if (t->clip > 0) {
     double inf[2] = {-INFINITY, 1};
-    int q = OP2(OP_DIV, K(t->clip), OP2(OP_ADD, gnorm, K(1e-6)));
-    gs = OP2(OP_MUL, grad, ir_add(g, OP_CLAMP, (int[]){q}, 1, NULL, inf, at));
+    q = OP2(OP_DIV, K(t->clip), OP2(OP_ADD, gnorm, K(1e-6)));
+    q = ir_add(g, OP_CLAMP, (int[]){q}, 1, NULL, inf, at);
   }
+  int gs = OP2(OP_MUL, grad, q);
   double beta = t->momentum;
   int mn = OP2(OP_ADD, OP2(OP_MUL, m, K(beta)), OP2(OP_MUL, gs, K(1 - beta)));
   int u = t->nesterov ? OP2(OP_ADD, OP2(OP_MUL, gs, K(1 - beta)), OP2(OP_MUL, mn, K(beta))) : mn;

@@ -581,9 +581,10 @@ typedef struct {
   double *launch_seconds; //   each launch's time, summed over the steps after the first
   void *nccl;             // Engine.set_nccl: the ranks' communicator, or NULL
   const bool *poison;     //   NaN gradients this step
-  int64_t (*ranges)[2];   //   the gradients the optimizer reads (engine_grad_ranges)
-  int nranges, opt_first; //   and the optimizer's first plan step
-  CUevent red[2];         //   around the all-reduces
+  GradRange *ranges;      //   the gradients the optimizer reads (engine_grad_ranges)
+  int nranges;
+  CUevent *red;           //   before and after each range's all-reduce
+  int nred;               //   (pairs created)
 } CudaEngine;
 
 static bool staged(const IrNode *nd) { return nd->op == OP_INPUT || nd->op == OP_SCALAR; }
@@ -773,23 +774,22 @@ static bool cu_params(CudaEngine *ce, char *err, size_t n) {
 static bool cu_draw_params(Engine *e, char *err, size_t n) { return cu_params((CudaEngine *)e, err, n); }
 
 // A step of several ranks (Engine.set_nccl): the launches one by one on the stream, as --profile
-// runs them (an all-reduce is not captured into the step's graph), with the gradients made their mean
-// over the ranks (NCCL, on the same stream) before the optimizer's first launch.
+// runs them (an all-reduce is not captured into the step's graph), each gradient made its mean over
+// the ranks (NCCL, on the same stream, between the events red[2r] and red[2r + 1]) before the first
+// launch of the plan step that first reads it.
 static bool nccl_step(CudaEngine *ce, char *err, size_t n) {
   const CudaPlan *p = ce->plan;
-  bool ok = CU(err, n, cuMemsetD8Async, ce->status, 0, sizeof(MdlStatus), ce->stream), reduced = false;
-  for (int i = 0; ok && i <= p->nlaunches; i++) {
-    if (!reduced && (i == p->nlaunches || p->launches[i].step >= ce->opt_first)) {
-      ok = CU(err, n, cuEventRecord, ce->red[0], ce->stream);
-      for (int r = 0; ok && r < ce->nranges; r++) {
-        CUdeviceptr x = ce->arena + (CUdeviceptr)ce->ranges[r][0];
-        size_t count = (size_t)(ce->ranges[r][1] - ce->ranges[r][0]) / 4;
-        if (*ce->poison && drv.cuMemsetD32Async) // (a NaN, as float bits)
-          ok = CU(err, n, cuMemsetD32Async, x, 0x7fc00000u, count, ce->stream);
-        ok = ok && dist_nccl_mean_f32(ce->nccl, (void *)x, (int64_t)count, ce->stream, err, n);
-      }
-      ok = ok && CU(err, n, cuEventRecord, ce->red[1], ce->stream);
-      reduced = true;
+  bool ok = CU(err, n, cuMemsetD8Async, ce->status, 0, sizeof(MdlStatus), ce->stream);
+  for (int i = 0, next = 0; ok && i <= p->nlaunches; i++) {
+    int step = i < p->nlaunches ? p->launches[i].step : INT32_MAX;
+    for (; ok && next < ce->nranges && ce->ranges[next].at <= step; next++) {
+      CUdeviceptr x = ce->arena + (CUdeviceptr)ce->ranges[next].from;
+      size_t count = (size_t)(ce->ranges[next].to - ce->ranges[next].from) / 4;
+      ok = CU(err, n, cuEventRecord, ce->red[2 * next], ce->stream);
+      if (ok && *ce->poison && drv.cuMemsetD32Async) // (a NaN, as float bits)
+        ok = CU(err, n, cuMemsetD32Async, x, 0x7fc00000u, count, ce->stream);
+      ok = ok && dist_nccl_mean_f32(ce->nccl, (void *)x, (int64_t)count, ce->stream, err, n) &&
+           CU(err, n, cuEventRecord, ce->red[2 * next + 1], ce->stream);
     }
     if (ok && i < p->nlaunches)
       ok = enqueue(ce, i, err, n);
@@ -807,9 +807,13 @@ static bool cu_step(Engine *e, char *err, size_t n) {
                      : CU(err, n, cuGraphLaunch, ce->exec, ce->stream)) ||
       !download(ce, &st, ce->status, sizeof st, err, n))
     return false;
-  float ms = 0;
-  if (ce->nccl && CU(err, n, cuEventElapsedTime, &ms, ce->red[0], ce->red[1]))
-    e->reduce_seconds = 1e-3 * ms;
+  e->reduce_seconds = 0;
+  for (int r = 0; ce->nccl && r < ce->nranges; r++) {
+    float ms = 0;
+    if (!CU(err, n, cuEventElapsedTime, &ms, ce->red[2 * r], ce->red[2 * r + 1]))
+      return false;
+    e->reduce_seconds += 1e-3 * ms;
+  }
   e->profiled_steps += e->profile && e->profile_warm;
   e->profile_warm |= e->profile;
   if (st.set)
@@ -992,10 +996,17 @@ static bool cu_set_nccl(Engine *e, void *comm, const bool *poison) {
   ce->nccl = NULL;
   if (!comm)
     return true;
-  if (!e->fusion || !(ce->ranges = engine_grad_ranges(e->fusion, ce->m, &ce->nranges, &ce->opt_first)))
+  if (!e->fusion || !(ce->ranges = engine_grad_ranges(e->fusion, ce->m, &ce->nranges)))
     return false;
-  for (int i = 0; i < 2; i++)
-    if (!ce->red[i] && !CU(err, sizeof err, cuEventCreate, &ce->red[i], 0)) {
+  for (int i = 0; ce->red && i < 2 * ce->nred; i++)
+    drv.cuEventDestroy(ce->red[i]);
+  free(ce->red);
+  ce->nred = 0;
+  if (!(ce->red = calloc(2 * (size_t)ce->nranges, sizeof *ce->red)))
+    return false;
+  for (; ce->nred < ce->nranges; ce->nred++)
+    if (!CU(err, sizeof err, cuEventCreate, &ce->red[2 * ce->nred], 0) ||
+        !CU(err, sizeof err, cuEventCreate, &ce->red[2 * ce->nred + 1], 0)) {
       fprintf(stderr, "mdlc: cuda: %s\n", err);
       return false;
     }
@@ -1007,9 +1018,10 @@ static bool cu_set_nccl(Engine *e, void *comm, const bool *poison) {
 static void cu_free(Engine *e) {
   CudaEngine *ce = (CudaEngine *)e;
   free(ce->ranges);
-  for (int i = 0; i < 2; i++)
+  for (int i = 0; ce->red && i < 2 * ce->nred; i++)
     if (ce->red[i])
       drv.cuEventDestroy(ce->red[i]);
+  free(ce->red);
   if (ce->stream)
     drv.cuStreamSynchronize(ce->stream);
   for (int i = 0; i < ce->nmarks; i++)

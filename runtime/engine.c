@@ -133,8 +133,7 @@ typedef struct {
   // gradients are final before it)
   bool (*reduce)(void *ctx, float *x, int64_t n, char *err, size_t en);
   void *reduce_ctx;
-  int opt_first;
-  int64_t (*ranges)[2]; // the arena's byte ranges [from, to) of the gradients the optimizer reads
+  GradRange *ranges; // the gradients the optimizer reads, each reduced before its step
   int nranges;
 } CpuEngine;
 
@@ -161,54 +160,62 @@ static void ce_set_scalar(Engine *e, const char *name, double v) {
 
 static void ce_set_seed(Engine *e, uint64_t seed) { ((CpuEngine *)e)->cm->hooks.seed = seed; }
 
-// Engine.set_reduce's call: every gradient the optimizer reads made the mean over the ranks.
-static bool ce_reduce(CpuEngine *ce, char *err, size_t n) {
-  for (int i = 0; i < ce->nranges; i++)
-    if (!ce->reduce(ce->reduce_ctx, (float *)(ce->arena + ce->ranges[i][0]), (ce->ranges[i][1] - ce->ranges[i][0]) / 4,
-                    err, n))
+// Engine.set_reduce's call before kernel i: the gradients reduced there made the mean over the ranks.
+static bool ce_reduce(CpuEngine *ce, int i, char *err, size_t n) {
+  for (int k = 0; k < ce->nranges; k++)
+    if (ce->ranges[k].at == i &&
+        !ce->reduce(ce->reduce_ctx, (float *)(ce->arena + ce->ranges[k].from),
+                    (ce->ranges[k].to - ce->ranges[k].from) / 4, err, n))
       return false;
   return true;
 }
 
-static int by_start(const void *a, const void *b) {
-  int64_t x = (*(const int64_t(*)[2])a)[0], y = (*(const int64_t(*)[2])b)[0];
-  return (x > y) - (x < y);
+static int by_step(const void *a, const void *b) {
+  const GradRange *x = a, *y = b;
+  return x->at != y->at ? (x->at > y->at) - (x->at < y->at) : (x->from > y->from) - (x->from < y->from);
 }
 
-int64_t (*engine_grad_ranges(const Fusion *f, const MemPlan *m, int *nranges, int *opt_first))[2] {
+// The node a view (a RESHAPE in no step) shows, else id itself.
+static int viewed(const Fusion *f, int id) {
+  while (f->step_of[id] < 0 && f->g->nodes[id]->op == OP_RESHAPE)
+    id = f->g->nodes[id]->in[0];
+  return id;
+}
+
+GradRange *engine_grad_ranges(const Fusion *f, const MemPlan *m, int *nranges) {
   const Graph *g = f->g;
   const IrNode *norm = NULL;
   for (int i = 0; i < g->n && !norm; i++)
     norm = g->nodes[i]->op == OP_GRAD_NORM ? g->nodes[i] : NULL;
-  int64_t(*r)[2] = norm ? malloc(sizeof *r * (size_t)(norm->nin ? norm->nin : 1)) : NULL;
+  GradRange *r = norm ? malloc(sizeof *r * (size_t)(norm->nin ? norm->nin : 1)) : NULL;
   if (!r)
     return NULL;
-  *opt_first = f->nsteps;
-  for (int s = f->nsteps - 1; s >= 0; s--)
-    for (int k = 0; k < f->steps[s].nnodes; k++) {
-      Op op = g->nodes[f->steps[s].nodes[k]]->op;
-      if (op == OP_GRAD_NORM || op == OP_ADAMW)
-        *opt_first = s;
-    }
   bool ok = true;
   for (int i = 0; ok && i < norm->nin; i++) {
     const IrNode *x = g->nodes[norm->in[i]];
-    // (a view has its node's offset and no step of its own)
-    ok = m->offset[x->id] >= 0 && x->dtype == DT_F32 && f->step_of[x->id] < *opt_first;
-    r[i][0] = m->offset[x->id];
-    r[i][1] = m->offset[x->id] + 4 * shape_numel(x->shape);
+    int base = viewed(f, x->id), w = f->step_of[base], at = f->nsteps;
+    ok = m->offset[x->id] >= 0 && x->dtype == DT_F32 && w >= 0;
+    const Step *ws = ok ? &f->steps[w] : NULL; // (a node of the writer's own step that reads it: no
+    for (int k = 0; ok && k < ws->nnodes; k++)     // place to reduce it between)
+      for (int j = 0; ok && j < g->nodes[ws->nodes[k]]->nin; j++)
+        ok = viewed(f, g->nodes[ws->nodes[k]]->in[j]) != base;
+    for (int s = f->nsteps - 1; ok && s > w; s--) // (the first reader after the writer)
+      for (int k = 0; k < f->steps[s].nins; k++)
+        if (viewed(f, f->steps[s].ins[k]) == base)
+          at = s;
+    r[i] = (GradRange){m->offset[x->id], m->offset[x->id] + 4 * shape_numel(x->shape), at};
   }
   if (ok)
-    qsort(r, (size_t)norm->nin, sizeof *r, by_start);
+    qsort(r, (size_t)norm->nin, sizeof *r, by_step);
   int64_t lo = m->grads, hi = m->grads + m->param_bytes;
   int n = 0;
   for (int i = 0; ok && i < norm->nin; i++) {
-    int64_t *prev = n ? r[n - 1] : NULL;
-    ok = !prev || r[i][0] >= prev[1]; // (two gradients in one place: not a plan this can reduce)
-    if (ok && prev && prev[0] >= lo && r[i][1] <= hi)
-      prev[1] = r[i][1];
+    GradRange *prev = n ? &r[n - 1] : NULL;
+    ok = !prev || prev->at != r[i].at || r[i].from >= prev->to; // (two gradients in one place: not reducible)
+    if (ok && prev && prev->at == r[i].at && prev->from >= lo && r[i].to <= hi)
+      prev->to = r[i].to;
     else if (ok)
-      memmove(r[n++], r[i], sizeof *r);
+      r[n++] = r[i];
   }
   if (!ok) {
     free(r);
@@ -221,22 +228,17 @@ int64_t (*engine_grad_ranges(const Fusion *f, const MemPlan *m, int *nranges, in
 static bool ce_step(Engine *e, char *err, size_t n) {
   CpuEngine *ce = (CpuEngine *)e;
   cpe_draw_params(e, err, n);
-  bool ok = true, reduced = false;
+  bool ok = true;
   if (!e->profile && !ce->reduce)
     ok = cpu_step(ce->cm, ce->arena);
   for (int i = 0; (e->profile || ce->reduce) && ok && i < ce->cm->nkernels; i++) {
-    if (ce->reduce && i == ce->opt_first) {
-      if (!ce_reduce(ce, err, n))
-        return false;
-      reduced = true;
-    }
+    if (ce->reduce && !ce_reduce(ce, i, err, n))
+      return false;
     double t0 = rt_now();
     ok = cpu_run_kernel(ce->cm, i, ce->arena);
     if (e->profile && e->profile_warm)
       e->kernel_seconds[i] += rt_now() - t0;
   }
-  if (ok && ce->reduce && !reduced && !ce_reduce(ce, err, n))
-    return false;
   e->profiled_steps += e->profile && e->profile_warm && ok;
   e->profile_warm |= e->profile && ok;
   if (!ok)
@@ -334,7 +336,7 @@ static void ce_idle(Engine *e, bool params_too) {
   }
 }
 
-// Engine.set_reduce: the gradients of engine_grad_ranges, before the optimizer's first kernel.
+// Engine.set_reduce: the gradients of engine_grad_ranges, each before its first reader's kernel.
 static bool ce_set_reduce(Engine *e, bool (*fn)(void *ctx, float *x, int64_t n, char *err, size_t en), void *ctx) {
   CpuEngine *ce = (CpuEngine *)e;
   free(ce->ranges);
@@ -343,7 +345,7 @@ static bool ce_set_reduce(Engine *e, bool (*fn)(void *ctx, float *x, int64_t n, 
   ce->reduce = NULL;
   if (!fn)
     return true;
-  if (!e->fusion || !(ce->ranges = engine_grad_ranges(e->fusion, ce->m, &ce->nranges, &ce->opt_first)))
+  if (!e->fusion || !(ce->ranges = engine_grad_ranges(e->fusion, ce->m, &ce->nranges)))
     return false;
   ce->reduce = fn;
   ce->reduce_ctx = ctx;

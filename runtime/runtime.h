@@ -159,11 +159,18 @@ struct Engine {
 };
 
 // The gradients the optimizer reads (the gradient norm's inputs: with gradient accumulation the means
-// with the micro-batches', not the flat gradient buffer) as sorted byte ranges [from, to) of the arena,
-// those inside the flat gradient buffer merged across its padding (GPT-2's gradients are one range),
-// malloc'd, and the first plan step of the optimizer, before which they are all written. NULL where the
-// plan keeps one inside a kernel.
-int64_t (*engine_grad_ranges(const Fusion *f, const MemPlan *m, int *nranges, int *opt_first))[2];
+// with the micro-batches', not the flat gradient buffer), as byte ranges of the arena, each with the
+// plan step before which it is reduced: the first that reads it after the step that writes it. With
+// AdamW that is the optimizer's step for every one; Muon's products start on the last layers'
+// gradients while the backward is still writing the first layers', so its ranges are reduced in
+// buckets, each before its first reader. Sorted by that step, then by offset; neighbours of one step
+// inside the flat gradient buffer merged across its padding (GPT-2's gradients are one range).
+// malloc'd; NULL where the plan keeps one inside a kernel.
+typedef struct {
+  int64_t from, to; // bytes [from, to) of the arena
+  int at;           // reduced before plan step `at`
+} GradRange;
+GradRange *engine_grad_ranges(const Fusion *f, const MemPlan *m, int *nranges);
 
 // One line per kernel: name, ms per step, share of the step, GFLOP/s, GB/s, the .mdl ops inside;
 // slowest first.

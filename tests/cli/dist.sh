@@ -80,6 +80,15 @@ mp run "${common[@]}" -D B=2 --accumulate 2 --steps 6 --out "$tmp/acc2" >"$tmp/a
 close "$tmp/acc1/log.jsonl" "$tmp/acc2/log.jsonl" 2e-5 && ok "with --accumulate 2 as well" ||
   fail "--accumulate 2 over 2 ranks: $(tail -3 "$tmp/acc2.out")"
 
+# Muon, whose Newton-Schulz products read the gradients: on the MLP's arrays, each rank its slice of
+# the examples, 2 ranks at B=16 against 1 process at B=32.
+build/tools/blobs "$tmp/blobs" 800 >/dev/null
+mlp=(models/mlp.mdl --data "$tmp/blobs" --backend cpu --precision fp32 --steps 6 --set "optimizer=muon(lr=0.02)")
+$m run "${mlp[@]}" -D B=32 --out "$tmp/muon1" >"$tmp/muon1.out" 2>&1
+mp run "${mlp[@]}" -D B=16 --out "$tmp/muon2" >"$tmp/muon2.out" 2>&1
+close "$tmp/muon1/log.jsonl" "$tmp/muon2/log.jsonl" 1e-5 && ok "Muon over 2 ranks: the losses of 1 process at the doubled batch" ||
+  fail "Muon over 2 ranks: $(tail -3 "$tmp/muon2.out")"
+
 # Resume: 2 ranks stopped at step 10 and resumed give the straight run's losses; the checkpoint of 2
 # ranks resumes in 1 process at B=4.
 mp run "${common[@]}" -D B=2 --steps 10 --out "$tmp/half" >/dev/null 2>&1
