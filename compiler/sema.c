@@ -44,9 +44,11 @@ static Val int_val(int64_t i) { return (Val){.kind = V_INT, .i = i}; }
 static Val float_val(double f) { return (Val){.kind = V_FLOAT, .f = f}; }
 static Val tensor_val(int node) { return (Val){.kind = V_TENSOR, .node = node}; }
 
-typedef enum { SYM_DIM, SYM_CONST, SYM_PARAM, SYM_INPUT, SYM_VALUE, SYM_REPEAT } SymKind;
-static const char *const sym_kind[] = {"dim", "const", "param", "input", "value", "repeat block"};
-static const char *const a_sym_kind[] = {"a dim", "a const", "a param", "an input", "a value", "a repeat block"};
+// SYM_INDEX: the index of `repeat NAME[N] as INDEX`, an integer constant inside one repetition.
+typedef enum { SYM_DIM, SYM_CONST, SYM_PARAM, SYM_INPUT, SYM_VALUE, SYM_REPEAT, SYM_INDEX } SymKind;
+static const char *const sym_kind[] = {"dim", "const", "param", "input", "value", "repeat block", "repeat index"};
+static const char *const a_sym_kind[] = {"a dim", "a const", "a param", "an input", "a value", "a repeat block",
+                                         "a repeat index"};
 
 typedef enum { UNSEEN, EVALUATING, DONE } EvalState;
 
@@ -116,6 +118,7 @@ typedef struct Scope {
 typedef struct {
   const char *name, *kind, *repeat;
   SrcLoc at;
+  bool index; // the index of repeat block `repeat`
 } Decl;
 
 // One `KEY = value` line of the train section (other than dim bindings).
@@ -295,7 +298,10 @@ static void unknown_name(Sema *s, const Expr *e) {
   for (int i = 0; i < s->decls.n && !d; i++)
     if (!strcmp(((Decl *)s->decls.v[i])->name, e->s))
       d = s->decls.v[i];
-  if (d && s->constant) {
+  if (d && d->index) {
+    if (error_at(s, e->at, "'%s' is the index of repeat block '%s' and exists only inside its body", e->s, d->repeat))
+      diag_note(d->at, "'%s' is defined here", e->s);
+  } else if (d && s->constant) {
     error_at(s, e->at, "'%s' is %s; only dims and consts can be used here", e->s, d->kind);
   } else if (d && loc_before(e->at, d->at)) {
     if (error_at(s, e->at, "'%s' is used before its definition", e->s))
@@ -360,6 +366,7 @@ static const char *op_text(int op) {
   case '*': return "*";
   case '/': return "/";
   case '@': return "@";
+  case 'q': return "//";
   default: return "%";
   }
 }
@@ -1289,6 +1296,8 @@ static Val name_value(Sema *s, const Expr *e) {
   }
   if (y->kind == SYM_DIM || y->kind == SYM_CONST)
     return sym_value(s, y, e->at);
+  if (y->kind == SYM_INDEX)
+    return y->val;
   if (y->kind == SYM_REPEAT) {
     error_at(s, e->at, "'%s' names a repeat block, not a value", e->s);
     return ERR;
@@ -1430,7 +1439,13 @@ static void scan_body(Sema *s, Stmt **body, int n, const char *repeat) {
       for (int k = 0; k < st->nnames; k++)
         add_decl(s, st->names[k], "a value", repeat, st->names_at[k]);
       break;
-    case S_REPEAT: scan_body(s, st->body, st->nbody, st->name); break;
+    case S_REPEAT:
+      if (st->index) {
+        add_decl(s, st->index, "a repeat index", st->name, st->index_at);
+        ((Decl *)s->decls.v[s->decls.n - 1])->index = true;
+      }
+      scan_body(s, st->body, st->nbody, st->name);
+      break;
     default: break;
     }
     if (repeat && st->kind != S_PARAM && st->kind != S_ASSIGN && st->kind != S_REPEAT) {
@@ -1941,7 +1956,8 @@ static bool repeat_fits(Sema *s, const Stmt *st, int64_t n, Cost before) {
 }
 
 // repeat NAME[N] { body }: N copies of the body, copy i in a scope whose params are NAME.i.x. The
-// first copy measures what one costs, so that a count too large is refused before the others.
+// first copy measures what one costs, so that a count too large is refused before the others. With
+// `as INDEX`, INDEX is i in copy i: an integer constant of that scope (usable in shapes and inits).
 static void repeat_stmt(Sema *s, const Stmt *st) {
   int64_t n;
   if (!int_of(s, st->value, "a repeat count", &n))
@@ -1952,11 +1968,19 @@ static void repeat_stmt(Sema *s, const Stmt *st) {
   }
   if (!define(s, st->name, SYM_REPEAT, st->at))
     return;
+  Sym *taken = st->index ? lookup(s, st->index) : NULL;
+  if (taken) {
+    if (error_at(s, st->index_at, "duplicate definition of '%s'", st->index))
+      diag_note(taken->at, "previous definition is here");
+    return;
+  }
   Cost before = cost_now(s);
   for (int64_t i = 0; i < n && !s->over_limit && !diag_stopped(); i++) {
     s->stmts++; // an empty body still costs its repetitions
     Scope sc = {.up = s->scope, .prefix = arena_printf(s->a, "%s%s.%lld.", s->scope->prefix, st->name, (long long)i)};
     s->scope = &sc;
+    if (st->index)
+      add_sym(s, &sc, st->index, SYM_INDEX, st->index_at)->val = int_val(i);
     int outer = s->g->cur_body;
     s->g->cur_body = ++s->g->nbodies; // the checkpoint pass's unit (IrNode.body)
     elaborate(s, st->body, st->nbody);
