@@ -381,6 +381,11 @@ static int as_node(Sema *s, Val v, SrcLoc at) {
   return id;
 }
 
+// a // b and a % b as Python and numpy take them: the quotient rounded down, the remainder with the
+// sign of b (a == b * (a // b) + a % b); b != 0, and not INT64_MIN // -1.
+static int64_t floor_div(int64_t a, int64_t b) { return a / b - (a % b != 0 && (a % b < 0) != (b < 0)); }
+static int64_t floor_mod(int64_t a, int64_t b) { return a % b + (a % b != 0 && (a % b < 0) != (b < 0) ? b : 0); }
+
 static Val arith_int(Sema *s, const Expr *e, int64_t a, int64_t b) {
   int64_t r = 0;
   bool overflow = false;
@@ -390,6 +395,7 @@ static Val arith_int(Sema *s, const Expr *e, int64_t a, int64_t b) {
   case '*': overflow = __builtin_mul_overflow(a, b, &r); break;
   case '/':
   case '%':
+  case 'q':
     if (b == 0) {
       error_at(s, e->at, "division by zero in dimension arithmetic");
       return ERR;
@@ -403,7 +409,7 @@ static Val arith_int(Sema *s, const Expr *e, int64_t a, int64_t b) {
                (long long)b);
       return ERR;
     }
-    r = e->op == '/' ? a / b : a % b;
+    r = e->op == '/' ? a / b : e->op == 'q' ? floor_div(a, b) : floor_mod(a, b);
     break;
   }
   if (overflow) {
@@ -432,7 +438,7 @@ static Val arith_scalar(Sema *s, const Expr *e, Val a, Val b) {
     }
     return float_val(x / y);
   }
-  error_at(s, e->at, "'%%' needs integer operands");
+  error_at(s, e->at, "'%s' needs integer operands", op_text(e->op));
   return ERR;
 }
 
@@ -537,8 +543,8 @@ static Val binary(Sema *s, const Expr *e) {
     error_at(s, e->at, "'%s' does not apply to booleans", op_text(e->op));
     return ERR;
   }
-  if (e->op == '%') {
-    error_at(s, e->at, "'%%' applies to dims and consts, not to tensors");
+  if (e->op == '%' || e->op == 'q') {
+    error_at(s, e->at, "'%s' applies to dims and consts, not to tensors", op_text(e->op));
     return ERR;
   }
   Op op = e->op == '+' ? OP_ADD : e->op == '-' ? OP_SUB : e->op == '*' ? OP_MUL : OP_DIV;

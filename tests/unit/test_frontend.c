@@ -267,6 +267,10 @@ static void test_names_and_repeat(void) {
             in(g, y, 1)->op == OP_CONST && in(g, y, 1)->fa[0] == 5,
         "repeat ... as i: the index sizes shapes, scales inits and enters arithmetic, nested indices too", "%s",
         errtext);
+  g = compile("model m\ninput a: f32[-7 // 2 + 6, -7 % 2, 7 // -2 + 5, 7 % -2 + 2, 6 // 3]\n");
+  CHECK(g && named(g, "a")->shape.rank == 5 && named(g, "a")->shape.d[0] == 2 && named(g, "a")->shape.d[1] == 1 &&
+            named(g, "a")->shape.d[2] == 1 && named(g, "a")->shape.d[3] == 1 && named(g, "a")->shape.d[4] == 2,
+        "// and % on integers round the quotient down; the remainder has the divisor's sign", "%s", errtext);
   CHECK(errors_of("model m\ninput a: f32[4]\nrepeat h[2] as i {\n i = 1\n}\ny = a * i\n") == 2 &&
             strstr(errtext, "cannot assign to repeat index 'i'") &&
             strstr(errtext, "'i' is the index of repeat block 'h' and exists only inside its body"),
