@@ -101,6 +101,37 @@ static const char allops[] =
     "extra = mean(bm) + mean(wp * wp) + 0.001 * sum(reshape(big * big, [8192])) + mean(max(big, axis=0))\n"
     "output loss = mean(cross_entropy(h @ head, targets)) + extra\n";
 
+// Elementwise min and max (broadcast, with a number) and the min and max reductions; integer
+// arithmetic on i32 (both signs of // and %, a divisor of 0, products that wrap around), comparisons
+// and where on integers, float() and int() (toward zero, both signs), an integer condition; conv1d
+// causal and not, depthwise and full (with a bias); a repeat index in an init, a slice and causal=.
+static const char newops[] =
+    "model newops\n"
+    "dim B = 2\n"
+    "dim T = 8\n"
+    "dim C = 16\n"
+    "dim V = 256\n"
+    "input x: f32[B, T, C]\n"
+    "input targets: i32[B, T]\n"
+    "input tokens: i32[B, T]\n"
+    "input pos: i32[B, T]\n"
+    "param w: [C, C] = normal(0.3)\n"
+    "param b: [C] = normal(0.1)\n"
+    "param head: [C, V] = normal(0.3)\n"
+    "param wd: [4, C] = normal(0.3)\n"
+    "param wc: [3, C, C] = normal(0.2)\n"
+    "a = tanh(x @ w + b)\n"
+    "h = max(a, 0.1 * a) + min(a, b + 0.05) - max(a, axis=1, keepdim=true) + min(a, axis=2, keepdim=true)\n"
+    "h = h + max(min(a, 0.3), -0.2) * min(x, b)\n"
+    "k = (pos - 3) // 2 * 3 + (pos - 3) % -2 - pos % (pos - 1) + max(pos, 2) * min(-pos, -1) + abs(pos - 4) * -pos\n"
+    "k = k + (tokens * 100000000) % 1000 + (-tokens) // (pos - 2) + where(pos >= 2, pos, 7)\n"
+    "f = reshape(float(k) * 0.01 + (pos == 2) + (k < 1), [B, T, 1])\n"
+    "h = h * (1.0 + 0.1 * f) + float(int(a * 3.0)) * a + where(reshape(pos % 2, [B, T, 1]), a, -a)\n"
+    "h = h + conv1d(a, wd, causal=true) + conv1d(h, wc, b)\n"
+    "repeat r[2] as i {\n  param wr: [C, C] = normal(0.1 * (i + 1))\n"
+    "  h = h + conv1d(h, wr[0:i + 1, :], causal=i == 0)\n}\n"
+    "output loss = mean(cross_entropy(h @ head, targets))\n";
+
 // What one run produced: the loss and gradients of step 1, the parameters after the last step.
 typedef struct {
   double loss;
@@ -961,6 +992,7 @@ int main(void) {
       {"tests/unit/sums.mdl", {{NULL, 0}}, 0, NULL},
       {"qkvsplit.mdl", {{NULL, 0}}, 0, qkv_split},
       {"attngemm.mdl", {{NULL, 0}}, 0, attn_gemm},
+      {"newops.mdl", {{NULL, 0}}, 0, newops},
   };
   for (size_t i = 0; i < sizeof models / sizeof *models; i++)
     test_model(&models[i]);

@@ -211,6 +211,37 @@ static const char normrows[] =
     "y = x + rmsnorm(x, g2) @ w\n"
     "output loss = mean(cross_entropy(y @ head, targets))\n";
 
+// Elementwise min and max (broadcast, with a number) and the min and max reductions; integer
+// arithmetic on i32 (both signs of // and %, a divisor of 0, products that wrap around), comparisons
+// and where on integers, float() and int() (toward zero, both signs), an integer condition; conv1d
+// causal and not, depthwise and full (with a bias); a repeat index in an init, a slice and causal=.
+static const char newops[] =
+    "model newops\n"
+    "dim B = 2\n"
+    "dim T = 8\n"
+    "dim C = 16\n"
+    "dim V = 64\n"
+    "input x: f32[B, T, C]\n"
+    "input targets: i32[B, T]\n"
+    "input tokens: i32[B, T]\n"
+    "input pos: i32[B, T]\n"
+    "param w: [C, C] = normal(0.3)\n"
+    "param b: [C] = normal(0.1)\n"
+    "param head: [C, V] = normal(0.3)\n"
+    "param wd: [4, C] = normal(0.3)\n"
+    "param wc: [3, C, C] = normal(0.2)\n"
+    "a = tanh(x @ w + b)\n"
+    "h = max(a, 0.1 * a) + min(a, b + 0.05) - max(a, axis=1, keepdim=true) + min(a, axis=2, keepdim=true)\n"
+    "h = h + max(min(a, 0.3), -0.2) * min(x, b)\n"
+    "k = (pos - 3) // 2 * 3 + (pos - 3) % -2 - pos % (pos - 1) + max(pos, 2) * min(-pos, -1) + abs(pos - 4) * -pos\n"
+    "k = k + (tokens * 100000000) % 1000 + (-tokens) // (pos - 2) + where(pos >= 2, pos, 7)\n"
+    "f = reshape(float(k) * 0.01 + (pos == 2) + (k < 1), [B, T, 1])\n"
+    "h = h * (1.0 + 0.1 * f) + float(int(a * 3.0)) * a + where(reshape(pos % 2, [B, T, 1]), a, -a)\n"
+    "h = h + conv1d(a, wd, causal=true) + conv1d(h, wc, b)\n"
+    "repeat r[2] as i {\n  param wr: [C, C] = normal(0.1 * (i + 1))\n"
+    "  h = h + conv1d(h, wr[0:i + 1, :], causal=i == 0)\n}\n"
+    "output loss = mean(cross_entropy(h @ head, targets))\n";
+
 static const Model models[] = {
     {"models/gpt2-tiny.mdl", {{"B", 2}, {"T", 16}}, 2, NULL},
     {"models/llama-tiny.mdl", {{"B", 1}, {"T", 80}}, 2, NULL}, // keys in several tiles, the last partial
@@ -223,6 +254,7 @@ static const Model models[] = {
     {"hot.mdl", {{NULL, 0}}, 0, hot},
     {"normrows.mdl", {{NULL, 0}}, 0, normrows},
     {"tied.mdl", {{NULL, 0}}, 0, tied},
+    {"newops.mdl", {{NULL, 0}}, 0, newops},
 };
 
 // The training graph of md, its GEMMs' operands rounded to bf16 when prec is DT_BF16.
@@ -301,6 +333,9 @@ static void *compile_job(void *p) {
 static void test_nvrtc_model(const char *path, const char *label, bool fused, DType prec) {
   Arena *a = arena_new();
   Model md = {.path = path};
+  for (size_t i = 0; i < sizeof models / sizeof *models; i++) // (a model of models[] given as text)
+    if (models[i].text && !strcmp(models[i].path, path))
+      md = models[i];
   Graph *g = load(a, &md, prec);
   char name[200];
   if (!g) {
@@ -1797,6 +1832,9 @@ int main(void) {
       for (size_t i = 0; i < sizeof paths / sizeof *paths; i++)
         for (int fz = 1; fz >= 0; fz--)
           test_nvrtc_model(paths[i], strrchr(paths[i], '/') + 1, fz, pr ? DT_BF16 : DT_F32);
+    for (int pr = 0; pr < 2; pr++)
+      for (int fz = 1; fz >= 0; fz--)
+        test_nvrtc_model("newops.mdl", "newops.mdl", fz, pr ? DT_BF16 : DT_F32);
   } else {
     printf("[skip] nvrtc: %s\n", why);
   }
