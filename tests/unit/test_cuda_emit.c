@@ -215,6 +215,7 @@ static const char normrows[] =
 // arithmetic on i32 (both signs of // and %, a divisor of 0, products that wrap around), comparisons
 // and where on integers, float() and int() (toward zero, both signs), an integer condition; conv1d
 // causal and not, depthwise and full (with a bias); a repeat index in an init, a slice and causal=.
+// The gradients of pk and pq are the integer values themselves (times 0.001): compared exactly.
 static const char newops[] =
     "model newops\n"
     "dim B = 2\n"
@@ -230,6 +231,8 @@ static const char newops[] =
     "param head: [C, V] = normal(0.3)\n"
     "param wd: [4, C] = normal(0.3)\n"
     "param wc: [3, C, C] = normal(0.2)\n"
+    "param pk: [B, T] = normal(1)\n"
+    "param pq: [B, T, C] = normal(1)\n"
     "a = tanh(x @ w + b)\n"
     "h = max(a, 0.1 * a) + min(a, b + 0.05) - max(a, axis=1, keepdim=true) + min(a, axis=2, keepdim=true)\n"
     "h = h + max(min(a, 0.3), -0.2) * min(x, b)\n"
@@ -240,7 +243,8 @@ static const char newops[] =
     "h = h + conv1d(a, wd, causal=true) + conv1d(h, wc, b)\n"
     "repeat r[2] as i {\n  param wr: [C, C] = normal(0.1 * (i + 1))\n"
     "  h = h + conv1d(h, wr[0:i + 1, :], causal=i == 0)\n}\n"
-    "output loss = mean(cross_entropy(h @ head, targets))\n";
+    "ints = 0.001 * sum(float(k) * pk) + 0.001 * sum(float(int(a * 3.0)) * pq)\n"
+    "output loss = mean(cross_entropy(h @ head, targets)) + ints\n";
 
 static const Model models[] = {
     {"models/gpt2-tiny.mdl", {{"B", 2}, {"T", 16}}, 2, NULL},
