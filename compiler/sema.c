@@ -1416,6 +1416,10 @@ static Val builtin_conv1d(Sema *s, const Builtin *b, const Expr *call, const Exp
              (long long)ws.d[1], shape_text(s, xs), (long long)cin);
     return ERR;
   }
+  if (k > 64) { // (a full convolution concatenates K parts; the emitters read at most 64 at once)
+    error_at(s, arg[1]->at, "conv1d: %lld taps; at most 64 (this lowering is for short convolutions)", (long long)k);
+    return ERR;
+  }
   int64_t cout = ws.rank == 3 ? ws.d[2] : cin;
   if (bias >= 0 && (node(s, bias)->shape.rank != 1 || node(s, bias)->shape.d[0] != cout)) {
     error_at(s, arg[2]->at, "conv1d: b must be [%lld] (the output channels), got %s", (long long)cout,
