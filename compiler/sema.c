@@ -860,6 +860,8 @@ static Val builtin_unary(Sema *s, const Builtin *b, const Expr *call, const Expr
     error_at(s, arg[0]->at, "%s: x must be a tensor or a number, got %s", b->name, describe(v));
     return ERR;
   }
+  if (v.kind == V_INT && (b->op == OP_ABS || b->op == OP_NEG) && v.i != INT64_MIN) // an integer stays one
+    return int_val(b->op == OP_NEG || v.i < 0 ? -v.i : v.i);
   double x = v.kind == V_INT ? (double)v.i : v.f;
   if (((b->op == OP_SQRT || b->op == OP_RSQRT) && x < 0) || (b->op == OP_LOG && x <= 0) ||
       (b->op == OP_RSQRT && x == 0)) {

@@ -271,6 +271,10 @@ static void test_names_and_repeat(void) {
   CHECK(g && named(g, "a")->shape.rank == 5 && named(g, "a")->shape.d[0] == 2 && named(g, "a")->shape.d[1] == 1 &&
             named(g, "a")->shape.d[2] == 1 && named(g, "a")->shape.d[3] == 1 && named(g, "a")->shape.d[4] == 2,
         "// and % on integers round the quotient down; the remainder has the divisor's sign", "%s", errtext);
+  g = compile("model m\ninput a: f32[abs(2 - 5), max(2, 4), min(7, 5), int(2.9), neg(-2)]\n");
+  CHECK(g && named(g, "a")->shape.rank == 5 && named(g, "a")->shape.d[0] == 3 && named(g, "a")->shape.d[1] == 4 &&
+            named(g, "a")->shape.d[2] == 5 && named(g, "a")->shape.d[3] == 2 && named(g, "a")->shape.d[4] == 2,
+        "abs, neg, min, max and int of integers are integers (they may size a shape)", "%s", errtext);
   CHECK(errors_of("model m\ninput a: f32[4]\nrepeat h[2] as i {\n i = 1\n}\ny = a * i\n") == 2 &&
             strstr(errtext, "cannot assign to repeat index 'i'") &&
             strstr(errtext, "'i' is the index of repeat block 'h' and exists only inside its body"),
