@@ -274,6 +274,7 @@ static bool backward_rule(Ad *ad, int i, int dy) {
     accumulate(ad, x, add_node(ad, OP_CLAMP_BWD, (int[]){x, dy}, 2, n->ia, n->fa));
     return true;
   case OP_STOP_GRADIENT: // nothing flows back
+  case OP_FLOORDIV: case OP_MOD: // integers (i32 values never take a gradient: mark_active)
   case OP_COMPARE:       // a step function of its inputs: 0 wherever it has a gradient
     return true;
   case OP_WHERE: { // a gets dy where cond holds, b where it does not; cond none
@@ -282,6 +283,20 @@ static bool backward_rule(Ad *ad, int i, int dy) {
       accumulate(ad, a, unbroadcast(ad, add_node(ad, OP_WHERE, (int[]){x, dy, zero}, 3, NULL, NULL), shape(ad, a)));
     if (wants(ad, b))
       accumulate(ad, b, unbroadcast(ad, add_node(ad, OP_WHERE, (int[]){x, zero, dy}, 3, NULL, NULL), shape(ad, b)));
+    return true;
+  }
+  case OP_MINIMUM: case OP_MAXIMUM: { // dy to the operand taken, half of it to each at a tie
+    int eq = add_node(ad, OP_COMPARE, (int[]){x, x1}, 2, (int64_t[8]){CMP_EQ}, NULL);
+    int half = binary(ad, OP_MUL, eq, constant(ad, 0.5));
+    for (int k = 0; k < 2; k++) {
+      int operand = n->in[k];
+      if (!wants(ad, operand))
+        continue;
+      int64_t wins_if = (k == 0) == (n->op == OP_MAXIMUM) ? CMP_GT : CMP_LT; // operand k taken: x REL x1
+      int wins = add_node(ad, OP_COMPARE, (int[]){x, x1}, 2, (int64_t[8]){wins_if}, NULL);
+      int share = binary(ad, OP_ADD, wins, half);
+      accumulate(ad, operand, unbroadcast(ad, binary(ad, OP_MUL, dy, share), shape(ad, operand)));
+    }
     return true;
   }
   case OP_RELU: case OP_GELU: case OP_SILU: {

@@ -199,7 +199,7 @@ const char *c_val(Emit *e, int n, const char *ix) {
   int c = ec_canon(&e->core, n);
   const IrNode *nd = ec_node(&e->core, c);
   if (nd->op == OP_CONST)
-    return c_flit(e, nd->fa[0]);
+    return nd->dtype == DT_I32 ? ec_ilit(&e->core, nd->fa[0]) : c_flit(e, nd->fa[0]);
   if (ec_numel(&e->core, c) == 1)
     ix = "0";
   const char *hit = ec_memo_get(&e->core, c, ix);

@@ -131,7 +131,7 @@ bool ec_is_pointwise(Op op) {
   case OP_GELU: case OP_SILU: case OP_SIGMOID: case OP_ABS: case OP_CLAMP: case OP_STOP_GRADIENT: case OP_DROPOUT:
   case OP_CAST: case OP_ADD: case OP_SUB: case OP_MUL: case OP_DIV: case OP_RELU_BWD: case OP_GELU_BWD:
   case OP_SILU_BWD: case OP_ABS_BWD: case OP_CLAMP_BWD: case OP_COMPARE: case OP_WHERE: case OP_RESHAPE:
-  case OP_PERMUTE:
+  case OP_PERMUTE: case OP_MINIMUM: case OP_MAXIMUM: case OP_FLOORDIV: case OP_MOD:
   case OP_BROADCAST: case OP_SLICE: case OP_SLICE_BWD: case OP_CONCAT:
     return true;
   default:
@@ -1062,10 +1062,44 @@ const char *ec_concat_ptr(EmitCore *e, int n, const char *ix) {
   return ec_buf_str(e, &b);
 }
 
+// An i32 CONST as a literal of its value (INT32_MIN spelled so that it is an int).
+const char *ec_ilit(EmitCore *e, double v) {
+  return v == -2147483648.0 ? "(-2147483647 - 1)" : ec_str(e, "%lld", (long long)v);
+}
+
+// Integer arithmetic on i32 values (interp_i32's rules): + - * and negation wrap modulo 2^32 (through
+// uint32_t, where int32_t would overflow); // rounds down and % takes the divisor's sign (through
+// int64_t, where INT32_MIN // -1 fits), both 0 where the divisor is 0.
+static const char *int_expr(EmitCore *e, const IrNode *nd, const char *a, const char *b) {
+  switch (nd->op) {
+  case OP_NEG: return ec_str(e, "(int32_t)(0u - (uint32_t)%s)", a);
+  case OP_ABS: return ec_str(e, "(%s < 0 ? (int32_t)(0u - (uint32_t)%s) : %s)", a, a, a);
+  case OP_ADD: return ec_str(e, "(int32_t)((uint32_t)%s + (uint32_t)%s)", a, b);
+  case OP_SUB: return ec_str(e, "(int32_t)((uint32_t)%s - (uint32_t)%s)", a, b);
+  case OP_MUL: return ec_str(e, "(int32_t)((uint32_t)%s * (uint32_t)%s)", a, b);
+  case OP_FLOORDIV:
+    return ec_str(e,
+                  "(%s == 0 ? 0 : (int32_t)(uint32_t)((int64_t)%s / %s - "
+                  "((int64_t)%s %% %s != 0 && (%s < 0) != (%s < 0))))",
+                  b, a, b, a, b, a, b);
+  default: // OP_MOD
+    return ec_str(e,
+                  "(%s == 0 ? 0 : (int32_t)((int64_t)%s %% %s + "
+                  "((int64_t)%s %% %s != 0 && (%s < 0) != (%s < 0) ? %s : 0)))",
+                  b, a, b, a, b, a, b, b);
+  }
+}
+
 const char *ec_pointwise_expr(EmitCore *e, int c, const char *ix) {
   const IrNode *nd = ec_node(e, c);
   const IrNode *x0 = nd->nin > 0 ? ec_node(e, nd->in[0]) : NULL,
                *x1 = nd->nin > 1 ? ec_node(e, nd->in[1]) : NULL;
+  bool i32 = nd->dtype == DT_I32;
+  if (i32 && (nd->op == OP_NEG || nd->op == OP_ABS))
+    return int_expr(e, nd, e->val(e, nd->in[0], ix), NULL);
+  if (i32 && (nd->op == OP_ADD || nd->op == OP_SUB || nd->op == OP_MUL || nd->op == OP_FLOORDIV || nd->op == OP_MOD))
+    return int_expr(e, nd, e->val(e, nd->in[0], ec_ix_bcast(e, nd->shape, x0->shape, ix)),
+                    e->val(e, nd->in[1], ec_ix_bcast(e, nd->shape, x1->shape, ix)));
   switch (nd->op) {
   case OP_NEG: return ec_str(e, "-%s", e->val(e, nd->in[0], ix));
   case OP_EXP: return ec_str(e, "expf(%s)", e->val(e, nd->in[0], ix));
@@ -1084,14 +1118,20 @@ const char *ec_pointwise_expr(EmitCore *e, int c, const char *ix) {
   case OP_CLAMP: // fminf / fmaxf with an infinite bound are the value itself; a NaN stays NaN
     return ec_str(e, "mdl_clamp(%s, %s, %s)", e->val(e, nd->in[0], ix), ec_flit(e, nd->fa[0]), ec_flit(e, nd->fa[1]));
   case OP_STOP_GRADIENT: return e->val(e, nd->in[0], ix);
-  case OP_CAST: // the value rounded as it will be stored (ec_store then converts it exactly)
-    return nd->ia[0] == DT_BF16 ? ec_str(e, "mdl_bf16_to_f32(mdl_f32_to_bf16(%s))", e->val(e, nd->in[0], ix))
-                                : e->val(e, nd->in[0], ix);
+  case OP_CAST: { // the value rounded as it will be stored (ec_store then converts it exactly)
+    const char *x = e->val(e, nd->in[0], ix);
+    if (nd->ia[0] == DT_I32) // toward zero, saturating, NaN to 0 (interp_to_i32)
+      return ec_str(e, "(%s != %s ? 0 : %s >= 2147483647.0f ? 2147483647 : %s <= -2147483648.0f ? (-2147483647 - 1) : "
+                    "(int32_t)%s)", x, x, x, x, x);
+    if (x0->dtype == DT_I32)
+      return ec_str(e, "(float)%s", x);
+    return nd->ia[0] == DT_BF16 ? ec_str(e, "mdl_bf16_to_f32(mdl_f32_to_bf16(%s))", x) : x;
+  }
   case OP_DROPOUT:
     return ec_str(e, "mdl_dropout(%s, %lld, %s, %s, %s)", e->seed(e), (long long)nd->ia[0], ix, ec_dlit(e, nd->fa[0]),
                   e->val(e, nd->in[0], ix));
   case OP_ADD: case OP_SUB: case OP_MUL: case OP_DIV: case OP_RELU_BWD: case OP_GELU_BWD: case OP_SILU_BWD:
-  case OP_ABS_BWD: case OP_CLAMP_BWD: {
+  case OP_ABS_BWD: case OP_CLAMP_BWD: case OP_MINIMUM: case OP_MAXIMUM: {
     const char *a = e->val(e, nd->in[0], ec_ix_bcast(e, nd->shape, x0->shape, ix));
     const char *b = e->val(e, nd->in[1], ec_ix_bcast(e, nd->shape, x1->shape, ix));
     switch (nd->op) {
@@ -1099,6 +1139,12 @@ const char *ec_pointwise_expr(EmitCore *e, int c, const char *ix) {
     case OP_SUB: return ec_str(e, "%s - %s", a, b);
     case OP_MUL: return ec_str(e, "%s * %s", a, b);
     case OP_DIV: return ec_str(e, "%s / %s", a, b);
+    case OP_MINIMUM: // a NaN operand gives NaN (the interpreter's rule; fminf would drop it); i32 has none
+      return i32 ? ec_str(e, "(%s < %s ? %s : %s)", a, b, a, b)
+                 : ec_str(e, "(%s < %s || %s != %s ? %s : %s)", a, b, a, a, a, b);
+    case OP_MAXIMUM:
+      return i32 ? ec_str(e, "(%s > %s ? %s : %s)", a, b, a, b)
+                 : ec_str(e, "(%s > %s || %s != %s ? %s : %s)", a, b, a, a, a, b);
     case OP_RELU_BWD: return ec_str(e, "%s > 0.0f ? %s : 0.0f", a, b);
     case OP_GELU_BWD: return ec_str(e, "mdl_gelu_grad(%s) * %s", a, b);
     case OP_ABS_BWD: return ec_str(e, "%s > 0.0f ? %s : %s < 0.0f ? -%s : 0.0f", a, b, a, b);
@@ -1118,7 +1164,7 @@ const char *ec_pointwise_expr(EmitCore *e, int c, const char *ix) {
     const char *c0 = e->val(e, nd->in[0], ec_ix_bcast(e, nd->shape, x0->shape, ix));
     const char *a = e->val(e, nd->in[1], ec_ix_bcast(e, nd->shape, x1->shape, ix));
     const char *b = e->val(e, nd->in[2], ec_ix_bcast(e, nd->shape, x2->shape, ix));
-    return ec_str(e, "(%s != 0.0f ? %s : %s)", c0, a, b);
+    return ec_str(e, "(%s != %s ? %s : %s)", c0, x0->dtype == DT_I32 ? "0" : "0.0f", a, b);
   }
   case OP_RESHAPE: return e->val(e, nd->in[0], ix);
   case OP_BROADCAST: return e->val(e, nd->in[0], ec_ix_bcast(e, nd->shape, x0->shape, ix));

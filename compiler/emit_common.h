@@ -157,6 +157,7 @@ void ec_leave(EmitCore *e);
 const char *ec_memo_get(EmitCore *e, int n, const char *ix);
 void ec_memo_put(EmitCore *e, int n, const char *ix, const char *name);
 const char *ec_dlit(EmitCore *e, double v); // a double literal that reads back as v
+const char *ec_ilit(EmitCore *e, double v); // an i32 CONST's value as an int literal
 const char *ec_flit(EmitCore *e, double v); // a float literal that reads back as (float)v; MDL_INF, MDL_NAN (both preludes) where not finite
 // Removes the declarations of evaluator values and indices (v12, v12_i, j3, ...) their scope never reads.
 void ec_drop_unused(EmitCore *e);

@@ -23,7 +23,7 @@ typedef enum {
   E_STRING, // s (without the quotes)
   E_SIZE,   // s: a byte size such as 2GiB (checkpoint budgets)
   E_NAME,   // s
-  E_BINARY, // op in "+-*/%@"; lhs, rhs
+  E_BINARY, // op in "+-*/%@", 'q' for //, comparisons "<>lgen"; lhs, rhs
   E_NEG,    // lhs
   E_ATTR,   // lhs.s (only .T exists)
   E_CALL,   // s(args); kw[i] is the keyword of args[i] or NULL
@@ -79,6 +79,8 @@ struct Stmt {
   int rank;
   SrcLoc shape_at;
   Stmt **body;        // S_REPEAT, S_TRAIN
+  const char *index;  // S_REPEAT: the index's name in `repeat NAME[N] as INDEX`, or NULL
+  SrcLoc index_at;
   int nbody;
   bool rejected;      // sema reported it (duplicate, misplaced) and skips it
 };

@@ -195,7 +195,8 @@ static bool is_unary(Op op) {
 static bool is_binary(Op op) {
   switch (op) {
   case OP_ADD: case OP_SUB: case OP_MUL: case OP_DIV: case OP_RELU_BWD: case OP_GELU_BWD:
-  case OP_SILU_BWD: case OP_ABS_BWD: case OP_CLAMP_BWD: case OP_COMPARE: return true;
+  case OP_SILU_BWD: case OP_ABS_BWD: case OP_CLAMP_BWD: case OP_COMPARE: case OP_MINIMUM: case OP_MAXIMUM:
+  case OP_FLOORDIV: case OP_MOD: return true;
   default: return false;
   }
 }
@@ -215,6 +216,7 @@ static bool is_cheap(Op op) {
   switch (op) {
   case OP_NEG: case OP_RELU: case OP_ABS: case OP_CLAMP: case OP_STOP_GRADIENT: case OP_ADD: case OP_SUB: case OP_MUL:
   case OP_DIV: case OP_RELU_BWD: case OP_ABS_BWD: case OP_CLAMP_BWD: case OP_COMPARE: case OP_WHERE:
+  case OP_MINIMUM: case OP_MAXIMUM: case OP_FLOORDIV: case OP_MOD:
   case OP_BROADCAST: case OP_PERMUTE: case OP_SLICE: case OP_SLICE_BWD: case OP_CONCAT:
   case OP_RESHAPE: return true;
   default: return false;

@@ -214,6 +214,8 @@ static double binary(Op op, double a, double b) {
   case OP_SUB: return a - b;
   case OP_MUL: return a * b;
   case OP_DIV: return a / b;
+  case OP_MINIMUM: return a != a || b != b ? NAN : a < b ? a : b; // (exact on i32 values too)
+  case OP_MAXIMUM: return a != a || b != b ? NAN : a > b ? a : b;
   case OP_RELU_BWD: return a > 0 ? b : 0;
   case OP_GELU_BWD: return gelu_grad(a) * b;
   default: { // OP_SILU_BWD
@@ -231,6 +233,48 @@ double interp_compare(int64_t rel, double a, double b) {
   case CMP_GE: return a >= b;
   case CMP_EQ: return a == b;
   default: return a != b;
+  }
+}
+
+int32_t interp_i32(Op op, int32_t a, int32_t b) {
+  uint32_t ua = (uint32_t)a, ub = (uint32_t)b;
+  switch (op) {
+  case OP_NEG: return (int32_t)(0u - ua);
+  case OP_ABS: return a < 0 ? (int32_t)(0u - ua) : a;
+  case OP_ADD: return (int32_t)(ua + ub);
+  case OP_SUB: return (int32_t)(ua - ub);
+  case OP_MUL: return (int32_t)(ua * ub);
+  case OP_FLOORDIV: case OP_MOD: {
+    if (b == 0)
+      return 0;
+    int64_t q = (int64_t)a / b, r = (int64_t)a % b;
+    if (r != 0 && (r < 0) != (b < 0)) {
+      q--;
+      r += b;
+    }
+    return (int32_t)(uint32_t)(op == OP_FLOORDIV ? q : r); // INT32_MIN // -1 wraps to INT32_MIN
+  }
+  default: return a;
+  }
+}
+
+int32_t interp_to_i32(double x) {
+  if (x != x)
+    return 0;
+  if (x >= 2147483647.0)
+    return INT32_MAX;
+  if (x <= -2147483648.0)
+    return INT32_MIN;
+  return (int32_t)x;
+}
+
+// Integer arithmetic on i32 values (exact in doubles), broadcast as the float ops.
+static void run_i32(Ctx *c) {
+  Shape out = c->nd->shape;
+  for (int64_t i = 0; i < c->n; i++) {
+    int32_t a = (int32_t)c->x[0][shape_bcast_offset(out, c->xn[0]->shape, i)];
+    int32_t b = c->nd->nin > 1 ? (int32_t)c->x[1][shape_bcast_offset(out, c->xn[1]->shape, i)] : 0;
+    c->y[i] = interp_i32(c->nd->op, a, b);
   }
 }
 
@@ -902,6 +946,11 @@ static void run_adamw(Ctx *c) {
 // Runs one node. Leaves hold their values already (or fail when never given one).
 static bool run_node(Ctx *c) {
   const IrNode *nd = c->nd;
+  if (nd->dtype == DT_I32 && (nd->op == OP_NEG || nd->op == OP_ABS || nd->op == OP_ADD || nd->op == OP_SUB ||
+                              nd->op == OP_MUL)) {
+    run_i32(c);
+    return true;
+  }
   switch (nd->op) {
   case OP_INPUT:
   case OP_SCALAR:
@@ -935,13 +984,16 @@ static bool run_node(Ctx *c) {
   case OP_DROPOUT: run_dropout(c); return true;
   case OP_CAST:
     for (int64_t i = 0; i < c->n; i++)
-      c->y[i] = nd->ia[0] == DT_BF16 ? round_bf16(c->x[0][i]) : (double)(float)c->x[0][i];
+      c->y[i] = nd->ia[0] == DT_BF16 ? round_bf16(c->x[0][i])
+                : nd->ia[0] == DT_I32 ? interp_to_i32(c->x[0][i])
+                                      : (double)(float)c->x[0][i];
     return true;
-  case OP_ADD: case OP_SUB: case OP_MUL: case OP_DIV:
+  case OP_ADD: case OP_SUB: case OP_MUL: case OP_DIV: case OP_MINIMUM: case OP_MAXIMUM:
   case OP_RELU_BWD: case OP_GELU_BWD: case OP_SILU_BWD: case OP_ABS_BWD:
     run_binary(c);
     return true;
   case OP_COMPARE: case OP_WHERE: run_compare_where(c); return true;
+  case OP_FLOORDIV: case OP_MOD: run_i32(c); return true;
   case OP_SUM: case OP_MEAN: case OP_MAX: run_reduce(c); return true;
   case OP_MAX_BWD: run_max_bwd(c); return true;
   case OP_RESHAPE:

@@ -215,6 +215,36 @@ static bool routing_shape(Graph *g, IrNode *n, IrNode **in) {
   return true;
 }
 
+// Integer arithmetic: *dt = DT_I32 when node n computes on i32 values (NEG ABS ADD SUB MUL MINIMUM
+// MAXIMUM FLOORDIV MOD COMPARE of i32 operands; WHERE of i32 branches, its condition any dtype; a CAST
+// from i32), else DT_F32. False with g->err when its operands mix i32 and another dtype, or when an
+// op that computes on i32 only (FLOORDIV, MOD) reads something else.
+static bool int_dtype(Graph *g, const IrNode *n, DType *dt) {
+  *dt = DT_F32;
+  int first = 0, nops = n->nin;
+  switch (n->op) {
+  case OP_NEG: case OP_ABS: case OP_ADD: case OP_SUB: case OP_MUL: case OP_MINIMUM: case OP_MAXIMUM:
+  case OP_FLOORDIV: case OP_MOD: case OP_COMPARE: break;
+  case OP_WHERE: first = 1; break;
+  case OP_CAST:
+    if (n->nin == 1 && g->nodes[n->in[0]]->dtype == DT_I32)
+      *dt = DT_I32;
+    return true;
+  default: return true;
+  }
+  int ints = 0;
+  for (int i = first; i < nops; i++)
+    ints += g->nodes[n->in[i]]->dtype == DT_I32;
+  if (ints > 0 && ints < nops - first)
+    return fail(g, "%s: operands %s and %s do not mix; convert one with float(x) or int(x)", op_name(n->op),
+                dtype_name(g->nodes[n->in[first]]->dtype), dtype_name(g->nodes[n->in[nops - 1]]->dtype));
+  if ((n->op == OP_FLOORDIV || n->op == OP_MOD) && ints == 0)
+    return fail(g, "%s: needs i32 operands, got %s", op_name(n->op), dtype_name(g->nodes[n->in[first]]->dtype));
+  if (ints)
+    *dt = DT_I32;
+  return true;
+}
+
 // Checks the inputs of node n and sets its shape and dtype.
 static bool infer(Graph *g, IrNode *n) {
   IrNode *in[8] = {0};
@@ -231,7 +261,7 @@ static bool infer(Graph *g, IrNode *n) {
   case OP_SOFTMAX: case OP_TARGET_COUNT: case OP_TOPK: want = 1; break;
   case OP_ADD: case OP_SUB: case OP_MUL: case OP_DIV: case OP_RELU_BWD: case OP_GELU_BWD:
   case OP_SILU_BWD: case OP_ABS_BWD: case OP_CLAMP_BWD: case OP_MATMUL: case OP_EMBED: case OP_EMBED_BWD:
-  case OP_RMSNORM: case OP_COMPARE:
+  case OP_RMSNORM: case OP_COMPARE: case OP_MINIMUM: case OP_MAXIMUM: case OP_FLOORDIV: case OP_MOD:
   case OP_SOFTMAX_BWD: case OP_CROSS_ENTROPY: case OP_ROPE: case OP_GATHER: case OP_GATHER_BWD: want = 2; break;
   case OP_MAX_BWD: case OP_LAYERNORM: case OP_LAYERNORM_BWD: case OP_RMSNORM_BWD: case OP_WHERE:
   case OP_CROSS_ENTROPY_BWD: case OP_SCATTER_ADD: want = 3; break;
@@ -253,10 +283,14 @@ static bool infer(Graph *g, IrNode *n) {
   }
   if (want >= 0 && n->nin != want)
     return fail(g, "%s takes %d inputs, got %d", name, want, n->nin);
-  // Layout ops carry any dtype; elsewhere inputs are float except the id operands named here.
+  // Layout ops carry any dtype; elsewhere inputs are float except the id operands named here, and
+  // the integer arithmetic of int_dtype.
   bool layout = n->op == OP_RESHAPE || n->op == OP_PERMUTE || n->op == OP_SLICE || n->op == OP_SLICE_BWD ||
                 n->op == OP_CONCAT || n->op == OP_BROADCAST;
-  for (int i = 0; i < n->nin && !layout; i++) {
+  DType idt;
+  if (!int_dtype(g, n, &idt))
+    return false;
+  for (int i = 0; i < n->nin && !layout && idt != DT_I32; i++) {
     bool ids = (n->op == OP_EMBED && i == 1) || (n->op == OP_EMBED_BWD && i == 0) ||
                ((n->op == OP_CROSS_ENTROPY || n->op == OP_CROSS_ENTROPY_BWD) && i == 1) || n->op == OP_TARGET_COUNT ||
                (n->op == OP_ROPE && i == 1) || (n->op == OP_GATHER && i == 1) ||
@@ -265,10 +299,13 @@ static bool infer(Graph *g, IrNode *n) {
                 i == 3) ||
                n->op == OP_ATTENTION_MASK;
     DType dt = g->nodes[n->in[i]]->dtype;
+    if (n->op == OP_WHERE && i == 0 && dt == DT_I32) // a condition may be an integer
+      continue;
     if (ids && dt != DT_I32)
       return fail(g, "%s: ids must be i32, got %s", name, dtype_name(dt));
     if (!ids && !is_float(dt))
-      return fail(g, "%s: expected a float tensor, got %s", name, dtype_name(dt));
+      return fail(g, "%s: expected a float tensor, got %s%s", name, dtype_name(dt),
+                  dt == DT_I32 ? " (float(x) converts it)" : "");
     // Rounded values feed GEMMs only, the products of bf16 attention (its q, k, v, and the
     // backward's out and dout) and the logits of a cross-entropy: every other op computes on f32
     // (and the back ends load f32).
@@ -287,7 +324,9 @@ static bool infer(Graph *g, IrNode *n) {
     n->dtype = (DType)n->ia[0];
   else if (n->op == OP_TOPK)
     n->dtype = DT_I32;
-  else if (n->op != OP_INPUT)
+  else if (idt == DT_I32)
+    n->dtype = n->op == OP_COMPARE ? DT_F32 : DT_I32;
+  else if (n->op != OP_INPUT && n->op != OP_CONST) // (a CONST is f32 or i32: ir_const, ir_const_i32)
     n->dtype = DT_F32;
 
   switch (n->op) {
@@ -304,7 +343,8 @@ static bool infer(Graph *g, IrNode *n) {
       return fail(g, "softmax of a scalar");
     n->shape = in[0]->shape;
     return true;
-  case OP_ADD: case OP_SUB: case OP_MUL: case OP_DIV: case OP_COMPARE:
+  case OP_ADD: case OP_SUB: case OP_MUL: case OP_DIV: case OP_COMPARE: case OP_MINIMUM: case OP_MAXIMUM:
+  case OP_FLOORDIV: case OP_MOD:
     if (n->op == OP_COMPARE && (n->ia[0] < CMP_LT || n->ia[0] > CMP_NE))
       return fail(g, "compare: bad relation %lld", (long long)n->ia[0]);
     if (!broadcast_shapes(in[0]->shape, in[1]->shape, &n->shape))
@@ -403,8 +443,11 @@ static bool infer(Graph *g, IrNode *n) {
     return true;
   }
   case OP_CAST:
-    if (n->ia[0] != DT_F32 && n->ia[0] != DT_BF16)
-      return fail(g, "cast to %s: only f32 and bf16 are supported", dtype_name((DType)n->ia[0]));
+    if (n->ia[0] != DT_F32 && n->ia[0] != DT_BF16 && n->ia[0] != DT_I32)
+      return fail(g, "cast to %s: only f32, bf16 and i32 are supported", dtype_name((DType)n->ia[0]));
+    if ((in[0]->dtype == DT_I32 && n->ia[0] != DT_F32) || (n->ia[0] == DT_I32 && in[0]->dtype != DT_F32))
+      return fail(g, "cast from %s to %s: i32 converts to and from f32 only", dtype_name(in[0]->dtype),
+                  dtype_name((DType)n->ia[0]));
     n->shape = in[0]->shape;
     return true;
   case OP_MATMUL: {
@@ -620,6 +663,13 @@ int ir_leaf(Graph *g, Op op, const char *name, DType dt, Shape s, SrcLoc loc) {
     g->params[g->nparams++] = id;
   }
   return id;
+}
+
+int ir_const_i32(Graph *g, int32_t v, SrcLoc loc) {
+  IrNode *n = new_node(g, OP_CONST, NULL, 0, loc);
+  n->dtype = DT_I32;
+  n->fa[0] = v;
+  return commit(g, n);
 }
 
 int ir_const(Graph *g, double v, SrcLoc loc) {

@@ -100,7 +100,8 @@ typedef struct {
   X(CLAMP, "clamp")         /* fa[0] = lo, fa[1] = hi (either may be infinite) */                 \
   X(STOP_GRADIENT, "stop_gradient") /* x itself; no gradient flows back through it */             \
   X(DROPOUT, "dropout")     /* fa[0] = p; ia[0] = seed id (same id, same mask) */                 \
-  X(CAST, "cast")           /* ia[0] = the DType to round to (bf16: nearest, ties to even) */     \
+  X(CAST, "cast")           /* ia[0] = the DType to round to (bf16: nearest, ties to even);       \
+                               f32 <-> i32: to i32 toward zero, saturating, NaN -> 0 (interp_to_i32) */ \
   /* elementwise binary, numpy broadcasting */                                                     \
   X(ADD, "add")                                                                                    \
   X(SUB, "sub")                                                                                    \
@@ -108,6 +109,14 @@ typedef struct {
   X(DIV, "div")                                                                                    \
   X(COMPARE, "compare")     /* 1 where a OP b holds, else 0; ia[0]: CMP_LT, LE, GT, GE, EQ, NE */ \
   X(WHERE, "where")         /* (cond, a, b): a where cond != 0, else b; numpy broadcasting */     \
+  /* the smaller / larger of a and b, NaN where either is NaN; at a tie the gradient is shared      \
+     evenly (autodiff.c), as the MAX reduction's and PyTorch's minimum / maximum */                \
+  X(MINIMUM, "minimum")                                                                            \
+  X(MAXIMUM, "maximum")                                                                            \
+  /* i32 only: a // b rounded down and a % b with the sign of b (a == b * (a // b) + a % b), as     \
+     Python and numpy; 0 where b == 0 (numpy's result) */                                          \
+  X(FLOORDIV, "floordiv")                                                                          \
+  X(MOD, "mod")                                                                                    \
   /* elementwise backward helpers: (x, dy) -> dx */                                                \
   X(RELU_BWD, "relu_bwd")                                                                          \
   X(GELU_BWD, "gelu_bwd")                                                                          \
@@ -327,6 +336,7 @@ Graph *ir_new(Arena *a);
 int ir_add(Graph *g, Op op, const int *in, int nin, const int64_t *ia, const double *fa, SrcLoc loc);
 int ir_leaf(Graph *g, Op op, const char *name, DType dt, Shape s, SrcLoc loc);
 int ir_const(Graph *g, double v, SrcLoc loc);
+int ir_const_i32(Graph *g, int32_t v, SrcLoc loc); // an i32 CONST (integer arithmetic on i32 tensors)
 int ir_reshape(Graph *g, int x, Shape s, SrcLoc loc);    // -1 with g->err when counts differ
 int ir_broadcast(Graph *g, int x, Shape s, SrcLoc loc);
 int ir_slice_bwd(Graph *g, int dy, Shape full, int axis, int64_t start, int64_t end, SrcLoc loc);
@@ -463,6 +473,11 @@ int64_t interp_numel(Interp *it, int node);
 // An elementwise unary op (NEG ... SILU) at one number: also the front end's constant folding.
 double interp_unary(Op op, double x);
 double interp_compare(int64_t rel, double a, double b); // 1 where a REL b holds (Compare), else 0
+// Arithmetic on i32 values: op (NEG, ABS, ADD, SUB, MUL, FLOORDIV, MOD) at a and b (b unused by the
+// unary ones), wrapping around modulo 2^32 as the compiled code's does.
+int32_t interp_i32(Op op, int32_t a, int32_t b);
+// x as int(x) converts it: toward zero, saturating at the i32 range, NaN to 0.
+int32_t interp_to_i32(double x);
 
 //
 // precision.c: the precision pass. Rewrites a training graph so that every MATMUL reads its

@@ -45,9 +45,11 @@ static Val int_val(int64_t i) { return (Val){.kind = V_INT, .i = i}; }
 static Val float_val(double f) { return (Val){.kind = V_FLOAT, .f = f}; }
 static Val tensor_val(int node) { return (Val){.kind = V_TENSOR, .node = node}; }
 
-typedef enum { SYM_DIM, SYM_CONST, SYM_PARAM, SYM_INPUT, SYM_VALUE, SYM_REPEAT } SymKind;
-static const char *const sym_kind[] = {"dim", "const", "param", "input", "value", "repeat block"};
-static const char *const a_sym_kind[] = {"a dim", "a const", "a param", "an input", "a value", "a repeat block"};
+// SYM_INDEX: the index of `repeat NAME[N] as INDEX`, an integer constant inside one repetition.
+typedef enum { SYM_DIM, SYM_CONST, SYM_PARAM, SYM_INPUT, SYM_VALUE, SYM_REPEAT, SYM_INDEX } SymKind;
+static const char *const sym_kind[] = {"dim", "const", "param", "input", "value", "repeat block", "repeat index"};
+static const char *const a_sym_kind[] = {"a dim", "a const", "a param", "an input", "a value", "a repeat block",
+                                         "a repeat index"};
 
 typedef enum { UNSEEN, EVALUATING, DONE } EvalState;
 
@@ -117,6 +119,7 @@ typedef struct Scope {
 typedef struct {
   const char *name, *kind, *repeat;
   SrcLoc at;
+  bool index; // the index of repeat block `repeat`
 } Decl;
 
 // One `KEY = value` line of the train section (other than dim bindings).
@@ -302,7 +305,10 @@ static void unknown_name(Sema *s, const Expr *e) {
   for (int i = 0; i < s->decls.n && !d; i++)
     if (!strcmp(((Decl *)s->decls.v[i])->name, e->s))
       d = s->decls.v[i];
-  if (d && s->constant) {
+  if (d && d->index) {
+    if (error_at(s, e->at, "'%s' is the index of repeat block '%s' and exists only inside its body", e->s, d->repeat))
+      diag_note(d->at, "'%s' is defined here", e->s);
+  } else if (d && s->constant) {
     error_at(s, e->at, "'%s' is %s; only dims and consts can be used here", e->s, d->kind);
   } else if (d && loc_before(e->at, d->at)) {
     if (error_at(s, e->at, "'%s' is used before its definition", e->s))
@@ -367,6 +373,7 @@ static const char *op_text(int op) {
   case '*': return "*";
   case '/': return "/";
   case '@': return "@";
+  case 'q': return "//";
   default: return "%";
   }
 }
@@ -381,6 +388,49 @@ static int as_node(Sema *s, Val v, SrcLoc at) {
   return id;
 }
 
+// a // b and a % b as Python and numpy take them: the quotient rounded down, the remainder with the
+// sign of b (a == b * (a // b) + a % b); b != 0, and not INT64_MIN // -1.
+static int64_t floor_div(int64_t a, int64_t b) { return a / b - (a % b != 0 && (a % b < 0) != (b < 0)); }
+static int64_t floor_mod(int64_t a, int64_t b) { return a % b + (a % b != 0 && (a % b < 0) != (b < 0) ? b : 0); }
+
+// The nodes of the operands v[0 .. n) of an elementwise op (`what` names it in messages, `at` its
+// place, vat[k] each operand's): numbers become CONSTs, of i32 where a tensor operand is i32
+// (integer arithmetic), else of f32. i32 and f32 tensors together, or a float number beside an i32
+// tensor, is an error naming both.
+static bool operand_nodes(Sema *s, const char *what, SrcLoc at, const Val *v, const SrcLoc *vat, int n, int *out) {
+  const IrNode *i32 = NULL, *other = NULL;
+  for (int k = 0; k < n; k++)
+    if (v[k].kind == V_TENSOR) {
+      if (node(s, v[k].node)->dtype == DT_I32)
+        i32 = node(s, v[k].node);
+      else
+        other = node(s, v[k].node);
+    }
+  if (i32 && other) {
+    error_at(s, at, "%s mixes i32 and %s tensors; convert one with float(x) or int(x)", what, dtype_name(other->dtype));
+    return false;
+  }
+  for (int k = 0; k < n; k++) {
+    if (v[k].kind == V_TENSOR) {
+      out[k] = v[k].node;
+    } else if (!i32) {
+      if ((out[k] = as_node(s, v[k], vat[k])) < 0)
+        return false;
+    } else if (v[k].kind == V_FLOAT) {
+      error_at(s, vat[k], "%s mixes an i32 tensor and the float number %g; convert the tensor with float(x)", what,
+               v[k].f);
+      return false;
+    } else if (v[k].i < INT32_MIN || v[k].i > INT32_MAX) {
+      error_at(s, vat[k], "%s: %lld does not fit in i32, the tensor's dtype", what, (long long)v[k].i);
+      return false;
+    } else if ((out[k] = ir_const_i32(s->g, (int32_t)v[k].i, vat[k])) < 0) {
+      error_at(s, vat[k], "%s", s->g->err);
+      return false;
+    }
+  }
+  return true;
+}
+
 static Val arith_int(Sema *s, const Expr *e, int64_t a, int64_t b) {
   int64_t r = 0;
   bool overflow = false;
@@ -390,6 +440,7 @@ static Val arith_int(Sema *s, const Expr *e, int64_t a, int64_t b) {
   case '*': overflow = __builtin_mul_overflow(a, b, &r); break;
   case '/':
   case '%':
+  case 'q':
     if (b == 0) {
       error_at(s, e->at, "division by zero in dimension arithmetic");
       return ERR;
@@ -403,7 +454,7 @@ static Val arith_int(Sema *s, const Expr *e, int64_t a, int64_t b) {
                (long long)b);
       return ERR;
     }
-    r = e->op == '/' ? a / b : a % b;
+    r = e->op == '/' ? a / b : e->op == 'q' ? floor_div(a, b) : floor_mod(a, b);
     break;
   }
   if (overflow) {
@@ -432,7 +483,7 @@ static Val arith_scalar(Sema *s, const Expr *e, Val a, Val b) {
     }
     return float_val(x / y);
   }
-  error_at(s, e->at, "'%%' needs integer operands");
+  error_at(s, e->at, "'%s' needs integer operands", op_text(e->op));
   return ERR;
 }
 
@@ -450,10 +501,11 @@ static Val comparison(Sema *s, const Expr *e, Val a, Val b) {
     double x = a.kind == V_INT ? (double)a.i : a.f, y = b.kind == V_INT ? (double)b.i : b.f;
     return (Val){.kind = V_BOOL, .i = interp_compare(rel, x, y) != 0};
   }
-  int x = as_node(s, a, e->lhs->at), y = as_node(s, b, e->rhs->at);
-  if (x < 0 || y < 0)
+  int in[2];
+  if (!operand_nodes(s, arena_printf(s->a, "'%s'", op_text(e->op)), e->at, (Val[]){a, b},
+                     (SrcLoc[]){e->lhs->at, e->rhs->at}, 2, in))
     return ERR;
-  return add_op(s, OP_COMPARE, (int[]){x, y}, 2, (int64_t[8]){rel}, NULL, e->at);
+  return add_op(s, OP_COMPARE, in, 2, (int64_t[8]){rel}, NULL, e->at);
 }
 
 static bool is_transpose(const Expr *e) { return e->kind == E_ATTR && !strcmp(e->s, "T"); }
@@ -538,15 +590,31 @@ static Val binary(Sema *s, const Expr *e) {
     error_at(s, e->at, "'%s' does not apply to booleans", op_text(e->op));
     return ERR;
   }
-  if (e->op == '%') {
-    error_at(s, e->at, "'%%' applies to dims and consts, not to tensors");
+  int in[2];
+  if (!operand_nodes(s, arena_printf(s->a, "'%s'", op_text(e->op)), e->at, (Val[]){a, b},
+                     (SrcLoc[]){e->lhs->at, e->rhs->at}, 2, in))
+    return ERR;
+  bool ints = node(s, in[0])->dtype == DT_I32;
+  if ((e->op == '%' || e->op == 'q') && !ints) {
+    error_at(s, e->at, "'%s' applies to integers (i32 tensors, dims and consts), not to %s tensors", op_text(e->op),
+             dtype_name(node(s, in[0])->dtype));
     return ERR;
   }
-  Op op = e->op == '+' ? OP_ADD : e->op == '-' ? OP_SUB : e->op == '*' ? OP_MUL : OP_DIV;
-  int x = as_node(s, a, e->lhs->at), y = as_node(s, b, e->rhs->at);
-  if (x < 0 || y < 0)
+  if ((e->op == '%' || e->op == 'q') && b.kind == V_INT && b.i == 0) {
+    error_at(s, e->at, "division by zero");
     return ERR;
-  return add_op(s, op, (int[]){x, y}, 2, NULL, NULL, e->at);
+  }
+  if (e->op == '/' && ints) {
+    error_at(s, e->at, "'/' does not apply to i32 tensors: a // b is the integer quotient, float(a) / b a float one");
+    return ERR;
+  }
+  Op op = e->op == '+'   ? OP_ADD
+          : e->op == '-' ? OP_SUB
+          : e->op == '*' ? OP_MUL
+          : e->op == '/' ? OP_DIV
+          : e->op == 'q' ? OP_FLOORDIV
+                         : OP_MOD;
+  return add_op(s, op, in, 2, NULL, NULL, e->at);
 }
 
 static Val negate(Sema *s, const Expr *e) {
@@ -805,6 +873,8 @@ static Val builtin_unary(Sema *s, const Builtin *b, const Expr *call, const Expr
     error_at(s, arg[0]->at, "%s: x must be a tensor or a number, got %s", b->name, describe(v));
     return ERR;
   }
+  if (v.kind == V_INT && (b->op == OP_ABS || b->op == OP_NEG) && v.i != INT64_MIN) // an integer stays one
+    return int_val(b->op == OP_NEG || v.i < 0 ? -v.i : v.i);
   double x = v.kind == V_INT ? (double)v.i : v.f;
   if (((b->op == OP_SQRT || b->op == OP_RSQRT) && x < 0) || (b->op == OP_LOG && x <= 0) ||
       (b->op == OP_RSQRT && x == 0)) {
@@ -812,6 +882,35 @@ static Val builtin_unary(Sema *s, const Builtin *b, const Expr *call, const Expr
     return ERR;
   }
   return float_val(interp_unary(b->op, x));
+}
+
+// float(x) and int(x): an f32 tensor of an i32 one and back (CAST), int toward zero, saturating at
+// the i32 range, NaN to 0 (interp_to_i32); on numbers at compile time, int toward zero (a 64-bit
+// integer); a tensor of the wanted dtype is itself. No gradient flows through an integer.
+static Val builtin_cast(Sema *s, const Builtin *b, const Expr *call, const Expr **arg) {
+  bool to_int = !strcmp(b->name, "int");
+  Val v = eval(s, arg[0]);
+  switch (v.kind) {
+  case V_ERR: return ERR;
+  case V_INT: return to_int ? v : float_val((double)v.i);
+  case V_FLOAT:
+    if (!to_int)
+      return v;
+    if (!(fabs(v.f) < 9.2e18)) {
+      error_at(s, call->at, "int(%g) is not a 64-bit integer", v.f);
+      return ERR;
+    }
+    return int_val((int64_t)v.f);
+  case V_TENSOR: {
+    DType from = node(s, v.node)->dtype, to = to_int ? DT_I32 : DT_F32;
+    if (from == to)
+      return v;
+    return add_op(s, OP_CAST, &v.node, 1, (int64_t[8]){to}, NULL, call->at);
+  }
+  default:
+    error_at(s, arg[0]->at, "%s: x must be a tensor or a number, got %s", b->name, describe(v));
+    return ERR;
+  }
 }
 
 // where(cond, a, b): a where cond is not 0 (a comparison's 1), else b; a and b may be numbers.
@@ -831,10 +930,9 @@ static Val builtin_where(Sema *s, const Builtin *b, const Expr *call, const Expr
              "a or b by itself");
     return ERR;
   }
-  int in[3];
-  for (int i = 0; i < 3; i++)
-    if ((in[i] = as_node(s, v[i], arg[i]->at)) < 0)
-      return ERR;
+  int in[3] = {v[0].node};
+  if (!operand_nodes(s, "where", call->at, v + 1, (SrcLoc[]){arg[1]->at, arg[2]->at}, 2, in + 1))
+    return ERR;
   return add_op(s, OP_WHERE, in, 3, NULL, NULL, call->at);
 }
 
@@ -860,19 +958,19 @@ static Val builtin_clamp(Sema *s, const Builtin *b, const Expr *call, const Expr
 // cross_entropy(..., ignore_index=-1) takes it: sum / target_count(targets), an ignored (negative)
 // target counting in neither; with every target ignored the loss is 0 and so are its gradients.
 // Over one axis a mean divides by the axis' length, whatever the values.
-static Val builtin_reduce(Sema *s, const Builtin *b, const Expr *call, const Expr **arg) {
-  int x = tensor_arg(s, b, arg[0], "x");
+static Val reduce_tensor(Sema *s, const Builtin *b, Op op, const Expr *call, int x, const Expr *axis_e,
+                         const Expr *keep_e) {
   bool keep;
-  if (x < 0 || !bool_arg(s, b, arg[2], "keepdim", false, &keep))
+  if (!bool_arg(s, b, keep_e, "keepdim", false, &keep))
     return ERR;
   Shape sh = node(s, x)->shape;
-  if (arg[1]) {
+  if (axis_e) {
     int64_t axis;
-    if (!axis_arg(s, b, arg[1], 0, sh.rank, call->at, &axis))
+    if (!axis_arg(s, b, axis_e, 0, sh.rank, call->at, &axis))
       return ERR;
-    return add_op(s, b->op, &x, 1, (int64_t[8]){axis, keep}, NULL, call->at);
+    return add_op(s, op, &x, 1, (int64_t[8]){axis, keep}, NULL, call->at);
   }
-  int targets = node(s, x)->op == OP_CROSS_ENTROPY && b->op == OP_MEAN ? node(s, x)->in[1] : -1;
+  int targets = node(s, x)->op == OP_CROSS_ENTROPY && op == OP_MEAN ? node(s, x)->in[1] : -1;
   if (sh.rank != 1) {
     Val flat = reshape(s, x, (Shape){.rank = 1, .d = {shape_numel(sh)}}, call->at);
     if (flat.kind == V_ERR)
@@ -887,7 +985,7 @@ static Val builtin_reduce(Sema *s, const Builtin *b, const Expr *call, const Exp
       return ERR;
     r = add_op(s, OP_DIV, (int[]){sum.node, count.node}, 2, NULL, NULL, call->at);
   } else {
-    r = add_op(s, b->op, &x, 1, (int64_t[8]){0, 0}, NULL, call->at);
+    r = add_op(s, op, &x, 1, (int64_t[8]){0, 0}, NULL, call->at);
   }
   if (r.kind == V_ERR || !keep || sh.rank == 0)
     return r;
@@ -895,6 +993,56 @@ static Val builtin_reduce(Sema *s, const Builtin *b, const Expr *call, const Exp
   for (int i = 0; i < sh.rank; i++)
     ones.d[i] = 1;
   return reshape(s, r.node, ones, call->at);
+}
+
+static Val builtin_reduce(Sema *s, const Builtin *b, const Expr *call, const Expr **arg) {
+  int x = tensor_arg(s, b, arg[0], "x");
+  return x < 0 ? ERR : reduce_tensor(s, b, b->op, call, x, arg[1], arg[2]);
+}
+
+// max(a, b) / min(a, b): elementwise with broadcasting (either may be a number; two numbers fold);
+// max(x, axis=, keepdim=) / min(...): a reduction, told apart by the second positional argument.
+// The min reduction is -max(-x): the same values, and the same gradient rule at ties.
+static Val builtin_minmax(Sema *s, const Builtin *b, const Expr *call, const Expr **arg) {
+  bool is_max = b->op == OP_MAXIMUM;
+  if (!arg[1]) {
+    int x = tensor_arg(s, b, arg[0], "x");
+    if (x < 0)
+      return ERR;
+    if (!is_max) {
+      Val neg = add_op(s, OP_NEG, &x, 1, NULL, NULL, call->at);
+      if (neg.kind == V_ERR)
+        return ERR;
+      x = neg.node;
+    }
+    Val r = reduce_tensor(s, b, OP_MAX, call, x, arg[2], arg[3]);
+    return is_max || r.kind == V_ERR ? r : add_op(s, OP_NEG, &r.node, 1, NULL, NULL, call->at);
+  }
+  if (arg[2] || arg[3]) {
+    error_at(s, arg[2] ? arg[2]->at : arg[3]->at, "%s(a, b) is elementwise and takes no axis= or keepdim=; the "
+             "reduction is %s(x, axis=...)", b->name, b->name);
+    return ERR;
+  }
+  Val v[2];
+  for (int i = 0; i < 2; i++) {
+    v[i] = eval(s, arg[i]);
+    if (v[i].kind == V_ERR)
+      return ERR;
+    if (v[i].kind != V_TENSOR && v[i].kind != V_INT && v[i].kind != V_FLOAT) {
+      error_at(s, arg[i]->at, "%s: %s must be a tensor or a number, got %s", b->name, b->params[i], describe(v[i]));
+      return ERR;
+    }
+  }
+  if (v[0].kind == V_INT && v[1].kind == V_INT)
+    return int_val(is_max == (v[0].i > v[1].i) ? v[0].i : v[1].i);
+  if (v[0].kind != V_TENSOR && v[1].kind != V_TENSOR) {
+    double x = v[0].kind == V_INT ? (double)v[0].i : v[0].f, y = v[1].kind == V_INT ? (double)v[1].i : v[1].f;
+    return float_val(is_max ? fmax(x, y) : fmin(x, y));
+  }
+  int in[2];
+  if (!operand_nodes(s, b->name, call->at, v, (SrcLoc[]){arg[0]->at, arg[1]->at}, 2, in))
+    return ERR;
+  return add_op(s, b->op, in, 2, NULL, NULL, call->at);
 }
 
 // The integers of a list literal such as [B, T, -1].
@@ -1319,6 +1467,126 @@ static Val builtin_cross_entropy(Sema *s, const Builtin *b, const Expr *call, co
   return add_op(s, OP_CROSS_ENTROPY, (int[]){l, t}, 2, NULL, NULL, call->at);
 }
 
+// x shifted by s positions along axis 1 of [B, T, C], zeros coming in: element t of the result is
+// x[t + s] where 0 <= t + s < T, else 0 (|s| < T). A SLICE and a CONCAT with a zero BROADCAST.
+static int shifted(Sema *s, int x, int64_t by, SrcLoc at) {
+  if (by == 0)
+    return x;
+  Shape sh = node(s, x)->shape, pad = sh;
+  int64_t t = sh.d[1], n = by < 0 ? -by : by;
+  pad.d[1] = n;
+  int zero = ir_const(s->g, 0, at);
+  int zeros = zero < 0 ? -1 : ir_broadcast(s->g, zero, pad, at);
+  if (zeros < 0) {
+    error_at(s, at, "%s", s->g->err);
+    return -1;
+  }
+  Val part = add_op(s, OP_SLICE, &x, 1, (int64_t[8]){1, by < 0 ? 0 : n, by < 0 ? t - n : t}, NULL, at);
+  if (part.kind == V_ERR)
+    return -1;
+  Val r = add_op(s, OP_CONCAT, by < 0 ? (int[]){zeros, part.node} : (int[]){part.node, zeros}, 2, (int64_t[8]){1},
+                 NULL, at);
+  return r.kind == V_ERR ? -1 : r.node;
+}
+
+// conv1d(x, w, b, causal=false): a 1-D convolution over the T axis of x [B, T, Cin], of the same
+// length T (zeros beyond either end), as PyTorch's conv1d computes it (cross-correlation):
+//   y[t] = sum_k w[k] . x[t + k - left] (+ b),  left = K - 1 when causal (y[t] sees x[t - K + 1 .. t]),
+//   else (K - 1) / 2 rounded down ('same' padding, the extra tap of an even K on the right).
+// w [K, Cin, Cout] is a full convolution (y [B, T, Cout]); w [K, C] a depthwise one, each channel its
+// own filter (y [B, T, C]). b [Cout] is optional. Lowered to ops the back ends have (so autodiff
+// and fusion come for free): per tap, x shifted (a SLICE and a CONCAT with zeros); a depthwise
+// convolution sums the taps times their rows of w; a full one concatenates the K shifted copies
+// along the channels and multiplies them by w viewed as [K * Cin, Cout], one GEMM.
+static Val builtin_conv1d(Sema *s, const Builtin *b, const Expr *call, const Expr **arg) {
+  int x = tensor_arg(s, b, arg[0], "x"), w = tensor_arg(s, b, arg[1], "w");
+  int bias = arg[2] ? tensor_arg(s, b, arg[2], "b") : -1;
+  bool causal;
+  if (x < 0 || w < 0 || (arg[2] && bias < 0) || !bool_arg(s, b, arg[3], "causal", false, &causal))
+    return ERR;
+  Shape xs = node(s, x)->shape, ws = node(s, w)->shape;
+  if (xs.rank != 3) {
+    error_at(s, arg[0]->at, "conv1d: x must be [B, T, C], got %s", shape_text(s, xs));
+    return ERR;
+  }
+  int64_t t = xs.d[1], cin = xs.d[2], k = ws.d[0];
+  if (ws.rank != 2 && ws.rank != 3) {
+    error_at(s, arg[1]->at, "conv1d: w must be [K, Cin, Cout] (a full convolution) or [K, C] (depthwise), got %s",
+             shape_text(s, ws));
+    return ERR;
+  }
+  if (ws.d[1] != cin) {
+    error_at(s, arg[1]->at, "conv1d: w %s has %lld input channels, x %s has %lld", shape_text(s, ws),
+             (long long)ws.d[1], shape_text(s, xs), (long long)cin);
+    return ERR;
+  }
+  if (k > 64) { // (a full convolution concatenates K parts; the emitters read at most 64 at once)
+    error_at(s, arg[1]->at, "conv1d: %lld taps; at most 64 (this lowering is for short convolutions)", (long long)k);
+    return ERR;
+  }
+  int64_t cout = ws.rank == 3 ? ws.d[2] : cin;
+  if (bias >= 0 && (node(s, bias)->shape.rank != 1 || node(s, bias)->shape.d[0] != cout)) {
+    error_at(s, arg[2]->at, "conv1d: b must be [%lld] (the output channels), got %s", (long long)cout,
+             shape_text(s, node(s, bias)->shape));
+    return ERR;
+  }
+  for (int i = 0; i < 3; i++) {
+    int v = i == 0 ? x : i == 1 ? w : bias;
+    if (v >= 0 && node(s, v)->dtype != DT_F32) {
+      error_at(s, arg[i]->at, "conv1d: %s must be f32, got %s", b->params[i], dtype_name(node(s, v)->dtype));
+      return ERR;
+    }
+  }
+  int64_t left = causal ? k - 1 : (k - 1) / 2;
+  int *taps = arena_alloc(s->a, sizeof(int) * (size_t)k);
+  int y = -1;
+  for (int64_t j = 0; j < k; j++) {
+    int64_t by = j - left; // tap j reads x[t + by]; one that only ever reads zeros is left out (-1)
+    bool outside = by <= -t || by >= t;
+    taps[j] = -1;
+    if (!outside && (taps[j] = shifted(s, x, by, call->at)) < 0)
+      return ERR;
+    if (ws.rank == 3 || taps[j] < 0)
+      continue;
+    Val row = add_op(s, OP_SLICE, &w, 1, (int64_t[8]){0, j, j + 1}, NULL, call->at);
+    Val term = row.kind == V_ERR ? ERR : add_op(s, OP_MUL, (int[]){taps[j], row.node}, 2, NULL, NULL, call->at);
+    if (term.kind == V_ERR)
+      return ERR;
+    Val sum = y < 0 ? term : add_op(s, OP_ADD, (int[]){y, term.node}, 2, NULL, NULL, call->at);
+    if (sum.kind == V_ERR)
+      return ERR;
+    y = sum.node;
+  }
+  if (ws.rank == 3) { // [B, T, K * Cin] (the taps that read nothing but zeros as zeros) @ [K * Cin, Cout]
+    int zeros = -1;
+    for (int64_t j = 0; j < k; j++) {
+      if (taps[j] >= 0)
+        continue;
+      int zero = zeros >= 0 ? zeros : ir_const(s->g, 0, call->at);
+      zeros = zero < 0 || zeros >= 0 ? zeros : ir_broadcast(s->g, zero, xs, call->at);
+      if (zeros < 0) {
+        error_at(s, call->at, "%s", s->g->err);
+        return ERR;
+      }
+      taps[j] = zeros;
+    }
+    Val cols = k == 1 ? tensor_val(taps[0]) : add_op(s, OP_CONCAT, taps, (int)k, (int64_t[8]){2}, NULL, call->at);
+    Val flat = cols.kind == V_ERR ? ERR
+                                  : reshape(s, cols.node, (Shape){.rank = 2, .d = {xs.d[0] * t, k * cin}}, call->at);
+    Val wf = reshape(s, w, (Shape){.rank = 2, .d = {k * cin, cout}}, call->at);
+    Val prod = flat.kind == V_ERR || wf.kind == V_ERR
+                   ? ERR
+                   : add_op(s, OP_MATMUL, (int[]){flat.node, wf.node}, 2, (int64_t[8]){0, 0}, NULL, call->at);
+    Val out = prod.kind == V_ERR ? ERR : reshape(s, prod.node, (Shape){.rank = 3, .d = {xs.d[0], t, cout}}, call->at);
+    if (out.kind == V_ERR)
+      return ERR;
+    y = out.node;
+  } // (the tap at x[t] itself is always there: y >= 0)
+  if (bias < 0)
+    return tensor_val(y);
+  return add_op(s, OP_ADD, (int[]){y, bias}, 2, NULL, NULL, call->at);
+}
+
 // Each dropout gets its own random stream: its index among the graph's dropouts, from 1.
 static Val builtin_dropout(Sema *s, const Builtin *b, const Expr *call, const Expr **arg) {
   int x = tensor_arg(s, b, arg[0], "x");
@@ -1337,6 +1605,8 @@ static const Builtin builtins[] = {
     {"clamp", 1, 1, {"x", "min", "max"}, builtin_clamp, OP_CLAMP},
     {"stop_gradient", 1, 1, {"x"}, builtin_unary, OP_STOP_GRADIENT},
     {"where", 3, 3, {"cond", "a", "b"}, builtin_where, OP_WHERE},
+    {"float", 1, 1, {"x"}, builtin_cast, OP_CAST},
+    {"int", 1, 1, {"x"}, builtin_cast, OP_CAST},
     {"exp", 1, 1, {"x"}, builtin_unary, OP_EXP},
     {"log", 1, 1, {"x"}, builtin_unary, OP_LOG},
     {"tanh", 1, 1, {"x"}, builtin_unary, OP_TANH},
@@ -1345,7 +1615,8 @@ static const Builtin builtins[] = {
     {"neg", 1, 1, {"x"}, builtin_unary, OP_NEG},
     {"sum", 1, 1, {"x", "axis", "keepdim"}, builtin_reduce, OP_SUM},
     {"mean", 1, 1, {"x", "axis", "keepdim"}, builtin_reduce, OP_MEAN},
-    {"max", 1, 1, {"x", "axis", "keepdim"}, builtin_reduce, OP_MAX},
+    {"max", 1, 2, {"x", "y", "axis", "keepdim"}, builtin_minmax, OP_MAXIMUM},
+    {"min", 1, 2, {"x", "y", "axis", "keepdim"}, builtin_minmax, OP_MINIMUM},
     {"reshape", 2, 2, {"x", "shape"}, builtin_reshape, OP_RESHAPE},
     {"permute", 2, 2, {"x", "axes"}, builtin_permute, OP_PERMUTE},
     {"transpose", 3, 3, {"x", "a", "b"}, builtin_transpose, OP_PERMUTE},
@@ -1364,6 +1635,7 @@ static const Builtin builtins[] = {
     {"rope", 2, 2, {"x", "pos", "heads", "base"}, builtin_rope, OP_ROPE},
     {"cross_entropy", 2, 2, {"logits", "targets"}, builtin_cross_entropy, OP_CROSS_ENTROPY},
     {"dropout", 1, 1, {"x", "p"}, builtin_dropout, OP_DROPOUT},
+    {"conv1d", 2, 3, {"x", "w", "b", "causal"}, builtin_conv1d, OP_MATMUL},
 };
 
 static Val call(Sema *s, const Expr *e) {
@@ -1395,6 +1667,8 @@ static Val name_value(Sema *s, const Expr *e) {
   }
   if (y->kind == SYM_DIM || y->kind == SYM_CONST)
     return sym_value(s, y, e->at);
+  if (y->kind == SYM_INDEX)
+    return y->val;
   if (y->kind == SYM_REPEAT) {
     error_at(s, e->at, "'%s' names a repeat block, not a value", e->s);
     return ERR;
@@ -1537,7 +1811,13 @@ static void scan_body(Sema *s, Stmt **body, int n, const char *repeat) {
       for (int k = 0; k < st->nnames; k++)
         add_decl(s, st->names[k], "a value", repeat, st->names_at[k]);
       break;
-    case S_REPEAT: scan_body(s, st->body, st->nbody, st->name); break;
+    case S_REPEAT:
+      if (st->index) {
+        add_decl(s, st->index, "a repeat index", st->name, st->index_at);
+        ((Decl *)s->decls.v[s->decls.n - 1])->index = true;
+      }
+      scan_body(s, st->body, st->nbody, st->name);
+      break;
     default: break;
     }
     if (repeat && st->kind != S_PARAM && st->kind != S_ASSIGN && st->kind != S_REPEAT) {
@@ -2151,6 +2431,9 @@ static void output_stmt(Sema *s, const Stmt *st) {
   if (v.kind != V_ERR && v.kind != V_TENSOR) {
     error_at(s, st->value->at, "output '%s' must be a tensor, got %s", st->name, describe(v));
     v = ERR;
+  } else if (v.kind == V_TENSOR && node(s, v.node)->dtype == DT_I32) { // (metrics and logits are read as f32)
+    error_at(s, st->value->at, "output '%s' is an i32 tensor; outputs are f32: write float(...)", st->name);
+    v = ERR;
   }
   assign(s, st->name, st->at, v);
   if (v.kind == V_ERR)
@@ -2208,7 +2491,8 @@ static bool repeat_fits(Sema *s, const Stmt *st, int64_t n, Cost before) {
 }
 
 // repeat NAME[N] { body }: N copies of the body, copy i in a scope whose params are NAME.i.x. The
-// first copy measures what one costs, so that a count too large is refused before the others.
+// first copy measures what one costs, so that a count too large is refused before the others. With
+// `as INDEX`, INDEX is i in copy i: an integer constant of that scope (usable in shapes and inits).
 static void repeat_stmt(Sema *s, const Stmt *st) {
   int64_t n;
   if (!int_of(s, st->value, "a repeat count", &n))
@@ -2219,11 +2503,19 @@ static void repeat_stmt(Sema *s, const Stmt *st) {
   }
   if (!define(s, st->name, SYM_REPEAT, st->at))
     return;
+  Sym *taken = st->index ? lookup(s, st->index) : NULL;
+  if (taken) {
+    if (error_at(s, st->index_at, "duplicate definition of '%s'", st->index))
+      diag_note(taken->at, "previous definition is here");
+    return;
+  }
   Cost before = cost_now(s);
   for (int64_t i = 0; i < n && !s->over_limit && !diag_stopped(); i++) {
     s->stmts++; // an empty body still costs its repetitions
     Scope sc = {.up = s->scope, .prefix = arena_printf(s->a, "%s%s.%lld.", s->scope->prefix, st->name, (long long)i)};
     s->scope = &sc;
+    if (st->index)
+      add_sym(s, &sc, st->index, SYM_INDEX, st->index_at)->val = int_val(i);
     int outer = s->g->cur_body;
     s->g->cur_body = ++s->g->nbodies; // the checkpoint pass's unit (IrNode.body)
     elaborate(s, st->body, st->nbody);

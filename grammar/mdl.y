@@ -121,9 +121,9 @@ static Stmt *block(Stmt *st, PtrVec *body) {
 %token <s> IDENT "identifier" STRING "string" SIZE "size"
 %token <i> INT "integer"
 %token <f> FLOAT "number"
-%token NEWLINE "end of line" DOTDOT "'..'" EQ "'=='" NE "'!='" LE "'<='" GE "'>='"
+%token NEWLINE "end of line" DOTDOT "'..'" EQ "'=='" NE "'!='" LE "'<='" GE "'>='" FLOORDIV "'//'"
 %token KW_MODEL "'model'" KW_DIM "'dim'" KW_CONST "'const'" KW_INPUT "'input'" KW_PARAM "'param'"
-%token KW_OUTPUT "'output'" KW_REPEAT "'repeat'" KW_TRAIN "'train'" KW_IN "'in'"
+%token KW_OUTPUT "'output'" KW_REPEAT "'repeat'" KW_TRAIN "'train'" KW_IN "'in'" KW_AS "'as'"
 %token KW_TRUE "'true'" KW_FALSE "'false'"
 %token DICT_OPEN "'{'" DICT_CLOSE "'}'"
 
@@ -189,6 +189,13 @@ stmt: KW_MODEL IDENT                            { $$ = ast_stmt(p, S_MODEL, @2);
                                                   $$->name = $2;
                                                   $$->value = $4;
                                                 }
+    | KW_REPEAT IDENT '[' expr ']' KW_AS IDENT block {
+                                                  $$ = block(ast_stmt(p, S_REPEAT, @2), &$8);
+                                                  $$->name = $2;
+                                                  $$->value = $4;
+                                                  $$->index = $7;
+                                                  $$->index_at = span_loc(p, @7);
+                                                }
     | KW_TRAIN block                            { $$ = block(ast_stmt(p, S_TRAIN, @1), &$2); $$->name = "train"; }
     ;
 
@@ -214,6 +221,7 @@ mul: mm
    | mul '*' mm         { $$ = binary(p, '*', $1, $3, @$, @2); }
    | mul '/' mm         { $$ = binary(p, '/', $1, $3, @$, @2); }
    | mul '%' mm         { $$ = binary(p, '%', $1, $3, @$, @2); }
+   | mul FLOORDIV mm    { $$ = binary(p, 'q', $1, $3, @$, @2); }
    ;
 
 mm: unary

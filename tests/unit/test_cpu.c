@@ -152,6 +152,40 @@ static const char opt_muon[] = "model optmuon\ndim B = 8\ndim N = 16\ndim H = 32
                                "h = relu(relu(x @ w1 + b1) @ w2)\noutput loss = mean(cross_entropy(h @ w3 + b3, targets))\n"
                                "train {\n optimizer = muon(lr=0.02, weight_decay=0.01, adam_lr=1e-3)\n"
                                " lr_scale = {\"w2\": 0.5}\n clip = 1.0\n}\n";
+// Elementwise min and max (broadcast, with a number) and the min and max reductions; integer
+// arithmetic on i32 (both signs of // and %, a divisor of 0, products that wrap around), comparisons
+// and where on integers, float() and int() (toward zero, both signs), an integer condition; conv1d
+// causal and not, depthwise and full (with a bias); a repeat index in an init, a slice and causal=.
+// The gradients of pk and pq are the integer values themselves (times 0.001): compared exactly.
+static const char newops[] =
+    "model newops\n"
+    "dim B = 2\n"
+    "dim T = 8\n"
+    "dim C = 16\n"
+    "dim V = 256\n"
+    "input x: f32[B, T, C]\n"
+    "input targets: i32[B, T]\n"
+    "input tokens: i32[B, T]\n"
+    "input pos: i32[B, T]\n"
+    "param w: [C, C] = normal(0.3)\n"
+    "param b: [C] = normal(0.1)\n"
+    "param head: [C, V] = normal(0.3)\n"
+    "param wd: [4, C] = normal(0.3)\n"
+    "param wc: [3, C, C] = normal(0.2)\n"
+    "param pk: [B, T] = normal(1)\n"
+    "param pq: [B, T, C] = normal(1)\n"
+    "a = tanh(x @ w + b)\n"
+    "h = max(a, 0.1 * a) + min(a, b + 0.05) - max(a, axis=1, keepdim=true) + min(a, axis=2, keepdim=true)\n"
+    "h = h + max(min(a, 0.3), -0.2) * min(x, b)\n"
+    "k = (pos - 3) // 2 * 3 + (pos - 3) % -2 - pos % (pos - 1) + max(pos, 2) * min(-pos, -1) + abs(pos - 4) * -pos\n"
+    "k = k + (tokens * 100000000) % 1000 + (-tokens) // (pos - 2) + where(pos >= 2, pos, 7)\n"
+    "f = reshape(float(k) * 0.01 + (pos == 2) + (k < 1), [B, T, 1])\n"
+    "h = h * (1.0 + 0.1 * f) + float(int(a * 3.0)) * a + where(reshape(pos % 2, [B, T, 1]), a, -a)\n"
+    "h = h + conv1d(a, wd, causal=true) + conv1d(h, wc, b)\n"
+    "repeat r[2] as i {\n  param wr: [C, C] = normal(0.1 * (i + 1))\n"
+    "  h = h + conv1d(h, wr[0:i + 1, :], causal=i == 0)\n}\n"
+    "ints = 0.001 * sum(float(k) * pk) + 0.001 * sum(float(int(a * 3.0)) * pq)\n"
+    "output loss = mean(cross_entropy(h @ head, targets)) + ints\n";
 
 // What one run produced: the loss and gradients of step 1, the parameters after the last step.
 typedef struct {
@@ -1082,6 +1116,7 @@ int main(void) {
       {"optplain.mdl", {{NULL, 0}}, 0, opt_plain},
       {"optlion.mdl", {{NULL, 0}}, 0, opt_lion},
       {"optmuon.mdl", {{NULL, 0}}, 0, opt_muon},
+      {"newops.mdl", {{NULL, 0}}, 0, newops},
   };
   for (size_t i = 0; i < sizeof models / sizeof *models; i++)
     test_model(&models[i]);

@@ -273,6 +273,40 @@ static const char routing[] =
     "o = gather(y[:, 0:4], idx, axis=1)\n"
     "s = scatter_add(y[:, 4:8], idx, o * o, axis=1)\n"
     "output loss = mean(s * s) + mean(y * y) + mean(prio)\n";
+// Elementwise min and max (broadcast, with a number) and the min and max reductions; integer
+// arithmetic on i32 (both signs of // and %, a divisor of 0, products that wrap around), comparisons
+// and where on integers, float() and int() (toward zero, both signs), an integer condition; conv1d
+// causal and not, depthwise and full (with a bias); a repeat index in an init, a slice and causal=.
+// The gradients of pk and pq are the integer values themselves (times 0.001): compared exactly.
+static const char newops[] =
+    "model newops\n"
+    "dim B = 2\n"
+    "dim T = 8\n"
+    "dim C = 16\n"
+    "dim V = 64\n"
+    "input x: f32[B, T, C]\n"
+    "input targets: i32[B, T]\n"
+    "input hot: i32[B, T]\n"
+    "input pos: i32[B, T]\n"
+    "param w: [C, C] = normal(0.3)\n"
+    "param b: [C] = normal(0.1)\n"
+    "param head: [C, V] = normal(0.3)\n"
+    "param wd: [4, C] = normal(0.3)\n"
+    "param wc: [3, C, C] = normal(0.2)\n"
+    "param pk: [B, T] = normal(1)\n"
+    "param pq: [B, T, C] = normal(1)\n"
+    "a = tanh(x @ w + b)\n"
+    "h = max(a, 0.1 * a) + min(a, b + 0.05) - max(a, axis=1, keepdim=true) + min(a, axis=2, keepdim=true)\n"
+    "h = h + max(min(a, 0.3), -0.2) * min(x, b)\n"
+    "k = (pos - 3) // 2 * 3 + (pos - 3) % -2 - pos % (pos - 1) + max(pos, 2) * min(-pos, -1) + abs(pos - 4) * -pos\n"
+    "k = k + (hot * 100000000) % 1000 + (-hot) // (pos - 2) + where(pos >= 2, pos, 7)\n"
+    "f = reshape(float(k) * 0.01 + (pos == 2) + (k < 1), [B, T, 1])\n"
+    "h = h * (1.0 + 0.1 * f) + float(int(a * 3.0)) * a + where(reshape(pos % 2, [B, T, 1]), a, -a)\n"
+    "h = h + conv1d(a, wd, causal=true) + conv1d(h, wc, b)\n"
+    "repeat r[2] as i {\n  param wr: [C, C] = normal(0.1 * (i + 1))\n"
+    "  h = h + conv1d(h, wr[0:i + 1, :], causal=i == 0)\n}\n"
+    "ints = 0.001 * sum(float(k) * pk) + 0.001 * sum(float(int(a * 3.0)) * pq)\n"
+    "output loss = mean(cross_entropy(h @ head, targets)) + ints\n";
 
 static const Model models[] = {
     {"models/gpt2-tiny.mdl", {{"B", 2}, {"T", 16}}, 2, NULL},
@@ -289,6 +323,7 @@ static const Model models[] = {
     {"attnkv.mdl", {{NULL, 0}}, 0, attnkv},
     {"attnkv-d12.mdl", {{"C", 48}}, 1, attnkv},
     {"routing.mdl", {{NULL, 0}}, 0, routing},
+    {"newops.mdl", {{NULL, 0}}, 0, newops},
 };
 
 // The training graph of md, its GEMMs' operands rounded to bf16 when prec is DT_BF16.
@@ -2002,6 +2037,10 @@ int main(void) {
     test_nvrtc_model(models[11].path, models[11].text, models[11].path, true, DT_BF16);
     for (int pr = 0; pr < 2; pr++)
       test_nvrtc_model(models[12].path, models[12].text, models[12].path, true, pr ? DT_BF16 : DT_F32);
+    // integer arithmetic and casts, elementwise min/max, conv1d
+    for (int pr = 0; pr < 2; pr++)
+      for (int fz = 1; fz >= 0; fz--)
+        test_nvrtc_model(models[14].path, models[14].text, models[14].path, fz, pr ? DT_BF16 : DT_F32);
   } else {
     printf("[skip] nvrtc: %s\n", why);
   }

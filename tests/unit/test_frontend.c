@@ -257,6 +257,28 @@ static void test_names_and_repeat(void) {
   CHECK(g && dim(g, "D") == 16 && has_shape(named(g, "a"), 2, 8, 16, 0) &&
             fabs(in(g, g->nodes[g->outputs[0]], 1)->fa[0] - 0.25) < 1e-15,
         "dims and consts are declarative; integer consts size shapes; float consts fold", "%s", errtext);
+  g = compile("model m\ndim L = 3\ninput a: f32[2, 4]\nx = a\nrepeat h[L] as i {\n"
+              " param w: [4, 4 * (i + 1)] = normal(0.02 / sqrt(2 * (i + 1)))\n"
+              " x = x + sum(x @ w, axis=1, keepdim=true) * (i + 1)\n repeat k[2] as j {\n  x = x * (i * 2 + j)\n }\n}\n"
+              "output y = x\n");
+  const IrNode *w2 = g && g->nparams == 3 ? g->nodes[g->params[2]] : NULL;
+  y = g ? g->nodes[g->outputs[0]] : NULL;
+  CHECK(w2 && has_shape(w2, 2, 4, 12, 0) && fabs(w2->init.std - 0.02 / sqrt(6.0)) < 1e-15 && y->op == OP_MUL &&
+            in(g, y, 1)->op == OP_CONST && in(g, y, 1)->fa[0] == 5,
+        "repeat ... as i: the index sizes shapes, scales inits and enters arithmetic, nested indices too", "%s",
+        errtext);
+  g = compile("model m\ninput a: f32[-7 // 2 + 6, -7 % 2, 7 // -2 + 5, 7 % -2 + 2, 6 // 3]\n");
+  CHECK(g && named(g, "a")->shape.rank == 5 && named(g, "a")->shape.d[0] == 2 && named(g, "a")->shape.d[1] == 1 &&
+            named(g, "a")->shape.d[2] == 1 && named(g, "a")->shape.d[3] == 1 && named(g, "a")->shape.d[4] == 2,
+        "// and % on integers round the quotient down; the remainder has the divisor's sign", "%s", errtext);
+  g = compile("model m\ninput a: f32[abs(2 - 5), max(2, 4), min(7, 5), int(2.9), neg(-2)]\n");
+  CHECK(g && named(g, "a")->shape.rank == 5 && named(g, "a")->shape.d[0] == 3 && named(g, "a")->shape.d[1] == 4 &&
+            named(g, "a")->shape.d[2] == 5 && named(g, "a")->shape.d[3] == 2 && named(g, "a")->shape.d[4] == 2,
+        "abs, neg, min, max and int of integers are integers (they may size a shape)", "%s", errtext);
+  CHECK(errors_of("model m\ninput a: f32[4]\nrepeat h[2] as i {\n i = 1\n}\ny = a * i\n") == 2 &&
+            strstr(errtext, "cannot assign to repeat index 'i'") &&
+            strstr(errtext, "'i' is the index of repeat block 'h' and exists only inside its body"),
+        "repeat index: assigning to it, or using it after the body, is an error", "%s", errtext);
   g = compile("model m; input a: f32[2,\n 3]; y = (a +\n a *\n 2)\n");
   CHECK(g && has_shape(named(g, "y"), 2, 2, 3, 0), "';' separates statements; newlines inside ( ) and [ ] do not",
         "%s", errtext);

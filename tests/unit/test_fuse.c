@@ -950,6 +950,56 @@ static void every_op(void) {
   arena_free(a);
 }
 
+// Elementwise min and max, integer arithmetic and casts fuse like the other elementwise ops: the
+// integer chain over [B, T] (// % abs - * max, then float) is one kernel, and so is the chain over
+// [B, T, C] that reads it (max, min, a comparison, where, int and float) when fused; unfused, each
+// is a step of its own.
+static void new_elementwise_ops(void) {
+  static const char text[] = "model ew\ndim B = 2\ndim T = 8\ndim C = 16\n"
+                             "input x: f32[B, T, C]\ninput pos: i32[B, T]\ninput targets: i32[B, T]\n"
+                             "param w: [C, C] = normal(0.1)\n"
+                             "k = reshape(float(max(pos // 3 % 2 - abs(pos - 2) * 2, -3)), [B, T, 1])\n"
+                             "m = min(max(x, 0.5 * x), k) + where(x > 0.2, x, float(int(x * 4.0)))\n"
+                             "output loss = mean(cross_entropy(x @ w + m, targets))\n";
+  Arena *a = arena_new();
+  Graph *g = mdl_compile_text(a, "ew.mdl", text, NULL, 0);
+  CHECK(g && autodiff(g, true), "new elementwise ops: model compiles", "%s", g ? g->err : "front end failed");
+  if (!g || !g->updates) {
+    arena_free(a);
+    return;
+  }
+  for (int fz = 1; fz >= 0; fz--) {
+    Fusion *f = fuse(g, (FuseOptions){.fuse = fz, .chunk_lmhead = fz});
+    const char *label = fz ? "new elementwise ops (fused)" : "new elementwise ops (unfused)";
+    if (!f) {
+      CHECK(false, label, "fuse failed: %s", g->err);
+      continue;
+    }
+    check_invariants(label, f);
+    int step[2] = {-1, -1}, members = 0, apart = 0, distinct = 0; // step[0]: the [B, T] chain's, [1]: [B, T, C]'s
+    bool seen[4096] = {0};
+    for (int i = 0; i < g->fwd_end && f->nsteps <= 4096; i++) {
+      Op op = g->nodes[i]->op;
+      if (op != OP_MAXIMUM && op != OP_MINIMUM && op != OP_FLOORDIV && op != OP_MOD && op != OP_CAST && op != OP_ABS &&
+          op != OP_WHERE && op != OP_COMPARE)
+        continue;
+      int wide = shape_numel(g->nodes[i]->shape) > 16, si = f->step_of[i];
+      step[wide] = step[wide] < 0 ? si : step[wide];
+      apart += si != step[wide];
+      distinct += si >= 0 && !seen[si];
+      if (si >= 0)
+        seen[si] = true;
+      members++;
+    }
+    char name[160];
+    snprintf(name, sizeof name, "%s: the %d min/max, integer, cast and where nodes are in %s", label, members,
+             fz ? "one step per iteration space" : "steps of their own");
+    CHECK(members == 11 && (fz ? apart == 0 && distinct == 2 && step[0] != step[1] : distinct == members), name,
+          "%d members, %d apart from their chain's step, %d steps", members, apart, distinct);
+  }
+  arena_free(a);
+}
+
 typedef struct {
   const char *model;
   int fused, unfused;  // step-count ceilings
@@ -1045,6 +1095,7 @@ int main(void) {
   memplan_by_hand();
   gradient_view();
   every_op();
+  new_elementwise_ops();
   gpt2_rules();
   models();
   TEST_EXIT();

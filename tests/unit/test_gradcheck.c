@@ -414,6 +414,162 @@ static void topk_order_case(void) {
   arena_free(a);
 }
 
+// Elementwise max(a, b) and min(a, b), broadcast, with a number, and the min reduction. p and q tie at
+// every third element (p[k] == q[k]), where they enter the loss linearly (`tie`): there the gradient
+// is shared evenly, as the central difference sees it (a kink whose two slopes are 0 and 1 has the
+// mean slope 1/2); elsewhere the operands differ by far more than the difference step.
+static void minmax_case(void) {
+  Arena *a = arena_new();
+  Graph *g = mdl_compile_text(a, "minmax.mdl",
+                              "model minmax\nparam p: [3, 4] = normal(1)\nparam q: [3, 4] = normal(1)\n"
+                              "param r: [4] = normal(1)\n"
+                              "y = min(p * 3.0, q) + max(p, r) * min(r, 0.25) + min(0.5, q)\n"
+                              "tie = max(p, q) * 2.0 - min(q, p)\n"
+                              "output loss = sum(y * y) + sum(tie) + sum(min(p * q, axis=1)) + "
+                              "sum(min(r, axis=0, keepdim=true))\n",
+                              NULL, 0);
+  bool ok = g && autodiff(g, false);
+  CHECK(ok, "grad min/max: compiles and differentiates", "%s", g ? g->err : "front end failed");
+  if (!ok) {
+    arena_free(a);
+    return;
+  }
+  Interp *it = interp_new(g, INTERP_F64);
+  double *p = interp_param(it, g->params[0]), *q = interp_param(it, g->params[1]), *r = interp_param(it, g->params[2]);
+  for (int k = 0; k < 12; k++) { // p in [-0.95, 1) apart by 1/6; q = p, or p +- 0.3
+    p[k] = -0.95 + (double)((k * 5) % 12) / 6;
+    q[k] = k % 3 == 0 ? p[k] : p[k] + (k % 2 ? 0.3 : -0.3);
+  }
+  for (int k = 0; k < 4; k++)
+    r[k] = -0.83 + 0.41 * k;
+  compare_with_fd("grad min/max", g, it, 0);
+  interp_free(it);
+  arena_free(a);
+}
+
+// Integers carry no gradient: int(p * 3) is a step function, flat where the difference steps land
+// (p * 3 is 0.1 or more from every integer), so the central difference agrees with autodiff taking
+// float(int(p * 3)) as a constant; integer arithmetic on an input scales p too.
+static void integer_case(void) {
+  Arena *a = arena_new();
+  Graph *g = mdl_compile_text(a, "ints.mdl",
+                              "model ints\ninput pos: i32[6]\nparam p: [6] = normal(1)\n"
+                              "k = int(p * 3.0)\n"
+                              "y = p * float(k * 2 - k // 2) + float((pos - 2) % 3 - pos) * p * p + (k > 0) * p\n"
+                              "output loss = sum(y * y)\n", NULL, 0);
+  bool ok = g && autodiff(g, false);
+  CHECK(ok, "grad integers: compiles and differentiates", "%s", g ? g->err : "front end failed");
+  if (!ok) {
+    arena_free(a);
+    return;
+  }
+  Interp *it = interp_new(g, INTERP_F64);
+  double *p = interp_param(it, g->params[0]);
+  for (int k = 0; k < 6; k++)
+    p[k] = -0.95 + 0.37 * k;
+  const int32_t pos[6] = {0, 1, 2, 3, 4, 5};
+  if (!interp_set_input(it, "pos", pos, NULL, 6))
+    CHECK(false, "grad integers", "could not set pos");
+  else
+    compare_with_fd("grad integers", g, it, 0);
+  interp_free(it);
+  arena_free(a);
+}
+
+// conv1d's values against the definition, written out as loops: y[b, t, o] = sum over k, c of
+// w[k, c, o] x[b, t + k - left, c] (0 outside), left = K - 1 causal, else (K - 1) / 2; a depthwise
+// w[k, c] for c == o only. Each of causal and not, depthwise and full, K odd and even.
+static void conv1d_values(void) {
+  static const struct {
+    const char *w;
+    int k, cout;
+    bool causal, depthwise;
+  } cases[] = {{"[4, 3]", 4, 3, true, true},   {"[3, 3]", 3, 3, false, true}, {"[2, 3, 5]", 2, 5, false, false},
+               {"[3, 3, 2]", 3, 2, true, false}, {"[4, 3, 2]", 4, 2, false, false}};
+  for (size_t ci = 0; ci < sizeof cases / sizeof *cases; ci++) {
+    Arena *a = arena_new();
+    char text[512], label[128];
+    snprintf(text, sizeof text, "model conv\ninput x: f32[2, 5, 3]\nparam w: %s = normal(1)\n"
+             "output y = conv1d(x, w, causal=%s)\n", cases[ci].w, cases[ci].causal ? "true" : "false");
+    snprintf(label, sizeof label, "conv1d w %s causal=%d: the definition's values", cases[ci].w, cases[ci].causal);
+    Graph *g = mdl_compile_text(a, "conv.mdl", text, NULL, 0);
+    if (!g) {
+      CHECK(false, label, "front end failed");
+      arena_free(a);
+      continue;
+    }
+    Interp *it = interp_new(g, INTERP_F64);
+    int K = cases[ci].k, O = cases[ci].cout, left = cases[ci].causal ? K - 1 : (K - 1) / 2;
+    double *w = interp_param(it, g->params[0]);
+    int64_t nw = shape_numel(g->nodes[g->params[0]]->shape);
+    for (int64_t k = 0; k < nw; k++)
+      w[k] = uniform(80, k);
+    float x[30];
+    for (int k = 0; k < 30; k++)
+      x[k] = (float)sin(0.7 * k + 0.1);
+    char err[256] = "";
+    bool ran = interp_set_input(it, "x", NULL, x, 30) && interp_run(it, g->n, err, sizeof err);
+    const double *y = ran ? interp_value(it, g->outputs[0]) : NULL;
+    double worst = ran ? 0 : INFINITY;
+    for (int b = 0; ran && b < 2; b++)
+      for (int t = 0; t < 5; t++)
+        for (int o = 0; o < O; o++) {
+          double want = 0;
+          for (int k = 0; k < K; k++)
+            for (int c = 0; c < 3; c++) {
+              int at = t + k - left;
+              if (at < 0 || at >= 5 || (cases[ci].depthwise && c != o))
+                continue;
+              want += (cases[ci].depthwise ? w[k * 3 + c] : w[(k * 3 + c) * O + o]) * x[(b * 5 + at) * 3 + c];
+            }
+          worst = fmax(worst, fabs(y[(b * 5 + t) * O + o] - want));
+        }
+    CHECK(worst < 1e-14, label, "%s max difference %g", err, worst);
+    interp_free(it);
+    arena_free(a);
+  }
+}
+
+// conv1d: causal depthwise (K 4 over T 6), 'same' full with a bias (K 3), 'same' full of an even K
+// (2) and a causal full one whose first taps reach past the start of a short sequence (K 4, T 2).
+static void conv1d_case(void) {
+  Arena *a = arena_new();
+  Graph *g = mdl_compile_text(a, "conv.mdl",
+                              "model conv\ninput x: f32[2, 6, 3]\ninput s: f32[2, 2, 3]\n"
+                              "param wd: [4, 3] = normal(0.5)\nparam wf: [3, 3, 5] = normal(0.5)\n"
+                              "param bf: [5] = normal(0.5)\nparam we: [2, 5, 2] = normal(0.5)\n"
+                              "param ws: [4, 3, 2] = normal(0.5)\n"
+                              "c = conv1d(tanh(conv1d(x, wd, causal=true)), wf, bf)\n"
+                              "e = conv1d(c, we, causal=false)\n"
+                              "output loss = sum(c * c) + sum(e * e) + "
+                              "sum(conv1d(s, ws, causal=true) * s[:, :, 0:2])\n",
+                              NULL, 0);
+  bool ok = g && autodiff(g, false);
+  CHECK(ok, "grad conv1d: compiles and differentiates", "%s", g ? g->err : "front end failed");
+  if (!ok) {
+    arena_free(a);
+    return;
+  }
+  Interp *it = interp_new(g, INTERP_F64);
+  for (int pi = 0; pi < g->nparams; pi++) {
+    int64_t n = shape_numel(g->nodes[g->params[pi]]->shape);
+    double *v = interp_param(it, g->params[pi]);
+    for (int64_t k = 0; k < n; k++)
+      v[k] = 0.5 * uniform(70 + (uint64_t)pi, k);
+  }
+  float xs[36], ss[12];
+  for (int k = 0; k < 36; k++)
+    xs[k] = (float)sin(0.9 * k + 0.2);
+  for (int k = 0; k < 12; k++)
+    ss[k] = (float)cos(1.3 * k);
+  if (!interp_set_input(it, "x", NULL, xs, 36) || !interp_set_input(it, "s", NULL, ss, 12))
+    CHECK(false, "grad conv1d", "could not set the inputs");
+  else
+    compare_with_fd("grad conv1d", g, it, 0);
+  interp_free(it);
+  arena_free(a);
+}
+
 // stop_gradient: loss = sum(x * stop_gradient(x) + stop_gradient(x)) has d loss / dx = x, not 2x + 1
 // (a finite difference sees the whole function, so this is checked against the formula).
 static void stop_gradient_case(void) {
@@ -996,6 +1152,10 @@ int main(void) {
   unary_cases();
   stop_gradient_case();
   where_case();
+  minmax_case();
+  integer_case();
+  conv1d_case();
+  conv1d_values();
   softmax_axes_case();
   routing_case();
   topk_order_case();

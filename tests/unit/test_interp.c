@@ -113,6 +113,47 @@ static void test_elementwise(void) {
   interp_free(it);
 }
 
+// Integer arithmetic on i32 against numpy's (np.int32 arrays: a // b, a % b, wrapping + - * and
+// negation), 0 where the divisor is 0 (numpy's result, with its warning); min, max and comparisons
+// of integers; casts toward zero, saturating, NaN to 0 (numpy's astype(np.int32) leaves those to the
+// platform), and back to f32.
+static void test_integers(void) {
+  fresh();
+  int a = ids_input("a", SH(8)), b = ids_input("b", SH(8)), x = must(ir_leaf(g, OP_INPUT, "x", DT_F32, SH(8), L0));
+  int fd = NODE(OP_FLOORDIV, NULL, NULL, a, b), md = NODE(OP_MOD, NULL, NULL, a, b);
+  int ad = NODE(OP_ADD, NULL, NULL, a, b), mu = NODE(OP_MUL, NULL, NULL, a, b), ng = NODE(OP_NEG, NULL, NULL, a);
+  int ab = NODE(OP_ABS, NULL, NULL, a), mx = NODE(OP_MAXIMUM, NULL, NULL, a, b);
+  int lt = NODE(OP_COMPARE, IA(CMP_LT), NULL, a, b), sevens = must(ir_const_i32(g, 7, L0));
+  int sub = NODE(OP_SUB, NULL, NULL, a, sevens);
+  int ti = NODE(OP_CAST, IA(DT_I32), NULL, x), tf = NODE(OP_CAST, IA(DT_F32), NULL, a);
+  bool typed = g->nodes[fd]->dtype == DT_I32 && g->nodes[lt]->dtype == DT_F32 && g->nodes[ti]->dtype == DT_I32 &&
+               g->nodes[tf]->dtype == DT_F32 && g->nodes[sub]->dtype == DT_I32;
+  CHECK(typed, "i32 arithmetic is i32, its comparisons an f32 mask, casts of the dtype asked for", "dtypes");
+  CHECK(ir_add(g, OP_ADD, (int[]){a, x}, 2, NULL, NULL, L0) < 0 && strstr(g->err, "i32 and f32 do not mix") &&
+            ir_add(g, OP_MOD, (int[]){x, x}, 2, NULL, NULL, L0) < 0 && strstr(g->err, "needs i32 operands"),
+        "i32 and f32 operands do not mix; // and % need i32", "%s", g->err);
+  Interp *it = interp_new(g, INTERP_F32);
+  const int32_t av[8] = {7, -7, 7, -7, 5, INT32_MIN, 2000000000, 0}, bv[8] = {2, 2, -2, -2, 0, -1, 3, -3};
+  const float xv[8] = {2.7f, -2.7f, 0.5f, -0.5f, 3e9f, -3e9f, NAN, INFINITY};
+  interp_set_input(it, "a", av, NULL, 8);
+  interp_set_input(it, "b", bv, NULL, 8);
+  interp_set_input(it, "x", NULL, xv, 8);
+  run(it);
+  EXPECT(it, fd, 0, "i32 //: rounded down, 0 for a divisor of 0, INT32_MIN // -1 wraps", 3, -4, -4, 3, 0,
+         INT32_MIN, 666666666, 0);
+  EXPECT(it, md, 0, "i32 %: the divisor's sign, 0 for a divisor of 0", 1, 1, -1, -1, 0, 0, 2, 0);
+  EXPECT(it, ad, 0, "i32 +", 9, -5, 5, -9, 5, INT32_MAX, 2000000003, -3);
+  EXPECT(it, mu, 0, "i32 *: wraps modulo 2^32", 14, -14, -14, 14, 0, INT32_MIN, 1705032704, 0);
+  EXPECT(it, ng, 0, "i32 negation: -INT32_MIN wraps to itself", -7, 7, -7, 7, -5, INT32_MIN, -2000000000, 0);
+  EXPECT(it, ab, 0, "i32 abs", 7, 7, 7, 7, 5, INT32_MIN, 2000000000, 0);
+  EXPECT(it, mx, 0, "i32 maximum", 7, 2, 7, -2, 5, -1, 2000000000, 0);
+  EXPECT(it, lt, 0, "i32 <", 0, 1, 0, 1, 0, 1, 0, 0);
+  EXPECT(it, sub, 0, "i32 minus an i32 constant", 0, -14, 0, -14, -2, INT32_MAX - 6, 1999999993, -7);
+  EXPECT(it, ti, 0, "int(x): toward zero, saturating, NaN to 0", 2, -2, 0, 0, INT32_MAX, INT32_MIN, 0, INT32_MAX);
+  EXPECT(it, tf, 0, "float(i): rounded to f32", 7, -7, 7, -7, 5, -2147483648.0, 2000000000, 0);
+  interp_free(it);
+}
+
 static void test_broadcast_and_precision(void) {
   fresh();
   int a = param("a", SH(2, 1)), b = param("b", SH(3));
@@ -743,6 +784,7 @@ static void test_backward_ops(void) {
 
 int main(void) {
   test_elementwise();
+  test_integers();
   test_broadcast_and_precision();
   test_matmul();
   test_reductions();

@@ -315,8 +315,11 @@ static void test_ir_rules(void) {
   int wc = ir_add(g, OP_CAST, &w, 1, (int64_t[8]){DT_BF16}, NULL, l);
   int mm = ir_add(g, OP_MATMUL, (int[]){xc, wc}, 2, NULL, NULL, l);
   CHECK(mm >= 0 && g->nodes[mm]->dtype == DT_F32, "ir: matmul of two bf16 values yields f32", "%s", g->err);
-  bad = ir_add(g, OP_CAST, &x, 1, (int64_t[8]){DT_I32}, NULL, l);
-  CHECK(bad < 0 && strstr(g->err, "cast to i32"), "ir: cast to i32 is rejected", "got %d: %s", bad, g->err);
+  bad = ir_add(g, OP_CAST, &xc, 1, (int64_t[8]){DT_I32}, NULL, l);
+  CHECK(bad < 0 && strstr(g->err, "cast from bf16 to i32"), "ir: a cast of bf16 to i32 is rejected (f32 only)",
+        "got %d: %s", bad, g->err);
+  int xi = ir_add(g, OP_CAST, &x, 1, (int64_t[8]){DT_I32}, NULL, l);
+  CHECK(xi >= 0 && g->nodes[xi]->dtype == DT_I32, "ir: a cast of f32 to i32 (int(x)) has dtype i32", "%s", g->err);
   // A cross-entropy (logits [2, 3], targets i32[2]) reads bf16 logits (the precision pass's CAST of
   // them); a softmax does not.
   int tg = ir_leaf(g, OP_INPUT, "t", DT_I32, shape_of(1, (int64_t[]){2}), l);
