@@ -135,6 +135,12 @@ typedef struct {
   void *reduce_ctx;
   GradRange *ranges; // the gradients the optimizer reads, each reduced before its step
   int nranges;
+  // Engine.set_shard: the ranks' shares of the parameters, their copies and the moments (floats),
+  // and the all-gather of the first two after each step
+  bool (*gather)(void *ctx, float *x, const int64_t *at, char *err, size_t en);
+  void *gather_ctx;
+  int rank, nranks;
+  int64_t *at; // params, copies, m, v: nranks + 1 each
 } CpuEngine;
 
 static bool cpe_draw(void *ctx, int k) {
@@ -225,6 +231,55 @@ GradRange *engine_grad_ranges(const Fusion *f, const MemPlan *m, int *nranges) {
   return r;
 }
 
+ZeroShard *engine_shard(const Graph *g, int rank, int n) {
+  ZeroShard *s = malloc(sizeof *s);
+  int64_t *size = malloc(sizeof(int64_t) * (size_t)(g->nparams ? g->nparams : 1));
+  int *first = malloc(sizeof(int) * (size_t)(n + 1));
+  if (!s || !size || !first) {
+    fprintf(stderr, "mdlc: out of host memory\n");
+    exit(1);
+  }
+  for (int i = 0; i < g->nparams; i++) // (a frozen parameter has no update and no moments)
+    size[i] = g->updates && g->updates[i] >= 0 ? shape_numel(g->nodes[g->params[i]]->shape) : 0;
+  dist_partition(size, g->nparams, n, first);
+  free(size);
+  *s = (ZeroShard){rank, n, first};
+  return s;
+}
+
+void engine_shard_free(ZeroShard *s) {
+  if (s)
+    free(s->first);
+  free(s);
+}
+
+int engine_shard_owner(const ZeroShard *s, const Graph *g, int node) {
+  int p = g->nodes[node]->op == OP_STATE ? g->nodes[node]->param_of : node;
+  for (int r = 0; r < s->n; r++)
+    for (int i = s->first[r]; i < s->first[r + 1]; i++)
+      if (g->params[i] == p)
+        return r;
+  return 0;
+}
+
+void engine_shard_at(const ZeroShard *s, const Graph *g, const MemPlan *m, int64_t *params, int64_t *copies,
+                     int64_t *mom_m, int64_t *mom_v) {
+  for (int r = 0; r <= s->n; r++) {
+    int i = s->first[r];
+    int64_t rel = i < g->nparams ? m->offset[g->params[i]] - m->params : m->param_bytes;
+    int64_t c = m->copies + m->copy_bytes; // (the first copy of a parameter from i on)
+    for (int k = i; k < g->nparams; k++)
+      if (m->copy_of[g->params[k]] >= 0) {
+        c = m->offset[m->copy_of[g->params[k]]];
+        break;
+      }
+    params[r] = (m->params + rel) / 4;
+    copies[r] = c / 4;
+    mom_m[r] = (m->m + rel) / 4;
+    mom_v[r] = (m->v + rel) / 4;
+  }
+}
+
 static bool ce_step(Engine *e, char *err, size_t n) {
   CpuEngine *ce = (CpuEngine *)e;
   cpe_draw_params(e, err, n);
@@ -241,9 +296,13 @@ static bool ce_step(Engine *e, char *err, size_t n) {
   }
   e->profiled_steps += e->profile && e->profile_warm && ok;
   e->profile_warm |= e->profile && ok;
-  if (!ok)
+  if (!ok) {
     snprintf(err, n, "%s", ce->cm->error);
-  return ok;
+    return false;
+  }
+  const int64_t *params = ce->at, *copies = ce->at + ce->nranks + 1; // (ZeRO: the others' updates)
+  return !ce->gather || (ce->gather(ce->gather_ctx, (float *)ce->arena, params, err, n) &&
+                         (ce->m->copy_bytes == 0 || ce->gather(ce->gather_ctx, (float *)ce->arena, copies, err, n)));
 }
 
 // A value the plan keeps inside a kernel (never written to memory) reads as NaN.
@@ -334,6 +393,12 @@ static void ce_idle(Engine *e, bool params_too) {
     cpu_arena_drop(ce->arena, m->params, m->param_bytes);
     cpu_arena_drop(ce->arena, m->copies, m->copy_bytes);
   }
+  for (int k = 2; ce->gather && k < 2 + m->moments; k++) { // (ZeRO: the moments of the others' shards)
+    const int64_t *at = ce->at + k * (ce->nranks + 1), lo = 4 * at[ce->rank], hi = 4 * at[ce->rank + 1];
+    const int64_t base = k == 2 ? m->m : m->v;
+    cpu_arena_drop(ce->arena, base, lo - base);
+    cpu_arena_drop(ce->arena, hi, base + m->param_bytes - hi);
+  }
 }
 
 // Engine.set_reduce: the gradients of engine_grad_ranges, each before its first reader's kernel.
@@ -352,8 +417,37 @@ static bool ce_set_reduce(Engine *e, bool (*fn)(void *ctx, float *x, int64_t n, 
   return true;
 }
 
+// Engine.set_shard: the optimizer's own parameters by the module's hooks (own_lo, own_end), and the
+// shares each step all-gathers.
+static bool ce_set_shard(Engine *e, const ZeroShard *s, bool (*gather)(void *ctx, float *x, const int64_t *at, char *err,
+                                                                    size_t en), void *ctx) {
+  CpuEngine *ce = (CpuEngine *)e;
+  free(ce->at);
+  ce->at = NULL;
+  ce->gather = NULL;
+  ce->cm->hooks.own_lo = ce->cm->hooks.own_end = 0;
+  if (!s)
+    return true;
+  int64_t k = s->n + 1, *at = malloc(sizeof(int64_t) * 4 * (size_t)k);
+  if (!at || !gather) {
+    free(at);
+    return false;
+  }
+  engine_shard_at(s, e->g, ce->m, at, at + k, at + 2 * k, at + 3 * k);
+  ce->at = at;
+  ce->rank = s->rank;
+  ce->nranks = s->n;
+  ce->gather = gather;
+  ce->gather_ctx = ctx;
+  int64_t lo = 4 * at[s->rank], hi = 4 * at[s->rank + 1];
+  ce->cm->hooks.own_lo = hi > lo ? lo : INT64_MAX; // (an empty shard: no parameter is at or after INT64_MAX)
+  ce->cm->hooks.own_end = hi > lo ? hi : INT64_MAX;
+  return true;
+}
+
 static void ce_free(Engine *e) {
   CpuEngine *ce = (CpuEngine *)e;
+  free(ce->at);
   free(ce->ranges);
   cpu_unload(ce->cm);
   param_draw_free(&ce->draw);
@@ -385,7 +479,7 @@ Engine *engine_cpu(const Fusion *f, const MemPlan *m, const char *source, uint64
                    .step = ce_step, .read = ce_read, .write = ce_write, .values = ce_values, .idle = ce_idle,
                    .free = ce_free,
                    .take_params = ce_take_params, .draw_params = cpe_draw_params, .inputs_from = ce_inputs_from,
-                   .set_reduce = ce_set_reduce,
+                   .set_reduce = ce_set_reduce, .set_shard = ce_set_shard,
                    .cache_hit = cm->cache_hit, .compile_seconds = cm->compile_seconds};
   return &ce->e;
 }

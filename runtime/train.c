@@ -273,8 +273,8 @@ static bool checkpoint_fits(Arena *a, const StFile *f, const char *path, const G
 
 // Loads a checkpoint into e after checking that it was written for this model (checkpoint_fits);
 // fills step, loader state and seed.
-static bool read_checkpoint(const char *path, Engine *e, const char *model_path, int64_t *step, LoaderState *ls,
-                            uint64_t *seed) {
+static bool read_checkpoint(const char *path, Engine *e, const char *model_path, const ZeroShard *zero, int64_t *step,
+                            LoaderState *ls, uint64_t *seed) {
   const Graph *g = e->g;
   Arena *a = arena_new();
   StFile f;
@@ -292,8 +292,9 @@ static bool read_checkpoint(const char *path, Engine *e, const char *model_path,
       ok = false;
     }
   }
-  for (int i = 0; ok && i < n; i++)
-    e->write(e, nodes[i], st_find(&f, g->nodes[nodes[i]]->name)->data);
+  for (int i = 0; ok && i < n; i++) // (--zero 1: a rank keeps the moments of its own shard)
+    if (!zero || g->nodes[nodes[i]]->op != OP_STATE || engine_shard_owner(zero, g, nodes[i]) == zero->rank)
+      e->write(e, nodes[i], st_find(&f, g->nodes[nodes[i]]->name)->data);
   if (ok) {
     long long ep = 0, pos = 0;
     *step = strtoll(cstep, NULL, 10);
@@ -926,6 +927,56 @@ static bool reduce_grads(void *ctx, float *x, int64_t n, char *err, size_t en) {
   return ok;
 }
 
+// ZeRO stage 1 (--zero 1): the updated parameters' all-gather after each step (Engine.set_shard), in
+// the step's communication time.
+static bool gather_params(void *ctx, float *x, const int64_t *at, char *err, size_t en) {
+  Reduce *r = ctx;
+  double t0 = rt_now();
+  bool ok = dist_allgather_f32(x, at, "the updated parameters' all-gather", r->step, err, en);
+  r->seconds += rt_now() - t0;
+  return ok;
+}
+
+// ZeRO stage 1: every rank's moments gathered into rank 0's engine, for a checkpoint that does not
+// depend on the ranks (the moments' nodes of a rank's shard are contiguous in node order, as the
+// shard's parameters are in parameter order). The others' moments are given back after the write
+// (Engine.idle). Every rank calls it.
+static bool gather_moments(Engine *e, const ZeroShard *z, int64_t step, char *err, size_t n) {
+  const Graph *g = e->g;
+  int64_t *at = calloc((size_t)z->n + 1, sizeof *at), total = 0;
+  if (!at)
+    return rt_fail(err, n, "out of host memory");
+  for (int i = 0; i < g->n; i++) // (at[r]: where rank r's first moment goes)
+    if (g->nodes[i]->op == OP_STATE)
+      at[engine_shard_owner(z, g, i) + 1] += shape_numel(g->nodes[i]->shape);
+  for (int r = 0; r < z->n; r++)
+    at[r + 1] += at[r];
+  total = at[z->n];
+  float *buf = calloc((size_t)(total ? total : 1), sizeof *buf); // (a rank writes only its own share)
+  if (!buf) {
+    free(at);
+    return rt_fail(err, n, "out of host memory gathering the moments (%.0f MB)", 4e-6 * (double)total);
+  }
+  int64_t off = 0;
+  for (int i = 0; i < g->n; i++)
+    if (g->nodes[i]->op == OP_STATE) {
+      if (engine_shard_owner(z, g, i) == z->rank)
+        e->read(e, i, buf + off);
+      off += shape_numel(g->nodes[i]->shape);
+    }
+  bool ok = dist_gather_f32(buf, at, 0, "the moments' gather for the checkpoint", step, err, n);
+  off = 0;
+  for (int i = 0; ok && z->rank == 0 && i < g->n; i++)
+    if (g->nodes[i]->op == OP_STATE) {
+      if (engine_shard_owner(z, g, i) != z->rank)
+        e->write(e, i, buf + off);
+      off += shape_numel(g->nodes[i]->shape);
+    }
+  free(buf);
+  free(at);
+  return ok;
+}
+
 int train_run(Engine *e, Engine *eval, Engine *micro, const TrainOptions *o) {
   const Graph *g = e->g;
   if (o->arrays ? ir_dim(g, "B") <= 0 : !shards_fit(g, o->data_dir)) {
@@ -979,6 +1030,7 @@ static int train_loop(Engine *e, Engine *eval, Engine *micro, const TrainOptions
   // With several ranks the loaders give the global batch, N*B rows, and each rank takes its slice (feed).
   int world = dist_on() ? dist_size() : 1;
   bool lead = dist_rank() == 0; // writes the log, the checkpoints and the loss curve
+  ZeroShard *zero = o->zero && world > 1 ? engine_shard(g, dist_rank(), world) : NULL; // (one process: no shards)
   LoaderOptions lo = {.B = B * world, .T = T, .vocab = V, .pack = o->pack, .shuffle = o->shuffle, .seed = o->seed,
                       .model = o->arrays ? g : NULL, .val_fraction = o->val_fraction},
                 lt = lo;
@@ -997,7 +1049,7 @@ static int train_loop(Engine *e, Engine *eval, Engine *micro, const TrainOptions
   uint64_t seed = o->seed;
   if (o->resume) {
     LoaderState ls;
-    if (!read_checkpoint(ckpt, e, o->model_path, &start, &ls, &seed) || !loader_seek(train, ls) ||
+    if (!read_checkpoint(ckpt, e, o->model_path, zero, &start, &ls, &seed) || !loader_seek(train, ls) ||
         (lead && !truncate_log(log_path, start))) {
       loader_close(train);
       if (val)
@@ -1104,6 +1156,13 @@ static int train_loop(Engine *e, Engine *eval, Engine *micro, const TrainOptions
       last = start;
     }
   }
+  if (zero && rc == 0 && !(e->set_shard && e->set_shard(e, zero, gather_params, &red))) {
+    diag_file_error(o->model_path, "the %s back end cannot shard the optimizer's state (--zero 1)", e->name);
+    rc = 1;
+    last = start;
+  }
+  if (zero && e->idle) // (a resumed run read every moment; a rank keeps its shard's)
+    e->idle(e, false);
   for (int64_t step = start + 1; step <= last; step++) {
     double t0 = rt_now(), loss_sum = 0;
     int64_t real = 0;
@@ -1270,7 +1329,9 @@ static int train_loop(Engine *e, Engine *eval, Engine *micro, const TrainOptions
       } else {
         char kept[PATH_MAX + 96] = "rank 0 keeps them";
         rc = 1;
-        if (lead)
+        if (zero && !gather_moments(e, zero, step, err, sizeof err)) // (every rank is here: the loss is shared)
+          snprintf(kept, sizeof kept, "%s", err);
+        else if (lead)
           keep_step_before(&writer, ckpt, e, o, step, ckpt_step, before, kept, sizeof kept);
         diag_file_error(o->model_path, "step %lld: %s; stopping with the weights of step %lld, which it did not "
                         "change: %s (--skip-nonfinite N skips up to N such steps)", (long long)step, why,
@@ -1283,17 +1344,27 @@ static int train_loop(Engine *e, Engine *eval, Engine *micro, const TrainOptions
       rc = 1;
       break;
     }
-    if ((o->ckpt_every > 0 && step % o->ckpt_every == 0) || step == last || stop || log_failed) {
+    // (--zero 1: every rank sends rank 0 its moments first, at the steps every rank checkpoints; a
+    // log that rank 0 alone failed to write stops it without a checkpoint, the last one standing)
+    bool every = (o->ckpt_every > 0 && step % o->ckpt_every == 0) || step == last || stop;
+    if (every || (log_failed && !zero)) {
+      if (zero && !gather_moments(e, zero, step, err, sizeof err)) {
+        diag_file_error(o->model_path, "step %lld: %s", (long long)step, err);
+        rc = 1;
+        break;
+      }
       if (lead && !ckpt_start(&writer, ckpt, e, o, step, loader_state(train))) {
         progress_clear(&pg);
         rc = 1;
         break;
       }
+      if (zero && e->idle && ckpt_wait(&writer)) // (rank 0 gives the others' moments back)
+        e->idle(e, false);
       ckpt_step = step;
     }
     if (log_failed) {
       progress_clear(&pg);
-      if (ckpt_wait(&writer))
+      if (ckpt_wait(&writer) && ckpt_step == step)
         fprintf(stderr, "mdlc: wrote the checkpoint of step %lld to %s; continue with --resume\n", (long long)step,
                 ckpt);
       break;
@@ -1358,6 +1429,9 @@ static int train_loop(Engine *e, Engine *eval, Engine *micro, const TrainOptions
     e->set_reduce(e, NULL, NULL);
   if (nccl)
     e->set_nccl(e, NULL, NULL);
+  if (zero && e->set_shard)
+    e->set_shard(e, NULL, NULL, NULL);
+  engine_shard_free(zero);
   metrics_free(&met);
   loader_close(train);
   if (val)
