@@ -1163,6 +1163,17 @@ static int train_loop(Engine *e, Engine *eval, Engine *micro, const TrainOptions
   }
   if (zero && e->idle) // (a resumed run read every moment; a rank keeps its shard's)
     e->idle(e, false);
+  if (zero && rc == 0 && !o->quiet) {
+    int64_t own = 0, all = 0;
+    for (int i = 0; i < g->n; i++)
+      if (g->nodes[i]->op == OP_STATE) {
+        all += 4 * shape_numel(g->nodes[i]->shape);
+        own += engine_shard_owner(zero, g, i) == zero->rank ? 4 * shape_numel(g->nodes[i]->shape) : 0;
+      }
+    printf("ZeRO stage 1: rank %d updates parameters %d to %d of %d and keeps their moments, %.2f MB of %.2f MB\n",
+           zero->rank, zero->first[zero->rank], zero->first[zero->rank + 1] - 1, g->nparams, (double)own / 1e6,
+           (double)all / 1e6);
+  }
   for (int64_t step = start + 1; step <= last; step++) {
     double t0 = rt_now(), loss_sum = 0;
     int64_t real = 0;

@@ -103,6 +103,60 @@ $m run "${common[@]}" -D B=4 --steps 20 --out "$tmp/half1" --resume >"$tmp/half1
 close "$tmp/two/log.jsonl" "$tmp/half1/log.jsonl" 2e-5 && ok "the checkpoint of 2 ranks resumes in 1 process at B=4" ||
   fail "2 ranks' checkpoint in 1 process: $(tail -3 "$tmp/half1.out")"
 
+# ZeRO stage 1 (--zero 1): each rank updates its share of the parameters and keeps their moments; the
+# same losses, parameters and moments as 1 process at the doubled batch, a checkpoint of the same
+# format at any number of ranks, and the memory of the other ranks' moments saved.
+mp run "${common[@]}" -D B=2 --steps 20 --zero 1 --out "$tmp/z2" >"$tmp/z2.out" 2>&1 || fail "--zero 1: $(tail -3 "$tmp/z2.out")"
+close "$tmp/one/log.jsonl" "$tmp/z2/log.jsonl" 2e-5 && ok "--zero 1: 2 ranks at B=2 give the losses of 1 process at B=4 (within 2e-5)" ||
+  fail "--zero 1 against 1 process: $(paste -d'|' "$tmp/one/log.jsonl" "$tmp/z2/log.jsonl" | head -c 600)"
+worst=$(params "$tmp/one/checkpoint.safetensors" "$tmp/z2/checkpoint.safetensors" 1e-5)
+[ $? -eq 0 ] && ok "--zero 1: and the parameters and every moment in its checkpoint, within 1e-5 (largest difference $worst)" ||
+  fail "--zero 1: the checkpoint after 20 steps differs: $worst"
+grep -q "^ZeRO stage 1: rank 0 updates parameters 0 to [0-9]* of [0-9]* and keeps their moments" "$tmp/z2.out" &&
+  grep -q "| comm [0-9.]* ms |" "$tmp/z2.out" && ok "--zero 1: rank 0 names its share; the all-gather is in comm" ||
+  fail "--zero 1's report: $(head -c 600 "$tmp/z2.out")"
+$m run "${common[@]}" -D B=4 --steps 20 --zero 1 --out "$tmp/z1" >"$tmp/z1.out" 2>&1
+cmp -s <(cut -d, -f1-2 "$tmp/one/log.jsonl") <(cut -d, -f1-2 "$tmp/z1/log.jsonl") &&
+  ok "--zero 1 in one process: one shard, the losses of the run without it bit for bit" ||
+  fail "--zero 1 in one process: $(tail -3 "$tmp/z1.out")"
+mp run "${mlp[@]}" -D B=16 --zero 1 --out "$tmp/muonz" >"$tmp/muonz.out" 2>&1
+close "$tmp/muon1/log.jsonl" "$tmp/muonz/log.jsonl" 1e-5 && ok "--zero 1 with Muon: the losses of 1 process at the doubled batch" ||
+  fail "--zero 1 with Muon: $(tail -3 "$tmp/muonz.out")"
+# Resume: 2 ranks with --zero 1 stopped at step 10 continue exactly; their checkpoint resumes in 1
+# process at B=4, and 1 process's checkpoint resumes on 2 ranks with --zero 1.
+mp run "${common[@]}" -D B=2 --steps 10 --zero 1 --out "$tmp/zh" >/dev/null 2>&1
+cp -r "$tmp/zh" "$tmp/zh1"
+mp run "${common[@]}" -D B=2 --steps 20 --zero 1 --out "$tmp/zh" --resume >"$tmp/zh.out" 2>&1
+cmp -s <(cut -d, -f1-2 "$tmp/z2/log.jsonl") <(cut -d, -f1-2 "$tmp/zh/log.jsonl") &&
+  ok "--zero 1: 2 ranks resumed at step 10 continue exactly (bit for bit)" || fail "--zero 1 resumed: $(tail -3 "$tmp/zh.out")"
+$m run "${common[@]}" -D B=4 --steps 20 --out "$tmp/zh1" --resume >"$tmp/zh1.out" 2>&1
+close "$tmp/one/log.jsonl" "$tmp/zh1/log.jsonl" 2e-5 && ok "--zero 1: the checkpoint of 2 ranks resumes in 1 process at B=4" ||
+  fail "--zero 1's checkpoint in 1 process: $(tail -3 "$tmp/zh1.out")"
+$m run "${common[@]}" -D B=4 --steps 10 --out "$tmp/oh" >/dev/null 2>&1
+mp run "${common[@]}" -D B=2 --steps 20 --zero 1 --out "$tmp/oh" --resume >"$tmp/oh.out" 2>&1
+close "$tmp/one/log.jsonl" "$tmp/oh/log.jsonl" 2e-5 && ok "--zero 1: 1 process's checkpoint resumes on 2 ranks sharded" ||
+  fail "1 process's checkpoint on 2 ranks with --zero 1: $(tail -3 "$tmp/oh.out")"
+# Memory: a wider model (52 MB of AdamW moments), 2 ranks with and without --zero 1: rank 0's peak
+# (the step lines') is smaller by about the other rank's moments (huge pages round its edges).
+wide=(models/gpt2-tiny.mdl -D T=32 -D C=512 -D B=2 --data "$tmp/data" --backend cpu --precision fp32 --val-every 0 --steps 3)
+mp run "${wide[@]}" --out "$tmp/w0" >"$tmp/w0.out" 2>&1
+mp run "${wide[@]}" --zero 1 --out "$tmp/w1" >"$tmp/w1.out" 2>&1
+peak() { grep "^step .* | loss" "$1" | tail -1 | sed 's/.*| peak \([0-9]*\) MB.*/\1/'; }
+p0=$(peak "$tmp/w0.out") p1=$(peak "$tmp/w1.out")
+read -r own all < <(sed -n 's/^ZeRO stage 1: rank 0 .*, \([0-9.]*\) MB of \([0-9.]*\) MB$/\1 \2/p' "$tmp/w1.out")
+if [ -n "$p0" ] && [ -n "$p1" ] && [ -n "$own" ] &&
+  python3 -c "import sys; p0, p1, own, all = map(float, sys.argv[1:]); other = all - own; sys.exit(0 if 0.6 * other <= p0 - p1 <= 1.2 * other + 2 else 1)" "$p0" "$p1" "$own" "$all"; then
+  ok "--zero 1: rank 0's peak $p1 MB against $p0 MB without it: the other rank's $(python3 -c "print('%.1f' % ($all - $own))") MB of moments saved, about"
+else
+  fail "--zero 1's memory: peak ${p1:-?} MB against ${p0:-?} MB, moments ${own:-?} of ${all:-?} MB kept"
+fi
+# Bad values.
+for bad in 2 x -1; do
+  out=$($m run "${common[@]}" -D B=4 --steps 1 --zero $bad --out "$tmp/bad" 2>&1)
+  [ $? -eq 2 ] && grep -q "zero wants the ZeRO stage, 0 (off) or 1" <<<"$out" || { fail "--zero $bad: $out"; continue; }
+done
+ok "--zero 2, x, -1: usage errors that say what --zero takes"
+
 # The ranks' pids, by rank, of the run writing to $1 (mpirun starts them as its children).
 rank_pid() {
   for p in $(pgrep -f -- "--out $1"); do
