@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Data-parallel training under mpirun (runtime/dist.c): 2 ranks at B=2 train what 1 process trains at
 # B=4 (the same losses and parameters, up to the order of the all-reduce's sums), with gradient
-# accumulation too; a run of 2 ranks resumes exactly, and its checkpoint resumes in 1 process at the
+# accumulation too, and with the optimizer's state sharded (--zero 1: its memory saved, its checkpoint
+# resumed at any N); a run of 2 ranks resumes exactly, and its checkpoint resumes in 1 process at the
 # doubled batch; a rank that hangs (SIGSTOP) is named by the others, which stop within the timeout; a
 # rank killed mid-run stops the run (Open MPI's launcher names it); the checkpoint on disk is whole.
 # Skips where Open MPI's mpirun is not installed (tools/deps.sh installs it).
@@ -79,6 +80,9 @@ $m run "${common[@]}" -D B=4 --accumulate 2 --steps 6 --out "$tmp/acc1" >"$tmp/a
 mp run "${common[@]}" -D B=2 --accumulate 2 --steps 6 --out "$tmp/acc2" >"$tmp/acc2.out" 2>&1
 close "$tmp/acc1/log.jsonl" "$tmp/acc2/log.jsonl" 2e-5 && ok "with --accumulate 2 as well" ||
   fail "--accumulate 2 over 2 ranks: $(tail -3 "$tmp/acc2.out")"
+mp run "${common[@]}" -D B=2 --accumulate 2 --steps 6 --zero 1 --out "$tmp/accz" >"$tmp/accz.out" 2>&1
+close "$tmp/acc1/log.jsonl" "$tmp/accz/log.jsonl" 2e-5 && ok "with --accumulate 2 and --zero 1 as well" ||
+  fail "--accumulate 2 over 2 ranks with --zero 1: $(tail -3 "$tmp/accz.out")"
 
 # Muon, whose Newton-Schulz products read the gradients: on the MLP's arrays, each rank its slice of
 # the examples, 2 ranks at B=16 against 1 process at B=32.
@@ -163,32 +167,37 @@ rank_pid() {
     if tr '\0' '\n' </proc/$p/environ 2>/dev/null | grep -qx "OMPI_COMM_WORLD_RANK=$2"; then echo $p; return; fi
   done
 }
-# run_until_step DIR: starts a long run of 2 ranks in the background and waits for its step 3.
+# run_until_step DIR [OPTION...]: starts a long run of 2 ranks in the background and waits for its step 3.
 run_until_step() {
+  local dir=$1
+  shift
   mpirun -np 2 "$m" run "${common[@]}" -D B=2 --steps 100000 --val-every 0 --ckpt-every 2 --dist-timeout 5 \
-    --out "$1" >"$1.out" 2>&1 &
+    --out "$dir" "$@" >"$dir.out" 2>&1 &
   pid=$!
-  for _ in $(seq 600); do grep -q '"step":3,' "$1/log.jsonl" 2>/dev/null && break; sleep 0.1; done
+  for _ in $(seq 600); do grep -q '"step":3,' "$dir/log.jsonl" 2>/dev/null && break; sleep 0.1; done
 }
-# A rank that hangs: the other names it and every rank stops within the timeout.
-run_until_step "$tmp/hang"
-victim=$(rank_pid "$tmp/hang" 1)
-[ -n "$victim" ] && kill -STOP "$victim"
-start=$SECONDS
-for _ in $(seq 600); do kill -0 $pid 2>/dev/null || break; sleep 0.1; done
-kill -0 $pid 2>/dev/null && { kill -9 $pid; fail "a hung rank: the run did not stop within 60 s"; }
-wait $pid
-rc=$?
-[ -n "$victim" ] && kill -9 "$victim" 2>/dev/null
-# (stopped before an all-reduce, rank 0 names it; stopped inside one, the watchdog ends rank 0)
-if [ -n "$victim" ] && [ $rc -ne 0 ] &&
-  grep -Eq "mdlc: rank 0: (rank 1 did not reach .* of step [0-9]* within 5 s \(dead or hung\)|.* did not complete within 5 s of every rank reaching it)" "$tmp/hang.out"; then
-  ok "a hung rank is named by rank 0 and every rank stops (status $rc, after $((SECONDS - start)) s)"
-else
-  fail "a hung rank (pid ${victim:-none}, status $rc): $(tail -5 "$tmp/hang.out")"
-fi
-python3 -c "import sys; b=open(sys.argv[1],'rb').read(); sys.exit(0 if len(b) > 8 else 1)" "$tmp/hang/checkpoint.safetensors" &&
-  $m eval "$tmp/hang/checkpoint.safetensors" --data "$tmp/data" --backend cpu --val-batches 1 >/dev/null 2>&1 &&
+# A rank that hangs: the other names it and every rank stops within the timeout; with --zero 1 too
+# (the all-gather of the updated parameters is one more collective a rank can stop before or in).
+for zero in 0 1; do
+  run_until_step "$tmp/hang$zero" --zero $zero
+  victim=$(rank_pid "$tmp/hang$zero" 1)
+  [ -n "$victim" ] && kill -STOP "$victim"
+  start=$SECONDS
+  for _ in $(seq 600); do kill -0 $pid 2>/dev/null || break; sleep 0.1; done
+  kill -0 $pid 2>/dev/null && { kill -9 $pid; fail "a hung rank: the run did not stop within 60 s"; }
+  wait $pid
+  rc=$?
+  [ -n "$victim" ] && kill -9 "$victim" 2>/dev/null
+  # (stopped before a collective, rank 0 names it; stopped inside one, the watchdog ends rank 0)
+  if [ -n "$victim" ] && [ $rc -ne 0 ] &&
+    grep -Eq "mdlc: rank 0: (rank 1 did not reach .* of step [0-9]* within 5 s \(dead or hung\)|.* did not complete within 5 s of every rank reaching it)" "$tmp/hang$zero.out"; then
+    ok "--zero $zero: a hung rank is named by rank 0 and every rank stops (status $rc, after $((SECONDS - start)) s)"
+  else
+    fail "--zero $zero: a hung rank (pid ${victim:-none}, status $rc): $(tail -5 "$tmp/hang$zero.out")"
+  fi
+done
+python3 -c "import sys; b=open(sys.argv[1],'rb').read(); sys.exit(0 if len(b) > 8 else 1)" "$tmp/hang0/checkpoint.safetensors" &&
+  $m eval "$tmp/hang0/checkpoint.safetensors" --data "$tmp/data" --backend cpu --val-batches 1 >/dev/null 2>&1 &&
   ok "the checkpoint a hung run leaves is whole (eval reads it)" || fail "the hung run's checkpoint"
 
 # A rank killed mid-run: the run stops with a non-zero status, the launcher naming the rank.
