@@ -272,10 +272,12 @@ static bool checkpoint_fits(Arena *a, const StFile *f, const char *path, const G
 }
 
 // Loads a checkpoint into e after checking that it was written for this model (checkpoint_fits);
-// fills step, loader state and seed.
-static bool read_checkpoint(const char *path, Engine *e, const char *model_path, const ZeroShard *zero, int64_t *step,
+// fills step, loader state and seed. With the optimizer's state in `shards` (--zero 1 over that many
+// ranks) this rank loads the moments of its own shard only.
+static bool read_checkpoint(const char *path, Engine *e, const char *model_path, int shards, int64_t *step,
                             LoaderState *ls, uint64_t *seed) {
   const Graph *g = e->g;
+  ZeroShard *zero = shards > 1 ? engine_shard(g, dist_rank(), shards) : NULL; // (--zero 1)
   Arena *a = arena_new();
   StFile f;
   bool ok = st_read(a, path, &f) && checkpoint_fits(a, &f, path, g, model_path, true);
@@ -306,6 +308,7 @@ static bool read_checkpoint(const char *path, Engine *e, const char *model_path,
     *ls = (LoaderState){ep, pos};
   }
   free(nodes);
+  engine_shard_free(zero);
   arena_free(a);
   return ok;
 }
@@ -1030,7 +1033,6 @@ static int train_loop(Engine *e, Engine *eval, Engine *micro, const TrainOptions
   // With several ranks the loaders give the global batch, N*B rows, and each rank takes its slice (feed).
   int world = dist_on() ? dist_size() : 1;
   bool lead = dist_rank() == 0; // writes the log, the checkpoints and the loss curve
-  ZeroShard *zero = o->zero && world > 1 ? engine_shard(g, dist_rank(), world) : NULL; // (one process: no shards)
   LoaderOptions lo = {.B = B * world, .T = T, .vocab = V, .pack = o->pack, .shuffle = o->shuffle, .seed = o->seed,
                       .model = o->arrays ? g : NULL, .val_fraction = o->val_fraction},
                 lt = lo;
@@ -1049,7 +1051,7 @@ static int train_loop(Engine *e, Engine *eval, Engine *micro, const TrainOptions
   uint64_t seed = o->seed;
   if (o->resume) {
     LoaderState ls;
-    if (!read_checkpoint(ckpt, e, o->model_path, zero, &start, &ls, &seed) || !loader_seek(train, ls) ||
+    if (!read_checkpoint(ckpt, e, o->model_path, o->zero ? world : 1, &start, &ls, &seed) || !loader_seek(train, ls) ||
         (lead && !truncate_log(log_path, start))) {
       loader_close(train);
       if (val)
@@ -1156,6 +1158,7 @@ static int train_loop(Engine *e, Engine *eval, Engine *micro, const TrainOptions
       last = start;
     }
   }
+  ZeroShard *zero = o->zero && world > 1 ? engine_shard(g, dist_rank(), world) : NULL; // (one process: no shards)
   if (zero && rc == 0 && !(e->set_shard && e->set_shard(e, zero, gather_params, &red))) {
     diag_file_error(o->model_path, "the %s back end cannot shard the optimizer's state (--zero 1)", e->name);
     rc = 1;
@@ -1369,7 +1372,7 @@ static int train_loop(Engine *e, Engine *eval, Engine *micro, const TrainOptions
         rc = 1;
         break;
       }
-      if (zero && e->idle && ckpt_wait(&writer)) // (rank 0 gives the others' moments back)
+      if (zero && lead && e->idle && ckpt_wait(&writer)) // (rank 0 gives the others' moments back)
         e->idle(e, false);
       ckpt_step = step;
     }
