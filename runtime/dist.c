@@ -316,9 +316,10 @@ static bool mpi_ranges(const int64_t *at, int *count, int *disp) {
   return true;
 }
 
-// MPI_Allgatherv in place (root < 0), or MPI_Gatherv to root, of the ranks' ranges of x, with the
-// check-in and the watchdog of every collective.
-static bool gather_ranges(float *x, const int64_t *at, int root, const char *what, int64_t step, char *err, size_t en) {
+// MPI_Allgatherv in place (root < 0: to is x), or MPI_Gatherv of x's shares into root's `to` (root's
+// own share left as it is there), with the check-in and the watchdog of every collective.
+static bool gather_ranges(float *x, float *to, const int64_t *at, int root, const char *what, int64_t step, char *err,
+                          size_t en) {
   if (!D.on)
     return true;
   int *count = malloc(sizeof(int) * (size_t)D.size), *disp = malloc(sizeof(int) * (size_t)D.size);
@@ -331,7 +332,7 @@ static bool gather_ranges(float *x, const int64_t *at, int root, const char *wha
   arm(what, step, true);
   const void *in_place = (const void *)1; // MPI_IN_PLACE
   bool ok = root < 0 ? D.allgatherv(in_place, 0, D.f32, x, count, disp, D.f32, D.comm) == 0
-            : D.rank == root ? D.gatherv(in_place, 0, D.f32, x, count, disp, D.f32, root, D.comm) == 0
+            : D.rank == root ? D.gatherv(in_place, 0, D.f32, to, count, disp, D.f32, root, D.comm) == 0
                              : D.gatherv(x + disp[D.rank], count[D.rank], D.f32, NULL, NULL, NULL, D.f32, root,
                                          D.comm) == 0;
   arm(what, step, false);
@@ -341,11 +342,12 @@ static bool gather_ranges(float *x, const int64_t *at, int root, const char *wha
 }
 
 bool dist_allgather_f32(float *x, const int64_t *at, const char *what, int64_t step, char *err, size_t en) {
-  return gather_ranges(x, at, -1, what, step, err, en);
+  return gather_ranges(x, x, at, -1, what, step, err, en);
 }
 
-bool dist_gather_f32(float *x, const int64_t *at, int root, const char *what, int64_t step, char *err, size_t en) {
-  return gather_ranges(x, at, root, what, step, err, en);
+bool dist_gather_f32(float *x, float *to, const int64_t *at, int root, const char *what, int64_t step, char *err,
+                     size_t en) {
+  return gather_ranges(x, to, at, root, what, step, err, en);
 }
 
 // Cuts n items of sizes size[] into parts contiguous runs: each boundary the item boundary nearest to

@@ -141,6 +141,10 @@ typedef struct {
   void *gather_ctx;
   int rank, nranks;
   int64_t *at; // params, copies, m, v: nranks + 1 each
+  // Engine.gather_moments: where the other ranks' m and v lie until the next step (the gradients'
+  // buffer, the activations' or moved_v, laid out as m and v), or NULL
+  char *moved_m, *moved_v;
+  float *own_v; // moved_v when it is a buffer of its own
 } CpuEngine;
 
 static bool cpe_draw(void *ctx, int k) {
@@ -280,8 +284,30 @@ void engine_shard_at(const ZeroShard *s, const Graph *g, const MemPlan *m, int64
   }
 }
 
+// Where node's values lie: in the arena, or for another rank's moment after Engine.gather_moments,
+// where that put it.
+static void *ce_place(CpuEngine *ce, int node) {
+  const MemPlan *m = ce->m;
+  int64_t off = m->offset[node];
+  if (!ce->moved_m || ce->e.g->nodes[node]->op != OP_STATE || off < m->m || off >= m->m + m->moments * m->param_bytes)
+    return cpu_value(m, ce->arena, node);
+  bool v = off >= m->v; // (m's region, or v's: each rank's share is contiguous in both)
+  const int64_t *at = ce->at + (v ? 3 : 2) * (ce->nranks + 1);
+  if (off >= 4 * at[ce->rank] && off < 4 * at[ce->rank + 1])
+    return cpu_value(m, ce->arena, node);
+  return v ? ce->moved_v + (off - m->v) : ce->moved_m + (off - m->m);
+}
+
+// The other ranks' moments are gone from where gather_moments put them (a step, or idle, reuses it).
+static void ce_unmove(CpuEngine *ce) {
+  free(ce->own_v);
+  ce->own_v = NULL;
+  ce->moved_m = ce->moved_v = NULL;
+}
+
 static bool ce_step(Engine *e, char *err, size_t n) {
   CpuEngine *ce = (CpuEngine *)e;
+  ce_unmove(ce);
   cpe_draw_params(e, err, n);
   bool ok = true;
   if (!e->profile && !ce->reduce)
@@ -309,7 +335,7 @@ static bool ce_step(Engine *e, char *err, size_t n) {
 static void ce_read(Engine *e, int node, float *dst) {
   CpuEngine *ce = (CpuEngine *)e;
   cpe_draw_params(e, NULL, 0);
-  const void *src = cpu_value(ce->m, ce->arena, node);
+  const void *src = ce_place(ce, node);
   int64_t n = shape_numel(e->g->nodes[node]->shape);
   if (src)
     memcpy(dst, src, sizeof(float) * (size_t)n);
@@ -321,7 +347,7 @@ static void ce_read(Engine *e, int node, float *dst) {
 static const float *ce_values(Engine *e, int node) {
   CpuEngine *ce = (CpuEngine *)e;
   cpe_draw_params(e, NULL, 0);
-  return cpu_value(ce->m, ce->arena, node);
+  return ce_place(ce, node);
 }
 
 static void ce_write(Engine *e, int node, const float *src) {
@@ -386,6 +412,7 @@ static bool ce_inputs_from(Engine *e, int n, const char *const *names, Engine *f
 static void ce_idle(Engine *e, bool params_too) {
   CpuEngine *ce = (CpuEngine *)e;
   const MemPlan *m = ce->m;
+  ce_unmove(ce);
   if (e->g->grads)
     cpu_arena_drop(ce->arena, m->grads, m->param_bytes);
   cpu_arena_drop(ce->arena, m->arena_bytes - m->activation_bytes, m->activation_bytes);
@@ -445,8 +472,48 @@ static bool ce_set_shard(Engine *e, const ZeroShard *s, bool (*gather)(void *ctx
   return true;
 }
 
+// Engine.gather_moments: each rank's shares of m and v (contiguous in each, as its parameters are in
+// the parameters' buffer) to rank 0, whose own share comes first: the others' shares of m go into
+// the gradients' buffer at their places there, those of v to the start of the activations' when
+// they have room (else into a buffer of their own), each where it would lie in m or v.
+static bool ce_gather_moments(Engine *e, int64_t step, char *err, size_t n) {
+  CpuEngine *ce = (CpuEngine *)e;
+  const MemPlan *m = ce->m;
+  ce_unmove(ce);
+  if (!ce->gather || m->moments == 0)
+    return true;
+  int64_t k = ce->nranks + 1, *rel = malloc(sizeof(int64_t) * (size_t)k);
+  if (!rel)
+    return rt_fail(err, n, "out of host memory");
+  const int64_t *v_at = ce->at + 3 * k, skip = 4 * (v_at[1] - v_at[0]), others = 4 * (v_at[k - 1] - v_at[1]);
+  char *to_m = ce->arena + m->grads, *to_v = ce->arena + (m->arena_bytes - m->activation_bytes) - skip;
+  if (ce->rank == 0 && m->moments > 1 && m->activation_bytes < others) {
+    if (!(ce->own_v = calloc((size_t)m->param_bytes / 4, sizeof(float)))) {
+      free(rel);
+      return rt_fail(err, n, "out of host memory gathering the moments (%.0f MB)", (double)others / 1e6);
+    }
+    to_v = (char *)ce->own_v;
+  }
+  bool ok = true;
+  for (int b = 0; ok && b < m->moments; b++) { // (the shares relative to the start of m, then of v)
+    const int64_t *at = ce->at + (2 + b) * k;
+    for (int r = 0; r < k; r++)
+      rel[r] = at[r] - at[0];
+    ok = dist_gather_f32((float *)(ce->arena + (b ? m->v : m->m)), (float *)(b ? to_v : to_m), rel, 0,
+                         b ? "the second moments' gather for the checkpoint" : "the moments' gather for the checkpoint",
+                         step, err, n);
+  }
+  free(rel);
+  if (ok && ce->rank == 0)
+    ce->moved_m = to_m, ce->moved_v = to_v;
+  else
+    ce_unmove(ce);
+  return ok;
+}
+
 static void ce_free(Engine *e) {
   CpuEngine *ce = (CpuEngine *)e;
+  ce_unmove(ce);
   free(ce->at);
   free(ce->ranges);
   cpu_unload(ce->cm);
@@ -480,6 +547,7 @@ Engine *engine_cpu(const Fusion *f, const MemPlan *m, const char *source, uint64
                    .free = ce_free,
                    .take_params = ce_take_params, .draw_params = cpe_draw_params, .inputs_from = ce_inputs_from,
                    .set_reduce = ce_set_reduce, .set_shard = ce_set_shard,
+                   .gather_moments = ce_gather_moments,
                    .cache_hit = cm->cache_hit, .compile_seconds = cm->compile_seconds};
   return &ce->e;
 }

@@ -80,12 +80,14 @@ bool dist_nccl_load(char *err, size_t n);
 void *dist_nccl_comm(char *err, size_t n);
 bool dist_nccl_mean_f32(void *comm, void *x, int64_t count, void *stream, char *err, size_t n);
 // ZeRO stage 1 (--zero 1): rank r's share of a flat buffer x is the floats [at[r], at[r + 1]).
-// dist_allgather_f32 gives every rank every share (MPI_Allgatherv in place), dist_gather_f32 gives
-// them to root only (MPI_Gatherv), each checked in and watched as dist_mean_f32 is; alone: nothing.
+// dist_allgather_f32 gives every rank every share (MPI_Allgatherv in place), dist_gather_f32 the
+// other ranks' to root only, into root's `to` at the same places (MPI_Gatherv), each checked in and
+// watched as dist_mean_f32 is; alone: nothing.
 // dist_nccl_gather_f32 enqueues the same all-gather on a CUDA stream (an ncclBroadcast from each rank,
 // grouped: NCCL's all-gather wants equal shares).
 bool dist_allgather_f32(float *x, const int64_t *at, const char *what, int64_t step, char *err, size_t en);
-bool dist_gather_f32(float *x, const int64_t *at, int root, const char *what, int64_t step, char *err, size_t en);
+bool dist_gather_f32(float *x, float *to, const int64_t *at, int root, const char *what, int64_t step, char *err,
+                     size_t en);
 bool dist_nccl_gather_f32(void *comm, void *x, const int64_t *at, void *stream, char *err, size_t n);
 // The shards of ZeRO: n items of sizes size[] cut into `parts` contiguous runs balanced by size, run r
 // the items [first[r], first[r + 1]) (first has parts + 1 entries); every rank computes the same.
@@ -156,6 +158,12 @@ struct Engine {
   // idle and read as zeros. s NULL: every parameter again. False where the back end cannot.
   bool (*set_shard)(Engine *e, const ZeroShard *s,
                     bool (*gather)(void *ctx, float *x, const int64_t *at, char *err, size_t en), void *ctx);
+  // With a shard set, for a checkpoint: every rank's moments gathered to rank 0, where Engine.values
+  // then reads them until the next step or idle, from memory no step keeps between steps (the
+  // gradients' buffer; the activations' where it has room): rank 0's checkpoint holds no second copy
+  // of them and its memory does not grow. Every rank calls it. NULL: the caller gathers through read
+  // and write (the GPU's moments stay whole in its arena).
+  bool (*gather_moments)(Engine *e, int64_t step, char *err, size_t n);
   double reduce_seconds;
   void (*free)(Engine *e);
   bool cache_hit;         // compiled back ends: the module came from the cache

@@ -941,10 +941,13 @@ static bool gather_params(void *ctx, float *x, const int64_t *at, char *err, siz
 }
 
 // ZeRO stage 1: every rank's moments gathered into rank 0's engine, for a checkpoint that does not
-// depend on the ranks (the moments' nodes of a rank's shard are contiguous in node order, as the
-// shard's parameters are in parameter order). The others' moments are given back after the write
-// (Engine.idle). Every rank calls it.
+// depend on the ranks: by the engine (Engine.gather_moments, the CPU's: into memory the step does not
+// keep), else through host memory, read from each rank and written into rank 0's (a GPU's arena holds
+// every moment anyway; the moments' nodes of a rank's shard are contiguous in node order, as the
+// shard's parameters are in parameter order). Every rank calls it.
 static bool gather_moments(Engine *e, const ZeroShard *z, int64_t step, char *err, size_t n) {
+  if (e->gather_moments)
+    return e->gather_moments(e, step, err, n);
   const Graph *g = e->g;
   int64_t *at = calloc((size_t)z->n + 1, sizeof *at), total = 0;
   if (!at)
@@ -967,7 +970,7 @@ static bool gather_moments(Engine *e, const ZeroShard *z, int64_t step, char *er
         e->read(e, i, buf + off);
       off += shape_numel(g->nodes[i]->shape);
     }
-  bool ok = dist_gather_f32(buf, at, 0, "the moments' gather for the checkpoint", step, err, n);
+  bool ok = dist_gather_f32(buf, buf, at, 0, "the moments' gather for the checkpoint", step, err, n);
   off = 0;
   for (int i = 0; ok && z->rank == 0 && i < g->n; i++)
     if (g->nodes[i]->op == OP_STATE) {
@@ -1372,8 +1375,6 @@ static int train_loop(Engine *e, Engine *eval, Engine *micro, const TrainOptions
         rc = 1;
         break;
       }
-      if (zero && lead && e->idle && ckpt_wait(&writer)) // (rank 0 gives the others' moments back)
-        e->idle(e, false);
       ckpt_step = step;
     }
     if (log_failed) {

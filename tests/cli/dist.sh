@@ -142,15 +142,18 @@ mp run "${common[@]}" -D B=2 --steps 20 --zero 1 --out "$tmp/oh" --resume >"$tmp
 close "$tmp/one/log.jsonl" "$tmp/oh/log.jsonl" 2e-5 && ok "--zero 1: 1 process's checkpoint resumes on 2 ranks sharded" ||
   fail "1 process's checkpoint on 2 ranks with --zero 1: $(tail -3 "$tmp/oh.out")"
 # Memory: a wider model (52 MB of AdamW moments), 2 ranks with and without --zero 1: rank 0's peak
-# (the step lines') is smaller by about the other rank's moments (huge pages round its edges).
-wide=(models/gpt2-tiny.mdl -D T=32 -D C=512 -D B=2 --data "$tmp/data" --backend cpu --precision fp32 --val-every 0 --steps 3)
+# (the step lines') is smaller by about the other rank's moments, after two checkpoints too (the other
+# rank's moments come to rank 0 in memory the steps do not keep). The bounds are loose: rank 0's
+# peak varies by up to 7 MB from run to run here (transparent huge pages, the allocator).
+wide=(models/gpt2-tiny.mdl -D T=128 -D C=512 -D B=2 --data "$tmp/data" --backend cpu --precision fp32 --val-every 0
+      --steps 3 --ckpt-every 1)
 mp run "${wide[@]}" --out "$tmp/w0" >"$tmp/w0.out" 2>&1
 mp run "${wide[@]}" --zero 1 --out "$tmp/w1" >"$tmp/w1.out" 2>&1
 peak() { grep "^step .* | loss" "$1" | tail -1 | sed 's/.*| peak \([0-9]*\) MB.*/\1/'; }
 p0=$(peak "$tmp/w0.out") p1=$(peak "$tmp/w1.out")
 read -r own all < <(sed -n 's/^ZeRO stage 1: rank 0 .*, \([0-9.]*\) MB of \([0-9.]*\) MB$/\1 \2/p' "$tmp/w1.out")
 if [ -n "$p0" ] && [ -n "$p1" ] && [ -n "$own" ] &&
-  python3 -c "import sys; p0, p1, own, all = map(float, sys.argv[1:]); other = all - own; sys.exit(0 if 0.6 * other <= p0 - p1 <= 1.2 * other + 2 else 1)" "$p0" "$p1" "$own" "$all"; then
+  python3 -c "import sys; p0, p1, own, all = map(float, sys.argv[1:]); other = all - own; sys.exit(0 if 0.4 * other <= p0 - p1 <= 1.2 * other + 2 else 1)" "$p0" "$p1" "$own" "$all"; then
   ok "--zero 1: rank 0's peak $p1 MB against $p0 MB without it: the other rank's $(python3 -c "print('%.1f' % ($all - $own))") MB of moments saved, about"
 else
   fail "--zero 1's memory: peak ${p1:-?} MB against ${p0:-?} MB, moments ${own:-?} of ${all:-?} MB kept"
