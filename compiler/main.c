@@ -1395,11 +1395,18 @@ static int cmd_lab(const Options *o, Graph *g) {
   if (access(source, R_OK))
     lo.skip[6] = arena_printf(a, "%s: %s: the data does not say what text it came from (prepared before prep "
                               "recorded it); prepare it again to measure this", source, strerror(errno));
+  // FP8: on a GPU of sm_89 or later in the ladder; on an older one skipped; on a CPU measured apart
+  // (emulated: what it costs here), so that the ladder and the full system stay what this CPU runs best.
   DType fp8;
-  if (!cuda)
-    lo.skip[7] = "no FP8 GEMM on a CPU (an H100 or later has them)";
-  else if (!precision_parse("fp8", &fp8))
+  CudaDevice dev;
+  char devwhy[256];
+  if (!precision_parse("fp8", &fp8))
     lo.skip[7] = "this build has no FP8 GEMMs yet";
+  else if (!cuda)
+    lo.apart[7] = "emulated on a CPU (each cast rounds in software, fp8 operands are widened for the f32 GEMM), "
+                  "so it costs here; FP8's gain needs the tensor cores of sm_89 or later";
+  else if (cuda_device(&dev, devwhy, sizeof devwhy) && atoi(dev.arch + 3) < 89)
+    lo.skip[7] = arena_printf(a, "%s (%s) has no FP8 tensor cores (sm_89 or later)", dev.name, dev.arch);
   // Checkpointing's worth: the largest batch within a budget, without it and with it.
   printf("lab: the largest batches within the memory budget, without and with checkpointing\n");
   fflush(stdout);
