@@ -101,6 +101,10 @@ static const char usage_text[] =
     "      --dist-timeout S   under mpirun/srun (data parallel, B per rank): how long a rank waits for\n"
     "                         the others at an all-reduce before it names the missing ones and stops\n"
     "                         every rank (default 300)\n"
+    "      --bucket-mb MB     under mpirun/srun on the CPU: the gradients are all-reduced in buckets of\n"
+    "                         MB MiB (default 25); 0: in one all-reduce\n"
+    "      --overlap          and each bucket reduced on a thread of its own as soon as the backward has\n"
+    "                         finished it, while the backward goes on (pays where a core is free for it)\n"
     "      --resume           continue the checkpoint in --out exactly: with its --seed, --no-shuffle,\n"
     "                         --no-pack and --accumulate (given with another value: refused)\n"
     "      --no-pack          one padded document per row instead of packed rows\n"
@@ -191,6 +195,7 @@ static int parse_options(int argc, char **argv, Options *o) {
       {"optimizer-per-param", no_argument, 0, 'Z'}, {"memory-budget", required_argument, 0, 'M'},
       {"log-every", required_argument, 0, 1001}, {"set", required_argument, 0, 1002},
       {"dist-timeout", required_argument, 0, 1003}, {"quiet", no_argument, 0, 'j'},
+      {"bucket-mb", required_argument, 0, 1004}, {"overlap", no_argument, 0, 1005},
       {"help", no_argument, 0, 'h'},          {"version", no_argument, 0, 'V'},
       {0, 0, 0, 0}};
   *o = (Options){.seed = 1337, .backend = "auto", .steps = -1, .pack = true, .reuse = true, .gemm_tuning = true,
@@ -221,6 +226,18 @@ static int parse_options(int argc, char **argv, Options *o) {
       dist_set_timeout(s);
       break;
     }
+    case 1004: {
+      char *end;
+      double mb = strtod(optarg, &end);
+      if (!*optarg || *end || !(mb >= 0) || mb > 1e6)
+        return usage_error("--bucket-mb wants megabytes (>= 0; 0: one all-reduce), got '%s'",
+                           optarg);
+      dist_set_bucket((int64_t)(mb * 1048576));
+      break;
+    }
+    case 1005:
+      dist_set_overlap(true);
+      break;
     case 1002:
       if (!strchr(optarg, '=') || optarg[0] == '=')
         return usage_error("--set wants KEY=VALUE (e.g. --set lr=1e-3), got '%s'", optarg);

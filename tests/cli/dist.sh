@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Data-parallel training under mpirun (runtime/dist.c): 2 ranks at B=2 train what 1 process trains at
 # B=4 (the same losses and parameters, up to the order of the all-reduce's sums), with gradient
-# accumulation too; a run of 2 ranks resumes exactly, and its checkpoint resumes in 1 process at the
+# accumulation too; the gradients reduced in buckets, in one all-reduce, or in buckets beside the
+# backward give the same checkpoint; a run of 2 ranks resumes exactly, and its checkpoint resumes in 1 process at the
 # doubled batch; a rank that hangs (SIGSTOP) is named by the others, which stop within the timeout; a
 # rank killed mid-run stops the run (Open MPI's launcher names it); the checkpoint on disk is whole.
 # Skips where Open MPI's mpirun is not installed (tools/deps.sh installs it).
@@ -74,6 +75,24 @@ else
   fail "the report of 2 ranks: $(head -c 600 "$tmp/two.out")"
 fi
 
+# Buckets: the run above reduced gpt2-tiny's gradients in 25 MiB buckets (the default) after the
+# backward; one all-reduce, and 64 KiB buckets reduced beside the backward (--overlap: several, started
+# at several points of it, on the engine's thread), give the same checkpoint bit for bit (a sum of two
+# ranks' values is one addition, however the buffer is cut and whenever it is reduced).
+mp run "${common[@]}" -D B=2 --steps 20 --bucket-mb 0 --out "$tmp/nob" >"$tmp/nob.out" 2>&1
+mp run "${common[@]}" -D B=2 --steps 20 --bucket-mb 0.0625 --overlap --out "$tmp/small" >"$tmp/small.out" 2>&1
+if cmp -s "$tmp/two/checkpoint.safetensors" "$tmp/nob/checkpoint.safetensors" &&
+  cmp -s "$tmp/two/checkpoint.safetensors" "$tmp/small/checkpoint.safetensors" &&
+  grep -q '"allreduce_ms":' "$tmp/small/log.jsonl" && grep -q "the rest beside the backward" "$tmp/small.out" &&
+  ! grep -q "the rest beside the backward" "$tmp/nob.out"; then
+  ok "buckets of 25 MiB, one all-reduce, and 64 KiB buckets reduced beside the backward: the same checkpoint, bit for bit"
+else
+  fail "buckets: $(tail -2 "$tmp/nob.out") / $(tail -2 "$tmp/small.out")"
+fi
+$m run "${common[@]}" -D B=2 --steps 1 --bucket-mb lots --out "$tmp/bad" >"$tmp/bad.out" 2>&1
+[ $? -eq 2 ] && grep -q -- "--bucket-mb wants megabytes" "$tmp/bad.out" && ok "--bucket-mb that is not a size: a usage error" ||
+  fail "--bucket-mb lots: $(cat "$tmp/bad.out")"
+
 # Gradient accumulation over ranks: the micro-batches' sums are reduced with the step's gradients.
 $m run "${common[@]}" -D B=4 --accumulate 2 --steps 6 --out "$tmp/acc1" >"$tmp/acc1.out" 2>&1
 mp run "${common[@]}" -D B=2 --accumulate 2 --steps 6 --out "$tmp/acc2" >"$tmp/acc2.out" 2>&1
@@ -109,12 +128,14 @@ rank_pid() {
     if tr '\0' '\n' </proc/$p/environ 2>/dev/null | grep -qx "OMPI_COMM_WORLD_RANK=$2"; then echo $p; return; fi
   done
 }
-# run_until_step DIR: starts a long run of 2 ranks in the background and waits for its step 3.
+# run_until_step DIR [OPTION...]: starts a long run of 2 ranks in the background and waits for its step 3.
 run_until_step() {
+  local dir=$1
+  shift
   mpirun -np 2 "$m" run "${common[@]}" -D B=2 --steps 100000 --val-every 0 --ckpt-every 2 --dist-timeout 5 \
-    --out "$1" >"$1.out" 2>&1 &
+    --out "$dir" "$@" >"$dir.out" 2>&1 &
   pid=$!
-  for _ in $(seq 600); do grep -q '"step":3,' "$1/log.jsonl" 2>/dev/null && break; sleep 0.1; done
+  for _ in $(seq 600); do grep -q '"step":3,' "$dir/log.jsonl" 2>/dev/null && break; sleep 0.1; done
 }
 # A rank that hangs: the other names it and every rank stops within the timeout.
 run_until_step "$tmp/hang"
@@ -136,6 +157,24 @@ fi
 python3 -c "import sys; b=open(sys.argv[1],'rb').read(); sys.exit(0 if len(b) > 8 else 1)" "$tmp/hang/checkpoint.safetensors" &&
   $m eval "$tmp/hang/checkpoint.safetensors" --data "$tmp/data" --backend cpu --val-batches 1 >/dev/null 2>&1 &&
   ok "the checkpoint a hung run leaves is whole (eval reads it)" || fail "the hung run's checkpoint"
+
+# The same where the gradients are reduced on the engine's thread beside the backward (--overlap): the
+# thread names the rank and stops every rank.
+run_until_step "$tmp/hang2" --overlap --bucket-mb 0.0625
+victim=$(rank_pid "$tmp/hang2" 1)
+[ -n "$victim" ] && kill -STOP "$victim"
+start=$SECONDS
+for _ in $(seq 600); do kill -0 $pid 2>/dev/null || break; sleep 0.1; done
+kill -0 $pid 2>/dev/null && { kill -9 $pid; fail "a hung rank with --overlap: the run did not stop within 60 s"; }
+wait $pid
+rc=$?
+[ -n "$victim" ] && kill -9 "$victim" 2>/dev/null
+if [ -n "$victim" ] && [ $rc -ne 0 ] &&
+  grep -Eq "mdlc: rank 0: (rank 1 did not reach .* of step [0-9]* within 5 s \(dead or hung\)|.* did not complete within 5 s of every rank reaching it)" "$tmp/hang2.out"; then
+  ok "with --overlap too (status $rc, after $((SECONDS - start)) s)"
+else
+  fail "a hung rank with --overlap (pid ${victim:-none}, status $rc): $(tail -5 "$tmp/hang2.out")"
+fi
 
 # A rank killed mid-run: the run stops with a non-zero status, the launcher naming the rank.
 run_until_step "$tmp/kill"
