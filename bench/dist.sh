@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
 # Data parallel on this CPU: GPT-2 small (models/gpt2.mdl, 124M) trained by 2 ranks of 1 thread each
 # (mpirun, B per rank) against 1 process of 2 threads at the doubled batch, the same global batch, in
-# interleaved rounds (A B C A B C), C the 2 ranks with the optimizer's state sharded (--zero 1):
-# tokens/s (median of the steps after the first two, over all rounds, with the range of the rounds'
-# medians), the share of the step the ranks waited on the collectives, and rank 0's peak memory (its
-# last step line's, the range over the rounds). Then, on paper, what the all-reduce of GPT-2 124M's gradients costs on 8 GPUs.
-# Prints markdown; bench/RESULTS.md keeps the recorded figures. Needs Open MPI's mpirun.
+# interleaved rounds (A B C D A B C D): the 2 ranks with one all-reduce after the backward
+# (--bucket-mb 0), with the gradients in 25 MiB buckets after it (the default) and beside it
+# (--overlap). Tokens/s (median of the steps after the first two, over all rounds, with the range of
+# the rounds' medians), the share of the step the ranks waited on the all-reduces, and the time in
+# them (with --overlap on the engine's thread, beside the backward). Run it under `chrt -r`, not
+# `chrt -f`: with --overlap a rank's two threads must take turns on its core, which FIFO scheduling
+# at one priority never makes them do. Then, on paper, what the all-reduce of GPT-2 124M's gradients
+# costs on 8 GPUs. Prints markdown; bench/RESULTS.md keeps the recorded figures. Needs Open MPI's mpirun.
 set -u
 cd "$(dirname "$0")/.."
 steps=${STEPS:-8}
@@ -24,15 +27,20 @@ common=(models/gpt2.mdl -D T=$T --data "$tmp/data" --backend cpu --precision fp3
 field() { sed -n "s/.*\"$2\":\\([-0-9.e]*\\).*/\\1/p" "$1"; }
 median() { sort -n | awk '{v[NR] = $1} END {if (NR == 0) print "n/a"; else print v[int((NR + 1) / 2)]}'; }
 for r in $(seq $rounds); do
-  rm -rf "$tmp/one" "$tmp/two" "$tmp/zero"
+  rm -rf "$tmp/one" "$tmp/two"
   OMP_NUM_THREADS=2 bin/mdlc run "${common[@]}" -D B=$((2 * B)) --out "$tmp/one" >"$tmp/one.$r.out" 2>&1 </dev/null
   tail -n +3 "$tmp/one/log.jsonl" >"$tmp/one.$r.log"
   OMP_NUM_THREADS=1 mpirun -np 2 -x OMP_NUM_THREADS bin/mdlc run "${common[@]}" -D B=$B --out "$tmp/two" \
-    >"$tmp/two.$r.out" 2>&1 </dev/null
+    --bucket-mb 0 >"$tmp/two.$r.out" 2>&1 </dev/null
   tail -n +3 "$tmp/two/log.jsonl" >"$tmp/two.$r.log"
-  OMP_NUM_THREADS=1 mpirun -np 2 -x OMP_NUM_THREADS bin/mdlc run "${common[@]}" -D B=$B --zero 1 --out "$tmp/zero" \
-    >"$tmp/zero.$r.out" 2>&1 </dev/null
-  tail -n +3 "$tmp/zero/log.jsonl" >"$tmp/zero.$r.log"
+  rm -rf "$tmp/two"
+  OMP_NUM_THREADS=1 mpirun -np 2 -x OMP_NUM_THREADS bin/mdlc run "${common[@]}" -D B=$B --out "$tmp/two" \
+    --bucket-mb 25 >"$tmp/buckets.$r.out" 2>&1 </dev/null
+  tail -n +3 "$tmp/two/log.jsonl" >"$tmp/buckets.$r.log"
+  rm -rf "$tmp/two"
+  OMP_NUM_THREADS=1 mpirun -np 2 -x OMP_NUM_THREADS bin/mdlc run "${common[@]}" -D B=$B --out "$tmp/two" \
+    --bucket-mb 25 --overlap >"$tmp/overlap.$r.out" 2>&1 </dev/null
+  tail -n +3 "$tmp/two/log.jsonl" >"$tmp/overlap.$r.log"
 done
 cell() { # tokens/s over every round's steps, and the rounds' medians' range
   local all r meds
@@ -40,20 +48,17 @@ cell() { # tokens/s over every round's steps, and the rounds' medians' range
   meds=$(for r in $(seq $rounds); do field "$tmp/$1.$r.log" tok_s | median; done | sort -n)
   printf "%.0f (%.0f-%.0f)" "$all" "$(echo "$meds" | head -1)" "$(echo "$meds" | tail -1)"
 }
-share() { # the collectives' share of the steps' time, over every round's steps
+share() { # the time waited on the all-reduces (and the time in them), over every round's steps
   cat "$tmp/$1".*.log | awk -F'[,:]' '{for (i = 1; i < NF; i++) {if ($i == "\"ms\"") ms += $(i + 1);
-    if ($i == "\"comm_ms\"") c += $(i + 1)}} END {printf "%.0f%% (%.0f of %.0f ms a step)", 100 * c / ms, c / NR, ms / NR}'
+    if ($i == "\"comm_ms\"") c += $(i + 1); if ($i == "\"allreduce_ms\"") b += $(i + 1)}}
+    END {printf "%.0f%% (%.0f of %.0f ms a step) | %.0f ms", 100 * c / ms, c / NR, ms / NR, b / NR}'
 }
-peak() { # rank 0's peak MB at its last step line, lowest-highest over the rounds
-  local p
-  p=$(for r in $(seq $rounds); do grep "^step .* | loss" "$tmp/$1.$r.out" | tail -1 | sed 's/.*| peak \([0-9]*\) MB.*/\1/'; done | sort -n)
-  printf "%s-%s" "$(echo "$p" | head -1)" "$(echo "$p" | tail -1)"
-}
-echo "| GPT-2 124M, fp32, global batch $((2 * B))x$T | tokens/s (median, range of rounds) | collectives' share of the step | peak MB (rank 0) |"
+echo "| GPT-2 124M, fp32, global batch $((2 * B))x$T | tokens/s (median, range of rounds) | waiting on the all-reduce, share of the step | in the all-reduces a step |"
 echo "|---|---|---|---|"
-echo "| 1 process, 2 threads, B=$((2 * B)) | $(cell one) | - | $(peak one) |"
-echo "| 2 ranks (mpirun), 1 thread each, B=$B | $(cell two) | $(share two) | $(peak two) |"
-echo "| 2 ranks, --zero 1 | $(cell zero) | $(share zero) | $(peak zero) |"
+echo "| 1 process, 2 threads, B=$((2 * B)) | $(cell one) | - | - |"
+echo "| 2 ranks (mpirun), 1 thread each, B=$B, one all-reduce after the backward (--bucket-mb 0) | $(cell two) | $(share two) |"
+echo "| 2 ranks, 1 thread each, B=$B, 25 MiB buckets after the backward (--bucket-mb 25, the default) | $(cell buckets) | $(share buckets) |"
+echo "| 2 ranks, 1 thread each, B=$B, 25 MiB buckets beside the backward (--overlap) | $(cell overlap) | $(share overlap) |"
 echo
 # On paper: a ring all-reduce moves 2 (N-1)/N of the buffer in and out of each rank.
 awk 'BEGIN {

@@ -343,6 +343,9 @@ static void why_line(const LabOptions *o, int k, const Row *with, const Row *wit
     else
       snprintf(buf, n, "%s: tokenising each batch as it is drawn costs less than the steps' spread", sign);
     break;
+  case FP8:
+    snprintf(buf, n, "%s%s%s", sign, o->apart[k] ? ": " : "", o->apart[k] ? o->apart[k] : "");
+    break;
   default:
     snprintf(buf, n, "%s", sign);
   }
@@ -453,7 +456,7 @@ int lab_run(const LabOptions *o) {
   // The ladder: row 0 the baseline, row k + 1 adds technique k (FP8 only where it can run).
   int ladder[NTECH + 1], nladder = 0;
   for (int k = -1; k < NTECH; k++) {
-    if (k >= 0 && o->skip[k])
+    if (k >= 0 && (o->skip[k] || o->apart[k]))
       continue;
     if (k >= 0)
       all |= 1u << k;
@@ -467,6 +470,11 @@ int lab_run(const LabOptions *o) {
     if (o->skip[k])
       continue;
     alone[k] = L.nrows;
+    if (o->apart[k]) { // (measured the other way round: the full system with it added)
+      snprintf(label, sizeof label, "everything on and %s", tech[k].name);
+      add_row(&L, all | 1u << k, label);
+      continue;
+    }
     snprintf(label, sizeof label, "everything on but %s", tech[k].name);
     add_row(&L, all & ~(1u << k), label);
   }
@@ -540,9 +548,20 @@ int lab_run(const LabOptions *o) {
       continue;
     }
     const Row *r = &rows[alone[k]];
-    alone_x[k] = r->ok && full->ok ? full->tok_s / r->tok_s : NAN;
     char tok[64];
     fmt_tok(r, tok, sizeof tok);
+    if (o->apart[k]) { // (a row with it, against the full system without it)
+      alone_x[k] = r->ok && full->ok ? r->tok_s / full->tok_s : NAN;
+      why_line(o, k, r, full, why, sizeof why);
+      if (r->ok)
+        both(&out, "| %s | %s | %s (with it) | %s | %.4f | %s |\n", tech[k].name, tech[k].published, tok,
+             times(o->arena, alone_x[k]), r->loss, why);
+      else
+        both(&out, "| %s | %s | %s | | | %s |\n", tech[k].name, tech[k].published, tok, r->why);
+      csv_row(&out, "apart", tech[k].name, r, NAN, alone_x[k]);
+      continue;
+    }
+    alone_x[k] = r->ok && full->ok ? full->tok_s / r->tok_s : NAN;
     why_line(o, k, full, r, why, sizeof why);
     if (r->ok)
       both(&out, "| %s | %s | %s | %s | %.4f | %s |\n", tech[k].name, tech[k].published, tok,

@@ -102,6 +102,10 @@ static const char usage_text[] =
     "      --dist-timeout S   under mpirun/srun (data parallel, B per rank): how long a rank waits for\n"
     "                         the others at an all-reduce before it names the missing ones and stops\n"
     "                         every rank (default 300)\n"
+    "      --bucket-mb MB     under mpirun/srun on the CPU: the gradients are all-reduced in buckets of\n"
+    "                         MB MiB (default 25); 0: in one all-reduce\n"
+    "      --overlap          and each bucket reduced on a thread of its own as soon as the backward has\n"
+    "                         finished it, while the backward goes on (pays where a core is free for it)\n"
     "      --zero 0|1         under mpirun/srun: 1 shards the optimizer's state (ZeRO stage 1): each rank\n"
     "                         keeps and updates the moments of its share of the parameters, then the\n"
     "                         updated parameters are all-gathered (default 0; alone: one shard, no change)\n"
@@ -195,7 +199,8 @@ static int parse_options(int argc, char **argv, Options *o) {
       {"optimizer-per-param", no_argument, 0, 'Z'}, {"memory-budget", required_argument, 0, 'M'},
       {"log-every", required_argument, 0, 1001}, {"set", required_argument, 0, 1002},
       {"dist-timeout", required_argument, 0, 1003}, {"quiet", no_argument, 0, 'j'},
-      {"zero", required_argument, 0, 1004},
+      {"bucket-mb", required_argument, 0, 1004}, {"overlap", no_argument, 0, 1005},
+      {"zero", required_argument, 0, 1006},
       {"help", no_argument, 0, 'h'},          {"version", no_argument, 0, 'V'},
       {0, 0, 0, 0}};
   *o = (Options){.seed = 1337, .backend = "auto", .steps = -1, .pack = true, .reuse = true, .gemm_tuning = true,
@@ -226,7 +231,19 @@ static int parse_options(int argc, char **argv, Options *o) {
       dist_set_timeout(s);
       break;
     }
-    case 1004:
+    case 1004: {
+      char *end;
+      double mb = strtod(optarg, &end);
+      if (!*optarg || *end || !(mb >= 0) || mb > 1e6)
+        return usage_error("--bucket-mb wants megabytes (>= 0; 0: one all-reduce), got '%s'",
+                           optarg);
+      dist_set_bucket((int64_t)(mb * 1048576));
+      break;
+    }
+    case 1005:
+      dist_set_overlap(true);
+      break;
+    case 1006:
       if (strcmp(optarg, "0") && strcmp(optarg, "1"))
         return usage_error("--zero wants the ZeRO stage, 0 (off) or 1 (the optimizer's state sharded over the "
                            "ranks), got '%s'", optarg);
@@ -1408,11 +1425,18 @@ static int cmd_lab(const Options *o, Graph *g) {
   if (access(source, R_OK))
     lo.skip[6] = arena_printf(a, "%s: %s: the data does not say what text it came from (prepared before prep "
                               "recorded it); prepare it again to measure this", source, strerror(errno));
+  // FP8: on a GPU of sm_89 or later in the ladder; on an older one skipped; on a CPU measured apart
+  // (emulated: what it costs here), so that the ladder and the full system stay what this CPU runs best.
   DType fp8;
-  if (!cuda)
-    lo.skip[7] = "no FP8 GEMM on a CPU (an H100 or later has them)";
-  else if (!precision_parse("fp8", &fp8))
+  CudaDevice dev;
+  char devwhy[256];
+  if (!precision_parse("fp8", &fp8))
     lo.skip[7] = "this build has no FP8 GEMMs yet";
+  else if (!cuda)
+    lo.apart[7] = "emulated on a CPU (each cast rounds in software, fp8 operands are widened for the f32 GEMM), "
+                  "so it costs here; FP8's gain needs the tensor cores of sm_89 or later";
+  else if (cuda_device(&dev, devwhy, sizeof devwhy) && atoi(dev.arch + 3) < 89)
+    lo.skip[7] = arena_printf(a, "%s (%s) has no FP8 tensor cores (sm_89 or later)", dev.name, dev.arch);
   // Checkpointing's worth: the largest batch within a budget, without it and with it.
   printf("lab: the largest batches within the memory budget, without and with checkpointing\n");
   fflush(stdout);

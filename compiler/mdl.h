@@ -648,6 +648,8 @@ typedef struct {
   const char *const *pass;        // options every run gets (-D, --backend, --seed, ...)
   int npass;
   const char *skip[8];            // per technique (lab.c's order): why it cannot run here, else NULL
+  const char *apart[8];           // per technique: why it runs here only as a row apart, outside the ladder
+                                  // and the full system (fp8 emulated on a CPU), else NULL
   int64_t T;                      // the context the runs train at
   double scores_mb;               // one attention's [B, H, T, T] scores, fp32
   int nparams;                    // parameter tensors

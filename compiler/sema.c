@@ -140,7 +140,7 @@ typedef struct {
   PtrVec consts;     // Sym* of every const, declaration order
   PtrVec decls;      // Decl*
   PtrVec settings;   // Setting*
-  PtrVec no_decay;   // const char* glob patterns
+  PtrVec no_decay;   // the glob patterns (E_STRING Exprs: where each was written)
   PtrVec lr_scale;   // Expr* of the train section's lr_scale: its string keys, each then its value
   double *lr_scales; // per lr_scale key: the multiplier
   PtrVec freeze;     // Expr* strings: the freeze patterns
@@ -2267,7 +2267,7 @@ static void train_config(Sema *s) {
     } else if (!strcmp(set->key, "schedule")) {
       schedule_setting(s, e, t);
     } else if (!strcmp(set->key, "no_decay")) {
-      patterns(s, e, "no_decay", "[\"*_b\", \"ln*\"]", &s->no_decay, false);
+      patterns(s, e, "no_decay", "[\"*_b\", \"ln*\"]", &s->no_decay, true);
     } else if (!strcmp(set->key, "clip")) {
       if (number(s, e, "clip", R_NONNEG, false, &x))
         t->clip = x;
@@ -2551,14 +2551,15 @@ static void elaborate(Sema *s, Stmt **body, int n) {
 
 // Weight decay applies to every param no no_decay pattern matches and that is not frozen; a frozen
 // param matches a freeze pattern; a param's lr_scale is the last lr_scale pattern's that matches it
-// (1 where none does). A freeze or lr_scale pattern that matches no param is an error (a misspelt
-// name would otherwise leave the run quietly training what it meant to hold).
+// (1 where none does). A no_decay, freeze or lr_scale pattern that matches no param is an error (a
+// misspelt name would otherwise leave the run quietly training what it meant to hold, or decaying
+// what it meant to spare).
 static void set_decay(Sema *s) {
   Graph *g = s->g;
   for (int i = 0; i < g->nparams; i++) {
     IrNode *p = node(s, g->params[i]);
     for (int k = 0; k < s->no_decay.n; k++)
-      if (fnmatch(s->no_decay.v[k], p->name, 0) == 0)
+      if (fnmatch(((const Expr *)s->no_decay.v[k])->s, p->name, 0) == 0)
         p->init.decay = false;
     for (int k = 0; k < s->freeze.n; k++)
       if (fnmatch(((const Expr *)s->freeze.v[k])->s, p->name, 0) == 0)
@@ -2567,15 +2568,16 @@ static void set_decay(Sema *s) {
       if (fnmatch(((const Expr *)s->lr_scale.v[k])->s, p->name, 0) == 0)
         p->init.lr_scale = s->lr_scales[k];
   }
-  for (int w = 0; w < 2; w++) {
-    const PtrVec *v = w ? &s->lr_scale : &s->freeze;
+  static const char *const what[3] = {"no_decay", "freeze", "lr_scale"};
+  for (int w = 0; w < 3; w++) {
+    const PtrVec *v = w == 2 ? &s->lr_scale : w ? &s->freeze : &s->no_decay;
     for (int k = 0; k < v->n; k++) {
       const Expr *pat = v->v[k];
       bool hit = false;
       for (int i = 0; i < g->nparams && !hit; i++)
         hit = fnmatch(pat->s, node(s, g->params[i])->name, 0) == 0;
       if (!hit)
-        error_at(s, pat->at, "%s pattern \"%s\" matches no param", w ? "lr_scale" : "freeze", pat->s);
+        error_at(s, pat->at, "%s pattern \"%s\" matches no param", what[w], pat->s);
     }
   }
   int frozen = 0;

@@ -1011,7 +1011,7 @@ static bool cu_set_nccl(Engine *e, void *comm, const bool *poison) {
   ce->nccl = NULL;
   if (!comm)
     return true;
-  if (!e->fusion || !(ce->ranges = engine_grad_ranges(e->fusion, ce->m, &ce->nranges)))
+  if (!e->fusion || !(ce->ranges = engine_grad_ranges(e->fusion, ce->m, 0, &ce->nranges)))
     return false;
   for (int i = 0; ce->red && i < 2 * ce->nred; i++)
     drv.cuEventDestroy(ce->red[i]);

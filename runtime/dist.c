@@ -33,6 +33,8 @@ static struct {
   int64_t collectives;   // collectives so far (the check-ins' tag)
   int rank, size, local_rank, local_size;
   double timeout;        // seconds a rank waits for the others at a collective
+  int64_t bucket;        // the gradients' buckets (bytes; 0: one all-reduce after the backward)
+  bool overlap;          // buckets reduced beside the backward, on the engine's thread
   void *lib;
   MpiHandle comm, f32, f64, i32, sum;
   int (*init_thread)(int *, char ***, int, int *);
@@ -56,7 +58,7 @@ static struct {
   const char *(*nccl_error)(int);
   int (*nccl_bcast)(const void *, void *, size_t, int, int, void *, void *);
   int (*nccl_group_start)(void), (*nccl_group_end)(void);
-} D = {.size = 1, .local_size = 1, .timeout = 300};
+} D = {.size = 1, .local_size = 1, .timeout = 300, .bucket = 25 << 20};
 
 // The first of the environment variables that is set, as an integer; -1 when none is.
 static int env_int(const char *const *names) {
@@ -127,9 +129,13 @@ bool dist_init(char *err, size_t n) {
       return fail(err, n, "Open MPI's library has no %s", names[i]);
   if (!D.f32 || !D.f64 || !D.i32 || !D.sum || !D.byte)
     return fail(err, n, "Open MPI's library lacks a predefined datatype or operation");
+  // SERIALIZED: the gradients' buckets are reduced on the engine's thread while the backward runs
+  // (engine.c), the other collectives on the main thread between steps: never two at once.
   int provided = 0;
-  if (D.init_thread(NULL, NULL, 1 /* MPI_THREAD_FUNNELED */, &provided) != 0)
+  if (D.init_thread(NULL, NULL, 2 /* MPI_THREAD_SERIALIZED */, &provided) != 0)
     return fail(err, n, "MPI_Init_thread failed");
+  if (provided < 2)
+    D.overlap = false; // (an MPI without threads: every all-reduce from the main thread)
   D.comm_rank(D.comm, &D.rank);
   D.comm_size(D.comm, &D.size);
   D.on = D.size > 1;
@@ -153,6 +159,10 @@ int dist_local_rank(void) {
 }
 int dist_local_size(void) { return D.local_size; }
 void dist_set_timeout(double seconds) { D.timeout = seconds; }
+void dist_set_bucket(int64_t bytes) { D.bucket = bytes; }
+int64_t dist_bucket(void) { return D.bucket; }
+void dist_set_overlap(bool on) { D.overlap = on; }
+bool dist_overlap(void) { return D.overlap; }
 double dist_timeout(void) { return D.timeout; }
 
 void dist_abort(int status) {

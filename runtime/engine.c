@@ -6,6 +6,7 @@
 #include "runtime.h"
 
 #include <math.h>
+#include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -145,6 +146,18 @@ typedef struct {
   // buffer, the activations' or moved_v, laid out as m and v), or NULL
   char *moved_m, *moved_v;
   float *own_v; // moved_v when it is a buffer of its own
+  // With overlap (set_reduce's), a thread of its own reduces each bucket once the kernel
+  // that makes it final has run, while the next kernels run; a kernel that reads one waits for it.
+  struct {
+    bool started, quit, failed;
+    pthread_t thread;
+    pthread_mutex_t lock;
+    pthread_cond_t cond;
+    int *queue;     // the buckets (indices into ranges) in the order they became final this step
+    int queued, taken;
+    bool *done;     // per bucket: reduced this step
+    char err[512];  // the first failure's message
+  } comm;
 } CpuEngine;
 
 static bool cpe_draw(void *ctx, int k) {
@@ -185,6 +198,12 @@ static int by_step(const void *a, const void *b) {
   return x->at != y->at ? (x->at > y->at) - (x->at < y->at) : (x->from > y->from) - (x->from < y->from);
 }
 
+// Buckets: by the step that makes them final, then by place (the order the backward finishes them in).
+static int by_ready(const void *a, const void *b) {
+  const GradRange *x = a, *y = b;
+  return x->ready != y->ready ? (x->ready > y->ready) - (x->ready < y->ready) : (x->from > y->from) - (x->from < y->from);
+}
+
 // The node a view (a RESHAPE in no step) shows, else id itself.
 static int viewed(const Fusion *f, int id) {
   while (f->step_of[id] < 0 && f->g->nodes[id]->op == OP_RESHAPE)
@@ -192,14 +211,23 @@ static int viewed(const Fusion *f, int id) {
   return id;
 }
 
-GradRange *engine_grad_ranges(const Fusion *f, const MemPlan *m, int *nranges) {
+// Whether bytes [lo, hi) hold none of the n gradients g (padding between two of them, or nothing).
+static bool no_gradient_in(const GradRange *g, int n, int64_t lo, int64_t hi) {
+  for (int i = 0; i < n; i++)
+    if (g[i].from < hi && lo < g[i].to)
+      return false;
+  return true;
+}
+
+GradRange *engine_grad_ranges(const Fusion *f, const MemPlan *m, int64_t bucket, int *nranges) {
   const Graph *g = f->g;
   const IrNode *norm = NULL;
   for (int i = 0; i < g->n && !norm; i++)
     norm = g->nodes[i]->op == OP_GRAD_NORM ? g->nodes[i] : NULL;
-  GradRange *r = norm ? malloc(sizeof *r * (size_t)(norm->nin ? norm->nin : 1)) : NULL;
+  GradRange *r = norm ? malloc(sizeof *r * (size_t)(2 * norm->nin + 1)) : NULL;
   if (!r)
     return NULL;
+  GradRange *one = r + norm->nin; // (each gradient alone, for the buckets' gaps)
   bool ok = true;
   for (int i = 0; ok && i < norm->nin; i++) {
     const IrNode *x = g->nodes[norm->in[i]];
@@ -213,20 +241,39 @@ GradRange *engine_grad_ranges(const Fusion *f, const MemPlan *m, int *nranges) {
       for (int k = 0; k < f->steps[s].nins; k++)
         if (viewed(f, f->steps[s].ins[k]) == base)
           at = s;
-    r[i] = (GradRange){m->offset[x->id], m->offset[x->id] + 4 * shape_numel(x->shape), at};
+    r[i] = one[i] = (GradRange){m->offset[x->id], m->offset[x->id] + 4 * shape_numel(x->shape), at, w};
   }
   if (ok)
-    qsort(r, (size_t)norm->nin, sizeof *r, by_step);
+    qsort(r, (size_t)norm->nin, sizeof *r, bucket > 0 ? by_ready : by_step);
   int64_t lo = m->grads, hi = m->grads + m->param_bytes;
   int n = 0;
   for (int i = 0; ok && i < norm->nin; i++) {
     GradRange *prev = n ? &r[n - 1] : NULL;
+    if (bucket > 0) { // (neighbours in memory with nothing else between, up to `bucket` bytes)
+      bool merge = prev && prev->at == r[i].at && prev->to - prev->from + r[i].to - r[i].from <= bucket &&
+                   prev->from >= lo && prev->to <= hi && r[i].from >= lo && r[i].to <= hi &&
+                   (r[i].from >= prev->to ? no_gradient_in(one, norm->nin, prev->to, r[i].from)
+                                          : r[i].to <= prev->from && no_gradient_in(one, norm->nin, r[i].to, prev->from));
+      if (merge) {
+        prev->from = prev->from < r[i].from ? prev->from : r[i].from;
+        prev->to = prev->to > r[i].to ? prev->to : r[i].to;
+        prev->ready = prev->ready > r[i].ready ? prev->ready : r[i].ready;
+      } else {
+        r[n++] = r[i];
+      }
+      continue;
+    }
     ok = !prev || prev->at != r[i].at || r[i].from >= prev->to; // (two gradients in one place: not reducible)
-    if (ok && prev && prev->at == r[i].at && prev->from >= lo && r[i].to <= hi)
+    if (ok && prev && prev->at == r[i].at && prev->from >= lo && r[i].to <= hi) {
       prev->to = r[i].to;
-    else if (ok)
+      prev->ready = prev->ready > r[i].ready ? prev->ready : r[i].ready;
+    } else if (ok) {
       r[n++] = r[i];
+    }
   }
+  for (int i = 0; ok && bucket > 0 && i < n; i++) // (two gradients in one place: not reducible)
+    for (int j = i + 1; ok && j < n; j++)
+      ok = r[i].to <= r[j].from || r[j].to <= r[i].from;
   if (!ok) {
     free(r);
     return NULL;
@@ -305,6 +352,72 @@ static void ce_unmove(CpuEngine *ce) {
   ce->moved_m = ce->moved_v = NULL;
 }
 
+// The buckets' thread: reduces them in the order they are queued until told to quit.
+static void *comm_thread(void *arg) {
+  CpuEngine *ce = arg;
+  pthread_mutex_lock(&ce->comm.lock);
+  for (;;) {
+    while (!ce->comm.quit && ce->comm.taken == ce->comm.queued)
+      pthread_cond_wait(&ce->comm.cond, &ce->comm.lock);
+    if (ce->comm.quit)
+      break;
+    int k = ce->comm.queue[ce->comm.taken++];
+    bool skip = ce->comm.failed;
+    pthread_mutex_unlock(&ce->comm.lock);
+    char err[512] = "";
+    const GradRange *b = &ce->ranges[k];
+    bool ok = skip || ce->reduce(ce->reduce_ctx, (float *)(ce->arena + b->from), (b->to - b->from) / 4, err, sizeof err);
+    pthread_mutex_lock(&ce->comm.lock);
+    if (!ok && !ce->comm.failed) {
+      ce->comm.failed = true;
+      snprintf(ce->comm.err, sizeof ce->comm.err, "%s", err);
+    }
+    ce->comm.done[k] = true;
+    pthread_cond_broadcast(&ce->comm.cond);
+  }
+  pthread_mutex_unlock(&ce->comm.lock);
+  return NULL;
+}
+
+// Before kernel i (nkernels: the step's end): waits until every bucket read by it is reduced; the
+// time waited is the step's exposed communication (Engine.reduce_seconds).
+static bool comm_wait(CpuEngine *ce, int i, char *err, size_t n) {
+  double t0 = rt_now();
+  pthread_mutex_lock(&ce->comm.lock);
+  for (int k = 0; k < ce->nranges; k++)
+    while (ce->ranges[k].at <= i && !ce->comm.done[k])
+      pthread_cond_wait(&ce->comm.cond, &ce->comm.lock);
+  bool ok = !ce->comm.failed;
+  if (!ok)
+    snprintf(err, n, "%s", ce->comm.err);
+  pthread_mutex_unlock(&ce->comm.lock);
+  ce->e.reduce_seconds += rt_now() - t0;
+  return ok;
+}
+
+// Waits until the thread has reduced every bucket queued (a step that stops early leaves none behind).
+static void comm_drain(CpuEngine *ce) {
+  pthread_mutex_lock(&ce->comm.lock);
+  for (int q = 0; q < ce->comm.queued; q++)
+    while (!ce->comm.done[ce->comm.queue[q]])
+      pthread_cond_wait(&ce->comm.cond, &ce->comm.lock);
+  pthread_mutex_unlock(&ce->comm.lock);
+}
+
+// After kernel i: the buckets it made final go to the thread.
+static void comm_queue(CpuEngine *ce, int i) {
+  bool any = false;
+  pthread_mutex_lock(&ce->comm.lock);
+  for (int k = 0; k < ce->nranges; k++)
+    if (ce->ranges[k].ready == i) {
+      ce->comm.queue[ce->comm.queued++] = k;
+      any = true;
+    }
+  if (any)
+    pthread_cond_broadcast(&ce->comm.cond);
+  pthread_mutex_unlock(&ce->comm.lock);
+}
+
 static bool ce_step(Engine *e, char *err, size_t n) {
   CpuEngine *ce = (CpuEngine *)e;
   ce_unmove(ce);
@@ -312,13 +425,31 @@ static bool ce_step(Engine *e, char *err, size_t n) {
   bool ok = true;
   if (!e->profile && !ce->reduce)
     ok = cpu_step(ce->cm, ce->arena);
+  bool buckets = ce->reduce && ce->comm.started;
+  if (buckets) {
+    pthread_mutex_lock(&ce->comm.lock);
+    ce->comm.queued = ce->comm.taken = 0;
+    memset(ce->comm.done, 0, sizeof *ce->comm.done * (size_t)ce->nranges);
+    pthread_mutex_unlock(&ce->comm.lock);
+    e->reduce_seconds = 0;
+  }
   for (int i = 0; (e->profile || ce->reduce) && ok && i < ce->cm->nkernels; i++) {
-    if (ce->reduce && !ce_reduce(ce, i, err, n))
+    if (buckets ? !comm_wait(ce, i, err, n) : ce->reduce && !ce_reduce(ce, i, err, n)) {
+      if (buckets)
+        comm_drain(ce);
       return false;
+    }
     double t0 = rt_now();
     ok = cpu_run_kernel(ce->cm, i, ce->arena);
     if (e->profile && e->profile_warm)
       e->kernel_seconds[i] += rt_now() - t0;
+    if (buckets && ok)
+      comm_queue(ce, i);
+  }
+  if (buckets) {
+    comm_drain(ce);
+    if (ok && !comm_wait(ce, ce->cm->nkernels, err, n))
+      return false;
   }
   e->profiled_steps += e->profile && e->profile_warm && ok;
   e->profile_warm |= e->profile && ok;
@@ -428,19 +559,52 @@ static void ce_idle(Engine *e, bool params_too) {
   }
 }
 
-// Engine.set_reduce: the gradients of engine_grad_ranges, each before its first reader's kernel.
-static bool ce_set_reduce(Engine *e, bool (*fn)(void *ctx, float *x, int64_t n, char *err, size_t en), void *ctx) {
+// The buckets' thread stopped and its memory freed.
+static void comm_stop(CpuEngine *ce) {
+  if (ce->comm.started) {
+    pthread_mutex_lock(&ce->comm.lock);
+    ce->comm.quit = true;
+    pthread_cond_broadcast(&ce->comm.cond);
+    pthread_mutex_unlock(&ce->comm.lock);
+    pthread_join(ce->comm.thread, NULL);
+    pthread_mutex_destroy(&ce->comm.lock);
+    pthread_cond_destroy(&ce->comm.cond);
+  }
+  free(ce->comm.queue);
+  free(ce->comm.done);
+  memset(&ce->comm, 0, sizeof ce->comm);
+}
+
+// Engine.set_reduce: the gradients of engine_grad_ranges, each before its first reader's kernel (with
+// bucket > 0 in buckets); with overlap, on a thread of their own, each started once final.
+static bool ce_set_reduce(Engine *e, bool (*fn)(void *ctx, float *x, int64_t n, char *err, size_t en), void *ctx,
+                          int64_t bucket, bool overlap) {
   CpuEngine *ce = (CpuEngine *)e;
+  comm_stop(ce);
   free(ce->ranges);
   ce->ranges = NULL;
   ce->nranges = 0;
   ce->reduce = NULL;
   if (!fn)
     return true;
-  if (!e->fusion || !(ce->ranges = engine_grad_ranges(e->fusion, ce->m, &ce->nranges)))
+  if (!e->fusion || !(ce->ranges = engine_grad_ranges(e->fusion, ce->m, bucket, &ce->nranges)))
     return false;
   ce->reduce = fn;
   ce->reduce_ctx = ctx;
+  if (bucket > 0 && overlap) {
+    ce->comm.queue = malloc(sizeof *ce->comm.queue * (size_t)ce->nranges);
+    ce->comm.done = malloc(sizeof *ce->comm.done * (size_t)ce->nranges);
+    if (!ce->comm.queue || !ce->comm.done)
+      return comm_stop(ce), false;
+    pthread_mutex_init(&ce->comm.lock, NULL);
+    pthread_cond_init(&ce->comm.cond, NULL);
+    ce->comm.started = pthread_create(&ce->comm.thread, NULL, comm_thread, ce) == 0;
+    if (!ce->comm.started) {
+      pthread_mutex_destroy(&ce->comm.lock);
+      pthread_cond_destroy(&ce->comm.cond);
+      return comm_stop(ce), false;
+    }
+  }
   return true;
 }
 
@@ -473,9 +637,10 @@ static bool ce_set_shard(Engine *e, const ZeroShard *s, bool (*gather)(void *ctx
 }
 
 // Engine.gather_moments: each rank's shares of m and v (contiguous in each, as its parameters are in
-// the parameters' buffer) to rank 0, whose own share comes first: the others' shares of m go into
-// the gradients' buffer at their places there, those of v to the start of the activations' when
-// they have room (else into a buffer of their own), each where it would lie in m or v.
+// the parameters' buffer) to rank 0, whose own share comes first: the others' shares of m go to the
+// start of the gradients' buffer, those of v after them where that has room (two ranks of equal
+// shares), else to the start of the activations' where that has, else into a buffer of their own;
+// each share as it lies in m or v.
 static bool ce_gather_moments(Engine *e, int64_t step, char *err, size_t n) {
   CpuEngine *ce = (CpuEngine *)e;
   const MemPlan *m = ce->m;
@@ -485,9 +650,11 @@ static bool ce_gather_moments(Engine *e, int64_t step, char *err, size_t n) {
   int64_t k = ce->nranks + 1, *rel = malloc(sizeof(int64_t) * (size_t)k);
   if (!rel)
     return rt_fail(err, n, "out of host memory");
-  const int64_t *v_at = ce->at + 3 * k, skip = 4 * (v_at[1] - v_at[0]), others = 4 * (v_at[k - 1] - v_at[1]);
-  char *to_m = ce->arena + m->grads, *to_v = ce->arena + (m->arena_bytes - m->activation_bytes) - skip;
-  if (ce->rank == 0 && m->moments > 1 && m->activation_bytes < others) {
+  const int64_t *m_at = ce->at + 2 * k, skip = 4 * (m_at[1] - m_at[0]), others = 4 * (m_at[k - 1] - m_at[1]);
+  char *to_m = ce->arena + m->grads - skip, *to_v = to_m + others; // (v's shares lie as m's do)
+  if (m->moments > 1 && 2 * others > m->param_bytes)
+    to_v = ce->arena + (m->arena_bytes - m->activation_bytes) - skip;
+  if (ce->rank == 0 && m->moments > 1 && 2 * others > m->param_bytes && m->activation_bytes < others) {
     if (!(ce->own_v = calloc((size_t)m->param_bytes / 4, sizeof(float)))) {
       free(rel);
       return rt_fail(err, n, "out of host memory gathering the moments (%.0f MB)", (double)others / 1e6);
@@ -513,6 +680,7 @@ static bool ce_gather_moments(Engine *e, int64_t step, char *err, size_t n) {
 
 static void ce_free(Engine *e) {
   CpuEngine *ce = (CpuEngine *)e;
+  comm_stop(ce);
   ce_unmove(ce);
   free(ce->at);
   free(ce->ranges);

@@ -916,7 +916,9 @@ typedef struct {
   Engine *e;
   int64_t step;
   bool poison;    // a micro-batch's loss was not finite (the step's own is read in the reduce)
-  double seconds; // in the reduce, this step
+  double seconds; // waited on the all-reduces, this step (with buckets: only what the backward did not hide)
+  double busy;    // in the all-reduces, this step (with buckets on the engine's thread, beside the backward)
+  double gather;  // in the all-gather of the updated parameters (--zero 1 on the CPU), this step
 } Reduce;
 
 static bool reduce_grads(void *ctx, float *x, int64_t n, char *err, size_t en) {
@@ -926,7 +928,7 @@ static bool reduce_grads(void *ctx, float *x, int64_t n, char *err, size_t en) {
   for (int64_t i = 0; poison && i < n; i++)
     x[i] = NAN;
   bool ok = dist_mean_f32(x, n, "the gradients' all-reduce", r->step, err, en);
-  r->seconds += rt_now() - t0;
+  r->busy += rt_now() - t0;
   return ok;
 }
 
@@ -936,7 +938,7 @@ static bool gather_params(void *ctx, float *x, const int64_t *at, char *err, siz
   Reduce *r = ctx;
   double t0 = rt_now();
   bool ok = dist_allgather_f32(x, at, "the updated parameters' all-gather", r->step, err, en);
-  r->seconds += rt_now() - t0;
+  r->gather += rt_now() - t0;
   return ok;
 }
 
@@ -1146,11 +1148,12 @@ static int train_loop(Engine *e, Engine *eval, Engine *micro, const TrainOptions
   int64_t log_every = o->log_every > 0 ? o->log_every : train_log_every(last);
   Progress pg = {.on = !o->quiet && isatty(STDOUT_FILENO) && world == 1}; // (mpirun's ranks write to a pty)
   Reduce red = {.e = e};
-  double comm_total = 0, *shared = rt_xrealloc(NULL, sizeof(double) * (size_t)(met.n + 2));
+  double comm_total = 0, busy_total = 0, *shared = rt_xrealloc(NULL, sizeof(double) * (size_t)(met.n + 2));
   // Several ranks: the gradients are reduced in host memory by MPI (the CPU back end), or on the GPUs
   // by NCCL (the CUDA back end).
-  bool nccl = false;
-  if (world > 1 && !(e->set_reduce && e->set_reduce(e, reduce_grads, &red))) {
+  bool nccl = false, overlapped = world > 1 && dist_bucket() > 0 && dist_overlap() && e->set_reduce;
+  if (world > 1 && !(e->set_reduce && e->set_reduce(e, reduce_grads, &red, dist_bucket(), dist_overlap()))) {
+    overlapped = false;
     void *comm = e->set_nccl ? dist_nccl_comm(err, sizeof err) : NULL;
     if (comm && e->set_nccl(e, comm, &red.poison)) {
       nccl = true;
@@ -1210,7 +1213,7 @@ static int train_loop(Engine *e, Engine *eval, Engine *micro, const TrainOptions
     // others' gradients regardless). With several ranks every rank runs it, that one sending NaN
     // gradients (reduce_grads), so that no rank's optimizer updates.
     bool micro_finite = isfinite(loss_sum), run = micro_finite || world > 1;
-    red.step = step, red.poison = !micro_finite, red.seconds = 0;
+    red.step = step, red.poison = !micro_finite, red.seconds = red.busy = red.gather = 0;
     if (!feed(e, &batch, B * T) || (run && !e->step(e, err, sizeof err))) {
       progress_clear(&pg);
       diag_file_error(o->model_path, "step %lld: %s", (long long)step, err[0] ? err : "bad batch");
@@ -1218,8 +1221,12 @@ static int train_loop(Engine *e, Engine *eval, Engine *micro, const TrainOptions
       break;
     }
     real += batch.real_tokens; // (with several ranks: the global batch's)
+    // (NCCL: the device time of its all-reduce, and with --zero 1 its all-gather; buckets beside the
+    // backward: the time the step waited for them; else the all-reduces' own, on the main thread
+    // between the backward and the optimizer; and --zero 1's all-gather on the CPU after it)
+    red.seconds = (nccl || overlapped ? e->reduce_seconds : red.busy) + red.gather;
     if (nccl)
-      red.seconds += e->reduce_seconds;
+      red.busy = e->reduce_seconds;
     double loss = (loss_sum + (micro_finite ? engine_scalar(e, g->loss) : NAN)) / (double)k;
     double norm = gnorm >= 0 && run ? engine_scalar(e, gnorm) : NAN;
     for (int j = 0; j < met.n; j++) {
@@ -1240,6 +1247,7 @@ static int train_loop(Engine *e, Engine *eval, Engine *micro, const TrainOptions
         break;
       }
       red.seconds += rt_now() - t1;
+      red.busy += rt_now() - t1;
       loss = shared[0] / world;
       for (int j = 0; j < met.n; j++)
         met.now[j] = shared[1 + j] / world;
@@ -1248,6 +1256,7 @@ static int train_loop(Engine *e, Engine *eval, Engine *micro, const TrainOptions
     double dt = rt_now() - t0;
     step_secs += dt;
     comm_total += red.seconds;
+    busy_total += red.busy;
     real_total += real;
     push(&c.loss, &c.n, &c.cap, loss);
     for (int j = 0; j < met.n; j++)
@@ -1320,7 +1329,7 @@ static int train_loop(Engine *e, Engine *eval, Engine *micro, const TrainOptions
                           "\"mfu\":%.4f", (long long)step, loss, lr, norm, 1e3 * dt, o->arrays ? "ex_s" : "tok_s",
                           tok_s, mfu) > 0;
     if (world > 1)
-      logged &= fprintf(log, ",\"comm_ms\":%.3f", 1e3 * red.seconds) > 0;
+      logged &= fprintf(log, ",\"comm_ms\":%.3f,\"allreduce_ms\":%.3f", 1e3 * red.seconds, 1e3 * red.busy) > 0;
     for (int j = 0; j < met.n; j++)
       logged &= fprintf(log, ",\"%s\":%.6g", met.name[j], met.now[j]) > 0;
     if (do_val)
@@ -1423,8 +1432,9 @@ static int train_loop(Engine *e, Engine *eval, Engine *micro, const TrainOptions
            val_met_s, unigram_s);
     if (world > 1)
       printf("data parallel over %d ranks: %.0f %s a rank; waiting on the all-reduces %.1f s, %.1f%% of the steps' "
-             "time\n", world, (double)real_total / step_secs / world, unit, comm_total,
-             100.0 * comm_total / step_secs);
+             "time (in them %.1f s%s)\n", world, (double)real_total / step_secs / world, unit, comm_total,
+             100.0 * comm_total / step_secs, busy_total,
+             overlapped ? ", the rest beside the backward" : "");
     if (!write_svg(svg, &c, met.name, met.n, unigram, o->arrays))
       diag_file_error(svg, "cannot write the loss curve: %s", strerror(errno));
     printf("wrote %s, %s and %s\n", ckpt, log_path, svg);
@@ -1441,7 +1451,7 @@ static int train_loop(Engine *e, Engine *eval, Engine *micro, const TrainOptions
   free(val_mean);
   free(shared);
   if (world > 1 && e->set_reduce)
-    e->set_reduce(e, NULL, NULL);
+    e->set_reduce(e, NULL, NULL, 0, false);
   if (nccl)
     e->set_nccl(e, NULL, NULL);
   if (zero && e->set_shard)

@@ -44,7 +44,11 @@ static void test_environment(void) {
 // step: every gradient the norm reads lies wholly in one range, reduced after the step that writes it
 // and before every other step that reads it; the ranges of one step do not overlap, and what they
 // cover beyond the gradients is the flat buffer's padding only. Returns the number of ranges (-1: none).
-static int ranges_of(const char *model, const char *optimizer, int64_t accumulate, int64_t *flat_at) {
+// With bucket > 0 the buckets instead: besides, each starts after every step that writes one of its
+// gradients and ends before its reader, no two overlap, none is larger than `bucket` but for one
+// gradient alone, and *readies counts the distinct steps after which one can start.
+static int ranges_of(const char *model, const char *optimizer, int64_t accumulate, int64_t bucket, int64_t *flat_at,
+                     int *readies) {
   Arena *a = arena_new();
   DimOverride ov[] = {{"B", 2}, {"T", 16}};
   const char *set[] = {optimizer};
@@ -56,7 +60,7 @@ static int ranges_of(const char *model, const char *optimizer, int64_t accumulat
   Fusion *f = ok ? fuse(g, (FuseOptions){.fuse = true, .chunk_lmhead = true, .max_group = 64}) : NULL;
   MemPlan *m = f ? memplan(f) : NULL;
   int n = 0;
-  GradRange *r = m ? engine_grad_ranges(f, m, &n) : NULL;
+  GradRange *r = m ? engine_grad_ranges(f, m, bucket, &n) : NULL;
   const IrNode *norm = NULL;
   for (int i = 0; g && i < g->n && !norm; i++)
     norm = g->nodes[i]->op == OP_GRAD_NORM ? g->nodes[i] : NULL;
@@ -65,18 +69,31 @@ static int ranges_of(const char *model, const char *optimizer, int64_t accumulat
   for (int i = 0; good && i < norm->nin; i++) {
     int x = norm->in[i];
     int64_t lo = m->offset[x], hi = lo + 4 * shape_numel(g->nodes[x]->shape);
-    int at = -1;
+    int at = -1, ready = -1;
     for (int k = 0; k < n; k++)
       if (r[k].from <= lo && hi <= r[k].to)
-        at = r[k].at;
-    good = at > f->step_of[x] && f->step_of[x] >= 0;
+        at = r[k].at, ready = r[k].ready;
+    good = at > f->step_of[x] && f->step_of[x] >= 0 && ready >= f->step_of[x] && ready < at;
     for (int s = f->step_of[x] + 1; good && s < at; s++)
       for (int k = 0; k < f->steps[s].nins; k++)
         good &= f->steps[s].ins[k] != x;
     grad_bytes += hi - lo;
   }
+  *readies = 0;
   for (int k = 0; good && k < n; k++) {
-    good = r[k].from < r[k].to && (k == 0 || r[k - 1].at < r[k].at || r[k - 1].to <= r[k].from);
+    good = r[k].from < r[k].to && (bucket > 0 || k == 0 || r[k - 1].at < r[k].at || r[k - 1].to <= r[k].from);
+    for (int j = 0; good && bucket > 0 && j < k; j++)
+      good = r[j].to <= r[k].from || r[k].to <= r[j].from;
+    if (good && bucket > 0 && r[k].to - r[k].from > bucket) { // (larger: one gradient alone)
+      int inside = 0;
+      for (int i = 0; i < norm->nin; i++)
+        inside += m->offset[norm->in[i]] >= r[k].from && m->offset[norm->in[i]] < r[k].to;
+      good = inside == 1;
+    }
+    bool seen = false;
+    for (int j = 0; j < k; j++)
+      seen |= r[j].ready == r[k].ready;
+    *readies += !seen;
     range_bytes += r[k].to - r[k].from;
   }
   good = good && range_bytes >= grad_bytes && range_bytes <= grad_bytes + m->param_bytes - grad_bytes + 64 * n;
@@ -90,20 +107,32 @@ static int ranges_of(const char *model, const char *optimizer, int64_t accumulat
 
 static void test_ranges(void) {
   int64_t flat_at;
-  int n = ranges_of("models/gpt2-tiny.mdl", NULL, 1, &flat_at);
+  int readies;
+  int n = ranges_of("models/gpt2-tiny.mdl", NULL, 1, 0, &flat_at, &readies);
   CHECK(n == 1 && flat_at >= 0, "AdamW, no accumulation: the flat gradient buffer, one all-reduce before the "
         "optimizer", "%d ranges", n);
-  n = ranges_of("models/gpt2-tiny.mdl", NULL, 2, &flat_at);
+  n = ranges_of("models/gpt2-tiny.mdl", NULL, 2, 0, &flat_at, &readies);
   CHECK(n > 1, "with accumulation: the means with the micro-batches' (not the flat buffer), each before its reader",
         "%d ranges", n);
-  n = ranges_of("models/gpt2-tiny.mdl", "optimizer=muon(lr=0.02)", 1, &flat_at);
+  n = ranges_of("models/gpt2-tiny.mdl", "optimizer=muon(lr=0.02)", 1, 0, &flat_at, &readies);
   CHECK(n == 1 && flat_at >= 0, "Muon on gpt2-tiny: the flat buffer, reduced before the gradient norm's step",
         "%d ranges", n);
   // (without clipping Muon's momentum would otherwise start on the last layers' gradients inside the
   // backward's kernels, before any place to reduce them: it waits for the norm, clip or not)
-  n = ranges_of("models/mlp.mdl", "optimizer=muon(lr=0.02)", 1, &flat_at);
+  n = ranges_of("models/mlp.mdl", "optimizer=muon(lr=0.02)", 1, 0, &flat_at, &readies);
   CHECK(n == 1 && flat_at >= 0, "Muon without clipping on the MLP: no gradient read before the norm's step",
         "%d ranges", n);
+  // Buckets (--bucket-mb): the backward finishes gpt2-tiny's gradients layer by layer, so buckets of
+  // 64 KiB start at several points of it.
+  n = ranges_of("models/gpt2-tiny.mdl", NULL, 1, 64 << 10, &flat_at, &readies);
+  CHECK(n > 4 && readies > 4, "buckets of 64 KiB on gpt2-tiny: disjoint, each started once the backward has "
+        "written its gradients, at several points of the backward", "%d buckets, %d starts", n, readies);
+  int small = n;
+  n = ranges_of("models/gpt2-tiny.mdl", NULL, 1, 25 << 20, &flat_at, &readies);
+  CHECK(n >= 1 && n < small, "buckets of 25 MiB on gpt2-tiny: fewer, larger ones (neighbours the backward "
+        "finishes one after the other)", "%d buckets against %d of 64 KiB", n, small);
+  n = ranges_of("models/gpt2-tiny.mdl", NULL, 2, 64 << 10, &flat_at, &readies);
+  CHECK(n > 1, "buckets with accumulation: the micro-batches' means, bucketed the same way", "%d buckets", n);
 }
 
 static bool same(const int *a, const int *b, int n) {

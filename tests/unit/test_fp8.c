@@ -8,8 +8,10 @@
 //     code encodes back to itself; and encodings agree bit for bit with NVIDIA's on every float16 value
 //     read as a float, every fp8 value, the midpoints between neighbours (ties) and the floats just
 //     around them, +-0, +-inf, NaNs, values beyond the largest, float subnormals and 4M random floats.
+//     The host's conversions (runtime/prelude_fp8.h, the C back end's and the interpreter's) pass the
+//     same checks, even without a compiler, and encode and widen bit for bit as the emulated prelude.
 //  2. NVRTC: the prelude with a kernel using the conversions compiles for sm_80 (software path) and
-//     sm_90 (cvt.rn.satfinite) without an error or a warning.
+//     sm_89, sm_90, sm_100 and sm_120 (cvt.rn.satfinite) without an error or a warning.
 //  3. On a GPU of sm_89 or later: the hardware encoders agree with the software ones on all 2^32 floats.
 // Without g++, cuda_fp8.h, NVRTC or a GPU the checks that need them print "[skip] ..." lines.
 #include "mdl.h"
@@ -25,6 +27,8 @@
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
+
+#include "prelude_fp8.h"
 
 typedef void (*EncodeFn)(const float *x, uint8_t *e4, uint8_t *e5, long n);
 typedef void (*DecodeFn)(float *e4, float *e5);
@@ -163,6 +167,9 @@ static bool write_file(const char *path, const char *a, const char *b, const cha
 // 1. The CPU: hand-computed values, definitions and NVIDIA's conversions.
 //
 
+// The conversions under test, named in every check: the emulated device prelude, or the host's.
+static const char *label = "fp8";
+
 static void test_hand(EncodeFn enc) {
   static const struct {
     float x;
@@ -209,7 +216,7 @@ static void test_hand(EncodeFn enc) {
   enc(x, g4, g5, N);
   for (int i = 0; i < N; i++) {
     char name[200];
-    snprintf(name, sizeof name, "fp8 %s -> e4m3 0x%02x, e5m2 0x%02x", cases[i].what, cases[i].e4, cases[i].e5);
+    snprintf(name, sizeof name, "%s %s -> e4m3 0x%02x, e5m2 0x%02x", label, cases[i].what, cases[i].e4, cases[i].e5);
     CHECK(g4[i] == cases[i].e4 && g5[i] == cases[i].e5, name, "got 0x%02x, 0x%02x", g4[i], g5[i]);
   }
 }
@@ -233,7 +240,7 @@ static void test_decode_definition(DecodeFn dec) {
         bad = c;
     }
     char name[160];
-    snprintf(name, sizeof name, "fp8 %s: all 256 codes widen exactly to the format's values (-0, NaN%s)",
+    snprintf(name, sizeof name, "%s %s: all 256 codes widen exactly to the format's values (-0, NaN%s)", label,
              fs[k]->name, k ? ", +-inf" : "");
     CHECK(bad < 0, name, "code 0x%02x gives %a (0x%08x)", bad, bad < 0 ? 0.0 : d[k][bad],
           bad < 0 ? 0 : bits(d[k][bad]));
@@ -256,7 +263,7 @@ static void test_roundtrip(EncodeFn enc, DecodeFn dec) {
         bad = c;
     }
     char name[120];
-    snprintf(name, sizeof name, "fp8 %s: every code widened and encoded again is itself (NaN 0x7f%s)", fs[k]->name,
+    snprintf(name, sizeof name, "%s %s: every code widened and encoded again is itself (NaN 0x7f%s)", label, fs[k]->name,
              k ? ", inf saturated" : "");
     CHECK(bad < 0, name, "code 0x%02x comes back as 0x%02x", bad, bad < 0 ? 0 : g[k][k][bad]);
   }
@@ -272,7 +279,7 @@ static void test_decode_reference(DecodeFn dec, DecodeFn ref) {
       if (isnan(d[k][c]) != isnan(r[k][c]) || (!isnan(r[k][c]) && bits(d[k][c]) != bits(r[k][c])))
         bad = c;
     char name[120];
-    snprintf(name, sizeof name, "fp8 %s: all 256 codes widen as cuda_fp8.h's __nv_cvt_fp8_to_halfraw",
+    snprintf(name, sizeof name, "%s %s: all 256 codes widen as cuda_fp8.h's __nv_cvt_fp8_to_halfraw", label,
              k ? "e5m2" : "e4m3");
     CHECK(bad < 0, name, "code 0x%02x: %a vs NVIDIA's %a", bad, bad < 0 ? 0.0 : d[k][bad], bad < 0 ? 0.0 : r[k][bad]);
   }
@@ -354,17 +361,67 @@ static void test_encode_reference(EncodeFn enc, EncodeFn ref) {
         }
       char name[300];
       if (part)
-        snprintf(name, sizeof name, "fp8 %s: %ld random floats encode as cuda_fp8.h's __nv_cvt_float_to_fp8 "
-                 "(__NV_SATFINITE) (all %ld inputs, both formats: %.2f s, NVIDIA's %.2f s)", names[k], nrandom, n,
+        snprintf(name, sizeof name, "%s %s: %ld random floats encode as cuda_fp8.h's __nv_cvt_float_to_fp8 "
+                 "(__NV_SATFINITE) (all %ld inputs, both formats: %.2f s, NVIDIA's %.2f s)", label, names[k], nrandom, n,
                  t_enc, t_ref);
       else
-        snprintf(name, sizeof name, "fp8 %s: every float16 value, every fp8 value, the midpoints and their "
+        snprintf(name, sizeof name, "%s %s: every float16 value, every fp8 value, the midpoints and their "
                  "neighbours, +-0, +-inf, NaNs, values beyond the largest, subnormals (%ld floats) encode as "
-                 "cuda_fp8.h's __nv_cvt_float_to_fp8 (__NV_SATFINITE)", names[k], hi - lo);
+                 "cuda_fp8.h's __nv_cvt_float_to_fp8 (__NV_SATFINITE)", label, names[k], hi - lo);
       CHECK(bad == 0, name, "%ld differ; the first: %a (0x%08x) gives 0x%02x, NVIDIA's 0x%02x", bad,
             first < 0 ? 0.0 : x[first], first < 0 ? 0 : bits(x[first]), first < 0 ? 0 : g[k * n + first],
             first < 0 ? 0 : g[(2 + k) * n + first]);
     }
+  free(x);
+  free(g);
+}
+
+// The host's conversions (runtime/prelude_fp8.h: the C back end's and the interpreter's).
+static void host_encode(const float *x, uint8_t *e4, uint8_t *e5, long n) {
+  for (long i = 0; i < n; i++) {
+    e4[i] = mdl_f32_to_e4m3(x[i]);
+    e5[i] = mdl_f32_to_e5m2(x[i]);
+  }
+}
+
+static void host_decode(float *e4, float *e5) {
+  for (int c = 0; c < 256; c++) {
+    e4[c] = mdl_e4m3_to_f32((uint8_t)c);
+    e5[c] = mdl_e5m2_to_f32((uint8_t)c);
+  }
+}
+
+// The host's encodings against the emulated device prelude's, on the same inputs as NVIDIA's.
+static void test_host_vs_device(EncodeFn dev, DecodeFn dev_dec) {
+  long n = 0, nrandom = 0;
+  float *x = inputs(&n, &nrandom);
+  uint8_t *g = malloc(4 * (size_t)n);
+  if (!x || !g) {
+    CHECK(false, "fp8: memory for the inputs", "malloc failed");
+    free(x);
+    free(g);
+    return;
+  }
+  host_encode(x, g, g + n, n);
+  dev(x, g + 2 * n, g + 3 * n, n);
+  long bad = 0, first = -1;
+  for (long i = 0; i < 2 * n; i++)
+    if (g[i] != g[2 * n + i] && bad++ == 0)
+      first = i % n;
+  char name[200];
+  snprintf(name, sizeof name, "fp8: the host's conversions (prelude_fp8.h) encode %ld floats bit for bit as the "
+           "device prelude's, both formats", n);
+  CHECK(bad == 0, name, "%ld differ; the first: %a (0x%08x)", bad, first < 0 ? 0.0 : x[first],
+        first < 0 ? 0 : bits(x[first]));
+  float d[4][256];
+  host_decode(d[0], d[1]);
+  dev_dec(d[2], d[3]);
+  bad = 0;
+  for (int k = 0; k < 2; k++)
+    for (int c = 0; c < 256; c++)
+      bad += bits(d[k][c]) != bits(d[2 + k][c]);
+  CHECK(bad == 0, "fp8: the host's widenings of all 256 codes of both formats are the device prelude's, bit for bit",
+        "%ld differ", bad);
   free(x);
   free(g);
 }
@@ -408,10 +465,15 @@ static void test_cpu(const char *dir) {
   test_hand(enc);
   test_decode_definition(dec);
   test_roundtrip(enc, dec);
+  test_host_vs_device(enc, dec);
   void *hr = ref_ok ? dlopen(ref_so, RTLD_NOW | RTLD_LOCAL) : NULL;
   if (hr) {
     test_decode_reference(dec, (DecodeFn)dlsym(hr, "fp8_decode"));
     test_encode_reference(enc, (EncodeFn)dlsym(hr, "fp8_encode"));
+    label = "fp8 host";
+    test_decode_reference(host_decode, (DecodeFn)dlsym(hr, "fp8_decode"));
+    test_encode_reference(host_encode, (EncodeFn)dlsym(hr, "fp8_encode"));
+    label = "fp8";
     dlclose(hr);
   } else {
     read_log(ref_log, why, sizeof why);
@@ -429,8 +491,9 @@ static void test_cpu(const char *dir) {
 //
 
 static void test_nvrtc(const char *src) {
-  static const char *const archs[] = {"sm_80", "sm_90"};
-  for (int i = 0; i < 2; i++) {
+  // sm_80 the software encoders; sm_89 and later cvt.rn.satfinite (sm_100 and sm_120 need NVRTC 12.8).
+  static const char *const archs[] = {"sm_80", "sm_89", "sm_90", "sm_100", "sm_120"};
+  for (int i = 0; i < 5; i++) {
     NvrtcResult r = {0};
     char err[4096] = "", name[160];
     bool ok = nvrtc_compile(src, archs[i], &r, err, sizeof err);
@@ -539,6 +602,12 @@ int main(void) {
     TEST_EXIT();
   }
   setenv("MDL_CACHE", dir, 1);
+  // The host's conversions need no compiler: their definitions and hand-computed values always.
+  label = "fp8 host";
+  test_hand(host_encode);
+  test_decode_definition(host_decode);
+  test_roundtrip(host_encode, host_decode);
+  label = "fp8";
   if (system("g++ --version >/dev/null 2>&1") == 0)
     test_cpu(dir);
   else
