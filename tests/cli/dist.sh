@@ -147,6 +147,18 @@ cmp -s <(cut -d, -f1-2 "$tmp/one/log.jsonl") <(cut -d, -f1-2 "$tmp/z1/log.jsonl"
 mp run "${mlp[@]}" -D B=16 --zero 1 --out "$tmp/muonz" >"$tmp/muonz.out" 2>&1
 close "$tmp/muon1/log.jsonl" "$tmp/muonz/log.jsonl" 1e-5 && ok "--zero 1 with Muon: the losses of 1 process at the doubled batch" ||
   fail "--zero 1 with Muon: $(tail -3 "$tmp/muonz.out")"
+# bf16: the optimizer writes each parameter's bf16 copy, which the next forward reads; they are
+# all-gathered with the parameters, so the sharded run is the unsharded one bit for bit.
+bf=(models/gpt2-tiny.mdl -D T=32 -D B=2 --data "$tmp/data" --backend cpu --precision bf16 --val-every 5 --val-batches 2
+    --steps 10)
+mp run "${bf[@]}" --out "$tmp/bf0" >"$tmp/bf0.out" 2>&1
+mp run "${bf[@]}" --zero 1 --out "$tmp/bf1" >"$tmp/bf1.out" 2>&1
+if [ -s "$tmp/bf0/log.jsonl" ] && cmp -s <(cut -d, -f1-2 "$tmp/bf0/log.jsonl") <(cut -d, -f1-2 "$tmp/bf1/log.jsonl") &&
+  params "$tmp/bf0/checkpoint.safetensors" "$tmp/bf1/checkpoint.safetensors" 0 >/dev/null; then
+  ok "--zero 1 in bf16 (the bf16 copies gathered too): the losses and checkpoint of 2 ranks without it, bit for bit"
+else
+  fail "--zero 1 in bf16: $(tail -3 "$tmp/bf1.out")"
+fi
 # Resume: 2 ranks with --zero 1 stopped at step 10 continue exactly (checkpoints at steps 3, 6 and 9
 # on the way change nothing); their checkpoint resumes in 1 process at B=4, and 1 process's
 # checkpoint resumes on 2 ranks with --zero 1.
