@@ -13,7 +13,8 @@
 // GRAD_NORM (sum of squares per tensor in double, fixed blocks) and the updates (AdamW, SGD or Lion:
 // interp.c's rules) over a table of parameter segments, in f32 per element; p and its moments in
 // place, and the parameter's bf16 copy (fuse.c, rule 11) rounded from the new p. Each segment has
-// its weight decay and its multiplier of lr (lr_scale).
+// its weight decay and its multiplier of lr (lr_scale). With ZeRO stage 1 (--zero 1) the runtime's
+// hooks name the parameters this rank updates (own_lo, own_end: arena bytes); the others are skipped.
 void c_emit_optimizer(Emit *e, int gi) {
   const Group *gr = &e->core.groups[gi];
   int gn = -1;
@@ -133,6 +134,9 @@ void c_emit_optimizer(Emit *e, int gi) {
       e->uses_h = true;
     }
     ec_enter(&e->core, "for (int k = 0; k < nseg; k++)");
+    ec_line(&e->core, "if (h->own_end && (seg[k].p < h->own_lo || seg[k].p >= h->own_end))");
+    ec_line(&e->core, "  continue; // (--zero 1: another rank updates it)");
+    e->uses_h = true;
     ec_line(&e->core, "float *restrict p = (float *)(arena + seg[k].p);");
     if (ncol > 2)
       ec_line(&e->core, "float *restrict m = (float *)(arena + seg[k].m);");

@@ -52,6 +52,7 @@ typedef struct {
   int64_t skip_nonfinite; // steps with a non-finite loss or gradient norm skipped (with a warning each)
   int64_t log_every; // a full step line every N steps (0: train_log_every's choice)
   bool quiet;        // run: errors and the final summary only
+  int zero;          // run under mpirun/srun: the ZeRO stage, 0 or 1 (--zero)
   SampleOptions sample;
   const char *lab_budget; // lab: --memory-budget
 } Options;
@@ -105,6 +106,9 @@ static const char usage_text[] =
     "                         MB MiB (default 25); 0: in one all-reduce\n"
     "      --overlap          and each bucket reduced on a thread of its own as soon as the backward has\n"
     "                         finished it, while the backward goes on (pays where a core is free for it)\n"
+    "      --zero 0|1         under mpirun/srun: 1 shards the optimizer's state (ZeRO stage 1): each rank\n"
+    "                         keeps and updates the moments of its share of the parameters, then the\n"
+    "                         updated parameters are all-gathered (default 0; alone: one shard, no change)\n"
     "      --resume           continue the checkpoint in --out exactly: with its --seed, --no-shuffle,\n"
     "                         --no-pack and --accumulate (given with another value: refused)\n"
     "      --no-pack          one padded document per row instead of packed rows\n"
@@ -196,6 +200,7 @@ static int parse_options(int argc, char **argv, Options *o) {
       {"log-every", required_argument, 0, 1001}, {"set", required_argument, 0, 1002},
       {"dist-timeout", required_argument, 0, 1003}, {"quiet", no_argument, 0, 'j'},
       {"bucket-mb", required_argument, 0, 1004}, {"overlap", no_argument, 0, 1005},
+      {"zero", required_argument, 0, 1006},
       {"help", no_argument, 0, 'h'},          {"version", no_argument, 0, 'V'},
       {0, 0, 0, 0}};
   *o = (Options){.seed = 1337, .backend = "auto", .steps = -1, .pack = true, .reuse = true, .gemm_tuning = true,
@@ -237,6 +242,12 @@ static int parse_options(int argc, char **argv, Options *o) {
     }
     case 1005:
       dist_set_overlap(true);
+      break;
+    case 1006:
+      if (strcmp(optarg, "0") && strcmp(optarg, "1"))
+        return usage_error("--zero wants the ZeRO stage, 0 (off) or 1 (the optimizer's state sharded over the "
+                           "ranks), got '%s'", optarg);
+      o->zero = optarg[0] - '0';
       break;
     case 1002:
       if (!strchr(optarg, '=') || optarg[0] == '=')
@@ -1104,7 +1115,7 @@ static int cmd_run(const Options *o, Graph *g) {
                        .tokenize_on_the_fly = o->tokenize_on_the_fly,
                        .seed = o->seed, .val_every = o->val_every, .val_batches = o->val_batches,
                        .ckpt_every = o->ckpt_every, .skip_nonfinite = o->skip_nonfinite, .out_claimed = true,
-                       .log_every = o->log_every, .quiet = o->quiet, .arrays = arrays,
+                       .log_every = o->log_every, .quiet = o->quiet, .arrays = arrays, .zero = o->zero,
                        .val_fraction = o->prep.val_fraction};
     e->profile = o->profile && e->kernel_seconds;
     if (o->profile && !e->profile)
@@ -1118,7 +1129,9 @@ static int cmd_run(const Options *o, Graph *g) {
     } else {
       if (dist_on() && lead)
         printf("data parallel: %d ranks (MPI), %d on this machine, OMP_NUM_THREADS=%s each; the global batch is "
-               "%d x B\n", dist_size(), dist_local_size(), getenv("OMP_NUM_THREADS"), dist_size());
+               "%d x B%s\n", dist_size(), dist_local_size(), getenv("OMP_NUM_THREADS"), dist_size(),
+               o->zero ? "; ZeRO stage 1: each rank keeps and updates the moments of its share of the parameters"
+                       : "");
       rc = train_run(e, eval, micro, &to);
       if (dist_on() && rc == EXIT_USER) // (a rank's error: the others would wait for it)
         dist_abort(rc);

@@ -96,6 +96,7 @@ enum {
   X(cuModuleLoadData, "cuModuleLoadData", (CUmodule * mod, const void *image))                              \
   X(cuModuleUnload, "cuModuleUnload", (CUmodule mod))                                                       \
   X(cuModuleGetFunction, "cuModuleGetFunction", (CUfunction * fn, CUmodule mod, const char *name))          \
+  X(cuModuleGetGlobal, "cuModuleGetGlobal_v2", (CUdeviceptr * ptr, size_t *bytes, CUmodule mod, const char *name)) \
   X(cuMemAlloc, "cuMemAlloc_v2", (CUdeviceptr * ptr, size_t bytes))                                         \
   X(cuMemFree, "cuMemFree_v2", (CUdeviceptr ptr))                                                           \
   X(cuMemGetInfo, "cuMemGetInfo_v2", (size_t * free_bytes, size_t *total_bytes))                            \
@@ -585,6 +586,9 @@ typedef struct {
   int nranges;
   CUevent *red;           //   before and after each range's all-reduce
   int nred;               //   (pairs created)
+  int64_t *zero_at;       // Engine.set_shard: the ranks' shares of the params and copies (floats), or NULL
+  int zero_ranks;
+  CUevent gathered[2];    //   before and after their all-gather
 } CudaEngine;
 
 static bool staged(const IrNode *nd) { return nd->op == OP_INPUT || nd->op == OP_SCALAR; }
@@ -794,6 +798,13 @@ static bool nccl_step(CudaEngine *ce, char *err, size_t n) {
     if (ok && i < p->nlaunches)
       ok = enqueue(ce, i, err, n);
   }
+  if (ok && ce->zero_at) { // (ZeRO stage 1: each rank's updated parameters, and their bf16 copies, to all)
+    ok = CU(err, n, cuEventRecord, ce->gathered[0], ce->stream) &&
+         dist_nccl_gather_f32(ce->nccl, (void *)ce->arena, ce->zero_at, ce->stream, err, n) &&
+         (ce->m->copy_bytes == 0 ||
+          dist_nccl_gather_f32(ce->nccl, (void *)ce->arena, ce->zero_at + ce->zero_ranks + 1, ce->stream, err, n)) &&
+         CU(err, n, cuEventRecord, ce->gathered[1], ce->stream);
+  }
   return ok;
 }
 
@@ -814,6 +825,10 @@ static bool cu_step(Engine *e, char *err, size_t n) {
       return false;
     e->reduce_seconds += 1e-3 * ms;
   }
+  float ms = 0;
+  if (ce->nccl && ce->zero_at && !CU(err, n, cuEventElapsedTime, &ms, ce->gathered[0], ce->gathered[1]))
+    return false;
+  e->reduce_seconds += 1e-3 * ms;
   e->profiled_steps += e->profile && e->profile_warm;
   e->profile_warm |= e->profile;
   if (st.set)
@@ -1015,13 +1030,55 @@ static bool cu_set_nccl(Engine *e, void *comm, const bool *poison) {
   return true;
 }
 
+// Engine.set_shard (after set_nccl): the modules' mdl_own, the parameters the optimizer updates, and
+// the shares nccl_step all-gathers by NCCL after the optimizer (gather and ctx: the CPU's, unused).
+static bool cu_set_shard(Engine *e, const ZeroShard *s, bool (*gather)(void *ctx, float *x, const int64_t *at,
+                                                                        char *err, size_t en), void *ctx) {
+  (void)gather, (void)ctx;
+  CudaEngine *ce = (CudaEngine *)e;
+  char err[256] = "";
+  if (s && (!ce->nccl || !ce->m))
+    return false;
+  int64_t own[2] = {0, 0}, k = s ? s->n + 1 : 0, *at = s ? malloc(sizeof(int64_t) * 4 * (size_t)k) : NULL;
+  if (s && !at)
+    return false;
+  if (s) {
+    engine_shard_at(s, e->g, ce->m, at, at + k, at + 2 * k, at + 3 * k);
+    bool none = at[s->rank + 1] == at[s->rank]; // (an empty shard: no parameter is at or after INT64_MAX)
+    own[0] = none ? INT64_MAX : 4 * at[s->rank];
+    own[1] = none ? INT64_MAX : 4 * at[s->rank + 1];
+  }
+  bool ok = true;
+  for (int i = 0; ok && i < ce->nmods; i++) {
+    CUdeviceptr ptr;
+    size_t bytes = 0;
+    if (ce->mods[i] && drv.cuModuleGetGlobal(&ptr, &bytes, ce->mods[i], "mdl_own") == CUDA_SUCCESS &&
+        bytes == sizeof own)
+      ok = upload_to(ce, ptr, own, sizeof own, err, sizeof err);
+  }
+  if (ok && s && !ce->gathered[0])
+    ok = CU(err, sizeof err, cuEventCreate, &ce->gathered[0], 0) && CU(err, sizeof err, cuEventCreate, &ce->gathered[1], 0);
+  free(ce->zero_at);
+  ce->zero_at = ok ? at : NULL;
+  ce->zero_ranks = s ? s->n : 0;
+  if (!ok) {
+    free(at);
+    fprintf(stderr, "mdlc: cuda: %s\n", err);
+  }
+  return ok;
+}
+
 static void cu_free(Engine *e) {
   CudaEngine *ce = (CudaEngine *)e;
+  free(ce->zero_at);
   free(ce->ranges);
   for (int i = 0; ce->red && i < 2 * ce->nred; i++)
     if (ce->red[i])
       drv.cuEventDestroy(ce->red[i]);
   free(ce->red);
+  for (int i = 0; i < 2; i++)
+    if (ce->gathered[i])
+      drv.cuEventDestroy(ce->gathered[i]);
   if (ce->stream)
     drv.cuStreamSynchronize(ce->stream);
   for (int i = 0; i < ce->nmarks; i++)
@@ -1393,7 +1450,7 @@ Engine *engine_cuda(const Fusion *f, const MemPlan *m, uint64_t seed, bool tune_
   ce->e = (Engine){.name = "cuda", .g = f->g, .fusion = f, .set_input = cu_set_input, .set_scalar = cu_set_scalar,
                    .set_seed = cu_set_seed, .step = cu_step, .read = cu_read, .write = cu_write, .free = cu_free,
                    .take_params = cu_take_params, .draw_params = cu_draw_params, .inputs_from = cu_inputs_from,
-                   .profile_launches = cu_profile_launches, .snapshot = cu_snapshot, .set_nccl = cu_set_nccl,
+                   .profile_launches = cu_profile_launches, .snapshot = cu_snapshot, .set_nccl = cu_set_nccl, .set_shard = cu_set_shard,
                    .read_snapshot = cu_read_snapshot,
                    .kernel_seconds = calloc((size_t)f->nsteps + 1, sizeof(double))};
   if (!ce->e.kernel_seconds) {

@@ -47,6 +47,8 @@ static struct {
   int (*abort_)(MpiHandle, int);
   int (*finalize)(void);
   int (*bcast)(void *, int, MpiHandle, int, MpiHandle);
+  int (*allgatherv)(const void *, int, MpiHandle, void *, const int *, const int *, MpiHandle, MpiHandle);
+  int (*gatherv)(const void *, int, MpiHandle, void *, const int *, const int *, MpiHandle, int, MpiHandle);
   MpiHandle byte;
   // NCCL (dlopen of libnccl.so.2, the CUDA toolkit's): the GPUs' all-reduce
   void *nccl;
@@ -54,6 +56,8 @@ static struct {
   int (*nccl_init)(void **, int, NcclId, int);
   int (*nccl_allreduce)(const void *, void *, size_t, int, int, void *, void *);
   const char *(*nccl_error)(int);
+  int (*nccl_bcast)(const void *, void *, size_t, int, int, void *, void *);
+  int (*nccl_group_start)(void), (*nccl_group_end)(void);
 } D = {.size = 1, .local_size = 1, .timeout = 300, .bucket = 25 << 20};
 
 // The first of the environment variables that is set, as an integer; -1 when none is.
@@ -116,9 +120,10 @@ bool dist_init(char *err, size_t n) {
   D.byte = dlsym(D.lib, "ompi_mpi_byte");
   void **fns[] = {(void **)&D.init_thread, (void **)&D.comm_rank, (void **)&D.comm_size, (void **)&D.allreduce,
                   (void **)&D.isend, (void **)&D.irecv, (void **)&D.test, (void **)&D.abort_,
-                  (void **)&D.finalize, (void **)&D.bcast};
+                  (void **)&D.finalize, (void **)&D.bcast, (void **)&D.allgatherv, (void **)&D.gatherv};
   const char *names[] = {"MPI_Init_thread", "MPI_Comm_rank", "MPI_Comm_size", "MPI_Allreduce", "MPI_Isend",
-                         "MPI_Irecv", "MPI_Test", "MPI_Abort", "MPI_Finalize", "MPI_Bcast"};
+                         "MPI_Irecv", "MPI_Test", "MPI_Abort", "MPI_Finalize", "MPI_Bcast", "MPI_Allgatherv",
+                         "MPI_Gatherv"};
   for (size_t i = 0; i < sizeof fns / sizeof *fns; i++)
     if (!(*fns[i] = dlsym(D.lib, names[i])))
       return fail(err, n, "Open MPI's library has no %s", names[i]);
@@ -309,6 +314,72 @@ bool dist_sum_f64(double *x, int n, const char *what, int64_t step, char *err, s
   return ok || rt_fail(err, en, "MPI_Allreduce of %s failed", what);
 }
 
+// MPI's counts and displacements (ints) of the float ranges [at[r], at[r + 1]) of x, one per rank; false
+// where one does not fit an int.
+static bool mpi_ranges(const int64_t *at, int *count, int *disp) {
+  for (int r = 0; r < D.size; r++) {
+    if (at[r + 1] > INT32_MAX || at[r] > INT32_MAX)
+      return false;
+    count[r] = (int)(at[r + 1] - at[r]);
+    disp[r] = (int)at[r];
+  }
+  return true;
+}
+
+// MPI_Allgatherv in place (root < 0: to is x), or MPI_Gatherv of x's shares into root's `to` (root's
+// own share left as it is there), with the check-in and the watchdog of every collective.
+static bool gather_ranges(float *x, float *to, const int64_t *at, int root, const char *what, int64_t step, char *err,
+                          size_t en) {
+  if (!D.on)
+    return true;
+  int *count = malloc(sizeof(int) * (size_t)D.size), *disp = malloc(sizeof(int) * (size_t)D.size);
+  if (!count || !disp || !mpi_ranges(at, count, disp)) {
+    free(count);
+    free(disp);
+    return rt_fail(err, en, "%s: %s", what, count && disp ? "a rank's share is over 2^31 values" : "out of memory");
+  }
+  check_in(what, step);
+  arm(what, step, true);
+  const void *in_place = (const void *)1; // MPI_IN_PLACE
+  bool ok = root < 0 ? D.allgatherv(in_place, 0, D.f32, x, count, disp, D.f32, D.comm) == 0
+            : D.rank == root ? D.gatherv(in_place, 0, D.f32, to, count, disp, D.f32, root, D.comm) == 0
+                             : D.gatherv(x + disp[D.rank], count[D.rank], D.f32, NULL, NULL, NULL, D.f32, root,
+                                         D.comm) == 0;
+  arm(what, step, false);
+  free(count);
+  free(disp);
+  return ok || rt_fail(err, en, "%s of %s failed", root < 0 ? "MPI_Allgatherv" : "MPI_Gatherv", what);
+}
+
+bool dist_allgather_f32(float *x, const int64_t *at, const char *what, int64_t step, char *err, size_t en) {
+  return gather_ranges(x, x, at, -1, what, step, err, en);
+}
+
+bool dist_gather_f32(float *x, float *to, const int64_t *at, int root, const char *what, int64_t step, char *err,
+                     size_t en) {
+  return gather_ranges(x, to, at, root, what, step, err, en);
+}
+
+// Cuts n items of sizes size[] into parts contiguous runs: each boundary the item boundary nearest to
+// its share r/parts of the total (the earlier one on a tie), never before the last boundary.
+void dist_partition(const int64_t *size, int n, int parts, int *first) {
+  int64_t total = 0;
+  for (int i = 0; i < n; i++)
+    total += size[i];
+  first[0] = 0;
+  int i = 0;
+  int64_t below = 0; // the sizes of items [0, i)
+  for (int r = 1; r < parts; r++) {
+    double want = (double)total * r / parts;
+    while (i < n && (double)(below + size[i]) <= want)
+      below += size[i++];
+    if (i < n && (double)(below + size[i]) - want < want - (double)below)
+      below += size[i++];
+    first[r] = i;
+  }
+  first[parts] = n;
+}
+
 bool dist_nccl_load(char *err, size_t n) {
   if (D.nccl)
     return true;
@@ -317,8 +388,10 @@ bool dist_nccl_load(char *err, size_t n) {
     D.nccl = dlopen(sonames[i], RTLD_NOW | RTLD_LOCAL);
   if (!D.nccl)
     return rt_fail(err, n, "NCCL (libnccl.so.2) cannot be loaded: %s", dlerror());
-  void **fns[] = {(void **)&D.nccl_id, (void **)&D.nccl_init, (void **)&D.nccl_allreduce, (void **)&D.nccl_error};
-  const char *names[] = {"ncclGetUniqueId", "ncclCommInitRank", "ncclAllReduce", "ncclGetErrorString"};
+  void **fns[] = {(void **)&D.nccl_id, (void **)&D.nccl_init, (void **)&D.nccl_allreduce, (void **)&D.nccl_error,
+                  (void **)&D.nccl_bcast, (void **)&D.nccl_group_start, (void **)&D.nccl_group_end};
+  const char *names[] = {"ncclGetUniqueId", "ncclCommInitRank", "ncclAllReduce", "ncclGetErrorString",
+                         "ncclBroadcast", "ncclGroupStart", "ncclGroupEnd"};
   for (size_t i = 0; i < sizeof fns / sizeof *fns; i++)
     if (!(*fns[i] = dlsym(D.nccl, names[i]))) {
       dlclose(D.nccl);
@@ -348,6 +421,18 @@ void *dist_nccl_comm(char *err, size_t n) {
     return NULL;
   }
   return comm;
+}
+
+bool dist_nccl_gather_f32(void *comm, void *x, const int64_t *at, void *stream, char *err, size_t n) {
+  int r = D.nccl_group_start();
+  for (int k = 0; r == 0 && k < D.size; k++) {
+    void *part = (char *)x + 4 * at[k];
+    if (at[k + 1] > at[k])
+      r = D.nccl_bcast(part, part, (size_t)(at[k + 1] - at[k]), 7 /* ncclFloat32 */, k, comm, stream);
+  }
+  int end = D.nccl_group_end();
+  r = r ? r : end;
+  return r == 0 || rt_fail(err, n, "ncclBroadcast of the updated parameters: %s", D.nccl_error(r));
 }
 
 bool dist_nccl_mean_f32(void *comm, void *x, int64_t count, void *stream, char *err, size_t n) {

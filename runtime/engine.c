@@ -136,6 +136,16 @@ typedef struct {
   void *reduce_ctx;
   GradRange *ranges; // the gradients the optimizer reads, each reduced before its step
   int nranges;
+  // Engine.set_shard: the ranks' shares of the parameters, their copies and the moments (floats),
+  // and the all-gather of the first two after each step
+  bool (*gather)(void *ctx, float *x, const int64_t *at, char *err, size_t en);
+  void *gather_ctx;
+  int rank, nranks;
+  int64_t *at; // params, copies, m, v: nranks + 1 each
+  // Engine.gather_moments: where the other ranks' m and v lie until the next step (the gradients'
+  // buffer, the activations' or moved_v, laid out as m and v), or NULL
+  char *moved_m, *moved_v;
+  float *own_v; // moved_v when it is a buffer of its own
   // With overlap (set_reduce's), a thread of its own reduces each bucket once the kernel
   // that makes it final has run, while the next kernels run; a kernel that reads one waits for it.
   struct {
@@ -272,6 +282,76 @@ GradRange *engine_grad_ranges(const Fusion *f, const MemPlan *m, int64_t bucket,
   return r;
 }
 
+ZeroShard *engine_shard(const Graph *g, int rank, int n) {
+  ZeroShard *s = malloc(sizeof *s);
+  int64_t *size = malloc(sizeof(int64_t) * (size_t)(g->nparams ? g->nparams : 1));
+  int *first = malloc(sizeof(int) * (size_t)(n + 1));
+  if (!s || !size || !first) {
+    fprintf(stderr, "mdlc: out of host memory\n");
+    exit(1);
+  }
+  for (int i = 0; i < g->nparams; i++) // (a frozen parameter has no update and no moments)
+    size[i] = g->updates && g->updates[i] >= 0 ? shape_numel(g->nodes[g->params[i]]->shape) : 0;
+  dist_partition(size, g->nparams, n, first);
+  free(size);
+  *s = (ZeroShard){rank, n, first};
+  return s;
+}
+
+void engine_shard_free(ZeroShard *s) {
+  if (s)
+    free(s->first);
+  free(s);
+}
+
+int engine_shard_owner(const ZeroShard *s, const Graph *g, int node) {
+  int p = g->nodes[node]->op == OP_STATE ? g->nodes[node]->param_of : node;
+  for (int r = 0; r < s->n; r++)
+    for (int i = s->first[r]; i < s->first[r + 1]; i++)
+      if (g->params[i] == p)
+        return r;
+  return 0;
+}
+
+void engine_shard_at(const ZeroShard *s, const Graph *g, const MemPlan *m, int64_t *params, int64_t *copies,
+                     int64_t *mom_m, int64_t *mom_v) {
+  for (int r = 0; r <= s->n; r++) {
+    int i = s->first[r];
+    int64_t rel = i < g->nparams ? m->offset[g->params[i]] - m->params : m->param_bytes;
+    int64_t c = m->copies + m->copy_bytes; // (the first copy of a parameter from i on)
+    for (int k = i; k < g->nparams; k++)
+      if (m->copy_of[g->params[k]] >= 0) {
+        c = m->offset[m->copy_of[g->params[k]]];
+        break;
+      }
+    params[r] = (m->params + rel) / 4;
+    copies[r] = c / 4;
+    mom_m[r] = (m->m + rel) / 4;
+    mom_v[r] = (m->v + rel) / 4;
+  }
+}
+
+// Where node's values lie: in the arena, or for another rank's moment after Engine.gather_moments,
+// where that put it.
+static void *ce_place(CpuEngine *ce, int node) {
+  const MemPlan *m = ce->m;
+  int64_t off = m->offset[node];
+  if (!ce->moved_m || ce->e.g->nodes[node]->op != OP_STATE || off < m->m || off >= m->m + m->moments * m->param_bytes)
+    return cpu_value(m, ce->arena, node);
+  bool v = off >= m->v; // (m's region, or v's: each rank's share is contiguous in both)
+  const int64_t *at = ce->at + (v ? 3 : 2) * (ce->nranks + 1);
+  if (off >= 4 * at[ce->rank] && off < 4 * at[ce->rank + 1])
+    return cpu_value(m, ce->arena, node);
+  return v ? ce->moved_v + (off - m->v) : ce->moved_m + (off - m->m);
+}
+
+// The other ranks' moments are gone from where gather_moments put them (a step, or idle, reuses it).
+static void ce_unmove(CpuEngine *ce) {
+  free(ce->own_v);
+  ce->own_v = NULL;
+  ce->moved_m = ce->moved_v = NULL;
+}
+
 // The buckets' thread: reduces them in the order they are queued until told to quit.
 static void *comm_thread(void *arg) {
   CpuEngine *ce = arg;
@@ -340,6 +420,7 @@ static void comm_queue(CpuEngine *ce, int i) {
 
 static bool ce_step(Engine *e, char *err, size_t n) {
   CpuEngine *ce = (CpuEngine *)e;
+  ce_unmove(ce);
   cpe_draw_params(e, err, n);
   bool ok = true;
   if (!e->profile && !ce->reduce)
@@ -372,16 +453,20 @@ static bool ce_step(Engine *e, char *err, size_t n) {
   }
   e->profiled_steps += e->profile && e->profile_warm && ok;
   e->profile_warm |= e->profile && ok;
-  if (!ok)
+  if (!ok) {
     snprintf(err, n, "%s", ce->cm->error);
-  return ok;
+    return false;
+  }
+  const int64_t *params = ce->at, *copies = ce->at + ce->nranks + 1; // (ZeRO: the others' updates)
+  return !ce->gather || (ce->gather(ce->gather_ctx, (float *)ce->arena, params, err, n) &&
+                         (ce->m->copy_bytes == 0 || ce->gather(ce->gather_ctx, (float *)ce->arena, copies, err, n)));
 }
 
 // A value the plan keeps inside a kernel (never written to memory) reads as NaN.
 static void ce_read(Engine *e, int node, float *dst) {
   CpuEngine *ce = (CpuEngine *)e;
   cpe_draw_params(e, NULL, 0);
-  const void *src = cpu_value(ce->m, ce->arena, node);
+  const void *src = ce_place(ce, node);
   int64_t n = shape_numel(e->g->nodes[node]->shape);
   if (src)
     memcpy(dst, src, sizeof(float) * (size_t)n);
@@ -393,7 +478,7 @@ static void ce_read(Engine *e, int node, float *dst) {
 static const float *ce_values(Engine *e, int node) {
   CpuEngine *ce = (CpuEngine *)e;
   cpe_draw_params(e, NULL, 0);
-  return cpu_value(ce->m, ce->arena, node);
+  return ce_place(ce, node);
 }
 
 static void ce_write(Engine *e, int node, const float *src) {
@@ -458,12 +543,19 @@ static bool ce_inputs_from(Engine *e, int n, const char *const *names, Engine *f
 static void ce_idle(Engine *e, bool params_too) {
   CpuEngine *ce = (CpuEngine *)e;
   const MemPlan *m = ce->m;
+  ce_unmove(ce);
   if (e->g->grads)
     cpu_arena_drop(ce->arena, m->grads, m->param_bytes);
   cpu_arena_drop(ce->arena, m->arena_bytes - m->activation_bytes, m->activation_bytes);
   if (params_too) {
     cpu_arena_drop(ce->arena, m->params, m->param_bytes);
     cpu_arena_drop(ce->arena, m->copies, m->copy_bytes);
+  }
+  for (int k = 2; ce->gather && k < 2 + m->moments; k++) { // (ZeRO: the moments of the others' shards)
+    const int64_t *at = ce->at + k * (ce->nranks + 1), lo = 4 * at[ce->rank], hi = 4 * at[ce->rank + 1];
+    const int64_t base = k == 2 ? m->m : m->v;
+    cpu_arena_drop(ce->arena, base, lo - base);
+    cpu_arena_drop(ce->arena, hi, base + m->param_bytes - hi);
   }
 }
 
@@ -516,9 +608,81 @@ static bool ce_set_reduce(Engine *e, bool (*fn)(void *ctx, float *x, int64_t n, 
   return true;
 }
 
+// Engine.set_shard: the optimizer's own parameters by the module's hooks (own_lo, own_end), and the
+// shares each step all-gathers.
+static bool ce_set_shard(Engine *e, const ZeroShard *s, bool (*gather)(void *ctx, float *x, const int64_t *at, char *err,
+                                                                    size_t en), void *ctx) {
+  CpuEngine *ce = (CpuEngine *)e;
+  free(ce->at);
+  ce->at = NULL;
+  ce->gather = NULL;
+  ce->cm->hooks.own_lo = ce->cm->hooks.own_end = 0;
+  if (!s)
+    return true;
+  int64_t k = s->n + 1, *at = malloc(sizeof(int64_t) * 4 * (size_t)k);
+  if (!at || !gather) {
+    free(at);
+    return false;
+  }
+  engine_shard_at(s, e->g, ce->m, at, at + k, at + 2 * k, at + 3 * k);
+  ce->at = at;
+  ce->rank = s->rank;
+  ce->nranks = s->n;
+  ce->gather = gather;
+  ce->gather_ctx = ctx;
+  int64_t lo = 4 * at[s->rank], hi = 4 * at[s->rank + 1];
+  ce->cm->hooks.own_lo = hi > lo ? lo : INT64_MAX; // (an empty shard: no parameter is at or after INT64_MAX)
+  ce->cm->hooks.own_end = hi > lo ? hi : INT64_MAX;
+  return true;
+}
+
+// Engine.gather_moments: each rank's shares of m and v (contiguous in each, as its parameters are in
+// the parameters' buffer) to rank 0, whose own share comes first: the others' shares of m go to the
+// start of the gradients' buffer, those of v after them where that has room (two ranks of equal
+// shares), else to the start of the activations' where that has, else into a buffer of their own;
+// each share as it lies in m or v.
+static bool ce_gather_moments(Engine *e, int64_t step, char *err, size_t n) {
+  CpuEngine *ce = (CpuEngine *)e;
+  const MemPlan *m = ce->m;
+  ce_unmove(ce);
+  if (!ce->gather || m->moments == 0)
+    return true;
+  int64_t k = ce->nranks + 1, *rel = malloc(sizeof(int64_t) * (size_t)k);
+  if (!rel)
+    return rt_fail(err, n, "out of host memory");
+  const int64_t *m_at = ce->at + 2 * k, skip = 4 * (m_at[1] - m_at[0]), others = 4 * (m_at[k - 1] - m_at[1]);
+  char *to_m = ce->arena + m->grads - skip, *to_v = to_m + others; // (v's shares lie as m's do)
+  if (m->moments > 1 && 2 * others > m->param_bytes)
+    to_v = ce->arena + (m->arena_bytes - m->activation_bytes) - skip;
+  if (ce->rank == 0 && m->moments > 1 && 2 * others > m->param_bytes && m->activation_bytes < others) {
+    if (!(ce->own_v = calloc((size_t)m->param_bytes / 4, sizeof(float)))) {
+      free(rel);
+      return rt_fail(err, n, "out of host memory gathering the moments (%.0f MB)", (double)others / 1e6);
+    }
+    to_v = (char *)ce->own_v;
+  }
+  bool ok = true;
+  for (int b = 0; ok && b < m->moments; b++) { // (the shares relative to the start of m, then of v)
+    const int64_t *at = ce->at + (2 + b) * k;
+    for (int r = 0; r < k; r++)
+      rel[r] = at[r] - at[0];
+    ok = dist_gather_f32((float *)(ce->arena + (b ? m->v : m->m)), (float *)(b ? to_v : to_m), rel, 0,
+                         b ? "the second moments' gather for the checkpoint" : "the moments' gather for the checkpoint",
+                         step, err, n);
+  }
+  free(rel);
+  if (ok && ce->rank == 0)
+    ce->moved_m = to_m, ce->moved_v = to_v;
+  else
+    ce_unmove(ce);
+  return ok;
+}
+
 static void ce_free(Engine *e) {
   CpuEngine *ce = (CpuEngine *)e;
   comm_stop(ce);
+  ce_unmove(ce);
+  free(ce->at);
   free(ce->ranges);
   cpu_unload(ce->cm);
   param_draw_free(&ce->draw);
@@ -550,7 +714,8 @@ Engine *engine_cpu(const Fusion *f, const MemPlan *m, const char *source, uint64
                    .step = ce_step, .read = ce_read, .write = ce_write, .values = ce_values, .idle = ce_idle,
                    .free = ce_free,
                    .take_params = ce_take_params, .draw_params = cpe_draw_params, .inputs_from = ce_inputs_from,
-                   .set_reduce = ce_set_reduce,
+                   .set_reduce = ce_set_reduce, .set_shard = ce_set_shard,
+                   .gather_moments = ce_gather_moments,
                    .cache_hit = cm->cache_hit, .compile_seconds = cm->compile_seconds};
   return &ce->e;
 }

@@ -90,6 +90,19 @@ bool dist_sum_f64(double *x, int n, const char *what, int64_t step, char *err, s
 bool dist_nccl_load(char *err, size_t n);
 void *dist_nccl_comm(char *err, size_t n);
 bool dist_nccl_mean_f32(void *comm, void *x, int64_t count, void *stream, char *err, size_t n);
+// ZeRO stage 1 (--zero 1): rank r's share of a flat buffer x is the floats [at[r], at[r + 1]).
+// dist_allgather_f32 gives every rank every share (MPI_Allgatherv in place), dist_gather_f32 the
+// other ranks' to root only, into root's `to` at the same places (MPI_Gatherv), each checked in and
+// watched as dist_mean_f32 is; alone: nothing.
+// dist_nccl_gather_f32 enqueues the same all-gather on a CUDA stream (an ncclBroadcast from each rank,
+// grouped: NCCL's all-gather wants equal shares).
+bool dist_allgather_f32(float *x, const int64_t *at, const char *what, int64_t step, char *err, size_t en);
+bool dist_gather_f32(float *x, float *to, const int64_t *at, int root, const char *what, int64_t step, char *err,
+                     size_t en);
+bool dist_nccl_gather_f32(void *comm, void *x, const int64_t *at, void *stream, char *err, size_t n);
+// The shards of ZeRO: n items of sizes size[] cut into `parts` contiguous runs balanced by size, run r
+// the items [first[r], first[r + 1]) (first has parts + 1 entries); every rank computes the same.
+void dist_partition(const int64_t *size, int n, int parts, int *first);
 void dist_abort(int status); // every rank stops with status (MPI_Abort); alone: exit(status)
 void dist_finalize(void);
 
@@ -97,6 +110,7 @@ void dist_finalize(void);
 // engine.c: one training step on any back end, behind one struct of hooks.
 //
 typedef struct Engine Engine;
+typedef struct ZeroShard ZeroShard; // (below)
 struct Engine {
   const char *name;
   const Graph *g;
@@ -152,6 +166,20 @@ struct Engine {
   // rank whose micro-batch loss was not finite: no rank updates). reduce_seconds: the device time of
   // the last step's all-reduce. NULL where the back end has none.
   bool (*set_nccl)(Engine *e, void *comm, const bool *poison);
+  // ZeRO stage 1 (after set_reduce or set_nccl): the step's optimizer updates only the parameters of
+  // shard s (engine_shard) and touches only their moments; after it, the updated parameters and their
+  // bf16 copies are all-gathered: on the CPU by gather(ctx, x, at) on each flat buffer (the arena's
+  // params, then copies, at: the ranks' shares in floats from x), on a GPU by NCCL on the stream
+  // (its time in reduce_seconds). The other parameters' moments are given back to the system by
+  // idle and read as zeros. s NULL: every parameter again. False where the back end cannot.
+  bool (*set_shard)(Engine *e, const ZeroShard *s,
+                    bool (*gather)(void *ctx, float *x, const int64_t *at, char *err, size_t en), void *ctx);
+  // With a shard set, for a checkpoint: every rank's moments gathered to rank 0, where Engine.values
+  // then reads them until the next step or idle, from memory no step keeps between steps (the
+  // gradients' buffer; the activations' where it has room): rank 0's checkpoint holds no second copy
+  // of them and its memory does not grow. Every rank calls it. NULL: the caller gathers through read
+  // and write (the GPU's moments stay whole in its arena).
+  bool (*gather_moments)(Engine *e, int64_t step, char *err, size_t n);
   double reduce_seconds;
   void (*free)(Engine *e);
   bool cache_hit;         // compiled back ends: the module came from the cache
@@ -192,6 +220,20 @@ typedef struct {
   int ready;        // final after plan step `ready` (the last step writing one of them), ready < at
 } GradRange;
 GradRange *engine_grad_ranges(const Fusion *f, const MemPlan *m, int64_t bucket, int *nranges);
+
+// ZeRO stage 1's shards: rank r of n updates the parameters g->params[first[r] .. first[r + 1]) (a
+// contiguous run balanced by the elements the optimizer updates, dist_partition) and keeps their
+// moments. engine_shard_at gives the shares of a plan's flat buffers: params, copies, m and v, each
+// n + 1 float offsets from the arena's start (rank r's: [x[r], x[r + 1])).
+struct ZeroShard {
+  int rank, n;
+  int *first;
+};
+ZeroShard *engine_shard(const Graph *g, int rank, int n);
+void engine_shard_free(ZeroShard *s);
+int engine_shard_owner(const ZeroShard *s, const Graph *g, int node); // the rank of a parameter's or moment's node
+void engine_shard_at(const ZeroShard *s, const Graph *g, const MemPlan *m, int64_t *params, int64_t *copies,
+                     int64_t *mom_m, int64_t *mom_v);
 
 // One line per kernel: name, ms per step, share of the step, GFLOP/s, GB/s, the .mdl ops inside;
 // slowest first.
@@ -242,6 +284,7 @@ typedef struct {
   bool quiet;                     // no step lines, no progress: errors and the final summary only
   bool arrays;                    // data_dir is an array dataset (arrays.c), not shards
   double val_fraction;            // arrays without a val split: the share of examples held out
+  int zero;                       // ZeRO stage (0 or 1): with several ranks, 1 shards the optimizer's state
 } TrainOptions;
 
 // Trains e's graph; eval (forward-only, may be NULL) computes the validation loss; micro (the

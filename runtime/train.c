@@ -272,10 +272,12 @@ static bool checkpoint_fits(Arena *a, const StFile *f, const char *path, const G
 }
 
 // Loads a checkpoint into e after checking that it was written for this model (checkpoint_fits);
-// fills step, loader state and seed.
-static bool read_checkpoint(const char *path, Engine *e, const char *model_path, int64_t *step, LoaderState *ls,
-                            uint64_t *seed) {
+// fills step, loader state and seed. With the optimizer's state in `shards` (--zero 1 over that many
+// ranks) this rank loads the moments of its own shard only.
+static bool read_checkpoint(const char *path, Engine *e, const char *model_path, int shards, int64_t *step,
+                            LoaderState *ls, uint64_t *seed) {
   const Graph *g = e->g;
+  ZeroShard *zero = shards > 1 ? engine_shard(g, dist_rank(), shards) : NULL; // (--zero 1)
   Arena *a = arena_new();
   StFile f;
   bool ok = st_read(a, path, &f) && checkpoint_fits(a, &f, path, g, model_path, true);
@@ -292,8 +294,9 @@ static bool read_checkpoint(const char *path, Engine *e, const char *model_path,
       ok = false;
     }
   }
-  for (int i = 0; ok && i < n; i++)
-    e->write(e, nodes[i], st_find(&f, g->nodes[nodes[i]]->name)->data);
+  for (int i = 0; ok && i < n; i++) // (--zero 1: a rank keeps the moments of its own shard)
+    if (!zero || g->nodes[nodes[i]]->op != OP_STATE || engine_shard_owner(zero, g, nodes[i]) == zero->rank)
+      e->write(e, nodes[i], st_find(&f, g->nodes[nodes[i]]->name)->data);
   if (ok) {
     long long ep = 0, pos = 0;
     *step = strtoll(cstep, NULL, 10);
@@ -305,6 +308,7 @@ static bool read_checkpoint(const char *path, Engine *e, const char *model_path,
     *ls = (LoaderState){ep, pos};
   }
   free(nodes);
+  engine_shard_free(zero);
   arena_free(a);
   return ok;
 }
@@ -914,6 +918,7 @@ typedef struct {
   bool poison;    // a micro-batch's loss was not finite (the step's own is read in the reduce)
   double seconds; // waited on the all-reduces, this step (with buckets: only what the backward did not hide)
   double busy;    // in the all-reduces, this step (with buckets on the engine's thread, beside the backward)
+  double gather;  // in the all-gather of the updated parameters (--zero 1 on the CPU), this step
 } Reduce;
 
 static bool reduce_grads(void *ctx, float *x, int64_t n, char *err, size_t en) {
@@ -924,6 +929,59 @@ static bool reduce_grads(void *ctx, float *x, int64_t n, char *err, size_t en) {
     x[i] = NAN;
   bool ok = dist_mean_f32(x, n, "the gradients' all-reduce", r->step, err, en);
   r->busy += rt_now() - t0;
+  return ok;
+}
+
+// ZeRO stage 1 (--zero 1): the updated parameters' all-gather after each step (Engine.set_shard), in
+// the step's communication time.
+static bool gather_params(void *ctx, float *x, const int64_t *at, char *err, size_t en) {
+  Reduce *r = ctx;
+  double t0 = rt_now();
+  bool ok = dist_allgather_f32(x, at, "the updated parameters' all-gather", r->step, err, en);
+  r->gather += rt_now() - t0;
+  return ok;
+}
+
+// ZeRO stage 1: every rank's moments gathered into rank 0's engine, for a checkpoint that does not
+// depend on the ranks: by the engine (Engine.gather_moments, the CPU's: into memory the step does not
+// keep), else through host memory, read from each rank and written into rank 0's (a GPU's arena holds
+// every moment anyway; the moments' nodes of a rank's shard are contiguous in node order, as the
+// shard's parameters are in parameter order). Every rank calls it.
+static bool gather_moments(Engine *e, const ZeroShard *z, int64_t step, char *err, size_t n) {
+  if (e->gather_moments)
+    return e->gather_moments(e, step, err, n);
+  const Graph *g = e->g;
+  int64_t *at = calloc((size_t)z->n + 1, sizeof *at), total = 0;
+  if (!at)
+    return rt_fail(err, n, "out of host memory");
+  for (int i = 0; i < g->n; i++) // (at[r]: where rank r's first moment goes)
+    if (g->nodes[i]->op == OP_STATE)
+      at[engine_shard_owner(z, g, i) + 1] += shape_numel(g->nodes[i]->shape);
+  for (int r = 0; r < z->n; r++)
+    at[r + 1] += at[r];
+  total = at[z->n];
+  float *buf = calloc((size_t)(total ? total : 1), sizeof *buf); // (a rank writes only its own share)
+  if (!buf) {
+    free(at);
+    return rt_fail(err, n, "out of host memory gathering the moments (%.0f MB)", 4e-6 * (double)total);
+  }
+  int64_t off = 0;
+  for (int i = 0; i < g->n; i++)
+    if (g->nodes[i]->op == OP_STATE) {
+      if (engine_shard_owner(z, g, i) == z->rank)
+        e->read(e, i, buf + off);
+      off += shape_numel(g->nodes[i]->shape);
+    }
+  bool ok = dist_gather_f32(buf, buf, at, 0, "the moments' gather for the checkpoint", step, err, n);
+  off = 0;
+  for (int i = 0; ok && z->rank == 0 && i < g->n; i++)
+    if (g->nodes[i]->op == OP_STATE) {
+      if (engine_shard_owner(z, g, i) != z->rank)
+        e->write(e, i, buf + off);
+      off += shape_numel(g->nodes[i]->shape);
+    }
+  free(buf);
+  free(at);
   return ok;
 }
 
@@ -998,7 +1056,7 @@ static int train_loop(Engine *e, Engine *eval, Engine *micro, const TrainOptions
   uint64_t seed = o->seed;
   if (o->resume) {
     LoaderState ls;
-    if (!read_checkpoint(ckpt, e, o->model_path, &start, &ls, &seed) || !loader_seek(train, ls) ||
+    if (!read_checkpoint(ckpt, e, o->model_path, o->zero ? world : 1, &start, &ls, &seed) || !loader_seek(train, ls) ||
         (lead && !truncate_log(log_path, start))) {
       loader_close(train);
       if (val)
@@ -1106,6 +1164,25 @@ static int train_loop(Engine *e, Engine *eval, Engine *micro, const TrainOptions
       last = start;
     }
   }
+  ZeroShard *zero = o->zero && world > 1 ? engine_shard(g, dist_rank(), world) : NULL; // (one process: no shards)
+  if (zero && rc == 0 && !(e->set_shard && e->set_shard(e, zero, gather_params, &red))) {
+    diag_file_error(o->model_path, "the %s back end cannot shard the optimizer's state (--zero 1)", e->name);
+    rc = 1;
+    last = start;
+  }
+  if (zero && e->idle) // (a resumed run read every moment; a rank keeps its shard's)
+    e->idle(e, false);
+  if (zero && rc == 0 && !o->quiet) {
+    int64_t own = 0, all = 0;
+    for (int i = 0; i < g->n; i++)
+      if (g->nodes[i]->op == OP_STATE) {
+        all += 4 * shape_numel(g->nodes[i]->shape);
+        own += engine_shard_owner(zero, g, i) == zero->rank ? 4 * shape_numel(g->nodes[i]->shape) : 0;
+      }
+    printf("ZeRO stage 1: rank %d updates parameters %d to %d of %d and keeps their moments, %.2f MB of %.2f MB\n",
+           zero->rank, zero->first[zero->rank], zero->first[zero->rank + 1] - 1, g->nparams, (double)own / 1e6,
+           (double)all / 1e6);
+  }
   for (int64_t step = start + 1; step <= last; step++) {
     double t0 = rt_now(), loss_sum = 0;
     int64_t real = 0;
@@ -1136,7 +1213,7 @@ static int train_loop(Engine *e, Engine *eval, Engine *micro, const TrainOptions
     // others' gradients regardless). With several ranks every rank runs it, that one sending NaN
     // gradients (reduce_grads), so that no rank's optimizer updates.
     bool micro_finite = isfinite(loss_sum), run = micro_finite || world > 1;
-    red.step = step, red.poison = !micro_finite, red.seconds = red.busy = 0;
+    red.step = step, red.poison = !micro_finite, red.seconds = red.busy = red.gather = 0;
     if (!feed(e, &batch, B * T) || (run && !e->step(e, err, sizeof err))) {
       progress_clear(&pg);
       diag_file_error(o->model_path, "step %lld: %s", (long long)step, err[0] ? err : "bad batch");
@@ -1144,9 +1221,10 @@ static int train_loop(Engine *e, Engine *eval, Engine *micro, const TrainOptions
       break;
     }
     real += batch.real_tokens; // (with several ranks: the global batch's)
-    // (NCCL: the device time of its all-reduce; buckets beside the backward: the time the step waited
-    // for them; else the all-reduces' own, on the main thread between the backward and the optimizer)
-    red.seconds = nccl || overlapped ? e->reduce_seconds : red.busy;
+    // (NCCL: the device time of its all-reduce, and with --zero 1 its all-gather; buckets beside the
+    // backward: the time the step waited for them; else the all-reduces' own, on the main thread
+    // between the backward and the optimizer; and --zero 1's all-gather on the CPU after it)
+    red.seconds = (nccl || overlapped ? e->reduce_seconds : red.busy) + red.gather;
     if (nccl)
       red.busy = e->reduce_seconds;
     double loss = (loss_sum + (micro_finite ? engine_scalar(e, g->loss) : NAN)) / (double)k;
@@ -1277,7 +1355,9 @@ static int train_loop(Engine *e, Engine *eval, Engine *micro, const TrainOptions
       } else {
         char kept[PATH_MAX + 96] = "rank 0 keeps them";
         rc = 1;
-        if (lead)
+        if (zero && !gather_moments(e, zero, step, err, sizeof err)) // (every rank is here: the loss is shared)
+          snprintf(kept, sizeof kept, "%s", err);
+        else if (lead)
           keep_step_before(&writer, ckpt, e, o, step, ckpt_step, before, kept, sizeof kept);
         diag_file_error(o->model_path, "step %lld: %s; stopping with the weights of step %lld, which it did not "
                         "change: %s (--skip-nonfinite N skips up to N such steps)", (long long)step, why,
@@ -1290,7 +1370,15 @@ static int train_loop(Engine *e, Engine *eval, Engine *micro, const TrainOptions
       rc = 1;
       break;
     }
-    if ((o->ckpt_every > 0 && step % o->ckpt_every == 0) || step == last || stop || log_failed) {
+    // (--zero 1: every rank sends rank 0 its moments first, at the steps every rank checkpoints; a
+    // log that rank 0 alone failed to write stops it without a checkpoint, the last one standing)
+    bool every = (o->ckpt_every > 0 && step % o->ckpt_every == 0) || step == last || stop;
+    if (every || (log_failed && !zero)) {
+      if (zero && !gather_moments(e, zero, step, err, sizeof err)) {
+        diag_file_error(o->model_path, "step %lld: %s", (long long)step, err);
+        rc = 1;
+        break;
+      }
       if (lead && !ckpt_start(&writer, ckpt, e, o, step, loader_state(train))) {
         progress_clear(&pg);
         rc = 1;
@@ -1300,7 +1388,7 @@ static int train_loop(Engine *e, Engine *eval, Engine *micro, const TrainOptions
     }
     if (log_failed) {
       progress_clear(&pg);
-      if (ckpt_wait(&writer))
+      if (ckpt_wait(&writer) && ckpt_step == step)
         fprintf(stderr, "mdlc: wrote the checkpoint of step %lld to %s; continue with --resume\n", (long long)step,
                 ckpt);
       break;
@@ -1366,6 +1454,9 @@ static int train_loop(Engine *e, Engine *eval, Engine *micro, const TrainOptions
     e->set_reduce(e, NULL, NULL, 0, false);
   if (nccl)
     e->set_nccl(e, NULL, NULL);
+  if (zero && e->set_shard)
+    e->set_shard(e, NULL, NULL, NULL);
+  engine_shard_free(zero);
   metrics_free(&met);
   loader_close(train);
   if (val)

@@ -25,6 +25,9 @@ typedef struct {
   uint64_t seed; // the run's seed: dropout masks
   void *ctx;     // passed back to error
   void (*error)(void *ctx, const char *what, int64_t value, int64_t limit); // an id or target out of range
+  // ZeRO stage 1: the optimizer updates only the parameters at arena bytes [own_lo, own_end); every
+  // one where own_end is 0
+  int64_t own_lo, own_end;
 } MdlHooks;
 
 typedef struct {
@@ -310,7 +313,7 @@ MDL_FN void k0_embed(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(2)
+#if MDL_IN(0)
 // k1_embed: kernel, 1 op
 //   %7     embed                                   line 22    f32[8,64,64]
 // loops:
@@ -905,7 +908,7 @@ MDL_FN void k16_layernorm_fwd__cast(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(2)
+#if MDL_IN(1)
 // k17_target_count: kernel, 1 op
 //   %113   target_count                            line 46    f32[]
 // loops:
@@ -929,7 +932,7 @@ MDL_FN void k17_target_count(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(1)
+#if MDL_IN(2)
 // k18_broadcast__div: kernel, 3 ops
 //   %116   div                                     line 46    f32[]
 //   %117   reshape                                 line 46    f32[1]
@@ -1101,7 +1104,7 @@ MDL_FN void k19_lmhead__cast__cross_entropy__cross_entropy_bwd__gemm(char *arena
 }
 #endif
 
-#if MDL_IN(0)
+#if MDL_IN(2)
 // k20_sum__div: kernel, 2 ops
 //   %112   sum                                     line 46    f32[]
 //   %114   div                loss                 line 46    f32[]
@@ -1342,7 +1345,7 @@ MDL_FN void k24_gemm(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(2)
+#if MDL_IN(1)
 // The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
 // are those of k25_gemm's):
 // k25_gemm k37_gemm
@@ -1471,7 +1474,7 @@ MDL_FN void k26_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(1)
+#if MDL_IN(2)
 // The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
 // are those of k27_gemm's):
 // k27_gemm k39_gemm
@@ -1936,7 +1939,7 @@ MDL_FN void k36_gemm(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(2)
+#if MDL_IN(1)
 // k37_gemm: GEMM, 1 op
 //   %180   matmul             d.h.0.fc_w           line 40    f32[64,256]
 // loops:
@@ -1964,7 +1967,7 @@ MDL_FN void k38_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(1)
+#if MDL_IN(2)
 // k39_gemm: GEMM, 1 op
 //   %190   matmul             d.h.0.proj_w         line 39    f32[64,64]
 // loops:
@@ -2351,6 +2354,8 @@ MDL_FN void k48_grad_norm__adamw(char *arena, const MdlHooks *h) {
     const float c1 = (float)(1.0 / (1.0 - pow(b1, step))), c2 = (float)(1.0 / (1.0 - pow(b2, step)));
     #pragma omp parallel num_threads(h->nthreads)
     for (int k = 0; k < nseg; k++) {
+      if (h->own_end && (seg[k].p < h->own_lo || seg[k].p >= h->own_end))
+        continue; // (--zero 1: another rank updates it)
       float *restrict p = (float *)(arena + seg[k].p);
       float *restrict m = (float *)(arena + seg[k].m);
       float *restrict v = (float *)(arena + seg[k].v);

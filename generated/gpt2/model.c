@@ -25,6 +25,9 @@ typedef struct {
   uint64_t seed; // the run's seed: dropout masks
   void *ctx;     // passed back to error
   void (*error)(void *ctx, const char *what, int64_t value, int64_t limit); // an id or target out of range
+  // ZeRO stage 1: the optimizer updates only the parameters at arena bytes [own_lo, own_end); every
+  // one where own_end is 0
+  int64_t own_lo, own_end;
 } MdlHooks;
 
 typedef struct {
@@ -5740,6 +5743,8 @@ MDL_FN void k238_grad_norm__adamw(char *arena, const MdlHooks *h) {
     const float c1 = (float)(1.0 / (1.0 - pow(b1, step))), c2 = (float)(1.0 / (1.0 - pow(b2, step)));
     #pragma omp parallel num_threads(h->nthreads)
     for (int k = 0; k < nseg; k++) {
+      if (h->own_end && (seg[k].p < h->own_lo || seg[k].p >= h->own_end))
+        continue; // (--zero 1: another rank updates it)
       float *restrict p = (float *)(arena + seg[k].p);
       float *restrict m = (float *)(arena + seg[k].m);
       float *restrict v = (float *)(arena + seg[k].v);

@@ -25,6 +25,9 @@ typedef struct {
   uint64_t seed; // the run's seed: dropout masks
   void *ctx;     // passed back to error
   void (*error)(void *ctx, const char *what, int64_t value, int64_t limit); // an id or target out of range
+  // ZeRO stage 1: the optimizer updates only the parameters at arena bytes [own_lo, own_end); every
+  // one where own_end is 0
+  int64_t own_lo, own_end;
 } MdlHooks;
 
 typedef struct {
@@ -370,7 +373,7 @@ MDL_FN void k1_rmsnorm_fwd__cast(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(3)
+#if MDL_IN(0)
 // The loops of 4 kernels, each on its own buffers (o[]: their offsets in the arena; the names
 // are those of k2_gemm's):
 // k2_gemm k3_gemm k14_gemm k15_gemm
@@ -400,7 +403,7 @@ MDL_FN void k2_gemm(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(3)
+#if MDL_IN(0)
 // k3_gemm: GEMM, 1 op
 //   %25    matmul                                  line 37    f32[512,64]
 // loops:
@@ -730,7 +733,7 @@ MDL_FN void k9_rmsnorm_fwd__cast(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(0)
+#if MDL_IN(3)
 // The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
 // are those of k10_gemm's):
 // k10_gemm k22_gemm
@@ -875,7 +878,7 @@ MDL_FN void k13_rmsnorm_fwd__cast(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(3)
+#if MDL_IN(0)
 // k14_gemm: GEMM, 1 op
 //   %75    matmul                                  line 36    f32[512,64]
 // loops:
@@ -886,7 +889,7 @@ MDL_FN void k14_gemm(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(3)
+#if MDL_IN(0)
 // k15_gemm: GEMM, 1 op
 //   %81    matmul                                  line 37    f32[512,64]
 // loops:
@@ -980,7 +983,7 @@ MDL_FN void k21_rmsnorm_fwd__cast(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(0)
+#if MDL_IN(3)
 // k22_gemm: GEMM, 1 op
 //   %109   matmul                                  line 40    f32[512,172]
 // loops:
@@ -2626,6 +2629,8 @@ MDL_FN void k74_grad_norm__adamw(char *arena, const MdlHooks *h) {
     const float c1 = (float)(1.0 / (1.0 - pow(b1, step))), c2 = (float)(1.0 / (1.0 - pow(b2, step)));
     #pragma omp parallel num_threads(h->nthreads)
     for (int k = 0; k < nseg; k++) {
+      if (h->own_end && (seg[k].p < h->own_lo || seg[k].p >= h->own_end))
+        continue; // (--zero 1: another rank updates it)
       float *restrict p = (float *)(arena + seg[k].p);
       float *restrict m = (float *)(arena + seg[k].m);
       float *restrict v = (float *)(arena + seg[k].v);

@@ -25,6 +25,9 @@ typedef struct {
   uint64_t seed; // the run's seed: dropout masks
   void *ctx;     // passed back to error
   void (*error)(void *ctx, const char *what, int64_t value, int64_t limit); // an id or target out of range
+  // ZeRO stage 1: the optimizer updates only the parameters at arena bytes [own_lo, own_end); every
+  // one where own_end is 0
+  int64_t own_lo, own_end;
 } MdlHooks;
 
 typedef struct {
@@ -259,7 +262,7 @@ MDL_FN void k0_gemm__add__relu(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(2)
+#if MDL_IN(0)
 // k1_gemm__add__relu: GEMM, 3 ops
 //   %11    matmul                                  line 21    f32[32,32]
 //   %12    add                                     line 21    f32[32,32]
@@ -289,7 +292,7 @@ MDL_FN void k1_gemm__add__relu(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(0)
+#if MDL_IN(2)
 // k2_target_count: kernel, 1 op
 //   %18    target_count                            line 23    f32[]
 // loops:
@@ -350,7 +353,7 @@ MDL_FN void k3_gemm__add__max(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(2)
+#if MDL_IN(0)
 // k4_max: kernel, 1 op
 //   %21    max                                     line 29    f32[32,1]
 // loops:
@@ -617,7 +620,7 @@ MDL_FN void k10_sum__div(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(0)
+#if MDL_IN(2)
 // k11_sum: kernel, 1 op
 //   %38    sum                d.b3                 line 22    f32[4]
 // loops:
@@ -654,7 +657,7 @@ MDL_FN void k11_sum(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(0)
+#if MDL_IN(1)
 // k12_gemm: GEMM, 1 op
 //   %40    matmul             d.w3                 line 22    f32[32,4]
 // loops:
@@ -715,7 +718,7 @@ MDL_FN void k13_gemm__relu_bwd__sum(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(1)
+#if MDL_IN(3)
 // k14_gemm: GEMM, 1 op
 //   %44    matmul             d.w2                 line 21    f32[32,32]
 // loops:
@@ -776,7 +779,7 @@ MDL_FN void k15_gemm__relu_bwd__sum(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(3)
+#if MDL_IN(2)
 // k16_gemm: GEMM, 1 op
 //   %47    matmul             d.w1                 line 20    f32[16,32]
 // loops:
@@ -841,6 +844,8 @@ MDL_FN void k17_grad_norm__adamw(char *arena, const MdlHooks *h) {
     const float lr0 = b48[0], b1 = 0.9f, b2 = 0.95f, eps = 1e-08f;
     const float c1 = (float)(1.0 / (1.0 - pow(b1, step))), c2 = (float)(1.0 / (1.0 - pow(b2, step)));
     for (int k = 0; k < nseg; k++) {
+      if (h->own_end && (seg[k].p < h->own_lo || seg[k].p >= h->own_end))
+        continue; // (--zero 1: another rank updates it)
       float *restrict p = (float *)(arena + seg[k].p);
       float *restrict m = (float *)(arena + seg[k].m);
       float *restrict v = (float *)(arena + seg[k].v);

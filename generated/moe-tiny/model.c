@@ -25,6 +25,9 @@ typedef struct {
   uint64_t seed; // the run's seed: dropout masks
   void *ctx;     // passed back to error
   void (*error)(void *ctx, const char *what, int64_t value, int64_t limit); // an id or target out of range
+  // ZeRO stage 1: the optimizer updates only the parameters at arena bytes [own_lo, own_end); every
+  // one where own_end is 0
+  int64_t own_lo, own_end;
 } MdlHooks;
 
 typedef struct {
@@ -300,7 +303,7 @@ MDL_FN MdlKernelFn k99_layernorm_bwd__add__sum__cast, k100_gemm, k101_gemm__cast
 MDL_FN MdlKernelFn k103_sum__concat__cast, k104_gemm, k105_gemm, k106_layernorm_bwd__add, k107_embed_bwd;
 MDL_FN MdlKernelFn k108_embed_bwd__add, k109_grad_norm__adamw;
 
-#if MDL_IN(0)
+#if MDL_IN(3)
 // k0_embed: kernel, 1 op
 //   %6     embed                                   line 38    f32[8,64,64]
 // loops:
@@ -322,7 +325,7 @@ MDL_FN void k0_embed(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(3)
+#if MDL_IN(0)
 // k1_embed: kernel, 1 op
 //   %7     embed                                   line 38    f32[8,64,64]
 // loops:
@@ -611,7 +614,7 @@ MDL_FN void k5_gemm__add(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(3)
+#if MDL_IN(0)
 // The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
 // are those of k6_layernorm_fwd__cast's):
 // k6_layernorm_fwd__cast k28_layernorm_fwd__cast
@@ -745,7 +748,7 @@ MDL_FN void k8_softmax_fwd(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(3)
+#if MDL_IN(0)
 // The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
 // are those of k9_topk's):
 // k9_topk k31_topk
@@ -782,7 +785,7 @@ MDL_FN void k9_topk(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(0)
+#if MDL_IN(3)
 // The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
 // are those of k10_gather's):
 // k10_gather k32_gather
@@ -832,7 +835,7 @@ MDL_FN void k11_mul(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(0)
+#if MDL_IN(3)
 // The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
 // are those of k12_scatter_add's):
 // k12_scatter_add k34_scatter_add
@@ -867,7 +870,7 @@ MDL_FN void k12_scatter_add(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(3)
+#if MDL_IN(0)
 // The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
 // are those of k13_permute's):
 // k13_permute k35_permute
@@ -944,7 +947,7 @@ MDL_FN void k14_mean__compare__div(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(3)
+#if MDL_IN(0)
 // The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
 // are those of k15_permute__add__mul's):
 // k15_permute__add__mul k37_permute__add__mul
@@ -976,7 +979,7 @@ MDL_FN void k15_permute__add__mul(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(0)
+#if MDL_IN(3)
 // The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
 // are those of k16_topk's):
 // k16_topk k38_topk
@@ -1038,7 +1041,7 @@ MDL_FN void k17_gather(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(3)
+#if MDL_IN(0)
 // The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
 // are those of k18_gather's):
 // k18_gather k40_gather
@@ -1104,7 +1107,7 @@ MDL_FN void k19_gather__cast(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(0)
+#if MDL_IN(3)
 // The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
 // are those of k20_gemm__add__gelu__cast's):
 // k20_gemm__add__gelu__cast k42_gemm__add__gelu__cast
@@ -1389,7 +1392,7 @@ MDL_FN void k27_gemm__add(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(3)
+#if MDL_IN(0)
 // k28_layernorm_fwd__cast: kernel, 2 ops
 //   %122   layernorm                               line 60    f32[8,64,64]
 //   %124   cast                                    line 61    bf16[512,64]
@@ -1423,7 +1426,7 @@ MDL_FN void k30_softmax_fwd(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(3)
+#if MDL_IN(0)
 // k31_topk: kernel, 1 op
 //   %128   topk               h.1.choice           line 62    i32[512,2]
 // loops:
@@ -1434,7 +1437,7 @@ MDL_FN void k31_topk(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(0)
+#if MDL_IN(3)
 // k32_gather: kernel, 1 op
 //   %129   gather             h.1.gate             line 62    f32[512,2]
 // loops:
@@ -1456,7 +1459,7 @@ MDL_FN void k33_mul(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(0)
+#if MDL_IN(3)
 // k34_scatter_add: kernel, 1 op
 //   %132   scatter_add        h.1.gates            line 63    f32[512,4]
 // loops:
@@ -1467,7 +1470,7 @@ MDL_FN void k34_scatter_add(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(3)
+#if MDL_IN(0)
 // k35_permute: kernel, 1 op
 //   %141   permute                                 line 67    f32[4,512]
 // loops:
@@ -1491,7 +1494,7 @@ MDL_FN void k36_mean__compare__div(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(3)
+#if MDL_IN(0)
 // k37_permute__add__mul: kernel, 3 ops
 //   %136   add                                     line 66    f32[512,4]
 //   %137   mul                                     line 66    f32[512,4]
@@ -1504,7 +1507,7 @@ MDL_FN void k37_permute__add__mul(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(0)
+#if MDL_IN(3)
 // k38_topk: kernel, 1 op
 //   %139   topk               h.1.slot             line 66    i32[4,320]
 // loops:
@@ -1526,7 +1529,7 @@ MDL_FN void k39_gather(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(3)
+#if MDL_IN(0)
 // k40_gather: kernel, 1 op
 //   %142   gather             h.1.weight           line 67    f32[4,320]
 // loops:
@@ -1551,7 +1554,7 @@ MDL_FN void k41_gather__cast(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(0)
+#if MDL_IN(3)
 // k42_gemm__add__gelu__cast: GEMM, 4 ops
 //   %148   matmul                                  line 70    f32[4,320,128]
 //   %149   add                                     line 70    f32[4,320,128]
@@ -1858,7 +1861,7 @@ MDL_FN void k51_lmhead__cast__cross_entropy__cross_entropy_bwd__gemm(char *arena
 }
 #endif
 
-#if MDL_IN(0)
+#if MDL_IN(3)
 // k52_sum__div: kernel, 2 ops
 //   %181   sum                                     line 79    f32[]
 //   %183   div                ce                   line 79    f32[]
@@ -1886,7 +1889,7 @@ MDL_FN void k52_sum__div(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(0)
+#if MDL_IN(3)
 // k53_sum__mul__add__div: kernel, 8 ops
 //   %84    mul                                     line 73    f32[4]
 //   %85    sum                                     line 73    f32[]
@@ -2061,7 +2064,7 @@ MDL_FN void k56_broadcast__mul__div(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(0)
+#if MDL_IN(3)
 // The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
 // are those of k57_gather's):
 // k57_gather k83_gather
@@ -2123,7 +2126,7 @@ MDL_FN void k58_sum__mul(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(3)
+#if MDL_IN(0)
 // The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
 // are those of k59_sum__mul__cast's):
 // k59_sum__mul__cast k85_sum__mul__cast
@@ -2164,7 +2167,7 @@ MDL_FN void k59_sum__mul__cast(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(0)
+#if MDL_IN(3)
 // The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
 // are those of k60_gemm's):
 // k60_gemm k86_gemm
@@ -2325,7 +2328,7 @@ MDL_FN void k63_gemm(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(3)
+#if MDL_IN(0)
 // The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
 // are those of k64_gather_bwd's):
 // k64_gather_bwd k90_gather_bwd
@@ -2392,7 +2395,7 @@ MDL_FN void k65_gather_bwd(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(0)
+#if MDL_IN(3)
 // The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
 // are those of k66_permute's):
 // k66_permute k92_permute
@@ -2443,7 +2446,7 @@ MDL_FN void k67_gather(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(3)
+#if MDL_IN(0)
 // The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
 // are those of k68_gather_bwd's):
 // k68_gather_bwd k94_gather_bwd
@@ -2520,7 +2523,7 @@ MDL_FN void k69_add__mul__broadcast(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(3)
+#if MDL_IN(0)
 // The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
 // are those of k70_softmax_bwd__cast's):
 // k70_softmax_bwd__cast k96_softmax_bwd__cast
@@ -2562,7 +2565,7 @@ MDL_FN void k70_softmax_bwd__cast(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(0)
+#if MDL_IN(3)
 // The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
 // are those of k71_gemm's):
 // k71_gemm k97_gemm
@@ -2765,7 +2768,7 @@ MDL_FN void k74_gemm(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(0)
+#if MDL_IN(3)
 // The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
 // are those of k75_gemm__cast's):
 // k75_gemm__cast k101_gemm__cast
@@ -3010,7 +3013,7 @@ MDL_FN void k77_sum__concat__cast(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(3)
+#if MDL_IN(0)
 // The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
 // are those of k78_gemm's):
 // k78_gemm k104_gemm
@@ -3183,7 +3186,7 @@ MDL_FN void k82_layernorm_bwd__add(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(0)
+#if MDL_IN(3)
 // k83_gather: kernel, 1 op
 //   %293   gather                                  line 72    f32[1280,64]
 // loops:
@@ -3206,7 +3209,7 @@ MDL_FN void k84_sum__mul(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(3)
+#if MDL_IN(0)
 // k85_sum__mul__cast: kernel, 3 ops
 //   %296   mul                                     line 70    f32[4,320,64]
 //   %300   sum                d.h.0.fcproj_b       line 70    f32[4,1,64]
@@ -3219,7 +3222,7 @@ MDL_FN void k85_sum__mul__cast(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(0)
+#if MDL_IN(3)
 // k86_gemm: GEMM, 1 op
 //   %303   matmul             d.h.0.fcproj_w       line 70    f32[4,128,64]
 // loops:
@@ -3267,7 +3270,7 @@ MDL_FN void k89_gemm(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(3)
+#if MDL_IN(0)
 // k90_gather_bwd: kernel, 1 op
 //   %310   gather_bwd                              line 69    f32[512,64]
 // loops:
@@ -3289,7 +3292,7 @@ MDL_FN void k91_gather_bwd(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(0)
+#if MDL_IN(3)
 // k92_permute: kernel, 1 op
 //   %312   permute            d.h.0.gates          line 67    f32[512,4]
 // loops:
@@ -3311,7 +3314,7 @@ MDL_FN void k93_gather(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(3)
+#if MDL_IN(0)
 // k94_gather_bwd: kernel, 1 op
 //   %315   gather_bwd                              line 62    f32[512,4]
 // loops:
@@ -3339,7 +3342,7 @@ MDL_FN void k95_add__mul__broadcast(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(3)
+#if MDL_IN(0)
 // k96_softmax_bwd__cast: kernel, 2 ops
 //   %318   softmax_bwd                             line 61    f32[512,4]
 //   %319   cast                                    line 61    bf16[512,4]
@@ -3351,7 +3354,7 @@ MDL_FN void k96_softmax_bwd__cast(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(0)
+#if MDL_IN(3)
 // k97_gemm: GEMM, 1 op
 //   %321   matmul             d.h.0.router_w       line 61    f32[64,4]
 // loops:
@@ -3403,7 +3406,7 @@ MDL_FN void k100_gemm(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(0)
+#if MDL_IN(3)
 // k101_gemm__cast: GEMM, 3 ops
 //   %331   matmul                                  line 57    f32[512,64]
 //   %333   reshape                                 line 57    f32[8,64,64]
@@ -3444,7 +3447,7 @@ MDL_FN void k103_sum__concat__cast(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(3)
+#if MDL_IN(0)
 // k104_gemm: GEMM, 1 op
 //   %344   matmul                                  line 56    f32[512,64]
 // loops:
@@ -3524,7 +3527,7 @@ MDL_FN void k107_embed_bwd(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(3)
+#if MDL_IN(0)
 // k108_embed_bwd__add: kernel, 2 ops
 //   %352   embed_bwd                               line 38    f32[256,64]
 //   %353   add                d.wte                line 35    f32[256,64]
@@ -3724,6 +3727,8 @@ MDL_FN void k109_grad_norm__adamw(char *arena, const MdlHooks *h) {
     const float c1 = (float)(1.0 / (1.0 - pow(b1, step))), c2 = (float)(1.0 / (1.0 - pow(b2, step)));
     #pragma omp parallel num_threads(h->nthreads)
     for (int k = 0; k < nseg; k++) {
+      if (h->own_end && (seg[k].p < h->own_lo || seg[k].p >= h->own_end))
+        continue; // (--zero 1: another rank updates it)
       float *restrict p = (float *)(arena + seg[k].p);
       float *restrict m = (float *)(arena + seg[k].m);
       float *restrict v = (float *)(arena + seg[k].v);

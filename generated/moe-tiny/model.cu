@@ -48,6 +48,12 @@ typedef struct {
   double wd, ls;
 } MdlSeg;
 
+// ZeRO stage 1 (--zero 1): the optimizer updates only the parameters at arena bytes [mdl_own[0],
+// mdl_own[1]), every one while mdl_own[1] is 0; the runtime sets it (cuModuleGetGlobal).
+extern "C" {
+__device__ int64_t mdl_own[2];
+}
+
 // The first report of a step wins; the runtime reads the status after the step.
 __device__ void mdl_report(MdlStatus *s, long long code, long long value, long long limit) {
   if (atomicCAS(&s->set, 0ull, 1ull) == 0ull) {
@@ -1313,6 +1319,8 @@ __device__ __forceinline__ void mdl_opt_update(char *arena, const MdlSeg *seg, c
   const int64_t c0 = (int64_t)blockIdx.x * CHUNK, c1 = c0 + CHUNK < TOTAL ? c0 + CHUNK : TOTAL;
   const int s0 = mdl_seg_first<NSEG>(seg, c0);
   for (int s = s0; s < NSEG && seg[s].start < c1; s++) {
+    if (mdl_own[1] && (seg[s].p < mdl_own[0] || seg[s].p >= mdl_own[1]))
+      continue; // (--zero 1: another rank updates it)
     const int64_t lo = (c0 > seg[s].start ? c0 : seg[s].start) - seg[s].start;
     const int64_t hi = (c1 < seg[s].start + seg[s].n ? c1 : seg[s].start + seg[s].n) - seg[s].start;
     float *p = (float *)(arena + seg[s].p), *m = (float *)(arena + seg[s].m);

@@ -52,6 +52,7 @@
 #include "mdl.h"
 #include "backend.h"
 #include "emit_cuda.h"
+#include "runtime.h"
 #include "test.h"
 #include "cubin_syms.h"
 #include "cuda_emu_host.h"
@@ -2003,6 +2004,32 @@ static void test_optimizers(const char *dir, bool nvrtc) {
       snprintf(name, sizeof name, "cuda emu %s: the frozen parameter is bit for bit its initial value", md->path);
       CHECK(kept, name, "it changed");
     }
+    // ZeRO stage 1: with the module's mdl_own set to rank 1's share of 2, a step updates that share's
+    // parameters and moments and leaves every other one as it was, bit for bit.
+    int64_t *own = ok && run ? dlsym(emu.so, "mdl_own") : NULL;
+    ZeroShard *z = own ? engine_shard(g, 1, 2) : NULL;
+    bool only = z != NULL;
+    if (z) {
+      int64_t at[4][3];
+      engine_shard_at(z, g, m, at[0], at[1], at[2], at[3]);
+      own[0] = 4 * at[0][1], own[1] = 4 * at[0][2];
+      char *before = malloc((size_t)m->arena_bytes);
+      memcpy(before, arena, (size_t)m->arena_bytes);
+      cpu_set_scalar(g, m, arena, "step", 11);
+      only = !emu_step(p, &emu, arena).set;
+      for (int i = 0; only && i < g->n; i++) {
+        const IrNode *u = g->nodes[i];
+        if ((u->op != OP_PARAM && u->op != OP_STATE) || (u->op == OP_PARAM && u->init.frozen))
+          continue;
+        bool same = !memcmp(before + m->offset[i], arena + m->offset[i], sizeof(float) * (size_t)shape_numel(u->shape));
+        only = same == (engine_shard_owner(z, g, i) != 1);
+      }
+      own[0] = own[1] = 0;
+      free(before);
+    }
+    snprintf(name, sizeof name, "cuda emu %s: with mdl_own (--zero 1) a step updates only its share", md->path);
+    CHECK(only, name, "%s", z ? "a parameter or moment outside it changed, or one inside did not" : "no mdl_own");
+    engine_shard_free(z);
     for (int k = 0; k < g->nparams; k++)
       free(p0[k]);
     free(p0);

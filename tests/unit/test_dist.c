@@ -1,6 +1,6 @@
 // Data-parallel pieces that need no second process (tests/cli/dist.sh runs mpirun): what the launcher's
 // environment says, the gradients a rank all-reduces (engine_grad_ranges: exactly what the optimizer
-// reads, with and without gradient accumulation), and that NCCL, the GPUs' all-reduce, loads and
+// reads, with and without gradient accumulation), ZeRO's shards, and that NCCL, the GPUs' all-reduce, loads and
 // resolves where the CUDA toolkit has it.
 #include "runtime.h"
 #include "test.h"
@@ -135,6 +135,87 @@ static void test_ranges(void) {
   CHECK(n > 1, "buckets with accumulation: the micro-batches' means, bucketed the same way", "%d buckets", n);
 }
 
+static bool same(const int *a, const int *b, int n) {
+  for (int i = 0; i < n; i++)
+    if (a[i] != b[i])
+      return false;
+  return true;
+}
+
+// ZeRO's partition (dist_partition): contiguous runs, each boundary the nearest to its share of the
+// total; frozen parameters (size 0) and more ranks than parameters; balanced within one item.
+static void test_partition(void) {
+  int first[8];
+  dist_partition((const int64_t[]){10, 10, 10, 10}, 4, 2, first);
+  CHECK(same(first, (const int[]){0, 2, 4}, 3), "4 equal items over 2 ranks: 2 each", "%d %d %d", first[0], first[1],
+        first[2]);
+  dist_partition((const int64_t[]){100, 1, 1, 1}, 4, 2, first);
+  CHECK(same(first, (const int[]){0, 1, 4}, 3), "a large first item: it alone, the rest on the other rank",
+        "%d %d %d", first[0], first[1], first[2]);
+  dist_partition((const int64_t[]){0, 4, 0, 4, 0}, 5, 2, first);
+  CHECK(same(first, (const int[]){0, 3, 5}, 3), "frozen parameters (no elements) join the run before them",
+        "%d %d %d", first[0], first[1], first[2]);
+  dist_partition((const int64_t[]){5}, 1, 3, first);
+  CHECK(same(first, (const int[]){0, 0, 1, 1}, 4), "more ranks than parameters: some ranks own none",
+        "%d %d %d %d", first[0], first[1], first[2], first[3]);
+  uint64_t x = 12345;
+  bool balanced = true;
+  for (int trial = 0; trial < 200 && balanced; trial++) {
+    int64_t size[40], total = 0, most = 0;
+    int n = 1 + trial % 40, parts = 1 + trial % 7;
+    for (int i = 0; i < n; i++) {
+      x = x * 6364136223846793005ull + 1442695040888963407ull;
+      size[i] = (int64_t)(x >> 40) % 1000;
+      total += size[i];
+      most = size[i] > most ? size[i] : most;
+    }
+    dist_partition(size, n, parts, first);
+    balanced = first[0] == 0 && first[parts] == n;
+    for (int r = 0; balanced && r < parts; r++) {
+      int64_t share = 0;
+      for (int i = first[r]; i < first[r + 1]; i++)
+        share += size[i];
+      balanced = first[r] <= first[r + 1] && (double)share <= (double)total / parts + 2.0 * (double)most;
+    }
+  }
+  CHECK(balanced, "200 random lists: every rank's share within two items of total / ranks", "unbalanced");
+}
+
+// engine_shard on gpt2-tiny at 3 ranks: every parameter in one shard, each moment with its parameter,
+// and the shares of the flat buffers back to back from the start of each to its end.
+static void test_shard(void) {
+  Arena *a = arena_new();
+  DimOverride ov[] = {{"B", 2}, {"T", 16}};
+  LowerOptions lo = {0};
+  Graph *g = mdl_compile_file_with(a, "models/gpt2-tiny.mdl", ov, 2, &lo);
+  bool ok = g && autodiff(g, true);
+  Fusion *f = ok ? fuse(g, (FuseOptions){.fuse = true, .chunk_lmhead = true, .max_group = 64}) : NULL;
+  MemPlan *m = f ? memplan(f) : NULL;
+  ZeroShard *z = m ? engine_shard(g, 1, 3) : NULL;
+  int64_t at[4][4];
+  ok = z && z->first[0] == 0 && z->first[3] == g->nparams;
+  for (int i = 0; ok && i < g->n; i++)
+    if (g->nodes[i]->op == OP_STATE) {
+      int r = engine_shard_owner(z, g, i), k = 0;
+      while (g->params[k] != g->nodes[i]->param_of)
+        k++;
+      ok = z->first[r] <= k && k < z->first[r + 1] && engine_shard_owner(z, g, g->params[k]) == r;
+    }
+  if (ok) {
+    engine_shard_at(z, g, m, at[0], at[1], at[2], at[3]);
+    int64_t base[4] = {m->params, m->copies, m->m, m->v}, size[4] = {m->param_bytes, m->copy_bytes,
+                                                                       m->param_bytes, m->param_bytes};
+    for (int b = 0; b < 4; b++)
+      for (int r = 0; r < 3; r++)
+        ok &= at[b][0] == base[b] / 4 && at[b][3] == (base[b] + size[b]) / 4 && at[b][r] <= at[b][r + 1];
+    ok &= at[0][1] > at[0][0] && at[0][2] > at[0][1] && at[0][3] > at[0][2];
+  }
+  CHECK(ok, "ZeRO's shards of gpt2-tiny over 3 ranks: each parameter and its moments in one, the flat buffers "
+        "cut back to back", "bad shards");
+  engine_shard_free(z);
+  arena_free(a);
+}
+
 static void test_nccl(void) {
   char err[512] = "";
   if (access("/usr/local/cuda/lib64/libnccl.so.2", R_OK) != 0) {
@@ -149,6 +230,8 @@ static void test_nccl(void) {
 int main(void) {
   test_environment();
   test_ranges();
+  test_partition();
+  test_shard();
   test_nccl();
   TEST_EXIT();
 }
