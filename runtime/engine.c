@@ -99,6 +99,8 @@ static void ie_write(Engine *e, int node, const float *src) {
   param_draw_written(&((InterpEngine *)e)->draw, e->g, node);
 }
 
+static Fp8State *ie_fp8(Engine *e) { return interp_fp8(((InterpEngine *)e)->it); }
+
 static void ie_free(Engine *e) {
   interp_free(((InterpEngine *)e)->it);
   param_draw_free(&((InterpEngine *)e)->draw);
@@ -116,7 +118,8 @@ Engine *engine_interp(const Graph *g, InterpPrecision prec, uint64_t seed) {
   param_draw_init(&ie->draw, g, seed);
   ie->e = (Engine){.name = prec == INTERP_F64 ? "interp (fp64)" : "interp (fp32)", .g = g,
                    .set_input = ie_set_input, .set_scalar = ie_set_scalar, .set_seed = ie_set_seed, .step = ie_step,
-                   .read = ie_read, .write = ie_write, .draw_params = ie_draw_params, .free = ie_free};
+                   .read = ie_read, .write = ie_write, .draw_params = ie_draw_params, .free = ie_free,
+                   .fp8 = g->nfp8 ? ie_fp8 : NULL};
   return &ie->e;
 }
 

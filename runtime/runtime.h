@@ -137,6 +137,9 @@ struct Engine {
   // the last step's all-reduce. NULL where the back end has none.
   bool (*set_nccl)(Engine *e, void *comm, const bool *poison);
   double reduce_seconds;
+  // Precision fp8: the scales and amax histories (mdl.h), which checkpoints save and restore and which
+  // name the tensor of a non-finite amax; NULL where the graph has no fp8 tensor.
+  Fp8State *(*fp8)(Engine *e);
   void (*free)(Engine *e);
   bool cache_hit;         // compiled back ends: the module came from the cache
   double compile_seconds; // compiled back ends: time in the compiler

@@ -852,6 +852,8 @@ static const char *nonfinite_culprit(Engine *e, double loss, char *buf, size_t n
     snprintf(buf, n, "the loss (%s) is %g", g->nodes[g->loss]->name ? g->nodes[g->loss]->name : "loss", loss);
     return buf;
   }
+  if (e->fp8 && fp8_state_check(e->fp8(e), g, buf, n)) // (a scaled tensor overflowed: the step was skipped)
+    return buf;
   snprintf(buf, n, "the gradient norm is not finite");
   float *x = NULL;
   for (int i = 0; i < g->nparams; i++) {
