@@ -28,6 +28,12 @@ typedef struct {
   uint64_t seed; // the run's seed: dropout masks
   void *ctx;     // passed back to error
   void (*error)(void *ctx, const char *what, int64_t value, int64_t limit); // an id or target out of range
+  // precision fp8 (else NULL, 0): per scaled tensor its scale this step; per thread (omp_get_thread_num,
+  // fewer than fp8_threads) and tensor the largest |x| its casts saw (fp8_amax[thread * nfp8 + tensor],
+  // NaN once one was NaN), which the runtime gathers and clears
+  const float *fp8_scale;
+  float *fp8_amax;
+  int nfp8, fp8_threads;
 } MdlHooks;
 
 typedef struct {

@@ -25,6 +25,9 @@ typedef struct {
   uint64_t seed; // the run's seed: dropout masks
   void *ctx;     // passed back to error
   void (*error)(void *ctx, const char *what, int64_t value, int64_t limit); // an id or target out of range
+  const float *fp8_scale; // precision fp8: per scaled tensor its scale this step
+  float *fp8_amax;        // and per thread and tensor the largest |x| its casts saw
+  int nfp8, fp8_threads;
 } MdlHooks;
 
 typedef struct {
