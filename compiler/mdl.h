@@ -514,6 +514,8 @@ int32_t interp_to_i32(double x);
 // its logits through CAST nodes to `gemm` (DT_BF16), one CAST per source value shared by all the
 // nodes that read it (forward and backward); everything else stays f32: the parameters (master
 // weights), optimizer state, gradients, reductions and the residual stream. DT_F32 leaves g as it is.
+// DT_F8E4M3 is the fp8 policy (precision.c's top comment): the linear layers' GEMMs read scaled fp8
+// CASTs (Graph.fp8 lists them), the rest as bf16, each GEMM kept in bf16 with its reason (IrNode.why).
 // False with a reason when the graph cannot be rebuilt.
 bool precision_assign(Graph *g, DType gemm, char *why, size_t n);
 // "fp32" -> DT_F32, "bf16" -> DT_BF16, "fp8" -> DT_F8E4M3 (the fp8 policy: precision_assign says
