@@ -880,9 +880,9 @@ static int cmd_build(const Options *o, Graph *g) {
       return EXIT_USER;
     }
   }
-  printf("%s: %d kernels (%d unfused), arena %.2f MB (activations %.2f MB) -> %s/{model.c,model.cu,plan.txt,fusion.txt}\n",
+  printf("%s: %d kernels (%d unfused), arena %.2f MB (activations %.2f MB) -> %s/{model.c,%splan.txt,fusion.txt}\n",
          g->model, on.f->nsteps, off->nsteps, (double)on.m->arena_bytes / 1e6, (double)on.m->activation_bytes / 1e6,
-         o->out);
+         o->out, cu_source ? "model.cu," : "");
   char line[1024];
   checkpoint_summary(&g->ckpt, true, true, line, sizeof line);
   printf("%s\n", line);
