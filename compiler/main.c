@@ -403,7 +403,14 @@ static bool gemm_precision(const Options *o, Graph *g, DType *dt) {
   bool emits = strcmp(o->verb, "check") && strcmp(o->verb, "sample");
   bool executes = !strcmp(o->verb, "run") || !strcmp(o->verb, "grad") || !strcmp(o->verb, "eval");
   const char *msg = NULL;
-  if (executes && !strcmp(backend_of(o), "cuda"))
+  CudaDevice d;
+  char why[256];
+  if (executes && !strcmp(backend_of(o), "cuda") && cuda_device(&d, why, sizeof why) &&
+      cuda_compute_capability(&d) < 89)
+    msg = arena_printf(g->arena, "precision = fp8: the GPU %s has compute capability %d.%d, and FP8 GEMMs need 8.9 or "
+                       "later (Ada, Hopper and newer); use bf16", d.name, cuda_compute_capability(&d) / 10,
+                       cuda_compute_capability(&d) % 10);
+  else if (executes && !strcmp(backend_of(o), "cuda"))
     msg = "precision = fp8: the CUDA back end does not emit fp8 GEMMs yet; --backend cpu runs it on the CPU "
           "(emulated)";
   else if (g->train.accumulate > 1)

@@ -1147,7 +1147,12 @@ static int train_loop(Engine *e, Engine *eval, Engine *micro, const TrainOptions
   // Several ranks: the gradients are reduced in host memory by MPI (the CPU back end), or on the GPUs
   // by NCCL (the CUDA back end).
   bool nccl = false;
-  if (world > 1 && !(e->set_reduce && e->set_reduce(e, reduce_grads, &red))) {
+  if (world > 1 && e->fp8) { // (its engines step without the reduce, and each rank would scale its own way)
+    diag_file_error(o->model_path, "precision fp8 trains in one process so far: the ranks' amaxes are not reduced "
+                    "over the ranks; use bf16 with several");
+    rc = 1;
+    last = start;
+  } else if (world > 1 && !(e->set_reduce && e->set_reduce(e, reduce_grads, &red))) {
     void *comm = e->set_nccl ? dist_nccl_comm(err, sizeof err) : NULL;
     if (comm && e->set_nccl(e, comm, &red.poison)) {
       nccl = true;

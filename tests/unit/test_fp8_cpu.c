@@ -11,8 +11,10 @@
 //       (L2 relative, over all of them: the bf16 comparison's bound in test_cpu.c).
 //  2. A model whose activation overflows into an fp8 GEMM: the compiled step's gradient norm is NaN,
 //     the weights keep their values, the histories do not roll, and fp8_state_check names the tensor.
+//  3. The compute capability read from a device's arch, which decides whether a GPU has FP8 GEMMs.
 #include "mdl.h"
 #include "backend.h"
+#include "cuda.h"
 #include "runtime.h"
 #include "test.h"
 
@@ -212,7 +214,16 @@ static void test_overflow(void) {
   arena_free(a);
 }
 
+static void test_capability(void) {
+  CudaDevice a = {.arch = "sm_86"}, b = {.arch = "sm_89"}, c = {.arch = "sm_100"}, d = {.arch = ""};
+  CHECK(cuda_compute_capability(&a) == 86 && cuda_compute_capability(&b) == 89 && cuda_compute_capability(&c) == 100 &&
+        cuda_compute_capability(&d) == 0, "fp8 cpu: compute capabilities from the arch (sm_86, sm_89, sm_100, none)",
+        "%d %d %d %d", cuda_compute_capability(&a), cuda_compute_capability(&b), cuda_compute_capability(&c),
+        cuda_compute_capability(&d));
+}
+
 int main(void) {
+  test_capability();
   test_gpt2();
   test_overflow();
   TEST_EXIT();
