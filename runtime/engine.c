@@ -234,13 +234,18 @@ GradRange *engine_grad_ranges(const Fusion *f, const MemPlan *m, int *nranges) {
   return r;
 }
 
-// Kernels [from, to) of the module.
+// Kernels [from, to) of the module, each timed when profiling.
 static bool ce_kernels(CpuEngine *ce, int from, int to, char *err, size_t n) {
-  for (int i = from; i < to; i++)
+  Engine *e = &ce->e;
+  for (int i = from; i < to; i++) {
+    double t0 = rt_now();
     if (!cpu_run_kernel(ce->cm, i, ce->arena)) {
       snprintf(err, n, "%s", ce->cm->error);
       return false;
     }
+    if (e->profile && e->profile_warm)
+      e->kernel_seconds[i] += rt_now() - t0;
+  }
   return true;
 }
 
@@ -286,6 +291,8 @@ static bool ce_step_fp8(CpuEngine *ce, char *err, size_t n) {
     return false;
   if (!bad)
     fp8_state_update(st, g, why, sizeof why);
+  ce->e.profiled_steps += ce->e.profile && ce->e.profile_warm;
+  ce->e.profile_warm |= ce->e.profile;
   return true;
 }
 
