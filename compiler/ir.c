@@ -882,6 +882,9 @@ void ir_dump(const Graph *g, FILE *f) {
   }
   if (g->loss >= 0)
     fprintf(f, "loss = %%%d\n", g->loss);
+  if (g->nfp8)
+    fprintf(f, "fp8: %d scaled tensors, scales from %lld steps of amax history, margin 2^%d\n", g->nfp8,
+            (long long)g->train.amax_history, FP8_MARGIN);
   for (int i = 0; i < g->nfp8; i++)
     fprintf(f, "fp8 #%d %s %s  (line %d)\n", i, dtype_name(g->fp8[i].fmt), g->fp8[i].name, g->fp8[i].loc.line);
 }

@@ -261,6 +261,8 @@ expect "dump after the fp8 precision pass" 0 $m -d R check models/mlp.mdl --prec
 contains "the dump says which GEMMs read fp8" "$tmp/out" "a=f8e4m3#0 b=f8e4m3#1"
 contains "the dump says why a GEMM stays bf16" "$tmp/out" "bf16 (LM head)"
 contains "the dump lists the scaled tensors" "$tmp/out" "fp8 #2 f8e5m2 d w2's output"
+expect "--set amax_history reaches the fp8 pass" 0 $m -d R check models/mlp.mdl --precision fp8 --set amax_history=4
+contains "the dump says the history's length" "$tmp/out" "fp8: 3 scaled tensors, scales from 4 steps of amax history"
 sed 's/precision = fp32/precision = fp8/' models/mlp.mdl >"$tmp/fp8.mdl"
 line=$(grep -n 'precision = fp8' "$tmp/fp8.mdl" | cut -d: -f1)
 expect "an fp8 model builds" 0 $m build "$tmp/fp8.mdl" -o "$tmp/b8"
