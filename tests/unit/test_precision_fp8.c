@@ -10,6 +10,10 @@
 //     amaxes as 2^(floor(log2(max / amax)) - 1) by log2 and floor, the operands quantised by hand with
 //     the prelude's conversions, the GEMM summed in double and descaled; the histories after the step
 //     (this step's amax, then the calibration's) and the next step's scales from them.
+//  3. The scaling rule at its edges (fp8_scale): amax at the format's largest value and just above, a
+//     power of two, zero, tiny (the largest scale, 2^63) and huge (clamped to 2^-63 and flagged); and
+//     the histories (fp8_state_update): the newest amax first, a scale from the largest of the last H,
+//     an old peak forgotten after H steps, nothing changed by a non-finite amax.
 // (An activation that overflows into an fp8 GEMM: test_fp8_cpu.c, on the interpreter and the C back end.)
 #include "mdl.h"
 #include "test.h"
@@ -261,7 +265,51 @@ static void test_interp_mlp(void) {
   arena_free(a);
 }
 
+static void test_scale_rule(void) {
+  static const struct {
+    DType fmt;
+    double amax, scale;
+    bool low;
+  } cases[] = {{DT_F8E4M3, 448, 0.5, false},       {DT_F8E4M3, 448.5, 0.25, false}, {DT_F8E4M3, 224, 1, false},
+               {DT_F8E4M3, 1, 128, false},         {DT_F8E5M2, 1, 16384, false},    {DT_F8E5M2, 57344, 0.5, false},
+               {DT_F8E4M3, 0, 0x1p63, false},      {DT_F8E4M3, 1e-30, 0x1p63, false},
+               {DT_F8E4M3, 3e38, 0x1p-63, true},   {DT_F8E5M2, 1e20, 0x1p-52, false}};
+  int bad = 0;
+  for (size_t i = 0; i < sizeof cases / sizeof *cases; i++) {
+    bool low;
+    float got = fp8_scale(cases[i].fmt, cases[i].amax, &low);
+    if (got != (float)cases[i].scale || low != cases[i].low) {
+      printf("  %s amax %g: scale %g (low %d), want %g (low %d)\n", dtype_name(cases[i].fmt), cases[i].amax,
+             (double)got, low, cases[i].scale, cases[i].low);
+      bad++;
+    }
+  }
+  CHECK(bad == 0, "fp8 scale: 2^(floor(log2(max / amax)) - 1) at the rule's edges", "%d cases wrong", bad);
+
+  Arena *a = arena_new();
+  Graph g = {.arena = a, .nfp8 = 1, .train = {.amax_history = 3}};
+  g.fp8 = &(Fp8Tensor){DT_F8E4M3, "x", {0}};
+  Fp8State st;
+  fp8_state_init(&st, &g);
+  static const float amax[] = {10, 1, 1, 1, 1};
+  static const float want[] = {16, 16, 16, 128, 128}; // (448 / 10 -> 2^5 - 1; 448 / 1 -> 2^8 - 1)
+  char why[128];
+  bool rolled = true;
+  for (int s = 0; s < 5; s++) {
+    st.amax[0] = amax[s];
+    rolled &= fp8_state_update(&st, &g, why, sizeof why) && st.hist[0] == amax[s] && st.scale[0] == want[s];
+  }
+  st.amax[0] = INFINITY;
+  bool kept = !fp8_state_update(&st, &g, why, sizeof why) && st.hist[0] == 1 && st.scale[0] == 128 &&
+              st.recorded == 3 && strstr(why, "amax of x");
+  CHECK(rolled && kept, "fp8 state: newest first, scales from the last 3 amaxes, an old peak forgotten, an "
+        "infinite amax changes nothing", "rolled %d, kept %d (%s)", rolled, kept, why);
+  fp8_state_free(&st);
+  arena_free(a);
+}
+
 int main(void) {
+  test_scale_rule();
   test_pass_gpt2();
   test_interp_mlp();
   TEST_EXIT();
