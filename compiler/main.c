@@ -1431,7 +1431,7 @@ static int cmd_lab(const Options *o, Graph *g) {
   if (!cuda)
     lo.skip[7] = "no FP8 GEMM on a CPU (an H100 or later has them)";
   else if (!precision_parse("fp8", &fp8) || fp8 == DT_F8E4M3)
-    lo.skip[7] = "this build runs fp8 on the reference interpreter only (no fp8 CUDA GEMMs yet)";
+    lo.skip[7] = "this build runs fp8 on the CPU only (no fp8 CUDA GEMMs yet)";
   // Checkpointing's worth: the largest batch within a budget, without it and with it.
   printf("lab: the largest batches within the memory budget, without and with checkpointing\n");
   fflush(stdout);
