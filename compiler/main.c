@@ -399,7 +399,7 @@ static bool gemm_precision(const Options *o, Graph *g, DType *dt) {
     return false; // (sema and the options accept no other name)
   if (*dt != DT_F8E4M3)
     return true;
-  // fp8 runs on the CPU (the interpreter and the C back end) so far: the CUDA emitter has no fp8 yet.
+  // fp8 runs on the CPU (the interpreter and the C back end) so far: the CUDA runtime has no fp8 GEMMs yet.
   bool emits = strcmp(o->verb, "check") && strcmp(o->verb, "sample");
   bool executes = !strcmp(o->verb, "run") || !strcmp(o->verb, "grad") || !strcmp(o->verb, "eval");
   const char *msg = NULL;
@@ -411,8 +411,8 @@ static bool gemm_precision(const Options *o, Graph *g, DType *dt) {
                        "later (Ada, Hopper and newer); use bf16", d.name, cuda_compute_capability(&d) / 10,
                        cuda_compute_capability(&d) % 10);
   else if (executes && !strcmp(backend_of(o), "cuda"))
-    msg = "precision = fp8: the CUDA back end does not emit fp8 GEMMs yet; --backend cpu runs it on the CPU "
-          "(emulated)";
+    msg = "precision = fp8: the CUDA back end does not run fp8 GEMMs yet (its kernels are emitted, cuBLASLt's FP8 "
+          "GEMMs not wired); --backend cpu runs it on the CPU (emulated)";
   else if (g->train.accumulate > 1)
     msg = "precision = fp8: gradient accumulation (accumulate > 1) does not share the fp8 scales yet";
   if (!msg) {
@@ -851,8 +851,8 @@ static int cmd_build(const Options *o, Graph *g) {
   fo_off.fuse = false;
   Fusion *off = fuse(g, fo_off);
   MemPlan *moff = memplan(off);
-  char *cu_source = g->nfp8 ? NULL : emit_cuda(on.f, on.m, o->file); // (no fp8 on CUDA yet)
-  if (!c_source || (!cu_source && !g->nfp8))
+  char *cu_source = emit_cuda(on.f, on.m, o->file);
+  if (!c_source || !cu_source)
     return EXIT_USER;
   char path[4096];
   struct {
@@ -860,10 +860,6 @@ static int cmd_build(const Options *o, Graph *g) {
     int what;
   } files[] = {{"model.c", 0}, {"model.cu", 3}, {"plan.txt", 1}, {"fusion.txt", 2}};
   for (size_t i = 0; i < sizeof files / sizeof *files; i++) {
-    if (files[i].what == 3 && !cu_source) {
-      fprintf(stderr, "mdlc: model.cu is not written: the CUDA back end has no fp8 yet\n");
-      continue;
-    }
     snprintf(path, sizeof path, "%s/%s", o->out, files[i].name);
     char tmp[4200];
     snprintf(tmp, sizeof tmp, "%s.tmp", path);
@@ -887,9 +883,9 @@ static int cmd_build(const Options *o, Graph *g) {
       return EXIT_USER;
     }
   }
-  printf("%s: %d kernels (%d unfused), arena %.2f MB (activations %.2f MB) -> %s/{model.c,%splan.txt,fusion.txt}\n",
+  printf("%s: %d kernels (%d unfused), arena %.2f MB (activations %.2f MB) -> %s/{model.c,model.cu,plan.txt,fusion.txt}\n",
          g->model, on.f->nsteps, off->nsteps, (double)on.m->arena_bytes / 1e6, (double)on.m->activation_bytes / 1e6,
-         o->out, cu_source ? "model.cu," : "");
+         o->out);
   char line[1024];
   checkpoint_summary(&g->ckpt, true, true, line, sizeof line);
   printf("%s\n", line);
