@@ -6,7 +6,7 @@
 #     fp8 scales and amax histories): 4 steps + resume to 10 on the C back end, 2 + 2 on the
 #     interpreter;
 #   - a bf16 checkpoint is refused for an fp8 resume, and an fp8 one for a bf16 resume, the path and
-#     the reason named;
+#     the reason named; an fp8 checkpoint samples and evaluates (its scaling state is training state);
 #   - an activation that overflows into an fp8 GEMM is reported at its step with the tensor's name,
 #     and the step is skipped.
 set -u
@@ -67,6 +67,14 @@ elif grep -qF "checkpoint of a run in precision fp8, this run is bf16: its fp8 s
   ok "an fp8 checkpoint is refused for a bf16 resume"
 else
   fail "fp8 checkpoint into bf16: $(head -c 300 "$tmp/e")"
+fi
+
+if $m sample "$tmp/a-cpu/checkpoint.safetensors" --prompt "The" >"$tmp/s.out" 2>&1 &&
+  $m eval "$tmp/a-cpu/checkpoint.safetensors" --data "$tmp/data" --val-batches 2 >"$tmp/ev.out" 2>&1 &&
+  grep -q "val loss" "$tmp/ev.out"; then
+  ok "an fp8 checkpoint samples and evaluates"
+else
+  fail "sample / eval of an fp8 checkpoint: $(tail -c 300 "$tmp/s.out") $(tail -c 300 "$tmp/ev.out")"
 fi
 
 sed 's/gelu(layernorm(x, ln2_w, ln2_b) @ fc_w + fc_b)/(gelu(layernorm(x, ln2_w, ln2_b) @ fc_w + fc_b) * 1e30 * 1e30)/' \
