@@ -6,7 +6,7 @@
 #     fp8 scales and amax histories): 4 steps + resume to 10 on the C back end, 2 + 2 on the
 #     interpreter;
 #   - a bf16 checkpoint is refused for an fp8 resume, and an fp8 one for a bf16 resume, the path and
-#     the reason named; an fp8 checkpoint samples and evaluates (its scaling state is training state);
+#     the reason named, and one for another amax_history; an fp8 checkpoint samples and evaluates (its scaling state is training state);
 #   - an activation that overflows into an fp8 GEMM is reported at its step with the tensor's name,
 #     and the step is skipped.
 set -u
@@ -69,6 +69,14 @@ else
   fail "fp8 checkpoint into bf16: $(head -c 300 "$tmp/e")"
 fi
 
+if $m run models/gpt2-tiny.mdl "${common[@]}" --backend cpu --steps 12 --set amax_history=8 --out "$tmp/a-cpu" \
+  --resume >/dev/null 2>"$tmp/e"; then
+  fail "an fp8 checkpoint resumed with another amax_history"
+elif grep -qF "its fp8 state is for 21 scaled tensors with 16 steps of amax history, this run has 21 with 8" "$tmp/e"; then
+  ok "an fp8 checkpoint is refused for a resume with another amax_history"
+else
+  fail "amax_history changed: $(head -c 300 "$tmp/e")"
+fi
 if $m sample "$tmp/a-cpu/checkpoint.safetensors" --prompt "The" >"$tmp/s.out" 2>&1 &&
   $m eval "$tmp/a-cpu/checkpoint.safetensors" --data "$tmp/data" --val-batches 2 >"$tmp/ev.out" 2>&1 &&
   grep -q "val loss" "$tmp/ev.out"; then
