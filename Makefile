@@ -9,6 +9,7 @@ PREFIX  ?= /usr/local
 LIB_SRC   := $(filter-out compiler/main.c,$(wildcard compiler/*.c runtime/*.c))
 LIB_OBJ   := $(patsubst %.c,build/%.o,$(LIB_SRC)) build/mdl.tab.o build/lex.yy.o build/preludes.o
 PRELUDES  := ec_prelude_c=runtime/prelude.h ec_prelude_c_bf16=runtime/prelude_bf16.h \
+             ec_prelude_fp8=runtime/prelude_fp8.h ec_prelude_c_fp8=runtime/prelude_c_fp8.h \
              ec_prelude_cuda=runtime/prelude.cuh
 UNIT_SRC  := $(wildcard tests/unit/test_*.c)
 UNIT_BIN  := $(patsubst tests/unit/%.c,build/tests/%,$(UNIT_SRC))
@@ -46,7 +47,8 @@ build/tools/embed: tools/embed.c
 	@mkdir -p build/tools
 	$(CC) $(CFLAGS) -o $@ $<
 
-build/preludes.c: build/tools/embed runtime/prelude.h runtime/prelude_bf16.h runtime/prelude.cuh
+build/preludes.c: build/tools/embed runtime/prelude.h runtime/prelude_bf16.h runtime/prelude_fp8.h \
+                  runtime/prelude_c_fp8.h runtime/prelude.cuh
 	build/tools/embed $@ $(PRELUDES)
 
 build/preludes.o: build/preludes.c

@@ -245,6 +245,11 @@ static const char *core_seed(EmitCore *core) {
   return "h->seed";
 }
 
+static const char *core_fp8_cast(EmitCore *core, const IrNode *cast, const char *x) {
+  ((Emit *)core)->uses_h = true;
+  return ec_str(core, "mdl_cast_%s(h, %lld, %s)", cast->ia[0] == DT_F8E5M2 ? "e5m2" : "e4m3", (long long)cast->ia[1], x);
+}
+
 //
 // Elementwise loops, each a phase: its stores count as written after it.
 //
@@ -253,14 +258,14 @@ static const char *core_seed(EmitCore *core) {
 // names the GEMM whose epilogue this is, or -1. Over rows of the nodes' last axis when there are
 // enough of them (ROW_MIN): a value broadcast along rows (a bias) is then read at the column c, so
 // the loop over a row vectorizes (as i % width, it would be a gather, and GCC leaves it scalar).
-// Not for rows of exactly 16 that store a bf16 value: GCC 12.2 at -O2 and -O3 (x86-64, AVX2 or
+// Not for rows of exactly 16 that store a bf16 (or fp8) value: GCC 12.2 at -O2 and -O3 (x86-64, AVX2 or
 // AVX-512) vectorizes that loop nest into one that stores nothing (plain attention's scores
 // gradient, [B,H,16,16], came out all zeros); the flat loop compiles right.
 enum { ROW_MIN = 16 };
 
 static bool row_loop_ok(Emit *e, const int *nodes, int k, int64_t w) {
   for (int t = 0; t < k && w == 16; t++)
-    if (ec_node(&e->core, nodes[t])->dtype == DT_BF16)
+    if (dtype_size(ec_node(&e->core, nodes[t])->dtype) < 4) // (bf16, fp8)
       return false;
   return true;
 }
@@ -363,6 +368,17 @@ Rows c_widened(Emit *e, Rows r, int *wide, int *nwide) {
             (long long)ec_numel(&e->core, r.buf));
     wide[(*nwide)++] = r.buf;
   }
+  r.base = r.off ? c_str(e, "w%d + %lld", r.buf, (long long)r.off) : c_str(e, "w%d", r.buf);
+  return r;
+}
+
+// The same for an fp8 operand (scaled tensor t): its values times 1 / its scale, exactly.
+static Rows c_widened_fp8(Emit *e, Rows r, int64_t t, int *wide, int *nwide) {
+  e->uses_h = true;
+  ec_line(&e->core, "float *const w%d = mdl_widen_fp8(b%d, %lld, %d, 1.0f / h->fp8_scale[%lld], h->nthreads);", r.buf,
+          c_ptr(e, r.buf), (long long)ec_numel(&e->core, r.buf), ec_node(&e->core, r.buf)->dtype == DT_F8E5M2,
+          (long long)t);
+  wide[(*nwide)++] = r.buf;
   r.base = r.off ? c_str(e, "w%d + %lld", r.buf, (long long)r.off) : c_str(e, "w%d", r.buf);
   return r;
 }
@@ -522,25 +538,31 @@ static void emit_gemm(Emit *e, int gi, const bool *emitted) {
   // the operands widened, in a scope of its own.
   bool a16 = ec_node(&e->core, nd->in[0])->dtype == DT_BF16, b16 = ec_node(&e->core, nd->in[1])->dtype == DT_BF16;
   bool bf16 = a16 && b16, mixed = a16 != b16;
+  DType d8 = ec_node(&e->core, nd->in[0])->dtype;
+  bool fp8 = d8 == DT_F8E4M3 || d8 == DT_F8E5M2;
   int wide[2], nwide = 0;
   c_note(e, "gemm %%%d: [%lld x %lld] = %s[%lld x %lld] %s[%lld x %lld]%s%s%s", mm, (long long)m, (long long)n,
          ta ? "T" : "", (long long)m, (long long)k, tb ? "T" : "", (long long)k, (long long)n,
          bf16 ? ", bf16 operands (widened to f32 where the library has no bf16 GEMM)"
-              : mixed ? ", a bf16 operand widened to f32" : "",
+              : mixed ? ", a bf16 operand widened to f32"
+              : fp8 ? ", fp8 operands widened to f32 and descaled (exact)" : "",
          batches > 1 ? c_str(e, ", %lld batches", (long long)batches) : "", nq ? ", epilogue after" : "");
   if (bf16) {
     ec_enter(&e->core, "if (h->bgemm)");
     gemm_call(e, "mdl_bgemm", ta, tb, m, n, k, a, b, c, so, sa, sb, batches);
     ec_leave(&e->core);
     ec_enter(&e->core, "else");
-  } else if (mixed)
+  } else if (mixed || fp8)
     ec_enter(&e->core, "%s", "");
   if (bf16 || mixed) {
     a = c_widened(e, a, wide, &nwide);
     b = c_widened(e, b, wide, &nwide);
+  } else if (fp8) {
+    a = c_widened_fp8(e, a, nd->ia[2], wide, &nwide);
+    b = c_widened_fp8(e, b, nd->ia[3], wide, &nwide);
   }
   gemm_call(e, "mdl_gemm", ta, tb, m, n, k, a, b, c, so, sa, sb, batches);
-  if (bf16 || mixed) {
+  if (bf16 || mixed || fp8) {
     c_free_widened(e, wide, nwide);
     ec_leave(&e->core);
   }
@@ -819,7 +841,7 @@ char *emit_c(const Fusion *f, const MemPlan *m, const char *source_path) {
   const Graph *g = f->g;
   size_t n = (size_t)g->n;
   Emit e = {.core = {.f = f, .m = m, .g = g, .a = arena_new(), .val = core_val, .seed = core_seed, .base = core_base,
-                     .ixt = "int64_t"}};
+                     .fp8_cast = core_fp8_cast, .ixt = "int64_t"}};
   e.core.in_step = ec_xcalloc(n, sizeof *e.core.in_step);
   e.core.grp = ec_xcalloc(n, sizeof *e.core.grp);
   e.core.spill = ec_xcalloc(n, sizeof *e.core.spill);
@@ -851,6 +873,8 @@ char *emit_c(const Fusion *f, const MemPlan *m, const char *source_path) {
               g->nodes[i]->op == OP_ATTENTION_BWD) && g->nodes[i]->ia[4] == DT_BF16);
   if (bf16) // only in the code of graphs that hold bf16 values (so an fp32 graph's code is what it was)
     ec_bput(&e.out, "%s", ec_prelude_c_bf16);
+  if (g->nfp8) // and fp8 values
+    ec_bput(&e.out, "%s%s", ec_prelude_fp8, ec_prelude_c_fp8);
 
   const char **names = ec_xcalloc((size_t)f->nsteps + 1, sizeof *names);
   Kernel *ks = ec_xcalloc((size_t)f->nsteps + 1, sizeof *ks);

@@ -109,15 +109,24 @@ const char *ec_ctype(const EmitCore *e, int n) { return ec_node(e, n)->dtype == 
 
 const char *ec_mtype(const EmitCore *e, int n) {
   DType dt = ec_node(e, n)->dtype;
-  return dt == DT_I32 ? "int32_t" : dt == DT_BF16 ? "uint16_t" : "float";
+  return dt == DT_I32 ? "int32_t" : dt == DT_BF16 ? "uint16_t" : dt == DT_F8E4M3 || dt == DT_F8E5M2 ? "uint8_t" : "float";
 }
 
+// fp8 values are stored as their codes and loaded as the codes' values (the scaled values: mdl.h)
 const char *ec_load(EmitCore *e, int n, const char *elem) {
-  return ec_node(e, n)->dtype == DT_BF16 ? ec_str(e, "mdl_bf16_to_f32(%s)", elem) : elem;
+  DType dt = ec_node(e, n)->dtype;
+  return dt == DT_BF16      ? ec_str(e, "mdl_bf16_to_f32(%s)", elem)
+         : dt == DT_F8E4M3 ? ec_str(e, "mdl_e4m3_to_f32(%s)", elem)
+         : dt == DT_F8E5M2 ? ec_str(e, "mdl_e5m2_to_f32(%s)", elem)
+                           : elem;
 }
 
 const char *ec_store(EmitCore *e, int n, const char *v) {
-  return ec_node(e, n)->dtype == DT_BF16 ? ec_str(e, "mdl_f32_to_bf16(%s)", v) : v;
+  DType dt = ec_node(e, n)->dtype;
+  return dt == DT_BF16      ? ec_str(e, "mdl_f32_to_bf16(%s)", v)
+         : dt == DT_F8E4M3 ? ec_str(e, "mdl_f32_to_e4m3(%s)", v)
+         : dt == DT_F8E5M2 ? ec_str(e, "mdl_f32_to_e5m2(%s)", v)
+                           : v;
 }
 
 bool ec_is_leaf(Op op) {
@@ -661,7 +670,7 @@ static int out_set(EmitCore *e, int gi, int64_t n, const bool *emitted, int *q, 
     int c = st->nodes[k];
     if (!e->in_step[c] || e->grp[c] >= 0 || !ec_is_pointwise(ec_node(e, c)->op) || ec_offset(e, c) < 0 ||
         e->written[c] || e->post_bad[c] || ec_numel(e, c) != n ||
-        (ec_node(e, c)->dtype != DT_F32 && ec_node(e, c)->dtype != DT_BF16))
+        ec_node(e, c)->dtype == DT_I32 || ec_node(e, c)->dtype == DT_F64)
       continue;
     memset(deps, 0, sizeof *deps * (size_t)e->ngroups);
     direct_deps(e, c, deps, stamp, k + 1);
@@ -1125,6 +1134,12 @@ const char *ec_pointwise_expr(EmitCore *e, int c, const char *ix) {
                     "(int32_t)%s)", x, x, x, x, x);
     if (x0->dtype == DT_I32)
       return ec_str(e, "(float)%s", x);
+    if (nd->ia[0] == DT_F8E4M3 || nd->ia[0] == DT_F8E5M2) {
+      if (e->fp8_cast)
+        return e->fp8_cast(e, nd, x);
+      ec_fail(e, "node %d: this target has no fp8", nd->id);
+      return "0";
+    }
     return nd->ia[0] == DT_BF16 ? ec_str(e, "mdl_bf16_to_f32(mdl_f32_to_bf16(%s))", x) : x;
   }
   case OP_DROPOUT:

@@ -51,7 +51,7 @@ void ec_grow(void *p, int n, int *cap, size_t size); // grows *p (*cap elements 
 // (C, after prelude.h in graphs that hold bf16 values) and runtime/prelude.cuh (CUDA).
 //
 
-extern const char ec_prelude_c[], ec_prelude_c_bf16[], ec_prelude_cuda[];
+extern const char ec_prelude_c[], ec_prelude_c_bf16[], ec_prelude_fp8[], ec_prelude_c_fp8[], ec_prelude_cuda[];
 
 //
 // The state both emitters keep about the step being emitted.
@@ -99,6 +99,9 @@ struct EmitCore {
   const char *(*val)(EmitCore *e, int n, const char *ix); // node n's value at flat index ix (emits what computes it)
   const char *(*seed)(EmitCore *e);                       // the run's seed, for a dropout mask
   const char *(*base)(EmitCore *e, int n);                // the pointer to node n's memory (ec_in_memory)
+  // a CAST to fp8 of the value x (mdl.h): the rounded scaled value, its amax recorded; NULL where the
+  // target has no fp8
+  const char *(*fp8_cast)(EmitCore *e, const IrNode *cast, const char *x);
 
   const Fusion *f;
   const MemPlan *m;

@@ -125,6 +125,8 @@ typedef struct {
   CudaGemm *gemms;
   int ngemms, capgemms;
   int64_t scratch_max;
+  int64_t fp8;         // precision fp8: the region of scales, 1 / scales and amaxes (CudaPlan.fp8)
+  int64_t scratch0;    // where step-local scratch starts: after it
 } Emit;
 
 // Rows of a matrix in memory: row r starts at element `at` + r * stride of node `node`'s buffer.

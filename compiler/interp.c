@@ -19,12 +19,22 @@
 // parameter with index k in Graph.params, INIT_NORMAL(std), is
 //   std * sqrt(-2 ln(1 - u1)) * cos(2 pi u2),  u1 = mdl_rng_uniform(seed, k + 1000, 2i),
 //                                              u2 = mdl_rng_uniform(seed, k + 1000, 2i + 1).
+//
+// fp8 (precision fp8): a CAST to fp8 multiplies by its tensor's scale, rounds with the prelude's
+// conversions (runtime/prelude_fp8.h, the device's bit for bit) and keeps the code's value; it records
+// max |x| as it goes. A MATMUL of fp8 operands sums their products and multiplies by 1 / (scale_a
+// scale_b). A whole step (interp_run to the end) first calibrates when no step was recorded yet (the
+// graph up to its first optimizer node with every scale 1: amaxes only, nothing written), and ends
+// with fp8_state_update; a non-finite amax makes the gradient norm NaN, so that the optimizer skips the
+// step as it skips a non-finite loss, and the runtime names the tensor (interp_fp8).
 #include "mdl.h"
 
 #include <math.h>
 #include <stdarg.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "prelude_fp8.h"
 
 struct Interp {
   const Graph *g;
@@ -36,6 +46,7 @@ struct Interp {
   int64_t decode_len; // decode mode: rows of each attention cache; 0 when off
   int64_t decode_pos; // decode mode: the position of this run's token
   double **cache;     // decode mode, per ATTENTION node: its k rows then its v rows, decode_len x C each
+  Fp8State fp8;       // precision fp8: the scales and amax histories (mdl.h)
 };
 
 static void *xcalloc(size_t n, size_t size) {
@@ -58,6 +69,7 @@ Interp *interp_new(const Graph *g, InterpPrecision prec) {
     it->numel[i] = shape_numel(g->nodes[i]->shape);
     it->val[i] = xcalloc((size_t)it->numel[i], sizeof(double));
   }
+  fp8_state_init(&it->fp8, g);
   return it;
 }
 
@@ -70,6 +82,7 @@ void interp_free(Interp *it) {
   free(it->val);
   free(it->numel);
   free(it->given);
+  fp8_state_free(&it->fp8);
   free(it);
 }
 
@@ -131,6 +144,8 @@ void interp_set_decode(Interp *it, int64_t max_len) {
 void interp_set_decode_pos(Interp *it, int64_t pos) { it->decode_pos = pos; }
 
 const double *interp_value(Interp *it, int node) { return it->val[node]; }
+
+Fp8State *interp_fp8(Interp *it) { return &it->fp8; }
 
 int64_t interp_numel(Interp *it, int node) { return it->numel[node]; }
 
@@ -403,6 +418,29 @@ static void run_matmul(Ctx *c) {
           y[i * n + j] += ail * (tb ? b[j * k + l] : b[l * n + j]);
       }
   }
+  DType da = c->xn[0]->dtype;
+  if (da == DT_F8E4M3 || da == DT_F8E5M2) { // the f32 sums, descaled (exact: a power of two)
+    const Fp8State *st = &c->it->fp8;
+    float inv = (float)(1 / ((double)st->scale[c->nd->ia[2]] * st->scale[c->nd->ia[3]]));
+    for (int64_t i = 0; i < c->n; i++)
+      c->y[i] = (double)((float)c->y[i] * inv);
+  }
+}
+
+// CAST to fp8: q = fp8(x * scale), kept as the code's value; max |x| joins the tensor's amax (NaN
+// stays NaN).
+static void run_cast_fp8(Ctx *c) {
+  Fp8State *st = &c->it->fp8;
+  int t = (int)c->nd->ia[1];
+  float scale = st->scale[t], amax = st->amax[t];
+  bool e5 = c->nd->ia[0] == DT_F8E5M2;
+  for (int64_t i = 0; i < c->n; i++) {
+    float x = (float)c->x[0][i], ax = fabsf(x);
+    amax = isnan(ax) || isnan(amax) ? NAN : ax > amax ? ax : amax;
+    float sx = x * scale;
+    c->y[i] = e5 ? mdl_e5m2_to_f32(mdl_f32_to_e5m2(sx)) : mdl_e4m3_to_f32(mdl_f32_to_e4m3(sx));
+  }
+  st->amax[t] = amax;
 }
 
 static bool check_id(Ctx *c, double id, int64_t v) {
@@ -983,6 +1021,10 @@ static bool run_node(Ctx *c) {
     return true;
   case OP_DROPOUT: run_dropout(c); return true;
   case OP_CAST:
+    if (nd->ia[0] == DT_F8E4M3 || nd->ia[0] == DT_F8E5M2) {
+      run_cast_fp8(c);
+      return true;
+    }
     for (int64_t i = 0; i < c->n; i++)
       c->y[i] = nd->ia[0] == DT_BF16 ? round_bf16(c->x[0][i])
                 : nd->ia[0] == DT_I32 ? interp_to_i32(c->x[0][i])
@@ -1034,12 +1076,18 @@ static bool run_node(Ctx *c) {
     return true;
   case OP_ATTENTION_MASK: run_attention_mask(c); return true;
   case OP_ROPE: run_rope(c); return true;
-  case OP_GRAD_NORM: run_grad_norm(c); return true;
+  case OP_GRAD_NORM: // (NaN after a non-finite fp8 amax: the optimizer skips the step)
+    run_grad_norm(c);
+    if (c->it->fp8.n && fp8_state_check(&c->it->fp8, c->it->g, (char[8]){0}, 8))
+      c->y[0] = NAN;
+    return true;
   case OP_ADAMW: run_adamw(c); return true;
   case OP_COUNT: break;
   }
   return fail(c, "node %d: unknown op %d", nd->id, (int)nd->op);
 }
+
+static bool run_nodes(Interp *it, int end, char *err, size_t n);
 
 bool interp_run(Interp *it, int end, char *err, size_t n) {
   const Graph *g = it->g;
@@ -1048,6 +1096,28 @@ bool interp_run(Interp *it, int end, char *err, size_t n) {
       snprintf(err, n, "interp_run: end %d is outside [0, %d]", end, g->n);
     return false;
   }
+  Fp8State *st = &it->fp8;
+  if (!st->n || end < g->n)
+    return run_nodes(it, end, err, n);
+  memset(st->amax, 0, sizeof(float) * (size_t)st->n);
+  if (!st->recorded) { // calibration: the amaxes of this step, with every scale 1, and no update
+    int upto = 0;
+    while (upto < g->n && g->nodes[upto]->op != OP_ADAMW)
+      upto++;
+    char why[8];
+    if (!run_nodes(it, upto, err, n) || !fp8_state_update(st, g, why, sizeof why))
+      return run_nodes(it, end, err, n); // (a non-finite amax: the step is skipped, and reported)
+    memset(st->amax, 0, sizeof(float) * (size_t)st->n);
+  }
+  if (!run_nodes(it, end, err, n))
+    return false;
+  char why[8];
+  fp8_state_update(st, g, why, sizeof why); // (false: the optimizer skipped the step; the amaxes say why)
+  return true;
+}
+
+static bool run_nodes(Interp *it, int end, char *err, size_t n) {
+  const Graph *g = it->g;
   for (int id = 0; id < end; id++) {
     const IrNode *nd = g->nodes[id];
     const double *x[nd->nin > 0 ? nd->nin : 1];

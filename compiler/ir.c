@@ -28,6 +28,7 @@ const char *dtype_name(DType dt) {
   case DT_I32: return "i32";
   case DT_BF16: return "bf16";
   case DT_F8E4M3: return "f8e4m3";
+  case DT_F8E5M2: return "f8e5m2";
   case DT_F64: return "f64";
   }
   return "?";
@@ -36,7 +37,7 @@ const char *dtype_name(DType dt) {
 int dtype_size(DType dt) {
   switch (dt) {
   case DT_BF16: return 2;
-  case DT_F8E4M3: return 1;
+  case DT_F8E4M3: case DT_F8E5M2: return 1;
   case DT_F64: return 8;
   case DT_F32: case DT_I32: return 4;
   }
@@ -105,7 +106,7 @@ Graph *ir_new(Arena *a) {
   g->arena = a;
   g->loss = -1;
   g->train = (TrainConfig){.lr = 3e-4, .beta1 = 0.9, .beta2 = 0.95, .eps = 1e-8, .accumulate = 1,
-                           .precision = "auto", .checkpoint = "auto"};
+                           .precision = "auto", .amax_history = 16, .checkpoint = "auto"};
   return g;
 }
 
@@ -167,7 +168,8 @@ bool ir_attention_fits(Graph *g, int q, int k, int v, int doc, int64_t heads, in
                           kv_heads, causal, window);
 }
 
-static bool is_float(DType dt) { return dt == DT_F32 || dt == DT_BF16 || dt == DT_F64 || dt == DT_F8E4M3; }
+static bool is_fp8(DType dt) { return dt == DT_F8E4M3 || dt == DT_F8E5M2; }
+static bool is_float(DType dt) { return dt == DT_F32 || dt == DT_BF16 || dt == DT_F64 || is_fp8(dt); }
 
 // TOPK, GATHER, GATHER_BWD and SCATTER_ADD (mdl.h): the axis, and idx against the positions it lists.
 static bool routing_shape(Graph *g, IrNode *n, IrNode **in) {
@@ -443,8 +445,12 @@ static bool infer(Graph *g, IrNode *n) {
     return true;
   }
   case OP_CAST:
-    if (n->ia[0] != DT_F32 && n->ia[0] != DT_BF16 && n->ia[0] != DT_I32)
-      return fail(g, "cast to %s: only f32, bf16 and i32 are supported", dtype_name((DType)n->ia[0]));
+    if (n->ia[0] != DT_F32 && n->ia[0] != DT_BF16 && n->ia[0] != DT_I32 && !is_fp8((DType)n->ia[0]))
+      return fail(g, "cast to %s: only f32, bf16, fp8 and i32 are supported", dtype_name((DType)n->ia[0]));
+    if (is_fp8((DType)n->ia[0]) && (in[0]->dtype != DT_F32 || n->ia[1] < 0 || n->ia[1] >= g->nfp8 ||
+                                    g->fp8[n->ia[1]].fmt != n->ia[0]))
+      return fail(g, "cast to %s: needs an f32 value and a scaled tensor of that format (ia[1] = %lld of %d)",
+                  dtype_name((DType)n->ia[0]), (long long)n->ia[1], g->nfp8);
     if ((in[0]->dtype == DT_I32 && n->ia[0] != DT_F32) || (n->ia[0] == DT_I32 && in[0]->dtype != DT_F32))
       return fail(g, "cast from %s to %s: i32 converts to and from f32 only", dtype_name(in[0]->dtype),
                   dtype_name((DType)n->ia[0]));
@@ -452,9 +458,14 @@ static bool infer(Graph *g, IrNode *n) {
     return true;
   case OP_MATMUL: {
     Shape a = in[0]->shape, b = in[1]->shape;
-    if (in[0]->dtype != in[1]->dtype)
-      return fail(g, "matmul operands are %s and %s; both must have one dtype", dtype_name(in[0]->dtype),
-                  dtype_name(in[1]->dtype));
+    if (in[0]->dtype != in[1]->dtype && !(is_fp8(in[0]->dtype) && is_fp8(in[1]->dtype)))
+      return fail(g, "matmul operands are %s and %s; both must have one dtype (or both an fp8 one)",
+                  dtype_name(in[0]->dtype), dtype_name(in[1]->dtype));
+    for (int k = 0; k < 2; k++)
+      if (is_fp8(in[k]->dtype) && (n->ia[2 + k] < 0 || n->ia[2 + k] >= g->nfp8 ||
+                                   g->fp8[n->ia[2 + k]].fmt != in[k]->dtype))
+        return fail(g, "matmul: fp8 operand %d names scaled tensor %lld of %d, not one of its format", k,
+                    (long long)n->ia[2 + k], g->nfp8);
     if (a.rank < 2 || b.rank < 2)
       return fail(g, "matmul needs operands of rank 2 or more, got %s and %s", SHAPE(a), SHAPE(b));
     int64_t m = n->ia[0] ? a.d[a.rank - 1] : a.d[a.rank - 2];
@@ -800,9 +811,22 @@ void ir_dump(const Graph *g, FILE *f) {
       fprintf(f, " axis=%lld %lld:%lld", (long long)n->ia[0], (long long)n->ia[1], (long long)n->ia[2]);
       break;
     case OP_CONCAT: fprintf(f, " axis=%lld", (long long)n->ia[0]); break;
-    case OP_MATMUL: fprintf(f, "%s%s", n->ia[0] ? " a.T" : "", n->ia[1] ? " b.T" : ""); break;
+    case OP_MATMUL:
+      fprintf(f, "%s%s", n->ia[0] ? " a.T" : "", n->ia[1] ? " b.T" : "");
+      for (int k = 0; k < 2; k++) {
+        DType dt = g->nodes[n->in[k]]->dtype;
+        if (is_fp8(dt))
+          fprintf(f, " %c=%s#%lld", "ab"[k], dtype_name(dt), (long long)n->ia[2 + k]);
+        else if (g->nfp8 && k == 0)
+          fprintf(f, " %s (%s)", dtype_name(dt), n->why ? n->why : "?");
+      }
+      break;
     case OP_DROPOUT: fprintf(f, " p=%g stream=%lld", n->fa[0], (long long)n->ia[0]); break;
-    case OP_CAST: fprintf(f, " to=%s", dtype_name((DType)n->ia[0])); break;
+    case OP_CAST:
+      fprintf(f, " to=%s", dtype_name((DType)n->ia[0]));
+      if (is_fp8((DType)n->ia[0]))
+        fprintf(f, " scaled#%lld", (long long)n->ia[1]);
+      break;
     case OP_LAYERNORM: case OP_RMSNORM: fprintf(f, " eps=%g", n->fa[0]); break;
     case OP_LAYERNORM_BWD: case OP_RMSNORM_BWD:
       fprintf(f, " eps=%g which=%lld", n->fa[0], (long long)n->ia[0]);
@@ -858,4 +882,9 @@ void ir_dump(const Graph *g, FILE *f) {
   }
   if (g->loss >= 0)
     fprintf(f, "loss = %%%d\n", g->loss);
+  if (g->nfp8)
+    fprintf(f, "fp8: %d scaled tensors, scales from %lld steps of amax history, margin 2^%d\n", g->nfp8,
+            (long long)g->train.amax_history, FP8_MARGIN);
+  for (int i = 0; i < g->nfp8; i++)
+    fprintf(f, "fp8 #%d %s %s  (line %d)\n", i, dtype_name(g->fp8[i].fmt), g->fp8[i].name, g->fp8[i].loc.line);
 }

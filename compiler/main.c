@@ -287,7 +287,7 @@ static int parse_options(int argc, char **argv, Options *o) {
     case 'Q': {
       DType dt;
       if (!precision_parse(optarg, &dt) && strcmp(optarg, "auto"))
-        return usage_error("--precision wants auto, fp32 or bf16, got '%s'", optarg);
+        return usage_error("--precision wants auto, fp32, bf16 or fp8, got '%s'", optarg);
       o->precision = optarg;
       break;
     }
@@ -423,21 +423,49 @@ static bool gemm_precision(const Options *o, Graph *g, DType *dt) {
     g->train.precision = auto_precision(o, NULL);
     g->train.precision_auto = true;
   }
-  if (precision_parse(g->train.precision, dt))
+  if (!precision_parse(g->train.precision, dt))
+    return false; // (sema and the options accept no other name)
+  if (*dt != DT_F8E4M3)
     return true;
-  const char *msg = "precision = %s: FP8 GEMMs are not implemented yet; use bf16 or fp32";
-  if (g->train.precision_at.line > 0)
-    diag_error(g->train.precision_at, msg, g->train.precision);
+  // fp8 runs on the CPU (the interpreter and the C back end) so far: the CUDA runtime has no fp8 GEMMs yet.
+  bool emits = strcmp(o->verb, "check") && strcmp(o->verb, "sample");
+  bool executes = !strcmp(o->verb, "run") || !strcmp(o->verb, "grad") || !strcmp(o->verb, "eval");
+  const char *msg = NULL;
+  CudaDevice d;
+  char why[256];
+  if (executes && !strcmp(backend_of(o), "cuda") && cuda_device(&d, why, sizeof why) &&
+      cuda_compute_capability(&d) < 89)
+    msg = arena_printf(g->arena, "precision = fp8: the GPU %s has compute capability %d.%d, and FP8 GEMMs need 8.9 or "
+                       "later (Ada, Hopper and newer); use bf16", d.name, cuda_compute_capability(&d) / 10,
+                       cuda_compute_capability(&d) % 10);
+  else if (executes && !strcmp(backend_of(o), "cuda"))
+    msg = "precision = fp8: the CUDA back end does not run fp8 GEMMs yet (its kernels are emitted, cuBLASLt's FP8 "
+          "GEMMs not wired); --backend cpu runs it on the CPU (emulated)";
+  else if (g->train.accumulate > 1)
+    msg = "precision = fp8: gradient accumulation (accumulate > 1) does not share the fp8 scales yet";
+  if (!msg) {
+    static bool said;
+    if (emits && !said && !o->quiet)
+      fprintf(stderr, "mdlc: fp8 is emulated on the CPU (every fp8 value rounded in software, the GEMMs in f32), "
+                      "slower than bf16 there and far slower than a GPU's fp8 GEMMs\n");
+    said = true;
+    return true;
+  }
+  if (g->train.precision_at.line > 0 && !o->precision)
+    diag_error(g->train.precision_at, "%s", msg);
   else
-    diag_file_error(o->file, msg, g->train.precision);
+    diag_file_error(o->file, "%s", msg);
   return false;
 }
 
-// The precision pass on a graph with its backward.
-static bool apply_precision(const Options *o, Graph *g) {
+// The precision pass on a graph with its backward. A side engine (validation) runs the bf16 forward
+// under fp8: the fp8 scales are the training step's state.
+static bool apply_precision(const Options *o, Graph *g, bool side) {
   DType dt;
   if (!gemm_precision(o, g, &dt))
     return false;
+  if (side && dt == DT_F8E4M3)
+    dt = DT_BF16;
   char why[512];
   if (!precision_assign(g, dt, why, sizeof why)) {
     fprintf(stderr, "%s: internal error: the precision pass built a broken graph: %s\n", o->file, why);
@@ -552,7 +580,7 @@ static Graph *compile(Arena *a, const Options *o, bool grads, bool optimizer) {
   }
   if (dumping(o, 'A'))
     ir_dump(g, stdout);
-  if (!apply_precision(o, g))
+  if (!apply_precision(o, g, false))
     return NULL;
   if (dumping(o, 'R'))
     ir_dump(g, stdout);
@@ -896,7 +924,7 @@ static int cmd_build(const Options *o, Graph *g) {
 // optimizer (the micro-batches of gradient accumulation), on the same back end.
 static Engine *open_side_engine(const Options *o, Arena *a, bool grads) {
   Graph *g = mdl_compile_file_with(a, o->file, o->dims, o->ndims, &o->lower);
-  if (!g || g->loss < 0 || (grads && !autodiff(g, false)) || !apply_precision(o, g))
+  if (!g || g->loss < 0 || (grads && !autodiff(g, false)) || !apply_precision(o, g, true))
     return NULL;
   Options quiet = *o;
   quiet.dump = NULL;
@@ -1293,7 +1321,7 @@ static const char *lab_leak(const Options *o, Arena *out, bool mask, bool *passe
   *passed = false;
   Arena *a = arena_new();
   Graph *g = mdl_compile_file_with(a, o->file, o->dims, o->ndims, &q.lower);
-  bool precise = g && apply_precision(&q, g); // (which renumbers the nodes: the outputs are looked up after it)
+  bool precise = g && apply_precision(&q, g, false); // (which renumbers the nodes: the outputs are looked up after it)
   int logits = -1;
   for (int i = 0; precise && i < g->noutputs; i++)
     if (g->nodes[g->outputs[i]]->name && !strcmp(g->nodes[g->outputs[i]]->name, "logits"))
@@ -1437,6 +1465,8 @@ static int cmd_lab(const Options *o, Graph *g) {
                   "so it costs here; FP8's gain needs the tensor cores of sm_89 or later";
   else if (cuda_device(&dev, devwhy, sizeof devwhy) && atoi(dev.arch + 3) < 89)
     lo.skip[7] = arena_printf(a, "%s (%s) has no FP8 tensor cores (sm_89 or later)", dev.name, dev.arch);
+  else
+    lo.skip[7] = "this build runs fp8 on the CPU only (the CUDA back end has no FP8 GEMMs yet)";
   // Checkpointing's worth: the largest batch within a budget, without it and with it.
   printf("lab: the largest batches within the memory budget, without and with checkpointing\n");
   fflush(stdout);

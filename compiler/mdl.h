@@ -68,7 +68,9 @@ static inline double mdl_rng_uniform(uint64_t seed, uint64_t stream, uint64_t i)
 // 2^39 bytes each: under 2^62); FLOPs are counted in double.
 #define IR_MAX_NUMEL ((int64_t)1 << 36)
 
-typedef enum { DT_F32, DT_I32, DT_BF16, DT_F8E4M3, DT_F64 } DType;
+// DT_F8E4M3 and DT_F8E5M2 are the two OCP fp8 formats (largest 448 and 57344); an fp8 value is a
+// scaled one (a CAST to fp8 multiplies by its tensor's scale first) and is read only by a MATMUL.
+typedef enum { DT_F32, DT_I32, DT_BF16, DT_F8E4M3, DT_F64, DT_F8E5M2 } DType;
 
 typedef struct {
   int rank;
@@ -101,7 +103,13 @@ typedef struct {
   X(STOP_GRADIENT, "stop_gradient") /* x itself; no gradient flows back through it */             \
   X(DROPOUT, "dropout")     /* fa[0] = p; ia[0] = seed id (same id, same mask) */                 \
   X(CAST, "cast")           /* ia[0] = the DType to round to (bf16: nearest, ties to even);       \
-                               f32 <-> i32: to i32 toward zero, saturating, NaN -> 0 (interp_to_i32) */ \
+                               f32 <-> i32: to i32 toward zero, saturating, NaN -> 0 (interp_to_i32); \
+                               f32 -> fp8 (E4M3, E5M2): a scaled tensor, ia[1] its index in          \
+                               Graph.fp8: q = fp8(x * scale) (nearest even, saturating, NaN -> NaN),  \
+                               scale the tensor's power of two for this step (fp8_scale); the kernel  \
+                               that computes it also records max |x| over the step (the amax; NaN    \
+                               when an x is NaN) for the tensor's history. A tensor read by several   \
+                               GEMMs is cast once, and a recomputed CAST records the same amax */     \
   /* elementwise binary, numpy broadcasting */                                                     \
   X(ADD, "add")                                                                                    \
   X(SUB, "sub")                                                                                    \
@@ -137,7 +145,12 @@ typedef struct {
   X(CONCAT, "concat")       /* ia[0] = axis; any number of inputs */                              \
   /* linear algebra: (a, b) -> a @ b over the last two axes, leading axes broadcast */             \
   X(MATMUL, "matmul")       /* ia[0] = transpose a, ia[1] = transpose b; operands f32, or both   \
-                               bf16 (a product of bf16 values is exact in f32): the result is f32 */ \
+                               bf16 (a product of bf16 values is exact in f32): the result is f32;   \
+                               or both fp8 (E4M3 or E5M2 each, CASTs to fp8 or views of them): the   \
+                               products of the codes' values (exact in f32) summed in f32, times     \
+                               1 / (scale_a scale_b) (exact: powers of two), so the result is the    \
+                               GEMM of the dequantised operands; ia[2], ia[3] = the fp8 tensors      \
+                               (Graph.fp8) of a and b (read only then) */                            \
   /* embedding: (table [V,C], ids i32[...]) -> [..., C] */                                         \
   X(EMBED, "embed")                                                                                \
   X(EMBED_BWD, "embed_bwd") /* (ids, dy) -> d table [V,C] (scatter-add); shape gives V */         \
@@ -259,7 +272,16 @@ typedef struct {
   int param_of;     // STATE: its PARAM id; ADAMW: the PARAM it updates; else -1
   int body;         // the repetition of a repeat body that built it (1, 2, ... over the whole
                     // model, innermost body), 0 outside every repeat (and in the backward graph)
+  const char *why;  // MATMUL under precision fp8: why it reads bf16 operands ("LM head", ...), else NULL
 } IrNode;
+
+// A tensor that a CAST to fp8 scales (precision fp8): its format, and the .mdl name and place of
+// the value it rounds (for messages and the dumps). Its scale and amax history are state (Fp8State).
+typedef struct {
+  DType fmt;        // DT_F8E4M3 (weights, activations) or DT_F8E5M2 (gradients)
+  const char *name; // the .mdl variable of the value cast, or a description ("d h.0.fc_w's output")
+  SrcLoc loc;
+} Fp8Tensor;
 
 // The learning-rate schedule after its linear warmup (runtime/schedule.c): lr throughout, a
 // straight line or a cosine from lr to min_lr at step `steps`, or warmup-stable-decay (lr, then a
@@ -282,6 +304,7 @@ typedef struct {
   const char *precision;  // "auto" | "fp32" | "bf16" | "fp8" ("auto" until the driver resolves it)
   bool precision_auto;    // it was "auto" (the driver says why it chose)
   SrcLoc precision_at;    // where the train section set it (line 0: the default)
+  int64_t amax_history;   // fp8: the steps of amax each scaled tensor's scale is computed from (16)
   const char *checkpoint; // "none" | "all" | "auto" | "auto=BUDGET"
   SrcLoc checkpoint_at;   // where the train section set it (line 0: the default)
 } TrainConfig;
@@ -327,6 +350,8 @@ typedef struct Graph {
   int cur_body;         // the body new nodes belong to (IrNode.body); the front end sets it
   int nbodies;          // repetitions of repeat bodies so far
   CheckpointPlan ckpt;  // what the checkpoint pass chose (checkpoint.c); policy NULL before it runs
+  Fp8Tensor *fp8;       // precision fp8: the scaled tensors (a CAST's ia[1] indexes them)
+  int nfp8;
   char err[512];        // message of the last failed ir_add (shape/dtype error)
 } Graph;
 
@@ -469,6 +494,10 @@ void interp_set_decode_pos(Interp *it, int64_t pos);
 // Runs nodes [0, end) (end = g->n runs the whole step). Returns false with a message on error.
 bool interp_run(Interp *it, int end, char *err, size_t n);
 const double *interp_value(Interp *it, int node); // after interp_run
+// Precision fp8: the scales and amax histories (read and written by checkpoints and tests); after a
+// step, amax holds that step's amaxes (fp8_state_check names a non-finite one).
+typedef struct Fp8State Fp8State;
+Fp8State *interp_fp8(Interp *it);
 int64_t interp_numel(Interp *it, int node);
 // An elementwise unary op (NEG ... SILU) at one number: also the front end's constant folding.
 double interp_unary(Op op, double x);
@@ -485,10 +514,44 @@ int32_t interp_to_i32(double x);
 // its logits through CAST nodes to `gemm` (DT_BF16), one CAST per source value shared by all the
 // nodes that read it (forward and backward); everything else stays f32: the parameters (master
 // weights), optimizer state, gradients, reductions and the residual stream. DT_F32 leaves g as it is.
+// DT_F8E4M3 is the fp8 policy (precision.c's top comment): the linear layers' GEMMs read scaled fp8
+// CASTs (Graph.fp8 lists them), the rest as bf16, each GEMM kept in bf16 with its reason (IrNode.why).
 // False with a reason when the graph cannot be rebuilt.
 bool precision_assign(Graph *g, DType gemm, char *why, size_t n);
-// "fp32" -> DT_F32, "bf16" -> DT_BF16; false for a precision this build cannot run ("fp8").
+// "fp32" -> DT_F32, "bf16" -> DT_BF16, "fp8" -> DT_F8E4M3 (the fp8 policy: precision_assign says
+// which GEMMs read fp8 operands); false for any other name.
 bool precision_parse(const char *name, DType *out);
+
+// Delayed scaling (precision fp8): the state every back end keeps beside the parameters, saved in
+// checkpoints. Per scaled tensor i (Graph.fp8[i]): scale[i], the power of two its CAST multiplies by
+// this step, and hist[i * H + j], the amax of the step j + 1 steps ago (H = amax_history). A step
+// records each tensor's amax (amax[i]); fp8_state_update then rolls it into the history and sets the
+// scales. recorded counts the steps in the histories (at most H): 0 before the first step, whose
+// amaxes are unknown, so that step is run twice (fp8 calibration): once with every scale 1, to record
+// them, its update skipped; then with the scales they give. No NaN reaches a history: a step with a
+// non-finite amax, or one whose scale falls below FP8_MIN_SCALE, is reported and skipped whole.
+enum { FP8_MARGIN = 1 };           // scales leave a factor 2^FP8_MARGIN of room for growth between steps
+#define FP8_MAX_EXP 63             // scales lie in [2^-63, 2^63]: 1 / (scale_a scale_b) is a normal float
+struct Fp8State {
+  int n, H;
+  float *scale, *hist, *amax; // n, n * H, n
+  int64_t recorded;
+};
+void fp8_state_init(Fp8State *st, const Graph *g); // all scales 1, histories empty (malloc'd)
+void fp8_state_free(Fp8State *st);
+// The largest finite value of an fp8 format.
+double fp8_max(DType fmt);
+// The scale of a tensor of format fmt whose amax history peaks at amax (finite, >= 0):
+// 2^(floor(log2(fp8_max / amax)) - FP8_MARGIN), clamped to [2^-FP8_MAX_EXP, 2^FP8_MAX_EXP] (amax 0:
+// the largest); *low set when the clamp raised it (a value beyond what a scale can bring in range).
+float fp8_scale(DType fmt, double amax, bool *low);
+// The end of a step: each amax rolled into its history (newest first), each scale recomputed from its
+// history's maximum. False, with nothing changed, when an amax is not finite or a scale is clamped
+// from below: `why` names the tensor (its .mdl name and line) and the value.
+bool fp8_state_update(Fp8State *st, const Graph *g, char *why, size_t n);
+// "amax of h.0.fc's input (line 30) is inf": the first non-finite or unscalable amax of this step, or
+// false when there is none.
+bool fp8_state_check(const Fp8State *st, const Graph *g, char *why, size_t n);
 
 //
 // safetensors.c: read and write safetensors files (parameters, gradients, batches).

@@ -27,8 +27,29 @@
 // GEMM epilogue, a layernorm's output loop), and the back ends store a bf16 value in 16 bits.
 // Because the CAST is in the graph, the reference interpreter rounds at exactly the same places as
 // the compiled back ends, so the oracle keeps its meaning under bf16.
+//
+// fp8 (precision = fp8). The GEMMs of the linear layers read fp8 operands: the forward's E4M3
+// (weights and activations), the backward's E5M2 gradients (the dout: its wider range) and the same
+// E4M3 casts of the forward's operands, shared. Each fp8 CAST is a scaled tensor (Graph.fp8): it
+// multiplies by its tensor's scale before rounding, and the GEMM divides its f32 sum by the two
+// scales (mdl.h, MATMUL); the scales come from the tensors' amax histories (delayed scaling,
+// fp8_state_update below). Everything else is today's bf16, and so are the GEMMs the pass keeps
+// there, each with its reason in the IR (IrNode.why, printed by `mdlc -d R`):
+//   "LM head":           the GEMM whose result is the cross-entropy's logits (through views and a
+//                        bias), and its backward GEMMs: the logits' error is the loss's;
+//   "no weight operand": a forward GEMM with no parameter operand (attention lowered into
+//                        matmuls: two activations, no scale that history tracks well), and its
+//                        backward GEMMs;
+//   "first layer":       a forward GEMM whose activation no earlier GEMM computed (it reads the
+//                        embeddings or the input through norms only), and its backward GEMMs;
+//   "Muon's Newton-Schulz", "no forward operand": a GEMM of the backward section that is no linear
+//                        layer's backward (the optimizer's orthogonalisation, anything unknown).
+// A backward GEMM belongs to the forward GEMM one of whose operands it reads (autodiff builds dA =
+// dY B^T and dB = A^T dY from the operands themselves); its other operand is the gradient dY. Where
+// an operand feeds several forward GEMMs, the backward GEMM is fp8 only when all of them are.
 #include "mdl.h"
 
+#include <stdlib.h>
 #include <string.h>
 
 bool precision_parse(const char *name, DType *out) {
@@ -36,9 +57,121 @@ bool precision_parse(const char *name, DType *out) {
     *out = DT_F32;
   else if (!strcmp(name, "bf16"))
     *out = DT_BF16;
+  else if (!strcmp(name, "fp8"))
+    *out = DT_F8E4M3;
   else
     return false;
   return true;
+}
+
+//
+// The fp8 policy: per MATMUL, the format of each operand and, for one kept in bf16, why.
+//
+typedef struct {
+  DType fmt[2];    // per operand: DT_BF16, DT_F8E4M3 or DT_F8E5M2
+  const char *why; // bf16: the reason; fp8: NULL
+  int fwd;         // a backward GEMM: the forward GEMM it belongs to (the first), else -1
+  const char *weight; // the parameter the (forward) GEMM reads, for the names of its scaled tensors
+} GemmChoice;
+
+static bool is_view(Op op) { return op == OP_RESHAPE || op == OP_PERMUTE || op == OP_SLICE || op == OP_BROADCAST; }
+
+static int strip_views(const Graph *g, int id) {
+  while (is_view(g->nodes[id]->op))
+    id = g->nodes[id]->in[0];
+  return id;
+}
+
+// The GEMM whose result is the logits of cross-entropy ce (through views and a bias add), or -1.
+static int logits_gemm(const Graph *g, const IrNode *ce) {
+  int x = strip_views(g, ce->in[0]);
+  if (g->nodes[x]->op == OP_ADD)
+    for (int k = 0; k < 2; k++)
+      if (g->nodes[strip_views(g, g->nodes[x]->in[k])]->op == OP_MATMUL)
+        return strip_views(g, g->nodes[x]->in[k]);
+  return g->nodes[x]->op == OP_MATMUL ? x : -1;
+}
+
+static const char *forward_reason(const Graph *g, const IrNode *n, const bool *lm_head, const bool *after_gemm) {
+  if (lm_head[n->id])
+    return "LM head";
+  int w = -1;
+  for (int k = 0; k < 2; k++)
+    if (g->nodes[strip_views(g, n->in[k])]->op == OP_PARAM)
+      w = k;
+  if (w < 0)
+    return "no weight operand";
+  if (!after_gemm[n->in[1 - w]])
+    return "first layer";
+  return NULL;
+}
+
+static GemmChoice *fp8_choices(const Graph *g) {
+  GemmChoice *c = arena_alloc(g->arena, sizeof *c * (size_t)g->n);
+  bool *lm_head = arena_alloc(g->arena, (size_t)g->n), *after_gemm = arena_alloc(g->arena, (size_t)g->n);
+  for (int i = 0; i < g->n; i++) {
+    const IrNode *n = g->nodes[i];
+    for (int k = 0; k < n->nin && i < g->fwd_end; k++)
+      after_gemm[i] |= after_gemm[n->in[k]] || g->nodes[n->in[k]]->op == OP_MATMUL;
+    if (n->op == OP_CROSS_ENTROPY && logits_gemm(g, n) >= 0)
+      lm_head[logits_gemm(g, n)] = true;
+  }
+  for (int i = 0; i < g->n; i++) {
+    const IrNode *n = g->nodes[i];
+    c[i] = (GemmChoice){{DT_BF16, DT_BF16}, NULL, -1, NULL};
+    if (n->op != OP_MATMUL)
+      continue;
+    for (int k = 0; k < 2 && i < g->fwd_end; k++)
+      if (g->nodes[strip_views(g, n->in[k])]->op == OP_PARAM)
+        c[i].weight = g->nodes[strip_views(g, n->in[k])]->name;
+    if (i < g->fwd_end) {
+      c[i].why = forward_reason(g, n, lm_head, after_gemm);
+      if (!c[i].why)
+        c[i].fmt[0] = c[i].fmt[1] = DT_F8E4M3;
+      continue;
+    }
+    // A backward GEMM: operand x read by forward GEMMs, the other the gradient.
+    int x = -1;
+    for (int k = 0; k < 2; k++)
+      if (n->in[k] < g->fwd_end && n->in[1 - k] >= g->fwd_end)
+        x = k;
+    const char *why = NULL;
+    for (int f = 0; x >= 0 && f < g->fwd_end; f++) {
+      const IrNode *F = g->nodes[f];
+      if (F->op != OP_MATMUL || (F->in[0] != n->in[x] && F->in[1] != n->in[x]))
+        continue;
+      if (c[i].fwd < 0)
+        c[i].fwd = f, c[i].weight = c[f].weight;
+      if (!why)
+        why = c[f].why;
+    }
+    if (c[i].fwd < 0) {
+      c[i].why = g->train.optimizer == OPT_MUON ? "Muon's Newton-Schulz" : "no forward operand";
+    } else if (why) {
+      c[i].why = why;
+    } else {
+      c[i].fmt[x] = DT_F8E4M3;
+      c[i].fmt[1 - x] = DT_F8E5M2;
+    }
+  }
+  return c;
+}
+
+// What a scaled tensor is called in messages: the .mdl name of the value cast (s) where it has one,
+// else by the weight w of its GEMM: "h.0.fc_w's input", and for the gradient "d h.0.fc_w's output".
+static const char *fp8_label(Arena *a, const IrNode *s, DType fmt, const char *w) {
+  if (s->name && s->grad_of < 0 && fmt == DT_F8E4M3)
+    return s->name;
+  if (!w)
+    return arena_printf(a, "the %s of line %d", op_name(s->op), s->loc.line);
+  return arena_printf(a, fmt == DT_F8E5M2 ? "d %s's output" : "%s's input", w);
+}
+
+// The scaled tensor an fp8 value (a CAST to fp8, or a view of one) belongs to.
+static int fp8_slot(IrNode **nodes, int id) {
+  while (nodes[id]->op != OP_CAST)
+    id = nodes[id]->in[0];
+  return (int)nodes[id]->ia[1];
 }
 
 static IrNode *copy_node(Graph *g, const IrNode *o, int id, const int *map) {
@@ -119,9 +252,9 @@ static int add_cast(Graph *g, IrNode **nodes, int nn, int *cast, int src, DType 
   return nn + 1;
 }
 
-// Whether every reader of node s of g reads it rounded (rounded_inputs), and there is one; the
-// graph's outputs and loss are read as they are.
-static bool read_rounded_only(const Graph *g, int s) {
+// Whether every reader of node s of g reads it rounded to bf16 (rounded_inputs; under fp8, no GEMM
+// reads it in fp8), and there is one; the graph's outputs and loss are read as they are.
+static bool read_rounded_only(const Graph *g, int s, const GemmChoice *choice) {
   int readers = 0;
   for (int i = s + 1; i < g->n; i++) {
     const IrNode *o = g->nodes[i];
@@ -131,7 +264,7 @@ static bool read_rounded_only(const Graph *g, int s) {
         continue;
       bool rounded = false;
       for (int r = 0; r < nr; r++)
-        rounded |= which[r] == k;
+        rounded |= which[r] == k && (!choice || o->op != OP_MATMUL || choice[i].fmt[k] == DT_BF16);
       if (!rounded)
         return false;
       readers++;
@@ -152,24 +285,36 @@ static void remap_list(int *list, int n, const int *map) {
 bool precision_assign(Graph *g, DType gemm, char *why, size_t n) {
   if (gemm == DT_F32)
     return true;
-  if (gemm != DT_BF16) {
+  if (gemm != DT_BF16 && gemm != DT_F8E4M3) {
     snprintf(why, n, "GEMM operands in %s are not supported", dtype_name(gemm));
     return false;
   }
-  int old_n = g->n, cap = 2 * old_n + 1;
+  bool fp8 = gemm == DT_F8E4M3;
+  GemmChoice *choice = fp8 ? fp8_choices(g) : NULL;
+  int old_n = g->n, cap = (fp8 ? 4 : 2) * old_n + 1; // (fp8: up to three roundings of a value)
   IrNode **nodes = arena_alloc(g->arena, sizeof(IrNode *) * (size_t)cap);
   int *map = arena_alloc(g->arena, sizeof(int) * (size_t)old_n);
-  int *cast = arena_alloc(g->arena, sizeof(int) * (size_t)cap); // new id -> its CAST's new id, or -1
-  memset(cast, -1, sizeof(int) * (size_t)cap);
+  // per format (bf16, E4M3, E5M2): new id -> its CAST's new id, or -1
+  int *casts[3];
+  for (int f = 0; f < 3; f++) {
+    casts[f] = arena_alloc(g->arena, sizeof(int) * (size_t)cap);
+    memset(casts[f], -1, sizeof(int) * (size_t)cap);
+  }
+  int *cast = casts[0];
+  g->fp8 = fp8 ? arena_alloc(g->arena, sizeof *g->fp8 * (size_t)cap) : NULL;
+  g->nfp8 = 0;
   int nn = 0, fwd_end = 0;
   for (int i = 0; i < old_n; i++) {
     const IrNode *o = g->nodes[i];
     int which[5], nr = rounded_inputs(o, which);
+    DType fmt[5];
+    for (int r = 0; r < nr; r++)
+      fmt[r] = choice && o->op == OP_MATMUL ? choice[i].fmt[which[r]] : DT_BF16;
     for (int r = 0; r < nr; r++) {
-      int src = map[o->in[which[r]]];
-      if (cast[src] >= 0)
+      int src = map[o->in[which[r]]], *to = casts[fmt[r] == DT_BF16 ? 0 : fmt[r] == DT_F8E4M3 ? 1 : 2];
+      if (to[src] >= 0)
         continue;
-      if (shared_view_cast(g, nodes, nn, cast, src, o->loc)) {
+      if (fmt[r] == DT_BF16 && shared_view_cast(g, nodes, nn, cast, src, o->loc)) {
         nn++;
         continue;
       }
@@ -177,19 +322,28 @@ bool precision_assign(Graph *g, DType gemm, char *why, size_t n) {
         snprintf(why, n, "node %d (%s) reads a %s operand", i, op_name(o->op), dtype_name(nodes[src]->dtype));
         return false;
       }
-      nn = add_cast(g, nodes, nn, cast, src, gemm, o->loc);
+      bool view = nodes[src]->op == OP_SLICE && to[nodes[src]->in[0]] >= 0;
+      if (fmt[r] != DT_BF16 && !view) {
+        g->fp8[g->nfp8] = (Fp8Tensor){fmt[r], fp8_label(g->arena, nodes[src], fmt[r], choice[i].weight),
+                                      nodes[src]->loc};
+        if (!g->fp8[g->nfp8].loc.line)
+          g->fp8[g->nfp8].loc = o->loc;
+      }
+      nn = add_cast(g, nodes, nn, to, src, fmt[r], o->loc);
+      if (fmt[r] != DT_BF16 && !view)
+        nodes[nn - 1]->ia[1] = g->nfp8++;
     }
-    if (o->op == OP_SLICE && nodes[map[o->in[0]]]->dtype == DT_F32 && read_rounded_only(g, i)) {
+    if (o->op == OP_SLICE && nodes[map[o->in[0]]]->dtype == DT_F32 && read_rounded_only(g, i, choice)) {
       // A SLICE read only rounded (attention's q, k and v split from one qkv GEMM) becomes that
       // SLICE of its source's rounding: one CAST of the whole source, which its producer stores (a
       // GEMM's epilogue, four bf16 values a store), serves every slice of it.
       int src = map[o->in[0]];
       if (cast[src] < 0)
-        nn = add_cast(g, nodes, nn, cast, src, gemm, o->loc);
+        nn = add_cast(g, nodes, nn, cast, src, DT_BF16, o->loc);
       map[i] = nn;
       nodes[nn] = copy_node(g, o, nn, map);
       nodes[nn]->in[0] = cast[src];
-      nodes[nn]->dtype = gemm;
+      nodes[nn]->dtype = DT_BF16;
       cast[nn] = nn; // its own rounding
       nn++;
       if (i + 1 == g->fwd_end)
@@ -199,9 +353,16 @@ bool precision_assign(Graph *g, DType gemm, char *why, size_t n) {
     map[i] = nn;
     nodes[nn] = copy_node(g, o, nn, map);
     if (o->op == OP_ATTENTION || o->op == OP_ATTENTION_LSE || o->op == OP_ATTENTION_BWD)
-      nodes[nn]->ia[4] = gemm; // its two products read bf16 operands too (mdl.h)
-    for (int r = 0; r < nr; r++)
-      nodes[nn]->in[which[r]] = cast[map[o->in[which[r]]]];
+      nodes[nn]->ia[4] = DT_BF16; // its two products read bf16 operands too (mdl.h)
+    for (int r = 0; r < nr; r++) {
+      int *from = casts[fmt[r] == DT_BF16 ? 0 : fmt[r] == DT_F8E4M3 ? 1 : 2];
+      nodes[nn]->in[which[r]] = from[map[o->in[which[r]]]];
+    }
+    if (o->op == OP_MATMUL && choice) {
+      nodes[nn]->why = choice[i].why;
+      for (int k = 0; k < 2; k++)
+        nodes[nn]->ia[2 + k] = choice[i].fmt[k] == DT_BF16 ? 0 : fp8_slot(nodes, nodes[nn]->in[k]);
+    }
     nn++;
     if (i + 1 == g->fwd_end)
       fwd_end = nn;
@@ -219,4 +380,83 @@ bool precision_assign(Graph *g, DType gemm, char *why, size_t n) {
   if (g->updates)
     remap_list(g->updates, g->nparams, map);
   return ir_validate(g, why, n);
+}
+
+//
+// Delayed scaling (mdl.h, Fp8State): the scales of one step come from the amaxes of the steps before.
+// A power of two makes the scaling exact (x * scale and the GEMM's 1 / (scale_a scale_b) round
+// nothing), so every back end computes the same codes from the same inputs; FP8_MARGIN = 1 leaves
+// the largest amax of the history at most half the format's largest value, so an amax that doubles
+// from one step to the next still does not saturate.
+//
+void fp8_state_init(Fp8State *st, const Graph *g) {
+  int64_t H = g->train.amax_history > 0 ? g->train.amax_history : 16;
+  *st = (Fp8State){.n = g->nfp8, .H = (int)H};
+  size_t n = (size_t)(g->nfp8 ? g->nfp8 : 1);
+  st->scale = malloc(n * sizeof(float));
+  st->hist = calloc(n * (size_t)H, sizeof(float));
+  st->amax = calloc(n, sizeof(float));
+  if (!st->scale || !st->hist || !st->amax) {
+    fprintf(stderr, "mdlc: out of memory (fp8 scaling state)\n");
+    exit(1);
+  }
+  for (int i = 0; i < g->nfp8; i++)
+    st->scale[i] = 1;
+}
+
+void fp8_state_free(Fp8State *st) {
+  free(st->scale);
+  free(st->hist);
+  free(st->amax);
+  *st = (Fp8State){0};
+}
+
+double fp8_max(DType fmt) { return fmt == DT_F8E5M2 ? 57344 : 448; }
+
+float fp8_scale(DType fmt, double amax, bool *low) {
+  double max = fp8_max(fmt);
+  *low = false;
+  if (!(amax > 0))
+    return ldexpf(1, FP8_MAX_EXP);
+  // the largest e with amax 2^e <= max, found exactly on powers of two
+  int e = ilogb(max) - ilogb(amax);
+  while (ldexp(amax, e) > max)
+    e--;
+  while (ldexp(amax, e + 1) <= max)
+    e++;
+  e -= FP8_MARGIN;
+  if (e < -FP8_MAX_EXP)
+    *low = true, e = -FP8_MAX_EXP;
+  return ldexpf(1, e > FP8_MAX_EXP ? FP8_MAX_EXP : e);
+}
+
+bool fp8_state_check(const Fp8State *st, const Graph *g, char *why, size_t n) {
+  for (int i = 0; i < st->n; i++) {
+    const Fp8Tensor *t = &g->fp8[i];
+    bool low = false;
+    if (isfinite(st->amax[i]))
+      fp8_scale(t->fmt, st->amax[i], &low);
+    if (!isfinite(st->amax[i]) || low) {
+      snprintf(why, n, "the fp8 amax of %s (line %d, %s) is %g%s", t->name, t->loc.line, dtype_name(t->fmt),
+               (double)st->amax[i], low ? ", beyond what a scale of 2^-63 brings into range" : "");
+      return true;
+    }
+  }
+  return false;
+}
+
+bool fp8_state_update(Fp8State *st, const Graph *g, char *why, size_t n) {
+  if (fp8_state_check(st, g, why, n))
+    return false;
+  for (int i = 0; i < st->n; i++) {
+    float *h = st->hist + (size_t)i * (size_t)st->H, peak = st->amax[i];
+    memmove(h + 1, h, sizeof(float) * (size_t)(st->H - 1));
+    h[0] = st->amax[i];
+    for (int j = 1; j < st->H; j++)
+      peak = h[j] > peak ? h[j] : peak;
+    bool low;
+    st->scale[i] = fp8_scale(g->fp8[i].fmt, peak, &low);
+  }
+  st->recorded += st->recorded < st->H;
+  return true;
 }

@@ -1900,7 +1900,7 @@ static const Stmt *declare(Sema *s) {
 //
 
 static const char *const train_keys[] = {"optimizer", "schedule", "no_decay", "clip", "accumulate", "precision",
-                                         "checkpoint", "lr_scale", "freeze", "muon_params"};
+                                         "checkpoint", "lr_scale", "freeze", "muon_params", "amax_history"};
 
 // The schedules' arguments (schedule_setting): `--set warmup=100` sets the schedule's, any other
 // argument name the optimizer's.
@@ -2008,7 +2008,7 @@ static void bind_dims(Sema *s, const Stmt *train, const PtrVec *sets, const DimO
       continue;
     if (!is_train_key(st->name)) {
       error_at(s, st->at, "unknown train setting '%s' (settings: free dims, optimizer, schedule, no_decay, "
-                          "lr_scale, freeze, muon_params, clip, accumulate, precision, checkpoint)", st->name);
+                          "lr_scale, freeze, muon_params, clip, accumulate, precision, amax_history, checkpoint)", st->name);
       continue;
     }
     Setting *set = arena_alloc(s->a, sizeof *set);
@@ -2274,6 +2274,13 @@ static void train_config(Sema *s) {
     } else if (!strcmp(set->key, "accumulate")) {
       if (number(s, e, "accumulate", R_POSITIVE, true, &x))
         t->accumulate = (int64_t)x;
+    } else if (!strcmp(set->key, "amax_history")) { // (fp8: the steps each tensor's scale looks back on)
+      if (!number(s, e, "amax_history", R_POSITIVE, true, &x))
+        continue;
+      if (x > 1024)
+        error_at(s, e->at, "amax_history must be at most 1024 steps, got %g", x);
+      else
+        t->amax_history = (int64_t)x;
     } else if (!strcmp(set->key, "precision")) {
       static const char *const precisions[] = {"auto", "fp32", "bf16", "fp8"};
       const char *w = word(s, e, "precision", precisions, 4);

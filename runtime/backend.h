@@ -31,6 +31,12 @@ typedef struct {
   // ZeRO stage 1: the optimizer updates only the parameters at arena bytes [own_lo, own_end); every
   // one where own_end is 0
   int64_t own_lo, own_end;
+  // precision fp8 (else NULL, 0): per scaled tensor its scale this step; per thread (omp_get_thread_num,
+  // fewer than fp8_threads) and tensor the largest |x| its casts saw (fp8_amax[thread * nfp8 + tensor],
+  // NaN once one was NaN), which the runtime gathers and clears
+  const float *fp8_scale;
+  float *fp8_amax;
+  int nfp8, fp8_threads;
 } MdlHooks;
 
 typedef struct {

@@ -24,6 +24,9 @@ bool cuda_device(CudaDevice *d, char *why, size_t n);
 // The bytes free on device d (cuMemGetInfo in its primary context, which stays retained for the
 // engine), or -1 when the driver does not say.
 int64_t cuda_free_memory(const CudaDevice *d);
+// Device d's compute capability as its arch number: 89 for sm_89 (8.9), 90, 100, ...; 0 when unknown.
+// FP8 GEMMs (cuBLASLt's E4M3 and E5M2 operands) need 89 or more.
+int cuda_compute_capability(const CudaDevice *d);
 // cuda_probe and NVRTC both there: the CUDA back end can run. `why` as for cuda_probe.
 bool cuda_available(char *why, size_t n);
 // The bf16 dense tensor-core peak (flop/s) MFU is measured against on device d: NVIDIA's figure for the

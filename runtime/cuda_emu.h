@@ -97,6 +97,12 @@ inline unsigned long long atomicCAS(unsigned long long *p, unsigned long long ex
   return expect;
 }
 inline int atomicAdd(int *p, int v) { return __atomic_fetch_add(p, v, __ATOMIC_SEQ_CST); }
+inline unsigned atomicMax(unsigned *p, unsigned v) {
+  unsigned old = *p;
+  while (old < v && !__atomic_compare_exchange_n(p, &old, v, false, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST)) {
+  }
+  return old;
+}
 inline float atomicAdd(float *p, float v) {
   float old = *p, sum;
   do

@@ -40,7 +40,10 @@ typedef enum { CUDA_EPI_NONE, CUDA_EPI_BIAS, CUDA_EPI_GELU, CUDA_EPI_BIAS_GELU }
 // every batch). The epilogue then adds bias[j] to every row (BIAS kinds), writes that value to aux
 // (GELU kinds, when aux >= 0; leading dimension ldc) and applies GELU to C (GELU kinds).
 // Element types: A and B are both f32 or both bf16 (ab); products are summed in f32 whatever they
-// are. C is f32, or bf16 (c_type) when the GEMM's value is only read rounded to bf16 (a CAST): the
+// are. Or both fp8 (precision fp8: A's type ab, B's b_fp8, each E4M3 or E5M2): the sums are then
+// multiplied by A's and B's dequantisation factors (1 / scale, f32 at byte offsets a_scale and
+// b_scale), cuBLASLt's A and B scale pointers (the runtime does not run these yet: fp8 is refused on
+// the CUDA back end; the emulator's reference GEMM does). C is f32, or bf16 (c_type) when the GEMM's value is only read rounded to bf16 (a CAST): the
 // f32 sum is then rounded to nearest even as it is stored. A bf16 C has no epilogue and beta 0; bias
 // and aux are always f32. With c_apart the beta term reads another f32 matrix of C's shape and
 // leading dimension at byte offset cin (cuBLASLt's out-of-place C; a residual added as the GEMM stores
@@ -60,6 +63,8 @@ typedef struct {
   int64_t aux;               // byte offset of the pre-GELU output (GELU kinds), or -1 when not kept
   bool c_apart;              // beta C reads the matrix at cin, not C itself
   int64_t cin;               // c_apart: its byte offset
+  DType b_fp8;               // an fp8 GEMM: B's type
+  int64_t a_scale, b_scale;  // an fp8 GEMM: the byte offsets of A's and B's 1 / scale
 } CudaGemm;
 
 // One entry of the schedule: a kernel launch or a GEMM, in the order they must run.
@@ -97,8 +102,13 @@ typedef struct {
   CudaLaunch *launches;
   int nlaunches;
   int nkernels;              // distinct kernels in source
-  int64_t scratch;           // where step-local scratch starts (MemPlan's arena size, aligned)
+  int64_t scratch;           // where step-local scratch starts (MemPlan's arena size, aligned, and the fp8 region)
   int64_t arena_bytes;       // the whole device arena: scratch + the largest step's scratch
+  // Precision fp8: at byte offset fp8 (MemPlan's arena size, aligned), per scaled tensor (Graph.fp8)
+  // its scale (f32 [nfp8]), then its 1 / scale (f32 [nfp8]), then its amax this step (u32 [nfp8], the
+  // bits of a non-negative float, NaN above infinity; zeroed by the host before a step); nfp8 0: none.
+  int64_t fp8;
+  int nfp8;
 } CudaPlan;
 
 //

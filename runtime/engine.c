@@ -100,6 +100,8 @@ static void ie_write(Engine *e, int node, const float *src) {
   param_draw_written(&((InterpEngine *)e)->draw, e->g, node);
 }
 
+static Fp8State *ie_fp8(Engine *e) { return interp_fp8(((InterpEngine *)e)->it); }
+
 static void ie_free(Engine *e) {
   interp_free(((InterpEngine *)e)->it);
   param_draw_free(&((InterpEngine *)e)->draw);
@@ -117,7 +119,8 @@ Engine *engine_interp(const Graph *g, InterpPrecision prec, uint64_t seed) {
   param_draw_init(&ie->draw, g, seed);
   ie->e = (Engine){.name = prec == INTERP_F64 ? "interp (fp64)" : "interp (fp32)", .g = g,
                    .set_input = ie_set_input, .set_scalar = ie_set_scalar, .set_seed = ie_set_seed, .step = ie_step,
-                   .read = ie_read, .write = ie_write, .draw_params = ie_draw_params, .free = ie_free};
+                   .read = ie_read, .write = ie_write, .draw_params = ie_draw_params, .free = ie_free,
+                   .fp8 = g->nfp8 ? ie_fp8 : NULL};
   return &ie->e;
 }
 
@@ -158,6 +161,12 @@ typedef struct {
     bool *done;     // per bucket: reduced this step
     char err[512];  // the first failure's message
   } comm;
+  // precision fp8: the scaling state, the threads' amaxes the module records (MdlHooks), the
+  // optimizer's first kernel and the arena offset of a gradient it reads (ce_step_fp8)
+  Fp8State fp8;
+  float *amax;
+  int opt_kernel;
+  int64_t poison;
 } CpuEngine;
 
 static bool cpe_draw(void *ctx, int k) {
@@ -418,10 +427,76 @@ static void comm_queue(CpuEngine *ce, int i) {
   pthread_mutex_unlock(&ce->comm.lock);
 }
 
+// Kernels [from, to) of the module, each timed when profiling.
+static bool ce_kernels(CpuEngine *ce, int from, int to, char *err, size_t n) {
+  Engine *e = &ce->e;
+  for (int i = from; i < to; i++) {
+    double t0 = rt_now();
+    if (!cpu_run_kernel(ce->cm, i, ce->arena)) {
+      snprintf(err, n, "%s", ce->cm->error);
+      return false;
+    }
+    if (e->profile && e->profile_warm)
+      e->kernel_seconds[i] += rt_now() - t0;
+  }
+  return true;
+}
+
+// The threads' amaxes into the state's (NaN once any is NaN), and cleared.
+static void ce_fp8_gather(CpuEngine *ce) {
+  Fp8State *st = &ce->fp8;
+  for (int t = 0; t < st->n; t++) {
+    float a = st->amax[t];
+    for (int th = 0; th < ce->cm->hooks.fp8_threads; th++) {
+      float *v = &ce->amax[(size_t)th * (size_t)st->n + (size_t)t];
+      if (a == a && !(*v <= a))
+        a = *v;
+      *v = 0;
+    }
+    st->amax[t] = a;
+  }
+}
+
+// A step in precision fp8 (interp.c does the same): kernel by kernel, the threads' amaxes gathered
+// before the optimizer's first kernel. A non-finite one makes a gradient the optimizer reads NaN, so
+// that it skips the step as it skips any non-finite gradient (the runtime then names the tensor), and
+// the histories do not roll. With no history yet (the first step) the kernels before the optimizer
+// run once more beforehand with every scale 1, to record the amaxes (calibration).
+static bool ce_step_fp8(CpuEngine *ce, char *err, size_t n) {
+  Fp8State *st = &ce->fp8;
+  const Graph *g = ce->e.g;
+  char why[8];
+  memset(st->amax, 0, sizeof(float) * (size_t)st->n);
+  if (!st->recorded) {
+    if (!ce_kernels(ce, 0, ce->opt_kernel, err, n))
+      return false;
+    ce_fp8_gather(ce);
+    if (fp8_state_update(st, g, why, sizeof why))
+      memset(st->amax, 0, sizeof(float) * (size_t)st->n);
+  }
+  if (!ce_kernels(ce, 0, ce->opt_kernel, err, n))
+    return false;
+  ce_fp8_gather(ce);
+  bool bad = fp8_state_check(st, g, why, sizeof why);
+  if (bad && ce->poison >= 0)
+    *(float *)(ce->arena + ce->poison) = NAN;
+  if (!ce_kernels(ce, ce->opt_kernel, ce->cm->nkernels, err, n))
+    return false;
+  if (!bad)
+    fp8_state_update(st, g, why, sizeof why);
+  ce->e.profiled_steps += ce->e.profile && ce->e.profile_warm;
+  ce->e.profile_warm |= ce->e.profile;
+  return true;
+}
+
+static Fp8State *ce_fp8(Engine *e) { return &((CpuEngine *)e)->fp8; }
+
 static bool ce_step(Engine *e, char *err, size_t n) {
   CpuEngine *ce = (CpuEngine *)e;
   ce_unmove(ce);
   cpe_draw_params(e, err, n);
+  if (ce->fp8.n)
+    return ce_step_fp8(ce, err, n);
   bool ok = true;
   if (!e->profile && !ce->reduce)
     ok = cpu_step(ce->cm, ce->arena);
@@ -684,6 +759,8 @@ static void ce_free(Engine *e) {
   ce_unmove(ce);
   free(ce->at);
   free(ce->ranges);
+  fp8_state_free(&ce->fp8);
+  free(ce->amax);
   cpu_unload(ce->cm);
   param_draw_free(&ce->draw);
   free(e->kernel_seconds);
@@ -717,6 +794,22 @@ Engine *engine_cpu(const Fusion *f, const MemPlan *m, const char *source, uint64
                    .set_reduce = ce_set_reduce, .set_shard = ce_set_shard,
                    .gather_moments = ce_gather_moments,
                    .cache_hit = cm->cache_hit, .compile_seconds = cm->compile_seconds};
+  if (f->g->nfp8) {
+    fp8_state_init(&ce->fp8, f->g);
+    int threads = 1024; // (more than any loop of the module uses: cpu.c's threads are the cores)
+    ce->amax = rt_xrealloc(NULL, sizeof(float) * (size_t)threads * (size_t)f->g->nfp8);
+    memset(ce->amax, 0, sizeof(float) * (size_t)threads * (size_t)f->g->nfp8);
+    cm->hooks.fp8_scale = ce->fp8.scale, cm->hooks.fp8_amax = ce->amax;
+    cm->hooks.nfp8 = f->g->nfp8, cm->hooks.fp8_threads = threads;
+    ce->opt_kernel = f->nsteps;
+    for (int i = f->nsteps - 1; i >= 0; i--)
+      ce->opt_kernel = f->steps[i].kind == STEP_OPTIMIZER ? i : ce->opt_kernel;
+    ce->poison = -1;
+    for (int i = 0; i < f->g->n && ce->poison < 0; i++)
+      if (f->g->nodes[i]->op == OP_GRAD_NORM)
+        ce->poison = m->offset[f->g->nodes[i]->in[0]];
+    ce->e.fp8 = ce_fp8;
+  }
   return &ce->e;
 }
 

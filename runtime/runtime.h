@@ -181,6 +181,9 @@ struct Engine {
   // and write (the GPU's moments stay whole in its arena).
   bool (*gather_moments)(Engine *e, int64_t step, char *err, size_t n);
   double reduce_seconds;
+  // Precision fp8: the scales and amax histories (mdl.h), which checkpoints save and restore and which
+  // name the tensor of a non-finite amax; NULL where the graph has no fp8 tensor.
+  Fp8State *(*fp8)(Engine *e);
   void (*free)(Engine *e);
   bool cache_hit;         // compiled back ends: the module came from the cache
   double compile_seconds; // compiled back ends: time in the compiler

@@ -193,7 +193,8 @@ static int find_param(const Graph *g, const char *name) {
 }
 
 // Every parameter is in the checkpoint with its shape, and every tensor of the checkpoint is a
-// parameter or one of its AdamW moments ("<param>.m", "<param>.v"). Copies the values in.
+// parameter, one of its AdamW moments ("<param>.m", "<param>.v") or an fp8 run's scaling state
+// ("fp8.scale", "fp8.amax_history": training state, which sampling does not use). Copies the values in.
 static bool load_params(Sampler *s, const StFile *f, const char *source) {
   const Graph *g = s->g;
   const char *prefix = arena_printf(s->a, "checkpoint does not match %s: ", source);
@@ -216,7 +217,7 @@ static bool load_params(Sampler *s, const StFile *f, const char *source) {
   for (int i = 0; i < f->n; i++) {
     const char *name = f->t[i].name;
     size_t len = strlen(name);
-    if (find_param(g, name) >= 0)
+    if (find_param(g, name) >= 0 || !strcmp(name, "fp8.scale") || !strcmp(name, "fp8.amax_history"))
       continue;
     if (len > 2 && (!strcmp(name + len - 2, ".m") || !strcmp(name + len - 2, ".v"))) {
       char *base = arena_alloc(s->a, len - 1);

@@ -23,6 +23,10 @@
 // tensors stay the model's parameters and moments, which is what other readers load by name, and
 // safetensors keeps free-form strings there (a tokenizer of 50k merges is 0.5 MB of base64, well
 // within a reader's header limit). Checkpoints written before these were stored lack them.
+// Precision fp8 adds its scaling state (mdl.h, Fp8State): the tensors fp8.scale [n] and
+// fp8.amax_history [n, H] and the metadata mdl.fp8_recorded (the steps in the histories); every
+// checkpoint says mdl.precision. A resumed fp8 run continues with them bit for bit; a checkpoint
+// without them (another precision), or with another model's, is refused for it.
 #include "data.h"
 #include "runtime.h"
 
@@ -104,7 +108,7 @@ static int checkpoint_nodes(const Graph *g, int *nodes) {
 // step at B=1, T=32 (30 ms on an H200). Where the engine's values lie in host memory (Engine.values:
 // the CPU's arena), a copy would double the memory the parameters and moments take, so the
 // checkpoint is written from them in place, the steps waiting for it.
-enum { CKPT_META = 15 };
+enum { CKPT_META = 17 };
 typedef struct {
   pthread_t thread;
   bool running, threaded; // a write is under way (threaded: on its own thread)
@@ -118,6 +122,9 @@ typedef struct {
   int n;
   StMeta meta[CKPT_META];
   int nmeta;
+  int nt;           // tensors written: the n above, then precision fp8's state
+  float *fp8;       // its copy: the scales, then the histories
+  char fp8_recorded[32];
   char step_s[32], seed_s[32], loader_s[64], acc_s[32], *dims;
 } CkptWriter;
 
@@ -135,7 +142,7 @@ static void *ckpt_write(void *arg) {
   for (int i = 0; w->snap && ok && i < w->n; i++)
     if (!(ok = w->snap->read_snapshot(w->snap, w->nodes[i], w->t[i].data, why, sizeof why)))
       diag_file_error(w->path, "cannot write the checkpoint: %s", why);
-  w->ok = ok && st_write_meta(w->path, w->t, w->n, w->meta, w->nmeta);
+  w->ok = ok && st_write_meta(w->path, w->t, w->nt, w->meta, w->nmeta);
   __atomic_store_n(&w->done, true, __ATOMIC_RELEASE);
   return NULL;
 }
@@ -158,6 +165,7 @@ static bool ckpt_free(CkptWriter *w) {
   free(w->t);
   free(w->nodes);
   free(w->dims);
+  free(w->fp8);
   *w = (CkptWriter){.ok = ok};
   return ok;
 }
@@ -176,8 +184,8 @@ static bool ckpt_start(CkptWriter *w, const char *path, Engine *e, const TrainOp
   const Graph *g = e->g;
   if (!w->t) { // (the first checkpoint of the run: the same nodes every time)
     w->nodes = rt_xrealloc(NULL, sizeof(int) * (size_t)g->n);
-    w->n = checkpoint_nodes(g, w->nodes);
-    w->t = rt_xrealloc(NULL, (size_t)w->n * sizeof *w->t);
+    w->n = w->nt = checkpoint_nodes(g, w->nodes);
+    w->t = rt_xrealloc(NULL, (size_t)(w->n + 2) * sizeof *w->t);
     w->in_place = e->values != NULL;
     for (int i = 0; i < w->n; i++) {
       const IrNode *x = g->nodes[w->nodes[i]];
@@ -203,6 +211,20 @@ static bool ckpt_start(CkptWriter *w, const char *path, Engine *e, const TrainOp
                    {"mdl.optimizer", opt_rule_name(g->train.optimizer)}};
   memcpy(w->meta, meta, sizeof meta);
   w->nmeta = (int)(sizeof meta / sizeof *meta); // (then the stored copies: CKPT_META in all)
+  w->meta[w->nmeta++] = (StMeta){"mdl.precision", g->train.precision};
+  const Fp8State *st = e->fp8 ? e->fp8(e) : NULL;
+  if (st) { // (copied now: the next step changes it while the write runs)
+    size_t n = (size_t)st->n, nh = n * (size_t)st->H;
+    w->fp8 = rt_xrealloc(w->fp8, sizeof(float) * (n + nh));
+    memcpy(w->fp8, st->scale, sizeof(float) * n);
+    memcpy(w->fp8 + n, st->hist, sizeof(float) * nh);
+    w->t[w->n] = (StTensor){.name = "fp8.scale", .dtype = DT_F32, .shape = shape_of(1, (int64_t[]){st->n}), .data = w->fp8};
+    w->t[w->n + 1] = (StTensor){.name = "fp8.amax_history", .dtype = DT_F32,
+                                .shape = shape_of(2, (int64_t[]){st->n, st->H}), .data = w->fp8 + n};
+    w->nt = w->n + 2;
+    snprintf(w->fp8_recorded, sizeof w->fp8_recorded, "%lld", (long long)st->recorded);
+    w->meta[w->nmeta++] = (StMeta){"mdl.fp8_recorded", w->fp8_recorded};
+  }
   if (g->source)
     w->meta[w->nmeta++] = (StMeta){"mdl.source_text", g->source};
   if (o->tokenizer_base64)
@@ -271,6 +293,35 @@ static bool checkpoint_fits(Arena *a, const StFile *f, const char *path, const G
   return ok;
 }
 
+// Precision fp8's scaling state from checkpoint f into e (nothing where neither has one); false after
+// saying why where one has it and the other not, or where it is another model's.
+static bool read_fp8_state(const StFile *f, const char *path, Engine *e) {
+  const StTensor *sc = st_find(f, "fp8.scale"), *hi = st_find(f, "fp8.amax_history");
+  const char *rec = st_meta(f, "mdl.fp8_recorded"), *prec = st_meta(f, "mdl.precision");
+  Fp8State *st = e->fp8 ? e->fp8(e) : NULL;
+  const char *mine = e->g->train.precision;
+  if (!st && !sc)
+    return true;
+  if (!st || !sc || !hi || !rec) {
+    diag_file_error(path, "checkpoint of a run in precision %s, this run is %s: %s, so it cannot be continued "
+                    "(a new run can start from its parameters: --weights %s)", prec ? prec : sc ? "fp8" : "fp32 or bf16",
+                    mine, st ? "it holds no fp8 scales and amax histories to continue with"
+                             : "its fp8 scales and amax histories would be dropped", path);
+    return false;
+  }
+  if (sc->dtype != DT_F32 || hi->dtype != DT_F32 || sc->shape.rank != 1 || sc->shape.d[0] != st->n ||
+      hi->shape.rank != 2 || hi->shape.d[0] != st->n || hi->shape.d[1] != st->H) {
+    diag_file_error(path, "its fp8 state is for %lld scaled tensors with %lld steps of amax history, this run has %d "
+                    "with %d (another model, or amax_history changed)", (long long)sc->shape.d[0],
+                    (long long)(hi->shape.rank == 2 ? hi->shape.d[1] : 0), st->n, st->H);
+    return false;
+  }
+  memcpy(st->scale, sc->data, sizeof(float) * (size_t)st->n);
+  memcpy(st->hist, hi->data, sizeof(float) * (size_t)st->n * (size_t)st->H);
+  st->recorded = strtoll(rec, NULL, 10);
+  return true;
+}
+
 // Loads a checkpoint into e after checking that it was written for this model (checkpoint_fits);
 // fills step, loader state and seed. With the optimizer's state in `shards` (--zero 1 over that many
 // ranks) this rank loads the moments of its own shard only.
@@ -297,6 +348,7 @@ static bool read_checkpoint(const char *path, Engine *e, const char *model_path,
   for (int i = 0; ok && i < n; i++) // (--zero 1: a rank keeps the moments of its own shard)
     if (!zero || g->nodes[nodes[i]]->op != OP_STATE || engine_shard_owner(zero, g, nodes[i]) == zero->rank)
       e->write(e, nodes[i], st_find(&f, g->nodes[nodes[i]]->name)->data);
+  ok = ok && read_fp8_state(&f, path, e);
   if (ok) {
     long long ep = 0, pos = 0;
     *step = strtoll(cstep, NULL, 10);
@@ -856,6 +908,8 @@ static const char *nonfinite_culprit(Engine *e, double loss, char *buf, size_t n
     snprintf(buf, n, "the loss (%s) is %g", g->nodes[g->loss]->name ? g->nodes[g->loss]->name : "loss", loss);
     return buf;
   }
+  if (e->fp8 && fp8_state_check(e->fp8(e), g, buf, n)) // (a scaled tensor overflowed: the step was skipped)
+    return buf;
   snprintf(buf, n, "the gradient norm is not finite");
   float *x = NULL;
   for (int i = 0; i < g->nparams; i++) {
@@ -1152,7 +1206,13 @@ static int train_loop(Engine *e, Engine *eval, Engine *micro, const TrainOptions
   // Several ranks: the gradients are reduced in host memory by MPI (the CPU back end), or on the GPUs
   // by NCCL (the CUDA back end).
   bool nccl = false, overlapped = world > 1 && dist_bucket() > 0 && dist_overlap() && e->set_reduce;
-  if (world > 1 && !(e->set_reduce && e->set_reduce(e, reduce_grads, &red, dist_bucket(), dist_overlap()))) {
+  if (world > 1 && e->fp8) { // (its engines step without the reduce, and each rank would scale its own way)
+    diag_file_error(o->model_path, "precision fp8 trains in one process so far: the ranks' amaxes are not reduced "
+                    "over the ranks; use bf16 with several");
+    rc = 1;
+    last = start;
+    overlapped = false;
+  } else if (world > 1 && !(e->set_reduce && e->set_reduce(e, reduce_grads, &red, dist_bucket(), dist_overlap()))) {
     overlapped = false;
     void *comm = e->set_nccl ? dist_nccl_comm(err, sizeof err) : NULL;
     if (comm && e->set_nccl(e, comm, &red.poison)) {

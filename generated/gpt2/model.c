@@ -28,6 +28,9 @@ typedef struct {
   // ZeRO stage 1: the optimizer updates only the parameters at arena bytes [own_lo, own_end); every
   // one where own_end is 0
   int64_t own_lo, own_end;
+  const float *fp8_scale; // precision fp8: per scaled tensor its scale this step
+  float *fp8_amax;        // and per thread and tensor the largest |x| its casts saw
+  int nfp8, fp8_threads;
 } MdlHooks;
 
 typedef struct {

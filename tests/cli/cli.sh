@@ -253,14 +253,22 @@ if [ -s "$tmp/pfp32.losses" ] && paste "$tmp/pbf16.losses" "$tmp/pfp32.losses" |
 else
   echo "[fail] cli: bf16 vs fp32 losses: $(paste "$tmp/pbf16.losses" "$tmp/pfp32.losses" | tr '\n' ' ')"
 fi
-expect "--precision fp8 is a usage error" 2 $m build models/mlp.mdl -o "$tmp/b8" --precision fp8
-contains "the usage error names the choices" "$tmp/err" "auto, fp32 or bf16"
+expect "--precision fp16 is a usage error" 2 $m build models/mlp.mdl -o "$tmp/b8" --precision fp16
+contains "the usage error names the choices" "$tmp/err" "auto, fp32, bf16 or fp8"
 expect "dump after the precision pass" 0 $m -d R check models/mlp.mdl --precision bf16
 contains "the dump shows the casts" "$tmp/out" "to=bf16"
+expect "dump after the fp8 precision pass" 0 $m -d R check models/mlp.mdl --precision fp8
+contains "the dump says which GEMMs read fp8" "$tmp/out" "a=f8e4m3#0 b=f8e4m3#1"
+contains "the dump says why a GEMM stays bf16" "$tmp/out" "bf16 (LM head)"
+contains "the dump lists the scaled tensors" "$tmp/out" "fp8 #2 f8e5m2 d w2's output"
+expect "--set amax_history reaches the fp8 pass" 0 $m -d R check models/mlp.mdl --precision fp8 --set amax_history=4
+contains "the dump says the history's length" "$tmp/out" "fp8: 3 scaled tensors, scales from 4 steps of amax history"
 sed 's/precision = fp32/precision = fp8/' models/mlp.mdl >"$tmp/fp8.mdl"
 line=$(grep -n 'precision = fp8' "$tmp/fp8.mdl" | cut -d: -f1)
-expect "a model asking for fp8 is refused" 1 $m check "$tmp/fp8.mdl"
-contains "the fp8 setting is located" "$tmp/err" "fp8.mdl:$line:17: error: precision = fp8: FP8 GEMMs are not implemented"
+expect "an fp8 model builds" 0 $m build "$tmp/fp8.mdl" -o "$tmp/b8"
+contains "the fp8 build's CUDA casts record their amaxes" "$tmp/b8/model.cu" "mdl_cast_e4m3("
+expect "fp8 on the CUDA back end is refused" 1 $m grad "$tmp/fp8.mdl" --backend cuda
+contains "the fp8 setting is located" "$tmp/err" "fp8.mdl:$line:17: error: precision = fp8: the CUDA back end does not"
 
 # The module cache: where it cannot be made, a run warns once and compiles into a folder of its own
 # under $TMPDIR, removed at exit, with the same losses; with no folder to be had at all it stops.

@@ -12,16 +12,21 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "prelude_fp8.h"
+
 typedef void (*launch_fn)(void *fn, const unsigned *grid, const unsigned *block, char *arena, void *status,
                           uint64_t seed, int64_t chunk, const int64_t *args, int nargs);
 
 static double gelu(double x) { return 0.5 * x * (1 + tanh(sqrt(2 / M_PI) * (x + 0.044715 * x * x * x))); }
 
-// Element i of a matrix of type t (f32 or bf16) at p, as a value; v stored there as type t (a bf16
-// the nearest, ties to even, as round_bf16 rounds).
+// Element i of a matrix of type t (f32, bf16 or an fp8 code) at p, as a value; v stored there as type t
+// (a bf16 the nearest, ties to even, as round_bf16 rounds).
 static float elem(const char *p, DType t, int64_t i) {
   float f;
-  if (t == DT_BF16) {
+  if (t == DT_F8E4M3 || t == DT_F8E5M2) {
+    uint8_t c = (uint8_t)p[i];
+    f = t == DT_F8E4M3 ? mdl_e4m3_to_f32(c) : mdl_e5m2_to_f32(c);
+  } else if (t == DT_BF16) {
     uint16_t h;
     memcpy(&h, p + 2 * i, 2);
     uint32_t u = (uint32_t)h << 16;
@@ -44,10 +49,13 @@ static void put(char *p, DType t, int64_t i, float v) {
   }
 }
 
-// The reference GEMM: operands of the GEMM's type, sums in double, the result rounded to float, then
-// the epilogue, stored as C's type.
+// The reference GEMM: operands of the GEMM's types, sums in double (fp8: times A's and B's 1 / scale,
+// exact), the result rounded to float, then the epilogue, stored as C's type.
 static void ref_gemm(char *arena, const CudaGemm *gm) {
   int64_t sab = dtype_size(gm->ab), sc = dtype_size(gm->c_type);
+  bool fp8 = gm->ab == DT_F8E4M3 || gm->ab == DT_F8E5M2;
+  DType bt = fp8 ? gm->b_fp8 : gm->ab;
+  double descale = fp8 ? (double)*(const float *)(arena + gm->a_scale) * *(const float *)(arena + gm->b_scale) : 1;
   for (int64_t t = 0; t < gm->batch; t++) {
     const char *a = arena + gm->a + sab * t * gm->stride_a, *b = arena + gm->b + sab * t * gm->stride_b;
     char *c = arena + gm->c + sc * t * gm->stride_c;
@@ -59,7 +67,8 @@ static void ref_gemm(char *arena, const CudaGemm *gm) {
         double s = 0;
         for (int64_t l = 0; l < gm->k; l++)
           s += (double)elem(a, gm->ab, gm->ta ? l * gm->lda + i : i * gm->lda + l) *
-               elem(b, gm->ab, gm->tb ? j * gm->ldb + l : l * gm->ldb + j);
+               elem(b, bt, gm->tb ? j * gm->ldb + l : l * gm->ldb + j);
+        s *= descale;
         int64_t at = i * gm->ldc + j;
         float v = (float)(s + (gm->beta != 0 ? (double)gm->beta * elem(cin, gm->c_type, at) : 0.0));
         if (bias)

@@ -1,0 +1,233 @@
+// test_fp8_cpu.c: precision = fp8 on the compiled CPU back end against the reference interpreter.
+//  1. gpt2-tiny (B=2, T=16; fused, the LM head chunked; no memory reuse, so that every cast's codes
+//     stay readable after the step), from the same parameters and batch, 3 AdamW steps:
+//     - the scales are bit for bit the interpreter's after every step, and so are the histories of
+//       the weights' tensors after the first (their inputs, the initial weights, are equal); every
+//       other amax within 1e-5 relative (an activation's largest value moves with the GEMMs' f32
+//       sums, which the interpreter takes in double);
+//     - in the first step, every fp8 code the C back end stores is the interpreter's where the value
+//       cast is bit for bit the same (its f32 input in memory), and at least 99% of all codes are;
+//     - the losses within 1e-4 relative at every step, the parameters after the third within 3e-3
+//       (L2 relative, over all of them: the bf16 comparison's bound in test_cpu.c).
+//  2. A model whose activation overflows (x 1e30 x 1e30) into an fp8 GEMM, on the interpreter and the C
+//     back end: the step's gradient norm is NaN, the weights keep their values, the histories do not
+//     roll, and fp8_state_check names the tensor and its line.
+//  3. The compute capability read from a device's arch, which decides whether a GPU has FP8 GEMMs.
+#include "mdl.h"
+#include "backend.h"
+#include "cuda.h"
+#include "runtime.h"
+#include "test.h"
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "prelude_fp8.h"
+
+static Graph *fp8_graph(Arena *a, const char *path, const char *text) {
+  DimOverride ov[] = {{"B", 2}, {"T", 16}};
+  Graph *g = text ? mdl_compile_text(a, path, text, NULL, 0) : mdl_compile_file(a, path, ov, 2);
+  char why[512];
+  if (!g || !autodiff(g, true) || !precision_assign(g, DT_F8E4M3, why, sizeof why)) {
+    printf("[fail] %s: front end, autodiff or the fp8 pass failed\n", path);
+    exit(1);
+  }
+  return g;
+}
+
+static void feed(Engine *e, const Graph *g) {
+  for (int i = 0; i < g->fwd_end; i++) {
+    const IrNode *nd = g->nodes[i];
+    if (nd->op != OP_INPUT)
+      continue;
+    int64_t n = shape_numel(nd->shape), cols = nd->shape.d[nd->shape.rank - 1];
+    int32_t *ids = malloc(sizeof *ids * (size_t)n);
+    float *f = malloc(sizeof *f * (size_t)n);
+    for (int64_t j = 0; j < n; j++) {
+      int64_t t = j % cols, split = cols / 2;
+      ids[j] = !strcmp(nd->name, "tokens")    ? (int32_t)((j * 37 + 11) % 256)
+               : !strcmp(nd->name, "targets") ? (int32_t)((j * 53 + 7) % (nd->shape.rank == 1 ? 4 : 256))
+               : !strcmp(nd->name, "pos")     ? (int32_t)(t < split ? t : t - split)
+               : !strcmp(nd->name, "doc")     ? (t < split ? 0 : 1)
+                                              : 0;
+      f[j] = (float)sin(0.7 * (double)j + 0.3);
+    }
+    e->set_input(e, nd->name, nd->dtype == DT_I32 ? ids : NULL, nd->dtype == DT_I32 ? NULL : f, n);
+    free(ids);
+    free(f);
+  }
+}
+
+static Engine *cpu_engine(Graph *g, const char *path) {
+  Fusion *f = fuse(g, (FuseOptions){.fuse = true, .chunk_lmhead = true});
+  MemPlan *m = memplan_with(f, false);
+  char *src = emit_c(f, m, path), err[512] = "emit_c failed";
+  Engine *e = src ? engine_cpu(f, m, src, 7, err, sizeof err) : NULL;
+  CHECK(e != NULL, "fp8 cpu: the module compiles and loads", "%s", err);
+  return e;
+}
+
+static bool step(Engine *e, int s) {
+  char err[256] = "";
+  e->set_scalar(e, "lr", 2e-3);
+  e->set_scalar(e, "step", s);
+  bool ok = e->step(e, err, sizeof err);
+  if (!ok)
+    printf("[fail] fp8 cpu: %s step %d: %s\n", e->name, s, err);
+  return ok;
+}
+
+static float *read_all(Engine *e, int node) {
+  int64_t n = shape_numel(e->g->nodes[node]->shape);
+  float *x = malloc(sizeof(float) * (size_t)n);
+  e->read(e, node, x);
+  return x;
+}
+
+static bool is_fp8(DType t) { return t == DT_F8E4M3 || t == DT_F8E5M2; }
+
+// The codes of every fp8 CAST: the C back end's (in its arena) against the interpreter's values.
+static void compare_codes(const Graph *g, Engine *ec, Engine *ei) {
+  int64_t same_in = 0, same_in_bad = 0, total = 0, differ = 0;
+  for (int i = 0; i < g->n; i++) {
+    const IrNode *c = g->nodes[i];
+    if (c->op != OP_CAST || !is_fp8(c->dtype))
+      continue;
+    const uint8_t *code = (const uint8_t *)ec->values(ec, i);
+    const float *xin = ec->values(ec, c->in[0]);
+    if (!code)
+      continue;
+    int64_t n = shape_numel(c->shape);
+    float *want = read_all(ei, i), *win = read_all(ei, c->in[0]);
+    for (int64_t j = 0; j < n; j++) {
+      float got = c->dtype == DT_F8E5M2 ? mdl_e5m2_to_f32(code[j]) : mdl_e4m3_to_f32(code[j]);
+      bool eq = got == want[j] || (isnan(got) && isnan(want[j]));
+      total++;
+      differ += !eq;
+      if (xin && memcmp(&xin[j], &win[j], sizeof(float)) == 0)
+        same_in++, same_in_bad += !eq;
+    }
+    free(want);
+    free(win);
+  }
+  char name[200];
+  snprintf(name, sizeof name, "fp8 cpu: every code is the interpreter's where the value cast is (%lld codes)",
+           (long long)same_in);
+  CHECK(same_in > 0 && same_in_bad == 0, name, "%lld of %lld differ", (long long)same_in_bad, (long long)same_in);
+  snprintf(name, sizeof name, "fp8 cpu: at least 99%% of all codes are the interpreter's (%lld of %lld differ)",
+           (long long)differ, (long long)total);
+  CHECK(total > 0 && differ * 100 <= total, name, "%lld of %lld differ", (long long)differ, (long long)total);
+}
+
+static void test_gpt2(void) {
+  Arena *a = arena_new();
+  Graph *g = fp8_graph(a, "models/gpt2-tiny.mdl", NULL);
+  Engine *ei = engine_interp(g, INTERP_F32, 7), *ec = cpu_engine(g, "models/gpt2-tiny.mdl");
+  if (!ec)
+    return;
+  feed(ei, g);
+  feed(ec, g);
+  const Fp8State *si = ei->fp8(ei), *sc = ec->fp8(ec);
+  bool scales = true, weights = true, losses = true;
+  double amax_err = 0, loss_err = 0;
+  for (int s = 1; s <= 3; s++) {
+    if (!step(ei, s) || !step(ec, s))
+      return;
+    if (s == 1)
+      compare_codes(g, ec, ei);
+    double li = engine_scalar(ei, g->loss), lc = engine_scalar(ec, g->loss);
+    loss_err = fmax(loss_err, fabs(li - lc) / fabs(li));
+    losses &= fabs(li - lc) <= 1e-4 * fabs(li);
+    scales &= sc->recorded == si->recorded && !memcmp(sc->scale, si->scale, sizeof(float) * (size_t)si->n);
+    for (int t = 0; t < si->n; t++)
+      for (int j = 0; j < si->H; j++) {
+        float x = si->hist[t * si->H + j], y = sc->hist[t * si->H + j];
+        amax_err = fmax(amax_err, x > 0 ? fabs(x - y) / x : fabs(y));
+        // the weights' tensors (their casts read a PARAM) at the first step: calibration and step 1
+        bool weight = false;
+        for (int i = 0; i < g->n && s == 1; i++)
+          weight |= g->nodes[i]->op == OP_CAST && is_fp8(g->nodes[i]->dtype) && g->nodes[i]->ia[1] == t &&
+                    g->nodes[g->nodes[i]->in[0]]->op == OP_PARAM;
+        weights &= !weight || x == y;
+      }
+  }
+  CHECK(scales, "fp8 cpu: the scales are the interpreter's bit for bit after each of 3 steps", "they differ");
+  CHECK(weights, "fp8 cpu: the weights' amax histories are the interpreter's bit for bit", "they differ");
+  char name[200];
+  snprintf(name, sizeof name, "fp8 cpu: every amax within 1e-5 relative of the interpreter's (worst %.1e)", amax_err);
+  CHECK(amax_err < 1e-5, name, "%.3g", amax_err);
+  snprintf(name, sizeof name, "fp8 cpu: the losses of 3 steps within 1e-4 relative (worst %.1e)", loss_err);
+  CHECK(losses, name, "worst %.3g", loss_err);
+  double d2 = 0, n2 = 0;
+  for (int k = 0; k < g->nparams; k++) {
+    float *x = read_all(ei, g->params[k]), *y = read_all(ec, g->params[k]);
+    for (int64_t j = 0; j < shape_numel(g->nodes[g->params[k]]->shape); j++)
+      d2 += ((double)x[j] - y[j]) * ((double)x[j] - y[j]), n2 += (double)x[j] * x[j];
+    free(x);
+    free(y);
+  }
+  snprintf(name, sizeof name, "fp8 cpu: the parameters after 3 steps within 3e-3 (L2 relative: %.1e)", sqrt(d2 / n2));
+  CHECK(sqrt(d2 / n2) < 3e-3, name, "%.3g", sqrt(d2 / n2));
+  ei->free(ei);
+  ec->free(ec);
+  arena_free(a);
+}
+
+static void test_overflow(void) {
+  static const char text[] =
+      "model m\n"
+      "dim B = 4\n"
+      "input x: f32[B, 8]\n"
+      "input targets: i32[B]\n"
+      "param w1: [8, 8] = normal(0.3)\n"
+      "param w2: [8, 8] = normal(0.3)\n"
+      "param w3: [8, 8] = normal(0.3)\n"
+      "param w4: [8, 4] = normal(0.3)\n"
+      "h = relu(x @ w1)\n"
+      "h = relu(h @ w2)\n"
+      "big = h * 1e30 * 1e30\n"
+      "h = relu(big @ w3)\n"
+      "output loss = mean(cross_entropy(h @ w4, targets))\n";
+  Arena *a = arena_new();
+  Graph *g = fp8_graph(a, "overflow.mdl", text);
+  Engine *engines[2] = {engine_interp(g, INTERP_F32, 7), cpu_engine(g, "overflow.mdl")};
+  for (int k = 0; k < 2 && engines[k]; k++) {
+    Engine *e = engines[k];
+    feed(e, g);
+    float *before = read_all(e, g->params[1]);
+    int gnorm = -1;
+    for (int i = 0; i < g->n; i++)
+      gnorm = g->nodes[i]->op == OP_GRAD_NORM ? i : gnorm;
+    bool ran = step(e, 1);
+    float *after = read_all(e, g->params[1]);
+    char why[256] = "", name[200];
+    const Fp8State *st = e->fp8(e);
+    bool named = fp8_state_check(st, g, why, sizeof why);
+    snprintf(name, sizeof name, "fp8 %s: an infinite amax makes the gradient norm NaN, the step is skipped, the "
+             "histories do not roll", e->name);
+    CHECK(ran && isnan(engine_scalar(e, gnorm)) && !memcmp(before, after, sizeof(float) * 64) && st->recorded == 0,
+          name, "norm %g, recorded %lld", engine_scalar(e, gnorm), (long long)st->recorded);
+    snprintf(name, sizeof name, "fp8 %s: the report names the tensor", e->name);
+    CHECK(named && strstr(why, "big (line 11") && strstr(why, "is inf"), name, "got '%s'", why);
+    free(before);
+    free(after);
+    e->free(e);
+  }
+  arena_free(a);
+}
+
+static void test_capability(void) {
+  CudaDevice a = {.arch = "sm_86"}, b = {.arch = "sm_89"}, c = {.arch = "sm_100"}, d = {.arch = ""};
+  CHECK(cuda_compute_capability(&a) == 86 && cuda_compute_capability(&b) == 89 && cuda_compute_capability(&c) == 100 &&
+        cuda_compute_capability(&d) == 0, "fp8 cpu: compute capabilities from the arch (sm_86, sm_89, sm_100, none)",
+        "%d %d %d %d", cuda_compute_capability(&a), cuda_compute_capability(&b), cuda_compute_capability(&c),
+        cuda_compute_capability(&d));
+}
+
+int main(void) {
+  test_capability();
+  test_gpt2();
+  test_overflow();
+  TEST_EXIT();
+}
