@@ -50,7 +50,12 @@
 #      tokens.
 #   8. the largest batch at T=1024 whose step fits the GPU's free memory with --checkpoint none and
 #      with --checkpoint auto (from the plans), and twelve steps at each: tokens/s and MFU.
-#   9. `mdlc lab` on it (B=8, T=1024, 8 steps a row; GPU_CHECK_LAB=0 leaves it out): the ladder from
+#   9. --precision fp8 against bf16: twelve steps of it at B=8 each, tokens/s, MFU, peak memory and the
+#      last step's loss (fp8 needs sm_89 or later; on an older GPU mdlc's refusal is recorded);
+#  10. data parallel over every GPU of the machine, where it has two or more (mpirun, NCCL): gpt2-tiny's
+#      losses on G ranks of B=2 against one process of B=2G (1e-4), then twelve steps of the model at
+#      B=8 a rank with --zero 0 and 1: tokens/s, the all-reduce's share, rank 0's peak memory;
+#  11. `mdlc lab` on it (B=8, T=1024, 8 steps a row; GPU_CHECK_LAB=0 leaves it out): the ladder from
 #      every technique off (fp32, unfused, plain attention, AdamW per parameter, no checkpointing,
 #      padded rows, tokenised on the fly) to all on, each technique alone, the largest batches with
 #      and without checkpointing; its tables go to the results and $OUT/lab/ (the target: the full
@@ -442,6 +447,79 @@ if [ $rc -eq 0 ] && [ "$backend" = cuda ]; then
       status=1
     fi
   done
+fi
+# FP8 against bf16: twelve steps of it at B=8 with --precision fp8 and with bf16, the same batches:
+# tokens/s and MFU as above, and the last step's loss of each (FP8's GEMMs need sm_89 or later: on an
+# older GPU mdlc refuses fp8, naming the device, and the stage says so, as it does while the CUDA
+# back end has no FP8 GEMMs). The rehearsal runs it on the compiled C, where fp8 is emulated.
+if [ $rc -eq 0 ]; then
+  say "== $model: --precision fp8 against bf16, 12 steps at B=8 T=$T"
+  for p in bf16 fp8; do
+    log="$tmp/prec-$p.log"
+    if twelve 8 "$log" --precision $p && IFS=$'\t' read -r tps k flops peak < <(steps_mean "$log") &&
+      [ "$flops" != 0 ]; then
+      loss=$(grep -E '^step +12/12' "$log" | sed -n 's/.*| loss \([0-9.]*\).*/\1/p')
+      say "$(awk -v t="$tps" -v f="$flops" -v T="$T" -v peak="$peak" -v p="$p" -v l="$loss" 'BEGIN {
+        printf "%s: tokens/s %.0f at B=8 T=%d, MFU %.2f%% of 989 TFLOP/s (model flops); peak %s; loss at step 12 %s",
+          p, t, T, 100 * t * f / (8 * T) / 989e12, peak, l }')"
+    elif [ $p = fp8 ] && grep -qE "compute capability|does not run fp8 GEMMs yet" "$log"; then
+      say "fp8: not run: $(grep -m1 -E 'compute capability|does not run fp8 GEMMs yet' "$log")"
+    else
+      tail -12 "$log" | tee -a "$res"
+      say "mdlc run with --precision $p failed"
+      status=1
+    fi
+  done
+fi
+# Data parallel over every GPU of the machine (mpirun, NCCL; it needs one GPU a rank, so a machine of
+# one GPU skips it): gpt2-tiny fp32 on G ranks of B=2 against one process at B=2G, 10 steps, the same
+# losses within 1e-4; then twelve steps of the model at B=8 a rank on G ranks, with and without
+# --zero 1: tokens/s over all ranks and a rank, the communication's share, and rank 0's peak memory.
+# The rehearsal runs 2 ranks of the CPU back end. Open MPI's mpirun must be installed.
+ngpu=2
+[ "$backend" = cuda ] && ngpu=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
+if [ $rc -eq 0 ] && [ "$ngpu" -ge 2 ] && command -v mpirun >/dev/null 2>&1; then
+  export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1
+  say "== data parallel: gpt2-tiny fp32, $ngpu ranks of B=2 against 1 process of B=$((2 * ngpu)), 10 steps"
+  dp() { # dp OUT LOG RANKS B [FLAG...]: gpt2-tiny, 10 steps
+    local out=$1 log=$2 n=$3 b=$4
+    shift 4
+    rm -rf "$out"
+    if [ "$n" -gt 1 ]; then set -- mpirun -np "$n" "$mdlc" "$@"; else set -- "$mdlc" "$@"; fi
+    timeout 300 "$@" run models/gpt2-tiny.mdl --backend "$backend" --precision fp32 -D B="$b" -D T=64 --steps 10 \
+      --val-every 0 --ckpt-every 0 --log-every 1 --data "$tmp/shards" --out "$out" >"$log" 2>&1
+  }
+  if dp "$tmp/dp1" "$tmp/dp1.log" 1 $((2 * ngpu)) && dp "$tmp/dpn" "$tmp/dpn.log" "$ngpu" 2; then
+    worst=$(paste <(sed -n 's/.*"loss":\([-0-9.e]*\).*/\1/p' "$tmp/dp1/log.jsonl") \
+      <(sed -n 's/.*"loss":\([-0-9.e]*\).*/\1/p' "$tmp/dpn/log.jsonl") |
+      awk '{d = $1 - $2; if (d < 0) d = -d; if (d > m) m = d; n++} END {printf "%d %.3g", n, m}')
+    if [ "${worst%% *}" -eq 10 ] && awk -v w="${worst#* }" 'BEGIN {exit !(w <= 1e-4)}'; then
+      say "  10 losses, largest difference ${worst#* }: ok"
+    else
+      say "  losses of $ngpu ranks against 1 process: ${worst%% *} steps, largest difference ${worst#* } (tolerance 1e-4)"
+      status=1
+    fi
+  else
+    tail -12 "$tmp/dp1.log" "$tmp/dpn.log" | tee -a "$res"
+    say "data parallel gpt2-tiny failed"
+    status=1
+  fi
+  for z in 0 1; do
+    log="$tmp/dp-zero$z.log"
+    rm -rf "$tmp/dpz"
+    if timeout 300 mpirun -np "$ngpu" "$mdlc" run models/gpt2.mdl --backend "$backend" --steps 12 $dims -D B=8 \
+      -D T="$T" --val-every 0 --ckpt-every 0 --log-every 1 --zero $z --data "$tmp/shards" --out "$tmp/dpz" \
+      >"$log" 2>&1 && IFS=$'\t' read -r tps k flops peak < <(steps_mean "$log"); then
+      say "$model on $ngpu ranks of B=8 T=$T, --zero $z: tokens/s $tps over the ranks (mean of steps 4 to 11);" \
+        "$(grep -m1 '^data parallel over' "$log" | sed 's/^data parallel over //'); rank 0's peak $peak"
+    else
+      tail -12 "$log" | tee -a "$res"
+      say "$model on $ngpu ranks with --zero $z failed"
+      status=1
+    fi
+  done
+elif [ $rc -eq 0 ]; then
+  say "== data parallel: not run ($ngpu GPU; NCCL needs a GPU a rank$(command -v mpirun >/dev/null 2>&1 || echo ', and Open MPI'\''s mpirun is not installed'))"
 fi
 # The lab: what each technique is worth for GPT-2 124M on this GPU (its rows are runs of their own).
 if [ $rc -eq 0 ] && [ "$backend" = cuda ] && [ "${GPU_CHECK_LAB:-1}" != 0 ]; then

@@ -5,7 +5,7 @@
 # and on the GPT of stage 4, stage 3 trains with
 # gradient accumulation and without, stage 4 trains a small GPT and reads tokens/s and MFU from the
 # run's lines, stage 5 sorts a profile into kinds, stage 6 compares the run unfused and untuned, stage 7
-# trains it at larger batches); the
+# trains it at larger batches, stage 9 in fp8 and bf16, stage 10 on 2 ranks); the
 # same with tolerances no back end meets fails; `--bundle` makes an mdlc that needs no OpenBLAS
 # library, and the helper; in a copy of the sources where the
 # build fails (no bison), the script takes the bundle, and refuses a bundle of other sources.
@@ -74,6 +74,16 @@ check "stage 6 runs the model with --no-kernel-tuning and says what kernel tunin
 check "stage 7 trains at B=16, 32 and 64 and reads tokens/s, MFU and the peak from each" \
   [ "$(grep -cE '^tokens/s [1-9][0-9]* at B=(16|32|64) T=64 \(mean of steps 4 to 11\), MFU [0-9.]+% of 989 '\
 'TFLOP/s; peak [0-9]+ MB' "$r")" -eq 3 ]
+check "stage 9 trains the model in fp8 and bf16 and reads tokens/s, MFU, the peak and the last loss of each" \
+  [ "$(grep -cE '^(fp8|bf16): tokens/s [1-9][0-9]* at B=8 T=64, MFU [0-9.]+% of 989 TFLOP/s \(model flops\); peak '\
+'[0-9]+ MB; loss at step 12 [0-9]+\.[0-9]{4}$' "$r")" -eq 2 ]
+if command -v mpirun >/dev/null 2>&1; then
+  check "stage 10 trains gpt2-tiny on 2 ranks as in one process, and the model on 2 ranks with --zero 0 and 1" \
+    eval 'grep -qE "^  10 losses, largest difference [0-9.e+-]+: ok$" "$r" &&
+      [ "$(grep -cE "on 2 ranks of B=8 T=64, --zero [01]: tokens/s [1-9][0-9]* over the ranks .*; 2 ranks: [0-9]+ tok/s a rank; waiting on the all-reduces .*; rank 0.s peak [0-9]+ MB$" "$r")" -eq 2 ]'
+else
+  check "stage 10 says why it did not run" grep -q "^== data parallel: not run" "$r"
+fi
 
 mkdir -p "$tmp/b"
 GPU_CHECK_BACKEND=cpu GPU_CHECK_REFERENCE=interp GPU_CHECK_TOL=1e-9 GPU_CHECK_TOL_BF16=1e-9 \
