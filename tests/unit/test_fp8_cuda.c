@@ -1,6 +1,6 @@
 // test_fp8_cuda.c: precision = fp8 in the CUDA emitter, on a machine without a GPU (gpt2-tiny, B=2,
 // T=16, fused; apart from test_cuda_emit.c, whose time is long enough).
-//  1. NVRTC compiles the fp8 module for sm_90 without an error or a warning.
+//  1. NVRTC compiles the fp8 module for sm_89, sm_90, sm_100 and sm_120 without an error or a warning.
 //  2. The plan: its fp8 GEMMs read one-byte operands with their 1 / scale in the fp8 region, and the
 //     casts' kernels address that region.
 //  3. In the emulator (runtime/cuda_emu.h, the GEMMs by tests/unit/cuda_emu_host.h's reference),
@@ -114,12 +114,17 @@ int main(void) {
     TEST_EXIT();
 
   if (nvrtc_available(why, sizeof why)) {
-    NvrtcResult r = {0};
-    bool ok = nvrtc_compile(p->source, "sm_90", &r, why, sizeof why);
-    CHECK(ok && r.size > 0 && !r.log, "fp8 cuda: NVRTC compiles the fp8 module for sm_90 without a warning", "%.1500s",
-          ok ? r.log : why);
-    free(r.cubin);
-    free(r.log);
+    // (the archs with FP8 tensor cores: Ada, Hopper, Blackwell's data-centre and consumer parts)
+    static const char *const archs[] = {"sm_89", "sm_90", "sm_100", "sm_120"};
+    for (int i = 0; i < 4; i++) {
+      NvrtcResult r = {0};
+      char name[120];
+      bool ok = nvrtc_compile(p->source, archs[i], &r, why, sizeof why);
+      snprintf(name, sizeof name, "fp8 cuda: NVRTC compiles the fp8 module for %s without a warning", archs[i]);
+      CHECK(ok && r.size > 0 && !r.log, name, "%.1500s", ok ? r.log : why);
+      free(r.cubin);
+      free(r.log);
+    }
   } else {
     printf("[skip] fp8 cuda nvrtc: %s\n", why);
   }
