@@ -42,15 +42,15 @@ done
 mkdir -p build/fuzz/findings
 bin=build/fuzz/fuzz_front
 srcs=(tests/fuzz/fuzz_front.c compiler/arena.c compiler/ast.c compiler/diag.c compiler/ir.c compiler/sema.c
-  compiler/interp.c build/mdl.tab.c build/lex.yy.c)
+  compiler/interp.c compiler/precision.c build/mdl.tab.c build/lex.yy.c)
 # Built again only when a source, a header or this script (its flags) is newer than the target: the
 # sanitized build costs more than a minute of a loaded machine's time.
 stale=$([ -x "$bin" ] || echo yes)
-for f in "${srcs[@]}" compiler/*.h build/*.h "$0"; do
+for f in "${srcs[@]}" compiler/*.h runtime/prelude_fp8.h build/*.h "$0"; do
   [ "$f" -nt "$bin" ] && stale=yes
 done
 if [ -n "$stale" ] && ! clang -g -O1 -std=c11 -D_GNU_SOURCE -Wall -Wextra -Werror -fsanitize=fuzzer,address,undefined \
-  -fno-sanitize-recover=undefined -Icompiler -Ibuild -Igrammar -o "$bin" "${srcs[@]}" -lm >"$tmp/build.log" 2>&1; then
+  -fno-sanitize-recover=undefined -Icompiler -Iruntime -Ibuild -Igrammar -o "$bin" "${srcs[@]}" -lm >"$tmp/build.log" 2>&1; then
   rm -f "$bin"
   cat "$tmp/build.log" | head -30
   echo "[fail] fuzz: the fuzz target does not build"

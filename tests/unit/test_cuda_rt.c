@@ -271,6 +271,16 @@ CUresult cuModuleGetFunction(void **fn, void *mod, const char *name) {
     }
   return 500;
 }
+// The module's globals: the prelude's mdl_own (--zero 1's share), one for every module compiled in here.
+CUresult cuModuleGetGlobal_v2(CUdeviceptr *p, size_t *bytes, void *mod, const char *name) {
+  (void)mod;
+  if (strcmp(name, "mdl_own"))
+    return 500;
+  *p = (CUdeviceptr)(uintptr_t)mdl_own;
+  if (bytes)
+    *bytes = sizeof mdl_own;
+  return 0;
+}
 
 // Allocations above $FAKE_GPU_MEMORY bytes in all fail as out of memory.
 CUresult cuMemAlloc_v2(CUdeviceptr *p, size_t bytes) {
