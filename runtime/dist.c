@@ -185,12 +185,20 @@ void dist_finalize(void) {
 // MPI_Abort stops every rank: the collective would wait for it forever.
 static void check_in(const char *what, int64_t step) {
   int tag = (int)(D.collectives++ % 32000), me = (int)tag, peers = D.size - 1;
-  int *got = calloc((size_t)D.size, sizeof *got), *done = calloc((size_t)(2 * D.size), sizeof *done);
-  MpiHandle *rq = calloc((size_t)(2 * D.size), sizeof *rq);
+  // (kept from one collective to the next: a step makes one per bucket; the world's size is fixed)
+  static int *got, *done;
+  static MpiHandle *rq;
+  if (!got) {
+    got = malloc(sizeof *got * (size_t)D.size);
+    done = malloc(sizeof *done * (size_t)(2 * D.size));
+    rq = malloc(sizeof *rq * (size_t)(2 * D.size));
+  }
   if (!got || !rq || !done) {
     fprintf(stderr, "mdlc: rank %d: out of host memory\n", D.rank);
     dist_abort(1);
   }
+  memset(got, 0, sizeof *got * (size_t)D.size);
+  memset(done, 0, sizeof *done * (size_t)(2 * D.size));
   for (int r = 0, k = 0; r < D.size; r++)
     if (r != D.rank) {
       D.irecv(&got[r], 1, D.i32, r, tag, D.comm, &rq[2 * k]);
@@ -223,9 +231,6 @@ static void check_in(const char *what, int64_t step) {
     if (left > 0)
       sched_yield();
   }
-  free(got);
-  free(rq);
-  free(done);
 }
 
 // The collective itself is MPI's blocking one (Open MPI's tuned all-reduce: 221-275 ms for GPT-2
