@@ -53,6 +53,7 @@ typedef struct {
   int64_t log_every; // a full step line every N steps (0: train_log_every's choice)
   bool quiet;        // run: errors and the final summary only
   int zero;          // run under mpirun/srun: the ZeRO stage, 0 or 1 (--zero)
+  const char *cpu_reduce; // --bucket-mb or --overlap, as given (the CPU back end's all-reduce), else NULL
   SampleOptions sample;
   const char *lab_budget; // lab: --memory-budget
 } Options;
@@ -238,10 +239,12 @@ static int parse_options(int argc, char **argv, Options *o) {
         return usage_error("--bucket-mb wants megabytes (>= 0; 0: one all-reduce), got '%s'",
                            optarg);
       dist_set_bucket((int64_t)(mb * 1048576));
+      o->cpu_reduce = "--bucket-mb";
       break;
     }
     case 1005:
       dist_set_overlap(true);
+      o->cpu_reduce = "--overlap";
       break;
     case 1006:
       if (strcmp(optarg, "0") && strcmp(optarg, "1"))
@@ -1513,6 +1516,9 @@ static int run_verb(Options *o) {
     // One of several ranks (mpirun, srun): rank 0 speaks for the run; each rank takes its share of
     // the machine's cores unless OMP_NUM_THREADS says.
     o->quiet |= dist_env_rank() != 0;
+    if (o->cpu_reduce && !strcmp(backend_of(o), "cuda")) // (NCCL reduces a GPU's gradients in one call)
+      return usage_error("%s shapes the CPU back end's MPI all-reduce; on the CUDA back end NCCL reduces the "
+                         "gradients in one call after the backward", o->cpu_reduce);
     long cores = sysconf(_SC_NPROCESSORS_ONLN), each = cores / dist_env_local_size();
     char threads[24];
     snprintf(threads, sizeof threads, "%ld", each > 0 ? each : 1);

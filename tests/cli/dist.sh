@@ -93,6 +93,10 @@ fi
 $m run "${common[@]}" -D B=2 --steps 1 --bucket-mb lots --out "$tmp/bad" >"$tmp/bad.out" 2>&1
 [ $? -eq 2 ] && grep -q -- "--bucket-mb wants megabytes" "$tmp/bad.out" && ok "--bucket-mb that is not a size: a usage error" ||
   fail "--bucket-mb lots: $(cat "$tmp/bad.out")"
+# (one of two ranks by its launcher's environment: refused before MPI starts, so no mpirun is needed)
+OMPI_COMM_WORLD_SIZE=2 $m run "${common[@]}" -D B=2 --steps 1 --backend cuda --overlap --out "$tmp/bad" >"$tmp/bad.out" 2>&1
+[ $? -eq 2 ] && grep -q -- "--overlap shapes the CPU back end's MPI all-reduce; on the CUDA back end NCCL" "$tmp/bad.out" &&
+  ok "--overlap (and --bucket-mb) on the CUDA back end: refused, not ignored" || fail "--overlap on CUDA: $(cat "$tmp/bad.out")"
 
 # Gradient accumulation over ranks: the micro-batches' sums are reduced with the step's gradients.
 $m run "${common[@]}" -D B=4 --accumulate 2 --steps 6 --out "$tmp/acc1" >"$tmp/acc1.out" 2>&1
