@@ -22,7 +22,13 @@
 // it. (No BGRAD epilogue: a bias gradient is summed by the fused kernels.) The element types of a
 // GEMM are the CudaGemm's, set by the emitter: A and B f32 or bf16, always summed in f32
 // (CUBLAS_COMPUTE_32F, f32 alpha and beta); D f32, or bf16 for a GEMM whose only reader rounds it (no
-// epilogue then: cuBLASLt's bias and aux would take D's type, ours are f32). When the engine is built
+// epilogue then: cuBLASLt's bias and aux would take D's type, ours are f32). Precision fp8: A and B
+// E4M3 or E5M2 (CUDA_R_8F_E4M3, _E5M2; never both E5M2), row-major A [m, k] times B stored [n, k]
+// (CudaGemm.tb), which the swap above makes cuBLASLt's "TN", the one layout its FP8 kernels take; the
+// sums times A's and B's 1 / scale, given as cuBLASLt's B and A scale pointers into the arena's fp8
+// region. CUBLASLT_MATMUL_DESC_FAST_ACCUM stays off: Hopper's fast accumulation keeps the sums in the
+// tensor cores' narrower accumulator and skips the periodic promotion to f32, which costs accuracy on
+// long inner dimensions (the backward's GEMMs over B*T); the CPU back ends sum in f32. When the engine is built
 // the heuristic offers up to 8 algorithms per GEMM and each is timed on the arena (three runs after
 // one), the fastest kept; capture and replay do no searching.
 //
@@ -340,6 +346,8 @@ enum {
   CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER = 11,
   CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD = 12,
   CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_BATCH_STRIDE = 13,
+  CUBLASLT_MATMUL_DESC_A_SCALE_POINTER = 17,
+  CUBLASLT_MATMUL_DESC_B_SCALE_POINTER = 18,
   CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE = 26,
   CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT = 5,
   CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET = 6,
@@ -476,7 +484,12 @@ static bool lt_layout(cublasLtMatrixLayout_t *l, int type, int64_t rows, int64_t
 static bool lt_gemm_new(LtGemm *q, cublasLtHandle_t h, const CudaGemm *gm, CUdeviceptr base, char *err, size_t n) {
   *q = (LtGemm){.a = base + (CUdeviceptr)gm->b, .b = base + (CUdeviceptr)gm->a, .c = base + (CUdeviceptr)gm->c,
                 .cin = base + (CUdeviceptr)(gm->c_apart ? gm->cin : gm->c), .beta = gm->beta};
-  int ab = lt_type(gm->ab), cd = lt_type(gm->c_type);
+  bool fp8 = gm->ab == DT_F8E4M3 || gm->ab == DT_F8E5M2;
+  int ta_type = lt_type(fp8 ? gm->b_fp8 : gm->ab), tb_type = lt_type(gm->ab), cd = lt_type(gm->c_type);
+  // (fp8: cuBLASLt multiplies the f32 sums by its A's and B's scale, our B's and A's 1 / scale, read
+  // from the arena when the GEMM runs, so a graph captured once follows the scales of every step)
+  void *a_scale = fp8 ? (void *)(uintptr_t)(base + (CUdeviceptr)gm->b_scale) : NULL;
+  void *b_scale = fp8 ? (void *)(uintptr_t)(base + (CUdeviceptr)gm->a_scale) : NULL;
   int32_t ta = gm->tb ? CUBLAS_OP_T : CUBLAS_OP_N, tb = gm->ta ? CUBLAS_OP_T : CUBLAS_OP_N;
   int32_t batch = (int32_t)(gm->batch > 1 ? gm->batch : 1);
   // A row-major [r, c] matrix with leading dimension ld is the column-major [c, r] one with the same
@@ -509,8 +522,12 @@ static bool lt_gemm_new(LtGemm *q, cublasLtHandle_t h, const CudaGemm *gm, CUdev
                       (batch <= 1 || LT(err, n, cublasLtMatmulDescSetAttribute, q->desc,
                                         CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_BATCH_STRIDE, &gm->stride_c,
                                         sizeof gm->stride_c)))) &&
-            lt_layout(&q->la, ab, a_rows, a_cols, gm->ldb, batch, gm->stride_b, err, n) &&
-            lt_layout(&q->lb, ab, b_rows, b_cols, gm->lda, batch, gm->stride_a, err, n) &&
+            (!fp8 || (LT(err, n, cublasLtMatmulDescSetAttribute, q->desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER,
+                         &a_scale, sizeof a_scale) &&
+                      LT(err, n, cublasLtMatmulDescSetAttribute, q->desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER,
+                         &b_scale, sizeof b_scale))) &&
+            lt_layout(&q->la, ta_type, a_rows, a_cols, gm->ldb, batch, gm->stride_b, err, n) &&
+            lt_layout(&q->lb, tb_type, b_rows, b_cols, gm->lda, batch, gm->stride_a, err, n) &&
             lt_layout(&q->lc, cd, gm->n, gm->m, gm->ldc, batch, gm->stride_c, err, n);
   if (!ok) {
     lt_gemm_free(q);
@@ -597,6 +614,16 @@ typedef struct {
   int64_t *zero_at;       // Engine.set_shard: the ranks' shares of the params and copies (floats), or NULL
   int zero_ranks;
   CUevent gathered[2];    //   before and after their all-gather
+  // Precision fp8 (fp8_step): the scaling state (Engine.fp8), the scales and 1 / scales as sent up,
+  // the step cut at the optimizer's first launch (a graph each side: graph and exec above are the
+  // first part), and a gradient the optimizer reads, made NaN when an amax is not finite.
+  Fp8State fp8;
+  float *fp8_up;          //   scale [n], then 1 / scale [n]: the region's first 8n bytes
+  int opt_launch;         //   the optimizer's first launch (nlaunches: none)
+  CUgraph graph_opt;      //   launches [opt_launch, nlaunches)
+  CUgraphExec exec_opt;
+  int64_t fp8_poison;     //   its arena offset, or -1
+  bool fp8_bad;           //   this step's amaxes: one is not finite (the state is not rolled)
 } CudaEngine;
 
 static bool staged(const IrNode *nd) { return nd->op == OP_INPUT || nd->op == OP_SCALAR; }
@@ -648,29 +675,50 @@ static bool download(CudaEngine *ce, void *dst, CUdeviceptr src, size_t bytes, c
 static bool enqueue(CudaEngine *ce, int i, char *err, size_t n);
 static const char *launch_kernel(const CudaEngine *ce, int i);
 
+// The head of every step: the kernels' status zeroed, and in precision fp8 the region's amaxes.
+static bool clear_step(CudaEngine *ce, char *err, size_t n) {
+  const CudaPlan *p = ce->plan;
+  return CU(err, n, cuMemsetD8Async, ce->status, 0, sizeof(MdlStatus), ce->stream) &&
+         (!p->nfp8 || CU(err, n, cuMemsetD8Async, ce->arena + (CUdeviceptr)(p->fp8 + 8 * (int64_t)p->nfp8), 0,
+                         4 * (size_t)p->nfp8, ce->stream));
+}
+
 // A step outside the graph (--profile): the same launches in the same order on the stream, with an
 // event recorded before each; each launch's time is what the device took from its event to the
 // next, launch gaps included (the CPU queues far ahead of short kernels), and a plan step's time is
-// that of its launches.
-static bool profile_step(CudaEngine *ce, char *err, size_t n) {
+// that of its launches. The events: one before each launch, one at the end, and one at the end of
+// an fp8 step's first part (fp8_step), so that the host's wait for the amaxes between the parts is
+// no launch's time.
+static bool profile_events(CudaEngine *ce, char *err, size_t n) {
   const CudaPlan *p = ce->plan;
-  if (!ce->marks) {
-    ce->marks = calloc((size_t)p->nlaunches + 1, sizeof *ce->marks);
-    ce->launch_seconds = calloc((size_t)p->nlaunches + 1, sizeof *ce->launch_seconds);
-    if (!ce->marks || !ce->launch_seconds)
-      return rt_fail(err, n, "out of host memory");
-    for (; ce->nmarks <= p->nlaunches; ce->nmarks++)
-      if (!CU(err, n, cuEventCreate, &ce->marks[ce->nmarks], 0))
-        return false;
-  }
-  bool ok = CU(err, n, cuMemsetD8Async, ce->status, 0, sizeof(MdlStatus), ce->stream);
-  for (int i = 0; ok && i < p->nlaunches; i++)
+  if (ce->marks)
+    return true;
+  ce->marks = calloc((size_t)p->nlaunches + 2, sizeof *ce->marks);
+  ce->launch_seconds = calloc((size_t)p->nlaunches + 1, sizeof *ce->launch_seconds);
+  if (!ce->marks || !ce->launch_seconds)
+    return rt_fail(err, n, "out of host memory");
+  for (; ce->nmarks <= p->nlaunches + 1; ce->nmarks++)
+    if (!CU(err, n, cuEventCreate, &ce->marks[ce->nmarks], 0))
+      return false;
+  return true;
+}
+
+// Launches [first, last) one by one on the stream, each after its event, and `end` after the last.
+static bool profile_launches(CudaEngine *ce, int first, int last, CUevent end, char *err, size_t n) {
+  bool ok = true;
+  for (int i = first; ok && i < last; i++)
     ok = CU(err, n, cuEventRecord, ce->marks[i], ce->stream) && enqueue(ce, i, err, n);
-  ok = ok && CU(err, n, cuEventRecord, ce->marks[p->nlaunches], ce->stream) &&
-       CU(err, n, cuEventSynchronize, ce->marks[p->nlaunches]);
+  return ok && CU(err, n, cuEventRecord, end, ce->stream);
+}
+
+// Once the step's last event has passed: each launch's time added to its plan step's.
+static bool profile_times(CudaEngine *ce, char *err, size_t n) {
+  const CudaPlan *p = ce->plan;
+  bool ok = CU(err, n, cuEventSynchronize, ce->marks[p->nlaunches]);
   for (int i = 0; ok && i < p->nlaunches; i++) {
     float ms = 0;
-    ok = CU(err, n, cuEventElapsedTime, &ms, ce->marks[i], ce->marks[i + 1]);
+    CUevent end = p->nfp8 && i + 1 == ce->opt_launch ? ce->marks[p->nlaunches + 1] : ce->marks[i + 1];
+    ok = CU(err, n, cuEventElapsedTime, &ms, ce->marks[i], end);
     if (ce->e.profile_warm) { // (the first step loads each kernel as it first launches)
       ce->e.kernel_seconds[p->launches[i].step] += 1e-3 * ms;
       ce->launch_seconds[i] += 1e-3 * ms;
@@ -678,6 +726,80 @@ static bool profile_step(CudaEngine *ce, char *err, size_t n) {
   }
   return ok;
 }
+
+static bool profile_step(CudaEngine *ce, char *err, size_t n) {
+  const CudaPlan *p = ce->plan;
+  return profile_events(ce, err, n) && clear_step(ce, err, n) &&
+         profile_launches(ce, 0, p->nlaunches, ce->marks[p->nlaunches], err, n) && profile_times(ce, err, n);
+}
+
+// Part `part` of an fp8 step on the stream: 0, the step's head (clear_step) and the launches before the
+// optimizer's first; 1, the others. Replayed from its graph, or with --profile launch by launch, timed
+// when `timed` (the calibration's run is not).
+static bool fp8_part(CudaEngine *ce, int part, bool timed, char *err, size_t n) {
+  const CudaPlan *p = ce->plan;
+  if (!ce->e.profile) {
+    CUgraphExec x = part ? ce->exec_opt : ce->exec;
+    return !x || CU(err, n, cuGraphLaunch, x, ce->stream);
+  }
+  int first = part ? ce->opt_launch : 0, last = part ? p->nlaunches : ce->opt_launch;
+  bool ok = part || clear_step(ce, err, n);
+  if (timed)
+    return ok && profile_launches(ce, first, last, ce->marks[part ? p->nlaunches : p->nlaunches + 1], err, n);
+  for (int i = first; ok && i < last; i++)
+    ok = enqueue(ce, i, err, n);
+  return ok;
+}
+
+// The scales and their inverses (exact: powers of two) sent up into the region, every step: 8n bytes,
+// so that a state set on the host (a checkpoint restored through Engine.fp8) needs no other rule.
+static bool fp8_send(CudaEngine *ce, char *err, size_t n) {
+  const Fp8State *st = &ce->fp8;
+  for (int t = 0; t < st->n; t++)
+    ce->fp8_up[t] = st->scale[t], ce->fp8_up[st->n + t] = 1.0f / st->scale[t];
+  return CU(err, n, cuMemcpyHtoDAsync, ce->arena + (CUdeviceptr)ce->plan->fp8, ce->fp8_up, 8 * (size_t)st->n,
+            ce->stream);
+}
+
+// The amaxes of the first part read into the state (u32 bits of non-negative floats, NaN above
+// infinity: the floats themselves), once it has run.
+static bool fp8_amaxes(CudaEngine *ce, char *err, size_t n) {
+  const Fp8State *st = &ce->fp8;
+  return download(ce, st->amax, ce->arena + (CUdeviceptr)(ce->plan->fp8 + 8 * (int64_t)st->n), 4 * (size_t)st->n,
+                  err, n);
+}
+
+// A step in precision fp8, as ce_step_fp8 (engine.c) runs one on the CPU, with the scale arithmetic
+// on the host in precision.c (fp8_state_update, fp8_state_check), so that the scales are the CPU back
+// ends' to the bit: the scales sent up, the launches before the optimizer's first, the amaxes read
+// back (one wait mid-step, for 4n bytes), then the optimizer's launches. A non-finite amax makes a
+// gradient the optimizer reads NaN, so that it skips the step as it skips any non-finite gradient
+// (the runtime then names the tensor through Engine.fp8), and the state is not rolled. With no
+// history yet (the first step) the first part runs once more beforehand with every scale 1, and the
+// scales its amaxes give are the step's (calibration). cu_step rolls the state (fp8_state_update)
+// once the step's status is clean.
+static bool fp8_step(CudaEngine *ce, char *err, size_t n) {
+  static const float nan_value = NAN; // (the source of an asynchronous copy: it must outlive the call)
+  Fp8State *st = &ce->fp8;
+  char why[8];
+  bool timed = ce->e.profile;
+  if (timed && !profile_events(ce, err, n))
+    return false;
+  if (!st->recorded) {
+    if (!fp8_send(ce, err, n) || !fp8_part(ce, 0, false, err, n) || !fp8_amaxes(ce, err, n))
+      return false;
+    fp8_state_update(st, ce->e.g, why, sizeof why); // (refused: the scales stay 1 and the step below names it)
+  }
+  if (!fp8_send(ce, err, n) || !fp8_part(ce, 0, timed, err, n) || !fp8_amaxes(ce, err, n))
+    return false;
+  ce->fp8_bad = fp8_state_check(st, ce->e.g, why, sizeof why);
+  if (ce->fp8_bad && ce->fp8_poison >= 0 &&
+      !CU(err, n, cuMemcpyHtoDAsync, ce->arena + (CUdeviceptr)ce->fp8_poison, &nan_value, sizeof nan_value, ce->stream))
+    return false;
+  return fp8_part(ce, 1, timed, err, n) && (!timed || profile_times(ce, err, n));
+}
+
+static Fp8State *cu_fp8(Engine *e) { return &((CudaEngine *)e)->fp8; }
 
 // The launches of each plan step that makes several and takes at least 1% of the step, in order:
 // a kernel by its name, a GEMM by its shape (M x N x K, the batch, the operands' type).
@@ -822,6 +944,7 @@ static bool cu_step(Engine *e, char *err, size_t n) {
   if (!cu_params(ce, err, n) || !send_staged(ce, err, n) ||
       !CU(err, n, cuMemcpyHtoDAsync, ce->seed_dev, &ce->seed, sizeof ce->seed, ce->stream) ||
       !(ce->nccl      ? nccl_step(ce, err, n)
+        : ce->fp8.n  ? fp8_step(ce, err, n)
         : e->profile ? profile_step(ce, err, n)
                      : CU(err, n, cuGraphLaunch, ce->exec, ce->stream)) ||
       !download(ce, &st, ce->status, sizeof st, err, n))
@@ -841,6 +964,9 @@ static bool cu_step(Engine *e, char *err, size_t n) {
   e->profile_warm |= e->profile;
   if (st.set)
     return rt_fail(err, n, "%s %lld out of range [0, %lld)", cuda_error_what(st.code), st.value, st.limit);
+  char why[8];
+  if (ce->fp8.n && !ce->fp8_bad) // (a step that failed rolls nothing into the histories)
+    fp8_state_update(&ce->fp8, e->g, why, sizeof why);
   return true;
 }
 
@@ -1019,6 +1145,11 @@ static bool cu_set_nccl(Engine *e, void *comm, const bool *poison) {
   ce->nccl = NULL;
   if (!comm)
     return true;
+  if (ce->fp8.n) { // (each rank would scale its tensors by its own amaxes, and step with them)
+    fprintf(stderr, "mdlc: cuda: precision fp8 trains on one GPU so far: the amaxes are not all-reduced over NCCL "
+                    "yet\n");
+    return false;
+  }
   if (!e->fusion || !(ce->ranges = engine_grad_ranges(e->fusion, ce->m, 0, &ce->nranges)))
     return false;
   for (int i = 0; ce->red && i < 2 * ce->nred; i++)
@@ -1099,6 +1230,10 @@ static void cu_free(Engine *e) {
     drv.cuGraphExecDestroy(ce->exec);
   if (ce->graph)
     drv.cuGraphDestroy(ce->graph);
+  if (ce->exec_opt)
+    drv.cuGraphExecDestroy(ce->exec_opt);
+  if (ce->graph_opt)
+    drv.cuGraphDestroy(ce->graph_opt);
   for (int i = 0; ce->gemms && i < ce->plan->ngemms; i++)
     lt_gemm_free(&ce->gemms[i]);
   if (ce->lt)
@@ -1123,6 +1258,8 @@ static void cu_free(Engine *e) {
   free(ce->marks);
   free(ce->launch_seconds);
   free(ce->e.kernel_seconds);
+  fp8_state_free(&ce->fp8);
+  free(ce->fp8_up);
   param_draw_free(&ce->draw);
   free(ce);
 }
@@ -1267,9 +1404,10 @@ static bool init_gemms(CudaEngine *ce, const Fusion *f, char *err, size_t n) {
     if (kept == -1)
       ok = false;
     else if (kept == -2 || !lt_gemm_run(&ce->gemms[i], ce->lt, ce->workspace, ce->stream, why, sizeof why))
-      ok = rt_fail(err, n, "GEMM %d of step %s (%s[%lld x %lld] = %s%s[%lld x %lld] %s[%lld x %lld]): %s", i,
+      ok = rt_fail(err, n, "GEMM %d of step %s (%s[%lld x %lld] = %s%s[%lld x %lld] %s%s[%lld x %lld]): %s", i,
                    f->steps[gm->step].name, dtype_name(gm->c_type), (long long)gm->m, (long long)gm->n,
-                   dtype_name(gm->ab), gm->ta ? "T" : "", (long long)gm->m, (long long)gm->k, gm->tb ? "T" : "",
+                   dtype_name(gm->ab), gm->ta ? "T" : "", (long long)gm->m, (long long)gm->k,
+                   gm->ab == DT_F8E4M3 || gm->ab == DT_F8E5M2 ? dtype_name(gm->b_fp8) : "", gm->tb ? "T" : "",
                    (long long)gm->k, (long long)gm->n, why);
   }
   for (int i = 0; i < 2; i++)
@@ -1404,7 +1542,24 @@ static bool tune_variants(CudaEngine *ce, char *err, size_t n) {
   return ok && CU(err, n, cuStreamSynchronize, ce->stream);
 }
 
-// The whole step, launch by launch, captured from the stream into one graph and instantiated.
+// Launches [first, last), after the step's head (clear_step) when `head`, captured from the stream
+// into a graph and instantiated.
+static bool capture_part(CudaEngine *ce, int first, int last, bool head, CUgraph *graph, CUgraphExec *exec, char *err,
+                         size_t n) {
+  if (!CU(err, n, cuStreamBeginCapture, ce->stream, CU_STREAM_CAPTURE_MODE_THREAD_LOCAL))
+    return false;
+  bool ok = !head || clear_step(ce, err, n);
+  for (int i = first; ok && i < last; i++)
+    ok = enqueue(ce, i, err, n);
+  char why[256];
+  bool ended = CU(why, sizeof why, cuStreamEndCapture, ce->stream, graph);
+  if (ok && !ended)
+    ok = rt_fail(err, n, "%s", why);
+  return ok && CU(err, n, cuGraphInstantiateWithFlags, exec, *graph, 0);
+}
+
+// The whole step, launch by launch, captured into one graph; in precision fp8 into two, cut at the
+// optimizer's first launch (fp8_step reads the amaxes between them).
 static bool capture(CudaEngine *ce, char *err, size_t n) {
   const CudaPlan *p = ce->plan;
   ce->fns = calloc((size_t)p->nlaunches + 1, sizeof *ce->fns);
@@ -1413,16 +1568,9 @@ static bool capture(CudaEngine *ce, char *err, size_t n) {
   for (int i = 0; i < p->nlaunches; i++)
     if (p->launches[i].kernel && !get_function(ce, launch_kernel(ce, i), &ce->fns[i], err, n))
       return false;
-  if (!CU(err, n, cuStreamBeginCapture, ce->stream, CU_STREAM_CAPTURE_MODE_THREAD_LOCAL))
-    return false;
-  bool ok = CU(err, n, cuMemsetD8Async, ce->status, 0, sizeof(MdlStatus), ce->stream);
-  for (int i = 0; ok && i < p->nlaunches; i++)
-    ok = enqueue(ce, i, err, n);
-  char why[256];
-  bool ended = CU(why, sizeof why, cuStreamEndCapture, ce->stream, &ce->graph);
-  if (ok && !ended)
-    ok = rt_fail(err, n, "%s", why);
-  return ok && CU(err, n, cuGraphInstantiateWithFlags, &ce->exec, ce->graph, 0);
+  int cut = p->nfp8 ? ce->opt_launch : p->nlaunches;
+  return capture_part(ce, 0, cut, true, &ce->graph, &ce->exec, err, n) &&
+         (cut == p->nlaunches || capture_part(ce, cut, p->nlaunches, false, &ce->graph_opt, &ce->exec_opt, err, n));
 }
 
 // Where the engine's device memory does not fit (an allocation failed as out of memory), what it
@@ -1440,16 +1588,43 @@ static void explain_oom(const CudaEngine *ce, size_t free_bytes, size_t total, c
 // An engine that failed before any device set-up: what it holds so far, freed; NULL.
 static Engine *drop_early(CudaEngine *ce) {
   free(ce->e.kernel_seconds);
+  fp8_state_free(&ce->fp8);
+  free(ce->fp8_up);
   free(ce);
   return NULL;
 }
 
+// Precision fp8's state (fp8_step): the scales 1 and no history, where the step is cut, and the
+// gradient to poison, as the CPU engine finds them (GRAD_NORM's first input: the optimizer reads every
+// gradient through the norm, so one NaN there skips the whole update).
+static bool init_fp8(CudaEngine *ce, const Fusion *f, const MemPlan *m, char *err, size_t n) {
+  const Graph *g = f->g;
+  if (g->train.accumulate > 1) // (the micro-batches' engine would keep scales of its own)
+    return rt_fail(err, n, "precision fp8 on the CUDA back end does not accumulate gradients yet (accumulate %lld): "
+                   "the micro-batches' amaxes would not reach the step's scales", (long long)g->train.accumulate);
+  if (cuda_compute_capability(&ce->dev) < 89)
+    return rt_fail(err, n, "precision fp8: the GPU %s (%s) has no FP8 tensor cores (sm_89 or later); use bf16",
+                   ce->dev.name, ce->dev.arch);
+  fp8_state_init(&ce->fp8, g);
+  if (!(ce->fp8_up = calloc(2 * (size_t)g->nfp8, sizeof *ce->fp8_up)))
+    return rt_fail(err, n, "out of host memory");
+  int opt = f->nsteps;
+  for (int i = f->nsteps - 1; i >= 0; i--)
+    opt = f->steps[i].kind == STEP_OPTIMIZER ? i : opt;
+  const CudaPlan *p = ce->plan;
+  ce->opt_launch = p->nlaunches;
+  for (int i = p->nlaunches - 1; i >= 0; i--)
+    ce->opt_launch = p->launches[i].step >= opt ? i : ce->opt_launch;
+  ce->fp8_poison = -1;
+  for (int i = 0; i < g->n && ce->fp8_poison < 0; i++)
+    if (g->nodes[i]->op == OP_GRAD_NORM)
+      ce->fp8_poison = m->offset[g->nodes[i]->in[0]];
+  ce->e.fp8 = cu_fp8;
+  return true;
+}
+
 Engine *engine_cuda(const Fusion *f, const MemPlan *m, uint64_t seed, bool tune_gemms, bool tune_kernels, char *err,
                     size_t n) {
-  if (f->g->nfp8) { // (the plan's fp8 region and GEMMs: emitted and emulated, not run here yet)
-    rt_fail(err, n, "the CUDA back end does not run fp8 GEMMs yet");
-    return NULL;
-  }
   CudaEngine *ce = calloc(1, sizeof *ce);
   if (!ce) {
     rt_fail(err, n, "out of host memory");
@@ -1477,6 +1652,8 @@ Engine *engine_cuda(const Fusion *f, const MemPlan *m, uint64_t seed, bool tune_
     rt_fail(err, n, "the CUDA emitter could not emit %s", f->g->model ? f->g->model : "the model");
     return drop_early(ce);
   }
+  if (ce->plan->nfp8 && !init_fp8(ce, f, m, err, n))
+    return drop_early(ce);
   NvrtcModule cubins = {0};
   double tc = rt_now();
   int threads = 1;
@@ -1537,10 +1714,11 @@ Engine *engine_cuda(const Fusion *f, const MemPlan *m, uint64_t seed, bool tune_
              ce->variants);
   else if (ce->variants)
     snprintf(variants, sizeof variants, ", %d with a variant, untimed", ce->variants);
-  printf("cuda: %s (%s): %d kernels%s and %d GEMMs (%s) in one graph of %d launches; %s; arena %.1f MB; set up in "
+  printf("cuda: %s (%s): %d kernels%s and %d GEMMs (%s) in %s of %d launches; %s; arena %.1f MB; set up in "
          "%.2f s (module and memory %.2f, GEMMs %.2f, kernel variants %.2f, graph %.2f); device memory in use %.2f "
          "GiB of %.2f\n",
-         ce->dev.name, ce->dev.arch, ce->plan->nkernels, variants, ce->plan->ngemms, tuning, ce->plan->nlaunches,
+         ce->dev.name, ce->dev.arch, ce->plan->nkernels, variants, ce->plan->ngemms, tuning,
+         ce->graph_opt ? "two graphs (fp8: cut at the optimizer for the amaxes)" : "one graph", ce->plan->nlaunches,
          compiled, (double)ce->plan->arena_bytes / 1e6, rt_now() - t0, t_memory - t0, t_gemms - t_memory,
          t_variants - t_gemms, t_capture - t_variants, (double)(total - free_bytes) / (1 << 30),
          (double)total / (1 << 30));
