@@ -802,9 +802,13 @@ static void emit_gemm(Emit *e, int gi, const bool *emitted) {
   int64_t batches = ec_span(so, 0, so.rank - 2);
   int out = mm, bias = -1, aux = -1, resid = -1, cast = bf16_result(e, mm, n);
   CudaEpilogue epi = CUDA_EPI_NONE;
+  DType ab = ec_node(&e->core, a.node)->dtype, ct = cast >= 0 ? DT_BF16 : DT_F32;
+  bool fp8 = ab == DT_F8E4M3 || ab == DT_F8E5M2;
+  // (an fp8 GEMM takes no epilogue: cuBLASLt's FP8 kernels with an f32 D want a bf16 bias, and ours
+  // is f32; the bias, GELU and residual run in the kernel after it, as a batched GEMM's do)
   if (cast >= 0)
     out = cast;
-  else if (batches == 1)
+  else if (batches == 1 && !fp8)
     epi = epilogue_of(e, mm, n, &out, &bias, &aux, &resid);
   if (out == mm && ec_offset(&e->core, mm) < 0) {
     for (int t = 0; t < nq && !e->core.spill[mm] && e->core.host[mm] < 0; t++)
@@ -813,9 +817,7 @@ static void emit_gemm(Emit *e, int gi, const bool *emitted) {
     if (e->core.host[mm] < 0)
       e->core.scratch[mm] = true;
   }
-  DType ab = ec_node(&e->core, a.node)->dtype, ct = cast >= 0 ? DT_BF16 : DT_F32;
   int64_t sab = dtype_size(ab), sc = dtype_size(ct); // (fp8: one byte, A's and B's)
-  bool fp8 = ab == DT_F8E4M3 || ab == DT_F8E5M2;
   CudaGemm gm = {.ab = ab, .c_type = ct, .ta = ta, .tb = tb, .m = m, .n = n, .k = k, .lda = a.stride,
                  .ldb = b.stride, .ldc = n, .batch = 1, .a = cu_buf_off(e, a.node) + sab * a.at,
                  .b = cu_buf_off(e, b.node) + sab * b.at, .c = cu_buf_off(e, out), .epilogue = epi,

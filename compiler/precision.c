@@ -42,6 +42,9 @@
 //                        backward GEMMs;
 //   "first layer":       a forward GEMM whose activation no earlier GEMM computed (it reads the
 //                        embeddings or the input through norms only), and its backward GEMMs;
+//   "dimensions not multiples of 16": a forward GEMM one of whose m, n, k is not (cuBLASLt's FP8
+//                        alignment rule; each leads one of the layer's three GEMMs), and its
+//                        backward GEMMs;
 //   "Muon's Newton-Schulz", "no forward operand": a GEMM of the backward section that is no linear
 //                        layer's backward (the optimizer's orthogonalisation, anything unknown).
 // A backward GEMM belongs to the forward GEMM one of whose operands it reads (autodiff builds dA =
@@ -103,6 +106,12 @@ static const char *forward_reason(const Graph *g, const IrNode *n, const bool *l
     return "no weight operand";
   if (!after_gemm[n->in[1 - w]])
     return "first layer";
+  // cuBLASLt's FP8 GEMMs want leading dimensions of multiples of 16 bytes; the layer's three GEMMs
+  // (fp8_tn_layout) lead with each of m, n and k, so all three must be
+  Shape a = g->nodes[n->in[0]]->shape, o = n->shape;
+  int64_t k = n->ia[0] ? a.d[a.rank - 2] : a.d[a.rank - 1];
+  if (o.d[o.rank - 2] % 16 || o.d[o.rank - 1] % 16 || k % 16)
+    return "dimensions not multiples of 16";
   return NULL;
 }
 
@@ -282,6 +291,111 @@ static void remap_list(int *list, int n, const int *map) {
       list[i] = map[list[i]];
 }
 
+//
+// cuBLASLt's layout rule for FP8 (Ada and Hopper): A transposed and B not, "TN", both operands with
+// the inner dimension contiguous. In our row-major terms a GEMM C = op(A) op(B) runs as fp8 only as
+// A [m,k] (not transposed) times B stored [n,k] (transposed): C = A B^T, the nn.Linear form. Of a
+// linear layer y = x w (w [k,n]) only dX = dY w^T has it; the forward needs w stored [n,k], and
+// dW = x^T dY needs x stored [k,m] and dY stored [n,m]. So after the fp8 casts are placed, every fp8
+// operand read in the other layout gets a second cast of the same tensor, transposed: the CAST of a
+// PERMUTE of what the first one rounds, right after it (the forward's x^T beside x, saved for the
+// backward in one byte an element; the weight's w^T beside w), with the same scaled tensor (ia[1]):
+// the same values, so the same amax and the same codes, only placed transposed. The GEMM then reads
+// it with the transpose flag that the rule asks for. Every back end runs this same graph, so the
+// interpreter and the C back end check the layout the GPU runs; their GEMMs take any layout, and the
+// transposed copies cost them one more cast each (the fusion pass joins it to the kernel that
+// produces the value where it can).
+//
+static bool is_fp8(DType t) { return t == DT_F8E4M3 || t == DT_F8E5M2; }
+
+// The transposed copy (swapping the last two axes) of fp8 operand v (a CAST to fp8, or a view of
+// one) appended at nodes[nn]; the new count. A view is rebuilt on the f32 value the CAST rounds, so
+// that the copy is again one CAST of an f32 value.
+static int add_transposed(Graph *g, IrNode **nodes, int nn, int v, int *out) {
+  int chain[16], nc = 0, c = v;
+  while (nodes[c]->op != OP_CAST && nc < 16)
+    chain[nc++] = c, c = nodes[c]->in[0];
+  int src = nodes[c]->in[0];
+  for (int k = nc - 1; k >= 0; k--) { // the views again, on the f32 value
+    IrNode *w = arena_alloc(g->arena, sizeof *w);
+    *w = *nodes[chain[k]];
+    w->id = nn, w->dtype = DT_F32, w->grad_of = -1, w->param_of = -1;
+    w->in = arena_alloc(g->arena, sizeof(int));
+    w->in[0] = src;
+    nodes[nn] = w;
+    src = nn++;
+  }
+  const IrNode *x = nodes[src];
+  IrNode *p = arena_alloc(g->arena, sizeof *p), *t = arena_alloc(g->arena, sizeof *t);
+  *p = (IrNode){.id = nn, .op = OP_PERMUTE, .dtype = DT_F32, .shape = x->shape, .nin = 1, .loc = nodes[c]->loc,
+                .grad_of = -1, .param_of = -1, .body = x->body};
+  p->in = arena_alloc(g->arena, sizeof(int));
+  p->in[0] = src;
+  int r = x->shape.rank;
+  for (int k = 0; k < r; k++)
+    p->ia[k] = k;
+  p->ia[r - 2] = r - 1, p->ia[r - 1] = r - 2;
+  p->shape.d[r - 2] = x->shape.d[r - 1], p->shape.d[r - 1] = x->shape.d[r - 2];
+  nodes[nn] = p;
+  *t = *nodes[c];
+  t->id = nn + 1, t->shape = p->shape, t->grad_of = -1, t->param_of = -1;
+  t->in = arena_alloc(g->arena, sizeof(int));
+  t->in[0] = nn;
+  nodes[nn + 1] = t;
+  *out = nn + 1;
+  return nn + 2;
+}
+
+static void fp8_tn_layout(Graph *g) {
+  int old_n = g->n;
+  // which fp8 values some GEMM reads transposed the other way (needs the copy)
+  bool *want = arena_alloc(g->arena, (size_t)old_n);
+  for (int i = 0; i < old_n; i++) {
+    const IrNode *o = g->nodes[i];
+    if (o->op == OP_MATMUL && is_fp8(g->nodes[o->in[0]]->dtype)) {
+      want[o->in[0]] |= o->ia[0] != 0;
+      want[o->in[1]] |= o->ia[1] == 0;
+    }
+  }
+  int nwant = 0;
+  for (int i = 0; i < old_n; i++)
+    nwant += want[i];
+  if (!nwant)
+    return;
+  int cap = old_n + 18 * nwant + 1;
+  IrNode **nodes = arena_alloc(g->arena, sizeof(IrNode *) * (size_t)cap);
+  int *map = arena_alloc(g->arena, sizeof(int) * (size_t)old_n), *tr = arena_alloc(g->arena, sizeof(int) * (size_t)old_n);
+  int nn = 0, fwd_end = 0;
+  for (int i = 0; i < old_n; i++) {
+    const IrNode *o = g->nodes[i];
+    map[i] = nn;
+    nodes[nn] = copy_node(g, o, nn, map);
+    if (o->op == OP_MATMUL && is_fp8(g->nodes[o->in[0]]->dtype)) {
+      if (o->ia[0])
+        nodes[nn]->in[0] = tr[o->in[0]], nodes[nn]->ia[0] = 0;
+      if (!o->ia[1])
+        nodes[nn]->in[1] = tr[o->in[1]], nodes[nn]->ia[1] = 1;
+    }
+    nn++;
+    if (want[i])
+      nn = add_transposed(g, nodes, nn, map[i], &tr[i]);
+    if (i + 1 == g->fwd_end)
+      fwd_end = nn;
+  }
+  g->nodes = nodes;
+  g->n = nn;
+  g->cap = cap;
+  g->fwd_end = fwd_end;
+  if (g->loss >= 0)
+    g->loss = map[g->loss];
+  remap_list(g->outputs, g->noutputs, map);
+  remap_list(g->params, g->nparams, map);
+  if (g->grads)
+    remap_list(g->grads, g->nparams, map);
+  if (g->updates)
+    remap_list(g->updates, g->nparams, map);
+}
+
 bool precision_assign(Graph *g, DType gemm, char *why, size_t n) {
   if (gemm == DT_F32)
     return true;
@@ -379,6 +493,8 @@ bool precision_assign(Graph *g, DType gemm, char *why, size_t n) {
     remap_list(g->grads, g->nparams, map);
   if (g->updates)
     remap_list(g->updates, g->nparams, map);
+  if (fp8)
+    fp8_tn_layout(g);
   return ir_validate(g, why, n);
 }
 

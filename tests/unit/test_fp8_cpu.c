@@ -177,13 +177,13 @@ static void test_gpt2(void) {
 static void test_overflow(void) {
   static const char text[] =
       "model m\n"
-      "dim B = 4\n"
-      "input x: f32[B, 8]\n"
+      "dim B = 16\n" // (fp8 GEMMs want dimensions of multiples of 16)
+      "input x: f32[B, 16]\n"
       "input targets: i32[B]\n"
-      "param w1: [8, 8] = normal(0.3)\n"
-      "param w2: [8, 8] = normal(0.3)\n"
-      "param w3: [8, 8] = normal(0.3)\n"
-      "param w4: [8, 4] = normal(0.3)\n"
+      "param w1: [16, 16] = normal(0.3)\n"
+      "param w2: [16, 16] = normal(0.3)\n"
+      "param w3: [16, 16] = normal(0.3)\n"
+      "param w4: [16, 4] = normal(0.3)\n"
       "h = relu(x @ w1)\n"
       "h = relu(h @ w2)\n"
       "big = h * 1e30 * 1e30\n"
@@ -202,11 +202,16 @@ static void test_overflow(void) {
     bool ran = step(e, 1);
     float *after = read_all(e, g->params[1]);
     char why[256] = "", name[200];
-    const Fp8State *st = e->fp8(e);
+    const Fp8State *st = e->fp8 ? e->fp8(e) : NULL;
+    if (!st) {
+      CHECK(false, "fp8: the overflow model has scaled tensors", "%s has none", e->name);
+      e->free(e);
+      continue;
+    }
     bool named = fp8_state_check(st, g, why, sizeof why);
     snprintf(name, sizeof name, "fp8 %s: an infinite amax makes the gradient norm NaN, the step is skipped, the "
              "histories do not roll", e->name);
-    CHECK(ran && isnan(engine_scalar(e, gnorm)) && !memcmp(before, after, sizeof(float) * 64) && st->recorded == 0,
+    CHECK(ran && isnan(engine_scalar(e, gnorm)) && !memcmp(before, after, sizeof(float) * 256) && st->recorded == 0,
           name, "norm %g, recorded %lld", engine_scalar(e, gnorm), (long long)st->recorded);
     snprintf(name, sizeof name, "fp8 %s: the report names the tensor", e->name);
     CHECK(named && strstr(why, "big (line 11") && strstr(why, "is inf"), name, "got '%s'", why);

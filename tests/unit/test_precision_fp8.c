@@ -1,10 +1,14 @@
 // test_precision_fp8.c: precision = fp8 in the precision pass and the reference interpreter.
 //  1. The pass on gpt2-tiny (B=2, T=16), GEMM by GEMM: the forward GEMM of each weight reads two
 //     E4M3 operands, except h.0.attn_w's ("first layer") and the LM head's (wte, "LM head"), kept in
-//     bf16 with their reasons; each backward GEMM reads the E5M2 gradient and the same E4M3 CAST its
-//     forward GEMM reads (one cast per value), or bf16 with its forward GEMM's reason; 21 scaled
-//     tensors named after their weights. With optimizer = muon the Newton-Schulz GEMMs stay bf16 with
-//     their reason; with plain attention its GEMMs have "no weight operand".
+//     bf16 with their reasons; each backward GEMM reads the E5M2 gradient and an E4M3 cast of the
+//     scaled tensor its forward GEMM reads, or bf16 with its forward GEMM's reason; 21 scaled tensors
+//     named after their weights. Every fp8 GEMM has cuBLASLt's FP8 layout (A as it is, B transposed:
+//     C = A B^T), and each scaled tensor is cast exactly twice, once as it is and once transposed
+//     (its shape's last two axes swapped), the copy a CAST of a PERMUTE of the same value. With
+//     optimizer = muon the Newton-Schulz GEMMs stay bf16 with their reason; with plain attention its
+//     GEMMs have "no weight operand"; a GEMM with a dimension not a multiple of 16 stays bf16 with
+//     its reason.
 //  2. One step of the MLP (models/mlp.mdl: w1 is the first layer, w3 the LM head, so w2's GEMMs are the
 //     fp8 ones) against the contract computed here: the scales of the step from the calibration's
 //     amaxes as 2^(floor(log2(max / amax)) - 1) by log2 and floor, the operands quantised by hand with
@@ -64,12 +68,14 @@ static void test_pass_gpt2(void) {
   } want[] = {{"h.0.attn_w", "first layer"}, {"h.0.proj_w", NULL}, {"h.0.fc_w", NULL}, {"h.0.fcproj_w", NULL},
               {"h.1.attn_w", NULL},          {"h.1.proj_w", NULL}, {"h.1.fc_w", NULL}, {"h.1.fcproj_w", NULL},
               {"wte", "LM head"}};
-  int fwd = 0, bwd_fp8 = 0, bwd_bf16 = 0, bad = 0, unshared = 0;
+  int fwd = 0, bwd_fp8 = 0, bwd_bf16 = 0, bad = 0, unshared = 0, layout = 0, fp8_gemms = 0;
   for (int i = 0; i < g->n; i++) {
     const IrNode *n = g->nodes[i];
     if (n->op != OP_MATMUL)
       continue;
     DType da = g->nodes[n->in[0]]->dtype, db = g->nodes[n->in[1]]->dtype;
+    if (is_fp8(da))
+      fp8_gemms++, layout += n->ia[0] != 0 || n->ia[1] != 1;
     if (i < g->fwd_end) {
       const char *w = weight_of(g, n);
       for (size_t k = 0; k < sizeof want / sizeof *want; k++) {
@@ -88,11 +94,12 @@ static void test_pass_gpt2(void) {
     if (is_fp8(da)) {
       bwd_fp8++;
       bad += !((da == DT_F8E5M2) ^ (db == DT_F8E5M2)) || !is_fp8(db) || n->why;
-      // its E4M3 operand is the very CAST a forward GEMM reads
-      int e4 = da == DT_F8E4M3 ? n->in[0] : n->in[1];
+      // its E4M3 operand is a cast of the scaled tensor a forward GEMM reads
+      int64_t e4 = g->nodes[da == DT_F8E4M3 ? n->in[0] : n->in[1]]->ia[1];
       bool shared = false;
       for (int f = 0; f < g->fwd_end; f++)
-        shared |= g->nodes[f]->op == OP_MATMUL && (g->nodes[f]->in[0] == e4 || g->nodes[f]->in[1] == e4);
+        for (int k = 0; k < 2 && g->nodes[f]->op == OP_MATMUL; k++)
+          shared |= is_fp8(g->nodes[g->nodes[f]->in[k]]->dtype) && g->nodes[g->nodes[f]->in[k]]->ia[1] == e4;
       unshared += !shared;
     } else {
       bwd_bf16++;
@@ -102,14 +109,28 @@ static void test_pass_gpt2(void) {
   CHECK(fwd == 9, "fp8 pass: gpt2-tiny has the 9 forward GEMMs named", "found %d", fwd);
   CHECK(bwd_fp8 == 14 && bwd_bf16 == 4 && bad == 0, "fp8 pass: gpt2-tiny's backward GEMMs: 14 fp8 (E5M2 dout, E4M3 "
         "operand), 4 bf16 (first layer, LM head)", "%d fp8, %d bf16, %d bad", bwd_fp8, bwd_bf16, bad);
-  CHECK(unshared == 0, "fp8 pass: each backward GEMM shares its forward GEMM's E4M3 cast", "%d do not", unshared);
-  int e4 = 0, e5 = 0, casts = 0;
+  CHECK(unshared == 0, "fp8 pass: each backward GEMM reads its forward GEMM's E4M3 scaled tensor", "%d do not",
+        unshared);
+  CHECK(fp8_gemms == 21 && layout == 0, "fp8 pass: all 21 fp8 GEMMs have cuBLASLt's FP8 layout (A, B transposed)",
+        "%d fp8 GEMMs, %d in another layout", fp8_gemms, layout);
+  int e4 = 0, e5 = 0, casts = 0, pairs = 0;
   for (int i = 0; i < g->nfp8; i++)
     g->fp8[i].fmt == DT_F8E5M2 ? e5++ : e4++;
-  for (int i = 0; i < g->n; i++)
-    casts += g->nodes[i]->op == OP_CAST && is_fp8(g->nodes[i]->dtype);
-  CHECK(e4 == 14 && e5 == 7 && casts == 21, "fp8 pass: 21 scaled tensors (14 E4M3, 7 E5M2), one CAST each",
-        "%d E4M3, %d E5M2, %d casts", e4, e5, casts);
+  for (int i = 0; i < g->n; i++) {
+    const IrNode *c = g->nodes[i];
+    if (c->op != OP_CAST || !is_fp8(c->dtype))
+      continue;
+    casts++;
+    // the transposed copy: right after the cast, the CAST of a PERMUTE of the same value, swapped
+    const IrNode *p = i + 1 < g->n ? g->nodes[i + 1] : NULL, *t = i + 2 < g->n ? g->nodes[i + 2] : NULL;
+    int r = c->shape.rank;
+    pairs += p && t && p->op == OP_PERMUTE && p->in[0] == c->in[0] && t->op == OP_CAST && t->in[0] == p->id &&
+             t->dtype == c->dtype && t->ia[1] == c->ia[1] && t->shape.d[r - 1] == c->shape.d[r - 2] &&
+             t->shape.d[r - 2] == c->shape.d[r - 1];
+  }
+  CHECK(e4 == 14 && e5 == 7 && casts == 42 && pairs == 21,
+        "fp8 pass: 21 scaled tensors (14 E4M3, 7 E5M2), each cast as it is and transposed",
+        "%d E4M3, %d E5M2, %d casts, %d transposed pairs", e4, e5, casts, pairs);
   bool named = g->nfp8 == 21 && !strcmp(g->fp8[1].name, "h.0.proj_w") && !strcmp(g->fp8[0].name, "h.0.proj_w's input") &&
                !strcmp(g->fp8[20].name, "d h.0.proj_w's output");
   CHECK(named, "fp8 pass: scaled tensors are named after their weights", "#0 '%s', #1 '%s', #20 '%s'",
@@ -203,9 +224,29 @@ static double amax_of(Interp *it, int node) {
   return m;
 }
 
-static void test_interp_mlp(void) {
+// The MLP at B = 8: w2's forward GEMM has m = 8, so it and its backward GEMMs stay bf16, and nothing
+// is scaled.
+static void test_pass_alignment(void) {
   Arena *a = arena_new();
   DimOverride ov[] = {{"B", 8}};
+  Graph *g = fp8_graph(a, "models/mlp.mdl", NULL, ov, 1, NULL);
+  int kept = 0, fp8 = 0;
+  for (int i = 0; i < g->n; i++) {
+    const IrNode *n = g->nodes[i];
+    if (n->op != OP_MATMUL)
+      continue;
+    fp8 += is_fp8(g->nodes[n->in[0]]->dtype);
+    kept += n->why && !strcmp(n->why, "dimensions not multiples of 16");
+  }
+  CHECK(kept == 3 && fp8 == 0 && g->nfp8 == 0,
+        "fp8 pass: the MLP at B = 8 keeps w2's three GEMMs bf16 (dimensions not multiples of 16)",
+        "%d kept for that reason, %d fp8 GEMMs, %d scaled tensors", kept, fp8, g->nfp8);
+  arena_free(a);
+}
+
+static void test_interp_mlp(void) {
+  Arena *a = arena_new();
+  DimOverride ov[] = {{"B", 16}};
   Graph *g = fp8_graph(a, "models/mlp.mdl", NULL, ov, 1, NULL);
   Interp *it = interp_new(g, INTERP_F32);
   interp_init_params(it, 3);
@@ -311,6 +352,7 @@ static void test_scale_rule(void) {
 int main(void) {
   test_scale_rule();
   test_pass_gpt2();
+  test_pass_alignment();
   test_interp_mlp();
   TEST_EXIT();
 }
