@@ -28,9 +28,10 @@
 // sums times A's and B's 1 / scale, given as cuBLASLt's B and A scale pointers into the arena's fp8
 // region. CUBLASLT_MATMUL_DESC_FAST_ACCUM stays off: Hopper's fast accumulation keeps the sums in the
 // tensor cores' narrower accumulator and skips the periodic promotion to f32, which costs accuracy on
-// long inner dimensions (the backward's GEMMs over B*T); the CPU back ends sum in f32. When the engine is built
-// the heuristic offers up to 8 algorithms per GEMM and each is timed on the arena (three runs after
-// one), the fastest kept; capture and replay do no searching.
+// long inner dimensions (the backward's GEMMs over B*T); the CPU back ends sum in f32. When the
+// engine is built the heuristic offers up to 8 algorithms per GEMM and each is timed on the arena
+// (three runs after one), the fastest kept; capture and replay do no searching. A GEMM it offers
+// none for (an fp8 layout other than TN, say) is an error naming the GEMM, its plan step and shapes.
 //
 // The step. Parameters are initialised on the host exactly as the interpreter does and copied up
 // with their bf16 copies (fuse.c, rule 11); the AdamW moments start at zero. Inputs and the lr/step
@@ -47,7 +48,9 @@
 // stream synchronisation, then the kernels' status is read back. With --profile (Engine.profile)
 // the step runs the same launches outside the graph, with an event before each: each launch's
 // device time is added to its plan step's Engine.kernel_seconds, and kept per launch for
-// Engine.profile_launches (the launches inside the plan steps that make several).
+// Engine.profile_launches (the launches inside the plan steps that make several). Precision fp8
+// (fp8_step) cuts the step in two graphs at the optimizer's first launch: the host reads the amaxes
+// between them and keeps the delayed scaling's state (precision.c), as the CPU engine does.
 #include "cuda.h"
 #include "backend.h"
 #include "emit_cuda.h"

@@ -12,8 +12,12 @@
 //     cuBLASLt. It keeps "device" memory on the host, runs the emitted kernels on CPU fibers, records
 //     stream captures and replays them as graphs, and computes GEMMs by cuBLASLt's documented
 //     column-major rules (transposes, leading dimensions, strided batches, bias and GELU epilogues
-//     with their aux output, f32 or bf16 A and B, f32 or bf16 D) independently of how cuda.c maps
-//     our row-major GEMMs onto them, and counts the element types each GEMM is described with. Its
+//     with their aux output, f32 or bf16 A and B, f32 or bf16 D; fp8 A and B by the FP8 rules of
+//     Hopper: E4M3 or E5M2, not both E5M2, "TN" only, leading dimensions multiples of 16, no epilogue,
+//     the codes decoded by runtime/prelude_fp8.h and the f32 sums times the A and B scales read
+//     through their pointers when the GEMM runs; any other fp8 GEMM the heuristic refuses with
+//     CUBLAS_STATUS_NOT_SUPPORTED, as the library does) independently of how cuda.c maps our
+//     row-major GEMMs onto them, and counts the element types each GEMM is described with. Its
 //     heuristic offers three candidates per GEMM, the first made slower than the others: the engine,
 //     which times them when it is built for one GEMM of each kind (gpt2-tiny's two layers repeat
 //     theirs), must replay none of its GEMMs on that one. Its events read a
@@ -51,7 +55,15 @@
 //     GEMM operands (the precision pass): every GEMM is then described with CUDA_R_16BF A and B, the
 //     batched model's a @ a^T also with a bf16 D; the gradients agree within 4e-3 in L2 per tensor,
 //     the parameters after 4 steps within 4e-3, and the bf16 CASTs of the parameters read back
-//     through the Engine as the interpreter's, bit for bit.
+//     through the Engine as the interpreter's, bit for bit. Precision fp8 (fp8_checks): gpt2-tiny
+//     (B=2, T=16) on the graphs' engine, a --profile engine and the interpreter, 3 steps from the same
+//     parameters and batches: the scales (Engine.fp8) are the interpreter's bit for bit after the first
+//     step (its calibration included) and after each of the others, the losses within 1e-5 relative,
+//     the gradients after the first step within 1e-4 in L2, the profiled engine the graphs' bit for
+//     bit; every fp8 GEMM of the plan is described with fp8 A and B (so TN) and none refused; a weight
+//     made infinite through Engine.write skips the step (every parameter unchanged, the histories not
+//     rolled, the tensor named); train_run's checkpoints (snapshots) hold the fp8 state of their step,
+//     and a run resumed at step 4 reaches step 6 with the scales and histories of a run of 6.
 //   - With a real driver and device: the no-driver checks are skipped, and gpt2-tiny (B=2, T=16) runs
 //     one step on the GPU and on the interpreter from the same parameters and batch: the loss and
 //     every gradient agree within 1e-4 relative; with bf16 GEMM operands, within 4e-3 in L2.
@@ -84,6 +96,11 @@ static bool in_list(const char *list, const char *name) {
 
 #include MDL_MODULE
 
+// The host's fp8 conversions, bit for bit NVIDIA's (apart from the module's device ones of the same names).
+namespace host {
+#include "../../runtime/prelude_fp8.h"
+}
+
 typedef int CUresult;
 typedef unsigned long long CUdeviceptr;
 
@@ -99,6 +116,7 @@ struct Desc {
   uint32_t epilogue;
   void *bias, *aux;
   int64_t aux_ld, aux_stride;
+  const float *a_scale, *b_scale; // fp8: read when the GEMM runs (NULL: 1)
 };
 struct Gemm {
   Desc d;
@@ -160,7 +178,8 @@ struct Stream {
 };
 
 // What the test reads back (fake_counters); `described`: GEMMs the heuristic accepted, of which
-// ab16 with bf16 A and B, d16 with a bf16 D; direct_gemms: GEMMs run at once (not replayed), of
+// ab16 with bf16 A and B, d16 with a bf16 D, f8 with fp8 A and B (and TN: the only fp8 it accepts), e5m2
+// of those with an E5M2 operand; f8_refused: fp8 GEMMs the heuristic refused; direct_gemms: GEMMs run at once (not replayed), of
 // gemms in all; slow_replayed: replayed GEMMs on the heuristic's first candidate, which the fake makes
 // slower than the others; slow_kernels_replayed: replayed launches of the kernels named in
 // $FAKE_SLOW_KERNELS, which the fake makes slower when they run at once (those in $FAKE_FAILING_KERNELS
@@ -174,6 +193,7 @@ struct Counters {
   long slow_kernels_replayed;
   long direct_kernels; // kernel launches run at once (not replayed), of `kernels` in all
   long uploads;        // cuMemcpyHtoDAsync calls
+  long f8, e5m2, f8_refused;
 };
 static Counters counters;
 static size_t used;
@@ -450,14 +470,25 @@ CUresult cuEventDestroy_v2(Event *ev) {
 // aux batch strides default to 0). Elements are CUDA_R_32F (0) or CUDA_R_16BF (14): A and B of one
 // type, products summed in f32, D stored as its type (bf16: to nearest, ties to even). The bias and
 // aux take D's type unless set otherwise, and this fake knows them in f32 only: with a bf16 D there
-// is neither.
+// is neither. FP8 (CUDA_R_8F_E4M3 = 28, CUDA_R_8F_E5M2 = 29), as cuBLASLt documents it for Hopper: A
+// and B both fp8, not both E5M2, A transposed and B not ("TN"), their leading dimensions multiples of
+// 16 elements, no epilogue (this fake's bias would be f32, which FP8 GEMMs do not take); D f32 or
+// bf16; D = (the f32 sum of the products of the decoded codes) * A's scale * B's scale, the scales
+// read through their pointers when the GEMM runs. Anything else fp8 the heuristic refuses
+// (CUBLAS_STATUS_NOT_SUPPORTED, no algorithm), as the library does.
 //
 
-enum { OK = 0, INVALID_VALUE = 7, NOT_SUPPORTED = 15, R_32F = 0, R_16BF = 14 };
+enum { OK = 0, INVALID_VALUE = 7, NOT_SUPPORTED = 15, R_32F = 0, R_16BF = 14, R_8F_E4M3 = 28, R_8F_E5M2 = 29 };
+
+static bool is_f8(int type) { return type == R_8F_E4M3 || type == R_8F_E5M2; }
 
 static float gelu(float x) { return 0.5f * x * (1.0f + tanhf(0.7978845608f * (x + 0.044715f * x * x * x))); }
 
 static float get_elem(const void *p, int type, int64_t i) {
+  if (is_f8(type)) {
+    uint8_t c = ((const uint8_t *)p)[i];
+    return type == R_8F_E4M3 ? host::mdl_e4m3_to_f32(c) : host::mdl_e5m2_to_f32(c);
+  }
   if (type == R_16BF) {
     uint16_t h;
     memcpy(&h, (const char *)p + 2 * i, 2);
@@ -490,6 +521,8 @@ static void run_gemm(const Gemm *q) {
           acc += get_elem(q->pa, q->a.type, oa + (int64_t)(q->d.transa ? l + i * q->a.ld : i + l * q->a.ld)) *
                  get_elem(q->pb, q->b.type, ob + (int64_t)(q->d.transb ? j + l * q->b.ld : l + j * q->b.ld));
         int64_t at = oc + (int64_t)(i + j * q->c.ld);
+        if (is_f8(q->a.type))
+          acc = acc * (q->d.a_scale ? *q->d.a_scale : 1.0f) * (q->d.b_scale ? *q->d.b_scale : 1.0f);
         float v = q->alpha * acc + (q->beta != 0 ? q->beta * get_elem(q->pcin, q->c.type, at) : 0.0f);
         if (bias)
           v += ((const float *)q->d.bias)[i];
@@ -509,6 +542,10 @@ static bool consistent(const Desc *d, const Layout *a, const Layout *b, const La
              d->epilogue == 160 || d->epilogue == 164;
   bool types = (a->type == R_32F || a->type == R_16BF) && b->type == a->type &&
                (c->type == R_32F || (c->type == R_16BF && !d->bias && !d->aux));
+  if (is_f8(a->type) || is_f8(b->type))
+    types = is_f8(a->type) && is_f8(b->type) && !(a->type == R_8F_E5M2 && b->type == R_8F_E5M2) && d->transa == 1 &&
+            d->transb == 0 && a->ld % 16 == 0 && b->ld % 16 == 0 && d->epilogue == 1 &&
+            (c->type == R_32F || c->type == R_16BF);
   return am == c->rows && bn == c->cols && ak == bk && types && epi && a->ld >= (int64_t)a->rows &&
          b->ld >= (int64_t)b->rows && c->ld >= (int64_t)c->rows && a->batch == c->batch && b->batch == c->batch &&
          (d->bias != NULL) == ((d->epilogue & 4) != 0) && (d->aux != NULL) == ((d->epilogue & 128) != 0);
@@ -527,7 +564,7 @@ size_t cublasLtGetVersion(void) { return 130000; }
 int cublasLtMatmulDescCreate(Desc **d, int compute, int scale) {
   if (compute != 68 || scale != 0)
     return NOT_SUPPORTED;
-  *d = new Desc{0, 0, 1, NULL, NULL, 0, 0};
+  *d = new Desc{0, 0, 1, NULL, NULL, 0, 0, NULL, NULL};
   return OK;
 }
 int cublasLtMatmulDescSetAttribute(Desc *d, int attr, const void *v, size_t n) {
@@ -539,6 +576,8 @@ int cublasLtMatmulDescSetAttribute(Desc *d, int attr, const void *v, size_t n) {
   case 11: return n == sizeof(void *) ? (memcpy(&d->aux, v, n), OK) : INVALID_VALUE;
   case 12: return n == 8 ? (memcpy(&d->aux_ld, v, 8), OK) : INVALID_VALUE;
   case 13: return n == 8 ? (memcpy(&d->aux_stride, v, 8), OK) : INVALID_VALUE;
+  case 17: return n == sizeof(void *) ? (memcpy(&d->a_scale, v, n), OK) : INVALID_VALUE;
+  case 18: return n == sizeof(void *) ? (memcpy(&d->b_scale, v, n), OK) : INVALID_VALUE;
   case 26: return n == 4 && *(const int32_t *)v == 0 ? OK : INVALID_VALUE;
   default: return NOT_SUPPORTED;
   }
@@ -594,6 +633,11 @@ int cublasLtMatmulAlgoGetHeuristic(void *, Desc *d, Layout *a, Layout *b, Layout
     counters.described++;
     counters.ab16 += a->type == R_16BF;
     counters.d16 += c->type == R_16BF;
+    counters.f8 += is_f8(a->type);
+    counters.e5m2 += is_f8(a->type) && (a->type == R_8F_E5M2 || b->type == R_8F_E5M2);
+  } else if (is_f8(a->type) || is_f8(b->type)) {
+    counters.f8_refused++;
+    return NOT_SUPPORTED;
   }
   return OK;
 }
@@ -1052,6 +1096,7 @@ typedef struct {
   long slow_kernels_replayed;
   long direct_kernels;
   long uploads;
+  long f8, e5m2, f8_refused;
 } Counters;
 
 // The emulated GPU for one plan: this file as C++ with the plan's module and kernel list.
@@ -1202,12 +1247,13 @@ static void snapshot_checks(const char *label, const Compiled *c, Engine *cuda, 
 // The training loop on the emulated GPU (train_run, no validation): 4 steps with a checkpoint every 2,
 // each a snapshot, read from it by the checkpoint writer's thread while the next steps run;
 // the checkpoint left at the end holds every parameter and moment as the engine has them, bit for bit.
-static void train_checks(const char *label, const Compiled *c, const Counters *k) {
-  char name[300], text[1200], data[1200], out[1200], ckpt[1300];
+// A small corpus prepared into shards at `data` (once: later calls find them there).
+static bool train_data(char *data, size_t n) {
+  char text[1200];
   snprintf(text, sizeof text, "%s/corpus.txt", tmp);
-  snprintf(data, sizeof data, "%s/corpus-data", tmp);
-  snprintf(out, sizeof out, "%s/train-out", tmp);
-  snprintf(ckpt, sizeof ckpt, "%s/checkpoint.safetensors", out);
+  snprintf(data, n, "%s/corpus-data", tmp);
+  if (access(text, F_OK) == 0)
+    return true;
   FILE *f = fopen(text, "w");
   for (int i = 0; f && i < 400; i++)
     fprintf(f, "Line %d of a small corpus: the %s fox jumps over %d lazy dogs.\n", i, i % 3 ? "quick" : "brown",
@@ -1217,7 +1263,14 @@ static void train_checks(const char *label, const Compiled *c, const Counters *k
   prep_defaults(&po);
   po.input = text;
   po.out_dir = data;
-  ok = ok && prep_run(&po) == 0;
+  return ok && prep_run(&po) == 0;
+}
+
+static void train_checks(const char *label, const Compiled *c, const Counters *k) {
+  char name[300], data[1200], out[1200], ckpt[1300];
+  snprintf(out, sizeof out, "%s/train-out", tmp);
+  snprintf(ckpt, sizeof ckpt, "%s/checkpoint.safetensors", out);
+  bool ok = train_data(data, sizeof data);
   char why[256];
   Engine *e = ok ? engine_cuda(c->f, c->m, 7, true, true, why, sizeof why) : NULL;
   TrainOptions to = {.model_path = "models/gpt2-tiny.mdl", .data_dir = data, .tokenizer_path = "tokenizer.bin",
@@ -1744,6 +1797,219 @@ static void emulated_checks(const Model *md) {
   arena_free(c.a);
 }
 
+static float *read_all(Engine *e, int node) {
+  int64_t n = shape_numel(e->g->nodes[node]->shape);
+  float *x = calloc((size_t)(n ? n : 1), sizeof *x);
+  e->read(e, node, x);
+  return x;
+}
+
+// Two fp8 states alike: the same steps recorded, the scales and histories bit for bit (hist: those too).
+static bool same_fp8(const Fp8State *x, const Fp8State *y, bool hist) {
+  return x && y && x->n == y->n && x->H == y->H && x->recorded == y->recorded &&
+         !memcmp(x->scale, y->scale, sizeof(float) * (size_t)x->n) &&
+         (!hist || !memcmp(x->hist, y->hist, sizeof(float) * (size_t)x->n * (size_t)x->H));
+}
+
+// train_run of a fresh fp8 engine on the corpus into `out`: `steps` steps, a checkpoint every 2,
+// resuming the checkpoint there when `resume`. The engine, or NULL after a failed run (why says so).
+static Engine *fp8_train(const Compiled *c, const char *data, const char *out, int64_t steps, bool resume, char *why,
+                         size_t n) {
+  Engine *e = engine_cuda(c->f, c->m, 7, true, true, why, n);
+  TrainOptions to = {.model_path = "models/gpt2-tiny.mdl", .data_dir = data, .tokenizer_path = "tokenizer.bin",
+                     .out_dir = out, .steps = steps, .seed = 7, .val_every = 0, .val_batches = 1, .ckpt_every = 2,
+                     .resume = resume, .quiet = true};
+  if (e && train_run(e, NULL, NULL, &to) != 0) {
+    snprintf(why, n, "train_run failed");
+    e->free(e);
+    e = NULL;
+  }
+  return e;
+}
+
+// Precision fp8 on the emulated GPU (the fake cuBLASLt's FP8 rules: both operands fp8, TN, leading
+// dimensions of 16): gpt2-tiny (B=2, T=16: B*T a multiple of 16, as the FP8 GEMMs' m, n and k must
+// be) on the graphs' engine, on a --profile one (launch by launch) and on the interpreter, from the
+// same parameters and batches, 3 steps. The scales are the interpreter's bit for bit after the first
+// step (its calibration included) and after each of the others, the losses within 1e-5 relative,
+// the gradients after the first step within 1e-4 in L2 (bf16's tolerance is 4e-3; the emulated GEMMs
+// sum the same decoded codes in another order), the profiled engine's state and loss the graphs' bit
+// for bit; cuBLASLt is told fp8 A and B for every fp8 GEMM of the plan (TN: it accepts no other) and
+// refuses none. A weight made infinite through Engine.write gives a non-finite amax: the step runs,
+// every parameter is unchanged, the histories do not roll and the state names the tensor. train_run
+// with a checkpoint every 2 steps records the fp8 state of the step its snapshot holds, and an engine
+// resumed from the checkpoint of step 4 reaches step 6 with the scales and histories of a run of 6.
+static void fp8_checks(void) {
+  Model md = {"gpt2-tiny fp8", "models/gpt2-tiny.mdl", NULL, {{"B", 2}, {"T", 16}}, 2, DT_F8E4M3};
+  char name[400], why[1024], so[512];
+  Compiled c;
+  if (!compile_model(&md, &c)) {
+    CHECK(false, "cuda: gpt2-tiny fp8 compiles", "front end, autodiff or the fp8 pass failed");
+    arena_free(c.a);
+    return;
+  }
+  const Graph *g = c.g;
+  const CudaPlan *p = emit_cuda_plan(c.f, c.m, g->model);
+  bool built = p && build_fake_gpu(p, "gpt2_tiny_fp8", so, sizeof so, why, sizeof why);
+  CHECK(built, "cuda: gpt2-tiny fp8: the emulated GPU builds", "%s", p ? why : "emit_cuda_plan failed");
+  if (!built) {
+    arena_free(c.a);
+    return;
+  }
+  setenv("MDL_LIBCUDA", so, 1);
+  setenv("MDL_LIBCUBLASLT", so, 1);
+  setenv("MDL_NVRTC_THREADS", "3", 1);
+  void *h = dlopen(so, RTLD_NOW | RTLD_LOCAL);
+  const Counters *(*counters)(void) = h ? (const Counters *(*)(void))dlsym(h, "fake_counters") : NULL;
+  int f8 = 0, e5 = 0;
+  for (int i = 0; i < p->ngemms; i++) {
+    const CudaGemm *gm = &p->gemms[i];
+    bool fp8 = gm->ab == DT_F8E4M3 || gm->ab == DT_F8E5M2;
+    f8 += fp8;
+    e5 += fp8 && (gm->ab == DT_F8E5M2 || gm->b_fp8 == DT_F8E5M2);
+  }
+  Engine *es[3] = {engine_cuda(c.f, c.m, 5, true, true, why, sizeof why), NULL, NULL};
+  const Counters *k = counters ? counters() : NULL;
+  snprintf(name, sizeof name, "cuda: gpt2-tiny fp8: the engine starts; cuBLASLt is told fp8 A and B for each of the "
+           "plan's %d fp8 GEMMs (%d with an E5M2 operand) and refuses none", f8, e5);
+  CHECK(es[0] && k && f8 > 0 && k->f8 == f8 && k->e5m2 == e5 && k->f8_refused == 0, name, "%s",
+        !es[0] ? why : !k ? "no fake_counters" : "counts differ");
+  if (es[0] && k)
+    printf("  (fp8 GEMMs described: %ld, with E5M2: %ld, refused: %ld)\n", k->f8, k->e5m2, k->f8_refused);
+  es[1] = es[0] ? engine_cuda(c.f, c.m, 5, true, true, why, sizeof why) : NULL;
+  if (!es[0] || !es[1] || !k) {
+    for (int i = 0; i < 2; i++)
+      if (es[i])
+        es[i]->free(es[i]);
+    goto done;
+  }
+  es[1]->profile = true;
+  es[2] = engine_interp(g, INTERP_F32, 5);
+  set_batch(g, es, 3, 0);
+  bool ok = true, scales = true, profiled = true;
+  double loss_err = 0, grad_err = 0;
+  const char *worst_at = "";
+  for (int s = 1; ok && s <= 3; s++) {
+    for (int i = 0; ok && i < 3; i++) {
+      es[i]->set_seed(es[i], 1000 + (uint64_t)s);
+      es[i]->set_scalar(es[i], "lr", 2e-3);
+      es[i]->set_scalar(es[i], "step", (double)s);
+      ok = es[i]->step(es[i], why, sizeof why);
+    }
+    if (!ok)
+      break;
+    scales &= same_fp8(es[0]->fp8(es[0]), es[2]->fp8(es[2]), false);
+    double lc = engine_scalar(es[0], g->loss), li = engine_scalar(es[2], g->loss);
+    loss_err = fmax(loss_err, fabs(lc - li) / fabs(li));
+    profiled &= same_fp8(es[0]->fp8(es[0]), es[1]->fp8(es[1]), true) && lc == engine_scalar(es[1], g->loss);
+    for (int i = 0; s == 1 && i < g->nparams; i++) {
+      double r = rel_error(es[0], es[2], g->grads[i], true);
+      if (!(r <= grad_err))
+        grad_err = r, worst_at = g->nodes[g->params[i]]->name;
+    }
+  }
+  CHECK(ok, "cuda: gpt2-tiny fp8: 3 steps run on the graphs, on --profile and on the interpreter", "%s", why);
+  // (4 steps of amaxes in the histories after 3: the calibration's count, as on the CPU)
+  CHECK(ok && scales && es[0]->fp8(es[0])->recorded == 4,
+        "cuda: gpt2-tiny fp8: the scales are the interpreter's bit for bit after the first step (calibration) and "
+        "each of 3", "they differ, or %lld steps recorded", (long long)es[0]->fp8(es[0])->recorded);
+  snprintf(name, sizeof name, "cuda: gpt2-tiny fp8: the losses of 3 steps within 1e-5 relative of the interpreter's "
+           "(worst %.1e)", loss_err);
+  CHECK(ok && loss_err <= 1e-5, name, "%.3g", loss_err);
+  snprintf(name, sizeof name, "cuda: gpt2-tiny fp8: every gradient after the first step within 1e-4 in L2 of the "
+           "interpreter's (worst %.1e, %s)", grad_err, worst_at);
+  CHECK(ok && grad_err <= 1e-4, name, "%.3g at %s", grad_err, worst_at);
+  CHECK(ok && profiled && k->captures == 4,
+        "cuda: gpt2-tiny fp8: two graphs an engine, cut at the optimizer; --profile reaches their scales, "
+        "histories and losses bit for bit", "%s; %ld captures", profiled ? "" : "they differ", k->captures);
+
+  // A weight read by an fp8 GEMM made infinite: its cast's amax is not finite.
+  int w = -1, t = -1;
+  for (int i = 0; i < g->n && w < 0; i++) {
+    const IrNode *x = g->nodes[i];
+    if (x->op == OP_CAST && (x->dtype == DT_F8E4M3 || x->dtype == DT_F8E5M2) && g->nodes[x->in[0]]->op == OP_PARAM)
+      w = x->in[0], t = (int)x->ia[1];
+  }
+  if (w >= 0) {
+    float *v = read_all(es[0], w);
+    v[0] = INFINITY;
+    es[0]->write(es[0], w, v);
+    free(v);
+    Fp8State before = *es[0]->fp8(es[0]);
+    float *scale = malloc(sizeof(float) * (size_t)before.n);
+    memcpy(scale, before.scale, sizeof(float) * (size_t)before.n);
+    float **params = calloc((size_t)g->nparams, sizeof *params);
+    for (int i = 0; i < g->nparams; i++)
+      params[i] = read_all(es[0], g->params[i]);
+    es[0]->set_scalar(es[0], "step", 4);
+    ok = es[0]->step(es[0], why, sizeof why);
+    int moved = 0;
+    for (int i = 0; i < g->nparams; i++) {
+      float *x = read_all(es[0], g->params[i]);
+      moved += memcmp(x, params[i], sizeof(float) * (size_t)shape_numel(g->nodes[g->params[i]]->shape)) != 0;
+      free(x);
+      free(params[i]);
+    }
+    free(params);
+    const Fp8State *st = es[0]->fp8(es[0]);
+    char what[256] = "";
+    bool named = fp8_state_check(st, g, what, sizeof what);
+    snprintf(name, sizeof name, "cuda: gpt2-tiny fp8: an infinite weight (%s) skips the step: every parameter "
+             "unchanged, the histories not rolled, the tensor named", g->nodes[w]->name);
+    CHECK(ok && moved == 0 && st->recorded == before.recorded && !memcmp(st->scale, scale, sizeof(float) * (size_t)st->n) &&
+              named && strstr(what, g->fp8[t].name) && strstr(what, "inf"),
+          name, "%s; %d parameters moved; %lld recorded; '%s'", ok ? "ran" : why, moved, (long long)st->recorded, what);
+    free(scale);
+  } else {
+    CHECK(false, "cuda: gpt2-tiny fp8: a weight cast to fp8", "none found");
+  }
+  for (int i = 0; i < 3; i++)
+    es[i]->free(es[i]);
+
+  // Checkpoints: a run of 4 steps (checkpoints at 2 and 4, each a snapshot), resumed to 6, against a
+  // run of 6.
+  char data[1200], out4[1200], out6[1200], ckpt[1300];
+  snprintf(out4, sizeof out4, "%s/fp8-out4", tmp);
+  snprintf(out6, sizeof out6, "%s/fp8-out6", tmp);
+  snprintf(ckpt, sizeof ckpt, "%s/checkpoint.safetensors", out4);
+  long copies = k->device_copies;
+  Engine *e = train_data(data, sizeof data) ? fp8_train(&c, data, out4, 4, false, why, sizeof why) : NULL;
+  Arena *a = arena_new();
+  StFile sf;
+  ok = e && st_read(a, ckpt, &sf);
+  const StTensor *sc = ok ? st_find(&sf, "fp8.scale") : NULL, *hi = ok ? st_find(&sf, "fp8.amax_history") : NULL;
+  const char *rec = ok ? st_meta(&sf, "mdl.fp8_recorded") : NULL;
+  const Fp8State *st = e ? e->fp8(e) : NULL;
+  CHECK(ok && k->device_copies - copies == 6 && sc && hi && rec && st && atoll(rec) == st->recorded && st->recorded == 5 &&
+            !memcmp(sc->data, st->scale, sizeof(float) * (size_t)st->n) &&
+            !memcmp(hi->data, st->hist, sizeof(float) * (size_t)st->n * (size_t)st->H),
+        "cuda: gpt2-tiny fp8: train_run's checkpoints, each a snapshot, record the fp8 state of the step they hold",
+        "%s; %ld device copies; recorded %s", !e ? why : !ok ? "no checkpoint" : "the state differs",
+        k->device_copies - copies, rec ? rec : "none");
+  if (e)
+    e->free(e);
+  arena_free(a);
+  Engine *resumed = ok ? fp8_train(&c, data, out4, 6, true, why, sizeof why) : NULL;
+  Engine *straight = resumed ? fp8_train(&c, data, out6, 6, false, why, sizeof why) : NULL;
+  CHECK(resumed && straight && same_fp8(resumed->fp8(resumed), straight->fp8(straight), true) &&
+            straight->fp8(straight)->recorded == 7,
+        "cuda: gpt2-tiny fp8: resumed at step 4, an engine reaches step 6 with the scales and histories of a run of 6 "
+        "steps, bit for bit", "%s", resumed && straight ? "they differ" : why);
+  if (resumed)
+    resumed->free(resumed);
+  if (straight)
+    straight->free(straight);
+  CHECK(k->live_allocations == 0 && k->modules == 0, "cuda: gpt2-tiny fp8: the engines free their device memory",
+        "%ld allocations, %ld modules", k->live_allocations, k->modules);
+done:
+  if (h)
+    dlclose(h);
+  unsetenv("MDL_LIBCUDA");
+  unsetenv("MDL_LIBCUBLASLT");
+  unsetenv("MDL_NVRTC_THREADS");
+  arena_free(c.a);
+}
+
 // A real GPU: gpt2-tiny on it and on the interpreter, fp32 (within 1e-4) and with bf16 GEMM operands
 // (within 4e-3 in L2, as the emulated GPU: cuBLASLt sums in yet another order, so more values round
 // to the other bf16 neighbour than in the emulation).
@@ -1845,6 +2111,7 @@ int main(void) {
     };
     for (size_t i = 0; i < sizeof models / sizeof *models; i++)
       emulated_checks(&models[i]);
+    fp8_checks();
   }
   char cmd[600];
   snprintf(cmd, sizeof cmd, "rm -rf %s", tmp);
