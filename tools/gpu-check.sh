@@ -51,7 +51,8 @@
 #   8. the largest batch at T=1024 whose step fits the GPU's free memory with --checkpoint none and
 #      with --checkpoint auto (from the plans), and twelve steps at each: tokens/s and MFU.
 #   9. --precision fp8 against bf16: twelve steps of it at B=8 each, tokens/s, MFU, peak memory and the
-#      last step's loss (fp8 needs sm_89 or later; on an older GPU mdlc's refusal is recorded);
+#      last step's loss, then fp8's speed-up (cuBLASLt's FP8 GEMMs: sm_89 or later; on an older GPU
+#      mdlc's refusal is recorded);
 #  10. data parallel over every GPU of the machine, where it has two or more (mpirun, NCCL): gpt2-tiny's
 #      losses on G ranks of B=2 against one process of B=2G (1e-4), then twelve steps of the model at
 #      B=8 a rank with --zero 0 and 1: tokens/s, the all-reduce's share, rank 0's peak memory;
@@ -449,11 +450,14 @@ if [ $rc -eq 0 ] && [ "$backend" = cuda ]; then
   done
 fi
 # FP8 against bf16: twelve steps of it at B=8 with --precision fp8 and with bf16, the same batches:
-# tokens/s and MFU as above, and the last step's loss of each (FP8's GEMMs need sm_89 or later: on an
-# older GPU mdlc refuses fp8, naming the device, and the stage says so, as it does while the CUDA
-# back end has no FP8 GEMMs). The rehearsal runs it on the compiled C, where fp8 is emulated.
+# tokens/s and MFU as above (both against the bf16 peak, so fp8's MFU says how much nearer that peak
+# its GEMMs bring the step), the last step's loss of each, then fp8's speed-up and the losses'
+# difference. FP8's GEMMs (cuBLASLt's E4M3 and E5M2) need sm_89 or later: on an older GPU mdlc
+# refuses fp8, naming the device, and the stage says so. The rehearsal runs it on the compiled C,
+# where fp8 is emulated (slower than bf16 there).
 if [ $rc -eq 0 ]; then
   say "== $model: --precision fp8 against bf16, 12 steps at B=8 T=$T"
+  prec_tps="" prec_loss=""
   for p in bf16 fp8; do
     log="$tmp/prec-$p.log"
     if twelve 8 "$log" --precision $p && IFS=$'\t' read -r tps k flops peak < <(steps_mean "$log") &&
@@ -462,14 +466,22 @@ if [ $rc -eq 0 ]; then
       say "$(awk -v t="$tps" -v f="$flops" -v T="$T" -v peak="$peak" -v p="$p" -v l="$loss" 'BEGIN {
         printf "%s: tokens/s %.0f at B=8 T=%d, MFU %.2f%% of 989 TFLOP/s (model flops); peak %s; loss at step 12 %s",
           p, t, T, 100 * t * f / (8 * T) / 989e12, peak, l }')"
-    elif [ $p = fp8 ] && grep -qE "compute capability|does not run fp8 GEMMs yet" "$log"; then
-      say "fp8: not run: $(grep -m1 -E 'compute capability|does not run fp8 GEMMs yet' "$log")"
+      prec_tps="$prec_tps $tps" prec_loss="$prec_loss $loss"
+    elif [ $p = fp8 ] && grep -qE "compute capability" "$log"; then
+      say "fp8: not run: $(grep -m1 -E 'compute capability' "$log")"
     else
       tail -12 "$log" | tee -a "$res"
       say "mdlc run with --precision $p failed"
       status=1
     fi
   done
+  read -r tps_bf16 tps_fp8 <<<"$prec_tps"
+  read -r loss_bf16 loss_fp8 <<<"$prec_loss"
+  if [ -n "${tps_fp8:-}" ] && [ -n "${loss_fp8:-}" ]; then
+    say "$(awk -v a="$tps_bf16" -v b="$tps_fp8" -v la="$loss_bf16" -v lb="$loss_fp8" 'BEGIN {
+      d = lb - la; if (d < 0) d = -d
+      printf "fp8 against bf16: %.2fx the tokens/s; the losses at step 12 differ by %.4f", b / a, d }')"
+  fi
 fi
 # Data parallel over every GPU of the machine (mpirun, NCCL; it needs one GPU a rank, so a machine of
 # one GPU skips it): gpt2-tiny fp32 on G ranks of B=2 against one process at B=2G, 10 steps, the same

@@ -77,6 +77,8 @@ check "stage 7 trains at B=16, 32 and 64 and reads tokens/s, MFU and the peak fr
 check "stage 9 trains the model in fp8 and bf16 and reads tokens/s, MFU, the peak and the last loss of each" \
   [ "$(grep -cE '^(fp8|bf16): tokens/s [1-9][0-9]* at B=8 T=64, MFU [0-9.]+% of 989 TFLOP/s \(model flops\); peak '\
 '[0-9]+ MB; loss at step 12 [0-9]+\.[0-9]{4}$' "$r")" -eq 2 ]
+check "stage 9 says what fp8 is worth against bf16" \
+  grep -qE '^fp8 against bf16: [0-9]+\.[0-9]{2}x the tokens/s; the losses at step 12 differ by [0-9]+\.[0-9]{4}$' "$r"
 if command -v mpirun >/dev/null 2>&1; then
   check "stage 10 trains gpt2-tiny on 2 ranks as in one process, and the model on 2 ranks with --zero 0 and 1" \
     eval 'grep -qE "^  10 losses, largest difference [0-9.e+-]+: ok$" "$r" &&

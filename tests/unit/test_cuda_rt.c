@@ -1485,7 +1485,7 @@ static int gemm_kinds(const CudaPlan *p) {
     bool seen = false;
     for (int j = 0; j < i && !seen; j++) {
       const CudaGemm *y = &p->gemms[j];
-      seen = x->ab == y->ab && x->c_type == y->c_type && x->ta == y->ta && x->tb == y->tb && x->m == y->m &&
+      seen = x->ab == y->ab && x->b_fp8 == y->b_fp8 && x->c_type == y->c_type && x->ta == y->ta && x->tb == y->tb && x->m == y->m &&
              x->n == y->n && x->k == y->k && x->lda == y->lda && x->ldb == y->ldb && x->ldc == y->ldc &&
              x->batch == y->batch && x->stride_a == y->stride_a && x->stride_b == y->stride_b &&
              x->stride_c == y->stride_c && x->beta == y->beta && x->epilogue == y->epilogue &&
