@@ -66,7 +66,8 @@
 //     and a run resumed at step 4 reaches step 6 with the scales and histories of a run of 6.
 //   - With a real driver and device: the no-driver checks are skipped, and gpt2-tiny (B=2, T=16) runs
 //     one step on the GPU and on the interpreter from the same parameters and batch: the loss and
-//     every gradient agree within 1e-4 relative; with bf16 GEMM operands, within 4e-3 in L2.
+//     every gradient agree within 1e-4 relative; with bf16 GEMM operands, within 4e-3 in L2; on sm_89
+//     or later in fp8 (cuBLASLt's FP8 GEMMs), within 4e-3 in L2 too.
 #include <stdbool.h>
 #include <string.h>
 
@@ -2012,16 +2013,25 @@ done:
 
 // A real GPU: gpt2-tiny on it and on the interpreter, fp32 (within 1e-4) and with bf16 GEMM operands
 // (within 4e-3 in L2, as the emulated GPU: cuBLASLt sums in yet another order, so more values round
-// to the other bf16 neighbour than in the emulation).
+// to the other bf16 neighbour than in the emulation); on sm_89 or later in fp8 too, within bf16's
+// 4e-3 in L2 (cuBLASLt's FP8 kernels sum the same codes in their own order).
 static void gpu_checks(void) {
   static const Model models[] = {
       {"gpt2-tiny on the GPU", "models/gpt2-tiny.mdl", NULL, {{"B", 2}, {"T", 16}}, 2, DT_F32},
       {"gpt2-tiny bf16 on the GPU", "models/gpt2-tiny.mdl", NULL, {{"B", 2}, {"T", 16}}, 2, DT_BF16},
+      {"gpt2-tiny fp8 on the GPU", "models/gpt2-tiny.mdl", NULL, {{"B", 2}, {"T", 16}}, 2, DT_F8E4M3},
   };
+  CudaDevice dev;
+  char devwhy[256];
+  int cc = cuda_device(&dev, devwhy, sizeof devwhy) ? cuda_compute_capability(&dev) : 0;
   for (size_t i = 0; i < sizeof models / sizeof *models; i++) {
     const Model *md = &models[i];
-    bool bf16 = md->prec == DT_BF16;
+    bool bf16 = md->prec != DT_F32;
     char name[256], why[1024];
+    if (md->prec == DT_F8E4M3 && cc < 89) {
+      printf("[skip] cuda: %s: the GPU (sm_%d) has no FP8 tensor cores\n", md->label, cc);
+      continue;
+    }
     Compiled c;
     if (!compile_model(md, &c)) {
       snprintf(name, sizeof name, "cuda: %s compiles", md->label);
