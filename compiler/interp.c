@@ -26,7 +26,9 @@
 // scale_b). A whole step (interp_run to the end) first calibrates when no step was recorded yet (the
 // graph up to its first optimizer node with every scale 1: amaxes only, nothing written), and ends
 // with fp8_state_update; a non-finite amax makes the gradient norm NaN, so that the optimizer skips the
-// step as it skips a non-finite loss, and the runtime names the tensor (interp_fp8).
+// step as it skips a non-finite loss, and the runtime names the tensor (interp_fp8). The training
+// engine (runtime/engine.c) runs the same step in parts with interp_run_nodes instead, so that the
+// ranks' and the micro-batches' amaxes join the step's before the gradient norm checks them.
 #include "mdl.h"
 
 #include <math.h>

@@ -1346,7 +1346,7 @@ static int train_loop(Engine *e, Engine *eval, Engine *micro, const TrainOptions
       nccl = true;
     } else {
       diag_file_error(o->model_path, "the %s back end cannot reduce gradients over ranks%s%s", e->name,
-                      err[0] ? ": " : " (data-parallel training runs on the compiled CPU and CUDA back ends)", err);
+                      err[0] ? ": " : " (data-parallel training runs on the interpreter and the compiled CPU and CUDA back ends)", err);
       rc = 1;
       last = start;
     }
