@@ -612,10 +612,14 @@ static void ce_fp8_gather(CpuEngine *ce) {
 }
 
 // Fp8Step.run (interp.c's interpreter does the same step node by node): the kernels, then their
-// threads' amaxes gathered.
+// threads' amaxes gathered. The buckets queued to the engine's thread are reduced before it returns:
+// the amaxes' all-reduce that follows is the main thread's, and MPI serves one thread at a time, the
+// ranks' collectives in one order.
 static bool ce_fp8_run(void *ctx, int from, int to, bool comm, char *err, size_t n) {
   CpuEngine *ce = ctx;
   bool ok = ce_run(ce, from, to, comm, err, n);
+  if (comm && ce->reduce && ce->comm.started)
+    comm_drain(ce);
   ce_fp8_gather(ce);
   return ok;
 }

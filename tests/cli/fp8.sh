@@ -95,7 +95,8 @@ else
 fi
 
 # Several ranks and gradient accumulation share the scales: 2 ranks at B=1, and --accumulate 2 at B=1,
-# against 1 process at B=2 (and both together against 1 process at B=4), 3 steps on each engine. Every
+# against 1 process at B=2 (and both together against 1 process at B=4, the C back end's gradients
+# reduced in small buckets beside the backward, before the amaxes), 3 steps on each engine. Every
 # rank and micro-batch casts with the step's scales and the step's amax is the max over all of them,
 # so the scales are those of the single process: the forward's (E4M3) equal, the backward's (E5M2)
 # exactly K times smaller (K = ranks x micro-batches), their amaxes K times larger: a micro-batch's loss
@@ -156,7 +157,8 @@ for backend in cpu interp; do
   r=$(fp8same "$s-one" "$s-two" 2) && ok "$backend: 2 ranks at B=1 scale as 1 process at B=2: $r" ||
     fail "$backend: 2 ranks at B=1 against B=2: $r"
   $m run "${share[@]}" --backend $backend -D B=4 --out "$s-four" >"$s-four.out" 2>&1 || fail "$backend: B=4: $(tail -c 300 "$s-four.out")"
-  mpirun -np 2 $m run "${share[@]}" --backend $backend -D B=1 --accumulate 2 --out "$s-both" >"$s-both.out" 2>&1 ||
+  mpirun -np 2 $m run "${share[@]}" --backend $backend -D B=1 --accumulate 2 --bucket-mb 0.0625 --overlap \
+    --out "$s-both" >"$s-both.out" 2>&1 ||
     fail "$backend: 2 ranks with --accumulate 2: $(tail -c 300 "$s-both.out")"
   r=$(fp8same "$s-four" "$s-both" 4) && ok "$backend: 2 ranks with --accumulate 2 at B=1 scale as 1 process at B=4: $r" ||
     fail "$backend: 2 ranks with --accumulate 2 against B=4: $r"
