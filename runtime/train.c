@@ -1331,7 +1331,8 @@ static int train_loop(Engine *e, Engine *eval, Engine *micro, const TrainOptions
       fa.ones[i] = 1;
     ac.fp8 = k > 1 ? &fa : NULL;
   }
-  if (fp8_shared && (!e->set_fp8_amax || (k > 1 && (!micro->fp8 || !micro->set_fp8_lead || micro->fp8(micro)->n != fa.n)))) {
+  bool led = k <= 1 || (micro->fp8 && micro->set_fp8_lead && micro->fp8(micro)->n == fa.n);
+  if (fp8_shared && (!e->set_fp8_amax || !led)) {
     diag_file_error(o->model_path, "precision fp8 %s on the %s back end: its engines do not share the fp8 scales "
                     "and amaxes%s; use bf16 there, or --backend cpu", world > 1 ? "over several ranks" :
                     "with gradient accumulation (accumulate > 1)", e->name,
@@ -1346,7 +1347,8 @@ static int train_loop(Engine *e, Engine *eval, Engine *micro, const TrainOptions
       nccl = true;
     } else {
       diag_file_error(o->model_path, "the %s back end cannot reduce gradients over ranks%s%s", e->name,
-                      err[0] ? ": " : " (data-parallel training runs on the interpreter and the compiled CPU and CUDA back ends)", err);
+                      err[0] ? ": " : " (data-parallel training runs on the interpreter and the compiled CPU and "
+                                      "CUDA back ends)", err);
       rc = 1;
       last = start;
     }
