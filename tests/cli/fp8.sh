@@ -8,7 +8,9 @@
 #   - a bf16 checkpoint is refused for an fp8 resume, and an fp8 one for a bf16 resume, the path and
 #     the reason named, and one for another amax_history; an fp8 checkpoint samples and evaluates (its scaling state is training state);
 #   - an activation that overflows into an fp8 GEMM is reported at its step with the tensor's name,
-#     and the step is skipped.
+#     and the step is skipped;
+#   - 2 ranks (mpirun), --accumulate 2, and both, scale as one process over the whole batch, on the C
+#     back end and the interpreter (below: what is equal, and up to which power of two).
 set -u
 cd "$(dirname "$0")/../.."
 m=bin/mdlc
