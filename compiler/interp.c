@@ -26,7 +26,9 @@
 // scale_b). A whole step (interp_run to the end) first calibrates when no step was recorded yet (the
 // graph up to its first optimizer node with every scale 1: amaxes only, nothing written), and ends
 // with fp8_state_update; a non-finite amax makes the gradient norm NaN, so that the optimizer skips the
-// step as it skips a non-finite loss, and the runtime names the tensor (interp_fp8).
+// step as it skips a non-finite loss, and the runtime names the tensor (interp_fp8). The training
+// engine (runtime/engine.c) runs the same step in parts with interp_run_nodes instead, so that the
+// ranks' and the micro-batches' amaxes join the step's before the gradient norm checks them.
 #include "mdl.h"
 
 #include <math.h>
@@ -1087,7 +1089,7 @@ static bool run_node(Ctx *c) {
   return fail(c, "node %d: unknown op %d", nd->id, (int)nd->op);
 }
 
-static bool run_nodes(Interp *it, int end, char *err, size_t n);
+static bool run_nodes(Interp *it, int from, int end, char *err, size_t n);
 
 bool interp_run(Interp *it, int end, char *err, size_t n) {
   const Graph *g = it->g;
@@ -1098,27 +1100,36 @@ bool interp_run(Interp *it, int end, char *err, size_t n) {
   }
   Fp8State *st = &it->fp8;
   if (!st->n || end < g->n)
-    return run_nodes(it, end, err, n);
+    return run_nodes(it, 0, end, err, n);
   memset(st->amax, 0, sizeof(float) * (size_t)st->n);
   if (!st->recorded) { // calibration: the amaxes of this step, with every scale 1, and no update
     int upto = 0;
     while (upto < g->n && g->nodes[upto]->op != OP_ADAMW)
       upto++;
     char why[8];
-    if (!run_nodes(it, upto, err, n) || !fp8_state_update(st, g, why, sizeof why))
-      return run_nodes(it, end, err, n); // (a non-finite amax: the step is skipped, and reported)
+    if (!run_nodes(it, 0, upto, err, n) || !fp8_state_update(st, g, why, sizeof why))
+      return run_nodes(it, 0, end, err, n); // (a non-finite amax: the step is skipped, and reported)
     memset(st->amax, 0, sizeof(float) * (size_t)st->n);
   }
-  if (!run_nodes(it, end, err, n))
+  if (!run_nodes(it, 0, end, err, n))
     return false;
   char why[8];
   fp8_state_update(st, g, why, sizeof why); // (false: the optimizer skipped the step; the amaxes say why)
   return true;
 }
 
-static bool run_nodes(Interp *it, int end, char *err, size_t n) {
+bool interp_run_nodes(Interp *it, int from, int end, char *err, size_t n) {
+  if (from < 0 || from > end || end > it->g->n) {
+    if (err && n)
+      snprintf(err, n, "interp_run_nodes: [%d, %d) is not inside [0, %d]", from, end, it->g->n);
+    return false;
+  }
+  return run_nodes(it, from, end, err, n);
+}
+
+static bool run_nodes(Interp *it, int from, int end, char *err, size_t n) {
   const Graph *g = it->g;
-  for (int id = 0; id < end; id++) {
+  for (int id = from; id < end; id++) {
     const IrNode *nd = g->nodes[id];
     const double *x[nd->nin > 0 ? nd->nin : 1];
     const IrNode *xn[nd->nin > 0 ? nd->nin : 1];

@@ -441,8 +441,9 @@ static bool gemm_precision(const Options *o, Graph *g, DType *dt) {
     msg = arena_printf(g->arena, "precision = fp8: the GPU %s has compute capability %d.%d, and FP8 GEMMs need 8.9 or "
                        "later (Ada, Hopper and newer); use bf16", d.name, cuda_compute_capability(&d) / 10,
                        cuda_compute_capability(&d) % 10);
-  else if (g->train.accumulate > 1)
-    msg = "precision = fp8: gradient accumulation (accumulate > 1) does not share the fp8 scales yet";
+  else if (g->train.accumulate > 1 && executes && !strcmp(backend_of(o), "cuda"))
+    msg = "precision = fp8: gradient accumulation (accumulate > 1) does not share the fp8 scales on the CUDA back "
+          "end yet; --backend cpu runs it";
   if (!msg) {
     static bool said;
     if (emits && !said && !o->quiet && !(executes && !strcmp(backend_of(o), "cuda")))
@@ -459,7 +460,8 @@ static bool gemm_precision(const Options *o, Graph *g, DType *dt) {
 }
 
 // The precision pass on a graph with its backward. A side engine (validation) runs the bf16 forward
-// under fp8: the fp8 scales are the training step's state.
+// under fp8: the fp8 scales are the training step's state. The micro-batches' engine of gradient
+// accumulation is no side engine here: its passes cast to fp8 with the step's scales (train.c).
 static bool apply_precision(const Options *o, Graph *g, bool side) {
   DType dt;
   if (!gemm_precision(o, g, &dt))
@@ -924,7 +926,7 @@ static int cmd_build(const Options *o, Graph *g) {
 // optimizer (the micro-batches of gradient accumulation), on the same back end.
 static Engine *open_side_engine(const Options *o, Arena *a, bool grads) {
   Graph *g = mdl_compile_file_with(a, o->file, o->dims, o->ndims, &o->lower);
-  if (!g || g->loss < 0 || (grads && !autodiff(g, false)) || !apply_precision(o, g, true))
+  if (!g || g->loss < 0 || (grads && !autodiff(g, false)) || !apply_precision(o, g, !grads))
     return NULL;
   Options quiet = *o;
   quiet.dump = NULL;

@@ -36,7 +36,7 @@ static struct {
   int64_t bucket;        // the gradients' buckets (bytes; 0: one all-reduce after the backward)
   bool overlap;          // buckets reduced beside the backward, on the engine's thread
   void *lib;
-  MpiHandle comm, f32, f64, i32, sum;
+  MpiHandle comm, f32, f64, i32, sum, u32, max;
   int (*init_thread)(int *, char ***, int, int *);
   int (*comm_rank)(MpiHandle, int *);
   int (*comm_size)(MpiHandle, int *);
@@ -118,6 +118,8 @@ bool dist_init(char *err, size_t n) {
   D.i32 = dlsym(D.lib, "ompi_mpi_int");
   D.sum = dlsym(D.lib, "ompi_mpi_op_sum");
   D.byte = dlsym(D.lib, "ompi_mpi_byte");
+  D.u32 = dlsym(D.lib, "ompi_mpi_uint32_t");
+  D.max = dlsym(D.lib, "ompi_mpi_op_max");
   void **fns[] = {(void **)&D.init_thread, (void **)&D.comm_rank, (void **)&D.comm_size, (void **)&D.allreduce,
                   (void **)&D.isend, (void **)&D.irecv, (void **)&D.test, (void **)&D.abort_,
                   (void **)&D.finalize, (void **)&D.bcast, (void **)&D.allgatherv, (void **)&D.gatherv};
@@ -127,7 +129,7 @@ bool dist_init(char *err, size_t n) {
   for (size_t i = 0; i < sizeof fns / sizeof *fns; i++)
     if (!(*fns[i] = dlsym(D.lib, names[i])))
       return fail(err, n, "Open MPI's library has no %s", names[i]);
-  if (!D.f32 || !D.f64 || !D.i32 || !D.sum || !D.byte)
+  if (!D.f32 || !D.f64 || !D.i32 || !D.sum || !D.byte || !D.u32 || !D.max)
     return fail(err, n, "Open MPI's library lacks a predefined datatype or operation");
   // SERIALIZED: the gradients' buckets are reduced on the engine's thread while the backward runs
   // (engine.c), the other collectives on the main thread between steps: never two at once.
@@ -315,6 +317,16 @@ bool dist_sum_f64(double *x, int n, const char *what, int64_t step, char *err, s
   check_in(what, step);
   arm(what, step, true);
   bool ok = D.allreduce((const void *)1 /* MPI_IN_PLACE */, x, n, D.f64, D.sum, D.comm) == 0;
+  arm(what, step, false);
+  return ok || rt_fail(err, en, "MPI_Allreduce of %s failed", what);
+}
+
+bool dist_max_u32(uint32_t *x, int n, const char *what, int64_t step, char *err, size_t en) {
+  if (!D.on)
+    return true;
+  check_in(what, step);
+  arm(what, step, true);
+  bool ok = D.allreduce((const void *)1 /* MPI_IN_PLACE */, x, n, D.u32, D.max, D.comm) == 0;
   arm(what, step, false);
   return ok || rt_fail(err, en, "MPI_Allreduce of %s failed", what);
 }

@@ -46,12 +46,77 @@ bool param_draw_now(ParamDraw *d, bool (*draw)(void *ctx, int k), void *ctx) {
 void param_draw_free(ParamDraw *d) { free(d->pending); }
 
 //
+// Precision fp8's step (delayed scaling, mdl.h's Fp8State), the same for every CPU engine.
+//
+// Engine.set_fp8_amax's and set_fp8_lead's settings.
+typedef struct {
+  bool (*fn)(void *ctx, float *amax, int n, char *err, size_t en);
+  void *ctx;
+  const float *lead; // a micro-batch's pass: the step engine's scales
+} Fp8Share;
+
+// One engine's step in precision fp8: run(ctx, from, to, comm, ...) runs its kernels (or nodes)
+// [from, to), whose casts raise st->amax, and with comm the gradients' all-reduce among them;
+// split is where the optimizer starts (the gradients are final before it), end the step's end;
+// poison makes a gradient the optimizer reads NaN (NULL: the step's own gradient norm does).
+typedef struct {
+  const Graph *g;
+  Fp8State *st;
+  int split, end;
+  bool (*run)(void *ctx, int from, int to, bool comm, char *err, size_t n);
+  void (*poison)(void *ctx);
+  void *ctx;
+} Fp8Step;
+
+// The step's amaxes recorded from zero by the part before the optimizer, raised by Fp8Share.fn to the
+// step's (over the ranks, over its micro-batches), then checked: a non-finite one poisons the
+// gradients, so that the optimizer skips the step as it skips any non-finite gradient (the runtime
+// then names the tensor), and the histories do not roll; else they roll and the scales follow. With
+// no history yet (the first step) that part runs once more beforehand with every scale 1, to record
+// the amaxes and set the scales from them (calibration); the ranks' are reduced there too, so that
+// every rank calibrates alike. A micro-batch's pass (Fp8Share.lead) casts with the step engine's
+// scales and only records.
+static bool fp8_step(const Fp8Step *s, const Fp8Share *sh, char *err, size_t n) {
+  Fp8State *st = s->st;
+  char why[8];
+  memset(st->amax, 0, sizeof(float) * (size_t)st->n);
+  if (sh->lead) {
+    memcpy(st->scale, sh->lead, sizeof(float) * (size_t)st->n);
+    return s->run(s->ctx, 0, s->end, true, err, n);
+  }
+  if (!st->recorded) {
+    if (!s->run(s->ctx, 0, s->split, false, err, n) || (sh->fn && !sh->fn(sh->ctx, st->amax, st->n, err, n)))
+      return false;
+    if (fp8_state_update(st, s->g, why, sizeof why)) // (else the amaxes stay, and the step is skipped)
+      memset(st->amax, 0, sizeof(float) * (size_t)st->n);
+  }
+  if (!s->run(s->ctx, 0, s->split, true, err, n) || (sh->fn && !sh->fn(sh->ctx, st->amax, st->n, err, n)))
+    return false;
+  bool bad = fp8_state_check(st, s->g, why, sizeof why);
+  if (bad && s->poison)
+    s->poison(s->ctx);
+  if (!s->run(s->ctx, s->split, s->end, true, err, n))
+    return false;
+  if (!bad)
+    fp8_state_update(st, s->g, why, sizeof why);
+  return true;
+}
+
+//
 // The reference interpreter.
 //
 typedef struct {
   Engine e;
   Interp *it;
   ParamDraw draw;
+  // Engine.set_reduce (one call per gradient, before the gradient norm: the interpreter has no
+  // buckets), and where the step is cut for it and for fp8's amaxes: the gradient norm's node
+  int split;
+  bool (*reduce)(void *ctx, float *x, int64_t n, char *err, size_t en);
+  void *reduce_ctx;
+  int *reduced, nreduced; // the nodes made the mean over the ranks: the norm's inputs and what they view
+  float *buf;
+  Fp8Share share;
 } InterpEngine;
 
 static bool ie_draw(void *ctx, int k) {
@@ -73,9 +138,77 @@ static void ie_set_scalar(Engine *e, const char *name, double v) { interp_set_sc
 
 static void ie_set_seed(Engine *e, uint64_t seed) { interp_set_seed(((InterpEngine *)e)->it, seed); }
 
+// The gradients (in the interpreter's doubles, f32 values in INTERP_F32) made the mean over the ranks.
+static bool ie_reduce(InterpEngine *ie, char *err, size_t n) {
+  double t0 = rt_now();
+  for (int k = 0; k < ie->nreduced; k++) {
+    int node = ie->reduced[k];
+    double *v = interp_param(ie->it, node); // (any node's values, writable)
+    int64_t count = interp_numel(ie->it, node);
+    for (int64_t i = 0; i < count; i++)
+      ie->buf[i] = (float)v[i];
+    if (!ie->reduce(ie->reduce_ctx, ie->buf, count, err, n))
+      return false;
+    for (int64_t i = 0; i < count; i++)
+      v[i] = ie->buf[i];
+  }
+  ie->e.reduce_seconds = rt_now() - t0;
+  return true;
+}
+
+// Fp8Step.run: nodes [from, to), the gradients reduced first where they start at the cut.
+static bool ie_run(void *ctx, int from, int to, bool comm, char *err, size_t n) {
+  InterpEngine *ie = ctx;
+  if (comm && ie->reduce && from == ie->split && from < to && !ie_reduce(ie, err, n))
+    return false;
+  return interp_run_nodes(ie->it, from, to, err, n);
+}
+
 static bool ie_step(Engine *e, char *err, size_t n) {
+  InterpEngine *ie = (InterpEngine *)e;
   ie_draw_params(e, err, n);
-  return interp_run(((InterpEngine *)e)->it, e->g->n, err, n);
+  if (e->g->nfp8) {
+    Fp8Step s = {e->g, interp_fp8(ie->it), ie->split, e->g->n, ie_run, NULL, ie};
+    return fp8_step(&s, &ie->share, err, n);
+  }
+  if (!ie->reduce)
+    return interp_run(ie->it, e->g->n, err, n);
+  return ie_run(ie, 0, ie->split, true, err, n) && ie_run(ie, ie->split, e->g->n, true, err, n);
+}
+
+// Engine.set_reduce: the gradient norm's inputs, and the nodes they are views of (each holds its own
+// copy here), each its own all-reduce; bucket and overlap do not apply.
+static bool ie_set_reduce(Engine *e, bool (*fn)(void *ctx, float *x, int64_t n, char *err, size_t en), void *ctx,
+                          int64_t bucket, bool overlap) {
+  (void)bucket, (void)overlap;
+  InterpEngine *ie = (InterpEngine *)e;
+  const Graph *g = e->g;
+  free(ie->reduced);
+  free(ie->buf);
+  ie->reduced = NULL, ie->buf = NULL, ie->nreduced = 0, ie->reduce = NULL;
+  if (!fn)
+    return true;
+  if (ie->split >= g->n || g->nodes[ie->split]->op != OP_GRAD_NORM)
+    return false;
+  const IrNode *norm = g->nodes[ie->split];
+  int64_t most = 1;
+  ie->reduced = rt_xrealloc(NULL, sizeof(int) * (size_t)g->n);
+  for (int i = 0; i < norm->nin; i++)
+    for (int x = norm->in[i];; x = g->nodes[x]->in[0]) {
+      bool seen = false;
+      for (int k = 0; k < ie->nreduced && !seen; k++)
+        seen = ie->reduced[k] == x;
+      if (!seen) {
+        ie->reduced[ie->nreduced++] = x;
+        most = interp_numel(ie->it, x) > most ? interp_numel(ie->it, x) : most;
+      }
+      if (g->nodes[x]->op != OP_RESHAPE)
+        break;
+    }
+  ie->buf = rt_xrealloc(NULL, sizeof(float) * (size_t)most);
+  ie->reduce = fn;
+  ie->reduce_ctx = ctx;
+  return true;
 }
 
 // PARAM and STATE nodes live in the interpreter's persistent storage; others are step values.
@@ -102,7 +235,16 @@ static void ie_write(Engine *e, int node, const float *src) {
 
 static Fp8State *ie_fp8(Engine *e) { return interp_fp8(((InterpEngine *)e)->it); }
 
+static void ie_set_fp8_amax(Engine *e, bool (*fn)(void *ctx, float *amax, int n, char *err, size_t en), void *ctx) {
+  ((InterpEngine *)e)->share.fn = fn, ((InterpEngine *)e)->share.ctx = ctx;
+}
+
+static void ie_set_fp8_lead(Engine *e, const float *scale) { ((InterpEngine *)e)->share.lead = scale; }
+
 static void ie_free(Engine *e) {
+  InterpEngine *ie = (InterpEngine *)e;
+  free(ie->reduced);
+  free(ie->buf);
   interp_free(((InterpEngine *)e)->it);
   param_draw_free(&((InterpEngine *)e)->draw);
   free(e);
@@ -117,10 +259,14 @@ Engine *engine_interp(const Graph *g, InterpPrecision prec, uint64_t seed) {
   ie->it = interp_new(g, prec);
   interp_set_seed(ie->it, seed);
   param_draw_init(&ie->draw, g, seed);
+  ie->split = g->n; // (the gradient norm's node, which the optimizer's nodes follow, else the first of these)
+  for (int i = g->n - 1; i >= 0; i--)
+    ie->split = g->nodes[i]->op == OP_GRAD_NORM || g->nodes[i]->op == OP_ADAMW ? i : ie->split;
   ie->e = (Engine){.name = prec == INTERP_F64 ? "interp (fp64)" : "interp (fp32)", .g = g,
                    .set_input = ie_set_input, .set_scalar = ie_set_scalar, .set_seed = ie_set_seed, .step = ie_step,
                    .read = ie_read, .write = ie_write, .draw_params = ie_draw_params, .free = ie_free,
-                   .fp8 = g->nfp8 ? ie_fp8 : NULL};
+                   .set_reduce = ie_set_reduce, .fp8 = g->nfp8 ? ie_fp8 : NULL,
+                   .set_fp8_amax = g->nfp8 ? ie_set_fp8_amax : NULL, .set_fp8_lead = g->nfp8 ? ie_set_fp8_lead : NULL};
   return &ie->e;
 }
 
@@ -167,6 +313,7 @@ typedef struct {
   float *amax;
   int opt_kernel;
   int64_t poison;
+  Fp8Share share;
 } CpuEngine;
 
 static bool cpe_draw(void *ctx, int k) {
@@ -427,10 +574,15 @@ static void comm_queue(CpuEngine *ce, int i) {
   pthread_mutex_unlock(&ce->comm.lock);
 }
 
-// Kernels [from, to) of the module, each timed when profiling.
-static bool ce_kernels(CpuEngine *ce, int from, int to, char *err, size_t n) {
+// Kernels [from, to) of the module, each timed when profiling; with comm and a reduce set, each
+// gradient range reduced before its first reader's kernel (buckets: on the engine's thread, each
+// queued once the kernel that makes it final has run, waited for before its first reader).
+static bool ce_run(CpuEngine *ce, int from, int to, bool comm, char *err, size_t n) {
   Engine *e = &ce->e;
+  bool reduce = comm && ce->reduce, buckets = reduce && ce->comm.started;
   for (int i = from; i < to; i++) {
+    if (reduce && (buckets ? !comm_wait(ce, i, err, n) : !ce_reduce(ce, i, err, n)))
+      return false;
     double t0 = rt_now();
     if (!cpu_run_kernel(ce->cm, i, ce->arena)) {
       snprintf(err, n, "%s", ce->cm->error);
@@ -438,6 +590,8 @@ static bool ce_kernels(CpuEngine *ce, int from, int to, char *err, size_t n) {
     }
     if (e->profile && e->profile_warm)
       e->kernel_seconds[i] += rt_now() - t0;
+    if (buckets)
+      comm_queue(ce, i);
   }
   return true;
 }
@@ -457,81 +611,62 @@ static void ce_fp8_gather(CpuEngine *ce) {
   }
 }
 
-// A step in precision fp8 (interp.c does the same): kernel by kernel, the threads' amaxes gathered
-// before the optimizer's first kernel. A non-finite one makes a gradient the optimizer reads NaN, so
-// that it skips the step as it skips any non-finite gradient (the runtime then names the tensor), and
-// the histories do not roll. With no history yet (the first step) the kernels before the optimizer
-// run once more beforehand with every scale 1, to record the amaxes (calibration).
-static bool ce_step_fp8(CpuEngine *ce, char *err, size_t n) {
-  Fp8State *st = &ce->fp8;
-  const Graph *g = ce->e.g;
-  char why[8];
-  memset(st->amax, 0, sizeof(float) * (size_t)st->n);
-  if (!st->recorded) {
-    if (!ce_kernels(ce, 0, ce->opt_kernel, err, n))
-      return false;
-    ce_fp8_gather(ce);
-    if (fp8_state_update(st, g, why, sizeof why))
-      memset(st->amax, 0, sizeof(float) * (size_t)st->n);
-  }
-  if (!ce_kernels(ce, 0, ce->opt_kernel, err, n))
-    return false;
+// Fp8Step.run (interp.c's interpreter does the same step node by node): the kernels, then their
+// threads' amaxes gathered. The buckets queued to the engine's thread are reduced before it returns:
+// the amaxes' all-reduce that follows is the main thread's, and MPI serves one thread at a time, the
+// ranks' collectives in one order.
+static bool ce_fp8_run(void *ctx, int from, int to, bool comm, char *err, size_t n) {
+  CpuEngine *ce = ctx;
+  bool ok = ce_run(ce, from, to, comm, err, n);
+  if (comm && ce->reduce && ce->comm.started)
+    comm_drain(ce);
   ce_fp8_gather(ce);
-  bool bad = fp8_state_check(st, g, why, sizeof why);
-  if (bad && ce->poison >= 0)
+  return ok;
+}
+
+// Fp8Step.poison: the gradient norm's first input NaN.
+static void ce_fp8_poison(void *ctx) {
+  CpuEngine *ce = ctx;
+  if (ce->poison >= 0)
     *(float *)(ce->arena + ce->poison) = NAN;
-  if (!ce_kernels(ce, ce->opt_kernel, ce->cm->nkernels, err, n))
-    return false;
-  if (!bad)
-    fp8_state_update(st, g, why, sizeof why);
-  ce->e.profiled_steps += ce->e.profile && ce->e.profile_warm;
-  ce->e.profile_warm |= ce->e.profile;
-  return true;
 }
 
 static Fp8State *ce_fp8(Engine *e) { return &((CpuEngine *)e)->fp8; }
+
+static void ce_set_fp8_amax(Engine *e, bool (*fn)(void *ctx, float *amax, int n, char *err, size_t en), void *ctx) {
+  ((CpuEngine *)e)->share.fn = fn, ((CpuEngine *)e)->share.ctx = ctx;
+}
+
+static void ce_set_fp8_lead(Engine *e, const float *scale) { ((CpuEngine *)e)->share.lead = scale; }
 
 static bool ce_step(Engine *e, char *err, size_t n) {
   CpuEngine *ce = (CpuEngine *)e;
   ce_unmove(ce);
   cpe_draw_params(e, err, n);
-  if (ce->fp8.n)
-    return ce_step_fp8(ce, err, n);
-  bool ok = true;
-  if (!e->profile && !ce->reduce)
+  bool ok = true, buckets = ce->reduce && ce->comm.started;
+  if (!e->profile && !ce->reduce && !ce->fp8.n) {
     ok = cpu_step(ce->cm, ce->arena);
-  bool buckets = ce->reduce && ce->comm.started;
-  if (buckets) {
-    pthread_mutex_lock(&ce->comm.lock);
-    ce->comm.queued = ce->comm.taken = 0;
-    memset(ce->comm.done, 0, sizeof *ce->comm.done * (size_t)ce->nranges);
-    pthread_mutex_unlock(&ce->comm.lock);
-    e->reduce_seconds = 0;
-  }
-  for (int i = 0; (e->profile || ce->reduce) && ok && i < ce->cm->nkernels; i++) {
-    if (buckets ? !comm_wait(ce, i, err, n) : ce->reduce && !ce_reduce(ce, i, err, n)) {
-      if (buckets)
-        comm_drain(ce);
-      return false;
+    if (!ok)
+      snprintf(err, n, "%s", ce->cm->error);
+  } else {
+    if (buckets) {
+      pthread_mutex_lock(&ce->comm.lock);
+      ce->comm.queued = ce->comm.taken = 0;
+      memset(ce->comm.done, 0, sizeof *ce->comm.done * (size_t)ce->nranges);
+      pthread_mutex_unlock(&ce->comm.lock);
+      e->reduce_seconds = 0;
     }
-    double t0 = rt_now();
-    ok = cpu_run_kernel(ce->cm, i, ce->arena);
-    if (e->profile && e->profile_warm)
-      e->kernel_seconds[i] += rt_now() - t0;
-    if (buckets && ok)
-      comm_queue(ce, i);
-  }
-  if (buckets) {
-    comm_drain(ce);
-    if (ok && !comm_wait(ce, ce->cm->nkernels, err, n))
-      return false;
+    Fp8Step s = {e->g, &ce->fp8, ce->opt_kernel, ce->cm->nkernels, ce_fp8_run, ce_fp8_poison, ce};
+    ok = ce->fp8.n ? fp8_step(&s, &ce->share, err, n) : ce_run(ce, 0, ce->cm->nkernels, true, err, n);
+    if (buckets) { // (a step that stops early leaves no bucket behind)
+      comm_drain(ce);
+      ok = ok && comm_wait(ce, ce->cm->nkernels, err, n);
+    }
   }
   e->profiled_steps += e->profile && e->profile_warm && ok;
   e->profile_warm |= e->profile && ok;
-  if (!ok) {
-    snprintf(err, n, "%s", ce->cm->error);
+  if (!ok)
     return false;
-  }
   const int64_t *params = ce->at, *copies = ce->at + ce->nranks + 1; // (ZeRO: the others' updates)
   return !ce->gather || (ce->gather(ce->gather_ctx, (float *)ce->arena, params, err, n) &&
                          (ce->m->copy_bytes == 0 || ce->gather(ce->gather_ctx, (float *)ce->arena, copies, err, n)));
@@ -809,6 +944,8 @@ Engine *engine_cpu(const Fusion *f, const MemPlan *m, const char *source, uint64
       if (f->g->nodes[i]->op == OP_GRAD_NORM)
         ce->poison = m->offset[f->g->nodes[i]->in[0]];
     ce->e.fp8 = ce_fp8;
+    ce->e.set_fp8_amax = ce_set_fp8_amax;
+    ce->e.set_fp8_lead = ce_set_fp8_lead;
   }
   return &ce->e;
 }

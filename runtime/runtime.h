@@ -83,6 +83,11 @@ bool dist_overlap(void);
 // named on stderr and every rank stops (MPI_Abort, status 1). Alone: x as it is.
 bool dist_mean_f32(float *x, int64_t n, const char *what, int64_t step, char *err, size_t en);
 bool dist_sum_f64(double *x, int n, const char *what, int64_t step, char *err, size_t en);
+// In place: x[i] becomes the largest of every rank's x[i] (unsigned), checked in and watched as above.
+// Precision fp8's amaxes travel this way (fp8_amax_bits): as the bits of non-negative floats with
+// NaN above infinity, whose unsigned order is the floats' order, so that the max is the max amax
+// and a NaN on any rank wins, as it wins in one process.
+bool dist_max_u32(uint32_t *x, int n, const char *what, int64_t step, char *err, size_t en);
 // NCCL, the GPUs' all-reduce, loaded at run time (libnccl.so.2 of the CUDA toolkit): dist_nccl_load
 // resolves it (the tests check it links without a GPU); dist_nccl_comm makes the ranks' communicator
 // over each one's current CUDA device (the id from rank 0 by MPI_Bcast; NULL with err); then
@@ -184,6 +189,21 @@ struct Engine {
   // Precision fp8: the scales and amax histories (mdl.h), which checkpoints save and restore and which
   // name the tensor of a non-finite amax; NULL where the graph has no fp8 tensor.
   Fp8State *(*fp8)(Engine *e);
+  // Precision fp8 beyond one pass of one process (NULL where the graph has no fp8 tensor, or where
+  // the back end cannot). Every rank, and every micro-batch of a step, must cast with the same scales
+  // and roll the same amaxes into the same histories: those of one process over the whole batch.
+  // set_fp8_amax: each step calls fn(ctx, amax, n) on its amaxes (Fp8State.amax, n of them) where
+  // the part before the optimizer has recorded them, before they are checked (a non-finite one
+  // poisons the gradients) or rolled into the histories, and likewise after the calibration pass of
+  // a first step, before its update; fn raises them to the step's (the max over the ranks, over the
+  // step's other micro-batches). False from fn fails the step. fn NULL: none.
+  void (*set_fp8_amax)(Engine *e, bool (*fn)(void *ctx, float *amax, int n, char *err, size_t en), void *ctx);
+  // set_fp8_lead: with scale set (n floats: the step engine's Fp8State.scale, or all ones for a
+  // calibration), e's steps are passes of another engine's step (gradient accumulation's micro-batches
+  // on the gradients-only engine): each casts with scale[] as it is when the pass starts, leaves the
+  // pass's own amaxes in e's Fp8State.amax, and neither calibrates, checks nor updates e's state
+  // (whose scales are then a copy of scale[]). NULL: e's steps are whole steps of its own again.
+  void (*set_fp8_lead)(Engine *e, const float *scale);
   void (*free)(Engine *e);
   bool cache_hit;         // compiled back ends: the module came from the cache
   double compile_seconds; // compiled back ends: time in the compiler
@@ -261,6 +281,11 @@ void param_draw_free(ParamDraw *d);
 
 // The reference interpreter; parameters initialised from the seed.
 Engine *engine_interp(const Graph *g, InterpPrecision prec, uint64_t seed);
+// (interp.c, for the interpreter's engine) Runs nodes [from, end) as they are: a step cut where the
+// engine must act between its parts (the gradients' all-reduce, fp8's amaxes). fp8 casts use the
+// scales as they are and raise the amaxes as they are (interp_run's calibration, clearing and update
+// are left to the caller). False with a message on error.
+bool interp_run_nodes(Interp *it, int from, int end, char *err, size_t n);
 // The compiled CPU back end for an emitted module; parameters initialised from the seed as the
 // interpreter does. NULL with a message in err when the module does not compile or load.
 Engine *engine_cpu(const Fusion *f, const MemPlan *m, const char *source, uint64_t seed, char *err, size_t n);

@@ -701,8 +701,78 @@ static const char *metrics_line(const Metrics *m, const double *v, const char *s
 // order), else here, in the same order, and sent with the step's other inputs. Each micro-batch's loss
 // is a mean of its own (over its counted targets, docs/language.md); the step's gradient is the mean of
 // the k micro-batches' (autodiff.c's optimizer step) and the loss it reports the mean of their losses.
+//
+// Precision fp8 over several micro-batches and several ranks. Every rank, and every micro-batch of a
+// step, casts with the step engine's scales, and the step's amaxes are the max over its k
+// micro-batches and over the ranks, checked and rolled into the histories by every rank alike
+// (Engine.set_fp8_amax, set_fp8_lead): the scales and histories one process would have over the
+// global batch (ranks x k micro-batches). The first step calibrates over all of them: every
+// micro-batch runs once beforehand on the micro-batches' engine with every scale 1, to record its
+// amaxes (the data rewound after), and the scales are set from their max over the ranks; then the step
+// runs with them. Up to a power of two: a micro-batch's loss is the mean over its own targets (and a
+// rank's over its own slice), so the gradients flowing back through the backward are k (or ranks x k)
+// times those of one process over the global batch, exactly where each micro-batch counts as many
+// targets (packed batches: B x T each): the amaxes of the backward's scaled tensors (E5M2) are k times
+// theirs and their scales 1/k times, the same fp8 values after scaling; the forward's are the same.
+// Elsewhere (padded batches of unequal counts) that factor is not a power of two, and the two runs
+// scale alike only where it stays inside a scale's margin (FP8_MARGIN).
+typedef struct {
+  int n;
+  bool merge;     // this step's micro-batches ran: their amaxes join the step engine's
+  float *micro;   // the max of this step's micro-batches' amaxes (NaN once one is NaN)
+  float *ones;    // the scales of a calibration pass
+  uint32_t *bits; // the ranks' all-reduce
+  int64_t step;
+} Fp8Amax;
+
+// a raised to b where b is larger, NaN once either is NaN (as the casts record their amaxes).
+static float amax_join(float a, float b) { return a != a || b != b ? NAN : b > a ? b : a; }
+
+// An amax as the bits of a non-negative float, NaN above +inf: the unsigned max over the ranks is the
+// float max, with a NaN on any rank winning (dist_max_u32).
+static uint32_t amax_bits(float a) {
+  uint32_t u;
+  memcpy(&u, &a, sizeof u);
+  return a != a ? UINT32_MAX : u;
+}
+
+static float amax_of_bits(uint32_t u) {
+  float a;
+  memcpy(&a, &u, sizeof a);
+  return u > 0x7f800000u ? NAN : a;
+}
+
+// The amaxes made the max over the ranks (alone: as they are).
+static bool fp8_amax_ranks(Fp8Amax *fa, float *amax, char *err, size_t en) {
+  if (!dist_on())
+    return true;
+  for (int i = 0; i < fa->n; i++)
+    fa->bits[i] = amax_bits(amax[i]);
+  if (!dist_max_u32(fa->bits, fa->n, "the fp8 amaxes' all-reduce", fa->step, err, en))
+    return false;
+  for (int i = 0; i < fa->n; i++)
+    amax[i] = amax_of_bits(fa->bits[i]);
+  return true;
+}
+
+// Engine.set_fp8_amax's: the step engine's amaxes raised to the step's micro-batches', then to the ranks'.
+static bool fp8_amax_step(void *ctx, float *amax, int n, char *err, size_t en) {
+  Fp8Amax *fa = ctx;
+  for (int i = 0; fa->merge && i < n; i++)
+    amax[i] = amax_join(amax[i], fa->micro[i]);
+  return fp8_amax_ranks(fa, amax, err, en);
+}
+
+// A micro-batch's amaxes (its engine's, after its pass) into the step's.
+static void fp8_amax_micro(Fp8Amax *fa, Engine *micro) {
+  const float *a = micro->fp8(micro)->amax;
+  for (int i = 0; i < fa->n; i++)
+    fa->micro[i] = amax_join(fa->micro[i], a[i]);
+}
+
 typedef struct {
   Engine *micro;
+  Fp8Amax *fp8;       // precision fp8 (else NULL)
   Metrics *metrics;   // their values summed into metrics->sum
   int n;              // the parameters that train (a frozen one has no gradient)
   int *param;         // per one of them: its index in the parameters
@@ -726,10 +796,51 @@ static bool host_sums(Accum *ac, char *err, size_t n) {
   return true;
 }
 
+// Precision fp8's first step under gradient accumulation: its k micro-batches (the last one the step
+// engine's) each run once on the micro-batches' engine with every scale 1, their amaxes' max over them
+// and over the ranks sets the step engine's scales, and the data is rewound for the step itself. Where
+// an amax is not finite the scales stay, the step calibrates again by itself and, meeting it again, is
+// skipped and the tensor named.
+static bool fp8_calibrate(Accum *ac, Engine *e, Loader *train, int64_t k, int64_t BT, uint64_t seed, int64_t step,
+                          char *err, size_t n) {
+  Fp8Amax *fa = ac->fp8;
+  Fp8State *st = e->fp8(e);
+  LoaderState at = loader_state(train);
+  ac->micro->set_fp8_lead(ac->micro, fa->ones);
+  for (int i = 0; i < fa->n; i++)
+    fa->micro[i] = 0;
+  for (int64_t j = 0; j < k; j++) {
+    Batch batch;
+    if (!loader_next(train, &batch))
+      return rt_fail(err, n, "no batch for micro-batch %lld (the training data failed)", (long long)j + 1);
+    ac->micro->set_seed(ac->micro, step_seed(seed, step * k + j));
+    if (!feed(ac->micro, &batch, BT) || !ac->micro->step(ac->micro, err, n))
+      return false;
+    fp8_amax_micro(fa, ac->micro);
+  }
+  if (!loader_seek(train, at))
+    return rt_fail(err, n, "the training data cannot be read again after the fp8 calibration");
+  memcpy(st->amax, fa->micro, sizeof(float) * (size_t)fa->n);
+  char why[8];
+  if (!fp8_amax_ranks(fa, st->amax, err, n))
+    return false;
+  fp8_state_update(st, e->g, why, sizeof why);
+  return true;
+}
+
 static bool accumulate_micro(Accum *ac, Engine *e, Loader *train, int64_t k, int64_t BT, uint64_t seed,
                              int64_t step, double *loss_sum, int64_t *real, char *err, size_t n) {
   const Graph *mg = ac->micro->g;
   copy_params(e, ac->micro);
+  if (ac->fp8) {
+    ac->fp8->step = step;
+    if (!e->fp8(e)->recorded && !fp8_calibrate(ac, e, train, k, BT, seed, step, err, n))
+      return false;
+    ac->micro->set_fp8_lead(ac->micro, e->fp8(e)->scale);
+    for (int i = 0; i < ac->fp8->n; i++)
+      ac->fp8->micro[i] = 0;
+    ac->fp8->merge = true;
+  }
   bool direct = e->inputs_from != NULL;
   for (int64_t j = 0; j + 1 < k; j++) {
     Batch batch;
@@ -739,6 +850,8 @@ static bool accumulate_micro(Accum *ac, Engine *e, Loader *train, int64_t k, int
     if (!feed(ac->micro, &batch, BT) || !ac->micro->step(ac->micro, err, n))
       return false;
     *loss_sum += engine_scalar(ac->micro, mg->loss);
+    if (ac->fp8)
+      fp8_amax_micro(ac->fp8, ac->micro);
     for (int m = 0; m < ac->metrics->n; m++) {
       int out = output_named(mg, ac->metrics->name[m]);
       ac->metrics->sum[m] += out >= 0 ? engine_scalar(ac->micro, mg->outputs[out]) : NAN;
@@ -1206,9 +1319,24 @@ static int train_loop(Engine *e, Engine *eval, Engine *micro, const TrainOptions
   // Several ranks: the gradients are reduced in host memory by MPI (the CPU back end), or on the GPUs
   // by NCCL (the CUDA back end).
   bool nccl = false, overlapped = world > 1 && dist_bucket() > 0 && dist_overlap() && e->set_reduce;
-  if (world > 1 && e->fp8) { // (its engines step without the reduce, and each rank would scale its own way)
-    diag_file_error(o->model_path, "precision fp8 trains in one process so far: the ranks' amaxes are not reduced "
-                    "over the ranks; use bf16 with several");
+  // Precision fp8 over several ranks or micro-batches: the step's amaxes are theirs (Fp8Amax).
+  Fp8Amax fa = {0};
+  bool fp8_shared = e->fp8 && (world > 1 || k > 1);
+  if (fp8_shared) {
+    fa.n = e->fp8(e)->n;
+    fa.micro = rt_xrealloc(NULL, sizeof(float) * (size_t)fa.n);
+    fa.ones = rt_xrealloc(NULL, sizeof(float) * (size_t)fa.n);
+    fa.bits = rt_xrealloc(NULL, sizeof(uint32_t) * (size_t)fa.n);
+    for (int i = 0; i < fa.n; i++)
+      fa.ones[i] = 1;
+    ac.fp8 = k > 1 ? &fa : NULL;
+  }
+  bool led = k <= 1 || (micro->fp8 && micro->set_fp8_lead && micro->fp8(micro)->n == fa.n);
+  if (fp8_shared && (!e->set_fp8_amax || !led)) {
+    diag_file_error(o->model_path, "precision fp8 %s on the %s back end: its engines do not share the fp8 scales "
+                    "and amaxes%s; use bf16 there, or --backend cpu", world > 1 ? "over several ranks" :
+                    "with gradient accumulation (accumulate > 1)", e->name,
+                    world > 1 ? " over the ranks" : " over the micro-batches");
     rc = 1;
     last = start;
     overlapped = false;
@@ -1219,11 +1347,14 @@ static int train_loop(Engine *e, Engine *eval, Engine *micro, const TrainOptions
       nccl = true;
     } else {
       diag_file_error(o->model_path, "the %s back end cannot reduce gradients over ranks%s%s", e->name,
-                      err[0] ? ": " : " (data-parallel training runs on the compiled CPU and CUDA back ends)", err);
+                      err[0] ? ": " : " (data-parallel training runs on the interpreter and the compiled CPU and "
+                                      "CUDA back ends)", err);
       rc = 1;
       last = start;
     }
   }
+  if (fp8_shared && rc == 0)
+    e->set_fp8_amax(e, fp8_amax_step, &fa);
   ZeroShard *zero = o->zero && world > 1 ? engine_shard(g, dist_rank(), world) : NULL; // (one process: no shards)
   if (zero && rc == 0 && !(e->set_shard && e->set_shard(e, zero, gather_params, &red))) {
     diag_file_error(o->model_path, "the %s back end cannot shard the optimizer's state (--zero 1)", e->name);
@@ -1274,6 +1405,7 @@ static int train_loop(Engine *e, Engine *eval, Engine *micro, const TrainOptions
     // gradients (reduce_grads), so that no rank's optimizer updates.
     bool micro_finite = isfinite(loss_sum), run = micro_finite || world > 1;
     red.step = step, red.poison = !micro_finite, red.seconds = red.busy = red.gather = 0;
+    fa.step = step;
     if (!feed(e, &batch, B * T) || (run && !e->step(e, err, sizeof err))) {
       progress_clear(&pg);
       diag_file_error(o->model_path, "step %lld: %s", (long long)step, err[0] ? err : "bad batch");
@@ -1512,6 +1644,13 @@ static int train_loop(Engine *e, Engine *eval, Engine *micro, const TrainOptions
   free(shared);
   if (world > 1 && e->set_reduce)
     e->set_reduce(e, NULL, NULL, 0, false);
+  if (fp8_shared && e->set_fp8_amax)
+    e->set_fp8_amax(e, NULL, NULL);
+  if (fp8_shared && k > 1 && micro->set_fp8_lead)
+    micro->set_fp8_lead(micro, NULL);
+  free(fa.micro);
+  free(fa.ones);
+  free(fa.bits);
   if (nccl)
     e->set_nccl(e, NULL, NULL);
   if (zero && e->set_shard)

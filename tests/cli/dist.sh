@@ -5,7 +5,8 @@
 # backward give the same checkpoint; so does the optimizer's state sharded (--zero 1: its memory
 # saved, its checkpoint resumed at any N); a run of 2 ranks resumes exactly, and its checkpoint
 # resumes in 1 process at the doubled batch; a rank that hangs (SIGSTOP) is named by the others, which stop within the timeout; a
-# rank killed mid-run stops the run (Open MPI's launcher names it); the checkpoint on disk is whole.
+# rank killed mid-run stops the run (Open MPI's launcher names it); the checkpoint on disk is whole;
+# in fp8 too (the amaxes' all-reduce is watched; tests/cli/fp8.sh checks what fp8 trains over ranks).
 # Skips where Open MPI's mpirun is not installed (tools/deps.sh installs it).
 set -u
 cd "$(dirname "$0")/../.."
@@ -266,6 +267,24 @@ if [ -n "$victim" ] && [ $rc -ne 0 ] &&
   ok "with --overlap too (status $rc, after $((SECONDS - start)) s)"
 else
   fail "a hung rank with --overlap (pid ${victim:-none}, status $rc): $(tail -5 "$tmp/hang2.out")"
+fi
+
+# Precision fp8: each step adds the all-reduce of the fp8 amaxes (its first collective, after the
+# backward), checked in and watched as the others are.
+run_until_step "$tmp/hang8" --precision fp8
+victim=$(rank_pid "$tmp/hang8" 1)
+[ -n "$victim" ] && kill -STOP "$victim"
+start=$SECONDS
+for _ in $(seq 600); do kill -0 $pid 2>/dev/null || break; sleep 0.1; done
+kill -0 $pid 2>/dev/null && { kill -9 $pid; fail "a hung rank in fp8: the run did not stop within 60 s"; }
+wait $pid
+rc=$?
+[ -n "$victim" ] && kill -9 "$victim" 2>/dev/null
+if [ -n "$victim" ] && [ $rc -ne 0 ] &&
+  grep -Eq "mdlc: rank 0: (rank 1 did not reach .* of step [0-9]* within 5 s \(dead or hung\)|.* did not complete within 5 s of every rank reaching it)" "$tmp/hang8.out"; then
+  ok "in fp8 too (status $rc, after $((SECONDS - start)) s, \"$(grep -Eo 'mdlc: rank 0: [^;(]*' "$tmp/hang8.out" | head -1 | cut -c15-)\")"
+else
+  fail "a hung rank in fp8 (pid ${victim:-none}, status $rc): $(tail -5 "$tmp/hang8.out")"
 fi
 
 # A rank killed mid-run: the run stops with a non-zero status, the launcher naming the rank.

@@ -13,6 +13,13 @@
 //     back end: the step's gradient norm is NaN, the weights keep their values, the histories do not
 //     roll, and fp8_state_check names the tensor and its line.
 //  3. The compute capability read from a device's arch, which decides whether a GPU has FP8 GEMMs.
+//  4. The engines' fp8 sharing (Engine.set_fp8_amax, set_fp8_lead; train.c's ranks and micro-batches),
+//     on the interpreter and the C back end, on a small MLP: the amax hook is called after the
+//     calibration pass and after the step's pass (twice in the first step, once after), an amax it
+//     raises is the one rolled into the history and the scale follows it, and a NaN it sets skips the
+//     step (the gradient norm NaN, the weights and histories as they were); a gradients-only engine
+//     led by given scales casts with them (its scales become theirs), records its amaxes (the two
+//     engines' within 1e-5 relative), and neither calibrates nor rolls a history.
 #include "mdl.h"
 #include "backend.h"
 #include "cuda.h"
@@ -230,9 +237,130 @@ static void test_capability(void) {
         cuda_compute_capability(&d));
 }
 
+static const char mlp[] =
+    "model m\n"
+    "dim B = 16\n" // (fp8 GEMMs want dimensions of multiples of 16)
+    "input x: f32[B, 16]\n"
+    "input targets: i32[B]\n"
+    "param w1: [16, 16] = normal(0.3)\n"
+    "param w2: [16, 16] = normal(0.3)\n"
+    "param w3: [16, 16] = normal(0.3)\n"
+    "param w4: [16, 4] = normal(0.3)\n"
+    "h = relu(x @ w1)\n"
+    "h = relu(h @ w2)\n"
+    "h = relu(h @ w3)\n"
+    "output loss = mean(cross_entropy(h @ w4, targets))\n";
+
+// The amax hook of test_share: counts its calls, and at step `raise_at` sets tensor 0's amax to `to`.
+typedef struct {
+  int calls, step, raise_at;
+  float to;
+} Hook;
+
+static bool hook(void *ctx, float *amax, int n, char *err, size_t en) {
+  (void)err, (void)en;
+  Hook *h = ctx;
+  h->calls++;
+  if (h->step == h->raise_at && n > 0)
+    amax[0] = h->to;
+  return true;
+}
+
+static void test_share(void) {
+  Arena *a = arena_new();
+  Graph *g = fp8_graph(a, "mlp.mdl", mlp);
+  Graph *mg = mdl_compile_text(a, "mlp.mdl", mlp, NULL, 0);
+  char why[512];
+  if (!mg || !autodiff(mg, false) || !precision_assign(mg, DT_F8E4M3, why, sizeof why) || mg->nfp8 != g->nfp8 ||
+      g->nfp8 == 0) {
+    printf("[fail] fp8 share: the gradients-only graph (%d scaled tensors, the step's %d)\n", mg ? mg->nfp8 : -1,
+           g->nfp8);
+    exit(1);
+  }
+  Engine *engines[2] = {engine_interp(g, INTERP_F32, 7), cpu_engine(g, "mlp.mdl")};
+  Engine *micros[2] = {engine_interp(mg, INTERP_F32, 7), cpu_engine(mg, "mlp-grads.mdl")};
+  float *lead = malloc(sizeof(float) * (size_t)g->nfp8), *amax[2] = {NULL, NULL};
+  for (int t = 0; t < g->nfp8; t++)
+    lead[t] = ldexpf(1, 3 * t - 4);
+  for (int k = 0; k < 2 && engines[k] && micros[k]; k++) {
+    Engine *e = engines[k], *mi = micros[k];
+    char name[200];
+    feed(e, g);
+    Hook h = {.raise_at = 2, .to = 1000};
+    e->set_fp8_amax(e, hook, &h);
+    const Fp8State *st = e->fp8(e);
+    h.step = 1;
+    bool ok = step(e, 1);
+    int first = h.calls;
+    h.step = 2;
+    ok = ok && step(e, 2);
+    bool low;
+    snprintf(name, sizeof name, "fp8 share %s: the amax hook runs after the calibration and the step (2 calls), "
+             "then once a step; the amax it raises is rolled and scales", e->name);
+    CHECK(ok && first == 2 && h.calls == 3 && st->recorded == 3 && st->hist[0] == 1000 &&
+              st->scale[0] == fp8_scale(g->fp8[0].fmt, 1000, &low),
+          name, "calls %d then %d, recorded %lld, history %g, scale %g", first, h.calls, (long long)st->recorded,
+          (double)st->hist[0], (double)st->scale[0]);
+    float *before = read_all(e, g->params[1]), *hist = malloc(sizeof(float) * (size_t)(st->n * st->H));
+    memcpy(hist, st->hist, sizeof(float) * (size_t)(st->n * st->H));
+    h.step = h.raise_at = 3, h.to = NAN;
+    ok = step(e, 3);
+    float *after = read_all(e, g->params[1]);
+    int gnorm = -1;
+    for (int i = 0; i < g->n; i++)
+      gnorm = g->nodes[i]->op == OP_GRAD_NORM ? i : gnorm;
+    snprintf(name, sizeof name, "fp8 share %s: a NaN amax from the hook skips the step (the weights and "
+             "histories as they were)", e->name);
+    CHECK(ok && isnan(engine_scalar(e, gnorm)) && !memcmp(before, after, sizeof(float) * 256) && st->recorded == 3 &&
+              !memcmp(hist, st->hist, sizeof(float) * (size_t)(st->n * st->H)),
+          name, "norm %g, recorded %lld", engine_scalar(e, gnorm), (long long)st->recorded);
+    free(before);
+    free(after);
+    free(hist);
+    e->set_fp8_amax(e, NULL, NULL);
+
+    feed(mi, mg);
+    mi->set_fp8_lead(mi, lead);
+    const Fp8State *ms = mi->fp8(mi);
+    bool zero = true, some = false;
+    ok = step(mi, 1) && step(mi, 2);
+    for (int t = 0; t < ms->n; t++) {
+      some |= ms->amax[t] > 0 && isfinite(ms->amax[t]);
+      for (int j = 0; j < ms->H; j++)
+        zero &= ms->hist[t * ms->H + j] == 0;
+    }
+    snprintf(name, sizeof name, "fp8 share %s: a led gradients-only engine casts with the lead's scales, records "
+             "its amaxes, neither calibrates nor rolls a history", mi->name);
+    CHECK(ok && !memcmp(ms->scale, lead, sizeof(float) * (size_t)ms->n) && ms->recorded == 0 && zero && some, name,
+          "recorded %lld, histories %s, amaxes %s", (long long)ms->recorded, zero ? "empty" : "rolled",
+          some ? "recorded" : "none");
+    amax[k] = malloc(sizeof(float) * (size_t)ms->n);
+    memcpy(amax[k], ms->amax, sizeof(float) * (size_t)ms->n);
+  }
+  if (amax[0] && amax[1]) {
+    double worst = 0;
+    for (int t = 0; t < g->nfp8; t++)
+      worst = fmax(worst, fabs((double)amax[0][t] - amax[1][t]) / fmax(amax[0][t], 1e-30));
+    char name[200];
+    snprintf(name, sizeof name, "fp8 share: the led engines' amaxes, interpreter and C back end, within 1e-5 "
+             "(worst %.1e)", worst);
+    CHECK(worst < 1e-5, name, "%.3g", worst);
+  }
+  for (int k = 0; k < 2; k++) {
+    if (engines[k])
+      engines[k]->free(engines[k]);
+    if (micros[k])
+      micros[k]->free(micros[k]);
+    free(amax[k]);
+  }
+  free(lead);
+  arena_free(a);
+}
+
 int main(void) {
   test_capability();
   test_gpt2();
   test_overflow();
+  test_share();
   TEST_EXIT();
 }
