@@ -1349,8 +1349,8 @@ static int64_t alignment(int64_t off) {
 // chunks, the same 3 to 7); timing each GEMM apart also let timing noise give layers of one shape
 // different algorithms.
 static bool same_kind(const CudaGemm *x, const CudaGemm *y) {
-  return x->ab == y->ab && x->b_fp8 == y->b_fp8 && x->c_type == y->c_type && x->ta == y->ta && x->tb == y->tb && x->m == y->m &&
-         x->n == y->n && x->k == y->k && x->lda == y->lda && x->ldb == y->ldb && x->ldc == y->ldc &&
+  return x->ab == y->ab && x->b_fp8 == y->b_fp8 && x->c_type == y->c_type && x->ta == y->ta && x->tb == y->tb &&
+         x->m == y->m && x->n == y->n && x->k == y->k && x->lda == y->lda && x->ldb == y->ldb && x->ldc == y->ldc &&
          x->batch == y->batch && x->stride_a == y->stride_a && x->stride_b == y->stride_b &&
          x->stride_c == y->stride_c && x->beta == y->beta && x->epilogue == y->epilogue && x->c_apart == y->c_apart &&
          alignment(x->a) == alignment(y->a) && alignment(x->b) == alignment(y->b) &&
