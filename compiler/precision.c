@@ -291,6 +291,23 @@ static void remap_list(int *list, int n, const int *map) {
       list[i] = map[list[i]];
 }
 
+// g's node array becomes nodes[0, nn) (room for cap), its forward ending at fwd_end; its lists are
+// renumbered by map (old id -> new id).
+static void install_nodes(Graph *g, IrNode **nodes, int nn, int cap, int fwd_end, const int *map) {
+  g->nodes = nodes;
+  g->n = nn;
+  g->cap = cap;
+  g->fwd_end = fwd_end;
+  if (g->loss >= 0)
+    g->loss = map[g->loss];
+  remap_list(g->outputs, g->noutputs, map);
+  remap_list(g->params, g->nparams, map);
+  if (g->grads)
+    remap_list(g->grads, g->nparams, map);
+  if (g->updates)
+    remap_list(g->updates, g->nparams, map);
+}
+
 //
 // cuBLASLt's layout rule for FP8 (Ada and Hopper): A transposed and B not, "TN", both operands with
 // the inner dimension contiguous. In our row-major terms a GEMM C = op(A) op(B) runs as fp8 only as
@@ -382,18 +399,7 @@ static void fp8_tn_layout(Graph *g) {
     if (i + 1 == g->fwd_end)
       fwd_end = nn;
   }
-  g->nodes = nodes;
-  g->n = nn;
-  g->cap = cap;
-  g->fwd_end = fwd_end;
-  if (g->loss >= 0)
-    g->loss = map[g->loss];
-  remap_list(g->outputs, g->noutputs, map);
-  remap_list(g->params, g->nparams, map);
-  if (g->grads)
-    remap_list(g->grads, g->nparams, map);
-  if (g->updates)
-    remap_list(g->updates, g->nparams, map);
+  install_nodes(g, nodes, nn, cap, fwd_end, map);
 }
 
 bool precision_assign(Graph *g, DType gemm, char *why, size_t n) {
@@ -481,18 +487,7 @@ bool precision_assign(Graph *g, DType gemm, char *why, size_t n) {
     if (i + 1 == g->fwd_end)
       fwd_end = nn;
   }
-  g->nodes = nodes;
-  g->n = nn;
-  g->cap = cap;
-  g->fwd_end = fwd_end;
-  if (g->loss >= 0)
-    g->loss = map[g->loss];
-  remap_list(g->outputs, g->noutputs, map);
-  remap_list(g->params, g->nparams, map);
-  if (g->grads)
-    remap_list(g->grads, g->nparams, map);
-  if (g->updates)
-    remap_list(g->updates, g->nparams, map);
+  install_nodes(g, nodes, nn, cap, fwd_end, map);
   if (fp8)
     fp8_tn_layout(g);
   return ir_validate(g, why, n);
