@@ -42,8 +42,9 @@ typedef enum { CUDA_EPI_NONE, CUDA_EPI_BIAS, CUDA_EPI_GELU, CUDA_EPI_BIAS_GELU }
 // Element types: A and B are both f32 or both bf16 (ab); products are summed in f32 whatever they
 // are. Or both fp8 (precision fp8: A's type ab, B's b_fp8, each E4M3 or E5M2): the sums are then
 // multiplied by A's and B's dequantisation factors (1 / scale, f32 at byte offsets a_scale and
-// b_scale), cuBLASLt's A and B scale pointers (the runtime does not run these yet: fp8 is refused on
-// the CUDA back end; the emulator's reference GEMM does). C is f32, or bf16 (c_type) when the GEMM's value is only read rounded to bf16 (a CAST): the
+// b_scale), cuBLASLt's A and B scale pointers. An fp8 GEMM is always in cuBLASLt's FP8 layout, ta
+// false and tb true (the precision pass's fp8_tn_layout), m, n and k multiples of 16, with no
+// epilogue, beta 0. C is f32, or bf16 (c_type) when the GEMM's value is only read rounded to bf16 (a CAST): the
 // f32 sum is then rounded to nearest even as it is stored. A bf16 C has no epilogue and beta 0; bias
 // and aux are always f32. With c_apart the beta term reads another f32 matrix of C's shape and
 // leading dimension at byte offset cin (cuBLASLt's out-of-place C; a residual added as the GEMM stores
