@@ -1828,6 +1828,183 @@ static Engine *fp8_train(const Compiled *c, const char *data, const char *out, i
   return e;
 }
 
+// The amax hook of fp8_hook_checks (Engine.set_fp8_amax): counts its calls, and at step `raise_at`
+// sets tensor 0's amax to `to`.
+typedef struct {
+  int calls, step, raise_at;
+  float to;
+} Fp8Hook;
+
+static bool fp8_hook(void *ctx, float *amax, int n, char *err, size_t en) {
+  (void)err, (void)en;
+  Fp8Hook *h = ctx;
+  h->calls++;
+  if (h->step == h->raise_at && n > 0)
+    amax[0] = h->to;
+  return true;
+}
+
+static bool fp8_step_one(Engine *e, int s, char *why, size_t n) {
+  e->set_seed(e, 1000 + (uint64_t)s);
+  e->set_scalar(e, "lr", 2e-3);
+  e->set_scalar(e, "step", (double)s);
+  return e->step(e, why, n);
+}
+
+// The amax hook on the graphs' engine (as tests/unit/test_fp8_cpu.c's test_share checks the CPU
+// engines'): it runs after the first step's calibration pass and after its first part (2 calls), then
+// once a step; an amax it raises is the one rolled into the history and scaled by; a NaN one skips
+// the step (every parameter and history as it was), as one all-reduced over ranks would on each.
+static void fp8_hook_checks(const Compiled *c) {
+  const Graph *g = c->g;
+  char why[1024] = "", name[300];
+  Engine *e = engine_cuda(c->f, c->m, 5, true, true, why, sizeof why);
+  CHECK(e && e->set_fp8_amax && e->set_fp8_lead, "cuda: gpt2-tiny fp8: the engine has the amax and lead hooks",
+        "%s", e ? "missing" : why);
+  if (!e || !e->set_fp8_amax) {
+    if (e)
+      e->free(e);
+    return;
+  }
+  set_batch(g, &e, 1, 0);
+  Fp8Hook h = {.raise_at = 2, .to = 1000};
+  e->set_fp8_amax(e, fp8_hook, &h);
+  const Fp8State *st = e->fp8(e);
+  h.step = 1;
+  bool ok = fp8_step_one(e, 1, why, sizeof why);
+  int first = h.calls;
+  h.step = 2;
+  ok = ok && fp8_step_one(e, 2, why, sizeof why);
+  bool low, rolled = false;
+  for (int j = 0; j < st->H; j++)
+    rolled |= st->hist[j] == 1000;
+  CHECK(ok && first == 2 && h.calls == 3 && st->recorded == 3 && rolled &&
+            st->scale[0] == fp8_scale(g->fp8[0].fmt, 1000, &low),
+        "cuda: gpt2-tiny fp8: the amax hook runs after the calibration and the step (2 calls), then once a step; "
+        "the amax it raises is rolled and scales",
+        "%s; calls %d then %d, recorded %lld, %s, scale %g", ok ? "ran" : why, first, h.calls,
+        (long long)st->recorded, rolled ? "rolled" : "not in the history", (double)st->scale[0]);
+  float **params = calloc((size_t)g->nparams, sizeof *params);
+  for (int i = 0; i < g->nparams; i++)
+    params[i] = read_all(e, g->params[i]);
+  float *hist = malloc(sizeof(float) * (size_t)(st->n * st->H));
+  memcpy(hist, st->hist, sizeof(float) * (size_t)(st->n * st->H));
+  int64_t recorded = st->recorded;
+  h.step = h.raise_at = 3, h.to = NAN;
+  ok = fp8_step_one(e, 3, why, sizeof why);
+  int moved = 0;
+  for (int i = 0; i < g->nparams; i++) {
+    float *x = read_all(e, g->params[i]);
+    moved += memcmp(x, params[i], sizeof(float) * (size_t)shape_numel(g->nodes[g->params[i]]->shape)) != 0;
+    free(x);
+    free(params[i]);
+  }
+  free(params);
+  snprintf(name, sizeof name, "cuda: gpt2-tiny fp8: a NaN amax from the hook skips the step (the weights and "
+           "histories as they were)");
+  CHECK(ok && h.calls == 4 && moved == 0 && st->recorded == recorded &&
+            !memcmp(hist, st->hist, sizeof(float) * (size_t)(st->n * st->H)),
+        name, "%s; %d calls, %d parameters moved, recorded %lld", ok ? "ran" : why, h.calls, moved,
+        (long long)st->recorded);
+  free(hist);
+  e->set_fp8_amax(e, NULL, NULL);
+  e->free(e);
+}
+
+// gpt2-tiny's gradients-only graph in fp8 (train.c's micro-batches' engine: no optimizer, no gradient
+// norm), compiled as main.c's open_side_engine compiles it, on an emulated GPU of its own plan.
+static bool compile_grads(const Model *md, Compiled *c) {
+  c->a = arena_new();
+  c->g = mdl_compile_file(c->a, md->path, md->ov, md->nov);
+  char why[256];
+  if (!c->g || !autodiff(c->g, false) || !precision_assign(c->g, md->prec, why, sizeof why))
+    return false;
+  c->f = fuse(c->g, (FuseOptions){.fuse = true, .chunk_lmhead = true});
+  c->m = memplan(c->f);
+  return true;
+}
+
+// A led gradients-only engine (Engine.set_fp8_lead), on the emulated GPU and on the interpreter, from
+// the same parameters and batch, two passes: with every scale 1 (a calibration's), then with scales of
+// 1/4 to 4 by tensor. Each casts with the lead's scales as given (its state's scales are a copy of
+// them), neither calibrates nor rolls a history, and leaves its amaxes, within 1e-4 relative of the
+// interpreter's, and its loss within 1e-5.
+static void fp8_lead_checks(const Model *md) {
+  char why[1024] = "", so[512], name[300];
+  Compiled c;
+  if (!compile_grads(md, &c)) {
+    CHECK(false, "cuda: gpt2-tiny fp8 gradients-only compiles", "front end, autodiff or the fp8 pass failed");
+    arena_free(c.a);
+    return;
+  }
+  const Graph *g = c.g;
+  const CudaPlan *p = emit_cuda_plan(c.f, c.m, g->model);
+  bool built = p && build_fake_gpu(p, "gpt2_tiny_fp8_grads", so, sizeof so, why, sizeof why);
+  CHECK(built, "cuda: gpt2-tiny fp8 gradients-only: the emulated GPU builds", "%s", p ? why : "emit_cuda_plan failed");
+  if (!built) {
+    arena_free(c.a);
+    return;
+  }
+  setenv("MDL_LIBCUDA", so, 1);
+  setenv("MDL_LIBCUBLASLT", so, 1);
+  setenv("MDL_NVRTC_THREADS", "3", 1);
+  void *h = dlopen(so, RTLD_NOW | RTLD_LOCAL);
+  const Counters *(*counters)(void) = h ? (const Counters *(*)(void))dlsym(h, "fake_counters") : NULL;
+  Engine *es[2] = {engine_cuda(c.f, c.m, 5, true, true, why, sizeof why), engine_interp(g, INTERP_F32, 5)};
+  CHECK(es[0] && es[0]->set_fp8_lead && g->nfp8 > 0,
+        "cuda: gpt2-tiny fp8 gradients-only: the engine starts, with the lead hook", "%s",
+        es[0] ? "no hook or no scaled tensor" : why);
+  if (!es[0] || !es[0]->set_fp8_lead || g->nfp8 == 0)
+    goto done;
+  float *lead = malloc(sizeof(float) * (size_t)g->nfp8);
+  set_batch(g, es, 2, 0);
+  bool ok = true, led = true;
+  double amax_err = 0, loss_err = 0;
+  int some = 0;
+  for (int s = 1; ok && s <= 2; s++) {
+    for (int t = 0; t < g->nfp8; t++)
+      lead[t] = s == 1 ? 1.0f : ldexpf(1, t % 5 - 2);
+    for (int i = 0; ok && i < 2; i++) {
+      es[i]->set_fp8_lead(es[i], lead);
+      ok = fp8_step_one(es[i], s, why, sizeof why);
+    }
+    if (!ok)
+      break;
+    const Fp8State *x = es[0]->fp8(es[0]), *r = es[1]->fp8(es[1]);
+    led &= !memcmp(x->scale, lead, sizeof(float) * (size_t)x->n) && x->recorded == 0;
+    for (int j = 0; j < x->n * x->H; j++)
+      led &= x->hist[j] == 0;
+    for (int t = 0; t < x->n; t++) {
+      some += x->amax[t] > 0 && isfinite(x->amax[t]);
+      amax_err = fmax(amax_err, fabs((double)x->amax[t] - r->amax[t]) / fmax(r->amax[t], 1e-30));
+    }
+    double lc = engine_scalar(es[0], g->loss), li = engine_scalar(es[1], g->loss);
+    loss_err = fmax(loss_err, fabs(lc - li) / fabs(li));
+  }
+  free(lead);
+  snprintf(name, sizeof name, "cuda: gpt2-tiny fp8 gradients-only: a led engine casts with the lead's scales, "
+           "neither calibrates nor rolls a history; its amaxes within 1e-4 of the interpreter's led engine's (worst "
+           "%.1e), its loss within 1e-5 (%.1e)", amax_err, loss_err);
+  CHECK(ok && led && some > 0 && amax_err <= 1e-4 && loss_err <= 1e-5, name, "%s; %s, %d amaxes recorded",
+        ok ? "ran" : why, led ? "led" : "scales or histories its own", some);
+  const Counters *k = counters ? counters() : NULL;
+  es[0]->free(es[0]);
+  es[0] = NULL;
+  CHECK(k && k->live_allocations == 0 && k->modules == 0,
+        "cuda: gpt2-tiny fp8 gradients-only: the engine frees its device memory", "%ld allocations, %ld modules",
+        k ? k->live_allocations : -1, k ? k->modules : -1);
+done:
+  for (int i = 0; i < 2; i++)
+    if (es[i])
+      es[i]->free(es[i]);
+  if (h)
+    dlclose(h);
+  unsetenv("MDL_LIBCUDA");
+  unsetenv("MDL_LIBCUBLASLT");
+  unsetenv("MDL_NVRTC_THREADS");
+  arena_free(c.a);
+}
+
 // Precision fp8 on the emulated GPU (the fake cuBLASLt's FP8 rules: both operands fp8, TN, leading
 // dimensions of 16): gpt2-tiny (B=2, T=16: B*T a multiple of 16, as the FP8 GEMMs' m, n and k must
 // be) on the graphs' engine, on a --profile one (launch by launch) and on the interpreter, from the
@@ -2002,6 +2179,7 @@ static void fp8_checks(void) {
     resumed->free(resumed);
   if (straight)
     straight->free(straight);
+  fp8_hook_checks(&c);
   CHECK(k->live_allocations == 0 && k->modules == 0, "cuda: gpt2-tiny fp8: the engines free their device memory",
         "%ld allocations, %ld modules", k->live_allocations, k->modules);
 done:
@@ -2011,6 +2189,7 @@ done:
   unsetenv("MDL_LIBCUBLASLT");
   unsetenv("MDL_NVRTC_THREADS");
   arena_free(c.a);
+  fp8_lead_checks(&md);
 }
 
 // A real GPU: gpt2-tiny on it and on the interpreter, fp32 (within 1e-4) and with bf16 GEMM operands
