@@ -90,6 +90,7 @@ static bool in_list(const char *list, const char *name) {
 // Device memory is host memory; every call runs at once except on a capturing stream, where kernel
 // launches, memsets and GEMMs are recorded into the graph that cuGraphLaunch replays. It exports no
 // cuGetProcAddress, so the runtime finds its entry points under their versioned names.
+#include <dlfcn.h>
 #include <utility>
 #include <vector>
 
@@ -173,6 +174,60 @@ static const Kernel kernels[] = {
 #undef K
 };
 
+#ifdef MDL_FAKE_KERNELS_ONLY
+// A second plan's kernels alone (fake_second below): their names, their arguments' store, and a launch
+// run by this object's own emulator, whose thread-locals they read.
+extern "C" {
+size_t fake_kernel_count(void) { return sizeof kernels / sizeof *kernels; }
+const char *fake_kernel_name(size_t k) { return kernels[k].name; }
+void fake_kernel_store(size_t k, void **p, Rec *r) { kernels[k].store(p, r); }
+void fake_kernel_run(size_t k, const Rec *r) {
+  struct At {
+    size_t k;
+    const Rec *r;
+  } at = {k, r};
+  mdl_emu::run(r->grid, r->block, [](void *ctx) { const At *a = (const At *)ctx; kernels[a->k].call(a->r); },
+               (void *)&at);
+}
+}
+#else
+// A second plan's kernels beside this one's, for two engines of different plans at once (gradient
+// accumulation's micro-batches' engine beside the step's): another shared object built from this
+// file with MDL_FAKE_KERNELS_ONLY and that plan's module, opened when a cubin is loaded while
+// $FAKE_SECOND_MODULE names it; that cubin's kernels are then its kernels, numbered after this
+// object's (the two modules' kernels share names, not bodies: their plans place memory apart).
+struct Second {
+  void *so;
+  size_t n;
+  const char *(*name)(size_t);
+  void (*store)(size_t, void **, Rec *);
+  void (*run)(size_t, const Rec *);
+};
+static Second second;
+static const size_t nfirst = sizeof kernels / sizeof *kernels;
+
+static bool open_second(const char *path) {
+  if (second.so)
+    return true;
+  void *so = dlopen(path, RTLD_NOW | RTLD_LOCAL);
+  size_t (*count)(void) = so ? (size_t (*)(void))dlsym(so, "fake_kernel_count") : NULL;
+  if (!count)
+    return false;
+  second = {so, count(), (const char *(*)(size_t))dlsym(so, "fake_kernel_name"),
+            (void (*)(size_t, void **, Rec *))dlsym(so, "fake_kernel_store"),
+            (void (*)(size_t, const Rec *))dlsym(so, "fake_kernel_run")};
+  return true;
+}
+
+static size_t kernel_count(void) { return nfirst + second.n; }
+static const char *kernel_name(size_t k) { return k < nfirst ? kernels[k].name : second.name(k - nfirst); }
+static void kernel_store(size_t k, void **p, Rec *r) {
+  if (k < nfirst)
+    kernels[k].store(p, r);
+  else
+    second.store(k - nfirst, p, r);
+}
+
 struct Stream {
   bool capturing;
   std::vector<Rec> *graph;
@@ -200,8 +255,11 @@ static Counters counters;
 static size_t used;
 
 static void run_kernel(const Rec *r) {
-  mdl_emu::run(r->grid, r->block, [](void *ctx) { const Rec *q = (const Rec *)ctx; kernels[q->kernel].call(q); },
-               (void *)r);
+  if ((size_t)r->kernel >= nfirst)
+    second.run((size_t)r->kernel - nfirst, r);
+  else
+    mdl_emu::run(r->grid, r->block, [](void *ctx) { const Rec *q = (const Rec *)ctx; kernels[q->kernel].call(q); },
+                 (void *)r);
   counters.kernels++;
 }
 
@@ -264,17 +322,19 @@ CUresult cuDevicePrimaryCtxRetain(void **ctx, int) {
 CUresult cuDevicePrimaryCtxRelease_v2(int) { return 0; }
 CUresult cuCtxSetCurrent(void *) { return 0; }
 
-// A module is accepted when it is an ELF image (a cubin); its kernels are those compiled in here that
-// the cubin defines (a module compiled as several programs has some of them in each cubin).
+// A module is accepted when it is an ELF image (a cubin); its kernels are those compiled in here (or,
+// with $FAKE_SECOND_MODULE, in the second plan's object) that the cubin defines (a module compiled as
+// several programs has some of them in each cubin).
 struct Module {
-  std::vector<bool> has; // per kernels[]
+  std::vector<bool> has; // per kernel, this object's then the second's
 };
 CUresult cuModuleLoadData(void **mod, const void *image) {
-  if (memcmp(image, "\177ELF", 4))
+  const char *path = getenv("FAKE_SECOND_MODULE");
+  if (memcmp(image, "\177ELF", 4) || (path && !open_second(path)))
     return 200;
   Module *m = new Module;
-  for (size_t i = 0; i < sizeof kernels / sizeof *kernels; i++)
-    m->has.push_back(cubin_has_function(image, kernels[i].name));
+  for (size_t i = 0; i < kernel_count(); i++)
+    m->has.push_back((i >= nfirst) == (path != NULL) && cubin_has_function(image, kernel_name(i)));
   counters.modules++;
   *mod = m;
   return 0;
@@ -285,8 +345,8 @@ CUresult cuModuleUnload(void *mod) {
   return 0;
 }
 CUresult cuModuleGetFunction(void **fn, void *mod, const char *name) {
-  for (size_t i = 0; i < sizeof kernels / sizeof *kernels; i++)
-    if (((Module *)mod)->has[i] && !strcmp(kernels[i].name, name)) {
+  for (size_t i = 0; i < ((Module *)mod)->has.size(); i++)
+    if (((Module *)mod)->has[i] && !strcmp(kernel_name(i), name)) {
       *fn = (void *)(i + 1);
       return 0;
     }
@@ -377,7 +437,7 @@ static bool listed(const char *var, const char *name) { return getenv(var) && in
 CUresult cuLaunchKernel(void *fn, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz,
                         unsigned shared, Stream *s, void **params, void **extra) {
   size_t k = (size_t)fn - 1;
-  if (k >= sizeof kernels / sizeof *kernels || !gx || !gy || !gz || !bx || !by || !bz || bx * by * bz > 1024 ||
+  if (k >= kernel_count() || !gx || !gy || !gz || !bx || !by || !bz || bx * by * bz > 1024 ||
       shared || extra)
     return 1;
   Rec r = {};
@@ -385,13 +445,13 @@ CUresult cuLaunchKernel(void *fn, unsigned gx, unsigned gy, unsigned gz, unsigne
   r.kernel = (int)k;
   r.grid = dim3{gx, gy, gz};
   r.block = dim3{bx, by, bz};
-  if (!s->capturing && listed("FAKE_FAILING_KERNELS", kernels[k].name))
+  if (!s->capturing && listed("FAKE_FAILING_KERNELS", kernel_name(k)))
     return 701; // CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES
-  kernels[k].store(params, &r);
+  kernel_store(k, params, &r);
   if (s->capturing) {
     s->graph->push_back(r);
   } else {
-    if (listed("FAKE_SLOW_KERNELS", kernels[k].name))
+    if (listed("FAKE_SLOW_KERNELS", kernel_name(k)))
       device_seconds += 1e-3;
     run(&r);
     counters.direct_kernels++;
@@ -423,7 +483,7 @@ CUresult cuGraphLaunch(std::vector<Rec> *exec, Stream *s) {
   for (const Rec &r : *exec) {
     run(&r);
     counters.slow_replayed += r.kind == 2 && r.gemm.algo == 0;
-    counters.slow_kernels_replayed += r.kind == 0 && listed("FAKE_SLOW_KERNELS", kernels[r.kernel].name);
+    counters.slow_kernels_replayed += r.kind == 0 && listed("FAKE_SLOW_KERNELS", kernel_name((size_t)r.kernel));
   }
   counters.replays++;
   return 0;
@@ -663,6 +723,7 @@ int cublasLtMatmul(void *, Desc *d, const float *alpha, const void *A, Layout *a
   return OK;
 }
 } // extern "C"
+#endif // MDL_FAKE_KERNELS_ONLY
 
 #else
 #include "mdl.h"
@@ -1100,8 +1161,10 @@ typedef struct {
   long f8, e5m2, f8_refused;
 } Counters;
 
-// The emulated GPU for one plan: this file as C++ with the plan's module and kernel list.
-static bool build_fake_gpu(const CudaPlan *p, const char *name, char *so, size_t n, char *why, size_t wn) {
+// The emulated GPU for one plan: this file as C++ with the plan's module and kernel list; or, with
+// kernels_only, a second plan's kernels for it ($FAKE_SECOND_MODULE).
+static bool build_fake_gpu_of(const CudaPlan *p, const char *name, bool kernels_only, char *so, size_t n, char *why,
+                              size_t wn) {
   char cu[512], list[512], cmd[4096];
   snprintf(cu, sizeof cu, "%s/%s.cu", tmp, name);
   snprintf(list, sizeof list, "%s/%s_kernels.inc", tmp, name);
@@ -1126,15 +1189,19 @@ static bool build_fake_gpu(const CudaPlan *p, const char *name, char *so, size_t
   fprintf(f, "K(mdl_accumulate)\n");
   fclose(f);
   snprintf(cmd, sizeof cmd,
-           "g++ -std=c++17 -O1 -shared -fPIC -fsanitize=alignment,bounds -fno-sanitize-recover=all -DMDL_FAKE_GPU "
+           "g++ -std=c++17 -O1 -shared -fPIC -fsanitize=alignment,bounds -fno-sanitize-recover=all -DMDL_FAKE_GPU %s"
            "'-DMDL_MODULE=\"%s\"' '-DMDL_KERNELS=\"%s\"' "
            "-include runtime/cuda_emu.h -x c++ %s -o %s >%s/%s.log 2>&1",
-           cu, list, __FILE__, so, tmp, name);
+           kernels_only ? "-DMDL_FAKE_KERNELS_ONLY " : "", cu, list, __FILE__, so, tmp, name);
   if (system(cmd) != 0) {
     snprintf(why, wn, "g++ failed: see %s/%s.log", tmp, name);
     return false;
   }
   return true;
+}
+
+static bool build_fake_gpu(const CudaPlan *p, const char *name, char *so, size_t n, char *why, size_t wn) {
+  return build_fake_gpu_of(p, name, false, so, n, why, wn);
 }
 
 // A reader of an engine's snapshot on a thread of its own (as the checkpoint writer reads it).
@@ -1911,13 +1978,16 @@ static void fp8_hook_checks(const Compiled *c) {
   e->free(e);
 }
 
-// gpt2-tiny's gradients-only graph in fp8 (train.c's micro-batches' engine: no optimizer, no gradient
-// norm), compiled as main.c's open_side_engine compiles it, on an emulated GPU of its own plan.
-static bool compile_grads(const Model *md, Compiled *c) {
+// A model in its precision with `accumulate` micro-batches a step, its whole step (optimizer) or its
+// gradients only (train.c's micro-batches' engine: no optimizer, no gradient norm, compiled as
+// main.c's open_side_engine compiles it).
+static bool compile_step(const Model *md, int64_t accumulate, bool optimizer, Compiled *c) {
   c->a = arena_new();
   c->g = mdl_compile_file(c->a, md->path, md->ov, md->nov);
   char why[256];
-  if (!c->g || !autodiff(c->g, false) || !precision_assign(c->g, md->prec, why, sizeof why))
+  if (c->g)
+    c->g->train.accumulate = accumulate;
+  if (!c->g || !autodiff(c->g, optimizer) || !precision_assign(c->g, md->prec, why, sizeof why))
     return false;
   c->f = fuse(c->g, (FuseOptions){.fuse = true, .chunk_lmhead = true});
   c->m = memplan(c->f);
@@ -1932,7 +2002,7 @@ static bool compile_grads(const Model *md, Compiled *c) {
 static void fp8_lead_checks(const Model *md) {
   char why[1024] = "", so[512], name[300];
   Compiled c;
-  if (!compile_grads(md, &c)) {
+  if (!compile_step(md, 1, false, &c)) {
     CHECK(false, "cuda: gpt2-tiny fp8 gradients-only compiles", "front end, autodiff or the fp8 pass failed");
     arena_free(c.a);
     return;
@@ -2003,6 +2073,93 @@ done:
   unsetenv("MDL_LIBCUBLASLT");
   unsetenv("MDL_NVRTC_THREADS");
   arena_free(c.a);
+}
+
+// Gradient accumulation in fp8 through train_run (train.c drives the hooks): 3 steps of 2 micro-batches
+// at B=1, the step engine and the micro-batches' (gradients-only, led) engine each on its own plan in
+// one emulated GPU ($FAKE_SECOND_MODULE), against 3 steps at B=2 of the engine of c (its emulated GPU
+// `so`, current on entry and again on return). As tests/cli/fp8.sh checks the CPU engines: the same
+// steps recorded, the forward's (E4M3) scales equal and the backward's (E5M2) exactly 2 times smaller
+// (a micro-batch's loss is the mean over its own targets: its gradients are 2 times those of one pass
+// over both rows), the histories within 1e-5 of those amaxes except the first step's calibration
+// (every scale 1: a gradient 2 times larger rounds otherwise), within 5%.
+static void fp8_accumulate_checks(const Compiled *c, const char *so) {
+  char why[1024] = "", name[400], data[1200], out[1200], so1[512], so2[512];
+  Model md = {"gpt2-tiny fp8", "models/gpt2-tiny.mdl", NULL, {{"B", 1}, {"T", 16}}, 2, DT_F8E4M3};
+  if (!train_data(data, sizeof data)) {
+    CHECK(false, "cuda: gpt2-tiny fp8 accumulate 2: the corpus", "prep failed");
+    return;
+  }
+  TrainOptions to = {.model_path = "models/gpt2-tiny.mdl", .data_dir = data, .tokenizer_path = "tokenizer.bin",
+                     .out_dir = out, .steps = 3, .seed = 7, .val_every = 0, .val_batches = 1, .quiet = true};
+  snprintf(out, sizeof out, "%s/fp8-b2", tmp);
+  Engine *ref = engine_cuda(c->f, c->m, 7, true, true, why, sizeof why);
+  bool ok = ref && train_run(ref, NULL, NULL, &to) == 0;
+  Fp8State one = {0};
+  if (ok) {
+    const Fp8State *st = ref->fp8(ref);
+    one = *st;
+    one.scale = malloc(sizeof(float) * (size_t)st->n);
+    one.hist = malloc(sizeof(float) * (size_t)(st->n * st->H));
+    memcpy(one.scale, st->scale, sizeof(float) * (size_t)st->n);
+    memcpy(one.hist, st->hist, sizeof(float) * (size_t)(st->n * st->H));
+  }
+  if (ref)
+    ref->free(ref);
+  Compiled sc = {0}, mc = {0};
+  bool compiled = ok && compile_step(&md, 2, true, &sc) && compile_step(&md, 2, false, &mc);
+  const CudaPlan *sp = compiled ? emit_cuda_plan(sc.f, sc.m, sc.g->model) : NULL;
+  const CudaPlan *mp = compiled ? emit_cuda_plan(mc.f, mc.m, mc.g->model) : NULL;
+  bool built = sp && mp && build_fake_gpu(sp, "gpt2_tiny_fp8_acc", so1, sizeof so1, why, sizeof why) &&
+               build_fake_gpu_of(mp, "gpt2_tiny_fp8_micro", true, so2, sizeof so2, why, sizeof why);
+  CHECK(ok && built, "cuda: gpt2-tiny fp8 accumulate 2: the run at B=2 trains, and the emulated GPU of the step's "
+        "and the micro-batches' plans builds", "%s", !ok ? why : !compiled ? "compile failed" : why);
+  Engine *e = NULL, *micro = NULL;
+  if (ok && built) {
+    setenv("MDL_LIBCUDA", so1, 1);
+    setenv("MDL_LIBCUBLASLT", so1, 1);
+    e = engine_cuda(sc.f, sc.m, 7, true, true, why, sizeof why);
+    setenv("FAKE_SECOND_MODULE", so2, 1);
+    micro = e ? engine_cuda(mc.f, mc.m, 7, true, true, why, sizeof why) : NULL;
+    unsetenv("FAKE_SECOND_MODULE");
+    snprintf(out, sizeof out, "%s/fp8-acc", tmp);
+    ok = e && micro && train_run(e, NULL, micro, &to) == 0;
+    if (e && micro && !ok)
+      snprintf(why, sizeof why, "train_run failed");
+  }
+  const Fp8State *st = ok && built ? e->fp8(e) : NULL;
+  double worst = 0, calib = 0;
+  int ratios = 0;
+  for (int t = 0; st && t < st->n && st->n == one.n; t++) {
+    float q = sc.g->fp8[t].fmt == DT_F8E5M2 ? 2.0f : 1.0f;
+    ratios += one.scale[t] / st->scale[t] == q;
+    for (int j = 0; j < (st->recorded < st->H ? st->recorded : st->H); j++) {
+      double x = one.hist[t * one.H + j], y = st->hist[t * st->H + j] / q, d = fabs(x - y) / fmax(x, 1e-30);
+      if (j == st->recorded - 1)
+        calib = fmax(calib, d);
+      else
+        worst = fmax(worst, d);
+    }
+  }
+  snprintf(name, sizeof name, "cuda: gpt2-tiny fp8: train_run with accumulate 2 at B=1 (a led micro-batches' "
+           "engine) scales as at B=2: E4M3 scales equal, E5M2 exactly 2 times smaller, amaxes within %.1e "
+           "(calibration's %.1e)", worst, calib);
+  CHECK(st && st->n == one.n && st->recorded == one.recorded && st->recorded == 4 && ratios == st->n &&
+            worst <= 1e-5 && calib <= 0.05,
+        name, "%s; %d of %d scales as expected, recorded %lld and %lld", st ? "differ" : why, ratios,
+        st ? st->n : 0, st ? (long long)st->recorded : -1, (long long)one.recorded);
+  if (micro)
+    micro->free(micro);
+  if (e)
+    e->free(e);
+  free(one.scale);
+  free(one.hist);
+  if (sc.a)
+    arena_free(sc.a);
+  if (mc.a)
+    arena_free(mc.a);
+  setenv("MDL_LIBCUDA", so, 1);
+  setenv("MDL_LIBCUBLASLT", so, 1);
 }
 
 // Precision fp8 on the emulated GPU (the fake cuBLASLt's FP8 rules: both operands fp8, TN, leading
@@ -2180,6 +2337,7 @@ static void fp8_checks(void) {
   if (straight)
     straight->free(straight);
   fp8_hook_checks(&c);
+  fp8_accumulate_checks(&c, so);
   CHECK(k->live_allocations == 0 && k->modules == 0, "cuda: gpt2-tiny fp8: the engines free their device memory",
         "%ld allocations, %ld modules", k->live_allocations, k->modules);
 done:
