@@ -63,7 +63,18 @@
 //     bit; every fp8 GEMM of the plan is described with fp8 A and B (so TN) and none refused; a weight
 //     made infinite through Engine.write skips the step (every parameter unchanged, the histories not
 //     rolled, the tensor named); train_run's checkpoints (snapshots) hold the fp8 state of their step,
-//     and a run resumed at step 4 reaches step 6 with the scales and histories of a run of 6.
+//     and a run resumed at step 4 reaches step 6 with the scales and histories of a run of 6. The
+//     hooks that share the scales (Engine.set_fp8_amax, set_fp8_lead), as test_fp8_cpu's test_share
+//     checks the CPU engines': the amax hook runs after the first step's calibration and after each
+//     step's first part, an amax it raises is the one rolled and scaled by, a NaN one skips the step
+//     (parameters and histories as they were); a led gradients-only engine casts with the given
+//     scales, neither calibrates nor rolls a history, and its amaxes are within 1e-4 of the
+//     interpreter's led engine's, its loss within 1e-5; train_run with accumulate 2 at B=1 (the step
+//     and micro-batches' engines, two plans, in one emulated GPU: the fake takes the second plan's
+//     kernels from an object built from this file with MDL_FAKE_KERNELS_ONLY, named by
+//     $FAKE_SECOND_MODULE while that engine loads its cubins) scales as a run at B=2: the E4M3 scales
+//     equal, the E5M2 ones exactly 2 times smaller, the histories within 1e-5 of those amaxes (the
+//     calibration's within 5%). Several ranks (NCCL) are not emulated: no test fakes NCCL.
 //   - With a real driver and device: the no-driver checks are skipped, and gpt2-tiny (B=2, T=16) runs
 //     one step on the GPU and on the interpreter from the same parameters and batch: the loss and
 //     every gradient agree within 1e-4 relative; with bf16 GEMM operands, within 4e-3 in L2; on sm_89
