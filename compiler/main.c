@@ -441,9 +441,6 @@ static bool gemm_precision(const Options *o, Graph *g, DType *dt) {
     msg = arena_printf(g->arena, "precision = fp8: the GPU %s has compute capability %d.%d, and FP8 GEMMs need 8.9 or "
                        "later (Ada, Hopper and newer); use bf16", d.name, cuda_compute_capability(&d) / 10,
                        cuda_compute_capability(&d) % 10);
-  else if (g->train.accumulate > 1 && executes && !strcmp(backend_of(o), "cuda"))
-    msg = "precision = fp8: gradient accumulation (accumulate > 1) does not share the fp8 scales on the CUDA back "
-          "end yet; --backend cpu runs it";
   if (!msg) {
     static bool said;
     if (emits && !said && !o->quiet && !(executes && !strcmp(backend_of(o), "cuda")))

@@ -50,7 +50,10 @@
 // device time is added to its plan step's Engine.kernel_seconds, and kept per launch for
 // Engine.profile_launches (the launches inside the plan steps that make several). Precision fp8
 // (fp8_step) cuts the step in two graphs at the optimizer's first launch: the host reads the amaxes
-// between them and keeps the delayed scaling's state (precision.c), as the CPU engine does.
+// between them and keeps the delayed scaling's state (precision.c), as the CPU engine does; there
+// the runtime raises them to its micro-batches' and ranks' (Engine.set_fp8_amax, on the host: the
+// ranks are MPI processes), and a micro-batches' engine casts with the step engine's scales and only
+// records its amaxes (Engine.set_fp8_lead).
 #include "cuda.h"
 #include "backend.h"
 #include "emit_cuda.h"
@@ -627,6 +630,10 @@ typedef struct {
   CUgraphExec exec_opt;
   int64_t fp8_poison;     //   its arena offset, or -1
   bool fp8_bad;           //   this step's amaxes: one is not finite (the state is not rolled)
+  bool (*fp8_fn)(void *ctx, float *amax, int n, char *err, size_t en); // Engine.set_fp8_amax's, or NULL
+  void *fp8_ctx;
+  const float *fp8_lead;  //   Engine.set_fp8_lead's scales: a micro-batch's pass of another engine's step
+  int next_range;         //   Engine.set_nccl: the first of `ranges` not yet reduced this step
 } CudaEngine;
 
 static bool staged(const IrNode *nd) { return nd->op == OP_INPUT || nd->op == OP_SCALAR; }
@@ -676,6 +683,7 @@ static bool download(CudaEngine *ce, void *dst, CUdeviceptr src, size_t bytes, c
 
 // Inputs and scalars up, the graph replayed, the stream drained, then the kernels' status checked.
 static bool enqueue(CudaEngine *ce, int i, char *err, size_t n);
+static bool nccl_launches(CudaEngine *ce, int first, int last, bool comm, char *err, size_t n);
 static const char *launch_kernel(const CudaEngine *ce, int i);
 
 // The head of every step: the kernels' status zeroed, and in precision fp8 the region's amaxes.
@@ -738,14 +746,18 @@ static bool profile_step(CudaEngine *ce, char *err, size_t n) {
 
 // Part `part` of an fp8 step on the stream: 0, the step's head (clear_step) and the launches before the
 // optimizer's first; 1, the others. Replayed from its graph, or with --profile launch by launch, timed
-// when `timed` (the calibration's run is not).
-static bool fp8_part(CudaEngine *ce, int part, bool timed, char *err, size_t n) {
+// when `timed` (the calibration's run is not); over several ranks launch by launch as nccl_step runs
+// them, the gradients' all-reduces among them where `comm` (the calibration's run has none: its
+// gradients are thrown away).
+static bool fp8_part(CudaEngine *ce, int part, bool timed, bool comm, char *err, size_t n) {
   const CudaPlan *p = ce->plan;
+  int first = part ? ce->opt_launch : 0, last = part ? p->nlaunches : ce->opt_launch;
+  if (ce->nccl)
+    return (part || clear_step(ce, err, n)) && nccl_launches(ce, first, last, comm, err, n);
   if (!ce->e.profile) {
     CUgraphExec x = part ? ce->exec_opt : ce->exec;
     return !x || CU(err, n, cuGraphLaunch, x, ce->stream);
   }
-  int first = part ? ce->opt_launch : 0, last = part ? p->nlaunches : ce->opt_launch;
   bool ok = part || clear_step(ce, err, n);
   if (timed)
     return ok && profile_launches(ce, first, last, ce->marks[part ? p->nlaunches : p->nlaunches + 1], err, n);
@@ -765,44 +777,62 @@ static bool fp8_send(CudaEngine *ce, char *err, size_t n) {
 }
 
 // The amaxes of the first part read into the state (u32 bits of non-negative floats, NaN above
-// infinity: the floats themselves), once it has run.
-static bool fp8_amaxes(CudaEngine *ce, char *err, size_t n) {
-  const Fp8State *st = &ce->fp8;
+// infinity: the floats themselves), once it has run, and raised by Engine.set_fp8_amax's fn to the
+// step's (its micro-batches', its ranks'); `fn` false: as recorded (a led pass's are its own).
+static bool fp8_amaxes(CudaEngine *ce, bool fn, char *err, size_t n) {
+  Fp8State *st = &ce->fp8;
   return download(ce, st->amax, ce->arena + (CUdeviceptr)(ce->plan->fp8 + 8 * (int64_t)st->n), 4 * (size_t)st->n,
-                  err, n);
+                  err, n) &&
+         (!fn || !ce->fp8_fn || ce->fp8_fn(ce->fp8_ctx, st->amax, st->n, err, n));
 }
 
 // A step in precision fp8, as ce_step_fp8 (engine.c) runs one on the CPU, with the scale arithmetic
 // on the host in precision.c (fp8_state_update, fp8_state_check), so that the scales are the CPU back
 // ends' to the bit: the scales sent up, the launches before the optimizer's first, the amaxes read
-// back (one wait mid-step, for 4n bytes), then the optimizer's launches. A non-finite amax makes a
-// gradient the optimizer reads NaN, so that it skips the step as it skips any non-finite gradient
-// (the runtime then names the tensor through Engine.fp8), and the state is not rolled. With no
-// history yet (the first step) the first part runs once more beforehand with every scale 1, and the
-// scales its amaxes give are the step's (calibration). cu_step rolls the state (fp8_state_update)
-// once the step's status is clean.
+// back (one wait mid-step, for 4n bytes) and raised to the step's (Engine.set_fp8_amax), then the
+// optimizer's launches. A non-finite amax makes a gradient the optimizer reads NaN, so that it skips
+// the step as it skips any non-finite gradient (the runtime then names the tensor through
+// Engine.fp8), and the state is not rolled. With no history yet (the first step) the first part runs
+// once more beforehand with every scale 1, and the scales its amaxes (raised likewise) give are the
+// step's (calibration). cu_step rolls the state (fp8_state_update) once the step's status is clean.
+// Over several ranks (nccl_step) every rank gets the same amaxes from the hook (their max, over MPI on
+// the host, while the stream is idle), so every rank checks alike and poisons alike: before the
+// optimizer's first launch, before or after the gradient's all-reduce (NaN either way). A led step
+// (Engine.set_fp8_lead) copies the lead's scales, runs whole and leaves its amaxes, nothing more.
 static bool fp8_step(CudaEngine *ce, char *err, size_t n) {
   static const float nan_value = NAN; // (the source of an asynchronous copy: it must outlive the call)
   Fp8State *st = &ce->fp8;
   char why[8];
-  bool timed = ce->e.profile;
+  bool timed = ce->e.profile && !ce->nccl; // (nccl_step times no launch)
+  ce->fp8_bad = false;
   if (timed && !profile_events(ce, err, n))
     return false;
+  if (ce->fp8_lead) {
+    memcpy(st->scale, ce->fp8_lead, sizeof(float) * (size_t)st->n);
+    return fp8_send(ce, err, n) && fp8_part(ce, 0, timed, true, err, n) && fp8_part(ce, 1, timed, true, err, n) &&
+           fp8_amaxes(ce, false, err, n) && (!timed || profile_times(ce, err, n));
+  }
   if (!st->recorded) {
-    if (!fp8_send(ce, err, n) || !fp8_part(ce, 0, false, err, n) || !fp8_amaxes(ce, err, n))
+    if (!fp8_send(ce, err, n) || !fp8_part(ce, 0, false, false, err, n) || !fp8_amaxes(ce, true, err, n))
       return false;
     fp8_state_update(st, ce->e.g, why, sizeof why); // (refused: the scales stay 1 and the step below names it)
   }
-  if (!fp8_send(ce, err, n) || !fp8_part(ce, 0, timed, err, n) || !fp8_amaxes(ce, err, n))
+  if (!fp8_send(ce, err, n) || !fp8_part(ce, 0, timed, true, err, n) || !fp8_amaxes(ce, true, err, n))
     return false;
   ce->fp8_bad = fp8_state_check(st, ce->e.g, why, sizeof why);
   if (ce->fp8_bad && ce->fp8_poison >= 0 &&
       !CU(err, n, cuMemcpyHtoDAsync, ce->arena + (CUdeviceptr)ce->fp8_poison, &nan_value, sizeof nan_value, ce->stream))
     return false;
-  return fp8_part(ce, 1, timed, err, n) && (!timed || profile_times(ce, err, n));
+  return fp8_part(ce, 1, timed, true, err, n) && (!timed || profile_times(ce, err, n));
 }
 
 static Fp8State *cu_fp8(Engine *e) { return &((CudaEngine *)e)->fp8; }
+
+static void cu_set_fp8_amax(Engine *e, bool (*fn)(void *ctx, float *amax, int n, char *err, size_t en), void *ctx) {
+  ((CudaEngine *)e)->fp8_fn = fn, ((CudaEngine *)e)->fp8_ctx = ctx;
+}
+
+static void cu_set_fp8_lead(Engine *e, const float *scale) { ((CudaEngine *)e)->fp8_lead = scale; }
 
 // The launches of each plan step that makes several and takes at least 1% of the step, in order:
 // a kernel by its name, a GEMM by its shape (M x N x K, the batch, the operands' type).
@@ -910,27 +940,39 @@ static bool cu_params(CudaEngine *ce, char *err, size_t n) {
 
 static bool cu_draw_params(Engine *e, char *err, size_t n) { return cu_params((CudaEngine *)e, err, n); }
 
-// A step of several ranks (Engine.set_nccl): the launches one by one on the stream, as --profile
-// runs them (an all-reduce is not captured into the step's graph), each gradient made its mean over
-// the ranks (NCCL, on the same stream, between the events red[2r] and red[2r + 1]) before the first
-// launch of the plan step that first reads it.
-static bool nccl_step(CudaEngine *ce, char *err, size_t n) {
-  const CudaPlan *p = ce->plan;
-  bool ok = CU(err, n, cuMemsetD8Async, ce->status, 0, sizeof(MdlStatus), ce->stream);
-  for (int i = 0, next = 0; ok && i <= p->nlaunches; i++) {
-    int step = i < p->nlaunches ? p->launches[i].step : INT32_MAX;
-    for (; ok && next < ce->nranges && ce->ranges[next].at <= step; next++) {
-      CUdeviceptr x = ce->arena + (CUdeviceptr)ce->ranges[next].from;
-      size_t count = (size_t)(ce->ranges[next].to - ce->ranges[next].from) / 4;
-      ok = CU(err, n, cuEventRecord, ce->red[2 * next], ce->stream);
-      if (ok && *ce->poison && drv.cuMemsetD32Async) // (a NaN, as float bits)
-        ok = CU(err, n, cuMemsetD32Async, x, 0x7fc00000u, count, ce->stream);
-      ok = ok && dist_nccl_mean_f32(ce->nccl, (void *)x, (int64_t)count, ce->stream, err, n) &&
-           CU(err, n, cuEventRecord, ce->red[2 * next + 1], ce->stream);
-    }
-    if (ok && i < p->nlaunches)
-      ok = enqueue(ce, i, err, n);
+// The gradients' all-reduces of a step of several ranks (Engine.set_nccl) due before plan step `step`
+// (INT32_MAX: every one left), from the first not yet reduced: each gradient made its mean over the
+// ranks (NCCL, on the same stream, between the events red[2r] and red[2r + 1]).
+static bool nccl_reduce(CudaEngine *ce, int step, char *err, size_t n) {
+  bool ok = true;
+  for (; ok && ce->next_range < ce->nranges && ce->ranges[ce->next_range].at <= step; ce->next_range++) {
+    int r = ce->next_range;
+    CUdeviceptr x = ce->arena + (CUdeviceptr)ce->ranges[r].from;
+    size_t count = (size_t)(ce->ranges[r].to - ce->ranges[r].from) / 4;
+    ok = CU(err, n, cuEventRecord, ce->red[2 * r], ce->stream);
+    if (ok && *ce->poison && drv.cuMemsetD32Async) // (a NaN, as float bits)
+      ok = CU(err, n, cuMemsetD32Async, x, 0x7fc00000u, count, ce->stream);
+    ok = ok && dist_nccl_mean_f32(ce->nccl, (void *)x, (int64_t)count, ce->stream, err, n) &&
+         CU(err, n, cuEventRecord, ce->red[2 * r + 1], ce->stream);
   }
+  return ok;
+}
+
+// Launches [first, last) of a step of several ranks, one by one on the stream, as --profile runs them
+// (an all-reduce is not captured into the step's graph), with `comm` each gradient reduced before the
+// first launch of the plan step that first reads it (a step starting at launch 0 starts from the
+// first gradient), and at the plan's end the gradients left and ZeRO's all-gather. Precision fp8 runs
+// a step as two such parts, cut at the optimizer (fp8_part).
+static bool nccl_launches(CudaEngine *ce, int first, int last, bool comm, char *err, size_t n) {
+  const CudaPlan *p = ce->plan;
+  bool ok = true;
+  if (first == 0)
+    ce->next_range = 0;
+  for (int i = first; ok && i < last; i++)
+    ok = (!comm || nccl_reduce(ce, p->launches[i].step, err, n)) && enqueue(ce, i, err, n);
+  if (!ok || !comm || last < p->nlaunches)
+    return ok;
+  ok = nccl_reduce(ce, INT32_MAX, err, n);
   if (ok && ce->zero_at) { // (ZeRO stage 1: each rank's updated parameters, and their bf16 copies, to all)
     ok = CU(err, n, cuEventRecord, ce->gathered[0], ce->stream) &&
          dist_nccl_gather_f32(ce->nccl, (void *)ce->arena, ce->zero_at, ce->stream, err, n) &&
@@ -941,13 +983,19 @@ static bool nccl_step(CudaEngine *ce, char *err, size_t n) {
   return ok;
 }
 
+// A step of several ranks: the kernels' status zeroed, then every launch with the all-reduces.
+static bool nccl_step(CudaEngine *ce, char *err, size_t n) {
+  return CU(err, n, cuMemsetD8Async, ce->status, 0, sizeof(MdlStatus), ce->stream) &&
+         nccl_launches(ce, 0, ce->plan->nlaunches, true, err, n);
+}
+
 static bool cu_step(Engine *e, char *err, size_t n) {
   CudaEngine *ce = (CudaEngine *)e;
   MdlStatus st;
   if (!cu_params(ce, err, n) || !send_staged(ce, err, n) ||
       !CU(err, n, cuMemcpyHtoDAsync, ce->seed_dev, &ce->seed, sizeof ce->seed, ce->stream) ||
-      !(ce->nccl      ? nccl_step(ce, err, n)
-        : ce->fp8.n  ? fp8_step(ce, err, n)
+      !(ce->fp8.n     ? fp8_step(ce, err, n)
+        : ce->nccl   ? nccl_step(ce, err, n)
         : e->profile ? profile_step(ce, err, n)
                      : CU(err, n, cuGraphLaunch, ce->exec, ce->stream)) ||
       !download(ce, &st, ce->status, sizeof st, err, n))
@@ -968,7 +1016,7 @@ static bool cu_step(Engine *e, char *err, size_t n) {
   if (st.set)
     return rt_fail(err, n, "%s %lld out of range [0, %lld)", cuda_error_what(st.code), st.value, st.limit);
   char why[8];
-  if (ce->fp8.n && !ce->fp8_bad) // (a step that failed rolls nothing into the histories)
+  if (ce->fp8.n && !ce->fp8_bad && !ce->fp8_lead) // (a step that failed rolls nothing into the histories)
     fp8_state_update(&ce->fp8, e->g, why, sizeof why);
   return true;
 }
@@ -1148,11 +1196,6 @@ static bool cu_set_nccl(Engine *e, void *comm, const bool *poison) {
   ce->nccl = NULL;
   if (!comm)
     return true;
-  if (ce->fp8.n) { // (each rank would scale its tensors by its own amaxes, and step with them)
-    fprintf(stderr, "mdlc: cuda: precision fp8 trains on one GPU so far: the amaxes are not all-reduced over NCCL "
-                    "yet\n");
-    return false;
-  }
   if (!e->fusion || !(ce->ranges = engine_grad_ranges(e->fusion, ce->m, 0, &ce->nranges)))
     return false;
   for (int i = 0; ce->red && i < 2 * ce->nred; i++)
@@ -1602,9 +1645,6 @@ static Engine *drop_early(CudaEngine *ce) {
 // gradient through the norm, so one NaN there skips the whole update).
 static bool init_fp8(CudaEngine *ce, const Fusion *f, const MemPlan *m, char *err, size_t n) {
   const Graph *g = f->g;
-  if (g->train.accumulate > 1) // (the micro-batches' engine would keep scales of its own)
-    return rt_fail(err, n, "precision fp8 on the CUDA back end does not accumulate gradients yet (accumulate %lld): "
-                   "the micro-batches' amaxes would not reach the step's scales", (long long)g->train.accumulate);
   if (cuda_compute_capability(&ce->dev) < 89)
     return rt_fail(err, n, "precision fp8: the GPU %s (%s) has no FP8 tensor cores (sm_89 or later); use bf16",
                    ce->dev.name, ce->dev.arch);
@@ -1623,6 +1663,8 @@ static bool init_fp8(CudaEngine *ce, const Fusion *f, const MemPlan *m, char *er
     if (g->nodes[i]->op == OP_GRAD_NORM)
       ce->fp8_poison = m->offset[g->nodes[i]->in[0]];
   ce->e.fp8 = cu_fp8;
+  ce->e.set_fp8_amax = cu_set_fp8_amax;
+  ce->e.set_fp8_lead = cu_set_fp8_lead;
   return true;
 }
 

@@ -63,7 +63,18 @@
 //     bit; every fp8 GEMM of the plan is described with fp8 A and B (so TN) and none refused; a weight
 //     made infinite through Engine.write skips the step (every parameter unchanged, the histories not
 //     rolled, the tensor named); train_run's checkpoints (snapshots) hold the fp8 state of their step,
-//     and a run resumed at step 4 reaches step 6 with the scales and histories of a run of 6.
+//     and a run resumed at step 4 reaches step 6 with the scales and histories of a run of 6. The
+//     hooks that share the scales (Engine.set_fp8_amax, set_fp8_lead), as test_fp8_cpu's test_share
+//     checks the CPU engines': the amax hook runs after the first step's calibration and after each
+//     step's first part, an amax it raises is the one rolled and scaled by, a NaN one skips the step
+//     (parameters and histories as they were); a led gradients-only engine casts with the given
+//     scales, neither calibrates nor rolls a history, and its amaxes are within 1e-4 of the
+//     interpreter's led engine's, its loss within 1e-5; train_run with accumulate 2 at B=1 (the step
+//     and micro-batches' engines, two plans, in one emulated GPU: the fake takes the second plan's
+//     kernels from an object built from this file with MDL_FAKE_KERNELS_ONLY, named by
+//     $FAKE_SECOND_MODULE while that engine loads its cubins) scales as a run at B=2: the E4M3 scales
+//     equal, the E5M2 ones exactly 2 times smaller, the histories within 1e-5 of those amaxes (the
+//     calibration's within 5%). Several ranks (NCCL) are not emulated: no test fakes NCCL.
 //   - With a real driver and device: the no-driver checks are skipped, and gpt2-tiny (B=2, T=16) runs
 //     one step on the GPU and on the interpreter from the same parameters and batch: the loss and
 //     every gradient agree within 1e-4 relative; with bf16 GEMM operands, within 4e-3 in L2; on sm_89
@@ -90,6 +101,7 @@ static bool in_list(const char *list, const char *name) {
 // Device memory is host memory; every call runs at once except on a capturing stream, where kernel
 // launches, memsets and GEMMs are recorded into the graph that cuGraphLaunch replays. It exports no
 // cuGetProcAddress, so the runtime finds its entry points under their versioned names.
+#include <dlfcn.h>
 #include <utility>
 #include <vector>
 
@@ -173,6 +185,60 @@ static const Kernel kernels[] = {
 #undef K
 };
 
+#ifdef MDL_FAKE_KERNELS_ONLY
+// A second plan's kernels alone (fake_second below): their names, their arguments' store, and a launch
+// run by this object's own emulator, whose thread-locals they read.
+extern "C" {
+size_t fake_kernel_count(void) { return sizeof kernels / sizeof *kernels; }
+const char *fake_kernel_name(size_t k) { return kernels[k].name; }
+void fake_kernel_store(size_t k, void **p, Rec *r) { kernels[k].store(p, r); }
+void fake_kernel_run(size_t k, const Rec *r) {
+  struct At {
+    size_t k;
+    const Rec *r;
+  } at = {k, r};
+  mdl_emu::run(r->grid, r->block, [](void *ctx) { const At *a = (const At *)ctx; kernels[a->k].call(a->r); },
+               (void *)&at);
+}
+}
+#else
+// A second plan's kernels beside this one's, for two engines of different plans at once (gradient
+// accumulation's micro-batches' engine beside the step's): another shared object built from this
+// file with MDL_FAKE_KERNELS_ONLY and that plan's module, opened when a cubin is loaded while
+// $FAKE_SECOND_MODULE names it; that cubin's kernels are then its kernels, numbered after this
+// object's (the two modules' kernels share names, not bodies: their plans place memory apart).
+struct Second {
+  void *so;
+  size_t n;
+  const char *(*name)(size_t);
+  void (*store)(size_t, void **, Rec *);
+  void (*run)(size_t, const Rec *);
+};
+static Second second;
+static const size_t nfirst = sizeof kernels / sizeof *kernels;
+
+static bool open_second(const char *path) {
+  if (second.so)
+    return true;
+  void *so = dlopen(path, RTLD_NOW | RTLD_LOCAL);
+  size_t (*count)(void) = so ? (size_t (*)(void))dlsym(so, "fake_kernel_count") : NULL;
+  if (!count)
+    return false;
+  second = {so, count(), (const char *(*)(size_t))dlsym(so, "fake_kernel_name"),
+            (void (*)(size_t, void **, Rec *))dlsym(so, "fake_kernel_store"),
+            (void (*)(size_t, const Rec *))dlsym(so, "fake_kernel_run")};
+  return true;
+}
+
+static size_t kernel_count(void) { return nfirst + second.n; }
+static const char *kernel_name(size_t k) { return k < nfirst ? kernels[k].name : second.name(k - nfirst); }
+static void kernel_store(size_t k, void **p, Rec *r) {
+  if (k < nfirst)
+    kernels[k].store(p, r);
+  else
+    second.store(k - nfirst, p, r);
+}
+
 struct Stream {
   bool capturing;
   std::vector<Rec> *graph;
@@ -200,8 +266,11 @@ static Counters counters;
 static size_t used;
 
 static void run_kernel(const Rec *r) {
-  mdl_emu::run(r->grid, r->block, [](void *ctx) { const Rec *q = (const Rec *)ctx; kernels[q->kernel].call(q); },
-               (void *)r);
+  if ((size_t)r->kernel >= nfirst)
+    second.run((size_t)r->kernel - nfirst, r);
+  else
+    mdl_emu::run(r->grid, r->block, [](void *ctx) { const Rec *q = (const Rec *)ctx; kernels[q->kernel].call(q); },
+                 (void *)r);
   counters.kernels++;
 }
 
@@ -264,17 +333,19 @@ CUresult cuDevicePrimaryCtxRetain(void **ctx, int) {
 CUresult cuDevicePrimaryCtxRelease_v2(int) { return 0; }
 CUresult cuCtxSetCurrent(void *) { return 0; }
 
-// A module is accepted when it is an ELF image (a cubin); its kernels are those compiled in here that
-// the cubin defines (a module compiled as several programs has some of them in each cubin).
+// A module is accepted when it is an ELF image (a cubin); its kernels are those compiled in here (or,
+// with $FAKE_SECOND_MODULE, in the second plan's object) that the cubin defines (a module compiled as
+// several programs has some of them in each cubin).
 struct Module {
-  std::vector<bool> has; // per kernels[]
+  std::vector<bool> has; // per kernel, this object's then the second's
 };
 CUresult cuModuleLoadData(void **mod, const void *image) {
-  if (memcmp(image, "\177ELF", 4))
+  const char *path = getenv("FAKE_SECOND_MODULE");
+  if (memcmp(image, "\177ELF", 4) || (path && !open_second(path)))
     return 200;
   Module *m = new Module;
-  for (size_t i = 0; i < sizeof kernels / sizeof *kernels; i++)
-    m->has.push_back(cubin_has_function(image, kernels[i].name));
+  for (size_t i = 0; i < kernel_count(); i++)
+    m->has.push_back((i >= nfirst) == (path != NULL) && cubin_has_function(image, kernel_name(i)));
   counters.modules++;
   *mod = m;
   return 0;
@@ -285,8 +356,8 @@ CUresult cuModuleUnload(void *mod) {
   return 0;
 }
 CUresult cuModuleGetFunction(void **fn, void *mod, const char *name) {
-  for (size_t i = 0; i < sizeof kernels / sizeof *kernels; i++)
-    if (((Module *)mod)->has[i] && !strcmp(kernels[i].name, name)) {
+  for (size_t i = 0; i < ((Module *)mod)->has.size(); i++)
+    if (((Module *)mod)->has[i] && !strcmp(kernel_name(i), name)) {
       *fn = (void *)(i + 1);
       return 0;
     }
@@ -377,7 +448,7 @@ static bool listed(const char *var, const char *name) { return getenv(var) && in
 CUresult cuLaunchKernel(void *fn, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz,
                         unsigned shared, Stream *s, void **params, void **extra) {
   size_t k = (size_t)fn - 1;
-  if (k >= sizeof kernels / sizeof *kernels || !gx || !gy || !gz || !bx || !by || !bz || bx * by * bz > 1024 ||
+  if (k >= kernel_count() || !gx || !gy || !gz || !bx || !by || !bz || bx * by * bz > 1024 ||
       shared || extra)
     return 1;
   Rec r = {};
@@ -385,13 +456,13 @@ CUresult cuLaunchKernel(void *fn, unsigned gx, unsigned gy, unsigned gz, unsigne
   r.kernel = (int)k;
   r.grid = dim3{gx, gy, gz};
   r.block = dim3{bx, by, bz};
-  if (!s->capturing && listed("FAKE_FAILING_KERNELS", kernels[k].name))
+  if (!s->capturing && listed("FAKE_FAILING_KERNELS", kernel_name(k)))
     return 701; // CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES
-  kernels[k].store(params, &r);
+  kernel_store(k, params, &r);
   if (s->capturing) {
     s->graph->push_back(r);
   } else {
-    if (listed("FAKE_SLOW_KERNELS", kernels[k].name))
+    if (listed("FAKE_SLOW_KERNELS", kernel_name(k)))
       device_seconds += 1e-3;
     run(&r);
     counters.direct_kernels++;
@@ -423,7 +494,7 @@ CUresult cuGraphLaunch(std::vector<Rec> *exec, Stream *s) {
   for (const Rec &r : *exec) {
     run(&r);
     counters.slow_replayed += r.kind == 2 && r.gemm.algo == 0;
-    counters.slow_kernels_replayed += r.kind == 0 && listed("FAKE_SLOW_KERNELS", kernels[r.kernel].name);
+    counters.slow_kernels_replayed += r.kind == 0 && listed("FAKE_SLOW_KERNELS", kernel_name((size_t)r.kernel));
   }
   counters.replays++;
   return 0;
@@ -663,6 +734,7 @@ int cublasLtMatmul(void *, Desc *d, const float *alpha, const void *A, Layout *a
   return OK;
 }
 } // extern "C"
+#endif // MDL_FAKE_KERNELS_ONLY
 
 #else
 #include "mdl.h"
@@ -1100,8 +1172,10 @@ typedef struct {
   long f8, e5m2, f8_refused;
 } Counters;
 
-// The emulated GPU for one plan: this file as C++ with the plan's module and kernel list.
-static bool build_fake_gpu(const CudaPlan *p, const char *name, char *so, size_t n, char *why, size_t wn) {
+// The emulated GPU for one plan: this file as C++ with the plan's module and kernel list; or, with
+// kernels_only, a second plan's kernels for it ($FAKE_SECOND_MODULE).
+static bool build_fake_gpu_of(const CudaPlan *p, const char *name, bool kernels_only, char *so, size_t n, char *why,
+                              size_t wn) {
   char cu[512], list[512], cmd[4096];
   snprintf(cu, sizeof cu, "%s/%s.cu", tmp, name);
   snprintf(list, sizeof list, "%s/%s_kernels.inc", tmp, name);
@@ -1126,15 +1200,19 @@ static bool build_fake_gpu(const CudaPlan *p, const char *name, char *so, size_t
   fprintf(f, "K(mdl_accumulate)\n");
   fclose(f);
   snprintf(cmd, sizeof cmd,
-           "g++ -std=c++17 -O1 -shared -fPIC -fsanitize=alignment,bounds -fno-sanitize-recover=all -DMDL_FAKE_GPU "
+           "g++ -std=c++17 -O1 -shared -fPIC -fsanitize=alignment,bounds -fno-sanitize-recover=all -DMDL_FAKE_GPU %s"
            "'-DMDL_MODULE=\"%s\"' '-DMDL_KERNELS=\"%s\"' "
            "-include runtime/cuda_emu.h -x c++ %s -o %s >%s/%s.log 2>&1",
-           cu, list, __FILE__, so, tmp, name);
+           kernels_only ? "-DMDL_FAKE_KERNELS_ONLY " : "", cu, list, __FILE__, so, tmp, name);
   if (system(cmd) != 0) {
     snprintf(why, wn, "g++ failed: see %s/%s.log", tmp, name);
     return false;
   }
   return true;
+}
+
+static bool build_fake_gpu(const CudaPlan *p, const char *name, char *so, size_t n, char *why, size_t wn) {
+  return build_fake_gpu_of(p, name, false, so, n, why, wn);
 }
 
 // A reader of an engine's snapshot on a thread of its own (as the checkpoint writer reads it).
@@ -1828,6 +1906,273 @@ static Engine *fp8_train(const Compiled *c, const char *data, const char *out, i
   return e;
 }
 
+// The amax hook of fp8_hook_checks (Engine.set_fp8_amax): counts its calls, and at step `raise_at`
+// sets tensor 0's amax to `to`.
+typedef struct {
+  int calls, step, raise_at;
+  float to;
+} Fp8Hook;
+
+static bool fp8_hook(void *ctx, float *amax, int n, char *err, size_t en) {
+  (void)err, (void)en;
+  Fp8Hook *h = ctx;
+  h->calls++;
+  if (h->step == h->raise_at && n > 0)
+    amax[0] = h->to;
+  return true;
+}
+
+static bool fp8_step_one(Engine *e, int s, char *why, size_t n) {
+  e->set_seed(e, 1000 + (uint64_t)s);
+  e->set_scalar(e, "lr", 2e-3);
+  e->set_scalar(e, "step", (double)s);
+  return e->step(e, why, n);
+}
+
+// The amax hook on the graphs' engine (as tests/unit/test_fp8_cpu.c's test_share checks the CPU
+// engines'): it runs after the first step's calibration pass and after its first part (2 calls), then
+// once a step; an amax it raises is the one rolled into the history and scaled by; a NaN one skips
+// the step (every parameter and history as it was), as one all-reduced over ranks would on each.
+static void fp8_hook_checks(const Compiled *c) {
+  const Graph *g = c->g;
+  char why[1024] = "", name[300];
+  Engine *e = engine_cuda(c->f, c->m, 5, true, true, why, sizeof why);
+  CHECK(e && e->set_fp8_amax && e->set_fp8_lead, "cuda: gpt2-tiny fp8: the engine has the amax and lead hooks",
+        "%s", e ? "missing" : why);
+  if (!e || !e->set_fp8_amax) {
+    if (e)
+      e->free(e);
+    return;
+  }
+  set_batch(g, &e, 1, 0);
+  Fp8Hook h = {.raise_at = 2, .to = 1000};
+  e->set_fp8_amax(e, fp8_hook, &h);
+  const Fp8State *st = e->fp8(e);
+  h.step = 1;
+  bool ok = fp8_step_one(e, 1, why, sizeof why);
+  int first = h.calls;
+  h.step = 2;
+  ok = ok && fp8_step_one(e, 2, why, sizeof why);
+  bool low, rolled = false;
+  for (int j = 0; j < st->H; j++)
+    rolled |= st->hist[j] == 1000;
+  CHECK(ok && first == 2 && h.calls == 3 && st->recorded == 3 && rolled &&
+            st->scale[0] == fp8_scale(g->fp8[0].fmt, 1000, &low),
+        "cuda: gpt2-tiny fp8: the amax hook runs after the calibration and the step (2 calls), then once a step; "
+        "the amax it raises is rolled and scales",
+        "%s; calls %d then %d, recorded %lld, %s, scale %g", ok ? "ran" : why, first, h.calls,
+        (long long)st->recorded, rolled ? "rolled" : "not in the history", (double)st->scale[0]);
+  float **params = calloc((size_t)g->nparams, sizeof *params);
+  for (int i = 0; i < g->nparams; i++)
+    params[i] = read_all(e, g->params[i]);
+  float *hist = malloc(sizeof(float) * (size_t)(st->n * st->H));
+  memcpy(hist, st->hist, sizeof(float) * (size_t)(st->n * st->H));
+  int64_t recorded = st->recorded;
+  h.step = h.raise_at = 3, h.to = NAN;
+  ok = fp8_step_one(e, 3, why, sizeof why);
+  int moved = 0;
+  for (int i = 0; i < g->nparams; i++) {
+    float *x = read_all(e, g->params[i]);
+    moved += memcmp(x, params[i], sizeof(float) * (size_t)shape_numel(g->nodes[g->params[i]]->shape)) != 0;
+    free(x);
+    free(params[i]);
+  }
+  free(params);
+  snprintf(name, sizeof name, "cuda: gpt2-tiny fp8: a NaN amax from the hook skips the step (the weights and "
+           "histories as they were)");
+  CHECK(ok && h.calls == 4 && moved == 0 && st->recorded == recorded &&
+            !memcmp(hist, st->hist, sizeof(float) * (size_t)(st->n * st->H)),
+        name, "%s; %d calls, %d parameters moved, recorded %lld", ok ? "ran" : why, h.calls, moved,
+        (long long)st->recorded);
+  free(hist);
+  e->set_fp8_amax(e, NULL, NULL);
+  e->free(e);
+}
+
+// A model in its precision with `accumulate` micro-batches a step, its whole step (optimizer) or its
+// gradients only (train.c's micro-batches' engine: no optimizer, no gradient norm, compiled as
+// main.c's open_side_engine compiles it).
+static bool compile_step(const Model *md, int64_t accumulate, bool optimizer, Compiled *c) {
+  c->a = arena_new();
+  c->g = mdl_compile_file(c->a, md->path, md->ov, md->nov);
+  char why[256];
+  if (c->g)
+    c->g->train.accumulate = accumulate;
+  if (!c->g || !autodiff(c->g, optimizer) || !precision_assign(c->g, md->prec, why, sizeof why))
+    return false;
+  c->f = fuse(c->g, (FuseOptions){.fuse = true, .chunk_lmhead = true});
+  c->m = memplan(c->f);
+  return true;
+}
+
+// A led gradients-only engine (Engine.set_fp8_lead), on the emulated GPU and on the interpreter, from
+// the same parameters and batch, two passes: with every scale 1 (a calibration's), then with scales of
+// 1/4 to 4 by tensor. Each casts with the lead's scales as given (its state's scales are a copy of
+// them), neither calibrates nor rolls a history, and leaves its amaxes, within 1e-4 relative of the
+// interpreter's, and its loss within 1e-5.
+static void fp8_lead_checks(const Model *md) {
+  char why[1024] = "", so[512], name[300];
+  Compiled c;
+  if (!compile_step(md, 1, false, &c)) {
+    CHECK(false, "cuda: gpt2-tiny fp8 gradients-only compiles", "front end, autodiff or the fp8 pass failed");
+    arena_free(c.a);
+    return;
+  }
+  const Graph *g = c.g;
+  const CudaPlan *p = emit_cuda_plan(c.f, c.m, g->model);
+  bool built = p && build_fake_gpu(p, "gpt2_tiny_fp8_grads", so, sizeof so, why, sizeof why);
+  CHECK(built, "cuda: gpt2-tiny fp8 gradients-only: the emulated GPU builds", "%s", p ? why : "emit_cuda_plan failed");
+  if (!built) {
+    arena_free(c.a);
+    return;
+  }
+  setenv("MDL_LIBCUDA", so, 1);
+  setenv("MDL_LIBCUBLASLT", so, 1);
+  setenv("MDL_NVRTC_THREADS", "3", 1);
+  void *h = dlopen(so, RTLD_NOW | RTLD_LOCAL);
+  const Counters *(*counters)(void) = h ? (const Counters *(*)(void))dlsym(h, "fake_counters") : NULL;
+  Engine *es[2] = {engine_cuda(c.f, c.m, 5, true, true, why, sizeof why), engine_interp(g, INTERP_F32, 5)};
+  CHECK(es[0] && es[0]->set_fp8_lead && g->nfp8 > 0,
+        "cuda: gpt2-tiny fp8 gradients-only: the engine starts, with the lead hook", "%s",
+        es[0] ? "no hook or no scaled tensor" : why);
+  if (!es[0] || !es[0]->set_fp8_lead || g->nfp8 == 0)
+    goto done;
+  float *lead = malloc(sizeof(float) * (size_t)g->nfp8);
+  set_batch(g, es, 2, 0);
+  bool ok = true, led = true;
+  double amax_err = 0, loss_err = 0;
+  int some = 0;
+  for (int s = 1; ok && s <= 2; s++) {
+    for (int t = 0; t < g->nfp8; t++)
+      lead[t] = s == 1 ? 1.0f : ldexpf(1, t % 5 - 2);
+    for (int i = 0; ok && i < 2; i++) {
+      es[i]->set_fp8_lead(es[i], lead);
+      ok = fp8_step_one(es[i], s, why, sizeof why);
+    }
+    if (!ok)
+      break;
+    const Fp8State *x = es[0]->fp8(es[0]), *r = es[1]->fp8(es[1]);
+    led &= !memcmp(x->scale, lead, sizeof(float) * (size_t)x->n) && x->recorded == 0;
+    for (int j = 0; j < x->n * x->H; j++)
+      led &= x->hist[j] == 0;
+    for (int t = 0; t < x->n; t++) {
+      some += x->amax[t] > 0 && isfinite(x->amax[t]);
+      amax_err = fmax(amax_err, fabs((double)x->amax[t] - r->amax[t]) / fmax(r->amax[t], 1e-30));
+    }
+    double lc = engine_scalar(es[0], g->loss), li = engine_scalar(es[1], g->loss);
+    loss_err = fmax(loss_err, fabs(lc - li) / fabs(li));
+  }
+  free(lead);
+  snprintf(name, sizeof name, "cuda: gpt2-tiny fp8 gradients-only: a led engine casts with the lead's scales, "
+           "neither calibrates nor rolls a history; its amaxes within 1e-4 of the interpreter's led engine's (worst "
+           "%.1e), its loss within 1e-5 (%.1e)", amax_err, loss_err);
+  CHECK(ok && led && some > 0 && amax_err <= 1e-4 && loss_err <= 1e-5, name, "%s; %s, %d amaxes recorded",
+        ok ? "ran" : why, led ? "led" : "scales or histories its own", some);
+  const Counters *k = counters ? counters() : NULL;
+  es[0]->free(es[0]);
+  es[0] = NULL;
+  CHECK(k && k->live_allocations == 0 && k->modules == 0,
+        "cuda: gpt2-tiny fp8 gradients-only: the engine frees its device memory", "%ld allocations, %ld modules",
+        k ? k->live_allocations : -1, k ? k->modules : -1);
+done:
+  for (int i = 0; i < 2; i++)
+    if (es[i])
+      es[i]->free(es[i]);
+  if (h)
+    dlclose(h);
+  unsetenv("MDL_LIBCUDA");
+  unsetenv("MDL_LIBCUBLASLT");
+  unsetenv("MDL_NVRTC_THREADS");
+  arena_free(c.a);
+}
+
+// Gradient accumulation in fp8 through train_run (train.c drives the hooks): 3 steps of 2 micro-batches
+// at B=1, the step engine and the micro-batches' (gradients-only, led) engine each on its own plan in
+// one emulated GPU ($FAKE_SECOND_MODULE), against 3 steps at B=2 of the engine of c (its emulated GPU
+// `so`, current on entry and again on return). As tests/cli/fp8.sh checks the CPU engines: the same
+// steps recorded, the forward's (E4M3) scales equal and the backward's (E5M2) exactly 2 times smaller
+// (a micro-batch's loss is the mean over its own targets: its gradients are 2 times those of one pass
+// over both rows), the histories within 1e-5 of those amaxes except the first step's calibration
+// (every scale 1: a gradient 2 times larger rounds otherwise), within 5%.
+static void fp8_accumulate_checks(const Compiled *c, const char *so) {
+  char why[1024] = "", name[400], data[1200], out[1200], so1[512], so2[512];
+  Model md = {"gpt2-tiny fp8", "models/gpt2-tiny.mdl", NULL, {{"B", 1}, {"T", 16}}, 2, DT_F8E4M3};
+  if (!train_data(data, sizeof data)) {
+    CHECK(false, "cuda: gpt2-tiny fp8 accumulate 2: the corpus", "prep failed");
+    return;
+  }
+  TrainOptions to = {.model_path = "models/gpt2-tiny.mdl", .data_dir = data, .tokenizer_path = "tokenizer.bin",
+                     .out_dir = out, .steps = 3, .seed = 7, .val_every = 0, .val_batches = 1, .quiet = true};
+  snprintf(out, sizeof out, "%s/fp8-b2", tmp);
+  Engine *ref = engine_cuda(c->f, c->m, 7, true, true, why, sizeof why);
+  bool ok = ref && train_run(ref, NULL, NULL, &to) == 0;
+  Fp8State one = {0};
+  if (ok) {
+    const Fp8State *st = ref->fp8(ref);
+    one = *st;
+    one.scale = malloc(sizeof(float) * (size_t)st->n);
+    one.hist = malloc(sizeof(float) * (size_t)(st->n * st->H));
+    memcpy(one.scale, st->scale, sizeof(float) * (size_t)st->n);
+    memcpy(one.hist, st->hist, sizeof(float) * (size_t)(st->n * st->H));
+  }
+  if (ref)
+    ref->free(ref);
+  Compiled sc = {0}, mc = {0};
+  bool compiled = ok && compile_step(&md, 2, true, &sc) && compile_step(&md, 2, false, &mc);
+  const CudaPlan *sp = compiled ? emit_cuda_plan(sc.f, sc.m, sc.g->model) : NULL;
+  const CudaPlan *mp = compiled ? emit_cuda_plan(mc.f, mc.m, mc.g->model) : NULL;
+  bool built = sp && mp && build_fake_gpu(sp, "gpt2_tiny_fp8_acc", so1, sizeof so1, why, sizeof why) &&
+               build_fake_gpu_of(mp, "gpt2_tiny_fp8_micro", true, so2, sizeof so2, why, sizeof why);
+  CHECK(ok && built, "cuda: gpt2-tiny fp8 accumulate 2: the run at B=2 trains, and the emulated GPU of the step's "
+        "and the micro-batches' plans builds", "%s", !ok ? why : !compiled ? "compile failed" : why);
+  Engine *e = NULL, *micro = NULL;
+  if (ok && built) {
+    setenv("MDL_LIBCUDA", so1, 1);
+    setenv("MDL_LIBCUBLASLT", so1, 1);
+    e = engine_cuda(sc.f, sc.m, 7, true, true, why, sizeof why);
+    setenv("FAKE_SECOND_MODULE", so2, 1);
+    micro = e ? engine_cuda(mc.f, mc.m, 7, true, true, why, sizeof why) : NULL;
+    unsetenv("FAKE_SECOND_MODULE");
+    snprintf(out, sizeof out, "%s/fp8-acc", tmp);
+    ok = e && micro && train_run(e, NULL, micro, &to) == 0;
+    if (e && micro && !ok)
+      snprintf(why, sizeof why, "train_run failed");
+  }
+  const Fp8State *st = ok && built ? e->fp8(e) : NULL;
+  double worst = 0, calib = 0;
+  int ratios = 0;
+  for (int t = 0; st && t < st->n && st->n == one.n; t++) {
+    float q = sc.g->fp8[t].fmt == DT_F8E5M2 ? 2.0f : 1.0f;
+    ratios += one.scale[t] / st->scale[t] == q;
+    for (int j = 0; j < (st->recorded < st->H ? st->recorded : st->H); j++) {
+      double x = one.hist[t * one.H + j], y = st->hist[t * st->H + j] / q, d = fabs(x - y) / fmax(x, 1e-30);
+      if (j == st->recorded - 1)
+        calib = fmax(calib, d);
+      else
+        worst = fmax(worst, d);
+    }
+  }
+  snprintf(name, sizeof name, "cuda: gpt2-tiny fp8: train_run with accumulate 2 at B=1 (a led micro-batches' "
+           "engine) scales as at B=2: E4M3 scales equal, E5M2 exactly 2 times smaller, amaxes within %.1e "
+           "(calibration's %.1e)", worst, calib);
+  CHECK(st && st->n == one.n && st->recorded == one.recorded && st->recorded == 4 && ratios == st->n &&
+            worst <= 1e-5 && calib <= 0.05,
+        name, "%s; %d of %d scales as expected, recorded %lld and %lld", st ? "differ" : why, ratios,
+        st ? st->n : 0, st ? (long long)st->recorded : -1, (long long)one.recorded);
+  if (micro)
+    micro->free(micro);
+  if (e)
+    e->free(e);
+  free(one.scale);
+  free(one.hist);
+  if (sc.a)
+    arena_free(sc.a);
+  if (mc.a)
+    arena_free(mc.a);
+  setenv("MDL_LIBCUDA", so, 1);
+  setenv("MDL_LIBCUBLASLT", so, 1);
+}
+
 // Precision fp8 on the emulated GPU (the fake cuBLASLt's FP8 rules: both operands fp8, TN, leading
 // dimensions of 16): gpt2-tiny (B=2, T=16: B*T a multiple of 16, as the FP8 GEMMs' m, n and k must
 // be) on the graphs' engine, on a --profile one (launch by launch) and on the interpreter, from the
@@ -2002,6 +2347,8 @@ static void fp8_checks(void) {
     resumed->free(resumed);
   if (straight)
     straight->free(straight);
+  fp8_hook_checks(&c);
+  fp8_accumulate_checks(&c, so);
   CHECK(k->live_allocations == 0 && k->modules == 0, "cuda: gpt2-tiny fp8: the engines free their device memory",
         "%ld allocations, %ld modules", k->live_allocations, k->modules);
 done:
@@ -2011,6 +2358,7 @@ done:
   unsetenv("MDL_LIBCUBLASLT");
   unsetenv("MDL_NVRTC_THREADS");
   arena_free(c.a);
+  fp8_lead_checks(&md);
 }
 
 // A real GPU: gpt2-tiny on it and on the interpreter, fp32 (within 1e-4) and with bf16 GEMM operands
