@@ -1215,6 +1215,29 @@ static bool build_fake_gpu(const CudaPlan *p, const char *name, char *so, size_t
   return build_fake_gpu_of(p, name, false, so, n, why, wn);
 }
 
+// The emulated GPU of compiled model c (its plan in *p) built as `name` and made the driver and
+// cuBLASLt of the engines that follow (the module in three programs); its handle in *h (dlclose it
+// after them) and its counters in *counters (NULL where it has none). False after a [fail] line for
+// `label`, c freed.
+static bool use_fake_gpu(Compiled *c, const char *name, const char *label, const CudaPlan **p, char *so, size_t n,
+                         void **h, const Counters *(**counters)(void)) {
+  char why[1024] = "", check[300];
+  *p = emit_cuda_plan(c->f, c->m, c->g->model);
+  bool built = *p && build_fake_gpu(*p, name, so, n, why, sizeof why);
+  snprintf(check, sizeof check, "cuda: %s: the emulated GPU builds", label);
+  CHECK(built, check, "%s", *p ? why : "emit_cuda_plan failed");
+  if (!built) {
+    arena_free(c->a);
+    return false;
+  }
+  setenv("MDL_LIBCUDA", so, 1);
+  setenv("MDL_LIBCUBLASLT", so, 1);
+  setenv("MDL_NVRTC_THREADS", "3", 1);
+  *h = dlopen(so, RTLD_NOW | RTLD_LOCAL);
+  *counters = *h ? (const Counters *(*)(void))dlsym(*h, "fake_counters") : NULL;
+  return true;
+}
+
 // A reader of an engine's snapshot on a thread of its own (as the checkpoint writer reads it).
 typedef struct {
   Engine *e;
@@ -2019,18 +2042,11 @@ static void fp8_lead_checks(const Model *md) {
     return;
   }
   const Graph *g = c.g;
-  const CudaPlan *p = emit_cuda_plan(c.f, c.m, g->model);
-  bool built = p && build_fake_gpu(p, "gpt2_tiny_fp8_grads", so, sizeof so, why, sizeof why);
-  CHECK(built, "cuda: gpt2-tiny fp8 gradients-only: the emulated GPU builds", "%s", p ? why : "emit_cuda_plan failed");
-  if (!built) {
-    arena_free(c.a);
+  const CudaPlan *p;
+  const Counters *(*counters)(void);
+  void *h;
+  if (!use_fake_gpu(&c, "gpt2_tiny_fp8_grads", "gpt2-tiny fp8 gradients-only", &p, so, sizeof so, &h, &counters))
     return;
-  }
-  setenv("MDL_LIBCUDA", so, 1);
-  setenv("MDL_LIBCUBLASLT", so, 1);
-  setenv("MDL_NVRTC_THREADS", "3", 1);
-  void *h = dlopen(so, RTLD_NOW | RTLD_LOCAL);
-  const Counters *(*counters)(void) = h ? (const Counters *(*)(void))dlsym(h, "fake_counters") : NULL;
   Engine *es[2] = {engine_cuda(c.f, c.m, 5, true, true, why, sizeof why), engine_interp(g, INTERP_F32, 5)};
   CHECK(es[0] && es[0]->set_fp8_lead && g->nfp8 > 0,
         "cuda: gpt2-tiny fp8 gradients-only: the engine starts, with the lead hook", "%s",
@@ -2195,18 +2211,11 @@ static void fp8_checks(void) {
     return;
   }
   const Graph *g = c.g;
-  const CudaPlan *p = emit_cuda_plan(c.f, c.m, g->model);
-  bool built = p && build_fake_gpu(p, "gpt2_tiny_fp8", so, sizeof so, why, sizeof why);
-  CHECK(built, "cuda: gpt2-tiny fp8: the emulated GPU builds", "%s", p ? why : "emit_cuda_plan failed");
-  if (!built) {
-    arena_free(c.a);
+  const CudaPlan *p;
+  const Counters *(*counters)(void);
+  void *h;
+  if (!use_fake_gpu(&c, "gpt2_tiny_fp8", "gpt2-tiny fp8", &p, so, sizeof so, &h, &counters))
     return;
-  }
-  setenv("MDL_LIBCUDA", so, 1);
-  setenv("MDL_LIBCUBLASLT", so, 1);
-  setenv("MDL_NVRTC_THREADS", "3", 1);
-  void *h = dlopen(so, RTLD_NOW | RTLD_LOCAL);
-  const Counters *(*counters)(void) = h ? (const Counters *(*)(void))dlsym(h, "fake_counters") : NULL;
   int f8 = 0, e5 = 0;
   for (int i = 0; i < p->ngemms; i++) {
     const CudaGemm *gm = &p->gemms[i];
