@@ -550,25 +550,18 @@ int lab_run(const LabOptions *o) {
     const Row *r = &rows[alone[k]];
     char tok[64];
     fmt_tok(r, tok, sizeof tok);
-    if (o->apart[k]) { // (a row with it, against the full system without it)
-      alone_x[k] = r->ok && full->ok ? r->tok_s / full->tok_s : NAN;
-      why_line(o, k, r, full, why, sizeof why);
-      if (r->ok)
-        both(&out, "| %s | %s | %s (with it) | %s | %.4f | %s |\n", tech[k].name, tech[k].published, tok,
-             times(o->arena, alone_x[k]), r->loss, why);
-      else
-        both(&out, "| %s | %s | %s | | | %s |\n", tech[k].name, tech[k].published, tok, r->why);
-      csv_row(&out, "apart", tech[k].name, r, NAN, alone_x[k]);
-      continue;
-    }
-    alone_x[k] = r->ok && full->ok ? full->tok_s / r->tok_s : NAN;
-    why_line(o, k, full, r, why, sizeof why);
+    // (a row apart runs the full system with it, against the full system without it; the others the
+    // full system without it, against the full system)
+    bool apart = o->apart[k];
+    const Row *with = apart ? r : full, *without = apart ? full : r;
+    alone_x[k] = r->ok && full->ok ? with->tok_s / without->tok_s : NAN;
+    why_line(o, k, with, without, why, sizeof why);
     if (r->ok)
-      both(&out, "| %s | %s | %s | %s | %.4f | %s |\n", tech[k].name, tech[k].published, tok,
-           times(o->arena, alone_x[k]), r->loss, why);
+      both(&out, "| %s | %s | %s%s | %s | %.4f | %s |\n", tech[k].name, tech[k].published, tok,
+           apart ? " (with it)" : "", times(o->arena, alone_x[k]), r->loss, why);
     else
       both(&out, "| %s | %s | %s | | | %s |\n", tech[k].name, tech[k].published, tok, r->why);
-    csv_row(&out, "alone", tech[k].name, r, NAN, alone_x[k]);
+    csv_row(&out, apart ? "apart" : "alone", tech[k].name, r, NAN, alone_x[k]);
   }
   both(&out, "\n");
   if (ck_none >= 0) {
