@@ -258,17 +258,7 @@ static const char *core_fp8_cast(EmitCore *core, const IrNode *cast, const char 
 // names the GEMM whose epilogue this is, or -1. Over rows of the nodes' last axis when there are
 // enough of them (ROW_MIN): a value broadcast along rows (a bias) is then read at the column c, so
 // the loop over a row vectorizes (as i % width, it would be a gather, and GCC leaves it scalar).
-// Not for rows of exactly 16 that store a bf16 (or fp8) value: GCC 12.2 at -O2 and -O3 (x86-64, AVX2 or
-// AVX-512) vectorizes that loop nest into one that stores nothing (plain attention's scores
-// gradient, [B,H,16,16], came out all zeros); the flat loop compiles right.
 enum { ROW_MIN = 16 };
-
-static bool row_loop_ok(Emit *e, const int *nodes, int k, int64_t w) {
-  for (int t = 0; t < k && w == 16; t++)
-    if (dtype_size(ec_node(&e->core, nodes[t])->dtype) < 4) // (bf16, fp8)
-      return false;
-  return true;
-}
 
 static void pw_loop(Emit *e, const int *nodes, int k, int64_t numel, int post_anchor) {
   ec_phase_begin(&e->core);
@@ -279,7 +269,7 @@ static void pw_loop(Emit *e, const int *nodes, int k, int64_t numel, int post_an
   free(b.s);
   c_par_for(e, numel, "static");
   int64_t w = ec_last_dim(&e->core, nodes[0]);
-  if (w >= ROW_MIN && numel / w >= ROW_MIN && numel % w == 0 && row_loop_ok(e, nodes, k, w)) {
+  if (w >= ROW_MIN && numel / w >= ROW_MIN && numel % w == 0) {
     ec_enter(&e->core, "for (int64_t r = 0; r < %lld; r++)", (long long)(numel / w));
     ec_enter(&e->core, "for (int64_t c = 0; c < %lld; c++)", (long long)w);
     ec_line(&e->core, "const int64_t i = r * %lld + c;", (long long)w);
@@ -805,7 +795,7 @@ static void write_kernels(Buf *out, const Kernel *ks, int n, int nparts, int *pa
             ec_bput(out, "\n//"), col = 2 + (int)strlen(ks[j].name) + 1;
           ec_bput(out, " %s", ks[j].name);
         }
-      ec_bput(out, "\n__attribute__((noinline)) MDL_FN void %s__code(char *arena, const MdlHooks *h, const int64_t *o) "
+      ec_bput(out, "\nMDL_FN void %s__code(char *arena, const MdlHooks *h, const int64_t *o) "
               "{\n%s", k->name, k->shared);
     }
     ec_bput(out, "%sMDL_FN void %s(char *arena, const MdlHooks *h) {\n  static const int64_t o[] = {", k->head,

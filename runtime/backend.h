@@ -90,8 +90,9 @@ typedef struct {
   char error[256];           // the first run-time error of the last cpu_step, or ""
 } CpuModule;
 
-// The compiler command (without input and output paths), part of the cache key.
-extern const char *const cpu_cc_flags;
+// The compiler command (without input and output paths), part of the cache key: -march=native, or
+// the x86-64 level in $MDL_MARCH.
+const char *cpu_cc_flags(void);
 // Compiles `source` unless the cache ($MDL_CACHE, else ~/.cache/mdl) holds it already, then loads
 // it. NULL with a message in err on failure.
 CpuModule *cpu_load(const char *source, char *err, size_t n);

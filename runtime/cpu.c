@@ -32,7 +32,39 @@
 // Not -mprefer-vector-width=512, though it measured 5% (fp32) to 12% (bf16) off a step at L4 C256
 // B8 T128: GCC 12.2 then miscompiles a plain f32 -> bf16 rounding loop nest (48 rows of 32, offsets
 // read at run time; 1317 of 1536 results wrong, caught by test_cpu's kernel-by-kernel check).
-const char *const cpu_cc_flags = "cc -O3 -march=native -fno-math-errno -fopenmp -shared -fPIC";
+//
+// The target is the host's own instruction set (-march=native), or the x86-64 level that MDL_MARCH
+// names (x86-64, x86-64-v2, x86-64-v3, x86-64-v4, native): a module built for a machine older than
+// this one, and how the tests compile every module for each level the host can run.
+static char cc_flags[160];
+
+const char *cpu_cc_flags(void) {
+  if (!cc_flags[0]) {
+    const char *m = getenv("MDL_MARCH");
+    snprintf(cc_flags, sizeof cc_flags, "cc -O3 -march=%s -fno-math-errno -fopenmp -shared -fPIC",
+             m && *m ? m : "native");
+  }
+  return cc_flags;
+}
+
+// Whether MDL_MARCH names a target this program knows and this CPU runs, else why not in err.
+static bool march_ok(char *err, size_t n) {
+  const char *m = getenv("MDL_MARCH");
+  if (!m || !*m || !strcmp(m, "native"))
+    return true;
+  __builtin_cpu_init();
+  if (!strcmp(m, "x86-64"))
+    return true;
+  int runs = !strcmp(m, "x86-64-v2")    ? __builtin_cpu_supports("x86-64-v2")
+              : !strcmp(m, "x86-64-v3") ? __builtin_cpu_supports("x86-64-v3")
+              : !strcmp(m, "x86-64-v4") ? __builtin_cpu_supports("x86-64-v4")
+                                        : -1;
+  if (runs < 0)
+    return rt_fail(err, n, "MDL_MARCH=%s: want x86-64, x86-64-v2, x86-64-v3, x86-64-v4 or native", m);
+  if (!runs)
+    return rt_fail(err, n, "MDL_MARCH=%s: this CPU cannot run %s code", m, m);
+  return true;
+}
 
 static bool compile_blocked(int parts, const char *src, const char *so, const char *log, const sigset_t *mask,
                             char *err, size_t n);
@@ -69,7 +101,7 @@ static bool compile(int parts, const char *src, const char *so, const char *log,
 // messages into log; the child runs with the signal mask `mask`. Returns its pid, -1 if fork failed.
 static pid_t run_cc(bool object, const char *const *extra, const char *log, const sigset_t *mask) {
   char flags[256];
-  snprintf(flags, sizeof flags, "%s", cpu_cc_flags);
+  snprintf(flags, sizeof flags, "%s", cpu_cc_flags());
   char *argv[40];
   int argc = 0;
   for (char *tok = strtok(flags, " "); tok && argc < 24; tok = strtok(NULL, " "))
@@ -108,7 +140,7 @@ static bool wait_cc(pid_t pid, const char *src, const char *log, const char *sho
     fclose(f);
   }
   if (WIFEXITED(status) && WEXITSTATUS(status) == 127)
-    return rt_fail(err, n, "cannot run the C compiler '%.*s'", (int)strcspn(cpu_cc_flags, " "), cpu_cc_flags);
+    return rt_fail(err, n, "cannot run the C compiler '%.*s'", (int)strcspn(cpu_cc_flags(), " "), cpu_cc_flags());
   return rt_fail(err, n, "the C compiler failed on %s (see %s): %s", src, shown, msg);
 }
 
@@ -215,9 +247,9 @@ static bool build(CpuModule *cm, const char *source, const char *src, const char
 CpuModule *cpu_load(const char *source, char *err, size_t n) {
   char dir[900], key[33], src[1024], so[1024], log[1024];
   const GemmLib *gemm = rt_gemm(err, n);
-  if (!gemm || !rt_cache_dir("", dir, sizeof dir, err, n))
+  if (!gemm || !march_ok(err, n) || !rt_cache_dir("", dir, sizeof dir, err, n))
     return NULL;
-  const char *parts[] = {source, cpu_cc_flags, MDL_VERSION};
+  const char *parts[] = {source, cpu_cc_flags(), MDL_VERSION};
   fnv128(parts, 3, key);
   snprintf(src, sizeof src, "%s/%s.c", dir, key);
   snprintf(so, sizeof so, "%s/%s.so", dir, key);

@@ -473,10 +473,14 @@ static int64_t array_val_batches(const Loader *val, int64_t B, int64_t want) {
 // scalar outputs in mean[1..] (val_means).
 static double validate(Engine *train, Engine *eval, Loader *val, LoaderState first, int64_t batches, int64_t BT,
                        double *mean, char *err, size_t n) {
+  err[0] = 0;
   if (train->idle) // the training step's gradients and activations are dead until its next step
     train->idle(train, false);
   copy_params(train, eval);
   double loss = val_means(eval, val, first, batches, BT, mean, err, n) ? mean[0] : NAN;
+  if (isnan(loss) && !err[0])
+    rt_fail(err, n, "the validation loss is NaN: the model's outputs on the validation batches are not finite, "
+            "though the training step's loss and gradient norm were");
   if (eval->idle) // its parameters come anew from the training engine at the next validation
     eval->idle(eval, true);
   return loss;
