@@ -42,12 +42,25 @@ typedef struct {
 // object of its own, the objects then linked into one shared object (runtime/cpu.c compiles the parts
 // side by side). MDL_IN(p) says whether this compile holds part p's code; a kernel is static in a
 // whole compile and, in parts, visible to the other parts but not outside the module.
+//
+// Every kernel is noipa: its caller assumes nothing of its body. GCC 12.2 (x86-64, -O2 and -O3,
+// AVX2 or AVX-512BW) otherwise drops calls to kernels that write: where IVOPTs rewrites a loop's
+// load as an integer base plus an index (an f32 read and a bf16 store in rows as long as one vector
+// of 16-bit lanes, 16 with AVX2 and 32 with AVX-512BW), its pure-const analysis takes that load for
+// a NULL dereference, ignores the rest of the block with the store, finds the function pure, and
+// the caller deletes the call: the kernel's output is never written (bf16 casts of rows of 32 on
+// AVX-512 gave a loss of ln V, logits all zero). A kernel runs once a step, so nothing is lost.
+#if defined(__GNUC__) && !defined(__clang__)
+#define MDL_NOIPA __attribute__((noipa))
+#else
+#define MDL_NOIPA __attribute__((noinline))
+#endif
 #ifdef MDL_PART
 #define MDL_IN(p) (MDL_PART == (p))
-#define MDL_FN __attribute__((visibility("hidden")))
+#define MDL_FN MDL_NOIPA __attribute__((visibility("hidden")))
 #else
 #define MDL_IN(p) 1
-#define MDL_FN static
+#define MDL_FN MDL_NOIPA static
 #endif
 typedef void MdlKernelFn(char *arena, const MdlHooks *h);
 
@@ -397,7 +410,7 @@ MDL_FN void k2_layernorm_fwd__add__cast(char *arena, const MdlHooks *h) {
 // The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
 // are those of k3_gemm__add__cast's):
 // k3_gemm__add__cast k10_gemm__add__cast
-__attribute__((noinline)) MDL_FN void k3_gemm__add__cast__code(char *arena, const MdlHooks *h, const int64_t *o) {
+MDL_FN void k3_gemm__add__cast__code(char *arena, const MdlHooks *h, const int64_t *o) {
   float *const restrict b12 = (float *)(arena + o[0]); // %12 param h.0.attn_b f32[192]
   uint16_t *const restrict b23 = (uint16_t *)(arena + o[1]); // %23 cast bf16[512,64]
   uint16_t *const restrict b24 = (uint16_t *)(arena + o[2]); // %24 cast bf16[64,192]
@@ -446,7 +459,7 @@ MDL_FN void k3_gemm__add__cast(char *arena, const MdlHooks *h) {
 // The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
 // are those of k4_attention_fwd__cast__lse's):
 // k4_attention_fwd__cast__lse k11_attention_fwd__cast__lse
-__attribute__((noinline)) MDL_FN void k4_attention_fwd__cast__lse__code(char *arena, const MdlHooks *h, const int64_t *o) {
+MDL_FN void k4_attention_fwd__cast__lse__code(char *arena, const MdlHooks *h, const int64_t *o) {
   int32_t *const restrict b3 = (int32_t *)(arena + o[0]); // %3 input doc i32[8,64]
   uint16_t *const restrict b28 = (uint16_t *)(arena + o[1]); // %28 cast bf16[8,64,192]
   uint16_t *const restrict b34 = (uint16_t *)(arena + o[2]); // %34 cast bf16[512,64]
@@ -559,7 +572,7 @@ MDL_FN void k4_attention_fwd__cast__lse(char *arena, const MdlHooks *h) {
 // The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
 // are those of k5_gemm__add's):
 // k5_gemm__add k12_gemm__add
-__attribute__((noinline)) MDL_FN void k5_gemm__add__code(char *arena, const MdlHooks *h, const int64_t *o) {
+MDL_FN void k5_gemm__add__code(char *arena, const MdlHooks *h, const int64_t *o) {
   float *const restrict b8 = (float *)(arena + o[0]); // %8 add x f32[8,64,64]
   float *const restrict b14 = (float *)(arena + o[1]); // %14 param h.0.proj_b f32[64]
   uint16_t *const restrict b34 = (uint16_t *)(arena + o[2]); // %34 cast bf16[512,64]
@@ -609,7 +622,7 @@ MDL_FN void k5_gemm__add(char *arena, const MdlHooks *h) {
 // The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
 // are those of k6_layernorm_fwd__cast's):
 // k6_layernorm_fwd__cast k13_layernorm_fwd__cast
-__attribute__((noinline)) MDL_FN void k6_layernorm_fwd__cast__code(char *arena, const MdlHooks *h, const int64_t *o) {
+MDL_FN void k6_layernorm_fwd__cast__code(char *arena, const MdlHooks *h, const int64_t *o) {
   float *const restrict b15 = (float *)(arena + o[0]); // %15 param h.0.ln2_w f32[64]
   float *const restrict b16 = (float *)(arena + o[1]); // %16 param h.0.ln2_b f32[64]
   float *const restrict b39 = (float *)(arena + o[2]); // %39 add h.0.x f32[8,64,64]
@@ -659,7 +672,7 @@ MDL_FN void k6_layernorm_fwd__cast(char *arena, const MdlHooks *h) {
 // The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
 // are those of k7_gemm__add__gelu__cast's):
 // k7_gemm__add__gelu__cast k14_gemm__add__gelu__cast
-__attribute__((noinline)) MDL_FN void k7_gemm__add__gelu__cast__code(char *arena, const MdlHooks *h, const int64_t *o) {
+MDL_FN void k7_gemm__add__gelu__cast__code(char *arena, const MdlHooks *h, const int64_t *o) {
   float *const restrict b18 = (float *)(arena + o[0]); // %18 param h.0.fc_b f32[256]
   uint16_t *const restrict b42 = (uint16_t *)(arena + o[1]); // %42 cast bf16[512,64]
   uint16_t *const restrict b43 = (uint16_t *)(arena + o[2]); // %43 cast bf16[64,256]
@@ -713,7 +726,7 @@ MDL_FN void k7_gemm__add__gelu__cast(char *arena, const MdlHooks *h) {
 // The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
 // are those of k8_gemm__add's):
 // k8_gemm__add k15_gemm__add
-__attribute__((noinline)) MDL_FN void k8_gemm__add__code(char *arena, const MdlHooks *h, const int64_t *o) {
+MDL_FN void k8_gemm__add__code(char *arena, const MdlHooks *h, const int64_t *o) {
   float *const restrict b20 = (float *)(arena + o[0]); // %20 param h.0.fcproj_b f32[64]
   float *const restrict b39 = (float *)(arena + o[1]); // %39 add h.0.x f32[8,64,64]
   uint16_t *const restrict b49 = (uint16_t *)(arena + o[2]); // %49 cast bf16[512,256]
@@ -763,7 +776,7 @@ MDL_FN void k8_gemm__add(char *arena, const MdlHooks *h) {
 // The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
 // are those of k9_layernorm_fwd__cast's):
 // k9_layernorm_fwd__cast k16_layernorm_fwd__cast
-__attribute__((noinline)) MDL_FN void k9_layernorm_fwd__cast__code(char *arena, const MdlHooks *h, const int64_t *o) {
+MDL_FN void k9_layernorm_fwd__cast__code(char *arena, const MdlHooks *h, const int64_t *o) {
   float *const restrict b54 = (float *)(arena + o[0]); // %54 add h.0.x f32[8,64,64]
   float *const restrict b55 = (float *)(arena + o[1]); // %55 param h.1.ln1_w f32[64]
   float *const restrict b56 = (float *)(arena + o[2]); // %56 param h.1.ln1_b f32[64]
@@ -1220,7 +1233,7 @@ MDL_FN void k21_layernorm_bwd__sum__cast(char *arena, const MdlHooks *h) {
 // The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
 // are those of k22_gemm's):
 // k22_gemm k34_gemm
-__attribute__((noinline)) MDL_FN void k22_gemm__code(char *arena, const MdlHooks *h, const int64_t *o) {
+MDL_FN void k22_gemm__code(char *arena, const MdlHooks *h, const int64_t *o) {
   uint16_t *const restrict b95 = (uint16_t *)(arena + o[0]); // %95 cast bf16[512,256]
   uint16_t *const restrict b131 = (uint16_t *)(arena + o[1]); // %131 cast bf16[512,64]
   float *const restrict b133 = (float *)(arena + o[2]); // %133 matmul d.h.1.fcproj_w f32[256,64]
@@ -1250,7 +1263,7 @@ MDL_FN void k22_gemm(char *arena, const MdlHooks *h) {
 // The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
 // are those of k23_gemm__gelu_bwd__sum__cast's):
 // k23_gemm__gelu_bwd__sum__cast k35_gemm__gelu_bwd__sum__cast
-__attribute__((noinline)) MDL_FN void k23_gemm__gelu_bwd__sum__cast__code(char *arena, const MdlHooks *h, const int64_t *o) {
+MDL_FN void k23_gemm__gelu_bwd__sum__cast__code(char *arena, const MdlHooks *h, const int64_t *o) {
   float *const restrict b92 = (float *)(arena + o[0]); // %92 add f32[8,64,256]
   uint16_t *const restrict b96 = (uint16_t *)(arena + o[1]); // %96 cast bf16[256,64]
   uint16_t *const restrict b131 = (uint16_t *)(arena + o[2]); // %131 cast bf16[512,64]
@@ -1322,7 +1335,7 @@ MDL_FN void k23_gemm__gelu_bwd__sum__cast(char *arena, const MdlHooks *h) {
 // The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
 // are those of k24_gemm's):
 // k24_gemm k36_gemm
-__attribute__((noinline)) MDL_FN void k24_gemm__code(char *arena, const MdlHooks *h, const int64_t *o) {
+MDL_FN void k24_gemm__code(char *arena, const MdlHooks *h, const int64_t *o) {
   uint16_t *const restrict b89 = (uint16_t *)(arena + o[0]); // %89 cast bf16[64,256]
   uint16_t *const restrict b138 = (uint16_t *)(arena + o[1]); // %138 cast bf16[512,256]
   float *const restrict b139 = (float *)(arena + o[2]); // %139 matmul f32[512,64]
@@ -1352,7 +1365,7 @@ MDL_FN void k24_gemm(char *arena, const MdlHooks *h) {
 // The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
 // are those of k25_gemm's):
 // k25_gemm k37_gemm
-__attribute__((noinline)) MDL_FN void k25_gemm__code(char *arena, const MdlHooks *h, const int64_t *o) {
+MDL_FN void k25_gemm__code(char *arena, const MdlHooks *h, const int64_t *o) {
   uint16_t *const restrict b88 = (uint16_t *)(arena + o[0]); // %88 cast bf16[512,64]
   uint16_t *const restrict b138 = (uint16_t *)(arena + o[1]); // %138 cast bf16[512,256]
   float *const restrict b140 = (float *)(arena + o[2]); // %140 matmul d.h.1.fc_w f32[64,256]
@@ -1382,7 +1395,7 @@ MDL_FN void k25_gemm(char *arena, const MdlHooks *h) {
 // The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
 // are those of k26_layernorm_bwd__add__sum__cast's):
 // k26_layernorm_bwd__add__sum__cast k38_layernorm_bwd__add__sum__cast
-__attribute__((noinline)) MDL_FN void k26_layernorm_bwd__add__sum__cast__code(char *arena, const MdlHooks *h, const int64_t *o) {
+MDL_FN void k26_layernorm_bwd__add__sum__cast__code(char *arena, const MdlHooks *h, const int64_t *o) {
   float *const restrict b61 = (float *)(arena + o[0]); // %61 param h.1.ln2_w f32[64]
   float *const restrict b85 = (float *)(arena + o[1]); // %85 add h.1.x f32[8,64,64]
   float *const restrict b126 = (float *)(arena + o[2]); // %126 layernorm_bwd d.h.1.x f32[8,64,64]
@@ -1481,7 +1494,7 @@ MDL_FN void k26_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
 // The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
 // are those of k27_gemm's):
 // k27_gemm k39_gemm
-__attribute__((noinline)) MDL_FN void k27_gemm__code(char *arena, const MdlHooks *h, const int64_t *o) {
+MDL_FN void k27_gemm__code(char *arena, const MdlHooks *h, const int64_t *o) {
   uint16_t *const restrict b80 = (uint16_t *)(arena + o[0]); // %80 cast bf16[512,64]
   uint16_t *const restrict b148 = (uint16_t *)(arena + o[1]); // %148 cast bf16[512,64]
   float *const restrict b150 = (float *)(arena + o[2]); // %150 matmul d.h.1.proj_w f32[64,64]
@@ -1511,7 +1524,7 @@ MDL_FN void k27_gemm(char *arena, const MdlHooks *h) {
 // The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
 // are those of k28_gemm__cast's):
 // k28_gemm__cast k40_gemm__cast
-__attribute__((noinline)) MDL_FN void k28_gemm__cast__code(char *arena, const MdlHooks *h, const int64_t *o) {
+MDL_FN void k28_gemm__cast__code(char *arena, const MdlHooks *h, const int64_t *o) {
   uint16_t *const restrict b81 = (uint16_t *)(arena + o[0]); // %81 cast bf16[64,64]
   uint16_t *const restrict b148 = (uint16_t *)(arena + o[1]); // %148 cast bf16[512,64]
   float *const b149 = mdl_scratch(131072); // %149 matmul f32[512,64], kept in this kernel
@@ -1556,7 +1569,7 @@ MDL_FN void k28_gemm__cast(char *arena, const MdlHooks *h) {
 // The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
 // are those of k29_attention_bwd's):
 // k29_attention_bwd k41_attention_bwd
-__attribute__((noinline)) MDL_FN void k29_attention_bwd__code(char *arena, const MdlHooks *h, const int64_t *o) {
+MDL_FN void k29_attention_bwd__code(char *arena, const MdlHooks *h, const int64_t *o) {
   int32_t *const restrict b3 = (int32_t *)(arena + o[0]); // %3 input doc i32[8,64]
   uint16_t *const restrict b74 = (uint16_t *)(arena + o[1]); // %74 cast bf16[8,64,192]
   uint16_t *const restrict b80 = (uint16_t *)(arena + o[2]); // %80 cast bf16[512,64]
@@ -1702,7 +1715,7 @@ MDL_FN void k29_attention_bwd(char *arena, const MdlHooks *h) {
 // The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
 // are those of k30_sum__concat__cast's):
 // k30_sum__concat__cast k42_sum__concat__cast
-__attribute__((noinline)) MDL_FN void k30_sum__concat__cast__code(char *arena, const MdlHooks *h, const int64_t *o) {
+MDL_FN void k30_sum__concat__cast__code(char *arena, const MdlHooks *h, const int64_t *o) {
   float *const restrict b155 = (float *)(arena + o[0]); // %155 attention_bwd d.h.1.q f32[8,64,64]
   float *const restrict b156 = (float *)(arena + o[1]); // %156 attention_bwd d.h.1.k f32[8,64,64]
   float *const restrict b157 = (float *)(arena + o[2]); // %157 attention_bwd d.h.1.v f32[8,64,64]
@@ -1756,7 +1769,7 @@ MDL_FN void k30_sum__concat__cast(char *arena, const MdlHooks *h) {
 // The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
 // are those of k31_gemm's):
 // k31_gemm k43_gemm
-__attribute__((noinline)) MDL_FN void k31_gemm__code(char *arena, const MdlHooks *h, const int64_t *o) {
+MDL_FN void k31_gemm__code(char *arena, const MdlHooks *h, const int64_t *o) {
   uint16_t *const restrict b70 = (uint16_t *)(arena + o[0]); // %70 cast bf16[64,192]
   uint16_t *const restrict b161 = (uint16_t *)(arena + o[1]); // %161 cast bf16[512,192]
   float *const restrict b162 = (float *)(arena + o[2]); // %162 matmul f32[512,64]
@@ -1786,7 +1799,7 @@ MDL_FN void k31_gemm(char *arena, const MdlHooks *h) {
 // The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
 // are those of k32_gemm's):
 // k32_gemm k44_gemm
-__attribute__((noinline)) MDL_FN void k32_gemm__code(char *arena, const MdlHooks *h, const int64_t *o) {
+MDL_FN void k32_gemm__code(char *arena, const MdlHooks *h, const int64_t *o) {
   uint16_t *const restrict b69 = (uint16_t *)(arena + o[0]); // %69 cast bf16[512,64]
   uint16_t *const restrict b161 = (uint16_t *)(arena + o[1]); // %161 cast bf16[512,192]
   float *const restrict b163 = (float *)(arena + o[2]); // %163 matmul d.h.1.attn_w f32[64,192]

@@ -42,12 +42,25 @@ typedef struct {
 // object of its own, the objects then linked into one shared object (runtime/cpu.c compiles the parts
 // side by side). MDL_IN(p) says whether this compile holds part p's code; a kernel is static in a
 // whole compile and, in parts, visible to the other parts but not outside the module.
+//
+// Every kernel is noipa: its caller assumes nothing of its body. GCC 12.2 (x86-64, -O2 and -O3,
+// AVX2 or AVX-512BW) otherwise drops calls to kernels that write: where IVOPTs rewrites a loop's
+// load as an integer base plus an index (an f32 read and a bf16 store in rows as long as one vector
+// of 16-bit lanes, 16 with AVX2 and 32 with AVX-512BW), its pure-const analysis takes that load for
+// a NULL dereference, ignores the rest of the block with the store, finds the function pure, and
+// the caller deletes the call: the kernel's output is never written (bf16 casts of rows of 32 on
+// AVX-512 gave a loss of ln V, logits all zero). A kernel runs once a step, so nothing is lost.
+#if defined(__GNUC__) && !defined(__clang__)
+#define MDL_NOIPA __attribute__((noipa))
+#else
+#define MDL_NOIPA __attribute__((noinline))
+#endif
 #ifdef MDL_PART
 #define MDL_IN(p) (MDL_PART == (p))
-#define MDL_FN __attribute__((visibility("hidden")))
+#define MDL_FN MDL_NOIPA __attribute__((visibility("hidden")))
 #else
 #define MDL_IN(p) 1
-#define MDL_FN static
+#define MDL_FN MDL_NOIPA static
 #endif
 typedef void MdlKernelFn(char *arena, const MdlHooks *h);
 
@@ -450,7 +463,7 @@ MDL_FN void k2_layernorm_fwd__add__cast(char *arena, const MdlHooks *h) {
 // k3_gemm__add__cast k10_gemm__add__cast k17_gemm__add__cast k24_gemm__add__cast k31_gemm__add__cast
 // k38_gemm__add__cast k45_gemm__add__cast k52_gemm__add__cast k59_gemm__add__cast k66_gemm__add__cast
 // k73_gemm__add__cast k80_gemm__add__cast
-__attribute__((noinline)) MDL_FN void k3_gemm__add__cast__code(char *arena, const MdlHooks *h, const int64_t *o) {
+MDL_FN void k3_gemm__add__cast__code(char *arena, const MdlHooks *h, const int64_t *o) {
   float *const restrict b12 = (float *)(arena + o[0]); // %12 param h.0.attn_b f32[2304]
   uint16_t *const restrict b23 = (uint16_t *)(arena + o[1]); // %23 cast bf16[8192,768]
   uint16_t *const restrict b24 = (uint16_t *)(arena + o[2]); // %24 cast bf16[768,2304]
@@ -502,7 +515,7 @@ MDL_FN void k3_gemm__add__cast(char *arena, const MdlHooks *h) {
 // k25_attention_fwd__cast__lse k32_attention_fwd__cast__lse k39_attention_fwd__cast__lse
 // k46_attention_fwd__cast__lse k53_attention_fwd__cast__lse k60_attention_fwd__cast__lse
 // k67_attention_fwd__cast__lse k74_attention_fwd__cast__lse k81_attention_fwd__cast__lse
-__attribute__((noinline)) MDL_FN void k4_attention_fwd__cast__lse__code(char *arena, const MdlHooks *h, const int64_t *o) {
+MDL_FN void k4_attention_fwd__cast__lse__code(char *arena, const MdlHooks *h, const int64_t *o) {
   int32_t *const restrict b3 = (int32_t *)(arena + o[0]); // %3 input doc i32[8,1024]
   uint16_t *const restrict b28 = (uint16_t *)(arena + o[1]); // %28 cast bf16[8,1024,2304]
   uint16_t *const restrict b34 = (uint16_t *)(arena + o[2]); // %34 cast bf16[8192,768]
@@ -691,7 +704,7 @@ MDL_FN void k4_attention_fwd__cast__lse(char *arena, const MdlHooks *h) {
 // are those of k5_gemm__add's):
 // k5_gemm__add k12_gemm__add k19_gemm__add k26_gemm__add k33_gemm__add k40_gemm__add k47_gemm__add
 // k54_gemm__add k61_gemm__add k68_gemm__add k75_gemm__add k82_gemm__add
-__attribute__((noinline)) MDL_FN void k5_gemm__add__code(char *arena, const MdlHooks *h, const int64_t *o) {
+MDL_FN void k5_gemm__add__code(char *arena, const MdlHooks *h, const int64_t *o) {
   float *const restrict b8 = (float *)(arena + o[0]); // %8 add x f32[8,1024,768]
   float *const restrict b14 = (float *)(arena + o[1]); // %14 param h.0.proj_b f32[768]
   uint16_t *const restrict b34 = (uint16_t *)(arena + o[2]); // %34 cast bf16[8192,768]
@@ -743,7 +756,7 @@ MDL_FN void k5_gemm__add(char *arena, const MdlHooks *h) {
 // k6_layernorm_fwd__cast k13_layernorm_fwd__cast k20_layernorm_fwd__cast k27_layernorm_fwd__cast
 // k34_layernorm_fwd__cast k41_layernorm_fwd__cast k48_layernorm_fwd__cast k55_layernorm_fwd__cast
 // k62_layernorm_fwd__cast k69_layernorm_fwd__cast k76_layernorm_fwd__cast k83_layernorm_fwd__cast
-__attribute__((noinline)) MDL_FN void k6_layernorm_fwd__cast__code(char *arena, const MdlHooks *h, const int64_t *o) {
+MDL_FN void k6_layernorm_fwd__cast__code(char *arena, const MdlHooks *h, const int64_t *o) {
   float *const restrict b15 = (float *)(arena + o[0]); // %15 param h.0.ln2_w f32[768]
   float *const restrict b16 = (float *)(arena + o[1]); // %16 param h.0.ln2_b f32[768]
   float *const restrict b39 = (float *)(arena + o[2]); // %39 add h.0.x f32[8,1024,768]
@@ -795,7 +808,7 @@ MDL_FN void k6_layernorm_fwd__cast(char *arena, const MdlHooks *h) {
 // k7_gemm__add__gelu__cast k14_gemm__add__gelu__cast k21_gemm__add__gelu__cast k28_gemm__add__gelu__cast
 // k35_gemm__add__gelu__cast k42_gemm__add__gelu__cast k49_gemm__add__gelu__cast k56_gemm__add__gelu__cast
 // k63_gemm__add__gelu__cast k70_gemm__add__gelu__cast k77_gemm__add__gelu__cast k84_gemm__add__gelu__cast
-__attribute__((noinline)) MDL_FN void k7_gemm__add__gelu__cast__code(char *arena, const MdlHooks *h, const int64_t *o) {
+MDL_FN void k7_gemm__add__gelu__cast__code(char *arena, const MdlHooks *h, const int64_t *o) {
   float *const restrict b18 = (float *)(arena + o[0]); // %18 param h.0.fc_b f32[3072]
   uint16_t *const restrict b42 = (uint16_t *)(arena + o[1]); // %42 cast bf16[8192,768]
   uint16_t *const restrict b43 = (uint16_t *)(arena + o[2]); // %43 cast bf16[768,3072]
@@ -850,7 +863,7 @@ MDL_FN void k7_gemm__add__gelu__cast(char *arena, const MdlHooks *h) {
 // are those of k8_gemm__add's):
 // k8_gemm__add k15_gemm__add k22_gemm__add k29_gemm__add k36_gemm__add k43_gemm__add k50_gemm__add
 // k57_gemm__add k64_gemm__add k71_gemm__add k78_gemm__add k85_gemm__add
-__attribute__((noinline)) MDL_FN void k8_gemm__add__code(char *arena, const MdlHooks *h, const int64_t *o) {
+MDL_FN void k8_gemm__add__code(char *arena, const MdlHooks *h, const int64_t *o) {
   float *const restrict b20 = (float *)(arena + o[0]); // %20 param h.0.fcproj_b f32[768]
   float *const restrict b39 = (float *)(arena + o[1]); // %39 add h.0.x f32[8,1024,768]
   uint16_t *const restrict b49 = (uint16_t *)(arena + o[2]); // %49 cast bf16[8192,3072]
@@ -902,7 +915,7 @@ MDL_FN void k8_gemm__add(char *arena, const MdlHooks *h) {
 // k9_layernorm_fwd__cast k16_layernorm_fwd__cast k23_layernorm_fwd__cast k30_layernorm_fwd__cast
 // k37_layernorm_fwd__cast k44_layernorm_fwd__cast k51_layernorm_fwd__cast k58_layernorm_fwd__cast
 // k65_layernorm_fwd__cast k72_layernorm_fwd__cast k79_layernorm_fwd__cast k86_layernorm_fwd__cast
-__attribute__((noinline)) MDL_FN void k9_layernorm_fwd__cast__code(char *arena, const MdlHooks *h, const int64_t *o) {
+MDL_FN void k9_layernorm_fwd__cast__code(char *arena, const MdlHooks *h, const int64_t *o) {
   float *const restrict b54 = (float *)(arena + o[0]); // %54 add h.0.x f32[8,1024,768]
   float *const restrict b55 = (float *)(arena + o[1]); // %55 param h.1.ln1_w f32[768]
   float *const restrict b56 = (float *)(arena + o[2]); // %56 param h.1.ln1_b f32[768]
@@ -2413,7 +2426,7 @@ MDL_FN void k91_layernorm_bwd__sum__cast(char *arena, const MdlHooks *h) {
 // are those of k92_gemm's):
 // k92_gemm k104_gemm k116_gemm k128_gemm k140_gemm k152_gemm k164_gemm k176_gemm k188_gemm k200_gemm
 // k212_gemm k224_gemm
-__attribute__((noinline)) MDL_FN void k92_gemm__code(char *arena, const MdlHooks *h, const int64_t *o) {
+MDL_FN void k92_gemm__code(char *arena, const MdlHooks *h, const int64_t *o) {
   uint16_t *const restrict b555 = (uint16_t *)(arena + o[0]); // %555 cast bf16[8192,3072]
   uint16_t *const restrict b591 = (uint16_t *)(arena + o[1]); // %591 cast bf16[8192,768]
   float *const restrict b593 = (float *)(arena + o[2]); // %593 matmul d.h.11.fcproj_w f32[3072,768]
@@ -2446,7 +2459,7 @@ MDL_FN void k92_gemm(char *arena, const MdlHooks *h) {
 // k129_gemm__gelu_bwd__sum__cast k141_gemm__gelu_bwd__sum__cast k153_gemm__gelu_bwd__sum__cast
 // k165_gemm__gelu_bwd__sum__cast k177_gemm__gelu_bwd__sum__cast k189_gemm__gelu_bwd__sum__cast
 // k201_gemm__gelu_bwd__sum__cast k213_gemm__gelu_bwd__sum__cast k225_gemm__gelu_bwd__sum__cast
-__attribute__((noinline)) MDL_FN void k93_gemm__gelu_bwd__sum__cast__code(char *arena, const MdlHooks *h, const int64_t *o) {
+MDL_FN void k93_gemm__gelu_bwd__sum__cast__code(char *arena, const MdlHooks *h, const int64_t *o) {
   float *const restrict b552 = (float *)(arena + o[0]); // %552 add f32[8,1024,3072]
   uint16_t *const restrict b556 = (uint16_t *)(arena + o[1]); // %556 cast bf16[3072,768]
   uint16_t *const restrict b591 = (uint16_t *)(arena + o[2]); // %591 cast bf16[8192,768]
@@ -2520,7 +2533,7 @@ MDL_FN void k93_gemm__gelu_bwd__sum__cast(char *arena, const MdlHooks *h) {
 // are those of k94_gemm's):
 // k94_gemm k106_gemm k118_gemm k130_gemm k142_gemm k154_gemm k166_gemm k178_gemm k190_gemm k202_gemm
 // k214_gemm k226_gemm
-__attribute__((noinline)) MDL_FN void k94_gemm__code(char *arena, const MdlHooks *h, const int64_t *o) {
+MDL_FN void k94_gemm__code(char *arena, const MdlHooks *h, const int64_t *o) {
   uint16_t *const restrict b549 = (uint16_t *)(arena + o[0]); // %549 cast bf16[768,3072]
   uint16_t *const restrict b598 = (uint16_t *)(arena + o[1]); // %598 cast bf16[8192,3072]
   float *const restrict b599 = (float *)(arena + o[2]); // %599 matmul f32[8192,768]
@@ -2551,7 +2564,7 @@ MDL_FN void k94_gemm(char *arena, const MdlHooks *h) {
 // are those of k95_gemm's):
 // k95_gemm k107_gemm k119_gemm k131_gemm k143_gemm k155_gemm k167_gemm k179_gemm k191_gemm k203_gemm
 // k215_gemm k227_gemm
-__attribute__((noinline)) MDL_FN void k95_gemm__code(char *arena, const MdlHooks *h, const int64_t *o) {
+MDL_FN void k95_gemm__code(char *arena, const MdlHooks *h, const int64_t *o) {
   uint16_t *const restrict b548 = (uint16_t *)(arena + o[0]); // %548 cast bf16[8192,768]
   uint16_t *const restrict b598 = (uint16_t *)(arena + o[1]); // %598 cast bf16[8192,3072]
   float *const restrict b600 = (float *)(arena + o[2]); // %600 matmul d.h.11.fc_w f32[768,3072]
@@ -2584,7 +2597,7 @@ MDL_FN void k95_gemm(char *arena, const MdlHooks *h) {
 // k132_layernorm_bwd__add__sum__cast k144_layernorm_bwd__add__sum__cast k156_layernorm_bwd__add__sum__cast
 // k168_layernorm_bwd__add__sum__cast k180_layernorm_bwd__add__sum__cast k192_layernorm_bwd__add__sum__cast
 // k204_layernorm_bwd__add__sum__cast k216_layernorm_bwd__add__sum__cast k228_layernorm_bwd__add__sum__cast
-__attribute__((noinline)) MDL_FN void k96_layernorm_bwd__add__sum__cast__code(char *arena, const MdlHooks *h, const int64_t *o) {
+MDL_FN void k96_layernorm_bwd__add__sum__cast__code(char *arena, const MdlHooks *h, const int64_t *o) {
   float *const restrict b521 = (float *)(arena + o[0]); // %521 param h.11.ln2_w f32[768]
   float *const restrict b545 = (float *)(arena + o[1]); // %545 add h.11.x f32[8,1024,768]
   float *const restrict b586 = (float *)(arena + o[2]); // %586 layernorm_bwd d.h.11.x f32[8,1024,768]
@@ -2685,7 +2698,7 @@ MDL_FN void k96_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
 // are those of k97_gemm's):
 // k97_gemm k109_gemm k121_gemm k133_gemm k145_gemm k157_gemm k169_gemm k181_gemm k193_gemm k205_gemm
 // k217_gemm k229_gemm
-__attribute__((noinline)) MDL_FN void k97_gemm__code(char *arena, const MdlHooks *h, const int64_t *o) {
+MDL_FN void k97_gemm__code(char *arena, const MdlHooks *h, const int64_t *o) {
   uint16_t *const restrict b540 = (uint16_t *)(arena + o[0]); // %540 cast bf16[8192,768]
   uint16_t *const restrict b608 = (uint16_t *)(arena + o[1]); // %608 cast bf16[8192,768]
   float *const restrict b610 = (float *)(arena + o[2]); // %610 matmul d.h.11.proj_w f32[768,768]
@@ -2716,7 +2729,7 @@ MDL_FN void k97_gemm(char *arena, const MdlHooks *h) {
 // are those of k98_gemm__cast's):
 // k98_gemm__cast k110_gemm__cast k122_gemm__cast k134_gemm__cast k146_gemm__cast k158_gemm__cast
 // k170_gemm__cast k182_gemm__cast k194_gemm__cast k206_gemm__cast k218_gemm__cast k230_gemm__cast
-__attribute__((noinline)) MDL_FN void k98_gemm__cast__code(char *arena, const MdlHooks *h, const int64_t *o) {
+MDL_FN void k98_gemm__cast__code(char *arena, const MdlHooks *h, const int64_t *o) {
   uint16_t *const restrict b541 = (uint16_t *)(arena + o[0]); // %541 cast bf16[768,768]
   uint16_t *const restrict b608 = (uint16_t *)(arena + o[1]); // %608 cast bf16[8192,768]
   float *const b609 = mdl_scratch(25165824); // %609 matmul f32[8192,768], kept in this kernel
@@ -2763,7 +2776,7 @@ MDL_FN void k98_gemm__cast(char *arena, const MdlHooks *h) {
 // k99_attention_bwd k111_attention_bwd k123_attention_bwd k135_attention_bwd k147_attention_bwd
 // k159_attention_bwd k171_attention_bwd k183_attention_bwd k195_attention_bwd k207_attention_bwd
 // k219_attention_bwd k231_attention_bwd
-__attribute__((noinline)) MDL_FN void k99_attention_bwd__code(char *arena, const MdlHooks *h, const int64_t *o) {
+MDL_FN void k99_attention_bwd__code(char *arena, const MdlHooks *h, const int64_t *o) {
   int32_t *const restrict b3 = (int32_t *)(arena + o[0]); // %3 input doc i32[8,1024]
   uint16_t *const restrict b534 = (uint16_t *)(arena + o[1]); // %534 cast bf16[8,1024,2304]
   uint16_t *const restrict b540 = (uint16_t *)(arena + o[2]); // %540 cast bf16[8192,768]
@@ -3013,7 +3026,7 @@ MDL_FN void k99_attention_bwd(char *arena, const MdlHooks *h) {
 // k100_sum__concat__cast k112_sum__concat__cast k124_sum__concat__cast k136_sum__concat__cast
 // k148_sum__concat__cast k160_sum__concat__cast k172_sum__concat__cast k184_sum__concat__cast
 // k196_sum__concat__cast k208_sum__concat__cast k220_sum__concat__cast k232_sum__concat__cast
-__attribute__((noinline)) MDL_FN void k100_sum__concat__cast__code(char *arena, const MdlHooks *h, const int64_t *o) {
+MDL_FN void k100_sum__concat__cast__code(char *arena, const MdlHooks *h, const int64_t *o) {
   float *const restrict b615 = (float *)(arena + o[0]); // %615 attention_bwd d.h.11.q f32[8,1024,768]
   float *const restrict b616 = (float *)(arena + o[1]); // %616 attention_bwd d.h.11.k f32[8,1024,768]
   float *const restrict b617 = (float *)(arena + o[2]); // %617 attention_bwd d.h.11.v f32[8,1024,768]
@@ -3069,7 +3082,7 @@ MDL_FN void k100_sum__concat__cast(char *arena, const MdlHooks *h) {
 // are those of k101_gemm's):
 // k101_gemm k113_gemm k125_gemm k137_gemm k149_gemm k161_gemm k173_gemm k185_gemm k197_gemm k209_gemm
 // k221_gemm k233_gemm
-__attribute__((noinline)) MDL_FN void k101_gemm__code(char *arena, const MdlHooks *h, const int64_t *o) {
+MDL_FN void k101_gemm__code(char *arena, const MdlHooks *h, const int64_t *o) {
   uint16_t *const restrict b530 = (uint16_t *)(arena + o[0]); // %530 cast bf16[768,2304]
   uint16_t *const restrict b621 = (uint16_t *)(arena + o[1]); // %621 cast bf16[8192,2304]
   float *const restrict b622 = (float *)(arena + o[2]); // %622 matmul f32[8192,768]
@@ -3100,7 +3113,7 @@ MDL_FN void k101_gemm(char *arena, const MdlHooks *h) {
 // are those of k102_gemm's):
 // k102_gemm k114_gemm k126_gemm k138_gemm k150_gemm k162_gemm k174_gemm k186_gemm k198_gemm k210_gemm
 // k222_gemm k234_gemm
-__attribute__((noinline)) MDL_FN void k102_gemm__code(char *arena, const MdlHooks *h, const int64_t *o) {
+MDL_FN void k102_gemm__code(char *arena, const MdlHooks *h, const int64_t *o) {
   uint16_t *const restrict b529 = (uint16_t *)(arena + o[0]); // %529 cast bf16[8192,768]
   uint16_t *const restrict b621 = (uint16_t *)(arena + o[1]); // %621 cast bf16[8192,2304]
   float *const restrict b623 = (float *)(arena + o[2]); // %623 matmul d.h.11.attn_w f32[768,2304]
@@ -3133,7 +3146,7 @@ MDL_FN void k102_gemm(char *arena, const MdlHooks *h) {
 // k139_layernorm_bwd__add__sum__cast k151_layernorm_bwd__add__sum__cast k163_layernorm_bwd__add__sum__cast
 // k175_layernorm_bwd__add__sum__cast k187_layernorm_bwd__add__sum__cast k199_layernorm_bwd__add__sum__cast
 // k211_layernorm_bwd__add__sum__cast k223_layernorm_bwd__add__sum__cast
-__attribute__((noinline)) MDL_FN void k103_layernorm_bwd__add__sum__cast__code(char *arena, const MdlHooks *h, const int64_t *o) {
+MDL_FN void k103_layernorm_bwd__add__sum__cast__code(char *arena, const MdlHooks *h, const int64_t *o) {
   float *const restrict b514 = (float *)(arena + o[0]); // %514 add h.10.x f32[8,1024,768]
   float *const restrict b515 = (float *)(arena + o[1]); // %515 param h.11.ln1_w f32[768]
   float *const restrict b605 = (float *)(arena + o[2]); // %605 add d.h.11.x f32[8,1024,768]

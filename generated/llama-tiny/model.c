@@ -42,12 +42,25 @@ typedef struct {
 // object of its own, the objects then linked into one shared object (runtime/cpu.c compiles the parts
 // side by side). MDL_IN(p) says whether this compile holds part p's code; a kernel is static in a
 // whole compile and, in parts, visible to the other parts but not outside the module.
+//
+// Every kernel is noipa: its caller assumes nothing of its body. GCC 12.2 (x86-64, -O2 and -O3,
+// AVX2 or AVX-512BW) otherwise drops calls to kernels that write: where IVOPTs rewrites a loop's
+// load as an integer base plus an index (an f32 read and a bf16 store in rows as long as one vector
+// of 16-bit lanes, 16 with AVX2 and 32 with AVX-512BW), its pure-const analysis takes that load for
+// a NULL dereference, ignores the rest of the block with the store, finds the function pure, and
+// the caller deletes the call: the kernel's output is never written (bf16 casts of rows of 32 on
+// AVX-512 gave a loss of ln V, logits all zero). A kernel runs once a step, so nothing is lost.
+#if defined(__GNUC__) && !defined(__clang__)
+#define MDL_NOIPA __attribute__((noipa))
+#else
+#define MDL_NOIPA __attribute__((noinline))
+#endif
 #ifdef MDL_PART
 #define MDL_IN(p) (MDL_PART == (p))
-#define MDL_FN __attribute__((visibility("hidden")))
+#define MDL_FN MDL_NOIPA __attribute__((visibility("hidden")))
 #else
 #define MDL_IN(p) 1
-#define MDL_FN static
+#define MDL_FN MDL_NOIPA static
 #endif
 typedef void MdlKernelFn(char *arena, const MdlHooks *h);
 
@@ -323,7 +336,7 @@ MDL_FN void k0_embed(char *arena, const MdlHooks *h) {
 // The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
 // are those of k1_rmsnorm_fwd__cast's):
 // k1_rmsnorm_fwd__cast k13_rmsnorm_fwd__cast
-__attribute__((noinline)) MDL_FN void k1_rmsnorm_fwd__cast__code(char *arena, const MdlHooks *h, const int64_t *o) {
+MDL_FN void k1_rmsnorm_fwd__cast__code(char *arena, const MdlHooks *h, const int64_t *o) {
   float *const restrict b5 = (float *)(arena + o[0]); // %5 embed x f32[8,64,64]
   float *const restrict b6 = (float *)(arena + o[1]); // %6 param layers.0.attn_norm f32[64]
   uint16_t *const restrict b17 = (uint16_t *)(arena + o[2]); // %17 cast bf16[512,64]
@@ -380,7 +393,7 @@ MDL_FN void k1_rmsnorm_fwd__cast(char *arena, const MdlHooks *h) {
 // The loops of 4 kernels, each on its own buffers (o[]: their offsets in the arena; the names
 // are those of k2_gemm's):
 // k2_gemm k3_gemm k14_gemm k15_gemm
-__attribute__((noinline)) MDL_FN void k2_gemm__code(char *arena, const MdlHooks *h, const int64_t *o) {
+MDL_FN void k2_gemm__code(char *arena, const MdlHooks *h, const int64_t *o) {
   uint16_t *const restrict b17 = (uint16_t *)(arena + o[0]); // %17 cast bf16[512,64]
   uint16_t *const restrict b18 = (uint16_t *)(arena + o[1]); // %18 cast bf16[64,64]
   float *const restrict b19 = (float *)(arena + o[2]); // %19 matmul f32[512,64]
@@ -421,7 +434,7 @@ MDL_FN void k3_gemm(char *arena, const MdlHooks *h) {
 // The loops of 4 kernels, each on its own buffers (o[]: their offsets in the arena; the names
 // are those of k4_rope__cast's):
 // k4_rope__cast k5_rope__cast k16_rope__cast k17_rope__cast
-__attribute__((noinline)) MDL_FN void k4_rope__cast__code(char *arena, const MdlHooks *h, const int64_t *o) {
+MDL_FN void k4_rope__cast__code(char *arena, const MdlHooks *h, const int64_t *o) {
   int32_t *const restrict b2 = (int32_t *)(arena + o[0]); // %2 input pos i32[8,64]
   float *const restrict b19 = (float *)(arena + o[1]); // %19 matmul f32[512,64]
   float *const b21 = mdl_scratch(131072); // %21 rope layers.0.q f32[8,64,64], kept in this kernel
@@ -483,7 +496,7 @@ MDL_FN void k5_rope__cast(char *arena, const MdlHooks *h) {
 // The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
 // are those of k6_gemm__cast's):
 // k6_gemm__cast k18_gemm__cast
-__attribute__((noinline)) MDL_FN void k6_gemm__cast__code(char *arena, const MdlHooks *h, const int64_t *o) {
+MDL_FN void k6_gemm__cast__code(char *arena, const MdlHooks *h, const int64_t *o) {
   uint16_t *const restrict b29 = (uint16_t *)(arena + o[0]); // %29 cast bf16[512,64]
   uint16_t *const restrict b30 = (uint16_t *)(arena + o[1]); // %30 cast bf16[64,64]
   float *const b31 = mdl_scratch(131072); // %31 matmul f32[512,64], kept in this kernel
@@ -528,7 +541,7 @@ MDL_FN void k6_gemm__cast(char *arena, const MdlHooks *h) {
 // The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
 // are those of k7_attention_fwd__cast__lse's):
 // k7_attention_fwd__cast__lse k19_attention_fwd__cast__lse
-__attribute__((noinline)) MDL_FN void k7_attention_fwd__cast__lse__code(char *arena, const MdlHooks *h, const int64_t *o) {
+MDL_FN void k7_attention_fwd__cast__lse__code(char *arena, const MdlHooks *h, const int64_t *o) {
   int32_t *const restrict b3 = (int32_t *)(arena + o[0]); // %3 input doc i32[8,64]
   uint16_t *const restrict b33 = (uint16_t *)(arena + o[1]); // %33 cast bf16[8,64,64]
   uint16_t *const restrict b34 = (uint16_t *)(arena + o[2]); // %34 cast bf16[8,64,64]
@@ -643,7 +656,7 @@ MDL_FN void k7_attention_fwd__cast__lse(char *arena, const MdlHooks *h) {
 // The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
 // are those of k8_gemm__add's):
 // k8_gemm__add k20_gemm__add
-__attribute__((noinline)) MDL_FN void k8_gemm__add__code(char *arena, const MdlHooks *h, const int64_t *o) {
+MDL_FN void k8_gemm__add__code(char *arena, const MdlHooks *h, const int64_t *o) {
   float *const restrict b5 = (float *)(arena + o[0]); // %5 embed x f32[8,64,64]
   uint16_t *const restrict b38 = (uint16_t *)(arena + o[1]); // %38 cast bf16[512,64]
   uint16_t *const restrict b39 = (uint16_t *)(arena + o[2]); // %39 cast bf16[64,64]
@@ -689,7 +702,7 @@ MDL_FN void k8_gemm__add(char *arena, const MdlHooks *h) {
 // The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
 // are those of k9_rmsnorm_fwd__cast's):
 // k9_rmsnorm_fwd__cast k21_rmsnorm_fwd__cast
-__attribute__((noinline)) MDL_FN void k9_rmsnorm_fwd__cast__code(char *arena, const MdlHooks *h, const int64_t *o) {
+MDL_FN void k9_rmsnorm_fwd__cast__code(char *arena, const MdlHooks *h, const int64_t *o) {
   float *const restrict b11 = (float *)(arena + o[0]); // %11 param layers.0.mlp_norm f32[64]
   float *const restrict b42 = (float *)(arena + o[1]); // %42 add layers.0.x f32[8,64,64]
   uint16_t *const restrict b45 = (uint16_t *)(arena + o[2]); // %45 cast bf16[512,64]
@@ -740,7 +753,7 @@ MDL_FN void k9_rmsnorm_fwd__cast(char *arena, const MdlHooks *h) {
 // The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
 // are those of k10_gemm's):
 // k10_gemm k22_gemm
-__attribute__((noinline)) MDL_FN void k10_gemm__code(char *arena, const MdlHooks *h, const int64_t *o) {
+MDL_FN void k10_gemm__code(char *arena, const MdlHooks *h, const int64_t *o) {
   uint16_t *const restrict b51 = (uint16_t *)(arena + o[0]); // %51 cast bf16[512,64]
   uint16_t *const restrict b52 = (uint16_t *)(arena + o[1]); // %52 cast bf16[64,172]
   float *const restrict b53 = (float *)(arena + o[2]); // %53 matmul f32[512,172]
@@ -770,7 +783,7 @@ MDL_FN void k10_gemm(char *arena, const MdlHooks *h) {
 // The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
 // are those of k11_gemm__silu__mul__cast's):
 // k11_gemm__silu__mul__cast k23_gemm__silu__mul__cast
-__attribute__((noinline)) MDL_FN void k11_gemm__silu__mul__cast__code(char *arena, const MdlHooks *h, const int64_t *o) {
+MDL_FN void k11_gemm__silu__mul__cast__code(char *arena, const MdlHooks *h, const int64_t *o) {
   uint16_t *const restrict b45 = (uint16_t *)(arena + o[0]); // %45 cast bf16[512,64]
   uint16_t *const restrict b46 = (uint16_t *)(arena + o[1]); // %46 cast bf16[64,172]
   float *const restrict b47 = (float *)(arena + o[2]); // %47 matmul f32[512,172]
@@ -822,7 +835,7 @@ MDL_FN void k11_gemm__silu__mul__cast(char *arena, const MdlHooks *h) {
 // The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
 // are those of k12_gemm__add's):
 // k12_gemm__add k24_gemm__add
-__attribute__((noinline)) MDL_FN void k12_gemm__add__code(char *arena, const MdlHooks *h, const int64_t *o) {
+MDL_FN void k12_gemm__add__code(char *arena, const MdlHooks *h, const int64_t *o) {
   float *const restrict b42 = (float *)(arena + o[0]); // %42 add layers.0.x f32[8,64,64]
   uint16_t *const restrict b57 = (uint16_t *)(arena + o[1]); // %57 cast bf16[512,172]
   uint16_t *const restrict b58 = (uint16_t *)(arena + o[2]); // %58 cast bf16[172,64]
@@ -1350,7 +1363,7 @@ MDL_FN void k30_rmsnorm_bwd__cast(char *arena, const MdlHooks *h) {
 // The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
 // are those of k31_gemm's):
 // k31_gemm k52_gemm
-__attribute__((noinline)) MDL_FN void k31_gemm__code(char *arena, const MdlHooks *h, const int64_t *o) {
+MDL_FN void k31_gemm__code(char *arena, const MdlHooks *h, const int64_t *o) {
   uint16_t *const restrict b113 = (uint16_t *)(arena + o[0]); // %113 cast bf16[512,172]
   uint16_t *const restrict b146 = (uint16_t *)(arena + o[1]); // %146 cast bf16[512,64]
   float *const restrict b148 = (float *)(arena + o[2]); // %148 matmul d.layers.1.w2 f32[172,64]
@@ -1380,7 +1393,7 @@ MDL_FN void k31_gemm(char *arena, const MdlHooks *h) {
 // The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
 // are those of k32_gemm__mul__silu_bwd__cast's):
 // k32_gemm__mul__silu_bwd__cast k53_gemm__mul__silu_bwd__cast
-__attribute__((noinline)) MDL_FN void k32_gemm__mul__silu_bwd__cast__code(char *arena, const MdlHooks *h, const int64_t *o) {
+MDL_FN void k32_gemm__mul__silu_bwd__cast__code(char *arena, const MdlHooks *h, const int64_t *o) {
   float *const restrict b103 = (float *)(arena + o[0]); // %103 matmul f32[512,172]
   float *const restrict b109 = (float *)(arena + o[1]); // %109 matmul f32[512,172]
   uint16_t *const restrict b114 = (uint16_t *)(arena + o[2]); // %114 cast bf16[172,64]
@@ -1432,7 +1445,7 @@ MDL_FN void k32_gemm__mul__silu_bwd__cast(char *arena, const MdlHooks *h) {
 // The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
 // are those of k33_cast__mul's):
 // k33_cast__mul k54_cast__mul
-__attribute__((noinline)) MDL_FN void k33_cast__mul__code(char *arena, const MdlHooks *h, const int64_t *o) {
+MDL_FN void k33_cast__mul__code(char *arena, const MdlHooks *h, const int64_t *o) {
   float *const restrict b105 = (float *)(arena + o[0]); // %105 silu f32[8,64,172]
   float *const restrict b147 = (float *)(arena + o[1]); // %147 matmul f32[512,172]
   uint16_t *const restrict b153 = (uint16_t *)(arena + o[2]); // %153 cast bf16[512,172]
@@ -1466,7 +1479,7 @@ MDL_FN void k33_cast__mul(char *arena, const MdlHooks *h) {
 // The loops of 4 kernels, each on its own buffers (o[]: their offsets in the arena; the names
 // are those of k34_gemm's):
 // k34_gemm k36_gemm k55_gemm k57_gemm
-__attribute__((noinline)) MDL_FN void k34_gemm__code(char *arena, const MdlHooks *h, const int64_t *o) {
+MDL_FN void k34_gemm__code(char *arena, const MdlHooks *h, const int64_t *o) {
   uint16_t *const restrict b107 = (uint16_t *)(arena + o[0]); // %107 cast bf16[512,64]
   uint16_t *const restrict b153 = (uint16_t *)(arena + o[1]); // %153 cast bf16[512,172]
   float *const restrict b155 = (float *)(arena + o[2]); // %155 matmul d.layers.1.w3 f32[64,172]
@@ -1496,7 +1509,7 @@ MDL_FN void k34_gemm(char *arena, const MdlHooks *h) {
 // The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
 // are those of k35_gemm's):
 // k35_gemm k56_gemm
-__attribute__((noinline)) MDL_FN void k35_gemm__code(char *arena, const MdlHooks *h, const int64_t *o) {
+MDL_FN void k35_gemm__code(char *arena, const MdlHooks *h, const int64_t *o) {
   uint16_t *const restrict b102 = (uint16_t *)(arena + o[0]); // %102 cast bf16[64,172]
   uint16_t *const restrict b159 = (uint16_t *)(arena + o[1]); // %159 cast bf16[512,172]
   float *const restrict b160 = (float *)(arena + o[2]); // %160 matmul f32[512,64]
@@ -1537,7 +1550,7 @@ MDL_FN void k36_gemm(char *arena, const MdlHooks *h) {
 // The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
 // are those of k37_gemm__add's):
 // k37_gemm__add k58_gemm__add
-__attribute__((noinline)) MDL_FN void k37_gemm__add__code(char *arena, const MdlHooks *h, const int64_t *o) {
+MDL_FN void k37_gemm__add__code(char *arena, const MdlHooks *h, const int64_t *o) {
   uint16_t *const restrict b108 = (uint16_t *)(arena + o[0]); // %108 cast bf16[64,172]
   uint16_t *const restrict b153 = (uint16_t *)(arena + o[1]); // %153 cast bf16[512,172]
   float *const restrict b160 = (float *)(arena + o[2]); // %160 matmul f32[512,64]
@@ -1583,7 +1596,7 @@ MDL_FN void k37_gemm__add(char *arena, const MdlHooks *h) {
 // The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
 // are those of k38_rmsnorm_bwd__add__cast's):
 // k38_rmsnorm_bwd__add__cast k59_rmsnorm_bwd__add__cast
-__attribute__((noinline)) MDL_FN void k38_rmsnorm_bwd__add__cast__code(char *arena, const MdlHooks *h, const int64_t *o) {
+MDL_FN void k38_rmsnorm_bwd__add__cast__code(char *arena, const MdlHooks *h, const int64_t *o) {
   float *const restrict b67 = (float *)(arena + o[0]); // %67 param layers.1.mlp_norm f32[64]
   float *const restrict b98 = (float *)(arena + o[1]); // %98 add layers.1.x f32[8,64,64]
   float *const restrict b143 = (float *)(arena + o[2]); // %143 rmsnorm_bwd d.layers.1.x f32[8,64,64]
@@ -1659,7 +1672,7 @@ MDL_FN void k38_rmsnorm_bwd__add__cast(char *arena, const MdlHooks *h) {
 // The loops of 8 kernels, each on its own buffers (o[]: their offsets in the arena; the names
 // are those of k39_gemm's):
 // k39_gemm k43_gemm k46_gemm k49_gemm k60_gemm k64_gemm k67_gemm k70_gemm
-__attribute__((noinline)) MDL_FN void k39_gemm__code(char *arena, const MdlHooks *h, const int64_t *o) {
+MDL_FN void k39_gemm__code(char *arena, const MdlHooks *h, const int64_t *o) {
   uint16_t *const restrict b94 = (uint16_t *)(arena + o[0]); // %94 cast bf16[512,64]
   uint16_t *const restrict b168 = (uint16_t *)(arena + o[1]); // %168 cast bf16[512,64]
   float *const restrict b170 = (float *)(arena + o[2]); // %170 matmul d.layers.1.wo f32[64,64]
@@ -1689,7 +1702,7 @@ MDL_FN void k39_gemm(char *arena, const MdlHooks *h) {
 // The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
 // are those of k40_gemm__cast's):
 // k40_gemm__cast k61_gemm__cast
-__attribute__((noinline)) MDL_FN void k40_gemm__cast__code(char *arena, const MdlHooks *h, const int64_t *o) {
+MDL_FN void k40_gemm__cast__code(char *arena, const MdlHooks *h, const int64_t *o) {
   uint16_t *const restrict b95 = (uint16_t *)(arena + o[0]); // %95 cast bf16[64,64]
   uint16_t *const restrict b168 = (uint16_t *)(arena + o[1]); // %168 cast bf16[512,64]
   float *const b169 = mdl_scratch(131072); // %169 matmul f32[512,64], kept in this kernel
@@ -1734,7 +1747,7 @@ MDL_FN void k40_gemm__cast(char *arena, const MdlHooks *h) {
 // The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
 // are those of k41_attention_bwd's):
 // k41_attention_bwd k62_attention_bwd
-__attribute__((noinline)) MDL_FN void k41_attention_bwd__code(char *arena, const MdlHooks *h, const int64_t *o) {
+MDL_FN void k41_attention_bwd__code(char *arena, const MdlHooks *h, const int64_t *o) {
   int32_t *const restrict b3 = (int32_t *)(arena + o[0]); // %3 input doc i32[8,64]
   uint16_t *const restrict b89 = (uint16_t *)(arena + o[1]); // %89 cast bf16[8,64,64]
   uint16_t *const restrict b90 = (uint16_t *)(arena + o[2]); // %90 cast bf16[8,64,64]
@@ -1882,7 +1895,7 @@ MDL_FN void k41_attention_bwd(char *arena, const MdlHooks *h) {
 // The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
 // are those of k42_cast's):
 // k42_cast k63_cast
-__attribute__((noinline)) MDL_FN void k42_cast__code(char *arena, const MdlHooks *h, const int64_t *o) {
+MDL_FN void k42_cast__code(char *arena, const MdlHooks *h, const int64_t *o) {
   float *const restrict b177 = (float *)(arena + o[0]); // %177 attention_bwd f32[8,64,64]
   uint16_t *const restrict b179 = (uint16_t *)(arena + o[1]); // %179 cast bf16[512,64]
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
@@ -1921,7 +1934,7 @@ MDL_FN void k43_gemm(char *arena, const MdlHooks *h) {
 // The loops of 4 kernels, each on its own buffers (o[]: their offsets in the arena; the names
 // are those of k44_rope__cast's):
 // k44_rope__cast k47_rope__cast k65_rope__cast k68_rope__cast
-__attribute__((noinline)) MDL_FN void k44_rope__cast__code(char *arena, const MdlHooks *h, const int64_t *o) {
+MDL_FN void k44_rope__cast__code(char *arena, const MdlHooks *h, const int64_t *o) {
   int32_t *const restrict b2 = (int32_t *)(arena + o[0]); // %2 input pos i32[8,64]
   float *const restrict b176 = (float *)(arena + o[1]); // %176 attention_bwd d.layers.1.k f32[8,64,64]
   float *const b183 = mdl_scratch(131072); // %183 rope f32[8,64,64], kept in this kernel
@@ -1972,7 +1985,7 @@ MDL_FN void k44_rope__cast(char *arena, const MdlHooks *h) {
 // The loops of 4 kernels, each on its own buffers (o[]: their offsets in the arena; the names
 // are those of k45_gemm's):
 // k45_gemm k48_gemm k66_gemm k69_gemm
-__attribute__((noinline)) MDL_FN void k45_gemm__code(char *arena, const MdlHooks *h, const int64_t *o) {
+MDL_FN void k45_gemm__code(char *arena, const MdlHooks *h, const int64_t *o) {
   uint16_t *const restrict b80 = (uint16_t *)(arena + o[0]); // %80 cast bf16[64,64]
   uint16_t *const restrict b185 = (uint16_t *)(arena + o[1]); // %185 cast bf16[512,64]
   float *const restrict b186 = (float *)(arena + o[2]); // %186 matmul f32[512,64]
@@ -2049,7 +2062,7 @@ MDL_FN void k49_gemm(char *arena, const MdlHooks *h) {
 // The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
 // are those of k50_gemm__add's):
 // k50_gemm__add k71_gemm__add
-__attribute__((noinline)) MDL_FN void k50_gemm__add__code(char *arena, const MdlHooks *h, const int64_t *o) {
+MDL_FN void k50_gemm__add__code(char *arena, const MdlHooks *h, const int64_t *o) {
   uint16_t *const restrict b86 = (uint16_t *)(arena + o[0]); // %86 cast bf16[64,64]
   uint16_t *const restrict b179 = (uint16_t *)(arena + o[1]); // %179 cast bf16[512,64]
   float *const restrict b186 = (float *)(arena + o[2]); // %186 matmul f32[512,64]

@@ -42,12 +42,25 @@ typedef struct {
 // object of its own, the objects then linked into one shared object (runtime/cpu.c compiles the parts
 // side by side). MDL_IN(p) says whether this compile holds part p's code; a kernel is static in a
 // whole compile and, in parts, visible to the other parts but not outside the module.
+//
+// Every kernel is noipa: its caller assumes nothing of its body. GCC 12.2 (x86-64, -O2 and -O3,
+// AVX2 or AVX-512BW) otherwise drops calls to kernels that write: where IVOPTs rewrites a loop's
+// load as an integer base plus an index (an f32 read and a bf16 store in rows as long as one vector
+// of 16-bit lanes, 16 with AVX2 and 32 with AVX-512BW), its pure-const analysis takes that load for
+// a NULL dereference, ignores the rest of the block with the store, finds the function pure, and
+// the caller deletes the call: the kernel's output is never written (bf16 casts of rows of 32 on
+// AVX-512 gave a loss of ln V, logits all zero). A kernel runs once a step, so nothing is lost.
+#if defined(__GNUC__) && !defined(__clang__)
+#define MDL_NOIPA __attribute__((noipa))
+#else
+#define MDL_NOIPA __attribute__((noinline))
+#endif
 #ifdef MDL_PART
 #define MDL_IN(p) (MDL_PART == (p))
-#define MDL_FN __attribute__((visibility("hidden")))
+#define MDL_FN MDL_NOIPA __attribute__((visibility("hidden")))
 #else
 #define MDL_IN(p) 1
-#define MDL_FN static
+#define MDL_FN MDL_NOIPA static
 #endif
 typedef void MdlKernelFn(char *arena, const MdlHooks *h);
 
@@ -392,7 +405,7 @@ MDL_FN void k0_embed(char *arena, const MdlHooks *h) {
 // k1_rmsnorm_fwd__cast k13_rmsnorm_fwd__cast k25_rmsnorm_fwd__cast k37_rmsnorm_fwd__cast
 // k49_rmsnorm_fwd__cast k61_rmsnorm_fwd__cast k73_rmsnorm_fwd__cast k85_rmsnorm_fwd__cast
 // k97_rmsnorm_fwd__cast k109_rmsnorm_fwd__cast k121_rmsnorm_fwd__cast k133_rmsnorm_fwd__cast
-__attribute__((noinline)) MDL_FN void k1_rmsnorm_fwd__cast__code(char *arena, const MdlHooks *h, const int64_t *o) {
+MDL_FN void k1_rmsnorm_fwd__cast__code(char *arena, const MdlHooks *h, const int64_t *o) {
   float *const restrict b5 = (float *)(arena + o[0]); // %5 embed x f32[8,1024,768]
   float *const restrict b6 = (float *)(arena + o[1]); // %6 param layers.0.attn_norm f32[768]
   uint16_t *const restrict b17 = (uint16_t *)(arena + o[2]); // %17 cast bf16[8192,768]
@@ -450,7 +463,7 @@ MDL_FN void k1_rmsnorm_fwd__cast(char *arena, const MdlHooks *h) {
 // are those of k2_gemm's):
 // k2_gemm k14_gemm k26_gemm k38_gemm k50_gemm k62_gemm k74_gemm k86_gemm k98_gemm k110_gemm k122_gemm
 // k134_gemm
-__attribute__((noinline)) MDL_FN void k2_gemm__code(char *arena, const MdlHooks *h, const int64_t *o) {
+MDL_FN void k2_gemm__code(char *arena, const MdlHooks *h, const int64_t *o) {
   uint16_t *const restrict b17 = (uint16_t *)(arena + o[0]); // %17 cast bf16[8192,768]
   uint16_t *const restrict b18 = (uint16_t *)(arena + o[1]); // %18 cast bf16[768,768]
   float *const restrict b19 = (float *)(arena + o[2]); // %19 matmul f32[8192,768]
@@ -481,7 +494,7 @@ MDL_FN void k2_gemm(char *arena, const MdlHooks *h) {
 // are those of k3_gemm's):
 // k3_gemm k15_gemm k27_gemm k39_gemm k51_gemm k63_gemm k75_gemm k87_gemm k99_gemm k111_gemm k123_gemm
 // k135_gemm
-__attribute__((noinline)) MDL_FN void k3_gemm__code(char *arena, const MdlHooks *h, const int64_t *o) {
+MDL_FN void k3_gemm__code(char *arena, const MdlHooks *h, const int64_t *o) {
   uint16_t *const restrict b23 = (uint16_t *)(arena + o[0]); // %23 cast bf16[8192,768]
   uint16_t *const restrict b24 = (uint16_t *)(arena + o[1]); // %24 cast bf16[768,256]
   float *const restrict b25 = (float *)(arena + o[2]); // %25 matmul f32[8192,256]
@@ -512,7 +525,7 @@ MDL_FN void k3_gemm(char *arena, const MdlHooks *h) {
 // are those of k4_rope__cast's):
 // k4_rope__cast k16_rope__cast k28_rope__cast k40_rope__cast k52_rope__cast k64_rope__cast k76_rope__cast
 // k88_rope__cast k100_rope__cast k112_rope__cast k124_rope__cast k136_rope__cast
-__attribute__((noinline)) MDL_FN void k4_rope__cast__code(char *arena, const MdlHooks *h, const int64_t *o) {
+MDL_FN void k4_rope__cast__code(char *arena, const MdlHooks *h, const int64_t *o) {
   int32_t *const restrict b2 = (int32_t *)(arena + o[0]); // %2 input pos i32[8,1024]
   float *const restrict b19 = (float *)(arena + o[1]); // %19 matmul f32[8192,768]
   float *const b21 = mdl_scratch(25165824); // %21 rope layers.0.q f32[8,1024,768], kept in this kernel
@@ -562,7 +575,7 @@ MDL_FN void k4_rope__cast(char *arena, const MdlHooks *h) {
 // are those of k5_rope__cast's):
 // k5_rope__cast k17_rope__cast k29_rope__cast k41_rope__cast k53_rope__cast k65_rope__cast k77_rope__cast
 // k89_rope__cast k101_rope__cast k113_rope__cast k125_rope__cast k137_rope__cast
-__attribute__((noinline)) MDL_FN void k5_rope__cast__code(char *arena, const MdlHooks *h, const int64_t *o) {
+MDL_FN void k5_rope__cast__code(char *arena, const MdlHooks *h, const int64_t *o) {
   int32_t *const restrict b2 = (int32_t *)(arena + o[0]); // %2 input pos i32[8,1024]
   float *const restrict b25 = (float *)(arena + o[1]); // %25 matmul f32[8192,256]
   float *const b27 = mdl_scratch(8388608); // %27 rope layers.0.k f32[8,1024,256], kept in this kernel
@@ -612,7 +625,7 @@ MDL_FN void k5_rope__cast(char *arena, const MdlHooks *h) {
 // are those of k6_gemm__cast's):
 // k6_gemm__cast k18_gemm__cast k30_gemm__cast k42_gemm__cast k54_gemm__cast k66_gemm__cast k78_gemm__cast
 // k90_gemm__cast k102_gemm__cast k114_gemm__cast k126_gemm__cast k138_gemm__cast
-__attribute__((noinline)) MDL_FN void k6_gemm__cast__code(char *arena, const MdlHooks *h, const int64_t *o) {
+MDL_FN void k6_gemm__cast__code(char *arena, const MdlHooks *h, const int64_t *o) {
   uint16_t *const restrict b29 = (uint16_t *)(arena + o[0]); // %29 cast bf16[8192,768]
   uint16_t *const restrict b30 = (uint16_t *)(arena + o[1]); // %30 cast bf16[768,256]
   float *const b31 = mdl_scratch(8388608); // %31 matmul f32[8192,256], kept in this kernel
@@ -660,7 +673,7 @@ MDL_FN void k6_gemm__cast(char *arena, const MdlHooks *h) {
 // k43_attention_fwd__cast__lse k55_attention_fwd__cast__lse k67_attention_fwd__cast__lse
 // k79_attention_fwd__cast__lse k91_attention_fwd__cast__lse k103_attention_fwd__cast__lse
 // k115_attention_fwd__cast__lse k127_attention_fwd__cast__lse k139_attention_fwd__cast__lse
-__attribute__((noinline)) MDL_FN void k7_attention_fwd__cast__lse__code(char *arena, const MdlHooks *h, const int64_t *o) {
+MDL_FN void k7_attention_fwd__cast__lse__code(char *arena, const MdlHooks *h, const int64_t *o) {
   int32_t *const restrict b3 = (int32_t *)(arena + o[0]); // %3 input doc i32[8,1024]
   uint16_t *const restrict b33 = (uint16_t *)(arena + o[1]); // %33 cast bf16[8,1024,768]
   uint16_t *const restrict b34 = (uint16_t *)(arena + o[2]); // %34 cast bf16[8,1024,256]
@@ -852,7 +865,7 @@ MDL_FN void k7_attention_fwd__cast__lse(char *arena, const MdlHooks *h) {
 // are those of k8_gemm__add's):
 // k8_gemm__add k20_gemm__add k32_gemm__add k44_gemm__add k56_gemm__add k68_gemm__add k80_gemm__add
 // k92_gemm__add k104_gemm__add k116_gemm__add k128_gemm__add k140_gemm__add
-__attribute__((noinline)) MDL_FN void k8_gemm__add__code(char *arena, const MdlHooks *h, const int64_t *o) {
+MDL_FN void k8_gemm__add__code(char *arena, const MdlHooks *h, const int64_t *o) {
   float *const restrict b5 = (float *)(arena + o[0]); // %5 embed x f32[8,1024,768]
   uint16_t *const restrict b38 = (uint16_t *)(arena + o[1]); // %38 cast bf16[8192,768]
   uint16_t *const restrict b39 = (uint16_t *)(arena + o[2]); // %39 cast bf16[768,768]
@@ -900,7 +913,7 @@ MDL_FN void k8_gemm__add(char *arena, const MdlHooks *h) {
 // k9_rmsnorm_fwd__cast k21_rmsnorm_fwd__cast k33_rmsnorm_fwd__cast k45_rmsnorm_fwd__cast
 // k57_rmsnorm_fwd__cast k69_rmsnorm_fwd__cast k81_rmsnorm_fwd__cast k93_rmsnorm_fwd__cast
 // k105_rmsnorm_fwd__cast k117_rmsnorm_fwd__cast k129_rmsnorm_fwd__cast k141_rmsnorm_fwd__cast
-__attribute__((noinline)) MDL_FN void k9_rmsnorm_fwd__cast__code(char *arena, const MdlHooks *h, const int64_t *o) {
+MDL_FN void k9_rmsnorm_fwd__cast__code(char *arena, const MdlHooks *h, const int64_t *o) {
   float *const restrict b11 = (float *)(arena + o[0]); // %11 param layers.0.mlp_norm f32[768]
   float *const restrict b42 = (float *)(arena + o[1]); // %42 add layers.0.x f32[8,1024,768]
   uint16_t *const restrict b45 = (uint16_t *)(arena + o[2]); // %45 cast bf16[8192,768]
@@ -952,7 +965,7 @@ MDL_FN void k9_rmsnorm_fwd__cast(char *arena, const MdlHooks *h) {
 // are those of k10_gemm's):
 // k10_gemm k22_gemm k34_gemm k46_gemm k58_gemm k70_gemm k82_gemm k94_gemm k106_gemm k118_gemm k130_gemm
 // k142_gemm
-__attribute__((noinline)) MDL_FN void k10_gemm__code(char *arena, const MdlHooks *h, const int64_t *o) {
+MDL_FN void k10_gemm__code(char *arena, const MdlHooks *h, const int64_t *o) {
   uint16_t *const restrict b51 = (uint16_t *)(arena + o[0]); // %51 cast bf16[8192,768]
   uint16_t *const restrict b52 = (uint16_t *)(arena + o[1]); // %52 cast bf16[768,2048]
   float *const restrict b53 = (float *)(arena + o[2]); // %53 matmul f32[8192,2048]
@@ -984,7 +997,7 @@ MDL_FN void k10_gemm(char *arena, const MdlHooks *h) {
 // k11_gemm__silu__mul__cast k23_gemm__silu__mul__cast k35_gemm__silu__mul__cast k47_gemm__silu__mul__cast
 // k59_gemm__silu__mul__cast k71_gemm__silu__mul__cast k83_gemm__silu__mul__cast k95_gemm__silu__mul__cast
 // k107_gemm__silu__mul__cast k119_gemm__silu__mul__cast k131_gemm__silu__mul__cast k143_gemm__silu__mul__cast
-__attribute__((noinline)) MDL_FN void k11_gemm__silu__mul__cast__code(char *arena, const MdlHooks *h, const int64_t *o) {
+MDL_FN void k11_gemm__silu__mul__cast__code(char *arena, const MdlHooks *h, const int64_t *o) {
   uint16_t *const restrict b45 = (uint16_t *)(arena + o[0]); // %45 cast bf16[8192,768]
   uint16_t *const restrict b46 = (uint16_t *)(arena + o[1]); // %46 cast bf16[768,2048]
   float *const restrict b47 = (float *)(arena + o[2]); // %47 matmul f32[8192,2048]
@@ -1037,7 +1050,7 @@ MDL_FN void k11_gemm__silu__mul__cast(char *arena, const MdlHooks *h) {
 // are those of k12_gemm__add's):
 // k12_gemm__add k24_gemm__add k36_gemm__add k48_gemm__add k60_gemm__add k72_gemm__add k84_gemm__add
 // k96_gemm__add k108_gemm__add k120_gemm__add k132_gemm__add k144_gemm__add
-__attribute__((noinline)) MDL_FN void k12_gemm__add__code(char *arena, const MdlHooks *h, const int64_t *o) {
+MDL_FN void k12_gemm__add__code(char *arena, const MdlHooks *h, const int64_t *o) {
   float *const restrict b42 = (float *)(arena + o[0]); // %42 add layers.0.x f32[8,1024,768]
   uint16_t *const restrict b57 = (uint16_t *)(arena + o[1]); // %57 cast bf16[8192,2048]
   uint16_t *const restrict b58 = (uint16_t *)(arena + o[2]); // %58 cast bf16[2048,768]
@@ -3219,7 +3232,7 @@ MDL_FN void k150_rmsnorm_bwd__cast(char *arena, const MdlHooks *h) {
 // are those of k151_gemm's):
 // k151_gemm k172_gemm k193_gemm k214_gemm k235_gemm k256_gemm k277_gemm k298_gemm k319_gemm k340_gemm
 // k361_gemm k382_gemm
-__attribute__((noinline)) MDL_FN void k151_gemm__code(char *arena, const MdlHooks *h, const int64_t *o) {
+MDL_FN void k151_gemm__code(char *arena, const MdlHooks *h, const int64_t *o) {
   uint16_t *const restrict b673 = (uint16_t *)(arena + o[0]); // %673 cast bf16[8192,2048]
   uint16_t *const restrict b706 = (uint16_t *)(arena + o[1]); // %706 cast bf16[8192,768]
   float *const restrict b708 = (float *)(arena + o[2]); // %708 matmul d.layers.11.w2 f32[2048,768]
@@ -3252,7 +3265,7 @@ MDL_FN void k151_gemm(char *arena, const MdlHooks *h) {
 // k215_gemm__mul__silu_bwd__cast k236_gemm__mul__silu_bwd__cast k257_gemm__mul__silu_bwd__cast
 // k278_gemm__mul__silu_bwd__cast k299_gemm__mul__silu_bwd__cast k320_gemm__mul__silu_bwd__cast
 // k341_gemm__mul__silu_bwd__cast k362_gemm__mul__silu_bwd__cast k383_gemm__mul__silu_bwd__cast
-__attribute__((noinline)) MDL_FN void k152_gemm__mul__silu_bwd__cast__code(char *arena, const MdlHooks *h, const int64_t *o) {
+MDL_FN void k152_gemm__mul__silu_bwd__cast__code(char *arena, const MdlHooks *h, const int64_t *o) {
   float *const restrict b663 = (float *)(arena + o[0]); // %663 matmul f32[8192,2048]
   float *const restrict b669 = (float *)(arena + o[1]); // %669 matmul f32[8192,2048]
   uint16_t *const restrict b674 = (uint16_t *)(arena + o[2]); // %674 cast bf16[2048,768]
@@ -3305,7 +3318,7 @@ MDL_FN void k152_gemm__mul__silu_bwd__cast(char *arena, const MdlHooks *h) {
 // are those of k153_cast__mul's):
 // k153_cast__mul k174_cast__mul k195_cast__mul k216_cast__mul k237_cast__mul k258_cast__mul k279_cast__mul
 // k300_cast__mul k321_cast__mul k342_cast__mul k363_cast__mul k384_cast__mul
-__attribute__((noinline)) MDL_FN void k153_cast__mul__code(char *arena, const MdlHooks *h, const int64_t *o) {
+MDL_FN void k153_cast__mul__code(char *arena, const MdlHooks *h, const int64_t *o) {
   float *const restrict b665 = (float *)(arena + o[0]); // %665 silu f32[8,1024,2048]
   float *const restrict b707 = (float *)(arena + o[1]); // %707 matmul f32[8192,2048]
   uint16_t *const restrict b713 = (uint16_t *)(arena + o[2]); // %713 cast bf16[8192,2048]
@@ -3341,7 +3354,7 @@ MDL_FN void k153_cast__mul(char *arena, const MdlHooks *h) {
 // k154_gemm k156_gemm k175_gemm k177_gemm k196_gemm k198_gemm k217_gemm k219_gemm k238_gemm k240_gemm
 // k259_gemm k261_gemm k280_gemm k282_gemm k301_gemm k303_gemm k322_gemm k324_gemm k343_gemm k345_gemm
 // k364_gemm k366_gemm k385_gemm k387_gemm
-__attribute__((noinline)) MDL_FN void k154_gemm__code(char *arena, const MdlHooks *h, const int64_t *o) {
+MDL_FN void k154_gemm__code(char *arena, const MdlHooks *h, const int64_t *o) {
   uint16_t *const restrict b667 = (uint16_t *)(arena + o[0]); // %667 cast bf16[8192,768]
   uint16_t *const restrict b713 = (uint16_t *)(arena + o[1]); // %713 cast bf16[8192,2048]
   float *const restrict b715 = (float *)(arena + o[2]); // %715 matmul d.layers.11.w3 f32[768,2048]
@@ -3372,7 +3385,7 @@ MDL_FN void k154_gemm(char *arena, const MdlHooks *h) {
 // are those of k155_gemm's):
 // k155_gemm k176_gemm k197_gemm k218_gemm k239_gemm k260_gemm k281_gemm k302_gemm k323_gemm k344_gemm
 // k365_gemm k386_gemm
-__attribute__((noinline)) MDL_FN void k155_gemm__code(char *arena, const MdlHooks *h, const int64_t *o) {
+MDL_FN void k155_gemm__code(char *arena, const MdlHooks *h, const int64_t *o) {
   uint16_t *const restrict b662 = (uint16_t *)(arena + o[0]); // %662 cast bf16[768,2048]
   uint16_t *const restrict b719 = (uint16_t *)(arena + o[1]); // %719 cast bf16[8192,2048]
   float *const restrict b720 = (float *)(arena + o[2]); // %720 matmul f32[8192,768]
@@ -3414,7 +3427,7 @@ MDL_FN void k156_gemm(char *arena, const MdlHooks *h) {
 // are those of k157_gemm__add's):
 // k157_gemm__add k178_gemm__add k199_gemm__add k220_gemm__add k241_gemm__add k262_gemm__add k283_gemm__add
 // k304_gemm__add k325_gemm__add k346_gemm__add k367_gemm__add k388_gemm__add
-__attribute__((noinline)) MDL_FN void k157_gemm__add__code(char *arena, const MdlHooks *h, const int64_t *o) {
+MDL_FN void k157_gemm__add__code(char *arena, const MdlHooks *h, const int64_t *o) {
   uint16_t *const restrict b668 = (uint16_t *)(arena + o[0]); // %668 cast bf16[768,2048]
   uint16_t *const restrict b713 = (uint16_t *)(arena + o[1]); // %713 cast bf16[8192,2048]
   float *const restrict b720 = (float *)(arena + o[2]); // %720 matmul f32[8192,768]
@@ -3463,7 +3476,7 @@ MDL_FN void k157_gemm__add(char *arena, const MdlHooks *h) {
 // k221_rmsnorm_bwd__add__cast k242_rmsnorm_bwd__add__cast k263_rmsnorm_bwd__add__cast
 // k284_rmsnorm_bwd__add__cast k305_rmsnorm_bwd__add__cast k326_rmsnorm_bwd__add__cast
 // k347_rmsnorm_bwd__add__cast k368_rmsnorm_bwd__add__cast k389_rmsnorm_bwd__add__cast
-__attribute__((noinline)) MDL_FN void k158_rmsnorm_bwd__add__cast__code(char *arena, const MdlHooks *h, const int64_t *o) {
+MDL_FN void k158_rmsnorm_bwd__add__cast__code(char *arena, const MdlHooks *h, const int64_t *o) {
   float *const restrict b627 = (float *)(arena + o[0]); // %627 param layers.11.mlp_norm f32[768]
   float *const restrict b658 = (float *)(arena + o[1]); // %658 add layers.11.x f32[8,1024,768]
   float *const restrict b703 = (float *)(arena + o[2]); // %703 rmsnorm_bwd d.layers.11.x f32[8,1024,768]
@@ -3542,7 +3555,7 @@ MDL_FN void k158_rmsnorm_bwd__add__cast(char *arena, const MdlHooks *h) {
 // k159_gemm k169_gemm k180_gemm k190_gemm k201_gemm k211_gemm k222_gemm k232_gemm k243_gemm k253_gemm
 // k264_gemm k274_gemm k285_gemm k295_gemm k306_gemm k316_gemm k327_gemm k337_gemm k348_gemm k358_gemm
 // k369_gemm k379_gemm k390_gemm k400_gemm
-__attribute__((noinline)) MDL_FN void k159_gemm__code(char *arena, const MdlHooks *h, const int64_t *o) {
+MDL_FN void k159_gemm__code(char *arena, const MdlHooks *h, const int64_t *o) {
   uint16_t *const restrict b654 = (uint16_t *)(arena + o[0]); // %654 cast bf16[8192,768]
   uint16_t *const restrict b728 = (uint16_t *)(arena + o[1]); // %728 cast bf16[8192,768]
   float *const restrict b730 = (float *)(arena + o[2]); // %730 matmul d.layers.11.wo f32[768,768]
@@ -3573,7 +3586,7 @@ MDL_FN void k159_gemm(char *arena, const MdlHooks *h) {
 // are those of k160_gemm__cast's):
 // k160_gemm__cast k181_gemm__cast k202_gemm__cast k223_gemm__cast k244_gemm__cast k265_gemm__cast
 // k286_gemm__cast k307_gemm__cast k328_gemm__cast k349_gemm__cast k370_gemm__cast k391_gemm__cast
-__attribute__((noinline)) MDL_FN void k160_gemm__cast__code(char *arena, const MdlHooks *h, const int64_t *o) {
+MDL_FN void k160_gemm__cast__code(char *arena, const MdlHooks *h, const int64_t *o) {
   uint16_t *const restrict b655 = (uint16_t *)(arena + o[0]); // %655 cast bf16[768,768]
   uint16_t *const restrict b728 = (uint16_t *)(arena + o[1]); // %728 cast bf16[8192,768]
   float *const b729 = mdl_scratch(25165824); // %729 matmul f32[8192,768], kept in this kernel
@@ -3620,7 +3633,7 @@ MDL_FN void k160_gemm__cast(char *arena, const MdlHooks *h) {
 // k161_attention_bwd k182_attention_bwd k203_attention_bwd k224_attention_bwd k245_attention_bwd
 // k266_attention_bwd k287_attention_bwd k308_attention_bwd k329_attention_bwd k350_attention_bwd
 // k371_attention_bwd k392_attention_bwd
-__attribute__((noinline)) MDL_FN void k161_attention_bwd__code(char *arena, const MdlHooks *h, const int64_t *o) {
+MDL_FN void k161_attention_bwd__code(char *arena, const MdlHooks *h, const int64_t *o) {
   int32_t *const restrict b3 = (int32_t *)(arena + o[0]); // %3 input doc i32[8,1024]
   uint16_t *const restrict b649 = (uint16_t *)(arena + o[1]); // %649 cast bf16[8,1024,768]
   uint16_t *const restrict b650 = (uint16_t *)(arena + o[2]); // %650 cast bf16[8,1024,256]
@@ -3875,7 +3888,7 @@ MDL_FN void k161_attention_bwd(char *arena, const MdlHooks *h) {
 // are those of k162_cast's):
 // k162_cast k183_cast k204_cast k225_cast k246_cast k267_cast k288_cast k309_cast k330_cast k351_cast
 // k372_cast k393_cast
-__attribute__((noinline)) MDL_FN void k162_cast__code(char *arena, const MdlHooks *h, const int64_t *o) {
+MDL_FN void k162_cast__code(char *arena, const MdlHooks *h, const int64_t *o) {
   float *const restrict b737 = (float *)(arena + o[0]); // %737 attention_bwd f32[8,1024,256]
   uint16_t *const restrict b739 = (uint16_t *)(arena + o[1]); // %739 cast bf16[8192,256]
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
@@ -3905,7 +3918,7 @@ MDL_FN void k162_cast(char *arena, const MdlHooks *h) {
 // k163_gemm k166_gemm k184_gemm k187_gemm k205_gemm k208_gemm k226_gemm k229_gemm k247_gemm k250_gemm
 // k268_gemm k271_gemm k289_gemm k292_gemm k310_gemm k313_gemm k331_gemm k334_gemm k352_gemm k355_gemm
 // k373_gemm k376_gemm k394_gemm k397_gemm
-__attribute__((noinline)) MDL_FN void k163_gemm__code(char *arena, const MdlHooks *h, const int64_t *o) {
+MDL_FN void k163_gemm__code(char *arena, const MdlHooks *h, const int64_t *o) {
   uint16_t *const restrict b645 = (uint16_t *)(arena + o[0]); // %645 cast bf16[8192,768]
   uint16_t *const restrict b739 = (uint16_t *)(arena + o[1]); // %739 cast bf16[8192,256]
   float *const restrict b741 = (float *)(arena + o[2]); // %741 matmul d.layers.11.wv f32[768,256]
@@ -3936,7 +3949,7 @@ MDL_FN void k163_gemm(char *arena, const MdlHooks *h) {
 // are those of k164_rope__cast's):
 // k164_rope__cast k185_rope__cast k206_rope__cast k227_rope__cast k248_rope__cast k269_rope__cast
 // k290_rope__cast k311_rope__cast k332_rope__cast k353_rope__cast k374_rope__cast k395_rope__cast
-__attribute__((noinline)) MDL_FN void k164_rope__cast__code(char *arena, const MdlHooks *h, const int64_t *o) {
+MDL_FN void k164_rope__cast__code(char *arena, const MdlHooks *h, const int64_t *o) {
   int32_t *const restrict b2 = (int32_t *)(arena + o[0]); // %2 input pos i32[8,1024]
   float *const restrict b736 = (float *)(arena + o[1]); // %736 attention_bwd d.layers.11.k f32[8,1024,256]
   float *const b743 = mdl_scratch(8388608); // %743 rope f32[8,1024,256], kept in this kernel
@@ -3988,7 +4001,7 @@ MDL_FN void k164_rope__cast(char *arena, const MdlHooks *h) {
 // are those of k165_gemm's):
 // k165_gemm k186_gemm k207_gemm k228_gemm k249_gemm k270_gemm k291_gemm k312_gemm k333_gemm k354_gemm
 // k375_gemm k396_gemm
-__attribute__((noinline)) MDL_FN void k165_gemm__code(char *arena, const MdlHooks *h, const int64_t *o) {
+MDL_FN void k165_gemm__code(char *arena, const MdlHooks *h, const int64_t *o) {
   uint16_t *const restrict b640 = (uint16_t *)(arena + o[0]); // %640 cast bf16[768,256]
   uint16_t *const restrict b745 = (uint16_t *)(arena + o[1]); // %745 cast bf16[8192,256]
   float *const restrict b746 = (float *)(arena + o[2]); // %746 matmul f32[8192,768]
@@ -4030,7 +4043,7 @@ MDL_FN void k166_gemm(char *arena, const MdlHooks *h) {
 // are those of k167_rope__cast's):
 // k167_rope__cast k188_rope__cast k209_rope__cast k230_rope__cast k251_rope__cast k272_rope__cast
 // k293_rope__cast k314_rope__cast k335_rope__cast k356_rope__cast k377_rope__cast k398_rope__cast
-__attribute__((noinline)) MDL_FN void k167_rope__cast__code(char *arena, const MdlHooks *h, const int64_t *o) {
+MDL_FN void k167_rope__cast__code(char *arena, const MdlHooks *h, const int64_t *o) {
   int32_t *const restrict b2 = (int32_t *)(arena + o[0]); // %2 input pos i32[8,1024]
   float *const restrict b735 = (float *)(arena + o[1]); // %735 attention_bwd d.layers.11.q f32[8,1024,768]
   float *const b749 = mdl_scratch(25165824); // %749 rope f32[8,1024,768], kept in this kernel
@@ -4082,7 +4095,7 @@ MDL_FN void k167_rope__cast(char *arena, const MdlHooks *h) {
 // are those of k168_gemm's):
 // k168_gemm k189_gemm k210_gemm k231_gemm k252_gemm k273_gemm k294_gemm k315_gemm k336_gemm k357_gemm
 // k378_gemm k399_gemm
-__attribute__((noinline)) MDL_FN void k168_gemm__code(char *arena, const MdlHooks *h, const int64_t *o) {
+MDL_FN void k168_gemm__code(char *arena, const MdlHooks *h, const int64_t *o) {
   uint16_t *const restrict b634 = (uint16_t *)(arena + o[0]); // %634 cast bf16[768,768]
   uint16_t *const restrict b751 = (uint16_t *)(arena + o[1]); // %751 cast bf16[8192,768]
   float *const restrict b752 = (float *)(arena + o[2]); // %752 matmul f32[8192,768]
@@ -4124,7 +4137,7 @@ MDL_FN void k169_gemm(char *arena, const MdlHooks *h) {
 // are those of k170_gemm__add's):
 // k170_gemm__add k191_gemm__add k212_gemm__add k233_gemm__add k254_gemm__add k275_gemm__add k296_gemm__add
 // k317_gemm__add k338_gemm__add k359_gemm__add k380_gemm__add k401_gemm__add
-__attribute__((noinline)) MDL_FN void k170_gemm__add__code(char *arena, const MdlHooks *h, const int64_t *o) {
+MDL_FN void k170_gemm__add__code(char *arena, const MdlHooks *h, const int64_t *o) {
   uint16_t *const restrict b646 = (uint16_t *)(arena + o[0]); // %646 cast bf16[768,256]
   uint16_t *const restrict b739 = (uint16_t *)(arena + o[1]); // %739 cast bf16[8192,256]
   float *const restrict b746 = (float *)(arena + o[2]); // %746 matmul f32[8192,768]
@@ -4177,7 +4190,7 @@ MDL_FN void k170_gemm__add(char *arena, const MdlHooks *h) {
 // k234_rmsnorm_bwd__add__cast k255_rmsnorm_bwd__add__cast k276_rmsnorm_bwd__add__cast
 // k297_rmsnorm_bwd__add__cast k318_rmsnorm_bwd__add__cast k339_rmsnorm_bwd__add__cast
 // k360_rmsnorm_bwd__add__cast k381_rmsnorm_bwd__add__cast
-__attribute__((noinline)) MDL_FN void k171_rmsnorm_bwd__add__cast__code(char *arena, const MdlHooks *h, const int64_t *o) {
+MDL_FN void k171_rmsnorm_bwd__add__cast__code(char *arena, const MdlHooks *h, const int64_t *o) {
   float *const restrict b621 = (float *)(arena + o[0]); // %621 add layers.10.x f32[8,1024,768]
   float *const restrict b622 = (float *)(arena + o[1]); // %622 param layers.11.attn_norm f32[768]
   float *const restrict b726 = (float *)(arena + o[2]); // %726 add d.layers.11.x f32[8,1024,768]

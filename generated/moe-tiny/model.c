@@ -42,12 +42,25 @@ typedef struct {
 // object of its own, the objects then linked into one shared object (runtime/cpu.c compiles the parts
 // side by side). MDL_IN(p) says whether this compile holds part p's code; a kernel is static in a
 // whole compile and, in parts, visible to the other parts but not outside the module.
+//
+// Every kernel is noipa: its caller assumes nothing of its body. GCC 12.2 (x86-64, -O2 and -O3,
+// AVX2 or AVX-512BW) otherwise drops calls to kernels that write: where IVOPTs rewrites a loop's
+// load as an integer base plus an index (an f32 read and a bf16 store in rows as long as one vector
+// of 16-bit lanes, 16 with AVX2 and 32 with AVX-512BW), its pure-const analysis takes that load for
+// a NULL dereference, ignores the rest of the block with the store, finds the function pure, and
+// the caller deletes the call: the kernel's output is never written (bf16 casts of rows of 32 on
+// AVX-512 gave a loss of ln V, logits all zero). A kernel runs once a step, so nothing is lost.
+#if defined(__GNUC__) && !defined(__clang__)
+#define MDL_NOIPA __attribute__((noipa))
+#else
+#define MDL_NOIPA __attribute__((noinline))
+#endif
 #ifdef MDL_PART
 #define MDL_IN(p) (MDL_PART == (p))
-#define MDL_FN __attribute__((visibility("hidden")))
+#define MDL_FN MDL_NOIPA __attribute__((visibility("hidden")))
 #else
 #define MDL_IN(p) 1
-#define MDL_FN static
+#define MDL_FN MDL_NOIPA static
 #endif
 typedef void MdlKernelFn(char *arena, const MdlHooks *h);
 
@@ -409,7 +422,7 @@ MDL_FN void k2_layernorm_fwd__add__cast(char *arena, const MdlHooks *h) {
 // The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
 // are those of k3_gemm__add__cast's):
 // k3_gemm__add__cast k25_gemm__add__cast
-__attribute__((noinline)) MDL_FN void k3_gemm__add__cast__code(char *arena, const MdlHooks *h, const int64_t *o) {
+MDL_FN void k3_gemm__add__cast__code(char *arena, const MdlHooks *h, const int64_t *o) {
   float *const restrict b12 = (float *)(arena + o[0]); // %12 param h.0.attn_b f32[192]
   uint16_t *const restrict b24 = (uint16_t *)(arena + o[1]); // %24 cast bf16[512,64]
   uint16_t *const restrict b25 = (uint16_t *)(arena + o[2]); // %25 cast bf16[64,192]
@@ -458,7 +471,7 @@ MDL_FN void k3_gemm__add__cast(char *arena, const MdlHooks *h) {
 // The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
 // are those of k4_attention_fwd__cast__lse's):
 // k4_attention_fwd__cast__lse k26_attention_fwd__cast__lse
-__attribute__((noinline)) MDL_FN void k4_attention_fwd__cast__lse__code(char *arena, const MdlHooks *h, const int64_t *o) {
+MDL_FN void k4_attention_fwd__cast__lse__code(char *arena, const MdlHooks *h, const int64_t *o) {
   int32_t *const restrict b3 = (int32_t *)(arena + o[0]); // %3 input doc i32[8,64]
   uint16_t *const restrict b29 = (uint16_t *)(arena + o[1]); // %29 cast bf16[8,64,192]
   uint16_t *const restrict b35 = (uint16_t *)(arena + o[2]); // %35 cast bf16[512,64]
@@ -571,7 +584,7 @@ MDL_FN void k4_attention_fwd__cast__lse(char *arena, const MdlHooks *h) {
 // The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
 // are those of k5_gemm__add's):
 // k5_gemm__add k27_gemm__add
-__attribute__((noinline)) MDL_FN void k5_gemm__add__code(char *arena, const MdlHooks *h, const int64_t *o) {
+MDL_FN void k5_gemm__add__code(char *arena, const MdlHooks *h, const int64_t *o) {
   float *const restrict b8 = (float *)(arena + o[0]); // %8 add x f32[8,64,64]
   float *const restrict b14 = (float *)(arena + o[1]); // %14 param h.0.proj_b f32[64]
   uint16_t *const restrict b35 = (uint16_t *)(arena + o[2]); // %35 cast bf16[512,64]
@@ -621,7 +634,7 @@ MDL_FN void k5_gemm__add(char *arena, const MdlHooks *h) {
 // The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
 // are those of k6_layernorm_fwd__cast's):
 // k6_layernorm_fwd__cast k28_layernorm_fwd__cast
-__attribute__((noinline)) MDL_FN void k6_layernorm_fwd__cast__code(char *arena, const MdlHooks *h, const int64_t *o) {
+MDL_FN void k6_layernorm_fwd__cast__code(char *arena, const MdlHooks *h, const int64_t *o) {
   float *const restrict b15 = (float *)(arena + o[0]); // %15 param h.0.ln2_w f32[64]
   float *const restrict b16 = (float *)(arena + o[1]); // %16 param h.0.ln2_b f32[64]
   float *const restrict b40 = (float *)(arena + o[2]); // %40 add h.0.x f32[8,64,64]
@@ -665,7 +678,7 @@ MDL_FN void k6_layernorm_fwd__cast(char *arena, const MdlHooks *h) {
 // The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
 // are those of k7_gemm's):
 // k7_gemm k29_gemm
-__attribute__((noinline)) MDL_FN void k7_gemm__code(char *arena, const MdlHooks *h, const int64_t *o) {
+MDL_FN void k7_gemm__code(char *arena, const MdlHooks *h, const int64_t *o) {
   uint16_t *const restrict b43 = (uint16_t *)(arena + o[0]); // %43 cast bf16[512,64]
   uint16_t *const restrict b44 = (uint16_t *)(arena + o[1]); // %44 cast bf16[64,4]
   float *const restrict b45 = (float *)(arena + o[2]); // %45 matmul f32[512,4]
@@ -695,7 +708,7 @@ MDL_FN void k7_gemm(char *arena, const MdlHooks *h) {
 // The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
 // are those of k8_softmax_fwd's):
 // k8_softmax_fwd k30_softmax_fwd
-__attribute__((noinline)) MDL_FN void k8_softmax_fwd__code(char *arena, const MdlHooks *h, const int64_t *o) {
+MDL_FN void k8_softmax_fwd__code(char *arena, const MdlHooks *h, const int64_t *o) {
   (void)h;
   float *const restrict b45 = (float *)(arena + o[0]); // %45 matmul f32[512,4]
   float *const restrict b46 = (float *)(arena + o[1]); // %46 softmax h.0.probs f32[512,4]
@@ -755,7 +768,7 @@ MDL_FN void k8_softmax_fwd(char *arena, const MdlHooks *h) {
 // The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
 // are those of k9_topk's):
 // k9_topk k31_topk
-__attribute__((noinline)) MDL_FN void k9_topk__code(char *arena, const MdlHooks *h, const int64_t *o) {
+MDL_FN void k9_topk__code(char *arena, const MdlHooks *h, const int64_t *o) {
   (void)h;
   float *const restrict b46 = (float *)(arena + o[0]); // %46 softmax h.0.probs f32[512,4]
   int32_t *const restrict b47 = (int32_t *)(arena + o[1]); // %47 topk h.0.choice i32[512,2]
@@ -792,7 +805,7 @@ MDL_FN void k9_topk(char *arena, const MdlHooks *h) {
 // The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
 // are those of k10_gather's):
 // k10_gather k32_gather
-__attribute__((noinline)) MDL_FN void k10_gather__code(char *arena, const MdlHooks *h, const int64_t *o) {
+MDL_FN void k10_gather__code(char *arena, const MdlHooks *h, const int64_t *o) {
   (void)h;
   float *const restrict b46 = (float *)(arena + o[0]); // %46 softmax h.0.probs f32[512,4]
   int32_t *const restrict b47 = (int32_t *)(arena + o[1]); // %47 topk h.0.choice i32[512,2]
@@ -817,7 +830,7 @@ MDL_FN void k10_gather(char *arena, const MdlHooks *h) {
 // The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
 // are those of k11_mul's):
 // k11_mul k33_mul
-__attribute__((noinline)) MDL_FN void k11_mul__code(char *arena, const MdlHooks *h, const int64_t *o) {
+MDL_FN void k11_mul__code(char *arena, const MdlHooks *h, const int64_t *o) {
   (void)h;
   float *const restrict b46 = (float *)(arena + o[0]); // %46 softmax h.0.probs f32[512,4]
   float *const restrict b50 = (float *)(arena + o[1]); // %50 mul f32[512,4]
@@ -842,7 +855,7 @@ MDL_FN void k11_mul(char *arena, const MdlHooks *h) {
 // The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
 // are those of k12_scatter_add's):
 // k12_scatter_add k34_scatter_add
-__attribute__((noinline)) MDL_FN void k12_scatter_add__code(char *arena, const MdlHooks *h, const int64_t *o) {
+MDL_FN void k12_scatter_add__code(char *arena, const MdlHooks *h, const int64_t *o) {
   (void)h;
   int32_t *const restrict b47 = (int32_t *)(arena + o[0]); // %47 topk h.0.choice i32[512,2]
   float *const restrict b48 = (float *)(arena + o[1]); // %48 gather h.0.gate f32[512,2]
@@ -877,7 +890,7 @@ MDL_FN void k12_scatter_add(char *arena, const MdlHooks *h) {
 // The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
 // are those of k13_permute's):
 // k13_permute k35_permute
-__attribute__((noinline)) MDL_FN void k13_permute__code(char *arena, const MdlHooks *h, const int64_t *o) {
+MDL_FN void k13_permute__code(char *arena, const MdlHooks *h, const int64_t *o) {
   (void)h;
   float *const restrict b51 = (float *)(arena + o[0]); // %51 scatter_add h.0.gates f32[512,4]
   float *const restrict b60 = (float *)(arena + o[1]); // %60 permute f32[4,512]
@@ -903,7 +916,7 @@ MDL_FN void k13_permute(char *arena, const MdlHooks *h) {
 // The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
 // are those of k14_mean__compare__div's):
 // k14_mean__compare__div k36_mean__compare__div
-__attribute__((noinline)) MDL_FN void k14_mean__compare__div__code(char *arena, const MdlHooks *h, const int64_t *o) {
+MDL_FN void k14_mean__compare__div__code(char *arena, const MdlHooks *h, const int64_t *o) {
   (void)h;
   float *const restrict b51 = (float *)(arena + o[0]); // %51 scatter_add h.0.gates f32[512,4]
   float *const restrict b53 = (float *)(arena + o[1]); // %53 compare h.0.routed f32[512,4]
@@ -954,7 +967,7 @@ MDL_FN void k14_mean__compare__div(char *arena, const MdlHooks *h) {
 // The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
 // are those of k15_permute__add__mul's):
 // k15_permute__add__mul k37_permute__add__mul
-__attribute__((noinline)) MDL_FN void k15_permute__add__mul__code(char *arena, const MdlHooks *h, const int64_t *o) {
+MDL_FN void k15_permute__add__mul__code(char *arena, const MdlHooks *h, const int64_t *o) {
   (void)h;
   float *const restrict b46 = (float *)(arena + o[0]); // %46 softmax h.0.probs f32[512,4]
   float *const restrict b53 = (float *)(arena + o[1]); // %53 compare h.0.routed f32[512,4]
@@ -986,7 +999,7 @@ MDL_FN void k15_permute__add__mul(char *arena, const MdlHooks *h) {
 // The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
 // are those of k16_topk's):
 // k16_topk k38_topk
-__attribute__((noinline)) MDL_FN void k16_topk__code(char *arena, const MdlHooks *h, const int64_t *o) {
+MDL_FN void k16_topk__code(char *arena, const MdlHooks *h, const int64_t *o) {
   float *const restrict b57 = (float *)(arena + o[0]); // %57 permute f32[4,512]
   int32_t *const restrict b58 = (int32_t *)(arena + o[1]); // %58 topk h.0.slot i32[4,320]
   #pragma omp parallel for num_threads(h->nthreads) schedule(static)
@@ -1023,7 +1036,7 @@ MDL_FN void k16_topk(char *arena, const MdlHooks *h) {
 // The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
 // are those of k17_gather's):
 // k17_gather k39_gather
-__attribute__((noinline)) MDL_FN void k17_gather__code(char *arena, const MdlHooks *h, const int64_t *o) {
+MDL_FN void k17_gather__code(char *arena, const MdlHooks *h, const int64_t *o) {
   (void)h;
   float *const restrict b57 = (float *)(arena + o[0]); // %57 permute f32[4,512]
   int32_t *const restrict b58 = (int32_t *)(arena + o[1]); // %58 topk h.0.slot i32[4,320]
@@ -1048,7 +1061,7 @@ MDL_FN void k17_gather(char *arena, const MdlHooks *h) {
 // The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
 // are those of k18_gather's):
 // k18_gather k40_gather
-__attribute__((noinline)) MDL_FN void k18_gather__code(char *arena, const MdlHooks *h, const int64_t *o) {
+MDL_FN void k18_gather__code(char *arena, const MdlHooks *h, const int64_t *o) {
   (void)h;
   int32_t *const restrict b58 = (int32_t *)(arena + o[0]); // %58 topk h.0.slot i32[4,320]
   float *const restrict b60 = (float *)(arena + o[1]); // %60 permute f32[4,512]
@@ -1073,7 +1086,7 @@ MDL_FN void k18_gather(char *arena, const MdlHooks *h) {
 // The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
 // are those of k19_gather__cast's):
 // k19_gather__cast k41_gather__cast
-__attribute__((noinline)) MDL_FN void k19_gather__cast__code(char *arena, const MdlHooks *h, const int64_t *o) {
+MDL_FN void k19_gather__cast__code(char *arena, const MdlHooks *h, const int64_t *o) {
   float *const restrict b41 = (float *)(arena + o[0]); // %41 layernorm f32[8,64,64]
   int32_t *const restrict b58 = (int32_t *)(arena + o[1]); // %58 topk h.0.slot i32[4,320]
   float *const b63 = mdl_scratch(327680); // %63 gather f32[1280,64], kept in this kernel
@@ -1114,7 +1127,7 @@ MDL_FN void k19_gather__cast(char *arena, const MdlHooks *h) {
 // The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
 // are those of k20_gemm__add__gelu__cast's):
 // k20_gemm__add__gelu__cast k42_gemm__add__gelu__cast
-__attribute__((noinline)) MDL_FN void k20_gemm__add__gelu__cast__code(char *arena, const MdlHooks *h, const int64_t *o) {
+MDL_FN void k20_gemm__add__gelu__cast__code(char *arena, const MdlHooks *h, const int64_t *o) {
   float *const restrict b19 = (float *)(arena + o[0]); // %19 param h.0.fc_b f32[4,1,128]
   uint16_t *const restrict b65 = (uint16_t *)(arena + o[1]); // %65 cast bf16[4,320,64]
   uint16_t *const restrict b66 = (uint16_t *)(arena + o[2]); // %66 cast bf16[4,64,128]
@@ -1169,7 +1182,7 @@ MDL_FN void k20_gemm__add__gelu__cast(char *arena, const MdlHooks *h) {
 // The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
 // are those of k21_gemm__add__mul's):
 // k21_gemm__add__mul k43_gemm__add__mul
-__attribute__((noinline)) MDL_FN void k21_gemm__add__mul__code(char *arena, const MdlHooks *h, const int64_t *o) {
+MDL_FN void k21_gemm__add__mul__code(char *arena, const MdlHooks *h, const int64_t *o) {
   float *const restrict b21 = (float *)(arena + o[0]); // %21 param h.0.fcproj_b f32[4,1,64]
   float *const restrict b61 = (float *)(arena + o[1]); // %61 gather h.0.weight f32[4,320]
   uint16_t *const restrict b70 = (uint16_t *)(arena + o[2]); // %70 cast bf16[4,320,128]
@@ -1224,7 +1237,7 @@ MDL_FN void k21_gemm__add__mul(char *arena, const MdlHooks *h) {
 // The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
 // are those of k22_scatter_add's):
 // k22_scatter_add k44_scatter_add
-__attribute__((noinline)) MDL_FN void k22_scatter_add__code(char *arena, const MdlHooks *h, const int64_t *o) {
+MDL_FN void k22_scatter_add__code(char *arena, const MdlHooks *h, const int64_t *o) {
   float *const restrict b40 = (float *)(arena + o[0]); // %40 add h.0.x f32[8,64,64]
   int32_t *const restrict b58 = (int32_t *)(arena + o[1]); // %58 topk h.0.slot i32[4,320]
   float *const restrict b75 = (float *)(arena + o[2]); // %75 mul h.0.ye f32[4,320,64]
@@ -1260,7 +1273,7 @@ MDL_FN void k22_scatter_add(char *arena, const MdlHooks *h) {
 // The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
 // are those of k23_mean's):
 // k23_mean k45_mean
-__attribute__((noinline)) MDL_FN void k23_mean__code(char *arena, const MdlHooks *h, const int64_t *o) {
+MDL_FN void k23_mean__code(char *arena, const MdlHooks *h, const int64_t *o) {
   (void)h;
   float *const restrict b46 = (float *)(arena + o[0]); // %46 softmax h.0.probs f32[512,4]
   float *const restrict b83 = (float *)(arena + o[1]); // %83 mean f32[4]
@@ -1305,7 +1318,7 @@ MDL_FN void k23_mean(char *arena, const MdlHooks *h) {
 // The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
 // are those of k24_layernorm_fwd__cast's):
 // k24_layernorm_fwd__cast k47_layernorm_fwd__cast
-__attribute__((noinline)) MDL_FN void k24_layernorm_fwd__cast__code(char *arena, const MdlHooks *h, const int64_t *o) {
+MDL_FN void k24_layernorm_fwd__cast__code(char *arena, const MdlHooks *h, const int64_t *o) {
   float *const restrict b78 = (float *)(arena + o[0]); // %78 scatter_add f32[512,64]
   float *const restrict b90 = (float *)(arena + o[1]); // %90 param h.1.ln1_w f32[64]
   float *const restrict b91 = (float *)(arena + o[2]); // %91 param h.1.ln1_b f32[64]
@@ -2006,7 +2019,7 @@ MDL_FN void k54_layernorm_bwd(char *arena, const MdlHooks *h) {
 // The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
 // are those of k55_broadcast__mul's):
 // k55_broadcast__mul k80_broadcast__mul
-__attribute__((noinline)) MDL_FN void k55_broadcast__mul__code(char *arena, const MdlHooks *h, const int64_t *o) {
+MDL_FN void k55_broadcast__mul__code(char *arena, const MdlHooks *h, const int64_t *o) {
   (void)h;
   float *const restrict b191 = (float *)(arena + o[0]); // %191 div d.h.1.aux f32[]
   float *const restrict b207 = (float *)(arena + o[1]); // %207 broadcast f32[4]
@@ -2035,7 +2048,7 @@ MDL_FN void k55_broadcast__mul(char *arena, const MdlHooks *h) {
 // The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
 // are those of k56_broadcast__mul__div's):
 // k56_broadcast__mul__div k81_broadcast__mul__div
-__attribute__((noinline)) MDL_FN void k56_broadcast__mul__div__code(char *arena, const MdlHooks *h, const int64_t *o) {
+MDL_FN void k56_broadcast__mul__div__code(char *arena, const MdlHooks *h, const int64_t *o) {
   (void)h;
   float *const restrict b164 = (float *)(arena + o[0]); // %164 mean f32[4]
   float *const restrict b207 = (float *)(arena + o[1]); // %207 broadcast f32[4]
@@ -2071,7 +2084,7 @@ MDL_FN void k56_broadcast__mul__div(char *arena, const MdlHooks *h) {
 // The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
 // are those of k57_gather's):
 // k57_gather k83_gather
-__attribute__((noinline)) MDL_FN void k57_gather__code(char *arena, const MdlHooks *h, const int64_t *o) {
+MDL_FN void k57_gather__code(char *arena, const MdlHooks *h, const int64_t *o) {
   int32_t *const restrict b139 = (int32_t *)(arena + o[0]); // %139 topk h.1.slot i32[4,320]
   float *const restrict b202 = (float *)(arena + o[1]); // %202 layernorm_bwd d.h.1.x f32[8,64,64]
   float *const restrict b220 = (float *)(arena + o[2]); // %220 gather f32[1280,64]
@@ -2097,7 +2110,7 @@ MDL_FN void k57_gather(char *arena, const MdlHooks *h) {
 // The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
 // are those of k58_sum__mul's):
 // k58_sum__mul k84_sum__mul
-__attribute__((noinline)) MDL_FN void k58_sum__mul__code(char *arena, const MdlHooks *h, const int64_t *o) {
+MDL_FN void k58_sum__mul__code(char *arena, const MdlHooks *h, const int64_t *o) {
   float *const restrict b154 = (float *)(arena + o[0]); // %154 add f32[4,320,64]
   float *const restrict b220 = (float *)(arena + o[1]); // %220 gather f32[1280,64]
   float *const restrict b225 = (float *)(arena + o[2]); // %225 sum f32[4,320,1]
@@ -2133,7 +2146,7 @@ MDL_FN void k58_sum__mul(char *arena, const MdlHooks *h) {
 // The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
 // are those of k59_sum__mul__cast's):
 // k59_sum__mul__cast k85_sum__mul__cast
-__attribute__((noinline)) MDL_FN void k59_sum__mul__cast__code(char *arena, const MdlHooks *h, const int64_t *o) {
+MDL_FN void k59_sum__mul__cast__code(char *arena, const MdlHooks *h, const int64_t *o) {
   float *const restrict b142 = (float *)(arena + o[0]); // %142 gather h.1.weight f32[4,320]
   float *const restrict b220 = (float *)(arena + o[1]); // %220 gather f32[1280,64]
   float *const restrict b227 = (float *)(arena + o[2]); // %227 sum d.h.1.fcproj_b f32[4,1,64]
@@ -2174,7 +2187,7 @@ MDL_FN void k59_sum__mul__cast(char *arena, const MdlHooks *h) {
 // The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
 // are those of k60_gemm's):
 // k60_gemm k86_gemm
-__attribute__((noinline)) MDL_FN void k60_gemm__code(char *arena, const MdlHooks *h, const int64_t *o) {
+MDL_FN void k60_gemm__code(char *arena, const MdlHooks *h, const int64_t *o) {
   uint16_t *const restrict b151 = (uint16_t *)(arena + o[0]); // %151 cast bf16[4,320,128]
   uint16_t *const restrict b228 = (uint16_t *)(arena + o[1]); // %228 cast bf16[4,320,64]
   float *const restrict b230 = (float *)(arena + o[2]); // %230 matmul d.h.1.fcproj_w f32[4,128,64]
@@ -2208,7 +2221,7 @@ MDL_FN void k60_gemm(char *arena, const MdlHooks *h) {
 // The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
 // are those of k61_gemm__gelu_bwd__sum__cast's):
 // k61_gemm__gelu_bwd__sum__cast k87_gemm__gelu_bwd__sum__cast
-__attribute__((noinline)) MDL_FN void k61_gemm__gelu_bwd__sum__cast__code(char *arena, const MdlHooks *h, const int64_t *o) {
+MDL_FN void k61_gemm__gelu_bwd__sum__cast__code(char *arena, const MdlHooks *h, const int64_t *o) {
   float *const restrict b149 = (float *)(arena + o[0]); // %149 add f32[4,320,128]
   uint16_t *const restrict b152 = (uint16_t *)(arena + o[1]); // %152 cast bf16[4,128,64]
   uint16_t *const restrict b228 = (uint16_t *)(arena + o[2]); // %228 cast bf16[4,320,64]
@@ -2267,7 +2280,7 @@ MDL_FN void k61_gemm__gelu_bwd__sum__cast(char *arena, const MdlHooks *h) {
 // The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
 // are those of k62_gemm's):
 // k62_gemm k88_gemm
-__attribute__((noinline)) MDL_FN void k62_gemm__code(char *arena, const MdlHooks *h, const int64_t *o) {
+MDL_FN void k62_gemm__code(char *arena, const MdlHooks *h, const int64_t *o) {
   uint16_t *const restrict b147 = (uint16_t *)(arena + o[0]); // %147 cast bf16[4,64,128]
   uint16_t *const restrict b233 = (uint16_t *)(arena + o[1]); // %233 cast bf16[4,320,128]
   float *const restrict b234 = (float *)(arena + o[2]); // %234 matmul d.h.1.xe f32[4,320,64]
@@ -2301,7 +2314,7 @@ MDL_FN void k62_gemm(char *arena, const MdlHooks *h) {
 // The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
 // are those of k63_gemm's):
 // k63_gemm k89_gemm
-__attribute__((noinline)) MDL_FN void k63_gemm__code(char *arena, const MdlHooks *h, const int64_t *o) {
+MDL_FN void k63_gemm__code(char *arena, const MdlHooks *h, const int64_t *o) {
   uint16_t *const restrict b146 = (uint16_t *)(arena + o[0]); // %146 cast bf16[4,320,64]
   uint16_t *const restrict b233 = (uint16_t *)(arena + o[1]); // %233 cast bf16[4,320,128]
   float *const restrict b235 = (float *)(arena + o[2]); // %235 matmul d.h.1.fc_w f32[4,64,128]
@@ -2335,7 +2348,7 @@ MDL_FN void k63_gemm(char *arena, const MdlHooks *h) {
 // The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
 // are those of k64_gather_bwd's):
 // k64_gather_bwd k90_gather_bwd
-__attribute__((noinline)) MDL_FN void k64_gather_bwd__code(char *arena, const MdlHooks *h, const int64_t *o) {
+MDL_FN void k64_gather_bwd__code(char *arena, const MdlHooks *h, const int64_t *o) {
   int32_t *const restrict b139 = (int32_t *)(arena + o[0]); // %139 topk h.1.slot i32[4,320]
   float *const restrict b234 = (float *)(arena + o[1]); // %234 matmul d.h.1.xe f32[4,320,64]
   float *const restrict b237 = (float *)(arena + o[2]); // %237 gather_bwd f32[512,64]
@@ -2369,7 +2382,7 @@ MDL_FN void k64_gather_bwd(char *arena, const MdlHooks *h) {
 // The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
 // are those of k65_gather_bwd's):
 // k65_gather_bwd k91_gather_bwd
-__attribute__((noinline)) MDL_FN void k65_gather_bwd__code(char *arena, const MdlHooks *h, const int64_t *o) {
+MDL_FN void k65_gather_bwd__code(char *arena, const MdlHooks *h, const int64_t *o) {
   (void)h;
   int32_t *const restrict b139 = (int32_t *)(arena + o[0]); // %139 topk h.1.slot i32[4,320]
   float *const restrict b225 = (float *)(arena + o[1]); // %225 sum f32[4,320,1]
@@ -2402,7 +2415,7 @@ MDL_FN void k65_gather_bwd(char *arena, const MdlHooks *h) {
 // The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
 // are those of k66_permute's):
 // k66_permute k92_permute
-__attribute__((noinline)) MDL_FN void k66_permute__code(char *arena, const MdlHooks *h, const int64_t *o) {
+MDL_FN void k66_permute__code(char *arena, const MdlHooks *h, const int64_t *o) {
   (void)h;
   float *const restrict b238 = (float *)(arena + o[0]); // %238 gather_bwd f32[4,512]
   float *const restrict b239 = (float *)(arena + o[1]); // %239 permute d.h.1.gates f32[512,4]
@@ -2428,7 +2441,7 @@ MDL_FN void k66_permute(char *arena, const MdlHooks *h) {
 // The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
 // are those of k67_gather's):
 // k67_gather k93_gather
-__attribute__((noinline)) MDL_FN void k67_gather__code(char *arena, const MdlHooks *h, const int64_t *o) {
+MDL_FN void k67_gather__code(char *arena, const MdlHooks *h, const int64_t *o) {
   (void)h;
   int32_t *const restrict b128 = (int32_t *)(arena + o[0]); // %128 topk h.1.choice i32[512,2]
   float *const restrict b239 = (float *)(arena + o[1]); // %239 permute d.h.1.gates f32[512,4]
@@ -2453,7 +2466,7 @@ MDL_FN void k67_gather(char *arena, const MdlHooks *h) {
 // The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
 // are those of k68_gather_bwd's):
 // k68_gather_bwd k94_gather_bwd
-__attribute__((noinline)) MDL_FN void k68_gather_bwd__code(char *arena, const MdlHooks *h, const int64_t *o) {
+MDL_FN void k68_gather_bwd__code(char *arena, const MdlHooks *h, const int64_t *o) {
   (void)h;
   int32_t *const restrict b128 = (int32_t *)(arena + o[0]); // %128 topk h.1.choice i32[512,2]
   float *const restrict b240 = (float *)(arena + o[1]); // %240 gather d.h.1.gate f32[512,2]
@@ -2486,7 +2499,7 @@ MDL_FN void k68_gather_bwd(char *arena, const MdlHooks *h) {
 // The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
 // are those of k69_add__mul__broadcast's):
 // k69_add__mul__broadcast k95_add__mul__broadcast
-__attribute__((noinline)) MDL_FN void k69_add__mul__broadcast__code(char *arena, const MdlHooks *h, const int64_t *o) {
+MDL_FN void k69_add__mul__broadcast__code(char *arena, const MdlHooks *h, const int64_t *o) {
   (void)h;
   float *const restrict b163 = (float *)(arena + o[0]); // %163 div f32[4]
   float *const restrict b207 = (float *)(arena + o[1]); // %207 broadcast f32[4]
@@ -2530,7 +2543,7 @@ MDL_FN void k69_add__mul__broadcast(char *arena, const MdlHooks *h) {
 // The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
 // are those of k70_softmax_bwd__cast's):
 // k70_softmax_bwd__cast k96_softmax_bwd__cast
-__attribute__((noinline)) MDL_FN void k70_softmax_bwd__cast__code(char *arena, const MdlHooks *h, const int64_t *o) {
+MDL_FN void k70_softmax_bwd__cast__code(char *arena, const MdlHooks *h, const int64_t *o) {
   (void)h;
   float *const restrict b127 = (float *)(arena + o[0]); // %127 softmax h.1.probs f32[512,4]
   float *const restrict b244 = (float *)(arena + o[1]); // %244 add d.h.1.probs f32[512,4]
@@ -2572,7 +2585,7 @@ MDL_FN void k70_softmax_bwd__cast(char *arena, const MdlHooks *h) {
 // The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
 // are those of k71_gemm's):
 // k71_gemm k97_gemm
-__attribute__((noinline)) MDL_FN void k71_gemm__code(char *arena, const MdlHooks *h, const int64_t *o) {
+MDL_FN void k71_gemm__code(char *arena, const MdlHooks *h, const int64_t *o) {
   uint16_t *const restrict b124 = (uint16_t *)(arena + o[0]); // %124 cast bf16[512,64]
   uint16_t *const restrict b246 = (uint16_t *)(arena + o[1]); // %246 cast bf16[512,4]
   float *const restrict b248 = (float *)(arena + o[2]); // %248 matmul d.h.1.router_w f32[64,4]
@@ -2602,7 +2615,7 @@ MDL_FN void k71_gemm(char *arena, const MdlHooks *h) {
 // The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
 // are those of k72_gemm__add's):
 // k72_gemm__add k98_gemm__add
-__attribute__((noinline)) MDL_FN void k72_gemm__add__code(char *arena, const MdlHooks *h, const int64_t *o) {
+MDL_FN void k72_gemm__add__code(char *arena, const MdlHooks *h, const int64_t *o) {
   uint16_t *const restrict b125 = (uint16_t *)(arena + o[0]); // %125 cast bf16[64,4]
   float *const restrict b237 = (float *)(arena + o[1]); // %237 gather_bwd f32[512,64]
   uint16_t *const restrict b246 = (uint16_t *)(arena + o[2]); // %246 cast bf16[512,4]
@@ -2646,7 +2659,7 @@ MDL_FN void k72_gemm__add(char *arena, const MdlHooks *h) {
 // The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
 // are those of k73_layernorm_bwd__add__sum__cast's):
 // k73_layernorm_bwd__add__sum__cast k99_layernorm_bwd__add__sum__cast
-__attribute__((noinline)) MDL_FN void k73_layernorm_bwd__add__sum__cast__code(char *arena, const MdlHooks *h, const int64_t *o) {
+MDL_FN void k73_layernorm_bwd__add__sum__cast__code(char *arena, const MdlHooks *h, const int64_t *o) {
   float *const restrict b96 = (float *)(arena + o[0]); // %96 param h.1.ln2_w f32[64]
   float *const restrict b121 = (float *)(arena + o[1]); // %121 add h.1.x f32[8,64,64]
   float *const restrict b202 = (float *)(arena + o[2]); // %202 layernorm_bwd d.h.1.x f32[8,64,64]
@@ -2745,7 +2758,7 @@ MDL_FN void k73_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
 // The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
 // are those of k74_gemm's):
 // k74_gemm k100_gemm
-__attribute__((noinline)) MDL_FN void k74_gemm__code(char *arena, const MdlHooks *h, const int64_t *o) {
+MDL_FN void k74_gemm__code(char *arena, const MdlHooks *h, const int64_t *o) {
   uint16_t *const restrict b116 = (uint16_t *)(arena + o[0]); // %116 cast bf16[512,64]
   uint16_t *const restrict b257 = (uint16_t *)(arena + o[1]); // %257 cast bf16[512,64]
   float *const restrict b259 = (float *)(arena + o[2]); // %259 matmul d.h.1.proj_w f32[64,64]
@@ -2775,7 +2788,7 @@ MDL_FN void k74_gemm(char *arena, const MdlHooks *h) {
 // The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
 // are those of k75_gemm__cast's):
 // k75_gemm__cast k101_gemm__cast
-__attribute__((noinline)) MDL_FN void k75_gemm__cast__code(char *arena, const MdlHooks *h, const int64_t *o) {
+MDL_FN void k75_gemm__cast__code(char *arena, const MdlHooks *h, const int64_t *o) {
   uint16_t *const restrict b117 = (uint16_t *)(arena + o[0]); // %117 cast bf16[64,64]
   uint16_t *const restrict b257 = (uint16_t *)(arena + o[1]); // %257 cast bf16[512,64]
   float *const b258 = mdl_scratch(131072); // %258 matmul f32[512,64], kept in this kernel
@@ -2820,7 +2833,7 @@ MDL_FN void k75_gemm__cast(char *arena, const MdlHooks *h) {
 // The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
 // are those of k76_attention_bwd's):
 // k76_attention_bwd k102_attention_bwd
-__attribute__((noinline)) MDL_FN void k76_attention_bwd__code(char *arena, const MdlHooks *h, const int64_t *o) {
+MDL_FN void k76_attention_bwd__code(char *arena, const MdlHooks *h, const int64_t *o) {
   int32_t *const restrict b3 = (int32_t *)(arena + o[0]); // %3 input doc i32[8,64]
   uint16_t *const restrict b110 = (uint16_t *)(arena + o[1]); // %110 cast bf16[8,64,192]
   uint16_t *const restrict b116 = (uint16_t *)(arena + o[2]); // %116 cast bf16[512,64]
@@ -2966,7 +2979,7 @@ MDL_FN void k76_attention_bwd(char *arena, const MdlHooks *h) {
 // The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
 // are those of k77_sum__concat__cast's):
 // k77_sum__concat__cast k103_sum__concat__cast
-__attribute__((noinline)) MDL_FN void k77_sum__concat__cast__code(char *arena, const MdlHooks *h, const int64_t *o) {
+MDL_FN void k77_sum__concat__cast__code(char *arena, const MdlHooks *h, const int64_t *o) {
   float *const restrict b264 = (float *)(arena + o[0]); // %264 attention_bwd d.h.1.q f32[8,64,64]
   float *const restrict b265 = (float *)(arena + o[1]); // %265 attention_bwd d.h.1.k f32[8,64,64]
   float *const restrict b266 = (float *)(arena + o[2]); // %266 attention_bwd d.h.1.v f32[8,64,64]
@@ -3020,7 +3033,7 @@ MDL_FN void k77_sum__concat__cast(char *arena, const MdlHooks *h) {
 // The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
 // are those of k78_gemm's):
 // k78_gemm k104_gemm
-__attribute__((noinline)) MDL_FN void k78_gemm__code(char *arena, const MdlHooks *h, const int64_t *o) {
+MDL_FN void k78_gemm__code(char *arena, const MdlHooks *h, const int64_t *o) {
   uint16_t *const restrict b106 = (uint16_t *)(arena + o[0]); // %106 cast bf16[64,192]
   uint16_t *const restrict b270 = (uint16_t *)(arena + o[1]); // %270 cast bf16[512,192]
   float *const restrict b271 = (float *)(arena + o[2]); // %271 matmul f32[512,64]
@@ -3050,7 +3063,7 @@ MDL_FN void k78_gemm(char *arena, const MdlHooks *h) {
 // The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
 // are those of k79_gemm's):
 // k79_gemm k105_gemm
-__attribute__((noinline)) MDL_FN void k79_gemm__code(char *arena, const MdlHooks *h, const int64_t *o) {
+MDL_FN void k79_gemm__code(char *arena, const MdlHooks *h, const int64_t *o) {
   uint16_t *const restrict b105 = (uint16_t *)(arena + o[0]); // %105 cast bf16[512,64]
   uint16_t *const restrict b270 = (uint16_t *)(arena + o[1]); // %270 cast bf16[512,192]
   float *const restrict b272 = (float *)(arena + o[2]); // %272 matmul d.h.1.attn_w f32[64,192]
@@ -3108,7 +3121,7 @@ MDL_FN void k81_broadcast__mul__div(char *arena, const MdlHooks *h) {
 // The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
 // are those of k82_layernorm_bwd__add's):
 // k82_layernorm_bwd__add k106_layernorm_bwd__add
-__attribute__((noinline)) MDL_FN void k82_layernorm_bwd__add__code(char *arena, const MdlHooks *h, const int64_t *o) {
+MDL_FN void k82_layernorm_bwd__add__code(char *arena, const MdlHooks *h, const int64_t *o) {
   float *const restrict b78 = (float *)(arena + o[0]); // %78 scatter_add f32[512,64]
   float *const restrict b90 = (float *)(arena + o[1]); // %90 param h.1.ln1_w f32[64]
   float *const restrict b254 = (float *)(arena + o[2]); // %254 add d.h.1.x f32[8,64,64]
