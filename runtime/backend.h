@@ -60,7 +60,7 @@ typedef struct {
 } GemmLib;
 
 // The library, loaded on first use: oneDNN, else OpenBLAS; MDL_GEMM=onednn or openblas insists on
-// one. NULL with the reason in err when none loads.
+// one, MDL_GEMM=loops takes plain loops (a reference for tests). NULL with the reason in err when none loads.
 const GemmLib *rt_gemm(char *err, size_t n);
 // Times a 256 x 768 x 768 product on every core, split as the module splits it (~20 ms, once), into
 // the library's sgemm_gflops and bgemm_gflops.

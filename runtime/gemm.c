@@ -338,7 +338,45 @@ static bool openblas_load(char *why, size_t n) {
 }
 
 //
-// Both.
+// Plain loops (MDL_GEMM=loops): no library at all. A reference that shares nothing with the libraries,
+// so that the tests run every module on a GEMM path of three (tests/cli/matrix.sh); several times
+// slower than either library, and never chosen unless asked for.
+//
+
+static void loops_sgemm(int ta, int tb, int64_t m, int64_t n, int64_t k, const float *a, int64_t lda,
+                        const float *b, int64_t ldb, float beta, float *c, int64_t ldc) {
+  for (int64_t i = 0; i < m; i++) {
+    float *ci = c + i * ldc;
+    for (int64_t j = 0; j < n; j++)
+      ci[j] = beta == 0 ? 0 : beta * ci[j];
+    if (tb) { // B^T: row j of b is column j of the product's B, a dot product each
+      for (int64_t j = 0; j < n; j++) {
+        float s = 0;
+        for (int64_t p = 0; p < k; p++)
+          s += (ta ? a[p * lda + i] : a[i * lda + p]) * b[j * ldb + p];
+        ci[j] += s;
+      }
+      continue;
+    }
+    for (int64_t p = 0; p < k; p++) {
+      const float aip = ta ? a[p * lda + i] : a[i * lda + p], *bp = b + p * ldb;
+      for (int64_t j = 0; j < n; j++)
+        ci[j] += aip * bp[j];
+    }
+  }
+}
+
+static bool loops_load(void) {
+  GemmLib *g = &L.lib;
+  snprintf(g->name, sizeof g->name, "plain loops");
+  snprintf(g->kernels, sizeof g->kernels, "no library");
+  snprintf(g->how, sizeof g->how, ", as MDL_GEMM says");
+  g->sgemm = loops_sgemm;
+  return true;
+}
+
+//
+// All.
 //
 
 static float bf16_to_f32(uint16_t h) {
@@ -420,8 +458,10 @@ const GemmLib *rt_gemm(char *err, size_t n) {
     L.loaded = true;
     const char *want = getenv("MDL_GEMM");
     char why1[160] = "", why2[160] = "";
-    if (want && strcmp(want, "onednn") && strcmp(want, "openblas"))
-      snprintf(L.err, sizeof L.err, "MDL_GEMM=%s: want onednn or openblas", want);
+    if (want && strcmp(want, "onednn") && strcmp(want, "openblas") && strcmp(want, "loops"))
+      snprintf(L.err, sizeof L.err, "MDL_GEMM=%s: want onednn, openblas or loops", want);
+    else if (want && !strcmp(want, "loops"))
+      L.ok = loops_load();
     else if (want && !strcmp(want, "openblas"))
       L.ok = openblas_load(why2, sizeof why2);
     else

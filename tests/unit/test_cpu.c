@@ -1094,7 +1094,27 @@ static const char attn_kv[] =
     "c = attention(b, kc, vc, heads=4, kv_heads=2) + b\n"
     "output loss = mean(cross_entropy(c @ head, targets))\n";
 
-int main(void) {
+// `test_cpu matrix`: the comparisons with the interpreter, fp32 and bf16, on the models whose loops
+// differ most (rows of 16 and 32 in bf16, attention by row loops and by GEMMs), for one GEMM path
+// and one target level; tests/cli/matrix.sh runs it under each that the host can run (MDL_GEMM,
+// ONEDNN_MAX_CPU_ISA, MDL_MARCH), in the cache it names.
+static void test_matrix(void) {
+  const Model models[] = {
+      {"models/gpt2-tiny.mdl", {{"B", 4}, {"T", 32}}, 2, NULL},
+      {"qkvsplit.mdl", {{NULL, 0}}, 0, qkv_split},
+      {"attnkv.mdl", {{"T", 160}, {"C", 128}}, 2, attn_kv},
+  };
+  test_model(&models[1]);
+  test_model(&models[2]);
+  for (size_t i = 0; i < sizeof models / sizeof *models; i++)
+    test_bf16(&models[i]);
+}
+
+int main(int argc, char **argv) {
+  if (argc > 1 && !strcmp(argv[1], "matrix")) {
+    test_matrix();
+    TEST_EXIT();
+  }
   char dir[] = "/tmp/mdl-cache-XXXXXX";
   if (!mkdtemp(dir)) {
     CHECK(false, "cpu: a cache directory", "mkdtemp failed");

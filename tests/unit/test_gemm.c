@@ -2,7 +2,8 @@
 // double, for the transposes, leading dimensions, betas and sizes the emitter uses (odd ones too):
 // sgemm, and bgemm where the library has one (its operands bf16 values, so every product is exact
 // and only the order of the f32 sums differs). The test runs for the library chosen by default,
-// then again in a child process for each library that MDL_GEMM can insist on and this machine has.
+// then again in a child process for each library that MDL_GEMM can insist on and this machine has
+// (and the plain loops, MDL_GEMM=loops).
 #include "backend.h"
 #include "test.h"
 
@@ -98,7 +99,7 @@ int main(int argc, char **argv) {
   char err[256];
   const GemmLib *lib = rt_gemm(err, sizeof err);
   if (argc > 1 && !strcmp(argv[1], "mkl")) { // a child with MDL_GEMM=mkl
-    CHECK(!lib && strstr(err, "MDL_GEMM=mkl: want onednn or openblas"), "gemm: MDL_GEMM=mkl is refused, naming the choices",
+    CHECK(!lib && strstr(err, "MDL_GEMM=mkl: want onednn, openblas or loops"), "gemm: MDL_GEMM=mkl is refused, naming the choices",
           "%s", lib ? lib->name : err);
     TEST_EXIT();
   }
@@ -115,8 +116,8 @@ int main(int argc, char **argv) {
   CHECK(!lib->generic, "gemm: the library runs kernels for this CPU, not a generic fallback", "%s runs %s", lib->name,
         lib->kernels);
   // each library MDL_GEMM names, in a process of its own (the choice is made once per process)
-  const char *libs[] = {"onednn", "openblas", "mkl"};
-  for (int i = 0; i < 3; i++) {
+  const char *libs[] = {"onednn", "openblas", "loops", "mkl"};
+  for (int i = 0; i < 4; i++) {
     fflush(stdout);
     pid_t pid = fork();
     if (pid == 0) {
