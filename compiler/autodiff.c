@@ -45,7 +45,7 @@ typedef struct {
 
 // Node constructors. Each propagates a failed input (-1) and records the first failure, so a rule
 // can chain them and check once at the end.
-static int add_node(Ad *ad, Op op, const int *in, int nin, const int64_t *ia, const double *fa) {
+static int add_node(Ad *ad, Op op, const int *in, int nin, const int64_t ia[IR_NIA], const double fa[IR_NFA]) {
   for (int i = 0; i < nin; i++)
     if (in[i] < 0)
       return -1;
@@ -503,7 +503,7 @@ static int muon_ortho(Graph *g, const IrNode *p, int grad, int m, int gnorm) {
   // every gradient over the ranks there, runtime/engine.c's engine_grad_ranges).
   int q = OP2(OP_ADD, OP2(OP_MUL, gnorm, K(0)), K(1));
   if (t->clip > 0) {
-    double inf[2] = {-INFINITY, 1};
+    double inf[IR_NFA] = {-INFINITY, 1};
     q = OP2(OP_DIV, K(t->clip), OP2(OP_ADD, gnorm, K(1e-6)));
     q = ir_add(g, OP_CLAMP, (int[]){q}, 1, NULL, inf, at);
   }
@@ -597,14 +597,14 @@ static bool optimizer_step(Graph *g) {
     in[nin++] = lr;
     in[nin++] = step;
     double wd = p->init.decay ? t->weight_decay : 0, ls = p->init.lr_scale > 0 ? p->init.lr_scale : 1;
-    double fa[6] = {t->beta1, t->beta2, t->eps, wd, t->clip, ls};
+    double fa[IR_NFA] = {t->beta1, t->beta2, t->eps, wd, t->clip, ls};
     if (rule == OPT_SGD)
       fa[0] = t->momentum, fa[1] = t->nesterov, fa[2] = 0;
     else if (rule == OPT_LION)
       fa[2] = 0;
     else if (rule == OPT_MUON) // (its rate muon_lr: the schedule's lr is the AdamW params')
       fa[0] = t->momentum, fa[1] = t->nesterov, fa[2] = 0, fa[5] = ls * t->muon_lr / t->lr;
-    int64_t ia[1] = {rule};
+    int64_t ia[IR_NIA] = {rule};
     int u = ir_add(g, OP_ADAMW, in, nin, ia, fa, p->loc);
     if (u < 0)
       return false;

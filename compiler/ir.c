@@ -648,7 +648,7 @@ static int commit(Graph *g, IrNode *n) {
   return n->id;
 }
 
-int ir_add(Graph *g, Op op, const int *in, int nin, const int64_t *ia, const double *fa, SrcLoc loc) {
+int ir_add(Graph *g, Op op, const int *in, int nin, const int64_t ia[IR_NIA], const double fa[IR_NFA], SrcLoc loc) {
   IrNode *n = new_node(g, op, in, nin, loc);
   if (ia)
     memcpy(n->ia, ia, sizeof n->ia);
@@ -690,7 +690,7 @@ int ir_const(Graph *g, double v, SrcLoc loc) {
   return commit(g, n);
 }
 
-static int shaped(Graph *g, Op op, int x, Shape s, const int64_t *ia, SrcLoc loc) {
+static int shaped(Graph *g, Op op, int x, Shape s, const int64_t ia[IR_NIA], SrcLoc loc) {
   IrNode *n = new_node(g, op, &x, 1, loc);
   n->shape = s;
   if (ia)

@@ -163,6 +163,16 @@ static bool read_row(Row *r, char *err, size_t n) {
   return ok;
 }
 
+// Formats a row's reason into why (n bytes); one too long for it ends in "..." to show the cut.
+__attribute__((format(printf, 3, 4))) static void set_why(char *why, size_t n, const char *fmt, ...) {
+  va_list ap;
+  va_start(ap, fmt);
+  int len = vsnprintf(why, n, fmt, ap);
+  va_end(ap);
+  if (len >= 0 && (size_t)len >= n && n > 3)
+    memcpy(why + n - 4, "...", 4);
+}
+
 // The last line of the run's output that says what went wrong, else its last line.
 static void last_error(const char *path, char *why, size_t n) {
   FILE *f = fopen(path, "r");
@@ -176,7 +186,7 @@ static void last_error(const char *path, char *why, size_t n) {
   }
   if (f)
     fclose(f);
-  snprintf(why, n, "%s", *error ? error : *last ? last : "no output");
+  set_why(why, n, "%s", *error ? error : *last ? last : "no output");
 }
 
 static int remove_entry(const char *path, const struct stat *st, int flag, struct FTW *ftw) {
@@ -211,7 +221,7 @@ static void run_row(const LabOptions *o, const char *self, Row *r) {
   char out[PATH_MAX + 16];
   snprintf(out, sizeof out, "%s/run.txt", r->dir);
   if (mkdir(r->dir, 0777) && errno != EEXIST) {
-    snprintf(r->why, sizeof r->why, "%s: cannot create: %s", r->dir, strerror(errno));
+    set_why(r->why, sizeof r->why, "%s: cannot create: %s", r->dir, strerror(errno));
     return;
   }
   FILE *cmd = fopen(out, "w"); // the command first, so the row can be rerun by hand
@@ -230,7 +240,7 @@ static void run_row(const LabOptions *o, const char *self, Row *r) {
   int rc = posix_spawn(&pid, self, &fa, NULL, (char *const *)argv, environ);
   posix_spawn_file_actions_destroy(&fa);
   if (rc) {
-    snprintf(r->why, sizeof r->why, "cannot start %.200s: %s", self, strerror(rc));
+    set_why(r->why, sizeof r->why, "cannot start %s: %s", self, strerror(rc));
     return;
   }
   int status;
@@ -245,7 +255,7 @@ static void run_row(const LabOptions *o, const char *self, Row *r) {
   char err[400];
   r->ok = read_row(r, err, sizeof err);
   if (!r->ok)
-    snprintf(r->why, sizeof r->why, "%.280s", err);
+    set_why(r->why, sizeof r->why, "%s", err);
 }
 
 static const char *label_of(unsigned on, int added, char *buf, size_t n) {

@@ -61,6 +61,10 @@ static inline double mdl_rng_uniform(uint64_t seed, uint64_t stream, uint64_t i)
 // is smaller than the node's own id, so the node array is already in topological order.
 //
 #define IR_MAX_RANK 6
+// A node's integer and float attribute slots (IrNode.ia, .fa). ir_add copies whole arrays of these
+// sizes, so a caller passes arrays of this length with the slots its op does not read zeroed.
+#define IR_NIA 8
+#define IR_NFA 6
 // The most elements one tensor may have: 2^36 (256 GiB in f32, more than any one device holds).
 // ir_add and ir_leaf refuse a larger shape, and the front end bounds the forward graph's nodes
 // (MDL_MAX_NODES, 2^18), so every later sum or product of sizes stays far inside int64_t: bytes
@@ -263,8 +267,8 @@ typedef struct {
   Shape shape;
   int nin;
   int *in;          // input node ids, all < id
-  int64_t ia[8];
-  double fa[6];
+  int64_t ia[IR_NIA];
+  double fa[IR_NFA];
   const char *name; // INPUT/PARAM/STATE/SCALAR: the name; others: the .mdl variable, or NULL
   SrcLoc loc;       // where in the .mdl it came from (the op the user wrote)
   ParamInit init;   // PARAM only
@@ -358,7 +362,7 @@ typedef struct Graph {
 Graph *ir_new(Arena *a);
 // Append a node; infers and checks its shape and dtype. Returns its id, or -1 with g->err set
 // (e.g. "matmul shapes [2,3] and [4,5] do not match"). `ia`, `fa` may be NULL.
-int ir_add(Graph *g, Op op, const int *in, int nin, const int64_t *ia, const double *fa, SrcLoc loc);
+int ir_add(Graph *g, Op op, const int *in, int nin, const int64_t ia[IR_NIA], const double fa[IR_NFA], SrcLoc loc);
 int ir_leaf(Graph *g, Op op, const char *name, DType dt, Shape s, SrcLoc loc);
 int ir_const(Graph *g, double v, SrcLoc loc);
 int ir_const_i32(Graph *g, int32_t v, SrcLoc loc); // an i32 CONST (integer arithmetic on i32 tensors)

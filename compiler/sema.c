@@ -341,7 +341,8 @@ static Val eval_const(Sema *s, const Expr *e) {
 }
 
 // Appends an op; ir.c's shape and dtype errors are reported at the op the user wrote.
-static Val add_op(Sema *s, Op op, const int *in, int nin, const int64_t *ia, const double *fa, SrcLoc at) {
+static Val add_op(Sema *s, Op op, const int *in, int nin, const int64_t ia[IR_NIA], const double fa[IR_NFA],
+                  SrcLoc at) {
   int id = ir_add(s->g, op, in, nin, ia, fa, at);
   if (id < 0) {
     error_at(s, at, "%s", s->g->err);
@@ -520,7 +521,7 @@ static Val transpose(Sema *s, const Expr *e, Val v) {
     return ERR;
   }
   int r = node(s, v.node)->shape.rank;
-  int64_t perm[8];
+  int64_t perm[IR_NIA] = {0};
   for (int i = 0; i < r; i++)
     perm[i] = i;
   perm[r - 2] = r - 1;
@@ -1261,7 +1262,7 @@ static int swap_last(Sema *s, int x, int64_t axis, SrcLoc at) {
   int r = node(s, x)->shape.rank;
   if (r == 0 || axis == r - 1)
     return x;
-  int64_t perm[8];
+  int64_t perm[IR_NIA] = {0};
   for (int i = 0; i < r; i++)
     perm[i] = i;
   perm[axis] = r - 1;

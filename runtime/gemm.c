@@ -33,7 +33,7 @@ typedef int (*GetThreads)(void);
 static struct {
   bool loaded, ok;
   GemmLib lib;
-  char err[256];
+  char err[512]; // (room for both libraries' reasons, 160 bytes each, and the advice)
   SetThreads omp_set;        // the OpenMP runtime's omp_set_num_threads / omp_get_max_threads
   GetThreads omp_get;
   // oneDNN

@@ -74,6 +74,14 @@ static bool has_shape(const IrNode *n, int rank, int64_t d0, int64_t d1, int64_t
   return true;
 }
 
+// Whether n's integer attributes ia[k..] are all 0 (a slot its op does not read).
+static bool zero_from(const IrNode *n, int k) {
+  for (; k < IR_NIA; k++)
+    if (n->ia[k] != 0)
+      return false;
+  return true;
+}
+
 static int count_op(const Graph *g, Op op) {
   int c = 0;
   for (int i = 0; i < g->n; i++)
@@ -334,6 +342,10 @@ static void test_ops(void) {
   CHECK(has_shape(p, 3, 8, 2, 6) && p->ia[0] == 2 && p->ia[1] == 0 && p->ia[2] == 1, "permute(x, [2, 0, 1])", "p");
   CHECK(has_shape(t, 3, 8, 6, 2) && t->op == OP_PERMUTE, "transpose(x, 0, -1)", "t");
   CHECK(has_shape(tt, 3, 2, 8, 6) && tt->op == OP_PERMUTE, "x.T outside @ is a PERMUTE of the last two axes", "tt");
+  CHECK(tt && tt->ia[0] == 0 && tt->ia[1] == 2 && tt->ia[2] == 1 && zero_from(tt, 3),
+        "x.T: the permutation [0, 2, 1], every slot past the rank 0", "ia %lld %lld %lld, then %s",
+        tt ? (long long)tt->ia[0] : -1LL, tt ? (long long)tt->ia[1] : -1LL, tt ? (long long)tt->ia[2] : -1LL,
+        tt && zero_from(tt, 3) ? "zeros" : "not zeros");
   CHECK(has_shape(named(g, "cc"), 3, 2, 6, 8) && named(g, "cc")->nin == 3 && named(g, "cc")->ia[0] == 1,
         "concat([a, b, c], axis=1)", "cc");
   CHECK(named(g, "sm") && named(g, "sm")->op == OP_SOFTMAX, "softmax over the last axis", "sm");

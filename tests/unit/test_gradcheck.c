@@ -1144,6 +1144,15 @@ static void gpt_optimizer_case(void) {
     }
     CHECK(bad < 0 && norms == 1, "adamw gpt2-tiny: one update per parameter, one gradient norm",
           "param %d wrong, %d grad norms", bad, norms);
+    // ia[0] is the update's rule and nothing else is read: every other slot must be 0, not what
+    // lay on the stack beside a shorter array (the emitted module and its cache key would differ)
+    int stray = -1, slot = 0;
+    for (int i = 0; i < g->nparams && stray < 0; i++)
+      for (int k = 1; k < IR_NIA && stray < 0; k++)
+        if (g->nodes[g->updates[i]]->ia[k] != 0)
+          stray = i, slot = k;
+    CHECK(stray < 0, "adamw gpt2-tiny: attribute slots past the rule are 0", "param %d: ia[%d] = %lld", stray,
+          slot, stray < 0 ? 0LL : (long long)g->nodes[g->updates[stray]]->ia[slot]);
   }
   arena_free(arena);
 }
