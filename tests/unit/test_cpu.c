@@ -1117,6 +1117,7 @@ int main(void) {
       {"optlion.mdl", {{NULL, 0}}, 0, opt_lion},
       {"optmuon.mdl", {{NULL, 0}}, 0, opt_muon},
       {"newops.mdl", {{NULL, 0}}, 0, newops},
+      {"tests/unit/colsums.mdl", {{NULL, 0}}, 0, NULL},
   };
   for (size_t i = 0; i < sizeof models / sizeof *models; i++)
     test_model(&models[i]);
@@ -1128,6 +1129,7 @@ int main(void) {
   test_bf16(&models[7]);
   test_bf16(&models[8]);
   test_bf16(&models[9]);
+  test_bf16(&models[15]);
   test_bf16_arena("models/gpt2-tiny.mdl");
   test_bf16_arena("models/llama-tiny.mdl");
   test_bf16_rounding();
