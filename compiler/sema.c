@@ -21,6 +21,7 @@
 #include "front.h"
 
 #include <errno.h>
+#include <float.h>
 #include <fnmatch.h>
 #include <math.h>
 #include <stdarg.h>
@@ -2046,6 +2047,8 @@ static void bind_dims(Sema *s, const Stmt *train, const PtrVec *sets, const DimO
 
 typedef enum { R_POSITIVE, R_NONNEG, R_UNIT } Range;
 
+// A number setting in range r (an integer where `integer`), finite and within a float's range: the
+// step computes with it in f32.
 static bool number(Sema *s, const Expr *e, const char *what, Range r, bool integer, double *out) {
   Val v = eval_const(s, e);
   if (v.kind == V_ERR)
@@ -2058,6 +2061,10 @@ static bool number(Sema *s, const Expr *e, const char *what, Range r, bool integ
   static const char *const want[] = {"positive", "at least 0", "in [0, 1)"};
   if ((r == R_POSITIVE && !(x > 0)) || (r == R_NONNEG && !(x >= 0)) || (r == R_UNIT && !(x >= 0 && x < 1))) {
     error_at(s, e->at, "%s must be %s, got %g", what, want[r], x);
+    return false;
+  }
+  if (!(x <= FLT_MAX)) {
+    error_at(s, e->at, "%s must be finite and at most %g (a float's largest), got %g", what, FLT_MAX, x);
     return false;
   }
   *out = x;
