@@ -1239,8 +1239,8 @@ static Val builtin_norm(Sema *s, const Builtin *b, const Expr *call, const Expr 
   double eps;
   if (x < 0 || w < 0 || !float_arg(s, b, arg[eps_at], "eps", 1e-5, &eps))
     return ERR;
-  if (eps < 0) {
-    error_at(s, arg[eps_at]->at, "%s: eps must not be negative, got %g", b->name, eps);
+  if (!(eps >= 0 && isfinite(eps))) {
+    error_at(s, arg[eps_at]->at, "%s: eps must be finite and not negative, got %g", b->name, eps);
     return ERR;
   }
   int in[3] = {x, w, -1};
@@ -1454,8 +1454,8 @@ static Val builtin_rope(Sema *s, const Builtin *b, const Expr *call, const Expr 
   double base;
   if (!int_arg(s, b, arg[2], "heads", 0, &heads) || !float_arg(s, b, arg[3], "base", 10000, &base))
     return ERR;
-  if (base <= 0) {
-    error_at(s, arg[3]->at, "rope: base must be positive, got %g", base);
+  if (!(base > 0 && isfinite(base))) {
+    error_at(s, arg[3]->at, "rope: base must be positive and finite, got %g", base);
     return ERR;
   }
   return add_op(s, OP_ROPE, (int[]){x, pos}, 2, (int64_t[8]){heads, 0}, (double[6]){base}, call->at);
