@@ -85,6 +85,7 @@ void c_emit_reduce(Emit *e, int gi, const bool *emitted) {
     int64_t nb = (len + bl - 1) / bl;
     c_note(e, "%s %%%d: %lld outputs over %lld elements, in %lld blocks of %lld", op_name(nd->op), a, (long long)on,
            (long long)len, (long long)nb, (long long)bl);
+    ec_enter(&e->core, "%s", ""); // (a scope of its own: a kernel may hold several such reductions)
     ec_line(&e->core, "%s *part = mdl_scratch(%lld * sizeof(%s));", acc_t, (long long)(nb * on), acc_t);
     e->loop_ix = "ix";
     e->loop_n = ec_numel(&e->core, x);
@@ -143,6 +144,7 @@ void c_emit_reduce(Emit *e, int gi, const bool *emitted) {
     reduce_finish(e, a, buf, q, nq);
     ec_leave(&e->core);
     ec_line(&e->core, "mdl_free(part);");
+    ec_leave(&e->core);
   }
   e->loop_ix = NULL;
   if (buf)

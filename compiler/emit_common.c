@@ -209,14 +209,15 @@ const char *ec_dlit(EmitCore *e, double v) {
 }
 
 const char *ec_flit(EmitCore *e, double v) {
-  if (isnan(v))
+  float f = (float)v; // (a finite double beyond the float range is an infinite float)
+  if (isnan(f))
     return "MDL_NAN";
-  if (isinf(v))
-    return v > 0 ? "MDL_INF" : "(-MDL_INF)";
+  if (isinf(f))
+    return f > 0 ? "MDL_INF" : "(-MDL_INF)";
   char buf[64];
   for (int prec = 1; prec <= 9; prec++) {
-    snprintf(buf, sizeof buf, "%.*g", prec, (double)(float)v);
-    if (strtof(buf, NULL) == (float)v)
+    snprintf(buf, sizeof buf, "%.*g", prec, (double)f);
+    if (strtof(buf, NULL) == f)
       break;
   }
   bool frac = strpbrk(buf, ".e") != NULL;

@@ -21,6 +21,7 @@
 #include "front.h"
 
 #include <errno.h>
+#include <float.h>
 #include <fnmatch.h>
 #include <math.h>
 #include <stdarg.h>
@@ -1239,8 +1240,8 @@ static Val builtin_norm(Sema *s, const Builtin *b, const Expr *call, const Expr 
   double eps;
   if (x < 0 || w < 0 || !float_arg(s, b, arg[eps_at], "eps", 1e-5, &eps))
     return ERR;
-  if (eps < 0) {
-    error_at(s, arg[eps_at]->at, "%s: eps must not be negative, got %g", b->name, eps);
+  if (!(eps >= 0 && isfinite(eps))) {
+    error_at(s, arg[eps_at]->at, "%s: eps must be finite and not negative, got %g", b->name, eps);
     return ERR;
   }
   int in[3] = {x, w, -1};
@@ -1454,8 +1455,8 @@ static Val builtin_rope(Sema *s, const Builtin *b, const Expr *call, const Expr 
   double base;
   if (!int_arg(s, b, arg[2], "heads", 0, &heads) || !float_arg(s, b, arg[3], "base", 10000, &base))
     return ERR;
-  if (base <= 0) {
-    error_at(s, arg[3]->at, "rope: base must be positive, got %g", base);
+  if (!(base > 0 && isfinite(base))) {
+    error_at(s, arg[3]->at, "rope: base must be positive and finite, got %g", base);
     return ERR;
   }
   return add_op(s, OP_ROPE, (int[]){x, pos}, 2, (int64_t[8]){heads, 0}, (double[6]){base}, call->at);
@@ -2047,6 +2048,8 @@ static void bind_dims(Sema *s, const Stmt *train, const PtrVec *sets, const DimO
 
 typedef enum { R_POSITIVE, R_NONNEG, R_UNIT } Range;
 
+// A number setting in range r (an integer where `integer`), finite and within a float's range: the
+// step computes with it in f32.
 static bool number(Sema *s, const Expr *e, const char *what, Range r, bool integer, double *out) {
   Val v = eval_const(s, e);
   if (v.kind == V_ERR)
@@ -2059,6 +2062,10 @@ static bool number(Sema *s, const Expr *e, const char *what, Range r, bool integ
   static const char *const want[] = {"positive", "at least 0", "in [0, 1)"};
   if ((r == R_POSITIVE && !(x > 0)) || (r == R_NONNEG && !(x >= 0)) || (r == R_UNIT && !(x >= 0 && x < 1))) {
     error_at(s, e->at, "%s must be %s, got %g", what, want[r], x);
+    return false;
+  }
+  if (!(x <= FLT_MAX)) {
+    error_at(s, e->at, "%s must be finite and at most %g (a float's largest), got %g", what, FLT_MAX, x);
     return false;
   }
   *out = x;

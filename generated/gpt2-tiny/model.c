@@ -307,7 +307,7 @@ MDL_FN MdlKernelFn k35_gemm__gelu_bwd__sum__cast, k36_gemm, k37_gemm, k38_layern
 MDL_FN MdlKernelFn k39_gemm, k40_gemm__cast, k41_attention_bwd, k42_sum__concat__cast, k43_gemm, k44_gemm;
 MDL_FN MdlKernelFn k45_layernorm_bwd__add, k46_embed_bwd, k47_embed_bwd__add, k48_grad_norm__adamw;
 
-#if MDL_IN(1)
+#if MDL_IN(2)
 // k0_embed: kernel, 1 op
 //   %6     embed                                   line 22    f32[8,64,64]
 // loops:
@@ -406,7 +406,7 @@ MDL_FN void k2_layernorm_fwd__add__cast(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(2)
+#if MDL_IN(0)
 // The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
 // are those of k3_gemm__add__cast's):
 // k3_gemm__add__cast k10_gemm__add__cast
@@ -568,7 +568,7 @@ MDL_FN void k4_attention_fwd__cast__lse(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(1)
+#if MDL_IN(2)
 // The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
 // are those of k5_gemm__add's):
 // k5_gemm__add k12_gemm__add
@@ -772,7 +772,7 @@ MDL_FN void k8_gemm__add(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(0)
+#if MDL_IN(1)
 // The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
 // are those of k9_layernorm_fwd__cast's):
 // k9_layernorm_fwd__cast k16_layernorm_fwd__cast
@@ -822,7 +822,7 @@ MDL_FN void k9_layernorm_fwd__cast(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(2)
+#if MDL_IN(0)
 // k10_gemm__add__cast: GEMM, 4 ops
 //   %71    matmul                                  line 38    f32[512,192]
 //   %72    reshape                                 line 38    f32[8,64,192]
@@ -851,7 +851,7 @@ MDL_FN void k11_attention_fwd__cast__lse(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(1)
+#if MDL_IN(2)
 // k12_gemm__add: GEMM, 4 ops
 //   %82    matmul                                  line 39    f32[512,64]
 //   %83    reshape                                 line 39    f32[8,64,64]
@@ -911,7 +911,7 @@ MDL_FN void k15_gemm__add(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(0)
+#if MDL_IN(1)
 // k16_layernorm_fwd__cast: kernel, 3 ops
 //   %103   layernorm                               line 45    f32[8,64,64]
 //   %104   reshape                                 line 45    f32[512,64]
@@ -924,7 +924,7 @@ MDL_FN void k16_layernorm_fwd__cast(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(1)
+#if MDL_IN(2)
 // k17_target_count: kernel, 1 op
 //   %113   target_count                            line 46    f32[]
 // loops:
@@ -948,7 +948,7 @@ MDL_FN void k17_target_count(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(2)
+#if MDL_IN(1)
 // k18_broadcast__div: kernel, 3 ops
 //   %116   div                                     line 46    f32[]
 //   %117   reshape                                 line 46    f32[1]
@@ -1120,7 +1120,7 @@ MDL_FN void k19_lmhead__cast__cross_entropy__cross_entropy_bwd__gemm(char *arena
 }
 #endif
 
-#if MDL_IN(2)
+#if MDL_IN(1)
 // k20_sum__div: kernel, 2 ops
 //   %112   sum                                     line 46    f32[]
 //   %114   div                loss                 line 46    f32[]
@@ -1280,38 +1280,40 @@ MDL_FN void k23_gemm__gelu_bwd__sum__cast__code(char *arena, const MdlHooks *h, 
     mdl_free(w131);
     mdl_free(w96);
   }
-  double *part = mdl_scratch(8192 * sizeof(double));
-  #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t k = 0; k < 32; k++) {
-    double *p = part + k * 256;
-    for (int64_t c = 0; c < 256; c++)
-      p[c] = 0.0;
-    const int64_t end = k * 16 + 16 < 512 ? k * 16 + 16 : 512;
-    for (int64_t l = k * 16; l < end; l++) {
-      for (int64_t c = 0; c < 256; c++) {
-        const int64_t ix = l * 256 + c;
-        const float v92_ix = b92[ix];
-        const float v132_ix = b132[ix];
-        const float v134_ix = v132_ix;
-        const float v135_ix = mdl_gelu_grad(v92_ix) * v134_ix;
-        const float v136_ix = v135_ix;
-        const float v = v136_ix;
-        const float v138_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v136_ix));
-        b138[ix] = mdl_f32_to_bf16(v138_ix);
-        p[c] += v;
+  {
+    double *part = mdl_scratch(8192 * sizeof(double));
+    #pragma omp parallel for num_threads(h->nthreads) schedule(static)
+    for (int64_t k = 0; k < 32; k++) {
+      double *p = part + k * 256;
+      for (int64_t c = 0; c < 256; c++)
+        p[c] = 0.0;
+      const int64_t end = k * 16 + 16 < 512 ? k * 16 + 16 : 512;
+      for (int64_t l = k * 16; l < end; l++) {
+        for (int64_t c = 0; c < 256; c++) {
+          const int64_t ix = l * 256 + c;
+          const float v92_ix = b92[ix];
+          const float v132_ix = b132[ix];
+          const float v134_ix = v132_ix;
+          const float v135_ix = mdl_gelu_grad(v92_ix) * v134_ix;
+          const float v136_ix = v135_ix;
+          const float v = v136_ix;
+          const float v138_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v136_ix));
+          b138[ix] = mdl_f32_to_bf16(v138_ix);
+          p[c] += v;
+        }
       }
     }
-  }
-  for (int64_t r = 0; r < 256; r++) {
-    double acc = 0.0;
-    for (int64_t k = 0; k < 32; k++) {
-      const double v = part[k * 256 + r];
-      acc += v;
+    for (int64_t r = 0; r < 256; r++) {
+      double acc = 0.0;
+      for (int64_t k = 0; k < 32; k++) {
+        const double v = part[k * 256 + r];
+        acc += v;
+      }
+      const float y = (float)acc;
+      b137[r] = y;
     }
-    const float y = (float)acc;
-    b137[r] = y;
+    mdl_free(part);
   }
-  mdl_free(part);
   mdl_free(b132);
 }
 
@@ -1361,7 +1363,7 @@ MDL_FN void k24_gemm(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(1)
+#if MDL_IN(2)
 // The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
 // are those of k25_gemm's):
 // k25_gemm k37_gemm
@@ -1490,7 +1492,7 @@ MDL_FN void k26_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(2)
+#if MDL_IN(1)
 // The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
 // are those of k27_gemm's):
 // k27_gemm k39_gemm
@@ -1711,7 +1713,7 @@ MDL_FN void k29_attention_bwd(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(3)
+#if MDL_IN(2)
 // The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
 // are those of k30_sum__concat__cast's):
 // k30_sum__concat__cast k42_sum__concat__cast
@@ -1721,35 +1723,37 @@ MDL_FN void k30_sum__concat__cast__code(char *arena, const MdlHooks *h, const in
   float *const restrict b157 = (float *)(arena + o[2]); // %157 attention_bwd d.h.1.v f32[8,64,64]
   float *const restrict b160 = (float *)(arena + o[3]); // %160 sum d.h.1.attn_b f32[192]
   uint16_t *const restrict b161 = (uint16_t *)(arena + o[4]); // %161 cast bf16[512,192]
-  double *part = mdl_scratch(6144 * sizeof(double));
-  #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t k = 0; k < 32; k++) {
-    double *p = part + k * 192;
-    for (int64_t c = 0; c < 192; c++)
-      p[c] = 0.0;
-    const int64_t end = k * 16 + 16 < 512 ? k * 16 + 16 : 512;
-    for (int64_t l = k * 16; l < end; l++) {
-      for (int64_t c = 0; c < 192; c++) {
-        const int64_t ix = l * 192 + c;
-        const float v158_ix = (c < 64 ? b155 + (l * 64 + c) : c < 128 ? b156 + (l * 64 + (c - 64)) : b157 + (l * 64 + (c - 128)))[0];
-        const float v159_ix = v158_ix;
-        const float v = v159_ix;
-        const float v161_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v159_ix));
-        b161[ix] = mdl_f32_to_bf16(v161_ix);
-        p[c] += v;
+  {
+    double *part = mdl_scratch(6144 * sizeof(double));
+    #pragma omp parallel for num_threads(h->nthreads) schedule(static)
+    for (int64_t k = 0; k < 32; k++) {
+      double *p = part + k * 192;
+      for (int64_t c = 0; c < 192; c++)
+        p[c] = 0.0;
+      const int64_t end = k * 16 + 16 < 512 ? k * 16 + 16 : 512;
+      for (int64_t l = k * 16; l < end; l++) {
+        for (int64_t c = 0; c < 192; c++) {
+          const int64_t ix = l * 192 + c;
+          const float v158_ix = (c < 64 ? b155 + (l * 64 + c) : c < 128 ? b156 + (l * 64 + (c - 64)) : b157 + (l * 64 + (c - 128)))[0];
+          const float v159_ix = v158_ix;
+          const float v = v159_ix;
+          const float v161_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v159_ix));
+          b161[ix] = mdl_f32_to_bf16(v161_ix);
+          p[c] += v;
+        }
       }
     }
-  }
-  for (int64_t r = 0; r < 192; r++) {
-    double acc = 0.0;
-    for (int64_t k = 0; k < 32; k++) {
-      const double v = part[k * 192 + r];
-      acc += v;
+    for (int64_t r = 0; r < 192; r++) {
+      double acc = 0.0;
+      for (int64_t k = 0; k < 32; k++) {
+        const double v = part[k * 192 + r];
+        acc += v;
+      }
+      const float y = (float)acc;
+      b160[r] = y;
     }
-    const float y = (float)acc;
-    b160[r] = y;
+    mdl_free(part);
   }
-  mdl_free(part);
 }
 
 // k30_sum__concat__cast: kernel, 4 ops
@@ -1955,7 +1959,7 @@ MDL_FN void k36_gemm(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(1)
+#if MDL_IN(2)
 // k37_gemm: GEMM, 1 op
 //   %180   matmul             d.h.0.fc_w           line 40    f32[64,256]
 // loops:
@@ -1983,7 +1987,7 @@ MDL_FN void k38_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(2)
+#if MDL_IN(1)
 // k39_gemm: GEMM, 1 op
 //   %190   matmul             d.h.0.proj_w         line 39    f32[64,64]
 // loops:
@@ -2021,7 +2025,7 @@ MDL_FN void k41_attention_bwd(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(3)
+#if MDL_IN(2)
 // k42_sum__concat__cast: kernel, 4 ops
 //   %198   concat                                  line 38    f32[8,64,192]
 //   %199   reshape                                 line 38    f32[512,192]
@@ -2178,7 +2182,7 @@ MDL_FN void k46_embed_bwd(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(2)
+#if MDL_IN(3)
 // k47_embed_bwd__add: kernel, 2 ops
 //   %210   embed_bwd                               line 22    f32[256,64]
 //   %211   add                d.wte                line 19    f32[256,64]

@@ -2092,29 +2092,31 @@ MDL_FN void k87_target_count(char *arena, const MdlHooks *h) {
   (void)h;
   int32_t *const b1 = (int32_t *)(arena + 2238205952); // %1 input targets i32[8,1024]
   float *const b573 = (float *)(arena + 5324577920); // %573 target_count f32[]
-  double *part = mdl_scratch(8 * sizeof(double));
-  for (int64_t t = 0; t < 8; t++) {
-    const int64_t r = t / 8, l0 = t % 8 * 1024;
-    const int64_t end = l0 + 1024 < 8192 ? l0 + 1024 : 8192;
-    double acc = 0.0;
-    for (int64_t l = l0; l < end; l++) {
-      const int64_t ix = r * 8192 + l;
-      const int32_t v1_ix = b1[ix];
-      const float v = v1_ix >= 0 ? 1.0f : 0.0f;
-      acc += v;
+  {
+    double *part = mdl_scratch(8 * sizeof(double));
+    for (int64_t t = 0; t < 8; t++) {
+      const int64_t r = t / 8, l0 = t % 8 * 1024;
+      const int64_t end = l0 + 1024 < 8192 ? l0 + 1024 : 8192;
+      double acc = 0.0;
+      for (int64_t l = l0; l < end; l++) {
+        const int64_t ix = r * 8192 + l;
+        const int32_t v1_ix = b1[ix];
+        const float v = v1_ix >= 0 ? 1.0f : 0.0f;
+        acc += v;
+      }
+      part[t] = acc;
     }
-    part[t] = acc;
-  }
-  for (int64_t r = 0; r < 1; r++) {
-    double acc = 0.0;
-    for (int64_t k = 0; k < 8; k++) {
-      const double v = part[r * 8 + k];
-      acc += v;
+    for (int64_t r = 0; r < 1; r++) {
+      double acc = 0.0;
+      for (int64_t k = 0; k < 8; k++) {
+        const double v = part[r * 8 + k];
+        acc += v;
+      }
+      const float y = (float)(acc > 1.0 ? acc : 1.0);
+      b573[r] = y;
     }
-    const float y = (float)(acc > 1.0 ? acc : 1.0);
-    b573[r] = y;
+    mdl_free(part);
   }
-  mdl_free(part);
 }
 #endif
 
@@ -2311,31 +2313,33 @@ MDL_FN void k90_sum__div(char *arena, const MdlHooks *h) {
   float *const b570 = (float *)(arena + 5324545152); // %570 cross_entropy f32[8,1024]
   float *const b573 = (float *)(arena + 5324577920); // %573 target_count f32[]
   float *const b574 = (float *)(arena + 5807381632); // %574 div loss f32[]
-  double *part = mdl_scratch(8 * sizeof(double));
-  for (int64_t t = 0; t < 8; t++) {
-    const int64_t r = t / 8, l0 = t % 8 * 1024;
-    const int64_t end = l0 + 1024 < 8192 ? l0 + 1024 : 8192;
-    double acc = 0.0;
-    for (int64_t l = l0; l < end; l++) {
-      const int64_t ix = r * 8192 + l;
-      const float v570_ix = b570[ix];
-      const float v = v570_ix;
-      acc += v;
+  {
+    double *part = mdl_scratch(8 * sizeof(double));
+    for (int64_t t = 0; t < 8; t++) {
+      const int64_t r = t / 8, l0 = t % 8 * 1024;
+      const int64_t end = l0 + 1024 < 8192 ? l0 + 1024 : 8192;
+      double acc = 0.0;
+      for (int64_t l = l0; l < end; l++) {
+        const int64_t ix = r * 8192 + l;
+        const float v570_ix = b570[ix];
+        const float v = v570_ix;
+        acc += v;
+      }
+      part[t] = acc;
     }
-    part[t] = acc;
-  }
-  for (int64_t r = 0; r < 1; r++) {
-    double acc = 0.0;
-    for (int64_t k = 0; k < 8; k++) {
-      const double v = part[r * 8 + k];
-      acc += v;
+    for (int64_t r = 0; r < 1; r++) {
+      double acc = 0.0;
+      for (int64_t k = 0; k < 8; k++) {
+        const double v = part[r * 8 + k];
+        acc += v;
+      }
+      const float y = (float)acc;
+      const float v573_0 = b573[0];
+      const float v574_0 = y / v573_0;
+      b574[0] = v574_0;
     }
-    const float y = (float)acc;
-    const float v573_0 = b573[0];
-    const float v574_0 = y / v573_0;
-    b574[0] = v574_0;
+    mdl_free(part);
   }
-  mdl_free(part);
 }
 #endif
 
@@ -2476,39 +2480,41 @@ MDL_FN void k93_gemm__gelu_bwd__sum__cast__code(char *arena, const MdlHooks *h, 
     mdl_free(w591);
     mdl_free(w556);
   }
-  double *part = mdl_scratch(196608 * sizeof(double));
-  #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t k = 0; k < 64; k++) {
-    double *p = part + k * 3072;
-    for (int64_t c = 0; c < 3072; c++)
-      p[c] = 0.0;
-    const int64_t end = k * 128 + 128 < 8192 ? k * 128 + 128 : 8192;
-    for (int64_t l = k * 128; l < end; l++) {
-      for (int64_t c = 0; c < 3072; c++) {
-        const int64_t ix = l * 3072 + c;
-        const float v552_ix = b552[ix];
-        const float v592_ix = b592[ix];
-        const float v594_ix = v592_ix;
-        const float v595_ix = mdl_gelu_grad(v552_ix) * v594_ix;
-        const float v596_ix = v595_ix;
-        const float v = v596_ix;
-        const float v598_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v596_ix));
-        b598[ix] = mdl_f32_to_bf16(v598_ix);
-        p[c] += v;
+  {
+    double *part = mdl_scratch(196608 * sizeof(double));
+    #pragma omp parallel for num_threads(h->nthreads) schedule(static)
+    for (int64_t k = 0; k < 64; k++) {
+      double *p = part + k * 3072;
+      for (int64_t c = 0; c < 3072; c++)
+        p[c] = 0.0;
+      const int64_t end = k * 128 + 128 < 8192 ? k * 128 + 128 : 8192;
+      for (int64_t l = k * 128; l < end; l++) {
+        for (int64_t c = 0; c < 3072; c++) {
+          const int64_t ix = l * 3072 + c;
+          const float v552_ix = b552[ix];
+          const float v592_ix = b592[ix];
+          const float v594_ix = v592_ix;
+          const float v595_ix = mdl_gelu_grad(v552_ix) * v594_ix;
+          const float v596_ix = v595_ix;
+          const float v = v596_ix;
+          const float v598_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v596_ix));
+          b598[ix] = mdl_f32_to_bf16(v598_ix);
+          p[c] += v;
+        }
       }
     }
-  }
-  #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t r = 0; r < 3072; r++) {
-    double acc = 0.0;
-    for (int64_t k = 0; k < 64; k++) {
-      const double v = part[k * 3072 + r];
-      acc += v;
+    #pragma omp parallel for num_threads(h->nthreads) schedule(static)
+    for (int64_t r = 0; r < 3072; r++) {
+      double acc = 0.0;
+      for (int64_t k = 0; k < 64; k++) {
+        const double v = part[k * 3072 + r];
+        acc += v;
+      }
+      const float y = (float)acc;
+      b597[r] = y;
     }
-    const float y = (float)acc;
-    b597[r] = y;
+    mdl_free(part);
   }
-  mdl_free(part);
   mdl_free(b592);
 }
 
@@ -3020,7 +3026,7 @@ MDL_FN void k99_attention_bwd(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(2)
+#if MDL_IN(1)
 // The loops of 12 kernels, each on its own buffers (o[]: their offsets in the arena; the names
 // are those of k100_sum__concat__cast's):
 // k100_sum__concat__cast k112_sum__concat__cast k124_sum__concat__cast k136_sum__concat__cast
@@ -3032,36 +3038,38 @@ MDL_FN void k100_sum__concat__cast__code(char *arena, const MdlHooks *h, const i
   float *const restrict b617 = (float *)(arena + o[2]); // %617 attention_bwd d.h.11.v f32[8,1024,768]
   float *const restrict b620 = (float *)(arena + o[3]); // %620 sum d.h.11.attn_b f32[2304]
   uint16_t *const restrict b621 = (uint16_t *)(arena + o[4]); // %621 cast bf16[8192,2304]
-  double *part = mdl_scratch(147456 * sizeof(double));
-  #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t k = 0; k < 64; k++) {
-    double *p = part + k * 2304;
-    for (int64_t c = 0; c < 2304; c++)
-      p[c] = 0.0;
-    const int64_t end = k * 128 + 128 < 8192 ? k * 128 + 128 : 8192;
-    for (int64_t l = k * 128; l < end; l++) {
-      for (int64_t c = 0; c < 2304; c++) {
-        const int64_t ix = l * 2304 + c;
-        const float v618_ix = (c < 768 ? b615 + (l * 768 + c) : c < 1536 ? b616 + (l * 768 + (c - 768)) : b617 + (l * 768 + (c - 1536)))[0];
-        const float v619_ix = v618_ix;
-        const float v = v619_ix;
-        const float v621_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v619_ix));
-        b621[ix] = mdl_f32_to_bf16(v621_ix);
-        p[c] += v;
+  {
+    double *part = mdl_scratch(147456 * sizeof(double));
+    #pragma omp parallel for num_threads(h->nthreads) schedule(static)
+    for (int64_t k = 0; k < 64; k++) {
+      double *p = part + k * 2304;
+      for (int64_t c = 0; c < 2304; c++)
+        p[c] = 0.0;
+      const int64_t end = k * 128 + 128 < 8192 ? k * 128 + 128 : 8192;
+      for (int64_t l = k * 128; l < end; l++) {
+        for (int64_t c = 0; c < 2304; c++) {
+          const int64_t ix = l * 2304 + c;
+          const float v618_ix = (c < 768 ? b615 + (l * 768 + c) : c < 1536 ? b616 + (l * 768 + (c - 768)) : b617 + (l * 768 + (c - 1536)))[0];
+          const float v619_ix = v618_ix;
+          const float v = v619_ix;
+          const float v621_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v619_ix));
+          b621[ix] = mdl_f32_to_bf16(v621_ix);
+          p[c] += v;
+        }
       }
     }
-  }
-  #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t r = 0; r < 2304; r++) {
-    double acc = 0.0;
-    for (int64_t k = 0; k < 64; k++) {
-      const double v = part[k * 2304 + r];
-      acc += v;
+    #pragma omp parallel for num_threads(h->nthreads) schedule(static)
+    for (int64_t r = 0; r < 2304; r++) {
+      double acc = 0.0;
+      for (int64_t k = 0; k < 64; k++) {
+        const double v = part[k * 2304 + r];
+        acc += v;
+      }
+      const float y = (float)acc;
+      b620[r] = y;
     }
-    const float y = (float)acc;
-    b620[r] = y;
+    mdl_free(part);
   }
-  mdl_free(part);
 }
 
 // k100_sum__concat__cast: kernel, 4 ops
@@ -3347,7 +3355,7 @@ MDL_FN void k111_attention_bwd(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(2)
+#if MDL_IN(1)
 // k112_sum__concat__cast: kernel, 4 ops
 //   %658   concat                                  line 38    f32[8,1024,2304]
 //   %659   reshape                                 line 38    f32[8192,2304]
@@ -3505,7 +3513,7 @@ MDL_FN void k123_attention_bwd(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(2)
+#if MDL_IN(1)
 // k124_sum__concat__cast: kernel, 4 ops
 //   %698   concat                                  line 38    f32[8,1024,2304]
 //   %699   reshape                                 line 38    f32[8192,2304]
@@ -3663,7 +3671,7 @@ MDL_FN void k135_attention_bwd(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(2)
+#if MDL_IN(1)
 // k136_sum__concat__cast: kernel, 4 ops
 //   %738   concat                                  line 38    f32[8,1024,2304]
 //   %739   reshape                                 line 38    f32[8192,2304]
@@ -3821,7 +3829,7 @@ MDL_FN void k147_attention_bwd(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(2)
+#if MDL_IN(1)
 // k148_sum__concat__cast: kernel, 4 ops
 //   %778   concat                                  line 38    f32[8,1024,2304]
 //   %779   reshape                                 line 38    f32[8192,2304]
@@ -3979,7 +3987,7 @@ MDL_FN void k159_attention_bwd(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(2)
+#if MDL_IN(1)
 // k160_sum__concat__cast: kernel, 4 ops
 //   %818   concat                                  line 38    f32[8,1024,2304]
 //   %819   reshape                                 line 38    f32[8192,2304]
@@ -4137,7 +4145,7 @@ MDL_FN void k171_attention_bwd(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(2)
+#if MDL_IN(1)
 // k172_sum__concat__cast: kernel, 4 ops
 //   %858   concat                                  line 38    f32[8,1024,2304]
 //   %859   reshape                                 line 38    f32[8192,2304]
@@ -4295,7 +4303,7 @@ MDL_FN void k183_attention_bwd(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(2)
+#if MDL_IN(1)
 // k184_sum__concat__cast: kernel, 4 ops
 //   %898   concat                                  line 38    f32[8,1024,2304]
 //   %899   reshape                                 line 38    f32[8192,2304]
@@ -4453,7 +4461,7 @@ MDL_FN void k195_attention_bwd(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(2)
+#if MDL_IN(1)
 // k196_sum__concat__cast: kernel, 4 ops
 //   %938   concat                                  line 38    f32[8,1024,2304]
 //   %939   reshape                                 line 38    f32[8192,2304]
@@ -4611,7 +4619,7 @@ MDL_FN void k207_attention_bwd(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(2)
+#if MDL_IN(1)
 // k208_sum__concat__cast: kernel, 4 ops
 //   %978   concat                                  line 38    f32[8,1024,2304]
 //   %979   reshape                                 line 38    f32[8192,2304]
@@ -4769,7 +4777,7 @@ MDL_FN void k219_attention_bwd(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(2)
+#if MDL_IN(1)
 // k220_sum__concat__cast: kernel, 4 ops
 //   %1018  concat                                  line 38    f32[8,1024,2304]
 //   %1019  reshape                                 line 38    f32[8192,2304]
@@ -4927,7 +4935,7 @@ MDL_FN void k231_attention_bwd(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(2)
+#if MDL_IN(1)
 // k232_sum__concat__cast: kernel, 4 ops
 //   %1058  concat                                  line 38    f32[8,1024,2304]
 //   %1059  reshape                                 line 38    f32[8192,2304]
@@ -5086,7 +5094,7 @@ MDL_FN void k236_embed_bwd(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(1)
+#if MDL_IN(2)
 // k237_embed_bwd__add: kernel, 2 ops
 //   %1070  embed_bwd                               line 22    f32[50257,768]
 //   %1071  add                d.wte                line 19    f32[50257,768]

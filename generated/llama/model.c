@@ -2931,29 +2931,31 @@ MDL_FN void k146_target_count(char *arena, const MdlHooks *h) {
   (void)h;
   int32_t *const b1 = (int32_t *)(arena + 2194878464); // %1 input targets i32[8,1024]
   float *const b690 = (float *)(arena + 4669681792); // %690 target_count f32[]
-  double *part = mdl_scratch(8 * sizeof(double));
-  for (int64_t t = 0; t < 8; t++) {
-    const int64_t r = t / 8, l0 = t % 8 * 1024;
-    const int64_t end = l0 + 1024 < 8192 ? l0 + 1024 : 8192;
-    double acc = 0.0;
-    for (int64_t l = l0; l < end; l++) {
-      const int64_t ix = r * 8192 + l;
-      const int32_t v1_ix = b1[ix];
-      const float v = v1_ix >= 0 ? 1.0f : 0.0f;
-      acc += v;
+  {
+    double *part = mdl_scratch(8 * sizeof(double));
+    for (int64_t t = 0; t < 8; t++) {
+      const int64_t r = t / 8, l0 = t % 8 * 1024;
+      const int64_t end = l0 + 1024 < 8192 ? l0 + 1024 : 8192;
+      double acc = 0.0;
+      for (int64_t l = l0; l < end; l++) {
+        const int64_t ix = r * 8192 + l;
+        const int32_t v1_ix = b1[ix];
+        const float v = v1_ix >= 0 ? 1.0f : 0.0f;
+        acc += v;
+      }
+      part[t] = acc;
     }
-    part[t] = acc;
-  }
-  for (int64_t r = 0; r < 1; r++) {
-    double acc = 0.0;
-    for (int64_t k = 0; k < 8; k++) {
-      const double v = part[r * 8 + k];
-      acc += v;
+    for (int64_t r = 0; r < 1; r++) {
+      double acc = 0.0;
+      for (int64_t k = 0; k < 8; k++) {
+        const double v = part[r * 8 + k];
+        acc += v;
+      }
+      const float y = (float)(acc > 1.0 ? acc : 1.0);
+      b690[r] = y;
     }
-    const float y = (float)(acc > 1.0 ? acc : 1.0);
-    b690[r] = y;
+    mdl_free(part);
   }
-  mdl_free(part);
 }
 #endif
 
@@ -3140,31 +3142,33 @@ MDL_FN void k149_sum__div(char *arena, const MdlHooks *h) {
   float *const b687 = (float *)(arena + 4669649024); // %687 cross_entropy f32[8,1024]
   float *const b690 = (float *)(arena + 4669681792); // %690 target_count f32[]
   float *const b691 = (float *)(arena + 6884733056); // %691 div loss f32[]
-  double *part = mdl_scratch(8 * sizeof(double));
-  for (int64_t t = 0; t < 8; t++) {
-    const int64_t r = t / 8, l0 = t % 8 * 1024;
-    const int64_t end = l0 + 1024 < 8192 ? l0 + 1024 : 8192;
-    double acc = 0.0;
-    for (int64_t l = l0; l < end; l++) {
-      const int64_t ix = r * 8192 + l;
-      const float v687_ix = b687[ix];
-      const float v = v687_ix;
-      acc += v;
+  {
+    double *part = mdl_scratch(8 * sizeof(double));
+    for (int64_t t = 0; t < 8; t++) {
+      const int64_t r = t / 8, l0 = t % 8 * 1024;
+      const int64_t end = l0 + 1024 < 8192 ? l0 + 1024 : 8192;
+      double acc = 0.0;
+      for (int64_t l = l0; l < end; l++) {
+        const int64_t ix = r * 8192 + l;
+        const float v687_ix = b687[ix];
+        const float v = v687_ix;
+        acc += v;
+      }
+      part[t] = acc;
     }
-    part[t] = acc;
-  }
-  for (int64_t r = 0; r < 1; r++) {
-    double acc = 0.0;
-    for (int64_t k = 0; k < 8; k++) {
-      const double v = part[r * 8 + k];
-      acc += v;
+    for (int64_t r = 0; r < 1; r++) {
+      double acc = 0.0;
+      for (int64_t k = 0; k < 8; k++) {
+        const double v = part[r * 8 + k];
+        acc += v;
+      }
+      const float y = (float)acc;
+      const float v690_0 = b690[0];
+      const float v691_0 = y / v690_0;
+      b691[0] = v691_0;
     }
-    const float y = (float)acc;
-    const float v690_0 = b690[0];
-    const float v691_0 = y / v690_0;
-    b691[0] = v691_0;
+    mdl_free(part);
   }
-  mdl_free(part);
 }
 #endif
 

@@ -308,7 +308,7 @@ MDL_FN void k1_gemm__add__relu(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(2)
+#if MDL_IN(0)
 // k2_target_count: kernel, 1 op
 //   %18    target_count                            line 23    f32[]
 // loops:
@@ -369,7 +369,7 @@ MDL_FN void k3_gemm__add__max(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(0)
+#if MDL_IN(2)
 // k4_max: kernel, 1 op
 //   %21    max                                     line 29    f32[32,1]
 // loops:
@@ -495,7 +495,7 @@ MDL_FN void k6_sum__sub__exp__log__add__compare(char *arena, const MdlHooks *h) 
 }
 #endif
 
-#if MDL_IN(3)
+#if MDL_IN(1)
 // k7_mean: kernel, 1 op
 //   %32    mean               acc                  line 30    f32[]
 // loops:
@@ -519,7 +519,7 @@ MDL_FN void k7_mean(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(1)
+#if MDL_IN(3)
 // k8_broadcast__div: kernel, 3 ops
 //   %34    div                                     line 23    f32[]
 //   %35    reshape                                 line 23    f32[1]
@@ -645,35 +645,37 @@ MDL_FN void k11_sum(char *arena, const MdlHooks *h) {
   (void)h;
   float *const b37 = (float *)(arena + 47104); // %37 cross_entropy_bwd d.logits f32[32,4]
   float *const b38 = (float *)(arena + 13888); // %38 sum d.b3 f32[4]
-  double *part = mdl_scratch(8 * sizeof(double));
-  for (int64_t k = 0; k < 2; k++) {
-    double *p = part + k * 4;
-    for (int64_t c = 0; c < 4; c++)
-      p[c] = 0.0;
-    const int64_t end = k * 16 + 16 < 32 ? k * 16 + 16 : 32;
-    for (int64_t l = k * 16; l < end; l++) {
-      for (int64_t c = 0; c < 4; c++) {
-        const int64_t ix = l * 4 + c;
-        const float v37_ix = b37[ix];
-        const float v = v37_ix;
-        p[c] += v;
+  {
+    double *part = mdl_scratch(8 * sizeof(double));
+    for (int64_t k = 0; k < 2; k++) {
+      double *p = part + k * 4;
+      for (int64_t c = 0; c < 4; c++)
+        p[c] = 0.0;
+      const int64_t end = k * 16 + 16 < 32 ? k * 16 + 16 : 32;
+      for (int64_t l = k * 16; l < end; l++) {
+        for (int64_t c = 0; c < 4; c++) {
+          const int64_t ix = l * 4 + c;
+          const float v37_ix = b37[ix];
+          const float v = v37_ix;
+          p[c] += v;
+        }
       }
     }
-  }
-  for (int64_t r = 0; r < 4; r++) {
-    double acc = 0.0;
-    for (int64_t k = 0; k < 2; k++) {
-      const double v = part[k * 4 + r];
-      acc += v;
+    for (int64_t r = 0; r < 4; r++) {
+      double acc = 0.0;
+      for (int64_t k = 0; k < 2; k++) {
+        const double v = part[k * 4 + r];
+        acc += v;
+      }
+      const float y = (float)acc;
+      b38[r] = y;
     }
-    const float y = (float)acc;
-    b38[r] = y;
+    mdl_free(part);
   }
-  mdl_free(part);
 }
 #endif
 
-#if MDL_IN(1)
+#if MDL_IN(3)
 // k12_gemm: GEMM, 1 op
 //   %40    matmul             d.w3                 line 22    f32[32,4]
 // loops:
@@ -702,39 +704,41 @@ MDL_FN void k13_gemm__relu_bwd__sum(char *arena, const MdlHooks *h) {
   float *const b41 = (float *)(arena + 42496); // %41 relu_bwd f32[32,32]
   float *const b42 = (float *)(arena + 13248); // %42 sum d.b2 f32[32]
   mdl_gemm(h, 0, 1, 32, 32, 4, b37, 4, b6, 4, 0.0f, b39, 32);
-  double *part = mdl_scratch(64 * sizeof(double));
-  for (int64_t k = 0; k < 2; k++) {
-    double *p = part + k * 32;
-    for (int64_t c = 0; c < 32; c++)
-      p[c] = 0.0;
-    const int64_t end = k * 16 + 16 < 32 ? k * 16 + 16 : 32;
-    for (int64_t l = k * 16; l < end; l++) {
-      for (int64_t c = 0; c < 32; c++) {
-        const int64_t ix = l * 32 + c;
-        const float v12_ix = b12[ix];
-        const float v39_ix = b39[ix];
-        const float v41_ix = v12_ix > 0.0f ? v39_ix : 0.0f;
-        b41[ix] = v41_ix;
-        const float v = v41_ix;
-        p[c] += v;
+  {
+    double *part = mdl_scratch(64 * sizeof(double));
+    for (int64_t k = 0; k < 2; k++) {
+      double *p = part + k * 32;
+      for (int64_t c = 0; c < 32; c++)
+        p[c] = 0.0;
+      const int64_t end = k * 16 + 16 < 32 ? k * 16 + 16 : 32;
+      for (int64_t l = k * 16; l < end; l++) {
+        for (int64_t c = 0; c < 32; c++) {
+          const int64_t ix = l * 32 + c;
+          const float v12_ix = b12[ix];
+          const float v39_ix = b39[ix];
+          const float v41_ix = v12_ix > 0.0f ? v39_ix : 0.0f;
+          b41[ix] = v41_ix;
+          const float v = v41_ix;
+          p[c] += v;
+        }
       }
     }
-  }
-  for (int64_t r = 0; r < 32; r++) {
-    double acc = 0.0;
-    for (int64_t k = 0; k < 2; k++) {
-      const double v = part[k * 32 + r];
-      acc += v;
+    for (int64_t r = 0; r < 32; r++) {
+      double acc = 0.0;
+      for (int64_t k = 0; k < 2; k++) {
+        const double v = part[k * 32 + r];
+        acc += v;
+      }
+      const float y = (float)acc;
+      b42[r] = y;
     }
-    const float y = (float)acc;
-    b42[r] = y;
+    mdl_free(part);
   }
-  mdl_free(part);
   mdl_free(b39);
 }
 #endif
 
-#if MDL_IN(3)
+#if MDL_IN(0)
 // k14_gemm: GEMM, 1 op
 //   %44    matmul             d.w2                 line 21    f32[32,32]
 // loops:
@@ -763,39 +767,41 @@ MDL_FN void k15_gemm__relu_bwd__sum(char *arena, const MdlHooks *h) {
   float *const b45 = (float *)(arena + 34304); // %45 relu_bwd f32[32,32]
   float *const b46 = (float *)(arena + 9024); // %46 sum d.b1 f32[32]
   mdl_gemm(h, 0, 1, 32, 32, 32, b41, 32, b4, 32, 0.0f, b43, 32);
-  double *part = mdl_scratch(64 * sizeof(double));
-  for (int64_t k = 0; k < 2; k++) {
-    double *p = part + k * 32;
-    for (int64_t c = 0; c < 32; c++)
-      p[c] = 0.0;
-    const int64_t end = k * 16 + 16 < 32 ? k * 16 + 16 : 32;
-    for (int64_t l = k * 16; l < end; l++) {
-      for (int64_t c = 0; c < 32; c++) {
-        const int64_t ix = l * 32 + c;
-        const float v9_ix = b9[ix];
-        const float v43_ix = b43[ix];
-        const float v45_ix = v9_ix > 0.0f ? v43_ix : 0.0f;
-        b45[ix] = v45_ix;
-        const float v = v45_ix;
-        p[c] += v;
+  {
+    double *part = mdl_scratch(64 * sizeof(double));
+    for (int64_t k = 0; k < 2; k++) {
+      double *p = part + k * 32;
+      for (int64_t c = 0; c < 32; c++)
+        p[c] = 0.0;
+      const int64_t end = k * 16 + 16 < 32 ? k * 16 + 16 : 32;
+      for (int64_t l = k * 16; l < end; l++) {
+        for (int64_t c = 0; c < 32; c++) {
+          const int64_t ix = l * 32 + c;
+          const float v9_ix = b9[ix];
+          const float v43_ix = b43[ix];
+          const float v45_ix = v9_ix > 0.0f ? v43_ix : 0.0f;
+          b45[ix] = v45_ix;
+          const float v = v45_ix;
+          p[c] += v;
+        }
       }
     }
-  }
-  for (int64_t r = 0; r < 32; r++) {
-    double acc = 0.0;
-    for (int64_t k = 0; k < 2; k++) {
-      const double v = part[k * 32 + r];
-      acc += v;
+    for (int64_t r = 0; r < 32; r++) {
+      double acc = 0.0;
+      for (int64_t k = 0; k < 2; k++) {
+        const double v = part[k * 32 + r];
+        acc += v;
+      }
+      const float y = (float)acc;
+      b46[r] = y;
     }
-    const float y = (float)acc;
-    b46[r] = y;
+    mdl_free(part);
   }
-  mdl_free(part);
   mdl_free(b43);
 }
 #endif
 
-#if MDL_IN(2)
+#if MDL_IN(1)
 // k16_gemm: GEMM, 1 op
 //   %47    matmul             d.w1                 line 20    f32[16,32]
 // loops:

@@ -418,7 +418,7 @@ MDL_FN void k2_layernorm_fwd__add__cast(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(2)
+#if MDL_IN(1)
 // The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
 // are those of k3_gemm__add__cast's):
 // k3_gemm__add__cast k25_gemm__add__cast
@@ -580,7 +580,7 @@ MDL_FN void k4_attention_fwd__cast__lse(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(1)
+#if MDL_IN(2)
 // The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
 // are those of k5_gemm__add's):
 // k5_gemm__add k27_gemm__add
@@ -674,7 +674,7 @@ MDL_FN void k6_layernorm_fwd__cast(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(2)
+#if MDL_IN(1)
 // The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
 // are those of k7_gemm's):
 // k7_gemm k29_gemm
@@ -801,7 +801,7 @@ MDL_FN void k9_topk(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(3)
+#if MDL_IN(0)
 // The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
 // are those of k10_gather's):
 // k10_gather k32_gather
@@ -921,34 +921,36 @@ MDL_FN void k14_mean__compare__div__code(char *arena, const MdlHooks *h, const i
   float *const restrict b51 = (float *)(arena + o[0]); // %51 scatter_add h.0.gates f32[512,4]
   float *const restrict b53 = (float *)(arena + o[1]); // %53 compare h.0.routed f32[512,4]
   float *const restrict b82 = (float *)(arena + o[2]); // %82 div f32[4]
-  double *part = mdl_scratch(128 * sizeof(double));
-  for (int64_t k = 0; k < 32; k++) {
-    double *p = part + k * 4;
-    for (int64_t c = 0; c < 4; c++)
-      p[c] = 0.0;
-    const int64_t end = k * 16 + 16 < 512 ? k * 16 + 16 : 512;
-    for (int64_t l = k * 16; l < end; l++) {
-      for (int64_t c = 0; c < 4; c++) {
-        const int64_t ix = l * 4 + c;
-        const float v51_ix = b51[ix];
-        const float v53_ix = (v51_ix > 0.0f ? 1.0f : 0.0f);
-        b53[ix] = v53_ix;
-        const float v = v53_ix;
-        p[c] += v;
+  {
+    double *part = mdl_scratch(128 * sizeof(double));
+    for (int64_t k = 0; k < 32; k++) {
+      double *p = part + k * 4;
+      for (int64_t c = 0; c < 4; c++)
+        p[c] = 0.0;
+      const int64_t end = k * 16 + 16 < 512 ? k * 16 + 16 : 512;
+      for (int64_t l = k * 16; l < end; l++) {
+        for (int64_t c = 0; c < 4; c++) {
+          const int64_t ix = l * 4 + c;
+          const float v51_ix = b51[ix];
+          const float v53_ix = (v51_ix > 0.0f ? 1.0f : 0.0f);
+          b53[ix] = v53_ix;
+          const float v = v53_ix;
+          p[c] += v;
+        }
       }
     }
-  }
-  for (int64_t r = 0; r < 4; r++) {
-    double acc = 0.0;
-    for (int64_t k = 0; k < 32; k++) {
-      const double v = part[k * 4 + r];
-      acc += v;
+    for (int64_t r = 0; r < 4; r++) {
+      double acc = 0.0;
+      for (int64_t k = 0; k < 32; k++) {
+        const double v = part[k * 4 + r];
+        acc += v;
+      }
+      const float y = (float)(acc / 512);
+      const float v82_r = y / 2.0f;
+      b82[r] = v82_r;
     }
-    const float y = (float)(acc / 512);
-    const float v82_r = y / 2.0f;
-    b82[r] = v82_r;
+    mdl_free(part);
   }
-  mdl_free(part);
 }
 
 // k14_mean__compare__div: kernel, 3 ops
@@ -995,7 +997,7 @@ MDL_FN void k15_permute__add__mul(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(3)
+#if MDL_IN(1)
 // The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
 // are those of k16_topk's):
 // k16_topk k38_topk
@@ -1057,7 +1059,7 @@ MDL_FN void k17_gather(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(0)
+#if MDL_IN(3)
 // The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
 // are those of k18_gather's):
 // k18_gather k40_gather
@@ -1082,7 +1084,7 @@ MDL_FN void k18_gather(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(1)
+#if MDL_IN(2)
 // The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
 // are those of k19_gather__cast's):
 // k19_gather__cast k41_gather__cast
@@ -1123,7 +1125,7 @@ MDL_FN void k19_gather__cast(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(3)
+#if MDL_IN(0)
 // The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
 // are those of k20_gemm__add__gelu__cast's):
 // k20_gemm__add__gelu__cast k42_gemm__add__gelu__cast
@@ -1233,7 +1235,7 @@ MDL_FN void k21_gemm__add__mul(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(1)
+#if MDL_IN(2)
 // The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
 // are those of k22_scatter_add's):
 // k22_scatter_add k44_scatter_add
@@ -1269,7 +1271,7 @@ MDL_FN void k22_scatter_add(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(2)
+#if MDL_IN(0)
 // The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
 // are those of k23_mean's):
 // k23_mean k45_mean
@@ -1277,31 +1279,33 @@ MDL_FN void k23_mean__code(char *arena, const MdlHooks *h, const int64_t *o) {
   (void)h;
   float *const restrict b46 = (float *)(arena + o[0]); // %46 softmax h.0.probs f32[512,4]
   float *const restrict b83 = (float *)(arena + o[1]); // %83 mean f32[4]
-  double *part = mdl_scratch(128 * sizeof(double));
-  for (int64_t k = 0; k < 32; k++) {
-    double *p = part + k * 4;
-    for (int64_t c = 0; c < 4; c++)
-      p[c] = 0.0;
-    const int64_t end = k * 16 + 16 < 512 ? k * 16 + 16 : 512;
-    for (int64_t l = k * 16; l < end; l++) {
-      for (int64_t c = 0; c < 4; c++) {
-        const int64_t ix = l * 4 + c;
-        const float v46_ix = b46[ix];
-        const float v = v46_ix;
-        p[c] += v;
+  {
+    double *part = mdl_scratch(128 * sizeof(double));
+    for (int64_t k = 0; k < 32; k++) {
+      double *p = part + k * 4;
+      for (int64_t c = 0; c < 4; c++)
+        p[c] = 0.0;
+      const int64_t end = k * 16 + 16 < 512 ? k * 16 + 16 : 512;
+      for (int64_t l = k * 16; l < end; l++) {
+        for (int64_t c = 0; c < 4; c++) {
+          const int64_t ix = l * 4 + c;
+          const float v46_ix = b46[ix];
+          const float v = v46_ix;
+          p[c] += v;
+        }
       }
     }
-  }
-  for (int64_t r = 0; r < 4; r++) {
-    double acc = 0.0;
-    for (int64_t k = 0; k < 32; k++) {
-      const double v = part[k * 4 + r];
-      acc += v;
+    for (int64_t r = 0; r < 4; r++) {
+      double acc = 0.0;
+      for (int64_t k = 0; k < 32; k++) {
+        const double v = part[k * 4 + r];
+        acc += v;
+      }
+      const float y = (float)(acc / 512);
+      b83[r] = y;
     }
-    const float y = (float)(acc / 512);
-    b83[r] = y;
+    mdl_free(part);
   }
-  mdl_free(part);
 }
 
 // k23_mean: kernel, 1 op
@@ -1364,7 +1368,7 @@ MDL_FN void k24_layernorm_fwd__cast(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(2)
+#if MDL_IN(1)
 // k25_gemm__add__cast: GEMM, 4 ops
 //   %107   matmul                                  line 56    f32[512,192]
 //   %108   reshape                                 line 56    f32[8,64,192]
@@ -1393,7 +1397,7 @@ MDL_FN void k26_attention_fwd__cast__lse(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(1)
+#if MDL_IN(2)
 // k27_gemm__add: GEMM, 4 ops
 //   %118   matmul                                  line 57    f32[512,64]
 //   %119   reshape                                 line 57    f32[8,64,64]
@@ -1420,7 +1424,7 @@ MDL_FN void k28_layernorm_fwd__cast(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(2)
+#if MDL_IN(1)
 // k29_gemm: GEMM, 1 op
 //   %126   matmul                                  line 61    f32[512,4]
 // loops:
@@ -1453,7 +1457,7 @@ MDL_FN void k31_topk(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(3)
+#if MDL_IN(0)
 // k32_gather: kernel, 1 op
 //   %129   gather             h.1.gate             line 62    f32[512,2]
 // loops:
@@ -1523,7 +1527,7 @@ MDL_FN void k37_permute__add__mul(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(3)
+#if MDL_IN(1)
 // k38_topk: kernel, 1 op
 //   %139   topk               h.1.slot             line 66    i32[4,320]
 // loops:
@@ -1545,7 +1549,7 @@ MDL_FN void k39_gather(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(0)
+#if MDL_IN(3)
 // k40_gather: kernel, 1 op
 //   %142   gather             h.1.weight           line 67    f32[4,320]
 // loops:
@@ -1556,7 +1560,7 @@ MDL_FN void k40_gather(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(1)
+#if MDL_IN(2)
 // k41_gather__cast: kernel, 3 ops
 //   %144   gather                                  line 69    f32[1280,64]
 //   %145   reshape            h.1.xe               line 69    f32[4,320,64]
@@ -1570,7 +1574,7 @@ MDL_FN void k41_gather__cast(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(3)
+#if MDL_IN(0)
 // k42_gemm__add__gelu__cast: GEMM, 4 ops
 //   %148   matmul                                  line 70    f32[4,320,128]
 //   %149   add                                     line 70    f32[4,320,128]
@@ -1599,7 +1603,7 @@ MDL_FN void k43_gemm__add__mul(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(1)
+#if MDL_IN(2)
 // k44_scatter_add: kernel, 1 op
 //   %159   scatter_add                             line 72    f32[512,64]
 // loops:
@@ -1610,7 +1614,7 @@ MDL_FN void k44_scatter_add(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(2)
+#if MDL_IN(0)
 // k45_mean: kernel, 1 op
 //   %164   mean                                    line 73    f32[4]
 // loops:
@@ -1664,7 +1668,7 @@ MDL_FN void k47_layernorm_fwd__cast(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(1)
+#if MDL_IN(2)
 // k48_target_count: kernel, 1 op
 //   %182   target_count                            line 79    f32[]
 // loops:
@@ -2495,7 +2499,7 @@ MDL_FN void k68_gather_bwd(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(2)
+#if MDL_IN(1)
 // The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
 // are those of k69_add__mul__broadcast's):
 // k69_add__mul__broadcast k95_add__mul__broadcast
@@ -2539,7 +2543,7 @@ MDL_FN void k69_add__mul__broadcast(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(0)
+#if MDL_IN(3)
 // The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
 // are those of k70_softmax_bwd__cast's):
 // k70_softmax_bwd__cast k96_softmax_bwd__cast
@@ -2975,7 +2979,7 @@ MDL_FN void k76_attention_bwd(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(1)
+#if MDL_IN(3)
 // The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
 // are those of k77_sum__concat__cast's):
 // k77_sum__concat__cast k103_sum__concat__cast
@@ -2985,35 +2989,37 @@ MDL_FN void k77_sum__concat__cast__code(char *arena, const MdlHooks *h, const in
   float *const restrict b266 = (float *)(arena + o[2]); // %266 attention_bwd d.h.1.v f32[8,64,64]
   float *const restrict b269 = (float *)(arena + o[3]); // %269 sum d.h.1.attn_b f32[192]
   uint16_t *const restrict b270 = (uint16_t *)(arena + o[4]); // %270 cast bf16[512,192]
-  double *part = mdl_scratch(6144 * sizeof(double));
-  #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t k = 0; k < 32; k++) {
-    double *p = part + k * 192;
-    for (int64_t c = 0; c < 192; c++)
-      p[c] = 0.0;
-    const int64_t end = k * 16 + 16 < 512 ? k * 16 + 16 : 512;
-    for (int64_t l = k * 16; l < end; l++) {
-      for (int64_t c = 0; c < 192; c++) {
-        const int64_t ix = l * 192 + c;
-        const float v267_ix = (c < 64 ? b264 + (l * 64 + c) : c < 128 ? b265 + (l * 64 + (c - 64)) : b266 + (l * 64 + (c - 128)))[0];
-        const float v268_ix = v267_ix;
-        const float v = v268_ix;
-        const float v270_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v268_ix));
-        b270[ix] = mdl_f32_to_bf16(v270_ix);
-        p[c] += v;
+  {
+    double *part = mdl_scratch(6144 * sizeof(double));
+    #pragma omp parallel for num_threads(h->nthreads) schedule(static)
+    for (int64_t k = 0; k < 32; k++) {
+      double *p = part + k * 192;
+      for (int64_t c = 0; c < 192; c++)
+        p[c] = 0.0;
+      const int64_t end = k * 16 + 16 < 512 ? k * 16 + 16 : 512;
+      for (int64_t l = k * 16; l < end; l++) {
+        for (int64_t c = 0; c < 192; c++) {
+          const int64_t ix = l * 192 + c;
+          const float v267_ix = (c < 64 ? b264 + (l * 64 + c) : c < 128 ? b265 + (l * 64 + (c - 64)) : b266 + (l * 64 + (c - 128)))[0];
+          const float v268_ix = v267_ix;
+          const float v = v268_ix;
+          const float v270_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v268_ix));
+          b270[ix] = mdl_f32_to_bf16(v270_ix);
+          p[c] += v;
+        }
       }
     }
-  }
-  for (int64_t r = 0; r < 192; r++) {
-    double acc = 0.0;
-    for (int64_t k = 0; k < 32; k++) {
-      const double v = part[k * 192 + r];
-      acc += v;
+    for (int64_t r = 0; r < 192; r++) {
+      double acc = 0.0;
+      for (int64_t k = 0; k < 32; k++) {
+        const double v = part[k * 192 + r];
+        acc += v;
+      }
+      const float y = (float)acc;
+      b269[r] = y;
     }
-    const float y = (float)acc;
-    b269[r] = y;
+    mdl_free(part);
   }
-  mdl_free(part);
 }
 
 // k77_sum__concat__cast: kernel, 4 ops
@@ -3341,7 +3347,7 @@ MDL_FN void k94_gather_bwd(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(2)
+#if MDL_IN(1)
 // k95_add__mul__broadcast: kernel, 7 ops
 //   %281   mul                                     line 73    f32[4]
 //   %283   mul                                     line 73    f32[4]
@@ -3358,7 +3364,7 @@ MDL_FN void k95_add__mul__broadcast(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(0)
+#if MDL_IN(3)
 // k96_softmax_bwd__cast: kernel, 2 ops
 //   %318   softmax_bwd                             line 61    f32[512,4]
 //   %319   cast                                    line 61    bf16[512,4]
@@ -3449,7 +3455,7 @@ MDL_FN void k102_attention_bwd(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(1)
+#if MDL_IN(3)
 // k103_sum__concat__cast: kernel, 4 ops
 //   %340   concat                                  line 56    f32[8,64,192]
 //   %341   reshape                                 line 56    f32[512,192]
@@ -3543,7 +3549,7 @@ MDL_FN void k107_embed_bwd(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(0)
+#if MDL_IN(1)
 // k108_embed_bwd__add: kernel, 2 ops
 //   %352   embed_bwd                               line 38    f32[256,64]
 //   %353   add                d.wte                line 35    f32[256,64]

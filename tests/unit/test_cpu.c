@@ -923,8 +923,9 @@ static void test_cache_and_errors(void) {
 // Removes the test's cache directory and everything in it.
 // Extreme values through the compiled C's exp (a polynomial that saturates outside [-87, 88] and
 // vectorizes, emit_c.c's prelude): cross-entropy over rows with -inf logits, and gelu and silu from
-// -1e4 to 1e4 (where exp(-2u) leaves the float range both ways), loss and gradient against the
-// interpreter's libm; a NaN logit or activation gives a NaN loss, as there.
+// -1e4 to 1e4 (where exp(-2u) leaves the float range both ways), and a clamp between bounds beyond
+// the float range (+-1e39, infinite as floats), loss and gradient against the interpreter's libm; a
+// NaN logit or activation gives a NaN loss, as there.
 static const char limits[] = "model limits\n"
                              "dim R = 4\n"
                              "dim V = 300\n"
@@ -933,7 +934,7 @@ static const char limits[] = "model limits\n"
                              "input targets: i32[R]\n"
                              "param s: [V] = normal(0.1)\n"
                              "output loss = mean(cross_entropy(x + s, targets)) + mean(gelu(z + s)) + "
-                             "mean(silu(z * s))\n";
+                             "mean(silu(z * s)) + mean(clamp(z * s, min=-1e39, max=1e39))\n";
 
 static void test_limits(void) {
   Arena *a = arena_new();
@@ -1137,6 +1138,7 @@ int main(int argc, char **argv) {
       {"optlion.mdl", {{NULL, 0}}, 0, opt_lion},
       {"optmuon.mdl", {{NULL, 0}}, 0, opt_muon},
       {"newops.mdl", {{NULL, 0}}, 0, newops},
+      {"tests/unit/colsums.mdl", {{NULL, 0}}, 0, NULL},
   };
   for (size_t i = 0; i < sizeof models / sizeof *models; i++)
     test_model(&models[i]);
@@ -1148,6 +1150,7 @@ int main(int argc, char **argv) {
   test_bf16(&models[7]);
   test_bf16(&models[8]);
   test_bf16(&models[9]);
+  test_bf16(&models[15]);
   test_bf16_arena("models/gpt2-tiny.mdl");
   test_bf16_arena("models/llama-tiny.mdl");
   test_bf16_rounding();
