@@ -37,6 +37,7 @@
 
 enum { STEPS = 10 };
 static const double LR = 2e-3;
+static bool matrix; // `test_cpu matrix` (test_matrix): the warnings check is the whole run's
 
 typedef struct {
   const char *path;
@@ -444,7 +445,8 @@ static void test_model(const Model *md) {
       continue;
     snprintf(name, sizeof name, "cpu %s %s: the emitted C compiles with -Wall -Wextra -Werror", md->path, mode);
     char err[256];
-    CHECK(compiles_clean(src, err, sizeof err), name, "%s", err);
+    if (!matrix)
+      CHECK(compiles_clean(src, err, sizeof err), name, "%s", err);
     CpuModule *cm = cpu_load(src, err, sizeof err);
     snprintf(name, sizeof name, "cpu %s %s: module loads (%d kernels)", md->path, mode, cm ? cm->nkernels : 0);
     CHECK(cm != NULL, name, "%s", err);
@@ -647,7 +649,10 @@ static Forced kernels_forced(const Graph *g, const Fusion *f, const MemPlan *m, 
 // rounding goes the other way, one bf16 ulp (2^-8 relative), and that difference spreads through the
 // layers after it. So:
 //   - each kernel run alone on the interpreter's values of its inputs (kernels_forced) writes its
-//     f32 outputs within 1e-4 relative (per tensor, max norm) and its bf16 outputs within one bf16
+//     f32 outputs within 2e-4 relative (per tensor, max norm: attention's backward rounds its
+//     probabilities to bf16 inside the kernel, and where exp's last f32 bit decides a rounding, dV
+//     moves by one term's bf16 ulp; attnkv at T 160: 4.7e-5 with FMA contraction, 1.1e-4 built for
+//     x86-64-v2, which has no FMA, on every GEMM path alike) and its bf16 outputs within one bf16
 //     ulp (or, for a value near 0 left by cancellation, within 1e-5 of the tensor's largest), on at
 //     most 1 element in 1000;
 //   - the whole step: the loss within 1e-4 relative; the gradients within 1.5e-3 in the L2 measure
@@ -710,7 +715,8 @@ static void test_bf16(const Model *md) {
     MemPlan *m = memplan(f);
     char *src = emit_c(f, m, md->path);
     snprintf(name, sizeof name, "cpu bf16 %s %s: the emitted C compiles with -Wall -Wextra -Werror", md->path, mode);
-    CHECK(src && compiles_clean(src, err, sizeof err), name, "%s", src ? err : "emit_c failed");
+    if (!matrix)
+      CHECK(src && compiles_clean(src, err, sizeof err), name, "%s", src ? err : "emit_c failed");
     CpuModule *cm = src ? cpu_load(src, err, sizeof err) : NULL;
     snprintf(name, sizeof name, "cpu bf16 %s %s: module loads (%d kernels)", md->path, mode, cm ? cm->nkernels : 0);
     CHECK(cm != NULL, name, "%s", src ? err : "emit_c failed");
@@ -719,8 +725,8 @@ static void test_bf16(const Model *md) {
 
     Forced kf = kernels_forced(g16, f, m, cm, it);
     snprintf(name, sizeof name, "cpu bf16 %s %s: every kernel on the interpreter's inputs writes its f32 outputs "
-             "within 1e-4 (worst %.1e)", md->path, mode, kf.f32);
-    CHECK(kf.failed < 0 && kf.f32 < 1e-4 && kf.i32_diff == 0, name, "node %d: %.3g; %lld i32 values differ; "
+             "within 2e-4 (worst %.1e)", md->path, mode, kf.f32);
+    CHECK(kf.failed < 0 && kf.f32 < 2e-4 && kf.i32_diff == 0, name, "node %d: %.3g; %lld i32 values differ; "
           "kernel %d reported an error", kf.f32_node, kf.f32, (long long)kf.i32_diff, kf.failed);
     snprintf(name, sizeof name, "cpu bf16 %s %s: ... and its bf16 outputs within one ulp, %lld of %lld values "
              "differ", md->path, mode, (long long)kf.bf16_diff, (long long)kf.bf16_total);
@@ -1100,6 +1106,28 @@ static const char attn_kv[] =
 // and one target level; tests/cli/matrix.sh runs it under each that the host can run (MDL_GEMM,
 // ONEDNN_MAX_CPU_ISA, MDL_MARCH), in the cache it names.
 static void test_matrix(void) {
+  char err[256];
+  const GemmLib *lib = rt_gemm(err, sizeof err);
+  const char *cap = getenv("ONEDNN_MAX_CPU_ISA"), *march = getenv("MDL_MARCH");
+  march = march && *march ? march : "native";
+  __builtin_cpu_init();
+  bool runs = !strcmp(march, "native") || !strcmp(march, "x86-64") ||
+              (!strcmp(march, "x86-64-v2") && __builtin_cpu_supports("x86-64-v2")) ||
+              (!strcmp(march, "x86-64-v3") && __builtin_cpu_supports("x86-64-v3")) ||
+              (!strcmp(march, "x86-64-v4") && __builtin_cpu_supports("x86-64-v4"));
+  if (!lib) { // (a library that is not installed)
+    printf("[skip] cpu matrix: %s\n", err);
+    return;
+  }
+  if (cap && !strncmp(lib->name, "oneDNN", 6) && strcasecmp(lib->kernels, cap)) {
+    printf("[skip] cpu matrix: oneDNN capped at %s: this CPU runs at most %s\n", cap, lib->kernels);
+    return;
+  }
+  if (!runs) {
+    printf("[skip] cpu matrix: -march=%s: this CPU cannot run it\n", march);
+    return;
+  }
+  printf("[ok] cpu matrix: GEMMs on %s (%s), modules built for -march=%s\n", lib->name, lib->kernels, march);
   const Model models[] = {
       {"models/gpt2-tiny.mdl", {{"B", 4}, {"T", 32}}, 2, NULL},
       {"qkvsplit.mdl", {{NULL, 0}}, 0, qkv_split},
@@ -1113,6 +1141,7 @@ static void test_matrix(void) {
 
 int main(int argc, char **argv) {
   if (argc > 1 && !strcmp(argv[1], "matrix")) {
+    matrix = true;
     test_matrix();
     TEST_EXIT();
   }

@@ -357,7 +357,11 @@ static void test_share(void) {
   arena_free(a);
 }
 
-int main(void) {
+int main(int argc, char **argv) {
+  if (argc > 1 && !strcmp(argv[1], "matrix")) { // one GEMM path and target of tests/cli/matrix.sh: 1 alone
+    test_gpt2();
+    TEST_EXIT();
+  }
   test_capability();
   test_gpt2();
   test_overflow();
