@@ -88,7 +88,11 @@
 //     (many reads of one element) unless it is cheap (layout ops, NEG, RELU, ADD, SUB, MUL, DIV,
 //     RELU_BWD): exp, log, tanh, sqrt, rsqrt, gelu, silu, dropout and their backward are never
 //     recomputed, and (d) the group has fewer than opt.max_group members (0: 64). The cap binds
-//     rules 4, 7, 8 and 9; the fixed patterns of rules 1-3 and 5 are never split.
+//     rules 4, 7, 8, 9 and 10; the fixed patterns of rules 1-3 and 5 are never split. So does a cap
+//     on the buffers a kernel addresses (FUSE_MAX_BUFFERS: the distinct values it reads from memory
+//     and those it writes): a node that would take a step past it starts a step of its own (the
+//     sum of a gradient over many readers of one value, read from as many buffers, is cut into
+//     several kernels).
 //  9. A CAST still alone (a bf16 GEMM operand: a norm's output, or a gradient that is also summed
 //     into a bias gradient) joins the row-wise or elementwise STEP_KERNEL that
 //     computes its input when the element counts match: that kernel writes the value and its
@@ -414,6 +418,44 @@ static bool creates_cycle(Fuser *F, int gi, const int *xs, int nx) {
   return cycle;
 }
 
+// How many buffers group gi, grown by the nodes xs, would address: the distinct values its members
+// read from outside it (CONSTs apart: emitters write them inline) and the members read outside it or
+// kept (its outs, as is_out says, with the group grown).
+static int buffers_with(Fuser *F, int gi, const int *xs, int nx) {
+  for (int i = 0; i < nx; i++)
+    F->extra[xs[i]] = true;
+  F->epoch++;
+  int count = 0, nm = gi >= 0 ? F->groups[gi].n : 0;
+  for (int i = 0; i < nm + nx; i++) {
+    int v = i < nm ? F->groups[gi].m[i] : xs[i - nm];
+    const IrNode *n = node(F, v);
+    for (int k = 0; k < n->nin; k++) {
+      int x = n->in[k];
+      if (!in_set(F, gi, x) && op_of(F, x) != OP_CONST && F->seen[x] != F->epoch) {
+        F->seen[x] = F->epoch;
+        count++;
+      }
+    }
+    bool out = F->nusers[v] == 0 || v == F->g->loss || n->op == OP_ADAMW || n->op == OP_GRAD_NORM ||
+               read_as_output(F, v);
+    for (int k = 0; k < F->nusers[v] && !out; k++)
+      out = !in_set(F, gi, F->users[v][k]);
+    count += out;
+  }
+  for (int i = 0; i < nx; i++)
+    F->extra[xs[i]] = false;
+  return count;
+}
+
+// Would group gi grown by xs address more buffers than a kernel may (FUSE_MAX_BUFFERS)?
+static bool too_many_buffers(Fuser *F, int gi, const int *xs, int nx) {
+  return buffers_with(F, gi, xs, nx) > FUSE_MAX_BUFFERS;
+}
+
+static const char *buffer_cap(const Fuser *F) {
+  return arena_printf(F->a, "buffer cap (%d buffers a kernel)", FUSE_MAX_BUFFERS);
+}
+
 // Adds id to group gi unless that would make the steps cyclic.
 static bool try_add(Fuser *F, int gi, int id) {
   if (creates_cycle(F, gi, &id, 1))
@@ -655,6 +697,8 @@ static const char *epilogue_refusal(Fuser *F, int gi, int t, int u) {
       return "reads another epilogue value through a broadcast";
   if (F->groups[gi].n >= F->max_group)
     return arena_printf(F->a, "group size cap (%d nodes)", F->max_group);
+  if (too_many_buffers(F, gi, &u, 1))
+    return buffer_cap(F);
   if (creates_cycle(F, gi, &u, 1))
     return "would make the steps cyclic (its other operand depends on this GEMM)";
   return NULL;
@@ -768,6 +812,10 @@ static void pull_producers(Fuser *F, int gi, int from) {
       reject(F, p, reader, "group size cap (%d nodes)", F->max_group);
       continue;
     }
+    if (too_many_buffers(F, gi, &p, 1)) {
+      reject(F, p, reader, "%s", buffer_cap(F));
+      continue;
+    }
     add_member(F, gi, p);
     F->bcast[p] = many;
     IrNode *n = node(F, p);
@@ -799,6 +847,8 @@ static void grow_chain(Fuser *F, int gi, int r) {
       why = "the forward step does not compute backward values";
     if (!why && F->groups[gi].n >= F->max_group)
       why = arena_printf(F->a, "group size cap (%d nodes)", F->max_group);
+    if (!why && too_many_buffers(F, gi, &u, 1))
+      why = buffer_cap(F);
     if (!why && creates_cycle(F, gi, &u, 1))
       why = "would make the steps cyclic";
     if (why) {
@@ -872,6 +922,8 @@ static void rule_casts(Fuser *F) {
       why = "the forward step does not compute backward values";
     else if (F->groups[gi].n + nmoved > F->max_group)
       why = arena_printf(F->a, "group size cap (%d nodes)", F->max_group);
+    else if (too_many_buffers(F, gi, moved, nmoved))
+      why = buffer_cap(F);
     else if (creates_cycle(F, gi, moved, nmoved))
       why = "would make the steps cyclic";
     if (why) {
@@ -927,6 +979,8 @@ static void merge_reduction(Fuser *F, int into, int from, const int *chain, int 
   for (int c = 0; c < nchain; c++)
     if (F->grp[chain[c]] != into && F->grp[chain[c]] != from)
       moved[nmoved++] = chain[c];
+  if (!why && too_many_buffers(F, into, moved, nmoved))
+    why = buffer_cap(F);
   if (!why && creates_cycle(F, into, moved, nmoved))
     why = "would make the steps cyclic";
   if (why) {
