@@ -80,9 +80,23 @@ static int by_size(const void *pa, const void *pb) {
   return a->id - b->id;
 }
 
-static int by_offset(const void *pa, const void *pb) {
-  const Buffer *a = *(Buffer *const *)pa, *b = *(Buffer *const *)pb;
-  return a->offset < b->offset ? -1 : a->offset > b->offset;
+// Sorts the n buffers of b by offset, least first, through tmp (n more): a radix sort, a byte a
+// pass, as many passes as the largest offset has bytes (a buffer is sorted against thousands alive
+// with it in a long model, for each buffer placed). Buffers at one offset may come in any order.
+static void sort_by_offset(Buffer **b, Buffer **tmp, int n) {
+  int64_t most = 0;
+  for (int i = 0; i < n; i++)
+    most = b[i]->offset > most ? b[i]->offset : most;
+  for (int shift = 0; shift < 64 && most >> shift; shift += 8) {
+    int count[257] = {0};
+    for (int i = 0; i < n; i++)
+      count[((b[i]->offset >> shift) & 255) + 1]++;
+    for (int d = 0; d < 256; d++)
+      count[d + 1] += count[d];
+    for (int i = 0; i < n; i++)
+      tmp[count[(b[i]->offset >> shift) & 255]++] = b[i];
+    memcpy(b, tmp, sizeof *b * (size_t)n);
+  }
 }
 
 // The placed buffers by lifetime: a segment tree over the steps [0, span) whose nodes hold the
@@ -150,11 +164,12 @@ static int64_t place(Buffer *buf, int n, bool reuse) {
   t.node = calloc(4 * (size_t)t.span, sizeof(List));
   t.by_first = calloc((size_t)t.span, sizeof(List));
   Buffer **alive = malloc(sizeof(Buffer *) * (size_t)(n ? n : 1));
+  Buffer **tmp = malloc(sizeof(Buffer *) * (size_t)(n ? n : 1));
   int64_t peak = 0;
   for (int i = 0; i < n; i++) {
     int first = reuse ? buf[i].first : 0, last = reuse ? buf[i].last : t.span - 1;
     int na = alive_during(&t, first, last, alive);
-    qsort(alive, (size_t)na, sizeof *alive, by_offset);
+    sort_by_offset(alive, tmp, na);
     int64_t at = 0;
     for (int j = 0; j < na; j++) {
       if (alive[j]->offset >= at + buf[i].size)
@@ -176,6 +191,7 @@ static int64_t place(Buffer *buf, int n, bool reuse) {
   free(t.node);
   free(t.by_first);
   free(alive);
+  free(tmp);
   return align_up(peak);
 }
 
