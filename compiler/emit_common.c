@@ -809,8 +809,8 @@ static bool ident_char(char c) {
 static int occurrences(const char *from, const char *to, const char *name) {
   size_t n = strlen(name);
   int count = 0;
-  for (const char *p = from; p + n <= to; p++)
-    if (!memcmp(p, name, n) && (p == from || (!ident_char(p[-1]) && p[-1] != '.')) && !ident_char(p[n]))
+  for (const char *p = from; (p = memmem(p, (size_t)(to - p), name, n)); p++)
+    if ((p == from || (!ident_char(p[-1]) && p[-1] != '.')) && !ident_char(p[n]))
       count++;
   return count;
 }

@@ -108,6 +108,9 @@ static const char accumulate_kernel[] =
     "}\n";
 
 _Static_assert(CUDA_MAX_ARGS == 48, "the prelude's MdlArgs holds 48 offsets");
+// A kernel addresses the values of its step (the fusion pass keeps them to FUSE_MAX_BUFFERS) and
+// scratch of its own: a norm backward's partials of dw, db and its column sums at most.
+_Static_assert(FUSE_MAX_BUFFERS + 2 + EC_MAX_COLSUMS <= CUDA_MAX_ARGS, "room for the step's buffers");
 _Static_assert(CUDA_ERR_EMBED_ID == 1 && CUDA_ERR_TARGET == 2, "the prelude's MDL_ERR_* codes");
 
 const char *emit_cuda_prelude(void) { return ec_prelude_cuda; }

@@ -88,7 +88,11 @@
 //     (many reads of one element) unless it is cheap (layout ops, NEG, RELU, ADD, SUB, MUL, DIV,
 //     RELU_BWD): exp, log, tanh, sqrt, rsqrt, gelu, silu, dropout and their backward are never
 //     recomputed, and (d) the group has fewer than opt.max_group members (0: 64). The cap binds
-//     rules 4, 7, 8 and 9; the fixed patterns of rules 1-3 and 5 are never split.
+//     rules 4, 7, 8, 9 and 10; the fixed patterns of rules 1-3 and 5 are never split. So does a cap
+//     on the buffers a kernel addresses (FUSE_MAX_BUFFERS: the distinct values it reads from memory
+//     and those it writes): a node that would take a step past it starts a step of its own (the
+//     sum of a gradient over many readers of one value, read from as many buffers, is cut into
+//     several kernels).
 //  9. A CAST still alone (a bf16 GEMM operand: a norm's output, or a gradient that is also summed
 //     into a bias gradient) joins the row-wise or elementwise STEP_KERNEL that
 //     computes its input when the element counts match: that kernel writes the value and its
@@ -152,6 +156,7 @@ typedef struct {
   int root;
   int *m; // members, in the order they joined
   int n, cap;
+  int lo, last; // the smallest id that has been a member; the largest id its members have read
 } Group;
 
 typedef struct {
@@ -168,6 +173,10 @@ typedef struct {
   bool *pinned;   // the input of a gradient view: lives in the gradient buffer
   FuseRejection *rej;
   int nrej, rcap;
+  int *rej_at, rej_mask; // an open-addressed index of rej by (a, b): indices, -1 where free
+  // For creates_cycle: per node, the largest input id of the members of any group that has held a
+  // member at that node or after it, as a tree of prefix maxima (reach_tree; reach_bound says why).
+  int *reach;
   // scratch
   int *seen, *gseen, epoch;
   int *queue;
@@ -270,34 +279,87 @@ static bool reads_many_to_one(const Fuser *F, int c, int p) {
   return false;
 }
 
+// A slot of an open-addressed table of `mask + 1` ints for the key (a, b): the slot holding an index
+// i with same(i), or the free slot (-1) where such an index would go.
+static int pair_slot(const int *table, int mask, int a, int b, bool (*same)(const void *, int, int, int),
+                     const void *ctx) {
+  uint64_t h = ((uint64_t)(uint32_t)a * 0x9E3779B97F4A7C15u) ^ ((uint64_t)(uint32_t)b * 0xC2B2AE3D27D4EB4Fu);
+  int at = (int)((h ^ (h >> 29)) & (uint64_t)mask);
+  while (table[at] >= 0 && !same(ctx, table[at], a, b))
+    at = (at + 1) & mask;
+  return at;
+}
+
+static bool same_rejection(const void *ctx, int i, int a, int b) {
+  const Fuser *F = ctx;
+  return F->rej[i].a == a && F->rej[i].b == b;
+}
+
+// The index of the reason recorded for the pair (a, b), or -1.
+static int rejection_of(const Fuser *F, int a, int b) {
+  if (!F->rej_at)
+    return -1;
+  return F->rej_at[pair_slot(F->rej_at, F->rej_mask, a, b, same_rejection, F)];
+}
+
 static void reject(Fuser *F, int a, int b, const char *fmt, ...) __attribute__((format(printf, 4, 5)));
 static void reject(Fuser *F, int a, int b, const char *fmt, ...) {
-  for (int i = 0; i < F->nrej; i++)
-    if (F->rej[i].a == a && F->rej[i].b == b)
-      return;
+  if (rejection_of(F, a, b) >= 0)
+    return;
   if (F->nrej == F->rcap) {
     F->rcap = F->rcap ? 2 * F->rcap : 64;
     FuseRejection *r = arena_alloc(F->a, sizeof *r * (size_t)F->rcap);
     if (F->nrej)
       memcpy(r, F->rej, sizeof *r * (size_t)F->nrej);
     F->rej = r;
+    F->rej_mask = 2 * F->rcap - 1; // (at most half full)
+    F->rej_at = arena_alloc(F->a, sizeof(int) * (size_t)(F->rej_mask + 1));
+    memset(F->rej_at, -1, sizeof(int) * (size_t)(F->rej_mask + 1));
+    for (int i = 0; i < F->nrej; i++)
+      F->rej_at[pair_slot(F->rej_at, F->rej_mask, F->rej[i].a, F->rej[i].b, same_rejection, F)] = i;
   }
   char buf[256];
   va_list ap;
   va_start(ap, fmt);
   vsnprintf(buf, sizeof buf, fmt, ap);
   va_end(ap);
-  F->rej[F->nrej++] = (FuseRejection){a, b, arena_strdup(F->a, buf)};
+  F->rej[F->nrej] = (FuseRejection){a, b, arena_strdup(F->a, buf)};
+  F->rej_at[pair_slot(F->rej_at, F->rej_mask, a, b, same_rejection, F)] = F->nrej++;
 }
 
 // A later rule's reason for a pair replaces an earlier one: it is the reason the pair stays apart.
 static void reject_again(Fuser *F, int a, int b, const char *why) {
-  for (int i = 0; i < F->nrej; i++)
-    if (F->rej[i].a == a && F->rej[i].b == b) {
-      F->rej[i].reason = arena_strdup(F->a, why);
-      return;
-    }
-  reject(F, a, b, "%s", why);
+  int i = rejection_of(F, a, b);
+  if (i >= 0)
+    F->rej[i].reason = arena_strdup(F->a, why);
+  else
+    reject(F, a, b, "%s", why);
+}
+
+// creates_cycle's bound. reach_note records that a group holds node id, which reads inputs up to
+// `last`; reach_bound(x) is the least b >= x such that every group with a member at or before b
+// reads nothing after b (at least: the records only grow, so stale ones only make b larger). From a
+// node after b that is in no such group, every path goes on through nodes after b (ids are a
+// topological order, and a group reached there has all its members after b), so none leads back to
+// a node at or before b.
+static void reach_note(Fuser *F, int id, int last) {
+  for (int i = id + 1; i <= F->g->n; i += i & -i)
+    if (F->reach[i - 1] < last)
+      F->reach[i - 1] = last;
+}
+
+static int reach_prefix(const Fuser *F, int x) {
+  int m = -1;
+  for (int i = x + 1; i > 0; i -= i & -i)
+    if (F->reach[i - 1] > m)
+      m = F->reach[i - 1];
+  return m;
+}
+
+static int reach_bound(const Fuser *F, int x) {
+  for (int b; (b = reach_prefix(F, x)) > x;)
+    x = b;
+  return x;
 }
 
 static void add_member(Fuser *F, int gi, int id) {
@@ -311,6 +373,12 @@ static void add_member(Fuser *F, int gi, int id) {
   }
   G->m[G->n++] = id;
   F->grp[id] = gi;
+  if (G->n == 1 || id < G->lo)
+    G->lo = id;
+  for (int k = 0; k < node(F, id)->nin; k++)
+    if (node(F, id)->in[k] > G->last)
+      G->last = node(F, id)->in[k];
+  reach_note(F, G->lo, G->last);
 }
 
 static void remove_member(Fuser *F, int gi, int id) {
@@ -333,7 +401,7 @@ static int new_group(Fuser *F, StepKind kind, int root) {
     F->groups = g;
   }
   int gi = F->ngroups++;
-  F->groups[gi] = (Group){.kind = kind, .root = root};
+  F->groups[gi] = (Group){.kind = kind, .root = root, .last = -1};
   add_member(F, gi, root);
   return gi;
 }
@@ -361,21 +429,32 @@ static bool is_out(const Fuser *F, int gi, int v) {
 
 static bool in_set(const Fuser *F, int gi, int v) { return (gi >= 0 && F->grp[v] == gi) || F->extra[v]; }
 
+// May a path from node u lead back to a node at or before `bound` (a reach_bound)?
+static bool may_lead_back(const Fuser *F, int u, int bound) {
+  return (F->grp[u] >= 0 ? F->groups[F->grp[u]].lo : u) <= bound;
+}
+
 // Would group gi, grown by the nodes xs, depend on itself through nodes outside it? Walks the
 // readers of the grown group; a node that belongs to another group stands for the whole group.
 static bool creates_cycle(Fuser *F, int gi, const int *xs, int nx) {
-  for (int i = 0; i < nx; i++)
+  int nm = gi >= 0 ? F->groups[gi].n : 0, top = 0;
+  for (int i = 0; i < nx; i++) {
     F->extra[xs[i]] = true;
+    top = xs[i] > top ? xs[i] : top;
+  }
+  for (int i = 0; i < nm; i++)
+    top = F->groups[gi].m[i] > top ? F->groups[gi].m[i] : top;
+  // Only nodes at or before `bound`, and groups with a member there, can lead back (reach_bound).
+  int bound = reach_bound(F, top);
   F->epoch++;
   int head = 0, tail = 0;
   bool cycle = false;
   // Seeds: readers of the grown group that are outside it.
-  int nm = gi >= 0 ? F->groups[gi].n : 0;
   for (int i = 0; i < nm + nx; i++) {
     int v = i < nm ? F->groups[gi].m[i] : xs[i - nm];
     for (int k = 0; k < F->nusers[v]; k++) {
       int u = F->users[v][k];
-      if (!in_set(F, gi, u) && F->seen[u] != F->epoch) {
+      if (!in_set(F, gi, u) && F->seen[u] != F->epoch && may_lead_back(F, u, bound)) {
         F->seen[u] = F->epoch;
         F->queue[tail++] = u;
       }
@@ -402,7 +481,7 @@ static bool creates_cycle(Fuser *F, int gi, const int *xs, int nx) {
           cycle = true;
           break;
         }
-        if (F->seen[u] != F->epoch) {
+        if (F->seen[u] != F->epoch && may_lead_back(F, u, bound)) {
           F->seen[u] = F->epoch;
           F->queue[tail++] = u;
         }
@@ -412,6 +491,44 @@ static bool creates_cycle(Fuser *F, int gi, const int *xs, int nx) {
   for (int i = 0; i < nx; i++)
     F->extra[xs[i]] = false;
   return cycle;
+}
+
+// How many buffers group gi, grown by the nodes xs, would address: the distinct values its members
+// read from outside it (CONSTs apart: emitters write them inline) and the members read outside it or
+// kept (its outs, as is_out says, with the group grown).
+static int buffers_with(Fuser *F, int gi, const int *xs, int nx) {
+  for (int i = 0; i < nx; i++)
+    F->extra[xs[i]] = true;
+  F->epoch++;
+  int count = 0, nm = gi >= 0 ? F->groups[gi].n : 0;
+  for (int i = 0; i < nm + nx; i++) {
+    int v = i < nm ? F->groups[gi].m[i] : xs[i - nm];
+    const IrNode *n = node(F, v);
+    for (int k = 0; k < n->nin; k++) {
+      int x = n->in[k];
+      if (!in_set(F, gi, x) && op_of(F, x) != OP_CONST && F->seen[x] != F->epoch) {
+        F->seen[x] = F->epoch;
+        count++;
+      }
+    }
+    bool out = F->nusers[v] == 0 || v == F->g->loss || n->op == OP_ADAMW || n->op == OP_GRAD_NORM ||
+               read_as_output(F, v);
+    for (int k = 0; k < F->nusers[v] && !out; k++)
+      out = !in_set(F, gi, F->users[v][k]);
+    count += out;
+  }
+  for (int i = 0; i < nx; i++)
+    F->extra[xs[i]] = false;
+  return count;
+}
+
+// Would group gi grown by xs address more buffers than a kernel may (FUSE_MAX_BUFFERS)?
+static bool too_many_buffers(Fuser *F, int gi, const int *xs, int nx) {
+  return buffers_with(F, gi, xs, nx) > FUSE_MAX_BUFFERS;
+}
+
+static const char *buffer_cap(const Fuser *F) {
+  return arena_printf(F->a, "buffer cap (%d buffers a kernel)", FUSE_MAX_BUFFERS);
 }
 
 // Adds id to group gi unless that would make the steps cyclic.
@@ -655,6 +772,8 @@ static const char *epilogue_refusal(Fuser *F, int gi, int t, int u) {
       return "reads another epilogue value through a broadcast";
   if (F->groups[gi].n >= F->max_group)
     return arena_printf(F->a, "group size cap (%d nodes)", F->max_group);
+  if (too_many_buffers(F, gi, &u, 1))
+    return buffer_cap(F);
   if (creates_cycle(F, gi, &u, 1))
     return "would make the steps cyclic (its other operand depends on this GEMM)";
   return NULL;
@@ -768,6 +887,10 @@ static void pull_producers(Fuser *F, int gi, int from) {
       reject(F, p, reader, "group size cap (%d nodes)", F->max_group);
       continue;
     }
+    if (too_many_buffers(F, gi, &p, 1)) {
+      reject(F, p, reader, "%s", buffer_cap(F));
+      continue;
+    }
     add_member(F, gi, p);
     F->bcast[p] = many;
     IrNode *n = node(F, p);
@@ -799,6 +922,8 @@ static void grow_chain(Fuser *F, int gi, int r) {
       why = "the forward step does not compute backward values";
     if (!why && F->groups[gi].n >= F->max_group)
       why = arena_printf(F->a, "group size cap (%d nodes)", F->max_group);
+    if (!why && too_many_buffers(F, gi, &u, 1))
+      why = buffer_cap(F);
     if (!why && creates_cycle(F, gi, &u, 1))
       why = "would make the steps cyclic";
     if (why) {
@@ -872,6 +997,8 @@ static void rule_casts(Fuser *F) {
       why = "the forward step does not compute backward values";
     else if (F->groups[gi].n + nmoved > F->max_group)
       why = arena_printf(F->a, "group size cap (%d nodes)", F->max_group);
+    else if (too_many_buffers(F, gi, moved, nmoved))
+      why = buffer_cap(F);
     else if (creates_cycle(F, gi, moved, nmoved))
       why = "would make the steps cyclic";
     if (why) {
@@ -927,6 +1054,8 @@ static void merge_reduction(Fuser *F, int into, int from, const int *chain, int 
   for (int c = 0; c < nchain; c++)
     if (F->grp[chain[c]] != into && F->grp[chain[c]] != from)
       moved[nmoved++] = chain[c];
+  if (!why && too_many_buffers(F, into, moved, nmoved))
+    why = buffer_cap(F);
   if (!why && creates_cycle(F, into, moved, nmoved))
     why = "would make the steps cyclic";
   if (why) {
@@ -1169,6 +1298,27 @@ static void push_unique(Arena *a, int **list, int *n, int v) {
   (*list)[(*n)++] = v;
 }
 
+// A binary heap of indices, the least key[i] on top.
+static void heap_push(int *heap, int *n, const int *key, int v) {
+  int at = (*n)++;
+  for (; at > 0 && key[heap[(at - 1) / 2]] > key[v]; at = (at - 1) / 2)
+    heap[at] = heap[(at - 1) / 2];
+  heap[at] = v;
+}
+
+static int heap_pop(int *heap, int *n, const int *key) {
+  int top = heap[0], v = heap[--*n], at = 0;
+  for (int c; (c = 2 * at + 1) < *n; at = c) {
+    if (c + 1 < *n && key[heap[c + 1]] < key[heap[c]])
+      c++;
+    if (key[heap[c]] >= key[v])
+      break;
+    heap[at] = heap[c];
+  }
+  heap[at] = v;
+  return top;
+}
+
 // Topological order of the live groups, preferring the one whose last node comes first (an
 // ATTENTION_LSE in its forward's step, rule 3, does not count: the step is the forward's). The
 // optimizer's nodes come last in the graph, so every step that reads a parameter runs before the
@@ -1191,7 +1341,8 @@ static int *order_groups(Fuser *F, int *live, int nlive) {
       for (int k = 0; k < n->nin; k++) {
         int b = view_base(F, n->in[k]);
         int from = F->grp[b] >= 0 ? pos[F->grp[b]] : -1;
-        if (from >= 0 && from != i)
+        // (i's arcs are added together: a repeated one is the last in the list)
+        if (from >= 0 && from != i && (nsucc[from] == 0 || succ[from][nsucc[from] - 1] != i))
           push_unique(F->a, &succ[from], &nsucc[from], i);
       }
     }
@@ -1199,19 +1350,20 @@ static int *order_groups(Fuser *F, int *live, int nlive) {
   for (int i = 0; i < nlive; i++)
     for (int k = 0; k < nsucc[i]; k++)
       indeg[succ[i][k]]++;
+  // The groups ready to run, a heap by key (keys differ: each is a member of its own group).
   int *order = arena_alloc(F->a, sizeof(int) * (size_t)nlive);
-  bool *done = arena_alloc(F->a, sizeof(bool) * (size_t)nlive);
+  int *heap = arena_alloc(F->a, sizeof(int) * (size_t)nlive), nheap = 0;
+  for (int i = 0; i < nlive; i++)
+    if (indeg[i] == 0)
+      heap_push(heap, &nheap, key, i);
   for (int s = 0; s < nlive; s++) {
-    int best = -1;
-    for (int i = 0; i < nlive; i++)
-      if (!done[i] && indeg[i] == 0 && (best < 0 || key[i] < key[best]))
-        best = i;
-    if (best < 0)
+    if (nheap == 0)
       return NULL;
-    done[best] = true;
+    int best = heap_pop(heap, &nheap, key);
     order[s] = live[best];
     for (int k = 0; k < nsucc[best]; k++)
-      indeg[succ[best][k]]--;
+      if (--indeg[succ[best][k]] == 0)
+        heap_push(heap, &nheap, key, succ[best][k]);
   }
   return order;
 }
@@ -1354,6 +1506,27 @@ static void unmaterialised_traffic(const Fuser *F, int gi, Step *st) {
   }
 }
 
+// A set of pairs (producer, step), as pair_slot's table of indices into p and s.
+typedef struct {
+  int *p, *s, n;
+} Told;
+
+static bool same_told(const void *ctx, int i, int p, int s) {
+  const Told *t = ctx;
+  return t->p[i] == p && t->s[i] == s;
+}
+
+// Adds (p, s) to the set; false when it was there.
+static bool tell(Told *t, int *table, int mask, int p, int s) {
+  int at = pair_slot(table, mask, p, s, same_told, t);
+  if (table[at] >= 0)
+    return false;
+  t->p[t->n] = p;
+  t->s[t->n] = s;
+  table[at] = t->n++;
+  return true;
+}
+
 static Fusion *assemble(Fuser *F) {
   Graph *g = F->g;
   Arena *a = F->a;
@@ -1421,6 +1594,18 @@ static Fusion *assemble(Fuser *F) {
   if (!copies_written(F, f))
     return NULL;
   // One reason per producer and consuming step; the optimizer reads the gradient buffer by design.
+  // (`told` holds the pairs of a producer and a step that have one, as pair_slot's table.)
+  int64_t pairs = F->nrej;
+  for (int c = 0; c < g->n; c++)
+    pairs += node(F, c)->nin;
+  int mask = 1;
+  while (mask < 2 * pairs)
+    mask *= 2;
+  int *told = arena_alloc(a, sizeof(int) * (size_t)mask--), *told_p = arena_alloc(a, sizeof(int) * (size_t)(mask + 1));
+  memset(told, -1, sizeof(int) * (size_t)(mask + 1));
+  Told ctx = {told_p, arena_alloc(a, sizeof(int) * (size_t)(mask + 1)), 0};
+  for (int i = 0; i < F->nrej; i++)
+    tell(&ctx, told, mask, view_base(F, F->rej[i].a), f->step_of[F->rej[i].b]);
   for (int c = 0; c < g->n; c++) {
     int sc = f->step_of[c];
     if (sc < 0 || f->steps[sc].kind == STEP_OPTIMIZER)
@@ -1430,10 +1615,7 @@ static Fusion *assemble(Fuser *F) {
       int p = view_base(F, n->in[k]);
       if (f->step_of[p] < 0 || f->step_of[p] == sc)
         continue;
-      bool known = false;
-      for (int i = 0; i < F->nrej && !known; i++)
-        known = view_base(F, F->rej[i].a) == p && f->step_of[F->rej[i].b] == sc;
-      if (!known)
+      if (tell(&ctx, told, mask, p, sc))
         reject(F, p, c, "%s", generic_reason(F, f, p, c));
     }
   }
@@ -1496,6 +1678,8 @@ Fusion *fuse(Graph *g, FuseOptions opt) {
   F->extra = arena_alloc(a, sizeof(bool) * n);
   F->cand = arena_alloc(a, sizeof(bool) * n);
   F->bcast = arena_alloc(a, sizeof(bool) * n);
+  F->reach = arena_alloc(a, sizeof(int) * n);
+  memset(F->reach, -1, sizeof(int) * n);
   F->copy_of = arena_alloc(a, sizeof(int) * n);
   for (int i = 0; i < g->n; i++)
     F->copy_of[i] = -1;

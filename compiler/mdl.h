@@ -621,6 +621,11 @@ typedef struct {
   const char *reason;
 } FuseRejection;
 
+// The most buffers (values read from memory and values written) the fusion pass lets a step's
+// kernel address; the CUDA back end passes a kernel its buffers' offsets in a table of
+// CUDA_MAX_ARGS, the rest for the scratch of a step (partial sums, row statistics).
+enum { FUSE_MAX_BUFFERS = 40 };
+
 typedef struct {
   bool fuse;          // false (--no-fuse): one step per node, the optimizer per parameter
   bool chunk_lmhead;  // the LM head + cross-entropy run chunk by chunk (never the whole logits)

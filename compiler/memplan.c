@@ -80,23 +80,96 @@ static int by_size(const void *pa, const void *pb) {
   return a->id - b->id;
 }
 
-static int by_offset(const void *pa, const void *pb) {
-  const Buffer *a = *(Buffer *const *)pa, *b = *(Buffer *const *)pb;
-  return a->offset < b->offset ? -1 : a->offset > b->offset;
+// Sorts the n buffers of b by offset, least first, through tmp (n more): a radix sort, a byte a
+// pass, as many passes as the largest offset has bytes (a buffer is sorted against thousands alive
+// with it in a long model, for each buffer placed). Buffers at one offset may come in any order.
+static void sort_by_offset(Buffer **b, Buffer **tmp, int n) {
+  int64_t most = 0;
+  for (int i = 0; i < n; i++)
+    most = b[i]->offset > most ? b[i]->offset : most;
+  for (int shift = 0; shift < 64 && most >> shift; shift += 8) {
+    int count[257] = {0};
+    for (int i = 0; i < n; i++)
+      count[((b[i]->offset >> shift) & 255) + 1]++;
+    for (int d = 0; d < 256; d++)
+      count[d + 1] += count[d];
+    for (int i = 0; i < n; i++)
+      tmp[count[(b[i]->offset >> shift) & 255]++] = b[i];
+    memcpy(b, tmp, sizeof *b * (size_t)n);
+  }
+}
+
+// The placed buffers by lifetime: a segment tree over the steps [0, span) whose nodes hold the
+// buffers alive over the whole of their range and over no larger node's (a buffer is in at most two
+// nodes a level), and the buffers by first step. The buffers alive at some step of [first, last] are
+// then those alive at `first` (on the path from the root to first's leaf, each once) and those whose
+// first step is in (first, last].
+typedef struct {
+  Buffer **b;
+  int n, cap;
+} List;
+
+typedef struct {
+  List *node, *by_first;
+  int span;
+} Timeline;
+
+static void push(List *l, Buffer *b) {
+  if (l->n == l->cap) {
+    l->cap = l->cap ? 2 * l->cap : 4;
+    l->b = realloc(l->b, sizeof(Buffer *) * (size_t)l->cap);
+  }
+  l->b[l->n++] = b;
+}
+
+static void insert(Timeline *t, int at, int lo, int hi, Buffer *b, int first, int last) {
+  if (last < lo || hi < first)
+    return;
+  if (first <= lo && hi <= last) {
+    push(&t->node[at], b);
+    return;
+  }
+  int mid = lo + (hi - lo) / 2;
+  insert(t, 2 * at, lo, mid, b, first, last);
+  insert(t, 2 * at + 1, mid + 1, hi, b, first, last);
+}
+
+// Appends to alive the buffers of t alive at some step of [first, last]; returns their count.
+static int alive_during(const Timeline *t, int first, int last, Buffer **alive) {
+  int na = 0;
+  for (int at = 1, lo = 0, hi = t->span - 1;;) {
+    for (int k = 0; k < t->node[at].n; k++)
+      alive[na++] = t->node[at].b[k];
+    if (lo == hi)
+      break;
+    int mid = lo + (hi - lo) / 2;
+    if (first <= mid)
+      hi = mid, at = 2 * at;
+    else
+      lo = mid + 1, at = 2 * at + 1;
+  }
+  for (int s = first + 1; s <= last; s++)
+    for (int k = 0; k < t->by_first[s].n; k++)
+      alive[na++] = t->by_first[s].b[k];
+  return na;
 }
 
 // Places the activations at the lowest offsets that do not collide with a placed buffer alive at
 // the same time (with `reuse` off: with any placed buffer); returns the peak.
 static int64_t place(Buffer *buf, int n, bool reuse) {
   qsort(buf, (size_t)n, sizeof *buf, by_size);
+  Timeline t = {.span = 1};
+  for (int i = 0; i < n; i++)
+    t.span = buf[i].last + 1 > t.span ? buf[i].last + 1 : t.span;
+  t.node = calloc(4 * (size_t)t.span, sizeof(List));
+  t.by_first = calloc((size_t)t.span, sizeof(List));
   Buffer **alive = malloc(sizeof(Buffer *) * (size_t)(n ? n : 1));
+  Buffer **tmp = malloc(sizeof(Buffer *) * (size_t)(n ? n : 1));
   int64_t peak = 0;
   for (int i = 0; i < n; i++) {
-    int na = 0;
-    for (int j = 0; j < i; j++)
-      if (!reuse || (buf[j].first <= buf[i].last && buf[i].first <= buf[j].last))
-        alive[na++] = &buf[j];
-    qsort(alive, (size_t)na, sizeof *alive, by_offset);
+    int first = reuse ? buf[i].first : 0, last = reuse ? buf[i].last : t.span - 1;
+    int na = alive_during(&t, first, last, alive);
+    sort_by_offset(alive, tmp, na);
     int64_t at = 0;
     for (int j = 0; j < na; j++) {
       if (alive[j]->offset >= at + buf[i].size)
@@ -108,8 +181,17 @@ static int64_t place(Buffer *buf, int n, bool reuse) {
     buf[i].offset = at;
     if (at + buf[i].size > peak)
       peak = at + buf[i].size;
+    insert(&t, 1, 0, t.span - 1, &buf[i], first, last);
+    push(&t.by_first[first], &buf[i]);
   }
+  for (int k = 0; k < 4 * t.span; k++)
+    free(t.node[k].b);
+  for (int k = 0; k < t.span; k++)
+    free(t.by_first[k].b);
+  free(t.node);
+  free(t.by_first);
   free(alive);
+  free(tmp);
   return align_up(peak);
 }
 

@@ -1,7 +1,8 @@
 // test_cuda_emit.c: the CUDA emitter, on a machine without a GPU. Every model is emitted as the fp32
 // graph and as the bf16 one (precision_assign: GEMM operands through CASTs to bf16).
 //  1. NVRTC: every model in models/ (gpt2-tiny, gpt2 124M, llama-tiny, mlp), fp32 and bf16, fused and
-//     unfused, llama 125M and a model of grouped, windowed and cross attention (attnkv) as they train,
+//     unfused, llama 125M, a model of grouped, windowed and cross attention (attnkv) and one of sixteen
+//     attention lines over one q, k and v (manyreads: sums of gradients cut to fit) as they train,
 //     emits a module that NVRTC compiles for sm_80, sm_86 and sm_90 (bf16 fused also for
 //     sm_100 and sm_120, with NVRTC 12.8 or later) without an error or a warning;
 //     GPT-2 124M's module compiles cold and a second compile is a cache hit (times printed, not
@@ -29,7 +30,7 @@
 //     two of attention (heads of 32 and of 12: on tensor cores in bf16 or not), two of grouped-query,
 //     multi-query, sliding-window and cross attention (attnkv: heads of 32 and of 12), one of norm backwards
 //     whose rows are staged in shared memory (more rows than groups of rows), one of a tied embedding
-//     whose table ends in a partial group of the backward's stores, fp32 and bf16, fused
+//     whose table ends in a partial group of the backward's stores, manyreads, fp32 and bf16, fused
 //     and unfused (bf16 unfused: the first three; the models after the wide one fused only), after one step
 //     against the interpreter (INTERP_F32) on the same graph: the loss, every gradient and the AdamW
 //     moments within 1e-5 relative per tensor (max |cuda - interp| / max |interp|) in fp32, and in
@@ -309,6 +310,26 @@ static const char newops[] =
     "ints = 0.001 * sum(float(k) * pk) + 0.001 * sum(float(int(a * 3.0)) * pq)\n"
     "output loss = mean(cross_entropy(h @ head, targets)) + ints\n";
 
+// Sixteen attention lines over one q, k and v: their gradients are sums of sixteen values, which the
+// fusion pass cuts into kernels of at most FUSE_MAX_BUFFERS buffers (one kernel would address 48).
+#define MANY_ATTN "x = x + attention(q, k, v, heads=H, causal=true) @ wo\n"
+#define MANY_ATTN4 MANY_ATTN MANY_ATTN MANY_ATTN MANY_ATTN
+static const char manyreads[] =
+    "model manyreads\n"
+    "dim B = 2\n"
+    "dim T = 16\n"
+    "dim C = 32\n"
+    "dim H = 2\n"
+    "dim V = 64\n"
+    "input tokens: i32[B, T]\n"
+    "input targets: i32[B, T]\n"
+    "param wte: [V, C] = normal(0.5)\n"
+    "param wqkv: [C, 3*C] = normal(0.3)\n"
+    "param wo: [C, C] = normal(0.05)\n"
+    "x = embed(wte, tokens)\n"
+    "q, k, v = split(x @ wqkv, 3, axis=-1)\n" MANY_ATTN4 MANY_ATTN4 MANY_ATTN4 MANY_ATTN4
+    "output loss = mean(cross_entropy(x @ wte.T, targets))\n";
+
 // The checks every model gets that test the runtime rather than the model (a second run
 // bit-identical, bad target and token ids reported) left to the others for attnkv: each emulated step
 // of it takes 10 s or more.
@@ -330,6 +351,7 @@ static const Model models[] = {
     {"attnkv-d12.mdl", {{"C", 48}}, 1, attnkv},
     {"routing.mdl", {{NULL, 0}}, 0, routing},
     {"newops.mdl", {{NULL, 0}}, 0, newops},
+    {"manyreads.mdl", {{NULL, 0}}, 0, manyreads},
 };
 
 // The training graph of md, its GEMMs' operands rounded to bf16 when prec is DT_BF16.
@@ -2074,6 +2096,8 @@ int main(void) {
     // integer arithmetic and casts, elementwise min/max, conv1d
     for (int pr = 0; pr < 2; pr++)
       test_nvrtc_model(models[14].path, models[14].text, models[14].path, true, pr ? DT_BF16 : DT_F32);
+    // the sums of many gradients, cut to fit a kernel's buffers (as it trains by default: bf16, fused)
+    test_nvrtc_model(models[15].path, models[15].text, models[15].path, true, DT_BF16);
   } else {
     printf("[skip] nvrtc: %s\n", why);
   }

@@ -6,6 +6,8 @@
 //  - the fusion rules on gpt2-tiny (layernorm + residual add, layernorm backward siblings,
 //    cross-entropy forward + backward, GEMM epilogue with bias and gelu, one optimizer step, the
 //    chunked LM head) and on small hand-built graphs with hand-derived groups and arena sizes;
+//  - the buffer cap: gpt2-tiny with 16 attention lines in its body, whose sums of gradients would
+//    read 48 buffers in one kernel, fits every kernel in FUSE_MAX_BUFFERS;
 //  - kernel-count and peak-memory ceilings per model that also fail when the real figure falls more
 //    than 20% below them, so they stay tight.
 #include "mdl.h"
@@ -1087,7 +1089,58 @@ static void models(void) {
         "%d models, %d ceilings", nmodels, ceilings_seen);
 }
 
+// models/gpt2-tiny.mdl with its attention line written `copies` times in the repeat body, as the
+// training graph, its GEMMs' operands in bf16 when bf16.
+static Graph *many_attentions(Arena *a, int copies, bool bf16) {
+  FILE *in = fopen("models/gpt2-tiny.mdl", "r");
+  char *text = NULL, line[512];
+  size_t len = 0;
+  FILE *out = open_memstream(&text, &len);
+  while (in && fgets(line, sizeof line, in))
+    for (int i = 0; i < (strstr(line, "attention(") ? copies : 1); i++)
+      fputs(line, out);
+  fclose(out);
+  if (in)
+    fclose(in);
+  Graph *g = mdl_compile_text(a, "many.mdl", text, NULL, 0);
+  free(text);
+  char why[256];
+  return g && autodiff(g, true) && precision_assign(g, bf16 ? DT_BF16 : DT_F32, why, sizeof why) ? g : NULL;
+}
+
+// The gradient of q, k and v in a body with 16 attention lines is a sum of 16 values each, which
+// one kernel would read from 48 buffers (the CUDA back end passes a kernel 48): no step but the
+// optimizer's addresses more than FUSE_MAX_BUFFERS, the sums are cut with a reason, and the plan is
+// sound.
+static void buffer_cap(void) {
+  for (int bf16 = 0; bf16 < 2; bf16++) {
+    Arena *a = arena_new();
+    Graph *g = many_attentions(a, 16, bf16);
+    Fusion *f = g ? fuse(g, (FuseOptions){.fuse = true, .chunk_lmhead = true, .max_group = 64}) : NULL;
+    int most = 0, cut = 0;
+    const char *widest = "";
+    for (int s = 0; f && s < f->nsteps; s++) {
+      const Step *st = &f->steps[s];
+      int n = st->nouts;
+      for (int k = 0; k < st->nins; k++)
+        n += !contains(st->outs, st->nouts, st->ins[k]);
+      if (st->kind != STEP_OPTIMIZER && n > most)
+        most = n, widest = st->name;
+    }
+    for (int i = 0; f && i < f->nrejected; i++)
+      cut += strstr(f->rejected[i].reason, "buffer cap") != NULL;
+    char name[128];
+    snprintf(name, sizeof name, "buffer cap: 16 attention lines (%s): every kernel within %d buffers, the sums cut",
+             bf16 ? "bf16" : "fp32", FUSE_MAX_BUFFERS);
+    CHECK(f && most <= FUSE_MAX_BUFFERS && most > 20 && cut >= 3, name, "%d buffers in %s, %d cut", most, widest, cut);
+    if (f)
+      check_invariants(bf16 ? "16 attention lines (bf16)" : "16 attention lines", f);
+    arena_free(a);
+  }
+}
+
 int main(void) {
+  buffer_cap();
   recompute_rule();
   cycle_rule();
   reduction_rule();
