@@ -19,6 +19,11 @@ if [ "$(grep -c 'attention(' "$tmp/g16.mdl")" -ne 16 ]; then
 elif $m build "$tmp/g16.mdl" -o "$tmp/b16" >/dev/null 2>"$tmp/err" && [ -s "$tmp/b16/model.cu" ] &&
      [ -s "$tmp/b16/model.c" ]; then
   echo "[ok] scale: gpt2-tiny with 16 attention lines builds (model.c and model.cu)"
+  if cc -O0 -fopenmp -c -o "$tmp/b16/model.o" "$tmp/b16/model.c" 2>"$tmp/cc"; then
+    echo "[ok] scale: its emitted C compiles"
+  else
+    echo "[fail] scale: its emitted C does not compile: $(head -c 300 "$tmp/cc")"
+  fi
   if grep -q "buffer cap (40 buffers a kernel)" "$tmp/b16/plan.txt"; then
     echo "[ok] scale: the report says where the sums were cut to fit a kernel's buffers"
   else
