@@ -602,8 +602,10 @@ static bool optimizer_step(Graph *g) {
       fa[0] = t->momentum, fa[1] = t->nesterov, fa[2] = 0;
     else if (rule == OPT_LION)
       fa[2] = 0;
-    else if (rule == OPT_MUON) // (its rate muon_lr: the schedule's lr is the AdamW params')
-      fa[0] = t->momentum, fa[1] = t->nesterov, fa[2] = 0, fa[5] = ls * t->muon_lr / t->lr;
+    else if (rule == OPT_MUON)
+      fa[0] = t->momentum, fa[1] = t->nesterov, fa[2] = 0;
+    else if (t->optimizer == OPT_MUON) // (the schedule's rate is Muon's lr; AdamW's is adam_lr / lr of it)
+      fa[5] = ls * t->adam_lr / t->lr;
     int64_t ia[IR_NIA] = {rule};
     int u = ir_add(g, OP_ADAMW, in, nin, ia, fa, p->loc);
     if (u < 0)

@@ -297,7 +297,7 @@ typedef struct {
   double lr, beta1, beta2, eps, weight_decay;
   double momentum;     // sgd, muon
   bool nesterov;       // sgd, muon
-  double muon_lr;      // muon: the hidden matrices' rate (lr is the other params' AdamW rate)
+  double adam_lr;      // muon: the AdamW params' rate (lr, which the schedule runs from, is Muon's)
   Schedule schedule;
   double min_lr;       // the decay's floor
   int64_t warmup;      // warmup steps

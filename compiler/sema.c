@@ -2192,7 +2192,7 @@ static void optimizer_setting(Sema *s, const Expr *e, TrainConfig *t) {
   else if (t->optimizer == OPT_LION)
     t->lr = 1e-4, t->beta2 = 0.99;
   else if (t->optimizer == OPT_MUON)
-    t->muon_lr = 0.02, t->momentum = 0.95, t->nesterov = true, t->eps = 1e-10;
+    t->lr = 0.02, t->adam_lr = 3e-4, t->momentum = 0.95, t->nesterov = true, t->eps = 1e-10;
   double x;
   for (int i = 0; i < 8 && b->params[i]; i++) {
     const char *p = b->params[i];
@@ -2209,7 +2209,7 @@ static void optimizer_setting(Sema *s, const Expr *e, TrainConfig *t) {
               : !strcmp(p, "weight_decay") ? R_NONNEG : R_UNIT;
     if (!number(s, arg[i], p, r, false, &x))
       continue;
-    double *dst = !strcmp(p, "lr") ? (k == 3 ? &t->muon_lr : &t->lr) : !strcmp(p, "adam_lr") ? &t->lr
+    double *dst = !strcmp(p, "lr") ? &t->lr : !strcmp(p, "adam_lr") ? &t->adam_lr
                   : !strcmp(p, "beta1") ? &t->beta1 : !strcmp(p, "beta2") ? &t->beta2 : !strcmp(p, "eps") ? &t->eps
                   : !strcmp(p, "momentum") ? &t->momentum : &t->weight_decay;
     if (!strcmp(p, "adam_lr") && !(x > 0))

@@ -3,9 +3,11 @@
 # build/tools/blobs's data, CPU): SGD with momentum, Lion and Muon train the loss down; a run stopped
 # and resumed gives the losses of an uninterrupted one (the moments are in the checkpoint: SGD with
 # momentum and Lion keep m, plain SGD nothing, Muon m for its matrices and AdamW's m and v for the
-# rest); a muon run and `mdlc check` say which params take Muon; resuming with another optimizer is
-# refused with both named; a frozen param leaves the run bit for bit as it came in (the checkpoint of
-# step 1 and of step 20 hold the same bytes); `mdlc check` marks the frozen and scaled params.
+# rest); a muon run and `mdlc check` say which params take Muon; under a schedule Muon's lr is what
+# log.jsonl records and adam_lr leaves an all-Muon model's run as it was (interpreter and C back
+# end); resuming with another optimizer is refused with both named; a frozen param leaves the run
+# bit for bit as it came in (the checkpoint of step 1 and of step 20 hold the same bytes); `mdlc
+# check` marks the frozen and scaled params.
 set -u
 cd "$(dirname "$0")/../.."
 m=bin/mdlc
@@ -71,6 +73,30 @@ check "a muon run says which params take Muon and which AdamW" \
 $m check "$tmp/muon.mdl" >"$tmp/out" 2>"$tmp/err"
 check "mdlc check marks each param muon or adamw (the LM head w3 adamw)" \
   "grep -q '^param  w1 .*(muon)' '$tmp/out' && grep -q '^param  w3 .*(adamw)' '$tmp/out' && grep -q '^optimizer muon: ' '$tmp/out'"
+
+# Muon under a schedule, on the interpreter and the C back end: the matrices (the head w3 too) all
+# take Muon and nothing else trains, so log.jsonl's lr is Muon's schedule, from lr = 0.02 down to
+# min_lr, and adam_lr leaves the run bit for bit as it was.
+awk '/^param b/ || /optimizer = / || /schedule = / || /no_decay/ { next } { sub(/ \+ b[123]/, ""); print }
+     /^train/ { print "    optimizer = muon(lr=0.02, weight_decay=0.01, adam_lr=ADAM)"
+                print "    muon_params = [\"w*\"]"; print "    schedule = cosine(warmup=2, min_lr=0.002, steps=6)" }' \
+  models/mlp.mdl >"$tmp/allmuon.in"
+for a in 1e-3 1e-2; do sed "s/ADAM/$a/" "$tmp/allmuon.in" >"$tmp/allmuon-$a.mdl"; done
+rates() { sed -n 's/.*"step":\([0-9]*\),.*"lr":\([0-9.e+-]*\),.*/\1 \2/p' "$1/log.jsonl"; }
+for b in interp cpu; do
+  for a in 1e-3 1e-2; do
+    $m run "$tmp/allmuon-$a.mdl" --data "$tmp/blobs" --val-every 0 --backend $b --steps 8 \
+      --out "$tmp/allmuon-$b-$a" >/dev/null 2>"$tmp/err"
+  done
+  check "muon on $b: log.jsonl's lr is Muon's cosine from lr 0.02 (warmup 2) to min_lr 0.002, for adam_lr 1e-3 and 1e-2" \
+    "[ \$(rates '$tmp/allmuon-$b-1e-3' | wc -l) -eq 8 ] && diff <(rates '$tmp/allmuon-$b-1e-3') <(rates '$tmp/allmuon-$b-1e-2') >/dev/null &&
+     rates '$tmp/allmuon-$b-1e-3' | awk '{ t = \$1; pi = atan2(0, -1)
+       w = t <= 2 ? 0.02 * t / 2 : t >= 6 ? 0.002 : 0.002 + 0.009 * (1 + cos(pi * (t - 2) / 4))
+       if (\$2 < w * (1 - 1e-5) || \$2 > w * (1 + 1e-5)) exit 1 }'"
+  check "muon on $b: a model all of whose params take Muon trains bit for bit alike with adam_lr 1e-3 and 1e-2" \
+    "[ -s '$tmp/allmuon-$b-1e-3/checkpoint.safetensors' ] &&
+     [ \"\$(tensors '$tmp/allmuon-$b-1e-3/checkpoint.safetensors' | grep '^w')\" = \"\$(tensors '$tmp/allmuon-$b-1e-2/checkpoint.safetensors' | grep '^w')\" ]"
+done
 
 # Another optimizer cannot continue a checkpoint: refused, both named, nothing written.
 before=$(tensors "$tmp/sgd-a/checkpoint.safetensors" | sha256sum)

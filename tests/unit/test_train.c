@@ -6,6 +6,7 @@
 
 #include <math.h>
 #include <stdlib.h>
+#include <string.h>
 
 static double loss_after(Interp *it, const Graph *g, int64_t step) {
   char err[256];
@@ -169,6 +170,158 @@ static void test_schedules(void) {
   }
 }
 
+// Muon under a schedule: 9 steps of muon(lr=0.02, weight_decay=0.1, adam_lr=A) with cosine(warmup=2,
+// min_lr=0.002, steps=7) on loss = sum(w * gw) + sum(v * gv) + sum(b * gb), so each gradient is an
+// input (g_t[i] = sin(1.3 t + 0.37 i^2) (1 + 0.1 i), f32, as test_interp.c's test_muon): w (3 x 5) and
+// v (5 x 3) take Muon, b AdamW. The rates come from rt_lr_at, as runtime/train.c sets them each step
+// and writes them to log.jsonl. The 15 values of w, of v and the 4 of b after the last step into out.
+static bool muon_schedule_run(double adam_lr, double out[3][15], double lr_at[10]) {
+  char src[512];
+  snprintf(src, sizeof src,
+           "model mus\ninput gw: f32[3, 5]\ninput gv: f32[5, 3]\ninput gb: f32[4]\nparam w: [3, 5] = zeros\n"
+           "param v: [5, 3] = zeros\nparam b: [4] = zeros\noutput loss = sum(w * gw) + sum(v * gv) + sum(b * gb)\n"
+           "train {\n optimizer = muon(lr=0.02, weight_decay=0.1, adam_lr=%.17g)\n"
+           " schedule = cosine(warmup=2, min_lr=0.002, steps=7)\n}\n",
+           adam_lr);
+  Arena *a = arena_new();
+  Graph *g = mdl_compile_text(a, "mus.mdl", src, NULL, 0);
+  bool ok = g && autodiff(g, true) && g->nodes[g->params[0]]->init.muon && g->nodes[g->params[1]]->init.muon &&
+            !g->nodes[g->params[2]]->init.muon;
+  if (!ok) {
+    printf("[fail] muon schedule: the model compiles, w and v Muon, b AdamW: %s  (%s:%d)\n", g ? g->err : "front end",
+           __FILE__, __LINE__);
+    test_failures++;
+    arena_free(a);
+    return false;
+  }
+  Interp *it = interp_new(g, INTERP_F64);
+  for (int k = 0; k < 3; k++)
+    for (int i = 0; i < (k < 2 ? 15 : 4); i++)
+      interp_param(it, g->params[k])[i] = 0.1 * cos(0.9 * i);
+  char err[256] = "";
+  for (int t = 1; t <= 9 && ok; t++) {
+    float gt[15];
+    for (int i = 0; i < 15; i++)
+      gt[i] = (float)(sin(1.3 * t + 0.37 * i * i) * (1 + 0.1 * i));
+    interp_set_input(it, "gw", NULL, gt, 15);
+    interp_set_input(it, "gv", NULL, gt, 15);
+    interp_set_input(it, "gb", NULL, gt, 4);
+    lr_at[t] = rt_lr_at(&g->train, t);
+    interp_set_scalar(it, "lr", lr_at[t]);
+    interp_set_scalar(it, "step", t);
+    ok = interp_run(it, g->n, err, sizeof err);
+  }
+  CHECK(ok, "muon schedule: 9 steps run", "%s", err);
+  for (int k = 0; k < 3; k++)
+    for (int i = 0; i < (k < 2 ? 15 : 4); i++)
+      out[k][i] = interp_param(it, g->params[k])[i];
+  interp_free(it);
+  arena_free(a);
+  return ok;
+}
+
+// muon_schedule_run's run replayed in float64 by docs/language.md's rule, written out here: the
+// schedule runs from lr (Muon's rate) to min_lr; the AdamW params train at its value times
+// adam_lr / lr. Muon as Keller Jordan's muon_update, AdamW as torch.optim.AdamW (betas 0.9, 0.95, eps
+// 1e-10, the muon optimizer's); both decay p by lr wd p.
+static void muon_schedule_replay(double adam_lr, double out[3][15], double lr_at[10]) {
+  const double lr = 0.02, min_lr = 0.002, mu = 0.95, wd = 0.1, pi = 3.14159265358979323846;
+  double p[3][15], m[3][15] = {{0}}, v[15] = {0};
+  for (int k = 0; k < 3; k++)
+    for (int i = 0; i < 15; i++)
+      p[k][i] = 0.1 * cos(0.9 * i);
+  for (int t = 1; t <= 9; t++) {
+    double rate = t <= 2 ? lr * t / 2 : t >= 7 ? min_lr : min_lr + 0.5 * (lr - min_lr) * (1 + cos(pi * (t - 2) / 5));
+    lr_at[t] = rate;
+    double g[15];
+    for (int i = 0; i < 15; i++)
+      g[i] = (double)(float)(sin(1.3 * t + 0.37 * i * i) * (1 + 0.1 * i));
+    for (int k = 0; k < 2; k++) { // w (3 x 5), then v (5 x 3), both iterated on the wide 3 x 5 side
+      double u[15], x[15], ss = 0;
+      for (int i = 0; i < 15; i++) {
+        m[k][i] = mu * m[k][i] + (1 - mu) * g[i];
+        u[i] = (1 - mu) * g[i] + mu * m[k][i];
+        ss += u[i] * u[i];
+      }
+      for (int r = 0; r < 3; r++) // x[r][c] (3 x 5): u itself, or v's transpose
+        for (int c = 0; c < 5; c++)
+          x[r * 5 + c] = (k ? u[c * 3 + r] : u[r * 5 + c]) / (sqrt(ss) + 1e-7);
+      for (int it = 0; it < 5; it++) {
+        double A[9], B[9], y[15];
+        for (int r = 0; r < 3; r++)
+          for (int s = 0; s < 3; s++) {
+            A[r * 3 + s] = 0;
+            for (int c = 0; c < 5; c++)
+              A[r * 3 + s] += x[r * 5 + c] * x[s * 5 + c];
+          }
+        for (int r = 0; r < 3; r++)
+          for (int s = 0; s < 3; s++) {
+            double aa = 0;
+            for (int q = 0; q < 3; q++)
+              aa += A[r * 3 + q] * A[q * 3 + s];
+            B[r * 3 + s] = -4.7750 * A[r * 3 + s] + 2.0315 * aa;
+          }
+        for (int r = 0; r < 3; r++)
+          for (int c = 0; c < 5; c++) {
+            double bx = 0;
+            for (int q = 0; q < 3; q++)
+              bx += B[r * 3 + q] * x[q * 5 + c];
+            y[r * 5 + c] = 3.4445 * x[r * 5 + c] + bx;
+          }
+        memcpy(x, y, sizeof x);
+      }
+      double scale = k ? sqrt(5.0 / 3.0) : 1; // max(1, rows / cols)^0.5
+      for (int r = 0; r < 3; r++)
+        for (int c = 0; c < 5; c++) {
+          double *dst = &p[k][k ? c * 3 + r : r * 5 + c];
+          *dst = *dst * (1 - rate * wd) - rate * scale * x[r * 5 + c];
+        }
+    }
+    double arate = rate * adam_lr / lr, bc1 = 1 - pow(0.9, t), bc2 = 1 - pow(0.95, t);
+    for (int i = 0; i < 4; i++) {
+      m[2][i] = 0.9 * m[2][i] + 0.1 * g[i];
+      v[i] = 0.95 * v[i] + 0.05 * g[i] * g[i];
+      p[2][i] = p[2][i] * (1 - arate * wd) - arate / bc1 * m[2][i] / (sqrt(v[i]) / sqrt(bc2) + 1e-10);
+    }
+  }
+  memcpy(out, p, sizeof p);
+}
+
+// The schedule sets Muon's rate (lr, down to min_lr) and scales the AdamW params' adam_lr alike: the
+// rates and parameters of 9 steps against the replay; and adam_lr alone leaves the Muon matrices'
+// trajectory bit for bit as it was.
+static void test_muon_schedule(void) {
+  static const double adam[2] = {1e-3, 5e-3};
+  double got[2][3][15], want[3][15], lr_got[2][10], lr_want[10];
+  for (int c = 0; c < 2; c++) {
+    if (!muon_schedule_run(adam[c], got[c], lr_got[c]))
+      return;
+    muon_schedule_replay(adam[c], want, lr_want);
+    double worst_lr = 0;
+    int at = 1;
+    for (int t = 1; t <= 9; t++)
+      if (fabs(lr_got[c][t] - lr_want[t]) / lr_want[t] > worst_lr)
+        worst_lr = fabs(lr_got[c][t] - lr_want[t]) / lr_want[t], at = t;
+    char name[200];
+    snprintf(name, sizeof name, "muon schedule (adam_lr %g): the logged rate of each step is Muon's, from lr to min_lr",
+             adam[c]);
+    CHECK(worst_lr < 1e-12, name, "step %d: %.17g, wanted %.17g", at, lr_got[c][at], lr_want[at]);
+    for (int k = 0; k < 3; k++) {
+      double worst = 0;
+      for (int i = 0; i < (k < 2 ? 15 : 4); i++)
+        worst = fmax(worst, fabs(got[c][k][i] - want[k][i]));
+      snprintf(name, sizeof name, "muon schedule (adam_lr %g): %s after 9 steps as the float64 replay within 1e-12 "
+               "(worst %.1e)", adam[c], k == 0 ? "w (Muon, 3 x 5)" : k == 1 ? "v (Muon, 5 x 3)" : "b (AdamW)", worst);
+      CHECK(worst < 1e-12, name, "differs");
+    }
+  }
+  CHECK(!memcmp(got[0][0], got[1][0], sizeof got[0][0]) && !memcmp(got[0][1], got[1][1], sizeof got[0][1]),
+        "muon schedule: adam_lr 1e-3 or 5e-3 leave the Muon matrices' trajectory bit for bit the same",
+        "w[0] %.17g against %.17g", got[0][0][0], got[1][0][0]);
+  CHECK(got[0][2][0] != got[1][2][0], "muon schedule: ... and move the AdamW param b differently", "b[0] %.17g both",
+        got[0][2][0]);
+}
+
 // The step lines' interval when --log-every does not say: 1, 2, 5, 10, ... and 20 to 50 lines a run.
 static void test_log_every(void) {
   static const int64_t want[][2] = {{1, 1}, {30, 1}, {40, 2}, {60, 2}, {100, 5}, {1000, 50}, {4000, 200}};
@@ -189,6 +342,7 @@ int main(void) {
   test_log_every();
   test_schedule();
   test_schedules();
+  test_muon_schedule();
   test_eval_mode();
   Arena *a = arena_new();
   DimOverride ov[] = {{"B", 4}, {"T", 32}};
