@@ -109,3 +109,31 @@ $m lab models/mlp.mdl --data "$tmp/blobs" --steps 1 --backend cpu --out "$tmp/la
 rc=$?
 check "lab refuses arrays (its rows measure token pipelines), saying so" \
   "[ $rc -eq 1 ] && grep -q 'lab measures language models on token shards' '$tmp/err' && [ ! -e '$tmp/lab' ]"
+
+# Held-out inputs that make the outputs not finite while training stays finite: the run stops at the
+# validation, saying why (its reason was once empty).
+mkdir -p "$tmp/infval/val"
+cp "$tmp/blobs/x.npy" "$tmp/blobs/targets.npy" "$tmp/infval/"
+cp "$tmp/blobs/val/targets.npy" "$tmp/infval/val/"
+python3 - "$tmp/blobs/val/x.npy" "$tmp/infval/val/x.npy" <<'PY'
+import struct, sys
+raw = open(sys.argv[1], 'rb').read()
+start = 10 + struct.unpack('<H', raw[8:10])[0]  # .npy 1.0: magic, version, header length, header
+open(sys.argv[2], 'wb').write(raw[:start] + struct.pack('<f', float('inf')) * ((len(raw) - start) // 4))
+PY
+cat >"$tmp/lin.mdl" <<'M'
+model lin
+dim B in 1..4096
+input x: f32[B, 16]
+input targets: i32[B]
+param w: [16, 4] = normal(0.25)
+output loss = mean(cross_entropy(x @ w, targets))
+train {
+    B = 32
+    optimizer = adamw(lr=1e-2)
+}
+M
+$m run "$tmp/lin.mdl" --data "$tmp/infval" --steps 2 --val-every 2 --backend cpu --out "$tmp/iv" >/dev/null 2>"$tmp/err"
+rc=$?
+check "a validation loss that is NaN stops the run with the reason (status $rc)" \
+  "[ $rc -eq 1 ] && grep -q 'validation at step 2: the validation loss is NaN' '$tmp/err'"
