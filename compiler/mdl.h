@@ -43,6 +43,20 @@ bool diag_stopped(void); // more than DIAG_MAX_ERRORS errors since diag_begin()
 void diag_file_error(const char *path, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 
 //
+// readfile.c: files opened to be read: regular files only, their size known before a byte is read.
+//
+// Opens path with flags (O_RDONLY, O_RDWR) without blocking; fails, with the reason in why, where
+// it cannot, or where path is not a regular file (a FIFO, a device such as /dev/zero, a folder, a
+// socket: "not a regular file (a FIFO)"). Returns the descriptor, and in *size the file's size,
+// all a reader may take of it; else -1, with errno open's (EINVAL for a file that is not regular).
+int file_open(const char *path, int flags, int64_t *size, char *why, size_t n);
+// The same opened as a stdio stream in mode ("r", "r+"); NULL with the reason in why.
+FILE *file_fopen(const char *path, const char *mode, int64_t *size, char *why, size_t n);
+// The whole of a regular file, malloc'd with a NUL after its *n bytes; NULL with the reason in why,
+// also where limit is not 0 and the file is larger.
+char *file_read(const char *path, size_t *n, size_t limit, char *why, size_t wn);
+
+//
 // Counter-based random numbers shared by every back end, so that dropout masks and
 // initialisation agree bit for bit: splitmix64 of (seed, stream, index).
 static inline uint64_t mdl_rng_u64(uint64_t seed, uint64_t stream, uint64_t i) {

@@ -17,7 +17,6 @@
 #include <stdarg.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/stat.h>
 #include <unistd.h>
 
 #if __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
@@ -191,6 +190,26 @@ static bool literal(JParser *j, const char *word) {
 
 static JVal *parse_value(JParser *j);
 
+static int by_name(const void *a, const void *b) { return strcmp(*(const char *const *)a, *(const char *const *)b); }
+
+// A member name that object v holds twice, or NULL. The names are sorted, not compared pairwise:
+// n log n comparisons for n members however they were chosen (a crafted header holds 100k keys).
+static const char *duplicate_key(JParser *j, const JVal *v) {
+  size_t n = 0, i = 0;
+  for (const JVal *m = v->child; m; m = m->next)
+    n++;
+  if (n < 2)
+    return NULL;
+  const char **names = arena_alloc(j->a, n * sizeof *names);
+  for (const JVal *m = v->child; m; m = m->next)
+    names[i++] = m->key;
+  qsort(names, n, sizeof *names, by_name);
+  for (i = 1; i < n; i++)
+    if (!strcmp(names[i - 1], names[i]))
+      return names[i];
+  return NULL;
+}
+
 // An array or object: elements separated by ',' up to `close`; objects have "key": value members.
 static JVal *parse_container(JParser *j, JVal *v, char close) {
   JVal **tail = &v->child;
@@ -208,11 +227,6 @@ static JVal *parse_container(JParser *j, JVal *v, char close) {
         return jfail(j, "expected a member name");
       if (!(key = parse_string(j)))
         return NULL;
-      for (JVal *m = v->child; m; m = m->next)
-        if (strcmp(m->key, key) == 0) {
-          snprintf(j->err, sizeof j->err, "duplicate key '%s' in the header", key);
-          return NULL;
-        }
       skip_ws(j);
       if (j->p >= j->end || *j->p != ':')
         return jfail(j, "expected ':'");
@@ -231,7 +245,10 @@ static JVal *parse_container(JParser *j, JVal *v, char close) {
     }
     if (j->p < j->end && *j->p == close) {
       j->p++;
-      return v;
+      const char *twice = close == '}' ? duplicate_key(j, v) : NULL;
+      if (twice)
+        snprintf(j->err, sizeof j->err, "duplicate key '%.100s' in the header", twice);
+      return twice ? NULL : v;
     }
     return jfail(j, close == '}' ? "expected ',' or '}'" : "expected ',' or ']'");
   }
@@ -512,23 +529,12 @@ static bool parse_file(Arena *a, int fd, uint64_t size, bool data, StFile *out, 
 
 static bool read_file(Arena *a, const char *path, bool data, StFile *out) {
   *out = (StFile){0};
-  int fd = open(path, O_RDONLY);
-  if (fd < 0) {
-    diag_file_error(path, "cannot open: %s", strerror(errno));
-    return false;
-  }
-  struct stat st;
   char why[512] = "";
-  bool ok = fstat(fd, &st) == 0;
-  if (!ok)
-    snprintf(why, sizeof why, "cannot stat: %s", strerror(errno));
-  else if (!S_ISREG(st.st_mode)) {
-    snprintf(why, sizeof why, "not a regular file");
-    ok = false;
-  } else {
-    ok = parse_file(a, fd, (uint64_t)st.st_size, data, out, why, sizeof why);
-  }
-  close(fd);
+  int64_t size;
+  int fd = file_open(path, O_RDONLY, &size, why, sizeof why);
+  bool ok = fd >= 0 && parse_file(a, fd, (uint64_t)size, data, out, why, sizeof why);
+  if (fd >= 0)
+    close(fd);
   if (!ok) {
     diag_file_error(path, "%s", why);
     *out = (StFile){0};

@@ -20,7 +20,6 @@
 // evaluations, where the recursion would otherwise run out of stack.
 #include "front.h"
 
-#include <errno.h>
 #include <float.h>
 #include <fnmatch.h>
 #include <math.h>
@@ -2831,28 +2830,11 @@ Graph *mdl_compile_file(Arena *a, const char *path, const DimOverride *ov, int n
 }
 
 Graph *mdl_compile_file_with(Arena *a, const char *path, const DimOverride *ov, int nov, const LowerOptions *lo) {
-  FILE *f = fopen(path, "rb");
-  if (!f) {
-    diag_file_error(path, "cannot open: %s", strerror(errno));
-    return NULL;
-  }
-  size_t cap = 1 << 16, n = 0, got;
-  char *buf = malloc(cap), *more;
-  while (buf && (got = fread(buf + n, 1, cap - n, f)) > 0) {
-    n += got;
-    if (n == cap) {
-      more = realloc(buf, cap *= 2);
-      if (!more)
-        free(buf);
-      buf = more;
-    }
-  }
-  bool failed = !buf || ferror(f);
-  int err = buf ? errno : ENOMEM;
-  fclose(f);
-  if (failed) {
-    free(buf);
-    diag_file_error(path, "cannot read: %s", strerror(err));
+  char why[256];
+  size_t n;
+  char *buf = file_read(path, &n, 0, why, sizeof why);
+  if (!buf) {
+    diag_file_error(path, "%s", why);
     return NULL;
   }
   Graph *g = compile_bytes(a, path, buf, n, ov, nov, lo);

@@ -386,15 +386,17 @@ static bool json_line_text(DocReader *r, Json *j) {
 //
 bool docs_open(DocReader *r, const char *path, bool jsonl) {
   docs_close(r);
-  int fd = open(path, O_RDONLY);
+  char why[256];
+  int64_t size;
   struct stat st;
+  int fd = file_open(path, O_RDONLY, &size, why, sizeof why);
   if (fd < 0 || fstat(fd, &st)) {
-    diag_file_error(path, "cannot open: %s", strerror(errno));
+    diag_file_error(path, "%s", fd < 0 ? why : strerror(errno));
     if (fd >= 0)
       close(fd);
     return false;
   }
-  size_t n = (size_t)st.st_size;
+  size_t n = (size_t)size;
   char *s = n ? mmap(NULL, n, PROT_READ, MAP_PRIVATE, fd, 0) : NULL;
   close(fd);
   if (s == MAP_FAILED) {
@@ -676,14 +678,16 @@ bool source_read(const char *dir, Source *s) {
   memset(s, 0, sizeof *s);
   char path[PATH_MAX + 16];
   source_path(dir, path, sizeof path);
-  FILE *f = fopen(path, "r");
+  char why[256];
+  int64_t size;
+  FILE *f = file_fopen(path, "r", &size, why, sizeof why);
   if (!f) {
     if (errno == ENOENT)
       diag_file_error(path, "not found: the shards in %s do not say what text they came from (prepared before "
                       "`mdlc prep` recorded it, or made elsewhere, as llm.c's are); prepare the text again with "
                       "`mdlc prep INPUT -o %s --force`", dir, dir);
     else
-      diag_file_error(path, "cannot open: %s", strerror(errno));
+      diag_file_error(path, "%s", why);
     return false;
   }
   char *line = NULL;

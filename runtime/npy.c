@@ -46,36 +46,10 @@ void np_array_free(NpArray *a) {
 
 // The file's whole contents (malloc'd); NULL after printing why.
 static unsigned char *read_all(const char *path, size_t *n) {
-  FILE *f = fopen(path, "rb");
-  if (!f) {
-    diag_file_error(path, "cannot open: %s", strerror(errno));
-    return NULL;
-  }
-  unsigned char *buf = NULL;
-  size_t len = 0, cap = 0, got;
-  do {
-    if (len == cap) {
-      cap = cap ? 2 * cap : 1 << 16;
-      unsigned char *grown = realloc(buf, cap);
-      if (!grown) {
-        diag_file_error(path, "out of memory reading it (%zu bytes so far)", len);
-        free(buf);
-        fclose(f);
-        return NULL;
-      }
-      buf = grown;
-    }
-    got = fread(buf + len, 1, cap - len, f);
-    len += got;
-  } while (got > 0);
-  bool bad = ferror(f);
-  fclose(f);
-  if (bad) {
-    diag_file_error(path, "cannot read: %s", strerror(errno));
-    free(buf);
-    return NULL;
-  }
-  *n = len;
+  char why[256];
+  unsigned char *buf = (unsigned char *)file_read(path, n, 0, why, sizeof why);
+  if (!buf)
+    diag_file_error(path, "%s", why);
   return buf;
 }
 
@@ -281,6 +255,7 @@ int npz_read(const char *path, NpArray **out) {
     return -1;
   *out = NULL;
   int count = 0, nent = 0;
+  uint64_t stored = 0; // bytes of the entries read so far
   char why[256] = "";
   const char *entry = NULL;
   char name[256] = "";
@@ -341,6 +316,10 @@ int npz_read(const char *path, NpArray **out) {
     uint64_t data = off + 30 + le16(buf + off + 26) + le16(buf + off + 28);
     if (data > n || usize > n - data) {
       rt_fail(why, sizeof why, "truncated (the zip says %llu bytes)", (unsigned long long)usize);
+      goto fail;
+    }
+    if ((stored += usize) > n) { // (entries sharing bytes: reading each would take more than the file)
+      rt_fail(why, sizeof why, "the zip's entries overlap: the archive is damaged");
       goto fail;
     }
     if (crc32(buf + data, usize) != crc) {

@@ -16,7 +16,6 @@
 #include <stdarg.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -162,21 +161,17 @@ static bool cache_path(const char *key, char *path, size_t n, char *err, size_t 
   return true;
 }
 
-// The whole of a regular file, malloc'd; NULL when it cannot be read or is not a regular file (a
-// folder where a cubin goes opens for reading, and fseek and ftell may give it a size of LONG_MAX).
+// The whole of a regular file, malloc'd; NULL when it cannot be read, is empty or is not a regular
+// file (a folder where a cubin goes, a FIFO).
 static void *read_file(const char *path, size_t *size) {
-  FILE *f = fopen(path, "rb");
-  if (!f)
-    return NULL;
-  void *data = NULL;
-  struct stat st;
-  if (fstat(fileno(f), &st) == 0 && S_ISREG(st.st_mode) && st.st_size > 0 &&
-      (data = malloc((size_t)st.st_size)) && fread(data, 1, (size_t)st.st_size, f) != (size_t)st.st_size) {
+  char why[256];
+  char *data = file_read(path, size, 0, why, sizeof why);
+  if (data && !*size) {
     free(data);
     data = NULL;
   }
-  *size = data ? (size_t)st.st_size : 0;
-  fclose(f);
+  if (!data)
+    *size = 0;
   return data;
 }
 

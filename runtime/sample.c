@@ -24,10 +24,10 @@
 #include "runtime.h"
 
 #include <errno.h>
+#include <fcntl.h>
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/stat.h>
 #include <unistd.h>
 
 struct Sampler {
@@ -234,16 +234,12 @@ static bool load_params(Sampler *s, const StFile *f, const char *source) {
 
 // The whole of a regular file in the arena, as text, or NULL (no message) when it cannot be read.
 static char *read_text(Arena *a, const char *path) {
-  FILE *f = fopen(path, "rb");
-  if (!f)
-    return NULL;
-  struct stat st;
-  char *text = NULL;
-  if (fstat(fileno(f), &st) == 0 && S_ISREG(st.st_mode)) {
-    text = arena_alloc(a, (size_t)st.st_size + 1);
-    text[fread(text, 1, (size_t)st.st_size, f)] = 0;
-  }
-  fclose(f);
+  char why[256];
+  size_t n;
+  char *buf = file_read(path, &n, 0, why, sizeof why), *text = buf ? arena_alloc(a, n + 1) : NULL;
+  if (buf)
+    memcpy(text, buf, n + 1);
+  free(buf);
   return text;
 }
 
@@ -443,16 +439,17 @@ static Tokenizer *load_tokenizer(const Sampler *s, const char **name) {
   Tokenizer *t = bytes ? tok_parse(bytes, n, s->path) : NULL;
   if (!bytes)
     diag_file_error(s->path, "mdl.tokenizer_base64 is not base64");
-  FILE *f = t ? fopen(s->tokenizer, "rb") : NULL;
-  if (f) {
-    unsigned char *disk = malloc(n + 1);
-    size_t got = disk ? fread(disk, 1, n + 1, f) : 0;
-    if (got != n || memcmp(disk, bytes, n))
-      fprintf(stderr, "%s: warning: %s differs from the tokenizer this checkpoint was trained with; sampling "
-              "with the copy of that tokenizer stored in the checkpoint\n", s->path, s->tokenizer);
-    free(disk);
-    fclose(f);
-  }
+  char why[256];
+  size_t got = 0;
+  int64_t size = -1;
+  int fd = t ? file_open(s->tokenizer, O_RDONLY, &size, why, sizeof why) : -1; // (a FIFO there: not read)
+  if (fd >= 0)
+    close(fd);
+  unsigned char *disk = size == (int64_t)n ? (unsigned char *)file_read(s->tokenizer, &got, n, why, sizeof why) : NULL;
+  if (fd >= 0 && (!disk || got != n || memcmp(disk, bytes, n)))
+    fprintf(stderr, "%s: warning: %s differs from the tokenizer this checkpoint was trained with; sampling "
+            "with the copy of that tokenizer stored in the checkpoint\n", s->path, s->tokenizer);
+  free(disk);
   free(bytes);
   return t;
 }

@@ -129,31 +129,27 @@ bool shard_write(const char *path, const uint16_t *tokens, int64_t n) {
 //
 bool shard_open(Shard *s, const char *path, int64_t vocab) {
   memset(s, 0, sizeof *s);
-  int fd = open(path, O_RDONLY);
+  char why[256];
+  int64_t size;
+  int fd = file_open(path, O_RDONLY, &size, why, sizeof why);
   if (fd < 0) {
-    diag_file_error(path, "cannot open: %s", strerror(errno));
+    diag_file_error(path, "%s", why);
     return false;
   }
-  struct stat st;
-  if (fstat(fd, &st) || !S_ISREG(st.st_mode)) {
-    diag_file_error(path, "not a regular file");
-    close(fd);
-    return false;
-  }
-  if (st.st_size < SHARD_HEADER_BYTES) {
-    diag_file_error(path, "truncated: %lld bytes, a shard's header alone is %d", (long long)st.st_size,
+  if (size < SHARD_HEADER_BYTES) {
+    diag_file_error(path, "truncated: %lld bytes, a shard's header alone is %d", (long long)size,
                     SHARD_HEADER_BYTES);
     close(fd);
     return false;
   }
-  void *map = mmap(NULL, (size_t)st.st_size, PROT_READ, MAP_PRIVATE, fd, 0);
+  void *map = mmap(NULL, (size_t)size, PROT_READ, MAP_PRIVATE, fd, 0);
   close(fd);
   if (map == MAP_FAILED) {
     diag_file_error(path, "cannot map: %s", strerror(errno));
     return false;
   }
   const int32_t *h = map;
-  int64_t holds = (st.st_size - SHARD_HEADER_BYTES) / 2;
+  int64_t holds = (size - SHARD_HEADER_BYTES) / 2;
   bool ok = false;
   if (h[0] != SHARD_MAGIC) {
     diag_file_error(path, "bad magic %d: not a token shard (want %d)", h[0], SHARD_MAGIC);
@@ -161,9 +157,9 @@ bool shard_open(Shard *s, const char *path, int64_t vocab) {
     diag_file_error(path, "version %d: only version %d (uint16 tokens) is read", h[1], SHARD_VERSION);
   } else if (h[2] < 0 || h[2] > holds) {
     diag_file_error(path, "truncated: header says %d tokens, file holds %lld", h[2], (long long)holds);
-  } else if (h[2] < holds || (st.st_size - SHARD_HEADER_BYTES) % 2) {
+  } else if (h[2] < holds || (size - SHARD_HEADER_BYTES) % 2) {
     diag_file_error(path, "header says %d tokens, file holds %lld bytes after the header", h[2],
-                    (long long)(st.st_size - SHARD_HEADER_BYTES));
+                    (long long)(size - SHARD_HEADER_BYTES));
   } else {
     ok = true;
     const uint16_t *tok = (const uint16_t *)((const char *)map + SHARD_HEADER_BYTES);
@@ -176,12 +172,12 @@ bool shard_open(Shard *s, const char *path, int64_t vocab) {
       }
   }
   if (!ok) {
-    munmap(map, (size_t)st.st_size);
+    munmap(map, (size_t)size);
     return false;
   }
   s->path = strdup(path);
   s->map = map;
-  s->map_bytes = (size_t)st.st_size;
+  s->map_bytes = (size_t)size;
   s->n = h[2];
   s->tokens = (const uint16_t *)((const char *)map + SHARD_HEADER_BYTES);
   return true;

@@ -430,20 +430,14 @@ bool tok_save(const Tokenizer *t, const char *path) {
 }
 
 Tokenizer *tok_load(const char *path) {
-  FILE *f = fopen(path, "rb");
-  if (!f) {
-    diag_file_error(path, "cannot open: %s", strerror(errno));
+  char why[256];
+  size_t n;
+  unsigned char *buf = (unsigned char *)file_read(path, &n, 16 + 8 * (size_t)(TOK_MAX_VOCAB - 256), why, sizeof why);
+  if (!buf) {
+    diag_file_error(path, "%s", why);
     return NULL;
   }
-  size_t cap = 16 + 8 * (size_t)(TOK_MAX_VOCAB - 256) + 1, n;
-  unsigned char *buf = xrealloc(NULL, cap);
-  n = fread(buf, 1, cap, f);
-  fclose(f);
-  Tokenizer *t = NULL;
-  if (n == cap)
-    diag_file_error(path, "more than %zu bytes: larger than any tokenizer file", cap - 1);
-  else
-    t = tok_parse(buf, n, path);
+  Tokenizer *t = tok_parse(buf, n, path);
   free(buf);
   return t;
 }

@@ -995,9 +995,11 @@ void train_release_out(int fd, const char *dir, bool remove) {
 // a killed run logged after its last checkpoint are not there twice once they run again. A line cut
 // short (a kill in the middle of its write) goes too.
 static bool truncate_log(const char *path, int64_t step) {
-  FILE *f = fopen(path, "r+");
+  char why[256];
+  int64_t size;
+  FILE *f = file_fopen(path, "r+", &size, why, sizeof why);
   if (!f)
-    return errno == ENOENT || (diag_file_error(path, "cannot open: %s", strerror(errno)), false);
+    return errno == ENOENT || (diag_file_error(path, "%s", why), false);
   char *line = NULL;
   size_t cap = 0;
   ssize_t len;
