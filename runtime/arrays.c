@@ -231,6 +231,87 @@ static bool convert(const NpArray *a, const IrNode *in, char *dst, int64_t count
   return true;
 }
 
+// The values the model lets an i32 input take, where it makes them known: the ids of an embed
+// (0 <= id < its table's rows) and the targets of a cross_entropy (below its class count; a negative
+// target is ignored), reached from the input through reshapes, permutes and broadcasts, which carry
+// every value of it. lo_by and hi_by are the ops that set each end (NULL: no bound that way).
+typedef struct {
+  int64_t lo, hi;
+  const IrNode *lo_by, *hi_by;
+} IdRange;
+
+// The upper end an embed (its table's rows) or a cross_entropy (its logits' classes) sets.
+static int64_t limit_of(const Graph *g, const IrNode *by) {
+  const Shape *of = &g->nodes[by->in[0]]->shape; // the table [V, C], or the logits [..., V]
+  return by->op == OP_EMBED ? of->d[0] : of->d[of->rank - 1];
+}
+
+static IdRange input_range(const Graph *g, const IrNode *in) {
+  IdRange r = {INT64_MIN, INT64_MAX, NULL, NULL};
+  int *whole = rt_xrealloc(NULL, sizeof(int) * (size_t)(g->fwd_end + 1)); // node i carries all of the input
+  for (int i = 0; i < g->fwd_end; i++) {
+    const IrNode *n = g->nodes[i];
+    Op op = n->op;
+    whole[i] = n == in || ((op == OP_RESHAPE || op == OP_PERMUTE || op == OP_BROADCAST || op == OP_STOP_GRADIENT) &&
+                           whole[n->in[0]]);
+    if ((op != OP_EMBED && op != OP_CROSS_ENTROPY) || !whole[n->in[1]])
+      continue;
+    int64_t v = limit_of(g, n);
+    if (op == OP_EMBED && !r.lo_by)
+      r.lo = 0, r.lo_by = n;
+    if (v < r.hi)
+      r.hi = v, r.hi_by = n;
+  }
+  free(whole);
+  return r;
+}
+
+// "example E" or "example E, element K" of array a, whose flat element i it is.
+static const char *element_at(const NpArray *a, int64_t i, char *buf, size_t n) {
+  int64_t row = a->shape.d[0] ? shape_numel(a->shape) / a->shape.d[0] : 1;
+  if (row == 1)
+    snprintf(buf, n, "example %lld", (long long)i);
+  else
+    snprintf(buf, n, "example %lld, element %lld", (long long)(i / row), (long long)(i % row));
+  return buf;
+}
+
+// The converted values of array a (count of them, in dst) checked as the model will use them: no
+// NaN or infinity in a float input, an i32 input inside the range the model gives it; false after
+// naming the file, the array, the example and the value.
+static bool check_values(const Graph *g, const NpArray *a, const IrNode *in, const char *dst, int64_t count) {
+  char at[96], where[160] = "";
+  if (in->dtype == DT_F32) {
+    int64_t i = rt_first_nonfinite((const float *)dst, count);
+    double v = i < 0 ? 0 : a->type == AT_F64 ? ((const double *)a->data)[i] : ((const float *)dst)[i];
+    if (i >= 0)
+      diag_file_error(a->file, "array '%s', %s is %g%s: the model's input '%s' takes finite numbers only (drop or "
+                      "replace the example)", a->name, element_at(a, i, at, sizeof at), v,
+                      isfinite(v) ? ", beyond float32's range" : "", in->name);
+    return i < 0;
+  }
+  IdRange r = input_range(g, in);
+  const int32_t *x = (const int32_t *)dst;
+  for (int64_t i = 0; i < count; i++) {
+    if (x[i] >= r.lo && x[i] < r.hi)
+      continue;
+    const IrNode *by = x[i] < r.lo ? r.lo_by : r.hi_by;
+    int64_t v = limit_of(g, by);
+    if (by->loc.line)
+      snprintf(where, sizeof where, " (%s:%d:%d)", by->loc.file, by->loc.line, by->loc.col);
+    if (by->op == OP_EMBED)
+      diag_file_error(a->file, "array '%s', %s is %d, outside [0, %lld): the model's input '%s' is the ids of an "
+                      "embed%s whose table has %lld rows", a->name, element_at(a, i, at, sizeof at), x[i],
+                      (long long)v, in->name, where, (long long)v);
+    else
+      diag_file_error(a->file, "array '%s', %s is %d, not below %lld: the model's input '%s' is the targets of a "
+                      "cross_entropy%s over %lld classes (a negative target is ignored)", a->name,
+                      element_at(a, i, at, sizeof at), x[i], (long long)v, in->name, where, (long long)v);
+    return false;
+  }
+  return true;
+}
+
 // Whether array a can fill input `in` (B the batch dim): its dtype, its rank and the shape of one example.
 static bool fits(const NpArray *a, const IrNode *in, int64_t B) {
   char want[96], got[96], ex[96];
@@ -341,7 +422,8 @@ static bool split_load(const char *path, const char *split, const Graph *g, Spli
       diag_file_error(a->file, "out of memory for array '%s'", a->name);
       ok = false;
     } else {
-      ok = convert(a, in[i], s->data[i], shape_numel(a->shape));
+      ok = convert(a, in[i], s->data[i], shape_numel(a->shape)) &&
+           check_values(g, a, in[i], s->data[i], shape_numel(a->shape));
     }
   }
   if (ok && nin == 0) {

@@ -110,8 +110,9 @@ rc=$?
 check "lab refuses arrays (its rows measure token pipelines), saying so" \
   "[ $rc -eq 1 ] && grep -q 'lab measures language models on token shards' '$tmp/err' && [ ! -e '$tmp/lab' ]"
 
-# Held-out inputs that make the outputs not finite while training stays finite: the run stops at the
-# validation, saying why (its reason was once empty).
+# Held-out inputs, finite but near float32's largest, that make the outputs overflow while training
+# stays finite: the run stops at the validation, saying why (its reason was once empty). (Inputs that
+# are not finite are refused when the arrays are opened: below.)
 mkdir -p "$tmp/infval/val"
 cp "$tmp/blobs/x.npy" "$tmp/blobs/targets.npy" "$tmp/infval/"
 cp "$tmp/blobs/val/targets.npy" "$tmp/infval/val/"
@@ -119,7 +120,7 @@ python3 - "$tmp/blobs/val/x.npy" "$tmp/infval/val/x.npy" <<'PY'
 import struct, sys
 raw = open(sys.argv[1], 'rb').read()
 start = 10 + struct.unpack('<H', raw[8:10])[0]  # .npy 1.0: magic, version, header length, header
-open(sys.argv[2], 'wb').write(raw[:start] + struct.pack('<f', float('inf')) * ((len(raw) - start) // 4))
+open(sys.argv[2], 'wb').write(raw[:start] + struct.pack('<f', 3e38) * ((len(raw) - start) // 4))
 PY
 cat >"$tmp/lin.mdl" <<'M'
 model lin
@@ -127,7 +128,7 @@ dim B in 1..4096
 input x: f32[B, 16]
 input targets: i32[B]
 param w: [16, 4] = normal(0.25)
-output loss = mean(cross_entropy(x @ w, targets))
+output loss = mean(cross_entropy((x * 10) @ w, targets))
 train {
     B = 32
     optimizer = adamw(lr=1e-2)
@@ -137,3 +138,33 @@ $m run "$tmp/lin.mdl" --data "$tmp/infval" --steps 2 --val-every 2 --backend cpu
 rc=$?
 check "a validation loss that is NaN stops the run with the reason (status $rc)" \
   "[ $rc -eq 1 ] && grep -q 'validation at step 2: the validation loss is NaN' '$tmp/err'"
+
+# Bad values are found when the arrays are opened, before anything is compiled, naming the file, the
+# array and the example (they were once found when the row was drawn, blaming the model's gradient,
+# or in the kernel, naming neither file nor row): a NaN feature of train example 11, a target of 4
+# in a model of 4 classes at example 7. python3 -c writes them from the .npy's own layout.
+poke() { # poke SRC DST INDEX FORMAT VALUE: a copy of the .npy SRC with element INDEX set to VALUE
+  python3 - "$@" <<'PY'
+import struct, sys
+raw = bytearray(open(sys.argv[1], 'rb').read())
+start = 10 + struct.unpack('<H', raw[8:10])[0]
+size = struct.calcsize('<' + sys.argv[4])
+raw[start + int(sys.argv[3]) * size:start + (int(sys.argv[3]) + 1) * size] = struct.pack('<' + sys.argv[4], eval(sys.argv[5]))
+open(sys.argv[2], 'wb').write(raw)
+PY
+}
+mkdir -p "$tmp/nanx/val" "$tmp/bigy/val"
+cp -r "$tmp/blobs/val" "$tmp/nanx/" && cp -r "$tmp/blobs/val" "$tmp/bigy/"
+cp "$tmp/blobs/targets.npy" "$tmp/nanx/" && cp "$tmp/blobs/x.npy" "$tmp/bigy/"
+poke "$tmp/blobs/x.npy" "$tmp/nanx/x.npy" $((11 * 16 + 5)) f 'float("nan")'
+poke "$tmp/blobs/targets.npy" "$tmp/bigy/targets.npy" 7 i 4
+$m run models/mlp.mdl --data "$tmp/nanx" --steps 20 --backend cpu --out "$tmp/nx" >"$tmp/out" 2>"$tmp/err"
+rc=$?
+check "a NaN feature is refused when the arrays are opened, naming the file, the array and the example" \
+  "[ $rc -eq 1 ] && grep -q 'nanx/x.npy: error: array .x., example 11, element 5 is nan' '$tmp/err' &&
+   ! grep -q compiled '$tmp/out' && [ ! -e '$tmp/nx' ]"
+$m run models/mlp.mdl --data "$tmp/bigy" --steps 20 --backend cpu --out "$tmp/by" >"$tmp/out" 2>"$tmp/err"
+rc=$?
+check "a target beyond the class count is refused when opened, naming the file, the example and the loss" \
+  "[ $rc -eq 1 ] && grep -q \"bigy/targets.npy: error: array 'targets', example 7 is 4, not below 4: the model's input 'targets' is the targets of a cross_entropy (models/mlp.mdl:[0-9]*:[0-9]*) over 4 classes\" '$tmp/err' &&
+   ! grep -q compiled '$tmp/out'"

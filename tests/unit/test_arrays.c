@@ -422,6 +422,86 @@ static void test_datasets(void) {
   arena_free(ar);
 }
 
+// Values checked when the arrays are opened, against what the model makes of them: NaN and infinity
+// in a float input; a cross_entropy's targets below its class count (a negative one is ignored, so
+// allowed); an embed's ids in [0, rows), also through a reshape. Each refusal names the file, the
+// array, the example (the row of the file's first axis) and the value.
+static const char embed_model[] = "model e\n"
+                                  "dim B in 1..64\n"
+                                  "input ids: i32[B, 2]\n"
+                                  "input y: i32[B]\n"
+                                  "param tab: [5, 3] = normal(0.1)\n"
+                                  "param w: [3, 2] = normal(0.1)\n"
+                                  "h = sum(embed(table=tab, ids=reshape(ids, [B, 2])), axis=1)\n"
+                                  "output loss = mean(cross_entropy(h @ w, y))\n"
+                                  "train {\n B = 4\n}\n";
+
+static void test_values(void) {
+  Arena *ar = arena_new();
+  Graph *g = mdl_compile_text(ar, "m.mdl", model, NULL, 0), *ge = mdl_compile_text(ar, "e.mdl", embed_model, NULL, 0);
+  if (!g || !ge) {
+    CHECK(false, "values: the test models compile", "no graph");
+    return;
+  }
+  float x[30];
+  for (int i = 0; i < 30; i++)
+    x[i] = (float)i;
+  x[6 * 3 + 1] = NAN;
+  write_set(path_in("nan"), 10, AT_I32, 3);
+  npy_write(path_in("nan/x.npy"), AT_F32, (Shape){2, {10, 3}}, x);
+  const char *err = check_error(path_in("nan"), g);
+  CHECK(strstr(err, "nan/x.npy: error: array 'x', example 6, element 1 is nan: the model's input 'x' takes finite "
+                "numbers only"), "values: a NaN feature is refused when opened, naming file, array, example, element",
+        "'%s'", err);
+  double xd[30] = {0};
+  xd[9 * 3] = 1e300;
+  npy_write(path_in("nan/x.npy"), AT_F64, (Shape){2, {10, 3}}, xd);
+  err = check_error(path_in("nan"), g);
+  CHECK(strstr(err, "array 'x', example 9, element 0 is 1e+300, beyond float32's range"),
+        "values: a float64 feature that is infinite in float32 is refused", "'%s'", err);
+  x[6 * 3 + 1] = -INFINITY;
+  npy_write(path_in("nan/x.npy"), AT_F32, (Shape){2, {10, 3}}, x);
+  err = check_error(path_in("nan"), g);
+  CHECK(strstr(err, "array 'x', example 6, element 1 is -inf"), "values: an infinite feature is refused", "'%s'", err);
+
+  // Targets: the model's cross_entropy has 2 classes (x @ w, w [3, 2]).
+  write_set(path_in("tgt"), 10, AT_I32, 3);
+  int32_t y[10] = {0, 1, 0, 1, 0, 1, 0, 1, 0, 1};
+  y[3] = -1;
+  npy_write(path_in("tgt/y.npy"), AT_I32, (Shape){1, {10}}, y);
+  err = check_error(path_in("tgt"), g);
+  CHECK(!*err, "values: a negative target (ignored by cross_entropy) is accepted", "'%s'", err);
+  y[7] = 2;
+  npy_write(path_in("tgt/y.npy"), AT_I32, (Shape){1, {10}}, y);
+  err = check_error(path_in("tgt"), g);
+  CHECK(strstr(err, "tgt/y.npy: error: array 'y', example 7 is 2, not below 2: the model's input 'y' is the targets "
+                "of a cross_entropy (m.mdl:6:20) over 2 classes"),
+        "values: a target at the class count is refused when opened, naming file, array, example and the loss",
+        "'%s'", err);
+
+  // Ids: the embed's table has 5 rows; targets 2 classes; ids [10, 2] reach the embed through a reshape.
+  mkdir(path_in("ids"), 0777);
+  int32_t ids[20], ye[10] = {0};
+  for (int i = 0; i < 20; i++)
+    ids[i] = i % 5;
+  npy_write(path_in("ids/ids.npy"), AT_I32, (Shape){2, {10, 2}}, ids);
+  npy_write(path_in("ids/y.npy"), AT_I32, (Shape){1, {10}}, ye);
+  err = check_error(path_in("ids"), ge);
+  CHECK(!*err, "values: ids 0..4 of a 5-row table are accepted", "'%s'", err);
+  ids[2 * 4 + 1] = 5;
+  npy_write(path_in("ids/ids.npy"), AT_I32, (Shape){2, {10, 2}}, ids);
+  err = check_error(path_in("ids"), ge);
+  CHECK(strstr(err, "ids/ids.npy: error: array 'ids', example 4, element 1 is 5, outside [0, 5): the model's input "
+                "'ids' is the ids of an embed (e.mdl:7:9) whose table has 5 rows"),
+        "values: an id past the table is refused when opened, naming file, array, example, element", "'%s'", err);
+  ids[2 * 4 + 1] = -1;
+  npy_write(path_in("ids/ids.npy"), AT_I32, (Shape){2, {10, 2}}, ids);
+  err = check_error(path_in("ids"), ge);
+  CHECK(strstr(err, "array 'ids', example 4, element 1 is -1, outside [0, 5)"), "values: a negative id is refused",
+        "'%s'", err);
+  arena_free(ar);
+}
+
 int main(void) {
   snprintf(tmp, sizeof tmp, "/tmp/mdl-arrays-XXXXXX");
   if (!mkdtemp(tmp)) {
@@ -431,6 +511,7 @@ int main(void) {
   test_npy();
   test_npz();
   test_datasets();
+  test_values();
   nftw(tmp, remove_entry, 16, FTW_DEPTH | FTW_PHYS);
   TEST_EXIT();
 }
