@@ -422,6 +422,58 @@ static void test_datasets(void) {
   arena_free(ar);
 }
 
+// Shuffled epochs: each epoch's order a permutation of the examples, another in the next epoch
+// (loader_permute's for that epoch), and a loader sought to a state in the middle of an epoch goes on
+// with that epoch's order, then the next's, as the uninterrupted loader does. Example e's first
+// feature is e, so the draws name the examples.
+static void test_epochs(void) {
+  Arena *ar = arena_new();
+  Graph *g = mdl_compile_text(ar, "m.mdl", model, NULL, 0);
+  mkdir(path_in("ep"), 0777);
+  write_set(path_in("ep/train"), 10, AT_I32, 3);
+  write_set(path_in("ep/val"), 3, AT_I32, 3);
+  LoaderOptions lo = {.B = 4, .model = g, .shuffle = true, .seed = 7};
+  Loader *l = g ? loader_open(path_in("ep"), "train", lo) : NULL;
+  int drawn[32];
+  Batch b;
+  for (int k = 0; l && k < 8; k++) {
+    loader_next(l, &b);
+    for (int r = 0; r < 4; r++)
+      drawn[4 * k + r] = (int)b.inputs[0].f[3 * r];
+  }
+  bool perm = l != NULL, formula = l != NULL;
+  for (int ep = 0; l && ep < 3; ep++) {
+    int hit[10] = {0};
+    for (int i = 0; i < 10; i++) {
+      hit[drawn[10 * ep + i]]++;
+      formula &= drawn[10 * ep + i] == loader_permute(7, ep, 10, i);
+    }
+    for (int i = 0; i < 10; i++)
+      perm &= hit[i] == 1;
+  }
+  CHECK(perm, "epochs: each shuffled epoch draws every example once", "drawn %d %d %d ...", drawn[0], drawn[1],
+        drawn[2]);
+  CHECK(l && memcmp(drawn, drawn + 10, 10 * sizeof *drawn) && memcmp(drawn + 10, drawn + 20, 10 * sizeof *drawn),
+        "epochs: two epochs' orders differ", "epoch 0 %d %d %d, epoch 1 %d %d %d", drawn[0], drawn[1], drawn[2],
+        drawn[10], drawn[11], drawn[12]);
+  CHECK(formula, "epochs: epoch k's order is loader_permute(seed, k, n, i) for i = 0..n-1", "no");
+  loader_close(l);
+
+  // Resumed at epoch 1, position 6 (16 examples drawn: one epoch of 10, then 6): the next 16 draws are
+  // the uninterrupted loader's, epoch 1's last 4 then epoch 2's first 12.
+  Loader *r = g ? loader_open(path_in("ep"), "train", lo) : NULL;
+  bool same = r && loader_seek(r, (LoaderState){1, 6});
+  for (int k = 0; same && k < 4; k++) {
+    loader_next(r, &b);
+    for (int i = 0; i < 4; i++)
+      same &= (int)b.inputs[0].f[3 * i] == drawn[16 + 4 * k + i];
+  }
+  CHECK(same && loader_state(r).epoch == 3 && loader_state(r).position == 2,
+        "epochs: a loader resumed mid-epoch continues that epoch's order into the next", "same %d", same);
+  loader_close(r);
+  arena_free(ar);
+}
+
 // Values checked when the arrays are opened, against what the model makes of them: NaN and infinity
 // in a float input; a cross_entropy's targets below its class count (a negative one is ignored, so
 // allowed); an embed's ids in [0, rows), also through a reshape. Each refusal names the file, the
@@ -512,6 +564,7 @@ int main(void) {
   test_npz();
   test_datasets();
   test_values();
+  test_epochs();
   nftw(tmp, remove_entry, 16, FTW_DEPTH | FTW_PHYS);
   TEST_EXIT();
 }
