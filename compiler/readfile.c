@@ -22,7 +22,10 @@ int file_open(const char *path, int flags, int64_t *size, char *why, size_t n) {
   int fd = open(path, flags | O_NONBLOCK | O_CLOEXEC);
   if (fd < 0) {
     int e = errno;
-    snprintf(why, n, "cannot open: %s", strerror(e));
+    if (e == EISDIR) // (opened to be written)
+      snprintf(why, n, "not a regular file (a folder)");
+    else
+      snprintf(why, n, "cannot open: %s", strerror(e));
     errno = e;
     return -1;
   }

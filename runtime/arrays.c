@@ -48,6 +48,7 @@ static void stem(const char *path, char *buf, size_t n) {
 static int cmp_str(const void *a, const void *b) { return strcmp(*(char *const *)a, *(char *const *)b); }
 
 // The array files of folder dir, sorted; with only (a stem), those of that stem, with skip, the others.
+// A name such as x.npy that is not a regular file (a folder, a FIFO) is listed too: its reader refuses it.
 static int list_dir(const char *dir, const char *only, const char *skip, char ***out) {
   DIR *d = opendir(dir);
   int n = 0, cap = 0;
@@ -58,7 +59,7 @@ static int list_dir(const char *dir, const char *only, const char *skip, char **
     char s[256], path[PATH_MAX];
     stem(e->d_name, s, sizeof s);
     snprintf(path, sizeof path, "%s/%s", dir, e->d_name);
-    if (!array_file(e->d_name) || is_dir(path) || (only && strcmp(s, only)) || (skip && !strcmp(s, skip)))
+    if (!array_file(e->d_name) || (only && strcmp(s, only)) || (skip && !strcmp(s, skip)))
       continue;
     if (n == cap)
       *out = rt_xrealloc(*out, sizeof(char *) * (size_t)(cap = cap ? 2 * cap : 8));

@@ -250,10 +250,10 @@ static void zip64_sizes(const unsigned char *extra, size_t n, uint64_t *usize, u
 
 int npz_read(const char *path, NpArray **out) {
   size_t n;
+  *out = NULL;
   unsigned char *buf = read_all(path, &n);
   if (!buf)
     return -1;
-  *out = NULL;
   int count = 0, nent = 0;
   uint64_t stored = 0; // bytes of the entries read so far
   char why[256] = "";
