@@ -511,7 +511,9 @@ out:
 }
 
 // A budget: bytes ("1000000"), a size ("512MiB", "2GiB", "1GB", "64KB"), or a fraction of `memory`
-// ("0.5", in (0, 1]). Returns the bytes, or -1 when the text is none of these.
+// ("0.5", in (0, 1]). Returns the bytes, or -1 when the text is none of these. A budget is at least one
+// byte: a fraction too small for one is one byte (a budget no plan meets, refused as such), never 0,
+// which would mean none.
 int64_t checkpoint_budget(const char *text, int64_t memory, bool *fraction) {
   char *end;
   *fraction = false;
@@ -527,7 +529,7 @@ int64_t checkpoint_budget(const char *text, int64_t memory, bool *fraction) {
     if (!strcmp(end, units[i].unit)) {
       if (i == 0 && x <= 1) { // a fraction of the memory there is
         *fraction = true;
-        return memory > 0 ? (int64_t)(x * (double)memory) : -1;
+        return memory <= 0 ? -1 : x * (double)memory < 1 ? 1 : (int64_t)(x * (double)memory);
       }
       double b = x * units[i].bytes;
       return b >= 1 && b < 9e18 ? (int64_t)b : -1;

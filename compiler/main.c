@@ -165,13 +165,22 @@ static int usage_error(const char *fmt, const char *arg) {
   return EXIT_USAGE;
 }
 
+// An integer, the whole of s; false for anything else, a value beyond int64_t included (strtoll would
+// saturate it).
 static bool parse_int(const char *s, int64_t *v) {
   char *end;
+  errno = 0;
   long long x = strtoll(s, &end, 10);
-  if (!*s || *end)
+  if (!*s || *end || errno == ERANGE)
     return false;
   *v = x;
   return true;
+}
+
+// Digits after an optional sign: an integer's text, whether or not int64_t holds its value.
+static bool integer_text(const char *s) {
+  s += *s == '-' || *s == '+';
+  return *s && strspn(s, "0123456789") == strlen(s);
 }
 
 static int parse_options(int argc, char **argv, Options *o) {
@@ -218,7 +227,11 @@ static int parse_options(int argc, char **argv, Options *o) {
     case 'D': {
       char *eq = strchr(optarg, '=');
       if (!eq || eq == optarg || !parse_int(eq + 1, &v))
-        return usage_error("-D wants NAME=INTEGER, got '%s'", optarg);
+        return usage_error(eq && eq > optarg && integer_text(eq + 1)
+                               ? "-D %s: the value overflows a 64-bit integer (-9223372036854775808 to "
+                                 "9223372036854775807)"
+                               : "-D wants NAME=INTEGER, got '%s'",
+                           optarg);
       if (o->ndims == 32)
         return usage_error("too many -D options (32 at most)%s", "");
       o->dims[o->ndims++] = (DimOverride){strndup(optarg, (size_t)(eq - optarg)), v};

@@ -66,9 +66,6 @@ static bool march_ok(char *err, size_t n) {
   return true;
 }
 
-static bool compile_blocked(int parts, const char *src, const char *so, const char *log, const sigset_t *mask,
-                            char *err, size_t n);
-
 // FNV-1a, 128 bits, over several strings (each with its terminating NUL, so ("ab","c") != ("a","bc")).
 static void fnv128(const char *const *parts, int n, char hex[33]) {
   const unsigned __int128 prime = ((unsigned __int128)1 << 88) + 0x13B;
@@ -82,24 +79,45 @@ static void fnv128(const char *const *parts, int n, char hex[33]) {
   snprintf(hex, 33, "%016llx%016llx", (unsigned long long)(h >> 64), (unsigned long long)h);
 }
 
-// Runs the compiler on src into so (through a temporary name), its messages into log. Ctrl-C (or
-// SIGTERM, SIGHUP) while it runs stops the compiler, which shares the terminal's process group; here
-// those signals wait, blocked, until the temporary file is gone, then take effect as they would have.
+// A compile's stop signals: SIGINT, SIGTERM and SIGHUP are blocked while the compilers run, and one
+// that arrives meanwhile (Ctrl-C, or a kill of mdlc alone, which leaves the compilers running) stops
+// every compiler started (each leads a process group of its own: the driver and what it runs), then,
+// once the temporary files are gone, takes effect as it would have, after a line that says so.
+typedef struct {
+  sigset_t set;
+  int sig;         // the stop signal that arrived, 0 while none has
+  pid_t pids[17];  // the compilers under way
+  int npids;
+} Stops;
+
+static bool compile_blocked(int parts, const char *src, const char *so, const char *log, const sigset_t *mask,
+                            Stops *st, char *err, size_t n);
+
+// Runs the compiler on src into so (through a temporary name), its messages into log; a stop signal
+// meanwhile ends it (Stops) and the process with that signal.
 static bool compile(int parts, const char *src, const char *so, const char *log, char *err, size_t n) {
-  sigset_t stops, old;
-  sigemptyset(&stops);
-  sigaddset(&stops, SIGINT);
-  sigaddset(&stops, SIGTERM);
-  sigaddset(&stops, SIGHUP);
-  pthread_sigmask(SIG_BLOCK, &stops, &old);
-  bool ok = compile_blocked(parts, src, so, log, &old, err, n);
+  Stops st = {.sig = 0};
+  sigset_t old;
+  sigemptyset(&st.set);
+  sigaddset(&st.set, SIGINT);
+  sigaddset(&st.set, SIGTERM);
+  sigaddset(&st.set, SIGHUP);
+  pthread_sigmask(SIG_BLOCK, &st.set, &old);
+  bool ok = compile_blocked(parts, src, so, log, &old, &st, err, n);
+  if (st.sig) {
+    fprintf(stderr, "mdlc: %s while the C compiler ran: stopped it, nothing of it kept\n",
+            st.sig == SIGINT ? "interrupted (SIGINT)" : st.sig == SIGTERM ? "terminated (SIGTERM)" : "hung up (SIGHUP)");
+    ok = rt_fail(err, n, "the compile was stopped by a signal");
+    raise(st.sig); // (pending until the mask is restored)
+  }
   pthread_sigmask(SIG_SETMASK, &old, NULL);
   return ok;
 }
 
 // Starts the compiler: cpu_cc_flags (without -shared when `object`), then extra (NULL-ended), its
-// messages into log; the child runs with the signal mask `mask`. Returns its pid, -1 if fork failed.
-static pid_t run_cc(bool object, const char *const *extra, const char *log, const sigset_t *mask) {
+// messages into log, in a process group of its own; the child runs with the signal mask `mask`.
+// Returns its pid (also into st), -1 if fork failed.
+static pid_t run_cc(bool object, const char *const *extra, const char *log, const sigset_t *mask, Stops *st) {
   char flags[256];
   snprintf(flags, sizeof flags, "%s", cpu_cc_flags());
   char *argv[40];
@@ -112,6 +130,7 @@ static pid_t run_cc(bool object, const char *const *extra, const char *log, cons
   argv[argc] = NULL;
   pid_t pid = fork();
   if (pid == 0) {
+    setpgid(0, 0);
     pthread_sigmask(SIG_SETMASK, mask, NULL);
     int fd = open(log, O_WRONLY | O_CREAT | O_TRUNC, 0644);
     if (fd >= 0) {
@@ -121,15 +140,40 @@ static pid_t run_cc(bool object, const char *const *extra, const char *log, cons
     execvp(argv[0], argv);
     _exit(127);
   }
+  if (pid > 0) {
+    setpgid(pid, pid); // (as the child does: whichever runs first)
+    st->pids[st->npids++] = pid;
+  }
   return pid;
+}
+
+// Waits for the compiler pid, its status into *status. A stop signal first (polled every 50 ms: it is
+// blocked) ends every compiler under way, whose groups get SIGTERM, and is kept in st->sig.
+static void wait_or_stop(pid_t pid, int *status, Stops *st) {
+  const struct timespec poll = {0, 50000000};
+  for (;;) {
+    pid_t got = waitpid(pid, status, st->sig ? 0 : WNOHANG);
+    if (got == pid || (got < 0 && errno != EINTR))
+      break;
+    int sig = st->sig ? 0 : sigtimedwait(&st->set, NULL, &poll);
+    if (sig > 0) {
+      st->sig = sig;
+      for (int i = 0; i < st->npids; i++)
+        kill(-st->pids[i], SIGTERM);
+    }
+  }
+  for (int i = 0; i < st->npids; i++) // (done with: its pid may be reused)
+    if (st->pids[i] == pid)
+      st->pids[i] = st->pids[--st->npids];
 }
 
 // Waits for the compiler started as pid; whether it succeeded, else the reason in err: the start of
 // its messages from log, and where to read them all (shown).
-static bool wait_cc(pid_t pid, const char *src, const char *log, const char *shown, char *err, size_t n) {
+static bool wait_cc(pid_t pid, const char *src, const char *log, const char *shown, Stops *st, char *err, size_t n) {
   int status = 0;
-  while (waitpid(pid, &status, 0) < 0 && errno == EINTR)
-    ;
+  wait_or_stop(pid, &status, st);
+  if (st->sig)
+    return false;
   if (WIFEXITED(status) && WEXITSTATUS(status) == 0)
     return true;
   char msg[200] = "";
@@ -169,13 +213,13 @@ static int module_parts(const char *source) {
 // object of its own, all at once, then the objects are linked (GPT-2 124M on two cores: 2.1 s whole,
 // 1.3 s in four parts). The compiler's messages go to log, each part's after the other.
 static bool compile_blocked(int parts, const char *src, const char *so, const char *log, const sigset_t *mask,
-                            char *err, size_t n) {
+                            Stops *st, char *err, size_t n) {
   char tmp[1100];
   snprintf(tmp, sizeof tmp, "%s.tmp.%ld", so, (long)getpid());
   bool ok = true;
   if (parts == 1) {
-    pid_t pid = run_cc(false, (const char *const[]){"-o", tmp, src, "-lm", NULL}, log, mask);
-    ok = pid >= 0 ? wait_cc(pid, src, log, log, err, n) : rt_fail(err, n, "fork: %s", strerror(errno));
+    pid_t pid = run_cc(false, (const char *const[]){"-o", tmp, src, "-lm", NULL}, log, mask, st);
+    ok = pid >= 0 ? wait_cc(pid, src, log, log, st, err, n) : rt_fail(err, n, "fork: %s", strerror(errno));
   } else {
     char obj[16][1200], plog[16][1200], def[16][32];
     pid_t pid[16];
@@ -183,12 +227,12 @@ static bool compile_blocked(int parts, const char *src, const char *so, const ch
       snprintf(obj[p], sizeof obj[p], "%s.%d.o", tmp, p);
       snprintf(plog[p], sizeof plog[p], "%s.%d.log", tmp, p);
       snprintf(def[p], sizeof def[p], "-DMDL_PART=%d", p);
-      pid[p] = run_cc(true, (const char *const[]){"-c", def[p], "-o", obj[p], src, NULL}, plog[p], mask);
+      pid[p] = run_cc(true, (const char *const[]){"-c", def[p], "-o", obj[p], src, NULL}, plog[p], mask, st);
     }
     char later[200]; // the failures after the first
     for (int p = 0; p < parts; p++) // every child waited for, the first failure kept
       if (pid[p] < 0 ? !rt_fail(ok ? err : later, ok ? n : sizeof later, "fork: %s", strerror(errno))
-                     : !wait_cc(pid[p], src, plog[p], log, ok ? err : later, ok ? n : sizeof later))
+                     : !wait_cc(pid[p], src, plog[p], log, st, ok ? err : later, ok ? n : sizeof later))
         ok = false;
     for (int p = 0; p < parts; p++)
       move_log(plog[p], log, p > 0);
@@ -203,8 +247,8 @@ static bool compile_blocked(int parts, const char *src, const char *so, const ch
       args[a] = NULL;
       char llog[1120];
       snprintf(llog, sizeof llog, "%s.link.log", tmp);
-      pid_t lp = run_cc(false, args, llog, mask);
-      ok = lp >= 0 ? wait_cc(lp, src, llog, log, err, n) : rt_fail(err, n, "fork: %s", strerror(errno));
+      pid_t lp = run_cc(false, args, llog, mask, st);
+      ok = lp >= 0 ? wait_cc(lp, src, llog, log, st, err, n) : rt_fail(err, n, "fork: %s", strerror(errno));
       move_log(llog, log, true);
     }
     for (int p = 0; p < parts; p++)

@@ -97,6 +97,7 @@ typedef struct {
   size_t map_bytes;
 } Shard;
 bool shard_open(Shard *s, const char *path, int64_t vocab);
+bool shard_map(Shard *s, const char *path, int64_t vocab, char *why, size_t n); // (shard_open, the reason in why)
 void shard_close(Shard *s);
 // The shards of one split in DIR, sorted by name: files ending in ".bin" whose name starts with
 // "SPLIT_" or holds "_SPLIT_" or "_SPLIT." (so llm.c's fineweb_train_000001.bin and

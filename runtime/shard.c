@@ -7,6 +7,7 @@
 // on disk. The reader maps the file and checks every token against the model's vocabulary up
 // front: one sequential pass over memory that is about to be read anyway.
 #include "data.h"
+#include "runtime.h"
 
 #include <dirent.h>
 #include <errno.h>
@@ -127,46 +128,42 @@ bool shard_write(const char *path, const uint16_t *tokens, int64_t n) {
 //
 // Reading.
 //
-bool shard_open(Shard *s, const char *path, int64_t vocab) {
+bool shard_map(Shard *s, const char *path, int64_t vocab, char *why, size_t n) {
   memset(s, 0, sizeof *s);
-  char why[256];
   int64_t size;
-  int fd = file_open(path, O_RDONLY, &size, why, sizeof why);
-  if (fd < 0) {
-    diag_file_error(path, "%s", why);
+  int fd = file_open(path, O_RDONLY, &size, why, n);
+  if (fd < 0)
     return false;
-  }
   if (size < SHARD_HEADER_BYTES) {
-    diag_file_error(path, "truncated: %lld bytes, a shard's header alone is %d", (long long)size,
-                    SHARD_HEADER_BYTES);
+    rt_fail(why, n, "truncated: %lld bytes, a shard's header alone is %d", (long long)size, SHARD_HEADER_BYTES);
     close(fd);
     return false;
   }
   void *map = mmap(NULL, (size_t)size, PROT_READ, MAP_PRIVATE, fd, 0);
   close(fd);
   if (map == MAP_FAILED) {
-    diag_file_error(path, "cannot map: %s", strerror(errno));
+    rt_fail(why, n, "cannot map: %s", strerror(errno));
     return false;
   }
   const int32_t *h = map;
   int64_t holds = (size - SHARD_HEADER_BYTES) / 2;
   bool ok = false;
   if (h[0] != SHARD_MAGIC) {
-    diag_file_error(path, "bad magic %d: not a token shard (want %d)", h[0], SHARD_MAGIC);
+    rt_fail(why, n, "bad magic %d: not a token shard (want %d)", h[0], SHARD_MAGIC);
   } else if (h[1] != SHARD_VERSION) {
-    diag_file_error(path, "version %d: only version %d (uint16 tokens) is read", h[1], SHARD_VERSION);
+    rt_fail(why, n, "version %d: only version %d (uint16 tokens) is read", h[1], SHARD_VERSION);
   } else if (h[2] < 0 || h[2] > holds) {
-    diag_file_error(path, "truncated: header says %d tokens, file holds %lld", h[2], (long long)holds);
+    rt_fail(why, n, "truncated: header says %d tokens, file holds %lld", h[2], (long long)holds);
   } else if (h[2] < holds || (size - SHARD_HEADER_BYTES) % 2) {
-    diag_file_error(path, "header says %d tokens, file holds %lld bytes after the header", h[2],
-                    (long long)(size - SHARD_HEADER_BYTES));
+    rt_fail(why, n, "header says %d tokens, file holds %lld bytes after the header", h[2],
+            (long long)(size - SHARD_HEADER_BYTES));
   } else {
     ok = true;
     const uint16_t *tok = (const uint16_t *)((const char *)map + SHARD_HEADER_BYTES);
     for (int64_t i = 0; vocab > 0 && i < h[2]; i++)
       if (tok[i] >= vocab) {
-        diag_file_error(path, "token %d at index %lld is outside the model's vocabulary (V = %lld)", tok[i],
-                        (long long)i, (long long)vocab);
+        rt_fail(why, n, "token %d at index %lld is outside the model's vocabulary (V = %lld)", tok[i],
+                (long long)i, (long long)vocab);
         ok = false;
         break;
       }
@@ -181,6 +178,14 @@ bool shard_open(Shard *s, const char *path, int64_t vocab) {
   s->n = h[2];
   s->tokens = (const uint16_t *)((const char *)map + SHARD_HEADER_BYTES);
   return true;
+}
+
+bool shard_open(Shard *s, const char *path, int64_t vocab) {
+  char why[200];
+  bool ok = shard_map(s, path, vocab, why, sizeof why);
+  if (!ok)
+    diag_file_error(path, "%s", why);
+  return ok;
 }
 
 void shard_close(Shard *s) {

@@ -487,7 +487,9 @@ static double validate(Engine *train, Engine *eval, Loader *val, LoaderState fir
 }
 
 // Unigram entropy (nats/token) of the training tokens: the loss of a model that knows only token
-// frequencies; the trained model must end well below it.
+// frequencies; the trained model must end well below it. A figure for the log only: a shard that
+// cannot be read for it (mapped a second time, under a memory limit) leaves it out (NaN) with a
+// warning, and the run goes on (the loader has the shards it trains on).
 static double unigram_entropy(const char *dir, int64_t vocab) {
   char **paths;
   int n = shard_list(dir, "train", &paths);
@@ -498,14 +500,18 @@ static double unigram_entropy(const char *dir, int64_t vocab) {
   }
   for (int i = 0; i < n; i++) {
     Shard s;
-    if (!shard_open(&s, paths[i], vocab))
-      continue;
+    char why[200];
+    if (!shard_map(&s, paths[i], vocab, why, sizeof why)) {
+      fprintf(stderr, "mdlc: warning: %s: %s; the unigram entropy is left out\n", paths[i], why);
+      total = 0;
+      break;
+    }
     for (int64_t k = 0; k < s.n; k++)
       count[s.tokens[k]]++;
     total += (double)s.n;
     shard_close(&s);
   }
-  for (int64_t v = 0; v < vocab; v++)
+  for (int64_t v = 0; total > 0 && v < vocab; v++)
     if (count[v] > 0)
       h -= count[v] / total * log(count[v] / total);
   free(count);

@@ -71,6 +71,14 @@ $m check -d C "$tmp/tiny.mdl" --backend cpu >"$tmp/out" 2>"$tmp/err"
 rc=$?
 check "checkpoint = auto(0.0000001) in the train section: a share too small to meet, refused at its place" \
   "[ $rc -eq 1 ] && grep -q 'tiny.mdl:$line:[0-9]*: error: checkpoint = auto=0.0000001: a budget of [0-9.]* MB cannot be met' '$tmp/err'"
+# One rule for every share, however small: auto=1e-300 (less than a byte of any memory) is a budget
+# too small to meet, refused as auto=0.0000001 is; it is not read as no budget at all.
+for share in 0.0000001 1e-300; do
+  $m check -d C models/gpt2-tiny.mdl --checkpoint "auto=$share" --backend cpu >"$tmp/out" 2>"$tmp/err"
+  rc=$?
+  check "--checkpoint auto=$share: a share too small to meet, refused with status 1" \
+    "[ $rc -eq 1 ] && grep -q 'error: --checkpoint auto=$share: a budget of 0.00 MB cannot be met' '$tmp/err'"
+done
 
 # GPT-2 124M (fp32, B=8, T=64) under a budget below what none plans: it trains, within the budget
 # (the arena the pass planned; the process adds the runtime's own memory: libraries, kernel scratch,

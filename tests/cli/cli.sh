@@ -26,6 +26,10 @@ expect "unknown verb is a usage error" 2 $m frobnicate models/mlp.mdl
 contains "unknown verb is named" "$tmp/err" "unknown verb 'frobnicate'"
 expect "unknown option is a usage error" 2 $m check --frob models/mlp.mdl
 expect "bad -D is a usage error" 2 $m check -D B models/mlp.mdl
+# a value beyond 64 bits is refused as one (strtoll would saturate it to 2^63 - 1, which a dim's
+# bounds then blame on the user as 9223372036854775807)
+expect "-D B=2^64 is a usage error" 2 $m check -D B=18446744073709551616 models/gpt2-tiny.mdl
+contains "... naming the overflow" "$tmp/err" "-D B=18446744073709551616: the value overflows a 64-bit integer"
 expect "missing file is a user error" 1 $m check "$tmp/nope.mdl"
 contains "missing file is named" "$tmp/err" "$tmp/nope.mdl"
 
