@@ -2837,18 +2837,14 @@ Graph *mdl_compile_file_with(Arena *a, const char *path, const DimOverride *ov, 
     return NULL;
   }
   size_t cap = 1 << 16, n = 0, got;
-  char *buf = malloc(cap), *more;
-  while (buf && (got = fread(buf + n, 1, cap - n, f)) > 0) {
+  char *buf = xmalloc(cap, "the model's text");
+  while ((got = fread(buf + n, 1, cap - n, f)) > 0) {
     n += got;
-    if (n == cap) {
-      more = realloc(buf, cap *= 2);
-      if (!more)
-        free(buf);
-      buf = more;
-    }
+    if (n == cap)
+      buf = xrealloc(buf, cap *= 2, "the model's text");
   }
-  bool failed = !buf || ferror(f);
-  int err = buf ? errno : ENOMEM;
+  bool failed = ferror(f);
+  int err = errno;
   fclose(f);
   if (failed) {
     free(buf);
