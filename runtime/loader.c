@@ -301,8 +301,9 @@ Loader *loader_open(const char *dir, const char *split, LoaderOptions o) {
   if (l->text)
     return l;
   l->want = true;
-  if (pthread_create(&l->thread, NULL, worker, l)) {
-    diag_file_error(dir, "cannot start the loader thread");
+  int rc = pthread_create(&l->thread, NULL, worker, l);
+  if (rc) { // (EAGAIN: no memory for its stack, as under ulimit -v, or no thread left)
+    diag_file_error(dir, "cannot start the loader thread: out of memory or of threads (%s)", strerror(rc));
     loader_close(l);
     return NULL;
   }
