@@ -3,6 +3,7 @@
 // naming what was being allocated, and an exit that needs no more of it.
 #include "mdl.h"
 
+#include <execinfo.h>
 #include <stdarg.h>
 #include <stdlib.h>
 #include <string.h>
@@ -25,6 +26,15 @@ void oom_exit(const char *what, size_t bytes) {
   fprintf(stderr, "mdlc: error: out of memory allocating %s (%zu bytes)\n", what, bytes);
   fflush(NULL);
   _exit(1);
+}
+
+// glibc loads libgcc_s (its unwinder) the first time a thread ends with pthread_exit or is
+// cancelled, as OpenMP's pool does with its threads; with memory gone that load fails and glibc
+// aborts with "libgcc_s.so.1 must be installed for pthread_exit to work". One backtrace at start
+// loads it for the whole process, while memory is there.
+__attribute__((constructor)) static void load_unwinder(void) {
+  void *frame[1];
+  backtrace(frame, 1);
 }
 
 void *xmalloc(size_t n, const char *what) {
