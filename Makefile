@@ -59,6 +59,11 @@ build/tests/%: tests/unit/%.c tests/unit/test.h tests/unit/draw_checks.h tests/u
 	@mkdir -p build/tests
 	$(CC) $(CFLAGS) -Itests/unit -o $@ $< build/libmdl.a $(LDLIBS)
 
+# an allocator that fails from the N-th allocation on, preloaded by tests/cli/alloc.sh
+build/tests/failalloc.so: tests/alloc/failalloc.c
+	@mkdir -p build/tests
+	$(CC) $(CFLAGS) -fPIC -shared -o $@ $< -ldl
+
 # a synthetic classification set as .npy files, for models/mlp.mdl (README, tests/cli/arrays.sh)
 build/tools/blobs: tools/blobs.c build/libmdl.a
 	@mkdir -p build/tools
@@ -68,7 +73,7 @@ install: bin/mdlc build/tools/blobs
 	install -d $(DESTDIR)$(PREFIX)/bin
 	install -m 755 bin/mdlc $(DESTDIR)$(PREFIX)/bin/mdlc
 
-test: bin/mdlc build/tools/blobs $(UNIT_BIN)
+test: bin/mdlc build/tools/blobs $(UNIT_BIN) build/tests/failalloc.so
 	@tests/run.sh
 
 # generated/ from models/ (tests/cli/golden.sh fails when it is stale)

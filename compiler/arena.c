@@ -1,9 +1,13 @@
-// arena.c: a bump allocator. A compilation allocates from one arena and frees it whole.
+// arena.c: memory. A bump allocator (a compilation allocates from one arena and frees it whole), and
+// the checked allocations everything else uses: where memory is gone, one "out of memory" error
+// naming what was being allocated, and an exit that needs no more of it.
 #include "mdl.h"
 
+#include <execinfo.h>
 #include <stdarg.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 typedef struct Chunk {
   struct Chunk *next;
@@ -15,17 +19,59 @@ struct Arena {
   Chunk *head;
 };
 
-static void *xmalloc(size_t n) {
-  void *p = malloc(n);
-  if (!p) {
-    fprintf(stderr, "mdlc: out of memory (%zu bytes)\n", n);
-    exit(1);
-  }
+// The streams are flushed (what was printed or logged stays whole), then _exit: exit's handlers
+// would run the libraries' destructors (libstdc++'s, loaded with oneDNN), which allocate
+// thread-local storage and end the process with the loader's own "cannot allocate" message.
+void oom_exit(const char *what, size_t bytes) {
+  fprintf(stderr, "mdlc: error: out of memory allocating %s (%zu bytes)\n", what, bytes);
+  fflush(NULL);
+  _exit(1);
+}
+
+// glibc loads libgcc_s (its unwinder) the first time a thread ends with pthread_exit or is
+// cancelled, as OpenMP's pool does with its threads; with memory gone that load fails and glibc
+// aborts with "libgcc_s.so.1 must be installed for pthread_exit to work". One backtrace at start
+// loads it for the whole process, while memory is there.
+__attribute__((constructor)) static void load_unwinder(void) {
+  void *frame[1];
+  backtrace(frame, 1);
+}
+
+void *xmalloc(size_t n, const char *what) {
+  void *p = malloc(n ? n : 1);
+  if (!p)
+    oom_exit(what, n);
   return p;
 }
 
+void *xcalloc(size_t n, size_t size, const char *what) {
+  void *p = calloc(n ? n : 1, size ? size : 1);
+  if (!p)
+    oom_exit(what, n * size);
+  return p;
+}
+
+void *xrealloc(void *p, size_t n, const char *what) {
+  void *q = realloc(p, n ? n : 1);
+  if (!q)
+    oom_exit(what, n);
+  return q;
+}
+
+char *xstrdup(const char *s, const char *what) {
+  return xstrndup(s, strlen(s), what);
+}
+
+char *xstrndup(const char *s, size_t n, const char *what) {
+  n = strnlen(s, n);
+  char *d = xmalloc(n + 1, what);
+  memcpy(d, s, n);
+  d[n] = 0;
+  return d;
+}
+
 Arena *arena_new(void) {
-  Arena *a = xmalloc(sizeof *a);
+  Arena *a = xmalloc(sizeof *a, "a compilation's arena");
   a->head = NULL;
   return a;
 }
@@ -45,7 +91,7 @@ void *arena_alloc(Arena *a, size_t size) {
   Chunk *c = a->head;
   if (!c || c->size - c->used < size) {
     size_t cap = size > (1u << 20) ? size : (1u << 20);
-    c = xmalloc(sizeof(Chunk) + cap);
+    c = xmalloc(sizeof(Chunk) + cap, "a compilation's arena");
     c->size = cap;
     c->used = 0;
     c->next = a->head;

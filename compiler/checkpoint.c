@@ -83,16 +83,14 @@ static void mark_saved(Analysis *an, int id) {
   an->saved[id] = true;
 }
 
-static bool analyse(Analysis *an, const Graph *g) {
+static void analyse(Analysis *an, const Graph *g) {
   an->g = g;
   int fe = g->fwd_end;
-  an->saved = calloc((size_t)fe + 1, sizeof(bool));
-  an->data = calloc((size_t)fe + 1, sizeof(bool));
-  an->outward = calloc((size_t)fe + 1, sizeof(bool));
-  an->cand = calloc((size_t)fe + 1, sizeof(int));
-  an->gemm = malloc(sizeof(int) * ((size_t)fe + 1));
-  if (!an->saved || !an->data || !an->outward || !an->cand || !an->gemm)
-    return false;
+  an->saved = xcalloc((size_t)fe + 1, sizeof(bool), "checkpointing's tables");
+  an->data = xcalloc((size_t)fe + 1, sizeof(bool), "checkpointing's tables");
+  an->outward = xcalloc((size_t)fe + 1, sizeof(bool), "checkpointing's tables");
+  an->cand = xcalloc((size_t)fe + 1, sizeof(int), "checkpointing's tables");
+  an->gemm = xmalloc(sizeof(int) * ((size_t)fe + 1), "checkpointing's tables");
   memset(an->gemm, -1, sizeof(int) * ((size_t)fe + 1));
   for (int i = 0; i < fe; i++) {
     const IrNode *n = g->nodes[i];
@@ -115,7 +113,6 @@ static bool analyse(Analysis *an, const Graph *g) {
       if (n->in[k] < fe)
         mark_saved(an, n->in[k]);
   }
-  return true;
 }
 
 // Whether all recomputes saved value v: a value of a body that the body does not hand on.
@@ -161,7 +158,7 @@ static int use(Rewrite *r, int x, int from) {
     return r->map[x];
   if (r->clone[x] >= 0)
     return r->clone[x];
-  int ins[16], *in = n->nin <= 16 ? ins : malloc(sizeof(int) * (size_t)n->nin);
+  int ins[16], *in = n->nin <= 16 ? ins : xmalloc(sizeof(int) * (size_t)n->nin, "checkpointing's tables");
   bool same = true;
   for (int k = 0; k < n->nin; k++) {
     in[k] = use(r, n->in[k], x);
@@ -190,21 +187,16 @@ static void remap(int *list, int n, const int *map) {
 }
 
 // g with every saved value not in keep recomputed in the backward: a new Graph sharing g's arena
-// (g is left as it is); NULL when out of memory.
+// (g is left as it is).
 static Graph *rewrite(const Graph *g, const bool *keep, const int *gemm, int *nclones) {
   Rewrite r = {.g = g, .keep = keep, .gemm = gemm, .cap = g->n + g->fwd_end + 1};
   r.nodes = arena_alloc(g->arena, sizeof(IrNode *) * (size_t)r.cap);
-  r.map = malloc(sizeof(int) * (size_t)g->n);
-  r.clone = malloc(sizeof(int) * (size_t)(g->fwd_end + 1));
-  if (!r.map || !r.clone) {
-    free(r.map);
-    free(r.clone);
-    return NULL;
-  }
+  r.map = xmalloc(sizeof(int) * (size_t)g->n, "checkpointing's tables");
+  r.clone = xmalloc(sizeof(int) * (size_t)(g->fwd_end + 1), "checkpointing's tables");
   memset(r.clone, -1, sizeof(int) * (size_t)(g->fwd_end + 1));
   for (int i = 0; i < g->n; i++) {
     const IrNode *o = g->nodes[i];
-    int in[16], *ins = o->nin <= 16 ? in : malloc(sizeof(int) * (size_t)o->nin);
+    int in[16], *ins = o->nin <= 16 ? in : xmalloc(sizeof(int) * (size_t)o->nin, "checkpointing's tables");
     for (int k = 0; k < o->nin; k++)
       ins[k] = i >= g->fwd_end ? use(&r, o->in[k], -1) : r.map[o->in[k]];
     r.map[i] = r.nn;
@@ -256,8 +248,6 @@ typedef struct {
 
 static bool try_keep(const Graph *g, const bool *keep, const int *gemm, FuseOptions fo, bool reuse, Trial *t) {
   Graph *h = rewrite(g, keep, gemm, &t->nclones);
-  if (!h)
-    return false;
   char why[256];
   if (!ir_validate(h, why, sizeof why)) {
     snprintf(((Graph *)g)->err, sizeof g->err, "the checkpoint pass built a broken graph: %s", why);
@@ -314,10 +304,10 @@ static int by_price(const void *pa, const void *pb) {
 
 static void order_candidates(Analysis *an) {
   const Graph *g = an->g;
-  Priced *p = malloc(sizeof *p * (size_t)(g->fwd_end + 1));
-  bool *seen = calloc((size_t)g->fwd_end + 1, sizeof(bool));
+  Priced *p = xmalloc(sizeof *p * (size_t)(g->fwd_end + 1), "checkpointing's tables");
+  bool *seen = xcalloc((size_t)g->fwd_end + 1, sizeof(bool), "checkpointing's tables");
   int n = 0;
-  for (int v = 0; v < g->fwd_end && p && seen; v++) {
+  for (int v = 0; v < g->fwd_end; v++) {
     if (!all_recomputes(an, v))
       continue;
     memset(seen, 0, (size_t)g->fwd_end + 1);
@@ -325,8 +315,7 @@ static void order_candidates(Analysis *an) {
     double cost = clone_cost(an, v, seen, &cls);
     p[n++] = (Priced){v, cls, cost / (double)(bytes_of(g->nodes[v]) + 1)};
   }
-  if (p)
-    qsort(p, (size_t)n, sizeof *p, by_price);
+  qsort(p, (size_t)n, sizeof *p, by_price);
   for (int i = 0; i < n; i++)
     an->cand[i] = p[i].id;
   an->ncand = n;
@@ -421,14 +410,9 @@ static void fill(CheckpointPlan *cp, const Analysis *an, const bool *keep, const
 bool checkpoint_place(Graph *g, const char *policy, int64_t budget, const char *budget_how, bool budget_is_memory,
                       FuseOptions fo, bool reuse, FILE *dump_to, char *why, size_t n) {
   Analysis an = {0};
-  bool ok = analyse(&an, g);
-  bool *keep = calloc((size_t)g->fwd_end + 1, sizeof(bool));
+  analyse(&an, g);
+  bool ok = true, *keep = xcalloc((size_t)g->fwd_end + 1, sizeof(bool), "checkpointing's tables");
   Trial none = {0}, best = {0};
-  if (!ok || !keep) {
-    snprintf(why, n, "out of memory");
-    ok = false;
-    goto out;
-  }
   keep_prefix(&an, keep, 0); // (no candidates yet: none)
   if (!try_keep(g, keep, an.gemm, fo, reuse, &none)) {
     snprintf(why, n, "%s", g->err);

@@ -161,9 +161,7 @@ static void write_decls(Emit *e, Buf *decl, Buf *shared, Kernel *k, Buf *frees) 
                 node_label(e, c), shape_txt(e, c));
         ec_bput(shared, "  %s *const%s b%d = (%s *)(arena + o[%d]); // %s %s\n", t, disjoint ? " restrict" : "", c, t,
                 k->noff, node_label(e, c), shape_txt(e, c));
-        k->off = realloc(k->off, sizeof *k->off * (size_t)(k->noff + 1));
-        if (!k->off)
-          abort();
+        k->off = xrealloc(k->off, sizeof *k->off * (size_t)(k->noff + 1), "a kernel's offsets");
         k->off[k->noff++] = ec_offset(&e->core, c);
       } else if (pass == 0 && e->core.host[c] < 0) {
         ec_bput(&line, "  %s *const b%d = mdl_scratch(%lld); // %s %s, kept in this kernel\n", t, c,
@@ -658,10 +656,8 @@ static char *kernel_key(const char *s) {
       while (i < nnames && !(lens[i] == stem && !strncmp(names[i], s, stem)))
         i++;
       if (i == nnames) {
-        names = realloc(names, sizeof *names * (nnames + 1));
-        lens = realloc(lens, sizeof *lens * (nnames + 1));
-        if (!names || !lens)
-          abort();
+        names = xrealloc(names, sizeof *names * (nnames + 1), "a kernel's local names");
+        lens = xrealloc(lens, sizeof *lens * (nnames + 1), "a kernel's local names");
         names[nnames] = s;
         lens[nnames++] = stem;
       }
@@ -671,7 +667,7 @@ static char *kernel_key(const char *s) {
   }
   free(names);
   free(lens);
-  return k.s ? k.s : strdup("");
+  return k.s ? k.s : xstrdup("", "a kernel's text");
 }
 
 // Emits step si as the function `name`, into k.

@@ -39,12 +39,7 @@ void ec_bvput(Buf *b, const char *fmt, va_list ap) {
     size_t cap = b->cap ? b->cap : 4096;
     while (cap - b->len <= (size_t)n)
       cap *= 2;
-    char *s = realloc(b->s, cap);
-    if (!s) {
-      fprintf(stderr, "mdlc: out of memory (%zu bytes)\n", cap);
-      exit(1);
-    }
-    b->s = s;
+    b->s = xrealloc(b->s, cap, "the emitted source text");
     b->cap = cap;
   }
 }
@@ -62,12 +57,7 @@ void ec_bappend(Buf *b, const Buf *x) {
 }
 
 void *ec_xcalloc(size_t n, size_t size) {
-  void *p = calloc(n ? n : 1, size);
-  if (!p) {
-    fprintf(stderr, "mdlc: out of memory (%zu bytes)\n", n * size);
-    exit(1);
-  }
-  return p;
+  return xcalloc(n, size, "the emitter's tables");
 }
 
 // Grows *p (of *cap elements of `size` bytes) to hold n + 1.
@@ -76,11 +66,7 @@ void ec_grow(void *p, int n, int *cap, size_t size) {
   if (n < *cap)
     return;
   *cap = *cap ? 2 * *cap : 16;
-  *pp = realloc(*pp, size * (size_t)*cap);
-  if (!*pp) {
-    fprintf(stderr, "mdlc: out of memory\n");
-    exit(1);
-  }
+  *pp = xrealloc(*pp, size * (size_t)*cap, "the emitter's tables");
 }
 
 //

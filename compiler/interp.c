@@ -51,25 +51,20 @@ struct Interp {
   Fp8State fp8;       // precision fp8: the scales and amax histories (mdl.h)
 };
 
-static void *xcalloc(size_t n, size_t size) {
-  void *p = calloc(n ? n : 1, size);
-  if (!p) {
-    fprintf(stderr, "mdlc: out of memory (%zu bytes)\n", n * size);
-    exit(1);
-  }
-  return p;
+static void *icalloc(size_t n, size_t size) {
+  return xcalloc(n, size, "the interpreter's values");
 }
 
 Interp *interp_new(const Graph *g, InterpPrecision prec) {
-  Interp *it = xcalloc(1, sizeof *it);
+  Interp *it = icalloc(1, sizeof *it);
   it->g = g;
   it->prec = prec;
-  it->val = xcalloc((size_t)g->n, sizeof *it->val);
-  it->numel = xcalloc((size_t)g->n, sizeof *it->numel);
-  it->given = xcalloc((size_t)g->n, sizeof *it->given);
+  it->val = icalloc((size_t)g->n, sizeof *it->val);
+  it->numel = icalloc((size_t)g->n, sizeof *it->numel);
+  it->given = icalloc((size_t)g->n, sizeof *it->given);
   for (int i = 0; i < g->n; i++) {
     it->numel[i] = shape_numel(g->nodes[i]->shape);
-    it->val[i] = xcalloc((size_t)it->numel[i], sizeof(double));
+    it->val[i] = icalloc((size_t)it->numel[i], sizeof(double));
   }
   fp8_state_init(&it->fp8, g);
   return it;
@@ -138,7 +133,7 @@ void interp_set_decode(Interp *it, int64_t max_len) {
   for (int i = 0; it->cache && i < it->g->n; i++)
     free(it->cache[i]);
   free(it->cache);
-  it->cache = max_len > 0 ? xcalloc((size_t)it->g->n, sizeof *it->cache) : NULL;
+  it->cache = max_len > 0 ? icalloc((size_t)it->g->n, sizeof *it->cache) : NULL;
   it->decode_len = max_len > 0 ? max_len : 0;
   it->decode_pos = 0;
 }
@@ -667,7 +662,7 @@ static void run_softmax_bwd(Ctx *c) {
 // targets, dloss) -> dloss (softmax - onehot). A negative target is ignored (loss 0, gradient 0).
 static bool run_cross_entropy(Ctx *c, bool bwd) {
   int64_t v = last_dim(c->xn[0]), rows = shape_numel(c->xn[1]->shape);
-  double *p = xcalloc((size_t)v, sizeof(double));
+  double *p = icalloc((size_t)v, sizeof(double));
   bool ok = true;
   for (int64_t r = 0; r < rows && ok; r++) {
     const double *x = c->x[0] + r * v;
@@ -727,10 +722,10 @@ static void run_attention(Ctx *c, AttWhat what) {
   // bf16 (mdl.h): the products read q, k, v rounded; the forward's P V reads e rounded too, and
   // the backward's read dout, P and dS rounded, and D reads dout and out rounded.
   bool bf16 = c->nd->ia[4] == DT_BF16;
-  double *rounded = NULL, *rounded_bwd = NULL, *l = xcalloc((size_t)nt, sizeof(double));
+  double *rounded = NULL, *rounded_bwd = NULL, *l = icalloc((size_t)nt, sizeof(double));
   if (bf16) {
     size_t n = (size_t)(nb * nt * nc), m = (size_t)(nb * ns * nckv);
-    rounded = xcalloc(n + 2 * m, sizeof(double));
+    rounded = icalloc(n + 2 * m, sizeof(double));
     for (size_t i = 0; i < n; i++)
       rounded[i] = round_bf16(q[i]);
     for (size_t i = 0; i < m; i++) {
@@ -741,15 +736,15 @@ static void run_attention(Ctx *c, AttWhat what) {
   }
   if (bf16 && bwd) {
     size_t n = (size_t)(nb * nt * nc);
-    double *r = xcalloc(2 * n, sizeof(double));
+    double *r = icalloc(2 * n, sizeof(double));
     for (size_t i = 0; i < n; i++) {
       r[i] = round_bf16(dout[i]);
       r[n + i] = round_bf16(out[i]);
     }
     dout = rounded_bwd = r, out = r + n;
   }
-  double *p = xcalloc((size_t)(nt * ns), sizeof(double));
-  double *ds = xcalloc((size_t)(nt * ns), sizeof(double));
+  double *p = icalloc((size_t)(nt * ns), sizeof(double));
+  double *ds = icalloc((size_t)(nt * ns), sizeof(double));
   memset(c->y, 0, (size_t)c->n * sizeof(double));
   for (int64_t b = 0; b < nb; b++)
     for (int64_t h = 0; h < heads; h++) {
@@ -855,13 +850,13 @@ static bool run_attention_decode(Ctx *c) {
   if (p < 0 || p >= len)
     return fail(c, "attention: decode position %lld is outside the cache's %lld rows", (long long)p, (long long)len);
   if (!it->cache[c->nd->id])
-    it->cache[c->nd->id] = xcalloc((size_t)(2 * len * nckv), sizeof(double));
+    it->cache[c->nd->id] = icalloc((size_t)(2 * len * nckv), sizeof(double));
   double *kc = it->cache[c->nd->id], *vc = kc + len * nckv;
   memcpy(kc + p * nckv, c->x[1], (size_t)nckv * sizeof(double));
   memcpy(vc + p * nckv, c->x[2], (size_t)nckv * sizeof(double));
   const double *q = c->x[0];
   int64_t j0 = window && p - window + 1 > 0 ? p - window + 1 : 0; // the first key the window holds
-  double *w = xcalloc((size_t)(p + 1), sizeof(double));
+  double *w = icalloc((size_t)(p + 1), sizeof(double));
   memset(c->y, 0, (size_t)nc * sizeof(double));
   for (int64_t h = 0; h < heads; h++) {
     double m = -INFINITY, sum = 0;

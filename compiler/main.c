@@ -234,7 +234,7 @@ static int parse_options(int argc, char **argv, Options *o) {
                            optarg);
       if (o->ndims == 32)
         return usage_error("too many -D options (32 at most)%s", "");
-      o->dims[o->ndims++] = (DimOverride){strndup(optarg, (size_t)(eq - optarg)), v};
+      o->dims[o->ndims++] = (DimOverride){xstrndup(optarg, (size_t)(eq - optarg), "a -D option"), v};
       break;
     }
     case 1003: {
@@ -783,11 +783,11 @@ static bool load_weights(Engine *e, const Graph *g, const char *path) {
 
 // Writes the values of `count` nodes, as f32, under the given names.
 static bool write_values(const char *path, Engine *e, const int *nodes, const char **names, int count) {
-  StTensor *t = rt_xrealloc(NULL, (size_t)count * sizeof *t);
+  StTensor *t = xmalloc((size_t)count * sizeof *t, "the tensors to write");
   for (int i = 0; i < count; i++) {
     const IrNode *n = e->g->nodes[nodes[i]];
     int64_t numel = shape_numel(n->shape);
-    float *d = rt_xrealloc(NULL, sizeof(float) * (size_t)(numel ? numel : 1));
+    float *d = xmalloc(sizeof(float) * (size_t)numel, "a tensor to write");
     e->read(e, n->id, d);
     t[i] = (StTensor){.name = names[i], .dtype = DT_F32, .shape = n->shape, .data = d};
   }
@@ -800,7 +800,7 @@ static bool write_values(const char *path, Engine *e, const int *nodes, const ch
 
 static bool write_params(const char *path, Engine *e) {
   const Graph *g = e->g;
-  const char **names = calloc((size_t)g->nparams, sizeof *names);
+  const char **names = xcalloc((size_t)g->nparams, sizeof *names, "the parameters' names");
   for (int i = 0; i < g->nparams; i++)
     names[i] = g->nodes[g->params[i]]->name;
   bool ok = write_values(path, e, g->params, names, g->nparams);
@@ -855,8 +855,8 @@ static int cmd_grad(const Options *o, Graph *g) {
       diag_file_error(o->file, "%s", err);
     } else {
       int count = 1;
-      int *nodes = calloc((size_t)g->nparams + 1, sizeof *nodes);
-      const char **names = calloc((size_t)g->nparams + 1, sizeof *names);
+      int *nodes = xcalloc((size_t)g->nparams + 1, sizeof *nodes, "the gradients' list");
+      const char **names = xcalloc((size_t)g->nparams + 1, sizeof *names, "the gradients' list");
       nodes[0] = g->loss;
       names[0] = "loss";
       for (int i = 0; i < g->nparams; i++)
@@ -1359,8 +1359,9 @@ static const char *lab_leak(const Options *o, Arena *out, bool mask, bool *passe
   int64_t changed = 0, others = 0;
   char err[512] = "";
   if (row >= 0) {
-    int32_t *tokens = malloc(sizeof(int32_t) * (size_t)n);
-    float *ref = malloc(sizeof(float) * (size_t)(n * V)), *got = malloc(sizeof(float) * (size_t)(n * V));
+    int32_t *tokens = xmalloc(sizeof(int32_t) * (size_t)n, "the check's tokens");
+    float *ref = xmalloc(sizeof(float) * (size_t)(n * V), "the check's logits");
+    float *got = xmalloc(sizeof(float) * (size_t)(n * V), "the check's logits");
     memcpy(tokens, bt.tokens, sizeof(int32_t) * (size_t)n);
     bool ok = true;
     for (int pass = 0; pass < 2 && ok; pass++) {

@@ -20,6 +20,14 @@ void arena_free(Arena *a);
 void *arena_alloc(Arena *a, size_t size); // zeroed
 char *arena_strdup(Arena *a, const char *s);
 char *arena_printf(Arena *a, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+// Checked allocations for the whole program. Where memory is gone: "mdlc: error: out of memory
+// allocating WHAT (N bytes)", stdio flushed, and status 1 without exit's handlers (oom_exit).
+_Noreturn void oom_exit(const char *what, size_t bytes);
+void *xmalloc(size_t n, const char *what);
+void *xcalloc(size_t n, size_t size, const char *what); // zeroed
+void *xrealloc(void *p, size_t n, const char *what);
+char *xstrdup(const char *s, const char *what);
+char *xstrndup(const char *s, size_t n, const char *what); // at most n bytes of s
 
 //
 // diag.c: error reporting with file:line:col, the source line and a caret.

@@ -117,7 +117,7 @@ typedef struct {
 static void push(List *l, Buffer *b) {
   if (l->n == l->cap) {
     l->cap = l->cap ? 2 * l->cap : 4;
-    l->b = realloc(l->b, sizeof(Buffer *) * (size_t)l->cap);
+    l->b = xrealloc(l->b, sizeof(Buffer *) * (size_t)l->cap, "the memory plan's timeline");
   }
   l->b[l->n++] = b;
 }
@@ -161,10 +161,10 @@ static int64_t place(Buffer *buf, int n, bool reuse) {
   Timeline t = {.span = 1};
   for (int i = 0; i < n; i++)
     t.span = buf[i].last + 1 > t.span ? buf[i].last + 1 : t.span;
-  t.node = calloc(4 * (size_t)t.span, sizeof(List));
-  t.by_first = calloc((size_t)t.span, sizeof(List));
-  Buffer **alive = malloc(sizeof(Buffer *) * (size_t)(n ? n : 1));
-  Buffer **tmp = malloc(sizeof(Buffer *) * (size_t)(n ? n : 1));
+  t.node = xcalloc(4 * (size_t)t.span, sizeof(List), "the memory plan's timeline");
+  t.by_first = xcalloc((size_t)t.span, sizeof(List), "the memory plan's timeline");
+  Buffer **alive = xmalloc(sizeof(Buffer *) * (size_t)n, "the memory plan's buffers");
+  Buffer **tmp = xmalloc(sizeof(Buffer *) * (size_t)n, "the memory plan's buffers");
   int64_t peak = 0;
   for (int i = 0; i < n; i++) {
     int first = reuse ? buf[i].first : 0, last = reuse ? buf[i].last : t.span - 1;
@@ -274,7 +274,7 @@ MemPlan *memplan_with(const Fusion *f, bool reuse) {
   for (int i = 0; i < g->n; i++)
     if (g->nodes[i]->op == OP_GRAD_NORM && f->materialised[i])
       last[base_of(f, i)] = f->nsteps;
-  Buffer *buf = malloc(sizeof *buf * (size_t)(g->n ? g->n : 1));
+  Buffer *buf = xmalloc(sizeof *buf * (size_t)g->n, "the memory plan's buffers");
   int nbuf = 0;
   for (int i = 0; i < g->n; i++)
     if (f->materialised[i] && mp->offset[i] < 0 && f->step_of[i] >= 0)

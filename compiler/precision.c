@@ -504,13 +504,9 @@ void fp8_state_init(Fp8State *st, const Graph *g) {
   int64_t H = g->train.amax_history > 0 ? g->train.amax_history : 16;
   *st = (Fp8State){.n = g->nfp8, .H = (int)H};
   size_t n = (size_t)(g->nfp8 ? g->nfp8 : 1);
-  st->scale = malloc(n * sizeof(float));
-  st->hist = calloc(n * (size_t)H, sizeof(float));
-  st->amax = calloc(n, sizeof(float));
-  if (!st->scale || !st->hist || !st->amax) {
-    fprintf(stderr, "mdlc: out of memory (fp8 scaling state)\n");
-    exit(1);
-  }
+  st->scale = xmalloc(n * sizeof(float), "the fp8 scaling state");
+  st->hist = xcalloc(n * (size_t)H, sizeof(float), "the fp8 scaling state");
+  st->amax = xcalloc(n, sizeof(float), "the fp8 scaling state");
   for (int i = 0; i < g->nfp8; i++)
     st->scale[i] = 1;
 }

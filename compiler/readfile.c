@@ -63,8 +63,10 @@ char *file_read(const char *path, size_t *n, size_t limit, char *why, size_t wn)
   char *buf = NULL;
   if (limit && (uint64_t)size > limit)
     snprintf(why, wn, "%lld bytes, more than the %zu such a file may have", (long long)size, limit);
-  else if ((uint64_t)size >= SIZE_MAX || !(buf = malloc((size_t)size + 1)))
-    snprintf(why, wn, "out of memory reading it (%lld bytes)", (long long)size);
+  else if ((uint64_t)size >= SIZE_MAX)
+    snprintf(why, wn, "%lld bytes: more than this machine can address", (long long)size);
+  else
+    buf = xmalloc((size_t)size + 1, "a file's contents");
   for (size_t done = 0; buf && done < (size_t)size;) {
     ssize_t k = read(fd, buf + done, (size_t)size - done);
     if (k < 0 && errno == EINTR)

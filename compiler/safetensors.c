@@ -405,7 +405,7 @@ static int by_begin(const void *a, const void *b) {
 
 // The ranges must tile [0, data_len): sorted by begin, each starts where the previous ended.
 static bool check_tiling(const StTensor *t, const Range *r, int n, uint64_t data_len, char *why, size_t wn) {
-  Range *s = malloc(sizeof(Range) * (size_t)(n ? n : 1));
+  Range *s = xmalloc(sizeof(Range) * (size_t)n, "the tensors' ranges");
   memcpy(s, r, sizeof(Range) * (size_t)n);
   qsort(s, (size_t)n, sizeof *s, by_begin);
   uint64_t at = 0;
@@ -589,11 +589,7 @@ typedef struct {
 static void buf_put(Buf *b, const char *s, size_t n) {
   if (b->len + n + 1 > b->cap) {
     b->cap = 2 * (b->len + n + 1);
-    b->s = realloc(b->s, b->cap);
-    if (!b->s) {
-      fprintf(stderr, "mdlc: out of memory (%zu bytes)\n", b->cap);
-      exit(1);
-    }
+    b->s = xrealloc(b->s, b->cap, "a safetensors header");
   }
   memcpy(b->s + b->len, s, n);
   b->len += n;
@@ -698,7 +694,7 @@ bool st_write_meta(const char *path, const StTensor *t, int n, const StMeta *met
     diag_file_error(path, "cannot write: %s", why);
     return false;
   }
-  char *tmp = malloc(strlen(path) + 32);
+  char *tmp = xmalloc(strlen(path) + 32, "a file name");
   sprintf(tmp, "%s.tmp.%ld", path, (long)getpid());
   int fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC, 0644);
   bool ok = fd >= 0;

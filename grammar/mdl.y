@@ -41,9 +41,12 @@ int yylex(YYSTYPE *lval, YYLTYPE *lloc, yyscan_t scanner);
 }
 
 %code {
+#include <stdlib.h>
 #include <string.h>
 
 #define YYMAXDEPTH 10000
+#define YYMALLOC(n) xmalloc(n, "the parser's stack")
+#define YYFREE free
 
 // A syntax error. The parser then skips tokens up to the end of the statement (or the block's
 // '}'), so the '{' it failed on, and any it skips, open no block the scanner should wait for.

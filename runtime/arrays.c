@@ -62,8 +62,8 @@ static int list_dir(const char *dir, const char *only, const char *skip, char **
     if (!array_file(e->d_name) || (only && strcmp(s, only)) || (skip && !strcmp(s, skip)))
       continue;
     if (n == cap)
-      *out = rt_xrealloc(*out, sizeof(char *) * (size_t)(cap = cap ? 2 * cap : 8));
-    (*out)[n++] = strdup(path);
+      *out = xrealloc(*out, sizeof(char *) * (size_t)(cap = cap ? 2 * cap : 8), "the list of array files");
+    (*out)[n++] = xstrdup(path, "the list of array files");
   }
   closedir(d);
   if (n > 1)
@@ -77,8 +77,8 @@ static int split_files(const char *path, const char *split, char ***out) {
     *out = NULL;
     if (strcmp(split, "train"))
       return 0;
-    *out = rt_xrealloc(NULL, sizeof(char *));
-    (*out)[0] = strdup(path);
+    *out = xrealloc(NULL, sizeof(char *), "the list of array files");
+    (*out)[0] = xstrdup(path, "the list of array files");
     return 1;
   }
   char sub[PATH_MAX];
@@ -126,7 +126,7 @@ static void list_free(ArrayList *l) {
 
 static NpArray *list_push(ArrayList *l) {
   if (l->n == l->cap)
-    l->a = rt_xrealloc(l->a, sizeof(NpArray) * (size_t)(l->cap = l->cap ? 2 * l->cap : 8));
+    l->a = xrealloc(l->a, sizeof(NpArray) * (size_t)(l->cap = l->cap ? 2 * l->cap : 8), "the list of arrays");
   l->a[l->n] = (NpArray){0};
   return &l->a[l->n++];
 }
@@ -140,8 +140,8 @@ static bool read_safetensors(const char *path, ArrayList *l) {
     ArrayType type = t->dtype == DT_F32 ? AT_F32 : t->dtype == DT_I32 ? AT_I32 : t->dtype == DT_F64 ? AT_F64 : AT_BF16;
     size_t bytes = (size_t)shape_numel(t->shape) * (size_t)array_type_size(type);
     NpArray *x = list_push(l);
-    *x = (NpArray){.name = strdup(t->name), .file = strdup(path), .type = type, .shape = t->shape,
-                   .data = rt_xrealloc(NULL, bytes ? bytes : 1)};
+    *x = (NpArray){.name = xstrdup(t->name, "an array"), .file = xstrdup(path, "an array"), .type = type, .shape = t->shape,
+                   .data = xrealloc(NULL, bytes ? bytes : 1, "an array")};
     memcpy(x->data, t->data, bytes);
   }
   arena_free(a);
@@ -363,12 +363,12 @@ static bool split_load(const char *path, const char *split, const Graph *g, Spli
   for (int i = 0; ok && i < nf; i++)
     ok = read_file(files[i], &l);
   int64_t B = ir_dim(g, "B");
-  const IrNode **in = rt_xrealloc(NULL, sizeof(IrNode *) * (size_t)(g->fwd_end + 1));
+  const IrNode **in = xrealloc(NULL, sizeof(IrNode *) * (size_t)(g->fwd_end + 1), "the model's inputs");
   int nin = model_inputs(g, in);
-  s->names = rt_xrealloc(NULL, sizeof(char *) * (size_t)(nin + 1));
-  s->dtype = rt_xrealloc(NULL, sizeof(DType) * (size_t)(nin + 1));
-  s->row = rt_xrealloc(NULL, sizeof(int64_t) * (size_t)(nin + 1));
-  s->data = calloc((size_t)(nin + 1), sizeof(char *));
+  s->names = xrealloc(NULL, sizeof(char *) * (size_t)(nin + 1), "the model's inputs");
+  s->dtype = xrealloc(NULL, sizeof(DType) * (size_t)(nin + 1), "the model's inputs");
+  s->row = xrealloc(NULL, sizeof(int64_t) * (size_t)(nin + 1), "the model's inputs");
+  s->data = xcalloc((size_t)(nin + 1), sizeof(char *), "the model's inputs");
   const NpArray *first = NULL;
   for (int i = 0; ok && i < nin; i++) {
     char want[96];
@@ -476,7 +476,7 @@ static bool open_split(const char *path, const char *split, const Graph *g, doub
     split_free(s);
     return false;
   }
-  bool *val = calloc((size_t)n, sizeof *val);
+  bool *val = xcalloc((size_t)n, sizeof *val, "the split's examples");
   for (int64_t j = 0; j < nval; j++)
     val[loader_permute(HOLD_OUT_SEED, 0, n, j)] = true;
   for (int64_t e = 0; strcmp(split, "val") && e < n; e++)
@@ -506,20 +506,20 @@ struct ArrayLoader {
 };
 
 ArrayLoader *arrays_loader_open(const char *path, const char *split, LoaderOptions o) {
-  ArrayLoader *l = calloc(1, sizeof *l);
+  ArrayLoader *l = xcalloc(1, sizeof *l, "the array loader");
   l->o = o;
-  l->path = strdup(path);
-  l->split = strdup(split);
+  l->path = xstrdup(path, "the array loader");
+  l->split = xstrdup(split, "the array loader");
   if (o.B < 1 || !open_split(path, split, o.model, o.val_fraction, &l->s)) {
     if (o.B < 1)
       diag_file_error(path, "cannot draw batches of B = %lld examples", (long long)o.B);
     arrays_loader_close(l);
     return NULL;
   }
-  l->in = calloc((size_t)l->s.n, sizeof *l->in);
-  l->buf = calloc((size_t)l->s.n, sizeof *l->buf);
+  l->in = xcalloc((size_t)l->s.n, sizeof *l->in, "the array loader's batches");
+  l->buf = xcalloc((size_t)l->s.n, sizeof *l->buf, "the array loader's batches");
   for (int i = 0; i < l->s.n; i++) {
-    l->buf[i] = rt_xrealloc(NULL, 4 * (size_t)(o.B * l->s.row[i]));
+    l->buf[i] = xrealloc(NULL, 4 * (size_t)(o.B * l->s.row[i]), "the array loader's batches");
     l->in[i] = (BatchInput){.name = l->s.names[i], .numel = o.B * l->s.row[i],
                             .ids = l->s.dtype[i] == DT_I32 ? (const int32_t *)l->buf[i] : NULL,
                             .f = l->s.dtype[i] == DT_F32 ? (const float *)l->buf[i] : NULL};

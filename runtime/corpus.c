@@ -31,10 +31,10 @@
 static void add_file(Corpus *c, const char *path, const struct stat *st) {
   if (c->nfiles == c->cap) {
     c->cap = c->cap ? 2 * c->cap : 64;
-    c->files = realloc(c->files, (size_t)c->cap * sizeof *c->files);
+    c->files = xrealloc(c->files, (size_t)c->cap * sizeof *c->files, "the list of text files");
   }
   size_t n = strlen(path);
-  c->files[c->nfiles++] = (CorpusFile){.path = strdup(path), .dev = st->st_dev, .ino = st->st_ino,
+  c->files[c->nfiles++] = (CorpusFile){.path = xstrdup(path, "the list of text files"), .dev = st->st_dev, .ino = st->st_ino,
                                        .size = st->st_size,
                                        .mtime_ns = (int64_t)st->st_mtim.tv_sec * 1000000000 + st->st_mtim.tv_nsec,
                                        .jsonl = n > 6 && !strcmp(path + n - 6, ".jsonl")};
@@ -58,7 +58,7 @@ static void walk(Corpus *c, const char *dir, DirId **seen, int *nseen, bool quie
     if (e->d_name[0] == '.')
       continue;
     size_t len = strlen(dir) + strlen(e->d_name) + 2;
-    char *path = malloc(len);
+    char *path = xmalloc(len, "a file's path");
     snprintf(path, len, "%s/%s", dir, e->d_name);
     struct stat st;
     if (stat(path, &st)) {
@@ -70,7 +70,7 @@ static void walk(Corpus *c, const char *dir, DirId **seen, int *nseen, bool quie
       for (int i = 0; i < *nseen; i++)
         again |= (*seen)[i].dev == st.st_dev && (*seen)[i].ino == st.st_ino;
       if (!again) {
-        *seen = realloc(*seen, (size_t)(*nseen + 1) * sizeof **seen);
+        *seen = xrealloc(*seen, (size_t)(*nseen + 1) * sizeof **seen, "the list of folders");
         (*seen)[(*nseen)++] = (DirId){st.st_dev, st.st_ino};
         walk(c, path, seen, nseen, quiet);
       }
@@ -98,7 +98,7 @@ bool corpus_find(Corpus *c, const char *input, bool quiet) {
     return false;
   }
   size_t n = strlen(input);
-  c->root = strndup(input, n > 1 && input[n - 1] == '/' ? n - 1 : n);
+  c->root = xstrndup(input, n > 1 && input[n - 1] == '/' ? n - 1 : n, "the corpus's path");
   if (!S_ISDIR(st.st_mode)) {
     if (!S_ISREG(st.st_mode)) {
       diag_file_error(input, "not a regular file or a folder");
@@ -109,7 +109,7 @@ bool corpus_find(Corpus *c, const char *input, bool quiet) {
     return true;
   }
   c->folder = true;
-  DirId *seen = malloc(sizeof *seen);
+  DirId *seen = xmalloc(sizeof *seen, "the list of folders");
   seen[0] = (DirId){st.st_dev, st.st_ino};
   int nseen = 1;
   walk(c, c->root, &seen, &nseen, quiet);
@@ -151,7 +151,7 @@ static void text_put(CorpusText *t, const char *s, size_t n) {
     return;
   if (t->n + n > t->cap) {
     t->cap = 2 * (t->n + n) + 256;
-    t->s = realloc(t->s, t->cap);
+    t->s = xrealloc(t->s, t->cap, "a document's text");
   }
   memcpy(t->s + t->n, s, n);
   t->n += n;
@@ -430,7 +430,7 @@ static int next_jsonl(DocReader *r, const char **text, size_t *n) {
       continue;
     if (!json_line_text(r, &j)) {
       size_t len = strlen(r->path) + 32;
-      char *where = malloc(len);
+      char *where = xmalloc(len, "a file's path");
       snprintf(where, len, "%s:%lld", r->path, (long long)r->line);
       diag_file_error(where, "%s", j.err);
       free(where);
@@ -668,7 +668,7 @@ static bool parse_file(char *v, CorpusFile *c) {
       (strcmp(kind, "text") && strcmp(kind, "binary")) || !unescape(v + skip))
     return false;
   size_t n = strlen(v + skip);
-  *c = (CorpusFile){.path = strdup(v + skip), .size = size, .mtime_ns = sec * 1000000000 + ns,
+  *c = (CorpusFile){.path = xstrdup(v + skip, "the list of text files"), .size = size, .mtime_ns = sec * 1000000000 + ns,
                     .jsonl = n > 6 && !strcmp(v + skip + n - 6, ".jsonl"), .binary = !strcmp(kind, "binary")};
   c->skip = c->binary;
   return true;
@@ -723,7 +723,7 @@ bool source_read(const char *dir, Source *s) {
     } else if (!strcmp(line, "input") || !strcmp(line, "doc-sep") || !strcmp(line, "text-field")) {
       char **dst = line[0] == 'i' ? &s->input : line[0] == 'd' ? &s->doc_sep : &s->text_field;
       free(*dst);
-      *dst = strdup(v);
+      *dst = xstrdup(v, "the source list's settings");
       ok = unescape(*dst);
     } else if (!strcmp(line, "val-fraction")) {
       char *end;
@@ -746,7 +746,7 @@ bool source_read(const char *dir, Source *s) {
     } else if (!strcmp(line, "file")) {
       if (s->nfiles == cap_files) {
         cap_files = cap_files ? 2 * cap_files : 64;
-        s->files = realloc(s->files, (size_t)cap_files * sizeof *s->files);
+        s->files = xrealloc(s->files, (size_t)cap_files * sizeof *s->files, "the list of text files");
       }
       ok = parse_file(v, &s->files[s->nfiles]);
       s->nfiles += ok;

@@ -298,11 +298,7 @@ CpuModule *cpu_load(const char *source, char *err, size_t n) {
   snprintf(src, sizeof src, "%s/%s.c", dir, key);
   snprintf(so, sizeof so, "%s/%s.so", dir, key);
   snprintf(log, sizeof log, "%s/%s.log", dir, key);
-  CpuModule *cm = calloc(1, sizeof *cm);
-  if (!cm) {
-    rt_fail(err, n, "out of memory");
-    return NULL;
-  }
+  CpuModule *cm = xcalloc(1, sizeof *cm, "the compiled module");
   snprintf(cm->path, sizeof cm->path, "%s", so);
   cm->cache_hit = access(so, R_OK) == 0;
   if (!cm->cache_hit && !build(cm, source, src, so, log, err, n)) {

@@ -14,11 +14,8 @@
 // Initial parameters, drawn when first needed.
 //
 void param_draw_init(ParamDraw *d, const Graph *g, uint64_t seed) {
-  *d = (ParamDraw){.seed = seed, .pending = malloc((size_t)(g->nparams ? g->nparams : 1)), .left = g->nparams};
-  if (!d->pending) {
-    fprintf(stderr, "mdlc: out of host memory\n");
-    exit(1);
-  }
+  *d = (ParamDraw){.seed = seed, .pending = xmalloc((size_t)g->nparams, "the parameters' draw"),
+                   .left = g->nparams};
   memset(d->pending, 1, (size_t)g->nparams);
 }
 
@@ -251,11 +248,7 @@ static void ie_free(Engine *e) {
 }
 
 Engine *engine_interp(const Graph *g, InterpPrecision prec, uint64_t seed) {
-  InterpEngine *ie = calloc(1, sizeof *ie);
-  if (!ie) {
-    fprintf(stderr, "mdlc: out of host memory\n");
-    exit(1);
-  }
+  InterpEngine *ie = xcalloc(1, sizeof *ie, "the interpreter");
   ie->it = interp_new(g, prec);
   interp_set_seed(ie->it, seed);
   param_draw_init(&ie->draw, g, seed);
@@ -380,7 +373,7 @@ GradRange *engine_grad_ranges(const Fusion *f, const MemPlan *m, int64_t bucket,
   const IrNode *norm = NULL;
   for (int i = 0; i < g->n && !norm; i++)
     norm = g->nodes[i]->op == OP_GRAD_NORM ? g->nodes[i] : NULL;
-  GradRange *r = norm ? malloc(sizeof *r * (size_t)(2 * norm->nin + 1)) : NULL;
+  GradRange *r = norm ? xmalloc(sizeof *r * (size_t)(2 * norm->nin + 1), "the gradients' ranges") : NULL;
   if (!r)
     return NULL;
   GradRange *one = r + norm->nin; // (each gradient alone, for the buckets' gaps)
@@ -439,13 +432,9 @@ GradRange *engine_grad_ranges(const Fusion *f, const MemPlan *m, int64_t bucket,
 }
 
 ZeroShard *engine_shard(const Graph *g, int rank, int n) {
-  ZeroShard *s = malloc(sizeof *s);
-  int64_t *size = malloc(sizeof(int64_t) * (size_t)(g->nparams ? g->nparams : 1));
-  int *first = malloc(sizeof(int) * (size_t)(n + 1));
-  if (!s || !size || !first) {
-    fprintf(stderr, "mdlc: out of host memory\n");
-    exit(1);
-  }
+  ZeroShard *s = xmalloc(sizeof *s, "the optimizer's shards");
+  int64_t *size = xmalloc(sizeof(int64_t) * (size_t)g->nparams, "the optimizer's shards");
+  int *first = xmalloc(sizeof(int) * (size_t)(n + 1), "the optimizer's shards");
   for (int i = 0; i < g->nparams; i++) // (a frozen parameter has no update and no moments)
     size[i] = g->updates && g->updates[i] >= 0 ? shape_numel(g->nodes[g->params[i]]->shape) : 0;
   dist_partition(size, g->nparams, n, first);
@@ -728,8 +717,8 @@ static bool ce_inputs_from(Engine *e, int n, const char *const *names, Engine *f
   CpuEngine *ce = (CpuEngine *)e, *cf = (CpuEngine *)from;
   if (from->free != ce_free)
     return false;
-  float **y = malloc(sizeof *y * (size_t)(n ? n : 1));
-  bool ok = y != NULL;
+  float **y = xmalloc(sizeof *y * (size_t)n, "the inputs' values");
+  bool ok = true;
   for (int i = 0; ok && i < n; i++) {
     int in = rt_input_node(e->g, names[i]);
     y[i] = in >= 0 && e->g->nodes[in]->dtype == DT_F32 ? cpu_value(ce->m, ce->arena, in) : NULL;
@@ -802,10 +791,8 @@ static bool ce_set_reduce(Engine *e, bool (*fn)(void *ctx, float *x, int64_t n, 
   ce->reduce = fn;
   ce->reduce_ctx = ctx;
   if (bucket > 0 && overlap) {
-    ce->comm.queue = malloc(sizeof *ce->comm.queue * (size_t)ce->nranges);
-    ce->comm.done = malloc(sizeof *ce->comm.done * (size_t)ce->nranges);
-    if (!ce->comm.queue || !ce->comm.done)
-      return comm_stop(ce), false;
+    ce->comm.queue = xmalloc(sizeof *ce->comm.queue * (size_t)ce->nranges, "the all-reduce's queue");
+    ce->comm.done = xmalloc(sizeof *ce->comm.done * (size_t)ce->nranges, "the all-reduce's queue");
     pthread_mutex_init(&ce->comm.lock, NULL);
     pthread_cond_init(&ce->comm.cond, NULL);
     ce->comm.started = pthread_create(&ce->comm.thread, NULL, comm_thread, ce) == 0;
@@ -829,11 +816,9 @@ static bool ce_set_shard(Engine *e, const ZeroShard *s, bool (*gather)(void *ctx
   ce->cm->hooks.own_lo = ce->cm->hooks.own_end = 0;
   if (!s)
     return true;
-  int64_t k = s->n + 1, *at = malloc(sizeof(int64_t) * 4 * (size_t)k);
-  if (!at || !gather) {
-    free(at);
+  if (!gather)
     return false;
-  }
+  int64_t k = s->n + 1, *at = xmalloc(sizeof(int64_t) * 4 * (size_t)k, "the optimizer's shards");
   engine_shard_at(s, e->g, ce->m, at, at + k, at + 2 * k, at + 3 * k);
   ce->at = at;
   ce->rank = s->rank;
@@ -857,9 +842,7 @@ static bool ce_gather_moments(Engine *e, int64_t step, char *err, size_t n) {
   ce_unmove(ce);
   if (!ce->gather || m->moments == 0)
     return true;
-  int64_t k = ce->nranks + 1, *rel = malloc(sizeof(int64_t) * (size_t)k);
-  if (!rel)
-    return rt_fail(err, n, "out of host memory");
+  int64_t k = ce->nranks + 1, *rel = xmalloc(sizeof(int64_t) * (size_t)k, "the optimizer's shards");
   const int64_t *m_at = ce->at + 2 * k, skip = 4 * (m_at[1] - m_at[0]), others = 4 * (m_at[k - 1] - m_at[1]);
   char *to_m = ce->arena + m->grads - skip, *to_v = to_m + others; // (v's shares lie as m's do)
   if (m->moments > 1 && 2 * others > m->param_bytes)
@@ -907,8 +890,8 @@ Engine *engine_cpu(const Fusion *f, const MemPlan *m, const char *source, uint64
   CpuModule *cm = cpu_load(source, err, n);
   if (!cm)
     return NULL;
-  CpuEngine *ce = calloc(1, sizeof *ce);
-  char *arena = ce ? cpu_arena_new(m) : NULL;
+  CpuEngine *ce = xcalloc(1, sizeof *ce, "the CPU engine");
+  char *arena = cpu_arena_new(m);
   if (!arena) {
     snprintf(err, n, "out of memory: the step's arena takes %.1f MB", (double)m->arena_bytes / 1e6);
     free(ce);
@@ -922,7 +905,7 @@ Engine *engine_cpu(const Fusion *f, const MemPlan *m, const char *source, uint64
   param_draw_init(&ce->draw, f->g, seed);
   ce->e = (Engine){.name = "cpu", .g = f->g, .set_input = ce_set_input, .set_scalar = ce_set_scalar,
                    .set_seed = ce_set_seed, .arena_bytes = m->arena_bytes, .fusion = f,
-                   .kernel_seconds = calloc((size_t)cm->nkernels, sizeof(double)),
+                   .kernel_seconds = xcalloc((size_t)cm->nkernels, sizeof(double), "the kernels' timings"),
                    .step = ce_step, .read = ce_read, .write = ce_write, .values = ce_values, .idle = ce_idle,
                    .free = ce_free,
                    .take_params = ce_take_params, .draw_params = cpe_draw_params, .inputs_from = ce_inputs_from,
@@ -965,7 +948,7 @@ void engine_profile_report(const Engine *e, FILE *out) {
     return;
   }
   double total = 0;
-  int *order = malloc(sizeof(int) * (size_t)f->nsteps);
+  int *order = xmalloc(sizeof(int) * (size_t)f->nsteps, "the kernels' order");
   for (int i = 0; i < f->nsteps; i++) {
     order[i] = i;
     total += e->kernel_seconds[i];

@@ -27,8 +27,9 @@ static int through_scale(const Graph *g, int x) {
 // the same with either lowering.
 double rt_step_flops(const Graph *g) {
   int end = g->fwd_end ? g->fwd_end : g->n;
-  char *causal = calloc((size_t)end + 1, 1); // per node: a MATMUL half counted (1), causal scores or P (2)
-  for (int i = 0; i < end && causal; i++) {
+  // per node: a MATMUL half counted (1), causal scores or P (2)
+  char *causal = xcalloc((size_t)end + 1, 1, "the model's flop count");
+  for (int i = 0; i < end; i++) {
     const IrNode *n = g->nodes[i];
     for (int k = 0; n->op == OP_ADD && k < 2; k++) {
       const IrNode *m = g->nodes[n->in[k]];
@@ -50,7 +51,7 @@ double rt_step_flops(const Graph *g) {
       const IrNode *a = g->nodes[n->in[0]];
       int64_t k = n->ia[0] ? a->shape.d[a->shape.rank - 2] : a->shape.d[a->shape.rank - 1];
       double f = 2.0 * (double)shape_numel(n->shape) * (double)k;
-      fwd += causal && causal[i] == 1 ? f / 2 : f;
+      fwd += causal[i] == 1 ? f / 2 : f;
     } else if (n->op == OP_ATTENTION) {
       // q.k and p.v: 2 x (B x C) multiply-adds per (query, key) pair: T x S, half of it masked when
       // causal, fewer with a window (att_pairs)

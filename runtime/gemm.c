@@ -233,6 +233,12 @@ static bool onednn_load(char *why, size_t n) {
   void *so = dlopen("libdnnl.so.2", RTLD_NOW | RTLD_LOCAL);
   if (!so)
     return rt_fail(why, n, "oneDNN (libdnnl.so.2) is not installed");
+  // libstdc++, which oneDNN brings, allocates its per-thread state on first use, and its exit
+  // handler uses it: taken now for this thread, so that an exit once memory has run out needs none
+  // (else the loader ends the process with "cannot allocate memory for thread-local data").
+  void *(*cxa_globals)(void) = (void *(*)(void))dlsym(so, "__cxa_get_globals");
+  if (cxa_globals)
+    cxa_globals();
 #define SYM(field, name) (*(void **)&L.field = dlsym(so, #name)) != NULL
   bool ok = SYM(sgemm, dnnl_sgemm) && SYM(engine_create, dnnl_engine_create) &&
             SYM(stream_create, dnnl_stream_create) && SYM(md_init, dnnl_memory_desc_init_by_strides) &&
@@ -390,9 +396,7 @@ static float bf16_to_f32(uint16_t h) {
 static void bf16_widened_sgemm(int ta, int tb, int64_t m, int64_t n, int64_t k, const uint16_t *a, int64_t lda,
                                const uint16_t *b, int64_t ldb, float beta, float *c, int64_t ldc) {
   int64_t ar = ta ? k : m, ac = ta ? m : k, br = tb ? n : k, bc = tb ? k : n;
-  float *wa = malloc((size_t)(ar * ac + br * bc) * sizeof *wa), *wb = wa + ar * ac;
-  if (!wa)
-    abort();
+  float *wa = xmalloc((size_t)(ar * ac + br * bc) * sizeof *wa, "a GEMM's widened operands"), *wb = wa + ar * ac;
   for (int64_t i = 0; i < ar; i++)
     for (int64_t j = 0; j < ac; j++)
       wa[i * ac + j] = bf16_to_f32(a[i * lda + j]);
@@ -437,9 +441,7 @@ static void probe_blocks(void *ctx, int64_t lo, int64_t hi) {
 
 // GFLOP/s: the product's flops over its slowest block.
 static double probe(bool bf16) {
-  float *a = calloc((size_t)PM * PK + PK * PN + PM * PN, sizeof *a);
-  if (!a)
-    return 0;
+  float *a = xcalloc((size_t)PM * PK + PK * PN + PM * PN, sizeof *a, "the GEMM probe's operands");
   for (int i = 0; i < PM * PK + PK * PN; i++)
     a[i] = (float)(i % 13) * 0.125f; // (as bf16 pairs: small normal numbers)
   long cpus = sysconf(_SC_NPROCESSORS_ONLN);

@@ -200,8 +200,8 @@ static bool open_shards(Loader *l) {
     free(paths);
     return false;
   }
-  l->shards = calloc((size_t)n, sizeof *l->shards);
-  l->first = calloc((size_t)n + 1, sizeof *l->first);
+  l->shards = xcalloc((size_t)n, sizeof *l->shards, "the loader's shards");
+  l->first = xcalloc((size_t)n + 1, sizeof *l->first, "the loader's shards");
   bool ok = true;
   for (int i = 0; i < n && ok; i++) {
     ok = shard_open(&l->shards[i], paths[i], l->o.vocab);
@@ -254,7 +254,7 @@ static bool open_stream(Loader *l) {
     return true;
   }
   int64_t cap = 1024;
-  l->docs = malloc((size_t)cap * sizeof *l->docs);
+  l->docs = xmalloc((size_t)cap * sizeof *l->docs, "the documents' index");
   l->docs[l->nrows++] = 0;
   for (int k = 0; k < l->nshards; k++)
     for (int64_t i = 0; i < l->shards[k].n; i++) {
@@ -263,7 +263,7 @@ static bool open_stream(Loader *l) {
         continue;
       if (l->nrows + 1 >= cap) {
         cap *= 2;
-        l->docs = realloc(l->docs, (size_t)cap * sizeof *l->docs);
+        l->docs = xrealloc(l->docs, (size_t)cap * sizeof *l->docs, "the documents' index");
       }
       l->docs[l->nrows++] = at;
     }
@@ -272,10 +272,10 @@ static bool open_stream(Loader *l) {
 }
 
 Loader *loader_open(const char *dir, const char *split, LoaderOptions o) {
-  Loader *l = calloc(1, sizeof *l);
+  Loader *l = xcalloc(1, sizeof *l, "the loader");
   l->o = o;
-  l->dir = strdup(dir);
-  l->split = strdup(split);
+  l->dir = xstrdup(dir, "the loader");
+  l->split = xstrdup(split, "the loader");
   pthread_mutex_init(&l->mu, NULL);
   pthread_cond_init(&l->cv, NULL);
   if (o.model) {
@@ -296,13 +296,14 @@ Loader *loader_open(const char *dir, const char *split, LoaderOptions o) {
     return NULL;
   }
   for (int i = 0; i < (l->text ? 1 : 2); i++) // (from the text, one: nothing is prepared ahead)
-    l->buf[i] = malloc(sizeof(int32_t) * 4 * (size_t)(o.B * o.T));
-  l->scratch = malloc(sizeof(int32_t) * (size_t)(o.T + 1));
+    l->buf[i] = xmalloc(sizeof(int32_t) * 4 * (size_t)(o.B * o.T), "the loader's batches");
+  l->scratch = xmalloc(sizeof(int32_t) * (size_t)(o.T + 1), "the loader's batches");
   if (l->text)
     return l;
   l->want = true;
-  if (pthread_create(&l->thread, NULL, worker, l)) {
-    diag_file_error(dir, "cannot start the loader thread");
+  int rc = pthread_create(&l->thread, NULL, worker, l);
+  if (rc) { // (EAGAIN: no memory for its stack, as under ulimit -v, or no thread left)
+    diag_file_error(dir, "cannot start the loader thread: out of memory or of threads (%s)", strerror(rc));
     loader_close(l);
     return NULL;
   }

@@ -206,8 +206,8 @@ bool npy_read(const char *path, const char *name, NpArray *out) {
     diag_file_error(path, "array '%s': %s", name, why);
     return false;
   }
-  out->name = strdup(name);
-  out->file = strdup(path);
+  out->name = xstrdup(name, "an array's name");
+  out->file = xstrdup(path, "an array's name");
   return true;
 }
 
@@ -278,7 +278,7 @@ int npz_read(const char *path, NpArray **out) {
     rt_fail(why, sizeof why, "a zip64 archive (over 4 GB or 65535 arrays): save the arrays as .npy files instead");
     goto fail;
   }
-  *out = calloc((size_t)(nent ? nent : 1), sizeof **out);
+  *out = xcalloc((size_t)(nent ? nent : 1), sizeof **out, "the zip's entries");
   for (int e = 0; e < nent; e++) {
     if (cd + 46 > n || le32(buf + cd) != 0x02014b50) {
       rt_fail(why, sizeof why, "the zip's central directory is damaged");
@@ -330,8 +330,8 @@ int npz_read(const char *path, NpArray **out) {
     if (!parse_npy(buf + data, usize, a, why, sizeof why))
       goto fail;
     count++;
-    a->name = strndup(name, len - 4);
-    a->file = strdup(path);
+    a->name = xstrndup(name, len - 4, "an array's name");
+    a->file = xstrdup(path, "an array's name");
   }
   free(buf);
   return count;

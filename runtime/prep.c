@@ -116,7 +116,7 @@ static bool put_tokens(SplitOut *out, const PrepOptions *o, const uint16_t *tok,
   while (n) {
     if (!out->open) {
       size_t len = strlen(o->out_dir) + 32;
-      char *path = malloc(len);
+      char *path = xmalloc(len, "a shard's path");
       snprintf(path, len, "%s/%s_%06d.bin", o->out_dir, out->split, out->index);
       out->open = shard_writer_open(&out->w, path);
       free(path);
@@ -155,7 +155,7 @@ static bool write_doc(Prep *p, SplitOut *out, const char *text, size_t n) {
     tok_encode(p->tok, text + i, j - i, &p->ids);
     if (p->ids.n > p->capu16) {
       p->capu16 = p->ids.n;
-      p->u16 = realloc(p->u16, p->capu16 * sizeof *p->u16);
+      p->u16 = xrealloc(p->u16, p->capu16 * sizeof *p->u16, "a document's tokens");
     }
     for (size_t k = 0; k < p->ids.n; k++)
       p->u16[k] = (uint16_t)p->ids.ids[k];
@@ -249,7 +249,7 @@ static bool read_pass(Prep *p) {
 // The output folder.
 //
 static bool make_dirs(const char *path) {
-  char *p = strdup(path);
+  char *p = xstrdup(path, "a folder's path");
   bool ok = true;
   for (char *s = p + 1; ok; s++) {
     bool last = !*s;
@@ -300,14 +300,14 @@ static bool write_source(const Prep *p, const char *abs_input) {
   const PrepOptions *o = p->o;
   Source s = {.input = (char *)abs_input, .doc_sep = (char *)o->doc_sep, .text_field = (char *)o->text_field,
               .split = p->split, .docs = {p->train.docs, p->val.docs}, .tokens = {p->train.tokens, p->val.tokens}};
-  s.files = malloc(sizeof *s.files * (size_t)(p->c.nfiles ? p->c.nfiles : 1));
+  s.files = xmalloc(sizeof *s.files * (size_t)(p->c.nfiles ? p->c.nfiles : 1), "the source list");
   size_t root = strlen(p->c.root);
   for (int i = 0; i < p->c.nfiles; i++) {
     const CorpusFile *f = &p->c.files[i];
     if (f->seen)
       continue;
     s.files[s.nfiles] = *f;
-    s.files[s.nfiles].path = malloc(strlen(abs_input) + strlen(f->path + root) + 1);
+    s.files[s.nfiles].path = xmalloc(strlen(abs_input) + strlen(f->path + root) + 1, "the source list");
     strcat(strcpy(s.files[s.nfiles++].path, abs_input), f->path + root);
   }
   bool ok = source_write(o->out_dir, &s);
@@ -404,7 +404,7 @@ int prep_run(const PrepOptions *o) {
   // An older prep's record describes shards this one replaces: it goes first, and the new one is
   // written last, so that a prep cut short leaves no record of shards it did not finish.
   size_t len = strlen(o->out_dir) + 32;
-  path = malloc(len);
+  path = xmalloc(len, "a file's path");
   snprintf(path, len, "%s/source.txt", o->out_dir);
   if (remove(path) && errno != ENOENT) {
     diag_file_error(path, "cannot remove: %s", strerror(errno));

@@ -18,8 +18,8 @@ int rt_input_node(const Graph *g, const char *name); // the INPUT node of that n
 // Where that cannot be made or written into, one warning, and a folder of this process's own under
 // $TMPDIR (or /tmp), removed at exit: a read-only home still trains, compiling every time.
 bool rt_cache_dir(const char *sub, char *dir, size_t n, char *err, size_t errn);
-// realloc(p, n), or an exit with status 1 after "mdlc: out of host memory (N bytes)": for the
-// runtime's own small tables, where nothing sensible is left to do without them.
+// xrealloc(p, n, "the run's tables"): for the runtime's own small tables, where nothing sensible is
+// left to do without them.
 void *rt_xrealloc(void *p, size_t n);
 // The index of the first NaN or infinity among x[0..n), or -1 when all are finite.
 int64_t rt_first_nonfinite(const float *x, int64_t n);

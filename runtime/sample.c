@@ -272,12 +272,8 @@ static bool open_from(Sampler *s, Arena *file_arena) {
 }
 
 Sampler *sampler_open(const char *checkpoint) {
-  Sampler *s = calloc(1, sizeof *s);
+  Sampler *s = xcalloc(1, sizeof *s, "the sampler");
   Arena *file_arena = arena_new();
-  if (!s || !file_arena) {
-    fprintf(stderr, "mdlc: out of memory\n");
-    exit(1);
-  }
   s->a = arena_new();
   s->path = arena_strdup(s->a, checkpoint);
   bool ok = open_from(s, file_arena);
@@ -325,11 +321,7 @@ int64_t sampler_generate(Sampler *s, const int32_t *ctx, int64_t n, const Sample
     return -1;
   }
   int64_t c = s->context, len = n < c ? n : c; // win[0..len): the last tokens, what the model sees
-  int32_t *win = malloc(sizeof *win * (size_t)c);
-  if (!win) {
-    fprintf(stderr, "mdlc: out of memory\n");
-    exit(1);
-  }
+  int32_t *win = xmalloc(sizeof *win * (size_t)c, "the sampler's context window");
   memcpy(win, ctx + (n - len), sizeof *win * (size_t)len);
   if (n > c && !s->said_crop) {
     s->said_crop = true;
@@ -391,11 +383,7 @@ int32_t sample_pick(const double *logits, int64_t n, double temperature, int64_t
         best = i;
     return (int32_t)best;
   }
-  Cand *c = malloc(sizeof *c * (size_t)n);
-  if (!c) {
-    fprintf(stderr, "mdlc: out of memory\n");
-    exit(1);
-  }
+  Cand *c = xmalloc(sizeof *c * (size_t)n, "the sampler's candidates");
   for (int64_t i = 0; i < n; i++)
     c[i] = (Cand){logits[i], (int32_t)i};
   qsort(c, (size_t)n, sizeof *c, by_logit);
@@ -419,9 +407,9 @@ static void print_token(void *arg, int32_t id) {
   const Tokenizer *tok = arg;
   char small[256], *buf = small;
   size_t n = tok_decode(tok, &id, 1, small, sizeof small);
-  if (n > sizeof small && (buf = malloc(n)))
-    tok_decode(tok, &id, 1, buf, n);
-  fwrite(buf, 1, buf ? n : 0, stdout);
+  if (n > sizeof small)
+    tok_decode(tok, &id, 1, buf = xmalloc(n, "a token's text"), n);
+  fwrite(buf, 1, n, stdout);
   if (buf != small)
     free(buf);
   fflush(stdout);
@@ -473,11 +461,7 @@ int sample_run(const SampleOptions *o) {
   }
   const char *prompt = o->prompt ? o->prompt : ""; // (no --prompt: generation starts from EOS alone)
   size_t len = strlen(prompt);
-  TokBuf ctx = {.ids = malloc(sizeof(int32_t) * (len + 1)), .n = 1, .cap = len + 1};
-  if (!ctx.ids) {
-    fprintf(stderr, "mdlc: out of memory\n");
-    exit(1);
-  }
+  TokBuf ctx = {.ids = xmalloc(sizeof(int32_t) * (len + 1), "the prompt's tokens"), .n = 1, .cap = len + 1};
   ctx.ids[0] = TOK_EOS;
   tok_encode(tok, prompt, len, &ctx);
   fputs(prompt, stdout);

@@ -30,8 +30,8 @@ bool datafile_open(DataFile *d, const char *path) {
   memset(d, 0, sizeof *d);
   const char *slash = strrchr(path, '/');
   size_t dirlen = slash ? (size_t)(slash - path + 1) : 0;
-  d->path = strdup(path);
-  d->tmp = malloc(strlen(path) + 64);
+  d->path = xstrdup(path, "a shard's path");
+  d->tmp = xmalloc(strlen(path) + 64, "a shard's path");
   snprintf(d->tmp, strlen(path) + 64, "%.*s.%s.tmp%ld", (int)dirlen, path, path + dirlen, (long)getpid());
   d->f = fopen(d->tmp, "wb");
   if (!d->f) {
@@ -46,7 +46,7 @@ bool datafile_open(DataFile *d, const char *path) {
 
 static void fsync_folder(const char *path) {
   const char *slash = strrchr(path, '/');
-  char *dir = slash ? strndup(path, (size_t)(slash - path + 1)) : strdup(".");
+  char *dir = slash ? xstrndup(path, (size_t)(slash - path + 1), "a folder's path") : xstrdup(".", "a folder's path");
   int fd = open(dir, O_RDONLY | O_DIRECTORY);
   if (fd >= 0) {
     fsync(fd);
@@ -172,7 +172,7 @@ bool shard_map(Shard *s, const char *path, int64_t vocab, char *why, size_t n) {
     munmap(map, (size_t)size);
     return false;
   }
-  s->path = strdup(path);
+  s->path = xstrdup(path, "a shard's path");
   s->map = map;
   s->map_bytes = (size_t)size;
   s->n = h[2];
@@ -224,10 +224,10 @@ int shard_list(const char *dir, const char *split, char ***out) {
       continue;
     if (n == cap) {
       cap = cap ? 2 * cap : 16;
-      paths = realloc(paths, (size_t)cap * sizeof *paths);
+      paths = xrealloc(paths, (size_t)cap * sizeof *paths, "the list of shards");
     }
     size_t len = strlen(dir) + strlen(e->d_name) + 2;
-    paths[n] = malloc(len);
+    paths[n] = xmalloc(len, "the list of shards");
     snprintf(paths[n++], len, "%s/%s", dir, e->d_name);
   }
   closedir(d);

@@ -128,7 +128,7 @@ static int next_split_doc(TextStream *s) {
 static void put_eos(TokBuf *b) {
   if (b->n == b->cap) {
     b->cap = b->cap ? 2 * b->cap : 4096;
-    b->ids = rt_xrealloc(b->ids, b->cap * sizeof *b->ids);
+    b->ids = xrealloc(b->ids, b->cap * sizeof *b->ids, "a document's tokens");
   }
   b->ids[b->n++] = TOK_EOS;
 }
@@ -217,7 +217,7 @@ bool textstream_doc(TextStream *s, int64_t d, int64_t n, int32_t *dst, int64_t *
 // Where each of the split's documents starts: one pass over the text, encoding nothing.
 static bool build_index(TextStream *s) {
   int64_t ndocs = s->src.docs[s->val];
-  s->index = rt_xrealloc(NULL, sizeof *s->index * (size_t)(ndocs + 1));
+  s->index = xrealloc(NULL, sizeof *s->index * (size_t)(ndocs + 1), "the documents' index");
   int rc;
   while ((rc = next_split_doc(s)) > 0) {
     if (s->doc > ndocs)
@@ -236,8 +236,8 @@ static bool build_index(TextStream *s) {
 }
 
 TextStream *textstream_open(const char *dir, const char *split, int64_t vocab, bool index) {
-  TextStream *s = calloc(1, sizeof *s);
-  s->dir = strdup(dir);
+  TextStream *s = xcalloc(1, sizeof *s, "the text stream");
+  s->dir = xstrdup(dir, "the text stream");
   s->split = !strcmp(split, "val") ? "val" : "train";
   s->val = !strcmp(split, "val");
   s->file = -1;

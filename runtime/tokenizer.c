@@ -26,13 +26,8 @@
 #define MAX_PIECE 65536          // bytes in one token, at most (a loaded file could ask for more)
 #define CACHE_MAX_WORDS (1 << 20) // the encoder's cache is cleared beyond this
 
-static void *xrealloc(void *p, size_t n) {
-  p = realloc(p, n ? n : 1);
-  if (!p) {
-    fprintf(stderr, "mdlc: out of memory (%zu bytes)\n", n);
-    exit(1);
-  }
-  return p;
+static void *tok_realloc(void *p, size_t n) {
+  return xrealloc(p, n, "the tokenizer's tables");
 }
 
 static uint64_t mix64(uint64_t k) {
@@ -77,8 +72,8 @@ static int32_t pairmap_get(const PairMap *m, uint64_t key) {
 static void pairmap_put(PairMap *m, uint64_t key, int32_t val) {
   if (2 * (m->n + 1) > m->cap) {
     PairMap big = {.cap = m->cap ? 2 * m->cap : 1024};
-    big.keys = xrealloc(NULL, big.cap * sizeof *big.keys);
-    big.vals = xrealloc(NULL, big.cap * sizeof *big.vals);
+    big.keys = tok_realloc(NULL, big.cap * sizeof *big.keys);
+    big.vals = tok_realloc(NULL, big.cap * sizeof *big.vals);
     memset(big.keys, 0xff, big.cap * sizeof *big.keys);
     for (size_t i = 0; i < m->cap; i++)
       if (m->keys[i] != UINT64_MAX) {
@@ -143,7 +138,7 @@ static size_t wordmap_slot(const WordMap *m, const char *w, uint32_t len, uint64
 static WordEntry *wordmap_get(WordMap *m, const char *w, uint32_t len) {
   if (2 * (m->n + 1) > m->cap) {
     size_t cap = m->cap ? 2 * m->cap : 4096;
-    WordEntry *e = xrealloc(NULL, cap * sizeof *e);
+    WordEntry *e = tok_realloc(NULL, cap * sizeof *e);
     memset(e, 0, cap * sizeof *e);
     for (size_t i = 0; i < m->cap; i++)
       if (m->e[i].len) {
@@ -161,7 +156,7 @@ static WordEntry *wordmap_get(WordMap *m, const char *w, uint32_t len) {
   if (!e->len) {
     if (m->npool + len > m->cappool) {
       m->cappool = 2 * (m->npool + len) + 65536;
-      m->pool = xrealloc(m->pool, m->cappool);
+      m->pool = tok_realloc(m->pool, m->cappool);
     }
     memcpy(m->pool + m->npool, w, len);
     *e = (WordEntry){.hash = h, .off = m->npool, .len = len};
@@ -224,17 +219,17 @@ Tokenizer *tok_new(const uint32_t *pairs, int nmerges, char *why, size_t nwhy) {
     snprintf(why, nwhy, "%d merges: the vocabulary would be outside 256..%d", nmerges, TOK_MAX_VOCAB);
     return NULL;
   }
-  Tokenizer *t = xrealloc(NULL, sizeof *t);
+  Tokenizer *t = tok_realloc(NULL, sizeof *t);
   memset(t, 0, sizeof *t);
   t->nmerges = nmerges;
   int vocab = 256 + nmerges;
-  t->pairs = xrealloc(NULL, 2 * (size_t)nmerges * sizeof *t->pairs);
+  t->pairs = tok_realloc(NULL, 2 * (size_t)nmerges * sizeof *t->pairs);
   if (nmerges)
     memcpy(t->pairs, pairs, 2 * (size_t)nmerges * sizeof *t->pairs);
-  t->piece_off = xrealloc(NULL, (size_t)vocab * sizeof *t->piece_off);
-  t->piece_len = xrealloc(NULL, (size_t)vocab * sizeof *t->piece_len);
+  t->piece_off = tok_realloc(NULL, (size_t)vocab * sizeof *t->piece_off);
+  t->piece_len = tok_realloc(NULL, (size_t)vocab * sizeof *t->piece_len);
   size_t npieces = 0, cap = 4096;
-  t->pieces = xrealloc(NULL, cap);
+  t->pieces = tok_realloc(NULL, cap);
   for (int id = 0; id < 256; id++) {
     t->piece_off[id] = npieces;
     t->piece_len[id] = id == TOK_EOS ? 0 : 1;
@@ -268,7 +263,7 @@ Tokenizer *tok_new(const uint32_t *pairs, int nmerges, char *why, size_t nwhy) {
     }
     if (npieces + len > cap) {
       cap = 2 * (npieces + len);
-      t->pieces = xrealloc(t->pieces, cap);
+      t->pieces = tok_realloc(t->pieces, cap);
     }
     memcpy(t->pieces + npieces, t->pieces + t->piece_off[a], t->piece_len[a]);
     memcpy(t->pieces + npieces + t->piece_len[a], t->pieces + t->piece_off[b], t->piece_len[b]);
@@ -302,7 +297,7 @@ int tok_merges(const Tokenizer *t, const uint32_t **pairs) {
 static void tokbuf_reserve(TokBuf *b, size_t more) {
   if (b->n + more > b->cap) {
     b->cap = 2 * (b->n + more) + 1024;
-    b->ids = xrealloc(b->ids, b->cap * sizeof *b->ids);
+    b->ids = tok_realloc(b->ids, b->cap * sizeof *b->ids);
   }
 }
 
@@ -357,7 +352,7 @@ size_t tok_encode(Tokenizer *t, const char *text, size_t n, TokBuf *out) {
       int k = encode_word(t, (const unsigned char *)text + i, (int)len, sym);
       if (t->ncache_ids + (size_t)k > t->capcache_ids) {
         t->capcache_ids = 2 * (t->ncache_ids + (size_t)k) + 4096;
-        t->cache_ids = xrealloc(t->cache_ids, t->capcache_ids * sizeof *t->cache_ids);
+        t->cache_ids = tok_realloc(t->cache_ids, t->capcache_ids * sizeof *t->cache_ids);
       }
       memcpy(t->cache_ids + t->ncache_ids, sym, (size_t)k * sizeof *sym);
       we->val = (int64_t)t->ncache_ids;
@@ -404,7 +399,7 @@ static uint32_t get_u32(const unsigned char *p) {
 
 unsigned char *tok_bytes(const Tokenizer *t, size_t *n) {
   *n = 16 + 8 * (size_t)t->nmerges;
-  unsigned char *buf = xrealloc(NULL, *n);
+  unsigned char *buf = tok_realloc(NULL, *n);
   memcpy(buf, tok_magic, 8);
   put_u32(buf + 8, (uint32_t)tok_vocab(t));
   put_u32(buf + 12, (uint32_t)t->nmerges);
@@ -461,7 +456,7 @@ Tokenizer *tok_parse(const unsigned char *buf, size_t n, const char *name) {
     } else if (n > want) {
       diag_file_error(name, "%zu bytes after the %u merges", n - want, nmerges);
     } else {
-      uint32_t *pairs = xrealloc(NULL, 2 * (size_t)nmerges * sizeof *pairs);
+      uint32_t *pairs = tok_realloc(NULL, 2 * (size_t)nmerges * sizeof *pairs);
       for (size_t i = 0; i < 2 * (size_t)nmerges; i++)
         pairs[i] = get_u32(buf + 16 + 4 * i);
       t = tok_new(pairs, (int)nmerges, why, sizeof why);
@@ -481,7 +476,7 @@ struct TokTrainer {
 };
 
 TokTrainer *tok_trainer_new(void) {
-  TokTrainer *tr = xrealloc(NULL, sizeof *tr);
+  TokTrainer *tr = tok_realloc(NULL, sizeof *tr);
   memset(tr, 0, sizeof *tr);
   return tr;
 }
@@ -532,7 +527,7 @@ static bool heap_before(HeapEntry x, HeapEntry y) {
 static void heap_push(Train *s, int64_t count, uint64_t key) {
   if (s->nheap == s->capheap) {
     s->capheap = s->capheap ? 2 * s->capheap : 4096;
-    s->heap = xrealloc(s->heap, s->capheap * sizeof *s->heap);
+    s->heap = tok_realloc(s->heap, s->capheap * sizeof *s->heap);
   }
   size_t i = s->nheap++;
   s->heap[i] = (HeapEntry){count, key};
@@ -571,12 +566,12 @@ static int32_t pair_of(Train *s, uint32_t a, uint32_t b) {
   if (s->npairs == s->cappairs) {
     s->cappairs = s->cappairs ? 2 * s->cappairs : 4096;
     size_t c = (size_t)s->cappairs;
-    s->pkey = xrealloc(s->pkey, c * sizeof *s->pkey);
-    s->pcount = xrealloc(s->pcount, c * sizeof *s->pcount);
-    s->plist = xrealloc(s->plist, c * sizeof *s->plist);
-    s->plen = xrealloc(s->plen, c * sizeof *s->plen);
-    s->pcap = xrealloc(s->pcap, c * sizeof *s->pcap);
-    s->pstamp = xrealloc(s->pstamp, c * sizeof *s->pstamp);
+    s->pkey = tok_realloc(s->pkey, c * sizeof *s->pkey);
+    s->pcount = tok_realloc(s->pcount, c * sizeof *s->pcount);
+    s->plist = tok_realloc(s->plist, c * sizeof *s->plist);
+    s->plen = tok_realloc(s->plen, c * sizeof *s->plen);
+    s->pcap = tok_realloc(s->pcap, c * sizeof *s->pcap);
+    s->pstamp = tok_realloc(s->pstamp, c * sizeof *s->pstamp);
   }
   p = s->npairs++;
   s->pkey[p] = key;
@@ -597,7 +592,7 @@ static void count_word_pairs(Train *s, int32_t w, int sign) {
     if (sign > 0 && (!s->plen[p] || s->plist[p][s->plen[p] - 1] != w)) {
       if (s->plen[p] == s->pcap[p]) {
         s->pcap[p] = s->pcap[p] ? 2 * s->pcap[p] : 4;
-        s->plist[p] = xrealloc(s->plist[p], (size_t)s->pcap[p] * sizeof **s->plist);
+        s->plist[p] = tok_realloc(s->plist[p], (size_t)s->pcap[p] * sizeof **s->plist);
       }
       s->plist[p][s->plen[p]++] = w;
     }
@@ -663,7 +658,7 @@ static void apply_merge(Train *s, int32_t pab, int32_t z) {
       s->pstamp[p] = z;
       if (nfresh == capfresh) {
         capfresh = capfresh ? 2 * capfresh : 64;
-        fresh = xrealloc(fresh, (size_t)capfresh * sizeof *fresh);
+        fresh = tok_realloc(fresh, (size_t)capfresh * sizeof *fresh);
       }
       fresh[nfresh++] = p;
     }
@@ -678,11 +673,11 @@ Tokenizer *tok_train(TokTrainer *tr, int vocab, void (*progress)(void *ctx, int 
     return NULL;
   Train s = {0};
   const WordMap *m = &tr->words;
-  s.sym = xrealloc(NULL, m->npool * sizeof *s.sym);
-  s.woff = xrealloc(NULL, m->n * sizeof *s.woff);
-  s.wlen = xrealloc(NULL, m->n * sizeof *s.wlen);
-  s.wcount = xrealloc(NULL, m->n * sizeof *s.wcount);
-  s.wstamp = xrealloc(NULL, m->n * sizeof *s.wstamp);
+  s.sym = tok_realloc(NULL, m->npool * sizeof *s.sym);
+  s.woff = tok_realloc(NULL, m->n * sizeof *s.woff);
+  s.wlen = tok_realloc(NULL, m->n * sizeof *s.wlen);
+  s.wcount = tok_realloc(NULL, m->n * sizeof *s.wcount);
+  s.wstamp = tok_realloc(NULL, m->n * sizeof *s.wstamp);
   int64_t nsym = 0;
   for (size_t i = 0; i < m->cap; i++) {
     const WordEntry *e = &m->e[i];
@@ -701,7 +696,7 @@ Tokenizer *tok_train(TokTrainer *tr, int vocab, void (*progress)(void *ctx, int 
   for (int32_t p = 0; p < s.npairs; p++)
     heap_push(&s, s.pcount[p], s.pkey[p]);
   int want = vocab - 256, nmerges = 0;
-  uint32_t *pairs = xrealloc(NULL, 2 * (size_t)want * sizeof *pairs);
+  uint32_t *pairs = tok_realloc(NULL, 2 * (size_t)want * sizeof *pairs);
   while (nmerges < want && s.nheap) {
     HeapEntry top = heap_pop(&s);
     int32_t p = pairmap_get(&s.index, top.key);

@@ -674,8 +674,8 @@ static Metrics metrics_of(const Graph *g, const Graph *eval) {
   m.name = rt_xrealloc(NULL, n * sizeof *m.name);
   m.node = rt_xrealloc(NULL, n * sizeof *m.node);
   m.val = rt_xrealloc(NULL, n * sizeof *m.val);
-  m.now = calloc(n, sizeof *m.now);
-  m.sum = calloc(n, sizeof *m.sum);
+  m.now = xcalloc(n, sizeof *m.now, "the run's metrics");
+  m.sum = xcalloc(n, sizeof *m.sum, "the run's metrics");
   for (int i = 0; i < g->noutputs; i++) {
     const IrNode *x = g->nodes[g->outputs[i]];
     if (g->outputs[i] == g->loss || x->shape.rank != 0 || !x->name)

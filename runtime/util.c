@@ -202,19 +202,14 @@ int64_t rt_host_memory_available(const char **what) {
 }
 
 void *rt_xrealloc(void *p, size_t n) {
-  void *q = realloc(p, n ? n : 1);
-  if (!q) {
-    fprintf(stderr, "mdlc: out of host memory (%zu bytes)\n", n);
-    exit(1);
-  }
-  return q;
+  return xrealloc(p, n, "the run's tables");
 }
 
 static const char b64_digits[] = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
 
 char *rt_base64(const void *data, size_t n) {
   const unsigned char *p = data;
-  char *out = rt_xrealloc(NULL, 4 * ((n + 2) / 3) + 1), *o = out;
+  char *out = xrealloc(NULL, 4 * ((n + 2) / 3) + 1, "a base64 text"), *o = out;
   for (size_t i = 0; i < n; i += 3) {
     uint32_t v = (uint32_t)p[i] << 16 | (i + 1 < n ? (uint32_t)p[i + 1] << 8 : 0) | (i + 2 < n ? p[i + 2] : 0);
     *o++ = b64_digits[v >> 18];
@@ -230,7 +225,7 @@ unsigned char *rt_unbase64(const char *text, size_t *n) {
   size_t len = strlen(text);
   if (len % 4)
     return NULL;
-  unsigned char *out = rt_xrealloc(NULL, len / 4 * 3 + 1);
+  unsigned char *out = xrealloc(NULL, len / 4 * 3 + 1, "a base64 text");
   *n = 0;
   for (size_t i = 0; i < len; i += 4) {
     uint32_t v = 0;
