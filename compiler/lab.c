@@ -10,10 +10,13 @@
 // (the largest batch within a memory budget with and without it, and the tokens/s there), and
 // packing is only right with the document mask (the leak check: perturb one document, the other
 // documents' logits must not move; off, they do, and the loss looks better than it is). Output: the
-// tables in the terminal, lab.md, lab.csv and lab.svg in --out, each row's run in --out/rows/.
+// tables in the terminal, lab.md, lab.csv and lab.svg in --out, each row's run in --out/rows/, which
+// a marker file names as the lab's: a later lab removes the row folders there and nothing else, and
+// refuses a rows folder without it.
 #include "mdl.h"
 #include "runtime.h"
 
+#include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <ftw.h>
@@ -192,6 +195,79 @@ static void last_error(const char *path, char *why, size_t n) {
 static int remove_entry(const char *path, const struct stat *st, int flag, struct FTW *ftw) {
   (void)st, (void)flag, (void)ftw;
   return remove(path);
+}
+
+// OUT/rows/lab-rows.txt, written before the first row: what says a rows folder is a lab's.
+static const char rows_marker[] = "lab-rows.txt";
+static const char rows_marker_text[] = "mdlc lab: each numbered folder here is the run of one row of a lab; the next "
+                                       "`mdlc lab` into this --out removes them\n";
+
+static bool has_marker(const char *rows) {
+  char path[PATH_MAX + 32], line[sizeof rows_marker_text + 1] = "";
+  snprintf(path, sizeof path, "%s/%s", rows, rows_marker);
+  FILE *f = fopen(path, "r");
+  bool ok = f && fgets(line, sizeof line, f) && !strcmp(line, rows_marker_text);
+  if (f)
+    fclose(f);
+  return ok;
+}
+
+// A name the lab gives a row's folder: digits only (01, 02, ...).
+static bool row_name(const char *name) { return *name && strspn(name, "0123456789") == strlen(name); }
+
+// The lab's rows folder, rows, emptied of an earlier lab's row folders (what the marker says a lab
+// wrote; anything else there stays) or made, and marked. A rows folder without the marker is not the
+// lab's: refused, so that nothing in it is lost. False after saying why.
+static bool claim_rows(const char *rows) {
+  struct stat st;
+  if (lstat(rows, &st) == 0) {
+    if (!S_ISDIR(st.st_mode) || (!has_marker(rows) && rmdir(rows) != 0)) {
+      fprintf(stderr, "%s: error: not made by `mdlc lab` (it has no %s), and the lab removes only what a lab "
+              "wrote: move it away, or choose another --out\n", rows, rows_marker);
+      return false;
+    }
+  } else if (errno != ENOENT) {
+    fprintf(stderr, "%s: error: %s\n", rows, strerror(errno));
+    return false;
+  }
+  if (mkdir(rows, 0777) && errno != EEXIST) {
+    fprintf(stderr, "%s: error: cannot create the folder: %s\n", rows, strerror(errno));
+    return false;
+  }
+  DIR *d = opendir(rows);
+  if (!d) {
+    fprintf(stderr, "%s: error: cannot read the folder: %s\n", rows, strerror(errno));
+    return false;
+  }
+  bool ok = true;
+  for (struct dirent *e; ok && (e = readdir(d));) {
+    char path[PATH_MAX + 300];
+    snprintf(path, sizeof path, "%s/%s", rows, e->d_name);
+    if (row_name(e->d_name) && lstat(path, &st) == 0 && S_ISDIR(st.st_mode) &&
+        nftw(path, remove_entry, 16, FTW_DEPTH | FTW_PHYS) != 0) {
+      fprintf(stderr, "%s: error: cannot remove an earlier lab's row: %s\n", path, strerror(errno));
+      ok = false;
+    }
+  }
+  closedir(d);
+  char path[PATH_MAX + 32];
+  snprintf(path, sizeof path, "%s/%s", rows, rows_marker);
+  FILE *f = ok ? fopen(path, "w") : NULL;
+  if (ok && (!f || fputs(rows_marker_text, f) < 0 || fclose(f) != 0)) {
+    fprintf(stderr, "%s: error: cannot write: %s\n", path, strerror(errno));
+    ok = false;
+  }
+  return ok;
+}
+
+bool lab_claim_out(const char *out) {
+  if (mkdir(out, 0777) && errno != EEXIST) {
+    fprintf(stderr, "%s: error: cannot create the folder: %s\n", out, strerror(errno));
+    return false;
+  }
+  char rows[PATH_MAX + 8];
+  snprintf(rows, sizeof rows, "%s/rows", out);
+  return claim_rows(rows);
 }
 
 // Runs row r as `mdlc run` in a process of its own, its output into r->dir/run.txt.
@@ -448,17 +524,6 @@ int lab_run(const LabOptions *o) {
     return 1;
   }
   self[len] = 0;
-  char rows_dir[PATH_MAX + 8];
-  snprintf(rows_dir, sizeof rows_dir, "%s/rows", o->out);
-  if ((mkdir(o->out, 0777) && errno != EEXIST)) {
-    fprintf(stderr, "%s: error: cannot create the folder: %s\n", o->out, strerror(errno));
-    return 1;
-  }
-  nftw(rows_dir, remove_entry, 16, FTW_DEPTH | FTW_PHYS); // (the rows of an earlier lab: the lab's own)
-  if (mkdir(rows_dir, 0777)) {
-    fprintf(stderr, "%s: error: cannot create the folder: %s\n", rows_dir, strerror(errno));
-    return 1;
-  }
   Row rows[2 * NTECH + 8];
   Lab L = {.o = o, .self = self, .rows = rows, .t0 = rt_now()};
   unsigned all = 0;

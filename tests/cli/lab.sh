@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # `mdlc lab` on gpt2-tiny, a few steps a row: the ladder's rows and the alone table are all there,
 # every run trained (finite losses, within a tolerance of the baseline's), the leak check passes with
-# the document mask and fails without it, and lab.md, lab.csv and lab.svg are written and parse.
+# the document mask and fails without it, and lab.md, lab.csv and lab.svg are written and parse. Then
+# what the lab must not do: remove a rows folder it did not make; run every row on data that is not
+# there.
 set -u
 cd "$(dirname "$0")/../.."
 m=$PWD/bin/mdlc
@@ -61,3 +63,19 @@ $m lab models/gpt2-tiny.mdl >"$tmp/out" 2>&1
 check "lab without --data is an error with status 1" "[ $? -eq 1 ] && grep -q 'lab needs --data DIR' '$tmp/out'"
 $m lab models/gpt2-tiny.mdl --data "$tmp/data" --memory-budget lots >"$tmp/out" 2>&1
 check "a budget that is not a size is a usage error (status 2)" "[ $? -eq 2 ] && grep -q -- '--memory-budget wants' '$tmp/out'"
+
+# data that is not there: refused once, before any row and before --out is made
+$m lab models/gpt2-tiny.mdl --data "$tmp/none" --steps 6 -D B=4 -D T=64 --backend cpu --out "$tmp/nolab" \
+  >"$tmp/out" 2>&1
+check "lab --data on a folder that is not there is refused once, with the path and why, before any row" \
+  "[ $? -eq 1 ] && [ \"\$(grep -c error '$tmp/out')\" = 1 ] && grep -q '^$tmp/none: error: cannot resolve the path' '$tmp/out' &&
+   ! grep -q '^lab: row' '$tmp/out' && [ ! -e '$tmp/nolab' ]"
+
+# a rows folder the lab did not make: refused, its files kept
+mkdir -p "$tmp/mine/rows/01"
+echo "my notes" >"$tmp/mine/rows/01/notes.txt"
+MDL_CACHE=$tmp/cache timeout 120 $m lab models/gpt2-tiny.mdl --data "$tmp/data" --steps 6 -D B=4 -D T=64 \
+  --backend cpu --out "$tmp/mine" >"$tmp/out" 2>&1
+check "a --out whose rows folder the lab did not make is refused, and nothing in it is touched" \
+  "[ $? -eq 1 ] && grep -q '^$tmp/mine/rows: error: not made by .mdlc lab.' '$tmp/out' && ! grep -q '^lab: row' '$tmp/out' &&
+   [ \"\$(cat '$tmp/mine/rows/01/notes.txt')\" = 'my notes' ] && [ \"\$(ls '$tmp/mine/rows')\" = 01 ]"
