@@ -12,7 +12,7 @@
 // documents' logits must not move; off, they do, and the loss looks better than it is). Output: the
 // tables in the terminal, lab.md, lab.csv and lab.svg in --out, each row's run in --out/rows/, which
 // a marker file names as the lab's: a later lab removes the row folders there and nothing else, and
-// refuses a rows folder without it.
+// refuses a rows folder without it. A SIGINT, SIGTERM or SIGHUP is passed on to the row's run.
 #include "mdl.h"
 #include "runtime.h"
 
@@ -22,6 +22,7 @@
 #include <ftw.h>
 #include <limits.h>
 #include <math.h>
+#include <signal.h>
 #include <spawn.h>
 #include <stdarg.h>
 #include <stdlib.h>
@@ -270,6 +271,27 @@ bool lab_claim_out(const char *out) {
   return claim_rows(rows);
 }
 
+// SIGINT, SIGTERM or SIGHUP while the rows run: passed on to the row's run (in a process group of its
+// own, so that a terminal's Ctrl-C reaches it once, through here), which stops as a run does; no later
+// row starts, and the lab then ends by the signal.
+static volatile sig_atomic_t lab_stop, lab_child, lab_passed;
+static void on_lab_stop(int sig) {
+  lab_stop = sig;
+  if (lab_child > 0)
+    lab_passed = kill((pid_t)lab_child, sig) == 0;
+}
+
+static const int lab_signals[3] = {SIGINT, SIGTERM, SIGHUP};
+
+// Catches lab_signals, but those ignored when the lab began (nohup), which stay ignored.
+static void catch_lab_stop(void) {
+  struct sigaction sa = {.sa_handler = on_lab_stop, .sa_flags = SA_RESTART}, old;
+  sigemptyset(&sa.sa_mask);
+  for (int i = 0; i < 3; i++)
+    if (sigaction(lab_signals[i], NULL, &old) == 0 && old.sa_handler != SIG_IGN)
+      sigaction(lab_signals[i], &sa, NULL);
+}
+
 // Runs row r as `mdlc run` in a process of its own, its output into r->dir/run.txt.
 static void run_row(const LabOptions *o, const char *self, Row *r) {
   const char *argv[MAX_ARGS];
@@ -312,18 +334,36 @@ static void run_row(const LabOptions *o, const char *self, Row *r) {
   posix_spawn_file_actions_init(&fa);
   posix_spawn_file_actions_addopen(&fa, 1, out, O_WRONLY | O_APPEND, 0666);
   posix_spawn_file_actions_adddup2(&fa, 1, 2);
+  posix_spawnattr_t at;
+  posix_spawnattr_init(&at);
+  posix_spawnattr_setflags(&at, POSIX_SPAWN_SETPGROUP);
+  posix_spawnattr_setpgroup(&at, 0);
   pid_t pid;
-  int rc = posix_spawn(&pid, self, &fa, NULL, (char *const *)argv, environ);
+  int rc = posix_spawn(&pid, self, &fa, &at, (char *const *)argv, environ);
   posix_spawn_file_actions_destroy(&fa);
+  posix_spawnattr_destroy(&at);
   if (rc) {
     set_why(r->why, sizeof r->why, "cannot start %s: %s", self, strerror(rc));
     return;
   }
+  lab_child = pid;
+  if (lab_stop) // (a signal between the lab's check and the spawn)
+    lab_passed = kill(pid, lab_stop) == 0;
   int status;
   struct rusage ru;
   while (wait4(pid, &status, 0, &ru) < 0 && errno == EINTR)
     ;
-  if (!WIFEXITED(status) || WEXITSTATUS(status)) {
+  lab_child = 0;
+  if (WIFSIGNALED(status)) {
+    set_why(r->why, sizeof r->why, "killed by signal %d (%s)", WTERMSIG(status), strsignal(WTERMSIG(status)));
+    return;
+  }
+  if (WEXITSTATUS(status) && lab_passed) {
+    set_why(r->why, sizeof r->why, "stopped by signal %d (%s), passed on by the lab", (int)lab_stop,
+            strsignal(lab_stop));
+    return;
+  }
+  if (WEXITSTATUS(status)) {
     last_error(out, r->why, sizeof r->why);
     return;
   }
@@ -366,7 +406,7 @@ static Row *add_row(Lab *L, unsigned on, const char *label) {
 
 // Runs the rows not yet run, with a progress line each.
 static void run_rows(Lab *L) {
-  for (int i = 0; i < L->nrows; i++) {
+  for (int i = 0; i < L->nrows && !lab_stop; i++) {
     Row *r = &L->rows[i];
     if (r->ran)
       continue;
@@ -574,7 +614,23 @@ int lab_run(const LabOptions *o) {
     Row *r = add_row(&L, all, "everything on, no document mask");
     r->extra[0] = "--no-doc-mask";
   }
+  catch_lab_stop();
   run_rows(&L);
+  if (lab_stop) {
+    int sig = lab_stop, done = 0;
+    while (done < L.nrows && L.rows[done].ran)
+      done++;
+    fflush(stdout);
+    if (lab_passed)
+      fprintf(stderr, "mdlc: lab: stopped by signal %d (%s) during row %d of %d, whose run it stopped too (see "
+              "%s/run.txt); no tables written\n", sig, strsignal(sig), done, L.nrows, L.rows[done - 1].dir);
+    else
+      fprintf(stderr, "mdlc: lab: stopped by signal %d (%s) before row %d of %d; no tables written\n", sig,
+              strsignal(sig), done + 1, L.nrows);
+    signal(sig, SIG_DFL);
+    raise(sig);
+    return 128 + sig;
+  }
 
   Out out = {open_out(o, "lab.md"), open_out(o, "lab.csv")};
   if (!out.md || !out.csv)

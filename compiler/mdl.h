@@ -737,7 +737,7 @@ typedef struct {
 // why, as for a rows folder the lab did not make.
 bool lab_claim_out(const char *out);
 // Runs the ladder (into the folders lab_claim_out made), writes OUT/lab.md, lab.csv, lab.svg; the exit
-// status (1 when a run failed).
+// status (1 when a run failed). A SIGINT, SIGTERM or SIGHUP stops the row's run and the lab.
 int lab_run(const LabOptions *o);
 
 //

@@ -2,13 +2,15 @@
 # `mdlc lab` on gpt2-tiny, a few steps a row: the ladder's rows and the alone table are all there,
 # every run trained (finite losses, within a tolerance of the baseline's), the leak check passes with
 # the document mask and fails without it, and lab.md, lab.csv and lab.svg are written and parse. Then
-# what the lab must not do: remove a rows folder it did not make; run every row on data that is not
-# there.
+# what the lab must not do: remove a rows folder it did not make, or anything in its own but the row
+# folders; run every row on data that is not there; report a killed row by its last line; leave a
+# row's run running when the lab is stopped.
 set -u
 cd "$(dirname "$0")/../.."
 m=$PWD/bin/mdlc
 tmp=$(mktemp -d)
-trap 'rm -rf "$tmp"' EXIT
+lab_pid=
+trap '[ -n "$lab_pid" ] && kill -0 "$lab_pid" 2>/dev/null && kill -TERM "$lab_pid"; rm -rf "$tmp"' EXIT
 ok() { echo "[ok] lab: $1"; }
 fail() { echo "[fail] lab: $1"; }
 check() { if eval "$2"; then ok "$1"; else fail "$1: $(tail -c 800 "$tmp/out" 2>/dev/null)"; fi; }
@@ -79,3 +81,40 @@ MDL_CACHE=$tmp/cache timeout 120 $m lab models/gpt2-tiny.mdl --data "$tmp/data" 
 check "a --out whose rows folder the lab did not make is refused, and nothing in it is touched" \
   "[ $? -eq 1 ] && grep -q '^$tmp/mine/rows: error: not made by .mdlc lab.' '$tmp/out' && ! grep -q '^lab: row' '$tmp/out' &&
    [ \"\$(cat '$tmp/mine/rows/01/notes.txt')\" = 'my notes' ] && [ \"\$(ls '$tmp/mine/rows')\" = 01 ]"
+
+# a lab again into the first's --out, with a file of the user's among the rows and steps enough to
+# stop it by hand: row 1's run killed (SIGKILL), then the lab stopped (SIGTERM) during row 2
+echo "my notes" >"$tmp/lab/rows/notes.txt"
+MDL_CACHE=$tmp/cache $m lab models/gpt2-tiny.mdl --data "$tmp/data" --steps 1000000 -D B=4 -D T=64 --backend cpu \
+  --out "$tmp/lab" >"$tmp/out" 2>&1 &
+lab_pid=$!
+# the pid of row $1's run (its folder's lock holds it), once the lab has started the row and the run has
+# logged a step (3 minutes at most)
+step_of() {
+  for _ in $(seq 900); do
+    grep -q "^lab: row $1 of" "$tmp/out" && [ -s "$tmp/lab/rows/0$1/log.jsonl" ] && break
+    sleep 0.2
+  done
+  cat "$tmp/lab/rows/0$1/lock"
+}
+run1=$(step_of 1)
+check "a lab into an earlier lab's --out removes the earlier rows and nothing else of the folder" \
+  "[ \"\$(ls '$tmp/lab/rows' | tr '\\n' ' ')\" = '01 lab-rows.txt notes.txt ' ] &&
+   [ \"\$(cat '$tmp/lab/rows/notes.txt')\" = 'my notes' ] && [ -f '$tmp/lab/lab.md' ]"
+kill -9 "$run1"
+run2=$(step_of 2)
+check "a row whose run was killed is reported killed by its signal" \
+  "grep -q '^lab: row 1 failed: killed by signal 9 ' '$tmp/out'"
+kill -TERM "$lab_pid"
+for _ in $(seq 300); do kill -0 "$run2" 2>/dev/null || break; sleep 0.2; done
+kill -0 "$lab_pid" 2>/dev/null && kill -9 "$lab_pid"
+wait "$lab_pid"
+lab_rc=$?
+lab_pid=
+kill -0 "$run2" 2>/dev/null
+run2_left=$?
+[ $run2_left -eq 0 ] && kill -9 "$run2" # (a run the lab left running)
+check "SIGTERM to the lab stops the row's run at its step (checkpoint written), then the lab, by the signal" \
+  "[ $lab_rc -eq 143 ] && [ $run2_left -ne 0 ] && [ -f '$tmp/lab/rows/02/checkpoint.safetensors' ] &&
+   grep -q '^terminated (SIGTERM) at step [0-9]*: wrote' '$tmp/lab/rows/02/run.txt' &&
+   grep -q '^mdlc: lab: stopped by signal 15 .* during row 2 of ' '$tmp/out' && ! grep -q '^lab: row 3 ' '$tmp/out'"
