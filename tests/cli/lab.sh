@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # `mdlc lab` on gpt2-tiny, a few steps a row: the ladder's rows and the alone table are all there,
-# every run trained (finite losses, within a tolerance of the baseline's), the leak check passes with
-# the document mask and fails without it, and lab.md, lab.csv and lab.svg are written and parse. Then
-# what the lab must not do: remove a rows folder it did not make, or anything in its own but the row
-# folders; run every row on data that is not there; report a killed row by its last line; leave a
-# row's run running when the lab is stopped.
+# every run trained (finite losses, within a tolerance of the baseline's), each technique's worth alone
+# divides the right two runs' tokens/s (from their own logs), the leak check passes with the document
+# mask and fails without it, and lab.md, lab.csv and lab.svg are written and parse. Then what the lab
+# must not do: remove a rows folder it did not make, or anything in its own but the row folders; run
+# every row on data that is not there; report a killed row by its last line; leave a row's run
+# running when the lab is stopped.
 set -u
 cd "$(dirname "$0")/../.."
 m=$PWD/bin/mdlc
@@ -23,6 +24,7 @@ $m prep "$tmp/txt" --doc-sep "" -o "$tmp/data" >/dev/null 2>"$tmp/out" || fail "
 MDL_CACHE=$tmp/cache $m lab models/gpt2-tiny.mdl --data "$tmp/data" --steps 6 -D B=4 -D T=64 --backend cpu \
   --out "$tmp/lab" >"$tmp/out" 2>&1
 rc=$?
+cp "$tmp/out" "$tmp/progress"
 check "the lab exits 0 with every run done" "[ $rc -eq 0 ]"
 check "a progress line per row, row k of n with an ETA" \
   "grep -qE '^lab: row 1 of [0-9]+: baseline \\(everything off\\) \\(ETA \\?\\)' '$tmp/out' &&
@@ -53,6 +55,38 @@ sys.exit(0 if len(ran) >= 18 and not bad and kinds == {"ladder", "alone", "apart
 PY
 csv_rc=$?
 check "lab.csv: every run's row, each loss finite and within 15% of the baseline's ($(cat "$tmp/csv"))" "[ $csv_rc -eq 0 ]"
+# worth alone: the full system's tokens/s over the row's without the technique (a row apart: the row's
+# with it over the full system's), each the median of the run's logged steps after the warm-up
+python3 - "$tmp/lab" "$tmp/progress" >"$tmp/ratio" 2>&1 <<'PY'
+import csv, json, re, statistics, sys
+lab, progress = sys.argv[1], sys.argv[2]
+folder = {}  # a row's label -> its folder, from the progress lines
+for line in open(progress):
+    m = re.match(r"lab: row (\d+) of \d+: (.*) \(ETA [^)]*\)$", line.rstrip("\n"))
+    if m:
+        folder[m.group(2)] = "%s/rows/%02d" % (lab, int(m.group(1)))
+md = open(lab + "/lab.md").read()
+warm = int(re.search(r"median after (\d+) warm-up", md).group(1))
+def tok_s(label):
+    steps = [json.loads(l) for l in open(folder[label] + "/log.jsonl")]
+    return statistics.median([s["tok_s"] for s in steps if "tok_s" in s][warm:])
+rows = list(csv.DictReader(open(lab + "/lab.csv")))
+full = tok_s([r for r in rows if r["table"] == "ladder"][-1]["row"])
+worth = dict(re.findall(r"^\| ([a-z0-9 -]+) \| [^|]+ \| [^|]+ \| ([0-9.]+)x \|", md, re.M))
+bad, told = [], 0
+for r in rows:
+    if r["table"] not in ("alone", "apart"):
+        continue
+    x = (tok_s("everything on and " + r["row"]) / full if r["table"] == "apart"
+         else full / tok_s("everything on but " + r["row"]))
+    told += abs(x - 1 / x) > 0.01  # (a ratio the other way round would show)
+    if abs(float(r["vs_baseline"]) - x) > 1e-4 * (1 + x) or abs(float(worth.get(r["row"], "nan")) - x) > 0.0051:
+        bad.append("%s: %s in lab.csv, %sx in lab.md, the runs' %.4f" % (r["row"], r["vs_baseline"], worth.get(r["row"]), x))
+print("%d of 8 techniques, %d telling the direction; full system %.0f tokens/s; %s" % (len(worth), told, full, bad))
+sys.exit(0 if not bad and len(worth) == 8 and "the full system (%.0f tokens/s)" % full in md else 1)
+PY
+ratio_rc=$?
+check "each technique's worth alone divides the right two runs' tokens/s ($(cat "$tmp/ratio"))" "[ $ratio_rc -eq 0 ]"
 python3 -c "import sys, xml.etree.ElementTree as E; r = E.parse(sys.argv[1]).getroot(); \
   sys.exit(0 if r.tag.endswith('svg') and len([e for e in r.iter() if e.tag.endswith('rect')]) >= 14 else 1)" \
   "$tmp/lab/lab.svg" 2>"$tmp/out"
