@@ -10,15 +10,19 @@
 // (the largest batch within a memory budget with and without it, and the tokens/s there), and
 // packing is only right with the document mask (the leak check: perturb one document, the other
 // documents' logits must not move; off, they do, and the loss looks better than it is). Output: the
-// tables in the terminal, lab.md, lab.csv and lab.svg in --out, each row's run in --out/rows/.
+// tables in the terminal, lab.md, lab.csv and lab.svg in --out, each row's run in --out/rows/, which
+// a marker file names as the lab's: a later lab removes the row folders there and nothing else, and
+// refuses a rows folder without it. A SIGINT, SIGTERM or SIGHUP is passed on to the row's run.
 #include "mdl.h"
 #include "runtime.h"
 
+#include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <ftw.h>
 #include <limits.h>
 #include <math.h>
+#include <signal.h>
 #include <spawn.h>
 #include <stdarg.h>
 #include <stdlib.h>
@@ -194,6 +198,100 @@ static int remove_entry(const char *path, const struct stat *st, int flag, struc
   return remove(path);
 }
 
+// OUT/rows/lab-rows.txt, written before the first row: what says a rows folder is a lab's.
+static const char rows_marker[] = "lab-rows.txt";
+static const char rows_marker_text[] = "mdlc lab: each numbered folder here is the run of one row of a lab; the next "
+                                       "`mdlc lab` into this --out removes them\n";
+
+static bool has_marker(const char *rows) {
+  char path[PATH_MAX + 32], line[sizeof rows_marker_text + 1] = "";
+  snprintf(path, sizeof path, "%s/%s", rows, rows_marker);
+  FILE *f = fopen(path, "r");
+  bool ok = f && fgets(line, sizeof line, f) && !strcmp(line, rows_marker_text);
+  if (f)
+    fclose(f);
+  return ok;
+}
+
+// A name the lab gives a row's folder: digits only (01, 02, ...).
+static bool row_name(const char *name) { return *name && strspn(name, "0123456789") == strlen(name); }
+
+// The lab's rows folder, rows, emptied of an earlier lab's row folders (what the marker says a lab
+// wrote; anything else there stays) or made, and marked. A rows folder without the marker is not the
+// lab's: refused, so that nothing in it is lost. False after saying why.
+static bool claim_rows(const char *rows) {
+  struct stat st;
+  if (lstat(rows, &st) == 0) {
+    if (!S_ISDIR(st.st_mode) || (!has_marker(rows) && rmdir(rows) != 0)) {
+      fprintf(stderr, "%s: error: not made by `mdlc lab` (it has no %s), and the lab removes only what a lab "
+              "wrote: move it away, or choose another --out\n", rows, rows_marker);
+      return false;
+    }
+  } else if (errno != ENOENT) {
+    fprintf(stderr, "%s: error: %s\n", rows, strerror(errno));
+    return false;
+  }
+  if (mkdir(rows, 0777) && errno != EEXIST) {
+    fprintf(stderr, "%s: error: cannot create the folder: %s\n", rows, strerror(errno));
+    return false;
+  }
+  DIR *d = opendir(rows);
+  if (!d) {
+    fprintf(stderr, "%s: error: cannot read the folder: %s\n", rows, strerror(errno));
+    return false;
+  }
+  bool ok = true;
+  for (struct dirent *e; ok && (e = readdir(d));) {
+    char path[PATH_MAX + 300];
+    snprintf(path, sizeof path, "%s/%s", rows, e->d_name);
+    if (row_name(e->d_name) && lstat(path, &st) == 0 && S_ISDIR(st.st_mode) &&
+        nftw(path, remove_entry, 16, FTW_DEPTH | FTW_PHYS) != 0) {
+      fprintf(stderr, "%s: error: cannot remove an earlier lab's row: %s\n", path, strerror(errno));
+      ok = false;
+    }
+  }
+  closedir(d);
+  char path[PATH_MAX + 32];
+  snprintf(path, sizeof path, "%s/%s", rows, rows_marker);
+  FILE *f = ok ? fopen(path, "w") : NULL;
+  if (ok && (!f || fputs(rows_marker_text, f) < 0 || fclose(f) != 0)) {
+    fprintf(stderr, "%s: error: cannot write: %s\n", path, strerror(errno));
+    ok = false;
+  }
+  return ok;
+}
+
+bool lab_claim_out(const char *out) {
+  if (mkdir(out, 0777) && errno != EEXIST) {
+    fprintf(stderr, "%s: error: cannot create the folder: %s\n", out, strerror(errno));
+    return false;
+  }
+  char rows[PATH_MAX + 8];
+  snprintf(rows, sizeof rows, "%s/rows", out);
+  return claim_rows(rows);
+}
+
+// SIGINT, SIGTERM or SIGHUP while the rows run: passed on to the row's run (in a process group of its
+// own, so that a terminal's Ctrl-C reaches it once, through here), which stops as a run does; no later
+// row starts, and the lab then ends by the signal.
+static volatile sig_atomic_t lab_stop, lab_child, lab_passed;
+static void on_lab_stop(int sig) {
+  lab_stop = sig;
+  if (lab_child > 0)
+    lab_passed = kill((pid_t)lab_child, sig) == 0;
+}
+
+static const int lab_signals[3] = {SIGINT, SIGTERM, SIGHUP};
+
+// Catches lab_signals, but those ignored when the lab began (nohup), which stay ignored.
+static void catch_lab_stop(void) {
+  struct sigaction sa = {.sa_handler = on_lab_stop, .sa_flags = SA_RESTART}, old;
+  sigemptyset(&sa.sa_mask);
+  for (int i = 0; i < 3; i++)
+    if (sigaction(lab_signals[i], NULL, &old) == 0 && old.sa_handler != SIG_IGN)
+      sigaction(lab_signals[i], &sa, NULL);
+}
+
 // Runs row r as `mdlc run` in a process of its own, its output into r->dir/run.txt.
 static void run_row(const LabOptions *o, const char *self, Row *r) {
   const char *argv[MAX_ARGS];
@@ -236,18 +334,36 @@ static void run_row(const LabOptions *o, const char *self, Row *r) {
   posix_spawn_file_actions_init(&fa);
   posix_spawn_file_actions_addopen(&fa, 1, out, O_WRONLY | O_APPEND, 0666);
   posix_spawn_file_actions_adddup2(&fa, 1, 2);
+  posix_spawnattr_t at;
+  posix_spawnattr_init(&at);
+  posix_spawnattr_setflags(&at, POSIX_SPAWN_SETPGROUP);
+  posix_spawnattr_setpgroup(&at, 0);
   pid_t pid;
-  int rc = posix_spawn(&pid, self, &fa, NULL, (char *const *)argv, environ);
+  int rc = posix_spawn(&pid, self, &fa, &at, (char *const *)argv, environ);
   posix_spawn_file_actions_destroy(&fa);
+  posix_spawnattr_destroy(&at);
   if (rc) {
     set_why(r->why, sizeof r->why, "cannot start %s: %s", self, strerror(rc));
     return;
   }
+  lab_child = pid;
+  if (lab_stop) // (a signal between the lab's check and the spawn)
+    lab_passed = kill(pid, lab_stop) == 0;
   int status;
   struct rusage ru;
   while (wait4(pid, &status, 0, &ru) < 0 && errno == EINTR)
     ;
-  if (!WIFEXITED(status) || WEXITSTATUS(status)) {
+  lab_child = 0;
+  if (WIFSIGNALED(status)) {
+    set_why(r->why, sizeof r->why, "killed by signal %d (%s)", WTERMSIG(status), strsignal(WTERMSIG(status)));
+    return;
+  }
+  if (WEXITSTATUS(status) && lab_passed) {
+    set_why(r->why, sizeof r->why, "stopped by signal %d (%s), passed on by the lab", (int)lab_stop,
+            strsignal(lab_stop));
+    return;
+  }
+  if (WEXITSTATUS(status)) {
     last_error(out, r->why, sizeof r->why);
     return;
   }
@@ -290,7 +406,7 @@ static Row *add_row(Lab *L, unsigned on, const char *label) {
 
 // Runs the rows not yet run, with a progress line each.
 static void run_rows(Lab *L) {
-  for (int i = 0; i < L->nrows; i++) {
+  for (int i = 0; i < L->nrows && !lab_stop; i++) {
     Row *r = &L->rows[i];
     if (r->ran)
       continue;
@@ -448,17 +564,6 @@ int lab_run(const LabOptions *o) {
     return 1;
   }
   self[len] = 0;
-  char rows_dir[PATH_MAX + 8];
-  snprintf(rows_dir, sizeof rows_dir, "%s/rows", o->out);
-  if ((mkdir(o->out, 0777) && errno != EEXIST)) {
-    fprintf(stderr, "%s: error: cannot create the folder: %s\n", o->out, strerror(errno));
-    return 1;
-  }
-  nftw(rows_dir, remove_entry, 16, FTW_DEPTH | FTW_PHYS); // (the rows of an earlier lab: the lab's own)
-  if (mkdir(rows_dir, 0777)) {
-    fprintf(stderr, "%s: error: cannot create the folder: %s\n", rows_dir, strerror(errno));
-    return 1;
-  }
   Row rows[2 * NTECH + 8];
   Lab L = {.o = o, .self = self, .rows = rows, .t0 = rt_now()};
   unsigned all = 0;
@@ -509,7 +614,23 @@ int lab_run(const LabOptions *o) {
     Row *r = add_row(&L, all, "everything on, no document mask");
     r->extra[0] = "--no-doc-mask";
   }
+  catch_lab_stop();
   run_rows(&L);
+  if (lab_stop) {
+    int sig = lab_stop, done = 0;
+    while (done < L.nrows && L.rows[done].ran)
+      done++;
+    fflush(stdout);
+    if (lab_passed)
+      fprintf(stderr, "mdlc: lab: stopped by signal %d (%s) during row %d of %d, whose run it stopped too (see "
+              "%s/run.txt); no tables written\n", sig, strsignal(sig), done, L.nrows, L.rows[done - 1].dir);
+    else
+      fprintf(stderr, "mdlc: lab: stopped by signal %d (%s) before row %d of %d; no tables written\n", sig,
+              strsignal(sig), done + 1, L.nrows);
+    signal(sig, SIG_DFL);
+    raise(sig);
+    return 128 + sig;
+  }
 
   Out out = {open_out(o, "lab.md"), open_out(o, "lab.csv")};
   if (!out.md || !out.csv)

@@ -1411,11 +1411,27 @@ static int cmd_lab(const Options *o, Graph *g) {
     diag_file_error(o->file, "lab needs --data DIR: shards made by `mdlc prep TEXT -o DIR`");
     return EXIT_USER;
   }
-  if (arrays_found(o->data)) { // (its rows measure tokens/s, packing and the data pipeline of text)
+  char data_abs[PATH_MAX], tok_path[PATH_MAX + 16];
+  if (!realpath(o->data, data_abs)) {
+    diag_file_error(o->data, "cannot resolve the path: %s", strerror(errno));
+    return EXIT_USER;
+  }
+  if (arrays_found(data_abs)) { // (its rows measure tokens/s, packing and the data pipeline of text)
     diag_file_error(o->data, "lab measures language models on token shards (made by `mdlc prep TEXT -o DIR`), not "
                     "on arrays: time an array run with `mdlc run --profile`");
     return EXIT_USER;
   }
+  // The data as every row's run checks it, once here rather than in each row.
+  snprintf(tok_path, sizeof tok_path, "%s/tokenizer.bin", data_abs);
+  Tokenizer *tok = tok_load(tok_path);
+  if (!tok || !train_check_inputs(g, o->file, data_abs, "", false, false, NULL)) {
+    if (tok)
+      tok_free(tok);
+    return EXIT_USER;
+  }
+  tok_free(tok);
+  if (!lab_claim_out(o->out ? o->out : "lab"))
+    return EXIT_USER;
   Arena *a = g->arena;
   LabOptions lo = {.arena = a, .model = o->file, .data = o->data, .out = o->out ? o->out : "lab",
                    .model_name = g->model ? g->model : o->file, .steps = o->steps > 0 ? o->steps : 20,

@@ -755,7 +755,11 @@ typedef struct {
   bool has_doc;                   // the model's attention has document ids
   const char *leak_on, *leak_off; // the leak check with the document mask and without, in words
 } LabOptions;
-// Runs the ladder, writes OUT/lab.md, lab.csv, lab.svg; the exit status (1 when a run failed).
+// Makes OUT and OUT/rows for lab_run, removing an earlier lab's rows (only those); false after saying
+// why, as for a rows folder the lab did not make.
+bool lab_claim_out(const char *out);
+// Runs the ladder (into the folders lab_claim_out made), writes OUT/lab.md, lab.csv, lab.svg; the exit
+// status (1 when a run failed). A SIGINT, SIGTERM or SIGHUP stops the row's run and the lab.
 int lab_run(const LabOptions *o);
 
 //
