@@ -942,27 +942,32 @@ static Engine *open_side_engine(const Options *o, Arena *a, bool grads) {
 
 // OUT/run.json, one line: what the run compiled (`mdlc lab` reads it): the back end, the precision,
 // the kernels a step (the plan's steps), the arena, the device memory the engines hold, the
-// checkpoint line.
+// checkpoint line. Formatted in an arena, so a line of any length is written whole.
 static bool write_run_json(const char *dir, const Graph *g, const Engine *e, const Engine *eval, const Engine *micro,
                            const char *checkpoint) {
-  char path[PATH_MAX + 16], err[600], buf[2048], esc[1100];
-  size_t k = 0;
-  for (const char *c = checkpoint; *c && k + 2 < sizeof esc; c++) {
-    if (*c == '"' || *c == '\\')
-      esc[k++] = '\\';
-    esc[k++] = *c;
+  Arena *a = arena_new();
+  const char *text[2] = {g->model ? g->model : "", checkpoint};
+  char *esc[2];
+  for (int i = 0; i < 2; i++) { // (JSON strings: a quote and a backslash escaped)
+    char *q = esc[i] = arena_alloc(a, 2 * strlen(text[i]) + 1);
+    for (const char *c = text[i]; *c; c++) {
+      if (*c == '"' || *c == '\\')
+        *q++ = '\\';
+      *q++ = *c;
+    }
+    *q = 0;
   }
-  esc[k] = 0;
   int64_t device = e->device_bytes + (eval ? eval->device_bytes : 0) + (micro ? micro->device_bytes : 0);
-  int n = snprintf(buf, sizeof buf, "{\"model\":\"%s\",\"backend\":\"%s\",\"precision\":\"%s\",\"kernels\":%d,"
-                   "\"arena_bytes\":%lld,\"device_bytes\":%lld,\"checkpoint\":\"%s\"}\n", g->model ? g->model : "",
-                   e->name, g->train.precision, e->fusion ? e->fusion->nsteps : 0, (long long)e->arena_bytes,
-                   (long long)device, esc);
-  snprintf(path, sizeof path, "%s/run.json", dir);
-  if (rt_write_atomic(path, buf, (size_t)n, err, sizeof err))
-    return true;
-  fprintf(stderr, "%s: error: %s\n", path, err);
-  return false;
+  char *json = arena_printf(a, "{\"model\":\"%s\",\"backend\":\"%s\",\"precision\":\"%s\",\"kernels\":%d,"
+                            "\"arena_bytes\":%lld,\"device_bytes\":%lld,\"checkpoint\":\"%s\"}\n", esc[0], e->name,
+                            g->train.precision, e->fusion ? e->fusion->nsteps : 0, (long long)e->arena_bytes,
+                            (long long)device, esc[1]);
+  char *path = arena_printf(a, "%s/run.json", dir), err[600];
+  bool ok = rt_write_atomic(path, json, strlen(json), err, sizeof err);
+  if (!ok)
+    fprintf(stderr, "%s: error: %s\n", path, err);
+  arena_free(a);
+  return ok;
 }
 
 // A run option that decides the batches, given on the command line with another value than the

@@ -50,7 +50,9 @@
 // With several ranks (dist.c), B is the global batch, the ranks' B times their number: a checkpoint
 // of 2 ranks at B=2 is one of B=4, which 1 process at B=4 or 4 ranks at B=1 resume.
 static char *dims_string(const Graph *g) {
-  size_t cap = 64 + 48 * (size_t)g->ndims, len = 0;
+  size_t cap = 1, len = 0; // (each dim: a comma, its name, '=' and at most 20 digits and a sign)
+  for (int i = 0; i < g->ndims; i++)
+    cap += strlen(g->dims[i].name) + 23;
   char *s = rt_xrealloc(NULL, cap);
   s[0] = 0;
   for (int i = 0; i < g->ndims; i++)
